@@ -1,0 +1,48 @@
+"""`parsat check` and `parsat fmt`: the language's own subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from parsat.dsl.checker import check_paths
+from parsat.dsl.errors import DslError
+
+
+def register(subparsers) -> None:
+    check = subparsers.add_parser("check", help="parse and check .rule files or folders (default: the shipped library)")
+    check.add_argument("paths", nargs="*", metavar="PATH", help=".rule files or folders")
+    check.set_defaults(run=run_check)
+    fmt = subparsers.add_parser("fmt", help="print .rule files in canonical form")
+    fmt.add_argument("paths", nargs="+", metavar="PATH")
+    fmt.add_argument("--write", action="store_true", help="rewrite the files in place")
+    fmt.set_defaults(run=run_fmt)
+
+
+def run_check(args: argparse.Namespace) -> int:
+    report = check_paths(args.paths or None)
+    for diagnostic in report.diagnostics:
+        print(diagnostic.render(), file=sys.stderr)
+    counts = report.counts()
+    print(f"{counts['files']} files, {counts['operators']} operators, {counts['rules']} rules "
+          f"({counts['algebraic']} algebraic, {counts['parallel']} parallel), {counts['errors']} errors")
+    return 0 if report.ok else 1
+
+
+def run_fmt(args: argparse.Namespace) -> int:
+    from parsat.dsl.library import rule_files
+    from parsat.dsl.parser import parse_file
+    from parsat.dsl.printer import format_module
+
+    try:
+        files = rule_files(args.paths)
+        for path in files:
+            text = format_module(parse_file(str(path)))
+            if args.write:
+                path.write_text(text, encoding="utf-8")
+            else:
+                sys.stdout.write(text)
+    except DslError as err:
+        print(err, file=sys.stderr)
+        return 1
+    return 0

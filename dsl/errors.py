@@ -1,0 +1,69 @@
+"""Errors a user sees: `file:line:col: message`, the source line, a caret.
+
+Every error that originates in a `.rule` file carries a `Span`; `render()`
+produces the message the CLI prints. No stack trace is ever the message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parsat.dsl.ast import Span
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    """One problem at one place. `kind` groups them for tests and tools."""
+
+    kind: str
+    message: str
+    span: Span | None
+    source_line: str | None = None
+
+    def render(self) -> str:
+        if self.span is None:
+            return f"error: {self.message}"
+        head = f"{self.span}: error: {self.message}"
+        if self.source_line is None:
+            return head
+        line = self.source_line.rstrip("\n").expandtabs(1)
+        width = 1
+        if self.span.end_line == self.span.line and self.span.end_column > self.span.column:
+            width = self.span.end_column - self.span.column
+        caret = " " * (self.span.column - 1) + "^" + "~" * (min(width, max(1, len(line) - self.span.column + 1)) - 1)
+        return f"{head}\n  {line}\n  {caret}"
+
+
+class DslError(Exception):
+    """One or more diagnostics; `str()` is the full user-facing message."""
+
+    def __init__(self, diagnostics: list[Diagnostic] | Diagnostic):
+        if isinstance(diagnostics, Diagnostic):
+            diagnostics = [diagnostics]
+        self.diagnostics = list(diagnostics)
+        super().__init__("\n".join(d.render() for d in self.diagnostics))
+
+    @property
+    def first(self) -> Diagnostic:
+        return self.diagnostics[0]
+
+
+class SourceCache:
+    """Source text by file name, so diagnostics can quote the line."""
+
+    def __init__(self) -> None:
+        self._text: dict[str, list[str]] = {}
+
+    def add(self, path: str, text: str) -> None:
+        self._text[path] = text.splitlines()
+
+    def line(self, span: Span | None) -> str | None:
+        if span is None:
+            return None
+        lines = self._text.get(span.file)
+        if lines is None or not 1 <= span.line <= len(lines):
+            return None
+        return lines[span.line - 1]
+
+    def diagnostic(self, kind: str, message: str, span: Span | None) -> Diagnostic:
+        return Diagnostic(kind, message, span, self.line(span))

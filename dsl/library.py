@@ -1,0 +1,149 @@
+"""Loading `.rule` files into a `Library`: imports resolved, cycles refused.
+
+An `import "x.rule"` is resolved against the importing file's folder, then
+against the shipped rules folder, so a user's file can `import "ops.rule"`
+to build on parsat's operators. Every file is loaded once (by real path).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from parsat.dsl import ast
+from parsat.dsl.errors import Diagnostic, DslError, SourceCache
+from parsat.dsl.parser import parse
+
+
+def shipped_rules_dir() -> Path:
+    """Where the installed `.rule` library lives (package data)."""
+    from parsat.rules import RULES_DIR
+
+    return RULES_DIR
+
+
+@dataclass(frozen=True)
+class Library:
+    """All operators and rules of a set of files, in load order."""
+
+    modules: tuple[ast.Module, ...]
+    sources: SourceCache = field(compare=False, repr=False)
+
+    @property
+    def ops(self) -> dict[str, ast.OpDecl]:
+        found: dict[str, ast.OpDecl] = {}
+        for module in self.modules:
+            for op in module.ops:
+                found.setdefault(op.name, op)
+        return found
+
+    @property
+    def rules(self) -> tuple[ast.RuleDecl, ...]:
+        return tuple(rule for module in self.modules for rule in module.rules)
+
+    def rule(self, name: str) -> ast.RuleDecl:
+        for rule in self.rules:
+            if rule.name == name:
+                return rule
+        raise KeyError(name)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(m.path for m in self.modules)
+
+
+def rule_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
+    """The `.rule` files named, with folders expanded (sorted, recursive)."""
+    found: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            found.extend(sorted(p for p in path.rglob("*.rule") if p.is_file()))
+        elif path.exists():
+            found.append(path)
+        else:
+            raise DslError(Diagnostic("io", f"{path}: no such file or folder", None))
+    return found
+
+
+class _Loader:
+    def __init__(self) -> None:
+        self.sources = SourceCache()
+        self.modules: list[ast.Module] = []
+        self.done: set[str] = set()
+        self.errors: list[Diagnostic] = []
+
+    def load(self, path: Path, stack: tuple[str, ...] = (), via: ast.Import | None = None) -> None:
+        real = os.path.realpath(path)
+        if real in stack:
+            chain = " -> ".join(os.path.basename(p) for p in stack[stack.index(real):] + (real,))
+            self.errors.append(self.sources.diagnostic("import", f"import cycle: {chain}", via.span if via else None))
+            return
+        if real in self.done:
+            return
+        self.done.add(real)
+        display = _display(path)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            self.errors.append(Diagnostic("io", f"{display}: not UTF-8 text ({err.reason} at byte {err.start})", None))
+            return
+        except OSError as err:
+            span = via.span if via else None
+            self.errors.append(self.sources.diagnostic("io", f"cannot read {display}: {err.strerror}", span))
+            return
+        self.sources.add(display, text)
+        try:
+            module = parse(text, display)
+        except DslError as err:
+            self.errors.extend(err.diagnostics)
+            return
+        for item in module.imports:
+            target = _resolve(Path(path).parent, item.path)
+            if target is None:
+                self.errors.append(self.sources.diagnostic(
+                    "import", f"cannot find '{item.path}' (looked next to {display} and in the shipped rules)",
+                    item.span))
+                continue
+            self.load(target, stack + (real,), item)
+        self.modules.append(module)
+
+
+def _display(path: Path) -> str:
+    """A path as the user would write it: relative to the working folder when inside it."""
+    try:
+        relative = os.path.relpath(path)
+    except ValueError:
+        return str(path)
+    return str(path) if relative.startswith("..") else relative
+
+
+def _resolve(folder: Path, name: str) -> Path | None:
+    for base in (folder, shipped_rules_dir()):
+        candidate = base / name
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def load_library(paths: Sequence[str | os.PathLike] | None = None, *, strict: bool = True) -> tuple[Library, list[Diagnostic]]:
+    """Parse the files (default: the shipped library) and their imports.
+
+    Returns the library and the load/parse diagnostics; with `strict`, any
+    diagnostic raises `DslError` instead.
+    """
+    loader = _Loader()
+    try:
+        files = rule_files(paths if paths else [shipped_rules_dir()])
+    except DslError as err:
+        if strict:
+            raise
+        return Library((), loader.sources), err.diagnostics
+    for file in files:
+        loader.load(file)
+    library = Library(tuple(loader.modules), loader.sources)
+    if strict and loader.errors:
+        raise DslError(loader.errors)
+    return library, loader.errors

@@ -1,0 +1,270 @@
+"""Text to `Module`: Lark LALR parse, then a transformer to the frozen AST.
+
+Syntax errors become `DslError` with the position, the source line, a caret
+and the tokens that would have been accepted, spelled as they are written.
+Comments directly above a declaration become its `doc`; a comment block at
+the top of a file separated from the first declaration by a blank line is
+the file's header.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import lru_cache
+from importlib import resources
+
+from lark import Lark, Token, Transformer, Tree, v_args
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
+
+from parsat.dsl import ast
+from parsat.dsl.errors import Diagnostic, DslError
+
+# How each terminal is written, for "expected ..." messages.
+_TOKEN_TEXT = {
+    "LPAR": "(", "RPAR": ")", "LSQB": "[", "RSQB": "]", "COMMA": ",", "COLON": ":",
+    "ARROW": "->", "REWRITE": "=>", "EQEQ": "==", "NE": "!=", "LE": "<=", "GE": ">=",
+    "LT": "<", "GT": ">", "EQ": "=", "PLUS": "+", "MINUS": "-", "STAR": "*",
+    "SLASH": "/", "PERCENT": "%", "NAME": "a name", "INT": "an integer",
+    "FLOAT": "a real number", "STRING": "a quoted path", "$END": "end of file",
+}
+_KEYWORDS = ("IMPORT", "OP", "RULE", "FORALL", "WHERE", "OUT", "SUM", "IF", "THEN", "ELSE",
+             "AND", "OR", "NOT", "LEN", "INT_T", "REAL_T", "DEGREE_T")
+
+
+def _token_text(name: str) -> str:
+    if name in _KEYWORDS:
+        return f"'{name.removesuffix('_T').lower()}'"
+    text = _TOKEN_TEXT.get(name, name)
+    return text if text.startswith(("a ", "an ", "end")) else f"'{text}'"
+
+
+@lru_cache(maxsize=1)
+def _lark() -> Lark:
+    grammar = resources.files("parsat.dsl").joinpath("grammar.lark").read_text()
+    return Lark(grammar, parser="lalr", lexer="basic", propagate_positions=True, maybe_placeholders=False)
+
+
+def _span(path: str, meta) -> ast.Span:
+    return ast.Span(path, meta.line, meta.column, meta.end_line, meta.end_column)
+
+
+def _tok_span(path: str, tok: Token) -> ast.Span:
+    return ast.Span(path, tok.line, tok.column, tok.end_line or tok.line, tok.end_column or tok.column + len(tok))
+
+
+class _ToAst(Transformer):
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    # --- expressions
+    @v_args(meta=True)
+    def int_lit(self, meta, items):
+        return ast.Num(int(items[0]), _span(self.path, meta))
+
+    @v_args(meta=True)
+    def float_lit(self, meta, items):
+        return ast.Num(float(items[0]), _span(self.path, meta))
+
+    @v_args(meta=True)
+    def name(self, meta, items):
+        return ast.Name(str(items[0]), _span(self.path, meta))
+
+    @v_args(meta=True)
+    def variadic(self, meta, items):
+        return ast.Variadic(str(items[1]), _span(self.path, meta))
+
+    @v_args(meta=True)
+    def access(self, meta, items):
+        return ast.Access(str(items[0]), tuple(items[1:]), _span(self.path, meta))
+
+    @v_args(meta=True)
+    def call(self, meta, items):
+        return ast.Call(str(items[0]), tuple(items[1:]), _span(self.path, meta))
+
+    @v_args(meta=True)
+    def length(self, meta, items):
+        return ast.Len(str(items[1]), _span(self.path, meta))
+
+    @v_args(meta=True)
+    def binop(self, meta, items):
+        left, op, right = items
+        return ast.BinOp(str(op), left, right, _span(self.path, meta))
+
+    @v_args(meta=True)
+    def neg(self, meta, items):
+        return ast.Neg(items[1], _span(self.path, meta))
+
+    @v_args(meta=True)
+    def compare(self, meta, items):
+        left, op, right = items
+        return ast.Compare(str(op), left, right, _span(self.path, meta))
+
+    @v_args(meta=True)
+    def bool_or(self, meta, items):
+        return ast.BoolOp("or", items[0], items[2], _span(self.path, meta))
+
+    @v_args(meta=True)
+    def bool_and(self, meta, items):
+        return ast.BoolOp("and", items[0], items[2], _span(self.path, meta))
+
+    @v_args(meta=True)
+    def bool_not(self, meta, items):
+        return ast.Not(items[1], _span(self.path, meta))
+
+    @v_args(meta=True)
+    def if_expr(self, meta, items):
+        _if, test, _then, then, _else, orelse = items
+        return ast.IfThenElse(test, then, orelse, _span(self.path, meta))
+
+    @v_args(meta=True)
+    def reduction(self, meta, items):
+        _sum, var, _lt, bound, body = items
+        return ast.Sum(str(var), bound, body, _span(self.path, meta))
+
+    # --- types and declarations
+    @v_args(meta=True)
+    def shape(self, meta, items):
+        return ast.ShapeType(tuple(items), _span(self.path, meta))
+
+    @v_args(meta=True)
+    def scalar_type(self, meta, items):
+        return ast.ScalarType(str(items[0]), _span(self.path, meta))
+
+    @v_args(meta=True)
+    def param(self, meta, items):
+        return ast.Param(str(items[0]), items[1], _span(self.path, meta))
+
+    def where_clause(self, items):
+        return tuple(items[1:])
+
+    @v_args(meta=True)
+    def index_var(self, meta, items):
+        return ast.Name(str(items[0]), _span(self.path, meta))
+
+    def semantics(self, items):
+        return ("semantics", tuple(items[1:-2]), items[-1])
+
+    @v_args(meta=True)
+    def import_decl(self, meta, items):
+        return ast.Import(str(items[1])[1:-1], span=_span(self.path, meta))
+
+    @v_args(meta=True)
+    def op_decl(self, meta, items):
+        name = str(items[1])
+        rest = items[2:]
+        arrow = next(i for i, x in enumerate(rest) if isinstance(x, Token) and x.type == "ARROW")
+        params = tuple(rest[:arrow])
+        result = rest[arrow + 1]
+        where: tuple = ()
+        tail = rest[arrow + 2:]
+        if isinstance(tail[0], tuple) and (not tail[0] or tail[0][0] != "semantics"):
+            where, tail = tail[0], tail[1:]
+        _, out_indices, body = tail[0]
+        return ast.OpDecl(name, params, result, where, out_indices, body,
+                          span=_tok_span(self.path, items[1]))
+
+    @v_args(meta=True)
+    def rule_decl(self, meta, items):
+        name = str(items[1])
+        rest = items[3:]  # after RULE NAME FORALL
+        arrow = next(i for i, x in enumerate(rest) if isinstance(x, Token) and x.type == "REWRITE")
+        lhs, rhs = rest[arrow - 1], rest[arrow + 1]
+        head = rest[:arrow - 1]
+        where: tuple = ()
+        if head and isinstance(head[-1], tuple):
+            where, head = head[-1], head[:-1]
+        return ast.RuleDecl(name, tuple(head), where, lhs, rhs, span=_tok_span(self.path, items[1]))
+
+    def start(self, items):
+        return list(items)
+
+
+def _syntax_error(path: str, text: str, err: UnexpectedInput) -> DslError:
+    line = err.line if err.line and err.line > 0 else max(1, text.count("\n") + 1)
+    column = err.column if err.column and err.column > 0 else 1
+    lines = text.splitlines()
+    if isinstance(err, UnexpectedEOF) or (isinstance(err, UnexpectedToken) and err.token.type == "$END"):
+        line = max(1, len(lines))
+        column = len(lines[-1]) + 1 if lines else 1
+        message = "unexpected end of file"
+        expected = getattr(err, "expected", None) or getattr(err, "accepts", None) or set()
+    elif isinstance(err, UnexpectedToken):
+        message = f"unexpected {_token_text(err.token.type) if err.token.type in _KEYWORDS else repr(str(err.token))}"
+        expected = err.accepts or err.expected
+    elif isinstance(err, UnexpectedCharacters):
+        message = f"unexpected character {text[err.pos_in_stream]!r}" if err.pos_in_stream < len(text) else "unexpected character"
+        expected = set()
+    else:  # pragma: no cover - lark has no other kinds today
+        message, expected = "syntax error", set()
+    names = sorted({_token_text(t) for t in expected if not t.startswith("__")})
+    if names:
+        message += "; expected " + (names[0] if len(names) == 1 else "one of " + ", ".join(names))
+    span = ast.Span(path, line, column, line, column + 1)
+    source_line = lines[line - 1] if 1 <= line <= len(lines) else ""
+    return DslError(Diagnostic("syntax", message, span, source_line))
+
+
+def _comments(text: str) -> dict[int, str]:
+    """Line number -> comment text, for lines that hold only a comment."""
+    out = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            out[number] = stripped[1:].strip()
+    return out
+
+
+def _attach_docs(decls: list, text: str) -> tuple[tuple[str, ...], list]:
+    """Give each declaration the comment block directly above it.
+
+    The file's header is the comment block that starts the file and is
+    followed by a blank line (so it is nobody's doc).
+    """
+    comments = _comments(text)
+    lines = text.splitlines()
+    result = []
+    for decl in decls:
+        block: list[str] = []
+        number = decl.span.line - 1
+        while number in comments:
+            block.insert(0, comments[number])
+            number -= 1
+        result.append(replace(decl, doc=tuple(block)))
+    header: list[str] = []
+    number = 1
+    while number <= len(lines) and not lines[number - 1].strip():
+        number += 1
+    while number in comments:
+        header.append(comments[number])
+        number += 1
+    ends_with_blank = number <= len(lines) and not lines[number - 1].strip()
+    if not ends_with_blank:
+        header = []
+    return tuple(header), result
+
+
+def parse(text: str, path: str = "<string>") -> ast.Module:
+    """Parse one file's text. Raises `DslError` on a syntax error."""
+    try:
+        tree = _lark().parse(text)
+    except UnexpectedInput as err:
+        raise _syntax_error(path, text, err) from None
+    try:
+        decls = _ToAst(path).transform(tree)
+    except VisitError as err:  # a bug in the transformer, never user input
+        raise err.orig_exc from None
+    header, decls = _attach_docs(decls, text)
+    return ast.Module(path, header, tuple(decls))
+
+
+def parse_file(path: str) -> ast.Module:
+    """Parse a file from disk; unreadable files are a `DslError` too."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except UnicodeDecodeError as err:
+        raise DslError(Diagnostic("io", f"{path}: not UTF-8 text ({err.reason} at byte {err.start})", None)) from None
+    except OSError as err:
+        raise DslError(Diagnostic("io", f"{path}: {err.strerror}", None)) from None
+    return parse(text, path)

@@ -1,0 +1,300 @@
+"""How a tensor is spread over devices, and how operators change it.
+
+A parallel tensor is a logical tensor plus a `Spread`: a shard degree per
+dim, a copy degree and a partial-sum degree (FlexFlow's parallel tensor
+shape, OneFlow's SBP, DTensor's Shard/Replicate/Partial). It has
+`prod(shard) * copy * sum` pieces, one per device.
+
+The four parallel operators change the spread and never the logical value.
+A compute operator runs on local pieces; which spreads it accepts, and the
+spread of its output, follow from its index semantics (`infer_compute`):
+
+* an index variable that indexes a sharded dim of an input takes that
+  dim's degree; every dim it indexes must have the same degree, and it may
+  only appear as a plain tensor index (no arithmetic, no conditions);
+* an output dim is sharded by the degree of its index variable;
+* a sharded summation variable makes a partial sum, and so does a partial
+  input; the output must be linear in every partial quantity (the
+  "partial degree" analysis below), else the op does not accept the spread;
+* all inputs have the same number of pieces; the output's copy degree is
+  what is left: pieces / (prod(out shard) * out sum).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from parsat.dsl import ast
+from parsat.dsl.conditions import Cond, divides
+from parsat.dsl.instantiate import OpInstance, param_dim_names
+from parsat.dsl.symbolic import ONE, Poly
+
+PARALLEL_OPS: dict[str, tuple[str, ...]] = {
+    # name: parameter kinds, in call order
+    "partition": ("tensor", "dim", "degree"),
+    "combine": ("tensor", "dim", "degree"),
+    "replicate": ("tensor", "degree"),
+    "reduce": ("tensor", "degree"),
+}
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Per-dim shard degrees, copy degree, partial-sum degree."""
+
+    shard: tuple[Poly, ...]
+    copy: Poly = ONE
+    sum: Poly = ONE
+
+    @staticmethod
+    def whole(rank: int) -> "Spread":
+        return Spread(tuple(ONE for _ in range(rank)))
+
+    @property
+    def pieces(self) -> Poly:
+        total = self.copy * self.sum
+        for degree in self.shard:
+            total = total * degree
+        return total
+
+    @property
+    def is_whole(self) -> bool:
+        return self.pieces == ONE
+
+    def __str__(self) -> str:
+        parts = [f"shard [{', '.join(str(d) for d in self.shard)}]"]
+        if self.copy != ONE:
+            parts.append(f"copy {self.copy}")
+        if self.sum != ONE:
+            parts.append(f"sum {self.sum}")
+        return ", ".join(parts)
+
+
+class SpreadError(Exception):
+    """An operator applied to a spread it does not accept."""
+
+    def __init__(self, message: str, node: ast.Expr | None = None):
+        super().__init__(message)
+        self.node = node
+
+
+# ------------------------------------------------------------ parallel operators
+
+
+def apply_parallel(name: str, shape: Sequence[Poly], spread: Spread, dim: int | None, degree: Poly,
+                   span: ast.Span | None) -> tuple[Spread, list[Cond]]:
+    """The spread after a parallel operator, and what it requires to be defined."""
+    if name in ("partition", "combine"):
+        if dim is None or not 0 <= dim < len(shape):
+            raise SpreadError(f"{name}: dim {dim} is out of range for a tensor of rank {len(shape)}")
+        shard = list(spread.shard)
+        if name == "partition":
+            shard[dim] = shard[dim] * degree
+            need = [divides(shard[dim], shape[dim], span,
+                            f"partition: dim {dim} (size {shape[dim]}) must split into {shard[dim]} equal blocks")]
+        else:
+            need = [divides(degree, shard[dim], span,
+                            f"combine: degree {degree} must divide the shard degree {shard[dim]} of dim {dim}")]
+            shard[dim] = shard[dim].floordiv(degree)
+        return Spread(tuple(shard), spread.copy, spread.sum), need
+    if name == "replicate":
+        return Spread(spread.shard, spread.copy * degree, spread.sum), []
+    if name == "reduce":
+        need = [divides(degree, spread.sum, span,
+                        f"reduce: degree {degree} must divide the partial-sum degree {spread.sum}")]
+        return Spread(spread.shard, spread.copy, spread.sum.floordiv(degree)), need
+    raise KeyError(name)
+
+
+# ------------------------------------------------------------- compute operators
+
+
+@dataclass(frozen=True)
+class ComputeSpread:
+    """The result of spread inference for one compute operator."""
+
+    spread: Spread
+    var_degrees: dict = field(hash=False)  # index variable -> degree (Poly)
+    problems: tuple[str, ...] = ()          # non-empty: the op does not accept the spread
+
+    @property
+    def legal(self) -> bool:
+        return not self.problems
+
+
+class _NotLinear(Exception):
+    pass
+
+
+_ZERO_MARK = "zero"  # a literal 0: compatible with any partial degree
+
+
+def infer_compute(instance: OpInstance, inputs: Sequence[Spread]) -> ComputeSpread:
+    """Output spread of a compute op on inputs with the given spreads.
+
+    Problems are collected rather than raised, so that the verifier can
+    still run the op piece by piece and show *why* a spread is illegal.
+    """
+    problems: list[str] = []
+    by_name = dict(zip(instance.inputs, inputs))
+    constraints: dict[str, list[tuple[Poly, str]]] = {}
+    plain_uses: set[str] = set()
+    bounds_vars = set(instance.out_vars) | _sum_vars(instance.body)
+
+    for access in _accesses(instance.body):
+        spread = by_name.get(access.tensor)
+        if spread is None:
+            continue
+        for position, index in enumerate(access.indices):
+            degree = spread.shard[position] if position < len(spread.shard) else ONE
+            where = f"dim {position} of '{access.tensor}'"
+            if isinstance(index, ast.Name) and index.id in bounds_vars:
+                constraints.setdefault(index.id, []).append((degree, where))
+            elif degree != ONE:
+                problems.append(f"{instance.name}: {where} is sharded ({degree}) but is indexed by an expression, "
+                                "so a local piece does not hold what the op reads")
+
+    degrees: dict[str, Poly] = {}
+    for var, seen in constraints.items():
+        distinct = {d for d, _ in seen}
+        if len(distinct) > 1:
+            listing = ", ".join(f"{w} has degree {d}" for d, w in seen)
+            problems.append(f"{instance.name}: index '{_pretty(var)}' reads dims sharded differently ({listing})")
+        degrees[var] = seen[0][0]
+    for var in bounds_vars:
+        degrees.setdefault(var, ONE)
+
+    _collect_plain_uses(instance.body, bounds_vars, plain_uses, in_index=False)
+    for var, degree in degrees.items():
+        if degree != ONE and var in plain_uses:
+            problems.append(f"{instance.name}: index '{_pretty(var)}' is sharded ({degree}) but is used in "
+                            "arithmetic or a condition, which would see local instead of global positions")
+
+    sharded_sizes = {name for names, spread in zip(param_dim_names(instance), inputs)
+                     for name, degree in zip(names, spread.shard) if name is not None and degree != ONE}
+    for name in sorted(_sizes_used_as_values(instance.body) & sharded_sizes):
+        problems.append(f"{instance.name}: size '{_pretty(name)}' belongs to a sharded dim but the semantics uses "
+                        "its value, which a local piece would see as its local size")
+
+    try:
+        partial = _partial_degree(instance.body, by_name, degrees)
+    except _NotLinear as err:
+        problems.append(f"{instance.name}: {err}")
+        partial = ONE
+    if partial == _ZERO_MARK:
+        partial = ONE
+
+    pieces = [s.pieces for s in inputs]
+    if pieces and any(p != pieces[0] for p in pieces[1:]):
+        listing = ", ".join(f"'{n}' has {p}" for n, p in zip(instance.inputs, pieces))
+        problems.append(f"{instance.name}: inputs are split into different numbers of pieces ({listing})")
+    total = pieces[0] if pieces else ONE
+    shard = tuple(degrees.get(v, ONE) for v in instance.out_vars)
+    used = partial
+    for degree in shard:
+        used = used * degree
+    copy = total.exact_div(used)
+    if copy is None:
+        problems.append(f"{instance.name}: {total} pieces cannot hold an output sharded "
+                        f"[{', '.join(str(d) for d in shard)}] with partial-sum degree {partial}")
+        copy = total.floordiv(used)
+    return ComputeSpread(Spread(shard, copy, partial), degrees, tuple(problems))
+
+
+def _pretty(var: str) -> str:
+    return var.replace("#", "")
+
+
+def _sum_vars(expr: ast.Expr) -> set[str]:
+    return {node.var for node in ast.walk(expr) if isinstance(node, ast.Sum)}
+
+
+def _accesses(expr: ast.Expr) -> list[ast.Access]:
+    return [node for node in ast.walk(expr) if isinstance(node, ast.Access)]
+
+
+def _sizes_used_as_values(expr: ast.Expr) -> set[str]:
+    """Names read anywhere except as the bound of a `sum`."""
+    if isinstance(expr, ast.Name):
+        return {expr.id}
+    if isinstance(expr, ast.Sum):
+        inner = _sizes_used_as_values(expr.body)
+        return inner if isinstance(expr.bound, ast.Name) else inner | _sizes_used_as_values(expr.bound)
+    found: set[str] = set()
+    for child in ast.children(expr):
+        found |= _sizes_used_as_values(child)
+    return found
+
+
+def _collect_plain_uses(expr: ast.Expr, index_vars: set[str], out: set[str], in_index: bool) -> None:
+    """Index variables used anywhere but as a whole tensor index."""
+    if isinstance(expr, ast.Access):
+        for index in expr.indices:
+            if isinstance(index, ast.Name):
+                continue
+            _collect_plain_uses(index, index_vars, out, True)
+        return
+    if isinstance(expr, ast.Name):
+        if expr.id in index_vars:
+            out.add(expr.id)
+        return
+    for child in ast.children(expr):
+        _collect_plain_uses(child, index_vars, out, in_index)
+
+
+def _partial_degree(expr: ast.Expr, inputs: dict, degrees: dict) -> Poly | str:
+    """The partial-sum degree of a value expression, or _NotLinear.
+
+    Sums of pieces are only meaningful where the expression is linear in
+    every partial quantity: each product has at most one partial factor,
+    added terms agree on their degree, and no function sees a partial sum.
+    """
+    if isinstance(expr, ast.Access):
+        spread = inputs.get(expr.tensor)
+        return spread.sum if spread is not None else ONE
+    if isinstance(expr, ast.Num):
+        return _ZERO_MARK if expr.value == 0 else ONE
+    if isinstance(expr, (ast.Name, ast.Len)):
+        return ONE
+    if isinstance(expr, ast.Neg):
+        return _partial_degree(expr.operand, inputs, degrees)
+    if isinstance(expr, ast.BinOp):
+        left = _partial_degree(expr.left, inputs, degrees)
+        right = _partial_degree(expr.right, inputs, degrees)
+        if expr.op in "+-":
+            return _join(left, right, "adds a partial sum to a value that is not a partial sum of the same degree")
+        if expr.op == "*":
+            if _ZERO_MARK in (left, right):
+                return _ZERO_MARK
+            if left != ONE and right != ONE:
+                raise _NotLinear("multiplies two partial sums")
+            return left if left != ONE else right
+        if expr.op == "/":
+            if right not in (ONE,):
+                raise _NotLinear("divides by a partial sum")
+            return left
+        raise _NotLinear(f"applies '{expr.op}' to values")
+    if isinstance(expr, ast.Call):
+        for arg in expr.args:
+            if _partial_degree(arg, inputs, degrees) not in (ONE, _ZERO_MARK):
+                raise _NotLinear(f"applies {expr.func} to a partial sum, which is not linear")
+        return ONE
+    if isinstance(expr, ast.IfThenElse):
+        return _join(_partial_degree(expr.then, inputs, degrees), _partial_degree(expr.orelse, inputs, degrees),
+                     "selects between values with different partial-sum degrees")
+    if isinstance(expr, ast.Sum):
+        body = _partial_degree(expr.body, inputs, degrees)
+        degree = degrees.get(expr.var, ONE)
+        if body == _ZERO_MARK:
+            return _ZERO_MARK
+        return body * degree
+    raise _NotLinear("uses a construct the spread analysis does not know")
+
+
+def _join(left: Poly | str, right: Poly | str, message: str) -> Poly | str:
+    if left == _ZERO_MARK:
+        return right
+    if right == _ZERO_MARK or left == right:
+        return left
+    raise _NotLinear(message)

@@ -1,0 +1,5 @@
+import sys
+
+from parsat.cli import main
+
+sys.exit(main())
