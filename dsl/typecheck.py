@@ -276,9 +276,16 @@ def _names_in(expr: ast.Expr) -> list[ast.Name]:
 
 
 def check_rhs_bound(rule: ast.RuleDecl) -> None:
-    """Every name on the right must be fixed by the left (FlexFlow's 112 bad rules)."""
+    """Every name on the right must be fixed by the left (FlexFlow's 112 bad rules).
+
+    The one exception is a `degree` metavariable: a rule that introduces
+    parallelism (`matmul(x, w) => combine(matmul(partition(x, 0, p), ...), 0, p)`)
+    chooses its degree freely. It is proven for every degree, and saturation
+    picks the values from the divisors of the device count.
+    """
     binders = {b.name: b for b in rule.binders}
-    bound: set[str] = set()
+    bound: set[str] = {b.name for b in rule.binders
+                       if isinstance(b.type, ast.ScalarType) and b.type.kind == "degree"}
     for name in _names_in(rule.lhs):
         bound.add(name.id)
         binder = binders.get(name.id)
