@@ -88,9 +88,10 @@ def check_op(op: ast.OpDecl) -> None:
         for dim in param.type.dims:
             if not isinstance(dim, (ast.Name, ast.Variadic)):
                 _check_size_expr(dim, sizes, groups)
+    param_groups = {d.id for p in op.tensor_params for d in p.type.dims if isinstance(d, ast.Variadic)}
     for dim in op.result.dims:
         if isinstance(dim, ast.Variadic):
-            if dim.id not in groups:
+            if dim.id not in param_groups:
                 raise _OpError("name", f"the result uses *{dim.id}, which no parameter has", dim)
         else:
             _check_size_expr(dim, sizes, groups)
