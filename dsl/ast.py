@@ -36,7 +36,7 @@ def _span() -> Span | None:
 
 @dataclass(frozen=True)
 class Num:
-    """An integer or real literal; `text` keeps the spelling of reals."""
+    """An integer or real literal."""
 
     value: int | float
     span: Span | None = _span()

@@ -9,7 +9,7 @@ the file's header.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from importlib import resources
 
@@ -50,6 +50,14 @@ def _span(path: str, meta) -> ast.Span:
 
 def _tok_span(path: str, tok: Token) -> ast.Span:
     return ast.Span(path, tok.line, tok.column, tok.end_line or tok.line, tok.end_column or tok.column + len(tok))
+
+
+@dataclass(frozen=True)
+class _Semantics:
+    """The `out[...] = expr` part of an op, before it joins its OpDecl."""
+
+    out_indices: tuple
+    body: object
 
 
 class _ToAst(Transformer):
@@ -143,7 +151,7 @@ class _ToAst(Transformer):
         return ast.Name(str(items[0]), _span(self.path, meta))
 
     def semantics(self, items):
-        return ("semantics", tuple(items[1:-2]), items[-1])
+        return _Semantics(tuple(items[1:-2]), items[-1])
 
     @v_args(meta=True)
     def import_decl(self, meta, items):
@@ -156,12 +164,10 @@ class _ToAst(Transformer):
         arrow = next(i for i, x in enumerate(rest) if isinstance(x, Token) and x.type == "ARROW")
         params = tuple(rest[:arrow])
         result = rest[arrow + 1]
-        where: tuple = ()
         tail = rest[arrow + 2:]
-        if isinstance(tail[0], tuple) and (not tail[0] or tail[0][0] != "semantics"):
-            where, tail = tail[0], tail[1:]
-        _, out_indices, body = tail[0]
-        return ast.OpDecl(name, params, result, where, out_indices, body,
+        where = tail[0] if len(tail) == 2 else ()
+        semantics: _Semantics = tail[-1]
+        return ast.OpDecl(name, params, result, where, semantics.out_indices, semantics.body,
                           span=_tok_span(self.path, items[1]))
 
     @v_args(meta=True)
