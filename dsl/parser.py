@@ -250,12 +250,37 @@ def _attach_docs(decls: list, text: str) -> tuple[tuple[str, ...], list]:
     return tuple(header), result
 
 
+MAX_NESTING = 120
+
+
+def _check_nesting(tree: Tree, path: str, text: str) -> None:
+    """Refuse trees deeper than MAX_NESTING before anything recurses on them.
+
+    Every later stage (transformer, checker, printer, verifier) walks
+    expressions recursively; a bound here keeps them all within Python's
+    stack, and no real operator or rule comes close to it.
+    """
+    stack = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_NESTING:
+            meta = node.meta
+            line, column = (meta.line, meta.column) if not meta.empty else (1, 1)
+            lines = text.splitlines()
+            span = ast.Span(path, line, column, line, column + 1)
+            source_line = lines[line - 1] if 1 <= line <= len(lines) else ""
+            raise DslError(Diagnostic("nesting", f"expression nested too deeply (more than {MAX_NESTING} levels)",
+                                      span, source_line))
+        stack.extend((child, depth + 1) for child in node.children if isinstance(child, Tree))
+
+
 def parse(text: str, path: str = "<string>") -> ast.Module:
     """Parse one file's text. Raises `DslError` on a syntax error."""
     try:
         tree = _lark().parse(text)
     except UnexpectedInput as err:
         raise _syntax_error(path, text, err) from None
+    _check_nesting(tree, path, text)
     try:
         decls = _ToAst(path).transform(tree)
     except VisitError as err:  # a bug in the transformer, never user input
