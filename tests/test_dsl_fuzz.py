@@ -138,6 +138,6 @@ def test_deep_but_allowed_nesting_checks_cleanly(tmp_path):
 
 def test_too_deep_nesting_is_a_positioned_error():
     with pytest.raises(DslError) as caught:
-        parse("op f(x: [n]) -> [n]\n  out[i] = " + "(" * 500 + "x[i]" + ")" * 500 + "\n", "deep.rule")
+        parse("op f(x: [n]) -> [n]\n  out[i] = " + "-" * 500 + "x[i]\n", "deep.rule")
     assert caught.value.first.kind == "nesting"
     assert str(caught.value).startswith("deep.rule:2:")
