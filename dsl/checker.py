@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from parsat.dsl import ast
-from parsat.dsl.conditions import NotAnInteger, holds, to_cond, to_poly
+from parsat.dsl.conditions import NotAnInteger, Rel, holds, to_cond, to_poly
 from parsat.dsl.errors import Diagnostic, DslError, SourceCache
 from parsat.dsl.instantiate import SCALAR_FUNCTIONS, InstantiationError, expanded, instantiate, op_groups
 from parsat.dsl.library import Library
@@ -269,6 +269,8 @@ def compare_sides(instance: RuleInstance) -> TypeCheckError | None:
 def _sample_assignments(symbols: Mapping[str, str], rng: random.Random):
     names = sorted(symbols)
     low = {n: 0 if symbols[n] == "int" else 1 for n in names}
+    for _ in range(300):  # witnesses are usually small and plentiful: try those first
+        yield {n: rng.randint(low[n], 8) for n in names}
     if len(names) <= 5:
         for values in itertools.product(range(0, 9), repeat=len(names)):
             if all(v >= low[n] for n, v in zip(names, values)):
@@ -298,9 +300,17 @@ def check_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl]) -> None:
         if instance.where and not satisfiable(instance.where, instance.symbols):
             raise TypeCheckError("never", "this condition can never hold (no sizes up to 64 satisfy it)",
                                  rule.where[0])
-        if not satisfiable(instance.where + instance.lhs_requires, instance.symbols):
+        assumptions = instance.where + instance.lhs_requires
+        if not satisfiable(assumptions, instance.symbols):
             raise TypeCheckError("never", "this rule can never apply: no sizes up to 64 satisfy its 'where' and "
                                           "the left-hand side's requirements" + _groups_note(instance), rule)
+        for degree in sorted(s for s, kind in instance.symbols.items() if kind == "degree"):
+            at_least_two = Rel(">=", Poly.sym(degree), Poly.const(2))
+            if not satisfiable(assumptions + (at_least_two,), instance.symbols):
+                raise TypeCheckError(
+                    "degenerate", f"this rule only applies when {degree} = 1: metavariables are whole tensors, "
+                                  f"so e.g. combine(x, 0, {degree}) needs {degree} to divide 1"
+                                  + _groups_note(instance), rule)
 
 
 # --------------------------------------------------------------------- library

@@ -302,3 +302,14 @@ def test_unknown_scalar_function(write_rules):
     path = write_rules("op f(x: [n]) -> [n]\n  out[i] = cosh(x[i])\n")
     d = only(check_paths([path]).diagnostics)
     assert d.kind == "unknown-function" and "unknown function 'cosh'" in d.message and at(d) == (2, 12)
+
+
+def test_rule_that_only_applies_at_degree_one_is_refused(diagnostics):
+    d = only(diagnostics("""
+        rule r:
+          forall x: [m, n], p: degree
+          where m % p == 0
+          relu(combine(x, 0, p)) => combine(relu(x), 0, p)
+    """))
+    assert d.kind == "degenerate" and "only applies when p = 1" in d.message
+    assert at(d) == (2, 6)
