@@ -181,7 +181,8 @@ def infer_compute(instance: OpInstance, inputs: Sequence[Spread]) -> ComputeSpre
         partial = _partial_degree(instance.body, by_name, degrees)
     except _NotLinear as err:
         problems.append(f"{instance.name}: {err}")
-        partial = ONE
+        # What a naive SPMD run produces: each partial piece processed on its own.
+        partial = next((s.sum for s in inputs if s.sum != ONE), ONE)
     if partial == _ZERO_MARK:
         partial = ONE
 

@@ -1,0 +1,147 @@
+"""`verify(rules)`: verdicts for a set of rules, cached, optionally in parallel.
+
+This is what `parsat verify` and `parsat.verify` call. Load errors and
+malformed rules are collected as messages (`VerifyReport.errors`), never
+raised as stack traces; semantic problems are verdicts. With `jobs > 1`
+rules are verified in worker processes; each rule's verdict depends only on
+the rule and its operators, so the results are the same as a serial run.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from parsat.dsl import ast
+from parsat.dsl.errors import DslError
+from parsat.dsl.library import Library, load_library
+from parsat.verifier.cache import VerdictCache, rule_key
+from parsat.verifier.core import DEFAULT_TIMEOUT, VERSION, RuleError, verify_rule
+from parsat.verifier.verdict import PROVED, REFUTED, UNKNOWN, Verdict
+
+
+@dataclass
+class VerifyReport:
+    """Verdicts in library order, and the errors that stopped some rules."""
+
+    verdicts: list[Verdict] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        return {k: sum(1 for v in self.verdicts if v.verdict == k) for k in (PROVED, REFUTED, UNKNOWN)}
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and all(v.proved for v in self.verdicts)
+
+    def summary(self) -> str:
+        c = self.counts()
+        return f"{c[PROVED]} proved, {c[REFUTED]} refuted, {c[UNKNOWN]} unknown"
+
+
+def _matches(name: str, patterns: Sequence[str] | None) -> bool:
+    return not patterns or any(fnmatch.fnmatchcase(name, p) or p == name for p in patterns)
+
+
+def _one(args: tuple) -> tuple[str, Verdict | None, str]:
+    """Worker: (key, verdict or None, error message)."""
+    key, rule, ops, timeout = args
+    try:
+        return key, verify_rule(rule, ops, timeout=timeout), ""
+    except RuleError as err:
+        return key, None, f"{rule.span}: error: {err}" if rule.span else str(err)
+
+
+def verify_library(library: Library, *, match: Sequence[str] | None = None, timeout: float = DEFAULT_TIMEOUT,
+                   jobs: int = 1, cache: VerdictCache | None = None, only_files: set[str] | None = None) -> VerifyReport:
+    """Verify the library's rules (those in `only_files` when given)."""
+    report = VerifyReport()
+    ops = library.ops
+    todo: list[tuple[str, ast.RuleDecl]] = []
+    for rule in library.rules:
+        if only_files is not None and rule.span is not None and rule.span.file not in only_files:
+            continue
+        if not _matches(rule.name, match):
+            continue
+        todo.append((rule_key(rule, ops, VERSION), rule))
+    results: dict[str, Verdict | None] = {}
+    errors: dict[str, str] = {}
+    work = []
+    for key, rule in todo:
+        hit = cache.get(key, timeout) if cache is not None else None
+        if hit is not None:
+            results[key] = _relocate(hit, rule, cached=True)
+        elif key not in results:
+            work.append((key, rule, ops, timeout))
+    if jobs > 1 and len(work) > 1:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            outcomes = list(pool.map(_one, work, chunksize=1))
+    else:
+        outcomes = [_one(item) for item in work]
+    for key, verdict, error in outcomes:
+        if verdict is None:
+            errors[key] = error
+            continue
+        results[key] = verdict
+        if cache is not None:
+            cache.put(key, verdict, timeout)
+    for key, rule in todo:
+        if key in errors:
+            report.errors.append(errors[key])
+        elif results.get(key) is not None:
+            report.verdicts.append(_relocate(results[key], rule, cached=results[key].cached))
+    return report
+
+
+def _relocate(verdict: Verdict, rule: ast.RuleDecl, cached: bool) -> Verdict:
+    """A cached verdict reported at the rule's current place."""
+    from dataclasses import replace
+
+    span = rule.span
+    return replace(verdict, name=rule.name, file=span.file if span else verdict.file,
+                   line=span.line if span else verdict.line, cached=cached)
+
+
+def verify_paths(paths: Sequence[str | os.PathLike] | None = None, **options) -> VerifyReport:
+    """Load files or folders (default: the shipped library) and verify their rules.
+
+    Operators imported from other files are used, but only the rules of
+    the files named (or found in the folders named) are verified.
+    """
+    from parsat.dsl.library import rule_files, shipped_rules_dir
+
+    try:
+        library, load_errors = load_library(paths, strict=False)
+        named = {_display(p) for p in rule_files(paths if paths else [shipped_rules_dir()])}
+    except DslError as err:
+        return VerifyReport(errors=[d.render() for d in err.diagnostics])
+    if load_errors:
+        return VerifyReport(errors=[d.render() for d in load_errors])
+    report = verify_library(library, only_files=named, **options)
+    return report
+
+
+def _display(path) -> str:
+    from parsat.dsl.library import _display as display
+
+    return display(path)
+
+
+def verify(rules=None, **options) -> list[Verdict]:
+    """Verdicts for a `Library`, a list of paths, or the shipped library.
+
+    Raises `DslError`-like `ValueError` with every message when rules are
+    malformed; semantic failures are REFUTED verdicts, not exceptions.
+    """
+    if isinstance(rules, Library):
+        report = verify_library(rules, **options)
+    else:
+        if isinstance(rules, (str, os.PathLike)):
+            rules = [rules]
+        report = verify_paths(rules, **options)
+    if report.errors:
+        raise ValueError("\n".join(report.errors))
+    return report.verdicts

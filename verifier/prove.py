@@ -1,0 +1,613 @@
+"""Proof of a rule instance for all sizes and degrees, with z3.
+
+Both sides are lowered with the per-device (piece-wise) semantics of
+DESIGN.md section 2 into the normal form of `verifier.normal`: the value a
+context observes at block `@b`, local index `@i` is the sum over sum
+indices of the piece there. Sizes are symbolic; divisibility assumptions
+(`m % p == 0`, from `where` or from the left side's partitions) are solved
+by substitution (`m = p * m'`), so block extents stay polynomials and sum
+bounds compare structurally. What the normal form leaves open (index
+arithmetic, conditions, shape and spread equalities under the assumptions,
+the right side's requirements) goes to z3 as one quantifier-free query per
+goal, with sums as an uninterpreted `SUM(bound, lambda)` over canonically
+named binders. A satisfiable query is only a *candidate*: the caller
+replays its model concretely before saying REFUTED.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import z3
+
+from parsat.dsl import ast
+from parsat.dsl.conditions import Cond, Junction, Negation, Rel, symbolic_truth, to_poly
+from parsat.dsl.symbolic import ONE, ZERO, Poly
+from parsat.dsl.typecheck import RuleInstance, TypedTerm
+from parsat.verifier import normal as nf
+
+
+MAX_CASE_SPLITS = 4
+
+
+class Unprovable(Exception):
+    """A construct the lowering does not handle (the verdict is UNKNOWN)."""
+
+
+@dataclass(frozen=True)
+class ProofResult:
+    """`status` is "proved", "candidate" (z3 model to replay) or "unknown"."""
+
+    status: str
+    reason: str = ""
+    model: dict = field(default_factory=dict)  # original size symbols -> int
+    assumptions: tuple[str, ...] = ()
+
+
+# ---------------------------------------------------------- size algebra
+
+
+@dataclass
+class _Sizes:
+    subst: dict  # original symbol -> Poly over fresh symbols
+    kinds: dict  # every symbol in use -> "dim" | "degree" | "int"
+    assumptions: list  # conditions left for z3
+
+    def apply(self, poly: Poly) -> Poly:
+        return poly.subst(self.subst) if poly.symbols() & set(self.subst) else poly
+
+
+def _apply_cond(cond: Cond, fn) -> Cond:
+    if isinstance(cond, Rel):
+        return Rel(cond.op, fn(cond.left), fn(cond.right), cond.span, cond.reason)
+    if isinstance(cond, Junction):
+        return Junction(cond.op, tuple(_apply_cond(p, fn) for p in cond.parts), cond.span, cond.reason)
+    return Negation(_apply_cond(cond.part, fn), cond.span, cond.reason)
+
+
+def _single_symbol(p: Poly) -> str | None:
+    if len(p.terms) == 1:
+        mono, coeff = p.terms[0]
+        if coeff == 1 and len(mono) == 1 and isinstance(mono[0][0], str) and mono[0][1] == 1:
+            return mono[0][0]
+    return None
+
+
+def _cancel(num: Poly, den: Poly) -> tuple[Poly, Poly]:
+    """Divide out a common monomial factor of two monomials."""
+    if len(num.terms) != 1 or len(den.terms) != 1:
+        return num, den
+    (nm, nc), (dm, dc) = num.terms[0], den.terms[0]
+    from math import gcd
+    g = gcd(nc, dc) or 1
+    npow, dpow = dict(nm), dict(dm)
+    common = {a: min(e, dpow.get(a, 0)) for a, e in npow.items() if isinstance(a, str) and dpow.get(a, 0)}
+    for a, e in common.items():
+        npow[a] -= e
+        dpow[a] -= e
+
+    def build(powers, coeff):
+        out = Poly.const(coeff)
+        for a, e in powers.items():
+            for _ in range(e):
+                out = out * (Poly.sym(a) if isinstance(a, str) else Poly.atom(a))
+        return out
+
+    return build(npow, nc // g), build(dpow, dc // g)
+
+
+def solve_sizes(instance: RuleInstance) -> _Sizes:
+    """Substitute divisibility and equality assumptions away where possible."""
+    sizes = _Sizes({}, dict(instance.symbols), [])
+    pending = list(instance.where) + list(instance.lhs_requires)
+    counter = 0
+    progress = True
+    while progress:
+        progress = False
+        rest = []
+        for cond in pending:
+            cond = _apply_cond(cond, sizes.apply)
+            truth = symbolic_truth(cond)
+            if truth is True:
+                continue
+            target = None
+            if isinstance(cond, Rel) and cond.op == "==":
+                for a, b in ((cond.left, cond.right), (cond.right, cond.left)):
+                    if b == ZERO and len(a.terms) == 1 and a.terms[0][1] == 1 and len(a.terms[0][0]) == 1:
+                        atom, exp = a.terms[0][0][0]
+                        if not isinstance(atom, str) and atom[0] == "%" and exp == 1:
+                            num, den = _cancel(atom[1], atom[2])
+                            if den == ONE:
+                                target = ("drop",)
+                                break
+                            name = _single_symbol(num)
+                            if name is not None and name not in den.symbols():
+                                counter += 1
+                                fresh = f"{name}_{counter}"
+                                sizes.kinds[fresh] = "int" if sizes.kinds.get(name) == "int" else "dim"
+                                target = (name, den * Poly.sym(fresh))
+                                break
+                    name = _single_symbol(a)
+                    if name is not None and name not in b.symbols() and not b.is_const:
+                        target = (name, b)
+                        break
+            if target is None:
+                rest.append(cond)
+                continue
+            if target[0] != "drop":
+                name, value = target
+                sizes.subst = {k: v.subst({name: value}) for k, v in sizes.subst.items()}
+                sizes.subst[name] = value
+            progress = True
+        pending = rest
+    sizes.assumptions = pending
+    return sizes
+
+
+# -------------------------------------------------------------- lowering
+
+
+class _Lowering:
+    def __init__(self, sizes: _Sizes):
+        self.sizes = sizes
+        self.bounds: dict[str, Poly] = {}
+        self.counter = 0
+
+    def P(self, poly: Poly) -> Poly:
+        return self.sizes.apply(poly)
+
+    def fresh(self, bound: Poly, hint: str = "v") -> str:
+        self.counter += 1
+        name = f"~{hint}{self.counter}"
+        self.bounds[name] = bound
+        return name
+
+    def divmod(self, e: Poly, d: Poly) -> tuple[Poly, Poly]:
+        return nf.divmod_poly(e, d, self.bounds)
+
+    # ---------------------------------------------------------- terms
+    def piece(self, term: TypedTerm, blocks: tuple, s: Poly, local: tuple) -> tuple:
+        if term.kind == "input":
+            return nf.factor(("in", term.name, tuple(local)))
+        if term.kind == "parallel":
+            return self._parallel(term, blocks, s, local)
+        return self._compute(term, blocks, s, local)
+
+    def _parallel(self, term: TypedTerm, blocks, s, local):
+        arg = term.args[0]
+        n = self.P(term.degree)
+        if term.name == "replicate":
+            return self.piece(arg, blocks, s, local)
+        if term.name == "reduce":
+            t = self.fresh(n, "t")
+            return nf.sum_over(t, n, self.piece(arg, blocks, s * n + Poly.sym(t), local))
+        k = term.dim
+        extent = self.P(term.shape[k]).floordiv(self.P(term.spread.shard[k]))
+        blocks, local = list(blocks), list(local)
+        if term.name == "partition":
+            q, t = self.divmod(blocks[k], n)
+            blocks[k], local[k] = q, nf.simplify(t * extent + local[k], self.bounds)
+        else:
+            src_extent = self.P(arg.shape[k]).floordiv(self.P(arg.spread.shard[k]))
+            q, r = self.divmod(local[k], src_extent)
+            blocks[k], local[k] = nf.simplify(blocks[k] * n + q, self.bounds), r
+        return self.piece(arg, tuple(blocks), s, tuple(local))
+
+    def _compute(self, term: TypedTerm, blocks, s, local):
+        instance = term.instance
+        env = {name: self.P(poly) for name, poly in instance.size_env().items()}
+        degrees = {v: self.P(d) for v, d in term.var_degrees.items()}
+        variables = {}
+        for k, var in enumerate(instance.out_vars):
+            degree = degrees.get(var, ONE)
+            extent = self.P(term.shape[k]).floordiv(degree)
+            variables[var] = (blocks[k], local[k], degree, blocks[k] * extent + local[k])
+        args = dict(zip(instance.inputs, term.args))
+        return _Body(self, instance, env, degrees, args).value(instance.body, s, variables)
+
+    def observe(self, term: TypedTerm, free: tuple) -> tuple:
+        """The sum over sum indices of the piece at free block/local variables."""
+        total = self.P(term.spread.sum)
+        s = self.fresh(total, "s")
+        blocks = tuple(b for b, _ in free)
+        local = tuple(i for _, i in free)
+        return nf.sum_over(s, total, self.piece(term, blocks, Poly.sym(s), local))
+
+
+class _Body:
+    """The index semantics of one op application, lowered at one piece."""
+
+    def __init__(self, low: _Lowering, instance, env, degrees, args):
+        self.low, self.instance, self.env, self.degrees, self.args = low, instance, env, degrees, args
+
+    def index(self, expr: ast.Expr, variables) -> Poly:
+        env = {**self.env, **{v: g for v, (_, _, _, g) in variables.items()}}
+        return to_poly(expr, env, self.instance.groups)
+
+    def cond(self, expr: ast.Expr, variables) -> tuple:
+        if isinstance(expr, ast.Compare):
+            return ("rel", expr.op, self.index(expr.left, variables), self.index(expr.right, variables))
+        if isinstance(expr, ast.BoolOp):
+            return (expr.op, self.cond(expr.left, variables), self.cond(expr.right, variables))
+        if isinstance(expr, ast.Not):
+            return ("not", self.cond(expr.operand, variables))
+        raise Unprovable("unsupported condition")
+
+    def value(self, expr: ast.Expr, s: Poly, variables) -> tuple:
+        if isinstance(expr, ast.Num):
+            return nf.const(Fraction(expr.value))
+        if isinstance(expr, ast.Name):
+            if expr.id in self.instance.real_attrs:
+                attr = self.instance.real_attrs[expr.id]
+                return nf.const(Fraction(attr.value)) if isinstance(attr, ast.Num) else nf.factor(("real", attr.id))
+            return nf.size(self.index(expr, variables))
+        if isinstance(expr, ast.Access):
+            return self.access(expr, s, variables)
+        if isinstance(expr, ast.Neg):
+            return nf.neg(self.value(expr.operand, s, variables))
+        if isinstance(expr, ast.BinOp):
+            left, right = self.value(expr.left, s, variables), self.value(expr.right, s, variables)
+            if expr.op == "+":
+                return nf.add(left, right)
+            if expr.op == "-":
+                return nf.add(left, nf.neg(right))
+            if expr.op == "*":
+                return nf.mul(left, right)
+            if expr.op == "/":
+                return nf.mul(left, nf.recip(right))
+            raise Unprovable(f"'{expr.op}' on values")
+        if isinstance(expr, ast.Call):
+            return nf.factor(("fn", expr.func, tuple(self.value(a, s, variables) for a in expr.args)))
+        if isinstance(expr, ast.IfThenElse):
+            test = self.cond(expr.test, variables)
+            then, orelse = self.value(expr.then, s, variables), self.value(expr.orelse, s, variables)
+            return nf.if_then_else(test, then, orelse)
+        if isinstance(expr, ast.Sum):
+            bound = self.index(expr.bound, variables)
+            degree = self.degrees.get(expr.var, ONE)
+            if degree == ONE:
+                var = self.low.fresh(bound, "l")
+                inner = {**variables, expr.var: (ZERO, Poly.sym(var), ONE, Poly.sym(var))}
+                return nf.sum_over(var, bound, self.value(expr.body, s, inner))
+            extent = bound.floordiv(degree)
+            inner_s, block = self.low.divmod(s, degree)
+            var = self.low.fresh(extent, "l")
+            glob = block * extent + Poly.sym(var)
+            inner = {**variables, expr.var: (block, Poly.sym(var), degree, glob)}
+            return nf.sum_over(var, extent, self.value(expr.body, inner_s, inner))
+        raise Unprovable(f"cannot lower {type(expr).__name__}")
+
+    def access(self, expr: ast.Access, s: Poly, variables) -> tuple:
+        arg = self.args[expr.tensor]
+        blocks, local = [], []
+        for position, index in enumerate(expr.indices):
+            degree = self.low.P(arg.spread.shard[position])
+            if isinstance(index, ast.Name) and index.id in variables:
+                block, loc, var_degree, glob = variables[index.id]
+                if degree != ONE:
+                    if var_degree != degree:
+                        raise Unprovable(f"{self.instance.name}: '{expr.tensor}' read across blocks")
+                    blocks.append(block)
+                    local.append(loc)
+                    continue
+                blocks.append(ZERO)
+                local.append(glob)
+                continue
+            if degree != ONE:
+                raise Unprovable(f"{self.instance.name}: sharded dim read through an expression")
+            blocks.append(ZERO)
+            local.append(self.index(index, variables))
+        partial = self.low.P(arg.spread.sum) != ONE
+        return self.low.piece(arg, tuple(blocks), s if partial else ZERO, tuple(local))
+
+
+# ------------------------------------------------------------------ z3
+
+
+class _Z3:
+    def __init__(self):
+        self.ints: dict[str, z3.ArithRef] = {}
+        self.funcs: dict = {}
+        self.sum = z3.Function("SUM", z3.IntSort(), z3.ArraySort(z3.IntSort(), z3.RealSort()), z3.RealSort())
+
+    def int(self, name: str):
+        if name not in self.ints:
+            self.ints[name] = z3.Int(name)
+        return self.ints[name]
+
+    def poly(self, p: Poly):
+        total = z3.IntVal(0)
+        for mono, coeff in p.terms:
+            term = z3.IntVal(coeff)
+            for atom, exp in mono:
+                if isinstance(atom, str):
+                    base = self.int(atom)
+                else:
+                    num, den = self.poly(atom[1]), self.poly(atom[2])
+                    base = num / den if atom[0] == "//" else num % den
+                for _ in range(exp):
+                    term = term * base
+            total = total + term
+        return z3.simplify(total) if False else total
+
+    def rel(self, op: str, a, b):
+        return {"<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b, "==": a == b, "!=": a != b}[op]
+
+    def cond(self, c):
+        if isinstance(c, tuple):
+            if c[0] == "rel":
+                return self.rel(c[1], self.poly(c[2]), self.poly(c[3]))
+            if c[0] == "not":
+                return z3.Not(self.cond(c[1]))
+            parts = (self.cond(c[1]), self.cond(c[2]))
+            return z3.And(*parts) if c[0] == "and" else z3.Or(*parts)
+        if isinstance(c, Rel):
+            return self.rel(c.op, self.poly(c.left), self.poly(c.right))
+        if isinstance(c, Junction):
+            parts = [self.cond(p) for p in c.parts]
+            return z3.And(*parts) if c.op == "and" else z3.Or(*parts)
+        return z3.Not(self.cond(c.part))
+
+    def tensor(self, name: str, rank: int):
+        key = (name, rank)
+        if key not in self.funcs:
+            if rank == 0:
+                self.funcs[key] = z3.Real(f"{name}[]")
+            else:
+                self.funcs[key] = z3.Function(name, *([z3.IntSort()] * rank), z3.RealSort())
+        return self.funcs[key]
+
+    def fn(self, name: str):
+        key = ("fn", name)
+        if key not in self.funcs:
+            self.funcs[key] = z3.Function(f"fn_{name}", z3.RealSort(), z3.RealSort())
+        return self.funcs[key]
+
+    def value(self, form: tuple):
+        total = z3.RealVal(0)
+        for coef, binders, factors in form:
+            body = z3.RealVal(Fraction(coef).numerator) / z3.RealVal(Fraction(coef).denominator) \
+                if Fraction(coef).denominator != 1 else z3.RealVal(Fraction(coef).numerator)
+            for f in factors:
+                body = body * self.factor(f)
+            for var, bound in reversed(binders):
+                v, b = self.int(var), self.poly(bound)
+                body = self.sum(b, z3.Lambda([v], z3.If(z3.And(v >= 0, v < b), body, z3.RealVal(0))))
+            total = total + body
+        return total
+
+    def factor(self, f):
+        kind = f[0]
+        if kind == "in":
+            func = self.tensor(f[1], len(f[2]))
+            return func if not f[2] else func(*[self.poly(p) for p in f[2]])
+        if kind == "size":
+            return z3.ToReal(self.poly(f[1]))
+        if kind == "real":
+            return z3.Real(f[1])
+        if kind == "recip":
+            return 1 / self.value(f[1])
+        if kind == "ind":
+            test = self.cond(f[1])
+            return z3.If(test if f[2] else z3.Not(test), z3.RealVal(1), z3.RealVal(0))
+        args = [self.value(a) for a in f[2]]
+        if f[1] == "max":
+            return z3.If(args[0] >= args[1], args[0], args[1])
+        if f[1] == "min":
+            return z3.If(args[0] <= args[1], args[0], args[1])
+        if f[1] == "abs":
+            return z3.If(args[0] >= 0, args[0], -args[0])
+        return self.fn(f[1])(*args)
+
+
+# ----------------------------------------------------------------- proof
+
+
+def _fmt_poly(p: Poly) -> str:
+    text = str(p)
+    return f"({text})" if " " in text else text
+
+
+def _fmt_cond(c: Cond) -> str:
+    """`p divides m` for block divisibility, the condition's own text otherwise."""
+    if isinstance(c, Rel) and c.op == "==" and c.right == ZERO and len(c.left.terms) == 1:
+        mono, coeff = c.left.terms[0]
+        if coeff == 1 and len(mono) == 1 and not isinstance(mono[0][0], str) and mono[0][0][0] == "%":
+            return f"{_fmt_poly(mono[0][0][2])} divides {_fmt_poly(mono[0][0][1])}"
+    return str(c)
+
+
+def _assumptions(instance: RuleInstance) -> tuple[str, ...]:
+    kinds = {"dim": "sizes", "degree": "degrees", "int": "integers"}
+    found = [f"{', '.join(sorted(n for n, k in instance.symbols.items() if k == kind))} "
+             f"{'>= 1' if kind != 'int' else '>= 0'}" for kind in kinds if kind in instance.symbols.values()]
+    for cond in instance.where + instance.lhs_requires:
+        if symbolic_truth(cond) is True:
+            continue
+        text = _fmt_cond(cond)
+        if text not in found:
+            found.append(text)
+    return tuple(found)
+
+
+def prove_instance(instance: RuleInstance, timeout: float) -> ProofResult:
+    """Prove one rank assignment; z3 models come back as candidates."""
+    deadline = time.monotonic() + timeout
+    sizes = solve_sizes(instance)
+    assumptions = _assumptions(instance)
+    low = _Lowering(sizes)
+    lhs, rhs = instance.lhs, instance.rhs
+    zz = _Z3()
+    facts = []
+    for name, kind in sizes.kinds.items():
+        if name in sizes.subst:
+            continue
+        facts.append(zz.int(name) >= (0 if kind == "int" else 1))
+    for name, value in sizes.subst.items():  # the substituted sizes keep their kinds
+        low_bound = 0 if instance.symbols.get(name) == "int" else 1
+        facts.append(zz.poly(value) >= low_bound)
+    facts.extend(zz.cond(c) for c in sizes.assumptions)
+
+    if _vacuous(facts, deadline):
+        return ProofResult("unknown", "the rule never applies: its 'where' and the left-hand side's requirements "
+                                      "cannot hold together", {}, assumptions)
+    goals: list[tuple[str, object]] = []
+    if len(lhs.shape) != len(rhs.shape):
+        return ProofResult("candidate", "the sides have different ranks", {}, assumptions)
+    for k, (a, b) in enumerate(zip(lhs.shape, rhs.shape)):
+        a, b = low.P(a), low.P(b)
+        if a != b:
+            goals.append((f"dim {k} of the two sides is equal ({a} vs {b})", zz.poly(a) == zz.poly(b)))
+    for what, (a, b) in [(f"shard degree of dim {k}", pair) for k, pair in
+                         enumerate(zip(lhs.spread.shard, rhs.spread.shard))] + \
+            [("copy degree", (lhs.spread.copy, rhs.spread.copy)), ("sum degree", (lhs.spread.sum, rhs.spread.sum))]:
+        a, b = low.P(a), low.P(b)
+        if a != b:
+            goals.append((f"the {what} of the two sides is equal ({a} vs {b})", zz.poly(a) == zz.poly(b)))
+    for req in instance.rhs_requires:
+        req2 = _apply_cond(req, low.P)
+        if symbolic_truth(req2) is not True:
+            goals.append((f"the right-hand side is defined: {req.reason or req}", zz.cond(req2)))
+    for what, goal in goals:
+        verdict = _check(zz, facts, goal, deadline)
+        if verdict[0] != "proved":
+            return _finish(verdict, what, instance, sizes, assumptions)
+
+    free = []
+    for k, (dim, degree) in enumerate(zip(lhs.shape, lhs.spread.shard)):
+        dim, degree = low.P(dim), low.P(degree)
+        extent = dim.floordiv(degree)
+        block = ZERO
+        if degree != ONE:
+            block = Poly.sym(f"@b{k}")
+            low.bounds[f"@b{k}"] = degree
+            facts += [zz.int(f"@b{k}") >= 0, zz.int(f"@b{k}") < zz.poly(degree)]
+        local = Poly.sym(f"@i{k}")
+        low.bounds[f"@i{k}"] = extent
+        facts += [zz.int(f"@i{k}") >= 0, zz.int(f"@i{k}") < zz.poly(extent)]
+        free.append((block, local))
+    free = tuple(free)
+    left = _normalize(low.observe(lhs, free))
+    right = _normalize(low.observe(rhs, free))
+    if left == right:
+        return ProofResult("proved", "", {}, assumptions)
+    conditions = nf.free_conditions(left) + [c for c in nf.free_conditions(right) if c not in nf.free_conditions(left)]
+    cases = [((), left, right)]
+    if conditions and len(conditions) <= MAX_CASE_SPLITS:
+        cases = []
+        for truths in itertools.product((True, False), repeat=len(conditions)):
+            l2, r2 = left, right
+            for cond, truth in zip(conditions, truths):
+                l2, r2 = nf.assume(l2, cond, truth), nf.assume(r2, cond, truth)
+            cases.append((tuple(zip(conditions, truths)), _normalize(l2), _normalize(r2)))
+    for case, l2, r2 in cases:
+        if l2 == r2:
+            continue
+        extra = [zz.cond(c) if t else z3.Not(zz.cond(c)) for c, t in case]
+        verdict = _check(zz, facts + extra, zz.value(l2) == zz.value(r2), deadline)
+        if verdict[0] != "proved":
+            return _finish(verdict, "the two sides compute the same values", instance, sizes, assumptions)
+    return ProofResult("proved", "", {}, assumptions)
+
+
+def _normalize(form: tuple) -> tuple:
+    """Lemmas to a fixpoint: concat boundaries, block re-indexing, canonical names."""
+    form = nf.canonical(form)
+    for _ in range(4):
+        again = nf.canonical(nf.merge_blocks(nf.split_boundaries(form)))
+        if again == form:
+            break
+        form = again
+    return form
+
+
+def _vacuous(facts, deadline: float) -> bool:
+    """True only when z3 shows the assumptions contradictory (a proof would be empty)."""
+    solver = z3.Solver()
+    solver.set("timeout", max(1, int(min(2.0, max(0.0, deadline - time.monotonic())) * 1000)))
+    solver.add(*facts)
+    return solver.check() == z3.unsat
+
+
+def _small_model(zz: _Z3, facts, goal, model, deadline: float):
+    """A model with small sizes (descending bounds on their sum), so its replay is cheap and readable.
+
+    z3.Optimize would refuse the lambdas of summations, so the solver is
+    asked again with `sum(sizes) <= bound` for shrinking bounds.
+    """
+    sizes = [v for name, v in zz.ints.items() if not name.startswith(("@", "$", "~"))]
+    if not sizes:
+        return model
+    total = z3.Sum(sizes)
+    solver = z3.Solver()
+    solver.add(*facts)
+    solver.add(z3.Not(goal))
+    best = model
+    for _ in range(8):
+        remaining = min(1.0, deadline - time.monotonic())
+        if remaining <= 0.05:
+            break
+        current = best.eval(total, model_completion=True).as_long()
+        for bound in (current // 2, current - 1):
+            solver.push()
+            solver.set("timeout", int(remaining * 1000))
+            solver.add(total <= bound)
+            found = solver.check() == z3.sat
+            if found:
+                best = solver.model()
+            solver.pop()
+            if found:
+                break
+        else:
+            break
+    return best
+
+
+def _check(zz: _Z3, facts, goal, deadline: float) -> tuple:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        return ("timeout", None)
+    solver = z3.Solver()
+    solver.set("timeout", max(1, int(remaining * 1000)))
+    solver.add(*facts)
+    solver.add(z3.Not(goal))
+    result = solver.check()
+    if result == z3.unsat:
+        return ("proved", None)
+    if result == z3.sat:
+        return ("sat", _small_model(zz, facts, goal, solver.model(), deadline))
+    return ("timeout" if time.monotonic() >= deadline else "unknown", solver.reason_unknown())
+
+
+def _finish(verdict: tuple, what: str, instance: RuleInstance, sizes: _Sizes, assumptions) -> ProofResult:
+    status, payload = verdict
+    if status == "proved":
+        return ProofResult("proved", "", {}, assumptions)
+    if status == "sat":
+        return ProofResult("candidate", f"z3 cannot show that {what}", _model_sizes(payload, instance, sizes),
+                           assumptions)
+    if status == "timeout":
+        return ProofResult("unknown", f"timeout while proving that {what}", {}, assumptions)
+    return ProofResult("unknown", f"z3 gave up proving that {what} ({payload})", {}, assumptions)
+
+
+def _model_sizes(model, instance: RuleInstance, sizes: _Sizes) -> dict:
+    values = {}
+    for name, kind in sizes.kinds.items():
+        decl = z3.Int(name)
+        value = model.eval(decl, model_completion=True)
+        try:
+            values[name] = max(int(value.as_long()), 0 if kind == "int" else 1)
+        except (AttributeError, z3.Z3Exception):
+            values[name] = 1
+    out = {}
+    for name in instance.symbols:
+        poly = sizes.subst.get(name)
+        try:
+            out[name] = poly.evaluate(values) if poly is not None else values.get(name, 1)
+        except (KeyError, ZeroDivisionError):
+            out[name] = values.get(name, 1)
+    return out
