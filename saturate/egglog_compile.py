@@ -1,0 +1,665 @@
+"""`.rule` library + graph -> an egglog text program; the e-graph read back.
+
+This is the only module that imports egglog. It uses the low-level
+`egglog.bindings.EGraph` with generated text (NOTES.md: fast, and the
+e-graph is read back with `freeze()`; extraction is ours, in extract.py).
+
+Encoding
+--------
+* One sort `T` of tensors. A leaf is `(Leaf "name")`; operator `op` is the
+  constructor `Op_op` with the operator's parameters in declaration order
+  (tensors `T`, integer attributes `i64`, real attributes `String`); the
+  parallel operators are `P_partition x dim n`, `P_combine x dim n`,
+  `P_replicate x n`, `P_reduce x n`.
+* Analysis tables, one row per e-class: `Rank`, `Dim c i`, `Shard c i`,
+  `Copy`, `Psum`, `Pieces`. An e-class is a logical value *with* a spread
+  (the checker proves both sides of a rule have the same shape and spread),
+  so these are well defined. The graph's rows are written by the program's
+  `let`s; every rule action writes the rows of the terms it builds, from the
+  shapes and spreads `dsl.typecheck` gave its right side.
+* A rule is typed with whole (unsharded) metavariables, so it fires only on
+  matches whose metavariables are whole (`Pieces == 1`); its right side's
+  spreads are then exactly the typed ones. Rank-polymorphic rules are
+  instantiated at every group length the graph's ranks allow. `where`
+  conditions and definedness requirements become `:when` facts.
+* A degree free on the right (a rule that introduces parallelism) is
+  instantiated once per divisor >= 2 of the device count. Every term a rule
+  builds must have at most `devices` pieces, dividing `devices`: the device
+  budget. Because parallel terms are never whole, a rule never nests on its
+  own output, so saturation of the parallel rules terminates.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+from egglog import bindings
+
+from parsat.dsl import ast
+from parsat.dsl.conditions import Cond, Junction, Negation, Rel, symbolic_truth, to_poly
+from parsat.dsl.library import Library
+from parsat.dsl.symbolic import Poly
+from parsat.dsl.typecheck import RuleInstance, TypeCheckError, TypedTerm, group_assignments, type_rule
+from parsat.saturate.graph import Graph
+from parsat.saturate.pcg import PARALLEL, Layout
+
+ANALYSES = ("Rank", "Dim", "Shard", "Copy", "Psum", "Pieces")
+
+
+class CompileError(Exception):
+    """The rules or the graph cannot be turned into an egglog program."""
+
+
+# ------------------------------------------------------------------ small helpers
+
+
+def ctor(op: str) -> str:
+    return f"P_{op}" if op in PARALLEL else f"Op_{op}"
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def real_literal(value: float) -> str:
+    """Real attributes are stored as their shortest repr, so equal reals are equal strings."""
+    return _quote(repr(float(value)))
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _var(symbol: str) -> str:
+    return "s_" + re.sub(r"[^A-Za-z0-9_]", "_", symbol)
+
+
+def poly_expr(poly: Poly, names: Mapping[str, str]) -> str:
+    """A `Poly` as an egglog i64 expression over the bound variables `names`."""
+
+    def atom(a) -> str:
+        if isinstance(a, str):
+            if a not in names:
+                raise KeyError(a)
+            return names[a]
+        op = "/" if a[0] == "//" else "%"
+        return f"({op} {poly_expr(a[1], names)} {poly_expr(a[2], names)})"
+
+    terms = []
+    for mono, coeff in poly.terms:
+        factors = [atom(a) for a, e in mono for _ in range(e)]
+        if coeff != 1 or not factors:
+            factors.insert(0, str(coeff))
+        terms.append(_nest("*", factors))
+    return _nest("+", terms) if terms else "0"
+
+
+def _nest(op: str, items: list[str]) -> str:
+    """egglog's i64 `+` and `*` are binary."""
+    out = items[0]
+    for item in items[1:]:
+        out = f"({op} {out} {item})"
+    return out
+
+
+_NEGATE = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}
+
+
+def _dnf(cond: Cond, negate: bool = False) -> list[list[Rel]]:
+    """A condition as a disjunction of conjunctions of relations."""
+    if isinstance(cond, Rel):
+        return [[Rel(_NEGATE[cond.op], cond.left, cond.right) if negate else cond]]
+    if isinstance(cond, Negation):
+        return _dnf(cond.part, not negate)
+    parts = [_dnf(p, negate) for p in cond.parts]
+    conj = (cond.op == "and") != negate
+    if conj:
+        out: list[list[Rel]] = [[]]
+        for alternatives in parts:
+            out = [a + b for a in out for b in alternatives]
+        return out
+    return [alt for alternatives in parts for alt in alternatives]
+
+
+def rel_fact(rel: Rel, names: Mapping[str, str]) -> str:
+    left, right = poly_expr(rel.left, names), poly_expr(rel.right, names)
+    if rel.op == "==":
+        return f"(= {left} {right})"
+    return f"({rel.op} {left} {right})"
+
+
+# ---------------------------------------------------------------- compiled rules
+
+
+@dataclass(frozen=True)
+class CompiledRule:
+    """One egglog rule: a rule of the library at one rank assignment and free degree."""
+
+    name: str         # the library rule's name
+    variant: str      # e.g. "a=0,b=1 p=2"
+    ruleset: str      # "alg" or "par"
+    text: str
+    key: str = ""     # the egglog rule's :name, unique in the program
+
+
+@dataclass(frozen=True)
+class SkippedRule:
+    name: str
+    reason: str
+
+
+@dataclass
+class _Builder:
+    """Writes the query and actions of one rule instance."""
+
+    instance: RuleInstance
+    devices: int
+    fixed: Mapping[str, int]           # free degrees fixed to a value
+    deferred: list[tuple[str, str, Poly]] = field(default_factory=list)  # (kind, variable, value it must equal)
+    names: dict[str, str] = field(default_factory=dict)   # size symbol -> egglog variable
+    counter: itertools.count = field(default_factory=itertools.count)
+
+    def fresh(self, stem: str) -> str:
+        return f"{stem}{next(self.counter)}"
+
+    def int_arg(self, poly: Poly) -> str:
+        """An integer position of a left-side constructor: literal, binder, or checked expression."""
+        poly = poly.subst({k: Poly.const(v) for k, v in self.fixed.items()})
+        if poly.is_const:
+            return str(poly.constant)
+        symbol = _single_symbol(poly)
+        if symbol is not None and symbol not in self.names:
+            self.names[symbol] = _var(symbol)
+            return self.names[symbol]
+        var = self.fresh("k")
+        self.deferred.append(("eq", var, poly))
+        return var
+
+    def pattern(self, term: TypedTerm, metas: dict[str, str]) -> str:
+        if term.kind == "input":
+            var = "m_" + term.name
+            metas[term.name] = var
+            return var
+        if term.kind == "parallel":
+            inner = self.pattern(term.args[0], metas)
+            args = [inner] + ([str(term.dim)] if term.dim is not None else []) + [self.int_arg(term.degree)]
+            return f"({ctor(term.name)} {' '.join(args)})"
+        return f"({ctor(term.name)} {' '.join(self.op_args(term, metas, lhs=True))})"
+
+    def op_args(self, term: TypedTerm, bound: dict[str, str], lhs: bool) -> list[str]:
+        op = term.instance.op
+        tensors = iter(term.args)
+        out = []
+        env = {s: Poly.sym(s) for s in self.instance.symbols}
+        for param, arg in zip(op.params, term.node.args):
+            if param.is_tensor:
+                sub = next(tensors)
+                out.append(self.pattern(sub, bound) if lhs else bound[id(sub)])
+            elif param.type.kind == "real":
+                if isinstance(arg, ast.Name):
+                    out.append("r_" + arg.id)
+                else:
+                    value = arg.value if isinstance(arg, ast.Num) else -arg.operand.value
+                    out.append(real_literal(value))
+            else:
+                poly = to_poly(arg, env, self.instance.groups)
+                out.append(self.int_arg(poly) if lhs else self.rhs_int(poly))
+        return out
+
+    def rhs_int(self, poly: Poly) -> str:
+        poly = poly.subst({k: Poly.const(v) for k, v in self.fixed.items()})
+        return poly_expr(poly, self.names)
+
+    def concrete(self, poly: Poly) -> Poly:
+        return poly.subst({k: Poly.const(v) for k, v in self.fixed.items()})
+
+
+def _typed_instances(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], ranks: set[int]) -> Iterable[RuleInstance]:
+    top = max(ranks) if ranks else 0
+    for groups in group_assignments(rule, top):
+        try:
+            instance = type_rule(rule, ops, groups)
+        except TypeCheckError:
+            continue  # this rank assignment does not type (e.g. a `where` on lengths fails)
+        if instance.problems:
+            continue
+        metas = [t for t in instance.lhs.walk() if t.kind == "input"]
+        if all(len(t.shape) in ranks for t in metas):
+            yield instance
+
+
+def _free_degrees(instance: RuleInstance) -> list[str]:
+    """Degrees a left-side match does not fix by itself: saturation enumerates them.
+
+    A degree is bound when it stands alone as the degree of a left-side
+    parallel operator; one that appears only on the right (a rule that
+    introduces parallelism) or only inside an expression (`p * q`) is free.
+    """
+    bound = set()
+    for term in instance.lhs.walk():
+        if term.kind == "parallel" and term.degree is not None:
+            symbol = _single_symbol(term.degree)
+            if symbol is not None:
+                bound.add(symbol)
+        if term.kind == "op":
+            for param, arg in zip(term.instance.op.params, term.node.args):
+                if not param.is_tensor and isinstance(arg, ast.Name):
+                    bound.add(arg.id)
+    return [s for s, kind in instance.symbols.items() if kind == "degree" and s not in bound]
+
+
+def compile_rule_instance(instance: RuleInstance, devices: int, parallel: bool) -> tuple[list[CompiledRule], str]:
+    """The egglog rules of one typed rule instance (one per free-degree choice)."""
+    free = _free_degrees(instance)
+    choices = [d for d in divisors(devices) if d >= 2]
+    out: list[CompiledRule] = []
+    reason = ""
+    groups_note = ",".join(f"{g}={n}" for g, n in instance.groups.items())
+    for values in itertools.product(choices, repeat=len(free)):
+        fixed = dict(zip(free, values))
+        try:
+            texts = _compile_one(instance, devices, fixed, parallel)
+        except _Skip as skip:
+            reason = str(skip)
+            continue
+        note = " ".join(filter(None, [groups_note, ",".join(f"{k}={v}" for k, v in fixed.items())]))
+        for k, text in enumerate(texts):
+            out.append(CompiledRule(instance.rule.name, note + (f" #{k}" if len(texts) > 1 else ""),
+                                    "par" if parallel else "alg", text))
+    return out, reason
+
+
+class _Skip(Exception):
+    pass
+
+
+def _compile_one(instance: RuleInstance, devices: int, fixed: Mapping[str, int], parallel: bool) -> list[str]:
+    b = _Builder(instance, devices, fixed)
+    metas: dict[str, str] = {}
+    root = b.pattern(instance.lhs, metas)
+    facts = [f"(= root {root})"]
+    for name, var in metas.items():
+        shape = instance.tensors[name]
+        facts.append(f"(= (Pieces {var}) 1)")
+        facts.append(f"(= (Rank {var}) {len(shape)})")
+        for i, dim in enumerate(shape):
+            dim = b.concrete(dim)
+            symbol = _single_symbol(dim)
+            if symbol is not None and symbol not in b.names:
+                b.names[symbol] = _var(symbol)
+                facts.append(f"(= {b.names[symbol]} (Dim {var} {i}))")
+            else:
+                d = b.fresh("d")
+                facts.append(f"(= {d} (Dim {var} {i}))")
+                b.deferred.append(("eq", d, dim))
+    # Every size symbol the conditions or the right side use must be bound now.
+    guards: list[Cond] = list(instance.where) + list(instance.lhs_requires) + list(instance.rhs_requires)
+    rhs_terms = [t for t in instance.rhs.walk() if t.kind != "input"]
+    for term in rhs_terms:
+        pieces = b.concrete(term.spread.pieces)
+        guards.append(Rel("<=", pieces, Poly.const(devices)))
+        guards.append(Rel("==", Poly.const(devices).mod(pieces), Poly.const(0)))
+    fixed_env = {k: Poly.const(v) for k, v in fixed.items()}
+    concrete_guards: list[Cond] = []
+    for cond in guards:
+        cond = _subst_cond(cond, fixed_env)
+        truth = symbolic_truth(cond)
+        if truth is False:
+            raise _Skip(f"condition {cond} cannot hold with {devices} devices")
+        if truth is None:
+            concrete_guards.append(cond)
+    for kind, var, poly in b.deferred:
+        facts.append(f"(= {var} {_expr(poly, b.names)})")
+    alternatives = [[]]
+    for cond in concrete_guards:
+        options = _dnf(cond)
+        alternatives = [a + o for a in alternatives for o in options]
+    # Right side: one let per built term, then its analysis rows, then the union.
+    actions: list[str] = []
+    made: dict[int, str] = {}
+    rhs_env: dict = {}
+    for term in _postorder(instance.rhs):
+        if term.kind == "input":
+            made[id(term)] = metas.get(term.name) or _raise(f"'{term.name}' is not bound by the left side")
+            continue
+        if term.kind == "parallel":
+            args = [made[id(term.args[0])]] + ([str(term.dim)] if term.dim is not None else [])
+            args.append(_expr(b.concrete(term.degree), b.names))
+        else:
+            args = b.op_args(term, made, lhs=False)
+        var = b.fresh("t")
+        made[id(term)] = var
+        actions.append(f"(let {var} ({ctor(term.name)} {' '.join(args)}))")
+        actions.extend(_analysis_rows(var, [b.concrete(d) for d in term.shape], term.spread, b))
+    actions.append(f"(union root {made[id(instance.rhs)]})")
+    ruleset = "par" if parallel else "alg"
+    texts = []
+    for alt in alternatives:
+        when = list(dict.fromkeys(facts + [rel_fact(r, b.names) if _bound(r, b.names) else _raise(f"unbound size in {r}") for r in alt]))
+        texts.append("(rule (" + " ".join(when) + ")\n      (" + " ".join(actions) + ")\n      :ruleset "
+                     + ruleset + ")")
+    return texts
+
+
+def _single_symbol(poly: Poly) -> str | None:
+    """The symbol when `poly` is exactly one symbol (then a pattern can bind it)."""
+    syms = poly.symbols()
+    if len(syms) == 1:
+        symbol = next(iter(syms))
+        if poly == Poly.sym(symbol):
+            return symbol
+    return None
+
+
+def _raise(message: str):
+    raise _Skip(message)
+
+
+def _bound(rel: Rel, names: Mapping[str, str]) -> bool:
+    return (rel.left.symbols() | rel.right.symbols()) <= set(names)
+
+
+def _expr(poly: Poly, names: Mapping[str, str]) -> str:
+    try:
+        return poly_expr(poly, names)
+    except KeyError as err:
+        raise _Skip(f"size '{err.args[0]}' is not bound by the left side") from None
+
+
+def _subst_cond(cond: Cond, env: Mapping[str, Poly]) -> Cond:
+    if isinstance(cond, Rel):
+        return Rel(cond.op, cond.left.subst(env), cond.right.subst(env))
+    if isinstance(cond, Junction):
+        return Junction(cond.op, tuple(_subst_cond(p, env) for p in cond.parts))
+    return Negation(_subst_cond(cond.part, env))
+
+
+def _postorder(term: TypedTerm) -> list[TypedTerm]:
+    out: list[TypedTerm] = []
+    for arg in term.args:
+        out.extend(_postorder(arg))
+    out.append(term)
+    return out
+
+
+def _analysis_rows(var: str, shape: Sequence[Poly], spread, b: _Builder) -> list[str]:
+    rows = [f"(set (Rank {var}) {len(shape)})"]
+    for i, dim in enumerate(shape):
+        rows.append(f"(set (Dim {var} {i}) {_expr(dim, b.names)})")
+        rows.append(f"(set (Shard {var} {i}) {_expr(b.concrete(spread.shard[i]), b.names)})")
+    rows.append(f"(set (Copy {var}) {_expr(b.concrete(spread.copy), b.names)})")
+    rows.append(f"(set (Psum {var}) {_expr(b.concrete(spread.sum), b.names)})")
+    rows.append(f"(set (Pieces {var}) {_expr(b.concrete(spread.pieces), b.names)})")
+    return rows
+
+
+# ------------------------------------------------------------------- the program
+
+
+@dataclass(frozen=True)
+class RuleProgram:
+    """The compiled rules: declarations, rules by ruleset, and what was left out and why."""
+
+    declarations: str
+    rules: tuple[CompiledRule, ...]
+    skipped: tuple[SkippedRule, ...]
+
+    def text(self) -> str:
+        return self.declarations + "\n" + "\n".join(r.text for r in self.rules) + "\n"
+
+    def count(self, ruleset: str) -> int:
+        return sum(1 for r in self.rules if r.ruleset == ruleset)
+
+
+def declarations(ops: Mapping[str, ast.OpDecl]) -> str:
+    lines = ["(datatype T", "  (Leaf String)"]
+    for op in ops.values():
+        sorts = ["T" if p.is_tensor else ("String" if p.type.kind == "real" else "i64") for p in op.params]
+        lines.append(f"  ({ctor(op.name)} {' '.join(sorts)})")
+    lines += ["  (P_partition T i64 i64)", "  (P_combine T i64 i64)", "  (P_replicate T i64)", "  (P_reduce T i64))"]
+    for name in ANALYSES:
+        key = "T i64" if name in ("Dim", "Shard") else "T"
+        lines.append(f"(function {name} ({key}) i64 :merge (min old new))")
+    lines += ["(ruleset alg)", "(ruleset par)"]
+    return "\n".join(lines) + "\n"
+
+
+def _ops_in(expr: ast.Expr) -> set[str]:
+    return {n.func for n in ast.walk(expr) if isinstance(n, ast.Call) and n.func not in PARALLEL}
+
+
+def reachable_rules(rules: Sequence[ast.RuleDecl], graph_ops: set[str]) -> list[ast.RuleDecl]:
+    """Rules that can ever match: every operator on their left is in the graph or made by such a rule."""
+    present = set(graph_ops)
+    changed = True
+    while changed:
+        changed = False
+        for rule in rules:
+            if _ops_in(rule.lhs) <= present and not _ops_in(rule.rhs) <= present:
+                present |= _ops_in(rule.rhs)
+                changed = True
+    return [r for r in rules if _ops_in(r.lhs) <= present]
+
+
+def compile_rules(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[int], devices: int,
+                  graph_ops: set[str] | None = None, typing_cache: dict | None = None) -> RuleProgram:
+    """Every rule at every rank assignment the graph's `ranks` need, for `devices` devices.
+
+    Rules whose left side needs an operator that neither the graph (`graph_ops`)
+    nor any rule can produce are left out. `typing_cache` (a dict owned by the
+    caller) keeps typed rule instances between calls with the same ranks.
+    """
+    from parsat.dsl.checker import is_parallel_rule
+
+    ops = library.ops
+    compiled: list[CompiledRule] = []
+    skipped: list[SkippedRule] = []
+    usable = rules if graph_ops is None else reachable_rules(rules, graph_ops)
+    cache = typing_cache if typing_cache is not None else {}
+    for rule in rules:
+        if rule not in usable:
+            skipped.append(SkippedRule(rule.name, "its left side needs an operator the graph never contains"))
+    for rule in usable:
+        parallel = is_parallel_rule(rule)
+        found = 0
+        last_reason = "no rank assignment of its metavariables fits the graph's ranks"
+        key = (rule, frozenset(ranks))
+        if key not in cache:
+            cache[key] = list(_typed_instances(rule, ops, ranks))
+        for instance in cache[key]:
+            made, reason = compile_rule_instance(instance, devices, parallel)
+            compiled.extend(made)
+            found += len(made)
+            last_reason = reason or last_reason
+        if not found:
+            skipped.append(SkippedRule(rule.name, last_reason))
+    named = tuple(CompiledRule(r.name, r.variant, r.ruleset, r.text[:-1] + f' :name "{r.name}#{i}")', f"{r.name}#{i}")
+                  for i, r in enumerate(compiled))
+    return RuleProgram(declarations(ops), named, tuple(skipped))
+
+
+# ---------------------------------------------------------------- graph to egglog
+
+
+def layout_chain(var: str, layout: Layout) -> list[tuple[str, str, Layout]]:
+    """Parallel terms that bring a whole tensor to `layout` (partitions, then replicate)."""
+    out = []
+    current = Layout.whole(len(layout.shard))
+    expr = var
+    for dim, degree in enumerate(layout.shard):
+        if degree > 1:
+            current = Layout(tuple(d * degree if i == dim else d for i, d in enumerate(current.shard)), current.copy)
+            expr = f"(P_partition {expr} {dim} {degree})"
+            out.append((expr, "partition", current))
+    if layout.copy > 1:
+        current = Layout(current.shard, layout.copy)
+        expr = f"(P_replicate {expr} {layout.copy})"
+        out.append((expr, "replicate", current))
+    return out
+
+
+PIN_SUFFIX = "@pinned"
+
+
+def graph_program(graph: Graph, ops: Mapping[str, ast.OpDecl],
+                  pins: Mapping[str, Layout] | None = None) -> tuple[str, dict[str, str]]:
+    """One `let` per leaf and per operator (a DAG, not a tree), with analysis rows.
+
+    `pins` fixes layouts: for an output, the parallel terms that bring it to
+    that layout are added and become the extraction root ("pin:NAME"); for a
+    graph input, the input *arrives* in that layout: its parallel terms are
+    unioned with a second leaf `Leaf "NAME@pinned"` (free), so the whole
+    input is what costs a gather. Returns the text and, for each graph
+    tensor (and each pin), the global variable naming its e-class.
+    """
+    lines: list[str] = []
+    names: dict[str, str] = {}
+    shapes = graph.shapes()
+    inputs = {leaf.name for leaf in graph.leaves if leaf.role == "input"}
+
+    def rows(var: str, shape: Sequence[int], layout: Layout) -> None:
+        lines.append(f"(set (Rank {var}) {len(shape)})")
+        for i, d in enumerate(shape):
+            lines.append(f"(set (Dim {var} {i}) {d})")
+            lines.append(f"(set (Shard {var} {i}) {layout.shard[i]})")
+        lines.append(f"(set (Copy {var}) {layout.copy})")
+        lines.append(f"(set (Psum {var}) {layout.sum})")
+        lines.append(f"(set (Pieces {var}) {layout.pieces})")
+
+    for index, leaf in enumerate(graph.leaves):
+        var = f"$l{index}"
+        names[leaf.name] = var
+        lines.append(f"\n(let {var} (Leaf {_quote(leaf.name)}))")
+        rows(var, leaf.shape, Layout.whole(len(leaf.shape)))
+    for index, node in enumerate(graph.nodes):
+        var = f"$n{index}"
+        names[node.name] = var
+        args = []
+        tensors = iter(node.inputs)
+        attrs = dict(node.attrs)
+        for param in ops[node.op].params:
+            if param.is_tensor:
+                args.append(names[next(tensors)])
+            elif param.type.kind == "real":
+                args.append(real_literal(attrs[param.name]))
+            else:
+                args.append(str(int(attrs[param.name])))
+        lines.append(f"\n(let {var} ({ctor(node.op)} {' '.join(args)}))")
+        rows(var, node.shape, Layout.whole(len(node.shape)))
+    for pin_index, (name, layout) in enumerate((pins or {}).items()):
+        base = names[name]
+        var = base
+        for step, (expr, _kind, current) in enumerate(layout_chain(base, layout)):
+            var = f"$p{pin_index}_{step}"
+            lines.append(f"\n(let {var} {expr})")
+            rows(var, shapes[name], current)
+        if name in inputs and var != base:
+            lines.append(f"\n(union {var} (Leaf {_quote(name + PIN_SUFFIX)}))")
+        names[f"pin:{name}"] = var
+    return "\n".join(lines) + "\n", names
+
+
+# ------------------------------------------------------------------ the e-graph
+
+
+@dataclass(frozen=True)
+class ENode:
+    """One e-node of the snapshot: constructor (operator name, or "leaf"), children classes, attributes."""
+
+    op: str
+    children: tuple[int, ...]
+    attrs: tuple  # values of the non-tensor positions, in order (ints, strings for reals, leaf name)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The e-graph read back: e-classes with their e-nodes and their analysis."""
+
+    classes: Mapping[int, tuple[ENode, ...]]
+    shape: Mapping[int, tuple[int, ...]]
+    layout: Mapping[int, Layout]
+    lets: Mapping[str, int]
+
+    @property
+    def enodes(self) -> int:
+        return sum(len(v) for v in self.classes.values())
+
+
+class Session:
+    """An egglog e-graph with the compiled rules and one graph loaded."""
+
+    def __init__(self, program: RuleProgram, graph_text: str):
+        self.egraph = bindings.EGraph()
+        try:
+            # One command batch per rule and per graph node: egglog 13.2 is far
+            # slower on one large program (9 s against 0.4 s for 200 rules).
+            self._run(program.declarations)
+            for rule in program.rules:
+                self._run(rule.text)
+            for chunk in graph_text.split("\n\n"):
+                if chunk.strip():
+                    self._run(chunk)
+        except bindings.EggSmolError as err:
+            raise CompileError(f"egglog rejected the generated program: {err}") from None
+
+    def _run(self, text: str):
+        return self.egraph.run_program(*self.egraph.parse_program(text))
+
+    def run(self, ruleset: str) -> tuple[bool, dict[str, int]]:
+        """One iteration of `ruleset`; (whether anything changed, matches per rule text)."""
+        outputs = self._run(f"(run {ruleset} 1)")
+        report = outputs[-1].report
+        return bool(report.updated), dict(report.num_matches_per_rule)
+
+    def size(self) -> int:
+        """Number of e-nodes (constructor rows)."""
+        frozen = self.egraph.freeze()
+        return sum(len(fn.rows) for name, fn in frozen.functions.items()
+                   if fn.output_sort == "T" and not fn.is_let_binding)
+
+    def snapshot(self) -> Snapshot:
+        eg = self.egraph
+        frozen = eg.freeze()
+        classes: dict[int, list[ENode]] = {}
+        analysis: dict[str, dict] = {name: {} for name in ANALYSES}
+        lets: dict[str, int] = {}
+        for name, fn in frozen.functions.items():
+            if fn.is_let_binding:
+                if fn.output_sort == "T":
+                    lets[name] = eg.value_to_i64(fn.rows[0].output)
+                continue
+            if name in analysis:
+                table = analysis[name]
+                for row in fn.rows:
+                    key = tuple(eg.value_to_i64(v) for v in row.inputs)
+                    table[key] = eg.value_to_i64(row.output)
+                continue
+            if fn.output_sort != "T":
+                continue
+            op = "leaf" if name == "Leaf" else name.split("_", 1)[1]
+            for row in fn.rows:
+                if row.subsumed:
+                    continue
+                children, attrs = [], []
+                for sort, value in zip(fn.input_sorts, row.inputs):
+                    if sort == "T":
+                        children.append(eg.value_to_i64(value))
+                    elif sort == "String":
+                        attrs.append(eg.value_to_string(value))
+                    else:
+                        attrs.append(eg.value_to_i64(value))
+                classes.setdefault(eg.value_to_i64(row.output), []).append(ENode(op, tuple(children), tuple(attrs)))
+        shape: dict[int, tuple[int, ...]] = {}
+        layout: dict[int, Layout] = {}
+        for cid in classes:
+            rank = analysis["Rank"].get((cid,))
+            if rank is None:
+                continue
+            dims = tuple(analysis["Dim"].get((cid, i), 0) for i in range(rank))
+            shard = tuple(analysis["Shard"].get((cid, i), 1) for i in range(rank))
+            shape[cid] = dims
+            layout[cid] = Layout(shard, analysis["Copy"].get((cid,), 1), analysis["Psum"].get((cid,), 1))
+        return Snapshot({k: tuple(v) for k, v in classes.items()}, shape, layout, lets)

@@ -1,0 +1,281 @@
+"""The computation graph parsat optimizes: leaves, operator nodes, outputs.
+
+A graph is a DAG of operators from the `.rule` library applied to named
+leaves (graph inputs and trainable weights). It is immutable (frozen
+dataclasses); `GraphBuilder` makes one, `Graph.from_json` reads one.
+Shapes are not trusted from the user: every node's shape is inferred by
+instantiating its operator (`dsl.instantiate`), so an unknown operator, a
+wrong arity or a shape mismatch is reported with the node's name before
+anything is optimized. The JSON form is documented in docs/graph-schema.md.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from parsat.dsl import ast
+from parsat.dsl.conditions import holds
+from parsat.dsl.instantiate import InstantiationError, OpInstance, instantiate
+from parsat.dsl.library import Library
+from parsat.dsl.symbolic import Poly
+
+GRAPH_SCHEMA = "parsat.graph"
+GRAPH_VERSION = 1
+ROLES = ("input", "weight")
+
+
+class GraphError(Exception):
+    """A graph that cannot be optimized; the message names the node."""
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A graph input (data, no gradient) or a weight (trained, has a gradient)."""
+
+    name: str
+    shape: tuple[int, ...]
+    role: str = "input"
+
+
+@dataclass(frozen=True)
+class OpNode:
+    """One operator application. `attrs` are the non-tensor parameters by name."""
+
+    name: str
+    op: str
+    inputs: tuple[str, ...]
+    attrs: tuple[tuple[str, int | float], ...] = ()
+    shape: tuple[int, ...] = ()
+
+    def attr(self, key: str) -> int | float:
+        return dict(self.attrs)[key]
+
+
+@dataclass(frozen=True)
+class Graph:
+    """Leaves, nodes in topological order, and the names of the outputs."""
+
+    leaves: tuple[Leaf, ...]
+    nodes: tuple[OpNode, ...]
+    outputs: tuple[str, ...]
+    name: str = "graph"
+    meta: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
+
+    # ------------------------------------------------------------- queries
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.shapes()[name]
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        found = {leaf.name: leaf.shape for leaf in self.leaves}
+        found.update({node.name: node.shape for node in self.nodes})
+        return found
+
+    def leaf(self, name: str) -> Leaf | None:
+        for leaf in self.leaves:
+            if leaf.name == name:
+                return leaf
+        return None
+
+    @property
+    def weights(self) -> tuple[Leaf, ...]:
+        return tuple(l for l in self.leaves if l.role == "weight")
+
+    def ranks(self) -> set[int]:
+        return {len(s) for s in self.shapes().values()}
+
+    # ----------------------------------------------------------------- JSON
+    def to_dict(self) -> dict:
+        return {
+            "schema": GRAPH_SCHEMA, "version": GRAPH_VERSION, "name": self.name,
+            "inputs": [{"name": l.name, "shape": list(l.shape)} for l in self.leaves if l.role == "input"],
+            "weights": [{"name": l.name, "shape": list(l.shape)} for l in self.leaves if l.role == "weight"],
+            "nodes": [{"name": n.name, "op": n.op, "inputs": list(n.inputs), "attrs": dict(n.attrs),
+                       "shape": list(n.shape)} for n in self.nodes],
+            "outputs": list(self.outputs),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+
+    @staticmethod
+    def from_dict(data: Mapping, library: Library | None = None) -> "Graph":
+        """Read and validate a graph; node shapes in the file are checked, not trusted."""
+        if not isinstance(data, Mapping):
+            raise GraphError("a graph must be a JSON object")
+        if data.get("schema", GRAPH_SCHEMA) != GRAPH_SCHEMA:
+            raise GraphError(f"not a parsat graph (schema {data.get('schema')!r}, expected {GRAPH_SCHEMA!r})")
+        version = data.get("version", GRAPH_VERSION)
+        if version != GRAPH_VERSION:
+            raise GraphError(f"graph schema version {version} is not supported (this parsat reads {GRAPH_VERSION})")
+        builder = GraphBuilder(library, name=str(data.get("name", "graph")))
+        try:
+            for role, key in (("input", "inputs"), ("weight", "weights")):
+                for item in data.get(key, []):
+                    builder.leaf(item["name"], item["shape"], role)
+            for item in data.get("nodes", []):
+                handles = []
+                for ref in item.get("inputs", []):
+                    if ref not in builder._shapes:
+                        raise GraphError(f"node '{item.get('name')}': input '{ref}' is not defined before it")
+                    handles.append(Tensor(ref))
+                made = builder.op(item["op"], *handles, name=item.get("name"), **dict(item.get("attrs", {})))
+                if "shape" in item and tuple(item["shape"]) != builder._shapes[made.name]:
+                    raise GraphError(f"node '{made.name}': the file says shape {list(item['shape'])}, "
+                                     f"but {item['op']} gives {list(builder._shapes[made.name])}")
+            for ref in data.get("outputs", []):
+                if ref not in builder._shapes:
+                    raise GraphError(f"output '{ref}' is not a node or leaf of the graph")
+                builder.output(Tensor(ref))
+        except KeyError as err:
+            raise GraphError(f"graph JSON is missing the field {err}") from None
+        return builder.build()
+
+    @staticmethod
+    def from_json(text: str, library: Library | None = None) -> "Graph":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise GraphError(f"graph JSON is not valid JSON: {err}") from None
+        return Graph.from_dict(data, library)
+
+    @staticmethod
+    def load(path: str | Path, library: Library | None = None) -> "Graph":
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as err:
+            raise GraphError(f"cannot read {path}: {err.strerror}") from None
+        return Graph.from_json(text, library)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A handle to a leaf or node of a graph under construction."""
+
+    name: str
+
+
+def _library(library: Library | None) -> Library:
+    if library is not None:
+        return library
+    from parsat.dsl.library import load_library
+
+    return load_library()[0]
+
+
+def instance_for(op: ast.OpDecl, shapes: Sequence[Sequence[int]], attrs: Mapping[str, int | float]) -> OpInstance:
+    """The operator at concrete shapes and attributes (raises InstantiationError)."""
+    int_attrs: dict[str, Poly] = {}
+    real_attrs: dict[str, ast.Expr] = {}
+    for param in op.attr_params:
+        if param.name not in attrs:
+            raise InstantiationError("arity", f"{op.name} needs the attribute '{param.name}'")
+        value = attrs[param.name]
+        if param.type.kind == "real":
+            real_attrs[param.name] = ast.Num(float(value))
+        else:
+            if isinstance(value, bool) or not isinstance(value, int) and not float(value).is_integer():
+                raise InstantiationError("attribute", f"{op.name}: '{param.name}' must be an integer, got {value!r}")
+            int_attrs[param.name] = Poly.const(int(value))
+    extra = set(attrs) - {p.name for p in op.attr_params}
+    if extra:
+        raise InstantiationError("attribute", f"{op.name} has no attribute(s) {', '.join(sorted(extra))}")
+    instance = instantiate(op, [[Poly.const(d) for d in s] for s in shapes], int_attrs, real_attrs)
+    for cond in instance.requirements:
+        if not holds(cond, {}):
+            raise InstantiationError("where", f"{op.name} requires {cond}")
+    return instance
+
+
+class GraphBuilder:
+    """Builds a `Graph`, inferring and checking every shape as it goes.
+
+    `g.op("matmul", x, w)`: tensor arguments in the operator's order; integer
+    and real attributes by keyword (`g.op("softmax", s, dim=2)`) or
+    positionally where the operator's signature puts them.
+    """
+
+    def __init__(self, library: Library | None = None, name: str = "graph"):
+        self.library = _library(library)
+        self.name = name
+        self._leaves: list[Leaf] = []
+        self._nodes: list[OpNode] = []
+        self._outputs: list[str] = []
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._counter = 0
+
+    def leaf(self, name: str, shape: Sequence[int], role: str) -> Tensor:
+        if role not in ROLES:
+            raise GraphError(f"leaf '{name}': role must be one of {', '.join(ROLES)}, not {role!r}")
+        if name in self._shapes:
+            raise GraphError(f"the name '{name}' is used twice")
+        dims = tuple(int(d) for d in shape)
+        if any(d < 1 for d in dims):
+            raise GraphError(f"{role} '{name}': every dim must be at least 1, got {list(dims)}")
+        self._leaves.append(Leaf(name, dims, role))
+        self._shapes[name] = dims
+        return Tensor(name)
+
+    def input(self, name: str, shape: Sequence[int]) -> Tensor:
+        return self.leaf(name, shape, "input")
+
+    def weight(self, name: str, shape: Sequence[int]) -> Tensor:
+        return self.leaf(name, shape, "weight")
+
+    def op(self, op_name: str, *args: Tensor | int | float, name: str | None = None, **attrs: int | float) -> Tensor:
+        op = self.library.ops.get(op_name)
+        if name is None:
+            self._counter += 1
+            name = f"{op_name}_{self._counter}"
+            while name in self._shapes:
+                self._counter += 1
+                name = f"{op_name}_{self._counter}"
+        if op is None:
+            import difflib
+
+            close = difflib.get_close_matches(op_name, list(self.library.ops), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise GraphError(f"node '{name}': unknown operator '{op_name}'{hint}")
+        if name in self._shapes:
+            raise GraphError(f"the name '{name}' is used twice")
+        tensors = [a for a in args if isinstance(a, Tensor)]
+        scalars = [a for a in args if not isinstance(a, Tensor)]
+        attr_params = [p.name for p in op.attr_params if p.name not in attrs]
+        if len(scalars) > len(attr_params):
+            raise GraphError(f"node '{name}': {op_name} takes {len(op.attr_params)} attribute(s), "
+                             f"got {len(scalars) + len(attrs)}")
+        attrs = {**dict(zip(attr_params, scalars)), **attrs}
+        for t in tensors:
+            if t.name not in self._shapes:
+                raise GraphError(f"node '{name}': input '{t.name}' is not defined")
+        shapes = [self._shapes[t.name] for t in tensors]
+        try:
+            instance = instance_for(op, shapes, attrs)
+        except InstantiationError as err:
+            given = ", ".join(f"{t.name}{list(s)}" for t, s in zip(tensors, shapes))
+            raise GraphError(f"node '{name}' ({op_name} of {given}): {err}") from None
+        shape = tuple(int(d.evaluate({})) for d in instance.output_shape)
+        ordered = tuple((p.name, attrs[p.name]) for p in op.attr_params)
+        self._nodes.append(OpNode(name, op_name, tuple(t.name for t in tensors), ordered, shape))
+        self._shapes[name] = shape
+        return Tensor(name)
+
+    def output(self, *tensors: Tensor) -> None:
+        for t in tensors:
+            if t.name not in self._shapes:
+                raise GraphError(f"output '{t.name}' is not defined")
+            if t.name not in self._outputs:
+                self._outputs.append(t.name)
+
+    def shape(self, t: Tensor) -> tuple[int, ...]:
+        return self._shapes[t.name]
+
+    def build(self) -> Graph:
+        if not self._outputs:
+            raise GraphError(f"graph '{self.name}' has no outputs (call output(...))")
+        return Graph(tuple(self._leaves), tuple(self._nodes), tuple(self._outputs), self.name)

@@ -1,0 +1,114 @@
+"""The Parallel Computation Graph (PCG): what extraction picks out of the e-graph.
+
+A PCG node is a leaf (graph input or weight, whole), a compute operator on
+local pieces, or one of the four parallel operators. Every node carries its
+logical shape and its `Layout` (the concrete form of `dsl.spread.Spread`:
+integer shard degrees per dim, copy degree, partial-sum degree). Layouts are
+not computed here: they come from the e-graph analysis, which takes them from
+the typed rules, and cost.py checks compute nodes with `dsl.spread`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Iterator
+
+from parsat.dsl.spread import Spread
+from parsat.dsl.symbolic import Poly
+
+PARALLEL = ("partition", "combine", "replicate", "reduce")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a tensor is spread over devices, with concrete degrees."""
+
+    shard: tuple[int, ...]
+    copy: int = 1
+    sum: int = 1
+
+    @staticmethod
+    def whole(rank: int) -> "Layout":
+        return Layout(tuple(1 for _ in range(rank)))
+
+    @property
+    def pieces(self) -> int:
+        return prod(self.shard) * self.copy * self.sum
+
+    @property
+    def is_whole(self) -> bool:
+        return self.pieces == 1
+
+    def piece_elements(self, shape: tuple[int, ...]) -> int:
+        """Elements of one local piece."""
+        return prod(shape) // prod(self.shard) if shape else 1
+
+    def to_spread(self) -> Spread:
+        return Spread(tuple(Poly.const(d) for d in self.shard), Poly.const(self.copy), Poly.const(self.sum))
+
+    def to_dict(self) -> dict:
+        return {"shard": list(self.shard), "copy": self.copy, "sum": self.sum}
+
+    @staticmethod
+    def from_dict(data: dict) -> "Layout":
+        return Layout(tuple(int(d) for d in data["shard"]), int(data.get("copy", 1)), int(data.get("sum", 1)))
+
+    def __str__(self) -> str:
+        if self.is_whole:
+            return "whole"
+        parts = []
+        if any(d != 1 for d in self.shard):
+            parts.append("shard[" + ",".join(str(d) for d in self.shard) + "]")
+        if self.copy != 1:
+            parts.append(f"copy {self.copy}")
+        if self.sum != 1:
+            parts.append(f"sum {self.sum}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class PNode:
+    """One PCG node. `inputs` are ids of earlier nodes; `origin` names the graph node it computes, if any."""
+
+    id: int
+    kind: str  # "leaf" | "op" | "parallel"
+    op: str    # operator name, parallel operator name, or the leaf's name
+    inputs: tuple[int, ...]
+    attrs: tuple[tuple[str, int | float | str], ...]
+    shape: tuple[int, ...]
+    layout: Layout
+    role: str = ""     # leaves: "input" | "weight"
+    origin: str = ""
+
+    def attr(self, key: str):
+        return dict(self.attrs)[key]
+
+    @property
+    def label(self) -> str:
+        if self.kind == "leaf":
+            return self.op
+        attrs = ", ".join(f"{k}={v}" for k, v in self.attrs)
+        return f"{self.op}({attrs})" if attrs else self.op
+
+
+@dataclass(frozen=True)
+class PCG:
+    """Nodes in topological order (inputs before users) and the output ids."""
+
+    nodes: tuple[PNode, ...]
+    outputs: tuple[int, ...]
+    output_names: tuple[str, ...] = ()
+
+    def __iter__(self) -> Iterator[PNode]:
+        return iter(self.nodes)
+
+    def node(self, ident: int) -> PNode:
+        return self._by_id()[ident]
+
+    def _by_id(self) -> dict[int, PNode]:
+        return {n.id: n for n in self.nodes}
+
+    @property
+    def max_pieces(self) -> int:
+        return max((n.layout.pieces for n in self.nodes), default=1)

@@ -1,0 +1,229 @@
+"""A Plan: the chosen PCG with its predicted costs, the baselines, and how it was found.
+
+The plan JSON (docs/plan-schema.md) is the contract with the torch backend
+and other compilers: it is self-contained (the input graph with every shape,
+the weights by name and shape, every node's spread, the device count and the
+machine) and versioned. `explain()` renders the same data as text, so
+`parsat explain plan.json` and `plan.explain()` print the same report.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+from parsat.saturate.cost import NodeCost, Totals
+from parsat.saturate.graph import Graph
+from parsat.saturate.machine import Machine
+from parsat.saturate.pcg import PCG, Layout, PNode
+
+PLAN_SCHEMA = "parsat.plan"
+PLAN_VERSION = 1
+BASELINES = ("data_parallel", "sequential", "megatron")
+
+
+class PlanError(Exception):
+    """A plan file that cannot be read."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    graph: Graph
+    machine: Machine
+    devices: int
+    pcg: PCG
+    costs: Mapping[int, NodeCost]
+    totals: Totals
+    baselines: Mapping[str, Totals | None] = field(default_factory=dict)
+    rules_used: tuple[str, ...] = ()
+    saturation: Mapping = field(default_factory=dict)
+    extraction: Mapping = field(default_factory=dict)
+    pinned: Mapping[str, Layout] = field(default_factory=dict)   # tensor name -> pinned layout (inputs and outputs)
+
+    @property
+    def cost(self) -> float:
+        """Predicted seconds per training step."""
+        return self.totals.time_s
+
+    def to_dict(self) -> dict:
+        dtype = self.machine.dtype_bytes
+        nodes = []
+        for node in self.pcg.nodes:
+            cost = self.costs.get(node.id, NodeCost())
+            entry = {"id": node.id, "kind": node.kind, "op": node.op, "attrs": dict(node.attrs),
+                     "inputs": list(node.inputs), "shape": list(node.shape), "spread": node.layout.to_dict(),
+                     "pieces": node.layout.pieces, "origin": node.origin, "cost": cost.to_dict(dtype)}
+            if node.kind == "leaf":
+                entry["role"] = node.role
+            nodes.append(entry)
+        return {
+            "schema": PLAN_SCHEMA, "version": PLAN_VERSION,
+            "devices": self.devices, "machine": self.machine.to_dict(), "graph": self.graph.to_dict(),
+            "nodes": nodes,
+            "outputs": [{"name": name, "node": ident} for name, ident in zip(self.pcg.output_names, self.pcg.outputs)],
+            "totals": self.totals.to_dict(),
+            "baselines": {name: (self.baselines[name].to_dict() if self.baselines.get(name) else None)
+                          for name in BASELINES},
+            "pinned_spreads": {name: layout.to_dict() for name, layout in self.pinned.items()},
+            "rules_used": list(self.rules_used),
+            "saturation": dict(self.saturation),
+            "extraction": dict(self.extraction),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=_json_default)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+
+    def explain(self) -> str:
+        return explain(self.to_dict())
+
+
+def _json_default(value):
+    if value == float("inf"):
+        return None
+    raise TypeError(type(value).__name__)
+
+
+def load_plan_dict(path: str | Path) -> dict:
+    """A plan file as a dict, with its schema and version checked."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as err:
+        raise PlanError(f"cannot read {path}: {err.strerror}") from None
+    except json.JSONDecodeError as err:
+        raise PlanError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA:
+        raise PlanError(f"{path} is not a parsat plan (schema should be {PLAN_SCHEMA!r})")
+    if data.get("version") != PLAN_VERSION:
+        raise PlanError(f"{path}: plan version {data.get('version')} is not supported (this parsat reads "
+                        f"{PLAN_VERSION})")
+    return data
+
+
+def pcg_from_dict(data: Mapping) -> PCG:
+    nodes = tuple(PNode(n["id"], n["kind"], n["op"], tuple(n["inputs"]), tuple(n["attrs"].items()),
+                        tuple(n["shape"]), Layout.from_dict(n["spread"]), n.get("role", ""), n.get("origin", ""))
+                  for n in data["nodes"])
+    return PCG(nodes, tuple(o["node"] for o in data["outputs"]), tuple(o["name"] for o in data["outputs"]))
+
+
+# ----------------------------------------------------------------------- explain
+
+
+def _fmt_time(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _spread_text(spread: Mapping) -> str:
+    return str(Layout.from_dict(spread))
+
+
+def explain(data: Mapping, limit: int | None = 40) -> str:
+    """A readable breakdown of a plan dict: what parsat did, where the time and bytes go, the baselines.
+
+    Long plans show the first `limit` parallel operators and nodes (None: all).
+    """
+    lines: list[str] = []
+    graph = data["graph"]
+    machine = data["machine"]
+    totals = data["totals"]
+    lines.append(f"plan for '{graph.get('name', 'graph')}' on {data['devices']} device(s) of {machine['name']} "
+                 f"({machine['devices_per_node']} per node)")
+    lines.append(f"  predicted step time {_fmt_time(totals['time_s'])} "
+                 f"(compute {_fmt_time(totals['compute_s'])}, communication {_fmt_time(totals['comm_s'])})")
+    lines.append(f"  communication {totals['comm_elements']:,} elements ({_fmt_bytes(totals['comm_bytes'])}) per step, "
+                 f"of which gradient sync {totals['grad_sync_elements']:,}")
+    lines.append(f"  peak memory {_fmt_bytes(totals['peak_memory_bytes'])} per device (bound)")
+    lines.append("")
+    lines.append("what parsat did:")
+    nodes = {n["id"]: n for n in data["nodes"]}
+    weights = {w["name"] for w in graph.get("weights", [])}
+    for node in data["nodes"]:
+        if node["kind"] == "leaf" and node["cost"]["collectives"]:
+            lines.append(f"  #{node['id']:<4} reads input {node['op']} whole although it arrives "
+                         f"{_spread_text(data.get('pinned_spreads', {}).get(node['op'], node['spread']))}; "
+                         + "; ".join(node["cost"]["collectives"]))
+    parallel = [n for n in data["nodes"] if n["kind"] == "parallel"]
+    for node in parallel[:limit]:
+        source = nodes[node["inputs"][0]]
+        what = source["op"] if source["kind"] == "leaf" else f"{source['op']} #{source['id']}"
+        attrs = node["attrs"]
+        if node["op"] == "partition":
+            text = f"splits {what} along dim {attrs['dim']} into {attrs['degree']} blocks"
+        elif node["op"] == "combine":
+            text = f"gathers {what} along dim {attrs['dim']} from {attrs['degree']} blocks"
+        elif node["op"] == "replicate":
+            text = f"replicates {what} on {attrs['degree']} devices"
+        else:
+            text = f"adds up {attrs['degree']} partial sums of {what}"
+        if source["kind"] == "leaf" and source["op"] in weights:
+            text += " (weight" + (", gradient all-reduced every step)" if node["op"] == "replicate" else
+                                  ", stored sharded: no gradient sync)")
+        collectives = node["cost"]["collectives"]
+        if collectives:
+            text += "; " + "; ".join(collectives)
+        lines.append(f"  #{node['id']:<4} {text}")
+    if limit is not None and len(parallel) > limit:
+        lines.append(f"  ... {len(parallel) - limit} more parallel operators (parsat explain --all)")
+    if not any(n["kind"] == "parallel" for n in data["nodes"]):
+        lines.append("  nothing split: under the cost model no parallel plan is faster on this machine "
+                     "(every device runs the whole step; see the baselines below)")
+    if data.get("rules_used"):
+        lines.append("  rules: " + ", ".join(data["rules_used"]))
+    lines.append("")
+    lines.append("nodes (id, operator, spread, time, communication, memory):")
+    computed = [n for n in data["nodes"] if n["kind"] != "leaf" or n["cost"]["collectives"]]
+    for node in computed[:limit]:
+        cost = node["cost"]
+        args = ", ".join(f"#{i}" if nodes[i]["kind"] != "leaf" else nodes[i]["op"] for i in node["inputs"])
+        attrs = ", ".join(f"{k}={v}" for k, v in node["attrs"].items())
+        label = f"{node['op']}({args}{', ' + attrs if attrs else ''})"
+        origin = f" [{node['origin']}]" if node.get("origin") else ""
+        lines.append(f"  #{node['id']:<4} {label:<46} {_spread_text(node['spread']):<18} "
+                     f"{_fmt_time(cost['time_s']):>10} {cost['comm_elements']:>12,} el {_fmt_bytes(cost['memory_bytes']):>10}"
+                     f"{origin}")
+    if limit is not None and len(computed) > limit:
+        lines.append(f"  ... {len(computed) - limit} more nodes (parsat explain --all)")
+    lines.append("")
+    lines.append("compared with (same cost model):")
+    header = f"  {'plan':<14} {'time':>12} {'comm elements':>16} {'grad sync':>14} {'memory':>12}"
+    lines.append(header)
+
+    def row(name: str, t: Mapping | None) -> str:
+        if t is None:
+            return f"  {name:<14} {'n/a':>12}"
+        return (f"  {name:<14} {_fmt_time(t['time_s']):>12} {t['comm_elements']:>16,} {t['grad_sync_elements']:>14,} "
+                f"{_fmt_bytes(t['peak_memory_bytes']):>12}")
+
+    lines.append(row("parsat", totals))
+    for name in BASELINES:
+        lines.append(row(name, data["baselines"].get(name)))
+    sat = data.get("saturation") or {}
+    if sat:
+        lines.append("")
+        lines.append(f"saturation: stopped by {sat.get('stop')} after {sat.get('iterations')} iteration(s), "
+                     f"{sat.get('enodes')} e-nodes in {sat.get('eclasses')} e-classes, {sat.get('seconds', 0):.2f} s "
+                     f"(+{sat.get('compile_seconds', 0):.2f} s to compile "
+                     f"{sum((sat.get('rules_compiled') or {}).values())} egglog rules)")
+    ext = data.get("extraction") or {}
+    if ext:
+        lines.append(f"extraction: best by {ext.get('method')}; "
+                     + ", ".join(f"{k} {_fmt_time(v) if v is not None else 'none'}"
+                                 for k, v in (ext.get('candidates') or {}).items())
+                     + f"; ILP {ext.get('ilp_status', '')}")
+    return "\n".join(lines)
