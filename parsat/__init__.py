@@ -8,7 +8,30 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "load_rules", "check"]
+__all__ = ["__version__", "load_rules", "check", "verify", "optimize", "Machine", "Graph", "GraphBuilder", "Limits"]
+
+# Lazy re-exports of the saturation API (importing parsat must not import egglog).
+_LAZY = {
+    "Machine": "parsat.saturate.machine",
+    "Graph": "parsat.saturate.graph",
+    "GraphBuilder": "parsat.saturate.graph",
+    "Limits": "parsat.saturate.saturate",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'parsat' has no attribute {name!r}")
+
+
+def optimize(graph, machine="h100x8", rules=None, limits=None, devices=None, **options):
+    """The cheapest plan the proven rules reach: see `parsat.saturate.api.optimize`."""
+    from parsat.saturate.api import optimize as run
+
+    return run(graph, machine=machine, rules=rules, limits=limits, devices=devices, **options)
 
 
 def load_rules(paths=None):
@@ -26,3 +49,10 @@ def check(paths=None):
     from parsat.dsl.checker import check_paths
 
     return check_paths(paths)
+
+
+def verify(rules=None, **options):
+    """`[Verdict]` for a `Library`, files or folders (default: shipped); see `parsat.verifier.api`."""
+    from parsat.verifier.api import verify as run
+
+    return run(rules, **options)

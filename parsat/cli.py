@@ -19,6 +19,11 @@ from parsat import __version__
 SUBCOMMANDS = {
     "check": "parsat.dsl.cli",
     "fmt": "parsat.dsl.cli",
+    "verify": "parsat.verifier.cli",
+    "run": "parsat.backend.cli",
+    "optimize": "parsat.saturate.cli",
+    "explain": "parsat.saturate.cli",
+    "show": "parsat.saturate.cli",
 }
 
 

@@ -1,0 +1,433 @@
+"""Run a PCG as real training steps on N ranks, and check it against one process.
+
+Each rank walks the PCG in order: a leaf becomes its full tensor, made from
+a seed (weights once, data batches per step), so every rank and the
+single-process reference see the same values without communication; a
+compute node runs the torch op on local pieces (`torch_ops`) after
+`placement.compute_layout` checked that the pieces line up; a parallel node
+runs its collective (`collectives.parallel_op`). Every node's layout is
+compared with the layout the plan states, so a plan the backend would run
+differently from what the optimizer costed is refused, not run.
+
+A weight whose only reader is a chain of `partition`s is *stored* as the
+piece that chain gives (no collective at all, as the cost model assumes);
+any other weight is held whole by every rank, which compute identical
+gradients for it (a `replicate` reading it sums its copies' gradients: the
+gradient synchronisation of data parallelism).
+
+Loss: 0.5 * mean((output - target)^2) summed over outputs, targets from the
+seed. A rank's share is its piece's part, divided by the output's copy
+degree, so that `replicate`'s backward all-reduce sums exactly one whole
+gradient. The optimizer (SGD or Adam, both elementwise) updates local
+pieces, which is the full update restricted to them.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from parsat.backend.collectives import CommCounter, GroupCache, parallel_op
+from parsat.backend.launch import LaunchConfig, RankContext, launch
+from parsat.backend.placement import Layout, PlacementError, compute_layout, piece_index
+from parsat.backend.torch_ops import apply_op
+from parsat.dsl.library import Library, load_library, shipped_rules_dir
+from parsat.saturate.graph import Graph, instance_for
+from parsat.saturate.pcg import PCG, PNode
+
+OPTIMIZERS = ("sgd", "adam")
+
+
+class ExecutionError(Exception):
+    """A plan the backend refuses to run, or a rank program that cannot be built."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Training-step settings shared by the distributed run and its reference."""
+
+    steps: int = 3
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    seed: int = 0
+    dtype: str = "float64"   # float64 makes --check tolerances tight
+    check: bool = False
+    tolerance: float = 1e-9  # largest absolute difference --check accepts
+
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+# ----------------------------------------------------------------- seeded data
+
+
+def _generator(seed: int, name: str, step: int) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode()) * 7919 + step) % 2**62)
+
+
+def leaf_value(name: str, shape: Sequence[int], role: str, config: TrainConfig, step: int = 0,
+               onehot: bool = False) -> torch.Tensor:
+    """The full value of a leaf: weights from the seed, data from the seed and the step."""
+    gen = _generator(config.seed, name, 0 if role == "weight" else step + 1)
+    dtype = config.torch_dtype()
+    if onehot:
+        ids = torch.randint(0, shape[-1], tuple(shape[:-1]), generator=gen)
+        return torch.nn.functional.one_hot(ids, shape[-1]).to(dtype)
+    value = torch.randn(*shape, generator=gen, dtype=dtype)
+    if role == "weight" and len(shape) >= 2:
+        value = value / shape[0] ** 0.5
+    return value
+
+
+def target_value(name: str, shape: Sequence[int], config: TrainConfig, step: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=_generator(config.seed, "target:" + name, step + 1),
+                       dtype=config.torch_dtype())
+
+
+def _onehot_leaves(nodes: Sequence[tuple[str, str, Sequence[str]]]) -> set[str]:
+    """Leaves read as the one-hot argument of an embedding (data must be one-hot there)."""
+    return {inputs[0] for _, op, inputs in nodes if op == "embedding" and inputs}
+
+
+class Optimizer:
+    """SGD or Adam (torch's defaults: betas 0.9/0.999, eps 1e-8) on a list of tensors.
+
+    Written out rather than taken from `torch.optim`, whose first use
+    imports torch._dynamo (about 4 s per rank process); both updates are
+    elementwise, so updating pieces is the full update restricted to them.
+    """
+
+    def __init__(self, params: list[torch.Tensor], config: TrainConfig):
+        if config.optimizer not in OPTIMIZERS:
+            raise ExecutionError(f"unknown optimizer '{config.optimizer}' ({', '.join(OPTIMIZERS)})")
+        self.params, self.kind, self.lr = params, config.optimizer, config.lr
+        self.betas, self.eps, self.steps = (0.9, 0.999), 1e-8, 0
+        self.moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params] if self.kind == "adam" else []
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.steps += 1
+        b1, b2 = self.betas
+        for index, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            if self.kind == "sgd":
+                p.sub_(self.lr * p.grad)
+                continue
+            m, v = self.moments[index]
+            m.mul_(b1).add_(p.grad, alpha=1 - b1)
+            v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+            m_hat = m / (1 - b1 ** self.steps)
+            v_hat = v / (1 - b2 ** self.steps)
+            p.sub_(self.lr * m_hat / (v_hat.sqrt() + self.eps))
+
+
+def _make_optimizer(params: list[torch.Tensor], config: TrainConfig) -> Optimizer:
+    return Optimizer(params, config)
+
+
+def _loss_term(out: torch.Tensor, target: torch.Tensor, numel: int) -> torch.Tensor:
+    return 0.5 * ((out - target) ** 2).sum() / numel
+
+
+# ------------------------------------------------------------ the reference run
+
+
+@dataclass(frozen=True)
+class Reference:
+    """Single-process results per step: loss, outputs, and weights' gradients and values after the step."""
+
+    losses: tuple[float, ...]
+    outputs: tuple[dict, ...]
+    grads: tuple[dict, ...]
+    weights: tuple[dict, ...]
+
+
+def reference_run(graph: Graph, config: TrainConfig) -> Reference:
+    """The original graph trained in one process with the same seeds, loss and optimizer."""
+    shapes = graph.shapes()
+    onehot = _onehot_leaves([(n.name, n.op, n.inputs) for n in graph.nodes])
+    weights = {leaf.name: leaf_value(leaf.name, leaf.shape, "weight", config).requires_grad_()
+               for leaf in graph.weights}
+    optimizer = _make_optimizer(list(weights.values()), config)
+    losses, outputs, grads, values = [], [], [], []
+    for step in range(config.steps):
+        env: dict[str, torch.Tensor] = dict(weights)
+        for leaf in graph.leaves:
+            if leaf.role == "input":
+                env[leaf.name] = leaf_value(leaf.name, leaf.shape, "input", config, step, leaf.name in onehot)
+        for node in graph.nodes:
+            env[node.name] = apply_op(node.op, [env[i] for i in node.inputs], dict(node.attrs))
+        loss = sum(_loss_term(env[o], target_value(o, shapes[o], config, step), env[o].numel())
+                   for o in graph.outputs)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        outputs.append({o: env[o].detach().clone() for o in graph.outputs})
+        grads.append({k: w.grad.detach().clone() for k, w in weights.items()})
+        values.append({k: w.detach().clone() for k, w in weights.items()})
+    return Reference(tuple(losses), tuple(outputs), tuple(grads), tuple(values))
+
+
+# --------------------------------------------------------- one rank's program
+
+
+@dataclass
+class _Param:
+    name: str
+    tensor: torch.Tensor
+    layout: Layout
+    shape: tuple[int, ...]
+
+
+@dataclass
+class RankProgram:
+    """The PCG as one rank runs it: stored weight pieces, groups, counters."""
+
+    pcg: PCG
+    ctx: RankContext
+    config: TrainConfig
+    library: Library
+    cache: GroupCache = field(init=False)
+    params: dict[int, _Param] = field(init=False)          # stored-at node id -> parameter
+    folded: set[int] = field(init=False)                   # partition nodes absorbed into storage
+    output_names: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.pcg.max_pieces > self.ctx.world:
+            raise ExecutionError(f"the plan splits a tensor into {self.pcg.max_pieces} pieces but the job has "
+                                 f"{self.ctx.world} ranks")
+        self.cache = GroupCache(self.ctx.world, self.ctx.rank)
+        self.output_names = self.pcg.output_names or tuple(f"out{i}" for i in range(len(self.pcg.outputs)))
+        self._users: dict[int, list[PNode]] = {}
+        for node in self.pcg:
+            for i in node.inputs:
+                self._users.setdefault(i, []).append(node)
+        self.params, self.folded = {}, set()
+        for node in self.pcg:
+            if node.kind == "leaf" and node.role == "weight":
+                self._store_weight(node)
+
+    def _store_weight(self, leaf: PNode) -> None:
+        full = leaf_value(leaf.op, leaf.shape, "weight", self.config)
+        layout = Layout.whole(len(leaf.shape), self.ctx.world)
+        at = leaf.id
+        while True:
+            users = self._users.get(at, [])
+            if len(users) != 1 or users[0].kind != "parallel" or users[0].op != "partition":
+                break
+            user = users[0]
+            layout, _ = layout.partition(int(user.attr("dim")), int(user.attr("degree")))
+            self.folded.add(user.id)
+            at = user.id
+        piece = full[piece_index(layout, self.ctx.rank, leaf.shape)].to(self.ctx.device, copy=True).requires_grad_()
+        self.params[at] = _Param(leaf.op, piece, layout, tuple(leaf.shape))
+
+    def forward(self, step: int, counter: CommCounter) -> dict[int, tuple[torch.Tensor, Layout]]:
+        """Every node's local piece and layout for this step's batch."""
+        onehot = _onehot_leaves([(str(n.id), n.op, [str(i) for i in n.inputs]) for n in self.pcg])
+        env: dict[int, tuple[torch.Tensor, Layout]] = {}
+        world = self.ctx.world
+        for node in self.pcg:
+            if node.id in self.params:
+                param = self.params[node.id]
+                env[node.id] = (param.tensor, param.layout)
+            elif node.kind == "leaf":
+                if node.role == "weight":
+                    continue  # stored further down its partition chain
+                value = leaf_value(node.op, node.shape, "input", self.config, step, str(node.id) in onehot)
+                value = value.to(self.ctx.device)
+                env[node.id] = (value, Layout.whole(len(node.shape), world))
+            elif node.id in self.folded:
+                continue
+            elif node.kind == "parallel":
+                x, layout = env[node.inputs[0]]
+                dim = dict(node.attrs).get("dim")
+                env[node.id] = parallel_op(node.op, x, layout, int(node.attr("degree")),
+                                           None if dim is None else int(dim), self.cache, counter)
+            else:
+                ins = [env[i] for i in node.inputs]
+                attrs = dict(node.attrs)
+                instance = instance_for(self.library.ops[node.op], [self.pcg.node(i).shape for i in node.inputs],
+                                        attrs)
+                layout = compute_layout(instance, [layout for _, layout in ins])
+                env[node.id] = (apply_op(node.op, [x for x, _ in ins], attrs), layout)
+            self._check_layout(node, env[node.id][1])
+        return env
+
+    def _check_layout(self, node: PNode, layout: Layout) -> None:
+        shard, copy, total = layout.degrees
+        stated = node.layout
+        if (tuple(stated.shard), stated.copy, stated.sum) != (shard, copy, total):
+            raise ExecutionError(f"node {node.id} ({node.label}): the plan states layout {stated}, "
+                                 f"but it runs as shard {list(shard)}, copy {copy}, sum {total}")
+
+    def loss(self, env, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's share to differentiate, its share of the reported loss)."""
+        backward_terms, report_terms = [], []
+        for out_id, name in zip(self.pcg.outputs, self.output_names):
+            x, layout = env[out_id]
+            shape = self.pcg.node(out_id).shape
+            shard, copy, total = layout.degrees
+            if total != 1:
+                raise ExecutionError(f"output '{name}' is a partial sum (degree {total}); the plan must reduce it")
+            target = target_value(name, shape, self.config, step)[piece_index(layout, self.ctx.rank, shape)]
+            target = target.to(self.ctx.device)
+            numel = 1
+            for d in shape:
+                numel *= d
+            term = _loss_term(x, target, numel)
+            holders = self.ctx.world // max(1, layout.pieces // copy)  # ranks holding this block
+            backward_terms.append(term / copy)
+            report_terms.append(term.detach() / holders)
+        return sum(backward_terms), sum(report_terms)
+
+
+# ------------------------------------------------------------------ the worker
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().cpu() - b).abs().max()) if a.numel() else 0.0
+
+
+def operator_library() -> Library:
+    """The shipped operators only: all a rank needs to run a plan (rules are the optimizer's business)."""
+    return load_library([shipped_rules_dir() / "ops.rule"])[0]
+
+
+def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | None,
+             library: Library | None = None) -> dict:
+    """One rank's training run (the function `launch` sends to each rank)."""
+    library = library or operator_library()
+    program = RankProgram(pcg, ctx, config, library)
+    optimizer = _make_optimizer([p.tensor for p in program.params.values()], config)
+    reference = reference_run(graph, config) if config.check and graph is not None else None
+    losses, times, steps_comm, diffs = [], [], [], []
+    for step in range(config.steps):
+        counter = CommCounter()
+        start = time.perf_counter()
+        env = program.forward(step, counter)
+        to_diff, to_report = program.loss(env, step)
+        optimizer.zero_grad()
+        to_diff.backward()
+        optimizer.step()
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        total = to_report.clone()
+        dist.all_reduce(total)  # reporting only: not part of the plan, not counted
+        losses.append(float(total))
+        steps_comm.append({"sent": float(counter.sent()), "distinct_sent": float(counter.distinct_sent()),
+                           "sent_bytes": float(counter.sent_bytes()), "events": len(counter.events)})
+        if reference is not None:
+            diffs.append(_compare(program, env, reference, step, float(total)))
+    peak = (torch.cuda.max_memory_allocated() if ctx.device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    report = {"rank": ctx.rank, "losses": losses, "step_times": times, "comm": steps_comm,
+              "max_abs_diff": max(diffs) if diffs else None, "peak_memory_bytes": peak}
+    report["job"] = _job_summary(report, ctx)
+    return report
+
+
+def _job_summary(report: dict, ctx: RankContext) -> dict:
+    """The job-wide figures, agreed by all ranks (so a torchrun rank can print them alone).
+
+    Reporting traffic only: not part of the plan, not counted.
+    """
+    last = report["comm"][-1]
+    sums = torch.tensor([last["distinct_sent"], last["sent"]], dtype=torch.float64, device=ctx.device)
+    diff = report["max_abs_diff"]
+    maxes = torch.tensor([-1.0 if diff is None else diff, float(report["peak_memory_bytes"]), *report["step_times"]],
+                         dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(sums)
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+    sums, maxes = sums.tolist(), maxes.tolist()
+    return {"distinct_sent": sums[0], "sent": sums[1], "max_abs_diff": None if maxes[0] < 0 else maxes[0],
+            "peak_memory_bytes": int(maxes[1]), "step_times": maxes[2:]}
+
+
+def _compare(program: RankProgram, env, reference: Reference, step: int, loss: float) -> float:
+    """Largest difference between this rank's pieces and the reference, this step."""
+    diffs = [abs(loss - reference.losses[step])]
+    rank = program.ctx.rank
+    for out_id, name in zip(program.pcg.outputs, program.output_names):
+        x, layout = env[out_id]
+        expected = reference.outputs[step].get(name)
+        if expected is not None:
+            diffs.append(_max_diff(x, expected[piece_index(layout, rank, expected.shape)]))
+    for param in program.params.values():
+        where = piece_index(param.layout, rank, param.shape)
+        diffs.append(_max_diff(param.tensor.grad, reference.grads[step][param.name][where]))
+        diffs.append(_max_diff(param.tensor, reference.weights[step][param.name][where]))
+    return max(diffs)
+
+
+# --------------------------------------------------------------- entry point
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What `parsat run --json` prints (communication per step, summed over ranks)."""
+
+    check: str | None
+    max_abs_diff: float | None
+    comm_elements_measured: float
+    comm_elements_wire: float
+    comm_elements_predicted: float | None
+    step_time_s: float
+    peak_memory_bytes: int
+    losses: tuple[float, ...]
+
+    def to_dict(self) -> dict:
+        return {"check": self.check, "max_abs_diff": self.max_abs_diff,
+                "comm_elements_measured": self.comm_elements_measured,
+                "comm_elements_wire": self.comm_elements_wire,
+                "comm_elements_predicted": self.comm_elements_predicted,
+                "step_time_s": self.step_time_s, "peak_memory_bytes": self.peak_memory_bytes,
+                "losses": list(self.losses)}
+
+
+def run_plan(pcg: PCG, nproc: int, config: TrainConfig, graph: Graph | None = None,
+             predicted_comm: float | None = None, backend: str | None = None,
+             timeout_s: float = 300.0) -> RunResult:
+    """Train `pcg` on `nproc` spawned ranks (or the torchrun group) and summarise.
+
+    With `config.check`, `graph` (the original, unparallelized graph) is
+    trained in every rank's process as the reference.
+    """
+    if config.check and graph is None:
+        raise ExecutionError("--check needs the original graph to compare with")
+    if config.steps < 1:
+        raise ExecutionError(f"--steps must be >= 1, got {config.steps}")
+    reports = launch(run_rank, (pcg, config, graph),
+                     LaunchConfig(nproc=nproc, backend=backend, timeout_s=timeout_s))
+    job = reports[0]["job"]  # every rank holds the job-wide figures (under torchrun, only this rank's report)
+    times = job["step_times"]
+    timed = times[1:] if len(times) > 1 else times
+    diff = job["max_abs_diff"]
+    check = None if not config.check else ("passed" if diff is not None and diff <= config.tolerance else "failed")
+    return RunResult(check, diff, job["distinct_sent"], job["sent"], predicted_comm, statistics.median(timed),
+                     job["peak_memory_bytes"],
+                     tuple(reports[0]["losses"]))
+
+
+def check_worlds(pcg: PCG, nproc: int) -> None:
+    """Refuse a plan that needs more ranks than the job has."""
+    if pcg.max_pieces > nproc:
+        raise ExecutionError(f"the plan needs {pcg.max_pieces} devices but --nproc is {nproc}")
+
+
+__all__ = ["ExecutionError", "PlacementError", "RunResult", "TrainConfig", "reference_run", "run_plan",
+           "check_worlds", "leaf_value"]

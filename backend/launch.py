@@ -1,0 +1,255 @@
+"""Run a function on N ranks: spawned on this machine, or joined under torchrun.
+
+`launch(fn, args, config)` starts `config.nproc` processes (spawn start
+method: no state is inherited from a parent that may already run threads),
+each joins one process group (gloo on CPU, nccl on CUDA) through a file
+store in a private temporary folder, runs `fn(ctx, *args)` and sends back
+its JSON-able result. Under `torchrun` (RANK / WORLD_SIZE in the
+environment) the same call joins the existing group and runs `fn` once, in
+this process.
+
+Failure is the parent's business, not the ranks': it watches every child's
+exit and a message queue, and as soon as one rank raises or dies, or the
+job runs past `config.timeout_s`, it ends every other rank (SIGTERM, then
+SIGKILL), reaps them all, and raises `LaunchError` naming the rank(s) and
+why. Collectives carry the process-group timeout `collective_timeout_s`,
+so a rank stuck in a collective its peers never join raises by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue as queue_module
+import signal
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+GRACE_S = 0.5        # after a first failure: how long to collect the others' reports
+TERMINATE_S = 3.0    # SIGTERM to SIGKILL
+
+
+class LaunchError(Exception):
+    """A distributed job that did not finish: which ranks failed and how."""
+
+    def __init__(self, message: str, ranks: Sequence[int]):
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How to run a job: rank count, backend, and the two timeouts."""
+
+    nproc: int
+    backend: str | None = None          # None: nccl when CUDA has enough devices, else gloo
+    timeout_s: float = 120.0            # the whole job, enforced by the parent
+    collective_timeout_s: float = 30.0  # one collective, enforced by the process group
+
+    def resolved_backend(self) -> str:
+        if self.backend is not None:
+            if self.backend not in ("gloo", "nccl"):
+                raise LaunchError(f"unknown backend '{self.backend}' (gloo or nccl)", ())
+            if self.backend == "nccl" and not torch.cuda.is_available():
+                raise LaunchError("backend nccl needs CUDA, which this machine does not have", ())
+            return self.backend
+        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= self.nproc else "gloo"
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a rank's function knows about its place in the job."""
+
+    rank: int
+    world: int
+    backend: str
+    device: torch.device
+
+
+def under_torchrun() -> bool:
+    """True when launched by torchrun (or any launcher that sets the env:// variables)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _device(backend: str, local_rank: int) -> torch.device:
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def launch(fn: Callable[..., Any], args: tuple = (), config: LaunchConfig | None = None) -> list[Any]:
+    """Run `fn(ctx, *args)` on every rank; the list of the ranks' results, by rank.
+
+    `fn` must be a module-level function (it is sent to spawned processes
+    by reference) and return something `json.dumps` accepts. Under torchrun
+    the list holds this rank's result only.
+    """
+    config = config or LaunchConfig(nproc=1)
+    if config.nproc < 1:
+        raise LaunchError(f"--nproc must be >= 1, got {config.nproc}", ())
+    backend = config.resolved_backend()
+    if under_torchrun():
+        return [_run_joined(fn, args, backend, config)]
+    with tempfile.TemporaryDirectory(prefix="parsat-launch-") as folder:
+        return _spawn(fn, args, backend, config, os.path.join(folder, "store"))
+
+
+def _run_joined(fn, args, backend: str, config: LaunchConfig) -> Any:
+    world = int(os.environ["WORLD_SIZE"])
+    if world != config.nproc:
+        raise LaunchError(f"torchrun started {world} ranks but the job asks for {config.nproc}", ())
+    rank = int(os.environ["RANK"])
+    device = _device(backend, int(os.environ.get("LOCAL_RANK", rank)))
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=config.collective_timeout_s))
+    try:
+        return fn(RankContext(rank, world, backend, device), *args)
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+def _child(rank: int, world: int, backend: str, store_path: str, collective_timeout_s: float,
+           fn: Callable[..., Any], args: tuple, messages) -> None:
+    """A spawned rank: join the group, run, report; any exception becomes a message and exit 1."""
+    try:
+        device = _device(backend, rank)
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=collective_timeout_s))
+        result = fn(RankContext(rank, world, backend, device), *args)
+        messages.put((rank, "ok", json.dumps(result)))
+        dist.destroy_process_group()
+    except BaseException as err:  # noqa: BLE001 - every failure must reach the parent
+        detail = "".join(traceback.format_exception(err)[-6:])
+        summary = f"{type(err).__name__}: {err}".strip().splitlines()[0][:500]
+        messages.put((rank, "error", json.dumps({"summary": summary, "traceback": detail})))
+        messages.close()
+        messages.join_thread()
+        os._exit(1)
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "did not finish"
+    if code < 0:
+        try:
+            return f"died (killed by signal {signal.Signals(-code).name})"
+        except ValueError:
+            return f"died (signal {-code})"
+    return f"died (exit code {code})"
+
+
+def _spawn(fn, args, backend: str, config: LaunchConfig, store_path: str) -> list[Any]:
+    context = mp.get_context("spawn")
+    messages = context.Queue()
+    procs = [context.Process(target=_child, name=f"parsat-rank-{rank}", daemon=True,
+                             args=(rank, config.nproc, backend, store_path, config.collective_timeout_s,
+                                   fn, args, messages))
+             for rank in range(config.nproc)]
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + config.timeout_s
+        first_failure: float | None = None
+        while len(results) < config.nproc:
+            _drain(messages, results, errors, wait=0.05)
+            now = time.monotonic()
+            for rank, proc in enumerate(procs):
+                if rank not in results and rank not in errors and proc.exitcode is not None:
+                    _drain(messages, results, errors, wait=0.2)  # its last words may still be in the pipe
+                    if rank not in results and rank not in errors:
+                        errors[rank] = (_exit_reason(proc.exitcode) if proc.exitcode != 0
+                                        else "exited without reporting a result")
+            if errors and first_failure is None:
+                first_failure = now
+            if first_failure is not None and now - first_failure >= GRACE_S:
+                break
+            if now > deadline:
+                break
+        if len(results) == config.nproc:
+            return [results[r] for r in range(config.nproc)]
+        running = [r for r in range(config.nproc) if r not in results and r not in errors]
+        message, blame = _failure_message(errors, running, config, timed_out=not errors)
+        raise LaunchError(message, blame)
+    finally:
+        _end_all(procs)
+        messages.close()
+
+
+def _drain(messages, results: dict, errors: dict, wait: float) -> None:
+    try:
+        item = messages.get(timeout=wait)
+    except queue_module.Empty:
+        return
+    while True:
+        rank, status, payload = item
+        if status == "ok":
+            results[rank] = json.loads(payload)
+        else:
+            errors[rank] = "failed: " + json.loads(payload)["summary"]
+        try:
+            item = messages.get_nowait()
+        except queue_module.Empty:
+            return
+
+
+def _failure_message(errors: dict[int, str], running: list[int], config: LaunchConfig,
+                     timed_out: bool) -> tuple[str, list[int]]:
+    """The error text and the ranks to blame, likeliest cause first.
+
+    A rank that died without a word is the likeliest cause (the others'
+    errors are often its echo); when the errors are collective timeouts and
+    some rank is still running, that rank is hanging and is named first.
+    """
+    died = [r for r in errors if errors[r].startswith("died")]  # in order of arrival
+    failed = [r for r in errors if r not in died]
+    waiting = bool(failed) and all("timed out" in errors[r].lower() or "timeout" in errors[r].lower()
+                                   for r in failed)
+    parts = [f"rank {r} {errors[r]}" for r in died]
+    blame = list(died)
+    if running:
+        names = ", ".join(str(r) for r in running)
+        plural = "s" if len(running) > 1 else ""
+        if timed_out:
+            note = f" after the job timeout of {config.timeout_s:g} s"
+        elif waiting:
+            note = " (hanging: its peers timed out waiting for it)"
+        else:
+            note = " (ended by the launcher)"
+        running_part = f"rank{plural} {names} still running{note}"
+        if timed_out or waiting:
+            parts.append(running_part)
+            blame += running
+    parts += [f"rank {r} {errors[r]}" for r in failed]
+    blame += failed
+    if running and not (timed_out or waiting):
+        parts.append(running_part)
+    return "distributed job failed: " + "; ".join(parts), blame
+
+
+def _end_all(procs) -> None:
+    """Terminate, then kill, then reap every child: no process outlives the job."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + TERMINATE_S
+    for proc in procs:
+        if proc.pid is None:
+            continue
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=TERMINATE_S)

@@ -1,0 +1,156 @@
+"""Torch implementations of the operators of `rules/ops.rule`, on local pieces.
+
+Compute operators run SPMD: every rank applies the same torch op to the
+pieces it holds. The spread analysis (`parsat.dsl.spread.infer_compute`)
+only accepts spreads under which the op on a local piece is the op on the
+logical tensor restricted to that piece (a sharded dim is indexed only
+plainly, never used as a value), so one implementation per operator serves
+the whole tensor and every piece of it.
+
+Attributes are passed by the names the `.rule` declaration gives them
+(`softmax(x, dim)` -> `{"dim": 1}`), so a plan node's attributes map
+straight onto a call. An operator of the library without an implementation
+here is an `UnsupportedOpError` that names it, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from parsat.dsl import ast
+
+Tensor = torch.Tensor
+Attrs = Mapping[str, "int | float"]
+
+
+class UnsupportedOpError(Exception):
+    """An operator the backend cannot run (no torch implementation)."""
+
+    def __init__(self, name: str, where: str | None = None):
+        place = f" (declared at {where})" if where else ""
+        super().__init__(f"operator '{name}'{place} has no torch implementation in parsat.backend.torch_ops; "
+                         f"add one to OPS there to run plans that use it")
+        self.name = name
+
+
+class OpCallError(Exception):
+    """A call whose inputs or attributes do not fit the operator's declaration."""
+
+
+# ----------------------------------------------------------------- the operators
+
+
+def _embedding(onehot: Tensor, table: Tensor) -> Tensor:
+    """`sum(t < v) onehot[*i, t] * table[t, j]` run as a gather.
+
+    The semantics is a contraction with a one-hot row (at most one non-zero
+    per row: a vocabulary-sharded piece has all-zero rows for ids held by
+    another rank). A gather of the row's non-zero position, scaled by its
+    value, equals the contraction for such rows at O(rows * d) instead of
+    O(rows * v * d). When the one-hot input itself needs a gradient (it
+    never does for data), the contraction is run as a matmul so that the
+    gradient with respect to every entry is exact.
+    """
+    if onehot.requires_grad:
+        return torch.matmul(onehot, table)
+    ids = onehot.abs().argmax(dim=-1)
+    weight = torch.gather(onehot, -1, ids.unsqueeze(-1))
+    return table[ids] * weight
+
+
+def _transpose(x: Tensor, d0: int, d1: int) -> Tensor:
+    return x.transpose(d0, d1)
+
+
+def _unflatten(x: Tensor, dim: int, k: int) -> Tensor:
+    return x.unflatten(dim, (x.shape[dim] // k, k))
+
+
+def _split(x: Tensor, dim: int, start: int, size: int) -> Tensor:
+    return x.narrow(dim, start, size)
+
+
+def _layernorm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float) -> Tensor:
+    return F.layer_norm(x, (x.shape[-1],), gamma, beta, float(eps))
+
+
+@dataclass(frozen=True)
+class TorchOp:
+    """One operator: its tensor arity, attribute names in call order, and the torch function."""
+
+    tensors: int
+    attrs: tuple[str, ...]
+    fn: Callable[..., Tensor]
+
+
+OPS: Mapping[str, TorchOp] = {
+    "matmul": TorchOp(2, (), torch.matmul),
+    "bmm": TorchOp(2, (), torch.matmul),
+    "linear": TorchOp(3, (), lambda x, w, b: torch.matmul(x, w) + b),
+    "bias_add": TorchOp(2, (), lambda x, b: x + b),
+    "add": TorchOp(2, (), torch.add),
+    "sub": TorchOp(2, (), torch.sub),
+    "mul": TorchOp(2, (), torch.mul),
+    "scale": TorchOp(1, ("c",), lambda x, c: x * float(c)),
+    "relu": TorchOp(1, (), torch.relu),
+    "gelu": TorchOp(1, (), lambda x: F.gelu(x, approximate="none")),
+    "tanh": TorchOp(1, (), torch.tanh),
+    "sigmoid": TorchOp(1, (), torch.sigmoid),
+    "exp": TorchOp(1, (), torch.exp),
+    # Identity in value, as declared; a training mask would make single- and
+    # multi-process runs differ and is not part of the semantics.
+    "dropout": TorchOp(1, ("rate",), lambda x, rate: x),
+    "softmax": TorchOp(1, ("dim",), lambda x, dim: torch.softmax(x, dim=int(dim))),
+    "layernorm": TorchOp(3, ("eps",), _layernorm),
+    "reduce_sum": TorchOp(1, ("dim",), lambda x, dim: x.sum(dim=int(dim))),
+    "mean": TorchOp(1, ("dim",), lambda x, dim: x.mean(dim=int(dim))),
+    "concat": TorchOp(2, ("dim",), lambda x, y, dim: torch.cat([x, y], dim=int(dim))),
+    "split": TorchOp(1, ("dim", "start", "size"), _split),
+    "transpose": TorchOp(1, ("d0", "d1"), _transpose),
+    "unflatten": TorchOp(1, ("dim", "k"), _unflatten),
+    "flatten": TorchOp(1, ("dim",), lambda x, dim: x.flatten(int(dim), int(dim) + 1)),
+    "embedding": TorchOp(2, (), _embedding),
+    "conv2d": TorchOp(2, ("stride", "pad"), lambda x, k, stride, pad: F.conv2d(x, k, stride=int(stride),
+                                                                                padding=int(pad))),
+    "avgpool2d": TorchOp(1, ("size", "stride"), lambda x, size, stride: F.avg_pool2d(x, int(size), int(stride))),
+    "global_avgpool": TorchOp(1, (), lambda x: x.mean(dim=(2, 3))),
+}
+
+
+def torch_op(op: str | ast.OpDecl) -> TorchOp:
+    """The implementation of an operator, or `UnsupportedOpError` naming it.
+
+    Given the declaration, the implementation is also checked against it
+    (tensor arity and attribute names), so a `.rule` edit that changes a
+    signature cannot silently shift attributes onto the wrong parameter.
+    """
+    name = op if isinstance(op, str) else op.name
+    impl = OPS.get(name)
+    if impl is None:
+        where = str(op.span) if isinstance(op, ast.OpDecl) and op.span is not None else None
+        raise UnsupportedOpError(name, where)
+    if isinstance(op, ast.OpDecl):
+        declared = tuple(p.name for p in op.attr_params)
+        if len(op.tensor_params) != impl.tensors or declared != impl.attrs:
+            raise OpCallError(f"operator '{name}' is declared with {len(op.tensor_params)} tensor(s) and attributes "
+                              f"{list(declared)}, but its torch implementation takes {impl.tensors} tensor(s) and "
+                              f"{list(impl.attrs)}")
+    return impl
+
+
+def apply_op(op: str | ast.OpDecl, tensors: Sequence[Tensor], attrs: Attrs | None = None) -> Tensor:
+    """Run operator `op` on (local pieces of) `tensors` with attributes by name."""
+    impl = torch_op(op)
+    name = op if isinstance(op, str) else op.name
+    attrs = dict(attrs or {})
+    if len(tensors) != impl.tensors:
+        raise OpCallError(f"{name} takes {impl.tensors} tensor(s), got {len(tensors)}")
+    missing = [a for a in impl.attrs if a not in attrs]
+    extra = sorted(set(attrs) - set(impl.attrs))
+    if missing or extra:
+        raise OpCallError(f"{name} takes attributes {list(impl.attrs)}; missing {missing}, unknown {extra}")
+    return impl.fn(*tensors, *(attrs[a] for a in impl.attrs))

@@ -1,0 +1,102 @@
+"""Every operator's torch implementation against the numpy evaluation of its index semantics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from parsat.backend.torch_ops import OPS, OpCallError, UnsupportedOpError, apply_op, torch_op  # noqa: E402
+from parsat.dsl.evaluate import evaluate  # noqa: E402
+from parsat.dsl.library import load_library  # noqa: E402
+from parsat.dsl.parser import parse  # noqa: E402
+from parsat.saturate.graph import instance_for  # noqa: E402
+
+LIBRARY_OPS = load_library()[0].ops
+
+# op -> cases of (input shapes, attributes); a couple of ranks for rank-polymorphic ops.
+CASES: dict[str, list[tuple[list[tuple[int, ...]], dict]]] = {
+    "matmul": [([(3, 4), (4, 5)], {})],
+    "bmm": [([(2, 3, 4), (2, 4, 5)], {}), ([(2, 2, 3, 4), (2, 2, 4, 3)], {})],
+    "linear": [([(3, 4), (4, 5), (5,)], {}), ([(2, 3, 4), (4, 5), (5,)], {})],
+    "bias_add": [([(3, 4), (4,)], {}), ([(2, 3, 4), (4,)], {})],
+    "add": [([(3, 4), (3, 4)], {}), ([(2, 3, 4), (2, 3, 4)], {})],
+    "sub": [([(5,), (5,)], {}), ([(2, 3), (2, 3)], {})],
+    "mul": [([(3, 4), (3, 4)], {}), ([(2, 2, 3), (2, 2, 3)], {})],
+    "scale": [([(3, 4)], {"c": 0.125}), ([(2, 3, 4)], {"c": -2.0})],
+    "relu": [([(3, 4)], {}), ([(2, 3, 4)], {})],
+    "gelu": [([(3, 4)], {}), ([(2, 5)], {})],
+    "tanh": [([(3, 4)], {}), ([(6,)], {})],
+    "sigmoid": [([(3, 4)], {}), ([(2, 2, 2)], {})],
+    "exp": [([(3, 4)], {}), ([(5,)], {})],
+    "dropout": [([(3, 4)], {"rate": 0.1}), ([(2, 3, 4)], {"rate": 0.5})],
+    "softmax": [([(3, 4)], {"dim": 1}), ([(3, 4)], {"dim": 0}), ([(2, 3, 4)], {"dim": 1})],
+    "layernorm": [([(3, 4), (4,), (4,)], {"eps": 1e-5}), ([(2, 3, 6), (6,), (6,)], {"eps": 1e-3})],
+    "reduce_sum": [([(3, 4)], {"dim": 0}), ([(2, 3, 4)], {"dim": 2})],
+    "mean": [([(3, 4)], {"dim": 1}), ([(2, 3, 4)], {"dim": 1})],
+    "concat": [([(2, 4), (3, 4)], {"dim": 0}), ([(2, 3, 4), (2, 3, 2)], {"dim": 2})],
+    "split": [([(6, 4)], {"dim": 0, "start": 1, "size": 3}), ([(2, 3, 8)], {"dim": 2, "start": 4, "size": 4})],
+    "transpose": [([(3, 4)], {"d0": 0, "d1": 1}), ([(2, 3, 4, 5)], {"d0": 1, "d1": 3})],
+    "unflatten": [([(6, 4)], {"dim": 0, "k": 3}), ([(2, 12, 3)], {"dim": 1, "k": 4})],
+    "flatten": [([(2, 3, 4)], {"dim": 0}), ([(2, 3, 4, 5)], {"dim": 2})],
+    "embedding": [([(4, 7), (7, 3)], {}), ([(2, 3, 7), (7, 5)], {})],
+    "conv2d": [([(2, 3, 6, 6), (4, 3, 3, 3)], {"stride": 1, "pad": 1}),
+               ([(1, 2, 7, 5), (3, 2, 3, 2)], {"stride": 2, "pad": 0})],
+    "avgpool2d": [([(2, 3, 6, 6)], {"size": 2, "stride": 2}), ([(1, 2, 7, 5)], {"size": 3, "stride": 1})],
+    "global_avgpool": [([(2, 3, 4, 5)], {})],
+}
+
+
+def _inputs(op: str, shapes, rng: np.random.Generator) -> list[np.ndarray]:
+    arrays = [rng.standard_normal(s) for s in shapes]
+    if op == "embedding":  # one-hot ids, as the semantics assumes; one row left all-zero (an id held elsewhere)
+        ids = rng.integers(0, shapes[0][-1], size=shapes[0][:-1])
+        onehot = np.eye(shapes[0][-1])[ids]
+        onehot.reshape(-1, shapes[0][-1])[0] = 0.0
+        arrays[0] = onehot
+    return arrays
+
+
+def test_every_library_op_has_a_case_and_an_implementation():
+    assert set(CASES) == set(LIBRARY_OPS), "keep CASES in step with rules/ops.rule"
+    for name, decl in LIBRARY_OPS.items():
+        torch_op(decl)  # arity and attribute names match the declaration
+
+
+@pytest.mark.parametrize("op,shapes,attrs", [(op, s, a) for op, cases in CASES.items() for s, a in cases])
+def test_op_matches_index_semantics(op, shapes, attrs):
+    decl = LIBRARY_OPS[op]
+    rng = np.random.default_rng(hash((op, str(shapes))) % 2**32)
+    arrays = _inputs(op, shapes, rng)
+    instance = instance_for(decl, shapes, attrs)
+    expected = evaluate(instance, {}, dict(zip(instance.inputs, arrays)))
+    got = apply_op(decl, [torch.tensor(a, dtype=torch.float64) for a in arrays], attrs)
+    assert tuple(got.shape) == tuple(int(d.constant) for d in instance.output_shape)
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-10, atol=1e-10)
+
+
+def test_embedding_gradient_through_matmul_path():
+    """With a one-hot input that needs a gradient, the contraction is exact for it too."""
+    onehot = torch.eye(5, dtype=torch.float64)[[1, 3]].requires_grad_()
+    table = torch.randn(5, 2, dtype=torch.float64, requires_grad=True)
+    apply_op("embedding", [onehot, table]).sum().backward()
+    np.testing.assert_allclose(onehot.grad.numpy(), table.detach().sum(1).expand(2, 5).numpy())
+
+
+def test_unknown_op_is_a_clear_error(tmp_path):
+    path = tmp_path / "mine.rule"
+    path.write_text("op frobnicate(x: [n]) -> [n]\n  out[i] = x[i] * 2\n", encoding="utf-8")
+    decl = parse(path.read_text(), str(path)).ops[0]
+    with pytest.raises(UnsupportedOpError, match=r"operator 'frobnicate' \(declared at .*mine.rule:1:\d+\)"):
+        apply_op(decl, [torch.ones(3)])
+    with pytest.raises(UnsupportedOpError, match="'nope'"):
+        torch_op("nope")
+
+
+def test_wrong_attributes_are_named():
+    with pytest.raises(OpCallError, match=r"missing \['dim'\]"):
+        apply_op("softmax", [torch.ones(2, 2)], {})
+    with pytest.raises(OpCallError, match="takes 2 tensor"):
+        apply_op("matmul", [torch.ones(2, 2)])
+    assert "matmul" in OPS
