@@ -17,8 +17,15 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The main job: prove every shipped rule, optimize the 2-layer MLP for two
+# devices, explain the plan, and train with it for 3 steps on 2 CPU ranks,
+# checked against a single process.
 demo: $(STAMP)
-	$(BIN)/python examples/demo.py
+	$(BIN)/parsat verify rules/
+	mkdir -p out
+	$(BIN)/parsat optimize mlp --devices 2 --machine cpu -o out/mlp-plan.json
+	$(BIN)/parsat explain out/mlp-plan.json
+	$(BIN)/parsat run out/mlp-plan.json --nproc 2 --steps 3 --check
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
