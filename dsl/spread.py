@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from parsat.dsl import ast
-from parsat.dsl.conditions import Cond, divides
-from parsat.dsl.instantiate import OpInstance, param_dim_names
+from parsat.dsl.conditions import Cond, NotAnInteger, divides, to_poly
+from parsat.dsl.instantiate import OpInstance, index_bounds, param_dim_names
 from parsat.dsl.symbolic import ONE, Poly
 
 PARALLEL_OPS: dict[str, tuple[str, ...]] = {
@@ -117,6 +117,7 @@ class ComputeSpread:
     spread: Spread
     var_degrees: dict = field(hash=False)  # index variable -> degree (Poly)
     problems: tuple[str, ...] = ()          # non-empty: the op does not accept the spread
+    requires: tuple[Cond, ...] = ()         # each sharded index range splits into equal blocks
 
     @property
     def legal(self) -> bool:
@@ -142,6 +143,8 @@ def infer_compute(instance: OpInstance, inputs: Sequence[Spread]) -> ComputeSpre
     plain_uses: set[str] = set()
     bounds_vars = set(instance.out_vars) | _sum_vars(instance.body)
 
+    bounds = index_bounds(instance)
+    block_reads: set[int] = set()  # id() of index expressions read block by block
     for access in _accesses(instance.body):
         spread = by_name.get(access.tensor)
         if spread is None:
@@ -151,6 +154,14 @@ def infer_compute(instance: OpInstance, inputs: Sequence[Spread]) -> ComputeSpre
             where = f"dim {position} of '{access.tensor}'"
             if isinstance(index, ast.Name) and index.id in bounds_vars:
                 constraints.setdefault(index.id, []).append((degree, where))
+                continue
+            pattern = _block_pattern(access, position, spread, instance, bounds)
+            if pattern is not None:
+                leading, others = pattern
+                block_reads.add(id(index))
+                constraints.setdefault(leading, []).append((degree, where))
+                for var in others:
+                    constraints.setdefault(var, []).append((ONE, where))
             elif degree != ONE:
                 problems.append(f"{instance.name}: {where} is sharded ({degree}) but is indexed by an expression, "
                                 "so a local piece does not hold what the op reads")
@@ -165,7 +176,7 @@ def infer_compute(instance: OpInstance, inputs: Sequence[Spread]) -> ComputeSpre
     for var in bounds_vars:
         degrees.setdefault(var, ONE)
 
-    _collect_plain_uses(instance.body, bounds_vars, plain_uses, in_index=False)
+    _collect_plain_uses(instance.body, bounds_vars, plain_uses, block_reads)
     for var, degree in degrees.items():
         if degree != ONE and var in plain_uses:
             problems.append(f"{instance.name}: index '{_pretty(var)}' is sharded ({degree}) but is used in "
@@ -200,7 +211,49 @@ def infer_compute(instance: OpInstance, inputs: Sequence[Spread]) -> ComputeSpre
         problems.append(f"{instance.name}: {total} pieces cannot hold an output sharded "
                         f"[{', '.join(str(d) for d in shard)}] with partial-sum degree {partial}")
         copy = total.floordiv(used)
-    return ComputeSpread(Spread(shard, copy, partial), degrees, tuple(problems))
+    requires = tuple(divides(degree, bounds[var], None, f"{instance.name}: index '{_pretty(var)}' (range "
+                                                     f"{bounds[var]}) must split into {degree} equal blocks")
+                     for var, degree in degrees.items() if degree != ONE and var in bounds)
+    return ComputeSpread(Spread(shard, copy, partial), degrees, tuple(problems), requires)
+
+
+def _block_pattern(access: ast.Access, position: int, spread: Spread, instance: OpInstance,
+                   bounds: dict) -> tuple[str, tuple[str, ...]] | None:
+    """The leading index of a dim read block by block through an expression.
+
+    Two shapes keep every block of an output index inside one block of the
+    input dim, so a local piece holds what the op reads and local sizes
+    give the same answer:
+      `j * k + r` with `0 <= r < k`    (a dim split in two: unflatten)
+      `j / n`, `j % n` on this dim and the next, the next of size n and
+      unsharded                        (two dims merged: flatten)
+    Returns (leading index, indices that must stay unsharded), or None.
+    """
+    index = access.indices[position]
+    env = instance.size_env()
+    if (isinstance(index, ast.BinOp) and index.op == "+" and isinstance(index.right, ast.Name)
+            and isinstance(index.left, ast.BinOp) and index.left.op == "*" and isinstance(index.left.left, ast.Name)):
+        lead, rest, factor = index.left.left.id, index.right.id, index.left.right
+        if lead in bounds and rest in bounds and lead != rest and _size_of(factor, env) == bounds[rest]:
+            return lead, (rest,)
+    if (isinstance(index, ast.BinOp) and index.op == "/" and isinstance(index.left, ast.Name)
+            and position + 1 < len(access.indices)):
+        following = access.indices[position + 1]
+        lead, size = index.left.id, _size_of(index.right, env)
+        if (lead in bounds and isinstance(following, ast.BinOp) and following.op == "%"
+                and isinstance(following.left, ast.Name) and following.left.id == lead
+                and size is not None and _size_of(following.right, env) == size
+                and position + 1 < len(spread.shard) and spread.shard[position + 1] == ONE
+                and instance.input_shapes[instance.inputs.index(access.tensor)][position + 1] == size):
+            return lead, ()
+    return None
+
+
+def _size_of(expr: ast.Expr, env: dict) -> Poly | None:
+    try:
+        return to_poly(expr, env)
+    except NotAnInteger:
+        return None
 
 
 def _pretty(var: str) -> str:
@@ -228,20 +281,28 @@ def _sizes_used_as_values(expr: ast.Expr) -> set[str]:
     return found
 
 
-def _collect_plain_uses(expr: ast.Expr, index_vars: set[str], out: set[str], in_index: bool) -> None:
-    """Index variables used anywhere but as a whole tensor index."""
+def _collect_plain_uses(expr: ast.Expr, index_vars: set[str], out: set[str], block_reads: set[int]) -> None:
+    """Index variables used anywhere but as a whole tensor index or a block read."""
     if isinstance(expr, ast.Access):
-        for index in expr.indices:
-            if isinstance(index, ast.Name):
+        for position, index in enumerate(expr.indices):
+            if isinstance(index, ast.Name) or id(index) in block_reads:
                 continue
-            _collect_plain_uses(index, index_vars, out, True)
+            if position > 0 and id(expr.indices[position - 1]) in block_reads and _is_mod_of(index, expr.indices[position - 1]):
+                continue
+            _collect_plain_uses(index, index_vars, out, block_reads)
         return
     if isinstance(expr, ast.Name):
         if expr.id in index_vars:
             out.add(expr.id)
         return
     for child in ast.children(expr):
-        _collect_plain_uses(child, index_vars, out, in_index)
+        _collect_plain_uses(child, index_vars, out, block_reads)
+
+
+def _is_mod_of(index: ast.Expr, previous: ast.Expr) -> bool:
+    """`j % n` following the block read `j / n` (flatten's second index)."""
+    return (isinstance(index, ast.BinOp) and index.op == "%" and isinstance(previous, ast.BinOp)
+            and previous.op == "/" and index.left == previous.left)
 
 
 def _partial_degree(expr: ast.Expr, inputs: dict, degrees: dict) -> Poly | str:

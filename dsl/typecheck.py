@@ -224,6 +224,7 @@ class _RuleTyper:
             raise TypeCheckError("size", f"{op.name}: {err}", expr) from None
         self.requires.extend(instance.requirements)
         inferred = infer_compute(instance, [t.spread for t in tensors])
+        self.requires.extend(inferred.requires)
         return TypedTerm(expr, "op", op.name, tuple(tensors), instance.output_shape, inferred.spread,
                          instance=instance, var_degrees=inferred.var_degrees, problems=inferred.problems)
 

@@ -296,10 +296,18 @@ class _Body:
                 blocks.append(ZERO)
                 local.append(glob)
                 continue
+            glob = self.index(index, variables)
             if degree != ONE:
-                raise Unprovable(f"{self.instance.name}: sharded dim read through an expression")
+                # A block read (unflatten's j * k + r, flatten's j / n): the
+                # spread analysis accepted it, so the global index falls in
+                # one block; which one is the quotient by the block extent.
+                extent = self.low.P(arg.shape[position]).floordiv(degree)
+                block, loc = self.low.divmod(glob, extent)
+                blocks.append(block)
+                local.append(loc)
+                continue
             blocks.append(ZERO)
-            local.append(self.index(index, variables))
+            local.append(glob)
         partial = self.low.P(arg.spread.sum) != ONE
         return self.low.piece(arg, tuple(blocks), s if partial else ZERO, tuple(local))
 
