@@ -5,7 +5,13 @@ another device count, a rank that fails) ends with one line on stderr and
 exit code 1; a failed `--check` also exits 1. With `--json` the last line
 printed is one JSON object (issue 5): check, max_abs_diff,
 comm_elements_measured, comm_elements_predicted, step_time_s,
-peak_memory_bytes, plus comm_elements_wire and the losses.
+peak_memory_bytes, plus the gradient-sync part, the distinct collectives,
+the other predictions and the losses (`executor.RunResult.to_dict`).
+
+`--plan-of NAME` runs one of the baselines the plan file carries
+(`data_parallel`, `sequential`, `megatron`) instead of parsat's own PCG,
+with that baseline's predicted totals, so both sides of a comparison are
+measured the same way.
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ import json
 import os
 import sys
 from typing import Mapping
+
+
+PLAN_OF = ("parsat", "data_parallel", "sequential", "megatron")
 
 
 def register(subparsers) -> None:
@@ -32,18 +41,28 @@ def register(subparsers) -> None:
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     run.add_argument("--timeout", type=float, default=600.0, help="seconds before the whole job is ended")
+    run.add_argument("--plan-of", default="parsat", choices=PLAN_OF,
+                     help="which PCG of the plan file to run: parsat's (default) or a baseline's")
     run.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     run.set_defaults(run=main_run)
+    register_calibrate(subparsers)
 
 
-def _fail(message: str) -> int:
-    print(f"parsat run: error: {message}", file=sys.stderr)
+def _fail(message: str, command: str = "run") -> int:
+    print(f"parsat {command}: error: {message}", file=sys.stderr)
     return 1
 
 
-def load_plan(path: str, nproc: int):
-    """(pcg, graph, predicted elements per step) from a plan file, refusing what cannot run."""
-    from parsat.backend.executor import ExecutionError, operator_library
+def load_plan(path: str, nproc: int, plan_of: str = "parsat"):
+    """(pcg, graph, prediction) of one PCG of a plan file, refusing what cannot run.
+
+    `plan_of` picks parsat's PCG or a baseline's. A baseline's PCG is read
+    from `baselines.NAME` (`nodes` and `outputs` there, or under `pcg`, in
+    the top level's node format); a plan file written before baselines
+    carried their PCG can still run `data_parallel`, rebuilt from the graph
+    by the optimizer's own definition (`saturate.api.data_parallel_pcg`).
+    """
+    from parsat.backend.executor import ExecutionError, Prediction, operator_library
     from parsat.saturate.graph import Graph
     from parsat.saturate.plan import load_plan_dict, pcg_from_dict
 
@@ -51,15 +70,32 @@ def load_plan(path: str, nproc: int):
     devices = data.get("devices")
     if devices != nproc:
         raise ExecutionError(f"{path} is a plan for {devices} device(s); --nproc is {nproc}")
+    if plan_of not in PLAN_OF:
+        raise ExecutionError(f"--plan-of must be one of {', '.join(PLAN_OF)}, not '{plan_of}'")
     try:
-        graph = Graph.from_dict(data["graph"], operator_library())
-        pcg = pcg_from_dict(data)
-        totals = data.get("totals") or {}
-        predicted = totals.get("comm_elements") if isinstance(totals, Mapping) else None
+        library = operator_library()
+        graph = Graph.from_dict(data["graph"], library)
+        if plan_of == "parsat":
+            return pcg_from_dict(data), graph, Prediction.from_totals(data.get("totals"))
+        baseline = (data.get("baselines") or {}).get(plan_of)
+        if not isinstance(baseline, Mapping):
+            raise ExecutionError(f"{path} has no {plan_of} baseline (it does not apply to this graph)")
+        source = baseline.get("pcg") if isinstance(baseline.get("pcg"), Mapping) else baseline
+        if "nodes" in source and "outputs" in source:
+            pcg = pcg_from_dict(source)
+        elif plan_of == "data_parallel":
+            from parsat.saturate.api import data_parallel_pcg
+
+            pcg = data_parallel_pcg(graph, library, nproc)
+            if pcg is None:
+                raise ExecutionError(f"data parallelism does not apply to {path}'s graph")
+        else:
+            raise ExecutionError(f"{path} carries the {plan_of} baseline's costs but not its PCG; re-run "
+                                 "`parsat optimize` with this version to record it")
+        return pcg, graph, Prediction.from_totals(dict(baseline))
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise ExecutionError(f"{path}: the plan does not follow the plan schema ({type(err).__name__}: {err})") \
             from None
-    return pcg, graph, predicted
 
 
 def main_run(args: argparse.Namespace) -> int:
@@ -77,11 +113,11 @@ def main_run(args: argparse.Namespace) -> int:
             return _fail("--nproc is required (the number of ranks to start)")
         args.nproc = int(os.environ["WORLD_SIZE"])
     try:
-        pcg, graph, predicted = load_plan(args.plan, args.nproc)
+        pcg, graph, predicted = load_plan(args.plan, args.nproc, args.plan_of)
         check_worlds(pcg, args.nproc)
         config = TrainConfig(steps=args.steps, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
                              dtype=args.dtype, check=args.check, tolerance=1e-9 if args.dtype == "float64" else 1e-4)
-        result = run_plan(pcg, args.nproc, config, graph=graph, predicted_comm=predicted, backend=args.backend,
+        result = run_plan(pcg, args.nproc, config, graph=graph, predicted=predicted, backend=args.backend,
                           timeout_s=args.timeout)
     except (PlanError, GraphError, ExecutionError, LaunchError, PlacementError) as err:
         return _fail(str(err))
@@ -92,16 +128,68 @@ def main_run(args: argparse.Namespace) -> int:
 
 def _report(result, args: argparse.Namespace) -> None:
     measured, predicted = result.comm_elements_measured, result.comm_elements_predicted
-    lines = [f"ran {args.steps} step(s) on {args.nproc} rank(s)",
+    sync_predicted = result.predicted.grad_sync_elements
+    memory_predicted = result.predicted.peak_memory_bytes
+    lines = [f"ran {args.steps} step(s) of the {args.plan_of} plan on {args.nproc} rank(s)",
              f"  loss per step        {', '.join(f'{x:.6g}' for x in result.losses)}",
              f"  communication/step   measured {measured:,.0f} elements, predicted "
              + ("n/a" if predicted is None else f"{predicted:,.0f}")
-             + ("" if result.comm_elements_wire == measured else
-                f" (on the wire, counting redundant replicas: {result.comm_elements_wire:,.0f})"),
+             + ("" if result.comm_matches is None else " (equal)" if result.comm_matches else " (DIFFERENT)"),
+             f"    of which grad sync measured {result.grad_sync_elements_measured:,.0f}, predicted "
+             + ("n/a" if sync_predicted is None else f"{sync_predicted:,.0f}"),
              f"  step time (median)   {result.step_time_s * 1e3:.3f} ms",
-             f"  peak memory per rank {result.peak_memory_bytes / 2**20:.1f} MiB"]
+             f"  peak memory per rank {result.peak_memory_bytes / 2**20:.2f} MiB of tensors"
+             + ("" if memory_predicted is None else f" (plan's bound {memory_predicted / 2**20:.2f} MiB, fp32 Adam)")
+             + f"; process RSS {result.process_rss_bytes / 2**20:.0f} MiB"]
     if result.check is not None:
         lines.append(f"  check                {result.check} (largest difference {result.max_abs_diff:.3g})")
     print("\n".join(lines))
     if args.json:
         print(json.dumps(result.to_dict()))
+
+
+# ------------------------------------------------------------------ calibrate
+
+
+def register_calibrate(subparsers) -> None:
+    cal = subparsers.add_parser("calibrate", help="time operators and collectives here; write a machine file",
+                                description="Measure this machine's compute rates and collective link for the cost "
+                                            "model, and write a machine JSON `parsat optimize --machine` loads.")
+    cal.add_argument("--machine", "-m", required=True, metavar="NAME", help="the name to give the machine")
+    cal.add_argument("--output", "-o", required=True, metavar="FILE", help="machine JSON to write")
+    cal.add_argument("-n", "--nproc", type=int, default=None,
+                     help="ranks for the collectives (default: the CUDA device count, or 2 on CPU)")
+    cal.add_argument("--backend", choices=("gloo", "nccl"), default=None)
+    cal.add_argument("--size", type=int, default=512, help="operator size scale (default 512)")
+    cal.add_argument("--repeats", type=int, default=5, help="timed repetitions per measurement (median)")
+    cal.add_argument("--comm-elements", type=int, nargs=2, default=(1024, 1 << 20), metavar=("SMALL", "LARGE"),
+                     help="all-reduce sizes for the latency and bandwidth fit")
+    cal.add_argument("--json", action="store_true", help="print the measurements as one JSON object last")
+    cal.set_defaults(run=main_calibrate)
+
+
+def main_calibrate(args: argparse.Namespace) -> int:
+    try:
+        import torch
+
+        from parsat.backend.calibrate import calibrate, report
+        from parsat.backend.launch import LaunchError
+    except ImportError as err:
+        return _fail(f"calibration needs torch ({err}); install it with: pip install torch==2.13.0", "calibrate")
+    nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.device_count() >= 2 else 2)
+    if args.size < 16 or args.repeats < 1 or min(args.comm_elements) < 1 or \
+            args.comm_elements[0] >= args.comm_elements[1]:
+        return _fail("--size must be >= 16, --repeats >= 1, and --comm-elements SMALL < LARGE, both >= 1",
+                     "calibrate")
+    try:
+        result = calibrate(args.machine, nproc, args.size, args.repeats, args.backend, tuple(args.comm_elements))
+        result.machine.save(args.output)
+    except (ValueError, LaunchError) as err:
+        return _fail(str(err), "calibrate")
+    except OSError as err:
+        return _fail(f"cannot write {args.output}: {err.strerror}", "calibrate")
+    print(report(result))
+    print(f"wrote {args.output}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    return 0

@@ -21,10 +21,11 @@ per rank, (p-1) * n over the group; an all-reduce of n elements sends
 2(p-1)/p * n per rank, 2(p-1) * n over the group (with p = 2, 2n: the
 813,056 of data-parallel MLP training in DESIGN section 2). Where a
 tensor has fewer pieces than ranks, the ranks that differ only on its free
-atoms run the same collective redundantly; `distinct_sent` counts each
-distinct collective once, which is what the cost model predicts
-(saturate/cost.py: a tensor of P pieces makes P groups), while `sent` is
-what went over the wire.
+atoms run the same collective redundantly; `sent` counts every one of them
+(what went over the wire, and what the cost model predicts: each replica
+set runs its own collective, saturate/cost.py), `distinct_sent` each
+distinct collective once. Events tagged `grad_sync` are the gradient
+all-reduces of replicated weights (the cost model's `grad_sync_elements`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class CommEvent:
     elements: int    # n: the gathered tensor's size, or the all-reduced tensor's size
     itemsize: int
     replicas: int = 1  # ranks running this same collective redundantly (free atoms), counted once
+    tag: str = ""      # "grad_sync": the all-reduce of a replicated weight's gradient (data parallelism)
 
     @property
     def sent(self) -> Fraction:
@@ -86,12 +88,17 @@ class CommCounter:
     def distinct_sent(self, phase: str | None = None) -> Fraction:
         return sum((e.distinct_sent for e in self.events if phase in (None, e.phase)), Fraction(0))
 
+    def sent_tagged(self, tag: str) -> Fraction:
+        """Elements sent by the collectives carrying `tag` (e.g. the gradient synchronisation)."""
+        return sum((e.sent for e in self.events if e.tag == tag), Fraction(0))
+
     def clear(self) -> None:
         self.events.clear()
 
     def to_json(self) -> list[dict]:
         return [{"op": e.op, "phase": e.phase, "kind": e.kind, "group_size": e.group_size,
-                 "elements": e.elements, "itemsize": e.itemsize, "replicas": e.replicas} for e in self.events]
+                 "elements": e.elements, "itemsize": e.itemsize, "replicas": e.replicas, "tag": e.tag}
+                for e in self.events]
 
 
 class GroupCache:
@@ -127,6 +134,7 @@ class Comm:
     counter: CommCounter
     op: str
     replicas: int = 1
+    tag: str = ""
 
     @property
     def size(self) -> int:
@@ -134,11 +142,11 @@ class Comm:
 
 
 def make_comm(cache: GroupCache, axes: Sequence[Axis], counter: CommCounter, op: str,
-              replicas: int = 1) -> Comm:
+              replicas: int = 1, tag: str = "") -> Comm:
     """The `Comm` for a parallel operator over `axes`, on this rank."""
     members = group_ranks(axes, cache.rank)
     group = cache.group(axes) if len(members) > 1 else None
-    return Comm(group, members, mixed_radix(axes, cache.rank), counter, op, replicas)
+    return Comm(group, members, mixed_radix(axes, cache.rank), counter, op, replicas, tag)
 
 
 def _all_gather(x: torch.Tensor, dim: int, comm: Comm, phase: str) -> torch.Tensor:
@@ -147,7 +155,7 @@ def _all_gather(x: torch.Tensor, dim: int, comm: Comm, phase: str) -> torch.Tens
     dist.all_gather(buffers, x, group=comm.group)
     by_rank = dict(zip(sorted(comm.members), buffers))
     comm.counter.record(CommEvent(comm.op, phase, "all_gather", comm.size, x.numel() * comm.size, x.element_size(),
-                                  comm.replicas))
+                                  comm.replicas, comm.tag))
     return torch.cat([by_rank[r] for r in comm.members], dim=dim)
 
 
@@ -155,7 +163,7 @@ def _all_reduce(x: torch.Tensor, comm: Comm, phase: str) -> torch.Tensor:
     out = x.detach().clone().contiguous()
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=comm.group)
     comm.counter.record(CommEvent(comm.op, phase, "all_reduce", comm.size, out.numel(), out.element_size(),
-                                  comm.replicas))
+                                  comm.replicas, comm.tag))
     return out
 
 
@@ -208,18 +216,18 @@ class _Reduce(torch.autograd.Function):
 
 
 def parallel_op(name: str, x: torch.Tensor, layout: Layout, degree: int, dim: int | None,
-                cache: GroupCache, counter: CommCounter) -> tuple[torch.Tensor, Layout]:
+                cache: GroupCache, counter: CommCounter, tag: str = "") -> tuple[torch.Tensor, Layout]:
     """Apply parallel operator `name` to this rank's piece `x` of a tensor laid out as `layout`.
 
     Returns the new local piece and the new layout. Degree 1 is the identity
-    and moves nothing.
+    and moves nothing. `tag` labels the collectives in the counter.
     """
     new_layout, axes = layout.apply_parallel(name, degree, dim)
     if degree == 1 or not axes:
         return x, new_layout
     # Ranks that differ only on the input's other free atoms run the same collective redundantly.
     replicas = product(a for a in layout.free if a not in axes)
-    comm = make_comm(cache, axes, counter, name, replicas)
+    comm = make_comm(cache, axes, counter, name, replicas, tag)
     if name == "partition":
         return _Partition.apply(x, dim, comm), new_layout
     if name == "combine":

@@ -154,6 +154,14 @@ class Reference:
     weights: tuple[dict, ...]
 
 
+def evaluate_graph(graph: Graph, leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every node's value, given every leaf's (the single-process semantics of a graph)."""
+    env = dict(leaves)
+    for node in graph.nodes:
+        env[node.name] = apply_op(node.op, [env[i] for i in node.inputs], dict(node.attrs))
+    return env
+
+
 def reference_run(graph: Graph, config: TrainConfig) -> Reference:
     """The original graph trained in one process with the same seeds, loss and optimizer."""
     shapes = graph.shapes()
@@ -167,8 +175,7 @@ def reference_run(graph: Graph, config: TrainConfig) -> Reference:
         for leaf in graph.leaves:
             if leaf.role == "input":
                 env[leaf.name] = leaf_value(leaf.name, leaf.shape, "input", config, step, leaf.name in onehot)
-        for node in graph.nodes:
-            env[node.name] = apply_op(node.op, [env[i] for i in node.inputs], dict(node.attrs))
+        env = evaluate_graph(graph, env)
         loss = sum(_loss_term(env[o], target_value(o, shapes[o], config, step), env[o].numel())
                    for o in graph.outputs)
         optimizer.zero_grad()
@@ -255,8 +262,12 @@ class RankProgram:
             elif node.kind == "parallel":
                 x, layout = env[node.inputs[0]]
                 dim = dict(node.attrs).get("dim")
+                source = self.pcg.node(node.inputs[0])
+                # As in the cost model: a replicated weight leaf's backward all-reduce is the gradient sync.
+                tag = "grad_sync" if node.op == "replicate" and source.kind == "leaf" and source.role == "weight" \
+                    else ""
                 env[node.id] = parallel_op(node.op, x, layout, int(node.attr("degree")),
-                                           None if dim is None else int(dim), self.cache, counter)
+                                           None if dim is None else int(dim), self.cache, counter, tag)
             else:
                 ins = [env[i] for i in node.inputs]
                 attrs = dict(node.attrs)
@@ -315,13 +326,19 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
     optimizer = _make_optimizer([p.tensor for p in program.params.values()], config)
     reference = reference_run(graph, config) if config.check and graph is not None else None
     losses, times, steps_comm, diffs = [], [], [], []
+    memory = TensorMemory()
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
     for step in range(config.steps):
         counter = CommCounter()
         start = time.perf_counter()
-        env = program.forward(step, counter)
-        to_diff, to_report = program.loss(env, step)
+        with memory.saving():
+            env = program.forward(step, counter)
+            to_diff, to_report = program.loss(env, step)
+        memory.measure(env, program, optimizer)  # end of forward: activations and saved tensors all alive
         optimizer.zero_grad()
         to_diff.backward()
+        memory.measure(env, program, optimizer)  # end of backward: every gradient alive
         optimizer.step()
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
@@ -330,15 +347,64 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
         dist.all_reduce(total)  # reporting only: not part of the plan, not counted
         losses.append(float(total))
         steps_comm.append({"sent": float(counter.sent()), "distinct_sent": float(counter.distinct_sent()),
-                           "sent_bytes": float(counter.sent_bytes()), "events": len(counter.events)})
+                           "sent_bytes": float(counter.sent_bytes()),
+                           "grad_sync": float(counter.sent_tagged("grad_sync")), "events": len(counter.events)})
         if reference is not None:
             diffs.append(_compare(program, env, reference, step, float(total)))
-    peak = (torch.cuda.max_memory_allocated() if ctx.device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else memory.peak
     report = {"rank": ctx.rank, "losses": losses, "step_times": times, "comm": steps_comm,
-              "max_abs_diff": max(diffs) if diffs else None, "peak_memory_bytes": peak}
+              "max_abs_diff": max(diffs) if diffs else None, "peak_memory_bytes": peak,
+              "process_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     report["job"] = _job_summary(report, ctx)
     return report
+
+
+class TensorMemory:
+    """Peak bytes of this rank's live tensors on CPU, where torch keeps no allocator statistics.
+
+    Counted at the two high points of a step: the end of the forward pass
+    (every activation, the tensors autograd saved for backward, parameters,
+    last step's gradients, optimizer state) and the end of the backward
+    pass (every gradient). Storages are counted once however many views
+    share them. Backward's transient buffers are not seen, so this is a
+    lower bound of the allocator's peak; it is what the plan's memory
+    bound describes, unlike the process RSS (interpreter, torch, the
+    single-process reference of --check).
+    """
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._saved: dict[int, int] = {}
+
+    def saving(self):
+        """A context recording the storages autograd saves for backward."""
+        self._saved = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            self._saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def measure(self, env, program: "RankProgram", optimizer: Optimizer) -> None:
+        live = dict(self._saved)
+        tensors = [x for x, _ in env.values()] + [p.tensor for p in program.params.values()]
+        tensors += [p.tensor.grad for p in program.params.values() if p.tensor.grad is not None]
+        tensors += [m for pair in optimizer.moments for m in pair]
+        for t in tensors:
+            storage = t.untyped_storage()
+            live[storage.data_ptr()] = storage.nbytes()
+        self.peak = max(self.peak, sum(live.values()))
+
+
+def run_many(ctx: RankContext, jobs: Sequence[tuple[str, PCG, Graph | None]], config: TrainConfig) -> dict:
+    """Several plans trained in turn in one process group: label -> job-wide figures (`_job_summary`).
+
+    For tests and benchmarks that run many plans: one launch instead of one
+    per plan (process start-up dominates small plans).
+    """
+    return {label: run_rank(ctx, pcg, config, graph)["job"] for label, pcg, graph in jobs}
 
 
 def _job_summary(report: dict, ctx: RankContext) -> dict:
@@ -347,15 +413,18 @@ def _job_summary(report: dict, ctx: RankContext) -> dict:
     Reporting traffic only: not part of the plan, not counted.
     """
     last = report["comm"][-1]
-    sums = torch.tensor([last["distinct_sent"], last["sent"]], dtype=torch.float64, device=ctx.device)
+    sums = torch.tensor([last["distinct_sent"], last["sent"], last["grad_sync"]], dtype=torch.float64,
+                        device=ctx.device)
     diff = report["max_abs_diff"]
-    maxes = torch.tensor([-1.0 if diff is None else diff, float(report["peak_memory_bytes"]), *report["step_times"]],
+    maxes = torch.tensor([-1.0 if diff is None else diff, float(report["peak_memory_bytes"]),
+                          float(report["process_rss_bytes"]), *report["step_times"]],
                          dtype=torch.float64, device=ctx.device)
     dist.all_reduce(sums)
     dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
     sums, maxes = sums.tolist(), maxes.tolist()
-    return {"distinct_sent": sums[0], "sent": sums[1], "max_abs_diff": None if maxes[0] < 0 else maxes[0],
-            "peak_memory_bytes": int(maxes[1]), "step_times": maxes[2:]}
+    return {"distinct_sent": sums[0], "sent": sums[1], "grad_sync": sums[2],
+            "max_abs_diff": None if maxes[0] < 0 else maxes[0], "peak_memory_bytes": int(maxes[1]),
+            "process_rss_bytes": int(maxes[2]), "step_times": maxes[3:]}
 
 
 def _compare(program: RankProgram, env, reference: Reference, step: int, loss: float) -> float:
@@ -378,29 +447,72 @@ def _compare(program: RankProgram, env, reference: Reference, step: int, loss: f
 
 
 @dataclass(frozen=True)
+class Prediction:
+    """The cost model's figures for the plan that runs (the plan's `totals`, or a baseline's)."""
+
+    comm_elements: float | None = None
+    grad_sync_elements: float | None = None
+    peak_memory_bytes: float | None = None
+    time_s: float | None = None
+
+    @staticmethod
+    def from_totals(totals) -> "Prediction":
+        """From a plan JSON's `totals` object (or a baseline's); missing fields stay None."""
+        totals = totals if isinstance(totals, dict) else {}
+        return Prediction(totals.get("comm_elements"), totals.get("grad_sync_elements"),
+                          totals.get("peak_memory_bytes"), totals.get("time_s"))
+
+
+@dataclass(frozen=True)
 class RunResult:
-    """What `parsat run --json` prints (communication per step, summed over ranks)."""
+    """What `parsat run --json` prints: communication per step, summed over ranks.
+
+    `comm_elements_measured` counts every collective every rank ran, the
+    redundant ones of a tensor held by fewer pieces than ranks included,
+    which is the cost model's convention (saturate/cost.py); the distinct
+    collectives alone are `comm_elements_distinct`. `grad_sync_elements_*`
+    is the part that synchronises replicated weights' gradients.
+    """
 
     check: str | None
     max_abs_diff: float | None
     comm_elements_measured: float
-    comm_elements_wire: float
-    comm_elements_predicted: float | None
+    comm_elements_distinct: float
+    grad_sync_elements_measured: float
     step_time_s: float
     peak_memory_bytes: int
+    process_rss_bytes: int
     losses: tuple[float, ...]
+    predicted: Prediction = Prediction()
+
+    @property
+    def comm_elements_predicted(self) -> float | None:
+        return self.predicted.comm_elements
+
+    @property
+    def comm_matches(self) -> bool | None:
+        """Whether measured communication equals the prediction (None: nothing predicted)."""
+        if self.predicted.comm_elements is None:
+            return None
+        return abs(self.comm_elements_measured - self.predicted.comm_elements) < 0.5
 
     def to_dict(self) -> dict:
         return {"check": self.check, "max_abs_diff": self.max_abs_diff,
                 "comm_elements_measured": self.comm_elements_measured,
-                "comm_elements_wire": self.comm_elements_wire,
-                "comm_elements_predicted": self.comm_elements_predicted,
+                "comm_elements_predicted": self.predicted.comm_elements,
                 "step_time_s": self.step_time_s, "peak_memory_bytes": self.peak_memory_bytes,
+                "comm_matches": self.comm_matches,
+                "comm_elements_distinct": self.comm_elements_distinct,
+                "grad_sync_elements_measured": self.grad_sync_elements_measured,
+                "grad_sync_elements_predicted": self.predicted.grad_sync_elements,
+                "step_time_predicted_s": self.predicted.time_s,
+                "peak_memory_predicted_bytes": self.predicted.peak_memory_bytes,
+                "process_rss_bytes": self.process_rss_bytes,
                 "losses": list(self.losses)}
 
 
 def run_plan(pcg: PCG, nproc: int, config: TrainConfig, graph: Graph | None = None,
-             predicted_comm: float | None = None, backend: str | None = None,
+             predicted: Prediction | None = None, backend: str | None = None,
              timeout_s: float = 300.0) -> RunResult:
     """Train `pcg` on `nproc` spawned ranks (or the torchrun group) and summarise.
 
@@ -418,9 +530,9 @@ def run_plan(pcg: PCG, nproc: int, config: TrainConfig, graph: Graph | None = No
     timed = times[1:] if len(times) > 1 else times
     diff = job["max_abs_diff"]
     check = None if not config.check else ("passed" if diff is not None and diff <= config.tolerance else "failed")
-    return RunResult(check, diff, job["distinct_sent"], job["sent"], predicted_comm, statistics.median(timed),
-                     job["peak_memory_bytes"],
-                     tuple(reports[0]["losses"]))
+    return RunResult(check, diff, job["sent"], job["distinct_sent"], job["grad_sync"], statistics.median(timed),
+                     job["peak_memory_bytes"], job["process_rss_bytes"], tuple(reports[0]["losses"]),
+                     predicted or Prediction())
 
 
 def check_worlds(pcg: PCG, nproc: int) -> None:
@@ -429,5 +541,5 @@ def check_worlds(pcg: PCG, nproc: int) -> None:
         raise ExecutionError(f"the plan needs {pcg.max_pieces} devices but --nproc is {nproc}")
 
 
-__all__ = ["ExecutionError", "PlacementError", "RunResult", "TrainConfig", "reference_run", "run_plan",
+__all__ = ["ExecutionError", "PlacementError", "Prediction", "RunResult", "evaluate_graph", "run_many", "TrainConfig", "reference_run", "run_plan",
            "check_worlds", "leaf_value"]

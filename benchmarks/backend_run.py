@@ -1,27 +1,31 @@
-"""Run baseline and optimized plans on N local CPU ranks, checked; print measured vs predicted communication.
+"""Run parsat's plans and the baselines' plans on N local CPU ranks, checked; measured vs predicted.
 
-    .venv/bin/python benchmarks/backend_run.py [--nproc 2 4] [--steps 3]
+    .venv/bin/python benchmarks/backend_run.py [--nproc 2 4] [--steps 3] [--machine cpu]
 
-Records what `benchmarks/backend_results.md` reports. Plans: data parallelism
-(saturate.api.data_parallel_pcg) and the optimizer's plan (saturate.api.optimize)
-for the MLP (Unity's sizes), the branching MLP and a small transformer block.
+For each graph, `optimize` writes a plan file (as `parsat optimize -o` does);
+each PCG in it (parsat's, data_parallel, sequential, megatron) is read back
+the way `parsat run --plan-of` reads it and trained with --check; all plans
+of one rank count run in one process group. Prints one JSON line per plan
+and a markdown table (what `benchmarks/backend_results.md` records).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import tempfile
+from pathlib import Path
 
-from parsat.backend.executor import TrainConfig, operator_library, run_plan
-from parsat.saturate import models
-from parsat.saturate.api import data_parallel_pcg, optimize, price_pcg
-from parsat.saturate.cost import totals
-from parsat.saturate.machine import Machine
+from parsat.backend.cli import PLAN_OF, load_plan
+from parsat.backend.executor import ExecutionError, TrainConfig, run_many
+from parsat.backend.launch import LaunchConfig, launch
+from parsat.saturate.api import optimize
 
 GRAPHS = {
-    "mlp": lambda lib: models.mlp(library=lib),
-    "branches": lambda lib: models.branches(batch=64, d_in=256, d_hidden=128, d_out=16, library=lib),
-    "transformer": lambda lib: models.transformer(batch=4, seq=16, hidden=32, heads=4, ffn=64, library=lib),
+    "mlp": {},
+    "branches": {},
+    "transformer": dict(batch=4, seq=32, hidden=64, heads=4, ffn=256),
 }
 
 
@@ -29,28 +33,47 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--machine", default="cpu")
     parser.add_argument("--graphs", nargs="+", default=list(GRAPHS))
-    parser.add_argument("--optimized", action="store_true", help="also run the optimizer's plan")
     args = parser.parse_args()
-    lib = operator_library()
+    config = TrainConfig(steps=args.steps, check=True)
     rows = []
-    for name in args.graphs:
-        graph = GRAPHS[name](lib)
+    with tempfile.TemporaryDirectory() as folder:
         for n in args.nproc:
-            machine = Machine.preset("h100x8").with_devices(n)
-            plans = {"data_parallel": data_parallel_pcg(graph, lib, n)}
-            if args.optimized:
-                plans["parsat"] = optimize(graph, devices=n, allow_unverified=True, baselines=False).pcg
-            for label, pcg in plans.items():
-                if pcg is None:
-                    rows.append({"graph": name, "nproc": n, "plan": label, "note": "not applicable"})
-                    continue
-                costs = price_pcg(pcg, lib, machine)
-                predicted = totals(costs, machine).comm_elements if costs else None
-                result = run_plan(pcg, n, TrainConfig(steps=args.steps, check=True), graph=graph,
-                                  predicted_comm=predicted, backend="gloo")
-                rows.append({"graph": name, "nproc": n, "plan": label, **result.to_dict()})
+            jobs, predicted = [], {}
+            for name in args.graphs:
+                path = Path(folder) / f"{name}{n}.json"
+                optimize(name, machine=args.machine, devices=n, sizes=GRAPHS[name] or None).save(path)
+                for plan_of in PLAN_OF:
+                    try:
+                        pcg, graph, prediction = load_plan(str(path), n, plan_of)
+                    except ExecutionError as err:
+                        rows.append({"graph": name, "nproc": n, "plan": plan_of, "note": str(err)})
+                        continue
+                    jobs.append((f"{name}/{plan_of}", pcg, graph))
+                    predicted[f"{name}/{plan_of}"] = prediction
+            results = launch(run_many, (jobs, config), LaunchConfig(nproc=n, backend="gloo", timeout_s=1200))[0]
+            for label, job in results.items():
+                name, plan_of = label.split("/")
+                want = predicted[label]
+                times = job["step_times"][1:] or job["step_times"]
+                rows.append({"graph": name, "nproc": n, "plan": plan_of,
+                             "check": "passed" if job["max_abs_diff"] <= config.tolerance else "failed",
+                             "max_abs_diff": job["max_abs_diff"], "measured": job["sent"],
+                             "predicted": want.comm_elements, "grad_sync_measured": job["grad_sync"],
+                             "grad_sync_predicted": want.grad_sync_elements,
+                             "step_time_s": statistics.median(times), "peak_memory_bytes": job["peak_memory_bytes"]})
                 print(json.dumps(rows[-1]), flush=True)
+    print("\n| graph | ranks | plan | check | max abs diff | measured | predicted | grad sync meas./pred. | "
+          "tensor peak/rank |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "note" in r:
+            print(f"| {r['graph']} | {r['nproc']} | {r['plan']} | n/a | | | | | |")
+            continue
+        print(f"| {r['graph']} | {r['nproc']} | {r['plan']} | {r['check']} | {r['max_abs_diff']:.1e} | "
+              f"{r['measured']:,.0f} | {r['predicted']:,.0f} | {r['grad_sync_measured']:,.0f} / "
+              f"{r['grad_sync_predicted']:,.0f} | {r['peak_memory_bytes'] / 2**20:.2f} MiB |")
 
 
 if __name__ == "__main__":

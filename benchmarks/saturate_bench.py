@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -38,9 +39,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     library = load_library(args.rules)[0]
     rows = []
+    load_before = os.getloadavg()
     for name in args.examples:
         for devices in args.devices:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             try:
                 plan = optimize(name, machine=args.machine, devices=devices, rules=library, allow_unverified=True,
                                 baselines=not args.no_baselines)
@@ -48,7 +50,7 @@ def main(argv=None) -> int:
                 rows.append({"example": name, "devices": devices, "error": str(err)})
                 print(name, devices, "error:", err, file=sys.stderr)
                 continue
-            total = time.perf_counter() - start
+            total, cpu = time.perf_counter() - start, time.process_time() - cpu
             data = plan.to_dict()
             base = data["baselines"]
             row = {
@@ -60,7 +62,8 @@ def main(argv=None) -> int:
                 "saturation_s": data["saturation"]["seconds"], "compile_s": data["saturation"]["compile_seconds"],
                 "extraction_s": data["extraction"]["seconds"], "enodes": data["saturation"]["enodes"],
                 "eclasses": data["saturation"]["eclasses"], "stop": data["saturation"]["stop"],
-                "method": data["extraction"]["method"], "total_s": total,
+                "method": data["extraction"]["method"], "chosen": data["extraction"].get("chosen", "joint"),
+                "total_s": total, "cpu_s": cpu,
             }
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
@@ -73,14 +76,19 @@ def main(argv=None) -> int:
         f"Machine running the search: {platform.machine()}, Python {platform.python_version()}. "
         "Times in ms are predicted per-iteration training times (cost model); "
         "search times are wall-clock seconds (compile = rules to egglog, sat = saturation, ext = extraction "
-        "incl. ILP; total includes the baselines).", "",
+        "incl. ILP; total = wall-clock of the whole `optimize` call, baselines included; cpu = its CPU time: "
+        "the machine is shared, so wall-clock depends on the load). "
+        f"Load average (1, 5, 15 min) before the run: {', '.join(f'{x:.2f}' for x in load_before)}; "
+        f"after: {', '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores. "
+        "`plan` says where parsat's plan came from: `joint` = extracted from the joint e-graph (by `method`), "
+        "else the name of a baseline that was strictly cheaper.", "",
         "| example | devices | parsat ms | data-parallel ms | sequential ms | megatron ms | parsat comm el | DP comm el "
-        "| e-nodes | stop | compile s | sat s | ext s | total s | method |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
+        "| e-nodes | stop | compile s | sat s | ext s | total s | cpu s | method | plan |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['example']} | {r['devices']} | error: {r['error']} |||||||||||||")
+            lines.append(f"| {r['example']} | {r['devices']} | error: {r['error']} |||||||||||||||")
             continue
         b = r["baselines"]
         lines.append(
@@ -88,7 +96,7 @@ def main(argv=None) -> int:
             f"{fmt_ms(b['sequential'])} | {fmt_ms(b['megatron'])} | {r['comm_elements']:,} | "
             f"{'n/a' if r['baseline_comm']['data_parallel'] is None else format(r['baseline_comm']['data_parallel'], ',')} | "
             f"{r['enodes']} | {r['stop']} | {r['compile_s']:.2f} | {r['saturation_s']:.2f} | {r['extraction_s']:.2f} | "
-            f"{r['total_s']:.1f} | {r['method']} |")
+            f"{r['total_s']:.1f} | {r['cpu_s']:.1f} | {r['method']} | {r['chosen']} |")
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}", file=sys.stderr)
     return 0

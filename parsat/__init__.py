@@ -8,7 +8,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "load_rules", "check", "verify", "optimize", "Machine", "Graph", "GraphBuilder", "Limits"]
+__all__ = ["__version__", "load_rules", "check", "verify", "optimize", "from_torch", "Machine", "Graph", "GraphBuilder",
+           "Limits"]
 
 # Lazy re-exports of the saturation API (importing parsat must not import egglog).
 _LAZY = {
@@ -32,6 +33,17 @@ def optimize(graph, machine="h100x8", rules=None, limits=None, devices=None, **o
     from parsat.saturate.api import optimize as run
 
     return run(graph, machine=machine, rules=rules, limits=limits, devices=devices, **options)
+
+
+def from_torch(module, example_inputs, library=None, name=None):
+    """The parsat `Graph` of a torch `nn.Module` (torch.fx): see `parsat.backend.fx_import.from_torch`.
+
+    Weights are named by the module's parameter names; an unsupported
+    operator raises `FxImportError` naming it and where it is.
+    """
+    from parsat.backend.fx_import import from_torch as run
+
+    return run(module, example_inputs, library, name)
 
 
 def load_rules(paths=None):

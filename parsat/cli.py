@@ -21,9 +21,11 @@ SUBCOMMANDS = {
     "fmt": "parsat.dsl.cli",
     "verify": "parsat.verifier.cli",
     "run": "parsat.backend.cli",
+    "calibrate": "parsat.backend.cli",
     "optimize": "parsat.saturate.cli",
     "explain": "parsat.saturate.cli",
     "show": "parsat.saturate.cli",
+    "generate": "parsat.saturate.generate_cli",
 }
 
 

@@ -8,7 +8,9 @@
 4. compute the baselines with the same cost model: data parallelism only,
    the sequential approach (algebraic rules first, then parallel rules),
    and Megatron-style tensor parallelism (graph inputs never split);
-5. the best feasible plan derived from the rules wins.
+5. the best feasible plan wins: the joint plan unless a baseline's PCG
+   (each is a valid PCG, kept in the plan so a backend can run it) is
+   strictly cheaper, which the plan then says (`extraction.chosen`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from parsat.saturate.extract import Extraction, ExtractionError, NodeId, Pricer,
 from parsat.saturate.graph import Graph, GraphBuilder, GraphError, instance_for
 from parsat.saturate.machine import Machine
 from parsat.saturate.pcg import PARALLEL, PCG, Layout, PNode
-from parsat.saturate.plan import Plan
+from parsat.saturate.plan import JOINT, BaselinePlan, Plan
 from parsat.saturate.saturate import Limits, SaturationResult, saturate
 
 
@@ -329,13 +331,21 @@ def _pins(graph: Graph, outputs: Mapping[str, Layout | Mapping] | None, inputs: 
 
 def _solve(result: SaturationResult, graph: Graph, library: Library, machine: Machine, roots: Sequence[int],
            limits: Limits, free_inputs: bool, devices: int, exclude=None,
-           pins: Mapping[str, Layout] | None = None) -> tuple[PCG, dict[int, NodeCost], Extraction]:
-    input_pins = {k: v for k, v in (pins or {}).items() if k not in graph.outputs}
-    costs = node_costs(result.snapshot, graph, library, machine, free_inputs, devices, input_pins)
+           pins: Mapping[str, Layout] | None = None,
+           costs: Mapping[NodeId, NodeCost] | None = None) -> tuple[PCG, dict[int, NodeCost], Extraction]:
+    """Extract from `result` (with `costs`, the e-nodes priced, when already known) and build the PCG."""
+    if costs is None:
+        costs = _price(result, graph, library, machine, free_inputs, devices, pins)
     extraction = extract(result.snapshot, costs, roots, machine.memory_capacity, limits.ilp_seconds, exclude)
     pcg, ident = pcg_from_extraction(result, extraction, graph, library, roots, graph.outputs)
     by_class = {ident[c]: costs[(c, i)] for c, i in extraction.choice.items()}
     return pcg, by_class, extraction
+
+
+def _price(result: SaturationResult, graph: Graph, library: Library, machine: Machine, free_inputs: bool,
+           devices: int, pins: Mapping[str, Layout] | None) -> dict[NodeId, NodeCost]:
+    input_pins = {k: v for k, v in (pins or {}).items() if k not in graph.outputs}
+    return node_costs(result.snapshot, graph, library, machine, free_inputs, devices, input_pins)
 
 
 def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limits | Mapping | None = None,
@@ -367,16 +377,16 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     say(f"{len(chosen)} rules; {note}")
 
     t = time.perf_counter()
-    typing_cache: dict = {}
-    joint = saturate(graph, library, chosen, devices, limits, pins, progress=say, typing_cache=typing_cache)
+    joint = saturate(graph, library, chosen, devices, limits, pins, progress=say)
     say(f"saturation: {joint.stop} after {joint.iterations} iterations, {joint.enodes} e-nodes, "
         f"{time.perf_counter() - t:.2f} s")
     if devices > 1 and all(l.pieces == 1 for l in joint.snapshot.layout.values()):
         raise OptimizeError(f"no rule can spread '{graph.name}' over {devices} devices (no parallel rule applies "
                             "at a degree dividing the device count)")
     roots = [joint.classes[f"pin:{n}"] if n in pins else joint.classes[n] for n in graph.outputs]
-    solve_pins = {"pins": pins}
     t = time.perf_counter()
+    priced = _price(joint, graph, library, machine, free_input_layouts, devices, pins)
+    solve_pins = {"pins": pins, "costs": priced}
     try:
         pcg, costs, extraction = _solve(joint, graph, library, machine, roots, limits, free_input_layouts, devices,
                                          **solve_pins)
@@ -384,7 +394,7 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
         raise OptimizeError(str(err)) from None
     extract_seconds = time.perf_counter() - t
     say(f"extraction: {extraction.method}, {extract_seconds:.2f} s")
-    candidates = [_Candidate("joint", pcg, costs, totals(costs, machine))]
+    candidates = [_Candidate(JOINT, pcg, costs, totals(costs, machine))]
 
     found: dict[str, Totals | None] = {}
     if baselines:
@@ -417,32 +427,39 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
         except ExtractionError:
             found["megatron"] = None
         found["sequential"] = _sequential(graph, library, chosen, devices, limits, machine, pins, free_input_layouts,
-                                          candidates, say, typing_cache)
+                                          candidates, say)
         dp = data_parallel_pcg(graph, library, devices) if not pins else None
         dcosts = price_pcg(dp, library, machine, free_input_layouts, devices) if dp is not None else None
         found["data_parallel"] = totals(dcosts, machine) if dcosts is not None else None
+        if dcosts is not None:
+            candidates.append(_Candidate("data_parallel", dp, dcosts, found["data_parallel"]))
 
-    # The joint plan wins ties (a baseline only replaces it when strictly better, e.g. after a limit stopped the joint search).
+    # Every baseline is a PCG priced by the same model, so the best candidate is a valid plan. The joint plan
+    # wins ties; a baseline only replaces it when strictly cheaper (e.g. after a limit stopped the joint search),
+    # and `extraction.chosen` and explain() say so.
     best = min(candidates, key=lambda c: (c.totals.peak_memory_bytes > machine.memory_capacity,
-                                          round(c.totals.time_s, 12), c.name != "joint"))
+                                          round(c.totals.time_s, 12), c.name != JOINT))
+    if best.name != JOINT:
+        say(f"baseline {best.name} was cheaper than anything extracted: the plan is its PCG")
     saturation = joint.to_dict()
     saturation["rules_note"] = note
     saturation["rules_available"] = len(chosen)
-    ext = {"method": extraction.method if best.name == "joint" else f"{best.name} baseline (better than joint)",
+    ext = {"method": extraction.method, "chosen": best.name,
            "seconds": round(extract_seconds, 4), "candidates": dict(extraction.candidates),
            "ilp_status": extraction.ilp_status, "pass_seconds": dict(extraction.seconds)}
+    baseline_plans = {c.name: BaselinePlan(c.pcg, c.costs) for c in candidates if c.name != JOINT}
     return Plan(graph, machine, devices, best.pcg, best.costs, best.totals, found,
-                rules_used(chosen, best.pcg, joint.matches, graph, library.ops), saturation, ext, pins)
+                rules_used(chosen, best.pcg, joint.matches, graph, library.ops), saturation, ext, pins,
+                baseline_plans)
 
 
 def _sequential(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], devices: int, limits: Limits,
-                machine: Machine, pins, free_inputs: bool, candidates: list, say: Progress,
-                typing_cache: dict) -> Totals | None:
+                machine: Machine, pins, free_inputs: bool, candidates: list, say: Progress) -> Totals | None:
     """Algebraic rules saturated and extracted first (on one device), then parallel rules only."""
     algebraic = [r for r in rules if not is_parallel_rule(r)]
     parallel = [r for r in rules if is_parallel_rule(r)]
     try:
-        first = saturate(graph, library, algebraic, 1, limits, None, rulesets=("alg",), typing_cache=typing_cache)
+        first = saturate(graph, library, algebraic, 1, limits, None, rulesets=("alg",))
         roots = [first.classes[n] for n in graph.outputs]
         one = machine.with_devices(1)
         pcg, _c, _e = _solve(first, graph, library, one, roots, limits, free_inputs, 1)
@@ -450,8 +467,7 @@ def _sequential(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], d
         if any(n not in middle.shapes() for n in pins) or middle.outputs != graph.outputs:
             say("sequential baseline: none (the algebraic rewrite renamed a pinned tensor)")
             return None
-        second = saturate(middle, library, parallel, devices, limits, pins, rulesets=("par",),
-                          typing_cache=typing_cache)
+        second = saturate(middle, library, parallel, devices, limits, pins, rulesets=("par",))
         roots = [second.classes[f"pin:{n}"] if n in pins else second.classes[n] for n in middle.outputs]
         spcg, scosts, _ = _solve(second, middle, library, machine, roots, limits, free_inputs, devices, pins=pins)
     except (ExtractionError, GraphError, OptimizeError) as err:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 def register(subparsers) -> None:
     opt = subparsers.add_parser("optimize", help="find the cheapest parallel plan for a model (equality saturation)")
-    opt.add_argument("model", nargs="?", metavar="MODEL", help="a graph JSON file or a built-in example name")
+    opt.add_argument("model", nargs="?", metavar="MODEL",
+                     help="a graph JSON file, a built-in example name, or model.py:factory (a torch module)")
     opt.add_argument("--devices", "-n", type=int, default=None, help="number of devices (default: one machine node)")
     opt.add_argument("--machine", "-m", default="h100x8", help="machine preset (h100x8, a100x8, cpu) or JSON file")
     opt.add_argument("--output", "-o", default=None, metavar="PLAN", help="write the plan JSON here")
@@ -87,7 +88,11 @@ def run_optimize(args: argparse.Namespace) -> int:
             if not args.quiet:
                 print(f"[{time.perf_counter() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
 
-        plan = optimize(args.model, machine=args.machine, rules=args.rules, limits=limits or None,
+        model = args.model
+        if ".py:" in model:  # model.py:factory -> (module, example inputs): torch.fx import, torch loaded only here
+            from parsat.backend.fx_import import load_model_file
+            model = load_model_file(model)
+        plan = optimize(model, machine=args.machine, rules=args.rules, limits=limits or None,
                         devices=args.devices, allow_unverified=True if args.allow_unverified else None,
                         baselines=not args.no_baselines, sizes=sizes or None, progress=progress)
     except (ValueError, OptimizeError, GraphError, MachineError) as err:
@@ -106,9 +111,12 @@ def run_optimize(args: argparse.Namespace) -> int:
 
 def run_explain(args: argparse.Namespace) -> int:
     from parsat.saturate.plan import PlanError, explain, load_plan_dict
+    from parsat.saturate.validate import validate_plan_report
 
     try:
-        print(explain(load_plan_dict(args.plan), None if args.all else 40))
+        data = load_plan_dict(args.plan)
+        validate_plan_report(data, PlanError, f"{args.plan} does not follow the plan schema")
+        print(explain(data, None if args.all else 40))
     except PlanError as err:
         return _error(str(err))
     except (KeyError, TypeError) as err:
@@ -149,9 +157,12 @@ def plan_dot(data: dict) -> str:
 
 def run_show(args: argparse.Namespace) -> int:
     from parsat.saturate.plan import PlanError, load_plan_dict
+    from parsat.saturate.validate import validate_plan_report
 
     try:
-        dot = plan_dot(load_plan_dict(args.plan))
+        data = load_plan_dict(args.plan)
+        validate_plan_report(data, PlanError, f"{args.plan} does not follow the plan schema")
+        dot = plan_dot(data)
     except PlanError as err:
         return _error(str(err))
     out = Path(args.output)

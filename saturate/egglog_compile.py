@@ -18,12 +18,20 @@ Encoding
   `let`s; every rule action writes the rows of the terms it builds, from the
   shapes and spreads `dsl.typecheck` gave its right side.
 * A rule is typed with whole (unsharded) metavariables, so it fires only on
-  matches whose metavariables are whole (`Pieces == 1`); its right side's
-  spreads are then exactly the typed ones. Rank-polymorphic rules are
-  instantiated at every group length the graph's ranks allow. `where`
+  matches whose metavariables are whole; its right side's spreads are then
+  exactly the typed ones. The ruleset `shape` derives, for every whole
+  e-class, `Whole c = (S<rank> dim...)` from the rows above, and a rule
+  binds a metavariable's dims with that one lookup (two atoms over small
+  tables instead of `Pieces`, `Rank` and one `Dim` per dim over the big
+  ones: egglog builds indexes per rule and per iteration, so the atoms a
+  query has and the size of their tables are what saturation costs).
+  Rank-polymorphic rules are instantiated at every group length the
+  graph's ranks allow, and only where their left side can match an
+  operator application the graph or a rule makes (`Signature`). `where`
   conditions and definedness requirements become `:when` facts.
-* A degree free on the right (a rule that introduces parallelism) is
-  instantiated once per divisor >= 2 of the device count. Every term a rule
+* A degree free on the right (a rule that introduces parallelism) is bound
+  at run time by the relation `Degree`, which holds the divisors >= 2 of the
+  device count (one egglog rule per instance). Every term a rule
   builds must have at most `devices` pieces, dividing `devices`: the device
   budget. Because parallel terms are never whole, a rule never nests on its
   own output, so saturation of the parallel rules terminates.
@@ -47,6 +55,8 @@ from parsat.saturate.graph import Graph
 from parsat.saturate.pcg import PARALLEL, Layout
 
 ANALYSES = ("Rank", "Dim", "Shard", "Copy", "Psum", "Pieces")
+MAX_RANK = 8             # tensors a rule's metavariable can match have at most this rank
+SHAPE_RULESET = "shape"  # derives `Whole` from the analysis rows; runs before every other ruleset
 
 
 class CompileError(Exception):
@@ -157,7 +167,6 @@ class _Builder:
 
     instance: RuleInstance
     devices: int
-    fixed: Mapping[str, int]           # free degrees fixed to a value
     deferred: list[tuple[str, str, Poly]] = field(default_factory=list)  # (kind, variable, value it must equal)
     names: dict[str, str] = field(default_factory=dict)   # size symbol -> egglog variable
     counter: itertools.count = field(default_factory=itertools.count)
@@ -167,7 +176,6 @@ class _Builder:
 
     def int_arg(self, poly: Poly) -> str:
         """An integer position of a left-side constructor: literal, binder, or checked expression."""
-        poly = poly.subst({k: Poly.const(v) for k, v in self.fixed.items()})
         if poly.is_const:
             return str(poly.constant)
         symbol = _single_symbol(poly)
@@ -210,16 +218,16 @@ class _Builder:
         return out
 
     def rhs_int(self, poly: Poly) -> str:
-        poly = poly.subst({k: Poly.const(v) for k, v in self.fixed.items()})
         return poly_expr(poly, self.names)
-
-    def concrete(self, poly: Poly) -> Poly:
-        return poly.subst({k: Poly.const(v) for k, v in self.fixed.items()})
 
 
 def _typed_instances(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], ranks: set[int]) -> Iterable[RuleInstance]:
+    """The rule typed at every group assignment whose metavariables all have one of `ranks` (typing is slow)."""
     top = max(ranks) if ranks else 0
+    shapes = [b.type.dims for b in rule.binders if isinstance(b.type, ast.ShapeType)]
     for groups in group_assignments(rule, top):
+        if any(sum(groups[d.id] if isinstance(d, ast.Variadic) else 1 for d in dims) not in ranks for dims in shapes):
+            continue
         try:
             instance = type_rule(rule, ops, groups)
         except TypeCheckError:
@@ -252,65 +260,75 @@ def _free_degrees(instance: RuleInstance) -> list[str]:
 
 
 def compile_rule_instance(instance: RuleInstance, devices: int, parallel: bool) -> tuple[list[CompiledRule], str]:
-    """The egglog rules of one typed rule instance (one per free-degree choice)."""
+    """The egglog rules of one typed rule instance (several only when a guard is a disjunction).
+
+    A degree the left side does not bind (a rule that introduces parallelism,
+    or `p * q` on the left) is bound at run time by the `Degree` relation,
+    which holds the divisors >= 2 of the device count: one egglog rule per
+    instance, not one per choice of degrees (egglog's time per iteration grows
+    with the number of rules, so this matters more than the extra join).
+    """
     free = _free_degrees(instance)
-    choices = [d for d in divisors(devices) if d >= 2]
-    out: list[CompiledRule] = []
-    reason = ""
-    groups_note = ",".join(f"{g}={n}" for g, n in instance.groups.items())
-    for values in itertools.product(choices, repeat=len(free)):
-        fixed = dict(zip(free, values))
-        try:
-            texts = _compile_one(instance, devices, fixed, parallel)
-        except _Skip as skip:
-            reason = str(skip)
-            continue
-        note = " ".join(filter(None, [groups_note, ",".join(f"{k}={v}" for k, v in fixed.items())]))
-        for k, text in enumerate(texts):
-            out.append(CompiledRule(instance.rule.name, note + (f" #{k}" if len(texts) > 1 else ""),
-                                    "par" if parallel else "alg", text))
-    return out, reason
+    try:
+        texts = _compile_one(instance, devices, free, parallel)
+    except _Skip as skip:
+        return [], str(skip)
+    note = ",".join(f"{g}={n}" for g, n in instance.groups.items())
+    return [CompiledRule(instance.rule.name, note + (f" #{k}" if len(texts) > 1 else ""), "par" if parallel else "alg",
+                         text) for k, text in enumerate(texts)], ""
 
 
 class _Skip(Exception):
     pass
 
 
-def _compile_one(instance: RuleInstance, devices: int, fixed: Mapping[str, int], parallel: bool) -> list[str]:
-    b = _Builder(instance, devices, fixed)
+def _feasible(guards: Sequence[Cond], free: Sequence[str], devices: int) -> Cond | None:
+    """None if some choice of the free degrees leaves every guard possible; else a guard that always fails."""
+    failing: Cond | None = None
+    for values in itertools.product([d for d in divisors(devices) if d >= 2], repeat=len(free)):
+        env = {k: Poly.const(v) for k, v in zip(free, values)}
+        blocked = next((c for c in guards if symbolic_truth(_subst_cond(c, env) if env else c) is False), None)
+        if blocked is None:
+            return None
+        failing = failing or blocked
+    return failing
+
+
+def _compile_one(instance: RuleInstance, devices: int, free: Sequence[str], parallel: bool) -> list[str]:
+    b = _Builder(instance, devices)
+    facts = []
+    for symbol in free:
+        b.names[symbol] = _var(symbol)
+        facts.append(f"(Degree {b.names[symbol]})")
     metas: dict[str, str] = {}
     root = b.pattern(instance.lhs, metas)
-    facts = [f"(= root {root})"]
+    facts.insert(0, f"(= root {root})")
     for name, var in metas.items():
         shape = instance.tensors[name]
-        facts.append(f"(= (Pieces {var}) 1)")
-        facts.append(f"(= (Rank {var}) {len(shape)})")
-        for i, dim in enumerate(shape):
-            dim = b.concrete(dim)
+        if len(shape) > MAX_RANK:
+            raise _Skip(f"metavariable '{name}' has rank {len(shape)} (at most {MAX_RANK} supported)")
+        dims = []
+        for dim in shape:
             symbol = _single_symbol(dim)
             if symbol is not None and symbol not in b.names:
                 b.names[symbol] = _var(symbol)
-                facts.append(f"(= {b.names[symbol]} (Dim {var} {i}))")
+                dims.append(b.names[symbol])
             else:
                 d = b.fresh("d")
-                facts.append(f"(= {d} (Dim {var} {i}))")
+                dims.append(d)
                 b.deferred.append(("eq", d, dim))
+        facts.append(f"(= (Whole {var}) {_shape_term(dims)})")
     # Every size symbol the conditions or the right side use must be bound now.
     guards: list[Cond] = list(instance.where) + list(instance.lhs_requires) + list(instance.rhs_requires)
     rhs_terms = [t for t in instance.rhs.walk() if t.kind != "input"]
     for term in rhs_terms:
-        pieces = b.concrete(term.spread.pieces)
+        pieces = term.spread.pieces
         guards.append(Rel("<=", pieces, Poly.const(devices)))
         guards.append(Rel("==", Poly.const(devices).mod(pieces), Poly.const(0)))
-    fixed_env = {k: Poly.const(v) for k, v in fixed.items()}
-    concrete_guards: list[Cond] = []
-    for cond in guards:
-        cond = _subst_cond(cond, fixed_env)
-        truth = symbolic_truth(cond)
-        if truth is False:
-            raise _Skip(f"condition {cond} cannot hold with {devices} devices")
-        if truth is None:
-            concrete_guards.append(cond)
+    blocked = _feasible(guards, free, devices)
+    if blocked is not None:
+        raise _Skip(f"condition {blocked} cannot hold with {devices} devices")
+    concrete_guards = [cond for cond in guards if symbolic_truth(cond) is None]
     for kind, var, poly in b.deferred:
         facts.append(f"(= {var} {_expr(poly, b.names)})")
     alternatives = [[]]
@@ -320,20 +338,19 @@ def _compile_one(instance: RuleInstance, devices: int, fixed: Mapping[str, int],
     # Right side: one let per built term, then its analysis rows, then the union.
     actions: list[str] = []
     made: dict[int, str] = {}
-    rhs_env: dict = {}
     for term in _postorder(instance.rhs):
         if term.kind == "input":
             made[id(term)] = metas.get(term.name) or _raise(f"'{term.name}' is not bound by the left side")
             continue
         if term.kind == "parallel":
             args = [made[id(term.args[0])]] + ([str(term.dim)] if term.dim is not None else [])
-            args.append(_expr(b.concrete(term.degree), b.names))
+            args.append(_expr(term.degree, b.names))
         else:
             args = b.op_args(term, made, lhs=False)
         var = b.fresh("t")
         made[id(term)] = var
         actions.append(f"(let {var} ({ctor(term.name)} {' '.join(args)}))")
-        actions.extend(_analysis_rows(var, [b.concrete(d) for d in term.shape], term.spread, b))
+        actions.extend(_analysis_rows(var, term.shape, term.spread, b))
     actions.append(f"(union root {made[id(instance.rhs)]})")
     ruleset = "par" if parallel else "alg"
     texts = []
@@ -389,10 +406,10 @@ def _analysis_rows(var: str, shape: Sequence[Poly], spread, b: _Builder) -> list
     rows = [f"(set (Rank {var}) {len(shape)})"]
     for i, dim in enumerate(shape):
         rows.append(f"(set (Dim {var} {i}) {_expr(dim, b.names)})")
-        rows.append(f"(set (Shard {var} {i}) {_expr(b.concrete(spread.shard[i]), b.names)})")
-    rows.append(f"(set (Copy {var}) {_expr(b.concrete(spread.copy), b.names)})")
-    rows.append(f"(set (Psum {var}) {_expr(b.concrete(spread.sum), b.names)})")
-    rows.append(f"(set (Pieces {var}) {_expr(b.concrete(spread.pieces), b.names)})")
+        rows.append(f"(set (Shard {var} {i}) {_expr(spread.shard[i], b.names)})")
+    rows.append(f"(set (Copy {var}) {_expr(spread.copy, b.names)})")
+    rows.append(f"(set (Psum {var}) {_expr(spread.sum, b.names)})")
+    rows.append(f"(set (Pieces {var}) {_expr(spread.pieces, b.names)})")
     return rows
 
 
@@ -414,7 +431,8 @@ class RuleProgram:
         return sum(1 for r in self.rules if r.ruleset == ruleset)
 
 
-def declarations(ops: Mapping[str, ast.OpDecl]) -> str:
+def declarations(ops: Mapping[str, ast.OpDecl], devices: int) -> str:
+    """The sort of tensors, the analysis tables, and the degrees a rule may choose (divisors >= 2 of `devices`)."""
     lines = ["(datatype T", "  (Leaf String)"]
     for op in ops.values():
         sorts = ["T" if p.is_tensor else ("String" if p.type.kind == "real" else "i64") for p in op.params]
@@ -423,8 +441,21 @@ def declarations(ops: Mapping[str, ast.OpDecl]) -> str:
     for name in ANALYSES:
         key = "T i64" if name in ("Dim", "Shard") else "T"
         lines.append(f"(function {name} ({key}) i64 :merge (min old new))")
-    lines += ["(ruleset alg)", "(ruleset par)"]
+    lines.append("(datatype Shape " + " ".join(f"(S{r}{' i64' * r})" for r in range(MAX_RANK + 1)) + ")")
+    lines.append("(function Whole (T) Shape :merge new)")
+    lines.append("(relation Degree (i64))")
+    lines += [f"(Degree {d})" for d in divisors(devices) if d >= 2]
+    lines += [f"(ruleset {SHAPE_RULESET})", "(ruleset alg)", "(ruleset par)"]
+    for r in range(MAX_RANK + 1):
+        dims = [f"d{i}" for i in range(r)]
+        lookups = "".join(f" (= d{i} (Dim t {i}))" for i in range(r))
+        lines.append(f"(rule ((= (Pieces t) 1) (= (Rank t) {r}){lookups}) ((set (Whole t) {_shape_term(dims)})) "
+                     f":ruleset {SHAPE_RULESET})")
     return "\n".join(lines) + "\n"
+
+
+def _shape_term(dims: Sequence[str]) -> str:
+    return f"(S{len(dims)}{''.join(' ' + d for d in dims)})"
 
 
 def _ops_in(expr: ast.Expr) -> set[str]:
@@ -444,13 +475,119 @@ def reachable_rules(rules: Sequence[ast.RuleDecl], graph_ops: set[str]) -> list[
     return [r for r in rules if _ops_in(r.lhs) <= present]
 
 
+Signature = tuple[str, tuple[int, ...], tuple]
+"""An operator application as rules can match it: (operator, ranks of its tensor inputs, integer attributes).
+
+A parallel operator's attribute is its dim (partition, combine); an
+attribute a rule leaves symbolic (`unflatten(x, d, k)`) is None, which
+matches any value.
+"""
+
+
+def _term_signature(term: TypedTerm) -> Signature:
+    if term.kind == "parallel":
+        return term.name, (len(term.shape),), (term.dim,) if term.dim is not None else ()
+    instance = term.instance
+    values = tuple(instance.attrs[p.name].constant if instance.attrs[p.name].is_const else None
+                   for p in instance.op.attr_params if p.type.kind != "real")
+    return term.name, tuple(len(s) for s in instance.input_shapes), values
+
+
+def graph_signatures(graph: Graph, ops: Mapping[str, ast.OpDecl],
+                     pins: Mapping[str, Layout] | None = None) -> set[Signature]:
+    """The signatures of the graph's operators and of the parallel terms its pins add (see `graph_program`)."""
+    shapes = graph.shapes()
+    found: set[Signature] = set()
+    for node in graph.nodes:
+        attrs = dict(node.attrs)
+        values = tuple(int(attrs[p.name]) for p in ops[node.op].attr_params if p.type.kind != "real")
+        found.add((node.op, tuple(len(shapes[i]) for i in node.inputs), values))
+    for name, layout in (pins or {}).items():
+        rank = len(shapes[name])
+        for dim, degree in enumerate(layout.shard):
+            if degree > 1:
+                found.add(("partition", (rank,), (dim,)))
+        if layout.copy > 1:
+            found.add(("replicate", (rank,), ()))
+    return found
+
+
+@dataclass(frozen=True)
+class _Typed:
+    """A typed rule instance with the signatures its left side needs and its right side builds."""
+
+    instance: RuleInstance
+    needs: tuple[Signature, ...]
+    builds: tuple[Signature, ...]
+
+
+def _typed(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], ranks: set[int], cache: dict) -> list[_Typed]:
+    key = (rule, frozenset(ranks))
+    if key not in cache:
+        cache[key] = [_Typed(i, tuple(_term_signature(t) for t in i.lhs.walk() if t.kind != "input"),
+                             tuple(_term_signature(t) for t in i.rhs.walk() if t.kind != "input"))
+                      for i in _typed_instances(rule, ops, ranks)]
+    return cache[key]
+
+
+class _Present:
+    """Signatures that can occur in the e-graph, indexed by (operator, input ranks)."""
+
+    def __init__(self, signatures: Iterable[Signature]):
+        self.by_head: dict[tuple, set[tuple]] = {}
+        for sig in signatures:
+            self.add(sig)
+
+    def add(self, sig: Signature) -> bool:
+        known = self.by_head.setdefault(sig[:2], set())
+        if sig[2] in known:
+            return False
+        known.add(sig[2])
+        return True
+
+    def matches(self, sig: Signature) -> bool:
+        return any(all(a is None or b is None or a == b for a, b in zip(sig[2], attrs))
+                   for attrs in self.by_head.get(sig[:2], ()))
+
+
+def _reachable_instances(typed: Sequence[_Typed], signatures: Iterable[Signature]) -> list[bool]:
+    """Which instances can ever match: their left side's signatures occur in the graph or in what such instances build.
+
+    A fixpoint, like `reachable_rules` but per rank assignment and attribute
+    value: an instance typed for a transpose of dims (1, 2) of a rank-3
+    tensor never matches a graph whose transposes are all of rank 4, so it
+    is not compiled (egglog's time per iteration grows with every rule).
+    """
+    present = _Present(signatures)
+    active = [False] * len(typed)
+    changed = True
+    while changed:
+        changed = False
+        for index, item in enumerate(typed):
+            if not active[index] and all(present.matches(sig) for sig in item.needs):
+                active[index] = changed = True
+                for sig in item.builds:
+                    present.add(sig)
+    return active
+
+
+_TYPING_CACHE: dict = {}
+_COMPILED_CACHE: dict = {}
+
+
 def compile_rules(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[int], devices: int,
-                  graph_ops: set[str] | None = None, typing_cache: dict | None = None) -> RuleProgram:
+                  graph_ops: set[str] | None = None, typing_cache: dict | None = None,
+                  signatures: set[Signature] | None = None) -> RuleProgram:
     """Every rule at every rank assignment the graph's `ranks` need, for `devices` devices.
 
     Rules whose left side needs an operator that neither the graph (`graph_ops`)
-    nor any rule can produce are left out. `typing_cache` (a dict owned by the
-    caller) keeps typed rule instances between calls with the same ranks.
+    nor any rule can produce are left out; with `signatures` (the graph's,
+    `graph_signatures`), so is every rank assignment whose left side can never
+    match (`_reachable_instances`). Typed instances and their egglog text are
+    kept in module caches (keyed by rule, ranks and device count), so repeated
+    searches (the baselines, benchmarks) do not type or compile twice. A
+    caller that passes its own `typing_cache` (the rule generator, whose
+    candidate rules are throwaway) gets neither module cache, so they do not grow.
     """
     from parsat.dsl.checker import is_parallel_rule
 
@@ -458,19 +595,27 @@ def compile_rules(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[in
     compiled: list[CompiledRule] = []
     skipped: list[SkippedRule] = []
     usable = rules if graph_ops is None else reachable_rules(rules, graph_ops)
-    cache = typing_cache if typing_cache is not None else {}
+    cache = typing_cache if typing_cache is not None else _TYPING_CACHE
+    compiled_cache: dict = {} if typing_cache is not None else _COMPILED_CACHE
     for rule in rules:
         if rule not in usable:
             skipped.append(SkippedRule(rule.name, "its left side needs an operator the graph never contains"))
+    typed = {rule: _typed(rule, ops, ranks, cache) for rule in usable}
+    if signatures is not None:
+        flat = [item for items in typed.values() for item in items]
+        keep = {id(item) for item, ok in zip(flat, _reachable_instances(flat, signatures)) if ok}
     for rule in usable:
         parallel = is_parallel_rule(rule)
         found = 0
         last_reason = "no rank assignment of its metavariables fits the graph's ranks"
-        key = (rule, frozenset(ranks))
-        if key not in cache:
-            cache[key] = list(_typed_instances(rule, ops, ranks))
-        for instance in cache[key]:
-            made, reason = compile_rule_instance(instance, devices, parallel)
+        for item in typed[rule]:
+            if signatures is not None and id(item) not in keep:
+                last_reason = "no rank assignment of its left side matches an operator the graph (or a rule) makes"
+                continue
+            key = (item.instance.rule, tuple(sorted(item.instance.groups.items())), devices)
+            if key not in compiled_cache:
+                compiled_cache[key] = compile_rule_instance(item.instance, devices, parallel)
+            made, reason = compiled_cache[key]
             compiled.extend(made)
             found += len(made)
             last_reason = reason or last_reason
@@ -478,7 +623,7 @@ def compile_rules(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[in
             skipped.append(SkippedRule(rule.name, last_reason))
     named = tuple(CompiledRule(r.name, r.variant, r.ruleset, r.text[:-1] + f' :name "{r.name}#{i}")', f"{r.name}#{i}")
                   for i, r in enumerate(compiled))
-    return RuleProgram(declarations(ops), named, tuple(skipped))
+    return RuleProgram(declarations(ops, devices), named, tuple(skipped))
 
 
 # ---------------------------------------------------------------- graph to egglog
@@ -609,8 +754,11 @@ class Session:
         return self.egraph.run_program(*self.egraph.parse_program(text))
 
     def run(self, ruleset: str) -> tuple[bool, dict[str, int]]:
-        """One iteration of `ruleset`; (whether anything changed, matches per rule text)."""
-        outputs = self._run(f"(run {ruleset} 1)")
+        """One iteration of `ruleset`; (whether anything changed, matches per rule text).
+
+        The `Whole` rows of terms built since the last run are derived first.
+        """
+        outputs = self._run(f"(run {SHAPE_RULESET} 1) (run {ruleset} 1)")
         report = outputs[-1].report
         return bool(report.updated), dict(report.num_matches_per_rule)
 

@@ -247,7 +247,16 @@ def bottom_up(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Call
 
 def greedy_dag(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Callable[[NodeId], bool],
                deadline: float) -> dict[int, int] | None:
-    """Faster-greedy-DAG: a class's cost is the summed cost of the set of e-nodes below its choice."""
+    """Faster-greedy-DAG: a class's cost is the summed cost of the set of e-nodes below its choice.
+
+    Classes are final in the order they are popped, and each holds exactly
+    one chosen e-node, so the set below a choice is a set of earlier
+    classes: a bitset (a Python int, bit = finalisation rank). The cost of a
+    candidate is that of its dearest child's set plus the nodes of the other
+    children's sets that set lacks (usually few: the children of a residual
+    add share their prefix), so a pass is near linear where summing whole
+    sets was quadratic in the depth of the graph (10 s on a 24-block stack).
+    """
     parents: dict[int, list[NodeId]] = {}
     pending: dict[NodeId, int] = {}
     ready: list = []
@@ -262,30 +271,39 @@ def greedy_dag(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Cal
                 parents.setdefault(child, []).append(nid)
             if not kids:
                 heapq.heappush(ready, (costs[nid].time_s + EPSILON, cid, index))
-    below: dict[int, frozenset] = {}
-    value_of: dict[int, float] = {}
+    below: dict[int, int] = {}          # class -> bitset of the classes its choice needs (itself included)
+    value_of: dict[int, float] = {}     # class -> summed cost of that set
+    own: list[float] = []               # finalisation rank -> cost of the class's chosen e-node
     choice: dict[int, int] = {}
-    node_time = {nid: c.time_s + EPSILON for nid, c in costs.items()}
+
+    def union(children: Iterable[int]) -> tuple[int, float]:
+        kids = sorted(children, key=value_of.__getitem__, reverse=True)
+        if not kids:
+            return 0, 0.0
+        mask, total = below[kids[0]], value_of[kids[0]]
+        for child in kids[1:]:
+            extra = below[child] & ~mask
+            mask |= extra
+            while extra:
+                low = extra & -extra
+                total += own[low.bit_length() - 1]
+                extra ^= low
+        return mask, total
+
     while ready:
         if time.perf_counter() > deadline:
             return None
         value, cid, index = heapq.heappop(ready)
         if cid in choice:
             continue
-        node = snapshot.classes[cid][index]
-        members: frozenset = frozenset({(cid, index)})
-        for child in set(node.children):
-            members = members | below[child]
-        below[cid], value_of[cid], choice[cid] = members, value, index
+        mask, _total = union(set(snapshot.classes[cid][index].children))
+        own.append(costs[(cid, index)].time_s + EPSILON)
+        below[cid], value_of[cid], choice[cid] = mask | (1 << (len(own) - 1)), value, index
         for nid in parents.get(cid, ()):
             pending[nid] -= 1
             if pending[nid] == 0 and nid[0] not in choice:
-                pnode = snapshot.classes[nid[0]][nid[1]]
-                union: frozenset = frozenset({nid})
-                for child in set(pnode.children):
-                    union = union | below[child]
-                total = math.fsum(map(node_time.__getitem__, union))
-                heapq.heappush(ready, (total, nid[0], nid[1]))
+                _mask, total = union(set(snapshot.classes[nid[0]][nid[1]].children))
+                heapq.heappush(ready, (total + costs[nid].time_s + EPSILON, nid[0], nid[1]))
     return choice
 
 

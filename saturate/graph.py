@@ -106,6 +106,9 @@ class Graph:
     @staticmethod
     def from_dict(data: Mapping, library: Library | None = None) -> "Graph":
         """Read and validate a graph; node shapes in the file are checked, not trusted."""
+        from parsat.saturate.validate import check_graph_sizes, validate_graph_dict
+
+        validate_graph_dict(data)  # structure and types first: the code below may then index freely
         if not isinstance(data, Mapping):
             raise GraphError("a graph must be a JSON object")
         if data.get("schema", GRAPH_SCHEMA) != GRAPH_SCHEMA:
@@ -134,23 +137,21 @@ class Graph:
                 builder.output(Tensor(ref))
         except KeyError as err:
             raise GraphError(f"graph JSON is missing the field {err}") from None
-        return builder.build()
+        graph = builder.build()
+        check_graph_sizes(graph.shapes())
+        return graph
 
     @staticmethod
     def from_json(text: str, library: Library | None = None) -> "Graph":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise GraphError(f"graph JSON is not valid JSON: {err}") from None
-        return Graph.from_dict(data, library)
+        from parsat.saturate.validate import parse_json
+
+        return Graph.from_dict(parse_json(text, GraphError, "graph JSON is not valid JSON"), library)
 
     @staticmethod
     def load(path: str | Path, library: Library | None = None) -> "Graph":
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as err:
-            raise GraphError(f"cannot read {path}: {err.strerror}") from None
-        return Graph.from_json(text, library)
+        from parsat.saturate.validate import read_json_file
+
+        return Graph.from_dict(read_json_file(path, GraphError, "graph"), library)
 
 
 @dataclass(frozen=True)

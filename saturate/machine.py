@@ -69,6 +69,9 @@ class Machine:
 
     @staticmethod
     def from_dict(data: dict) -> "Machine":
+        from parsat.saturate.validate import validate_machine_dict
+
+        validate_machine_dict(data, {k: f.type for k, f in Machine.__dataclass_fields__.items()})
         fields = {k: v for k, v in data.items() if k not in ("schema", "version")}
         try:
             machine = Machine(**fields)
@@ -82,12 +85,9 @@ class Machine:
 
     @staticmethod
     def load(path: str | Path) -> "Machine":
-        try:
-            return Machine.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
-        except OSError as err:
-            raise MachineError(f"cannot read {path}: {err.strerror}") from None
-        except json.JSONDecodeError as err:
-            raise MachineError(f"{path} is not valid JSON: {err}") from None
+        from parsat.saturate.validate import read_json_file
+
+        return Machine.from_dict(read_json_file(path, MachineError, "machine"))
 
     @staticmethod
     def resolve(spec: "str | Machine") -> "Machine":

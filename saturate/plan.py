@@ -10,6 +10,7 @@ machine) and versioned. `explain()` renders the same data as text, so
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -20,12 +21,37 @@ from parsat.saturate.machine import Machine
 from parsat.saturate.pcg import PCG, Layout, PNode
 
 PLAN_SCHEMA = "parsat.plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 2               # 2: each baseline carries its PCG (`baselines.NAME.pcg`)
+READABLE_VERSIONS = (1, 2)     # version 1 lacks only the baselines' PCGs
 BASELINES = ("data_parallel", "sequential", "megatron")
+JOINT = "joint"                # `extraction.chosen` when the plan was extracted from the joint e-graph
 
 
 class PlanError(Exception):
     """A plan file that cannot be read."""
+
+
+@dataclass(frozen=True)
+class BaselinePlan:
+    """A baseline's PCG with its node costs, so a backend can run it, not only compare totals."""
+
+    pcg: PCG
+    costs: Mapping[int, NodeCost]
+
+
+def pcg_to_dict(pcg: PCG, costs: Mapping[int, NodeCost], dtype_bytes: int) -> dict:
+    """`{"nodes": [...], "outputs": [...]}`: the node format of the plan's top level (docs/plan-schema.md)."""
+    nodes = []
+    for node in pcg.nodes:
+        cost = costs.get(node.id, NodeCost())
+        entry = {"id": node.id, "kind": node.kind, "op": node.op, "attrs": dict(node.attrs),
+                 "inputs": list(node.inputs), "shape": list(node.shape), "spread": node.layout.to_dict(),
+                 "pieces": node.layout.pieces, "origin": node.origin, "cost": cost.to_dict(dtype_bytes)}
+        if node.kind == "leaf":
+            entry["role"] = node.role
+        nodes.append(entry)
+    return {"nodes": nodes,
+            "outputs": [{"name": name, "node": ident} for name, ident in zip(pcg.output_names, pcg.outputs)]}
 
 
 @dataclass(frozen=True)
@@ -41,6 +67,7 @@ class Plan:
     saturation: Mapping = field(default_factory=dict)
     extraction: Mapping = field(default_factory=dict)
     pinned: Mapping[str, Layout] = field(default_factory=dict)   # tensor name -> pinned layout (inputs and outputs)
+    baseline_plans: Mapping[str, BaselinePlan] = field(default_factory=dict)  # baseline name -> its PCG
 
     @property
     def cost(self) -> float:
@@ -49,23 +76,19 @@ class Plan:
 
     def to_dict(self) -> dict:
         dtype = self.machine.dtype_bytes
-        nodes = []
-        for node in self.pcg.nodes:
-            cost = self.costs.get(node.id, NodeCost())
-            entry = {"id": node.id, "kind": node.kind, "op": node.op, "attrs": dict(node.attrs),
-                     "inputs": list(node.inputs), "shape": list(node.shape), "spread": node.layout.to_dict(),
-                     "pieces": node.layout.pieces, "origin": node.origin, "cost": cost.to_dict(dtype)}
-            if node.kind == "leaf":
-                entry["role"] = node.role
-            nodes.append(entry)
+        baselines: dict[str, dict | None] = {}
+        for name in BASELINES:
+            found = self.baselines.get(name)
+            baselines[name] = found.to_dict() if found else None
+            if found and name in self.baseline_plans:
+                chosen = self.baseline_plans[name]
+                baselines[name]["pcg"] = pcg_to_dict(chosen.pcg, chosen.costs, dtype)
         return {
             "schema": PLAN_SCHEMA, "version": PLAN_VERSION,
             "devices": self.devices, "machine": self.machine.to_dict(), "graph": self.graph.to_dict(),
-            "nodes": nodes,
-            "outputs": [{"name": name, "node": ident} for name, ident in zip(self.pcg.output_names, self.pcg.outputs)],
+            **pcg_to_dict(self.pcg, self.costs, dtype),
             "totals": self.totals.to_dict(),
-            "baselines": {name: (self.baselines[name].to_dict() if self.baselines.get(name) else None)
-                          for name in BASELINES},
+            "baselines": baselines,
             "pinned_spreads": {name: layout.to_dict() for name, layout in self.pinned.items()},
             "rules_used": list(self.rules_used),
             "saturation": dict(self.saturation),
@@ -90,21 +113,20 @@ def _json_default(value):
 
 def load_plan_dict(path: str | Path) -> dict:
     """A plan file as a dict, with its schema and version checked."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as err:
-        raise PlanError(f"cannot read {path}: {err.strerror}") from None
-    except json.JSONDecodeError as err:
-        raise PlanError(f"{path} is not valid JSON: {err}") from None
+    from parsat.saturate.validate import read_json_file, validate_plan_dict
+
+    data = read_json_file(path, PlanError, "plan")
     if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA:
         raise PlanError(f"{path} is not a parsat plan (schema should be {PLAN_SCHEMA!r})")
-    if data.get("version") != PLAN_VERSION:
+    if data.get("version") not in READABLE_VERSIONS:
         raise PlanError(f"{path}: plan version {data.get('version')} is not supported (this parsat reads "
-                        f"{PLAN_VERSION})")
+                        f"{' and '.join(map(str, READABLE_VERSIONS))})")
+    validate_plan_dict(data, PlanError, f"{path} does not follow the plan schema")
     return data
 
 
 def pcg_from_dict(data: Mapping) -> PCG:
+    """The PCG of a plan dict, or of a baseline's `pcg` object (same node format)."""
     nodes = tuple(PNode(n["id"], n["kind"], n["op"], tuple(n["inputs"]), tuple(n["attrs"].items()),
                         tuple(n["shape"]), Layout.from_dict(n["spread"]), n.get("role", ""), n.get("origin", ""))
                   for n in data["nodes"])
@@ -149,6 +171,14 @@ def explain(data: Mapping, limit: int | None = 40) -> str:
     lines.append(f"  communication {totals['comm_elements']:,} elements ({_fmt_bytes(totals['comm_bytes'])}) per step, "
                  f"of which gradient sync {totals['grad_sync_elements']:,}")
     lines.append(f"  peak memory {_fmt_bytes(totals['peak_memory_bytes'])} per device (bound)")
+    ext = data.get("extraction") or {}
+    chosen = ext.get("chosen", JOINT)
+    if chosen != JOINT:
+        extracted = min((v for v in (ext.get("candidates") or {}).values() if v is not None and math.isfinite(v)),
+                        default=None)
+        lines.append(f"  baseline {chosen} was cheaper than anything extracted from the joint e-graph"
+                     + (f" (best extracted: {_fmt_time(extracted)})" if extracted is not None else "")
+                     + f": this plan is the {chosen} baseline's PCG")
     lines.append("")
     lines.append("what parsat did:")
     nodes = {n["id"]: n for n in data["nodes"]}
@@ -220,7 +250,6 @@ def explain(data: Mapping, limit: int | None = 40) -> str:
                      f"{sat.get('enodes')} e-nodes in {sat.get('eclasses')} e-classes, {sat.get('seconds', 0):.2f} s "
                      f"(+{sat.get('compile_seconds', 0):.2f} s to compile "
                      f"{sum((sat.get('rules_compiled') or {}).values())} egglog rules)")
-    ext = data.get("extraction") or {}
     if ext:
         lines.append(f"extraction: best by {ext.get('method')}; "
                      + ", ".join(f"{k} {_fmt_time(v) if v is not None else 'none'}"

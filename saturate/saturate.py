@@ -17,7 +17,8 @@ from typing import Callable, Mapping, Sequence
 
 from parsat.dsl import ast
 from parsat.dsl.library import Library
-from parsat.saturate.egglog_compile import RuleProgram, Session, Snapshot, compile_rules, graph_program
+from parsat.saturate.egglog_compile import (RuleProgram, Session, Snapshot, compile_rules, graph_program,
+                                            graph_signatures)
 from parsat.saturate.graph import Graph
 from parsat.saturate.pcg import Layout
 
@@ -72,7 +73,8 @@ def saturate(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], devi
              progress: Callable[[str], None] | None = None, typing_cache: dict | None = None) -> SaturationResult:
     """Saturate `graph` with `rules` for `devices` devices, within `limits`; `pins` fix input/output layouts."""
     start = time.perf_counter()
-    program = compile_rules(library, rules, graph.ranks(), devices, {n.op for n in graph.nodes}, typing_cache)
+    program = compile_rules(library, rules, graph.ranks(), devices, {n.op for n in graph.nodes}, typing_cache,
+                            graph_signatures(graph, library.ops, pins))
     text, names = graph_program(graph, library.ops, pins)
     session = Session(program, text)
     compiled = time.perf_counter() - start

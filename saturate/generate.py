@@ -1,0 +1,638 @@
+"""`generate(...)`: discover rewrite rules from operator semantics, prove them, keep the useful ones.
+
+Pipeline (issue 7):
+
+1. `saturate.enumerate` builds every small term over the chosen operators
+   and groups terms by an exact fingerprint of their values at several
+   random sizes and degrees.
+2. Within a group, every member is a candidate rule with the group's
+   smallest member, in both directions (towards the small term simplifies,
+   away from it distributes or introduces parallelism) unless the right
+   side merely wraps the left (`relu(x) => relu(relu(x))`). Terms are already symbolic (sizes
+   `m, k, n`, degree `p`, split attributes `s, z`); a kept rule is then
+   widened to independent dims where it still proves (`generalise`); the right side's definedness requirements
+   that the left side does not imply become its `where`. It is type-checked
+   with `dsl.checker.check_rule` and proven by the verifier.
+3. Pruning: a candidate is dropped when the rules kept so far (and,
+   optionally, the shipped library) already derive it by saturation: its
+   left side, instantiated at concrete sizes, is saturated with saturate's
+   egglog compilation of those rules, and its right side must land in the
+   same e-class. Candidates are visited small first and, within a size,
+   most useful first, so a rule is pruned only by smaller or more useful
+   ones. Candidates derivable before proof are not proved at all (the
+   rules that derive them are PROVED, so they are true).
+4. Output: PROVED, non-derivable rules, most useful first (collectives and
+   parallel pieces removed, then operators removed), printed by
+   `dsl.printer` with a one-line comment.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable, Mapping, Sequence
+
+from parsat.dsl import ast
+from parsat.dsl.conditions import holds, symbolic_truth, to_poly
+from parsat.dsl.errors import DslError
+from parsat.dsl.library import Library
+from parsat.dsl.printer import format_decl, format_expr
+from parsat.dsl.spread import PARALLEL_OPS
+from parsat.dsl.symbolic import Poly
+from parsat.dsl.typecheck import RuleInstance, TypeCheckError, TypedTerm, check_rhs_bound, type_rule
+from parsat.saturate.egglog_compile import CompileError, RuleProgram, Session, compile_rules, ctor, real_literal
+from parsat.saturate.enumerate import (DEGREE, SIZE, START, Enumeration, Term, Vocabulary, enumerate_terms,
+                                       environments, vocabulary)
+
+Progress = Callable[[str], None]
+COLLECTIVES = ("combine", "reduce")   # all-gather, all-reduce in the forward pass
+
+
+class GenerateError(Exception):
+    """Why generation cannot start; the message is for the user."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What to enumerate and the limits of each phase."""
+
+    ops: tuple[str, ...]
+    max_ops: int = 2
+    degrees: tuple[int, ...] = (2, 3, 4)
+    seconds: float = 600.0
+    environments: int = 3
+    max_terms: int = 200_000
+    verify_timeout: float = 10.0
+    jobs: int = 1
+    prune_with_library: bool = False
+    devices: int = 4                  # device count of the pruning saturation (degree 2, nested 4)
+    prune_iterations: int = 6
+    prune_enodes: int = 20_000
+    prune_seconds: float = 3.0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A candidate rule and what it is worth."""
+
+    rule: ast.RuleDecl
+    size: int                        # operators on both sides
+    score: tuple[int, int, int]      # (collectives removed, pieces ops removed, operators removed)
+    key: str                         # canonical text (renamed metavariables)
+
+
+@dataclass
+class Summary:
+    """Counts of every phase; `to_text` is what the command prints."""
+
+    terms_built: int = 0
+    terms_defined: int = 0
+    groups: int = 0
+    candidates: int = 0
+    ill_typed: int = 0
+    proved: int = 0
+    refuted: int = 0
+    unknown: int = 0
+    pruned: int = 0
+    kept: int = 0
+    seconds: float = 0.0
+    stopped: str = ""
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def to_text(self) -> str:
+        text = (f"{self.terms_built} graphs enumerated ({self.terms_defined} defined, {self.groups} value groups), "
+                f"{self.candidates} candidates ({self.ill_typed} ill-typed), {self.proved} proved, "
+                f"{self.refuted} refuted, {self.unknown} unknown, {self.pruned} pruned, {self.kept} kept, "
+                f"{self.seconds:.1f} s")
+        return text + (f"; stopped early: {self.stopped}" if self.stopped else "")
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    rules: tuple[ast.RuleDecl, ...]
+    summary: Summary = field(hash=False)
+
+    def text(self, ops: Sequence[str], command: str = "") -> str:
+        header = ["Rules generated by `parsat generate` from the operator semantics, each PROVED by",
+                  f"the verifier; operators: {', '.join(ops)}."]
+        if command:
+            header.append(f"command: {command}")
+        blocks = ["\n".join(f"# {line}" for line in header), 'import "ops.rule"']
+        blocks += [format_decl(rule) for rule in self.rules]
+        return "\n\n".join(blocks) + "\n"
+
+
+# ------------------------------------------------------------------ candidates
+
+
+def _ops_of(expr: ast.Expr) -> list[str]:
+    return [n.func for n in ast.walk(expr) if isinstance(n, ast.Call)]
+
+
+def _names_used(expr: ast.Expr) -> set[str]:
+    return {n.id for n in ast.walk(expr) if isinstance(n, ast.Name)}
+
+
+def score(lhs: ast.Expr, rhs: ast.Expr) -> tuple[int, int, int]:
+    """How much applying lhs => rhs saves: collectives, then parallel ops, then operators."""
+    left, right = _ops_of(lhs), _ops_of(rhs)
+
+    def count(ops, names):
+        return sum(1 for o in ops if o in names)
+
+    return (count(left, COLLECTIVES) - count(right, COLLECTIVES),
+            count(left, PARALLEL_OPS) - count(right, PARALLEL_OPS), len(left) - len(right))
+
+
+def canonical(lhs: ast.Expr, rhs: ast.Expr, vocab: Vocabulary) -> str:
+    """The rule's text with metavariables and their dims renamed in order of appearance.
+
+    Two candidates that differ only by which input of the same kind they
+    use (x or y, or w with its own dims) are one rule.
+    """
+    shapes = {v.name: v.dims for v in vocab.inputs}
+    tensor_map: dict[str, str] = {}
+    dim_map: dict[str, str] = {}
+    text = format_expr(lhs) + " => " + format_expr(rhs)
+    for token in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text):
+        if token in shapes and token not in tensor_map:
+            tensor_map[token] = f"t{len(tensor_map)}"
+            for d in shapes[token]:
+                dim_map.setdefault(d, f"d{len(dim_map)}")
+    tags = [f"{tensor_map[t]}:{','.join(dim_map[d] for d in shapes[t])}" for t in tensor_map]
+    renamed = re.sub(r"[A-Za-z_][A-Za-z0-9_]*", lambda m: tensor_map.get(m.group(0), m.group(0)), text)
+    return renamed + " | " + " ".join(sorted(tags))
+
+
+def _where(instance: RuleInstance) -> list[str]:
+    """The right side's requirements that the left side does not state (as text)."""
+    given = set(instance.lhs_requires)
+    out = []
+    for cond in instance.rhs_requires:
+        if cond not in given and symbolic_truth(cond) is not True and str(cond) not in out:
+            out.append(str(cond))
+    return out
+
+
+def rule_name(lhs: ast.Expr, rhs: ast.Expr, taken: set[str]) -> str:
+    left = "_".join(dict.fromkeys(_ops_of(lhs))) or "x"
+    right = "_".join(dict.fromkeys(_ops_of(rhs))) or "id"
+    stem = f"gen_{left}__to__{right}"
+    name, k = stem, 2
+    while name in taken:
+        name, k = f"{stem}_{k}", k + 1
+    taken.add(name)
+    return name
+
+
+def make_rule(vocab: Vocabulary, lhs: ast.Expr, rhs: ast.Expr, name: str) -> ast.RuleDecl | None:
+    """The rule `lhs => rhs` with the binders it uses and the `where` it needs, parsed back (None: malformed)."""
+    from parsat.dsl.parser import parse
+
+    used = _names_used(lhs) | _names_used(rhs)
+    binders = [b for b in vocab.binders() if b.name in used]
+    draft = ast.RuleDecl(name, tuple(binders), (), lhs, rhs)
+    try:
+        check_rhs_bound(draft)
+        instance = type_rule(draft, vocab.ops, {})
+    except TypeCheckError:
+        return None
+    where = _where(instance)
+    removed = score(lhs, rhs)
+    doc = f"Generated: {format_expr(lhs)} equals {format_expr(rhs)}"
+    if removed[0] > 0 or removed[1] > 0:
+        doc += f" (removes {removed[0]} collective(s), {removed[1]} parallel op(s))."
+    else:
+        doc += "."
+    lines = [f"# {doc}", f"rule {name}:", "  forall " + ", ".join(
+        f"{b.name}: {'[' + ', '.join(format_expr(d) for d in b.type.dims) + ']' if b.is_tensor else b.type.kind}"
+        for b in binders)]
+    if where:
+        lines.append("  where " + ", ".join(where))
+    lines.append(f"  {format_expr(lhs)} => {format_expr(rhs)}")
+    try:
+        module = parse("\n".join(lines) + "\n", "<generated>")
+    except DslError:
+        return None
+    rules = [d for d in module.items if isinstance(d, ast.RuleDecl)]
+    return rules[0] if rules else None
+
+
+def candidates(enumeration: Enumeration, vocab: Vocabulary) -> list[tuple[ast.Expr, ast.Expr, str]]:
+    """(lhs, rhs, canonical key) per group member and the group's smallest member, both directions."""
+    out: list[tuple[ast.Expr, ast.Expr, str]] = []
+    seen: set[str] = set()
+    for members in enumeration.groups.values():
+        if len(members) < 2:
+            continue
+        ordered = sorted(members, key=lambda t: (t.ops, len(t.text), t.text))
+        head = ordered[0]
+        for other in ordered[1:]:
+            for lhs, rhs in ((other.expr, head.expr), (head.expr, other.expr)):
+                if not isinstance(lhs, ast.Call):
+                    continue
+                if any(node == lhs for node in ast.walk(rhs)):
+                    continue  # the right side wraps the left (relu(x) => relu(relu(x))): only blow-up
+                key = canonical(lhs, rhs, vocab)
+                if key in seen:
+                    continue
+                seen.add(key)
+                out.append((lhs, rhs, key))
+    return out
+
+
+# ------------------------------------------------------------------ derivability by saturation
+
+
+def _instance_sizes(instance: RuleInstance, devices: int, seed: int = 0) -> dict[str, int] | None:
+    """Concrete sizes at which the rule applies and its right side is defined.
+
+    Degrees are 2 (their products then divide `devices` = 4), dims distinct
+    multiples of 4, ints small; drawn until every condition holds.
+    """
+    import random
+
+    rng = random.Random(seed)
+    names = sorted(instance.symbols)
+    conds = list(instance.where) + list(instance.lhs_requires) + list(instance.rhs_requires)
+    for attempt in range(400):
+        sizes = {}
+        dims = rng.sample([4, 8, 12, 16, 20, 24, 28, 32], k=min(8, sum(1 for n in names if instance.symbols[n] == "dim")))
+        it = iter(dims)
+        for n in names:
+            kind = instance.symbols[n]
+            if kind == "degree":
+                sizes[n] = 2
+            elif kind == "dim":
+                sizes[n] = next(it)
+            else:
+                sizes[n] = rng.randint(0, 6) if attempt > 20 else rng.choice((1, 2, 3))
+        if all(holds(c, sizes) for c in conds):
+            pieces = [t.spread.pieces.evaluate(sizes) for side in (instance.lhs, instance.rhs) for t in side.walk()]
+            if all(p <= devices and devices % p == 0 for p in pieces):
+                return sizes
+    return None
+
+
+@dataclass
+class _Writer:
+    """Ground terms as egglog `let`s with their analysis rows (the format of egglog_compile.graph_program)."""
+
+    instance: RuleInstance
+    sizes: Mapping[str, int]
+    lines: list[str] = field(default_factory=list)
+    made: dict = field(default_factory=dict)
+    prefix: str = "g"
+
+    def num(self, poly: Poly) -> int:
+        return int(poly.evaluate(self.sizes))
+
+    def term(self, term: TypedTerm) -> str:
+        key = format_expr(term.node)
+        if key in self.made:
+            return self.made[key]
+        if term.kind == "input":
+            body = f'(Leaf "{term.name}")'
+        elif term.kind == "parallel":
+            args = [self.term(term.args[0])] + ([str(term.dim)] if term.dim is not None else [])
+            body = f"({ctor(term.name)} {' '.join(args + [str(self.num(term.degree))])})"
+        else:
+            env = {s: Poly.sym(s) for s in self.instance.symbols}
+            tensors = iter(term.args)
+            args = []
+            for param, arg in zip(term.instance.op.params, term.node.args):
+                if param.is_tensor:
+                    args.append(self.term(next(tensors)))
+                elif param.type.kind == "real":
+                    value = arg.value if isinstance(arg, ast.Num) else -arg.operand.value
+                    args.append(real_literal(value))
+                else:
+                    args.append(str(self.num(to_poly(arg, env, self.instance.groups))))
+            body = f"({ctor(term.name)} {' '.join(args)})"
+        var = f"${self.prefix}{len(self.made)}"
+        self.made[key] = var
+        rows = [f"(let {var} {body})", f"(set (Rank {var}) {len(term.shape)})"]
+        for i, dim in enumerate(term.shape):
+            rows.append(f"(set (Dim {var} {i}) {self.num(dim)})")
+            rows.append(f"(set (Shard {var} {i}) {self.num(term.spread.shard[i])})")
+        rows.append(f"(set (Copy {var}) {self.num(term.spread.copy)})")
+        rows.append(f"(set (Psum {var}) {self.num(term.spread.sum)})")
+        rows.append(f"(set (Pieces {var}) {self.num(term.spread.pieces)})")
+        self.lines.append("\n".join(rows))
+        return var
+
+
+@dataclass
+class Deriver:
+    """Saturates a rule's left side with a fixed rule set and checks its right side is reached.
+
+    The rule program is compiled once per rule set (saturate's own
+    compilation); each check builds a fresh e-graph from it.
+    """
+
+    library: Library
+    rules: list[ast.RuleDecl]
+    devices: int = 4
+    iterations: int = 6
+    enodes: int = 20_000
+    seconds: float = 3.0
+    _programs: dict = field(default_factory=dict)
+    _typing: dict = field(default_factory=dict)
+
+    def add(self, rule: ast.RuleDecl) -> None:
+        self.rules.append(rule)
+        self._programs.clear()
+
+    def program(self, ranks: frozenset[int]) -> RuleProgram:
+        if ranks not in self._programs:
+            self._programs[ranks] = compile_rules(self.library, self.rules, set(ranks), self.devices, None,
+                                                  self._typing)
+        return self._programs[ranks]
+
+    def derives(self, instance: RuleInstance, sizes: Mapping[str, int] | None = None) -> bool:
+        """Whether saturating the left side (at concrete sizes) reaches the right side."""
+        if not self.rules:
+            return False
+        sizes = sizes if sizes is not None else _instance_sizes(instance, self.devices)
+        if sizes is None:
+            return False
+        ranks = frozenset(len(t.shape) for side in (instance.lhs, instance.rhs) for t in side.walk())
+        writer = _Writer(instance, sizes)
+        try:
+            left = writer.term(instance.lhs)
+        except (ZeroDivisionError, KeyError):
+            return False
+        try:
+            session = Session(self.program(ranks), "\n\n".join(writer.lines))
+        except CompileError:
+            return False
+        start = time.perf_counter()
+        for _ in range(self.iterations):
+            changed = False
+            for ruleset in ("alg", "par"):
+                updated, _counts = session.run(ruleset)
+                changed |= updated
+            if not changed or session.size() >= self.enodes or time.perf_counter() - start > self.seconds:
+                break
+        done = len(writer.lines)
+        right = writer.term(instance.rhs)
+        for chunk in writer.lines[done:]:
+            session._run(chunk)
+        lets = session.snapshot().lets
+        return lets.get(left) is not None and lets.get(left) == lets.get(right)
+
+
+# ------------------------------------------------------------------ verification
+
+
+def _verify(args: tuple) -> tuple[int, str, str]:
+    """Worker: (index, verdict, reason)."""
+    index, rule, ops, timeout = args
+    from parsat.verifier.core import RuleError, verify_rule
+
+    try:
+        verdict = verify_rule(rule, ops, timeout=timeout)
+    except RuleError as err:
+        return index, "ERROR", str(err)
+    return index, verdict.verdict, verdict.reason
+
+
+def verify_all(rules: Sequence[ast.RuleDecl], ops: Mapping[str, ast.OpDecl], timeout: float,
+               jobs: int) -> list[tuple[str, str]]:
+    """(verdict, reason) per rule, with the verifier's on-disk cache."""
+    from parsat.verifier.cache import VerdictCache, rule_key
+    from parsat.verifier.core import VERSION
+    from parsat.verifier.verdict import Verdict
+
+    cache = VerdictCache()
+    out: list[tuple[str, str] | None] = [None] * len(rules)
+    work = []
+    for index, rule in enumerate(rules):
+        hit = cache.get(rule_key(rule, ops, VERSION), timeout)
+        if hit is not None:
+            out[index] = (hit.verdict, hit.reason)
+        else:
+            work.append((index, rule, ops, timeout))
+    if jobs > 1 and len(work) > 1:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            results = list(pool.map(_verify, work, chunksize=1))
+    else:
+        results = [_verify(item) for item in work]
+    for index, verdict, reason in results:
+        out[index] = (verdict, reason)
+        if verdict in ("PROVED", "REFUTED"):
+            rule = rules[index]
+            cache.put(rule_key(rule, ops, VERSION), Verdict(rule.name, "", 0, verdict, 0.0, reason), timeout)
+    return [o or ("UNKNOWN", "") for o in out]
+
+
+# ------------------------------------------------------------------ the pipeline
+
+
+def generate(library: Library, settings: Settings, progress: Progress | None = None) -> GenerateResult:
+    """Enumerate, group, prove and prune; the kept rules, most useful first."""
+    from parsat.dsl.checker import check_rule
+    from parsat.saturate.enumerate import VocabularyError
+
+    say = progress or (lambda _m: None)
+    start = time.perf_counter()
+    deadline = start + settings.seconds
+    summary = Summary()
+    try:
+        vocab = vocabulary(settings.ops, library.ops)
+    except VocabularyError as err:
+        raise GenerateError(str(err)) from None
+    if settings.max_ops < 1:
+        raise GenerateError("--max-ops must be at least 1")
+    if not settings.degrees or min(settings.degrees) < 2:
+        raise GenerateError("--degrees must be integers of at least 2")
+    envs = environments(vocab, settings.degrees, max(settings.environments, len(settings.degrees)))
+    max_pieces = max(settings.degrees) ** 2
+    enumeration = enumerate_terms(vocab, settings.max_ops, envs, max_pieces,
+                                  deadline=lambda: time.perf_counter() > deadline,
+                                  max_terms=settings.max_terms, progress=say)
+    summary.terms_built, summary.terms_defined = enumeration.built, enumeration.typed
+    summary.groups = sum(1 for g in enumeration.groups.values() if len(g) > 1)
+    summary.stopped = enumeration.stopped
+    pairs = candidates(enumeration, vocab)
+    summary.candidates = len(pairs)
+    say(f"candidates: {len(pairs)} from {summary.groups} groups")
+
+    taken: set[str] = set()
+    typed: list[Candidate] = []
+    for lhs, rhs, key in pairs:
+        rule = make_rule(vocab, lhs, rhs, rule_name(lhs, rhs, taken))
+        if rule is None:
+            summary.ill_typed += 1
+            continue
+        try:
+            check_rule(rule, library.ops)
+        except TypeCheckError:
+            summary.ill_typed += 1
+            continue
+        typed.append(Candidate(rule, len(_ops_of(lhs)) + len(_ops_of(rhs)), score(lhs, rhs), key))
+    typed.sort(key=lambda c: (c.size, [-s for s in c.score], c.key))
+
+    base = [r for r in library.rules] if settings.prune_with_library else []
+    deriver = Deriver(library, list(base), settings.devices, settings.prune_iterations, settings.prune_enodes,
+                      settings.prune_seconds)
+    kept: list[Candidate] = []
+    by_size: dict[int, list[Candidate]] = {}
+    for cand in typed:
+        by_size.setdefault(cand.size, []).append(cand)
+    for size in sorted(by_size):
+        if time.perf_counter() > deadline:
+            summary.stopped = summary.stopped or "seconds"
+            break
+        level = by_size[size]
+        # 1. drop what the rules kept so far already derive (no proof needed: they are proved)
+        survivors = []
+        for index, cand in enumerate(level):
+            if time.perf_counter() > deadline:
+                summary.stopped = summary.stopped or f"seconds (during size {size})"
+                level = level[:index]
+                break
+            if deriver.derives(_typed(cand.rule, library)):
+                summary.pruned += 1
+            else:
+                survivors.append(cand)
+        # 2. prove the rest
+        say(f"size {size}: {len(level)} candidates, {len(level) - len(survivors)} derivable, "
+            f"proving {len(survivors)}")
+        if time.perf_counter() > deadline:
+            break  # no time left to prove this level's survivors
+        verdicts = verify_all([c.rule for c in survivors], library.ops, settings.verify_timeout, settings.jobs)
+        proved = []
+        for cand, (verdict, _reason) in zip(survivors, verdicts):
+            if verdict == "PROVED":
+                summary.proved += 1
+                proved.append(cand)
+            elif verdict == "REFUTED":
+                summary.refuted += 1
+            else:
+                summary.unknown += 1
+        # 3. among the proved ones of this size, most useful first, keep those not yet derivable,
+        #    each generalised to fresh dims where that still proves
+        proved.sort(key=lambda c: ([-s for s in c.score], c.key))
+        for cand in proved:
+            if time.perf_counter() > deadline:
+                summary.stopped = summary.stopped or f"seconds (during size {size})"
+                kept.append(cand)  # proved, not checked for derivability: kept rather than lost
+                continue
+            if kept and deriver.derives(_typed(cand.rule, library)):
+                summary.pruned += 1
+                continue
+            cand = generalise(cand, vocab, library, settings)
+            kept.append(cand)
+            deriver.add(cand.rule)
+        say(f"size {size}: {len(kept)} kept so far ({time.perf_counter() - start:.1f} s)")
+    kept.sort(key=lambda c: ([-s for s in c.score], c.size, c.key))
+    summary.kept = len(kept)
+    summary.seconds = time.perf_counter() - start
+    return GenerateResult(tuple(c.rule for c in kept), summary)
+
+
+def generalise(cand: Candidate, vocab: Vocabulary, library: Library, settings: Settings) -> Candidate:
+    """The rule with as many dims made independent as still type and prove.
+
+    Enumeration gives inputs of one kind the same dims (x and y are both
+    [m, k]), which is narrower than needed: `concat(relu(x), relu(y), 0)`
+    holds whatever x's and y's row counts. Each dim of each input but the
+    first is tried with a fresh size symbol; a try costs a proof only when
+    the rule still type-checks (add(x, y) needs equal shapes and stops at
+    the type check).
+    """
+    from dataclasses import replace as dc_replace
+
+    from parsat.dsl.checker import check_rule
+
+    rule = cand.rule
+    used = _names_used(rule.lhs) | _names_used(rule.rhs)
+    inputs = list(vocab.inputs)
+    order = [i for i, v in enumerate(inputs) if v.name in used][1:]
+    fresh = 0
+    for index in order:
+        for pos in range(len(inputs[index].dims)):
+            fresh += 1
+            trial = list(inputs)
+            dims = list(trial[index].dims)
+            dims[pos] = f"{dims[pos]}{fresh}"
+            trial[index] = dc_replace(trial[index], dims=tuple(dims))
+            wider = dc_replace(vocab, inputs=tuple(trial))
+            general = make_rule(wider, rule.lhs, rule.rhs, rule.name)
+            if general is None:
+                continue
+            try:
+                check_rule(general, library.ops)
+            except TypeCheckError:
+                continue
+            if verify_all([general], library.ops, settings.verify_timeout, 1)[0][0] == "PROVED":
+                inputs, rule = trial, general
+    return dc_replace(cand, rule=rule)
+
+
+def _typed(rule: ast.RuleDecl, library: Library) -> RuleInstance:
+    return type_rule(rule, library.ops, {})
+
+
+# ------------------------------------------------------------------ derivation of other rules
+
+
+def rank_instances(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], rank: int = 2) -> list[RuleInstance]:
+    """The rule typed at group lengths that make every tensor metavariable rank `rank`."""
+    from parsat.dsl.typecheck import group_assignments
+
+    out = []
+    for groups in group_assignments(rule, rank):
+        try:
+            instance = type_rule(rule, ops, groups)
+        except TypeCheckError:
+            continue
+        if instance.problems or any(len(s) != rank for s in instance.tensors.values()):
+            continue
+        out.append(instance)
+    return out
+
+
+@dataclass(frozen=True)
+class Derivation:
+    rule: str
+    instances: int
+    derived: int
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.instances > 0 and self.derived == self.instances
+
+
+def derive_rules(target: Iterable[ast.RuleDecl], deriver: Deriver, library: Library,
+                 progress: Progress | None = None) -> list[Derivation]:
+    """For each rule, at every rank-2 instance: does saturating its lhs with `deriver`'s rules reach its rhs?"""
+    out = []
+    for rule in target:
+        instances = rank_instances(rule, library.ops)
+        derived = 0
+        note = ""
+        for instance in instances:
+            sizes = _instance_sizes(instance, deriver.devices)
+            if sizes is None:
+                note = "no concrete sizes fit"
+                continue
+            if deriver.derives(instance, sizes):
+                derived += 1
+        out.append(Derivation(rule.name, len(instances), derived, note or ("" if instances else "no rank-2 instance")))
+        if progress is not None:
+            progress(f"{rule.name}: {derived}/{len(instances)}")
+    return out
+
+
+def rules_over(library: Library, ops: Iterable[str]) -> list[ast.RuleDecl]:
+    """The library's rules that use only `ops` (parallel ops included when named)."""
+    allowed = set(ops)
+    return [r for r in library.rules if set(_ops_of(r.lhs)) | set(_ops_of(r.rhs)) <= allowed]

@@ -1,0 +1,70 @@
+"""`parsat generate`: discover, prove and prune rewrite rules (issue 7).
+
+Errors a user can cause (unknown operators, bad degrees, an unwritable
+output) end with a message and exit status 1, never a stack trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    gen = subparsers.add_parser("generate", help="enumerate small terms, group by value, prove and keep new rules")
+    gen.add_argument("--ops", required=True, metavar="OP,OP,...",
+                     help="operators to combine (compute ops from the library and partition, combine, replicate, reduce)")
+    gen.add_argument("--max-ops", type=int, default=2, metavar="N", help="operators per side, at most (default 2)")
+    gen.add_argument("--degrees", default="2,3,4", metavar="D,D,...", help="concrete degrees fingerprints use")
+    gen.add_argument("--seconds", type=float, default=600.0, metavar="S", help="time limit (default 600)")
+    gen.add_argument("--jobs", "-j", type=int, default=1, help="verifier worker processes")
+    gen.add_argument("--verify-timeout", type=float, default=10.0, help="seconds per candidate proof")
+    gen.add_argument("--max-terms", type=int, default=200_000, help="stop enumerating after this many terms")
+    gen.add_argument("--prune-with-library", action="store_true",
+                     help="also drop candidates the shipped library derives")
+    gen.add_argument("--rules", action="append", default=None, metavar="PATH",
+                     help=".rule files or folders with the operators (default: the shipped library)")
+    gen.add_argument("--output", "-o", required=True, metavar="FILE.rule")
+    gen.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
+    gen.set_defaults(run=run_generate)
+
+
+def _error(message: str) -> int:
+    print(f"parsat: error: {message}", file=sys.stderr)
+    return 1
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from parsat.dsl.errors import DslError
+    from parsat.saturate.api import resolve_library
+    from parsat.saturate.generate import GenerateError, Settings, generate
+
+    try:
+        degrees = tuple(int(d) for d in args.degrees.split(",") if d.strip())
+    except ValueError:
+        return _error(f"--degrees must be a comma-separated list of integers, got '{args.degrees}'")
+    ops = tuple(o.strip() for o in args.ops.split(",") if o.strip())
+    if not ops:
+        return _error("--ops names no operator")
+    try:
+        library = resolve_library(args.rules)
+    except DslError as err:
+        return _error("\n".join(d.render() for d in err.diagnostics))
+    settings = Settings(ops, args.max_ops, degrees, args.seconds, max_terms=args.max_terms,
+                        verify_timeout=args.verify_timeout, jobs=max(1, args.jobs),
+                        prune_with_library=args.prune_with_library)
+    say = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    try:
+        result = generate(library, settings, progress=say)
+    except GenerateError as err:
+        return _error(str(err))
+    command = "parsat generate " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else ""
+    try:
+        Path(args.output).write_text(result.text(ops, command), encoding="utf-8")
+    except OSError as err:
+        return _error(f"cannot write {args.output}: {err.strerror}")
+    print(f"wrote {len(result.rules)} rules to {args.output}")
+    print(result.summary.to_text())
+    return 0

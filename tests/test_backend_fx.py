@@ -1,0 +1,227 @@
+"""`parsat.from_torch`: torch modules as parsat graphs that compute what the module computes.
+
+Each imported graph is evaluated with the library's torch operators on the
+module's own parameters (`module_weights`) and compared with the module's
+forward; unsupported operators are errors naming the operator and where it
+is; `parsat optimize model.py:make_model` optimizes a module from a file and
+`parsat run --check` trains the plan on 2 ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import parsat  # noqa: E402
+from parsat.backend.executor import evaluate_graph  # noqa: E402
+from parsat.backend.fx_import import FxImportError, load_model_file, module_weights  # noqa: E402
+from parsat.cli import main  # noqa: E402
+
+
+class Block(nn.Module):
+    """Post-LN encoder block of torch layers (nn.MultiheadAttention)."""
+
+    def __init__(self, hidden=16, heads=2, ffn=32, batch_first=True):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(hidden, heads, batch_first=batch_first)
+        self.ln1 = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, ffn)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(ffn, hidden)
+        self.drop = nn.Dropout(0.0)
+        self.ln2 = nn.LayerNorm(hidden)
+
+    def forward(self, x):
+        a, _ = self.attn(x, x, x)
+        x = self.ln1(x + a)
+        return self.ln2(x + self.drop(self.fc2(self.act(self.fc1(x)))))
+
+
+class HandAttention(nn.Module):
+    """Attention written out: view/permute/transpose/matmul/softmax/scaling, no bias on k."""
+
+    def __init__(self, hidden=16, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(hidden, hidden)
+        self.k = nn.Linear(hidden, hidden, bias=False)
+        self.v = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        dh = d // self.heads
+        q = self.q(x).view(b, s, self.heads, dh).permute(0, 2, 1, 3)
+        k = self.k(x).view(b, s, self.heads, dh).transpose(1, 2)
+        v = self.v(x).reshape(b, s, self.heads, dh).transpose(1, 2)
+        probs = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(dh), dim=-1)
+        ctx = (probs @ v).transpose(1, 2).contiguous().view(b, s, d)
+        return torch.relu(self.out(ctx)) + x
+
+
+class Cnn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.pool = nn.AvgPool2d(2)
+        self.conv2 = nn.Conv2d(8, 8, 3, stride=1, padding=1, bias=False)
+        self.gap = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = self.pool(torch.relu(self.conv(x)))
+        x = torch.tanh(self.conv2(x))
+        return self.head(torch.flatten(self.gap(x), 1)).softmax(dim=1)
+
+
+class Tagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.norm = nn.LayerNorm(8)
+        self.proj = nn.Linear(8, 5)
+
+    def forward(self, ids):
+        return nn.functional.gelu(self.proj(self.norm(self.emb(ids))))
+
+
+def imported_output(module, inputs, graph_inputs=None):
+    """(the module's output, the imported graph's output on the same weights), in float64."""
+    module = module.double().eval()
+    inputs = tuple(t.double() if t.is_floating_point() else t for t in inputs)
+    graph = parsat.from_torch(module, inputs)
+    leaves = dict(graph_inputs or {leaf.name: t for leaf, t in zip([l for l in graph.leaves if l.role == "input"],
+                                                                      inputs)})
+    leaves.update(module_weights(module, graph))
+    env = evaluate_graph(graph, leaves)
+    with torch.no_grad():
+        want = module(*inputs)
+    return want, env[graph.outputs[0]], graph
+
+
+@pytest.mark.parametrize("module,shape", [
+    (Block(), (2, 6, 16)),
+    (Block(batch_first=False), (6, 2, 16)),
+    (HandAttention(), (2, 5, 16)),
+    (Cnn(), (2, 3, 8, 8)),
+])
+def test_imported_graph_computes_the_module(module, shape):
+    torch.manual_seed(0)
+    want, got, _ = imported_output(module, (torch.randn(*shape),))
+    assert got.shape == want.shape
+    assert (got - want).abs().max() < 1e-10
+
+
+def test_embedding_ids_become_a_one_hot_input():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 20, (3, 7))
+    onehot = nn.functional.one_hot(ids, 20).double()
+    want, got, graph = imported_output(Tagger(), (ids,), {"ids": onehot})
+    assert graph.leaf("ids").shape == (3, 7, 20)
+    assert (got - want).abs().max() < 1e-10
+
+
+def test_weights_are_named_by_the_module_parameters():
+    module = Block()
+    graph = parsat.from_torch(module, torch.randn(2, 6, 16))
+    names = {leaf.name for leaf in graph.weights}
+    assert names == {name for name, _ in module.named_parameters()}
+    shapes = {leaf.name: leaf.shape for leaf in graph.weights}
+    assert shapes["fc1.weight"] == (16, 32)            # nn.Linear's [out, in], transposed for `linear`
+    assert shapes["attn.in_proj_weight"] == (16, 48)
+    assert shapes["ln1.weight"] == (16,)
+
+
+class WithMaxPool(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.MaxPool2d(2))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class WithSin(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.sin(self.fc(x))
+
+
+@pytest.mark.parametrize("module,shape,words", [
+    (WithMaxPool(), (1, 3, 8, 8), ["MaxPool2d", "body.1"]),
+    (WithSin(), (2, 4), ["'sin'", "fx node 'sin'"]),
+])
+def test_unsupported_operator_is_named_with_its_place(module, shape, words):
+    with pytest.raises(FxImportError) as err:
+        parsat.from_torch(module, torch.randn(*shape))
+    for word in words:
+        assert word in str(err.value)
+
+
+MODEL_FILE = '''
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, hidden=64, heads=4, ffn=256):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(hidden, heads, batch_first=True)
+        self.ln1 = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, ffn)
+        self.fc2 = nn.Linear(ffn, hidden)
+        self.ln2 = nn.LayerNorm(hidden)
+
+    def forward(self, x):
+        a, _ = self.attn(x, x, x)
+        x = self.ln1(x + a)
+        return self.ln2(x + self.fc2(nn.functional.gelu(self.fc1(x))))
+
+
+def make_model():
+    return Block(), torch.randn(4, 32, 64)
+'''
+
+
+def test_load_model_file_errors(tmp_path):
+    path = tmp_path / "model.py"
+    path.write_text(textwrap.dedent(MODEL_FILE), encoding="utf-8")
+    assert load_model_file(f"{path}:make_model").leaf("x").shape == (4, 32, 64)
+    for spec, message in ((f"{path}:nothing", "no function 'nothing'"), (f"{tmp_path}/no.py:f", "is not a file"),
+                          (str(path), "like model.py:make_model")):
+        with pytest.raises(FxImportError, match=message):
+            load_model_file(spec)
+
+
+def test_torch_block_optimized_and_run_with_check(tmp_path, capsys):
+    """A torch nn.Module transformer block: `parsat optimize model.py:make_model`, then `parsat run --check`."""
+    model = tmp_path / "model.py"
+    model.write_text(textwrap.dedent(MODEL_FILE), encoding="utf-8")
+    plan = tmp_path / "plan.json"
+    assert main(["optimize", f"{model}:make_model", "--devices", "2", "--machine", "cpu", "-q", "--no-baselines",
+                 "-o", str(plan)]) == 0
+    data = json.loads(plan.read_text())
+    assert {w["name"] for w in data["graph"]["weights"]} >= {"attn.in_proj_weight", "fc1.weight", "ln2.bias"}
+    capsys.readouterr()
+    assert main(["run", str(plan), "--nproc", "2", "--check", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["check"] == "passed" and result["comm_matches"] is True
+    assert result["comm_elements_measured"] > 0  # the plan really splits the block
+
+
+def test_optimize_reports_an_unsupported_module_without_a_trace(tmp_path, capsys):
+    model = tmp_path / "bad.py"
+    model.write_text("import torch\n\ndef make():\n    return torch.nn.Sequential(torch.nn.Linear(4, 4), "
+                     "torch.nn.Hardswish()), torch.randn(2, 4)\n", encoding="utf-8")
+    assert main(["optimize", f"{model}:make", "--devices", "2", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "Hardswish" in err and "'1'" in err and "Traceback" not in err

@@ -1,0 +1,114 @@
+"""`parsat generate`: enumeration, exact fingerprints, proof, pruning by saturation (issue 7).
+
+Tiny operator sets and at most 2 operators per side, so these run in seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from parsat.dsl.library import load_library
+from parsat.dsl.printer import format_expr
+from parsat.saturate import enumerate as enum
+from parsat.saturate.generate import Deriver, Settings, generate, make_rule, verify_all, _typed
+from parsat.dsl.parser import parse
+
+
+@pytest.fixture(scope="module")
+def library():
+    return load_library(None)[0]
+
+
+def _texts(result):
+    return {format_expr(r.lhs) + " => " + format_expr(r.rhs) for r in result.rules}
+
+
+@pytest.fixture(scope="module")
+def relu_parallel(library):
+    settings = Settings(("relu", "partition", "combine", "replicate"), max_ops=2, degrees=(2, 3), seconds=60)
+    return generate(library, settings)
+
+
+def test_finds_known_true_rules(relu_parallel):
+    texts = _texts(relu_parallel)
+    assert "relu(partition(x, 0, p)) => partition(relu(x), 0, p)" in texts
+    assert "relu(replicate(x, p)) => replicate(relu(x), p)" in texts
+    assert "combine(partition(x, 1, p), 1, p) => x" in texts
+    assert "relu(relu(x)) => relu(x)" in texts
+    s = relu_parallel.summary
+    assert s.kept == len(relu_parallel.rules) and s.proved >= s.kept and s.terms_built > 0
+
+
+def test_written_rules_parse_check_and_carry_a_comment(relu_parallel, library, tmp_path):
+    from parsat.dsl.checker import check_paths
+
+    path = tmp_path / "gen.rule"
+    path.write_text(relu_parallel.text(["relu"]))
+    report = check_paths([str(path)])
+    assert report.ok, [d.render() for d in report.diagnostics]
+    rules = [r for r in report.library.rules if r.name.startswith("gen_")]
+    assert len(rules) == len(relu_parallel.rules)
+    assert all(r.doc and r.doc[0].startswith("Generated:") for r in rules)
+
+
+def test_introduction_rule_gets_a_where(library):
+    vocab = enum.vocabulary(["relu", "partition", "combine"], library.ops)
+    lhs = parse("rule r: forall x: [m, k] relu(x) => x").items[0].lhs
+    rhs = parse("rule r: forall x: [m, k], p: degree x => combine(relu(partition(x, 0, p)), 0, p)").items[0].rhs
+    rule = make_rule(vocab, lhs, rhs, "intro")
+    assert rule is not None and [format_expr(w) for w in rule.where] == ["m % p == 0"]
+    assert verify_all([rule], library.ops, 10.0, 1)[0][0] == "PROVED"
+
+
+def test_fingerprints_are_exact_and_separate_unequal_terms(library):
+    vocab = enum.vocabulary(["add", "relu"], library.ops)
+    envs = enum.environments(vocab, [2], 2)
+    result = enum.enumerate_terms(vocab, 2, envs, 4)
+    by_text = {t.text: key for key, terms in result.groups.items() for t in terms}
+    assert by_text["add(x, y)"] == by_text["add(y, x)"]
+    assert by_text["add(x, relu(y))"] != by_text["add(relu(x), y)"]
+    assert by_text["relu(x)"] != by_text["x"]
+
+
+def test_a_false_pair_is_never_written(library, monkeypatch):
+    """Fingerprints that ignore values put false pairs in one group: the verifier must reject them."""
+
+    def coarse(instance, envs, max_pieces):
+        return repr((len(instance.lhs.shape), str(instance.lhs.spread)))
+
+    monkeypatch.setattr(enum, "fingerprint", coarse)
+    result = generate(library, Settings(("relu",), max_ops=2, degrees=(2,), seconds=60))
+    texts = _texts(result)
+    assert "relu(x) => x" not in texts and "relu(relu(x)) => x" not in texts
+    assert result.summary.refuted >= 2
+    assert all(v == "PROVED" for v, _ in verify_all(list(result.rules), library.ops, 10.0, 1))
+
+
+def test_pruning_drops_a_derivable_rule(library):
+    vocab = enum.vocabulary(["relu", "partition"], library.ops)
+    text = """
+rule a: forall x: [m, k], p: degree
+  relu(partition(x, 0, p)) => partition(relu(x), 0, p)
+rule b: forall x: [m, k]
+  relu(relu(x)) => relu(x)
+rule c: forall x: [m, k], p: degree
+  relu(relu(partition(x, 0, p))) => partition(relu(x), 0, p)
+"""
+    a, b, c = parse(text).items
+    target = _typed(c, library)
+    assert not Deriver(library, [a]).derives(target)
+    assert Deriver(library, [a, b]).derives(target)
+
+
+def test_generate_prunes_with_library(library):
+    settings = Settings(("relu", "partition", "combine"), max_ops=2, degrees=(2,), seconds=60, prune_with_library=True)
+    result = generate(library, settings)
+    assert "relu(partition(x, 0, p)) => partition(relu(x), 0, p)" not in _texts(result)
+    assert result.summary.pruned > 0
+
+
+def test_cli_reports_unknown_operator(capsys, tmp_path):
+    from parsat.cli import main
+
+    assert main(["generate", "--ops", "relu,nope", "-o", str(tmp_path / "x.rule")]) == 1
+    assert "unknown operator" in capsys.readouterr().err

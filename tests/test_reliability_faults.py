@@ -1,0 +1,154 @@
+"""Faults inside a real `parsat run`: the job ends in time, names the rank, exits 1, leaves no process behind.
+
+tests/test_backend_launch.py injects faults into a toy worker given to
+`launch`; here they are injected into the real training step, through the
+CLI: `run_plan` is pointed at `faulty_run_rank`, which wraps the
+executor's `run_rank` and, on rank 1, misbehaves at the Nth parallel
+operator of step 1 (mid-step, with collectives already done and more to
+come). The fault is chosen by the PARSAT_TEST_FAULT environment variable,
+which spawned ranks inherit:
+
+* `raise`  : an exception in the forward pass;
+* `kill`   : SIGKILL (an OOM kill, a segfault);
+* `hang`   : the rank stops in a point-to-point receive its peer never sends
+  (a hang in communication); the job's --timeout ends it.
+
+After each, the process table is checked: no child of this process that
+was a spawned rank may still be alive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+from parsat.backend import executor  # noqa: E402
+from parsat.cli import main  # noqa: E402
+
+FAULT_AT = 2  # the Nth parallel operator of step 1 on rank 1
+
+
+def faulty_run_rank(ctx, pcg, config, graph, library=None):
+    """The executor's run_rank, with rank 1 misbehaving mid-step as PARSAT_TEST_FAULT says."""
+    fault = os.environ.get("PARSAT_TEST_FAULT", "")
+    real_parallel_op = executor.parallel_op
+    calls = {"n": 0}
+
+    def parallel_op(*args, **kwargs):
+        calls["n"] += 1
+        if ctx.rank == 1 and calls["n"] == FAULT_AT:
+            if fault == "raise":
+                raise RuntimeError("injected fault in the forward pass")
+            if fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fault == "hang":
+                dist.recv(torch.zeros(1, dtype=torch.float64), src=0)  # rank 0 never sends
+        return real_parallel_op(*args, **kwargs)
+
+    executor.parallel_op = parallel_op
+    try:
+        return executor.run_rank(ctx, pcg, config, graph, library)
+    finally:
+        executor.parallel_op = real_parallel_op
+
+
+def plan_path(tmp_path: Path) -> Path:
+    """Data parallelism of a small MLP on 2 devices: collectives forward (gather) and backward (all-reduce)."""
+    from parsat.backend.executor import operator_library
+    from parsat.saturate import models
+    from parsat.saturate.api import data_parallel_pcg, price_pcg
+    from parsat.saturate.cost import totals
+    from parsat.saturate.machine import Machine
+    from parsat.saturate.plan import Plan
+
+    lib = operator_library()
+    graph = models.mlp(batch=8, d_in=6, d_hidden=4, d_out=2, library=lib)
+    pcg = data_parallel_pcg(graph, lib, 2)
+    machine = Machine.preset("cpu").with_devices(2)
+    costs = price_pcg(pcg, lib, machine)
+    path = tmp_path / "plan.json"
+    Plan(graph, machine, 2, pcg, costs, totals(costs, machine)).save(path)
+    assert sum(1 for n in pcg.nodes if n.kind == "parallel") > FAULT_AT
+    return path
+
+
+def spawned_children() -> list[tuple[int, str]]:
+    """Live (not zombie) children of this process that are spawned ranks (the process table, from /proc)."""
+    found = []
+    me = os.getpid()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        state, ppid = fields[0], int(fields[1])
+        if ppid == me and state != "Z" and "spawn_main" in cmdline:
+            found.append((int(entry.name), cmdline[:120]))
+    return found
+
+
+@pytest.fixture
+def faulty(monkeypatch):
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("needs /proc to read the process table")
+    monkeypatch.setattr(executor, "run_rank", faulty_run_rank)
+    assert not spawned_children(), "ranks left over from an earlier test"
+
+    def arm(fault: str) -> None:
+        monkeypatch.setenv("PARSAT_TEST_FAULT", fault)
+
+    return arm
+
+
+CASES = [
+    ("raise", 60, r"rank 1 failed: RuntimeError: injected fault in the forward pass"),
+    ("kill", 60, r"rank 1 died \(killed by signal SIGKILL\)"),
+    pytest.param("hang", 12, r"rank(s 0, 1|s 1, 0| 1) still running", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("fault,timeout,expect", CASES)
+def test_a_faulty_rank_ends_the_run_naming_it(faulty, tmp_path, capsys, fault, timeout, expect):
+    import re
+
+    path = plan_path(tmp_path)
+    faulty(fault)
+    start = time.monotonic()
+    code = main(["run", str(path), "--nproc", "2", "--backend", "gloo", "--steps", "3", "--check",
+                 "--timeout", str(timeout)])
+    elapsed = time.monotonic() - start
+    err = capsys.readouterr().err
+    print(f"{fault}: exit {code} after {elapsed:.1f} s: {err.strip()}")  # recorded in benchmarks/RELIABILITY.md
+    assert code == 1, err
+    assert err.startswith("parsat run: error: distributed job failed:"), err
+    assert re.search(expect, err), err
+    assert "Traceback" not in err
+    assert elapsed < timeout + 10, f"took {elapsed:.1f} s with --timeout {timeout}"
+    deadline = time.monotonic() + 5
+    while spawned_children() and time.monotonic() < deadline:  # reaped by the launcher; allow the kernel a moment
+        time.sleep(0.1)
+    assert not spawned_children(), f"ranks outlived the job: {spawned_children()}"
+
+
+@pytest.mark.slow
+def test_the_same_plan_runs_clean_without_a_fault(faulty, tmp_path, capsys):
+    """The control: the wrapper itself changes nothing."""
+    path = plan_path(tmp_path)
+    faulty("")
+    code = main(["run", str(path), "--nproc", "2", "--backend", "gloo", "--steps", "2", "--check", "--json",
+                 "--timeout", "60"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 0 and json.loads(out[-1])["check"] == "passed"
+    assert not spawned_children()
