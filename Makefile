@@ -13,6 +13,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	@# graphviz's `dot` draws plans (`parsat show -o plan.svg`); best effort:
+	@# without it `parsat show` still writes .dot files.
+	@command -v dot >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq >/dev/null && \
+	  apt-get install -y -qq graphviz >/dev/null; } || echo "note: graphviz not installed; parsat show writes .dot only"
 	touch $(STAMP)
 
 setup: $(STAMP)
