@@ -179,11 +179,12 @@ def reference_run(graph: Graph, config: TrainConfig) -> Reference:
         loss = sum(_loss_term(env[o], target_value(o, shapes[o], config, step), env[o].numel())
                    for o in graph.outputs)
         optimizer.zero_grad()
-        loss.backward()
+        if loss.requires_grad:  # a graph with no weight on any output's path has nothing to train
+            loss.backward()
         optimizer.step()
         losses.append(float(loss.detach()))
         outputs.append({o: env[o].detach().clone() for o in graph.outputs})
-        grads.append({k: w.grad.detach().clone() for k, w in weights.items()})
+        grads.append({k: gradient_of(w).clone() for k, w in weights.items()})
         values.append({k: w.detach().clone() for k, w in weights.items()})
     return Reference(tuple(losses), tuple(outputs), tuple(grads), tuple(values))
 
@@ -309,6 +310,11 @@ class RankProgram:
 # ------------------------------------------------------------------ the worker
 
 
+def gradient_of(weight: torch.Tensor) -> torch.Tensor:
+    """A weight's gradient; zero for a weight that no output depends on."""
+    return weight.grad.detach() if weight.grad is not None else torch.zeros_like(weight).detach()
+
+
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().cpu() - b).abs().max()) if a.numel() else 0.0
 
@@ -337,7 +343,8 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
             to_diff, to_report = program.loss(env, step)
         memory.measure(env, program, optimizer)  # end of forward: activations and saved tensors all alive
         optimizer.zero_grad()
-        to_diff.backward()
+        if to_diff.requires_grad:  # same on every rank: the plan, not the data, decides it
+            to_diff.backward()
         memory.measure(env, program, optimizer)  # end of backward: every gradient alive
         optimizer.step()
         if ctx.device.type == "cuda":
@@ -438,7 +445,7 @@ def _compare(program: RankProgram, env, reference: Reference, step: int, loss: f
             diffs.append(_max_diff(x, expected[piece_index(layout, rank, expected.shape)]))
     for param in program.params.values():
         where = piece_index(param.layout, rank, param.shape)
-        diffs.append(_max_diff(param.tensor.grad, reference.grads[step][param.name][where]))
+        diffs.append(_max_diff(gradient_of(param.tensor), reference.grads[step][param.name][where]))
         diffs.append(_max_diff(param.tensor, reference.weights[step][param.name][where]))
     return max(diffs)
 

@@ -37,8 +37,8 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Mapping, Sequence
 
 from parsat.dsl import ast
-from parsat.dsl.instantiate import OpInstance
-from parsat.dsl.spread import Spread, infer_compute
+from parsat.dsl.instantiate import OpInstance, index_bounds
+from parsat.dsl.spread import Spread, block_read, infer_compute
 from parsat.dsl.symbolic import Poly
 
 
@@ -278,6 +278,7 @@ def compute_layout(instance: OpInstance, inputs: Sequence[Layout]) -> Layout:
         raise PlacementError("; ".join(inferred.problems))
 
     by_name = dict(zip(instance.inputs, inputs))
+    bounds = index_bounds(instance)
     var_axes: dict[str, tuple[Axis, ...]] = {}
     for node in ast.walk(instance.body):
         if not isinstance(node, ast.Access) or node.tensor not in by_name:
@@ -285,11 +286,19 @@ def compute_layout(instance: OpInstance, inputs: Sequence[Layout]) -> Layout:
         layout = by_name[node.tensor]
         for position, index in enumerate(node.indices):
             axes = layout.shard[position]
-            if not isinstance(index, ast.Name):
-                continue  # infer_compute already refused a sharded dim indexed by an expression
-            seen = var_axes.setdefault(index.id, axes)
+            if isinstance(index, ast.Name):
+                var = index.id
+            elif axes:
+                # a block read (unflatten's j * k + r, flatten's j / n): its leading index owns the blocks
+                read = block_read(node, position, layout.spread(), instance, bounds)
+                if read is None:
+                    continue  # infer_compute already refused this sharded dim
+                var = read[0]
+            else:
+                continue
+            seen = var_axes.setdefault(var, axes)
             if seen != axes:
-                raise PlacementError(f"{instance.name}: index '{index.id.replace('#', '')}' reads blocks laid out "
+                raise PlacementError(f"{instance.name}: index '{var.replace('#', '')}' reads blocks laid out "
                                      f"on different ranks (dim {position} of '{node.tensor}'); the plan needs a "
                                      "data movement the backend does not insert")
 

@@ -155,7 +155,7 @@ def infer_compute(instance: OpInstance, inputs: Sequence[Spread]) -> ComputeSpre
             if isinstance(index, ast.Name) and index.id in bounds_vars:
                 constraints.setdefault(index.id, []).append((degree, where))
                 continue
-            pattern = _block_pattern(access, position, spread, instance, bounds)
+            pattern = block_read(access, position, spread, instance, bounds)
             if pattern is not None:
                 leading, others = pattern
                 block_reads.add(id(index))
@@ -217,7 +217,7 @@ def infer_compute(instance: OpInstance, inputs: Sequence[Spread]) -> ComputeSpre
     return ComputeSpread(Spread(shard, copy, partial), degrees, tuple(problems), requires)
 
 
-def _block_pattern(access: ast.Access, position: int, spread: Spread, instance: OpInstance,
+def block_read(access: ast.Access, position: int, spread: Spread, instance: OpInstance,
                    bounds: dict) -> tuple[str, tuple[str, ...]] | None:
     """The leading index of a dim read block by block through an expression.
 

@@ -260,13 +260,28 @@ def validate_plan_dict(data: Mapping, error: type[Exception], label: str) -> Non
     f = _Fields(error, f"{label}: ")
     f.integer(f.get(data, "devices", ""), "devices", low=1, high=MAX_DEVICES)
     validate_graph_dict(f.get(data, "graph", ""), error, f"{label}: graph.")
-    nodes = f.array(f.get(data, "nodes", ""), "nodes")
+    _check_pcg(f, data, "")
+    for name, baseline in f.obj(data.get("baselines") or {}, "baselines").items():
+        if isinstance(baseline, Mapping) and ("pcg" in baseline or "nodes" in baseline):
+            source = baseline.get("pcg", baseline)
+            at = f"baselines.{name}.pcg." if "pcg" in baseline else f"baselines.{name}."
+            _check_pcg(f, f.obj(source, at.rstrip(".")), at)
+    if "totals" in data and data["totals"] is not None:
+        totals = f.obj(data["totals"], "totals")
+        for key, value in totals.items():
+            f.number(value, f"totals.{key}", nullable=True)
+
+
+def _check_pcg(f: _Fields, data: Mapping, at: str) -> None:
+    """Nodes and outputs of a PCG (the plan's, or a baseline's under `at`), as `validate_plan_dict` says."""
+    where = at.rstrip(".")
+    nodes = f.array(f.get(data, "nodes", where), f"{at}nodes")
     if not nodes:
-        f.fail("nodes", "the plan has no nodes")
+        f.fail(f"{at}nodes", "the plan has no nodes")
     seen: dict[int, str] = {}
     all_ids = {n.get("id") for n in nodes if isinstance(n, Mapping) and isinstance(n.get("id"), int)}
     for i, node in enumerate(nodes):
-        path = f"nodes[{i}]"
+        path = f"{at}nodes[{i}]"
         node = f.obj(node, path)
         ident = f.integer(f.get(node, "id", path), f"{path}.id", low=0)
         if ident in seen:
@@ -311,19 +326,15 @@ def validate_plan_dict(data: Mapping, error: type[Exception], label: str) -> Non
             if key in node:
                 f.text(node[key], f"{path}.{key}", empty=True)
         seen[ident] = op
-    outputs = f.array(f.get(data, "outputs", ""), "outputs")
+    outputs = f.array(f.get(data, "outputs", where), f"{at}outputs")
     if not outputs:
-        f.fail("outputs", "the plan has no outputs")
+        f.fail(f"{at}outputs", "the plan has no outputs")
     for i, out in enumerate(outputs):
-        out = f.obj(out, f"outputs[{i}]")
-        f.text(f.get(out, "name", f"outputs[{i}]"), f"outputs[{i}].name")
-        ref = f.integer(f.get(out, "node", f"outputs[{i}]"), f"outputs[{i}].node")
+        out = f.obj(out, f"{at}outputs[{i}]")
+        f.text(f.get(out, "name", f"{at}outputs[{i}]"), f"{at}outputs[{i}].name")
+        ref = f.integer(f.get(out, "node", f"{at}outputs[{i}]"), f"{at}outputs[{i}].node")
         if ref not in seen:
-            f.fail(f"outputs[{i}].node", f"node {ref} is not a node of the plan")
-    if "totals" in data and data["totals"] is not None:
-        totals = f.obj(data["totals"], "totals")
-        for key, value in totals.items():
-            f.number(value, f"totals.{key}", nullable=True)
+            f.fail(f"{at}outputs[{i}].node", f"node {ref} is not a node of the plan")
 
 
 def validate_plan_report(data: Mapping, error: type[Exception], label: str) -> None:

@@ -411,3 +411,17 @@ def test_hostile_values_are_really_hostile():
     """Guard for the mutation table itself: the non-finite values survive a JSON round trip as parsat reads it."""
     assert math.isnan(json.loads(json.dumps(float("nan"))))
     assert json.loads(json.dumps(10 ** 400)) == 10 ** 400
+
+
+def test_a_baseline_pcg_is_validated_like_the_plan_s_own(tmp_path, lib):
+    """Plan v2 carries each baseline's PCG (`parsat run --plan-of NAME` runs it): same checks, under its path."""
+    data = plan_dict(lib)
+    pcg = {"nodes": copy.deepcopy(data["nodes"]), "outputs": copy.deepcopy(data["outputs"])}
+    data["baselines"]["data_parallel"] = {**data["totals"], "pcg": pcg}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    assert load_plan_dict(path)["baselines"]["data_parallel"]["pcg"]["nodes"]
+    pcg["nodes"][1]["inputs"] = [999]
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanError, match=r"baselines\.data_parallel\.pcg\.nodes\[1\] .*node 999 is not a node"):
+        load_plan_dict(path)

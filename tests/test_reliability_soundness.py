@@ -196,11 +196,6 @@ def test_every_plan_matches_the_single_process_run(library, tmp_path):
 
 
 @pytest.mark.parametrize("shape", ["no weights", "a weight that reaches no output"])
-@pytest.mark.xfail(strict=True, reason="backend/executor.py: a graph with no weights, or with a weight no output "
-                                       "depends on, cannot be trained: reference_run calls loss.backward() on a "
-                                       "loss without grad (RuntimeError) or w.grad.detach() on None "
-                                       "(AttributeError); run_rank fails the same way on every rank, so "
-                                       "`parsat run` exits 1 with 'rank 0 failed: ...' for a plan optimize made")
 def test_graphs_with_nothing_to_train_run(library, shape):
     from parsat.backend.executor import reference_run
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -55,6 +56,41 @@ def _one(args: tuple) -> tuple[str, Verdict | None, str]:
         return key, None, f"{rule.span}: error: {err}" if rule.span else str(err)
 
 
+_WORKER_DIED = "the verifier's worker process died"
+
+
+def _run_parallel(work: list[tuple], jobs: int) -> list[tuple[str, Verdict | None, str]]:
+    """`_one` over `work` in processes; a worker that dies costs only its rule.
+
+    A process that dies (a segfault in z3, an OOM kill) breaks the whole pool
+    and every rule still pending in it. Those are then retried one process
+    each, so the rule that kills its process is found, reported UNKNOWN with
+    the reason, and never cached; the others get their real verdicts.
+    """
+    done: dict[str, tuple] = {}
+    try:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            futures = {pool.submit(_one, item): item[0] for item in work}
+            for future in as_completed(futures):
+                outcome = future.result()
+                done[outcome[0]] = outcome
+    except BrokenProcessPool:
+        pass
+    for item in work:
+        key, rule = item[0], item[1]
+        if key in done:
+            continue
+        try:
+            with ProcessPoolExecutor(max_workers=1) as alone:
+                done[key] = alone.submit(_one, item).result()
+        except BrokenProcessPool:
+            span = rule.span
+            done[key] = (key, Verdict(rule.name, span.file if span else "", span.line if span else 0, UNKNOWN,
+                                      reason=f"{_WORKER_DIED} while proving this rule (a crash in z3, or out of "
+                                             "memory); try it alone with --jobs 1"), "")
+    return [done[item[0]] for item in work]
+
+
 def verify_library(library: Library, *, match: Sequence[str] | None = None, timeout: float = DEFAULT_TIMEOUT,
                    jobs: int = 1, cache: VerdictCache | None = None, only_files: set[str] | None = None) -> VerifyReport:
     """Verify the library's rules (those in `only_files` when given)."""
@@ -76,17 +112,13 @@ def verify_library(library: Library, *, match: Sequence[str] | None = None, time
             results[key] = _relocate(hit, rule, cached=True)
         elif key not in results:
             work.append((key, rule, ops, timeout))
-    if jobs > 1 and len(work) > 1:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            outcomes = list(pool.map(_one, work, chunksize=1))
-    else:
-        outcomes = [_one(item) for item in work]
+    outcomes = _run_parallel(work, jobs) if jobs > 1 and len(work) > 1 else [_one(item) for item in work]
     for key, verdict, error in outcomes:
         if verdict is None:
             errors[key] = error
             continue
         results[key] = verdict
-        if cache is not None:
+        if cache is not None and not verdict.reason.startswith(_WORKER_DIED):
             cache.put(key, verdict, timeout)
     for key, rule in todo:
         if key in errors:
