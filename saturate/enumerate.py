@@ -6,17 +6,46 @@ included) on a few symbolic input tensors, evaluate each on random
 concrete inputs, and group terms whose values agree. A group is a set of
 candidate equalities; only the verifier decides which are true.
 
+The vocabulary is generic, not tuned to any rule:
+
+- Inputs are a small typed pool built from dim symbols: same-shape tensors
+  `x, y, u: [m, k]` (enough for the associativity of a binary operator) and,
+  when a contraction (matmul) is asked for, a chain `w, v: [k, n]`,
+  `t: [n, r]`.
+- Spread inputs are leaves: a parallel operator applied directly to an input
+  (`partition(x, 0, p)`, `replicate(w, p * q)`) is an input that arrives
+  already spread over devices, as in Unity's parallel tensors, and does not
+  count toward the operator budget. Without this, a data-, column- or
+  reduction-parallel matmul (four operators on one side) is out of reach at
+  three operators per side, however the budget is spent elsewhere.
+- Two degree symbols `p` and `q`: operators take `p` or `q`, spread leaves
+  `p` or `p * q`, so nested degrees (`partition(partition(x, 0, p), 0, q)`)
+  are found too.
+- `split`'s start and size are drawn from `0`, two int symbols `s`, `z`, the
+  symbols of the split dim's extent (`m` of a `concat` of extent `2 * m`)
+  and the rest of the extent (`extent - start`), so cutting a concat back
+  apart and splitting a whole dim are in the vocabulary.
+
+Enumeration is bottom-up by operator count over *representatives* only
+(observational equivalence, as in bottom-up program synthesis): a term whose
+value equals an earlier term's joins that term's group but is not used as an
+argument again, since any term built from it equals, by congruence, one
+built from the representative. Arguments are indexed by their type (shape
+and spread), and a type combination an operator rejects once is never tried
+again.
+
 Terms are rule-language ASTs (`ast.Call`/`ast.Name`), typed with the
 checker's own typer (`dsl.typecheck.type_rule`), so shapes, spreads and
 definedness requirements are exactly what the checker and verifier will
 see later. Values come from the verifier's piece-wise replay
-(`verifier.concrete.simulate`), which runs `dsl.evaluate` on every device's
-piece: a fingerprint is the logical shape, the spread (shard, copy and sum
-degrees) and, for every (block, copy) slot, the sum over the partial-sum
-index (what a context can observe). Inputs are small integers and every
-operator used keeps them integers, so values are exact integers (checked:
-a non-integer or huge value makes the term "inexact" and it is left out
-rather than grouped by a rounded value).
+(`verifier.concrete`), which runs `dsl.evaluate` on every device's piece,
+with the pieces of representatives remembered so that a new term costs one
+operator application: a fingerprint is the logical shape, the spread (shard,
+copy and sum degrees) and, for every (block, copy) slot, the sum over the
+partial-sum index (what a context can observe). Inputs are small integers
+and every operator used keeps them integers, so values are exact integers
+(checked: a non-integer or huge value makes the term "inexact" and it is
+left out rather than grouped by a rounded value).
 """
 
 from __future__ import annotations
@@ -31,14 +60,18 @@ import numpy as np
 
 from parsat.dsl import ast
 from parsat.dsl.conditions import holds
+from parsat.dsl.evaluate import EvaluationError
 from parsat.dsl.spread import PARALLEL_OPS
+from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import RuleInstance, TypeCheckError, TypedTerm, type_rule
-from parsat.verifier.concrete import Unsupported, observe, simulate
+from parsat.verifier.concrete import Unsupported, _Simulator, observe
 
 DEGREE = "p"
+DEGREE2 = "q"
 START = "s"      # split's start, an int symbol
 SIZE = "z"       # split's size, an int symbol
 EXACT_LIMIT = 2 ** 50
+CONTRACTIONS = ("matmul", "bmm", "linear", "embedding")
 
 
 @dataclass(frozen=True)
@@ -51,7 +84,7 @@ class TensorVar:
 
 @dataclass(frozen=True)
 class Term:
-    """An enumerated term, typed, with the number of operators it applies."""
+    """An enumerated term, typed, with the number of operators it applies (spread leaves count 0)."""
 
     expr: ast.Expr
     ops: int
@@ -59,24 +92,36 @@ class Term:
     text: str = ""
 
 
+def _degree(text: str) -> ast.Expr:
+    if text == f"{DEGREE}*{DEGREE2}":
+        return ast.BinOp("*", ast.Name(DEGREE), ast.Name(DEGREE2))
+    return ast.Name(text)
+
+
 @dataclass(frozen=True)
 class Vocabulary:
-    """What terms are built from: operators, their attribute choices, inputs."""
+    """What terms are built from: operators, their attribute choices, inputs, degrees."""
 
     ops: Mapping[str, ast.OpDecl] = field(hash=False)
     names: tuple[str, ...]                       # compute and parallel operators to use
     inputs: tuple[TensorVar, ...]
     dims: tuple[int, ...] = (0, 1)               # dims the parallel ops and dim attributes may name
+    op_degrees: tuple[str, ...] = (DEGREE, DEGREE2)
+    leaf_degrees: tuple[str, ...] = (DEGREE, f"{DEGREE}*{DEGREE2}")
+    spread_leaves: bool = True
 
     def binders(self) -> tuple[ast.Param, ...]:
         """All metavariables a term may use (a generated rule keeps the ones it uses)."""
         out = [ast.Param(v.name, ast.ShapeType(tuple(ast.Name(d) for d in v.dims))) for v in self.inputs]
-        out += [ast.Param(DEGREE, ast.ScalarType("degree")), ast.Param(START, ast.ScalarType("int")),
-                ast.Param(SIZE, ast.ScalarType("int"))]
+        out += [ast.Param(DEGREE, ast.ScalarType("degree")), ast.Param(DEGREE2, ast.ScalarType("degree")),
+                ast.Param(START, ast.ScalarType("int")), ast.Param(SIZE, ast.ScalarType("int"))]
         return tuple(out)
 
     def size_symbols(self) -> list[str]:
         return sorted({d for v in self.inputs for d in v.dims})
+
+    def degrees_used(self) -> bool:
+        return any(n in PARALLEL_OPS for n in self.names)
 
 
 class VocabularyError(Exception):
@@ -84,63 +129,129 @@ class VocabularyError(Exception):
 
 
 def default_inputs(names: Sequence[str], ops: Mapping[str, ast.OpDecl]) -> tuple[TensorVar, ...]:
-    """Rank-2 inputs: x, y of one shape (for elementwise ops and concat), w to multiply by.
+    """Rank-2 inputs: x, y, u of one shape (for elementwise ops and concat), a chain w, v, t to multiply by.
 
-    Rank 2 is what matmul needs and what the shipped parallel rules mostly
-    talk about; a richer vocabulary costs combinatorially more terms.
+    Three tensors of one shape are what the associativity of a binary
+    operator needs; two of the multiplier's shape what distributing a
+    contraction over a binary operator needs; `t` continues the chain
+    (`matmul(matmul(x, w), t)`). Rank 2 is what matmul needs and what the
+    shipped parallel rules talk about; a richer vocabulary costs
+    combinatorially more terms.
     """
-    binary = any(n not in PARALLEL_OPS and len(ops[n].tensor_params) >= 2 for n in names)
-    out = [TensorVar("x", ("m", "k"))]
-    if binary:
-        out.append(TensorVar("y", ("m", "k")))
-    if any(n in ("matmul", "bmm", "linear", "embedding") for n in names):
-        out.append(TensorVar("w", ("k", "n")))
+    arities = [len(ops[n].tensor_params) for n in names if n not in PARALLEL_OPS]
+    widest = max(arities, default=1)
+    same = ["x", "y", "u"][: 1 if widest < 2 else widest + 1]
+    out = [TensorVar(name, ("m", "k")) for name in same]
+    if any(n in CONTRACTIONS for n in names):
+        out += [TensorVar("w", ("k", "n")), TensorVar("v", ("k", "n")), TensorVar("t", ("n", "r"))]
     return tuple(out)
 
 
-def vocabulary(names: Sequence[str], ops: Mapping[str, ast.OpDecl]) -> Vocabulary:
+def vocabulary(names: Sequence[str], ops: Mapping[str, ast.OpDecl], spread_leaves: bool = True) -> Vocabulary:
     unknown = [n for n in names if n not in ops and n not in PARALLEL_OPS]
     if unknown:
         raise VocabularyError(f"unknown operator(s): {', '.join(unknown)} (known: "
                               f"{', '.join(sorted(list(ops) + list(PARALLEL_OPS)))})")
-    return Vocabulary(ops, tuple(dict.fromkeys(names)), default_inputs(names, ops))
+    return Vocabulary(ops, tuple(dict.fromkeys(names)), default_inputs(names, ops), spread_leaves=spread_leaves)
 
 
-def _attr_choices(op: ast.OpDecl, dims: Sequence[int]) -> list[tuple[ast.Expr, ...]]:
-    """Attribute values to try, per attribute parameter of `op`."""
+# ------------------------------------------------------------------ attributes
+
+
+def poly_expr(poly: Poly) -> ast.Expr | None:
+    """A linear polynomial with integer coefficients as a rule expression (None: not linear)."""
+    out: ast.Expr | None = None
+    for mono, coeff in sorted(poly.terms, key=lambda t: (-t[1], repr(t[0]))):
+        if len(mono) > 1 or (mono and (mono[0][1] != 1 or not isinstance(mono[0][0], str))):
+            return None
+        atom: ast.Expr = ast.Name(mono[0][0]) if mono else ast.Num(abs(coeff))
+        if mono and abs(coeff) != 1:
+            atom = ast.BinOp("*", ast.Num(abs(coeff)), atom)
+        if out is None:
+            out = atom if coeff > 0 else ast.Neg(atom)
+        else:
+            out = ast.BinOp("+" if coeff > 0 else "-", out, atom)
+    return out if out is not None else ast.Num(0)
+
+
+def _split_choices(extent: Poly) -> list[tuple[ast.Expr, ast.Expr]]:
+    """(start, size) pairs for a split of a dim of `extent` (see the module docstring)."""
+    parts = [s for s in sorted(extent.symbols()) if Poly.sym(s) != extent]
+    starts = [Poly.const(0), Poly.sym(START)] + [Poly.sym(s) for s in parts]
+    out = []
+    for start in starts:
+        sizes = [Poly.sym(SIZE), Poly.sym(START), extent - start] + [Poly.sym(s) for s in parts]
+        for size in dict.fromkeys(sizes):
+            if size == Poly.const(0) or (start == Poly.sym(START) and size == Poly.sym(START)):
+                continue
+            a, b = poly_expr(start), poly_expr(size)
+            if a is not None and b is not None:
+                out.append((a, b))
+    return out
+
+
+def _attr_choices(op: ast.OpDecl, dims: Sequence[int], args: Sequence["Term"],
+                  degrees: Sequence[str]) -> list[tuple[ast.Expr, ...]]:
+    """Attribute values to try, one tuple per call (in the order of `op`'s attribute parameters)."""
+    names = [p.name for p in op.attr_params]
     per: list[list[ast.Expr]] = []
     for param in op.attr_params:
         kind = param.type.kind
         if kind == "real":
             per.append([ast.Num(1.0)])
         elif kind == "degree":
-            per.append([ast.Name(DEGREE)])
-        elif param.name == "start":
-            per.append([ast.Num(0), ast.Name(START)])
-        elif param.name == "size":
-            per.append([ast.Name(SIZE)])
+            per.append([_degree(d) for d in degrees])
+        elif param.name in ("start", "size"):
+            per.append([ast.Num(0)])      # filled in below from the split dim's extent
         else:
             per.append([ast.Num(d) for d in dims])
-    return [tuple(c) for c in itertools.product(*per)]
+    plain = [tuple(c) for c in itertools.product(*per)]
+    if "start" not in names or "size" not in names or not args:
+        return plain
+    i_start, i_size = names.index("start"), names.index("size")
+    i_dim = next((i for i, n in enumerate(names) if n == "dim"), None)
+    out = []
+    for combo in plain:
+        dim = combo[i_dim].value if i_dim is not None else 0
+        shape = args[0].typed.shape
+        if not isinstance(dim, int) or dim >= len(shape):
+            continue
+        for start, size in _split_choices(shape[dim]):
+            values = list(combo)
+            values[i_start], values[i_size] = start, size
+            out.append(tuple(values))
+    return out
 
 
 def _calls(vocab: Vocabulary, name: str, args: Sequence[Term]) -> Iterator[ast.Call]:
     tensors = tuple(a.expr for a in args)
     if name in PARALLEL_OPS:
-        if PARALLEL_OPS[name][1] == "dim":
-            for d in vocab.dims:
-                yield ast.Call(name, tensors + (ast.Num(d), ast.Name(DEGREE)))
-        else:
-            yield ast.Call(name, tensors + (ast.Name(DEGREE),))
+        for degree in vocab.op_degrees:
+            if PARALLEL_OPS[name][1] == "dim":
+                for d in vocab.dims:
+                    yield ast.Call(name, tensors + (ast.Num(d), _degree(degree)))
+            else:
+                yield ast.Call(name, tensors + (_degree(degree),))
         return
     op = vocab.ops[name]
-    for attrs in _attr_choices(op, vocab.dims):
+    for attrs in _attr_choices(op, vocab.dims, args, vocab.op_degrees):
         it_t, it_a = iter(tensors), iter(attrs)
         yield ast.Call(name, tuple(next(it_t) if p.is_tensor else next(it_a) for p in op.params))
 
 
-def _arity(vocab: Vocabulary, name: str) -> int:
-    return 1 if name in PARALLEL_OPS else len(vocab.ops[name].tensor_params)
+def leaves(vocab: Vocabulary) -> list[ast.Expr]:
+    """Inputs, then spread inputs (a parallel operator on an input; they count as no operator)."""
+    out: list[ast.Expr] = [ast.Name(v.name) for v in vocab.inputs]
+    if not vocab.spread_leaves:
+        return out
+    for var in vocab.inputs:
+        for degree in vocab.leaf_degrees:
+            if "partition" in vocab.names:
+                out += [ast.Call("partition", (ast.Name(var.name), ast.Num(d), _degree(degree)))
+                        for d in vocab.dims if d < len(var.dims)]
+            if "replicate" in vocab.names:
+                out.append(ast.Call("replicate", (ast.Name(var.name), _degree(degree))))
+    return out
 
 
 # ------------------------------------------------------------------ environments
@@ -148,27 +259,28 @@ def _arity(vocab: Vocabulary, name: str) -> int:
 
 @dataclass(frozen=True)
 class Environment:
-    """Concrete sizes, degree and input values at which every term is evaluated."""
+    """Concrete sizes, degrees and input values at which every term is evaluated."""
 
     sizes: Mapping[str, int] = field(hash=False)
     inputs: Mapping[str, np.ndarray] = field(hash=False)
 
 
 def environments(vocab: Vocabulary, degrees: Sequence[int], count: int, seed: int = 0) -> list[Environment]:
-    """`count` random environments, cycling through `degrees`.
+    """`count` random environments, cycling through `degrees` for p (q the next one in the list).
 
-    Dims are distinct multiples of p*p (so every partition of a partition
-    divides, and no two dims coincide by accident, which would group terms
-    of different shapes) and at least 8, so split's start + size fits.
+    Dims are distinct multiples of p * q (so a partition by p, q or p * q
+    divides, and no two dims coincide by accident, which would group terms of
+    different shapes) and at least 2 * p * q, so split's start + size fits.
     """
     rng = random.Random(seed)
     out = []
     symbols = vocab.size_symbols()
     for index in range(count):
         p = degrees[index % len(degrees)]
+        q = degrees[(index + 1) % len(degrees)]
         factors = rng.sample(range(2, 2 + len(symbols) + 2), len(symbols))
-        sizes = {s: p * p * f for s, f in zip(symbols, factors)}
-        sizes.update({DEGREE: p, START: rng.randint(1, 3), SIZE: rng.randint(1, 4)})
+        sizes = {s: p * q * f for s, f in zip(symbols, factors)}
+        sizes.update({DEGREE: p, DEGREE2: q, START: rng.randint(1, 3), SIZE: rng.randint(1, 4)})
         np_rng = np.random.default_rng(rng.randrange(2 ** 32))
         inputs = {v.name: np_rng.integers(-9, 10, size=tuple(sizes[d] for d in v.dims)).astype(np.float64)
                   for v in vocab.inputs}
@@ -181,7 +293,7 @@ def environments(vocab: Vocabulary, degrees: Sequence[int], count: int, seed: in
 
 def type_term(vocab: Vocabulary, expr: ast.Expr) -> RuleInstance | None:
     """The term typed by the checker's typer (None: it does not type)."""
-    rule = ast.RuleDecl("term", vocab.binders(), (), expr, expr)
+    rule = ast.RuleDecl("term", vocab.binders(), (), expr, ast.Name(vocab.inputs[0].name))  # rhs: type lhs once
     try:
         instance = type_rule(rule, vocab.ops, {})
     except TypeCheckError:
@@ -191,34 +303,70 @@ def type_term(vocab: Vocabulary, expr: ast.Expr) -> RuleInstance | None:
     return instance
 
 
-def fingerprint(instance: RuleInstance, envs: Sequence[Environment], max_pieces: int) -> str | None:
-    """Shape, spread and observed values at every environment, hashed (None: skip this term).
+class _Memo(_Simulator):
+    """The verifier's piece-wise simulator, reusing the pieces of terms already evaluated (by AST node)."""
 
-    A term is skipped when it is undefined at some environment (a
-    requirement fails, e.g. `combine` of a whole tensor), has more pieces
-    than `max_pieces`, or its values are not exact integers.
-    """
-    term = instance.lhs
-    digest = hashlib.blake2b(digest_size=16)
-    for env in envs:
-        sizes = env.sizes
-        if not all(holds(c, sizes) for c in instance.lhs_requires):
-            return None
-        shape = tuple(d.evaluate(sizes) for d in term.shape)
-        spread = (tuple(d.evaluate(sizes) for d in term.spread.shard), term.spread.copy.evaluate(sizes),
-                  term.spread.sum.evaluate(sizes))
-        if term.spread.pieces.evaluate(sizes) > max_pieces:
-            return None
-        try:
-            pieces = simulate(term, sizes, env.inputs)
-        except (Unsupported, IndexError, ValueError):
-            return None
-        seen = observe(pieces, len(shape))
-        if not np.all(np.isfinite(seen)) or np.any(np.abs(seen) > EXACT_LIMIT) or np.any(seen != np.round(seen)):
-            return None
-        digest.update(repr((shape, spread, seen.shape)).encode())
-        digest.update(np.ascontiguousarray(seen.astype(np.int64)).tobytes())
-    return digest.hexdigest()
+    def __init__(self, env: Environment, memo: dict[int, np.ndarray]):
+        super().__init__(env.sizes, env.inputs, {})
+        self.memo = memo
+
+    def run(self, term: TypedTerm) -> np.ndarray:
+        hit = self.memo.get(id(term.node))
+        return hit if hit is not None else super().run(term)
+
+
+@dataclass
+class Evaluator:
+    """Fingerprints terms at fixed environments, remembering the pieces of terms kept as arguments."""
+
+    envs: Sequence[Environment]
+    max_pieces: int
+    memos: list[dict[int, np.ndarray]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.memos = [{} for _ in self.envs]
+
+    def fingerprint(self, instance: RuleInstance) -> tuple[str, list[np.ndarray]] | None:
+        """Shape, spread and observed values at every environment, hashed, and the pieces (None: skip it).
+
+        A term is skipped when it is undefined at some environment (a
+        requirement fails, e.g. `combine` of a whole tensor), has more pieces
+        than `max_pieces`, or its values are not exact integers.
+        """
+        term = instance.lhs
+        digest = hashlib.blake2b(digest_size=16)
+        all_pieces = []
+        for env, memo in zip(self.envs, self.memos):
+            sizes = env.sizes
+            if not all(holds(c, sizes) for c in instance.lhs_requires):
+                return None
+            if term.spread.pieces.evaluate(sizes) > self.max_pieces:
+                return None
+            shape = tuple(d.evaluate(sizes) for d in term.shape)
+            spread = (tuple(d.evaluate(sizes) for d in term.spread.shard), term.spread.copy.evaluate(sizes),
+                      term.spread.sum.evaluate(sizes))
+            try:
+                pieces = _Memo(env, memo).run(term)
+            except (Unsupported, EvaluationError, ZeroDivisionError, IndexError, ValueError):
+                return None
+            seen = observe(pieces, len(shape))
+            if (not np.all(np.isfinite(seen)) or np.any(np.abs(seen) > EXACT_LIMIT)
+                    or np.any(seen != np.round(seen))):
+                return None
+            digest.update(repr((shape, spread, seen.shape)).encode())
+            digest.update(np.ascontiguousarray(seen.astype(np.int64)).tobytes())
+            all_pieces.append(pieces)
+        return digest.hexdigest(), all_pieces
+
+    def remember(self, expr: ast.Expr, pieces: Sequence[np.ndarray]) -> None:
+        for memo, value in zip(self.memos, pieces):
+            memo[id(expr)] = value
+
+
+def fingerprint(instance: RuleInstance, envs: Sequence[Environment], max_pieces: int) -> str | None:
+    """The fingerprint of one term (no memory of other terms)."""
+    found = Evaluator(envs, max_pieces).fingerprint(instance)
+    return None if found is None else found[0]
 
 
 @dataclass(frozen=True)
@@ -231,64 +379,102 @@ class Enumeration:
     stopped: str = ""    # "" or why enumeration stopped early ("seconds", "terms")
 
 
+def _signature(term: Term) -> tuple:
+    return (term.typed.shape, term.typed.spread)
+
+
+class _Stop(Exception):
+    pass
+
+
 def enumerate_terms(vocab: Vocabulary, max_ops: int, envs: Sequence[Environment], max_pieces: int,
                     deadline: Callable[[], bool] = lambda: False, max_terms: int = 200_000,
                     progress: Callable[[str], None] | None = None) -> Enumeration:
-    """Every well-typed term with at most `max_ops` operators, grouped by fingerprint.
+    """Every well-typed term with at most `max_ops` operators over representatives, grouped by fingerprint.
 
     Built bottom-up by operator count: a term with c operators is an
-    operator applied to terms whose counts add up to c - 1. A term that
-    does not type, is undefined, or has too many pieces is neither grouped
-    nor used as an argument.
+    operator applied to representatives whose counts add up to c - 1. A
+    term that does not type, is undefined, or has too many pieces is
+    neither grouped nor used as an argument; nor is a term whose value an
+    earlier term already has (it joins that term's group).
+
+    At 3 or more operators the last level applies only operators with two or
+    more tensor inputs (add, concat, matmul, ...): a unary operator on top
+    of a term of the size below mostly moves through it (`relu`, `split`,
+    `partition` of an `add`), which the rules one level down already do,
+    and the unary tops were two thirds of the terms of that level.
     """
     from parsat.dsl.printer import format_expr
 
-    by_count: dict[int, list[Term]] = {0: []}
+    evaluator = Evaluator(envs, max_pieces)
+    reps: dict[int, dict[tuple, list[Term]]] = {}     # count -> signature -> representatives
     groups: dict[str, list[Term]] = {}
-    built = typed = 0
+    counts = {"built": 0, "typed": 0}
     stopped = ""
 
-    def add(expr: ast.Expr, count: int) -> None:
-        nonlocal typed
+    def add(expr: ast.Expr, count: int) -> bool:
+        """Type and evaluate `expr`; False when it does not type."""
+        counts["built"] += 1
+        if counts["built"] >= max_terms:
+            raise _Stop("terms")
+        if counts["built"] % 256 == 0 and deadline():
+            raise _Stop("seconds")
         instance = type_term(vocab, expr)
         if instance is None:
-            return
-        key = fingerprint(instance, envs, max_pieces)
-        if key is None:
-            return
-        typed += 1
+            return False
+        found = evaluator.fingerprint(instance)
+        if found is None:
+            return True
+        digest, pieces = found
+        counts["typed"] += 1
         term = Term(expr, count, instance.lhs, format_expr(expr))
-        by_count.setdefault(count, []).append(term)
-        groups.setdefault(key, []).append(term)
+        members = groups.setdefault(digest, [])
+        members.append(term)
+        if len(members) == 1 and count < max_ops:
+            evaluator.remember(expr, pieces)
+            reps.setdefault(count, {}).setdefault(_signature(term), []).append(term)
+        return True
 
-    for var in vocab.inputs:
-        add(ast.Name(var.name), 0)
-    for count in range(1, max_ops + 1):
-        for name in vocab.names:
-            arity = _arity(vocab, name)
-            for split in _compositions(count - 1, arity):
-                pools = [by_count.get(c, []) for c in split]
-                for args in itertools.product(*pools):
-                    for expr in _calls(vocab, name, args):
-                        built += 1
-                        if built >= max_terms:
-                            stopped = "terms"
-                        elif built % 256 == 0 and deadline():
-                            stopped = "seconds"
-                        if stopped:
-                            break
-                        add(expr, count)
-                    if stopped:
-                        break
-                if stopped:
-                    break
-            if stopped:
-                break
-        if progress is not None:
-            progress(f"enumerate: {count} operator(s): {built} terms built, {typed} defined, {len(groups)} groups")
-        if stopped:
-            break
-    return Enumeration({k: tuple(v) for k, v in groups.items()}, built, typed, stopped)
+    try:
+        for leaf in leaves(vocab):
+            add(leaf, 0)
+        for count in range(1, max_ops + 1):
+            for name in vocab.names:
+                positions = _tensor_positions(vocab, name)
+                if count == max_ops >= 3 and len(positions) < 2:
+                    continue  # see the docstring: the last level of a deep search is binary operators only
+                for split in _compositions(count - 1, len(positions)):
+                    buckets = [list(reps.get(c, {}).items()) for c in split]
+                    for sig_combo in itertools.product(*buckets):
+                        pools = [members for _, members in sig_combo]
+                        for probe in _calls(vocab, name, [pool[0] for pool in pools]):
+                            # one type check per (attributes, argument types): the rest share its outcome
+                            first = True
+                            for args in itertools.product(*pools):
+                                expr = _with_tensors(probe, positions, [a.expr for a in args])
+                                if not add(expr, count) and first:
+                                    break
+                                first = False
+            if progress is not None:
+                progress(f"enumerate: {count} operator(s): {counts['built']} terms built, {counts['typed']} defined, "
+                         f"{len(groups)} groups")
+    except _Stop as stop:
+        stopped = str(stop)
+    return Enumeration({k: tuple(v) for k, v in groups.items()}, counts["built"], counts["typed"], stopped)
+
+
+def _tensor_positions(vocab: Vocabulary, name: str) -> tuple[int, ...]:
+    if name in PARALLEL_OPS:
+        return (0,)
+    return tuple(i for i, p in enumerate(vocab.ops[name].params) if p.is_tensor)
+
+
+def _with_tensors(call: ast.Call, positions: Sequence[int], tensors: Sequence[ast.Expr]) -> ast.Call:
+    """`call` with its tensor arguments replaced (attributes kept)."""
+    args = list(call.args)
+    for pos, tensor in zip(positions, tensors):
+        args[pos] = tensor
+    return ast.Call(call.func, tuple(args))
 
 
 def _compositions(total: int, parts: int) -> list[tuple[int, ...]]:

@@ -61,7 +61,7 @@ class Settings:
 
     ops: tuple[str, ...]
     max_ops: int = 2
-    degrees: tuple[int, ...] = (2, 3, 4)
+    degrees: tuple[int, ...] = (2, 3)
     seconds: float = 600.0
     environments: int = 3
     max_terms: int = 200_000
@@ -69,9 +69,9 @@ class Settings:
     jobs: int = 1
     prune_with_library: bool = False
     devices: int = 4                  # device count of the pruning saturation (degree 2, nested 4)
-    prune_iterations: int = 6
-    prune_enodes: int = 20_000
-    prune_seconds: float = 3.0
+    prune_iterations: int = 5
+    prune_enodes: int = 200_000
+    prune_seconds: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -190,17 +190,21 @@ def rule_name(lhs: ast.Expr, rhs: ast.Expr, taken: set[str]) -> str:
     return name
 
 
-def make_rule(vocab: Vocabulary, lhs: ast.Expr, rhs: ast.Expr, name: str) -> ast.RuleDecl | None:
-    """The rule `lhs => rhs` with the binders it uses and the `where` it needs, parsed back (None: malformed)."""
+def make_rule(vocab: Vocabulary, lhs: ast.Expr, rhs: ast.Expr, name: str,
+              binders: Sequence[ast.Param] | None = None) -> ast.RuleDecl | None:
+    """The rule `lhs => rhs` with the binders it uses and the `where` it needs, parsed back (None: malformed).
+
+    `binders` defaults to the vocabulary's (`generalise` passes its own, with fresh symbols).
+    """
     from parsat.dsl.parser import parse
 
     used = _names_used(lhs) | _names_used(rhs)
-    binders = [b for b in vocab.binders() if b.name in used]
+    binders = [b for b in (binders if binders is not None else vocab.binders()) if b.name in used]
     draft = ast.RuleDecl(name, tuple(binders), (), lhs, rhs)
     try:
         check_rhs_bound(draft)
         instance = type_rule(draft, vocab.ops, {})
-    except TypeCheckError:
+    except (TypeCheckError, KeyError, ZeroDivisionError):
         return None
     where = _where(instance)
     removed = score(lhs, rhs)
@@ -297,7 +301,7 @@ class _Writer:
         if key in self.made:
             return self.made[key]
         if term.kind == "input":
-            body = f'(Leaf "{term.name}")'
+            body = f'(Leaf "{self.prefix}{term.name}")'
         elif term.kind == "parallel":
             args = [self.term(term.args[0])] + ([str(term.dim)] if term.dim is not None else [])
             body = f"({ctor(term.name)} {' '.join(args + [str(self.num(term.degree))])})"
@@ -356,21 +360,41 @@ class Deriver:
 
     def derives(self, instance: RuleInstance, sizes: Mapping[str, int] | None = None) -> bool:
         """Whether saturating the left side (at concrete sizes) reaches the right side."""
-        if not self.rules:
-            return False
-        sizes = sizes if sizes is not None else _instance_sizes(instance, self.devices)
-        if sizes is None:
-            return False
-        ranks = frozenset(len(t.shape) for side in (instance.lhs, instance.rhs) for t in side.walk())
-        writer = _Writer(instance, sizes)
+        return self.derives_many([instance], [sizes])[0]
+
+    def derives_many(self, instances: Sequence[RuleInstance],
+                     sizes: Sequence[Mapping[str, int] | None] | None = None) -> list[bool]:
+        """`derives` for many rules in one e-graph: every left side is loaded, saturated once, then every
+        right side is looked up.
+
+        Sharing an e-graph is sound for derivability: every equality in it
+        follows from the rule set, whichever terms it went through. Each
+        rule's terms get their own leaves (`c<i>_x`) at their own sizes.
+        """
+        out = [False] * len(instances)
+        if not self.rules or not instances:
+            return out
+        sizes = list(sizes) if sizes is not None else [None] * len(instances)
+        writers: list[tuple[int, _Writer, str]] = []
+        ranks: set[int] = set()
+        for index, (instance, given) in enumerate(zip(instances, sizes)):
+            concrete = given if given is not None else _instance_sizes(instance, self.devices)
+            if concrete is None:
+                continue
+            writer = _Writer(instance, concrete, prefix=f"c{index}_")
+            try:
+                left = writer.term(instance.lhs)
+            except (ZeroDivisionError, KeyError):
+                continue
+            writers.append((index, writer, left))
+            ranks |= {len(t.shape) for side in (instance.lhs, instance.rhs) for t in side.walk()}
+        if not writers:
+            return out
         try:
-            left = writer.term(instance.lhs)
-        except (ZeroDivisionError, KeyError):
-            return False
-        try:
-            session = Session(self.program(ranks), "\n\n".join(writer.lines))
+            session = Session(self.program(frozenset(ranks)),
+                              "\n\n".join(chunk for _, w, _ in writers for chunk in w.lines))
         except CompileError:
-            return False
+            return out
         start = time.perf_counter()
         for _ in range(self.iterations):
             changed = False
@@ -379,12 +403,20 @@ class Deriver:
                 changed |= updated
             if not changed or session.size() >= self.enodes or time.perf_counter() - start > self.seconds:
                 break
-        done = len(writer.lines)
-        right = writer.term(instance.rhs)
-        for chunk in writer.lines[done:]:
-            session._run(chunk)
+        rights = []
+        for index, writer, left in writers:
+            done = len(writer.lines)
+            try:
+                right = writer.term(writer.instance.rhs)
+            except (ZeroDivisionError, KeyError):
+                continue
+            for chunk in writer.lines[done:]:
+                session._run(chunk)
+            rights.append((index, left, right))
         lets = session.snapshot().lets
-        return lets.get(left) is not None and lets.get(left) == lets.get(right)
+        for index, left, right in rights:
+            out[index] = lets.get(left) is not None and lets.get(left) == lets.get(right)
+        return out
 
 
 # ------------------------------------------------------------------ verification
@@ -452,7 +484,7 @@ def generate(library: Library, settings: Settings, progress: Progress | None = N
     if not settings.degrees or min(settings.degrees) < 2:
         raise GenerateError("--degrees must be integers of at least 2")
     envs = environments(vocab, settings.degrees, max(settings.environments, len(settings.degrees)))
-    max_pieces = max(settings.degrees) ** 2
+    max_pieces = max(settings.degrees) ** 3
     enumeration = enumerate_terms(vocab, settings.max_ops, envs, max_pieces,
                                   deadline=lambda: time.perf_counter() > deadline,
                                   max_terms=settings.max_terms, progress=say)
@@ -486,26 +518,18 @@ def generate(library: Library, settings: Settings, progress: Progress | None = N
     for cand in typed:
         by_size.setdefault(cand.size, []).append(cand)
     for size in sorted(by_size):
-        if time.perf_counter() > deadline:
-            summary.stopped = summary.stopped or "seconds"
-            break
         level = by_size[size]
         # 1. drop what the rules kept so far already derive (no proof needed: they are proved)
-        survivors = []
-        for index, cand in enumerate(level):
-            if time.perf_counter() > deadline:
-                summary.stopped = summary.stopped or f"seconds (during size {size})"
-                level = level[:index]
-                break
-            if deriver.derives(_typed(cand.rule, library)):
-                summary.pruned += 1
-            else:
-                survivors.append(cand)
-        # 2. prove the rest
+        if time.perf_counter() < deadline:
+            derivable = _derivable(deriver, level, library)
+        else:
+            derivable = [False] * len(level)
+            summary.stopped = summary.stopped or f"seconds (before pruning size {size}; nothing dropped)"
+        survivors = [c for c, d in zip(level, derivable) if not d]
+        summary.pruned += len(level) - len(survivors)
+        # 2. prove the rest (always: only PROVED rules are written, and no candidate is dropped for time)
         say(f"size {size}: {len(level)} candidates, {len(level) - len(survivors)} derivable, "
             f"proving {len(survivors)}")
-        if time.perf_counter() > deadline:
-            break  # no time left to prove this level's survivors
         verdicts = verify_all([c.rule for c in survivors], library.ops, settings.verify_timeout, settings.jobs)
         proved = []
         for cand, (verdict, _reason) in zip(survivors, verdicts):
@@ -516,20 +540,24 @@ def generate(library: Library, settings: Settings, progress: Progress | None = N
                 summary.refuted += 1
             else:
                 summary.unknown += 1
-        # 3. among the proved ones of this size, most useful first, keep those not yet derivable,
-        #    each generalised to fresh dims where that still proves
+        # 3. most useful first, in chunks: keep a chunk's rules that the rules kept before it do not derive,
+        #    each generalised to independent sizes where that still proves
         proved.sort(key=lambda c: ([-s for s in c.score], c.key))
-        for cand in proved:
-            if time.perf_counter() > deadline:
-                summary.stopped = summary.stopped or f"seconds (during size {size})"
-                kept.append(cand)  # proved, not checked for derivability: kept rather than lost
-                continue
-            if kept and deriver.derives(_typed(cand.rule, library)):
-                summary.pruned += 1
-                continue
-            cand = generalise(cand, vocab, library, settings)
-            kept.append(cand)
-            deriver.add(cand.rule)
+        chunk = max(8, len(proved) // 4)
+        for begin in range(0, len(proved), chunk):
+            part = proved[begin:begin + chunk]
+            if kept and time.perf_counter() < deadline:
+                flags = _derivable(deriver, part, library)
+            else:
+                flags = [False] * len(part)
+            for cand, derivable in zip(part, flags):
+                if derivable:
+                    summary.pruned += 1
+                    continue
+                if time.perf_counter() < deadline:
+                    cand = generalise(cand, vocab, library, settings)
+                kept.append(cand)
+                deriver.add(cand.rule)
         say(f"size {size}: {len(kept)} kept so far ({time.perf_counter() - start:.1f} s)")
     kept.sort(key=lambda c: ([-s for s in c.score], c.size, c.key))
     summary.kept = len(kept)
@@ -537,43 +565,112 @@ def generate(library: Library, settings: Settings, progress: Progress | None = N
     return GenerateResult(tuple(c.rule for c in kept), summary)
 
 
-def generalise(cand: Candidate, vocab: Vocabulary, library: Library, settings: Settings) -> Candidate:
-    """The rule with as many dims made independent as still type and prove.
+def _derivable(deriver: Deriver, cands: Sequence[Candidate], library: Library, batch: int = 200) -> list[bool]:
+    """Which candidates the deriver's rules derive, a batch of them per e-graph."""
+    out: list[bool] = []
+    for begin in range(0, len(cands), batch):
+        part = cands[begin:begin + batch]
+        out += deriver.derives_many([_typed(c.rule, library) for c in part])
+    return out
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One occurrence of a size symbol: a dim of a tensor binder, or a token of the rule's text."""
+
+    tensor: str = ""      # binder name ("" for a text token)
+    pos: int = -1         # dim position in the binder, or character offset in the text
+
+
+def _slots(symbol: str, tensors: Mapping[str, list[str]], body: str) -> list[_Slot]:
+    out = [_Slot(name, i) for name, dims in tensors.items() for i, d in enumerate(dims) if d == symbol]
+    out += [_Slot("", m.start()) for m in re.finditer(rf"\b{re.escape(symbol)}\b", body)]
+    return out
+
+
+def _rename(tensors: Mapping[str, list[str]], body: str, slots: Iterable[_Slot], old: str,
+            new: str) -> tuple[dict[str, list[str]], str]:
+    out = {name: list(dims) for name, dims in tensors.items()}
+    offsets = sorted((s.pos for s in slots if not s.tensor), reverse=True)
+    for slot in slots:
+        if slot.tensor:
+            out[slot.tensor][slot.pos] = new
+    for offset in offsets:
+        body = body[:offset] + new + body[offset + len(old):]
+    return out, body
+
+
+def generalise(cand: Candidate, vocab: Vocabulary, library: Library, settings: Settings,
+               max_tries: int = 24) -> Candidate:
+    """The rule with as many size symbols made independent as still type and prove.
 
     Enumeration gives inputs of one kind the same dims (x and y are both
-    [m, k]), which is narrower than needed: `concat(relu(x), relu(y), 0)`
-    holds whatever x's and y's row counts. Each dim of each input but the
-    first is tried with a fresh size symbol; a try costs a proof only when
-    the rule still type-checks (add(x, y) needs equal shapes and stops at
-    the type check).
+    [m, k]) and split attributes the enumeration's symbols, which is narrower
+    than needed: `concat(relu(x), relu(y), 0)` holds whatever x's and y's row
+    counts, and `split(concat(x, y, 0), 0, m, m) => y` holds with y's rows
+    and the split's size renamed together. Every occurrence of a symbol (a
+    dim of a tensor binder, or a token of the rule) is a slot; a subset of a
+    symbol's slots (never its first) is renamed to a fresh symbol, smallest
+    subsets first, and kept when the rule still type-checks and proves
+    (the verifier's concrete search refutes most wrong tries in
+    milliseconds). Greedy, at most `max_tries` proofs per rule.
     """
-    from dataclasses import replace as dc_replace
+    from itertools import combinations
 
     from parsat.dsl.checker import check_rule
+    from parsat.dsl.parser import parse
 
     rule = cand.rule
-    used = _names_used(rule.lhs) | _names_used(rule.rhs)
-    inputs = list(vocab.inputs)
-    order = [i for i, v in enumerate(inputs) if v.name in used][1:]
+    tensors = {b.name: [format_expr(d) for d in b.type.dims] for b in rule.binders if b.is_tensor}
+    scalars = [b for b in rule.binders if not b.is_tensor]
+    body = format_expr(rule.lhs) + " => " + format_expr(rule.rhs)
+    symbols = list(dict.fromkeys([d for dims in tensors.values() for d in dims]
+                                 + [b.name for b in scalars if b.type.kind == "int"]))
+    tries = 0
     fresh = 0
-    for index in order:
-        for pos in range(len(inputs[index].dims)):
-            fresh += 1
-            trial = list(inputs)
-            dims = list(trial[index].dims)
-            dims[pos] = f"{dims[pos]}{fresh}"
-            trial[index] = dc_replace(trial[index], dims=tuple(dims))
-            wider = dc_replace(vocab, inputs=tuple(trial))
-            general = make_rule(wider, rule.lhs, rule.rhs, rule.name)
-            if general is None:
-                continue
-            try:
-                check_rule(general, library.ops)
-            except TypeCheckError:
-                continue
-            if verify_all([general], library.ops, settings.verify_timeout, 1)[0][0] == "PROVED":
-                inputs, rule = trial, general
-    return dc_replace(cand, rule=rule)
+    work = list(symbols)
+    while work and tries < max_tries:
+        symbol = work.pop(0)
+        slots = _slots(symbol, tensors, body)
+        found = True
+        while found and len(slots) > 1 and tries < max_tries:
+            found = False
+            rest = slots[1:]
+            for size in range(1, len(rest) + 1):
+                for subset in combinations(rest, size):
+                    fresh += 1
+                    new = f"{symbol}{fresh}"
+                    trial_tensors, trial_body = _rename(tensors, body, subset, symbol, new)
+                    dims = {d for ds in trial_tensors.values() for d in ds}
+                    ints = [b for b in scalars if b.name != symbol or symbol in trial_body]
+                    if new not in dims:
+                        ints.append(ast.Param(new, ast.ScalarType("int")))
+                    forall = ", ".join([f"{n}: [{', '.join(ds)}]" for n, ds in trial_tensors.items()]
+                                       + [f"{b.name}: {b.type.kind}" for b in ints])
+                    try:
+                        parsed = parse(f"rule r:\n  forall {forall}\n  {trial_body}\n", "<generalise>").items[0]
+                    except DslError:
+                        continue
+                    general = make_rule(vocab, parsed.lhs, parsed.rhs, rule.name, binders=parsed.binders)
+                    if general is None:
+                        continue
+                    try:
+                        check_rule(general, library.ops)
+                    except TypeCheckError:
+                        continue
+                    tries += 1
+                    if verify_all([general], library.ops, settings.verify_timeout, 1)[0][0] == "PROVED":
+                        tensors, body, rule = trial_tensors, trial_body, general
+                        scalars = [b for b in general.binders if not b.is_tensor]
+                        work.append(new)
+                        slots = _slots(symbol, tensors, body)
+                        found = True
+                        break
+                    if tries >= max_tries:
+                        break
+                if found or tries >= max_tries:
+                    break
+    return replace(cand, rule=rule)
 
 
 def _typed(rule: ast.RuleDecl, library: Library) -> RuleInstance:
