@@ -485,8 +485,10 @@ def generate(library: Library, settings: Settings, progress: Progress | None = N
         raise GenerateError("--degrees must be integers of at least 2")
     envs = environments(vocab, settings.degrees, max(settings.environments, len(settings.degrees)))
     max_pieces = max(settings.degrees) ** 3
+    # enumeration gets half the time: proving and pruning what it found must fit in the rest
+    enumerate_until = start + settings.seconds / 2
     enumeration = enumerate_terms(vocab, settings.max_ops, envs, max_pieces,
-                                  deadline=lambda: time.perf_counter() > deadline,
+                                  deadline=lambda: time.perf_counter() > enumerate_until,
                                   max_terms=settings.max_terms, progress=say)
     summary.terms_built, summary.terms_defined = enumeration.built, enumeration.typed
     summary.groups = sum(1 for g in enumeration.groups.values() if len(g) > 1)

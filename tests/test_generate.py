@@ -112,3 +112,50 @@ def test_cli_reports_unknown_operator(capsys, tmp_path):
 
     assert main(["generate", "--ops", "relu,nope", "-o", str(tmp_path / "x.rule")]) == 1
     assert "unknown operator" in capsys.readouterr().err
+
+
+def test_spread_inputs_are_leaves_and_split_reaches_the_extent(library):
+    vocab = enum.vocabulary(["relu", "concat", "split", "partition"], library.ops)
+    envs = enum.environments(vocab, [2, 3], 2)
+    result = enum.enumerate_terms(vocab, 1, envs, 27)
+    ops: dict[str, int] = {}
+    for terms in result.groups.values():
+        for t in terms:
+            ops[t.text] = min(t.ops, ops.get(t.text, t.ops))
+    assert ops["partition(x, 0, p)"] == 0 and ops["partition(x, 1, p * q)"] == 0
+    assert ops["relu(partition(x, 0, p))"] == 1
+    assert "split(x, 0, s, m - s)" in ops          # the rest of the dim after a start
+    by_text = {t.text: key for key, terms in result.groups.items() for t in terms}
+    assert by_text["split(x, 0, 0, m)"] == by_text["x"]   # a whole-dim split is its argument
+
+
+def test_generalise_renames_a_dim_with_the_attribute_it_feeds(library):
+    from parsat.saturate.generate import Candidate, generalise
+
+    vocab = enum.vocabulary(["concat", "split", "add"], library.ops)
+    lhs = parse("rule r: forall x: [m, k], y: [m, k] split(concat(x, y, 0), 0, m, m) => y").items[0].lhs
+    rhs = parse("rule r: forall y: [m, k] y => y").items[0].lhs
+    rule = make_rule(vocab, lhs, rhs, "second")
+    assert verify_all([rule], library.ops, 10.0, 1)[0][0] == "PROVED"
+    general = generalise(Candidate(rule, 2, (0, 0, 2), ""), vocab, library, Settings(("concat", "split"))).rule
+    dims = {b.name: [format_expr(d) for d in b.type.dims] for b in general.binders if b.is_tensor}
+    assert dims["x"][0] != dims["y"][0]                      # independent row counts
+    assert format_expr(general.lhs) == f"split(concat(x, y, 0), 0, {dims['x'][0]}, {dims['y'][0]})"
+    assert verify_all([general], library.ops, 10.0, 1)[0][0] == "PROVED"
+
+
+def test_batch_derivation_agrees_with_one_at_a_time(library):
+    text = """
+rule a: forall x: [m, k], p: degree
+  relu(partition(x, 0, p)) => partition(relu(x), 0, p)
+rule b: forall x: [m, k]
+  relu(relu(x)) => relu(x)
+rule c: forall x: [m, k], p: degree
+  relu(relu(partition(x, 0, p))) => partition(relu(x), 0, p)
+rule d: forall x: [m, k], p: degree
+  relu(partition(x, 1, p)) => partition(relu(x), 1, p)
+"""
+    a, b, c, d = parse(text).items
+    deriver = Deriver(library, [a, b])
+    targets = [_typed(r, library) for r in (c, d)]
+    assert deriver.derives_many(targets) == [deriver.derives(t) for t in targets] == [True, False]
