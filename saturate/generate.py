@@ -712,22 +712,37 @@ class Derivation:
 
 def derive_rules(target: Iterable[ast.RuleDecl], deriver: Deriver, library: Library,
                  progress: Progress | None = None) -> list[Derivation]:
-    """For each rule, at every rank-2 instance: does saturating its lhs with `deriver`'s rules reach its rhs?"""
-    out = []
-    for rule in target:
+    """For each rule, at every rank-2 instance: does saturating its lhs with `deriver`'s rules reach its rhs?
+
+    All instances are first tried in one shared e-graph (fast); an instance
+    not reached there is tried again alone, so that the shared e-graph's
+    size limit never costs a derivation.
+    """
+    rules = list(target)
+    work: list[tuple[int, RuleInstance, Mapping[str, int]]] = []
+    counts = [0] * len(rules)
+    notes = [""] * len(rules)
+    for index, rule in enumerate(rules):
         instances = rank_instances(rule, library.ops)
-        derived = 0
-        note = ""
+        counts[index] = len(instances)
+        if not instances:
+            notes[index] = "no rank-2 instance"
         for instance in instances:
             sizes = _instance_sizes(instance, deriver.devices)
             if sizes is None:
-                note = "no concrete sizes fit"
-                continue
-            if deriver.derives(instance, sizes):
-                derived += 1
-        out.append(Derivation(rule.name, len(instances), derived, note or ("" if instances else "no rank-2 instance")))
+                notes[index] = "no concrete sizes fit"
+            else:
+                work.append((index, instance, sizes))
+    shared = deriver.derives_many([w[1] for w in work], [w[2] for w in work])
+    derived = [0] * len(rules)
+    for (index, instance, sizes), ok in zip(work, shared):
+        if ok or deriver.derives(instance, sizes):
+            derived[index] += 1
+    out = []
+    for index, rule in enumerate(rules):
+        out.append(Derivation(rule.name, counts[index], derived[index], notes[index]))
         if progress is not None:
-            progress(f"{rule.name}: {derived}/{len(instances)}")
+            progress(f"{rule.name}: {derived[index]}/{counts[index]}")
     return out
 
 
