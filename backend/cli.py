@@ -41,6 +41,9 @@ def register(subparsers) -> None:
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     run.add_argument("--timeout", type=float, default=600.0, help="seconds before the whole job is ended")
+    run.add_argument("--collective-timeout", type=float, default=30.0,
+                     help="seconds one collective may wait for its peers before the job fails naming the rank "
+                          "that hangs (default 30; keep it under --timeout)")
     run.add_argument("--plan-of", default="parsat", choices=PLAN_OF,
                      help="which PCG of the plan file to run: parsat's (default) or a baseline's")
     run.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -118,7 +121,7 @@ def main_run(args: argparse.Namespace) -> int:
         config = TrainConfig(steps=args.steps, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
                              dtype=args.dtype, check=args.check, tolerance=1e-9 if args.dtype == "float64" else 1e-4)
         result = run_plan(pcg, args.nproc, config, graph=graph, predicted=predicted, backend=args.backend,
-                          timeout_s=args.timeout)
+                          timeout_s=args.timeout, collective_timeout_s=args.collective_timeout)
     except (PlanError, GraphError, ExecutionError, LaunchError, PlacementError) as err:
         return _fail(str(err))
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 speaks for the job

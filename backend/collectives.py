@@ -31,6 +31,7 @@ all-reduces of replicated weights (the cost model's `grad_sync_elements`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from fractions import Fraction
 from typing import Sequence
 
@@ -107,19 +108,22 @@ class GroupCache:
     `dist.new_subgroups_by_enumeration` must be called by all ranks for all
     groups; since every rank derives the same layouts from the same plan,
     they reach each atom set in the same order, so creating on first use is
-    safe (and lets a plan use only the groups it needs).
+    safe (and lets a plan use only the groups it needs). Subgroups get the
+    job's collective timeout: torch gives a new group 30 minutes otherwise,
+    so a rank that stalls would hang its peers until the job timeout.
     """
 
-    def __init__(self, world: int, rank: int):
+    def __init__(self, world: int, rank: int, timeout_s: float = 30.0):
         self.world = world
         self.rank = rank
+        self.timeout = timedelta(seconds=timeout_s)
         self._groups: dict[tuple[Axis, ...], object] = {}
 
     def group(self, axes: Sequence[Axis]):
         key = tuple(sorted(axes))
         if key not in self._groups:
             enumeration = [sorted(members) for members in all_groups(key, self.world)]
-            mine, _ = dist.new_subgroups_by_enumeration(enumeration)
+            mine, _ = dist.new_subgroups_by_enumeration(enumeration, timeout=self.timeout)
             self._groups[key] = mine
         return self._groups[key]
 

@@ -217,7 +217,7 @@ class RankProgram:
         if self.pcg.max_pieces > self.ctx.world:
             raise ExecutionError(f"the plan splits a tensor into {self.pcg.max_pieces} pieces but the job has "
                                  f"{self.ctx.world} ranks")
-        self.cache = GroupCache(self.ctx.world, self.ctx.rank)
+        self.cache = GroupCache(self.ctx.world, self.ctx.rank, self.ctx.collective_timeout_s)
         self.output_names = self.pcg.output_names or tuple(f"out{i}" for i in range(len(self.pcg.outputs)))
         self._users: dict[int, list[PNode]] = {}
         for node in self.pcg:
@@ -520,18 +520,22 @@ class RunResult:
 
 def run_plan(pcg: PCG, nproc: int, config: TrainConfig, graph: Graph | None = None,
              predicted: Prediction | None = None, backend: str | None = None,
-             timeout_s: float = 300.0) -> RunResult:
+             timeout_s: float = 300.0, collective_timeout_s: float = 30.0) -> RunResult:
     """Train `pcg` on `nproc` spawned ranks (or the torchrun group) and summarise.
 
     With `config.check`, `graph` (the original, unparallelized graph) is
-    trained in every rank's process as the reference.
+    trained in every rank's process as the reference. `timeout_s` bounds the
+    whole job; `collective_timeout_s` one collective: when it is the shorter,
+    a rank that hangs is named as the one its peers waited for, not merely
+    as "still running".
     """
     if config.check and graph is None:
         raise ExecutionError("--check needs the original graph to compare with")
     if config.steps < 1:
         raise ExecutionError(f"--steps must be >= 1, got {config.steps}")
     reports = launch(run_rank, (pcg, config, graph),
-                     LaunchConfig(nproc=nproc, backend=backend, timeout_s=timeout_s))
+                     LaunchConfig(nproc=nproc, backend=backend, timeout_s=timeout_s,
+                                  collective_timeout_s=collective_timeout_s))
     job = reports[0]["job"]  # every rank holds the job-wide figures (under torchrun, only this rank's report)
     times = job["step_times"]
     timed = times[1:] if len(times) > 1 else times

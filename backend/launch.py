@@ -19,6 +19,7 @@ so a rank stuck in a collective its peers never join raises by itself.
 from __future__ import annotations
 
 import json
+import re
 import os
 import queue as queue_module
 import signal
@@ -72,6 +73,7 @@ class RankContext:
     world: int
     backend: str
     device: torch.device
+    collective_timeout_s: float = 30.0   # what a subgroup's collectives get too (torch's default for them is 30 min)
 
 
 def under_torchrun() -> bool:
@@ -96,6 +98,9 @@ def launch(fn: Callable[..., Any], args: tuple = (), config: LaunchConfig | None
     config = config or LaunchConfig(nproc=1)
     if config.nproc < 1:
         raise LaunchError(f"--nproc must be >= 1, got {config.nproc}", ())
+    if not (config.timeout_s > 0 and config.collective_timeout_s > 0):  # also refuses NaN
+        raise LaunchError(f"timeouts must be > 0 seconds, got --timeout {config.timeout_s:g} and "
+                          f"--collective-timeout {config.collective_timeout_s:g}", ())
     backend = config.resolved_backend()
     if under_torchrun():
         return [_run_joined(fn, args, backend, config)]
@@ -113,7 +118,7 @@ def _run_joined(fn, args, backend: str, config: LaunchConfig) -> Any:
     if owned:
         dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=config.collective_timeout_s))
     try:
-        return fn(RankContext(rank, world, backend, device), *args)
+        return fn(RankContext(rank, world, backend, device, config.collective_timeout_s), *args)
     finally:
         if owned:
             dist.destroy_process_group()
@@ -127,16 +132,26 @@ def _child(rank: int, world: int, backend: str, store_path: str, collective_time
         store = dist.FileStore(store_path, world)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=collective_timeout_s))
-        result = fn(RankContext(rank, world, backend, device), *args)
+        result = fn(RankContext(rank, world, backend, device, collective_timeout_s), *args)
         messages.put((rank, "ok", json.dumps(result)))
         dist.destroy_process_group()
     except BaseException as err:  # noqa: BLE001 - every failure must reach the parent
         detail = "".join(traceback.format_exception(err)[-6:])
-        summary = f"{type(err).__name__}: {err}".strip().splitlines()[0][:500]
+        summary = _summary(err)
         messages.put((rank, "error", json.dumps({"summary": summary, "traceback": detail})))
         messages.close()
         messages.join_thread()
         os._exit(1)
+
+
+_SOURCE_PREFIX = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+def _summary(err: BaseException) -> str:
+    """One line for the user: the exception's type and first line, without the C++ source position that
+    gloo and NCCL put in front ("[/.../unbound_buffer.cc:78] Timed out ...")."""
+    first = f"{err}".strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {_SOURCE_PREFIX.sub('', first)}"[:500]
 
 
 def _exit_reason(code: int | None) -> str:

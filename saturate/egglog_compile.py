@@ -148,6 +148,55 @@ def rel_fact(rel: Rel, names: Mapping[str, str]) -> str:
 # ---------------------------------------------------------------- compiled rules
 
 
+_PATTERN_VAR = re.compile(r"(?<![\w\"])([A-Za-z_]\w*)")
+
+
+@dataclass(frozen=True)
+class RuleBody:
+    """One egglog rule before it is placed: the structural pattern, the other facts, the actions.
+
+    It is written as two egglog rules (`text`). The first matches the pattern
+    alone and records each match in a relation of its own; the second joins
+    that relation with the analysis lookups and guards, then applies the
+    actions. egglog plans a query's join by table size, and the shape table
+    has a handful of rows, so one rule with several metavariables' `Whole`
+    lookups started from the shapes and enumerated their cross product:
+    `add_partial_matmuls` took ~50 s per iteration on 2,100 operators with
+    no match at all. Matching the pattern first bounds the join by the
+    matches. Both rules run in the same iteration (`Session.run`), on the
+    same e-graph (the first adds only relation rows), so the semantics are
+    one rule's.
+    """
+
+    pattern: str               # "(= root (...))"
+    facts: tuple[str, ...]     # analysis lookups, degree choices, guards
+    actions: str
+
+    def variables(self) -> list[tuple[str, str]]:
+        """The pattern's variables and their sorts, in order: tensors (root, m_*), reals (r_*), integers."""
+        out: dict[str, str] = {}
+        for name in _PATTERN_VAR.findall(self.pattern):
+            if name.startswith(("Op_", "P_")) or name in out:
+                continue
+            out[name] = "T" if name == "root" or name.startswith("m_") else "String" if name.startswith("r_") else "i64"
+        return list(out.items())
+
+    def text(self, index: int, chunk: str, key: str) -> str:
+        """The relation and the two rules; the second carries the rule's `key` as its name."""
+        variables = self.variables()
+        relation = f"Match{index}"
+        row = f"({relation} {' '.join(v for v, _ in variables)})"
+        return (f"(relation {relation} ({' '.join(sort for _, sort in variables)}))\n"
+                f"(rule ({self.pattern}) ({row}) :ruleset {match_ruleset(chunk)} :name {_quote(key + '/match')})\n"
+                f"(rule ({' '.join((row,) + self.facts)})\n      ({self.actions})\n"
+                f"      :ruleset {chunk} :name {_quote(key)})")
+
+
+def match_ruleset(ruleset: str) -> str:
+    """The ruleset of the pattern-matching halves of `ruleset`'s rules (see `RuleBody`)."""
+    return ruleset + "_match"
+
+
 @dataclass(frozen=True)
 class CompiledRule:
     """One egglog rule: a rule of the library at one rank assignment and free degree."""
@@ -155,9 +204,10 @@ class CompiledRule:
     name: str         # the library rule's name
     variant: str      # e.g. "a=0,b=1 p=2"
     ruleset: str      # "alg" or "par"
-    text: str
+    body: RuleBody = field(repr=False)
     key: str = ""     # the egglog rule's :name, unique in the program
     chunk: str = ""   # the egglog ruleset that holds it: one chunk of `ruleset` (RuleProgram.chunks)
+    text: str = ""    # the egglog text, once placed in a chunk (compile_rules)
 
 
 @dataclass(frozen=True)
@@ -299,8 +349,8 @@ def _feasible(guards: Sequence[Cond], free: Sequence[str], devices: int) -> Cond
     return failing
 
 
-def _compile_one(instance: RuleInstance, devices: int, free: Sequence[str]) -> list[str]:
-    """The rule texts, without their `:ruleset` and `:name` (compile_rules adds them)."""
+def _compile_one(instance: RuleInstance, devices: int, free: Sequence[str]) -> list[RuleBody]:
+    """The rule's query and actions, one per alternative of its guards (`RuleBody.text` makes the egglog)."""
     b = _Builder(instance, devices)
     facts = []
     for symbol in free:
@@ -360,8 +410,9 @@ def _compile_one(instance: RuleInstance, devices: int, free: Sequence[str]) -> l
     actions.append(f"(union root {made[id(instance.rhs)]})")
     texts = []
     for alt in alternatives:
-        when = list(dict.fromkeys(facts + [rel_fact(r, b.names) if _bound(r, b.names) else _raise(f"unbound size in {r}") for r in alt]))
-        texts.append("(rule (" + " ".join(when) + ")\n      (" + " ".join(actions) + ")")
+        when = list(dict.fromkeys(facts[1:] + [rel_fact(r, b.names) if _bound(r, b.names) else _raise(f"unbound size in {r}")
+                                               for r in alt]))
+        texts.append(RuleBody(facts[0], tuple(when), " ".join(actions)))
     return texts
 
 
@@ -480,8 +531,9 @@ def _ruleset_declarations(program: RuleProgram) -> str:
     lines = []
     for ruleset in RULESETS:
         chunks = program.chunks(ruleset)
-        lines += [f"(ruleset {chunk})" for chunk in chunks]
-        lines.append(f"(unstable-combined-ruleset {ruleset} {' '.join(chunks)})")
+        for name in (lambda c: c, match_ruleset):
+            lines += [f"(ruleset {name(chunk)})" for chunk in chunks]
+            lines.append(f"(unstable-combined-ruleset {name(ruleset)} {' '.join(name(c) for c in chunks)})")
     return "\n".join(lines) + "\n"
 
 
@@ -669,8 +721,8 @@ def compile_rules(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[in
     for i, r in enumerate(compiled):
         chunk = f"{r.ruleset}{position[r.ruleset] // CHUNK_RULES}"
         position[r.ruleset] += 1
-        named.append(CompiledRule(r.name, r.variant, r.ruleset, r.text + f'\n      :ruleset {chunk} :name "{r.name}#{i}")',
-                                  f"{r.name}#{i}", chunk))
+        key = f"{r.name}#{i}"
+        named.append(replace(r, key=key, chunk=chunk, text=r.body.text(i, chunk, key)))
     program = RuleProgram("", tuple(named), tuple(skipped), unfinished)
     return replace(program, declarations=declarations(ops, devices) + _ruleset_declarations(program))
 
@@ -813,9 +865,10 @@ class Session:
     def run(self, ruleset: str) -> tuple[bool, dict[str, int]]:
         """One iteration of `ruleset` (or of one of its chunks); (whether anything changed, matches per rule).
 
-        The `Whole` rows of terms built since the last run are derived first.
+        The `Whole` rows of terms built since the last run are derived first, then the rules' patterns
+        matched (`RuleBody`).
         """
-        outputs = self._run(f"(run {SHAPE_RULESET} 1) (run {ruleset} 1)")
+        outputs = self._run(f"(run {SHAPE_RULESET} 1) (run {match_ruleset(ruleset)} 1) (run {ruleset} 1)")
         report = outputs[-1].report
         return bool(report.updated), dict(report.num_matches_per_rule)
 

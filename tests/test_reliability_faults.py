@@ -11,7 +11,11 @@ which spawned ranks inherit:
 * `raise`  : an exception in the forward pass;
 * `kill`   : SIGKILL (an OOM kill, a segfault);
 * `hang`   : the rank stops in a point-to-point receive its peer never sends
-  (a hang in communication); the job's --timeout ends it.
+  (a hang in communication); the job's --timeout ends it, or, when
+  --collective-timeout is the shorter, its peer's collective times out and
+  the hanging rank is named as such.
+* `stall`  : the rank stops outside communication (a deadlock, an endless
+  loop); its peer's next collective times out.
 
 After each, the process table is checked: no child of this process that
 was a spawned rank may still be alive.
@@ -51,6 +55,8 @@ def faulty_run_rank(ctx, pcg, config, graph, library=None):
                 os.kill(os.getpid(), signal.SIGKILL)
             if fault == "hang":
                 dist.recv(torch.zeros(1, dtype=torch.float64), src=0)  # rank 0 never sends
+            if fault == "stall":
+                time.sleep(3600)
         return real_parallel_op(*args, **kwargs)
 
     executor.parallel_op = parallel_op
@@ -121,16 +127,37 @@ CASES = [
 
 @pytest.mark.parametrize("fault,timeout,expect", CASES)
 def test_a_faulty_rank_ends_the_run_naming_it(faulty, tmp_path, capsys, fault, timeout, expect):
+    run_faulty(faulty, tmp_path, capsys, fault, ["--timeout", str(timeout)], timeout, expect)
+
+
+@pytest.mark.parametrize("fault,expect", [
+    # a deadlock: both ranks wait and both time out, in either order
+    ("hang", r"rank 1 failed: RuntimeError: Timed out waiting 4000ms for recv operation"),
+    ("stall", r"rank 1 still running \(hanging: its peers timed out waiting for it\)"),
+])
+def test_a_hanging_rank_is_named_when_the_collective_timeout_fires_first(faulty, tmp_path, capsys, fault, expect):
+    """Rank 1 hangs in a receive, or outside communication; a 4 s collective timeout ends the job, long before
+    the job's 60 s, naming rank 1."""
+    run_faulty(faulty, tmp_path, capsys, fault, ["--timeout", "60", "--collective-timeout", "4"], 4, expect)
+
+
+def test_a_timeout_that_is_not_positive_is_refused(tmp_path, capsys):
+    code = main(["run", str(plan_path(tmp_path)), "--nproc", "2", "--backend", "gloo", "--collective-timeout", "0"])
+    err = capsys.readouterr().err
+    assert code == 1 and "timeouts must be > 0 seconds" in err and "Traceback" not in err, err
+
+
+def run_faulty(faulty, tmp_path: Path, capsys, fault: str, timeouts: list[str], timeout: float, expect: str) -> None:
+    """Run the plan with `fault` armed; assert it fails in time, naming the rank (`expect`), and leaves no rank."""
     import re
 
     path = plan_path(tmp_path)
     faulty(fault)
     start = time.monotonic()
-    code = main(["run", str(path), "--nproc", "2", "--backend", "gloo", "--steps", "3", "--check",
-                 "--timeout", str(timeout)])
+    code = main(["run", str(path), "--nproc", "2", "--backend", "gloo", "--steps", "3", "--check"] + timeouts)
     elapsed = time.monotonic() - start
     err = capsys.readouterr().err
-    print(f"{fault}: exit {code} after {elapsed:.1f} s: {err.strip()}")  # recorded in benchmarks/RELIABILITY.md
+    print(f"{fault} {' '.join(timeouts)}: exit {code} after {elapsed:.1f} s: {err.strip()}")  # recorded in benchmarks/RELIABILITY.md
     assert code == 1, err
     assert err.startswith("parsat run: error: distributed job failed:"), err
     assert re.search(expect, err), err
