@@ -9,11 +9,13 @@ machine) and versioned. `explain()` renders the same data as text, so
 
 from __future__ import annotations
 
+from collections import Counter
+
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from parsat.saturate.cost import NodeCost, Totals
 from parsat.saturate.graph import Graph
@@ -155,6 +157,21 @@ def _spread_text(spread: Mapping) -> str:
     return str(Layout.from_dict(spread))
 
 
+def _parallel_summary(parallel: Sequence[Mapping], nodes: Mapping[int, Mapping], weights: set[str]) -> str:
+    """The parallel operators counted by what they do, so a long plan reads in one line."""
+    counts: Counter = Counter()
+    for node in parallel:
+        source = nodes[node["inputs"][0]]
+        weight = source["kind"] == "leaf" and source["op"] in weights
+        d = node["attrs"]["degree"]
+        kind = {"partition": f"weights stored in {d} shards" if weight else f"splits into {d} blocks",
+                "combine": f"gathers of {d} blocks",
+                "replicate": f"weights replicated on {d} devices" if weight else f"replications on {d} devices",
+                "reduce": f"sums of {d} partial sums"}[node["op"]]
+        counts[kind] += 1
+    return ", ".join(f"{n} {kind}" for kind, n in counts.most_common())
+
+
 def explain(data: Mapping, limit: int | None = 40) -> str:
     """A readable breakdown of a plan dict: what parsat did, where the time and bytes go, the baselines.
 
@@ -189,6 +206,8 @@ def explain(data: Mapping, limit: int | None = 40) -> str:
                          f"{_spread_text(data.get('pinned_spreads', {}).get(node['op'], node['spread']))}; "
                          + "; ".join(node["cost"]["collectives"]))
     parallel = [n for n in data["nodes"] if n["kind"] == "parallel"]
+    if limit is not None and len(parallel) > limit:
+        lines.append("  in short: " + _parallel_summary(parallel, nodes, weights))
     for node in parallel[:limit]:
         source = nodes[node["inputs"][0]]
         what = source["op"] if source["kind"] == "leaf" else f"{source['op']} #{source['id']}"

@@ -230,3 +230,16 @@ def test_input_pin(small_rules):
     with pytest.raises(OptimizeError, match="not an input"):
         optimize("mlp", machine="cpu", devices=2, rules=small_rules, allow_unverified=True,
                  input_spreads={"w1": {"shard": [2, 1]}})
+
+
+def test_a_long_explanation_opens_with_the_parallel_operators_counted(mlp_plan_cpu):
+    """Cut to one parallel operator, explain still accounts for all of them in one line."""
+    import re
+
+    data = mlp_plan_cpu.to_dict()
+    parallel = [n for n in data["nodes"] if n["kind"] == "parallel"]
+    assert len(parallel) >= 2
+    text = explain(data, limit=1)
+    short = next(line for line in text.splitlines() if line.strip().startswith("in short:"))
+    assert sum(int(n) for n in re.findall(r"(\d+) (?:weights|splits|gathers|replications|sums)", short)) == len(parallel)
+    assert "in short:" not in explain(data, limit=None)
