@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -26,7 +27,7 @@ from parsat.dsl.instantiate import InstantiationError
 from parsat.dsl.library import Library
 from parsat.dsl.spread import infer_compute
 from parsat.saturate.cost import NodeCost, Totals, totals
-from parsat.saturate.egglog_compile import PIN_SUFFIX
+from parsat.saturate.egglog_compile import PIN_SUFFIX, Snapshot
 from parsat.saturate.extract import Extraction, ExtractionError, NodeId, Pricer, dag_cost, extract, leaf_roles, node_costs
 from parsat.saturate.graph import Graph, GraphBuilder, GraphError, instance_for
 from parsat.saturate.machine import Machine
@@ -240,40 +241,27 @@ def data_parallel_pcg(graph: Graph, library: Library, devices: int) -> PCG | Non
 # ------------------------------------------------------------------ rules used
 
 
-def rules_used(library_rules: Sequence[ast.RuleDecl], pcg: PCG, matches: Mapping[str, int], graph: Graph,
-               ops: Mapping[str, ast.OpDecl]) -> tuple[str, ...]:
-    """Rules that fired and whose right-hand side appears in the plan (an over-approximation for shared shapes).
+def rules_used(library_rules: Sequence[ast.RuleDecl], snapshot: Snapshot, choice: Mapping[int, int]) -> tuple[str, ...]:
+    """A small set of rules that built the e-nodes an extraction chose, in library order.
 
-    A right side without parallel operators only counts where the plan's node
-    is not the graph's own operator at that place.
+    Every rule application records the e-nodes it built (`egglog_compile.made_row`),
+    and the input graph's operators need no rule. An e-node is often built by
+    several rules (a pattern reached two ways), so listing every maker says
+    little; the rules are picked greedily, the one that built most of the
+    still unexplained e-nodes first, until each of the plan's new e-nodes has
+    a maker among them.
     """
-    by_id = {n.id: n for n in pcg.nodes}
-    original = {n.name: n.op for n in graph.nodes}
-
-    def match(expr: ast.Expr, node: PNode) -> bool:
-        if isinstance(expr, ast.Name):
-            return node.layout.is_whole  # rules only fire on whole metavariables
-        if not isinstance(expr, ast.Call):
-            return False
-        if expr.func in PARALLEL:
-            return node.kind == "parallel" and node.op == expr.func and match(expr.args[0], by_id[node.inputs[0]])
-        if node.kind != "op" or node.op != expr.func or expr.func not in ops:
-            return False
-        tensor_args = [a for p, a in zip(ops[expr.func].params, expr.args) if p.is_tensor]
-        return all(match(a, by_id[i]) for a, i in zip(tensor_args, node.inputs))
-
-    used = []
-    for rule in library_rules:
-        if not matches.get(rule.name) or not isinstance(rule.rhs, ast.Call):
-            continue
-        parallel = any(isinstance(n, ast.Call) and n.func in PARALLEL for n in ast.walk(rule.rhs))
-        for node in pcg.nodes:
-            if node.kind == "leaf" or not match(rule.rhs, node):
-                continue
-            if parallel or original.get(node.origin) != node.op:
-                used.append(rule.name)
-                break
-    return tuple(used)
+    order = {rule.name: i for i, rule in enumerate(library_rules)}
+    unexplained = [makers for makers in (snapshot.makers(snapshot.classes[c][i]) for c, i in choice.items()) if makers]
+    picked: list[str] = []
+    while unexplained:
+        counts = Counter(name for makers in unexplained for name in makers if name in order)
+        if not counts:
+            break
+        best = min(counts, key=lambda name: (-counts[name], order[name]))
+        picked.append(best)
+        unexplained = [makers for makers in unexplained if best not in makers]
+    return tuple(sorted(picked, key=order.__getitem__))
 
 
 # ---------------------------------------------------------------------- optimize
@@ -449,7 +437,8 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
            "ilp_status": extraction.ilp_status, "pass_seconds": dict(extraction.seconds)}
     baseline_plans = {c.name: BaselinePlan(c.pcg, c.costs) for c in candidates if c.name != JOINT}
     return Plan(graph, machine, devices, best.pcg, best.costs, best.totals, found,
-                rules_used(chosen, best.pcg, joint.matches, graph, library.ops), saturation, ext, pins,
+                rules_used(chosen, joint.snapshot, extraction.choice) if best.name == JOINT else (),
+                saturation, ext, pins,
                 baseline_plans)
 
 

@@ -61,6 +61,8 @@ SHAPE_RULESET = "shape"  # derives `Whole` from the analysis rows; runs before e
 RULESETS = ("alg", "par")
 CHUNK_RULES = 256        # egglog rules per chunk (see `RuleProgram.chunks`)
 DEADLINE_NOTE = "compilation stopped by the seconds limit"
+MADE_PREFIX = "Made_"    # Made_<constructor>(children..., attributes..., who): the rules (or the graph) that made an e-node
+GRAPH_MADE = ""          # `who` for the input graph's own operators
 
 
 class CompileError(Exception):
@@ -81,6 +83,16 @@ def _quote(text: str) -> str:
 def real_literal(value: float) -> str:
     """Real attributes are stored as their shortest repr, so equal reals are equal strings."""
     return _quote(repr(float(value)))
+
+
+def made_row(constructor: str, args: Sequence[str], who: str) -> str:
+    """The provenance row of the term `(constructor args...)`: `who` made it (a rule's name, or GRAPH_MADE).
+
+    Rows are per e-node (constructor and canonical children), not per
+    e-class, so after unions they still say which rule built each
+    alternative; a plan's rules are the makers of the e-nodes it extracts.
+    """
+    return f"({MADE_PREFIX}{constructor} {' '.join(args)} {_quote(who)})"
 
 
 def divisors(n: int) -> list[int]:
@@ -406,6 +418,7 @@ def _compile_one(instance: RuleInstance, devices: int, free: Sequence[str]) -> l
         var = b.fresh("t")
         made[id(term)] = var
         actions.append(f"(let {var} ({ctor(term.name)} {' '.join(args)}))")
+        actions.append(made_row(ctor(term.name), args, instance.rule.name))
         actions.extend(_analysis_rows(var, term.shape, term.spread, b))
     actions.append(f"(union root {made[id(instance.rhs)]})")
     texts = []
@@ -501,11 +514,14 @@ class RuleProgram:
 
 def declarations(ops: Mapping[str, ast.OpDecl], devices: int) -> str:
     """The sort of tensors, the analysis tables, and the degrees a rule may choose (divisors >= 2 of `devices`)."""
+    signatures = {ctor(op.name): ["T" if p.is_tensor else ("String" if p.type.kind == "real" else "i64")
+                                  for p in op.params] for op in ops.values()}
+    signatures.update({"P_partition": ["T", "i64", "i64"], "P_combine": ["T", "i64", "i64"],
+                       "P_replicate": ["T", "i64"], "P_reduce": ["T", "i64"]})
     lines = ["(datatype T", "  (Leaf String)"]
-    for op in ops.values():
-        sorts = ["T" if p.is_tensor else ("String" if p.type.kind == "real" else "i64") for p in op.params]
-        lines.append(f"  ({ctor(op.name)} {' '.join(sorts)})")
-    lines += ["  (P_partition T i64 i64)", "  (P_combine T i64 i64)", "  (P_replicate T i64)", "  (P_reduce T i64))"]
+    lines += [f"  ({name} {' '.join(sorts)})" for name, sorts in signatures.items()]
+    lines[-1] += ")"
+    lines += [f"(relation {MADE_PREFIX}{name} ({' '.join(sorts)} String))" for name, sorts in signatures.items()]
     for name in ANALYSES:
         key = "T i64" if name in ("Dim", "Shard") else "T"
         lines.append(f"(function {name} ({key}) i64 :merge (min old new))")
@@ -794,6 +810,7 @@ def graph_program(graph: Graph, ops: Mapping[str, ast.OpDecl],
             else:
                 args.append(str(int(attrs[param.name])))
         lines.append(f"\n(let {var} ({ctor(node.op)} {' '.join(args)}))")
+        lines.append(made_row(ctor(node.op), args, GRAPH_MADE))
         rows(var, node.shape, Layout.whole(len(node.shape)))
     for pin_index, (name, layout) in enumerate((pins or {}).items()):
         base = names[name]
@@ -828,10 +845,29 @@ class Snapshot:
     shape: Mapping[int, tuple[int, ...]]
     layout: Mapping[int, Layout]
     lets: Mapping[str, int]
+    made: Mapping[ENode, frozenset[str]] = field(default_factory=dict)  # who made an e-node (`made_row`)
+
+    def makers(self, node: ENode) -> frozenset[str]:
+        """The rules that made `node`; empty for the input graph's own e-nodes (and leaves and pins)."""
+        who = self.made.get(node, frozenset())
+        return frozenset() if GRAPH_MADE in who else who
 
     @property
     def enodes(self) -> int:
         return sum(len(v) for v in self.classes.values())
+
+
+def _children_and_attrs(eg, sorts: Sequence[str], values: Sequence) -> tuple[tuple[int, ...], tuple]:
+    """A row's tensor arguments (e-class ids) and its other arguments (ints, strings for reals and leaf names)."""
+    children, attrs = [], []
+    for sort, value in zip(sorts, values):
+        if sort == "T":
+            children.append(eg.value_to_i64(value))
+        elif sort == "String":
+            attrs.append(eg.value_to_string(value))
+        else:
+            attrs.append(eg.value_to_i64(value))
+    return tuple(children), tuple(attrs)
 
 
 class Session:
@@ -884,7 +920,14 @@ class Session:
         classes: dict[int, list[ENode]] = {}
         analysis: dict[str, dict] = {name: {} for name in ANALYSES}
         lets: dict[str, int] = {}
+        made: dict[ENode, set[str]] = {}
         for name, fn in frozen.functions.items():
+            if name.startswith(MADE_PREFIX):
+                op = name[len(MADE_PREFIX):].split("_", 1)[1]
+                for row in fn.rows:
+                    node = ENode(op, *_children_and_attrs(eg, fn.input_sorts[:-1], row.inputs[:-1]))
+                    made.setdefault(node, set()).add(eg.value_to_string(row.inputs[-1]))
+                continue
             if fn.is_let_binding:
                 if fn.output_sort == "T":
                     lets[name] = eg.value_to_i64(fn.rows[0].output)
@@ -901,15 +944,8 @@ class Session:
             for row in fn.rows:
                 if row.subsumed:
                     continue
-                children, attrs = [], []
-                for sort, value in zip(fn.input_sorts, row.inputs):
-                    if sort == "T":
-                        children.append(eg.value_to_i64(value))
-                    elif sort == "String":
-                        attrs.append(eg.value_to_string(value))
-                    else:
-                        attrs.append(eg.value_to_i64(value))
-                classes.setdefault(eg.value_to_i64(row.output), []).append(ENode(op, tuple(children), tuple(attrs)))
+                classes.setdefault(eg.value_to_i64(row.output), []).append(
+                    ENode(op, *_children_and_attrs(eg, fn.input_sorts, row.inputs)))
         shape: dict[int, tuple[int, ...]] = {}
         layout: dict[int, Layout] = {}
         for cid in classes:
@@ -920,4 +956,5 @@ class Session:
             shard = tuple(analysis["Shard"].get((cid, i), 1) for i in range(rank))
             shape[cid] = dims
             layout[cid] = Layout(shard, analysis["Copy"].get((cid,), 1), analysis["Psum"].get((cid,), 1))
-        return Snapshot({k: tuple(v) for k, v in classes.items()}, shape, layout, lets)
+        return Snapshot({k: tuple(v) for k, v in classes.items()}, shape, layout, lets,
+                        {node: frozenset(who) for node, who in made.items()})

@@ -243,3 +243,25 @@ def test_a_long_explanation_opens_with_the_parallel_operators_counted(mlp_plan_c
     short = next(line for line in text.splitlines() if line.strip().startswith("in short:"))
     assert sum(int(n) for n in re.findall(r"(\d+) (?:weights|splits|gathers|replications|sums)", short)) == len(parallel)
     assert "in short:" not in explain(data, limit=None)
+
+
+def test_rules_used_are_the_makers_of_the_plan_s_new_operators(shipped):
+    """Provenance: every e-node the plan chose that the input graph lacks was built by a listed rule."""
+    from parsat.saturate.api import _solve, rules_used
+    from parsat.saturate.egglog_compile import GRAPH_MADE
+    from parsat.saturate.saturate import saturate
+
+    graph = build_example("mlp", library=shipped)
+    machine = Machine.preset("cpu").with_devices(2)
+    result = saturate(graph, shipped, shipped.rules, 2, Limits())
+    roots = [result.classes[n] for n in graph.outputs]
+    _pcg, _costs, extraction = _solve(result, graph, shipped, machine, roots, Limits(), True, 2)
+    used = rules_used(shipped.rules, result.snapshot, extraction.choice)
+    chosen = [result.snapshot.classes[c][i] for c, i in extraction.choice.items()]
+    new = [node for node in chosen if result.snapshot.makers(node)]
+    assert new, "the 2-device MLP plan builds operators the graph does not have"
+    assert all(result.snapshot.makers(node) & set(used) for node in new)
+    assert set(used) <= {name for name, n in result.matches.items() if n}
+    graph_ops = [node for node in chosen if GRAPH_MADE in result.snapshot.made.get(node, ())]
+    assert all(not result.snapshot.makers(node) for node in graph_ops)
+    assert optimize("mlp", machine="cpu", devices=2, rules=shipped, allow_unverified=True).rules_used == used
