@@ -48,7 +48,8 @@ from parsat.saturate.enumerate import (DEGREE, SIZE, START, Enumeration, Term, V
                                        environments, vocabulary)
 
 Progress = Callable[[str], None]
-COLLECTIVES = ("combine", "reduce")   # all-gather, all-reduce in the forward pass
+COLLECTIVES = ("combine", "reduce")
+PROVE_CHUNK = 64                      # candidates proved between two checks of the seconds limit   # all-gather, all-reduce in the forward pass
 
 
 class GenerateError(Exception):
@@ -100,6 +101,7 @@ class Summary:
     kept: int = 0
     seconds: float = 0.0
     stopped: str = ""
+    not_reached: int = 0   # candidates the seconds limit left unproved (the largest ones)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -108,7 +110,7 @@ class Summary:
         text = (f"{self.terms_built} graphs enumerated ({self.terms_defined} defined, {self.groups} value groups), "
                 f"{self.candidates} candidates ({self.ill_typed} ill-typed), {self.proved} proved, "
                 f"{self.refuted} refuted, {self.unknown} unknown, {self.pruned} pruned, {self.kept} kept, "
-                f"{self.seconds:.1f} s")
+                + (f"{self.not_reached} not reached, " if self.not_reached else "") + f"{self.seconds:.1f} s")
         return text + (f"; stopped early: {self.stopped}" if self.stopped else "")
 
 
@@ -519,20 +521,35 @@ def generate(library: Library, settings: Settings, progress: Progress | None = N
     by_size: dict[int, list[Candidate]] = {}
     for cand in typed:
         by_size.setdefault(cand.size, []).append(cand)
-    for size in sorted(by_size):
+    sizes = sorted(by_size)
+    for index, size in enumerate(sizes):
         level = by_size[size]
+        if time.perf_counter() >= deadline:
+            # `--seconds` is a limit: smaller rules (visited first) are kept, the larger ones are not looked at
+            left = sum(len(by_size[s]) for s in sizes[index:])
+            summary.not_reached = left
+            summary.stopped = _also(summary.stopped, f"seconds (before size {size}: {left} candidates of sizes "
+                                                     f"{size}-{sizes[-1]} not looked at)")
+            say(f"stopped by seconds before size {size}: {left} candidates not looked at")
+            break
         # 1. drop what the rules kept so far already derive (no proof needed: they are proved)
-        if time.perf_counter() < deadline:
-            derivable = _derivable(deriver, level, library)
-        else:
-            derivable = [False] * len(level)
-            summary.stopped = summary.stopped or f"seconds (before pruning size {size}; nothing dropped)"
+        derivable = _derivable(deriver, level, library)
         survivors = [c for c, d in zip(level, derivable) if not d]
         summary.pruned += len(level) - len(survivors)
-        # 2. prove the rest (always: only PROVED rules are written, and no candidate is dropped for time)
+        # 2. prove the rest, in chunks so that the seconds limit is checked (only PROVED rules are written)
         say(f"size {size}: {len(level)} candidates, {len(level) - len(survivors)} derivable, "
             f"proving {len(survivors)}")
-        verdicts = verify_all([c.rule for c in survivors], library.ops, settings.verify_timeout, settings.jobs)
+        verdicts: list = []
+        for begin in range(0, len(survivors), PROVE_CHUNK):
+            if time.perf_counter() >= deadline:
+                break
+            verdicts += verify_all([c.rule for c in survivors[begin:begin + PROVE_CHUNK]], library.ops,
+                                   settings.verify_timeout, settings.jobs)
+        if len(verdicts) < len(survivors):
+            left = len(survivors) - len(verdicts) + sum(len(by_size[s]) for s in sizes[index + 1:])
+            summary.not_reached = left
+            summary.stopped = _also(summary.stopped, f"seconds (while proving size {size}: {left} candidates not "
+                                                     "looked at)")
         proved = []
         for cand, (verdict, _reason) in zip(survivors, verdicts):
             if verdict == "PROVED":
@@ -561,10 +578,17 @@ def generate(library: Library, settings: Settings, progress: Progress | None = N
                 kept.append(cand)
                 deriver.add(cand.rule)
         say(f"size {size}: {len(kept)} kept so far ({time.perf_counter() - start:.1f} s)")
+        if summary.not_reached:
+            break
     kept.sort(key=lambda c: ([-s for s in c.score], c.size, c.key))
     summary.kept = len(kept)
     summary.seconds = time.perf_counter() - start
     return GenerateResult(tuple(c.rule for c in kept), summary)
+
+
+def _also(stopped: str, why: str) -> str:
+    """`why` added to what stopped the run so far (enumeration may have stopped too)."""
+    return f"{stopped}; {why}" if stopped else why
 
 
 def _derivable(deriver: Deriver, cands: Sequence[Candidate], library: Library, batch: int = 200) -> list[bool]:

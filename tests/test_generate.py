@@ -159,3 +159,17 @@ rule d: forall x: [m, k], p: degree
     deriver = Deriver(library, [a, b])
     targets = [_typed(r, library) for r in (c, d)]
     assert deriver.derives_many(targets) == [deriver.derives(t) for t in targets] == [True, False]
+
+
+def test_the_seconds_limit_ends_the_run_with_what_was_proved(library):
+    """A run cut short keeps its smaller proved rules, says which limit stopped it and how much was left."""
+    import time
+
+    settings = Settings(("relu", "partition", "combine", "replicate"), max_ops=2, degrees=(2, 3), seconds=3)
+    start = time.perf_counter()
+    result = generate(library, settings)
+    elapsed = time.perf_counter() - start
+    assert "seconds" in result.summary.stopped, result.summary.to_text()
+    assert result.summary.not_reached > 0
+    assert elapsed < settings.seconds + 20, f"{elapsed:.1f} s"  # one chunk of proofs or one pruning batch past it
+    assert "not reached" in result.summary.to_text()
