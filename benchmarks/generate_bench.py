@@ -31,19 +31,23 @@ from parsat.saturate.generate import Deriver, derive_rules, rules_over
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--generated", default="benchmarks/generate_rules.rule")
+    parser.add_argument("--generated", nargs="+", default=["benchmarks/generate_rules.rule"],
+                        help="generated .rule files; together they are the generated set")
     parser.add_argument("--ops", default="matmul,add,relu,concat,split,partition,combine,replicate,reduce")
     parser.add_argument("--devices", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--examples", nargs="+", default=["mlp", "transformer"])
+    parser.add_argument("--machine", default="h100x8")
     parser.add_argument("--out", default="benchmarks/generate_results.md")
+    parser.add_argument("--no-derive", dest="derive", action="store_false", help="plans only")
     args = parser.parse_args(argv)
     shipped = load_library(None)[0]
-    generated = load_library([args.generated])[0]
+    generated = load_library(args.generated)[0]
     gen_rules = list(generated.rules)
     target = rules_over(shipped, args.ops.split(","))
     start = time.perf_counter()
     deriver = Deriver(generated, gen_rules, devices=4, iterations=8, enodes=30_000, seconds=10.0)
-    results = derive_rules(target, deriver, generated, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    results = derive_rules(target, deriver, generated,
+                           progress=lambda m: print(m, file=sys.stderr, flush=True)) if args.derive else []
     derive_s = time.perf_counter() - start
     considered = [r for r in results if r.instances]
     derived = [r for r in considered if r.ok]
@@ -54,8 +58,9 @@ def main(argv=None) -> int:
             for label, rules in (("generated", generated), ("shipped", shipped)):
                 t = time.perf_counter()
                 try:
-                    plan = optimize(name, devices=devices, rules=rules, allow_unverified=True, baselines=False,
-                                    limits={"seconds": 20.0, "iterations": 20})
+                    plan = optimize(name, devices=devices, machine=args.machine, rules=rules,
+                                    allow_unverified=True, baselines=False,
+                                    limits={"seconds": 60.0, "iterations": 20})
                     row[label] = plan.to_dict()["totals"]["time_s"]
                 except OptimizeError as err:
                     row[label] = None
@@ -63,19 +68,20 @@ def main(argv=None) -> int:
                 row[label + "_s"] = round(time.perf_counter() - t, 2)
             plans.append(row)
             print(row, file=sys.stderr, flush=True)
-    data = {"generated_file": args.generated, "generated_rules": len(gen_rules), "ops": args.ops,
+    data = {"generated_files": args.generated, "machine": args.machine, "generated_rules": len(gen_rules), "ops": args.ops,
             "target_rules": len(target), "rank2_rules": len(considered), "derived": len(derived),
             "derive_seconds": round(derive_s, 1),
             "per_rule": [r.__dict__ for r in results], "plans": plans}
     Path(args.out).with_suffix(".json").write_text(json.dumps(data, indent=1))
     lines = ["# parsat generate: derivation of the shipped rules and plans with generated rules only", "",
-             f"Generated set: `{args.generated}` ({len(gen_rules)} rules). Operators: {args.ops}.", "",
+             f"Generated set: {', '.join(f'`{g}`' for g in args.generated)} ({len(gen_rules)} rules). "
+             f"Operators of the derivation: {args.ops}.", "",
              f"Shipped rules over these operators: {len(target)}; with a rank-2 instance: {len(considered)}; "
              f"derived at every rank-2 instance by the generated rules alone: **{len(derived)} / {len(considered)} "
              f"({100.0 * len(derived) / max(1, len(considered)):.1f}%)**, {derive_s:.1f} s.", "",
              "| rule | instances | derived |", "|---|---|---|"]
     lines += [f"| {r.rule} | {r.instances} | {r.derived}{' (' + r.note + ')' if r.note else ''} |" for r in results]
-    lines += ["", "## Plans (predicted step time, s; joint search, no baselines)", "",
+    lines += ["", f"## Plans (predicted step time on {args.machine}, s; joint search, no baselines)", "",
               "| example | devices | generated only | shipped library |", "|---|---|---|---|"]
     for row in plans:
         fmt = lambda v, e: f"{v:.6g}" if v is not None else f"none ({e})"

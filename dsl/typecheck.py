@@ -111,6 +111,7 @@ class _RuleTyper:
         self.tensors: dict[str, tuple[Poly, ...]] = {}
         self.env: dict[str, Poly] = {}
         self.requires: list[Cond] = []
+        self.known: Mapping[int, tuple[TypedTerm, tuple[Cond, ...]]] = {}   # see TermTyper
 
     # ------------------------------------------------------------ binders
     def bind(self) -> None:
@@ -156,6 +157,10 @@ class _RuleTyper:
 
     # -------------------------------------------------------------- terms
     def term(self, expr: ast.Expr) -> TypedTerm:
+        known = self.known.get(id(expr)) if self.known else None
+        if known is not None and known[0].node is expr:
+            self.requires.extend(known[1])
+            return known[0]
         if isinstance(expr, ast.Name):
             if expr.id in self.tensors:
                 shape = self.tensors[expr.id]
@@ -267,6 +272,36 @@ def type_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], groups: Mapping
     rhs = typer.term(rule.rhs)
     return RuleInstance(rule, dict(groups), dict(typer.symbols), tuple(typer.reals), dict(typer.tensors),
                         where, lhs, rhs, lhs_requires, tuple(typer.requires))
+
+
+class TermTyper:
+    """Types many terms over one fixed set of metavariables, reusing the typing of remembered subterms.
+
+    The rule generator builds every term from terms it typed before; typing
+    only the new top operator (instead of the whole term from its leaves)
+    is what keeps enumeration linear in the number of terms. A remembered
+    subterm is found by identity and must stay alive while remembered.
+    """
+
+    def __init__(self, binders: tuple[ast.Param, ...], ops: Mapping[str, ast.OpDecl],
+                 groups: Mapping[str, int] | None = None):
+        self._typer = _RuleTyper(ast.RuleDecl("term", binders, (), ast.Num(0), ast.Num(0)), ops, groups or {})
+        self._typer.bind()
+        self._known: dict[int, tuple[TypedTerm, tuple[Cond, ...]]] = {}
+        self._typer.known = self._known
+
+    def type(self, expr: ast.Expr) -> tuple[TypedTerm, tuple[Cond, ...]]:
+        """The typed term and its definedness requirements (raises TypeCheckError)."""
+        self._typer.requires = []
+        term = self._typer.term(expr)
+        return term, tuple(self._typer.requires)
+
+    def remember(self, term: TypedTerm, requires: tuple[Cond, ...]) -> None:
+        self._known[id(term.node)] = (term, requires)
+
+    @property
+    def symbols(self) -> Mapping[str, str]:
+        return self._typer.symbols
 
 
 # ------------------------------------------------------------- binding check

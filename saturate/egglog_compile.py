@@ -512,8 +512,9 @@ class RuleProgram:
         return tuple(dict.fromkeys(r.chunk for r in self.rules if r.ruleset == ruleset)) or (f"{ruleset}0",)
 
 
-def declarations(ops: Mapping[str, ast.OpDecl], devices: int) -> str:
-    """The sort of tensors, the analysis tables, and the degrees a rule may choose (divisors >= 2 of `devices`)."""
+def declarations(ops: Mapping[str, ast.OpDecl], devices: int, free_degrees: Sequence[int] | None = None) -> str:
+    """The sort of tensors, the analysis tables, and the degrees a rule may choose (`free_degrees`, by default
+    the divisors >= 2 of `devices`)."""
     signatures = {ctor(op.name): ["T" if p.is_tensor else ("String" if p.type.kind == "real" else "i64")
                                   for p in op.params] for op in ops.values()}
     signatures.update({"P_partition": ["T", "i64", "i64"], "P_combine": ["T", "i64", "i64"],
@@ -528,7 +529,8 @@ def declarations(ops: Mapping[str, ast.OpDecl], devices: int) -> str:
     lines.append("(datatype Shape " + " ".join(f"(S{r}{' i64' * r})" for r in range(MAX_RANK + 1)) + ")")
     lines.append("(function Whole (T) Shape :merge new)")
     lines.append("(relation Degree (i64))")
-    lines += [f"(Degree {d})" for d in divisors(devices) if d >= 2]
+    chosen = free_degrees if free_degrees is not None else [d for d in divisors(devices) if d >= 2]
+    lines += [f"(Degree {d})" for d in chosen]
     lines.append(f"(ruleset {SHAPE_RULESET})")
     for r in range(MAX_RANK + 1):
         dims = [f"d{i}" for i in range(r)]
@@ -676,7 +678,8 @@ _COMPILED_CACHE: dict = {}
 
 def compile_rules(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[int], devices: int,
                   graph_ops: set[str] | None = None, typing_cache: dict | None = None,
-                  signatures: set[Signature] | None = None, deadline: float | None = None) -> RuleProgram:
+                  signatures: set[Signature] | None = None, deadline: float | None = None,
+                  free_degrees: Sequence[int] | None = None, compiled_cache: dict | None = None) -> RuleProgram:
     """Every rule at every rank assignment the graph's `ranks` need, for `devices` devices.
 
     Rules whose left side needs an operator that neither the graph (`graph_ops`)
@@ -690,6 +693,10 @@ def compile_rules(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[in
     Once `deadline` (a `time.perf_counter()` value) passes, the rules not yet
     typed and compiled are left out (skipped, `DEADLINE_NOTE`; counted in
     `unfinished`): typing thousands of rules takes longer than a time limit.
+    A caller may keep its own `compiled_cache` (keyed like the module's).
+    `free_degrees` restricts the degrees a rule that introduces parallelism
+    may choose (the rule generator's derivations need only the degree its
+    instances use).
     """
     from parsat.dsl.checker import is_parallel_rule
 
@@ -698,7 +705,8 @@ def compile_rules(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[in
     skipped: list[SkippedRule] = []
     usable = rules if graph_ops is None else reachable_rules(rules, graph_ops)
     cache = typing_cache if typing_cache is not None else _TYPING_CACHE
-    compiled_cache: dict = {} if typing_cache is not None else _COMPILED_CACHE
+    if compiled_cache is None:
+        compiled_cache = {} if typing_cache is not None else _COMPILED_CACHE
     for rule in rules:
         if rule not in usable:
             skipped.append(SkippedRule(rule.name, "its left side needs an operator the graph never contains"))
@@ -740,7 +748,7 @@ def compile_rules(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[in
         key = f"{r.name}#{i}"
         named.append(replace(r, key=key, chunk=chunk, text=r.body.text(i, chunk, key)))
     program = RuleProgram("", tuple(named), tuple(skipped), unfinished)
-    return replace(program, declarations=declarations(ops, devices) + _ruleset_declarations(program))
+    return replace(program, declarations=declarations(ops, devices, free_degrees) + _ruleset_declarations(program))
 
 
 # ---------------------------------------------------------------- graph to egglog
@@ -897,6 +905,48 @@ class Session:
 
     def _run(self, text: str):
         return self.egraph.run_program(*self.egraph.parse_program(text))
+
+    def extend(self, rules: Sequence[CompiledRule], tag: str, first_index: int) -> None:
+        """Loads more compiled rules into rulesets of their own, `<tag>alg` and `<tag>par`.
+
+        The rule generator adds the rules it keeps to an e-graph that already
+        holds its candidates, batch by batch; `first_index` keeps the rules'
+        match relations apart from the ones loaded before (`RuleBody.text`).
+        """
+        try:
+            for ruleset in RULESETS:
+                self._run(f"(ruleset {tag}{ruleset}) (ruleset {match_ruleset(tag + ruleset)})")
+            for offset, rule in enumerate(rules):
+                self._run(rule.body.text(first_index + offset, tag + rule.ruleset, f"{tag}{rule.name}#{offset}"))
+        except bindings.EggSmolError as err:
+            raise CompileError(f"egglog rejected the generated program: {err}") from None
+
+    def push(self) -> None:
+        """Saves the e-graph (egglog's push); `pop` brings it back."""
+        self._run("(push)")
+
+    def pop(self) -> None:
+        self._run("(pop)")
+
+    def load(self, text: str) -> None:
+        """Runs program text that inserts terms or facts (a graph chunk)."""
+        try:
+            self._run(text)
+        except bindings.EggSmolError as err:
+            raise CompileError(f"egglog rejected the generated program: {err}") from None
+
+    def combine_rulesets(self, name: str, parts: Sequence[str]) -> None:
+        """Declares `name` (and its match half) as the combined ruleset of `parts` (and theirs)."""
+        self._run(f"(unstable-combined-ruleset {name} {' '.join(parts)})\n"
+                  f"(unstable-combined-ruleset {match_ruleset(name)} {' '.join(match_ruleset(p) for p in parts)})")
+
+    def holds(self, left: str, right: str) -> bool:
+        """Whether the e-graph already has `right` (an egglog term, not inserted) in `left`'s e-class."""
+        try:
+            self._run(f"(check (= {left} {right}))")
+        except bindings.EggSmolError:
+            return False
+        return True
 
     def run(self, ruleset: str) -> tuple[bool, dict[str, int]]:
         """One iteration of `ruleset` (or of one of its chunks); (whether anything changed, matches per rule).

@@ -63,15 +63,22 @@ from parsat.dsl.conditions import holds
 from parsat.dsl.evaluate import EvaluationError
 from parsat.dsl.spread import PARALLEL_OPS
 from parsat.dsl.symbolic import Poly
-from parsat.dsl.typecheck import RuleInstance, TypeCheckError, TypedTerm, type_rule
+from parsat.dsl.typecheck import RuleInstance, TermTyper, TypeCheckError, TypedTerm, type_rule
 from parsat.verifier.concrete import Unsupported, _Simulator, observe
 
 DEGREE = "p"
 DEGREE2 = "q"
 START = "s"      # split's start, an int symbol
 SIZE = "z"       # split's size, an int symbol
+FACTOR = "f"     # an int attribute that divides a dim (unflatten's k), an int symbol
+REAL = "c"       # a real attribute (scale's c, layernorm's eps), a real metavariable
+FACTOR_VALUE = 2
+REAL_VALUE = 3.0
 EXACT_LIMIT = 2 ** 50
+ROUNDED_BITS = 30  # mantissa bits a non-integer value keeps in a fingerprint
 CONTRACTIONS = ("matmul", "bmm", "linear", "embedding")
+DIM_NAMES = ("m", "k", "n", "r", "h", "d", "e", "g", "i", "j")
+TENSOR_NAMES = ("x", "w", "b", "y", "v", "t")
 
 
 @dataclass(frozen=True)
@@ -109,12 +116,15 @@ class Vocabulary:
     op_degrees: tuple[str, ...] = (DEGREE, DEGREE2)
     leaf_degrees: tuple[str, ...] = (DEGREE, f"{DEGREE}*{DEGREE2}")
     spread_leaves: bool = True
+    small: bool = False                          # small environments (per-operator vocabularies, rank 3)
+    label: str = "joint"                         # what the vocabulary is for, in progress lines
 
     def binders(self) -> tuple[ast.Param, ...]:
         """All metavariables a term may use (a generated rule keeps the ones it uses)."""
         out = [ast.Param(v.name, ast.ShapeType(tuple(ast.Name(d) for d in v.dims))) for v in self.inputs]
         out += [ast.Param(DEGREE, ast.ScalarType("degree")), ast.Param(DEGREE2, ast.ScalarType("degree")),
-                ast.Param(START, ast.ScalarType("int")), ast.Param(SIZE, ast.ScalarType("int"))]
+                ast.Param(START, ast.ScalarType("int")), ast.Param(SIZE, ast.ScalarType("int")),
+                ast.Param(FACTOR, ast.ScalarType("int")), ast.Param(REAL, ast.ScalarType("real"))]
         return tuple(out)
 
     def size_symbols(self) -> list[str]:
@@ -148,11 +158,82 @@ def default_inputs(names: Sequence[str], ops: Mapping[str, ast.OpDecl]) -> tuple
 
 
 def vocabulary(names: Sequence[str], ops: Mapping[str, ast.OpDecl], spread_leaves: bool = True) -> Vocabulary:
+    """The joint vocabulary: every named operator over one rank-2 pool (see `default_inputs`)."""
     unknown = [n for n in names if n not in ops and n not in PARALLEL_OPS]
     if unknown:
         raise VocabularyError(f"unknown operator(s): {', '.join(unknown)} (known: "
                               f"{', '.join(sorted(list(ops) + list(PARALLEL_OPS)))})")
     return Vocabulary(ops, tuple(dict.fromkeys(names)), default_inputs(names, ops), spread_leaves=spread_leaves)
+
+
+def _signature_groups(op: ast.OpDecl) -> list[str]:
+    out: list[str] = []
+    for param in op.tensor_params:
+        for dim in param.type.dims:
+            if isinstance(dim, ast.Variadic) and dim.id not in out:
+                out.append(dim.id)
+    return out
+
+
+def operator_vocabularies(names: Sequence[str], ops: Mapping[str, ast.OpDecl], max_rank: int = 3,
+                          spread_leaves: bool = True) -> list[Vocabulary]:
+    """One vocabulary per compute operator and rank: the operator's own parameters as inputs.
+
+    The joint pool (`default_inputs`) is rank 2 and has no vectors, so it
+    cannot type `linear` (a bias), `layernorm` (a gain) or `bmm` with a
+    batch dim, and its cost grows with every operator added. Here each
+    compute operator gets vocabularies of its own: its signature with every
+    dim group of length 0 or 1 (inputs up to `max_rank`), dims and tensors
+    renamed apart from the vocabulary's symbols, with the parallel operators
+    of `names`. These find an operator's parallelization rules, which
+    `generalise.lift_ranks` then makes rank-polymorphic.
+    """
+    parallel = tuple(n for n in names if n in PARALLEL_OPS)
+    out = []
+    seen: set[tuple] = set()
+    for name in dict.fromkeys(names):
+        if name in PARALLEL_OPS:
+            continue
+        op = ops[name]
+        groups = _signature_groups(op)
+        for lengths in itertools.product((0, 1), repeat=len(groups)):
+            assignment = dict(zip(groups, lengths))
+            inputs = _instantiate_params(op, assignment)
+            if inputs is None or not inputs or max(len(v.dims) for v in inputs) > max_rank:
+                continue
+            if min(len(v.dims) for v in inputs if v.dims is not None) == 0:
+                continue
+            rank = max(len(v.dims) for v in inputs)
+            if (name, inputs) in seen:
+                continue      # another group assignment with the same inputs (dim attributes vary anyway)
+            seen.add((name, inputs))
+            out.append(Vocabulary(ops, (name,) + parallel, inputs, dims=tuple(range(rank)),
+                                  spread_leaves=spread_leaves, small=True,
+                                  label=f"{name} at ranks {'/'.join(str(len(v.dims)) for v in inputs)}"))
+    return out
+
+
+def _instantiate_params(op: ast.OpDecl, groups: Mapping[str, int]) -> tuple[TensorVar, ...] | None:
+    """The operator's tensor parameters at group lengths `groups`, dims and names fresh (None: a dim is an
+    expression, not a name)."""
+    renamed: dict[str, str] = {}
+    fresh = iter(DIM_NAMES)
+    out = []
+    for index, param in enumerate(op.tensor_params):
+        dims: list[str] = []
+        for dim in param.type.dims:
+            if isinstance(dim, ast.Variadic):
+                for k in range(groups[dim.id]):
+                    key = f"*{dim.id}{k}"
+                    renamed.setdefault(key, next(fresh))
+                    dims.append(renamed[key])
+            elif isinstance(dim, ast.Name):
+                renamed.setdefault(dim.id, next(fresh))
+                dims.append(renamed[dim.id])
+            else:
+                return None
+        out.append(TensorVar(TENSOR_NAMES[index], tuple(dims)))
+    return tuple(out)
 
 
 # ------------------------------------------------------------------ attributes
@@ -190,21 +271,39 @@ def _split_choices(extent: Poly) -> list[tuple[ast.Expr, ast.Expr]]:
     return out
 
 
+def dim_attributes(op: ast.OpDecl) -> set[str]:
+    """The int attributes that name a dim of the first tensor (`where dim == len(a)` and the like)."""
+    out = set()
+    for cond in op.where:
+        if (isinstance(cond, ast.Compare) and cond.op == "==" and isinstance(cond.left, ast.Name)
+                and any(isinstance(n, ast.Len) for n in ast.walk(cond.right))):
+            out.add(cond.left.id)
+    return out
+
+
 def _attr_choices(op: ast.OpDecl, dims: Sequence[int], args: Sequence["Term"],
                   degrees: Sequence[str]) -> list[tuple[ast.Expr, ...]]:
-    """Attribute values to try, one tuple per call (in the order of `op`'s attribute parameters)."""
+    """Attribute values to try, one tuple per call (in the order of `op`'s attribute parameters).
+
+    Reals are the real metavariable `c`; degrees `p` or `q`; dim attributes
+    the vocabulary's dims; split's start and size come from the split dim's
+    extent; any other int (unflatten's factor) is the int symbol `f`.
+    """
     names = [p.name for p in op.attr_params]
+    named_dims = dim_attributes(op)
     per: list[list[ast.Expr]] = []
     for param in op.attr_params:
         kind = param.type.kind
         if kind == "real":
-            per.append([ast.Num(1.0)])
+            per.append([ast.Name(REAL)])
         elif kind == "degree":
             per.append([_degree(d) for d in degrees])
         elif param.name in ("start", "size"):
             per.append([ast.Num(0)])      # filled in below from the split dim's extent
-        else:
+        elif param.name in named_dims:
             per.append([ast.Num(d) for d in dims])
+        else:
+            per.append([ast.Name(FACTOR)])
     plain = [tuple(c) for c in itertools.product(*per)]
     if "start" not in names or "size" not in names or not args:
         return plain
@@ -259,32 +358,52 @@ def leaves(vocab: Vocabulary) -> list[ast.Expr]:
 
 @dataclass(frozen=True)
 class Environment:
-    """Concrete sizes, degrees and input values at which every term is evaluated."""
+    """Concrete sizes, degrees, reals and input values at which every term is evaluated."""
 
     sizes: Mapping[str, int] = field(hash=False)
     inputs: Mapping[str, np.ndarray] = field(hash=False)
+    reals: Mapping[str, float] = field(default_factory=dict, hash=False)
+
+
+def _uses_factor(vocab: Vocabulary) -> bool:
+    for name in vocab.names:
+        if name in PARALLEL_OPS:
+            continue
+        op = vocab.ops[name]
+        named = dim_attributes(op)
+        if any(p.type.kind == "int" and p.name not in named and p.name not in ("start", "size")
+               for p in op.attr_params):
+            return True
+    return False
 
 
 def environments(vocab: Vocabulary, degrees: Sequence[int], count: int, seed: int = 0) -> list[Environment]:
     """`count` random environments, cycling through `degrees` for p (q the next one in the list).
 
-    Dims are distinct multiples of p * q (so a partition by p, q or p * q
-    divides, and no two dims coincide by accident, which would group terms of
-    different shapes) and at least 2 * p * q, so split's start + size fits.
+    Dims are distinct multiples of p * q * f (so a partition by p, q or
+    p * q divides, so does unflatten's factor f, and no two dims coincide by
+    accident, which would group terms of different shapes) and at least
+    2 * p * q, so split's start + size fits. A small vocabulary (rank 3)
+    uses the first two degrees and smaller multiples.
     """
     rng = random.Random(seed)
     out = []
     symbols = vocab.size_symbols()
+    if vocab.small:
+        degrees = tuple(degrees[:2])
     for index in range(count):
         p = degrees[index % len(degrees)]
         q = degrees[(index + 1) % len(degrees)]
-        factors = rng.sample(range(2, 2 + len(symbols) + 2), len(symbols))
-        sizes = {s: p * q * f for s, f in zip(symbols, factors)}
-        sizes.update({DEGREE: p, DEGREE2: q, START: rng.randint(1, 3), SIZE: rng.randint(1, 4)})
+        low = 1 if vocab.small else 2
+        factors = rng.sample(range(low, low + len(symbols) + 2), len(symbols))
+        unit = p * q * (FACTOR_VALUE if _uses_factor(vocab) else 1)
+        sizes = {s: unit * f for s, f in zip(symbols, factors)}
+        sizes.update({DEGREE: p, DEGREE2: q, START: rng.randint(1, 3), SIZE: rng.randint(1, 4),
+                      FACTOR: FACTOR_VALUE})
         np_rng = np.random.default_rng(rng.randrange(2 ** 32))
         inputs = {v.name: np_rng.integers(-9, 10, size=tuple(sizes[d] for d in v.dims)).astype(np.float64)
                   for v in vocab.inputs}
-        out.append(Environment(sizes, inputs))
+        out.append(Environment(sizes, inputs, {REAL: REAL_VALUE}))
     return out
 
 
@@ -307,7 +426,7 @@ class _Memo(_Simulator):
     """The verifier's piece-wise simulator, reusing the pieces of terms already evaluated (by AST node)."""
 
     def __init__(self, env: Environment, memo: dict[int, np.ndarray]):
-        super().__init__(env.sizes, env.inputs, {})
+        super().__init__(env.sizes, env.inputs, env.reals)
         self.memo = memo
 
     def run(self, term: TypedTerm) -> np.ndarray:
@@ -326,19 +445,18 @@ class Evaluator:
     def __post_init__(self) -> None:
         self.memos = [{} for _ in self.envs]
 
-    def fingerprint(self, instance: RuleInstance) -> tuple[str, list[np.ndarray]] | None:
+    def fingerprint(self, term: TypedTerm, requires: Sequence) -> tuple[str, list[np.ndarray]] | None:
         """Shape, spread and observed values at every environment, hashed, and the pieces (None: skip it).
 
-        A term is skipped when it is undefined at some environment (a
-        requirement fails, e.g. `combine` of a whole tensor), has more pieces
-        than `max_pieces`, or its values are not exact integers.
+        A term is skipped when it is undefined at some environment (one of
+        its `requires` fails, e.g. `combine` of a whole tensor), has more
+        pieces than `max_pieces`, or its values are not exact integers.
         """
-        term = instance.lhs
         digest = hashlib.blake2b(digest_size=16)
         all_pieces = []
         for env, memo in zip(self.envs, self.memos):
             sizes = env.sizes
-            if not all(holds(c, sizes) for c in instance.lhs_requires):
+            if not all(holds(c, sizes) for c in requires):
                 return None
             if term.spread.pieces.evaluate(sizes) > self.max_pieces:
                 return None
@@ -350,11 +468,10 @@ class Evaluator:
             except (Unsupported, EvaluationError, ZeroDivisionError, IndexError, ValueError):
                 return None
             seen = observe(pieces, len(shape))
-            if (not np.all(np.isfinite(seen)) or np.any(np.abs(seen) > EXACT_LIMIT)
-                    or np.any(seen != np.round(seen))):
+            if not np.all(np.isfinite(seen)) or np.any(np.abs(seen) > EXACT_LIMIT):
                 return None
             digest.update(repr((shape, spread, seen.shape)).encode())
-            digest.update(np.ascontiguousarray(seen.astype(np.int64)).tobytes())
+            digest.update(_value_bytes(seen))
             all_pieces.append(pieces)
         return digest.hexdigest(), all_pieces
 
@@ -363,9 +480,27 @@ class Evaluator:
             memo[id(expr)] = value
 
 
+def _value_bytes(values: np.ndarray) -> bytes:
+    """Exact integers as they are; other values (softmax, layernorm, gelu) by a rounded mantissa.
+
+    Integer inputs keep sums, products and the parallel operators exact, so
+    those fingerprints cannot collide by rounding. Operators with division,
+    roots or exponentials leave the integers; two equal terms computed in
+    another order then differ in the last bits, so their values are kept to
+    ROUNDED_BITS mantissa bits (a term on the edge of a rounding step can
+    miss its group: a candidate lost, never a wrong rule, which only the
+    verifier could let through and it proves every rule).
+    """
+    if np.all(values == np.round(values)):
+        return b"i" + np.ascontiguousarray(values.astype(np.int64)).tobytes()
+    mantissa, exponent = np.frexp(values)
+    rounded = np.round(mantissa * 2.0 ** ROUNDED_BITS).astype(np.int64)
+    return b"r" + np.ascontiguousarray(rounded).tobytes() + np.ascontiguousarray(exponent).tobytes()
+
+
 def fingerprint(instance: RuleInstance, envs: Sequence[Environment], max_pieces: int) -> str | None:
-    """The fingerprint of one term (no memory of other terms)."""
-    found = Evaluator(envs, max_pieces).fingerprint(instance)
+    """The fingerprint of one term, a typed rule's left side (no memory of other terms)."""
+    found = Evaluator(envs, max_pieces).fingerprint(instance.lhs, instance.lhs_requires)
     return None if found is None else found[0]
 
 
@@ -398,8 +533,10 @@ def enumerate_terms(vocab: Vocabulary, max_ops: int, envs: Sequence[Environment]
     neither grouped nor used as an argument; nor is a term whose value an
     earlier term already has (it joins that term's group).
 
-    At 3 or more operators the last level applies only operators with two or
-    more tensor inputs (add, concat, matmul, ...): a unary operator on top
+    Within a level the top operators take turns (one term each), so a level
+    cut short by a limit has terms of every operator. At 3 or more
+    operators the last level applies only operators with two or more tensor
+    inputs (add, concat, matmul, ...): a unary operator on top
     of a term of the size below mostly moves through it (`relu`, `split`,
     `partition` of an `add`), which the rules one level down already do,
     and the unary tops were two thirds of the terms of that level.
@@ -407,6 +544,7 @@ def enumerate_terms(vocab: Vocabulary, max_ops: int, envs: Sequence[Environment]
     from parsat.dsl.printer import format_expr
 
     evaluator = Evaluator(envs, max_pieces)
+    typer = TermTyper(vocab.binders(), vocab.ops)
     reps: dict[int, dict[tuple, list[Term]]] = {}     # count -> signature -> representatives
     groups: dict[str, list[Term]] = {}
     counts = {"built": 0, "typed": 0}
@@ -419,42 +557,57 @@ def enumerate_terms(vocab: Vocabulary, max_ops: int, envs: Sequence[Environment]
             raise _Stop("terms")
         if counts["built"] % 256 == 0 and deadline():
             raise _Stop("seconds")
-        instance = type_term(vocab, expr)
-        if instance is None:
+        try:
+            typed, requires = typer.type(expr)
+        except TypeCheckError:
             return False
-        found = evaluator.fingerprint(instance)
+        if typed.problems:
+            return False
+        found = evaluator.fingerprint(typed, requires)
         if found is None:
             return True
         digest, pieces = found
         counts["typed"] += 1
-        term = Term(expr, count, instance.lhs, format_expr(expr))
+        term = Term(expr, count, typed, format_expr(expr))
         members = groups.setdefault(digest, [])
         members.append(term)
         if len(members) == 1 and count < max_ops:
             evaluator.remember(expr, pieces)
+            typer.remember(typed, requires)
             reps.setdefault(count, {}).setdefault(_signature(term), []).append(term)
         return True
 
     try:
         for leaf in leaves(vocab):
             add(leaf, 0)
+        def level(name: str, count: int) -> Iterator[None]:
+            """Every term with `name` on top and `count` operators; yields after each one."""
+            positions = _tensor_positions(vocab, name)
+            for split in _compositions(count - 1, len(positions)):
+                buckets = [list(reps.get(c, {}).items()) for c in split]
+                for sig_combo in itertools.product(*buckets):
+                    pools = [members for _, members in sig_combo]
+                    for probe in _calls(vocab, name, [pool[0] for pool in pools]):
+                        # one type check per (attributes, argument types): the rest share its outcome
+                        first = True
+                        for args in itertools.product(*pools):
+                            expr = _with_tensors(probe, positions, [a.expr for a in args])
+                            typed = add(expr, count)
+                            yield
+                            if not typed and first:
+                                break
+                            first = False
+
         for count in range(1, max_ops + 1):
-            for name in vocab.names:
-                positions = _tensor_positions(vocab, name)
-                if count == max_ops >= 3 and len(positions) < 2:
-                    continue  # see the docstring: the last level of a deep search is binary operators only
-                for split in _compositions(count - 1, len(positions)):
-                    buckets = [list(reps.get(c, {}).items()) for c in split]
-                    for sig_combo in itertools.product(*buckets):
-                        pools = [members for _, members in sig_combo]
-                        for probe in _calls(vocab, name, [pool[0] for pool in pools]):
-                            # one type check per (attributes, argument types): the rest share its outcome
-                            first = True
-                            for args in itertools.product(*pools):
-                                expr = _with_tensors(probe, positions, [a.expr for a in args])
-                                if not add(expr, count) and first:
-                                    break
-                                first = False
+            # the top operators take turns, so that a level cut short by a limit has some terms of each
+            running = [level(name, count) for name in vocab.names
+                       if not (count == max_ops >= 3 and len(_tensor_positions(vocab, name)) < 2)]
+            while running:
+                for gen in list(running):
+                    try:
+                        next(gen)
+                    except StopIteration:
+                        running.remove(gen)
             if progress is not None:
                 progress(f"enumerate: {count} operator(s): {counts['built']} terms built, {counts['typed']} defined, "
                          f"{len(groups)} groups")

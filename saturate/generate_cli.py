@@ -24,6 +24,12 @@ def register(subparsers) -> None:
     gen.add_argument("--max-terms", type=int, default=200_000, help="stop enumerating after this many terms")
     gen.add_argument("--prune-with-library", action="store_true",
                      help="also drop candidates the shipped library derives")
+    gen.add_argument("--no-lift", dest="lift", action="store_false",
+                     help="keep rules at the ranks they were found (no rank-polymorphic widening)")
+    gen.add_argument("--no-operator-vocabularies", dest="per_operator", action="store_false",
+                     help="enumerate the joint rank-2 vocabulary only")
+    gen.add_argument("--max-rank", type=int, default=3, metavar="R",
+                     help="rank of the per-operator vocabularies' inputs, at most (default 3)")
     gen.add_argument("--rules", action="append", default=None, metavar="PATH",
                      help=".rule files or folders with the operators (default: the shipped library)")
     gen.add_argument("--output", "-o", required=True, metavar="FILE.rule")
@@ -52,9 +58,12 @@ def run_generate(args: argparse.Namespace) -> int:
         library = resolve_library(args.rules)
     except DslError as err:
         return _error("\n".join(d.render() for d in err.diagnostics))
+    if args.seconds <= 0 or args.max_terms < 1 or args.max_rank < 1 or args.verify_timeout <= 0:
+        return _error("--seconds, --max-terms, --max-rank and --verify-timeout must be positive")
     settings = Settings(ops, args.max_ops, degrees, args.seconds, max_terms=args.max_terms,
                         verify_timeout=args.verify_timeout, jobs=max(1, args.jobs),
-                        prune_with_library=args.prune_with_library)
+                        prune_with_library=args.prune_with_library, lift=args.lift,
+                        per_operator=args.per_operator, max_rank=args.max_rank)
     say = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     try:
         result = generate(library, settings, progress=say)

@@ -10,8 +10,10 @@ import pytest
 from parsat.dsl.library import load_library
 from parsat.dsl.printer import format_expr
 from parsat.saturate import enumerate as enum
-from parsat.saturate.generate import Deriver, Settings, generate, make_rule, verify_all, _typed
 from parsat.dsl.parser import parse
+from parsat.saturate.candidates import make_rule
+from parsat.saturate.derivation import Deriver, typed as _typed
+from parsat.saturate.generate import Settings, generate, verify_all
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +33,9 @@ def relu_parallel(library):
 
 def test_finds_known_true_rules(relu_parallel):
     texts = _texts(relu_parallel)
-    assert "relu(partition(x, 0, p)) => partition(relu(x), 0, p)" in texts
+    assert "relu(partition(x, len(a), p)) => partition(relu(x), len(a), p)" in texts   # lifted to any rank
     assert "relu(replicate(x, p)) => replicate(relu(x), p)" in texts
-    assert "combine(partition(x, 1, p), 1, p) => x" in texts
+    assert "combine(partition(x, len(a), p), len(a), p) => x" in texts
     assert "relu(relu(x)) => relu(x)" in texts
     s = relu_parallel.summary
     assert s.kept == len(relu_parallel.rules) and s.proved >= s.kept and s.terms_built > 0
@@ -55,7 +57,7 @@ def test_introduction_rule_gets_a_where(library):
     vocab = enum.vocabulary(["relu", "partition", "combine"], library.ops)
     lhs = parse("rule r: forall x: [m, k] relu(x) => x").items[0].lhs
     rhs = parse("rule r: forall x: [m, k], p: degree x => combine(relu(partition(x, 0, p)), 0, p)").items[0].rhs
-    rule = make_rule(vocab, lhs, rhs, "intro")
+    rule = make_rule(library.ops, vocab.binders(), lhs, rhs, "intro")
     assert rule is not None and [format_expr(w) for w in rule.where] == ["m % p == 0"]
     assert verify_all([rule], library.ops, 10.0, 1)[0][0] == "PROVED"
 
@@ -73,8 +75,8 @@ def test_fingerprints_are_exact_and_separate_unequal_terms(library):
 def test_a_false_pair_is_never_written(library, monkeypatch):
     """Fingerprints that ignore values put false pairs in one group: the verifier must reject them."""
 
-    def coarse(self, instance):
-        return repr((len(instance.lhs.shape), str(instance.lhs.spread))), []
+    def coarse(self, term, requires):
+        return repr((len(term.shape), str(term.spread))), []
 
     monkeypatch.setattr(enum.Evaluator, "fingerprint", coarse)
     result = generate(library, Settings(("relu",), max_ops=2, degrees=(2,), seconds=60))
@@ -130,14 +132,14 @@ def test_spread_inputs_are_leaves_and_split_reaches_the_extent(library):
 
 
 def test_generalise_renames_a_dim_with_the_attribute_it_feeds(library):
-    from parsat.saturate.generate import Candidate, generalise
+    from parsat.saturate.generalise import widen_sizes
 
     vocab = enum.vocabulary(["concat", "split", "add"], library.ops)
     lhs = parse("rule r: forall x: [m, k], y: [m, k] split(concat(x, y, 0), 0, m, m) => y").items[0].lhs
     rhs = parse("rule r: forall y: [m, k] y => y").items[0].lhs
-    rule = make_rule(vocab, lhs, rhs, "second")
+    rule = make_rule(library.ops, vocab.binders(), lhs, rhs, "second")
     assert verify_all([rule], library.ops, 10.0, 1)[0][0] == "PROVED"
-    general = generalise(Candidate(rule, 2, (0, 0, 2), ""), vocab, library, Settings(("concat", "split"))).rule
+    general = widen_sizes(rule, library.ops)
     dims = {b.name: [format_expr(d) for d in b.type.dims] for b in general.binders if b.is_tensor}
     assert dims["x"][0] != dims["y"][0]                      # independent row counts
     assert format_expr(general.lhs) == f"split(concat(x, y, 0), 0, {dims['x'][0]}, {dims['y'][0]})"
@@ -173,3 +175,91 @@ def test_the_seconds_limit_ends_the_run_with_what_was_proved(library):
     assert result.summary.not_reached > 0
     assert elapsed < settings.seconds + 20, f"{elapsed:.1f} s"  # one chunk of proofs or one pruning batch past it
     assert "not reached" in result.summary.to_text()
+
+
+# ------------------------------------------------------------------ widening, keys, per-operator vocabularies
+
+
+def _one(text):
+    return parse(text).items[0]
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("""rule r: forall x: [m, k], w: [k, n], c: [n], p: degree
+  where m % p == 0
+  linear(partition(x, 0, p), replicate(w, p), replicate(c, p)) => partition(linear(x, w, c), 0, p)""",
+     "linear(partition(x, len(a), p), replicate(w, p), replicate(c, p)) => partition(linear(x, w, c), len(a), p)"),
+    ("""rule r: forall x: [h, m, k], y: [h, k, n], p: degree
+  where h % p == 0
+  bmm(partition(x, 0, p), partition(y, 0, p)) => partition(bmm(x, y), 0, p)""",
+     "bmm(partition(x, len(a), p), partition(y, len(a), p)) => partition(bmm(x, y), len(a), p)"),
+    ("""rule r: forall x: [m, n], p: degree
+  where m % p == 0
+  softmax(partition(x, 0, p), 1) => partition(softmax(x, 1), 0, p)""",
+     "softmax(partition(x, len(a), p), len(a) + len(b) + 1) => partition(softmax(x, len(a) + len(b) + 1), len(a), p)"),
+])
+def test_lift_ranks_shifts_dim_attributes_by_the_groups_before_them(library, text, expected):
+    from parsat.saturate.generalise import lift_ranks
+
+    lifted = lift_ranks(_one(text), library.ops)
+    assert lifted, "no lifting found"
+    assert format_expr(lifted[0].lhs) + " => " + format_expr(lifted[0].rhs) == expected
+    assert verify_all([lifted[0]], library.ops, 20.0, 1)[0][0] == "PROVED"
+
+
+def test_a_dim_an_attribute_points_at_is_never_folded_away(library):
+    """Folding `[*a, m, *b, k, *c]` to `[*a, k, *c]` is a generalisation only when no attribute names m."""
+    from parsat.saturate.generalise import lift_ranks
+
+    rule = _one("""rule r: forall x: [m, k], p: degree
+  where m % p == 0, k % p == 0
+  combine(partition(partition(x, 1, p), 0, p), 0, p) => partition(x, 1, p)""")
+    lifted = lift_ranks(rule, library.ops)[0]
+    text = format_expr(lifted.lhs)
+    assert "len(a) + len(b) + 1" in text and "partition(x, len(a), p)" not in format_expr(lifted.rhs)
+
+
+def test_rule_key_ignores_names_and_the_order_of_degrees(library):
+    from parsat.saturate.candidates import rule_identity as rule_key
+
+    a, b, c, d = parse("""
+rule a: forall x: [*a, m, *b], p: degree
+  combine(partition(x, len(a), p), len(a), p) => x
+rule b: forall y: [*g, k, *h], q: degree
+  combine(partition(y, len(g), q), len(g), q) => y
+rule c: forall x: [*s], p: degree, q: degree
+  replicate(replicate(x, p), q) => replicate(x, p * q)
+rule d: forall x: [*s], p: degree, q: degree
+  replicate(replicate(x, q), p) => replicate(x, p * q)
+""").items
+    assert rule_key(a) == rule_key(b)
+    assert rule_key(c) == rule_key(d)
+    assert rule_key(a) != rule_key(c)
+
+
+def test_operator_vocabularies_type_what_the_joint_pool_cannot(library):
+    vocabs = enum.operator_vocabularies(["linear", "bmm", "layernorm", "partition", "replicate"], library.ops)
+    shapes = {v.label: [i.dims for i in v.inputs] for v in vocabs}
+    assert any(len(s) == 3 and len(s[2]) == 1 for label, s in shapes.items() if label.startswith("linear"))
+    assert any(len(s[0]) == 3 for label, s in shapes.items() if label.startswith("bmm"))   # a batch dim
+    assert all("partition" in v.names and "relu" not in v.names for v in vocabs)
+
+
+def test_candidate_graph_drops_what_kept_rules_derive(library):
+    from parsat.saturate.derivation import CandidateGraph
+
+    general, narrow, other = parse("""
+rule g: forall x: [*a, m, *b], p: degree
+  where m % p == 0
+  relu(partition(x, len(a), p)) => partition(relu(x), len(a), p)
+rule n: forall x: [m, k], p: degree
+  where k % p == 0
+  relu(partition(x, 1, p)) => partition(relu(x), 1, p)
+rule o: forall x: [m, k], p: degree
+  relu(replicate(x, p)) => replicate(relu(x), p)
+""").items
+    graph = CandidateGraph(library, [_typed(narrow, library), _typed(other, library)])
+    assert graph.derived([0, 1]) == [False, False]
+    graph.add_rules([general])
+    graph.saturate()
+    assert graph.derived([0, 1]) == [True, False]

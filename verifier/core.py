@@ -124,6 +124,31 @@ def verify_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], file: str = "
         return done(UNKNOWN, f"internal error: {type(err).__name__}: {err}")
 
 
+def refuted_concretely(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], trials: int = 40) -> bool:
+    """Whether the concrete search finds a counterexample (False is no proof, only no evidence against).
+
+    The rule generator tries many variants of a proved rule (wider sizes,
+    more ranks) and proves only the one it settles on; this refutes most
+    wrong variants in milliseconds. Raises RuleError for a malformed rule.
+    """
+    try:
+        typed = instances(rule, ops)
+    except TypeCheckError as err:
+        raise RuleError(f"rule {rule.name}: {err}") from None
+    if not typed:
+        return True
+    searched = [i for i in typed if _rank(i) <= SEARCH_MAX_RANK][:SEARCH_MAX_INSTANCES]
+    per_instance = max(SEARCH_MIN_TRIALS, trials // max(1, len(searched)))
+    for instance in searched:
+        problem = compare_sides(instance)
+        if problem is not None and problem.kind not in SEMANTIC_KINDS:
+            raise RuleError(f"rule {rule.name}: {problem}")
+        failure, _ran, _skipped = concrete.search(instance, count=per_instance)
+        if failure is not None:
+            return True
+    return False
+
+
 def _groups(instance: RuleInstance) -> str:
     if not instance.groups:
         return ""
