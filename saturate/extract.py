@@ -20,8 +20,12 @@ The best plan that fits in memory wins.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import heapq
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
@@ -322,6 +326,32 @@ def _reachable(snapshot: Snapshot, roots: Sequence[int], usable) -> list[int]:
     return sorted(seen)
 
 
+@contextlib.contextmanager
+def _quiet_stdout():
+    """File descriptor 1 goes to /dev/null inside the block.
+
+    HiGHS prints its banner from the C++ constructor, before any option
+    (`output_flag`) can be set, straight to the process's stdout: it would
+    end up in `parsat optimize -q` and in the JSON a caller reads.
+    """
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:           # no stdout at all: nothing to protect
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None).fflush(None)   # C stdio's buffer goes to /dev/null, not to the restored fd
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
 def ilp(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], usable, capacity: float,
         warm: Mapping[int, int] | None, seconds: float, rank: Mapping[int, int]) -> tuple[dict[int, int] | None, str]:
     """Exact DAG extraction with a memory constraint, by HiGHS, under a time limit.
@@ -394,8 +424,9 @@ def ilp(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[in
     lp.a_matrix_.num_col_ = ncols
     lp.a_matrix_.num_row_ = len(lower)
     lp.integrality_ = [highspy.HighsVarType.kInteger] * ncols
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    with _quiet_stdout():
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
     h.setOptionValue("mip_rel_gap", 1e-6)
     h.setOptionValue("time_limit", float(max(seconds, 0.05)))
     h.passModel(lp)

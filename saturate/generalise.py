@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -98,10 +99,15 @@ def _rename(tensors: Mapping[str, list[str]], body: str, slots: Iterable[_Slot],
     return out, body
 
 
-def widen_sizes(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], max_tries: int = 40) -> ast.RuleDecl:
+def _late(deadline: float | None) -> bool:
+    return deadline is not None and time.perf_counter() >= deadline
+
+
+def widen_sizes(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], max_tries: int = 40,
+                deadline: float | None = None) -> ast.RuleDecl:
     """The rule with as many size symbols made independent as stay plausible (not yet proved).
 
-    Greedy, at most `max_tries` plausible-checks per rule.
+    Greedy, at most `max_tries` plausible-checks per rule, none after `deadline` (`time.perf_counter()`).
     """
     tensors = {b.name: [format_expr(d) for d in b.type.dims] for b in rule.binders if b.is_tensor}
     if any(isinstance(d, ast.Variadic) for b in rule.binders if b.is_tensor for d in b.type.dims):
@@ -114,7 +120,7 @@ def widen_sizes(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], max_tries: in
     fresh = 0
     work = list(symbols)
     current = rule
-    while work and tries < max_tries:
+    while work and tries < max_tries and not _late(deadline):
         symbol = work.pop(0)
         if not re.fullmatch(r"[A-Za-z_]\w*", symbol):
             continue
@@ -148,9 +154,9 @@ def widen_sizes(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], max_tries: in
                         slots = _slots(symbol, tensors, body)
                         found = True
                         break
-                    if tries >= max_tries:
+                    if tries >= max_tries or _late(deadline):
                         break
-                if found or tries >= max_tries:
+                if found or tries >= max_tries or _late(deadline):
                     break
     return current
 
@@ -404,7 +410,8 @@ def _choices(rule: ast.RuleDecl) -> list[tuple[tuple[str, ...], tuple[int, ...]]
     return [(lift, gaps) for lift, gaps, _ in out]
 
 
-def lift_ranks(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], max_tries: int = 12) -> list[ast.RuleDecl]:
+def lift_ranks(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], max_tries: int = 12,
+               deadline: float | None = None) -> list[ast.RuleDecl]:
     """The most general plausible rank-polymorphic form of a fixed-rank rule: dims folded, then unfolded
     ([] when none is plausible)."""
     if any(isinstance(d, ast.Variadic) for b in rule.binders if b.is_tensor for d in b.type.dims):
@@ -416,22 +423,25 @@ def lift_ranks(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], max_tries: int
         return []
     tries = 0
     for lift, gaps in _choices(rule):
+        if _late(deadline):
+            break
         candidate = _lift(rule, ops, lift, gaps, names)
         if candidate is None:
             continue
         tries += 1
         if plausible(candidate, ops):
-            folded = fold_free_dims(candidate, ops)
+            folded = fold_free_dims(candidate, ops, deadline)
             return [folded, candidate] if folded is not candidate else [candidate]
         if tries >= max_tries:
             break
     return []
 
 
-def fold_free_dims(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl]) -> ast.RuleDecl:
-    """Folds free dims into a neighbouring group while the rule stays plausible."""
+def fold_free_dims(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl],
+                   deadline: float | None = None) -> ast.RuleDecl:
+    """Folds free dims into a neighbouring group while the rule stays plausible (until `deadline`)."""
     changed = True
-    while changed:
+    while changed and not _late(deadline):
         changed = False
         for holders, dim in _free_dims(rule, ops):
             folded = _fold(rule, ops, holders, dim)
@@ -442,10 +452,14 @@ def fold_free_dims(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl]) -> ast.Rul
 
 
 def widen(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], prove: Prover, ranks: bool = True,
-          sizes: bool = True) -> ast.RuleDecl:
-    """Sizes widened, then ranks lifted; proved once at the end, else the next narrower form, else `rule`."""
-    sized = widen_sizes(rule, ops) if sizes else rule
-    forms = lift_ranks(sized, ops) if ranks else []
+          sizes: bool = True, deadline: float | None = None) -> ast.RuleDecl:
+    """Sizes widened, then ranks lifted; proved once at the end, else the next narrower form, else `rule`.
+
+    Past `deadline` (`time.perf_counter()`) no more variants are tried: the run's time limit holds
+    inside a worker too, and a rule is kept in the widest form found by then.
+    """
+    sized = widen_sizes(rule, ops, deadline=deadline) if sizes else rule
+    forms = lift_ranks(sized, ops, deadline=deadline) if ranks else []
     if sized is not rule:
         forms.append(sized)
     for form in forms:

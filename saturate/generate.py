@@ -178,18 +178,21 @@ def _decide(args: tuple) -> tuple[int, str, str, ast.RuleDecl]:
     """Worker: prove a candidate and, when proved, widen it. (index, verdict, reason, the rule to keep)."""
     from parsat.saturate.generalise import widen
 
-    index, rule, ops, timeout, sizes, ranks = args
+    index, rule, ops, timeout, sizes, ranks, deadline = args
     verdict, reason = prove(rule, ops, timeout)
     if verdict != "PROVED" or not (sizes or ranks):
         return index, verdict, reason, rule
-    wide = widen(rule, ops, lambda r: prove(r, ops, timeout)[0] == "PROVED", ranks=ranks, sizes=sizes)
+    wide = widen(rule, ops, lambda r: prove(r, ops, timeout)[0] == "PROVED", ranks=ranks, sizes=sizes,
+                 deadline=deadline)
     return index, verdict, reason, wide
 
 
-def decide_all(rules: Sequence[ast.RuleDecl], ops: Mapping[str, ast.OpDecl], settings: Settings
-               ) -> list[tuple[str, str, ast.RuleDecl]]:
-    """(verdict, reason, kept form) per rule, `settings.jobs` processes at a time."""
-    work = [(i, r, ops, settings.verify_timeout, settings.widen, settings.lift) for i, r in enumerate(rules)]
+def decide_all(rules: Sequence[ast.RuleDecl], ops: Mapping[str, ast.OpDecl], settings: Settings,
+               deadline: float | None = None) -> list[tuple[str, str, ast.RuleDecl]]:
+    """(verdict, reason, kept form) per rule, `settings.jobs` processes at a time; no widening is tried
+    after `deadline` (`time.perf_counter()`, the same clock in forked workers)."""
+    work = [(i, r, ops, settings.verify_timeout, settings.widen, settings.lift, deadline)
+            for i, r in enumerate(rules)]
     if settings.jobs > 1 and len(work) > 1:
         with ProcessPoolExecutor(max_workers=settings.jobs) as pool:
             results = list(pool.map(_decide, work, chunksize=1))
@@ -312,7 +315,7 @@ def _select(cands: Sequence[Candidate], library: Library, settings: Settings, de
                         break
             new: list[Candidate] = []
             clock = time.perf_counter()
-            decisions = decide_all([window[j].rule for j in batch], library.ops, settings)
+            decisions = decide_all([window[j].rule for j in batch], library.ops, settings, deadline)
             summary.prove_seconds += time.perf_counter() - clock
             for j, (verdict, _reason, rule) in zip(batch, decisions):
                 decided[j] = True

@@ -263,3 +263,34 @@ rule o: forall x: [m, k], p: degree
     graph.add_rules([general])
     graph.saturate()
     assert graph.derived([0, 1]) == [True, False]
+
+
+def test_widening_stops_at_the_deadline(library):
+    """Past the run's deadline a worker tries no wider form: the proved rule is kept as it is."""
+    import time
+
+    from parsat.saturate.generalise import widen
+
+    rule = _one("""rule r: forall x: [m, k], p: degree
+  where m % p == 0
+  relu(partition(x, 0, p)) => partition(relu(x), 0, p)""")
+    proofs = []
+    kept = widen(rule, library.ops, lambda r: proofs.append(r) or True, deadline=time.perf_counter())
+    assert kept is rule and proofs == []
+    wide = widen(rule, library.ops, lambda r: proofs.append(r) or True)
+    assert wide is not rule and "len(a)" in format_expr(wide.lhs)
+
+
+def test_a_plausibility_check_does_not_shrink_its_counterexample(library, monkeypatch):
+    """The generator only asks whether a variant fails; shrinking a counterexample nobody reads cost minutes."""
+    from parsat.verifier import concrete
+    from parsat.verifier.core import refuted_concretely
+
+    def no_shrink(*_args, **_kwargs):
+        raise AssertionError("shrink called")
+
+    monkeypatch.setattr(concrete, "shrink", no_shrink)
+    wrong = _one("""rule r: forall x: [m, k], p: degree
+  where m % p == 0
+  relu(partition(x, 0, p)) => partition(x, 0, p)""")
+    assert refuted_concretely(wrong, library.ops)

@@ -199,6 +199,16 @@ def test_cli_optimize_explain_show(tmp_path, capsys):
     assert main(["explain", str(tmp_path / "missing.json")]) == 1
 
 
+def test_the_ilp_solver_prints_nothing(tmp_path, capfd):
+    """HiGHS writes a banner to file descriptor 1 from its constructor; none of it may reach the user."""
+    plan = tmp_path / "plan.json"
+    code = main(["optimize", "mlp", "--devices", "2", "--machine", "cpu", "-o", str(plan), "--allow-unverified",
+                 "--rules", str(TEST_RULES / "mlp.rule"), "--set", "batch=64", "-q"])
+    out = capfd.readouterr().out
+    assert code == 0 and "ilp" in json.loads(plan.read_text())["extraction"]["candidates"]
+    assert "HiGHS" not in out and out.startswith("plan for 'mlp'")
+
+
 def test_unproved_rules_are_left_out(small_rules, monkeypatch):
     """Without --allow-unverified only PROVED rules reach saturation (verifier faked for speed)."""
     import parsat.verifier.api as verifier_api

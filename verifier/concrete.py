@@ -363,8 +363,10 @@ def candidate_sizes(instance: RuleInstance, rng: random.Random, count: int) -> I
         yield sizes
 
 
-def search(instance: RuleInstance, count: int = 60, seed: int = 0) -> tuple[Failure | None, int, str]:
-    """The first failing sizes found, how many trials ran, and the last skip reason."""
+def search(instance: RuleInstance, count: int = 60, seed: int = 0,
+           shrink_failure: bool = True) -> tuple[Failure | None, int, str]:
+    """The first failing sizes found (shrunk unless `shrink_failure` is False: a caller that only asks
+    whether the rule fails needs no small counterexample), how many trials ran, and the last skip reason."""
     rng = random.Random(seed)
     ran, skipped = 0, ""
     for k, sizes in enumerate(candidate_sizes(instance, rng, count)):
@@ -376,7 +378,7 @@ def search(instance: RuleInstance, count: int = 60, seed: int = 0) -> tuple[Fail
         if applies(instance, sizes):
             ran += 1
         if failure is not None:
-            return shrink(instance, failure), ran, skipped
+            return (shrink(instance, failure) if shrink_failure else failure), ran, skipped
     return None, ran, skipped
 
 

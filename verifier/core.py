@@ -143,7 +143,7 @@ def refuted_concretely(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], trials
         problem = compare_sides(instance)
         if problem is not None and problem.kind not in SEMANTIC_KINDS:
             raise RuleError(f"rule {rule.name}: {problem}")
-        failure, _ran, _skipped = concrete.search(instance, count=per_instance)
+        failure, _ran, _skipped = concrete.search(instance, count=per_instance, shrink_failure=False)
         if failure is not None:
             return True
     return False
