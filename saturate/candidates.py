@@ -165,14 +165,30 @@ def _sorted_products(text: str) -> str:
     return _PRODUCT.sub(lambda m: " * ".join(sorted((m.group(1), m.group(2)))), text)
 
 
+_NAME_PRODUCT = re.compile(r"\b([A-Za-z_]\w*) \* ([A-Za-z_]\w*)\b(?!\()")
+
+
 def _degree_orders(text: str, degrees: Sequence[str]) -> list[str]:
-    """`text` under every permutation of its degree names (p and q play the same part)."""
-    if len(degrees) < 2:
-        return [text]
+    """`text` under every permutation of its degree names (p and q play the same part), each also with the
+    factors of its products of two names swapped.
+
+    Names are numbered by first appearance (`alpha_text`), so `p * q` and
+    `q * p` number p and q differently though the product commutes:
+    without the swapped texts, `combine(partition(partition(x, 0, p * q), 1, p), 1, p)` and the same rule
+    with `q` in the outer two places got two identities.
+    """
+    texts = [text]
+    if len(degrees) >= 2:
+        texts = []
+        for perm in itertools.permutations(degrees):
+            mapping = dict(zip(degrees, perm))
+            texts.append(re.sub(r"[A-Za-z_]\w*", lambda m: mapping.get(m.group(0), m.group(0)), text))
     out = []
-    for perm in itertools.permutations(degrees):
-        mapping = dict(zip(degrees, perm))
-        out.append(re.sub(r"[A-Za-z_]\w*", lambda m: mapping.get(m.group(0), m.group(0)), text))
+    for variant in texts:
+        out.append(variant)
+        swapped = _NAME_PRODUCT.sub(lambda m: f"{m.group(2)} * {m.group(1)}", variant)
+        if swapped != variant:
+            out.append(swapped)
     return out
 
 
@@ -258,7 +274,10 @@ def pairs(enumeration: Enumeration, canon: Canon) -> list[tuple[ast.Expr, ast.Ex
     """(lhs, rhs, key) per group member and the group's smallest member, both directions, one per key.
 
     Towards the small member a rule simplifies; away from it, it distributes
-    or introduces parallelism (`worth_expanding`).
+    or introduces parallelism (`worth_expanding`). Between members that
+    apply as many operators, neither is smaller (the head is only first by
+    text), so both directions are lateral rewrites, fusions among them
+    (`add(matmul(x, w), matmul(y, v))` => `matmul(concat(x, y, 1), concat(w, v, 0))`).
     """
     out: list[tuple[ast.Expr, ast.Expr, str]] = []
     seen: set[str] = set()
@@ -271,7 +290,7 @@ def pairs(enumeration: Enumeration, canon: Canon) -> list[tuple[ast.Expr, ast.Ex
             for lhs, rhs in ((other.expr, head.expr), (head.expr, other.expr)):
                 if not isinstance(lhs, ast.Call):
                     continue
-                if lhs is head.expr and not worth_expanding(lhs, rhs):
+                if lhs is head.expr and other.ops > head.ops and not worth_expanding(lhs, rhs):
                     continue
                 key = canon.key(lhs, rhs)
                 if key in seen:

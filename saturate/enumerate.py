@@ -53,7 +53,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -118,6 +118,7 @@ class Vocabulary:
     spread_leaves: bool = True
     small: bool = False                          # small environments (per-operator vocabularies, rank 3)
     label: str = "joint"                         # what the vocabulary is for, in progress lines
+    own: str = ""                                # a per-operator vocabulary's operator (its rules must use it)
 
     def binders(self) -> tuple[ast.Param, ...]:
         """All metavariables a term may use (a generated rule keeps the ones it uses)."""
@@ -166,6 +167,22 @@ def vocabulary(names: Sequence[str], ops: Mapping[str, ast.OpDecl], spread_leave
     return Vocabulary(ops, tuple(dict.fromkeys(names)), default_inputs(names, ops), spread_leaves=spread_leaves)
 
 
+def algebraic_vocabulary(names: Sequence[str], ops: Mapping[str, ast.OpDecl]) -> Vocabulary | None:
+    """The joint pool over the compute operators alone (None: there are no parallel ones to leave out).
+
+    The parallel operators, spread leaves and degrees multiply the joint
+    vocabulary's terms: over matmul, add, relu, concat and split with the
+    four parallel operators, its third operator level is cut by the term
+    limit long before it ends, and with it every three-operator algebraic
+    rule (fusing two matmuls that share an input, pushing relu through a
+    concat). Without them the same level has some 20,000 terms.
+    """
+    compute = [n for n in dict.fromkeys(names) if n not in PARALLEL_OPS]
+    if not compute or len(compute) == len(set(names)):
+        return None
+    return replace(vocabulary(compute, ops, spread_leaves=False), label="algebraic")
+
+
 def _signature_groups(op: ast.OpDecl) -> list[str]:
     out: list[str] = []
     for param in op.tensor_params:
@@ -208,7 +225,7 @@ def operator_vocabularies(names: Sequence[str], ops: Mapping[str, ast.OpDecl], m
                 continue      # another group assignment with the same inputs (dim attributes vary anyway)
             seen.add((name, inputs))
             out.append(Vocabulary(ops, (name,) + parallel, inputs, dims=tuple(range(rank)),
-                                  spread_leaves=spread_leaves, small=True,
+                                  spread_leaves=spread_leaves, small=True, own=name,
                                   label=f"{name} at ranks {'/'.join(str(len(v.dims)) for v in inputs)}"))
     return out
 

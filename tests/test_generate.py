@@ -237,6 +237,22 @@ rule d: forall x: [*s], p: degree, q: degree
     assert rule_key(a) != rule_key(c)
 
 
+def test_rule_key_sees_that_a_product_of_degrees_commutes():
+    """Names are numbered by first appearance: `p * q` read as `q * p` must not make a second identity."""
+    from parsat.saturate.candidates import rule_identity as rule_key
+
+    outer_p, outer_q, mixed = parse("""
+rule a: forall x: [*a, m, *b, k, *c], p: degree, q: degree
+  combine(partition(partition(x, len(a), p * q), len(a) + len(b) + 1, p), len(a) + len(b) + 1, p) => partition(x, len(a), p * q)
+rule b: forall x: [*a, m, *b, k, *c], p: degree, q: degree
+  combine(partition(partition(x, len(a), p * q), len(a) + len(b) + 1, q), len(a) + len(b) + 1, q) => partition(x, len(a), p * q)
+rule c: forall x: [*a, m, *b, k, *c], p: degree, q: degree
+  combine(partition(partition(x, len(a), p * q), len(a) + len(b) + 1, q), len(a) + len(b) + 1, p) => partition(x, len(a), p * q)
+""").items
+    assert rule_key(outer_p) == rule_key(outer_q)
+    assert rule_key(outer_p) != rule_key(mixed)
+
+
 def test_operator_vocabularies_type_what_the_joint_pool_cannot(library):
     vocabs = enum.operator_vocabularies(["linear", "bmm", "layernorm", "partition", "replicate"], library.ops)
     shapes = {v.label: [i.dims for i in v.inputs] for v in vocabs}
