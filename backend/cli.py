@@ -105,7 +105,7 @@ def main_run(args: argparse.Namespace) -> int:
     try:
         from parsat.backend.executor import ExecutionError, TrainConfig, check_worlds, run_plan
         from parsat.backend.launch import LaunchError
-        from parsat.backend.placement import PlacementError
+        from parsat.dsl.placement import PlacementError
         from parsat.saturate.graph import GraphError
         from parsat.saturate.plan import PlanError
     except ImportError as err:  # torch missing

@@ -36,11 +36,12 @@ import torch.distributed as dist
 
 from parsat.backend.collectives import CommCounter, GroupCache, parallel_op
 from parsat.backend.launch import LaunchConfig, RankContext, launch
-from parsat.backend.placement import Layout, PlacementError, compute_layout, piece_index
 from parsat.backend.torch_ops import apply_op
 from parsat.dsl.library import Library, load_library, shipped_rules_dir
+from parsat.dsl.placement import Layout, PlacementError, compute_layout, piece_index
 from parsat.saturate.graph import Graph, instance_for
 from parsat.saturate.pcg import PCG, PNode
+from parsat.saturate.pcg_layout import lay_out
 
 OPTIMIZERS = ("sgd", "adam")
 
@@ -547,9 +548,14 @@ def run_plan(pcg: PCG, nproc: int, config: TrainConfig, graph: Graph | None = No
 
 
 def check_worlds(pcg: PCG, nproc: int) -> None:
-    """Refuse a plan that needs more ranks than the job has."""
+    """Refuse a plan that needs more ranks than the job has, or whose pieces cannot be laid out on them
+    (before any rank starts: otherwise every rank finds it out at the same node)."""
     if pcg.max_pieces > nproc:
         raise ExecutionError(f"the plan needs {pcg.max_pieces} devices but --nproc is {nproc}")
+    try:
+        lay_out(pcg, operator_library().ops, nproc)
+    except PlacementError as err:
+        raise ExecutionError(f"the plan cannot run on {nproc} ranks: {err}") from None
 
 
 __all__ = ["ExecutionError", "PlacementError", "Prediction", "RunResult", "evaluate_graph", "run_many", "TrainConfig", "reference_run", "run_plan",

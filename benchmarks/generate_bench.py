@@ -25,9 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-from parsat.dsl.library import load_library
+from parsat.dsl.checker import load_checked
 from parsat.saturate.api import OptimizeError, optimize
-from parsat.saturate.generate import Deriver, derive_rules, rules_over
+from parsat.saturate.generate import derive_library, rules_over
 
 
 def main(argv=None) -> int:
@@ -43,15 +43,14 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/generate_results.md")
     parser.add_argument("--no-derive", dest="derive", action="store_false", help="plans only")
     args = parser.parse_args(argv)
-    shipped = load_library(None)[0]
-    generated = load_library(args.generated)[0]
+    shipped = load_checked(None)
+    generated = load_checked(args.generated)
     gen_rules = list(generated.rules)
-    planning = load_library(args.generated + args.also)[0] if args.also else generated
+    planning = load_checked(args.generated + args.also) if args.also else generated   # e.g. names used twice
     target = rules_over(shipped, args.ops.split(","))
     start = time.perf_counter()
-    deriver = Deriver(generated, gen_rules, devices=4, iterations=8, enodes=30_000, seconds=10.0)
-    results = derive_rules(target, deriver, generated,
-                           progress=lambda m: print(m, file=sys.stderr, flush=True)) if args.derive else []
+    results = derive_library(generated, shipped, args.ops.split(","),
+                             progress=lambda m: print(m, file=sys.stderr, flush=True)) if args.derive else []
     derive_s = time.perf_counter() - start
     considered = [r for r in results if r.instances]
     derived = [r for r in considered if r.ok]

@@ -25,6 +25,7 @@ from parsat.dsl import ast
 from parsat.dsl.checker import is_parallel_rule
 from parsat.dsl.instantiate import InstantiationError
 from parsat.dsl.library import Library
+from parsat.dsl.placement import PlacementError
 from parsat.dsl.spread import infer_compute
 from parsat.saturate.cost import NodeCost, Totals, totals
 from parsat.saturate.egglog_compile import PIN_SUFFIX, Snapshot
@@ -32,6 +33,7 @@ from parsat.saturate.extract import Extraction, ExtractionError, NodeId, Pricer,
 from parsat.saturate.graph import Graph, GraphBuilder, GraphError, instance_for
 from parsat.saturate.machine import Machine
 from parsat.saturate.pcg import PARALLEL, PCG, Layout, PNode
+from parsat.saturate.pcg_layout import lay_out
 from parsat.saturate.plan import JOINT, BaselinePlan, Plan
 from parsat.saturate.saturate import Limits, SaturationResult, saturate
 
@@ -422,6 +424,15 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
         if dcosts is not None:
             candidates.append(_Candidate("data_parallel", dp, dcosts, found["data_parallel"]))
 
+    # Every candidate must be one the backend can lay out (`pcg_layout`); the layout guards make that so,
+    # and a candidate that still is not is left out, and said, rather than returned.
+    unplaceable = _unplaceable(candidates, library, devices)
+    for name, why in unplaceable.items():
+        say(f"{name}: left out, it cannot be laid out on the devices ({why})")
+    candidates = [c for c in candidates if c.name not in unplaceable]
+    if not candidates:
+        raise OptimizeError(f"internal: no plan for '{graph.name}' can be laid out on {devices} devices "
+                            f"({unplaceable.get(JOINT, '')})")
     # Every baseline is a PCG priced by the same model, so the best candidate is a valid plan. The joint plan
     # wins ties; a baseline only replaces it when strictly cheaper (e.g. after a limit stopped the joint search),
     # and `extraction.chosen` and explain() say so.
@@ -435,11 +446,24 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     ext = {"method": extraction.method, "chosen": best.name,
            "seconds": round(extract_seconds, 4), "candidates": dict(extraction.candidates),
            "ilp_status": extraction.ilp_status, "pass_seconds": dict(extraction.seconds)}
+    if unplaceable:
+        ext["unplaceable"] = unplaceable
     baseline_plans = {c.name: BaselinePlan(c.pcg, c.costs) for c in candidates if c.name != JOINT}
     return Plan(graph, machine, devices, best.pcg, best.costs, best.totals, found,
                 rules_used(chosen, joint.snapshot, extraction.choice) if best.name == JOINT else (),
                 saturation, ext, pins,
                 baseline_plans)
+
+
+def _unplaceable(candidates: Sequence[_Candidate], library: Library, devices: int) -> dict[str, str]:
+    """The candidates whose PCG cannot be laid out on `devices` ranks, and why."""
+    out = {}
+    for candidate in candidates:
+        try:
+            lay_out(candidate.pcg, library.ops, devices)
+        except PlacementError as err:
+            out[candidate.name] = str(err)
+    return out
 
 
 def _sequential(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], devices: int, limits: Limits,

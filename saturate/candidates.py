@@ -313,10 +313,11 @@ def requirements(instance: RuleInstance) -> list[str]:
     return out
 
 
-def rule_name(lhs: ast.Expr, rhs: ast.Expr, taken: set[str]) -> str:
+def rule_name(lhs: ast.Expr, rhs: ast.Expr, taken: set[str], prefix: str = "gen") -> str:
+    """`PREFIX_LEFTOPS__to__RIGHTOPS`, numbered when taken (`--prefix` keeps two generated files apart)."""
     left = "_".join(dict.fromkeys(ops_of(lhs))) or "x"
     right = "_".join(dict.fromkeys(ops_of(rhs))) or "id"
-    stem = f"gen_{left}__to__{right}"
+    stem = f"{prefix}_{left}__to__{right}"
     name, k = stem, 2
     while name in taken:
         name, k = f"{stem}_{k}", k + 1
@@ -379,11 +380,11 @@ def _zero_groups(rule: ast.RuleDecl) -> dict[str, int]:
 
 
 def candidate(ops: Mapping[str, ast.OpDecl], vocab: Vocabulary, lhs: ast.Expr, rhs: ast.Expr, key: str,
-              taken: set[str]) -> Candidate | None:
+              taken: set[str], prefix: str = "gen") -> Candidate | None:
     """The typed candidate for a pair (None: it does not type or the checker refuses it)."""
     from parsat.dsl.checker import check_rule
 
-    rule = make_rule(ops, vocab.binders(), lhs, rhs, rule_name(lhs, rhs, taken))
+    rule = make_rule(ops, vocab.binders(), lhs, rhs, rule_name(lhs, rhs, taken, prefix))
     if rule is None:
         return None
     try:

@@ -182,7 +182,7 @@ class Deriver:
     def program(self, ranks: frozenset[int]) -> RuleProgram:
         if ranks not in self._programs:
             self._programs[ranks] = compile_rules(self.library, self.rules, set(ranks), self.devices, None,
-                                                  self.typing_cache, free_degrees=FREE_DEGREES,
+                                                  self.typing_cache, free_degrees=FREE_DEGREES, placement=False,
                                                   compiled_cache=self.compiled_cache)
         return self._programs[ranks]
 
@@ -269,7 +269,7 @@ class CandidateGraph:
             self._pending[index] = _Pending(left, right)
             self._ranks |= ranks_of(instance)
         empty = compile_rules(library, [], self._ranks or {2}, devices, None, self._typing,
-                              free_degrees=FREE_DEGREES)
+                              free_degrees=FREE_DEGREES, placement=False)
         self.session = Session(empty, "\n\n".join(chunks))
 
     def add_rules(self, rules: Sequence[ast.RuleDecl]) -> None:
@@ -285,7 +285,7 @@ class CandidateGraph:
         if not rules:
             return
         program = compile_rules(self.library, list(rules), self._ranks or {2}, self.devices, None, self._typing,
-                                free_degrees=FREE_DEGREES)
+                                free_degrees=FREE_DEGREES, placement=False)
         tag = f"k{len(self._tags)}"
         self.session.extend(program.rules, tag, 10_000_000 + self._loaded)
         self._loaded += len(program.rules)
@@ -331,7 +331,8 @@ class Minimiser:
         self.alive = set(range(len(rules)))
         ranks = {r for found in self.instances for instance in found for r in ranks_of(instance)} or {2}
         typing = typing_cache if typing_cache is not None else {}
-        program = compile_rules(library, list(rules), ranks, devices, None, typing, free_degrees=FREE_DEGREES)
+        program = compile_rules(library, list(rules), ranks, devices, None, typing, free_degrees=FREE_DEGREES,
+                                placement=False)
         self.session = Session(replace(program, rules=()), "")
         by_name: dict[str, list] = {}
         for compiled in program.rules:
@@ -344,7 +345,7 @@ class Minimiser:
                 mine = by_name.get(rule.name, [])
             else:
                 mine = list(compile_rules(library, [rule], ranks, devices, None, typing,
-                                          free_degrees=FREE_DEGREES).rules)
+                                          free_degrees=FREE_DEGREES, placement=False).rules)
             self.session.extend(mine, f"r{index}_", 20_000_000 + loaded)
             loaded += len(mine)
         self._tests = 0

@@ -35,6 +35,15 @@ Encoding
   builds must have at most `devices` pieces, dividing `devices`: the device
   budget. Because parallel terms are never whole, a rule never nests on its
   own output, so saturation of the parallel rules terminates.
+* Placement: a rule is proved for values and spreads, but two terms with
+  one spread can put their pieces on different devices
+  (`replicate(partition(x, 0, p), q)` shards on the first mesh atom,
+  `partition(replicate(x, q), 0, p)` on the second), and a compute operator
+  whose inputs do not line up cannot run (`dsl.placement`). Each rule
+  instance applies only at the degrees where its right side lays out as its
+  left side does (`layout_guard`, a relation of the allowed degrees). The
+  graph's terms lay out, and metavariables are whole, so every e-class then
+  has one layout and every plan extracted from the e-graph can run.
 """
 
 from __future__ import annotations
@@ -183,6 +192,8 @@ class RuleBody:
     pattern: str               # "(= root (...))"
     facts: tuple[str, ...]     # analysis lookups, degree choices, guards
     actions: str
+    placements: tuple[tuple[str, ...], tuple[tuple[int, ...], ...]] | None = None   # (degree variables, the
+    #                            degrees at which both sides lay out alike); None: every degree
 
     def variables(self) -> list[tuple[str, str]]:
         """The pattern's variables and their sorts, in order: tensors (root, m_*), reals (r_*), integers."""
@@ -198,9 +209,17 @@ class RuleBody:
         variables = self.variables()
         relation = f"Match{index}"
         row = f"({relation} {' '.join(v for v, _ in variables)})"
-        return (f"(relation {relation} ({' '.join(sort for _, sort in variables)}))\n"
+        facts = self.facts
+        allowed = ""
+        if self.placements is not None:
+            names, tuples = self.placements
+            placed = f"Placed{index}"
+            allowed = (f"(relation {placed} ({' '.join('i64' for _ in names)}))\n"
+                       + "".join(f"({placed} {' '.join(map(str, t))})\n" for t in tuples))
+            facts = facts + (f"({placed} {' '.join(names)})",)
+        return (f"(relation {relation} ({' '.join(sort for _, sort in variables)}))\n" + allowed +
                 f"(rule ({self.pattern}) ({row}) :ruleset {match_ruleset(chunk)} :name {_quote(key + '/match')})\n"
-                f"(rule ({' '.join((row,) + self.facts)})\n      ({self.actions})\n"
+                f"(rule ({' '.join((row,) + facts)})\n      ({self.actions})\n"
                 f"      :ruleset {chunk} :name {_quote(key)})")
 
 
@@ -326,7 +345,8 @@ def _free_degrees(instance: RuleInstance) -> list[str]:
     return [s for s, kind in instance.symbols.items() if kind == "degree" and s not in bound]
 
 
-def compile_rule_instance(instance: RuleInstance, devices: int, parallel: bool) -> tuple[list[CompiledRule], str]:
+def compile_rule_instance(instance: RuleInstance, devices: int, parallel: bool,
+                          placement: bool = True) -> tuple[list[CompiledRule], str]:
     """The egglog rules of one typed rule instance (several only when a guard is a disjunction).
 
     A degree the left side does not bind (a rule that introduces parallelism,
@@ -334,10 +354,13 @@ def compile_rule_instance(instance: RuleInstance, devices: int, parallel: bool) 
     which holds the divisors >= 2 of the device count: one egglog rule per
     instance, not one per choice of degrees (egglog's time per iteration grows
     with the number of rules, so this matters more than the extra join).
+    With `placement`, the rule fires only at degrees that keep the device
+    layout (`layout_guard`); without it, only values and spreads count (the
+    rule generator's derivations ask what the rules imply, not what can run).
     """
     free = _free_degrees(instance)
     try:
-        texts = _compile_one(instance, devices, free)
+        texts = _compile_one(instance, devices, free, placement)
     except _Skip as skip:
         return [], str(skip)
     note = ",".join(f"{g}={n}" for g, n in instance.groups.items())
@@ -361,8 +384,48 @@ def _feasible(guards: Sequence[Cond], free: Sequence[str], devices: int) -> Cond
     return failing
 
 
-def _compile_one(instance: RuleInstance, devices: int, free: Sequence[str]) -> list[RuleBody]:
+def layout_guard(instance: RuleInstance, devices: int) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]] | None:
+    """The degree symbols and the values (divisors >= 2 of `devices`) at which the right side lays out as the
+    left side does (`dsl.placement.term_layout`, metavariables whole); None when that holds wherever the left
+    side lays out (a left side that cannot be laid out is never in the e-graph). Raises `_Skip` when it holds
+    nowhere."""
+    from parsat.dsl.placement import PlacementError, term_layout
+
+    if not any(t.kind == "parallel" for side in (instance.lhs, instance.rhs) for t in side.walk()):
+        return None
+    symbols = tuple(sorted(s for s, kind in instance.symbols.items() if kind == "degree"))
+    considered, allowed = 0, []
+    differ = ""
+    for values in itertools.product([d for d in divisors(devices) if d >= 2], repeat=len(symbols)):
+        degrees = dict(zip(symbols, values))
+        try:
+            left = term_layout(instance.lhs, devices, degrees)
+        except (PlacementError, KeyError):
+            continue
+        considered += 1
+        try:
+            right = term_layout(instance.rhs, devices, degrees)
+        except (PlacementError, KeyError) as err:
+            differ = differ or f"at {_degree_text(degrees)} the right side cannot be laid out ({err})"
+            continue
+        if right == left:
+            allowed.append(values)
+        else:
+            differ = differ or f"at {_degree_text(degrees)} its sides put their pieces on different devices"
+    if len(allowed) == considered:
+        return None
+    if not allowed:
+        raise _Skip(f"it changes where pieces live at every degree that fits {devices} devices ({differ})")
+    return symbols, tuple(allowed)
+
+
+def _degree_text(degrees: Mapping[str, int]) -> str:
+    return ", ".join(f"{k} = {v}" for k, v in degrees.items()) or "its degrees"
+
+
+def _compile_one(instance: RuleInstance, devices: int, free: Sequence[str], placement: bool = True) -> list[RuleBody]:
     """The rule's query and actions, one per alternative of its guards (`RuleBody.text` makes the egglog)."""
+    placed = layout_guard(instance, devices) if placement else None
     b = _Builder(instance, devices)
     facts = []
     for symbol in free:
@@ -421,11 +484,15 @@ def _compile_one(instance: RuleInstance, devices: int, free: Sequence[str]) -> l
         actions.append(made_row(ctor(term.name), args, instance.rule.name))
         actions.extend(_analysis_rows(var, term.shape, term.spread, b))
     actions.append(f"(union root {made[id(instance.rhs)]})")
+    placements = None
+    if placed is not None:
+        symbols, allowed = placed
+        placements = (tuple(b.names.get(s) or _raise(f"degree '{s}' is not bound") for s in symbols), allowed)
     texts = []
     for alt in alternatives:
         when = list(dict.fromkeys(facts[1:] + [rel_fact(r, b.names) if _bound(r, b.names) else _raise(f"unbound size in {r}")
                                                for r in alt]))
-        texts.append(RuleBody(facts[0], tuple(when), " ".join(actions)))
+        texts.append(RuleBody(facts[0], tuple(when), " ".join(actions), placements))
     return texts
 
 
@@ -679,7 +746,8 @@ _COMPILED_CACHE: dict = {}
 def compile_rules(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[int], devices: int,
                   graph_ops: set[str] | None = None, typing_cache: dict | None = None,
                   signatures: set[Signature] | None = None, deadline: float | None = None,
-                  free_degrees: Sequence[int] | None = None, compiled_cache: dict | None = None) -> RuleProgram:
+                  free_degrees: Sequence[int] | None = None, compiled_cache: dict | None = None,
+                  placement: bool = True) -> RuleProgram:
     """Every rule at every rank assignment the graph's `ranks` need, for `devices` devices.
 
     Rules whose left side needs an operator that neither the graph (`graph_ops`)
@@ -696,7 +764,8 @@ def compile_rules(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[in
     A caller may keep its own `compiled_cache` (keyed like the module's).
     `free_degrees` restricts the degrees a rule that introduces parallelism
     may choose (the rule generator's derivations need only the degree its
-    instances use).
+    instances use). `placement=False` drops the layout guards (see
+    `compile_rule_instance`).
     """
     from parsat.dsl.checker import is_parallel_rule
 
@@ -727,19 +796,20 @@ def compile_rules(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[in
         parallel = is_parallel_rule(rule)
         found = 0
         last_reason = "no rank assignment of its metavariables fits the graph's ranks"
+        compile_reason = ""   # says more than a signature that does not match: kept when there is one
         for item in typed[rule]:
             if signatures is not None and id(item) not in keep:
                 last_reason = "no rank assignment of its left side matches an operator the graph (or a rule) makes"
                 continue
-            key = (item.instance.rule, tuple(sorted(item.instance.groups.items())), devices)
+            key = (item.instance.rule, tuple(sorted(item.instance.groups.items())), devices, placement)
             if key not in compiled_cache:
-                compiled_cache[key] = compile_rule_instance(item.instance, devices, parallel)
+                compiled_cache[key] = compile_rule_instance(item.instance, devices, parallel, placement)
             made, reason = compiled_cache[key]
             compiled.extend(made)
             found += len(made)
-            last_reason = reason or last_reason
+            compile_reason = reason or compile_reason
         if not found:
-            skipped.append(SkippedRule(rule.name, last_reason))
+            skipped.append(SkippedRule(rule.name, compile_reason or last_reason))
     position = dict.fromkeys(RULESETS, 0)
     named = []
     for i, r in enumerate(compiled):

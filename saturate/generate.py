@@ -79,6 +79,7 @@ class Settings:
     widen: bool = True                # independent sizes
     lift: bool = True                 # any rank (rank-polymorphic rules)
     minimise: bool = True
+    prefix: str = "gen"               # of the rules' names: files of two runs can be loaded together
     batch: int = 12                   # candidates proved between two saturations of the candidate e-graph
     window: int = 200                 # candidates per candidate e-graph
     derive_limits: Limits = Limits(iterations=4, enodes=80_000, seconds=20.0)
@@ -261,7 +262,7 @@ def _candidates(library: Library, settings: Settings, deadline: float, summary: 
                 continue   # seen, or a per-operator vocabulary's rule without its operator (the joint one has those)
             keys.add(key)
             summary.candidates += 1
-            found = candidate(library.ops, vocab, lhs, rhs, key, taken)
+            found = candidate(library.ops, vocab, lhs, rhs, key, taken, settings.prefix)
             if found is None:
                 summary.ill_typed += 1
             else:
@@ -430,6 +431,8 @@ def generate(library: Library, settings: Settings, progress: Progress | None = N
         raise GenerateError("--degrees must be integers of at least 2")
     if settings.seconds <= 0:
         raise GenerateError("--seconds must be more than 0")
+    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", settings.prefix):
+        raise GenerateError(f"--prefix must be a name (a letter, then letters, digits or _), got '{settings.prefix}'")
     summary = Summary()
     cands, commutative = _candidates(library, settings, start + settings.seconds * ENUMERATION_SHARE, summary, say)
     summary.enumerate_seconds = time.perf_counter() - start
@@ -515,3 +518,17 @@ def rules_over(library: Library, ops: Iterable[str]) -> list[ast.RuleDecl]:
     """The library's rules that use only `ops` (parallel ops included when named)."""
     allowed = set(ops)
     return [r for r in library.rules if set(ops_of(r.lhs)) | set(ops_of(r.rhs)) <= allowed]
+
+
+def derive_library(generated: Library, shipped: Library, ops: Iterable[str],
+                   progress: Progress | None = None) -> list[Derivation]:
+    """Which of `shipped`'s rules over `ops` the `generated` rules alone derive (issue 7's measure).
+
+    Every rank-2 instance of each shipped rule, at concrete sizes (degrees
+    2, 4 devices), saturated with the generated rules for up to 8
+    iterations; the benchmark and the test that guards the recorded set
+    both ask this one question.
+    """
+    deriver = Deriver(generated, list(generated.rules), devices=4, iterations=8, enodes=30_000, seconds=10.0)
+    return derive_rules(rules_over(shipped, ops), deriver, generated, progress)
+

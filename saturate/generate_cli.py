@@ -32,6 +32,9 @@ def register(subparsers) -> None:
                      help="rank of the per-operator vocabularies' inputs, at most (default 3)")
     gen.add_argument("--rules", action="append", default=None, metavar="PATH",
                      help=".rule files or folders with the operators (default: the shipped library)")
+    gen.add_argument("--prefix", default="gen", metavar="NAME",
+                     help="start of the generated rules' names (default gen); give two runs different ones to "
+                          "load their files together")
     gen.add_argument("--output", "-o", required=True, metavar="FILE.rule")
     gen.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
     gen.set_defaults(run=run_generate)
@@ -63,7 +66,7 @@ def run_generate(args: argparse.Namespace) -> int:
     settings = Settings(ops, args.max_ops, degrees, args.seconds, max_terms=args.max_terms,
                         verify_timeout=args.verify_timeout, jobs=max(1, args.jobs),
                         prune_with_library=args.prune_with_library, lift=args.lift,
-                        per_operator=args.per_operator, max_rank=args.max_rank)
+                        per_operator=args.per_operator, max_rank=args.max_rank, prefix=args.prefix)
     say = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     try:
         result = generate(library, settings, progress=say)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from parsat.dsl.checker import check_paths
+from parsat.saturate.pcg import PCG, Layout, PNode
 
 
 @pytest.fixture
@@ -31,3 +32,36 @@ def diagnostics(write_rules):
         return check_paths([path]).diagnostics
 
     return run
+
+
+# ------------------------------------------------------------------ plans that do or do not lay out
+
+
+def _node(ident, kind, op, inputs, shape, shard, copy=1, attrs=(), role=""):
+    return PNode(ident, kind, op, tuple(inputs), tuple(attrs), tuple(shape), Layout(tuple(shard), copy), role)
+
+
+def _data_parallel_matmul(aligned: bool) -> PCG:
+    """x split on the first mesh atom; w replicated directly (its copies on that atom too), or by way of a
+    partition and a combine that leave its copies on the second atom: the same spreads, other ranks."""
+    if aligned:
+        weight = (_node(5, "parallel", "replicate", (1,), (6, 2), (1, 1), copy=2, attrs=(("degree", 2),)),)
+    else:
+        weight = (_node(3, "parallel", "partition", (1,), (6, 2), (2, 1), attrs=(("dim", 0), ("degree", 2))),
+                  _node(4, "parallel", "replicate", (3,), (6, 2), (2, 1), copy=2, attrs=(("degree", 2),)),
+                  _node(5, "parallel", "combine", (4,), (6, 2), (1, 1), copy=2, attrs=(("dim", 0), ("degree", 2))))
+    nodes = (
+        _node(0, "leaf", "x", (), (4, 6), (1, 1), role="input"),
+        _node(1, "leaf", "w", (), (6, 2), (1, 1), role="weight"),
+        _node(2, "parallel", "partition", (0,), (4, 6), (2, 1), attrs=(("dim", 0), ("degree", 2))),
+        *weight,
+        _node(6, "op", "matmul", (2, 5), (4, 2), (2, 1)),
+        _node(7, "parallel", "combine", (6,), (4, 2), (1, 1), attrs=(("dim", 0), ("degree", 2))),
+    )
+    return PCG(nodes, (7,))
+
+
+@pytest.fixture
+def data_parallel_matmul():
+    """`_data_parallel_matmul`: a 4-rank plan whose matmul inputs line up (aligned=True) or not."""
+    return _data_parallel_matmul

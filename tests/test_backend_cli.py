@@ -85,3 +85,17 @@ def test_under_torchrun_the_same_entry_point_joins_the_group(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["check"] == "passed" and result["comm_elements_measured"] == result["comm_elements_predicted"]
+
+
+def test_a_plan_whose_pieces_do_not_line_up_is_refused_before_any_rank_starts(monkeypatch, data_parallel_matmul):
+    """Spreads that type (data parallelism) but pieces on other ranks: refused naming the node, no rank run."""
+    from parsat.backend import executor
+
+    def no_launch(*_args, **_kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(executor, "launch", no_launch)
+    with pytest.raises(executor.ExecutionError, match=r"cannot run on 4 ranks: at node #6, matmul: inputs are "
+                                                      r"spread over different ranks"):
+        executor.check_worlds(data_parallel_matmul(aligned=False), 4)
+    executor.check_worlds(data_parallel_matmul(aligned=True), 4)

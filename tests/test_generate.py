@@ -310,3 +310,53 @@ def test_a_plausibility_check_does_not_shrink_its_counterexample(library, monkey
   where m % p == 0
   relu(partition(x, 0, p)) => partition(x, 0, p)""")
     assert refuted_concretely(wrong, library.ops)
+
+
+def test_the_algebraic_vocabulary_leaves_the_parallel_operators_out(library):
+    vocab = enum.algebraic_vocabulary(["matmul", "add", "partition", "reduce"], library.ops)
+    assert vocab is not None and vocab.names == ("matmul", "add") and not vocab.spread_leaves
+    assert enum.algebraic_vocabulary(["matmul", "add"], library.ops) is None       # the joint one is that
+    assert enum.algebraic_vocabulary(["partition", "reduce"], library.ops) is None
+
+
+def test_a_fusion_between_terms_of_equal_size_is_a_candidate_both_ways(library):
+    """`add(matmul(x, w), matmul(y, v))` and `matmul(concat(x, y, 1), concat(w, v, 0))` apply three operators
+    each: neither is the smaller, so fusing is as much a candidate as unfusing."""
+    from parsat.saturate.candidates import Canon, commutative_ops, pairs
+
+    vocab = enum.algebraic_vocabulary(["matmul", "add", "concat", "partition"], library.ops)
+    result = enum.enumerate_terms(vocab, 3, enum.environments(vocab, [2, 3], 2), 27)
+    found = {format_expr(lhs) + " => " + format_expr(rhs)
+             for lhs, rhs, _key in pairs(result, Canon.of(vocab, commutative_ops(result)))}
+    fused, unfused = "matmul(concat(x, y, 1), concat(w, v, 0))", "add(matmul(x, w), matmul(y, v))"
+    assert f"{unfused} => {fused}" in found and f"{fused} => {unfused}" in found
+
+
+MLP_OPS = ("matmul", "add", "relu", "concat", "split", "partition", "combine", "replicate", "reduce")
+
+
+def test_the_recorded_generated_set_derives_nine_tenths_of_the_shipped_rules(library):
+    """Issue 7's bar, on the file `parsat generate` wrote (benchmarks/generate_rules.rule): alone, by
+    saturation, it derives at least 90% of the hand-written rules over its operators."""
+    from pathlib import Path
+
+    from parsat.saturate.generate import derive_library
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "generate_rules.rule"
+    generated = load_library([str(path)])[0]
+    assert all(r.name.startswith("gen_") for r in generated.rules)
+    results = derive_library(generated, library, MLP_OPS)
+    considered = [r for r in results if r.instances]
+    derived = [r.rule for r in considered if r.ok]
+    assert len(considered) >= 70
+    assert len(derived) >= 0.9 * len(considered), sorted({r.rule for r in considered} - set(derived))
+
+
+def test_a_prefix_keeps_two_generated_files_apart(library):
+    from parsat.saturate.generate import GenerateError
+
+    result = generate(library, Settings(("relu", "partition", "combine"), max_ops=1, degrees=(2,), seconds=30,
+                                        prefix="relu_run"))
+    assert result.rules and all(r.name.startswith("relu_run_") for r in result.rules)
+    with pytest.raises(GenerateError, match="--prefix must be a name"):
+        generate(library, Settings(("relu",), seconds=30, prefix="2 bad"))

@@ -29,6 +29,13 @@ up on every rank (`compute_layout`) instead of trusting the plan.
 The atom choice is deterministic (the most significant free atoms of the
 needed primes), so every rank derives the same layouts and the same
 collective groups from the same plan, with no communication.
+
+The optimizer uses the same model (`term_layout`): two terms with the same
+spread may lay their pieces on different atoms (`replicate(partition(x))`
+shards on the first atom, `partition(replicate(x))` on the second), and a
+compute operator whose inputs do not line up cannot run. Rules are applied
+only at degrees where both sides lay out alike (`saturate.egglog_compile`),
+so every plan the optimizer returns is one the backend can lay out.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from parsat.dsl import ast
 from parsat.dsl.instantiate import OpInstance, index_bounds
 from parsat.dsl.spread import Spread, block_read, infer_compute
 from parsat.dsl.symbolic import Poly
+from parsat.dsl.typecheck import TypedTerm
 
 
 class PlacementError(Exception):
@@ -338,3 +346,21 @@ def holders(layout: Layout) -> Mapping[Slot, tuple[int, ...]]:
     for rank in range(layout.world):
         found.setdefault(layout.slot(rank), []).append(rank)
     return {slot: tuple(ranks) for slot, ranks in found.items()}
+
+
+def term_layout(term: TypedTerm, world: int, degrees: Mapping[str, int]) -> Layout:
+    """The layout of a typed rule term on `world` ranks, its metavariables whole, at concrete `degrees`.
+
+    With whole inputs a term's layout depends only on its structure, its
+    degrees and the world, not on its dims. Raises PlacementError when the
+    term cannot be laid out (a compute operator's inputs do not line up, a
+    degree needs more devices than are left) and KeyError when a degree is
+    not in `degrees`.
+    """
+    if term.kind == "input":
+        return Layout.whole(len(term.shape), world)
+    args = [term_layout(arg, world, degrees) for arg in term.args]
+    if term.kind == "parallel":
+        return args[0].apply_parallel(term.name, term.degree.evaluate(degrees), term.dim)[0]
+    return compute_layout(term.instance, args)
+
