@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/generate_bench.py --generated benchmarks/generate_rules.rule \
         [--also benchmarks/generate_rules_transformer.rule] \
         [--ops matmul,add,relu,concat,split,partition,combine,replicate,reduce] [--devices 2 4] \
-        [--out benchmarks/generate_results.md]
+        [--out benchmarks/generate_tables.md]
 
 1. Derivation: for every shipped rule that uses only `--ops`, at every
    rank-2 instance, its left side is instantiated at concrete sizes
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     parser.add_argument("--devices", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--examples", nargs="+", default=["mlp", "transformer"])
     parser.add_argument("--machine", default="h100x8")
-    parser.add_argument("--out", default="benchmarks/generate_results.md")
+    parser.add_argument("--out", default="benchmarks/generate_tables.md")
     parser.add_argument("--no-derive", dest="derive", action="store_false", help="plans only")
     args = parser.parse_args(argv)
     shipped = load_checked(None)
