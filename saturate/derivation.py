@@ -129,6 +129,19 @@ class TermWriter:
         return var
 
 
+def write_instance(instance: RuleInstance, devices: int, prefix: str) -> tuple[TermWriter, str, str] | None:
+    """The instance's left side as `let`s and its right side as an expression, at sizes that fit
+    `devices`; None when no such sizes exist or the sides cannot be written at them."""
+    sizes = instance_sizes(instance, devices)
+    if sizes is None:
+        return None
+    writer = TermWriter(instance, sizes, prefix=prefix)
+    try:
+        return writer, writer.term(instance.lhs), writer.expr(instance.rhs)
+    except (ZeroDivisionError, KeyError):
+        return None
+
+
 def ranks_of(instance: RuleInstance) -> set[int]:
     return {len(t.shape) for side in (instance.lhs, instance.rhs) for t in side.walk()}
 
@@ -256,15 +269,10 @@ class CandidateGraph:
         self._loaded = 0
         chunks: list[str] = []
         for index, instance in enumerate(instances):
-            concrete = instance_sizes(instance, devices)
-            if concrete is None:
+            written = write_instance(instance, devices, prefix=f"c{index}_")
+            if written is None:
                 continue
-            writer = TermWriter(instance, concrete, prefix=f"c{index}_")
-            try:
-                left = writer.term(instance.lhs)
-                right = writer.expr(instance.rhs)
-            except (ZeroDivisionError, KeyError):
-                continue
+            writer, left, right = written
             chunks.extend(writer.lines)
             self._pending[index] = _Pending(left, right)
             self._ranks |= ranks_of(instance)
@@ -368,16 +376,10 @@ class Minimiser:
                 found = self.instances[index]
                 written = []
                 for k, instance in enumerate(found):
-                    sizes = instance_sizes(instance, self.devices)
-                    if sizes is None:
+                    one = write_instance(instance, self.devices, prefix=f"t{self._tests}_{index}_{k}_")
+                    if one is None:
                         break
-                    writer = TermWriter(instance, sizes, prefix=f"t{self._tests}_{index}_{k}_")
-                    try:
-                        left = writer.term(instance.lhs)
-                        right = writer.expr(instance.rhs)
-                    except (ZeroDivisionError, KeyError):
-                        break
-                    written.append((writer, left, right))
+                    written.append(one)
                 if not found or len(written) < len(found):
                     continue      # an instance that cannot be written is never derived
                 for writer, left, right in written:
