@@ -3,11 +3,12 @@
 Each rank walks the PCG in order: a leaf becomes its full tensor, made from
 a seed (weights once, data batches per step), so every rank and the
 single-process reference see the same values without communication; a
-compute node runs the torch op on local pieces (`torch_ops`) after
-`placement.compute_layout` checked that the pieces line up; a parallel node
-runs its collective (`collectives.parallel_op`). Every node's layout is
-compared with the layout the plan states, so a plan the backend would run
-differently from what the optimizer costed is refused, not run.
+compute node runs the torch op on local pieces (`torch_ops`); a parallel
+node runs its collective (`collectives.parallel_op`). Every node's layout
+is derived once, before the first step (`saturate.pcg_layout.lay_out`: the
+pieces of a compute node's inputs line up, and each layout is the one the
+plan states), so a plan the backend would run differently from what the
+optimizer costed is refused, not run.
 
 A weight whose only reader is a chain of `partition`s is *stored* as the
 piece that chain gives (no collective at all, as the cost model assumes);
@@ -38,8 +39,8 @@ from parsat.backend.collectives import CommCounter, GroupCache, parallel_op
 from parsat.backend.launch import LaunchConfig, RankContext, launch
 from parsat.backend.torch_ops import apply_op
 from parsat.dsl.library import Library, load_library, shipped_rules_dir
-from parsat.dsl.placement import Layout, PlacementError, compute_layout, piece_index
-from parsat.saturate.graph import Graph, instance_for
+from parsat.dsl.placement import Layout, PlacementError, piece_index
+from parsat.saturate.graph import Graph
 from parsat.saturate.pcg import PCG, PNode
 from parsat.saturate.pcg_layout import lay_out
 
@@ -212,12 +213,11 @@ class RankProgram:
     cache: GroupCache = field(init=False)
     params: dict[int, _Param] = field(init=False)          # stored-at node id -> parameter
     folded: set[int] = field(init=False)                   # partition nodes absorbed into storage
+    layouts: dict[int, Layout] = field(init=False)         # node id -> where its pieces live
     output_names: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.pcg.max_pieces > self.ctx.world:
-            raise ExecutionError(f"the plan splits a tensor into {self.pcg.max_pieces} pieces but the job has "
-                                 f"{self.ctx.world} ranks")
+        self.layouts = check_worlds(self.pcg, self.ctx.world, self.library)
         self.cache = GroupCache(self.ctx.world, self.ctx.rank, self.ctx.collective_timeout_s)
         self.output_names = self.pcg.output_names or tuple(f"out{i}" for i in range(len(self.pcg.outputs)))
         self._users: dict[int, list[PNode]] = {}
@@ -231,16 +231,14 @@ class RankProgram:
 
     def _store_weight(self, leaf: PNode) -> None:
         full = leaf_value(leaf.op, leaf.shape, "weight", self.config)
-        layout = Layout.whole(len(leaf.shape), self.ctx.world)
         at = leaf.id
         while True:
             users = self._users.get(at, [])
             if len(users) != 1 or users[0].kind != "parallel" or users[0].op != "partition":
                 break
-            user = users[0]
-            layout, _ = layout.partition(int(user.attr("dim")), int(user.attr("degree")))
-            self.folded.add(user.id)
-            at = user.id
+            at = users[0].id
+            self.folded.add(at)
+        layout = self.layouts[at]
         piece = full[piece_index(layout, self.ctx.rank, leaf.shape)].to(self.ctx.device, copy=True).requires_grad_()
         self.params[at] = _Param(leaf.op, piece, layout, tuple(leaf.shape))
 
@@ -248,7 +246,6 @@ class RankProgram:
         """Every node's local piece and layout for this step's batch."""
         onehot = _onehot_leaves([(str(n.id), n.op, [str(i) for i in n.inputs]) for n in self.pcg])
         env: dict[int, tuple[torch.Tensor, Layout]] = {}
-        world = self.ctx.world
         for node in self.pcg:
             if node.id in self.params:
                 param = self.params[node.id]
@@ -258,7 +255,7 @@ class RankProgram:
                     continue  # stored further down its partition chain
                 value = leaf_value(node.op, node.shape, "input", self.config, step, str(node.id) in onehot)
                 value = value.to(self.ctx.device)
-                env[node.id] = (value, Layout.whole(len(node.shape), world))
+                env[node.id] = (value, self.layouts[node.id])
             elif node.id in self.folded:
                 continue
             elif node.kind == "parallel":
@@ -271,21 +268,9 @@ class RankProgram:
                 env[node.id] = parallel_op(node.op, x, layout, int(node.attr("degree")),
                                            None if dim is None else int(dim), self.cache, counter, tag)
             else:
-                ins = [env[i] for i in node.inputs]
-                attrs = dict(node.attrs)
-                instance = instance_for(self.library.ops[node.op], [self.pcg.node(i).shape for i in node.inputs],
-                                        attrs)
-                layout = compute_layout(instance, [layout for _, layout in ins])
-                env[node.id] = (apply_op(node.op, [x for x, _ in ins], attrs), layout)
-            self._check_layout(node, env[node.id][1])
+                ins = [env[i][0] for i in node.inputs]
+                env[node.id] = (apply_op(node.op, ins, dict(node.attrs)), self.layouts[node.id])
         return env
-
-    def _check_layout(self, node: PNode, layout: Layout) -> None:
-        shard, copy, total = layout.degrees
-        stated = node.layout
-        if (tuple(stated.shard), stated.copy, stated.sum) != (shard, copy, total):
-            raise ExecutionError(f"node {node.id} ({node.label}): the plan states layout {stated}, "
-                                 f"but it runs as shard {list(shard)}, copy {copy}, sum {total}")
 
     def loss(self, env, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's share to differentiate, its share of the reported loss)."""
@@ -547,13 +532,14 @@ def run_plan(pcg: PCG, nproc: int, config: TrainConfig, graph: Graph | None = No
                      predicted or Prediction())
 
 
-def check_worlds(pcg: PCG, nproc: int) -> None:
-    """Refuse a plan that needs more ranks than the job has, or whose pieces cannot be laid out on them
-    (before any rank starts: otherwise every rank finds it out at the same node)."""
+def check_worlds(pcg: PCG, nproc: int, library: Library | None = None) -> dict[int, Layout]:
+    """Every node's layout on `nproc` ranks; ExecutionError for a plan that needs more ranks than the job has,
+    or whose pieces cannot be laid out on them. The launcher calls it before any rank starts (otherwise
+    every rank finds it out at the same node), and each rank once, for the layouts it runs with."""
     if pcg.max_pieces > nproc:
         raise ExecutionError(f"the plan needs {pcg.max_pieces} devices but --nproc is {nproc}")
     try:
-        lay_out(pcg, operator_library().ops, nproc)
+        return lay_out(pcg, (library or operator_library()).ops, nproc)
     except PlacementError as err:
         raise ExecutionError(f"the plan cannot run on {nproc} ranks: {err}") from None
 
