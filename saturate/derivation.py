@@ -142,6 +142,14 @@ def write_instance(instance: RuleInstance, devices: int, prefix: str) -> tuple[T
         return None
 
 
+def derivation_program(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[int], devices: int,
+                       typing_cache: dict, compiled_cache: dict | None = None) -> RuleProgram:
+    """`rules` compiled for derivations: instances pick degree 2 (`FREE_DEGREES`), and without layout
+    guards, since a derivation asks what the rules imply about values, not which plans can run."""
+    return compile_rules(library, list(rules), ranks, devices, None, typing_cache, free_degrees=FREE_DEGREES,
+                         placement=False, compiled_cache=compiled_cache)
+
+
 def ranks_of(instance: RuleInstance) -> set[int]:
     return {len(t.shape) for side in (instance.lhs, instance.rhs) for t in side.walk()}
 
@@ -194,9 +202,8 @@ class Deriver:
 
     def program(self, ranks: frozenset[int]) -> RuleProgram:
         if ranks not in self._programs:
-            self._programs[ranks] = compile_rules(self.library, self.rules, set(ranks), self.devices, None,
-                                                  self.typing_cache, free_degrees=FREE_DEGREES, placement=False,
-                                                  compiled_cache=self.compiled_cache)
+            self._programs[ranks] = derivation_program(self.library, self.rules, set(ranks), self.devices,
+                                                       self.typing_cache, self.compiled_cache)
         return self._programs[ranks]
 
     def derives(self, instance: RuleInstance, sizes: Mapping[str, int] | None = None) -> bool:
@@ -276,8 +283,7 @@ class CandidateGraph:
             chunks.extend(writer.lines)
             self._pending[index] = _Pending(left, right)
             self._ranks |= ranks_of(instance)
-        empty = compile_rules(library, [], self._ranks or {2}, devices, None, self._typing,
-                              free_degrees=FREE_DEGREES, placement=False)
+        empty = derivation_program(library, [], self._ranks or {2}, devices, self._typing)
         self.session = Session(empty, "\n\n".join(chunks))
 
     def add_rules(self, rules: Sequence[ast.RuleDecl]) -> None:
@@ -292,8 +298,7 @@ class CandidateGraph:
         rules = [r for r in rules if not introduces_parallelism(r)]
         if not rules:
             return
-        program = compile_rules(self.library, list(rules), self._ranks or {2}, self.devices, None, self._typing,
-                                free_degrees=FREE_DEGREES, placement=False)
+        program = derivation_program(self.library, rules, self._ranks or {2}, self.devices, self._typing)
         tag = f"k{len(self._tags)}"
         self.session.extend(program.rules, tag, 10_000_000 + self._loaded)
         self._loaded += len(program.rules)
@@ -339,8 +344,7 @@ class Minimiser:
         self.alive = set(range(len(rules)))
         ranks = {r for found in self.instances for instance in found for r in ranks_of(instance)} or {2}
         typing = typing_cache if typing_cache is not None else {}
-        program = compile_rules(library, list(rules), ranks, devices, None, typing, free_degrees=FREE_DEGREES,
-                                placement=False)
+        program = derivation_program(library, rules, ranks, devices, typing)
         self.session = Session(replace(program, rules=()), "")
         by_name: dict[str, list] = {}
         for compiled in program.rules:
@@ -352,8 +356,7 @@ class Minimiser:
             if unique:
                 mine = by_name.get(rule.name, [])
             else:
-                mine = list(compile_rules(library, [rule], ranks, devices, None, typing,
-                                          free_degrees=FREE_DEGREES, placement=False).rules)
+                mine = list(derivation_program(library, [rule], ranks, devices, typing).rules)
             self.session.extend(mine, f"r{index}_", 20_000_000 + loaded)
             loaded += len(mine)
         self._tests = 0

@@ -59,6 +59,7 @@ from egglog import bindings
 from parsat.dsl import ast
 from parsat.dsl.conditions import Cond, Junction, Negation, Rel, symbolic_truth, to_poly
 from parsat.dsl.library import Library
+from parsat.dsl.placement import PlacementError, term_layout
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import RuleInstance, TypeCheckError, TypedTerm, group_assignments, type_rule
 from parsat.saturate.graph import Graph
@@ -389,8 +390,6 @@ def layout_guard(instance: RuleInstance, devices: int) -> tuple[tuple[str, ...],
     left side does (`dsl.placement.term_layout`, metavariables whole); None when that holds wherever the left
     side lays out (a left side that cannot be laid out is never in the e-graph). Raises `_Skip` when it holds
     nowhere."""
-    from parsat.dsl.placement import PlacementError, term_layout
-
     if not any(t.kind == "parallel" for side in (instance.lhs, instance.rhs) for t in side.walk()):
         return None
     symbols = tuple(sorted(s for s, kind in instance.symbols.items() if kind == "degree"))

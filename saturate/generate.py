@@ -531,4 +531,3 @@ def derive_library(generated: Library, shipped: Library, ops: Iterable[str],
     """
     deriver = Deriver(generated, list(generated.rules), devices=4, iterations=8, enodes=30_000, seconds=10.0)
     return derive_rules(rules_over(shipped, ops), deriver, generated, progress)
-

@@ -74,11 +74,12 @@ def test_nested_degrees_apply_only_where_the_atoms_come_in_the_same_order():
 
 
 def test_plans_lay_out_with_the_guard_and_would_not_without_it(rules_dir, monkeypatch):
+    ops = load_checked([str(rules_dir)]).ops
     guarded = optimize("transformer", devices=4, machine="h100x8", rules=[str(rules_dir)], allow_unverified=True)
     assert guarded.to_dict()["extraction"]["chosen"] == "joint"
     assert "unplaceable" not in guarded.to_dict()["extraction"]
     for pcg in [guarded.pcg] + [b.pcg for b in guarded.baseline_plans.values()]:
-        lay_out(pcg, guarded_library(rules_dir).ops, 4)
+        lay_out(pcg, ops, 4)
 
     monkeypatch.setattr(egglog_compile, "layout_guard", lambda instance, devices: None)
     monkeypatch.setattr(egglog_compile, "_COMPILED_CACHE", {})
@@ -86,11 +87,7 @@ def test_plans_lay_out_with_the_guard_and_would_not_without_it(rules_dir, monkey
     extraction = unguarded.to_dict()["extraction"]
     assert "joint" in extraction["unplaceable"] and "different ranks" in extraction["unplaceable"]["joint"]
     assert extraction["chosen"] not in extraction["unplaceable"]      # what is returned still runs
-    lay_out(unguarded.pcg, guarded_library(rules_dir).ops, 4)
-
-
-def guarded_library(rules_dir):
-    return load_checked([str(rules_dir)])
+    lay_out(unguarded.pcg, ops, 4)
 
 
 def test_lay_out_names_the_node_whose_inputs_do_not_line_up(data_parallel_matmul):
