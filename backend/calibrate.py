@@ -13,7 +13,7 @@ calibration measures exactly those parameters, through the same formulas:
   (gloo on CPU, nccl on CUDA) and the two points give alpha and bw; an
   all-gather is timed too, to show how well the fitted line predicts it.
 
-The result is a `saturate.machine.Machine` written with its own `save`, so
+The result is a `ir.machine.Machine` written with its own `save`, so
 `parsat optimize --machine machine.json` loads it. One node is measured:
 the inter-node link is set to the intra-node one (there is nothing else to
 measure here), which matters only for plans larger than `nproc` devices.
@@ -33,8 +33,8 @@ import torch.distributed as dist
 from parsat.backend.launch import LaunchConfig, RankContext, launch
 from parsat.backend.torch_ops import apply_op
 from parsat.saturate.cost import work
-from parsat.saturate.graph import instance_for
-from parsat.saturate.machine import Machine
+from parsat.ir.graph import instance_for
+from parsat.ir.machine import Machine
 
 DTYPE = torch.float32  # the cost model's default training precision (dtype_bytes = 4)
 

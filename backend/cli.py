@@ -66,8 +66,8 @@ def load_plan(path: str, nproc: int, plan_of: str = "parsat"):
     by the optimizer's own definition (`saturate.api.data_parallel_pcg`).
     """
     from parsat.backend.executor import ExecutionError, Prediction, operator_library
-    from parsat.saturate.graph import Graph
-    from parsat.saturate.plan import load_plan_dict, pcg_from_dict
+    from parsat.ir.graph import Graph
+    from parsat.ir.plan import load_plan_dict, pcg_from_dict
 
     data = load_plan_dict(path)
     devices = data.get("devices")
@@ -105,9 +105,9 @@ def main_run(args: argparse.Namespace) -> int:
     try:
         from parsat.backend.executor import ExecutionError, TrainConfig, check_worlds, run_plan
         from parsat.backend.launch import LaunchError
-        from parsat.dsl.placement import PlacementError
-        from parsat.saturate.graph import GraphError
-        from parsat.saturate.plan import PlanError
+        from parsat.ir.placement import PlacementError
+        from parsat.ir.graph import GraphError
+        from parsat.ir.plan import PlanError
     except ImportError as err:  # torch missing
         return _fail(f"the backend needs torch ({err}); install it with: pip install torch==2.13.0")
     from parsat.backend.launch import under_torchrun

@@ -38,7 +38,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from parsat.dsl.placement import Axis, Layout, all_groups, group_ranks, mixed_radix, product
+from parsat.ir.placement import Axis, Layout, all_groups, group_ranks, mixed_radix, product
 
 
 @dataclass(frozen=True)

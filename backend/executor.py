@@ -39,10 +39,10 @@ from parsat.backend.collectives import CommCounter, GroupCache, parallel_op
 from parsat.backend.launch import LaunchConfig, RankContext, launch
 from parsat.backend.torch_ops import apply_op
 from parsat.dsl.library import Library, load_library, shipped_rules_dir
-from parsat.dsl.placement import Layout, PlacementError, piece_index
-from parsat.saturate.graph import Graph
-from parsat.saturate.pcg import PCG, PNode
-from parsat.saturate.pcg_layout import lay_out
+from parsat.ir.placement import Layout, PlacementError, piece_index
+from parsat.ir.graph import Graph
+from parsat.ir.pcg import PCG, PNode
+from parsat.ir.pcg_layout import lay_out
 
 OPTIMIZERS = ("sgd", "adam")
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from parsat.dsl.checker import load_checked
 from parsat.saturate.api import OptimizeError, optimize
-from parsat.saturate.generate import derive_library, rules_over
+from parsat.generate.generate import derive_library, rules_over
 
 
 def main(argv=None) -> int:

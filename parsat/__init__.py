@@ -13,9 +13,9 @@ __all__ = ["__version__", "load_rules", "check", "verify", "optimize", "from_tor
 
 # Lazy re-exports of the saturation API (importing parsat must not import egglog).
 _LAZY = {
-    "Machine": "parsat.saturate.machine",
-    "Graph": "parsat.saturate.graph",
-    "GraphBuilder": "parsat.saturate.graph",
+    "Machine": "parsat.ir.machine",
+    "Graph": "parsat.ir.graph",
+    "GraphBuilder": "parsat.ir.graph",
     "Limits": "parsat.saturate.saturate",
 }
 

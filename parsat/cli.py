@@ -25,7 +25,7 @@ SUBCOMMANDS = {
     "optimize": "parsat.saturate.cli",
     "explain": "parsat.saturate.cli",
     "show": "parsat.saturate.cli",
-    "generate": "parsat.saturate.generate_cli",
+    "generate": "parsat.generate.cli",
 }
 
 

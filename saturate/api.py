@@ -25,16 +25,16 @@ from parsat.dsl import ast
 from parsat.dsl.checker import is_parallel_rule
 from parsat.dsl.instantiate import InstantiationError
 from parsat.dsl.library import Library
-from parsat.dsl.placement import PlacementError
+from parsat.ir.placement import PlacementError
 from parsat.dsl.spread import infer_compute
 from parsat.saturate.cost import NodeCost, Totals, totals
 from parsat.saturate.egglog_compile import PIN_SUFFIX, Snapshot
 from parsat.saturate.extract import Extraction, ExtractionError, NodeId, Pricer, dag_cost, extract, leaf_roles, node_costs
-from parsat.saturate.graph import Graph, GraphBuilder, GraphError, instance_for
-from parsat.saturate.machine import Machine
-from parsat.saturate.pcg import PARALLEL, PCG, Layout, PNode
-from parsat.saturate.pcg_layout import lay_out
-from parsat.saturate.plan import JOINT, BaselinePlan, Plan
+from parsat.ir.graph import Graph, GraphBuilder, GraphError, instance_for
+from parsat.ir.machine import Machine
+from parsat.ir.pcg import PARALLEL, PCG, Layout, PNode
+from parsat.ir.pcg_layout import lay_out
+from parsat.ir.plan import JOINT, BaselinePlan, Plan
 from parsat.saturate.saturate import Limits, SaturationResult, saturate
 
 
@@ -65,7 +65,7 @@ def resolve_graph(graph, library: Library, sizes: Mapping[str, int] | None = Non
     """A Graph, a graph JSON path, or a built-in example name."""
     if isinstance(graph, Graph):
         return graph
-    from parsat.saturate.models import EXAMPLES, build_example
+    from parsat.ir.models import EXAMPLES, build_example
 
     if isinstance(graph, str) and graph in EXAMPLES:
         return build_example(graph, sizes, library)

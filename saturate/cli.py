@@ -62,7 +62,7 @@ def _error(message: str) -> int:
 
 
 def run_optimize(args: argparse.Namespace) -> int:
-    from parsat.saturate.models import EXAMPLES
+    from parsat.ir.models import EXAMPLES
 
     if args.list_examples:
         for name, example in EXAMPLES.items():
@@ -73,8 +73,8 @@ def run_optimize(args: argparse.Namespace) -> int:
         return _error("give a MODEL (a graph JSON file or an example: " + ", ".join(EXAMPLES) + ")")
     from parsat.dsl.errors import DslError
     from parsat.saturate.api import OptimizeError, optimize
-    from parsat.saturate.graph import GraphError
-    from parsat.saturate.machine import MachineError
+    from parsat.ir.graph import GraphError
+    from parsat.ir.machine import MachineError
 
     try:
         sizes = _pairs(args.set, "--set")
@@ -110,8 +110,8 @@ def run_optimize(args: argparse.Namespace) -> int:
 
 
 def run_explain(args: argparse.Namespace) -> int:
-    from parsat.saturate.plan import PlanError, explain, load_plan_dict
-    from parsat.saturate.validate import validate_plan_report
+    from parsat.ir.plan import PlanError, explain, load_plan_dict
+    from parsat.ir.validate import validate_plan_report
 
     try:
         data = load_plan_dict(args.plan)
@@ -156,8 +156,8 @@ def plan_dot(data: dict) -> str:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from parsat.saturate.plan import PlanError, load_plan_dict
-    from parsat.saturate.validate import validate_plan_report
+    from parsat.ir.plan import PlanError, load_plan_dict
+    from parsat.ir.validate import validate_plan_report
 
     try:
         data = load_plan_dict(args.plan)

@@ -43,8 +43,8 @@ from parsat.dsl import ast
 from parsat.dsl.conditions import to_poly
 from parsat.dsl.instantiate import OpInstance, index_bounds
 from parsat.dsl.spread import infer_compute
-from parsat.saturate.machine import Machine
-from parsat.saturate.pcg import Layout
+from parsat.ir.machine import Machine
+from parsat.ir.pcg import Layout
 
 BACKWARD_FACTOR = 2.0        # backward FLOPs = 2 x forward
 ADAM_STATE_BYTES = 16        # fp32 param + grad + 2 moments, per element

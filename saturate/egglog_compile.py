@@ -39,7 +39,7 @@ Encoding
   one spread can put their pieces on different devices
   (`replicate(partition(x, 0, p), q)` shards on the first mesh atom,
   `partition(replicate(x, q), 0, p)` on the second), and a compute operator
-  whose inputs do not line up cannot run (`dsl.placement`). Each rule
+  whose inputs do not line up cannot run (`ir.placement`). Each rule
   instance applies only at the degrees where its right side lays out as its
   left side does (`layout_guard`, a relation of the allowed degrees). The
   graph's terms lay out, and metavariables are whole, so every e-class then
@@ -59,11 +59,11 @@ from egglog import bindings
 from parsat.dsl import ast
 from parsat.dsl.conditions import Cond, Junction, Negation, Rel, symbolic_truth, to_poly
 from parsat.dsl.library import Library
-from parsat.dsl.placement import PlacementError, term_layout
+from parsat.ir.placement import PlacementError, term_layout
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import RuleInstance, TypeCheckError, TypedTerm, group_assignments, type_rule
-from parsat.saturate.graph import Graph
-from parsat.saturate.pcg import PARALLEL, Layout
+from parsat.ir.graph import Graph
+from parsat.ir.pcg import PARALLEL, Layout
 
 ANALYSES = ("Rank", "Dim", "Shard", "Copy", "Psum", "Pieces")
 MAX_RANK = 8             # tensors a rule's metavariable can match have at most this rank
@@ -387,7 +387,7 @@ def _feasible(guards: Sequence[Cond], free: Sequence[str], devices: int) -> Cond
 
 def layout_guard(instance: RuleInstance, devices: int) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]] | None:
     """The degree symbols and the values (divisors >= 2 of `devices`) at which the right side lays out as the
-    left side does (`dsl.placement.term_layout`, metavariables whole); None when that holds wherever the left
+    left side does (`ir.placement.term_layout`, metavariables whole); None when that holds wherever the left
     side lays out (a left side that cannot be laid out is never in the e-graph). Raises `_Skip` when it holds
     nowhere."""
     if not any(t.kind == "parallel" for side in (instance.lhs, instance.rhs) for t in side.walk()):

@@ -33,9 +33,9 @@ from typing import Callable, Iterable, Mapping, Sequence
 from parsat.dsl.library import Library
 from parsat.saturate.cost import NodeCost, compute_cost, gather_cost, parallel_cost
 from parsat.saturate.egglog_compile import PIN_SUFFIX, Snapshot
-from parsat.saturate.graph import Graph, instance_for
-from parsat.saturate.machine import Machine
-from parsat.saturate.pcg import Layout
+from parsat.ir.graph import Graph, instance_for
+from parsat.ir.machine import Machine
+from parsat.ir.pcg import Layout
 
 NodeId = tuple[int, int]  # (e-class, index of the e-node in the class)
 EPSILON = 1e-12           # a strictly positive cost per node keeps tree costs strictly increasing

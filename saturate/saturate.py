@@ -24,8 +24,8 @@ from parsat.dsl import ast
 from parsat.dsl.library import Library
 from parsat.saturate.egglog_compile import (RuleProgram, Session, Snapshot, compile_rules, graph_program,
                                             graph_signatures)
-from parsat.saturate.graph import Graph
-from parsat.saturate.pcg import Layout
+from parsat.ir.graph import Graph
+from parsat.ir.pcg import Layout
 
 STOP_SATURATED = "saturated"
 STOP_ITERATIONS = "iterations"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from parsat.dsl.checker import check_paths
-from parsat.saturate.pcg import PCG, Layout, PNode
+from parsat.ir.pcg import PCG, Layout, PNode
 
 
 @pytest.fixture

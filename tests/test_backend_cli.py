@@ -10,11 +10,11 @@ torch = pytest.importorskip("torch")
 
 from parsat.backend.executor import operator_library  # noqa: E402
 from parsat.cli import main  # noqa: E402
-from parsat.saturate import models  # noqa: E402
+from parsat.ir import models  # noqa: E402
 from parsat.saturate.api import data_parallel_pcg, price_pcg  # noqa: E402
 from parsat.saturate.cost import totals  # noqa: E402
-from parsat.saturate.machine import Machine  # noqa: E402
-from parsat.saturate.plan import PLAN_SCHEMA, PLAN_VERSION  # noqa: E402
+from parsat.ir.machine import Machine  # noqa: E402
+from parsat.ir.plan import PLAN_SCHEMA, PLAN_VERSION  # noqa: E402
 
 SIZES = dict(batch=8, d_in=6, d_hidden=4, d_out=2)
 

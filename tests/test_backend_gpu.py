@@ -7,10 +7,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from parsat.backend.executor import TrainConfig, operator_library, run_plan  # noqa: E402
-from parsat.saturate import models  # noqa: E402
+from parsat.ir import models  # noqa: E402
 from parsat.saturate.api import data_parallel_pcg  # noqa: E402
-from parsat.saturate.graph import Graph  # noqa: E402
-from parsat.saturate.pcg import PCG, Layout, PNode  # noqa: E402
+from parsat.ir.graph import Graph  # noqa: E402
+from parsat.ir.pcg import PCG, Layout, PNode  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

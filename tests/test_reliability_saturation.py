@@ -32,7 +32,7 @@ import pytest
 from parsat.cli import main
 from parsat.dsl.library import Library, load_library
 from parsat.saturate import egglog_compile
-from parsat.saturate.graph import Graph, GraphBuilder
+from parsat.ir.graph import Graph, GraphBuilder
 from parsat.saturate.saturate import STOP_ENODES, STOP_ITERATIONS, STOP_SATURATED, STOP_SECONDS, Limits, saturate
 
 ADVERSARIAL = """\

@@ -8,9 +8,9 @@ import pytest
 
 from parsat.dsl.library import load_library
 from parsat.saturate.cost import work
-from parsat.saturate.graph import Graph, GraphBuilder, GraphError, instance_for
-from parsat.saturate.machine import Machine, MachineError
-from parsat.saturate.models import EXAMPLES, build_example
+from parsat.ir.graph import Graph, GraphBuilder, GraphError, instance_for
+from parsat.ir.machine import Machine, MachineError
+from parsat.ir.models import EXAMPLES, build_example
 
 
 @pytest.fixture(scope="module")

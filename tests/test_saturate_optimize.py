@@ -11,10 +11,10 @@ from parsat.cli import main
 from parsat.dsl.library import load_library
 from parsat.saturate.api import OptimizeError, data_parallel_pcg, optimize, price_pcg, proved_rules
 from parsat.saturate.cost import totals
-from parsat.saturate.graph import GraphError
-from parsat.saturate.machine import Machine
-from parsat.saturate.models import build_example
-from parsat.saturate.plan import PLAN_VERSION, explain, load_plan_dict, pcg_from_dict
+from parsat.ir.graph import GraphError
+from parsat.ir.machine import Machine
+from parsat.ir.models import build_example
+from parsat.ir.plan import PLAN_VERSION, explain, load_plan_dict, pcg_from_dict
 from parsat.saturate.saturate import STOP_ENODES, STOP_ITERATIONS, STOP_SATURATED, STOP_SECONDS, Limits, saturate
 
 HERE = Path(__file__).parent

@@ -1,7 +1,7 @@
 """Plans the backend can lay out: rules apply only at degrees where both sides put pieces on the same devices.
 
 A rule is proved for values and spreads; two terms with one spread can
-still hold their pieces on different mesh atoms (`dsl.placement`), and a
+still hold their pieces on different mesh atoms (`ir.placement`), and a
 compute operator whose inputs do not line up cannot run. The rule below is
 true (the verifier proves it) and moves a replica set to another atom:
 with it, and without the layout guard, the optimizer's best transformer
@@ -14,12 +14,12 @@ import pytest
 
 from parsat.dsl.checker import load_checked
 from parsat.dsl.parser import parse
-from parsat.dsl.placement import PlacementError
+from parsat.ir.placement import PlacementError
 from parsat.dsl.typecheck import type_rule
 from parsat.saturate import egglog_compile
 from parsat.saturate.api import optimize
-from parsat.saturate.pcg import PCG, Layout, PNode
-from parsat.saturate.pcg_layout import lay_out
+from parsat.ir.pcg import PCG, Layout, PNode
+from parsat.ir.pcg_layout import lay_out
 
 MOVES_REPLICAS = """import "ops.rule"
 

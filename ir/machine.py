@@ -69,7 +69,7 @@ class Machine:
 
     @staticmethod
     def from_dict(data: dict) -> "Machine":
-        from parsat.saturate.validate import validate_machine_dict
+        from parsat.ir.validate import validate_machine_dict
 
         validate_machine_dict(data, {k: f.type for k, f in Machine.__dataclass_fields__.items()})
         fields = {k: v for k, v in data.items() if k not in ("schema", "version")}
@@ -85,7 +85,7 @@ class Machine:
 
     @staticmethod
     def load(path: str | Path) -> "Machine":
-        from parsat.saturate.validate import read_json_file
+        from parsat.ir.validate import read_json_file
 
         return Machine.from_dict(read_json_file(path, MachineError, "machine"))
 

@@ -1,4 +1,4 @@
-"""Where every node of a PCG puts its pieces: the plan laid out on ranks (`dsl.placement`).
+"""Where every node of a PCG puts its pieces: the plan laid out on ranks (`ir.placement`).
 
 The e-graph compares spreads (degrees); the backend places pieces on mesh
 atoms, and a compute operator runs only when its inputs' pieces line up on
@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import Mapping
 
 from parsat.dsl import ast
-from parsat.dsl.placement import Layout, PlacementError, compute_layout
-from parsat.saturate.graph import instance_for
-from parsat.saturate.pcg import PCG
+from parsat.ir.placement import Layout, PlacementError, compute_layout
+from parsat.ir.graph import instance_for
+from parsat.ir.pcg import PCG
 
 
 def lay_out(pcg: PCG, ops: Mapping[str, ast.OpDecl], world: int) -> dict[int, Layout]:

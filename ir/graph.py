@@ -106,7 +106,7 @@ class Graph:
     @staticmethod
     def from_dict(data: Mapping, library: Library | None = None) -> "Graph":
         """Read and validate a graph; node shapes in the file are checked, not trusted."""
-        from parsat.saturate.validate import check_graph_sizes, validate_graph_dict
+        from parsat.ir.validate import check_graph_sizes, validate_graph_dict
 
         validate_graph_dict(data)  # structure and types first: the code below may then index freely
         if not isinstance(data, Mapping):
@@ -143,13 +143,13 @@ class Graph:
 
     @staticmethod
     def from_json(text: str, library: Library | None = None) -> "Graph":
-        from parsat.saturate.validate import parse_json
+        from parsat.ir.validate import parse_json
 
         return Graph.from_dict(parse_json(text, GraphError, "graph JSON is not valid JSON"), library)
 
     @staticmethod
     def load(path: str | Path, library: Library | None = None) -> "Graph":
-        from parsat.saturate.validate import read_json_file
+        from parsat.ir.validate import read_json_file
 
         return Graph.from_dict(read_json_file(path, GraphError, "graph"), library)
 

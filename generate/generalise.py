@@ -39,8 +39,8 @@ from parsat.dsl.printer import format_expr
 from parsat.dsl.spread import PARALLEL_OPS
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import TermTyper, TypeCheckError
-from parsat.saturate.candidates import binder_text, make_rule
-from parsat.saturate.enumerate import dim_attributes
+from parsat.generate.candidates import binder_text, make_rule
+from parsat.generate.enumerate import dim_attributes
 
 Prover = Callable[[ast.RuleDecl], bool]      # True when the verifier PROVES the rule
 GROUP_NAMES = "abcdefgh"

@@ -22,8 +22,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, NoReturn
 
-from parsat.saturate.graph import GRAPH_SCHEMA, GRAPH_VERSION, GraphError
-from parsat.saturate.machine import MachineError
+from parsat.ir.graph import GRAPH_SCHEMA, GRAPH_VERSION, GraphError
+from parsat.ir.machine import MachineError
 
 # Largest JSON file parsat reads (bytes); override with PARSAT_MAX_INPUT_BYTES.
 MAX_INPUT_BYTES = 64 * 2 ** 20

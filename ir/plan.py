@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from parsat.saturate.cost import NodeCost, Totals
-from parsat.saturate.graph import Graph
-from parsat.saturate.machine import Machine
-from parsat.saturate.pcg import PCG, Layout, PNode
+from parsat.ir.graph import Graph
+from parsat.ir.machine import Machine
+from parsat.ir.pcg import PCG, Layout, PNode
 
 PLAN_SCHEMA = "parsat.plan"
 PLAN_VERSION = 2               # 2: each baseline carries its PCG (`baselines.NAME.pcg`)
@@ -115,7 +115,7 @@ def _json_default(value):
 
 def load_plan_dict(path: str | Path) -> dict:
     """A plan file as a dict, with its schema and version checked."""
-    from parsat.saturate.validate import read_json_file, validate_plan_dict
+    from parsat.ir.validate import read_json_file, validate_plan_dict
 
     data = read_json_file(path, PlanError, "plan")
     if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA:
