@@ -2,7 +2,7 @@
 
 The cost model (saturate/cost.py) prices a compute operator by a roofline,
 max(FLOPs / peak_flops, bytes / memory_bandwidth), with FLOPs and elements
-taken from the operator's index semantics (`cost.work`), and a collective
+taken from the operator's index semantics (`dsl.work`), and a collective
 by alpha-beta (ring all-reduce 2(p-1) alpha + 2(p-1)/p n bytes / bw). So
 calibration measures exactly those parameters, through the same formulas:
 
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from parsat.backend.launch import LaunchConfig, RankContext, launch
 from parsat.backend.torch_ops import apply_op
-from parsat.saturate.cost import work
+from parsat.dsl.work import work
 from parsat.ir.graph import instance_for
 from parsat.ir.machine import Machine
 

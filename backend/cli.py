@@ -63,9 +63,10 @@ def load_plan(path: str, nproc: int, plan_of: str = "parsat"):
     from `baselines.NAME` (`nodes` and `outputs` there, or under `pcg`, in
     the top level's node format); a plan file written before baselines
     carried their PCG can still run `data_parallel`, rebuilt from the graph
-    by the optimizer's own definition (`saturate.api.data_parallel_pcg`).
+    by the optimizer's own definition (`ir.data_parallel.data_parallel_pcg`).
     """
     from parsat.backend.executor import ExecutionError, Prediction, operator_library
+    from parsat.ir.data_parallel import data_parallel_pcg
     from parsat.ir.graph import Graph
     from parsat.ir.plan import load_plan_dict, pcg_from_dict
 
@@ -87,8 +88,6 @@ def load_plan(path: str, nproc: int, plan_of: str = "parsat"):
         if "nodes" in source and "outputs" in source:
             pcg = pcg_from_dict(source)
         elif plan_of == "data_parallel":
-            from parsat.saturate.api import data_parallel_pcg
-
             pcg = data_parallel_pcg(graph, library, nproc)
             if pcg is None:
                 raise ExecutionError(f"data parallelism does not apply to {path}'s graph")

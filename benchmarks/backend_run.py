@@ -20,7 +20,7 @@ from pathlib import Path
 from parsat.backend.cli import PLAN_OF, load_plan
 from parsat.backend.executor import ExecutionError, TrainConfig, run_many
 from parsat.backend.launch import LaunchConfig, launch
-from parsat.saturate.api import optimize
+from parsat.api import optimize
 
 GRAPHS = {
     "mlp": {},

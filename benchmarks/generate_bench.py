@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 from parsat.dsl.checker import load_checked
-from parsat.saturate.api import OptimizeError, optimize
+from parsat.api import optimize
+from parsat.saturate.errors import OptimizeError
 from parsat.generate.generate import derive_library, rules_over
 
 

@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from parsat.dsl.library import load_library
-from parsat.saturate.api import OptimizeError, optimize
+from parsat.api import optimize
+from parsat.saturate.errors import OptimizeError
 
 
 def fmt_ms(seconds):

@@ -47,7 +47,7 @@ def _error(message: str) -> int:
 
 def run_generate(args: argparse.Namespace) -> int:
     from parsat.dsl.errors import DslError
-    from parsat.saturate.api import resolve_library
+    from parsat.saturate.inputs import resolve_library
     from parsat.generate.generate import GenerateError, Settings, generate
 
     try:

@@ -64,7 +64,7 @@ from parsat.dsl.evaluate import EvaluationError
 from parsat.dsl.spread import PARALLEL_OPS
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import RuleInstance, TermTyper, TypeCheckError, TypedTerm, type_rule
-from parsat.verifier.concrete import Unsupported, _Simulator, observe
+from parsat.verifier.concrete import Unsupported, observe, simulate
 
 DEGREE = "p"
 DEGREE2 = "q"
@@ -439,18 +439,6 @@ def type_term(vocab: Vocabulary, expr: ast.Expr) -> RuleInstance | None:
     return instance
 
 
-class _Memo(_Simulator):
-    """The verifier's piece-wise simulator, reusing the pieces of terms already evaluated (by AST node)."""
-
-    def __init__(self, env: Environment, memo: dict[int, np.ndarray]):
-        super().__init__(env.sizes, env.inputs, env.reals)
-        self.memo = memo
-
-    def run(self, term: TypedTerm) -> np.ndarray:
-        hit = self.memo.get(id(term.node))
-        return hit if hit is not None else super().run(term)
-
-
 @dataclass
 class Evaluator:
     """Fingerprints terms at fixed environments, remembering the pieces of terms kept as arguments."""
@@ -481,7 +469,7 @@ class Evaluator:
             spread = (tuple(d.evaluate(sizes) for d in term.spread.shard), term.spread.copy.evaluate(sizes),
                       term.spread.sum.evaluate(sizes))
             try:
-                pieces = _Memo(env, memo).run(term)
+                pieces = simulate(term, env.sizes, env.inputs, env.reals, known=memo)
             except (Unsupported, EvaluationError, ZeroDivisionError, IndexError, ValueError):
                 return None
             seen = observe(pieces, len(shape))

@@ -13,12 +13,9 @@ import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-MACHINE_SCHEMA = "parsat.machine"
-MACHINE_VERSION = 1
-
-
-class MachineError(Exception):
-    """A machine description that cannot be used."""
+from parsat.ir.errors import MachineError
+from parsat.ir.json_files import read_json_file
+from parsat.ir.validate import MACHINE_SCHEMA, MACHINE_VERSION, validate_machine_dict
 
 
 @dataclass(frozen=True)
@@ -69,8 +66,6 @@ class Machine:
 
     @staticmethod
     def from_dict(data: dict) -> "Machine":
-        from parsat.ir.validate import validate_machine_dict
-
         validate_machine_dict(data, {k: f.type for k, f in Machine.__dataclass_fields__.items()})
         fields = {k: v for k, v in data.items() if k not in ("schema", "version")}
         try:
@@ -85,8 +80,6 @@ class Machine:
 
     @staticmethod
     def load(path: str | Path) -> "Machine":
-        from parsat.ir.validate import read_json_file
-
         return Machine.from_dict(read_json_file(path, MachineError, "machine"))
 
     @staticmethod

@@ -9,28 +9,23 @@ machine) and versioned. `explain()` renders the same data as text, so
 
 from __future__ import annotations
 
-from collections import Counter
-
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from parsat.saturate.cost import NodeCost, Totals
+from parsat.ir.costs import NodeCost, Totals
+from parsat.ir.errors import PlanError
 from parsat.ir.graph import Graph
+from parsat.ir.json_files import read_json_file
 from parsat.ir.machine import Machine
 from parsat.ir.pcg import PCG, Layout, PNode
+from parsat.ir.validate import PLAN_SCHEMA, PLAN_VERSION, READABLE_VERSIONS, validate_plan_dict
 
-PLAN_SCHEMA = "parsat.plan"
-PLAN_VERSION = 2               # 2: each baseline carries its PCG (`baselines.NAME.pcg`)
-READABLE_VERSIONS = (1, 2)     # version 1 lacks only the baselines' PCGs
 BASELINES = ("data_parallel", "sequential", "megatron")
 JOINT = "joint"                # `extraction.chosen` when the plan was extracted from the joint e-graph
-
-
-class PlanError(Exception):
-    """A plan file that cannot be read."""
 
 
 @dataclass(frozen=True)
@@ -115,8 +110,6 @@ def _json_default(value):
 
 def load_plan_dict(path: str | Path) -> dict:
     """A plan file as a dict, with its schema and version checked."""
-    from parsat.ir.validate import read_json_file, validate_plan_dict
-
     data = read_json_file(path, PlanError, "plan")
     if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA:
         raise PlanError(f"{path} is not a parsat plan (schema should be {PLAN_SCHEMA!r})")

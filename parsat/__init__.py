@@ -29,8 +29,8 @@ def __getattr__(name: str):
 
 
 def optimize(graph, machine="h100x8", rules=None, limits=None, devices=None, **options):
-    """The cheapest plan the proven rules reach: see `parsat.saturate.api.optimize`."""
-    from parsat.saturate.api import optimize as run
+    """The cheapest plan the proven rules reach: see `parsat.api.optimize`."""
+    from parsat.api import optimize as run
 
     return run(graph, machine=machine, rules=rules, limits=limits, devices=devices, **options)
 

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
 from parsat.dsl.library import Library
-from parsat.saturate.cost import NodeCost, compute_cost, gather_cost, parallel_cost
+from parsat.ir.costs import NodeCost
+from parsat.saturate.cost import compute_cost, gather_cost, parallel_cost
 from parsat.saturate.egglog_compile import PIN_SUFFIX, Snapshot
 from parsat.ir.graph import Graph, instance_for
 from parsat.ir.machine import Machine

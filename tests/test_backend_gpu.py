@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 
 from parsat.backend.executor import TrainConfig, operator_library, run_plan  # noqa: E402
 from parsat.ir import models  # noqa: E402
-from parsat.saturate.api import data_parallel_pcg  # noqa: E402
+from parsat.ir.data_parallel import data_parallel_pcg  # noqa: E402
 from parsat.ir.graph import Graph  # noqa: E402
 from parsat.ir.pcg import PCG, Layout, PNode  # noqa: E402
 

@@ -70,8 +70,9 @@ def plan_path(tmp_path: Path) -> Path:
     """Data parallelism of a small MLP on 2 devices: collectives forward (gather) and backward (all-reduce)."""
     from parsat.backend.executor import operator_library
     from parsat.ir import models
-    from parsat.saturate.api import data_parallel_pcg, price_pcg
-    from parsat.saturate.cost import totals
+    from parsat.ir.data_parallel import data_parallel_pcg
+    from parsat.saturate.baselines import price_pcg
+    from parsat.ir.costs import totals
     from parsat.ir.machine import Machine
     from parsat.ir.plan import Plan
 

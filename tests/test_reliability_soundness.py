@@ -37,7 +37,9 @@ from parsat.backend.cli import load_plan  # noqa: E402
 from parsat.backend.executor import TrainConfig, run_rank  # noqa: E402
 from parsat.backend.launch import LaunchConfig, RankContext, launch  # noqa: E402
 from parsat.dsl.library import Library  # noqa: E402
-from parsat.saturate.api import OptimizeError, optimize, resolve_library  # noqa: E402
+from parsat.api import optimize  # noqa: E402
+from parsat.saturate.errors import OptimizeError  # noqa: E402
+from parsat.saturate.inputs import resolve_library  # noqa: E402
 from parsat.ir.graph import Graph, GraphBuilder, Tensor  # noqa: E402
 from parsat.ir.machine import Machine  # noqa: E402
 

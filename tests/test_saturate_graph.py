@@ -7,7 +7,7 @@ import json
 import pytest
 
 from parsat.dsl.library import load_library
-from parsat.saturate.cost import work
+from parsat.dsl.work import work
 from parsat.ir.graph import Graph, GraphBuilder, GraphError, instance_for
 from parsat.ir.machine import Machine, MachineError
 from parsat.ir.models import EXAMPLES, build_example

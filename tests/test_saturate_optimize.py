@@ -9,8 +9,11 @@ import pytest
 
 from parsat.cli import main
 from parsat.dsl.library import load_library
-from parsat.saturate.api import OptimizeError, data_parallel_pcg, optimize, price_pcg, proved_rules
-from parsat.saturate.cost import totals
+from parsat.api import optimize, proved_rules
+from parsat.ir.data_parallel import data_parallel_pcg
+from parsat.saturate.baselines import price_pcg
+from parsat.saturate.errors import OptimizeError
+from parsat.ir.costs import totals
 from parsat.ir.graph import GraphError
 from parsat.ir.machine import Machine
 from parsat.ir.models import build_example
@@ -257,7 +260,7 @@ def test_a_long_explanation_opens_with_the_parallel_operators_counted(mlp_plan_c
 
 def test_rules_used_are_the_makers_of_the_plan_s_new_operators(shipped):
     """Provenance: every e-node the plan chose that the input graph lacks was built by a listed rule."""
-    from parsat.saturate.api import _solve, rules_used
+    from parsat.saturate.solve import rules_used, solve as _solve
     from parsat.saturate.egglog_compile import GRAPH_MADE
     from parsat.saturate.saturate import saturate
 

@@ -17,7 +17,7 @@ from parsat.dsl.parser import parse
 from parsat.ir.placement import PlacementError
 from parsat.dsl.typecheck import type_rule
 from parsat.saturate import egglog_compile
-from parsat.saturate.api import optimize
+from parsat.api import optimize
 from parsat.ir.pcg import PCG, Layout, PNode
 from parsat.ir.pcg_layout import lay_out
 

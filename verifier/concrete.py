@@ -112,15 +112,20 @@ def observe(pieces: np.ndarray, rank: int) -> np.ndarray:
 
 
 class _Simulator:
-    def __init__(self, sizes: Mapping[str, int], inputs: Mapping[str, np.ndarray], reals: Mapping[str, float]):
+    def __init__(self, sizes: Mapping[str, int], inputs: Mapping[str, np.ndarray], reals: Mapping[str, float],
+                 known: Mapping[int, np.ndarray] | None = None):
         self.sizes = dict(sizes)
         self.inputs = inputs
         self.reals = reals
+        self.known = known or {}
 
     def num(self, poly) -> int:
         return int(poly.evaluate(self.sizes))
 
     def run(self, term: TypedTerm) -> np.ndarray:
+        known = self.known.get(id(term.node))
+        if known is not None:
+            return known
         rank = len(term.shape)
         if term.kind == "input":
             return _whole(np.asarray(self.inputs[term.name], dtype=np.float64))
@@ -213,10 +218,16 @@ class _Simulator:
 
 
 def simulate(term: TypedTerm, sizes: Mapping[str, int], inputs: Mapping[str, np.ndarray],
-             reals: Mapping[str, float] | None = None) -> np.ndarray:
-    """The pieces of `term` (shape `(*shard, copy, sum, *local)`)."""
+             reals: Mapping[str, float] | None = None, known: Mapping[int, np.ndarray] | None = None) -> np.ndarray:
+    """The pieces of `term` (shape `(*shard, copy, sum, *local)`).
+
+    `known` maps `id(node)` of AST nodes whose pieces the caller computed
+    before, at these sizes and inputs, to those pieces: a subterm found
+    there is not simulated again (the rule generator evaluates thousands of
+    terms that share their arguments).
+    """
     try:
-        return _Simulator(sizes, inputs, reals or {}).run(term)
+        return _Simulator(sizes, inputs, reals or {}, known).run(term)
     except (ZeroDivisionError, EvaluationError) as err:
         raise Unsupported(str(err)) from None
 

@@ -1,0 +1,71 @@
+"""Data parallelism, by its textbook definition: the PCG every baseline table starts from.
+
+Every graph input split along dim 0 over all devices, every weight
+replicated, outputs gathered. It is built from the graph alone, not found
+by the rules, so the optimizer can price it as a baseline
+(`saturate/baselines.py`) and the backend can rebuild it for a plan file
+that predates baselines carrying their PCGs (`backend/cli.py`).
+"""
+
+from __future__ import annotations
+
+from parsat.dsl.instantiate import InstantiationError
+from parsat.dsl.library import Library
+from parsat.dsl.spread import infer_compute
+from parsat.ir.graph import Graph, instance_for
+from parsat.ir.pcg import PCG, Layout, PNode
+
+
+def data_parallel_pcg(graph: Graph, library: Library, devices: int) -> PCG | None:
+    """Data parallelism: every input split along dim 0, every weight replicated, outputs gathered.
+
+    Built directly (the textbook definition, independent of the rules) and
+    checked operator by operator with spread inference; None when an
+    operator does not accept it or a batch does not split evenly.
+    """
+    if devices < 2:
+        return None
+    nodes: list[PNode] = []
+    ident: dict[str, int] = {}
+
+    def add(kind, op, inputs, attrs, shape, layout, role="", origin="") -> int:
+        nodes.append(PNode(len(nodes), kind, op, tuple(inputs), tuple(attrs), tuple(shape), layout, role, origin))
+        return len(nodes) - 1
+
+    for leaf in graph.leaves:
+        base = add("leaf", leaf.name, (), (), leaf.shape, Layout.whole(len(leaf.shape)), leaf.role, leaf.name)
+        if leaf.role == "input":
+            if not leaf.shape or leaf.shape[0] % devices:
+                return None
+            shard = (devices,) + (1,) * (len(leaf.shape) - 1)
+            ident[leaf.name] = add("parallel", "partition", (base,), (("dim", 0), ("degree", devices)), leaf.shape,
+                                   Layout(shard))
+        else:
+            ident[leaf.name] = add("parallel", "replicate", (base,), (("degree", devices),), leaf.shape,
+                                   Layout(Layout.whole(len(leaf.shape)).shard, devices))
+    for gnode in graph.nodes:
+        op = library.ops[gnode.op]
+        inputs = [nodes[ident[i]] for i in gnode.inputs]
+        try:
+            instance = instance_for(op, [n.shape for n in inputs], dict(gnode.attrs))
+        except InstantiationError:
+            return None
+        inferred = infer_compute(instance, [n.layout.to_spread() for n in inputs])
+        if inferred.problems:
+            return None
+        spread = inferred.spread
+        layout = Layout(tuple(int(d.evaluate({})) for d in spread.shard), int(spread.copy.evaluate({})),
+                        int(spread.sum.evaluate({})))
+        ident[gnode.name] = add("op", gnode.op, [n.id for n in inputs], gnode.attrs, gnode.shape, layout,
+                                origin=gnode.name)
+    outputs = []
+    for name in graph.outputs:
+        node = nodes[ident[name]]
+        if node.layout.is_whole:
+            outputs.append(node.id)
+        elif node.layout.shard and node.layout.shard[0] == devices and node.layout.pieces == devices:
+            outputs.append(add("parallel", "combine", (node.id,), (("dim", 0), ("degree", devices)), node.shape,
+                               Layout.whole(len(node.shape))))
+        else:
+            return None
+    return PCG(tuple(nodes), tuple(outputs), tuple(graph.outputs))
