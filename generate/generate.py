@@ -46,9 +46,10 @@ from parsat.dsl.library import Library
 from parsat.dsl.printer import format_decl, format_expr
 from parsat.dsl.typecheck import RuleInstance, TypeCheckError, group_assignments, rule_groups, type_rule
 from parsat.generate.candidates import Candidate, Canon, candidate, commutative_ops, ops_of, pairs, rule_identity, alpha_text
-from parsat.generate.derivation import CandidateGraph, Deriver, Limits, Minimiser, instance_sizes, safe_typed
+from parsat.generate.derivation import CandidateGraph, Deriver, Minimiser, instance_sizes, safe_typed
 from parsat.generate.enumerate import (Vocabulary, VocabularyError, algebraic_vocabulary,
                                        enumerate_terms, environments, operator_vocabularies, vocabulary)
+from parsat.saturate.runner import Limits
 
 Progress = Callable[[str], None]
 ENUMERATION_SHARE = 0.4     # of --seconds, at most
@@ -529,5 +530,6 @@ def derive_library(generated: Library, shipped: Library, ops: Iterable[str],
     iterations; the benchmark and the test that guards the recorded set
     both ask this one question.
     """
-    deriver = Deriver(generated, list(generated.rules), devices=4, iterations=8, enodes=30_000, seconds=10.0)
+    deriver = Deriver(generated, list(generated.rules), devices=4,
+                      limits=Limits(iterations=8, enodes=30_000, seconds=10.0))
     return derive_rules(rules_over(shipped, ops), deriver, generated, progress)

@@ -3,7 +3,7 @@
 The e-graph compares spreads (degrees); the backend places pieces on mesh
 atoms, and a compute operator runs only when its inputs' pieces line up on
 the same ranks. The two views agree because a rule applies only at degrees
-where it keeps the layout (`egglog_compile.layout_guard`). `lay_out` is the
+where it keeps the layout (`saturate.guards.layout_guard`). `lay_out` is the
 check that they did: `optimize` runs it on every plan it returns, and
 `parsat run` before it starts a rank, so a plan that cannot run is refused
 with the node that cannot be placed, not found out by every rank at once.

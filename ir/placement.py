@@ -34,7 +34,7 @@ The optimizer uses the same model (`term_layout`): two terms with the same
 spread may lay their pieces on different atoms (`replicate(partition(x))`
 shards on the first atom, `partition(replicate(x))` on the second), and a
 compute operator whose inputs do not line up cannot run. Rules are applied
-only at degrees where both sides lay out alike (`saturate.egglog_compile`),
+only at degrees where both sides lay out alike (`saturate.guards`),
 so every plan the optimizer returns is one the backend can lay out.
 """
 

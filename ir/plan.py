@@ -268,3 +268,20 @@ def explain(data: Mapping, limit: int | None = 40) -> str:
                                  for k, v in (ext.get('candidates') or {}).items())
                      + f"; ILP {ext.get('ilp_status', '')}")
     return "\n".join(lines)
+
+
+def saturation_stats(saturation: Mapping) -> str:
+    """What every rule did in saturation (`parsat optimize --stats`): the rules that matched, most first,
+    the rules that never fired, and the seconds each ruleset ran (docs/plan-schema.md, `saturation`)."""
+    matches = dict(saturation.get("rule_matches") or {})
+    seconds = saturation.get("ruleset_seconds") or {}
+    lines = ["saturation statistics:"]
+    if seconds:
+        lines.append("  seconds per ruleset: " + ", ".join(f"{k} {_fmt_time(v)}" for k, v in seconds.items()))
+    fired = sorted(((n, c) for n, c in matches.items() if c), key=lambda item: -item[1])
+    lines.append(f"  matches per rule ({len(fired)} of {len(matches)} rules fired):")
+    lines += [f"  {count:>10,}  {name}" for name, count in fired]
+    never = [name for name, count in matches.items() if not count]
+    lines.append(f"  never fired ({len(never)}): " + (", ".join(never) if never else "none"))
+    return "\n".join(lines)
+

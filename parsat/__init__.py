@@ -16,7 +16,7 @@ _LAZY = {
     "Machine": "parsat.ir.machine",
     "Graph": "parsat.ir.graph",
     "GraphBuilder": "parsat.ir.graph",
-    "Limits": "parsat.saturate.saturate",
+    "Limits": "parsat.saturate.runner",
 }
 
 

@@ -32,6 +32,8 @@ def register(subparsers) -> None:
     opt.add_argument("--list-examples", action="store_true", help="list the built-in examples and their sizes")
     opt.add_argument("--no-baselines", action="store_true", help="skip the baselines (faster)")
     opt.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
+    opt.add_argument("--stats", action="store_true",
+                     help="after the plan, list each rule's matches in saturation and the rules that never fired")
     opt.set_defaults(run=run_optimize)
 
 
@@ -98,4 +100,9 @@ def run_optimize(args: argparse.Namespace) -> int:
             return _error(f"cannot write {args.output}: {err.strerror}")
         print(f"wrote {args.output}", file=sys.stderr)
     print(plan.explain())
+    if args.stats:
+        from parsat.ir.plan import saturation_stats
+
+        print()
+        print(saturation_stats(plan.saturation))
     return 0

@@ -33,7 +33,8 @@ from parsat.saturate.baselines import Candidate, data_parallel, megatron_exclude
 from parsat.saturate.errors import OptimizeError
 from parsat.saturate.extract import ExtractionError, leaf_roles
 from parsat.saturate.inputs import check_devices, check_pins, resolve_graph, resolve_library
-from parsat.saturate.saturate import Limits, saturate
+from parsat.saturate.runner import Limits
+from parsat.saturate.saturate import saturate
 from parsat.saturate.solve import price, rules_used, solve
 
 Progress = Callable[[str], None]

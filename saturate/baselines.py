@@ -26,10 +26,11 @@ from parsat.ir.errors import GraphError
 from parsat.ir.graph import Graph, GraphBuilder
 from parsat.ir.machine import Machine
 from parsat.ir.pcg import PARALLEL, PCG, Layout
-from parsat.saturate.egglog_compile import Snapshot
 from parsat.saturate.errors import OptimizeError
 from parsat.saturate.extract import ExtractionError, NodeId, Pricer
-from parsat.saturate.saturate import Limits, saturate
+from parsat.saturate.runner import Limits
+from parsat.saturate.saturate import saturate
+from parsat.saturate.snapshot import Snapshot
 from parsat.saturate.solve import solve
 
 Progress = Callable[[str], None]

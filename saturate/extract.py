@@ -33,7 +33,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 from parsat.dsl.library import Library
 from parsat.ir.costs import NodeCost
 from parsat.saturate.cost import compute_cost, gather_cost, parallel_cost
-from parsat.saturate.egglog_compile import PIN_SUFFIX, Snapshot
+from parsat.saturate.encoding import PIN_SUFFIX
+from parsat.saturate.snapshot import Snapshot
 from parsat.ir.graph import Graph, instance_for
 from parsat.ir.machine import Machine
 from parsat.ir.pcg import Layout

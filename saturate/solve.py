@@ -17,9 +17,11 @@ from parsat.ir.costs import NodeCost
 from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
 from parsat.ir.pcg import PARALLEL, PCG, Layout, PNode
-from parsat.saturate.egglog_compile import PIN_SUFFIX, Snapshot
+from parsat.saturate.encoding import PIN_SUFFIX
+from parsat.saturate.snapshot import Snapshot
 from parsat.saturate.extract import Extraction, NodeId, dag_cost, extract, node_costs
-from parsat.saturate.saturate import Limits, SaturationResult
+from parsat.saturate.runner import Limits
+from parsat.saturate.saturate import SaturationResult
 
 
 def solve(result: SaturationResult, graph: Graph, library: Library, machine: Machine, roots: Sequence[int],
@@ -79,7 +81,7 @@ def pcg_from_extraction(result: SaturationResult, extraction: Extraction, graph:
 def rules_used(library_rules: Sequence[ast.RuleDecl], snapshot: Snapshot, choice: Mapping[int, int]) -> tuple[str, ...]:
     """A small set of rules that built the e-nodes an extraction chose, in library order.
 
-    Every rule application records the e-nodes it built (`egglog_compile.made_row`),
+    Every rule application records the e-nodes it built (`encoding.made_row`),
     and the input graph's operators need no rule. An e-node is often built by
     several rules (a pattern reached two ways), so listing every maker says
     little; the rules are picked greedily, the one that built most of the

@@ -18,7 +18,8 @@ from parsat.ir.graph import GraphError
 from parsat.ir.machine import Machine
 from parsat.ir.models import build_example
 from parsat.ir.plan import PLAN_VERSION, explain, load_plan_dict, pcg_from_dict
-from parsat.saturate.saturate import STOP_ENODES, STOP_ITERATIONS, STOP_SATURATED, STOP_SECONDS, Limits, saturate
+from parsat.saturate.runner import STOP_ENODES, STOP_ITERATIONS, STOP_SATURATED, STOP_SECONDS, Limits
+from parsat.saturate.saturate import saturate
 
 HERE = Path(__file__).parent
 TEST_RULES = HERE / "rules_for_saturate"
@@ -261,7 +262,7 @@ def test_a_long_explanation_opens_with_the_parallel_operators_counted(mlp_plan_c
 def test_rules_used_are_the_makers_of_the_plan_s_new_operators(shipped):
     """Provenance: every e-node the plan chose that the input graph lacks was built by a listed rule."""
     from parsat.saturate.solve import rules_used, solve as _solve
-    from parsat.saturate.egglog_compile import GRAPH_MADE
+    from parsat.saturate.encoding import GRAPH_MADE
     from parsat.saturate.saturate import saturate
 
     graph = build_example("mlp", library=shipped)

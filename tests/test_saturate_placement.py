@@ -16,7 +16,8 @@ from parsat.dsl.checker import load_checked
 from parsat.dsl.parser import parse
 from parsat.ir.placement import PlacementError
 from parsat.dsl.typecheck import type_rule
-from parsat.saturate import egglog_compile
+from parsat.saturate import guards
+from parsat.saturate import program as rule_program
 from parsat.api import optimize
 from parsat.ir.pcg import PCG, Layout, PNode
 from parsat.ir.pcg_layout import lay_out
@@ -52,11 +53,11 @@ def _instance(text: str, groups=None):
 def test_a_rule_that_moves_replicas_to_another_atom_is_never_compiled(rules_dir):
     library = load_checked([str(rules_dir)])
     rule = next(r for r in library.rules if r.name == "replicate_via_partition")
-    program = egglog_compile.compile_rules(library, [rule], {2}, 4, typing_cache={})
+    program = rule_program.compile_rules(library, [rule], {2}, 4, typing_cache={})
     assert not program.rules
     (skipped,) = program.skipped
     assert "changes where pieces live" in skipped.reason and "different devices" in skipped.reason
-    unguarded = egglog_compile.compile_rules(library, [rule], {2}, 4, typing_cache={}, placement=False)
+    unguarded = rule_program.compile_rules(library, [rule], {2}, 4, typing_cache={}, placement=False)
     assert unguarded.rules   # derivability (the rule generator) still sees it
 
 
@@ -67,10 +68,10 @@ def test_nested_degrees_apply_only_where_the_atoms_come_in_the_same_order():
   forall x: [m, n], p: degree, q: degree
   where m % (p * q) == 0
   partition(x, 0, p * q) => partition(partition(x, 0, p), 0, q)""")
-    symbols, allowed = egglog_compile.layout_guard(instance, 12)
+    symbols, allowed = guards.layout_guard(instance, 12)
     assert symbols == ("p", "q")
     assert (2, 2) in allowed and (2, 3) in allowed and (3, 2) not in allowed
-    assert egglog_compile.layout_guard(instance, 8) is None     # one prime: the order never differs
+    assert guards.layout_guard(instance, 8) is None     # one prime: the order never differs
 
 
 def test_plans_lay_out_with_the_guard_and_would_not_without_it(rules_dir, monkeypatch):
@@ -81,8 +82,8 @@ def test_plans_lay_out_with_the_guard_and_would_not_without_it(rules_dir, monkey
     for pcg in [guarded.pcg] + [b.pcg for b in guarded.baseline_plans.values()]:
         lay_out(pcg, ops, 4)
 
-    monkeypatch.setattr(egglog_compile, "layout_guard", lambda instance, devices: None)
-    monkeypatch.setattr(egglog_compile, "_COMPILED_CACHE", {})
+    monkeypatch.setattr(guards, "layout_guard", lambda instance, devices: None)
+    monkeypatch.setattr(rule_program, "_COMPILED_CACHE", {})
     unguarded = optimize("transformer", devices=4, machine="h100x8", rules=[str(rules_dir)], allow_unverified=True)
     extraction = unguarded.to_dict()["extraction"]
     assert "joint" in extraction["unplaceable"] and "different ranks" in extraction["unplaceable"]["joint"]
