@@ -38,7 +38,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from parsat.ir.placement import Axis, Layout, all_groups, group_ranks, mixed_radix, product
+from parsat.dsl.parallel_ops import COMBINE, PARTITION, REPLICATE
+from parsat.ir.placement import Axis, Placement, all_groups, group_ranks, mixed_radix, product
 
 
 @dataclass(frozen=True)
@@ -219,8 +220,8 @@ class _Reduce(torch.autograd.Function):
         return grad, None
 
 
-def parallel_op(name: str, x: torch.Tensor, layout: Layout, degree: int, dim: int | None,
-                cache: GroupCache, counter: CommCounter, tag: str = "") -> tuple[torch.Tensor, Layout]:
+def parallel_op(name: str, x: torch.Tensor, layout: Placement, degree: int, dim: int | None,
+                cache: GroupCache, counter: CommCounter, tag: str = "") -> tuple[torch.Tensor, Placement]:
     """Apply parallel operator `name` to this rank's piece `x` of a tensor laid out as `layout`.
 
     Returns the new local piece and the new layout. Degree 1 is the identity
@@ -232,10 +233,10 @@ def parallel_op(name: str, x: torch.Tensor, layout: Layout, degree: int, dim: in
     # Ranks that differ only on the input's other free atoms run the same collective redundantly.
     replicas = product(a for a in layout.free if a not in axes)
     comm = make_comm(cache, axes, counter, name, replicas, tag)
-    if name == "partition":
+    if name == PARTITION:
         return _Partition.apply(x, dim, comm), new_layout
-    if name == "combine":
+    if name == COMBINE:
         return _Combine.apply(x, dim, comm), new_layout
-    if name == "replicate":
+    if name == REPLICATE:
         return _Replicate.apply(x, comm), new_layout
     return _Reduce.apply(x, comm), new_layout

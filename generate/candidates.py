@@ -23,11 +23,11 @@ from parsat.dsl import ast
 from parsat.dsl.conditions import symbolic_truth
 from parsat.dsl.errors import DslError
 from parsat.dsl.printer import format_expr
-from parsat.dsl.spread import PARALLEL_OPS
+from parsat.dsl.parallel_ops import COMBINE, PARALLEL_OPS, REDUCE
 from parsat.dsl.typecheck import RuleInstance, TypeCheckError, check_rhs_bound, type_rule
 from parsat.generate.enumerate import Enumeration, Vocabulary
 
-COLLECTIVES = ("combine", "reduce")   # all-gather and all-reduce in the forward pass
+COLLECTIVES = (COMBINE, REDUCE)   # all-gather and all-reduce in the forward pass
 DEGREE_NAMES = ("p", "q")             # the enumeration's degree symbols (generate.enumerate)
 MAX_COMMUTED = 4                      # commutative nodes whose argument orders a key tries (2**4 texts)
 

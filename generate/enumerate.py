@@ -61,7 +61,7 @@ import numpy as np
 from parsat.dsl import ast
 from parsat.dsl.conditions import holds
 from parsat.dsl.evaluate import EvaluationError
-from parsat.dsl.spread import PARALLEL_OPS
+from parsat.dsl.parallel_ops import PARALLEL_OPS, PARTITION, REPLICATE
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import RuleInstance, TermTyper, TypeCheckError, TypedTerm, type_rule
 from parsat.verifier.concrete import Unsupported, observe, simulate
@@ -343,7 +343,7 @@ def _calls(vocab: Vocabulary, name: str, args: Sequence[Term]) -> Iterator[ast.C
     tensors = tuple(a.expr for a in args)
     if name in PARALLEL_OPS:
         for degree in vocab.op_degrees:
-            if PARALLEL_OPS[name][1] == "dim":
+            if PARALLEL_OPS[name].has_dim:
                 for d in vocab.dims:
                     yield ast.Call(name, tensors + (ast.Num(d), _degree(degree)))
             else:
@@ -362,11 +362,11 @@ def leaves(vocab: Vocabulary) -> list[ast.Expr]:
         return out
     for var in vocab.inputs:
         for degree in vocab.leaf_degrees:
-            if "partition" in vocab.names:
-                out += [ast.Call("partition", (ast.Name(var.name), ast.Num(d), _degree(degree)))
+            if PARTITION in vocab.names:
+                out += [ast.Call(PARTITION, (ast.Name(var.name), ast.Num(d), _degree(degree)))
                         for d in vocab.dims if d < len(var.dims)]
-            if "replicate" in vocab.names:
-                out.append(ast.Call("replicate", (ast.Name(var.name), _degree(degree))))
+            if REPLICATE in vocab.names:
+                out.append(ast.Call(REPLICATE, (ast.Name(var.name), _degree(degree))))
     return out
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from parsat.dsl.instantiate import InstantiationError
 from parsat.dsl.library import Library
+from parsat.dsl.parallel_ops import COMBINE, PARTITION, REPLICATE
 from parsat.dsl.spread import infer_compute
 from parsat.ir.graph import Graph, instance_for
-from parsat.ir.pcg import PCG, Layout, PNode
+from parsat.ir.pcg import PCG, Degrees, PNode
 
 
 def data_parallel_pcg(graph: Graph, library: Library, devices: int) -> PCG | None:
@@ -28,21 +29,21 @@ def data_parallel_pcg(graph: Graph, library: Library, devices: int) -> PCG | Non
     nodes: list[PNode] = []
     ident: dict[str, int] = {}
 
-    def add(kind, op, inputs, attrs, shape, layout, role="", origin="") -> int:
-        nodes.append(PNode(len(nodes), kind, op, tuple(inputs), tuple(attrs), tuple(shape), layout, role, origin))
+    def add(kind, op, inputs, attrs, shape, degrees, role="", origin="") -> int:
+        nodes.append(PNode(len(nodes), kind, op, tuple(inputs), tuple(attrs), tuple(shape), degrees, role, origin))
         return len(nodes) - 1
 
     for leaf in graph.leaves:
-        base = add("leaf", leaf.name, (), (), leaf.shape, Layout.whole(len(leaf.shape)), leaf.role, leaf.name)
+        base = add("leaf", leaf.name, (), (), leaf.shape, Degrees.whole(len(leaf.shape)), leaf.role, leaf.name)
         if leaf.role == "input":
             if not leaf.shape or leaf.shape[0] % devices:
                 return None
             shard = (devices,) + (1,) * (len(leaf.shape) - 1)
-            ident[leaf.name] = add("parallel", "partition", (base,), (("dim", 0), ("degree", devices)), leaf.shape,
-                                   Layout(shard))
+            ident[leaf.name] = add("parallel", PARTITION, (base,), (("dim", 0), ("degree", devices)), leaf.shape,
+                                   Degrees(shard))
         else:
-            ident[leaf.name] = add("parallel", "replicate", (base,), (("degree", devices),), leaf.shape,
-                                   Layout(Layout.whole(len(leaf.shape)).shard, devices))
+            ident[leaf.name] = add("parallel", REPLICATE, (base,), (("degree", devices),), leaf.shape,
+                                   Degrees(Degrees.whole(len(leaf.shape)).shard, devices))
     for gnode in graph.nodes:
         op = library.ops[gnode.op]
         inputs = [nodes[ident[i]] for i in gnode.inputs]
@@ -50,22 +51,20 @@ def data_parallel_pcg(graph: Graph, library: Library, devices: int) -> PCG | Non
             instance = instance_for(op, [n.shape for n in inputs], dict(gnode.attrs))
         except InstantiationError:
             return None
-        inferred = infer_compute(instance, [n.layout.to_spread() for n in inputs])
+        inferred = infer_compute(instance, [n.degrees.to_spread() for n in inputs])
         if inferred.problems:
             return None
-        spread = inferred.spread
-        layout = Layout(tuple(int(d.evaluate({})) for d in spread.shard), int(spread.copy.evaluate({})),
-                        int(spread.sum.evaluate({})))
-        ident[gnode.name] = add("op", gnode.op, [n.id for n in inputs], gnode.attrs, gnode.shape, layout,
+        degrees = Degrees.of(inferred.spread)
+        ident[gnode.name] = add("op", gnode.op, [n.id for n in inputs], gnode.attrs, gnode.shape, degrees,
                                 origin=gnode.name)
     outputs = []
     for name in graph.outputs:
         node = nodes[ident[name]]
-        if node.layout.is_whole:
+        if node.degrees.is_whole:
             outputs.append(node.id)
-        elif node.layout.shard and node.layout.shard[0] == devices and node.layout.pieces == devices:
-            outputs.append(add("parallel", "combine", (node.id,), (("dim", 0), ("degree", devices)), node.shape,
-                               Layout.whole(len(node.shape))))
+        elif node.degrees.shard and node.degrees.shard[0] == devices and node.degrees.pieces == devices:
+            outputs.append(add("parallel", COMBINE, (node.id,), (("dim", 0), ("degree", devices)), node.shape,
+                               Degrees.whole(len(node.shape))))
         else:
             return None
     return PCG(tuple(nodes), tuple(outputs), tuple(graph.outputs))

@@ -14,20 +14,20 @@ from __future__ import annotations
 from typing import Mapping
 
 from parsat.dsl import ast
-from parsat.ir.placement import Layout, PlacementError, compute_layout
+from parsat.ir.placement import Placement, PlacementError, compute_layout
 from parsat.ir.graph import instance_for
 from parsat.ir.pcg import PCG
 
 
-def lay_out(pcg: PCG, ops: Mapping[str, ast.OpDecl], world: int) -> dict[int, Layout]:
+def lay_out(pcg: PCG, ops: Mapping[str, ast.OpDecl], world: int) -> dict[int, Placement]:
     """Every node's layout on `world` ranks; PlacementError naming the first node that cannot be placed or
     whose layout is not the spread the plan states."""
     shapes = {node.id: node.shape for node in pcg}
-    layouts: dict[int, Layout] = {}
+    layouts: dict[int, Placement] = {}
     for node in pcg:
         try:
             if node.kind == "leaf":
-                layout = Layout.whole(len(node.shape), world)
+                layout = Placement.whole(len(node.shape), world)
             elif node.kind == "parallel":
                 dim = dict(node.attrs).get("dim")
                 layout, _atoms = layouts[node.inputs[0]].apply_parallel(
@@ -38,7 +38,7 @@ def lay_out(pcg: PCG, ops: Mapping[str, ast.OpDecl], world: int) -> dict[int, La
         except PlacementError as err:
             raise PlacementError(f"at node #{node.id}, {err}") from None
         shard, copy, total = layout.degrees
-        stated = node.layout
+        stated = node.degrees
         if (shard, copy, total) != (tuple(stated.shard), stated.copy, stated.sum):
             raise PlacementError(f"at node #{node.id}, {node.label}: the plan states spread {stated}, but it lays out "
                                  f"as shard {list(shard)}, copy {copy}, sum {total}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, NoReturn
 
+from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.ir.errors import GraphError, MachineError
 
 # The schemas' names and versions: every writer stamps them, every reader checks them.
@@ -36,8 +37,7 @@ MAX_ELEMENTS = 2 ** 53
 MAX_DEVICES = 1 << 20
 MAX_NUMBER = 2 ** 1000  # an integer beyond this has no float (OverflowError in the cost model and explain)
 PLAN_KINDS = ("leaf", "op", "parallel")
-PARALLEL_ATTRS = {"partition": ("dim", "degree"), "combine": ("dim", "degree"), "replicate": ("degree",),
-                  "reduce": ("degree",)}
+PARALLEL_ATTRS = {name: op.attrs for name, op in PARALLEL_OPS.items()}   # a parallel node's `attrs` keys
 EXPLAIN_TOTALS = ("time_s", "compute_s", "comm_s", "comm_elements", "comm_bytes", "peak_memory_bytes",
                   "grad_sync_elements")
 

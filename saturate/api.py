@@ -25,7 +25,7 @@ from parsat.dsl import ast
 from parsat.dsl.library import Library
 from parsat.ir.costs import totals
 from parsat.ir.machine import Machine
-from parsat.ir.pcg import Layout
+from parsat.ir.pcg import Degrees
 from parsat.ir.pcg_layout import lay_out
 from parsat.ir.placement import PlacementError
 from parsat.ir.plan import JOINT, BaselinePlan, Plan
@@ -49,8 +49,8 @@ def every_rule(library: Library) -> tuple[list[ast.RuleDecl], str]:
 
 def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limits | Mapping | None = None,
              devices: int | None = None, *, choose_rules: RuleChooser = every_rule,
-             output_spreads: Mapping[str, Layout | Mapping] | None = None,
-             input_spreads: Mapping[str, Layout | Mapping] | None = None, free_input_layouts: bool = True,
+             output_spreads: Mapping[str, Degrees | Mapping] | None = None,
+             input_spreads: Mapping[str, Degrees | Mapping] | None = None, free_input_layouts: bool = True,
              baselines: bool = True, sizes: Mapping[str, int] | None = None,
              progress: Progress | None = None) -> Plan:
     """The cheapest plan the chosen rules reach for `graph` on `devices` devices of `machine`.
@@ -82,7 +82,7 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     joint = saturate(graph, library, chosen, devices, limits, pins, progress=say)
     say(f"saturation: {joint.stop} after {joint.iterations} iterations, {joint.enodes} e-nodes, "
         f"{time.perf_counter() - t:.2f} s")
-    if devices > 1 and all(l.pieces == 1 for l in joint.snapshot.layout.values()):
+    if devices > 1 and all(l.pieces == 1 for l in joint.snapshot.degrees.values()):
         raise OptimizeError(f"no rule can spread '{graph.name}' over {devices} devices (no parallel rule applies "
                             "at a degree dividing the device count)")
     roots = [joint.classes[f"pin:{n}"] if n in pins else joint.classes[n] for n in graph.outputs]

@@ -20,12 +20,13 @@ from typing import Callable, Mapping, Sequence
 from parsat.dsl import ast
 from parsat.dsl.checker import is_parallel_rule
 from parsat.dsl.library import Library
+from parsat.dsl.parallel_ops import PARALLEL_OPS, PARTITION, REPLICATE
 from parsat.ir.costs import NodeCost, Totals, totals
 from parsat.ir.data_parallel import data_parallel_pcg
 from parsat.ir.errors import GraphError
 from parsat.ir.graph import Graph, GraphBuilder
 from parsat.ir.machine import Machine
-from parsat.ir.pcg import PARALLEL, PCG, Layout
+from parsat.ir.pcg import PCG, Degrees
 from parsat.saturate.errors import OptimizeError
 from parsat.saturate.extract import ExtractionError, NodeId, Pricer
 from parsat.saturate.runner import Limits
@@ -59,8 +60,8 @@ def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_layouts: 
         children = [by_id[i] for i in node.inputs]
         attrs = tuple(v for _k, v in node.attrs)
         op = node.op if node.kind != "leaf" else "leaf"
-        cost = pricer.price(op, attrs, node.shape, node.layout, tuple(c.shape for c in children),
-                            tuple(c.layout for c in children), tuple(c.role for c in children))
+        cost = pricer.price(op, attrs, node.shape, node.degrees, tuple(c.shape for c in children),
+                            tuple(c.degrees for c in children), tuple(c.role for c in children))
         if cost is None:
             return None
         out[node.id] = cost
@@ -85,11 +86,11 @@ def megatron_excluded(snapshot: Snapshot, roles: Mapping[int, str]) -> Callable[
 
     def excluded(nid: NodeId) -> bool:
         node = snapshot.classes[nid[0]][nid[1]]
-        if node.op == "partition":
+        if node.op == PARTITION:
             return node.children[0] in inputs
-        if node.op == "replicate":
+        if node.op == REPLICATE:
             return node.children[0] in weights and len(snapshot.shape[node.children[0]]) >= 2
-        if node.op in PARALLEL or node.op == "leaf":
+        if node.op in PARALLEL_OPS or node.op == "leaf":
             return False
         return any(ch in weights and len(snapshot.shape[ch]) >= 2 for ch in node.children)
 
@@ -116,7 +117,7 @@ def pcg_to_graph(pcg: PCG, graph: Graph, library: Library) -> Graph:
 
 
 def sequential(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], devices: int, limits: Limits,
-               machine: Machine, pins: Mapping[str, Layout], free_inputs: bool, say: Progress) -> Candidate | None:
+               machine: Machine, pins: Mapping[str, Degrees], free_inputs: bool, say: Progress) -> Candidate | None:
     """Algebraic rules saturated and extracted first (on one device), then parallel rules only."""
     algebraic = [r for r in rules if not is_parallel_rule(r)]
     parallel = [r for r in rules if is_parallel_rule(r)]

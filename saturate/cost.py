@@ -39,11 +39,12 @@ from math import prod
 from typing import Sequence
 
 from parsat.dsl.instantiate import OpInstance
+from parsat.dsl.parallel_ops import COMBINE, PARTITION, REDUCE, REPLICATE
 from parsat.dsl.spread import infer_compute
 from parsat.dsl.work import work
 from parsat.ir.costs import NodeCost
 from parsat.ir.machine import Machine
-from parsat.ir.pcg import Layout
+from parsat.ir.pcg import Degrees
 
 BACKWARD_FACTOR = 2.0        # backward FLOPs = 2 x forward
 ADAM_STATE_BYTES = 16        # fp32 param + grad + 2 moments, per element
@@ -67,13 +68,12 @@ def _all_gather(machine: Machine, p: int, n: int) -> tuple[float, int]:
 # -------------------------------------------------------------------- node cost
 
 
-def compute_cost(instance: OpInstance, inputs: Sequence[Layout], output: Layout, machine: Machine,
+def compute_cost(instance: OpInstance, inputs: Sequence[Degrees], output: Degrees, machine: Machine,
                  weight_inputs: Sequence[bool]) -> NodeCost:
     """A compute operator on local pieces; weights read directly are stored whole."""
     inferred = infer_compute(instance, [l.to_spread() for l in inputs])
     problems = list(inferred.problems)
-    got = Layout(tuple(int(d.evaluate({})) for d in inferred.spread.shard), int(inferred.spread.copy.evaluate({})),
-                 int(inferred.spread.sum.evaluate({})))
+    got = Degrees.of(inferred.spread)
     if not problems and got != output:
         problems.append(f"{instance.name}: spread inference gives {got}, the e-graph says {output}")
     flops, _ = work(instance)
@@ -85,15 +85,15 @@ def compute_cost(instance: OpInstance, inputs: Sequence[Layout], output: Layout,
     fwd = max(local_flops / machine.peak_flops, local_elems * machine.dtype_bytes / machine.memory_bandwidth)
     memory = output.piece_elements(out_shape) * machine.dtype_bytes
     opt = 0.0
-    for is_weight, layout, shape in zip(weight_inputs, inputs, shapes):
+    for is_weight, degrees, shape in zip(weight_inputs, inputs, shapes):
         if is_weight:
-            memory += layout.piece_elements(shape) * ADAM_STATE_BYTES
-            opt += layout.piece_elements(shape) * ADAM_TRAFFIC_BYTES / machine.memory_bandwidth
+            memory += degrees.piece_elements(shape) * ADAM_STATE_BYTES
+            opt += degrees.piece_elements(shape) * ADAM_TRAFFIC_BYTES / machine.memory_bandwidth
     return NodeCost(fwd, BACKWARD_FACTOR * fwd, opt, memory_bytes=memory, flops=local_flops,
                     problems=tuple(problems))
 
 
-def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Layout, output: Layout, machine: Machine,
+def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, output: Degrees, machine: Machine,
                   source_role: str, devices: int | None = None) -> NodeCost:
     """One of the four parallel operators; `source_role` is "input", "weight" or "" (an activation).
 
@@ -112,16 +112,16 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Layout, ou
     if source_role == "weight":  # the weight is stored in this layout
         memory = out_piece * ADAM_STATE_BYTES
         opt = out_piece * ADAM_TRAFFIC_BYTES / machine.memory_bandwidth
-    if op == "partition":
+    if op == PARTITION:
         if not source_role:
             t, e = _all_gather(machine, p, in_piece)
             time, elements = t, e * source.pieces
             collectives.append(f"bwd all-gather x{source.pieces} ({p} devices, {in_piece} elements)")
-    elif op == "combine":
+    elif op == COMBINE:
         t, e = _all_gather(machine, p, out_piece)
         time, elements = t, e * output.pieces
         collectives.append(f"fwd all-gather x{output.pieces} ({p} devices, {out_piece} elements)")
-    elif op == "replicate":
+    elif op == REPLICATE:
         if source_role != "input":
             t, e = _all_reduce(machine, p, in_piece)
             time, elements = t, e * source.pieces
@@ -129,7 +129,7 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Layout, ou
                 grad_sync = elements
             collectives.append(f"bwd all-reduce x{source.pieces} ({p} devices, {in_piece} elements)"
                                + (" [gradient sync]" if source_role == "weight" else ""))
-    elif op == "reduce":
+    elif op == REDUCE:
         t, e = _all_reduce(machine, p, out_piece)
         time, elements = t, e * output.pieces
         collectives.append(f"fwd all-reduce x{output.pieces} ({p} devices, {out_piece} elements)")
@@ -143,9 +143,9 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Layout, ou
                     memory_bytes=memory, collectives=tuple(collectives))
 
 
-def gather_cost(machine: Machine, layout: Layout, shape: Sequence[int], devices: int | None = None) -> NodeCost:
-    """Bringing a tensor that arrives in `layout` to every device whole (a pinned input used whole)."""
-    p = layout.pieces
+def gather_cost(machine: Machine, degrees: Degrees, shape: Sequence[int], devices: int | None = None) -> NodeCost:
+    """Bringing a tensor that arrives spread as `degrees` to every device whole (a pinned input used whole)."""
+    p = degrees.pieces
     if p <= 1:
         return NodeCost()
     n = 1

@@ -32,9 +32,10 @@ from typing import Mapping, Sequence
 
 from parsat.dsl import ast
 from parsat.dsl.conditions import Rel
+from parsat.dsl.parallel_ops import PARALLEL_OPS, PARTITION, REPLICATE
 from parsat.dsl.symbolic import Poly
 from parsat.ir.graph import Graph
-from parsat.ir.pcg import PARALLEL, Layout
+from parsat.ir.pcg import Degrees
 
 ANALYSES = ("Rank", "Dim", "Shard", "Copy", "Psum", "Pieces")
 MAX_RANK = 8             # tensors a rule's metavariable can match have at most this rank
@@ -52,7 +53,7 @@ class SkipRule(Exception):
 
 
 def ctor(op: str) -> str:
-    return f"P_{op}" if op in PARALLEL else f"Op_{op}"
+    return f"P_{op}" if op in PARALLEL_OPS else f"Op_{op}"
 
 
 def quote(text: str) -> str:
@@ -118,20 +119,20 @@ def shape_term(dims: Sequence[str]) -> str:
     return f"(S{len(dims)}{''.join(' ' + d for d in dims)})"
 
 
-def layout_chain(var: str, layout: Layout) -> list[tuple[str, str, Layout]]:
-    """Parallel terms that bring a whole tensor to `layout` (partitions, then replicate)."""
+def layout_chain(var: str, degrees: Degrees) -> list[tuple[str, str, Degrees]]:
+    """Parallel terms that bring a whole tensor to `degrees` (partitions, then replicate)."""
     out = []
-    current = Layout.whole(len(layout.shard))
+    current = Degrees.whole(len(degrees.shard))
     expr = var
-    for dim, degree in enumerate(layout.shard):
+    for dim, degree in enumerate(degrees.shard):
         if degree > 1:
-            current = Layout(tuple(d * degree if i == dim else d for i, d in enumerate(current.shard)), current.copy)
-            expr = f"(P_partition {expr} {dim} {degree})"
-            out.append((expr, "partition", current))
-    if layout.copy > 1:
-        current = Layout(current.shard, layout.copy)
-        expr = f"(P_replicate {expr} {layout.copy})"
-        out.append((expr, "replicate", current))
+            current = Degrees(tuple(d * degree if i == dim else d for i, d in enumerate(current.shard)), current.copy)
+            expr = f"({ctor(PARTITION)} {expr} {dim} {degree})"
+            out.append((expr, PARTITION, current))
+    if degrees.copy > 1:
+        current = Degrees(current.shard, degrees.copy)
+        expr = f"({ctor(REPLICATE)} {expr} {degrees.copy})"
+        out.append((expr, REPLICATE, current))
     return out
 
 
@@ -139,7 +140,7 @@ PIN_SUFFIX = "@pinned"
 
 
 def graph_program(graph: Graph, ops: Mapping[str, ast.OpDecl],
-                  pins: Mapping[str, Layout] | None = None) -> tuple[str, dict[str, str]]:
+                  pins: Mapping[str, Degrees] | None = None) -> tuple[str, dict[str, str]]:
     """One `let` per leaf and per operator (a DAG, not a tree), with analysis rows.
 
     `pins` fixes layouts: for an output, the parallel terms that bring it to
@@ -154,20 +155,20 @@ def graph_program(graph: Graph, ops: Mapping[str, ast.OpDecl],
     shapes = graph.shapes()
     inputs = {leaf.name for leaf in graph.leaves if leaf.role == "input"}
 
-    def rows(var: str, shape: Sequence[int], layout: Layout) -> None:
+    def rows(var: str, shape: Sequence[int], degrees: Degrees) -> None:
         lines.append(f"(set (Rank {var}) {len(shape)})")
         for i, d in enumerate(shape):
             lines.append(f"(set (Dim {var} {i}) {d})")
-            lines.append(f"(set (Shard {var} {i}) {layout.shard[i]})")
-        lines.append(f"(set (Copy {var}) {layout.copy})")
-        lines.append(f"(set (Psum {var}) {layout.sum})")
-        lines.append(f"(set (Pieces {var}) {layout.pieces})")
+            lines.append(f"(set (Shard {var} {i}) {degrees.shard[i]})")
+        lines.append(f"(set (Copy {var}) {degrees.copy})")
+        lines.append(f"(set (Psum {var}) {degrees.sum})")
+        lines.append(f"(set (Pieces {var}) {degrees.pieces})")
 
     for index, leaf in enumerate(graph.leaves):
         var = f"$l{index}"
         names[leaf.name] = var
         lines.append(f"\n(let {var} (Leaf {quote(leaf.name)}))")
-        rows(var, leaf.shape, Layout.whole(len(leaf.shape)))
+        rows(var, leaf.shape, Degrees.whole(len(leaf.shape)))
     for index, node in enumerate(graph.nodes):
         var = f"$n{index}"
         names[node.name] = var
@@ -183,11 +184,11 @@ def graph_program(graph: Graph, ops: Mapping[str, ast.OpDecl],
                 args.append(str(int(attrs[param.name])))
         lines.append(f"\n(let {var} ({ctor(node.op)} {' '.join(args)}))")
         lines.append(made_row(ctor(node.op), args, GRAPH_MADE))
-        rows(var, node.shape, Layout.whole(len(node.shape)))
-    for pin_index, (name, layout) in enumerate((pins or {}).items()):
+        rows(var, node.shape, Degrees.whole(len(node.shape)))
+    for pin_index, (name, degrees) in enumerate((pins or {}).items()):
         base = names[name]
         var = base
-        for step, (expr, _kind, current) in enumerate(layout_chain(base, layout)):
+        for step, (expr, _kind, current) in enumerate(layout_chain(base, degrees)):
             var = f"$p{pin_index}_{step}"
             lines.append(f"\n(let {var} {expr})")
             rows(var, shapes[name], current)

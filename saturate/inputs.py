@@ -16,7 +16,7 @@ from parsat.dsl.library import Library
 from parsat.ir.errors import GraphError
 from parsat.ir.graph import Graph
 from parsat.ir.models import EXAMPLES, build_example
-from parsat.ir.pcg import Layout
+from parsat.ir.pcg import Degrees
 from parsat.saturate.errors import OptimizeError
 
 
@@ -57,32 +57,32 @@ def check_devices(graph: Graph, devices: int) -> None:
                             f"{' or '.join(map(str, degrees[:6]))}, so nothing can be split across them")
 
 
-def check_pins(graph: Graph, outputs: Mapping[str, Layout | Mapping] | None, inputs: Mapping[str, Layout | Mapping] | None,
-          devices: int) -> dict[str, Layout]:
+def check_pins(graph: Graph, outputs: Mapping[str, Degrees | Mapping] | None, inputs: Mapping[str, Degrees | Mapping] | None,
+          devices: int) -> dict[str, Degrees]:
     """Pinned layouts by tensor name, checked: outputs the plan must produce, inputs as they arrive."""
-    out: dict[str, Layout] = {}
+    out: dict[str, Degrees] = {}
     input_names = [l.name for l in graph.leaves if l.role == "input"]
     for kind, spreads, allowed in (("output", outputs, graph.outputs), ("input", inputs, input_names)):
         for name, value in (spreads or {}).items():
             if name not in allowed:
                 raise OptimizeError(f"cannot pin '{name}': it is not an {kind} of the graph ({', '.join(allowed)})")
             try:
-                layout = value if isinstance(value, Layout) else Layout.from_dict(dict(value))
+                degrees = value if isinstance(value, Degrees) else Degrees.from_dict(dict(value))
             except (KeyError, TypeError, ValueError):
                 raise OptimizeError(f"pinned spread of '{name}' must look like "
                                     "{'shard': [...], 'copy': 1}") from None
             shape = graph.shape(name)
-            if len(layout.shard) != len(shape):
-                raise OptimizeError(f"pinned spread of '{name}' has {len(layout.shard)} dims, the tensor has "
+            if len(degrees.shard) != len(shape):
+                raise OptimizeError(f"pinned spread of '{name}' has {len(degrees.shard)} dims, the tensor has "
                                     f"{len(shape)}")
-            if layout.sum != 1:
+            if degrees.sum != 1:
                 raise OptimizeError(f"an {kind} cannot be pinned as a partial sum ('{name}')")
-            if layout.pieces > devices or devices % layout.pieces:
-                raise OptimizeError(f"pinned spread of '{name}' has {layout.pieces} pieces, which {devices} devices "
+            if degrees.pieces > devices or devices % degrees.pieces:
+                raise OptimizeError(f"pinned spread of '{name}' has {degrees.pieces} pieces, which {devices} devices "
                                     "cannot hold")
-            for dim, degree in zip(shape, layout.shard):
+            for dim, degree in zip(shape, degrees.shard):
                 if dim % degree:
                     raise OptimizeError(f"pinned spread of '{name}': dim of size {dim} does not split into {degree}")
-            if not layout.is_whole:
-                out[name] = layout
+            if not degrees.is_whole:
+                out[name] = degrees
     return out

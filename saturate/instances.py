@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from parsat.dsl import ast
+from parsat.dsl.parallel_ops import PARALLEL_OPS, PARTITION, REPLICATE
 from parsat.dsl.typecheck import RuleInstance, TypeCheckError, TypedTerm, group_assignments, type_rule
 from parsat.ir.graph import Graph
-from parsat.ir.pcg import PARALLEL, Layout
+from parsat.ir.pcg import Degrees
 
 
 def _instances_at(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], ranks: set[int]) -> Iterable[RuleInstance]:
@@ -38,7 +39,7 @@ def _instances_at(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], ranks: set[
 
 
 def _ops_in(expr: ast.Expr) -> set[str]:
-    return {n.func for n in ast.walk(expr) if isinstance(n, ast.Call) and n.func not in PARALLEL}
+    return {n.func for n in ast.walk(expr) if isinstance(n, ast.Call) and n.func not in PARALLEL_OPS}
 
 
 def reachable_rules(rules: Sequence[ast.RuleDecl], graph_ops: set[str]) -> list[ast.RuleDecl]:
@@ -73,7 +74,7 @@ def _term_signature(term: TypedTerm) -> Signature:
 
 
 def graph_signatures(graph: Graph, ops: Mapping[str, ast.OpDecl],
-                     pins: Mapping[str, Layout] | None = None) -> set[Signature]:
+                     pins: Mapping[str, Degrees] | None = None) -> set[Signature]:
     """The signatures of the graph's operators and of the parallel terms its pins add (see `graph_program`)."""
     shapes = graph.shapes()
     found: set[Signature] = set()
@@ -81,13 +82,13 @@ def graph_signatures(graph: Graph, ops: Mapping[str, ast.OpDecl],
         attrs = dict(node.attrs)
         values = tuple(int(attrs[p.name]) for p in ops[node.op].attr_params if p.type.kind != "real")
         found.add((node.op, tuple(len(shapes[i]) for i in node.inputs), values))
-    for name, layout in (pins or {}).items():
+    for name, degrees in (pins or {}).items():
         rank = len(shapes[name])
-        for dim, degree in enumerate(layout.shard):
+        for dim, degree in enumerate(degrees.shard):
             if degree > 1:
-                found.add(("partition", (rank,), (dim,)))
-        if layout.copy > 1:
-            found.add(("replicate", (rank,), ()))
+                found.add((PARTITION, (rank,), (dim,)))
+        if degrees.copy > 1:
+            found.add((REPLICATE, (rank,), ()))
     return found
 
 

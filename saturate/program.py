@@ -15,6 +15,7 @@ from typing import Mapping, Sequence
 from parsat.dsl import ast
 from parsat.dsl.checker import is_parallel_rule
 from parsat.dsl.library import Library
+from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.saturate.encoding import (ANALYSES, MADE_PREFIX, MAX_RANK, RULESETS, SHAPE_RULESET, ctor, match_ruleset,
                                       shape_term)
 from parsat.saturate.guards import divisors
@@ -58,8 +59,8 @@ def declarations(ops: Mapping[str, ast.OpDecl], devices: int, free_degrees: Sequ
     the divisors >= 2 of `devices`)."""
     signatures = {ctor(op.name): ["T" if p.is_tensor else ("String" if p.type.kind == "real" else "i64")
                                   for p in op.params] for op in ops.values()}
-    signatures.update({"P_partition": ["T", "i64", "i64"], "P_combine": ["T", "i64", "i64"],
-                       "P_replicate": ["T", "i64"], "P_reduce": ["T", "i64"]})
+    signatures.update({ctor(op.name): ["T" if kind == "tensor" else "i64" for kind in op.params]
+                       for op in PARALLEL_OPS.values()})
     lines = ["(datatype T", "  (Leaf String)"]
     lines += [f"  ({name} {' '.join(sorts)})" for name, sorts in signatures.items()]
     lines[-1] += ")"

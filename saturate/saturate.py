@@ -19,7 +19,7 @@ from typing import Callable, Mapping, Sequence
 from parsat.dsl import ast
 from parsat.dsl.library import Library
 from parsat.ir.graph import Graph
-from parsat.ir.pcg import Layout
+from parsat.ir.pcg import Degrees
 from parsat.saturate.encoding import RULESET_NAMES, RULESETS, graph_program
 from parsat.saturate.instances import graph_signatures
 from parsat.saturate.program import RuleProgram, compile_rules
@@ -58,7 +58,7 @@ class SaturationResult:
 
 
 def saturate(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], devices: int, limits: Limits = Limits(),
-             pins: Mapping[str, Layout] | None = None, rulesets: Sequence[str] = ("alg", "par"),
+             pins: Mapping[str, Degrees] | None = None, rulesets: Sequence[str] = ("alg", "par"),
              progress: Callable[[str], None] | None = None, typing_cache: dict | None = None) -> SaturationResult:
     """Saturate `graph` with `rules` for `devices` devices, within `limits`; `pins` fix input/output layouts."""
     start = time.perf_counter()

@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 
 from egglog import bindings
 
-from parsat.ir.pcg import Layout
+from parsat.ir.pcg import Degrees
 from parsat.saturate.encoding import ANALYSES, MADE_PREFIX, RULESETS, SHAPE_RULESET, match_ruleset
 from parsat.saturate.program import CompiledRule, RuleProgram, past
 from parsat.saturate.snapshot import ENode, Snapshot
@@ -171,7 +171,7 @@ class Session:
                 classes.setdefault(eg.value_to_i64(row.output), []).append(
                     ENode(op, *_children_and_attrs(eg, fn.input_sorts, row.inputs)))
         shape: dict[int, tuple[int, ...]] = {}
-        layout: dict[int, Layout] = {}
+        degrees: dict[int, Degrees] = {}
         for cid in classes:
             rank = analysis["Rank"].get((cid,))
             if rank is None:
@@ -179,6 +179,6 @@ class Session:
             dims = tuple(analysis["Dim"].get((cid, i), 0) for i in range(rank))
             shard = tuple(analysis["Shard"].get((cid, i), 1) for i in range(rank))
             shape[cid] = dims
-            layout[cid] = Layout(shard, analysis["Copy"].get((cid,), 1), analysis["Psum"].get((cid,), 1))
-        return Snapshot({k: tuple(v) for k, v in classes.items()}, shape, layout, lets,
+            degrees[cid] = Degrees(shard, analysis["Copy"].get((cid,), 1), analysis["Psum"].get((cid,), 1))
+        return Snapshot({k: tuple(v) for k, v in classes.items()}, shape, degrees, lets,
                         {node: frozenset(who) for node, who in made.items()})

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from parsat.ir.pcg import Layout
+from parsat.ir.pcg import Degrees
 from parsat.saturate.encoding import GRAPH_MADE
 
 
@@ -28,7 +28,7 @@ class Snapshot:
 
     classes: Mapping[int, tuple[ENode, ...]]
     shape: Mapping[int, tuple[int, ...]]
-    layout: Mapping[int, Layout]
+    degrees: Mapping[int, Degrees]
     lets: Mapping[str, int]
     made: Mapping[ENode, frozenset[str]] = field(default_factory=dict)  # who made an e-node (`made_row`)
 

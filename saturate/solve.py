@@ -13,10 +13,11 @@ from typing import Mapping, Sequence
 
 from parsat.dsl import ast
 from parsat.dsl.library import Library
+from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.ir.costs import NodeCost
 from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
-from parsat.ir.pcg import PARALLEL, PCG, Layout, PNode
+from parsat.ir.pcg import PCG, Degrees, PNode
 from parsat.saturate.encoding import PIN_SUFFIX
 from parsat.saturate.snapshot import Snapshot
 from parsat.saturate.extract import Extraction, NodeId, dag_cost, extract, node_costs
@@ -26,7 +27,7 @@ from parsat.saturate.saturate import SaturationResult
 
 def solve(result: SaturationResult, graph: Graph, library: Library, machine: Machine, roots: Sequence[int],
            limits: Limits, free_inputs: bool, devices: int, exclude=None,
-           pins: Mapping[str, Layout] | None = None,
+           pins: Mapping[str, Degrees] | None = None,
            costs: Mapping[NodeId, NodeCost] | None = None) -> tuple[PCG, dict[int, NodeCost], Extraction]:
     """Extract from `result` (with `costs`, the e-nodes priced, when already known) and build the PCG."""
     if costs is None:
@@ -38,7 +39,7 @@ def solve(result: SaturationResult, graph: Graph, library: Library, machine: Mac
 
 
 def price(result: SaturationResult, graph: Graph, library: Library, machine: Machine, free_inputs: bool,
-           devices: int, pins: Mapping[str, Layout] | None) -> dict[NodeId, NodeCost]:
+           devices: int, pins: Mapping[str, Degrees] | None) -> dict[NodeId, NodeCost]:
     """Every e-node priced; pinned inputs arrive in their layout (a pinned output is an extraction root)."""
     input_pins = {k: v for k, v in (pins or {}).items() if k not in graph.outputs}
     return node_costs(result.snapshot, graph, library, machine, free_inputs, devices, input_pins)
@@ -60,19 +61,19 @@ def pcg_from_extraction(result: SaturationResult, extraction: Extraction, graph:
     for cid in order:
         enode = snapshot.classes[cid][extraction.choice[cid]]
         inputs = tuple(ident[ch] for ch in enode.children)
-        shape, layout = snapshot.shape[cid], snapshot.layout[cid]
+        shape, degrees = snapshot.shape[cid], snapshot.degrees[cid]
         if enode.op == "leaf":
             name = enode.attrs[0].removesuffix(PIN_SUFFIX)
-            node = PNode(len(nodes), "leaf", name, (), (), shape, layout, roles.get(name, "input"), name)
-        elif enode.op in PARALLEL:
-            keys = ("dim", "degree") if enode.op in ("partition", "combine") else ("degree",)
-            node = PNode(len(nodes), "parallel", enode.op, inputs, tuple(zip(keys, enode.attrs)), shape, layout,
+            node = PNode(len(nodes), "leaf", name, (), (), shape, degrees, roles.get(name, "input"), name)
+        elif enode.op in PARALLEL_OPS:
+            keys = PARALLEL_OPS[enode.op].attrs
+            node = PNode(len(nodes), "parallel", enode.op, inputs, tuple(zip(keys, enode.attrs)), shape, degrees,
                          origin=names_of.get(cid, ""))
         else:
             op = library.ops[enode.op]
             attrs = tuple((p.name, float(v) if p.type.kind == "real" else int(v))
                           for p, v in zip(op.attr_params, enode.attrs))
-            node = PNode(len(nodes), "op", enode.op, inputs, attrs, shape, layout, origin=names_of.get(cid, ""))
+            node = PNode(len(nodes), "op", enode.op, inputs, attrs, shape, degrees, origin=names_of.get(cid, ""))
         ident[cid] = node.id
         nodes.append(node)
     return PCG(tuple(nodes), tuple(ident[r] for r in roots), tuple(output_names)), ident

@@ -29,7 +29,7 @@ def plan_file(tmp_path, devices=2, **changes):
     data = {
         "schema": PLAN_SCHEMA, "version": PLAN_VERSION, "devices": devices, "graph": graph.to_dict(),
         "nodes": [{"id": n.id, "kind": n.kind, "op": n.op, "attrs": dict(n.attrs), "inputs": list(n.inputs),
-                   "shape": list(n.shape), "spread": n.layout.to_dict(), "role": n.role, "origin": n.origin}
+                   "shape": list(n.shape), "spread": n.degrees.to_dict(), "role": n.role, "origin": n.origin}
                   for n in pcg.nodes],
         "outputs": [{"name": name, "node": i} for name, i in zip(pcg.output_names, pcg.outputs)],
         "totals": {"comm_elements": totals(price_pcg(pcg, lib, machine), machine).comm_elements},

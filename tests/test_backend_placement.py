@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("torch")
 
 from parsat.ir.placement import (  # noqa: E402
-    Axis, Layout, PlacementError, compute_layout, group_ranks, holders, piece_index, world_atoms)
+    Axis, Placement as Layout, PlacementError, compute_layout, group_ranks, holders, piece_index, world_atoms)
 from parsat.backend.executor import operator_library  # noqa: E402
 from parsat.ir.graph import instance_for  # noqa: E402
 

@@ -165,7 +165,7 @@ def test_output_pin(small_rules):
     plan = optimize("mlp", machine="cpu", devices=2, rules=small_rules, allow_unverified=True,
                     output_spreads={"mm2": {"shard": [2, 1]}})
     out = plan.pcg.node(plan.pcg.outputs[0])
-    assert out.layout.shard == (2, 1)
+    assert out.degrees.shard == (2, 1)
     with pytest.raises(OptimizeError, match="not an output"):
         optimize("mlp", machine="cpu", devices=2, rules=small_rules, allow_unverified=True,
                  output_spreads={"act": {"shard": [2, 1]}})

@@ -19,7 +19,7 @@ from parsat.dsl.typecheck import type_rule
 from parsat.saturate import guards
 from parsat.saturate import program as rule_program
 from parsat.api import optimize
-from parsat.ir.pcg import PCG, Layout, PNode
+from parsat.ir.pcg import PCG, Degrees, PNode
 from parsat.ir.pcg_layout import lay_out
 
 MOVES_REPLICAS = """import "ops.rule"
@@ -102,7 +102,7 @@ def test_lay_out_names_the_node_whose_inputs_do_not_line_up(data_parallel_matmul
 def test_a_plan_whose_spreads_are_not_its_layouts_is_refused(data_parallel_matmul):
     library = load_checked(None)
     pcg = data_parallel_matmul(aligned=True)
-    wrong = PCG(tuple(n if n.id != 2 else PNode(2, n.kind, n.op, n.inputs, n.attrs, n.shape, Layout((1, 2)))
+    wrong = PCG(tuple(n if n.id != 2 else PNode(2, n.kind, n.op, n.inputs, n.attrs, n.shape, Degrees((1, 2)))
                       for n in pcg.nodes), pcg.outputs)
     with pytest.raises(PlacementError, match=r"at node #2, partition\(dim=0, degree=2\): the plan states spread"):
         lay_out(wrong, library.ops, 2)

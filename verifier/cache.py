@@ -19,7 +19,7 @@ from typing import Mapping
 
 from parsat.dsl import ast
 from parsat.dsl.printer import format_decl
-from parsat.dsl.spread import PARALLEL_OPS
+from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.verifier.verdict import UNKNOWN, Verdict
 
 
