@@ -19,7 +19,7 @@ Counting convention (ring algorithms, elements a rank sends per call): an
 all-gather of a full tensor of n elements over p ranks sends (p-1)/p * n
 per rank, (p-1) * n over the group; an all-reduce of n elements sends
 2(p-1)/p * n per rank, 2(p-1) * n over the group (with p = 2, 2n: the
-813,056 of data-parallel MLP training in DESIGN section 2). Where a
+813,056 of data-parallel MLP training, docs/ARCHITECTURE.md). Where a
 tensor has fewer pieces than ranks, the ranks that differ only on its free
 atoms run the same collective redundantly; `sent` counts every one of them
 (what went over the wire, and what the cost model predicts: each replica

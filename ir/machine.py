@@ -99,7 +99,7 @@ PRESETS: dict[str, Machine] = {
     # 8x H100 SXM per node, NVSwitch; 400 Gb/s InfiniBand per GPU (50 GB/s).
     # Peak: dense TF32 (fp32 training), 989/2 TFLOP/s. Links: all-reduce bus
     # bandwidth ~267 GB/s on NVSwitch and ~30 us for an 8-GPU all-reduce
-    # (NOTES.md), i.e. alpha ~2 us per ring step (2(p-1) steps).
+    # (published measurements on 8x H100 with NVSwitch), i.e. alpha ~2 us per ring step (2(p-1) steps).
     "h100x8": Machine("h100x8", 8, 1, peak_flops=989e12 / 2, memory_bandwidth=3350 * GB,
                       memory_capacity=80 * 2 ** 30, intra_bandwidth=267 * GB, intra_latency=2e-6,
                       inter_bandwidth=50 * GB, inter_latency=5e-6),

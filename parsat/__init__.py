@@ -1,7 +1,15 @@
-"""parsat: proven rewrites, jointly optimized parallelization.
+"""parsat: proven rewrites, jointly optimized parallelization (docs/ARCHITECTURE.md).
 
-The public API is re-exported here; importing `parsat` imports neither
-torch, z3 nor egglog (each is imported by the subpackage that needs it).
+The facade, on top of every stage: the public API is re-exported here,
+lazily, so importing `parsat` imports neither torch, z3 nor egglog (each is
+imported by the subpackage that needs it, when it is used).
+
+Modules: `api` (`optimize` with only the rules the verifier PROVED),
+`cli` (the `parsat` command; each subcommand lives with its stage),
+`optimize_cli` (`parsat optimize`, which joins verifier, search and torch
+import), `__main__` (`python -m parsat`). The stages are the packages
+`parsat.dsl`, `parsat.ir`, `parsat.verifier`, `parsat.saturate`,
+`parsat.generate` and `parsat.backend`.
 """
 
 from __future__ import annotations

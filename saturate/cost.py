@@ -9,7 +9,7 @@ Conventions (docs/plan-schema.md repeats them):
   work by the degrees spread inference (`dsl.spread.infer_compute`) gives
   every index variable. Time is the roofline max(FLOPs/peak, bytes/bandwidth).
   Backward = 2 x forward (the usual convention: two products per product).
-* Parallel operators, as in DESIGN section 2: partition fwd local slice / bwd
+* Parallel operators, as in docs/ARCHITECTURE.md: partition fwd local slice / bwd
   all-gather of the gradient; combine fwd all-gather / bwd slice; replicate
   fwd none / bwd all-reduce of the gradient; reduce fwd all-reduce / bwd none.
   Graph inputs have no gradient. A weight read through `partition` is stored

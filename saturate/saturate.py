@@ -37,7 +37,7 @@ class SaturationResult:
     seconds: float
     compile_seconds: float
     program: RuleProgram = field(repr=False)
-    rule_matches: Mapping[str, int] = field(default_factory=dict)   # every rule loaded, in library order (0: never fired)
+    rule_matches: Mapping[str, int] = field(default_factory=dict)   # each rule loaded, library order; 0: never fired
     classes: Mapping[str, int] = field(default_factory=dict)   # graph tensor (or "pin:NAME") -> e-class
     note: str = ""   # where the limit stopped it when not between iterations, e.g. "during compilation: ..."
     ruleset_seconds: Mapping[str, float] = field(default_factory=dict)   # "algebraic"/"parallel" -> seconds run

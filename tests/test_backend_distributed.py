@@ -289,7 +289,7 @@ def test_measured_communication_matches_formula(reports):
 @pytest.mark.slow
 @pytest.mark.parametrize("plan,expected", [(mlp_data_parallel, 813_056), (mlp_megatron, 2 * 128 * 10)])
 def test_design_mlp_figures_on_two_ranks(plan, expected):
-    """DESIGN section 2: data parallelism 813,056 elements per step; the column/row split far less."""
+    """docs/ARCHITECTURE.md: data parallelism 813,056 elements per step; the column/row split far less."""
     sizes = dict(batch=128, d_in=784, d_hidden=512, d_out=10)
     result = run_plan(plan(2, **sizes), 2, TrainConfig(steps=2, check=True, dtype="float64"),
                       graph=models.mlp(**sizes), backend="gloo")

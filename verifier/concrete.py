@@ -2,7 +2,7 @@
 
 A parallel tensor is held as one array of shape
 `(*shard, copy, sum, *local)`: entry `[b..., c, s]` is the piece on the
-device with blocks `b`, copy `c`, sum index `s` (DESIGN.md section 2).
+device with blocks `b`, copy `c`, sum index `s` (docs/ARCHITECTURE.md).
 Parallel operators are reshapes of that array; a compute operator runs on
 local pieces, following `dsl.spread`'s analysis when the spread is legal
 (`_compute`) and running each device's pieces blindly otherwise (`_naive`),

@@ -1,6 +1,6 @@
 """One rule to one verdict: type check, concrete search, proof, replay.
 
-The order is DESIGN.md section 4: the checker's diagnostics first (a
+The order is docs/ARCHITECTURE.md's (the verifier's verdicts): the checker's diagnostics first (a
 semantic one, such as an illegal spread, is not an error here but a claim
 to refute concretely), then a fast numpy search for a counterexample on
 small ranks, then a z3 proof for every rank assignment up to `MAX_RANK`.
