@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from parsat.dsl.library import load_library
 from parsat.api import optimize
+from parsat.dsl.library import load_library
 from parsat.saturate.errors import OptimizeError
 
 

@@ -22,8 +22,8 @@ from typing import Iterable, Mapping, Sequence
 from parsat.dsl import ast
 from parsat.dsl.conditions import symbolic_truth
 from parsat.dsl.errors import DslError
-from parsat.dsl.printer import format_expr
 from parsat.dsl.parallel_ops import COMBINE, PARALLEL_OPS, REDUCE
+from parsat.dsl.printer import format_expr
 from parsat.dsl.typecheck import RuleInstance, TypeCheckError, check_rhs_bound, type_rule
 from parsat.generate.enumerate import Enumeration, Vocabulary
 

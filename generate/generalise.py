@@ -35,8 +35,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from parsat.dsl import ast
 from parsat.dsl.errors import DslError
-from parsat.dsl.printer import format_expr
 from parsat.dsl.parallel_ops import PARALLEL_OPS
+from parsat.dsl.printer import format_expr
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import TermTyper, TypeCheckError
 from parsat.generate.candidates import binder_text, make_rule

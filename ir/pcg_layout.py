@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import Mapping
 
 from parsat.dsl import ast
-from parsat.ir.placement import Placement, PlacementError, compute_layout
 from parsat.ir.graph import instance_for
 from parsat.ir.pcg import PCG
+from parsat.ir.placement import Placement, PlacementError, compute_layout
 
 
 def lay_out(pcg: PCG, ops: Mapping[str, ast.OpDecl], world: int) -> dict[int, Placement]:

@@ -33,12 +33,12 @@ from typing import Callable, Iterable, Mapping, Sequence
 from parsat.dsl.library import Library
 from parsat.dsl.parallel_ops import PARALLEL_OPS, REPLICATE
 from parsat.ir.costs import NodeCost
-from parsat.saturate.cost import compute_cost, gather_cost, parallel_cost
-from parsat.saturate.encoding import PIN_SUFFIX
-from parsat.saturate.snapshot import Snapshot
 from parsat.ir.graph import Graph, instance_for
 from parsat.ir.machine import Machine
 from parsat.ir.pcg import Degrees
+from parsat.saturate.cost import compute_cost, gather_cost, parallel_cost
+from parsat.saturate.encoding import PIN_SUFFIX
+from parsat.saturate.snapshot import Snapshot
 
 NodeId = tuple[int, int]  # (e-class, index of the e-node in the class)
 EPSILON = 1e-12           # a strictly positive cost per node keeps tree costs strictly increasing

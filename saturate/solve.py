@@ -19,10 +19,10 @@ from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
 from parsat.ir.pcg import PCG, Degrees, PNode
 from parsat.saturate.encoding import PIN_SUFFIX
-from parsat.saturate.snapshot import Snapshot
 from parsat.saturate.extract import Extraction, NodeId, dag_cost, extract, node_costs
 from parsat.saturate.runner import Limits
 from parsat.saturate.saturate import SaturationResult
+from parsat.saturate.snapshot import Snapshot
 
 
 def solve(result: SaturationResult, graph: Graph, library: Library, machine: Machine, roots: Sequence[int],

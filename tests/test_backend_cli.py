@@ -11,11 +11,11 @@ torch = pytest.importorskip("torch")
 from parsat.backend.executor import operator_library  # noqa: E402
 from parsat.cli import main  # noqa: E402
 from parsat.ir import models  # noqa: E402
-from parsat.ir.data_parallel import data_parallel_pcg  # noqa: E402
-from parsat.saturate.baselines import price_pcg  # noqa: E402
 from parsat.ir.costs import totals  # noqa: E402
+from parsat.ir.data_parallel import data_parallel_pcg  # noqa: E402
 from parsat.ir.machine import Machine  # noqa: E402
 from parsat.ir.plan import PLAN_SCHEMA, PLAN_VERSION  # noqa: E402
+from parsat.saturate.baselines import price_pcg  # noqa: E402
 
 SIZES = dict(batch=8, d_in=6, d_hidden=4, d_out=2)
 

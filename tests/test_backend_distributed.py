@@ -20,12 +20,12 @@ torch = pytest.importorskip("torch")
 from parsat.backend.collectives import CommCounter, GroupCache, parallel_op  # noqa: E402
 from parsat.backend.executor import ExecutionError, TrainConfig, check_worlds, operator_library, run_plan, run_rank  # noqa: E402,E501
 from parsat.backend.launch import LaunchConfig, RankContext, launch  # noqa: E402
-from parsat.ir.placement import Placement as Layout, compute_layout, piece_index, world_atoms  # noqa: E402
 from parsat.backend.torch_ops import apply_op  # noqa: E402
 from parsat.ir import models  # noqa: E402
 from parsat.ir.graph import instance_for  # noqa: E402
 from parsat.ir.pcg import PCG, PNode  # noqa: E402
 from parsat.ir.pcg import Degrees  # noqa: E402
+from parsat.ir.placement import Placement as Layout, compute_layout, piece_index, world_atoms  # noqa: E402
 
 LIBRARY = operator_library()
 OPS = LIBRARY.ops

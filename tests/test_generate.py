@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from parsat.dsl.library import load_library
+from parsat.dsl.parser import parse
 from parsat.dsl.printer import format_expr
 from parsat.generate import enumerate as enum
-from parsat.dsl.parser import parse
 from parsat.generate.candidates import make_rule
 from parsat.generate.derivation import Deriver, typed as _typed
 from parsat.generate.generate import Settings, generate, verify_all

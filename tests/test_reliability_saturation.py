@@ -31,8 +31,8 @@ import pytest
 
 from parsat.cli import main
 from parsat.dsl.library import Library, load_library
-from parsat.saturate import program
 from parsat.ir.graph import Graph, GraphBuilder
+from parsat.saturate import program
 from parsat.saturate.runner import STOP_ENODES, STOP_ITERATIONS, STOP_SATURATED, STOP_SECONDS, Limits
 from parsat.saturate.saturate import saturate
 

@@ -7,17 +7,17 @@ from pathlib import Path
 
 import pytest
 
+from parsat.api import optimize, proved_rules
 from parsat.cli import main
 from parsat.dsl.library import load_library
-from parsat.api import optimize, proved_rules
-from parsat.ir.data_parallel import data_parallel_pcg
-from parsat.saturate.baselines import price_pcg
-from parsat.saturate.errors import OptimizeError
 from parsat.ir.costs import totals
+from parsat.ir.data_parallel import data_parallel_pcg
 from parsat.ir.graph import GraphError
 from parsat.ir.machine import Machine
 from parsat.ir.models import build_example
 from parsat.ir.plan import PLAN_VERSION, explain, load_plan_dict, pcg_from_dict
+from parsat.saturate.baselines import price_pcg
+from parsat.saturate.errors import OptimizeError
 from parsat.saturate.runner import STOP_ENODES, STOP_ITERATIONS, STOP_SATURATED, STOP_SECONDS, Limits
 from parsat.saturate.saturate import saturate
 

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import pytest
 
+from parsat.api import optimize
 from parsat.dsl.checker import load_checked
 from parsat.dsl.parser import parse
-from parsat.ir.placement import PlacementError
 from parsat.dsl.typecheck import type_rule
-from parsat.saturate import guards
-from parsat.saturate import program as rule_program
-from parsat.api import optimize
 from parsat.ir.pcg import PCG, Degrees, PNode
 from parsat.ir.pcg_layout import lay_out
+from parsat.ir.placement import PlacementError
+from parsat.saturate import guards
+from parsat.saturate import program as rule_program
 
 MOVES_REPLICAS = """import "ops.rule"
 
