@@ -130,33 +130,34 @@ def all_imports() -> dict[str, list[Import]]:
 # ------------------------------------------------------------------ the checks
 
 
-def direction_violations(imports: dict[str, list[Import]]) -> list[str]:
-    problems = []
+def across_packages(imports: dict[str, list[Import]]):
+    """(importing package, imported package, the import) for every import of another parsat package."""
     for package, found in imports.items():
         for imp in found:
             target = package_of(imp.module)
-            if target is None or target == package:
-                continue
-            if target not in ALLOWED[package]:
-                allowed = ", ".join(sorted(ALLOWED[package])) or "nothing of parsat"
-                problems.append(f"{imp.source}:{imp.line} imports {imp.module}: {package} may import only "
-                                f"{allowed} (dsl <- ir <- saturate <- generate, dsl <- verifier <- generate, "
-                                "ir <- backend, the facade on top)")
+            if target is not None and target != package:
+                yield package, target, imp
+
+
+def direction_violations(imports: dict[str, list[Import]]) -> list[str]:
+    problems = []
+    for package, target, imp in across_packages(imports):
+        if target not in ALLOWED[package]:
+            allowed = ", ".join(sorted(ALLOWED[package])) or "nothing of parsat"
+            problems.append(f"{imp.source}:{imp.line} imports {imp.module}: {package} may import only "
+                            f"{allowed} (dsl <- ir <- saturate <- generate, dsl <- verifier <- generate, "
+                            "ir <- backend, the facade on top)")
     return problems
 
 
 def private_violations(imports: dict[str, list[Import]]) -> list[str]:
     problems = []
-    for package, found in imports.items():
-        for imp in found:
-            target = package_of(imp.module)
-            if target is None or target == package:
-                continue
-            hidden = [n for n in imp.names if n.startswith("_") and not n.endswith("__")]
-            hidden += [part for part in imp.module.split(".") if part.startswith("_") and part != "__init__"]
-            if hidden:
-                problems.append(f"{imp.source}:{imp.line} takes the private name(s) {', '.join(hidden)} from "
-                                f"{imp.module}: another package's underscore names are not its API")
+    for _package, _target, imp in across_packages(imports):
+        hidden = [n for n in imp.names if n.startswith("_") and not n.endswith("__")]
+        hidden += [part for part in imp.module.split(".") if part.startswith("_") and part != "__init__"]
+        if hidden:
+            problems.append(f"{imp.source}:{imp.line} takes the private name(s) {', '.join(hidden)} from "
+                            f"{imp.module}: another package's underscore names are not its API")
     return problems
 
 
@@ -197,11 +198,8 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def package_edges(imports: dict[str, list[Import]]) -> dict[str, set[str]]:
     edges: dict[str, set[str]] = {package: set() for package in imports}
-    for package, found in imports.items():
-        for imp in found:
-            target = package_of(imp.module)
-            if target is not None and target != package:
-                edges[package].add(target)
+    for package, target, _imp in across_packages(imports):
+        edges[package].add(target)
     return edges
 
 
