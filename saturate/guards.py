@@ -26,14 +26,15 @@ from parsat.ir.placement import PlacementError, term_layout
 from parsat.saturate.encoding import SkipRule
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def degree_choices(devices: int) -> list[int]:
+    """The degrees a parallel operator can have on `devices` devices: its divisors >= 2."""
+    return [d for d in range(2, devices + 1) if devices % d == 0]
 
 
 def feasible(guards: Sequence[Cond], free: Sequence[str], devices: int) -> Cond | None:
     """None if some choice of the free degrees leaves every guard possible; else a guard that always fails."""
     failing: Cond | None = None
-    for values in itertools.product([d for d in divisors(devices) if d >= 2], repeat=len(free)):
+    for values in itertools.product(degree_choices(devices), repeat=len(free)):
         env = {k: Poly.const(v) for k, v in zip(free, values)}
         blocked = next((c for c in guards if symbolic_truth(_subst_cond(c, env) if env else c) is False), None)
         if blocked is None:
@@ -52,7 +53,7 @@ def layout_guard(instance: RuleInstance, devices: int) -> tuple[tuple[str, ...],
     symbols = tuple(sorted(s for s, kind in instance.symbols.items() if kind == "degree"))
     considered, allowed = 0, []
     differ = ""
-    for values in itertools.product([d for d in divisors(devices) if d >= 2], repeat=len(symbols)):
+    for values in itertools.product(degree_choices(devices), repeat=len(symbols)):
         degrees = dict(zip(symbols, values))
         try:
             left = term_layout(instance.lhs, devices, degrees)

@@ -18,6 +18,7 @@ from parsat.ir.graph import Graph
 from parsat.ir.models import EXAMPLES, build_example
 from parsat.ir.pcg import Degrees
 from parsat.saturate.errors import OptimizeError
+from parsat.saturate.guards import degree_choices
 
 
 def resolve_library(rules) -> Library:
@@ -51,7 +52,7 @@ def check_devices(graph: Graph, devices: int) -> None:
         raise OptimizeError(f"the device count must be at least 1, got {devices}")
     if devices == 1:
         return
-    degrees = [d for d in range(2, devices + 1) if devices % d == 0]
+    degrees = degree_choices(devices)
     if not any(dim % d == 0 for shape in graph.shapes().values() for dim in shape for d in degrees):
         raise OptimizeError(f"'{graph.name}' cannot use {devices} devices: no dim of any tensor is divisible by "
                             f"{' or '.join(map(str, degrees[:6]))}, so nothing can be split across them")

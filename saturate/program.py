@@ -18,7 +18,7 @@ from parsat.dsl.library import Library
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.saturate.encoding import (ANALYSES, MADE_PREFIX, MAX_RANK, RULESETS, SHAPE_RULESET, ctor, match_ruleset,
                                       shape_term)
-from parsat.saturate.guards import divisors
+from parsat.saturate.guards import degree_choices
 from parsat.saturate.instances import Signature, TypedInstance, reachable_instances, reachable_rules, typed_instances
 from parsat.saturate.rule_text import CompiledRule, SkippedRule, compile_rule_instance
 
@@ -71,7 +71,7 @@ def declarations(ops: Mapping[str, ast.OpDecl], devices: int, free_degrees: Sequ
     lines.append("(datatype Shape " + " ".join(f"(S{r}{' i64' * r})" for r in range(MAX_RANK + 1)) + ")")
     lines.append("(function Whole (T) Shape :merge new)")
     lines.append("(relation Degree (i64))")
-    chosen = free_degrees if free_degrees is not None else [d for d in divisors(devices) if d >= 2]
+    chosen = free_degrees if free_degrees is not None else degree_choices(devices)
     lines += [f"(Degree {d})" for d in chosen]
     lines.append(f"(ruleset {SHAPE_RULESET})")
     for r in range(MAX_RANK + 1):
