@@ -145,10 +145,23 @@ def _report(result, args: argparse.Namespace) -> None:
              + ("" if memory_predicted is None else f" (plan's bound {memory_predicted / 2**20:.2f} MiB, fp32 Adam)")
              + f"; process RSS {result.process_rss_bytes / 2**20:.0f} MiB"]
     if result.check is not None:
-        lines.append(f"  check                {result.check} (largest difference {result.max_abs_diff:.3g})")
+        lines.append(check_line(result.check, result.max_rel_diff, result.max_abs_diff, result.nonfinite,
+                                result.worst, args))
     print("\n".join(lines))
     if args.json:
         print(json.dumps(result.to_dict()))
+
+
+def check_line(verdict: str, rel, diff, nonfinite: int, worst: str, args) -> str:
+    """The `--check` line: the verdict, the largest relative and absolute differences and the tolerance."""
+    tolerance = 1e-9 if args.dtype == "float64" else 1e-4
+    if nonfinite:
+        return f"  check                failed: {nonfinite} value(s) are not finite (NaN or infinity)"
+    rel_text = "n/a" if rel is None else f"{rel:.3g}"
+    abs_text = "n/a" if diff is None else f"{diff:.3g}"
+    where = f" in {worst}" if worst else ""
+    return (f"  check                {verdict} (largest relative difference {rel_text}{where}, absolute {abs_text}; "
+            f"tolerance {tolerance:g} relative)")
 
 
 # ------------------------------------------------------------------ calibrate
