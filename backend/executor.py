@@ -30,7 +30,7 @@ import statistics
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -259,9 +259,7 @@ class RankProgram:
 
     `weights` gives full weight values by leaf name (a user's module); without
     it weights come from the seed. `forward` takes the full input values by
-    leaf name the same way, and a `dropout` function that gives a dropout
-    node's mask piece (already scaled by 1/(1 - rate)); without it a dropout
-    is the identity its semantics declares.
+    leaf name the same way (dropout masks included: they are data).
     """
 
     pcg: PCG
@@ -306,8 +304,8 @@ class RankProgram:
         piece = full[piece_index(layout, self.ctx.rank, leaf.shape)].to(self.ctx.device, copy=True).requires_grad_()
         self.params[at] = _Param(leaf.op, piece, layout, tuple(leaf.shape))
 
-    def forward(self, step: int, counter: CommCounter, inputs: Mapping[str, torch.Tensor] | None = None,
-                dropout: Callable[[PNode, Layout], torch.Tensor] | None = None) -> dict[int, tuple[torch.Tensor, Layout]]:
+    def forward(self, step: int, counter: CommCounter,
+                inputs: Mapping[str, torch.Tensor] | None = None) -> dict[int, tuple[torch.Tensor, Layout]]:
         """Every node's local piece and layout for this step's batch (`inputs`: full values by leaf name)."""
         onehot = _onehot_leaves([(str(n.id), n.op, [str(i) for i in n.inputs]) for n in self.pcg])
         env: dict[int, tuple[torch.Tensor, Layout]] = {}
@@ -335,9 +333,6 @@ class RankProgram:
                     else ""
                 env[node.id] = parallel_op(node.op, x, layout, int(node.attr("degree")),
                                            None if dim is None else int(dim), self.cache, counter, tag)
-            elif node.op == "dropout" and dropout is not None:
-                x = env[node.inputs[0]][0]
-                env[node.id] = (x * dropout(node, self.layouts[node.id]).to(x.dtype), self.layouts[node.id])
             else:
                 ins = [env[i][0] for i in node.inputs]
                 env[node.id] = (apply_op(node.op, ins, dict(node.attrs)), self.layouts[node.id])

@@ -80,9 +80,11 @@ class DataLeaf:
     to `shape`), "onehot" (integer ids -> one-hot rows over `classes`; an id
     outside [0, classes) or equal to `ignore` gives a zero row), "mask"
     (boolean or 0/-inf attention mask -> 0/1, expanded to `shape`),
-    "inv_count" (1 / the number of targets that are not ignored), or
+    "inv_count" (1 / the number of targets that are not ignored),
     "pad_rows" (the constant row `padding_idx` of an embedding where the ids
-    equal it: its rows are never trained, see `_embedding`).
+    equal it: its rows are never trained, see `_h_embedding`), or "dropout"
+    (a fresh 0/1 mask each step, 1 with probability 1 - `rate`: see
+    `dropout_mask`; `node` is the dropout's own node).
     """
 
     name: str
@@ -92,6 +94,7 @@ class DataLeaf:
     classes: int = 0
     ignore: int | None = None
     constant: bool = False
+    rate: float = 0.0
 
 
 # ------------------------------------------------------------------ the result
@@ -111,13 +114,14 @@ class ImportedModule:
     data: dict[str, DataLeaf]              # graph input leaf -> its encoding
     constants: dict[str, Any]              # graph input leaf -> its value, for leaves that are constant
     pad_rows: dict[str, Any]               # pad_rows leaf -> the embedding row it adds
-    dropout: tuple[str, ...]               # graph dropout nodes, in the order the module draws them
+    dropout: tuple[str, ...]               # dropout mask leaves, in the order the module draws them
     user_inputs: tuple[str, ...]           # placeholder names of the user's inputs, in call order
     output_spec: Any = None                # pytree spec of the module's outputs
     _needed: dict = field(default_factory=dict, repr=False)  # data node -> nodes to evaluate, in order
 
-    def data_values(self, inputs: Sequence[Any], dtype) -> dict[str, Any]:
-        """Every non-constant data leaf's value (full tensor) for one batch of the user's inputs."""
+    def data_values(self, inputs: Sequence[Any], dtype, seed: int = 0, step: int = 0) -> dict[str, Any]:
+        """Every non-constant data leaf's value (full tensor) for one batch of the user's inputs; dropout
+        masks are those of `step` under `seed`."""
         import torch
 
         if len(inputs) != len(self.user_inputs):
@@ -129,6 +133,9 @@ class ImportedModule:
             for leaf in self.data.values():
                 if leaf.constant:
                     continue
+                if leaf.encoding == "dropout":
+                    out[leaf.name] = dropout_mask(seed, leaf.name, step, leaf.shape, leaf.rate, dtype)
+                    continue
                 for name in self._needed[leaf.node]:
                     if name not in env:
                         env[name] = _run_node(nodes[name], env, self.program)
@@ -138,6 +145,16 @@ class ImportedModule:
     def constant_values(self, dtype) -> dict[str, Any]:
         """Every constant data leaf's value in `dtype`."""
         return {name: value.to(dtype) for name, value in self.constants.items()}
+
+
+def dropout_mask(seed: int, name: str, step: int, shape: Sequence[int], rate: float, dtype):
+    """The 0/1 mask of dropout leaf `name` at `step` (1 with probability 1 - rate): the same on every rank."""
+    import torch
+    import zlib
+
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode()) * 7919 + step * 104729)
+                                        % 2**62)
+    return (torch.rand(tuple(shape), generator=gen, dtype=torch.float64) >= rate).to(dtype)
 
 
 def encode(leaf: DataLeaf, value, dtype, pad_row=None):
@@ -344,6 +361,17 @@ class _Translator:
             self.transposed[t.name] = self.op("transpose", t, d0=0, d1=1, tag="t")
         return self.transposed[t.name]
 
+    def dropout_leaf(self, node, tag: str, shape: tuple[int, ...], rate: float) -> Tensor:
+        """A fresh dropout mask leaf for one dropout of the module (in the order the module draws them)."""
+        name = self.fresh(f"{node.name}{tag}_mask")
+        self.data[(name,)] = DataLeaf(name, node.name, "dropout", tuple(shape), rate=float(rate))
+        self.dropout.append(name)
+        try:
+            self.g.input(name, shape)
+        except GraphError as err:
+            raise _Refused(str(err)) from None
+        return Tensor(name)
+
     def data_leaf(self, node, encoding: str, shape: tuple[int, ...], classes: int = 0,
                   ignore: int | None = None, pad_row=None) -> Tensor:
         """The input leaf of a data node in an encoding (one leaf per node, encoding and shape)."""
@@ -402,8 +430,9 @@ class _Translator:
                                    "import:\n" + "\n".join(str(f) for f in failures))
         built = _pruned(self.g, outputs)
         data = {leaf.name: leaf for leaf in self.data.values() if built.leaf(leaf.name) is not None}
-        needed = _needed_nodes(graph, [leaf.node for leaf in data.values() if not leaf.constant])
-        dropout = tuple(n for n in self.dropout if any(node.name == n for node in built.nodes))
+        needed = _needed_nodes(graph, [leaf.node for leaf in data.values()
+                                       if not leaf.constant and leaf.encoding != "dropout"])
+        dropout = tuple(self.dropout)
         weights = {leaf.name: leaf.name for leaf in built.weights}
         return ImportedModule(built, self.program, weights, data,
                               {k: v for k, v in self.constants.items() if k in data},
@@ -908,9 +937,9 @@ def _h_dropout(t: _Translator, node, x, p, train=True):
     a = t.tensor(x)
     if not train or p == 0:
         return a
-    out = t.op("dropout", a, rate=float(p))
-    t.dropout.append(out.name)
-    return out
+    if p >= 1:
+        raise _Refused("dropout with p >= 1")
+    return t.op("dropout_masked", a, t.dropout_leaf(node, "", t.shape(a), p), rate=float(p))
 
 
 def _h_sdpa(t: _Translator, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
@@ -940,8 +969,8 @@ def _h_sdpa(t: _Translator, node, q, k, v, attn_mask=None, dropout_p=0.0, is_cau
     else:
         probs = t.op("softmax", scores, dim=rank - 1, tag="probs")
     if dropout_p:
-        probs = t.op("dropout", probs, rate=float(dropout_p), tag="attn_drop")
-        t.dropout.append(probs.name)
+        mask = t.dropout_leaf(node, "_attn", t.shape(probs), dropout_p)
+        probs = t.op("dropout_masked", probs, mask, rate=float(dropout_p), tag="attn_drop")
     return t.op("bmm", probs, vh, tag="ctx")
 
 
@@ -1248,5 +1277,5 @@ def load_model_file(path_spec: str, library=None) -> Graph:
     return from_torch(module, example_inputs, library, name=Path(path_spec.rpartition(":")[0]).stem)
 
 
-__all__ = ["DataLeaf", "ImportedModule", "TorchImportError", "Unsupported", "encode", "export_module",
+__all__ = ["dropout_mask", "DataLeaf", "ImportedModule", "TorchImportError", "Unsupported", "encode", "export_module",
            "from_torch", "import_module", "load_model_factory", "load_model_file"]

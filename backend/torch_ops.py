@@ -192,6 +192,7 @@ OPS: Mapping[str, TorchOp] = {
     "bn_var": TorchOp(2, ("count",), _bn_var),
     "bn_normalize": TorchOp(5, ("eps",), _bn_normalize),
     "rmsnorm": TorchOp(2, ("eps",), _rmsnorm),
+    "dropout_masked": TorchOp(2, ("rate",), lambda x, m, rate: x * m / (1.0 - float(rate))),
 }
 
 

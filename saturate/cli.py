@@ -89,8 +89,8 @@ def run_optimize(args: argparse.Namespace) -> int:
                 print(f"[{time.perf_counter() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
 
         model = args.model
-        if ".py:" in model:  # model.py:factory -> (module, example inputs): torch.fx import, torch loaded only here
-            from parsat.backend.fx_import import load_model_file
+        if ".py:" in model:  # model.py:factory -> (module, example inputs): torch.export, torch loaded only here
+            from parsat.backend.torch_import import load_model_file
             model = load_model_file(model)
         plan = optimize(model, machine=args.machine, rules=args.rules, limits=limits or None,
                         devices=args.devices, allow_unverified=True if args.allow_unverified else None,
