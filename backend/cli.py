@@ -129,9 +129,7 @@ def main_run(args: argparse.Namespace) -> int:
         if args.model is not None:
             from parsat.backend.parallelize import run_module_plan
 
-            if args.plan_of != "parsat":
-                raise ExecutionError("--model runs parsat's own plan; --plan-of is for plan files alone")
-            result = run_module_plan(args.plan, args.model, args.data, args.nproc, config, predicted, args.backend,
+            result = run_module_plan(pcg, graph, args.model, args.data, args.nproc, config, predicted, args.backend,
                                      args.timeout, args.collective_timeout)
         else:
             if args.data is not None:

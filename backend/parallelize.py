@@ -335,7 +335,7 @@ def _cast(batch: tuple, dtype) -> tuple:
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in batch)
 
 
-def run_module_rank(ctx: RankContext, plan_path: str, model_spec: str, data_path: str | None,
+def run_module_rank(ctx: RankContext, pcg: PCG, graph: Graph, model_spec: str, data_path: str | None,
                     config: TrainConfig) -> dict:
     """One rank of `parsat run plan.json --model model.py:factory`: the user's module trained as the plan,
     and with `config.check`, the unmodified module trained in this process with the same batches, masks
@@ -353,7 +353,6 @@ def run_module_rank(ctx: RankContext, plan_path: str, model_spec: str, data_path
         except Exception as err:  # noqa: BLE001 - a user's file
             raise ExecutionError(f"cannot read --data {data_path}: {type(err).__name__}: {err}") from None
     batches = [_cast(b, dtype) for b in _batches(example, data, config.steps)]
-    pcg, graph, devices = _resolve_plan(plan_path)
     imported = import_module(module, example)
     difference = graph_difference(imported.graph, graph)
     if difference:
@@ -413,10 +412,11 @@ def _reference_step(reference, optimizer: Optimizer, imported: ImportedModule, p
     return compare_values(pairs)
 
 
-def run_module_plan(plan_path: str, model_spec: str, data_path: str | None, nproc: int, config: TrainConfig,
-                    predicted=None, backend: str | None = None, timeout_s: float = 600.0,
+def run_module_plan(pcg: PCG, graph: Graph, model_spec: str, data_path: str | None, nproc: int,
+                    config: TrainConfig, predicted=None, backend: str | None = None, timeout_s: float = 600.0,
                     collective_timeout_s: float = 30.0):
-    """`parsat run plan.json --model model.py:factory`: the module trained as the plan on `nproc` ranks."""
+    """`parsat run plan.json --model model.py:factory`: the module trained as `pcg` (a plan's, or one of its
+    baselines') on `nproc` ranks; `graph` is the plan's graph, which the module's must equal."""
     import statistics
 
     from parsat.backend.executor import Prediction, RunResult, check_verdict
@@ -424,7 +424,7 @@ def run_module_plan(plan_path: str, model_spec: str, data_path: str | None, npro
 
     if config.steps < 1:
         raise ExecutionError(f"--steps must be >= 1, got {config.steps}")
-    reports = launch(run_module_rank, (plan_path, model_spec, data_path, config),
+    reports = launch(run_module_rank, (pcg, graph, model_spec, data_path, config),
                      LaunchConfig(nproc=nproc, backend=backend, timeout_s=timeout_s,
                                   collective_timeout_s=collective_timeout_s))
     job = reports[0]["job"]

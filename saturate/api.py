@@ -188,6 +188,9 @@ def pcg_to_graph(pcg: PCG, graph: Graph, library: Library) -> Graph:
 def data_parallel_pcg(graph: Graph, library: Library, devices: int) -> PCG | None:
     """Data parallelism: every input split along dim 0, every weight replicated, outputs gathered.
 
+    An input whose dim 0 does not split evenly (a constant of batch size 1,
+    a scalar such as cross-entropy's inverse count) is replicated instead.
+
     Built directly (the textbook definition, independent of the rules) and
     checked operator by operator with spread inference; None when an
     operator does not accept it or a batch does not split evenly.
@@ -203,9 +206,7 @@ def data_parallel_pcg(graph: Graph, library: Library, devices: int) -> PCG | Non
 
     for leaf in graph.leaves:
         base = add("leaf", leaf.name, (), (), leaf.shape, Layout.whole(len(leaf.shape)), leaf.role, leaf.name)
-        if leaf.role == "input":
-            if not leaf.shape or leaf.shape[0] % devices:
-                return None
+        if leaf.role == "input" and leaf.shape and leaf.shape[0] % devices == 0:
             shard = (devices,) + (1,) * (len(leaf.shape) - 1)
             ident[leaf.name] = add("parallel", "partition", (base,), (("dim", 0), ("degree", devices)), leaf.shape,
                                    Layout(shard))
@@ -231,6 +232,13 @@ def data_parallel_pcg(graph: Graph, library: Library, devices: int) -> PCG | Non
     for name in graph.outputs:
         node = nodes[ident[name]]
         if node.layout.is_whole:
+            outputs.append(node.id)
+        elif node.layout.sum == devices and all(d == 1 for d in node.layout.shard):  # a loss summed over rows
+            outputs.append(add("parallel", "reduce", (node.id,), (("degree", devices),), node.shape,
+                               Layout(node.layout.shard)))
+        elif node.layout.sum != 1:
+            return None
+        elif all(d == 1 for d in node.layout.shard):
             outputs.append(node.id)
         elif node.layout.shard and node.layout.shard[0] == devices and node.layout.pieces == devices:
             outputs.append(add("parallel", "combine", (node.id,), (("dim", 0), ("degree", devices)), node.shape,
