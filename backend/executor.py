@@ -511,12 +511,17 @@ def compare_values(pairs) -> Comparison:
     """--check's one comparison: (what, got, want) triples, got a rank's piece and want the reference's.
 
     A tensor's relative difference is its largest absolute difference over
-    the larger of the two sides' largest magnitudes (so a loss of 4.5e7 off
-    by 4e-8 differs by 1e-15, and a gradient that is zero on both sides by
-    0). A value that is not finite on either side is listed: `--check`
-    fails on it whatever the differences.
+    its scale: the larger of the two sides' largest magnitudes, but at least
+    1e-3 of the largest magnitude among the values of its kind (every
+    gradient, every weight, the loss and outputs; the kind is the label's
+    first word). So a loss of 4.5e7 off by 4e-8 differs by 1e-15, and a
+    gradient that is zero in exact arithmetic (rounding noise on both sides)
+    is measured against the gradients that are not. A value that is not
+    finite on either side is listed: `--check` fails on it whatever the
+    differences.
     """
     result = Comparison()
+    rows, kind_scale = [], {}
     for what, got, want in pairs:
         got = torch.as_tensor(got).detach().cpu().to(torch.float64)
         want = torch.as_tensor(want).detach().cpu().to(torch.float64)
@@ -525,10 +530,13 @@ def compare_values(pairs) -> Comparison:
             continue
         if got.numel() == 0:
             continue
-        diff = float((got - want).abs().max())
         scale = max(float(got.abs().max()), float(want.abs().max()))
-        rel = diff / scale if scale > 0 else 0.0
-        result = result.merge(Comparison(diff, rel, what))
+        kind = what.split(" ")[0]
+        kind_scale[kind] = max(kind_scale.get(kind, 0.0), scale)
+        rows.append((what, kind, float((got - want).abs().max()), scale))
+    for what, kind, diff, scale in rows:
+        scale = max(scale, 1e-3 * kind_scale[kind])
+        result = result.merge(Comparison(diff, diff / scale if scale > 0 else 0.0, what))
     return result
 
 

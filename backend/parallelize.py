@@ -335,6 +335,17 @@ def _cast(batch: tuple, dtype) -> tuple:
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in batch)
 
 
+def _same_on_every_rank(batch: tuple, ctx: RankContext) -> tuple:
+    """The batch as rank 0 has it (the input convention: every rank passes the same global batch)."""
+    out = []
+    for t in batch:
+        if isinstance(t, torch.Tensor) and ctx.world > 1:
+            t = t.clone().contiguous()
+            dist.broadcast(t, src=0)
+        out.append(t)
+    return tuple(out)
+
+
 def run_module_rank(ctx: RankContext, pcg: PCG, graph: Graph, model_spec: str, data_path: str | None,
                     config: TrainConfig) -> dict:
     """One rank of `parsat run plan.json --model model.py:factory`: the user's module trained as the plan,
@@ -342,6 +353,7 @@ def run_module_rank(ctx: RankContext, pcg: PCG, graph: Graph, model_spec: str, d
     and optimizer, compared step by step (`compare_values`)."""
     from parsat.backend.torch_import import load_model_factory
 
+    torch.manual_seed(config.seed)  # a factory that draws weights or inputs draws the same on every rank
     module, example = load_model_factory(model_spec)
     dtype = config.torch_dtype()
     module = module.to(dtype)
@@ -352,7 +364,7 @@ def run_module_rank(ctx: RankContext, pcg: PCG, graph: Graph, model_spec: str, d
             data = torch.load(data_path, weights_only=True)
         except Exception as err:  # noqa: BLE001 - a user's file
             raise ExecutionError(f"cannot read --data {data_path}: {type(err).__name__}: {err}") from None
-    batches = [_cast(b, dtype) for b in _batches(example, data, config.steps)]
+    batches = [_same_on_every_rank(_cast(b, dtype), ctx) for b in _batches(example, data, config.steps)]
     imported = import_module(module, example)
     difference = graph_difference(imported.graph, graph)
     if difference:

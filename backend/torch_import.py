@@ -818,6 +818,21 @@ def _h_flatten(t: _Translator, node, x, start_dim=0, end_dim=-1):
     return t.reshape(a, shape[:s] + (math.prod(shape[s:e + 1]),) + shape[e + 1:])
 
 
+def _h_unflatten(t: _Translator, node, x, dim, sizes):
+    a = t.tensor(x)
+    shape = list(t.shape(a))
+    d = t.dim(a, dim)
+    return t.reshape(a, tuple(shape[:d] + [int(s) for s in sizes] + shape[d + 1:]))
+
+
+def _h_unbind(t: _Translator, node, x, dim=0):
+    a = t.tensor(x)
+    d = t.dim(a, dim)
+    shape = t.shape(a)
+    return [t.reshape(t.op("split", a, dim=d, start=i, size=1, tag=f"part{i}") if shape[d] > 1 else a,
+                      shape[:d] + shape[d + 1:]) for i in range(shape[d])]
+
+
 def _h_unsqueeze(t: _Translator, node, x, dim):
     a = t.tensor(x)
     shape = list(t.shape(a))
@@ -1048,7 +1063,7 @@ _HANDLERS: dict[str, Callable] = {
     "embedding": _h_embedding, "layer_norm": _h_layer_norm, "batch_norm": _h_batch_norm,
     "conv2d": _h_conv2d, "avg_pool2d": _h_avg_pool2d, "adaptive_avg_pool2d": _h_adaptive_avg_pool2d,
     "view": _h_view, "reshape": _h_view, "_unsafe_view": _h_view, "flatten": _h_flatten,
-    "unsqueeze": _h_unsqueeze, "squeeze": _h_squeeze, "expand": _h_expand,
+    "unsqueeze": _h_unsqueeze, "unflatten": _h_unflatten, "unbind": _h_unbind, "squeeze": _h_squeeze, "expand": _h_expand,
     "transpose": _h_transpose, "t": _h_t, "permute": _h_permute,
     "slice": _h_slice, "narrow": _h_narrow, "select": _h_select, "split": _h_split,
     "split_with_sizes": _h_split, "chunk": _h_chunk, "cat": _h_cat,
