@@ -43,8 +43,6 @@ from typing import Any, Callable, Sequence
 
 from parsat.saturate.graph import Graph, GraphBuilder, GraphError, Tensor
 
-LOSS_ENCODINGS = ("value", "onehot", "mask", "inv_count", "pad_rows")
-
 
 class TorchImportError(ValueError):
     """A module parsat cannot import; the message lists every unsupported operator and where it is.
@@ -80,9 +78,7 @@ class DataLeaf:
     to `shape`), "onehot" (integer ids -> one-hot rows over `classes`; an id
     outside [0, classes) or equal to `ignore` gives a zero row), "mask"
     (boolean or 0/-inf attention mask -> 0/1, expanded to `shape`),
-    "inv_count" (1 / the number of targets that are not ignored),
-    "pad_rows" (the constant row `padding_idx` of an embedding where the ids
-    equal it: its rows are never trained, see `_h_embedding`), or "dropout"
+    "inv_count" (1 / the number of targets that are not ignored), or "dropout"
     (a fresh 0/1 mask each step, 1 with probability 1 - `rate`: see
     `dropout_mask`; `node` is the dropout's own node).
     """
@@ -113,7 +109,6 @@ class ImportedModule:
     weights: dict[str, str]                # graph weight leaf -> module parameter name (the same name)
     data: dict[str, DataLeaf]              # graph input leaf -> its encoding
     constants: dict[str, Any]              # graph input leaf -> its value, for leaves that are constant
-    pad_rows: dict[str, Any]               # pad_rows leaf -> the embedding row it adds
     dropout: tuple[str, ...]               # dropout mask leaves, in the order the module draws them
     user_inputs: tuple[str, ...]           # placeholder names of the user's inputs, in call order
     output_spec: Any = None                # pytree spec of the module's outputs
@@ -139,7 +134,7 @@ class ImportedModule:
                 for name in self._needed[leaf.node]:
                     if name not in env:
                         env[name] = _run_node(nodes[name], env, self.program)
-                out[leaf.name] = encode(leaf, env[leaf.node], dtype, self.pad_rows.get(leaf.name))
+                out[leaf.name] = encode(leaf, env[leaf.node], dtype)
         return out
 
     def constant_values(self, dtype) -> dict[str, Any]:
@@ -157,7 +152,7 @@ def dropout_mask(seed: int, name: str, step: int, shape: Sequence[int], rate: fl
     return (torch.rand(tuple(shape), generator=gen, dtype=torch.float64) >= rate).to(dtype)
 
 
-def encode(leaf: DataLeaf, value, dtype, pad_row=None):
+def encode(leaf: DataLeaf, value, dtype):
     """The value of a data leaf from its data node's value (see `DataLeaf`)."""
     import torch
 
@@ -181,9 +176,6 @@ def encode(leaf: DataLeaf, value, dtype, pad_row=None):
         valid &= ids != leaf.ignore
     if leaf.encoding == "inv_count":
         return (1.0 / valid.sum().to(dtype)).reshape(())
-    if leaf.encoding == "pad_rows":
-        hit = (ids == leaf.ignore).to(dtype).unsqueeze(-1)
-        return (hit * pad_row.to(dtype)).contiguous()
     onehot = torch.nn.functional.one_hot(torch.where(valid, ids, 0), leaf.classes).to(dtype)
     return (onehot * valid.unsqueeze(-1).to(dtype)).contiguous()
 
@@ -282,7 +274,6 @@ class _Translator:
         self.transposed: dict[str, Tensor] = {}
         self.data: dict[tuple, DataLeaf] = {}
         self.constants: dict[str, Any] = {}
-        self.pad_rows: dict[str, Any] = {}
         self.dropout: list[str] = []
         self.names: set[str] = set()
         self.node = None
@@ -373,7 +364,7 @@ class _Translator:
         return Tensor(name)
 
     def data_leaf(self, node, encoding: str, shape: tuple[int, ...], classes: int = 0,
-                  ignore: int | None = None, pad_row=None) -> Tensor:
+                  ignore: int | None = None) -> Tensor:
         """The input leaf of a data node in an encoding (one leaf per node, encoding and shape)."""
         key = (node.name, encoding, shape, classes, ignore)
         if key not in self.data:
@@ -382,10 +373,8 @@ class _Translator:
             name = self.fresh(base)
             constant = node.name not in self.varying
             leaf = DataLeaf(name, node.name, encoding, tuple(shape), classes, ignore, constant)
-            if pad_row is not None:
-                self.pad_rows[name] = pad_row
             if constant:
-                self.constants[name] = encode(leaf, self.values[node.name], self.torch.float64, pad_row)
+                self.constants[name] = encode(leaf, self.values[node.name], self.torch.float64)
             try:
                 self.g.input(name, shape)
             except GraphError as err:
@@ -436,7 +425,7 @@ class _Translator:
         weights = {leaf.name: leaf.name for leaf in built.weights}
         return ImportedModule(built, self.program, weights, data,
                               {k: v for k, v in self.constants.items() if k in data},
-                              {k: v for k, v in self.pad_rows.items() if k in data}, dropout,
+                              dropout,
                               tuple(self.user_inputs), self.program.call_spec.out_spec, needed)
 
     def _outputs(self, graph) -> list[str]:
@@ -735,18 +724,13 @@ def _h_embedding(t: _Translator, node, weight, ids, padding_idx=-1, scale_grad_b
     if t.is_compute(ids):
         raise _Refused("embedding ids computed from the weights are not supported")
     table = t.tensor(weight)
-    vocab, width = t.shape(table)
+    vocab = t.shape(table)[0]
     shape = tuple(t.values[ids.name].shape)
     pad = None if padding_idx is None or padding_idx < 0 else int(padding_idx)
-    onehot = t.data_leaf(ids, "onehot", shape + (vocab,), classes=vocab, ignore=pad)
-    out = t.op("embedding", onehot, table)
+    onehot = t.data_leaf(ids, "onehot", shape + (vocab,), classes=vocab)
     if pad is None:
-        return out
-    # The row `padding_idx` gets no gradient (torch's contract): its ids read a zero one-hot row, and the
-    # row's (constant) value is added as data, so the lookup's value and every gradient match torch's.
-    row = t.values[weight.name][pad].detach().clone()
-    rows = t.data_leaf(ids, "pad_rows", shape + (width,), classes=vocab, ignore=pad, pad_row=row)
-    return t.op("add", out, rows, tag="pad")
+        return t.op("embedding", onehot, table)
+    return t.op("embedding_padded", onehot, table, pad=pad)  # row `pad` read, never trained
 
 
 def _h_layer_norm(t: _Translator, node, x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn=True):

@@ -62,6 +62,14 @@ def _embedding(onehot: Tensor, table: Tensor) -> Tensor:
     return table[ids] * weight
 
 
+def _embedding_padded(onehot: Tensor, table: Tensor, pad: int) -> Tensor:
+    """The lookup with row `pad` detached: its value is read, its gradient is zero (torch's padding_idx).
+    The parallel rules keep the whole vocabulary on a device, so `pad` is a local row index too."""
+    pad = int(pad)
+    frozen = torch.cat([table[:pad], table[pad:pad + 1].detach(), table[pad + 1:]])
+    return _embedding(onehot, frozen)
+
+
 def _transpose(x: Tensor, d0: int, d1: int) -> Tensor:
     return x.transpose(d0, d1)
 
@@ -160,6 +168,7 @@ OPS: Mapping[str, TorchOp] = {
     "unflatten": TorchOp(1, ("dim", "k"), _unflatten),
     "flatten": TorchOp(1, ("dim",), lambda x, dim: x.flatten(int(dim), int(dim) + 1)),
     "embedding": TorchOp(2, (), _embedding),
+    "embedding_padded": TorchOp(2, ("pad",), _embedding_padded),
     "conv2d": TorchOp(2, ("stride", "pad"), lambda x, k, stride, pad: F.conv2d(x, k, stride=int(stride),
                                                                                 padding=int(pad))),
     "avgpool2d": TorchOp(1, ("size", "stride"), lambda x, size, stride: F.avg_pool2d(x, int(size), int(stride))),

@@ -71,6 +71,7 @@ CASES: dict[str, list[tuple[list[tuple[int, ...]], dict]]] = {
     "bn_normalize": [([(2, 3, 4, 5), (3,), (3,), (3,), (3,)], {"eps": 1e-5})],
     "rmsnorm": [([(3, 4), (4,)], {"eps": 1e-6}), ([(2, 3, 4), (4,)], {"eps": 1e-5})],
     "dropout_masked": [([(3, 4), (3, 4)], {"rate": 0.25})],
+    "embedding_padded": [([(4, 7), (7, 3)], {"pad": 0}), ([(2, 3, 7), (7, 5)], {"pad": 6})],
 }
 
 POSITIVE = {"sqrt": (0,), "rsqrt": (0,), "log": (0,), "reciprocal": (0,), "div": (1,), "bn_normalize": (2,)}
@@ -79,7 +80,7 @@ ZERO_ONE = {"softmax_masked": 1, "dropout_masked": 1}
 
 def _inputs(op: str, shapes, rng: np.random.Generator) -> list[np.ndarray]:
     arrays = [rng.standard_normal(s) for s in shapes]
-    if op == "embedding":  # one-hot ids, as the semantics assumes; one row left all-zero (an id held elsewhere)
+    if op in ("embedding", "embedding_padded"):  # one-hot ids, as the semantics assumes; one row left all-zero (an id held elsewhere)
         ids = rng.integers(0, shapes[0][-1], size=shapes[0][:-1])
         onehot = np.eye(shapes[0][-1])[ids]
         onehot.reshape(-1, shapes[0][-1])[0] = 0.0
