@@ -110,6 +110,11 @@ def optimize(args) -> None:
             seconds = time.process_time() - start
             plan.save(out / f"{name}-{devices}.json")
             data = plan.to_dict()
+            baseline = (data.get("baselines") or {}).get("data_parallel")
+            if isinstance(baseline, dict):  # the data-parallel baseline as a plan of its own, to train it too
+                source = baseline.get("pcg") if isinstance(baseline.get("pcg"), dict) else baseline
+                (out / f"{name}-{devices}-data_parallel.json").write_text(json.dumps(
+                    {**data, "nodes": source["nodes"], "outputs": source["outputs"]}))
             row = {"model": name, "devices": devices, "nodes": len(graph.nodes), "operators": len(ops),
                    "weights": len(graph.weights), "import_cpu_s": round(imported_s, 2),
                    "optimize_cpu_s": round(seconds, 2), "parsat_ms": data["totals"]["time_s"] * 1e3,
@@ -130,8 +135,9 @@ def train(args) -> None:
 
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    for name in args.models:
-        plan_path = Path(args.out) / f"{name}-{world}.json"
+    for name, plan_of in [(m, p) for m in args.models for p in ("parsat", "data_parallel")]:
+        plan_path = Path(args.out) / (f"{name}-{world}.json" if plan_of == "parsat" else
+                                      f"{name}-{world}-data_parallel.json")
         if not plan_path.is_file():
             continue
         module, inputs = make(name)
@@ -168,7 +174,7 @@ def train(args) -> None:
         if rank == 0:
             tolerance = 1e-6
             verdict = "passed" if worst[1] == 0 and worst[0] <= tolerance else "failed"
-            print(json.dumps({"model": name, "ranks": world, "steps": args.steps, "check": verdict,
+            print(json.dumps({"model": name, "plan": plan_of, "ranks": world, "steps": args.steps, "check": verdict,
                               "max_rel_diff": float(worst[0]), "losses": losses,
                               "comm_elements_step": float(pmodule.counter.sent()) / args.steps,
                               "state_dict_keys": len(state), "cpu_s_rank0": round(seconds, 2)}), flush=True)
