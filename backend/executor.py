@@ -130,7 +130,7 @@ PARALLEL_OPS_NAMES = ("partition", "combine", "replicate", "reduce")
 # Operators that only move elements: a one-hot tensor stays one-hot through them.
 _MOVES_ELEMENTS = PARALLEL_OPS_NAMES + ("split", "concat", "transpose", "flatten", "unflatten", "broadcast")
 # (operator, argument) that must be one-hot rows: embedding ids and cross-entropy targets.
-_ONEHOT_ARGS = (("embedding", 0), ("nll_sum", 2))
+_ONEHOT_ARGS = (("embedding", 0), ("embedding_padded", 0), ("nll_sum", 2))
 
 
 def _onehot_leaves(nodes: Sequence[tuple[str, str, Sequence[str]]]) -> set[str]:

@@ -57,7 +57,7 @@ from parsat.backend.launch import RankContext
 from parsat.backend.torch_import import ImportedModule, dropout_mask, import_module
 from parsat.dsl.placement import Layout, piece_index
 from parsat.saturate.graph import Graph
-from parsat.saturate.pcg import PCG, PNode
+from parsat.saturate.pcg import PCG
 
 
 class ParallelizeError(ValueError):

@@ -481,7 +481,27 @@ class _Translator:
             if kind == "add":
                 return t if c == 0 else self.op("add_scalar", t, c=c)
             return t if c == 1 else self.op("scale", t, c=c)
-        a, b = self.operand_pair(x, y)
+        return self.binary_handles(kind, self.tensor(x), self.tensor(y))
+
+    def data_leaf_const(self, node, what: str, shape, value) -> Tensor:
+        """A constant data leaf made here (ones and zeros for missing affine parameters, a causal mask)."""
+        torch = self.torch
+        key = (node.name, what, tuple(shape), 0, None)
+        if key not in self.data:
+            name = self.fresh(f"{node.name}_{what}")
+            if what == "causal":
+                s, k = shape[-2], shape[-1]
+                tensor = torch.ones(s, k, dtype=torch.float64).tril(diagonal=k - s).expand(shape).contiguous()
+            else:
+                tensor = torch.full(tuple(shape), float(value), dtype=torch.float64)
+            leaf = DataLeaf(name, node.name, "value", tuple(shape), constant=True)
+            self.constants[name] = tensor
+            self.g.input(name, shape)
+            self.data[key] = leaf
+        return Tensor(self.data[key].name)
+
+    def binary_handles(self, kind: str, a: Tensor, b: Tensor) -> Tensor:
+        """x (+ or *) y of two graph tensors with torch's broadcasting."""
         sa, sb = self.shape(a), self.shape(b)
         if sa == sb:
             return self.op(kind, a, b)
@@ -489,15 +509,10 @@ class _Translator:
         if out is None:
             raise _Refused(f"shapes {list(sa)} and {list(sb)} do not broadcast")
         if sa != out and sb == out:
-            a, b, sa, sb = b, a, sb, sa
-        if sa != out:
+            a, b = b, a
+        elif sa != out:
             a = self.expand_to(a, out)
-            sa = out
         return self.broadcast_into(kind, a, b, out)
-
-    def operand_pair(self, x, y) -> tuple[Tensor, Tensor]:
-        """Both operands as tensors; a data operand that broadcasts is made in the shape it is read."""
-        return self.tensor(x), self.tensor(y)
 
     def broadcast_into(self, kind: str, big: Tensor, small: Tensor, out: tuple[int, ...]) -> Tensor:
         ss = self.shape(small)
@@ -522,7 +537,9 @@ class _Translator:
         shape = list(self.shape(t))
         shape = [1] * (len(out) - len(shape)) + shape
         if len(shape) != len(self.shape(t)):
-            t = self.reshape(t, tuple(shape)) if self.shape(t) else self._unsqueeze_scalar(t, len(shape))
+            if not self.shape(t):
+                raise _Refused("broadcasting a 0-d tensor computed from the weights is not supported")
+            t = self.reshape(t, tuple(shape))
         for d, (have, want) in enumerate(zip(shape, out)):
             if have == want:
                 continue
@@ -532,9 +549,6 @@ class _Translator:
             t = self.op("broadcast", t, dim=d, n=int(want), tag="expand")
             shape[d] = int(want)
         return t
-
-    def _unsqueeze_scalar(self, t: Tensor, rank: int) -> Tensor:
-        raise _Refused("broadcasting a 0-d tensor computed from the weights is not supported")
 
     # -- shapes -------------------------------------------------------------
     def reshape(self, x: Tensor, shape: Sequence[int]) -> Tensor:
@@ -999,42 +1013,6 @@ def _h_cross_entropy(t: _Translator, node, x, target, weight=None, reduction=1, 
 
 def _h_hop_grad(t: _Translator, node, enabled, submod, *args):
     raise _Refused("a region with gradients switched on or off inside forward (torch.no_grad on weights)")
-
-
-def _data_leaf_const(self: _Translator, node, what: str, shape, value) -> Tensor:
-    """A constant data leaf made here (ones and zeros for missing affine parameters, a causal mask)."""
-    torch = self.torch
-    key = (node.name, what, tuple(shape), 0, None)
-    if key not in self.data:
-        name = self.fresh(f"{node.name}_{what}")
-        if what == "causal":
-            s, k = shape[-2], shape[-1]
-            tensor = torch.ones(s, k, dtype=torch.float64).tril(diagonal=k - s).expand(shape).contiguous()
-        else:
-            tensor = torch.full(tuple(shape), float(value), dtype=torch.float64)
-        leaf = DataLeaf(name, node.name, "value", tuple(shape), constant=True)
-        self.constants[name] = tensor
-        self.g.input(name, shape)
-        self.data[key] = leaf
-    return Tensor(self.data[key].name)
-
-
-def _binary_handles(self: _Translator, kind: str, a: Tensor, b: Tensor) -> Tensor:
-    sa, sb = self.shape(a), self.shape(b)
-    if sa == sb:
-        return self.op(kind, a, b)
-    out = _broadcast_shape(sa, sb)
-    if out is None:
-        raise _Refused(f"shapes {list(sa)} and {list(sb)} do not broadcast")
-    if sa != out and sb == out:
-        a, b = b, a
-    elif sa != out:
-        a = self.expand_to(a, out)
-    return self.broadcast_into(kind, a, b, out)
-
-
-_Translator.data_leaf_const = _data_leaf_const
-_Translator.binary_handles = _binary_handles
 
 
 _HANDLERS: dict[str, Callable] = {
