@@ -181,3 +181,17 @@ def test_a_module_whose_graph_is_not_the_plans_is_refused(models, tmp_path, caps
     plan = _optimize(models, "tied", tmp_path)
     code, _, text = _run(capsys, plan, models, "tagger")
     assert code == 1 and "graph is not the plan's" in text and "Traceback" not in text
+
+
+def test_seeded_weights_are_scaled_by_their_fan_in():
+    from parsat.backend.executor import fan_in
+
+    shapes = {"w": (8, 3, 3, 3), "x": (2, 3, 5, 5), "lin": (16, 4), "h": (2, 4), "b": (16,),
+              "table": (10, 4), "ids": (2, 10)}
+    nodes = [("c", "conv2d", ("x", "w")), ("t", "transpose", ("lin",)), ("o", "linear", ("h", "t", "b")),
+             ("e", "embedding", ("ids", "table"))]
+    shapes.update({"t": (4, 16)})
+    assert fan_in(nodes, shapes, "w") == 27      # a conv kernel [out, in, r, s]: in * r * s
+    assert fan_in(nodes, shapes, "lin") == 4     # torch's [out, in] = [16, 4] Linear weight, read transposed
+    assert fan_in(nodes, shapes, "table") == 1   # an embedding table is not a contraction's input side
+    assert fan_in(nodes, shapes, "b") == 1
