@@ -46,6 +46,12 @@ def register(subparsers) -> None:
                           "that hangs (default 30; keep it under --timeout)")
     run.add_argument("--plan-of", default="parsat", choices=PLAN_OF,
                      help="which PCG of the plan file to run: parsat's (default) or a baseline's")
+    run.add_argument("--model", metavar="FILE.py:FACTORY", default=None,
+                     help="train this torch module (the factory returns (module, example_inputs)) as the plan: its "
+                          "own weights, inputs and loss; --check compares with the unmodified module")
+    run.add_argument("--data", metavar="FILE", default=None,
+                     help="with --model: a torch.save'd list of batches (each a tuple of tensors), one per step in "
+                          "turn; default: the factory's example inputs every step")
     run.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     run.set_defaults(run=main_run)
     register_calibrate(subparsers)
@@ -118,17 +124,34 @@ def main_run(args: argparse.Namespace) -> int:
         pcg, graph, predicted = load_plan(args.plan, args.nproc, args.plan_of)
         check_worlds(pcg, args.nproc)
         config = TrainConfig(steps=args.steps, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
-                             dtype=args.dtype, check=args.check, tolerance=1e-9 if args.dtype == "float64" else 1e-4)
-        result = run_plan(pcg, args.nproc, config, graph=graph, predicted=predicted, backend=args.backend,
-                          timeout_s=args.timeout, collective_timeout_s=args.collective_timeout)
-    except (PlanError, GraphError, ExecutionError, LaunchError, PlacementError) as err:
+                             dtype=args.dtype, check=args.check, tolerance=check_tolerance(args.dtype, args.model))
+        if args.model is not None:
+            from parsat.backend.parallelize import run_module_plan
+
+            result = run_module_plan(pcg, graph, args.model, args.data, args.nproc, config, predicted, args.backend,
+                                     args.timeout, args.collective_timeout)
+        else:
+            if args.data is not None:
+                raise ExecutionError("--data needs --model (a plan alone trains on seeded data)")
+            result = run_plan(pcg, args.nproc, config, graph=graph, predicted=predicted, backend=args.backend,
+                              timeout_s=args.timeout, collective_timeout_s=args.collective_timeout)
+    except (PlanError, GraphError, ExecutionError, LaunchError, PlacementError, ValueError) as err:
         return _fail(str(err))
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 speaks for the job
-        _report(result, args)
+        _report(result, args, config.tolerance)
     return 1 if result.check == "failed" else 0
 
 
-def _report(result, args: argparse.Namespace) -> None:
+def check_tolerance(dtype: str, model: str | None) -> float:
+    """--check's relative tolerance. A plan's own graph runs in one dtype on both sides (1e-9 in float64);
+    a user's module may compute parts in float32 whatever its dtype (Hugging Face models upcast norms and
+    logits with `.float()`), which the plan's graph does in the run's dtype: 1e-6 in float64 covers that."""
+    if dtype == "float64":
+        return 1e-6 if model else 1e-9
+    return 1e-3 if model else 1e-4
+
+
+def _report(result, args: argparse.Namespace, tolerance: float) -> None:
     measured, predicted = result.comm_elements_measured, result.comm_elements_predicted
     sync_predicted = result.predicted.grad_sync_elements
     memory_predicted = result.predicted.peak_memory_bytes
@@ -144,10 +167,22 @@ def _report(result, args: argparse.Namespace) -> None:
              + ("" if memory_predicted is None else f" (plan's bound {memory_predicted / 2**20:.2f} MiB, fp32 Adam)")
              + f"; process RSS {result.process_rss_bytes / 2**20:.0f} MiB"]
     if result.check is not None:
-        lines.append(f"  check                {result.check} (largest difference {result.max_abs_diff:.3g})")
+        lines.append(check_line(result.check, result.max_rel_diff, result.max_abs_diff, result.nonfinite,
+                                result.worst, tolerance))
     print("\n".join(lines))
     if args.json:
         print(json.dumps(result.to_dict()))
+
+
+def check_line(verdict: str, rel, diff, nonfinite: int, worst: str, tolerance: float) -> str:
+    """The `--check` line: the verdict, the largest relative and absolute differences and the tolerance."""
+    if nonfinite:
+        return f"  check                failed: {nonfinite} value(s) are not finite (NaN or infinity)"
+    rel_text = "n/a" if rel is None else f"{rel:.3g}"
+    abs_text = "n/a" if diff is None else f"{diff:.3g}"
+    where = f" in {worst}" if worst else ""
+    return (f"  check                {verdict} (largest relative difference {rel_text}{where}, absolute {abs_text}; "
+            f"tolerance {tolerance:g} relative)")
 
 
 # ------------------------------------------------------------------ calibrate

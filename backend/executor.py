@@ -30,7 +30,7 @@ import statistics
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,7 +61,7 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "float64"   # float64 makes --check tolerances tight
     check: bool = False
-    tolerance: float = 1e-9  # largest absolute difference --check accepts
+    tolerance: float = 1e-9  # largest relative difference --check accepts (`compare_values`)
 
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
@@ -75,17 +75,50 @@ def _generator(seed: int, name: str, step: int) -> torch.Generator:
 
 
 def leaf_value(name: str, shape: Sequence[int], role: str, config: TrainConfig, step: int = 0,
-               onehot: bool = False) -> torch.Tensor:
-    """The full value of a leaf: weights from the seed, data from the seed and the step."""
+               onehot: bool = False, fan_in: int = 1) -> torch.Tensor:
+    """The full value of a leaf: weights from the seed (scaled by 1/sqrt(fan_in)), data from the seed and the step."""
     gen = _generator(config.seed, name, 0 if role == "weight" else step + 1)
     dtype = config.torch_dtype()
     if onehot:
         ids = torch.randint(0, shape[-1], tuple(shape[:-1]), generator=gen)
         return torch.nn.functional.one_hot(ids, shape[-1]).to(dtype)
     value = torch.randn(*shape, generator=gen, dtype=dtype)
-    if role == "weight" and len(shape) >= 2:
-        value = value / shape[0] ** 0.5
+    if role == "weight" and fan_in > 1:
+        value = value / fan_in ** 0.5
     return value
+
+
+# Where a weight is read, which of its dims are the inputs of one output: (operator, argument) -> dims.
+# A weight read through `transpose` swaps them (torch's [out, in] Linear weight feeding `linear`).
+_FAN_IN_DIMS = {("matmul", 1): (0,), ("linear", 1): (0,), ("linear_nobias", 1): (0,), ("conv2d", 1): (1, 2, 3),
+                ("bmm", 1): (-2,)}
+
+
+def fan_in(nodes: Sequence[tuple[str, str, Sequence[str]]], shapes: dict, name: str) -> int:
+    """The fan-in of weight `name` from the first operator that contracts it (1 if none does: norms, biases,
+    embedding tables). `nodes` are (name, op, inputs) in order; `shapes` every tensor's shape."""
+    targets = {name: False}  # tensor -> read transposed
+    for node_name, op, inputs in nodes:
+        for position, ref in enumerate(inputs):
+            if ref not in targets:
+                continue
+            if op == "transpose" and len(shapes[ref]) == 2:
+                targets[node_name] = not targets[ref]
+                continue
+            if op in PARALLEL_OPS_NAMES:
+                targets[node_name] = targets[ref]
+                continue
+            dims = _FAN_IN_DIMS.get((op, position))
+            if dims is None:
+                continue
+            shape = shapes[name]
+            if targets[ref]:
+                dims = tuple(len(shape) - 1 - (d % len(shape)) for d in dims)
+            fan = 1
+            for d in dims:
+                fan *= shape[d]
+            return fan
+    return 1
 
 
 def target_value(name: str, shape: Sequence[int], config: TrainConfig, step: int) -> torch.Tensor:
@@ -93,9 +126,25 @@ def target_value(name: str, shape: Sequence[int], config: TrainConfig, step: int
                        dtype=config.torch_dtype())
 
 
+PARALLEL_OPS_NAMES = ("partition", "combine", "replicate", "reduce")
+# Operators that only move elements: a one-hot tensor stays one-hot through them.
+_MOVES_ELEMENTS = PARALLEL_OPS_NAMES + ("split", "concat", "transpose", "flatten", "unflatten", "broadcast")
+# (operator, argument) that must be one-hot rows: embedding ids and cross-entropy targets.
+_ONEHOT_ARGS = (("embedding", 0), ("embedding_padded", 0), ("nll_sum", 2))
+
+
 def _onehot_leaves(nodes: Sequence[tuple[str, str, Sequence[str]]]) -> set[str]:
-    """Leaves read as the one-hot argument of an embedding (data must be one-hot there)."""
-    return {inputs[0] for _, op, inputs in nodes if op == "embedding" and inputs}
+    """Leaves whose data must be one-hot rows: read, through operators that only move elements (parallel
+    operators, reshapes, slices), as an embedding's ids or a cross-entropy's targets."""
+    source: dict[str, str] = {}  # tensor -> the tensor its elements come from
+    found = set()
+    for name, op, inputs in nodes:
+        if op in _MOVES_ELEMENTS and inputs:
+            source[name] = source.get(inputs[0], inputs[0])
+        for reader, position in _ONEHOT_ARGS:
+            if op == reader and len(inputs) > position:
+                found.add(source.get(inputs[position], inputs[position]))
+    return found
 
 
 class Optimizer:
@@ -167,8 +216,10 @@ def evaluate_graph(graph: Graph, leaves: dict[str, torch.Tensor]) -> dict[str, t
 def reference_run(graph: Graph, config: TrainConfig) -> Reference:
     """The original graph trained in one process with the same seeds, loss and optimizer."""
     shapes = graph.shapes()
-    onehot = _onehot_leaves([(n.name, n.op, n.inputs) for n in graph.nodes])
-    weights = {leaf.name: leaf_value(leaf.name, leaf.shape, "weight", config).requires_grad_()
+    nodes = [(n.name, n.op, n.inputs) for n in graph.nodes]
+    onehot = _onehot_leaves(nodes)
+    weights = {leaf.name: leaf_value(leaf.name, leaf.shape, "weight", config,
+                                     fan_in=fan_in(nodes, shapes, leaf.name)).requires_grad_()
                for leaf in graph.weights}
     optimizer = _make_optimizer(list(weights.values()), config)
     losses, outputs, grads, values = [], [], [], []
@@ -204,12 +255,18 @@ class _Param:
 
 @dataclass
 class RankProgram:
-    """The PCG as one rank runs it: stored weight pieces, groups, counters."""
+    """The PCG as one rank runs it: stored weight pieces, groups, counters.
+
+    `weights` gives full weight values by leaf name (a user's module); without
+    it weights come from the seed. `forward` takes the full input values by
+    leaf name the same way (dropout masks included: they are data).
+    """
 
     pcg: PCG
     ctx: RankContext
     config: TrainConfig
     library: Library
+    weights: Mapping[str, torch.Tensor] | None = None
     cache: GroupCache = field(init=False)
     params: dict[int, _Param] = field(init=False)          # stored-at node id -> parameter
     folded: set[int] = field(init=False)                   # partition nodes absorbed into storage
@@ -230,7 +287,12 @@ class RankProgram:
                 self._store_weight(node)
 
     def _store_weight(self, leaf: PNode) -> None:
-        full = leaf_value(leaf.op, leaf.shape, "weight", self.config)
+        if self.weights is not None:
+            full = self.weights[leaf.op].detach().to(self.config.torch_dtype())
+        else:
+            nodes = [(str(n.id), n.op, [str(i) for i in n.inputs]) for n in self.pcg]
+            shapes = {str(n.id): n.shape for n in self.pcg}
+            full = leaf_value(leaf.op, leaf.shape, "weight", self.config, fan_in=fan_in(nodes, shapes, str(leaf.id)))
         at = leaf.id
         while True:
             users = self._users.get(at, [])
@@ -242,8 +304,9 @@ class RankProgram:
         piece = full[piece_index(layout, self.ctx.rank, leaf.shape)].to(self.ctx.device, copy=True).requires_grad_()
         self.params[at] = _Param(leaf.op, piece, layout, tuple(leaf.shape))
 
-    def forward(self, step: int, counter: CommCounter) -> dict[int, tuple[torch.Tensor, Placement]]:
-        """Every node's local piece and layout for this step's batch."""
+    def forward(self, step: int, counter: CommCounter,
+                inputs: Mapping[str, torch.Tensor] | None = None) -> dict[int, tuple[torch.Tensor, Placement]]:
+        """Every node's local piece and layout for this step's batch (`inputs`: full values by leaf name)."""
         onehot = _onehot_leaves([(str(n.id), n.op, [str(i) for i in n.inputs]) for n in self.pcg])
         env: dict[int, tuple[torch.Tensor, Placement]] = {}
         for node in self.pcg:
@@ -253,7 +316,10 @@ class RankProgram:
             elif node.kind == "leaf":
                 if node.role == "weight":
                     continue  # stored further down its partition chain
-                value = leaf_value(node.op, node.shape, "input", self.config, step, str(node.id) in onehot)
+                if inputs is not None:
+                    value = inputs[node.op].to(self.config.torch_dtype())
+                else:
+                    value = leaf_value(node.op, node.shape, "input", self.config, step, str(node.id) in onehot)
                 value = value.to(self.ctx.device)
                 env[node.id] = (value, self.layouts[node.id])
             elif node.id in self.folded:
@@ -344,9 +410,13 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
                            "grad_sync": float(counter.sent_tagged("grad_sync")), "events": len(counter.events)})
         if reference is not None:
             diffs.append(_compare(program, env, reference, step, float(total)))
+    found = Comparison()
+    for d in diffs:
+        found = found.merge(d)
     peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else memory.peak
     report = {"rank": ctx.rank, "losses": losses, "step_times": times, "comm": steps_comm,
-              "max_abs_diff": max(diffs) if diffs else None, "peak_memory_bytes": peak,
+              "max_abs_diff": found.max_abs if diffs else None, "max_rel_diff": found.max_rel if diffs else None,
+              "worst": found.worst, "nonfinite": list(found.nonfinite[:20]), "peak_memory_bytes": peak,
               "process_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     report["job"] = _job_summary(report, ctx)
     return report
@@ -406,34 +476,84 @@ def _job_summary(report: dict, ctx: RankContext) -> dict:
     Reporting traffic only: not part of the plan, not counted.
     """
     last = report["comm"][-1]
-    sums = torch.tensor([last["distinct_sent"], last["sent"], last["grad_sync"]], dtype=torch.float64,
-                        device=ctx.device)
-    diff = report["max_abs_diff"]
-    maxes = torch.tensor([-1.0 if diff is None else diff, float(report["peak_memory_bytes"]),
-                          float(report["process_rss_bytes"]), *report["step_times"]],
-                         dtype=torch.float64, device=ctx.device)
+    sums = torch.tensor([last["distinct_sent"], last["sent"], last["grad_sync"], len(report.get("nonfinite", []))],
+                        dtype=torch.float64, device=ctx.device)
+    diff, rel = report["max_abs_diff"], report.get("max_rel_diff")
+    maxes = torch.tensor([-1.0 if diff is None else diff, -1.0 if rel is None else rel,
+                          float(report["peak_memory_bytes"]), float(report["process_rss_bytes"]),
+                          *report["step_times"]], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(sums)
     dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
     sums, maxes = sums.tolist(), maxes.tolist()
-    return {"distinct_sent": sums[0], "sent": sums[1], "grad_sync": sums[2],
-            "max_abs_diff": None if maxes[0] < 0 else maxes[0], "peak_memory_bytes": int(maxes[1]),
-            "process_rss_bytes": int(maxes[2]), "step_times": maxes[3:]}
+    return {"distinct_sent": sums[0], "sent": sums[1], "grad_sync": sums[2], "nonfinite": int(sums[3]),
+            "nonfinite_names": report.get("nonfinite", []), "worst": report.get("worst", ""),
+            "max_abs_diff": None if maxes[0] < 0 else maxes[0], "max_rel_diff": None if maxes[1] < 0 else maxes[1],
+            "peak_memory_bytes": int(maxes[2]), "process_rss_bytes": int(maxes[3]), "step_times": maxes[4:]}
 
 
-def _compare(program: RankProgram, env, reference: Reference, step: int, loss: float) -> float:
-    """Largest difference between this rank's pieces and the reference, this step."""
-    diffs = [abs(loss - reference.losses[step])]
+@dataclass(frozen=True)
+class Comparison:
+    """What `--check` found in one step on one rank: the largest absolute and relative differences (and
+    which value had the largest relative one), and every value that is not finite on either side."""
+
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    worst: str = ""
+    nonfinite: tuple[str, ...] = ()
+
+    def merge(self, other: "Comparison") -> "Comparison":
+        worst = self if self.max_rel >= other.max_rel else other
+        return Comparison(max(self.max_abs, other.max_abs), worst.max_rel, worst.worst,
+                          self.nonfinite + other.nonfinite)
+
+
+def compare_values(pairs) -> Comparison:
+    """--check's one comparison: (what, got, want) triples, got a rank's piece and want the reference's.
+
+    A tensor's relative difference is its largest absolute difference over
+    its scale: the larger of the two sides' largest magnitudes, but at least
+    1e-3 of the largest magnitude among the values of its kind (every
+    gradient, every weight, the loss and outputs; the kind is the label's
+    first word). So a loss of 4.5e7 off by 4e-8 differs by 1e-15, and a
+    gradient that is zero in exact arithmetic (rounding noise on both sides)
+    is measured against the gradients that are not. A value that is not
+    finite on either side is listed: `--check` fails on it whatever the
+    differences.
+    """
+    result = Comparison()
+    rows, kind_scale = [], {}
+    for what, got, want in pairs:
+        got = torch.as_tensor(got).detach().cpu().to(torch.float64)
+        want = torch.as_tensor(want).detach().cpu().to(torch.float64)
+        if not (bool(torch.isfinite(got).all()) and bool(torch.isfinite(want).all())):
+            result = result.merge(Comparison(nonfinite=(what,)))
+            continue
+        if got.numel() == 0:
+            continue
+        scale = max(float(got.abs().max()), float(want.abs().max()))
+        kind = what.split(" ")[0]
+        kind_scale[kind] = max(kind_scale.get(kind, 0.0), scale)
+        rows.append((what, kind, float((got - want).abs().max()), scale))
+    for what, kind, diff, scale in rows:
+        scale = max(scale, 1e-3 * kind_scale[kind])
+        result = result.merge(Comparison(diff, diff / scale if scale > 0 else 0.0, what))
+    return result
+
+
+def _compare(program: RankProgram, env, reference: Reference, step: int, loss: float) -> Comparison:
+    """This rank's pieces against the reference, this step: outputs, loss, gradients, updated weights."""
     rank = program.ctx.rank
+    pairs = [("loss", torch.tensor(loss), torch.tensor(reference.losses[step]))]
     for out_id, name in zip(program.pcg.outputs, program.output_names):
         x, layout = env[out_id]
         expected = reference.outputs[step].get(name)
         if expected is not None:
-            diffs.append(_max_diff(x, expected[piece_index(layout, rank, expected.shape)]))
+            pairs.append((f"output {name}", x, expected[piece_index(layout, rank, expected.shape)]))
     for param in program.params.values():
         where = piece_index(param.layout, rank, param.shape)
-        diffs.append(_max_diff(gradient_of(param.tensor), reference.grads[step][param.name][where]))
-        diffs.append(_max_diff(param.tensor, reference.weights[step][param.name][where]))
-    return max(diffs)
+        pairs.append((f"gradient of {param.name}", gradient_of(param.tensor), reference.grads[step][param.name][where]))
+        pairs.append((f"weight {param.name}", param.tensor, reference.weights[step][param.name][where]))
+    return compare_values(pairs)
 
 
 # --------------------------------------------------------------- entry point
@@ -477,6 +597,9 @@ class RunResult:
     process_rss_bytes: int
     losses: tuple[float, ...]
     predicted: Prediction = Prediction()
+    max_rel_diff: float | None = None
+    nonfinite: int = 0
+    worst: str = ""
 
     @property
     def comm_elements_predicted(self) -> float | None:
@@ -490,7 +613,8 @@ class RunResult:
         return abs(self.comm_elements_measured - self.predicted.comm_elements) < 0.5
 
     def to_dict(self) -> dict:
-        return {"check": self.check, "max_abs_diff": self.max_abs_diff,
+        return {"check": self.check, "max_abs_diff": self.max_abs_diff, "max_rel_diff": self.max_rel_diff,
+                "nonfinite_values": self.nonfinite, "largest_difference_in": self.worst,
                 "comm_elements_measured": self.comm_elements_measured,
                 "comm_elements_predicted": self.predicted.comm_elements,
                 "step_time_s": self.step_time_s, "peak_memory_bytes": self.peak_memory_bytes,
@@ -525,11 +649,18 @@ def run_plan(pcg: PCG, nproc: int, config: TrainConfig, graph: Graph | None = No
     job = reports[0]["job"]  # every rank holds the job-wide figures (under torchrun, only this rank's report)
     times = job["step_times"]
     timed = times[1:] if len(times) > 1 else times
-    diff = job["max_abs_diff"]
-    check = None if not config.check else ("passed" if diff is not None and diff <= config.tolerance else "failed")
-    return RunResult(check, diff, job["sent"], job["distinct_sent"], job["grad_sync"], statistics.median(timed),
-                     job["peak_memory_bytes"], job["process_rss_bytes"], tuple(reports[0]["losses"]),
-                     predicted or Prediction())
+    return RunResult(check_verdict(job, config), job["max_abs_diff"], job["sent"], job["distinct_sent"],
+                     job["grad_sync"], statistics.median(timed), job["peak_memory_bytes"], job["process_rss_bytes"],
+                     tuple(reports[0]["losses"]), predicted or Prediction(), job.get("max_rel_diff"),
+                     job.get("nonfinite", 0), job.get("worst", ""))
+
+
+def check_verdict(job: Mapping, config: TrainConfig) -> str | None:
+    """'passed' when every compared value was finite and within the relative tolerance; None without --check."""
+    if not config.check:
+        return None
+    rel = job.get("max_rel_diff")
+    return "passed" if rel is not None and not job.get("nonfinite") and rel <= config.tolerance else "failed"
 
 
 def check_worlds(pcg: PCG, nproc: int, library: Library | None = None) -> dict[int, Placement]:

@@ -62,6 +62,14 @@ def _embedding(onehot: Tensor, table: Tensor) -> Tensor:
     return table[ids] * weight
 
 
+def _embedding_padded(onehot: Tensor, table: Tensor, pad: int) -> Tensor:
+    """The lookup with row `pad` detached: its value is read, its gradient is zero (torch's padding_idx).
+    The parallel rules keep the whole vocabulary on a device, so `pad` is a local row index too."""
+    pad = int(pad)
+    frozen = torch.cat([table[:pad], table[pad:pad + 1].detach(), table[pad + 1:]])
+    return _embedding(onehot, frozen)
+
+
 def _transpose(x: Tensor, d0: int, d1: int) -> Tensor:
     return x.transpose(d0, d1)
 
@@ -76,6 +84,52 @@ def _split(x: Tensor, dim: int, start: int, size: int) -> Tensor:
 
 def _layernorm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float) -> Tensor:
     return F.layer_norm(x, (x.shape[-1],), gamma, beta, float(eps))
+
+
+def _softmax_masked(x: Tensor, m: Tensor) -> Tensor:
+    """`m * exp(x) / sum(m * exp(x))` along the last dim, shifted by the row's largest kept entry.
+
+    Entries with m == 0 never reach `exp`, so neither a large masked score
+    nor its gradient can overflow; a row with no kept entry is 0/0 (NaN), as
+    in torch's attention.
+    """
+    keep = m != 0
+    top = x.masked_fill(~keep, float("-inf")).amax(dim=-1, keepdim=True).detach()
+    shifted = torch.where(keep, x - top, torch.zeros_like(x))
+    e = m * torch.exp(shifted)
+    return e / e.sum(dim=-1, keepdim=True)
+
+
+def _nll_sum(x: Tensor, lse: Tensor, y: Tensor) -> Tensor:
+    return (y * (lse.unsqueeze(-1) - x)).sum()
+
+
+def _per_channel(v: Tensor) -> Tensor:
+    return v.view(1, -1, 1, 1)
+
+
+def _bn_mean(x: Tensor, count: int) -> Tensor:
+    return x.sum(dim=(0, 2, 3)) / int(count)
+
+
+def _bn_var(x: Tensor, mean: Tensor, count: int) -> Tensor:
+    return ((x - _per_channel(mean)) ** 2).sum(dim=(0, 2, 3)) / int(count)
+
+
+def _bn_normalize(x: Tensor, mean: Tensor, var: Tensor, gamma: Tensor, beta: Tensor, eps: float) -> Tensor:
+    return (x - _per_channel(mean)) / torch.sqrt(_per_channel(var) + float(eps)) * _per_channel(gamma) \
+        + _per_channel(beta)
+
+
+def _rmsnorm(x: Tensor, gamma: Tensor, eps: float) -> Tensor:
+    return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + float(eps)) * gamma
+
+
+def _broadcast(x: Tensor, dim: int, n: int) -> Tensor:
+    out = x.unsqueeze(int(dim))
+    shape = list(out.shape)
+    shape[int(dim)] = int(n)
+    return out.expand(shape)
 
 
 @dataclass(frozen=True)
@@ -114,10 +168,40 @@ OPS: Mapping[str, TorchOp] = {
     "unflatten": TorchOp(1, ("dim", "k"), _unflatten),
     "flatten": TorchOp(1, ("dim",), lambda x, dim: x.flatten(int(dim), int(dim) + 1)),
     "embedding": TorchOp(2, (), _embedding),
+    "embedding_padded": TorchOp(2, ("pad",), _embedding_padded),
     "conv2d": TorchOp(2, ("stride", "pad"), lambda x, k, stride, pad: F.conv2d(x, k, stride=int(stride),
                                                                                 padding=int(pad))),
     "avgpool2d": TorchOp(1, ("size", "stride"), lambda x, size, stride: F.avg_pool2d(x, int(size), int(stride))),
     "global_avgpool": TorchOp(1, (), lambda x: x.mean(dim=(2, 3))),
+    "neg": TorchOp(1, (), torch.neg),
+    "add_scalar": TorchOp(1, ("c",), lambda x, c: x + float(c)),
+    "div": TorchOp(2, (), torch.div),
+    "reciprocal": TorchOp(1, (), torch.reciprocal),
+    "sqrt": TorchOp(1, (), torch.sqrt),
+    "rsqrt": TorchOp(1, (), torch.rsqrt),
+    "log": TorchOp(1, (), torch.log),
+    "sin": TorchOp(1, (), torch.sin),
+    "cos": TorchOp(1, (), torch.cos),
+    "silu": TorchOp(1, (), F.silu),
+    "gelu_tanh": TorchOp(1, (), lambda x: F.gelu(x, approximate="tanh")),
+    "linear_nobias": TorchOp(2, (), torch.matmul),
+    # Broadcasting aligns trailing dims, which is exactly `[*a, *t]` with `[*t]`.
+    "add_bcast": TorchOp(2, (), torch.add),
+    "mul_bcast": TorchOp(2, (), torch.mul),
+    "add_bcast_dim": TorchOp(2, ("dim",), lambda x, y, dim: x + y.unsqueeze(int(dim))),
+    "mul_bcast_dim": TorchOp(2, ("dim",), lambda x, y, dim: x * y.unsqueeze(int(dim))),
+    "broadcast": TorchOp(1, ("dim", "n"), _broadcast),
+    "softmax_masked": TorchOp(2, (), _softmax_masked),
+    "logsumexp": TorchOp(1, (), lambda x: torch.logsumexp(x, dim=-1)),
+    # Unshifted on purpose: the sums of vocabulary shards must add up (finite for logits below ~88 in
+    # float32, ~709 in float64; `--check` fails on any non-finite value).
+    "sumexp": TorchOp(1, (), lambda x: torch.exp(x).sum(dim=-1)),
+    "nll_sum": TorchOp(3, (), _nll_sum),
+    "bn_mean": TorchOp(1, ("count",), _bn_mean),
+    "bn_var": TorchOp(2, ("count",), _bn_var),
+    "bn_normalize": TorchOp(5, ("eps",), _bn_normalize),
+    "rmsnorm": TorchOp(2, ("eps",), _rmsnorm),
+    "dropout_masked": TorchOp(2, ("rate",), lambda x, m, rate: x * m / (1.0 - float(rate))),
 }
 
 

@@ -49,7 +49,7 @@ class PieceSelection:
 
 
 _FUNCTIONS = {
-    "exp": np.exp, "log": np.log, "sqrt": np.sqrt, "tanh": np.tanh, "abs": np.abs,
+    "exp": np.exp, "log": np.log, "sqrt": np.sqrt, "tanh": np.tanh, "abs": np.abs, "sin": np.sin, "cos": np.cos,
     "erf": np.vectorize(math.erf, otypes=[float]),
     "max": np.maximum, "min": np.minimum,
 }

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from parsat.dsl.instantiate import InstantiationError
 from parsat.dsl.library import Library
-from parsat.dsl.parallel_ops import COMBINE, PARTITION, REPLICATE
+from parsat.dsl.parallel_ops import COMBINE, PARTITION, REDUCE, REPLICATE
 from parsat.dsl.spread import infer_compute
 from parsat.ir.graph import Graph, instance_for
 from parsat.ir.pcg import PCG, Degrees, PNode
@@ -19,6 +19,9 @@ from parsat.ir.pcg import PCG, Degrees, PNode
 
 def data_parallel_pcg(graph: Graph, library: Library, devices: int) -> PCG | None:
     """Data parallelism: every input split along dim 0, every weight replicated, outputs gathered.
+
+    An input whose dim 0 does not split evenly (a constant of batch size 1,
+    a scalar such as cross-entropy's inverse count) is replicated instead.
 
     Built directly (the textbook definition, independent of the rules) and
     checked operator by operator with spread inference; None when an
@@ -35,9 +38,7 @@ def data_parallel_pcg(graph: Graph, library: Library, devices: int) -> PCG | Non
 
     for leaf in graph.leaves:
         base = add("leaf", leaf.name, (), (), leaf.shape, Degrees.whole(len(leaf.shape)), leaf.role, leaf.name)
-        if leaf.role == "input":
-            if not leaf.shape or leaf.shape[0] % devices:
-                return None
+        if leaf.role == "input" and leaf.shape and leaf.shape[0] % devices == 0:
             shard = (devices,) + (1,) * (len(leaf.shape) - 1)
             ident[leaf.name] = add("parallel", PARTITION, (base,), (("dim", 0), ("degree", devices)), leaf.shape,
                                    Degrees(shard))
@@ -61,6 +62,13 @@ def data_parallel_pcg(graph: Graph, library: Library, devices: int) -> PCG | Non
     for name in graph.outputs:
         node = nodes[ident[name]]
         if node.degrees.is_whole:
+            outputs.append(node.id)
+        elif node.degrees.sum == devices and all(d == 1 for d in node.degrees.shard):  # a loss summed over rows
+            outputs.append(add("parallel", REDUCE, (node.id,), (("degree", devices),), node.shape,
+                               Degrees(node.degrees.shard)))
+        elif node.degrees.sum != 1:
+            return None
+        elif all(d == 1 for d in node.degrees.shard):
             outputs.append(node.id)
         elif node.degrees.shard and node.degrees.shard[0] == devices and node.degrees.pieces == devices:
             outputs.append(add("parallel", COMBINE, (node.id,), (("dim", 0), ("degree", devices)), node.shape,

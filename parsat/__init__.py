@@ -16,8 +16,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "load_rules", "check", "verify", "optimize", "from_torch", "Machine", "Graph", "GraphBuilder",
-           "Limits"]
+__all__ = ["__version__", "load_rules", "check", "verify", "optimize", "from_torch", "parallelize", "gather_weights",
+           "Machine", "Graph", "GraphBuilder", "Limits"]
 
 # Lazy re-exports of the saturation API (importing parsat must not import egglog).
 _LAZY = {
@@ -44,14 +44,32 @@ def optimize(graph, machine="h100x8", rules=None, limits=None, devices=None, **o
 
 
 def from_torch(module, example_inputs, library=None, name=None):
-    """The parsat `Graph` of a torch `nn.Module` (torch.fx): see `parsat.backend.fx_import.from_torch`.
+    """The parsat `Graph` of a torch `nn.Module` (torch.export): see `parsat.backend.torch_import.from_torch`.
 
-    Weights are named by the module's parameter names; an unsupported
-    operator raises `FxImportError` naming it and where it is.
+    Weights are named by the module's parameter names; unsupported
+    operators raise one `TorchImportError` listing each with its source line.
     """
-    from parsat.backend.fx_import import from_torch as run
+    from parsat.backend.torch_import import from_torch as run
 
     return run(module, example_inputs, library, name)
+
+
+def parallelize(module, plan, example_inputs, *, seed=0, dtype=None):
+    """The module as `plan` runs it on this rank, under torchrun: see `parsat.backend.parallelize`.
+
+    Every rank passes the same global batch to the result's forward; its
+    parameters are this rank's pieces of the module's own weights.
+    """
+    from parsat.backend.parallelize import parallelize as run
+
+    return run(module, plan, example_inputs, seed=seed, dtype=dtype)
+
+
+def gather_weights(pmodule):
+    """The trained weights written back into the user's module; its `state_dict()` (call on every rank)."""
+    from parsat.backend.parallelize import gather_weights as run
+
+    return run(pmodule)
 
 
 def load_rules(paths=None):

@@ -45,16 +45,56 @@ CASES: dict[str, list[tuple[list[tuple[int, ...]], dict]]] = {
                ([(1, 2, 7, 5), (3, 2, 3, 2)], {"stride": 2, "pad": 0})],
     "avgpool2d": [([(2, 3, 6, 6)], {"size": 2, "stride": 2}), ([(1, 2, 7, 5)], {"size": 3, "stride": 1})],
     "global_avgpool": [([(2, 3, 4, 5)], {})],
+    "neg": [([(3, 4)], {})],
+    "add_scalar": [([(3, 4)], {"c": 1.5})],
+    "div": [([(3, 4), (3, 4)], {})],
+    "reciprocal": [([(3, 4)], {})],
+    "sqrt": [([(3, 4)], {})],
+    "rsqrt": [([(2, 3)], {})],
+    "log": [([(3, 4)], {})],
+    "sin": [([(3, 4)], {})],
+    "cos": [([(3, 4)], {})],
+    "silu": [([(3, 4)], {})],
+    "gelu_tanh": [([(3, 4)], {})],
+    "linear_nobias": [([(3, 4), (4, 5)], {}), ([(2, 3, 4), (4, 5)], {})],
+    "add_bcast": [([(2, 3, 4), (3, 4)], {}), ([(2, 3, 4), (4,)], {})],
+    "mul_bcast": [([(2, 3, 4), (3, 4)], {}), ([(5, 2, 3, 4), (3, 4)], {})],
+    "add_bcast_dim": [([(2, 3, 4), (2, 4)], {"dim": 1}), ([(2, 3, 4), (2, 3)], {"dim": 2})],
+    "mul_bcast_dim": [([(2, 3, 4), (3, 4)], {"dim": 0}), ([(2, 3, 4), (2, 3)], {"dim": 2})],
+    "broadcast": [([(2, 4)], {"dim": 1, "n": 3}), ([(2, 3)], {"dim": 0, "n": 2})],
+    "softmax_masked": [([(3, 4), (3, 4)], {}), ([(2, 3, 4), (2, 3, 4)], {})],
+    "logsumexp": [([(3, 4)], {}), ([(2, 3, 4)], {})],
+    "sumexp": [([(3, 4)], {})],
+    "nll_sum": [([(4, 5), (4,), (4, 5)], {})],
+    "bn_mean": [([(2, 3, 4, 5)], {"count": 40})],
+    "bn_var": [([(2, 3, 4, 5), (3,)], {"count": 40})],
+    "bn_normalize": [([(2, 3, 4, 5), (3,), (3,), (3,), (3,)], {"eps": 1e-5})],
+    "rmsnorm": [([(3, 4), (4,)], {"eps": 1e-6}), ([(2, 3, 4), (4,)], {"eps": 1e-5})],
+    "dropout_masked": [([(3, 4), (3, 4)], {"rate": 0.25})],
+    "embedding_padded": [([(4, 7), (7, 3)], {"pad": 0}), ([(2, 3, 7), (7, 5)], {"pad": 6})],
 }
+
+POSITIVE = {"sqrt": (0,), "rsqrt": (0,), "log": (0,), "reciprocal": (0,), "div": (1,), "bn_normalize": (2,)}
+ZERO_ONE = {"softmax_masked": 1, "dropout_masked": 1}
 
 
 def _inputs(op: str, shapes, rng: np.random.Generator) -> list[np.ndarray]:
     arrays = [rng.standard_normal(s) for s in shapes]
-    if op == "embedding":  # one-hot ids, as the semantics assumes; one row left all-zero (an id held elsewhere)
+    if op in ("embedding", "embedding_padded"):  # one-hot ids, as the semantics assumes; one row left all-zero (an id held elsewhere)
         ids = rng.integers(0, shapes[0][-1], size=shapes[0][:-1])
         onehot = np.eye(shapes[0][-1])[ids]
         onehot.reshape(-1, shapes[0][-1])[0] = 0.0
         arrays[0] = onehot
+    if op == "nll_sum":  # one-hot targets, one row ignored (all zero)
+        ids = rng.integers(0, shapes[0][-1], size=shapes[0][:-1])
+        arrays[2] = np.eye(shapes[0][-1])[ids]
+        arrays[2][0] = 0.0
+    for position in POSITIVE.get(op, ()):
+        arrays[position] = np.abs(arrays[position]) + 0.5
+    if op in ZERO_ONE:  # a 0/1 mask that keeps at least one entry per row
+        mask = (rng.random(shapes[ZERO_ONE[op]]) < 0.6).astype(float)
+        mask[..., 0] = 1.0
+        arrays[ZERO_ONE[op]] = mask
     return arrays
 
 

@@ -37,8 +37,11 @@ def rules_dir(tmp_path_factory):
     from parsat.dsl.library import shipped_rules_dir
 
     folder = tmp_path_factory.mktemp("rules")
+    # The transformer's own operators and rules: the imported models' rules (parallel_layers.rule) give
+    # the unguarded extraction other, placeable, plans of the same cost, hiding the case this file tests.
     for path in shipped_rules_dir().glob("*.rule"):
-        (folder / path.name).write_text(path.read_text())
+        if path.name != "parallel_layers.rule":
+            (folder / path.name).write_text(path.read_text())
     (folder / "moves_replicas.rule").write_text(MOVES_REPLICAS)
     return folder
 

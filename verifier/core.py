@@ -26,7 +26,7 @@ SEARCH_MAX_RANK = 3
 SEARCH_MAX_INSTANCES = 8  # rank assignments searched concretely (smallest first); all are proved
 SEARCH_MIN_TRIALS = 12
 DEFAULT_TIMEOUT = 20.0
-VERSION = "verify-2"  # bump when the verifier can decide more: cached verdicts are reused only within a version
+VERSION = "verify-3"  # bump when the verifier can decide more: cached verdicts are reused only within a version
 
 
 class RuleError(Exception):

@@ -242,12 +242,22 @@ def _merge_poly(p: Poly, q: str, r: str, stride: Poly, merged: str) -> Poly | No
 
 
 def merge_blocks(nf: tuple) -> tuple:
-    """Apply block re-indexing to every monomial until nothing merges."""
+    """Apply block re-indexing to every monomial until nothing merges, inside function arguments and
+    reciprocals too (a vocabulary-parallel logsumexp sums blocks inside its log)."""
     return tuple(_merge_mono(m) for m in nf)
+
+
+def _merge_inside(f):
+    if f[0] == "fn":
+        return ("fn", f[1], tuple(merge_blocks(a) for a in f[2]))
+    if f[0] == "recip":
+        return ("recip", merge_blocks(f[1]))
+    return f
 
 
 def _merge_mono(mono):
     c, bs, fs = mono
+    fs = tuple(_merge_inside(f) for f in fs)
     changed = True
     while changed and len(bs) >= 2:
         changed = False

@@ -1,0 +1,197 @@
+"""Hugging Face models imported as they are, optimized, and trained with `parsat.parallelize` (issue 18).
+
+Five models from small configs (2 layers, hidden 64-128, random weights):
+GPT2LMHeadModel, LlamaForCausalLM, BertForMaskedLM,
+ViTForImageClassification, ResNetForImageClassification. The only code
+around them is `Loss`, a wrapper whose forward returns the model's own
+training loss (`use_cache=False` for the causal LMs).
+
+Two modes:
+
+  python benchmarks/hf_models.py optimize [--devices 2 4 8] [--out DIR]
+      import each model with torch.export, optimize it for each device count
+      (machine h100x8), write the plans, print one JSON line per plan.
+
+  torchrun --nproc-per-node N benchmarks/hf_models.py train [--out DIR]
+      on N CPU ranks: `parsat.parallelize(model, plan, inputs)` with the
+      N-device plan, the user's own loop (torch.optim.SGD, 3 steps, the same
+      global batch on every rank), and in every rank the unmodified module
+      trained the same 3 steps with torch (same dropout masks), compared
+      step by step: loss, gradients and updated weights (relative
+      differences, `executor.compare_values`). Rank 0 prints one JSON line
+      per model.
+
+The recorded results and the commands that made them are in
+benchmarks/hf_models_results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+MODELS = ("gpt2", "llama", "bert", "vit", "resnet")
+BATCH = 8
+
+
+class Loss(torch.nn.Module):
+    """A Hugging Face model whose forward returns its training loss: the only code around it."""
+
+    def __init__(self, model, kind: str):
+        super().__init__()
+        self.model, self.kind = model, kind
+
+    def forward(self, x, labels):
+        if self.kind == "causal":
+            return self.model(input_ids=x, labels=labels, use_cache=False).loss
+        if self.kind == "masked":
+            return self.model(input_ids=x, labels=labels).loss
+        return self.model(pixel_values=x, labels=labels).loss
+
+
+def make(name: str, seed: int = 0):
+    """(wrapped model, example inputs) of one benchmark model, seeded."""
+    import transformers as T
+
+    torch.manual_seed(seed)
+    ids = torch.randint(1, 256, (BATCH, 32))
+    if name == "gpt2":
+        config = T.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0,
+                              eos_token_id=0)
+        return Loss(T.GPT2LMHeadModel(config), "causal"), (ids, ids)
+    if name == "llama":
+        config = T.LlamaConfig(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+        return Loss(T.LlamaForCausalLM(config), "causal"), (ids, ids)
+    if name == "bert":
+        config = T.BertConfig(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                              vocab_size=256, max_position_embeddings=64)
+        labels = torch.where(torch.rand(ids.shape) < 0.15, ids, torch.full_like(ids, -100))
+        return Loss(T.BertForMaskedLM(config), "masked"), (ids, labels)
+    if name == "vit":
+        config = T.ViTConfig(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                             image_size=32, patch_size=8, num_labels=10)
+        return Loss(T.ViTForImageClassification(config), "image"), (torch.randn(BATCH, 3, 32, 32),
+                                                                    torch.randint(0, 10, (BATCH,)))
+    if name == "resnet":
+        config = T.ResNetConfig(embedding_size=32, hidden_sizes=[64, 128], depths=[1, 1], num_labels=10,
+                                layer_type="basic")
+        return Loss(T.ResNetForImageClassification(config), "image"), (torch.randn(BATCH, 3, 32, 32),
+                                                                       torch.randint(0, 10, (BATCH,)))
+    raise SystemExit(f"unknown model {name}")
+
+
+def optimize(args) -> None:
+    import parsat
+    from parsat.backend.torch_import import TorchImportError, import_module
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in args.models:
+        module, inputs = make(name)
+        start = time.process_time()
+        try:
+            graph = import_module(module, inputs).graph
+        except TorchImportError as err:
+            print(json.dumps({"model": name, "import": "failed", "error": str(err)}), flush=True)
+            continue
+        imported_s = time.process_time() - start
+        ops = sorted({n.op for n in graph.nodes})
+        for devices in args.devices:
+            start = time.process_time()
+            plan = parsat.optimize(graph, machine=args.machine, devices=devices)
+            seconds = time.process_time() - start
+            plan.save(out / f"{name}-{devices}.json")
+            data = plan.to_dict()
+            baseline = (data.get("baselines") or {}).get("data_parallel")
+            if isinstance(baseline, dict):  # the data-parallel baseline as a plan of its own, to train it too
+                source = baseline.get("pcg") if isinstance(baseline.get("pcg"), dict) else baseline
+                (out / f"{name}-{devices}-data_parallel.json").write_text(json.dumps(
+                    {**data, "nodes": source["nodes"], "outputs": source["outputs"]}))
+            row = {"model": name, "devices": devices, "nodes": len(graph.nodes), "operators": len(ops),
+                   "weights": len(graph.weights), "import_cpu_s": round(imported_s, 2),
+                   "optimize_cpu_s": round(seconds, 2), "parsat_ms": data["totals"]["time_s"] * 1e3,
+                   "stop": data.get("saturation", {}).get("stop_reason")}
+            for base in ("data_parallel", "megatron", "sequential"):
+                b = (data.get("baselines") or {}).get(base)
+                row[f"{base}_ms"] = b["time_s"] * 1e3 if isinstance(b, dict) and "time_s" in b else None
+            print(json.dumps(row), flush=True)
+
+
+def train(args) -> None:
+    import torch.distributed as dist
+
+    import parsat
+    from parsat.backend.executor import Comparison, compare_values, gradient_of
+    from parsat.backend.parallelize import ReferenceDropout
+    from parsat.dsl.placement import piece_index
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for name, plan_of in [(m, p) for m in args.models for p in ("parsat", "data_parallel")]:
+        plan_path = Path(args.out) / (f"{name}-{world}.json" if plan_of == "parsat" else
+                                      f"{name}-{world}-data_parallel.json")
+        if not plan_path.is_file():
+            continue
+        module, inputs = make(name)
+        module = module.double()
+        inputs = tuple(t.double() if t.is_floating_point() else t for t in inputs)
+        reference = copy.deepcopy(module)
+        start = time.process_time()
+        pmodule = parsat.parallelize(module, str(plan_path), inputs)
+        optimizer = torch.optim.SGD(pmodule.parameters(), lr=0.01)          # the user's own loop
+        ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.01)
+        found, losses = Comparison(), []
+        for step in range(args.steps):
+            loss = pmodule(*inputs)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            with ReferenceDropout(pmodule.imported.dropout, pmodule.seed, step):
+                want = reference(*inputs)
+            ref_optimizer.zero_grad()
+            want.backward()
+            ref_optimizer.step()
+            pairs = [("loss", loss.detach(), want.detach())]
+            for weight, (layout, shape) in pmodule.piece_layouts().items():
+                where = piece_index(layout, rank, shape)
+                piece, ref = pmodule.named_pieces()[weight], reference.get_parameter(weight)
+                pairs.append((f"gradient of {weight}", gradient_of(piece), gradient_of(ref)[where]))
+                pairs.append((f"weight {weight}", piece.detach(), ref.detach()[where]))
+            found = found.merge(compare_values(pairs))
+            losses.append(float(loss.detach()))
+        seconds = time.process_time() - start
+        worst = torch.tensor([found.max_rel, float(len(found.nonfinite))], dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        state = parsat.gather_weights(pmodule)  # the module's own names and layouts, trained
+        if rank == 0:
+            tolerance = 1e-6
+            verdict = "passed" if worst[1] == 0 and worst[0] <= tolerance else "failed"
+            print(json.dumps({"model": name, "plan": plan_of, "ranks": world, "steps": args.steps, "check": verdict,
+                              "max_rel_diff": float(worst[0]), "losses": losses,
+                              "comm_elements_step": float(pmodule.counter.sent()) / args.steps,
+                              "state_dict_keys": len(state), "cpu_s_rank0": round(seconds, 2)}), flush=True)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=("optimize", "train"))
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--devices", nargs="+", type=int, default=[2, 4, 8])
+    parser.add_argument("--machine", default="h100x8")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", default=os.environ.get("PARSAT_HF_PLANS", "benchmarks/hf_plans"))
+    args = parser.parse_args()
+    optimize(args) if args.mode == "optimize" else train(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Hugging Face models imported with no change to their code (slow: transformers, torch.export, 2 ranks).
+
+The models are those of benchmarks/hf_models.py (small configs, random
+weights, a wrapper returning the model's own loss). Each imported graph,
+evaluated with the library's operators on the module's weights and data,
+gives the module's loss; GPT-2 and LLaMA are trained data-parallel on 2
+ranks with `--check` against the unmodified module.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import hf_models  # noqa: E402
+
+from parsat.backend.executor import evaluate_graph  # noqa: E402
+from parsat.backend.torch_import import TorchImportError, import_module  # noqa: E402
+from parsat.cli import main  # noqa: E402
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "vit"])
+def test_imported_graph_gives_the_models_loss(name):
+    module, inputs = hf_models.make(name)
+    module = module.double().eval()
+    inputs = tuple(t.double() if t.is_floating_point() else t for t in inputs)
+    imported = import_module(module, inputs)
+    leaves = {w: module.get_parameter(w).detach() for w in imported.weights}
+    leaves.update(imported.constant_values(torch.float64))
+    leaves.update(imported.data_values(inputs, torch.float64))
+    mask_ones = {leaf.name: torch.full(leaf.shape, 1.0 - leaf.rate, dtype=torch.float64)
+                 for leaf in imported.data.values() if leaf.encoding == "dropout"}
+    leaves.update(mask_ones)  # evaluation: dropout keeps everything
+    got = evaluate_graph(imported.graph, leaves)[imported.graph.outputs[0]]
+    with torch.no_grad():
+        want = module(*inputs)
+    assert abs(float(got) - float(want)) <= 1e-6 * abs(float(want))  # the models cast parts to float32
+
+
+def test_resnet_is_refused_for_max_pooling_alone():
+    module, inputs = hf_models.make("resnet")
+    with pytest.raises(TorchImportError) as err:
+        import_module(module, inputs)
+    assert "1 operator(s)" in str(err.value) and "max_pool2d" in str(err.value)
+
+
+MODEL_FILE = """
+import sys
+sys.path.insert(0, {bench!r})
+import hf_models
+
+
+def gpt2():
+    return hf_models.make("gpt2")
+
+
+def llama():
+    return hf_models.make("llama")
+"""
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_trained_data_parallel_on_two_ranks_like_the_module(name, tmp_path, capsys):
+    model = tmp_path / "model.py"
+    model.write_text(MODEL_FILE.format(bench=str(Path(hf_models.__file__).parent)), encoding="utf-8")
+    plan = tmp_path / "plan.json"
+    assert main(["optimize", f"{model}:{name}", "--devices", "2", "--machine", "h100x8", "-q", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    code = main(["run", str(plan), "--nproc", "2", "--check", "--model", f"{model}:{name}",
+                 "--plan-of", "data_parallel"])
+    out = capsys.readouterr().out
+    assert code == 0 and "check                passed" in out, out

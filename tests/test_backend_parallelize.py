@@ -1,0 +1,197 @@
+"""The user's module trained as a plan (`parsat run --model`, `parallelize`), checked against the module itself.
+
+Small torch modules, 2 CPU ranks: an embedding plan (ids partitioned), a
+tied embedding and LM head, `padding_idx`, dropout with real masks, a
+non-finite value failing `--check`, and a graph that is not the plan's.
+The Hugging Face models are in test_backend_hf.py (slow).
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import parsat  # noqa: E402
+from parsat.backend.executor import TrainConfig, compare_values, operator_library, run_plan  # noqa: E402
+from parsat.backend.torch_import import import_module  # noqa: E402
+from parsat.cli import main  # noqa: E402
+from parsat.ir.data_parallel import data_parallel_pcg  # noqa: E402
+
+MODELS = '''
+import torch
+from torch import nn
+
+
+class TiedLM(nn.Module):
+    """Embedding and LM head share one parameter; cross-entropy over the vocabulary."""
+
+    def __init__(self, vocab=32, width=16, padding_idx=None, dropout=0.0):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width, padding_idx=padding_idx)
+        self.norm = nn.LayerNorm(width)
+        self.drop = nn.Dropout(dropout)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids, labels):
+        h = self.drop(self.norm(self.emb(ids)))
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+class Tagger(nn.Module):
+    """Embedding -> LayerNorm -> Linear (the model of the embedding-ids bug)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.norm = nn.LayerNorm(8)
+        self.proj = nn.Linear(8, 5)
+
+    def forward(self, ids):
+        return self.proj(self.norm(self.emb(ids)))
+
+
+class Explodes(nn.Module):
+    """sqrt of values that go negative: NaN on both sides."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.sqrt(self.fc(x)).mean()
+
+
+def tied():
+    ids = torch.randint(1, 32, (4, 6))
+    return TiedLM(), (ids, torch.roll(ids, 1, dims=1))
+
+
+def padded():
+    ids = torch.randint(0, 32, (4, 6))
+    ids[:, -2:] = 0
+    model = TiedLM(padding_idx=0)
+    with torch.no_grad():
+        model.emb.weight[0] = 0.5  # a pad row that is not zero (pretrained weights): still never trained
+    return model, (ids, torch.roll(ids, 1, dims=1))
+
+
+def dropped():
+    ids = torch.randint(1, 32, (4, 6))
+    return TiedLM(dropout=0.5), (ids, torch.roll(ids, 1, dims=1))
+
+
+def tagger():
+    return Tagger(), torch.randint(0, 20, (4, 6))
+
+
+def explodes():
+    return Explodes(), torch.randn(4, 4)
+'''
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    path = tmp_path_factory.mktemp("models") / "models.py"
+    path.write_text(textwrap.dedent(MODELS), encoding="utf-8")
+    return path
+
+
+def _optimize(models, factory: str, tmp_path, devices: int = 2) -> str:
+    plan = tmp_path / f"{factory}.json"
+    assert main(["optimize", f"{models}:{factory}", "--devices", str(devices), "--machine", "h100x8", "-q",
+                 "-o", str(plan)]) == 0
+    return str(plan)
+
+
+def _run(capsys, plan: str, models, factory: str, *extra: str) -> tuple[int, dict, str]:
+    capsys.readouterr()
+    code = main(["run", plan, "--nproc", "2", "--check", "--json", "--model", f"{models}:{factory}", *extra])
+    out = capsys.readouterr()
+    lines = [line for line in out.out.strip().splitlines() if line.startswith("{")]
+    return code, (json.loads(lines[-1]) if lines else {}), out.out + out.err
+
+
+def test_an_embedding_plan_passes_check_on_seeded_ids():
+    """The embedding-ids bug: ids partitioned by the plan are still one-hot rows on every rank."""
+    module, ids = nn.Sequential(nn.Embedding(20, 8), nn.LayerNorm(8), nn.Linear(8, 5)), torch.randint(0, 20, (4, 6))
+    graph = parsat.from_torch(module, ids)
+    pcg = data_parallel_pcg(graph, operator_library(), 2)
+    assert any(n.op == "partition" and graph.leaf(pcg.node(n.inputs[0]).op) is not None
+               and graph.leaf(pcg.node(n.inputs[0]).op).role == "input" for n in pcg)
+    result = run_plan(pcg, 2, TrainConfig(steps=2, check=True), graph=graph)
+    assert result.check == "passed", result
+
+
+def test_tied_weights_stay_one_parameter_and_train_like_torch(models, tmp_path, capsys):
+    plan = _optimize(models, "tied", tmp_path)
+    graph = json.loads(open(plan).read())["graph"]
+    assert [w["name"] for w in graph["weights"] if "emb" in w["name"] or "head" in w["name"]] == ["head.weight"]
+    for plan_of in ("parsat", "data_parallel"):
+        code, result, text = _run(capsys, plan, models, "tied", "--plan-of", plan_of)
+        assert code == 0 and result["check"] == "passed", text
+        assert result["max_rel_diff"] < 1e-9
+
+
+def test_padding_idx_row_gets_no_gradient(models, tmp_path, capsys):
+    plan = _optimize(models, "padded", tmp_path)
+    code, result, text = _run(capsys, plan, models, "padded", "--plan-of", "data_parallel")
+    assert code == 0 and result["check"] == "passed", text
+
+
+def test_dropout_draws_masks_that_match_the_module(models, tmp_path, capsys):
+    plan = _optimize(models, "dropped", tmp_path)
+    code, result, text = _run(capsys, plan, models, "dropped", "--plan-of", "data_parallel")
+    assert code == 0 and result["check"] == "passed", text
+    module, inputs = TiedLMFactory(models, "dropped")
+    imported = import_module(module, inputs)
+    masks = [leaf for leaf in imported.data.values() if leaf.encoding == "dropout"]
+    assert len(masks) == 1 and masks[0].rate == 0.5
+    first = imported.data_values(inputs, torch.float64, seed=0, step=0)[masks[0].name]
+    second = imported.data_values(inputs, torch.float64, seed=0, step=1)[masks[0].name]
+    assert 0.3 < float(first.mean()) < 0.7 and not torch.equal(first, second)
+
+
+def TiedLMFactory(models, name):
+    from parsat.backend.torch_import import load_model_factory
+
+    return load_model_factory(f"{models}:{name}")
+
+
+def test_a_non_finite_value_fails_check(models, tmp_path, capsys):
+    plan = _optimize(models, "explodes", tmp_path)
+    code, result, text = _run(capsys, plan, models, "explodes")
+    assert code == 1 and result["check"] == "failed" and result["nonfinite_values"] > 0
+    assert "not finite" in text
+
+
+def test_compare_values_is_relative_and_refuses_non_finite():
+    big = torch.tensor([4.5e7])
+    assert compare_values([("loss", big + 4e-8, big)]).max_rel < 1e-14
+    found = compare_values([("gradient of w", torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0]))])
+    assert found.nonfinite == ("gradient of w",)
+
+
+def test_a_module_whose_graph_is_not_the_plans_is_refused(models, tmp_path, capsys):
+    plan = _optimize(models, "tied", tmp_path)
+    code, _, text = _run(capsys, plan, models, "tagger")
+    assert code == 1 and "graph is not the plan's" in text and "Traceback" not in text
+
+
+def test_seeded_weights_are_scaled_by_their_fan_in():
+    from parsat.backend.executor import fan_in
+
+    shapes = {"w": (8, 3, 3, 3), "x": (2, 3, 5, 5), "lin": (16, 4), "h": (2, 4), "b": (16,),
+              "table": (10, 4), "ids": (2, 10)}
+    nodes = [("c", "conv2d", ("x", "w")), ("t", "transpose", ("lin",)), ("o", "linear", ("h", "t", "b")),
+             ("e", "embedding", ("ids", "table"))]
+    shapes.update({"t": (4, 16)})
+    assert fan_in(nodes, shapes, "w") == 27      # a conv kernel [out, in, r, s]: in * r * s
+    assert fan_in(nodes, shapes, "lin") == 4     # torch's [out, in] = [16, 4] Linear weight, read transposed
+    assert fan_in(nodes, shapes, "table") == 1   # an embedding table is not a contraction's input side
+    assert fan_in(nodes, shapes, "b") == 1
