@@ -35,6 +35,12 @@ class ParallelOp:
         return tuple(kind for kind in self.params if kind != "tensor")
 
     @property
+    def plan_attrs(self) -> tuple[str, ...]:
+        """How a plan on a device mesh names them: the dim (if any), the mesh `axis` it acts on (a name), and
+        its `degree` (that axis's size)."""
+        return tuple(k for k in self.attrs if k != "degree") + ("axis", "degree")
+
+    @property
     def has_dim(self) -> bool:
         """Whether it acts on one dim (partition, combine) rather than on the whole tensor."""
         return "dim" in self.params

@@ -1,14 +1,16 @@
 """The Parallel Computation Graph (PCG): what extraction picks out of the e-graph.
 
-A PCG node is a leaf (graph input or weight, whole), a compute operator on
-local pieces, or one of the four parallel operators. Every node carries its
-logical shape and its `Degrees`: the concrete form of the symbolic
-`dsl.spread.Spread` (integer shard degrees per dim, copy degree,
-partial-sum degree; the plan JSON's `spread`). Degrees say how many pieces,
-not which device holds which: that is a `placement.Placement`. They are not
-computed here: they come from the e-graph analysis, which takes them from
-the typed rules, and the cost model checks compute nodes with `dsl.spread`
-(`Degrees.of` is the one conversion from a spread).
+A PCG runs on a device mesh (`ir.mesh`). A node is a leaf (graph input or
+weight, whole), a compute operator on local pieces, or a parallel operator
+acting on one mesh axis (attributes `axis`, the axis's name, and `degree`,
+its size; `dim` for partition and combine). Every node carries its logical
+shape, its `Placement` (one entry per mesh axis: where its pieces live,
+docs/MESH.md) and its `Degrees`: the integer shard degree per dim, copy
+degree and partial-sum degree that the placement amounts to (the plan
+JSON's `spread`; `Degrees.of` is the one conversion from a symbolic
+`dsl.spread.Spread`, `Degrees.of_placement` the one from a placement).
+Placements are not computed here: they come from the e-graph analysis, and
+`pcg_layout.lay_out` checks that every node's follows from its inputs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Iterator, Mapping
 
 from parsat.dsl.spread import Spread
 from parsat.dsl.symbolic import Poly
+from parsat.ir.mesh import Mesh
+from parsat.ir.placement import Placement
 
 @dataclass(frozen=True)
 class Degrees:
@@ -38,6 +42,11 @@ class Degrees:
         env = dict(sizes or {})
         return Degrees(tuple(int(d.evaluate(env)) for d in spread.shard), int(spread.copy.evaluate(env)),
                        int(spread.sum.evaluate(env)))
+
+    @staticmethod
+    def of_placement(placement: Placement, mesh: Mesh, rank: int) -> "Degrees":
+        shard, copy, total = placement.degrees(mesh.shape, rank)
+        return Degrees(shard, copy, total)
 
     @property
     def pieces(self) -> int:
@@ -87,9 +96,14 @@ class PNode:
     degrees: Degrees
     role: str = ""     # leaves: "input" | "weight"
     origin: str = ""
+    placement: Placement = Placement(())   # one entry per mesh axis (empty only for a 1-device PCG)
 
     def attr(self, key: str):
         return dict(self.attrs)[key]
+
+    def axis(self, mesh: Mesh) -> int:
+        """The mesh axis a parallel node acts on."""
+        return mesh.index(str(self.attr("axis")))
 
     @property
     def label(self) -> str:
@@ -101,11 +115,12 @@ class PNode:
 
 @dataclass(frozen=True)
 class PCG:
-    """Nodes in topological order (inputs before users) and the output ids."""
+    """Nodes in topological order (inputs before users), the output ids, and the mesh they run on."""
 
     nodes: tuple[PNode, ...]
     outputs: tuple[int, ...]
     output_names: tuple[str, ...] = ()
+    mesh: Mesh = Mesh(())
 
     def __iter__(self) -> Iterator[PNode]:
         return iter(self.nodes)

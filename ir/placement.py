@@ -1,373 +1,318 @@
-"""Where the pieces of a parallel tensor live: a `Spread` mapped onto ranks.
+"""Where a tensor's pieces live on a device mesh: one entry per mesh axis.
 
-The world of N ranks is cut into *atoms*: the prime factors of N, each a
-mesh axis `Axis(stride, size)` of the rank space (rank r has coordinate
-`(r // stride) % size` on it). A tensor's `Placement` gives every atom one
-role:
+Each mesh axis holds a tensor in one of four ways (DTensor's placements,
+with DTensor's Replicate split in two because the backward pass differs):
 
-* `shard[d]`: the atoms whose coordinates, read as a mixed-radix number
-  (first atom most significant), are the block index of dim d;
-* `copy`: the atoms that make the copy index (explicit replicas, whose
-  gradients are summed by the `replicate` that made them);
-* `sum`: the atoms that make the partial-sum index;
-* `free`: atoms the tensor is not spread over. Ranks that differ only on
-  free atoms hold the same piece and compute the same values *and the same
-  gradients*: this is how a tensor with fewer pieces than ranks lives on
-  all of them (SPMD), with no data movement to start a partition.
+* FREE: not spread over the axis. Every rank of an axis group holds the same
+  value, computes it redundantly, and computes the same gradient.
+* REPLICA: an explicit copy made by `replicate` on this axis. The values
+  agree but the ranks use them with different partners, so their gradients
+  differ and `replicate`'s backward sums them (an all-reduce).
+* PARTIAL: each rank of a group holds a summand; the value is their sum.
+* SHARD(d): dim d is cut into `size` blocks, one per coordinate.
 
-The parallel operators move atoms between roles, which gives each its
-collective and the ranks it runs among (the atoms it takes or gives back):
-`partition(x, d, n)` takes free atoms of product n and appends them to
-`shard[d]` (block `b' = b*n + t`: a local slice); `combine` gives the last
-atoms of `shard[d]` back (`b' = b // n`: an all-gather over them);
-`replicate` appends free atoms to `copy` (`k' = k*n + t`); `reduce` gives
-the last atoms of `sum` back (`s' = s // n`: an all-reduce over them).
-Working on atoms rather than arbitrary axes makes two layouts comparable
-by equality, so a compute operator can check that its inputs' pieces line
-up on every rank (`compute_layout`) instead of trusting the plan.
+A dim sharded on several axes is cut in mesh order: the earlier axis is the
+major block index (DTensor's convention). Parallel operators keep that
+order: a partition on axis a of a dim that a later axis already shards, or
+a combine on a that is not the last axis sharding the dim, is refused.
 
-The atom choice is deterministic (the most significant free atoms of the
-needed primes), so every rank derives the same layouts and the same
-collective groups from the same plan, with no communication.
+How a compute operator changes placements is the DSL's spread analysis
+(`dsl.spread.infer_compute`) applied to one axis at a time, with the axis's
+size as a symbolic degree: the index semantics decides which placements an
+operator accepts and what it produces, for every axis alike. Working axis
+by axis is what lets a rule proven for whole tensors apply to tensors
+already spread over other axes (docs/MESH.md: lifting).
 
-The optimizer uses the same model (`term_layout`): two terms with the same
-spread may lay their pieces on different atoms (`replicate(partition(x))`
-shards on the first atom, `partition(replicate(x))` on the second), and a
-compute operator whose inputs do not line up cannot run. Rules are applied
-only at degrees where both sides lay out alike (`saturate.guards`),
-so every plan the optimizer returns is one the backend can lay out.
+Codes (small ints) are what the e-graph stores: FREE 0, REPLICA 1,
+PARTIAL 2, SHARD(d) 3 + d. docs/MESH.md is the contract.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from math import prod
+from typing import Mapping, Sequence
 
-from parsat.dsl import ast
-from parsat.dsl.instantiate import OpInstance, index_bounds
-from parsat.dsl.parallel_ops import COMBINE, PARALLEL_OPS, PARTITION, REPLICATE
-from parsat.dsl.spread import Spread, block_read, infer_compute
+from parsat.dsl.instantiate import OpInstance
+from parsat.dsl.spread import ONE, Spread, infer_compute
+from parsat.dsl.parallel_ops import COMBINE, PARTITION, REDUCE, REPLICATE
 from parsat.dsl.symbolic import Poly
-from parsat.dsl.typecheck import TypedTerm
+from parsat.ir.mesh import Mesh
+
+FREE, REPLICA, PARTIAL = 0, 1, 2
+SHARD0 = 3
+AXIS_DEGREE = Poly.sym("axis#size")   # the symbolic size of the one axis that single-axis inference looks at
 
 
 class PlacementError(Exception):
-    """A spread or parallel operator that cannot be laid out on the ranks."""
+    """A placement or parallel operator that cannot be realised on the mesh."""
 
 
-def prime_factors(n: int) -> list[int]:
-    """Prime factors of n in ascending order, with multiplicity."""
-    if n < 1:
-        raise PlacementError(f"a device count or degree must be >= 1, got {n}")
-    factors, p = [], 2
-    while p * p <= n:
-        while n % p == 0:
-            factors.append(p)
-            n //= p
-        p += 1
-    if n > 1:
-        factors.append(n)
-    return factors
+def shard(dim: int) -> int:
+    return SHARD0 + dim
 
 
-@dataclass(frozen=True, order=True)
-class Axis:
-    """A mesh axis of the rank space: `size` ranks `stride` apart."""
-
-    stride: int
-    size: int
-
-    def coord(self, rank: int) -> int:
-        return (rank // self.stride) % self.size
+def shard_dim(code: int) -> int | None:
+    return code - SHARD0 if code >= SHARD0 else None
 
 
-def world_atoms(world: int) -> tuple[Axis, ...]:
-    """The atoms of a world, most significant first (smallest primes outermost)."""
-    atoms, stride = [], world
-    for p in prime_factors(world):
-        stride //= p
-        atoms.append(Axis(stride, p))
-    return tuple(atoms)
+def codes_for_rank(rank: int) -> tuple[int, ...]:
+    """Every code a tensor of `rank` dims can have on one axis."""
+    return (FREE, REPLICA, PARTIAL) + tuple(shard(d) for d in range(rank))
 
 
-def mixed_radix(axes: Sequence[Axis], rank: int) -> int:
-    """The index a rank has along a list of atoms (first most significant)."""
-    index = 0
-    for axis in axes:
-        index = index * axis.size + axis.coord(rank)
-    return index
+def code_text(code: int) -> str:
+    """DTensor's name for the entry (FREE and REPLICA are both Replicate)."""
+    if code in (FREE, REPLICA):
+        return "Replicate()"
+    if code == PARTIAL:
+        return "Partial()"
+    return f"Shard({shard_dim(code)})"
 
 
-def product(axes: Iterable[Axis]) -> int:
-    total = 1
-    for axis in axes:
-        total *= axis.size
-    return total
+def code_short(code: int) -> str:
+    return {FREE: "-", REPLICA: "R", PARTIAL: "P"}.get(code) or f"S{shard_dim(code)}"
 
 
-def group_ranks(axes: Sequence[Axis], rank: int) -> tuple[int, ...]:
-    """The ranks that agree with `rank` off `axes`, in mixed-radix order of `axes`.
+# ------------------------------------------------------------ one axis at a time
 
-    Position t in the result is the rank whose index along `axes` is t:
-    the order in which `combine` concatenates blocks.
+
+def code_spread(code: int, rank: int) -> Spread | None:
+    """The single-axis spread of a code (None: a shard of a dim the tensor lacks)."""
+    ones = [ONE] * rank
+    if code == FREE:
+        return Spread(tuple(ones))
+    if code == REPLICA:
+        return Spread(tuple(ones), AXIS_DEGREE, ONE)
+    if code == PARTIAL:
+        return Spread(tuple(ones), ONE, AXIS_DEGREE)
+    dim = shard_dim(code)
+    if dim is None or dim >= rank:
+        return None
+    ones[dim] = AXIS_DEGREE
+    return Spread(tuple(ones))
+
+
+def spread_code(spread: Spread) -> int | None:
+    """The code of a single-axis spread; None if it is not one (two factors of the axis size)."""
+    factors = [(shard(i), d) for i, d in enumerate(spread.shard)] + [(REPLICA, spread.copy), (PARTIAL, spread.sum)]
+    used = [(c, d) for c, d in factors if d != ONE]
+    if not used:
+        return FREE
+    if len(used) == 1 and used[0][1] == AXIS_DEGREE:
+        return used[0][0]
+    return None
+
+
+def axis_compute(instance: OpInstance, codes: Sequence[int], cache: dict | None = None) -> tuple[int | None, str]:
+    """A compute operator on one axis: the output code, or None and why the op does not accept the inputs."""
+    key = (instance, tuple(codes))
+    if cache is not None and key in cache:
+        return cache[key]
+    spreads = [code_spread(c, len(s)) for c, s in zip(codes, instance.input_shapes)]
+    if any(s is None for s in spreads):
+        out: tuple[int | None, str] = (None, f"{instance.name}: a shard of a dim the input does not have")
+    else:
+        inferred = infer_compute(instance, spreads)
+        if inferred.problems:
+            out = (None, "; ".join(inferred.problems))
+        else:
+            code = spread_code(inferred.spread)
+            out = (code, "") if code is not None else (None, f"{instance.name}: output spread "
+                                                              f"{inferred.spread} is not one placement")
+    if cache is not None:
+        cache[key] = out
+    return out
+
+
+def axis_parallel(op: str, code: int, dim: int | None, acts_here: bool, here_before_op_axis: bool) -> int | None:
+    """A parallel operator seen from one axis: the code after it, None if illegal.
+
+    `acts_here`: the operator acts on this axis. Otherwise it leaves this
+    axis's code alone, except that a partition or combine of a dim this axis
+    also shards must act on an axis after this one (mesh order stays the
+    order of the blocks; `here_before_op_axis`).
     """
-    base = rank - sum(axis.coord(rank) * axis.stride for axis in axes)
-    members = [base]
-    for axis in axes:
-        members = [m + c * axis.stride for m in members for c in range(axis.size)]
-    return tuple(members)
+    if acts_here:
+        if op == PARTITION:
+            return shard(dim) if code == FREE else None
+        if op == COMBINE:
+            return FREE if code == shard(dim) else None
+        if op == REPLICATE:
+            return REPLICA if code == FREE else None
+        if op == REDUCE:
+            return FREE if code == PARTIAL else None
+        raise PlacementError(f"'{op}' is not a parallel operator")
+    if op in (PARTITION, COMBINE) and code == shard(dim) and not here_before_op_axis:
+        return None
+    return code
 
 
-def all_groups(axes: Sequence[Axis], world: int) -> tuple[tuple[int, ...], ...]:
-    """Every group of `group_ranks(axes, .)`, each once, ordered by its smallest rank."""
-    seen: dict[int, tuple[int, ...]] = {}
-    for rank in range(world):
-        members = group_ranks(axes, rank)
-        seen.setdefault(min(members), members)
-    return tuple(seen[k] for k in sorted(seen))
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Which piece a rank holds: block per dim, copy index, partial-sum index."""
-
-    blocks: tuple[int, ...]
-    copy: int
-    sum: int
+# -------------------------------------------------------------- whole placements
 
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a tensor's pieces live on the ranks: the role of every atom (module docstring).
+    """One code per mesh axis (module docstring)."""
 
-    Its `degrees` are what a PCG node states (`pcg.Degrees`: how many pieces
-    per dim, copies, partial sums); two placements with equal degrees can
-    still put their pieces on different ranks, which is why the plan is laid
-    out (`pcg_layout.lay_out`) and not only compared by degrees.
-    """
-
-    world: int
-    shard: tuple[tuple[Axis, ...], ...]
-    copy: tuple[Axis, ...] = ()
-    sum: tuple[Axis, ...] = ()
+    codes: tuple[int, ...]
 
     @staticmethod
-    def whole(rank: int, world: int) -> "Placement":
-        """An unsplit tensor held by every rank (all atoms free)."""
-        return Placement(world, tuple(() for _ in range(rank)))
+    def whole(axes: int) -> "Placement":
+        return Placement((FREE,) * axes)
+
+    def shard_axes(self, dim: int) -> tuple[int, ...]:
+        """The axes that shard `dim`, major first."""
+        return tuple(i for i, c in enumerate(self.codes) if c == shard(dim))
 
     @property
-    def rank(self) -> int:
-        return len(self.shard)
+    def replica_axes(self) -> tuple[int, ...]:
+        return tuple(i for i, c in enumerate(self.codes) if c == REPLICA)
 
     @property
-    def used(self) -> tuple[Axis, ...]:
-        return tuple(a for dim in self.shard for a in dim) + self.copy + self.sum
+    def partial_axes(self) -> tuple[int, ...]:
+        return tuple(i for i, c in enumerate(self.codes) if c == PARTIAL)
 
     @property
-    def free(self) -> tuple[Axis, ...]:
-        used = set(self.used)
-        return tuple(a for a in world_atoms(self.world) if a not in used)
+    def spread_axes(self) -> tuple[int, ...]:
+        return tuple(i for i, c in enumerate(self.codes) if c != FREE)
 
-    @property
-    def degrees(self) -> tuple[tuple[int, ...], int, int]:
-        """(shard degree per dim, copy degree, sum degree)."""
-        return tuple(product(d) for d in self.shard), product(self.copy), product(self.sum)
+    def degrees(self, sizes: Sequence[int], rank: int) -> tuple[tuple[int, ...], int, int]:
+        """(shard degree per dim, copy degree, partial-sum degree) on a mesh of `sizes`."""
+        shard_degrees = tuple(prod(sizes[a] for a in self.shard_axes(d)) for d in range(rank))
+        return (shard_degrees, prod(sizes[a] for a in self.replica_axes),
+                prod(sizes[a] for a in self.partial_axes))
 
-    @property
-    def pieces(self) -> int:
-        return product(self.used)
+    def pieces(self, sizes: Sequence[int]) -> int:
+        return prod(sizes[a] for a in self.spread_axes)
 
-    def spread(self) -> Spread:
-        """The `Spread` (with constant degrees) this layout realises."""
-        shard, copy, total = self.degrees
-        return Spread(tuple(Poly.const(d) for d in shard), Poly.const(copy), Poly.const(total))
-
-    def slot(self, rank: int) -> Slot:
-        return Slot(tuple(mixed_radix(d, rank) for d in self.shard), mixed_radix(self.copy, rank),
-                    mixed_radix(self.sum, rank))
-
-    def block_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
-        """The shape of one piece of a tensor of logical `shape`."""
-        if len(shape) != self.rank:
-            raise PlacementError(f"a layout of rank {self.rank} cannot hold a tensor of shape {list(shape)}")
+    def local_shape(self, shape: Sequence[int], sizes: Sequence[int]) -> tuple[int, ...]:
         out = []
-        for dim, (size, degree) in enumerate(zip(shape, self.degrees[0])):
+        for d, size in enumerate(shape):
+            degree = prod(sizes[a] for a in self.shard_axes(d))
             if size % degree:
-                raise PlacementError(f"dim {dim} of size {size} does not split into {degree} equal blocks")
+                raise PlacementError(f"dim {d} of size {size} does not split into {degree} equal blocks")
             out.append(size // degree)
         return tuple(out)
 
-    # ------------------------------------------------------- parallel operators
+    def block(self, dim: int, coords: Sequence[int], sizes: Sequence[int]) -> int:
+        """The block index of `dim` at mesh coordinates `coords` (mixed radix over its axes, major first)."""
+        index = 0
+        for a in self.shard_axes(dim):
+            index = index * sizes[a] + coords[a]
+        return index
 
-    def partition(self, dim: int, degree: int) -> tuple["Placement", tuple[Axis, ...]]:
-        """Shard dim `dim` `degree` more ways; returns the layout and the atoms taken."""
-        self._check_dim(PARTITION, dim)
-        taken = self._take_free(PARTITION, degree)
-        shard = list(self.shard)
-        shard[dim] = shard[dim] + taken
-        return replace(self, shard=tuple(shard)), taken
+    def piece_slices(self, shape: Sequence[int], sizes: Sequence[int], coords: Sequence[int]) -> tuple[slice, ...]:
+        """The slices of the logical tensor that the rank at `coords` holds."""
+        local = self.local_shape(shape, sizes)
+        return tuple(slice(self.block(d, coords, sizes) * n, (self.block(d, coords, sizes) + 1) * n)
+                     for d, n in enumerate(local))
 
-    def combine(self, dim: int, degree: int) -> tuple["Placement", tuple[Axis, ...]]:
-        """Undo the last `degree`-way split of dim `dim`; returns the layout and the atoms given back."""
-        self._check_dim(COMBINE, dim)
-        kept, given = _pop_suffix(self.shard[dim], degree, f"combine: degree {degree} does not undo the last "
-                                                           f"splits of dim {dim} (degrees {_sizes(self.shard[dim])})")
-        shard = list(self.shard)
-        shard[dim] = kept
-        return replace(self, shard=tuple(shard)), given
+    def summand(self, coords: Sequence[int], sizes: Sequence[int]) -> int:
+        """Which summand a rank holds (mixed radix over the partial axes)."""
+        index = 0
+        for a in self.partial_axes:
+            index = index * sizes[a] + coords[a]
+        return index
 
-    def replicate(self, degree: int) -> tuple["Placement", tuple[Axis, ...]]:
-        """`degree` more copies; returns the layout and the atoms taken."""
-        taken = self._take_free(REPLICATE, degree)
-        return replace(self, copy=self.copy + taken), taken
+    def dtensor(self) -> list[str]:
+        return [code_text(c) for c in self.codes]
 
-    def reduce(self, degree: int) -> tuple["Placement", tuple[Axis, ...]]:
-        """Sum groups of `degree` partial pieces; returns the layout and the atoms given back."""
-        kept, given = _pop_suffix(self.sum, degree, f"reduce: degree {degree} does not divide out the last "
-                                                    f"partial-sum splits (degrees {_sizes(self.sum)})")
-        return replace(self, sum=kept), given
-
-    def apply_parallel(self, name: str, degree: int, dim: int | None = None) -> tuple["Placement", tuple[Axis, ...]]:
-        """Dispatch on a parallel operator's name (`partition`, `combine`, `replicate`, `reduce`)."""
-        if name not in PARALLEL_OPS:
-            raise PlacementError(f"'{name}' is not a parallel operator")
-        if PARALLEL_OPS[name].has_dim:
-            if dim is None:
-                raise PlacementError(f"{name} needs a dim")
-            return getattr(self, name)(dim, degree)
-        return getattr(self, name)(degree)
-
-    def _check_dim(self, what: str, dim: int) -> None:
-        if not 0 <= dim < self.rank:
-            raise PlacementError(f"{what}: dim {dim} is out of range for a tensor of rank {self.rank}")
-
-    def _take_free(self, what: str, degree: int) -> tuple[Axis, ...]:
-        free = list(self.free)
-        taken: list[Axis] = []
-        for p in prime_factors(degree):
-            pick = next((a for a in free if a.size == p), None)
-            if pick is None:
-                raise PlacementError(f"{what}: degree {degree} needs more devices than are left to this tensor "
-                                     f"({self.world} ranks, {self.pieces} pieces already)")
-            free.remove(pick)
-            taken.append(pick)
-        return tuple(sorted(taken, reverse=True))
+    def __str__(self) -> str:
+        return "[" + " ".join(code_short(c) for c in self.codes) + "]"
 
 
-def _sizes(axes: Sequence[Axis]) -> list[int]:
-    return [a.size for a in axes]
+def apply_parallel(placement: Placement, op: str, axis: int, dim: int | None = None) -> Placement:
+    """The placement after a parallel operator on `axis` (raises PlacementError)."""
+    if not 0 <= axis < len(placement.codes):
+        raise PlacementError(f"{op}: mesh axis {axis} does not exist (the mesh has {len(placement.codes)})")
+    out = []
+    for i, code in enumerate(placement.codes):
+        new = axis_parallel(op, code, dim, i == axis, i < axis)
+        if new is None:
+            raise PlacementError(_parallel_refusal(op, placement, axis, i, dim))
+        out.append(new)
+    return Placement(tuple(out))
 
 
-def _pop_suffix(axes: tuple[Axis, ...], degree: int, message: str) -> tuple[tuple[Axis, ...], tuple[Axis, ...]]:
-    total, cut = 1, len(axes)
-    while total < degree and cut > 0:
-        cut -= 1
-        total *= axes[cut].size
-    if total != degree:
-        raise PlacementError(message)
-    return axes[:cut], axes[cut:]
+def _parallel_refusal(op: str, placement: Placement, axis: int, at: int, dim: int | None) -> str:
+    have = code_text(placement.codes[axis])
+    if at == axis:
+        need = {PARTITION: "not spread", COMBINE: f"Shard({dim})", REPLICATE: "not spread",
+                REDUCE: "Partial()"}[op]
+        return f"{op} on mesh axis {axis} needs the tensor {need} there, it is {have}"
+    return (f"{op} of dim {dim} on mesh axis {axis}: axis {at} shards that dim too and comes later in the mesh, "
+            "so the blocks would not be in mesh order")
 
 
-# ---------------------------------------------------------------- compute ops
+def compute_placement(instance: OpInstance, inputs: Sequence[Placement], cache: dict | None = None) -> Placement:
+    """A compute operator's output placement, axis by axis (raises PlacementError naming the axis)."""
+    axes = {len(p.codes) for p in inputs}
+    if len(axes) > 1:
+        raise PlacementError(f"{instance.name}: inputs placed on meshes of different sizes")
+    naxes = axes.pop() if axes else 0
+    out = []
+    for axis in range(naxes):
+        code, why = axis_compute(instance, [p.codes[axis] for p in inputs], cache)
+        if code is None:
+            raise PlacementError(f"on mesh axis {axis}: {why}")
+        out.append(code)
+    return Placement(tuple(out))
 
 
-def compute_layout(instance: OpInstance, inputs: Sequence[Placement]) -> Placement:
-    """The layout of a compute op's output, after checking its inputs line up.
-
-    Legality (which spreads the op accepts) is the DSL's `infer_compute`;
-    on top of it, the pieces must line up rank by rank: an index variable
-    must read the same atoms (in the same order) in every input, and every
-    input must be spread over the same atoms, else a rank would combine
-    pieces of different blocks, or a free input would miss the gradient
-    sum that a `replicate` gives the others.
-    """
-    if len(inputs) != len(instance.inputs):
-        raise PlacementError(f"{instance.name} takes {len(instance.inputs)} tensor(s), got {len(inputs)}")
-    worlds = {layout.world for layout in inputs}
-    if len(worlds) != 1:
-        raise PlacementError(f"{instance.name}: inputs laid out on different worlds {sorted(worlds)}")
-    (world,) = worlds
-    inferred = infer_compute(instance, [layout.spread() for layout in inputs])
-    if not inferred.legal:
-        raise PlacementError("; ".join(inferred.problems))
-
-    by_name = dict(zip(instance.inputs, inputs))
-    bounds = index_bounds(instance)
-    var_axes: dict[str, tuple[Axis, ...]] = {}
-    for node in ast.walk(instance.body):
-        if not isinstance(node, ast.Access) or node.tensor not in by_name:
-            continue
-        layout = by_name[node.tensor]
-        for position, index in enumerate(node.indices):
-            axes = layout.shard[position]
-            if isinstance(index, ast.Name):
-                var = index.id
-            elif axes:
-                # a block read (unflatten's j * k + r, flatten's j / n): its leading index owns the blocks
-                read = block_read(node, position, layout.spread(), instance, bounds)
-                if read is None:
-                    continue  # infer_compute already refused this sharded dim
-                var = read[0]
-            else:
-                continue
-            seen = var_axes.setdefault(var, axes)
-            if seen != axes:
-                raise PlacementError(f"{instance.name}: index '{var.replace('#', '')}' reads blocks laid out "
-                                     f"on different ranks (dim {position} of '{node.tensor}'); the plan needs a "
-                                     "data movement the backend does not insert")
-
-    spread_sets = {frozenset(layout.used) for layout in inputs}
-    if len(spread_sets) != 1:
-        raise PlacementError(f"{instance.name}: inputs are spread over different ranks "
-                             f"({', '.join(f'{n}: {l.degrees}' for n, l in by_name.items())}); replicate the "
-                             "smaller ones first")
-    sums = {layout.sum for layout in inputs if layout.sum}
-    if len(sums) > 1:
-        raise PlacementError(f"{instance.name}: partial inputs are split over different ranks")
-    out_shard = tuple(var_axes.get(v, ()) for v in instance.out_vars)
-    summed = [node.var for node in ast.walk(instance.body) if isinstance(node, ast.Sum)]
-    out_sum = (next(iter(sums)) if sums else ()) + tuple(a for v in dict.fromkeys(summed) for a in var_axes.get(v, ()))
-    taken = {a for dim in out_shard for a in dim} | set(out_sum)
-    out_copy = tuple(a for a in world_atoms(world) if a in next(iter(spread_sets)) and a not in taken)
-    out = Placement(world, out_shard, out_copy, out_sum)
-    if out.spread() != inferred.spread:
-        raise PlacementError(f"{instance.name}: internal: layout {out.degrees} disagrees with the spread "
-                             f"analysis ({inferred.spread})")
-    return out
+def piece_index(placement: Placement, shape: Sequence[int], mesh: Mesh, rank: int) -> tuple[slice, ...]:
+    """The slices of the logical tensor that `rank` holds."""
+    return placement.piece_slices(shape, mesh.shape, mesh.coords(rank))
 
 
-# ------------------------------------------------------------ pieces and values
+def from_dtensor(entries: Sequence[str], replicated_on: Sequence[int] = ()) -> Placement:
+    """A placement from DTensor strings ("Shard(0)", "Replicate()", "Partial()"); `replicated_on`: the axes whose
+    Replicate() is an explicit replica (its gradient summed), the others are free."""
+    codes = []
+    for axis, text in enumerate(entries):
+        text = str(text).replace(" ", "")
+        if text == "Replicate()":
+            codes.append(REPLICA if axis in replicated_on else FREE)
+        elif text == "Partial()":
+            codes.append(PARTIAL)
+        elif text.startswith("Shard(") and text.endswith(")") and text[6:-1].isdigit():
+            codes.append(shard(int(text[6:-1])))
+        else:
+            raise PlacementError(f"'{entries[axis]}' is not a placement (Shard(d), Replicate() or Partial())")
+    return Placement(tuple(codes))
 
 
-def piece_index(layout: Placement, rank: int, shape: Sequence[int]) -> tuple[slice, ...]:
-    """The slices of the logical tensor that `rank`'s piece covers."""
-    block = layout.block_shape(shape)
-    slot = layout.slot(rank)
-    return tuple(slice(b * size, (b + 1) * size) for b, size in zip(slot.blocks, block))
+def placement_for_degrees(shard_degrees: Sequence[int], copy: int, sizes: Sequence[int]) -> Placement | None:
+    """A placement on a mesh of `sizes` with the given shard degree per dim and copy degree: each dim takes the
+    earliest unused axes whose sizes multiply to its degree, then the copies; None when the mesh cannot."""
+    codes = [FREE] * len(sizes)
+    free = list(range(len(sizes)))
+
+    def take(degree: int) -> list[int] | None:
+        if degree == 1:
+            return []
+        for count in range(1, len(free) + 1):
+            for subset in _subsets(free, count):
+                if prod(sizes[a] for a in subset) == degree:
+                    return list(subset)
+        return None
+
+    for dim, degree in enumerate(shard_degrees):
+        axes = take(degree)
+        if axes is None:
+            return None
+        for a in axes:
+            codes[a] = shard(dim)
+            free.remove(a)
+    axes = take(copy)
+    if axes is None:
+        return None
+    for a in axes:
+        codes[a] = REPLICA
+    return Placement(tuple(codes))
 
 
-def holders(layout: Placement) -> Mapping[Slot, tuple[int, ...]]:
-    """Which ranks hold each slot (more than one where atoms are free)."""
-    found: dict[Slot, list[int]] = {}
-    for rank in range(layout.world):
-        found.setdefault(layout.slot(rank), []).append(rank)
-    return {slot: tuple(ranks) for slot, ranks in found.items()}
+def _subsets(items: Sequence[int], count: int):
+    from itertools import combinations
 
-
-def term_layout(term: TypedTerm, world: int, degrees: Mapping[str, int]) -> Placement:
-    """The layout of a typed rule term on `world` ranks, its metavariables whole, at concrete `degrees`.
-
-    With whole inputs a term's layout depends only on its structure, its
-    degrees and the world, not on its dims. Raises PlacementError when the
-    term cannot be laid out (a compute operator's inputs do not line up, a
-    degree needs more devices than are left) and KeyError when a degree is
-    not in `degrees`.
-    """
-    if term.kind == "input":
-        return Placement.whole(len(term.shape), world)
-    args = [term_layout(arg, world, degrees) for arg in term.args]
-    if term.kind == "parallel":
-        return args[0].apply_parallel(term.name, term.degree.evaluate(degrees), term.dim)[0]
-    return compute_layout(term.instance, args)
-
+    return combinations(items, count)

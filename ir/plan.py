@@ -22,7 +22,9 @@ from parsat.ir.errors import PlanError
 from parsat.ir.graph import Graph
 from parsat.ir.json_files import read_json_file
 from parsat.ir.machine import Machine
+from parsat.ir.mesh import Mesh, MeshError
 from parsat.ir.pcg import PCG, Degrees, PNode
+from parsat.ir.placement import PlacementError, from_dtensor
 from parsat.ir.validate import PLAN_SCHEMA, PLAN_VERSION, READABLE_VERSIONS, validate_plan_dict
 
 BASELINES = ("data_parallel", "sequential", "megatron")
@@ -38,17 +40,21 @@ class BaselinePlan:
 
 
 def pcg_to_dict(pcg: PCG, costs: Mapping[int, NodeCost], dtype_bytes: int) -> dict:
-    """`{"nodes": [...], "outputs": [...]}`: the node format of the plan's top level (docs/plan-schema.md)."""
+    """`{"mesh": ..., "nodes": [...], "outputs": [...]}`: the node format of the plan's top level
+    (docs/plan-schema.md)."""
+    names = pcg.mesh.names
     nodes = []
     for node in pcg.nodes:
         cost = costs.get(node.id, NodeCost())
         entry = {"id": node.id, "kind": node.kind, "op": node.op, "attrs": dict(node.attrs),
-                 "inputs": list(node.inputs), "shape": list(node.shape), "spread": node.degrees.to_dict(),
-                 "pieces": node.degrees.pieces, "origin": node.origin, "cost": cost.to_dict(dtype_bytes)}
+                 "inputs": list(node.inputs), "shape": list(node.shape), "placement": node.placement.dtensor(),
+                 "replicated_on": [names[a] for a in node.placement.replica_axes],
+                 "spread": node.degrees.to_dict(), "pieces": node.degrees.pieces, "origin": node.origin,
+                 "cost": cost.to_dict(dtype_bytes)}
         if node.kind == "leaf":
             entry["role"] = node.role
         nodes.append(entry)
-    return {"nodes": nodes,
+    return {"mesh": pcg.mesh.to_dict(), "nodes": nodes,
             "outputs": [{"name": name, "node": ident} for name, ident in zip(pcg.output_names, pcg.outputs)]}
 
 
@@ -122,11 +128,18 @@ def load_plan_dict(path: str | Path) -> dict:
 
 
 def pcg_from_dict(data: Mapping) -> PCG:
-    """The PCG of a plan dict, or of a baseline's `pcg` object (same node format)."""
-    nodes = tuple(PNode(n["id"], n["kind"], n["op"], tuple(n["inputs"]), tuple(n["attrs"].items()),
-                        tuple(n["shape"]), Degrees.from_dict(n["spread"]), n.get("role", ""), n.get("origin", ""))
-                  for n in data["nodes"])
-    return PCG(nodes, tuple(o["node"] for o in data["outputs"]), tuple(o["name"] for o in data["outputs"]))
+    """The PCG of a plan dict, or of a baseline's `pcg` object (same node format); the dict is validated
+    (`validate_plan_dict`), so a bad placement string raises PlanError."""
+    mesh = Mesh.from_dict(data["mesh"])
+    try:
+        nodes = tuple(PNode(n["id"], n["kind"], n["op"], tuple(n["inputs"]), tuple(n["attrs"].items()),
+                            tuple(n["shape"]), Degrees.from_dict(n["spread"]), n.get("role", ""),
+                            n.get("origin", ""),
+                            from_dtensor(n["placement"], [mesh.index(a) for a in n.get("replicated_on", [])]))
+                      for n in data["nodes"])
+    except (PlacementError, MeshError) as err:
+        raise PlanError(str(err)) from None
+    return PCG(nodes, tuple(o["node"] for o in data["outputs"]), tuple(o["name"] for o in data["outputs"]), mesh)
 
 
 # ----------------------------------------------------------------------- explain

@@ -17,6 +17,7 @@ they reach these checks.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Mapping, NoReturn
 
 from parsat.dsl.parallel_ops import PARALLEL_OPS
@@ -28,8 +29,8 @@ GRAPH_VERSION = 1
 MACHINE_SCHEMA = "parsat.machine"
 MACHINE_VERSION = 1
 PLAN_SCHEMA = "parsat.plan"
-PLAN_VERSION = 2               # 2: each baseline carries its PCG (`baselines.NAME.pcg`)
-READABLE_VERSIONS = (1, 2)     # plan versions read; version 1 lacks only the baselines' PCGs
+PLAN_VERSION = 3               # 3: a device mesh, a placement per node, parallel operators on mesh axes
+READABLE_VERSIONS = (3,)       # versions 1 and 2 predate device meshes: their plans say how many pieces, not where
 
 # Largest tensor (elements): the cost model does float64 arithmetic on element
 # counts and the backend indexes with int64, so beyond 2**53 numbers lose exactness.
@@ -37,7 +38,8 @@ MAX_ELEMENTS = 2 ** 53
 MAX_DEVICES = 1 << 20
 MAX_NUMBER = 2 ** 1000  # an integer beyond this has no float (OverflowError in the cost model and explain)
 PLAN_KINDS = ("leaf", "op", "parallel")
-PARALLEL_ATTRS = {name: op.attrs for name, op in PARALLEL_OPS.items()}   # a parallel node's `attrs` keys
+PARALLEL_ATTRS = {name: op.plan_attrs for name, op in PARALLEL_OPS.items()}   # a parallel node's `attrs` keys
+PLACEMENT = re.compile(r"^(Shard\((0|[1-9][0-9]{0,2})\)|Replicate\(\)|Partial\(\))$")
 EXPLAIN_TOTALS = ("time_s", "compute_s", "comm_s", "comm_elements", "comm_bytes", "peak_memory_bytes",
                   "grad_sync_elements")
 
@@ -235,6 +237,7 @@ def validate_plan_dict(data: Mapping, error: type[Exception], label: str) -> Non
 def _check_pcg(f: _Fields, data: Mapping, at: str) -> None:
     """Nodes and outputs of a PCG (the plan's, or a baseline's under `at`), as `validate_plan_dict` says."""
     where = at.rstrip(".")
+    axes = _check_mesh(f, f.get(data, "mesh", where), f"{at}mesh")
     nodes = f.array(f.get(data, "nodes", where), f"{at}nodes")
     if not nodes:
         f.fail(f"{at}nodes", "the plan has no nodes")
@@ -267,11 +270,17 @@ def _check_pcg(f: _Fields, data: Mapping, at: str) -> None:
                 f.fail(f"{path}.inputs", f"{op} takes one input, got {len(inputs)}")
         attrs = f.obj(f.get(node, "attrs", path), f"{path}.attrs")
         for key, value in attrs.items():
-            f.number(value, f"{path}.attrs.{key}")
+            if not (kind == "parallel" and key == "axis"):
+                f.number(value, f"{path}.attrs.{key}")
         if kind == "parallel":
             for key in PARALLEL_ATTRS[op]:
-                f.integer(f.get(attrs, key, f"{path}.attrs"), f"{path}.attrs.{key}",
-                          low=1 if key == "degree" else 0)
+                if key == "axis":
+                    axis = f.text(f.get(attrs, key, f"{path}.attrs"), f"{path}.attrs.axis")
+                    if axis not in axes:
+                        f.fail(f"{path}.attrs.axis", f"'{axis}' is not an axis of the mesh ({', '.join(axes)})")
+                else:
+                    f.integer(f.get(attrs, key, f"{path}.attrs"), f"{path}.attrs.{key}",
+                              low=1 if key == "degree" else 0)
         shape = f.shape(f.get(node, "shape", path), f"{path}.shape")
         spread = f.obj(f.get(node, "spread", path), f"{path}.spread")
         shard = f.array(f.get(spread, "shard", f"{path}.spread"), f"{path}.spread.shard")
@@ -282,6 +291,15 @@ def _check_pcg(f: _Fields, data: Mapping, at: str) -> None:
         for key in ("copy", "sum"):
             if key in spread:
                 f.integer(spread[key], f"{path}.spread.{key}", low=1, high=MAX_DEVICES)
+        placement = f.array(f.get(node, "placement", path), f"{path}.placement")
+        if len(placement) != len(axes):
+            f.fail(f"{path}.placement", f"has {len(placement)} entries for a mesh of {len(axes)} axes")
+        for j, entry in enumerate(placement):
+            if not isinstance(entry, str) or not PLACEMENT.match(entry):
+                f.fail(f"{path}.placement[{j}]", f"must be Shard(d), Replicate() or Partial(), got {_short(entry)}")
+        for j, name in enumerate(f.array(node.get("replicated_on", []), f"{path}.replicated_on")):
+            if name not in axes:
+                f.fail(f"{path}.replicated_on[{j}]", f"'{_short(name)}' is not an axis of the mesh")
         for key in ("role", "origin"):
             if key in node:
                 f.text(node[key], f"{path}.{key}", empty=True)
@@ -295,6 +313,21 @@ def _check_pcg(f: _Fields, data: Mapping, at: str) -> None:
         ref = f.integer(f.get(out, "node", f"{at}outputs[{i}]"), f"{at}outputs[{i}].node")
         if ref not in seen:
             f.fail(f"{at}outputs[{i}].node", f"node {ref} is not a node of the plan")
+
+
+def _check_mesh(f: _Fields, value: Any, path: str) -> list[str]:
+    """A mesh object (`{"axes": [{"name", "size"}], "devices_per_node"}`); returns its axis names."""
+    mesh = f.obj(value, path)
+    names: list[str] = []
+    for i, axis in enumerate(f.array(f.get(mesh, "axes", path), f"{path}.axes")):
+        axis = f.obj(axis, f"{path}.axes[{i}]")
+        name = f.text(f.get(axis, "name", f"{path}.axes[{i}]"), f"{path}.axes[{i}].name")
+        if name in names:
+            f.fail(f"{path}.axes[{i}].name", f"axis '{name}' is named twice")
+        names.append(name)
+        f.integer(f.get(axis, "size", f"{path}.axes[{i}]"), f"{path}.axes[{i}].size", low=1, high=MAX_DEVICES)
+    f.integer(f.get(mesh, "devices_per_node", path), f"{path}.devices_per_node", low=1, high=MAX_DEVICES)
+    return names
 
 
 def validate_plan_report(data: Mapping, error: type[Exception], label: str) -> None:
