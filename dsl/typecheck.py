@@ -44,6 +44,7 @@ class TypedTerm:
     degree: Poly | None = None
     var_degrees: Mapping[str, Poly] = field(default_factory=dict, hash=False)
     problems: tuple[str, ...] = ()
+    legal_when: tuple[Cond, ...] = ()  # the spread is legal only where these hold (`ComputeSpread.legal_when`)
 
     def walk(self) -> Iterator["TypedTerm"]:
         yield self
@@ -70,6 +71,11 @@ class RuleInstance:
     def problems(self) -> list[tuple[str, ast.Expr]]:
         """Spreads an operator does not accept, on either side."""
         return [(p, t.node) for side in (self.lhs, self.rhs) for t in side.walk() for p in t.problems]
+
+    @property
+    def legal_when(self) -> list[tuple[Cond, ast.Expr]]:
+        """Conditions on sizes under which the spreads of both sides are legal (windows that tile blocks)."""
+        return [(c, t.node) for side in (self.lhs, self.rhs) for t in side.walk() for c in t.legal_when]
 
 
 def rule_groups(rule: ast.RuleDecl) -> list[str]:
@@ -231,7 +237,8 @@ class _RuleTyper:
         inferred = infer_compute(instance, [t.spread for t in tensors])
         self.requires.extend(inferred.requires)
         return TypedTerm(expr, "op", op.name, tuple(tensors), instance.output_shape, inferred.spread,
-                         instance=instance, var_degrees=inferred.var_degrees, problems=inferred.problems)
+                         instance=instance, var_degrees=inferred.var_degrees, problems=inferred.problems,
+                         legal_when=inferred.legal_when)
 
     def _real(self, arg: ast.Expr, op: ast.OpDecl, param: ast.Param) -> ast.Expr:
         if isinstance(arg, ast.Num):
