@@ -156,7 +156,7 @@ def _check_body(expr: ast.Expr, indices: set[str], sizes: set[str], reals: set[s
         _check_body(e, idx, sizes, reals, tensors, groups, v)
 
     if isinstance(expr, ast.Num):
-        if isinstance(expr.value, float) and not value:
+        if not isinstance(expr.value, int) and not value:
             raise _OpError("sort", "a real number cannot be an index or a size", expr)
         return
     if isinstance(expr, ast.Name):

@@ -10,6 +10,7 @@ the left side's requirements are assumptions, the right side's must follow.
 from __future__ import annotations
 
 import itertools
+from fractions import Fraction
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
@@ -242,9 +243,9 @@ class _RuleTyper:
 
     def _real(self, arg: ast.Expr, op: ast.OpDecl, param: ast.Param) -> ast.Expr:
         if isinstance(arg, ast.Num):
-            return ast.Num(float(arg.value), arg.span)
+            return ast.Num(Fraction(arg.value), arg.span)  # exact rationals, never rounded to floats
         if isinstance(arg, ast.Neg) and isinstance(arg.operand, ast.Num):
-            return ast.Num(-float(arg.operand.value), arg.span)
+            return ast.Num(-Fraction(arg.operand.value), arg.span)
         if isinstance(arg, ast.Name) and arg.id in self.reals:
             return arg
         raise TypeCheckError("attribute", f"{op.name}: '{param.name}' is real: give a number or a real metavariable",

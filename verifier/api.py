@@ -21,7 +21,7 @@ from parsat.dsl.errors import DslError
 from parsat.dsl.library import Library, load_library
 from parsat.verifier.cache import VerdictCache, rule_key
 from parsat.verifier.core import DEFAULT_TIMEOUT, VERSION, RuleError, verify_rule
-from parsat.verifier.verdict import PROVED, REFUTED, UNKNOWN, Verdict
+from parsat.verifier.verdict import BOUNDED, PROVED, REFUTED, UNKNOWN, VACUOUS, VERDICTS, Verdict
 
 
 @dataclass
@@ -32,15 +32,20 @@ class VerifyReport:
     errors: list[str] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
-        return {k: sum(1 for v in self.verdicts if v.verdict == k) for k in (PROVED, REFUTED, UNKNOWN)}
+        return {k: sum(1 for v in self.verdicts if v.verdict == k) for k in VERDICTS}
 
     @property
     def ok(self) -> bool:
+        """Every rule PROVED for every rank (BOUNDED and VACUOUS are not)."""
         return not self.errors and all(v.proved for v in self.verdicts)
 
     def summary(self) -> str:
+        """`N proved, N refuted, N unknown`, with `N bounded` and `N vacuous` when there are any."""
         c = self.counts()
-        return f"{c[PROVED]} proved, {c[REFUTED]} refuted, {c[UNKNOWN]} unknown"
+        parts = [f"{c[PROVED]} proved"]
+        parts += [f"{c[k]} {k.lower()}" for k in (BOUNDED, VACUOUS) if c[k]]
+        parts += [f"{c[REFUTED]} refuted", f"{c[UNKNOWN]} unknown"]
+        return ", ".join(parts)
 
 
 def _matches(name: str, patterns: Sequence[str] | None) -> bool:

@@ -39,7 +39,7 @@ class Unprovable(Exception):
 
 @dataclass(frozen=True)
 class ProofResult:
-    """`status` is "proved", "candidate" (z3 model to replay) or "unknown"."""
+    """`status` is "proved", "candidate" (z3 model to replay), "never" (it never applies) or "unknown"."""
 
     status: str
     reason: str = ""
@@ -441,13 +441,10 @@ def _assumptions(instance: RuleInstance) -> tuple[str, ...]:
     return tuple(found)
 
 
-def prove_instance(instance: RuleInstance, timeout: float) -> ProofResult:
-    """Prove one rank assignment; z3 models come back as candidates."""
-    deadline = time.monotonic() + timeout
+def _facts(instance: RuleInstance) -> tuple[_Sizes, _Lowering, _Z3, list]:
+    """The solved sizes, a lowering over them, and the z3 facts every query assumes."""
     sizes = solve_sizes(instance)
-    assumptions = _assumptions(instance)
     low = _Lowering(sizes)
-    lhs, rhs = instance.lhs, instance.rhs
     zz = _Z3()
     facts = []
     for name, kind in sizes.kinds.items():
@@ -458,10 +455,36 @@ def prove_instance(instance: RuleInstance, timeout: float) -> ProofResult:
         low_bound = 0 if instance.symbols.get(name) == "int" else 1
         facts.append(zz.poly(value) >= low_bound)
     facts.extend(zz.cond(c) for c in sizes.assumptions)
+    return sizes, low, zz, facts
+
+
+def never_applies(instance: RuleInstance, timeout: float) -> bool:
+    """z3 shows the `where` and the left side's requirements contradictory (a proof would be empty)."""
+    _sizes, _low, _zz, facts = _facts(instance)
+    return _vacuous(facts, time.monotonic() + timeout)
+
+
+def forced_to_one(instance: RuleInstance, degree: str, timeout: float) -> bool:
+    """z3 shows that the rule's assumptions allow `degree` only at 1 (the rule parallelizes nothing)."""
+    sizes, low, zz, facts = _facts(instance)
+    value = low.P(Poly.sym(degree))
+    solver = z3.Solver()
+    solver.set("timeout", max(1, int(min(2.0, timeout) * 1000)))
+    solver.add(*facts)
+    solver.add(zz.poly(value) >= 2)
+    return solver.check() == z3.unsat
+
+
+def prove_instance(instance: RuleInstance, timeout: float) -> ProofResult:
+    """Prove one rank assignment; z3 models come back as candidates ("never": it never applies)."""
+    deadline = time.monotonic() + timeout
+    sizes, low, zz, facts = _facts(instance)
+    assumptions = _assumptions(instance)
+    lhs, rhs = instance.lhs, instance.rhs
 
     if _vacuous(facts, deadline):
-        return ProofResult("unknown", "the rule never applies: its 'where' and the left-hand side's requirements "
-                                      "cannot hold together", {}, assumptions)
+        return ProofResult("never", "the rule never applies: its 'where' and the left-hand side's requirements "
+                                    "cannot hold together", {}, assumptions)
     goals: list[tuple[str, object]] = []
     if len(lhs.shape) != len(rhs.shape):
         return ProofResult("candidate", "the sides have different ranks", {}, assumptions)
@@ -479,6 +502,10 @@ def prove_instance(instance: RuleInstance, timeout: float) -> ProofResult:
         req2 = _apply_cond(req, low.P)
         if symbolic_truth(req2) is not True:
             goals.append((f"the right-hand side is defined: {req.reason or req}", zz.cond(req2)))
+    for cond, _node in instance.legal_when:  # windows that tile blocks, on both sides
+        cond2 = _apply_cond(cond, low.P)
+        if symbolic_truth(cond2) is not True:
+            goals.append((f"the spreads are legal: {cond.reason or cond}", zz.cond(cond2)))
     for what, goal in goals:
         verdict = _check(zz, facts, goal, deadline)
         if verdict[0] != "proved":
