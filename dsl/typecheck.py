@@ -103,6 +103,29 @@ def group_assignments(rule: ast.RuleDecl, max_rank: int, max_group: int | None =
     return out
 
 
+def rank_bounded(rule: ast.RuleDecl, max_rank: int) -> ast.RuleDecl:
+    """The rule with a `where` that keeps every metavariable at rank <= `max_rank`.
+
+    A rule the verifier proved only up to a rank (BOUNDED) is applied only
+    there: `len(a) + len(b) + 2 <= max_rank` for `x: [*a, n, *b, m]`. At
+    longer groups the condition is false and the instance is never compiled.
+    """
+    from dataclasses import replace
+
+    extra: list[ast.Expr] = []
+    for binder in rule.binders:
+        if not isinstance(binder.type, ast.ShapeType):
+            continue
+        groups = [d.id for d in binder.type.dims if isinstance(d, ast.Variadic)]
+        if not groups:
+            continue
+        total: ast.Expr = ast.Num(len(binder.type.dims) - len(groups))
+        for group in groups:
+            total = ast.BinOp("+", total, ast.Len(group))
+        extra.append(ast.Compare("<=", total, ast.Num(max_rank)))
+    return replace(rule, where=tuple(rule.where) + tuple(extra))
+
+
 def group_dim(group: str, position: int) -> str:
     """The size symbol of position `position` of a rule's dim group."""
     return f"{group}_{position}"

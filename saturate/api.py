@@ -81,9 +81,11 @@ def proved_rules(library: Library, allow_unverified: bool | None) -> tuple[list[
     """The rules saturation may use, and a note on how they were chosen.
 
     With `allow_unverified` True every rule is used. Otherwise the verifier's
-    verdicts (cached on disk by the verifier) decide: only PROVED rules. If the
-    verifier cannot be imported and `allow_unverified` is None, every rule is
-    used and the note says so; with False that is an error.
+    verdicts (cached on disk by the verifier) decide: PROVED rules, and
+    BOUNDED ones restricted to the ranks they were proved for (a `where` on
+    their groups' lengths, `dsl.typecheck.rank_bounded`). If the verifier
+    cannot be imported and `allow_unverified` is None, every rule is used
+    and the note says so; with False that is an error.
     """
     rules = list(library.rules)
     if allow_unverified:
@@ -96,13 +98,27 @@ def proved_rules(library: Library, allow_unverified: bool | None) -> tuple[list[
             return rules, f"verifier not available ({err}); all rules used unverified"
         raise OptimizeError(f"the verifier is not available ({err}); pass --allow-unverified to use rules "
                             "without proofs") from None
+    from parsat.dsl.typecheck import rank_bounded
+
     report = verify_library(library, cache=VerdictCache(), jobs=max(1, min(os.cpu_count() or 1, 8)))
     if report.errors:
         raise OptimizeError("the verifier could not check some rules:\n" + "\n".join(report.errors))
-    proved = {v.name for v in report.verdicts if v.proved}
-    kept = [r for r in rules if r.name in proved]
-    dropped = [r.name for r in rules if r.name not in proved]
-    note = f"{len(kept)} PROVED rules used"
+    verdicts = {v.name: v for v in report.verdicts}
+    kept, bounded = [], []
+    for rule in rules:
+        verdict = verdicts.get(rule.name)
+        if verdict is None or not verdict.usable:
+            continue
+        if verdict.max_rank is not None:
+            kept.append(rank_bounded(rule, verdict.max_rank))
+            bounded.append(f"{rule.name} (ranks up to {verdict.max_rank})")
+        else:
+            kept.append(rule)
+    dropped = [r.name for r in rules if r.name not in verdicts or not verdicts[r.name].usable]
+    note = f"{len(kept)} proved rules used"
+    if bounded:
+        note += f", {len(bounded)} of them only at the ranks they were proved for: {', '.join(bounded[:10])}" + (
+            " ..." if len(bounded) > 10 else "")
     if dropped:
         note += f"; {len(dropped)} not proved and left out: {', '.join(dropped[:20])}" + (" ..." if len(dropped) > 20 else "")
     return kept, note
