@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Mapping
@@ -115,9 +116,14 @@ def main_run(args: argparse.Namespace) -> int:
         if not under_torchrun():
             return _fail("--nproc is required (the number of ranks to start)")
         args.nproc = int(os.environ["WORLD_SIZE"])
+    if not math.isfinite(args.lr):
+        return _fail(f"--lr must be a finite number, got {args.lr}")
     try:
         pcg, graph, predicted = load_plan(args.plan, args.nproc, args.plan_of)
         check_worlds(pcg, args.nproc)
+        from parsat.backend.plan_check import plan_follows_graph
+
+        plan_follows_graph(pcg, graph, args.seed)  # before any rank starts
         config = TrainConfig(steps=args.steps, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
                              dtype=args.dtype, check=args.check, tolerance=1e-9 if args.dtype == "float64" else 1e-4)
         result = run_plan(pcg, args.nproc, config, graph=graph, predicted=predicted, backend=args.backend,
@@ -145,7 +151,13 @@ def _report(result, args: argparse.Namespace) -> None:
              + ("" if memory_predicted is None else f" (plan's bound {memory_predicted / 2**20:.2f} MiB, fp32 Adam)")
              + f"; process RSS {result.process_rss_bytes / 2**20:.0f} MiB"]
     if result.check is not None:
-        lines.append(f"  check                {result.check} (largest difference {result.max_abs_diff:.3g})")
+        rel = "n/a" if result.max_rel_diff is None else f"{result.max_rel_diff:.3g}"
+        absolute = "n/a" if result.max_abs_diff is None else f"{result.max_abs_diff:.3g}"
+        line = (f"  check                {result.check} (largest relative difference {rel}, relative tolerance "
+                f"{result.tolerance:g}; largest absolute difference {absolute})")
+        if result.nonfinite:
+            line += f": {result.nonfinite} non-finite value(s) in the loss, outputs, gradients or weights"
+        lines.append(line)
     print("\n".join(lines))
     if args.json:
         print(json.dumps(result.to_dict()))

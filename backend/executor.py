@@ -25,6 +25,7 @@ pieces, which is the full update restricted to them.
 
 from __future__ import annotations
 
+import math
 import resource
 import statistics
 import time
@@ -61,7 +62,7 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "float64"   # float64 makes --check tolerances tight
     check: bool = False
-    tolerance: float = 1e-9  # largest absolute difference --check accepts
+    tolerance: float = 1e-9  # largest relative difference --check accepts (see `relative_difference`)
 
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
@@ -301,8 +302,30 @@ def gradient_of(weight: torch.Tensor) -> torch.Tensor:
     return weight.grad.detach() if weight.grad is not None else torch.zeros_like(weight).detach()
 
 
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach().cpu() - b).abs().max()) if a.numel() else 0.0
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, int]:
+    """(relative difference, absolute difference, non-finite values) of a piece against its reference.
+
+    The relative difference is the largest absolute difference over the
+    largest magnitude of the reference (norm-wise, so that entries near
+    zero do not blow it up). Non-finite values on either side are counted,
+    never compared: NaN compares false with everything, and Python's
+    `max()` silently drops it unless it comes first.
+    """
+    a, b = a.detach().cpu(), b.detach().cpu()
+    nonfinite = int((~torch.isfinite(a)).sum()) + int((~torch.isfinite(b)).sum())
+    if a.numel() == 0 or nonfinite:
+        return (0.0 if a.numel() == 0 else math.inf), 0.0, nonfinite
+    absolute = float((a - b).abs().max())
+    scale = float(b.abs().max())
+    relative = absolute / scale if scale > 0 else (0.0 if absolute == 0 else math.inf)
+    return relative, absolute, 0
+
+
+def check_outcome(job: dict, tolerance: float) -> str:
+    """"passed" only when no value is non-finite and every relative difference is within `tolerance`."""
+    rel, nonfinite = job.get("max_rel_diff"), job.get("nonfinite", 0)
+    ok = rel is not None and math.isfinite(rel) and rel <= tolerance and not nonfinite
+    return "passed" if ok else "failed"
 
 
 def operator_library() -> Library:
@@ -317,7 +340,7 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
     program = RankProgram(pcg, ctx, config, library)
     optimizer = _make_optimizer([p.tensor for p in program.params.values()], config)
     reference = reference_run(graph, config) if config.check and graph is not None else None
-    losses, times, steps_comm, diffs = [], [], [], []
+    losses, times, steps_comm, diffs = [], [], [], []  # diffs: (relative, absolute, non-finite) per step
     memory = TensorMemory()
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -346,7 +369,9 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
             diffs.append(_compare(program, env, reference, step, float(total)))
     peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else memory.peak
     report = {"rank": ctx.rank, "losses": losses, "step_times": times, "comm": steps_comm,
-              "max_abs_diff": max(diffs) if diffs else None, "peak_memory_bytes": peak,
+              "max_rel_diff": max(d[0] for d in diffs) if diffs else None,
+              "max_abs_diff": max(d[1] for d in diffs) if diffs else None,
+              "nonfinite": sum(d[2] for d in diffs), "peak_memory_bytes": peak,
               "process_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     report["job"] = _job_summary(report, ctx)
     return report
@@ -406,34 +431,41 @@ def _job_summary(report: dict, ctx: RankContext) -> dict:
     Reporting traffic only: not part of the plan, not counted.
     """
     last = report["comm"][-1]
-    sums = torch.tensor([last["distinct_sent"], last["sent"], last["grad_sync"]], dtype=torch.float64,
-                        device=ctx.device)
-    diff = report["max_abs_diff"]
-    maxes = torch.tensor([-1.0 if diff is None else diff, float(report["peak_memory_bytes"]),
-                          float(report["process_rss_bytes"]), *report["step_times"]],
+    sums = torch.tensor([last["distinct_sent"], last["sent"], last["grad_sync"], float(report["nonfinite"])],
+                        dtype=torch.float64, device=ctx.device)
+    diff, rel = report["max_abs_diff"], report["max_rel_diff"]
+    maxes = torch.tensor([-1.0 if diff is None else diff, -1.0 if rel is None else rel,
+                          float(report["peak_memory_bytes"]), float(report["process_rss_bytes"]), *report["step_times"]],
                          dtype=torch.float64, device=ctx.device)
     dist.all_reduce(sums)
     dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
     sums, maxes = sums.tolist(), maxes.tolist()
-    return {"distinct_sent": sums[0], "sent": sums[1], "grad_sync": sums[2],
-            "max_abs_diff": None if maxes[0] < 0 else maxes[0], "peak_memory_bytes": int(maxes[1]),
-            "process_rss_bytes": int(maxes[2]), "step_times": maxes[3:]}
+    return {"distinct_sent": sums[0], "sent": sums[1], "grad_sync": sums[2], "nonfinite": int(sums[3]),
+            "max_abs_diff": None if maxes[0] < 0 else maxes[0], "max_rel_diff": None if maxes[1] < 0 else maxes[1],
+            "peak_memory_bytes": int(maxes[2]), "process_rss_bytes": int(maxes[3]), "step_times": maxes[4:]}
 
 
-def _compare(program: RankProgram, env, reference: Reference, step: int, loss: float) -> float:
-    """Largest difference between this rank's pieces and the reference, this step."""
-    diffs = [abs(loss - reference.losses[step])]
+def _compare(program: RankProgram, env, reference: Reference, step: int, loss: float) -> tuple[float, float, int]:
+    """(largest relative difference, largest absolute difference, non-finite values) of this rank's
+    loss, output pieces, gradients and weights against the reference, this step.
+
+    An output the reference does not have (a renamed output) is an infinite difference, never skipped.
+    """
+    diffs = [relative_difference(torch.tensor(loss, dtype=torch.float64),
+                                 torch.tensor(reference.losses[step], dtype=torch.float64))]
     rank = program.ctx.rank
     for out_id, name in zip(program.pcg.outputs, program.output_names):
         x, layout = env[out_id]
         expected = reference.outputs[step].get(name)
-        if expected is not None:
-            diffs.append(_max_diff(x, expected[piece_index(layout, rank, expected.shape)]))
+        if expected is None:
+            diffs.append((math.inf, math.inf, 0))
+            continue
+        diffs.append(relative_difference(x, expected[piece_index(layout, rank, expected.shape)]))
     for param in program.params.values():
         where = piece_index(param.layout, rank, param.shape)
-        diffs.append(_max_diff(gradient_of(param.tensor), reference.grads[step][param.name][where]))
-        diffs.append(_max_diff(param.tensor, reference.weights[step][param.name][where]))
-    return max(diffs)
+        diffs.append(relative_difference(gradient_of(param.tensor), reference.grads[step][param.name][where]))
+        diffs.append(relative_difference(param.tensor, reference.weights[step][param.name][where]))
+    return max(d[0] for d in diffs), max(d[1] for d in diffs), sum(d[2] for d in diffs)
 
 
 # --------------------------------------------------------------- entry point
@@ -477,6 +509,9 @@ class RunResult:
     process_rss_bytes: int
     losses: tuple[float, ...]
     predicted: Prediction = Prediction()
+    max_rel_diff: float | None = None   # what --check compares with `tolerance`
+    nonfinite: int = 0                  # non-finite values seen by --check (any fails it)
+    tolerance: float | None = None      # the relative tolerance --check used
 
     @property
     def comm_elements_predicted(self) -> float | None:
@@ -490,7 +525,8 @@ class RunResult:
         return abs(self.comm_elements_measured - self.predicted.comm_elements) < 0.5
 
     def to_dict(self) -> dict:
-        return {"check": self.check, "max_abs_diff": self.max_abs_diff,
+        return {"check": self.check, "max_abs_diff": self.max_abs_diff, "max_rel_diff": self.max_rel_diff,
+                "nonfinite": self.nonfinite, "tolerance": self.tolerance,
                 "comm_elements_measured": self.comm_elements_measured,
                 "comm_elements_predicted": self.predicted.comm_elements,
                 "step_time_s": self.step_time_s, "peak_memory_bytes": self.peak_memory_bytes,
@@ -525,11 +561,11 @@ def run_plan(pcg: PCG, nproc: int, config: TrainConfig, graph: Graph | None = No
     job = reports[0]["job"]  # every rank holds the job-wide figures (under torchrun, only this rank's report)
     times = job["step_times"]
     timed = times[1:] if len(times) > 1 else times
-    diff = job["max_abs_diff"]
-    check = None if not config.check else ("passed" if diff is not None and diff <= config.tolerance else "failed")
-    return RunResult(check, diff, job["sent"], job["distinct_sent"], job["grad_sync"], statistics.median(timed),
-                     job["peak_memory_bytes"], job["process_rss_bytes"], tuple(reports[0]["losses"]),
-                     predicted or Prediction())
+    check = None if not config.check else check_outcome(job, config.tolerance)
+    return RunResult(check, job["max_abs_diff"], job["sent"], job["distinct_sent"], job["grad_sync"],
+                     statistics.median(timed), job["peak_memory_bytes"], job["process_rss_bytes"],
+                     tuple(reports[0]["losses"]), predicted or Prediction(), job["max_rel_diff"], job["nonfinite"],
+                     config.tolerance if config.check else None)
 
 
 def check_worlds(pcg: PCG, nproc: int, library: Library | None = None) -> dict[int, Layout]:
