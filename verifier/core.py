@@ -108,7 +108,8 @@ def verify_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], file: str = "
         if rank_plan.rhs_untyped:
             return _rhs_untyped(rule, ops, rank_plan, clock, done)
         if not rank_plan.search and not rank_plan.proof:
-            return done(VACUOUS, "no rank assignment types: the rule never applies")
+            top = f" up to rank {ranks.SEARCH_MAX_RANK}" if rank_plan.max_rank is not None else ""
+            return done(VACUOUS, f"no rank assignment types{top}: the rule never applies")
 
         # 3. concrete search, smallest ranks first, witnesses of failing legality conditions first
         searched = sorted(rank_plan.search, key=lambda i: (_rank(i), sum(i.groups.values())))
@@ -133,7 +134,15 @@ def verify_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], file: str = "
         # 4. vacuity: assumptions that can never hold, or that force a degree to 1
         from parsat.verifier import prove
 
+        if not rank_plan.proof:
+            return done(UNKNOWN, f"the rule types only above rank {rank_plan.max_rank}, where it is not proved "
+                                 f"({rank_plan.why_bounded}); no counterexample up to rank {ranks.SEARCH_MAX_RANK} "
+                                 f"in {trials} trials")
+
         vacuous = _vacuity(rank_plan.proof or rank_plan.search, prove, clock)
+        hint = ""
+        if vacuous.startswith("?"):  # probably vacuous, not shown: said with an UNKNOWN, never PROVED
+            vacuous, hint = "", vacuous[1:]
         if vacuous:
             return done(VACUOUS, vacuous)
         if semantic is not None and semantic.kind == "illegal-spread":
@@ -141,7 +150,7 @@ def verify_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], file: str = "
                       + ("" if exhausted else f", stopped at {SEARCH_SHARE:.0%} of the {timeout:g} s timeout")
                       + (f"; some sizes could not be simulated: {skipped}" if skipped else ""))
             return done(UNKNOWN, f"{semantic} (no counterexample found: the search is exhausted within its limits, "
-                                 f"{limits})")
+                                 f"{limits}){'; ' + hint if hint else ''}")
 
         # 5. proof of every proof instance; a z3 model counts only once it replays on the devices
         assumptions: tuple = ()
@@ -163,6 +172,8 @@ def verify_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], file: str = "
                 return done(UNKNOWN, f"{result.reason}{_groups(instance)}; its model ({sizes}) does not replay on "
                                      "the devices, so a lemma may be missing")
             return done(UNKNOWN, result.reason + _groups(instance))
+        if hint:
+            return done(UNKNOWN, f"proved, but perhaps vacuously: {hint}", assumptions=assumptions)
         if rank_plan.max_rank is not None:
             return done(BOUNDED, f"proved for every rank up to {rank_plan.max_rank} ({len(rank_plan.proof)} rank "
                                  f"assignments), not beyond: {rank_plan.why_bounded}", assumptions=assumptions,
@@ -201,6 +212,7 @@ def _vacuity(typed: list[RuleInstance], prove, clock: _Clock) -> str:
         return ""
     never = 0
     forced: dict[str, str] = {}
+    hints: list[str] = []
     for instance in typed:
         assumptions = instance.where + instance.lhs_requires
         if witness(assumptions, instance.symbols) is None and prove.never_applies(instance, max(0.05, clock.left())):
@@ -211,14 +223,18 @@ def _vacuity(typed: list[RuleInstance], prove, clock: _Clock) -> str:
             if witness(assumptions + (at_least_two,), instance.symbols) is not None:
                 continue
             if prove.forced_to_one(instance, degree, max(0.05, clock.left())):
-                forced.setdefault(degree, "; ".join(str(c) for c in assumptions) or "no assumption")
+                shown = dict.fromkeys(prove.describe_condition(c) for c in assumptions)
+                forced.setdefault(degree, "; ".join(shown) or "no assumption")
+            else:
+                hints.append(f"no sizes up to 64 apply it with {degree} >= 2, but z3 could not show that {degree} "
+                             "must be 1")
     if never == len(typed):
         return "the rule never applies: its 'where' and the left-hand side's requirements cannot hold together"
     if forced:
         degree, why = next(iter(forced.items()))
         return (f"vacuous: the rule applies only when {degree} = 1 (its assumptions {why} force it), so it "
                 "parallelizes nothing")
-    return ""
+    return "" if not hints else "?" + hints[0]
 
 
 def _rhs_untyped(rule, ops, rank_plan, clock: _Clock, done) -> Verdict:

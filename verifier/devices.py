@@ -328,6 +328,7 @@ def compute_placement(instance: OpInstance, placements: Sequence[MeshPlacement],
     for node, position, index in reads:
         placement = by_name[node.tensor]
         axes = placement.shard[position] if position < len(placement.shard) else ()
+        axes = tuple(a for a in axes if mesh.axis_size(a) > 1)  # an axis of size 1 splits nothing
         if isinstance(index, ast.Name) and index.id in bounds:
             var = index.id
         elif axes:
@@ -344,11 +345,11 @@ def compute_placement(instance: OpInstance, placements: Sequence[MeshPlacement],
         if seen != axes:
             problems.append(f"index '{var.replace('#', '')}' reads dims split over different axes "
                             f"({list(seen)} and {list(axes)})")
-    used_sets = {frozenset(p.used) for p in placements}
+    used_sets = {frozenset(a for a in p.used if mesh.axis_size(a) > 1) for p in placements}
     if len(used_sets) > 1:
         problems.append("the inputs are spread over different axes (" +
                         ", ".join(f"'{n}': {p}" for n, p in by_name.items()) + ")")
-    sums = list(dict.fromkeys(p.sum for p in placements if p.sum))
+    sums = list(dict.fromkeys(p.sum for p in placements if mesh.product(p.sum) > 1))
     if len(sums) > 1:
         problems.append("partial inputs are summed over different axes")
     out_shard = tuple(var_axes.get(v, ()) for v in instance.out_vars)
@@ -557,12 +558,18 @@ class RuleSides:
 
     `axes` gives each parallel operator its axes (`FamilyAxes` by default,
     or `BoundAxes`); a first pass places every node without values, so
-    that the mesh is known and both sides share it.
+    that the mesh is known and both sides share it. With `strict`, a
+    compute operator whose inputs do not line up on the mesh is a
+    `DeviceError` where the spread analysis refuses it too (the backend
+    could not run it: a tensor missing from an axis never gets its
+    gradient summed there), and `NotPlaceable` where the analysis accepts
+    it (a placement question for the layout guard, not a wrong value).
     """
 
     def __init__(self, terms: Sequence[TypedTerm], sizes: Mapping[str, int],
-                 input_placements: Mapping[str, MeshPlacement] | None = None, axes=None):
+                 input_placements: Mapping[str, MeshPlacement] | None = None, axes=None, strict: bool = True):
         self.sizes = dict(sizes)
+        self.strict = strict  # inputs that do not line up: an error (see `_run`), or run anyway
         self.input_placements = dict(input_placements or {})
         self.axes = axes if axes is not None else FamilyAxes(self.sizes)
         self.axes_of: dict[int, tuple[str, ...]] = {}
@@ -628,6 +635,12 @@ class RuleSides:
                 tensor = reduce(source, self.mesh, axes)
         else:
             tensor, problems = run_compute(term.instance, self.sizes, args, self.mesh, reals, self._shape(term))
+            if problems and self.strict:
+                if term.problems:  # the analysis refuses it too: the devices cannot run it as a plan
+                    raise DeviceError(f"{term.instance.name}: the pieces do not line up on the devices: {problems[0]} "
+                                      "(a device would combine pieces of different blocks, or a tensor missing "
+                                      "from an axis would never get its gradient summed over it)")
+                raise NotPlaceable(f"{term.instance.name}: the pieces do not line up on this mesh: {problems[0]}")
         side.nodes.append((term, tensor, problems))
         return tensor
 

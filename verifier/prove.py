@@ -419,6 +419,11 @@ def _fmt_poly(p: Poly) -> str:
     return f"({text})" if " " in text else text
 
 
+def describe_condition(c: Cond) -> str:
+    """A condition as a person reads it (`p divides m` for a block divisibility)."""
+    return _fmt_cond(c)
+
+
 def _fmt_cond(c: Cond) -> str:
     """`p divides m` for block divisibility, the condition's own text otherwise."""
     if isinstance(c, Rel) and c.op == "==" and c.right == ZERO and len(c.left.terms) == 1:
@@ -465,14 +470,23 @@ def never_applies(instance: RuleInstance, timeout: float) -> bool:
 
 
 def forced_to_one(instance: RuleInstance, degree: str, timeout: float) -> bool:
-    """z3 shows that the rule's assumptions allow `degree` only at 1 (the rule parallelizes nothing)."""
-    sizes, low, zz, facts = _facts(instance)
-    value = low.P(Poly.sym(degree))
-    solver = z3.Solver()
-    solver.set("timeout", max(1, int(min(2.0, timeout) * 1000)))
-    solver.add(*facts)
-    solver.add(zz.poly(value) >= 2)
-    return solver.check() == z3.unsat
+    """z3 shows that the rule's assumptions allow `degree` only at 1 (the rule parallelizes nothing).
+
+    Asked twice: on the assumptions as written (z3 settles `h % p == 0, (h - 1) % p == 0` at once) and
+    after the divisibility substitutions (which settle others).
+    """
+    zz = _Z3()
+    raw = [zz.int(n) >= (0 if k == "int" else 1) for n, k in instance.symbols.items()]
+    raw += [zz.cond(c) for c in instance.where + instance.lhs_requires]
+    sizes, low, zs, facts = _facts(instance)
+    for z, given, value in ((zz, raw, Poly.sym(degree)), (zs, facts, low.P(Poly.sym(degree)))):
+        solver = z3.Solver()
+        solver.set("timeout", max(1, int(min(2.0, timeout) * 1000)))
+        solver.add(*given)
+        solver.add(z.poly(value) >= 2)
+        if solver.check() == z3.unsat:
+            return True
+    return False
 
 
 def prove_instance(instance: RuleInstance, timeout: float) -> ProofResult:

@@ -46,6 +46,8 @@ from parsat.dsl.typecheck import (RuleInstance, TypeCheckError, TypedTerm, check
                                   rule_groups, type_rule)
 
 MAX_RANK = 5          # the bound for rules whose groups are not batch-like
+SEARCH_MAX_RANK = 8   # ... which are still searched up to the largest rank the optimizer compiles
+SEARCH_MAX_INSTANCES = 40
 SEARCH_MAX_GROUP = 2  # batch-like groups: also searched with every group at this length (proved at 0 and 1)
 
 
@@ -122,7 +124,9 @@ def plan(rule: ast.RuleDecl, ops) -> RankPlan:
         search = proof + ([longer] if longer is not None else [])
     else:
         proof = [typer(g) for g in _assignments(rule, range(MAX_RANK + 1), MAX_RANK)]
-        search = list(proof)
+        beyond = [g for g in _assignments(rule, range(SEARCH_MAX_RANK + 1), SEARCH_MAX_RANK)
+                  if max(_ranks(rule, g), default=0) > MAX_RANK]
+        search = proof + [typer(g) for g in beyond[:SEARCH_MAX_INSTANCES]]
         result.max_rank, result.why_bounded = MAX_RANK, why
     result.proof = [t for t in proof if t is not None]
     result.search = [t for t in search if t is not None]
@@ -142,14 +146,18 @@ def _not_batch_like(rule: ast.RuleDecl, groups: list[str], typer: _Typer) -> str
         checks = [({**dict(zip(others, values)), g: 2}, (0,)) for values in itertools.product((0, 1),
                                                                                              repeat=len(others))]
         checks.append(({**{h: 1 for h in others}, g: 3}, (0, 1)))
+        seen = 0
         for assignment, pairs in checks:
             typed = typer(assignment)
             if typed is None:
                 continue
+            seen += 1
             for k in pairs:
                 problem = _pair_problem(typed, Poly.sym(group_dim(g, k)), Poly.sym(group_dim(g, k + 1)))
                 if problem is not None:
                     return f"group *{g} is not batch-like: {problem}"
+        if not seen:
+            return f"group *{g} could not be checked: the rule does not type with it at length 2 or 3"
     return None
 
 
@@ -164,7 +172,8 @@ def _positions(shape: tuple[Poly, ...], first: Poly, second: Poly) -> tuple[int,
     if not where_first and not where_second:
         return None
     if len(where_first) != 1 or len(where_second) != 1 or where_second[0] != where_first[0] + 1:
-        return "the group's dims do not stay adjacent"
+        return ("a tensor does not hold two adjacent dims of the group side by side (an operator removes, "
+                "moves or repeats one)")
     return where_first[0], where_second[0]
 
 
