@@ -318,9 +318,9 @@ def _typed_instances(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], ranks: s
         try:
             instance = type_rule(rule, ops, groups)
         except TypeCheckError:
-            continue  # this rank assignment does not type (e.g. a `where` on lengths fails)
-        if instance.problems:
-            continue
+            continue  # this rank assignment does not type
+        if instance.problems or any(symbolic_truth(c) is False for c in instance.where):
+            continue  # an illegal spread, or a `where` on lengths that fails here (a BOUNDED rule's rank limit)
         metas = [t for t in instance.lhs.walk() if t.kind == "input"]
         if all(len(t.shape) in ranks for t in metas):
             yield instance

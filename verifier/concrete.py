@@ -165,8 +165,12 @@ def _listed(value: np.ndarray):
 
 def trial(instance: RuleInstance, sizes: Mapping[str, int], seed: int = 0,
           inputs: Mapping[str, np.ndarray] | None = None,
-          reals: Mapping[str, float] | None = None) -> Failure | None:
-    """Compare both sides at these sizes (None: they agree, or the rule does not apply here)."""
+          reals: Mapping[str, float] | None = None, notes: list[str] | None = None) -> Failure | None:
+    """Compare both sides at these sizes (None: they agree, or the rule does not apply here).
+
+    Where the spread analysis and the devices disagree on a node the
+    analysis accepts, a bug report is appended to `notes`.
+    """
     if not applies(instance, sizes):
         return None
     if _elements(instance, sizes) > MAX_ELEMENTS:
@@ -209,7 +213,7 @@ def trial(instance: RuleInstance, sizes: Mapping[str, int], seed: int = 0,
     if trusted and lspread != rspread:
         return failure("spread", f"the sides are spread differently: left {_fmt_spread(lspread)}, right "
                                  f"{_fmt_spread(rspread)}", _listed(right), **spreads)
-    problem, placed = on_devices(instance, sizes, inputs, reals, memo)
+    problem, placed = on_devices(instance, sizes, inputs, reals, memo, notes)
     if problem is not None:
         which, reason, device = problem
         return failure("device", f"on the devices, the {which} side {reason}", _listed(right), device, **spreads)
@@ -221,7 +225,8 @@ def trial(instance: RuleInstance, sizes: Mapping[str, int], seed: int = 0,
 
 
 def on_devices(instance: RuleInstance, sizes: Mapping[str, int], inputs: Mapping[str, np.ndarray],
-               reals: Mapping[str, float], memo: dict | None = None) -> tuple[tuple[str, str, str] | None, tuple]:
+               reals: Mapping[str, float], memo: dict | None = None,
+               notes: list[str] | None = None) -> tuple[tuple[str, str, str] | None, tuple]:
     """Both sides run device by device: ((side, what goes wrong, where) or None, the sides' spreads there).
 
     Each side must compute its own global value on the devices; the
@@ -245,10 +250,14 @@ def on_devices(instance: RuleInstance, sizes: Mapping[str, int], inputs: Mapping
             return (which, f"cannot run: {err}", ""), ()
         except NotPlaceable as err:
             raise Unsupported(str(err)) from None
+        if notes is not None:
+            notes.extend(_analysis_disagrees(run.nodes, sizes, mesh))
         found = _side_problem(run.tensor, global_value(term, sizes, inputs, reals, memo), mesh)
         if found is not None:
             reason, device = found
             culprit = _culprit(run.nodes, sizes, inputs, reals, memo, mesh)
+            if notes is not None and "a bug in dsl/spread.py" in culprit:
+                notes.append(f"the spread analysis accepts a spread the devices cannot compute{culprit[1:]}")
             return (which, reason + culprit, device), ()
         spreads.append(run.tensor.placement.degrees(mesh))
     return None, tuple(spreads)
@@ -286,6 +295,20 @@ def _holders(tensor: DeviceTensor, mesh: Mesh, spot: tuple[int, ...], copy: int)
              and tensor.placement.slot(mesh, d)[1] == copy]
     shown = mesh.describe(found[0]) if found else "?"
     return f"{shown} (local index {local_index}, on mesh {mesh})"
+
+
+def _analysis_disagrees(nodes, sizes, mesh: Mesh) -> list[str]:
+    """Nodes the spread analysis accepts whose claimed spread is not where the devices put the pieces."""
+    found = []
+    for term, tensor, problems in nodes:
+        if term.kind != "op" or term.problems or problems or not all(holds(c, sizes) for c in term.legal_when):
+            continue
+        claimed = _spread_values(term, sizes)
+        held = tensor.placement.degrees(mesh)
+        if claimed != held:
+            found.append(f"at {format_expr(term.node)} the spread analysis says {_fmt_spread(claimed)}, the devices "
+                         f"hold {_fmt_spread(held)} (sizes {dict(sorted(sizes.items()))}): a bug in dsl/spread.py")
+    return found
 
 
 def _culprit(nodes, sizes, inputs, reals, memo, mesh: Mesh) -> str:
@@ -367,7 +390,8 @@ def _random_sizes(names, kinds, rng: random.Random) -> Iterator[dict[str, int]]:
 
 
 def search(instance: RuleInstance, count: int = 60, seed: int = 0, shrink_failure: bool = True,
-           deadline: float | None = None, extra: Iterable[Mapping[str, int]] = ()) -> tuple[Failure | None, int, str]:
+           deadline: float | None = None, extra: Iterable[Mapping[str, int]] = (),
+           notes: list[str] | None = None) -> tuple[Failure | None, int, str]:
     """The first failing sizes found (shrunk unless `shrink_failure` is False), trials run, last skip reason.
 
     `extra` sizes (witnesses from the checker or z3) are tried first. Stops
@@ -387,7 +411,7 @@ def search(instance: RuleInstance, count: int = 60, seed: int = 0, shrink_failur
         if k >= len(extra) and applies(instance, sizes) and _elements(instance, sizes) > SEARCH_MAX_ELEMENTS:
             continue
         try:
-            failure = trial(instance, sizes, seed=k)
+            failure = trial(instance, sizes, seed=k, notes=notes)
         except Unsupported as err:
             skipped = str(err)
             continue

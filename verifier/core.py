@@ -90,8 +90,11 @@ def verify_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], file: str = "
     notes: list[str] = []
 
     def done(verdict: str, reason: str = "", cex=None, assumptions=(), max_rank=None) -> Verdict:
+        found = tuple(dict.fromkeys(notes))[:3]  # bug reports: a few say enough
+        if verdict in (PROVED, BOUNDED) and found:  # a disagreement is no proof: report it, promise nothing
+            verdict, reason, max_rank = UNKNOWN, f"proved, but the devices disagree with the verifier: {found[0]}", None
         return Verdict(rule.name, file, line, verdict, round(clock.elapsed(), 4), reason, cex, tuple(assumptions),
-                       max_rank=max_rank, notes=tuple(dict.fromkeys(notes)))
+                       max_rank=max_rank, notes=found)
 
     try:
         try:
@@ -122,7 +125,7 @@ def verify_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], file: str = "
                 exhausted = False
                 break
             failure, ran, skip = concrete.search(instance, count=per_instance, deadline=clock.deadline,
-                                                 extra=_witnesses(instance))
+                                                 extra=_witnesses(instance), notes=notes)
             trials += ran
             skipped = skipped or skip
             if failure is not None:
@@ -172,6 +175,11 @@ def verify_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], file: str = "
                 return done(UNKNOWN, f"{result.reason}{_groups(instance)}; its model ({sizes}) does not replay on "
                                      "the devices, so a lemma may be missing")
             return done(UNKNOWN, result.reason + _groups(instance))
+        disagreement = _lowering_checked(rank_plan.proof, clock)
+        if disagreement:
+            notes.append(disagreement)
+            return done(UNKNOWN, f"z3 proved it, but the proof cannot be trusted: {disagreement} (a bug in "
+                                 "verifier/prove.py or verifier/normal.py: please report it)")
         if hint:
             return done(UNKNOWN, f"proved, but perhaps vacuously: {hint}", assumptions=assumptions)
         if rank_plan.max_rank is not None:
@@ -186,6 +194,29 @@ def verify_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], file: str = "
         raise
     except Exception as err:  # a crash in one rule never stops the others
         return done(UNKNOWN, f"internal error: {type(err).__name__}: {err}")
+
+
+def _lowering_checked(proved: list[RuleInstance], clock: _Clock) -> str:
+    """The z3 lowering of every proved instance against the devices, at its smallest applicable sizes ('' if
+    they agree, or there is no time left to look)."""
+    import random
+
+    from parsat.verifier.crosscheck import lowering_disagrees
+
+    for instance in proved:
+        if clock.left() <= 0:
+            break
+        for sizes in concrete.candidate_sizes(instance, random.Random(0), 8):
+            if not concrete.applies(instance, sizes):
+                continue
+            try:
+                found = lowering_disagrees(instance, sizes)
+            except concrete.Unsupported:
+                continue
+            if found:
+                return found
+            break
+    return ""
 
 
 def _explained(cex: Counterexample, semantic) -> Counterexample:

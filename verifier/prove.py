@@ -525,22 +525,9 @@ def prove_instance(instance: RuleInstance, timeout: float) -> ProofResult:
         if verdict[0] != "proved":
             return _finish(verdict, what, instance, sizes, assumptions)
 
-    free = []
-    for k, (dim, degree) in enumerate(zip(lhs.shape, lhs.spread.shard)):
-        dim, degree = low.P(dim), low.P(degree)
-        extent = dim.floordiv(degree)
-        block = ZERO
-        if degree != ONE:
-            block = Poly.sym(f"@b{k}")
-            low.bounds[f"@b{k}"] = degree
-            facts += [zz.int(f"@b{k}") >= 0, zz.int(f"@b{k}") < zz.poly(degree)]
-        local = Poly.sym(f"@i{k}")
-        low.bounds[f"@i{k}"] = extent
-        facts += [zz.int(f"@i{k}") >= 0, zz.int(f"@i{k}") < zz.poly(extent)]
-        free.append((block, local))
-    free = tuple(free)
-    left = _normalize(low.observe(lhs, free))
-    right = _normalize(low.observe(rhs, free))
+    left, right, ranges = lowered_sides(instance, low)
+    for name, bound in ranges.items():
+        facts += [zz.int(name) >= 0, zz.int(name) < zz.poly(bound)]
     if left == right:
         return ProofResult("proved", "", {}, assumptions)
     conditions = nf.free_conditions(left) + [c for c in nf.free_conditions(right) if c not in nf.free_conditions(left)]
@@ -560,6 +547,24 @@ def prove_instance(instance: RuleInstance, timeout: float) -> ProofResult:
         if verdict[0] != "proved":
             return _finish(verdict, "the two sides compute the same values", instance, sizes, assumptions)
     return ProofResult("proved", "", {}, assumptions)
+
+
+def lowered_sides(instance: RuleInstance, low: _Lowering) -> tuple[tuple, tuple, dict[str, Poly]]:
+    """Both sides' normal forms at a free block `@b<k>` and local index `@i<k>` of the left side's spread,
+    after the lemmas; and the ranges of those free variables (`verifier.crosscheck` evaluates the same)."""
+    free, ranges = [], {}
+    for k, (dim, degree) in enumerate(zip(instance.lhs.shape, instance.lhs.spread.shard)):
+        dim, degree = low.P(dim), low.P(degree)
+        extent = dim.floordiv(degree)
+        block = ZERO
+        if degree != ONE:
+            block = Poly.sym(f"@b{k}")
+            low.bounds[f"@b{k}"] = ranges[f"@b{k}"] = degree
+        local = Poly.sym(f"@i{k}")
+        low.bounds[f"@i{k}"] = ranges[f"@i{k}"] = extent
+        free.append((block, local))
+    free = tuple(free)
+    return _normalize(low.observe(instance.lhs, free)), _normalize(low.observe(instance.rhs, free)), ranges
 
 
 def _normalize(form: tuple) -> tuple:
