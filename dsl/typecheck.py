@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
 from parsat.dsl import ast
-from parsat.dsl.conditions import Cond, NotAnInteger, to_cond, to_poly
+from parsat.dsl.conditions import Cond, NotAnInteger, divides, to_cond, to_poly
 from parsat.dsl.instantiate import InstantiationError, OpInstance, instantiate
 from parsat.dsl.spread import PARALLEL_OPS, Spread, SpreadError, apply_parallel, infer_compute
 from parsat.dsl.symbolic import Poly
@@ -142,6 +142,7 @@ class _RuleTyper:
         self.env: dict[str, Poly] = {}
         self.requires: list[Cond] = []
         self.known: Mapping[int, tuple[TypedTerm, tuple[Cond, ...]]] = {}   # see TermTyper
+        self.input_spreads: dict[str, Spread] = {}  # metavariables that arrive spread (see type_rule)
 
     # ------------------------------------------------------------ binders
     def bind(self) -> None:
@@ -194,7 +195,8 @@ class _RuleTyper:
         if isinstance(expr, ast.Name):
             if expr.id in self.tensors:
                 shape = self.tensors[expr.id]
-                return TypedTerm(expr, "input", expr.id, (), shape, Spread.whole(len(shape)))
+                return TypedTerm(expr, "input", expr.id, (), shape,
+                                 self.input_spreads.get(expr.id) or Spread.whole(len(shape)))
             if expr.id in self.symbols or expr.id in self.reals:
                 raise TypeCheckError("sort", f"'{expr.id}' is a {self.symbols.get(expr.id, 'real')}, not a tensor", expr)
             raise TypeCheckError("unbound", f"unknown metavariable '{expr.id}' (declare it after 'forall')", expr)
@@ -292,11 +294,24 @@ def _suggest(name: str, known: Mapping[str, object]) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
-def type_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], groups: Mapping[str, int]) -> RuleInstance:
-    """Type both sides of `rule` for one assignment of group lengths."""
+def type_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], groups: Mapping[str, int],
+              input_spreads: Mapping[str, Spread] | None = None) -> RuleInstance:
+    """Type both sides of `rule` for one assignment of group lengths.
+
+    Metavariables are whole tensors, unless `input_spreads` says one
+    arrives already spread (a lifted instance: the rule applied to tensors
+    spread over other mesh axes, `verifier.lifting`); each of its shard
+    degrees must then divide its dim, a condition added to `where`.
+    """
     typer = _RuleTyper(rule, ops, groups)
     typer.bind()
     where = typer.conditions()
+    if input_spreads:
+        typer.input_spreads = dict(input_spreads)
+        for name, spread in input_spreads.items():
+            for dim, (size, degree) in enumerate(zip(typer.tensors[name], spread.shard)):
+                if degree != Poly.const(1):
+                    where += (divides(degree, size, None, f"'{name}' arrives split {degree} ways along dim {dim}"),)
     lhs = typer.term(rule.lhs)
     lhs_requires = tuple(typer.requires)
     typer.requires = []

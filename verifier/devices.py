@@ -285,12 +285,13 @@ def replicate(tensor: DeviceTensor, mesh: Mesh, axes: tuple[str, ...]) -> Device
 
 
 def reduce(tensor: DeviceTensor, mesh: Mesh, axes: tuple[str, ...]) -> DeviceTensor:
-    """An all-reduce over the last partial-sum `axes`."""
+    """An all-reduce over partial-sum `axes` (any of them: a sum does not care which is added first)."""
     placement = tensor.placement
     if not axes:
         return tensor
-    if placement.sum[-len(axes):] != axes:
-        raise DeviceError(f"reduce: the partial sums are over {list(placement.sum)}, not last over {list(axes)}")
+    missing = [a for a in axes if a not in placement.sum]
+    if missing:
+        raise DeviceError(f"reduce: the partial sums are over {list(placement.sum)}, not over {missing}")
     pieces = {}
     for device in tensor.pieces:
         members = [tensor.pieces[d] for d in mesh.group(device, axes)]
@@ -298,8 +299,8 @@ def reduce(tensor: DeviceTensor, mesh: Mesh, axes: tuple[str, ...]) -> DeviceTen
         for other in members[1:]:
             total = total + other
         pieces[device] = total
-    return DeviceTensor(tensor.shape, MeshPlacement(placement.shard, placement.copy, placement.sum[:-len(axes)]),
-                        pieces)
+    kept = tuple(a for a in placement.sum if a not in axes)
+    return DeviceTensor(tensor.shape, MeshPlacement(placement.shard, placement.copy, kept), pieces)
 
 
 def _check_free(placement: MeshPlacement, axes: tuple[str, ...], what: str) -> None:
@@ -353,7 +354,9 @@ def compute_placement(instance: OpInstance, placements: Sequence[MeshPlacement],
     if len(sums) > 1:
         problems.append("partial inputs are summed over different axes")
     out_shard = tuple(var_axes.get(v, ()) for v in instance.out_vars)
-    out_sum = (sums[0] if sums else ()) + tuple(a for v in dict.fromkeys(summed) for a in var_axes.get(v, ()))
+    out_sum = sums[0] if sums else ()
+    for v in summed:  # a summed variable's axes become partial sums, once (a partial input may have them already)
+        out_sum += tuple(a for a in var_axes.get(v, ()) if a not in out_sum)
     taken = {a for d in out_shard for a in d} | set(out_sum)
     used = set().union(*used_sets) if used_sets else set()
     out_copy = tuple(a for a in mesh.names if a in used and a not in taken)
@@ -495,6 +498,32 @@ class FamilyAxes:
         return tuple(out)
 
 
+    def give_back(self, term: TypedTerm, n: int, held: tuple[str, ...]) -> tuple[str, ...]:
+        """The axes a combine (the last splits of the dim) or a reduce (its degree's families) gives back."""
+        if term.name == "reduce":
+            picked: list[str] = []
+            for family, _size in _factors(term.degree, self.sizes):
+                matches = [a for a in held if _stem(a) == family and a not in picked]
+                if not matches:
+                    break
+                last = _stem_instance(matches[-1])
+                picked += [a for a in held if _stem_instance(a) == last and a not in picked]
+            else:
+                if picked and self.mesh().product(picked) == n:
+                    return tuple(a for a in held if a in picked)
+        return _suffix(held, n, term, self.mesh())
+
+
+def _stem_instance(axis: str) -> str:
+    """`p#2:1` -> `p#2` (one allocation of a family, all its prime axes)."""
+    return axis.split(":")[0]
+
+
+def _stem(axis: str) -> str:
+    """`p#2:1` -> `p` (the family)."""
+    return axis.split(":")[0].split("#")[0]
+
+
 class BoundAxes:
     """Axes for a lifted instance: each degree symbol is bound to axes of a fixed mesh."""
 
@@ -514,6 +543,20 @@ class BoundAxes:
         if len(set(out)) != len(out) or self._mesh.product(out) != n:
             raise NotPlaceable(f"{term.name} by {n}: the bound axes {out} do not make that degree")
         return tuple(out)
+
+    def give_back(self, term: TypedTerm, n: int, held: tuple[str, ...]) -> tuple[str, ...]:
+        """A reduce gives back its bound axes wherever they are; a combine only when they are the last splits."""
+        out: list[str] = []
+        for family, _size in _factors(term.degree, self.sizes):
+            if family not in self.binding:
+                raise NotPlaceable(f"degree {term.degree} has a factor {family} bound to no mesh axis")
+            out.extend(self.binding[family])
+        if self._mesh.product(out) != n or any(a not in held for a in out):
+            raise NotPlaceable(f"{term.name} by {n}: the bound axes {out} are not among {list(held)}")
+        if term.name == "combine" and tuple(held[len(held) - len(out):]) != tuple(out):
+            raise NotPlaceable(f"combine over {out}: the dim is split over {list(held)}, and only its last splits "
+                               "can be gathered into whole blocks")
+        return tuple(a for a in held if a in out)
 
 
 def _prime_axes(stem: str, size: int) -> list[tuple[str, int]]:
@@ -601,8 +644,8 @@ class RuleSides:
                 return MeshPlacement(tuple(shard), source.copy, source.sum)
             return MeshPlacement(source.shard, source.copy + axes, source.sum)
         held = source.shard[term.dim] if term.name == "combine" else source.sum
-        axes = self.axes_of[id(term)] = _suffix(held, n, term, self.axes.mesh())
-        kept = held[:len(held) - len(axes)]
+        axes = self.axes_of[id(term)] = self.axes.give_back(term, n, held)
+        kept = tuple(a for a in held if a not in axes)
         if term.name == "combine":
             shard = list(source.shard)
             shard[term.dim] = kept
