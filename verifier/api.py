@@ -10,6 +10,7 @@ the rule and its operators, so the results are the same as a serial run.
 from __future__ import annotations
 
 import fnmatch
+import math
 import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -109,6 +110,8 @@ def verify_library(library: Library, *, match: Sequence[str] | None = None, time
     library order. A cached REFUTED verdict is trusted only once its
     counterexample fails again on the devices.
     """
+    if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     report = VerifyReport()
     ops = library.ops
     todo: list[tuple[str, ast.RuleDecl]] = []

@@ -48,6 +48,7 @@ from parsat.dsl import ast
 from parsat.dsl.conditions import symbolic_truth
 from parsat.dsl.evaluate import EvaluationError, evaluate
 from parsat.dsl.instantiate import InstantiationError, OpInstance, index_bounds, instantiate
+from parsat.dsl.placement import prime_factors
 from parsat.dsl.spread import Spread, block_read
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import TypedTerm
@@ -562,14 +563,7 @@ class BoundAxes:
 def _prime_axes(stem: str, size: int) -> list[tuple[str, int]]:
     """One axis per prime factor (smallest major), so that a combine or reduce by a factor of a
     degree finds its axes: `p` = 4 is `p:0` x `p:1`, and `combine(., d, 2)` gives back `p:1`."""
-    primes, n, f = [], size, 2
-    while f * f <= n:
-        while n % f == 0:
-            primes.append(f)
-            n //= f
-        f += 1
-    if n > 1:
-        primes.append(n)
+    primes = prime_factors(size)
     if len(primes) <= 1:
         return [(stem, size)]
     return [(f"{stem}:{i}", prime) for i, prime in enumerate(primes)]
