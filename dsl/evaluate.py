@@ -215,6 +215,8 @@ class _Evaluator:
                 return self._number(self.reals[attr.id])
             integer = self._int(expr, env)
             return np.asarray(integer, dtype=object) if self.exact else np.asarray(integer, dtype=np.float64)
+        if isinstance(expr, ast.Len):
+            return self._number(self.instance.groups[expr.group])
         if isinstance(expr, ast.Access):
             array = np.asarray(self._tensor(expr.tensor, s), dtype=self.dtype)
             if array.ndim != len(expr.indices):

@@ -24,6 +24,14 @@ from parsat.verifier.verdict import Verdict
 
 RULES = '''import "ops.rule"
 
+# the rank is a value here: the collapse argument does not hold
+op times_rank(x: [*s]) -> [*s]
+  out[*i] = x[*i] * len(s)
+
+rule rank_as_a_value:
+  forall x: [*s], y: [*s]
+  times_rank(add(x, y)) => add(times_rank(x), times_rank(y))
+
 rule bounded_sums_over_a_group_dim:
   forall x: [*s, n]
   reduce_sum(add(x, x), 0) => add(reduce_sum(x, 0), reduce_sum(x, 0))
@@ -92,6 +100,11 @@ def test_a_rule_proved_only_up_to_a_rank_is_bounded_with_the_bound_in_its_line(v
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith(f"BOUNDED (ranks up to {ranks.MAX_RANK})") and out[-1] == \
         "0 proved, 1 bounded, 0 refuted, 0 unknown"
+
+
+def test_an_operator_that_reads_the_rank_bounds_the_proof(verdicts):
+    verdict = verdicts["rank_as_a_value"]
+    assert verdict.verdict == "BOUNDED" and "uses the length of a group as a value" in verdict.reason
 
 
 def test_batch_like_groups_are_proved_for_every_rank(verdicts):

@@ -244,6 +244,8 @@ class _Body:
                 attr = self.instance.real_attrs[expr.id]
                 return nf.const(Fraction(attr.value)) if isinstance(attr, ast.Num) else nf.factor(("real", attr.id))
             return nf.size(self.index(expr, variables))
+        if isinstance(expr, ast.Len):
+            return nf.size(self.index(expr, variables))
         if isinstance(expr, ast.Access):
             return self.access(expr, s, variables)
         if isinstance(expr, ast.Neg):

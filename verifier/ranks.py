@@ -198,6 +198,8 @@ def _op_problem(term: TypedTerm, out: tuple[int, int] | None, first: Poly, secon
     instance = term.instance
     name = instance.name
     group_symbols = first.symbols() | second.symbols()
+    if any(isinstance(n, ast.Len) for n in ast.walk(instance.body)):
+        return f"{name}'s semantics uses the length of a group as a value"
     for attr, value in instance.attrs.items():
         if value.symbols() & group_symbols:
             return f"{name}'s attribute '{attr}' depends on the group's sizes"
