@@ -126,6 +126,9 @@ def verify_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], file: str = "
                 break
             failure, ran, skip = concrete.search(instance, count=per_instance, deadline=clock.deadline,
                                                  extra=_witnesses(instance), notes=notes)
+            if failure is None and not ran:  # no drawn size applies: ask the checker's search for some that do
+                failure, ran, skip = concrete.search(instance, count=0, deadline=clock.deadline,
+                                                     extra=_applicable(instance), notes=notes)
             trials += ran
             skipped = skipped or skip
             if failure is not None:
@@ -175,6 +178,10 @@ def verify_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], file: str = "
                 return done(UNKNOWN, f"{result.reason}{_groups(instance)}; its model ({sizes}) does not replay on "
                                      "the devices, so a lemma may be missing")
             return done(UNKNOWN, result.reason + _groups(instance))
+        if not trials:
+            return done(UNKNOWN, "z3 proved it, but no size where it applies could be run on the devices, so the "
+                                 f"proof was never checked against them{': ' + skipped if skipped else ''}",
+                        assumptions=assumptions)
         disagreement = _lowering_checked(rank_plan.proof, clock)
         if disagreement:
             notes.append(disagreement)
@@ -235,6 +242,17 @@ def _witnesses(instance: RuleInstance) -> list[dict[str, int]]:
         if sizes is not None:
             found.append(sizes)
     return found
+
+
+def _applicable(instance: RuleInstance) -> list[dict[str, int]]:
+    """Sizes where the rule applies (with every degree at least 2 when possible), for rules whose
+    conditions the drawn sizes miss."""
+    assumptions = instance.where + instance.lhs_requires + instance.rhs_requires
+    degrees = tuple(Rel(">=", Poly.sym(d), Poly.const(2)) for d, k in instance.symbols.items() if k == "degree")
+    found = [witness(assumptions + degrees, instance.symbols)]
+    if found[0] is None:
+        found = [witness(assumptions, instance.symbols)]
+    return [sizes for sizes in found if sizes is not None]
 
 
 def _vacuity(typed: list[RuleInstance], prove, clock: _Clock) -> str:
