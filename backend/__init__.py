@@ -1,1 +1,14 @@
-"""parsat.backend"""
+"""parsat.backend: plans run for real on torch.distributed; the only package that imports torch.
+
+Modules:
+`launch` (N ranks spawned here or joined under torchrun; a rank that dies,
+raises or hangs ends the job with its name), `collectives` (the four
+parallel operators as autograd-aware collectives on subgroups),
+`torch_ops` (the library's operators on local pieces), `executor` (a PCG
+as training steps on every rank, checked against one process), `cli`
+(`parsat run`, `parsat calibrate`), `calibrate` (this machine's speeds for
+the cost model), `fx_import` (a torch `nn.Module` as a parsat graph).
+
+It reads plans through `parsat.ir` (docs/plan-schema.md) and nothing of the
+optimizer.
+"""

@@ -2,7 +2,7 @@
 
 The cost model (saturate/cost.py) prices a compute operator by a roofline,
 max(FLOPs / peak_flops, bytes / memory_bandwidth), with FLOPs and elements
-taken from the operator's index semantics (`cost.work`), and a collective
+taken from the operator's index semantics (`dsl.work`), and a collective
 by alpha-beta (ring all-reduce 2(p-1) alpha + 2(p-1)/p n bytes / bw). So
 calibration measures exactly those parameters, through the same formulas:
 
@@ -13,7 +13,7 @@ calibration measures exactly those parameters, through the same formulas:
   (gloo on CPU, nccl on CUDA) and the two points give alpha and bw; an
   all-gather is timed too, to show how well the fitted line predicts it.
 
-The result is a `saturate.machine.Machine` written with its own `save`, so
+The result is a `ir.machine.Machine` written with its own `save`, so
 `parsat optimize --machine machine.json` loads it. One node is measured:
 the inter-node link is set to the intra-node one (there is nothing else to
 measure here), which matters only for plans larger than `nproc` devices.
@@ -32,9 +32,9 @@ import torch.distributed as dist
 
 from parsat.backend.launch import LaunchConfig, RankContext, launch
 from parsat.backend.torch_ops import apply_op
-from parsat.saturate.cost import work
-from parsat.saturate.graph import instance_for
-from parsat.saturate.machine import Machine
+from parsat.dsl.work import work
+from parsat.ir.graph import instance_for
+from parsat.ir.machine import Machine
 
 DTYPE = torch.float32  # the cost model's default training precision (dtype_bytes = 4)
 

@@ -64,11 +64,12 @@ def load_plan(path: str, nproc: int, plan_of: str = "parsat"):
     from `baselines.NAME` (`nodes` and `outputs` there, or under `pcg`, in
     the top level's node format); a plan file written before baselines
     carried their PCG can still run `data_parallel`, rebuilt from the graph
-    by the optimizer's own definition (`saturate.api.data_parallel_pcg`).
+    by the optimizer's own definition (`ir.data_parallel.data_parallel_pcg`).
     """
     from parsat.backend.executor import ExecutionError, Prediction, operator_library
-    from parsat.saturate.graph import Graph
-    from parsat.saturate.plan import load_plan_dict, pcg_from_dict
+    from parsat.ir.data_parallel import data_parallel_pcg
+    from parsat.ir.graph import Graph
+    from parsat.ir.plan import load_plan_dict, pcg_from_dict
 
     data = load_plan_dict(path)
     devices = data.get("devices")
@@ -88,8 +89,6 @@ def load_plan(path: str, nproc: int, plan_of: str = "parsat"):
         if "nodes" in source and "outputs" in source:
             pcg = pcg_from_dict(source)
         elif plan_of == "data_parallel":
-            from parsat.saturate.api import data_parallel_pcg
-
             pcg = data_parallel_pcg(graph, library, nproc)
             if pcg is None:
                 raise ExecutionError(f"data parallelism does not apply to {path}'s graph")
@@ -106,9 +105,9 @@ def main_run(args: argparse.Namespace) -> int:
     try:
         from parsat.backend.executor import ExecutionError, TrainConfig, check_worlds, run_plan
         from parsat.backend.launch import LaunchError
-        from parsat.dsl.placement import PlacementError
-        from parsat.saturate.graph import GraphError
-        from parsat.saturate.plan import PlanError
+        from parsat.ir.placement import PlacementError
+        from parsat.ir.graph import GraphError
+        from parsat.ir.plan import PlanError
     except ImportError as err:  # torch missing
         return _fail(f"the backend needs torch ({err}); install it with: pip install torch==2.13.0")
     from parsat.backend.launch import under_torchrun

@@ -19,7 +19,7 @@ Counting convention (ring algorithms, elements a rank sends per call): an
 all-gather of a full tensor of n elements over p ranks sends (p-1)/p * n
 per rank, (p-1) * n over the group; an all-reduce of n elements sends
 2(p-1)/p * n per rank, 2(p-1) * n over the group (with p = 2, 2n: the
-813,056 of data-parallel MLP training in DESIGN section 2). Where a
+813,056 of data-parallel MLP training, docs/ARCHITECTURE.md). Where a
 tensor has fewer pieces than ranks, the ranks that differ only on its free
 atoms run the same collective redundantly; `sent` counts every one of them
 (what went over the wire, and what the cost model predicts: each replica
@@ -38,7 +38,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from parsat.dsl.placement import Axis, Layout, all_groups, group_ranks, mixed_radix, product
+from parsat.dsl.parallel_ops import COMBINE, PARTITION, REPLICATE
+from parsat.ir.placement import Axis, Placement, all_groups, group_ranks, mixed_radix, product
 
 
 @dataclass(frozen=True)
@@ -219,8 +220,8 @@ class _Reduce(torch.autograd.Function):
         return grad, None
 
 
-def parallel_op(name: str, x: torch.Tensor, layout: Layout, degree: int, dim: int | None,
-                cache: GroupCache, counter: CommCounter, tag: str = "") -> tuple[torch.Tensor, Layout]:
+def parallel_op(name: str, x: torch.Tensor, layout: Placement, degree: int, dim: int | None,
+                cache: GroupCache, counter: CommCounter, tag: str = "") -> tuple[torch.Tensor, Placement]:
     """Apply parallel operator `name` to this rank's piece `x` of a tensor laid out as `layout`.
 
     Returns the new local piece and the new layout. Degree 1 is the identity
@@ -232,10 +233,10 @@ def parallel_op(name: str, x: torch.Tensor, layout: Layout, degree: int, dim: in
     # Ranks that differ only on the input's other free atoms run the same collective redundantly.
     replicas = product(a for a in layout.free if a not in axes)
     comm = make_comm(cache, axes, counter, name, replicas, tag)
-    if name == "partition":
+    if name == PARTITION:
         return _Partition.apply(x, dim, comm), new_layout
-    if name == "combine":
+    if name == COMBINE:
         return _Combine.apply(x, dim, comm), new_layout
-    if name == "replicate":
+    if name == REPLICATE:
         return _Replicate.apply(x, comm), new_layout
     return _Reduce.apply(x, comm), new_layout

@@ -40,10 +40,10 @@ from parsat.backend.collectives import CommCounter, GroupCache, parallel_op
 from parsat.backend.launch import LaunchConfig, RankContext, launch
 from parsat.backend.torch_ops import apply_op
 from parsat.dsl.library import Library, load_library, shipped_rules_dir
-from parsat.dsl.placement import Layout, PlacementError, piece_index
-from parsat.saturate.graph import Graph
-from parsat.saturate.pcg import PCG, PNode
-from parsat.saturate.pcg_layout import lay_out
+from parsat.ir.placement import Placement, PlacementError, piece_index
+from parsat.ir.graph import Graph
+from parsat.ir.pcg import PCG, PNode
+from parsat.ir.pcg_layout import lay_out
 
 OPTIMIZERS = ("sgd", "adam")
 
@@ -199,7 +199,7 @@ def reference_run(graph: Graph, config: TrainConfig) -> Reference:
 class _Param:
     name: str
     tensor: torch.Tensor
-    layout: Layout
+    layout: Placement
     shape: tuple[int, ...]
 
 
@@ -214,7 +214,7 @@ class RankProgram:
     cache: GroupCache = field(init=False)
     params: dict[int, _Param] = field(init=False)          # stored-at node id -> parameter
     folded: set[int] = field(init=False)                   # partition nodes absorbed into storage
-    layouts: dict[int, Layout] = field(init=False)         # node id -> where its pieces live
+    layouts: dict[int, Placement] = field(init=False)         # node id -> where its pieces live
     output_names: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -243,10 +243,10 @@ class RankProgram:
         piece = full[piece_index(layout, self.ctx.rank, leaf.shape)].to(self.ctx.device, copy=True).requires_grad_()
         self.params[at] = _Param(leaf.op, piece, layout, tuple(leaf.shape))
 
-    def forward(self, step: int, counter: CommCounter) -> dict[int, tuple[torch.Tensor, Layout]]:
+    def forward(self, step: int, counter: CommCounter) -> dict[int, tuple[torch.Tensor, Placement]]:
         """Every node's local piece and layout for this step's batch."""
         onehot = _onehot_leaves([(str(n.id), n.op, [str(i) for i in n.inputs]) for n in self.pcg])
-        env: dict[int, tuple[torch.Tensor, Layout]] = {}
+        env: dict[int, tuple[torch.Tensor, Placement]] = {}
         for node in self.pcg:
             if node.id in self.params:
                 param = self.params[node.id]
@@ -568,7 +568,7 @@ def run_plan(pcg: PCG, nproc: int, config: TrainConfig, graph: Graph | None = No
                      config.tolerance if config.check else None)
 
 
-def check_worlds(pcg: PCG, nproc: int, library: Library | None = None) -> dict[int, Layout]:
+def check_worlds(pcg: PCG, nproc: int, library: Library | None = None) -> dict[int, Placement]:
     """Every node's layout on `nproc` ranks; ExecutionError for a plan that needs more ranks than the job has,
     or whose pieces cannot be laid out on them. The launcher calls it before any rank starts (otherwise
     every rank finds it out at the same node), and each rank once, for the layouts it runs with."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from parsat.saturate.graph import Graph, GraphBuilder, GraphError, Tensor
+from parsat.ir.graph import Graph, GraphBuilder, GraphError, Tensor
 
 
 class FxImportError(ValueError):

@@ -20,8 +20,8 @@ import torch
 from parsat.backend.executor import (ExecutionError, TrainConfig, _onehot_leaves, evaluate_graph, leaf_value,
                                      relative_difference)
 from parsat.backend.torch_ops import apply_op
-from parsat.saturate.graph import Graph
-from parsat.saturate.pcg import PCG
+from parsat.ir.graph import Graph
+from parsat.ir.pcg import PCG
 
 RTOL = 1e-6  # float64 forward of a rewritten graph: reassociation errors are ~1e-15
 

@@ -17,10 +17,10 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from parsat.api import optimize
 from parsat.backend.cli import PLAN_OF, load_plan
 from parsat.backend.executor import ExecutionError, TrainConfig, check_outcome, run_many
 from parsat.backend.launch import LaunchConfig, launch
-from parsat.saturate.api import optimize
 
 GRAPHS = {
     "mlp": {},

@@ -25,9 +25,10 @@ import sys
 import time
 from pathlib import Path
 
+from parsat.api import optimize
 from parsat.dsl.checker import load_checked
-from parsat.saturate.api import OptimizeError, optimize
-from parsat.saturate.generate import derive_library, rules_over
+from parsat.generate.generate import derive_library, rules_over
+from parsat.saturate.errors import OptimizeError
 
 
 def main(argv=None) -> int:

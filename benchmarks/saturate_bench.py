@@ -20,8 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+from parsat.api import optimize
 from parsat.dsl.library import load_library
-from parsat.saturate.api import OptimizeError, optimize
+from parsat.saturate.errors import OptimizeError
 
 
 def fmt_ms(seconds):

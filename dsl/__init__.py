@@ -1,4 +1,15 @@
-"""The `.rule` language: grammar, parser, AST, checker, printer.
+"""parsat.dsl: the `.rule` language, the bottom layer every stage reads (docs/LANGUAGE.md).
+
+Modules, from text to meaning:
+`parser` (Lark grammar `rule.lark` to the frozen AST of `ast`), `errors`
+(`file:line:col` diagnostics with the line and a caret), `library` (files
+and imports to a `Library`), `symbolic` and `conditions` (sizes and side
+conditions as polynomials), `instantiate` (an operator at concrete ranks),
+`parallel_ops` (the one table of partition, combine, replicate, reduce),
+`spread` (how operators change a tensor's spread), `typecheck` (a rule's
+two sides typed: shapes and spreads), `checker` (every diagnostic, and
+`load_checked`), `evaluate` (numpy semantics), `work` (FLOPs and bytes of an
+operator), `printer` (canonical source), `cli` (`parsat check`, `parsat fmt`).
 
 Importing this package imports neither torch, z3 nor egglog.
 """

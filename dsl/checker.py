@@ -24,7 +24,7 @@ from parsat.dsl.conditions import Negation, NotAnInteger, Rel, holds, to_cond, t
 from parsat.dsl.errors import Diagnostic, DslError, SourceCache
 from parsat.dsl.instantiate import SCALAR_FUNCTIONS, InstantiationError, expanded, instantiate, op_groups
 from parsat.dsl.library import Library
-from parsat.dsl.spread import PARALLEL_OPS
+from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import RuleInstance, TypeCheckError, check_rhs_bound, group_assignments, type_rule
 

@@ -84,7 +84,7 @@ class _Loader:
         if real in self.done:
             return
         self.done.add(real)
-        display = _display(path)
+        display = display_path(path)
         try:
             text = Path(path).read_text(encoding="utf-8")
         except UnicodeDecodeError as err:
@@ -111,7 +111,7 @@ class _Loader:
         self.modules.append(module)
 
 
-def _display(path: Path) -> str:
+def display_path(path: Path) -> str:
     """A path as the user would write it: relative to the working folder when inside it."""
     try:
         relative = os.path.relpath(path)

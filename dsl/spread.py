@@ -30,15 +30,6 @@ from parsat.dsl.conditions import Cond, NotAnInteger, Rel, divides, symbolic_tru
 from parsat.dsl.instantiate import OpInstance, index_bounds, param_dim_names
 from parsat.dsl.symbolic import ONE, Poly
 
-PARALLEL_OPS: dict[str, tuple[str, ...]] = {
-    # name: parameter kinds, in call order
-    "partition": ("tensor", "dim", "degree"),
-    "combine": ("tensor", "dim", "degree"),
-    "replicate": ("tensor", "degree"),
-    "reduce": ("tensor", "degree"),
-}
-
-
 @dataclass(frozen=True)
 class Spread:
     """Per-dim shard degrees, copy degree, partial-sum degree."""

@@ -17,7 +17,8 @@ from typing import Iterator, Mapping
 from parsat.dsl import ast
 from parsat.dsl.conditions import Cond, NotAnInteger, divides, to_cond, to_poly
 from parsat.dsl.instantiate import InstantiationError, OpInstance, instantiate
-from parsat.dsl.spread import PARALLEL_OPS, Spread, SpreadError, apply_parallel, infer_compute
+from parsat.dsl.parallel_ops import PARALLEL_OPS
+from parsat.dsl.spread import Spread, SpreadError, apply_parallel, infer_compute
 from parsat.dsl.symbolic import Poly
 
 
@@ -210,7 +211,7 @@ class _RuleTyper:
         return self._compute(expr, op)
 
     def _parallel(self, expr: ast.Call) -> TypedTerm:
-        kinds = PARALLEL_OPS[expr.func]
+        kinds = PARALLEL_OPS[expr.func].params
         if len(expr.args) != len(kinds):
             names = {"tensor": "x", "dim": "dim", "degree": "n"}
             signature = ", ".join(names[k] for k in kinds)
@@ -218,7 +219,7 @@ class _RuleTyper:
                                           f"got {len(expr.args)}", expr)
         source = self.term(expr.args[0])
         dim = None
-        if kinds[1] == "dim":
+        if PARALLEL_OPS[expr.func].has_dim:
             dim_poly = self._size(expr.args[1])
             if not dim_poly.is_const:
                 raise TypeCheckError("attribute", f"{expr.func}: the dim must be a constant or len(group), "

@@ -1,7 +1,15 @@
-"""parsat: proven rewrites, jointly optimized parallelization.
+"""parsat: proven rewrites, jointly optimized parallelization (docs/ARCHITECTURE.md).
 
-The public API is re-exported here; importing `parsat` imports neither
-torch, z3 nor egglog (each is imported by the subpackage that needs it).
+The facade, on top of every stage: the public API is re-exported here,
+lazily, so importing `parsat` imports neither torch, z3 nor egglog (each is
+imported by the subpackage that needs it, when it is used).
+
+Modules: `api` (`optimize` with only the rules the verifier PROVED),
+`cli` (the `parsat` command; each subcommand lives with its stage),
+`optimize_cli` (`parsat optimize`, which joins verifier, search and torch
+import), `__main__` (`python -m parsat`). The stages are the packages
+`parsat.dsl`, `parsat.ir`, `parsat.verifier`, `parsat.saturate`,
+`parsat.generate` and `parsat.backend`.
 """
 
 from __future__ import annotations
@@ -13,10 +21,10 @@ __all__ = ["__version__", "load_rules", "check", "verify", "optimize", "from_tor
 
 # Lazy re-exports of the saturation API (importing parsat must not import egglog).
 _LAZY = {
-    "Machine": "parsat.saturate.machine",
-    "Graph": "parsat.saturate.graph",
-    "GraphBuilder": "parsat.saturate.graph",
-    "Limits": "parsat.saturate.saturate",
+    "Machine": "parsat.ir.machine",
+    "Graph": "parsat.ir.graph",
+    "GraphBuilder": "parsat.ir.graph",
+    "Limits": "parsat.saturate.runner",
 }
 
 
@@ -29,8 +37,8 @@ def __getattr__(name: str):
 
 
 def optimize(graph, machine="h100x8", rules=None, limits=None, devices=None, **options):
-    """The cheapest plan the proven rules reach: see `parsat.saturate.api.optimize`."""
-    from parsat.saturate.api import optimize as run
+    """The cheapest plan the proven rules reach: see `parsat.api.optimize`."""
+    from parsat.api import optimize as run
 
     return run(graph, machine=machine, rules=rules, limits=limits, devices=devices, **options)
 

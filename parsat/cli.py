@@ -1,7 +1,9 @@
 """The `parsat` command line.
 
 Each subcommand lives with the package that does the work (`dsl`,
-`verifier`, `saturate`, `backend`) and registers itself here. Errors a user
+`verifier`, `saturate`, `generate`, `backend`) and registers itself here;
+`optimize`, which joins the verifier, the search and the torch import,
+lives in the facade (`optimize_cli`). Errors a user
 can cause end with a message and a non-zero exit, never a stack trace.
 """
 
@@ -22,10 +24,10 @@ SUBCOMMANDS = {
     "verify": "parsat.verifier.cli",
     "run": "parsat.backend.cli",
     "calibrate": "parsat.backend.cli",
-    "optimize": "parsat.saturate.cli",
+    "optimize": "parsat.optimize_cli",
     "explain": "parsat.saturate.cli",
     "show": "parsat.saturate.cli",
-    "generate": "parsat.saturate.generate_cli",
+    "generate": "parsat.generate.cli",
 }
 
 

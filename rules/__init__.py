@@ -1,4 +1,8 @@
-"""The shipped `.rule` library, installed as package data."""
+"""parsat.rules: the shipped `.rule` library, installed as package data.
+
+`ops.rule` (operators and their index semantics), `algebraic.rule` and
+`parallel.rule` (rewrite rules, every one PROVED by `parsat verify rules/`).
+"""
 
 from pathlib import Path
 

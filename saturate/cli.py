@@ -1,9 +1,9 @@
-"""`parsat optimize`, `parsat explain`, `parsat show`: the saturation subcommands.
+"""`parsat explain`, `parsat show`: reading a plan the optimizer wrote.
 
-Every error a user can cause (a bad graph, an unknown preset, a device
-count the model cannot use, a plan that does not fit) ends with a message
-and exit status 1, never a stack trace. egglog is only imported when
-`optimize` runs.
+(`parsat optimize` is the facade's, `parsat/optimize_cli.py`: it joins the
+verifier's proofs, the torch import of a model and this package's search.)
+A plan file that cannot be read ends with a message and exit status 1,
+never a stack trace. Neither command imports egglog.
 """
 
 from __future__ import annotations
@@ -12,27 +12,10 @@ import argparse
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 
 def register(subparsers) -> None:
-    opt = subparsers.add_parser("optimize", help="find the cheapest parallel plan for a model (equality saturation)")
-    opt.add_argument("model", nargs="?", metavar="MODEL",
-                     help="a graph JSON file, a built-in example name, or model.py:factory (a torch module)")
-    opt.add_argument("--devices", "-n", type=int, default=None, help="number of devices (default: one machine node)")
-    opt.add_argument("--machine", "-m", default="h100x8", help="machine preset (h100x8, a100x8, cpu) or JSON file")
-    opt.add_argument("--output", "-o", default=None, metavar="PLAN", help="write the plan JSON here")
-    opt.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="size of a built-in example")
-    opt.add_argument("--rules", action="append", default=None, metavar="PATH",
-                     help=".rule files or folders (default: the shipped rules); repeat for several")
-    opt.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE",
-                     help="saturation limits: iterations, enodes, seconds, ilp_seconds")
-    opt.add_argument("--allow-unverified", action="store_true", help="also use rules the verifier has not PROVED")
-    opt.add_argument("--list-examples", action="store_true", help="list the built-in examples and their sizes")
-    opt.add_argument("--no-baselines", action="store_true", help="skip the baselines (faster)")
-    opt.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
-    opt.set_defaults(run=run_optimize)
     exp = subparsers.add_parser("explain", help="print a plan's cost breakdown, spreads and rules")
     exp.add_argument("plan", metavar="PLAN", help="a plan JSON written by parsat optimize")
     exp.add_argument("--all", action="store_true", help="list every node (default: the first 40)")
@@ -43,75 +26,14 @@ def register(subparsers) -> None:
     show.set_defaults(run=run_show)
 
 
-def _pairs(items: list[str], what: str, cast=int) -> dict:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"{what} must look like KEY=VALUE, got '{item}'")
-        try:
-            out[key.strip()] = cast(value)
-        except ValueError:
-            raise ValueError(f"{what} {key}: '{value}' is not a number") from None
-    return out
-
-
 def _error(message: str) -> int:
     print(f"parsat: error: {message}", file=sys.stderr)
     return 1
 
 
-def run_optimize(args: argparse.Namespace) -> int:
-    from parsat.saturate.models import EXAMPLES
-
-    if args.list_examples:
-        for name, example in EXAMPLES.items():
-            sizes = " ".join(f"{k}={v}" for k, v in example.defaults().items())
-            print(f"{name:<12} {example.summary}\n{'':<12} sizes: {sizes}")
-        return 0
-    if not args.model:
-        return _error("give a MODEL (a graph JSON file or an example: " + ", ".join(EXAMPLES) + ")")
-    from parsat.dsl.errors import DslError
-    from parsat.saturate.api import OptimizeError, optimize
-    from parsat.saturate.graph import GraphError
-    from parsat.saturate.machine import MachineError
-
-    try:
-        sizes = _pairs(args.set, "--set")
-        limits = _pairs(args.limit, "--limit", float)
-        for key in ("iterations", "enodes"):
-            if key in limits:
-                limits[key] = int(limits[key])
-        start = time.perf_counter()
-
-        def progress(message: str) -> None:
-            if not args.quiet:
-                print(f"[{time.perf_counter() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
-
-        model = args.model
-        if ".py:" in model:  # model.py:factory -> (module, example inputs): torch.fx import, torch loaded only here
-            from parsat.backend.fx_import import load_model_file
-            model = load_model_file(model)
-        plan = optimize(model, machine=args.machine, rules=args.rules, limits=limits or None,
-                        devices=args.devices, allow_unverified=True if args.allow_unverified else None,
-                        baselines=not args.no_baselines, sizes=sizes or None, progress=progress)
-    except (ValueError, OptimizeError, GraphError, MachineError) as err:
-        return _error(str(err))
-    except DslError as err:
-        return _error(f"the rules do not load:\n{err}")
-    if args.output:
-        try:
-            plan.save(args.output)
-        except OSError as err:
-            return _error(f"cannot write {args.output}: {err.strerror}")
-        print(f"wrote {args.output}", file=sys.stderr)
-    print(plan.explain())
-    return 0
-
-
 def run_explain(args: argparse.Namespace) -> int:
-    from parsat.saturate.plan import PlanError, explain, load_plan_dict
-    from parsat.saturate.validate import validate_plan_report
+    from parsat.ir.plan import PlanError, explain, load_plan_dict
+    from parsat.ir.validate import validate_plan_report
 
     try:
         data = load_plan_dict(args.plan)
@@ -156,8 +78,8 @@ def plan_dot(data: dict) -> str:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from parsat.saturate.plan import PlanError, load_plan_dict
-    from parsat.saturate.validate import validate_plan_report
+    from parsat.ir.plan import PlanError, load_plan_dict
+    from parsat.ir.validate import validate_plan_report
 
     try:
         data = load_plan_dict(args.plan)

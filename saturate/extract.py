@@ -31,11 +31,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
 from parsat.dsl.library import Library
-from parsat.saturate.cost import NodeCost, compute_cost, gather_cost, parallel_cost
-from parsat.saturate.egglog_compile import PIN_SUFFIX, Snapshot
-from parsat.saturate.graph import Graph, instance_for
-from parsat.saturate.machine import Machine
-from parsat.saturate.pcg import Layout
+from parsat.dsl.parallel_ops import PARALLEL_OPS, REPLICATE
+from parsat.ir.costs import NodeCost
+from parsat.ir.graph import Graph, instance_for
+from parsat.ir.machine import Machine
+from parsat.ir.pcg import Degrees
+from parsat.saturate.cost import compute_cost, gather_cost, parallel_cost
+from parsat.saturate.encoding import PIN_SUFFIX
+from parsat.saturate.snapshot import Snapshot
 
 NodeId = tuple[int, int]  # (e-class, index of the e-node in the class)
 EPSILON = 1e-12           # a strictly positive cost per node keeps tree costs strictly increasing
@@ -61,7 +64,7 @@ def leaf_roles(snapshot: Snapshot, graph: Graph) -> dict[int, str]:
 
 def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Machine,
                free_input_layouts: bool = True, devices: int | None = None,
-               input_pins: Mapping[str, Layout] | None = None) -> dict[NodeId, NodeCost]:
+               input_pins: Mapping[str, Degrees] | None = None) -> dict[NodeId, NodeCost]:
     """Every e-node priced by the cost model; e-nodes the model rejects are left out.
 
     With `free_input_layouts` (the default) graph inputs may arrive in any
@@ -78,9 +81,9 @@ def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Mach
         for index, node in enumerate(nodes):
             if any(ch not in snapshot.shape for ch in node.children):
                 continue
-            cost = pricer.price(node.op, node.attrs, snapshot.shape[cid], snapshot.layout[cid],
+            cost = pricer.price(node.op, node.attrs, snapshot.shape[cid], snapshot.degrees[cid],
                                 tuple(snapshot.shape[ch] for ch in node.children),
-                                tuple(snapshot.layout[ch] for ch in node.children),
+                                tuple(snapshot.degrees[ch] for ch in node.children),
                                 tuple(roles.get(ch, "") for ch in node.children))
             if cost is not None:
                 out[(cid, index)] = cost
@@ -96,31 +99,31 @@ class Pricer:
     """
 
     def __init__(self, library: Library, machine: Machine, free_input_layouts: bool = True,
-                 devices: int | None = None, input_pins: Mapping[str, Layout] | None = None):
+                 devices: int | None = None, input_pins: Mapping[str, Degrees] | None = None):
         self.library, self.machine, self.free_inputs = library, machine, free_input_layouts
         self.devices = devices
         self.input_pins = dict(input_pins or {})
         self.cache: dict = {}
 
-    def price(self, op: str, attrs: tuple, shape, layout: Layout, child_shapes, child_layouts, roles) -> NodeCost | None:
+    def price(self, op: str, attrs: tuple, shape, degrees: Degrees, child_shapes, child_degrees, roles) -> NodeCost | None:
         if op == "leaf":
             pinned = self.input_pins.get(attrs[0]) if attrs else None
             return gather_cost(self.machine, pinned, shape, self.devices) if pinned else NodeCost()
-        key = (op, tuple(attrs), tuple(shape), layout, tuple(child_shapes), tuple(child_layouts), tuple(roles))
+        key = (op, tuple(attrs), tuple(shape), degrees, tuple(child_shapes), tuple(child_degrees), tuple(roles))
         if key not in self.cache:
-            if op in ("partition", "combine", "replicate", "reduce"):
+            if op in PARALLEL_OPS:
                 role = roles[0]
-                if role == "input" and not self.free_inputs and op == "replicate":
+                if role == "input" and not self.free_inputs and op == REPLICATE:
                     role = "broadcast-input"
-                self.cache[key] = _parallel(op, attrs[-1], shape, child_layouts[0], layout, self.machine, role,
+                self.cache[key] = _parallel(op, attrs[-1], shape, child_degrees[0], degrees, self.machine, role,
                                             self.devices)
             else:
-                self.cache[key] = _compute(self.library, op, attrs, child_shapes, child_layouts, layout, self.machine,
+                self.cache[key] = _compute(self.library, op, attrs, child_shapes, child_degrees, degrees, self.machine,
                                            tuple(r == "weight" for r in roles))
         return self.cache[key]
 
 
-def _parallel(op: str, degree: int, shape, source: Layout, out: Layout, machine: Machine, role: str,
+def _parallel(op: str, degree: int, shape, source: Degrees, out: Degrees, machine: Machine, role: str,
               devices: int | None) -> NodeCost:
     if role == "broadcast-input":  # a whole input sent to the copies: (p-1) n elements
         bw, alpha = machine.link(degree)
@@ -131,7 +134,7 @@ def _parallel(op: str, degree: int, shape, source: Layout, out: Layout, machine:
     return parallel_cost(op, degree, shape, source, out, machine, role, devices)
 
 
-def _compute(library: Library, op_name: str, values: tuple, shapes, layouts, out: Layout, machine: Machine,
+def _compute(library: Library, op_name: str, values: tuple, shapes, input_degrees, out: Degrees, machine: Machine,
              weights) -> NodeCost | None:
     op = library.ops.get(op_name)
     if op is None:
@@ -143,7 +146,7 @@ def _compute(library: Library, op_name: str, values: tuple, shapes, layouts, out
         instance = instance_for(op, shapes, attrs)
     except Exception:  # the cost model only prices what instantiates; anything else is not extractable
         return None
-    cost = compute_cost(instance, layouts, out, machine, weights)
+    cost = compute_cost(instance, input_degrees, out, machine, weights)
     return None if cost.problems else cost
 
 

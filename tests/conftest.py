@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from parsat.dsl.checker import check_paths
-from parsat.saturate.pcg import PCG, Layout, PNode
+from parsat.ir.pcg import PCG, Degrees, PNode
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def diagnostics(write_rules):
 
 
 def _node(ident, kind, op, inputs, shape, shard, copy=1, attrs=(), role=""):
-    return PNode(ident, kind, op, tuple(inputs), tuple(attrs), tuple(shape), Layout(tuple(shard), copy), role)
+    return PNode(ident, kind, op, tuple(inputs), tuple(attrs), tuple(shape), Degrees(tuple(shard), copy), role)
 
 
 def _data_parallel_matmul(aligned: bool) -> PCG:

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from parsat.backend.calibrate import CollectiveTiming, fit_link  # noqa: E402
 from parsat.cli import main  # noqa: E402
-from parsat.saturate.machine import Machine  # noqa: E402
+from parsat.ir.machine import Machine  # noqa: E402
 
 
 def test_fit_link_recovers_alpha_and_bandwidth():

@@ -10,11 +10,12 @@ torch = pytest.importorskip("torch")
 
 from parsat.backend.executor import operator_library  # noqa: E402
 from parsat.cli import main  # noqa: E402
-from parsat.saturate import models  # noqa: E402
-from parsat.saturate.api import data_parallel_pcg, price_pcg  # noqa: E402
-from parsat.saturate.cost import totals  # noqa: E402
-from parsat.saturate.machine import Machine  # noqa: E402
-from parsat.saturate.plan import PLAN_SCHEMA, PLAN_VERSION  # noqa: E402
+from parsat.ir import models  # noqa: E402
+from parsat.ir.costs import totals  # noqa: E402
+from parsat.ir.data_parallel import data_parallel_pcg  # noqa: E402
+from parsat.ir.machine import Machine  # noqa: E402
+from parsat.ir.plan import PLAN_SCHEMA, PLAN_VERSION  # noqa: E402
+from parsat.saturate.baselines import price_pcg  # noqa: E402
 
 SIZES = dict(batch=8, d_in=6, d_hidden=4, d_out=2)
 
@@ -28,7 +29,7 @@ def plan_file(tmp_path, devices=2, **changes):
     data = {
         "schema": PLAN_SCHEMA, "version": PLAN_VERSION, "devices": devices, "graph": graph.to_dict(),
         "nodes": [{"id": n.id, "kind": n.kind, "op": n.op, "attrs": dict(n.attrs), "inputs": list(n.inputs),
-                   "shape": list(n.shape), "spread": n.layout.to_dict(), "role": n.role, "origin": n.origin}
+                   "shape": list(n.shape), "spread": n.degrees.to_dict(), "role": n.role, "origin": n.origin}
                   for n in pcg.nodes],
         "outputs": [{"name": name, "node": i} for name, i in zip(pcg.output_names, pcg.outputs)],
         "totals": {"comm_elements": totals(price_pcg(pcg, lib, machine), machine).comm_elements},

@@ -20,12 +20,12 @@ torch = pytest.importorskip("torch")
 from parsat.backend.collectives import CommCounter, GroupCache, parallel_op  # noqa: E402
 from parsat.backend.executor import ExecutionError, TrainConfig, check_worlds, operator_library, run_plan, run_rank  # noqa: E402,E501
 from parsat.backend.launch import LaunchConfig, RankContext, launch  # noqa: E402
-from parsat.dsl.placement import Layout, compute_layout, piece_index, world_atoms  # noqa: E402
 from parsat.backend.torch_ops import apply_op  # noqa: E402
-from parsat.saturate import models  # noqa: E402
-from parsat.saturate.graph import instance_for  # noqa: E402
-from parsat.saturate.pcg import PCG, PNode  # noqa: E402
-from parsat.saturate.pcg import Layout as PlanLayout  # noqa: E402
+from parsat.ir import models  # noqa: E402
+from parsat.ir.graph import instance_for  # noqa: E402
+from parsat.ir.pcg import PCG, PNode  # noqa: E402
+from parsat.ir.pcg import Degrees  # noqa: E402
+from parsat.ir.placement import Placement as Layout, compute_layout, piece_index, world_atoms  # noqa: E402
 
 LIBRARY = operator_library()
 OPS = LIBRARY.ops
@@ -161,7 +161,7 @@ class PlanBuilder:
         ident = len(self.nodes)
         shard, copy, total = layout.degrees
         self.nodes.append(PNode(ident, kind, op, tuple(inputs), tuple(attrs.items()), tuple(shape),
-                                PlanLayout(shard, copy, total), role, origin))
+                                Degrees(shard, copy, total), role, origin))
         self.layouts[ident] = layout
         return ident
 
@@ -289,7 +289,7 @@ def test_measured_communication_matches_formula(reports):
 @pytest.mark.slow
 @pytest.mark.parametrize("plan,expected", [(mlp_data_parallel, 813_056), (mlp_megatron, 2 * 128 * 10)])
 def test_design_mlp_figures_on_two_ranks(plan, expected):
-    """DESIGN section 2: data parallelism 813,056 elements per step; the column/row split far less."""
+    """docs/ARCHITECTURE.md: data parallelism 813,056 elements per step; the column/row split far less."""
     sizes = dict(batch=128, d_in=784, d_hidden=512, d_out=10)
     result = run_plan(plan(2, **sizes), 2, TrainConfig(steps=2, check=True, dtype="float64"),
                       graph=models.mlp(**sizes), backend="gloo")

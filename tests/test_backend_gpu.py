@@ -7,10 +7,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from parsat.backend.executor import TrainConfig, operator_library, run_plan  # noqa: E402
-from parsat.saturate import models  # noqa: E402
-from parsat.saturate.api import data_parallel_pcg  # noqa: E402
-from parsat.saturate.graph import Graph  # noqa: E402
-from parsat.saturate.pcg import PCG, Layout, PNode  # noqa: E402
+from parsat.ir import models  # noqa: E402
+from parsat.ir.data_parallel import data_parallel_pcg  # noqa: E402
+from parsat.ir.graph import Graph  # noqa: E402
+from parsat.ir.pcg import PCG, Degrees, PNode  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -22,12 +22,12 @@ def whole_pcg(graph: Graph) -> PCG:
     nodes, ids = [], {}
     for leaf in graph.leaves:
         ids[leaf.name] = len(nodes)
-        nodes.append(PNode(len(nodes), "leaf", leaf.name, (), (), leaf.shape, Layout.whole(len(leaf.shape)),
+        nodes.append(PNode(len(nodes), "leaf", leaf.name, (), (), leaf.shape, Degrees.whole(len(leaf.shape)),
                            leaf.role, leaf.name))
     for node in graph.nodes:
         ids[node.name] = len(nodes)
         nodes.append(PNode(len(nodes), "op", node.op, tuple(ids[i] for i in node.inputs), node.attrs, node.shape,
-                           Layout.whole(len(node.shape)), "", node.name))
+                           Degrees.whole(len(node.shape)), "", node.name))
     return PCG(tuple(nodes), tuple(ids[o] for o in graph.outputs), graph.outputs)
 
 

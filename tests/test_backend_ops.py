@@ -11,7 +11,7 @@ from parsat.backend.torch_ops import OPS, OpCallError, UnsupportedOpError, apply
 from parsat.dsl.evaluate import evaluate  # noqa: E402
 from parsat.dsl.library import load_library  # noqa: E402
 from parsat.dsl.parser import parse  # noqa: E402
-from parsat.saturate.graph import instance_for  # noqa: E402
+from parsat.ir.graph import instance_for  # noqa: E402
 
 LIBRARY_OPS = load_library()[0].ops
 

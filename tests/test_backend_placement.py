@@ -6,10 +6,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from parsat.dsl.placement import (  # noqa: E402
-    Axis, Layout, PlacementError, compute_layout, group_ranks, holders, piece_index, world_atoms)
+from parsat.ir.placement import (  # noqa: E402
+    Axis, Placement as Layout, PlacementError, compute_layout, group_ranks, holders, piece_index, world_atoms)
 from parsat.backend.executor import operator_library  # noqa: E402
-from parsat.saturate.graph import instance_for  # noqa: E402
+from parsat.ir.graph import instance_for  # noqa: E402
 
 OPS = operator_library().ops
 

@@ -16,11 +16,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from parsat.api import optimize  # noqa: E402
 from parsat.backend.cli import PLAN_OF, load_plan  # noqa: E402
 from parsat.backend.executor import ExecutionError, TrainConfig, run_many  # noqa: E402
 from parsat.backend.launch import LaunchConfig, launch  # noqa: E402
 from parsat.cli import main  # noqa: E402
-from parsat.saturate.api import optimize  # noqa: E402
 
 GRAPHS = {
     "mlp": {},

@@ -55,7 +55,7 @@ def test_comment_without_blank_line_is_doc_not_header():
 
 
 def test_rewrite_arrow_is_not_assignment():
-    # a lexer that reads 'w =>' as '=' '>' would fail here (NOTES.md)
+    # a lexer that reads 'w =>' as '=' '>' would fail here (the parser's lexer="basic")
     module = parse("rule r:\n  forall w: [n]\n  relu(w)=>relu(w)\n")
     assert module.rules[0].rhs == ast.Call("relu", (ast.Name("w"),))
 

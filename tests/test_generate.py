@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 
 from parsat.dsl.library import load_library
-from parsat.dsl.printer import format_expr
-from parsat.saturate import enumerate as enum
 from parsat.dsl.parser import parse
-from parsat.saturate.candidates import make_rule
-from parsat.saturate.derivation import Deriver, typed as _typed
-from parsat.saturate.generate import Settings, generate, verify_all
+from parsat.dsl.printer import format_expr
+from parsat.generate import enumerate as enum
+from parsat.generate.candidates import make_rule
+from parsat.generate.derivation import Deriver, typed as _typed
+from parsat.generate.generate import Settings, generate, verify_all
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,7 @@ def test_spread_inputs_are_leaves_and_split_reaches_the_extent(library):
 
 
 def test_generalise_renames_a_dim_with_the_attribute_it_feeds(library):
-    from parsat.saturate.generalise import widen_sizes
+    from parsat.generate.generalise import widen_sizes
 
     vocab = enum.vocabulary(["concat", "split", "add"], library.ops)
     lhs = parse("rule r: forall x: [m, k], y: [m, k] split(concat(x, y, 0), 0, m, m) => y").items[0].lhs
@@ -199,7 +199,7 @@ def _one(text):
      "softmax(partition(x, len(a), p), len(a) + len(b) + 1) => partition(softmax(x, len(a) + len(b) + 1), len(a), p)"),
 ])
 def test_lift_ranks_shifts_dim_attributes_by_the_groups_before_them(library, text, expected):
-    from parsat.saturate.generalise import lift_ranks
+    from parsat.generate.generalise import lift_ranks
 
     lifted = lift_ranks(_one(text), library.ops)
     assert lifted, "no lifting found"
@@ -209,7 +209,7 @@ def test_lift_ranks_shifts_dim_attributes_by_the_groups_before_them(library, tex
 
 def test_a_dim_an_attribute_points_at_is_never_folded_away(library):
     """Folding `[*a, m, *b, k, *c]` to `[*a, k, *c]` is a generalisation only when no attribute names m."""
-    from parsat.saturate.generalise import lift_ranks
+    from parsat.generate.generalise import lift_ranks
 
     rule = _one("""rule r: forall x: [m, k], p: degree
   where m % p == 0, k % p == 0
@@ -220,7 +220,7 @@ def test_a_dim_an_attribute_points_at_is_never_folded_away(library):
 
 
 def test_rule_key_ignores_names_and_the_order_of_degrees(library):
-    from parsat.saturate.candidates import rule_identity as rule_key
+    from parsat.generate.candidates import rule_identity as rule_key
 
     a, b, c, d = parse("""
 rule a: forall x: [*a, m, *b], p: degree
@@ -239,7 +239,7 @@ rule d: forall x: [*s], p: degree, q: degree
 
 def test_rule_key_sees_that_a_product_of_degrees_commutes():
     """Names are numbered by first appearance: `p * q` read as `q * p` must not make a second identity."""
-    from parsat.saturate.candidates import rule_identity as rule_key
+    from parsat.generate.candidates import rule_identity as rule_key
 
     outer_p, outer_q, mixed = parse("""
 rule a: forall x: [*a, m, *b, k, *c], p: degree, q: degree
@@ -262,7 +262,7 @@ def test_operator_vocabularies_type_what_the_joint_pool_cannot(library):
 
 
 def test_candidate_graph_drops_what_kept_rules_derive(library):
-    from parsat.saturate.derivation import CandidateGraph
+    from parsat.generate.derivation import CandidateGraph
 
     general, narrow, other = parse("""
 rule g: forall x: [*a, m, *b], p: degree
@@ -285,7 +285,7 @@ def test_widening_stops_at_the_deadline(library):
     """Past the run's deadline a worker tries no wider form: the proved rule is kept as it is."""
     import time
 
-    from parsat.saturate.generalise import widen
+    from parsat.generate.generalise import widen
 
     rule = _one("""rule r: forall x: [m, k], p: degree
   where m % p == 0
@@ -322,7 +322,7 @@ def test_the_algebraic_vocabulary_leaves_the_parallel_operators_out(library):
 def test_a_fusion_between_terms_of_equal_size_is_a_candidate_both_ways(library):
     """`add(matmul(x, w), matmul(y, v))` and `matmul(concat(x, y, 1), concat(w, v, 0))` apply three operators
     each: neither is the smaller, so fusing is as much a candidate as unfusing."""
-    from parsat.saturate.candidates import Canon, commutative_ops, pairs
+    from parsat.generate.candidates import Canon, commutative_ops, pairs
 
     vocab = enum.algebraic_vocabulary(["matmul", "add", "concat", "partition"], library.ops)
     result = enum.enumerate_terms(vocab, 3, enum.environments(vocab, [2, 3], 2), 27)
@@ -340,7 +340,7 @@ def test_the_recorded_generated_set_derives_nine_tenths_of_the_shipped_rules(lib
     saturation, it derives at least 90% of the hand-written rules over its operators."""
     from pathlib import Path
 
-    from parsat.saturate.generate import derive_library
+    from parsat.generate.generate import derive_library
 
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "generate_rules.rule"
     generated = load_library([str(path)])[0]
@@ -353,7 +353,7 @@ def test_the_recorded_generated_set_derives_nine_tenths_of_the_shipped_rules(lib
 
 
 def test_a_prefix_keeps_two_generated_files_apart(library):
-    from parsat.saturate.generate import GenerateError
+    from parsat.generate.generate import GenerateError
 
     result = generate(library, Settings(("relu", "partition", "combine"), max_ops=1, degrees=(2,), seconds=30,
                                         prefix="relu_run"))

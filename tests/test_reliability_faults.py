@@ -69,11 +69,12 @@ def faulty_run_rank(ctx, pcg, config, graph, library=None):
 def plan_path(tmp_path: Path) -> Path:
     """Data parallelism of a small MLP on 2 devices: collectives forward (gather) and backward (all-reduce)."""
     from parsat.backend.executor import operator_library
-    from parsat.saturate import models
-    from parsat.saturate.api import data_parallel_pcg, price_pcg
-    from parsat.saturate.cost import totals
-    from parsat.saturate.machine import Machine
-    from parsat.saturate.plan import Plan
+    from parsat.ir import models
+    from parsat.ir.data_parallel import data_parallel_pcg
+    from parsat.saturate.baselines import price_pcg
+    from parsat.ir.costs import totals
+    from parsat.ir.machine import Machine
+    from parsat.ir.plan import Plan
 
     lib = operator_library()
     graph = models.mlp(batch=8, d_in=6, d_hidden=4, d_out=2, library=lib)

@@ -33,14 +33,15 @@ torch = pytest.importorskip("torch")
 
 from parsat.backend.executor import operator_library  # noqa: E402
 from parsat.cli import main  # noqa: E402
-from parsat.saturate import models  # noqa: E402
-from parsat.saturate.api import data_parallel_pcg, price_pcg  # noqa: E402
+from parsat.ir import models  # noqa: E402
+from parsat.ir.costs import totals  # noqa: E402
+from parsat.ir.data_parallel import data_parallel_pcg  # noqa: E402
+from parsat.ir.graph import Graph, GraphError  # noqa: E402
+from parsat.ir.machine import Machine, MachineError  # noqa: E402
+from parsat.ir.plan import Plan, PlanError, explain, load_plan_dict, pcg_from_dict  # noqa: E402
+from parsat.ir.validate import validate_plan_report  # noqa: E402
+from parsat.saturate.baselines import price_pcg  # noqa: E402
 from parsat.saturate.cli import plan_dot  # noqa: E402
-from parsat.saturate.cost import totals  # noqa: E402
-from parsat.saturate.graph import Graph, GraphError  # noqa: E402
-from parsat.saturate.machine import Machine, MachineError  # noqa: E402
-from parsat.saturate.plan import Plan, PlanError, explain, load_plan_dict, pcg_from_dict  # noqa: E402
-from parsat.saturate.validate import validate_plan_report  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 HOSTILE: list[Any] = [None, True, 0, -1, 1.5, 2 ** 70, float("nan"), float("inf"), "", "x", "matmul", [], [0],
@@ -55,7 +56,7 @@ def lib():
 
 def graph_dicts(lib) -> list[dict]:
     """Valid graphs to mutate: a chain, branches joined by concat, a chain with integer and real attributes."""
-    from parsat.saturate.graph import GraphBuilder
+    from parsat.ir.graph import GraphBuilder
 
     g = GraphBuilder(lib, name="attrs")
     x = g.input("x", [8, 6])

@@ -10,13 +10,13 @@ verifier: the danger is size, not truth):
 * thousands of generated rules;
 * graphs of thousands of operators.
 
-Limits are checked between chunks of rules (saturate/saturate.py), and
+Limits are checked between chunks of rules (saturate/runner.py), and
 `seconds` counts compilation too, so the overshoot is one chunk's egglog run;
 the tests allow that slack and measure it. Memory: the RSS growth of this
 process across the call (VmRSS).
 A graph of ~2,100 operators with the shipped library once took ~56 s past a
 10 s limit inside one egglog run (add_partial_matmuls's join); rules now match
-their pattern before their lookups (`egglog_compile.RuleBody`), and the test
+their pattern before their lookups (`rule_text.RuleBody`), and the test
 guards that it stays within the limit.
 """
 
@@ -31,9 +31,10 @@ import pytest
 
 from parsat.cli import main
 from parsat.dsl.library import Library, load_library
-from parsat.saturate import egglog_compile
-from parsat.saturate.graph import Graph, GraphBuilder
-from parsat.saturate.saturate import STOP_ENODES, STOP_ITERATIONS, STOP_SATURATED, STOP_SECONDS, Limits, saturate
+from parsat.ir.graph import Graph, GraphBuilder
+from parsat.saturate import program
+from parsat.saturate.runner import STOP_ENODES, STOP_ITERATIONS, STOP_SATURATED, STOP_SECONDS, Limits
+from parsat.saturate.saturate import saturate
 
 ADVERSARIAL = """\
 import "ops.rule"
@@ -125,7 +126,7 @@ def test_chunked_rulesets_saturate_alike_and_stop_between_chunks(adversarial, mo
     library, _ = adversarial
     graph = add_chain(library, 3)
     whole, _wall, _ = timed(graph, library, ("add_comm", "add_assoc"), Limits(iterations=1000, seconds=20))
-    monkeypatch.setattr(egglog_compile, "CHUNK_RULES", 1)
+    monkeypatch.setattr(program, "CHUNK_RULES", 1)
     chunked, _wall, _ = timed(graph, library, ("add_comm", "add_assoc"), Limits(iterations=1000, seconds=20))
     assert len(chunked.program.chunks("alg")) == chunked.program.count("alg") > 1
     assert chunked.stop == whole.stop == STOP_SATURATED

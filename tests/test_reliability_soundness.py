@@ -33,13 +33,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from parsat.api import optimize  # noqa: E402
 from parsat.backend.cli import load_plan  # noqa: E402
 from parsat.backend.executor import TrainConfig, run_rank  # noqa: E402
 from parsat.backend.launch import LaunchConfig, RankContext, launch  # noqa: E402
 from parsat.dsl.library import Library  # noqa: E402
-from parsat.saturate.api import OptimizeError, optimize, resolve_library  # noqa: E402
-from parsat.saturate.graph import Graph, GraphBuilder, Tensor  # noqa: E402
-from parsat.saturate.machine import Machine  # noqa: E402
+from parsat.ir.graph import Graph, GraphBuilder, Tensor  # noqa: E402
+from parsat.ir.machine import Machine  # noqa: E402
+from parsat.saturate.errors import OptimizeError  # noqa: E402
+from parsat.saturate.inputs import resolve_library  # noqa: E402
 
 CASES = int(os.environ.get("PARSAT_SOUNDNESS_CASES", "4"))
 BASE_SEED = int(os.environ.get("PARSAT_SOUNDNESS_SEED", "0"))

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from parsat.dsl.library import load_library
-from parsat.saturate.cost import work
-from parsat.saturate.graph import Graph, GraphBuilder, GraphError, instance_for
-from parsat.saturate.machine import Machine, MachineError
-from parsat.saturate.models import EXAMPLES, build_example
+from parsat.dsl.work import work
+from parsat.ir.graph import Graph, GraphBuilder, GraphError, instance_for
+from parsat.ir.machine import Machine, MachineError
+from parsat.ir.models import EXAMPLES, build_example
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,19 @@ from pathlib import Path
 
 import pytest
 
+from parsat.api import optimize, proved_rules
 from parsat.cli import main
 from parsat.dsl.library import load_library
-from parsat.saturate.api import OptimizeError, data_parallel_pcg, optimize, price_pcg, proved_rules
-from parsat.saturate.cost import totals
-from parsat.saturate.graph import GraphError
-from parsat.saturate.machine import Machine
-from parsat.saturate.models import build_example
-from parsat.saturate.plan import PLAN_VERSION, explain, load_plan_dict, pcg_from_dict
-from parsat.saturate.saturate import STOP_ENODES, STOP_ITERATIONS, STOP_SATURATED, STOP_SECONDS, Limits, saturate
+from parsat.ir.costs import totals
+from parsat.ir.data_parallel import data_parallel_pcg
+from parsat.ir.graph import GraphError
+from parsat.ir.machine import Machine
+from parsat.ir.models import build_example
+from parsat.ir.plan import PLAN_VERSION, explain, load_plan_dict, pcg_from_dict
+from parsat.saturate.baselines import price_pcg
+from parsat.saturate.errors import OptimizeError
+from parsat.saturate.runner import STOP_ENODES, STOP_ITERATIONS, STOP_SATURATED, STOP_SECONDS, Limits
+from parsat.saturate.saturate import saturate
 
 HERE = Path(__file__).parent
 TEST_RULES = HERE / "rules_for_saturate"
@@ -161,7 +165,7 @@ def test_output_pin(small_rules):
     plan = optimize("mlp", machine="cpu", devices=2, rules=small_rules, allow_unverified=True,
                     output_spreads={"mm2": {"shard": [2, 1]}})
     out = plan.pcg.node(plan.pcg.outputs[0])
-    assert out.layout.shard == (2, 1)
+    assert out.degrees.shard == (2, 1)
     with pytest.raises(OptimizeError, match="not an output"):
         optimize("mlp", machine="cpu", devices=2, rules=small_rules, allow_unverified=True,
                  output_spreads={"act": {"shard": [2, 1]}})
@@ -257,8 +261,8 @@ def test_a_long_explanation_opens_with_the_parallel_operators_counted(mlp_plan_c
 
 def test_rules_used_are_the_makers_of_the_plan_s_new_operators(shipped):
     """Provenance: every e-node the plan chose that the input graph lacks was built by a listed rule."""
-    from parsat.saturate.api import _solve, rules_used
-    from parsat.saturate.egglog_compile import GRAPH_MADE
+    from parsat.saturate.solve import rules_used, solve as _solve
+    from parsat.saturate.encoding import GRAPH_MADE
     from parsat.saturate.saturate import saturate
 
     graph = build_example("mlp", library=shipped)

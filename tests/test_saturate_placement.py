@@ -1,7 +1,7 @@
 """Plans the backend can lay out: rules apply only at degrees where both sides put pieces on the same devices.
 
 A rule is proved for values and spreads; two terms with one spread can
-still hold their pieces on different mesh atoms (`dsl.placement`), and a
+still hold their pieces on different mesh atoms (`ir.placement`), and a
 compute operator whose inputs do not line up cannot run. The rule below is
 true (the verifier proves it) and moves a replica set to another atom:
 with it, and without the layout guard, the optimizer's best transformer
@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import pytest
 
+from parsat.api import optimize
 from parsat.dsl.checker import load_checked
 from parsat.dsl.parser import parse
-from parsat.dsl.placement import PlacementError
 from parsat.dsl.typecheck import type_rule
-from parsat.saturate import egglog_compile
-from parsat.saturate.api import optimize
-from parsat.saturate.pcg import PCG, Layout, PNode
-from parsat.saturate.pcg_layout import lay_out
+from parsat.ir.pcg import PCG, Degrees, PNode
+from parsat.ir.pcg_layout import lay_out
+from parsat.ir.placement import PlacementError
+from parsat.saturate import guards
+from parsat.saturate import program as rule_program
 
 MOVES_REPLICAS = """import "ops.rule"
 
@@ -52,11 +53,11 @@ def _instance(text: str, groups=None):
 def test_a_rule_that_moves_replicas_to_another_atom_is_never_compiled(rules_dir):
     library = load_checked([str(rules_dir)])
     rule = next(r for r in library.rules if r.name == "replicate_via_partition")
-    program = egglog_compile.compile_rules(library, [rule], {2}, 4, typing_cache={})
+    program = rule_program.compile_rules(library, [rule], {2}, 4, typing_cache={})
     assert not program.rules
     (skipped,) = program.skipped
     assert "changes where pieces live" in skipped.reason and "different devices" in skipped.reason
-    unguarded = egglog_compile.compile_rules(library, [rule], {2}, 4, typing_cache={}, placement=False)
+    unguarded = rule_program.compile_rules(library, [rule], {2}, 4, typing_cache={}, placement=False)
     assert unguarded.rules   # derivability (the rule generator) still sees it
 
 
@@ -67,10 +68,10 @@ def test_nested_degrees_apply_only_where_the_atoms_come_in_the_same_order():
   forall x: [m, n], p: degree, q: degree
   where m % (p * q) == 0
   partition(x, 0, p * q) => partition(partition(x, 0, p), 0, q)""")
-    symbols, allowed = egglog_compile.layout_guard(instance, 12)
+    symbols, allowed = guards.layout_guard(instance, 12)
     assert symbols == ("p", "q")
     assert (2, 2) in allowed and (2, 3) in allowed and (3, 2) not in allowed
-    assert egglog_compile.layout_guard(instance, 8) is None     # one prime: the order never differs
+    assert guards.layout_guard(instance, 8) is None     # one prime: the order never differs
 
 
 def test_plans_lay_out_with_the_guard_and_would_not_without_it(rules_dir, monkeypatch):
@@ -81,8 +82,8 @@ def test_plans_lay_out_with_the_guard_and_would_not_without_it(rules_dir, monkey
     for pcg in [guarded.pcg] + [b.pcg for b in guarded.baseline_plans.values()]:
         lay_out(pcg, ops, 4)
 
-    monkeypatch.setattr(egglog_compile, "layout_guard", lambda instance, devices: None)
-    monkeypatch.setattr(egglog_compile, "_COMPILED_CACHE", {})
+    monkeypatch.setattr(guards, "layout_guard", lambda instance, devices: None)
+    monkeypatch.setattr(rule_program, "_COMPILED_CACHE", {})
     unguarded = optimize("transformer", devices=4, machine="h100x8", rules=[str(rules_dir)], allow_unverified=True)
     extraction = unguarded.to_dict()["extraction"]
     assert "joint" in extraction["unplaceable"] and "different ranks" in extraction["unplaceable"]["joint"]
@@ -101,7 +102,7 @@ def test_lay_out_names_the_node_whose_inputs_do_not_line_up(data_parallel_matmul
 def test_a_plan_whose_spreads_are_not_its_layouts_is_refused(data_parallel_matmul):
     library = load_checked(None)
     pcg = data_parallel_matmul(aligned=True)
-    wrong = PCG(tuple(n if n.id != 2 else PNode(2, n.kind, n.op, n.inputs, n.attrs, n.shape, Layout((1, 2)))
+    wrong = PCG(tuple(n if n.id != 2 else PNode(2, n.kind, n.op, n.inputs, n.attrs, n.shape, Degrees((1, 2)))
                       for n in pcg.nodes), pcg.outputs)
     with pytest.raises(PlacementError, match=r"at node #2, partition\(dim=0, degree=2\): the plan states spread"):
         lay_out(wrong, library.ops, 2)

@@ -119,19 +119,19 @@ def test_the_shipped_library_needs_no_rank_bound():
 
 
 def test_a_bounded_rule_never_reaches_saturation_beyond_its_ranks(rules):
-    from parsat.saturate.egglog_compile import _typed_instances
+    from parsat.saturate.instances import typed_instances
 
     _, library = rules
     rule = library.rule("bounded_sums_over_a_group_dim")
     limited = rank_bounded(rule, 3)
     assert format_expr(limited.where[-1]) == "1 + len(s) <= 3"
-    assert list(_typed_instances(limited, library.ops, {3}))  # rank 3: still compiled
-    assert not list(_typed_instances(limited, library.ops, {8}))  # rank 8: never
+    assert typed_instances(limited, library.ops, {3}, {})  # rank 3: still compiled
+    assert not typed_instances(limited, library.ops, {8}, {})  # rank 8: never
 
 
 def test_proved_rules_keeps_bounded_rules_at_their_ranks_only(rules, monkeypatch):
     import parsat.verifier.api as verifier_api
-    from parsat.saturate.api import proved_rules
+    from parsat.api import proved_rules
 
     _, library = rules
 

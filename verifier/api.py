@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 from parsat.dsl import ast
 from parsat.dsl.errors import DslError
-from parsat.dsl.library import Library, load_library
+from parsat.dsl.library import Library, display_path, load_library, rule_files, shipped_rules_dir
 from parsat.verifier.cache import VerdictCache, rule_key
 from parsat.verifier.core import DEFAULT_TIMEOUT, VERSION, RuleError, verify_rule
 from parsat.verifier.verdict import BOUNDED, PROVED, REFUTED, UNKNOWN, VACUOUS, VERDICTS, Verdict
@@ -204,23 +204,15 @@ def verify_paths(paths: Sequence[str | os.PathLike] | None = None, **options) ->
     Operators imported from other files are used, but only the rules of
     the files named (or found in the folders named) are verified.
     """
-    from parsat.dsl.library import rule_files, shipped_rules_dir
-
     try:
         library, load_errors = load_library(paths, strict=False)
-        named = {_display(p) for p in rule_files(paths if paths else [shipped_rules_dir()])}
+        named = {display_path(p) for p in rule_files(paths if paths else [shipped_rules_dir()])}
     except DslError as err:
         return VerifyReport(errors=[d.render() for d in err.diagnostics])
     if load_errors:
         return VerifyReport(errors=[d.render() for d in load_errors])
     report = verify_library(library, only_files=named, **options)
     return report
-
-
-def _display(path) -> str:
-    from parsat.dsl.library import _display as display
-
-    return display(path)
 
 
 def verify(rules=None, **options) -> list[Verdict]:

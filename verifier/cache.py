@@ -41,7 +41,7 @@ from typing import Mapping
 
 from parsat.dsl import ast
 from parsat.dsl.printer import format_decl
-from parsat.dsl.spread import PARALLEL_OPS
+from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.verifier.verdict import BOUNDED, PROVED, REFUTED, UNKNOWN, VACUOUS, VERDICTS, Verdict
 
 FORMAT = 2

@@ -47,7 +47,6 @@ ATOL = 1e-8
 MAX_ELEMENTS = 200_000       # a replay (a z3 model, a cached counterexample) may be this large
 SEARCH_MAX_ELEMENTS = 4_096  # the search skips larger draws: small counterexamples are found first, and fast
 
-_Simulator = PieceSimulator  # the rule generator's name for it (saturate.enumerate)
 
 
 @dataclass(frozen=True)

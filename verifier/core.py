@@ -1,6 +1,6 @@
 """One rule to one verdict: ranks, concrete search, vacuity, proof, replay, all within one deadline.
 
-The order is DESIGN.md section 4:
+The order is docs/VERIFIER.md's (and docs/ARCHITECTURE.md's):
 1. `ranks.plan` types the rule at the rank assignments to search and to
    prove, and says whether the proofs cover every rank (PROVED) or only
    ranks up to a bound (BOUNDED). A rank where the left side types and

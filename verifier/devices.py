@@ -48,7 +48,7 @@ from parsat.dsl import ast
 from parsat.dsl.conditions import symbolic_truth
 from parsat.dsl.evaluate import EvaluationError, evaluate
 from parsat.dsl.instantiate import InstantiationError, OpInstance, index_bounds, instantiate
-from parsat.dsl.placement import prime_factors
+from parsat.dsl.parallel_ops import prime_factors
 from parsat.dsl.spread import Spread, block_read
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import TypedTerm

@@ -1,4 +1,4 @@
-"""Lifted instances of a rule, replayed device by device on a mesh (DESIGN.md section 2, "Lifting").
+"""Lifted instances of a rule, replayed device by device on a mesh (docs/ARCHITECTURE.md, and docs/VERIFIER.md).
 
 A rule is proved for whole tensors. The optimizer also applies it to
 tensors already spread over other mesh axes (data x tensor x sequence):

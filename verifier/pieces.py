@@ -2,7 +2,7 @@
 
 A parallel tensor is held as one array of shape `(*shard, copy, sum,
 *local)`: entry `[b..., c, s]` is the piece in slot (blocks `b`, copy `c`,
-sum index `s`) (DESIGN.md section 2). Parallel operators are reshapes of
+sum index `s`) (docs/ARCHITECTURE.md). Parallel operators are reshapes of
 that array; a compute operator fills each output piece from the input
 pieces its index semantics reads, as `dsl.spread`'s analysis lays them out
 (`_compute`), or runs each piece blindly when the analysis refuses the
@@ -11,9 +11,9 @@ spread (`_naive`).
 This is NOT the verifier's ground truth (that is `verifier.devices`, which
 runs every device on what it holds): it trusts the analysis's claim of
 where each piece lives, which is what makes it fast. The rule generator
-(`saturate.enumerate`) fingerprints candidate terms with it (and every
-rule it proposes is then verified); `observe` gives what a context sees.
-Subclass `PieceSimulator` and override `run` to memoize pieces by term.
+(`generate.enumerate`) fingerprints candidate terms with it (and every
+rule it proposes is then verified); `observe` gives what a context sees;
+`simulate(known=...)` reuses pieces the caller computed before.
 """
 
 from __future__ import annotations
@@ -93,15 +93,20 @@ def observe(pieces: np.ndarray, rank: int) -> np.ndarray:
 class PieceSimulator:
     """The pieces of a typed term at concrete sizes, inputs and reals (`run`)."""
 
-    def __init__(self, sizes: Mapping[str, int], inputs: Mapping[str, np.ndarray], reals: Mapping[str, float]):
+    def __init__(self, sizes: Mapping[str, int], inputs: Mapping[str, np.ndarray], reals: Mapping[str, float],
+                 known: Mapping[int, np.ndarray] | None = None):
         self.sizes = dict(sizes)
         self.inputs = inputs
         self.reals = reals
+        self.known = known or {}
 
     def num(self, poly) -> int:
         return int(poly.evaluate(self.sizes))
 
     def run(self, term: TypedTerm) -> np.ndarray:
+        known = self.known.get(id(term.node))
+        if known is not None:
+            return known
         rank = len(term.shape)
         if term.kind == "input":
             return _whole(np.asarray(self.inputs[term.name], dtype=np.float64))
@@ -194,10 +199,16 @@ class PieceSimulator:
 
 
 def simulate(term: TypedTerm, sizes: Mapping[str, int], inputs: Mapping[str, np.ndarray],
-             reals: Mapping[str, float] | None = None) -> np.ndarray:
-    """The pieces of `term` (shape `(*shard, copy, sum, *local)`)."""
+             reals: Mapping[str, float] | None = None, known: Mapping[int, np.ndarray] | None = None) -> np.ndarray:
+    """The pieces of `term` (shape `(*shard, copy, sum, *local)`).
+
+    `known` maps `id(node)` of AST nodes whose pieces the caller computed
+    before, at these sizes and inputs, to those pieces: a subterm found
+    there is not simulated again (the rule generator evaluates thousands of
+    terms that share their arguments).
+    """
     try:
-        return PieceSimulator(sizes, inputs, reals or {}).run(term)
+        return PieceSimulator(sizes, inputs, reals or {}, known).run(term)
     except (ZeroDivisionError, EvaluationError) as err:
         raise Unsupported(str(err)) from None
 

@@ -1,7 +1,7 @@
 """Proof of a rule instance for all sizes and degrees, with z3.
 
 Both sides are lowered with the per-device (piece-wise) semantics of
-DESIGN.md section 2 into the normal form of `verifier.normal`: the value a
+docs/ARCHITECTURE.md into the normal form of `verifier.normal`: the value a
 context observes at block `@b`, local index `@i` is the sum over sum
 indices of the piece there. Sizes are symbolic; divisibility assumptions
 (`m % p == 0`, from `where` or from the left side's partitions) are solved

@@ -35,12 +35,12 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from parsat.dsl import ast
 from parsat.dsl.errors import DslError
+from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.dsl.printer import format_expr
-from parsat.dsl.spread import PARALLEL_OPS
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import TermTyper, TypeCheckError
-from parsat.saturate.candidates import binder_text, make_rule
-from parsat.saturate.enumerate import dim_attributes
+from parsat.generate.candidates import binder_text, make_rule
+from parsat.generate.enumerate import dim_attributes
 
 Prover = Callable[[ast.RuleDecl], bool]      # True when the verifier PROVES the rule
 GROUP_NAMES = "abcdefgh"
@@ -221,7 +221,7 @@ class _Lifter:
         args = list(expr.args)
         new_args = [self.term(a) if _is_tensor_arg(expr, i, self.ops) else a for i, a in enumerate(args)]
         if expr.func in PARALLEL_OPS:
-            if PARALLEL_OPS[expr.func][1] == "dim":
+            if PARALLEL_OPS[expr.func].has_dim:
                 new_args[1] = self._index(args[0], new_args[0], _const(args[1]))
             return ast.Call(expr.func, tuple(new_args))
         op = self.ops[expr.func]

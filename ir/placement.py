@@ -2,7 +2,7 @@
 
 The world of N ranks is cut into *atoms*: the prime factors of N, each a
 mesh axis `Axis(stride, size)` of the rank space (rank r has coordinate
-`(r // stride) % size` on it). A tensor's `Layout` gives every atom one
+`(r // stride) % size` on it). A tensor's `Placement` gives every atom one
 role:
 
 * `shard[d]`: the atoms whose coordinates, read as a mixed-radix number
@@ -34,7 +34,7 @@ The optimizer uses the same model (`term_layout`): two terms with the same
 spread may lay their pieces on different atoms (`replicate(partition(x))`
 shards on the first atom, `partition(replicate(x))` on the second), and a
 compute operator whose inputs do not line up cannot run. Rules are applied
-only at degrees where both sides lay out alike (`saturate.egglog_compile`),
+only at degrees where both sides lay out alike (`saturate.guards`),
 so every plan the optimizer returns is one the backend can lay out.
 """
 
@@ -43,8 +43,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable, Mapping, Sequence
 
-from parsat.dsl import ast
+from parsat.dsl import ast, parallel_ops
 from parsat.dsl.instantiate import OpInstance, index_bounds
+from parsat.dsl.parallel_ops import COMBINE, PARALLEL_OPS, PARTITION, REPLICATE
 from parsat.dsl.spread import Spread, block_read, infer_compute
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import TypedTerm
@@ -55,18 +56,11 @@ class PlacementError(Exception):
 
 
 def prime_factors(n: int) -> list[int]:
-    """Prime factors of n in ascending order, with multiplicity."""
-    if n < 1:
-        raise PlacementError(f"a device count or degree must be >= 1, got {n}")
-    factors, p = [], 2
-    while p * p <= n:
-        while n % p == 0:
-            factors.append(p)
-            n //= p
-        p += 1
-    if n > 1:
-        factors.append(n)
-    return factors
+    """Prime factors of n in ascending order, with multiplicity (`dsl.parallel_ops.prime_factors`)."""
+    try:
+        return parallel_ops.prime_factors(n)
+    except ValueError as err:
+        raise PlacementError(str(err)) from None
 
 
 @dataclass(frozen=True, order=True)
@@ -136,8 +130,14 @@ class Slot:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """A tensor's spread over the ranks: the role of every atom (module docstring)."""
+class Placement:
+    """Where a tensor's pieces live on the ranks: the role of every atom (module docstring).
+
+    Its `degrees` are what a PCG node states (`pcg.Degrees`: how many pieces
+    per dim, copies, partial sums); two placements with equal degrees can
+    still put their pieces on different ranks, which is why the plan is laid
+    out (`pcg_layout.lay_out`) and not only compared by degrees.
+    """
 
     world: int
     shard: tuple[tuple[Axis, ...], ...]
@@ -145,9 +145,9 @@ class Layout:
     sum: tuple[Axis, ...] = ()
 
     @staticmethod
-    def whole(rank: int, world: int) -> "Layout":
+    def whole(rank: int, world: int) -> "Placement":
         """An unsplit tensor held by every rank (all atoms free)."""
-        return Layout(world, tuple(() for _ in range(rank)))
+        return Placement(world, tuple(() for _ in range(rank)))
 
     @property
     def rank(self) -> int:
@@ -193,43 +193,43 @@ class Layout:
 
     # ------------------------------------------------------- parallel operators
 
-    def partition(self, dim: int, degree: int) -> tuple["Layout", tuple[Axis, ...]]:
+    def partition(self, dim: int, degree: int) -> tuple["Placement", tuple[Axis, ...]]:
         """Shard dim `dim` `degree` more ways; returns the layout and the atoms taken."""
-        self._check_dim("partition", dim)
-        taken = self._take_free("partition", degree)
+        self._check_dim(PARTITION, dim)
+        taken = self._take_free(PARTITION, degree)
         shard = list(self.shard)
         shard[dim] = shard[dim] + taken
         return replace(self, shard=tuple(shard)), taken
 
-    def combine(self, dim: int, degree: int) -> tuple["Layout", tuple[Axis, ...]]:
+    def combine(self, dim: int, degree: int) -> tuple["Placement", tuple[Axis, ...]]:
         """Undo the last `degree`-way split of dim `dim`; returns the layout and the atoms given back."""
-        self._check_dim("combine", dim)
+        self._check_dim(COMBINE, dim)
         kept, given = _pop_suffix(self.shard[dim], degree, f"combine: degree {degree} does not undo the last "
                                                            f"splits of dim {dim} (degrees {_sizes(self.shard[dim])})")
         shard = list(self.shard)
         shard[dim] = kept
         return replace(self, shard=tuple(shard)), given
 
-    def replicate(self, degree: int) -> tuple["Layout", tuple[Axis, ...]]:
+    def replicate(self, degree: int) -> tuple["Placement", tuple[Axis, ...]]:
         """`degree` more copies; returns the layout and the atoms taken."""
-        taken = self._take_free("replicate", degree)
+        taken = self._take_free(REPLICATE, degree)
         return replace(self, copy=self.copy + taken), taken
 
-    def reduce(self, degree: int) -> tuple["Layout", tuple[Axis, ...]]:
+    def reduce(self, degree: int) -> tuple["Placement", tuple[Axis, ...]]:
         """Sum groups of `degree` partial pieces; returns the layout and the atoms given back."""
         kept, given = _pop_suffix(self.sum, degree, f"reduce: degree {degree} does not divide out the last "
                                                     f"partial-sum splits (degrees {_sizes(self.sum)})")
         return replace(self, sum=kept), given
 
-    def apply_parallel(self, name: str, degree: int, dim: int | None = None) -> tuple["Layout", tuple[Axis, ...]]:
+    def apply_parallel(self, name: str, degree: int, dim: int | None = None) -> tuple["Placement", tuple[Axis, ...]]:
         """Dispatch on a parallel operator's name (`partition`, `combine`, `replicate`, `reduce`)."""
-        if name in ("partition", "combine"):
+        if name not in PARALLEL_OPS:
+            raise PlacementError(f"'{name}' is not a parallel operator")
+        if PARALLEL_OPS[name].has_dim:
             if dim is None:
                 raise PlacementError(f"{name} needs a dim")
             return getattr(self, name)(dim, degree)
-        if name in ("replicate", "reduce"):
-            return getattr(self, name)(degree)
-        raise PlacementError(f"'{name}' is not a parallel operator")
+        return getattr(self, name)(degree)
 
     def _check_dim(self, what: str, dim: int) -> None:
         if not 0 <= dim < self.rank:
@@ -265,7 +265,7 @@ def _pop_suffix(axes: tuple[Axis, ...], degree: int, message: str) -> tuple[tupl
 # ---------------------------------------------------------------- compute ops
 
 
-def compute_layout(instance: OpInstance, inputs: Sequence[Layout]) -> Layout:
+def compute_layout(instance: OpInstance, inputs: Sequence[Placement]) -> Placement:
     """The layout of a compute op's output, after checking its inputs line up.
 
     Legality (which spreads the op accepts) is the DSL's `infer_compute`;
@@ -323,7 +323,7 @@ def compute_layout(instance: OpInstance, inputs: Sequence[Layout]) -> Layout:
     out_sum = (next(iter(sums)) if sums else ()) + tuple(a for v in dict.fromkeys(summed) for a in var_axes.get(v, ()))
     taken = {a for dim in out_shard for a in dim} | set(out_sum)
     out_copy = tuple(a for a in world_atoms(world) if a in next(iter(spread_sets)) and a not in taken)
-    out = Layout(world, out_shard, out_copy, out_sum)
+    out = Placement(world, out_shard, out_copy, out_sum)
     if out.spread() != inferred.spread:
         raise PlacementError(f"{instance.name}: internal: layout {out.degrees} disagrees with the spread "
                              f"analysis ({inferred.spread})")
@@ -333,14 +333,14 @@ def compute_layout(instance: OpInstance, inputs: Sequence[Layout]) -> Layout:
 # ------------------------------------------------------------ pieces and values
 
 
-def piece_index(layout: Layout, rank: int, shape: Sequence[int]) -> tuple[slice, ...]:
+def piece_index(layout: Placement, rank: int, shape: Sequence[int]) -> tuple[slice, ...]:
     """The slices of the logical tensor that `rank`'s piece covers."""
     block = layout.block_shape(shape)
     slot = layout.slot(rank)
     return tuple(slice(b * size, (b + 1) * size) for b, size in zip(slot.blocks, block))
 
 
-def holders(layout: Layout) -> Mapping[Slot, tuple[int, ...]]:
+def holders(layout: Placement) -> Mapping[Slot, tuple[int, ...]]:
     """Which ranks hold each slot (more than one where atoms are free)."""
     found: dict[Slot, list[int]] = {}
     for rank in range(layout.world):
@@ -348,7 +348,7 @@ def holders(layout: Layout) -> Mapping[Slot, tuple[int, ...]]:
     return {slot: tuple(ranks) for slot, ranks in found.items()}
 
 
-def term_layout(term: TypedTerm, world: int, degrees: Mapping[str, int]) -> Layout:
+def term_layout(term: TypedTerm, world: int, degrees: Mapping[str, int]) -> Placement:
     """The layout of a typed rule term on `world` ranks, its metavariables whole, at concrete `degrees`.
 
     With whole inputs a term's layout depends only on its structure, its
@@ -358,7 +358,7 @@ def term_layout(term: TypedTerm, world: int, degrees: Mapping[str, int]) -> Layo
     not in `degrees`.
     """
     if term.kind == "input":
-        return Layout.whole(len(term.shape), world)
+        return Placement.whole(len(term.shape), world)
     args = [term_layout(arg, world, degrees) for arg in term.args]
     if term.kind == "parallel":
         return args[0].apply_parallel(term.name, term.degree.evaluate(degrees), term.dim)[0]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from parsat.dsl.library import Library
-from parsat.saturate.graph import Graph, GraphBuilder, GraphError, Tensor
+from parsat.ir.graph import Graph, GraphBuilder, GraphError, Tensor
 
 
 def mlp(batch: int = 128, d_in: int = 784, d_hidden: int = 512, d_out: int = 10,

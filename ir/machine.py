@@ -13,12 +13,9 @@ import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-MACHINE_SCHEMA = "parsat.machine"
-MACHINE_VERSION = 1
-
-
-class MachineError(Exception):
-    """A machine description that cannot be used."""
+from parsat.ir.errors import MachineError
+from parsat.ir.json_files import read_json_file
+from parsat.ir.validate import MACHINE_SCHEMA, MACHINE_VERSION, validate_machine_dict
 
 
 @dataclass(frozen=True)
@@ -69,8 +66,6 @@ class Machine:
 
     @staticmethod
     def from_dict(data: dict) -> "Machine":
-        from parsat.saturate.validate import validate_machine_dict
-
         validate_machine_dict(data, {k: f.type for k, f in Machine.__dataclass_fields__.items()})
         fields = {k: v for k, v in data.items() if k not in ("schema", "version")}
         try:
@@ -85,8 +80,6 @@ class Machine:
 
     @staticmethod
     def load(path: str | Path) -> "Machine":
-        from parsat.saturate.validate import read_json_file
-
         return Machine.from_dict(read_json_file(path, MachineError, "machine"))
 
     @staticmethod
@@ -106,7 +99,7 @@ PRESETS: dict[str, Machine] = {
     # 8x H100 SXM per node, NVSwitch; 400 Gb/s InfiniBand per GPU (50 GB/s).
     # Peak: dense TF32 (fp32 training), 989/2 TFLOP/s. Links: all-reduce bus
     # bandwidth ~267 GB/s on NVSwitch and ~30 us for an 8-GPU all-reduce
-    # (NOTES.md), i.e. alpha ~2 us per ring step (2(p-1) steps).
+    # (published measurements on 8x H100 with NVSwitch), i.e. alpha ~2 us per ring step (2(p-1) steps).
     "h100x8": Machine("h100x8", 8, 1, peak_flops=989e12 / 2, memory_bandwidth=3350 * GB,
                       memory_capacity=80 * 2 ** 30, intra_bandwidth=267 * GB, intra_latency=2e-6,
                       inter_bandwidth=50 * GB, inter_latency=5e-6),

@@ -3,13 +3,13 @@
 Pipeline (issue 7; the design follows TASO's generator and Ruler's
 rule inference by equality saturation, OOPSLA'21):
 
-1. Enumerate (`saturate.enumerate`): every small term over the chosen
+1. Enumerate (`generate.enumerate`): every small term over the chosen
    operators, in one vocabulary per compute operator and rank (its own
    parameters: biases, gains, batch dims; with the parallel operators), in
    a rank-2 vocabulary of the compute operators alone (algebraic rules to
    the full depth) and in the joint rank-2 vocabulary of them all, grouped
    by a fingerprint of their values at random sizes, degrees and inputs.
-2. Candidates (`saturate.candidates`): a rule per group member and the
+2. Candidates (`generate.candidates`): a rule per group member and the
    group's smallest member, both directions, one per canonical key
    (metavariables renamed, commutative arguments ordered), type-checked.
 3. Select, small and general first, in windows: the window's left sides
@@ -17,7 +17,7 @@ rule inference by equality saturation, OOPSLA'21):
    far; a candidate whose right side the kept rules already reach is
    dropped unproved (it is true: the rules that derive it are proved). The
    rest are proved in batches (`--jobs` processes), each proved rule widened
-   (`saturate.generalise`: independent sizes, then any rank) and proved
+   (`generate.generalise`: independent sizes, then any rank) and proved
    again in its wider form, and the batch added to the e-graph, which then
    drops what the batch derives.
 4. Minimise: the kept rules, least useful first, are dropped when the
@@ -45,10 +45,11 @@ from parsat.dsl import ast
 from parsat.dsl.library import Library
 from parsat.dsl.printer import format_decl, format_expr
 from parsat.dsl.typecheck import RuleInstance, TypeCheckError, group_assignments, rule_groups, type_rule
-from parsat.saturate.candidates import Candidate, Canon, candidate, commutative_ops, ops_of, pairs, rule_identity, alpha_text
-from parsat.saturate.derivation import CandidateGraph, Deriver, Limits, Minimiser, instance_sizes, safe_typed
-from parsat.saturate.enumerate import (Vocabulary, VocabularyError, algebraic_vocabulary,
+from parsat.generate.candidates import Candidate, Canon, candidate, commutative_ops, ops_of, pairs, rule_identity, alpha_text
+from parsat.generate.derivation import CandidateGraph, Deriver, Minimiser, instance_sizes, safe_typed
+from parsat.generate.enumerate import (Vocabulary, VocabularyError, algebraic_vocabulary,
                                        enumerate_terms, environments, operator_vocabularies, vocabulary)
+from parsat.saturate.runner import Limits
 
 Progress = Callable[[str], None]
 ENUMERATION_SHARE = 0.4     # of --seconds, at most
@@ -180,7 +181,7 @@ def prove(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], timeout: float) -> 
 
 def _decide(args: tuple) -> tuple[int, str, str, ast.RuleDecl]:
     """Worker: prove a candidate and, when proved, widen it. (index, verdict, reason, the rule to keep)."""
-    from parsat.saturate.generalise import widen
+    from parsat.generate.generalise import widen
 
     index, rule, ops, timeout, sizes, ranks, deadline = args
     verdict, reason = prove(rule, ops, timeout)
@@ -529,5 +530,6 @@ def derive_library(generated: Library, shipped: Library, ops: Iterable[str],
     iterations; the benchmark and the test that guards the recorded set
     both ask this one question.
     """
-    deriver = Deriver(generated, list(generated.rules), devices=4, iterations=8, enodes=30_000, seconds=10.0)
+    deriver = Deriver(generated, list(generated.rules), devices=4,
+                      limits=Limits(iterations=8, enodes=30_000, seconds=10.0))
     return derive_rules(rules_over(shipped, ops), deriver, generated, progress)

@@ -1,4 +1,4 @@
-"""Structural validation of the JSON parsat reads: graphs, plans, machines.
+"""The JSON schemas (names, versions) and the structural validation of what parsat reads: graphs, plans, machines.
 
 Graph, plan and machine files come from users and other tools, so nothing
 in them is trusted. The loaders (`Graph.from_dict`, `load_plan_dict`,
@@ -10,76 +10,36 @@ surfacing as a KeyError/TypeError/RecursionError stack trace deep inside
 the optimizer or on a rank. Semantics (operators, shape inference) stay
 with the loaders; this module only guarantees the shapes of the data.
 
-Files are read as bytes with a size cap (a multi-gigabyte file is refused,
-not parsed) and decoded as UTF-8 JSON; nothing is ever unpickled.
+Files are read by `json_files` (a size cap, UTF-8, no unpickling) before
+they reach these checks.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from pathlib import Path
 from typing import Any, Mapping, NoReturn
 
-from parsat.saturate.graph import GRAPH_SCHEMA, GRAPH_VERSION, GraphError
-from parsat.saturate.machine import MachineError
+from parsat.dsl.parallel_ops import PARALLEL_OPS
+from parsat.ir.errors import GraphError, MachineError
 
-# Largest JSON file parsat reads (bytes); override with PARSAT_MAX_INPUT_BYTES.
-MAX_INPUT_BYTES = 64 * 2 ** 20
+# The schemas' names and versions: every writer stamps them, every reader checks them.
+GRAPH_SCHEMA = "parsat.graph"
+GRAPH_VERSION = 1
+MACHINE_SCHEMA = "parsat.machine"
+MACHINE_VERSION = 1
+PLAN_SCHEMA = "parsat.plan"
+PLAN_VERSION = 2               # 2: each baseline carries its PCG (`baselines.NAME.pcg`)
+READABLE_VERSIONS = (1, 2)     # plan versions read; version 1 lacks only the baselines' PCGs
+
 # Largest tensor (elements): the cost model does float64 arithmetic on element
 # counts and the backend indexes with int64, so beyond 2**53 numbers lose exactness.
 MAX_ELEMENTS = 2 ** 53
 MAX_DEVICES = 1 << 20
 MAX_NUMBER = 2 ** 1000  # an integer beyond this has no float (OverflowError in the cost model and explain)
 PLAN_KINDS = ("leaf", "op", "parallel")
-PARALLEL_ATTRS = {"partition": ("dim", "degree"), "combine": ("dim", "degree"), "replicate": ("degree",),
-                  "reduce": ("degree",)}
+PARALLEL_ATTRS = {name: op.attrs for name, op in PARALLEL_OPS.items()}   # a parallel node's `attrs` keys
 EXPLAIN_TOTALS = ("time_s", "compute_s", "comm_s", "comm_elements", "comm_bytes", "peak_memory_bytes",
                   "grad_sync_elements")
-
-
-def max_input_bytes() -> int:
-    """The size cap for input files (the environment may raise or lower it)."""
-    try:
-        return max(1, int(os.environ.get("PARSAT_MAX_INPUT_BYTES", MAX_INPUT_BYTES)))
-    except ValueError:
-        return MAX_INPUT_BYTES
-
-
-def read_json_file(path: str | os.PathLike, error: type[Exception], what: str) -> Any:
-    """Parse a JSON file, raising `error` for every way the file can be unreadable.
-
-    Covers: missing/unreadable file, a folder, a file over the size cap,
-    bytes that are not UTF-8, text that is not JSON, and nesting so deep
-    that the JSON parser would overflow the stack.
-    """
-    limit = max_input_bytes()
-    try:
-        size = os.path.getsize(path)
-        if size > limit:
-            raise error(f"{path}: the {what} file is {size:,} bytes, over the limit of {limit:,} "
-                        "(PARSAT_MAX_INPUT_BYTES)")
-        raw = Path(path).read_bytes()
-    except OSError as err:
-        raise error(f"cannot read {path}: {err.strerror or err}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise error(f"{path} is not a {what} JSON file: byte {err.start} is not UTF-8 text") from None
-    return parse_json(text, error, f"{path} is not valid JSON")
-
-
-def parse_json(text: str, error: type[Exception], prefix: str) -> Any:
-    """json.loads with parsat's error for bad text and for pathologically deep nesting."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise error(f"{prefix}: {err}") from None
-    except RecursionError:
-        raise error(f"{prefix}: it is nested too deeply") from None
-    except ValueError as err:  # e.g. an integer literal with too many digits
-        raise error(f"{prefix}: {err}") from None
 
 
 # ----------------------------------------------------------------- primitives

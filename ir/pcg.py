@@ -2,26 +2,26 @@
 
 A PCG node is a leaf (graph input or weight, whole), a compute operator on
 local pieces, or one of the four parallel operators. Every node carries its
-logical shape and its `Layout` (the concrete form of `dsl.spread.Spread`:
-integer shard degrees per dim, copy degree, partial-sum degree). Layouts are
-not computed here: they come from the e-graph analysis, which takes them from
-the typed rules, and cost.py checks compute nodes with `dsl.spread`.
+logical shape and its `Degrees`: the concrete form of the symbolic
+`dsl.spread.Spread` (integer shard degrees per dim, copy degree,
+partial-sum degree; the plan JSON's `spread`). Degrees say how many pieces,
+not which device holds which: that is a `placement.Placement`. They are not
+computed here: they come from the e-graph analysis, which takes them from
+the typed rules, and the cost model checks compute nodes with `dsl.spread`
+(`Degrees.of` is the one conversion from a spread).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
-from typing import Iterator
+from typing import Iterator, Mapping
 
 from parsat.dsl.spread import Spread
 from parsat.dsl.symbolic import Poly
 
-PARALLEL = ("partition", "combine", "replicate", "reduce")
-
-
 @dataclass(frozen=True)
-class Layout:
+class Degrees:
     """How a tensor is spread over devices, with concrete degrees."""
 
     shard: tuple[int, ...]
@@ -29,8 +29,15 @@ class Layout:
     sum: int = 1
 
     @staticmethod
-    def whole(rank: int) -> "Layout":
-        return Layout(tuple(1 for _ in range(rank)))
+    def whole(rank: int) -> "Degrees":
+        return Degrees(tuple(1 for _ in range(rank)))
+
+    @staticmethod
+    def of(spread: Spread, sizes: Mapping[str, int] | None = None) -> "Degrees":
+        """A symbolic spread's degrees at `sizes` (its symbols' values; none needed when it is concrete)."""
+        env = dict(sizes or {})
+        return Degrees(tuple(int(d.evaluate(env)) for d in spread.shard), int(spread.copy.evaluate(env)),
+                       int(spread.sum.evaluate(env)))
 
     @property
     def pieces(self) -> int:
@@ -51,8 +58,8 @@ class Layout:
         return {"shard": list(self.shard), "copy": self.copy, "sum": self.sum}
 
     @staticmethod
-    def from_dict(data: dict) -> "Layout":
-        return Layout(tuple(int(d) for d in data["shard"]), int(data.get("copy", 1)), int(data.get("sum", 1)))
+    def from_dict(data: dict) -> "Degrees":
+        return Degrees(tuple(int(d) for d in data["shard"]), int(data.get("copy", 1)), int(data.get("sum", 1)))
 
     def __str__(self) -> str:
         if self.is_whole:
@@ -77,7 +84,7 @@ class PNode:
     inputs: tuple[int, ...]
     attrs: tuple[tuple[str, int | float | str], ...]
     shape: tuple[int, ...]
-    layout: Layout
+    degrees: Degrees
     role: str = ""     # leaves: "input" | "weight"
     origin: str = ""
 
@@ -111,4 +118,4 @@ class PCG:
 
     @property
     def max_pieces(self) -> int:
-        return max((n.layout.pieces for n in self.nodes), default=1)
+        return max((n.degrees.pieces for n in self.nodes), default=1)

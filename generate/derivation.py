@@ -34,7 +34,10 @@ from parsat.dsl.library import Library
 from parsat.dsl.printer import format_expr
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import RuleInstance, TypeCheckError, TypedTerm, type_rule
-from parsat.saturate.egglog_compile import RULESETS, CompileError, RuleProgram, Session, compile_rules, ctor, real_literal
+from parsat.saturate.encoding import RULESETS, ctor, real_literal
+from parsat.saturate.program import RuleProgram, compile_rules
+from parsat.saturate.runner import Limits, run
+from parsat.saturate.session import CompileError, Session
 
 REAL_VALUE = 0.5   # the value a real metavariable (scale's c, layernorm's eps) takes in a concrete instance
 FREE_DEGREES = (2,)   # instances use degree 2 (`instance_sizes`): a rule that introduces parallelism picks 2 too
@@ -111,7 +114,7 @@ class TermWriter:
         return self._body(term, self.expr)
 
     def term(self, term: TypedTerm) -> str:
-        """A `let` per operator, with the rows of egglog_compile.graph_program; the variable of the root."""
+        """A `let` per operator, with the rows of `saturate.encoding.graph_program`; the variable of the root."""
         key = format_expr(term.node)
         if key in self.made:
             return self.made[key]
@@ -154,28 +157,12 @@ def ranks_of(instance: RuleInstance) -> set[int]:
     return {len(t.shape) for side in (instance.lhs, instance.rhs) for t in side.walk()}
 
 
-@dataclass(frozen=True)
-class Limits:
-    """When a derivability saturation stops: iterations, e-nodes (checked between rulesets), seconds."""
-
-    iterations: int = 6
-    enodes: int = 20_000
-    seconds: float = 3.0
+DERIVE_LIMITS = Limits(iterations=6, enodes=20_000, seconds=3.0)   # a derivability test stops here (`Deriver`)
 
 
 def _saturate(session: Session, rulesets: Sequence[str], limits: Limits) -> int:
-    """Runs `rulesets` in turn until nothing changes or a limit is reached; the iterations run."""
-    start = time.perf_counter()
-    for iteration in range(limits.iterations):
-        changed = False
-        for ruleset in rulesets:
-            updated, _counts = session.run(ruleset)
-            changed |= updated
-            if session.size() >= limits.enodes or time.perf_counter() - start > limits.seconds:
-                return iteration + 1
-        if not changed:
-            return iteration + 1
-    return limits.iterations
+    """Runs `rulesets` with the optimizer's runner until nothing changes or a limit is reached; the iterations run."""
+    return run(session, rulesets, limits, time.perf_counter() + limits.seconds).iterations
 
 
 @dataclass
@@ -189,9 +176,7 @@ class Deriver:
     library: Library
     rules: list[ast.RuleDecl]
     devices: int = 4
-    iterations: int = 6
-    enodes: int = 20_000
-    seconds: float = 3.0
+    limits: Limits = DERIVE_LIMITS
     typing_cache: dict = field(default_factory=dict)     # shareable between derivers over the same library
     compiled_cache: dict = field(default_factory=dict)
     _programs: dict = field(default_factory=dict)
@@ -240,7 +225,7 @@ class Deriver:
             return out
         program = self.program(frozenset(ranks))
         chunks = [chunk for ruleset in RULESETS for chunk in program.chunks(ruleset)]
-        _saturate(session, chunks, Limits(self.iterations, self.enodes, self.seconds))
+        _saturate(session, chunks, self.limits)
         for index, writer, left in writers:
             try:
                 right = writer.expr(writer.instance.rhs)
@@ -265,7 +250,7 @@ class CandidateGraph:
     """
 
     def __init__(self, library: Library, instances: Sequence[RuleInstance], devices: int = 4,
-                 limits: Limits = Limits(4, 60_000, 20.0), typing_cache: dict | None = None):
+                 limits: Limits = Limits(iterations=4, enodes=60_000, seconds=20.0), typing_cache: dict | None = None):
         self.library = library
         self.devices = devices
         self.limits = limits
@@ -336,7 +321,8 @@ class Minimiser:
     """
 
     def __init__(self, library: Library, rules: Sequence[ast.RuleDecl], instances: Sequence[Sequence[RuleInstance]],
-                 devices: int = 4, limits: Limits = Limits(4, 20_000, 5.0), typing_cache: dict | None = None):
+                 devices: int = 4, limits: Limits = Limits(iterations=4, enodes=20_000, seconds=5.0),
+                 typing_cache: dict | None = None):
         self.library = library
         self.devices = devices
         self.limits = limits

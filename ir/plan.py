@@ -9,28 +9,24 @@ machine) and versioned. `explain()` renders the same data as text, so
 
 from __future__ import annotations
 
-from collections import Counter
-
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from parsat.saturate.cost import NodeCost, Totals
-from parsat.saturate.graph import Graph
-from parsat.saturate.machine import Machine
-from parsat.saturate.pcg import PCG, Layout, PNode
+from parsat.dsl.parallel_ops import COMBINE, PARTITION, REDUCE, REPLICATE
+from parsat.ir.costs import NodeCost, Totals
+from parsat.ir.errors import PlanError
+from parsat.ir.graph import Graph
+from parsat.ir.json_files import read_json_file
+from parsat.ir.machine import Machine
+from parsat.ir.pcg import PCG, Degrees, PNode
+from parsat.ir.validate import PLAN_SCHEMA, PLAN_VERSION, READABLE_VERSIONS, validate_plan_dict
 
-PLAN_SCHEMA = "parsat.plan"
-PLAN_VERSION = 2               # 2: each baseline carries its PCG (`baselines.NAME.pcg`)
-READABLE_VERSIONS = (1, 2)     # version 1 lacks only the baselines' PCGs
 BASELINES = ("data_parallel", "sequential", "megatron")
 JOINT = "joint"                # `extraction.chosen` when the plan was extracted from the joint e-graph
-
-
-class PlanError(Exception):
-    """A plan file that cannot be read."""
 
 
 @dataclass(frozen=True)
@@ -47,8 +43,8 @@ def pcg_to_dict(pcg: PCG, costs: Mapping[int, NodeCost], dtype_bytes: int) -> di
     for node in pcg.nodes:
         cost = costs.get(node.id, NodeCost())
         entry = {"id": node.id, "kind": node.kind, "op": node.op, "attrs": dict(node.attrs),
-                 "inputs": list(node.inputs), "shape": list(node.shape), "spread": node.layout.to_dict(),
-                 "pieces": node.layout.pieces, "origin": node.origin, "cost": cost.to_dict(dtype_bytes)}
+                 "inputs": list(node.inputs), "shape": list(node.shape), "spread": node.degrees.to_dict(),
+                 "pieces": node.degrees.pieces, "origin": node.origin, "cost": cost.to_dict(dtype_bytes)}
         if node.kind == "leaf":
             entry["role"] = node.role
         nodes.append(entry)
@@ -68,7 +64,7 @@ class Plan:
     rules_used: tuple[str, ...] = ()
     saturation: Mapping = field(default_factory=dict)
     extraction: Mapping = field(default_factory=dict)
-    pinned: Mapping[str, Layout] = field(default_factory=dict)   # tensor name -> pinned layout (inputs and outputs)
+    pinned: Mapping[str, Degrees] = field(default_factory=dict)   # tensor name -> pinned layout (inputs and outputs)
     baseline_plans: Mapping[str, BaselinePlan] = field(default_factory=dict)  # baseline name -> its PCG
 
     @property
@@ -91,7 +87,7 @@ class Plan:
             **pcg_to_dict(self.pcg, self.costs, dtype),
             "totals": self.totals.to_dict(),
             "baselines": baselines,
-            "pinned_spreads": {name: layout.to_dict() for name, layout in self.pinned.items()},
+            "pinned_spreads": {name: degrees.to_dict() for name, degrees in self.pinned.items()},
             "rules_used": list(self.rules_used),
             "saturation": dict(self.saturation),
             "extraction": dict(self.extraction),
@@ -115,8 +111,6 @@ def _json_default(value):
 
 def load_plan_dict(path: str | Path) -> dict:
     """A plan file as a dict, with its schema and version checked."""
-    from parsat.saturate.validate import read_json_file, validate_plan_dict
-
     data = read_json_file(path, PlanError, "plan")
     if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA:
         raise PlanError(f"{path} is not a parsat plan (schema should be {PLAN_SCHEMA!r})")
@@ -130,7 +124,7 @@ def load_plan_dict(path: str | Path) -> dict:
 def pcg_from_dict(data: Mapping) -> PCG:
     """The PCG of a plan dict, or of a baseline's `pcg` object (same node format)."""
     nodes = tuple(PNode(n["id"], n["kind"], n["op"], tuple(n["inputs"]), tuple(n["attrs"].items()),
-                        tuple(n["shape"]), Layout.from_dict(n["spread"]), n.get("role", ""), n.get("origin", ""))
+                        tuple(n["shape"]), Degrees.from_dict(n["spread"]), n.get("role", ""), n.get("origin", ""))
                   for n in data["nodes"])
     return PCG(nodes, tuple(o["node"] for o in data["outputs"]), tuple(o["name"] for o in data["outputs"]))
 
@@ -154,7 +148,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _spread_text(spread: Mapping) -> str:
-    return str(Layout.from_dict(spread))
+    return str(Degrees.from_dict(spread))
 
 
 def _parallel_summary(parallel: Sequence[Mapping], nodes: Mapping[int, Mapping], weights: set[str]) -> str:
@@ -164,10 +158,10 @@ def _parallel_summary(parallel: Sequence[Mapping], nodes: Mapping[int, Mapping],
         source = nodes[node["inputs"][0]]
         weight = source["kind"] == "leaf" and source["op"] in weights
         d = node["attrs"]["degree"]
-        kind = {"partition": f"weights stored in {d} shards" if weight else f"splits into {d} blocks",
-                "combine": f"gathers of {d} blocks",
-                "replicate": f"weights replicated on {d} devices" if weight else f"replications on {d} devices",
-                "reduce": f"sums of {d} partial sums"}[node["op"]]
+        kind = {PARTITION: f"weights stored in {d} shards" if weight else f"splits into {d} blocks",
+                COMBINE: f"gathers of {d} blocks",
+                REPLICATE: f"weights replicated on {d} devices" if weight else f"replications on {d} devices",
+                REDUCE: f"sums of {d} partial sums"}[node["op"]]
         counts[kind] += 1
     return ", ".join(f"{n} {kind}" for kind, n in counts.most_common())
 
@@ -212,16 +206,16 @@ def explain(data: Mapping, limit: int | None = 40) -> str:
         source = nodes[node["inputs"][0]]
         what = source["op"] if source["kind"] == "leaf" else f"{source['op']} #{source['id']}"
         attrs = node["attrs"]
-        if node["op"] == "partition":
+        if node["op"] == PARTITION:
             text = f"splits {what} along dim {attrs['dim']} into {attrs['degree']} blocks"
-        elif node["op"] == "combine":
+        elif node["op"] == COMBINE:
             text = f"gathers {what} along dim {attrs['dim']} from {attrs['degree']} blocks"
-        elif node["op"] == "replicate":
+        elif node["op"] == REPLICATE:
             text = f"replicates {what} on {attrs['degree']} devices"
         else:
             text = f"adds up {attrs['degree']} partial sums of {what}"
         if source["kind"] == "leaf" and source["op"] in weights:
-            text += " (weight" + (", gradient all-reduced every step)" if node["op"] == "replicate" else
+            text += " (weight" + (", gradient all-reduced every step)" if node["op"] == REPLICATE else
                                   ", stored sharded: no gradient sync)")
         collectives = node["cost"]["collectives"]
         if collectives:
@@ -275,3 +269,20 @@ def explain(data: Mapping, limit: int | None = 40) -> str:
                                  for k, v in (ext.get('candidates') or {}).items())
                      + f"; ILP {ext.get('ilp_status', '')}")
     return "\n".join(lines)
+
+
+def saturation_stats(saturation: Mapping) -> str:
+    """What every rule did in saturation (`parsat optimize --stats`): the rules that matched, most first,
+    the rules that never fired, and the seconds each ruleset ran (docs/plan-schema.md, `saturation`)."""
+    matches = dict(saturation.get("rule_matches") or {})
+    seconds = saturation.get("ruleset_seconds") or {}
+    lines = ["saturation statistics:"]
+    if seconds:
+        lines.append("  seconds per ruleset: " + ", ".join(f"{k} {_fmt_time(v)}" for k, v in seconds.items()))
+    fired = sorted(((n, c) for n, c in matches.items() if c), key=lambda item: -item[1])
+    lines.append(f"  matches per rule ({len(fired)} of {len(matches)} rules fired):")
+    lines += [f"  {count:>10,}  {name}" for name, count in fired]
+    never = [name for name, count in matches.items() if not count]
+    lines.append(f"  never fired ({len(never)}): " + (", ".join(never) if never else "none"))
+    return "\n".join(lines)
+

@@ -61,10 +61,10 @@ import numpy as np
 from parsat.dsl import ast
 from parsat.dsl.conditions import holds
 from parsat.dsl.evaluate import EvaluationError
-from parsat.dsl.spread import PARALLEL_OPS
+from parsat.dsl.parallel_ops import PARALLEL_OPS, PARTITION, REPLICATE
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import RuleInstance, TermTyper, TypeCheckError, TypedTerm, type_rule
-from parsat.verifier.concrete import Unsupported, _Simulator, observe
+from parsat.verifier.concrete import Unsupported, observe, simulate
 
 DEGREE = "p"
 DEGREE2 = "q"
@@ -343,7 +343,7 @@ def _calls(vocab: Vocabulary, name: str, args: Sequence[Term]) -> Iterator[ast.C
     tensors = tuple(a.expr for a in args)
     if name in PARALLEL_OPS:
         for degree in vocab.op_degrees:
-            if PARALLEL_OPS[name][1] == "dim":
+            if PARALLEL_OPS[name].has_dim:
                 for d in vocab.dims:
                     yield ast.Call(name, tensors + (ast.Num(d), _degree(degree)))
             else:
@@ -362,11 +362,11 @@ def leaves(vocab: Vocabulary) -> list[ast.Expr]:
         return out
     for var in vocab.inputs:
         for degree in vocab.leaf_degrees:
-            if "partition" in vocab.names:
-                out += [ast.Call("partition", (ast.Name(var.name), ast.Num(d), _degree(degree)))
+            if PARTITION in vocab.names:
+                out += [ast.Call(PARTITION, (ast.Name(var.name), ast.Num(d), _degree(degree)))
                         for d in vocab.dims if d < len(var.dims)]
-            if "replicate" in vocab.names:
-                out.append(ast.Call("replicate", (ast.Name(var.name), _degree(degree))))
+            if REPLICATE in vocab.names:
+                out.append(ast.Call(REPLICATE, (ast.Name(var.name), _degree(degree))))
     return out
 
 
@@ -439,18 +439,6 @@ def type_term(vocab: Vocabulary, expr: ast.Expr) -> RuleInstance | None:
     return instance
 
 
-class _Memo(_Simulator):
-    """The verifier's piece-wise simulator, reusing the pieces of terms already evaluated (by AST node)."""
-
-    def __init__(self, env: Environment, memo: dict[int, np.ndarray]):
-        super().__init__(env.sizes, env.inputs, env.reals)
-        self.memo = memo
-
-    def run(self, term: TypedTerm) -> np.ndarray:
-        hit = self.memo.get(id(term.node))
-        return hit if hit is not None else super().run(term)
-
-
 @dataclass
 class Evaluator:
     """Fingerprints terms at fixed environments, remembering the pieces of terms kept as arguments."""
@@ -481,7 +469,7 @@ class Evaluator:
             spread = (tuple(d.evaluate(sizes) for d in term.spread.shard), term.spread.copy.evaluate(sizes),
                       term.spread.sum.evaluate(sizes))
             try:
-                pieces = _Memo(env, memo).run(term)
+                pieces = simulate(term, env.sizes, env.inputs, env.reals, known=memo)
             except (Unsupported, EvaluationError, ZeroDivisionError, IndexError, ValueError):
                 return None
             seen = observe(pieces, len(shape))

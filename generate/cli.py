@@ -47,8 +47,8 @@ def _error(message: str) -> int:
 
 def run_generate(args: argparse.Namespace) -> int:
     from parsat.dsl.errors import DslError
-    from parsat.saturate.api import resolve_library
-    from parsat.saturate.generate import GenerateError, Settings, generate
+    from parsat.saturate.inputs import resolve_library
+    from parsat.generate.generate import GenerateError, Settings, generate
 
     try:
         degrees = tuple(int(d) for d in args.degrees.split(",") if d.strip())

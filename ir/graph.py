@@ -19,16 +19,13 @@ from typing import Any, Mapping, Sequence
 from parsat.dsl import ast
 from parsat.dsl.conditions import holds
 from parsat.dsl.instantiate import InstantiationError, OpInstance, instantiate
-from parsat.dsl.library import Library
+from parsat.dsl.library import Library, load_library
 from parsat.dsl.symbolic import Poly
+from parsat.ir.errors import GraphError
+from parsat.ir.json_files import parse_json, read_json_file
+from parsat.ir.validate import GRAPH_SCHEMA, GRAPH_VERSION, check_graph_sizes, validate_graph_dict
 
-GRAPH_SCHEMA = "parsat.graph"
-GRAPH_VERSION = 1
 ROLES = ("input", "weight")
-
-
-class GraphError(Exception):
-    """A graph that cannot be optimized; the message names the node."""
 
 
 @dataclass(frozen=True)
@@ -106,8 +103,6 @@ class Graph:
     @staticmethod
     def from_dict(data: Mapping, library: Library | None = None) -> "Graph":
         """Read and validate a graph; node shapes in the file are checked, not trusted."""
-        from parsat.saturate.validate import check_graph_sizes, validate_graph_dict
-
         validate_graph_dict(data)  # structure and types first: the code below may then index freely
         if not isinstance(data, Mapping):
             raise GraphError("a graph must be a JSON object")
@@ -143,14 +138,10 @@ class Graph:
 
     @staticmethod
     def from_json(text: str, library: Library | None = None) -> "Graph":
-        from parsat.saturate.validate import parse_json
-
         return Graph.from_dict(parse_json(text, GraphError, "graph JSON is not valid JSON"), library)
 
     @staticmethod
     def load(path: str | Path, library: Library | None = None) -> "Graph":
-        from parsat.saturate.validate import read_json_file
-
         return Graph.from_dict(read_json_file(path, GraphError, "graph"), library)
 
 
@@ -164,8 +155,6 @@ class Tensor:
 def _library(library: Library | None) -> Library:
     if library is not None:
         return library
-    from parsat.dsl.library import load_library
-
     return load_library()[0]
 
 

@@ -1,6 +1,6 @@
 """Candidate rules from groups of equal terms: pairs, canonical forms, names, typed rule declarations.
 
-A value group of the enumeration (`saturate.enumerate`) is a set of terms
+A value group of the enumeration (`generate.enumerate`) is a set of terms
 that agree on every random input; any two members make a candidate rule,
 which only the verifier can confirm. This module turns groups into
 candidates and candidates into rule declarations the checker accepts.
@@ -22,13 +22,13 @@ from typing import Iterable, Mapping, Sequence
 from parsat.dsl import ast
 from parsat.dsl.conditions import symbolic_truth
 from parsat.dsl.errors import DslError
+from parsat.dsl.parallel_ops import COMBINE, PARALLEL_OPS, REDUCE
 from parsat.dsl.printer import format_expr
-from parsat.dsl.spread import PARALLEL_OPS
 from parsat.dsl.typecheck import RuleInstance, TypeCheckError, check_rhs_bound, type_rule
-from parsat.saturate.enumerate import Enumeration, Vocabulary
+from parsat.generate.enumerate import Enumeration, Vocabulary
 
-COLLECTIVES = ("combine", "reduce")   # all-gather and all-reduce in the forward pass
-DEGREE_NAMES = ("p", "q")             # the enumeration's degree symbols (saturate.enumerate)
+COLLECTIVES = (COMBINE, REDUCE)   # all-gather and all-reduce in the forward pass
+DEGREE_NAMES = ("p", "q")             # the enumeration's degree symbols (generate.enumerate)
 MAX_COMMUTED = 4                      # commutative nodes whose argument orders a key tries (2**4 texts)
 
 

@@ -1,0 +1,68 @@
+"""How much work one operator application does: FLOPs and elements touched, from its index semantics.
+
+The cost model prices compute nodes with it (`saturate/cost.py`), and
+`parsat calibrate` fits a machine's speeds against the same count
+(`backend/calibrate.py`), so both read one definition of an operator's work.
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+from parsat.dsl import ast
+from parsat.dsl.conditions import to_poly
+from parsat.dsl.instantiate import OpInstance, index_bounds
+
+
+def work(instance: OpInstance) -> tuple[int, int]:
+    """Global (FLOPs, elements touched) of one forward application, from the semantics.
+
+    Every distinct subexpression of the body is evaluated once per value of
+    the index variables it depends on (loop-invariant code is hoisted, as a
+    compiler would): its cost is its own arithmetic times the product of the
+    ranges of its free index variables. A `sum` adds `bound` values per
+    evaluation. Elements touched = all inputs + the output.
+    """
+    bounds = {k: int(v.evaluate({})) for k, v in index_bounds(instance).items()}
+    env = instance.size_env()
+    seen: dict[ast.Expr, frozenset[str]] = {}
+
+    def free(expr: ast.Expr) -> frozenset[str]:
+        if expr in seen:
+            return seen[expr]
+        if isinstance(expr, ast.Name):
+            out = frozenset({expr.id}) & frozenset(bounds)
+        elif isinstance(expr, ast.Sum):
+            out = free(expr.body) - {expr.var}
+        else:
+            out = frozenset()
+            for child in ast.children(expr):
+                out |= free(child)
+        seen[expr] = out
+        return out
+
+    flops = 0
+    counted: set[ast.Expr] = set()
+
+    def visit(expr: ast.Expr) -> None:
+        nonlocal flops
+        if expr in counted:
+            return
+        counted.add(expr)
+        vars_ = free(expr)
+        reps = prod(bounds[v] for v in vars_)
+        if isinstance(expr, ast.Sum):
+            flops += reps * int(to_poly(expr.bound, env).evaluate({}))
+            visit(expr.body)
+            return
+        if isinstance(expr, (ast.BinOp, ast.Neg, ast.Call, ast.Compare, ast.BoolOp, ast.Not, ast.IfThenElse)):
+            flops += reps
+        if isinstance(expr, ast.Access):
+            return  # index arithmetic is addressing, not FLOPs
+        for child in ast.children(expr):
+            visit(child)
+
+    visit(instance.body)
+    elements = sum(prod(int(d.evaluate({})) for d in s) for s in instance.input_shapes)
+    elements += prod(int(d.evaluate({})) for d in instance.output_shape)
+    return flops, elements

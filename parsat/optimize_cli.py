@@ -1,0 +1,108 @@
+"""`parsat optimize`: find the cheapest parallel plan for a model.
+
+The command joins three packages, so it lives in the facade: a model given
+as `model.py:factory` is imported by the torch backend
+(`backend.fx_import`), the rules are the ones the verifier PROVED
+(`parsat.api.optimize`), and the search is `saturate`'s. Every error a user
+can cause (a bad graph, an unknown preset, a device count the model cannot
+use, a plan that does not fit) ends with a message and exit status 1, never
+a stack trace. egglog is only imported when `optimize` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def register(subparsers) -> None:
+    opt = subparsers.add_parser("optimize", help="find the cheapest parallel plan for a model (equality saturation)")
+    opt.add_argument("model", nargs="?", metavar="MODEL",
+                     help="a graph JSON file, a built-in example name, or model.py:factory (a torch module)")
+    opt.add_argument("--devices", "-n", type=int, default=None, help="number of devices (default: one machine node)")
+    opt.add_argument("--machine", "-m", default="h100x8", help="machine preset (h100x8, a100x8, cpu) or JSON file")
+    opt.add_argument("--output", "-o", default=None, metavar="PLAN", help="write the plan JSON here")
+    opt.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="size of a built-in example")
+    opt.add_argument("--rules", action="append", default=None, metavar="PATH",
+                     help=".rule files or folders (default: the shipped rules); repeat for several")
+    opt.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE",
+                     help="saturation limits: iterations, enodes, seconds, ilp_seconds")
+    opt.add_argument("--allow-unverified", action="store_true", help="also use rules the verifier has not PROVED")
+    opt.add_argument("--list-examples", action="store_true", help="list the built-in examples and their sizes")
+    opt.add_argument("--no-baselines", action="store_true", help="skip the baselines (faster)")
+    opt.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
+    opt.add_argument("--stats", action="store_true",
+                     help="after the plan, list each rule's matches in saturation and the rules that never fired")
+    opt.set_defaults(run=run_optimize)
+
+
+def _pairs(items: list[str], what: str, cast=int) -> dict:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{what} must look like KEY=VALUE, got '{item}'")
+        try:
+            out[key.strip()] = cast(value)
+        except ValueError:
+            raise ValueError(f"{what} {key}: '{value}' is not a number") from None
+    return out
+
+
+def _error(message: str) -> int:
+    print(f"parsat: error: {message}", file=sys.stderr)
+    return 1
+
+
+def run_optimize(args: argparse.Namespace) -> int:
+    from parsat.ir.models import EXAMPLES
+
+    if args.list_examples:
+        for name, example in EXAMPLES.items():
+            sizes = " ".join(f"{k}={v}" for k, v in example.defaults().items())
+            print(f"{name:<12} {example.summary}\n{'':<12} sizes: {sizes}")
+        return 0
+    if not args.model:
+        return _error("give a MODEL (a graph JSON file or an example: " + ", ".join(EXAMPLES) + ")")
+    from parsat.api import optimize      # egglog (and z3, for the proofs) load here, not for `parsat --help`
+    from parsat.dsl.errors import DslError
+    from parsat.ir.errors import GraphError, MachineError
+    from parsat.saturate.errors import OptimizeError
+
+    try:
+        sizes = _pairs(args.set, "--set")
+        limits = _pairs(args.limit, "--limit", float)
+        for key in ("iterations", "enodes"):
+            if key in limits:
+                limits[key] = int(limits[key])
+        start = time.perf_counter()
+
+        def progress(message: str) -> None:
+            if not args.quiet:
+                print(f"[{time.perf_counter() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+        model = args.model
+        if ".py:" in model:  # model.py:factory -> (module, example inputs): torch.fx import, torch loaded only here
+            from parsat.backend.fx_import import load_model_file
+            model = load_model_file(model)
+        plan = optimize(model, machine=args.machine, rules=args.rules, limits=limits or None,
+                        devices=args.devices, allow_unverified=True if args.allow_unverified else None,
+                        baselines=not args.no_baselines, sizes=sizes or None, progress=progress)
+    except (ValueError, OptimizeError, GraphError, MachineError) as err:
+        return _error(str(err))
+    except DslError as err:
+        return _error(f"the rules do not load:\n{err}")
+    if args.output:
+        try:
+            plan.save(args.output)
+        except OSError as err:
+            return _error(f"cannot write {args.output}: {err.strerror}")
+        print(f"wrote {args.output}", file=sys.stderr)
+    print(plan.explain())
+    if args.stats:
+        from parsat.ir.plan import saturation_stats
+
+        print()
+        print(saturation_stats(plan.saturation))
+    return 0

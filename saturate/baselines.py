@@ -1,0 +1,139 @@
+"""The baselines every plan is compared with, priced by the same cost model.
+
+* data parallelism: the textbook PCG (`ir.data_parallel`), priced node by
+  node (`price_pcg`);
+* Megatron-style tensor parallelism: the joint e-graph with the e-nodes it
+  forbids excluded (`megatron_excluded`): graph inputs never split, matrices
+  never replicated or read whole;
+* the sequential approach: algebraic rules saturated and extracted first,
+  on one device, then parallel rules only (`sequential`).
+
+Each is a `Candidate` (a valid PCG with its costs), so `optimize` can keep
+the cheapest of them and the joint plan, and the backend can run any of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+from parsat.dsl import ast
+from parsat.dsl.checker import is_parallel_rule
+from parsat.dsl.library import Library
+from parsat.dsl.parallel_ops import PARALLEL_OPS, PARTITION, REPLICATE
+from parsat.ir.costs import NodeCost, Totals, totals
+from parsat.ir.data_parallel import data_parallel_pcg
+from parsat.ir.errors import GraphError
+from parsat.ir.graph import Graph, GraphBuilder
+from parsat.ir.machine import Machine
+from parsat.ir.pcg import PCG, Degrees
+from parsat.saturate.errors import OptimizeError
+from parsat.saturate.extract import ExtractionError, NodeId, Pricer
+from parsat.saturate.runner import Limits
+from parsat.saturate.saturate import saturate
+from parsat.saturate.snapshot import Snapshot
+from parsat.saturate.solve import solve
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plan `optimize` may return: the joint extraction's or a baseline's PCG, with its costs."""
+
+    name: str
+    pcg: PCG
+    costs: Mapping[int, NodeCost]
+    totals: Totals
+
+
+def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_layouts: bool = True,
+              devices: int | None = None) -> dict[int, NodeCost] | None:
+    """Every PCG node priced by the same cost model as the e-nodes (None if a node is not priceable).
+
+    `devices` defaults to the largest piece count in the PCG.
+    """
+    pricer = Pricer(library, machine, free_input_layouts, devices or pcg.max_pieces)
+    by_id = {n.id: n for n in pcg.nodes}
+    out: dict[int, NodeCost] = {}
+    for node in pcg.nodes:
+        children = [by_id[i] for i in node.inputs]
+        attrs = tuple(v for _k, v in node.attrs)
+        op = node.op if node.kind != "leaf" else "leaf"
+        cost = pricer.price(op, attrs, node.shape, node.degrees, tuple(c.shape for c in children),
+                            tuple(c.degrees for c in children), tuple(c.role for c in children))
+        if cost is None:
+            return None
+        out[node.id] = cost
+    return out
+
+
+def data_parallel(graph: Graph, library: Library, machine: Machine, free_input_layouts: bool,
+                  devices: int) -> Candidate | None:
+    """The data-parallel PCG priced; None where it does not apply (a batch that does not split, an operator
+    that refuses the spread)."""
+    pcg = data_parallel_pcg(graph, library, devices)
+    costs = price_pcg(pcg, library, machine, free_input_layouts, devices) if pcg is not None else None
+    if costs is None:
+        return None
+    return Candidate("data_parallel", pcg, costs, totals(costs, machine))
+
+
+def megatron_excluded(snapshot: Snapshot, roles: Mapping[int, str]) -> Callable[[NodeId], bool]:
+    """The e-nodes tensor parallelism forbids: inputs never split, matrices never replicated or read whole."""
+    inputs = {c for c, r in roles.items() if r == "input"}
+    weights = {c for c, r in roles.items() if r == "weight"}
+
+    def excluded(nid: NodeId) -> bool:
+        node = snapshot.classes[nid[0]][nid[1]]
+        if node.op == PARTITION:
+            return node.children[0] in inputs
+        if node.op == REPLICATE:
+            return node.children[0] in weights and len(snapshot.shape[node.children[0]]) >= 2
+        if node.op in PARALLEL_OPS or node.op == "leaf":
+            return False
+        return any(ch in weights and len(snapshot.shape[ch]) >= 2 for ch in node.children)
+
+    return excluded
+
+
+def pcg_to_graph(pcg: PCG, graph: Graph, library: Library) -> Graph:
+    """A whole (unparallelised) PCG as a computation graph: the sequential baseline's middle step."""
+    builder = GraphBuilder(library, name=graph.name)
+    handles = {}
+    used_names = set()
+    for node in pcg.nodes:
+        if node.kind == "leaf":
+            handles[node.id] = builder.leaf(node.op, node.shape, node.role or "input")
+            used_names.add(node.op)
+            continue
+        if node.kind == "parallel":
+            raise OptimizeError("internal: the algebraic-only plan contains a parallel operator")
+        name = node.origin if node.origin and node.origin not in used_names else None
+        handles[node.id] = builder.op(node.op, *[handles[i] for i in node.inputs], name=name, **dict(node.attrs))
+        used_names.add(handles[node.id].name)
+    builder.output(*[handles[i] for i in pcg.outputs])
+    return builder.build()
+
+
+def sequential(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], devices: int, limits: Limits,
+               machine: Machine, pins: Mapping[str, Degrees], free_inputs: bool, say: Progress) -> Candidate | None:
+    """Algebraic rules saturated and extracted first (on one device), then parallel rules only."""
+    algebraic = [r for r in rules if not is_parallel_rule(r)]
+    parallel = [r for r in rules if is_parallel_rule(r)]
+    try:
+        first = saturate(graph, library, algebraic, 1, limits, None, rulesets=("alg",))
+        roots = [first.classes[n] for n in graph.outputs]
+        one = machine.with_devices(1)
+        pcg, _c, _e = solve(first, graph, library, one, roots, limits, free_inputs, 1)
+        middle = pcg_to_graph(pcg, graph, library)
+        if any(n not in middle.shapes() for n in pins) or middle.outputs != graph.outputs:
+            say("sequential baseline: none (the algebraic rewrite renamed a pinned tensor)")
+            return None
+        second = saturate(middle, library, parallel, devices, limits, pins, rulesets=("par",))
+        roots = [second.classes[f"pin:{n}"] if n in pins else second.classes[n] for n in middle.outputs]
+        spcg, scosts, _ = solve(second, middle, library, machine, roots, limits, free_inputs, devices, pins=pins)
+    except (ExtractionError, GraphError, OptimizeError) as err:
+        say(f"sequential baseline: none ({err})")
+        return None
+    return Candidate("sequential", spcg, scosts, totals(scosts, machine))

@@ -1,0 +1,42 @@
+"""The e-graph read back: e-classes, their e-nodes, shapes and spreads, and who made each e-node.
+
+Extraction, pricing and the plan work on this snapshot, not on egglog:
+`session` fills it from egglog's tables once saturation stops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from parsat.ir.pcg import Degrees
+from parsat.saturate.encoding import GRAPH_MADE
+
+
+@dataclass(frozen=True)
+class ENode:
+    """One e-node of the snapshot: constructor (operator name, or "leaf"), children classes, attributes."""
+
+    op: str
+    children: tuple[int, ...]
+    attrs: tuple  # values of the non-tensor positions, in order (ints, strings for reals, leaf name)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The e-graph read back: e-classes with their e-nodes and their analysis."""
+
+    classes: Mapping[int, tuple[ENode, ...]]
+    shape: Mapping[int, tuple[int, ...]]
+    degrees: Mapping[int, Degrees]
+    lets: Mapping[str, int]
+    made: Mapping[ENode, frozenset[str]] = field(default_factory=dict)  # who made an e-node (`made_row`)
+
+    def makers(self, node: ENode) -> frozenset[str]:
+        """The rules that made `node`; empty for the input graph's own e-nodes (and leaves and pins)."""
+        who = self.made.get(node, frozenset())
+        return frozenset() if GRAPH_MADE in who else who
+
+    @property
+    def enodes(self) -> int:
+        return sum(len(v) for v in self.classes.values())

@@ -1,0 +1,102 @@
+"""From a saturated e-graph to the cheapest PCG: price every e-node, extract, build the PCG.
+
+The joint plan, the Megatron baseline (the same e-graph with some e-nodes
+excluded) and both phases of the sequential baseline go through `solve`,
+so every candidate is priced by one cost model and built one way.
+`rules_used` then says which rules made the e-nodes a plan uses.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Mapping, Sequence
+
+from parsat.dsl import ast
+from parsat.dsl.library import Library
+from parsat.dsl.parallel_ops import PARALLEL_OPS
+from parsat.ir.costs import NodeCost
+from parsat.ir.graph import Graph
+from parsat.ir.machine import Machine
+from parsat.ir.pcg import PCG, Degrees, PNode
+from parsat.saturate.encoding import PIN_SUFFIX
+from parsat.saturate.extract import Extraction, NodeId, dag_cost, extract, node_costs
+from parsat.saturate.runner import Limits
+from parsat.saturate.saturate import SaturationResult
+from parsat.saturate.snapshot import Snapshot
+
+
+def solve(result: SaturationResult, graph: Graph, library: Library, machine: Machine, roots: Sequence[int],
+           limits: Limits, free_inputs: bool, devices: int, exclude=None,
+           pins: Mapping[str, Degrees] | None = None,
+           costs: Mapping[NodeId, NodeCost] | None = None) -> tuple[PCG, dict[int, NodeCost], Extraction]:
+    """Extract from `result` (with `costs`, the e-nodes priced, when already known) and build the PCG."""
+    if costs is None:
+        costs = price(result, graph, library, machine, free_inputs, devices, pins)
+    extraction = extract(result.snapshot, costs, roots, machine.memory_capacity, limits.ilp_seconds, exclude)
+    pcg, ident = pcg_from_extraction(result, extraction, graph, library, roots, graph.outputs)
+    by_class = {ident[c]: costs[(c, i)] for c, i in extraction.choice.items()}
+    return pcg, by_class, extraction
+
+
+def price(result: SaturationResult, graph: Graph, library: Library, machine: Machine, free_inputs: bool,
+           devices: int, pins: Mapping[str, Degrees] | None) -> dict[NodeId, NodeCost]:
+    """Every e-node priced; pinned inputs arrive in their layout (a pinned output is an extraction root)."""
+    input_pins = {k: v for k, v in (pins or {}).items() if k not in graph.outputs}
+    return node_costs(result.snapshot, graph, library, machine, free_inputs, devices, input_pins)
+
+
+def pcg_from_extraction(result: SaturationResult, extraction: Extraction, graph: Graph, library: Library,
+                        roots: Sequence[int], output_names: Sequence[str]) -> tuple[PCG, dict[int, int]]:
+    """The chosen e-nodes as a PCG (topological order); also e-class -> PCG id."""
+    snapshot = result.snapshot
+    info = dag_cost(snapshot, {(c, i): NodeCost() for c, i in extraction.choice.items()}, extraction.choice, roots)
+    order = info[2]
+    names_of: dict[int, str] = {}
+    for name, cid in result.classes.items():
+        if not name.startswith("pin:"):
+            names_of.setdefault(cid, name)
+    roles = {leaf.name: leaf.role for leaf in graph.leaves}
+    ident: dict[int, int] = {}
+    nodes: list[PNode] = []
+    for cid in order:
+        enode = snapshot.classes[cid][extraction.choice[cid]]
+        inputs = tuple(ident[ch] for ch in enode.children)
+        shape, degrees = snapshot.shape[cid], snapshot.degrees[cid]
+        if enode.op == "leaf":
+            name = enode.attrs[0].removesuffix(PIN_SUFFIX)
+            node = PNode(len(nodes), "leaf", name, (), (), shape, degrees, roles.get(name, "input"), name)
+        elif enode.op in PARALLEL_OPS:
+            keys = PARALLEL_OPS[enode.op].attrs
+            node = PNode(len(nodes), "parallel", enode.op, inputs, tuple(zip(keys, enode.attrs)), shape, degrees,
+                         origin=names_of.get(cid, ""))
+        else:
+            op = library.ops[enode.op]
+            attrs = tuple((p.name, float(v) if p.type.kind == "real" else int(v))
+                          for p, v in zip(op.attr_params, enode.attrs))
+            node = PNode(len(nodes), "op", enode.op, inputs, attrs, shape, degrees, origin=names_of.get(cid, ""))
+        ident[cid] = node.id
+        nodes.append(node)
+    return PCG(tuple(nodes), tuple(ident[r] for r in roots), tuple(output_names)), ident
+
+
+def rules_used(library_rules: Sequence[ast.RuleDecl], snapshot: Snapshot, choice: Mapping[int, int]) -> tuple[str, ...]:
+    """A small set of rules that built the e-nodes an extraction chose, in library order.
+
+    Every rule application records the e-nodes it built (`encoding.made_row`),
+    and the input graph's operators need no rule. An e-node is often built by
+    several rules (a pattern reached two ways), so listing every maker says
+    little; the rules are picked greedily, the one that built most of the
+    still unexplained e-nodes first, until each of the plan's new e-nodes has
+    a maker among them.
+    """
+    order = {rule.name: i for i, rule in enumerate(library_rules)}
+    unexplained = [makers for makers in (snapshot.makers(snapshot.classes[c][i]) for c, i in choice.items()) if makers]
+    picked: list[str] = []
+    while unexplained:
+        counts = Counter(name for makers in unexplained for name in makers if name in order)
+        if not counts:
+            break
+        best = min(counts, key=lambda name: (-counts[name], order[name]))
+        picked.append(best)
+        unexplained = [makers for makers in unexplained if best not in makers]
+    return tuple(sorted(picked, key=order.__getitem__))

@@ -1,0 +1,294 @@
+"""The house's rules, checked on the source: which package may import which (docs/ARCHITECTURE.md).
+
+Every module of every package is parsed (`ast`, nothing is imported) and
+each import it makes, at the top or inside a function, is held against the
+allowed directions:
+
+    dsl <- ir <- saturate <- generate,  dsl <- verifier <- generate,  ir <- backend,
+
+with `rules` (package data) below everything and the facade `parsat/` above
+everything. A package may import what it points to, directly or through
+others (saturate may import dsl). Also refused: a cycle between packages or
+between modules (a function-level import does not hide one), a private
+(underscore) name taken from another package, and a heavy dependency
+outside its one home (egglog: saturate's session; z3: verifier; torch:
+backend; highspy: saturate). Importing `parsat`, the dsl and the data model
+must load none of them: checked in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# package -> the packages it may import (the transitive closure of the directions above)
+ALLOWED = {
+    "rules": set(),
+    "dsl": {"rules"},
+    "ir": {"dsl", "rules"},
+    "verifier": {"dsl", "rules"},
+    "saturate": {"ir", "dsl", "rules"},
+    "generate": {"saturate", "verifier", "ir", "dsl", "rules"},
+    "backend": {"ir", "dsl", "rules"},
+    "parsat": {"dsl", "rules", "ir", "verifier", "saturate", "generate", "backend"},
+}
+# third-party module -> the only files (or packages) that may import it
+HEAVY = {
+    "egglog": ("saturate/session.py",),
+    "z3": ("verifier/",),
+    "torch": ("backend/",),
+    "highspy": ("saturate/",),
+}
+LIGHT_PACKAGES = ("parsat", "parsat.dsl", "parsat.ir")
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str        # file, relative to the repository ("saturate/api.py")
+    line: int
+    module: str        # the module imported ("parsat.verifier.api")
+    names: tuple[str, ...] = ()   # names taken from it (`from module import names`)
+
+
+def package_dirs() -> dict[str, Path]:
+    """Subpackage name ("dsl", and "parsat" for the facade) -> its folder, from pyproject's package-dir."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    mapping = config["tool"]["setuptools"]["package-dir"]
+    return {name.split(".")[-1]: ROOT / folder for name, folder in mapping.items()}
+
+
+def module_name(path: Path, package: str, folder: Path) -> str:
+    parts = list(path.relative_to(folder).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(["parsat"] + ([] if package == "parsat" else [package]) + parts)
+
+
+def imports_of(path: Path, package: str, folder: Path) -> list[Import]:
+    """Every import of a file: `import a.b`, `from a.b import c`, relative ones, `importlib.import_module("a.b")`."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    source = path.relative_to(ROOT).as_posix()
+    here = module_name(path, package, folder)
+    found: list[Import] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [Import(source, node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = here.split(".")
+                anchor = anchor[: len(anchor) - node.level + (1 if path.name == "__init__.py" else 0)]
+                base = ".".join(anchor + ([base] if base else []))
+            names = tuple(alias.name for alias in node.names)
+            found.append(Import(source, node.lineno, base, names))
+            # `from parsat.saturate import cost` imports the module parsat.saturate.cost
+            found += [Import(source, node.lineno, f"{base}.{name}") for name in names
+                      if (ROOT / folder_of(f"{base}.{name}")).with_suffix(".py").exists()]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "import_module" and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)):
+            found.append(Import(source, node.lineno, node.args[0].value))
+    return found
+
+
+def folder_of(module: str) -> Path:
+    """The path (without suffix) a parsat module lives at, e.g. parsat.saturate.cost -> saturate/cost."""
+    dirs = package_dirs()
+    parts = module.split(".")
+    if parts[0] != "parsat":
+        return Path("/nonexistent")
+    if len(parts) > 1 and parts[1] in dirs and parts[1] != "parsat":
+        return dirs[parts[1]].relative_to(ROOT).joinpath(*parts[2:])
+    return dirs["parsat"].relative_to(ROOT).joinpath(*parts[1:])
+
+
+def package_of(module: str) -> str | None:
+    """The subpackage a module belongs to ("saturate"), "parsat" for the facade, None if not parsat's."""
+    parts = module.split(".")
+    if parts[0] != "parsat":
+        return None
+    if len(parts) > 1 and parts[1] in package_dirs() and parts[1] != "parsat":
+        return parts[1]
+    return "parsat"
+
+
+def all_imports() -> dict[str, list[Import]]:
+    """Package -> every import its modules make."""
+    out: dict[str, list[Import]] = {}
+    for package, folder in package_dirs().items():
+        for path in sorted(folder.rglob("*.py")):
+            out.setdefault(package, []).extend(imports_of(path, package, folder))
+    return out
+
+
+# ------------------------------------------------------------------ the checks
+
+
+def across_packages(imports: dict[str, list[Import]]):
+    """(importing package, imported package, the import) for every import of another parsat package."""
+    for package, found in imports.items():
+        for imp in found:
+            target = package_of(imp.module)
+            if target is not None and target != package:
+                yield package, target, imp
+
+
+def direction_violations(imports: dict[str, list[Import]]) -> list[str]:
+    problems = []
+    for package, target, imp in across_packages(imports):
+        if target not in ALLOWED[package]:
+            allowed = ", ".join(sorted(ALLOWED[package])) or "nothing of parsat"
+            problems.append(f"{imp.source}:{imp.line} imports {imp.module}: {package} may import only "
+                            f"{allowed} (dsl <- ir <- saturate <- generate, dsl <- verifier <- generate, "
+                            "ir <- backend, the facade on top)")
+    return problems
+
+
+def private_violations(imports: dict[str, list[Import]]) -> list[str]:
+    problems = []
+    for _package, _target, imp in across_packages(imports):
+        hidden = [n for n in imp.names if n.startswith("_") and not n.endswith("__")]
+        hidden += [part for part in imp.module.split(".") if part.startswith("_") and part != "__init__"]
+        if hidden:
+            problems.append(f"{imp.source}:{imp.line} takes the private name(s) {', '.join(hidden)} from "
+                            f"{imp.module}: another package's underscore names are not its API")
+    return problems
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one member (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def package_edges(imports: dict[str, list[Import]]) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {package: set() for package in imports}
+    for package, target, _imp in across_packages(imports):
+        edges[package].add(target)
+    return edges
+
+
+def module_edges(imports: dict[str, list[Import]]) -> dict[str, set[str]]:
+    """File -> the parsat files it imports (a package's __init__ counts as a file)."""
+    edges: dict[str, set[str]] = {}
+    for found in imports.values():
+        for imp in found:
+            if package_of(imp.module) is None:
+                continue
+            base = folder_of(imp.module)
+            for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+                if (ROOT / candidate).exists():
+                    if candidate.as_posix() != imp.source:
+                        edges.setdefault(imp.source, set()).add(candidate.as_posix())
+                    break
+    return edges
+
+
+def heavy_violations(imports: dict[str, list[Import]]) -> list[str]:
+    problems = []
+    for found in imports.values():
+        for imp in found:
+            top = imp.module.split(".")[0]
+            if top in HEAVY and not any(imp.source == home or (home.endswith("/") and imp.source.startswith(home))
+                                        for home in HEAVY[top]):
+                problems.append(f"{imp.source}:{imp.line} imports {top}: only {', '.join(HEAVY[top])} may")
+    return problems
+
+
+# ---------------------------------------------------------------------- tests
+
+
+def test_every_package_of_pyproject_is_known():
+    assert set(package_dirs()) == set(ALLOWED)
+
+
+def test_imports_follow_the_directions():
+    problems = direction_violations(all_imports())
+    assert not problems, "imports against the directions:\n" + "\n".join(problems)
+
+
+def test_no_cycle_between_packages():
+    found = cycles(package_edges(all_imports()))
+    assert not found, "packages that import each other: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_no_cycle_between_modules():
+    found = cycles(module_edges(all_imports()))
+    assert not found, "modules that import each other (a function-level import does not hide it): " + \
+        "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_no_private_name_crosses_a_package():
+    problems = private_violations(all_imports())
+    assert not problems, "\n".join(problems)
+
+
+def test_heavy_dependencies_stay_home():
+    problems = heavy_violations(all_imports())
+    assert not problems, "\n".join(problems)
+
+
+def test_the_checks_catch_what_they_guard():
+    """Each check refuses a made-up import that breaks its rule, so a passing run means something."""
+    fake = {"saturate": [Import("saturate/x.py", 1, "parsat.verifier.api", ("verify_library",)),
+                         Import("saturate/x.py", 2, "parsat.dsl.library", ("_display",))],
+            "verifier": [Import("verifier/y.py", 3, "parsat.saturate.cost", ("work",))]}
+    assert any("saturate may import only" in p for p in direction_violations(fake))
+    assert any("_display" in p for p in private_violations(fake))
+    assert cycles(package_edges(fake)) == [["saturate", "verifier"]]
+    assert heavy_violations({"ir": [Import("ir/z.py", 4, "egglog.bindings")]})
+
+
+def test_importing_parsat_the_dsl_and_the_data_model_loads_no_heavy_dependency():
+    modules = [m for package in LIGHT_PACKAGES for m in _modules(package)]
+    code = ("import importlib, sys\n"
+            f"for name in {modules!r}:\n"
+            "    importlib.import_module(name)\n"
+            f"print(sorted(m for m in {tuple(HEAVY)!r} if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def _modules(package: str) -> list[str]:
+    """`package` and, for dsl and ir, every module in it (the facade's own modules may import lazily only)."""
+    if package == "parsat":
+        return ["parsat"]
+    name = package.split(".")[-1]
+    folder = package_dirs()[name]
+    return [module_name(path, name, folder) for path in sorted(folder.glob("*.py"))]
