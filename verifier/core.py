@@ -15,6 +15,10 @@ The order is docs/VERIFIER.md's (and docs/ARCHITECTURE.md's):
    hold) is VACUOUS, never PROVED.
 5. z3 (`prove`) for every proof instance; any model it proposes is
    replayed device by device and shrunk before it is REFUTED.
+6. Before PROVED: the search must have run the rule on the devices at
+   least once, the z3 lowering must agree with the devices
+   (`crosscheck`), and the spread analysis must not have disagreed with
+   them anywhere; otherwise the verdict is UNKNOWN with a bug report.
 
 `timeout` bounds the whole verdict: every stage gets what is left of one
 deadline, and a rule that runs out is UNKNOWN saying which stage it was in.
@@ -23,6 +27,7 @@ A crash inside one rule's verification becomes that rule's UNKNOWN.
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import replace
 from typing import Mapping
@@ -206,8 +211,6 @@ def verify_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], file: str = "
 def _lowering_checked(proved: list[RuleInstance], clock: _Clock) -> str:
     """The z3 lowering of every proved instance against the devices, at its smallest applicable sizes ('' if
     they agree, or there is no time left to look)."""
-    import random
-
     from parsat.verifier.crosscheck import lowering_disagrees
 
     for instance in proved:
@@ -296,7 +299,7 @@ def _rhs_untyped(rule, ops, rank_plan, clock: _Clock, done) -> Verdict:
     except TypeCheckError:
         return done(REFUTED, reason, Counterexample(reason, groups=dict(groups), rhs="does not type"))
     failure = None
-    for sizes in concrete.candidate_sizes(instance, __import__("random").Random(0), 40):
+    for sizes in concrete.candidate_sizes(instance, random.Random(0), 40):
         if concrete.applies(instance, sizes):
             failure = sizes
             break

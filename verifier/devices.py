@@ -649,16 +649,16 @@ class RuleSides:
     # -------------------------------------------------------------- values
     def run(self, term: TypedTerm, inputs: Mapping[str, DeviceTensor], reals: Mapping[str, float]) -> SideRun:
         """Every device's piece of `term`, with the piece of every node (post-order)."""
-        side = SideRun(None)  # type: ignore[arg-type]
-        side.tensor = self._run(term, inputs, reals, side)
-        return side
+        nodes: list = []
+        tensor = self._run(term, inputs, reals, nodes)
+        return SideRun(tensor, nodes)
 
-    def _run(self, term: TypedTerm, inputs, reals, side: SideRun) -> DeviceTensor:
+    def _run(self, term: TypedTerm, inputs, reals, nodes: list) -> DeviceTensor:
         if term.kind == "input":
             tensor = inputs[term.name]
-            side.nodes.append((term, tensor, []))
+            nodes.append((term, tensor, []))
             return tensor
-        args = [self._run(a, inputs, reals, side) for a in term.args]
+        args = [self._run(a, inputs, reals, nodes) for a in term.args]
         problems: list[str] = []
         if term.kind == "parallel":
             source, axes = args[0], self.axes_of[id(term)]
@@ -678,7 +678,7 @@ class RuleSides:
                                       "(a device would combine pieces of different blocks, or a tensor missing "
                                       "from an axis would never get its gradient summed over it)")
                 raise NotPlaceable(f"{term.instance.name}: the pieces do not line up on this mesh: {problems[0]}")
-        side.nodes.append((term, tensor, problems))
+        nodes.append((term, tensor, problems))
         return tensor
 
 

@@ -184,7 +184,7 @@ def _replay_one(rule, ops, mesh: Mesh, base: RuleInstance, binding, others, arri
     except TypeCheckError:
         report.illegal += 1
         return
-    if lifted.problems or lifted.lhs.spread != lifted.lhs.spread:
+    if lifted.problems:
         report.illegal += 1
         return
     fixed = {degree: mesh.axis_size(axis) for degree, axis in binding.items()}
