@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable, Mapping, Sequence
 
-from parsat.dsl import ast
+from parsat.dsl import ast, parallel_ops
 from parsat.dsl.instantiate import OpInstance, index_bounds
 from parsat.dsl.parallel_ops import COMBINE, PARALLEL_OPS, PARTITION, REPLICATE
 from parsat.dsl.spread import Spread, block_read, infer_compute
@@ -56,18 +56,11 @@ class PlacementError(Exception):
 
 
 def prime_factors(n: int) -> list[int]:
-    """Prime factors of n in ascending order, with multiplicity."""
-    if n < 1:
-        raise PlacementError(f"a device count or degree must be >= 1, got {n}")
-    factors, p = [], 2
-    while p * p <= n:
-        while n % p == 0:
-            factors.append(p)
-            n //= p
-        p += 1
-    if n > 1:
-        factors.append(n)
-    return factors
+    """Prime factors of n in ascending order, with multiplicity (`dsl.parallel_ops.prime_factors`)."""
+    try:
+        return parallel_ops.prime_factors(n)
+    except ValueError as err:
+        raise PlacementError(str(err)) from None
 
 
 @dataclass(frozen=True, order=True)
