@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Mapping
@@ -120,9 +121,14 @@ def main_run(args: argparse.Namespace) -> int:
         if not under_torchrun():
             return _fail("--nproc is required (the number of ranks to start)")
         args.nproc = int(os.environ["WORLD_SIZE"])
+    if not math.isfinite(args.lr):
+        return _fail(f"--lr must be a finite number, got {args.lr}")
     try:
         pcg, graph, predicted = load_plan(args.plan, args.nproc, args.plan_of)
         check_worlds(pcg, args.nproc)
+        from parsat.backend.plan_check import plan_follows_graph
+
+        plan_follows_graph(pcg, graph, args.seed)  # before any rank starts
         config = TrainConfig(steps=args.steps, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
                              dtype=args.dtype, check=args.check, tolerance=check_tolerance(args.dtype, args.model))
         if args.model is not None:
@@ -177,7 +183,9 @@ def _report(result, args: argparse.Namespace, tolerance: float) -> None:
 def check_line(verdict: str, rel, diff, nonfinite: int, worst: str, tolerance: float) -> str:
     """The `--check` line: the verdict, the largest relative and absolute differences and the tolerance."""
     if nonfinite:
-        return f"  check                failed: {nonfinite} value(s) are not finite (NaN or infinity)"
+        return (f"  check                failed: {nonfinite} non-finite value(s) in the loss, outputs, gradients or "
+                f"weights; NaN or infinity is not finite and fails whatever the differences (relative tolerance "
+                f"{tolerance:g})")
     rel_text = "n/a" if rel is None else f"{rel:.3g}"
     abs_text = "n/a" if diff is None else f"{diff:.3g}"
     where = f" in {worst}" if worst else ""

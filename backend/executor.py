@@ -25,6 +25,7 @@ pieces, which is the full update restricted to them.
 
 from __future__ import annotations
 
+import math
 import resource
 import statistics
 import time
@@ -82,7 +83,7 @@ def leaf_value(name: str, shape: Sequence[int], role: str, config: TrainConfig, 
     if onehot:
         ids = torch.randint(0, shape[-1], tuple(shape[:-1]), generator=gen)
         return torch.nn.functional.one_hot(ids, shape[-1]).to(dtype)
-    value = torch.randn(*shape, generator=gen, dtype=dtype)
+    value = torch.randn(tuple(shape), generator=gen, dtype=dtype)
     if role == "weight" and fan_in > 1:
         value = value / fan_in ** 0.5
     return value
@@ -367,10 +368,6 @@ def gradient_of(weight: torch.Tensor) -> torch.Tensor:
     return weight.grad.detach() if weight.grad is not None else torch.zeros_like(weight).detach()
 
 
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach().cpu() - b).abs().max()) if a.numel() else 0.0
-
-
 def operator_library() -> Library:
     """The shipped operators only: all a rank needs to run a plan (rules are the optimizer's business)."""
     return load_library([shipped_rules_dir() / "ops.rule"])[0]
@@ -383,7 +380,7 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
     program = RankProgram(pcg, ctx, config, library)
     optimizer = _make_optimizer([p.tensor for p in program.params.values()], config)
     reference = reference_run(graph, config) if config.check and graph is not None else None
-    losses, times, steps_comm, diffs = [], [], [], []
+    losses, times, steps_comm, diffs = [], [], [], []  # diffs: (relative, absolute, non-finite) per step
     memory = TensorMemory()
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -543,17 +540,23 @@ def compare_values(pairs) -> Comparison:
 def _compare(program: RankProgram, env, reference: Reference, step: int, loss: float) -> Comparison:
     """This rank's pieces against the reference, this step: outputs, loss, gradients, updated weights."""
     rank = program.ctx.rank
+    missing: list[Comparison] = []
     pairs = [("loss", torch.tensor(loss), torch.tensor(reference.losses[step]))]
     for out_id, name in zip(program.pcg.outputs, program.output_names):
         x, layout = env[out_id]
         expected = reference.outputs[step].get(name)
-        if expected is not None:
+        if expected is None:  # a renamed output is a failure, never skipped
+            missing.append(Comparison(math.inf, math.inf, f"output {name} (the reference has no such output)"))
+        else:
             pairs.append((f"output {name}", x, expected[piece_index(layout, rank, expected.shape)]))
     for param in program.params.values():
         where = piece_index(param.layout, rank, param.shape)
         pairs.append((f"gradient of {param.name}", gradient_of(param.tensor), reference.grads[step][param.name][where]))
         pairs.append((f"weight {param.name}", param.tensor, reference.weights[step][param.name][where]))
-    return compare_values(pairs)
+    result = compare_values(pairs)
+    for found in missing:
+        result = result.merge(found)
+    return result
 
 
 # --------------------------------------------------------------- entry point

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from parsat.api import optimize
 from parsat.backend.cli import PLAN_OF, load_plan
-from parsat.backend.executor import ExecutionError, TrainConfig, run_many
+from parsat.backend.executor import ExecutionError, TrainConfig, check_verdict, run_many
 from parsat.backend.launch import LaunchConfig, launch
 
 GRAPHS = {
@@ -58,7 +58,7 @@ def main() -> None:
                 want = predicted[label]
                 times = job["step_times"][1:] or job["step_times"]
                 rows.append({"graph": name, "nproc": n, "plan": plan_of,
-                             "check": "passed" if job["max_abs_diff"] <= config.tolerance else "failed",
+                             "check": check_verdict(job, config),
                              "max_abs_diff": job["max_abs_diff"], "measured": job["sent"],
                              "predicted": want.comm_elements, "grad_sync_measured": job["grad_sync"],
                              "grad_sync_predicted": want.grad_sync_elements,

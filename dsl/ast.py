@@ -9,6 +9,8 @@ which sort (index, value, tensor, condition) each node has in its context.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -38,7 +40,7 @@ def _span() -> Span | None:
 class Num:
     """An integer or real literal."""
 
-    value: int | float
+    value: int | float | Fraction  # a real literal is an exact Fraction (as written); ints stay ints
     span: Span | None = _span()
 
 

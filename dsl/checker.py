@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from parsat.dsl import ast
-from parsat.dsl.conditions import NotAnInteger, Rel, holds, to_cond, to_poly
+from parsat.dsl.conditions import Negation, NotAnInteger, Rel, holds, to_cond, to_poly
 from parsat.dsl.errors import Diagnostic, DslError, SourceCache
 from parsat.dsl.instantiate import SCALAR_FUNCTIONS, InstantiationError, expanded, instantiate, op_groups
 from parsat.dsl.library import Library
@@ -156,7 +156,7 @@ def _check_body(expr: ast.Expr, indices: set[str], sizes: set[str], reals: set[s
         _check_body(e, idx, sizes, reals, tensors, groups, v)
 
     if isinstance(expr, ast.Num):
-        if isinstance(expr.value, float) and not value:
+        if not isinstance(expr.value, int) and not value:
             raise _OpError("sort", "a real number cannot be an index or a size", expr)
         return
     if isinstance(expr, ast.Name):
@@ -279,10 +279,16 @@ def _sample_assignments(symbols: Mapping[str, str], rng: random.Random):
         yield {n: rng.randint(low[n], 64) for n in names}
 
 
+def witness(conds, symbols: Mapping[str, str]) -> dict[str, int] | None:
+    """Sizes up to 64 that satisfy every condition, or None (a search, not a proof)."""
+    rng = random.Random(0)
+    return next((values for values in _sample_assignments(symbols, rng) if all(holds(c, values) for c in conds)),
+                None)
+
+
 def satisfiable(conds, symbols: Mapping[str, str]) -> bool:
     """Some sizes up to 64 satisfy every condition (a search, not a proof)."""
-    rng = random.Random(0)
-    return any(all(holds(c, values) for c in conds) for values in _sample_assignments(symbols, rng))
+    return witness(conds, symbols) is not None
 
 
 def check_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl]) -> None:
@@ -304,6 +310,12 @@ def check_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl]) -> None:
         if not satisfiable(assumptions, instance.symbols):
             raise TypeCheckError("never", "this rule can never apply: no sizes up to 64 satisfy its 'where' and "
                                           "the left-hand side's requirements" + _groups_note(instance), rule)
+        for cond, node in instance.legal_when:
+            found = witness(assumptions + (Negation(cond),), instance.symbols)
+            if found is not None:
+                shown = ", ".join(f"{k} = {v}" for k, v in sorted(found.items()))
+                raise TypeCheckError("illegal-spread", f"{cond.reason}; it fails at {shown}"
+                                     + _groups_note(instance), node)
         for degree in sorted(s for s, kind in instance.symbols.items() if kind == "degree"):
             at_least_two = Rel(">=", Poly.sym(degree), Poly.const(2))
             if not satisfiable(assumptions + (at_least_two,), instance.symbols):

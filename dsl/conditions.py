@@ -26,7 +26,7 @@ class NotAnInteger(Exception):
 def to_poly(expr: ast.Expr, env: Mapping[str, Poly], groups: Mapping[str, int] | None = None) -> Poly:
     """The polynomial of an integer expression; names are looked up in `env`."""
     if isinstance(expr, ast.Num):
-        if isinstance(expr.value, float):
+        if not isinstance(expr.value, int):
             raise NotAnInteger(f"expected an integer, found {expr.value!r}", expr)
         return Poly.const(expr.value)
     if isinstance(expr, ast.Name):

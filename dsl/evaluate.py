@@ -18,6 +18,7 @@ variable and which partial piece of an input a given sum index selects
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -53,6 +54,7 @@ _FUNCTIONS = {
     "erf": np.vectorize(math.erf, otypes=[float]),
     "max": np.maximum, "min": np.minimum,
 }
+_EXACT_FUNCTIONS = {"max", "min", "abs"}  # the others leave the rationals (object arrays of floats)
 
 
 def evaluate(instance: OpInstance, sizes: Mapping[str, int], inputs: Mapping[str, np.ndarray],
@@ -79,8 +81,23 @@ def evaluate_op(instance: OpInstance, dims: Mapping[str, int], inputs: Mapping[s
     return _Evaluator(instance, dims, inputs, reals or {}, ranges or {}, pieces).run()
 
 
+_DEPTHS: dict[int, tuple[ast.Expr, int]] = {}
+
+
 def _depth(expr: ast.Expr) -> int:
-    below = max((_depth(c) for c in ast.children(expr)), default=0)
+    """How deeply `sum`s nest in `expr` (memoized per body: the evaluator is called often on few bodies)."""
+    hit = _DEPTHS.get(id(expr))
+    if hit is not None and hit[0] is expr:
+        return hit[1]
+    depth = _depth_of(expr)
+    if len(_DEPTHS) > 20000:
+        _DEPTHS.clear()
+    _DEPTHS[id(expr)] = (expr, depth)
+    return depth
+
+
+def _depth_of(expr: ast.Expr) -> int:
+    below = max((_depth_of(c) for c in ast.children(expr)), default=0)
     return below + 1 if isinstance(expr, ast.Sum) else below
 
 
@@ -88,6 +105,12 @@ class _Evaluator:
     def __init__(self, instance: OpInstance, dims: Mapping[str, int], inputs: Mapping[str, np.ndarray],
                  reals: Mapping[str, float], ranges: Mapping[str, tuple[int, int]],
                  pieces: PieceSelection | None):
+        # Exact arithmetic when an input holds Python Fractions (object arrays): literals are then
+        # Fractions too, so 1e-400 * x is not 0 (functions such as exp fall back to floats).
+        arrays = list(inputs.values()) + [a for ps in (pieces.partial_inputs.values() if pieces else ())
+                                          for a in ps]
+        self.exact = any(np.asarray(a).dtype == object for a in arrays)
+        self.dtype = object if self.exact else np.float64
         self.instance = instance
         self.dims = dict(dims)
         self.inputs = inputs
@@ -99,6 +122,9 @@ class _Evaluator:
         for name in instance.inputs:
             if name not in inputs and not (pieces and name in pieces.partial_inputs):
                 raise EvaluationError(f"{instance.name}: no value for input '{name}'")
+
+    def _number(self, value):
+        return Fraction(value) if self.exact else float(value)
 
     def _grid(self, axis: int, start: int, stop: int) -> np.ndarray:
         shape = [1] * self.ndim
@@ -114,10 +140,10 @@ class _Evaluator:
             extents.append(stop - start)
         s = self.pieces.sum_index if self.pieces else 0
         with np.errstate(all="ignore"):
-            value = np.asarray(self._value(self.instance.body, env, self.rank, s), dtype=np.float64)
+            value = np.asarray(self._value(self.instance.body, env, self.rank, s), dtype=self.dtype)
         value = value.reshape(value.shape + (1,) * (self.ndim - value.ndim)) if value.ndim < self.ndim else value
         value = value.reshape(value.shape[:self.rank]) if self.ndim > self.rank else value
-        return np.array(np.broadcast_to(value, tuple(extents)), dtype=np.float64)
+        return np.array(np.broadcast_to(value, tuple(extents)), dtype=self.dtype)
 
     def _out_extents(self) -> list[int]:
         """Output sizes from the op's own result type and `dims` (op-level names)."""
@@ -178,18 +204,21 @@ class _Evaluator:
 
     def _value(self, expr: ast.Expr, env, depth: int, s: int):
         if isinstance(expr, ast.Num):
-            return float(expr.value)
+            return self._number(expr.value)
         if isinstance(expr, ast.Name):
             if expr.id in self.instance.real_attrs:
                 attr = self.instance.real_attrs[expr.id]
                 if isinstance(attr, ast.Num):
-                    return float(attr.value)
+                    return self._number(attr.value)
                 if attr.id not in self.reals:
                     raise EvaluationError(f"no value for real '{attr.id}'")
-                return float(self.reals[attr.id])
-            return np.asarray(self._int(expr, env), dtype=np.float64)
+                return self._number(self.reals[attr.id])
+            integer = self._int(expr, env)
+            return np.asarray(integer, dtype=object) if self.exact else np.asarray(integer, dtype=np.float64)
+        if isinstance(expr, ast.Len):
+            return self._number(self.instance.groups[expr.group])
         if isinstance(expr, ast.Access):
-            array = np.asarray(self._tensor(expr.tensor, s), dtype=np.float64)
+            array = np.asarray(self._tensor(expr.tensor, s), dtype=self.dtype)
             if array.ndim != len(expr.indices):
                 raise EvaluationError(f"{self.instance.name}: '{expr.tensor}' has rank {array.ndim}, "
                                       f"read with {len(expr.indices)} indices")
@@ -200,6 +229,8 @@ class _Evaluator:
             return array[index] if index else array[()]
         if isinstance(expr, ast.Call):
             args = [self._value(a, env, depth, s) for a in expr.args]
+            if self.exact and expr.func not in _EXACT_FUNCTIONS:
+                args = [np.asarray(a, dtype=object).astype(np.float64) for a in args]
             return _FUNCTIONS[expr.func](*args)
         if isinstance(expr, ast.Neg):
             return -self._value(expr.operand, env, depth, s)
@@ -228,7 +259,7 @@ class _Evaluator:
                 block, inner_s = s % degree, s // degree
                 start, stop = block * extent, (block + 1) * extent
             grid = self._grid(depth, start, stop)
-            body = np.asarray(self._value(expr.body, {**env, expr.var: grid}, depth + 1, inner_s), dtype=np.float64)
+            body = np.asarray(self._value(expr.body, {**env, expr.var: grid}, depth + 1, inner_s), dtype=self.dtype)
             body = body.reshape(body.shape + (1,) * (self.ndim - body.ndim))
             target = list(body.shape)
             target[depth] = stop - start

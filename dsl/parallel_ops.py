@@ -52,3 +52,19 @@ PARALLEL_OPS: Mapping[str, ParallelOp] = {op.name: op for op in (
     ParallelOp(REPLICATE, ("tensor", "degree")),
     ParallelOp(REDUCE, ("tensor", "degree")),
 )}
+
+
+def prime_factors(n: int) -> list[int]:
+    """A degree's (or a device count's) prime factors, ascending, with multiplicity: the mesh atoms a
+    parallel operator of that degree takes (`ir.placement`, `verifier.devices`)."""
+    if n < 1:
+        raise ValueError(f"a device count or degree must be >= 1, got {n}")
+    factors, p = [], 2
+    while p * p <= n:
+        while n % p == 0:
+            factors.append(p)
+            n //= p
+        p += 1
+    if n > 1:
+        factors.append(n)
+    return factors

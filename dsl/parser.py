@@ -9,6 +9,8 @@ the file's header.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from importlib import resources
@@ -72,7 +74,7 @@ class _ToAst(Transformer):
 
     @v_args(meta=True)
     def float_lit(self, meta, items):
-        return ast.Num(float(items[0]), _span(self.path, meta))
+        return ast.Num(Fraction(str(items[0])), _span(self.path, meta))  # exact: 1e-400 is not 0
 
     @v_args(meta=True)
     def name(self, meta, items):

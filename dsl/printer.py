@@ -7,6 +7,8 @@ that ends a left operand of those operators is parenthesized.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from parsat.dsl import ast
 
 _IF, _OR, _AND, _NOT, _CMP, _ADD, _MUL, _UNARY, _ATOM = range(9)
@@ -40,11 +42,46 @@ def _open_tail(expr: ast.Expr) -> bool:
     return False
 
 
-def _number(value: int | float) -> str:
+def _number(value: int | float | Fraction) -> str:
     if isinstance(value, int):
         return str(value)
+    if isinstance(value, Fraction):
+        exact = _decimal(value)
+        if exact is not None:
+            return exact
     text = repr(float(value))
     return text if ("." in text or "e" in text) else text + ".0"
+
+
+def _decimal(value: Fraction) -> str | None:
+    """The exact decimal text of a Fraction written as a decimal literal (None if it has none)."""
+    k, den = 0, value.denominator
+    while den % 10 == 0 or den % 2 == 0 or den % 5 == 0:
+        if den % 10 == 0:
+            den //= 10
+        elif den % 2 == 0:
+            den //= 2
+        else:
+            den //= 5
+        k += 1
+    if den != 1:
+        return None
+    while (value * 10 ** k).denominator != 1:
+        k += 1
+    digits = int(value * 10 ** k)
+    while k > 0 and digits % 10 == 0:  # fewest digits
+        digits //= 10
+        k -= 1
+    while digits and digits % 10 == 0 and k <= 0:
+        digits //= 10
+        k -= 1
+    sign, digits = ("-" if digits < 0 else ""), abs(digits)
+    if k > 20 or k < -15:
+        return f"{sign}{digits}e{-k}"
+    if k <= 0:
+        return f"{sign}{digits * 10 ** -k}.0"
+    text = str(digits).rjust(k + 1, "0")
+    return f"{sign}{text[:-k]}.{text[-k:]}"
 
 
 def format_expr(expr: ast.Expr, min_prec: int = _IF) -> str:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from parsat.dsl import ast
-from parsat.dsl.conditions import Cond, NotAnInteger, divides, to_poly
+from parsat.dsl.conditions import Cond, NotAnInteger, Rel, divides, symbolic_truth, to_poly
 from parsat.dsl.instantiate import OpInstance, index_bounds, param_dim_names
 from parsat.dsl.symbolic import ONE, Poly
 
@@ -109,6 +109,7 @@ class ComputeSpread:
     var_degrees: dict = field(hash=False)  # index variable -> degree (Poly)
     problems: tuple[str, ...] = ()          # non-empty: the op does not accept the spread
     requires: tuple[Cond, ...] = ()         # each sharded index range splits into equal blocks
+    legal_when: tuple[Cond, ...] = ()       # the spread is legal only at sizes where these hold
 
     @property
     def legal(self) -> bool:
@@ -136,6 +137,7 @@ def infer_compute(instance: OpInstance, inputs: Sequence[Spread]) -> ComputeSpre
 
     bounds = index_bounds(instance)
     block_reads: set[int] = set()  # id() of index expressions read block by block
+    legal_when: list[Cond] = []
     for access in _accesses(instance.body):
         spread = by_name.get(access.tensor)
         if spread is None:
@@ -150,6 +152,14 @@ def infer_compute(instance: OpInstance, inputs: Sequence[Spread]) -> ComputeSpre
             if pattern is not None:
                 leading, others = pattern
                 block_reads.add(id(index))
+                tiling = block_tiling(access, position, instance, bounds) if degree != ONE else None
+                if tiling is not None:
+                    truth = symbolic_truth(tiling)
+                    if truth is False:
+                        problems.append(f"{instance.name}: {where} is sharded ({degree}) but the blocks of "
+                                        f"'{_pretty(leading)}' do not tile it: {tiling.reason}")
+                    elif truth is None:
+                        legal_when.append(tiling)
                 constraints.setdefault(leading, []).append((degree, where))
                 for var in others:
                     constraints.setdefault(var, []).append((ONE, where))
@@ -205,7 +215,7 @@ def infer_compute(instance: OpInstance, inputs: Sequence[Spread]) -> ComputeSpre
     requires = tuple(divides(degree, bounds[var], None, f"{instance.name}: index '{_pretty(var)}' (range "
                                                      f"{bounds[var]}) must split into {degree} equal blocks")
                      for var, degree in degrees.items() if degree != ONE and var in bounds)
-    return ComputeSpread(Spread(shard, copy, partial), degrees, tuple(problems), requires)
+    return ComputeSpread(Spread(shard, copy, partial), degrees, tuple(problems), requires, tuple(legal_when))
 
 
 def block_read(access: ast.Access, position: int, spread: Spread, instance: OpInstance,
@@ -238,6 +248,32 @@ def block_read(access: ast.Access, position: int, spread: Spread, instance: OpIn
                 and instance.input_shapes[instance.inputs.index(access.tensor)][position + 1] == size):
             return lead, ()
     return None
+
+
+def block_tiling(access: ast.Access, position: int, instance: OpInstance, bounds: dict) -> Rel | None:
+    """When a block read `j * k + r` keeps each block of `j` inside one block of the input dim.
+
+    Block b of `j` (extent J/p) reads input positions [b*(J/p)*k, (b+1)*(J/p)*k);
+    block b of the input dim (extent m/p) holds [b*m/p, (b+1)*m/p). They
+    coincide for every b only when the reads tile the dim exactly: m == J*k.
+    A strided window (`y * stride + dy`, stride == window) over a dim with
+    leftover rows breaks it: device 1 of 2 on h = 8 holds rows 4-7, but its
+    output row reads rows 3-5. Unflatten's `m % k == 0` makes it hold.
+    `j / n` (flatten) reads whole rows by construction: None.
+    """
+    index = access.indices[position]
+    if not (isinstance(index, ast.BinOp) and index.op == "+" and isinstance(index.left, ast.BinOp)
+            and index.left.op == "*" and isinstance(index.left.left, ast.Name)):
+        return None
+    lead = index.left.left.id
+    factor = _size_of(index.left.right, instance.size_env())
+    if factor is None or lead not in bounds:
+        return None
+    size = instance.input_shapes[instance.inputs.index(access.tensor)][position]
+    return Rel("==", size, bounds[lead] * factor, None,
+               f"{instance.name}: the reads of '{_pretty(lead)}' (range {bounds[lead]}, {factor} positions each) must "
+               f"tile dim {position} of '{access.tensor}' (size {size}) exactly, so that each device holds whole "
+               "windows")
 
 
 def _size_of(expr: ast.Expr, env: dict) -> Poly | None:

@@ -10,11 +10,12 @@ the left side's requirements are assumptions, the right side's must follow.
 from __future__ import annotations
 
 import itertools
+from fractions import Fraction
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
 from parsat.dsl import ast
-from parsat.dsl.conditions import Cond, NotAnInteger, to_cond, to_poly
+from parsat.dsl.conditions import Cond, NotAnInteger, divides, to_cond, to_poly
 from parsat.dsl.instantiate import InstantiationError, OpInstance, instantiate
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.dsl.spread import Spread, SpreadError, apply_parallel, infer_compute
@@ -45,6 +46,7 @@ class TypedTerm:
     degree: Poly | None = None
     var_degrees: Mapping[str, Poly] = field(default_factory=dict, hash=False)
     problems: tuple[str, ...] = ()
+    legal_when: tuple[Cond, ...] = ()  # the spread is legal only where these hold (`ComputeSpread.legal_when`)
 
     def walk(self) -> Iterator["TypedTerm"]:
         yield self
@@ -72,6 +74,11 @@ class RuleInstance:
         """Spreads an operator does not accept, on either side."""
         return [(p, t.node) for side in (self.lhs, self.rhs) for t in side.walk() for p in t.problems]
 
+    @property
+    def legal_when(self) -> list[tuple[Cond, ast.Expr]]:
+        """Conditions on sizes under which the spreads of both sides are legal (windows that tile blocks)."""
+        return [(c, t.node) for side in (self.lhs, self.rhs) for t in side.walk() for c in t.legal_when]
+
 
 def rule_groups(rule: ast.RuleDecl) -> list[str]:
     seen: list[str] = []
@@ -97,6 +104,29 @@ def group_assignments(rule: ast.RuleDecl, max_rank: int, max_group: int | None =
     return out
 
 
+def rank_bounded(rule: ast.RuleDecl, max_rank: int) -> ast.RuleDecl:
+    """The rule with a `where` that keeps every metavariable at rank <= `max_rank`.
+
+    A rule the verifier proved only up to a rank (BOUNDED) is applied only
+    there: `len(a) + len(b) + 2 <= max_rank` for `x: [*a, n, *b, m]`. At
+    longer groups the condition is false and the instance is never compiled.
+    """
+    from dataclasses import replace
+
+    extra: list[ast.Expr] = []
+    for binder in rule.binders:
+        if not isinstance(binder.type, ast.ShapeType):
+            continue
+        groups = [d.id for d in binder.type.dims if isinstance(d, ast.Variadic)]
+        if not groups:
+            continue
+        total: ast.Expr = ast.Num(len(binder.type.dims) - len(groups))
+        for group in groups:
+            total = ast.BinOp("+", total, ast.Len(group))
+        extra.append(ast.Compare("<=", total, ast.Num(max_rank)))
+    return replace(rule, where=tuple(rule.where) + tuple(extra))
+
+
 def group_dim(group: str, position: int) -> str:
     """The size symbol of position `position` of a rule's dim group."""
     return f"{group}_{position}"
@@ -113,6 +143,7 @@ class _RuleTyper:
         self.env: dict[str, Poly] = {}
         self.requires: list[Cond] = []
         self.known: Mapping[int, tuple[TypedTerm, tuple[Cond, ...]]] = {}   # see TermTyper
+        self.input_spreads: dict[str, Spread] = {}  # metavariables that arrive spread (see type_rule)
 
     # ------------------------------------------------------------ binders
     def bind(self) -> None:
@@ -165,7 +196,8 @@ class _RuleTyper:
         if isinstance(expr, ast.Name):
             if expr.id in self.tensors:
                 shape = self.tensors[expr.id]
-                return TypedTerm(expr, "input", expr.id, (), shape, Spread.whole(len(shape)))
+                return TypedTerm(expr, "input", expr.id, (), shape,
+                                 self.input_spreads.get(expr.id) or Spread.whole(len(shape)))
             if expr.id in self.symbols or expr.id in self.reals:
                 raise TypeCheckError("sort", f"'{expr.id}' is a {self.symbols.get(expr.id, 'real')}, not a tensor", expr)
             raise TypeCheckError("unbound", f"unknown metavariable '{expr.id}' (declare it after 'forall')", expr)
@@ -232,13 +264,14 @@ class _RuleTyper:
         inferred = infer_compute(instance, [t.spread for t in tensors])
         self.requires.extend(inferred.requires)
         return TypedTerm(expr, "op", op.name, tuple(tensors), instance.output_shape, inferred.spread,
-                         instance=instance, var_degrees=inferred.var_degrees, problems=inferred.problems)
+                         instance=instance, var_degrees=inferred.var_degrees, problems=inferred.problems,
+                         legal_when=inferred.legal_when)
 
     def _real(self, arg: ast.Expr, op: ast.OpDecl, param: ast.Param) -> ast.Expr:
         if isinstance(arg, ast.Num):
-            return ast.Num(float(arg.value), arg.span)
+            return ast.Num(Fraction(arg.value), arg.span)  # exact rationals, never rounded to floats
         if isinstance(arg, ast.Neg) and isinstance(arg.operand, ast.Num):
-            return ast.Num(-float(arg.operand.value), arg.span)
+            return ast.Num(-Fraction(arg.operand.value), arg.span)
         if isinstance(arg, ast.Name) and arg.id in self.reals:
             return arg
         raise TypeCheckError("attribute", f"{op.name}: '{param.name}' is real: give a number or a real metavariable",
@@ -262,11 +295,24 @@ def _suggest(name: str, known: Mapping[str, object]) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
-def type_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], groups: Mapping[str, int]) -> RuleInstance:
-    """Type both sides of `rule` for one assignment of group lengths."""
+def type_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], groups: Mapping[str, int],
+              input_spreads: Mapping[str, Spread] | None = None) -> RuleInstance:
+    """Type both sides of `rule` for one assignment of group lengths.
+
+    Metavariables are whole tensors, unless `input_spreads` says one
+    arrives already spread (a lifted instance: the rule applied to tensors
+    spread over other mesh axes, `verifier.lifting`); each of its shard
+    degrees must then divide its dim, a condition added to `where`.
+    """
     typer = _RuleTyper(rule, ops, groups)
     typer.bind()
     where = typer.conditions()
+    if input_spreads:
+        typer.input_spreads = dict(input_spreads)
+        for name, spread in input_spreads.items():
+            for dim, (size, degree) in enumerate(zip(typer.tensors[name], spread.shard)):
+                if degree != Poly.const(1):
+                    where += (divides(degree, size, None, f"'{name}' arrives split {degree} ways along dim {dim}"),)
     lhs = typer.term(rule.lhs)
     lhs_requires = tuple(typer.requires)
     typer.requires = []

@@ -163,7 +163,6 @@ def prove(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], timeout: float) -> 
     """(verdict, reason) for one rule, through the verifier's on-disk cache."""
     from parsat.verifier.cache import VerdictCache, rule_key
     from parsat.verifier.core import VERSION, RuleError, verify_rule
-    from parsat.verifier.verdict import Verdict
 
     cache = VerdictCache()
     key = rule_key(rule, ops, VERSION)
@@ -175,7 +174,7 @@ def prove(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], timeout: float) -> 
     except RuleError as err:
         return "ERROR", str(err)
     if verdict.verdict in ("PROVED", "REFUTED"):
-        cache.put(key, Verdict(rule.name, "", 0, verdict.verdict, 0.0, verdict.reason), timeout)
+        cache.put(key, verdict, timeout)  # whole, counterexample included: the cache refuses a REFUTED without one
     return verdict.verdict, verdict.reason
 
 

@@ -2,9 +2,9 @@
 
 `saturate` applies whatever rules it is handed and `verifier` proves rules;
 neither knows the other. `optimize` here joins them: saturation gets only
-the rules the verifier PROVED (its verdicts are cached on disk, so a
-library proved once is only looked up), unless the caller allows
-unverified rules. Everything else is `parsat.saturate.api.optimize`.
+the rules the verifier PROVED, and the BOUNDED ones at the ranks they were
+proved for (its verdicts are cached on disk, so a library proved once is
+only looked up), unless the caller allows unverified rules. Everything else is `parsat.saturate.api.optimize`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from functools import partial
 
 from parsat.dsl import ast
 from parsat.dsl.library import Library
+from parsat.dsl.typecheck import rank_bounded
 from parsat.ir.plan import Plan
 from parsat.saturate.api import optimize as optimize_with
 from parsat.saturate.errors import OptimizeError
@@ -23,9 +24,11 @@ def proved_rules(library: Library, allow_unverified: bool | None) -> tuple[list[
     """The rules saturation may use, and a note on how they were chosen.
 
     With `allow_unverified` True every rule is used. Otherwise the verifier's
-    verdicts (cached on disk by the verifier) decide: only PROVED rules. If the
-    verifier cannot be imported and `allow_unverified` is None, every rule is
-    used and the note says so; with False that is an error.
+    verdicts (cached on disk by the verifier) decide: PROVED rules, and
+    BOUNDED ones restricted to the ranks they were proved for (a `where` on
+    their groups' lengths, `dsl.typecheck.rank_bounded`; docs/VERIFIER.md).
+    If the verifier cannot be imported and `allow_unverified` is None, every
+    rule is used and the note says so; with False that is an error.
     """
     rules = list(library.rules)
     if allow_unverified:
@@ -41,10 +44,22 @@ def proved_rules(library: Library, allow_unverified: bool | None) -> tuple[list[
     report = verify_library(library, cache=VerdictCache(), jobs=max(1, min(os.cpu_count() or 1, 8)))
     if report.errors:
         raise OptimizeError("the verifier could not check some rules:\n" + "\n".join(report.errors))
-    proved = {v.name for v in report.verdicts if v.proved}
-    kept = [r for r in rules if r.name in proved]
-    dropped = [r.name for r in rules if r.name not in proved]
-    note = f"{len(kept)} PROVED rules used"
+    verdicts = {v.name: v for v in report.verdicts}
+    kept, bounded = [], []
+    for rule in rules:
+        verdict = verdicts.get(rule.name)
+        if verdict is None or not verdict.usable:
+            continue
+        if verdict.max_rank is not None:
+            kept.append(rank_bounded(rule, verdict.max_rank))
+            bounded.append(f"{rule.name} (ranks up to {verdict.max_rank})")
+        else:
+            kept.append(rule)
+    dropped = [r.name for r in rules if r.name not in verdicts or not verdicts[r.name].usable]
+    note = f"{len(kept)} proved rules used"
+    if bounded:
+        note += f", {len(bounded)} of them only at the ranks they were proved for: {', '.join(bounded[:10])}" + (
+            " ..." if len(bounded) > 10 else "")
     if dropped:
         note += f"; {len(dropped)} not proved and left out: {', '.join(dropped[:20])}" + (" ..." if len(dropped) > 20 else "")
     return kept, note
@@ -52,7 +67,7 @@ def proved_rules(library: Library, allow_unverified: bool | None) -> tuple[list[
 
 def optimize(graph, machine="h100x8", rules=None, limits=None, devices=None, *,
              allow_unverified: bool | None = None, **options) -> Plan:
-    """The cheapest plan the proven rules reach: `parsat.saturate.api.optimize` with only PROVED rules.
+    """The cheapest plan the proven rules reach: `parsat.saturate.api.optimize` with only proved rules.
 
     `allow_unverified=True` uses every rule (`proved_rules` says what None and
     False do); the other options are `parsat.saturate.api.optimize`'s.

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from parsat.dsl import ast
+from parsat.dsl.conditions import symbolic_truth
 from parsat.dsl.parallel_ops import PARALLEL_OPS, PARTITION, REPLICATE
 from parsat.dsl.typecheck import RuleInstance, TypeCheckError, TypedTerm, group_assignments, type_rule
 from parsat.ir.graph import Graph
@@ -30,9 +31,9 @@ def _instances_at(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], ranks: set[
         try:
             instance = type_rule(rule, ops, groups)
         except TypeCheckError:
-            continue  # this rank assignment does not type (e.g. a `where` on lengths fails)
-        if instance.problems:
-            continue
+            continue  # this rank assignment does not type
+        if instance.problems or any(symbolic_truth(c) is False for c in instance.where):
+            continue  # an illegal spread, or a `where` on lengths that fails here (a BOUNDED rule's rank limit)
         metas = [t for t in instance.lhs.walk() if t.kind == "input"]
         if all(len(t.shape) in ranks for t in metas):
             yield instance

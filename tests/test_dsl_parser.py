@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 
 from parsat.dsl import ast
@@ -61,7 +63,7 @@ def test_rewrite_arrow_is_not_assignment():
 def test_real_literals():
     module = parse("op f(x: [n]) -> [n]\n  out[i] = 0.5 * x[i] + 1e-5\n")
     body = module.ops[0].body
-    assert body.right == ast.Num(1e-5)
+    assert body.right == ast.Num(Fraction("1e-5"))  # exact, as written
 
 
 @pytest.mark.parametrize(

@@ -10,37 +10,44 @@ the rule and its operators, so the results are the same as a serial run.
 from __future__ import annotations
 
 import fnmatch
+import math
 import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence
 
 from parsat.dsl import ast
 from parsat.dsl.errors import DslError
 from parsat.dsl.library import Library, display_path, load_library, rule_files, shipped_rules_dir
 from parsat.verifier.cache import VerdictCache, rule_key
 from parsat.verifier.core import DEFAULT_TIMEOUT, VERSION, RuleError, verify_rule
-from parsat.verifier.verdict import PROVED, REFUTED, UNKNOWN, Verdict
+from parsat.verifier.verdict import BOUNDED, PROVED, REFUTED, UNKNOWN, VACUOUS, VERDICTS, Verdict
 
 
 @dataclass
 class VerifyReport:
-    """Verdicts in library order, and the errors that stopped some rules."""
+    """Verdicts in library order, the errors that stopped some rules, and cache entries ignored."""
 
     verdicts: list[Verdict] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    cache_problems: list[str] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
-        return {k: sum(1 for v in self.verdicts if v.verdict == k) for k in (PROVED, REFUTED, UNKNOWN)}
+        return {k: sum(1 for v in self.verdicts if v.verdict == k) for k in VERDICTS}
 
     @property
     def ok(self) -> bool:
+        """Every rule PROVED for every rank (BOUNDED and VACUOUS are not)."""
         return not self.errors and all(v.proved for v in self.verdicts)
 
     def summary(self) -> str:
+        """`N proved, N refuted, N unknown`, with `N bounded` and `N vacuous` when there are any."""
         c = self.counts()
-        return f"{c[PROVED]} proved, {c[REFUTED]} refuted, {c[UNKNOWN]} unknown"
+        parts = [f"{c[PROVED]} proved"]
+        parts += [f"{c[k]} {k.lower()}" for k in (BOUNDED, VACUOUS) if c[k]]
+        parts += [f"{c[REFUTED]} refuted", f"{c[UNKNOWN]} unknown"]
+        return ", ".join(parts)
 
 
 def _matches(name: str, patterns: Sequence[str] | None) -> bool:
@@ -59,21 +66,22 @@ def _one(args: tuple) -> tuple[str, Verdict | None, str]:
 _WORKER_DIED = "the verifier's worker process died"
 
 
-def _run_parallel(work: list[tuple], jobs: int) -> list[tuple[str, Verdict | None, str]]:
-    """`_one` over `work` in processes; a worker that dies costs only its rule.
+def _run_parallel(work: list[tuple], jobs: int, on_outcome: Callable[[tuple], None]) -> None:
+    """`_one` over `work` in processes, each outcome passed on as it comes; a worker that dies costs only its rule.
 
     A process that dies (a segfault in z3, an OOM kill) breaks the whole pool
     and every rule still pending in it. Those are then retried one process
     each, so the rule that kills its process is found, reported UNKNOWN with
     the reason, and never cached; the others get their real verdicts.
     """
-    done: dict[str, tuple] = {}
+    done: set[str] = set()
     try:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
             futures = {pool.submit(_one, item): item[0] for item in work}
             for future in as_completed(futures):
                 outcome = future.result()
-                done[outcome[0]] = outcome
+                done.add(outcome[0])
+                on_outcome(outcome)
     except BrokenProcessPool:
         pass
     for item in work:
@@ -82,18 +90,28 @@ def _run_parallel(work: list[tuple], jobs: int) -> list[tuple[str, Verdict | Non
             continue
         try:
             with ProcessPoolExecutor(max_workers=1) as alone:
-                done[key] = alone.submit(_one, item).result()
+                outcome = alone.submit(_one, item).result()
         except BrokenProcessPool:
             span = rule.span
-            done[key] = (key, Verdict(rule.name, span.file if span else "", span.line if span else 0, UNKNOWN,
-                                      reason=f"{_WORKER_DIED} while proving this rule (a crash in z3, or out of "
-                                             "memory); try it alone with --jobs 1"), "")
-    return [done[item[0]] for item in work]
+            outcome = (key, Verdict(rule.name, span.file if span else "", span.line if span else 0, UNKNOWN,
+                                    reason=f"{_WORKER_DIED} while proving this rule (a crash in z3, or out of "
+                                           "memory); try it alone with --jobs 1"), "")
+        done.add(key)
+        on_outcome(outcome)
 
 
 def verify_library(library: Library, *, match: Sequence[str] | None = None, timeout: float = DEFAULT_TIMEOUT,
-                   jobs: int = 1, cache: VerdictCache | None = None, only_files: set[str] | None = None) -> VerifyReport:
-    """Verify the library's rules (those in `only_files` when given)."""
+                   jobs: int = 1, cache: VerdictCache | None = None, only_files: set[str] | None = None,
+                   on_verdict: Callable[[Verdict], None] | None = None) -> VerifyReport:
+    """Verify the library's rules (those in `only_files` when given).
+
+    `on_verdict` is called with each verdict as soon as it is decided
+    (cached ones first), so a caller can stream them; the report keeps
+    library order. A cached REFUTED verdict is trusted only once its
+    counterexample fails again on the devices.
+    """
+    if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     report = VerifyReport()
     ops = library.ops
     todo: list[tuple[str, ast.RuleDecl]] = []
@@ -103,35 +121,78 @@ def verify_library(library: Library, *, match: Sequence[str] | None = None, time
         if not _matches(rule.name, match):
             continue
         todo.append((rule_key(rule, ops, VERSION), rule))
-    results: dict[str, Verdict | None] = {}
+    results: dict[str, Verdict] = {}
     errors: dict[str, str] = {}
+    rules = dict(todo)
+
+    def decided(key: str, verdict: Verdict) -> None:
+        results[key] = verdict
+        if on_verdict is not None:
+            on_verdict(_relocate(verdict, rules[key], cached=verdict.cached))
+
     work = []
     for key, rule in todo:
+        if key in results or any(key == item[0] for item in work):
+            continue
         hit = cache.get(key, timeout) if cache is not None else None
         if hit is not None:
-            results[key] = _relocate(hit, rule, cached=True)
-        elif key not in results:
+            problem = _replays(hit, rule, ops)
+            if problem:
+                cache.reject(key, problem)
+                hit = None
+        if hit is not None:
+            decided(key, replace(hit, cached=True))
+        else:
             work.append((key, rule, ops, timeout))
-    outcomes = _run_parallel(work, jobs) if jobs > 1 and len(work) > 1 else [_one(item) for item in work]
-    for key, verdict, error in outcomes:
+
+    def outcome(item: tuple) -> None:
+        key, verdict, error = item
         if verdict is None:
             errors[key] = error
-            continue
-        results[key] = verdict
+            return
         if cache is not None and not verdict.reason.startswith(_WORKER_DIED):
             cache.put(key, verdict, timeout)
+        decided(key, verdict)
+
+    if jobs > 1 and len(work) > 1:
+        _run_parallel(work, jobs, outcome)
+    else:
+        for item in work:
+            outcome(_one(item))
     for key, rule in todo:
         if key in errors:
             report.errors.append(errors[key])
-        elif results.get(key) is not None:
+        elif key in results:
             report.verdicts.append(_relocate(results[key], rule, cached=results[key].cached))
+    if cache is not None:
+        report.cache_problems = list(cache.problems)
     return report
+
+
+def _replays(verdict: Verdict, rule: ast.RuleDecl, ops) -> str:
+    """'' when a cached REFUTED verdict's counterexample still fails (any other verdict passes), else why not."""
+    if verdict.verdict != REFUTED:
+        return ""
+    from parsat.dsl.typecheck import TypeCheckError, type_rule
+    from parsat.verifier.concrete import replay_counterexample
+
+    cex = verdict.counterexample
+    try:
+        if cex.rhs == "does not type":  # the right side did not type at these ranks: it still must not
+            type_rule(rule, ops, cex.groups)
+            return "its counterexample says the right-hand side does not type, but it does"
+        instance = type_rule(rule, ops, cex.groups)
+    except TypeCheckError:
+        return "" if cex.rhs == "does not type" else "its counterexample's ranks do not type"
+    except (TypeError, KeyError, AttributeError):
+        return "its counterexample is malformed"
+    if replay_counterexample(instance, cex) is None:
+        return "its counterexample does not fail when replayed on the devices"
+    return ""
 
 
 def _relocate(verdict: Verdict, rule: ast.RuleDecl, cached: bool) -> Verdict:
     """A cached verdict reported at the rule's current place."""
-    from dataclasses import replace
-
     span = rule.span
     return replace(verdict, name=rule.name, file=span.file if span else verdict.file,
                    line=span.line if span else verdict.line, cached=cached)

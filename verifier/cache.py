@@ -1,14 +1,36 @@
-"""Verdicts cached by what they depend on, so a warm `parsat verify` is instant.
+"""Verdicts cached by what they depend on, and checked again when read.
 
-The key hashes the verifier's version, the rule's canonical text and the
-canonical text of every operator it uses (docs left out: a comment never
-changes a verdict). One JSON file per key, written atomically, so parallel
-workers and concurrent runs never see half a file. An UNKNOWN reached under
-a shorter timeout than the one asked for now is not reused.
+What a key covers: the verifier's version, a hash of the verifier's own
+code and of the DSL code it runs (`code_hash`: every `.py` under
+`verifier/` and `dsl/`, and the grammar), the rule's canonical text and
+the canonical text of every operator it uses (docs left out: a comment
+never changes a verdict). Change any of them and the old entry is never
+looked up again.
+
+What a read checks (`validate`): the file parses, names the key it is
+stored under, its checksum matches its content, its verdict is one of
+the five words and has the evidence that word needs (PROVED: no
+counterexample and no bound; BOUNDED: a bound, no counterexample;
+VACUOUS and UNKNOWN: a reason; REFUTED: a counterexample, which the caller
+replays on the devices before trusting it, `api.verify_library`). An
+entry that fails any check is ignored, reported, and recomputed.
+
+What it trusts: a PROVED, BOUNDED or VACUOUS entry that passes those
+checks is believed without proving again; that is what a cache is for.
+The checksum catches corruption and hand edits of a field; it is not a
+signature (anyone who can write the folder can write a consistent
+entry), so the cache folder must be as trusted as the code. Use
+`--no-cache` (or a fresh `PARSAT_CACHE_DIR`) when it is not. docs/CACHE.md
+says the same for users.
+
+One JSON file per key, written atomically, so parallel workers and
+concurrent runs never see half a file. An UNKNOWN reached under a shorter
+timeout than the one asked for now is not reused.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -20,7 +42,9 @@ from typing import Mapping
 from parsat.dsl import ast
 from parsat.dsl.printer import format_decl
 from parsat.dsl.parallel_ops import PARALLEL_OPS
-from parsat.verifier.verdict import UNKNOWN, Verdict
+from parsat.verifier.verdict import BOUNDED, PROVED, REFUTED, UNKNOWN, VACUOUS, VERDICTS, Verdict
+
+FORMAT = 2
 
 
 def default_dir() -> Path:
@@ -29,43 +53,108 @@ def default_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "parsat"
 
 
+@functools.lru_cache(maxsize=1)
+def code_hash() -> str:
+    """A hash of the code a verdict depends on: the verifier's and the DSL's sources."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for folder in ("verifier", "dsl"):
+        for path in sorted((root / folder).glob("*")):
+            if path.suffix in (".py", ".lark") and path.is_file():
+                digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def used_ops(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl]) -> list[ast.OpDecl]:
     names = {n.func for side in (rule.lhs, rule.rhs) for n in ast.walk(side) if isinstance(n, ast.Call)}
     return [ops[n] for n in sorted(names) if n in ops and n not in PARALLEL_OPS]
 
 
 def rule_key(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], version: str) -> str:
-    parts = [version, format_decl(replace(rule, doc=()))]
+    parts = [version, code_hash(), format_decl(replace(rule, doc=()))]
     parts += [format_decl(replace(op, doc=())) for op in used_ops(rule, ops)]
     return hashlib.sha256("\n\0".join(parts).encode("utf-8")).hexdigest()
 
 
+def _checksum(key: str, timeout: float, verdict: dict) -> str:
+    text = json.dumps({"key": key, "timeout": timeout, "verdict": verdict}, sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def validate(verdict: Verdict) -> str:
+    """Why this verdict cannot be what it says ('' when its word and evidence agree)."""
+    if verdict.verdict not in VERDICTS:
+        return f"unknown verdict word {verdict.verdict!r}"
+    cex = verdict.counterexample
+    if verdict.verdict in (PROVED, BOUNDED, VACUOUS) and cex is not None:
+        return f"a {verdict.verdict} verdict with a counterexample"
+    if verdict.verdict == PROVED and verdict.max_rank is not None:
+        return "a PROVED verdict with a rank bound"
+    if verdict.verdict == BOUNDED and not (isinstance(verdict.max_rank, int) and verdict.max_rank >= 0):
+        return "a BOUNDED verdict without its rank bound"
+    if verdict.verdict in (VACUOUS, UNKNOWN, REFUTED) and not verdict.reason:
+        return f"a {verdict.verdict} verdict without a reason"
+    if verdict.verdict == REFUTED and (cex is None or not cex.reason):
+        return "a REFUTED verdict without a counterexample"
+    return ""
+
+
 class VerdictCache:
-    """Get and put verdicts under a folder."""
+    """Get and put verdicts under a folder; `problems` lists the entries ignored on read."""
 
     def __init__(self, folder: Path | str | None = None):
         self.folder = Path(folder) if folder is not None else default_dir()
+        self.problems: list[str] = []
 
     def _path(self, key: str) -> Path:
         return self.folder / "verify" / key[:2] / f"{key}.json"
 
     def get(self, key: str, timeout: float) -> Verdict | None:
+        """The cached verdict if the entry is sound (else None; a bad entry is added to `problems`)."""
+        path = self._path(key)
         try:
-            record = json.loads(self._path(key).read_text(encoding="utf-8"))
+            text = path.read_text(encoding="utf-8")
+        except OSError:
+            return None
+        try:
+            record = json.loads(text)
+            if not isinstance(record, dict) or record.get("format") != FORMAT:
+                raise ValueError("not a verdict record of this format")
+            if record.get("key") != key:
+                raise ValueError("stored under another key")
+            if record.get("checksum") != _checksum(key, record["timeout"], record["verdict"]):
+                raise ValueError("its checksum does not match its content (edited or corrupt)")
             verdict = Verdict.from_json(record["verdict"])
-        except (OSError, ValueError, KeyError, TypeError):
+            problem = validate(verdict)
+            if problem:
+                raise ValueError(problem)
+        except (ValueError, KeyError, TypeError) as err:
+            self.reject(key, str(err))
             return None
         if verdict.verdict == UNKNOWN and record.get("timeout", 0) < timeout:
             return None
         return verdict
 
+    def reject(self, key: str, why: str) -> None:
+        """Report an entry that cannot be trusted, and remove it so that it is recomputed."""
+        self.problems.append(f"ignored the cached verdict {self._path(key)}: {why}")
+        try:
+            self._path(key).unlink()
+        except OSError:
+            pass
+
     def put(self, key: str, verdict: Verdict, timeout: float) -> None:
+        if validate(verdict):
+            return  # never store what could not be read back
         path = self._path(key)
+        record = verdict.to_json()
+        entry = {"format": FORMAT, "key": key, "timeout": timeout, "verdict": record,
+                 "checksum": _checksum(key, timeout, record)}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
             with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                json.dump({"timeout": timeout, "verdict": verdict.to_json()}, handle)
+                json.dump(entry, handle)
             os.replace(tmp, path)
         except OSError:
             pass  # a cache that cannot be written only costs time

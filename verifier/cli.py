@@ -1,14 +1,18 @@
 """`parsat verify PATH...`: prove every rule, refute wrong ones, Alive2 style.
 
-Exit status 0 only when every rule is PROVED; the last line is always
-`N proved, N refuted, N unknown`. Malformed rules are reported as
+Exit status 0 only when every rule is PROVED (for every rank); the last
+line is always `N proved, N refuted, N unknown` (with `N bounded` and `N
+vacuous` between when there are any). Malformed rules are reported as
 `file:line:col: error: ...` messages (exit 1), never as stack traces.
+With `--json` each rule's record is printed (and flushed) as soon as it is
+decided, so an interrupted run keeps what it has.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from parsat.verifier.core import DEFAULT_TIMEOUT
@@ -18,7 +22,8 @@ def register(subparsers) -> None:
     verify = subparsers.add_parser("verify", help="prove rules for all shapes and degrees, or refute them")
     verify.add_argument("paths", nargs="*", metavar="PATH", help=".rule files or folders (default: the shipped library)")
     verify.add_argument("--match", action="append", metavar="NAME", help="only rules with this name (glob; repeatable)")
-    verify.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S", help="seconds per rule")
+    verify.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
+                        help="seconds per rule, for its whole verdict (search, proof, replay, shrinking)")
     verify.add_argument("--jobs", type=int, default=1, metavar="N", help="worker processes")
     verify.add_argument("--json", action="store_true", help="one JSON record per rule on stdout")
     verify.add_argument("--no-cache", action="store_true", help="neither read nor write the verdict cache")
@@ -31,21 +36,33 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from parsat.verifier.api import verify_paths
     from parsat.verifier.cache import VerdictCache
+    from parsat.verifier.verdict import PROVED
 
-    if args.timeout <= 0 or args.jobs < 1:
-        print("parsat verify: --timeout must be positive and --jobs at least 1", file=sys.stderr)
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        print(f"parsat verify: --timeout must be a positive number of seconds, got {args.timeout}", file=sys.stderr)
+        return 2
+    if args.jobs < 1:
+        print("parsat verify: --jobs must be at least 1", file=sys.stderr)
         return 2
     cache = None if args.no_cache else VerdictCache()
-    report = verify_paths(args.paths or None, match=args.match, timeout=args.timeout, jobs=args.jobs, cache=cache)
+
+    def stream(verdict) -> None:
+        print(json.dumps(verdict.to_json()), flush=True)
+
+    report = verify_paths(args.paths or None, match=args.match, timeout=args.timeout, jobs=args.jobs, cache=cache,
+                          on_verdict=stream if args.json else None)
+    for problem in report.cache_problems:
+        print(f"parsat verify: warning: {problem}", file=sys.stderr)
     for error in report.errors:
         print(error, file=sys.stderr)
-    for verdict in report.verdicts:
-        if args.json:
-            print(json.dumps(verdict.to_json()))
-        elif verdict.proved and not args.verbose:
-            print(f"{verdict.file}:{verdict.line}: {verdict.name}: PROVED")
-        else:
-            print(verdict.render())
+    if not args.json:
+        for verdict in report.verdicts:
+            if verdict.verdict == PROVED and not args.verbose and not verdict.notes:
+                print(verdict.headline())
+            elif verdict.verdict == "BOUNDED" and not args.verbose:
+                print(verdict.headline())
+            else:
+                print(verdict.render())
     if args.match and not report.verdicts and not report.errors:
         print(f"parsat verify: no rule matches {', '.join(args.match)}", file=sys.stderr)
     if args.coverage:

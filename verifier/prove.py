@@ -39,7 +39,7 @@ class Unprovable(Exception):
 
 @dataclass(frozen=True)
 class ProofResult:
-    """`status` is "proved", "candidate" (z3 model to replay) or "unknown"."""
+    """`status` is "proved", "candidate" (z3 model to replay), "never" (it never applies) or "unknown"."""
 
     status: str
     reason: str = ""
@@ -244,6 +244,8 @@ class _Body:
                 attr = self.instance.real_attrs[expr.id]
                 return nf.const(Fraction(attr.value)) if isinstance(attr, ast.Num) else nf.factor(("real", attr.id))
             return nf.size(self.index(expr, variables))
+        if isinstance(expr, ast.Len):
+            return nf.size(self.index(expr, variables))
         if isinstance(expr, ast.Access):
             return self.access(expr, s, variables)
         if isinstance(expr, ast.Neg):
@@ -419,6 +421,11 @@ def _fmt_poly(p: Poly) -> str:
     return f"({text})" if " " in text else text
 
 
+def describe_condition(c: Cond) -> str:
+    """A condition as a person reads it (`p divides m` for a block divisibility)."""
+    return _fmt_cond(c)
+
+
 def _fmt_cond(c: Cond) -> str:
     """`p divides m` for block divisibility, the condition's own text otherwise."""
     if isinstance(c, Rel) and c.op == "==" and c.right == ZERO and len(c.left.terms) == 1:
@@ -441,13 +448,10 @@ def _assumptions(instance: RuleInstance) -> tuple[str, ...]:
     return tuple(found)
 
 
-def prove_instance(instance: RuleInstance, timeout: float) -> ProofResult:
-    """Prove one rank assignment; z3 models come back as candidates."""
-    deadline = time.monotonic() + timeout
+def _facts(instance: RuleInstance) -> tuple[_Sizes, _Lowering, _Z3, list]:
+    """The solved sizes, a lowering over them, and the z3 facts every query assumes."""
     sizes = solve_sizes(instance)
-    assumptions = _assumptions(instance)
     low = _Lowering(sizes)
-    lhs, rhs = instance.lhs, instance.rhs
     zz = _Z3()
     facts = []
     for name, kind in sizes.kinds.items():
@@ -458,10 +462,45 @@ def prove_instance(instance: RuleInstance, timeout: float) -> ProofResult:
         low_bound = 0 if instance.symbols.get(name) == "int" else 1
         facts.append(zz.poly(value) >= low_bound)
     facts.extend(zz.cond(c) for c in sizes.assumptions)
+    return sizes, low, zz, facts
+
+
+def never_applies(instance: RuleInstance, timeout: float) -> bool:
+    """z3 shows the `where` and the left side's requirements contradictory (a proof would be empty)."""
+    _sizes, _low, _zz, facts = _facts(instance)
+    return _vacuous(facts, time.monotonic() + timeout)
+
+
+def forced_to_one(instance: RuleInstance, degree: str, timeout: float) -> bool:
+    """z3 shows that the rule's assumptions allow `degree` only at 1 (the rule parallelizes nothing).
+
+    Asked twice: on the assumptions as written (z3 settles `h % p == 0, (h - 1) % p == 0` at once) and
+    after the divisibility substitutions (which settle others).
+    """
+    zz = _Z3()
+    raw = [zz.int(n) >= (0 if k == "int" else 1) for n, k in instance.symbols.items()]
+    raw += [zz.cond(c) for c in instance.where + instance.lhs_requires]
+    sizes, low, zs, facts = _facts(instance)
+    for z, given, value in ((zz, raw, Poly.sym(degree)), (zs, facts, low.P(Poly.sym(degree)))):
+        solver = z3.Solver()
+        solver.set("timeout", max(1, int(min(2.0, timeout) * 1000)))
+        solver.add(*given)
+        solver.add(z.poly(value) >= 2)
+        if solver.check() == z3.unsat:
+            return True
+    return False
+
+
+def prove_instance(instance: RuleInstance, timeout: float) -> ProofResult:
+    """Prove one rank assignment; z3 models come back as candidates ("never": it never applies)."""
+    deadline = time.monotonic() + timeout
+    sizes, low, zz, facts = _facts(instance)
+    assumptions = _assumptions(instance)
+    lhs, rhs = instance.lhs, instance.rhs
 
     if _vacuous(facts, deadline):
-        return ProofResult("unknown", "the rule never applies: its 'where' and the left-hand side's requirements "
-                                      "cannot hold together", {}, assumptions)
+        return ProofResult("never", "the rule never applies: its 'where' and the left-hand side's requirements "
+                                    "cannot hold together", {}, assumptions)
     goals: list[tuple[str, object]] = []
     if len(lhs.shape) != len(rhs.shape):
         return ProofResult("candidate", "the sides have different ranks", {}, assumptions)
@@ -479,27 +518,18 @@ def prove_instance(instance: RuleInstance, timeout: float) -> ProofResult:
         req2 = _apply_cond(req, low.P)
         if symbolic_truth(req2) is not True:
             goals.append((f"the right-hand side is defined: {req.reason or req}", zz.cond(req2)))
+    for cond, _node in instance.legal_when:  # windows that tile blocks, on both sides
+        cond2 = _apply_cond(cond, low.P)
+        if symbolic_truth(cond2) is not True:
+            goals.append((f"the spreads are legal: {cond.reason or cond}", zz.cond(cond2)))
     for what, goal in goals:
         verdict = _check(zz, facts, goal, deadline)
         if verdict[0] != "proved":
             return _finish(verdict, what, instance, sizes, assumptions)
 
-    free = []
-    for k, (dim, degree) in enumerate(zip(lhs.shape, lhs.spread.shard)):
-        dim, degree = low.P(dim), low.P(degree)
-        extent = dim.floordiv(degree)
-        block = ZERO
-        if degree != ONE:
-            block = Poly.sym(f"@b{k}")
-            low.bounds[f"@b{k}"] = degree
-            facts += [zz.int(f"@b{k}") >= 0, zz.int(f"@b{k}") < zz.poly(degree)]
-        local = Poly.sym(f"@i{k}")
-        low.bounds[f"@i{k}"] = extent
-        facts += [zz.int(f"@i{k}") >= 0, zz.int(f"@i{k}") < zz.poly(extent)]
-        free.append((block, local))
-    free = tuple(free)
-    left = _normalize(low.observe(lhs, free))
-    right = _normalize(low.observe(rhs, free))
+    left, right, ranges = lowered_sides(instance, low)
+    for name, bound in ranges.items():
+        facts += [zz.int(name) >= 0, zz.int(name) < zz.poly(bound)]
     if left == right:
         return ProofResult("proved", "", {}, assumptions)
     conditions = nf.free_conditions(left) + [c for c in nf.free_conditions(right) if c not in nf.free_conditions(left)]
@@ -519,6 +549,24 @@ def prove_instance(instance: RuleInstance, timeout: float) -> ProofResult:
         if verdict[0] != "proved":
             return _finish(verdict, "the two sides compute the same values", instance, sizes, assumptions)
     return ProofResult("proved", "", {}, assumptions)
+
+
+def lowered_sides(instance: RuleInstance, low: _Lowering) -> tuple[tuple, tuple, dict[str, Poly]]:
+    """Both sides' normal forms at a free block `@b<k>` and local index `@i<k>` of the left side's spread,
+    after the lemmas; and the ranges of those free variables (`verifier.crosscheck` evaluates the same)."""
+    free, ranges = [], {}
+    for k, (dim, degree) in enumerate(zip(instance.lhs.shape, instance.lhs.spread.shard)):
+        dim, degree = low.P(dim), low.P(degree)
+        extent = dim.floordiv(degree)
+        block = ZERO
+        if degree != ONE:
+            block = Poly.sym(f"@b{k}")
+            low.bounds[f"@b{k}"] = ranges[f"@b{k}"] = degree
+        local = Poly.sym(f"@i{k}")
+        low.bounds[f"@i{k}"] = ranges[f"@i{k}"] = extent
+        free.append((block, local))
+    free = tuple(free)
+    return _normalize(low.observe(instance.lhs, free)), _normalize(low.observe(instance.rhs, free)), ranges
 
 
 def _normalize(form: tuple) -> tuple:

@@ -1,9 +1,21 @@
 """What the verifier says about a rule: the verdict and its evidence.
 
 Plain frozen data, JSON-ready, shared by the concrete search, the prover,
-the cache and the CLI. A counterexample carries everything a person needs
-to replay it (Alive2 style): the rank choice, sizes and degrees, input
-values, and both sides' outputs.
+the cache and the CLI. The verdict words mean exactly this:
+
+* PROVED: for every size, every degree and every rank the rule applies at.
+* BOUNDED: proved for every size and degree, but only at ranks up to
+  `max_rank` (the largest rank of a metavariable): its rank-polymorphic
+  groups could not be argued away. The optimizer never applies it above.
+* VACUOUS: true only because it (almost) never applies: its assumptions
+  force a degree to 1, or cannot hold at all. Not a usable rule.
+* REFUTED: a replayed counterexample (shapes, degrees, inputs, both sides,
+  and where the devices or values differ).
+* UNKNOWN: neither, with the reason and the limit that was hit.
+
+A counterexample carries everything a person needs to replay it (Alive2
+style): the rank choice, sizes and degrees, input values, both sides'
+values, and the device and index where they differ.
 """
 
 from __future__ import annotations
@@ -12,8 +24,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PROVED = "PROVED"
+BOUNDED = "BOUNDED"
+VACUOUS = "VACUOUS"
 REFUTED = "REFUTED"
 UNKNOWN = "UNKNOWN"
+VERDICTS = (PROVED, BOUNDED, VACUOUS, REFUTED, UNKNOWN)
 
 
 @dataclass(frozen=True)
@@ -31,6 +46,7 @@ class Counterexample:
     rhs_text: str = ""
     lhs_spread: str = ""
     rhs_spread: str = ""
+    device: str = ""  # where the devices differ from the semantics (device, local index, values)
 
     def render(self, indent: str = "  ") -> str:
         """The counterexample as a user reads it."""
@@ -51,6 +67,8 @@ class Counterexample:
         if self.rhs_spread:
             lines.append(f"{indent}  spread {self.rhs_spread}")
         lines.append(f"{indent}  = {_fmt(self.rhs)}")
+        if self.device:
+            lines.append(f"{indent}devices: {self.device}")
         return "\n".join(lines)
 
 
@@ -61,7 +79,7 @@ def _fmt(value: Any) -> str:
 
 @dataclass(frozen=True)
 class Verdict:
-    """One rule's outcome. `reason` is always set unless PROVED."""
+    """One rule's outcome. `reason` is set unless PROVED; `max_rank` only for BOUNDED."""
 
     name: str
     file: str
@@ -72,14 +90,23 @@ class Verdict:
     counterexample: Counterexample | None = None
     assumptions: tuple[str, ...] = ()
     cached: bool = False
+    max_rank: int | None = None  # BOUNDED: proved for metavariables of rank up to this
+    notes: tuple[str, ...] = ()  # bug reports (the spread analysis or the z3 lowering disagreed with the devices)
 
     @property
     def proved(self) -> bool:
+        """Proved for every rank: the only verdict `parsat verify` exits 0 on."""
         return self.verdict == PROVED
+
+    @property
+    def usable(self) -> bool:
+        """The optimizer may apply it (a BOUNDED rule only up to `max_rank`)."""
+        return self.verdict in (PROVED, BOUNDED)
 
     def to_json(self) -> dict:
         record = asdict(self)
         record["assumptions"] = list(self.assumptions)
+        record["notes"] = list(self.notes)
         return record
 
     @staticmethod
@@ -87,16 +114,28 @@ class Verdict:
         cex = record.get("counterexample")
         return Verdict(record["name"], record["file"], record["line"], record["verdict"], record.get("seconds", 0.0),
                        record.get("reason", ""), Counterexample(**cex) if cex else None,
-                       tuple(record.get("assumptions", ())), record.get("cached", False))
+                       tuple(record.get("assumptions", ())), record.get("cached", False), record.get("max_rank"),
+                       tuple(record.get("notes", ())))
+
+    def headline(self) -> str:
+        """The one-line form: `file:line: name: VERDICT` (with the bound for BOUNDED)."""
+        head = f"{self.file}:{self.line}: {self.name}: {self.verdict}"
+        if self.verdict == BOUNDED:
+            head += f" (ranks up to {self.max_rank})"
+        return head
 
     def render(self) -> str:
-        head = f"{self.file}:{self.line}: {self.name}: {self.verdict}"
-        if self.verdict == PROVED:
+        head = self.headline()
+        if self.verdict in (PROVED, BOUNDED):
             text = head + f" ({self.seconds:.2f} s)"
+            if self.verdict == BOUNDED and self.reason:
+                text += f"\n  {self.reason}"
             if self.assumptions:
                 text += "\n  assuming " + "; ".join(self.assumptions)
-            return text
-        text = head + (f": {self.reason}" if self.reason and not self.counterexample else "")
-        if self.counterexample is not None:
-            text += "\n" + self.counterexample.render()
+        else:
+            text = head + (f": {self.reason}" if self.reason and not self.counterexample else "")
+            if self.counterexample is not None:
+                text += "\n" + self.counterexample.render()
+        for note in self.notes:
+            text += f"\n  bug report: {note}"
         return text

@@ -1,0 +1,174 @@
+"""The z3 lowering checked against the devices: what the prover reasons about is what the devices compute.
+
+The prover never runs anything: it lowers both sides to the normal form of
+`verifier.normal` (the value at a free block and local index, after the
+sum lemmas) and asks z3 about it. A wrong lowering or a wrong lemma would
+prove wrong rules. `lowering_disagrees` evaluates those very normal forms
+at concrete sizes, every block and local index, on random inputs, and
+compares them with the pieces the devices compute (`verifier.devices`);
+a disagreement is a bug report on the lowering, never a verdict on the
+rule. The verifier runs it on every instance it proves (`core`), at the
+smallest sizes where the rule applies.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from fractions import Fraction
+from typing import Mapping
+
+import numpy as np
+
+from parsat.dsl.evaluate import EvaluationError
+from parsat.dsl.symbolic import Poly
+from parsat.dsl.typecheck import RuleInstance
+from parsat.verifier import concrete, prove
+from parsat.verifier.devices import DeviceError, NotPlaceable, RuleSides, gather
+
+MAX_POINTS = 4096  # (block, local index) points evaluated per side
+
+
+class CannotEvaluate(Exception):
+    """The normal form reads outside an input, or uses what it cannot evaluate (itself a finding)."""
+
+
+_FUNCTIONS = {"exp": math.exp, "log": math.log, "sqrt": math.sqrt, "tanh": math.tanh, "erf": math.erf,
+              "sin": math.sin, "cos": math.cos,
+              "abs": abs, "max": max, "min": min}
+
+
+def evaluate_form(form: tuple, env: Mapping[str, int], inputs: Mapping[str, np.ndarray],
+                  reals: Mapping[str, float]) -> float:
+    """The value of a normal form with every free symbol given in `env`."""
+    total = 0.0
+    for coef, binders, factors in form:
+        names = [v for v, _ in binders]
+        ranges = [range(int(b.evaluate(env))) for _, b in binders]
+        for values in itertools.product(*ranges):
+            inner = {**env, **dict(zip(names, values))}
+            total += float(coef) * _product(factors, inner, inputs, reals)
+    return total
+
+
+def _product(factors, env, inputs, reals) -> float:
+    for f in factors:  # indicators first: a read guarded by a false condition is never made
+        if f[0] == "ind" and _cond(f[1], env) != f[2]:
+            return 0.0
+    out = 1.0
+    for f in factors:
+        if f[0] != "ind":
+            out *= _factor(f, env, inputs, reals)
+    return out
+
+
+def _factor(f, env, inputs, reals) -> float:
+    kind = f[0]
+    if kind == "in":
+        array = inputs[f[1]]
+        index = tuple(int(p.evaluate(env)) for p in f[2])
+        if len(index) != array.ndim or any(not 0 <= i < n for i, n in zip(index, array.shape)):
+            raise CannotEvaluate(f"it reads {f[1]}{list(index)}, outside its shape {list(array.shape)}")
+        return float(array[index])
+    if kind == "size":
+        return float(f[1].evaluate(env))
+    if kind == "real":
+        return float(reals[f[1]])
+    if kind == "recip":
+        return 1.0 / evaluate_form(f[1], env, inputs, reals)
+    if kind == "fn":
+        args = [evaluate_form(a, env, inputs, reals) for a in f[2]]
+        return float(_FUNCTIONS[f[1]](*args))
+    raise CannotEvaluate(f"unknown factor {kind}")
+
+
+def _cond(cond, env) -> bool:
+    if cond[0] == "rel":
+        a, b = cond[2].evaluate(env), cond[3].evaluate(env)
+        return {"<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b, "==": a == b, "!=": a != b}[cond[1]]
+    if cond[0] == "not":
+        return not _cond(cond[1], env)
+    left, right = _cond(cond[1], env), _cond(cond[2], env)
+    return (left and right) if cond[0] == "and" else (left or right)
+
+
+def _fresh_values(sizes: prove._Sizes, given: Mapping[str, int]) -> dict[str, int] | None:
+    """Values of the prover's fresh symbols (`m = p * m_1`) at the given sizes; None when they do not fit."""
+    env = dict(given)
+    pending = dict(sizes.subst)
+    for _ in range(len(pending) + 1):
+        for name, poly in list(pending.items()):
+            if name not in env:
+                continue  # a fresh symbol substituted again: solved once its own value is known
+            unknown = poly.symbols() - set(env)
+            if not unknown:
+                pending.pop(name)
+                continue
+            if len(unknown) != 1:
+                continue
+            (fresh,) = unknown
+            factor = poly.exact_div(Poly.sym(fresh))
+            if factor is None or factor.symbols() - set(env):
+                continue
+            den = factor.evaluate(env)
+            if den == 0 or env[name] % den:
+                return None
+            env[fresh] = env[name] // den
+            pending.pop(name)
+    if pending:
+        return None
+    if any(poly.evaluate(env) != env[name] for name, poly in sizes.subst.items()):
+        return None
+    return env
+
+
+def lowering_disagrees(instance: RuleInstance, sizes: Mapping[str, int], seed: int = 0) -> str | None:
+    """Where the normal forms the prover reasons about differ from the devices (None: they agree here)."""
+    if not concrete.applies(instance, sizes):
+        return None
+    solved = prove.solve_sizes(instance)
+    env = _fresh_values(solved, sizes)
+    if env is None:
+        return None
+    low = prove._Lowering(solved)
+    left, right, ranges = prove.lowered_sides(instance, low)
+    rng = np.random.default_rng(seed)
+    inputs = concrete.random_inputs(instance, sizes, rng)
+    reals = concrete.random_reals(instance, rng)
+    try:
+        sides = RuleSides([instance.lhs, instance.rhs], sizes)
+    except (DeviceError, NotPlaceable):
+        return None
+    placed = {name: concrete._whole(value, sides.mesh) for name, value in inputs.items()}
+    shard = [int(d.evaluate(sizes)) for d in instance.lhs.spread.shard]
+    shape = [int(d.evaluate(sizes)) for d in instance.lhs.shape]
+    extents = [s // d for s, d in zip(shape, shard)]
+    names = sorted(ranges)
+    points = list(itertools.product(*(range(int(ranges[n].evaluate(env))) for n in names)))
+    if len(points) > MAX_POINTS:
+        random.Random(seed).shuffle(points)
+        points = points[:MAX_POINTS]
+    for which, term, form in (("left", instance.lhs, left), ("right", instance.rhs, right)):
+        try:
+            value = gather(sides.run(term, placed, reals).tensor, sides.mesh)[0]
+        except (DeviceError, NotPlaceable, EvaluationError, ValueError, IndexError):
+            return None  # the devices cannot run it here: the concrete search reports that, not this check
+        for point in points:
+            at = dict(zip(names, point))
+            index = tuple(at.get(f"@b{k}", 0) * extents[k] + at[f"@i{k}"] for k in range(len(shape)))
+            try:
+                lowered = evaluate_form(form, {**env, **at}, inputs, reals)
+            except CannotEvaluate as err:
+                return f"the z3 lowering of the {which} side cannot be evaluated at {_where(sizes, index)}: {err}"
+            except (ZeroDivisionError, ValueError, OverflowError):
+                continue
+            device = float(value[index]) if value.dtype != object else float(Fraction(value[index]))
+            if not math.isclose(lowered, device, rel_tol=1e-6, abs_tol=1e-8):
+                return (f"the z3 lowering of the {which} side gives {lowered:g} at {_where(sizes, index)}, "
+                        f"the devices {device:g}")
+    return None
+
+
+def _where(sizes: Mapping[str, int], index) -> str:
+    return f"index {list(index)} (sizes {', '.join(f'{k} = {v}' for k, v in sorted(sizes.items()))})"
