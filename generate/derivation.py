@@ -147,10 +147,10 @@ def write_instance(instance: RuleInstance, devices: int, prefix: str) -> tuple[T
 
 def derivation_program(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[int], devices: int,
                        typing_cache: dict, compiled_cache: dict | None = None) -> RuleProgram:
-    """`rules` compiled for derivations: instances pick degree 2 (`FREE_DEGREES`), and without layout
-    guards, since a derivation asks what the rules imply about values, not which plans can run."""
+    """`rules` compiled for derivations: instances pick degree 2 (`FREE_DEGREES`); the degree encoding asks what
+    the rules imply about values and spreads, not which plans can run."""
     return compile_rules(library, list(rules), ranks, devices, None, typing_cache, free_degrees=FREE_DEGREES,
-                         placement=False, compiled_cache=compiled_cache)
+                         compiled_cache=compiled_cache)
 
 
 def ranks_of(instance: RuleInstance) -> set[int]:

@@ -30,6 +30,7 @@ PARTIAL 2, SHARD(d) 3 + d. docs/MESH.md is the contract.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import combinations
 from math import prod
 from typing import Mapping, Sequence
 
@@ -106,7 +107,7 @@ def spread_code(spread: Spread) -> int | None:
 
 def axis_compute(instance: OpInstance, codes: Sequence[int], cache: dict | None = None) -> tuple[int | None, str]:
     """A compute operator on one axis: the output code, or None and why the op does not accept the inputs."""
-    key = (instance, tuple(codes))
+    key = (_signature(instance), tuple(codes))
     if cache is not None and key in cache:
         return cache[key]
     spreads = [code_spread(c, len(s)) for c, s in zip(codes, instance.input_shapes)]
@@ -123,6 +124,14 @@ def axis_compute(instance: OpInstance, codes: Sequence[int], cache: dict | None 
     if cache is not None:
         cache[key] = out
     return out
+
+
+def _signature(instance: OpInstance) -> tuple:
+    """What an operator's acceptance of placements depends on: the operator, its ranks and its attributes (the
+    index structure of its semantics), not the names or values of its sizes."""
+    return (instance.name, tuple(len(s) for s in instance.input_shapes),
+            tuple(sorted((k, str(v)) for k, v in instance.attrs.items())),
+            tuple(sorted(instance.groups.items())))
 
 
 def axis_parallel(op: str, code: int, dim: int | None, acts_here: bool, here_before_op_axis: bool) -> int | None:
@@ -292,7 +301,7 @@ def placement_for_degrees(shard_degrees: Sequence[int], copy: int, sizes: Sequen
         if degree == 1:
             return []
         for count in range(1, len(free) + 1):
-            for subset in _subsets(free, count):
+            for subset in combinations(free, count):
                 if prod(sizes[a] for a in subset) == degree:
                     return list(subset)
         return None
@@ -312,7 +321,3 @@ def placement_for_degrees(shard_degrees: Sequence[int], copy: int, sizes: Sequen
     return Placement(tuple(codes))
 
 
-def _subsets(items: Sequence[int], count: int):
-    from itertools import combinations
-
-    return combinations(items, count)

@@ -4,7 +4,8 @@
    may apply (`choose_rules`: the facade's `parsat.optimize` keeps the rules
    the verifier PROVED; this package never imports the verifier);
 2. saturate the graph with algebraic and parallel rules together, within
-   limits;
+   limits, once per device mesh the devices can form (docs/MESH.md:
+   nodes x GPUs and its factorisations), rules lifted onto each;
 3. price every e-node with the cost model and extract the cheapest plan
    that fits in memory (`solve`);
 4. compute the baselines with the same cost model (`baselines`): data
@@ -19,22 +20,26 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
 from parsat.dsl import ast
 from parsat.dsl.library import Library
-from parsat.ir.costs import totals
+from parsat.ir.costs import Totals, totals
+from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
+from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import Degrees
 from parsat.ir.pcg_layout import lay_out
-from parsat.ir.placement import PlacementError
+from parsat.ir.placement import Placement, PlacementError
 from parsat.ir.plan import JOINT, BaselinePlan, Plan
 from parsat.saturate.baselines import Candidate, data_parallel, megatron_excluded, sequential
 from parsat.saturate.errors import OptimizeError
-from parsat.saturate.extract import ExtractionError, leaf_roles
-from parsat.saturate.inputs import check_devices, check_pins, resolve_graph, resolve_library
+from parsat.saturate.extract import Extraction, ExtractionError, leaf_roles
+from parsat.saturate.inputs import check_devices, check_pins, pins_on, resolve_graph, resolve_library, search_meshes
+from parsat.saturate.program import MeshCaches
 from parsat.saturate.runner import Limits
-from parsat.saturate.saturate import saturate
+from parsat.saturate.saturate import SaturationResult, saturate
 from parsat.saturate.solve import price, rules_used, solve
 
 Progress = Callable[[str], None]
@@ -62,7 +67,9 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     `output_spreads` pins outputs (default: whole); `input_spreads` says how
     inputs arrive (default: in whatever layout the plan wants, as a data
     loader can read any slice; a pinned input read in another layout costs
-    a gather). Raises OptimizeError,
+    a gather). The search saturates the graph once per device mesh
+    (`inputs.search_meshes`, docs/MESH.md) and keeps the cheapest plan;
+    `limits.seconds` bounds the whole search. Raises OptimizeError,
     GraphError or MachineError with a message for the user.
     """
     say = progress or (lambda _m: None)
@@ -74,49 +81,46 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     check_devices(graph, devices)
     machine = base.with_devices(devices)
     pins = check_pins(graph, output_spreads, input_spreads, devices)
+    input_pins = {k: v for k, v in pins.items() if k not in graph.outputs}
     chosen, note = choose_rules(library)
     chosen = list(chosen)
     say(f"{len(chosen)} rules; {note}")
 
-    t = time.perf_counter()
-    joint = saturate(graph, library, chosen, devices, limits, pins, progress=say)
-    say(f"saturation: {joint.stop} after {joint.iterations} iterations, {joint.enodes} e-nodes, "
-        f"{time.perf_counter() - t:.2f} s")
-    if devices > 1 and all(l.pieces == 1 for l in joint.snapshot.degrees.values()):
+    deadline = time.perf_counter() + limits.seconds
+    caches = MeshCaches()
+    meshes = [(mesh, pins_on(pins, mesh)) for mesh in search_meshes(devices, machine.devices_per_node)]
+    meshes = [(mesh, placed) for mesh, placed in meshes if placed is not None]
+    if not meshes:
+        raise OptimizeError(f"no device mesh of {devices} devices can hold the pinned spreads")
+    searches: list[MeshSearch] = []
+    for index, (mesh, placed) in enumerate(meshes):
+        share = max(0.0, deadline - time.perf_counter()) / (len(meshes) - index)
+        found = search_mesh(graph, library, chosen, mesh, replace(limits, seconds=share), machine, placed,
+                            input_pins, free_input_layouts, baselines, caches, say)
+        searches.append(found)
+    if devices > 1 and not any(s.spread for s in searches):
         raise OptimizeError(f"no rule can spread '{graph.name}' over {devices} devices (no parallel rule applies "
-                            "at a degree dividing the device count)")
-    roots = [joint.classes[f"pin:{n}"] if n in pins else joint.classes[n] for n in graph.outputs]
-    t = time.perf_counter()
-    priced = price(joint, graph, library, machine, free_input_layouts, devices, pins)
-    try:
-        pcg, costs, extraction = solve(joint, graph, library, machine, roots, limits, free_input_layouts, devices,
-                                       pins=pins, costs=priced)
-    except ExtractionError as err:
-        raise OptimizeError(str(err)) from None
-    extract_seconds = time.perf_counter() - t
-    say(f"extraction: {extraction.method}, {extract_seconds:.2f} s")
-    candidates = [Candidate(JOINT, pcg, costs, totals(costs, machine))]
-
-    found = {}
+                            "on any mesh of the device count)")
+    solved = [s for s in searches if s.joint is not None]
+    if not solved:
+        raise OptimizeError(searches[0].error or f"no plan for '{graph.name}' on {devices} devices")
+    best_search = min(solved, key=lambda s: _rank(s.joint, machine))
+    candidates = [best_search.joint]
+    found_baselines: dict[str, Totals | None] = {}
     if baselines:
-        limits = Limits(limits.iterations, limits.enodes, limits.seconds, limits.ilp_seconds / 2)
-        excluded = megatron_excluded(joint.snapshot, leaf_roles(joint.snapshot, graph))
-        try:
-            mpcg, mcosts, _ = solve(joint, graph, library, machine, roots, limits, free_input_layouts, devices,
-                                    excluded, pins=pins, costs=priced)
-            megatron = Candidate("megatron", mpcg, mcosts, totals(mcosts, machine)) if mpcg.max_pieces > 1 else None
-        except ExtractionError:
-            megatron = None
-        two_phase = sequential(graph, library, chosen, devices, limits, machine, pins, free_input_layouts, say)
+        megatrons = [s.megatron for s in searches if s.megatron is not None]
+        megatron = min(megatrons, key=lambda c: _rank(c, machine)) if megatrons else None
+        two_phase = sequential(graph, library, chosen, best_search.mesh, replace(limits, ilp_seconds=limits.ilp_seconds / 2),
+                               machine, best_search.pins, input_pins, free_input_layouts, say, caches)
         dp = data_parallel(graph, library, machine, free_input_layouts, devices) if not pins else None
         for name, candidate in (("megatron", megatron), ("sequential", two_phase), ("data_parallel", dp)):
-            found[name] = candidate.totals if candidate is not None else None
+            found_baselines[name] = candidate.totals if candidate is not None else None
             if candidate is not None:
                 candidates.append(candidate)
 
-    # Every candidate must be one the backend can lay out (`pcg_layout`); the layout guards make that so,
+    # Every candidate must be one the backend can lay out (`pcg_layout`): the placement analysis makes that so,
     # and a candidate that still is not is left out, and said, rather than returned.
-    unplaceable = _unplaceable(candidates, library, devices)
+    unplaceable = _unplaceable(candidates, library)
     for name, why in unplaceable.items():
         say(f"{name}: left out, it cannot be laid out on the devices ({why})")
     candidates = [c for c in candidates if c.name not in unplaceable]
@@ -126,31 +130,94 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     # Every baseline is a PCG priced by the same model, so the best candidate is a valid plan. The joint plan
     # wins ties; a baseline only replaces it when strictly cheaper (e.g. after a limit stopped the joint search),
     # and `extraction.chosen` and explain() say so.
-    best = min(candidates, key=lambda c: (c.totals.peak_memory_bytes > machine.memory_capacity,
-                                          round(c.totals.time_s, 12), c.name != JOINT))
+    best = min(candidates, key=lambda c: _rank(c, machine))
     if best.name != JOINT:
         say(f"baseline {best.name} was cheaper than anything extracted: the plan is its PCG")
+    joint = best_search.result
+    extraction = best_search.extraction
     saturation = joint.to_dict()
     saturation["rules_note"] = note
     saturation["rules_available"] = len(chosen)
+    saturation["mesh"] = str(best_search.mesh)
+    saturation["meshes"] = [s.summary() for s in searches]
     ext = {"method": extraction.method, "chosen": best.name,
-           "seconds": round(extract_seconds, 4), "candidates": dict(extraction.candidates),
+           "seconds": round(best_search.extract_seconds, 4), "candidates": dict(extraction.candidates),
            "ilp_status": extraction.ilp_status, "pass_seconds": dict(extraction.seconds)}
     if unplaceable:
         ext["unplaceable"] = unplaceable
     baseline_plans = {c.name: BaselinePlan(c.pcg, c.costs) for c in candidates if c.name != JOINT}
-    return Plan(graph, machine, devices, best.pcg, best.costs, best.totals, found,
+    return Plan(graph, machine, devices, best.pcg, best.costs, best.totals, found_baselines,
                 rules_used(chosen, joint.snapshot, extraction.choice) if best.name == JOINT else (),
-                saturation, ext, pins,
-                baseline_plans)
+                saturation, ext, pins, baseline_plans)
 
 
-def _unplaceable(candidates: Sequence[Candidate], library: Library, devices: int) -> dict[str, str]:
-    """The candidates whose PCG cannot be laid out on `devices` ranks, and why."""
+def _rank(candidate: Candidate, machine: Machine) -> tuple:
+    """Plans that fit in memory first, then the fastest; the joint plan wins ties."""
+    return (candidate.totals.peak_memory_bytes > machine.memory_capacity, round(candidate.totals.time_s, 12),
+            candidate.name != JOINT)
+
+
+@dataclass(frozen=True)
+class MeshSearch:
+    """What the search found on one device mesh: the saturated e-graph, the joint plan and the Megatron-style
+    restriction of it (None where extraction found none), and how long it took."""
+
+    mesh: Mesh
+    pins: Mapping[str, Placement]
+    result: SaturationResult
+    extraction: Extraction | None
+    joint: Candidate | None
+    megatron: Candidate | None
+    extract_seconds: float
+    spread: bool       # whether any class of the e-graph is spread over the mesh
+    error: str = ""
+
+    def summary(self) -> dict:
+        return {"mesh": self.mesh.to_dict(), "stop": self.result.stop, "enodes": self.result.enodes,
+                "seconds": round(self.result.seconds + self.result.compile_seconds + self.extract_seconds, 4),
+                "time_s": self.joint.totals.time_s if self.joint else None, "error": self.error}
+
+
+def search_mesh(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh: Mesh, limits: Limits,
+                machine: Machine, pins: Mapping[str, Placement], input_pins: Mapping[str, Degrees],
+                free_inputs: bool, baselines: bool, caches: MeshCaches, say: Progress) -> MeshSearch:
+    """Saturate on one mesh, price every e-node, extract the joint plan (and the Megatron restriction)."""
+    t = time.perf_counter()
+    result = saturate(graph, library, rules, mesh, limits, pins, caches=caches)
+    say(f"mesh {mesh}: saturation {result.stop} after {result.iterations} iterations, {result.enodes} e-nodes, "
+        f"{time.perf_counter() - t:.2f} s")
+    spread = any(p.spread_axes for p in result.snapshot.placement.values())
+    roots = [result.classes[f"pin:{n}"] if n in pins else result.classes[n] for n in graph.outputs]
+    t = time.perf_counter()
+    priced = price(result, graph, library, machine, free_inputs, input_pins)
+    try:
+        pcg, costs, extraction = solve(result, graph, library, machine, roots, limits, free_inputs,
+                                       pins=input_pins, costs=priced)
+    except ExtractionError as err:
+        return MeshSearch(mesh, pins, result, None, None, None, time.perf_counter() - t, spread, str(err))
+    seconds = time.perf_counter() - t
+    joint = Candidate(JOINT, pcg, costs, totals(costs, machine))
+    say(f"mesh {mesh}: extraction {extraction.method}, {seconds:.2f} s, plan {joint.totals.time_s * 1e3:.3f} ms")
+    megatron = None
+    if baselines:
+        excluded = megatron_excluded(result.snapshot, leaf_roles(result.snapshot, graph))
+        try:
+            mpcg, mcosts, _ = solve(result, graph, library, machine, roots,
+                                    replace(limits, ilp_seconds=limits.ilp_seconds / 2), free_inputs, excluded,
+                                    pins=input_pins, costs=priced)
+            if mpcg.max_pieces > 1:
+                megatron = Candidate("megatron", mpcg, mcosts, totals(mcosts, machine))
+        except ExtractionError:
+            pass
+    return MeshSearch(mesh, pins, result, extraction, joint, megatron, seconds, spread)
+
+
+def _unplaceable(candidates: Sequence[Candidate], library: Library) -> dict[str, str]:
+    """The candidates whose PCG cannot be laid out on its mesh, and why."""
     out = {}
     for candidate in candidates:
         try:
-            lay_out(candidate.pcg, library.ops, devices)
+            lay_out(candidate.pcg, library.ops)
         except PlacementError as err:
             out[candidate.name] = str(err)
     return out

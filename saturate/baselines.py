@@ -26,9 +26,12 @@ from parsat.ir.data_parallel import data_parallel_pcg
 from parsat.ir.errors import GraphError
 from parsat.ir.graph import Graph, GraphBuilder
 from parsat.ir.machine import Machine
+from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import PCG, Degrees
+from parsat.ir.placement import Placement
 from parsat.saturate.errors import OptimizeError
 from parsat.saturate.extract import ExtractionError, NodeId, Pricer
+from parsat.saturate.program import MeshCaches
 from parsat.saturate.runner import Limits
 from parsat.saturate.saturate import saturate
 from parsat.saturate.snapshot import Snapshot
@@ -47,21 +50,19 @@ class Candidate:
     totals: Totals
 
 
-def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_layouts: bool = True,
-              devices: int | None = None) -> dict[int, NodeCost] | None:
-    """Every PCG node priced by the same cost model as the e-nodes (None if a node is not priceable).
-
-    `devices` defaults to the largest piece count in the PCG.
-    """
-    pricer = Pricer(library, machine, free_input_layouts, devices or pcg.max_pieces)
+def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_layouts: bool = True) -> dict[int, NodeCost] | None:
+    """Every PCG node priced by the same cost model as the e-nodes, on the PCG's mesh (None if a node is not
+    priceable)."""
+    pricer = Pricer(library, machine, pcg.mesh, free_input_layouts)
     by_id = {n.id: n for n in pcg.nodes}
     out: dict[int, NodeCost] = {}
     for node in pcg.nodes:
         children = [by_id[i] for i in node.inputs]
-        attrs = tuple(v for _k, v in node.attrs)
+        axis = node.axis(pcg.mesh) if node.kind == "parallel" else None
+        attrs = tuple(v for k, v in node.attrs if node.kind != "parallel" or k == "dim")
         op = node.op if node.kind != "leaf" else "leaf"
         cost = pricer.price(op, attrs, node.shape, node.degrees, tuple(c.shape for c in children),
-                            tuple(c.degrees for c in children), tuple(c.role for c in children))
+                            tuple(c.degrees for c in children), tuple(c.role for c in children), axis)
         if cost is None:
             return None
         out[node.id] = cost
@@ -72,8 +73,8 @@ def data_parallel(graph: Graph, library: Library, machine: Machine, free_input_l
                   devices: int) -> Candidate | None:
     """The data-parallel PCG priced; None where it does not apply (a batch that does not split, an operator
     that refuses the spread)."""
-    pcg = data_parallel_pcg(graph, library, devices)
-    costs = price_pcg(pcg, library, machine, free_input_layouts, devices) if pcg is not None else None
+    pcg = data_parallel_pcg(graph, library, devices, machine.devices_per_node)
+    costs = price_pcg(pcg, library, machine, free_input_layouts) if pcg is not None else None
     if costs is None:
         return None
     return Candidate("data_parallel", pcg, costs, totals(costs, machine))
@@ -116,23 +117,24 @@ def pcg_to_graph(pcg: PCG, graph: Graph, library: Library) -> Graph:
     return builder.build()
 
 
-def sequential(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], devices: int, limits: Limits,
-               machine: Machine, pins: Mapping[str, Degrees], free_inputs: bool, say: Progress) -> Candidate | None:
-    """Algebraic rules saturated and extracted first (on one device), then parallel rules only."""
+def sequential(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh: Mesh, limits: Limits,
+               machine: Machine, pins: Mapping[str, Placement], input_pins: Mapping[str, Degrees], free_inputs: bool,
+               say: Progress, caches: MeshCaches | None = None) -> Candidate | None:
+    """Algebraic rules saturated and extracted first (on one device), then parallel rules only, on `mesh`."""
     algebraic = [r for r in rules if not is_parallel_rule(r)]
     parallel = [r for r in rules if is_parallel_rule(r)]
     try:
-        first = saturate(graph, library, algebraic, 1, limits, None, rulesets=("alg",))
+        first = saturate(graph, library, algebraic, 1, limits, None, rulesets=("alg",), caches=caches)
         roots = [first.classes[n] for n in graph.outputs]
         one = machine.with_devices(1)
-        pcg, _c, _e = solve(first, graph, library, one, roots, limits, free_inputs, 1)
+        pcg, _c, _e = solve(first, graph, library, one, roots, limits, free_inputs)
         middle = pcg_to_graph(pcg, graph, library)
         if any(n not in middle.shapes() for n in pins) or middle.outputs != graph.outputs:
             say("sequential baseline: none (the algebraic rewrite renamed a pinned tensor)")
             return None
-        second = saturate(middle, library, parallel, devices, limits, pins, rulesets=("par",))
+        second = saturate(middle, library, parallel, mesh, limits, pins, rulesets=("par",), caches=caches)
         roots = [second.classes[f"pin:{n}"] if n in pins else second.classes[n] for n in middle.outputs]
-        spcg, scosts, _ = solve(second, middle, library, machine, roots, limits, free_inputs, devices, pins=pins)
+        spcg, scosts, _ = solve(second, middle, library, machine, roots, limits, free_inputs, pins=input_pins)
     except (ExtractionError, GraphError, OptimizeError) as err:
         say(f"sequential baseline: none ({err})")
         return None

@@ -44,6 +44,7 @@ from parsat.dsl.spread import infer_compute
 from parsat.dsl.work import work
 from parsat.ir.costs import NodeCost
 from parsat.ir.machine import Machine
+from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import Degrees
 
 BACKWARD_FACTOR = 2.0        # backward FLOPs = 2 x forward
@@ -54,14 +55,22 @@ ADAM_TRAFFIC_BYTES = 28      # read p, g, m, v; write p, m, v (fp32)
 # ----------------------------------------------------------------- collectives
 
 
-def _all_reduce(machine: Machine, p: int, n: int) -> tuple[float, int]:
-    bw, alpha = machine.link(p)
+def axis_link(machine: Machine, mesh: Mesh, axis: int) -> tuple[float, float]:
+    """(bandwidth, latency) of a collective on one mesh axis: NVLink when its groups stay inside a node, the
+    network otherwise (a group that spans nodes is as slow as its slowest link)."""
+    if mesh.nodes_spanned(axis) == 1:
+        return machine.intra_bandwidth, machine.intra_latency
+    return machine.inter_bandwidth, machine.inter_latency
+
+
+def _all_reduce(machine: Machine, p: int, n: int, link: tuple[float, float]) -> tuple[float, int]:
+    bw, alpha = link
     return 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * machine.dtype_bytes / bw, 2 * (p - 1) * n
 
 
-def _all_gather(machine: Machine, p: int, n: int) -> tuple[float, int]:
+def _all_gather(machine: Machine, p: int, n: int, link: tuple[float, float]) -> tuple[float, int]:
     """n: elements of the gathered (output) piece."""
-    bw, alpha = machine.link(p)
+    bw, alpha = link
     return (p - 1) * alpha + (p - 1) / p * n * machine.dtype_bytes / bw, (p - 1) * n
 
 
@@ -94,7 +103,8 @@ def compute_cost(instance: OpInstance, inputs: Sequence[Degrees], output: Degree
 
 
 def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, output: Degrees, machine: Machine,
-                  source_role: str, devices: int | None = None) -> NodeCost:
+                  source_role: str, devices: int | None = None,
+                  link: tuple[float, float] | None = None) -> NodeCost:
     """One of the four parallel operators; `source_role` is "input", "weight" or "" (an activation).
 
     A tensor with fewer pieces than `devices` is held redundantly (SPMD): each
@@ -105,6 +115,7 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
     shape = tuple(shape)
     if p <= 1:
         return NodeCost()
+    link = link or machine.link(p)
     in_piece, out_piece = source.piece_elements(shape), output.piece_elements(shape)
     time, elements, grad_sync, collectives = 0.0, 0, 0, []
     memory = 0 if source_role else out_piece * machine.dtype_bytes
@@ -114,23 +125,23 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
         opt = out_piece * ADAM_TRAFFIC_BYTES / machine.memory_bandwidth
     if op == PARTITION:
         if not source_role:
-            t, e = _all_gather(machine, p, in_piece)
+            t, e = _all_gather(machine, p, in_piece, link)
             time, elements = t, e * source.pieces
             collectives.append(f"bwd all-gather x{source.pieces} ({p} devices, {in_piece} elements)")
     elif op == COMBINE:
-        t, e = _all_gather(machine, p, out_piece)
+        t, e = _all_gather(machine, p, out_piece, link)
         time, elements = t, e * output.pieces
         collectives.append(f"fwd all-gather x{output.pieces} ({p} devices, {out_piece} elements)")
     elif op == REPLICATE:
         if source_role != "input":
-            t, e = _all_reduce(machine, p, in_piece)
+            t, e = _all_reduce(machine, p, in_piece, link)
             time, elements = t, e * source.pieces
             if source_role == "weight":
                 grad_sync = elements
             collectives.append(f"bwd all-reduce x{source.pieces} ({p} devices, {in_piece} elements)"
                                + (" [gradient sync]" if source_role == "weight" else ""))
     elif op == REDUCE:
-        t, e = _all_reduce(machine, p, out_piece)
+        t, e = _all_reduce(machine, p, out_piece, link)
         time, elements = t, e * output.pieces
         collectives.append(f"fwd all-reduce x{output.pieces} ({p} devices, {out_piece} elements)")
     else:
@@ -151,7 +162,7 @@ def gather_cost(machine: Machine, degrees: Degrees, shape: Sequence[int], device
     n = 1
     for d in shape:
         n *= d
-    t, e = _all_gather(machine, p, n)
+    t, e = _all_gather(machine, p, n, machine.link(p))
     sets = max(1, (devices or p) // p)
     return NodeCost(comm_s=t, comm_elements=e * sets,
                     collectives=(f"fwd all-gather of the pinned input ({p} devices, {n} elements)",))

@@ -35,8 +35,9 @@ from parsat.dsl.parallel_ops import PARALLEL_OPS, REPLICATE
 from parsat.ir.costs import NodeCost
 from parsat.ir.graph import Graph, instance_for
 from parsat.ir.machine import Machine
+from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import Degrees
-from parsat.saturate.cost import compute_cost, gather_cost, parallel_cost
+from parsat.saturate.cost import axis_link, compute_cost, gather_cost, parallel_cost
 from parsat.saturate.encoding import PIN_SUFFIX
 from parsat.saturate.snapshot import Snapshot
 
@@ -63,9 +64,8 @@ def leaf_roles(snapshot: Snapshot, graph: Graph) -> dict[int, str]:
 
 
 def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Machine,
-               free_input_layouts: bool = True, devices: int | None = None,
-               input_pins: Mapping[str, Degrees] | None = None) -> dict[NodeId, NodeCost]:
-    """Every e-node priced by the cost model; e-nodes the model rejects are left out.
+               free_input_layouts: bool = True, input_pins: Mapping[str, Degrees] | None = None) -> dict[NodeId, NodeCost]:
+    """Every e-node priced by the cost model on the snapshot's mesh; e-nodes the model rejects are left out.
 
     With `free_input_layouts` (the default) graph inputs may arrive in any
     layout (the data loader reads the pieces each device needs); otherwise a
@@ -73,7 +73,7 @@ def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Mach
     `input_pins` arrives in that layout: reading it whole costs a gather.
     """
     roles = leaf_roles(snapshot, graph)
-    pricer = Pricer(library, machine, free_input_layouts, devices, input_pins)
+    pricer = Pricer(library, machine, snapshot.mesh or Mesh(()), free_input_layouts, input_pins)
     out: dict[NodeId, NodeCost] = {}
     for cid, nodes in snapshot.classes.items():
         if cid not in snapshot.shape:
@@ -81,57 +81,61 @@ def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Mach
         for index, node in enumerate(nodes):
             if any(ch not in snapshot.shape for ch in node.children):
                 continue
-            cost = pricer.price(node.op, node.attrs, snapshot.shape[cid], snapshot.degrees[cid],
-                                tuple(snapshot.shape[ch] for ch in node.children),
+            parallel = node.op in PARALLEL_OPS
+            cost = pricer.price(node.op, node.attrs[:-1] if parallel else node.attrs, snapshot.shape[cid],
+                                snapshot.degrees[cid], tuple(snapshot.shape[ch] for ch in node.children),
                                 tuple(snapshot.degrees[ch] for ch in node.children),
-                                tuple(roles.get(ch, "") for ch in node.children))
+                                tuple(roles.get(ch, "") for ch in node.children),
+                                node.attrs[-1] if parallel else None)
             if cost is not None:
                 out[(cid, index)] = cost
     return out
 
 
 class Pricer:
-    """Prices one node (an e-node or a PCG node) with the cost model, memoised.
+    """Prices one node (an e-node or a PCG node) with the cost model on a mesh, memoised.
 
     `attrs` are the operator's non-tensor arguments in declaration order
-    (reals may be strings, as the e-graph stores them); `roles` say which
-    children are graph inputs or weights.
+    (reals may be strings, as the e-graph stores them; a parallel operator's
+    dim, if it has one); `axis` is the mesh axis a parallel operator acts
+    on; `roles` say which children are graph inputs or weights.
     """
 
-    def __init__(self, library: Library, machine: Machine, free_input_layouts: bool = True,
-                 devices: int | None = None, input_pins: Mapping[str, Degrees] | None = None):
-        self.library, self.machine, self.free_inputs = library, machine, free_input_layouts
-        self.devices = devices
+    def __init__(self, library: Library, machine: Machine, mesh: Mesh, free_input_layouts: bool = True,
+                 input_pins: Mapping[str, Degrees] | None = None):
+        self.library, self.machine, self.mesh, self.free_inputs = library, machine, mesh, free_input_layouts
         self.input_pins = dict(input_pins or {})
         self.cache: dict = {}
 
-    def price(self, op: str, attrs: tuple, shape, degrees: Degrees, child_shapes, child_degrees, roles) -> NodeCost | None:
+    def price(self, op: str, attrs: tuple, shape, degrees: Degrees, child_shapes, child_degrees, roles,
+              axis: int | None = None) -> NodeCost | None:
+        devices = self.mesh.world
         if op == "leaf":
             pinned = self.input_pins.get(attrs[0]) if attrs else None
-            return gather_cost(self.machine, pinned, shape, self.devices) if pinned else NodeCost()
-        key = (op, tuple(attrs), tuple(shape), degrees, tuple(child_shapes), tuple(child_degrees), tuple(roles))
+            return gather_cost(self.machine, pinned, shape, devices) if pinned else NodeCost()
+        key = (op, tuple(attrs), tuple(shape), degrees, tuple(child_shapes), tuple(child_degrees), tuple(roles), axis)
         if key not in self.cache:
             if op in PARALLEL_OPS:
                 role = roles[0]
                 if role == "input" and not self.free_inputs and op == REPLICATE:
                     role = "broadcast-input"
-                self.cache[key] = _parallel(op, attrs[-1], shape, child_degrees[0], degrees, self.machine, role,
-                                            self.devices)
+                self.cache[key] = _parallel(op, self.mesh.size(axis), axis_link(self.machine, self.mesh, axis),
+                                            shape, child_degrees[0], degrees, self.machine, role, devices)
             else:
                 self.cache[key] = _compute(self.library, op, attrs, child_shapes, child_degrees, degrees, self.machine,
                                            tuple(r == "weight" for r in roles))
         return self.cache[key]
 
 
-def _parallel(op: str, degree: int, shape, source: Degrees, out: Degrees, machine: Machine, role: str,
-              devices: int | None) -> NodeCost:
+def _parallel(op: str, degree: int, link: tuple[float, float], shape, source: Degrees, out: Degrees,
+              machine: Machine, role: str, devices: int) -> NodeCost:
     if role == "broadcast-input":  # a whole input sent to the copies: (p-1) n elements
-        bw, alpha = machine.link(degree)
+        bw, alpha = link
         n = source.piece_elements(shape)
         return NodeCost(comm_s=alpha * math.ceil(math.log2(max(degree, 2))) + n * machine.dtype_bytes / bw,
-                        comm_elements=(degree - 1) * n * source.pieces * max(1, (devices or 1) // out.pieces),
+                        comm_elements=(degree - 1) * n * source.pieces * max(1, devices // out.pieces),
                         collectives=(f"fwd broadcast ({degree} devices, {n} elements)",))
-    return parallel_cost(op, degree, shape, source, out, machine, role, devices)
+    return parallel_cost(op, degree, shape, source, out, machine, role, devices, link)
 
 
 def _compute(library: Library, op_name: str, values: tuple, shapes, input_degrees, out: Degrees, machine: Machine,

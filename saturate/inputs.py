@@ -16,7 +16,9 @@ from parsat.dsl.library import Library
 from parsat.ir.errors import GraphError
 from parsat.ir.graph import Graph
 from parsat.ir.models import EXAMPLES, build_example
+from parsat.ir.mesh import Mesh, factorisations
 from parsat.ir.pcg import Degrees
+from parsat.ir.placement import Placement, placement_for_degrees
 from parsat.saturate.errors import OptimizeError
 from parsat.saturate.guards import degree_choices
 
@@ -86,4 +88,22 @@ def check_pins(graph: Graph, outputs: Mapping[str, Degrees | Mapping] | None, in
                     raise OptimizeError(f"pinned spread of '{name}': dim of size {dim} does not split into {degree}")
             if not degrees.is_whole:
                 out[name] = degrees
+    return out
+
+
+def search_meshes(devices: int, devices_per_node: int, max_axes: int = 2) -> list[Mesh]:
+    """The meshes the search tries for `devices` devices (`ir.mesh.factorisations`: one axis, and every split
+    into two whose minor axis fits in a node), named by their topology."""
+    return [Mesh.of(shape, devices_per_node) for shape in factorisations(devices, devices_per_node, max_axes)]
+
+
+def pins_on(pins: Mapping[str, Degrees], mesh: Mesh) -> dict[str, Placement] | None:
+    """The pinned degrees as placements on `mesh` (each dim on the earliest axes whose sizes make its degree);
+    None when the mesh cannot realise one of them."""
+    out: dict[str, Placement] = {}
+    for name, degrees in pins.items():
+        placement = placement_for_degrees(degrees.shard, degrees.copy, mesh.shape)
+        if placement is None:
+            return None
+        out[name] = placement
     return out

@@ -18,7 +18,7 @@ from parsat.dsl.conditions import symbolic_truth
 from parsat.dsl.parallel_ops import PARALLEL_OPS, PARTITION, REPLICATE
 from parsat.dsl.typecheck import RuleInstance, TypeCheckError, TypedTerm, group_assignments, type_rule
 from parsat.ir.graph import Graph
-from parsat.ir.pcg import Degrees
+from parsat.ir.placement import Placement
 
 
 def _instances_at(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], ranks: set[int]) -> Iterable[RuleInstance]:
@@ -75,20 +75,21 @@ def _term_signature(term: TypedTerm) -> Signature:
 
 
 def graph_signatures(graph: Graph, ops: Mapping[str, ast.OpDecl],
-                     pins: Mapping[str, Degrees] | None = None) -> set[Signature]:
-    """The signatures of the graph's operators and of the parallel terms its pins add (see `graph_program`)."""
+                     pins: Mapping[str, Placement] | None = None) -> set[Signature]:
+    """The signatures of the graph's operators and of the parallel terms its pins add
+    (`mesh_encoding.mesh_graph_program`)."""
     shapes = graph.shapes()
     found: set[Signature] = set()
     for node in graph.nodes:
         attrs = dict(node.attrs)
         values = tuple(int(attrs[p.name]) for p in ops[node.op].attr_params if p.type.kind != "real")
         found.add((node.op, tuple(len(shapes[i]) for i in node.inputs), values))
-    for name, degrees in (pins or {}).items():
+    for name, placement in (pins or {}).items():
         rank = len(shapes[name])
-        for dim, degree in enumerate(degrees.shard):
-            if degree > 1:
+        for dim in range(rank):
+            if placement.shard_axes(dim):
                 found.add((PARTITION, (rank,), (dim,)))
-        if degrees.copy > 1:
+        if placement.replica_axes:
             found.add((REPLICATE, (rank,), ()))
     return found
 

@@ -15,12 +15,17 @@ from typing import Mapping, Sequence
 from parsat.dsl import ast
 from parsat.dsl.checker import is_parallel_rule
 from parsat.dsl.library import Library
+from parsat.dsl.typecheck import RuleInstance
+from parsat.ir.mesh import Mesh
 from parsat.dsl.parallel_ops import PARALLEL_OPS
-from parsat.saturate.encoding import (ANALYSES, MADE_PREFIX, MAX_RANK, RULESETS, SHAPE_RULESET, ctor, match_ruleset,
-                                      shape_term)
+from parsat.saturate.encoding import (ANALYSES, MADE_PREFIX, MAX_RANK, RULESETS, SHAPE_RULESET, SkipRule, ctor,
+                                      match_ruleset, shape_term)
 from parsat.saturate.guards import degree_choices
 from parsat.saturate.instances import Signature, TypedInstance, reachable_instances, reachable_rules, typed_instances
 from parsat.saturate.rule_text import CompiledRule, SkippedRule, compile_rule_instance
+from parsat.saturate.lifted_text import lifted_bodies
+from parsat.saturate.lifting import NotLiftable, assignments, lift
+from parsat.saturate.mesh_encoding import mesh_declarations, table_text
 
 CHUNK_RULES = 256        # egglog rules per chunk (see `RuleProgram.chunks`)
 DEADLINE_NOTE = "compilation stopped by the seconds limit"
@@ -106,27 +111,81 @@ _COMPILED_CACHE: dict = {}
 def compile_rules(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[int], devices: int,
                   graph_ops: set[str] | None = None, typing_cache: dict | None = None,
                   signatures: set[Signature] | None = None, deadline: float | None = None,
-                  free_degrees: Sequence[int] | None = None, compiled_cache: dict | None = None,
-                  placement: bool = True) -> RuleProgram:
-    """Every rule at every rank assignment the graph's `ranks` need, for `devices` devices.
+                  free_degrees: Sequence[int] | None = None, compiled_cache: dict | None = None) -> RuleProgram:
+    """Every rule at every rank assignment the graph's `ranks` need, in the degree encoding, for `devices`
+    devices: what the rule generator's derivations saturate with (the optimizer uses `compile_mesh_rules`).
 
     Rules whose left side needs an operator that neither the graph (`graph_ops`)
     nor any rule can produce are left out; with `signatures` (the graph's,
     `graph_signatures`), so is every rank assignment whose left side can never
     match (`reachable_instances`). Typed instances and their egglog text are
     kept in module caches (keyed by rule, ranks and device count), so repeated
-    searches (the baselines, benchmarks) do not type or compile twice. A
-    caller that passes its own `typing_cache` (the rule generator, whose
-    candidate rules are throwaway) gets neither module cache, so they do not grow.
-    Once `deadline` (a `time.perf_counter()` value) passes, the rules not yet
-    typed and compiled are left out (skipped, `DEADLINE_NOTE`; counted in
-    `unfinished`): typing thousands of rules takes longer than a time limit.
-    A caller may keep its own `compiled_cache` (keyed like the module's).
-    `free_degrees` restricts the degrees a rule that introduces parallelism
-    may choose (the rule generator's derivations need only the degree its
-    instances use). `placement=False` drops the layout guards (see
-    `compile_rule_instance`).
+    searches do not type or compile twice. A caller that passes its own
+    `typing_cache` (the rule generator, whose candidate rules are throwaway)
+    gets neither module cache, so they do not grow. Once `deadline` (a
+    `time.perf_counter()` value) passes, the rules not yet typed and compiled
+    are left out (skipped, `DEADLINE_NOTE`; counted in `unfinished`): typing
+    thousands of rules takes longer than a time limit. A caller may keep its
+    own `compiled_cache` (keyed like the module's). `free_degrees` restricts
+    the degrees a rule that introduces parallelism may choose (the rule
+    generator's derivations need only the degree its instances use).
     """
+    def write(instance: RuleInstance, parallel: bool) -> tuple[list[CompiledRule], str]:
+        return compile_rule_instance(instance, devices, parallel)
+
+    return _assemble(library, rules, ranks, graph_ops, typing_cache, signatures, deadline, compiled_cache,
+                     ("degrees", devices), write, declarations(library.ops, devices, free_degrees))
+
+
+def compile_mesh_rules(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[int], mesh: Mesh,
+                       graph_ops: set[str] | None = None, signatures: set[Signature] | None = None,
+                       deadline: float | None = None, caches: "MeshCaches | None" = None) -> RuleProgram:
+    """Every rule instance the graph needs, lifted onto every assignment of its degrees to `mesh`'s axes
+    (docs/MESH.md): what the optimizer saturates with. Reachability, caching and the deadline as in
+    `compile_rules`; the caches (typing, placement inference, compiled text) can be shared by the meshes of
+    one search (`MeshCaches`)."""
+    caches = caches or MeshCaches()
+
+    def write(instance: RuleInstance, parallel: bool) -> tuple[list[CompiledRule], str]:
+        made: list[CompiledRule] = []
+        reason = ""
+        try:
+            sigmas = assignments(instance, len(mesh))
+        except NotLiftable as err:
+            return [], str(err)
+        for sigma in sigmas:
+            try:
+                lifted = lift(instance, len(mesh), sigma, caches.placements)
+                bodies, tables = lifted_bodies(lifted, mesh)
+            except (NotLiftable, SkipRule) as err:
+                reason = reason or str(err)
+                continue
+            note = ",".join(f"{g}={n}" for g, n in instance.groups.items())
+            axes = " ".join(f"{s}->{mesh.axes[a].name}" for s, a in sigma.items())
+            listed = tuple((name, width, rows) for name, (width, rows) in tables.items())
+            made += [CompiledRule(instance.rule.name, f"{note} {axes}".strip() + (f" #{k}" if len(bodies) > 1 else ""),
+                                  "par" if parallel else "alg", body, tables=listed)
+                     for k, body in enumerate(bodies)]
+        return made, ("" if made else reason or "no assignment of its degrees to the mesh's axes")
+
+    return _assemble(library, rules, ranks, graph_ops, caches.typing, signatures, deadline, caches.compiled,
+                     ("mesh", mesh.shape), write, mesh_declarations(library.ops, mesh))
+
+
+class MeshCaches:
+    """What the meshes of one search share: typed rule instances, single-axis placement inference, compiled
+    rule text (keyed by rule, rank assignment and mesh shape). One object per search, not a module global."""
+
+    def __init__(self) -> None:
+        self.typing: dict = {}
+        self.placements: dict = {}
+        self.compiled: dict = {}
+
+
+def _assemble(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[int], graph_ops: set[str] | None,
+              typing_cache: dict | None, signatures: set[Signature] | None, deadline: float | None,
+              compiled_cache: dict | None, encoding_key: tuple, write, declared: str) -> RuleProgram:
+    """The program: reachable rules typed at `ranks`, each instance written by `write`, placed in chunks."""
     ops = library.ops
     compiled: list[CompiledRule] = []
     skipped: list[SkippedRule] = []
@@ -159,9 +218,9 @@ def compile_rules(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[in
             if signatures is not None and id(item) not in keep:
                 last_reason = "no rank assignment of its left side matches an operator the graph (or a rule) makes"
                 continue
-            key = (item.instance.rule, tuple(sorted(item.instance.groups.items())), devices, placement)
+            key = (item.instance.rule, tuple(sorted(item.instance.groups.items())), encoding_key)
             if key not in compiled_cache:
-                compiled_cache[key] = compile_rule_instance(item.instance, devices, parallel, placement)
+                compiled_cache[key] = write(item.instance, parallel)
             made, reason = compiled_cache[key]
             compiled.extend(made)
             found += len(made)
@@ -170,10 +229,13 @@ def compile_rules(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[in
             skipped.append(SkippedRule(rule.name, compile_reason or last_reason))
     position = dict.fromkeys(RULESETS, 0)
     named = []
+    tables: dict[str, str] = {}
     for i, r in enumerate(compiled):
         chunk = f"{r.ruleset}{position[r.ruleset] // CHUNK_RULES}"
         position[r.ruleset] += 1
         key = f"{r.name}#{i}"
         named.append(replace(r, key=key, chunk=chunk, text=r.body.text(i, chunk, key)))
+        for name, width, rows in r.tables:
+            tables.setdefault(name, table_text(name, width, rows))
     program = RuleProgram("", tuple(named), tuple(skipped), unfinished)
-    return replace(program, declarations=declarations(ops, devices, free_degrees) + _ruleset_declarations(program))
+    return replace(program, declarations=declared + "".join(tables.values()) + _ruleset_declarations(program))

@@ -43,13 +43,13 @@ def _var(symbol: str) -> str:
 _NEGATE = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}
 
 
-def _dnf(cond: Cond, negate: bool = False) -> list[list[Rel]]:
+def dnf(cond: Cond, negate: bool = False) -> list[list[Rel]]:
     """A condition as a disjunction of conjunctions of relations."""
     if isinstance(cond, Rel):
         return [[Rel(_NEGATE[cond.op], cond.left, cond.right) if negate else cond]]
     if isinstance(cond, Negation):
-        return _dnf(cond.part, not negate)
-    parts = [_dnf(p, negate) for p in cond.parts]
+        return dnf(cond.part, not negate)
+    parts = [dnf(p, negate) for p in cond.parts]
     conj = (cond.op == "and") != negate
     if conj:
         out: list[list[Rel]] = [[]]
@@ -82,8 +82,6 @@ class RuleBody:
     pattern: str               # "(= root (...))"
     facts: tuple[str, ...]     # analysis lookups, degree choices, guards
     actions: str
-    placements: tuple[tuple[str, ...], tuple[tuple[int, ...], ...]] | None = None   # (degree variables, the
-    #                            degrees at which both sides lay out alike); None: every degree
 
     def variables(self) -> list[tuple[str, str]]:
         """The pattern's variables and their sorts, in order: tensors (root, m_*), reals (r_*), integers."""
@@ -100,14 +98,7 @@ class RuleBody:
         relation = f"Match{index}"
         row = f"({relation} {' '.join(v for v, _ in variables)})"
         facts = self.facts
-        allowed = ""
-        if self.placements is not None:
-            names, tuples = self.placements
-            placed = f"Placed{index}"
-            allowed = (f"(relation {placed} ({' '.join('i64' for _ in names)}))\n"
-                       + "".join(f"({placed} {' '.join(map(str, t))})\n" for t in tuples))
-            facts = facts + (f"({placed} {' '.join(names)})",)
-        return (f"(relation {relation} ({' '.join(sort for _, sort in variables)}))\n" + allowed +
+        return (f"(relation {relation} ({' '.join(sort for _, sort in variables)}))\n" +
                 f"(rule ({self.pattern}) ({row}) :ruleset {match_ruleset(chunk)} :name {quote(key + MATCH_SUFFIX)})\n"
                 f"(rule ({' '.join((row,) + facts)})\n      ({self.actions})\n"
                 f"      :ruleset {chunk} :name {quote(key)})")
@@ -124,6 +115,8 @@ class CompiledRule:
     key: str = ""     # the egglog rule's :name, unique in the program
     chunk: str = ""   # the egglog ruleset that holds it: one chunk of `ruleset` (RuleProgram.chunks)
     text: str = ""    # the egglog text, once placed in a chunk (compile_rules)
+    tables: tuple[tuple[str, int, tuple[tuple[int, ...], ...]], ...] = ()   # lift tables it joins (name, width,
+    #                   rows): declared once per program (mesh encoding only, `lifted_text`)
 
 
 @dataclass(frozen=True)
@@ -213,7 +206,7 @@ def _free_degrees(instance: RuleInstance) -> list[str]:
 
 
 def compile_rule_instance(instance: RuleInstance, devices: int, parallel: bool,
-                          placement: bool = True) -> tuple[list[CompiledRule], str]:
+                          ) -> tuple[list[CompiledRule], str]:
     """The egglog rules of one typed rule instance (several only when a guard is a disjunction).
 
     A degree the left side does not bind (a rule that introduces parallelism,
@@ -221,13 +214,13 @@ def compile_rule_instance(instance: RuleInstance, devices: int, parallel: bool,
     which holds the divisors >= 2 of the device count: one egglog rule per
     instance, not one per choice of degrees (egglog's time per iteration grows
     with the number of rules, so this matters more than the extra join).
-    With `placement`, the rule fires only at degrees that keep the device
-    layout (`layout_guard`); without it, only values and spreads count (the
-    rule generator's derivations ask what the rules imply, not what can run).
+    Only values and spreads count: the rule generator's derivations ask what
+    the rules imply, not where pieces live (that is the mesh encoding's
+    job: `lifted_text`).
     """
     free = _free_degrees(instance)
     try:
-        texts = _compile_one(instance, devices, free, placement)
+        texts = _compile_one(instance, devices, free)
     except SkipRule as skip:
         return [], str(skip)
     note = ",".join(f"{g}={n}" for g, n in instance.groups.items())
@@ -235,9 +228,8 @@ def compile_rule_instance(instance: RuleInstance, devices: int, parallel: bool,
                          text) for k, text in enumerate(texts)], ""
 
 
-def _compile_one(instance: RuleInstance, devices: int, free: Sequence[str], placement: bool = True) -> list[RuleBody]:
+def _compile_one(instance: RuleInstance, devices: int, free: Sequence[str]) -> list[RuleBody]:
     """The rule's query and actions, one per alternative of its guards (`RuleBody.text` makes the egglog)."""
-    placed = guards.layout_guard(instance, devices) if placement else None
     b = _Builder(instance, devices)
     facts = []
     for symbol in free:
@@ -276,7 +268,7 @@ def _compile_one(instance: RuleInstance, devices: int, free: Sequence[str], plac
         facts.append(f"(= {var} {_expr(poly, b.names)})")
     alternatives = [[]]
     for cond in concrete_guards:
-        options = _dnf(cond)
+        options = dnf(cond)
         alternatives = [a + o for a in alternatives for o in options]
     # Right side: one let per built term, then its analysis rows, then the union.
     actions: list[str] = []
@@ -296,15 +288,11 @@ def _compile_one(instance: RuleInstance, devices: int, free: Sequence[str], plac
         actions.append(made_row(ctor(term.name), args, instance.rule.name))
         actions.extend(_analysis_rows(var, term.shape, term.spread, b))
     actions.append(f"(union root {made[id(instance.rhs)]})")
-    placements = None
-    if placed is not None:
-        symbols, allowed = placed
-        placements = (tuple(b.names.get(s) or _raise(f"degree '{s}' is not bound") for s in symbols), allowed)
     texts = []
     for alt in alternatives:
         when = list(dict.fromkeys(facts[1:] + [rel_fact(r, b.names) if _bound(r, b.names) else _raise(f"unbound size in {r}")
                                                for r in alt]))
-        texts.append(RuleBody(facts[0], tuple(when), " ".join(actions), placements))
+        texts.append(RuleBody(facts[0], tuple(when), " ".join(actions)))
     return texts
 
 

@@ -1,6 +1,7 @@
-"""Equality saturation of one graph for a device count: compile, load, run within limits, read back.
+"""Equality saturation of one graph on a device mesh: compile, load, run within limits, read back.
 
-The rules are compiled for the graph (`program`), loaded with it into an
+The rules are lifted onto the mesh and compiled for the graph
+(`program.compile_mesh_rules`, docs/MESH.md), loaded with it into an
 egglog e-graph (`session`) and run by the runner (`runner`: iterations,
 e-nodes and seconds, checked between chunks of rules). `seconds` counts
 from the start, compilation included: once it passes, compilation stops
@@ -19,10 +20,12 @@ from typing import Callable, Mapping, Sequence
 from parsat.dsl import ast
 from parsat.dsl.library import Library
 from parsat.ir.graph import Graph
-from parsat.ir.pcg import Degrees
-from parsat.saturate.encoding import RULESET_NAMES, RULESETS, graph_program
+from parsat.ir.mesh import Mesh
+from parsat.ir.placement import Placement
+from parsat.saturate.encoding import RULESET_NAMES, RULESETS
 from parsat.saturate.instances import graph_signatures
-from parsat.saturate.program import RuleProgram, compile_rules
+from parsat.saturate.mesh_encoding import mesh_graph_program
+from parsat.saturate.program import MeshCaches, RuleProgram, compile_mesh_rules
 from parsat.saturate.runner import Limits, run
 from parsat.saturate.session import Session
 from parsat.saturate.snapshot import Snapshot
@@ -57,16 +60,20 @@ class SaturationResult:
                 "ruleset_seconds": {k: round(v, 6) for k, v in self.ruleset_seconds.items()}}
 
 
-def saturate(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], devices: int, limits: Limits = Limits(),
-             pins: Mapping[str, Degrees] | None = None, rulesets: Sequence[str] = ("alg", "par"),
-             progress: Callable[[str], None] | None = None, typing_cache: dict | None = None) -> SaturationResult:
-    """Saturate `graph` with `rules` for `devices` devices, within `limits`; `pins` fix input/output layouts."""
+def saturate(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh: Mesh | int,
+             limits: Limits = Limits(), pins: Mapping[str, Placement] | None = None,
+             rulesets: Sequence[str] = ("alg", "par"), progress: Callable[[str], None] | None = None,
+             caches: MeshCaches | None = None) -> SaturationResult:
+    """Saturate `graph` with `rules` on `mesh` (a device count means a one-axis mesh), within `limits`; `pins`
+    fix input/output placements on the mesh."""
+    if isinstance(mesh, int):
+        mesh = Mesh.of((mesh,) if mesh > 1 else ())
     start = time.perf_counter()
     deadline = start + limits.seconds
-    program = compile_rules(library, rules, graph.ranks(), devices, {n.op for n in graph.nodes}, typing_cache,
-                            graph_signatures(graph, library.ops, pins), deadline)
-    text, names = graph_program(graph, library.ops, pins)
-    session = Session(program, text, deadline)
+    program = compile_mesh_rules(library, rules, graph.ranks(), mesh, {n.op for n in graph.nodes},
+                                 graph_signatures(graph, library.ops, pins), deadline, caches)
+    text, names = mesh_graph_program(graph, library.ops, mesh, pins)
+    session = Session(program, text, deadline, mesh)
     compiled = time.perf_counter() - start
     note = ""
     if program.unfinished:

@@ -10,12 +10,16 @@ around it, with its limits, is `runner`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 from typing import Mapping, Sequence
 
 from egglog import bindings
 
+from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import Degrees
+from parsat.ir.placement import Placement
 from parsat.saturate.encoding import ANALYSES, MADE_PREFIX, RULESETS, SHAPE_RULESET, match_ruleset
+from parsat.saturate.mesh_encoding import LOCAL, PLACE
 from parsat.saturate.program import CompiledRule, RuleProgram, past
 from parsat.saturate.snapshot import ENode, Snapshot
 
@@ -54,9 +58,12 @@ def _children_and_attrs(eg, sorts: Sequence[str], values: Sequence) -> tuple[tup
 class Session:
     """An egglog e-graph with the compiled rules and one graph loaded."""
 
-    def __init__(self, program: RuleProgram, graph_text: str, deadline: float | None = None):
+    def __init__(self, program: RuleProgram, graph_text: str, deadline: float | None = None,
+                 mesh: Mesh | None = None):
         """Once `deadline` (a `time.perf_counter()` value) passes, no more rules are loaded (`loaded` says how
-        many were); the graph always is, so the e-graph stays whole."""
+        many were); the graph always is, so the e-graph stays whole. With `mesh` the program is in the mesh
+        encoding (`mesh_encoding`), and the snapshot reads placements."""
+        self.mesh = mesh
         self.egraph = bindings.EGraph()
         self.loaded = 0
         try:
@@ -170,6 +177,10 @@ class Session:
                     continue
                 classes.setdefault(eg.value_to_i64(row.output), []).append(
                     ENode(op, *_children_and_attrs(eg, fn.input_sorts, row.inputs)))
+        classes = {k: tuple(v) for k, v in classes.items()}
+        made_by = {node: frozenset(who) for node, who in made.items()}
+        if self.mesh is not None:
+            return _mesh_snapshot(eg, frozen, classes, lets, made_by, self.mesh)
         shape: dict[int, tuple[int, ...]] = {}
         degrees: dict[int, Degrees] = {}
         for cid in classes:
@@ -180,5 +191,27 @@ class Session:
             shard = tuple(analysis["Shard"].get((cid, i), 1) for i in range(rank))
             shape[cid] = dims
             degrees[cid] = Degrees(shard, analysis["Copy"].get((cid,), 1), analysis["Psum"].get((cid,), 1))
-        return Snapshot({k: tuple(v) for k, v in classes.items()}, shape, degrees, lets,
-                        {node: frozenset(who) for node, who in made.items()})
+        return Snapshot(classes, shape, degrees, lets, made_by)
+
+
+def _mesh_snapshot(eg, frozen, classes, lets, made, mesh: Mesh) -> Snapshot:
+    """Placements and local shapes read from `Pl` and `Local` (datatype values, decoded through their
+    constructors' rows); global shapes and degrees computed from them."""
+    constructors: dict = {}
+    for name, fn in frozen.functions.items():
+        if fn.output_sort in ("Shape", "Place") and not fn.is_let_binding and name not in (LOCAL, PLACE):
+            for row in fn.rows:
+                constructors[row.output] = tuple(eg.value_to_i64(v) for v in row.inputs)
+    local = {eg.value_to_i64(row.inputs[0]): constructors[row.output] for row in frozen.functions[LOCAL].rows}
+    place = {eg.value_to_i64(row.inputs[0]): constructors[row.output] for row in frozen.functions[PLACE].rows}
+    shape: dict[int, tuple[int, ...]] = {}
+    degrees: dict[int, Degrees] = {}
+    placement: dict[int, Placement] = {}
+    for cid in classes:
+        if cid not in local or cid not in place:
+            continue
+        where = Placement(place[cid])
+        dims = tuple(d * prod(mesh.size(a) for a in where.shard_axes(i)) for i, d in enumerate(local[cid]))
+        shape[cid], placement[cid] = dims, where
+        degrees[cid] = Degrees.of_placement(where, mesh, len(dims))
+    return Snapshot(classes, shape, degrees, lets, made, placement, mesh)

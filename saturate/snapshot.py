@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import Degrees
+from parsat.ir.placement import Placement
 from parsat.saturate.encoding import GRAPH_MADE
 
 
@@ -24,13 +26,21 @@ class ENode:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The e-graph read back: e-classes with their e-nodes and their analysis."""
+    """The e-graph read back: e-classes with their e-nodes and their analysis.
+
+    `shape` is every class's global shape, `degrees` its spread; on a device
+    mesh (the optimizer's encoding, `mesh_encoding`) `placement` gives each
+    class's placement on `mesh` (the degrees follow from it); the rule
+    generator's degree encoding has no mesh and no placements.
+    """
 
     classes: Mapping[int, tuple[ENode, ...]]
     shape: Mapping[int, tuple[int, ...]]
     degrees: Mapping[int, Degrees]
     lets: Mapping[str, int]
     made: Mapping[ENode, frozenset[str]] = field(default_factory=dict)  # who made an e-node (`made_row`)
+    placement: Mapping[int, Placement] = field(default_factory=dict)
+    mesh: Mesh | None = None
 
     def makers(self, node: ENode) -> frozenset[str]:
         """The rules that made `node`; empty for the input graph's own e-nodes (and leaves and pins)."""

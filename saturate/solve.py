@@ -17,6 +17,7 @@ from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.ir.costs import NodeCost
 from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
+from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import PCG, Degrees, PNode
 from parsat.saturate.encoding import PIN_SUFFIX
 from parsat.saturate.extract import Extraction, NodeId, dag_cost, extract, node_costs
@@ -26,12 +27,11 @@ from parsat.saturate.snapshot import Snapshot
 
 
 def solve(result: SaturationResult, graph: Graph, library: Library, machine: Machine, roots: Sequence[int],
-           limits: Limits, free_inputs: bool, devices: int, exclude=None,
-           pins: Mapping[str, Degrees] | None = None,
-           costs: Mapping[NodeId, NodeCost] | None = None) -> tuple[PCG, dict[int, NodeCost], Extraction]:
+          limits: Limits, free_inputs: bool, exclude=None, pins: Mapping[str, Degrees] | None = None,
+          costs: Mapping[NodeId, NodeCost] | None = None) -> tuple[PCG, dict[int, NodeCost], Extraction]:
     """Extract from `result` (with `costs`, the e-nodes priced, when already known) and build the PCG."""
     if costs is None:
-        costs = price(result, graph, library, machine, free_inputs, devices, pins)
+        costs = price(result, graph, library, machine, free_inputs, pins)
     extraction = extract(result.snapshot, costs, roots, machine.memory_capacity, limits.ilp_seconds, exclude)
     pcg, ident = pcg_from_extraction(result, extraction, graph, library, roots, graph.outputs)
     by_class = {ident[c]: costs[(c, i)] for c, i in extraction.choice.items()}
@@ -39,10 +39,10 @@ def solve(result: SaturationResult, graph: Graph, library: Library, machine: Mac
 
 
 def price(result: SaturationResult, graph: Graph, library: Library, machine: Machine, free_inputs: bool,
-           devices: int, pins: Mapping[str, Degrees] | None) -> dict[NodeId, NodeCost]:
+          pins: Mapping[str, Degrees] | None) -> dict[NodeId, NodeCost]:
     """Every e-node priced; pinned inputs arrive in their layout (a pinned output is an extraction root)."""
     input_pins = {k: v for k, v in (pins or {}).items() if k not in graph.outputs}
-    return node_costs(result.snapshot, graph, library, machine, free_inputs, devices, input_pins)
+    return node_costs(result.snapshot, graph, library, machine, free_inputs, input_pins)
 
 
 def pcg_from_extraction(result: SaturationResult, extraction: Extraction, graph: Graph, library: Library,
@@ -58,25 +58,29 @@ def pcg_from_extraction(result: SaturationResult, extraction: Extraction, graph:
     roles = {leaf.name: leaf.role for leaf in graph.leaves}
     ident: dict[int, int] = {}
     nodes: list[PNode] = []
+    mesh = snapshot.mesh or Mesh(())
     for cid in order:
         enode = snapshot.classes[cid][extraction.choice[cid]]
         inputs = tuple(ident[ch] for ch in enode.children)
-        shape, degrees = snapshot.shape[cid], snapshot.degrees[cid]
+        shape, degrees, where = snapshot.shape[cid], snapshot.degrees[cid], snapshot.placement[cid]
         if enode.op == "leaf":
             name = enode.attrs[0].removesuffix(PIN_SUFFIX)
-            node = PNode(len(nodes), "leaf", name, (), (), shape, degrees, roles.get(name, "input"), name)
+            node = PNode(len(nodes), "leaf", name, (), (), shape, degrees, roles.get(name, "input"), name, where)
         elif enode.op in PARALLEL_OPS:
-            keys = PARALLEL_OPS[enode.op].attrs
-            node = PNode(len(nodes), "parallel", enode.op, inputs, tuple(zip(keys, enode.attrs)), shape, degrees,
-                         origin=names_of.get(cid, ""))
+            axis = enode.attrs[-1]
+            attrs = (tuple(zip(("dim",), enode.attrs[:-1])) + (("axis", mesh.axes[axis].name),
+                                                                 ("degree", mesh.size(axis))))
+            node = PNode(len(nodes), "parallel", enode.op, inputs, attrs, shape, degrees,
+                         origin=names_of.get(cid, ""), placement=where)
         else:
             op = library.ops[enode.op]
             attrs = tuple((p.name, float(v) if p.type.kind == "real" else int(v))
                           for p, v in zip(op.attr_params, enode.attrs))
-            node = PNode(len(nodes), "op", enode.op, inputs, attrs, shape, degrees, origin=names_of.get(cid, ""))
+            node = PNode(len(nodes), "op", enode.op, inputs, attrs, shape, degrees, origin=names_of.get(cid, ""),
+                         placement=where)
         ident[cid] = node.id
         nodes.append(node)
-    return PCG(tuple(nodes), tuple(ident[r] for r in roots), tuple(output_names)), ident
+    return PCG(tuple(nodes), tuple(ident[r] for r in roots), tuple(output_names), mesh), ident
 
 
 def rules_used(library_rules: Sequence[ast.RuleDecl], snapshot: Snapshot, choice: Mapping[int, int]) -> tuple[str, ...]:
