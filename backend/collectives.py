@@ -205,11 +205,11 @@ class Comm:
     op: str
     axis: str
     replicas: int = 1
-    tag: str = ""
+    tag: str = ""    # labels the backward collective only (the gradient's reduction)
 
     def record(self, phase: str, kind: str, elements: int, like: torch.Tensor) -> None:
         self.counter.record(CommEvent(self.op, phase, kind, self.axis, self.size, elements, like.element_size(),
-                                      self.replicas, self.tag))
+                                      self.replicas, self.tag if phase == "backward" else ""))
 
 
 def _slice(x: torch.Tensor, dim: int, comm: Comm, phase: str) -> torch.Tensor:
@@ -290,7 +290,8 @@ def parallel_op(name: str, x: torch.Tensor, placement: Placement, axis: int, dim
 
     Returns the new local piece and placement (PlacementError if the
     operator does not apply). An axis of size 1 moves nothing. `tag`
-    labels the collectives in the counter.
+    labels its backward collective in the counter (GRAD_SYNC: the reduction
+    of a weight's gradient).
     """
     if name not in PARALLEL_TABLE:
         raise KeyError(f"'{name}' is not a parallel operator ({', '.join(PARALLEL_TABLE)})")
