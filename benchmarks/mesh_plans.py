@@ -37,6 +37,7 @@ Used by tests/test_backend_distributed.py and benchmarks/mesh_run.py.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -249,13 +250,37 @@ PLANS_2X2 = {"dp_tp_mlp": dp_tp_mlp, "tp_sp_block": tp_sp_block, "zero3_tp_mlp":
 PLANS_2X2X2 = {"hsdp_tp_mlp": hsdp_tp_mlp}
 
 
-def plan_dict(plan: MeshPlan, library: Library) -> dict:
-    """The plan JSON `parsat run` reads (docs/plan-schema.md, version 3), with the predicted communication as its
-    totals and no per-node costs: what the optimizer would write for this PCG, less its cost model's figures."""
+def plan_dict(graph: Graph, pcg: PCG, comm_elements: int | None = None, grad_sync_elements: int | None = None) -> dict:
+    """The plan JSON `parsat run` reads (docs/plan-schema.md, version 3) for a PCG with no cost model's figures:
+    per-node costs empty, and as totals only the communication given (the formulas' prediction; null if none)."""
     from parsat.ir.costs import Totals
     from parsat.ir.machine import Machine
     from parsat.ir.plan import Plan
 
-    machine = Machine.preset("cpu").with_devices(plan.world)
-    totals = Totals(0.0, plan.sent, plan.sent * machine.dtype_bytes, 0, plan.grad_sync, 0.0, 0.0)
-    return Plan(plan.graph, machine, plan.world, plan.pcg, {}, totals).to_dict()
+    machine = Machine.preset("cpu").with_devices(pcg.mesh.world)
+    totals = Totals(0.0, comm_elements or 0, (comm_elements or 0) * machine.dtype_bytes, 0, grad_sync_elements or 0,
+                    0.0, 0.0)
+    data = Plan(graph, machine, pcg.mesh.world, pcg, {}, totals).to_dict()
+    data["totals"]["comm_elements"] = comm_elements
+    data["totals"]["grad_sync_elements"] = grad_sync_elements
+    return data
+
+
+def save_plan(plan: MeshPlan, path) -> None:
+    """`plan_dict` of a hand-built plan, with its predicted communication, written as a plan file."""
+    path.write_text(json.dumps(plan_dict(plan.graph, plan.pcg, plan.sent, plan.grad_sync)), encoding="utf-8")
+
+
+def data_parallel_mlp(library: Library, devices: int = 2, batch: int = 8, d_in: int = 6, d_hidden: int = 4,
+                      d_out: int = 2) -> MeshPlan:
+    """`ir.data_parallel.data_parallel_pcg` of the MLP (one axis, dp): the weights' gradients all-reduced, the
+    output gathered."""
+    from parsat.ir.data_parallel import data_parallel_pcg
+
+    b, k, h, o, n = batch, d_in, d_hidden, d_out, devices
+    graph = models.mlp(b, k, h, o, library=library)
+    return MeshPlan("data_parallel_mlp", graph, data_parallel_pcg(graph, library, n), (
+        Collective("dp", "all_reduce", n, k * h, grad_sync=True),
+        Collective("dp", "all_reduce", n, h * o, grad_sync=True),
+        Collective("dp", "all_gather", n, b * o),
+    ))
