@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from parsat.dsl.library import Library
 from parsat.ir import models
@@ -250,20 +250,37 @@ PLANS_2X2 = {"dp_tp_mlp": dp_tp_mlp, "tp_sp_block": tp_sp_block, "zero3_tp_mlp":
 PLANS_2X2X2 = {"hsdp_tp_mlp": hsdp_tp_mlp}
 
 
-def plan_dict(graph: Graph, pcg: PCG, comm_elements: int | None = None, grad_sync_elements: int | None = None) -> dict:
+def plan_dict(graph: Graph, pcg: PCG, comm_elements: int | None = None, grad_sync_elements: int | None = None,
+              baselines: Mapping[str, PCG | None] | None = None) -> dict:
     """The plan JSON `parsat run` reads (docs/plan-schema.md, version 3) for a PCG with no cost model's figures:
-    per-node costs empty, and as totals only the communication given (the formulas' prediction; null if none)."""
+    per-node costs empty, and as totals only the communication given (the formulas' prediction; null if none).
+    `baselines`: name -> a baseline's PCG, or None for a baseline recorded without one (figures all null)."""
     from parsat.ir.costs import Totals
     from parsat.ir.machine import Machine
-    from parsat.ir.plan import Plan
+    from parsat.ir.plan import BaselinePlan, Plan
 
+    baselines = dict(baselines or {})
     machine = Machine.preset("cpu").with_devices(pcg.mesh.world)
-    totals = Totals(0.0, comm_elements or 0, (comm_elements or 0) * machine.dtype_bytes, 0, grad_sync_elements or 0,
-                    0.0, 0.0)
-    data = Plan(graph, machine, pcg.mesh.world, pcg, {}, totals).to_dict()
+    unknown = Totals(0.0, 0, 0, 0, 0, 0.0, 0.0)
+    data = Plan(graph, machine, pcg.mesh.world, pcg, {}, unknown, baselines={name: unknown for name in baselines},
+                baseline_plans={name: BaselinePlan(b, {}) for name, b in baselines.items() if b is not None}).to_dict()
+    for name in baselines:
+        data["baselines"][name].update({key: None for key in unknown.to_dict()})
+    data["totals"].update({key: None for key in unknown.to_dict()})
     data["totals"]["comm_elements"] = comm_elements
     data["totals"]["grad_sync_elements"] = grad_sync_elements
     return data
+
+
+def redundant_pcg(graph: Graph, library: Library, devices: int) -> PCG:
+    """The graph on a one-axis mesh of `devices` ranks with nothing spread: every rank computes every node (all
+    placements free), no parallel operator, no communication."""
+    mesh = Mesh.of((devices,), names=("dp",))
+    p = MeshPlanBuilder(mesh, library)
+    ids = {leaf.name: p.leaf(leaf.name, leaf.shape, leaf.role) for leaf in graph.leaves}
+    for node in graph.nodes:
+        ids[node.name] = p.op(node.op, *(ids[i] for i in node.inputs), origin=node.name, **dict(node.attrs))
+    return p.pcg(tuple(ids[o] for o in graph.outputs), graph.outputs)
 
 
 def save_plan(plan: MeshPlan, path) -> None:

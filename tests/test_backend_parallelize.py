@@ -9,7 +9,9 @@ The Hugging Face models are in test_backend_hf.py (slow).
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +23,9 @@ from parsat.backend.executor import TrainConfig, compare_values, operator_librar
 from parsat.backend.torch_import import import_module  # noqa: E402
 from parsat.cli import main  # noqa: E402
 from parsat.ir.data_parallel import data_parallel_pcg  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import mesh_plans  # noqa: E402
 
 MODELS = '''
 import torch
@@ -103,9 +108,15 @@ def models(tmp_path_factory):
 
 
 def _optimize(models, factory: str, tmp_path, devices: int = 2) -> str:
+    """The factory's module as a data-parallel plan file (`data_parallel_pcg` of its imported graph; every node
+    computed on every rank where data parallelism does not apply), with the data_parallel baseline recorded
+    without its PCG, so `--plan-of data_parallel` rebuilds it from the graph."""
+    module, inputs = TiedLMFactory(models, factory)
+    graph = parsat.from_torch(module, inputs)
+    pcg = data_parallel_pcg(graph, operator_library(), devices) or mesh_plans.redundant_pcg(graph, operator_library(),
+                                                                                           devices)
     plan = tmp_path / f"{factory}.json"
-    assert main(["optimize", f"{models}:{factory}", "--devices", str(devices), "--machine", "h100x8", "-q",
-                 "-o", str(plan)]) == 0
+    plan.write_text(json.dumps(mesh_plans.plan_dict(graph, pcg, baselines={"data_parallel": None})), encoding="utf-8")
     return str(plan)
 
 
