@@ -283,6 +283,40 @@ def redundant_pcg(graph: Graph, library: Library, devices: int) -> PCG:
     return p.pcg(tuple(ids[o] for o in graph.outputs), graph.outputs)
 
 
+def nested_data_parallel(graph: Graph, library: Library, sizes: Sequence[int] = (2, 2),
+                         names: Sequence[str] = ("dp", "dp2")) -> PCG | None:
+    """Data parallelism over every axis of a mesh at once: each input whose batch splits cut along dim 0 on every
+    axis (nested, in mesh order), every weight replicated on every axis, outputs reduced or gathered axis by axis,
+    the last axis first; None where an operator refuses. Any graph, so a user's module runs on a 2-axis mesh."""
+    from parsat.ir.placement import FREE, PARTIAL, REPLICA, PlacementError, shard
+
+    mesh = Mesh.of(tuple(sizes), names=tuple(names))
+    p = MeshPlanBuilder(mesh, library)
+    ids = {}
+    for leaf in graph.leaves:
+        split = leaf.role == "input" and leaf.shape and leaf.shape[0] % mesh.world == 0
+        steps = [("partition", axis, 0) if split else ("replicate", axis) for axis in mesh.names]
+        ids[leaf.name] = p.chain(p.leaf(leaf.name, leaf.shape, leaf.role), *steps)
+    try:
+        for node in graph.nodes:
+            ids[node.name] = p.op(node.op, *(ids[i] for i in node.inputs), origin=node.name, **dict(node.attrs))
+    except PlacementError:
+        return None
+    outputs = []
+    for name in graph.outputs:
+        out = ids[name]
+        for axis in reversed(range(len(mesh))):
+            code = p.nodes[out].placement.codes[axis]
+            if code == PARTIAL:
+                out = p.par("reduce", out, mesh.names[axis])
+            elif code == shard(0):
+                out = p.par("combine", out, mesh.names[axis], 0)
+            elif code not in (FREE, REPLICA):
+                return None
+        outputs.append(out)
+    return p.pcg(outputs, graph.outputs)
+
+
 def save_plan(plan: MeshPlan, path) -> None:
     """`plan_dict` of a hand-built plan, with its predicted communication, written as a plan file."""
     path.write_text(json.dumps(plan_dict(plan.graph, plan.pcg, plan.sent, plan.grad_sync)), encoding="utf-8")

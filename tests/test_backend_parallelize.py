@@ -9,6 +9,7 @@ The Hugging Face models are in test_backend_hf.py (slow).
 from __future__ import annotations
 
 import json
+import math
 import sys
 import textwrap
 from pathlib import Path
@@ -120,9 +121,9 @@ def _optimize(models, factory: str, tmp_path, devices: int = 2) -> str:
     return str(plan)
 
 
-def _run(capsys, plan: str, models, factory: str, *extra: str) -> tuple[int, dict, str]:
+def _run(capsys, plan: str, models, factory: str, *extra: str, nproc: int = 2) -> tuple[int, dict, str]:
     capsys.readouterr()
-    code = main(["run", plan, "--nproc", "2", "--check", "--json", "--model", f"{models}:{factory}", *extra])
+    code = main(["run", plan, "--nproc", str(nproc), "--check", "--json", "--model", f"{models}:{factory}", *extra])
     out = capsys.readouterr()
     lines = [line for line in out.out.strip().splitlines() if line.startswith("{")]
     return code, (json.loads(lines[-1]) if lines else {}), out.out + out.err
@@ -147,6 +148,24 @@ def test_tied_weights_stay_one_parameter_and_train_like_torch(models, tmp_path, 
         code, result, text = _run(capsys, plan, models, "tied", "--plan-of", plan_of)
         assert code == 0 and result["check"] == "passed", text
         assert result["max_rel_diff"] < 1e-9
+
+
+def test_a_module_trains_as_a_plan_on_a_2x2_mesh(models, tmp_path, capsys):
+    """The tied LM on 4 ranks, data parallel over both axes of dp 2 x dp2 2 (the batch cut on dim 0 twice, nested):
+    --check passes, and each weight's gradient is all-reduced on dp2 then on dp (4 groups' worth of 2(p-1)w
+    each), plus the two all-reduces of the loss's partial sums."""
+    module, inputs = TiedLMFactory(models, "tied")
+    graph = parsat.from_torch(module, inputs)
+    pcg = mesh_plans.nested_data_parallel(graph, operator_library())
+    path = tmp_path / "tied-2x2.json"
+    weights = sum(math.prod(leaf.shape) for leaf in graph.weights)
+    scalars = sum(1 for name in graph.outputs if graph.shape(name) == ())
+    predicted = 2 * (4 * weights) + 2 * (4 * scalars)  # per axis: 2 groups x 2(p-1) n, for every weight and loss
+    path.write_text(json.dumps(mesh_plans.plan_dict(graph, pcg, predicted)), encoding="utf-8")
+    code, result, text = _run(capsys, str(path), models, "tied", nproc=4)
+    assert code == 0 and result["check"] == "passed", text
+    assert result["comm_elements_measured"] == predicted
+    assert result["comm_elements_by_axis"] == {"dp": predicted / 2, "dp2": predicted / 2}
 
 
 def test_padding_idx_row_gets_no_gradient(models, tmp_path, capsys):
