@@ -163,8 +163,8 @@ def _report(result, args: argparse.Namespace, tolerance: float) -> None:
              + ("" if result.comm_matches is None else " (equal)" if result.comm_matches else " (DIFFERENT)"),
              f"    of which grad sync measured {result.grad_sync_elements_measured:,.0f}, predicted "
              + ("n/a" if sync_predicted is None else f"{sync_predicted:,.0f}"),
-             *(["    by mesh axis       " + ", ".join(f"{axis} {sent:,.0f}" for axis, sent in result.comm_by_axis.items())]
-               if result.comm_by_axis else []),
+             *(["    by mesh axis       " + ", ".join(f"{axis} {sent:,.0f}" for axis, sent
+                                                      in result.comm_by_axis.items())] if result.comm_by_axis else []),
              f"  step time (median)   {result.step_time_s * 1e3:.3f} ms",
              f"  peak memory per rank {result.peak_memory_bytes / 2**20:.2f} MiB of tensors"
              + ("" if memory_predicted is None else f" (plan's bound {memory_predicted / 2**20:.2f} MiB, fp32 Adam)")

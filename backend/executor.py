@@ -298,7 +298,7 @@ class RankProgram:
         for node in self.pcg:
             if node.kind == "leaf" and node.role == "weight":
                 self._store_weight(node)
-        self._grad_syncs = _gradient_reductions(self.pcg)
+        self._grad_syncs = gradient_reductions(self.pcg)
 
     @property
     def mesh(self) -> Mesh:
@@ -384,7 +384,7 @@ def output_holders(placement: Placement, mesh: Mesh, name: str) -> tuple[int, in
     return replicas, replicas * prod(sizes[a] for a, c in enumerate(placement.codes) if c == FREE)
 
 
-def _gradient_reductions(pcg: PCG) -> set[int]:
+def gradient_reductions(pcg: PCG) -> set[int]:
     """The parallel nodes whose backward sums a weight's gradient over their axis: a `replicate` (all-reduce)
     or an `all_gather` (reduce-scatter) of a weight's value, read from its leaf through parallel operators
     only. Their collectives are the gradient synchronisation (tagged GRAD_SYNC)."""

@@ -205,9 +205,11 @@ def zero3_tp_mlp(library: Library, batch: int = 8, d_in: int = 4, d_hidden: int 
     p = MeshPlanBuilder(mesh, library)
     x = p.chain(p.leaf("x", (b, k), "input"), ("partition", "dp", 0), ("replicate", "tp"))
     # stored as [k/2, h/2] (dp, tp), gathered on dp for use
-    w1 = p.chain(p.leaf("w1", (k, h), "weight"), ("partition", "tp", 1), ("partition", "dp", 0), ("all_gather", "dp", 0))
+    w1 = p.chain(p.leaf("w1", (k, h), "weight"), ("partition", "tp", 1), ("partition", "dp", 0),
+                 ("all_gather", "dp", 0))
     # stored as [h/2, o/2] (tp, dp): dim 0 is tp's, so dp stores dim 1
-    w2 = p.chain(p.leaf("w2", (h, o), "weight"), ("partition", "tp", 0), ("partition", "dp", 1), ("all_gather", "dp", 1))
+    w2 = p.chain(p.leaf("w2", (h, o), "weight"), ("partition", "tp", 0), ("partition", "dp", 1),
+                 ("all_gather", "dp", 1))
     act = p.op("relu", p.op("matmul", x, w1, origin="mm1"), origin="act")
     y = p.chain(p.op("matmul", act, w2, origin="mm2"), ("reduce", "tp"), ("combine", "dp", 0))
     pcg = p.pcg((y,), ("mm2",))

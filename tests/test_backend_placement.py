@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import mesh_plans  # noqa: E402
 
 from parsat.backend.collectives import PARALLEL_TABLE, MeshGroups  # noqa: E402
-from parsat.backend.executor import ExecutionError, _gradient_reductions, check_mesh, operator_library, output_holders  # noqa: E402,E501
+from parsat.backend.executor import (ExecutionError, gradient_reductions, check_mesh, operator_library,  # noqa: E402
+                                     output_holders)
 from parsat.dsl.parallel_ops import PARALLEL_OPS  # noqa: E402
 from parsat.ir.mesh import Mesh  # noqa: E402
 from parsat.ir.pcg import PCG  # noqa: E402
@@ -91,7 +92,8 @@ def test_every_table_row_is_a_parallel_operator_of_the_placement_algebra():
      r"all_gather \(combine then replicate\): combine of dim 1 on mesh axis 0: axis 1 shards that dim too and "
      r"comes later in the mesh"),
     ("partition", (FREE, shard(0)), 0, 0, r"partition of dim 0 on mesh axis 0: axis 1 shards that dim too"),
-    ("all_gather", (FREE, FREE), 1, 0, r"combine on mesh axis 1 needs the tensor Shard\(0\) there, it is Replicate\(\)"),
+    ("all_gather", (FREE, FREE), 1, 0,
+     r"combine on mesh axis 1 needs the tensor Shard\(0\) there, it is Replicate\(\)"),
 ])
 def test_parallel_operators_that_do_not_apply_say_why(op, codes, axis, dim, message):
     with pytest.raises(PlacementError, match=message):
@@ -127,12 +129,12 @@ def test_a_parallel_operator_on_an_axis_the_mesh_lacks_is_refused():
         check_mesh(pcg, 4, LIBRARY)
 
 
-def test_gradient_reductions_are_the_replicates_and_gathers_of_weights():
+def testgradient_reductions_are_the_replicates_and_gathers_of_weights():
     plan = mesh_plans.zero3_tp_mlp(LIBRARY)
-    found = {plan.pcg.node(i).label for i in _gradient_reductions(plan.pcg)}
+    found = {plan.pcg.node(i).label for i in gradient_reductions(plan.pcg)}
     assert found == {"all_gather(dim=0, axis=dp, degree=2)", "all_gather(dim=1, axis=dp, degree=2)"}
     plan = mesh_plans.dp_tp_mlp(LIBRARY)
-    assert sorted(plan.pcg.node(i).op for i in _gradient_reductions(plan.pcg)) == ["replicate", "replicate"]
+    assert sorted(plan.pcg.node(i).op for i in gradient_reductions(plan.pcg)) == ["replicate", "replicate"]
 
 
 def test_a_mesh_of_one_rank_needs_no_process_group():
