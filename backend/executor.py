@@ -709,6 +709,7 @@ def run_plan(pcg: PCG, nproc: int, config: TrainConfig, graph: Graph | None = No
         raise ExecutionError("--check needs the original graph to compare with")
     if config.steps < 1:
         raise ExecutionError(f"--steps must be >= 1, got {config.steps}")
+    check_mesh(pcg, nproc)  # before any rank starts
     reports = launch(run_rank, (pcg, config, graph),
                      LaunchConfig(nproc=nproc, backend=backend, timeout_s=timeout_s,
                                   collective_timeout_s=collective_timeout_s))

@@ -434,6 +434,7 @@ def run_module_plan(pcg: PCG, graph: Graph, model_spec: str, data_path: str | No
 
     if config.steps < 1:
         raise ExecutionError(f"--steps must be >= 1, got {config.steps}")
+    check_mesh(pcg, nproc)  # before any rank starts
     reports = launch(run_module_rank, (pcg, graph, model_spec, data_path, config),
                      LaunchConfig(nproc=nproc, backend=backend, timeout_s=timeout_s,
                                   collective_timeout_s=collective_timeout_s))
