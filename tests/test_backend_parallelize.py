@@ -168,6 +168,56 @@ def test_a_module_trains_as_a_plan_on_a_2x2_mesh(models, tmp_path, capsys):
     assert result["comm_elements_by_axis"] == {"dp": predicted / 2, "dp2": predicted / 2}
 
 
+TORCHRUN_SCRIPT = '''
+import json, sys
+import torch
+import parsat
+sys.path.insert(0, sys.argv[3])
+from models import tagger
+
+plan, out = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+module, ids = tagger()
+module = module.double()
+reference = __import__("copy").deepcopy(module)
+pmodule = parsat.parallelize(module, plan, ids)
+optimizer = torch.optim.SGD(pmodule.parameters(), lr=0.1)
+for _ in range(2):
+    loss = pmodule(ids).square().mean()
+    optimizer.zero_grad(); loss.backward(); optimizer.step()
+state = parsat.gather_weights(pmodule)
+ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+for _ in range(2):
+    ref_loss = reference(ids).square().mean()
+    ref_optimizer.zero_grad(); ref_loss.backward(); ref_optimizer.step()
+diff = max(float((state[k] - v).abs().max()) for k, v in reference.state_dict().items())
+if torch.distributed.get_rank() == 0:
+    open(out, "w").write(json.dumps({"diff": diff, "loss": float(loss), "ref_loss": float(ref_loss),
+                                     "pieces": sorted(pmodule.named_pieces())}))
+'''
+
+
+@pytest.mark.slow
+def test_parallelize_under_torchrun_on_a_2x2_mesh(models, tmp_path):
+    """The public API on 4 ranks: `parsat.parallelize` of a module with a plan on dp 2 x dp2 2, the user's own
+    loop and torch.optim.SGD, then `gather_weights`: the module's weights equal an unparallelized run's."""
+    import subprocess
+
+    module, ids = TiedLMFactory(models, "tagger")
+    graph = parsat.from_torch(module.double(), ids)
+    plan = tmp_path / "tagger-2x2.json"
+    plan.write_text(json.dumps(mesh_plans.plan_dict(graph, mesh_plans.nested_data_parallel(graph, operator_library()))),
+                    encoding="utf-8")
+    script, out = tmp_path / "train.py", tmp_path / "out.json"
+    script.write_text(TORCHRUN_SCRIPT, encoding="utf-8")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    done = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "4", str(script), str(plan), str(out),
+                           str(models.parent)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["diff"] < 1e-12 and abs(result["loss"] - result["ref_loss"]) < 1e-12, result
+
+
 def test_padding_idx_row_gets_no_gradient(models, tmp_path, capsys):
     plan = _optimize(models, "padded", tmp_path)
     code, result, text = _run(capsys, plan, models, "padded", "--plan-of", "data_parallel")
