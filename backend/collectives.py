@@ -144,14 +144,16 @@ class CommCounter:
 
 
 def _group_options(backend: str, timeout: timedelta):
-    """Options that carry the timeout to every group DeviceMesh creates (its `backend_override`)."""
-    if backend == "nccl":
+    """Options that carry the timeout to every group DeviceMesh creates (its `backend_override`). NCCL insists on
+    its own options type (also in a default group of several backends, "cpu:gloo,cuda:nccl"); gloo only reads
+    the timeout."""
+    if "nccl" in backend:
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return options
     from torch._C._distributed_c10d import Backend as C10dBackend  # the type DeviceMesh's backend_override takes
 
-    return C10dBackend.Options(backend, timeout)
+    return C10dBackend.Options("gloo", timeout)
 
 
 class MeshGroups:
