@@ -2,8 +2,9 @@
 
 Modules:
 `launch` (N ranks spawned here or joined under torchrun; a rank that dies,
-raises or hangs ends the job with its name), `collectives` (the four
-parallel operators as autograd-aware collectives on subgroups),
+raises or hangs ends the job with its name), `collectives` (one process
+group per group of each mesh axis; the parallel operators as one table of
+autograd-aware collectives on them),
 `torch_ops` (the library's operators on local pieces), `executor` (a PCG
 as training steps on every rank, checked against one process), `cli`
 (`parsat run`, `parsat calibrate`), `calibrate` (this machine's speeds for

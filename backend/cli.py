@@ -1,5 +1,6 @@
 """`parsat run plan.json --nproc N`: train a plan for real on N ranks, optionally checked.
 
+The job's ranks are the plan's device mesh: `--nproc` must be its size.
 Every error a user can cause (a missing or malformed plan, a plan for
 another device count, a rank that fails) ends with one line on stderr and
 exit code 1; a failed `--check` also exits 1. With `--json` the last line
@@ -109,7 +110,7 @@ def load_plan(path: str, nproc: int, plan_of: str = "parsat"):
 
 def main_run(args: argparse.Namespace) -> int:
     try:
-        from parsat.backend.executor import ExecutionError, TrainConfig, check_worlds, run_plan
+        from parsat.backend.executor import ExecutionError, TrainConfig, check_mesh, run_plan
         from parsat.backend.launch import LaunchError
         from parsat.ir.placement import PlacementError
         from parsat.ir.graph import GraphError
@@ -125,7 +126,7 @@ def main_run(args: argparse.Namespace) -> int:
         return _fail(f"--lr must be a finite number, got {args.lr}")
     try:
         pcg, graph, predicted = load_plan(args.plan, args.nproc, args.plan_of)
-        check_worlds(pcg, args.nproc)
+        check_mesh(pcg, args.nproc)
         from parsat.backend.plan_check import plan_follows_graph
 
         plan_follows_graph(pcg, graph, args.seed)  # before any rank starts
@@ -168,6 +169,8 @@ def _report(result, args: argparse.Namespace, tolerance: float) -> None:
              + ("" if result.comm_matches is None else " (equal)" if result.comm_matches else " (DIFFERENT)"),
              f"    of which grad sync measured {result.grad_sync_elements_measured:,.0f}, predicted "
              + ("n/a" if sync_predicted is None else f"{sync_predicted:,.0f}"),
+             *(["    by mesh axis       " + ", ".join(f"{axis} {sent:,.0f}" for axis, sent
+                                                      in result.comm_by_axis.items())] if result.comm_by_axis else []),
              f"  step time (median)   {result.step_time_s * 1e3:.3f} ms",
              f"  peak memory per rank {result.peak_memory_bytes / 2**20:.2f} MiB of tensors"
              + ("" if memory_predicted is None else f" (plan's bound {memory_predicted / 2**20:.2f} MiB, fp32 Adam)")

@@ -1,31 +1,45 @@
-"""The four parallel operators as autograd-aware collectives on process subgroups.
+"""The parallel operators as collectives on the process groups of one mesh axis, in one table.
 
-| op | forward | backward |
-|---|---|---|
-| partition | local slice | all-gather |
-| combine | all-gather | local slice |
-| replicate | identity (the piece is already on the free ranks) | all-reduce |
-| reduce | all-reduce | identity |
+Every parallel operator of a plan acts on one mesh axis (docs/MESH.md): it
+runs among the ranks that differ only on that axis (`Mesh.group`), which is
+one process group per group of each axis. `MeshGroups` builds them all, on
+every rank in the same order as torch requires, as a
+`torch.distributed.DeviceMesh` over `arange(world).reshape(sizes)` (the
+plan's mesh is exactly that), with the job's collective timeout (torch
+gives a new group 30 minutes otherwise, so a rank that stalls would hang
+its peers until the job timeout).
 
-Each runs among the ranks that differ only on the atoms the operator takes
-or gives back (`placement.group_ranks`), which can be any degree, 3 ranks
-as well as 2 or 4. DTensor's placements would cover the power-of-a-mesh
-cases but not partial sums split over arbitrary atoms nor the explicit
-copy/free distinction the gradient rule needs, so the collectives are
-explicit `torch.distributed` calls on subgroups inside `autograd.Function`s;
-every call is recorded in a `CommCounter` the caller passes in.
+The operators are rows of `PARALLEL_TABLE`: a forward and a backward
+collective; the placement effect is `ir.placement.apply_parallel` (which
+also knows the fused rows as the composition of their steps):
 
-Counting convention (ring algorithms, elements a rank sends per call): an
-all-gather of a full tensor of n elements over p ranks sends (p-1)/p * n
-per rank, (p-1) * n over the group; an all-reduce of n elements sends
-2(p-1)/p * n per rank, 2(p-1) * n over the group (with p = 2, 2n: the
-813,056 of data-parallel MLP training, docs/ARCHITECTURE.md). Where a
-tensor has fewer pieces than ranks, the ranks that differ only on its free
-atoms run the same collective redundantly; `sent` counts every one of them
-(what went over the wire, and what the cost model predicts: each replica
-set runs its own collective, saturate/cost.py), `distinct_sent` each
-distinct collective once. Events tagged `grad_sync` are the gradient
-all-reduces of replicated weights (the cost model's `grad_sync_elements`).
+| op | on its axis | forward | backward |
+|---|---|---|---|
+| partition | free -> Shard(d) | local slice | all-gather |
+| combine | Shard(d) -> free | all-gather | local slice |
+| replicate | free -> replica | identity (the piece is already there) | all-reduce |
+| reduce | partial -> free | all-reduce | identity |
+| reduce_scatter | partial -> Shard(d) | reduce-scatter | all-gather |
+| all_gather | Shard(d) -> replica | all-gather | reduce-scatter |
+
+One `autograd.Function` runs any row, so a new fused operator is one more
+row. A local slice takes block `coord(axis)` of the local piece along d:
+the piece is already cut by the axes before this one that shard d, and an
+operator on a dim that a later axis shards is refused by the placement
+algebra, so nested blocks stay in mesh order (earlier axis major).
+
+Counting convention (ring algorithms, elements a rank sends per call,
+docs/plan-schema.md): an all-gather whose result has n elements over p
+ranks sends (p-1)/p * n per rank, (p-1) * n over the group; a
+reduce-scatter of n elements the same; an all-reduce of n elements
+2(p-1)/p * n per rank, 2(p-1) * n over the group. Every group of the axis
+runs its own collective, so summed over all ranks a collective on an axis
+of size p moves world/p times the group's figure: what the cost model
+predicts. Ranks that differ only on axes where the input is free run the
+same collective redundantly; `sent` counts every one of them (what went
+over the wire), `distinct_sent` each distinct collective once. Each event
+records its axis (`CommCounter.by_axis`). Events tagged `grad_sync` are the
+gradient reductions of weights (the cost model's `grad_sync_elements`).
 """
 
 from __future__ import annotations
@@ -33,33 +47,45 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import timedelta
 from fractions import Fraction
-from typing import Sequence
+from math import prod
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
-from parsat.dsl.parallel_ops import COMBINE, PARTITION, REPLICATE
-from parsat.ir.placement import Axis, Placement, all_groups, group_ranks, mixed_radix, product
+from parsat.dsl.parallel_ops import COMBINE, PARTITION, REDUCE, REPLICATE
+from parsat.ir.mesh import Mesh
+from parsat.ir.placement import ALL_GATHER, FREE, REDUCE_SCATTER, Placement, apply_parallel
+
+# The collectives (and the two local steps) a parallel operator runs in one direction.
+SLICE, IDENTITY = "slice", "identity"
+ALL_GATHER_KIND, ALL_REDUCE_KIND, REDUCE_SCATTER_KIND = "all_gather", "all_reduce", "reduce_scatter"
+GRAD_SYNC = "grad_sync"
+
+
+class CollectiveError(RuntimeError):
+    """Process groups that are not the mesh's (a job of another size, a group with other members)."""
 
 
 @dataclass(frozen=True)
 class CommEvent:
     """One collective one rank took part in."""
 
-    op: str          # partition | combine | replicate | reduce
+    op: str          # the parallel operator (a PARALLEL_TABLE row)
     phase: str       # forward | backward
-    kind: str        # all_gather | all_reduce
+    kind: str        # all_gather | all_reduce | reduce_scatter
+    axis: str        # the mesh axis it ran on
     group_size: int
-    elements: int    # n: the gathered tensor's size, or the all-reduced tensor's size
+    elements: int    # n: the gathered result's size, the reduce-scattered input's size, or the all-reduced size
     itemsize: int
-    replicas: int = 1  # ranks running this same collective redundantly (free atoms), counted once
-    tag: str = ""      # "grad_sync": the all-reduce of a replicated weight's gradient (data parallelism)
+    replicas: int = 1  # ranks running this same collective redundantly (the input is free on their axes)
+    tag: str = ""      # GRAD_SYNC: the reduction of a weight's gradient
 
     @property
     def sent(self) -> Fraction:
         """Elements this rank sends (ring algorithm)."""
         p = self.group_size
-        factor = 1 if self.kind == "all_gather" else 2
+        factor = 2 if self.kind == ALL_REDUCE_KIND else 1
         return Fraction(factor * (p - 1) * self.elements, p)
 
     @property
@@ -81,162 +107,202 @@ class CommCounter:
     def record(self, event: CommEvent) -> None:
         self.events.append(event)
 
-    def sent(self, phase: str | None = None) -> Fraction:
-        return sum((e.sent for e in self.events if phase in (None, e.phase)), Fraction(0))
+    def _sum(self, value: Callable[[CommEvent], Fraction], phase: str | None, axis: str | None) -> Fraction:
+        return sum((value(e) for e in self.events if phase in (None, e.phase) and axis in (None, e.axis)),
+                   Fraction(0))
 
-    def sent_bytes(self, phase: str | None = None) -> Fraction:
-        return sum((e.sent_bytes for e in self.events if phase in (None, e.phase)), Fraction(0))
+    def sent(self, phase: str | None = None, axis: str | None = None) -> Fraction:
+        return self._sum(lambda e: e.sent, phase, axis)
 
-    def distinct_sent(self, phase: str | None = None) -> Fraction:
-        return sum((e.distinct_sent for e in self.events if phase in (None, e.phase)), Fraction(0))
+    def sent_bytes(self, phase: str | None = None, axis: str | None = None) -> Fraction:
+        return self._sum(lambda e: e.sent_bytes, phase, axis)
+
+    def distinct_sent(self, phase: str | None = None, axis: str | None = None) -> Fraction:
+        return self._sum(lambda e: e.distinct_sent, phase, axis)
 
     def sent_tagged(self, tag: str) -> Fraction:
         """Elements sent by the collectives carrying `tag` (e.g. the gradient synchronisation)."""
         return sum((e.sent for e in self.events if e.tag == tag), Fraction(0))
 
+    def by_axis(self) -> dict[str, Fraction]:
+        """Elements sent per mesh axis, in the order the axes were first used."""
+        out: dict[str, Fraction] = {}
+        for e in self.events:
+            out[e.axis] = out.get(e.axis, Fraction(0)) + e.sent
+        return out
+
     def clear(self) -> None:
         self.events.clear()
 
     def to_json(self) -> list[dict]:
-        return [{"op": e.op, "phase": e.phase, "kind": e.kind, "group_size": e.group_size,
+        return [{"op": e.op, "phase": e.phase, "kind": e.kind, "axis": e.axis, "group_size": e.group_size,
                  "elements": e.elements, "itemsize": e.itemsize, "replicas": e.replicas, "tag": e.tag}
                 for e in self.events]
 
 
-class GroupCache:
-    """Process subgroups by atom set, created once and on every rank in the same order.
+# ------------------------------------------------------------------ process groups
 
-    `dist.new_subgroups_by_enumeration` must be called by all ranks for all
-    groups; since every rank derives the same layouts from the same plan,
-    they reach each atom set in the same order, so creating on first use is
-    safe (and lets a plan use only the groups it needs). Subgroups get the
-    job's collective timeout: torch gives a new group 30 minutes otherwise,
-    so a rank that stalls would hang its peers until the job timeout.
+
+def _group_options(backend: str, timeout: timedelta):
+    """Options that carry the timeout to every group DeviceMesh creates (its `backend_override`). NCCL insists on
+    its own options type (also in a default group of several backends, "cpu:gloo,cuda:nccl"); gloo only reads
+    the timeout."""
+    if "nccl" in backend:
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return options
+    from torch._C._distributed_c10d import Backend as C10dBackend  # the type DeviceMesh's backend_override takes
+
+    return C10dBackend.Options("gloo", timeout)
+
+
+class MeshGroups:
+    """This rank's process group on every axis of `mesh`, built once per job on every rank.
+
+    A `DeviceMesh` over the ranks `arange(world).reshape(sizes)` creates
+    every group of every axis on every rank in one order (torch requires
+    that); its group on each axis is checked to hold exactly `Mesh.group`'s
+    ranks, in coordinate order (group rank t = coordinate t), which is what
+    the slices and gathers below assume. A mesh of one rank needs no group.
     """
 
-    def __init__(self, world: int, rank: int, timeout_s: float = 30.0):
-        self.world = world
-        self.rank = rank
-        self.timeout = timedelta(seconds=timeout_s)
-        self._groups: dict[tuple[Axis, ...], object] = {}
+    def __init__(self, mesh: Mesh, rank: int, device: torch.device, timeout_s: float = 30.0):
+        self.mesh, self.rank = mesh, rank
+        self.device_mesh = None
+        self._groups: dict[int, object] = {}
+        if mesh.world == 1:
+            return
+        if not dist.is_initialized() or dist.get_world_size() != mesh.world:
+            have = dist.get_world_size() if dist.is_initialized() else "no process group"
+            raise CollectiveError(f"the mesh {mesh} has {mesh.world} ranks, the job {have}")
+        from torch.distributed.device_mesh import DeviceMesh
 
-    def group(self, axes: Sequence[Axis]):
-        key = tuple(sorted(axes))
-        if key not in self._groups:
-            enumeration = [sorted(members) for members in all_groups(key, self.world)]
-            mine, _ = dist.new_subgroups_by_enumeration(enumeration, timeout=self.timeout)
-            self._groups[key] = mine
-        return self._groups[key]
+        options = _group_options(dist.get_backend(), timedelta(seconds=timeout_s))
+        self.device_mesh = DeviceMesh(device.type, torch.arange(mesh.world).reshape(mesh.shape),
+                                      mesh_dim_names=mesh.names, backend_override=tuple((None, options) for _ in mesh))
+        for axis, spec in enumerate(mesh):
+            group = self.device_mesh.get_group(spec.name)
+            members = tuple(dist.get_process_group_ranks(group))
+            if members != mesh.group(axis, rank):
+                raise CollectiveError(f"DeviceMesh's group on axis '{spec.name}' holds ranks {members}, the mesh "
+                                      f"says {mesh.group(axis, rank)}")
+            self._groups[axis] = group
+
+    def group(self, axis: int):
+        """This rank's process group on `axis`."""
+        return self._groups[axis]
+
+
+# ------------------------------------------------------------------ the collectives
 
 
 @dataclass(frozen=True)
 class Comm:
-    """What a collective needs: this rank's subgroup, its members in mixed-radix order, the counter."""
+    """What a collective needs: this rank's group on the axis, its coordinate there, the counter."""
 
     group: object
-    members: tuple[int, ...]  # position t = the rank with index t along the atoms
-    position: int             # this rank's t
+    size: int        # the axis's size p
+    position: int    # this rank's coordinate on the axis (its rank in the group)
     counter: CommCounter
     op: str
+    axis: str
     replicas: int = 1
-    tag: str = ""
+    tag: str = ""    # labels the backward collective only (the gradient's reduction)
 
-    @property
-    def size(self) -> int:
-        return len(self.members)
-
-
-def make_comm(cache: GroupCache, axes: Sequence[Axis], counter: CommCounter, op: str,
-              replicas: int = 1, tag: str = "") -> Comm:
-    """The `Comm` for a parallel operator over `axes`, on this rank."""
-    members = group_ranks(axes, cache.rank)
-    group = cache.group(axes) if len(members) > 1 else None
-    return Comm(group, members, mixed_radix(axes, cache.rank), counter, op, replicas, tag)
+    def record(self, phase: str, kind: str, elements: int, like: torch.Tensor) -> None:
+        self.counter.record(CommEvent(self.op, phase, kind, self.axis, self.size, elements, like.element_size(),
+                                      self.replicas, self.tag if phase == "backward" else ""))
 
 
-def _all_gather(x: torch.Tensor, dim: int, comm: Comm, phase: str) -> torch.Tensor:
-    x = x.contiguous()
-    buffers = [torch.empty_like(x) for _ in comm.members]
-    dist.all_gather(buffers, x, group=comm.group)
-    by_rank = dict(zip(sorted(comm.members), buffers))
-    comm.counter.record(CommEvent(comm.op, phase, "all_gather", comm.size, x.numel() * comm.size, x.element_size(),
-                                  comm.replicas, comm.tag))
-    return torch.cat([by_rank[r] for r in comm.members], dim=dim)
-
-
-def _all_reduce(x: torch.Tensor, comm: Comm, phase: str) -> torch.Tensor:
-    out = x.detach().clone().contiguous()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=comm.group)
-    comm.counter.record(CommEvent(comm.op, phase, "all_reduce", comm.size, out.numel(), out.element_size(),
-                                  comm.replicas, comm.tag))
-    return out
-
-
-def _slice(x: torch.Tensor, dim: int, comm: Comm) -> torch.Tensor:
+def _slice(x: torch.Tensor, dim: int, comm: Comm, phase: str) -> torch.Tensor:
     size = x.shape[dim] // comm.size
     return x.narrow(dim, comm.position * size, size).contiguous()
 
 
-class _Partition(torch.autograd.Function):
+def _identity(x: torch.Tensor, dim: int | None, comm: Comm, phase: str) -> torch.Tensor:
+    return x.view_as(x)
+
+
+def _all_gather(x: torch.Tensor, dim: int, comm: Comm, phase: str) -> torch.Tensor:
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(comm.size)]
+    dist.all_gather(parts, x, group=comm.group)
+    comm.record(phase, ALL_GATHER_KIND, x.numel() * comm.size, x)
+    return torch.cat(parts, dim=dim)
+
+
+def _all_reduce(x: torch.Tensor, dim: int | None, comm: Comm, phase: str) -> torch.Tensor:
+    out = x.detach().clone().contiguous()  # never in place: x may be saved for another node's backward
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=comm.group)
+    comm.record(phase, ALL_REDUCE_KIND, out.numel(), out)
+    return out
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, comm: Comm, phase: str) -> torch.Tensor:
+    size = x.shape[dim] // comm.size
+    parts = [x.narrow(dim, t * size, size).contiguous() for t in range(comm.size)]
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, op=dist.ReduceOp.SUM, group=comm.group)
+    comm.record(phase, REDUCE_SCATTER_KIND, x.numel(), x)
+    return out
+
+
+COLLECTIVES: Mapping[str, Callable[[torch.Tensor, int | None, Comm, str], torch.Tensor]] = {
+    SLICE: _slice, IDENTITY: _identity, ALL_GATHER_KIND: _all_gather, ALL_REDUCE_KIND: _all_reduce,
+    REDUCE_SCATTER_KIND: _reduce_scatter,
+}
+
+
+@dataclass(frozen=True)
+class ParallelRow:
+    """A parallel operator: the collective it runs forward and the one its backward runs (each the other's
+    adjoint); its placement effect is `ir.placement.apply_parallel` of the same name."""
+
+    name: str
+    forward: str
+    backward: str
+
+
+PARALLEL_TABLE: Mapping[str, ParallelRow] = {row.name: row for row in (
+    ParallelRow(PARTITION, SLICE, ALL_GATHER_KIND),
+    ParallelRow(COMBINE, ALL_GATHER_KIND, SLICE),
+    ParallelRow(REPLICATE, IDENTITY, ALL_REDUCE_KIND),
+    ParallelRow(REDUCE, ALL_REDUCE_KIND, IDENTITY),
+    ParallelRow(REDUCE_SCATTER, REDUCE_SCATTER_KIND, ALL_GATHER_KIND),
+    ParallelRow(ALL_GATHER, ALL_GATHER_KIND, REDUCE_SCATTER_KIND),
+)}
+
+
+class _Parallel(torch.autograd.Function):
+    """Any row of PARALLEL_TABLE: its forward collective, and its backward collective on the gradient."""
+
     @staticmethod
-    def forward(ctx, x, dim, comm):
-        ctx.dim, ctx.comm = dim, comm
-        return _slice(x, dim, comm)
+    def forward(ctx, x, row: ParallelRow, dim: int | None, comm: Comm):
+        ctx.row, ctx.dim, ctx.comm = row, dim, comm
+        return COLLECTIVES[row.forward](x, dim, comm, "forward")
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.comm, "backward"), None, None
+        return COLLECTIVES[ctx.row.backward](grad, ctx.dim, ctx.comm, "backward"), None, None, None
 
 
-class _Combine(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, comm):
-        ctx.dim, ctx.comm = dim, comm
-        return _all_gather(x, dim, comm, "forward")
+def parallel_op(name: str, x: torch.Tensor, placement: Placement, axis: int, dim: int | None,
+                groups: MeshGroups, counter: CommCounter, tag: str = "") -> tuple[torch.Tensor, Placement]:
+    """Apply parallel operator `name` on mesh `axis` to this rank's piece `x` of a tensor placed as `placement`.
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _slice(grad, ctx.dim, ctx.comm), None, None
-
-
-class _Replicate(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.comm, "backward"), None
-
-
-class _Reduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        return _all_reduce(x, comm, "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def parallel_op(name: str, x: torch.Tensor, layout: Placement, degree: int, dim: int | None,
-                cache: GroupCache, counter: CommCounter, tag: str = "") -> tuple[torch.Tensor, Placement]:
-    """Apply parallel operator `name` to this rank's piece `x` of a tensor laid out as `layout`.
-
-    Returns the new local piece and the new layout. Degree 1 is the identity
-    and moves nothing. `tag` labels the collectives in the counter.
+    Returns the new local piece and placement (PlacementError if the
+    operator does not apply). An axis of size 1 moves nothing. `tag`
+    labels its backward collective in the counter (GRAD_SYNC: the reduction
+    of a weight's gradient).
     """
-    new_layout, axes = layout.apply_parallel(name, degree, dim)
-    if degree == 1 or not axes:
-        return x, new_layout
-    # Ranks that differ only on the input's other free atoms run the same collective redundantly.
-    replicas = product(a for a in layout.free if a not in axes)
-    comm = make_comm(cache, axes, counter, name, replicas, tag)
-    if name == PARTITION:
-        return _Partition.apply(x, dim, comm), new_layout
-    if name == COMBINE:
-        return _Combine.apply(x, dim, comm), new_layout
-    if name == REPLICATE:
-        return _Replicate.apply(x, comm), new_layout
-    return _Reduce.apply(x, comm), new_layout
+    if name not in PARALLEL_TABLE:
+        raise KeyError(f"'{name}' is not a parallel operator ({', '.join(PARALLEL_TABLE)})")
+    mesh = groups.mesh
+    after = apply_parallel(placement, name, axis, dim)
+    size = mesh.size(axis)
+    if size == 1:
+        return x, after
+    replicas = prod(mesh.size(b) for b, code in enumerate(placement.codes) if b != axis and code == FREE)
+    comm = Comm(groups.group(axis), size, mesh.coord(groups.rank, axis), counter, name, mesh.names[axis],
+                replicas, tag)
+    return _Parallel.apply(x, PARALLEL_TABLE[name], dim, comm), after

@@ -1,26 +1,36 @@
 """Run a PCG as real training steps on N ranks, and check it against one process.
 
-Each rank walks the PCG in order: a leaf becomes its full tensor, made from
-a seed (weights once, data batches per step), so every rank and the
-single-process reference see the same values without communication; a
-compute node runs the torch op on local pieces (`torch_ops`); a parallel
-node runs its collective (`collectives.parallel_op`). Every node's layout
-is derived once, before the first step (`saturate.pcg_layout.lay_out`: the
-pieces of a compute node's inputs line up, and each layout is the one the
-plan states), so a plan the backend would run differently from what the
-optimizer costed is refused, not run.
+The job's ranks are the plan's device mesh (`pcg.mesh`, docs/MESH.md):
+`--nproc` must be its size. Each rank walks the PCG in order: a leaf
+becomes its full tensor, made from a seed (weights once, data batches per
+step), so every rank and the single-process reference see the same values
+without communication; a compute node runs the torch op on local pieces
+(`torch_ops`); a parallel node runs its collective on its mesh axis's
+group (`collectives.parallel_op`). Every node's placement is derived once,
+before any rank starts (`ir.pcg_layout.lay_out`: the pieces of a compute
+node's inputs line up, and each placement is the one the plan states), so
+a plan the backend would run differently from what the optimizer costed
+is refused, not run.
 
 A weight whose only reader is a chain of `partition`s is *stored* as the
-piece that chain gives (no collective at all, as the cost model assumes);
-any other weight is held whole by every rank, which compute identical
-gradients for it (a `replicate` reading it sums its copies' gradients: the
-gradient synchronisation of data parallelism).
+piece that chain gives (`ir.placement.piece_index`), with no collective at
+all, as the cost model assumes; read on through an `all_gather` it is
+ZeRO-3/FSDP: stored sharded, gathered every step, its gradient
+reduce-scattered back onto the piece. Any other weight is held whole by
+every rank, which compute identical gradients for it (a `replicate`
+reading it sums its copies' gradients: the gradient synchronisation of
+data parallelism).
 
 Loss: 0.5 * mean((output - target)^2) summed over outputs, targets from the
-seed. A rank's share is its piece's part, divided by the output's copy
-degree, so that `replicate`'s backward all-reduce sums exactly one whole
-gradient. The optimizer (SGD or Adam, both elementwise) updates local
-pieces, which is the full update restricted to them.
+seed. A rank's share is its piece's part. The ranks holding the same piece
+are those that differ only on the output's free and replica axes: the
+reported loss divides by their number, so the sum over ranks is the loss
+once. The share a rank differentiates divides by the sizes of the replica
+axes only: `replicate`'s backward all-reduce sums the gradients of a
+replica axis's ranks, which must add up to one whole gradient, while the
+ranks of a free axis compute the same gradient redundantly and never sum
+it. The optimizer (SGD or Adam, both elementwise) updates local pieces,
+which is the full update restricted to them.
 """
 
 from __future__ import annotations
@@ -31,16 +41,19 @@ import statistics
 import time
 import zlib
 from dataclasses import dataclass, field
+from math import prod
 from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from parsat.backend.collectives import CommCounter, GroupCache, parallel_op
+from parsat.backend.collectives import GRAD_SYNC, PARALLEL_TABLE, CommCounter, MeshGroups, parallel_op
 from parsat.backend.launch import LaunchConfig, RankContext, launch
 from parsat.backend.torch_ops import apply_op
 from parsat.dsl.library import Library, load_library, shipped_rules_dir
-from parsat.ir.placement import Placement, PlacementError, piece_index
+from parsat.dsl.parallel_ops import PARTITION, REPLICATE
+from parsat.ir.mesh import Mesh
+from parsat.ir.placement import ALL_GATHER, FREE, PARTIAL, Placement, PlacementError, piece_index
 from parsat.ir.graph import Graph
 from parsat.ir.pcg import PCG, PNode
 from parsat.ir.pcg_layout import lay_out
@@ -127,7 +140,7 @@ def target_value(name: str, shape: Sequence[int], config: TrainConfig, step: int
                        dtype=config.torch_dtype())
 
 
-PARALLEL_OPS_NAMES = ("partition", "combine", "replicate", "reduce")
+PARALLEL_OPS_NAMES = tuple(PARALLEL_TABLE)
 # Operators that only move elements: a one-hot tensor stays one-hot through them.
 _MOVES_ELEMENTS = PARALLEL_OPS_NAMES + ("split", "concat", "transpose", "flatten", "unflatten", "broadcast")
 # (operator, argument) that must be one-hot rows: embedding ids and cross-entropy targets.
@@ -250,7 +263,7 @@ def reference_run(graph: Graph, config: TrainConfig) -> Reference:
 class _Param:
     name: str
     tensor: torch.Tensor
-    layout: Placement
+    placement: Placement
     shape: tuple[int, ...]
 
 
@@ -268,15 +281,15 @@ class RankProgram:
     config: TrainConfig
     library: Library
     weights: Mapping[str, torch.Tensor] | None = None
-    cache: GroupCache = field(init=False)
+    groups: MeshGroups = field(init=False)
     params: dict[int, _Param] = field(init=False)          # stored-at node id -> parameter
     folded: set[int] = field(init=False)                   # partition nodes absorbed into storage
-    layouts: dict[int, Placement] = field(init=False)         # node id -> where its pieces live
+    placements: dict[int, Placement] = field(init=False)   # node id -> where its pieces live
     output_names: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.layouts = check_worlds(self.pcg, self.ctx.world, self.library)
-        self.cache = GroupCache(self.ctx.world, self.ctx.rank, self.ctx.collective_timeout_s)
+        self.placements = check_mesh(self.pcg, self.ctx.world, self.library)
+        self.groups = MeshGroups(self.pcg.mesh, self.ctx.rank, self.ctx.device, self.ctx.collective_timeout_s)
         self.output_names = self.pcg.output_names or tuple(f"out{i}" for i in range(len(self.pcg.outputs)))
         self._users: dict[int, list[PNode]] = {}
         for node in self.pcg:
@@ -286,6 +299,11 @@ class RankProgram:
         for node in self.pcg:
             if node.kind == "leaf" and node.role == "weight":
                 self._store_weight(node)
+        self._grad_syncs = gradient_reductions(self.pcg)
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.pcg.mesh
 
     def _store_weight(self, leaf: PNode) -> None:
         if self.weights is not None:
@@ -297,23 +315,24 @@ class RankProgram:
         at = leaf.id
         while True:
             users = self._users.get(at, [])
-            if len(users) != 1 or users[0].kind != "parallel" or users[0].op != "partition":
+            if len(users) != 1 or users[0].kind != "parallel" or users[0].op != PARTITION:
                 break
             at = users[0].id
             self.folded.add(at)
-        layout = self.layouts[at]
-        piece = full[piece_index(layout, self.ctx.rank, leaf.shape)].to(self.ctx.device, copy=True).requires_grad_()
-        self.params[at] = _Param(leaf.op, piece, layout, tuple(leaf.shape))
+        placement = self.placements[at]
+        where = piece_index(placement, leaf.shape, self.mesh, self.ctx.rank)
+        piece = full[where].to(self.ctx.device, copy=True).requires_grad_()
+        self.params[at] = _Param(leaf.op, piece, placement, tuple(leaf.shape))
 
     def forward(self, step: int, counter: CommCounter,
                 inputs: Mapping[str, torch.Tensor] | None = None) -> dict[int, tuple[torch.Tensor, Placement]]:
-        """Every node's local piece and layout for this step's batch (`inputs`: full values by leaf name)."""
+        """Every node's local piece and placement for this step's batch (`inputs`: full values by leaf name)."""
         onehot = _onehot_leaves([(str(n.id), n.op, [str(i) for i in n.inputs]) for n in self.pcg])
         env: dict[int, tuple[torch.Tensor, Placement]] = {}
         for node in self.pcg:
             if node.id in self.params:
                 param = self.params[node.id]
-                env[node.id] = (param.tensor, param.layout)
+                env[node.id] = (param.tensor, param.placement)
             elif node.kind == "leaf":
                 if node.role == "weight":
                     continue  # stored further down its partition chain
@@ -322,42 +341,64 @@ class RankProgram:
                 else:
                     value = leaf_value(node.op, node.shape, "input", self.config, step, str(node.id) in onehot)
                 value = value.to(self.ctx.device)
-                env[node.id] = (value, self.layouts[node.id])
+                env[node.id] = (value, self.placements[node.id])
             elif node.id in self.folded:
                 continue
             elif node.kind == "parallel":
-                x, layout = env[node.inputs[0]]
+                x, placement = env[node.inputs[0]]
                 dim = dict(node.attrs).get("dim")
-                source = self.pcg.node(node.inputs[0])
-                # As in the cost model: a replicated weight leaf's backward all-reduce is the gradient sync.
-                tag = "grad_sync" if node.op == "replicate" and source.kind == "leaf" and source.role == "weight" \
-                    else ""
-                env[node.id] = parallel_op(node.op, x, layout, int(node.attr("degree")),
-                                           None if dim is None else int(dim), self.cache, counter, tag)
+                tag = GRAD_SYNC if node.id in self._grad_syncs else ""
+                env[node.id] = parallel_op(node.op, x, placement, node.axis(self.mesh),
+                                           None if dim is None else int(dim), self.groups, counter, tag)
             else:
                 ins = [env[i][0] for i in node.inputs]
-                env[node.id] = (apply_op(node.op, ins, dict(node.attrs)), self.layouts[node.id])
+                env[node.id] = (apply_op(node.op, ins, dict(node.attrs)), self.placements[node.id])
         return env
 
     def loss(self, env, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's share to differentiate, its share of the reported loss)."""
         backward_terms, report_terms = [], []
         for out_id, name in zip(self.pcg.outputs, self.output_names):
-            x, layout = env[out_id]
+            x, placement = env[out_id]
             shape = self.pcg.node(out_id).shape
-            shard, copy, total = layout.degrees
-            if total != 1:
-                raise ExecutionError(f"output '{name}' is a partial sum (degree {total}); the plan must reduce it")
-            target = target_value(name, shape, self.config, step)[piece_index(layout, self.ctx.rank, shape)]
+            replicas, holders = output_holders(placement, self.mesh, name)
+            target = target_value(name, shape, self.config, step)[piece_index(placement, shape, self.mesh,
+                                                                                self.ctx.rank)]
             target = target.to(self.ctx.device)
             numel = 1
             for d in shape:
                 numel *= d
             term = _loss_term(x, target, numel)
-            holders = self.ctx.world // max(1, layout.pieces // copy)  # ranks holding this block
-            backward_terms.append(term / copy)
+            backward_terms.append(term / replicas)
             report_terms.append(term.detach() / holders)
         return sum(backward_terms), sum(report_terms)
+
+
+def output_holders(placement: Placement, mesh: Mesh, name: str) -> tuple[int, int]:
+    """(the product of the sizes of an output's replica axes, the number of ranks holding each of its pieces:
+    the product over its free and replica axes); ExecutionError for a partial sum (the module docstring)."""
+    if PARTIAL in placement.codes:
+        axes = ", ".join(mesh.names[a] for a in placement.partial_axes)
+        raise ExecutionError(f"output '{name}' is a partial sum on mesh axis {axes}; the plan must reduce it")
+    sizes = mesh.shape
+    replicas = prod(sizes[a] for a in placement.replica_axes)
+    return replicas, replicas * prod(sizes[a] for a, c in enumerate(placement.codes) if c == FREE)
+
+
+def gradient_reductions(pcg: PCG) -> set[int]:
+    """The parallel nodes whose backward sums a weight's gradient over their axis: a `replicate` (all-reduce)
+    or an `all_gather` (reduce-scatter) of a weight's value, read from its leaf through parallel operators
+    only. Their collectives are the gradient synchronisation (tagged GRAD_SYNC)."""
+    weight_values: set[int] = set()
+    found = set()
+    for node in pcg:
+        if node.kind == "leaf" and node.role == "weight":
+            weight_values.add(node.id)
+        elif node.kind == "parallel" and node.inputs[0] in weight_values:
+            weight_values.add(node.id)
+            if node.op in (REPLICATE, ALL_GATHER):
+                found.add(node.id)
+    return found
 
 
 # ------------------------------------------------------------------ the worker
@@ -402,9 +443,7 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
         total = to_report.clone()
         dist.all_reduce(total)  # reporting only: not part of the plan, not counted
         losses.append(float(total))
-        steps_comm.append({"sent": float(counter.sent()), "distinct_sent": float(counter.distinct_sent()),
-                           "sent_bytes": float(counter.sent_bytes()),
-                           "grad_sync": float(counter.sent_tagged("grad_sync")), "events": len(counter.events)})
+        steps_comm.append(step_comm(counter, program.mesh))
         if reference is not None:
             diffs.append(_compare(program, env, reference, step, float(total)))
     found = Comparison()
@@ -467,14 +506,23 @@ def run_many(ctx: RankContext, jobs: Sequence[tuple[str, PCG, Graph | None]], co
     return {label: run_rank(ctx, pcg, config, graph)["job"] for label, pcg, graph in jobs}
 
 
+def step_comm(counter: CommCounter, mesh: Mesh) -> dict:
+    """What one rank's collectives sent in one step: in all, each distinct collective once, in bytes, for the
+    gradient synchronisation, and per mesh axis (every axis of the mesh, in mesh order)."""
+    return {"sent": float(counter.sent()), "distinct_sent": float(counter.distinct_sent()),
+            "sent_bytes": float(counter.sent_bytes()), "grad_sync": float(counter.sent_tagged(GRAD_SYNC)),
+            "events": len(counter.events), "by_axis": {name: float(counter.sent(axis=name)) for name in mesh.names}}
+
+
 def _job_summary(report: dict, ctx: RankContext) -> dict:
     """The job-wide figures, agreed by all ranks (so a torchrun rank can print them alone).
 
     Reporting traffic only: not part of the plan, not counted.
     """
     last = report["comm"][-1]
-    sums = torch.tensor([last["distinct_sent"], last["sent"], last["grad_sync"], len(report.get("nonfinite", []))],
-                        dtype=torch.float64, device=ctx.device)
+    by_axis = last.get("by_axis", {})  # the same axes, in the same order, on every rank (the plan's mesh)
+    sums = torch.tensor([last["distinct_sent"], last["sent"], last["grad_sync"], len(report.get("nonfinite", [])),
+                         *by_axis.values()], dtype=torch.float64, device=ctx.device)
     diff, rel = report["max_abs_diff"], report.get("max_rel_diff")
     maxes = torch.tensor([-1.0 if diff is None else diff, -1.0 if rel is None else rel,
                           float(report["peak_memory_bytes"]), float(report["process_rss_bytes"]),
@@ -483,6 +531,7 @@ def _job_summary(report: dict, ctx: RankContext) -> dict:
     dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
     sums, maxes = sums.tolist(), maxes.tolist()
     return {"distinct_sent": sums[0], "sent": sums[1], "grad_sync": sums[2], "nonfinite": int(sums[3]),
+            "sent_by_axis": dict(zip(by_axis, sums[4:])),
             "nonfinite_names": report.get("nonfinite", []), "worst": report.get("worst", ""),
             "max_abs_diff": None if maxes[0] < 0 else maxes[0], "max_rel_diff": None if maxes[1] < 0 else maxes[1],
             "peak_memory_bytes": int(maxes[2]), "process_rss_bytes": int(maxes[3]), "step_times": maxes[4:]}
@@ -543,14 +592,14 @@ def _compare(program: RankProgram, env, reference: Reference, step: int, loss: f
     missing: list[Comparison] = []
     pairs = [("loss", torch.tensor(loss), torch.tensor(reference.losses[step]))]
     for out_id, name in zip(program.pcg.outputs, program.output_names):
-        x, layout = env[out_id]
+        x, placement = env[out_id]
         expected = reference.outputs[step].get(name)
         if expected is None:  # a renamed output is a failure, never skipped
             missing.append(Comparison(math.inf, math.inf, f"output {name} (the reference has no such output)"))
         else:
-            pairs.append((f"output {name}", x, expected[piece_index(layout, rank, expected.shape)]))
+            pairs.append((f"output {name}", x, expected[piece_index(placement, expected.shape, program.mesh, rank)]))
     for param in program.params.values():
-        where = piece_index(param.layout, rank, param.shape)
+        where = piece_index(param.placement, param.shape, program.mesh, rank)
         pairs.append((f"gradient of {param.name}", gradient_of(param.tensor), reference.grads[step][param.name][where]))
         pairs.append((f"weight {param.name}", param.tensor, reference.weights[step][param.name][where]))
     result = compare_values(pairs)
@@ -587,7 +636,9 @@ class RunResult:
     redundant ones of a tensor held by fewer pieces than ranks included,
     which is the cost model's convention (saturate/cost.py); the distinct
     collectives alone are `comm_elements_distinct`. `grad_sync_elements_*`
-    is the part that synchronises replicated weights' gradients.
+    is the part that synchronises weights' gradients (the all-reduces of
+    replicated weights, the reduce-scatters of weights stored sharded).
+    `comm_elements_by_axis` splits the measured figure by mesh axis.
     """
 
     check: str | None
@@ -603,6 +654,20 @@ class RunResult:
     max_rel_diff: float | None = None
     nonfinite: int = 0
     worst: str = ""
+    comm_by_axis: Mapping[str, float] = field(default_factory=dict)
+
+    @staticmethod
+    def of_job(reports: Sequence[dict], config: TrainConfig, predicted: Prediction | None = None) -> "RunResult":
+        """The summary of a launched job: every rank's report carries the job-wide figures (`_job_summary`);
+        under torchrun there is only this rank's."""
+        job = reports[0]["job"]
+        times = job["step_times"]
+        timed = times[1:] if len(times) > 1 else times
+        return RunResult(check_verdict(job, config), job["max_abs_diff"], job["sent"], job["distinct_sent"],
+                         job["grad_sync"], statistics.median(timed), job["peak_memory_bytes"],
+                         job["process_rss_bytes"], tuple(reports[0]["losses"]), predicted or Prediction(),
+                         job.get("max_rel_diff"), job.get("nonfinite", 0), job.get("worst", ""),
+                         dict(job.get("sent_by_axis", {})))
 
     @property
     def comm_elements_predicted(self) -> float | None:
@@ -623,6 +688,7 @@ class RunResult:
                 "step_time_s": self.step_time_s, "peak_memory_bytes": self.peak_memory_bytes,
                 "comm_matches": self.comm_matches,
                 "comm_elements_distinct": self.comm_elements_distinct,
+                "comm_elements_by_axis": dict(self.comm_by_axis),
                 "grad_sync_elements_measured": self.grad_sync_elements_measured,
                 "grad_sync_elements_predicted": self.predicted.grad_sync_elements,
                 "step_time_predicted_s": self.predicted.time_s,
@@ -646,16 +712,11 @@ def run_plan(pcg: PCG, nproc: int, config: TrainConfig, graph: Graph | None = No
         raise ExecutionError("--check needs the original graph to compare with")
     if config.steps < 1:
         raise ExecutionError(f"--steps must be >= 1, got {config.steps}")
+    check_mesh(pcg, nproc)  # before any rank starts
     reports = launch(run_rank, (pcg, config, graph),
                      LaunchConfig(nproc=nproc, backend=backend, timeout_s=timeout_s,
                                   collective_timeout_s=collective_timeout_s))
-    job = reports[0]["job"]  # every rank holds the job-wide figures (under torchrun, only this rank's report)
-    times = job["step_times"]
-    timed = times[1:] if len(times) > 1 else times
-    return RunResult(check_verdict(job, config), job["max_abs_diff"], job["sent"], job["distinct_sent"],
-                     job["grad_sync"], statistics.median(timed), job["peak_memory_bytes"], job["process_rss_bytes"],
-                     tuple(reports[0]["losses"]), predicted or Prediction(), job.get("max_rel_diff"),
-                     job.get("nonfinite", 0), job.get("worst", ""))
+    return RunResult.of_job(reports, config, predicted)
 
 
 def check_verdict(job: Mapping, config: TrainConfig) -> str | None:
@@ -666,17 +727,21 @@ def check_verdict(job: Mapping, config: TrainConfig) -> str | None:
     return "passed" if rel is not None and not job.get("nonfinite") and rel <= config.tolerance else "failed"
 
 
-def check_worlds(pcg: PCG, nproc: int, library: Library | None = None) -> dict[int, Placement]:
-    """Every node's layout on `nproc` ranks; ExecutionError for a plan that needs more ranks than the job has,
-    or whose pieces cannot be laid out on them. The launcher calls it before any rank starts (otherwise
-    every rank finds it out at the same node), and each rank once, for the layouts it runs with."""
-    if pcg.max_pieces > nproc:
-        raise ExecutionError(f"the plan needs {pcg.max_pieces} devices but --nproc is {nproc}")
+def check_mesh(pcg: PCG, nproc: int, library: Library | None = None) -> dict[int, Placement]:
+    """Every node's placement on the plan's mesh; ExecutionError for a job whose rank count is not the mesh's
+    size, or a plan whose pieces cannot be laid out on it. `parsat run` calls it before any rank starts
+    (otherwise every rank finds it out at the same node), and each rank once, for the placements it runs
+    with."""
+    mesh = pcg.mesh
+    if mesh.world != nproc:
+        what = f"a mesh of {mesh.world} rank{'s' if mesh.world != 1 else ''}" + (f" ({mesh})" if len(mesh) else "")
+        raise ExecutionError(f"the plan runs on {what}, but --nproc is {nproc}: start as many ranks as the mesh "
+                             "has devices")
     try:
-        return lay_out(pcg, (library or operator_library()).ops, nproc)
+        return lay_out(pcg, (library or operator_library()).ops)
     except PlacementError as err:
-        raise ExecutionError(f"the plan cannot run on {nproc} ranks: {err}") from None
+        raise ExecutionError(f"the plan cannot run on its mesh ({mesh or 'one device'}): {err}") from None
 
 
 __all__ = ["ExecutionError", "PlacementError", "Prediction", "RunResult", "evaluate_graph", "run_many", "TrainConfig", "reference_run", "run_plan",
-           "check_worlds", "leaf_value"]
+           "check_mesh", "leaf_value", "output_holders"]

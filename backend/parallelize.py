@@ -12,8 +12,9 @@ Under torchrun (one process per device), every rank calls
 What the returned module is:
 
 * its parameters are this rank's pieces of the user's own weights, as the
-  plan stores them (a weight the plan only partitions is stored as its
-  piece; any other weight whole). Rank 0's weights are broadcast first, so
+  plan stores them (a weight the plan only partitions, or partitions and
+  gathers for use as ZeRO-3 does, is stored as its piece; any other weight
+  whole). Rank 0's weights are broadcast first, so
   every rank starts from the same values (as DDP does). A tied parameter
   (one tensor under two names) is one graph weight and one parameter here;
 * its forward takes the module's own inputs. **Input convention: every
@@ -25,9 +26,10 @@ What the returned module is:
 * it returns the module's outputs, whole on every rank: a scalar loss as
   the value every rank holds, a sharded output gathered. Backward through
   it yields the same gradients the unmodified module would get, summed
-  over ranks by the plan's own collectives (the gradient of a loss held by
-  `c` copies is divided by `c`, so `replicate`'s all-reduce adds up one
-  gradient, not `c`);
+  over ranks by the plan's own collectives (the gradient of an output
+  that is a replica on axes of `c` ranks in all is divided by `c`, so
+  `replicate`'s all-reduce adds up one gradient, not `c`; on its free axes
+  ranks compute the same gradient redundantly and nothing is divided);
 * dropout draws real masks: a dropout's mask is a data input of the graph
   (`dropout_masked`), drawn at step `t` from a generator seeded by
   (seed, mask name, t) over the whole logical tensor, and each rank reads
@@ -52,12 +54,14 @@ import torch.nn.functional as F
 
 from parsat.backend.collectives import CommCounter
 from parsat.backend.executor import (Comparison, ExecutionError, Optimizer, RankProgram, TrainConfig, _job_summary,
-                                     check_worlds, compare_values, gradient_of, operator_library)
+                                     check_mesh, compare_values, gradient_of, operator_library, output_holders,
+                                     step_comm)
 from parsat.backend.launch import RankContext
 from parsat.backend.torch_import import ImportedModule, dropout_mask, import_module
-from parsat.ir.placement import Placement, piece_index
 from parsat.ir.graph import Graph
+from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import PCG
+from parsat.ir.placement import Placement, piece_index
 
 
 class ParallelizeError(ValueError):
@@ -81,45 +85,43 @@ class _HeldGradient(torch.autograd.Function):
 
 
 class _Assemble(torch.autograd.Function):
-    """A sharded output gathered whole on every rank; backward takes this rank's piece (over its copies)."""
+    """A sharded output gathered whole on every rank; backward takes this rank's piece (over its replicas)."""
 
     @staticmethod
-    def forward(ctx, x, layout, shape):
-        ctx.layout, ctx.shape = layout, shape
-        return _assembled(x, layout, shape)
+    def forward(ctx, x, placement, shape, mesh, replicas):
+        ctx.placement, ctx.shape, ctx.mesh, ctx.replicas = placement, shape, mesh, replicas
+        return _assembled(x, placement, shape, mesh)
 
     @staticmethod
     def backward(ctx, grad):
-        rank = dist.get_rank()
-        copies = ctx.layout.degrees[1]
-        return grad[piece_index(ctx.layout, rank, ctx.shape)].contiguous() / copies, None, None
+        where = piece_index(ctx.placement, ctx.shape, ctx.mesh, dist.get_rank())
+        return grad[where].contiguous() / ctx.replicas, None, None, None, None
 
 
-def _whole(x: torch.Tensor, layout: Placement, shape: tuple[int, ...], name: str) -> torch.Tensor:
-    shard, copies, total = layout.degrees
-    if total != 1:
-        raise ExecutionError(f"output '{name}' is a partial sum (degree {total}); the plan must reduce it")
-    if all(d == 1 for d in shard):
-        return _HeldGradient.apply(x, copies)
-    return _Assemble.apply(x, layout, tuple(shape))
+def _whole(x: torch.Tensor, placement: Placement, shape: tuple[int, ...], mesh: Mesh, name: str) -> torch.Tensor:
+    replicas, _ = output_holders(placement, mesh, name)
+    if not any(placement.shard_axes(d) for d in range(len(shape))):
+        return _HeldGradient.apply(x, replicas)
+    return _Assemble.apply(x, placement, tuple(shape), mesh, replicas)
 
 
-def _assembled(x: torch.Tensor, layout: Placement, shape: Sequence[int]) -> torch.Tensor:
-    """The whole tensor from every rank's piece (all-gather over the job; copies write equal values)."""
-    pieces = [torch.empty_like(x) for _ in range(layout.world)]
+def _assembled(x: torch.Tensor, placement: Placement, shape: Sequence[int], mesh: Mesh) -> torch.Tensor:
+    """The whole tensor from every rank's piece (all-gather over the job; ranks holding the same piece write
+    equal values)."""
+    pieces = [torch.empty_like(x) for _ in range(mesh.world)]
     dist.all_gather(pieces, x.detach().contiguous())
     full = torch.empty(tuple(shape), dtype=x.dtype, device=x.device)
     for rank, piece in enumerate(pieces):
-        full[piece_index(layout, rank, shape)] = piece
+        full[piece_index(placement, shape, mesh, rank)] = piece
     return full
 
 
-def _gather_full(x: torch.Tensor, layout: Placement, shape: tuple[int, ...]) -> torch.Tensor:
+def _gather_full(x: torch.Tensor, placement: Placement, shape: tuple[int, ...], mesh: Mesh) -> torch.Tensor:
     """A whole tensor from its pieces on every rank (no gradient)."""
-    if all(d == 1 for d in layout.degrees[0]):
+    if not any(placement.shard_axes(d) for d in range(len(shape))):
         return x.detach().clone()
     with torch.no_grad():
-        return _assembled(x, layout, shape)
+        return _assembled(x, placement, shape, mesh)
 
 
 # ------------------------------------------------------------------ the module
@@ -140,7 +142,7 @@ class ParallelModule(torch.nn.Module):
         first = next(iter(module.parameters()), None)
         self.dtype = dtype or (first.dtype if first is not None else torch.float32)
         library = operator_library()
-        check_worlds(pcg, ctx.world, library)
+        check_mesh(pcg, ctx.world, library)
         weights = {}
         for name in imported.weights:
             value = module.get_parameter(name).detach().to(self.dtype).clone().contiguous()
@@ -162,9 +164,9 @@ class ParallelModule(torch.nn.Module):
         """The user's module (its parameters are updated only by `gather_weights`)."""
         return self._module[0]
 
-    def piece_layouts(self) -> dict[str, tuple[Placement, tuple[int, ...]]]:
-        """Graph weight name -> (the layout its stored piece has, the weight's full shape)."""
-        return {p.name: (p.layout, p.shape) for p in self.program.params.values()}
+    def piece_placements(self) -> dict[str, tuple[Placement, tuple[int, ...]]]:
+        """Graph weight name -> (the placement its stored piece has, the weight's full shape)."""
+        return {p.name: (p.placement, p.shape) for p in self.program.params.values()}
 
     def named_pieces(self) -> dict[str, torch.Tensor]:
         """Graph weight name -> this rank's piece (the parameters the optimizer updates)."""
@@ -181,8 +183,8 @@ class ParallelModule(torch.nn.Module):
         env = self.program.forward(self.step, self.counter, data)
         outs = []
         for out_id, name in zip(self.pcg.outputs, self.program.output_names):
-            x, layout = env[out_id]
-            outs.append(_whole(x, layout, self.pcg.node(out_id).shape, name))
+            x, placement = env[out_id]
+            outs.append(_whole(x, placement, self.pcg.node(out_id).shape, self.pcg.mesh, name))
         if self.training:
             self.step += 1
         spec = self.imported.output_spec
@@ -194,7 +196,7 @@ class ParallelModule(torch.nn.Module):
         """Every graph weight whole (a collective: every rank must call it)."""
         out = {}
         for param in self.program.params.values():
-            out[param.name] = _gather_full(param.tensor, param.layout, param.shape)
+            out[param.name] = _gather_full(param.tensor, param.placement, param.shape, self.pcg.mesh)
         return out
 
 
@@ -213,7 +215,7 @@ def gather_weights(pmodule: ParallelModule) -> dict[str, torch.Tensor]:
     return module.state_dict()
 
 
-def _resolve_plan(plan) -> tuple[PCG, Graph, int]:
+def _resolve_plan(plan) -> tuple[PCG, Graph]:
     from parsat.ir.plan import Plan, load_plan_dict, pcg_from_dict
 
     if isinstance(plan, Plan):
@@ -223,7 +225,7 @@ def _resolve_plan(plan) -> tuple[PCG, Graph, int]:
     if not isinstance(plan, Mapping):
         raise ParallelizeError("plan must be a parsat Plan, a plan dict or a plan JSON file")
     library = operator_library()
-    return pcg_from_dict(plan), Graph.from_dict(plan["graph"], library), int(plan.get("devices", 1))
+    return pcg_from_dict(plan), Graph.from_dict(plan["graph"], library)
 
 
 def parallelize(module: torch.nn.Module, plan, example_inputs, *, seed: int = 0,
@@ -237,15 +239,16 @@ def parallelize(module: torch.nn.Module, plan, example_inputs, *, seed: int = 0,
     """
     from parsat.backend.launch import under_torchrun
 
-    pcg, graph, devices = _resolve_plan(plan)
+    pcg, graph = _resolve_plan(plan)
     if not dist.is_initialized():
         if not under_torchrun():
             raise ParallelizeError("parallelize runs under torchrun (one process per device): no process group "
                                    "is started and RANK/WORLD_SIZE are not set")
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world != devices:
-        raise ParallelizeError(f"the plan is for {devices} device(s) but the job has {world} rank(s)")
+    if world != pcg.mesh.world:
+        raise ParallelizeError(f"the plan runs on a mesh of {pcg.mesh.world} device(s) ({pcg.mesh or 'one device'}) "
+                               f"but the job has {world} rank(s)")
     imported = import_module(module, example_inputs)
     difference = graph_difference(imported.graph, graph)
     if difference:
@@ -389,10 +392,7 @@ def run_module_rank(ctx: RankContext, pcg: PCG, graph: Graph, model_spec: str, d
         optimizer.step()
         times.append(time.perf_counter() - start)
         losses.append(float(value.detach().sum()))
-        c = pmodule.counter
-        comm.append({"sent": float(c.sent()), "distinct_sent": float(c.distinct_sent()),
-                     "sent_bytes": float(c.sent_bytes()), "grad_sync": float(c.sent_tagged("grad_sync")),
-                     "events": len(c.events)})
+        comm.append(step_comm(pmodule.counter, pcg.mesh))
         if reference is not None:
             found = found.merge(_reference_step(reference, ref_optimizer, imported, pmodule, batch, step, value))
     report = {"rank": ctx.rank, "losses": losses, "step_times": times, "comm": comm,
@@ -415,8 +415,8 @@ def _reference_step(reference, optimizer: Optimizer, imported: ImportedModule, p
     optimizer.step()
     rank = pmodule.ctx.rank
     pairs = [("loss", loss.detach(), want_loss.detach())]
-    for name, (layout, shape) in pmodule.piece_layouts().items():
-        where = piece_index(layout, rank, shape)
+    for name, (placement, shape) in pmodule.piece_placements().items():
+        where = piece_index(placement, shape, pmodule.pcg.mesh, rank)
         piece = pmodule.named_pieces()[name]
         ref = reference.get_parameter(name)
         pairs.append((f"gradient of {name}", gradient_of(piece), gradient_of(ref)[where]))
@@ -429,23 +429,16 @@ def run_module_plan(pcg: PCG, graph: Graph, model_spec: str, data_path: str | No
                     collective_timeout_s: float = 30.0):
     """`parsat run plan.json --model model.py:factory`: the module trained as `pcg` (a plan's, or one of its
     baselines') on `nproc` ranks; `graph` is the plan's graph, which the module's must equal."""
-    import statistics
-
-    from parsat.backend.executor import Prediction, RunResult, check_verdict
+    from parsat.backend.executor import RunResult
     from parsat.backend.launch import LaunchConfig, launch
 
     if config.steps < 1:
         raise ExecutionError(f"--steps must be >= 1, got {config.steps}")
+    check_mesh(pcg, nproc)  # before any rank starts
     reports = launch(run_module_rank, (pcg, graph, model_spec, data_path, config),
                      LaunchConfig(nproc=nproc, backend=backend, timeout_s=timeout_s,
                                   collective_timeout_s=collective_timeout_s))
-    job = reports[0]["job"]
-    times = job["step_times"]
-    timed = times[1:] if len(times) > 1 else times
-    return RunResult(check_verdict(job, config), job["max_abs_diff"], job["sent"], job["distinct_sent"],
-                     job["grad_sync"], statistics.median(timed), job["peak_memory_bytes"], job["process_rss_bytes"],
-                     tuple(reports[0]["losses"]), predicted or Prediction(), job.get("max_rel_diff"),
-                     job.get("nonfinite", 0), job.get("worst", ""))
+    return RunResult.of_job(reports, config, predicted)
 
 
 __all__ = ["run_module_plan", "ParallelModule", "ParallelizeError", "ReferenceDropout", "gather_weights", "parallelize",

@@ -44,6 +44,15 @@ FREE, REPLICA, PARTIAL = 0, 1, 2
 SHARD0 = 3
 AXIS_DEGREE = Poly.sym("axis#size")   # the symbolic size of the one axis that single-axis inference looks at
 
+# Fused parallel operators: one collective where the two elementary operators they stand for take two
+# (Megatron sequence parallelism, ZeRO-3). `reduce_scatter(x, d, a)` = partition(reduce(x, a), d, a): partial ->
+# Shard(d), a reduce-scatter forward and an all-gather backward; `all_gather(x, d, a)` =
+# replicate(combine(x, d, a), a): Shard(d) -> replica, an all-gather forward and a reduce-scatter backward.
+# Their placement effect is the composition of the steps, on the one axis they act on.
+REDUCE_SCATTER = "reduce_scatter"
+ALL_GATHER = "all_gather"
+FUSED_PARALLEL: Mapping[str, tuple[str, ...]] = {REDUCE_SCATTER: (REDUCE, PARTITION), ALL_GATHER: (COMBINE, REPLICATE)}
+
 
 class PlacementError(Exception):
     """A placement or parallel operator that cannot be realised on the mesh."""
@@ -232,9 +241,18 @@ class Placement:
 
 
 def apply_parallel(placement: Placement, op: str, axis: int, dim: int | None = None) -> Placement:
-    """The placement after a parallel operator on `axis` (raises PlacementError)."""
+    """The placement after a parallel operator on `axis` (raises PlacementError); a fused operator
+    (`FUSED_PARALLEL`) is its steps in turn."""
     if not 0 <= axis < len(placement.codes):
         raise PlacementError(f"{op}: mesh axis {axis} does not exist (the mesh has {len(placement.codes)})")
+    if op in FUSED_PARALLEL:
+        steps = FUSED_PARALLEL[op]
+        for step in steps:
+            try:
+                placement = apply_parallel(placement, step, axis, dim if step in (PARTITION, COMBINE) else None)
+            except PlacementError as err:
+                raise PlacementError(f"{op} ({' then '.join(steps)}): {err}") from None
+        return placement
     out = []
     for i, code in enumerate(placement.codes):
         new = axis_parallel(op, code, dim, i == axis, i < axis)

@@ -1,39 +1,30 @@
-"""`parsat run`: a plan file trained on 2 ranks with --check --json, and the refusals."""
+"""`parsat run`: a plan file trained on 2 ranks (one axis) and on 4 (a 2x2 mesh) with --check --json, and the
+refusals (another plan version or schema, a job that is not the plan's mesh, placements that do not lay out)."""
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import mesh_plans  # noqa: E402
+
 from parsat.backend.executor import operator_library  # noqa: E402
 from parsat.cli import main  # noqa: E402
-from parsat.ir import models  # noqa: E402
-from parsat.ir.costs import totals  # noqa: E402
-from parsat.ir.data_parallel import data_parallel_pcg  # noqa: E402
-from parsat.ir.machine import Machine  # noqa: E402
-from parsat.ir.plan import PLAN_SCHEMA, PLAN_VERSION  # noqa: E402
-from parsat.saturate.baselines import price_pcg  # noqa: E402
 
 SIZES = dict(batch=8, d_in=6, d_hidden=4, d_out=2)
+LIBRARY = operator_library()
 
 
 def plan_file(tmp_path, devices=2, **changes):
-    """A plan JSON with the fields the backend reads, as `Plan.to_dict` writes them."""
-    lib = operator_library()
-    graph = models.mlp(**SIZES, library=lib)
-    pcg = data_parallel_pcg(graph, lib, devices)
-    machine = Machine.preset("h100x8").with_devices(devices)
-    data = {
-        "schema": PLAN_SCHEMA, "version": PLAN_VERSION, "devices": devices, "graph": graph.to_dict(),
-        "nodes": [{"id": n.id, "kind": n.kind, "op": n.op, "attrs": dict(n.attrs), "inputs": list(n.inputs),
-                   "shape": list(n.shape), "spread": n.degrees.to_dict(), "role": n.role, "origin": n.origin}
-                  for n in pcg.nodes],
-        "outputs": [{"name": name, "node": i} for name, i in zip(pcg.output_names, pcg.outputs)],
-        "totals": {"comm_elements": totals(price_pcg(pcg, lib, machine), machine).comm_elements},
-    }
+    """The data-parallel MLP as a plan JSON, with the communication the ring formulas predict as its totals."""
+    plan = mesh_plans.data_parallel_mlp(LIBRARY, devices, **SIZES)
+    data = mesh_plans.plan_dict(plan.graph, plan.pcg, plan.sent, plan.grad_sync)
     data.update(changes)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data), encoding="utf-8")
@@ -88,15 +79,49 @@ def test_under_torchrun_the_same_entry_point_joins_the_group(tmp_path):
     assert result["check"] == "passed" and result["comm_elements_measured"] == result["comm_elements_predicted"]
 
 
-def test_a_plan_whose_pieces_do_not_line_up_is_refused_before_any_rank_starts(monkeypatch, data_parallel_matmul):
-    """Spreads that type (data parallelism) but pieces on other ranks: refused naming the node, no rank run."""
+def test_a_plan_whose_placements_do_not_lay_out_is_refused_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    """A plan whose stated placement is not the one its operators give: one line naming the node, no rank run."""
     from parsat.backend import executor
 
     def no_launch(*_args, **_kwargs):
         raise AssertionError("a rank was started")
 
     monkeypatch.setattr(executor, "launch", no_launch)
-    with pytest.raises(executor.ExecutionError, match=r"cannot run on 4 ranks: at node #6, matmul: inputs are "
-                                                      r"spread over different ranks"):
-        executor.check_worlds(data_parallel_matmul(aligned=False), 4)
-    executor.check_worlds(data_parallel_matmul(aligned=True), 4)
+    data = json.loads(plan_file(tmp_path).read_text())
+    relu = next(n for n in data["nodes"] if n["op"] == "relu")
+    relu["placement"] = ["Replicate()"]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    assert main(["run", str(path), "--nproc", "2", "--backend", "gloo"]) == 1
+    err = capsys.readouterr().err
+    assert f"at node #{relu['id']}, relu: the plan states placement [-], but it lays out as [S0]" in err
+    assert "Traceback" not in err
+
+
+def test_a_plan_whose_mesh_is_not_the_job_is_refused(tmp_path, capsys):
+    """`devices` says 2 but the mesh has 4 ranks: --nproc 2 is refused naming the mesh."""
+    plan = mesh_plans.dp_tp_mlp(LIBRARY)
+    data = mesh_plans.plan_dict(plan.graph, plan.pcg, plan.sent)
+    data["devices"] = 2
+    path = tmp_path / "mesh.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    assert main(["run", str(path), "--nproc", "2", "--backend", "gloo"]) == 1
+    err = capsys.readouterr().err
+    assert "the plan runs on a mesh of 4 ranks (dp 2 x tp 2), but --nproc is 2" in err and "Traceback" not in err
+
+
+def test_run_check_on_a_2x2_mesh(tmp_path, capsys):
+    """`parsat run --check` of Megatron sequence parallelism x data parallelism on 4 ranks: passed, and the
+    communication measured per step equals the ring formulas' count, per axis too."""
+    plan = mesh_plans.tp_sp_block(LIBRARY)
+    path = tmp_path / "tp_sp.json"
+    mesh_plans.save_plan(plan, path)
+    code = main(["run", str(path), "--nproc", "4", "--backend", "gloo", "--steps", "2", "--check", "--json"])
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    assert code == 0 and result["check"] == "passed", out
+    assert result["comm_elements_measured"] == result["comm_elements_predicted"] == plan.sent
+    assert result["comm_matches"] is True
+    assert result["comm_elements_by_axis"] == plan.sent_by_axis()
+    assert result["grad_sync_elements_measured"] == result["grad_sync_elements_predicted"] == plan.grad_sync
+    assert any(line.startswith("    by mesh axis") and "dp 704, tp 1,184" in line for line in out)

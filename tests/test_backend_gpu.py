@@ -1,6 +1,9 @@
-"""nccl on CUDA: MLP plans trained and checked against one process (skipped without CUDA)."""
+"""nccl on CUDA: MLP plans and the 2x2 mesh plans trained and checked against one process (skipped without CUDA)."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +49,16 @@ def test_nccl_data_parallel_mlp_matches_single_process():
                       backend="nccl")
     assert result.check == "passed"
     assert result.comm_elements_measured == 2 * (n - 1) * (784 * 512 + 512 * 10) + (n - 1) * 128 * 10
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="a 2x2 mesh needs 4 GPUs")
+@pytest.mark.parametrize("name", ["dp_tp_mlp", "tp_sp_block", "zero3_tp_mlp"])
+def test_nccl_2x2_mesh_plans_match_single_process(name):
+    """The DeviceMesh groups with NCCL options, reduce_scatter and all_gather on CUDA tensors."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import mesh_plans
+
+    plan = mesh_plans.PLANS_2X2[name](operator_library())
+    result = run_plan(plan.pcg, 4, TrainConfig(steps=3, check=True), graph=plan.graph, backend="nccl")
+    assert result.check == "passed", result
+    assert result.comm_elements_measured == plan.sent and result.comm_by_axis == plan.sent_by_axis()

@@ -9,7 +9,10 @@ The Hugging Face models are in test_backend_hf.py (slow).
 from __future__ import annotations
 
 import json
+import math
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +24,9 @@ from parsat.backend.executor import TrainConfig, compare_values, operator_librar
 from parsat.backend.torch_import import import_module  # noqa: E402
 from parsat.cli import main  # noqa: E402
 from parsat.ir.data_parallel import data_parallel_pcg  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import mesh_plans  # noqa: E402
 
 MODELS = '''
 import torch
@@ -103,15 +109,21 @@ def models(tmp_path_factory):
 
 
 def _optimize(models, factory: str, tmp_path, devices: int = 2) -> str:
+    """The factory's module as a data-parallel plan file (`data_parallel_pcg` of its imported graph; every node
+    computed on every rank where data parallelism does not apply), with the data_parallel baseline recorded
+    without its PCG, so `--plan-of data_parallel` rebuilds it from the graph."""
+    module, inputs = TiedLMFactory(models, factory)
+    graph = parsat.from_torch(module, inputs)
+    pcg = data_parallel_pcg(graph, operator_library(), devices) or mesh_plans.redundant_pcg(graph, operator_library(),
+                                                                                           devices)
     plan = tmp_path / f"{factory}.json"
-    assert main(["optimize", f"{models}:{factory}", "--devices", str(devices), "--machine", "h100x8", "-q",
-                 "-o", str(plan)]) == 0
+    plan.write_text(json.dumps(mesh_plans.plan_dict(graph, pcg, baselines={"data_parallel": None})), encoding="utf-8")
     return str(plan)
 
 
-def _run(capsys, plan: str, models, factory: str, *extra: str) -> tuple[int, dict, str]:
+def _run(capsys, plan: str, models, factory: str, *extra: str, nproc: int = 2) -> tuple[int, dict, str]:
     capsys.readouterr()
-    code = main(["run", plan, "--nproc", "2", "--check", "--json", "--model", f"{models}:{factory}", *extra])
+    code = main(["run", plan, "--nproc", str(nproc), "--check", "--json", "--model", f"{models}:{factory}", *extra])
     out = capsys.readouterr()
     lines = [line for line in out.out.strip().splitlines() if line.startswith("{")]
     return code, (json.loads(lines[-1]) if lines else {}), out.out + out.err
@@ -136,6 +148,74 @@ def test_tied_weights_stay_one_parameter_and_train_like_torch(models, tmp_path, 
         code, result, text = _run(capsys, plan, models, "tied", "--plan-of", plan_of)
         assert code == 0 and result["check"] == "passed", text
         assert result["max_rel_diff"] < 1e-9
+
+
+def test_a_module_trains_as_a_plan_on_a_2x2_mesh(models, tmp_path, capsys):
+    """The tied LM on 4 ranks, data parallel over both axes of dp 2 x dp2 2 (the batch cut on dim 0 twice, nested):
+    --check passes, and each weight's gradient is all-reduced on dp2 then on dp (4 groups' worth of 2(p-1)w
+    each), plus the two all-reduces of the loss's partial sums."""
+    module, inputs = TiedLMFactory(models, "tied")
+    graph = parsat.from_torch(module, inputs)
+    pcg = mesh_plans.nested_data_parallel(graph, operator_library())
+    path = tmp_path / "tied-2x2.json"
+    weights = sum(math.prod(leaf.shape) for leaf in graph.weights)
+    scalars = sum(1 for name in graph.outputs if graph.shape(name) == ())
+    predicted = 2 * (4 * weights) + 2 * (4 * scalars)  # per axis: 2 groups x 2(p-1) n, for every weight and loss
+    path.write_text(json.dumps(mesh_plans.plan_dict(graph, pcg, predicted)), encoding="utf-8")
+    code, result, text = _run(capsys, str(path), models, "tied", nproc=4)
+    assert code == 0 and result["check"] == "passed", text
+    assert result["comm_elements_measured"] == predicted
+    assert result["comm_elements_by_axis"] == {"dp": predicted / 2, "dp2": predicted / 2}
+
+
+TORCHRUN_SCRIPT = '''
+import json, sys
+import torch
+import parsat
+sys.path.insert(0, sys.argv[3])
+from models import tagger
+
+plan, out = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+module, ids = tagger()
+module = module.double()
+reference = __import__("copy").deepcopy(module)
+pmodule = parsat.parallelize(module, plan, ids)
+optimizer = torch.optim.SGD(pmodule.parameters(), lr=0.1)
+for _ in range(2):
+    loss = pmodule(ids).square().mean()
+    optimizer.zero_grad(); loss.backward(); optimizer.step()
+state = parsat.gather_weights(pmodule)
+ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+for _ in range(2):
+    ref_loss = reference(ids).square().mean()
+    ref_optimizer.zero_grad(); ref_loss.backward(); ref_optimizer.step()
+diff = max(float((state[k] - v).abs().max()) for k, v in reference.state_dict().items())
+if torch.distributed.get_rank() == 0:
+    open(out, "w").write(json.dumps({"diff": diff, "loss": float(loss), "ref_loss": float(ref_loss),
+                                     "pieces": sorted(pmodule.named_pieces())}))
+'''
+
+
+@pytest.mark.slow
+def test_parallelize_under_torchrun_on_a_2x2_mesh(models, tmp_path):
+    """The public API on 4 ranks: `parsat.parallelize` of a module with a plan on dp 2 x dp2 2, the user's own
+    loop and torch.optim.SGD, then `gather_weights`: the module's weights equal an unparallelized run's."""
+    import subprocess
+
+    module, ids = TiedLMFactory(models, "tagger")
+    graph = parsat.from_torch(module.double(), ids)
+    plan = tmp_path / "tagger-2x2.json"
+    plan.write_text(json.dumps(mesh_plans.plan_dict(graph, mesh_plans.nested_data_parallel(graph, operator_library()))),
+                    encoding="utf-8")
+    script, out = tmp_path / "train.py", tmp_path / "out.json"
+    script.write_text(TORCHRUN_SCRIPT, encoding="utf-8")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    done = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "4", str(script), str(plan), str(out),
+                           str(models.parent)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["diff"] < 1e-12 and abs(result["loss"] - result["ref_loss"]) < 1e-12, result
 
 
 def test_padding_idx_row_gets_no_gradient(models, tmp_path, capsys):

@@ -68,22 +68,16 @@ def faulty_run_rank(ctx, pcg, config, graph, library=None):
 
 def plan_path(tmp_path: Path) -> Path:
     """Data parallelism of a small MLP on 2 devices: collectives forward (gather) and backward (all-reduce)."""
-    from parsat.backend.executor import operator_library
-    from parsat.ir import models
-    from parsat.ir.data_parallel import data_parallel_pcg
-    from parsat.saturate.baselines import price_pcg
-    from parsat.ir.costs import totals
-    from parsat.ir.machine import Machine
-    from parsat.ir.plan import Plan
+    import sys
 
-    lib = operator_library()
-    graph = models.mlp(batch=8, d_in=6, d_hidden=4, d_out=2, library=lib)
-    pcg = data_parallel_pcg(graph, lib, 2)
-    machine = Machine.preset("cpu").with_devices(2)
-    costs = price_pcg(pcg, lib, machine)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import mesh_plans
+    from parsat.backend.executor import operator_library
+
+    plan = mesh_plans.data_parallel_mlp(operator_library(), 2, batch=8, d_in=6, d_hidden=4, d_out=2)
     path = tmp_path / "plan.json"
-    Plan(graph, machine, 2, pcg, costs, totals(costs, machine)).save(path)
-    assert sum(1 for n in pcg.nodes if n.kind == "parallel") > FAULT_AT
+    mesh_plans.save_plan(plan, path)
+    assert sum(1 for n in plan.pcg.nodes if n.kind == "parallel") > FAULT_AT
     return path
 
 

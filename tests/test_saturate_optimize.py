@@ -95,7 +95,7 @@ def test_baseline_pcgs_in_json_priced_equal_to_totals(shipped, tmp_path):
         assert baseline is not None, name
         pcg = pcg_from_dict(baseline["pcg"])
         assert [o["name"] for o in baseline["pcg"]["outputs"]] == list(plan.graph.outputs)
-        priced = totals(price_pcg(pcg, shipped, machine, devices=8), machine)
+        priced = totals(price_pcg(pcg, shipped, machine), machine)
         assert priced.time_s == pytest.approx(baseline["time_s"], rel=1e-12), name
         assert priced.comm_elements == baseline["comm_elements"], name
         assert priced.peak_memory_bytes == baseline["peak_memory_bytes"], name
@@ -175,7 +175,7 @@ def test_plan_json_is_self_contained(mlp_plan_cpu, tmp_path):
     path = tmp_path / "plan.json"
     mlp_plan_cpu.save(path)
     data = load_plan_dict(path)
-    assert data["schema"] == "parsat.plan" and data["version"] == PLAN_VERSION == 2
+    assert data["schema"] == "parsat.plan" and data["version"] == PLAN_VERSION == 3
     assert data["devices"] == 2
     assert {w["name"] for w in data["graph"]["weights"]} == {"w1", "w2"}
     assert set(data["totals"]) >= {"time_s", "comm_elements", "comm_bytes", "peak_memory_bytes"}
@@ -269,7 +269,7 @@ def test_rules_used_are_the_makers_of_the_plan_s_new_operators(shipped):
     machine = Machine.preset("cpu").with_devices(2)
     result = saturate(graph, shipped, shipped.rules, 2, Limits())
     roots = [result.classes[n] for n in graph.outputs]
-    _pcg, _costs, extraction = _solve(result, graph, shipped, machine, roots, Limits(), True, 2)
+    _pcg, _costs, extraction = _solve(result, graph, shipped, machine, roots, Limits(), True)
     used = rules_used(shipped.rules, result.snapshot, extraction.choice)
     chosen = [result.snapshot.classes[c][i] for c, i in extraction.choice.items()]
     new = [node for node in chosen if result.snapshot.makers(node)]

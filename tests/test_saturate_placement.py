@@ -1,11 +1,11 @@
-"""Plans the backend can lay out: rules apply only at degrees where both sides put pieces on the same devices.
+"""Plans the backend can lay out: rules lifted onto a device mesh keep every piece where the plan says.
 
-A rule is proved for values and spreads; two terms with one spread can
-still hold their pieces on different mesh atoms (`ir.placement`), and a
-compute operator whose inputs do not line up cannot run. The rule below is
-true (the verifier proves it) and moves a replica set to another atom:
-with it, and without the layout guard, the optimizer's best transformer
-plan on 4 devices could not run.
+A rule is proved for values and spreads of whole tensors. On a mesh each
+of its degrees acts on one axis, and it applies to tensors already spread
+over the other axes only where both sides end in the same placement on
+every axis (docs/MESH.md). The rule below is true (the verifier proves it)
+but its right side would need two placements on one axis at once: it is
+never lifted, on any mesh.
 """
 
 from __future__ import annotations
@@ -16,15 +16,18 @@ from parsat.api import optimize
 from parsat.dsl.checker import load_checked
 from parsat.dsl.parser import parse
 from parsat.dsl.typecheck import type_rule
+from parsat.ir.mesh import Mesh
+from parsat.ir.models import build_example
 from parsat.ir.pcg import PCG, Degrees, PNode
 from parsat.ir.pcg_layout import lay_out
-from parsat.ir.placement import PlacementError
-from parsat.saturate import guards
+from parsat.ir.placement import FREE, PARTIAL, REPLICA, Placement, PlacementError, codes_for_rank, shard
 from parsat.saturate import program as rule_program
+from parsat.saturate.lifting import NotLiftable, assignments, lift
+from parsat.saturate.saturate import saturate
 
 MOVES_REPLICAS = """import "ops.rule"
 
-# Proved, but its right side holds the copies on another mesh atom than its left side.
+# Proved, but its right side holds copies of a block on the axis that blocks it.
 rule replicate_via_partition:
   forall x: [*a, m, *b], p: degree
   where m % p == 0
@@ -33,79 +36,112 @@ rule replicate_via_partition:
 
 
 @pytest.fixture(scope="module")
-def rules_dir(tmp_path_factory):
-    from parsat.dsl.library import shipped_rules_dir
-
-    folder = tmp_path_factory.mktemp("rules")
-    # The transformer's own operators and rules: the imported models' rules (parallel_layers.rule) give
-    # the unguarded extraction other, placeable, plans of the same cost, hiding the case this file tests.
-    for path in shipped_rules_dir().glob("*.rule"):
-        if path.name != "parallel_layers.rule":
-            (folder / path.name).write_text(path.read_text())
-    (folder / "moves_replicas.rule").write_text(MOVES_REPLICAS)
-    return folder
+def library():
+    return load_checked(None)
 
 
-def _instance(text: str, groups=None):
-    library = load_checked(None)
+def _instance(library, text: str, groups=None):
     rule = parse(text).items[0]
     return type_rule(rule, library.ops, groups or {g: 0 for g in ("a", "b", "s")
                                                    if any(g in str(b.type) for b in rule.binders)})
 
 
-def test_a_rule_that_moves_replicas_to_another_atom_is_never_compiled(rules_dir):
-    library = load_checked([str(rules_dir)])
+def test_a_rule_whose_sides_place_pieces_differently_is_never_lifted(tmp_path):
+    from parsat.dsl.library import shipped_rules_dir
+
+    (tmp_path / "ops.rule").write_text((shipped_rules_dir() / "ops.rule").read_text())
+    (tmp_path / "moves.rule").write_text(MOVES_REPLICAS)
+    library = load_checked([str(tmp_path)])
     rule = next(r for r in library.rules if r.name == "replicate_via_partition")
-    program = rule_program.compile_rules(library, [rule], {2}, 4, typing_cache={})
-    assert not program.rules
-    (skipped,) = program.skipped
-    assert "changes where pieces live" in skipped.reason and "different devices" in skipped.reason
-    unguarded = rule_program.compile_rules(library, [rule], {2}, 4, typing_cache={}, placement=False)
-    assert unguarded.rules   # derivability (the rule generator) still sees it
+    for shape in ((4,), (2, 2)):
+        program = rule_program.compile_mesh_rules(library, [rule], {2}, Mesh.of(shape))
+        assert not program.rules
+        (skipped,) = program.skipped
+        assert "does not accept its inputs" in skipped.reason, skipped.reason
+    assert rule_program.compile_rules(library, [rule], {2}, 4, typing_cache={}).rules  # derivations still see it
 
 
-def test_nested_degrees_apply_only_where_the_atoms_come_in_the_same_order():
-    """partition(x, p * q) and partition(partition(x, p), q) agree on 12 devices (2 * 2 * 3) when the p-atoms
-    come first in both: p = 2, q = 2 or 3; not p = 3, q = 2 (the product takes its 2-atom first)."""
-    instance = _instance("""rule nested:
+def test_a_degree_that_is_a_product_is_not_one_axis(library):
+    instance = _instance(library, """rule nested:
   forall x: [m, n], p: degree, q: degree
   where m % (p * q) == 0
   partition(x, 0, p * q) => partition(partition(x, 0, p), 0, q)""")
-    symbols, allowed = guards.layout_guard(instance, 12)
-    assert symbols == ("p", "q")
-    assert (2, 2) in allowed and (2, 3) in allowed and (3, 2) not in allowed
-    assert guards.layout_guard(instance, 8) is None     # one prime: the order never differs
+    with pytest.raises(NotLiftable, match="not one mesh axis"):
+        assignments(instance, 2)
 
 
-def test_plans_lay_out_with_the_guard_and_would_not_without_it(rules_dir, monkeypatch):
-    ops = load_checked([str(rules_dir)]).ops
-    guarded = optimize("transformer", devices=4, machine="h100x8", rules=[str(rules_dir)], allow_unverified=True)
-    assert guarded.to_dict()["extraction"]["chosen"] == "joint"
-    assert "unplaceable" not in guarded.to_dict()["extraction"]
-    for pcg in [guarded.pcg] + [b.pcg for b in guarded.baseline_plans.values()]:
-        lay_out(pcg, ops, 4)
-
-    monkeypatch.setattr(guards, "layout_guard", lambda instance, devices: None)
-    monkeypatch.setattr(rule_program, "_COMPILED_CACHE", {})
-    unguarded = optimize("transformer", devices=4, machine="h100x8", rules=[str(rules_dir)], allow_unverified=True)
-    extraction = unguarded.to_dict()["extraction"]
-    assert "joint" in extraction["unplaceable"] and "different ranks" in extraction["unplaceable"]["joint"]
-    assert extraction["chosen"] not in extraction["unplaceable"]      # what is returned still runs
-    lay_out(unguarded.pcg, ops, 4)
-
-
-def test_lay_out_names_the_node_whose_inputs_do_not_line_up(data_parallel_matmul):
-    library = load_checked(None)
-    with pytest.raises(PlacementError, match=r"at node #6, matmul: inputs are spread over different ranks"):
-        lay_out(data_parallel_matmul(aligned=False), library.ops, 4)
-    layouts = lay_out(data_parallel_matmul(aligned=True), library.ops, 4)
-    assert layouts[6].degrees == ((2, 1), 1, 1)
+def test_a_lifted_rule_keeps_the_other_axis_placement(library):
+    """Data parallelism of a matmul on axis 1 of a 2 x 2 mesh, its operands already split on axis 0: the other
+    axis's table lists exactly the legal pre-splits, and both sides agree on each."""
+    instance = _instance(library, """rule dp:
+  forall x: [m, k], w: [k, n], p: degree
+  where m % p == 0
+  matmul(partition(x, 0, p), replicate(w, p)) => partition(matmul(x, w), 0, p)""")
+    lifted = lift(instance, 2, {"p": 1}, {})
+    assert lifted.target_codes[1][id(instance.lhs)] == shard(0)
+    rows = {row[:2]: row[2:] for row in lifted.others[0].rows}
+    assert set(rows) <= {(a, b) for a in codes_for_rank(2) for b in codes_for_rank(2)}
+    # column parallelism on the other axis (x replicated, w split by columns): the result is split by columns
+    assert rows[(REPLICA, shard(1))][-1] == shard(1)
+    # a contraction split on the other axis: partial sums there
+    assert rows[(shard(1), shard(0))][-1] == PARTIAL
+    # x split by rows on the other axis, then by rows again on axis 1: rows nest, the other axis major
+    assert rows[(shard(0), REPLICA)][-1] == shard(0)
+    assert (FREE, shard(1)) not in rows            # an operand free where the other is split: not SPMD
 
 
-def test_a_plan_whose_spreads_are_not_its_layouts_is_refused(data_parallel_matmul):
-    library = load_checked(None)
+def test_rules_nest_over_two_axes_and_every_plan_lays_out(library):
+    result = saturate(build_example("mlp", None, library), library, library.rules, Mesh.of((2, 2), 4))
+    both = [p for p in result.snapshot.placement.values() if len(p.spread_axes) == 2]
+    assert both, "no value is spread over both axes: rules did not nest"
+    plan = optimize("transformer", devices=4, machine="h100x8", allow_unverified=True)
+    assert "unplaceable" not in plan.to_dict()["extraction"]
+    for pcg in [plan.pcg] + [b.pcg for b in plan.baseline_plans.values()]:
+        lay_out(pcg, library.ops)
+
+
+@pytest.fixture
+def data_parallel_matmul(library):
+    """matmul(partition(x, 0), w') on a 2-axis mesh, w' replicated on the same axis (aligned) or not at all."""
+
+    def build(aligned: bool) -> PCG:
+        mesh = Mesh.of((2, 2), 4, names=("dp", "tp"))
+        whole = Placement((FREE, FREE))
+        split = Placement((shard(0), FREE))
+        copies = Placement((REPLICA, FREE))
+        nodes = [PNode(0, "leaf", "x", (), (), (8, 4), Degrees((1, 1)), "input", "x", whole),
+                 PNode(1, "parallel", "partition", (0,), (("dim", 0), ("axis", "dp"), ("degree", 2)), (8, 4),
+                       Degrees((2, 1)), placement=split),
+                 PNode(2, "leaf", "w", (), (), (4, 3), Degrees((1, 1)), "weight", "w", whole)]
+        if aligned:
+            nodes.append(PNode(3, "parallel", "replicate", (2,), (("axis", "dp"), ("degree", 2)), (4, 3),
+                               Degrees((1, 1), 2), placement=copies))
+            w = 3
+        else:
+            w = 2
+        out = Placement((shard(0), FREE))
+        nodes.append(PNode(len(nodes), "op", "matmul", (1, w), (), (8, 3), Degrees((2, 1)), placement=out))
+        return PCG(tuple(nodes), (nodes[-1].id,), ("y",), mesh)
+
+    return build
+
+
+def test_lay_out_names_the_node_whose_inputs_do_not_line_up(library, data_parallel_matmul):
+    with pytest.raises(PlacementError, match=r"at node #3, matmul: on mesh axis 0: matmul: inputs are split"):
+        lay_out(data_parallel_matmul(aligned=False), library.ops)
+    placements = lay_out(data_parallel_matmul(aligned=True), library.ops)
+    assert placements[4] == Placement((shard(0), FREE))
+
+
+def test_a_plan_whose_stated_placement_is_not_its_layout_is_refused(library, data_parallel_matmul):
     pcg = data_parallel_matmul(aligned=True)
-    wrong = PCG(tuple(n if n.id != 2 else PNode(2, n.kind, n.op, n.inputs, n.attrs, n.shape, Degrees((1, 2)))
-                      for n in pcg.nodes), pcg.outputs)
-    with pytest.raises(PlacementError, match=r"at node #2, partition\(dim=0, degree=2\): the plan states spread"):
-        lay_out(wrong, library.ops, 2)
+    wrong = PCG(tuple(n if n.id != 1 else PNode(1, n.kind, n.op, n.inputs, n.attrs, n.shape, n.degrees,
+                                                placement=Placement((FREE, shard(0))))
+                      for n in pcg.nodes), pcg.outputs, pcg.output_names, pcg.mesh)
+    with pytest.raises(PlacementError, match=r"at node #1, partition\(dim=0, axis=dp, degree=2\): the plan states"):
+        lay_out(wrong, library.ops)
+    wrong = PCG(tuple(n if n.id != 1 else PNode(1, n.kind, n.op, n.inputs, n.attrs, n.shape, Degrees((1, 2)),
+                                                placement=n.placement)
+                      for n in pcg.nodes), pcg.outputs, pcg.output_names, pcg.mesh)
+    with pytest.raises(PlacementError, match=r"states spread"):
+        lay_out(wrong, library.ops)
