@@ -315,7 +315,7 @@ def _plan_edit(lib, name: str) -> tuple[dict, str]:
         "negative degree": (edit(lambda d: d["nodes"][0]["spread"].update(copy=-2)), r"spread\.copy: must be at least 1"),
         "zero shape": (edit(lambda d: d["nodes"][2].update(shape=[0, 4])), r"nodes\[2\] .*shape\[0\]: must be at least 1"),
         "no nodes": (edit(lambda d: d.update(nodes=[])), r"the plan has no nodes"),
-        "wrong version": (edit(lambda d: d.update(version=3)), r"plan version 3 is not supported"),
+        "wrong version": (edit(lambda d: d.update(version=4)), r"plan version 4 is not supported"),
         "not a plan": ({"schema": "parsat.graph"}, r"is not a parsat plan"),
     }
     return cases[name]
@@ -384,7 +384,7 @@ def test_optimize_cli_refuses_a_bad_machine_file_and_device_count(tmp_path, lib,
 def test_the_real_command_line_exits_1_without_a_trace(tmp_path):
     """The installed entry point, in a fresh process: exit status and stderr as a user sees them."""
     bad = tmp_path / "bad.json"
-    bad.write_text('{"schema": "parsat.plan", "version": 1, "devices": 0}')
+    bad.write_text('{"schema": "parsat.plan", "version": 3, "devices": 0}')
     for args in (["run", str(bad), "--nproc", "2"],):
         done = subprocess.run([sys.executable, "-m", "parsat", *args], capture_output=True, text=True, timeout=120,
                               cwd=REPO)
@@ -417,7 +417,8 @@ def test_hostile_values_are_really_hostile():
 def test_a_baseline_pcg_is_validated_like_the_plan_s_own(tmp_path, lib):
     """Plan v2 carries each baseline's PCG (`parsat run --plan-of NAME` runs it): same checks, under its path."""
     data = plan_dict(lib)
-    pcg = {"nodes": copy.deepcopy(data["nodes"]), "outputs": copy.deepcopy(data["outputs"])}
+    pcg = {"mesh": copy.deepcopy(data["mesh"]), "nodes": copy.deepcopy(data["nodes"]),
+           "outputs": copy.deepcopy(data["outputs"])}
     data["baselines"]["data_parallel"] = {**data["totals"], "pcg": pcg}
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))
