@@ -53,9 +53,9 @@ from typing import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from parsat.dsl.parallel_ops import COMBINE, PARTITION, REDUCE, REPLICATE
+from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER, REPLICATE
 from parsat.ir.mesh import Mesh
-from parsat.ir.placement import ALL_GATHER, FREE, REDUCE_SCATTER, Placement, apply_parallel
+from parsat.ir.placement import FREE, Placement, apply_parallel
 
 # The collectives (and the two local steps) a parallel operator runs in one direction.
 SLICE, IDENTITY = "slice", "identity"

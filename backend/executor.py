@@ -51,9 +51,9 @@ from parsat.backend.collectives import GRAD_SYNC, PARALLEL_TABLE, CommCounter, M
 from parsat.backend.launch import LaunchConfig, RankContext, launch
 from parsat.backend.torch_ops import apply_op
 from parsat.dsl.library import Library, load_library, shipped_rules_dir
-from parsat.dsl.parallel_ops import PARTITION, REPLICATE
+from parsat.dsl.parallel_ops import ALL_GATHER, PARTITION, REPLICATE
 from parsat.ir.mesh import Mesh
-from parsat.ir.placement import ALL_GATHER, FREE, PARTIAL, Placement, PlacementError, piece_index
+from parsat.ir.placement import FREE, PARTIAL, Placement, PlacementError, piece_index
 from parsat.ir.graph import Graph
 from parsat.ir.pcg import PCG, PNode
 from parsat.ir.pcg_layout import lay_out

@@ -1,25 +1,37 @@
-"""The four parallel operators, in the one table every stage reads.
+"""The parallel operators, in the one table every stage reads.
 
 They change how a tensor is spread over devices, never its value
 (docs/LANGUAGE.md; the effects and collectives are in docs/ARCHITECTURE.md):
 `partition(x, dim, n)` multiplies dim's shard degree by n, `combine(x, dim,
 n)` divides it, `replicate(x, n)` multiplies the copy degree, `reduce(x,
-n)` divides the partial-sum degree. The checker knows their signatures
-from here, spread inference their effect, the e-graph their constructors,
-the plan schema their attributes, the cost model and the backend their
-collectives: each reads its names and parameters from this table rather
-than spelling them again.
+n)` divides the partial-sum degree. Two more are *fused*: each stands for
+two of those four on the same devices, and is one collective where the
+pair would be two (Megatron's sequence parallelism, ZeRO-3 / FSDP):
+`reduce_scatter(x, dim, n)` = `partition(reduce(x, n), dim, n)` (a
+reduce-scatter forward, an all-gather of the gradient backward) and
+`all_gather(x, dim, n)` = `replicate(combine(x, dim, n), n)` (an all-gather
+forward, a reduce-scatter of the gradient backward). A fused operator's
+meaning is its expansion (`steps`): the verifier proves rules with fused
+operators expanded (`expand_fused`), spread inference and placements
+apply the steps in turn. The checker knows their signatures from here, the
+e-graph their constructors, the plan schema their attributes, the cost
+model and the backend their collectives: each reads its names and
+parameters from this table rather than spelling them again.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
+
+from parsat.dsl import ast
 
 PARTITION = "partition"
 COMBINE = "combine"
 REPLICATE = "replicate"
 REDUCE = "reduce"
+REDUCE_SCATTER = "reduce_scatter"
+ALL_GATHER = "all_gather"
 
 
 @dataclass(frozen=True)
@@ -28,6 +40,7 @@ class ParallelOp:
 
     name: str
     params: tuple[str, ...]
+    steps: tuple[str, ...] = ()   # a fused operator: the elementary operators it stands for, innermost first
 
     @property
     def attrs(self) -> tuple[str, ...]:
@@ -51,7 +64,32 @@ PARALLEL_OPS: Mapping[str, ParallelOp] = {op.name: op for op in (
     ParallelOp(COMBINE, ("tensor", "dim", "degree")),
     ParallelOp(REPLICATE, ("tensor", "degree")),
     ParallelOp(REDUCE, ("tensor", "degree")),
+    ParallelOp(REDUCE_SCATTER, ("tensor", "dim", "degree"), (REDUCE, PARTITION)),
+    ParallelOp(ALL_GATHER, ("tensor", "dim", "degree"), (COMBINE, REPLICATE)),
 )}
+
+
+def expand_fused(expr):
+    """`expr` (a DSL expression, `dsl.ast`) with every fused parallel operator written as its steps, each step
+    keeping the call's source span: what a fused operator means."""
+    if isinstance(expr, ast.Call):
+        args = tuple(expand_fused(a) for a in expr.args)
+        op = PARALLEL_OPS.get(expr.func)
+        if op is None or not op.steps:
+            return ast.Call(expr.func, args, expr.span) if args != expr.args else expr
+        source, rest = args[0], args[1:]
+        dim, degree = (rest[0], rest[1]) if op.has_dim else (None, rest[0])
+        for step in op.steps:
+            takes_dim = PARALLEL_OPS[step].has_dim
+            source = ast.Call(step, (source, dim, degree) if takes_dim else (source, degree), expr.span)
+        return source
+    return expr
+
+
+def expand_fused_rule(rule):
+    """A rule with both sides' fused operators expanded (`expand_fused`): the rule the verifier proves."""
+    lhs, rhs = expand_fused(rule.lhs), expand_fused(rule.rhs)
+    return rule if (lhs is rule.lhs and rhs is rule.rhs) else replace(rule, lhs=lhs, rhs=rhs)
 
 
 def prime_factors(n: int) -> list[int]:

@@ -28,6 +28,7 @@ from typing import Sequence
 from parsat.dsl import ast
 from parsat.dsl.conditions import Cond, NotAnInteger, Rel, divides, symbolic_truth, to_poly
 from parsat.dsl.instantiate import OpInstance, index_bounds, param_dim_names
+from parsat.dsl.parallel_ops import COMBINE, PARALLEL_OPS, PARTITION, REDUCE, REPLICATE
 from parsat.dsl.symbolic import ONE, Poly
 
 @dataclass(frozen=True)
@@ -75,12 +76,21 @@ class SpreadError(Exception):
 
 def apply_parallel(name: str, shape: Sequence[Poly], spread: Spread, dim: int | None, degree: Poly,
                    span: ast.Span | None) -> tuple[Spread, list[Cond]]:
-    """The spread after a parallel operator, and what it requires to be defined."""
-    if name in ("partition", "combine"):
+    """The spread after a parallel operator, and what it requires to be defined (a fused operator: its steps,
+    `dsl.parallel_ops`, in turn)."""
+    steps = PARALLEL_OPS[name].steps if name in PARALLEL_OPS else ()
+    if steps:
+        needs: list[Cond] = []
+        for step in steps:
+            spread, need = apply_parallel(step, shape, spread, dim if PARALLEL_OPS[step].has_dim else None, degree,
+                                          span)
+            needs += need
+        return spread, needs
+    if name in (PARTITION, COMBINE):
         if dim is None or not 0 <= dim < len(shape):
             raise SpreadError(f"{name}: dim {dim} is out of range for a tensor of rank {len(shape)}")
         shard = list(spread.shard)
-        if name == "partition":
+        if name == PARTITION:
             shard[dim] = shard[dim] * degree
             need = [divides(shard[dim], shape[dim], span,
                             f"partition: dim {dim} (size {shape[dim]}) must split into {shard[dim]} equal blocks")]
@@ -89,9 +99,9 @@ def apply_parallel(name: str, shape: Sequence[Poly], spread: Spread, dim: int | 
                             f"combine: degree {degree} must divide the shard degree {shard[dim]} of dim {dim}")]
             shard[dim] = shard[dim].floordiv(degree)
         return Spread(tuple(shard), spread.copy, spread.sum), need
-    if name == "replicate":
+    if name == REPLICATE:
         return Spread(spread.shard, spread.copy * degree, spread.sum), []
-    if name == "reduce":
+    if name == REDUCE:
         need = [divides(degree, spread.sum, span,
                         f"reduce: degree {degree} must divide the partial-sum degree {spread.sum}")]
         return Spread(spread.shard, spread.copy, spread.sum.floordiv(degree)), need

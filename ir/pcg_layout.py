@@ -20,7 +20,7 @@ from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.ir.graph import instance_for
 from parsat.ir.mesh import MeshError
 from parsat.ir.pcg import PCG, Degrees
-from parsat.ir.placement import FUSED_PARALLEL, Placement, PlacementError, apply_parallel, compute_placement
+from parsat.ir.placement import Placement, PlacementError, apply_parallel, compute_placement
 
 
 def lay_out(pcg: PCG, ops: Mapping[str, ast.OpDecl]) -> dict[int, Placement]:
@@ -35,7 +35,7 @@ def lay_out(pcg: PCG, ops: Mapping[str, ast.OpDecl]) -> dict[int, Placement]:
             if node.kind == "leaf":
                 placement = Placement.whole(len(mesh))
             elif node.kind == "parallel":
-                if node.op not in PARALLEL_OPS and node.op not in FUSED_PARALLEL:
+                if node.op not in PARALLEL_OPS:
                     raise PlacementError(f"'{node.op}' is not a parallel operator")
                 axis = node.axis(mesh)
                 if int(node.attr("degree")) != mesh.size(axis):

@@ -36,7 +36,7 @@ from typing import Mapping, Sequence
 
 from parsat.dsl.instantiate import OpInstance
 from parsat.dsl.spread import ONE, Spread, infer_compute
-from parsat.dsl.parallel_ops import COMBINE, PARTITION, REDUCE, REPLICATE
+from parsat.dsl.parallel_ops import COMBINE, PARALLEL_OPS, PARTITION, REDUCE, REPLICATE
 from parsat.dsl.symbolic import Poly
 from parsat.ir.mesh import Mesh
 
@@ -44,14 +44,6 @@ FREE, REPLICA, PARTIAL = 0, 1, 2
 SHARD0 = 3
 AXIS_DEGREE = Poly.sym("axis#size")   # the symbolic size of the one axis that single-axis inference looks at
 
-# Fused parallel operators: one collective where the two elementary operators they stand for take two
-# (Megatron sequence parallelism, ZeRO-3). `reduce_scatter(x, d, a)` = partition(reduce(x, a), d, a): partial ->
-# Shard(d), a reduce-scatter forward and an all-gather backward; `all_gather(x, d, a)` =
-# replicate(combine(x, d, a), a): Shard(d) -> replica, an all-gather forward and a reduce-scatter backward.
-# Their placement effect is the composition of the steps, on the one axis they act on.
-REDUCE_SCATTER = "reduce_scatter"
-ALL_GATHER = "all_gather"
-FUSED_PARALLEL: Mapping[str, tuple[str, ...]] = {REDUCE_SCATTER: (REDUCE, PARTITION), ALL_GATHER: (COMBINE, REPLICATE)}
 
 
 class PlacementError(Exception):
@@ -151,6 +143,13 @@ def axis_parallel(op: str, code: int, dim: int | None, acts_here: bool, here_bef
     also shards must act on an axis after this one (mesh order stays the
     order of the blocks; `here_before_op_axis`).
     """
+    steps = PARALLEL_OPS[op].steps if op in PARALLEL_OPS else ()
+    if steps:
+        for step in steps:
+            code = axis_parallel(step, code, dim, acts_here, here_before_op_axis)
+            if code is None:
+                return None
+        return code
     if acts_here:
         if op == PARTITION:
             return shard(dim) if code == FREE else None
@@ -242,11 +241,11 @@ class Placement:
 
 def apply_parallel(placement: Placement, op: str, axis: int, dim: int | None = None) -> Placement:
     """The placement after a parallel operator on `axis` (raises PlacementError); a fused operator
-    (`FUSED_PARALLEL`) is its steps in turn."""
+    (`dsl.parallel_ops`: reduce_scatter, all_gather) is its steps in turn."""
     if not 0 <= axis < len(placement.codes):
         raise PlacementError(f"{op}: mesh axis {axis} does not exist (the mesh has {len(placement.codes)})")
-    if op in FUSED_PARALLEL:
-        steps = FUSED_PARALLEL[op]
+    steps = PARALLEL_OPS[op].steps if op in PARALLEL_OPS else ()
+    if steps:
         for step in steps:
             try:
                 placement = apply_parallel(placement, step, axis, dim if step in (PARTITION, COMBINE) else None)

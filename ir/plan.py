@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from parsat.dsl.parallel_ops import COMBINE, PARTITION, REDUCE, REPLICATE
+from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER, REPLICATE
 from parsat.ir.costs import NodeCost, Totals
 from parsat.ir.errors import PlanError
 from parsat.ir.graph import Graph
@@ -174,7 +174,9 @@ def _parallel_summary(parallel: Sequence[Mapping], nodes: Mapping[int, Mapping],
         kind = {PARTITION: f"weights stored in {d} shards" if weight else f"splits into {d} blocks",
                 COMBINE: f"gathers of {d} blocks",
                 REPLICATE: f"weights replicated on {d} devices" if weight else f"replications on {d} devices",
-                REDUCE: f"sums of {d} partial sums"}[node["op"]]
+                REDUCE: f"sums of {d} partial sums",
+                REDUCE_SCATTER: f"reduce-scatters over {d} devices",
+                ALL_GATHER: f"all-gathers of {d} blocks into copies"}[node["op"]]
         counts[kind] += 1
     return ", ".join(f"{n} {kind}" for kind, n in counts.most_common())
 
@@ -225,8 +227,14 @@ def explain(data: Mapping, limit: int | None = 40) -> str:
             text = f"gathers {what} along dim {attrs['dim']} from {attrs['degree']} blocks"
         elif node["op"] == REPLICATE:
             text = f"replicates {what} on {attrs['degree']} devices"
-        else:
+        elif node["op"] == REDUCE:
             text = f"adds up {attrs['degree']} partial sums of {what}"
+        elif node["op"] == REDUCE_SCATTER:
+            text = f"adds up {attrs['degree']} partial sums of {what}, each device keeping block of dim {attrs['dim']}"
+        else:
+            text = f"gathers {what} along dim {attrs['dim']} from {attrs['degree']} blocks into copies"
+        if "axis" in attrs:
+            text += f" on mesh axis {attrs['axis']}"
         if source["kind"] == "leaf" and source["op"] in weights:
             text += " (weight" + (", gradient all-reduced every step)" if node["op"] == REPLICATE else
                                   ", stored sharded: no gradient sync)")

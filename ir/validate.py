@@ -22,7 +22,6 @@ from typing import Any, Mapping, NoReturn
 
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.ir.errors import GraphError, MachineError
-from parsat.ir.placement import FUSED_PARALLEL
 
 # The schemas' names and versions: every writer stamps them, every reader checks them.
 GRAPH_SCHEMA = "parsat.graph"
@@ -40,7 +39,6 @@ MAX_DEVICES = 1 << 20
 MAX_NUMBER = 2 ** 1000  # an integer beyond this has no float (OverflowError in the cost model and explain)
 PLAN_KINDS = ("leaf", "op", "parallel")
 PARALLEL_ATTRS = {name: op.plan_attrs for name, op in PARALLEL_OPS.items()}   # a parallel node's `attrs` keys
-PARALLEL_ATTRS.update({name: ("dim", "axis", "degree") for name in FUSED_PARALLEL})  # fused: one dim, one axis
 PLACEMENT = re.compile(r"^(Shard\((0|[1-9][0-9]{0,2})\)|Replicate\(\)|Partial\(\))$")
 EXPLAIN_TOTALS = ("time_s", "compute_s", "comm_s", "comm_elements", "comm_bytes", "peak_memory_bytes",
                   "grad_sync_elements")

@@ -55,6 +55,7 @@ def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_layouts: 
     priceable)."""
     pricer = Pricer(library, machine, pcg.mesh, free_input_layouts)
     by_id = {n.id: n for n in pcg.nodes}
+    roles = pcg_roles(pcg)
     out: dict[int, NodeCost] = {}
     for node in pcg.nodes:
         children = [by_id[i] for i in node.inputs]
@@ -62,11 +63,23 @@ def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_layouts: 
         attrs = tuple(v for k, v in node.attrs if node.kind != "parallel" or k == "dim")
         op = node.op if node.kind != "leaf" else "leaf"
         cost = pricer.price(op, attrs, node.shape, node.degrees, tuple(c.shape for c in children),
-                            tuple(c.degrees for c in children), tuple(c.role for c in children), axis)
+                            tuple(c.degrees for c in children), tuple(roles.get(c.id, "") for c in children), axis)
         if cost is None:
             return None
         out[node.id] = cost
     return out
+
+
+def pcg_roles(pcg: PCG) -> dict[int, str]:
+    """Node id -> role, as `extract.leaf_roles` gives e-classes: leaves by their role, values made from them by
+    parallel operators only as "input" or "weight-piece"."""
+    roles: dict[int, str] = {}
+    for node in pcg.nodes:
+        if node.kind == "leaf":
+            roles[node.id] = node.role or "input"
+        elif node.kind == "parallel" and node.inputs[0] in roles:
+            roles[node.id] = "input" if roles[node.inputs[0]] == "input" else "weight-piece"
+    return roles
 
 
 def data_parallel(graph: Graph, library: Library, machine: Machine, free_input_layouts: bool,

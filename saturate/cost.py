@@ -39,7 +39,7 @@ from math import prod
 from typing import Sequence
 
 from parsat.dsl.instantiate import OpInstance
-from parsat.dsl.parallel_ops import COMBINE, PARTITION, REDUCE, REPLICATE
+from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER, REPLICATE
 from parsat.dsl.spread import infer_compute
 from parsat.dsl.work import work
 from parsat.ir.costs import NodeCost
@@ -105,7 +105,19 @@ def compute_cost(instance: OpInstance, inputs: Sequence[Degrees], output: Degree
 def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, output: Degrees, machine: Machine,
                   source_role: str, devices: int | None = None,
                   link: tuple[float, float] | None = None) -> NodeCost:
-    """One of the four parallel operators; `source_role` is "input", "weight" or "" (an activation).
+    """A parallel operator on one mesh axis of `degree` devices. `source_role` says what it reads:
+
+    * "input": a graph input or a piece of one: inputs have no gradient, and
+      the data loader gives each device the piece it needs, so nothing moves;
+    * "weight": a weight leaf: a partition stores it sharded (no
+      communication), a replicate stores it whole and all-reduces its
+      gradient (the gradient synchronisation);
+    * "weight-piece": a weight already cut or copied by parallel operators: a
+      further partition stores it finer (its optimizer state shrinks by the
+      difference), a replicate or all_gather of it synchronises its gradient
+      (ZeRO-3 / FSDP: an all_gather of a stored shard gathers it forward and
+      again backward, and reduce-scatters the gradient);
+    * "": an activation: each operator's collectives as in docs/ARCHITECTURE.md.
 
     A tensor with fewer pieces than `devices` is held redundantly (SPMD): each
     of the `devices / pieces` replica sets runs the collective, so the elements
@@ -118,32 +130,45 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
     link = link or machine.link(p)
     in_piece, out_piece = source.piece_elements(shape), output.piece_elements(shape)
     time, elements, grad_sync, collectives = 0.0, 0, 0, []
-    memory = 0 if source_role else out_piece * machine.dtype_bytes
-    opt = 0.0
-    if source_role == "weight":  # the weight is stored in this layout
+    memory, opt = 0, 0.0
+    weighty = source_role in ("weight", "weight-piece")
+
+    def run(phase: str, kind: str, n: int, pieces: int, sync: bool = False) -> None:
+        nonlocal time, elements, grad_sync
+        t, e = (_all_reduce if kind == "all-reduce" else _all_gather)(machine, p, n, link)  # RS moves what AG does
+        time += t
+        elements += e * pieces
+        if sync:
+            grad_sync += e * pieces
+        collectives.append(f"{phase} {kind} x{pieces} ({p} devices, {n} elements)" + (" [gradient sync]" if sync else ""))
+
+    if source_role == "weight" and op in (PARTITION, REPLICATE):   # the weight is stored in this layout
         memory = out_piece * ADAM_STATE_BYTES
         opt = out_piece * ADAM_TRAFFIC_BYTES / machine.memory_bandwidth
-    if op == PARTITION:
-        if not source_role:
-            t, e = _all_gather(machine, p, in_piece, link)
-            time, elements = t, e * source.pieces
-            collectives.append(f"bwd all-gather x{source.pieces} ({p} devices, {in_piece} elements)")
+    elif source_role == "weight-piece" and op == PARTITION:        # stored finer: the state shrinks
+        memory = (out_piece - in_piece) * ADAM_STATE_BYTES
+        opt = (out_piece - in_piece) * ADAM_TRAFFIC_BYTES / machine.memory_bandwidth
+    elif not source_role and op not in (REPLICATE,):
+        memory = out_piece * machine.dtype_bytes                    # an activation kept for backward
+    if source_role == "input":
+        pass
+    elif op == PARTITION:
+        if not weighty:
+            run("bwd", "all-gather", in_piece, source.pieces)
     elif op == COMBINE:
-        t, e = _all_gather(machine, p, out_piece, link)
-        time, elements = t, e * output.pieces
-        collectives.append(f"fwd all-gather x{output.pieces} ({p} devices, {out_piece} elements)")
+        run("fwd", "all-gather", out_piece, output.pieces)
     elif op == REPLICATE:
-        if source_role != "input":
-            t, e = _all_reduce(machine, p, in_piece, link)
-            time, elements = t, e * source.pieces
-            if source_role == "weight":
-                grad_sync = elements
-            collectives.append(f"bwd all-reduce x{source.pieces} ({p} devices, {in_piece} elements)"
-                               + (" [gradient sync]" if source_role == "weight" else ""))
+        run("bwd", "all-reduce", in_piece, source.pieces, sync=weighty)
     elif op == REDUCE:
-        t, e = _all_reduce(machine, p, out_piece, link)
-        time, elements = t, e * output.pieces
-        collectives.append(f"fwd all-reduce x{output.pieces} ({p} devices, {out_piece} elements)")
+        run("fwd", "all-reduce", out_piece, output.pieces)
+    elif op == REDUCE_SCATTER:
+        run("fwd", "reduce-scatter", in_piece, source.pieces)
+        run("bwd", "all-gather", in_piece, source.pieces)
+    elif op == ALL_GATHER:
+        run("fwd", "all-gather", out_piece, output.pieces)
+        if weighty:   # FSDP frees the gathered weight after forward and gathers it again for backward
+            run("bwd", "all-gather", out_piece, output.pieces)
+        run("bwd", "reduce-scatter", out_piece, output.pieces, sync=weighty)
     else:
         raise KeyError(op)
     spread_over = max(source.pieces, output.pieces)

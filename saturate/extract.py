@@ -53,13 +53,26 @@ class ExtractionError(Exception):
 
 
 def leaf_roles(snapshot: Snapshot, graph: Graph) -> dict[int, str]:
-    """E-class -> role ("input" / "weight") for classes that hold a graph leaf."""
+    """E-class -> role for classes that hold a graph leaf ("input" / "weight") or a value made from one by
+    parallel operators only ("input" / "weight-piece"): the cost model prices their parallel operators as
+    storage and gradient synchronisation, not as activations (`cost.parallel_cost`)."""
     roles = {leaf.name: leaf.role for leaf in graph.leaves}
     found: dict[int, str] = {}
     for cid, nodes in snapshot.classes.items():
         for node in nodes:
             if node.op == "leaf" and node.attrs[0].removesuffix(PIN_SUFFIX) in roles:
                 found[cid] = roles[node.attrs[0].removesuffix(PIN_SUFFIX)]
+    changed = True
+    while changed:
+        changed = False
+        for cid, nodes in snapshot.classes.items():
+            if cid in found:
+                continue
+            for node in nodes:
+                if node.op in PARALLEL_OPS and node.children[0] in found:
+                    found[cid] = "input" if found[node.children[0]] == "input" else "weight-piece"
+                    changed = True
+                    break
     return found
 
 

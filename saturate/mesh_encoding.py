@@ -14,6 +14,12 @@
   (`lifting.OtherAxisTable`) is a relation `Lift_<hash>` of i64 columns,
   declared once per program however many rule instances share it.
 * Provenance rows (`Made_...`) as in `encoding`.
+* Fused parallel operators (`dsl.parallel_ops`: reduce_scatter, all_gather)
+  mean their steps, so wherever the steps stand one on the other on one
+  axis the fused operator is unioned in by definition, not by a rule (the
+  `fold` rules, in the ruleset that runs before every step, `FOLD_MADE`
+  their maker): `partition(reduce(x, a), d, a)` gets `reduce_scatter(x, d,
+  a)`, `replicate(combine(x, d, a), a)` gets `all_gather(x, d, a)`.
 
 The global shape of a class is not stored: it is the local shape times the
 sizes of the axes that shard each dim, computed when the e-graph is read
@@ -67,8 +73,29 @@ def mesh_declarations(ops: Mapping[str, ast.OpDecl], mesh: Mesh) -> str:
     lines.append(f"(datatype Place (V{axes}{' i64' * axes}))")
     lines.append(f"(function {LOCAL} (T) Shape :merge new)")
     lines.append(f"(function {PLACE} (T) Place :merge new)")
-    lines.append(f"(ruleset {SHAPE_RULESET})")   # the runner runs it first every step; nothing to derive here
+    lines.append(f"(ruleset {SHAPE_RULESET})")   # the runner runs it first every step: the fold rules
+    lines += fold_rules()
     return "\n".join(lines) + "\n"
+
+
+FOLD_MADE = "fused operator (by definition)"
+
+
+def fold_rules() -> list[str]:
+    """For every fused operator, the egglog rule that unions it with its steps where they occur (module doc)."""
+    out = []
+    for op in PARALLEL_OPS.values():
+        if not op.steps:
+            continue
+        inner, outer = (PARALLEL_OPS[s] for s in op.steps)
+        dim = "d"
+        inner_args = ["x"] + ([dim] if inner.has_dim else []) + ["a"]
+        outer_args = ["c"] + ([dim] if outer.has_dim else []) + ["a"]
+        fused_args = ["x", dim, "a"]
+        out.append(f"(rule ((= o ({ctor(outer.name)} {' '.join(outer_args)})) (= c ({ctor(inner.name)} "
+                   f"{' '.join(inner_args)}))) ((union o ({ctor(op.name)} {' '.join(fused_args)})) "
+                   f"{made_row(ctor(op.name), fused_args, FOLD_MADE)}) :ruleset {SHAPE_RULESET})")
+    return out
 
 
 def _rows(var: str, local: Sequence[int], placement: Placement) -> list[str]:

@@ -27,7 +27,7 @@ from parsat.backend.executor import (ExecutionError, gradient_reductions, check_
 from parsat.dsl.parallel_ops import PARALLEL_OPS  # noqa: E402
 from parsat.ir.mesh import Mesh  # noqa: E402
 from parsat.ir.pcg import PCG  # noqa: E402
-from parsat.ir.placement import (FREE, FUSED_PARALLEL, PARTIAL, REPLICA, Placement, PlacementError,  # noqa: E402
+from parsat.ir.placement import (FREE, PARTIAL, REPLICA, Placement, PlacementError,  # noqa: E402
                                  apply_parallel, piece_index, shard)
 
 LIBRARY = operator_library()
@@ -74,7 +74,7 @@ def test_a_partial_output_is_refused():
 
 def test_every_table_row_is_a_parallel_operator_of_the_placement_algebra():
     """The backend's table and ir.placement name the same operators: the four of the DSL and the fused ones."""
-    assert set(PARALLEL_TABLE) == set(PARALLEL_OPS) | set(FUSED_PARALLEL)
+    assert set(PARALLEL_TABLE) == set(PARALLEL_OPS)
     for row in PARALLEL_TABLE.values():  # each row changes a placement as its name says, on one axis
         before = {"partition": FREE, "replicate": FREE, "combine": shard(1), "all_gather": shard(1),
                   "reduce": PARTIAL, "reduce_scatter": PARTIAL}[row.name]

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 from parsat.dsl import ast
 from parsat.dsl.errors import DslError
 from parsat.dsl.library import Library, display_path, load_library, rule_files, shipped_rules_dir
+from parsat.dsl.parallel_ops import expand_fused_rule
 from parsat.verifier.cache import VerdictCache, rule_key
 from parsat.verifier.core import DEFAULT_TIMEOUT, VERSION, RuleError, verify_rule
 from parsat.verifier.verdict import BOUNDED, PROVED, REFUTED, UNKNOWN, VACUOUS, VERDICTS, Verdict
@@ -177,6 +178,7 @@ def _replays(verdict: Verdict, rule: ast.RuleDecl, ops) -> str:
     from parsat.verifier.concrete import replay_counterexample
 
     cex = verdict.counterexample
+    rule = expand_fused_rule(rule)   # what was verified (`core.verify_rule`)
     try:
         if cex.rhs == "does not type":  # the right side did not type at these ranks: it still must not
             type_rule(rule, ops, cex.groups)

@@ -35,6 +35,7 @@ from typing import Mapping
 from parsat.dsl import ast
 from parsat.dsl.checker import SEMANTIC_KINDS, compare_sides, witness
 from parsat.dsl.conditions import Negation, Rel
+from parsat.dsl.parallel_ops import expand_fused_rule
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import RuleInstance, TypeCheckError, check_rhs_bound, group_assignments, type_rule
 from parsat.verifier import concrete, ranks
@@ -88,7 +89,10 @@ class _Clock:
 
 def verify_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], file: str = "", timeout: float = DEFAULT_TIMEOUT,
                 search_trials: int = SEARCH_TRIALS) -> Verdict:
-    """The verdict for one rule; never raises for a semantic problem (RuleError for a malformed rule)."""
+    """The verdict for one rule; never raises for a semantic problem (RuleError for a malformed rule).
+
+    A fused parallel operator means its steps (`dsl.parallel_ops`): the rule is verified with them expanded."""
+    rule = expand_fused_rule(rule)
     clock = _Clock(timeout)
     line = rule.span.line if rule.span else 0
     file = file or (rule.span.file if rule.span else "")
@@ -325,6 +329,7 @@ def refuted_concretely(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], trials
     more ranks) and proves only the one it settles on; this refutes most
     wrong variants in milliseconds. Raises RuleError for a malformed rule.
     """
+    rule = expand_fused_rule(rule)
     try:
         rank_plan = ranks.plan(rule, ops)
     except TypeCheckError as err:

@@ -44,6 +44,7 @@ import numpy as np
 from parsat.dsl import ast
 from parsat.dsl.conditions import holds
 from parsat.dsl.evaluate import EvaluationError
+from parsat.dsl.parallel_ops import expand_fused_rule
 from parsat.dsl.spread import Spread
 from parsat.dsl.symbolic import ONE, Poly
 from parsat.dsl.typecheck import RuleInstance, TypeCheckError, type_rule
@@ -112,6 +113,7 @@ def replay_lifted(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], mesh: Mesh,
     `max_combinations` caps the combinations per binding and rank
     assignment (None: all of them).
     """
+    rule = expand_fused_rule(rule)   # a fused operator means its steps
     report = LiftReport(rule.name, mesh)
     try:
         plan = ranks.plan(rule, ops)
