@@ -23,11 +23,12 @@ from parsat.ir.graph import Graph
 from parsat.ir.json_files import read_json_file
 from parsat.ir.machine import Machine
 from parsat.ir.mesh import Mesh, MeshError
+from parsat.ir.parallelism import describe
 from parsat.ir.pcg import PCG, Degrees, PNode
 from parsat.ir.placement import PlacementError, from_dtensor
 from parsat.ir.validate import PLAN_SCHEMA, PLAN_VERSION, READABLE_VERSIONS, validate_plan_dict
 
-BASELINES = ("data_parallel", "sequential", "megatron")
+BASELINES = ("data_parallel", "sequential", "megatron", "best_grid")
 JOINT = "joint"                # `extraction.chosen` when the plan was extracted from the joint e-graph
 
 
@@ -37,6 +38,7 @@ class BaselinePlan:
 
     pcg: PCG
     costs: Mapping[int, NodeCost]
+    config: Mapping | None = None    # the configuration a grid baseline chose (dp, tp, sp, zero, microbatches)
 
 
 def pcg_to_dict(pcg: PCG, costs: Mapping[int, NodeCost], dtype_bytes: int) -> dict:
@@ -87,6 +89,8 @@ class Plan:
             if found and name in self.baseline_plans:
                 chosen = self.baseline_plans[name]
                 baselines[name]["pcg"] = pcg_to_dict(chosen.pcg, chosen.costs, dtype)
+                if chosen.config:
+                    baselines[name]["config"] = dict(chosen.config)
         return {
             "schema": PLAN_SCHEMA, "version": PLAN_VERSION,
             "devices": self.devices, "machine": self.machine.to_dict(), "graph": self.graph.to_dict(),
@@ -197,6 +201,8 @@ def explain(data: Mapping, limit: int | None = 40) -> str:
     lines.append(f"  communication {totals['comm_elements']:,} elements ({_fmt_bytes(totals['comm_bytes'])}) per step, "
                  f"of which gradient sync {totals['grad_sync_elements']:,}")
     lines.append(f"  peak memory {_fmt_bytes(totals['peak_memory_bytes'])} per device (bound)")
+    mesh = Mesh.from_dict(data["mesh"])
+    lines.append(f"  mesh {mesh if len(mesh) else 'none (one device)'}: {describe(pcg_from_dict(data))}")
     ext = data.get("extraction") or {}
     chosen = ext.get("chosen", JOINT)
     if chosen != JOINT:
@@ -277,6 +283,9 @@ def explain(data: Mapping, limit: int | None = 40) -> str:
     lines.append(row("parsat", totals))
     for name in BASELINES:
         lines.append(row(name, data["baselines"].get(name)))
+    chosen_grid = (data["baselines"].get("best_grid") or {}).get("config")
+    if chosen_grid:
+        lines.append("  best_grid: " + ", ".join(f"{k} {v}" for k, v in chosen_grid.items()))
     sat = data.get("saturation") or {}
     if sat:
         lines.append("")

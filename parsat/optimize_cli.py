@@ -30,6 +30,8 @@ def register(subparsers) -> None:
                      help="saturation limits: iterations, enodes, seconds, ilp_seconds")
     opt.add_argument("--allow-unverified", action="store_true", help="also use rules the verifier has not PROVED")
     opt.add_argument("--list-examples", action="store_true", help="list the built-in examples and their sizes")
+    opt.add_argument("--degrees", default=None, metavar="KIND=N,...",
+                     help="pin degrees of parallelism (dp, tp), e.g. tp=2,dp=4; the rest is searched")
     opt.add_argument("--no-baselines", action="store_true", help="skip the baselines (faster)")
     opt.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
     opt.add_argument("--stats", action="store_true",
@@ -72,6 +74,7 @@ def run_optimize(args: argparse.Namespace) -> int:
 
     try:
         sizes = _pairs(args.set, "--set")
+        degrees = _pairs(args.degrees.split(","), "--degrees") if args.degrees else {}
         limits = _pairs(args.limit, "--limit", float)
         for key in ("iterations", "enodes"):
             if key in limits:
@@ -83,12 +86,13 @@ def run_optimize(args: argparse.Namespace) -> int:
                 print(f"[{time.perf_counter() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
 
         model = args.model
-        if ".py:" in model:  # model.py:factory -> (module, example inputs): torch.fx import, torch loaded only here
+        if ".py:" in model:  # model.py:factory -> (module, example inputs): torch.export import, torch loaded only here
             from parsat.backend.torch_import import load_model_file
             model = load_model_file(model)
         plan = optimize(model, machine=args.machine, rules=args.rules, limits=limits or None,
                         devices=args.devices, allow_unverified=True if args.allow_unverified else None,
-                        baselines=not args.no_baselines, sizes=sizes or None, progress=progress)
+                        baselines=not args.no_baselines, sizes=sizes or None, degrees=degrees or None,
+                        progress=progress)
     except (ValueError, OptimizeError, GraphError, MachineError) as err:
         return _error(str(err))
     except DslError as err:

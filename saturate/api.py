@@ -33,7 +33,7 @@ from parsat.ir.pcg import Degrees
 from parsat.ir.pcg_layout import lay_out
 from parsat.ir.placement import Placement, PlacementError
 from parsat.ir.plan import JOINT, BaselinePlan, Plan
-from parsat.saturate.baselines import Candidate, data_parallel, megatron_excluded, sequential
+from parsat.saturate.baselines import Candidate, best_grid, data_parallel, megatron_excluded, sequential
 from parsat.saturate.errors import OptimizeError
 from parsat.saturate.extract import Extraction, ExtractionError, leaf_roles
 from parsat.saturate.inputs import check_devices, check_pins, pins_on, resolve_graph, resolve_library, search_meshes
@@ -41,6 +41,7 @@ from parsat.saturate.program import MeshCaches
 from parsat.saturate.runner import Limits
 from parsat.saturate.saturate import SaturationResult, saturate
 from parsat.saturate.solve import price, rules_used, solve
+from parsat.saturate.strategies import Config, PinError, config_excluded, pinned_meshes
 
 Progress = Callable[[str], None]
 RuleChooser = Callable[[Library], tuple[Sequence[ast.RuleDecl], str]]
@@ -57,7 +58,7 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
              output_spreads: Mapping[str, Degrees | Mapping] | None = None,
              input_spreads: Mapping[str, Degrees | Mapping] | None = None, free_input_layouts: bool = True,
              baselines: bool = True, sizes: Mapping[str, int] | None = None,
-             progress: Progress | None = None) -> Plan:
+             degrees: Mapping[str, int] | None = None, progress: Progress | None = None) -> Plan:
     """The cheapest plan the chosen rules reach for `graph` on `devices` devices of `machine`.
 
     `graph` is a Graph, a graph JSON path or an example name (with `sizes`);
@@ -69,8 +70,10 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     loader can read any slice; a pinned input read in another layout costs
     a gather). The search saturates the graph once per device mesh
     (`inputs.search_meshes`, docs/MESH.md) and keeps the cheapest plan;
-    `limits.seconds` bounds the whole search. Raises OptimizeError,
-    GraphError or MachineError with a message for the user.
+    `limits.seconds` bounds the whole search. `degrees` pins kinds of
+    parallelism (`{"tp": 2, "dp": 4}`: `strategies.pinned_meshes`) and
+    searches the rest. Raises OptimizeError, GraphError or MachineError with
+    a message for the user.
     """
     say = progress or (lambda _m: None)
     library = resolve_library(rules)
@@ -88,16 +91,25 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
 
     deadline = time.perf_counter() + limits.seconds
     caches = MeshCaches()
-    meshes = [(mesh, pins_on(pins, mesh)) for mesh in search_meshes(devices, machine.devices_per_node)]
-    meshes = [(mesh, placed) for mesh, placed in meshes if placed is not None]
+    try:
+        pinned = pinned_meshes(dict(degrees or {}), devices, machine.devices_per_node)
+    except PinError as err:
+        raise OptimizeError(f"--degrees: {err}") from None
+    candidates_meshes = [(m, c) for m, c in pinned] or [(m, None) for m in search_meshes(devices,
+                                                                                         machine.devices_per_node)]
+    meshes = [(mesh, config, pins_on(pins, mesh)) for mesh, config in candidates_meshes]
+    meshes = [(mesh, config, placed) for mesh, config, placed in meshes if placed is not None]
     if not meshes:
         raise OptimizeError(f"no device mesh of {devices} devices can hold the pinned spreads")
     searches: list[MeshSearch] = []
-    for index, (mesh, placed) in enumerate(meshes):
+    for index, (mesh, config, placed) in enumerate(meshes):
         share = max(0.0, deadline - time.perf_counter()) / (len(meshes) - index)
         found = search_mesh(graph, library, chosen, mesh, replace(limits, seconds=share), machine, placed,
-                            input_pins, free_input_layouts, baselines, caches, say)
+                            input_pins, free_input_layouts, baselines, caches, say, config)
         searches.append(found)
+    if pinned and not any(s.joint for s in searches):
+        raise OptimizeError(f"--degrees {', '.join(f'{k}={v}' for k, v in degrees.items())} cannot hold for "
+                            f"'{graph.name}': {searches[0].error or 'no plan uses the pinned axes that way'}")
     if devices > 1 and not any(s.spread for s in searches):
         raise OptimizeError(f"no rule can spread '{graph.name}' over {devices} devices (no parallel rule applies "
                             "on any mesh of the device count)")
@@ -108,12 +120,13 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     candidates = [best_search.joint]
     found_baselines: dict[str, Totals | None] = {}
     if baselines:
-        megatrons = [s.megatron for s in searches if s.megatron is not None]
-        megatron = min(megatrons, key=lambda c: _rank(c, machine)) if megatrons else None
+        megatron = _best([s.megatron for s in searches], machine)
+        grid = _best([s.grid for s in searches], machine)
         two_phase = sequential(graph, library, chosen, best_search.mesh, replace(limits, ilp_seconds=limits.ilp_seconds / 2),
                                machine, best_search.pins, input_pins, free_input_layouts, say, caches)
         dp = data_parallel(graph, library, machine, free_input_layouts, devices) if not pins else None
-        for name, candidate in (("megatron", megatron), ("sequential", two_phase), ("data_parallel", dp)):
+        for name, candidate in (("megatron", megatron), ("sequential", two_phase), ("data_parallel", dp),
+                                ("best_grid", grid)):
             found_baselines[name] = candidate.totals if candidate is not None else None
             if candidate is not None:
                 candidates.append(candidate)
@@ -130,7 +143,8 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     # Every baseline is a PCG priced by the same model, so the best candidate is a valid plan. The joint plan
     # wins ties; a baseline only replaces it when strictly cheaper (e.g. after a limit stopped the joint search),
     # and `extraction.chosen` and explain() say so.
-    best = min(candidates, key=lambda c: _rank(c, machine))
+    # With pinned degrees the plan is the pinned one; the baselines are there to compare with.
+    best = candidates[0] if pinned and candidates[0].name == JOINT else min(candidates, key=lambda c: _rank(c, machine))
     if best.name != JOINT:
         say(f"baseline {best.name} was cheaper than anything extracted: the plan is its PCG")
     joint = best_search.result
@@ -145,10 +159,15 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
            "ilp_status": extraction.ilp_status, "pass_seconds": dict(extraction.seconds)}
     if unplaceable:
         ext["unplaceable"] = unplaceable
-    baseline_plans = {c.name: BaselinePlan(c.pcg, c.costs) for c in candidates if c.name != JOINT}
+    baseline_plans = {c.name: BaselinePlan(c.pcg, c.costs, c.config) for c in candidates if c.name != JOINT}
     return Plan(graph, machine, devices, best.pcg, best.costs, best.totals, found_baselines,
                 rules_used(chosen, joint.snapshot, extraction.choice) if best.name == JOINT else (),
                 saturation, ext, pins, baseline_plans)
+
+
+def _best(found: Sequence[Candidate | None], machine: Machine) -> Candidate | None:
+    present = [c for c in found if c is not None]
+    return min(present, key=lambda c: _rank(c, machine)) if present else None
 
 
 def _rank(candidate: Candidate, machine: Machine) -> tuple:
@@ -168,6 +187,7 @@ class MeshSearch:
     extraction: Extraction | None
     joint: Candidate | None
     megatron: Candidate | None
+    grid: Candidate | None
     extract_seconds: float
     spread: bool       # whether any class of the e-graph is spread over the mesh
     error: str = ""
@@ -180,8 +200,10 @@ class MeshSearch:
 
 def search_mesh(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh: Mesh, limits: Limits,
                 machine: Machine, pins: Mapping[str, Placement], input_pins: Mapping[str, Degrees],
-                free_inputs: bool, baselines: bool, caches: MeshCaches, say: Progress) -> MeshSearch:
-    """Saturate on one mesh, price every e-node, extract the joint plan (and the Megatron restriction)."""
+                free_inputs: bool, baselines: bool, caches: MeshCaches, say: Progress,
+                config: Config | None = None) -> MeshSearch:
+    """Saturate on one mesh, price every e-node, extract the joint plan (within `config`, pinned degrees, when
+    given) and the baselines that restrict the same e-graph (Megatron, the grid)."""
     t = time.perf_counter()
     result = saturate(graph, library, rules, mesh, limits, pins, caches=caches)
     say(f"mesh {mesh}: saturation {result.stop} after {result.iterations} iterations, {result.enodes} e-nodes, "
@@ -190,16 +212,18 @@ def search_mesh(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], m
     roots = [result.classes[f"pin:{n}"] if n in pins else result.classes[n] for n in graph.outputs]
     t = time.perf_counter()
     priced = price(result, graph, library, machine, free_inputs, input_pins)
+    pinned = config_excluded(result.snapshot, leaf_roles(result.snapshot, graph), config) if config else None
     try:
-        pcg, costs, extraction = solve(result, graph, library, machine, roots, limits, free_inputs,
+        pcg, costs, extraction = solve(result, graph, library, machine, roots, limits, free_inputs, pinned,
                                        pins=input_pins, costs=priced)
     except ExtractionError as err:
-        return MeshSearch(mesh, pins, result, None, None, None, time.perf_counter() - t, spread, str(err))
+        return MeshSearch(mesh, pins, result, None, None, None, None, time.perf_counter() - t, spread, str(err))
     seconds = time.perf_counter() - t
     joint = Candidate(JOINT, pcg, costs, totals(costs, machine))
     say(f"mesh {mesh}: extraction {extraction.method}, {seconds:.2f} s, plan {joint.totals.time_s * 1e3:.3f} ms")
-    megatron = None
+    megatron = grid = None
     if baselines:
+        grid = best_grid(result, graph, library, machine, roots, limits, free_inputs, priced, input_pins)
         excluded = megatron_excluded(result.snapshot, leaf_roles(result.snapshot, graph))
         try:
             mpcg, mcosts, _ = solve(result, graph, library, machine, roots,
@@ -209,7 +233,7 @@ def search_mesh(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], m
                 megatron = Candidate("megatron", mpcg, mcosts, totals(mcosts, machine))
         except ExtractionError:
             pass
-    return MeshSearch(mesh, pins, result, extraction, joint, megatron, seconds, spread)
+    return MeshSearch(mesh, pins, result, extraction, joint, megatron, grid, seconds, spread)
 
 
 def _unplaceable(candidates: Sequence[Candidate], library: Library) -> dict[str, str]:

@@ -6,7 +6,10 @@
   forbids excluded (`megatron_excluded`): graph inputs never split, matrices
   never replicated or read whole;
 * the sequential approach: algebraic rules saturated and extracted first,
-  on one device, then parallel rules only (`sequential`).
+  on one device, then parallel rules only (`sequential`);
+* the best of a Megatron-style grid (`best_grid`): on every mesh the search
+  tries, data x tensor axes, sequence parallelism on or off, ZeRO-3 or not
+  (`strategies`), each a restriction of the same e-graph.
 
 Each is a `Candidate` (a valid PCG with its costs), so `optimize` can keep
 the cheapest of them and the joint plan, and the backend can run any of them.
@@ -14,7 +17,7 @@ the cheapest of them and the joint plan, and the backend can run any of them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
 from parsat.dsl import ast
@@ -30,12 +33,13 @@ from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import PCG, Degrees
 from parsat.ir.placement import Placement
 from parsat.saturate.errors import OptimizeError
-from parsat.saturate.extract import ExtractionError, NodeId, Pricer
+from parsat.saturate.extract import ExtractionError, NodeId, Pricer, leaf_roles
 from parsat.saturate.program import MeshCaches
 from parsat.saturate.runner import Limits
-from parsat.saturate.saturate import saturate
+from parsat.saturate.saturate import SaturationResult, saturate
 from parsat.saturate.snapshot import Snapshot
 from parsat.saturate.solve import solve
+from parsat.saturate.strategies import config_excluded, grid
 
 Progress = Callable[[str], None]
 
@@ -48,6 +52,7 @@ class Candidate:
     pcg: PCG
     costs: Mapping[int, NodeCost]
     totals: Totals
+    config: Mapping | None = None    # best_grid: the configuration it chose (`strategies.Config.spelled`)
 
 
 def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_layouts: bool = True) -> dict[int, NodeCost] | None:
@@ -152,3 +157,33 @@ def sequential(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], me
         say(f"sequential baseline: none ({err})")
         return None
     return Candidate("sequential", spcg, scosts, totals(scosts, machine))
+
+
+GRID_ILP_SECONDS = 2.0   # each grid point's ILP: the grid has several points per mesh
+
+
+def best_grid(result: SaturationResult, graph: Graph, library: Library, machine: Machine, roots: Sequence[int],
+              limits: Limits, free_inputs: bool, priced: Mapping[NodeId, NodeCost],
+              input_pins: Mapping[str, Degrees]) -> Candidate | None:
+    """The best Megatron-style configuration on this mesh's e-graph (`strategies.grid`: data x tensor axes,
+    sequence parallelism on or off, ZeRO-3 or not), priced by the same cost model; its configuration spelled out."""
+    mesh = result.snapshot.mesh or Mesh(())
+    roles = leaf_roles(result.snapshot, graph)
+    best: Candidate | None = None
+    for config in grid(mesh):
+        excluded = config_excluded(result.snapshot, roles, config)
+        try:
+            pcg, costs, _ = solve(result, graph, library, machine, roots,
+                                  replace(limits, ilp_seconds=min(limits.ilp_seconds, GRID_ILP_SECONDS)), free_inputs,
+                                  excluded, pins=input_pins, costs=priced)
+        except ExtractionError:
+            continue
+        found = Candidate("best_grid", pcg, costs, totals(costs, machine), config.spelled(mesh))
+        if best is None or _better(found, best, machine):
+            best = found
+    return best
+
+
+def _better(a: Candidate, b: Candidate, machine: Machine) -> bool:
+    fits = lambda c: c.totals.peak_memory_bytes <= machine.memory_capacity  # noqa: E731
+    return (not fits(a), a.totals.time_s) < (not fits(b), b.totals.time_s)

@@ -1,0 +1,70 @@
+"""Kinds of parallelism on a device mesh: read off plans, pinned by the user, and the Megatron-style grid."""
+
+from __future__ import annotations
+
+import pytest
+
+from parsat.ir.parallelism import DATA, SEQUENCE, TENSOR, axis_uses, describe
+from parsat.saturate.api import optimize
+from parsat.saturate.errors import OptimizeError
+from parsat.saturate.strategies import Config, grid, pinned_meshes
+
+
+@pytest.fixture(scope="module")
+def transformer8():
+    return optimize("transformer", machine="h100x8", devices=8)
+
+
+def test_best_grid_is_priced_and_spelled_and_never_beats_the_plan(transformer8):
+    data = transformer8.to_dict()
+    grid_plan = data["baselines"]["best_grid"]
+    assert grid_plan is not None and grid_plan["pcg"]["mesh"]["axes"]
+    config = grid_plan["config"]
+    assert config["dp"] * config["tp"] == 8 and config["zero"] in (0, 3) and isinstance(config["sp"], bool)
+    assert transformer8.totals.time_s <= grid_plan["time_s"] + 1e-12
+    assert "best_grid: dp" in transformer8.explain()
+
+
+def test_pinned_tensor_degree_is_the_minor_axis_and_the_rest_is_searched():
+    plan = optimize("transformer", machine="h100x8", devices=8, degrees={"tp": 4})
+    uses = {u.name: u for u in axis_uses(plan.pcg)}
+    assert plan.pcg.mesh.shape == (2, 4) and TENSOR in uses["tp"].kinds
+    plan = optimize("transformer", machine="h100x8", devices=8, degrees={"dp": 8})
+    assert [u.kinds for u in axis_uses(plan.pcg)] == [frozenset({DATA})]
+    assert describe(plan.pcg).startswith("DP 8 inside a node")
+
+
+@pytest.mark.parametrize("degrees,words", [({"tp": 3}, "does not divide the 8 devices"),
+                                           ({"dp": 2, "tp": 2}, "dp 2 x tp 2 = 4 devices"),
+                                           ({"xp": 2}, "unknown parallelism xp"),
+                                           ({"tp": 0}, "positive integer")])
+def test_pins_that_cannot_hold_are_clear_errors(degrees, words):
+    with pytest.raises(OptimizeError, match=words):
+        optimize("mlp", machine="h100x8", devices=8, degrees=degrees)
+
+
+def test_the_grid_covers_data_tensor_sequence_and_zero3():
+    from parsat.ir.mesh import Mesh
+
+    points = grid(Mesh.of((8, 8), 8))
+    assert Config(0, 1, True, True) in points and Config(0, 1, False, False) in points and len(points) == 4
+    assert {p.tensor_axis for p in grid(Mesh.of((8,), 8))} == {None, 0}      # pure DP or pure TP in a node
+    assert {p.tensor_axis for p in grid(Mesh.of((64,), 8))} == {None}          # TP across nodes is not a grid point
+    assert pinned_meshes({}, 8, 8) == []
+
+
+def test_hand_built_plans_are_described_by_what_their_axes_do():
+    """The backend's reference plans (benchmarks/mesh_plans.py): DP x TP, TP x SP, ZeRO-3 x TP."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import mesh_plans
+    from parsat.dsl.checker import load_checked
+
+    library = load_checked(None)
+    assert describe(mesh_plans.dp_tp_mlp(library).pcg).startswith("DP 2")
+    assert "TP 2" in describe(mesh_plans.dp_tp_mlp(library).pcg)
+    text = describe(mesh_plans.tp_sp_block(library).pcg)
+    assert "TP 2" in text and "sequence-parallel norms" in text
+    assert "ZeRO-3 over DP" in describe(mesh_plans.zero3_tp_mlp(library).pcg)
