@@ -55,6 +55,41 @@ def _children_and_attrs(eg, sorts: Sequence[str], values: Sequence) -> tuple[tup
     return tuple(children), tuple(attrs)
 
 
+class Provenance(Mapping):
+    """E-node -> the rules that made it (`encoding.made_row`), read from the e-graph on first use.
+
+    Provenance rows outnumber e-nodes two to one and only the final plan's
+    rules are ever asked for (`solve.rules_used`), so they are decoded when
+    a plan asks, not each time an e-graph is read back."""
+
+    def __init__(self, egraph, frozen) -> None:
+        self._egraph, self._frozen = egraph, frozen
+        self._rows: dict[ENode, frozenset[str]] | None = None
+
+    def _load(self) -> dict[ENode, frozenset[str]]:
+        if self._rows is None:
+            eg, made = self._egraph, {}
+            for name, fn in self._frozen.functions.items():
+                if not name.startswith(MADE_PREFIX):
+                    continue
+                op = name[len(MADE_PREFIX):].split("_", 1)[1]
+                for row in fn.rows:
+                    node = ENode(op, *_children_and_attrs(eg, fn.input_sorts[:-1], row.inputs[:-1]))
+                    made.setdefault(node, set()).add(eg.value_to_string(row.inputs[-1]))
+            self._rows = {node: frozenset(who) for node, who in made.items()}
+            self._egraph = self._frozen = None
+        return self._rows
+
+    def __getitem__(self, node: ENode) -> frozenset[str]:
+        return self._load()[node]
+
+    def __iter__(self):
+        return iter(self._load())
+
+    def __len__(self) -> int:
+        return len(self._load())
+
+
 class Session:
     """An egglog e-graph with the compiled rules and one graph loaded."""
 
@@ -151,13 +186,8 @@ class Session:
         classes: dict[int, list[ENode]] = {}
         analysis: dict[str, dict] = {name: {} for name in ANALYSES}
         lets: dict[str, int] = {}
-        made: dict[ENode, set[str]] = {}
         for name, fn in frozen.functions.items():
             if name.startswith(MADE_PREFIX):
-                op = name[len(MADE_PREFIX):].split("_", 1)[1]
-                for row in fn.rows:
-                    node = ENode(op, *_children_and_attrs(eg, fn.input_sorts[:-1], row.inputs[:-1]))
-                    made.setdefault(node, set()).add(eg.value_to_string(row.inputs[-1]))
                 continue
             if fn.is_let_binding:
                 if fn.output_sort == "T":
@@ -178,7 +208,7 @@ class Session:
                 classes.setdefault(eg.value_to_i64(row.output), []).append(
                     ENode(op, *_children_and_attrs(eg, fn.input_sorts, row.inputs)))
         classes = {k: tuple(v) for k, v in classes.items()}
-        made_by = {node: frozenset(who) for node, who in made.items()}
+        made_by = Provenance(eg, frozen)
         if self.mesh is not None:
             return _mesh_snapshot(eg, frozen, classes, lets, made_by, self.mesh)
         shape: dict[int, tuple[int, ...]] = {}
