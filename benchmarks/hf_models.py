@@ -130,8 +130,9 @@ def train(args) -> None:
 
     import parsat
     from parsat.backend.executor import Comparison, compare_values, gradient_of
+    from parsat.backend import running_stats
     from parsat.backend.parallelize import ReferenceDropout
-    from parsat.dsl.placement import piece_index
+    from parsat.ir.placement import piece_index
 
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -165,6 +166,7 @@ def train(args) -> None:
                 piece, ref = pmodule.named_pieces()[weight], reference.get_parameter(weight)
                 pairs.append((f"gradient of {weight}", gradient_of(piece), gradient_of(ref)[where]))
                 pairs.append((f"weight {weight}", piece.detach(), ref.detach()[where]))
+            pairs += running_stats.compared(pmodule.module, reference, pmodule.imported.running_stats)
             found = found.merge(compare_values(pairs))
             losses.append(float(loss.detach()))
         seconds = time.process_time() - start

@@ -1,7 +1,10 @@
 """Data parallelism, by its textbook definition: the PCG every baseline table starts from.
 
 Every graph input split along dim 0 over all devices, every weight
-replicated, outputs gathered. It is built from the graph alone, not found
+replicated, outputs gathered; a partial sum (a statistic over the split
+batch: batch norm's mean and variance) all-reduced where an operator
+needs it whole, which is synchronized batch normalization, the data
+parallelism torch's SyncBatchNorm runs. It is built from the graph alone, not found
 by the rules, so the optimizer can price it as a baseline
 (`saturate/baselines.py`) and the backend can rebuild it for a plan file
 that predates baselines carrying their PCGs (`backend/cli.py`).
@@ -15,6 +18,8 @@ from parsat.dsl.parallel_ops import COMBINE, PARTITION, REDUCE, REPLICATE
 from parsat.dsl.spread import infer_compute
 from parsat.ir.graph import Graph, instance_for
 from parsat.ir.pcg import PCG, Degrees, PNode
+
+from dataclasses import replace
 
 
 def data_parallel_pcg(graph: Graph, library: Library, devices: int) -> PCG | None:
@@ -53,6 +58,22 @@ def data_parallel_pcg(graph: Graph, library: Library, devices: int) -> PCG | Non
         except InstantiationError:
             return None
         inferred = infer_compute(instance, [n.degrees.to_spread() for n in inputs])
+        if inferred.problems and any(n.degrees.sum != 1 for n in inputs):
+            # Synchronize: all-reduce the partial inputs; the reduced value is the graph node's (its origin).
+            reduced = {}
+            for n in inputs:
+                if n.degrees.sum != 1 and n.id not in reduced:
+                    whole = Degrees(n.degrees.shard, n.degrees.copy)
+                    nodes[n.id] = replace(n, origin="")
+                    total = add("parallel", REDUCE, (n.id,), (("degree", n.degrees.sum),), n.shape, whole,
+                                origin=n.origin)
+                    copies = devices // whole.pieces  # as many pieces as every other tensor of the plan
+                    reduced[n.id] = total if copies == 1 else add(
+                        "parallel", REPLICATE, (total,), (("degree", copies),), n.shape,
+                        Degrees(whole.shard, whole.copy * copies))
+                    ident[n.origin] = reduced[n.id]
+            inputs = [nodes[reduced.get(n.id, n.id)] for n in inputs]
+            inferred = infer_compute(instance, [n.degrees.to_spread() for n in inputs])
         if inferred.problems:
             return None
         degrees = Degrees.of(inferred.spread)
