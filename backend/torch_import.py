@@ -260,6 +260,12 @@ def import_module(module, example_inputs, library=None, name: str | None = None)
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if not all(isinstance(t, torch.Tensor) for t in inputs):
         raise TorchImportError("example inputs must be tensors (a tensor or a tuple of tensors)")
+    for path, sub in module.named_modules():  # torch.export itself fails on these, with a cryptic message
+        if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm) and sub.training and sub.track_running_stats \
+                and sub.momentum is None:
+            raise TorchImportError(f"{type(module).__name__}: batch norm '{path}' has momentum=None (a cumulative "
+                                   "average of its running statistics), which parsat does not support; give it a "
+                                   "momentum")
     was_training = module.training
     # Exporting and running the exported graph once executes the module's forward, and a batch norm in
     # training mode updates its running statistics in place: the import must leave the module as it was.
@@ -425,10 +431,6 @@ class _Translator:
         if None in names:
             raise _Refused("batch_norm in training mode whose running statistics are not buffers of the module")
         owner = names[0].rpartition(".")[0]
-        batch_norm = self.module.get_submodule(owner) if owner else self.module
-        if getattr(batch_norm, "momentum", 0.0) is None:
-            raise _Refused("batch_norm with momentum=None (a cumulative average of the running statistics) is not "
-                           "supported; give it a momentum")
         if count < 2:
             raise _Refused("batch_norm in training mode over one element per channel (torch refuses it too)")
         tracked = f"{owner}.num_batches_tracked" if owner else "num_batches_tracked"
