@@ -131,16 +131,17 @@ def optimize(args) -> None:
 
 
 def tensor_parallel_machine(base: str):
-    """The machine a tensor-parallel plan is made for: `base` with devices 1e5x slower at compute and links
-    that cost nothing. At these model sizes a real machine splits nothing (a collective costs more than the
-    whole step); on this one every split that takes work off a device pays for itself."""
+    """The machine a tensor-parallel plan is made for: `base` with devices 1e5x slower at compute, 1e3x slower
+    at memory, and links that cost nothing. At these model sizes a real machine splits nothing (a collective
+    costs more than the whole step); on this one every split that takes work or bytes off a device pays for
+    itself, and a weight read whole costs more than its stored shard."""
     from dataclasses import replace
 
     from parsat.ir.machine import Machine
 
     machine = Machine.resolve(base)
     return replace(machine, name=f"{machine.name}-slow-compute-free-links", peak_flops=machine.peak_flops / 1e5,
-                   intra_bandwidth=1e13, intra_latency=1e-9,
+                   memory_bandwidth=machine.memory_bandwidth / 1e3, intra_bandwidth=1e13, intra_latency=1e-9,
                    inter_bandwidth=1e13, inter_latency=1e-9)
 
 
