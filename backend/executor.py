@@ -136,7 +136,7 @@ def fan_in(nodes: Sequence[tuple[str, str, Sequence[str]]], shapes: dict, name: 
 
 
 def target_value(name: str, shape: Sequence[int], config: TrainConfig, step: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=_generator(config.seed, "target:" + name, step + 1),
+    return torch.randn(tuple(shape), generator=_generator(config.seed, "target:" + name, step + 1),  # () too
                        dtype=config.torch_dtype())
 
 

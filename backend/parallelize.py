@@ -30,6 +30,13 @@ What the returned module is:
   that is a replica on axes of `c` ranks in all is divided by `c`, so
   `replicate`'s all-reduce adds up one gradient, not `c`; on its free axes
   ranks compute the same gradient redundantly and nothing is divided);
+* batch norm in training mode keeps its running statistics as torch does:
+  after each training forward the module's `running_mean`, `running_var`
+  and `num_batches_tracked` buffers are updated from the global batch
+  statistics the plan computed (`backend.running_stats`), the same on every
+  rank; `gather_weights` returns them in the `state_dict`. Evaluation
+  (`pmodule.eval()`) is refused for such a plan: it normalizes with batch
+  statistics, and evaluation uses the module itself;
 * dropout draws real masks: a dropout's mask is a data input of the graph
   (`dropout_masked`), drawn at step `t` from a generator seeded by
   (seed, mask name, t) over the whole logical tensor, and each rank reads
@@ -52,6 +59,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from parsat.backend import running_stats
 from parsat.backend.collectives import CommCounter
 from parsat.backend.executor import (Comparison, ExecutionError, Optimizer, RankProgram, TrainConfig, _job_summary,
                                      check_mesh, compare_values, gradient_of, operator_library, output_holders,
@@ -180,7 +188,13 @@ class ParallelModule(torch.nn.Module):
             for leaf in self.imported.data.values():
                 if leaf.encoding == "dropout" and leaf.name in data:
                     data[leaf.name] = torch.full_like(data[leaf.name], 1.0 - leaf.rate)
+        if not self.training and self.imported.running_stats:
+            raise ExecutionError("this plan's batch norms normalize with the statistics of the batch (the module "
+                                 "was imported in training mode); to evaluate with the running statistics, call "
+                                 "parsat.gather_weights(pmodule) and run the module itself in eval mode")
         env = self.program.forward(self.step, self.counter, data)
+        if self.training and self.imported.running_stats:
+            running_stats.update(self.module, self.imported.running_stats, self.pcg, env, self.counter)
         outs = []
         for out_id, name in zip(self.pcg.outputs, self.program.output_names):
             x, placement = env[out_id]
@@ -421,6 +435,7 @@ def _reference_step(reference, optimizer: Optimizer, imported: ImportedModule, p
         ref = reference.get_parameter(name)
         pairs.append((f"gradient of {name}", gradient_of(piece), gradient_of(ref)[where]))
         pairs.append((f"weight {name}", piece.detach(), ref.detach()[where]))
+    pairs += running_stats.compared(pmodule.module, reference, imported.running_stats)
     return compare_values(pairs)
 
 

@@ -93,6 +93,28 @@ class DataLeaf:
     rate: float = 0.0
 
 
+@dataclass(frozen=True)
+class RunningStats:
+    """One batch normalization in training mode whose module keeps running statistics.
+
+    torch updates them in forward, in place: `running_mean = (1 - momentum)
+    * running_mean + momentum * mean` and the same for `running_var` with the
+    unbiased batch variance (`var * count / (count - 1)`), and adds 1 to
+    `num_batches_tracked`. The graph computes `mean` and `var` (the biased
+    variance over `count` = N*H*W elements per channel) as nodes of its own;
+    `parallelize` reads them after each training forward and applies the
+    same update to the module's buffers (`backend.running_stats`).
+    """
+
+    mean: str                 # graph node: the batch mean per channel
+    var: str                  # graph node: the biased batch variance per channel
+    count: int                # elements per channel in the batch (N * H * W)
+    momentum: float
+    running_mean: str         # buffer names in the module
+    running_var: str
+    batches_tracked: str | None
+
+
 # ------------------------------------------------------------------ the result
 
 
@@ -113,6 +135,7 @@ class ImportedModule:
     user_inputs: tuple[str, ...]           # placeholder names of the user's inputs, in call order
     output_spec: Any = None                # pytree spec of the module's outputs
     _needed: dict = field(default_factory=dict, repr=False)  # data node -> nodes to evaluate, in order
+    running_stats: tuple[RunningStats, ...] = ()  # batch norms in training mode with running statistics
 
     def data_values(self, inputs: Sequence[Any], dtype, seed: int = 0, step: int = 0) -> dict[str, Any]:
         """Every non-constant data leaf's value (full tensor) for one batch of the user's inputs; dropout
@@ -237,11 +260,26 @@ def import_module(module, example_inputs, library=None, name: str | None = None)
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if not all(isinstance(t, torch.Tensor) for t in inputs):
         raise TorchImportError("example inputs must be tensors (a tensor or a tuple of tensors)")
+    for path, sub in module.named_modules():  # torch.export itself fails on these, with a cryptic message
+        if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm) and sub.training and sub.track_running_stats \
+                and sub.momentum is None:
+            raise TorchImportError(f"{type(module).__name__}: batch norm '{path}' has momentum=None (a cumulative "
+                                   "average of its running statistics), which parsat does not support; give it a "
+                                   "momentum")
     was_training = module.training
-    program = export_module(module, inputs)
-    module.train(was_training)
-    translator = _Translator(module, program, inputs, GraphBuilder(library, name=name or type(module).__name__))
-    return translator.run()
+    # Exporting and running the exported graph once executes the module's forward, and a batch norm in
+    # training mode updates its running statistics in place: the import must leave the module as it was.
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    try:
+        program = export_module(module, inputs)
+        module.train(was_training)
+        translator = _Translator(module, program, inputs, GraphBuilder(library, name=name or type(module).__name__))
+        return translator.run()
+    finally:
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
 
 
 # ------------------------------------------------------------------ the translator
@@ -275,6 +313,8 @@ class _Translator:
         self.data: dict[tuple, DataLeaf] = {}
         self.constants: dict[str, Any] = {}
         self.dropout: list[str] = []
+        self.running_stats: list[RunningStats] = []
+        self.buffers = dict(sig.inputs_to_buffers)            # placeholder -> buffer name
         self.names: set[str] = set()
         self.node = None
 
@@ -382,6 +422,22 @@ class _Translator:
             self.data[key] = leaf
         return Tensor(self.data[key].name)
 
+    def running_statistics(self, node, mean: Tensor, var: Tensor, count: int, running_mean, running_var,
+                           momentum) -> None:
+        """Record a training-mode batch norm's running statistics (`RunningStats`), or refuse what the update
+        cannot reproduce."""
+        names = [self.buffers.get(b.name) if isinstance(b, self.torch.fx.Node) else None
+                 for b in (running_mean, running_var)]
+        if None in names:
+            raise _Refused("batch_norm in training mode whose running statistics are not buffers of the module")
+        owner = names[0].rpartition(".")[0]
+        if count < 2:
+            raise _Refused("batch_norm in training mode over one element per channel (torch refuses it too)")
+        tracked = f"{owner}.num_batches_tracked" if owner else "num_batches_tracked"
+        has_tracked = tracked in dict(self.module.named_buffers())
+        self.running_stats.append(RunningStats(mean.name, var.name, int(count), float(momentum), names[0], names[1],
+                                               tracked if has_tracked else None))
+
     # -- the walk --------------------------------------------------------
     def run(self) -> ImportedModule:
         torch = self.torch
@@ -418,6 +474,7 @@ class _Translator:
             raise TorchImportError(f"{type(self.module).__name__}: {len(failures)} operator(s) parsat cannot "
                                    "import:\n" + "\n".join(str(f) for f in failures))
         built = _pruned(self.g, outputs)
+        live = {n.name for n in built.nodes}
         data = {leaf.name: leaf for leaf in self.data.values() if built.leaf(leaf.name) is not None}
         needed = _needed_nodes(graph, [leaf.node for leaf in data.values()
                                        if not leaf.constant and leaf.encoding != "dropout"])
@@ -426,7 +483,8 @@ class _Translator:
         return ImportedModule(built, self.program, weights, data,
                               {k: v for k, v in self.constants.items() if k in data},
                               dropout,
-                              tuple(self.user_inputs), self.program.call_spec.out_spec, needed)
+                              tuple(self.user_inputs), self.program.call_spec.out_spec, needed,
+                              tuple(s for s in self.running_stats if s.mean in live and s.var in live))
 
     def _outputs(self, graph) -> list[str]:
         out_node = next(n for n in graph.nodes if n.op == "output")
@@ -771,6 +829,8 @@ def _h_batch_norm(t: _Translator, node, x, weight, bias, running_mean, running_v
         count = n * h * w
         mean = t.op("bn_mean", a, count=count, tag="mean")
         var = t.op("bn_var", a, mean, count=count, tag="var")
+        if training and running_mean is not None:
+            t.running_statistics(node, mean, var, count, running_mean, running_var, momentum)
     else:
         mean, var = t.tensor(running_mean), t.tensor(running_var)
     return t.op("bn_normalize", a, mean, var, gamma, beta, eps=float(eps))
@@ -794,6 +854,18 @@ def _h_avg_pool2d(t: _Translator, node, x, kernel, stride=None, padding=0, ceil_
     if None in (size, step) or pad != 0 or ceil_mode or divisor_override:
         raise _Refused("avg_pool2d is supported with square kernels and strides, no padding, no ceil_mode")
     return t.op("avgpool2d", t.tensor(x), size=size, stride=step)
+
+
+def _h_max_pool2d(t: _Translator, node, x, kernel, stride=None, padding=0, dilation=1, ceil_mode=False):
+    size, step, pad = _square(kernel), _square(stride if stride else kernel), _square(padding)
+    if None in (size, step, pad) or _square(dilation) != 1 or ceil_mode:
+        raise _Refused("max_pool2d is supported with square kernels, strides and padding, no dilation, no ceil_mode")
+    if pad == 0:
+        return t.op("maxpool2d", t.tensor(x), size=size, stride=step)
+    if 2 * pad >= size:
+        raise _Refused(f"max_pool2d with padding {pad} and kernel {size}: parsat supports padding below half the "
+                       "kernel (2 * padding < kernel)")
+    return t.op("maxpool2d_padded", t.tensor(x), size=size, stride=step, pad=pad)
 
 
 def _h_adaptive_avg_pool2d(t: _Translator, node, x, output_size):
@@ -1023,7 +1095,7 @@ _HANDLERS: dict[str, Callable] = {
     "add": _h_add, "sub": _h_sub, "rsub": _h_rsub, "mul": _h_mul, "div": _h_div, "pow": _h_pow,
     "linear": _h_linear, "addmm": _h_addmm, "matmul": _h_matmul, "mm": _h_matmul, "bmm": _h_matmul,
     "embedding": _h_embedding, "layer_norm": _h_layer_norm, "batch_norm": _h_batch_norm,
-    "conv2d": _h_conv2d, "avg_pool2d": _h_avg_pool2d, "adaptive_avg_pool2d": _h_adaptive_avg_pool2d,
+    "conv2d": _h_conv2d, "avg_pool2d": _h_avg_pool2d, "max_pool2d": _h_max_pool2d, "adaptive_avg_pool2d": _h_adaptive_avg_pool2d,
     "view": _h_view, "reshape": _h_view, "_unsafe_view": _h_view, "flatten": _h_flatten,
     "unsqueeze": _h_unsqueeze, "unflatten": _h_unflatten, "unbind": _h_unbind, "squeeze": _h_squeeze, "expand": _h_expand,
     "transpose": _h_transpose, "t": _h_t, "permute": _h_permute,

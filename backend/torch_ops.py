@@ -100,6 +100,12 @@ def _softmax_masked(x: Tensor, m: Tensor) -> Tensor:
     return e / e.sum(dim=-1, keepdim=True)
 
 
+def _maxpool2d_padded(x: Tensor, size: int, stride: int, pad: int) -> Tensor:
+    """torch's max pooling with -inf padding: the index semantics' max over each window's real elements
+    (the declaration requires 2 * pad < size, so every window holds one)."""
+    return F.max_pool2d(x, int(size), int(stride), padding=int(pad))
+
+
 def _nll_sum(x: Tensor, lse: Tensor, y: Tensor) -> Tensor:
     return (y * (lse.unsqueeze(-1) - x)).sum()
 
@@ -193,9 +199,10 @@ OPS: Mapping[str, TorchOp] = {
     "broadcast": TorchOp(1, ("dim", "n"), _broadcast),
     "softmax_masked": TorchOp(2, (), _softmax_masked),
     "logsumexp": TorchOp(1, (), lambda x: torch.logsumexp(x, dim=-1)),
-    # Unshifted on purpose: the sums of vocabulary shards must add up (finite for logits below ~88 in
-    # float32, ~709 in float64; `--check` fails on any non-finite value).
-    "sumexp": TorchOp(1, (), lambda x: torch.exp(x).sum(dim=-1)),
+    "amax": TorchOp(1, (), lambda x: x.amax(dim=-1)),
+    "sumexp_shifted": TorchOp(2, (), lambda x, m: torch.exp(x - m.unsqueeze(-1)).sum(dim=-1)),
+    "maxpool2d": TorchOp(1, ("size", "stride"), lambda x, size, stride: F.max_pool2d(x, int(size), int(stride))),
+    "maxpool2d_padded": TorchOp(1, ("size", "stride", "pad"), _maxpool2d_padded),
     "nll_sum": TorchOp(3, (), _nll_sum),
     "bn_mean": TorchOp(1, ("count",), _bn_mean),
     "bn_var": TorchOp(2, ("count",), _bn_var),

@@ -6,11 +6,16 @@ ViTForImageClassification, ResNetForImageClassification. The only code
 around them is `Loss`, a wrapper whose forward returns the model's own
 training loss (`use_cache=False` for the causal LMs).
 
-Two modes:
+Three modes:
 
   python benchmarks/hf_models.py optimize [--devices 2 4 8] [--out DIR]
       import each model with torch.export, optimize it for each device count
       (machine h100x8), write the plans, print one JSON line per plan.
+
+  python benchmarks/hf_models.py tensor-parallel [--models gpt2 llama] [--devices 2 4]
+      a tensor-parallel plan per model and device count (inputs pinned as
+      copies, a machine where splitting always pays: see
+      `optimize_tensor_parallel`), printed as how it splits the weights.
 
   torchrun --nproc-per-node N benchmarks/hf_models.py train [--out DIR]
       on N CPU ranks: `parsat.parallelize(model, plan, inputs)` with the
@@ -125,19 +130,86 @@ def optimize(args) -> None:
             print(json.dumps(row), flush=True)
 
 
+def tensor_parallel_machine(base: str):
+    """The machine a tensor-parallel plan is made for: `base` with devices 1e5x slower at compute, 1e3x slower
+    at memory, and links that cost nothing. At these model sizes a real machine splits nothing (a collective
+    costs more than the whole step); on this one every split that takes work or bytes off a device pays for
+    itself, and a weight read whole costs more than its stored shard."""
+    from dataclasses import replace
+
+    from parsat.ir.machine import Machine
+
+    machine = Machine.resolve(base)
+    return replace(machine, name=f"{machine.name}-slow-compute-free-links", peak_flops=machine.peak_flops / 1e5,
+                   memory_bandwidth=machine.memory_bandwidth / 1e3, intra_bandwidth=1e13, intra_latency=1e-9,
+                   inter_bandwidth=1e13, inter_latency=1e-9)
+
+
+def optimize_tensor_parallel(args) -> None:
+    """A tensor-parallel plan per model and device count: every graph input pinned to arrive as a copy on each
+    device (no batch to split: data parallelism is off the table), optimized for `tensor_parallel_machine`.
+    What the extraction then picks is reported by how it splits the weights."""
+    import parsat
+    from parsat.backend.torch_import import import_module
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in args.models:
+        module, inputs = make(name)
+        graph = import_module(module, inputs).graph
+        machine = tensor_parallel_machine(args.machine)
+        for devices in args.devices:
+            pins = {leaf.name: {"shard": [1] * len(leaf.shape), "copy": devices} for leaf in graph.leaves
+                    if leaf.role == "input"}
+            start = time.process_time()
+            plan = parsat.optimize(graph, machine=machine, devices=devices, input_spreads=pins, baselines=False)
+            seconds = time.process_time() - start
+            plan.save(out / f"{name}-{devices}-tensor_parallel.json")
+            data = plan.to_dict()
+            print(json.dumps({"model": name, "devices": devices, "plan": "tensor_parallel",
+                              "optimize_cpu_s": round(seconds, 2), **split_summary(data)}), flush=True)
+
+
+def split_summary(plan: dict) -> dict:
+    """How a plan splits the weights (2-D and up): by dim, replicated, or whole; and its collectives."""
+    nodes = {n["id"]: n for n in plan["nodes"]}
+    users: dict[int, list] = {}
+    for n in plan["nodes"]:
+        for i in n["inputs"]:
+            users.setdefault(i, []).append(n)
+    weights = {}
+    for n in plan["nodes"]:
+        if n["kind"] == "leaf" and n.get("role") == "weight" and len(n["shape"]) >= 2:
+            first = [u for u in users.get(n["id"], []) if u["kind"] == "parallel"]
+            how = [f"{u['op']}(dim {u['attrs']['dim']})" if "dim" in u["attrs"] else u["op"] for u in first]
+            weights[n["op"]] = ", ".join(how) or "whole"
+    counts: dict[str, int] = {}
+    for how in weights.values():
+        counts[how] = counts.get(how, 0) + 1
+    collectives: dict[str, int] = {}
+    for n in nodes.values():
+        if n["kind"] == "parallel" and n["op"] in ("reduce", "combine"):
+            collectives[n["op"]] = collectives.get(n["op"], 0) + 1
+    sharded_ops = sorted({n["op"] for n in nodes.values() if n["kind"] == "op" and n["spread"]["shard"]
+                          and max(n["spread"]["shard"]) > 1})
+    return {"matrices": counts, "collectives": collectives, "ops_on_sharded_dims": sharded_ops,
+            "grad_sync_elements": plan["totals"]["grad_sync_elements"], "predicted_ms": plan["totals"]["time_s"] * 1e3}
+
+
 def train(args) -> None:
     import torch.distributed as dist
 
     import parsat
     from parsat.backend.executor import Comparison, compare_values, gradient_of
+    from parsat.backend import running_stats
     from parsat.backend.parallelize import ReferenceDropout
-    from parsat.dsl.placement import piece_index
+    from parsat.ir.placement import piece_index
 
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    for name, plan_of in [(m, p) for m in args.models for p in ("parsat", "data_parallel")]:
+    for name, plan_of in [(m, p) for m in args.models for p in ("parsat", "data_parallel", "tensor_parallel")]:
         plan_path = Path(args.out) / (f"{name}-{world}.json" if plan_of == "parsat" else
-                                      f"{name}-{world}-data_parallel.json")
+                                      f"{name}-{world}-{plan_of}.json")
         if not plan_path.is_file():
             continue
         module, inputs = make(name)
@@ -165,6 +237,7 @@ def train(args) -> None:
                 piece, ref = pmodule.named_pieces()[weight], reference.get_parameter(weight)
                 pairs.append((f"gradient of {weight}", gradient_of(piece), gradient_of(ref)[where]))
                 pairs.append((f"weight {weight}", piece.detach(), ref.detach()[where]))
+            pairs += running_stats.compared(pmodule.module, reference, pmodule.imported.running_stats)
             found = found.merge(compare_values(pairs))
             losses.append(float(loss.detach()))
         seconds = time.process_time() - start
@@ -183,14 +256,14 @@ def train(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=("optimize", "train"))
+    parser.add_argument("mode", choices=("optimize", "tensor-parallel", "train"))
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--devices", nargs="+", type=int, default=[2, 4, 8])
     parser.add_argument("--machine", default="h100x8")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=os.environ.get("PARSAT_HF_PLANS", "benchmarks/hf_plans"))
     args = parser.parse_args()
-    optimize(args) if args.mode == "optimize" else train(args)
+    {"optimize": optimize, "tensor-parallel": optimize_tensor_parallel, "train": train}[args.mode](args)
 
 
 if __name__ == "__main__":

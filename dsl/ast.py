@@ -148,7 +148,25 @@ class Sum:
     span: Span | None = _span()
 
 
-Expr = Union[Num, Name, Variadic, Access, Call, Len, BinOp, Neg, Compare, BoolOp, Not, IfThenElse, Sum]
+@dataclass(frozen=True)
+class Max:
+    """`max(var < bound) body`: the largest value of `body` over `0 <= var < bound` (max pooling, the shift
+    of a safe logsumexp). An empty range gives 0, as an empty `sum` does, so every operator is total; the
+    operators that use it require a non-empty range where it matters. Not a partial sum: a device holding
+    one block of the range holds the max of that block, which no parallel operator adds up, so the spread
+    analysis refuses a max over a sharded range (`dsl.spread`)."""
+
+    var: str
+    bound: "Expr"
+    body: "Expr"
+    span: Span | None = _span()
+
+
+# The constructs that bind an index variable over a range `0 <= var < bound`.
+RANGE_BINDERS = (Sum, Max)
+
+
+Expr = Union[Num, Name, Variadic, Access, Call, Len, BinOp, Neg, Compare, BoolOp, Not, IfThenElse, Sum, Max]
 
 
 # ---------------------------------------------------------------------- types
@@ -284,6 +302,6 @@ def children(expr: Expr) -> tuple[Expr, ...]:
         return (expr.operand,)
     if isinstance(expr, IfThenElse):
         return (expr.test, expr.then, expr.orelse)
-    if isinstance(expr, Sum):
+    if isinstance(expr, RANGE_BINDERS):
         return (expr.bound, expr.body)
     return ()

@@ -209,9 +209,12 @@ def _check_body(expr: ast.Expr, indices: set[str], sizes: set[str], reals: set[s
         again(expr.then)
         again(expr.orelse)
         return
-    if isinstance(expr, ast.Sum):
+    if isinstance(expr, ast.RANGE_BINDERS):
+        if not value:
+            raise _OpError("sort", "a reduction is a value, not an index", expr)
         if expr.var in indices or expr.var in sizes:
-            raise _OpError("name", f"sum index '{expr.var}' clashes with another name", expr)
+            kind = "sum" if isinstance(expr, ast.Sum) else "max"
+            raise _OpError("name", f"{kind} index '{expr.var}' clashes with another name", expr)
         again(expr.bound, False)
         again(expr.body, value, indices | {expr.var})
         return

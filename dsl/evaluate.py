@@ -6,7 +6,8 @@ Evaluation is vectorized: every index variable is an integer grid that
 broadcasts along its own axis (output indices first, then one axis per
 nesting level of `sum`); `if` is `np.where` with out-of-range indices
 clipped (the branch not taken may read anywhere); a `sum` broadcasts its
-body along its axis and adds it up.
+body along its axis and adds it up, a `max` takes its largest value (0 over
+an empty range).
 
 `evaluate` is the whole-tensor entry point. `evaluate_op` exposes what the
 piece-wise simulation of a parallel op needs: index ranges restricted to a
@@ -98,7 +99,7 @@ def _depth(expr: ast.Expr) -> int:
 
 def _depth_of(expr: ast.Expr) -> int:
     below = max((_depth_of(c) for c in ast.children(expr)), default=0)
-    return below + 1 if isinstance(expr, ast.Sum) else below
+    return below + 1 if isinstance(expr, ast.RANGE_BINDERS) else below
 
 
 class _Evaluator:
@@ -264,4 +265,19 @@ class _Evaluator:
             target = list(body.shape)
             target[depth] = stop - start
             return np.broadcast_to(body, tuple(target)).sum(axis=depth, keepdims=True)
+        if isinstance(expr, ast.Max):
+            if self.pieces and self.pieces.var_degrees.get(expr.var, 1) > 1:
+                raise EvaluationError(f"{self.instance.name}: a max over '{expr.var}', a sharded range, has no "
+                                      "partial pieces (a local max is not a summand)")
+            bound = int(self._int(expr.bound, env))
+            start, stop = self.ranges.get(expr.var, (0, bound))
+            grid = self._grid(depth, start, stop)
+            body = np.asarray(self._value(expr.body, {**env, expr.var: grid}, depth + 1, s), dtype=self.dtype)
+            body = body.reshape(body.shape + (1,) * (self.ndim - body.ndim))
+            target = list(body.shape)
+            target[depth] = stop - start
+            if stop <= start:  # an empty range: 0, as an empty sum
+                target[depth] = 1
+                return np.zeros(tuple(target), dtype=self.dtype)
+            return np.broadcast_to(body, tuple(target)).max(axis=depth, keepdims=True)
         raise EvaluationError(f"{self.instance.name}: cannot evaluate {type(expr).__name__}")

@@ -246,7 +246,7 @@ def _expand_body(expr: ast.Expr, index_groups: Mapping[str, int]) -> ast.Expr:
     if isinstance(expr, ast.IfThenElse):
         return replace(expr, test=_expand_body(expr.test, index_groups),
                        then=_expand_body(expr.then, index_groups), orelse=_expand_body(expr.orelse, index_groups))
-    if isinstance(expr, ast.Sum):
+    if isinstance(expr, ast.RANGE_BINDERS):
         return replace(expr, bound=_expand_body(expr.bound, index_groups), body=_expand_body(expr.body, index_groups))
     return expr
 
@@ -266,12 +266,12 @@ def param_dim_names(instance: OpInstance) -> tuple[tuple[str | None, ...], ...]:
 
 
 def index_bounds(instance: OpInstance) -> dict[str, Poly]:
-    """The range of every index variable: output indices and summation indices."""
+    """The range of every index variable: output indices, summation and max indices."""
     bounds = dict(zip(instance.out_vars, instance.output_shape))
     env = instance.size_env()
 
     def visit(expr: ast.Expr) -> None:
-        if isinstance(expr, ast.Sum):
+        if isinstance(expr, ast.RANGE_BINDERS):
             bounds[expr.var] = to_poly(expr.bound, env)
         for child in ast.children(expr):
             visit(child)

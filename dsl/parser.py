@@ -29,13 +29,13 @@ _TOKEN_TEXT = {
     "SLASH": "/", "PERCENT": "%", "NAME": "a name", "INT": "an integer",
     "FLOAT": "a real number", "STRING": "a quoted path", "$END": "end of file",
 }
-_KEYWORDS = ("IMPORT", "OP", "RULE", "FORALL", "WHERE", "OUT", "SUM", "IF", "THEN", "ELSE",
+_KEYWORDS = ("IMPORT", "OP", "RULE", "FORALL", "WHERE", "OUT", "SUM", "MAX_OVER", "IF", "THEN", "ELSE",
              "AND", "OR", "NOT", "LEN", "INT_T", "REAL_T", "DEGREE_T")
 
 
 def _token_text(name: str) -> str:
     if name in _KEYWORDS:
-        return f"'{name.removesuffix('_T').lower()}'"
+        return f"'{name.removesuffix('_T').removesuffix('_OVER').lower()}'"
     text = _TOKEN_TEXT.get(name, name)
     return text if text.startswith(("a ", "an ", "end")) else f"'{text}'"
 
@@ -131,6 +131,11 @@ class _ToAst(Transformer):
     def reduction(self, meta, items):
         _sum, var, _lt, bound, body = items
         return ast.Sum(str(var), bound, body, _span(self.path, meta))
+
+    @v_args(meta=True)
+    def max_reduction(self, meta, items):
+        _max, var, _lt, bound, body = items
+        return ast.Max(str(var), bound, body, _span(self.path, meta))
 
     # --- types and declarations
     @v_args(meta=True)

@@ -1,8 +1,9 @@
 """Canonical source for the AST: `parse(format_module(m)) == m`.
 
 Parentheses are printed only where precedence needs them. The one subtle
-case is `sum(l < k) body`, whose body extends over `*`, `/` and `%`: a sum
-that ends a left operand of those operators is parenthesized.
+case is `sum(l < k) body` (and `max(l < k) body`), whose body extends over
+`*`, `/` and `%`: a reduction that ends a left operand of those operators
+is parenthesized.
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ def _prec(expr: ast.Expr) -> int:
         return _CMP
     if isinstance(expr, ast.BinOp):
         return _BINOP_PREC[expr.op]
-    if isinstance(expr, (ast.Neg, ast.Sum)):
+    if isinstance(expr, (ast.Neg,) + ast.RANGE_BINDERS):
         return _UNARY
     return _ATOM
 
 
 def _open_tail(expr: ast.Expr) -> bool:
-    """True when the printed text ends with a `sum` body that could grow."""
-    if isinstance(expr, ast.Sum):
+    """True when the printed text ends with a `sum` or `max` body that could grow."""
+    if isinstance(expr, ast.RANGE_BINDERS):
         return True
     if isinstance(expr, ast.Neg):
         return _open_tail(expr.operand)
@@ -121,6 +122,8 @@ def _format(expr: ast.Expr) -> str:
         return f"if {format_expr(expr.test, _OR)} then {format_expr(expr.then)} else {format_expr(expr.orelse)}"
     if isinstance(expr, ast.Sum):
         return f"sum({expr.var} < {format_expr(expr.bound, _ADD)}) {format_expr(expr.body, _MUL)}"
+    if isinstance(expr, ast.Max):
+        return f"max({expr.var} < {format_expr(expr.bound, _ADD)}) {format_expr(expr.body, _MUL)}"
     raise TypeError(f"not an expression: {expr!r}")
 
 

@@ -16,6 +16,8 @@ spread of its output, follow from its index semantics (`infer_compute`):
 * a sharded summation variable makes a partial sum, and so does a partial
   input; the output must be linear in every partial quantity (the
   "partial degree" analysis below), else the op does not accept the spread;
+* a `max` over a sharded range is refused (a block's max is not a partial
+  sum, and there is no partial-max spread), and so is a max of a partial sum;
 * all inputs have the same number of pieces; the output's copy degree is
   what is left: pieces / (prod(out shard) * out sum).
 """
@@ -127,7 +129,12 @@ class ComputeSpread:
 
 
 class _NotLinear(Exception):
-    pass
+    """The value is not linear in a partial quantity; `naive` is the partial degree a run that ignored it
+    would claim (what the verifier's devices are then checked against), when there is one."""
+
+    def __init__(self, message: str, naive: Poly | None = None):
+        super().__init__(message)
+        self.naive = naive
 
 
 _ZERO_MARK = "zero"  # a literal 0: compatible with any partial degree
@@ -203,8 +210,9 @@ def infer_compute(instance: OpInstance, inputs: Sequence[Spread]) -> ComputeSpre
         partial = _partial_degree(instance.body, by_name, degrees)
     except _NotLinear as err:
         problems.append(f"{instance.name}: {err}")
-        # What a naive SPMD run produces: each partial piece processed on its own.
-        partial = next((s.sum for s in inputs if s.sum != ONE), ONE)
+        # What a naive SPMD run produces: each partial piece processed on its own (a max over a sharded
+        # range: each block's max, taken for a summand).
+        partial = err.naive if err.naive is not None else next((s.sum for s in inputs if s.sum != ONE), ONE)
     if partial == _ZERO_MARK:
         partial = ONE
 
@@ -298,7 +306,8 @@ def _pretty(var: str) -> str:
 
 
 def _sum_vars(expr: ast.Expr) -> set[str]:
-    return {node.var for node in ast.walk(expr) if isinstance(node, ast.Sum)}
+    """Every index variable a `sum` or a `max` binds."""
+    return {node.var for node in ast.walk(expr) if isinstance(node, ast.RANGE_BINDERS)}
 
 
 def _accesses(expr: ast.Expr) -> list[ast.Access]:
@@ -309,7 +318,7 @@ def _sizes_used_as_values(expr: ast.Expr) -> set[str]:
     """Names read anywhere except as the bound of a `sum`."""
     if isinstance(expr, ast.Name):
         return {expr.id}
-    if isinstance(expr, ast.Sum):
+    if isinstance(expr, ast.RANGE_BINDERS):
         inner = _sizes_used_as_values(expr.body)
         return inner if isinstance(expr.bound, ast.Name) else inner | _sizes_used_as_values(expr.bound)
     found: set[str] = set()
@@ -388,6 +397,18 @@ def _partial_degree(expr: ast.Expr, inputs: dict, degrees: dict) -> Poly | str:
         if body == _ZERO_MARK:
             return _ZERO_MARK
         return body * degree
+    if isinstance(expr, ast.Max):
+        # A device holding one block of the range computes the max of that block: not a summand of the
+        # global max (max(a, b) != a + b), and no parallel operator combines maxima of blocks. So a max
+        # over a sharded range is refused; a vocabulary-wide max gathers the blocks' maxima instead
+        # (`combine`) and takes their max (rules/parallel_layers.rule, logsumexp).
+        if degrees.get(expr.var, ONE) != ONE:
+            raise _NotLinear(f"takes a max over '{_pretty(expr.var)}', a sharded range: each device would hold "
+                             "the max of its own block, which is not a partial sum (gather the blocks' maxima "
+                             "with combine instead)", naive=degrees[expr.var])
+        if _partial_degree(expr.body, inputs, degrees) not in (ONE, _ZERO_MARK):
+            raise _NotLinear("takes a max of a partial sum, which is not linear")
+        return ONE
     raise _NotLinear("uses a construct the spread analysis does not know")
 
 

@@ -21,7 +21,7 @@ def work(instance: OpInstance) -> tuple[int, int]:
     the index variables it depends on (loop-invariant code is hoisted, as a
     compiler would): its cost is its own arithmetic times the product of the
     ranges of its free index variables. A `sum` adds `bound` values per
-    evaluation. Elements touched = all inputs + the output.
+    evaluation, a `max` compares as many. Elements touched = all inputs + the output.
     """
     bounds = {k: int(v.evaluate({})) for k, v in index_bounds(instance).items()}
     env = instance.size_env()
@@ -32,7 +32,7 @@ def work(instance: OpInstance) -> tuple[int, int]:
             return seen[expr]
         if isinstance(expr, ast.Name):
             out = frozenset({expr.id}) & frozenset(bounds)
-        elif isinstance(expr, ast.Sum):
+        elif isinstance(expr, ast.RANGE_BINDERS):
             out = free(expr.body) - {expr.var}
         else:
             out = frozenset()
@@ -51,7 +51,7 @@ def work(instance: OpInstance) -> tuple[int, int]:
         counted.add(expr)
         vars_ = free(expr)
         reps = prod(bounds[v] for v in vars_)
-        if isinstance(expr, ast.Sum):
+        if isinstance(expr, ast.RANGE_BINDERS):  # an add (sum) or a comparison (max) per value of the range
             flops += reps * int(to_poly(expr.bound, env).evaluate({}))
             visit(expr.body)
             return

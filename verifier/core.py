@@ -213,23 +213,31 @@ def verify_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], file: str = "
 
 
 def _lowering_checked(proved: list[RuleInstance], clock: _Clock) -> str:
-    """The z3 lowering of every proved instance against the devices, at its smallest applicable sizes ('' if
-    they agree, or there is no time left to look)."""
+    """The z3 lowering of every proved instance against the devices ('' if they agree, or there is no time
+    left to look), at its smallest applicable sizes and at the applicable candidate sizes with the most
+    symbols above 1 (the smallest such): at size 1 a max, a window, a block re-indexing or a gather has a
+    single term, and a wrong lowering of it can agree with the devices by accident."""
     from parsat.verifier.crosscheck import lowering_disagrees
 
     for instance in proved:
         if clock.left() <= 0:
             break
-        for sizes in concrete.candidate_sizes(instance, random.Random(0), 8):
-            if not concrete.applies(instance, sizes):
-                continue
+        kinds = instance.symbols
+        wide = [{n: (2 if k == "degree" else m if k == "dim" else m // 2) for n, k in kinds.items()} for m in (4, 6)]
+        applicable = [sizes for sizes in list(concrete.candidate_sizes(instance, random.Random(0), 8)) + wide
+                      if concrete.applies(instance, sizes)]
+        if not applicable:
+            continue
+        spread = max(applicable, key=lambda sizes: (sum(v >= 2 for v in sizes.values()), -sum(sizes.values())))
+        for sizes in [applicable[0]] + ([spread] if spread != applicable[0] else []):
+            if clock.left() <= 0:
+                return ""
             try:
                 found = lowering_disagrees(instance, sizes)
             except concrete.Unsupported:
                 continue
             if found:
                 return found
-            break
     return ""
 
 

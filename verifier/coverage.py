@@ -73,7 +73,7 @@ def _sample_instance(op: ast.OpDecl):
 def _index_vars(instance) -> list[str]:
     found = list(instance.out_vars)
     for node in ast.walk(instance.body):
-        if isinstance(node, ast.Sum) and node.var not in found:
+        if isinstance(node, ast.RANGE_BINDERS) and node.var not in found:
             found.append(node.var)
     return found
 

@@ -80,6 +80,12 @@ def _factor(f, env, inputs, reals) -> float:
     if kind == "fn":
         args = [evaluate_form(a, env, inputs, reals) for a in f[2]]
         return float(_FUNCTIONS[f[1]](*args))
+    if kind == "max":  # the largest value over the binders' rectangle, 0 when it is empty
+        names = [v for v, _ in f[1]]
+        ranges = [range(int(b.evaluate(env))) for _, b in f[1]]
+        values = [evaluate_form(f[2], {**env, **dict(zip(names, point))}, inputs, reals)
+                  for point in itertools.product(*ranges)]
+        return max(values) if values else 0.0
     raise CannotEvaluate(f"unknown factor {kind}")
 
 

@@ -325,7 +325,7 @@ def compute_placement(instance: OpInstance, placements: Sequence[MeshPlacement],
     """
     problems: list[str] = []
     by_name = dict(zip(instance.inputs, placements))
-    bounds, reads, summed = _structure(instance)
+    bounds, reads, summed, maxed = _structure(instance)
     var_axes: dict[str, tuple[str, ...]] = {}
     for node, position, index in reads:
         placement = by_name[node.tensor]
@@ -358,6 +358,11 @@ def compute_placement(instance: OpInstance, placements: Sequence[MeshPlacement],
     out_sum = sums[0] if sums else ()
     for v in summed:  # a summed variable's axes become partial sums, once (a partial input may have them already)
         out_sum += tuple(a for a in var_axes.get(v, ()) if a not in out_sum)
+    for v in maxed:  # a block's max is no summand: claimed as one (what a naive run would do), and refused
+        if var_axes.get(v):
+            problems.append(f"a max over index '{v.replace('#', '')}', whose range is split over "
+                            f"{list(var_axes[v])}: each device holds the max of its own block, not a summand")
+            out_sum += tuple(a for a in var_axes[v] if a not in out_sum)
     taken = {a for d in out_shard for a in d} | set(out_sum)
     used = set().union(*used_sets) if used_sets else set()
     out_copy = tuple(a for a in mesh.names if a in used and a not in taken)
@@ -368,8 +373,9 @@ _STRUCTURE: dict[int, tuple] = {}
 _LOCAL: dict[tuple, tuple] = {}
 
 
-def _structure(instance: OpInstance) -> tuple[dict, list, list]:
-    """(index bounds, every (access, position, index) reading an input, summed variables), memoized."""
+def _structure(instance: OpInstance) -> tuple[dict, list, list, list]:
+    """(index bounds, every (access, position, index) reading an input, summed variables, maxed variables),
+    memoized."""
     hit = _STRUCTURE.get(id(instance))
     if hit is not None and hit[0] is instance:
         return hit[1]
@@ -378,10 +384,11 @@ def _structure(instance: OpInstance) -> tuple[dict, list, list]:
     reads = [(node, position, index) for node in ast.walk(instance.body)
              if isinstance(node, ast.Access) and node.tensor in inputs for position, index in enumerate(node.indices)]
     summed = list(dict.fromkeys(node.var for node in ast.walk(instance.body) if isinstance(node, ast.Sum)))
+    maxed = list(dict.fromkeys(node.var for node in ast.walk(instance.body) if isinstance(node, ast.Max)))
     if len(_STRUCTURE) > 20000:
         _STRUCTURE.clear()
-    _STRUCTURE[id(instance)] = (instance, (bounds, reads, summed))
-    return bounds, reads, summed
+    _STRUCTURE[id(instance)] = (instance, (bounds, reads, summed, maxed))
+    return bounds, reads, summed, maxed
 
 
 def run_compute(instance: OpInstance, sizes: Mapping[str, int], args: Sequence[DeviceTensor], mesh: Mesh,

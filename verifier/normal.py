@@ -1,4 +1,4 @@
-"""Sum-of-products normal form of index-level values, and its sum lemmas.
+"""Sum-of-products normal form of index-level values, and its sum and max lemmas.
 
 A value is a sum of monomials; a monomial is a rational coefficient, a set
 of summation binders `(var, bound)` and a product of factors (input
@@ -14,6 +14,21 @@ The lemmas the verifier instantiates itself:
   (`merge_blocks`), which is what a reduce over sharded contractions needs;
 * canonical binder names (by nesting depth, the order that gives the
   smallest text), so alpha-equivalent sums are identical.
+
+A max over a range (`max(l < n) body`) is one opaque factor
+`("max", binders, body)`: the largest value of `body` over the rectangle
+of its binders, 0 when it is empty (the language's convention, so that the
+lemmas below hold for every size). z3 sees it as an uninterpreted function
+of the bound and the body (`prove._Z3`), so a proof uses nothing about max
+beyond congruence, and the normal form only applies rewrites that are true
+of max over a rectangle with that convention:
+* a max of bound 1 is its body at 0; nested maxes form one rectangle
+  (`max(q < p) max(r < K) f = max over (q, r)`: both are 0 exactly when the
+  rectangle is empty, else the same set of values);
+* block re-indexing: `(q, r) -> q*K + r` maps the rectangle [0,p) x [0,K)
+  onto [0, p*K) one to one, so the max over either is the same
+  (`merge_blocks`, the gathered maxima of a vocabulary's blocks);
+* canonical binder names, as for sums.
 Everything is plain tuples of `Poly`s: hashable, comparable, no z3.
 """
 
@@ -27,6 +42,7 @@ from parsat.dsl.symbolic import ONE, ZERO, Poly
 
 # factor:   ("in", name, (Poly, ...)) | ("size", Poly) | ("real", name) | ("fn", name, (NF, ...))
 #           | ("recip", NF) | ("ind", cond, polarity)   (an indicator: 1 where cond == polarity, else 0)
+#           | ("max", ((var, bound Poly), ...), NF)      (the max of NF over the binders' rectangle; 0 if empty)
 # cond:     ("rel", op, Poly, Poly) | ("and", c, c) | ("or", c, c) | ("not", c)
 # monomial: (Fraction, ((var, bound Poly), ...), (factor, ...))
 # NF:       tuple of monomials
@@ -118,6 +134,17 @@ def decide(cond: tuple, bounds: dict) -> bool | None:
     return result if op == "<" else not result
 
 
+def max_over(var: str, bound: Poly, body: tuple) -> tuple:
+    """`max(var < bound) body`: one max factor (nested maxes joined into one rectangle)."""
+    if bound == ONE:
+        return subst(body, {var: ZERO})
+    if len(body) == 1 and body[0][0] == 1 and not body[0][1] and len(body[0][2]) == 1 \
+            and body[0][2][0][0] == "max":
+        _, binders, inner = body[0][2][0]
+        return factor(("max", ((var, bound),) + binders, inner))
+    return factor(("max", ((var, bound),), body))
+
+
 def recip(a: tuple) -> tuple:
     if len(a) == 1 and not a[0][1] and not a[0][2]:
         return const(1 / a[0][0])
@@ -165,6 +192,8 @@ def _map_factor(f, fn):
         return ("recip", map_polys(f[1], fn))
     if kind == "ind":
         return ("ind", map_cond(f[1], fn), f[2])
+    if kind == "max":
+        return ("max", tuple((v, fn(b)) for v, b in f[1]), map_polys(f[2], fn))
     raise TypeError(f"unknown factor {kind}")
 
 
@@ -252,12 +281,22 @@ def _merge_inside(f):
         return ("fn", f[1], tuple(merge_blocks(a) for a in f[2]))
     if f[0] == "recip":
         return ("recip", merge_blocks(f[1]))
+    if f[0] == "max":
+        binders, body = _merge_binders(f[1], merge_blocks(f[2]), map_polys)
+        return ("max", binders, body)
     return f
 
 
 def _merge_mono(mono):
     c, bs, fs = mono
     fs = tuple(_merge_inside(f) for f in fs)
+    bs, fs = _merge_binders(bs, fs, lambda factors, fn: tuple(_map_factor(f, fn) for f in factors))
+    return (c, bs, fs)
+
+
+def _merge_binders(bs: tuple, scope, mapper):
+    """Merge pairs of binders `(q, r)` read only as `q*K + r` into one of bound `p*K`, in `scope` (a
+    monomial's factors, or a max's body) until none merges; `mapper(scope, fn)` maps every Poly in it."""
     changed = True
     while changed and len(bs) >= 2:
         changed = False
@@ -272,15 +311,15 @@ def _merge_mono(mono):
                     return p
                 return out
 
-            new_fs = tuple(_map_factor(f, fn) for f in fs)
+            new_scope = mapper(scope, fn)
             if failed:
                 continue
             bs = tuple(b for b in bs if b[0] not in (q, r)) + ((merged, bq * br),)
             ranges = dict(bs)
-            fs = tuple(_map_factor(f, lambda p: simplify(p, ranges)) for f in new_fs)
+            scope = mapper(new_scope, lambda p: simplify(p, ranges))
             changed = True
             break
-    return (c, bs, fs)
+    return bs, scope
 
 
 # ------------------------------------------------------ canonical form
@@ -302,12 +341,42 @@ def _canon_factor(f, depth: int):
     kind = f[0]
     if kind == "fn":
         return ("fn", f[1], tuple(canonical(a, depth + 1) for a in f[2]))
+    if kind == "max":
+        return _canon_max(f, depth)
     if kind == "recip":
         inner = canonical(f[1], depth + 1)
         if len(inner) == 1 and not inner[0][1] and not inner[0][2]:
             return None if inner[0][0] == 0 else ("const", 1 / inner[0][0])
         return ("recip", inner)
     return f
+
+
+def _canon_max(f, depth: int):
+    """A max factor with its binders named `$<depth+1>.<k>` in the order that gives the smallest text (its
+    body's own sums are named one level deeper); a max whose body is a constant is that constant when its
+    rectangle is evidently non-empty (every bound a positive constant)."""
+    _, binders, body = f
+    names = [v for v, _ in binders]
+    best = None
+    perms = itertools.permutations(range(len(names))) if len(names) <= MAX_PERMUTE else [range(len(names))]
+    for perm in perms:
+        renames = {names[i]: f"${depth + 1}.{k}" for k, i in enumerate(perm)}
+        env = {old: Poly.sym(new) for old, new in renames.items()}
+        renamed = map_polys(body, lambda p: p.subst(env) if p.symbols() & set(env) else p)
+        bs2 = tuple(sorted(((renames[v], b) for v, b in binders), key=lambda b: b[0]))
+        candidate = ("max", bs2, canonical(renamed, depth + 2))
+        if best is None or repr(candidate) < repr(best):
+            best = candidate
+    _, bs2, body2 = best
+    used = set()
+    for p in polys_of(body2):
+        used |= p.symbols()
+    if not used & {v for v, _ in bs2} and all(b.is_const and b.constant >= 1 for _, b in bs2):
+        if not body2:
+            return ("const", Fraction(0))  # the monomial is 0: `canonical` drops it
+        if len(body2) == 1 and not body2[0][1] and not body2[0][2]:
+            return ("const", body2[0][0])
+    return best
 
 
 def split_boundaries(form: tuple) -> tuple:
@@ -506,6 +575,8 @@ def free_conditions(form: tuple) -> list:
                         visit(a)
                 elif f[0] == "recip":
                     visit(f[1])
+                elif f[0] == "max":
+                    visit(f[2])
 
     visit(form)
     return found
@@ -527,6 +598,8 @@ def assume(form: tuple, cond: tuple, truth: bool) -> tuple:
                 f = ("fn", f[1], tuple(assume(a, cond, truth) for a in f[2]))
             elif f[0] == "recip":
                 f = ("recip", assume(f[1], cond, truth))
+            elif f[0] == "max":
+                f = ("max", f[1], assume(f[2], cond, truth))
             kept.append(f)
         if alive:
             out.append((c, bs, tuple(kept)))

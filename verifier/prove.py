@@ -10,7 +10,8 @@ bounds compare structurally. What the normal form leaves open (index
 arithmetic, conditions, shape and spread equalities under the assumptions,
 the right side's requirements) goes to z3 as one quantifier-free query per
 goal, with sums as an uninterpreted `SUM(bound, lambda)` over canonically
-named binders. A satisfiable query is only a *candidate*: the caller
+named binders, and a max over a range as an uninterpreted `MAX(bound,
+lambda)` (its lemmas are in the normal form: `verifier.normal`). A satisfiable query is only a *candidate*: the caller
 replays its model concretely before saying REFUTED.
 """
 
@@ -280,6 +281,13 @@ class _Body:
             glob = block * extent + Poly.sym(var)
             inner = {**variables, expr.var: (block, Poly.sym(var), degree, glob)}
             return nf.sum_over(var, extent, self.value(expr.body, inner_s, inner))
+        if isinstance(expr, ast.Max):
+            if self.degrees.get(expr.var, ONE) != ONE:
+                raise Unprovable(f"{self.instance.name}: a max over a sharded range (the spread analysis refuses it)")
+            bound = self.index(expr.bound, variables)
+            var = self.low.fresh(bound, "m")
+            inner = {**variables, expr.var: (ZERO, Poly.sym(var), ONE, Poly.sym(var))}
+            return nf.max_over(var, bound, self.value(expr.body, s, inner))
         raise Unprovable(f"cannot lower {type(expr).__name__}")
 
     def access(self, expr: ast.Access, s: Poly, variables) -> tuple:
@@ -322,6 +330,8 @@ class _Z3:
         self.ints: dict[str, z3.ArithRef] = {}
         self.funcs: dict = {}
         self.sum = z3.Function("SUM", z3.IntSort(), z3.ArraySort(z3.IntSort(), z3.RealSort()), z3.RealSort())
+        # Uninterpreted: a proof may use only that equal bounds and equal bodies give equal maxima.
+        self.max = z3.Function("MAX", z3.IntSort(), z3.ArraySort(z3.IntSort(), z3.RealSort()), z3.RealSort())
 
     def int(self, name: str):
         if name not in self.ints:
@@ -403,6 +413,12 @@ class _Z3:
         if kind == "ind":
             test = self.cond(f[1])
             return z3.If(test if f[2] else z3.Not(test), z3.RealVal(1), z3.RealVal(0))
+        if kind == "max":
+            body = self.value(f[2])
+            for var, bound in reversed(f[1]):
+                v, b = self.int(var), self.poly(bound)
+                body = self.max(b, z3.Lambda([v], z3.If(z3.And(v >= 0, v < b), body, z3.RealVal(0))))
+            return body
         args = [self.value(a) for a in f[2]]
         if f[1] == "max":
             return z3.If(args[0] >= args[1], args[0], args[1])

@@ -225,7 +225,7 @@ def _op_problem(term: TypedTerm, out: tuple[int, int] | None, first: Poly, secon
                 return f"{name} uses the group's index '{node.id.replace('#', '')}' in its arithmetic"
     sized = {n for n, v in instance.dims.items() if v in (first, second)}
     used = {n.id for n in ast.walk(instance.body) if isinstance(n, ast.Name)} | {
-        n.id for s in ast.walk(instance.body) if isinstance(s, ast.Sum) for n in ast.walk(s.bound)
+        n.id for s in ast.walk(instance.body) if isinstance(s, ast.RANGE_BINDERS) for n in ast.walk(s.bound)
         if isinstance(n, ast.Name)}
     if sized & used:
         return f"{name} uses the size of a dim of the group"
