@@ -130,17 +130,23 @@ def stack(blocks: int = 24, batch: int = 8, seq: int = 512, hidden: int = 1024, 
 # each configuration's source and its parameter count against the published one.
 
 
-def _lm_loss(g: GraphBuilder, logits: Tensor, rows: int, vocab: int) -> Tensor:
+def _lm_loss(g: GraphBuilder, logits: Tensor, rows: int, vocab: int, counted: str = "all") -> Tensor:
     """Mean cross-entropy of `logits` [b, s, vocab] against one-hot targets: the graph's scalar output.
 
-    As the importer maps torch's `cross_entropy` (mean): logits as rows
-    [b * s, vocab], `logsumexp` per row, `nll_sum` of the one-hot targets (a
-    row that is all zero, an ignored position, adds nothing), times the
-    input `inv_count` = 1 / the number of counted targets.
+    As the importer maps torch's `cross_entropy`: logits as rows [b * s,
+    vocab], `logsumexp` per row, `nll_sum` of the one-hot targets (input
+    `targets`; a row that is all zero, an ignored position, adds nothing),
+    then the mean. With `counted="all"` every position is a target (a
+    causal LM predicts the next token everywhere, as Megatron-LM's loss
+    averages over all tokens), so the mean is `scale` by 1 / (b * s); with
+    `counted="input"` the count varies per batch (BERT's masked positions)
+    and the graph multiplies by an input `inv_count`, as the importer does.
     """
     flat = g.op("flatten", logits, dim=0, name="logits_rows")
     lse = g.op("logsumexp", flat, name="lse")
     total = g.op("nll_sum", flat, lse, g.input("targets", [rows, vocab]), name="nll")
+    if counted == "all":
+        return g.op("scale", total, c=1.0 / rows, name="loss")
     return g.op("mul", total, g.input("inv_count", []), name="loss")
 
 
@@ -252,8 +258,10 @@ def llama(blocks: int = 32, batch: int = 512, seq: int = 2048, hidden: int = 409
     mask, SwiGLU MLP of width `ffn`), a final RMSNorm, an untied LM head
     `lm_head` [hidden, vocab], the mean cross-entropy. No biases anywhere.
     `kv_heads` defaults to `heads` (multi-head attention, LLaMA 1), `ffn` to
-    `llama_ffn(hidden)`. Rotary tables `rope_cos`/`rope_sin` [seq, head
-    size] are inputs, as the importer folds HF's to constants.
+    `llama_ffn(hidden)`. The rotary tables `rope_cos`/`rope_sin` are inputs
+    of HF's shape [1, seq, head size] (the importer folds HF's to constants
+    of that shape), so data parallelism, which splits inputs on dim 0,
+    leaves them whole.
 
     Sizes: Touvron et al. 2023, "LLaMA: Open and Efficient Foundation
     Language Models", Table 2 (dimension, heads, layers, 4M-token batches)
@@ -275,7 +283,9 @@ def llama(blocks: int = 32, batch: int = 512, seq: int = 2048, hidden: int = 409
     x = g.op("embedding", g.input("ids", [batch, seq, vocab]), g.weight("tok_embeddings", [vocab, hidden]),
              name="tok_emb")
     mask = g.input("causal_mask", [batch, heads, seq, seq])
-    cos, sin = g.input("rope_cos", [seq, dh]), g.input("rope_sin", [seq, dh])
+    # HF's rotary module returns its tables as [1, seq, head size] (one row of positions for the batch).
+    cos = g.op("flatten", g.input("rope_cos", [1, seq, dh]), dim=0, name="rope_cos_table")
+    sin = g.op("flatten", g.input("rope_sin", [1, seq, dh]), dim=0, name="rope_sin_table")
     for index in range(blocks):
         x = _llama_block(g, x, mask, cos, sin, f"b{index}_", hidden, heads, kv_heads, ffn)
     x = g.op("rmsnorm", x, g.weight("norm", [hidden]), eps=1e-5, name="final_rms")
@@ -325,7 +335,7 @@ def bert(blocks: int = 12, batch: int = 256, seq: int = 512, hidden: int = 768, 
              name="mlm_ln")
     logits = g.op("linear", t, g.op("transpose", wte, d0=0, d1=1, name="wte_t"), g.weight("mlm_bias", [vocab]),
                   name="logits")
-    g.output(_lm_loss(g, logits, batch * seq, vocab))
+    g.output(_lm_loss(g, logits, batch * seq, vocab, counted="input"))
     return g.build()
 
 
