@@ -408,7 +408,7 @@ EXAMPLES: Mapping[str, Example] = {
     "gpt-6.7b": _gpt3("gpt-6.7b", 6.7e9, 32, 4096, 32),
     "gpt-13b": _gpt3("gpt-13b", 13.0e9, 40, 5120, 40),
     "gpt-175b": _gpt3("gpt-175b", 175.0e9, 96, 12288, 96),
-    "llama": Example("llama", llama, "LLaMA-7B: RMSNorm, SwiGLU, rotary, grouped-query attention, untied head",
+    "llama": Example("llama", llama, "LLaMA decoder (LLaMA-7B sizes): RMSNorm, SwiGLU, rotary, kv_heads key/value heads",
                      (), _LLAMA_DERIVED, "Touvron et al. 2023, LLaMA, Table 2", 6.7e9),
     "llama-7b": Example("llama-7b", llama, "LLaMA-7B: RMSNorm, SwiGLU, rotary, multi-head attention, untied head",
                         (("blocks", 32), ("hidden", 4096), ("heads", 32)), _LLAMA_DERIVED,
