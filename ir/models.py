@@ -130,24 +130,21 @@ def stack(blocks: int = 24, batch: int = 8, seq: int = 512, hidden: int = 1024, 
 # each configuration's source and its parameter count against the published one.
 
 
-def _lm_loss(g: GraphBuilder, logits: Tensor, rows: int, vocab: int, counted: str = "all") -> Tensor:
+def _lm_loss(g: GraphBuilder, logits: Tensor, rows: int, vocab: int, counted: int) -> Tensor:
     """Mean cross-entropy of `logits` [b, s, vocab] against one-hot targets: the graph's scalar output.
 
     As the importer maps torch's `cross_entropy`: logits as rows [b * s,
-    vocab], `logsumexp` per row, `nll_sum` of the one-hot targets (input
-    `targets`; a row that is all zero, an ignored position, adds nothing),
-    then the mean. With `counted="all"` every position is a target (a
-    causal LM predicts the next token everywhere, as Megatron-LM's loss
-    averages over all tokens), so the mean is `scale` by 1 / (b * s); with
-    `counted="input"` the count varies per batch (BERT's masked positions)
-    and the graph multiplies by an input `inv_count`, as the importer does.
+    vocab], `logsumexp` per row, `nll_sum` of the one-hot input `targets` (a
+    row that is all zero, a position without a target, adds nothing), then
+    the mean over the `counted` targets: `scale` by 1 / counted. The count is
+    fixed by the model here (every position for a causal LM, as Megatron-LM
+    averages over all tokens; BERT's masked positions per sequence), where
+    the importer, not knowing it, multiplies by an input (`inv_count`).
     """
     flat = g.op("flatten", logits, dim=0, name="logits_rows")
     lse = g.op("logsumexp", flat, name="lse")
     total = g.op("nll_sum", flat, lse, g.input("targets", [rows, vocab]), name="nll")
-    if counted == "all":
-        return g.op("scale", total, c=1.0 / rows, name="loss")
-    return g.op("mul", total, g.input("inv_count", []), name="loss")
+    return g.op("scale", total, c=1.0 / counted, name="loss")
 
 
 def _gpt_block(g: GraphBuilder, x: Tensor, mask: Tensor, prefix: str, hidden: int, heads: int, ffn: int) -> Tensor:
@@ -181,7 +178,7 @@ def gpt(blocks: int = 12, batch: int = 512, seq: int = 2048, hidden: int = 768, 
     second time through `transpose`, as the importer reads HF GPT-2's tied
     `lm_head`; then the mean cross-entropy over the vocabulary.
 
-    No dropout (GPT-3's paper does not state one; `--set`-able sizes only).
+    No dropout (GPT-3's paper states none; it would add mask inputs, `dropout_masked`).
     Sizes: Brown et al. 2020, "Language Models are Few-Shot Learners",
     Table 2.1 (n_layers, d_model, n_heads, d_head = 128 for 1.3B-175B;
     context 2048; the GPT-2 BPE vocabulary of 50,257 tokens), the vocabulary
@@ -199,7 +196,7 @@ def gpt(blocks: int = 12, batch: int = 512, seq: int = 2048, hidden: int = 768, 
         x = _gpt_block(g, x, mask, f"b{index}_", hidden, heads, ffn)
     x = g.op("layernorm", x, g.weight("lnf_g", [hidden]), g.weight("lnf_b", [hidden]), eps=1e-5, name="lnf")
     logits = g.op("linear_nobias", x, g.op("transpose", wte, d0=0, d1=1, name="wte_t"), name="logits")
-    g.output(_lm_loss(g, logits, batch * seq, vocab))
+    g.output(_lm_loss(g, logits, batch * seq, vocab, batch * seq))
     return g.build()
 
 
@@ -290,13 +287,13 @@ def llama(blocks: int = 32, batch: int = 512, seq: int = 2048, hidden: int = 409
         x = _llama_block(g, x, mask, cos, sin, f"b{index}_", hidden, heads, kv_heads, ffn)
     x = g.op("rmsnorm", x, g.weight("norm", [hidden]), eps=1e-5, name="final_rms")
     logits = g.op("linear_nobias", x, g.weight("lm_head", [hidden, vocab]), name="logits")
-    g.output(_lm_loss(g, logits, batch * seq, vocab))
+    g.output(_lm_loss(g, logits, batch * seq, vocab, batch * seq))
     return g.build()
 
 
 def bert(blocks: int = 12, batch: int = 256, seq: int = 512, hidden: int = 768, heads: int = 12,
-         ffn: int | None = None, vocab: int = 30592, types: int = 2, library: Library | None = None,
-         name: str = "bert") -> Graph:
+         ffn: int | None = None, vocab: int = 30592, types: int = 2, masked: int | None = None,
+         library: Library | None = None, name: str = "bert") -> Graph:
     """BERT pre-training with the masked-language-model loss; the defaults are BERT-Base.
 
     Embeddings: word (`wte`, ids one-hot), token type (`types` segments,
@@ -305,9 +302,12 @@ def bert(blocks: int = 12, batch: int = 256, seq: int = 512, hidden: int = 768, 
     attention and GELU MLP with biases, `ffn` = 4 x hidden); the MLM head: a
     dense layer, GELU, layernorm, and the decoder tied to the word
     embedding (read through `transpose`) with its own bias; the mean
-    cross-entropy over the vocabulary, every position's logits computed and
-    the unmasked positions' targets all-zero rows (ignored), as HF's
-    `BertForMaskedLM` does with label -100. No attention mask (sequences
+    cross-entropy over the vocabulary of the `masked` positions of each
+    sequence: every position's logits are computed and the other positions'
+    targets are all-zero rows, as HF's `BertForMaskedLM` does with label
+    -100. `masked` defaults to round(15% of seq), what BERT's data pipeline
+    masks in a full-length sequence (77 of 512; `create_pretraining_data.py`
+    caps it at max_predictions_per_seq = 80). No attention mask (sequences
     are packed to full length) and no next-sentence head (RoBERTa drops it).
 
     Sizes: Devlin et al. 2019, "BERT: Pre-training of Deep Bidirectional
@@ -318,6 +318,9 @@ def bert(blocks: int = 12, batch: int = 256, seq: int = 512, hidden: int = 768, 
     pads it) so that it divides among devices.
     """
     ffn = 4 * hidden if ffn is None else ffn
+    masked = max(1, round(0.15 * seq)) if masked is None else masked
+    if masked > seq:
+        raise GraphError(f"{masked} masked positions do not fit in a sequence of {seq}")
     _head_size(hidden, heads)
     g = GraphBuilder(library, name=name)
     wte = g.weight("wte", [vocab, hidden])
@@ -335,7 +338,7 @@ def bert(blocks: int = 12, batch: int = 256, seq: int = 512, hidden: int = 768, 
              name="mlm_ln")
     logits = g.op("linear", t, g.op("transpose", wte, d0=0, d1=1, name="wte_t"), g.weight("mlm_bias", [vocab]),
                   name="logits")
-    g.output(_lm_loss(g, logits, batch * seq, vocab, counted="input"))
+    g.output(_lm_loss(g, logits, batch * seq, vocab, batch * masked))
     return g.build()
 
 
@@ -389,6 +392,7 @@ class Example:
 
 _GPT3 = "Brown et al. 2020, Language Models are Few-Shot Learners, Table 2.1"
 _GPT_DERIVED = (("ffn", "4*hidden"),)
+_BERT_DERIVED = (("ffn", "4*hidden"), ("masked", "round(0.15*seq)"))
 _LLAMA_DERIVED = (("kv_heads", "heads"), ("ffn", "llama_ffn(hidden)"))
 
 
@@ -417,10 +421,10 @@ EXAMPLES: Mapping[str, Example] = {
                          (("blocks", 80), ("hidden", 8192), ("heads", 64), ("kv_heads", 8), ("ffn", 28672)),
                          _LLAMA_DERIVED, "Touvron et al. 2023, Llama 2, Table 1; meta-llama/Llama-2-70b-hf config",
                          70e9),
-    "bert": Example("bert", bert, "BERT-Base: post-LN encoder with the masked-LM head and loss", (), _GPT_DERIVED,
+    "bert": Example("bert", bert, "BERT-Base: post-LN encoder with the masked-LM head and loss", (), _BERT_DERIVED,
                     "Devlin et al. 2019, BERT, section 3", 110e6),
     "bert-large": Example("bert-large", bert, "BERT-Large: post-LN encoder with the masked-LM head and loss",
-                          (("blocks", 24), ("hidden", 1024), ("heads", 16)), _GPT_DERIVED,
+                          (("blocks", 24), ("hidden", 1024), ("heads", 16)), _BERT_DERIVED,
                           "Devlin et al. 2019, BERT, section 3", 340e6),
 }
 

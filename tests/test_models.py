@@ -47,6 +47,7 @@ def _readers(graph, name):
 def test_gpt_ties_the_lm_head_to_the_token_embedding(lib):
     g = build_example("gpt", TINY, lib)
     assert g.shape(g.outputs[0]) == ()
+    assert dict(next(n for n in g.nodes if n.name == "loss").attrs)["c"] == pytest.approx(1 / (8 * 16))
     readers = {n.op for n in _readers(g, "wte")}
     assert readers == {"embedding", "transpose"}           # one weight, read twice
     head = next(n for n in g.nodes if n.name == "logits")
@@ -83,7 +84,10 @@ def test_bert_is_post_ln_with_a_tied_masked_lm_head(lib):
     assert g.shape(g.outputs[0]) == ()
     assert {n.op for n in _readers(g, "wte")} == {"embedding", "transpose"}
     assert next(n for n in g.nodes if n.name == "logits").op == "linear"    # decoder with its own bias
-    assert g.leaf("inv_count").shape == ()                                  # count of masked positions varies
+    loss = next(n for n in g.nodes if n.name == "loss")
+    assert loss.op == "scale" and dict(loss.attrs)["c"] == pytest.approx(1 / (8 * 2))  # 15% of 16 positions
+    assert dict(next(n for n in build_example("bert-large", None, lib).nodes if n.name == "loss").attrs)["c"] \
+        == pytest.approx(1 / (256 * 77))                          # BERT masks 77 of 512 positions
     assert next(n for n in g.nodes if n.name == "b0_ln1").inputs[0] == "b0_res1"
 
 
@@ -168,6 +172,8 @@ def test_bad_sizes_are_clear_errors(lib):
         build_example("llama", {**TINY, "hidden": 36, "heads": 4}, lib)
     with pytest.raises(GraphError, match="size vocab must be a positive integer"):
         build_example("bert-large", {"vocab": 0}, lib)
+    with pytest.raises(GraphError, match="17 masked positions do not fit in a sequence of 16"):
+        build_example("bert", {**TINY, "masked": 17}, lib)
 
 
 def test_list_examples_names_every_configuration_and_its_source(capsys):
