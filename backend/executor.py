@@ -89,13 +89,19 @@ def _generator(seed: int, name: str, step: int) -> torch.Generator:
 
 
 def leaf_value(name: str, shape: Sequence[int], role: str, config: TrainConfig, step: int = 0,
-               onehot: bool = False, fan_in: int = 1) -> torch.Tensor:
-    """The full value of a leaf: weights from the seed (scaled by 1/sqrt(fan_in)), data from the seed and the step."""
+               data: str = "", fan_in: int = 1) -> torch.Tensor:
+    """The full value of a leaf: weights from the seed (scaled by 1/sqrt(fan_in)), data from the seed and the step.
+
+    `data` is what the operators reading an input need (`data_leaves`): "onehot" rows of random ids,
+    "mask" the causal 0/1 mask, anything else standard normal values.
+    """
     gen = _generator(config.seed, name, 0 if role == "weight" else step + 1)
     dtype = config.torch_dtype()
-    if onehot:
+    if data == ONEHOT:
         ids = torch.randint(0, shape[-1], tuple(shape[:-1]), generator=gen)
         return torch.nn.functional.one_hot(ids, shape[-1]).to(dtype)
+    if data == MASK:
+        return causal_mask(shape, dtype)
     value = torch.randn(tuple(shape), generator=gen, dtype=dtype)
     if role == "weight" and fan_in > 1:
         value = value / fan_in ** 0.5
@@ -143,22 +149,36 @@ def target_value(name: str, shape: Sequence[int], config: TrainConfig, step: int
 PARALLEL_OPS_NAMES = tuple(PARALLEL_TABLE)
 # Operators that only move elements: a one-hot tensor stays one-hot through them.
 _MOVES_ELEMENTS = PARALLEL_OPS_NAMES + ("split", "concat", "transpose", "flatten", "unflatten", "broadcast")
-# (operator, argument) that must be one-hot rows: embedding ids and cross-entropy targets.
-_ONEHOT_ARGS = (("embedding", 0), ("embedding_padded", 0), ("nll_sum", 2))
+ONEHOT, MASK = "onehot", "mask"
+# (operator, argument) -> the data it must read: one-hot rows (embedding ids, cross-entropy targets) or a
+# 0/1 mask (attention's, of which every row keeps an entry).
+_DATA_ARGS = {("embedding", 0): ONEHOT, ("embedding_padded", 0): ONEHOT, ("nll_sum", 2): ONEHOT,
+              ("softmax_masked", 1): MASK}
 
 
-def _onehot_leaves(nodes: Sequence[tuple[str, str, Sequence[str]]]) -> set[str]:
-    """Leaves whose data must be one-hot rows: read, through operators that only move elements (parallel
-    operators, reshapes, slices), as an embedding's ids or a cross-entropy's targets."""
+def data_leaves(nodes: Sequence[tuple[str, str, Sequence[str]]]) -> dict[str, str]:
+    """Leaves whose data must have a form, and which (ONEHOT or MASK): read, through operators that only
+    move elements (parallel operators, reshapes, slices), as an embedding's ids, a cross-entropy's targets
+    or a masked softmax's mask."""
     source: dict[str, str] = {}  # tensor -> the tensor its elements come from
-    found = set()
+    found: dict[str, str] = {}
     for name, op, inputs in nodes:
         if op in _MOVES_ELEMENTS and inputs:
             source[name] = source.get(inputs[0], inputs[0])
-        for reader, position in _ONEHOT_ARGS:
-            if op == reader and len(inputs) > position:
-                found.add(source.get(inputs[position], inputs[position]))
+        for position, ref in enumerate(inputs):
+            kind = _DATA_ARGS.get((op, position))
+            if kind is not None:
+                found[source.get(ref, ref)] = kind
     return found
+
+
+def causal_mask(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """1 where a query (second-last dim) may see a key (last dim): keys up to its own position, aligned at the
+    end when there are more keys than queries (as the importer builds torch's causal mask)."""
+    if len(shape) < 2:
+        return torch.ones(tuple(shape), dtype=dtype)
+    s, k = shape[-2], shape[-1]
+    return torch.ones(s, k, dtype=dtype).tril(diagonal=max(0, k - s)).expand(tuple(shape)).contiguous()
 
 
 class Optimizer:
@@ -231,7 +251,7 @@ def reference_run(graph: Graph, config: TrainConfig) -> Reference:
     """The original graph trained in one process with the same seeds, loss and optimizer."""
     shapes = graph.shapes()
     nodes = [(n.name, n.op, n.inputs) for n in graph.nodes]
-    onehot = _onehot_leaves(nodes)
+    data = data_leaves(nodes)
     weights = {leaf.name: leaf_value(leaf.name, leaf.shape, "weight", config,
                                      fan_in=fan_in(nodes, shapes, leaf.name)).requires_grad_()
                for leaf in graph.weights}
@@ -241,7 +261,7 @@ def reference_run(graph: Graph, config: TrainConfig) -> Reference:
         env: dict[str, torch.Tensor] = dict(weights)
         for leaf in graph.leaves:
             if leaf.role == "input":
-                env[leaf.name] = leaf_value(leaf.name, leaf.shape, "input", config, step, leaf.name in onehot)
+                env[leaf.name] = leaf_value(leaf.name, leaf.shape, "input", config, step, data.get(leaf.name, ""))
         env = evaluate_graph(graph, env)
         loss = sum(_loss_term(env[o], target_value(o, shapes[o], config, step), env[o].numel())
                    for o in graph.outputs)
@@ -327,7 +347,7 @@ class RankProgram:
     def forward(self, step: int, counter: CommCounter,
                 inputs: Mapping[str, torch.Tensor] | None = None) -> dict[int, tuple[torch.Tensor, Placement]]:
         """Every node's local piece and placement for this step's batch (`inputs`: full values by leaf name)."""
-        onehot = _onehot_leaves([(str(n.id), n.op, [str(i) for i in n.inputs]) for n in self.pcg])
+        data = data_leaves([(str(n.id), n.op, [str(i) for i in n.inputs]) for n in self.pcg])
         env: dict[int, tuple[torch.Tensor, Placement]] = {}
         for node in self.pcg:
             if node.id in self.params:
@@ -339,7 +359,7 @@ class RankProgram:
                 if inputs is not None:
                     value = inputs[node.op].to(self.config.torch_dtype())
                 else:
-                    value = leaf_value(node.op, node.shape, "input", self.config, step, str(node.id) in onehot)
+                    value = leaf_value(node.op, node.shape, "input", self.config, step, data.get(str(node.id), ""))
                 value = value.to(self.ctx.device)
                 env[node.id] = (value, self.placements[node.id])
             elif node.id in self.folded:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from parsat.backend.executor import (ExecutionError, TrainConfig, _onehot_leaves, compare_values, evaluate_graph,
+from parsat.backend.executor import (ExecutionError, TrainConfig, compare_values, data_leaves, evaluate_graph,
                                      leaf_value)
 from parsat.backend.torch_ops import apply_op
 from parsat.ir.graph import Graph
@@ -60,9 +60,9 @@ def plan_follows_graph(pcg: PCG, graph: Graph, seed: int = 0) -> None:
 
 def _values_differ(pcg: PCG, graph: Graph, names, seed: int) -> list[str]:
     config = TrainConfig(seed=seed, dtype="float64")
-    onehot = _onehot_leaves([(n.name, n.op, n.inputs) for n in graph.nodes])
+    data = data_leaves([(n.name, n.op, n.inputs) for n in graph.nodes])
     with torch.no_grad():
-        leaves = {leaf.name: leaf_value(leaf.name, leaf.shape, leaf.role, config, 0, leaf.name in onehot)
+        leaves = {leaf.name: leaf_value(leaf.name, leaf.shape, leaf.role, config, 0, data.get(leaf.name, ""))
                   for leaf in graph.leaves}
         expected = evaluate_graph(graph, dict(leaves))
         env: dict[int, torch.Tensor] = {}

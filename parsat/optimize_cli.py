@@ -62,8 +62,10 @@ def run_optimize(args: argparse.Namespace) -> int:
 
     if args.list_examples:
         for name, example in EXAMPLES.items():
-            sizes = " ".join(f"{k}={v}" for k, v in example.defaults().items())
-            print(f"{name:<12} {example.summary}\n{'':<12} sizes: {sizes}")
+            print(f"{name:<12} {example.summary}\n{'':<12} sizes: {example.describe_sizes()}")
+            if example.source:
+                published = f" (published: {example.parameters:.3g} parameters)" if example.parameters else ""
+                print(f"{'':<12} source: {example.source}{published}")
         return 0
     if not args.model:
         return _error("give a MODEL (a graph JSON file or an example: " + ", ".join(EXAMPLES) + ")")

@@ -1,0 +1,116 @@
+"""The language models among the built-in examples: their sizes, and what the optimizer does with them.
+
+    .venv/bin/python benchmarks/models_bench.py sizes
+    .venv/bin/python benchmarks/models_bench.py optimize gpt-6.7b:8 gpt-6.7b:64 gpt-6.7b:8:batch=8 \
+        [--limit seconds=300 --limit enodes=1000000] [--json out.json]
+
+`sizes`: for every named configuration, the CPU seconds to build its graph
+(library loaded once beforehand), its nodes and weights, and its parameter
+count against the published one. `optimize`: `parsat.optimize` (the facade:
+PROVED rules only) on h100x8 for each NAME:DEVICES[:KEY=VALUE,...], with
+the process's CPU seconds, the peak resident memory growth, each mesh's
+saturation (stop reason, iterations, e-nodes, seconds) and the plan's
+predicted step time and memory per device, or the error it ends with.
+Results are recorded in benchmarks/models_results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+
+from parsat.dsl.library import load_library
+from parsat.ir.models import EXAMPLES, build_example, parameter_count
+
+NAMED = ("gpt", "gpt-1.3b", "gpt-6.7b", "gpt-13b", "gpt-175b", "llama-7b", "llama-70b", "bert", "bert-large")
+
+
+def sizes() -> list[dict]:
+    library = load_library()[0]
+    rows = []
+    for name in NAMED:
+        example = EXAMPLES[name]
+        start = time.process_time()
+        graph = build_example(name, None, library)
+        seconds = time.process_time() - start
+        count = parameter_count(graph)
+        rows.append({"name": name, "build_cpu_s": round(seconds, 3), "nodes": len(graph.nodes),
+                     "weights": len(graph.weights), "parameters": count, "published": example.parameters,
+                     "ratio": round(count / example.parameters, 4), "sizes": example.describe_sizes(),
+                     "source": example.source})
+    return rows
+
+
+def _case(spec: str) -> tuple[str, int, dict[str, int]]:
+    name, devices, *rest = spec.split(":")
+    overrides = {}
+    for item in ",".join(rest).split(","):
+        if item:
+            key, _, value = item.partition("=")
+            overrides[key] = int(value)
+    return name, int(devices), overrides
+
+
+def _max_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def optimize_cases(specs: list[str], limits: dict) -> list[dict]:
+    import parsat
+
+    rows = []
+    for spec in specs:
+        name, devices, overrides = _case(spec)
+        start, rss = time.process_time(), _max_rss_mib()
+        row = {"case": spec, "name": name, "devices": devices, "sizes": overrides, "limits": limits}
+        try:
+            plan = parsat.optimize(name, machine="h100x8", devices=devices, sizes=overrides or None,
+                                   limits=limits or None)
+        except Exception as err:  # noqa: BLE001 - the error is the result
+            row["error"] = f"{type(err).__name__}: {err}"
+        else:
+            row["step_time_ms"] = plan.totals.time_s * 1e3
+            row["memory_gib"] = plan.totals.peak_memory_bytes / 2 ** 30
+            row["mesh"] = plan.saturation.get("mesh")
+            row["meshes"] = plan.saturation.get("meshes")
+            row["chosen"] = plan.extraction.get("chosen")
+            row["baselines_ms"] = {k: (v.time_s * 1e3 if v is not None else None) for k, v in plan.baselines.items()}
+        row["cpu_s"] = round(time.process_time() - start, 2)
+        row["max_rss_mib_after"] = round(_max_rss_mib(), 1)
+        row["max_rss_mib_before"] = round(rss, 1)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    sub.add_parser("sizes")
+    opt = sub.add_parser("optimize")
+    opt.add_argument("cases", nargs="+", metavar="NAME:DEVICES[:KEY=VALUE,...]")
+    opt.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    args = parser.parse_args(argv)
+    if args.what == "sizes":
+        rows = sizes()
+        for r in rows:
+            print(f"{r['name']:<11} {r['build_cpu_s']:6.3f} s  {r['nodes']:5} nodes  {r['weights']:4} weights  "
+                  f"{r['parameters']:>16,}  published {r['published']:.4g}  ratio {r['ratio']:.4f}")
+    else:
+        limits = {}
+        for item in args.limit:
+            key, _, value = item.partition("=")
+            limits[key] = int(value) if key in ("iterations", "enodes") else float(value)
+        rows = optimize_cases(args.cases, limits)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump(rows, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
