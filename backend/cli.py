@@ -211,6 +211,7 @@ def main_calibrate(args: argparse.Namespace) -> int:
 
         from parsat.backend.calibrate import calibrate, report
         from parsat.backend.launch import LaunchError
+        from parsat.dsl.files import FileProblem
     except ImportError as err:
         return _fail(f"calibration needs torch ({err}); install it with: pip install torch==2.13.0", "calibrate")
     nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.device_count() >= 2 else 2)
@@ -221,10 +222,8 @@ def main_calibrate(args: argparse.Namespace) -> int:
     try:
         result = calibrate(args.machine, nproc, args.size, args.repeats, args.backend, tuple(args.comm_elements))
         result.machine.save(args.output)
-    except (ValueError, LaunchError) as err:
+    except (ValueError, LaunchError, FileProblem) as err:
         return _fail(str(err), "calibrate")
-    except OSError as err:
-        return _fail(f"cannot write {args.output}: {err.strerror}", "calibrate")
     print(report(result))
     print(f"wrote {args.output}", file=sys.stderr)
     if args.json:

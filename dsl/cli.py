@@ -30,6 +30,7 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 def run_fmt(args: argparse.Namespace) -> int:
+    from parsat.dsl.files import FileProblem, write_atomic
     from parsat.dsl.library import rule_files
     from parsat.dsl.parser import parse_file
     from parsat.dsl.printer import format_module
@@ -39,10 +40,13 @@ def run_fmt(args: argparse.Namespace) -> int:
         for path in files:
             text = format_module(parse_file(str(path)))
             if args.write:
-                path.write_text(text, encoding="utf-8")
+                write_atomic(path, text)
             else:
                 sys.stdout.write(text)
     except DslError as err:
         print(err, file=sys.stderr)
+        return 1
+    except FileProblem as err:
+        print(f"error: {err}", file=sys.stderr)
         return 1
     return 0

@@ -18,6 +18,7 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 
 from parsat.dsl import ast
 from parsat.dsl.errors import Diagnostic, DslError
+from parsat.dsl.files import FileProblem, max_rule_bytes, read_text_capped
 
 # How each terminal is written, for "expected ..." messages.
 _TOKEN_TEXT = {
@@ -290,12 +291,9 @@ def parse(text: str, path: str = "<string>") -> ast.Module:
 
 
 def parse_file(path: str) -> ast.Module:
-    """Parse a file from disk; unreadable files are a `DslError` too."""
+    """Parse a file from disk (read by `files.read_capped`); unreadable files are a `DslError` too."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
-    except UnicodeDecodeError as err:
-        raise DslError(Diagnostic("io", f"{path}: not UTF-8 text ({err.reason} at byte {err.start})", None)) from None
-    except OSError as err:
-        raise DslError(Diagnostic("io", f"{path}: {err.strerror}", None)) from None
+        text = read_text_capped(path, max_rule_bytes(), "rule", "PARSAT_MAX_RULE_BYTES")
+    except FileProblem as err:
+        raise DslError(Diagnostic("io", str(err), None)) from None
     return parse(text, path)

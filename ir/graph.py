@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 
 from parsat.dsl import ast
 from parsat.dsl.conditions import holds
+from parsat.dsl.files import write_atomic
 from parsat.dsl.instantiate import InstantiationError, OpInstance, instantiate
 from parsat.dsl.library import Library, load_library
 from parsat.dsl.symbolic import Poly
@@ -98,7 +99,8 @@ class Graph:
         return json.dumps(self.to_dict(), indent=2)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+        """Write the graph JSON atomically (raises FileProblem)."""
+        write_atomic(path, self.to_json() + "\n")
 
     @staticmethod
     def from_dict(data: Mapping, library: Library | None = None) -> "Graph":

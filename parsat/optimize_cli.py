@@ -67,10 +67,14 @@ def run_optimize(args: argparse.Namespace) -> int:
         return _error("give a MODEL (a graph JSON file or an example: " + ", ".join(EXAMPLES) + ")")
     from parsat.api import optimize      # egglog (and z3, for the proofs) load here, not for `parsat --help`
     from parsat.dsl.errors import DslError
+    from parsat.dsl.files import FileProblem, refuse_overwriting
     from parsat.ir.errors import GraphError, MachineError
     from parsat.saturate.errors import OptimizeError
 
     try:
+        if args.output:  # before any work: a plan written over the model or machine file would destroy it
+            refuse_overwriting(args.output, [args.model.split(".py:")[0] + ".py" if ".py:" in args.model
+                                             else args.model, args.machine, *(args.rules or [])])
         sizes = _pairs(args.set, "--set")
         limits = _pairs(args.limit, "--limit", float)
         for key in ("iterations", "enodes"):
@@ -89,15 +93,15 @@ def run_optimize(args: argparse.Namespace) -> int:
         plan = optimize(model, machine=args.machine, rules=args.rules, limits=limits or None,
                         devices=args.devices, allow_unverified=True if args.allow_unverified else None,
                         baselines=not args.no_baselines, sizes=sizes or None, progress=progress)
-    except (ValueError, OptimizeError, GraphError, MachineError) as err:
+    except (ValueError, OptimizeError, GraphError, MachineError, FileProblem) as err:
         return _error(str(err))
     except DslError as err:
         return _error(f"the rules do not load:\n{err}")
     if args.output:
         try:
             plan.save(args.output)
-        except OSError as err:
-            return _error(f"cannot write {args.output}: {err.strerror}")
+        except FileProblem as err:
+            return _error(str(err))
         print(f"wrote {args.output}", file=sys.stderr)
     print(plan.explain())
     if args.stats:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Mapping
 
 from parsat.dsl import ast
+from parsat.dsl.files import FileProblem, read_text_capped, write_atomic
 from parsat.dsl.printer import format_decl
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.verifier.verdict import UNKNOWN, Verdict
@@ -40,6 +41,9 @@ def rule_key(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], version: str) ->
     return hashlib.sha256("\n\0".join(parts).encode("utf-8")).hexdigest()
 
 
+ENTRY_BYTES = 1 << 20   # the largest cache entry read (a verdict with its counterexample is a few KB)
+
+
 class VerdictCache:
     """Get and put verdicts under a folder."""
 
@@ -50,22 +54,22 @@ class VerdictCache:
         return self.folder / "verify" / key[:2] / f"{key}.json"
 
     def get(self, key: str, timeout: float) -> Verdict | None:
-        try:
-            record = json.loads(self._path(key).read_text(encoding="utf-8"))
+        try:  # an entry is a few KB; anything larger, or not a regular file, is not one parsat wrote
+            record = json.loads(read_text_capped(self._path(key), ENTRY_BYTES, "verdict cache"))
             verdict = Verdict.from_json(record["verdict"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (FileProblem, ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return None
-        if verdict.verdict == UNKNOWN and record.get("timeout", 0) < timeout:
+        cached = record.get("timeout") if isinstance(record, dict) else None
+        if verdict.verdict == UNKNOWN and not (isinstance(cached, (int, float)) and cached >= timeout):
             return None
         return verdict
 
     def put(self, key: str, verdict: Verdict, timeout: float) -> None:
+        if not math.isfinite(timeout):
+            return  # an entry says under which timeout it was reached; NaN or infinity says nothing
         path = self._path(key)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                json.dump({"timeout": timeout, "verdict": verdict.to_json()}, handle)
-            os.replace(tmp, path)
-        except OSError:
+            write_atomic(path, json.dumps({"timeout": timeout, "verdict": verdict.to_json()}))
+        except (OSError, FileProblem):
             pass  # a cache that cannot be written only costs time

@@ -32,8 +32,9 @@ def run(args: argparse.Namespace) -> int:
     from parsat.verifier.api import verify_paths
     from parsat.verifier.cache import VerdictCache
 
-    if args.timeout <= 0 or args.jobs < 1:
-        print("parsat verify: --timeout must be positive and --jobs at least 1", file=sys.stderr)
+    if not (0 < args.timeout < float("inf")) or args.jobs < 1:  # also refuses NaN
+        print(f"parsat verify: --timeout must be a positive number of seconds (got {args.timeout:g}) and --jobs "
+              f"at least 1 (got {args.jobs})", file=sys.stderr)
         return 2
     cache = None if args.no_cache else VerdictCache()
     report = verify_paths(args.paths or None, match=args.match, timeout=args.timeout, jobs=args.jobs, cache=cache)
