@@ -2,9 +2,10 @@
 
 `launch(fn, args, config)` starts `config.nproc` processes (spawn start
 method: no state is inherited from a parent that may already run threads),
-each joins one process group (gloo on CPU, nccl on CUDA) through a file
-store in a private temporary folder, runs `fn(ctx, *args)` and sends back
-its JSON-able result. Under `torchrun` (RANK / WORLD_SIZE in the
+each joins one process group (gloo on CPU, nccl on CUDA) through a TCP
+store the launcher serves on the loopback interface (nothing on disk, so a
+killed launcher leaves no folder behind), runs `fn(ctx, *args)` and sends
+back its JSON-able result. Under `torchrun` (RANK / WORLD_SIZE in the
 environment) the same call joins the existing group and runs `fn` once, in
 this process.
 
@@ -14,16 +15,24 @@ job runs past `config.timeout_s`, it ends every other rank (SIGTERM, then
 SIGKILL), reaps them all, and raises `LaunchError` naming the rank(s) and
 why. Collectives carry the process-group timeout `collective_timeout_s`,
 so a rank stuck in a collective its peers never join raises by itself.
+
+Ranks die with their launcher, however it ends (SIGKILL, an OOM kill, a
+parent's `subprocess.run(..., timeout=...)`): on Linux each rank asks the
+kernel for SIGKILL when its parent dies (`prctl(PR_SET_PDEATHSIG)`), and
+on every platform a watchdog thread in the rank ends it when its parent
+is no longer the launcher that started it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
 import os
 import queue as queue_module
 import signal
-import tempfile
+import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -36,6 +45,9 @@ import torch.multiprocessing as mp
 
 GRACE_S = 0.5        # after a first failure: how long to collect the others' reports
 TERMINATE_S = 3.0    # SIGTERM to SIGKILL
+WATCHDOG_S = 0.5     # how often a rank checks that its launcher is alive
+STORE_HOST = "127.0.0.1"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class LaunchError(Exception):
@@ -104,8 +116,7 @@ def launch(fn: Callable[..., Any], args: tuple = (), config: LaunchConfig | None
     backend = config.resolved_backend()
     if under_torchrun():
         return [_run_joined(fn, args, backend, config)]
-    with tempfile.TemporaryDirectory(prefix="parsat-launch-") as folder:
-        return _spawn(fn, args, backend, config, os.path.join(folder, "store"))
+    return _spawn(fn, args, backend, config)
 
 
 def _run_joined(fn, args, backend: str, config: LaunchConfig) -> Any:
@@ -124,12 +135,35 @@ def _run_joined(fn, args, backend: str, config: LaunchConfig) -> Any:
             dist.destroy_process_group()
 
 
-def _child(rank: int, world: int, backend: str, store_path: str, collective_timeout_s: float,
+def die_with(launcher: int) -> None:
+    """End this process when `launcher` (its parent) ends: the kernel's parent-death signal on Linux, and a
+    watchdog thread everywhere (it also covers the moment before the signal was asked for)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # the watchdog below still ends the rank
+    if os.getppid() != launcher:  # the launcher died before the signal was set
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(WATCHDOG_S)
+            if os.getppid() != launcher:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parsat-launcher-watchdog", daemon=True).start()
+
+
+def _child(rank: int, world: int, backend: str, store_port: int, launcher: int, collective_timeout_s: float,
            fn: Callable[..., Any], args: tuple, messages) -> None:
     """A spawned rank: join the group, run, report; any exception becomes a message and exit 1."""
+    die_with(launcher)
     try:
         device = _device(backend, rank)
-        store = dist.FileStore(store_path, world)
+        store = dist.TCPStore(STORE_HOST, store_port, None, is_master=False,
+                              timeout=timedelta(seconds=collective_timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=collective_timeout_s))
         result = fn(RankContext(rank, world, backend, device, collective_timeout_s), *args)
@@ -165,12 +199,15 @@ def _exit_reason(code: int | None) -> str:
     return f"died (exit code {code})"
 
 
-def _spawn(fn, args, backend: str, config: LaunchConfig, store_path: str) -> list[Any]:
+def _spawn(fn, args, backend: str, config: LaunchConfig) -> list[Any]:
     context = mp.get_context("spawn")
     messages = context.Queue()
+    # the rendezvous: served by this process for as long as the job runs, gone with it
+    store = dist.TCPStore(STORE_HOST, 0, None, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=config.collective_timeout_s))
     procs = [context.Process(target=_child, name=f"parsat-rank-{rank}", daemon=True,
-                             args=(rank, config.nproc, backend, store_path, config.collective_timeout_s,
-                                   fn, args, messages))
+                             args=(rank, config.nproc, backend, store.port, os.getpid(),
+                                   config.collective_timeout_s, fn, args, messages))
              for rank in range(config.nproc)]
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
