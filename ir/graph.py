@@ -22,6 +22,7 @@ from parsat.dsl.files import write_atomic
 from parsat.dsl.instantiate import InstantiationError, OpInstance, instantiate
 from parsat.dsl.library import Library, load_library
 from parsat.dsl.symbolic import Poly
+from parsat.ir.budget import GraphBudget
 from parsat.ir.errors import GraphError
 from parsat.ir.json_files import parse_json, read_json_file
 from parsat.ir.validate import GRAPH_SCHEMA, GRAPH_VERSION, check_graph_sizes, validate_graph_dict
@@ -103,8 +104,14 @@ class Graph:
         write_atomic(path, self.to_json() + "\n")
 
     @staticmethod
-    def from_dict(data: Mapping, library: Library | None = None) -> "Graph":
-        """Read and validate a graph; node shapes in the file are checked, not trusted."""
+    def from_dict(data: Mapping, library: Library | None = None, budget: GraphBudget | None = None) -> "Graph":
+        """Read and validate a graph; node shapes in the file are checked, not trusted.
+
+        With a `budget`, a graph with more tensors than it allows is refused
+        before anything is built, and building stops at its deadline."""
+        if budget is not None and isinstance(data, Mapping):
+            budget.check_count(sum(len(data[k]) for k in ("inputs", "weights", "nodes")
+                                   if isinstance(data.get(k), list)))
         validate_graph_dict(data)  # structure and types first: the code below may then index freely
         if not isinstance(data, Mapping):
             raise GraphError("a graph must be a JSON object")
@@ -113,7 +120,7 @@ class Graph:
         version = data.get("version", GRAPH_VERSION)
         if version != GRAPH_VERSION:
             raise GraphError(f"graph schema version {version} is not supported (this parsat reads {GRAPH_VERSION})")
-        builder = GraphBuilder(library, name=str(data.get("name", "graph")))
+        builder = GraphBuilder(library, name=str(data.get("name", "graph")), budget=budget)
         try:
             for role, key in (("input", "inputs"), ("weight", "weights")):
                 for item in data.get(key, []):
@@ -143,8 +150,8 @@ class Graph:
         return Graph.from_dict(parse_json(text, GraphError, "graph JSON is not valid JSON"), library)
 
     @staticmethod
-    def load(path: str | Path, library: Library | None = None) -> "Graph":
-        return Graph.from_dict(read_json_file(path, GraphError, "graph"), library)
+    def load(path: str | Path, library: Library | None = None, budget: GraphBudget | None = None) -> "Graph":
+        return Graph.from_dict(read_json_file(path, GraphError, "graph"), library, budget)
 
 
 @dataclass(frozen=True)
@@ -192,9 +199,11 @@ class GraphBuilder:
     positionally where the operator's signature puts them.
     """
 
-    def __init__(self, library: Library | None = None, name: str = "graph"):
+    def __init__(self, library: Library | None = None, name: str = "graph", budget: GraphBudget | None = None):
         self.library = _library(library)
         self.name = name
+        self.budget = budget
+        self._instances: dict[tuple, tuple[int, ...]] = {}  # (op, input shapes, attrs) -> output shape
         self._leaves: list[Leaf] = []
         self._nodes: list[OpNode] = []
         self._outputs: list[str] = []
@@ -209,6 +218,8 @@ class GraphBuilder:
         dims = tuple(int(d) for d in shape)
         if any(d < 1 for d in dims):
             raise GraphError(f"{role} '{name}': every dim must be at least 1, got {list(dims)}")
+        check_graph_sizes({name: dims})   # 2**53 elements at most (the cost model's floats, torch's int64)
+        self._grow()
         self._leaves.append(Leaf(name, dims, role))
         self._shapes[name] = dims
         return Tensor(name)
@@ -246,16 +257,29 @@ class GraphBuilder:
             if t.name not in self._shapes:
                 raise GraphError(f"node '{name}': input '{t.name}' is not defined")
         shapes = [self._shapes[t.name] for t in tensors]
-        try:
-            instance = instance_for(op, shapes, attrs)
-        except InstantiationError as err:
-            given = ", ".join(f"{t.name}{list(s)}" for t, s in zip(tensors, shapes))
-            raise GraphError(f"node '{name}' ({op_name} of {given}): {err}") from None
-        shape = tuple(int(d.evaluate({})) for d in instance.output_shape)
+        self._grow()
+        key = (op_name, tuple(shapes), tuple(sorted((k, type(v).__name__, v) for k, v in attrs.items())))
+        shape = self._instances.get(key)
+        if shape is None:  # repeated layers instantiate an operator at the same shapes: once is enough
+            try:
+                instance = instance_for(op, shapes, attrs)
+            except InstantiationError as err:
+                given = ", ".join(f"{t.name}{list(s)}" for t, s in zip(tensors, shapes))
+                raise GraphError(f"node '{name}' ({op_name} of {given}): {err}") from None
+            shape = tuple(int(d.evaluate({})) for d in instance.output_shape)
+            check_graph_sizes({name: shape})
+            self._instances[key] = shape
         ordered = tuple((p.name, attrs[p.name]) for p in op.attr_params)
         self._nodes.append(OpNode(name, op_name, tuple(t.name for t in tensors), ordered, shape))
         self._shapes[name] = shape
         return Tensor(name)
+
+    def _grow(self) -> None:
+        """One more tensor: within the budget's count and deadline, if there is a budget."""
+        if self.budget is not None:
+            count = len(self._leaves) + len(self._nodes) + 1
+            self.budget.check_count(count, f"graph '{self.name}'", growing=True)
+            self.budget.check_time(count)
 
     def output(self, *tensors: Tensor) -> None:
         for t in tensors:

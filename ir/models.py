@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from parsat.dsl.library import Library
+from parsat.ir.budget import GraphBudget
 from parsat.ir.graph import Graph, GraphBuilder, GraphError, Tensor
 
 
 def mlp(batch: int = 128, d_in: int = 784, d_hidden: int = 512, d_out: int = 10,
-        library: Library | None = None) -> Graph:
+        library: Library | None = None, budget: GraphBudget | None = None) -> Graph:
     """The 2-layer MLP of Unity's Fig. 1: relu(x @ w1) @ w2, no biases."""
-    g = GraphBuilder(library, name="mlp")
+    g = GraphBuilder(library, name="mlp", budget=budget)
     x = g.input("x", [batch, d_in])
     w1 = g.weight("w1", [d_in, d_hidden])
     w2 = g.weight("w2", [d_hidden, d_out])
@@ -28,9 +29,9 @@ def mlp(batch: int = 128, d_in: int = 784, d_hidden: int = 512, d_out: int = 10,
 
 
 def branches(batch: int = 128, d_in: int = 784, d_hidden: int = 512, d_out: int = 10,
-             library: Library | None = None) -> Graph:
+             library: Library | None = None, budget: GraphBudget | None = None) -> Graph:
     """An MLP with two parallel hidden branches joined by concat."""
-    g = GraphBuilder(library, name="branches")
+    g = GraphBuilder(library, name="branches", budget=budget)
     x = g.input("x", [batch, d_in])
     wa = g.weight("wa", [d_in, d_hidden])
     wb = g.weight("wb", [d_in, d_hidden])
@@ -76,17 +77,17 @@ def _encoder_block(g: GraphBuilder, x: Tensor, prefix: str, batch: int, seq: int
 
 
 def transformer(batch: int = 8, seq: int = 512, hidden: int = 1024, heads: int = 16, ffn: int = 4096,
-                library: Library | None = None) -> Graph:
+                library: Library | None = None, budget: GraphBudget | None = None) -> Graph:
     """One BERT-Large-sized encoder block (hidden 1024, 16 heads, FFN 4096)."""
-    return stack(1, batch, seq, hidden, heads, ffn, library, name="transformer")
+    return stack(1, batch, seq, hidden, heads, ffn, library, name="transformer", budget=budget)
 
 
 def stack(blocks: int = 24, batch: int = 8, seq: int = 512, hidden: int = 1024, heads: int = 16, ffn: int = 4096,
-          library: Library | None = None, name: str = "stack") -> Graph:
+          library: Library | None = None, name: str = "stack", budget: GraphBudget | None = None) -> Graph:
     """`blocks` encoder blocks in sequence (24 = BERT-Large)."""
     if blocks < 1:
         raise GraphError("a stack needs at least one block")
-    g = GraphBuilder(library, name=name)
+    g = GraphBuilder(library, name=name, budget=budget)
     x = g.input("x", [batch, seq, hidden])
     for index in range(blocks):
         x = _encoder_block(g, x, f"b{index}_" if blocks > 1 else "", batch, seq, hidden, heads, ffn)
@@ -114,8 +115,12 @@ EXAMPLES: Mapping[str, Example] = {
 }
 
 
-def build_example(name: str, sizes: Mapping[str, int] | None = None, library: Library | None = None) -> Graph:
-    """An example by name with some sizes overridden; unknown names and keys are clear errors."""
+def build_example(name: str, sizes: Mapping[str, int] | None = None, library: Library | None = None,
+                  budget: GraphBudget | None = None) -> Graph:
+    """An example by name with some sizes overridden; unknown names and keys are clear errors.
+
+    Sizes are checked here (positive) and by the builder (at most 2**53 elements per tensor, and the
+    `budget`'s tensor count and deadline while it builds)."""
     example = EXAMPLES.get(name)
     if example is None:
         raise GraphError(f"unknown example '{name}' (examples: {', '.join(EXAMPLES)})")
@@ -127,4 +132,4 @@ def build_example(name: str, sizes: Mapping[str, int] | None = None, library: Li
     for key, value in sizes.items():
         if not isinstance(value, int) or value < 1:
             raise GraphError(f"size {key} must be a positive integer, got {value!r}")
-    return example.build(**sizes, library=library)
+    return example.build(**sizes, library=library, budget=budget)

@@ -43,11 +43,18 @@ def _pairs(items: list[str], what: str, cast=int) -> dict:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"{what} must look like KEY=VALUE, got '{item}'")
+        kind = cast(key.strip()) if cast is _limit_type else cast
         try:
-            out[key.strip()] = cast(value)
-        except ValueError:
-            raise ValueError(f"{what} {key}: '{value}' is not a number") from None
+            out[key.strip()] = kind(value)
+        except (ValueError, OverflowError):
+            word = "a whole number" if kind is int else "a number"
+            raise ValueError(f"{what} {key}: '{value}' is not {word}") from None
     return out
+
+
+def _limit_type(key: str) -> type:
+    """iterations and enodes are counts; the others seconds."""
+    return int if key in ("iterations", "enodes") else float
 
 
 def _error(message: str) -> int:
@@ -76,10 +83,7 @@ def run_optimize(args: argparse.Namespace) -> int:
             refuse_overwriting(args.output, [args.model.split(".py:")[0] + ".py" if ".py:" in args.model
                                              else args.model, args.machine, *(args.rules or [])])
         sizes = _pairs(args.set, "--set")
-        limits = _pairs(args.limit, "--limit", float)
-        for key in ("iterations", "enodes"):
-            if key in limits:
-                limits[key] = int(limits[key])
+        limits = _pairs(args.limit, "--limit", _limit_type)
         start = time.perf_counter()
 
         def progress(message: str) -> None:

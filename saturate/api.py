@@ -14,15 +14,23 @@
 5. the best feasible plan wins: the joint plan unless a baseline's PCG
    (each is a valid PCG, kept in the plan so a backend can run it) is
    strictly cheaper, which the plan then says (`extraction.chosen`).
+
+`limits.seconds` bounds the whole search, not saturation alone: building
+the graph, saturating, extracting and the baselines share one deadline
+(`Deadline`); what the deadline leaves no time for is cut (the ILP, then
+the baselines), never the plan. Loading the rules and looking up their
+proofs (cached) are not counted.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
 from parsat.dsl import ast
 from parsat.dsl.library import Library
+from parsat.ir.budget import GraphBudget
 from parsat.ir.costs import totals
 from parsat.ir.machine import Machine
 from parsat.ir.pcg import Degrees
@@ -33,7 +41,7 @@ from parsat.saturate.baselines import Candidate, data_parallel, megatron_exclude
 from parsat.saturate.errors import OptimizeError
 from parsat.saturate.extract import ExtractionError, leaf_roles
 from parsat.saturate.inputs import check_devices, check_pins, resolve_graph, resolve_library
-from parsat.saturate.runner import Limits
+from parsat.saturate.runner import STOP_SATURATED, Limits, check_limits
 from parsat.saturate.saturate import saturate
 from parsat.saturate.solve import price, rules_used, solve
 
@@ -67,30 +75,42 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     """
     say = progress or (lambda _m: None)
     library = resolve_library(rules)
-    graph = resolve_graph(graph, library, sizes)
     limits = limits if isinstance(limits, Limits) else Limits.from_mapping(limits)
+    check_limits(limits)
+    clock = Deadline(time.perf_counter() + limits.seconds, limits)
+    graph = resolve_graph(graph, library, sizes, GraphBudget(limits.enodes, clock.at, limits.seconds))
     base = Machine.resolve(machine)
     devices = base.devices if devices is None else int(devices)
     check_devices(graph, devices)
     machine = base.with_devices(devices)
     pins = check_pins(graph, output_spreads, input_spreads, devices)
+    t = time.perf_counter()
     chosen, note = choose_rules(library)
+    clock = clock.pause(time.perf_counter() - t)   # proofs (cached) are not the search's time
     chosen = list(chosen)
     say(f"{len(chosen)} rules; {note}")
 
     t = time.perf_counter()
-    joint = saturate(graph, library, chosen, devices, limits, pins, progress=say)
+    within = clock.limits()
+    if within is None:
+        raise OptimizeError(f"--limit seconds={limits.seconds:g} passed before saturation could start (building "
+                            f"'{graph.name}' took it); raise the limit")
+    joint = saturate(graph, library, chosen, devices, within, pins, progress=say)
     say(f"saturation: {joint.stop} after {joint.iterations} iterations, {joint.enodes} e-nodes, "
         f"{time.perf_counter() - t:.2f} s")
     if devices > 1 and all(l.pieces == 1 for l in joint.snapshot.degrees.values()):
+        if joint.stop != STOP_SATURATED:
+            value = getattr(limits, joint.stop, "")
+            raise OptimizeError(f"saturation stopped at --limit {joint.stop}={value:g} before any parallel rule "
+                                f"spread '{graph.name}' over {devices} devices; raise the limit")
         raise OptimizeError(f"no rule can spread '{graph.name}' over {devices} devices (no parallel rule applies "
                             "at a degree dividing the device count)")
     roots = [joint.classes[f"pin:{n}"] if n in pins else joint.classes[n] for n in graph.outputs]
     t = time.perf_counter()
     priced = price(joint, graph, library, machine, free_input_layouts, devices, pins)
     try:
-        pcg, costs, extraction = solve(joint, graph, library, machine, roots, limits, free_input_layouts, devices,
-                                       pins=pins, costs=priced)
+        pcg, costs, extraction = solve(joint, graph, library, machine, roots, clock.limits() or clock.greedy(),
+                                       free_input_layouts, devices, pins=pins, costs=priced)
     except ExtractionError as err:
         raise OptimizeError(str(err)) from None
     extract_seconds = time.perf_counter() - t
@@ -98,8 +118,12 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     candidates = [Candidate(JOINT, pcg, costs, totals(costs, machine))]
 
     found = {}
-    if baselines:
-        limits = Limits(limits.iterations, limits.enodes, limits.seconds, limits.ilp_seconds / 2)
+    spare = clock.limits(share=0.25)   # the Megatron extraction and the sequential baseline's four steps
+    skipped = f"--limit seconds={limits.seconds:g} reached before the baselines" if baselines and spare is None else ""
+    if skipped:
+        say(f"baselines skipped: {skipped}")
+    if baselines and spare is not None:
+        limits = replace(spare, ilp_seconds=min(spare.ilp_seconds, limits.ilp_seconds / 2))
         excluded = megatron_excluded(joint.snapshot, leaf_roles(joint.snapshot, graph))
         try:
             mpcg, mcosts, _ = solve(joint, graph, library, machine, roots, limits, free_input_layouts, devices,
@@ -138,11 +162,37 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
            "ilp_status": extraction.ilp_status, "pass_seconds": dict(extraction.seconds)}
     if unplaceable:
         ext["unplaceable"] = unplaceable
+    if skipped:
+        ext["baselines_skipped"] = skipped
     baseline_plans = {c.name: BaselinePlan(c.pcg, c.costs) for c in candidates if c.name != JOINT}
     return Plan(graph, machine, devices, best.pcg, best.costs, best.totals, found,
                 rules_used(chosen, joint.snapshot, extraction.choice) if best.name == JOINT else (),
                 saturation, ext, pins,
                 baseline_plans)
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """The search's one deadline (`time.perf_counter()`), and the limits that fit in what is left of it."""
+
+    at: float
+    limits_given: Limits
+
+    def pause(self, seconds: float) -> "Deadline":
+        """The same deadline, `seconds` later: time spent on what the limit does not count."""
+        return replace(self, at=self.at + seconds)
+
+    def limits(self, share: float = 1.0) -> Limits | None:
+        """The given limits with `seconds` (and the ILP's) cut to `share` of the time left; None if none is."""
+        left = (self.at - time.perf_counter()) * share
+        if left <= 0:
+            return None
+        given = self.limits_given
+        return replace(given, seconds=left, ilp_seconds=min(given.ilp_seconds, left))
+
+    def greedy(self) -> Limits:
+        """No time left: extraction's greedy passes only (they always give a plan)."""
+        return replace(self.limits_given, ilp_seconds=0)
 
 
 def _unplaceable(candidates: Sequence[Candidate], library: Library, devices: int) -> dict[str, str]:

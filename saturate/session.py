@@ -16,6 +16,7 @@ from egglog import bindings
 
 from parsat.ir.pcg import Degrees
 from parsat.saturate.encoding import ANALYSES, MADE_PREFIX, RULESETS, SHAPE_RULESET, match_ruleset
+from parsat.saturate.errors import OptimizeError
 from parsat.saturate.program import CompiledRule, RuleProgram, past
 from parsat.saturate.snapshot import ENode, Snapshot
 
@@ -56,7 +57,8 @@ class Session:
 
     def __init__(self, program: RuleProgram, graph_text: str, deadline: float | None = None):
         """Once `deadline` (a `time.perf_counter()` value) passes, no more rules are loaded (`loaded` says how
-        many were); the graph always is, so the e-graph stays whole."""
+        many were); the graph always is, so the e-graph stays whole, unless the deadline passes while it is
+        loaded (OptimizeError: there is no plan of part of a graph)."""
         self.egraph = bindings.EGraph()
         self.loaded = 0
         try:
@@ -70,9 +72,13 @@ class Session:
                     break
                 self._run(rule.text)
                 self.loaded += 1
-            for chunk in graph_text.split("\n\n"):
-                if chunk.strip():
-                    self._run(chunk)
+            chunks = [chunk for chunk in graph_text.split("\n\n") if chunk.strip()]
+            for index, chunk in enumerate(chunks):
+                # a graph not loaded whole cannot give a plan; small ones (< 256 tensors, < 0.2 s) always load
+                if index and index % 256 == 0 and past(deadline):
+                    raise OptimizeError(f"loading the graph into the e-graph ran past the time limit (--limit "
+                                        f"seconds): {index:,} of {len(chunks):,} tensors loaded; raise the limit")
+                self._run(chunk)
         except bindings.EggSmolError as err:
             raise CompileError(f"egglog rejected the generated program: {err}") from None
 
