@@ -74,7 +74,8 @@ def load_plan(path: str, nproc: int, plan_of: str = "parsat"):
     from parsat.backend.executor import ExecutionError, Prediction, operator_library
     from parsat.ir.data_parallel import data_parallel_pcg
     from parsat.ir.graph import Graph
-    from parsat.ir.plan import load_plan_dict, pcg_from_dict
+    from parsat.ir.plan import PlanError, load_plan_dict, pcg_from_dict
+    from parsat.ir.validate import validate_plan_operators
 
     data = load_plan_dict(path)
     devices = data.get("devices")
@@ -82,8 +83,10 @@ def load_plan(path: str, nproc: int, plan_of: str = "parsat"):
         raise ExecutionError(f"{path} is a plan for {devices} device(s); --nproc is {nproc}")
     if plan_of not in PLAN_OF:
         raise ExecutionError(f"--plan-of must be one of {', '.join(PLAN_OF)}, not '{plan_of}'")
+    library = operator_library()
+    # every node means something in this library, before any rank starts (the structure was checked on load)
+    validate_plan_operators(data, library.ops, PlanError, f"{path} does not follow the plan schema")
     try:
-        library = operator_library()
         graph = Graph.from_dict(data["graph"], library)
         if plan_of == "parsat":
             return pcg_from_dict(data), graph, Prediction.from_totals(data.get("totals"))
@@ -212,6 +215,7 @@ def main_calibrate(args: argparse.Namespace) -> int:
         from parsat.backend.calibrate import calibrate, report
         from parsat.backend.launch import LaunchError
         from parsat.dsl.files import FileProblem
+        from parsat.ir.errors import MachineError
     except ImportError as err:
         return _fail(f"calibration needs torch ({err}); install it with: pip install torch==2.13.0", "calibrate")
     nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.device_count() >= 2 else 2)
@@ -222,7 +226,7 @@ def main_calibrate(args: argparse.Namespace) -> int:
     try:
         result = calibrate(args.machine, nproc, args.size, args.repeats, args.backend, tuple(args.comm_elements))
         result.machine.save(args.output)
-    except (ValueError, LaunchError, FileProblem) as err:
+    except (ValueError, LaunchError, FileProblem, MachineError) as err:
         return _fail(str(err), "calibrate")
     print(report(result))
     print(f"wrote {args.output}", file=sys.stderr)

@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from parsat.dsl import ast
-from parsat.dsl.conditions import holds
 from parsat.dsl.files import write_atomic
-from parsat.dsl.instantiate import InstantiationError, OpInstance, instantiate
+from parsat.dsl.instantiate import InstantiationError
 from parsat.dsl.library import Library, load_library
-from parsat.dsl.symbolic import Poly
 from parsat.ir.budget import GraphBudget
 from parsat.ir.errors import GraphError
+from parsat.ir.instance import instance_for  # noqa: F401 - re-exported: callers take it from the graph module
 from parsat.ir.json_files import parse_json, read_json_file
 from parsat.ir.validate import GRAPH_SCHEMA, GRAPH_VERSION, check_graph_sizes, validate_graph_dict
 
@@ -165,30 +164,6 @@ def _library(library: Library | None) -> Library:
     if library is not None:
         return library
     return load_library()[0]
-
-
-def instance_for(op: ast.OpDecl, shapes: Sequence[Sequence[int]], attrs: Mapping[str, int | float]) -> OpInstance:
-    """The operator at concrete shapes and attributes (raises InstantiationError)."""
-    int_attrs: dict[str, Poly] = {}
-    real_attrs: dict[str, ast.Expr] = {}
-    for param in op.attr_params:
-        if param.name not in attrs:
-            raise InstantiationError("arity", f"{op.name} needs the attribute '{param.name}'")
-        value = attrs[param.name]
-        if param.type.kind == "real":
-            real_attrs[param.name] = ast.Num(float(value))
-        else:
-            if isinstance(value, bool) or not isinstance(value, int) and not float(value).is_integer():
-                raise InstantiationError("attribute", f"{op.name}: '{param.name}' must be an integer, got {value!r}")
-            int_attrs[param.name] = Poly.const(int(value))
-    extra = set(attrs) - {p.name for p in op.attr_params}
-    if extra:
-        raise InstantiationError("attribute", f"{op.name} has no attribute(s) {', '.join(sorted(extra))}")
-    instance = instantiate(op, [[Poly.const(d) for d in s] for s in shapes], int_attrs, real_attrs)
-    for cond in instance.requirements:
-        if not holds(cond, {}):
-            raise InstantiationError("where", f"{op.name} requires {cond}")
-    return instance
 
 
 class GraphBuilder:

@@ -63,7 +63,8 @@ class Machine:
         return {"schema": MACHINE_SCHEMA, "version": MACHINE_VERSION, **asdict(self)}
 
     def save(self, path: str | Path) -> None:
-        """Write the machine JSON atomically (raises FileProblem)."""
+        """Write the machine JSON atomically (raises FileProblem), if `load` would take it (else MachineError)."""
+        validate_machine_dict(self.to_dict(), {k: f.type for k, f in Machine.__dataclass_fields__.items()})
         write_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @staticmethod
