@@ -4,19 +4,20 @@ Syntax errors become `DslError` with the position, the source line, a caret
 and the tokens that would have been accepted, spelled as they are written.
 Comments directly above a declaration become its `doc`; a comment block at
 the top of a file separated from the first declaration by a blank line is
-the file's header.
+the file's header; every other comment is kept in the module's `notes`
+(`comments`), so printing the module back drops none.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 
 from lark import Lark, Token, Transformer, Tree, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
-from parsat.dsl import ast
+from parsat.dsl import ast, comments
 from parsat.dsl.errors import Diagnostic, DslError
 from parsat.dsl.files import FileProblem, max_rule_bytes, read_text_capped
 
@@ -212,45 +213,6 @@ def _syntax_error(path: str, text: str, err: UnexpectedInput) -> DslError:
     return DslError(Diagnostic("syntax", message, span, source_line))
 
 
-def _comments(text: str) -> dict[int, str]:
-    """Line number -> comment text, for lines that hold only a comment."""
-    out = {}
-    for number, line in enumerate(text.splitlines(), start=1):
-        stripped = line.strip()
-        if stripped.startswith("#"):
-            out[number] = stripped[1:].strip()
-    return out
-
-
-def _attach_docs(decls: list, text: str) -> tuple[tuple[str, ...], list]:
-    """Give each declaration the comment block directly above it.
-
-    The file's header is the comment block that starts the file and is
-    followed by a blank line (so it is nobody's doc).
-    """
-    comments = _comments(text)
-    lines = text.splitlines()
-    result = []
-    for decl in decls:
-        block: list[str] = []
-        number = decl.span.line - 1
-        while number in comments:
-            block.insert(0, comments[number])
-            number -= 1
-        result.append(replace(decl, doc=tuple(block)))
-    header: list[str] = []
-    number = 1
-    while number <= len(lines) and not lines[number - 1].strip():
-        number += 1
-    while number in comments:
-        header.append(comments[number])
-        number += 1
-    ends_with_blank = number <= len(lines) and not lines[number - 1].strip()
-    if not ends_with_blank:
-        header = []
-    return tuple(header), result
-
-
 MAX_NESTING = 120
 
 
@@ -286,8 +248,8 @@ def parse(text: str, path: str = "<string>") -> ast.Module:
         decls = _ToAst(path).transform(tree)
     except VisitError as err:  # a bug in the transformer, never user input
         raise err.orig_exc from None
-    header, decls = _attach_docs(decls, text)
-    return ast.Module(path, header, tuple(decls))
+    header, decls, notes = comments.attach(tree, text, decls)
+    return ast.Module(path, header, tuple(decls), notes)
 
 
 def parse_file(path: str) -> ast.Module:
