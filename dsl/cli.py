@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from parsat.dsl.checker import check_paths
 from parsat.dsl.errors import DslError
@@ -20,13 +21,29 @@ def register(subparsers) -> None:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    report = check_paths(args.paths or None)
+    report = check_paths(args.paths or None, _Progress())
     for diagnostic in report.diagnostics:
         print(diagnostic.render(), file=sys.stderr)
     counts = report.counts()
     print(f"{counts['files']} files, {counts['operators']} operators, {counts['rules']} rules "
           f"({counts['algebraic']} algebraic, {counts['parallel']} parallel), {counts['errors']} errors")
     return 0 if report.ok else 1
+
+
+class _Progress:
+    """A line on stderr every few seconds while a large library is checked (the rule text is capped, not
+    the patience it takes: ~25 s per MB)."""
+
+    EVERY_S = 3.0
+
+    def __init__(self) -> None:
+        self.start = self.last = time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.last >= self.EVERY_S:
+            self.last = now
+            print(f"checked {done:,} of {total:,} rules ({now - self.start:.0f} s)", file=sys.stderr, flush=True)
 
 
 def run_fmt(args: argparse.Namespace) -> int:

@@ -237,6 +237,24 @@ def _check_nesting(tree: Tree, path: str, text: str) -> None:
         stack.extend((child, depth + 1) for child in node.children if isinstance(child, Tree))
 
 
+MAX_LITERAL_DIGITS = 40
+
+
+def _check_literals(tree: Tree, path: str, text: str) -> None:
+    """Refuse number literals longer than MAX_LITERAL_DIGITS characters before anything converts them.
+
+    Python refuses to convert integers of more than 4,300 digits (ValueError),
+    and a 10**4000 would reach z3 and the cost model as a number no tensor
+    has; no size, degree or constant comes near 40 digits."""
+    for token in tree.scan_values(lambda v: isinstance(v, Token) and v.type in ("INT", "FLOAT")):
+        if len(token) > MAX_LITERAL_DIGITS:
+            lines = text.splitlines()
+            span = _tok_span(path, token)
+            source_line = lines[token.line - 1] if 1 <= token.line <= len(lines) else ""
+            raise DslError(Diagnostic("literal", f"a number of {len(token):,} characters: parsat reads numbers of "
+                                                 f"at most {MAX_LITERAL_DIGITS}", span, source_line))
+
+
 def parse(text: str, path: str = "<string>") -> ast.Module:
     """Parse one file's text. Raises `DslError` on a syntax error."""
     try:
@@ -244,6 +262,7 @@ def parse(text: str, path: str = "<string>") -> ast.Module:
     except UnexpectedInput as err:
         raise _syntax_error(path, text, err) from None
     _check_nesting(tree, path, text)
+    _check_literals(tree, path, text)
     try:
         decls = _ToAst(path).transform(tree)
     except VisitError as err:  # a bug in the transformer, never user input

@@ -278,10 +278,10 @@ def test_raw_files_are_refused_by_every_loader(tmp_path, lib, name):
 
 def test_huge_files_are_refused_before_they_are_read(tmp_path, lib, monkeypatch):
     path = tmp_path / "huge.json"
-    with open(path, "wb") as handle:  # sparse: 65 MiB on paper, nothing on disk
+    with open(path, "wb") as handle:  # sparse: 65 MiB on paper, nothing on disk (the cap is 32 MiB)
         handle.seek(65 * 2 ** 20)
         handle.write(b"}")
-    with pytest.raises(GraphError, match=r"over the limit of 67,108,864"):
+    with pytest.raises(GraphError, match=r"over the limit of 33,554,432"):
         Graph.load(path, lib)
     monkeypatch.setenv("PARSAT_MAX_INPUT_BYTES", "100")
     small = tmp_path / "g.json"
