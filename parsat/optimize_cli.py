@@ -76,7 +76,9 @@ def run_optimize(args: argparse.Namespace) -> int:
     from parsat.dsl.errors import DslError
     from parsat.dsl.files import FileProblem, refuse_overwriting
     from parsat.ir.errors import GraphError, MachineError
+    from parsat.ir.machine import Machine
     from parsat.saturate.errors import OptimizeError
+    from parsat.saturate.runner import Limits
 
     try:
         if args.output:  # before any work: a plan written over the model or machine file would destroy it
@@ -84,6 +86,8 @@ def run_optimize(args: argparse.Namespace) -> int:
                                              else args.model, args.machine, *(args.rules or [])])
         sizes = _pairs(args.set, "--set")
         limits = _pairs(args.limit, "--limit", _limit_type)
+        Limits.from_mapping(limits)          # bad limits and machine files are refused before any work
+        machine = Machine.resolve(args.machine)
         start = time.perf_counter()
 
         def progress(message: str) -> None:
@@ -94,7 +98,7 @@ def run_optimize(args: argparse.Namespace) -> int:
         if ".py:" in model:  # model.py:factory -> (module, example inputs): torch.fx import, torch loaded only here
             from parsat.backend.torch_import import load_model_file
             model = load_model_file(model)
-        plan = optimize(model, machine=args.machine, rules=args.rules, limits=limits or None,
+        plan = optimize(model, machine=machine, rules=args.rules, limits=limits or None,
                         devices=args.devices, allow_unverified=True if args.allow_unverified else None,
                         baselines=not args.no_baselines, sizes=sizes or None, progress=progress)
     except (ValueError, OptimizeError, GraphError, MachineError, FileProblem) as err:
