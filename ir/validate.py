@@ -410,19 +410,19 @@ def validate_plan_report(data: Mapping, error: type[Exception], label: str) -> N
 # -------------------------------------------------------------------- machines
 
 
-# The range of each machine field parsat accepts (low, high, unit): wide enough for any real device, narrow
-# enough that the cost model's arithmetic stays finite and meaningful (a negative latency would make
-# communication pay, a peak of 5e-324 FLOP/s gives steps of infinite seconds).
+# The range of each machine field parsat accepts (low, high, unit): wide enough for any device, real or
+# made up for a test, narrow enough that the cost model's arithmetic stays finite and meaningful (a
+# negative latency made communication pay, a peak of 5e-324 FLOP/s gave steps of infinite seconds).
 MACHINE_RANGES: Mapping[str, tuple[float, float, str]] = {
     "devices_per_node": (1, MAX_DEVICES, "devices"),
     "nodes": (1, MAX_DEVICES, "nodes"),
-    "peak_flops": (1e6, 1e19, "FLOP/s per device"),
-    "memory_bandwidth": (1e6, 1e16, "bytes/s"),
-    "memory_capacity": (1e6, 1e16, "bytes"),
-    "intra_bandwidth": (1e3, 1e16, "bytes/s"),
-    "inter_bandwidth": (1e3, 1e16, "bytes/s"),
-    "intra_latency": (0.0, 10.0, "seconds"),
-    "inter_latency": (0.0, 10.0, "seconds"),
+    "peak_flops": (1e3, 1e21, "FLOP/s per device"),
+    "memory_bandwidth": (1, 1e18, "bytes/s"),
+    "memory_capacity": (1, 1e18, "bytes"),
+    "intra_bandwidth": (1, 1e18, "bytes/s"),
+    "inter_bandwidth": (1, 1e18, "bytes/s"),
+    "intra_latency": (0.0, 3600.0, "seconds"),
+    "inter_latency": (0.0, 3600.0, "seconds"),
     "dtype_bytes": (1, 16, "bytes per element"),
 }
 
