@@ -119,6 +119,7 @@ def main_run(args: argparse.Namespace) -> int:
     except ImportError as err:  # torch missing
         return _fail(f"the backend needs torch ({err}); install it with: pip install torch==2.13.0")
     from parsat.backend.launch import under_torchrun
+    from parsat.dsl.files import FileProblem, check_regular_file
     if args.nproc is None:
         if not under_torchrun():
             return _fail("--nproc is required (the number of ranks to start)")
@@ -131,6 +132,9 @@ def main_run(args: argparse.Namespace) -> int:
         if args.model is not None:
             from parsat.backend.parallelize import run_module_plan
 
+            if args.data is not None:  # torch.load in every rank would wait on a pipe or read a device forever
+                check_regular_file(args.data, "--data")
+
             result = run_module_plan(pcg, graph, args.model, args.data, args.nproc, config, predicted, args.backend,
                                      args.timeout, args.collective_timeout)
         else:
@@ -138,7 +142,7 @@ def main_run(args: argparse.Namespace) -> int:
                 raise ExecutionError("--data needs --model (a plan alone trains on seeded data)")
             result = run_plan(pcg, args.nproc, config, graph=graph, predicted=predicted, backend=args.backend,
                               timeout_s=args.timeout, collective_timeout_s=args.collective_timeout)
-    except (PlanError, GraphError, ExecutionError, LaunchError, PlacementError, ValueError) as err:
+    except (PlanError, GraphError, ExecutionError, LaunchError, PlacementError, ValueError, FileProblem) as err:
         return _fail(str(err))
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 speaks for the job
         _report(result, args, config.tolerance)

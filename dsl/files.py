@@ -86,16 +86,8 @@ def read_capped(path: str | os.PathLike, limit: int, what: str, variable: str = 
     size of 0 (`/proc`), is still read no further than the cap.
     """
     shown = os.fspath(path)
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
+    fd, info = _open_regular(path, what)
     try:
-        fd = os.open(path, flags)
-    except OSError as err:
-        raise FileProblem(f"cannot read {shown}: {_reason(err)}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise FileProblem(f"cannot read {shown}: it is {_kind(info.st_mode)}, not a {what} file "
-                              "(parsat reads only regular files)")
         if info.st_size > limit:
             raise FileTooLarge(f"{shown}: the {what} file is {info.st_size:,} bytes, over the limit of {limit:,} "
                               f"({variable})")
@@ -113,6 +105,33 @@ def read_capped(path: str | os.PathLike, limit: int, what: str, variable: str = 
         raise FileProblem(f"cannot read {shown}: {_reason(err)}") from None
     finally:
         os.close(fd)
+
+
+def _open_regular(path: str | os.PathLike, what: str) -> tuple[int, os.stat_result]:
+    """An open descriptor of a regular file (without blocking on a named pipe), or FileProblem."""
+    shown = os.fspath(path)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as err:
+        raise FileProblem(f"cannot read {shown}: {_reason(err)}") from None
+    try:
+        info = os.fstat(fd)
+    except OSError as err:
+        os.close(fd)
+        raise FileProblem(f"cannot read {shown}: {_reason(err)}") from None
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise FileProblem(f"cannot read {shown}: it is {_kind(info.st_mode)}, not a {what} file "
+                          "(parsat reads only regular files)")
+    return fd, info
+
+
+def check_regular_file(path: str | os.PathLike, what: str) -> None:
+    """FileProblem unless `path` is a regular file that can be opened: for inputs another library reads
+    (`torch.load` of `--data`, the import of `--model`), which would block on a pipe or read a device forever."""
+    fd, _info = _open_regular(path, what)
+    os.close(fd)
 
 
 def read_text_capped(path: str | os.PathLike, limit: int, what: str,

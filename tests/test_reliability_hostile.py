@@ -134,12 +134,13 @@ def test_dev_zero_is_refused_not_read(args, pattern):
     assert_clean_refusal(run_cli(args, timeout=60), 60, pattern)
 
 
-@pytest.mark.parametrize("kind", ["graph", "plan", "run", "rule"])
+@pytest.mark.parametrize("kind", ["graph", "plan", "run", "rule", "data"])
 def test_a_named_pipe_is_refused_without_waiting_for_a_writer(fifo, plan_file, kind):
     """Before: opening a pipe no one writes to hung forever."""
     path = fifo("in.rule" if kind == "rule" else "in.json")
     args = {"graph": ["optimize", str(path), "-q"], "plan": ["explain", str(path)],
-            "run": ["run", str(path), "--nproc", "2"], "rule": ["check", str(path)]}[kind]
+            "run": ["run", str(path), "--nproc", "2"], "rule": ["check", str(path)],
+            "data": ["run", str(plan_file), "--nproc", "2", "--model", "model.py:make", "--data", str(path)]}[kind]
     assert_clean_refusal(run_cli(args, timeout=60), 60, r"it is a named pipe")
 
 
