@@ -61,13 +61,17 @@ class Library:
         return tuple(m.path for m in self.modules)
 
 
+MAX_FOLDER_ENTRIES = 100_000   # `parsat check /` must end: a folder of rules is not the whole file system
+
+
 def rule_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
-    """The `.rule` files named, with folders expanded (sorted, recursive)."""
+    """The `.rule` files named, with folders expanded (sorted, recursive; symbolic links to folders are not
+    followed, and a walk past MAX_FOLDER_ENTRIES entries is refused)."""
     found: list[Path] = []
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
-            found.extend(sorted(p for p in path.rglob("*.rule") if p.is_file()))
+            found.extend(_rule_files_under(path))
         elif path.exists():
             if path.suffix != ".rule":
                 raise DslError(Diagnostic("io", f"{path}: not a .rule file (parsat reads rules only from .rule "
@@ -76,6 +80,18 @@ def rule_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
         else:
             raise DslError(Diagnostic("io", f"{path}: no such file or folder", None))
     return found
+
+
+def _rule_files_under(folder: Path) -> list[Path]:
+    found, seen = [], 0
+    for root, dirs, names in os.walk(folder):
+        seen += len(dirs) + len(names)
+        if seen > MAX_FOLDER_ENTRIES:
+            raise DslError(Diagnostic("io", f"{folder}: more than {MAX_FOLDER_ENTRIES:,} files and folders under "
+                                            "it; name the folder that holds the .rule files", None))
+        dirs.sort()
+        found += [Path(root) / name for name in names if name.endswith(".rule") and (Path(root) / name).is_file()]
+    return sorted(found)
 
 
 class _Loader:
