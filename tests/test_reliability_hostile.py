@@ -11,7 +11,8 @@ number in a rule. (Ranks outliving their launcher: test_reliability_faults;
 
 Where a hang or memory is the risk, the command runs in a fresh process
 (`run_cli`): it must end before its timeout with exit 1 or 2, no Python
-traceback, and at most 2 GiB resident (the kernel's own count, `wait4`).
+traceback, and at most 2 GiB resident (the kernel's own count, `wait4`,
+of that process alone).
 """
 
 from __future__ import annotations
@@ -19,11 +20,9 @@ from __future__ import annotations
 import errno
 import json
 import os
-import signal
 import stat
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,30 +45,37 @@ class Outcome:
     max_rss: int      # bytes
 
 
+# A small parent for the command: the kernel's peak-memory count of a child starts from its parent's size
+# at fork (a pytest process with torch loaded is ~0.5 GB), so `parsat` is started from this one and its
+# own peak is read with wait4 and written to the file named first.
+_MEASURE = """
+import os, signal, subprocess, sys
+child = subprocess.Popen(sys.argv[2:])
+signal.signal(signal.SIGTERM, lambda *_: child.kill())
+_, status, usage = os.wait4(child.pid, 0)
+open(sys.argv[1], "w").write(str(usage.ru_maxrss * 1024))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def run_cli(args: list[str], timeout: float, cwd: Path | None = None, env: dict | None = None,
             preexec=None) -> Outcome:
-    """`python -m parsat ARGS` in a fresh process, killed at `timeout`; its peak memory from `wait4`."""
-    proc = subprocess.Popen([sys.executable, "-m", "parsat", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, preexec_fn=preexec)
-    streams = {"out": b"", "err": b""}
+    """`python -m parsat ARGS` in a fresh process, ended at `timeout`; its own peak memory from `wait4`."""
+    import tempfile
 
-    def read(name, pipe):
-        streams[name] = pipe.read()
-
-    readers = [threading.Thread(target=read, args=(n, p)) for n, p in (("out", proc.stdout), ("err", proc.stderr))]
-    for reader in readers:
-        reader.start()
-    timer = threading.Timer(timeout, proc.kill)
-    start = time.monotonic()
-    timer.start()
-    _, status, usage = os.wait4(proc.pid, 0)
-    seconds = time.monotonic() - start
-    timer.cancel()
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    for reader in readers:
-        reader.join()
-    return Outcome(proc.returncode, streams["out"].decode(errors="replace"), streams["err"].decode(errors="replace"),
-                   seconds, usage.ru_maxrss * 1024)
+    with tempfile.NamedTemporaryFile("r", suffix=".rss") as rss:
+        proc = subprocess.Popen([sys.executable, "-c", _MEASURE, rss.name, sys.executable, "-m", "parsat", *args],
+                                cwd=cwd, env=env, stdin=subprocess.DEVNULL, preexec_fn=preexec,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        start = time.monotonic()
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            out, err = proc.communicate()
+        seconds = time.monotonic() - start
+        peak = int(rss.read() or 0)
+    return Outcome(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"), seconds, peak)
 
 
 def assert_clean_refusal(outcome: Outcome, timeout: float, pattern: str) -> None:
@@ -79,7 +85,7 @@ def assert_clean_refusal(outcome: Outcome, timeout: float, pattern: str) -> None
     assert outcome.code in (1, 2), f"exit {outcome.code}: {text[-2000:]}"
     assert outcome.seconds < timeout, f"ran {outcome.seconds:.1f} s: killed at the timeout"
     assert "Traceback" not in text, text[-3000:]
-    assert outcome.max_rss < MEMORY_LIMIT, f"{outcome.max_rss / 2 ** 30:.2f} GiB"
+    assert 0 < outcome.max_rss < MEMORY_LIMIT, f"{outcome.max_rss / 2 ** 30:.2f} GiB"
     assert re.search(pattern, text), text[-2000:]
 
 
