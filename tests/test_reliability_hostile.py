@@ -1,6 +1,6 @@
 """The hostile review of issue 20, kept fixed: each class of input or fault it found ends cleanly.
 
-Classes (benchmarks/RELIABILITY.md, section 8): inputs that are not files
+Classes (benchmarks/RELIABILITY.md, section 7): inputs that are not files
 (`/dev/zero`, a named pipe), files and rule text past their caps, outputs
 that would destroy an input or be left half written, limits of 0 or NaN,
 graphs past `--limit enodes` or `--limit seconds`, machine and plan files
