@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/hostile_inputs.py            # the table recorded in benchmarks/RELIABILITY.md
 
 Every case must end with exit 1 or 2 (a refusal), no Python traceback,
-before its timeout and under 2 GiB resident (`wait4`'s ru_maxrss); the
-script says FAIL otherwise. The same classes are asserted by
+before its timeout and under 2 GiB resident (the tests' `run_cli`: wait4's
+ru_maxrss of the parsat process alone); the script says FAIL otherwise. The same classes are asserted by
 tests/test_reliability_hostile.py; this script records the figures.
 """
 
@@ -12,41 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-# `parsat` is started from this small parent, so that wait4's peak is that process's own (a child's count
-# starts from its parent's size at fork, and this script holds a 749k-node graph in memory at times).
-_MEASURE = """
-import os, signal, subprocess, sys
-child = subprocess.Popen(sys.argv[2:])
-signal.signal(signal.SIGTERM, lambda *_: child.kill())
-_, status, usage = os.wait4(child.pid, 0)
-open(sys.argv[1], "w").write(str(usage.ru_maxrss * 1024))
-sys.exit(os.waitstatus_to_exitcode(status))
-"""
-
-
-def run_measured(args: list[str], timeout: float, cwd: Path, env: dict | None = None) -> tuple[int, float, int, str]:
-    """(exit code, wall seconds, peak resident bytes of the parsat process, output); ended at `timeout`."""
-    rss = cwd / "peak.rss"
-    proc = subprocess.Popen([sys.executable, "-c", _MEASURE, str(rss), sys.executable, "-m", "parsat", *args],
-                            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=None if env is None else {**os.environ, **env})
-    start = time.monotonic()
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-        out, _ = proc.communicate()
-    seconds = time.monotonic() - start
-    return proc.returncode, seconds, int(rss.read_text() or 0), out.decode(errors="replace")
+sys.path.insert(0, str(REPO / "tests"))
+from test_reliability_hostile import run_cli  # noqa: E402 - the tests' runner: its peak memory is the process's own
 
 
 def main() -> int:
@@ -66,6 +38,7 @@ def main() -> int:
     chain = {"name": "chain", "inputs": [{"name": "x", "shape": [8, 8]}], "nodes": nodes, "outputs": [f"n{n - 1}"]}
     (work / "chain749k.json").write_text(json.dumps(chain))
     (work / "chain250k.json").write_text(json.dumps({**chain, "nodes": nodes[:250_000], "outputs": ["n249999"]}))
+    del nodes, chain
     n = (32 * 2 ** 20 - 2) // 3
     (work / "dicts.json").write_text("[" + "{}," * (n - 1) + "{}]")
     cases = [
@@ -101,9 +74,10 @@ def main() -> int:
     print("| input | exit | wall s | peak RSS MiB | message |")
     print("|---|---|---|---|---|")
     for label, args, timeout, *env in cases:
-        code, seconds, rss, out = run_measured(args, timeout, work, env[0] if env else None)
+        outcome = run_cli(args, timeout, cwd=work, env={**os.environ, **env[0]} if env else None)
+        code, seconds, rss, out = outcome.code, outcome.seconds, outcome.max_rss, outcome.out + outcome.err
         lines = out.strip().splitlines()
-        last = next((line for line in lines if "error" in line), lines[-1] if lines else "")
+        last = next((line for line in lines if "error:" in line or "must be" in line), lines[-1] if lines else "")
         ok = code in (1, 2) and "Traceback" not in out and seconds < timeout and rss < 2 * 2 ** 30
         failed += not ok
         message = (last if len(last) < 150 else last[:147] + "...").replace("|", "\\|")

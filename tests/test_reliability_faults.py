@@ -87,10 +87,9 @@ def plan_path(tmp_path: Path) -> Path:
     return path
 
 
-def spawned_children() -> list[tuple[int, str]]:
-    """Live (not zombie) children of this process that are spawned ranks (the process table, from /proc)."""
-    found = []
-    me = os.getpid()
+def _process_table() -> dict[int, tuple[str, int, str]]:
+    """pid -> (state, parent pid, command line) for every process, from /proc."""
+    table = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -100,10 +99,15 @@ def spawned_children() -> list[tuple[int, str]]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        state, ppid = fields[0], int(fields[1])
-        if ppid == me and state != "Z" and "spawn_main" in cmdline:
-            found.append((int(entry.name), cmdline[:120]))
-    return found
+        table[int(entry.name)] = (fields[0], int(fields[1]), cmdline)
+    return table
+
+
+def spawned_children() -> list[tuple[int, str]]:
+    """Live (not zombie) children of this process that are spawned ranks (the process table, from /proc)."""
+    me = os.getpid()
+    return [(pid, cmdline[:120]) for pid, (state, ppid, cmdline) in _process_table().items()
+            if ppid == me and state != "Z" and "spawn_main" in cmdline]
 
 
 @pytest.fixture
@@ -183,22 +187,6 @@ def test_the_same_plan_runs_clean_without_a_fault(faulty, tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ the launcher itself killed (issue 20)
-
-
-def _process_table() -> dict[int, tuple[str, int, str]]:
-    """pid -> (state, parent pid, command line) for every process, from /proc."""
-    table = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        table[int(entry.name)] = (fields[0], int(fields[1]), cmdline)
-    return table
 
 
 def _alive(pids) -> list[int]:
