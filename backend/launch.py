@@ -17,22 +17,19 @@ why. Collectives carry the process-group timeout `collective_timeout_s`,
 so a rank stuck in a collective its peers never join raises by itself.
 
 Ranks die with their launcher, however it ends (SIGKILL, an OOM kill, a
-parent's `subprocess.run(..., timeout=...)`): on Linux each rank asks the
-kernel for SIGKILL when its parent dies (`prctl(PR_SET_PDEATHSIG)`), and
-on every platform a watchdog thread in the rank ends it when its parent
-is no longer the launcher that started it.
+parent's `subprocess.run(..., timeout=...)`), from their first moment:
+`rank_guard` binds each to the launcher (parent-death signal, watchdog)
+before the job is unpickled and torch imported.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import re
 import os
 import queue as queue_module
+import pickle
 import signal
-import sys
-import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -43,11 +40,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from parsat.backend import rank_guard
+
 GRACE_S = 0.5        # after a first failure: how long to collect the others' reports
 TERMINATE_S = 3.0    # SIGTERM to SIGKILL
-WATCHDOG_S = 0.5     # how often a rank checks that its launcher is alive
 STORE_HOST = "127.0.0.1"
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class LaunchError(Exception):
@@ -135,31 +132,10 @@ def _run_joined(fn, args, backend: str, config: LaunchConfig) -> Any:
             dist.destroy_process_group()
 
 
-def die_with(launcher: int) -> None:
-    """End this process when `launcher` (its parent) ends: the kernel's parent-death signal on Linux, and a
-    watchdog thread everywhere (it also covers the moment before the signal was asked for)."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass  # the watchdog below still ends the rank
-    if os.getppid() != launcher:  # the launcher died before the signal was set
-        os._exit(1)
-
-    def watch() -> None:
-        while True:
-            time.sleep(WATCHDOG_S)
-            if os.getppid() != launcher:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="parsat-launcher-watchdog", daemon=True).start()
-
-
-def _child(rank: int, world: int, backend: str, store_port: int, launcher: int, collective_timeout_s: float,
-           fn: Callable[..., Any], args: tuple, messages) -> None:
-    """A spawned rank: join the group, run, report; any exception becomes a message and exit 1."""
-    die_with(launcher)
+def rank_main(rank: int, world: int, backend: str, store_port: int, collective_timeout_s: float,
+              fn: Callable[..., Any], args: tuple, messages) -> None:
+    """A spawned rank (started by `rank_guard.start`): join the group, run, report; any exception becomes a
+    message and exit 1."""
     try:
         device = _device(backend, rank)
         store = dist.TCPStore(STORE_HOST, store_port, None, is_master=False,
@@ -205,9 +181,12 @@ def _spawn(fn, args, backend: str, config: LaunchConfig) -> list[Any]:
     # the rendezvous: served by this process for as long as the job runs, gone with it
     store = dist.TCPStore(STORE_HOST, 0, None, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=config.collective_timeout_s))
-    procs = [context.Process(target=_child, name=f"parsat-rank-{rank}", daemon=True,
-                             args=(rank, config.nproc, backend, store.port, os.getpid(),
-                                   config.collective_timeout_s, fn, args, messages))
+    # the job is pickled here and unpickled by the rank only after it is bound to this process's life
+    # (`rank_guard`): unpickling imports torch and `fn`'s module, seconds a killed launcher must not leave it
+    procs = [context.Process(target=rank_guard.start, name=f"parsat-rank-{rank}", daemon=True,
+                             args=(os.getpid(), pickle.dumps((rank_main, (rank, config.nproc, backend, store.port,
+                                                                         config.collective_timeout_s, fn, args))),
+                                   messages))
              for rank in range(config.nproc)]
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}

@@ -175,24 +175,24 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     A temporary file in the target's folder is written, fsynced and renamed
     over the target; on any failure it is removed and the target is as it
     was. A symbolic link is followed (its target is replaced, not the link).
-    An existing character device (`/dev/null`, a terminal) is written
-    directly: there is nothing to replace. The new file keeps the old one's
+    An existing character device or pipe (`/dev/null`, a terminal,
+    `-o /dev/stdout`) is written directly: there is nothing to replace. The new file keeps the old one's
     permissions, or gets the usual ones for a new file.
     """
     shown = os.fspath(path)
     payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
-    target = Path(os.path.realpath(path))
     try:
-        info = os.stat(target)
+        info = os.stat(path)   # through symbolic links: /dev/stdout is the terminal or pipe behind it
     except FileNotFoundError:
         info = None
     except OSError as err:
         raise FileProblem(f"cannot write {shown}: {_reason(err)}") from None
     if info is not None and not stat.S_ISREG(info.st_mode):
-        if stat.S_ISCHR(info.st_mode):
-            _write_device(target, payload, shown)
+        if stat.S_ISCHR(info.st_mode) or stat.S_ISFIFO(info.st_mode):
+            _write_stream(path, payload, shown)
             return
         raise FileProblem(f"cannot write {shown}: it is {_kind(info.st_mode)}, not a file")
+    target = Path(os.path.realpath(path))
     folder = target.parent
     if not folder.is_dir():
         missing = Path(shown).parent
@@ -226,7 +226,8 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     _sync_folder(folder)
 
 
-def _write_device(target: Path, payload: bytes, shown: str) -> None:
+def _write_stream(target: str | os.PathLike, payload: bytes, shown: str) -> None:
+    """A terminal, `/dev/null` or a pipe (`-o /dev/stdout`): written as it is, there is no file to replace."""
     try:
         with open(target, "wb") as handle:
             handle.write(payload)

@@ -23,8 +23,9 @@ from parsat.dsl.parser import parse
 from parsat.dsl.printer import format_module
 
 ROOT = Path(__file__).resolve().parent.parent
-RULE_FILES = rule_files([shipped_rules_dir(), ROOT / "benchmarks", ROOT / "tests" / "wrong_rules",
-                         ROOT / "tests" / "rules_for_saturate"])
+# the generated files under benchmarks/ (~1,000 rules, 15 s) run with the slow tests
+RULE_FILES = rule_files([shipped_rules_dir(), ROOT / "tests" / "wrong_rules", ROOT / "tests" / "rules_for_saturate"])
+RULE_FILES += [pytest.param(path, marks=pytest.mark.slow) for path in rule_files([ROOT / "benchmarks"])]
 
 
 def fmt(text: str) -> str:
@@ -43,7 +44,7 @@ def assert_keeps_comments(source: str) -> str:
     return out
 
 
-@pytest.mark.parametrize("path", RULE_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", RULE_FILES, ids=lambda p: str(p.relative_to(ROOT)) if isinstance(p, Path) else None)
 def test_fmt_write_keeps_every_comment_of_every_shipped_rule_file(path, tmp_path, capsys):
     copy = tmp_path / path.name
     shutil.copyfile(path, copy)

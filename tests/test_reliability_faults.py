@@ -195,10 +195,13 @@ def _alive(pids) -> list[int]:
     return [pid for pid in pids if pid in table and table[pid][0] != "Z"]
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
-def test_ranks_die_with_their_launcher_and_nothing_is_left_behind(tmp_path, how):
-    """`parsat run` killed mid-training (SIGKILL: an OOM kill, a parent's subprocess timeout): within 10 s no
-    process it started is running (the process table), and it left no `parsat-launch-*` folder."""
+@pytest.mark.parametrize("how,when", [(signal.SIGKILL, 3.0), (signal.SIGKILL, 0.0),
+                                      pytest.param(signal.SIGTERM, 3.0, marks=pytest.mark.slow)],
+                         ids=["SIGKILL mid-training", "SIGKILL while the ranks start", "SIGTERM"])
+def test_ranks_die_with_their_launcher_and_nothing_is_left_behind(tmp_path, how, when):
+    """`parsat run` killed (SIGKILL: an OOM kill, a parent's subprocess timeout) mid-training, or as soon as its
+    ranks exist (while they still import torch): within 10 s no process it started is running (the process
+    table), and it left no `parsat-launch-*` folder."""
     import subprocess
     import sys
 
@@ -223,7 +226,7 @@ def test_ranks_die_with_their_launcher_and_nothing_is_left_behind(tmp_path, how)
                 break
             time.sleep(0.2)
         assert len(ranks) == 2, f"the ranks did not start: {launcher.stderr.read().decode() if launcher.poll() else ''}"
-        time.sleep(3)  # well into training (each rank joined the group and runs steps)
+        time.sleep(when)  # 3 s: well into training (each rank joined the group and runs steps)
         assert launcher.poll() is None and len(_alive(ranks)) == 2
         children = [pid for pid, (_, ppid, _) in _process_table().items() if ppid == launcher.pid]
         launcher.send_signal(how)
