@@ -2,7 +2,8 @@
 
 Modules:
 `launch` (N ranks spawned here or joined under torchrun; a rank that dies,
-raises or hangs ends the job with its name), `collectives` (the four
+raises or hangs ends the job with its name), `rank_guard` (a rank dies
+with its launcher, from its first moment), `collectives` (the four
 parallel operators as autograd-aware collectives on subgroups),
 `torch_ops` (the library's operators on local pieces), `executor` (a PCG
 as training steps on every rank, checked against one process), `cli`
