@@ -218,7 +218,7 @@ def main_calibrate(args: argparse.Namespace) -> int:
 
         from parsat.backend.calibrate import calibrate, report
         from parsat.backend.launch import LaunchError
-        from parsat.dsl.files import FileProblem
+        from parsat.dsl.files import FileProblem, check_output
         from parsat.ir.errors import MachineError
     except ImportError as err:
         return _fail(f"calibration needs torch ({err}); install it with: pip install torch==2.13.0", "calibrate")
@@ -228,6 +228,7 @@ def main_calibrate(args: argparse.Namespace) -> int:
         return _fail("--size must be >= 16, --repeats >= 1, and --comm-elements SMALL < LARGE, both >= 1",
                      "calibrate")
     try:
+        check_output(args.output)   # before the measurements, not after them
         result = calibrate(args.machine, nproc, args.size, args.repeats, args.backend, tuple(args.comm_elements))
         result.machine.save(args.output)
     except (ValueError, LaunchError, FileProblem, MachineError) as err:

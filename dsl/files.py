@@ -249,6 +249,20 @@ def _sync_folder(folder: Path) -> None:
         os.close(fd)
 
 
+def check_output(path: str | os.PathLike) -> None:
+    """FileProblem now for an output that `write_atomic` could not write later: a missing or read-only
+    folder, a folder in the file's place. Commands that work for minutes (`optimize`, `generate`,
+    `calibrate`) ask first, so the work is not lost at the end."""
+    shown = os.fspath(path)
+    if os.path.isdir(path):
+        raise FileProblem(f"cannot write {shown}: it is a folder, not a file")
+    folder = os.path.dirname(os.path.realpath(path))
+    if not os.path.isdir(folder):
+        raise FileProblem(f"cannot write {shown}: the folder {os.path.dirname(shown) or '.'} does not exist")
+    if not os.path.exists(path) and not os.access(folder, os.W_OK | os.X_OK):
+        raise FileProblem(f"cannot write {shown}: the folder {os.path.dirname(shown) or '.'} is not writable")
+
+
 def refuse_overwriting(output: str | os.PathLike, inputs: Iterable[str | os.PathLike | None], flag: str = "-o") -> None:
     """FileProblem when `output` is the same file as one of `inputs` (writing it would destroy that input)."""
     for source in inputs:

@@ -46,7 +46,7 @@ def _error(message: str) -> int:
 
 def run_generate(args: argparse.Namespace) -> int:
     from parsat.dsl.errors import DslError
-    from parsat.dsl.files import FileProblem, refuse_overwriting, write_atomic
+    from parsat.dsl.files import FileProblem, check_output, refuse_overwriting, write_atomic
     from parsat.saturate.inputs import resolve_library
     from parsat.generate.generate import GenerateError, Settings, generate
 
@@ -58,7 +58,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if not ops:
         return _error("--ops names no operator")
     try:
-        refuse_overwriting(args.output, args.rules or [])  # before the run, not after minutes of work
+        check_output(args.output)   # before the run, not after minutes of work
+        refuse_overwriting(args.output, args.rules or [])
         library = resolve_library(args.rules)
     except FileProblem as err:
         return _error(str(err))

@@ -74,7 +74,7 @@ def run_optimize(args: argparse.Namespace) -> int:
         return _error("give a MODEL (a graph JSON file or an example: " + ", ".join(EXAMPLES) + ")")
     from parsat.api import optimize      # egglog (and z3, for the proofs) load here, not for `parsat --help`
     from parsat.dsl.errors import DslError
-    from parsat.dsl.files import FileProblem, refuse_overwriting
+    from parsat.dsl.files import FileProblem, check_output, refuse_overwriting
     from parsat.ir.errors import GraphError, MachineError
     from parsat.ir.machine import Machine
     from parsat.saturate.errors import OptimizeError
@@ -82,6 +82,7 @@ def run_optimize(args: argparse.Namespace) -> int:
 
     try:
         if args.output:  # before any work: a plan written over the model or machine file would destroy it
+            check_output(args.output)
             refuse_overwriting(args.output, [args.model.split(".py:")[0] + ".py" if ".py:" in args.model
                                              else args.model, args.machine, *(args.rules or [])])
         sizes = _pairs(args.set, "--set")

@@ -295,6 +295,18 @@ def test_missing_and_read_only_folders_are_clear_errors(plan_file, tmp_path, cap
     assert f"cannot write {folder / 'x.dot'}: the folder {folder} is not writable" in err
 
 
+@pytest.mark.parametrize("args", [["optimize", "mlp", "-n", "2"], ["generate", "--ops", "relu"]], ids=lambda a: a[0])
+def test_a_long_command_refuses_an_unwritable_output_before_it_works(tmp_path, capsys, args):
+    """`optimize` and `generate` can work for minutes: a missing folder is said before, not after."""
+    start = time.monotonic()
+    assert main([*args, "-o", str(tmp_path / "missing" / "out"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "the folder" in err and "does not exist" in err and "rules" not in err, err
+    assert time.monotonic() - start < 5
+    assert main([*args, "-o", str(tmp_path), "--quiet"]) == 1
+    assert "it is a folder, not a file" in capsys.readouterr().err
+
+
 def test_a_failed_write_leaves_the_old_file_whole(tmp_path, monkeypatch):
     """A full disk during the write: the old content stays, the temporary file goes, the error says so."""
     path = tmp_path / "plan.json"
