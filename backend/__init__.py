@@ -2,7 +2,8 @@
 
 Modules:
 `launch` (N ranks spawned here or joined under torchrun; a rank that dies,
-raises or hangs ends the job with its name), `collectives` (one process
+raises or hangs ends the job with its name), `rank_guard` (a rank dies
+with its launcher, from its first moment), `collectives` (one process
 group per group of each mesh axis; the parallel operators as one table of
 autograd-aware collectives on them),
 `torch_ops` (the library's operators on local pieces), `executor` (a PCG

@@ -76,7 +76,8 @@ def load_plan(path: str, nproc: int, plan_of: str = "parsat"):
     from parsat.backend.executor import ExecutionError, Prediction, operator_library
     from parsat.ir.data_parallel import data_parallel_pcg
     from parsat.ir.graph import Graph
-    from parsat.ir.plan import load_plan_dict, pcg_from_dict
+    from parsat.ir.plan import PlanError, load_plan_dict, pcg_from_dict
+    from parsat.ir.validate import validate_plan_operators
 
     data = load_plan_dict(path)
     devices = data.get("devices")
@@ -84,8 +85,10 @@ def load_plan(path: str, nproc: int, plan_of: str = "parsat"):
         raise ExecutionError(f"{path} is a plan for {devices} device(s); --nproc is {nproc}")
     if plan_of not in PLAN_OF:
         raise ExecutionError(f"--plan-of must be one of {', '.join(PLAN_OF)}, not '{plan_of}'")
+    library = operator_library()
+    # every node means something in this library, before any rank starts (the structure was checked on load)
+    validate_plan_operators(data, library.ops, PlanError, f"{path} does not follow the plan schema")
     try:
-        library = operator_library()
         graph = Graph.from_dict(data["graph"], library)
         if plan_of == "parsat":
             return pcg_from_dict(data), graph, Prediction.from_totals(data.get("totals"))
@@ -118,6 +121,7 @@ def main_run(args: argparse.Namespace) -> int:
     except ImportError as err:  # torch missing
         return _fail(f"the backend needs torch ({err}); install it with: pip install torch==2.13.0")
     from parsat.backend.launch import under_torchrun
+    from parsat.dsl.files import FileProblem, check_regular_file
     if args.nproc is None:
         if not under_torchrun():
             return _fail("--nproc is required (the number of ranks to start)")
@@ -135,6 +139,9 @@ def main_run(args: argparse.Namespace) -> int:
         if args.model is not None:
             from parsat.backend.parallelize import run_module_plan
 
+            if args.data is not None:  # torch.load in every rank would wait on a pipe or read a device forever
+                check_regular_file(args.data, "--data")
+
             result = run_module_plan(pcg, graph, args.model, args.data, args.nproc, config, predicted, args.backend,
                                      args.timeout, args.collective_timeout)
         else:
@@ -142,7 +149,7 @@ def main_run(args: argparse.Namespace) -> int:
                 raise ExecutionError("--data needs --model (a plan alone trains on seeded data)")
             result = run_plan(pcg, args.nproc, config, graph=graph, predicted=predicted, backend=args.backend,
                               timeout_s=args.timeout, collective_timeout_s=args.collective_timeout)
-    except (PlanError, GraphError, ExecutionError, LaunchError, PlacementError, ValueError) as err:
+    except (PlanError, GraphError, ExecutionError, LaunchError, PlacementError, ValueError, FileProblem) as err:
         return _fail(str(err))
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 speaks for the job
         _report(result, args, config.tolerance)
@@ -222,6 +229,8 @@ def main_calibrate(args: argparse.Namespace) -> int:
 
         from parsat.backend.calibrate import calibrate, report
         from parsat.backend.launch import LaunchError
+        from parsat.dsl.files import FileProblem, check_output
+        from parsat.ir.errors import MachineError
     except ImportError as err:
         return _fail(f"calibration needs torch ({err}); install it with: pip install torch==2.13.0", "calibrate")
     nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.device_count() >= 2 else 2)
@@ -230,12 +239,11 @@ def main_calibrate(args: argparse.Namespace) -> int:
         return _fail("--size must be >= 16, --repeats >= 1, and --comm-elements SMALL < LARGE, both >= 1",
                      "calibrate")
     try:
+        check_output(args.output)   # before the measurements, not after them
         result = calibrate(args.machine, nproc, args.size, args.repeats, args.backend, tuple(args.comm_elements))
         result.machine.save(args.output)
-    except (ValueError, LaunchError) as err:
+    except (ValueError, LaunchError, FileProblem, MachineError) as err:
         return _fail(str(err), "calibrate")
-    except OSError as err:
-        return _fail(f"cannot write {args.output}: {err.strerror}", "calibrate")
     print(report(result))
     print(f"wrote {args.output}", file=sys.stderr)
     if args.json:

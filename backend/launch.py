@@ -2,9 +2,10 @@
 
 `launch(fn, args, config)` starts `config.nproc` processes (spawn start
 method: no state is inherited from a parent that may already run threads),
-each joins one process group (gloo on CPU, nccl on CUDA) through a file
-store in a private temporary folder, runs `fn(ctx, *args)` and sends back
-its JSON-able result. Under `torchrun` (RANK / WORLD_SIZE in the
+each joins one process group (gloo on CPU, nccl on CUDA) through a TCP
+store the launcher serves on the loopback interface (nothing on disk, so a
+killed launcher leaves no folder behind), runs `fn(ctx, *args)` and sends
+back its JSON-able result. Under `torchrun` (RANK / WORLD_SIZE in the
 environment) the same call joins the existing group and runs `fn` once, in
 this process.
 
@@ -14,6 +15,11 @@ job runs past `config.timeout_s`, it ends every other rank (SIGTERM, then
 SIGKILL), reaps them all, and raises `LaunchError` naming the rank(s) and
 why. Collectives carry the process-group timeout `collective_timeout_s`,
 so a rank stuck in a collective its peers never join raises by itself.
+
+Ranks die with their launcher, however it ends (SIGKILL, an OOM kill, a
+parent's `subprocess.run(..., timeout=...)`), from their first moment:
+`rank_guard` binds each to the launcher (parent-death signal, watchdog)
+before the job is unpickled and torch imported.
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ import json
 import re
 import os
 import queue as queue_module
+import pickle
 import signal
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -34,8 +40,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from parsat.backend import rank_guard
+
 GRACE_S = 0.5        # after a first failure: how long to collect the others' reports
 TERMINATE_S = 3.0    # SIGTERM to SIGKILL
+STORE_HOST = "127.0.0.1"
 
 
 class LaunchError(Exception):
@@ -104,8 +113,7 @@ def launch(fn: Callable[..., Any], args: tuple = (), config: LaunchConfig | None
     backend = config.resolved_backend()
     if under_torchrun():
         return [_run_joined(fn, args, backend, config)]
-    with tempfile.TemporaryDirectory(prefix="parsat-launch-") as folder:
-        return _spawn(fn, args, backend, config, os.path.join(folder, "store"))
+    return _spawn(fn, args, backend, config)
 
 
 def _run_joined(fn, args, backend: str, config: LaunchConfig) -> Any:
@@ -124,12 +132,14 @@ def _run_joined(fn, args, backend: str, config: LaunchConfig) -> Any:
             dist.destroy_process_group()
 
 
-def _child(rank: int, world: int, backend: str, store_path: str, collective_timeout_s: float,
-           fn: Callable[..., Any], args: tuple, messages) -> None:
-    """A spawned rank: join the group, run, report; any exception becomes a message and exit 1."""
+def rank_main(rank: int, world: int, backend: str, store_port: int, collective_timeout_s: float,
+              fn: Callable[..., Any], args: tuple, messages) -> None:
+    """A spawned rank (started by `rank_guard.start`): join the group, run, report; any exception becomes a
+    message and exit 1."""
     try:
         device = _device(backend, rank)
-        store = dist.FileStore(store_path, world)
+        store = dist.TCPStore(STORE_HOST, store_port, None, is_master=False,
+                              timeout=timedelta(seconds=collective_timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=collective_timeout_s))
         result = fn(RankContext(rank, world, backend, device, collective_timeout_s), *args)
@@ -165,12 +175,18 @@ def _exit_reason(code: int | None) -> str:
     return f"died (exit code {code})"
 
 
-def _spawn(fn, args, backend: str, config: LaunchConfig, store_path: str) -> list[Any]:
+def _spawn(fn, args, backend: str, config: LaunchConfig) -> list[Any]:
     context = mp.get_context("spawn")
     messages = context.Queue()
-    procs = [context.Process(target=_child, name=f"parsat-rank-{rank}", daemon=True,
-                             args=(rank, config.nproc, backend, store_path, config.collective_timeout_s,
-                                   fn, args, messages))
+    # the rendezvous: served by this process for as long as the job runs, gone with it
+    store = dist.TCPStore(STORE_HOST, 0, None, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=config.collective_timeout_s))
+    # the job is pickled here and unpickled by the rank only after it is bound to this process's life
+    # (`rank_guard`): unpickling imports torch and `fn`'s module, seconds a killed launcher must not leave it
+    procs = [context.Process(target=rank_guard.start, name=f"parsat-rank-{rank}", daemon=True,
+                             args=(os.getpid(), pickle.dumps((rank_main, (rank, config.nproc, backend, store.port,
+                                                                         config.collective_timeout_s, fn, args))),
+                                   messages))
              for rank in range(config.nproc)]
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}

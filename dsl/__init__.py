@@ -9,7 +9,10 @@ conditions as polynomials), `instantiate` (an operator at concrete ranks),
 `spread` (how operators change a tensor's spread), `typecheck` (a rule's
 two sides typed: shapes and spreads), `checker` (every diagnostic, and
 `load_checked`), `evaluate` (numpy semantics), `work` (FLOPs and bytes of an
-operator), `printer` (canonical source), `cli` (`parsat check`, `parsat fmt`).
+operator), `printer` (canonical source), `comments` (every comment's place,
+so `fmt` keeps them all), `files` (every file parsat reads or writes: bounded
+reads, atomic writes; here because every stage imports the dsl), `cli`
+(`parsat check`, `parsat fmt`).
 
 Importing this package imports neither torch, z3 nor egglog.
 """

@@ -257,18 +257,37 @@ Decl = Union[Import, OpDecl, RuleDecl]
 
 
 @dataclass(frozen=True)
+class LineNotes:
+    """Comments kept with one printed line of a declaration (`dsl.comments`): full lines before it, one at its end."""
+
+    line: int                        # the printed line: 0 is the first (`rule name:`, an op's signature)
+    before: tuple[str, ...] = ()
+    trailing: str | None = None
+
+
+@dataclass(frozen=True)
+class Notes:
+    """A file's comments that are neither its header nor a declaration's doc, by where they are printed."""
+
+    loose: tuple[tuple[int, tuple[str, ...]], ...] = ()            # (before item i; i == len(items): at the end)
+    inner: tuple[tuple[int, tuple[LineNotes, ...]], ...] = ()      # (item i, its lines' comments)
+
+
+@dataclass(frozen=True)
 class Module:
-    """One `.rule` file: its header comment and its declarations in order."""
+    """One `.rule` file: its header comment, its declarations in order, and its other comments."""
 
     path: str
     header: tuple[str, ...]
     items: tuple[Decl, ...]
+    notes: Notes = Notes()
 
     def __eq__(self, other: object) -> bool:  # path is where, not what
-        return isinstance(other, Module) and (self.header, self.items) == (other.header, other.items)
+        return isinstance(other, Module) and (self.header, self.items, self.notes) == (other.header, other.items,
+                                                                                       other.notes)
 
     def __hash__(self) -> int:
-        return hash((self.header, self.items))
+        return hash((self.header, self.items, self.notes))
 
     @property
     def ops(self) -> tuple[OpDecl, ...]:

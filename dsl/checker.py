@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 from parsat.dsl import ast
 from parsat.dsl.conditions import Negation, NotAnInteger, Rel, holds, to_cond, to_poly
@@ -335,8 +335,8 @@ def _node_span(node) -> ast.Span | None:
     return getattr(node, "span", None)
 
 
-def check_library(library: Library) -> list[Diagnostic]:
-    """Every diagnostic for the operators and rules of a library."""
+def check_library(library: Library, progress: Callable[[int, int], None] | None = None) -> list[Diagnostic]:
+    """Every diagnostic for the operators and rules of a library; `progress(rules checked, rules)` after each."""
     sources: SourceCache = library.sources
     out: list[Diagnostic] = []
     seen_ops: dict[str, ast.OpDecl] = {}
@@ -353,8 +353,11 @@ def check_library(library: Library) -> list[Diagnostic]:
             except _OpError as err:
                 out.append(sources.diagnostic(err.kind, f"op {op.name}: {err}", _node_span(err.node) or op.span))
     ops = library.ops
+    total = len(library.rules)
     for module in library.modules:
         for rule in module.rules:
+            if progress is not None:
+                progress(len(seen_rules), total)
             if rule.name in seen_rules:
                 out.append(sources.diagnostic("duplicate", f"rule '{rule.name}' is already declared at "
                                                            f"{seen_rules[rule.name].span}", rule.span))
@@ -367,12 +370,12 @@ def check_library(library: Library) -> list[Diagnostic]:
     return out
 
 
-def check_paths(paths=None) -> CheckReport:
+def check_paths(paths=None, progress: Callable[[int, int], None] | None = None) -> CheckReport:
     """Load and check files or folders (default: the shipped library)."""
     from parsat.dsl.library import load_library
 
     library, load_errors = load_library(paths, strict=False)
-    return CheckReport(library, load_errors + check_library(library))
+    return CheckReport(library, load_errors + check_library(library, progress))
 
 
 def load_checked(paths=None) -> Library:

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from parsat.dsl.ast import Span
 
 
+SHOWN_COLUMNS = 160   # the most of a source line an error quotes
+
+
 @dataclass(frozen=True)
 class Diagnostic:
     """One problem at one place. `kind` groups them for tests and tools."""
@@ -27,10 +30,17 @@ class Diagnostic:
         if self.source_line is None:
             return head
         line = self.source_line.rstrip("\n").expandtabs(1)
+        column = self.span.column
         width = 1
         if self.span.end_line == self.span.line and self.span.end_column > self.span.column:
             width = self.span.end_column - self.span.column
-        caret = " " * (self.span.column - 1) + "^" + "~" * (min(width, max(1, len(line) - self.span.column + 1)) - 1)
+        width = min(width, max(1, len(line) - column + 1), SHOWN_COLUMNS // 2)
+        if len(line) > SHOWN_COLUMNS:  # a window around the place: a generated file can have a 10 MB line
+            start = max(0, min(column - 1 - SHOWN_COLUMNS // 4, len(line) - SHOWN_COLUMNS))
+            line = ("..." if start else "") + line[start:start + SHOWN_COLUMNS] + \
+                ("..." if start + SHOWN_COLUMNS < len(line) else "")
+            column = column - start + (3 if start else 0)
+        caret = " " * (column - 1) + "^" + "~" * (width - 1)
         return f"{head}\n  {line}\n  {caret}"
 
 

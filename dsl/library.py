@@ -3,6 +3,12 @@
 An `import "x.rule"` is resolved against the importing file's folder, then
 against the shipped rules folder, so a user's file can `import "ops.rule"`
 to build on parsat's operators. Every file is loaded once (by real path).
+
+Only `.rule` files are read, each through `files.read_capped`, and all the
+files of one library together are bounded (`files.max_rule_bytes`): an
+`import "/proc/self/environ"` is refused by its name before it is opened
+(so no line of it can appear in an error), and a 10 MB file is refused in
+a moment instead of being checked for minutes.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import Iterable, Sequence
 
 from parsat.dsl import ast
 from parsat.dsl.errors import Diagnostic, DslError, SourceCache
+from parsat.dsl.files import FileProblem, FileTooLarge, max_rule_bytes, read_text_capped
 from parsat.dsl.parser import parse
 
 
@@ -54,18 +61,37 @@ class Library:
         return tuple(m.path for m in self.modules)
 
 
+MAX_FOLDER_ENTRIES = 100_000   # `parsat check /` must end: a folder of rules is not the whole file system
+
+
 def rule_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
-    """The `.rule` files named, with folders expanded (sorted, recursive)."""
+    """The `.rule` files named, with folders expanded (sorted, recursive; symbolic links to folders are not
+    followed, and a walk past MAX_FOLDER_ENTRIES entries is refused)."""
     found: list[Path] = []
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
-            found.extend(sorted(p for p in path.rglob("*.rule") if p.is_file()))
+            found.extend(_rule_files_under(path))
         elif path.exists():
+            if path.suffix != ".rule":
+                raise DslError(Diagnostic("io", f"{path}: not a .rule file (parsat reads rules only from .rule "
+                                                "files and folders of them)", None))
             found.append(path)
         else:
             raise DslError(Diagnostic("io", f"{path}: no such file or folder", None))
     return found
+
+
+def _rule_files_under(folder: Path) -> list[Path]:
+    found, seen = [], 0
+    for root, dirs, names in os.walk(folder):
+        seen += len(dirs) + len(names)
+        if seen > MAX_FOLDER_ENTRIES:
+            raise DslError(Diagnostic("io", f"{folder}: more than {MAX_FOLDER_ENTRIES:,} files and folders under "
+                                            "it; name the folder that holds the .rule files", None))
+        dirs.sort()
+        found += [Path(root) / name for name in names if name.endswith(".rule") and (Path(root) / name).is_file()]
+    return sorted(found)
 
 
 class _Loader:
@@ -74,6 +100,7 @@ class _Loader:
         self.modules: list[ast.Module] = []
         self.done: set[str] = set()
         self.errors: list[Diagnostic] = []
+        self.budget = max_rule_bytes()   # bytes of .rule text this library may still read
 
     def load(self, path: Path, stack: tuple[str, ...] = (), via: ast.Import | None = None) -> None:
         real = os.path.realpath(path)
@@ -85,15 +112,18 @@ class _Loader:
             return
         self.done.add(real)
         display = display_path(path)
+        span = via.span if via else None
         try:
-            text = Path(path).read_text(encoding="utf-8")
-        except UnicodeDecodeError as err:
-            self.errors.append(Diagnostic("io", f"{display}: not UTF-8 text ({err.reason} at byte {err.start})", None))
+            text = read_text_capped(display, self.budget, "rule", "PARSAT_MAX_RULE_BYTES")
+        except FileTooLarge:
+            self.errors.append(self.sources.diagnostic(
+                "io", f"{display}: too much rule text: the .rule files of one library may hold "
+                      f"{max_rule_bytes():,} bytes together (PARSAT_MAX_RULE_BYTES)", span))
             return
-        except OSError as err:
-            span = via.span if via else None
-            self.errors.append(self.sources.diagnostic("io", f"cannot read {display}: {err.strerror}", span))
+        except FileProblem as err:
+            self.errors.append(self.sources.diagnostic("io", str(err), span))
             return
+        self.budget -= len(text.encode("utf-8"))
         self.sources.add(display, text)
         try:
             module = parse(text, display)
@@ -101,6 +131,10 @@ class _Loader:
             self.errors.extend(err.diagnostics)
             return
         for item in module.imports:
+            if not item.path.endswith(".rule"):
+                self.errors.append(self.sources.diagnostic(
+                    "import", f"cannot import '{item.path}': only .rule files can be imported", item.span))
+                continue
             target = _resolve(Path(path).parent, item.path)
             if target is None:
                 self.errors.append(self.sources.diagnostic(

@@ -4,22 +4,23 @@ Syntax errors become `DslError` with the position, the source line, a caret
 and the tokens that would have been accepted, spelled as they are written.
 Comments directly above a declaration become its `doc`; a comment block at
 the top of a file separated from the first declaration by a blank line is
-the file's header.
+the file's header; every other comment is kept in the module's `notes`
+(`comments`), so printing the module back drops none.
 """
 
 from __future__ import annotations
 
-from fractions import Fraction
-
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from functools import lru_cache
 from importlib import resources
 
 from lark import Lark, Token, Transformer, Tree, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
-from parsat.dsl import ast
+from parsat.dsl import ast, comments
 from parsat.dsl.errors import Diagnostic, DslError
+from parsat.dsl.files import FileProblem, max_rule_bytes, read_text_capped
 
 # How each terminal is written, for "expected ..." messages.
 _TOKEN_TEXT = {
@@ -218,45 +219,6 @@ def _syntax_error(path: str, text: str, err: UnexpectedInput) -> DslError:
     return DslError(Diagnostic("syntax", message, span, source_line))
 
 
-def _comments(text: str) -> dict[int, str]:
-    """Line number -> comment text, for lines that hold only a comment."""
-    out = {}
-    for number, line in enumerate(text.splitlines(), start=1):
-        stripped = line.strip()
-        if stripped.startswith("#"):
-            out[number] = stripped[1:].strip()
-    return out
-
-
-def _attach_docs(decls: list, text: str) -> tuple[tuple[str, ...], list]:
-    """Give each declaration the comment block directly above it.
-
-    The file's header is the comment block that starts the file and is
-    followed by a blank line (so it is nobody's doc).
-    """
-    comments = _comments(text)
-    lines = text.splitlines()
-    result = []
-    for decl in decls:
-        block: list[str] = []
-        number = decl.span.line - 1
-        while number in comments:
-            block.insert(0, comments[number])
-            number -= 1
-        result.append(replace(decl, doc=tuple(block)))
-    header: list[str] = []
-    number = 1
-    while number <= len(lines) and not lines[number - 1].strip():
-        number += 1
-    while number in comments:
-        header.append(comments[number])
-        number += 1
-    ends_with_blank = number <= len(lines) and not lines[number - 1].strip()
-    if not ends_with_blank:
-        header = []
-    return tuple(header), result
-
-
 MAX_NESTING = 120
 
 
@@ -281,6 +243,24 @@ def _check_nesting(tree: Tree, path: str, text: str) -> None:
         stack.extend((child, depth + 1) for child in node.children if isinstance(child, Tree))
 
 
+MAX_LITERAL_DIGITS = 40
+
+
+def _check_literals(tree: Tree, path: str, text: str) -> None:
+    """Refuse number literals longer than MAX_LITERAL_DIGITS characters before anything converts them.
+
+    Python refuses to convert integers of more than 4,300 digits (ValueError),
+    and a 10**4000 would reach z3 and the cost model as a number no tensor
+    has; no size, degree or constant comes near 40 digits."""
+    for token in tree.scan_values(lambda v: isinstance(v, Token) and v.type in ("INT", "FLOAT")):
+        if len(token) > MAX_LITERAL_DIGITS:
+            lines = text.splitlines()
+            span = _tok_span(path, token)
+            source_line = lines[token.line - 1] if 1 <= token.line <= len(lines) else ""
+            raise DslError(Diagnostic("literal", f"a number of {len(token):,} characters: parsat reads numbers of "
+                                                 f"at most {MAX_LITERAL_DIGITS}", span, source_line))
+
+
 def parse(text: str, path: str = "<string>") -> ast.Module:
     """Parse one file's text. Raises `DslError` on a syntax error."""
     try:
@@ -288,21 +268,19 @@ def parse(text: str, path: str = "<string>") -> ast.Module:
     except UnexpectedInput as err:
         raise _syntax_error(path, text, err) from None
     _check_nesting(tree, path, text)
+    _check_literals(tree, path, text)
     try:
         decls = _ToAst(path).transform(tree)
     except VisitError as err:  # a bug in the transformer, never user input
         raise err.orig_exc from None
-    header, decls = _attach_docs(decls, text)
-    return ast.Module(path, header, tuple(decls))
+    header, decls, notes = comments.attach(tree, text, decls)
+    return ast.Module(path, header, tuple(decls), notes)
 
 
 def parse_file(path: str) -> ast.Module:
-    """Parse a file from disk; unreadable files are a `DslError` too."""
+    """Parse a file from disk (read by `files.read_capped`); unreadable files are a `DslError` too."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
-    except UnicodeDecodeError as err:
-        raise DslError(Diagnostic("io", f"{path}: not UTF-8 text ({err.reason} at byte {err.start})", None)) from None
-    except OSError as err:
-        raise DslError(Diagnostic("io", f"{path}: {err.strerror}", None)) from None
+        text = read_text_capped(path, max_rule_bytes(), "rule", "PARSAT_MAX_RULE_BYTES")
+    except FileProblem as err:
+        raise DslError(Diagnostic("io", str(err), None)) from None
     return parse(text, path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from parsat.dsl import ast
+from parsat.dsl.comments import render, with_notes
 
 _IF, _OR, _AND, _NOT, _CMP, _ADD, _MUL, _UNARY, _ATOM = range(9)
 _BINOP_PREC = {"+": _ADD, "-": _ADD, "*": _MUL, "/": _MUL, "%": _MUL}
@@ -138,11 +139,17 @@ def format_param(param: ast.Param) -> str:
 
 
 def _doc(doc: tuple[str, ...]) -> list[str]:
-    return [f"# {line}" if line else "#" for line in doc]
+    return [render(line) for line in doc]
 
 
-def format_decl(decl: ast.Decl) -> str:
-    lines = _doc(decl.doc)
+def format_decl(decl: ast.Decl, notes: tuple[ast.LineNotes, ...] = ()) -> str:
+    """A declaration with its doc, and with the comments written inside it (`notes`) where they were."""
+    return "\n".join(_doc(decl.doc) + with_notes(code_lines(decl), notes))
+
+
+def code_lines(decl: ast.Decl) -> list[str]:
+    """The lines a declaration prints as, comments aside (`comments.printed_lines` says where each came from)."""
+    lines: list[str] = []
     if isinstance(decl, ast.Import):
         lines.append(f'import "{decl.path}"')
     elif isinstance(decl, ast.OpDecl):
@@ -160,13 +167,17 @@ def format_decl(decl: ast.Decl) -> str:
         lines.append(f"  {format_expr(decl.lhs)} => {format_expr(decl.rhs)}")
     else:
         raise TypeError(f"not a declaration: {decl!r}")
-    return "\n".join(lines)
+    return lines
 
 
 def format_module(module: ast.Module) -> str:
-    """The canonical text of a whole file."""
+    """The canonical text of a whole file, every comment included."""
     blocks = []
     if module.header:
         blocks.append("\n".join(_doc(module.header)))
-    blocks.extend(format_decl(d) for d in module.items)
+    inner = dict(module.notes.inner)
+    for index in range(len(module.items) + 1):
+        blocks += ["\n".join(_doc(lines)) for before, lines in module.notes.loose if before == index]
+        if index < len(module.items):
+            blocks.append(format_decl(module.items[index], inner.get(index, ())))
     return "\n\n".join(blocks) + "\n"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from pathlib import Path
 
 
 def register(subparsers) -> None:
@@ -47,6 +46,7 @@ def _error(message: str) -> int:
 
 def run_generate(args: argparse.Namespace) -> int:
     from parsat.dsl.errors import DslError
+    from parsat.dsl.files import FileProblem, check_output, refuse_overwriting, write_atomic
     from parsat.saturate.inputs import resolve_library
     from parsat.generate.generate import GenerateError, Settings, generate
 
@@ -58,7 +58,11 @@ def run_generate(args: argparse.Namespace) -> int:
     if not ops:
         return _error("--ops names no operator")
     try:
+        check_output(args.output)   # before the run, not after minutes of work
+        refuse_overwriting(args.output, args.rules or [])
         library = resolve_library(args.rules)
+    except FileProblem as err:
+        return _error(str(err))
     except DslError as err:
         return _error("\n".join(d.render() for d in err.diagnostics))
     if args.seconds <= 0 or args.max_terms < 1 or args.max_rank < 1 or args.verify_timeout <= 0:
@@ -74,9 +78,9 @@ def run_generate(args: argparse.Namespace) -> int:
         return _error(str(err))
     command = "parsat generate " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else ""
     try:
-        Path(args.output).write_text(result.text(ops, command), encoding="utf-8")
-    except OSError as err:
-        return _error(f"cannot write {args.output}: {err.strerror}")
+        write_atomic(args.output, result.text(ops, command))
+    except FileProblem as err:
+        return _error(str(err))
     print(f"wrote {len(result.rules)} rules to {args.output}")
     print(result.summary.to_text())
     return 0

@@ -8,8 +8,11 @@ presets), `pcg` (the Parallel Computation Graph; a node's `Degrees`),
 `pcg_layout` (a PCG laid out on ranks, or the node that cannot be),
 `data_parallel` (the textbook data-parallel PCG), `costs` (the cost
 records a plan carries), `plan` (the plan, its JSON and `explain`),
-`validate` (the JSON schemas and their structural checks), `json_files`
-(reading user files safely), `errors` (GraphError, MachineError, PlanError).
+`validate` (the JSON schemas, their structural checks, a plan's nodes
+against the operator library, machines' ranges), `json_files` (reading
+user files safely), `instance` (an operator at concrete shapes), `budget`
+(how large a graph may grow, and until when, under the search's limits),
+`errors` (GraphError, MachineError, PlanError).
 
 The JSON forms are docs/graph-schema.md and docs/plan-schema.md. Importing
 this package imports neither torch, z3 nor egglog.

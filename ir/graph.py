@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from parsat.dsl import ast
-from parsat.dsl.conditions import holds
-from parsat.dsl.instantiate import InstantiationError, OpInstance, instantiate
+from parsat.dsl.files import write_atomic
+from parsat.dsl.instantiate import InstantiationError
 from parsat.dsl.library import Library, load_library
-from parsat.dsl.symbolic import Poly
+from parsat.ir.budget import GraphBudget
 from parsat.ir.errors import GraphError
+from parsat.ir.instance import instance_for  # noqa: F401 - re-exported: callers take it from the graph module
 from parsat.ir.json_files import parse_json, read_json_file
 from parsat.ir.validate import GRAPH_SCHEMA, GRAPH_VERSION, check_graph_sizes, validate_graph_dict
 
@@ -98,11 +99,18 @@ class Graph:
         return json.dumps(self.to_dict(), indent=2)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+        """Write the graph JSON atomically (raises FileProblem)."""
+        write_atomic(path, self.to_json() + "\n")
 
     @staticmethod
-    def from_dict(data: Mapping, library: Library | None = None) -> "Graph":
-        """Read and validate a graph; node shapes in the file are checked, not trusted."""
+    def from_dict(data: Mapping, library: Library | None = None, budget: GraphBudget | None = None) -> "Graph":
+        """Read and validate a graph; node shapes in the file are checked, not trusted.
+
+        With a `budget`, a graph with more tensors than it allows is refused
+        before anything is built, and building stops at its deadline."""
+        if budget is not None and isinstance(data, Mapping):
+            budget.check_count(sum(len(data[k]) for k in ("inputs", "weights", "nodes")
+                                   if isinstance(data.get(k), list)))
         validate_graph_dict(data)  # structure and types first: the code below may then index freely
         if not isinstance(data, Mapping):
             raise GraphError("a graph must be a JSON object")
@@ -111,7 +119,7 @@ class Graph:
         version = data.get("version", GRAPH_VERSION)
         if version != GRAPH_VERSION:
             raise GraphError(f"graph schema version {version} is not supported (this parsat reads {GRAPH_VERSION})")
-        builder = GraphBuilder(library, name=str(data.get("name", "graph")))
+        builder = GraphBuilder(library, name=str(data.get("name", "graph")), budget=budget)
         try:
             for role, key in (("input", "inputs"), ("weight", "weights")):
                 for item in data.get(key, []):
@@ -141,8 +149,8 @@ class Graph:
         return Graph.from_dict(parse_json(text, GraphError, "graph JSON is not valid JSON"), library)
 
     @staticmethod
-    def load(path: str | Path, library: Library | None = None) -> "Graph":
-        return Graph.from_dict(read_json_file(path, GraphError, "graph"), library)
+    def load(path: str | Path, library: Library | None = None, budget: GraphBudget | None = None) -> "Graph":
+        return Graph.from_dict(read_json_file(path, GraphError, "graph"), library, budget)
 
 
 @dataclass(frozen=True)
@@ -158,30 +166,6 @@ def _library(library: Library | None) -> Library:
     return load_library()[0]
 
 
-def instance_for(op: ast.OpDecl, shapes: Sequence[Sequence[int]], attrs: Mapping[str, int | float]) -> OpInstance:
-    """The operator at concrete shapes and attributes (raises InstantiationError)."""
-    int_attrs: dict[str, Poly] = {}
-    real_attrs: dict[str, ast.Expr] = {}
-    for param in op.attr_params:
-        if param.name not in attrs:
-            raise InstantiationError("arity", f"{op.name} needs the attribute '{param.name}'")
-        value = attrs[param.name]
-        if param.type.kind == "real":
-            real_attrs[param.name] = ast.Num(float(value))
-        else:
-            if isinstance(value, bool) or not isinstance(value, int) and not float(value).is_integer():
-                raise InstantiationError("attribute", f"{op.name}: '{param.name}' must be an integer, got {value!r}")
-            int_attrs[param.name] = Poly.const(int(value))
-    extra = set(attrs) - {p.name for p in op.attr_params}
-    if extra:
-        raise InstantiationError("attribute", f"{op.name} has no attribute(s) {', '.join(sorted(extra))}")
-    instance = instantiate(op, [[Poly.const(d) for d in s] for s in shapes], int_attrs, real_attrs)
-    for cond in instance.requirements:
-        if not holds(cond, {}):
-            raise InstantiationError("where", f"{op.name} requires {cond}")
-    return instance
-
-
 class GraphBuilder:
     """Builds a `Graph`, inferring and checking every shape as it goes.
 
@@ -190,18 +174,19 @@ class GraphBuilder:
     positionally where the operator's signature puts them.
     """
 
-    def __init__(self, library: Library | None = None, name: str = "graph"):
+    def __init__(self, library: Library | None = None, name: str = "graph", budget: GraphBudget | None = None):
         self.library = _library(library)
         self.name = name
+        self.budget = budget
+        # (operator, input shapes, attributes) -> output shape: a model repeats the same block, and
+        # instantiating an operator is most of the cost of building one (a 96-block GPT builds in a
+        # fraction of a second with it, ~1 s without).
+        self._instances: dict[tuple, tuple[int, ...]] = {}
         self._leaves: list[Leaf] = []
         self._nodes: list[OpNode] = []
         self._outputs: list[str] = []
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._counter = 0
-        # (operator, input shapes, attributes) -> output shape: a model repeats the same block, and
-        # instantiating an operator is most of the cost of building one (a 96-block GPT builds in a
-        # fraction of a second with it, ~1 s without).
-        self._inferred: dict[tuple, tuple[int, ...]] = {}
 
     def leaf(self, name: str, shape: Sequence[int], role: str) -> Tensor:
         if role not in ROLES:
@@ -211,6 +196,8 @@ class GraphBuilder:
         dims = tuple(int(d) for d in shape)
         if any(d < 1 for d in dims):
             raise GraphError(f"{role} '{name}': every dim must be at least 1, got {list(dims)}")
+        check_graph_sizes({name: dims})   # 2**53 elements at most (the cost model's floats, torch's int64)
+        self._grow()
         self._leaves.append(Leaf(name, dims, role))
         self._shapes[name] = dims
         return Tensor(name)
@@ -248,19 +235,30 @@ class GraphBuilder:
             if t.name not in self._shapes:
                 raise GraphError(f"node '{name}': input '{t.name}' is not defined")
         shapes = [self._shapes[t.name] for t in tensors]
+        self._grow()
         key = (op_name, tuple(shapes), tuple(sorted((k, type(v).__name__, v) for k, v in attrs.items())))
-        shape = self._inferred.get(key)
-        if shape is None:
+        shape = self._instances.get(key)
+        if shape is None:  # repeated layers instantiate an operator at the same shapes: once is enough
             try:
                 instance = instance_for(op, shapes, attrs)
             except InstantiationError as err:
                 given = ", ".join(f"{t.name}{list(s)}" for t, s in zip(tensors, shapes))
                 raise GraphError(f"node '{name}' ({op_name} of {given}): {err}") from None
-            shape = self._inferred[key] = tuple(int(d.evaluate({})) for d in instance.output_shape)
+            shape = tuple(int(d.evaluate({})) for d in instance.output_shape)
+            check_graph_sizes({name: shape})
+            self._instances[key] = shape
         ordered = tuple((p.name, attrs[p.name]) for p in op.attr_params)
         self._nodes.append(OpNode(name, op_name, tuple(t.name for t in tensors), ordered, shape))
         self._shapes[name] = shape
         return Tensor(name)
+
+    def _grow(self) -> None:
+        """One more tensor: within the budget's count and deadline, if there is a budget."""
+        if self.budget is not None:
+            count = len(self._leaves) + len(self._nodes) + 1
+            self.budget.check_count(count, f"graph '{self.name}'", growing=True)
+            if count % 256 == 0:   # a small graph always builds (well under a second)
+                self.budget.check_time(count)
 
     def output(self, *tensors: Tensor) -> None:
         for t in tensors:

@@ -1,7 +1,8 @@
 """Reading the JSON files users give parsat: a size cap, UTF-8, parsat's own errors.
 
-Graph, plan and machine files are read as bytes with a size cap (a
-multi-gigabyte file is refused, not parsed) and decoded as UTF-8 JSON;
+Graph, plan and machine files are read through `dsl.files.read_capped`
+(at most the cap is read, whatever the file is: a multi-gigabyte file,
+`/dev/zero` and named pipes are refused, not parsed) and decoded as UTF-8 JSON;
 nothing is ever unpickled. Every way a file can be unreadable raises the
 caller's error class (GraphError, PlanError, MachineError) with a message
 for the user; `validate` then checks the structure.
@@ -11,42 +12,24 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any
 
-# Largest JSON file parsat reads (bytes); override with PARSAT_MAX_INPUT_BYTES.
-MAX_INPUT_BYTES = 64 * 2 ** 20
-
-
-def max_input_bytes() -> int:
-    """The size cap for input files (the environment may raise or lower it)."""
-    try:
-        return max(1, int(os.environ.get("PARSAT_MAX_INPUT_BYTES", MAX_INPUT_BYTES)))
-    except ValueError:
-        return MAX_INPUT_BYTES
+from parsat.dsl.files import FileProblem, max_input_bytes, read_text_capped
 
 
 def read_json_file(path: str | os.PathLike, error: type[Exception], what: str) -> Any:
     """Parse a JSON file, raising `error` for every way the file can be unreadable.
 
-    Covers: missing/unreadable file, a folder, a file over the size cap,
-    bytes that are not UTF-8, text that is not JSON, and nesting so deep
-    that the JSON parser would overflow the stack.
+    Covers: missing/unreadable file, a folder, a named pipe or device
+    (`/dev/zero`), a file over the size cap (counted as read, not as the
+    file system reports it), bytes that are not UTF-8, text that is not
+    JSON, and nesting so deep that the JSON parser would overflow the stack.
     """
-    limit = max_input_bytes()
     try:
-        size = os.path.getsize(path)
-        if size > limit:
-            raise error(f"{path}: the {what} file is {size:,} bytes, over the limit of {limit:,} "
-                        "(PARSAT_MAX_INPUT_BYTES)")
-        raw = Path(path).read_bytes()
-    except OSError as err:
-        raise error(f"cannot read {path}: {err.strerror or err}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise error(f"{path} is not a {what} JSON file: byte {err.start} is not UTF-8 text") from None
-    return parse_json(text, error, f"{path} is not valid JSON")
+        text = read_text_capped(path, max_input_bytes(), what)
+    except FileProblem as err:
+        raise error(str(err)) from None
+    return parse_json(text, error, f"{os.fspath(path)} is not valid JSON")
 
 
 def parse_json(text: str, error: type[Exception], prefix: str) -> Any:

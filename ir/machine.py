@@ -13,6 +13,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from parsat.dsl.files import write_atomic
 from parsat.ir.errors import MachineError
 from parsat.ir.json_files import read_json_file
 from parsat.ir.validate import MACHINE_SCHEMA, MACHINE_VERSION, validate_machine_dict
@@ -62,7 +63,9 @@ class Machine:
         return {"schema": MACHINE_SCHEMA, "version": MACHINE_VERSION, **asdict(self)}
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        """Write the machine JSON atomically (raises FileProblem), if `load` would take it (else MachineError)."""
+        validate_machine_dict(self.to_dict(), {k: f.type for k, f in Machine.__dataclass_fields__.items()})
+        write_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @staticmethod
     def from_dict(data: dict) -> "Machine":

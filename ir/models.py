@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from parsat.dsl.library import Library
+from parsat.ir.budget import GraphBudget
 from parsat.ir.graph import Graph, GraphBuilder, GraphError, Tensor
 
 
 def mlp(batch: int = 128, d_in: int = 784, d_hidden: int = 512, d_out: int = 10,
-        library: Library | None = None) -> Graph:
+        library: Library | None = None, budget: GraphBudget | None = None) -> Graph:
     """The 2-layer MLP of Unity's Fig. 1: relu(x @ w1) @ w2, no biases."""
-    g = GraphBuilder(library, name="mlp")
+    g = GraphBuilder(library, name="mlp", budget=budget)
     x = g.input("x", [batch, d_in])
     w1 = g.weight("w1", [d_in, d_hidden])
     w2 = g.weight("w2", [d_hidden, d_out])
@@ -28,9 +29,9 @@ def mlp(batch: int = 128, d_in: int = 784, d_hidden: int = 512, d_out: int = 10,
 
 
 def branches(batch: int = 128, d_in: int = 784, d_hidden: int = 512, d_out: int = 10,
-             library: Library | None = None) -> Graph:
+             library: Library | None = None, budget: GraphBudget | None = None) -> Graph:
     """An MLP with two parallel hidden branches joined by concat."""
-    g = GraphBuilder(library, name="branches")
+    g = GraphBuilder(library, name="branches", budget=budget)
     x = g.input("x", [batch, d_in])
     wa = g.weight("wa", [d_in, d_hidden])
     wb = g.weight("wb", [d_in, d_hidden])
@@ -100,17 +101,17 @@ def _encoder_block(g: GraphBuilder, x: Tensor, prefix: str, batch: int, seq: int
 
 
 def transformer(batch: int = 8, seq: int = 512, hidden: int = 1024, heads: int = 16, ffn: int = 4096,
-                library: Library | None = None) -> Graph:
+                library: Library | None = None, budget: GraphBudget | None = None) -> Graph:
     """One BERT-Large-sized encoder block (hidden 1024, 16 heads, FFN 4096)."""
-    return stack(1, batch, seq, hidden, heads, ffn, library, name="transformer")
+    return stack(1, batch, seq, hidden, heads, ffn, library, name="transformer", budget=budget)
 
 
 def stack(blocks: int = 24, batch: int = 8, seq: int = 512, hidden: int = 1024, heads: int = 16, ffn: int = 4096,
-          library: Library | None = None, name: str = "stack") -> Graph:
+          library: Library | None = None, name: str = "stack", budget: GraphBudget | None = None) -> Graph:
     """`blocks` encoder blocks in sequence (24 = BERT-Large)."""
     if blocks < 1:
         raise GraphError("a stack needs at least one block")
-    g = GraphBuilder(library, name=name)
+    g = GraphBuilder(library, name=name, budget=budget)
     x = g.input("x", [batch, seq, hidden])
     for index in range(blocks):
         x = _encoder_block(g, x, f"b{index}_" if blocks > 1 else "", batch, seq, hidden, heads, ffn)
@@ -166,7 +167,8 @@ def _gpt_block(g: GraphBuilder, x: Tensor, mask: Tensor, prefix: str, hidden: in
 
 
 def gpt(blocks: int = 12, batch: int = 512, seq: int = 2048, hidden: int = 768, heads: int = 12,
-        ffn: int | None = None, vocab: int = 51200, library: Library | None = None, name: str = "gpt") -> Graph:
+        ffn: int | None = None, vocab: int = 51200, library: Library | None = None, name: str = "gpt",
+        budget: GraphBudget | None = None) -> Graph:
     """A GPT-2/GPT-3 decoder with its language-modelling loss; the defaults are GPT-3 Small (125M).
 
     Token embedding `wte` [vocab, hidden] (ids one-hot) plus a learned position
@@ -187,7 +189,7 @@ def gpt(blocks: int = 12, batch: int = 512, seq: int = 2048, hidden: int = 768, 
     """
     ffn = 4 * hidden if ffn is None else ffn
     _head_size(hidden, heads)
-    g = GraphBuilder(library, name=name)
+    g = GraphBuilder(library, name=name, budget=budget)
     wte = g.weight("wte", [vocab, hidden])
     tokens = g.op("embedding", g.input("ids", [batch, seq, vocab]), wte, name="tok_emb")
     x = g.op("add_bcast", tokens, g.weight("wpe", [seq, hidden]), name="emb")
@@ -247,7 +249,7 @@ def _llama_block(g: GraphBuilder, x: Tensor, mask: Tensor, cos: Tensor, sin: Ten
 
 def llama(blocks: int = 32, batch: int = 512, seq: int = 2048, hidden: int = 4096, heads: int = 32,
           kv_heads: int | None = None, ffn: int | None = None, vocab: int = 32000, library: Library | None = None,
-          name: str = "llama") -> Graph:
+          name: str = "llama", budget: GraphBudget | None = None) -> Graph:
     """A LLaMA decoder with its language-modelling loss; the defaults are LLaMA-7B.
 
     Token embedding (ids one-hot), `blocks` pre-norm blocks (RMSNorm,
@@ -276,7 +278,7 @@ def llama(blocks: int = 32, batch: int = 512, seq: int = 2048, hidden: int = 409
         raise GraphError(f"{heads} heads cannot share {kv_heads} key/value heads (heads must be a multiple)")
     if dh % 2:
         raise GraphError(f"rotary embeddings need an even head size, got {dh} (hidden {hidden} / {heads} heads)")
-    g = GraphBuilder(library, name=name)
+    g = GraphBuilder(library, name=name, budget=budget)
     x = g.op("embedding", g.input("ids", [batch, seq, vocab]), g.weight("tok_embeddings", [vocab, hidden]),
              name="tok_emb")
     mask = g.input("causal_mask", [batch, heads, seq, seq])
@@ -293,7 +295,7 @@ def llama(blocks: int = 32, batch: int = 512, seq: int = 2048, hidden: int = 409
 
 def bert(blocks: int = 12, batch: int = 256, seq: int = 512, hidden: int = 768, heads: int = 12,
          ffn: int | None = None, vocab: int = 30592, types: int = 2, masked: int | None = None,
-         library: Library | None = None, name: str = "bert") -> Graph:
+         library: Library | None = None, name: str = "bert", budget: GraphBudget | None = None) -> Graph:
     """BERT pre-training with the masked-language-model loss; the defaults are BERT-Base.
 
     Embeddings: word (`wte`, ids one-hot), token type (`types` segments,
@@ -322,7 +324,7 @@ def bert(blocks: int = 12, batch: int = 256, seq: int = 512, hidden: int = 768, 
     if masked > seq:
         raise GraphError(f"{masked} masked positions do not fit in a sequence of {seq}")
     _head_size(hidden, heads)
-    g = GraphBuilder(library, name=name)
+    g = GraphBuilder(library, name=name, budget=budget)
     wte = g.weight("wte", [vocab, hidden])
     words = g.op("embedding", g.input("ids", [batch, seq, vocab]), wte, name="tok_emb")
     segments = g.op("embedding", g.input("token_types", [batch, seq, types]), g.weight("wtt", [types, hidden]),
@@ -375,7 +377,7 @@ class Example:
     def defaults(self) -> dict[str, int | None]:
         """Every size the example takes, with its value unless overridden (None: derived, see `derived`)."""
         sig = inspect.signature(self.build)
-        sizes = {k: p.default for k, p in sig.parameters.items() if k not in ("library", "name")}
+        sizes = {k: p.default for k, p in sig.parameters.items() if k not in ("library", "name", "budget")}
         sizes.update(self.preset)
         return sizes
 
@@ -383,11 +385,11 @@ class Example:
         derived = dict(self.derived)
         return " ".join(f"{k}={derived.get(k, 'auto') if v is None else v}" for k, v in self.defaults().items())
 
-    def make(self, sizes: Mapping[str, int], library: Library | None) -> Graph:
+    def make(self, sizes: Mapping[str, int], library: Library | None, budget: GraphBudget | None = None) -> Graph:
         given = {**dict(self.preset), **sizes}
         if "name" in inspect.signature(self.build).parameters:
-            return self.build(**given, library=library, name=self.name)
-        return self.build(**given, library=library)
+            return self.build(**given, library=library, name=self.name, budget=budget)
+        return self.build(**given, library=library, budget=budget)
 
 
 _GPT3 = "Brown et al. 2020, Language Models are Few-Shot Learners, Table 2.1"
@@ -429,8 +431,12 @@ EXAMPLES: Mapping[str, Example] = {
 }
 
 
-def build_example(name: str, sizes: Mapping[str, int] | None = None, library: Library | None = None) -> Graph:
-    """An example by name with some sizes overridden; unknown names and keys are clear errors."""
+def build_example(name: str, sizes: Mapping[str, int] | None = None, library: Library | None = None,
+                  budget: GraphBudget | None = None) -> Graph:
+    """An example by name with some sizes overridden; unknown names and keys are clear errors.
+
+    Sizes are checked here (positive) and by the builder (at most 2**53 elements per tensor, and the
+    `budget`'s tensor count and deadline while it builds)."""
     example = EXAMPLES.get(name)
     if example is None:
         raise GraphError(f"unknown example '{name}' (examples: {', '.join(EXAMPLES)})")
@@ -442,4 +448,4 @@ def build_example(name: str, sizes: Mapping[str, int] | None = None, library: Li
     for key, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise GraphError(f"size {key} must be a positive integer, got {value!r}")
-    return example.make(sizes, library)
+    return example.make(sizes, library, budget)

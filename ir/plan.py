@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from parsat.dsl.files import write_atomic
 from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER, REPLICATE
 from parsat.ir.costs import NodeCost, Totals
 from parsat.ir.errors import PlanError
@@ -107,7 +108,8 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2, default=_json_default)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+        """Write the plan JSON atomically (a failed write leaves the old file whole; raises FileProblem)."""
+        write_atomic(path, self.to_json() + "\n")
 
     def explain(self) -> str:
         return explain(self.to_dict())

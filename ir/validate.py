@@ -20,8 +20,11 @@ import math
 import re
 from typing import Any, Mapping, NoReturn
 
+from parsat.dsl import ast
+from parsat.dsl.instantiate import InstantiationError
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.ir.errors import GraphError, MachineError
+from parsat.ir.instance import instance_for
 
 # The schemas' names and versions: every writer stamps them, every reader checks them.
 GRAPH_SCHEMA = "parsat.graph"
@@ -330,12 +333,73 @@ def _check_mesh(f: _Fields, value: Any, path: str) -> list[str]:
     return names
 
 
+def validate_plan_operators(data: Mapping, ops: Mapping[str, ast.OpDecl], error: type[Exception], label: str) -> None:
+    """What a backend needs on top of the structure (`validate_plan_dict`, called first): every node means
+    something in this library, before any rank starts.
+
+    For the plan's PCG and each baseline's: a compute node names a compute
+    operator of `ops` (not a parallel one), with exactly its attributes and
+    tensor inputs, and the shape the operator gives at its inputs' shapes;
+    a parallel node has exactly its operator's attributes, a dim inside the
+    tensor and the shape of its input (a parallel operator moves data, it
+    never changes the global shape); a leaf names an input or weight of the
+    plan's graph, with its shape.
+    """
+    f = _Fields(error, f"{label}: ")
+    graph = data["graph"]
+    leaves = {item["name"]: tuple(item["shape"]) for key in ("inputs", "weights") for item in graph.get(key, [])}
+    _check_pcg_operators(f, data, "", ops, leaves)
+    for name, baseline in (data.get("baselines") or {}).items():
+        if isinstance(baseline, Mapping) and ("pcg" in baseline or "nodes" in baseline):
+            at = f"baselines.{name}.pcg." if "pcg" in baseline else f"baselines.{name}."
+            _check_pcg_operators(f, baseline.get("pcg", baseline), at, ops, leaves)
+
+
+def _check_pcg_operators(f: _Fields, data: Mapping, at: str, ops: Mapping[str, ast.OpDecl],
+                         leaves: Mapping[str, tuple[int, ...]]) -> None:
+    shapes: dict[int, tuple[int, ...]] = {}
+    for i, node in enumerate(data["nodes"]):
+        kind, op, shape = node["kind"], node["op"], tuple(node["shape"])
+        path = f"{at}nodes[{i}] (#{node['id']} {op})"
+        attrs, inputs = node["attrs"], [shapes[ref] for ref in node["inputs"]]
+        if kind == "leaf":
+            if op not in leaves:
+                f.fail(f"{path}.op", f"a leaf must name an input or weight of the plan's graph, got {op!r}")
+            expected = leaves[op]
+        elif kind == "parallel":
+            keys = set(PARALLEL_ATTRS[op])
+            if set(attrs) != keys:
+                f.fail(f"{path}.attrs", f"{op} takes the attributes {', '.join(sorted(keys))}, got "
+                                        f"{', '.join(sorted(attrs)) or 'none'}")
+            if "dim" in attrs and attrs["dim"] >= len(inputs[0]):
+                f.fail(f"{path}.attrs.dim", f"dim {attrs['dim']} is not a dim of its input's shape {list(inputs[0])}")
+            expected = inputs[0]
+        else:
+            if op in PARALLEL_ATTRS:
+                f.fail(f"{path}.kind", f"{op} is a parallel operator: its node's kind must be 'parallel', not {kind!r}")
+            decl = ops.get(op)
+            if decl is None:
+                f.fail(f"{path}.op", f"unknown operator {op!r} (not in the operator library)")
+            if len(inputs) != len(decl.tensor_params):
+                f.fail(f"{path}.inputs", f"{op} takes {len(decl.tensor_params)} tensor input(s), got {len(inputs)}")
+            try:
+                instance = instance_for(decl, inputs, attrs)
+            except InstantiationError as err:
+                given = ", ".join(str(list(s)) for s in inputs)
+                f.fail(path, f"{op} of {given}: {err}")
+            expected = tuple(int(d.evaluate({})) for d in instance.output_shape)
+        if shape != expected:
+            f.fail(f"{path}.shape", f"is {list(shape)}, but {op} gives {list(expected)}")
+        shapes[node["id"]] = shape
+
+
 def validate_plan_report(data: Mapping, error: type[Exception], label: str) -> None:
     """What `explain` and `show` read on top of the structure: machine, totals, baselines, node costs."""
     f = _Fields(error, f"{label}: ")
     machine = f.obj(f.get(data, "machine", ""), "machine")
     f.text(f.get(machine, "name", "machine"), "machine.name", empty=True)
     f.integer(f.get(machine, "devices_per_node", "machine"), "machine.devices_per_node", low=1)
+    check_machine_ranges(machine, _Fields(error, f"{label}: machine."))
     totals = f.obj(f.get(data, "totals", ""), "totals")
     for key in EXPLAIN_TOTALS:
         f.number(f.get(totals, key, "totals"), f"totals.{key}")
@@ -379,12 +443,31 @@ def validate_plan_report(data: Mapping, error: type[Exception], label: str) -> N
 # -------------------------------------------------------------------- machines
 
 
-def validate_machine_dict(data: Any, fields: Mapping[str, type | str]) -> None:
-    """A machine description: an object whose known fields have the right types (MachineError).
+# The range of each machine field parsat accepts (low, high, unit): wide enough for any device, real or
+# made up for a test, narrow enough that the cost model's arithmetic stays finite and meaningful (a
+# negative latency made communication pay, a peak of 5e-324 FLOP/s gave steps of infinite seconds).
+MACHINE_RANGES: Mapping[str, tuple[float, float, str]] = {
+    "devices_per_node": (1, MAX_DEVICES, "devices"),
+    "nodes": (1, MAX_DEVICES, "nodes"),
+    "peak_flops": (1e3, 1e21, "FLOP/s per device"),
+    "memory_bandwidth": (1, 1e18, "bytes/s"),
+    "memory_capacity": (1, 1e18, "bytes"),
+    "intra_bandwidth": (1, 1e18, "bytes/s"),
+    "inter_bandwidth": (1, 1e18, "bytes/s"),
+    "intra_latency": (0.0, 3600.0, "seconds"),
+    "inter_latency": (0.0, 3600.0, "seconds"),
+    "dtype_bytes": (1, 16, "bytes per element"),
+}
 
-    `fields` maps field name to its type or its annotation text ("int").
+
+def validate_machine_dict(data: Any, fields: Mapping[str, type | str], error: type[Exception] = MachineError,
+                          prefix: str = "machine ") -> None:
+    """A machine description: an object whose known fields have the right types and plausible values.
+
+    `fields` maps field name to its type or its annotation text ("int");
+    numbers are also held to `MACHINE_RANGES`.
     """
-    f = _Fields(MachineError, "machine ")
+    f = _Fields(error, prefix)
     data = f.obj(data, "description")
     for key, kind in fields.items():
         kind = getattr(kind, "__name__", kind)
@@ -396,3 +479,14 @@ def validate_machine_dict(data: Any, fields: Mapping[str, type | str]) -> None:
             f.integer(data[key], key)
         else:
             f.number(data[key], key)
+    check_machine_ranges(data, f)
+
+
+def check_machine_ranges(data: Mapping, f: _Fields) -> None:
+    """Each field of `MACHINE_RANGES` that `data` has: a finite number within its range."""
+    for key, (low, high, unit) in MACHINE_RANGES.items():
+        if key not in data:
+            continue
+        value = f.number(data[key], key)
+        if not low <= value <= high:
+            f.fail(key, f"{_short(value)} is outside the range parsat accepts, {low:g} to {high:g} {unit}")

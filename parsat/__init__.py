@@ -7,7 +7,8 @@ imported by the subpackage that needs it, when it is used).
 Modules: `api` (`optimize` with only the rules the verifier PROVED),
 `cli` (the `parsat` command; each subcommand lives with its stage),
 `optimize_cli` (`parsat optimize`, which joins verifier, search and torch
-import), `__main__` (`python -m parsat`). The stages are the packages
+import), `terminal` (what the CLI prints shows control characters, never obeys
+them), `__main__` (`python -m parsat`). The stages are the packages
 `parsat.dsl`, `parsat.ir`, `parsat.verifier`, `parsat.saturate`,
 `parsat.generate` and `parsat.backend`.
 """

@@ -5,6 +5,8 @@ Each subcommand lives with the package that does the work (`dsl`,
 `optimize`, which joins the verifier, the search and the torch import,
 lives in the facade (`optimize_cli`). Errors a user
 can cause end with a message and a non-zero exit, never a stack trace.
+Everything printed passes `terminal.printable`: a name holding escape
+codes is shown, not obeyed.
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from parsat.terminal import printable_output
+
+    with printable_output():  # names from users' files never drive the terminal (escape codes are shown)
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -45,11 +45,18 @@ def _pairs(items: list[str], what: str, cast=int) -> dict:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"{what} must look like KEY=VALUE, got '{item}'")
+        kind = cast(key.strip()) if cast is _limit_type else cast
         try:
-            out[key.strip()] = cast(value)
-        except ValueError:
-            raise ValueError(f"{what} {key}: '{value}' is not a number") from None
+            out[key.strip()] = kind(value)
+        except (ValueError, OverflowError):
+            word = "a whole number" if kind is int else "a number"
+            raise ValueError(f"{what} {key}: '{value}' is not {word}") from None
     return out
+
+
+def _limit_type(key: str) -> type:
+    """iterations and enodes are counts; the others seconds."""
+    return int if key in ("iterations", "enodes") else float
 
 
 def _error(message: str) -> int:
@@ -71,16 +78,22 @@ def run_optimize(args: argparse.Namespace) -> int:
         return _error("give a MODEL (a graph JSON file or an example: " + ", ".join(EXAMPLES) + ")")
     from parsat.api import optimize      # egglog (and z3, for the proofs) load here, not for `parsat --help`
     from parsat.dsl.errors import DslError
+    from parsat.dsl.files import FileProblem, check_output, refuse_overwriting
     from parsat.ir.errors import GraphError, MachineError
+    from parsat.ir.machine import Machine
     from parsat.saturate.errors import OptimizeError
+    from parsat.saturate.runner import Limits
 
     try:
+        if args.output:  # before any work: a plan written over the model or machine file would destroy it
+            check_output(args.output)
+            refuse_overwriting(args.output, [args.model.split(".py:")[0] + ".py" if ".py:" in args.model
+                                             else args.model, args.machine, *(args.rules or [])])
         sizes = _pairs(args.set, "--set")
         degrees = _pairs(args.degrees.split(","), "--degrees") if args.degrees else {}
-        limits = _pairs(args.limit, "--limit", float)
-        for key in ("iterations", "enodes"):
-            if key in limits:
-                limits[key] = int(limits[key])
+        limits = _pairs(args.limit, "--limit", _limit_type)
+        Limits.from_mapping(limits)          # bad limits and machine files are refused before any work
+        machine = Machine.resolve(args.machine)
         start = time.perf_counter()
 
         def progress(message: str) -> None:
@@ -91,19 +104,19 @@ def run_optimize(args: argparse.Namespace) -> int:
         if ".py:" in model:  # model.py:factory -> (module, example inputs): torch.export import, torch loaded only here
             from parsat.backend.torch_import import load_model_file
             model = load_model_file(model)
-        plan = optimize(model, machine=args.machine, rules=args.rules, limits=limits or None,
+        plan = optimize(model, machine=machine, rules=args.rules, limits=limits or None,
                         devices=args.devices, allow_unverified=True if args.allow_unverified else None,
                         baselines=not args.no_baselines, sizes=sizes or None, degrees=degrees or None,
                         progress=progress)
-    except (ValueError, OptimizeError, GraphError, MachineError) as err:
+    except (ValueError, OptimizeError, GraphError, MachineError, FileProblem) as err:
         return _error(str(err))
     except DslError as err:
         return _error(f"the rules do not load:\n{err}")
     if args.output:
         try:
             plan.save(args.output)
-        except OSError as err:
-            return _error(f"cannot write {args.output}: {err.strerror}")
+        except FileProblem as err:
+            return _error(str(err))
         print(f"wrote {args.output}", file=sys.stderr)
     print(plan.explain())
     if args.stats:

@@ -15,6 +15,12 @@
 5. the best feasible plan wins: the joint plan unless a baseline's PCG
    (each is a valid PCG, kept in the plan so a backend can run it) is
    strictly cheaper, which the plan then says (`extraction.chosen`).
+
+`limits.seconds` bounds the whole search, not saturation alone: building
+the graph, saturating, extracting and the baselines share one deadline
+(`Deadline`); what the deadline leaves no time for is cut (the ILP, then
+the baselines), never the plan. Loading the rules and looking up their
+proofs (cached) are not counted.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Callable, Mapping, Sequence
 
 from parsat.dsl import ast
 from parsat.dsl.library import Library
+from parsat.ir.budget import GraphBudget
 from parsat.ir.costs import Totals, totals
 from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
@@ -38,7 +45,7 @@ from parsat.saturate.errors import OptimizeError
 from parsat.saturate.extract import Extraction, ExtractionError, leaf_roles
 from parsat.saturate.inputs import check_devices, check_pins, pins_on, resolve_graph, resolve_library, search_meshes
 from parsat.saturate.program import MeshCaches
-from parsat.saturate.runner import Limits
+from parsat.saturate.runner import STOP_SATURATED, Limits, check_limits
 from parsat.saturate.saturate import SaturationResult, saturate
 from parsat.saturate.solve import price, rules_used, solve
 from parsat.saturate.strategies import Config, PinError, config_excluded, pinned_meshes
@@ -77,19 +84,22 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     """
     say = progress or (lambda _m: None)
     library = resolve_library(rules)
-    graph = resolve_graph(graph, library, sizes)
     limits = limits if isinstance(limits, Limits) else Limits.from_mapping(limits)
+    check_limits(limits)
+    clock = Deadline(time.perf_counter() + limits.seconds, limits)
+    graph = resolve_graph(graph, library, sizes, GraphBudget(limits.enodes, clock.at, limits.seconds))
     base = Machine.resolve(machine)
     devices = base.devices if devices is None else int(devices)
     check_devices(graph, devices)
     machine = base.with_devices(devices)
     pins = check_pins(graph, output_spreads, input_spreads, devices)
     input_pins = {k: v for k, v in pins.items() if k not in graph.outputs}
+    t = time.perf_counter()
     chosen, note = choose_rules(library)
+    clock = clock.pause(time.perf_counter() - t)   # proofs (cached) are not the search's time
     chosen = list(chosen)
     say(f"{len(chosen)} rules; {note}")
 
-    deadline = time.perf_counter() + limits.seconds
     caches = MeshCaches()
     try:
         pinned = pinned_meshes(dict(degrees or {}), devices, machine.devices_per_node)
@@ -103,14 +113,26 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
         raise OptimizeError(f"no device mesh of {devices} devices can hold the pinned spreads")
     searches: list[MeshSearch] = []
     for index, (mesh, config, placed) in enumerate(meshes):
-        share = max(0.0, deadline - time.perf_counter()) / (len(meshes) - index)
-        found = search_mesh(graph, library, chosen, mesh, replace(limits, seconds=share), machine, placed,
-                            input_pins, free_input_layouts, baselines, caches, say, config)
+        share = clock.limits(share=1.0 / (len(meshes) - index))   # what is left, split over the meshes to go
+        if share is None:
+            if not searches:
+                raise OptimizeError(f"--limit seconds={limits.seconds:g} passed before saturation could start "
+                                    f"(building '{graph.name}' took it); raise the limit")
+            say(f"meshes {', '.join(str(m) for m, _, _ in meshes[index:])} not searched: --limit seconds="
+                f"{limits.seconds:g} reached")
+            break
+        found = search_mesh(graph, library, chosen, mesh, Deadline(time.perf_counter() + share.seconds, limits),
+                            machine, placed, input_pins, free_input_layouts, baselines, caches, say, config)
         searches.append(found)
     if pinned and not any(s.joint for s in searches):
         raise OptimizeError(f"--degrees {', '.join(f'{k}={v}' for k, v in degrees.items())} cannot hold for "
                             f"'{graph.name}': {searches[0].error or 'no plan uses the pinned axes that way'}")
     if devices > 1 and not any(s.spread for s in searches):
+        stopped = [s.result.stop for s in searches if s.result.stop != STOP_SATURATED]
+        if stopped:
+            value = getattr(limits, stopped[0], "")
+            raise OptimizeError(f"saturation stopped at --limit {stopped[0]}={value:g} before any parallel rule "
+                                f"spread '{graph.name}' over {devices} devices; raise the limit")
         raise OptimizeError(f"no rule can spread '{graph.name}' over {devices} devices (no parallel rule applies "
                             "on any mesh of the device count)")
     solved = [s for s in searches if s.joint is not None]
@@ -119,10 +141,15 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     best_search = min(solved, key=lambda s: _rank(s.joint, machine))
     candidates = [best_search.joint]
     found_baselines: dict[str, Totals | None] = {}
-    if baselines:
+    spare = clock.limits(share=0.5)   # the sequential baseline's four steps
+    skipped = f"--limit seconds={limits.seconds:g} reached before the baselines" if baselines and spare is None else ""
+    if skipped:
+        say(f"baselines skipped: {skipped}")
+    if baselines and spare is not None:
         megatron = _best([s.megatron for s in searches], machine)
         grid = _best([s.grid for s in searches], machine)
-        two_phase = sequential(graph, library, chosen, best_search.mesh, replace(limits, ilp_seconds=limits.ilp_seconds / 2),
+        two_phase = sequential(graph, library, chosen, best_search.mesh,
+                               replace(spare, ilp_seconds=min(spare.ilp_seconds, limits.ilp_seconds / 2)),
                                machine, best_search.pins, input_pins, free_input_layouts, say, caches)
         dp = data_parallel(graph, library, machine, free_input_layouts, devices) if not pins else None
         for name, candidate in (("megatron", megatron), ("sequential", two_phase), ("data_parallel", dp),
@@ -159,6 +186,8 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
            "ilp_status": extraction.ilp_status, "pass_seconds": dict(extraction.seconds)}
     if unplaceable:
         ext["unplaceable"] = unplaceable
+    if skipped:
+        ext["baselines_skipped"] = skipped
     baseline_plans = {c.name: BaselinePlan(c.pcg, c.costs, c.config) for c in candidates if c.name != JOINT}
     return Plan(graph, machine, devices, best.pcg, best.costs, best.totals, found_baselines,
                 rules_used(chosen, joint.snapshot, extraction.choice) if best.name == JOINT else (),
@@ -198,14 +227,15 @@ class MeshSearch:
                 "time_s": self.joint.totals.time_s if self.joint else None, "error": self.error}
 
 
-def search_mesh(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh: Mesh, limits: Limits,
+def search_mesh(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh: Mesh, clock: "Deadline",
                 machine: Machine, pins: Mapping[str, Placement], input_pins: Mapping[str, Degrees],
                 free_inputs: bool, baselines: bool, caches: MeshCaches, say: Progress,
                 config: Config | None = None) -> MeshSearch:
     """Saturate on one mesh, price every e-node, extract the joint plan (within `config`, pinned degrees, when
-    given) and the baselines that restrict the same e-graph (Megatron, the grid)."""
+    given) and the baselines that restrict the same e-graph (Megatron, the grid), all before `clock`'s deadline
+    (extractions past it take the greedy passes only: a plan, never none)."""
     t = time.perf_counter()
-    result = saturate(graph, library, rules, mesh, limits, pins, caches=caches)
+    result = saturate(graph, library, rules, mesh, clock.remaining(), pins, caches=caches)
     say(f"mesh {mesh}: saturation {result.stop} after {result.iterations} iterations, {result.enodes} e-nodes, "
         f"{time.perf_counter() - t:.2f} s")
     spread = any(p.spread_axes for p in result.snapshot.placement.values())
@@ -214,8 +244,8 @@ def search_mesh(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], m
     priced = price(result, graph, library, machine, free_inputs, input_pins)
     pinned = config_excluded(result.snapshot, leaf_roles(result.snapshot, graph), config) if config else None
     try:
-        pcg, costs, extraction = solve(result, graph, library, machine, roots, limits, free_inputs, pinned,
-                                       pins=input_pins, costs=priced)
+        pcg, costs, extraction = solve(result, graph, library, machine, roots, clock.remaining(),
+                                       free_inputs, pinned, pins=input_pins, costs=priced)
     except ExtractionError as err:
         return MeshSearch(mesh, pins, result, None, None, None, None, time.perf_counter() - t, spread, str(err))
     seconds = time.perf_counter() - t
@@ -223,17 +253,45 @@ def search_mesh(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], m
     say(f"mesh {mesh}: extraction {extraction.method}, {seconds:.2f} s, plan {joint.totals.time_s * 1e3:.3f} ms")
     megatron = grid = None
     if baselines:
-        grid = best_grid(result, graph, library, machine, roots, limits, free_inputs, priced, input_pins)
+        grid = best_grid(result, graph, library, machine, roots, clock.remaining(0.5), free_inputs,
+                         priced, input_pins)
         excluded = megatron_excluded(result.snapshot, leaf_roles(result.snapshot, graph))
         try:
-            mpcg, mcosts, _ = solve(result, graph, library, machine, roots,
-                                    replace(limits, ilp_seconds=limits.ilp_seconds / 2), free_inputs, excluded,
-                                    pins=input_pins, costs=priced)
+            mpcg, mcosts, _ = solve(result, graph, library, machine, roots, clock.remaining(),
+                                    free_inputs, excluded, pins=input_pins, costs=priced)
             if mpcg.max_pieces > 1:
                 megatron = Candidate("megatron", mpcg, mcosts, totals(mcosts, machine))
         except ExtractionError:
             pass
     return MeshSearch(mesh, pins, result, extraction, joint, megatron, grid, seconds, spread)
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """The search's one deadline (`time.perf_counter()`), and the limits that fit in what is left of it."""
+
+    at: float
+    limits_given: Limits
+
+    def pause(self, seconds: float) -> "Deadline":
+        """The same deadline, `seconds` later: time spent on what the limit does not count."""
+        return replace(self, at=self.at + seconds)
+
+    def limits(self, share: float = 1.0) -> Limits | None:
+        """The given limits with `seconds` (and the ILP's) cut to `share` of the time left; None if none is."""
+        left = (self.at - time.perf_counter()) * share
+        if left <= 0:
+            return None
+        given = self.limits_given
+        return replace(given, seconds=left, ilp_seconds=min(given.ilp_seconds, left))
+
+    def greedy(self) -> Limits:
+        """No time left: extraction's greedy passes only (they always give a plan)."""
+        return replace(self.limits_given, ilp_seconds=0)
+
+    def remaining(self, share: float = 1.0) -> Limits:
+        """`limits(share)`, or with no time left the least work: saturation stops at once, extraction greedy."""
+        return self.limits(share) or replace(self.greedy(), seconds=1e-9)
 
 
 def _unplaceable(candidates: Sequence[Candidate], library: Library) -> dict[str, str]:

@@ -46,8 +46,21 @@ def run_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def dot_text(value: object) -> str:
+    """A plan's text as the inside of a DOT double-quoted string: it can end neither the string nor the line.
+
+    Names come from the plan file; a `"` would end the label and let the
+    rest of the name add attributes (an SVG link to `javascript:`), a `\\`
+    would start a DOT escape. Both are escaped, control characters dropped.
+    """
+    text = "".join(c for c in str(value) if c.isprintable())
+    return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
 def plan_dot(data: dict) -> str:
-    """The PCG as graphviz DOT: compute nodes as boxes, parallel operators as ellipses with their collective."""
+    """The PCG as graphviz DOT: compute nodes as boxes, parallel operators as ellipses with their collective.
+
+    Every string taken from the plan passes `dot_text`."""
     lines = ["digraph pcg {", '  rankdir=TB; node [fontname="Helvetica", fontsize=10];']
     for node in data["nodes"]:
         spread = node["spread"]
@@ -61,14 +74,14 @@ def plan_dot(data: dict) -> str:
         where = ", ".join(layout) or "whole"
         shape = "x".join(str(d) for d in node["shape"])
         if node["kind"] == "leaf":
-            label, style = f"{node['op']}\\n[{shape}]", 'shape=note, style=filled, fillcolor="#eeeeee"'
+            label, style = f"{dot_text(node['op'])}\\n[{shape}]", 'shape=note, style=filled, fillcolor="#eeeeee"'
         elif node["kind"] == "parallel":
-            attrs = ", ".join(f"{k}={v}" for k, v in node["attrs"].items())
-            coll = "\\n".join(c.split(" (")[0] for c in node["cost"]["collectives"])
-            label = f"{node['op']}({attrs})\\n{where}" + (f"\\n{coll}" if coll else "")
+            attrs = ", ".join(f"{dot_text(k)}={v}" for k, v in node["attrs"].items())
+            coll = "\\n".join(dot_text(c.split(" (")[0]) for c in node["cost"]["collectives"])
+            label = f"{dot_text(node['op'])}({attrs})\\n{where}" + (f"\\n{coll}" if coll else "")
             style = 'shape=ellipse, style=filled, fillcolor="#ffe9b3"'
         else:
-            label = f"{node['op']} #{node['id']}\\n[{shape}] {where}"
+            label = f"{dot_text(node['op'])} #{node['id']}\\n[{shape}] {where}"
             style = 'shape=box, style=filled, fillcolor="#d8e8ff"'
         lines.append(f'  n{node["id"]} [label="{label}", {style}];')
         for source in node["inputs"]:
@@ -78,26 +91,34 @@ def plan_dot(data: dict) -> str:
 
 
 def run_show(args: argparse.Namespace) -> int:
+    from parsat.dsl.files import FileProblem, refuse_overwriting, write_atomic
     from parsat.ir.plan import PlanError, load_plan_dict
     from parsat.ir.validate import validate_plan_report
 
+    out = Path(args.output)
     try:
+        refuse_overwriting(out, [args.plan])
         data = load_plan_dict(args.plan)
         validate_plan_report(data, PlanError, f"{args.plan} does not follow the plan schema")
         dot = plan_dot(data)
-    except PlanError as err:
+    except (PlanError, FileProblem) as err:
         return _error(str(err))
-    out = Path(args.output)
     if out.suffix == ".dot":
-        out.write_text(dot, encoding="utf-8")
-        return 0
-    binary = shutil.which("dot")
-    if binary is None:
-        return _error("graphviz 'dot' is not installed (apt-get install graphviz); write a .dot file instead: "
-                      f"-o {out.with_suffix('.dot')}")
-    result = subprocess.run([binary, f"-T{out.suffix.lstrip('.') or 'svg'}", "-o", str(out)], input=dot, text=True,
-                            capture_output=True)
-    if result.returncode:
-        return _error(f"dot failed: {result.stderr.strip()}")
+        drawing: str | bytes = dot
+    else:
+        binary = shutil.which("dot")
+        if binary is None:
+            return _error("graphviz 'dot' is not installed (apt-get install graphviz); write a .dot file instead: "
+                          f"-o {out.with_suffix('.dot')}")
+        fmt = out.suffix.lstrip(".") or "svg"
+        # dot writes to a pipe, not the file: the drawing then replaces the file whole or not at all
+        result = subprocess.run([binary, f"-T{fmt}"], input=dot.encode("utf-8"), capture_output=True)
+        if result.returncode:
+            return _error(f"dot failed: {result.stderr.decode('utf-8', 'replace').strip()}")
+        drawing = result.stdout
+    try:
+        write_atomic(out, drawing)
+    except FileProblem as err:
+        return _error(str(err))
     print(f"wrote {out}", file=sys.stderr)
     return 0

@@ -161,14 +161,16 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
         run("bwd", "all-reduce", in_piece, source.pieces, sync=weighty)
     elif op == REDUCE:
         run("fwd", "all-reduce", out_piece, output.pieces)
-    elif op == REDUCE_SCATTER:
-        run("fwd", "reduce-scatter", in_piece, source.pieces)
-        run("bwd", "all-gather", in_piece, source.pieces)
-    elif op == ALL_GATHER:
-        run("fwd", "all-gather", out_piece, output.pieces)
-        if weighty:   # FSDP frees the gathered weight after forward and gathers it again for backward
-            run("bwd", "all-gather", out_piece, output.pieces)
-        run("bwd", "reduce-scatter", out_piece, output.pieces, sync=weighty)
+    elif op == REDUCE_SCATTER:   # one group per piece outside this axis: the partial sum is `p` of the pieces
+        run("fwd", "reduce-scatter", in_piece, source.pieces // p)
+        run("bwd", "all-gather", in_piece, source.pieces // p)
+    elif op == ALL_GATHER:       # likewise: the gathered copies are `p` of the output's pieces
+        groups = output.pieces // p
+        run("fwd", "all-gather", out_piece, groups)
+        # The gathered weight is kept for backward, as the backend runs ZeRO-3 (FSDP's reshard_after_forward
+        # off): one all-gather per step, and its memory until backward is done.
+        memory += out_piece * machine.dtype_bytes if weighty else 0
+        run("bwd", "reduce-scatter", out_piece, groups, sync=weighty)
     else:
         raise KeyError(op)
     spread_over = max(source.pieces, output.pieces)

@@ -13,6 +13,7 @@ from typing import Mapping
 
 from parsat.dsl.checker import load_checked
 from parsat.dsl.library import Library
+from parsat.ir.budget import GraphBudget
 from parsat.ir.errors import GraphError
 from parsat.ir.graph import Graph
 from parsat.ir.models import EXAMPLES, build_example
@@ -34,16 +35,19 @@ def resolve_library(rules) -> Library:
     return load_checked(list(rules))
 
 
-def resolve_graph(graph, library: Library, sizes: Mapping[str, int] | None = None) -> Graph:
-    """A Graph, a graph JSON path, or a built-in example name."""
+def resolve_graph(graph, library: Library, sizes: Mapping[str, int] | None = None,
+                  budget: GraphBudget | None = None) -> Graph:
+    """A Graph, a graph JSON path, or a built-in example name; within `budget` (tensors, building time)."""
     if isinstance(graph, Graph):
+        if budget is not None:
+            budget.check_count(len(graph.leaves) + len(graph.nodes), f"graph '{graph.name}'")
         return graph
     if isinstance(graph, str) and graph in EXAMPLES:
-        return build_example(graph, sizes, library)
+        return build_example(graph, sizes, library, budget)
     if sizes:
         raise GraphError("--set sizes only apply to built-in examples")
     if isinstance(graph, (str, os.PathLike)) and os.path.exists(graph):
-        return Graph.load(graph, library)
+        return Graph.load(graph, library, budget)
     raise GraphError(f"'{graph}' is neither a graph JSON file nor a built-in example "
                      f"(examples: {', '.join(EXAMPLES)})")
 

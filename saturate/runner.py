@@ -22,6 +22,7 @@ per-rule timers read microseconds for runs of seconds: `session.StepReport`).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ class Limits:
     iterations: int = 30
     enodes: int = 200_000
     seconds: float = 30.0
-    ilp_seconds: float = 10.0   # extraction's ILP time limit
+    ilp_seconds: float = 10.0   # extraction's ILP time limit (0: no ILP, the greedy passes only)
 
     @staticmethod
     def from_mapping(values: Mapping[str, float] | None) -> "Limits":
@@ -52,7 +53,26 @@ class Limits:
         unknown = set(values) - allowed
         if unknown:
             raise ValueError(f"unknown limit(s) {', '.join(sorted(unknown))} (limits: {', '.join(sorted(allowed))})")
-        return Limits(**values)
+        limits = Limits(**values)
+        check_limits(limits)
+        return limits
+
+
+def check_limits(limits: Limits) -> None:
+    """ValueError for a limit that would stop the search before it starts, or never (0, negative, NaN).
+
+    Every user's path checks (`from_mapping`, `saturate.api.optimize`); a
+    `Limits` built directly may still hold 0 (tests use it to stop at once)."""
+    for key in ("iterations", "enodes"):
+        value = getattr(limits, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"--limit {key} must be a whole number of at least 1, got {value!r}")
+    for key, zero in (("seconds", False), ("ilp_seconds", True)):   # ilp_seconds 0: the greedy passes only
+        value = getattr(limits, key)
+        number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+        if not number or value < 0 or (value == 0 and not zero):
+            need = "0 or more" if zero else "more than 0"
+            raise ValueError(f"--limit {key} must be a finite number of seconds, {need}, got {value!r}")
 
 
 @dataclass(frozen=True)

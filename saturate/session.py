@@ -20,6 +20,7 @@ from parsat.ir.pcg import Degrees
 from parsat.ir.placement import Placement
 from parsat.saturate.encoding import ANALYSES, MADE_PREFIX, RULESETS, SHAPE_RULESET, match_ruleset
 from parsat.saturate.mesh_encoding import LOCAL, PLACE
+from parsat.saturate.errors import OptimizeError
 from parsat.saturate.program import CompiledRule, RuleProgram, past
 from parsat.saturate.snapshot import ENode, Snapshot
 
@@ -96,7 +97,8 @@ class Session:
     def __init__(self, program: RuleProgram, graph_text: str, deadline: float | None = None,
                  mesh: Mesh | None = None):
         """Once `deadline` (a `time.perf_counter()` value) passes, no more rules are loaded (`loaded` says how
-        many were); the graph always is, so the e-graph stays whole. With `mesh` the program is in the mesh
+        many were); the graph always is, so the e-graph stays whole, unless the deadline passes while it is
+        loaded (OptimizeError: there is no plan of part of a graph). With `mesh` the program is in the mesh
         encoding (`mesh_encoding`), and the snapshot reads placements."""
         self.mesh = mesh
         self.egraph = bindings.EGraph()
@@ -112,9 +114,13 @@ class Session:
                     break
                 self._run(rule.text)
                 self.loaded += 1
-            for chunk in graph_text.split("\n\n"):
-                if chunk.strip():
-                    self._run(chunk)
+            chunks = [chunk for chunk in graph_text.split("\n\n") if chunk.strip()]
+            for index, chunk in enumerate(chunks):
+                # a graph not loaded whole cannot give a plan; small ones (< 256 tensors, < 0.2 s) always load
+                if index and index % 256 == 0 and past(deadline):
+                    raise OptimizeError(f"loading the graph into the e-graph ran past the time limit (--limit "
+                                        f"seconds): {index:,} of {len(chunks):,} tensors loaded; raise the limit")
+                self._run(chunk)
         except bindings.EggSmolError as err:
             raise CompileError(f"egglog rejected the generated program: {err}") from None
 

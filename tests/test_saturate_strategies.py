@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from parsat.ir.parallelism import DATA, SEQUENCE, TENSOR, axis_uses, describe
+from parsat.ir.parallelism import DATA, SEQUENCE, TENSOR, ZERO3, axis_uses, describe
 from parsat.saturate.api import optimize
 from parsat.saturate.errors import OptimizeError
 from parsat.saturate.strategies import Config, grid, pinned_meshes
@@ -30,7 +30,7 @@ def test_pinned_tensor_degree_is_the_minor_axis_and_the_rest_is_searched():
     uses = {u.name: u for u in axis_uses(plan.pcg)}
     assert plan.pcg.mesh.shape == (2, 4) and TENSOR in uses["tp"].kinds
     plan = optimize("transformer", machine="h100x8", devices=8, degrees={"dp": 8})
-    assert [u.kinds for u in axis_uses(plan.pcg)] == [frozenset({DATA})]
+    assert [u.kinds - {ZERO3} for u in axis_uses(plan.pcg)] == [frozenset({DATA})]  # ZeRO-3 may shard it too
     assert describe(plan.pcg).startswith("DP 8 inside a node")
 
 

@@ -33,13 +33,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Mapping
 
 from parsat.dsl import ast
+from parsat.dsl.files import FileProblem, read_text_capped, write_atomic
 from parsat.dsl.printer import format_decl
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.verifier.verdict import BOUNDED, PROVED, REFUTED, UNKNOWN, VACUOUS, VERDICTS, Verdict
@@ -99,6 +100,9 @@ def validate(verdict: Verdict) -> str:
     return ""
 
 
+ENTRY_BYTES = 1 << 20   # the largest cache entry read (a verdict with its counterexample is a few KB)
+
+
 class VerdictCache:
     """Get and put verdicts under a folder; `problems` lists the entries ignored on read."""
 
@@ -111,10 +115,9 @@ class VerdictCache:
 
     def get(self, key: str, timeout: float) -> Verdict | None:
         """The cached verdict if the entry is sound (else None; a bad entry is added to `problems`)."""
-        path = self._path(key)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError:
+        try:  # an entry is a few KB; anything larger, or not a regular file, is not one parsat wrote
+            text = read_text_capped(self._path(key), ENTRY_BYTES, "verdict cache")
+        except (FileProblem, OSError):
             return None
         try:
             record = json.loads(text)
@@ -128,10 +131,11 @@ class VerdictCache:
             problem = validate(verdict)
             if problem:
                 raise ValueError(problem)
-        except (ValueError, KeyError, TypeError) as err:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
             self.reject(key, str(err))
             return None
-        if verdict.verdict == UNKNOWN and record.get("timeout", 0) < timeout:
+        cached = record.get("timeout") if isinstance(record, dict) else None
+        if verdict.verdict == UNKNOWN and not (isinstance(cached, (int, float)) and cached >= timeout):
             return None
         return verdict
 
@@ -144,17 +148,14 @@ class VerdictCache:
             pass
 
     def put(self, key: str, verdict: Verdict, timeout: float) -> None:
-        if validate(verdict):
-            return  # never store what could not be read back
+        if validate(verdict) or not math.isfinite(timeout):
+            return  # never store what could not be read back; NaN or infinity says under no timeout
         path = self._path(key)
         record = verdict.to_json()
         entry = {"format": FORMAT, "key": key, "timeout": timeout, "verdict": record,
                  "checksum": _checksum(key, timeout, record)}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                json.dump(entry, handle)
-            os.replace(tmp, path)
-        except OSError:
+            write_atomic(path, json.dumps(entry))
+        except (OSError, FileProblem):
             pass  # a cache that cannot be written only costs time

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 from parsat.verifier.core import DEFAULT_TIMEOUT
@@ -38,11 +37,9 @@ def run(args: argparse.Namespace) -> int:
     from parsat.verifier.cache import VerdictCache
     from parsat.verifier.verdict import PROVED
 
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        print(f"parsat verify: --timeout must be a positive number of seconds, got {args.timeout}", file=sys.stderr)
-        return 2
-    if args.jobs < 1:
-        print("parsat verify: --jobs must be at least 1", file=sys.stderr)
+    if not (0 < args.timeout < float("inf")) or args.jobs < 1:  # also refuses NaN
+        print(f"parsat verify: --timeout must be a positive number of seconds (got {args.timeout:g}) and --jobs "
+              f"at least 1 (got {args.jobs})", file=sys.stderr)
         return 2
     cache = None if args.no_cache else VerdictCache()
 
