@@ -99,7 +99,7 @@ def compute_cost(instance: OpInstance, inputs: Sequence[Degrees], output: Degree
             memory += degrees.piece_elements(shape) * ADAM_STATE_BYTES
             opt += degrees.piece_elements(shape) * ADAM_TRAFFIC_BYTES / machine.memory_bandwidth
     return NodeCost(fwd, BACKWARD_FACTOR * fwd, opt, memory_bytes=memory, flops=local_flops,
-                    problems=tuple(problems))
+                    problems=tuple(problems), activation_bytes=output.piece_elements(out_shape) * machine.dtype_bytes)
 
 
 def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, output: Degrees, machine: Machine,
@@ -129,17 +129,18 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
         return NodeCost()
     link = link or machine.link(p)
     in_piece, out_piece = source.piece_elements(shape), output.piece_elements(shape)
-    time, elements, grad_sync, collectives = 0.0, 0, 0, []
-    memory, opt = 0, 0.0
+    time, elements, grad_sync, sync_time, collectives = 0.0, 0, 0, 0.0, []
+    memory, activation, opt = 0, 0, 0.0
     weighty = source_role in ("weight", "weight-piece")
 
     def run(phase: str, kind: str, n: int, pieces: int, sync: bool = False) -> None:
-        nonlocal time, elements, grad_sync
+        nonlocal time, elements, grad_sync, sync_time
         t, e = (_all_reduce if kind == "all-reduce" else _all_gather)(machine, p, n, link)  # RS moves what AG does
         time += t
         elements += e * pieces
         if sync:
             grad_sync += e * pieces
+            sync_time += t
         collectives.append(f"{phase} {kind} x{pieces} ({p} devices, {n} elements)" + (" [gradient sync]" if sync else ""))
 
     if source_role == "weight" and op in (PARTITION, REPLICATE):   # the weight is stored in this layout
@@ -149,7 +150,7 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
         memory = (out_piece - in_piece) * ADAM_STATE_BYTES
         opt = (out_piece - in_piece) * ADAM_TRAFFIC_BYTES / machine.memory_bandwidth
     elif not source_role and op not in (REPLICATE,):
-        memory = out_piece * machine.dtype_bytes                    # an activation kept for backward
+        memory = activation = out_piece * machine.dtype_bytes       # an activation kept for backward
     if source_role == "input":
         pass
     elif op == PARTITION:
@@ -178,7 +179,8 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
         elements *= devices // spread_over
         grad_sync *= devices // spread_over
     return NodeCost(optimizer_s=opt, comm_s=time, comm_elements=elements, grad_sync_elements=grad_sync,
-                    memory_bytes=memory, collectives=tuple(collectives))
+                    memory_bytes=memory, collectives=tuple(collectives), sync_s=sync_time,
+                    activation_bytes=activation)
 
 
 def gather_cost(machine: Machine, degrees: Degrees, shape: Sequence[int], devices: int | None = None) -> NodeCost:
