@@ -119,7 +119,7 @@ def optimize(args) -> None:
             if isinstance(baseline, dict):  # the data-parallel baseline as a plan of its own, to train it too
                 source = baseline.get("pcg") if isinstance(baseline.get("pcg"), dict) else baseline
                 (out / f"{name}-{devices}-data_parallel.json").write_text(json.dumps(
-                    {**data, "nodes": source["nodes"], "outputs": source["outputs"]}))
+                    {**data, **{k: source[k] for k in ("nodes", "outputs", "mesh") if k in source}}))
             row = {"model": name, "devices": devices, "nodes": len(graph.nodes), "operators": len(ops),
                    "weights": len(graph.weights), "import_cpu_s": round(imported_s, 2),
                    "optimize_cpu_s": round(seconds, 2), "parsat_ms": data["totals"]["time_s"] * 1e3,
@@ -232,8 +232,8 @@ def train(args) -> None:
             want.backward()
             ref_optimizer.step()
             pairs = [("loss", loss.detach(), want.detach())]
-            for weight, (layout, shape) in pmodule.piece_layouts().items():
-                where = piece_index(layout, rank, shape)
+            for weight, (placement, shape) in pmodule.piece_placements().items():
+                where = piece_index(placement, shape, pmodule.pcg.mesh, rank)
                 piece, ref = pmodule.named_pieces()[weight], reference.get_parameter(weight)
                 pairs.append((f"gradient of {weight}", gradient_of(piece), gradient_of(ref)[where]))
                 pairs.append((f"weight {weight}", piece.detach(), ref.detach()[where]))
