@@ -20,6 +20,11 @@ Default cases: the built-in examples `experts` (16, 32, 64 devices),
   the other, the algebraic rules the joint plan used, and the costliest
   collectives of each plan: what the rewrite opened.
 
+Then the ablations (`--no-ablations` skips them): the same search with
+one PROVED algebraic rule left out, which says which rewrite the joint plan
+needs (its time rises without it) or which one put the sequential baseline
+on the worse form (its time falls to the joint plan's without it).
+
 Results are recorded in benchmarks/joint_results.md.
 """
 
@@ -33,6 +38,7 @@ import time
 from collections import Counter
 
 import parsat
+from parsat.api import proved_rules
 from parsat.dsl.checker import is_parallel_rule
 from parsat.dsl.library import load_library
 from parsat.ir.models import build_example
@@ -40,6 +46,8 @@ from parsat.saturate.api import optimize as optimize_with
 from parsat.saturate.baselines import pcg_to_graph
 
 DEFAULT = ("experts:16", "experts:32", "experts:64", "factorized:8", "factorized:16", "branches:2")
+ABLATIONS = (("experts:32", "matmul_fuse_shared_input"), ("experts:32", "matmul_merge_contraction"),
+             ("experts:32", "concat_of_relus"), ("factorized:8", "matmul_assoc_right"))
 MACHINE = "h100x8"
 
 
@@ -105,15 +113,36 @@ def measure(spec: str, library) -> dict:
     return row
 
 
+def ablate(spec: str, rule: str, library) -> dict:
+    """The search of `spec` with the PROVED rules less `rule`."""
+    name, devices, sizes = _case(spec)
+    graph = build_example(name, sizes, library)
+    if rule not in {r.name for r in library.rules}:
+        raise SystemExit(f"no rule named {rule}")
+
+    def without(lib):
+        kept, note = proved_rules(lib, None)
+        return [r for r in kept if r.name != rule], f"{note}; {rule} left out"
+    start = time.process_time()
+    plan = optimize_with(graph, MACHINE, library, devices=devices, choose_rules=without)
+    sequential = plan.baselines.get("sequential")
+    return {"case": spec, "without": rule, "joint_s": plan.totals.time_s,
+            "sequential_s": sequential.time_s if sequential else None, "search_cpu_s": round(time.process_time() - start, 2)}
+
+
+def _us(seconds: float | None) -> str:
+    return f"{seconds * 1e6:.1f} us" if seconds is not None else "none"
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| example | devices | mesh | joint | sequential | seq / joint | 1 device: joint's form | "
              "1 device: sequential's form | search CPU s | e-nodes |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        us = lambda s: f"{s * 1e6:.1f} us" if s is not None else "none"  # noqa: E731
-        lines.append(f"| `{r['case']}` | {r['devices']} | {r['mesh']} | {us(r['joint_s'])} | {us(r['sequential_s'])} | "
-                     f"{r['ratio']:.3f} | {us(r.get('one_device_joint_form_s'))} | "
-                     f"{us(r.get('one_device_sequential_form_s'))} | {r['search_cpu_s']} | {r['enodes']} |")
+        ratio = f"{r['ratio']:.3f}" if r["ratio"] else "-"
+        lines.append(f"| `{r['case']}` | {r['devices']} | {r['mesh']} | {_us(r['joint_s'])} | {_us(r['sequential_s'])} "
+                     f"| {ratio} | {_us(r.get('one_device_joint_form_s'))} | {_us(r.get('one_device_sequential_form_s'))} "
+                     f"| {r['search_cpu_s']} | {r['enodes']} |")
     return "\n".join(lines)
 
 
@@ -121,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("cases", nargs="*", default=list(DEFAULT))
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--no-ablations", action="store_true", help="skip the searches with one rule left out")
     args = parser.parse_args(argv)
     library = load_library()[0]
     rows = []
@@ -131,9 +161,19 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"machine {MACHINE}; search on {platform.processor() or platform.machine()}, Python {platform.python_version()}")
     print(table(rows))
+    ablations = []
+    if not args.no_ablations:
+        for spec, rule in ABLATIONS:
+            ablations.append(ablate(spec, rule, library))
+            print(json.dumps(ablations[-1]), flush=True)
+        print()
+        print("| example | rule left out | joint | sequential | search CPU s |\n|---|---|---|---|---|")
+        for a in ablations:
+            print(f"| `{a['case']}` | `{a['without']}` | {_us(a['joint_s'])} | {_us(a['sequential_s'])} | "
+                  f"{a['search_cpu_s']} |")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(rows, out, indent=1)
+            json.dump({"rows": rows, "ablations": ablations}, out, indent=1)
     return 0
 
 
