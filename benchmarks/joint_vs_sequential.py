@@ -45,20 +45,12 @@ from parsat.ir.models import build_example
 from parsat.saturate.api import optimize as optimize_with
 from parsat.saturate.baselines import pcg_to_graph
 
+from models_bench import _case   # NAME:DEVICES[:KEY=VALUE,...], as models_bench.py reads its cases
+
 DEFAULT = ("experts:16", "experts:32", "experts:64", "factorized:8", "factorized:16", "branches:2")
 ABLATIONS = (("experts:32", "matmul_fuse_shared_input"), ("experts:32", "matmul_merge_contraction"),
              ("experts:32", "concat_of_relus"), ("factorized:8", "matmul_assoc_right"))
 MACHINE = "h100x8"
-
-
-def _case(spec: str) -> tuple[str, int, dict[str, int]]:
-    name, devices, *rest = spec.split(":")
-    sizes = {}
-    for item in ",".join(rest).split(","):
-        if item:
-            key, _, value = item.partition("=")
-            sizes[key] = int(value)
-    return name, int(devices), sizes
 
 
 def one_device_time(graph, library) -> float:
