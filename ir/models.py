@@ -43,6 +43,76 @@ def branches(batch: int = 128, d_in: int = 784, d_hidden: int = 512, d_out: int 
     return g.build()
 
 
+
+def _mse_loss(g: GraphBuilder, y: Tensor, rows: int, cols: int) -> Tensor:
+    """Mean squared error of `y` [rows, cols] against the input `target`: the graph's scalar output.
+
+    The objective of a regression head, or of distilling a teacher's hidden
+    states: sum((y - target)^2) / (rows * cols).
+    """
+    err = g.op("sub", y, g.input("target", [rows, cols]), name="err")
+    squares = g.op("mul", err, err, name="sq")
+    total = g.op("reduce_sum", g.op("reduce_sum", squares, dim=1, name="sq_rows"), dim=0, name="sq_sum")
+    return g.op("scale", total, c=1.0 / (rows * cols), name="loss")
+
+
+def experts(experts: int = 4, tokens: int = 8192, hidden: int = 1024, ffn: int = 4096,
+            library: Library | None = None) -> Graph:
+    """A dense mixture of expert FFNs: every token goes through every expert, the outputs are summed.
+
+    x [tokens, hidden] -> sum over experts of relu(x @ w1_e) @ w2_e, then
+    the residual and a layernorm, trained against a target with the mean
+    squared error (`_mse_loss`). The defaults are BERT-Large's FFN
+    (hidden 1024, ffn 4096) and 8,192 tokens (16 sequences of 512).
+
+    Why it is an example (benchmarks/joint_results.md): fusing the experts
+    into one FFN over concatenated weights (`matmul_fuse_shared_input`,
+    `matmul_merge_contraction`) costs weight concatenations that one device
+    does not win back at this token count, so the sequential baseline keeps
+    the experts apart; on several nodes the fused FFN's hidden dim splits
+    over the node axis, one expert per node, and one all-reduce sums the
+    experts' partial outputs where separate experts need one each.
+    """
+    if experts < 1:
+        raise GraphError("a mixture needs at least one expert")
+    g = GraphBuilder(library, name="experts")
+    x = g.input("x", [tokens, hidden])
+    total = None
+    for e in range(experts):
+        up = g.op("matmul", x, g.weight(f"e{e}_w1", [hidden, ffn]), name=f"e{e}_up")
+        out = g.op("matmul", g.op("relu", up, name=f"e{e}_act"), g.weight(f"e{e}_w2", [ffn, hidden]), name=f"e{e}_down")
+        total = out if total is None else g.op("add", total, out, name=f"sum{e}")
+    y = g.op("layernorm", g.op("add", x, total, name="res"), g.weight("ln_g", [hidden]), g.weight("ln_b", [hidden]),
+             eps=1e-5, name="ln")
+    g.output(_mse_loss(g, y, tokens, hidden))
+    return g.build()
+
+
+def factorized(tokens: int = 8192, hidden: int = 4096, rank: int = 2816, library: Library | None = None) -> Graph:
+    """An MLP whose second layer is trained in factored form: relu((relu(x @ w0) @ u) @ v), u [hidden, rank].
+
+    A linear layer written as a product of two matrices with nothing in
+    between (linear over-parameterization, e.g. ExpandNets, Guo et al.
+    2020, merged into one matrix for inference), trained against a target
+    with the mean squared error (`_mse_loss`).
+
+    Why it is an example (benchmarks/joint_results.md): one device computes
+    h @ (u @ v) with fewer FLOPs than (h @ u) @ v when rank > tokens *
+    hidden / (2 * tokens - hidden) (2,731 at the defaults), so the
+    sequential baseline reassociates (`matmul_assoc_right`); split over
+    the contraction, the partial sums the devices must add are then
+    [tokens, hidden] wide instead of [tokens, rank], and the joint search
+    keeps the product as written. The band of ranks where the two disagree
+    is narrow (about 2,731 to 3,500 at these sizes).
+    """
+    g = GraphBuilder(library, name="factorized")
+    x = g.input("x", [tokens, hidden])
+    h = g.op("relu", g.op("matmul", x, g.weight("w0", [hidden, hidden]), name="mm0"), name="act0")
+    low = g.op("matmul", h, g.weight("u", [hidden, rank]), name="down")
+    y = g.op("relu", g.op("matmul", low, g.weight("v", [rank, hidden]), name="up"), name="act1")
+    g.output(_mse_loss(g, y, tokens, hidden))
+    return g.build()
+
 class _Scope:
     """One block's names: every weight and node it makes is prefixed (`b3_wq`), so blocks never collide."""
 
@@ -408,6 +478,8 @@ EXAMPLES: Mapping[str, Example] = {
     "transformer": Example("transformer", transformer, "one BERT-Large encoder block"),
     "stack": Example("stack", stack, "a stack of BERT-Large encoder blocks"),
     "branches": Example("branches", branches, "MLP with two parallel branches joined by concat"),
+    "experts": Example("experts", experts, "dense mixture of expert FFNs, outputs summed, residual, layernorm, MSE loss"),
+    "factorized": Example("factorized", factorized, "MLP whose second layer is a product of two matrices, MSE loss"),
     "gpt": Example("gpt", gpt, "GPT-3 Small (125M): pre-LN decoder, tied LM head, cross-entropy", (), _GPT_DERIVED,
                    _GPT3, 125e6),
     "gpt-1.3b": _gpt3("gpt-1.3b", 1.3e9, 24, 2048, 16),

@@ -117,8 +117,12 @@ def megatron_excluded(snapshot: Snapshot, roles: Mapping[int, str]) -> Callable[
     return excluded
 
 
-def pcg_to_graph(pcg: PCG, graph: Graph, library: Library) -> Graph:
-    """A whole (unparallelised) PCG as a computation graph: the sequential baseline's middle step."""
+def pcg_to_graph(pcg: PCG, graph: Graph, library: Library, drop_parallel: bool = False) -> Graph:
+    """A whole (unparallelised) PCG as a computation graph: the sequential baseline's middle step.
+
+    With `drop_parallel`, any PCG: its parallel operators are left out (they change how a value is spread,
+    never the value), which gives the algebraic form a plan computes, e.g. to price it on one device.
+    """
     builder = GraphBuilder(library, name=graph.name)
     handles = {}
     used_names = set()
@@ -128,7 +132,10 @@ def pcg_to_graph(pcg: PCG, graph: Graph, library: Library) -> Graph:
             used_names.add(node.op)
             continue
         if node.kind == "parallel":
-            raise OptimizeError("internal: the algebraic-only plan contains a parallel operator")
+            if not drop_parallel:
+                raise OptimizeError("internal: the algebraic-only plan contains a parallel operator")
+            handles[node.id] = handles[node.inputs[0]]
+            continue
         name = node.origin if node.origin and node.origin not in used_names else None
         handles[node.id] = builder.op(node.op, *[handles[i] for i in node.inputs], name=name, **dict(node.attrs))
         used_names.add(handles[node.id].name)
