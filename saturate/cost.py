@@ -161,14 +161,14 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
         run("bwd", "all-reduce", in_piece, source.pieces, sync=weighty)
     elif op == REDUCE:
         run("fwd", "all-reduce", out_piece, output.pieces)
-    elif op == REDUCE_SCATTER:
-        run("fwd", "reduce-scatter", in_piece, source.pieces)
-        run("bwd", "all-gather", in_piece, source.pieces)
-    elif op == ALL_GATHER:
-        run("fwd", "all-gather", out_piece, output.pieces)
+    elif op == REDUCE_SCATTER:   # one collective per group of p partial sums: the output keeps the pieces
+        run("fwd", "reduce-scatter", in_piece, source.pieces // p)
+        run("bwd", "all-gather", in_piece, source.pieces // p)
+    elif op == ALL_GATHER:       # the output's pieces are p copies of each group's result
+        run("fwd", "all-gather", out_piece, output.pieces // p)
         if weighty:   # FSDP frees the gathered weight after forward and gathers it again for backward
-            run("bwd", "all-gather", out_piece, output.pieces)
-        run("bwd", "reduce-scatter", out_piece, output.pieces, sync=weighty)
+            run("bwd", "all-gather", out_piece, output.pieces // p)
+        run("bwd", "reduce-scatter", out_piece, output.pieces // p, sync=weighty)
     else:
         raise KeyError(op)
     spread_over = max(source.pieces, output.pieces)
