@@ -57,7 +57,7 @@ def _mse_loss(g: GraphBuilder, y: Tensor, rows: int, cols: int) -> Tensor:
 
 
 def experts(experts: int = 4, tokens: int = 8192, hidden: int = 1024, ffn: int = 4096,
-            library: Library | None = None) -> Graph:
+            library: Library | None = None, budget: GraphBudget | None = None) -> Graph:
     """A dense mixture of expert FFNs: every token goes through every expert, the outputs are summed.
 
     x [tokens, hidden] -> sum over experts of relu(x @ w1_e) @ w2_e, then
@@ -75,7 +75,7 @@ def experts(experts: int = 4, tokens: int = 8192, hidden: int = 1024, ffn: int =
     """
     if experts < 1:
         raise GraphError("a mixture needs at least one expert")
-    g = GraphBuilder(library, name="experts")
+    g = GraphBuilder(library, name="experts", budget=budget)
     x = g.input("x", [tokens, hidden])
     total = None
     for e in range(experts):
@@ -88,7 +88,8 @@ def experts(experts: int = 4, tokens: int = 8192, hidden: int = 1024, ffn: int =
     return g.build()
 
 
-def factorized(tokens: int = 8192, hidden: int = 4096, rank: int = 2816, library: Library | None = None) -> Graph:
+def factorized(tokens: int = 8192, hidden: int = 4096, rank: int = 2816, library: Library | None = None,
+               budget: GraphBudget | None = None) -> Graph:
     """An MLP whose second layer is trained in factored form: relu((relu(x @ w0) @ u) @ v), u [hidden, rank].
 
     A linear layer written as a product of two matrices with nothing in
@@ -105,7 +106,7 @@ def factorized(tokens: int = 8192, hidden: int = 4096, rank: int = 2816, library
     keeps the product as written. The band of ranks where the two disagree
     is narrow (about 2,731 to 3,500 at these sizes).
     """
-    g = GraphBuilder(library, name="factorized")
+    g = GraphBuilder(library, name="factorized", budget=budget)
     x = g.input("x", [tokens, hidden])
     h = g.op("relu", g.op("matmul", x, g.weight("w0", [hidden, hidden]), name="mm0"), name="act0")
     low = g.op("matmul", h, g.weight("u", [hidden, rank]), name="down")
