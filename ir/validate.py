@@ -26,7 +26,7 @@ from parsat.ir.errors import GraphError, MachineError
 GRAPH_SCHEMA = "parsat.graph"
 GRAPH_VERSION = 1
 MACHINE_SCHEMA = "parsat.machine"
-MACHINE_VERSION = 1
+MACHINE_VERSION = 2             # 2: precision, peaks, efficiency, comm (ir.machine_profile)
 PLAN_SCHEMA = "parsat.plan"
 PLAN_VERSION = 2               # 2: each baseline carries its PCG (`baselines.NAME.pcg`)
 READABLE_VERSIONS = (1, 2)     # plan versions read; version 1 lacks only the baselines' PCGs

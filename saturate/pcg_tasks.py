@@ -1,0 +1,412 @@
+"""A plan's training step as simulator tasks (today's PCG, read as a 1-axis mesh).
+
+This is the task builder the step simulator (`saturate.simulator`) needs
+to price a whole plan. It reads today's PCG, where a parallel operator of
+degree d acts on groups of d consecutive ranks (`GroupTopology.consecutive`),
+and every device does the same work (SPMD), so one device is simulated.
+Swapping in the mesh PCG (docs/MESH.md) means giving each parallel
+operator the `GroupTopology` of its axis instead; the rest stays.
+
+How the program that runs the plan issues work is an `ExecutionProfile`:
+
+* `PARSAT_RUN`: the torch backend as `parsat run` executes today: one
+  host thread walks the PCG, every operator is one synchronous call
+  (dispatch + kernel), collectives block inside autograd (no overlap),
+  each weight's gradient is all-reduced alone when backward reaches it,
+  every node's output stays alive until the step ends (the executor's
+  environment), inputs and targets are drawn from a seed every step, SGD.
+* `DDP`: a GPU framework: communication on its own stream, gradients in
+  DDP buckets overlapping backward, activations freed by backward, Adam.
+
+Per node (forward; backward walks the nodes in reverse, and only for
+tensors that need a gradient: ones computed from a weight):
+
+| node | forward | backward |
+|---|---|---|
+| input leaf | random data of its full shape (`PARSAT_RUN`) | none |
+| compute | dispatch + kernel (`op_time`) | dispatch + one kernel per input needing a gradient (products), else one |
+| partition | a slice made contiguous (copy of the piece); a weight's is folded into storage | all-gather + concatenation |
+| combine | all-gather + concatenation | slice (copy) |
+| replicate | a view | all-reduce (+ copy); a weight's: the gradient sync |
+| reduce | copy + all-reduce | a view |
+
+Then the loss (per output: its target drawn, difference, square, sum:
+memory-bound operators on the output's piece) and the optimizer (per stored
+weight piece: SGD two operators, Adam eleven, each memory-bound).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from parsat.dsl.library import Library
+from parsat.dsl.parallel_ops import COMBINE, PARTITION, REDUCE, REPLICATE
+from parsat.ir.graph import instance_for
+from parsat.ir.machine import Machine
+from parsat.ir.pcg import PCG, PNode
+from parsat.saturate.collectives import ALL_GATHER, ALL_REDUCE, GroupTopology, price
+from parsat.saturate.cost import compute_time
+from parsat.saturate.op_time import OpTime, memory_op_time
+from parsat.saturate.schedules import Gradient, GradientBuckets
+from parsat.saturate.simulator import COMM, COMPUTE, StepBuilder, StepResult
+
+DEVICE = 0
+# Operators torch runs as views of their input (no new storage): backend/torch_ops.py. `flatten` is a view
+# only of a contiguous tensor (after a transpose it copies).
+VIEW_OPS = frozenset({"transpose", "unflatten", "split", "dropout", "broadcast"})
+OPTIMIZER_PASSES = {"sgd": (2, 5), "adam": (11, 26)}
+"""Optimizer: (operators per parameter tensor, element reads + writes per parameter) as the backend runs it."""
+LOSS_OPS = 6           # per output: sub, pow, sum, div, div, detach-div (backend/executor.py `_loss_term`)
+LOSS_BACKWARD_OPS = 4
+
+
+class TaskBuildError(ValueError):
+    """A PCG the builder cannot turn into tasks (an operator that does not instantiate)."""
+
+
+@dataclass(frozen=True)
+class ExecutionProfile:
+    """How the program that runs a plan issues its work (see the module docstring)."""
+
+    name: str
+    overlap: bool            # collectives on their own stream (else inline, blocking the host thread)
+    ddp_buckets: bool        # weight gradients all-reduced in DDP buckets (else one all-reduce each, inline)
+    keep_activations: bool   # every node's output alive to the end of the step (else freed by its backward)
+    seeded_inputs: bool      # inputs and targets drawn from a seed every step (their full shape, on every rank)
+    optimizer: str = "sgd"
+
+
+PARSAT_RUN = ExecutionProfile("parsat run", overlap=False, ddp_buckets=False, keep_activations=True,
+                              seeded_inputs=True, optimizer="sgd")
+DDP = ExecutionProfile("ddp", overlap=True, ddp_buckets=True, keep_activations=False, seeded_inputs=False,
+                       optimizer="adam")
+
+Topology = Callable[[PNode], GroupTopology]
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """A simulated step: the result, and the memory it was given as resident (weights, gradients, state)."""
+
+    result: StepResult
+    resident_bytes: int
+
+    @property
+    def step_s(self) -> float:
+        return self.result.step_s
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return self.result.peak_memory_bytes.get(DEVICE, 0)
+
+
+def consecutive_groups(machine: Machine) -> Topology:
+    """Today's PCG as a 1-axis mesh: a parallel operator of degree d runs on d consecutive ranks."""
+    return lambda node: GroupTopology.consecutive(int(node.attr("degree")), machine.devices_per_node)
+
+
+def _elements(node: PNode) -> int:
+    return node.degrees.piece_elements(tuple(node.shape))
+
+
+def _full(node: PNode) -> int:
+    n = 1
+    for d in node.shape:
+        n *= d
+    return n
+
+
+class _Builder:
+    def __init__(self, pcg: PCG, library: Library, machine: Machine, profile: ExecutionProfile, topology: Topology):
+        self.pcg, self.library, self.machine, self.profile, self.topology = pcg, library, machine, profile, topology
+        self.item = machine.dtype_bytes
+        self.eff = machine.efficiency
+        self.steps = StepBuilder()
+        self.compute = self.steps.stream(DEVICE, COMPUTE)
+        self.comm = self.steps.stream(DEVICE, COMM) if profile.overlap else self.compute
+        self.by_id = {n.id: n for n in pcg.nodes}
+        self.users: dict[int, list[PNode]] = {}
+        for node in pcg.nodes:
+            for i in node.inputs:
+                self.users.setdefault(i, []).append(node)
+        self.needs_grad = self._needs_grad()
+        self.folded: set[int] = set()
+        self.stored = self._stored_weights()
+        self.timed: dict[int, OpTime] = {}
+        self.ready: dict[int, int | None] = {}        # node -> the task after which its forward value exists
+        self.grad_ready: dict[int, list[int]] = {}    # node -> tasks producing its gradient
+        self.allocated: dict[int, int] = {}           # node -> bytes its forward output allocated
+        self.contiguous: dict[int, bool] = {}
+        self.since_sync = 0.0                         # compute seconds since the last collective (stragglers)
+
+    # ---------------------------------------------------------------- facts
+    def _needs_grad(self) -> dict[int, bool]:
+        out = {}
+        for node in self.pcg.nodes:
+            if node.kind == "leaf":
+                out[node.id] = node.role == "weight"
+            else:
+                out[node.id] = any(out[i] for i in node.inputs)
+        return out
+
+    def _stored_weights(self) -> dict[int, PNode]:
+        """Node id where each weight is stored -> that node: a weight read only through a chain of partitions
+        is stored as the piece the chain gives (as the backend does); any other weight is stored whole."""
+        out = {}
+        for node in self.pcg.nodes:
+            if node.kind != "leaf" or node.role != "weight":
+                continue
+            at = node
+            while len(self.users.get(at.id, [])) == 1 and self.users[at.id][0].op == PARTITION \
+                    and self.users[at.id][0].kind == "parallel":
+                at = self.users[at.id][0]
+                self.folded.add(at.id)  # storage absorbs the partition: nothing runs
+            out[at.id] = at
+        return out
+
+    # ---------------------------------------------------------------- helpers
+    def _copy_s(self, elements: int, backward: bool = False) -> float:
+        return memory_op_time(2.0 * elements * self.item, self.machine, backward)
+
+    def _collective(self, kind: str, node: PNode, nbytes: float) -> float:
+        return price(kind, self.topology(node), nbytes, self.machine).seconds
+
+    def _deps(self, node: PNode) -> list[int]:
+        return [t for t in (self.ready.get(i) for i in node.inputs) if t is not None]
+
+    def _add(self, name: str, stream: int, seconds: float, deps, alloc: int = 0, free: int = 0,
+             phase: str = "forward") -> int:
+        if stream == self.compute:
+            self.since_sync += seconds
+        return self.steps.add(name, stream, seconds, deps, alloc=alloc, free=free, phase=phase)
+
+    def _sync(self, name: str, kind: str, node: PNode, nbytes: float, deps, alloc: int = 0, free: int = 0,
+              phase: str = "forward_comm") -> int:
+        """A collective: it first waits for the slowest rank (`comm.sync_skew` x the compute since the last one)."""
+        wait = self.machine.comm.sync_skew * self.since_sync
+        self.since_sync = 0.0
+        if wait > 0:
+            deps = [self.steps.add(f"{name}: waiting for the slowest rank", self.comm, wait, deps, phase="stragglers")]
+        return self.steps.add(name, self.comm, self._collective(kind, node, nbytes), deps, alloc=alloc, free=free,
+                              phase=phase)
+
+    def finish(self) -> None:
+        """The step ends when the slowest rank ends: its lag since the last collective."""
+        wait = self.machine.comm.sync_skew * self.since_sync
+        if wait > 0:
+            self._add("the slowest rank finishing", self.compute, wait, [len(self.steps) - 1], phase="stragglers")
+
+    # ---------------------------------------------------------------- forward
+    def forward(self) -> None:
+        for node in self.pcg.nodes:
+            if node.kind == "leaf":
+                self._leaf(node)
+            elif node.kind == "parallel":
+                self._parallel_forward(node)
+            else:
+                self._compute_forward(node)
+
+    def _leaf(self, node: PNode) -> None:
+        self.contiguous[node.id] = True
+        if node.role == "weight" or not self.profile.seeded_inputs:
+            self.ready[node.id] = None
+            return
+        nbytes = _full(node) * self.item
+        rate = self.eff.random_bandwidth
+        seconds = self.eff.op_time(nbytes / rate if rate else 0.0)
+        self.allocated[node.id] = nbytes
+        self.ready[node.id] = self._add(f"data {node.op}", self.compute, seconds, (), alloc=nbytes)
+
+    def _parallel_forward(self, node: PNode) -> None:
+        deps = self._deps(node)
+        piece = _elements(node)
+        source = self.by_id[node.inputs[0]]
+        self.contiguous[node.id] = True
+        if node.id in self.folded:
+            self.ready[node.id] = None  # stored as this piece: nothing runs
+            return
+        label = f"{node.label} #{node.id}"
+        if node.op == PARTITION:
+            nbytes = piece * self.item
+            self.allocated[node.id] = nbytes
+            self.ready[node.id] = self._add(label, self.compute, self._copy_s(piece), deps, alloc=nbytes)
+        elif node.op == COMBINE:
+            nbytes = piece * self.item
+            gather = self._sync(f"{label} all-gather", ALL_GATHER, node, nbytes, deps, alloc=nbytes)
+            self.allocated[node.id] = 2 * nbytes  # the gathered pieces and their concatenation
+            self.ready[node.id] = self._add(f"{label} concat", self.compute, self._copy_s(piece), [gather],
+                                            alloc=nbytes)
+        elif node.op == REPLICATE:
+            self.contiguous[node.id] = self.contiguous.get(source.id, True)
+            self.ready[node.id] = self._add(label, self.compute, self.eff.op_time(0.0), deps)
+        elif node.op == REDUCE:
+            nbytes = piece * self.item
+            copy = self._add(f"{label} copy", self.compute, self._copy_s(piece), deps, alloc=nbytes)
+            self.allocated[node.id] = nbytes
+            self.ready[node.id] = self._sync(f"{label} all-reduce", ALL_REDUCE, node, nbytes, [copy])
+        else:
+            raise TaskBuildError(f"unknown parallel operator '{node.op}'")
+
+    def _instance(self, node: PNode):
+        op = self.library.ops.get(node.op)
+        if op is None:
+            raise TaskBuildError(f"operator '{node.op}' is not in the library")
+        try:
+            return instance_for(op, [self.by_id[i].shape for i in node.inputs], dict(node.attrs))
+        except Exception as err:  # noqa: BLE001 - any instantiation failure is a plan the builder cannot price
+            raise TaskBuildError(f"node #{node.id} ({node.label}) does not instantiate: {err}") from None
+
+    def _compute_forward(self, node: PNode) -> None:
+        timed, _problems = compute_time(self._instance(node), [self.by_id[i].degrees for i in node.inputs],
+                                        node.degrees, self.machine)
+        self.timed[node.id] = timed
+        view = node.op in VIEW_OPS or node.op == "flatten" and self.contiguous.get(node.inputs[0], True)
+        self.contiguous[node.id] = node.op != "transpose" and (not view or self.contiguous.get(node.inputs[0], True))
+        nbytes = 0 if view else _elements(node) * self.item
+        self.allocated[node.id] = nbytes
+        kernel = 0.0 if view else timed.kernel_s
+        self.ready[node.id] = self._add(f"{node.label} #{node.id}", self.compute, self.eff.op_time(kernel),
+                                        self._deps(node), alloc=nbytes)
+
+    # ---------------------------------------------------------------- loss
+    def loss(self) -> list[int]:
+        tasks = []
+        for out in self.pcg.outputs:
+            node = self.by_id[out]
+            piece = _elements(node)
+            deps = [t for t in (self.ready.get(out),) if t is not None]
+            if self.profile.seeded_inputs:
+                rate = self.eff.random_bandwidth
+                target = _full(node) * self.item
+                deps.append(self._add(f"target of #{out}", self.compute,
+                                      self.eff.op_time(target / rate if rate else 0.0), deps, phase="loss"))
+            seconds = LOSS_OPS * self._copy_s(piece)
+            tasks.append(self._add(f"loss of #{out}", self.compute, seconds, deps, alloc=piece * self.item,
+                                   phase="loss"))
+        return tasks
+
+    # ---------------------------------------------------------------- backward
+    def backward(self, loss: list[int]) -> tuple[list[int], dict[int, int]]:
+        """Backward tasks in reverse order; returns (the grad-sync tasks, weight-storing node -> its grad task).
+
+        A stored weight's gradient is complete once the reverse walk reaches
+        the node it is stored at (every reader is later in the order, so
+        already done): that is when DDP's bucket learns it is ready.
+        """
+        for out, task in zip(self.pcg.outputs, loss):
+            piece = _elements(self.by_id[out])
+            seconds = LOSS_BACKWARD_OPS * self._copy_s(piece, backward=True)
+            self._give(out, self._add(f"loss backward of #{out}", self.compute, seconds, [task], phase="backward"))
+        syncs: list[int] = []
+        produced: dict[int, int] = {}
+        buckets = self._buckets()
+        for node in reversed(self.pcg.nodes):
+            deps = self.grad_ready.get(node.id, [])
+            if not self.needs_grad[node.id] or not deps:
+                continue  # no gradient reaches it (data, or not on the loss's path)
+            last = max(deps) if node.kind == "leaf" else self._node_backward(node, deps, syncs, buckets)
+            if node.id in self.stored and last is not None:
+                produced[node.id] = last
+                if buckets is not None and str(node.id) in buckets.names:
+                    buckets.ready(str(node.id), last)
+        if buckets is not None:
+            syncs.extend(buckets.done())
+        return syncs, produced
+
+    def _synced(self) -> dict[int, int]:
+        """Weights whose gradient is synchronised (read through `replicate`): stored-at node -> group size."""
+        out = {}
+        for at, node in self.stored.items():
+            for user in self.users.get(at, []):
+                if user.kind == "parallel" and user.op == REPLICATE:
+                    out[at] = max(out.get(at, 1), int(user.attr("degree")))
+        return out
+
+    def _buckets(self) -> GradientBuckets | None:
+        synced = self._synced()
+        if not self.profile.ddp_buckets or not synced:
+            return None
+        grads = [Gradient(str(i), _elements(self.stored[i]) * self.item) for i in sorted(synced, reverse=True)]
+        group = GroupTopology.consecutive(max(synced.values()), self.machine.devices_per_node)
+        comm = self.machine.comm
+        return GradientBuckets(self.steps, DEVICE, grads,
+                               lambda nbytes: price(ALL_REDUCE, group, nbytes, self.machine).seconds,
+                               comm.bucket_bytes, comm.first_bucket_bytes)
+
+    def _give(self, node_id: int, task: int) -> None:
+        self.grad_ready.setdefault(node_id, []).append(task)
+
+    def _node_backward(self, node: PNode, deps: list[int], syncs: list[int], buckets) -> int | None:
+        piece = _elements(node)
+        label = f"{node.label} #{node.id} backward"
+        free = self.allocated.get(node.id, 0) if not self.profile.keep_activations else 0
+        if node.kind == "op":
+            timed = self.timed[node.id]
+            view = self.allocated.get(node.id, 0) == 0
+            grads = [i for i in node.inputs if self.needs_grad[i]]
+            products = timed.gemm is not None
+            kernel = 0.0 if view else timed.kernel_s * (max(1, len(grads)) if products else 1)
+            task = self._add(label, self.compute, self.eff.op_time(kernel, backward=True), deps, free=free,
+                                  phase="backward")
+            for i in grads:
+                self._give(i, task)
+            return task
+        source = node.inputs[0]
+        if node.op == PARTITION:
+            if node.id in self.folded:
+                return max(deps)
+            nbytes = _elements(self.by_id[source]) * self.item
+            gather = self._sync(f"{label} all-gather", ALL_GATHER, node, nbytes, deps, phase="backward_comm")
+            task = self._add(f"{label} concat", self.compute, self._copy_s(_elements(self.by_id[source]), True),
+                                  [gather], free=free, phase="backward")
+        elif node.op == COMBINE:
+            task = self._add(label, self.compute, self._copy_s(_elements(self.by_id[source]), True), deps,
+                                  free=free, phase="backward")
+        elif node.op == REPLICATE:
+            weight = self.by_id[source].kind == "leaf" and self.by_id[source].role == "weight"
+            nbytes = _elements(self.by_id[source]) * self.item
+            if weight and buckets is not None:
+                task = self._add(f"{label} (gradient into its bucket)", self.compute, self.eff.op_time(0.0, True),
+                                      deps, free=free, phase="backward")
+            else:
+                copy = self._add(f"{label} copy", self.compute, self._copy_s(piece, True), deps, phase="backward")
+                task = self._sync(f"{label} all-reduce", ALL_REDUCE, node, nbytes, [copy], free=free,
+                                  phase="grad_sync" if weight else "backward_comm")
+                if weight:
+                    syncs.append(task)
+        else:  # reduce: the gradient passes through as a view
+            task = self._add(label, self.compute, self.eff.op_time(0.0, True), deps, free=free, phase="backward")
+        self._give(source, task)
+        return task
+
+    # ---------------------------------------------------------------- optimizer
+    def optimizer(self, after: list[int], produced: Mapping[int, int]) -> None:
+        calls, passes = OPTIMIZER_PASSES[self.profile.optimizer]
+        for at, node in self.stored.items():
+            per_call = passes * _elements(node) * self.item / calls
+            deps = list(after) + ([produced[at]] if at in produced else [])
+            self._add(f"update {node.op if node.kind == 'leaf' else '#' + str(at)}", self.compute,
+                           calls * memory_op_time(per_call, self.machine), deps, phase="optimizer")
+
+    def resident(self) -> int:
+        """Weights, their gradients and the optimizer state on the device for the whole step."""
+        moments = 2 if self.profile.optimizer == "adam" else 0
+        return sum(_elements(n) for n in self.stored.values()) * self.item * (2 + moments)
+
+
+def simulate_pcg(pcg: PCG, library: Library, machine: Machine, profile: ExecutionProfile = PARSAT_RUN,
+                 topology: Topology | None = None) -> StepPrediction:
+    """One training step of `pcg` on `machine` as `profile` runs it, simulated (see the module docstring)."""
+    builder = _Builder(pcg, library, machine, profile, topology or consecutive_groups(machine))
+    builder.forward()
+    loss = builder.loss()
+    syncs, produced = builder.backward(loss)
+    builder.optimizer(syncs, produced)
+    builder.finish()
+    resident = builder.resident()
+    return StepPrediction(builder.steps.simulate({DEVICE: resident}), resident)
+
+
+__all__ = ["DDP", "ExecutionProfile", "PARSAT_RUN", "StepPrediction", "TaskBuildError", "VIEW_OPS",
+           "consecutive_groups", "simulate_pcg"]
