@@ -33,7 +33,6 @@ measured: the inter-node link is set to the intra-node one.
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import statistics
 import time

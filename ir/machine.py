@@ -46,6 +46,9 @@ class Machine:
     efficiency: OpEfficiency = OpEfficiency()
     comm: CommProfile = CommProfile()
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "peaks", tuple(sorted((str(k), float(v)) for k, v in self.peaks)))  # one order
+
     @property
     def dtype_bytes(self) -> int:
         """Bytes per element of activations and communication: the compute dtype's."""

@@ -74,13 +74,15 @@ class ExecutionProfile:
     ddp_buckets: bool        # weight gradients all-reduced in DDP buckets (else one all-reduce each, inline)
     keep_activations: bool   # every node's output alive to the end of the step (else freed by its backward)
     seeded_inputs: bool      # inputs and targets drawn from a seed every step (their full shape, on every rank)
+    eager_gradients: bool    # a weight's gradient is handed on as soon as it is complete (DDP's hooks)
+    fused_optimizer: bool    # one multi-tensor update (foreach/fused Adam) instead of operators per tensor
     optimizer: str = "sgd"
 
 
 PARSAT_RUN = ExecutionProfile("parsat run", overlap=False, ddp_buckets=False, keep_activations=True,
-                              seeded_inputs=True, optimizer="sgd")
+                              seeded_inputs=True, eager_gradients=False, fused_optimizer=False, optimizer="sgd")
 DDP = ExecutionProfile("ddp", overlap=True, ddp_buckets=True, keep_activations=False, seeded_inputs=False,
-                       optimizer="adam")
+                       eager_gradients=True, fused_optimizer=True, optimizer="adam")
 
 Topology = Callable[[PNode], GroupTopology]
 
@@ -117,9 +119,35 @@ def _full(node: PNode) -> int:
     return n
 
 
+class OpTimes:
+    """Compute nodes' times by (operator, attributes, shapes, spreads), for one machine: a model of repeated
+    blocks prices each kind of node once, and extraction can share one across the candidate plans it prices."""
+
+    def __init__(self, library: Library, machine: Machine):
+        self.library, self.machine = library, machine
+        self._known: dict = {}
+
+    def __call__(self, node: PNode, inputs: list[PNode]) -> OpTime:
+        key = (node.op, node.attrs, tuple(i.shape for i in inputs), tuple(i.degrees for i in inputs), node.degrees)
+        found = self._known.get(key)
+        if found is None:
+            found = self._known[key] = compute_time(self._instance(node, inputs), [i.degrees for i in inputs],
+                                                    node.degrees, self.machine)[0]
+        return found
+
+    def _instance(self, node: PNode, inputs: list[PNode]):
+        op = self.library.ops.get(node.op)
+        if op is None:
+            raise TaskBuildError(f"operator '{node.op}' is not in the library")
+        try:
+            return instance_for(op, [i.shape for i in inputs], dict(node.attrs))
+        except Exception as err:  # noqa: BLE001 - any instantiation failure is a plan the builder cannot price
+            raise TaskBuildError(f"node #{node.id} ({node.label}) does not instantiate: {err}") from None
+
+
 class _Builder:
-    def __init__(self, pcg: PCG, library: Library, machine: Machine, profile: ExecutionProfile, topology: Topology):
-        self.pcg, self.library, self.machine, self.profile, self.topology = pcg, library, machine, profile, topology
+    def __init__(self, pcg: PCG, machine: Machine, profile: ExecutionProfile, topology: Topology, times: OpTimes):
+        self.pcg, self.machine, self.profile, self.topology, self.times = pcg, machine, profile, topology, times
         self.item = machine.dtype_bytes
         self.eff = machine.efficiency
         self.steps = StepBuilder()
@@ -228,15 +256,19 @@ class _Builder:
             return
         label = f"{node.label} #{node.id}"
         if node.op == PARTITION:
+            if self._slice_is_view(node, source):  # narrow() of a contiguous tensor along its outer dims
+                self.contiguous[node.id] = True
+                self.ready[node.id] = self._add(label, self.compute, self.eff.op_time(0.0), deps)
+                return
             nbytes = piece * self.item
             self.allocated[node.id] = nbytes
             self.ready[node.id] = self._add(label, self.compute, self._copy_s(piece), deps, alloc=nbytes)
         elif node.op == COMBINE:
             nbytes = piece * self.item
             gather = self._sync(f"{label} all-gather", ALL_GATHER, node, nbytes, deps, alloc=nbytes)
-            self.allocated[node.id] = 2 * nbytes  # the gathered pieces and their concatenation
+            self.allocated[node.id] = nbytes  # the concatenation; the gathered pieces are freed with it
             self.ready[node.id] = self._add(f"{label} concat", self.compute, self._copy_s(piece), [gather],
-                                            alloc=nbytes)
+                                            alloc=nbytes, free=nbytes)
         elif node.op == REPLICATE:
             self.contiguous[node.id] = self.contiguous.get(source.id, True)
             self.ready[node.id] = self._add(label, self.compute, self.eff.op_time(0.0), deps)
@@ -248,18 +280,14 @@ class _Builder:
         else:
             raise TaskBuildError(f"unknown parallel operator '{node.op}'")
 
-    def _instance(self, node: PNode):
-        op = self.library.ops.get(node.op)
-        if op is None:
-            raise TaskBuildError(f"operator '{node.op}' is not in the library")
-        try:
-            return instance_for(op, [self.by_id[i].shape for i in node.inputs], dict(node.attrs))
-        except Exception as err:  # noqa: BLE001 - any instantiation failure is a plan the builder cannot price
-            raise TaskBuildError(f"node #{node.id} ({node.label}) does not instantiate: {err}") from None
+    def _slice_is_view(self, node: PNode, source: PNode) -> bool:
+        """Whether a partition's slice is a view: every dim before the split one has one element locally."""
+        dim = int(node.attr("dim"))
+        local = [d // s for d, s in zip(source.shape, source.degrees.shard)]
+        return self.contiguous.get(source.id, True) and all(d == 1 for d in local[:dim])
 
     def _compute_forward(self, node: PNode) -> None:
-        timed, _problems = compute_time(self._instance(node), [self.by_id[i].degrees for i in node.inputs],
-                                        node.degrees, self.machine)
+        timed = self.times(node, [self.by_id[i] for i in node.inputs])
         self.timed[node.id] = timed
         view = node.op in VIEW_OPS or node.op == "flatten" and self.contiguous.get(node.inputs[0], True)
         self.contiguous[node.id] = node.op != "transpose" and (not view or self.contiguous.get(node.inputs[0], True))
@@ -290,9 +318,14 @@ class _Builder:
     def backward(self, loss: list[int]) -> tuple[list[int], dict[int, int]]:
         """Backward tasks in reverse order; returns (the grad-sync tasks, weight-storing node -> its grad task).
 
-        A stored weight's gradient is complete once the reverse walk reaches
-        the node it is stored at (every reader is later in the order, so
-        already done): that is when DDP's bucket learns it is ready.
+        Nodes are visited in reverse order, as autograd runs them (it takes the
+        most recently created ready node first). So in `parsat run` the
+        `replicate` of a weight, created with the leaves at the start, runs
+        its gradient all-reduce only at the end of backward. With
+        `eager_gradients` (DDP: autograd accumulates a parameter's gradient as
+        soon as it is complete, its hook marks it ready for its bucket), the
+        nodes between a weight and its readers are visited as soon as their
+        last reader's backward is done.
         """
         for out, task in zip(self.pcg.outputs, loss):
             piece = _elements(self.by_id[out])
@@ -301,18 +334,38 @@ class _Builder:
         syncs: list[int] = []
         produced: dict[int, int] = {}
         buckets = self._buckets()
-        for node in reversed(self.pcg.nodes):
+        waiting = {n.id: len(self.users.get(n.id, [])) for n in self.pcg.nodes}  # users whose backward is pending
+        params = self._parameter_paths()
+        done: set[int] = set()
+
+        def visit(node: PNode) -> None:
+            done.add(node.id)
             deps = self.grad_ready.get(node.id, [])
-            if not self.needs_grad[node.id] or not deps:
-                continue  # no gradient reaches it (data, or not on the loss's path)
-            last = max(deps) if node.kind == "leaf" else self._node_backward(node, deps, syncs, buckets)
-            if node.id in self.stored and last is not None:
-                produced[node.id] = last
-                if buckets is not None and str(node.id) in buckets.names:
-                    buckets.ready(str(node.id), last)
+            if self.needs_grad[node.id] and deps:  # else no gradient reaches it (data, or off the loss's path)
+                last = max(deps) if node.kind == "leaf" else self._node_backward(node, deps, syncs, buckets)
+                if node.id in self.stored and last is not None:
+                    produced[node.id] = last
+                    if buckets is not None and str(node.id) in buckets.names:
+                        buckets.ready(str(node.id), last)
+            for i in node.inputs:
+                waiting[i] -= 1
+                if self.profile.eager_gradients and not waiting[i] and i in params and i not in done:
+                    visit(self.by_id[i])
+
+        for node in reversed(self.pcg.nodes):
+            if node.id not in done:
+                visit(node)
         if buckets is not None:
             syncs.extend(buckets.done())
         return syncs, produced
+
+    def _parameter_paths(self) -> set[int]:
+        """Weight leaves and the parallel operators that only move a weight (no computation in between)."""
+        out: set[int] = set()
+        for node in self.pcg.nodes:
+            if node.kind == "leaf" and node.role == "weight" or node.kind == "parallel" and node.inputs[0] in out:
+                out.add(node.id)
+        return out
 
     def _synced(self) -> dict[int, int]:
         """Weights whose gradient is synchronised (read through `replicate`): stored-at node -> group size."""
@@ -382,6 +435,12 @@ class _Builder:
 
     # ---------------------------------------------------------------- optimizer
     def optimizer(self, after: list[int], produced: Mapping[int, int]) -> None:
+        if self.profile.fused_optimizer:  # one multi-tensor update over every piece (torch's foreach/fused Adam)
+            elements = sum(_elements(n) for n in self.stored.values())
+            nbytes = elements * self.machine.precision_spec.optimizer_traffic_bytes(self.profile.optimizer)
+            self._add("optimizer update (fused)", self.compute, memory_op_time(nbytes, self.machine),
+                      list(after) + list(produced.values()), phase="optimizer")
+            return
         calls, passes = OPTIMIZER_PASSES[self.profile.optimizer]
         for at, node in self.stored.items():
             per_call = passes * _elements(node) * self.item / calls
@@ -396,9 +455,16 @@ class _Builder:
 
 
 def simulate_pcg(pcg: PCG, library: Library, machine: Machine, profile: ExecutionProfile = PARSAT_RUN,
-                 topology: Topology | None = None) -> StepPrediction:
-    """One training step of `pcg` on `machine` as `profile` runs it, simulated (see the module docstring)."""
-    builder = _Builder(pcg, library, machine, profile, topology or consecutive_groups(machine))
+                 topology: Topology | None = None, times: OpTimes | None = None) -> StepPrediction:
+    """One training step of `pcg` on `machine` as `profile` runs it, simulated (see the module docstring).
+
+    `topology` gives each parallel operator's group (default: `degree`
+    consecutive ranks); `times` a cache of compute nodes' times to share
+    between calls for the same machine.
+    """
+    if times is not None and times.machine != machine:
+        raise TaskBuildError("the compute-time cache was made for another machine")
+    builder = _Builder(pcg, machine, profile, topology or consecutive_groups(machine), times or OpTimes(library, machine))
     builder.forward()
     loss = builder.loss()
     syncs, produced = builder.backward(loss)
@@ -408,5 +474,5 @@ def simulate_pcg(pcg: PCG, library: Library, machine: Machine, profile: Executio
     return StepPrediction(builder.steps.simulate({DEVICE: resident}), resident)
 
 
-__all__ = ["DDP", "ExecutionProfile", "PARSAT_RUN", "StepPrediction", "TaskBuildError", "VIEW_OPS",
+__all__ = ["DDP", "ExecutionProfile", "OpTimes", "PARSAT_RUN", "StepPrediction", "TaskBuildError", "VIEW_OPS",
            "consecutive_groups", "simulate_pcg"]
