@@ -140,12 +140,20 @@ def _slowest(ctx: RankContext, value: float) -> float:
     return float(t)
 
 
-def _timed(ctx: RankContext, fn: Callable[[], object], repeats: int, sync, window_s: float = WINDOW_S) -> float:
+@dataclass(frozen=True)
+class Budget:
+    """How long each figure is measured: at least `repeats` calls and `window_s` seconds."""
+
+    repeats: int = 5
+    window_s: float = WINDOW_S
+
+
+def _timed(ctx: RankContext, fn: Callable[[], object], budget: Budget, sync) -> float:
     """All ranks time `fn` at once, each making the same number of calls; the slowest rank's average."""
     dist.barrier()
-    count = int(_slowest(ctx, window_s / max(_average_time(fn, 1, sync, 0.0), 1e-9)))
+    count = int(_slowest(ctx, budget.window_s / max(_average_time(fn, 1, sync, 0.0), 1e-9)))
     dist.barrier()
-    return _slowest(ctx, _average_time(fn, max(repeats, min(count, 100_000)), sync, 0.0))
+    return _slowest(ctx, _average_time(fn, max(budget.repeats, min(count, 100_000)), sync, 0.0))
 
 
 def gemm_shapes(size: int) -> list[tuple[int, int, int]]:
@@ -172,7 +180,7 @@ def memory_sizes(size: int) -> list[int]:
     return out
 
 
-def _rank_measure(ctx: RankContext, dtype_name: str, size: int, repeats: int, comm_sizes: Sequence[int]) -> dict:
+def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, comm_sizes: Sequence[int]) -> dict:
     """Run on every rank: dispatch, GEMMs, memory-bound operators, collectives (all ranks together)."""
     dtype = DTYPES[dtype_name][1]
     other = torch.float32 if dtype == torch.float64 else torch.float64
@@ -192,34 +200,34 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, repeats: int, co
             y = apply_op("relu" if i % 2 else "scale", [y], {} if i % 2 else {"c": 1.0})
         return y
 
-    forward = _timed(ctx, chain, repeats, sync) / DISPATCH_CHAIN
+    forward = _timed(ctx, chain, budget, sync) / DISPATCH_CHAIN
 
     def chain_backward():
         chain().sum().backward()
 
-    both = _timed(ctx, chain_backward, repeats, sync) / DISPATCH_CHAIN
+    both = _timed(ctx, chain_backward, budget, sync) / DISPATCH_CHAIN
     dispatch = (forward, max(both - forward, 0.0))
 
     ops = []
     for m, n, k in gemm_shapes(size):
         a, b = rand(m, k), rand(k, n)
-        ops.append(["matmul", [m, n, k], _timed(ctx, lambda: apply_op("matmul", [a, b], {}), repeats, sync),
+        ops.append(["matmul", [m, n, k], _timed(ctx, lambda: apply_op("matmul", [a, b], {}), budget, sync),
                     2.0 * m * n * k, float((m * k + k * n + m * n) * a.element_size())])
     s = max(m for m, n, k in gemm_shapes(size) if m == n == k)  # the largest square, in the other dtype
     a, b = rand(s, s, kind=other), rand(s, s, kind=other)
-    ops.append(["matmul_other", [s, s, s], _timed(ctx, lambda: torch.matmul(a, b), repeats, sync),
+    ops.append(["matmul_other", [s, s, s], _timed(ctx, lambda: torch.matmul(a, b), budget, sync),
                 2.0 * s ** 3, float(3 * s * s * a.element_size())])
     for elements in memory_sizes(size):
         x, y = rand(elements), rand(elements)
         item = x.element_size()
         for op, args, nbytes in (("relu", [x], 2 * elements * item), ("add", [x, y], 3 * elements * item)):
-            ops.append([op, [elements], _timed(ctx, lambda: apply_op(op, args, {}), repeats, sync), 0.0,
+            ops.append([op, [elements], _timed(ctx, lambda: apply_op(op, args, {}), budget, sync), 0.0,
                         float(nbytes)])
-        ops.append(["copy", [elements], _timed(ctx, lambda: x.clone(), repeats, sync), 0.0, float(2 * elements * item)])
+        ops.append(["copy", [elements], _timed(ctx, lambda: x.clone(), budget, sync), 0.0, float(2 * elements * item)])
         ops.append(["randn", [elements], _timed(ctx, lambda: torch.randn(elements, generator=gen, dtype=dtype)
-                                                .to(ctx.device), repeats, sync), 0.0, float(elements * item)])
-    return {"dispatch": dispatch, "ops": ops, "collectives": _collectives(ctx, dtype, repeats, comm_sizes, sync),
-            "skew": _skew(ctx, dtype, size, repeats, sync), "threads": torch.get_num_threads()}
+                                                .to(ctx.device), budget, sync), 0.0, float(elements * item)])
+    return {"dispatch": dispatch, "ops": ops, "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync),
+            "skew": _skew(ctx, dtype, size, budget.repeats, sync), "threads": torch.get_num_threads()}
 
 
 SKEW_BURSTS = (0, 1, 4, 16)
@@ -280,7 +288,7 @@ def _groups(ctx: RankContext) -> dict[int, object]:
     return out
 
 
-def _collectives(ctx: RankContext, dtype, repeats: int, sizes: Sequence[int], sync) -> list[list]:
+def _collectives(ctx: RankContext, dtype, budget: Budget, sizes: Sequence[int], sync) -> list[list]:
     """Each collective kind, group size and buffer size: [kind, group, bytes, seconds], the slowest rank's."""
     rows = []
     for g, group in _groups(ctx).items():
@@ -322,7 +330,7 @@ def _collectives(ctx: RankContext, dtype, repeats: int, sizes: Sequence[int], sy
                 cases.append(("send_recv", send_recv))
             for kind, fn in cases:
                 try:
-                    seconds = _timed(ctx, fn, repeats, sync)
+                    seconds = _timed(ctx, fn, budget, sync)
                 except (RuntimeError, ValueError):  # a collective this backend lacks: not in the table
                     continue
                 if kind == "send_recv":
@@ -428,7 +436,7 @@ def fit_memory(timings: Sequence[OpTiming]) -> tuple[float, float, float, float]
 
 def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, backend: str | None = None,
               collective_sizes: Sequence[int] = (256, 1 << 12, 1 << 16, 1 << 20), dtype: str = "float64",
-              timeout_s: float = 600.0) -> Calibration:
+              timeout_s: float = 600.0, window_s: float = WINDOW_S) -> Calibration:
     """Measure this machine on `nproc` ranks at once: operators, dispatch and collectives; the fitted Machine."""
     if nproc < 2:
         raise ValueError("calibrating collectives needs --nproc 2 or more")
@@ -436,7 +444,7 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}")
     config = LaunchConfig(nproc=nproc, backend=backend, timeout_s=timeout_s)
     cuda = config.resolved_backend() == "nccl"
-    results = launch(_rank_measure, (dtype, size, repeats, list(collective_sizes)), config)
+    results = launch(_rank_measure, (dtype, size, Budget(repeats, window_s), list(collective_sizes)), config)
     result = results[0]
     skew = fit_skew([r["skew"] for r in results])
     dispatch = tuple(result["dispatch"])

@@ -202,6 +202,8 @@ def register_calibrate(subparsers) -> None:
     cal.add_argument("--comm-elements", type=int, nargs="+", default=(256, 1 << 12, 1 << 16, 1 << 20), metavar="N",
                      help="buffer sizes (elements) of the collectives timed for the latency and bandwidth fit "
                           "(at least two, increasing)")
+    cal.add_argument("--window", type=float, default=0.03, metavar="SECONDS",
+                     help="each figure averages at least this much wall time (default 0.03)")
     cal.add_argument("--dtype", choices=("float64", "float32"), default="float64",
                      help="the dtype `parsat run` will train in (default float64, as `parsat run`)")
     cal.add_argument("--json", action="store_true", help="print the measurements as one JSON object last")
@@ -218,11 +220,13 @@ def main_calibrate(args: argparse.Namespace) -> int:
         return _fail(f"calibration needs torch ({err}); install it with: pip install torch==2.13.0", "calibrate")
     nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.device_count() >= 2 else 2)
     sizes = list(args.comm_elements)
-    if args.size < 16 or args.repeats < 1 or len(sizes) < 2 or min(sizes) < 1 or sizes != sorted(set(sizes)):
-        return _fail("--size must be >= 16, --repeats >= 1, and --comm-elements at least two increasing sizes >= 1",
-                     "calibrate")
+    if args.size < 16 or args.repeats < 1 or len(sizes) < 2 or min(sizes) < 1 or sizes != sorted(set(sizes)) \
+            or not 0 <= args.window <= 60:
+        return _fail("--size must be >= 16, --repeats >= 1, --window between 0 and 60 seconds, and --comm-elements "
+                     "at least two increasing sizes >= 1", "calibrate")
     try:
-        result = calibrate(args.machine, nproc, args.size, args.repeats, args.backend, tuple(sizes), args.dtype)
+        result = calibrate(args.machine, nproc, args.size, args.repeats, args.backend, tuple(sizes), args.dtype,
+                           window_s=args.window)
         result.machine.save(args.output)
     except (ValueError, LaunchError) as err:
         return _fail(str(err), "calibrate")
