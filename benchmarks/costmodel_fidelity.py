@@ -51,8 +51,10 @@ GRAPHS = {
 
 
 def simulator(pcg, library, machine: Machine, prediction) -> tuple[float, float]:
+    """The step simulator; memory as `parsat run` measures it on CPU (live tensors at the end of forward and
+    of backward; on CUDA it reports the allocator's peak, which is `peak_memory_bytes`)."""
     result = simulate_pcg(pcg, library, machine, PARSAT_RUN)
-    return result.step_s, float(result.peak_memory_bytes)
+    return result.step_s, float(result.sampled_memory_bytes)
 
 
 def plan_totals(pcg, library, machine: Machine, prediction) -> tuple[float, float]:
@@ -113,6 +115,7 @@ def main() -> int:
     parser.add_argument("--predictor", default="simulator", choices=list(PREDICTORS))
     parser.add_argument("--calibrate-size", type=int, default=256)
     parser.add_argument("--json", default=None, help="write every row here")
+    parser.add_argument("--keep", default=None, metavar="DIR", help="keep the machine and plan files here")
     args = parser.parse_args()
     predict = PREDICTORS[args.predictor]
     library = operator_library()
@@ -120,7 +123,8 @@ def main() -> int:
     rows: list[dict] = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
+        folder = Path(args.keep or tmp)
+        folder.mkdir(parents=True, exist_ok=True)
         plans: dict[int, list] = {}
         for r in range(args.rounds):
             for n in args.nproc:

@@ -55,6 +55,7 @@ DEVICE = 0
 # Operators torch runs as views of their input (no new storage): backend/torch_ops.py. `flatten` is a view
 # only of a contiguous tensor (after a transpose it copies).
 VIEW_OPS = frozenset({"transpose", "unflatten", "split", "dropout", "broadcast"})
+RESHAPING_PRODUCTS = frozenset({"matmul", "bmm", "linear", "linear_nobias"})   # torch.matmul: >2-D inputs reshaped
 OPTIMIZER_PASSES = {"sgd": (2, 5), "adam": (11, 26)}
 """Optimizer: (operators per parameter tensor, element reads + writes per parameter) as the backend runs it."""
 LOSS_OPS = 6           # per output: sub, pow, sum, div, div, detach-div (backend/executor.py `_loss_term`)
@@ -93,6 +94,8 @@ class StepPrediction:
 
     result: StepResult
     resident_bytes: int
+    end_of_forward: int | None = None    # the last task of forward and loss
+    end_of_backward: int | None = None   # the last task before the optimizer
 
     @property
     def step_s(self) -> float:
@@ -100,7 +103,16 @@ class StepPrediction:
 
     @property
     def peak_memory_bytes(self) -> int:
+        """The largest memory at any instant of the step, transient buffers included (what an allocator's
+        peak statistic, such as torch.cuda.max_memory_allocated, reports)."""
         return self.result.peak_memory_bytes.get(DEVICE, 0)
+
+    @property
+    def sampled_memory_bytes(self) -> int:
+        """The larger of the memory at the end of forward and at the end of backward: what `parsat run`
+        measures on CPU (`executor.TensorMemory`, which sees live tensors between calls, not transients)."""
+        points = [t for t in (self.end_of_forward, self.end_of_backward) if t is not None]
+        return max((self.result.memory_after(t, self.resident_bytes) for t in points), default=self.resident_bytes)
 
 
 def consecutive_groups(machine: Machine) -> Topology:
@@ -292,10 +304,29 @@ class _Builder:
         view = node.op in VIEW_OPS or node.op == "flatten" and self.contiguous.get(node.inputs[0], True)
         self.contiguous[node.id] = node.op != "transpose" and (not view or self.contiguous.get(node.inputs[0], True))
         nbytes = 0 if view else _elements(node) * self.item
-        self.allocated[node.id] = nbytes
         kernel = 0.0 if view else timed.kernel_s
-        self.ready[node.id] = self._add(f"{node.label} #{node.id}", self.compute, self.eff.op_time(kernel),
-                                        self._deps(node), alloc=nbytes)
+        saved = self._saved_extra(node)
+        self.allocated[node.id] = nbytes + saved
+        self.ready[node.id] = self._add(f"{node.label} #{node.id}", self.compute,
+                                        self.eff.op_time(kernel + saved / self.eff.bandwidth(2 * saved,
+                                                                                            self.machine.memory_bandwidth)),
+                                        self._deps(node), alloc=nbytes + saved)
+
+    def _saved_extra(self, node: PNode) -> int:
+        """Bytes torch allocates and saves for backward beyond the output: a batched product copies an input
+        that is not contiguous when its batch dims cannot merge as a view (`torch.matmul` reshapes them into
+        one: a transposed [b, h, s, d] needs a copy unless b or h is 1), layer norm keeps a mean and a 1/std
+        per row."""
+        extra = 0
+        if node.op in RESHAPING_PRODUCTS:
+            for i in node.inputs:
+                source = self.by_id[i]
+                local = [d // s for d, s in zip(source.shape, source.degrees.shard)]
+                if not self.contiguous.get(i, True) and sum(1 for d in local[:-2] if d > 1) >= 2:
+                    extra += _elements(source) * self.item
+        if node.op == "layernorm":
+            extra += 2 * _elements(node) // max(1, node.shape[-1] // node.degrees.shard[-1]) * self.item
+        return extra
 
     # ---------------------------------------------------------------- loss
     def loss(self) -> list[int]:
@@ -467,11 +498,13 @@ def simulate_pcg(pcg: PCG, library: Library, machine: Machine, profile: Executio
     builder = _Builder(pcg, machine, profile, topology or consecutive_groups(machine), times or OpTimes(library, machine))
     builder.forward()
     loss = builder.loss()
+    end_of_forward = len(builder.steps) - 1 if len(builder.steps) else None
     syncs, produced = builder.backward(loss)
+    end_of_backward = len(builder.steps) - 1 if len(builder.steps) else None
     builder.optimizer(syncs, produced)
     builder.finish()
     resident = builder.resident()
-    return StepPrediction(builder.steps.simulate({DEVICE: resident}), resident)
+    return StepPrediction(builder.steps.simulate({DEVICE: resident}), resident, end_of_forward, end_of_backward)
 
 
 __all__ = ["DDP", "ExecutionProfile", "OpTimes", "PARSAT_RUN", "StepPrediction", "TaskBuildError", "VIEW_OPS",

@@ -54,6 +54,8 @@ class Span:
     start: float
     end: float
     phase: str
+    alloc: int = 0
+    free: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,20 @@ class StepResult:
     peak_memory_bytes: Mapping[Hashable, int]
     critical_path: tuple[int, ...]          # task ids, first to last
     spans: tuple[Span, ...] = field(repr=False)
+
+    def memory_after(self, task: int, resident: int = 0) -> int:
+        """Bytes allocated on the task's device right after it ends (before anything starting then):
+        what a measurement taken between two host calls sees, transients of finished tasks excluded."""
+        at = self.spans[task]
+        level = resident
+        for s in self.spans:
+            if s.stream.device != at.stream.device:
+                continue
+            if s.alloc and (s.start < at.end or s.start == at.end and s.task <= task):
+                level += s.alloc
+            if s.free and (s.end < at.end or s.end == at.end and s.task <= task):
+                level -= s.free
+        return level
 
     def exposed_comm_s(self, device: Hashable) -> float:
         """Time the device's compute streams stood idle within the step (waiting on communication or peers)."""
@@ -190,8 +206,8 @@ class StepBuilder:
                 path.append(i)
                 i = held_by[i]
             path.reverse()
-        spans = tuple(Span(i, self.names[i], self.streams[stream_of[i]], start[i], end[i], self.phases[i])
-                      for i in range(n))
+        spans = tuple(Span(i, self.names[i], self.streams[stream_of[i]], start[i], end[i], self.phases[i],
+                           self.allocs[i], self.frees[i]) for i in range(n))
         return StepResult(step, busy, self._overlap(start, end), self._peaks(start, end, resident or {}),
                           tuple(path), spans)
 

@@ -116,3 +116,22 @@ def test_the_compute_time_cache_is_shared_and_tied_to_its_machine():
     assert simulate_pcg(megatron_mlp(), LIB, CPU64, PARSAT_RUN, times=times).step_s == first.step_s
     with pytest.raises(TaskBuildError):
         simulate_pcg(megatron_mlp(), LIB, Machine.preset("cpu"), PARSAT_RUN, times=times)
+
+
+def test_parsat_run_memory_sampled_between_calls_misses_gather_buffers():
+    """An all-gather's pieces live only until their concatenation: an allocator's peak sees them, the
+    executor's measurement between calls (on CPU) does not."""
+    pcg = PCG((
+        _node(0, "leaf", "x", (), (128, 784), (1, 1), role="input"),
+        _node(1, "leaf", "w1", (), (784, 512), (1, 1), role="weight"),
+        _node(2, "leaf", "w2", (), (512, 10), (1, 1), role="weight"),
+        _node(3, "parallel", "partition", (1,), (784, 512), (1, 4), attrs=(("dim", 1), ("degree", 4))),
+        _node(4, "parallel", "replicate", (0,), (128, 784), (1, 1), copy=4, attrs=(("degree", 4),)),
+        _node(5, "op", "matmul", (4, 3), (128, 512), (1, 4)),
+        _node(6, "op", "relu", (5,), (128, 512), (1, 4)),
+        _node(7, "parallel", "combine", (6,), (128, 512), (1, 1), attrs=(("dim", 1), ("degree", 4))),
+        _node(8, "op", "matmul", (7, 2), (128, 10), (1, 1)),
+    ), (8,), ("out",))
+    step = simulate_pcg(pcg, LIB, CPU64, PARSAT_RUN)
+    # at the concatenation: the gathered pieces and the result; at the end of forward: the result, mm2, loss
+    assert step.peak_memory_bytes - step.sampled_memory_bytes == (128 * 512 - 2 * 128 * 10) * 8

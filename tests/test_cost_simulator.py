@@ -157,3 +157,15 @@ def test_fsdp_with_slow_gathers_is_communication_bound():
     units = [Unit(f"l{i}", 1000, 1.0, 1.0) for i in range(3)]
     fsdp_step(b, 0, units, all_gather_s=lambda n: 3.0, reduce_scatter_s=lambda n: 0.0)
     assert b.simulate().step_s >= 6 * 3.0
+
+
+def test_memory_after_a_task_leaves_out_finished_transients_and_later_allocations():
+    b = StepBuilder()
+    s = b.stream(0)
+    first = b.add("gather", s, 1.0, alloc=100)
+    concat = b.add("concat", s, 1.0, alloc=100, free=100)     # the gathered buffers die with the concatenation
+    b.add("next", s, 1.0, alloc=7)
+    r = b.simulate({0: 10})
+    assert r.peak_memory_bytes[0] == 210
+    assert r.memory_after(first, 10) == 110
+    assert r.memory_after(concat, 10) == 110                  # the transient 200 is not seen between calls
