@@ -202,11 +202,12 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
 
     forward = _timed(ctx, chain, budget, sync) / DISPATCH_CHAIN
 
-    def chain_backward():
-        chain().sum().backward()
+    graph = chain().sum()
 
-    both = _timed(ctx, chain_backward, budget, sync) / DISPATCH_CHAIN
-    dispatch = (forward, max(both - forward, 0.0))
+    def backward():  # the same recorded chain, backward again and again
+        graph.backward(retain_graph=True)
+
+    dispatch = (forward, _timed(ctx, backward, budget, sync) / DISPATCH_CHAIN)
 
     ops = []
     for m, n, k in gemm_shapes(size):
@@ -230,7 +231,7 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
             "skew": _skew(ctx, dtype, size, budget.repeats, sync), "threads": torch.get_num_threads()}
 
 
-SKEW_BURSTS = (0, 1, 4, 16)
+SKEW_BURSTS = (0, 2, 8, 16)
 
 
 def _skew(ctx: RankContext, dtype, size: int, repeats: int, sync) -> list[list[float]]:
@@ -248,7 +249,7 @@ def _skew(ctx: RankContext, dtype, size: int, repeats: int, sync) -> list[list[f
     for burst in SKEW_BURSTS:
         computes, waits = [], []
         dist.barrier()
-        for i in range(max(20, 4 * repeats) + 2):
+        for i in range(max(30, 6 * repeats) + 2):
             start = time.perf_counter()
             for _ in range(burst):
                 a @ a
@@ -265,13 +266,16 @@ def _skew(ctx: RankContext, dtype, size: int, repeats: int, sync) -> list[list[f
 
 
 def fit_skew(rows_by_rank: Sequence[Sequence[Sequence[float]]]) -> float:
-    """The fraction of the compute between two collectives that a collective waits for stragglers (>= 0)."""
+    """The fraction of the compute between two collectives that a collective waits for stragglers (>= 0):
+    the least-squares slope of wait against compute over every rank's bursts (absolute errors: the long
+    bursts, where the wait is mostly stragglers, weigh most)."""
     xs = [c for rows in rows_by_rank for c, _w in rows]
     ys = [w for rows in rows_by_rank for _c, w in rows]
-    if max(xs) <= 0:
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    if var <= 0:
         return 0.0
-    _latency, slope = fit_line(xs, ys)
-    return max(0.0, slope)
+    return max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var)
 
 
 def _groups(ctx: RankContext) -> dict[int, object]:

@@ -164,7 +164,8 @@ def _report(result, args: argparse.Namespace, tolerance: float) -> None:
              + ("n/a" if sync_predicted is None else f"{sync_predicted:,.0f}"),
              f"  step time (median)   {result.step_time_s * 1e3:.3f} ms",
              f"  peak memory per rank {result.peak_memory_bytes / 2**20:.2f} MiB of tensors"
-             + ("" if memory_predicted is None else f" (plan's bound {memory_predicted / 2**20:.2f} MiB, fp32 Adam)")
+             + ("" if memory_predicted is None
+                else f" (plan's bound {memory_predicted / 2**20:.2f} MiB, Adam state included)")
              + f"; process RSS {result.process_rss_bytes / 2**20:.0f} MiB"]
     if result.check is not None:
         lines.append(check_line(result.check, result.max_rel_diff, result.max_abs_diff, result.nonfinite,

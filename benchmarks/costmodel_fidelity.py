@@ -8,9 +8,12 @@ calibrated machine file (plans are the optimizer's own and its baselines',
 read back as `parsat run --plan-of` reads them, identical PCGs once), then
 every plan trained on gloo ranks (all plans of one rank count in one
 process group, as benchmarks/backend_run.py does) and predicted by
-`PREDICTORS[--predictor]`: a function (pcg, library, machine) -> (step
-seconds, peak bytes). Calibration and runs alternate for `--rounds`
-rounds (the box is shared: its load drifts); each plan's figure is the
+`PREDICTORS[--predictor]`: a function (pcg, library, machine, the plan
+file's totals) -> (step seconds, peak bytes). The box is shared with
+other jobs and its load drifts within a minute, so runs and calibrations
+alternate for `--rounds` rounds: each run is predicted with the machine
+calibrated just before it and the one calibrated just after it (the
+geometric mean of the two predictions), and each plan's figure is the
 median over rounds. Prints one JSON line per plan and round, then the
 table, the median relative error, the Spearman rank correlation of step
 times and the memory errors (what benchmarks/costmodel_fidelity.md records).
@@ -98,7 +101,8 @@ def plans_for(n: int, machine_file: Path, folder: Path, graphs: list[str]) -> li
                 pcg, graph, prediction = load_plan(str(path), n, plan_of)
             except ExecutionError:
                 continue
-            key = (name, pcg.nodes, pcg.outputs)
+            key = (name, tuple((n.id, n.kind, n.op if n.kind != "leaf" else n.role, n.inputs, n.attrs, n.shape,
+                                n.degrees) for n in pcg.nodes), pcg.outputs)  # the same PCG under other names: once
             if key in seen:
                 continue
             seen.add(key)
@@ -114,6 +118,7 @@ def main() -> int:
     parser.add_argument("--graphs", nargs="+", default=list(GRAPHS), choices=list(GRAPHS))
     parser.add_argument("--predictor", default="simulator", choices=list(PREDICTORS))
     parser.add_argument("--calibrate-size", type=int, default=256)
+    parser.add_argument("--window", type=float, default=0.03, help="calibration averaging window (seconds)")
     parser.add_argument("--json", default=None, help="write every row here")
     parser.add_argument("--keep", default=None, metavar="DIR", help="keep the machine and plan files here")
     args = parser.parse_args()
@@ -126,24 +131,30 @@ def main() -> int:
         folder = Path(args.keep or tmp)
         folder.mkdir(parents=True, exist_ok=True)
         plans: dict[int, list] = {}
-        for r in range(args.rounds):
-            for n in args.nproc:
+        for n in args.nproc:
+            def calibrated(r: int) -> Machine:
                 machine_file = folder / f"machine-{n}-{r}.json"
-                calibrate(f"this-box-{n}", nproc=n, size=args.calibrate_size).machine.save(machine_file)
-                machine = Machine.load(machine_file)
-                if n not in plans:  # the plans: optimized once, with the first round's machine
-                    plans[n] = plans_for(n, machine_file, folder, args.graphs)
+                calibrate(f"this-box-{n}", nproc=n, size=args.calibrate_size,
+                          window_s=args.window).machine.save(machine_file)
+                return Machine.load(machine_file)
+
+            before = calibrated(0)
+            plans[n] = plans_for(n, folder / f"machine-{n}-0.json", folder, args.graphs)  # optimized once
+            for r in range(args.rounds):
                 jobs = [(label, pcg, graph) for label, pcg, graph, _p in plans[n]]
                 measured = launch(run_many, (jobs, config), LaunchConfig(nproc=n, backend="gloo", timeout_s=3600))[0]
+                after = calibrated(r + 1)
                 for label, pcg, graph, prediction in plans[n]:
-                    step_s, peak = predict(pcg, library, machine, prediction)
+                    (t0, m0), (t1, m1) = (predict(pcg, library, m, prediction) for m in (before, after))
                     job = measured[label]
                     times = job["step_times"][1:] or job["step_times"]
-                    row = {"round": r, "nproc": n, "plan": label, "predicted_s": step_s,
-                           "measured_s": statistics.median(times), "predicted_peak_bytes": peak,
+                    row = {"round": r, "nproc": n, "plan": label, "predicted_s": (t0 * t1) ** 0.5,
+                           "predicted_before_s": t0, "predicted_after_s": t1,
+                           "measured_s": statistics.median(times), "predicted_peak_bytes": m0,
                            "measured_peak_bytes": job["peak_memory_bytes"], "plan_totals_s": prediction.time_s}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
+                before = after
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
     summary = summarize(rows)

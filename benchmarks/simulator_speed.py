@@ -76,7 +76,8 @@ def main() -> None:
         results[n] = r.step_s
         phases = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in r.critical_breakdown().items())
         print(f"  {n:>2} devices: step {r.step_s * 1e3:7.2f} ms (per-node sum {per_node * 1e3:7.2f} ms); "
-              f"compute busy {r.busy_s['0:compute'] * 1e3:.2f} ms, communication busy {r.busy_s['0:comm'] * 1e3:.2f} ms, "
+              f"compute busy {r.busy_s['0:compute'] * 1e3:.2f} ms, communication busy "
+              f"{r.busy_s['0:comm'] * 1e3:.2f} ms, "
               f"overlap {r.overlap_s[0] * 1e3:.2f} ms; peak {step.peak_memory_bytes / 2**30:.1f} GiB")
         print(f"      critical path (ms): {phases}")
         print(f"      {len(r.spans):,} tasks: built and simulated in {cold:.3f} s CPU cold, {warm * 1e3:.1f} ms "

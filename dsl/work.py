@@ -68,7 +68,10 @@ def work(instance: OpInstance) -> tuple[int, int]:
     return flops, elements
 
 
-def contraction(instance: OpInstance) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None:
+Names = tuple[str, ...]
+
+
+def contraction(instance: OpInstance) -> tuple[Names, Names, Names, Names] | None:
     """The index variables of the operator's matrix product, if it has one: (batch, m, n, k).
 
     A product is a `sum` (possibly nested) whose body multiplies an access

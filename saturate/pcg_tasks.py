@@ -25,7 +25,7 @@ tensors that need a gradient: ones computed from a weight):
 |---|---|---|
 | input leaf | random data of its full shape (`PARSAT_RUN`) | none |
 | compute | dispatch + kernel (`op_time`) | dispatch + one kernel per input needing a gradient (products), else one |
-| partition | a slice made contiguous (copy of the piece); a weight's is folded into storage | all-gather + concatenation |
+| partition | a slice (a copy, unless a view); a weight's is folded into storage | all-gather + concatenation |
 | combine | all-gather + concatenation | slice (copy) |
 | replicate | a view | all-reduce (+ copy); a weight's: the gradient sync |
 | reduce | copy + all-reduce | a view |
@@ -307,9 +307,8 @@ class _Builder:
         kernel = 0.0 if view else timed.kernel_s
         saved = self._saved_extra(node)
         self.allocated[node.id] = nbytes + saved
-        self.ready[node.id] = self._add(f"{node.label} #{node.id}", self.compute,
-                                        self.eff.op_time(kernel + saved / self.eff.bandwidth(2 * saved,
-                                                                                            self.machine.memory_bandwidth)),
+        copy = saved / self.eff.bandwidth(2 * saved, self.machine.memory_bandwidth) if saved else 0.0
+        self.ready[node.id] = self._add(f"{node.label} #{node.id}", self.compute, self.eff.op_time(kernel + copy),
                                         self._deps(node), alloc=nbytes + saved)
 
     def _saved_extra(self, node: PNode) -> int:
@@ -495,7 +494,8 @@ def simulate_pcg(pcg: PCG, library: Library, machine: Machine, profile: Executio
     """
     if times is not None and times.machine != machine:
         raise TaskBuildError("the compute-time cache was made for another machine")
-    builder = _Builder(pcg, machine, profile, topology or consecutive_groups(machine), times or OpTimes(library, machine))
+    builder = _Builder(pcg, machine, profile, topology or consecutive_groups(machine),
+                       times or OpTimes(library, machine))
     builder.forward()
     loss = builder.loss()
     end_of_forward = len(builder.steps) - 1 if len(builder.steps) else None

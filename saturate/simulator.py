@@ -23,6 +23,7 @@ tasks take a few milliseconds (benchmarks/simulator_speed.md).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Hashable, Iterable, Mapping, Sequence
 
 COMPUTE, COMM = "compute", "comm"
@@ -67,7 +68,14 @@ class StepResult:
     overlap_s: Mapping[Hashable, float]    # device -> seconds its compute and communication streams ran at once
     peak_memory_bytes: Mapping[Hashable, int]
     critical_path: tuple[int, ...]          # task ids, first to last
-    spans: tuple[Span, ...] = field(repr=False)
+    _columns: tuple = field(repr=False, compare=False)   # (builder, starts, ends): spans are made on demand
+
+    @cached_property
+    def spans(self) -> tuple[Span, ...]:
+        """Every task as it ran, by task id."""
+        b, start, end = self._columns
+        return tuple(Span(i, b.names[i], b.streams[b.stream_of[i]], start[i], end[i], b.phases[i], b.allocs[i],
+                          b.frees[i]) for i in range(len(start)))
 
     def memory_after(self, task: int, resident: int = 0) -> int:
         """Bytes allocated on the task's device right after it ends (before anything starting then):
@@ -195,10 +203,10 @@ class StepBuilder:
             last[s] = i
             held_by[i] = why
         step = max(end, default=0.0)
-        busy: dict[str, float] = {}
+        per_stream = [0.0] * len(self.streams)
         for i in range(n):
-            label = self.streams[stream_of[i]].label()
-            busy[label] = busy.get(label, 0.0) + durations[i]
+            per_stream[stream_of[i]] += durations[i]
+        busy = {stream.label(): per_stream[k] for k, stream in enumerate(self.streams)}
         path: list[int] = []
         if n:
             i = max(range(n), key=end.__getitem__)
@@ -206,18 +214,18 @@ class StepBuilder:
                 path.append(i)
                 i = held_by[i]
             path.reverse()
-        spans = tuple(Span(i, self.names[i], self.streams[stream_of[i]], start[i], end[i], self.phases[i],
-                           self.allocs[i], self.frees[i]) for i in range(n))
+        snapshot = StepBuilder.__new__(StepBuilder)   # the columns as they are now, if tasks are added later
+        snapshot.__dict__.update({k: list(v) if isinstance(v, list) else v for k, v in self.__dict__.items()})
         return StepResult(step, busy, self._overlap(start, end), self._peaks(start, end, resident or {}),
-                          tuple(path), spans)
+                          tuple(path), (snapshot, start, end))
 
     def _overlap(self, start: Sequence[float], end: Sequence[float]) -> dict[Hashable, float]:
         """Per device: the measure of the time its compute and its communication streams were both busy."""
+        keys = [(stream.device, stream.kind) for stream in self.streams]
         intervals: dict[tuple[Hashable, str], list[tuple[float, float]]] = {}
         for i, s in enumerate(self.stream_of):
-            stream = self.streams[s]
             if end[i] > start[i]:
-                intervals.setdefault((stream.device, stream.kind), []).append((start[i], end[i]))
+                intervals.setdefault(keys[s], []).append((start[i], end[i]))
         out = {}
         for device in {s.device for s in self.streams}:
             a = _union(intervals.get((device, COMPUTE), []))
@@ -228,8 +236,11 @@ class StepBuilder:
     def _peaks(self, start: Sequence[float], end: Sequence[float], resident: Mapping[Hashable, int]) -> dict:
         """Per device: the largest sum of allocated bytes at any instant (frees before allocations at a tie)."""
         events: dict[Hashable, list[tuple[float, int, int]]] = {}
+        devices = [stream.device for stream in self.streams]
         for i, s in enumerate(self.stream_of):
-            device = self.streams[s].device
+            if not (self.allocs[i] or self.frees[i]):
+                continue
+            device = devices[s]
             if self.allocs[i]:
                 events.setdefault(device, []).append((start[i], 1, self.allocs[i]))
             if self.frees[i]:  # a zero-length task's free comes after the allocations of its instant
