@@ -47,7 +47,9 @@ from parsat.backend.torch_ops import apply_op
 from parsat.ir.machine import Machine
 from parsat.ir.machine_profile import CollectivePoint, CommProfile, OpEfficiency, bus_factor
 
-DTYPES = {"float64": ("fp64", torch.float64), "float32": ("fp32", torch.float32)}
+DTYPES = {"float64": ("fp64", torch.float64, torch.float32), "float32": ("fp32", torch.float32, torch.float64),
+          "bfloat16": ("bf16", torch.bfloat16, torch.float32)}
+"""--dtype -> (precision, the dtype measured, the other dtype whose peak is measured too): bfloat16 for GPUs."""
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 DISPATCH_CHAIN = 64          # tiny operators per timed chain
 
@@ -182,8 +184,7 @@ def memory_sizes(size: int) -> list[int]:
 
 def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, comm_sizes: Sequence[int]) -> dict:
     """Run on every rank: dispatch, GEMMs, memory-bound operators, collectives (all ranks together)."""
-    dtype = DTYPES[dtype_name][1]
-    other = torch.float32 if dtype == torch.float64 else torch.float64
+    _precision, dtype, other = DTYPES[dtype_name]
     cuda = ctx.device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(ctx.device)) if cuda else (lambda: None)
     gen = torch.Generator().manual_seed(ctx.rank)
@@ -469,8 +470,8 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
         points.append(CollectivePoint(kind, "intra", g, latency, bw))
     largest = max((p for p in points if p.collective == "all_reduce"), key=lambda p: p.group)
     step_latency = largest.latency_s / (2 * (largest.group - 1))
-    precision, _ = DTYPES[dtype]
-    other_name = "fp32" if precision == "fp64" else "fp64"
+    precision, _dtype, other_dtype = DTYPES[dtype]
+    other_name = next(name for name, kind, _o in DTYPES.values() if kind == other_dtype)
     other = next(t for t in ops if t.op == "matmul_other")
     same = max((t for t in gemms if t.shape == other.shape), key=lambda t: t.seconds, default=None)
     other_peak = peak * (same.seconds / other.seconds) if same is not None else other.flops / other.seconds

@@ -205,8 +205,9 @@ def register_calibrate(subparsers) -> None:
                           "(at least two, increasing)")
     cal.add_argument("--window", type=float, default=0.03, metavar="SECONDS",
                      help="each figure averages at least this much wall time (default 0.03)")
-    cal.add_argument("--dtype", choices=("float64", "float32"), default="float64",
-                     help="the dtype `parsat run` will train in (default float64, as `parsat run`)")
+    cal.add_argument("--dtype", choices=("float64", "float32", "bfloat16"), default="float64",
+                     help="the dtype to measure: the one `parsat run` trains in (default float64, as `parsat run`); "
+                          "bfloat16 for a GPU's mixed-precision training")
     cal.add_argument("--json", action="store_true", help="print the measurements as one JSON object last")
     cal.set_defaults(run=main_calibrate)
 

@@ -186,7 +186,27 @@ def summarize(rows: list[dict]) -> str:
     lines = table + ["", f"plans: {len(keys)}; median relative error of step time {statistics.median(errors):.1%}; "
                          f"Spearman rank correlation {spearman(predicted, measured):.3f}; peak memory error: "
                          f"median {statistics.median(mem_errors):.1%}, largest {max(mem_errors):.1%}"]
+    lines.append(noise(rows, keys))
     return "\n".join(lines)
+
+
+def noise(rows: list[dict], keys) -> str:
+    """How much the box itself moves: the same plan's measured step time across rounds, and each round's figures."""
+    spreads = []
+    for n, plan in keys:
+        times = [r["measured_s"] for r in rows if r["nproc"] == n and r["plan"] == plan]
+        if len(times) > 1:
+            spreads.append(max(times) / min(times))
+    out = []
+    if spreads:
+        out.append(f"the same plan measured in different rounds: largest / smallest step time, median over plans "
+                   f"{statistics.median(spreads):.2f}, worst {max(spreads):.2f}")
+    for r in sorted({row["round"] for row in rows}):
+        mine = [row for row in rows if row["round"] == r]
+        errors = [abs(row["predicted_s"] - row["measured_s"]) / row["measured_s"] for row in mine]
+        out.append(f"round {r}: median relative error {statistics.median(errors):.1%}, Spearman "
+                   f"{spearman([row['predicted_s'] for row in mine], [row['measured_s'] for row in mine]):.3f}")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
