@@ -229,47 +229,49 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
         ops.append(["randn", [elements], _timed(ctx, lambda: torch.randn(elements, generator=gen, dtype=dtype)
                                                 .to(ctx.device), budget, sync), 0.0, float(elements * item)])
     return {"dispatch": dispatch, "ops": ops, "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync),
-            "skew": _skew(ctx, dtype, size, budget.repeats, sync), "threads": torch.get_num_threads()}
+            "skew": _skew(ctx, dtype, size, budget, sync), "threads": torch.get_num_threads()}
 
 
 SKEW_BURSTS = (0, 2, 8, 16)
 
 
-def _skew(ctx: RankContext, dtype, size: int, repeats: int, sync) -> list[list[float]]:
-    """[compute seconds, then all-reduce seconds] averages per burst length, on every rank.
+def _skew(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> list[list[float]]:
+    """[the burst's compute as calibrated, the cycle's time beyond it] per burst length, on every rank.
 
     Ranks that do the same work between two collectives still arrive apart
-    (cores shared with each other and other processes, OS noise): the
-    collective then waits for the last one. Timed as a step times it: a
-    burst of products, then a small all-reduce, repeated.
+    (cores shared with each other and other processes, OS noise), and the
+    collective waits for the last one. Timed as a step runs: a burst of
+    products, then a small all-reduce, repeated; the cycle (burst and
+    all-reduce) is compared with the burst's time as the other figures are
+    calibrated (every rank computing at once), so that what the step adds
+    to them is what is fitted (the compute a rank does while another waits
+    is faster than calibrated, which must not count twice).
     """
     s = max(m for m, n, k in gemm_shapes(size) if m == n == k)
     a = torch.randn(s, s, dtype=dtype, device=ctx.device)
     x = torch.ones(1024, dtype=dtype, device=ctx.device)
+    one = _timed(ctx, lambda: a @ a, budget, sync)
     rows = []
     for burst in SKEW_BURSTS:
-        computes, waits = [], []
+        cycles = []
         dist.barrier()
-        for i in range(max(30, 6 * repeats) + 2):
+        for i in range(max(30, 6 * budget.repeats) + 2):
             start = time.perf_counter()
             for _ in range(burst):
                 a @ a
-            sync()
-            middle = time.perf_counter()
             y = x.clone()
             dist.all_reduce(y)
             sync()
             if i >= 2:
-                computes.append(middle - start)
-                waits.append(time.perf_counter() - middle)
-        rows.append([statistics.fmean(computes), statistics.fmean(waits)])
+                cycles.append(time.perf_counter() - start)
+        rows.append([burst * one, statistics.fmean(cycles) - burst * one])
     return rows
 
 
 def fit_skew(rows_by_rank: Sequence[Sequence[Sequence[float]]]) -> float:
-    """The fraction of the compute between two collectives that a collective waits for stragglers (>= 0):
-    the least-squares slope of wait against compute over every rank's bursts (absolute errors: the long
-    bursts, where the wait is mostly stragglers, weigh most)."""
+    """The fraction of the compute between two collectives that a step adds waiting for stragglers (>= 0):
+    the least-squares slope of (cycle - calibrated compute) against calibrated compute over every rank's
+    bursts (absolute errors: the long bursts, where the excess is mostly stragglers, weigh most)."""
     xs = [c for rows in rows_by_rank for c, _w in rows]
     ys = [w for rows in rows_by_rank for _c, w in rows]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
