@@ -168,7 +168,7 @@ def summarize(rows: list[dict]) -> str:
     keys = sorted({(r["nproc"], r["plan"]) for r in rows})
     table = ["| ranks | plan | predicted ms | measured ms | rel. error | old model ms | predicted MiB | measured MiB "
              "| mem. error |", "|---|---|---|---|---|---|---|---|---|"]
-    predicted, measured, errors, mem_errors = [], [], [], []
+    predicted, measured, errors, mem_errors, olds = [], [], [], [], []
     for n, plan in keys:
         mine = [r for r in rows if r["nproc"] == n and r["plan"] == plan]
         p = statistics.median(r["predicted_s"] for r in mine)
@@ -179,6 +179,7 @@ def summarize(rows: list[dict]) -> str:
         err, merr = abs(p - m) / m, abs(pm - mm) / mm if mm else float("nan")
         predicted.append(p)
         measured.append(m)
+        olds.append(old)
         errors.append(err)
         mem_errors.append(merr)
         table.append(f"| {n} | {plan} | {p * 1e3:.2f} | {m * 1e3:.2f} | {err:.0%} | {old * 1e3:.3f} | "
@@ -186,6 +187,10 @@ def summarize(rows: list[dict]) -> str:
     lines = table + ["", f"plans: {len(keys)}; median relative error of step time {statistics.median(errors):.1%}; "
                          f"Spearman rank correlation {spearman(predicted, measured):.3f}; peak memory error: "
                          f"median {statistics.median(mem_errors):.1%}, largest {max(mem_errors):.1%}"]
+    if all(olds):
+        old_errors = [abs(o - m) / m for o, m in zip(olds, measured)]
+        lines.append(f"the plan file's per-node sum (extraction's model, same machine files): median relative error "
+                     f"{statistics.median(old_errors):.1%}, Spearman {spearman(olds, measured):.3f}")
     lines.append(noise(rows, keys))
     return "\n".join(lines)
 
