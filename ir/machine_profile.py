@@ -26,7 +26,7 @@ a version-1 machine file reads as it always priced.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from parsat.ir.errors import MachineError
@@ -60,9 +60,13 @@ def _number(data: dict, key: str, where: str, default: float | None = None, mini
     return float(value)
 
 
-def _object(data: Any, where: str) -> dict:
+def _object(data: Any, where: str, record: type | None = None) -> dict:
+    """`data` as a JSON object; with `record`, one whose keys are all fields of that dataclass."""
     if not isinstance(data, dict):
         raise MachineError(f"machine {where} must be a JSON object, got {type(data).__name__}")
+    unknown = set(data) - set(record.__dataclass_fields__) if record is not None else set()
+    if unknown:
+        raise MachineError(f"machine {where}: unknown field(s) {', '.join(sorted(unknown))}")
     return data
 
 
@@ -104,18 +108,11 @@ class OpEfficiency:
         return (self.cache_bandwidth if fits else memory_bandwidth) * self.memory_efficiency(nbytes)
 
     def to_dict(self) -> dict:
-        return {"dispatch_s": self.dispatch_s, "backward_dispatch_s": self.backward_dispatch_s,
-                "gemm_half_m": self.gemm_half_m, "gemm_half_n": self.gemm_half_n, "gemm_half_k": self.gemm_half_k,
-                "memory_half_bytes": self.memory_half_bytes, "cache_bytes": self.cache_bytes,
-                "cache_bandwidth": self.cache_bandwidth, "random_bandwidth": self.random_bandwidth,
-                "async_dispatch": self.async_dispatch}
+        return asdict(self)
 
     @staticmethod
     def from_dict(data: Any) -> "OpEfficiency":
-        data = _object(data, "efficiency")
-        unknown = set(data) - set(OpEfficiency.__dataclass_fields__)
-        if unknown:
-            raise MachineError(f"machine efficiency: unknown field(s) {', '.join(sorted(unknown))}")
+        data = _object(data, "efficiency", OpEfficiency)
         flag = data.get("async_dispatch", False)
         if not isinstance(flag, bool):
             raise MachineError(f"machine efficiency: 'async_dispatch' must be true or false, got {flag!r}")
@@ -187,10 +184,7 @@ class CommProfile:
 
     @staticmethod
     def from_dict(data: Any) -> "CommProfile":
-        data = _object(data, "comm")
-        unknown = set(data) - set(CommProfile.__dataclass_fields__)
-        if unknown:
-            raise MachineError(f"machine comm: unknown field(s) {', '.join(sorted(unknown))}")
+        data = _object(data, "comm", CommProfile)
         points = data.get("points", [])
         if not isinstance(points, list):
             raise MachineError("machine comm: 'points' must be a list")
