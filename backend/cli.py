@@ -90,6 +90,10 @@ def load_plan(path: str, nproc: int, plan_of: str = "parsat"):
     validate_plan_operators(data, library.ops, PlanError, f"{path} does not follow the plan schema")
     try:
         graph = Graph.from_dict(data["graph"], library)
+        if graph.microbatches != 1:
+            raise ExecutionError(f"{path} runs its step as {graph.microbatches} micro-batches; the backend does not "
+                                 "accumulate gradients over micro-batches yet, so it cannot run this plan as priced "
+                                 "(optimize with --microbatches 1 for a plan it runs)")
         if plan_of == "parsat":
             return pcg_from_dict(data), graph, Prediction.from_totals(data.get("totals"))
         baseline = (data.get("baselines") or {}).get(plan_of)

@@ -54,6 +54,20 @@ def _case(spec: str) -> tuple[str, int, dict[str, int]]:
     return name, int(devices), overrides
 
 
+def model_flops(graph) -> float:
+    """Model FLOPs of a training step: 3 x the forward pass's (forward, and backward at twice it), every
+    micro-batch, from the operators' own work counts (`dsl.work`), as MFU counts them (no recomputation)."""
+    from parsat.dsl.library import load_library
+    from parsat.dsl.work import work
+    from parsat.ir.graph import instance_for
+
+    ops = load_library()[0].ops
+    shapes = graph.shapes()
+    forward = sum(work(instance_for(ops[n.op], [shapes[i] for i in n.inputs], dict(n.attrs)))[0]
+                  for n in graph.nodes)
+    return 3.0 * forward * graph.microbatches
+
+
 def _max_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -74,6 +88,14 @@ def optimize_cases(specs: list[str], limits: dict) -> list[dict]:
         else:
             row["step_time_ms"] = plan.totals.time_s * 1e3
             row["memory_gib"] = plan.totals.peak_memory_bytes / 2 ** 30
+            row["fits"] = plan.totals.peak_memory_bytes <= plan.machine.memory_capacity
+            row["microbatches"] = plan.graph.microbatches
+            flops = model_flops(plan.graph)
+            peak = devices * plan.machine.peak_flops
+            row["mfu"] = flops / (plan.totals.time_s * peak)
+            row["baselines_mfu"] = {k: (flops / (v.time_s * peak) if v is not None else None)
+                                    for k, v in plan.baselines.items()}
+            row["explain"] = plan.explain().splitlines()[:8]
             row["mesh"] = plan.saturation.get("mesh")
             row["meshes"] = plan.saturation.get("meshes")
             row["chosen"] = plan.extraction.get("chosen")

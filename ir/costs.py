@@ -8,7 +8,7 @@ behind every number, are in docs/plan-schema.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 from parsat.ir.machine import Machine
@@ -28,6 +28,8 @@ class NodeCost:
     flops: float = 0.0
     collectives: tuple[str, ...] = ()
     problems: tuple[str, ...] = field(default=(), compare=False)
+    sync_s: float = 0.0        # the part of comm_s that synchronises gradients (once per step)
+    activation_bytes: int = 0  # the part of memory_bytes one micro-batch keeps alive (the rest: weights' state)
 
     @property
     def time_s(self) -> float:
@@ -38,6 +40,25 @@ class NodeCost:
                 "optimizer_s": self.optimizer_s, "comm_s": self.comm_s, "comm_elements": self.comm_elements,
                 "comm_bytes": self.comm_elements * dtype_bytes, "grad_sync_elements": self.grad_sync_elements,
                 "memory_bytes": self.memory_bytes, "flops": self.flops, "collectives": list(self.collectives)}
+
+    def per_step(self, microbatches: int) -> "NodeCost":
+        """This node's cost per step when a step runs `microbatches` micro-batches (gradient accumulation).
+
+        The cost model prices a node at the micro-batch's shapes. Its
+        compute and the collectives on activations run once per micro-batch;
+        the gradient synchronisation and the optimizer once per step (the
+        gradients of the micro-batches accumulate locally first, as with
+        DDP's `no_sync`); memory is what one micro-batch keeps alive plus the
+        weights' state, since a micro-batch's activations are freed by its
+        backward before the next begins.
+        """
+        m = microbatches
+        if m == 1:
+            return self
+        activation_elements = self.comm_elements - self.grad_sync_elements
+        return replace(self, forward_s=self.forward_s * m, backward_s=self.backward_s * m,
+                       comm_s=(self.comm_s - self.sync_s) * m + self.sync_s,
+                       comm_elements=activation_elements * m + self.grad_sync_elements, flops=self.flops * m)
 
 
 @dataclass(frozen=True)

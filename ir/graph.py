@@ -12,7 +12,7 @@ anything is optimized. The JSON form is documented in docs/graph-schema.md.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -27,6 +27,7 @@ from parsat.ir.json_files import parse_json, read_json_file
 from parsat.ir.validate import GRAPH_SCHEMA, GRAPH_VERSION, check_graph_sizes, validate_graph_dict
 
 ROLES = ("input", "weight")
+MAX_MICROBATCHES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ class Graph:
     outputs: tuple[str, ...]
     name: str = "graph"
     meta: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
+    # A training step runs the graph this many times, one micro-batch each, accumulating gradients and
+    # synchronising them once (`ir.costs.NodeCost.per_step`); the graph's shapes are one micro-batch's.
+    microbatches: int = 1
 
     # ------------------------------------------------------------- queries
     def shape(self, name: str) -> tuple[int, ...]:
@@ -93,7 +97,14 @@ class Graph:
             "nodes": [{"name": n.name, "op": n.op, "inputs": list(n.inputs), "attrs": dict(n.attrs),
                        "shape": list(n.shape)} for n in self.nodes],
             "outputs": list(self.outputs),
+            **({"microbatches": self.microbatches} if self.microbatches != 1 else {}),
         }
+
+    def with_microbatches(self, microbatches: int) -> "Graph":
+        """The same graph as one of `microbatches` micro-batches of a step."""
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or not 1 <= microbatches <= MAX_MICROBATCHES:
+            raise GraphError(f"microbatches must be an integer from 1 to {MAX_MICROBATCHES}, got {microbatches!r}")
+        return replace(self, microbatches=microbatches)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -142,7 +153,7 @@ class Graph:
             raise GraphError(f"graph JSON is missing the field {err}") from None
         graph = builder.build()
         check_graph_sizes(graph.shapes())
-        return graph
+        return graph.with_microbatches(data.get("microbatches", 1))
 
     @staticmethod
     def from_json(text: str, library: Library | None = None) -> "Graph":

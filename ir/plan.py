@@ -203,6 +203,10 @@ def explain(data: Mapping, limit: int | None = 40) -> str:
     lines.append(f"  communication {totals['comm_elements']:,} elements ({_fmt_bytes(totals['comm_bytes'])}) per step, "
                  f"of which gradient sync {totals['grad_sync_elements']:,}")
     lines.append(f"  peak memory {_fmt_bytes(totals['peak_memory_bytes'])} per device (bound)")
+    micro = graph.get("microbatches", 1)
+    if micro != 1:
+        lines.append(f"  {micro} micro-batches per step (gradient accumulation): the graph is one micro-batch, "
+                     "its gradients synchronised once per step; memory is one micro-batch's activations")
     mesh = Mesh.from_dict(data["mesh"])
     lines.append(f"  mesh {mesh if len(mesh) else 'none (one device)'}: {describe(pcg_from_dict(data))}")
     ext = data.get("extraction") or {}

@@ -202,6 +202,8 @@ def validate_graph_dict(data: Any, error: type[Exception] = GraphError, prefix: 
     outputs = f.array(data.get("outputs", []), "outputs")
     for i, ref in enumerate(outputs):
         f.text(ref, f"outputs[{i}]")
+    if "microbatches" in data:
+        f.integer(data["microbatches"], "microbatches", low=1, high=1 << 20)
 
 
 def check_graph_sizes(shapes: Mapping[str, tuple[int, ...]], error: type[Exception] = GraphError) -> None:

@@ -35,6 +35,9 @@ def register(subparsers) -> None:
     opt.add_argument("--list-examples", action="store_true", help="list the built-in examples and their sizes")
     opt.add_argument("--degrees", default=None, metavar="KIND=N,...",
                      help="pin degrees of parallelism (dp, tp), e.g. tp=2,dp=4; the rest is searched")
+    opt.add_argument("--microbatches", type=int, default=None, metavar="M",
+                     help="run the step as M micro-batches (default: split a built-in example's batch only when "
+                          "a whole batch does not fit in memory)")
     opt.add_argument("--no-baselines", action="store_true", help="skip the baselines (faster)")
     opt.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
     opt.add_argument("--stats", action="store_true",
@@ -111,6 +114,7 @@ def run_optimize(args: argparse.Namespace) -> int:
                         devices=args.devices, allow_unverified=True if args.allow_unverified else None,
                         precision=args.precision,
                         baselines=not args.no_baselines, sizes=sizes or None, degrees=degrees or None,
+                        microbatches=args.microbatches,
                         progress=progress)
     except (ValueError, OptimizeError, GraphError, MachineError, FileProblem) as err:
         return _error(str(err))

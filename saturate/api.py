@@ -26,6 +26,7 @@ proofs (cached) are not counted.
 from __future__ import annotations
 
 import time
+from math import prod
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
@@ -36,12 +37,14 @@ from parsat.ir.costs import Totals, totals
 from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
 from parsat.ir.mesh import Mesh
+from parsat.ir.models import EXAMPLES
 from parsat.ir.pcg import Degrees
 from parsat.ir.pcg_layout import lay_out
 from parsat.ir.placement import Placement, PlacementError
 from parsat.ir.plan import JOINT, BaselinePlan, Plan
+from parsat.saturate.cost import weight_bytes
 from parsat.saturate.baselines import Candidate, best_grid, data_parallel, megatron_excluded, sequential
-from parsat.saturate.errors import OptimizeError
+from parsat.saturate.errors import DoesNotFit, OptimizeError
 from parsat.saturate.extract import Extraction, ExtractionError, leaf_roles
 from parsat.saturate.inputs import check_devices, check_pins, pins_on, resolve_graph, resolve_library, search_meshes
 from parsat.saturate.program import MeshCaches
@@ -61,11 +64,110 @@ def every_rule(library: Library) -> tuple[list[ast.RuleDecl], str]:
 
 
 def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limits | Mapping | None = None,
-             devices: int | None = None, *, choose_rules: RuleChooser = every_rule,
+             devices: int | None = None, *, microbatches: int | None = None, **options) -> Plan:
+    """The cheapest plan (`optimize_step`), with the step split into micro-batches where one does not fit.
+
+    `microbatches=m` runs the step as m micro-batches: a built-in example is
+    built at its `batch` / m, any other graph is taken as one micro-batch's.
+    None: a built-in example with a `batch` size is searched whole first;
+    if the best plan does not fit in memory, the batch is split into the
+    fewest micro-batches whose activations fit beside the weights' state
+    (estimated from that plan, `micro_batches_needed`, and searched again,
+    doubling while the plan still does not fit), so the plan that comes
+    back fits whenever a split of the batch makes one fit. A plan that
+    fits without micro-batches is not split further: more micro-batches
+    cost latency and smaller kernels and save only memory.
+    """
+    sizes = dict(options.pop("sizes", None) or {})
+    say = options.get("progress") or (lambda _m: None)
+    batch = _example_batch(graph, sizes)
+    if microbatches is not None:
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise OptimizeError(f"microbatches must be a positive integer, got {microbatches!r}")
+        return optimize_step(graph, machine, rules, limits, devices, **_split(options, sizes, batch, microbatches))
+    m, tried = 1, set()
+    while True:
+        tried.add(m)
+        try:
+            plan = optimize_step(graph, machine, rules, limits, devices, **_split(options, sizes, batch, m))
+        except DoesNotFit as err:
+            if not batch:
+                raise
+            more = _more_micro_batches(err, graph, sizes, rules, machine, devices, batch, m)
+            if more is None or more in tried:
+                raise
+            say(f"no plan fits with {m} micro-batch(es) ({err.needed_bytes / 2**30:.1f} GiB per device needed): "
+                f"searching again with {more}")
+            m = more
+            continue
+        if not batch or plan.totals.peak_memory_bytes <= plan.machine.memory_capacity:
+            return plan
+        more = micro_batches_needed(plan, batch, m)
+        if more is None or more in tried:
+            return plan
+        say(f"the plan needs {plan.totals.peak_memory_bytes / 2**30:.1f} GiB per device of "
+            f"{plan.machine.memory_capacity / 2**30:.1f}: searching again with {more} micro-batches")
+        m = more
+
+
+def _more_micro_batches(err: DoesNotFit, graph: str, sizes, rules, machine, devices, batch: int, m: int) -> int | None:
+    """More micro-batches after no plan fit at `m`: the smallest plan's memory less a lower bound of the
+    weights' state (every weight sharded over every device, ZeRO-3) is taken as activations, which shrink
+    with the micro-batch; at least twice `m`."""
+    library = resolve_library(rules)
+    whole = resolve_graph(graph, library, {**sizes, "batch": batch // m})
+    base = Machine.resolve(machine)
+    count = base.devices if devices is None else int(devices)
+    state = sum(prod(w.shape) for w in whole.weights) * weight_bytes(base) / count
+    room = err.capacity_bytes - state
+    if room <= 0:
+        return None
+    wanted = max(2 * m, m * (err.needed_bytes - state) / room)
+    return next((k for k in range(m + 1, batch + 1) if batch % k == 0 and k >= wanted), None)
+
+
+def _example_batch(graph, sizes: Mapping[str, int]) -> int | None:
+    """The global batch of a built-in example that has one (None for any other graph)."""
+    if isinstance(graph, str) and graph in EXAMPLES:
+        return {**EXAMPLES[graph].defaults(), **sizes}.get("batch")
+    return None
+
+
+def _split(options: dict, sizes: Mapping[str, int], batch: int | None, m: int) -> dict:
+    """optimize_step's options for a step of `m` micro-batches: an example built at its batch / m, any other
+    graph taken as one micro-batch's."""
+    if batch is None:
+        return {**options, "sizes": dict(sizes) or None, "microbatches_of": m}
+    if m == 1:
+        return {**options, "sizes": dict(sizes) or None}
+    if batch % m:
+        raise OptimizeError(f"{m} micro-batches do not divide the batch of {batch}")
+    return {**options, "sizes": {**sizes, "batch": batch // m}, "microbatches_of": m}
+
+
+def micro_batches_needed(plan: Plan, batch: int, m: int) -> int | None:
+    """The fewest micro-batches (a divisor of `batch`, more than `m`) whose activations fit beside the weights'
+    state, estimated from `plan` at `m` micro-batches: its activations shrink by m / m', its weights' state
+    does not. None when the weights' state alone does not fit (splitting the batch cannot help)."""
+    activations = sum(c.activation_bytes for c in plan.costs.values())
+    state = plan.totals.peak_memory_bytes - activations
+    room = plan.machine.memory_capacity - state
+    if room <= 0 or activations <= 0:
+        return None
+    wanted = m * activations / room
+    for k in range(m + 1, batch + 1):
+        if batch % k == 0 and k >= wanted:
+            return k
+    return None
+
+
+def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: Limits | Mapping | None = None,
+                  devices: int | None = None, *, choose_rules: RuleChooser = every_rule,
              output_spreads: Mapping[str, Degrees | Mapping] | None = None,
              input_spreads: Mapping[str, Degrees | Mapping] | None = None, free_input_layouts: bool = True,
              baselines: bool = True, sizes: Mapping[str, int] | None = None,
-             degrees: Mapping[str, int] | None = None, progress: Progress | None = None) -> Plan:
+             degrees: Mapping[str, int] | None = None, progress: Progress | None = None,
+                  microbatches_of: int = 1) -> Plan:
     """The cheapest plan the chosen rules reach for `graph` on `devices` devices of `machine`.
 
     `graph` is a Graph, a graph JSON path or an example name (with `sizes`);
@@ -88,6 +190,8 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     check_limits(limits)
     clock = Deadline(time.perf_counter() + limits.seconds, limits)
     graph = resolve_graph(graph, library, sizes, GraphBudget(limits.enodes, clock.at, limits.seconds))
+    if microbatches_of != 1:
+        graph = graph.with_microbatches(microbatches_of)
     base = Machine.resolve(machine)
     devices = base.devices if devices is None else int(devices)
     check_devices(graph, devices)
@@ -137,6 +241,10 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
                             "on any mesh of the device count)")
     solved = [s for s in searches if s.joint is not None]
     if not solved:
+        needs = [s for s in searches if s.needed_bytes]
+        if needs:
+            least = min(needs, key=lambda s: s.needed_bytes)
+            raise DoesNotFit(least.error, least.needed_bytes, machine.memory_capacity)
         raise OptimizeError(searches[0].error or f"no plan for '{graph.name}' on {devices} devices")
     best_search = min(solved, key=lambda s: _rank(s.joint, machine))
     candidates = [best_search.joint]
@@ -220,6 +328,7 @@ class MeshSearch:
     extract_seconds: float
     spread: bool       # whether any class of the e-graph is spread over the mesh
     error: str = ""
+    needed_bytes: int = 0   # nothing fits in memory: what the smallest plan needs per device
 
     def summary(self) -> dict:
         return {"mesh": self.mesh.to_dict(), "stop": self.result.stop, "enodes": self.result.enodes,
@@ -247,7 +356,8 @@ def search_mesh(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], m
         pcg, costs, extraction = solve(result, graph, library, machine, roots, clock.remaining(),
                                        free_inputs, pinned, pins=input_pins, costs=priced)
     except ExtractionError as err:
-        return MeshSearch(mesh, pins, result, None, None, None, None, time.perf_counter() - t, spread, str(err))
+        return MeshSearch(mesh, pins, result, None, None, None, None, time.perf_counter() - t, spread, str(err),
+                          err.needed_bytes)
     seconds = time.perf_counter() - t
     joint = Candidate(JOINT, pcg, costs, totals(costs, machine))
     say(f"mesh {mesh}: extraction {extraction.method}, {seconds:.2f} s, plan {joint.totals.time_s * 1e3:.3f} ms")

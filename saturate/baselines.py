@@ -55,10 +55,11 @@ class Candidate:
     config: Mapping | None = None    # best_grid: the configuration it chose (`strategies.Config.spelled`)
 
 
-def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_layouts: bool = True) -> dict[int, NodeCost] | None:
-    """Every PCG node priced by the same cost model as the e-nodes, on the PCG's mesh (None if a node is not
-    priceable)."""
-    pricer = Pricer(library, machine, pcg.mesh, free_input_layouts)
+def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_layouts: bool = True,
+              microbatches: int = 1) -> dict[int, NodeCost] | None:
+    """Every PCG node priced by the same cost model as the e-nodes, on the PCG's mesh, per step of
+    `microbatches` micro-batches (None if a node is not priceable)."""
+    pricer = Pricer(library, machine, pcg.mesh, free_input_layouts, microbatches=microbatches)
     by_id = {n.id: n for n in pcg.nodes}
     roles = pcg_roles(pcg)
     out: dict[int, NodeCost] = {}
@@ -92,7 +93,7 @@ def data_parallel(graph: Graph, library: Library, machine: Machine, free_input_l
     """The data-parallel PCG priced; None where it does not apply (a batch that does not split, an operator
     that refuses the spread)."""
     pcg = data_parallel_pcg(graph, library, devices, machine.devices_per_node)
-    costs = price_pcg(pcg, library, machine, free_input_layouts) if pcg is not None else None
+    costs = price_pcg(pcg, library, machine, free_input_layouts, graph.microbatches) if pcg is not None else None
     if costs is None:
         return None
     return Candidate("data_parallel", pcg, costs, totals(costs, machine))
@@ -132,7 +133,7 @@ def pcg_to_graph(pcg: PCG, graph: Graph, library: Library) -> Graph:
         handles[node.id] = builder.op(node.op, *[handles[i] for i in node.inputs], name=name, **dict(node.attrs))
         used_names.add(handles[node.id].name)
     builder.output(*[handles[i] for i in pcg.outputs])
-    return builder.build()
+    return builder.build().with_microbatches(graph.microbatches)
 
 
 def sequential(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh: Mesh, limits: Limits,

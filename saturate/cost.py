@@ -107,7 +107,8 @@ def compute_cost(instance: OpInstance, inputs: Sequence[Degrees], output: Degree
             memory += degrees.piece_elements(shape) * weight_bytes(machine)
             opt += degrees.piece_elements(shape) * update_traffic_bytes(machine) / machine.memory_bandwidth
     return NodeCost(timed.forward_s, timed.backward_s, opt, memory_bytes=memory, flops=timed.flops,
-                    problems=tuple(problems))
+                    problems=tuple(problems),
+                    activation_bytes=output.piece_elements(out_shape) * machine.dtype_bytes)
 
 
 def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, output: Degrees, machine: Machine,
@@ -137,17 +138,18 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
         return NodeCost()
     group = group or GroupTopology.consecutive(p, machine.devices_per_node)
     in_piece, out_piece = source.piece_elements(shape), output.piece_elements(shape)
-    time, elements, grad_sync, collectives = 0.0, 0, 0, []
-    memory, opt = 0, 0.0
+    time, elements, grad_sync, sync_time, collectives = 0.0, 0, 0, 0.0, []
+    memory, activation, opt = 0, 0, 0.0
     weighty = source_role in ("weight", "weight-piece")
 
     def run(phase: str, kind: str, n: int, pieces: int, sync: bool = False) -> None:
-        nonlocal time, elements, grad_sync
+        nonlocal time, elements, grad_sync, sync_time
         t, e = _collective(machine, kind, group, n)
         time += t
         elements += e * pieces
         if sync:
             grad_sync += e * pieces
+            sync_time += t
         collectives.append(f"{phase} {kind} x{pieces} ({p} devices, {n} elements)" + (" [gradient sync]" if sync else ""))
 
     if source_role == "weight" and op in (PARTITION, REPLICATE):   # the weight is stored in this layout
@@ -157,7 +159,7 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
         memory = (out_piece - in_piece) * weight_bytes(machine)
         opt = (out_piece - in_piece) * update_traffic_bytes(machine) / machine.memory_bandwidth
     elif not source_role and op not in (REPLICATE,):
-        memory = out_piece * machine.dtype_bytes                    # an activation kept for backward
+        memory = activation = out_piece * machine.dtype_bytes       # an activation kept for backward
     if source_role == "input":
         pass
     elif op == PARTITION:
@@ -186,7 +188,8 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
         elements *= devices // spread_over
         grad_sync *= devices // spread_over
     return NodeCost(optimizer_s=opt, comm_s=time, comm_elements=elements, grad_sync_elements=grad_sync,
-                    memory_bytes=memory, collectives=tuple(collectives))
+                    memory_bytes=memory, collectives=tuple(collectives), sync_s=sync_time,
+                    activation_bytes=activation)
 
 
 def gather_cost(machine: Machine, degrees: Degrees, shape: Sequence[int], devices: int | None = None) -> NodeCost:

@@ -49,6 +49,8 @@ EPSILON = 1e-12           # a strictly positive cost per node keeps tree costs s
 class ExtractionError(Exception):
     """No plan can be extracted (nothing reaches the roots, or nothing fits in memory)."""
 
+    needed_bytes = 0   # when nothing fits: what the smallest plan found needs per device
+
 
 # ------------------------------------------------------------------- node costs
 
@@ -87,7 +89,7 @@ def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Mach
     `input_pins` arrives in that layout: reading it whole costs a gather.
     """
     roles = leaf_roles(snapshot, graph)
-    pricer = Pricer(library, machine, snapshot.mesh or Mesh(()), free_input_layouts, input_pins)
+    pricer = Pricer(library, machine, snapshot.mesh or Mesh(()), free_input_layouts, input_pins, graph.microbatches)
     out: dict[NodeId, NodeCost] = {}
     for cid, nodes in snapshot.classes.items():
         if cid not in snapshot.shape:
@@ -116,9 +118,10 @@ class Pricer:
     """
 
     def __init__(self, library: Library, machine: Machine, mesh: Mesh, free_input_layouts: bool = True,
-                 input_pins: Mapping[str, Degrees] | None = None):
+                 input_pins: Mapping[str, Degrees] | None = None, microbatches: int = 1):
         self.library, self.machine, self.mesh, self.free_inputs = library, machine, mesh, free_input_layouts
         self.input_pins = dict(input_pins or {})
+        self.microbatches = microbatches   # every cost is per step: `NodeCost.per_step`
         self.cache: dict = {}
 
     def price(self, op: str, attrs: tuple, shape, degrees: Degrees, child_shapes, child_degrees, roles,
@@ -126,7 +129,7 @@ class Pricer:
         devices = self.mesh.world
         if op == "leaf":
             pinned = self.input_pins.get(attrs[0]) if attrs else None
-            return gather_cost(self.machine, pinned, shape, devices) if pinned else NodeCost()
+            return gather_cost(self.machine, pinned, shape, devices).per_step(self.microbatches) if pinned else NodeCost()
         key = (op, tuple(attrs), tuple(shape), degrees, tuple(child_shapes), tuple(child_degrees), tuple(roles), axis)
         if key not in self.cache:
             if op in PARALLEL_OPS:
@@ -138,6 +141,8 @@ class Pricer:
             else:
                 self.cache[key] = _compute(self.library, op, attrs, child_shapes, child_degrees, degrees, self.machine,
                                            tuple(r == "weight" for r in roles))
+            if self.cache[key] is not None:
+                self.cache[key] = self.cache[key].per_step(self.microbatches)
         return self.cache[key]
 
 
@@ -507,8 +512,10 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
     fitting = [f for f in found if f[1] <= capacity]
     if not fitting:
         least = min(found, key=lambda f: f[1])
-        raise ExtractionError(
+        err = ExtractionError(
             f"no plan fits in memory: the smallest plan found needs {least[1] / 2 ** 30:.2f} GiB per device, "
             f"the device has {capacity / 2 ** 30:.2f} GiB (use more devices or a smaller model)")
+        err.needed_bytes = int(least[1])
+        raise err
     best = min(fitting, key=lambda f: (f[0], f[2] != "ilp"))
     return Extraction(best[3], best[0], best[1], best[2], seconds, candidates, status)

@@ -1,0 +1,69 @@
+"""Micro-batches (gradient accumulation): a step of m micro-batches, priced per step, chosen where one does not
+fit, said in the plan, and refused by a backend that cannot accumulate yet."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from parsat.api import optimize
+from parsat.cli import main
+from parsat.ir.costs import NodeCost
+from parsat.ir.graph import Graph
+from parsat.ir.machine import Machine
+from parsat.ir.plan import explain
+from parsat.saturate.errors import OptimizeError
+
+
+def test_per_step_repeats_micro_batch_work_and_syncs_gradients_once():
+    cost = NodeCost(forward_s=1.0, backward_s=2.0, optimizer_s=0.5, comm_s=3.0, comm_elements=100,
+                    grad_sync_elements=40, memory_bytes=1000, flops=10.0, sync_s=1.0, activation_bytes=600)
+    step = cost.per_step(4)
+    assert (step.forward_s, step.backward_s, step.optimizer_s) == (4.0, 8.0, 0.5)
+    assert step.comm_s == (3.0 - 1.0) * 4 + 1.0 and step.comm_elements == 60 * 4 + 40
+    assert step.grad_sync_elements == 40 and step.memory_bytes == 1000 and step.flops == 40.0
+    assert cost.per_step(1) is cost
+
+
+def test_an_explicit_count_builds_the_example_at_its_micro_batch_and_says_so(tmp_path):
+    plan = optimize("mlp", machine="cpu", devices=2, microbatches=4, baselines=False)
+    assert plan.graph.microbatches == 4 and plan.graph.leaf("x").shape == (32, 784)
+    data = plan.to_dict()
+    assert data["graph"]["microbatches"] == 4
+    assert "4 micro-batches per step" in explain(data)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert Graph.from_dict(json.loads(path.read_text())["graph"]).microbatches == 4
+    whole = optimize("mlp", machine="cpu", devices=2, baselines=False)
+    # the same work per step, in four passes: never less time, and less activation memory
+    assert plan.totals.time_s >= whole.totals.time_s * 0.999
+    assert sum(c.activation_bytes for c in plan.costs.values()) < sum(c.activation_bytes for c in whole.costs.values())
+
+
+def test_a_batch_that_does_not_fit_whole_is_split_until_it_fits():
+    whole = optimize("mlp", machine="cpu", devices=2, baselines=False)
+    activations = sum(c.activation_bytes for c in whole.costs.values())
+    tight = replace(Machine.resolve("cpu"), memory_capacity=whole.totals.peak_memory_bytes - activations // 3)
+    plan = optimize("mlp", machine=tight, devices=2, baselines=False)
+    assert plan.graph.microbatches > 1
+    assert plan.totals.peak_memory_bytes <= tight.memory_capacity
+
+
+def test_bad_counts_are_refused():
+    with pytest.raises(OptimizeError, match="do not divide the batch"):
+        optimize("mlp", machine="cpu", devices=2, microbatches=3, baselines=False)
+    with pytest.raises(OptimizeError, match="positive integer"):
+        optimize("mlp", machine="cpu", devices=2, microbatches=0, baselines=False)
+
+
+def test_the_backend_refuses_a_plan_it_cannot_run_as_priced(tmp_path, capsys):
+    pytest.importorskip("torch")
+    path = tmp_path / "plan.json"
+    assert main(["optimize", "mlp", "--devices", "2", "--machine", "cpu", "-q", "--microbatches", "2",
+                 "--no-baselines", "-o", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["run", str(path), "--nproc", "2", "--steps", "1"]) != 0
+    err = capsys.readouterr().err
+    assert "2 micro-batches" in err and "does not accumulate gradients" in err and "Traceback" not in err
