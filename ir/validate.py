@@ -236,7 +236,9 @@ def validate_plan_dict(data: Mapping, error: type[Exception], label: str) -> Non
     if "totals" in data and data["totals"] is not None:
         totals = f.obj(data["totals"], "totals")
         for key, value in totals.items():
-            f.number(value, f"totals.{key}", nullable=True)
+            if key != "step":
+                f.number(value, f"totals.{key}", nullable=True)
+        check_simulated_step(f, totals, "totals")
 
 
 def _check_pcg(f: _Fields, data: Mapping, at: str) -> None:
@@ -395,6 +397,38 @@ def _check_pcg_operators(f: _Fields, data: Mapping, at: str, ops: Mapping[str, a
         shapes[node["id"]] = shape
 
 
+STEP_TOTALS = ("compute_busy_s", "comm_busy_s", "exposed_comm_s", "overlap_s")   # with `step`: the simulated step
+LANE_TEXT = re.compile(r"^[A-Za-z ^]{0,1000}$")
+
+
+def check_simulated_step(f: _Fields, totals: Mapping, path: str) -> None:
+    """A totals object's simulated step (docs/plan-schema.md), where it has one: the per-stream totals, the
+    profile, the phases and the lanes `explain` draws (letters and spaces, the lanes of one length)."""
+    if "node_sum_s" in totals:
+        f.number(totals["node_sum_s"], f"{path}.node_sum_s")
+    if "step" not in totals:
+        return
+    for key in STEP_TOTALS:
+        f.number(f.get(totals, key, path), f"{path}.{key}")
+    step = f.obj(totals["step"], f"{path}.step")
+    f.text(f.get(step, "profile", f"{path}.step"), f"{path}.step.profile")
+    f.integer(step.get("microbatches", 1), f"{path}.step.microbatches", low=1, high=MAX_ELEMENTS)
+    f.number(f.get(step, "peak_memory_bytes", f"{path}.step"), f"{path}.step.peak_memory_bytes")
+    for i, phase in enumerate(f.array(f.get(step, "phases", f"{path}.step"), f"{path}.step.phases")):
+        where = f"{path}.step.phases[{i}]"
+        phase = f.obj(phase, where)
+        f.text(f.get(phase, "phase", where), f"{where}.phase")
+        for key in ("start_s", "end_s", "compute_s", "comm_s"):
+            f.number(f.get(phase, key, where), f"{where}.{key}")
+    lanes = f.obj(f.get(step, "lanes", f"{path}.step"), f"{path}.step.lanes")
+    for lane in ("compute", "comm", "overlap"):
+        text = f.text(f.get(lanes, lane, f"{path}.step.lanes"), f"{path}.step.lanes.{lane}", empty=True)
+        if not LANE_TEXT.match(text):
+            f.fail(f"{path}.step.lanes.{lane}", "must be at most 1000 letters, spaces and carets")
+    if len({len(lanes[lane]) for lane in ("compute", "comm", "overlap")}) != 1:
+        f.fail(f"{path}.step.lanes", "the compute, comm and overlap lanes must be drawn at one width")
+
+
 def validate_plan_report(data: Mapping, error: type[Exception], label: str) -> None:
     """What `explain` and `show` read on top of the structure: machine, totals, baselines, node costs."""
     f = _Fields(error, f"{label}: ")
@@ -408,12 +442,14 @@ def validate_plan_report(data: Mapping, error: type[Exception], label: str) -> N
     totals = f.obj(f.get(data, "totals", ""), "totals")
     for key in EXPLAIN_TOTALS:
         f.number(f.get(totals, key, "totals"), f"totals.{key}")
+    check_simulated_step(f, totals, "totals")
     baselines = f.obj(data.get("baselines", {}), "baselines")
     for name, value in baselines.items():
         if value is not None:
             value = f.obj(value, f"baselines.{name}")
             for key in EXPLAIN_TOTALS:
                 f.number(f.get(value, key, f"baselines.{name}"), f"baselines.{name}.{key}")
+            check_simulated_step(f, value, f"baselines.{name}")
     for i, node in enumerate(data["nodes"]):
         path = f"nodes[{i}]"
         cost = f.obj(f.get(node, "cost", path), f"{path}.cost")

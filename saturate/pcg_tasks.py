@@ -127,6 +127,13 @@ class StepPrediction:
         return max((self.result.memory_after(t, self.resident_bytes) for t in points), default=self.resident_bytes)
 
 
+def profile_for(machine: Machine) -> ExecutionProfile:
+    """The execution a plan for `machine` is priced as: `DDP` where the host launches kernels asynchronously
+    (a GPU: the presets and `parsat calibrate` on CUDA), `PARSAT_RUN` where one host thread computes
+    (a CPU box: what `parsat run` does there, and what benchmarks/costmodel_fidelity.py measures)."""
+    return DDP if machine.efficiency.async_dispatch else PARSAT_RUN
+
+
 def mesh_groups(pcg: PCG) -> Topology:
     """Each parallel operator's group: one group of the mesh axis it acts on (`PNode.axis`)."""
     mesh = pcg.mesh
@@ -195,6 +202,14 @@ class _Builder:
         self.allocated: dict[int, int] = {}           # node -> bytes its forward output allocated
         self.contiguous: dict[int, bool] = {}
         self.since_sync = 0.0                         # compute seconds since the last collective (stragglers)
+        self.syncing = True                           # this pass synchronises gradients (the last micro-batch)
+
+    def new_pass(self, syncing: bool) -> None:
+        """Start a micro-batch: values, gradients and buffers are the pass's own; compute times are kept.
+        Only the last micro-batch synchronises gradients (they accumulate locally before, DDP's `no_sync`)."""
+        self.ready, self.grad_ready, self.allocated, self.contiguous = {}, {}, {}, {}
+        self.bucket_of = {}
+        self.syncing = syncing
 
     # ---------------------------------------------------------------- facts
     def _needs_grad(self) -> dict[int, bool]:
@@ -385,7 +400,7 @@ class _Builder:
             self._give(out, self._add(f"loss backward of #{out}", self.compute, seconds, [task], phase="backward"))
         syncs: list[int] = []
         produced: dict[int, int] = {}
-        buckets = self._buckets()
+        buckets = self._buckets() if self.syncing else []
         waiting = {n.id: len(self.users.get(n.id, [])) for n in self.pcg.nodes}  # users whose backward is pending
         params = self.params
         done: set[int] = set()
@@ -470,6 +485,11 @@ class _Builder:
             return task
         source = node.inputs[0]
         weight = source in self.params      # a weight's value: its gradient's reduction is the gradient sync
+        if weight and not self.syncing and node.op in (REPLICATE, parallel_ops.ALL_GATHER):
+            task = self._add(f"{label} (gradient accumulated)", self.compute, self.eff.op_time(0.0, True), deps,
+                             free=free, phase="backward")
+            self._give(source, task)
+            return task
         if node.op in (PARTITION, parallel_ops.REDUCE_SCATTER):
             if node.id in self.folded:
                 return max(deps)
@@ -526,22 +546,30 @@ class _Builder:
 
 
 def simulate_pcg(pcg: PCG, library: Library, machine: Machine, profile: ExecutionProfile = PARSAT_RUN,
-                 topology: Topology | None = None, times: OpTimes | None = None) -> StepPrediction:
+                 topology: Topology | None = None, times: OpTimes | None = None,
+                 microbatches: int = 1) -> StepPrediction:
     """One training step of `pcg` on `machine` as `profile` runs it, simulated (see the module docstring).
 
     `topology` gives each parallel operator's group (default: one group of
     the mesh axis it acts on, `mesh_groups`); `times` a cache of compute
-    nodes' times to share between calls for the same machine.
+    nodes' times to share between calls for the same machine. With
+    `microbatches` m (`Graph.microbatches`: `pcg` is one micro-batch's) the
+    step is m forward and backward passes, the gradient synchronisation in
+    the last one only, then one optimizer update.
     """
     if times is not None and times.machine != machine:
         raise TaskBuildError("the compute-time cache was made for another machine")
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise TaskBuildError(f"micro-batches must be a positive integer, got {microbatches!r}")
     builder = _Builder(pcg, machine, profile, topology or mesh_groups(pcg),
                        times or OpTimes(library, machine))
-    builder.forward()
-    loss = builder.loss()
-    end_of_forward = len(builder.steps) - 1 if len(builder.steps) else None
-    syncs, produced = builder.backward(loss)
-    end_of_backward = len(builder.steps) - 1 if len(builder.steps) else None
+    for k in range(microbatches):
+        builder.new_pass(syncing=k == microbatches - 1)
+        builder.forward()
+        loss = builder.loss()
+        end_of_forward = len(builder.steps) - 1 if len(builder.steps) else None
+        syncs, produced = builder.backward(loss)
+        end_of_backward = len(builder.steps) - 1 if len(builder.steps) else None
     builder.optimizer(syncs, produced)
     builder.finish()
     resident = builder.resident()
@@ -549,4 +577,4 @@ def simulate_pcg(pcg: PCG, library: Library, machine: Machine, profile: Executio
 
 
 __all__ = ["DDP", "ExecutionProfile", "OpTimes", "PARSAT_RUN", "StepPrediction", "TaskBuildError", "VIEW_OPS",
-           "mesh_groups", "simulate_pcg"]
+           "mesh_groups", "profile_for", "simulate_pcg"]

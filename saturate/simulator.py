@@ -228,9 +228,9 @@ class StepBuilder:
                 intervals.setdefault(keys[s], []).append((start[i], end[i]))
         out = {}
         for device in {s.device for s in self.streams}:
-            a = _union(intervals.get((device, COMPUTE), []))
-            b = _union(intervals.get((device, COMM), []))
-            out[device] = _intersection(a, b)
+            a = union(intervals.get((device, COMPUTE), []))
+            b = union(intervals.get((device, COMM), []))
+            out[device] = intersection_length(a, b)
         return out
 
     def _peaks(self, start: Sequence[float], end: Sequence[float], resident: Mapping[Hashable, int]) -> dict:
@@ -256,7 +256,8 @@ class StepBuilder:
         return out
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Intervals merged where they touch or overlap, sorted."""
     out: list[tuple[float, float]] = []
     for a, b in sorted(intervals):
         if out and a <= out[-1][1]:
@@ -267,18 +268,25 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
-def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+def intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The intersection of two sorted unions of intervals (`union`), as sorted intervals."""
     i = j = 0
-    total = 0.0
+    out: list[tuple[float, float]] = []
     while i < len(a) and j < len(b):
         lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
         if hi > lo:
-            total += hi - lo
+            out.append((lo, hi))
         if a[i][1] < b[j][1]:
             i += 1
         else:
             j += 1
-    return total
+    return out
 
 
-__all__ = ["COMM", "COMPUTE", "SimulationError", "Span", "StepBuilder", "StepResult", "Stream"]
+def intersection_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """The measure of the intersection of two sorted unions of intervals."""
+    return sum(hi - lo for lo, hi in intersection(a, b))
+
+
+__all__ = ["COMM", "COMPUTE", "SimulationError", "Span", "StepBuilder", "StepResult", "Stream", "intersection",
+           "intersection_length", "union"]
