@@ -18,11 +18,19 @@ median over rounds. Prints one JSON line per plan and round, then the
 table, the median relative error, the Spearman rank correlation of step
 times and the memory errors (what benchmarks/costmodel_fidelity.md records).
 
-The default predictor is the step simulator on today's PCG read as a
-1-axis mesh (`saturate.pcg_tasks.simulate_pcg`, profile PARSAT_RUN);
-`plan_totals` is the per-node sum the plan file carries (`totals.time_s`,
-`totals.peak_memory_bytes`), for comparison. To plug in the mesh PCG's
-task builder, add a predictor here.
+Besides the optimizer's plans, each rank count runs ZeRO-3 data
+parallelism of some graphs (`ir.data_parallel.data_parallel_pcg(zero3=True)`:
+weights stored split, all-gathered once per step, gradients
+reduce-scattered) and, on 4 ranks, the optimizer's plan pinned to a 2 x 2
+mesh (`degrees={"dp": 2, "tp": 2}`: a hybrid of data and tensor
+parallelism on two mesh axes).
+
+The default predictor is the step simulator on the plan's mesh PCG
+(`saturate.pcg_tasks.simulate_pcg`, profile PARSAT_RUN: what `parsat
+optimize` puts in `totals.time_s` for a CPU machine); `plan_totals` is the
+plan file's per-node sum (`totals.node_sum_s`, what extraction ranks by)
+and bound on memory, for comparison; every row records that sum as
+`plan_totals_s`.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -41,7 +50,12 @@ from parsat.backend.calibrate import calibrate
 from parsat.backend.cli import PLAN_OF, load_plan
 from parsat.backend.executor import ExecutionError, TrainConfig, operator_library, run_many
 from parsat.backend.launch import LaunchConfig, launch
+from parsat.ir.costs import totals
+from parsat.ir.data_parallel import data_parallel_pcg
 from parsat.ir.machine import Machine
+from parsat.ir.models import build_example
+from parsat.saturate.baselines import price_pcg
+from parsat.saturate.errors import OptimizeError
 from parsat.saturate.pcg_tasks import PARSAT_RUN, simulate_pcg
 
 GRAPHS = {
@@ -50,7 +64,11 @@ GRAPHS = {
     "branches": ("branches", {}),
     "transformer-s": ("transformer", dict(batch=4, seq=32, hidden=64, heads=4, ffn=256)),
     "transformer-m": ("transformer", dict(batch=4, seq=64, hidden=256, heads=4, ffn=1024)),
+    "gpt-s": ("gpt", dict(blocks=1, hidden=64, heads=4, seq=32, batch=4, vocab=256)),
 }
+LIMITS = {"seconds": 180}   # room for the baselines of every graph on this 2-core box (30 s cut gpt-s's)
+ZERO3 = ("mlp", "transformer-s", "gpt-s")          # also run as ZeRO-3 data parallelism
+HYBRID = ("mlp-wide", "transformer-m", "gpt-s")    # also run pinned to a 2 x 2 mesh (4 ranks)
 
 
 def simulator(pcg, library, machine: Machine, prediction) -> tuple[float, float]:
@@ -61,7 +79,7 @@ def simulator(pcg, library, machine: Machine, prediction) -> tuple[float, float]
 
 
 def plan_totals(pcg, library, machine: Machine, prediction) -> tuple[float, float]:
-    return prediction.time_s, prediction.peak_memory_bytes
+    return prediction.node_sum_s, prediction.peak_memory_bytes
 
 
 PREDICTORS: dict[str, Callable] = {"simulator": simulator, "plan_totals": plan_totals}
@@ -89,24 +107,64 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / var if var else 0.0
 
 
+@dataclass(frozen=True)
+class PlanFigures:
+    """What the plan file (or, for a PCG built here, the same cost model) predicts for one PCG."""
+
+    time_s: float           # totals.time_s: the simulated step
+    node_sum_s: float       # totals.node_sum_s: the per-node sum
+    peak_memory_bytes: float
+
+
+def _figures(totals_dict: dict) -> PlanFigures:
+    return PlanFigures(totals_dict["time_s"], totals_dict.get("node_sum_s", totals_dict["time_s"]),
+                       totals_dict["peak_memory_bytes"])
+
+
 def plans_for(n: int, machine_file: Path, folder: Path, graphs: list[str]) -> list[tuple[str, object, object, object]]:
-    """(label, pcg, graph, the plan file's prediction) of every distinct PCG the optimizer returns for `n` ranks."""
+    """(label, pcg, graph, PlanFigures) of every distinct PCG the optimizer returns for `n` ranks, the ZeRO-3
+    plans of `ZERO3` and, on 4 ranks, the 2 x 2 mesh plans of `HYBRID`."""
     out, seen = [], set()
-    for name in graphs:
+    machine = Machine.load(machine_file)
+    library = operator_library()
+
+    def keep(label: str, pcg, graph, figures: PlanFigures) -> None:
+        key = (label.split("/")[0], tuple((n.id, n.kind, n.op if n.kind != "leaf" else n.role, n.inputs, n.attrs,
+                                           n.shape, n.degrees) for n in pcg.nodes), pcg.outputs)
+        if key not in seen:   # the same PCG under other names: once
+            seen.add(key)
+            out.append((label, pcg, graph, figures))
+
+    def optimized(name: str, suffix: str = "", **options) -> None:
         example, sizes = GRAPHS[name]
-        path = folder / f"{name}-{n}.json"
-        optimize(example, machine=str(machine_file), devices=n, sizes=sizes or None).save(path)
-        for plan_of in PLAN_OF:
+        path = folder / f"{name}{suffix}-{n}.json"
+        try:
+            optimize(example, machine=str(machine_file), devices=n, sizes=sizes or None, limits=LIMITS,
+                     **options).save(path)
+        except OptimizeError as err:
+            print(f"{name}{suffix} on {n} ranks: no plan ({err})", file=sys.stderr)
+            return
+        data = json.loads(path.read_text(encoding="utf-8"))
+        for plan_of in (PLAN_OF if not suffix else ("parsat",)):
             try:
-                pcg, graph, prediction = load_plan(str(path), n, plan_of)
+                pcg, graph, _prediction = load_plan(str(path), n, plan_of)
             except ExecutionError:
                 continue
-            key = (name, tuple((n.id, n.kind, n.op if n.kind != "leaf" else n.role, n.inputs, n.attrs, n.shape,
-                                n.degrees) for n in pcg.nodes), pcg.outputs)  # the same PCG under other names: once
-            if key in seen:
-                continue
-            seen.add(key)
-            out.append((f"{name}/{plan_of}", pcg, graph, prediction))
+            figures = _figures(data["totals"] if plan_of == "parsat" else data["baselines"][plan_of])
+            keep(f"{name}/{plan_of if not suffix else suffix.lstrip('-')}", pcg, graph, figures)
+
+    for name in graphs:
+        optimized(name)
+        if name in ZERO3:
+            example, sizes = GRAPHS[name]
+            graph = build_example(example, sizes or None, library)
+            pcg = data_parallel_pcg(graph, library, n, machine.devices_per_node, zero3=True)
+            if pcg is not None:
+                summed = totals(price_pcg(pcg, library, machine), machine)
+                keep(f"{name}/zero3", pcg, graph, PlanFigures(simulate_pcg(pcg, library, machine).step_s,
+                                                              summed.time_s, summed.peak_memory_bytes))
+        if name in HYBRID and n == 4:
+            optimized(name, "-hybrid2x2", degrees={"dp": 2, "tp": 2})
     return out
 
 
@@ -151,7 +209,8 @@ def main() -> int:
                     row = {"round": r, "nproc": n, "plan": label, "predicted_s": (t0 * t1) ** 0.5,
                            "predicted_before_s": t0, "predicted_after_s": t1,
                            "measured_s": statistics.median(times), "predicted_peak_bytes": m0,
-                           "measured_peak_bytes": job["peak_memory_bytes"], "plan_totals_s": prediction.time_s}
+                           "measured_peak_bytes": job["peak_memory_bytes"], "plan_totals_s": prediction.node_sum_s,
+                           "plan_file_s": prediction.time_s}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                 before = after

@@ -235,3 +235,27 @@ def test_each_collective_is_priced_on_its_mesh_axis_group():
     # the fused reduce_scatter is one collective forward and one backward, not a reduce and a partition
     fused = [s for s in step.spans if "reduce_scatter" in s.name and s.stream.kind == "comm"]
     assert [s.phase for s in fused] == ["forward_comm", "backward_comm"]
+
+
+def test_zero3_data_parallelism_moves_what_data_parallelism_does_and_syncs_by_reduce_scatter():
+    """`data_parallel_pcg(zero3=True)`: every weight stored split and all-gathered; the backend lays it out, the
+    per-node model sends as many elements as data parallelism's all-reduces (all-gather + reduce-scatter =
+    all-reduce), and the step syncs every weight's gradient by a reduce-scatter."""
+    from parsat.ir.models import transformer
+    from parsat.ir.pcg_layout import lay_out
+    from parsat.ir.costs import totals
+    from parsat.saturate.baselines import price_pcg
+
+    graph = transformer(batch=4, seq=32, hidden=64, heads=4, ffn=256, library=LIB)
+    dp, zero = (data_parallel_pcg(graph, LIB, 4, 4, zero3=z) for z in (False, True))
+    lay_out(zero, LIB.ops)
+    weights = [n for n in zero.nodes if n.kind == "leaf" and n.role == "weight"]
+    gathers = [n for n in zero.nodes if n.op == "all_gather"]
+    assert len(gathers) == len(weights) == 16
+    machine = Machine.preset("h100x8").with_devices(4)
+    dp_totals, zero_totals = (totals(price_pcg(p, LIB, machine), machine) for p in (dp, zero))
+    assert zero_totals.comm_elements == dp_totals.comm_elements
+    assert zero_totals.grad_sync_elements * 2 == dp_totals.grad_sync_elements     # the reduce-scatter half
+    step = simulate_pcg(zero, LIB, CPU64, PARSAT_RUN).result
+    syncs = [s for s in step.spans if s.phase == "grad_sync"]
+    assert len(syncs) == len(weights) and all(s.name.endswith("reduce-scatter") for s in syncs)
