@@ -65,13 +65,13 @@ def main() -> None:
     results = {}
     for n in (8, 64):
         machine = Machine.preset("h100x8").with_devices(n)
-        pcg = data_parallel_pcg(graph, library, n)
+        pcg = data_parallel_pcg(graph, library, n, machine.devices_per_node)
         times = OpTimes(library, machine)
         first = time.process_time()
         step = simulate_pcg(pcg, library, machine, DDP, times=times)
         cold = time.process_time() - first
         warm = cpu_seconds(lambda: simulate_pcg(pcg, library, machine, DDP, times=times), 5)
-        per_node = totals(price_pcg(pcg, library, machine, devices=n), machine).time_s
+        per_node = totals(price_pcg(pcg, library, machine), machine).time_s
         r = step.result
         results[n] = r.step_s
         phases = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in r.critical_breakdown().items())
