@@ -105,3 +105,13 @@ def test_micro_batches_repeat_the_passes_and_sync_once():
 def test_profile_follows_the_machine():
     assert profile_for(Machine.preset("h100x8")) is DDP
     assert profile_for(Machine.preset("cpu")) is PARSAT_RUN
+
+
+@pytest.mark.slow
+def test_bert_large_data_parallelism_scales_from_8_to_64_devices():
+    """Issue 17's must-show through the facade (about 3 CPU minutes: benchmarks/dp_scaling.md): the
+    data_parallel baseline of BERT-Large, batch 256, on 64 h100x8 devices at most half its 8-device time."""
+    dp = {n: optimize("bert-large", machine="h100x8", devices=n, limits={"seconds": 300}).baselines["data_parallel"]
+          for n in (8, 64)}
+    assert dp[8] is not None and dp[64] is not None
+    assert dp[64].time_s <= dp[8].time_s / 2
