@@ -184,7 +184,8 @@ def _report(result, args: argparse.Namespace, tolerance: float) -> None:
                                                       in result.comm_by_axis.items())] if result.comm_by_axis else []),
              f"  step time (median)   {result.step_time_s * 1e3:.3f} ms",
              f"  peak memory per rank {result.peak_memory_bytes / 2**20:.2f} MiB of tensors"
-             + ("" if memory_predicted is None else f" (plan's bound {memory_predicted / 2**20:.2f} MiB, fp32 Adam)")
+             + ("" if memory_predicted is None
+                else f" (plan's bound {memory_predicted / 2**20:.2f} MiB, Adam state included)")
              + f"; process RSS {result.process_rss_bytes / 2**20:.0f} MiB"]
     if result.check is not None:
         lines.append(check_line(result.check, result.max_rel_diff, result.max_abs_diff, result.nonfinite,
@@ -219,10 +220,16 @@ def register_calibrate(subparsers) -> None:
     cal.add_argument("-n", "--nproc", type=int, default=None,
                      help="ranks for the collectives (default: the CUDA device count, or 2 on CPU)")
     cal.add_argument("--backend", choices=("gloo", "nccl"), default=None)
-    cal.add_argument("--size", type=int, default=512, help="operator size scale (default 512)")
+    cal.add_argument("--size", type=int, default=512, help="largest GEMM dimension (default 512)")
     cal.add_argument("--repeats", type=int, default=5, help="timed repetitions per measurement (median)")
-    cal.add_argument("--comm-elements", type=int, nargs=2, default=(1024, 1 << 20), metavar=("SMALL", "LARGE"),
-                     help="all-reduce sizes for the latency and bandwidth fit")
+    cal.add_argument("--comm-elements", type=int, nargs="+", default=(256, 1 << 12, 1 << 16, 1 << 20), metavar="N",
+                     help="buffer sizes (elements) of the collectives timed for the latency and bandwidth fit "
+                          "(at least two, increasing)")
+    cal.add_argument("--window", type=float, default=0.03, metavar="SECONDS",
+                     help="each figure averages at least this much wall time (default 0.03)")
+    cal.add_argument("--dtype", choices=("float64", "float32", "bfloat16"), default="float64",
+                     help="the dtype to measure: the one `parsat run` trains in (default float64, as `parsat run`); "
+                          "bfloat16 for a GPU's mixed-precision training")
     cal.add_argument("--json", action="store_true", help="print the measurements as one JSON object last")
     cal.set_defaults(run=main_calibrate)
 
@@ -238,13 +245,15 @@ def main_calibrate(args: argparse.Namespace) -> int:
     except ImportError as err:
         return _fail(f"calibration needs torch ({err}); install it with: pip install torch==2.13.0", "calibrate")
     nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.device_count() >= 2 else 2)
-    if args.size < 16 or args.repeats < 1 or min(args.comm_elements) < 1 or \
-            args.comm_elements[0] >= args.comm_elements[1]:
-        return _fail("--size must be >= 16, --repeats >= 1, and --comm-elements SMALL < LARGE, both >= 1",
-                     "calibrate")
+    sizes = list(args.comm_elements)
+    if args.size < 16 or args.repeats < 1 or len(sizes) < 2 or min(sizes) < 1 or sizes != sorted(set(sizes)) \
+            or not 0 <= args.window <= 60:
+        return _fail("--size must be >= 16, --repeats >= 1, --window between 0 and 60 seconds, and --comm-elements "
+                     "at least two increasing sizes >= 1", "calibrate")
     try:
         check_output(args.output)   # before the measurements, not after them
-        result = calibrate(args.machine, nproc, args.size, args.repeats, args.backend, tuple(args.comm_elements))
+        result = calibrate(args.machine, nproc, args.size, args.repeats, args.backend, tuple(sizes), args.dtype,
+                           window_s=args.window)
         result.machine.save(args.output)
     except (ValueError, LaunchError, FileProblem, MachineError) as err:
         return _fail(str(err), "calibrate")

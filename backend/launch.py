@@ -132,11 +132,27 @@ def _run_joined(fn, args, backend: str, config: LaunchConfig) -> Any:
             dist.destroy_process_group()
 
 
+def share_cores(world: int) -> None:
+    """Give each of `world` local ranks its share of the cores, as torchrun does (it sets OMP_NUM_THREADS=1).
+
+    Left alone, every rank starts one thread per core: 2 ranks on 2 cores
+    then run 4 spinning threads, and an operator large enough to go
+    parallel waits for the OS scheduler (a 128x784x512 product: milliseconds
+    instead of a fraction of one; steps 8x slower and far noisier). A user's
+    OMP_NUM_THREADS wins.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // max(1, world)))
+
+
 def rank_main(rank: int, world: int, backend: str, store_port: int, collective_timeout_s: float,
               fn: Callable[..., Any], args: tuple, messages) -> None:
     """A spawned rank (started by `rank_guard.start`): join the group, run, report; any exception becomes a
     message and exit 1."""
     try:
+        share_cores(world)
         device = _device(backend, rank)
         store = dist.TCPStore(STORE_HOST, store_port, None, is_master=False,
                               timeout=timedelta(seconds=collective_timeout_s))

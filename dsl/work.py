@@ -66,3 +66,53 @@ def work(instance: OpInstance) -> tuple[int, int]:
     elements = sum(prod(int(d.evaluate({})) for d in s) for s in instance.input_shapes)
     elements += prod(int(d.evaluate({})) for d in instance.output_shape)
     return flops, elements
+
+
+Names = tuple[str, ...]
+
+
+def contraction(instance: OpInstance) -> tuple[Names, Names, Names, Names] | None:
+    """The index variables of the operator's matrix product, if it has one: (batch, m, n, k).
+
+    A product is a `sum` (possibly nested) whose body multiplies an access
+    of one operand by an access of another. Its summation variables are k;
+    the other index variables of the first access only are m, of the second
+    only n, of both the batch. A convolution is an implicit GEMM this way
+    (k = channels x kernel window; m = batch x output pixels; n = output
+    channels). The cost model prices such an operator at the GEMM efficiency
+    of its local (m, n, k) (`saturate.op_time`); None: not a product.
+    """
+    bounds = index_bounds(instance)
+
+    def names(expr: ast.Expr) -> set[str]:
+        if isinstance(expr, ast.Name):
+            return {expr.id} & set(bounds)
+        found: set[str] = set()
+        for child in ast.children(expr):
+            found |= names(child)
+        return found
+
+    def operand(expr: ast.Expr) -> ast.Access | None:
+        """An operand access, seen through a padding guard (`if inside then x[...] else 0`)."""
+        if isinstance(expr, ast.IfThenElse):
+            expr = expr.then
+        return expr if isinstance(expr, ast.Access) else None
+
+    def find(expr: ast.Expr, summed: tuple[str, ...]):
+        if isinstance(expr, ast.Sum):
+            return find(expr.body, summed + (expr.var,))
+        if summed and isinstance(expr, ast.BinOp) and expr.op == "*":
+            left, right = operand(expr.left), operand(expr.right)
+            if left is not None and right is not None and left.tensor != right.tensor:
+                a = set().union(*(names(i) for i in left.indices)) - set(summed)
+                b = set().union(*(names(i) for i in right.indices)) - set(summed)
+                order = list(bounds)
+                pick = lambda s: tuple(v for v in order if v in s)  # noqa: E731 - the index order of the semantics
+                return pick(a & b), pick(a - b), pick(b - a), summed
+        for child in ast.children(expr):
+            found = find(child, summed)
+            if found is not None:
+                return found
+        return None
+
+    return find(instance.body, ())

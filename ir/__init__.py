@@ -3,7 +3,9 @@
 Modules:
 `graph` (the computation graph to optimize, shapes inferred; `GraphBuilder`),
 `models` (built-in example graphs), `machine` (devices, speeds, links;
-presets), `pcg` (the Parallel Computation Graph; a node's `Degrees`),
+presets), `machine_profile` (operator efficiency and measured collectives
+of a machine file), `precision` (training precisions, bytes per parameter,
+ZeRO), `pcg` (the Parallel Computation Graph; a node's `Degrees`),
 `placement` (which mesh atoms hold which piece: `Placement`),
 `pcg_layout` (a PCG laid out on ranks, or the node that cannot be),
 `data_parallel` (the textbook data-parallel PCG), `costs` (the cost

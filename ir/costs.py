@@ -61,9 +61,72 @@ class NodeCost:
                        comm_elements=activation_elements * m + self.grad_sync_elements, flops=self.flops * m)
 
 
+# The phases a simulated step is reported in (`StepTimeline.phases`), and the letter each draws on the timeline's
+# lanes: the compute lane in capitals, the communication lane in lower case (the gradient sync is communication
+# by nature, so it is G on the communication lane), a waiting rank as w. `explain` prints the legend.
+STEP_PHASES = ("forward", "backward", "grad_sync", "optimizer", "stragglers")
+LANES = ("compute", "comm", "overlap")
+LANE_LETTERS = {("compute", "forward"): "F", ("compute", "backward"): "B", ("compute", "optimizer"): "O",
+                ("compute", "grad_sync"): "G", ("compute", "stragglers"): "w",
+                ("comm", "forward"): "f", ("comm", "backward"): "b", ("comm", "grad_sync"): "G",
+                ("comm", "optimizer"): "o", ("comm", "stragglers"): "w"}
+
+
+@dataclass(frozen=True)
+class PhaseTimes:
+    """One phase of a simulated step: when it ran, and how long each lane was busy with it."""
+
+    phase: str          # one of STEP_PHASES
+    start_s: float
+    end_s: float
+    compute_s: float    # the compute lane's busy time in this phase
+    comm_s: float       # the communication lane's busy time in this phase
+
+    def to_dict(self) -> dict:
+        return {"phase": self.phase, "start_s": self.start_s, "end_s": self.end_s, "compute_s": self.compute_s,
+                "comm_s": self.comm_s}
+
+
+@dataclass(frozen=True)
+class StepTimeline:
+    """A plan's training step as the step simulator ran it (`saturate.step_report`): the `step` object of a
+    plan's `totals` (docs/plan-schema.md). `lanes` draw the step, one character per equal slice of it
+    (`LANE_LETTERS`, a space where the lane is idle), for `explain`."""
+
+    profile: str                    # the execution profile simulated (`saturate.pcg_tasks`: "ddp", "parsat run")
+    microbatches: int
+    peak_memory_bytes: int          # the simulated peak at any instant, transient buffers included
+    phases: tuple[PhaseTimes, ...]
+    lanes: tuple[tuple[str, str], ...]   # (lane, its drawing): ("compute", "FFFBB..."), ("comm", " f  GG..."),
+                                         # ("overlap", "    ^^..."): where both were busy at once
+
+    def to_dict(self) -> dict:
+        return {"profile": self.profile, "microbatches": self.microbatches,
+                "peak_memory_bytes": self.peak_memory_bytes, "phases": [p.to_dict() for p in self.phases],
+                "lanes": dict(self.lanes)}
+
+
+@dataclass(frozen=True)
+class StepStreams:
+    """The simulated step's time and what its streams did: the per-stream totals of the plan JSON."""
+
+    time_s: float            # the simulated step time: the critical path
+    compute_busy_s: float    # the compute lane busy (computation, loss, optimizer)
+    comm_busy_s: float       # the communication lane busy (every collective, waits for peers)
+    exposed_comm_s: float    # the step less the compute lane's busy time: compute idle, waiting
+    overlap_s: float         # time both lanes were busy at once
+
+
 @dataclass(frozen=True)
 class Totals:
-    """A plan's totals: the `totals` / `baselines` objects of the plan JSON."""
+    """A plan's totals: the `totals` / `baselines` objects of the plan JSON.
+
+    `time_s` is the step time the plan is ranked by: the step simulator's
+    when the plan was simulated (`simulated`), the per-node sum otherwise;
+    `node_sum_s` is always the per-node sum (what extraction ranks e-nodes
+    by); `compute_s` and `comm_s` are the per-node sums of computation and
+    communication; `streams` and `step` the simulation's figures.
+    """
 
     time_s: float
     comm_elements: int
@@ -72,11 +135,29 @@ class Totals:
     grad_sync_elements: int
     compute_s: float
     comm_s: float
+    node_sum_s: float | None = None
+    streams: StepStreams | None = None
+    step: StepTimeline | None = None
+
+    def simulated(self, streams: StepStreams, step: StepTimeline) -> "Totals":
+        """These totals with the simulated step: `time_s` becomes the simulated time, the sum is kept."""
+        return replace(self, time_s=streams.time_s, node_sum_s=self.per_node_s, streams=streams, step=step)
+
+    @property
+    def per_node_s(self) -> float:
+        return self.time_s if self.node_sum_s is None else self.node_sum_s
 
     def to_dict(self) -> dict:
-        return {"time_s": self.time_s, "comm_elements": self.comm_elements, "comm_bytes": self.comm_bytes,
-                "peak_memory_bytes": self.peak_memory_bytes, "grad_sync_elements": self.grad_sync_elements,
-                "compute_s": self.compute_s, "comm_s": self.comm_s}
+        out = {"time_s": self.time_s, "comm_elements": self.comm_elements, "comm_bytes": self.comm_bytes,
+               "peak_memory_bytes": self.peak_memory_bytes, "grad_sync_elements": self.grad_sync_elements,
+               "compute_s": self.compute_s, "comm_s": self.comm_s, "node_sum_s": self.per_node_s}
+        if self.streams is not None:
+            s = self.streams
+            out.update({"compute_busy_s": s.compute_busy_s, "comm_busy_s": s.comm_busy_s,
+                        "exposed_comm_s": s.exposed_comm_s, "overlap_s": s.overlap_s})
+        if self.step is not None:
+            out["step"] = self.step.to_dict()
+        return out
 
 
 def totals(costs: Mapping[int, NodeCost] | Sequence[NodeCost], machine: Machine) -> Totals:

@@ -20,7 +20,7 @@ from typing import Sequence
 
 from parsat.dsl.instantiate import InstantiationError
 from parsat.dsl.library import Library
-from parsat.dsl.parallel_ops import COMBINE, PARTITION, REDUCE, REPLICATE
+from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARTITION, REDUCE, REPLICATE
 from parsat.ir.graph import Graph, instance_for
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import PCG, Degrees, PNode
@@ -30,11 +30,16 @@ from parsat.ir.placement import (FREE, PARTIAL, REPLICA, Placement, PlacementErr
 DP_AXIS = "dp"
 
 
-def data_parallel_pcg(graph: Graph, library: Library, devices: int, devices_per_node: int = 1) -> PCG | None:
+def data_parallel_pcg(graph: Graph, library: Library, devices: int, devices_per_node: int = 1,
+                      zero3: bool = False) -> PCG | None:
     """Data parallelism: every input split along dim 0, every weight replicated, outputs gathered.
 
     An input whose dim 0 does not split evenly (a constant of batch size 1,
     a scalar such as cross-entropy's inverse count) is replicated instead.
+    With `zero3`, ZeRO-3 (FSDP's full sharding): each weight is stored split
+    along its first dim the devices divide and all-gathered where it is
+    used (its gradient reduce-scattered back); a weight with no such dim
+    stays replicated.
 
     Built directly (the textbook definition, independent of the rules) and
     checked operator by operator with the placement analysis; None when an
@@ -97,8 +102,11 @@ def data_parallel_pcg(graph: Graph, library: Library, devices: int, devices_per_
     for leaf in graph.leaves:
         base = add("leaf", leaf.name, (), (), leaf.shape, Placement.whole(1), leaf.role, leaf.name)
         whole[leaf.name] = base if leaf.role == "weight" else None
+        stored = next((d for d, size in enumerate(leaf.shape) if size % devices == 0), None)
         if leaf.role == "input" and leaf.shape and leaf.shape[0] % devices == 0:
             ident[leaf.name] = parallel(PARTITION, base, 0)
+        elif leaf.role == "weight" and zero3 and stored is not None:
+            ident[leaf.name] = parallel(ALL_GATHER, parallel(PARTITION, base, stored), stored)
         else:
             ident[leaf.name] = parallel(REPLICATE, base)
     cache: dict = {}

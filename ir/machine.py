@@ -1,21 +1,32 @@
-"""The machine a plan is costed for: devices, nodes, speeds and links.
+"""The machine a plan is costed for: devices, nodes, speeds, links, precision.
 
 Bandwidths are per device and unidirectional, in bytes/s; latencies in
-seconds (the alpha of the alpha-beta collective model). A preset describes
-one kind of node; `with_devices(n)` gives as many nodes as `n` devices need,
-so `h100x8` works for any node count.
+seconds (the alpha of the alpha-beta collective model: one step of a ring).
+A preset describes one kind of node; `with_devices(n)` gives as many nodes
+as `n` devices need, so `h100x8` works for any node count.
+
+`precision` is the training precision (`ir.precision`: bf16 on the GPU
+presets, with fp32 master weights and Adam state); `peak_flops` is the
+dense peak at that precision and `peaks` the peaks at the others, so
+`with_precision` switches (`--precision bf16|fp32`). `efficiency` and
+`comm` (`ir.machine_profile`) hold what `parsat calibrate` measures beyond
+the peaks: per-operator overheads, GEMM and bandwidth efficiency, measured
+collectives. Machine files: version 2 (docs/COSTMODEL.md); version 1 files
+(no precision, `dtype_bytes` instead) still load.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from parsat.dsl.files import write_atomic
 from parsat.ir.errors import MachineError
 from parsat.ir.json_files import read_json_file
+from parsat.ir.machine_profile import CommProfile, OpEfficiency
+from parsat.ir.precision import BYTES_TO_PRECISION, PRECISIONS, Precision, precision
 from parsat.ir.validate import MACHINE_SCHEMA, MACHINE_VERSION, validate_machine_dict
 
 
@@ -31,7 +42,34 @@ class Machine:
     intra_latency: float       # s per collective step inside a node
     inter_bandwidth: float     # bytes/s per device between nodes (InfiniBand)
     inter_latency: float       # s per collective step between nodes
-    dtype_bytes: int = 4       # bytes per element (fp32 training)
+    precision: str = "fp32"    # training precision (`ir.precision.PRECISIONS`)
+    peaks: tuple[tuple[str, float], ...] = ()   # (precision, dense peak FLOP/s) for `with_precision`
+    efficiency: OpEfficiency = OpEfficiency()
+    comm: CommProfile = CommProfile()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "peaks", tuple(sorted((str(k), float(v)) for k, v in self.peaks)))  # one order
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes per element of activations and communication: the compute dtype's."""
+        return self.precision_spec.compute_bytes
+
+    @property
+    def precision_spec(self) -> Precision:
+        return precision(self.precision)
+
+    def with_precision(self, name: str | None) -> "Machine":
+        """This machine training in precision `name` (None: unchanged), at that precision's peak."""
+        if name is None or name == self.precision:
+            return self
+        if name not in PRECISIONS:
+            raise MachineError(f"unknown precision '{name}' ({', '.join(PRECISIONS)})")
+        peaks = dict(self.peaks)
+        if name not in peaks:
+            known = sorted(set(peaks) | {self.precision})
+            raise MachineError(f"machine '{self.name}' has no peak for {name} (it knows {', '.join(known)})")
+        return replace(self, precision=name, peak_flops=peaks[name])
 
     @property
     def devices(self) -> int:
@@ -60,7 +98,10 @@ class Machine:
 
     # ----------------------------------------------------------------- JSON
     def to_dict(self) -> dict:
-        return {"schema": MACHINE_SCHEMA, "version": MACHINE_VERSION, **asdict(self)}
+        flat = {k: getattr(self, k) for k in _FLAT_FIELDS}
+        return {"schema": MACHINE_SCHEMA, "version": MACHINE_VERSION, **flat, "precision": self.precision,
+                "dtype_bytes": self.dtype_bytes, "peaks": dict(self.peaks), "efficiency": self.efficiency.to_dict(),
+                "comm": self.comm.to_dict()}
 
     def save(self, path: str | Path) -> None:
         """Write the machine JSON atomically (raises FileProblem), if `load` would take it (else MachineError)."""
@@ -69,8 +110,32 @@ class Machine:
 
     @staticmethod
     def from_dict(data: dict) -> "Machine":
-        validate_machine_dict(data, {k: f.type for k, f in Machine.__dataclass_fields__.items()})
-        fields = {k: v for k, v in data.items() if k not in ("schema", "version")}
+        """A machine file's object (version 2, or version 1: `dtype_bytes` and no profile)."""
+        validate_machine_dict(data, {**{k: Machine.__dataclass_fields__[k].type for k in _FLAT_FIELDS},
+                                     "precision": "str", "dtype_bytes": "int"})
+        fields = {k: v for k, v in data.items() if k not in ("schema", "version", "dtype_bytes", "peaks", "efficiency",
+                                                              "comm")}
+        name = data.get("precision")
+        if name is None:  # version 1: only the element size
+            name = BYTES_TO_PRECISION.get(data.get("dtype_bytes", 4))
+            if name is None:
+                raise MachineError(f"machine: dtype_bytes must be one of {', '.join(map(str, BYTES_TO_PRECISION))}, "
+                                   f"got {data.get('dtype_bytes')!r}")
+        elif name not in PRECISIONS:
+            raise MachineError(f"machine: unknown precision '{name}' ({', '.join(PRECISIONS)})")
+        elif "dtype_bytes" in data and data["dtype_bytes"] != PRECISIONS[name].compute_bytes:
+            raise MachineError(f"machine: dtype_bytes {data['dtype_bytes']} contradicts precision {name} "
+                               f"({PRECISIONS[name].compute_bytes} bytes)")
+        fields["precision"] = name
+        peaks = data.get("peaks", {})
+        if any(k not in PRECISIONS for k in peaks):   # the values: validate_machine_dict's ranges
+            raise MachineError(f"machine: 'peaks' must map precisions ({', '.join(PRECISIONS)}) to FLOP/s")
+        fields["peaks"] = tuple(sorted((k, float(v)) for k, v in peaks.items()))
+        fields["efficiency"] = OpEfficiency.from_dict(data.get("efficiency", {}))
+        fields["comm"] = CommProfile.from_dict(data.get("comm", {}))
+        if data.get("version", 1) not in READABLE_MACHINE_VERSIONS:
+            raise MachineError(f"machine file version {data.get('version')!r} is not supported (this parsat reads "
+                               f"{' and '.join(map(str, READABLE_MACHINE_VERSIONS))})")
         try:
             machine = Machine(**fields)
         except TypeError as err:
@@ -97,19 +162,39 @@ class Machine:
         raise MachineError(f"unknown machine '{spec}': give a preset ({', '.join(PRESETS)}) or a JSON file")
 
 
+READABLE_MACHINE_VERSIONS = (1, 2)   # 1: dtype_bytes, no precision, peaks, efficiency or comm
+_FLAT_FIELDS = ("name", "devices_per_node", "nodes", "peak_flops", "memory_bandwidth", "memory_capacity",
+                "intra_bandwidth", "intra_latency", "inter_bandwidth", "inter_latency")
+
 GB = 1e9
+# GPU presets train in bf16 (fp32 master weights and Adam state); `--precision fp32` means TF32 tensor cores.
+# Operator efficiency and collective launch costs are ASSUMED (not measured here: no GPU; `parsat calibrate`
+# on the GPU replaces them, docs/COSTMODEL.md): ~5 us of eager PyTorch dispatch per operator, hidden behind
+# longer kernels (asynchronous launch); GEMMs at half rate around 128 rows/columns and 64 of contraction on
+# H100 (64/32 on A100); half the HBM bandwidth reached around 1 MiB per copy; NCCL's tree at ~90% of the
+# ring's bus bandwidth, ~5 us to launch a collective.
+_GPU_EFFICIENCY = OpEfficiency(dispatch_s=5e-6, backward_dispatch_s=5e-6, gemm_half_m=128, gemm_half_n=128,
+                               gemm_half_k=64, memory_half_bytes=1 << 20, async_dispatch=True)
+_GPU_COMM = CommProfile(launch_s=5e-6, tree_bandwidth_factor=0.9)
 PRESETS: dict[str, Machine] = {
     # 8x H100 SXM per node, NVSwitch; 400 Gb/s InfiniBand per GPU (50 GB/s).
-    # Peak: dense TF32 (fp32 training), 989/2 TFLOP/s. Links: all-reduce bus
+    # Peaks: dense bf16 989 TFLOP/s, TF32 989/2. Links: all-reduce bus
     # bandwidth ~267 GB/s on NVSwitch and ~30 us for an 8-GPU all-reduce
     # (published measurements on 8x H100 with NVSwitch), i.e. alpha ~2 us per ring step (2(p-1) steps).
-    "h100x8": Machine("h100x8", 8, 1, peak_flops=989e12 / 2, memory_bandwidth=3350 * GB,
+    "h100x8": Machine("h100x8", 8, 1, peak_flops=989e12, memory_bandwidth=3350 * GB,
                       memory_capacity=80 * 2 ** 30, intra_bandwidth=267 * GB, intra_latency=2e-6,
-                      inter_bandwidth=50 * GB, inter_latency=5e-6),
-    "a100x8": Machine("a100x8", 8, 1, peak_flops=312e12 / 2, memory_bandwidth=2039 * GB,
+                      inter_bandwidth=50 * GB, inter_latency=5e-6, precision="bf16",
+                      peaks=(("bf16", 989e12), ("fp16", 989e12), ("fp32", 989e12 / 2)),
+                      efficiency=_GPU_EFFICIENCY, comm=_GPU_COMM),
+    # 8x A100 SXM 80 GB: dense bf16 312 TFLOP/s, TF32 156; NVLink 3 (~150 GB/s all-reduce bus bandwidth), 200 Gb/s IB.
+    "a100x8": Machine("a100x8", 8, 1, peak_flops=312e12, memory_bandwidth=2039 * GB,
                       memory_capacity=80 * 2 ** 30, intra_bandwidth=150 * GB, intra_latency=3e-6,
-                      inter_bandwidth=25 * GB, inter_latency=8e-6),
+                      inter_bandwidth=25 * GB, inter_latency=8e-6, precision="bf16",
+                      peaks=(("bf16", 312e12), ("fp16", 312e12), ("fp32", 312e12 / 2)),
+                      efficiency=replace(_GPU_EFFICIENCY, gemm_half_m=64, gemm_half_n=64, gemm_half_k=32),
+                      comm=_GPU_COMM),
     # A small CPU box: 2 cores' worth of FLOPs, shared memory as the "link".
     "cpu": Machine("cpu", 4, 1, peak_flops=100e9, memory_bandwidth=20 * GB, memory_capacity=8 * 2 ** 30,
-                   intra_bandwidth=5 * GB, intra_latency=20e-6, inter_bandwidth=1 * GB, inter_latency=50e-6),
+                   intra_bandwidth=5 * GB, intra_latency=20e-6, inter_bandwidth=1 * GB, inter_latency=50e-6,
+                   peaks=(("fp32", 100e9), ("fp64", 50e9))),
 }

@@ -187,6 +187,28 @@ def _parallel_summary(parallel: Sequence[Mapping], nodes: Mapping[int, Mapping],
     return ", ".join(f"{n} {kind}" for kind, n in counts.most_common())
 
 
+def step_timeline(totals: Mapping) -> list[str]:
+    """The simulated step as two lanes over time (`ir.costs.StepTimeline`), their overlap, and the phases."""
+    step = totals["step"]
+    lanes = step["lanes"]
+    compute, comm, both = lanes["compute"], lanes["comm"], lanes["overlap"]
+    micro = step.get("microbatches", 1)
+    lines = ["", f"step timeline (simulated, {step['profile']}"
+             + (f", {micro} micro-batches" if micro > 1 else "") + "): "
+             "F/f forward, B/b backward, G gradient sync, O optimizer, w waiting for slower ranks",
+             f"  compute |{compute}| {_fmt_time(totals['compute_busy_s'])} busy",
+             f"  comm    |{comm}| {_fmt_time(totals['comm_busy_s'])} busy",
+             f"  both    |{both}| {_fmt_time(totals['overlap_s'])} overlapped; communication exposed "
+             f"{_fmt_time(totals['exposed_comm_s'])}",
+             f"          0{_fmt_time(totals['time_s']):>{len(compute)}}",
+             f"  {'phase':<12} {'from':>10} {'to':>10} {'compute':>10} {'comm':>10}"]
+    for phase in step["phases"]:
+        lines.append(f"  {phase['phase']:<12} {_fmt_time(phase['start_s']):>10} {_fmt_time(phase['end_s']):>10} "
+                     f"{_fmt_time(phase['compute_s']):>10} {_fmt_time(phase['comm_s']):>10}")
+    lines.append(f"  simulated peak memory {_fmt_bytes(step['peak_memory_bytes'])} per device")
+    return lines
+
+
 def explain(data: Mapping, limit: int | None = 40) -> str:
     """A readable breakdown of a plan dict: what parsat did, where the time and bytes go, the baselines.
 
@@ -198,8 +220,13 @@ def explain(data: Mapping, limit: int | None = 40) -> str:
     totals = data["totals"]
     lines.append(f"plan for '{graph.get('name', 'graph')}' on {data['devices']} device(s) of {machine['name']} "
                  f"({machine['devices_per_node']} per node)")
-    lines.append(f"  predicted step time {_fmt_time(totals['time_s'])} "
-                 f"(compute {_fmt_time(totals['compute_s'])}, communication {_fmt_time(totals['comm_s'])})")
+    if "step" in totals:
+        lines.append(f"  predicted step time {_fmt_time(totals['time_s'])} (simulated as {totals['step']['profile']} runs "
+                     f"it; the per-node sum extraction ranks by: {_fmt_time(totals['node_sum_s'])}, of which compute "
+                     f"{_fmt_time(totals['compute_s'])}, communication {_fmt_time(totals['comm_s'])})")
+    else:
+        lines.append(f"  predicted step time {_fmt_time(totals['time_s'])} "
+                     f"(compute {_fmt_time(totals['compute_s'])}, communication {_fmt_time(totals['comm_s'])})")
     lines.append(f"  communication {totals['comm_elements']:,} elements ({_fmt_bytes(totals['comm_bytes'])}) per step, "
                  f"of which gradient sync {totals['grad_sync_elements']:,}")
     lines.append(f"  peak memory {_fmt_bytes(totals['peak_memory_bytes'])} per device (bound)")
@@ -209,14 +236,17 @@ def explain(data: Mapping, limit: int | None = 40) -> str:
                      "its gradients synchronised once per step; memory is one micro-batch's activations")
     mesh = Mesh.from_dict(data["mesh"])
     lines.append(f"  mesh {mesh if len(mesh) else 'none (one device)'}: {describe(pcg_from_dict(data))}")
+    if "step" in totals:
+        lines += step_timeline(totals)
     ext = data.get("extraction") or {}
     chosen = ext.get("chosen", JOINT)
     if chosen != JOINT:
         extracted = min((v for v in (ext.get("candidates") or {}).values() if v is not None and math.isfinite(v)),
                         default=None)
-        lines.append(f"  baseline {chosen} was cheaper than anything extracted from the joint e-graph"
-                     + (f" (best extracted: {_fmt_time(extracted)})" if extracted is not None else "")
-                     + f": this plan is the {chosen} baseline's PCG")
+        lines.append(f"  baseline {chosen}'s simulated step was faster than the plan extracted from the joint "
+                     f"e-graph (which ranks by the per-node sum"
+                     + (f", best extracted {_fmt_time(extracted)}" if extracted is not None else "")
+                     + f"): this plan is the {chosen} baseline's PCG")
     lines.append("")
     lines.append("what parsat did:")
     nodes = {n["id"]: n for n in data["nodes"]}
@@ -276,14 +306,17 @@ def explain(data: Mapping, limit: int | None = 40) -> str:
     if limit is not None and len(computed) > limit:
         lines.append(f"  ... {len(computed) - limit} more nodes (parsat explain --all)")
     lines.append("")
-    lines.append("compared with (same cost model):")
-    header = f"  {'plan':<14} {'time':>12} {'comm elements':>16} {'grad sync':>14} {'memory':>12}"
+    lines.append("compared with (same cost model; time: the simulated step, node sum: the per-node sum):")
+    header = (f"  {'plan':<14} {'time':>12} {'node sum':>12} {'exposed comm':>12} {'comm elements':>16} "
+              f"{'grad sync':>14} {'memory':>12}")
     lines.append(header)
 
     def row(name: str, t: Mapping | None) -> str:
         if t is None:
             return f"  {name:<14} {'n/a':>12}"
-        return (f"  {name:<14} {_fmt_time(t['time_s']):>12} {t['comm_elements']:>16,} {t['grad_sync_elements']:>14,} "
+        exposed = _fmt_time(t["exposed_comm_s"]) if "exposed_comm_s" in t else "-"
+        return (f"  {name:<14} {_fmt_time(t['time_s']):>12} {_fmt_time(t.get('node_sum_s', t['time_s'])):>12} "
+                f"{exposed:>12} {t['comm_elements']:>16,} {t['grad_sync_elements']:>14,} "
                 f"{_fmt_bytes(t['peak_memory_bytes']):>12}")
 
     lines.append(row("parsat", totals))

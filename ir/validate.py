@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Mapping, NoReturn
+from typing import Any, Mapping, NoReturn, Sequence
 
 from parsat.dsl import ast
 from parsat.dsl.instantiate import InstantiationError
@@ -30,7 +30,7 @@ from parsat.ir.instance import instance_for
 GRAPH_SCHEMA = "parsat.graph"
 GRAPH_VERSION = 1
 MACHINE_SCHEMA = "parsat.machine"
-MACHINE_VERSION = 1
+MACHINE_VERSION = 2             # 2: precision, peaks, efficiency, comm (ir.machine_profile)
 PLAN_SCHEMA = "parsat.plan"
 PLAN_VERSION = 3               # 3: a device mesh, a placement per node, parallel operators on mesh axes
 READABLE_VERSIONS = (3,)       # versions 1 and 2 predate device meshes: their plans say how many pieces, not where
@@ -236,7 +236,9 @@ def validate_plan_dict(data: Mapping, error: type[Exception], label: str) -> Non
     if "totals" in data and data["totals"] is not None:
         totals = f.obj(data["totals"], "totals")
         for key, value in totals.items():
-            f.number(value, f"totals.{key}", nullable=True)
+            if key != "step":
+                f.number(value, f"totals.{key}", nullable=True)
+        check_simulated_step(f, totals, "totals")
 
 
 def _check_pcg(f: _Fields, data: Mapping, at: str) -> None:
@@ -395,6 +397,38 @@ def _check_pcg_operators(f: _Fields, data: Mapping, at: str, ops: Mapping[str, a
         shapes[node["id"]] = shape
 
 
+STEP_TOTALS = ("compute_busy_s", "comm_busy_s", "exposed_comm_s", "overlap_s")   # with `step`: the simulated step
+LANE_TEXT = re.compile(r"^[A-Za-z ^]{0,1000}$")
+
+
+def check_simulated_step(f: _Fields, totals: Mapping, path: str) -> None:
+    """A totals object's simulated step (docs/plan-schema.md), where it has one: the per-stream totals, the
+    profile, the phases and the lanes `explain` draws (letters and spaces, the lanes of one length)."""
+    if "node_sum_s" in totals:
+        f.number(totals["node_sum_s"], f"{path}.node_sum_s")
+    if "step" not in totals:
+        return
+    for key in STEP_TOTALS:
+        f.number(f.get(totals, key, path), f"{path}.{key}")
+    step = f.obj(totals["step"], f"{path}.step")
+    f.text(f.get(step, "profile", f"{path}.step"), f"{path}.step.profile")
+    f.integer(step.get("microbatches", 1), f"{path}.step.microbatches", low=1, high=MAX_ELEMENTS)
+    f.number(f.get(step, "peak_memory_bytes", f"{path}.step"), f"{path}.step.peak_memory_bytes")
+    for i, phase in enumerate(f.array(f.get(step, "phases", f"{path}.step"), f"{path}.step.phases")):
+        where = f"{path}.step.phases[{i}]"
+        phase = f.obj(phase, where)
+        f.text(f.get(phase, "phase", where), f"{where}.phase")
+        for key in ("start_s", "end_s", "compute_s", "comm_s"):
+            f.number(f.get(phase, key, where), f"{where}.{key}")
+    lanes = f.obj(f.get(step, "lanes", f"{path}.step"), f"{path}.step.lanes")
+    for lane in ("compute", "comm", "overlap"):
+        text = f.text(f.get(lanes, lane, f"{path}.step.lanes"), f"{path}.step.lanes.{lane}", empty=True)
+        if not LANE_TEXT.match(text):
+            f.fail(f"{path}.step.lanes.{lane}", "must be at most 1000 letters, spaces and carets")
+    if len({len(lanes[lane]) for lane in ("compute", "comm", "overlap")}) != 1:
+        f.fail(f"{path}.step.lanes", "the compute, comm and overlap lanes must be drawn at one width")
+
+
 def validate_plan_report(data: Mapping, error: type[Exception], label: str) -> None:
     """What `explain` and `show` read on top of the structure: machine, totals, baselines, node costs."""
     f = _Fields(error, f"{label}: ")
@@ -402,15 +436,20 @@ def validate_plan_report(data: Mapping, error: type[Exception], label: str) -> N
     f.text(f.get(machine, "name", "machine"), "machine.name", empty=True)
     f.integer(f.get(machine, "devices_per_node", "machine"), "machine.devices_per_node", low=1)
     check_machine_ranges(machine, _Fields(error, f"{label}: machine."))
+    for section, check in (("efficiency", validate_efficiency_dict), ("comm", validate_comm_dict)):
+        if section in machine:
+            check(machine[section], error, f"{label}: machine.{section}")
     totals = f.obj(f.get(data, "totals", ""), "totals")
     for key in EXPLAIN_TOTALS:
         f.number(f.get(totals, key, "totals"), f"totals.{key}")
+    check_simulated_step(f, totals, "totals")
     baselines = f.obj(data.get("baselines", {}), "baselines")
     for name, value in baselines.items():
         if value is not None:
             value = f.obj(value, f"baselines.{name}")
             for key in EXPLAIN_TOTALS:
                 f.number(f.get(value, key, f"baselines.{name}"), f"baselines.{name}.{key}")
+            check_simulated_step(f, value, f"baselines.{name}")
     for i, node in enumerate(data["nodes"]):
         path = f"nodes[{i}]"
         cost = f.obj(f.get(node, "cost", path), f"{path}.cost")
@@ -462,18 +501,52 @@ MACHINE_RANGES: Mapping[str, tuple[float, float, str]] = {
 }
 
 
+# What a version-2 machine file holds beyond the flat fields (`ir.machine_profile`; docs/COSTMODEL.md): the
+# peaks per precision, the operator efficiency record and the collective profile, each number held to a range
+# as above (a negative dispatch cost made operators pay back time; a bucket of 0 bytes never fills).
+PROFILE_SECTIONS = ("peaks", "efficiency", "comm")
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
+LINK_KINDS = ("intra", "inter")
+EFFICIENCY_RANGES: Mapping[str, tuple[float, float, str]] = {
+    "dispatch_s": (0.0, 3600.0, "seconds"),
+    "backward_dispatch_s": (0.0, 3600.0, "seconds"),
+    "gemm_half_m": (0.0, MAX_ELEMENTS, "elements"),
+    "gemm_half_n": (0.0, MAX_ELEMENTS, "elements"),
+    "gemm_half_k": (0.0, MAX_ELEMENTS, "elements"),
+    "memory_half_bytes": (0.0, 1e18, "bytes"),
+    "cache_bytes": (0.0, 1e18, "bytes"),
+    "cache_bandwidth": (0.0, 1e18, "bytes/s (0: no cache tier)"),
+    "random_bandwidth": (0.0, 1e18, "bytes/s (0: not measured)"),
+}
+EFFICIENCY_FLAGS = ("async_dispatch",)
+COMM_RANGES: Mapping[str, tuple[float, float, str]] = {
+    "launch_s": (0.0, 3600.0, "seconds"),
+    "tree_bandwidth_factor": (1e-6, 1.0, "of the ring's bus bandwidth"),
+    "bucket_bytes": (1, 1e18, "bytes"),
+    "first_bucket_bytes": (1, 1e18, "bytes"),
+    "sync_skew": (0.0, 1000.0, "x the compute between collectives"),
+}
+COMM_INTEGERS = ("bucket_bytes", "first_bucket_bytes")
+POINT_RANGES: Mapping[str, tuple[float, float, str]] = {
+    "group": (2, MAX_DEVICES, "devices"),
+    "latency_s": (0.0, 3600.0, "seconds"),
+    "bus_bandwidth": (1.0, 1e18, "bytes/s"),
+}
+
+
 def validate_machine_dict(data: Any, fields: Mapping[str, type | str], error: type[Exception] = MachineError,
                           prefix: str = "machine ") -> None:
     """A machine description: an object whose known fields have the right types and plausible values.
 
-    `fields` maps field name to its type or its annotation text ("int");
-    numbers are also held to `MACHINE_RANGES`.
+    `fields` maps a flat field's name to its type or its annotation text
+    ("int"); numbers are also held to `MACHINE_RANGES`; the profile
+    sections (`PROFILE_SECTIONS`), where present, to theirs.
     """
     f = _Fields(error, prefix)
     data = f.obj(data, "description")
     for key, kind in fields.items():
         kind = getattr(kind, "__name__", kind)
-        if key not in data:
+        if key not in data or key in PROFILE_SECTIONS:
             continue
         if kind == "str":
             f.text(data[key], key, empty=True)
@@ -482,13 +555,72 @@ def validate_machine_dict(data: Any, fields: Mapping[str, type | str], error: ty
         else:
             f.number(data[key], key)
     check_machine_ranges(data, f)
+    if "peaks" in data:
+        low, high, unit = MACHINE_RANGES["peak_flops"]
+        for name, value in f.obj(data["peaks"], "peaks").items():
+            _ranged(f, value, f"peaks.{name}", low, high, unit)
+    if "efficiency" in data:
+        validate_efficiency_dict(data["efficiency"], error, f"{prefix}efficiency")
+    if "comm" in data:
+        validate_comm_dict(data["comm"], error, f"{prefix}comm")
+
+
+def _ranged(f: _Fields, value: Any, path: str, low: float, high: float, unit: str) -> float:
+    value = f.number(value, path)
+    if not low <= value <= high:
+        f.fail(path, f"{_short(value)} is outside the range parsat accepts, {low:g} to {high:g} {unit}")
+    return value
+
+
+def _known(f: _Fields, data: Mapping, known: Sequence[str]) -> None:
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        f.fail("", f"unknown field(s) {', '.join(map(str, unknown))} (known: {', '.join(known)})")
+
+
+def validate_efficiency_dict(data: Any, error: type[Exception] = MachineError,
+                             where: str = "machine efficiency") -> Mapping:
+    """A machine file's `efficiency` object (`OpEfficiency`): known fields, numbers in `EFFICIENCY_RANGES`."""
+    f = _Fields(error, f"{where}.")
+    data = f.obj(data, "")
+    _known(f, data, (*EFFICIENCY_RANGES, *EFFICIENCY_FLAGS))
+    for key, (low, high, unit) in EFFICIENCY_RANGES.items():
+        if key in data:
+            _ranged(f, data[key], key, low, high, unit)
+    for key in EFFICIENCY_FLAGS:
+        if key in data and not isinstance(data[key], bool):
+            f.fail(key, f"must be true or false, got {_kind(data[key])}")
+    return data
+
+
+def validate_comm_dict(data: Any, error: type[Exception] = MachineError, where: str = "machine comm") -> Mapping:
+    """A machine file's `comm` object (`CommProfile`): known fields, numbers in `COMM_RANGES`, and each
+    measured point a known collective on a known link with its numbers in `POINT_RANGES`."""
+    f = _Fields(error, f"{where}.")
+    data = f.obj(data, "")
+    _known(f, data, (*COMM_RANGES, "points"))
+    for key, (low, high, unit) in COMM_RANGES.items():
+        if key in data:
+            if key in COMM_INTEGERS:
+                f.integer(data[key], key)
+            _ranged(f, data[key], key, low, high, unit)
+    for i, point in enumerate(f.array(data.get("points", []), "points")):
+        path = f"points[{i}]"
+        point = f.obj(point, path)
+        _known(_Fields(error, f"{where}.{path}."), point, ("collective", "link", *POINT_RANGES))
+        if f.get(point, "collective", path) not in COLLECTIVE_KINDS:
+            f.fail(f"{path}.collective", f"must be one of {', '.join(COLLECTIVE_KINDS)}, "
+                                         f"got {_kind(point['collective'])}")
+        if f.get(point, "link", path) not in LINK_KINDS:
+            f.fail(f"{path}.link", f"must be one of {', '.join(LINK_KINDS)}, got {_kind(point['link'])}")
+        f.integer(f.get(point, "group", path), f"{path}.group")
+        for key, (low, high, unit) in POINT_RANGES.items():
+            _ranged(f, f.get(point, key, path), f"{path}.{key}", low, high, unit)
+    return data
 
 
 def check_machine_ranges(data: Mapping, f: _Fields) -> None:
     """Each field of `MACHINE_RANGES` that `data` has: a finite number within its range."""
     for key, (low, high, unit) in MACHINE_RANGES.items():
-        if key not in data:
-            continue
-        value = f.number(data[key], key)
-        if not low <= value <= high:
-            f.fail(key, f"{_short(value)} is outside the range parsat accepts, {low:g} to {high:g} {unit}")
+        if key in data:
+            _ranged(f, data[key], key, low, high, unit)

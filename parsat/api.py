@@ -15,6 +15,7 @@ from functools import partial
 from parsat.dsl import ast
 from parsat.dsl.library import Library
 from parsat.dsl.typecheck import rank_bounded
+from parsat.ir.machine import Machine
 from parsat.ir.plan import Plan
 from parsat.saturate.api import optimize as optimize_with
 from parsat.saturate.errors import OptimizeError
@@ -66,11 +67,15 @@ def proved_rules(library: Library, allow_unverified: bool | None) -> tuple[list[
 
 
 def optimize(graph, machine="h100x8", rules=None, limits=None, devices=None, *,
-             allow_unverified: bool | None = None, **options) -> Plan:
+             allow_unverified: bool | None = None, precision: str | None = None, **options) -> Plan:
     """The cheapest plan the proven rules reach: `parsat.saturate.api.optimize` with only proved rules.
 
     `allow_unverified=True` uses every rule (`proved_rules` says what None and
-    False do); the other options are `parsat.saturate.api.optimize`'s.
+    False do); `precision` ("bf16", "fp32", ...) trains on `machine` in that
+    precision instead of its own (`Machine.with_precision`); the other
+    options are `parsat.saturate.api.optimize`'s.
     """
+    if precision is not None:
+        machine = Machine.resolve(machine).with_precision(precision)
     return optimize_with(graph, machine=machine, rules=rules, limits=limits, devices=devices,
                          choose_rules=partial(proved_rules, allow_unverified=allow_unverified), **options)

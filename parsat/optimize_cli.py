@@ -22,6 +22,9 @@ def register(subparsers) -> None:
                      help="a graph JSON file, a built-in example name, or model.py:factory (a torch module)")
     opt.add_argument("--devices", "-n", type=int, default=None, help="number of devices (default: one machine node)")
     opt.add_argument("--machine", "-m", default="h100x8", help="machine preset (h100x8, a100x8, cpu) or JSON file")
+    opt.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp32", "fp64"),
+                     help="training precision (default: the machine's own: bf16 with fp32 master weights and Adam "
+                          "state on the GPU presets; fp32 means TF32 there)")
     opt.add_argument("--output", "-o", default=None, metavar="PLAN", help="write the plan JSON here")
     opt.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="size of a built-in example")
     opt.add_argument("--rules", action="append", default=None, metavar="PATH",
@@ -109,7 +112,9 @@ def run_optimize(args: argparse.Namespace) -> int:
             model = load_model_file(model)
         plan = optimize(model, machine=machine, rules=args.rules, limits=limits or None,
                         devices=args.devices, allow_unverified=True if args.allow_unverified else None,
-                        baselines=not args.no_baselines, sizes=sizes or None, degrees=degrees or None, microbatches=args.microbatches,
+                        precision=args.precision,
+                        baselines=not args.no_baselines, sizes=sizes or None, degrees=degrees or None,
+                        microbatches=args.microbatches,
                         progress=progress)
     except (ValueError, OptimizeError, GraphError, MachineError, FileProblem) as err:
         return _error(str(err))

@@ -10,7 +10,12 @@ egglog text), `program` (`compile_rules`), `session` (the e-graph; the only
 egglog importer), `runner` (one saturation loop: limits, stop reason,
 matches per rule), `saturate` (compile, load, run, read back),
 `snapshot` (the e-graph read back);
-the choice: `cost` (the cost model), `extract` (bottom-up, greedy DAG and
+the choice: `cost` (the cost model, per node), `op_time` (an operator's
+time: roofline with GEMM and bandwidth efficiency, dispatch cost),
+`collectives` (NCCL's algorithms from a group's topology), `simulator`
+(the step as tasks on streams: critical path, overlap, memory),
+`schedules` (DDP buckets, FSDP prefetch), `pcg_tasks` (a plan's step as
+tasks, per execution profile), `extract` (bottom-up, greedy DAG and
 ILP extraction), `solve` (price, extract, build the PCG), `baselines`
 (data parallel, Megatron, sequential); and `cli` (`parsat explain`, `parsat show`).
 

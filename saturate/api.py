@@ -6,15 +6,20 @@
 2. saturate the graph with algebraic and parallel rules together, within
    limits, once per device mesh the devices can form (docs/MESH.md:
    nodes x GPUs and its factorisations), rules lifted onto each;
-3. price every e-node with the cost model and extract the cheapest plan
-   that fits in memory (`solve`);
+3. price every e-node with the cost model (per node, so costs add up) and
+   extract the cheapest plan that fits in memory (`solve`);
 4. compute the baselines with the same cost model (`baselines`): data
    parallelism only, the sequential approach (algebraic rules first, then
    parallel rules), and Megatron-style tensor parallelism (graph inputs
    never split);
-5. the best feasible plan wins: the joint plan unless a baseline's PCG
-   (each is a valid PCG, kept in the plan so a backend can run it) is
-   strictly cheaper, which the plan then says (`extraction.chosen`).
+5. simulate the step of every candidate (each mesh's joint plan and every
+   baseline) with the same step simulator (`step_report`, `CandidateSteps`:
+   overlap of communication with computation, DDP buckets, micro-batches);
+6. the best feasible plan by simulated step time wins: the joint plan
+   unless a baseline's PCG (each is a valid PCG, kept in the plan so a
+   backend can run it) is strictly faster, which the plan then says
+   (`extraction.chosen`). The plan keeps both figures: `totals.time_s`
+   (simulated) and `totals.node_sum_s` (the per-node sum extraction used).
 
 `limits.seconds` bounds the whole search, not saturation alone: building
 the graph, saturating, extracting and the baselines share one deadline
@@ -42,7 +47,7 @@ from parsat.ir.pcg import Degrees
 from parsat.ir.pcg_layout import lay_out
 from parsat.ir.placement import Placement, PlacementError
 from parsat.ir.plan import JOINT, BaselinePlan, Plan
-from parsat.saturate.cost import ADAM_STATE_BYTES
+from parsat.saturate.cost import weight_bytes
 from parsat.saturate.baselines import Candidate, best_grid, data_parallel, megatron_excluded, sequential
 from parsat.saturate.errors import DoesNotFit, OptimizeError
 from parsat.saturate.extract import Extraction, ExtractionError, leaf_roles
@@ -51,6 +56,9 @@ from parsat.saturate.program import MeshCaches
 from parsat.saturate.runner import STOP_SATURATED, Limits, check_limits
 from parsat.saturate.saturate import SaturationResult, saturate
 from parsat.saturate.solve import price, rules_used, solve
+from parsat.saturate.pcg_tasks import OpTimes, TaskBuildError
+from parsat.saturate.simulator import SimulationError
+from parsat.saturate.step_report import simulate_step
 from parsat.saturate.strategies import Config, PinError, config_excluded, pinned_meshes
 
 Progress = Callable[[str], None]
@@ -118,7 +126,7 @@ def _more_micro_batches(err: DoesNotFit, graph: str, sizes, rules, machine, devi
     whole = resolve_graph(graph, library, {**sizes, "batch": batch // m})
     base = Machine.resolve(machine)
     count = base.devices if devices is None else int(devices)
-    state = sum(prod(w.shape) for w in whole.weights) * ADAM_STATE_BYTES / count
+    state = sum(prod(w.shape) for w in whole.weights) * weight_bytes(base) / count
     room = err.capacity_bytes - state
     if room <= 0:
         return None
@@ -239,6 +247,8 @@ def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: 
                                 f"spread '{graph.name}' over {devices} devices; raise the limit")
         raise OptimizeError(f"no rule can spread '{graph.name}' over {devices} devices (no parallel rule applies "
                             "on any mesh of the device count)")
+    steps = CandidateSteps(library, machine, graph.microbatches)
+    searches = [s.simulated(steps) for s in searches]
     solved = [s for s in searches if s.joint is not None]
     if not solved:
         needs = [s for s in searches if s.needed_bytes]
@@ -260,6 +270,7 @@ def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: 
                                replace(spare, ilp_seconds=min(spare.ilp_seconds, limits.ilp_seconds / 2)),
                                machine, best_search.pins, input_pins, free_input_layouts, say, caches)
         dp = data_parallel(graph, library, machine, free_input_layouts, devices) if not pins else None
+        two_phase, dp = steps(two_phase), steps(dp)
         for name, candidate in (("megatron", megatron), ("sequential", two_phase), ("data_parallel", dp),
                                 ("best_grid", grid)):
             found_baselines[name] = candidate.totals if candidate is not None else None
@@ -294,6 +305,10 @@ def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: 
            "ilp_status": extraction.ilp_status, "pass_seconds": dict(extraction.seconds)}
     if unplaceable:
         ext["unplaceable"] = unplaceable
+    if steps.failures:
+        ext["unsimulated"] = dict(steps.failures)
+        say("ranked by the per-node sum, the step simulator could not run them: "
+            + "; ".join(f"{k}: {v}" for k, v in steps.failures.items()))
     if skipped:
         ext["baselines_skipped"] = skipped
     baseline_plans = {c.name: BaselinePlan(c.pcg, c.costs, c.config) for c in candidates if c.name != JOINT}
@@ -333,7 +348,32 @@ class MeshSearch:
     def summary(self) -> dict:
         return {"mesh": self.mesh.to_dict(), "stop": self.result.stop, "enodes": self.result.enodes,
                 "seconds": round(self.result.seconds + self.result.compile_seconds + self.extract_seconds, 4),
-                "time_s": self.joint.totals.time_s if self.joint else None, "error": self.error}
+                "time_s": self.joint.totals.time_s if self.joint else None,
+                "node_sum_s": self.joint.totals.per_node_s if self.joint else None, "error": self.error}
+
+    def simulated(self, steps: "CandidateSteps") -> "MeshSearch":
+        """This search with its candidates' steps simulated (`CandidateSteps`)."""
+        return replace(self, joint=steps(self.joint), megatron=steps(self.megatron), grid=steps(self.grid))
+
+
+class CandidateSteps:
+    """Simulates candidates' steps for the final ranking (`step_report.simulate_step`), sharing one cache of
+    compute times; a candidate the simulator cannot run keeps its per-node sum, and `failures` says why."""
+
+    def __init__(self, library: Library, machine: Machine, microbatches: int = 1):
+        self.library, self.machine, self.microbatches = library, machine, microbatches
+        self.times = OpTimes(library, machine)
+        self.failures: dict[str, str] = {}
+
+    def __call__(self, candidate: Candidate | None) -> Candidate | None:
+        if candidate is None or candidate.totals.streams is not None:
+            return candidate
+        try:
+            streams, step = simulate_step(candidate.pcg, self.library, self.machine, self.microbatches, self.times)
+        except (TaskBuildError, SimulationError) as err:
+            self.failures[candidate.name] = str(err)
+            return candidate
+        return replace(candidate, totals=candidate.totals.simulated(streams, step))
 
 
 def search_mesh(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh: Mesh, clock: "Deadline",

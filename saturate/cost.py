@@ -7,18 +7,20 @@ Conventions (docs/plan-schema.md repeats them):
 * Compute runs on local pieces (SPMD). FLOPs and bytes follow from the
   operator's index semantics (`dsl.work.work`); the local share divides the global
   work by the degrees spread inference (`dsl.spread.infer_compute`) gives
-  every index variable. Time is the roofline max(FLOPs/peak, bytes/bandwidth).
-  Backward = 2 x forward (the usual convention: two products per product).
+  every index variable. Time is the roofline max(FLOPs/peak, bytes/bandwidth)
+  with the machine's GEMM and bandwidth efficiency and a dispatch cost per
+  call (`op_time`). Backward = 2 x forward (two products per product).
 * Parallel operators, as in docs/ARCHITECTURE.md: partition fwd local slice / bwd
   all-gather of the gradient; combine fwd all-gather / bwd slice; replicate
   fwd none / bwd all-reduce of the gradient; reduce fwd all-reduce / bwd none.
   Graph inputs have no gradient. A weight read through `partition` is stored
   sharded (no communication at all); a weight read through `replicate`
   needs its gradient all-reduced every step: the gradient synchronisation.
-* Collectives are ring collectives, alpha-beta: all-reduce of n elements over
-  p devices takes 2(p-1) alpha + 2(p-1)/p n bytes/bw; all-gather
-  (p-1) alpha + (p-1)/p n bytes/bw, on the intra-node link when the group fits
-  in a node, else the inter-node link.
+* Collectives are priced as NCCL runs them (`saturate.collectives`: ring,
+  tree or hierarchical all-reduce, whichever is faster; measured points of
+  the machine file where it has them) over the group of the mesh axis the
+  operator acts on (`GroupTopology.of_axis`: NVLink when the group stays in
+  a node, the network when it spans nodes, hierarchical when both).
 * Communication volume (`comm_elements`) is the number of elements SENT per
   step, summed over all devices (a tensor with fewer pieces than devices is
   held redundantly, and each replica set runs its own collective): a ring all-reduce of n elements over p
@@ -28,83 +30,90 @@ Conventions (docs/plan-schema.md repeats them):
   2 * (784*512 + 512*10) = 813,056 gradient elements per step.
 * Memory per device (an upper bound: every node's piece is counted as if it
   lived on every device): activations kept for backward (each node's output
-  piece), and for weights 16 bytes per local element with fp32 Adam
-  (parameter, gradient, two moments), charged to the node that reads the
+  piece, in the compute dtype), and for weights the bytes per parameter of
+  the machine's precision with Adam (`ir.precision`: 16 in fp32 and in bf16
+  with fp32 master weights and moments), charged to the node that reads the
   weight leaf in the layout it reads it.
 """
 
 from __future__ import annotations
 
-from math import prod
 from typing import Sequence
 
 from parsat.dsl.instantiate import OpInstance
 from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER, REPLICATE
 from parsat.dsl.spread import infer_compute
-from parsat.dsl.work import work
 from parsat.ir.costs import NodeCost
 from parsat.ir.machine import Machine
-from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import Degrees
+from parsat.saturate import collectives
+from parsat.saturate.collectives import GroupTopology, price
+from parsat.saturate.op_time import OpTime, op_time
 
-BACKWARD_FACTOR = 2.0        # backward FLOPs = 2 x forward
-ADAM_STATE_BYTES = 16        # fp32 param + grad + 2 moments, per element
-ADAM_TRAFFIC_BYTES = 28      # read p, g, m, v; write p, m, v (fp32)
+OPTIMIZER = "adam"           # the optimizer the plan's memory and update time assume
+
+
+def weight_bytes(machine: Machine) -> int:
+    """Bytes per parameter held for training: working weight, gradient, master copy, Adam state (16)."""
+    return machine.precision_spec.parameter_bytes(OPTIMIZER).total
+
+
+def update_traffic_bytes(machine: Machine) -> int:
+    """Bytes the Adam update moves per parameter (28)."""
+    return machine.precision_spec.optimizer_traffic_bytes(OPTIMIZER)
 
 
 # ----------------------------------------------------------------- collectives
 
 
-def axis_link(machine: Machine, mesh: Mesh, axis: int) -> tuple[float, float]:
-    """(bandwidth, latency) of a collective on one mesh axis: NVLink when its groups stay inside a node, the
-    network otherwise (a group that spans nodes is as slow as its slowest link)."""
-    if mesh.nodes_spanned(axis) == 1:
-        return machine.intra_bandwidth, machine.intra_latency
-    return machine.inter_bandwidth, machine.inter_latency
+_KIND = {"all-reduce": collectives.ALL_REDUCE, "all-gather": collectives.ALL_GATHER,
+         "reduce-scatter": collectives.REDUCE_SCATTER}
+_SENT = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1}   # elements sent over a group: x (p-1) n
 
 
-def _all_reduce(machine: Machine, p: int, n: int, link: tuple[float, float]) -> tuple[float, int]:
-    bw, alpha = link
-    return 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * machine.dtype_bytes / bw, 2 * (p - 1) * n
-
-
-def _all_gather(machine: Machine, p: int, n: int, link: tuple[float, float]) -> tuple[float, int]:
-    """n: elements of the gathered (output) piece."""
-    bw, alpha = link
-    return (p - 1) * alpha + (p - 1) / p * n * machine.dtype_bytes / bw, (p - 1) * n
+def _collective(machine: Machine, kind: str, group: GroupTopology, n: int) -> tuple[float, int]:
+    """(seconds, elements sent over the group) of one collective of n elements: all-reduce 2(p-1) n;
+    all-gather (n: the gathered piece) and reduce-scatter (n: its input) (p-1) n."""
+    return price(_KIND[kind], group, n * machine.dtype_bytes, machine).seconds, _SENT[kind] * (group.size - 1) * n
 
 
 # -------------------------------------------------------------------- node cost
 
 
-def compute_cost(instance: OpInstance, inputs: Sequence[Degrees], output: Degrees, machine: Machine,
-                 weight_inputs: Sequence[bool]) -> NodeCost:
-    """A compute operator on local pieces; weights read directly are stored whole."""
+def compute_time(instance: OpInstance, inputs: Sequence[Degrees], output: Degrees,
+                 machine: Machine) -> tuple[OpTime, tuple[str, ...]]:
+    """A compute operator's time on its local pieces, and the problems spread inference found (if any)."""
     inferred = infer_compute(instance, [l.to_spread() for l in inputs])
     problems = list(inferred.problems)
     got = Degrees.of(inferred.spread)
     if not problems and got != output:
         problems.append(f"{instance.name}: spread inference gives {got}, the e-graph says {output}")
-    flops, _ = work(instance)
-    split = prod(int(d.evaluate({})) for d in inferred.var_degrees.values()) or 1
-    local_flops = flops / split
     shapes = [tuple(int(d.evaluate({})) for d in s) for s in instance.input_shapes]
     out_shape = tuple(int(d.evaluate({})) for d in instance.output_shape)
     local_elems = sum(l.piece_elements(s) for l, s in zip(inputs, shapes)) + output.piece_elements(out_shape)
-    fwd = max(local_flops / machine.peak_flops, local_elems * machine.dtype_bytes / machine.memory_bandwidth)
+    return op_time(instance, inferred.var_degrees, local_elems, machine), tuple(problems)
+
+
+def compute_cost(instance: OpInstance, inputs: Sequence[Degrees], output: Degrees, machine: Machine,
+                 weight_inputs: Sequence[bool]) -> NodeCost:
+    """A compute operator on local pieces; weights read directly are stored whole."""
+    timed, problems = compute_time(instance, inputs, output, machine)
+    shapes = [tuple(int(d.evaluate({})) for d in s) for s in instance.input_shapes]
+    out_shape = tuple(int(d.evaluate({})) for d in instance.output_shape)
     memory = output.piece_elements(out_shape) * machine.dtype_bytes
     opt = 0.0
     for is_weight, degrees, shape in zip(weight_inputs, inputs, shapes):
         if is_weight:
-            memory += degrees.piece_elements(shape) * ADAM_STATE_BYTES
-            opt += degrees.piece_elements(shape) * ADAM_TRAFFIC_BYTES / machine.memory_bandwidth
-    return NodeCost(fwd, BACKWARD_FACTOR * fwd, opt, memory_bytes=memory, flops=local_flops,
-                    problems=tuple(problems), activation_bytes=output.piece_elements(out_shape) * machine.dtype_bytes)
+            memory += degrees.piece_elements(shape) * weight_bytes(machine)
+            opt += degrees.piece_elements(shape) * update_traffic_bytes(machine) / machine.memory_bandwidth
+    return NodeCost(timed.forward_s, timed.backward_s, opt, memory_bytes=memory, flops=timed.flops,
+                    problems=tuple(problems),
+                    activation_bytes=output.piece_elements(out_shape) * machine.dtype_bytes)
 
 
 def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, output: Degrees, machine: Machine,
                   source_role: str, devices: int | None = None,
-                  link: tuple[float, float] | None = None) -> NodeCost:
+                  group: GroupTopology | None = None) -> NodeCost:
     """A parallel operator on one mesh axis of `degree` devices. `source_role` says what it reads:
 
     * "input": a graph input or a piece of one: inputs have no gradient, and
@@ -127,7 +136,7 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
     shape = tuple(shape)
     if p <= 1:
         return NodeCost()
-    link = link or machine.link(p)
+    group = group or GroupTopology.consecutive(p, machine.devices_per_node)
     in_piece, out_piece = source.piece_elements(shape), output.piece_elements(shape)
     time, elements, grad_sync, sync_time, collectives = 0.0, 0, 0, 0.0, []
     memory, activation, opt = 0, 0, 0.0
@@ -135,7 +144,7 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
 
     def run(phase: str, kind: str, n: int, pieces: int, sync: bool = False) -> None:
         nonlocal time, elements, grad_sync, sync_time
-        t, e = (_all_reduce if kind == "all-reduce" else _all_gather)(machine, p, n, link)  # RS moves what AG does
+        t, e = _collective(machine, kind, group, n)
         time += t
         elements += e * pieces
         if sync:
@@ -144,11 +153,11 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
         collectives.append(f"{phase} {kind} x{pieces} ({p} devices, {n} elements)" + (" [gradient sync]" if sync else ""))
 
     if source_role == "weight" and op in (PARTITION, REPLICATE):   # the weight is stored in this layout
-        memory = out_piece * ADAM_STATE_BYTES
-        opt = out_piece * ADAM_TRAFFIC_BYTES / machine.memory_bandwidth
+        memory = out_piece * weight_bytes(machine)
+        opt = out_piece * update_traffic_bytes(machine) / machine.memory_bandwidth
     elif source_role == "weight-piece" and op == PARTITION:        # stored finer: the state shrinks
-        memory = (out_piece - in_piece) * ADAM_STATE_BYTES
-        opt = (out_piece - in_piece) * ADAM_TRAFFIC_BYTES / machine.memory_bandwidth
+        memory = (out_piece - in_piece) * weight_bytes(machine)
+        opt = (out_piece - in_piece) * update_traffic_bytes(machine) / machine.memory_bandwidth
     elif not source_role and op not in (REPLICATE,):
         memory = activation = out_piece * machine.dtype_bytes       # an activation kept for backward
     if source_role == "input":
@@ -191,7 +200,7 @@ def gather_cost(machine: Machine, degrees: Degrees, shape: Sequence[int], device
     n = 1
     for d in shape:
         n *= d
-    t, e = _all_gather(machine, p, n, machine.link(p))
+    t, e = _collective(machine, "all-gather", GroupTopology.consecutive(p, machine.devices_per_node), n)
     sets = max(1, (devices or p) // p)
     return NodeCost(comm_s=t, comm_elements=e * sets,
                     collectives=(f"fwd all-gather of the pinned input ({p} devices, {n} elements)",))

@@ -37,7 +37,8 @@ from parsat.ir.graph import Graph, instance_for
 from parsat.ir.machine import Machine
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import Degrees
-from parsat.saturate.cost import axis_link, compute_cost, gather_cost, parallel_cost
+from parsat.saturate.collectives import BROADCAST, GroupTopology, price
+from parsat.saturate.cost import compute_cost, gather_cost, parallel_cost
 from parsat.saturate.encoding import PIN_SUFFIX
 from parsat.saturate.snapshot import Snapshot
 
@@ -135,7 +136,7 @@ class Pricer:
                 role = roles[0]
                 if role == "input" and not self.free_inputs and op == REPLICATE:
                     role = "broadcast-input"
-                self.cache[key] = _parallel(op, self.mesh.size(axis), axis_link(self.machine, self.mesh, axis),
+                self.cache[key] = _parallel(op, GroupTopology.of_axis(self.mesh, axis),
                                             shape, child_degrees[0], degrees, self.machine, role, devices)
             else:
                 self.cache[key] = _compute(self.library, op, attrs, child_shapes, child_degrees, degrees, self.machine,
@@ -145,15 +146,15 @@ class Pricer:
         return self.cache[key]
 
 
-def _parallel(op: str, degree: int, link: tuple[float, float], shape, source: Degrees, out: Degrees,
+def _parallel(op: str, group: GroupTopology, shape, source: Degrees, out: Degrees,
               machine: Machine, role: str, devices: int) -> NodeCost:
+    degree = group.size
     if role == "broadcast-input":  # a whole input sent to the copies: (p-1) n elements
-        bw, alpha = link
         n = source.piece_elements(shape)
-        return NodeCost(comm_s=alpha * math.ceil(math.log2(max(degree, 2))) + n * machine.dtype_bytes / bw,
+        return NodeCost(comm_s=price(BROADCAST, group, n * machine.dtype_bytes, machine).seconds,
                         comm_elements=(degree - 1) * n * source.pieces * max(1, devices // out.pieces),
                         collectives=(f"fwd broadcast ({degree} devices, {n} elements)",))
-    return parallel_cost(op, degree, shape, source, out, machine, role, devices, link)
+    return parallel_cost(op, degree, shape, source, out, machine, role, devices, group)
 
 
 def _compute(library: Library, op_name: str, values: tuple, shapes, input_degrees, out: Degrees, machine: Machine,

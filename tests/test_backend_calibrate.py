@@ -1,4 +1,4 @@
-"""`parsat calibrate`: a machine file the cost model loads, measured with tiny sizes."""
+"""`parsat calibrate`: the fits recover what generated the timings, and the machine file it writes loads."""
 
 from __future__ import annotations
 
@@ -8,32 +8,64 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from parsat.backend.calibrate import CollectiveTiming, fit_link  # noqa: E402
+from parsat.backend.calibrate import (CollectiveTiming, OpTiming, fit_gemm, fit_line, fit_link,  # noqa: E402
+                                      fit_memory, fit_skew, gemm_shapes)
 from parsat.cli import main  # noqa: E402
 from parsat.ir.machine import Machine  # noqa: E402
 
 
-def test_fit_link_recovers_alpha_and_bandwidth():
-    machine = Machine.preset("cpu")
-    small, large = (CollectiveTiming("all_reduce", 4, n, 0.0) for n in (1000, 1_000_000))
-    small = CollectiveTiming("all_reduce", 4, 1000, small.predicted(machine))
-    large = CollectiveTiming("all_reduce", 4, 1_000_000, large.predicted(machine))
-    bandwidth, latency = fit_link(small, large, machine.dtype_bytes)
-    assert bandwidth == pytest.approx(machine.intra_bandwidth)
-    assert latency == pytest.approx(machine.intra_latency)
+def test_fit_line_recovers_intercept_and_slope():
+    xs = [1.0, 10.0, 100.0, 1000.0]
+    a, b = fit_line(xs, [2e-6 + 3e-9 * x for x in xs])
+    assert a == pytest.approx(2e-6) and b == pytest.approx(3e-9)
+
+
+def test_fit_link_recovers_latency_and_bus_bandwidth():
+    timings = [CollectiveTiming("all_reduce", 4, n, 50e-6 + 1.5 * n / 2e9) for n in (1e3, 1e5, 1e7)]
+    bandwidth, latency = fit_link(timings)
+    assert bandwidth == pytest.approx(2e9) and latency == pytest.approx(50e-6)
+
+
+def test_fit_gemm_recovers_peak_and_half_lengths():
+    peak, halves = 80e9, (16.0, 0.0, 64.0)
+
+    def seconds(m, n, k):
+        return 3e-6 + 2 * m * n * k * (1 + halves[0] / m) * (1 + halves[1] / n) * (1 + halves[2] / k) / peak
+
+    timings = [OpTiming("matmul", s, seconds(*s), 2.0 * s[0] * s[1] * s[2], 0.0) for s in gemm_shapes(512)]
+    got_peak, got_halves = fit_gemm(timings)
+    assert got_halves == halves and got_peak == pytest.approx(peak)
+
+
+def test_fit_memory_finds_the_cache_and_both_bandwidths():
+    def seconds(nbytes):
+        return 2e-6 + nbytes / (80e9 if nbytes <= 1 << 20 else 10e9)
+
+    timings = [OpTiming("copy", (n,), seconds(n), 0.0, float(n)) for n in (1 << p for p in range(10, 27, 2))]
+    bandwidth, _half, cache_bytes, cache_bandwidth = fit_memory(timings)
+    assert bandwidth == pytest.approx(10e9, rel=0.01)
+    assert cache_bandwidth == pytest.approx(80e9, rel=0.05) and cache_bytes == 1 << 20
+
+
+def test_fit_skew_is_the_slope_of_wait_against_compute():
+    assert fit_skew([[[0.0, 1e-4], [1e-3, 3e-4], [4e-3, 9e-4]]]) == pytest.approx(0.2)
+    assert fit_skew([[[0.0, 1e-4], [0.0, 1e-4]]]) == 0.0
 
 
 def test_calibrate_writes_a_machine_the_optimizer_loads(tmp_path, capsys):
     out = tmp_path / "machine.json"
     code = main(["calibrate", "--machine", "here", "-o", str(out), "--nproc", "2", "--size", "32", "--repeats", "1",
-                 "--comm-elements", "16", "4096", "--json"])
+                 "--window", "0.002", "--comm-elements", "16", "4096", "--json"])
     assert code == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert {o["op"] for o in report["ops"]} >= {"matmul", "linear", "softmax", "layernorm", "conv2d"}
-    assert {c["kind"] for c in report["collectives"]} == {"all_reduce", "all_gather"}
+    assert {o["op"] for o in report["ops"]} >= {"matmul", "relu", "add", "copy", "randn"}
+    assert {c["kind"] for c in report["collectives"]} >= {"all_reduce", "all_gather", "send_recv"}
     machine = Machine.load(out)
-    assert machine.name == "here" and machine.devices_per_node == 2
-    assert machine.peak_flops > 0 and machine.intra_bandwidth > 0
+    assert machine.name == "here" and machine.devices_per_node == 2 and machine.precision == "fp64"
+    assert machine.peak_flops > 0 and machine.intra_bandwidth > 0 and machine.efficiency.dispatch_s > 0
+    assert machine.comm.point("all_reduce", "intra", 2) is not None
+    assert dict(machine.peaks).keys() == {"fp64", "fp32"}
+    assert json.loads(out.read_text())["version"] == 2
     assert main(["optimize", "mlp", "--devices", "2", "--machine", str(out), "-q", "--no-baselines",
                  "--set", "batch=8", "--set", "d_in=8", "--set", "d_hidden=8", "--set", "d_out=2"]) == 0
 
@@ -41,3 +73,4 @@ def test_calibrate_writes_a_machine_the_optimizer_loads(tmp_path, capsys):
 def test_calibrate_refuses_bad_sizes(capsys):
     assert main(["calibrate", "--machine", "x", "-o", "/nonexistent/m.json", "--size", "4"]) == 1
     assert "--size" in capsys.readouterr().err
+    assert main(["calibrate", "--machine", "x", "-o", "/nonexistent/m.json", "--comm-elements", "64", "8"]) == 1

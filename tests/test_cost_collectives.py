@@ -1,0 +1,135 @@
+"""Collectives as NCCL runs them: algorithms, the tuner's choice, topology, measured points, bytes sent."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from fractions import Fraction
+
+import pytest
+
+from parsat.ir.machine import Machine
+from parsat.ir.machine_profile import CollectivePoint, CommProfile
+from parsat.saturate.collectives import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, REDUCE_SCATTER, SEND_RECV,
+                                         CollectiveError, GroupTopology, price, sent_bytes)
+
+H100 = Machine.preset("h100x8")
+PLAIN = replace(H100, comm=CommProfile())     # no launch cost, tree as fast as ring: the textbook formulas
+
+
+def test_group_topology_follows_nodes():
+    assert GroupTopology.consecutive(4, 8) == GroupTopology(4, 4, 1)
+    assert GroupTopology.consecutive(64, 8) == GroupTopology(64, 8, 8)
+    assert GroupTopology(16, 1, 16).link == "inter" and GroupTopology(8, 8, 1).link == "intra"
+    for bad in ((4, 8, 1), (8, 2, 2), (0, 1, 1)):
+        with pytest.raises(CollectiveError):
+            GroupTopology(*bad)
+
+
+def test_ring_all_reduce_is_the_alpha_beta_formula_inside_a_node():
+    n = 1 << 30
+    cost = price(ALL_REDUCE, GroupTopology(8, 8, 1), n, replace(PLAIN, comm=CommProfile(tree_bandwidth_factor=0.5)))
+    assert cost.algorithm == "ring"
+    assert cost.seconds == pytest.approx(14 * 2e-6 + 2 * 7 / 8 * n / 267e9)
+
+
+def test_tree_wins_small_messages_on_large_groups_and_its_latency_grows_with_log_p():
+    tiny = 1024
+    group = GroupTopology(64, 1, 64)
+    cost = price(ALL_REDUCE, group, tiny, PLAIN)
+    assert cost.algorithm == "tree"
+    assert cost.seconds == pytest.approx(2 * 6 * 5e-6 + 2 * 63 / 64 * tiny / 50e9)
+    bigger = price(ALL_REDUCE, GroupTopology(128, 1, 128), tiny, PLAIN)
+    assert bigger.seconds - cost.seconds == pytest.approx(2 * 5e-6, rel=0.01)   # one more level
+
+
+def test_hierarchical_all_reduce_across_nodes_uses_every_nic():
+    n = 1 << 30
+    flat_group = GroupTopology(64, 8, 8)
+    cost = price(ALL_REDUCE, flat_group, n, PLAIN)
+    assert cost.algorithm.startswith("hierarchical")
+    inside = 2 * (7 * 2e-6 + 7 / 8 * n / 267e9)
+    across_tree = 2 * 3 * 5e-6 + 2 * 7 / 8 * (n / 8) / 50e9   # tree as fast as ring here: its log latency wins
+    assert cost.algorithm == "hierarchical/tree"
+    assert cost.seconds == pytest.approx(inside + across_tree, rel=1e-6)
+    flat_ring = 2 * 63 * 5e-6 + 2 * 63 / 64 * n / 50e9
+    assert cost.seconds < flat_ring / 3
+
+
+def test_the_tuner_takes_the_faster_of_ring_and_tree():
+    import math
+
+    f = H100.comm.tree_bandwidth_factor
+    for p in (2, 4, 8):
+        for n in (8, 1 << 16, 1 << 26, 1 << 32):
+            ring = 2 * (p - 1) * 2e-6 + 2 * (p - 1) / p * n / 267e9
+            tree = 2 * math.ceil(math.log2(p)) * 2e-6 + 2 * (p - 1) / p * n / (267e9 * f)
+            cost = price(ALL_REDUCE, GroupTopology(p, p, 1), n, H100)
+            assert cost.seconds == pytest.approx(H100.comm.launch_s + min(ring, tree))
+            assert cost.algorithm == ("ring" if ring <= tree else "tree")
+
+
+def test_gather_scatter_all_to_all_send_recv_broadcast():
+    n = 1 << 24
+    node = GroupTopology(8, 8, 1)
+    ring = 7 * 2e-6 + 7 / 8 * n / 267e9
+    assert price(ALL_GATHER, node, n, PLAIN).seconds == pytest.approx(ring)
+    assert price(REDUCE_SCATTER, node, n, PLAIN).seconds == pytest.approx(ring)
+    assert price(ALL_TO_ALL, node, n, PLAIN).seconds == pytest.approx(ring)
+    two_nodes = GroupTopology(16, 8, 2)
+    a2a = price(ALL_TO_ALL, two_nodes, n, PLAIN).seconds
+    assert a2a == pytest.approx(15 * 5e-6 + 8 / 16 * n / 50e9)        # half of the data leaves the node
+    assert price(SEND_RECV, GroupTopology(2, 2, 1), n, PLAIN).seconds == pytest.approx(2e-6 + n / 267e9)
+    assert price(SEND_RECV, GroupTopology(2, 1, 2), n, PLAIN).seconds == pytest.approx(5e-6 + n / 50e9)
+    assert price(BROADCAST, node, n, PLAIN).seconds <= 7 * 2e-6 + n / 267e9 + 1e-12
+
+
+def test_launch_cost_is_paid_once_and_one_device_moves_nothing():
+    group = GroupTopology(8, 8, 1)
+    launched = replace(PLAIN, comm=CommProfile(launch_s=7e-6))
+    assert price(ALL_REDUCE, group, 100, launched).seconds == pytest.approx(price(ALL_REDUCE, group, 100, PLAIN).seconds
+                                                                           + 7e-6)
+    alone = price(ALL_REDUCE, GroupTopology(1, 1, 1), 1 << 20, launched)
+    assert alone.seconds == 0 and alone.sent_bytes == 0
+
+
+def test_measured_points_replace_the_model_where_they_exist():
+    point = CollectivePoint(ALL_REDUCE, "intra", 4, 1e-3, 1e9)
+    machine = replace(Machine.preset("cpu"), comm=CommProfile(points=(point,)))
+    n = 1e6
+    cost = price(ALL_REDUCE, GroupTopology.consecutive(4, machine.devices_per_node), n, machine)
+    assert cost.algorithm == "measured" and cost.seconds == pytest.approx(1e-3 + 1.5 * n / 1e9)
+    assert price(ALL_REDUCE, GroupTopology.consecutive(2, machine.devices_per_node), n, machine).algorithm != "measured"   # no point for 2 ranks
+
+
+def test_time_grows_with_bytes():
+    for kind in (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, SEND_RECV, BROADCAST):
+        times = [price(kind, GroupTopology(16, 8, 2), n, H100).seconds for n in (1, 1 << 10, 1 << 20, 1 << 30)]
+        assert times == sorted(times) and times[-1] > times[0]
+
+
+def test_unknown_collective_and_negative_bytes_are_refused():
+    with pytest.raises(CollectiveError):
+        price("gossip", GroupTopology(2, 2, 1), 10, H100)
+    with pytest.raises(CollectiveError):
+        price(ALL_REDUCE, GroupTopology(2, 2, 1), -1, H100)
+    with pytest.raises(CollectiveError):
+        sent_bytes("gossip", 2, 1)
+
+
+def test_bytes_sent_follow_the_ring_convention_of_the_mlp_figure():
+    # Data parallelism of the 784-512-10 MLP on 2 devices: 2 (784*512 + 512*10) = 813,056 gradient elements,
+    # summed over both devices.
+    per_device = sum(sent_bytes(ALL_REDUCE, 2, n) for n in (784 * 512, 512 * 10))
+    assert 2 * per_device == 813_056
+    assert sent_bytes(ALL_GATHER, 4, 400) == 300
+    assert sent_bytes(SEND_RECV, 2, 123) == 123
+
+
+def test_bytes_sent_agree_with_what_the_backend_counts():
+    pytest.importorskip("torch")
+    from parsat.backend.collectives import CommEvent
+
+    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        for p in (2, 3, 4, 8):
+            event = CommEvent("op", "forward", kind, "dp", p, 1000 * p, 4)
+            assert event.sent_bytes == Fraction(sent_bytes(kind, p, 1000 * p * 4)).limit_denominator(1000)

@@ -1,0 +1,261 @@
+"""A plan's step as simulator tasks on its device mesh: `parsat run`'s execution (inline collectives, seeded data,
+every activation kept) and a DDP framework's (buckets overlapping backward); each parallel operator on its mesh
+axis's group; fused collectives and ZeRO-3 as the backend runs them; memory figures the backend measures."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from parsat.dsl.library import load_library, shipped_rules_dir
+from parsat.ir.data_parallel import data_parallel_pcg
+from parsat.ir.graph import instance_for
+from parsat.ir.machine import Machine
+from parsat.ir.mesh import Mesh
+from parsat.ir.models import mlp, stack
+from parsat.ir.pcg import PCG, Degrees, PNode
+from parsat.ir.placement import Placement, apply_parallel, compute_placement
+from parsat.saturate.collectives import ALL_REDUCE, GroupTopology, price
+from parsat.saturate.pcg_tasks import DDP, PARSAT_RUN, OpTimes, TaskBuildError, simulate_pcg
+
+LIB = load_library([shipped_rules_dir() / "ops.rule"])[0]
+CPU64 = Machine.preset("cpu").with_precision("fp64")     # `parsat run` trains in float64
+
+
+def mesh_pcg(mesh: Mesh, specs, outputs=None) -> PCG:
+    """A PCG from (kind, op, inputs, shape, attrs, role) rows, each placement derived as `pcg_layout` derives it;
+    a parallel row's attrs name its axis, and get the axis's size as its degree."""
+    nodes: list[PNode] = []
+    for ident, (kind, op, inputs, shape, attrs, role) in enumerate(specs):
+        attrs = dict(attrs)
+        if kind == "leaf":
+            placement = Placement.whole(len(mesh))
+        elif kind == "parallel":
+            axis = mesh.index(attrs["axis"])
+            attrs["degree"] = mesh.size(axis)
+            placement = apply_parallel(nodes[inputs[0]].placement, op, axis, attrs.get("dim"))
+        else:
+            instance = instance_for(LIB.ops[op], [nodes[i].shape for i in inputs], attrs)
+            placement = compute_placement(instance, [nodes[i].placement for i in inputs])
+        nodes.append(PNode(ident, kind, op, tuple(inputs), tuple(attrs.items()), tuple(shape),
+                           Degrees.of_placement(placement, mesh, len(shape)), role, "", placement))
+    outputs = outputs or (len(nodes) - 1,)
+    return PCG(tuple(nodes), tuple(outputs), tuple(f"out{i}" for i in range(len(outputs))), mesh)
+
+
+def megatron_mlp(mesh: Mesh | None = None, axis: str = "tp") -> PCG:
+    """relu(x @ w1) @ w2 with w1 split by columns and w2 by rows on the `axis` axis: one forward all-reduce."""
+    mesh = mesh or Mesh.of((2,), 4, names=("tp",))
+    return mesh_pcg(mesh, (
+        ("leaf", "x", (), (128, 784), {}, "input"),
+        ("leaf", "w1", (), (784, 512), {}, "weight"),
+        ("leaf", "w2", (), (512, 10), {}, "weight"),
+        ("parallel", "partition", (1,), (784, 512), {"dim": 1, "axis": axis}, ""),
+        ("parallel", "partition", (2,), (512, 10), {"dim": 0, "axis": axis}, ""),
+        ("parallel", "replicate", (0,), (128, 784), {"axis": axis}, ""),
+        ("op", "matmul", (5, 3), (128, 512), {}, ""),
+        ("op", "relu", (6,), (128, 512), {}, ""),
+        ("op", "matmul", (7, 4), (128, 10), {}, ""),
+        ("parallel", "reduce", (8,), (128, 10), {"axis": axis}, ""),
+    ))
+
+
+def zero3_mlp(devices: int = 2) -> PCG:
+    """Data parallelism with ZeRO-3: each weight stored as a shard on the dp axis and all-gathered for use."""
+    mesh = Mesh.of((devices,), 8, names=("dp",))
+    return mesh_pcg(mesh, (
+        ("leaf", "x", (), (128, 784), {}, "input"),
+        ("leaf", "w1", (), (784, 512), {}, "weight"),
+        ("leaf", "w2", (), (512, 10), {}, "weight"),
+        ("parallel", "partition", (0,), (128, 784), {"dim": 0, "axis": "dp"}, ""),
+        ("parallel", "partition", (1,), (784, 512), {"dim": 0, "axis": "dp"}, ""),
+        ("parallel", "all_gather", (4,), (784, 512), {"dim": 0, "axis": "dp"}, ""),
+        ("parallel", "partition", (2,), (512, 10), {"dim": 0, "axis": "dp"}, ""),
+        ("parallel", "all_gather", (6,), (512, 10), {"dim": 0, "axis": "dp"}, ""),
+        ("op", "matmul", (3, 5), (128, 512), {}, ""),
+        ("op", "relu", (8,), (128, 512), {}, ""),
+        ("op", "matmul", (9, 7), (128, 10), {}, ""),
+        ("parallel", "combine", (10,), (128, 10), {"dim": 0, "axis": "dp"}, ""),
+    ))
+
+
+def hybrid_mlp() -> PCG:
+    """A 2 x 2 mesh (dp across 2 nodes, tp inside each): Megatron's MLP on tp, the batch split on dp."""
+    mesh = Mesh.of((2, 2), 2, names=("dp", "tp"))
+    return mesh_pcg(mesh, (
+        ("leaf", "x", (), (128, 784), {}, "input"),
+        ("leaf", "w1", (), (784, 512), {}, "weight"),
+        ("leaf", "w2", (), (512, 10), {}, "weight"),
+        ("parallel", "partition", (0,), (128, 784), {"dim": 0, "axis": "dp"}, ""),
+        ("parallel", "replicate", (3,), (128, 784), {"axis": "tp"}, ""),
+        ("parallel", "partition", (1,), (784, 512), {"dim": 1, "axis": "tp"}, ""),
+        ("parallel", "replicate", (5,), (784, 512), {"axis": "dp"}, ""),
+        ("parallel", "partition", (2,), (512, 10), {"dim": 0, "axis": "tp"}, ""),
+        ("parallel", "replicate", (7,), (512, 10), {"axis": "dp"}, ""),
+        ("op", "matmul", (4, 6), (128, 512), {}, ""),
+        ("op", "relu", (9,), (128, 512), {}, ""),
+        ("op", "matmul", (10, 8), (128, 10), {}, ""),
+        ("parallel", "reduce_scatter", (11,), (128, 10), {"dim": 0, "axis": "tp"}, ""),
+        ("parallel", "combine", (12,), (128, 10), {"dim": 0, "axis": "tp"}, ""),
+        ("parallel", "combine", (13,), (128, 10), {"dim": 0, "axis": "dp"}, ""),
+    ))
+
+
+def test_parsat_run_memory_is_every_tensor_the_executor_keeps():
+    step = simulate_pcg(megatron_mlp(), LIB, CPU64, PARSAT_RUN)
+    weights = (784 * 256 + 256 * 10) * 8 * 2                       # stored pieces and their gradients
+    activations = (128 * 784 + 2 * 128 * 256 + 3 * 128 * 10) * 8  # x (whole: seeded), mm1, relu, mm2, reduce, loss
+    assert step.resident_bytes == weights
+    assert step.peak_memory_bytes == weights + activations         # 4.40 MiB: what `parsat run` measures
+
+
+def test_data_parallel_memory_counts_views_once():
+    pcg = data_parallel_pcg(mlp(library=LIB), LIB, 2)
+    step = simulate_pcg(pcg, LIB, CPU64, PARSAT_RUN)
+    weights = (784 * 512 + 512 * 10) * 8 * 2
+    # x whole (its row slice is a view), mm1 and relu on 64 rows, mm2, the gathered output, the loss
+    activations = (128 * 784 + 2 * 64 * 512 + 64 * 10 + 128 * 10 + 128 * 10) * 8
+    assert step.peak_memory_bytes == weights + activations         # 7.49 MiB measured
+
+
+def test_parsat_run_syncs_gradients_inline_at_the_end_of_backward():
+    pcg = data_parallel_pcg(mlp(library=LIB), LIB, 2)
+    result = simulate_pcg(pcg, LIB, CPU64, PARSAT_RUN).result
+    syncs = [s for s in result.spans if s.phase == "grad_sync"]
+    backward = [s for s in result.spans if s.phase == "backward" and "all-reduce" not in s.name]
+    assert len(syncs) == 2                                        # one all-reduce per replicated weight
+    assert min(s.start for s in syncs) >= max(b.end for b in backward if "matmul" in b.name)
+    assert all(v == 0 for v in result.overlap_s.values())         # nothing overlaps: one host thread
+    assert result.step_s == pytest.approx(sum(s.end - s.start for s in result.spans))
+
+
+def test_megatron_mlp_moves_less_and_runs_faster_than_data_parallel_in_both_profiles():
+    dp = data_parallel_pcg(mlp(library=LIB), LIB, 2)
+    for profile in (PARSAT_RUN, DDP):
+        assert simulate_pcg(megatron_mlp(), LIB, CPU64, profile).step_s < simulate_pcg(dp, LIB, CPU64, profile).step_s
+
+
+def test_ddp_buckets_overlap_the_backward_pass():
+    graph = stack(4, batch=64, seq=128, hidden=256, heads=4, ffn=1024, library=LIB)
+    pcg = data_parallel_pcg(graph, LIB, 8, 8)
+    machine = Machine.preset("h100x8")
+    step = simulate_pcg(pcg, LIB, machine, DDP).result
+    buckets = [s for s in step.spans if s.name.startswith("all-reduce bucket")]
+    last_backward = max(s.end for s in step.spans if s.phase == "backward")
+    assert len(buckets) >= 2
+    assert buckets[0].start < last_backward                      # the first bucket goes while backward runs
+    assert step.overlap_s[0] > 0
+    assert step.step_s < step.busy_s["0:compute"] + step.busy_s["0:comm"] - step.overlap_s[0] + 1e-12
+
+
+def test_data_parallelism_scales_when_priced_as_ddp():
+    graph = stack(4, batch=256, seq=512, hidden=1024, heads=16, ffn=4096, library=LIB)   # 4 BERT-Large blocks
+    machine = Machine.preset("h100x8")
+    times = {n: simulate_pcg(data_parallel_pcg(graph, LIB, n, 8), LIB, machine.with_devices(n), DDP).step_s
+             for n in (8, 64)}
+    assert times[64] < times[8] / 2
+
+
+def test_stragglers_make_collectives_wait():
+    pcg = megatron_mlp()
+    calm = simulate_pcg(pcg, LIB, CPU64, PARSAT_RUN)
+    noisy = simulate_pcg(pcg, LIB, replace(CPU64, comm=replace(CPU64.comm, sync_skew=0.5)), PARSAT_RUN)
+    waits = [s for s in noisy.result.spans if s.phase == "stragglers"]
+    assert len(waits) == 2 and noisy.step_s > calm.step_s       # before the all-reduce, and at the step's end
+
+
+def test_a_mesh_axis_across_nodes_costs_more_than_one_inside_a_node():
+    machine = Machine.preset("cpu")
+    inside = data_parallel_pcg(mlp(library=LIB), LIB, 2, devices_per_node=4)   # the dp axis inside one node
+    across = data_parallel_pcg(mlp(library=LIB), LIB, 2, devices_per_node=1)   # two nodes of one device
+    assert simulate_pcg(across, LIB, machine, PARSAT_RUN).step_s > simulate_pcg(inside, LIB, machine, PARSAT_RUN).step_s
+    forced = simulate_pcg(inside, LIB, machine, PARSAT_RUN, topology=lambda node: GroupTopology(2, 1, 2)).step_s
+    assert forced == simulate_pcg(across, LIB, machine, PARSAT_RUN).step_s
+
+
+def test_the_compute_time_cache_is_shared_and_tied_to_its_machine():
+    times = OpTimes(LIB, CPU64)
+    first = simulate_pcg(megatron_mlp(), LIB, CPU64, PARSAT_RUN, times=times)
+    assert simulate_pcg(megatron_mlp(), LIB, CPU64, PARSAT_RUN, times=times).step_s == first.step_s
+    with pytest.raises(TaskBuildError):
+        simulate_pcg(megatron_mlp(), LIB, Machine.preset("cpu"), PARSAT_RUN, times=times)
+
+
+def test_parsat_run_memory_sampled_between_calls_misses_gather_buffers():
+    """An all-gather's pieces live only until their concatenation: an allocator's peak sees them, the
+    executor's measurement between calls (on CPU) does not."""
+    pcg = mesh_pcg(Mesh.of((4,), 4, names=("tp",)), (
+        ("leaf", "x", (), (128, 784), {}, "input"),
+        ("leaf", "w1", (), (784, 512), {}, "weight"),
+        ("leaf", "w2", (), (512, 10), {}, "weight"),
+        ("parallel", "partition", (1,), (784, 512), {"dim": 1, "axis": "tp"}, ""),
+        ("parallel", "replicate", (0,), (128, 784), {"axis": "tp"}, ""),
+        ("op", "matmul", (4, 3), (128, 512), {}, ""),
+        ("op", "relu", (5,), (128, 512), {}, ""),
+        ("parallel", "combine", (6,), (128, 512), {"dim": 1, "axis": "tp"}, ""),
+        ("op", "matmul", (7, 2), (128, 10), {}, ""),
+    ))
+    step = simulate_pcg(pcg, LIB, CPU64, PARSAT_RUN)
+    # at the concatenation: the gathered pieces and the result; at the end of forward: the result, mm2, loss
+    assert step.peak_memory_bytes - step.sampled_memory_bytes == (128 * 512 - 2 * 128 * 10) * 8
+
+
+@pytest.mark.parametrize("profile", [PARSAT_RUN, DDP])
+def test_zero3_weights_are_gathered_once_per_step_and_their_gradients_reduce_scattered(profile):
+    """As backend/executor.py runs ZeRO-3: one all-gather per weight in forward, the copy kept for backward (no
+    second gather), the gradient reduce-scattered onto the stored shard: that is the gradient sync."""
+    machine = CPU64 if profile is PARSAT_RUN else Machine.preset("h100x8")
+    step = simulate_pcg(zero3_mlp(), LIB, machine, profile)
+    spans = step.result.spans
+    gathers = [s for s in spans if "all_gather" in s.name and s.name.endswith("all-gather")]
+    assert len(gathers) == 2 and all(s.phase == "forward_comm" for s in gathers)
+    assert not [s for s in spans if s.phase.startswith("backward") and "all_gather" in s.name and "all-gather" in s.name]
+    syncs = [s for s in spans if s.phase == "grad_sync"]
+    assert len(syncs) == 2 and all(s.name.endswith("reduce-scatter") for s in syncs)
+    shards = (784 * 512 + 512 * 10) // 2
+    assert step.resident_bytes == shards * machine.precision_spec.parameter_bytes(profile.optimizer).total
+    gathered = (784 * 512 + 512 * 10) * machine.dtype_bytes
+    assert step.peak_memory_bytes >= step.resident_bytes + gathered     # both gathered weights alive at once
+    optimizer = [s for s in spans if s.phase == "optimizer"]
+    assert min(s.start for s in optimizer) >= max(s.end for s in syncs)
+
+
+def test_each_collective_is_priced_on_its_mesh_axis_group():
+    """The hybrid 2 x 2 mesh on nodes of 2: dp spans two nodes (one device each), tp stays inside a node."""
+    pcg = hybrid_mlp()
+    machine = Machine.preset("h100x8")
+    step = simulate_pcg(pcg, LIB, machine, DDP).result
+    bucket = next(s for s in step.spans if s.name.startswith("all-reduce bucket"))
+    grads = (784 * 256 + 256 * 10) * machine.precision_spec.gradient_bytes      # the tp pieces of w1 and w2
+    assert bucket.end - bucket.start == pytest.approx(price(ALL_REDUCE, GroupTopology(2, 1, 2), grads, machine).seconds)
+    scatter = next(s for s in step.spans if s.name.endswith("reduce-scatter") and s.phase == "forward_comm")
+    expected = price("reduce_scatter", GroupTopology(2, 2, 1), 64 * 10 * machine.dtype_bytes, machine).seconds
+    assert scatter.end - scatter.start == pytest.approx(expected)
+    # the fused reduce_scatter is one collective forward and one backward, not a reduce and a partition
+    fused = [s for s in step.spans if "reduce_scatter" in s.name and s.stream.kind == "comm"]
+    assert [s.phase for s in fused] == ["forward_comm", "backward_comm"]
+
+
+def test_zero3_data_parallelism_moves_what_data_parallelism_does_and_syncs_by_reduce_scatter():
+    """`data_parallel_pcg(zero3=True)`: every weight stored split and all-gathered; the backend lays it out, the
+    per-node model sends as many elements as data parallelism's all-reduces (all-gather + reduce-scatter =
+    all-reduce), and the step syncs every weight's gradient by a reduce-scatter."""
+    from parsat.ir.models import transformer
+    from parsat.ir.pcg_layout import lay_out
+    from parsat.ir.costs import totals
+    from parsat.saturate.baselines import price_pcg
+
+    graph = transformer(batch=4, seq=32, hidden=64, heads=4, ffn=256, library=LIB)
+    dp, zero = (data_parallel_pcg(graph, LIB, 4, 4, zero3=z) for z in (False, True))
+    lay_out(zero, LIB.ops)
+    weights = [n for n in zero.nodes if n.kind == "leaf" and n.role == "weight"]
+    gathers = [n for n in zero.nodes if n.op == "all_gather"]
+    assert len(gathers) == len(weights) == 16
+    machine = Machine.preset("h100x8").with_devices(4)
+    dp_totals, zero_totals = (totals(price_pcg(p, LIB, machine), machine) for p in (dp, zero))
+    assert zero_totals.comm_elements == dp_totals.comm_elements
+    assert zero_totals.grad_sync_elements * 2 == dp_totals.grad_sync_elements     # the reduce-scatter half
+    step = simulate_pcg(zero, LIB, CPU64, PARSAT_RUN).result
+    syncs = [s for s in step.spans if s.phase == "grad_sync"]
+    assert len(syncs) == len(weights) and all(s.name.endswith("reduce-scatter") for s in syncs)

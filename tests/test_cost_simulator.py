@@ -1,0 +1,171 @@
+"""The step simulator: in-order streams, dependencies, critical path, overlap, memory; DDP buckets, FSDP prefetch."""
+
+from __future__ import annotations
+
+import pytest
+
+from parsat.saturate.schedules import Gradient, GradientBuckets, Unit, assign_buckets, fsdp_step
+from parsat.saturate.simulator import COMM, COMPUTE, SimulationError, StepBuilder
+
+
+def test_a_stream_runs_its_tasks_in_order_and_streams_run_at_once():
+    b = StepBuilder()
+    compute, comm = b.stream(0, COMPUTE), b.stream(0, COMM)
+    a = b.add("a", compute, 3.0)
+    c = b.add("c", comm, 2.0, [a])          # waits for a
+    b.add("d", compute, 4.0)                 # runs while c does
+    e = b.add("e", compute, 1.0, [c])
+    r = b.simulate()
+    spans = {s.name: (s.start, s.end) for s in r.spans}
+    assert spans == {"a": (0, 3), "c": (3, 5), "d": (3, 7), "e": (7, 8)}
+    assert r.step_s == 8
+    assert r.busy_s == {"0:compute": 8, "0:comm": 2}
+    assert r.overlap_s[0] == 2                # c ran entirely under d
+    assert [b.names[i] for i in r.critical_path] == ["a", "d", "e"]
+    assert r.exposed_comm_s(0) == 0
+    assert e == 3
+
+
+def test_exposed_communication_and_critical_path_through_a_collective():
+    b = StepBuilder()
+    compute, comm = b.stream("gpu", COMPUTE), b.stream("gpu", COMM)
+    a = b.add("forward", compute, 1.0, phase="forward")
+    c = b.add("all-reduce", comm, 5.0, [a], phase="grad_sync")
+    b.add("update", compute, 1.0, [c], phase="optimizer")
+    r = b.simulate()
+    assert r.step_s == 7 and r.exposed_comm_s("gpu") == 5
+    assert r.critical_breakdown() == {"forward": 1.0, "grad_sync": 5.0, "optimizer": 1.0}
+    assert "gpu:compute" in r.timeline() and "overlap" in r.timeline()
+
+
+def test_peak_memory_follows_allocations_and_frees_over_time():
+    b = StepBuilder()
+    s = b.stream(0)
+    b.add("forward 1", s, 1.0, alloc=100)
+    b.add("forward 2", s, 1.0, alloc=50)
+    b.add("backward 2", s, 1.0, free=50)
+    b.add("backward 1", s, 1.0, alloc=120, free=220)   # a transient of 120 on top of what it frees at its end
+    assert b.simulate({0: 1000}).peak_memory_bytes[0] == 1000 + 100 + 50 - 50 + 120
+
+
+def test_a_zero_length_task_still_counts_its_transient():
+    b = StepBuilder()
+    s = b.stream(0)
+    b.add("x", s, 0.0, alloc=64, free=64)
+    assert b.simulate().peak_memory_bytes[0] == 64
+
+
+def test_frees_before_allocations_at_the_same_instant_across_streams():
+    b = StepBuilder()
+    s0, s1 = b.stream(0), b.stream(0, COMM)
+    b.add("holds until 1", s0, 1.0, alloc=100, free=100)
+    b.add("starts at 1", s1, 1.0, [0], alloc=100)
+    assert b.simulate().peak_memory_bytes[0] == 100
+
+
+def test_bad_tasks_are_refused():
+    b = StepBuilder()
+    s = b.stream(0)
+    with pytest.raises(SimulationError):
+        b.add("later dep", s, 1.0, [0])
+    with pytest.raises(SimulationError):
+        b.add("negative", s, -1.0)
+    with pytest.raises(SimulationError):
+        b.add("nowhere", 5, 1.0)
+
+
+def test_devices_are_separate_and_cross_device_dependencies_wait():
+    b = StepBuilder()
+    s0, s1 = b.stream(0), b.stream(1)
+    send = b.add("stage 0", s0, 2.0)
+    b.add("stage 1", s1, 3.0, [send])
+    r = b.simulate()
+    assert r.step_s == 5 and set(r.peak_memory_bytes) == {0, 1}
+
+
+# -------------------------------------------------------------------- DDP buckets
+
+
+def test_bucket_assignment_first_bucket_small_then_caps_and_big_gradients_alone():
+    grads = [Gradient(f"g{i}", size) for i, size in enumerate([300, 800, 100, 2000, 500, 500, 100])]
+    buckets = assign_buckets(grads, bucket_bytes=1000, first_bucket_bytes=1000 // 2)
+    assert [[g.name for g in bucket] for bucket in buckets] == [["g0", "g1"], ["g2", "g3"], ["g4", "g5"], ["g6"]]
+
+
+def test_buckets_launch_when_complete_in_order_and_overlap_backward():
+    b = StepBuilder()
+    compute = b.stream(0, COMPUTE)
+    grads = [Gradient(f"w{i}", 100) for i in range(4)]     # backward order
+    buckets = GradientBuckets(b, 0, grads, lambda nbytes: nbytes / 100, bucket_bytes=200, first_bucket_bytes=100)
+    assert [len(x) for x in buckets.buckets] == [1, 2, 1]
+    launched = []
+    for i in range(4):
+        task = b.add(f"backward {i}", compute, 2.0)
+        launched += buckets.ready(f"w{i}", task)
+    r = b.simulate()
+    spans = {s.name: (s.start, s.end) for s in r.spans}
+    assert len(launched) == 3 and buckets.done() == launched
+    starts = [r.spans[t].start for t in launched]
+    assert starts == [2.0, 6.0, 8.0]           # each as soon as its last gradient is ready
+    assert spans["backward 3"] == (6.0, 8.0)
+    assert r.step_s == 9.0 and r.overlap_s[0] == pytest.approx(3.0)
+
+
+def test_a_bucket_waits_for_the_earlier_ones():
+    b = StepBuilder()
+    s = b.stream(0)
+    buckets = GradientBuckets(b, 0, [Gradient("a", 10), Gradient("b", 10)], lambda n: 1.0, bucket_bytes=10,
+                              first_bucket_bytes=10)
+    t = b.add("grad b", s, 1.0)
+    assert buckets.ready("b", t) == []          # bucket 1 is complete, bucket 0 is not: DDP waits
+    t = b.add("grad a", s, 1.0)
+    assert len(buckets.ready("a", t)) == 2
+
+
+def test_a_gradient_never_ready_is_an_error():
+    b = StepBuilder()
+    buckets = GradientBuckets(b, 0, [Gradient("a", 10)], lambda n: 1.0)
+    with pytest.raises(SimulationError, match="never ready"):
+        buckets.done()
+    with pytest.raises(SimulationError, match="no bucket"):
+        buckets.ready("z", 0)
+
+
+# -------------------------------------------------------------------- FSDP
+
+
+def test_fsdp_prefetches_one_unit_ahead_and_frees_gathered_parameters():
+    b = StepBuilder()
+    units = [Unit(f"layer{i}", gathered_bytes=1000, forward_s=1.0, backward_s=2.0, activation_bytes=10)
+             for i in range(4)]
+    tasks = fsdp_step(b, 0, units, all_gather_s=lambda n: 0.5, reduce_scatter_s=lambda n: 0.5)
+    r = b.simulate({0: 400})
+    start = {s.task: s.start for s in r.spans}
+    end = {s.task: s.end for s in r.spans}
+    forward = tasks.forward
+    assert start[forward[0]] == 0.5                         # the first all-gather is exposed
+    assert all(start[forward[i + 1]] == end[forward[i]] for i in range(3))   # the others hidden by prefetch
+    assert r.step_s == pytest.approx(0.5 + 4 * 1.0 + 0.5 + 4 * 2.0 + 0.5)  # + first backward gather, last scatter
+    # at most two units' parameters gathered and two units' unsharded gradients (one being reduce-scattered)
+    # at once, plus the activations: never the whole model gathered (8 units' worth)
+    assert r.peak_memory_bytes[0] == 400 + 2 * 1000 + 2 * 1000 + 3 * 10
+    assert len(tasks.all_gathers) == 8 and len(tasks.reduce_scatters) == 4
+
+
+def test_fsdp_with_slow_gathers_is_communication_bound():
+    b = StepBuilder()
+    units = [Unit(f"l{i}", 1000, 1.0, 1.0) for i in range(3)]
+    fsdp_step(b, 0, units, all_gather_s=lambda n: 3.0, reduce_scatter_s=lambda n: 0.0)
+    assert b.simulate().step_s >= 6 * 3.0
+
+
+def test_memory_after_a_task_leaves_out_finished_transients_and_later_allocations():
+    b = StepBuilder()
+    s = b.stream(0)
+    first = b.add("gather", s, 1.0, alloc=100)
+    concat = b.add("concat", s, 1.0, alloc=100, free=100)     # the gathered buffers die with the concatenation
+    b.add("next", s, 1.0, alloc=7)
+    r = b.simulate({0: 10})
+    assert r.peak_memory_bytes[0] == 210
+    assert r.memory_after(first, 10) == 110
+    assert r.memory_after(concat, 10) == 110                  # the transient 200 is not seen between calls
