@@ -405,7 +405,7 @@ def check_simulated_step(f: _Fields, totals: Mapping, path: str) -> None:
     """A totals object's simulated step (docs/plan-schema.md), where it has one: the per-stream totals, the
     profile, the phases and the lanes `explain` draws (letters and spaces, the lanes of one length)."""
     if "node_sum_s" in totals:
-        f.number(totals["node_sum_s"], f"{path}.node_sum_s")
+        f.number(totals["node_sum_s"], f"{path}.node_sum_s", nullable=True)
     if "step" not in totals:
         return
     for key in STEP_TOTALS:
