@@ -130,6 +130,14 @@ class Poly:
     def constant(self) -> int:
         return sum(c for m, c in self.terms if not m)
 
+    def as_symbol(self) -> str | None:
+        """The symbol when this polynomial is exactly one symbol (then a pattern can bind it), else None."""
+        if len(self.terms) == 1:
+            mono, coeff = self.terms[0]
+            if coeff == 1 and len(mono) == 1 and isinstance(mono[0][0], str) and mono[0][1] == 1:
+                return mono[0][0]
+        return None
+
     def symbols(self) -> set[str]:
         found: set[str] = set()
         for mono, _ in self.terms:

@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from parsat.dsl.parallel_ops import ALL_GATHER, PARTITION, REDUCE_SCATTER
-from parsat.ir.pcg import PCG
+from parsat.ir.pcg import PCG, pcg_roles
 from parsat.ir.placement import shard_dim
+
+WEIGHTY = ("weight", "weight-piece")   # a weight, or a piece of one made by parallel operators
 
 DATA, TENSOR, SEQUENCE, ZERO3 = "data", "tensor", "sequence", "zero3"
 KINDS = {"dp": DATA, "tp": TENSOR, "sp": SEQUENCE, "pp": "pipeline"}   # what `--degrees` names them
@@ -45,19 +47,9 @@ class AxisUse:
         return f"{main} {self.size} {self.where}"
 
 
-def _roles(pcg: PCG) -> dict[int, str]:
-    roles: dict[int, str] = {}
-    for node in pcg.nodes:
-        if node.kind == "leaf":
-            roles[node.id] = node.role or "input"
-        elif node.kind == "parallel" and node.inputs[0] in roles:
-            roles[node.id] = "input" if roles[node.inputs[0]] == "input" else "weight"
-    return roles
-
-
 def axis_uses(pcg: PCG) -> list[AxisUse]:
     """What each axis of the PCG's mesh is used for (module docstring)."""
-    roles = _roles(pcg)
+    roles = pcg_roles(pcg)
     by_id = {n.id: n for n in pcg.nodes}
     kinds: dict[int, set[str]] = {a: set() for a in range(len(pcg.mesh))}
     for node in pcg.nodes:
@@ -69,9 +61,9 @@ def axis_uses(pcg: PCG) -> list[AxisUse]:
         rank = len(node.shape)
         if node.op == PARTITION and source == "input" and dim == 0:
             kinds[axis].add(DATA)
-        elif node.op == ALL_GATHER and source == "weight":
+        elif node.op == ALL_GATHER and source in WEIGHTY:
             kinds[axis].add(ZERO3)
-        elif node.op == PARTITION and source == "weight":
+        elif node.op == PARTITION and source in WEIGHTY:
             kinds[axis].add(TENSOR)
         elif node.op in (REDUCE_SCATTER, ALL_GATHER) or (node.op == PARTITION and rank == 3 and dim == 1
                                                           and by_id[node.inputs[0]].kind != "leaf"):
@@ -90,7 +82,7 @@ def _computes_on_weight_pieces(pcg: PCG, by_id: Mapping, roles: Mapping[int, str
             continue
         for ref in node.inputs:
             source = by_id[ref]
-            if roles.get(ref) == "weight" and source.kind == "parallel" and shard_dim(source.placement.codes[axis]) \
+            if roles.get(ref) in WEIGHTY and source.kind == "parallel" and shard_dim(source.placement.codes[axis]) \
                     is not None:
                 return True
     return False

@@ -134,3 +134,15 @@ class PCG:
     @property
     def max_pieces(self) -> int:
         return max((n.degrees.pieces for n in self.nodes), default=1)
+
+
+def pcg_roles(pcg: PCG) -> dict[int, str]:
+    """Node id -> role, as `extract.leaf_roles` gives e-classes: leaves by their role, values made from them by
+    parallel operators only as "input" or "weight-piece"."""
+    roles: dict[int, str] = {}
+    for node in pcg.nodes:
+        if node.kind == "leaf":
+            roles[node.id] = node.role or "input"
+        elif node.kind == "parallel" and node.inputs[0] in roles:
+            roles[node.id] = "input" if roles[node.inputs[0]] == "input" else "weight-piece"
+    return roles

@@ -30,7 +30,7 @@ from parsat.ir.errors import GraphError
 from parsat.ir.graph import Graph, GraphBuilder
 from parsat.ir.machine import Machine
 from parsat.ir.mesh import Mesh
-from parsat.ir.pcg import PCG, Degrees
+from parsat.ir.pcg import PCG, Degrees, pcg_roles
 from parsat.ir.placement import Placement
 from parsat.saturate.errors import OptimizeError
 from parsat.saturate.extract import ExtractionError, NodeId, Pricer, leaf_roles
@@ -74,18 +74,6 @@ def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_layouts: 
             return None
         out[node.id] = cost
     return out
-
-
-def pcg_roles(pcg: PCG) -> dict[int, str]:
-    """Node id -> role, as `extract.leaf_roles` gives e-classes: leaves by their role, values made from them by
-    parallel operators only as "input" or "weight-piece"."""
-    roles: dict[int, str] = {}
-    for node in pcg.nodes:
-        if node.kind == "leaf":
-            roles[node.id] = node.role or "input"
-        elif node.kind == "parallel" and node.inputs[0] in roles:
-            roles[node.id] = "input" if roles[node.inputs[0]] == "input" else "weight-piece"
-    return roles
 
 
 def data_parallel(graph: Graph, library: Library, machine: Machine, free_input_layouts: bool,

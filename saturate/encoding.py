@@ -34,7 +34,7 @@ from parsat.dsl import ast
 from parsat.dsl.conditions import Rel
 from parsat.dsl.parallel_ops import PARALLEL_OPS, PARTITION, REPLICATE
 from parsat.dsl.symbolic import Poly
-from parsat.ir.graph import Graph
+from parsat.ir.graph import Graph, OpNode
 from parsat.ir.pcg import Degrees
 
 ANALYSES = ("Rank", "Dim", "Shard", "Copy", "Psum", "Pieces")
@@ -139,6 +139,22 @@ def layout_chain(var: str, degrees: Degrees) -> list[tuple[str, str, Degrees]]:
 PIN_SUFFIX = "@pinned"
 
 
+def node_arguments(op: ast.OpDecl, node: OpNode, names: Mapping[str, str]) -> list[str]:
+    """A graph node's constructor arguments in the operator's parameter order: its tensors by their egglog
+    variables in `names`, its attributes as literals."""
+    args = []
+    tensors = iter(node.inputs)
+    attrs = dict(node.attrs)
+    for param in op.params:
+        if param.is_tensor:
+            args.append(names[next(tensors)])
+        elif param.type.kind == "real":
+            args.append(real_literal(attrs[param.name]))
+        else:
+            args.append(str(int(attrs[param.name])))
+    return args
+
+
 def graph_program(graph: Graph, ops: Mapping[str, ast.OpDecl],
                   pins: Mapping[str, Degrees] | None = None) -> tuple[str, dict[str, str]]:
     """One `let` per leaf and per operator (a DAG, not a tree), with analysis rows.
@@ -172,16 +188,7 @@ def graph_program(graph: Graph, ops: Mapping[str, ast.OpDecl],
     for index, node in enumerate(graph.nodes):
         var = f"$n{index}"
         names[node.name] = var
-        args = []
-        tensors = iter(node.inputs)
-        attrs = dict(node.attrs)
-        for param in ops[node.op].params:
-            if param.is_tensor:
-                args.append(names[next(tensors)])
-            elif param.type.kind == "real":
-                args.append(real_literal(attrs[param.name]))
-            else:
-                args.append(str(int(attrs[param.name])))
+        args = node_arguments(ops[node.op], node, names)
         lines.append(f"\n(let {var} ({ctor(node.op)} {' '.join(args)}))")
         lines.append(made_row(ctor(node.op), args, GRAPH_MADE))
         rows(var, node.shape, Degrees.whole(len(node.shape)))

@@ -26,7 +26,7 @@ from parsat.dsl.typecheck import TypedTerm
 from parsat.ir.mesh import Mesh
 from parsat.saturate.encoding import MAX_RANK, SkipRule, ctor, made_row, poly_expr, real_literal, rel_fact, shape_term
 from parsat.saturate.guards import subst_cond
-from parsat.saturate.lifting import LiftedInstance, postorder, single_symbol
+from parsat.saturate.lifting import LiftedInstance, postorder
 from parsat.saturate.mesh_encoding import LOCAL, PLACE, place_term, table_name
 from parsat.saturate.rule_text import RuleBody, dnf
 
@@ -56,7 +56,7 @@ class _Writer:
         """An integer position of a left-side constructor: literal, binder, or checked expression."""
         if poly.is_const:
             return str(poly.constant)
-        symbol = single_symbol(poly)
+        symbol = poly.as_symbol()
         if symbol is not None and symbol not in self.names:
             self.names[symbol] = _var(symbol)
             return self.names[symbol]
@@ -65,7 +65,7 @@ class _Writer:
         return var
 
     def axis_of(self, term: TypedTerm) -> int:
-        return self.lifted.sigma[single_symbol(term.degree)]
+        return self.lifted.sigma[term.degree.as_symbol()]
 
     def pattern(self, term: TypedTerm) -> str:
         if term.kind == "input":
@@ -114,7 +114,7 @@ def lifted_bodies(lifted: LiftedInstance, mesh: Mesh) -> tuple[list[RuleBody], d
             raise SkipRule(f"metavariable '{name}' has rank {len(shape)} (at most {MAX_RANK} supported)")
         dims = []
         for dim in shape:
-            symbol = single_symbol(dim)
+            symbol = dim.as_symbol()
             if symbol is not None and symbol not in w.names:
                 w.names[symbol] = _var(symbol)
                 dims.append(w.names[symbol])

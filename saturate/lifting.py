@@ -24,22 +24,12 @@ import itertools
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import RuleInstance, TypedTerm
 from parsat.ir.placement import FREE, axis_compute, axis_parallel, codes_for_rank, shard
 
 
 class NotLiftable(Exception):
     """The instance cannot act on this mesh (the message says why)."""
-
-
-def single_symbol(poly: Poly) -> str | None:
-    syms = poly.symbols()
-    if len(syms) == 1:
-        symbol = next(iter(syms))
-        if poly == Poly.sym(symbol):
-            return symbol
-    return None
 
 
 def degree_symbols(instance: RuleInstance) -> tuple[str, ...]:
@@ -49,7 +39,7 @@ def degree_symbols(instance: RuleInstance) -> tuple[str, ...]:
         for term in side.walk():
             if term.kind != "parallel":
                 continue
-            symbol = single_symbol(term.degree)
+            symbol = term.degree.as_symbol()
             if symbol is None:
                 raise NotLiftable(f"degree {term.degree} is not one mesh axis (each parallel operator acts on "
                                   "one axis; nesting over axes comes from lifting)")
@@ -79,7 +69,7 @@ def term_codes(term: TypedTerm, axis: int, sigma: Mapping[str, int], metas: Mapp
         if any(a is None for a in args):
             code = None
         elif term.kind == "parallel":
-            on = sigma[single_symbol(term.degree)]
+            on = sigma[term.degree.as_symbol()]
             code = axis_parallel(term.name, args[0], term.dim, on == axis, axis < on)
         else:
             code = axis_compute(term.instance, args, cache)[0]

@@ -37,7 +37,7 @@ from parsat.ir.graph import Graph
 from parsat.ir.mesh import Mesh
 from parsat.ir.placement import REPLICA, Placement, apply_parallel, shard_dim
 from parsat.saturate.encoding import (GRAPH_MADE, MADE_PREFIX, MAX_RANK, PIN_SUFFIX, SHAPE_RULESET, ctor, made_row,
-                                      quote, real_literal, shape_term)
+                                      node_arguments, quote, shape_term)
 
 LOCAL = "Local"
 PLACE = "Pl"
@@ -134,16 +134,7 @@ def mesh_graph_program(graph: Graph, ops: Mapping[str, ast.OpDecl], mesh: Mesh,
     for index, node in enumerate(graph.nodes):
         var = f"$n{index}"
         names[node.name] = var
-        args = []
-        tensors = iter(node.inputs)
-        attrs = dict(node.attrs)
-        for param in ops[node.op].params:
-            if param.is_tensor:
-                args.append(names[next(tensors)])
-            elif param.type.kind == "real":
-                args.append(real_literal(attrs[param.name]))
-            else:
-                args.append(str(int(attrs[param.name])))
+        args = node_arguments(ops[node.op], node, names)
         lines.append(f"\n(let {var} ({ctor(node.op)} {' '.join(args)}))")
         lines.append(made_row(ctor(node.op), args, GRAPH_MADE))
         lines.extend(_rows(var, node.shape, whole))

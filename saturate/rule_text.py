@@ -142,7 +142,7 @@ class _Builder:
         """An integer position of a left-side constructor: literal, binder, or checked expression."""
         if poly.is_const:
             return str(poly.constant)
-        symbol = _single_symbol(poly)
+        symbol = poly.as_symbol()
         if symbol is not None and symbol not in self.names:
             self.names[symbol] = _var(symbol)
             return self.names[symbol]
@@ -195,7 +195,7 @@ def _free_degrees(instance: RuleInstance) -> list[str]:
     bound = set()
     for term in instance.lhs.walk():
         if term.kind == "parallel" and term.degree is not None:
-            symbol = _single_symbol(term.degree)
+            symbol = term.degree.as_symbol()
             if symbol is not None:
                 bound.add(symbol)
         if term.kind == "op":
@@ -244,7 +244,7 @@ def _compile_one(instance: RuleInstance, devices: int, free: Sequence[str]) -> l
             raise SkipRule(f"metavariable '{name}' has rank {len(shape)} (at most {MAX_RANK} supported)")
         dims = []
         for dim in shape:
-            symbol = _single_symbol(dim)
+            symbol = dim.as_symbol()
             if symbol is not None and symbol not in b.names:
                 b.names[symbol] = _var(symbol)
                 dims.append(b.names[symbol])
@@ -294,16 +294,6 @@ def _compile_one(instance: RuleInstance, devices: int, free: Sequence[str]) -> l
                                                for r in alt]))
         texts.append(RuleBody(facts[0], tuple(when), " ".join(actions)))
     return texts
-
-
-def _single_symbol(poly: Poly) -> str | None:
-    """The symbol when `poly` is exactly one symbol (then a pattern can bind it)."""
-    syms = poly.symbols()
-    if len(syms) == 1:
-        symbol = next(iter(syms))
-        if poly == Poly.sym(symbol):
-            return symbol
-    return None
 
 
 def _raise(message: str):

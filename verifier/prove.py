@@ -69,14 +69,6 @@ def _apply_cond(cond: Cond, fn) -> Cond:
     return Negation(_apply_cond(cond.part, fn), cond.span, cond.reason)
 
 
-def _single_symbol(p: Poly) -> str | None:
-    if len(p.terms) == 1:
-        mono, coeff = p.terms[0]
-        if coeff == 1 and len(mono) == 1 and isinstance(mono[0][0], str) and mono[0][1] == 1:
-            return mono[0][0]
-    return None
-
-
 def _cancel(num: Poly, den: Poly) -> tuple[Poly, Poly]:
     """Divide out a common monomial factor of two monomials."""
     if len(num.terms) != 1 or len(den.terms) != 1:
@@ -124,14 +116,14 @@ def solve_sizes(instance: RuleInstance) -> _Sizes:
                             if den == ONE:
                                 target = ("drop",)
                                 break
-                            name = _single_symbol(num)
+                            name = num.as_symbol()
                             if name is not None and name not in den.symbols():
                                 counter += 1
                                 fresh = f"{name}_{counter}"
                                 sizes.kinds[fresh] = "int" if sizes.kinds.get(name) == "int" else "dim"
                                 target = (name, den * Poly.sym(fresh))
                                 break
-                    name = _single_symbol(a)
+                    name = a.as_symbol()
                     if name is not None and name not in b.symbols() and not b.is_const:
                         target = (name, b)
                         break
