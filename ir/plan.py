@@ -234,6 +234,10 @@ def explain(data: Mapping, limit: int | None = 40) -> str:
     if micro != 1:
         lines.append(f"  {micro} micro-batches per step (gradient accumulation): the graph is one micro-batch, "
                      "its gradients synchronised once per step; memory is one micro-batch's activations")
+    repeated = (data.get("saturation") or {}).get("repeated_blocks")
+    if repeated:
+        lines.append(f"  {repeated['blocks']} identical blocks, searched as {repeated['searched_blocks']}: block "
+                     f"{repeated['repeated_block']}'s plan repeated for {repeated['copies']} blocks")
     mesh = Mesh.from_dict(data["mesh"])
     lines.append(f"  mesh {mesh if len(mesh) else 'none (one device)'}: {describe(pcg_from_dict(data))}")
     if "step" in totals:
