@@ -82,7 +82,9 @@ def optimize_cases(specs: list[str], limits: dict) -> list[dict]:
         row = {"case": spec, "name": name, "devices": devices, "sizes": overrides, "limits": limits}
         try:
             plan = parsat.optimize(name, machine="h100x8", devices=devices, sizes=overrides or None,
-                                   limits=limits or None)
+                                   limits=limits or None,
+                                   progress=lambda message: print(f"  [{spec}] {message}", file=sys.stderr,
+                                                                  flush=True))
         except Exception as err:  # noqa: BLE001 - the error is the result
             row["error"] = f"{type(err).__name__}: {err}"
         else:
@@ -99,6 +101,10 @@ def optimize_cases(specs: list[str], limits: dict) -> list[dict]:
             row["mesh"] = plan.saturation.get("mesh")
             row["meshes"] = plan.saturation.get("meshes")
             row["chosen"] = plan.extraction.get("chosen")
+            row["repeated_blocks"] = plan.saturation.get("repeated_blocks")
+            row["baselines_skipped"] = plan.extraction.get("baselines_skipped", "")
+            grid = plan.baseline_plans.get("best_grid")
+            row["best_grid_config"] = grid.config if grid is not None else None
             row["baselines_ms"] = {k: (v.time_s * 1e3 if v is not None else None) for k, v in plan.baselines.items()}
         row["cpu_s"] = round(time.process_time() - start, 2)
         row["max_rss_mib_after"] = round(_max_rss_mib(), 1)
