@@ -106,6 +106,12 @@ def optimize_cases(specs: list[str], limits: dict) -> list[dict]:
             grid = plan.baseline_plans.get("best_grid")
             row["best_grid_config"] = grid.config if grid is not None else None
             row["baselines_ms"] = {k: (v.time_s * 1e3 if v is not None else None) for k, v in plan.baselines.items()}
+            row["baselines_gib"] = {k: (v.peak_memory_bytes / 2 ** 30 if v is not None else None)
+                                    for k, v in plan.baselines.items()}
+            row["baselines_fit"] = {k: (v.peak_memory_bytes <= plan.machine.memory_capacity if v is not None
+                                        else None) for k, v in plan.baselines.items()}
+            row["enodes"] = plan.saturation.get("enodes")
+            row["stop"] = plan.saturation.get("stop")
         row["cpu_s"] = round(time.process_time() - start, 2)
         row["max_rss_mib_after"] = round(_max_rss_mib(), 1)
         row["max_rss_mib_before"] = round(rss, 1)

@@ -46,7 +46,7 @@ from parsat.ir.models import EXAMPLES
 from parsat.ir.pcg import Degrees
 from parsat.ir.pcg_layout import lay_out
 from parsat.ir.placement import Placement, PlacementError
-from parsat.ir.plan import JOINT, BaselinePlan, Plan
+from parsat.ir.plan import BASELINES, JOINT, BaselinePlan, Plan
 from parsat.saturate.cost import weight_bytes
 from parsat.saturate.baselines import Candidate, best_grid, data_parallel, megatron_excluded, sequential
 from parsat.saturate.errors import DoesNotFit, OptimizeError
@@ -98,6 +98,7 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
             raise OptimizeError(f"microbatches must be a positive integer, got {microbatches!r}")
         return optimize_step(graph, machine, rules, limits, devices, **_split(options, sizes, batch, microbatches))
     m, tried, failed, best, refined = 1, set(), 0, None, 0
+    plans: list[Plan] = []
     while True:
         tried.add(m)
         try:
@@ -108,7 +109,9 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
             plan, needed = None, err
         if not batch:
             return plan
-        fits = plan is not None and plan.totals.peak_memory_bytes <= plan.machine.memory_capacity
+        if plan is not None:
+            plans.append(plan)
+        fits = plan is not None and _fits(plan)
         if fits and (best is None or plan.totals.time_s < best.totals.time_s):
             best = plan
         if fits and m == 1:
@@ -120,7 +123,9 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
             # (larger kernels, fewer activation collectives), so bisect towards the largest count that failed
             fewer = _fewer_micro_batches(batch, failed, best.graph.microbatches, tried)
             if fewer is None or refined == REFINEMENTS:
-                return best
+                return _with_grid(best, plans, tried, batch, say,
+                                  lambda k: optimize_step(graph, machine, rules, limits, devices,
+                                                          **_split(options, sizes, batch, k)))
             refined += 1
             say(f"a plan fits with {best.graph.microbatches} micro-batches: trying {fewer}")
             m = fewer
@@ -141,6 +146,59 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
                 f"no plan fits with {m} micro-batch(es) ({needed.needed_bytes / 2**30:.1f} GiB per device needed)")
         say(f"{held}: searching again with {more} micro-batches")
         m = more
+
+
+GRID_SEARCHES = 2   # searches at more micro-batches spent finding a grid configuration that fits (at most)
+
+
+def _fits(plan: Plan) -> bool:
+    return plan.totals.peak_memory_bytes <= plan.machine.memory_capacity
+
+
+def _with_grid(best: Plan, plans: Sequence[Plan], tried: set[int], batch: int, say: Progress,
+               search: Callable[[int], Plan]) -> Plan:
+    """`best` compared with every baseline at every micro-batch count searched: Megatron-style grids choose
+    their micro-batch count too, and theirs may be larger than the joint plan's (tensor parallelism of one
+    sequence per data-parallel rank). While no grid configuration fits, up to `GRID_SEARCHES` searches at
+    twice the micro-batches are added. A baseline faster than the joint plan at its own count makes that
+    search's plan the answer (it is a whole plan at that count); otherwise each baseline's best totals across
+    counts are kept, with the count in its configuration, and its PCG when it was found at `best`'s count."""
+    plans = list(plans)
+    grid_fits = lambda p: p.baselines.get("best_grid") is not None and \
+        p.baselines["best_grid"].peak_memory_bytes <= p.machine.memory_capacity  # noqa: E731
+    if "best_grid" in best.baselines:   # baselines were asked for
+        m = max(p.graph.microbatches for p in plans)
+        for _ in range(GRID_SEARCHES):
+            if any(grid_fits(p) for p in plans):
+                break
+            m = next((k for k in range(2 * m, batch + 1) if batch % k == 0 and k not in tried), None)
+            if m is None:
+                break
+            tried.add(m)
+            say(f"no grid configuration fits at the micro-batch counts searched: searching {m} for the baselines")
+            try:
+                plans.append(search(m))
+            except DoesNotFit:
+                continue
+    fitting = [p for p in plans if _fits(p)]
+    best = min(fitting, key=lambda p: p.totals.time_s) if fitting else best
+    baselines, baseline_plans = dict(best.baselines), dict(best.baseline_plans)
+    for name in BASELINES:
+        found = [(p.baselines[name], p) for p in plans if p.baselines.get(name) is not None
+                 and p.baselines[name].peak_memory_bytes <= p.machine.memory_capacity]
+        if not found:
+            continue
+        totals_found, source = min(found, key=lambda f: f[0].time_s)
+        own = best.baselines.get(name)
+        if own is not None and own.peak_memory_bytes <= best.machine.memory_capacity and own.time_s <= totals_found.time_s:
+            continue
+        baselines[name] = totals_found
+        kept = source.baseline_plans.get(name)
+        config = {**dict(kept.config or {}), "microbatches": source.graph.microbatches} if kept else \
+            {"microbatches": source.graph.microbatches}
+        baseline_plans[name] = BaselinePlan(kept.pcg if kept and source is best else None,
+                                            kept.costs if kept and source is best else {}, config)
+    return replace(best, baselines=baselines, baseline_plans=baseline_plans)
 
 
 REFINEMENTS = 3   # searches spent looking for fewer micro-batches once a count fits (at most)

@@ -156,7 +156,7 @@ def best_grid(result: SaturationResult, graph: Graph, library: Library, machine:
                                   excluded, pins=input_pins, costs=priced, repetition=repetition)
         except (ExtractionError, RepeatError):
             continue
-        found = Candidate("best_grid", pcg, costs, totals(costs, machine), config.spelled(mesh))
+        found = Candidate("best_grid", pcg, costs, totals(costs, machine), config.spelled(mesh, graph.microbatches))
         if best is None or _better(found, best, machine):
             best = found
     return best
