@@ -144,11 +144,24 @@ def weigh(costs: Mapping[tuple[int, int], NodeCost], snapshot: Snapshot, repetit
 
 
 def node_blocks(pcg: PCG) -> dict[int, int]:
-    """PCG node -> its block, as `class_blocks` counts e-classes (the PCG is in topological order)."""
+    """PCG node -> its block: the latest block whose weights it depends on (the PCG is in topological order),
+    except that parallel operators that only a later block reads belong to that block: they are its entry,
+    converting the value it reads into the placements it wants (block 1 may want the same value of block 0
+    in two placements, and block 2 of block 1 in one: what crosses is the value, each block converts it)."""
     blocks: dict[int, int] = {}
     for node in pcg.nodes:
         own = block_of(node.op) if node.kind == "leaf" else block_of(node.origin)
         blocks[node.id] = max([own] + [blocks[i] for i in node.inputs])
+    readers: dict[int, set[int]] = {}
+    for node in pcg.nodes:
+        for i in node.inputs:
+            readers.setdefault(i, set()).add(node.id)
+    for node in reversed(pcg.nodes):
+        if node.kind != "parallel" or blocks[node.id] == OUTSIDE or node.id in pcg.outputs:
+            continue
+        later = {blocks[r] for r in readers.get(node.id, ())}
+        if len(later) == 1 and next(iter(later)) > blocks[node.id]:
+            blocks[node.id] = next(iter(later))
     return blocks
 
 
