@@ -376,13 +376,17 @@ def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: 
         say(f"baseline {skipped}")
     if baselines:
         megatron = _best([s.megatron for s in searches], machine)
-        grid = _best([s.grid for s in searches], machine)
         two_phase = sequential(searched, library, chosen, best_search.mesh,
                                replace(spare, ilp_seconds=min(spare.ilp_seconds, limits.ilp_seconds / 2)),
                                machine, best_search.pins, input_pins, free_input_layouts, say, caches,
                                repetition) if spare is not None else None
         dp = data_parallel(graph, library, machine, free_input_layouts, devices) if not pins else None
         two_phase, dp = steps(two_phase), steps(dp)
+        # data parallelism over every device is a point of the grid too, built directly where an e-graph cut
+        # short by the limits may not reach it
+        as_grid = replace(dp, name="best_grid", config={"dp": devices, "tp": 1, "sp": False, "zero": 0,
+                                                         "microbatches": graph.microbatches}) if dp else None
+        grid = _best([s.grid for s in searches] + [as_grid], machine)
         for name, candidate in (("megatron", megatron), ("sequential", two_phase), ("data_parallel", dp),
                                 ("best_grid", grid)):
             found_baselines[name] = candidate.totals if candidate is not None else None
