@@ -51,11 +51,11 @@ from parsat.backend.collectives import GRAD_SYNC, PARALLEL_TABLE, CommCounter, M
 from parsat.backend.launch import LaunchConfig, RankContext, launch
 from parsat.backend.torch_ops import apply_op
 from parsat.dsl.library import Library, load_library, shipped_rules_dir
-from parsat.dsl.parallel_ops import ALL_GATHER, PARTITION, REPLICATE
+from parsat.dsl.parallel_ops import ALL_GATHER, REPLICATE
 from parsat.ir.mesh import Mesh
 from parsat.ir.placement import FREE, PARTIAL, Placement, PlacementError, piece_index
 from parsat.ir.graph import Graph
-from parsat.ir.pcg import PCG, PNode
+from parsat.ir.pcg import PCG, PNode, weight_storage
 from parsat.ir.pcg_layout import lay_out
 
 OPTIMIZERS = ("sgd", "adam")
@@ -311,34 +311,26 @@ class RankProgram:
         self.placements = check_mesh(self.pcg, self.ctx.world, self.library)
         self.groups = MeshGroups(self.pcg.mesh, self.ctx.rank, self.ctx.device, self.ctx.collective_timeout_s)
         self.output_names = self.pcg.output_names or tuple(f"out{i}" for i in range(len(self.pcg.outputs)))
-        self._users: dict[int, list[PNode]] = {}
-        for node in self.pcg:
-            for i in node.inputs:
-                self._users.setdefault(i, []).append(node)
         self.params, self.folded = {}, set()
-        for node in self.pcg:
-            if node.kind == "leaf" and node.role == "weight":
-                self._store_weight(node)
+        by_id = {n.id: n for n in self.pcg}
+        for leaf, chain in weight_storage(self.pcg).items():
+            self._store_weight(by_id[leaf], chain)
         self._grad_syncs = gradient_reductions(self.pcg)
 
     @property
     def mesh(self) -> Mesh:
         return self.pcg.mesh
 
-    def _store_weight(self, leaf: PNode) -> None:
+    def _store_weight(self, leaf: PNode, chain: tuple[int, ...]) -> None:
+        """Hold this rank's piece of `leaf` as its storage chain's last node gives it (`ir.pcg.weight_storage`)."""
         if self.weights is not None:
             full = self.weights[leaf.op].detach().to(self.config.torch_dtype())
         else:
             nodes = [(str(n.id), n.op, [str(i) for i in n.inputs]) for n in self.pcg]
             shapes = {str(n.id): n.shape for n in self.pcg}
             full = leaf_value(leaf.op, leaf.shape, "weight", self.config, fan_in=fan_in(nodes, shapes, str(leaf.id)))
-        at = leaf.id
-        while True:
-            users = self._users.get(at, [])
-            if len(users) != 1 or users[0].kind != "parallel" or users[0].op != PARTITION:
-                break
-            at = users[0].id
-            self.folded.add(at)
+        at = chain[-1]
+        self.folded.update(chain[1:])
         placement = self.placements[at]
         where = piece_index(placement, leaf.shape, self.mesh, self.ctx.rank)
         piece = full[where].to(self.ctx.device, copy=True).requires_grad_()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from math import prod
 from typing import Iterator, Mapping
 
+from parsat.dsl.parallel_ops import PARTITION
 from parsat.dsl.spread import Spread
 from parsat.dsl.symbolic import Poly
 from parsat.ir.mesh import Mesh
@@ -136,13 +137,50 @@ class PCG:
         return max((n.degrees.pieces for n in self.nodes), default=1)
 
 
+# What a value is made from, as the cost model prices the parallel operators reading it (`saturate.cost`):
+# a graph input or a piece of one; a weight leaf; a weight stored sharded (a partition on its storage chain,
+# `weight_storage`); a weight's value made by any other parallel operator (a replicate, an all_gather, a
+# partition that does not store it), which no rank stores in that layout.
+INPUT, WEIGHT, WEIGHT_PIECE, WEIGHT_VALUE = "input", "weight", "weight-piece", "weight-value"
+WEIGHT_ROLES = (WEIGHT, WEIGHT_PIECE, WEIGHT_VALUE)
+STORED_ROLES = (WEIGHT, WEIGHT_PIECE)   # a further partition of these can store the weight finer
+
+
+def weight_storage(pcg: PCG) -> dict[int, tuple[int, ...]]:
+    """Weight leaf id -> its storage chain: the leaf, then each partition that is the only reader of the node
+    before it. The weight is stored as the last node's piece, and the partitions on the chain run nothing.
+
+    This is how the backend stores weights (`backend.executor`), how the step simulator runs them and how
+    the cost model prices a PCG (`pcg_roles`): a weight with several readers is held whole (or as the piece
+    its chain gives), and a partition reading it beside another reader slices it and gathers the gradient.
+    """
+    users: dict[int, list[PNode]] = {}
+    for node in pcg.nodes:
+        for i in node.inputs:
+            users.setdefault(i, []).append(node)
+    chains: dict[int, tuple[int, ...]] = {}
+    for node in pcg.nodes:
+        if node.kind != "leaf" or node.role != WEIGHT:
+            continue
+        chain = [node.id]
+        while len(users.get(chain[-1], ())) == 1 and users[chain[-1]][0].kind == "parallel" \
+                and users[chain[-1]][0].op == PARTITION:
+            chain.append(users[chain[-1]][0].id)
+        chains[node.id] = tuple(chain)
+    return chains
+
+
 def pcg_roles(pcg: PCG) -> dict[int, str]:
     """Node id -> role, as `extract.leaf_roles` gives e-classes: leaves by their role, values made from them by
-    parallel operators only as "input" or "weight-piece"."""
+    parallel operators only as INPUT, WEIGHT_PIECE (on a weight's storage chain, `weight_storage`) or
+    WEIGHT_VALUE. Unlike an e-class, a PCG node knows its readers: a partition of a weight that has other
+    readers too is WEIGHT_VALUE, not a stored piece."""
+    stored = {i for chain in weight_storage(pcg).values() for i in chain[1:]}
     roles: dict[int, str] = {}
     for node in pcg.nodes:
         if node.kind == "leaf":
-            roles[node.id] = node.role or "input"
+            roles[node.id] = node.role or INPUT
         elif node.kind == "parallel" and node.inputs[0] in roles:
-            roles[node.id] = "input" if roles[node.inputs[0]] == "input" else "weight-piece"
+            source = roles[node.inputs[0]]
+            roles[node.id] = INPUT if source == INPUT else WEIGHT_PIECE if node.id in stored else WEIGHT_VALUE
     return roles

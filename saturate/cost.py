@@ -14,8 +14,12 @@ Conventions (docs/plan-schema.md repeats them):
   all-gather of the gradient; combine fwd all-gather / bwd slice; replicate
   fwd none / bwd all-reduce of the gradient; reduce fwd all-reduce / bwd none.
   Graph inputs have no gradient. A weight read through `partition` is stored
-  sharded (no communication at all); a weight read through `replicate`
-  needs its gradient all-reduced every step: the gradient synchronisation.
+  sharded (no communication at all) where that partition is its only
+  reader; a weight read through `replicate` needs its gradient all-reduced
+  every step: the gradient synchronisation. A partition of a weight that
+  is not stored in the partition's layout (read after a replicate or an
+  all_gather, or beside another reader) slices it and gathers the gradient
+  back in backward, as for an activation.
 * Collectives are priced as NCCL runs them (`saturate.collectives`: ring,
   tree or hierarchical all-reduce, whichever is faster; measured points of
   the machine file where it has them) over the group of the mesh axis the
@@ -45,7 +49,7 @@ from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARTITION, REDUCE, REDU
 from parsat.dsl.spread import infer_compute
 from parsat.ir.costs import NodeCost
 from parsat.ir.machine import Machine
-from parsat.ir.pcg import Degrees
+from parsat.ir.pcg import STORED_ROLES, WEIGHT, WEIGHT_PIECE, WEIGHT_ROLES, Degrees
 from parsat.saturate import collectives
 from parsat.saturate.collectives import GroupTopology, price
 from parsat.saturate.op_time import OpTime, op_time
@@ -113,20 +117,33 @@ def compute_cost(instance: OpInstance, inputs: Sequence[Degrees], output: Degree
 
 def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, output: Degrees, machine: Machine,
                   source_role: str, devices: int | None = None,
-                  group: GroupTopology | None = None) -> NodeCost:
-    """A parallel operator on one mesh axis of `degree` devices. `source_role` says what it reads:
+                  group: GroupTopology | None = None, stores: bool = True) -> NodeCost:
+    """A parallel operator on one mesh axis of `degree` devices. `source_role` (`ir.pcg`'s roles) says what it
+    reads:
 
     * "input": a graph input or a piece of one: inputs have no gradient, and
       the data loader gives each device the piece it needs, so nothing moves;
     * "weight": a weight leaf: a partition stores it sharded (no
       communication), a replicate stores it whole and all-reduces its
       gradient (the gradient synchronisation);
-    * "weight-piece": a weight already cut or copied by parallel operators: a
-      further partition stores it finer (its optimizer state shrinks by the
+    * "weight-piece": a weight stored sharded by partitions: a further
+      partition stores it finer (its optimizer state shrinks by the
       difference), a replicate or all_gather of it synchronises its gradient
       (ZeRO-3 / FSDP: an all_gather of a stored shard gathers it forward and
       again backward, and reduce-scatters the gradient);
+    * "weight-value": a weight's value made by other parallel operators
+      (replicate, all_gather): not stored in this layout, so a partition of
+      it slices it and gathers the gradient in backward, as for an
+      activation; a replicate or all_gather of it synchronises its gradient;
     * "": an activation: each operator's collectives as in docs/ARCHITECTURE.md.
+
+    `stores` (partitions of a "weight" or "weight-piece" only): whether this
+    partition is the weight's storage, i.e. its only reader (as the backend
+    stores weights, `ir.pcg.weight_storage`). An e-node cannot know its
+    readers and assumes so; a PCG node knows. A partition that does not
+    store the weight slices the weight held whole (or as its stored piece)
+    and gathers the gradient back: its memory is its share of that weight
+    and the slice.
 
     A tensor with fewer pieces than `devices` is held redundantly (SPMD): each
     of the `devices / pieces` replica sets runs the collective, so the elements
@@ -140,7 +157,8 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
     in_piece, out_piece = source.piece_elements(shape), output.piece_elements(shape)
     time, elements, grad_sync, sync_time, collectives = 0.0, 0, 0, 0.0, []
     memory, activation, opt = 0, 0, 0.0
-    weighty = source_role in ("weight", "weight-piece")
+    weighty = source_role in WEIGHT_ROLES
+    slices_weight = op == PARTITION and weighty and not (stores and source_role in STORED_ROLES)
 
     def run(phase: str, kind: str, n: int, pieces: int, sync: bool = False) -> None:
         nonlocal time, elements, grad_sync, sync_time
@@ -152,18 +170,21 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
             sync_time += t
         collectives.append(f"{phase} {kind} x{pieces} ({p} devices, {n} elements)" + (" [gradient sync]" if sync else ""))
 
-    if source_role == "weight" and op in (PARTITION, REPLICATE):   # the weight is stored in this layout
+    if source_role == WEIGHT and op in (PARTITION, REPLICATE):   # the weight is stored in this layout
         memory = out_piece * weight_bytes(machine)
         opt = out_piece * update_traffic_bytes(machine) / machine.memory_bandwidth
-    elif source_role == "weight-piece" and op == PARTITION:        # stored finer: the state shrinks
+    elif source_role == WEIGHT_PIECE and op == PARTITION and stores:   # stored finer: the state shrinks
         memory = (out_piece - in_piece) * weight_bytes(machine)
         opt = (out_piece - in_piece) * update_traffic_bytes(machine) / machine.memory_bandwidth
     elif not source_role and op not in (REPLICATE,):
         memory = activation = out_piece * machine.dtype_bytes       # an activation kept for backward
+    if slices_weight:   # the slice of a weight not stored so, kept for backward like an activation
+        activation = out_piece * machine.dtype_bytes
+        memory += activation
     if source_role == "input":
         pass
     elif op == PARTITION:
-        if not weighty:
+        if not weighty or slices_weight:
             run("bwd", "all-gather", in_piece, source.pieces)
     elif op == COMBINE:
         run("fwd", "all-gather", out_piece, output.pieces)

@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
 from parsat.dsl.library import Library
-from parsat.dsl.parallel_ops import PARALLEL_OPS, REPLICATE
+from parsat.dsl.parallel_ops import PARALLEL_OPS, PARTITION, REPLICATE
 from parsat.ir.costs import NodeCost
 from parsat.ir.graph import Graph, instance_for
 from parsat.ir.machine import Machine
 from parsat.ir.mesh import Mesh
-from parsat.ir.pcg import Degrees
+from parsat.ir.pcg import INPUT, STORED_ROLES, WEIGHT, WEIGHT_PIECE, WEIGHT_VALUE, Degrees
 from parsat.saturate.collectives import BROADCAST, GroupTopology, price
 from parsat.saturate.cost import compute_cost, gather_cost, parallel_cost
 from parsat.saturate.encoding import PIN_SUFFIX
@@ -56,26 +56,36 @@ class ExtractionError(Exception):
 
 
 def leaf_roles(snapshot: Snapshot, graph: Graph) -> dict[int, str]:
-    """E-class -> role for classes that hold a graph leaf ("input" / "weight") or a value made from one by
-    parallel operators only ("input" / "weight-piece"): the cost model prices their parallel operators as
-    storage and gradient synchronisation, not as activations (`cost.parallel_cost`)."""
+    """E-class -> role (`ir.pcg`'s roles) for classes that hold a graph leaf ("input" / "weight") or a value made
+    from one by parallel operators only: "input", "weight-piece" (made by partitions only: a weight can be
+    stored so) or "weight-value" (anything else). The cost model prices their parallel operators as storage and
+    gradient synchronisation, not as activations (`cost.parallel_cost`)."""
     roles = {leaf.name: leaf.role for leaf in graph.leaves}
     found: dict[int, str] = {}
     for cid, nodes in snapshot.classes.items():
         for node in nodes:
             if node.op == "leaf" and node.attrs[0].removesuffix(PIN_SUFFIX) in roles:
                 found[cid] = roles[node.attrs[0].removesuffix(PIN_SUFFIX)]
-    changed = True
-    while changed:
-        changed = False
-        for cid, nodes in snapshot.classes.items():
-            if cid in found:
-                continue
-            for node in nodes:
-                if node.op in PARALLEL_OPS and node.children[0] in found:
-                    found[cid] = "input" if found[node.children[0]] == "input" else "weight-piece"
-                    changed = True
-                    break
+
+    def spread(role_of: Callable[[str, str], str | None]) -> None:
+        """Give every class without a role the one `role_of(op, its child's role)` says, to a fixpoint."""
+        changed = True
+        while changed:
+            changed = False
+            for cid, nodes in snapshot.classes.items():
+                if cid in found:
+                    continue
+                for node in nodes:
+                    role = role_of(node.op, found[node.children[0]]) if node.op in PARALLEL_OPS and \
+                        node.children[0] in found else None
+                    if role is not None:
+                        found[cid] = role
+                        changed = True
+                        break
+
+    # A class a partition chain reaches is a stored piece however else it is made, so those come first.
+    spread(lambda op, child: WEIGHT_PIECE if op == PARTITION and child in STORED_ROLES else None)
+    spread(lambda op, child: INPUT if child == INPUT else WEIGHT_VALUE)
     return found
 
 
@@ -114,7 +124,9 @@ class Pricer:
     `attrs` are the operator's non-tensor arguments in declaration order
     (reals may be strings, as the e-graph stores them; a parallel operator's
     dim, if it has one); `axis` is the mesh axis a parallel operator acts
-    on; `roles` say which children are graph inputs or weights.
+    on; `roles` say which children are graph inputs or weights; `stores`
+    whether a partition of a weight is its storage (`cost.parallel_cost`:
+    an e-node assumes so, a PCG node knows).
     """
 
     def __init__(self, library: Library, machine: Machine, mesh: Mesh, free_input_layouts: bool = True,
@@ -125,36 +137,37 @@ class Pricer:
         self.cache: dict = {}
 
     def price(self, op: str, attrs: tuple, shape, degrees: Degrees, child_shapes, child_degrees, roles,
-              axis: int | None = None) -> NodeCost | None:
+              axis: int | None = None, stores: bool = True) -> NodeCost | None:
         devices = self.mesh.world
         if op == "leaf":
             pinned = self.input_pins.get(attrs[0]) if attrs else None
             return gather_cost(self.machine, pinned, shape, devices).per_step(self.microbatches) if pinned else NodeCost()
-        key = (op, tuple(attrs), tuple(shape), degrees, tuple(child_shapes), tuple(child_degrees), tuple(roles), axis)
+        key = (op, tuple(attrs), tuple(shape), degrees, tuple(child_shapes), tuple(child_degrees), tuple(roles), axis,
+               stores)
         if key not in self.cache:
             if op in PARALLEL_OPS:
                 role = roles[0]
-                if role == "input" and not self.free_inputs and op == REPLICATE:
+                if role == INPUT and not self.free_inputs and op == REPLICATE:
                     role = "broadcast-input"
                 self.cache[key] = _parallel(op, GroupTopology.of_axis(self.mesh, axis),
-                                            shape, child_degrees[0], degrees, self.machine, role, devices)
+                                            shape, child_degrees[0], degrees, self.machine, role, devices, stores)
             else:
                 self.cache[key] = _compute(self.library, op, attrs, child_shapes, child_degrees, degrees, self.machine,
-                                           tuple(r == "weight" for r in roles))
+                                           tuple(r == WEIGHT for r in roles))
             if self.cache[key] is not None:
                 self.cache[key] = self.cache[key].per_step(self.microbatches)
         return self.cache[key]
 
 
 def _parallel(op: str, group: GroupTopology, shape, source: Degrees, out: Degrees,
-              machine: Machine, role: str, devices: int) -> NodeCost:
+              machine: Machine, role: str, devices: int, stores: bool = True) -> NodeCost:
     degree = group.size
     if role == "broadcast-input":  # a whole input sent to the copies: (p-1) n elements
         n = source.piece_elements(shape)
         return NodeCost(comm_s=price(BROADCAST, group, n * machine.dtype_bytes, machine).seconds,
                         comm_elements=(degree - 1) * n * source.pieces * max(1, devices // out.pieces),
                         collectives=(f"fwd broadcast ({degree} devices, {n} elements)",))
-    return parallel_cost(op, degree, shape, source, out, machine, role, devices, group)
+    return parallel_cost(op, degree, shape, source, out, machine, role, devices, group, stores)
 
 
 def _compute(library: Library, op_name: str, values: tuple, shapes, input_degrees, out: Degrees, machine: Machine,

@@ -56,7 +56,7 @@ from parsat.dsl import parallel_ops
 from parsat.dsl.parallel_ops import COMBINE, PARTITION, REDUCE, REPLICATE
 from parsat.ir.graph import instance_for
 from parsat.ir.machine import Machine
-from parsat.ir.pcg import PCG, PNode
+from parsat.ir.pcg import PCG, PNode, weight_storage
 from parsat.saturate.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, GroupTopology, price
 from parsat.saturate.cost import compute_time
 from parsat.saturate.op_time import OpTime, memory_op_time
@@ -222,18 +222,12 @@ class _Builder:
         return out
 
     def _stored_weights(self) -> dict[int, PNode]:
-        """Node id where each weight is stored -> that node: a weight read only through a chain of partitions
-        is stored as the piece the chain gives (as the backend does); any other weight is stored whole."""
+        """Node id where each weight is stored -> that node (`ir.pcg.weight_storage`, as the backend stores it);
+        the partitions on a storage chain are folded into it: nothing runs."""
         out = {}
-        for node in self.pcg.nodes:
-            if node.kind != "leaf" or node.role != "weight":
-                continue
-            at = node
-            while len(self.users.get(at.id, [])) == 1 and self.users[at.id][0].op == PARTITION \
-                    and self.users[at.id][0].kind == "parallel":
-                at = self.users[at.id][0]
-                self.folded.add(at.id)  # storage absorbs the partition: nothing runs
-            out[at.id] = at
+        for chain in weight_storage(self.pcg).values():
+            self.folded.update(chain[1:])
+            out[chain[-1]] = self.by_id[chain[-1]]
         return out
 
     # ---------------------------------------------------------------- helpers

@@ -9,7 +9,7 @@ so every candidate is priced by one cost model and built one way.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from parsat.dsl import ast
 from parsat.dsl.library import Library
@@ -18,7 +18,7 @@ from parsat.ir.costs import NodeCost
 from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
 from parsat.ir.mesh import Mesh
-from parsat.ir.pcg import PCG, Degrees, PNode, pcg_roles
+from parsat.ir.pcg import PCG, WEIGHT_VALUE, Degrees, PNode, pcg_roles
 from parsat.saturate.encoding import PIN_SUFFIX
 from parsat.saturate.extract import Extraction, NodeId, Pricer, dag_cost, extract, node_costs
 from parsat.saturate.repeat import Repetition, RepeatError, stamp, value_names, weigh
@@ -47,7 +47,11 @@ def solve(result: SaturationResult, graph: Graph, library: Library, machine: Mac
             raise RepeatError("the repeated plan has a node the cost model cannot price")
         return pcg, priced, extraction
     by_class = {ident[c]: costs[(c, i)] for c, i in extraction.choice.items()}
-    return pcg, by_class, extraction
+    # An e-node prices a partition of a weight as its storage, not knowing the weight's other readers: the
+    # PCG's parallel nodes are priced again knowing them, so the plan's figures are what the backend runs.
+    readers = price_pcg(pcg, library, machine, free_inputs, graph.microbatches, pins,
+                        only=lambda node: node.kind == "parallel")
+    return pcg, {**by_class, **(readers or {})}, extraction
 
 
 def price(result: SaturationResult, graph: Graph, library: Library, machine: Machine, free_inputs: bool,
@@ -60,21 +64,27 @@ def price(result: SaturationResult, graph: Graph, library: Library, machine: Mac
 
 
 def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_layouts: bool = True,
-              microbatches: int = 1, pins: Mapping[str, Degrees] | None = None) -> dict[int, NodeCost] | None:
-    """Every PCG node priced by the same cost model as the e-nodes, on the PCG's mesh, per step of
-    `microbatches` micro-batches (None if a node is not priceable); pinned inputs arrive in their layout."""
+              microbatches: int = 1, pins: Mapping[str, Degrees] | None = None,
+              only: Callable[[PNode], bool] | None = None) -> dict[int, NodeCost] | None:
+    """Every PCG node (`only` those it accepts) priced by the same cost model as the e-nodes, on the PCG's mesh,
+    per step of `microbatches` micro-batches (None if a node is not priceable); pinned inputs arrive in their
+    layout. Unlike an e-node, a PCG node knows its readers: a partition of a weight that is not the weight's
+    storage (`ir.pcg.weight_storage`, as the backend runs it) is priced as slicing it (`cost.parallel_cost`)."""
     pricer = Pricer(library, machine, pcg.mesh, free_input_layouts, pins, microbatches=microbatches)
     by_id = {n.id: n for n in pcg.nodes}
     roles = pcg_roles(pcg)
     out: dict[int, NodeCost] = {}
     for node in pcg.nodes:
+        if only is not None and not only(node):
+            continue
         children = [by_id[i] for i in node.inputs]
         axis = node.axis(pcg.mesh) if node.kind == "parallel" else None
         attrs = (node.op,) if node.kind == "leaf" else tuple(v for k, v in node.attrs
                                                               if node.kind != "parallel" or k == "dim")
         op = node.op if node.kind != "leaf" else "leaf"
         cost = pricer.price(op, attrs, node.shape, node.degrees, tuple(c.shape for c in children),
-                            tuple(c.degrees for c in children), tuple(roles.get(c.id, "") for c in children), axis)
+                            tuple(c.degrees for c in children), tuple(roles.get(c.id, "") for c in children), axis,
+                            stores=roles.get(node.id) != WEIGHT_VALUE)
         if cost is None:
             return None
         out[node.id] = cost

@@ -14,6 +14,7 @@ from typing import Callable, Mapping
 
 from parsat.dsl.parallel_ops import ALL_GATHER, PARALLEL_OPS, PARTITION, REDUCE_SCATTER, REPLICATE
 from parsat.ir.mesh import Mesh
+from parsat.ir.pcg import WEIGHT_ROLES
 from parsat.ir.placement import shard_dim
 from parsat.saturate.snapshot import Snapshot
 
@@ -71,12 +72,12 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
         if node.op not in PARALLEL_OPS:
             # on the data axis a weight is whole where it is used: its shards (ZeRO-3) are only storage
             return config.data_axis is not None and any(
-                roles.get(ch) in ("weight", "weight-piece") and shard_dim(snapshot.placement[ch].codes[config.data_axis])
+                roles.get(ch) in WEIGHT_ROLES and shard_dim(snapshot.placement[ch].codes[config.data_axis])
                 is not None for ch in node.children)
         axis = node.attrs[-1]
         dim = node.attrs[0] if PARALLEL_OPS[node.op].has_dim else None
         source = roles.get(node.children[0], "")
-        weight = source in ("weight", "weight-piece")
+        weight = source in WEIGHT_ROLES
         if axis == config.data_axis:
             if node.op == PARTITION:
                 return not ((source == "input" and dim == 0) or (weight and config.zero3))
