@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from parsat.dsl.parallel_ops import ALL_GATHER, PARTITION, REDUCE_SCATTER
-from parsat.ir.pcg import PCG, pcg_roles
+from parsat.ir.pcg import PCG, WEIGHT_ROLES, pcg_roles
 from parsat.ir.placement import shard_dim
 
-WEIGHTY = ("weight", "weight-piece")   # a weight, or a piece of one made by parallel operators
+WEIGHTY = WEIGHT_ROLES   # a weight, or a piece of one made by parallel operators
 
 DATA, TENSOR, SEQUENCE, ZERO3 = "data", "tensor", "sequence", "zero3"
 KINDS = {"dp": DATA, "tp": TENSOR, "sp": SEQUENCE, "pp": "pipeline"}   # what `--degrees` names them

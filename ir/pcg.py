@@ -136,6 +136,15 @@ class PCG:
         return max((n.degrees.pieces for n in self.nodes), default=1)
 
 
+WEIGHT_ROLES = ("weight", "weight-piece")
+
+
+def weight_chains(pcg: PCG) -> set[int]:
+    """The weight leaves and the values made from them by parallel operators only (`pcg_roles`): what a step
+    of several micro-batches makes once and reduces the gradient of once (`ir.costs.NodeCost.per_step`)."""
+    return {ident for ident, role in pcg_roles(pcg).items() if role in WEIGHT_ROLES}
+
+
 def pcg_roles(pcg: PCG) -> dict[int, str]:
     """Node id -> role, as `extract.leaf_roles` gives e-classes: leaves by their role, values made from them by
     parallel operators only as "input" or "weight-piece"."""

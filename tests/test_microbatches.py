@@ -17,14 +17,21 @@ from parsat.ir.plan import explain
 from parsat.saturate.errors import OptimizeError
 
 
-def test_per_step_repeats_micro_batch_work_and_syncs_gradients_once():
-    cost = NodeCost(forward_s=1.0, backward_s=2.0, optimizer_s=0.5, comm_s=3.0, comm_elements=100,
-                    grad_sync_elements=40, memory_bytes=1000, flops=10.0, sync_s=1.0, activation_bytes=600)
-    step = cost.per_step(4)
+def test_per_step_repeats_micro_batch_work_and_runs_weight_chains_once():
+    activation = NodeCost(forward_s=1.0, backward_s=2.0, optimizer_s=0.5, comm_s=3.0, comm_elements=100,
+                          memory_bytes=1000, flops=10.0, activation_bytes=600)
+    step = activation.per_step(4)
     assert (step.forward_s, step.backward_s, step.optimizer_s) == (4.0, 8.0, 0.5)
-    assert step.comm_s == (3.0 - 1.0) * 4 + 1.0 and step.comm_elements == 60 * 4 + 40
-    assert step.grad_sync_elements == 40 and step.memory_bytes == 1000 and step.flops == 40.0
-    assert cost.per_step(1) is cost
+    assert step.comm_s == 12.0 and step.comm_elements == 400
+    assert step.memory_bytes == 1000 and step.flops == 40.0
+    # a weight's chain (a ZeRO-3 all-gather): gathered once per step, its gradient reduce-scattered once, its
+    # whole gradient held across the micro-batches
+    chain = NodeCost(comm_s=3.0, comm_elements=100, grad_sync_elements=50, memory_bytes=1000, weight_chain=True,
+                     accumulation_bytes=200)
+    step = chain.per_step(4)
+    assert (step.comm_s, step.comm_elements, step.grad_sync_elements) == (3.0, 100, 50)
+    assert step.memory_bytes == 1200
+    assert activation.per_step(1) is activation and chain.per_step(1) is chain
 
 
 def test_an_explicit_count_builds_the_example_at_its_micro_batch_and_says_so(tmp_path):
