@@ -90,10 +90,6 @@ def load_plan(path: str, nproc: int, plan_of: str = "parsat"):
     validate_plan_operators(data, library.ops, PlanError, f"{path} does not follow the plan schema")
     try:
         graph = Graph.from_dict(data["graph"], library)
-        if graph.microbatches != 1:
-            raise ExecutionError(f"{path} runs its step as {graph.microbatches} micro-batches; the backend does not "
-                                 "accumulate gradients over micro-batches yet, so it cannot run this plan as priced "
-                                 "(optimize with --microbatches 1 for a plan it runs)")
         if plan_of == "parsat":
             return pcg_from_dict(data), graph, Prediction.from_totals(data.get("totals"))
         baseline = (data.get("baselines") or {}).get(plan_of)
@@ -135,13 +131,20 @@ def main_run(args: argparse.Namespace) -> int:
     try:
         pcg, graph, predicted = load_plan(args.plan, args.nproc, args.plan_of)
         check_mesh(pcg, args.nproc)
-        from parsat.backend.plan_check import plan_follows_graph
+        from parsat.backend.plan_check import micro_batches_make_the_step, plan_follows_graph
 
         plan_follows_graph(pcg, graph, args.seed)  # before any rank starts
+        micro_batches_make_the_step(graph, args.seed)
         config = TrainConfig(steps=args.steps, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
                              dtype=args.dtype, check=args.check, tolerance=check_tolerance(args.dtype, args.model))
         if args.model is not None:
             from parsat.backend.parallelize import run_module_plan
+
+            if graph.microbatches != 1:
+                raise ExecutionError(f"{args.plan} runs its step as {graph.microbatches} micro-batches; --model "
+                                     "trains the module one batch per step (its own loop), so it cannot run this "
+                                     "plan as priced: run it without --model, or optimize the module with "
+                                     "--microbatches 1")
 
             if args.data is not None:  # torch.load in every rank would wait on a pipe or read a device forever
                 check_regular_file(args.data, "--data")

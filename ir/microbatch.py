@@ -101,13 +101,12 @@ def _structure(graph: Graph) -> dict:
 def _cuts(micro: Graph, whole: Graph, m: int) -> dict[str, int]:
     """Input and output name -> the dim that is m times larger in `whole` (none: equal shapes)."""
     small, big = micro.shapes(), whole.shapes()
-    names = [leaf.name for leaf in micro.leaves] + list(micro.outputs)
-    if [leaf.name for leaf in micro.leaves] != [leaf.name for leaf in whole.leaves] \
-            or micro.outputs != whole.outputs:
+    roles: Mapping[str, str] = {leaf.name: leaf.role for leaf in micro.leaves}
+    if roles != {leaf.name: leaf.role for leaf in whole.leaves} or micro.outputs != whole.outputs:
         raise GraphError(f"the whole batch of '{micro.name}' has other inputs, weights or outputs than its "
                          "micro-batch")
+    names = list(roles) + list(micro.outputs)
     cuts: dict[str, int] = {}
-    roles: Mapping[str, str] = {leaf.name: leaf.role for leaf in micro.leaves}
     for name in names:
         a, b = small[name], big[name]
         differ = [d for d in range(len(a)) if len(a) != len(b) or a[d] != b[d]]
