@@ -7,7 +7,15 @@ exit code 1; a failed `--check` also exits 1. With `--json` the last line
 printed is one JSON object (issue 5): check, max_abs_diff,
 comm_elements_measured, comm_elements_predicted, step_time_s,
 peak_memory_bytes, plus the gradient-sync part, the distinct collectives,
-the other predictions and the losses (`executor.RunResult.to_dict`).
+the other predictions, the micro-batches per step and the losses
+(`executor.RunResult.to_dict`).
+
+A plan whose step runs m micro-batches (`Graph.microbatches`) runs as
+priced: each step m forward and backward passes, the weights' gathers and
+gradient synchronisation once (backend/executor.py). Before any rank
+starts, the micro-batches are checked to make the step's whole batch
+(`plan_check.micro_batches_make_the_step`); `--model` runs the module's
+own loop, one batch a step, and refuses such a plan.
 
 `--plan-of NAME` runs one of the baselines the plan file carries
 (`data_parallel`, `sequential`, `megatron`) instead of parsat's own PCG,
@@ -176,7 +184,9 @@ def _report(result, args: argparse.Namespace, tolerance: float) -> None:
     measured, predicted = result.comm_elements_measured, result.comm_elements_predicted
     sync_predicted = result.predicted.grad_sync_elements
     memory_predicted = result.predicted.peak_memory_bytes
-    lines = [f"ran {args.steps} step(s) of the {args.plan_of} plan on {args.nproc} rank(s)",
+    micro = result.microbatches
+    lines = [f"ran {args.steps} step(s) of the {args.plan_of} plan on {args.nproc} rank(s)"
+             + (f", {micro} micro-batches each (gradients accumulated, synchronised once a step)" if micro > 1 else ""),
              f"  loss per step        {', '.join(f'{x:.6g}' for x in result.losses)}",
              f"  communication/step   measured {measured:,.0f} elements, predicted "
              + ("n/a" if predicted is None else f"{predicted:,.0f}")

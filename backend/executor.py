@@ -729,9 +729,11 @@ class RunResult:
     nonfinite: int = 0
     worst: str = ""
     comm_by_axis: Mapping[str, float] = field(default_factory=dict)
+    microbatches: int = 1   # per step: activations' collectives ran this many times, the gradient sync once
 
     @staticmethod
-    def of_job(reports: Sequence[dict], config: TrainConfig, predicted: Prediction | None = None) -> "RunResult":
+    def of_job(reports: Sequence[dict], config: TrainConfig, predicted: Prediction | None = None,
+               microbatches: int = 1) -> "RunResult":
         """The summary of a launched job: every rank's report carries the job-wide figures (`_job_summary`);
         under torchrun there is only this rank's."""
         job = reports[0]["job"]
@@ -741,7 +743,7 @@ class RunResult:
                          job["grad_sync"], statistics.median(timed), job["peak_memory_bytes"],
                          job["process_rss_bytes"], tuple(reports[0]["losses"]), predicted or Prediction(),
                          job.get("max_rel_diff"), job.get("nonfinite", 0), job.get("worst", ""),
-                         dict(job.get("sent_by_axis", {})))
+                         dict(job.get("sent_by_axis", {})), microbatches)
 
     @property
     def comm_elements_predicted(self) -> float | None:
@@ -767,7 +769,7 @@ class RunResult:
                 "grad_sync_elements_predicted": self.predicted.grad_sync_elements,
                 "step_time_predicted_s": self.predicted.time_s,
                 "peak_memory_predicted_bytes": self.predicted.peak_memory_bytes,
-                "process_rss_bytes": self.process_rss_bytes,
+                "process_rss_bytes": self.process_rss_bytes, "microbatches": self.microbatches,
                 "losses": list(self.losses)}
 
 
@@ -792,7 +794,7 @@ def run_plan(pcg: PCG, nproc: int, config: TrainConfig, graph: Graph | None = No
     reports = launch(run_rank, (pcg, config, graph, None, batch),
                      LaunchConfig(nproc=nproc, backend=backend, timeout_s=timeout_s,
                                   collective_timeout_s=collective_timeout_s))
-    return RunResult.of_job(reports, config, predicted)
+    return RunResult.of_job(reports, config, predicted, batch.microbatches)
 
 
 def check_verdict(job: Mapping, config: TrainConfig) -> str | None:
