@@ -233,7 +233,8 @@ def explain(data: Mapping, limit: int | None = 40) -> str:
     micro = graph.get("microbatches", 1)
     if micro != 1:
         lines.append(f"  {micro} micro-batches per step (gradient accumulation): the graph is one micro-batch, "
-                     "its gradients synchronised once per step; memory is one micro-batch's activations")
+                     "its weights gathered and gradients synchronised once per step; memory is one micro-batch's "
+                     "activations")
     mesh = Mesh.from_dict(data["mesh"])
     lines.append(f"  mesh {mesh if len(mesh) else 'none (one device)'}: {describe(pcg_from_dict(data))}")
     if "step" in totals:

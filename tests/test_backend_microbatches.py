@@ -90,6 +90,10 @@ def _same_losses(results, plan_of: str) -> None:
 @pytest.fixture(scope="module")
 def mlp_runs(tmp_path_factory):
     jobs = _plans(tmp_path_factory.mktemp("mlp"), "mlp", MLP, "cpu", 2, ("data_parallel", "megatron"))
+    # the same plan from a graph that is not an example: its step is 4 independent micro-batches, checked
+    # against the micro-batch graph accumulated 4 times in one process
+    label, pcg, graph, prediction = next(job for job in jobs if job[0] == "data_parallel/m4")
+    jobs.append(("plain/m4", pcg, replace(graph, example=None), prediction))
     return jobs, _launch(jobs, 2)
 
 
@@ -105,6 +109,7 @@ def test_mlp_micro_batches_train_the_whole_batch_and_move_what_is_predicted(mlp_
     _same_losses(results, "data_parallel")
     _same_losses(results, "megatron")
     assert all(results[f"data_parallel/m{m}"][2]["grad_sync"] > 0 for m in (1, 2, 4))
+    assert results["plain/m4"][0] != results["data_parallel/m4"][0]   # other data: its own micro-batches
 
 
 def test_gpt_micro_batches_train_the_whole_batch_and_move_what_is_predicted(gpt_runs):
