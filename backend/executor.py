@@ -72,8 +72,8 @@ import torch.distributed as dist
 from parsat.backend.collectives import GRAD_SYNC, CommCounter, MeshGroups, parallel_op
 from parsat.backend.launch import LaunchConfig, RankContext, launch
 from parsat.backend.torch_ops import apply_op
-from parsat.backend.training_data import (MASK, ONEHOT, StepData, causal_mask, data_leaves, fan_in,  # noqa: F401
-                                          leaf_value, objective, target_value)
+from parsat.backend.training_data import (MASK, ONEHOT, StepData, TrainConfig, causal_mask, data_leaves,  # noqa: F401
+                                          fan_in, leaf_value, objective, target_value)
 from parsat.dsl.library import Library, load_library, shipped_rules_dir
 from parsat.dsl.parallel_ops import ALL_GATHER, PARTITION, REPLICATE
 from parsat.ir.mesh import Mesh
@@ -88,22 +88,6 @@ OPTIMIZERS = ("sgd", "adam")
 
 class ExecutionError(Exception):
     """A plan the backend refuses to run, or a rank program that cannot be built."""
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Training-step settings shared by the distributed run and its reference."""
-
-    steps: int = 3
-    optimizer: str = "sgd"
-    lr: float = 0.01
-    seed: int = 0
-    dtype: str = "float64"   # float64 makes --check tolerances tight
-    check: bool = False
-    tolerance: float = 1e-9  # largest relative difference --check accepts (`compare_values`)
-
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
 
 
 # ----------------------------------------------------------------- seeded data: backend/training_data.py

@@ -27,15 +27,29 @@ micro-batch's objective divided by m and accumulates the gradients
 from __future__ import annotations
 
 import zlib
-from typing import TYPE_CHECKING, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from parsat.backend.collectives import PARALLEL_TABLE
 from parsat.ir.microbatch import StepBatch, is_loss
 
-if TYPE_CHECKING:
-    from parsat.backend.executor import TrainConfig
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Training-step settings shared by the distributed run and its reference."""
+
+    steps: int = 3
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    seed: int = 0
+    dtype: str = "float64"   # float64 makes --check tolerances tight
+    check: bool = False
+    tolerance: float = 1e-9  # largest relative difference --check accepts (`compare_values`)
+
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
 
 
 def _generator(seed: int, name: str, step: int) -> torch.Generator:
@@ -150,7 +164,7 @@ class StepData:
     `data_leaves`), `outputs` the outputs as (name, micro-batch shape).
     """
 
-    def __init__(self, batch: StepBatch, config: "TrainConfig", step: int,
+    def __init__(self, batch: StepBatch, config: TrainConfig, step: int,
                  leaves: Sequence[tuple[str, Sequence[int], str]], outputs: Sequence[tuple[str, Sequence[int]]]):
         self.batch, self.config, self.step = batch, config, step
         self.leaves, self.outputs = list(leaves), list(outputs)
