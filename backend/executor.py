@@ -28,7 +28,8 @@ operators alone make of it: its ZeRO-3 all-gather, its replicas,
 that require a gradient; the m micro-batches run forward and backward one
 after another (each freed before the next), their gradients accumulating
 on those copies; then one backward through the weights' chains carries the
-accumulated gradients to the stored pieces, so each gathering collective
+accumulated gradients to the stored pieces (with one micro-batch the chains
+simply run inside its forward and backward), so each gathering collective
 and each gradient reduction (all-reduce, reduce-scatter) runs once per
 step, activations' collectives once per micro-batch: what the cost model
 prices (`ir.costs.NodeCost.per_step`). The collectives are linear, so
@@ -459,7 +460,8 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
         counter = CommCounter()
         start = time.perf_counter()
         data = program.step_data(batch, step)
-        weights = program.weight_values(counter)          # once per step: gathers, replicas
+        # once per step for all micro-batches: gathers, replicas (one batch runs them inside its own autograd)
+        weights = program.weight_values(counter) if m > 1 else None
         reported = torch.zeros((), dtype=config.torch_dtype(), device=ctx.device)
         outputs: dict[str, list] = {name: [] for name in program.output_names}
         for k in range(m):
@@ -477,9 +479,10 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
                 x, placement = env[out_id]
                 outputs[name].append((x.detach(), placement))
             del env, to_diff   # this micro-batch's values go before the next one's are made
-        program.reduce_gradients(weights)                 # once per step: the gradient synchronisation
-        memory.measure({}, program, optimizer, weights)
-        del weights
+        if weights is not None:
+            program.reduce_gradients(weights)             # once per step: the gradient synchronisation
+            memory.measure({}, program, optimizer, weights)
+            del weights
         optimizer.step()
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()

@@ -439,11 +439,15 @@ class _Builder:
                 if eager and not waiting[i] and i in params and i not in done:
                     visit(self.by_id[i])
 
-        # The weights' chains last (the backend runs them after the micro-batch's backward, `eager_gradients`
-        # aside), and only in the last micro-batch: before it, their gradients accumulate.
-        order = [n for n in reversed(self.pcg.nodes) if n.id not in params]
-        if self.syncing:
-            order += [n for n in reversed(self.pcg.nodes) if n.id in params]
+        # Over several micro-batches the weights' chains run backward only in the last one (before it, their
+        # gradients accumulate), after the rest of its backward (the backend reduces the accumulated gradients
+        # then; `eager_gradients` aside). One batch runs them where autograd reaches them.
+        if not self.accumulating:
+            order = list(reversed(self.pcg.nodes))
+        else:
+            order = [n for n in reversed(self.pcg.nodes) if n.id not in params]
+            if self.syncing:
+                order += [n for n in reversed(self.pcg.nodes) if n.id in params]
         for node in order:
             if node.id not in done:
                 visit(node)
