@@ -1,6 +1,7 @@
 """The language models among the built-in examples: their sizes, and what the optimizer does with them.
 
     .venv/bin/python benchmarks/models_bench.py sizes
+    .venv/bin/python benchmarks/models_bench.py table rows.json ...
     .venv/bin/python benchmarks/models_bench.py optimize gpt-6.7b:8 gpt-6.7b:64 gpt-6.7b:8:batch=8 \
         [--limit seconds=300 --limit enodes=1000000] [--json out.json]
 
@@ -82,7 +83,9 @@ def optimize_cases(specs: list[str], limits: dict) -> list[dict]:
         row = {"case": spec, "name": name, "devices": devices, "sizes": overrides, "limits": limits}
         try:
             plan = parsat.optimize(name, machine="h100x8", devices=devices, sizes=overrides or None,
-                                   limits=limits or None)
+                                   limits=limits or None,
+                                   progress=lambda message: print(f"  [{spec}] {message}", file=sys.stderr,
+                                                                  flush=True))
         except Exception as err:  # noqa: BLE001 - the error is the result
             row["error"] = f"{type(err).__name__}: {err}"
         else:
@@ -95,17 +98,56 @@ def optimize_cases(specs: list[str], limits: dict) -> list[dict]:
             row["mfu"] = flops / (plan.totals.time_s * peak)
             row["baselines_mfu"] = {k: (flops / (v.time_s * peak) if v is not None else None)
                                     for k, v in plan.baselines.items()}
-            row["explain"] = plan.explain().splitlines()[:8]
+            row["explain"] = plan.explain().splitlines()[:9]
             row["mesh"] = plan.saturation.get("mesh")
             row["meshes"] = plan.saturation.get("meshes")
             row["chosen"] = plan.extraction.get("chosen")
+            row["repeated_blocks"] = plan.saturation.get("repeated_blocks")
+            row["baselines_skipped"] = plan.extraction.get("baselines_skipped", "")
+            grid = plan.baseline_plans.get("best_grid")
+            row["best_grid_config"] = grid.config if grid is not None else None
             row["baselines_ms"] = {k: (v.time_s * 1e3 if v is not None else None) for k, v in plan.baselines.items()}
+            row["baselines_gib"] = {k: (v.peak_memory_bytes / 2 ** 30 if v is not None else None)
+                                    for k, v in plan.baselines.items()}
+            row["baselines_fit"] = {k: (v.peak_memory_bytes <= plan.machine.memory_capacity if v is not None
+                                        else None) for k, v in plan.baselines.items()}
+            row["enodes"] = plan.saturation.get("enodes")
+            row["stop"] = plan.saturation.get("stop")
         row["cpu_s"] = round(time.process_time() - start, 2)
         row["max_rss_mib_after"] = round(_max_rss_mib(), 1)
         row["max_rss_mib_before"] = round(rss, 1)
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
+
+
+def _mfu_cell(row: dict, name: str) -> str:
+    mfu, fits = row.get("baselines_mfu", {}).get(name), row.get("baselines_fit", {}).get(name)
+    if mfu is None:
+        return "-"
+    return f"{100 * mfu:.1f}%" + ("" if fits else f" (needs {row['baselines_gib'][name]:.0f} GiB)")
+
+
+def table(paths: list[str]) -> str:
+    """The rows of `optimize --json` files as the markdown table of benchmarks/models_results.md."""
+    lines = ["| case | plan | m | step | memory | MFU | best_grid | best_grid MFU | Megatron MFU | DP MFU | "
+             "sequential MFU | e-nodes | stop | CPU s |", "|" + "---|" * 14]
+    for path in paths:
+        with open(path, encoding="utf-8") as src:
+            rows = json.load(src)
+        for r in rows:
+            if "error" in r:
+                lines.append(f"| {r['case']} | {r['error'][:120]} |" + " |" * 11 + f" {r['cpu_s']} |")
+                continue
+            plan = next((line.split(":", 1)[1].strip() for line in r["explain"] if line.startswith("  mesh ")), "")
+            grid = r.get("best_grid_config") or {}
+            spelled = ", ".join(f"{k}={v}" for k, v in grid.items()) if grid else "-"
+            lines.append(f"| {r['case']} | {plan} | {r['microbatches']} | {r['step_time_ms'] / 1e3:.3f} s | "
+                         f"{r['memory_gib']:.1f} GiB | {100 * r['mfu']:.1f}% | {spelled} | "
+                         f"{_mfu_cell(r, 'best_grid')} | {_mfu_cell(r, 'megatron')} | "
+                         f"{_mfu_cell(r, 'data_parallel')} | {_mfu_cell(r, 'sequential')} | "
+                         f"{r.get('enodes', '-'):,} | {r.get('stop', '-')} | {r['cpu_s']} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
@@ -115,8 +157,13 @@ def main(argv: list[str]) -> int:
     opt = sub.add_parser("optimize")
     opt.add_argument("cases", nargs="+", metavar="NAME:DEVICES[:KEY=VALUE,...]")
     opt.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE")
+    tab = sub.add_parser("table", help="the markdown table of --json files")
+    tab.add_argument("files", nargs="+")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
+    if args.what == "table":
+        print(table(args.files))
+        return 0
     if args.what == "sizes":
         rows = sizes()
         for r in rows:

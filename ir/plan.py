@@ -35,9 +35,11 @@ JOINT = "joint"                # `extraction.chosen` when the plan was extracted
 
 @dataclass(frozen=True)
 class BaselinePlan:
-    """A baseline's PCG with its node costs, so a backend can run it, not only compare totals."""
+    """A baseline's PCG with its node costs, so a backend can run it, not only compare totals. No PCG (None) for
+    a baseline found at another micro-batch count than the plan's graph: its totals and configuration say
+    what it is (`parsat optimize --microbatches M` gives its PCG)."""
 
-    pcg: PCG
+    pcg: PCG | None
     costs: Mapping[int, NodeCost]
     config: Mapping | None = None    # the configuration a grid baseline chose (dp, tp, sp, zero, microbatches)
 
@@ -89,7 +91,8 @@ class Plan:
             baselines[name] = found.to_dict() if found else None
             if found and name in self.baseline_plans:
                 chosen = self.baseline_plans[name]
-                baselines[name]["pcg"] = pcg_to_dict(chosen.pcg, chosen.costs, dtype)
+                if chosen.pcg is not None:
+                    baselines[name]["pcg"] = pcg_to_dict(chosen.pcg, chosen.costs, dtype)
                 if chosen.config:
                     baselines[name]["config"] = dict(chosen.config)
         return {
@@ -235,6 +238,10 @@ def explain(data: Mapping, limit: int | None = 40) -> str:
         lines.append(f"  {micro} micro-batches per step (gradient accumulation): the graph is one micro-batch, "
                      "its weights gathered and gradients synchronised once per step; memory is one micro-batch's "
                      "activations")
+    repeated = (data.get("saturation") or {}).get("repeated_blocks")
+    if repeated:
+        lines.append(f"  {repeated['blocks']} identical blocks, searched as {repeated['searched_blocks']}: block "
+                     f"{repeated['repeated_block']}'s plan repeated for {repeated['copies']} blocks")
     mesh = Mesh.from_dict(data["mesh"])
     lines.append(f"  mesh {mesh if len(mesh) else 'none (one device)'}: {describe(pcg_from_dict(data))}")
     if "step" in totals:

@@ -38,6 +38,9 @@ def register(subparsers) -> None:
     opt.add_argument("--microbatches", type=int, default=None, metavar="M",
                      help="run the step as M micro-batches (default: split a built-in example's batch only when "
                           "a whole batch does not fit in memory)")
+    opt.add_argument("--all-blocks", action="store_true",
+                     help="search every block of a built-in example (default: a model of more than 3 identical "
+                          "blocks is searched as 3, the middle one's plan repeated)")
     opt.add_argument("--no-baselines", action="store_true", help="skip the baselines (faster)")
     opt.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
     opt.add_argument("--stats", action="store_true",
@@ -114,7 +117,7 @@ def run_optimize(args: argparse.Namespace) -> int:
                         devices=args.devices, allow_unverified=True if args.allow_unverified else None,
                         precision=args.precision,
                         baselines=not args.no_baselines, sizes=sizes or None, degrees=degrees or None,
-                        microbatches=args.microbatches,
+                        microbatches=args.microbatches, repeat_blocks=not args.all_blocks,
                         progress=progress)
     except (ValueError, OptimizeError, GraphError, MachineError, FileProblem) as err:
         return _error(str(err))

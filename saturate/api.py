@@ -46,13 +46,14 @@ from parsat.ir.models import BATCH, EXAMPLES
 from parsat.ir.pcg import Degrees
 from parsat.ir.pcg_layout import lay_out
 from parsat.ir.placement import Placement, PlacementError
-from parsat.ir.plan import JOINT, BaselinePlan, Plan
+from parsat.ir.plan import BASELINES, JOINT, BaselinePlan, Plan
 from parsat.saturate.cost import weight_bytes
 from parsat.saturate.baselines import Candidate, best_grid, data_parallel, megatron_excluded, sequential
 from parsat.saturate.errors import DoesNotFit, OptimizeError
 from parsat.saturate.extract import Extraction, ExtractionError, leaf_roles
 from parsat.saturate.inputs import check_devices, check_pins, pins_on, resolve_graph, resolve_library, search_meshes
 from parsat.saturate.program import MeshCaches
+from parsat.saturate.repeat import SEARCHED_BLOCKS, RepeatError, Repetition, repetition_for
 from parsat.saturate.runner import STOP_SATURATED, Limits, check_limits
 from parsat.saturate.saturate import SaturationResult, saturate
 from parsat.saturate.solve import price, rules_used, solve
@@ -82,9 +83,12 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     fewest micro-batches whose activations fit beside the weights' state
     (estimated from that plan, `micro_batches_needed`, and searched again,
     doubling while the plan still does not fit), so the plan that comes
-    back fits whenever a split of the batch makes one fit. A plan that
-    fits without micro-batches is not split further: more micro-batches
-    cost latency and smaller kernels and save only memory.
+    back fits whenever a split of the batch makes one fit. Once a count
+    fits, up to `REFINEMENTS` more searches bisect between it and the
+    largest count that failed (the estimate can overshoot), and the fastest
+    plan that fits wins. A plan that fits without micro-batches is not
+    split further: more micro-batches cost latency and smaller kernels and
+    save only memory.
     """
     sizes = dict(options.pop("sizes", None) or {})
     say = options.get("progress") or (lambda _m: None)
@@ -93,29 +97,121 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise OptimizeError(f"microbatches must be a positive integer, got {microbatches!r}")
         return optimize_step(graph, machine, rules, limits, devices, **_split(options, sizes, batch, microbatches))
-    m, tried = 1, set()
+    m, tried, failed, best, refined = 1, set(), 0, None, 0
+    plans: list[Plan] = []
     while True:
         tried.add(m)
         try:
-            plan = optimize_step(graph, machine, rules, limits, devices, **_split(options, sizes, batch, m))
+            plan, needed = optimize_step(graph, machine, rules, limits, devices, **_split(options, sizes, batch, m)), None
         except DoesNotFit as err:
             if not batch:
                 raise
-            more = _more_micro_batches(err, graph, sizes, rules, machine, devices, batch, m)
-            if more is None or more in tried:
-                raise
-            say(f"no plan fits with {m} micro-batch(es) ({err.needed_bytes / 2**30:.1f} GiB per device needed): "
-                f"searching again with {more}")
-            m = more
+            plan, needed = None, err
+        if not batch:
+            return plan
+        if plan is not None:
+            plans.append(plan)
+        fits = plan is not None and _fits(plan)
+        if fits and (best is None or plan.totals.time_s < best.totals.time_s):
+            best = plan
+        if fits and m == 1:
+            return plan
+        if not fits:
+            failed = max(failed, m)
+        if best is not None:
+            # a count fits: the estimate that led to it may have overshot, and fewer micro-batches run faster
+            # (larger kernels, fewer activation collectives), so bisect towards the largest count that failed
+            fewer = _fewer_micro_batches(batch, failed, best.graph.microbatches, tried)
+            if fewer is None or refined == REFINEMENTS:
+                return _with_grid(best, plans, tried, batch, say,
+                                  lambda k: optimize_step(graph, machine, rules, limits, devices,
+                                                          **_split(options, sizes, batch, k)))
+            refined += 1
+            say(f"a plan fits with {best.graph.microbatches} micro-batches: trying {fewer}")
+            m = fewer
             continue
-        if not batch or plan.totals.peak_memory_bytes <= plan.machine.memory_capacity:
-            return plan
-        more = micro_batches_needed(plan, batch, m)
+        more = (micro_batches_needed(plan, batch, m) if plan is not None else
+                _more_micro_batches(needed, graph, sizes, rules, machine, devices, batch, m))
+        if more is not None and m > 1:
+            # the first estimate (from one whole batch) saves searches; later ones only double: memory is not
+            # monotone in m (a micro-batch that no longer divides among the data-parallel devices needs tensor
+            # parallelism), so a far jump can pass over the count that fits best
+            more = min(more, next((k for k in range(2 * m, batch + 1) if batch % k == 0), more))
         if more is None or more in tried:
-            return plan
-        say(f"the plan needs {plan.totals.peak_memory_bytes / 2**30:.1f} GiB per device of "
-            f"{plan.machine.memory_capacity / 2**30:.1f}: searching again with {more} micro-batches")
+            if plan is not None:
+                return plan
+            raise needed
+        held = (f"the plan needs {plan.totals.peak_memory_bytes / 2**30:.1f} GiB per device of "
+                f"{plan.machine.memory_capacity / 2**30:.1f}" if plan is not None else
+                f"no plan fits with {m} micro-batch(es) ({needed.needed_bytes / 2**30:.1f} GiB per device needed)")
+        say(f"{held}: searching again with {more} micro-batches")
         m = more
+
+
+GRID_SEARCHES = 2   # searches at more micro-batches spent finding a grid configuration that fits (at most)
+
+
+def _fits(plan: Plan) -> bool:
+    return plan.totals.peak_memory_bytes <= plan.machine.memory_capacity
+
+
+def _with_grid(best: Plan, plans: Sequence[Plan], tried: set[int], batch: int, say: Progress,
+               search: Callable[[int], Plan]) -> Plan:
+    """`best` compared with every baseline at every micro-batch count searched: Megatron-style grids choose
+    their micro-batch count too, and theirs may be larger than the joint plan's (tensor parallelism of one
+    sequence per data-parallel rank). While no grid configuration fits, up to `GRID_SEARCHES` searches at
+    twice the micro-batches are added. A baseline faster than the joint plan at its own count makes that
+    search's plan the answer (it is a whole plan at that count); otherwise each baseline's best totals across
+    counts are kept, with the count in its configuration, and its PCG when it was found at `best`'s count."""
+    plans = list(plans)
+    grid_fits = lambda p: p.baselines.get("best_grid") is not None and \
+        p.baselines["best_grid"].peak_memory_bytes <= p.machine.memory_capacity  # noqa: E731
+    if "best_grid" in best.baselines:   # baselines were asked for
+        m = max(p.graph.microbatches for p in plans)
+        for _ in range(GRID_SEARCHES):
+            if any(grid_fits(p) for p in plans):
+                break
+            m = next((k for k in range(2 * m, batch + 1) if batch % k == 0 and k not in tried), None)
+            if m is None:
+                break
+            tried.add(m)
+            say(f"no grid configuration fits at the micro-batch counts searched: searching {m} for the baselines")
+            try:
+                plans.append(search(m))
+            except DoesNotFit:
+                continue
+    fitting = [p for p in plans if _fits(p)]
+    best = min(fitting, key=lambda p: p.totals.time_s) if fitting else best
+    baselines, baseline_plans = dict(best.baselines), dict(best.baseline_plans)
+    for name in BASELINES:
+        found = [(p.baselines[name], p) for p in plans if p.baselines.get(name) is not None
+                 and p.baselines[name].peak_memory_bytes <= p.machine.memory_capacity]
+        if not found:
+            continue
+        totals_found, source = min(found, key=lambda f: f[0].time_s)
+        own = best.baselines.get(name)
+        if own is not None and own.peak_memory_bytes <= best.machine.memory_capacity and own.time_s <= totals_found.time_s:
+            continue
+        baselines[name] = totals_found
+        kept = source.baseline_plans.get(name)
+        config = {**dict(kept.config or {}), "microbatches": source.graph.microbatches} if kept else \
+            {"microbatches": source.graph.microbatches}
+        baseline_plans[name] = BaselinePlan(kept.pcg if kept and source is best else None,
+                                            kept.costs if kept and source is best else {}, config)
+    return replace(best, baselines=baselines, baseline_plans=baseline_plans)
+
+
+REFINEMENTS = 3   # searches spent looking for fewer micro-batches once a count fits (at most)
+
+
+def _fewer_micro_batches(batch: int, failed: int, fits: int, tried: set[int]) -> int | None:
+    """A count of micro-batches (a divisor of `batch`) between the largest that failed and one that fits, near
+    their geometric middle; None when no untried count lies between."""
+    between = [k for k in range(failed + 1, fits) if batch % k == 0 and k not in tried]
+    if not between:
+        return None
+    middle = (max(failed, 1) * fits) ** 0.5
+    return min(between, key=lambda k: (abs(k - middle), k))
 
 
 def _more_micro_batches(err: DoesNotFit, graph: str, sizes, rules, machine, devices, batch: int, m: int) -> int | None:
@@ -175,7 +271,7 @@ def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: 
              input_spreads: Mapping[str, Degrees | Mapping] | None = None, free_input_layouts: bool = True,
              baselines: bool = True, sizes: Mapping[str, int] | None = None,
              degrees: Mapping[str, int] | None = None, progress: Progress | None = None,
-                  microbatches_of: int = 1) -> Plan:
+                  microbatches_of: int = 1, repeat_blocks: bool = True) -> Plan:
     """The cheapest plan the chosen rules reach for `graph` on `devices` devices of `machine`.
 
     `graph` is a Graph, a graph JSON path or an example name (with `sizes`);
@@ -189,17 +285,27 @@ def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: 
     (`inputs.search_meshes`, docs/MESH.md) and keeps the cheapest plan;
     `limits.seconds` bounds the whole search. `degrees` pins kinds of
     parallelism (`{"tp": 2, "dp": 4}`: `strategies.pinned_meshes`) and
-    searches the rest. Raises OptimizeError, GraphError or MachineError with
-    a message for the user.
+    searches the rest. A built-in example of more than three identical
+    blocks is searched as three and the middle block's plan repeated
+    (`repeat`), unless `repeat_blocks` is False. Raises OptimizeError,
+    GraphError or MachineError with a message for the user.
     """
     say = progress or (lambda _m: None)
     library = resolve_library(rules)
     limits = limits if isinstance(limits, Limits) else Limits.from_mapping(limits)
     check_limits(limits)
     clock = Deadline(time.perf_counter() + limits.seconds, limits)
-    graph = resolve_graph(graph, library, sizes, GraphBudget(limits.enodes, clock.at, limits.seconds))
+    named = graph
+    budget = GraphBudget(limits.enodes, clock.at, limits.seconds)
+    graph = resolve_graph(graph, library, sizes, budget)
+    repetition = repetition_for(named, graph, library, sizes or {}, budget) if repeat_blocks else None
     if microbatches_of != 1:
         graph = graph.with_microbatches(microbatches_of)
+        repetition = repetition and repetition.with_microbatches(microbatches_of)
+    searched = repetition.searched if repetition else graph
+    if repetition:
+        say(f"'{graph.name}' has {repetition.blocks} identical blocks: searching {SEARCHED_BLOCKS}, the middle one's "
+            f"plan repeated {repetition.copies} times")
     base = Machine.resolve(machine)
     devices = base.devices if devices is None else int(devices)
     check_devices(graph, devices)
@@ -233,8 +339,9 @@ def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: 
             say(f"meshes {', '.join(str(m) for m, _, _ in meshes[index:])} not searched: --limit seconds="
                 f"{limits.seconds:g} reached")
             break
-        found = search_mesh(graph, library, chosen, mesh, Deadline(time.perf_counter() + share.seconds, limits),
-                            machine, placed, input_pins, free_input_layouts, baselines, caches, say, config)
+        found = search_mesh(searched, library, chosen, mesh, Deadline(time.perf_counter() + share.seconds, limits),
+                            machine, placed, input_pins, free_input_layouts, baselines, caches, say, config,
+                            repetition)
         searches.append(found)
     if pinned and not any(s.joint for s in searches):
         raise OptimizeError(f"--degrees {', '.join(f'{k}={v}' for k, v in degrees.items())} cannot hold for "
@@ -259,16 +366,21 @@ def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: 
     best_search = min(solved, key=lambda s: _rank(s.joint, machine))
     candidates = [best_search.joint]
     found_baselines: dict[str, Totals | None] = {}
-    spare = clock.limits(share=0.5)   # the sequential baseline's four steps
-    skipped = f"--limit seconds={limits.seconds:g} reached before the baselines" if baselines and spare is None else ""
+    # The baselines that restrict each mesh's e-graph (Megatron, the grid) were extracted with it, and data
+    # parallelism is built directly: they are always there to compare with. Only the sequential baseline saturates
+    # again (twice), so only it is left out when the deadline leaves no time.
+    spare = clock.limits(share=0.5)
+    skipped = (f"sequential: --limit seconds={limits.seconds:g} reached before it" if baselines and spare is None
+               else "")
     if skipped:
-        say(f"baselines skipped: {skipped}")
-    if baselines and spare is not None:
+        say(f"baseline {skipped}")
+    if baselines:
         megatron = _best([s.megatron for s in searches], machine)
         grid = _best([s.grid for s in searches], machine)
-        two_phase = sequential(graph, library, chosen, best_search.mesh,
+        two_phase = sequential(searched, library, chosen, best_search.mesh,
                                replace(spare, ilp_seconds=min(spare.ilp_seconds, limits.ilp_seconds / 2)),
-                               machine, best_search.pins, input_pins, free_input_layouts, say, caches)
+                               machine, best_search.pins, input_pins, free_input_layouts, say, caches,
+                               repetition) if spare is not None else None
         dp = data_parallel(graph, library, machine, free_input_layouts, devices) if not pins else None
         two_phase, dp = steps(two_phase), steps(dp)
         for name, candidate in (("megatron", megatron), ("sequential", two_phase), ("data_parallel", dp),
@@ -300,6 +412,8 @@ def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: 
     saturation["rules_available"] = len(chosen)
     saturation["mesh"] = str(best_search.mesh)
     saturation["meshes"] = [s.summary() for s in searches]
+    if repetition:
+        saturation["repeated_blocks"] = repetition.to_dict()
     ext = {"method": extraction.method, "chosen": best.name,
            "seconds": round(best_search.extract_seconds, 4), "candidates": dict(extraction.candidates),
            "ilp_status": extraction.ilp_status, "pass_seconds": dict(extraction.seconds)}
@@ -379,10 +493,11 @@ class CandidateSteps:
 def search_mesh(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh: Mesh, clock: "Deadline",
                 machine: Machine, pins: Mapping[str, Placement], input_pins: Mapping[str, Degrees],
                 free_inputs: bool, baselines: bool, caches: MeshCaches, say: Progress,
-                config: Config | None = None) -> MeshSearch:
+                config: Config | None = None, repetition: Repetition | None = None) -> MeshSearch:
     """Saturate on one mesh, price every e-node, extract the joint plan (within `config`, pinned degrees, when
     given) and the baselines that restrict the same e-graph (Megatron, the grid), all before `clock`'s deadline
-    (extractions past it take the greedy passes only: a plan, never none)."""
+    (extractions past it take the greedy passes only: a plan, never none). With a `repetition`, `graph` is the
+    searched blocks and every plan the whole model's (`repeat`)."""
     t = time.perf_counter()
     result = saturate(graph, library, rules, mesh, clock.remaining(), pins, caches=caches)
     say(f"mesh {mesh}: saturation {result.stop} after {result.iterations} iterations, {result.enodes} e-nodes, "
@@ -390,28 +505,32 @@ def search_mesh(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], m
     spread = any(p.spread_axes for p in result.snapshot.placement.values())
     roots = [result.classes[f"pin:{n}"] if n in pins else result.classes[n] for n in graph.outputs]
     t = time.perf_counter()
-    priced = price(result, graph, library, machine, free_inputs, input_pins)
+    priced = price(result, graph, library, machine, free_inputs, input_pins, repetition)
     pinned = config_excluded(result.snapshot, leaf_roles(result.snapshot, graph), config) if config else None
     try:
         pcg, costs, extraction = solve(result, graph, library, machine, roots, clock.remaining(),
-                                       free_inputs, pinned, pins=input_pins, costs=priced)
+                                       free_inputs, pinned, pins=input_pins, costs=priced, repetition=repetition)
     except ExtractionError as err:
         return MeshSearch(mesh, pins, result, None, None, None, None, time.perf_counter() - t, spread, str(err),
                           err.needed_bytes)
+    except RepeatError as err:
+        say(f"mesh {mesh}: {err}")
+        return MeshSearch(mesh, pins, result, None, None, None, None, time.perf_counter() - t, spread,
+                          f"the plan's blocks cannot be repeated ({err})")
     seconds = time.perf_counter() - t
     joint = Candidate(JOINT, pcg, costs, totals(costs, machine))
     say(f"mesh {mesh}: extraction {extraction.method}, {seconds:.2f} s, plan {joint.totals.time_s * 1e3:.3f} ms")
     megatron = grid = None
     if baselines:
         grid = best_grid(result, graph, library, machine, roots, clock.remaining(0.5), free_inputs,
-                         priced, input_pins)
+                         priced, input_pins, repetition)
         excluded = megatron_excluded(result.snapshot, leaf_roles(result.snapshot, graph))
         try:
             mpcg, mcosts, _ = solve(result, graph, library, machine, roots, clock.remaining(),
-                                    free_inputs, excluded, pins=input_pins, costs=priced)
+                                    free_inputs, excluded, pins=input_pins, costs=priced, repetition=repetition)
             if mpcg.max_pieces > 1:
                 megatron = Candidate("megatron", mpcg, mcosts, totals(mcosts, machine))
-        except ExtractionError:
+        except (ExtractionError, RepeatError):
             pass
     return MeshSearch(mesh, pins, result, extraction, joint, megatron, grid, seconds, spread)
 

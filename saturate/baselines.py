@@ -1,7 +1,7 @@
 """The baselines every plan is compared with, priced by the same cost model.
 
 * data parallelism: the textbook PCG (`ir.data_parallel`), priced node by
-  node (`price_pcg`);
+  node (`solve.price_pcg`);
 * Megatron-style tensor parallelism: the joint e-graph with the e-nodes it
   forbids excluded (`megatron_excluded`): graph inputs never split, matrices
   never replicated or read whole;
@@ -30,15 +30,16 @@ from parsat.ir.errors import GraphError
 from parsat.ir.graph import Graph, GraphBuilder
 from parsat.ir.machine import Machine
 from parsat.ir.mesh import Mesh
-from parsat.ir.pcg import PCG, Degrees, pcg_roles
+from parsat.ir.pcg import PCG, Degrees
 from parsat.ir.placement import Placement
 from parsat.saturate.errors import OptimizeError
-from parsat.saturate.extract import ExtractionError, NodeId, Pricer, leaf_roles
+from parsat.saturate.extract import ExtractionError, NodeId, leaf_roles
 from parsat.saturate.program import MeshCaches
+from parsat.saturate.repeat import RepeatError, Repetition
 from parsat.saturate.runner import Limits
 from parsat.saturate.saturate import SaturationResult, saturate
 from parsat.saturate.snapshot import Snapshot
-from parsat.saturate.solve import solve
+from parsat.saturate.solve import price_pcg, solve
 from parsat.saturate.strategies import config_excluded, grid
 
 Progress = Callable[[str], None]
@@ -53,27 +54,6 @@ class Candidate:
     costs: Mapping[int, NodeCost]
     totals: Totals
     config: Mapping | None = None    # best_grid: the configuration it chose (`strategies.Config.spelled`)
-
-
-def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_layouts: bool = True,
-              microbatches: int = 1) -> dict[int, NodeCost] | None:
-    """Every PCG node priced by the same cost model as the e-nodes, on the PCG's mesh, per step of
-    `microbatches` micro-batches (None if a node is not priceable)."""
-    pricer = Pricer(library, machine, pcg.mesh, free_input_layouts, microbatches=microbatches)
-    by_id = {n.id: n for n in pcg.nodes}
-    roles = pcg_roles(pcg)
-    out: dict[int, NodeCost] = {}
-    for node in pcg.nodes:
-        children = [by_id[i] for i in node.inputs]
-        axis = node.axis(pcg.mesh) if node.kind == "parallel" else None
-        attrs = tuple(v for k, v in node.attrs if node.kind != "parallel" or k == "dim")
-        op = node.op if node.kind != "leaf" else "leaf"
-        cost = pricer.price(op, attrs, node.shape, node.degrees, tuple(c.shape for c in children),
-                            tuple(c.degrees for c in children), tuple(roles.get(c.id, "") for c in children), axis)
-        if cost is None:
-            return None
-        out[node.id] = cost
-    return out
 
 
 def data_parallel(graph: Graph, library: Library, machine: Machine, free_input_layouts: bool,
@@ -133,7 +113,8 @@ def pcg_to_graph(pcg: PCG, graph: Graph, library: Library, drop_parallel: bool =
 
 def sequential(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh: Mesh, limits: Limits,
                machine: Machine, pins: Mapping[str, Placement], input_pins: Mapping[str, Degrees], free_inputs: bool,
-               say: Progress, caches: MeshCaches | None = None) -> Candidate | None:
+               say: Progress, caches: MeshCaches | None = None,
+               repetition: Repetition | None = None) -> Candidate | None:
     """Algebraic rules saturated and extracted first (on one device), then parallel rules only, on `mesh`."""
     algebraic = [r for r in rules if not is_parallel_rule(r)]
     parallel = [r for r in rules if is_parallel_rule(r)]
@@ -148,8 +129,9 @@ def sequential(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], me
             return None
         second = saturate(middle, library, parallel, mesh, limits, pins, rulesets=("par",), caches=caches)
         roots = [second.classes[f"pin:{n}"] if n in pins else second.classes[n] for n in middle.outputs]
-        spcg, scosts, _ = solve(second, middle, library, machine, roots, limits, free_inputs, pins=input_pins)
-    except (ExtractionError, GraphError, OptimizeError) as err:
+        spcg, scosts, _ = solve(second, middle, library, machine, roots, limits, free_inputs, pins=input_pins,
+                                repetition=repetition)
+    except (ExtractionError, GraphError, OptimizeError, RepeatError) as err:
         say(f"sequential baseline: none ({err})")
         return None
     return Candidate("sequential", spcg, scosts, totals(scosts, machine))
@@ -160,7 +142,7 @@ GRID_ILP_SECONDS = 2.0   # each grid point's ILP: the grid has several points pe
 
 def best_grid(result: SaturationResult, graph: Graph, library: Library, machine: Machine, roots: Sequence[int],
               limits: Limits, free_inputs: bool, priced: Mapping[NodeId, NodeCost],
-              input_pins: Mapping[str, Degrees]) -> Candidate | None:
+              input_pins: Mapping[str, Degrees], repetition: Repetition | None = None) -> Candidate | None:
     """The best Megatron-style configuration on this mesh's e-graph (`strategies.grid`: data x tensor axes,
     sequence parallelism on or off, ZeRO-3 or not), priced by the same cost model; its configuration spelled out."""
     mesh = result.snapshot.mesh or Mesh(())
@@ -171,10 +153,10 @@ def best_grid(result: SaturationResult, graph: Graph, library: Library, machine:
         try:
             pcg, costs, _ = solve(result, graph, library, machine, roots,
                                   replace(limits, ilp_seconds=min(limits.ilp_seconds, GRID_ILP_SECONDS)), free_inputs,
-                                  excluded, pins=input_pins, costs=priced)
-        except ExtractionError:
+                                  excluded, pins=input_pins, costs=priced, repetition=repetition)
+        except (ExtractionError, RepeatError):
             continue
-        found = Candidate("best_grid", pcg, costs, totals(costs, machine), config.spelled(mesh))
+        found = Candidate("best_grid", pcg, costs, totals(costs, machine), config.spelled(mesh, graph.microbatches))
         if best is None or _better(found, best, machine):
             best = found
     return best

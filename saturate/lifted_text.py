@@ -15,7 +15,6 @@ union it with the match.
 from __future__ import annotations
 
 import itertools
-import re
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -24,15 +23,11 @@ from parsat.dsl.conditions import Cond, symbolic_truth, to_poly
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import TypedTerm
 from parsat.ir.mesh import Mesh
-from parsat.saturate.encoding import MAX_RANK, SkipRule, ctor, made_row, poly_expr, real_literal, rel_fact, shape_term
+from parsat.saturate.encoding import SkipRule, ctor, made_row, poly_expr, real_literal, rel_fact, shape_term
 from parsat.saturate.guards import subst_cond
 from parsat.saturate.lifting import LiftedInstance, postorder
 from parsat.saturate.mesh_encoding import LOCAL, PLACE, place_term, table_name
-from parsat.saturate.rule_text import RuleBody, dnf
-
-
-def _var(symbol: str) -> str:
-    return "s_" + re.sub(r"[^A-Za-z0-9_]", "_", symbol)
+from parsat.saturate.rule_text import RuleBody, bind_shape, dnf, symbol_var
 
 
 @dataclass
@@ -58,7 +53,7 @@ class _Writer:
             return str(poly.constant)
         symbol = poly.as_symbol()
         if symbol is not None and symbol not in self.names:
-            self.names[symbol] = _var(symbol)
+            self.names[symbol] = symbol_var(symbol)
             return self.names[symbol]
         var = self.fresh("k")
         self.deferred.append((var, poly))
@@ -109,19 +104,8 @@ def lifted_bodies(lifted: LiftedInstance, mesh: Mesh) -> tuple[list[RuleBody], d
     targets = set(lifted.sigma.values())
     facts: list[str] = []
     for name in lifted.metas:
-        shape = instance.tensors[name]
-        if len(shape) > MAX_RANK:
-            raise SkipRule(f"metavariable '{name}' has rank {len(shape)} (at most {MAX_RANK} supported)")
-        dims = []
-        for dim in shape:
-            symbol = dim.as_symbol()
-            if symbol is not None and symbol not in w.names:
-                w.names[symbol] = _var(symbol)
-                dims.append(w.names[symbol])
-            else:
-                var = w.fresh("d")
-                dims.append(var)
-                w.deferred.append((var, dim))
+        dims, deferred = bind_shape(name, instance.tensors[name], w.names, w.fresh)
+        w.deferred.extend(deferred)
         facts.append(f"(= ({LOCAL} m_{name}) {shape_term(dims)})")
         codes = ["0" if axis in targets else f"c_{name}_{axis}" for axis in range(len(mesh))]
         facts.append(f"(= ({PLACE} m_{name}) {place_term(codes)})")

@@ -36,8 +36,28 @@ from parsat.saturate.encoding import (MATCH_SUFFIX, MAX_RANK, SkipRule, ctor, ma
                                       real_literal, rel_fact, shape_term)
 
 
-def _var(symbol: str) -> str:
+def symbol_var(symbol: str) -> str:
+    """The egglog variable of a size symbol."""
     return "s_" + re.sub(r"[^A-Za-z0-9_]", "_", symbol)
+
+
+def bind_shape(name: str, shape: Sequence[Poly], names: dict[str, str], fresh) -> tuple[list[str], list[tuple[str, Poly]]]:
+    """Egglog variables for a metavariable's dims: a dim that is one size symbol not yet bound binds it
+    (`names` gains it); any other dim gets a fresh variable, returned with the polynomial it must equal
+    (a fact to add once every symbol is bound). Raises SkipRule past MAX_RANK."""
+    if len(shape) > MAX_RANK:
+        raise SkipRule(f"metavariable '{name}' has rank {len(shape)} (at most {MAX_RANK} supported)")
+    dims, deferred = [], []
+    for dim in shape:
+        symbol = dim.as_symbol()
+        if symbol is not None and symbol not in names:
+            names[symbol] = symbol_var(symbol)
+            dims.append(names[symbol])
+        else:
+            var = fresh("d")
+            dims.append(var)
+            deferred.append((var, dim))
+    return dims, deferred
 
 
 _NEGATE = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}
@@ -144,7 +164,7 @@ class _Builder:
             return str(poly.constant)
         symbol = poly.as_symbol()
         if symbol is not None and symbol not in self.names:
-            self.names[symbol] = _var(symbol)
+            self.names[symbol] = symbol_var(symbol)
             return self.names[symbol]
         var = self.fresh("k")
         self.deferred.append(("eq", var, poly))
@@ -233,25 +253,14 @@ def _compile_one(instance: RuleInstance, devices: int, free: Sequence[str]) -> l
     b = _Builder(instance, devices)
     facts = []
     for symbol in free:
-        b.names[symbol] = _var(symbol)
+        b.names[symbol] = symbol_var(symbol)
         facts.append(f"(Degree {b.names[symbol]})")
     metas: dict[str, str] = {}
     root = b.pattern(instance.lhs, metas)
     facts.insert(0, f"(= root {root})")
     for name, var in metas.items():
-        shape = instance.tensors[name]
-        if len(shape) > MAX_RANK:
-            raise SkipRule(f"metavariable '{name}' has rank {len(shape)} (at most {MAX_RANK} supported)")
-        dims = []
-        for dim in shape:
-            symbol = dim.as_symbol()
-            if symbol is not None and symbol not in b.names:
-                b.names[symbol] = _var(symbol)
-                dims.append(b.names[symbol])
-            else:
-                d = b.fresh("d")
-                dims.append(d)
-                b.deferred.append(("eq", d, dim))
+        dims, deferred = bind_shape(name, instance.tensors[name], b.names, b.fresh)
+        b.deferred.extend(("eq", var, dim) for var, dim in deferred)
         facts.append(f"(= (Whole {var}) {shape_term(dims)})")
     # Every size symbol the conditions or the right side use must be bound now.
     conditions: list[Cond] = list(instance.where) + list(instance.lhs_requires) + list(instance.rhs_requires)

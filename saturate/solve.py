@@ -18,9 +18,10 @@ from parsat.ir.costs import NodeCost
 from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
 from parsat.ir.mesh import Mesh
-from parsat.ir.pcg import PCG, Degrees, PNode
+from parsat.ir.pcg import PCG, Degrees, PNode, pcg_roles
 from parsat.saturate.encoding import PIN_SUFFIX
-from parsat.saturate.extract import Extraction, NodeId, dag_cost, extract, node_costs
+from parsat.saturate.extract import Extraction, NodeId, Pricer, dag_cost, extract, node_costs
+from parsat.saturate.repeat import Repetition, RepeatError, stamp, value_names, weigh
 from parsat.saturate.runner import Limits
 from parsat.saturate.saturate import SaturationResult
 from parsat.saturate.snapshot import Snapshot
@@ -28,21 +29,56 @@ from parsat.saturate.snapshot import Snapshot
 
 def solve(result: SaturationResult, graph: Graph, library: Library, machine: Machine, roots: Sequence[int],
           limits: Limits, free_inputs: bool, exclude=None, pins: Mapping[str, Degrees] | None = None,
-          costs: Mapping[NodeId, NodeCost] | None = None) -> tuple[PCG, dict[int, NodeCost], Extraction]:
-    """Extract from `result` (with `costs`, the e-nodes priced, when already known) and build the PCG."""
+          costs: Mapping[NodeId, NodeCost] | None = None,
+          repetition: Repetition | None = None) -> tuple[PCG, dict[int, NodeCost], Extraction]:
+    """Extract from `result` (with `costs`, the e-nodes priced, when already known) and build the PCG.
+
+    With a `repetition`, `graph` is the searched blocks and the PCG that comes back the whole model's
+    (`repeat.stamp`), priced node by node (RepeatError when the plan's blocks are not laid out alike)."""
     if costs is None:
-        costs = price(result, graph, library, machine, free_inputs, pins)
+        costs = price(result, graph, library, machine, free_inputs, pins, repetition)
     extraction = extract(result.snapshot, costs, roots, machine.memory_capacity, limits.ilp_seconds, exclude)
     pcg, ident = pcg_from_extraction(result, extraction, graph, library, roots, graph.outputs)
+    if repetition is not None:
+        names = value_names(result.snapshot, result.classes)
+        pcg = stamp(pcg, repetition, {ident[c]: name for c, name in names.items() if c in ident})
+        priced = price_pcg(pcg, library, machine, free_inputs, graph.microbatches, pins)
+        if priced is None:
+            raise RepeatError("the repeated plan has a node the cost model cannot price")
+        return pcg, priced, extraction
     by_class = {ident[c]: costs[(c, i)] for c, i in extraction.choice.items()}
     return pcg, by_class, extraction
 
 
 def price(result: SaturationResult, graph: Graph, library: Library, machine: Machine, free_inputs: bool,
-          pins: Mapping[str, Degrees] | None) -> dict[NodeId, NodeCost]:
-    """Every e-node priced; pinned inputs arrive in their layout (a pinned output is an extraction root)."""
+          pins: Mapping[str, Degrees] | None, repetition: Repetition | None = None) -> dict[NodeId, NodeCost]:
+    """Every e-node priced; pinned inputs arrive in their layout (a pinned output is an extraction root). With a
+    `repetition`, the repeated block's e-nodes count once per block they stand for (`repeat.weigh`)."""
     input_pins = {k: v for k, v in (pins or {}).items() if k not in graph.outputs}
-    return node_costs(result.snapshot, graph, library, machine, free_inputs, input_pins)
+    costs = node_costs(result.snapshot, graph, library, machine, free_inputs, input_pins)
+    return weigh(costs, result.snapshot, repetition) if repetition is not None else costs
+
+
+def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_layouts: bool = True,
+              microbatches: int = 1, pins: Mapping[str, Degrees] | None = None) -> dict[int, NodeCost] | None:
+    """Every PCG node priced by the same cost model as the e-nodes, on the PCG's mesh, per step of
+    `microbatches` micro-batches (None if a node is not priceable); pinned inputs arrive in their layout."""
+    pricer = Pricer(library, machine, pcg.mesh, free_input_layouts, pins, microbatches=microbatches)
+    by_id = {n.id: n for n in pcg.nodes}
+    roles = pcg_roles(pcg)
+    out: dict[int, NodeCost] = {}
+    for node in pcg.nodes:
+        children = [by_id[i] for i in node.inputs]
+        axis = node.axis(pcg.mesh) if node.kind == "parallel" else None
+        attrs = (node.op,) if node.kind == "leaf" else tuple(v for k, v in node.attrs
+                                                              if node.kind != "parallel" or k == "dim")
+        op = node.op if node.kind != "leaf" else "leaf"
+        cost = pricer.price(op, attrs, node.shape, node.degrees, tuple(c.shape for c in children),
+                            tuple(c.degrees for c in children), tuple(roles.get(c.id, "") for c in children), axis)
+        if cost is None:
+            return None
+        out[node.id] = cost
+    return out
 
 
 def pcg_from_extraction(result: SaturationResult, extraction: Extraction, graph: Graph, library: Library,

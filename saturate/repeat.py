@@ -1,0 +1,275 @@
+"""Repeated blocks: search three of a model's N identical blocks, then repeat the middle one's plan N - 2 times.
+
+Language models are stacks of identical blocks (`ir.models`: every weight
+and node of block i is named `b{i}_...`). Saturating all N of them costs N
+times one block's e-graph (a 32-block GPT on a two-axis mesh passes 200,000
+e-nodes before partitions reach the later blocks), yet the best plan for
+block 7 is the best plan for block 8. So the search saturates the model
+built with three blocks (first, middle, last: a middle block's inputs and
+outputs both meet blocks, as every block but the ends does) and:
+
+1. prices every e-node of the middle block `N - 2` times (`weigh`): time,
+   communication and memory, so extraction ranks and fits plans as the
+   whole model (a plan that fits three blocks but not 32 is not chosen);
+2. repeats the extracted plan's middle block for blocks 1 to N - 2
+   (`stamp`), renaming `b1_` to `b{j}_`, and its last block as block N - 1.
+   The PCG that comes back computes the whole model, every node is
+   priced again on it and its step simulated, like any other plan.
+
+Why the stamped plan is sound: each rule is proven for all tensors, so an
+equality saturation derived for block 1 holds for block j, whose operators
+are the same with other weights; a copy reads, in place of what block 1
+read from block 0, the same value of block j - 1 in the same placement.
+`stamp` checks that last part: the values block 1 reads from block 0 and
+block 2 reads from block 1 must be the same graph tensors up to the block
+prefix (`value_names`: the e-graph knows which tensor each class holds),
+in the same placements. How block 0 computes its output does not matter
+(it may differ from block 1's: it reads the embeddings). A plan whose
+blocks are not laid out alike is refused (`RepeatError`): the caller then
+has no stamped plan for that mesh, never a wrong one.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Mapping
+
+from parsat.dsl.library import Library
+from parsat.dsl.parallel_ops import PARALLEL_OPS
+from parsat.ir.budget import GraphBudget
+from parsat.ir.costs import NodeCost
+from parsat.ir.graph import Graph
+from parsat.ir.models import EXAMPLES, build_example
+from parsat.ir.pcg import PCG, PNode
+from parsat.saturate.encoding import PIN_SUFFIX
+from parsat.saturate.snapshot import Snapshot
+
+SEARCHED_BLOCKS = 3            # first, middle (repeated), last
+REPEATED = 1                   # the searched block whose plan repeats
+OUTSIDE = -1                   # a value that depends on no block's weights (embeddings, masks, positions)
+_BLOCK_NAME = re.compile(r"^b(\d+)_")
+
+
+class RepeatError(Exception):
+    """The searched blocks' plan cannot be repeated (its blocks are not laid out alike)."""
+
+
+@dataclass(frozen=True)
+class Repetition:
+    """A model of `blocks` identical blocks searched as `searched` (built with `SEARCHED_BLOCKS`)."""
+
+    whole: Graph
+    searched: Graph
+    blocks: int
+
+    @property
+    def copies(self) -> int:
+        """How many blocks the middle block's plan stands for."""
+        return self.blocks - SEARCHED_BLOCKS + 1
+
+    def with_microbatches(self, count: int) -> "Repetition":
+        return replace(self, whole=self.whole.with_microbatches(count),
+                       searched=self.searched.with_microbatches(count))
+
+    def to_dict(self) -> dict:
+        return {"blocks": self.blocks, "searched_blocks": SEARCHED_BLOCKS, "repeated_block": REPEATED,
+                "copies": self.copies}
+
+
+def repetition_for(named, whole: Graph, library: Library, sizes: Mapping[str, int],
+                   budget: GraphBudget | None = None) -> Repetition | None:
+    """How to search `whole`, built from the example `named` at `sizes`: as three of its blocks, when it is a
+    built-in example of more than three (None for any other graph: its blocks are not known to be alike)."""
+    if not isinstance(named, str) or named not in EXAMPLES:
+        return None
+    blocks = {**EXAMPLES[named].defaults(), **sizes}.get("blocks")
+    if not isinstance(blocks, int) or blocks <= SEARCHED_BLOCKS:
+        return None
+    searched = build_example(named, {**sizes, "blocks": SEARCHED_BLOCKS}, library, budget)
+    return Repetition(whole, searched, blocks)
+
+
+def block_of(name: str) -> int:
+    """The block a graph name belongs to (`b3_wq` -> 3), OUTSIDE for names outside every block."""
+    found = _BLOCK_NAME.match(name)
+    return int(found.group(1)) if found else OUTSIDE
+
+
+def _renamed(name: str, block: int) -> str:
+    return _BLOCK_NAME.sub(f"b{block}_", name, count=1) if block_of(name) != OUTSIDE else name
+
+
+# ------------------------------------------------------------------ weighing the e-graph
+
+
+def class_blocks(snapshot: Snapshot) -> dict[int, int]:
+    """E-class -> the latest block whose weights it depends on (OUTSIDE for none): a fixpoint from the leaves.
+
+    A value of block 1 depends on block 1's weights (and earlier ones'); a conversion of block 1's output that
+    block 2 reads depends on no later weight, so it counts with block 1, as every block but the last has one.
+    """
+    blocks = {cid: OUTSIDE for cid in snapshot.classes}
+    for cid, nodes in snapshot.classes.items():
+        for node in nodes:
+            if node.op == "leaf":
+                blocks[cid] = max(blocks[cid], block_of(str(node.attrs[0]).removesuffix(PIN_SUFFIX)))
+    changed = True
+    while changed:
+        changed = False
+        for cid, nodes in snapshot.classes.items():
+            latest = max((blocks.get(ch, OUTSIDE) for node in nodes for ch in node.children), default=OUTSIDE)
+            if latest > blocks[cid]:
+                blocks[cid], changed = latest, True
+    return blocks
+
+
+def scaled(cost: NodeCost, factor: int) -> NodeCost:
+    """`cost` counted `factor` times: every figure that adds up over nodes."""
+    return replace(cost, forward_s=cost.forward_s * factor, backward_s=cost.backward_s * factor,
+                   optimizer_s=cost.optimizer_s * factor, comm_s=cost.comm_s * factor,
+                   comm_elements=cost.comm_elements * factor, grad_sync_elements=cost.grad_sync_elements * factor,
+                   memory_bytes=cost.memory_bytes * factor, flops=cost.flops * factor,
+                   accumulation_bytes=cost.accumulation_bytes * factor,
+                   activation_bytes=cost.activation_bytes * factor)
+
+
+def weigh(costs: Mapping[tuple[int, int], NodeCost], snapshot: Snapshot, repetition: Repetition) -> dict:
+    """Every e-node's cost with the middle block's counted `copies` times: extraction then prices the whole model."""
+    blocks = class_blocks(snapshot)
+    factor = repetition.copies
+    return {nid: scaled(cost, factor) if blocks.get(nid[0]) == REPEATED else cost for nid, cost in costs.items()}
+
+
+# ------------------------------------------------------------------ stamping the PCG
+
+
+def node_blocks(pcg: PCG) -> dict[int, int]:
+    """PCG node -> its block: the latest block whose weights it depends on (the PCG is in topological order),
+    except that parallel operators that only a later block reads belong to that block: they are its entry,
+    converting the value it reads into the placements it wants (block 1 may want the same value of block 0
+    in two placements, and block 2 of block 1 in one: what crosses is the value, each block converts it)."""
+    blocks: dict[int, int] = {}
+    for node in pcg.nodes:
+        own = block_of(node.op) if node.kind == "leaf" else block_of(node.origin)
+        blocks[node.id] = max([own] + [blocks[i] for i in node.inputs])
+    readers: dict[int, set[int]] = {}
+    for node in pcg.nodes:
+        for i in node.inputs:
+            readers.setdefault(i, set()).add(node.id)
+    for node in reversed(pcg.nodes):
+        if node.kind != "parallel" or blocks[node.id] == OUTSIDE or node.id in pcg.outputs:
+            continue
+        later = {blocks[r] for r in readers.get(node.id, ())}
+        if len(later) == 1 and next(iter(later)) > blocks[node.id]:
+            blocks[node.id] = next(iter(later))
+    return blocks
+
+
+def value_names(snapshot: Snapshot, classes: Mapping[str, int]) -> dict[int, str]:
+    """E-class -> the graph tensor whose value it holds, however spread: the classes the graph names, and every
+    class joined to one of them by a parallel operator (which moves a value between devices, never changes it)."""
+    names: dict[int, str] = {}
+    for name, cid in classes.items():
+        if not name.startswith("pin:"):
+            names.setdefault(cid, name)
+    changed = True
+    while changed:
+        changed = False
+        for cid, nodes in snapshot.classes.items():
+            for node in nodes:
+                if node.op not in PARALLEL_OPS:
+                    continue
+                child = node.children[0]
+                if cid not in names and child in names:
+                    names[cid], changed = names[child], True
+                elif child not in names and cid in names:
+                    names[child], changed = names[cid], True
+    return names
+
+
+def stamp(pcg: PCG, repetition: Repetition, values: Mapping[int, str]) -> PCG:
+    """The searched blocks' PCG repeated into the whole model's (module docstring); RepeatError if it cannot be.
+
+    `values` names, for PCG nodes, the graph tensor each holds (`value_names`): a copy of block 1 reads from
+    the copy before it the value block 1 read from block 0, one block later, in the same placement."""
+    blocks = node_blocks(pcg)
+    by_id = {n.id: n for n in pcg.nodes}
+    last = SEARCHED_BLOCKS - 1
+    readers = {b: {i for n in pcg.nodes if blocks[n.id] == b for i in n.inputs} for b in range(SEARCHED_BLOCKS)}
+    for n in pcg.nodes:
+        for i in n.inputs:
+            if blocks[i] not in (OUTSIDE, blocks[n.id], blocks[n.id] - 1):
+                raise RepeatError(f"node {n.id} ({n.label}) of block {blocks[n.id]} reads block {blocks[i]}: "
+                                  "the blocks are not a chain")
+    into_middle = sorted(i for i in readers[REPEATED] if blocks[i] == REPEATED - 1)
+    into_last = sorted(i for i in readers[last] if blocks[i] == REPEATED)
+
+    def read(i: int) -> tuple:
+        """What a block reads from the one before: which value (up to the block prefix), where it lies."""
+        if i not in values:
+            raise RepeatError(f"node {i} ({by_id[i].label}), read across blocks, holds no value the graph names")
+        return _renamed(values[i], 0), by_id[i].shape, by_id[i].placement
+
+    ahead = {read(i): i for i in into_last}
+    behind = {read(i): i for i in into_middle}
+    if set(ahead) != set(behind):
+        raise RepeatError("the blocks are not laid out alike: block 1 reads "
+                          f"{_reads(behind)} from block 0, block 2 reads {_reads(ahead)} from block 1")
+    # what block 1 read from block 0, copy j reads from copy j - 1: the same value one block later, laid out alike
+    successor = {i: ahead[read(i)] for i in into_middle}
+
+    nodes: list[PNode] = []
+    new_id: dict[tuple[int, int], int] = {}   # (block of the whole model, searched node id) -> new id
+    ends = {OUTSIDE: OUTSIDE, 0: 0, last: repetition.blocks - 1}
+
+    def emit(node: PNode, block: int, source) -> None:
+        new_id[(block, node.id)] = len(nodes)
+        renamed = replace(node, id=len(nodes), inputs=tuple(source(i) for i in node.inputs),
+                          origin=_renamed(node.origin, block))
+        nodes.append(replace(renamed, op=_renamed(node.op, block)) if node.kind == "leaf" else renamed)
+
+    def at_end(i: int) -> int:
+        return new_id[(ends[blocks[i]], i)]
+
+    def in_copy(block: int):
+        def source(i: int) -> int:
+            if blocks[i] == REPEATED:
+                return new_id[(block, i)]
+            if blocks[i] == REPEATED - 1 and block > REPEATED:
+                return new_id[(block - 1, successor[i])]
+            return at_end(i)
+        return source
+
+    def in_last(i: int) -> int:
+        return new_id[(repetition.blocks - 2, i)] if blocks[i] == REPEATED else at_end(i)
+
+    for node in pcg.nodes:
+        if blocks[node.id] in (OUTSIDE, 0):
+            emit(node, ends[blocks[node.id]], at_end)
+    for block in range(REPEATED, repetition.blocks - 1):
+        source = in_copy(block)
+        for node in pcg.nodes:
+            if blocks[node.id] == REPEATED:
+                emit(node, block, source)
+    for node in pcg.nodes:
+        if blocks[node.id] == last:
+            emit(node, repetition.blocks - 1, in_last)
+    outputs = tuple(in_last(o) if blocks[o] == REPEATED else at_end(o) for o in pcg.outputs)
+    stamped = PCG(tuple(nodes), outputs, pcg.output_names, pcg.mesh)
+    _check_leaves(stamped, repetition.whole)
+    return stamped
+
+
+def _reads(found: Mapping[tuple, int]) -> str:
+    return ", ".join(sorted(f"{name} as {placement}" for name, _shape, placement in found)) or "nothing"
+
+
+def _check_leaves(pcg: PCG, whole: Graph) -> None:
+    """The stamped PCG reads exactly the whole model's leaves, at their shapes."""
+    want = {leaf.name: tuple(leaf.shape) for leaf in whole.leaves}
+    have = {n.op: tuple(n.shape) for n in pcg.nodes if n.kind == "leaf"}
+    if have != want:
+        missing = sorted(set(want) - set(have))[:3]
+        extra = sorted(set(have) - set(want))[:3]
+        raise RepeatError(f"the repeated plan's leaves differ from the model's (missing {missing}, extra {extra})")

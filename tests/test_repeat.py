@@ -1,0 +1,130 @@
+"""Repeated blocks (`saturate.repeat`): a model of N identical blocks searched as three, the middle block's plan
+repeated, gives the whole model's plan: the full search's cost, every leaf, a PCG that trains like one process."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+pytest.importorskip("egglog")
+
+import parsat  # noqa: E402
+from parsat.dsl.library import load_library  # noqa: E402
+from parsat.ir.models import build_example  # noqa: E402
+from parsat.ir.pcg import PCG  # noqa: E402
+from parsat.ir.pcg_layout import lay_out  # noqa: E402
+from parsat.saturate.repeat import (OUTSIDE, REPEATED, RepeatError, Repetition, block_of, class_blocks,  # noqa: E402
+                                    node_blocks, scaled, stamp, value_names, weigh)
+from parsat.ir.costs import NodeCost  # noqa: E402
+
+LIBRARY = load_library()[0]
+SMALL = {"batch": 8, "seq": 16, "hidden": 64, "heads": 4, "vocab": 128}   # on the slow "cpu" machine: split
+LIMITS = {"seconds": 30, "iterations": 4}
+
+
+@pytest.fixture(scope="module")
+def plans():
+    """gpt with 5 blocks on 2 devices: searched whole, and as three blocks repeated."""
+    sizes = {**SMALL, "blocks": 5}
+    whole = parsat.optimize("gpt", "cpu", devices=2, sizes=sizes, limits=LIMITS, repeat_blocks=False,
+                            baselines=False)
+    repeated = parsat.optimize("gpt", "cpu", devices=2, sizes=sizes, limits=LIMITS, baselines=False)
+    return whole, repeated
+
+
+def test_block_names():
+    assert block_of("b12_wq") == 12 and block_of("b0_ln1") == 0
+    assert block_of("wte") == OUTSIDE and block_of("lnf") == OUTSIDE and block_of("bq") == OUTSIDE
+
+
+def test_repeated_plan_is_as_good_as_the_whole_search(plans):
+    whole, repeated = plans
+    assert repeated.saturation["repeated_blocks"] == {"blocks": 5, "searched_blocks": 3, "repeated_block": 1,
+                                                      "copies": 3}
+    assert "repeated_blocks" not in whole.saturation
+    blocks = node_blocks(repeated.pcg)
+    assert any(n.placement.spread_axes for n in repeated.pcg.nodes if blocks[n.id] == 2 and n.kind == "op")
+    assert repeated.totals.time_s <= whole.totals.time_s * 1.02
+    assert "5 identical blocks, searched as 3" in repeated.explain()
+
+
+def test_repeated_plan_reads_every_leaf_and_lays_out(plans):
+    _, repeated = plans
+    leaves = {n.op: n.shape for n in repeated.pcg.nodes if n.kind == "leaf"}
+    assert leaves == {leaf.name: tuple(leaf.shape) for leaf in repeated.graph.leaves}
+    assert {block_of(n.origin) for n in repeated.pcg.nodes if n.origin} >= set(range(5))
+    lay_out(repeated.pcg, LIBRARY.ops)   # raises PlacementError if a node's placement does not follow
+
+
+def test_repeated_plan_trains_like_one_process(plans):
+    from parsat.backend.executor import TrainConfig, run_plan
+
+    _, repeated = plans
+    result = run_plan(repeated.pcg, 2, TrainConfig(steps=2, check=True, dtype="float64"), graph=repeated.graph,
+                      backend="gloo")
+    assert result.check == "passed"
+    assert result.comm_elements_measured == repeated.totals.comm_elements
+
+
+def _searched() -> tuple[PCG, dict[int, str], Repetition]:
+    """The three searched blocks' PCG on 2 devices, the graph tensor each node holds, and a 6-block repetition."""
+    from parsat.ir.machine import Machine
+    from parsat.saturate.extract import extract, node_costs
+    from parsat.saturate.runner import Limits
+    from parsat.saturate.saturate import saturate
+    from parsat.saturate.solve import pcg_from_extraction
+
+    graph = build_example("gpt", {**SMALL, "blocks": 3}, LIBRARY)
+    machine = Machine.resolve("cpu").with_devices(2)
+    result = saturate(graph, LIBRARY, LIBRARY.rules, 2, Limits(iterations=4))
+    roots = [result.classes[n] for n in graph.outputs]
+    extraction = extract(result.snapshot, node_costs(result.snapshot, graph, LIBRARY, machine), roots,
+                         machine.memory_capacity, 0)
+    pcg, ident = pcg_from_extraction(result, extraction, graph, LIBRARY, roots, graph.outputs)
+    values = {ident[c]: name for c, name in value_names(result.snapshot, result.classes).items() if c in ident}
+    return pcg, values, Repetition(build_example("gpt", {**SMALL, "blocks": 6}, LIBRARY), graph, 6)
+
+
+def test_stamp_repeats_block_one_and_refuses_blocks_laid_out_differently():
+    pcg, values, repetition = _searched()
+    stamped = stamp(pcg, repetition, values)
+    blocks = node_blocks(stamped)
+    per_block = {b: sum(1 for v in blocks.values() if v == b) for b in range(6)}
+    assert per_block[1] == per_block[2] == per_block[3] == per_block[4] > 0   # four copies of block 1
+    searched = node_blocks(pcg)
+    read = next(i for n in pcg.nodes if searched[n.id] == 2 for i in n.inputs if searched[i] == REPEATED)
+    # block 2 reads another value from block 1 than block 1 read from block 0: copies cannot read each other
+    with pytest.raises(RepeatError, match="not laid out alike"):
+        stamp(pcg, repetition, {**values, read: "b1_ln2"})
+    # ... or the same value laid out another way
+    nodes = list(pcg.nodes)
+    nodes[read] = replace(nodes[read], placement=type(nodes[read].placement)(()))
+    with pytest.raises(RepeatError, match="not laid out alike"):
+        stamp(replace(pcg, nodes=tuple(nodes)), repetition, values)
+    # ... or a value the graph does not name
+    with pytest.raises(RepeatError, match="holds no value the graph names"):
+        stamp(pcg, repetition, {k: v for k, v in values.items() if k != read})
+
+
+def test_stamp_refuses_a_plan_that_misses_the_model_leaves():
+    pcg, values, repetition = _searched()
+    other = build_example("gpt", {**SMALL, "blocks": 6, "hidden": 128}, LIBRARY)
+    with pytest.raises(RepeatError, match="leaves differ"):
+        stamp(pcg, replace(repetition, whole=other), values)
+
+
+def test_weigh_counts_the_middle_block_once_per_copy():
+    from parsat.saturate.saturate import saturate
+
+    graph = build_example("gpt", {**SMALL, "blocks": 3}, LIBRARY)
+    result = saturate(graph, LIBRARY, [], 1)
+    blocks = class_blocks(result.snapshot)
+    assert blocks[result.classes["b1_wq"]] == 1 and blocks[result.classes["b1_res2"]] == 1
+    assert blocks[result.classes["b2_ln1"]] == 2 and blocks[result.classes["loss"]] == 2
+    assert blocks[result.classes["wte"]] == OUTSIDE and blocks[result.classes["emb"]] == OUTSIDE
+    one = NodeCost(forward_s=1.0, memory_bytes=10, comm_elements=3)
+    costs = {(cid, 0): one for cid in result.snapshot.classes}
+    weighed = weigh(costs, result.snapshot, Repetition(graph, graph, 30))
+    assert weighed[(result.classes["b1_wq"], 0)] == scaled(one, 28)
+    assert weighed[(result.classes["b0_wq"], 0)] == one and weighed[(result.classes["b2_wq"], 0)] == one
