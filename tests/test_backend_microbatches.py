@@ -1,6 +1,6 @@
 """Plans of m micro-batches run for real: gradient accumulation, checked against the whole batch.
 
-On 2 gloo ranks (4 for the 2x2 mesh): plans of `mlp` and a
+On 2 gloo ranks (4 for the 2x2 mesh, marked slow): plans of `mlp` and a
 small `gpt` at m = 1, 2 and 4 micro-batches of one global batch train like
 the whole batch's graph in one process (`--check`: the whole-batch
 reference shares nothing with the backend's accumulation, so a gradient
@@ -23,8 +23,8 @@ torch = pytest.importorskip("torch")
 
 from parsat.api import optimize  # noqa: E402
 from parsat.backend.cli import load_plan  # noqa: E402
-from parsat.backend.executor import (ExecutionError, TrainConfig, operator_library, reference_run,  # noqa: E402
-                                     run_rank)
+from parsat.backend.executor import (ExecutionError, TrainConfig, gradient_reductions, operator_library,  # noqa: E402
+                                     reference_run, run_rank)
 from parsat.backend.launch import LaunchConfig, launch  # noqa: E402
 from parsat.backend.plan_check import micro_batches_make_the_step  # noqa: E402
 from parsat.cli import main  # noqa: E402
@@ -32,6 +32,7 @@ from parsat.ir import models  # noqa: E402
 from parsat.ir.graph import Graph, GraphBuilder  # noqa: E402
 from parsat.ir.machine import Machine  # noqa: E402
 from parsat.ir.microbatch import StepBatch, step_batch  # noqa: E402
+from parsat.ir.parallelism import describe  # noqa: E402
 
 STEPS = 2
 MLP = {"batch": 16, "d_in": 32, "d_hidden": 16, "d_out": 8}
@@ -99,7 +100,7 @@ def mlp_runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gpt_runs(tmp_path_factory):
-    jobs = _plans(tmp_path_factory.mktemp("gpt"), "gpt", GPT, TWO_BY_TWO, 2, ("parsat", "data_parallel"))
+    jobs = _plans(tmp_path_factory.mktemp("gpt"), "gpt", GPT, TWO_BY_TWO, 2, ("parsat", "data_parallel", "sequential"))
     return jobs, _launch(jobs, 2)
 
 
@@ -117,6 +118,12 @@ def test_gpt_micro_batches_train_the_whole_batch_and_move_what_is_predicted(gpt_
     _assert_trains_like_the_whole_batch(jobs, results)
     _same_losses(results, "parsat")
     assert results["parsat/m4"][2]["sent"] > 0   # really parallel
+    # the sequential baseline here is ZeRO-3 over the 2 ranks: its weights gathered and their gradients
+    # reduce-scattered once per step (the prediction prices them so, and the measured figures equal it)
+    assert "ZeRO-3" in describe(next(pcg for label, pcg, _, _ in jobs if label == "sequential/m4"))
+    # one gradient reduction per weight's replicate or all_gather, whatever m: synchronised once per step
+    for label, pcg, _, _ in jobs:
+        assert results[label][1]["grad_sync_events"] == len(gradient_reductions(pcg)) > 0, label
     # micro-batching is for memory: a quarter of the batch's activations alive at once
     assert results["parsat/m4"][2]["peak_memory_bytes"] < results["parsat/m1"][2]["peak_memory_bytes"]
 
@@ -133,6 +140,7 @@ def test_gradients_are_synchronised_once_per_step_and_activations_once_per_micro
         assert comm["events"] - comm["grad_sync_events"] == m * (one["events"] - one["grad_sync_events"]) > 0
 
 
+@pytest.mark.slow
 def test_a_2x2_mesh_with_zero3_gathers_weights_once_per_step(tmp_path):
     """DP 2 x TP 2 with ZeRO-3 over DP (`--degrees dp=2,tp=2`), m = 1 and 4 on 4 ranks: checked against the
     whole batch, communication as predicted; the weights' all-gathers and reduce-scatters run once a step."""
