@@ -7,7 +7,15 @@ exit code 1; a failed `--check` also exits 1. With `--json` the last line
 printed is one JSON object (issue 5): check, max_abs_diff,
 comm_elements_measured, comm_elements_predicted, step_time_s,
 peak_memory_bytes, plus the gradient-sync part, the distinct collectives,
-the other predictions and the losses (`executor.RunResult.to_dict`).
+the other predictions, the micro-batches per step and the losses
+(`executor.RunResult.to_dict`).
+
+A plan whose step runs m micro-batches (`Graph.microbatches`) runs as
+priced: each step m forward and backward passes, the weights' gathers and
+gradient synchronisation once (backend/executor.py). Before any rank
+starts, the micro-batches are checked to make the step's whole batch
+(`plan_check.micro_batches_make_the_step`); `--model` runs the module's
+own loop, one batch a step, and refuses such a plan.
 
 `--plan-of NAME` runs one of the baselines the plan file carries
 (`data_parallel`, `sequential`, `megatron`) instead of parsat's own PCG,
@@ -90,10 +98,6 @@ def load_plan(path: str, nproc: int, plan_of: str = "parsat"):
     validate_plan_operators(data, library.ops, PlanError, f"{path} does not follow the plan schema")
     try:
         graph = Graph.from_dict(data["graph"], library)
-        if graph.microbatches != 1:
-            raise ExecutionError(f"{path} runs its step as {graph.microbatches} micro-batches; the backend does not "
-                                 "accumulate gradients over micro-batches yet, so it cannot run this plan as priced "
-                                 "(optimize with --microbatches 1 for a plan it runs)")
         if plan_of == "parsat":
             return pcg_from_dict(data), graph, Prediction.from_totals(data.get("totals"))
         baseline = (data.get("baselines") or {}).get(plan_of)
@@ -135,13 +139,20 @@ def main_run(args: argparse.Namespace) -> int:
     try:
         pcg, graph, predicted = load_plan(args.plan, args.nproc, args.plan_of)
         check_mesh(pcg, args.nproc)
-        from parsat.backend.plan_check import plan_follows_graph
+        from parsat.backend.plan_check import micro_batches_make_the_step, plan_follows_graph
 
         plan_follows_graph(pcg, graph, args.seed)  # before any rank starts
+        micro_batches_make_the_step(graph, args.seed)
         config = TrainConfig(steps=args.steps, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
                              dtype=args.dtype, check=args.check, tolerance=check_tolerance(args.dtype, args.model))
         if args.model is not None:
             from parsat.backend.parallelize import run_module_plan
+
+            if graph.microbatches != 1:
+                raise ExecutionError(f"{args.plan} runs its step as {graph.microbatches} micro-batches; --model "
+                                     "trains the module one batch per step (its own loop), so it cannot run this "
+                                     "plan as priced: run it without --model, or optimize the module with "
+                                     "--microbatches 1")
 
             if args.data is not None:  # torch.load in every rank would wait on a pipe or read a device forever
                 check_regular_file(args.data, "--data")
@@ -173,7 +184,9 @@ def _report(result, args: argparse.Namespace, tolerance: float) -> None:
     measured, predicted = result.comm_elements_measured, result.comm_elements_predicted
     sync_predicted = result.predicted.grad_sync_elements
     memory_predicted = result.predicted.peak_memory_bytes
-    lines = [f"ran {args.steps} step(s) of the {args.plan_of} plan on {args.nproc} rank(s)",
+    micro = result.microbatches
+    lines = [f"ran {args.steps} step(s) of the {args.plan_of} plan on {args.nproc} rank(s)"
+             + (f", {micro} micro-batches each (gradients accumulated, synchronised once a step)" if micro > 1 else ""),
              f"  loss per step        {', '.join(f'{x:.6g}' for x in result.losses)}",
              f"  communication/step   measured {measured:,.0f} elements, predicted "
              + ("n/a" if predicted is None else f"{predicted:,.0f}")

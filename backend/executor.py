@@ -21,8 +21,32 @@ every rank, which compute identical gradients for it (a `replicate`
 reading it sums its copies' gradients: the gradient synchronisation of
 data parallelism).
 
-Loss: 0.5 * mean((output - target)^2) summed over outputs, targets from the
-seed. A rank's share is its piece's part. The ranks holding the same piece
+Micro-batches (gradient accumulation, `Graph.microbatches` m): a step
+makes the values of every weight's chain (the weight and what parallel
+operators alone make of it: its ZeRO-3 all-gather, its replicas,
+`ir.pcg.weight_chains`) once, and hands each micro-batch detached copies
+that require a gradient; the m micro-batches run forward and backward one
+after another (each freed before the next), their gradients accumulating
+on those copies; then one backward through the weights' chains carries the
+accumulated gradients to the stored pieces (with one micro-batch the chains
+simply run inside its forward and backward), so each gathering collective
+and each gradient reduction (all-reduce, reduce-scatter) runs once per
+step, activations' collectives once per micro-batch: what the cost model
+prices (`ir.costs.NodeCost.per_step`). The collectives are linear, so
+reducing the sum of m gradients once is the sum of m reductions.
+
+Loss scaling: each micro-batch's objective is a mean over its own samples;
+the step's objective is the mean of the m micro-batches' (the whole
+batch's, `training_data`), so each micro-batch differentiates its
+objective divided by m, and the accumulated gradient is the whole batch's.
+The step's data, its cut into micro-batches and the objective are
+`training_data`'s; `--check` compares with the whole batch's graph trained
+in one process where it is known (`ir.microbatch`), otherwise with the
+micro-batch graph accumulated m times in one process.
+
+Objective: a loss output (a scalar) as it is, any other output
+0.5 * mean((output - target)^2), summed over outputs, targets from the
+seed (`training_data.objective`). A rank's share is its piece's part. The ranks holding the same piece
 are those that differ only on the output's free and replica axes: the
 reported loss divides by their number, so the sum over ranks is the loss
 once. The share a rank differentiates divides by the sizes of the replica
@@ -39,7 +63,6 @@ import math
 import resource
 import statistics
 import time
-import zlib
 from dataclasses import dataclass, field
 from math import prod
 from typing import Mapping, Sequence
@@ -47,15 +70,18 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from parsat.backend.collectives import GRAD_SYNC, PARALLEL_TABLE, CommCounter, MeshGroups, parallel_op
+from parsat.backend.collectives import GRAD_SYNC, CommCounter, MeshGroups, parallel_op
 from parsat.backend.launch import LaunchConfig, RankContext, launch
 from parsat.backend.torch_ops import apply_op
+from parsat.backend.training_data import (MASK, ONEHOT, StepData, TrainConfig, causal_mask, data_leaves,  # noqa: F401
+                                          fan_in, leaf_value, objective, target_value)
 from parsat.dsl.library import Library, load_library, shipped_rules_dir
 from parsat.dsl.parallel_ops import ALL_GATHER, REPLICATE
 from parsat.ir.mesh import Mesh
+from parsat.ir.microbatch import StepBatch, step_batch
 from parsat.ir.placement import FREE, PARTIAL, Placement, PlacementError, piece_index
 from parsat.ir.graph import Graph
-from parsat.ir.pcg import PCG, PNode, weight_storage
+from parsat.ir.pcg import PCG, PNode, weight_chains, weight_storage
 from parsat.ir.pcg_layout import lay_out
 
 OPTIMIZERS = ("sgd", "adam")
@@ -65,120 +91,7 @@ class ExecutionError(Exception):
     """A plan the backend refuses to run, or a rank program that cannot be built."""
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    """Training-step settings shared by the distributed run and its reference."""
-
-    steps: int = 3
-    optimizer: str = "sgd"
-    lr: float = 0.01
-    seed: int = 0
-    dtype: str = "float64"   # float64 makes --check tolerances tight
-    check: bool = False
-    tolerance: float = 1e-9  # largest relative difference --check accepts (`compare_values`)
-
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-
-# ----------------------------------------------------------------- seeded data
-
-
-def _generator(seed: int, name: str, step: int) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode()) * 7919 + step) % 2**62)
-
-
-def leaf_value(name: str, shape: Sequence[int], role: str, config: TrainConfig, step: int = 0,
-               data: str = "", fan_in: int = 1) -> torch.Tensor:
-    """The full value of a leaf: weights from the seed (scaled by 1/sqrt(fan_in)), data from the seed and the step.
-
-    `data` is what the operators reading an input need (`data_leaves`): "onehot" rows of random ids,
-    "mask" the causal 0/1 mask, anything else standard normal values.
-    """
-    gen = _generator(config.seed, name, 0 if role == "weight" else step + 1)
-    dtype = config.torch_dtype()
-    if data == ONEHOT:
-        ids = torch.randint(0, shape[-1], tuple(shape[:-1]), generator=gen)
-        return torch.nn.functional.one_hot(ids, shape[-1]).to(dtype)
-    if data == MASK:
-        return causal_mask(shape, dtype)
-    value = torch.randn(tuple(shape), generator=gen, dtype=dtype)
-    if role == "weight" and fan_in > 1:
-        value = value / fan_in ** 0.5
-    return value
-
-
-# Where a weight is read, which of its dims are the inputs of one output: (operator, argument) -> dims.
-# A weight read through `transpose` swaps them (torch's [out, in] Linear weight feeding `linear`).
-_FAN_IN_DIMS = {("matmul", 1): (0,), ("linear", 1): (0,), ("linear_nobias", 1): (0,), ("conv2d", 1): (1, 2, 3),
-                ("bmm", 1): (-2,)}
-
-
-def fan_in(nodes: Sequence[tuple[str, str, Sequence[str]]], shapes: dict, name: str) -> int:
-    """The fan-in of weight `name` from the first operator that contracts it (1 if none does: norms, biases,
-    embedding tables). `nodes` are (name, op, inputs) in order; `shapes` every tensor's shape."""
-    targets = {name: False}  # tensor -> read transposed
-    for node_name, op, inputs in nodes:
-        for position, ref in enumerate(inputs):
-            if ref not in targets:
-                continue
-            if op == "transpose" and len(shapes[ref]) == 2:
-                targets[node_name] = not targets[ref]
-                continue
-            if op in PARALLEL_OPS_NAMES:
-                targets[node_name] = targets[ref]
-                continue
-            dims = _FAN_IN_DIMS.get((op, position))
-            if dims is None:
-                continue
-            shape = shapes[name]
-            if targets[ref]:
-                dims = tuple(len(shape) - 1 - (d % len(shape)) for d in dims)
-            fan = 1
-            for d in dims:
-                fan *= shape[d]
-            return fan
-    return 1
-
-
-def target_value(name: str, shape: Sequence[int], config: TrainConfig, step: int) -> torch.Tensor:
-    return torch.randn(tuple(shape), generator=_generator(config.seed, "target:" + name, step + 1),  # () too
-                       dtype=config.torch_dtype())
-
-
-PARALLEL_OPS_NAMES = tuple(PARALLEL_TABLE)
-# Operators that only move elements: a one-hot tensor stays one-hot through them.
-_MOVES_ELEMENTS = PARALLEL_OPS_NAMES + ("split", "concat", "transpose", "flatten", "unflatten", "broadcast")
-ONEHOT, MASK = "onehot", "mask"
-# (operator, argument) -> the data it must read: one-hot rows (embedding ids, cross-entropy targets) or a
-# 0/1 mask (attention's, of which every row keeps an entry).
-_DATA_ARGS = {("embedding", 0): ONEHOT, ("embedding_padded", 0): ONEHOT, ("nll_sum", 2): ONEHOT,
-              ("softmax_masked", 1): MASK}
-
-
-def data_leaves(nodes: Sequence[tuple[str, str, Sequence[str]]]) -> dict[str, str]:
-    """Leaves whose data must have a form, and which (ONEHOT or MASK): read, through operators that only
-    move elements (parallel operators, reshapes, slices), as an embedding's ids, a cross-entropy's targets
-    or a masked softmax's mask."""
-    source: dict[str, str] = {}  # tensor -> the tensor its elements come from
-    found: dict[str, str] = {}
-    for name, op, inputs in nodes:
-        if op in _MOVES_ELEMENTS and inputs:
-            source[name] = source.get(inputs[0], inputs[0])
-        for position, ref in enumerate(inputs):
-            kind = _DATA_ARGS.get((op, position))
-            if kind is not None:
-                found[source.get(ref, ref)] = kind
-    return found
-
-
-def causal_mask(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """1 where a query (second-last dim) may see a key (last dim): keys up to its own position, aligned at the
-    end when there are more keys than queries (as the importer builds torch's causal mask)."""
-    if len(shape) < 2:
-        return torch.ones(tuple(shape), dtype=dtype)
-    s, k = shape[-2], shape[-1]
-    return torch.ones(s, k, dtype=dtype).tril(diagonal=max(0, k - s)).expand(tuple(shape)).contiguous()
+# ----------------------------------------------------------------- seeded data: backend/training_data.py
 
 
 class Optimizer:
@@ -222,16 +135,18 @@ def _make_optimizer(params: list[torch.Tensor], config: TrainConfig) -> Optimize
     return Optimizer(params, config)
 
 
-def _loss_term(out: torch.Tensor, target: torch.Tensor, numel: int) -> torch.Tensor:
-    return 0.5 * ((out - target) ** 2).sum() / numel
-
-
 # ------------------------------------------------------------ the reference run
 
 
 @dataclass(frozen=True)
 class Reference:
-    """Single-process results per step: loss, outputs, and weights' gradients and values after the step."""
+    """Single-process results per step: loss, outputs, and weights' gradients and values after the step.
+
+    An output's expected value in a step is a tuple of its m micro-batches'
+    values where those are known (each micro-batch compared on its own), or
+    one tensor, the mean over the micro-batches (an output without a cut,
+    compared with the whole batch's graph: a loss).
+    """
 
     losses: tuple[float, ...]
     outputs: tuple[dict, ...]
@@ -247,33 +162,70 @@ def evaluate_graph(graph: Graph, leaves: dict[str, torch.Tensor]) -> dict[str, t
     return env
 
 
-def reference_run(graph: Graph, config: TrainConfig) -> Reference:
-    """The original graph trained in one process with the same seeds, loss and optimizer."""
+def step_data(graph: Graph, batch: StepBatch, config: TrainConfig, step: int) -> StepData:
+    """The data of `step` for micro-batch graph `graph` (its input leaves, data forms and outputs)."""
+    forms = data_leaves([(n.name, n.op, n.inputs) for n in graph.nodes])
+    shapes = graph.shapes()
+    return StepData(batch, config, step, [(leaf.name, leaf.shape, forms.get(leaf.name, ""))
+                                          for leaf in graph.leaves if leaf.role == "input"],
+                    [(o, shapes[o]) for o in graph.outputs])
+
+
+def seeded_weights(graph: Graph, config: TrainConfig) -> dict[str, torch.Tensor]:
+    """Every weight of `graph` as a run starts from it (`leaf_value`, scaled by its fan-in)."""
     shapes = graph.shapes()
     nodes = [(n.name, n.op, n.inputs) for n in graph.nodes]
-    data = data_leaves(nodes)
-    weights = {leaf.name: leaf_value(leaf.name, leaf.shape, "weight", config,
-                                     fan_in=fan_in(nodes, shapes, leaf.name)).requires_grad_()
-               for leaf in graph.weights}
+    return {leaf.name: leaf_value(leaf.name, leaf.shape, "weight", config, fan_in=fan_in(nodes, shapes, leaf.name))
+            for leaf in graph.weights}
+
+
+def reference_run(graph: Graph, config: TrainConfig, batch: StepBatch | None = None) -> Reference:
+    """`graph` (one micro-batch's) trained in one process with the same seeds, data, loss and optimizer.
+
+    Where the step's whole batch has a graph (`batch.whole`), that graph is
+    trained on the whole batch, in one pass: the stronger check, since it
+    does not share the backend's accumulation; otherwise `graph` runs the m
+    micro-batches one after another, each objective divided by m, the
+    gradients accumulated (and m = 1 is the graph itself either way).
+    """
+    batch = batch or StepBatch()
+    m = batch.microbatches
+    passes = [(batch.whole, None)] if batch.whole is not None else [(graph, k) for k in range(m)]
+    weights = {name: w.requires_grad_() for name, w in seeded_weights(graph, config).items()}
     optimizer = _make_optimizer(list(weights.values()), config)
     losses, outputs, grads, values = [], [], [], []
     for step in range(config.steps):
-        env: dict[str, torch.Tensor] = dict(weights)
-        for leaf in graph.leaves:
-            if leaf.role == "input":
-                env[leaf.name] = leaf_value(leaf.name, leaf.shape, "input", config, step, data.get(leaf.name, ""))
-        env = evaluate_graph(graph, env)
-        loss = sum(_loss_term(env[o], target_value(o, shapes[o], config, step), env[o].numel())
-                   for o in graph.outputs)
+        data = step_data(graph, batch, config, step)
         optimizer.zero_grad()
-        if loss.requires_grad:  # a graph with no weight on any output's path has nothing to train
-            loss.backward()
+        loss, made = 0.0, {o: [] for o in graph.outputs}
+        for run, k in passes:
+            inputs, targets = ((data.whole_inputs(), data.whole_targets()) if k is None
+                               else (data.inputs(k), data.targets(k)))
+            env = evaluate_graph(run, {**weights, **inputs})
+            term = sum(objective(env[o], targets[o], env[o].numel()) for o in run.outputs)
+            if k is not None:
+                term = term / m
+            if term.requires_grad:  # a graph with no weight on any output's path has nothing to train
+                term.backward()
+            loss += float(term.detach())
+            for o in run.outputs:
+                made[o].append(env[o].detach().clone())
         optimizer.step()
-        losses.append(float(loss.detach()))
-        outputs.append({o: env[o].detach().clone() for o in graph.outputs})
-        grads.append({k: gradient_of(w).clone() for k, w in weights.items()})
-        values.append({k: w.detach().clone() for k, w in weights.items()})
+        losses.append(loss)
+        outputs.append({o: _expected(batch, o, got, k is None) for o, got in made.items()})
+        grads.append({name: gradient_of(w).clone() for name, w in weights.items()})
+        values.append({name: w.detach().clone() for name, w in weights.items()})
     return Reference(tuple(losses), tuple(outputs), tuple(grads), tuple(values))
+
+
+def _expected(batch: StepBatch, name: str, made: list[torch.Tensor], whole: bool):
+    """An output's expected value in a step (`Reference`): the micro-batches' values, or their mean."""
+    if not whole:
+        return tuple(made)
+    value = made[0]
+    if batch.cut(name) is None:
+        return value
+    return tuple(value[batch.block(value.shape, name, k)] for k in range(batch.microbatches))
 
 
 # --------------------------------------------------------- one rank's program
@@ -316,6 +268,15 @@ class RankProgram:
         for leaf, chain in weight_storage(self.pcg).items():
             self._store_weight(by_id[leaf], chain)
         self._grad_syncs = gradient_reductions(self.pcg)
+        self._chains = weight_chains(self.pcg)
+        outputs = set(self.pcg.outputs)
+        readers: dict[int, list[PNode]] = {}
+        for node in self.pcg:
+            for i in node.inputs:
+                readers.setdefault(i, []).append(node)
+        # the chains' values read outside them: what a micro-batch reads and accumulates a gradient on
+        self._chain_ends = sorted(i for i in self._chains if i in outputs or any(
+            user.id not in self._chains for user in readers.get(i, [])))
 
     @property
     def mesh(self) -> Mesh:
@@ -336,54 +297,109 @@ class RankProgram:
         piece = full[where].to(self.ctx.device, copy=True).requires_grad_()
         self.params[at] = _Param(leaf.op, piece, placement, tuple(leaf.shape))
 
-    def forward(self, step: int, counter: CommCounter,
-                inputs: Mapping[str, torch.Tensor] | None = None) -> dict[int, tuple[torch.Tensor, Placement]]:
-        """Every node's local piece and placement for this step's batch (`inputs`: full values by leaf name)."""
-        data = data_leaves([(str(n.id), n.op, [str(i) for i in n.inputs]) for n in self.pcg])
+    def step_data(self, batch: StepBatch, step: int) -> StepData:
+        """This step's inputs and targets (`training_data.StepData`), from the PCG's leaves and outputs."""
+        forms = data_leaves([(str(n.id), n.op, [str(i) for i in n.inputs]) for n in self.pcg])
+        leaves = [(n.op, n.shape, forms.get(str(n.id), "")) for n in self.pcg
+                  if n.kind == "leaf" and n.role != "weight"]
+        outputs = [(name, self.pcg.node(i).shape) for i, name in zip(self.pcg.outputs, self.output_names)]
+        return StepData(batch, self.config, step, list({leaf[0]: leaf for leaf in leaves}.values()), outputs)
+
+    def weight_values(self, counter: CommCounter) -> "WeightValues":
+        """The values of every weight's chain, made once per step for all its micro-batches (the module
+        docstring): each one read outside its chain is handed on detached, to accumulate its gradient."""
+        made: dict[int, tuple[torch.Tensor, Placement]] = {}
+        for node in self.pcg:
+            if node.id not in self._chains:
+                continue
+            if node.id in self.params:
+                param = self.params[node.id]
+                made[node.id] = (param.tensor, param.placement)
+            elif node.kind == "parallel" and node.id not in self.folded:
+                made[node.id] = self._parallel(node, made, counter)
+        used = {}
+        for ident in self._chain_ends:
+            x, placement = made[ident]
+            used[ident] = (x if x.grad_fn is None else x.detach().requires_grad_(), placement)
+        return WeightValues(made, used)
+
+    def reduce_gradients(self, weights: "WeightValues") -> None:
+        """The backward of every weight's chain, once, on the gradients its values accumulated over the step's
+        micro-batches: the gradient synchronisation (and the rest of the chains' backward collectives)."""
+        ends, grads = [], []
+        for ident, (used, _) in weights.used.items():
+            made = weights.made[ident][0]
+            if used is not made and used.grad is not None:
+                ends.append(made)
+                grads.append(used.grad)
+        if ends:  # the same on every rank: the plan, not the data, decides which values get a gradient
+            torch.autograd.backward(ends, grads)
+
+    def forward(self, step: int, counter: CommCounter, inputs: Mapping[str, torch.Tensor],
+                weights: "WeightValues | None" = None) -> dict[int, tuple[torch.Tensor, Placement]]:
+        """Every node's local piece and placement for one (micro-)batch (`inputs`: full values by leaf name).
+
+        With `weights` (`weight_values`), the weights' chains are not run again: their values are those;
+        without, they run here, inside this forward's autograd graph (one batch, its own backward)."""
         env: dict[int, tuple[torch.Tensor, Placement]] = {}
         for node in self.pcg:
-            if node.id in self.params:
+            if weights is not None and node.id in self._chains:
+                if node.id in weights.used:
+                    env[node.id] = weights.used[node.id]
+            elif node.id in self.params:
                 param = self.params[node.id]
                 env[node.id] = (param.tensor, param.placement)
             elif node.kind == "leaf":
                 if node.role == "weight":
                     continue  # stored further down its partition chain
-                if inputs is not None:
-                    value = inputs[node.op].to(self.config.torch_dtype())
-                else:
-                    value = leaf_value(node.op, node.shape, "input", self.config, step, data.get(str(node.id), ""))
-                value = value.to(self.ctx.device)
+                value = inputs[node.op].to(self.config.torch_dtype()).to(self.ctx.device)
                 env[node.id] = (value, self.placements[node.id])
             elif node.id in self.folded:
                 continue
             elif node.kind == "parallel":
-                x, placement = env[node.inputs[0]]
-                dim = dict(node.attrs).get("dim")
-                tag = GRAD_SYNC if node.id in self._grad_syncs else ""
-                env[node.id] = parallel_op(node.op, x, placement, node.axis(self.mesh),
-                                           None if dim is None else int(dim), self.groups, counter, tag)
+                env[node.id] = self._parallel(node, env, counter)
             else:
                 ins = [env[i][0] for i in node.inputs]
                 env[node.id] = (apply_op(node.op, ins, dict(node.attrs)), self.placements[node.id])
         return env
 
-    def loss(self, env, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this rank's share to differentiate, its share of the reported loss)."""
+    def _parallel(self, node: PNode, env, counter: CommCounter) -> tuple[torch.Tensor, Placement]:
+        x, placement = env[node.inputs[0]]
+        dim = dict(node.attrs).get("dim")
+        tag = GRAD_SYNC if node.id in self._grad_syncs else ""
+        return parallel_op(node.op, x, placement, node.axis(self.mesh), None if dim is None else int(dim),
+                           self.groups, counter, tag)
+
+    def loss(self, env, targets: Mapping[str, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's share to differentiate, its share of the reported loss); `targets`: full targets by
+        output name (None for a loss output, `training_data.objective`)."""
         backward_terms, report_terms = [], []
         for out_id, name in zip(self.pcg.outputs, self.output_names):
             x, placement = env[out_id]
             shape = self.pcg.node(out_id).shape
             replicas, holders = output_holders(placement, self.mesh, name)
-            target = target_value(name, shape, self.config, step)[piece_index(placement, shape, self.mesh,
-                                                                                self.ctx.rank)]
-            target = target.to(self.ctx.device)
-            numel = 1
-            for d in shape:
-                numel *= d
-            term = _loss_term(x, target, numel)
+            target = targets[name]
+            if target is not None:
+                target = target[piece_index(placement, shape, self.mesh, self.ctx.rank)].to(self.ctx.device)
+            term = objective(x, target, prod(shape))
             backward_terms.append(term / replicas)
             report_terms.append(term.detach() / holders)
         return sum(backward_terms), sum(report_terms)
+
+
+@dataclass(frozen=True)
+class WeightValues:
+    """A step's values of the weights' chains: `made` by the chains (inside autograd, from the stored pieces),
+    and `used` by the micro-batches where a chain is read (detached, requiring a gradient, where `made` is not
+    a stored piece itself)."""
+
+    made: Mapping[int, tuple[torch.Tensor, Placement]]
+    used: Mapping[int, tuple[torch.Tensor, Placement]]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor held for the step (for the memory count), accumulated gradients included."""
+        out = [x for x, _ in self.made.values()] + [x for x, _ in self.used.values()]
+        return out + [x.grad for x, _ in self.used.values() if x.grad is not None]
 
 
 def output_holders(placement: Placement, mesh: Mesh, name: str) -> tuple[int, int]:
@@ -401,16 +417,9 @@ def gradient_reductions(pcg: PCG) -> set[int]:
     """The parallel nodes whose backward sums a weight's gradient over their axis: a `replicate` (all-reduce)
     or an `all_gather` (reduce-scatter) of a weight's value, read from its leaf through parallel operators
     only. Their collectives are the gradient synchronisation (tagged GRAD_SYNC)."""
-    weight_values: set[int] = set()
-    found = set()
-    for node in pcg:
-        if node.kind == "leaf" and node.role == "weight":
-            weight_values.add(node.id)
-        elif node.kind == "parallel" and node.inputs[0] in weight_values:
-            weight_values.add(node.id)
-            if node.op in (REPLICATE, ALL_GATHER):
-                found.add(node.id)
-    return found
+    chains = weight_chains(pcg)
+    return {node.id for node in pcg if node.id in chains and node.kind == "parallel"
+            and node.op in (REPLICATE, ALL_GATHER)}
 
 
 # ------------------------------------------------------------------ the worker
@@ -427,12 +436,18 @@ def operator_library() -> Library:
 
 
 def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | None,
-             library: Library | None = None) -> dict:
-    """One rank's training run (the function `launch` sends to each rank)."""
+             library: Library | None = None, batch: StepBatch | None = None) -> dict:
+    """One rank's training run (the function `launch` sends to each rank).
+
+    `batch` says how a step's batch is cut into micro-batches (default: from `graph`, `ir.microbatch`);
+    each step runs them as the module docstring says."""
     library = library or operator_library()
+    if batch is None:
+        batch = step_batch(graph, library) if graph is not None else StepBatch()
+    m = batch.microbatches
     program = RankProgram(pcg, ctx, config, library)
     optimizer = _make_optimizer([p.tensor for p in program.params.values()], config)
-    reference = reference_run(graph, config) if config.check and graph is not None else None
+    reference = reference_run(graph, config, batch) if config.check and graph is not None else None
     losses, times, steps_comm, diffs = [], [], [], []  # diffs: (relative, absolute, non-finite) per step
     memory = TensorMemory()
     if ctx.device.type == "cuda":
@@ -440,24 +455,40 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
     for step in range(config.steps):
         counter = CommCounter()
         start = time.perf_counter()
-        with memory.saving():
-            env = program.forward(step, counter)
-            to_diff, to_report = program.loss(env, step)
-        memory.measure(env, program, optimizer)  # end of forward: activations and saved tensors all alive
-        optimizer.zero_grad()
-        if to_diff.requires_grad:  # same on every rank: the plan, not the data, decides it
-            to_diff.backward()
-        memory.measure(env, program, optimizer)  # end of backward: every gradient alive
+        data = program.step_data(batch, step)
+        # once per step for all micro-batches: gathers, replicas (one batch runs them inside its own autograd)
+        weights = program.weight_values(counter) if m > 1 else None
+        reported = torch.zeros((), dtype=config.torch_dtype(), device=ctx.device)
+        outputs: dict[str, list] = {name: [] for name in program.output_names}
+        for k in range(m):
+            with memory.saving():
+                env = program.forward(step, counter, data.inputs(k), weights)
+                to_diff, to_report = program.loss(env, data.targets(k))
+            memory.measure(env, program, optimizer, weights)  # end of forward: activations, saved tensors
+            if k == 0:
+                optimizer.zero_grad()   # after the first forward: last step's gradients were alive until here
+            if to_diff.requires_grad:  # same on every rank: the plan, not the data, decides it
+                (to_diff / m).backward()   # the step's objective is the mean of its micro-batches'
+            memory.measure(env, program, optimizer, weights)  # end of backward: every gradient alive
+            reported = reported + to_report / m
+            for out_id, name in zip(pcg.outputs, program.output_names):
+                x, placement = env[out_id]
+                outputs[name].append((x.detach(), placement))
+            del env, to_diff   # this micro-batch's values go before the next one's are made
+        if weights is not None:
+            program.reduce_gradients(weights)             # once per step: the gradient synchronisation
+            memory.measure({}, program, optimizer, weights)
+            del weights
         optimizer.step()
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        total = to_report.clone()
+        total = reported.clone()
         dist.all_reduce(total)  # reporting only: not part of the plan, not counted
         losses.append(float(total))
         steps_comm.append(step_comm(counter, program.mesh))
         if reference is not None:
-            diffs.append(_compare(program, env, reference, step, float(total)))
+            diffs.append(_compare(program, outputs, reference, step, float(total)))
     found = Comparison()
     for d in diffs:
         found = found.merge(d)
@@ -498,9 +529,10 @@ class TensorMemory:
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
-    def measure(self, env, program: "RankProgram", optimizer: Optimizer) -> None:
+    def measure(self, env, program: "RankProgram", optimizer: Optimizer, weights: "WeightValues | None" = None) -> None:
         live = dict(self._saved)
         tensors = [x for x, _ in env.values()] + [p.tensor for p in program.params.values()]
+        tensors += weights.tensors() if weights is not None else []
         tensors += [p.tensor.grad for p in program.params.values() if p.tensor.grad is not None]
         tensors += [m for pair in optimizer.moments for m in pair]
         for t in tensors:
@@ -523,7 +555,8 @@ def step_comm(counter: CommCounter, mesh: Mesh) -> dict:
     gradient synchronisation, and per mesh axis (every axis of the mesh, in mesh order)."""
     return {"sent": float(counter.sent()), "distinct_sent": float(counter.distinct_sent()),
             "sent_bytes": float(counter.sent_bytes()), "grad_sync": float(counter.sent_tagged(GRAD_SYNC)),
-            "events": len(counter.events), "by_axis": {name: float(counter.sent(axis=name)) for name in mesh.names}}
+            "events": len(counter.events), "grad_sync_events": sum(1 for e in counter.events if e.tag == GRAD_SYNC),
+            "by_axis": {name: float(counter.sent(axis=name)) for name in mesh.names}}
 
 
 def _job_summary(report: dict, ctx: RankContext) -> dict:
@@ -598,18 +631,30 @@ def compare_values(pairs) -> Comparison:
     return result
 
 
-def _compare(program: RankProgram, env, reference: Reference, step: int, loss: float) -> Comparison:
-    """This rank's pieces against the reference, this step: outputs, loss, gradients, updated weights."""
+def _compare(program: RankProgram, outputs: Mapping[str, list], reference: Reference, step: int,
+             loss: float) -> Comparison:
+    """This rank's pieces against the reference, this step: outputs, loss, gradients, updated weights.
+
+    `outputs` are each output's (piece, placement) per micro-batch; an output the reference knows per
+    micro-batch is compared micro-batch by micro-batch, one it knows as the whole batch's (a loss) as the
+    mean over the micro-batches (`Reference`)."""
     rank = program.ctx.rank
     missing: list[Comparison] = []
     pairs = [("loss", torch.tensor(loss), torch.tensor(reference.losses[step]))]
-    for out_id, name in zip(program.pcg.outputs, program.output_names):
-        x, placement = env[out_id]
+    for name in program.output_names:
+        pieces = outputs[name]
+        placement = pieces[0][1]
         expected = reference.outputs[step].get(name)
         if expected is None:  # a renamed output is a failure, never skipped
             missing.append(Comparison(math.inf, math.inf, f"output {name} (the reference has no such output)"))
+        elif isinstance(expected, tuple):
+            for k, ((x, _), want) in enumerate(zip(pieces, expected)):
+                what = f"output {name}" + (f" (micro-batch {k})" if len(pieces) > 1 else "")
+                pairs.append((what, x, want[piece_index(placement, want.shape, program.mesh, rank)]))
         else:
-            pairs.append((f"output {name}", x, expected[piece_index(placement, expected.shape, program.mesh, rank)]))
+            mean = sum(x for x, _ in pieces) / len(pieces)
+            pairs.append((f"output {name}", mean, expected[piece_index(placement, expected.shape, program.mesh,
+                                                                         rank)]))
     for param in program.params.values():
         where = piece_index(param.placement, param.shape, program.mesh, rank)
         pairs.append((f"gradient of {param.name}", gradient_of(param.tensor), reference.grads[step][param.name][where]))
@@ -667,9 +712,11 @@ class RunResult:
     nonfinite: int = 0
     worst: str = ""
     comm_by_axis: Mapping[str, float] = field(default_factory=dict)
+    microbatches: int = 1   # per step: activations' collectives ran this many times, the gradient sync once
 
     @staticmethod
-    def of_job(reports: Sequence[dict], config: TrainConfig, predicted: Prediction | None = None) -> "RunResult":
+    def of_job(reports: Sequence[dict], config: TrainConfig, predicted: Prediction | None = None,
+               microbatches: int = 1) -> "RunResult":
         """The summary of a launched job: every rank's report carries the job-wide figures (`_job_summary`);
         under torchrun there is only this rank's."""
         job = reports[0]["job"]
@@ -679,7 +726,7 @@ class RunResult:
                          job["grad_sync"], statistics.median(timed), job["peak_memory_bytes"],
                          job["process_rss_bytes"], tuple(reports[0]["losses"]), predicted or Prediction(),
                          job.get("max_rel_diff"), job.get("nonfinite", 0), job.get("worst", ""),
-                         dict(job.get("sent_by_axis", {})))
+                         dict(job.get("sent_by_axis", {})), microbatches)
 
     @property
     def comm_elements_predicted(self) -> float | None:
@@ -705,7 +752,7 @@ class RunResult:
                 "grad_sync_elements_predicted": self.predicted.grad_sync_elements,
                 "step_time_predicted_s": self.predicted.time_s,
                 "peak_memory_predicted_bytes": self.predicted.peak_memory_bytes,
-                "process_rss_bytes": self.process_rss_bytes,
+                "process_rss_bytes": self.process_rss_bytes, "microbatches": self.microbatches,
                 "losses": list(self.losses)}
 
 
@@ -714,8 +761,9 @@ def run_plan(pcg: PCG, nproc: int, config: TrainConfig, graph: Graph | None = No
              timeout_s: float = 300.0, collective_timeout_s: float = 30.0) -> RunResult:
     """Train `pcg` on `nproc` spawned ranks (or the torchrun group) and summarise.
 
-    With `config.check`, `graph` (the original, unparallelized graph) is
-    trained in every rank's process as the reference. `timeout_s` bounds the
+    `graph` is the plan's graph (one micro-batch's: its `microbatches` say how many a step runs). With
+    `config.check`, it (or its whole batch's graph, `reference_run`) is trained in every rank's process as
+    the reference. `timeout_s` bounds the
     whole job; `collective_timeout_s` one collective: when it is the shorter,
     a rank that hangs is named as the one its peers waited for, not merely
     as "still running".
@@ -725,10 +773,11 @@ def run_plan(pcg: PCG, nproc: int, config: TrainConfig, graph: Graph | None = No
     if config.steps < 1:
         raise ExecutionError(f"--steps must be >= 1, got {config.steps}")
     check_mesh(pcg, nproc)  # before any rank starts
-    reports = launch(run_rank, (pcg, config, graph),
+    batch = step_batch(graph, operator_library()) if graph is not None else StepBatch()  # once, for every rank
+    reports = launch(run_rank, (pcg, config, graph, None, batch),
                      LaunchConfig(nproc=nproc, backend=backend, timeout_s=timeout_s,
                                   collective_timeout_s=collective_timeout_s))
-    return RunResult.of_job(reports, config, predicted)
+    return RunResult.of_job(reports, config, predicted, batch.microbatches)
 
 
 def check_verdict(job: Mapping, config: TrainConfig) -> str | None:

@@ -43,6 +43,12 @@ What the returned module is:
   its piece through the plan like any input, so ranks agree and the
   `--check` reference can draw the same masks (`ReferenceDropout`).
 
+A plan of m micro-batches (`Graph.microbatches`) is a plan for one
+micro-batch here: each call runs one, and the user's loop accumulates
+(each loss divided by m); every backward then synchronises the gradients,
+m times a step rather than the once the plan prices (`parsat run` runs
+such a plan as priced; `parsat run --model` refuses it).
+
 `gather_weights(pmodule)` (a collective: call it on every rank) writes the
 trained pieces back into the user's module, in its own names and layouts,
 and returns `module.state_dict()`.

@@ -11,6 +11,14 @@ refuses such a plan with every difference listed:
 * values: the PCG's logical semantics (parallel operators are the identity
   on values) equals the graph's on seeded leaves, in float64, within a
   relative tolerance: one single-process forward pass of each.
+
+A plan whose step runs m micro-batches must also train what the step's
+whole batch trains (`micro_batches_make_the_step`): gradient accumulation
+with the 1/m scaling (backend/executor.py) is the whole batch's gradient
+only when each output of the whole batch is its micro-batches' outputs put
+together along its cut, or, for an output without one (a loss), their mean.
+A batch norm's statistics, or a loss that sums over the batch instead of
+averaging it, break that; such a plan is refused before any rank starts.
 """
 
 from __future__ import annotations
@@ -18,12 +26,16 @@ from __future__ import annotations
 import torch
 
 from parsat.backend.executor import (ExecutionError, TrainConfig, compare_values, data_leaves, evaluate_graph,
-                                     leaf_value)
+                                     leaf_value, operator_library, seeded_weights, step_data)
 from parsat.backend.torch_ops import apply_op
 from parsat.ir.graph import Graph
+from parsat.ir.microbatch import is_loss, step_batch
 from parsat.ir.pcg import PCG
 
 RTOL = 1e-6  # float64 forward of a rewritten graph: reassociation errors are ~1e-15
+# Operators whose value mixes the samples of a batch (batch norm's statistics, over the batch dim): under
+# micro-batches each would see its micro-batch only, which is not the step's batch.
+BATCH_STATISTICS = frozenset({"bn_mean", "bn_var"})
 
 
 def plan_follows_graph(pcg: PCG, graph: Graph, seed: int = 0) -> None:
@@ -89,3 +101,47 @@ def _values_differ(pcg: PCG, graph: Graph, names, seed: int) -> list[str]:
                        f"tolerance {RTOL:g}{'' if same_gaps else ', non-finite values in other places'}): a node of "
                        "the plan computes something its graph does not")
     return out
+
+
+def micro_batches_make_the_step(graph: Graph, seed: int = 0) -> None:
+    """Raise ExecutionError when `graph`'s m micro-batches do not compute its step's whole batch (see the
+    module docstring): an operator that mixes a batch's samples, or, where the whole batch's graph is known
+    (`ir.microbatch.step_batch`), outputs that differ from it on seeded data at the starting weights (one
+    float64 forward of each). Where it is not known, the step is m independent micro-batches by definition."""
+    m = graph.microbatches
+    if m == 1:
+        return
+    mixing = sorted({node.op for node in graph.nodes if node.op in BATCH_STATISTICS})
+    if mixing:
+        raise ExecutionError(f"the plan runs its step as {m} micro-batches, but its graph computes statistics of "
+                             f"the batch ({', '.join(mixing)}: batch norm): each micro-batch would normalize with "
+                             "its own statistics, which is not training on the step's batch; optimize it with "
+                             "--microbatches 1")
+    batch = step_batch(graph, operator_library())
+    if batch.whole is None:
+        return
+    config = TrainConfig(seed=seed, dtype="float64")
+    data = step_data(graph, batch, config, 0)
+    weights = seeded_weights(graph, config)
+    with torch.no_grad():
+        whole = evaluate_graph(batch.whole, {**weights, **data.whole_inputs()})
+        micro = [evaluate_graph(graph, {**weights, **data.inputs(k)}) for k in range(m)]
+    shapes = graph.shapes()
+    problems = []
+    for name in graph.outputs:
+        cut = batch.cut(name)
+        if cut is not None:
+            pairs, how = [(name, torch.cat([env[name] for env in micro], cut), whole[name])], "put together"
+        elif is_loss(shapes[name]):
+            pairs, how = [(name, sum(env[name] for env in micro) / m, whole[name])], "averaged"
+        else:
+            pairs, how = [(name, env[name], whole[name]) for env in micro], "each"
+        found = compare_values(pairs)
+        if not found.nonfinite and found.max_rel > RTOL:
+            problems.append(f"output '{name}' of the whole batch is not its micro-batches' {how} (relative "
+                            f"difference {found.max_rel:.3g})")
+    if problems:
+        raise ExecutionError(f"the plan's {m} micro-batches do not compute its step's whole batch, so accumulating "
+                             "their gradients would not train it:\n  " + "\n  ".join(problems)
+                             + "\n(a statistic over the batch, or a loss that sums over the batch rather than "
+                             "averaging it); optimize it with --microbatches 1")

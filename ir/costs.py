@@ -28,8 +28,12 @@ class NodeCost:
     flops: float = 0.0
     collectives: tuple[str, ...] = ()
     problems: tuple[str, ...] = field(default=(), compare=False)
-    sync_s: float = 0.0        # the part of comm_s that synchronises gradients (once per step)
     activation_bytes: int = 0  # the part of memory_bytes one micro-batch keeps alive (the rest: weights' state)
+    # A parallel operator on a weight's chain (`ir.pcg.pcg_roles`: a weight or a weight-piece read by parallel
+    # operators only): its value is made once per step and its gradient reduced once per step, whatever the
+    # micro-batch count, so none of its collectives repeat per micro-batch (`per_step`).
+    weight_chain: bool = False
+    accumulation_bytes: int = 0  # a gradient this node holds across a step's micro-batches (a gathered weight's)
 
     @property
     def time_s(self) -> float:
@@ -45,20 +49,28 @@ class NodeCost:
         """This node's cost per step when a step runs `microbatches` micro-batches (gradient accumulation).
 
         The cost model prices a node at the micro-batch's shapes. Its
-        compute and the collectives on activations run once per micro-batch;
-        the gradient synchronisation and the optimizer once per step (the
-        gradients of the micro-batches accumulate locally first, as with
-        DDP's `no_sync`); memory is what one micro-batch keeps alive plus the
-        weights' state, since a micro-batch's activations are freed by its
-        backward before the next begins.
+        compute and the collectives on activations run once per micro-batch.
+        A weight's chain runs once per step, as the backend runs it
+        (backend/executor.py `RankProgram.weight_values`): the values made
+        from a weight by parallel operators (its ZeRO-3 all-gather, its
+        replicas) before the first micro-batch, kept for all of them, and
+        their backward (the gradient synchronisation: all-reduce,
+        reduce-scatter) after the last, on the gradient accumulated over the
+        micro-batches (as DDP's `no_sync`, and FSDP's with resharding after
+        forward off). The optimizer runs once per step. Memory is what one
+        micro-batch keeps alive plus the weights' state, since a
+        micro-batch's activations are freed by its backward before the next
+        begins, plus the gradients a weight's chain accumulates across the
+        micro-batches (`accumulation_bytes`: a gathered weight's whole
+        gradient waits for the one reduce-scatter).
         """
         m = microbatches
         if m == 1:
             return self
-        activation_elements = self.comm_elements - self.grad_sync_elements
-        return replace(self, forward_s=self.forward_s * m, backward_s=self.backward_s * m,
-                       comm_s=(self.comm_s - self.sync_s) * m + self.sync_s,
-                       comm_elements=activation_elements * m + self.grad_sync_elements, flops=self.flops * m)
+        if self.weight_chain:
+            return replace(self, memory_bytes=self.memory_bytes + self.accumulation_bytes)
+        return replace(self, forward_s=self.forward_s * m, backward_s=self.backward_s * m, comm_s=self.comm_s * m,
+                       comm_elements=self.comm_elements * m, flops=self.flops * m)
 
 
 # The phases a simulated step is reported in (`StepTimeline.phases`), and the letter each draws on the timeline's

@@ -65,6 +65,10 @@ class Graph:
     # A training step runs the graph this many times, one micro-batch each, accumulating gradients and
     # synchronising them once (`ir.costs.NodeCost.per_step`); the graph's shapes are one micro-batch's.
     microbatches: int = 1
+    # The built-in example and the sizes it was built with (`ir.models.build_example`), when it was: what lets
+    # the backend build the same model at a step's whole batch (`ir.microbatch.step_batch`). Not part of the
+    # graph's identity: a graph read from a file without it is the same graph.
+    example: tuple[str, tuple[tuple[str, int], ...]] | None = field(default=None, compare=False)
 
     # ------------------------------------------------------------- queries
     def shape(self, name: str) -> tuple[int, ...]:
@@ -98,7 +102,13 @@ class Graph:
                        "shape": list(n.shape)} for n in self.nodes],
             "outputs": list(self.outputs),
             **({"microbatches": self.microbatches} if self.microbatches != 1 else {}),
+            **({"example": {"name": self.example[0], "sizes": dict(self.example[1])}} if self.example else {}),
         }
+
+    def from_example(self, name: str, sizes: Mapping[str, int]) -> "Graph":
+        """The same graph, recorded as built-in example `name` built with `sizes` (the sizes given, not the
+        defaults)."""
+        return replace(self, example=(name, tuple(sorted(sizes.items()))))
 
     def with_microbatches(self, microbatches: int) -> "Graph":
         """The same graph as one of `microbatches` micro-batches of a step."""
@@ -153,6 +163,9 @@ class Graph:
             raise GraphError(f"graph JSON is missing the field {err}") from None
         graph = builder.build()
         check_graph_sizes(graph.shapes())
+        example = data.get("example")
+        if example is not None:
+            graph = graph.from_example(example["name"], example.get("sizes", {}))
         return graph.with_microbatches(data.get("microbatches", 1))
 
     @staticmethod

@@ -504,6 +504,11 @@ EXAMPLES: Mapping[str, Example] = {
 }
 
 
+BATCH = "batch"
+"""The size a step's micro-batches divide (`saturate.api.optimize`'s `microbatches`): an example built at its
+batch / m is one micro-batch of a step of m (`ir.microbatch`)."""
+
+
 def build_example(name: str, sizes: Mapping[str, int] | None = None, library: Library | None = None,
                   budget: GraphBudget | None = None) -> Graph:
     """An example by name with some sizes overridden; unknown names and keys are clear errors.
@@ -521,4 +526,4 @@ def build_example(name: str, sizes: Mapping[str, int] | None = None, library: Li
     for key, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise GraphError(f"size {key} must be a positive integer, got {value!r}")
-    return example.make(sizes, library, budget)
+    return example.make(sizes, library, budget).from_example(name, sizes)

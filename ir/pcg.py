@@ -170,6 +170,12 @@ def weight_storage(pcg: PCG) -> dict[int, tuple[int, ...]]:
     return chains
 
 
+def weight_chains(pcg: PCG) -> set[int]:
+    """The weight leaves and the values made from them by parallel operators only (`pcg_roles`): what a step
+    of several micro-batches makes once and reduces the gradient of once (`ir.costs.NodeCost.per_step`)."""
+    return {ident for ident, role in pcg_roles(pcg).items() if role in WEIGHT_ROLES}
+
+
 def pcg_roles(pcg: PCG) -> dict[int, str]:
     """Node id -> role, as `extract.leaf_roles` gives e-classes: leaves by their role, values made from them by
     parallel operators only as INPUT, WEIGHT_PIECE (on a weight's storage chain, `weight_storage`) or

@@ -236,7 +236,8 @@ def explain(data: Mapping, limit: int | None = 40) -> str:
     micro = graph.get("microbatches", 1)
     if micro != 1:
         lines.append(f"  {micro} micro-batches per step (gradient accumulation): the graph is one micro-batch, "
-                     "its gradients synchronised once per step; memory is one micro-batch's activations")
+                     "its weights gathered and gradients synchronised once per step; memory is one micro-batch's "
+                     "activations")
     repeated = (data.get("saturation") or {}).get("repeated_blocks")
     if repeated:
         lines.append(f"  {repeated['blocks']} identical blocks, searched as {repeated['searched_blocks']}: block "

@@ -204,6 +204,11 @@ def validate_graph_dict(data: Any, error: type[Exception] = GraphError, prefix: 
         f.text(ref, f"outputs[{i}]")
     if "microbatches" in data:
         f.integer(data["microbatches"], "microbatches", low=1, high=1 << 20)
+    if "example" in data:
+        example = f.obj(data["example"], "example")
+        f.text(f.get(example, "name", "example"), "example.name")
+        for key, value in f.obj(example.get("sizes", {}), "example.sizes").items():
+            f.integer(value, f"example.sizes.{key}", low=1, high=MAX_ELEMENTS)
 
 
 def check_graph_sizes(shapes: Mapping[str, tuple[int, ...]], error: type[Exception] = GraphError) -> None:

@@ -42,7 +42,7 @@ from parsat.ir.costs import Totals, totals
 from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
 from parsat.ir.mesh import Mesh
-from parsat.ir.models import EXAMPLES
+from parsat.ir.models import BATCH, EXAMPLES
 from parsat.ir.pcg import Degrees
 from parsat.ir.pcg_layout import lay_out
 from parsat.ir.placement import Placement, PlacementError
@@ -219,7 +219,7 @@ def _more_micro_batches(err: DoesNotFit, graph: str, sizes, rules, machine, devi
     weights' state (every weight sharded over every device, ZeRO-3) is taken as activations, which shrink
     with the micro-batch; at least twice `m`."""
     library = resolve_library(rules)
-    whole = resolve_graph(graph, library, {**sizes, "batch": batch // m})
+    whole = resolve_graph(graph, library, {**sizes, BATCH: batch // m})
     base = Machine.resolve(machine)
     count = base.devices if devices is None else int(devices)
     state = sum(prod(w.shape) for w in whole.weights) * weight_bytes(base) / count
@@ -233,7 +233,7 @@ def _more_micro_batches(err: DoesNotFit, graph: str, sizes, rules, machine, devi
 def _example_batch(graph, sizes: Mapping[str, int]) -> int | None:
     """The global batch of a built-in example that has one (None for any other graph)."""
     if isinstance(graph, str) and graph in EXAMPLES:
-        return {**EXAMPLES[graph].defaults(), **sizes}.get("batch")
+        return {**EXAMPLES[graph].defaults(), **sizes}.get(BATCH)
     return None
 
 
@@ -246,7 +246,7 @@ def _split(options: dict, sizes: Mapping[str, int], batch: int | None, m: int) -
         return {**options, "sizes": dict(sizes) or None}
     if batch % m:
         raise OptimizeError(f"{m} micro-batches do not divide the batch of {batch}")
-    return {**options, "sizes": {**sizes, "batch": batch // m}, "microbatches_of": m}
+    return {**options, "sizes": {**sizes, BATCH: batch // m}, "microbatches_of": m}
 
 
 def micro_batches_needed(plan: Plan, batch: int, m: int) -> int | None:

@@ -155,19 +155,18 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
         return NodeCost()
     group = group or GroupTopology.consecutive(p, machine.devices_per_node)
     in_piece, out_piece = source.piece_elements(shape), output.piece_elements(shape)
-    time, elements, grad_sync, sync_time, collectives = 0.0, 0, 0, 0.0, []
-    memory, activation, opt = 0, 0, 0.0
+    time, elements, grad_sync, collectives = 0.0, 0, 0, []
+    memory, activation, accumulation, opt = 0, 0, 0, 0.0
     weighty = source_role in WEIGHT_ROLES
     slices_weight = op == PARTITION and weighty and not (stores and source_role in STORED_ROLES)
 
     def run(phase: str, kind: str, n: int, pieces: int, sync: bool = False) -> None:
-        nonlocal time, elements, grad_sync, sync_time
+        nonlocal time, elements, grad_sync
         t, e = _collective(machine, kind, group, n)
         time += t
         elements += e * pieces
         if sync:
             grad_sync += e * pieces
-            sync_time += t
         collectives.append(f"{phase} {kind} x{pieces} ({p} devices, {n} elements)" + (" [gradient sync]" if sync else ""))
 
     if source_role == WEIGHT and op in (PARTITION, REPLICATE):   # the weight is stored in this layout
@@ -201,6 +200,8 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
         # The gathered weight is kept for backward, as the backend runs ZeRO-3 (FSDP's reshard_after_forward
         # off): one all-gather per step, and its memory until backward is done.
         memory += out_piece * machine.dtype_bytes if weighty else 0
+        if weighty:  # over micro-batches its gradient accumulates whole, for one reduce-scatter per step
+            accumulation = out_piece * machine.precision_spec.gradient_bytes
         run("bwd", "reduce-scatter", out_piece, groups, sync=weighty)
     else:
         raise KeyError(op)
@@ -209,8 +210,8 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
         elements *= devices // spread_over
         grad_sync *= devices // spread_over
     return NodeCost(optimizer_s=opt, comm_s=time, comm_elements=elements, grad_sync_elements=grad_sync,
-                    memory_bytes=memory, collectives=tuple(collectives), sync_s=sync_time,
-                    activation_bytes=activation)
+                    memory_bytes=memory, collectives=tuple(collectives), activation_bytes=activation,
+                    weight_chain=weighty, accumulation_bytes=accumulation)
 
 
 def gather_cost(machine: Machine, degrees: Degrees, shape: Sequence[int], devices: int | None = None) -> NodeCost:

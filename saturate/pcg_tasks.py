@@ -56,7 +56,8 @@ from parsat.dsl import parallel_ops
 from parsat.dsl.parallel_ops import COMBINE, PARTITION, REDUCE, REPLICATE
 from parsat.ir.graph import instance_for
 from parsat.ir.machine import Machine
-from parsat.ir.pcg import PCG, PNode, weight_storage
+from parsat.ir.microbatch import is_loss
+from parsat.ir.pcg import PCG, PNode, weight_chains, weight_storage
 from parsat.saturate.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, GroupTopology, price
 from parsat.saturate.cost import compute_time
 from parsat.saturate.op_time import OpTime, memory_op_time
@@ -70,8 +71,9 @@ VIEW_OPS = frozenset({"transpose", "unflatten", "split", "dropout", "broadcast"}
 RESHAPING_PRODUCTS = frozenset({"matmul", "bmm", "linear", "linear_nobias"})   # torch.matmul: >2-D inputs reshaped
 OPTIMIZER_PASSES = {"sgd": (2, 5), "adam": (11, 26)}
 """Optimizer: (operators per parameter tensor, element reads + writes per parameter) as the backend runs it."""
-LOSS_OPS = 6           # per output: sub, pow, sum, div, div, detach-div (backend/executor.py `_loss_term`)
+LOSS_OPS = 6           # per output: sub, pow, sum, div, div, detach-div (backend/executor.py `objective`)
 LOSS_BACKWARD_OPS = 4
+SCALAR_LOSS_OPS, SCALAR_LOSS_BACKWARD_OPS = 3, 2   # a loss output: sum, div, detach-div
 
 
 class TaskBuildError(ValueError):
@@ -194,7 +196,7 @@ class _Builder:
         self.needs_grad = self._needs_grad()
         self.folded: set[int] = set()
         self.stored = self._stored_weights()
-        self.params = self._parameter_paths()
+        self.params = weight_chains(pcg)
         self.bucket_of: dict[int, tuple[int, GradientBuckets]] = {}   # stored-at node -> (its axis, buckets)
         self.timed: dict[int, OpTime] = {}
         self.ready: dict[int, int | None] = {}        # node -> the task after which its forward value exists
@@ -202,14 +204,23 @@ class _Builder:
         self.allocated: dict[int, int] = {}           # node -> bytes its forward output allocated
         self.contiguous: dict[int, bool] = {}
         self.since_sync = 0.0                         # compute seconds since the last collective (stragglers)
+        self.loss_bytes = 0                           # what this micro-batch's loss allocated
+        self.first = True                             # this pass makes the weights' chains (the first micro-batch)
         self.syncing = True                           # this pass synchronises gradients (the last micro-batch)
+        self.accumulating = False                     # gradients accumulate over several micro-batches
 
-    def new_pass(self, syncing: bool) -> None:
+    def new_pass(self, first: bool, syncing: bool, accumulating: bool = False) -> None:
         """Start a micro-batch: values, gradients and buffers are the pass's own; compute times are kept.
-        Only the last micro-batch synchronises gradients (they accumulate locally before, DDP's `no_sync`)."""
-        self.ready, self.grad_ready, self.allocated, self.contiguous = {}, {}, {}, {}
+        A weight's chain (`weight_chains`) runs once per step, as the backend runs it: its forward in the
+        first micro-batch, its values kept for the others, its backward (the gradient synchronisation) in
+        the last, on the gradient accumulated over all of them (DDP's `no_sync`)."""
+        keep = self.params
+        self.ready = {k: v for k, v in self.ready.items() if k in keep}
+        self.allocated = {k: v for k, v in self.allocated.items() if k in keep}
+        self.contiguous = {k: v for k, v in self.contiguous.items() if k in keep}
+        self.grad_ready = {}
         self.bucket_of = {}
-        self.syncing = syncing
+        self.first, self.syncing, self.accumulating = first, syncing, accumulating
 
     # ---------------------------------------------------------------- facts
     def _needs_grad(self) -> dict[int, bool]:
@@ -265,6 +276,8 @@ class _Builder:
     # ---------------------------------------------------------------- forward
     def forward(self) -> None:
         for node in self.pcg.nodes:
+            if not self.first and node.id in self.params:
+                continue  # a weight's chain: made by the first micro-batch
             if node.kind == "leaf":
                 self._leaf(node)
             elif node.kind == "parallel":
@@ -360,17 +373,22 @@ class _Builder:
 
     # ---------------------------------------------------------------- loss
     def loss(self) -> list[int]:
+        """Per output, the backend's objective (backend/executor.py `objective`): a loss output as it is, any
+        other against a target drawn from the seed."""
         tasks = []
+        self.loss_bytes = 0
         for out in self.pcg.outputs:
             node = self.by_id[out]
             piece = _elements(node)
             deps = [t for t in (self.ready.get(out),) if t is not None]
-            if self.profile.seeded_inputs:
+            loss = is_loss(node.shape)
+            if self.profile.seeded_inputs and not loss:
                 rate = self.eff.random_bandwidth
                 target = _full(node) * self.item
                 deps.append(self._add(f"target of #{out}", self.compute,
                                       self.eff.op_time(target / rate if rate else 0.0), deps, phase="loss"))
-            seconds = LOSS_OPS * self._copy_s(piece)
+            seconds = (SCALAR_LOSS_OPS if loss else LOSS_OPS) * self._copy_s(piece)
+            self.loss_bytes += piece * self.item
             tasks.append(self._add(f"loss of #{out}", self.compute, seconds, deps, alloc=piece * self.item,
                                    phase="loss"))
         return tasks
@@ -390,7 +408,8 @@ class _Builder:
         """
         for out, task in zip(self.pcg.outputs, loss):
             piece = _elements(self.by_id[out])
-            seconds = LOSS_BACKWARD_OPS * self._copy_s(piece, backward=True)
+            ops = SCALAR_LOSS_BACKWARD_OPS if is_loss(self.by_id[out].shape) else LOSS_BACKWARD_OPS
+            seconds = ops * self._copy_s(piece, backward=True)
             self._give(out, self._add(f"loss backward of #{out}", self.compute, seconds, [task], phase="backward"))
         syncs: list[int] = []
         produced: dict[int, int] = {}
@@ -398,6 +417,7 @@ class _Builder:
         waiting = {n.id: len(self.users.get(n.id, [])) for n in self.pcg.nodes}  # users whose backward is pending
         params = self.params
         done: set[int] = set()
+        eager = self.profile.eager_gradients and self.syncing
 
         def visit(node: PNode) -> None:
             done.add(node.id)
@@ -410,23 +430,47 @@ class _Builder:
                         self.bucket_of[node.id][1].ready(str(node.id), last)
             for i in node.inputs:
                 waiting[i] -= 1
-                if self.profile.eager_gradients and not waiting[i] and i in params and i not in done:
+                if eager and not waiting[i] and i in params and i not in done:
                     visit(self.by_id[i])
 
-        for node in reversed(self.pcg.nodes):
+        # Over several micro-batches the weights' chains run backward only in the last one (before it, their
+        # gradients accumulate), after the rest of its backward (the backend reduces the accumulated gradients
+        # then; `eager_gradients` aside). One batch runs them where autograd reaches them.
+        if not self.accumulating:
+            order = list(reversed(self.pcg.nodes))
+        else:
+            order = [n for n in reversed(self.pcg.nodes) if n.id not in params]
+            if self.syncing:
+                order += [n for n in reversed(self.pcg.nodes) if n.id in params]
+        for node in order:
             if node.id not in done:
                 visit(node)
+        if self.first and self.accumulating and self._accumulated_bytes():
+            self._add("gradients kept across micro-batches", self.compute, 0.0, [len(self.steps) - 1],
+                      alloc=self._accumulated_bytes(), phase="backward")
         for bucketed in buckets:
             syncs.extend(bucketed.done())
         return syncs, produced
 
-    def _parameter_paths(self) -> set[int]:
-        """Weight leaves and the parallel operators that only move a weight (no computation in between)."""
-        out: set[int] = set()
-        for node in self.pcg.nodes:
-            if node.kind == "leaf" and node.role == "weight" or node.kind == "parallel" and node.inputs[0] in out:
-                out.add(node.id)
-        return out
+    def _accumulated_bytes(self, node: PNode | None = None) -> int:
+        """Bytes of the gradients a weight's chain holds across micro-batches (`NodeCost.accumulation_bytes`:
+        a gathered weight's whole gradient, until its one reduce-scatter), of `node` or of all."""
+        if not self.accumulating:
+            return 0
+        nodes = [node] if node is not None else [self.by_id[i] for i in self.params]
+        return sum(_elements(n) * self.machine.precision_spec.gradient_bytes for n in nodes
+                   if n.kind == "parallel" and n.op == parallel_ops.ALL_GATHER and n.id in self.params)
+
+    def end_pass(self) -> None:
+        """A micro-batch's activations are freed before the next begins (the backend drops its values; a
+        framework frees them in backward): where the profile keeps them to the end of the step, free them
+        here when more micro-batches follow."""
+        if not self.accumulating or not self.profile.keep_activations:
+            return
+        held = sum(v for k, v in self.allocated.items() if k not in self.params) + self.loss_bytes
+        if held:
+            self._add("micro-batch's values freed", self.compute, 0.0, [len(self.steps) - 1], free=held,
+                      phase="backward")
 
     def _synced(self) -> dict[int, PNode]:
         """Stored weights whose gradient a `replicate` reading the stored piece synchronises: stored-at node ->
@@ -479,11 +523,6 @@ class _Builder:
             return task
         source = node.inputs[0]
         weight = source in self.params      # a weight's value: its gradient's reduction is the gradient sync
-        if weight and not self.syncing and node.op in (REPLICATE, parallel_ops.ALL_GATHER):
-            task = self._add(f"{label} (gradient accumulated)", self.compute, self.eff.op_time(0.0, True), deps,
-                             free=free, phase="backward")
-            self._give(source, task)
-            return task
         if node.op in (PARTITION, parallel_ops.REDUCE_SCATTER):
             if node.id in self.folded:
                 return max(deps)
@@ -496,7 +535,8 @@ class _Builder:
                                   free=free, phase="backward")
         elif node.op == parallel_ops.ALL_GATHER:   # the gathered gradient cut into blocks and reduce-scattered
             cut = self._add(f"{label} slices", self.compute, self._copy_s(piece, True), deps, phase="backward")
-            task = self._sync(f"{label} reduce-scatter", REDUCE_SCATTER, node, piece * self.item, [cut], free=free,
+            task = self._sync(f"{label} reduce-scatter", REDUCE_SCATTER, node, piece * self.item, [cut],
+                              free=free + self._accumulated_bytes(node),
                               phase="grad_sync" if weight else "backward_comm")
             if weight:
                 syncs.append(task)
@@ -558,12 +598,13 @@ def simulate_pcg(pcg: PCG, library: Library, machine: Machine, profile: Executio
     builder = _Builder(pcg, machine, profile, topology or mesh_groups(pcg),
                        times or OpTimes(library, machine))
     for k in range(microbatches):
-        builder.new_pass(syncing=k == microbatches - 1)
+        builder.new_pass(first=k == 0, syncing=k == microbatches - 1, accumulating=microbatches > 1)
         builder.forward()
         loss = builder.loss()
         end_of_forward = len(builder.steps) - 1 if len(builder.steps) else None
         syncs, produced = builder.backward(loss)
         end_of_backward = len(builder.steps) - 1 if len(builder.steps) else None
+        builder.end_pass()
     builder.optimizer(syncs, produced)
     builder.finish()
     resident = builder.resident()

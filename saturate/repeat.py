@@ -129,7 +129,8 @@ def scaled(cost: NodeCost, factor: int) -> NodeCost:
     return replace(cost, forward_s=cost.forward_s * factor, backward_s=cost.backward_s * factor,
                    optimizer_s=cost.optimizer_s * factor, comm_s=cost.comm_s * factor,
                    comm_elements=cost.comm_elements * factor, grad_sync_elements=cost.grad_sync_elements * factor,
-                   memory_bytes=cost.memory_bytes * factor, flops=cost.flops * factor, sync_s=cost.sync_s * factor,
+                   memory_bytes=cost.memory_bytes * factor, flops=cost.flops * factor,
+                   accumulation_bytes=cost.accumulation_bytes * factor,
                    activation_bytes=cost.activation_bytes * factor)
 
 

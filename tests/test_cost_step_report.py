@@ -13,6 +13,7 @@ from parsat.ir.data_parallel import data_parallel_pcg
 from parsat.ir.errors import PlanError
 from parsat.ir.machine import Machine
 from parsat.ir.models import mlp, stack
+from parsat.ir.pcg import weight_chains
 from parsat.ir.plan import explain
 from parsat.ir.validate import validate_plan_report
 from parsat.saturate.pcg_tasks import DDP, PARSAT_RUN, StepPrediction, profile_for, simulate_pcg
@@ -96,7 +97,11 @@ def test_micro_batches_repeat_the_passes_and_sync_once():
     one = simulate_pcg(pcg, LIB, machine, DDP).result
     four = simulate_pcg(pcg, LIB, machine, DDP, microbatches=4).result
     count = lambda result, phase: sum(1 for s in result.spans if s.phase == phase)
-    assert count(four, "forward") == 4 * count(one, "forward")
+    chains = [n.id for n in pcg if n.kind == "parallel" and n.id in weight_chains(pcg)]   # the weights' replicas
+    made = lambda result: sum(1 for s in result.spans if s.phase == "forward" and any(
+        s.name.endswith(f"#{i}") for i in chains))
+    assert made(one) == made(four) == 2                # a weight's chain is made once per step
+    assert count(four, "forward") - made(four) == 4 * (count(one, "forward") - made(one))
     assert count(four, "grad_sync") == count(one, "grad_sync") >= 1     # the last micro-batch's buckets only
     assert count(four, "optimizer") == count(one, "optimizer")
     assert one.step_s < four.step_s < 4 * one.step_s

@@ -1,5 +1,5 @@
 """Micro-batches (gradient accumulation): a step of m micro-batches, priced per step, chosen where one does not
-fit, said in the plan, and refused by a backend that cannot accumulate yet."""
+fit, said in the plan, and the step's whole batch a plan records (the backend's runs: test_backend_microbatches)."""
 
 from __future__ import annotations
 
@@ -17,14 +17,21 @@ from parsat.ir.plan import explain
 from parsat.saturate.errors import OptimizeError
 
 
-def test_per_step_repeats_micro_batch_work_and_syncs_gradients_once():
-    cost = NodeCost(forward_s=1.0, backward_s=2.0, optimizer_s=0.5, comm_s=3.0, comm_elements=100,
-                    grad_sync_elements=40, memory_bytes=1000, flops=10.0, sync_s=1.0, activation_bytes=600)
-    step = cost.per_step(4)
+def test_per_step_repeats_micro_batch_work_and_runs_weight_chains_once():
+    activation = NodeCost(forward_s=1.0, backward_s=2.0, optimizer_s=0.5, comm_s=3.0, comm_elements=100,
+                          memory_bytes=1000, flops=10.0, activation_bytes=600)
+    step = activation.per_step(4)
     assert (step.forward_s, step.backward_s, step.optimizer_s) == (4.0, 8.0, 0.5)
-    assert step.comm_s == (3.0 - 1.0) * 4 + 1.0 and step.comm_elements == 60 * 4 + 40
-    assert step.grad_sync_elements == 40 and step.memory_bytes == 1000 and step.flops == 40.0
-    assert cost.per_step(1) is cost
+    assert step.comm_s == 12.0 and step.comm_elements == 400
+    assert step.memory_bytes == 1000 and step.flops == 40.0
+    # a weight's chain (a ZeRO-3 all-gather): gathered once per step, its gradient reduce-scattered once, its
+    # whole gradient held across the micro-batches
+    chain = NodeCost(comm_s=3.0, comm_elements=100, grad_sync_elements=50, memory_bytes=1000, weight_chain=True,
+                     accumulation_bytes=200)
+    step = chain.per_step(4)
+    assert (step.comm_s, step.comm_elements, step.grad_sync_elements) == (3.0, 100, 50)
+    assert step.memory_bytes == 1200
+    assert activation.per_step(1) is activation and chain.per_step(1) is chain
 
 
 def test_an_explicit_count_builds_the_example_at_its_micro_batch_and_says_so(tmp_path):
@@ -58,12 +65,33 @@ def test_bad_counts_are_refused():
         optimize("mlp", machine="cpu", devices=2, microbatches=0, baselines=False)
 
 
-def test_the_backend_refuses_a_plan_it_cannot_run_as_priced(tmp_path, capsys):
-    pytest.importorskip("torch")
-    path = tmp_path / "plan.json"
-    assert main(["optimize", "mlp", "--devices", "2", "--machine", "cpu", "-q", "--microbatches", "2",
-                 "--no-baselines", "-o", str(path)]) == 0
-    capsys.readouterr()
-    assert main(["run", str(path), "--nproc", "2", "--steps", "1"]) != 0
-    err = capsys.readouterr().err
-    assert "2 micro-batches" in err and "does not accumulate gradients" in err and "Traceback" not in err
+def test_the_step_batch_cuts_inputs_and_outputs_along_the_batch_dim():
+    from parsat.ir.microbatch import step_batch
+    from parsat.ir.models import build_example
+
+    gpt = build_example("gpt", dict(blocks=1, batch=2, seq=8, hidden=16, heads=2, vocab=32)).with_microbatches(4)
+    batch = step_batch(gpt)
+    assert batch.whole is not None and batch.whole.leaf("ids").shape == (8, 8, 32)
+    # ids [b, s, v], the mask [b, heads, s, s], targets [b*s, v]: cut on dim 0; the loss and weights are not cut
+    assert dict(batch.cuts) == {"ids": 0, "causal_mask": 0, "targets": 0}
+    assert batch.block((8, 8, 32), "ids", 3) == (slice(6, 8), slice(None), slice(None))
+    one = gpt.with_microbatches(1)
+    assert step_batch(one).whole is one
+    # a graph that is no longer the example it records (edited) has no known whole batch
+    edited = Graph.from_dict({**gpt.to_dict(), "outputs": ["loss", "lnf"]})
+    assert edited.example is not None and step_batch(edited).whole is None
+    # a graph with no example: the step is m independent micro-batches
+    plain = Graph.from_dict({k: v for k, v in gpt.to_dict().items() if k != "example"})
+    assert plain.microbatches == 4 and step_batch(plain) == type(batch)(4)
+
+
+def test_a_graph_records_the_example_it_was_built_from():
+    from parsat.ir.errors import GraphError
+    from parsat.ir.models import build_example
+
+    graph = build_example("mlp", {"batch": 16})
+    data = graph.to_dict()
+    assert data["example"] == {"name": "mlp", "sizes": {"batch": 16}}
+    assert Graph.from_dict(data).example == ("mlp", (("batch", 16),))
+    with pytest.raises(GraphError, match="example.sizes.batch"):
+        Graph.from_dict({**data, "example": {"name": "mlp", "sizes": {"batch": 0}}})

@@ -40,7 +40,7 @@ from parsat.cli import main  # noqa: E402
 FAULT_AT = 2  # the Nth parallel operator of step 1 on rank 1
 
 
-def faulty_run_rank(ctx, pcg, config, graph, library=None):
+def faulty_run_rank(ctx, pcg, config, graph, library=None, batch=None):
     """The executor's run_rank, with rank 1 misbehaving mid-step as PARSAT_TEST_FAULT says."""
     fault = os.environ.get("PARSAT_TEST_FAULT", "")
     real_parallel_op = executor.parallel_op
@@ -61,7 +61,7 @@ def faulty_run_rank(ctx, pcg, config, graph, library=None):
 
     executor.parallel_op = parallel_op
     try:
-        return executor.run_rank(ctx, pcg, config, graph, library)
+        return executor.run_rank(ctx, pcg, config, graph, library, batch)
     finally:
         executor.parallel_op = real_parallel_op
 
