@@ -91,7 +91,7 @@ def optimize_cases(specs: list[str], limits: dict) -> list[dict]:
         else:
             row["step_time_ms"] = plan.totals.time_s * 1e3
             row["memory_gib"] = plan.totals.peak_memory_bytes / 2 ** 30
-            row["fits"] = plan.totals.peak_memory_bytes <= plan.machine.memory_capacity
+            row["fits"] = plan.totals.fits(plan.machine)
             row["microbatches"] = plan.graph.microbatches
             flops = model_flops(plan.graph)
             peak = devices * plan.machine.peak_flops
@@ -109,7 +109,7 @@ def optimize_cases(specs: list[str], limits: dict) -> list[dict]:
             row["baselines_ms"] = {k: (v.time_s * 1e3 if v is not None else None) for k, v in plan.baselines.items()}
             row["baselines_gib"] = {k: (v.peak_memory_bytes / 2 ** 30 if v is not None else None)
                                     for k, v in plan.baselines.items()}
-            row["baselines_fit"] = {k: (v.peak_memory_bytes <= plan.machine.memory_capacity if v is not None
+            row["baselines_fit"] = {k: (v.fits(plan.machine) if v is not None
                                         else None) for k, v in plan.baselines.items()}
             row["enodes"] = plan.saturation.get("enodes")
             row["stop"] = plan.saturation.get("stop")

@@ -45,6 +45,16 @@ class NodeCost:
                 "comm_bytes": self.comm_elements * dtype_bytes, "grad_sync_elements": self.grad_sync_elements,
                 "memory_bytes": self.memory_bytes, "flops": self.flops, "collectives": list(self.collectives)}
 
+    def times(self, factor: int) -> "NodeCost":
+        """This cost counted `factor` times (a node standing for `factor` alike, `saturate.repeat`): every
+        figure that adds up over nodes."""
+        return replace(self, forward_s=self.forward_s * factor, backward_s=self.backward_s * factor,
+                       optimizer_s=self.optimizer_s * factor, comm_s=self.comm_s * factor,
+                       comm_elements=self.comm_elements * factor,
+                       grad_sync_elements=self.grad_sync_elements * factor, memory_bytes=self.memory_bytes * factor,
+                       flops=self.flops * factor, accumulation_bytes=self.accumulation_bytes * factor,
+                       activation_bytes=self.activation_bytes * factor)
+
     def per_step(self, microbatches: int) -> "NodeCost":
         """This node's cost per step when a step runs `microbatches` micro-batches (gradient accumulation).
 
@@ -154,6 +164,10 @@ class Totals:
     def simulated(self, streams: StepStreams, step: StepTimeline) -> "Totals":
         """These totals with the simulated step: `time_s` becomes the simulated time, the sum is kept."""
         return replace(self, time_s=streams.time_s, node_sum_s=self.per_node_s, streams=streams, step=step)
+
+    def fits(self, machine: Machine) -> bool:
+        """Whether the plan's peak memory per device fits in `machine`'s."""
+        return self.peak_memory_bytes <= machine.memory_capacity
 
     @property
     def per_node_s(self) -> float:

@@ -111,7 +111,7 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
             return plan
         if plan is not None:
             plans.append(plan)
-        fits = plan is not None and _fits(plan)
+        fits = plan is not None and plan.totals.fits(plan.machine)
         if fits and (best is None or plan.totals.time_s < best.totals.time_s):
             best = plan
         if fits and m == 1:
@@ -136,7 +136,7 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
             # the first estimate (from one whole batch) saves searches; later ones only double: memory is not
             # monotone in m (a micro-batch that no longer divides among the data-parallel devices needs tensor
             # parallelism), so a far jump can pass over the count that fits best
-            more = min(more, next((k for k in range(2 * m, batch + 1) if batch % k == 0), more))
+            more = min(more, _next_count(batch, 2 * m) or more)
         if more is None or more in tried:
             if plan is not None:
                 return plan
@@ -151,8 +151,9 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
 GRID_SEARCHES = 2   # searches at more micro-batches spent finding a grid configuration that fits (at most)
 
 
-def _fits(plan: Plan) -> bool:
-    return plan.totals.peak_memory_bytes <= plan.machine.memory_capacity
+def _next_count(batch: int, least: int, skip: set[int] = frozenset()) -> int | None:
+    """The smallest micro-batch count from `least` on that divides `batch` and is not in `skip`."""
+    return next((k for k in range(least, batch + 1) if batch % k == 0 and k not in skip), None)
 
 
 def _with_grid(best: Plan, plans: Sequence[Plan], tried: set[int], batch: int, say: Progress,
@@ -164,14 +165,16 @@ def _with_grid(best: Plan, plans: Sequence[Plan], tried: set[int], batch: int, s
     search's plan the answer (it is a whole plan at that count); otherwise each baseline's best totals across
     counts are kept, with the count in its configuration, and its PCG when it was found at `best`'s count."""
     plans = list(plans)
-    grid_fits = lambda p: p.baselines.get("best_grid") is not None and \
-        p.baselines["best_grid"].peak_memory_bytes <= p.machine.memory_capacity  # noqa: E731
+
+    def fitting(name: str) -> list[Plan]:
+        return [p for p in plans if p.baselines.get(name) is not None and p.baselines[name].fits(p.machine)]
+
     if "best_grid" in best.baselines:   # baselines were asked for
         m = max(p.graph.microbatches for p in plans)
         for _ in range(GRID_SEARCHES):
-            if any(grid_fits(p) for p in plans):
+            if fitting("best_grid"):
                 break
-            m = next((k for k in range(2 * m, batch + 1) if batch % k == 0 and k not in tried), None)
+            m = _next_count(batch, 2 * m, tried)
             if m is None:
                 break
             tried.add(m)
@@ -180,24 +183,20 @@ def _with_grid(best: Plan, plans: Sequence[Plan], tried: set[int], batch: int, s
                 plans.append(search(m))
             except DoesNotFit:
                 continue
-    fitting = [p for p in plans if _fits(p)]
-    best = min(fitting, key=lambda p: p.totals.time_s) if fitting else best
+    best = min((p for p in plans if p.totals.fits(p.machine)), key=lambda p: p.totals.time_s, default=best)
     baselines, baseline_plans = dict(best.baselines), dict(best.baseline_plans)
     for name in BASELINES:
-        found = [(p.baselines[name], p) for p in plans if p.baselines.get(name) is not None
-                 and p.baselines[name].peak_memory_bytes <= p.machine.memory_capacity]
+        found = fitting(name)
         if not found:
             continue
-        totals_found, source = min(found, key=lambda f: f[0].time_s)
-        own = best.baselines.get(name)
-        if own is not None and own.peak_memory_bytes <= best.machine.memory_capacity and own.time_s <= totals_found.time_s:
+        # the fastest that fits, `best`'s own on a tie (then it is already in place, with its PCG)
+        source = min(found, key=lambda p: (p.baselines[name].time_s, p is not best))
+        if source is best:
             continue
-        baselines[name] = totals_found
+        baselines[name] = source.baselines[name]
         kept = source.baseline_plans.get(name)
-        config = {**dict(kept.config or {}), "microbatches": source.graph.microbatches} if kept else \
-            {"microbatches": source.graph.microbatches}
-        baseline_plans[name] = BaselinePlan(kept.pcg if kept and source is best else None,
-                                            kept.costs if kept and source is best else {}, config)
+        config = {**dict((kept and kept.config) or {}), "microbatches": source.graph.microbatches}
+        baseline_plans[name] = BaselinePlan(None, {}, config)   # found at another count: no PCG for this graph
     return replace(best, baselines=baselines, baseline_plans=baseline_plans)
 
 
@@ -442,7 +441,7 @@ def _best(found: Sequence[Candidate | None], machine: Machine) -> Candidate | No
 
 def _rank(candidate: Candidate, machine: Machine) -> tuple:
     """Plans that fit in memory first, then the fastest; the joint plan wins ties."""
-    return (candidate.totals.peak_memory_bytes > machine.memory_capacity, round(candidate.totals.time_s, 12),
+    return (not candidate.totals.fits(machine), round(candidate.totals.time_s, 12),
             candidate.name != JOINT)
 
 

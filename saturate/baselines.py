@@ -163,5 +163,4 @@ def best_grid(result: SaturationResult, graph: Graph, library: Library, machine:
 
 
 def _better(a: Candidate, b: Candidate, machine: Machine) -> bool:
-    fits = lambda c: c.totals.peak_memory_bytes <= machine.memory_capacity  # noqa: E731
-    return (not fits(a), a.totals.time_s) < (not fits(b), b.totals.time_s)
+    return (not a.totals.fits(machine), a.totals.time_s) < (not b.totals.fits(machine), b.totals.time_s)

@@ -124,21 +124,11 @@ def class_blocks(snapshot: Snapshot) -> dict[int, int]:
     return blocks
 
 
-def scaled(cost: NodeCost, factor: int) -> NodeCost:
-    """`cost` counted `factor` times: every figure that adds up over nodes."""
-    return replace(cost, forward_s=cost.forward_s * factor, backward_s=cost.backward_s * factor,
-                   optimizer_s=cost.optimizer_s * factor, comm_s=cost.comm_s * factor,
-                   comm_elements=cost.comm_elements * factor, grad_sync_elements=cost.grad_sync_elements * factor,
-                   memory_bytes=cost.memory_bytes * factor, flops=cost.flops * factor,
-                   accumulation_bytes=cost.accumulation_bytes * factor,
-                   activation_bytes=cost.activation_bytes * factor)
-
-
 def weigh(costs: Mapping[tuple[int, int], NodeCost], snapshot: Snapshot, repetition: Repetition) -> dict:
     """Every e-node's cost with the middle block's counted `copies` times: extraction then prices the whole model."""
     blocks = class_blocks(snapshot)
     factor = repetition.copies
-    return {nid: scaled(cost, factor) if blocks.get(nid[0]) == REPEATED else cost for nid, cost in costs.items()}
+    return {nid: cost.times(factor) if blocks.get(nid[0]) == REPEATED else cost for nid, cost in costs.items()}
 
 
 # ------------------------------------------------------------------ stamping the PCG

@@ -15,7 +15,7 @@ from parsat.ir.models import build_example  # noqa: E402
 from parsat.ir.pcg import PCG  # noqa: E402
 from parsat.ir.pcg_layout import lay_out  # noqa: E402
 from parsat.saturate.repeat import (OUTSIDE, REPEATED, RepeatError, Repetition, block_of, class_blocks,  # noqa: E402
-                                    node_blocks, scaled, stamp, value_names, weigh)
+                                    node_blocks, stamp, value_names, weigh)
 from parsat.ir.costs import NodeCost  # noqa: E402
 
 LIBRARY = load_library()[0]
@@ -126,5 +126,5 @@ def test_weigh_counts_the_middle_block_once_per_copy():
     one = NodeCost(forward_s=1.0, memory_bytes=10, comm_elements=3)
     costs = {(cid, 0): one for cid in result.snapshot.classes}
     weighed = weigh(costs, result.snapshot, Repetition(graph, graph, 30))
-    assert weighed[(result.classes["b1_wq"], 0)] == scaled(one, 28)
+    assert weighed[(result.classes["b1_wq"], 0)] == one.times(28)
     assert weighed[(result.classes["b0_wq"], 0)] == one and weighed[(result.classes["b2_wq"], 0)] == one
