@@ -519,7 +519,7 @@ def search_mesh(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], m
     except RepeatError as err:
         say(f"mesh {mesh}: {err}")
         return MeshSearch(mesh, pins, result, None, None, None, None, time.perf_counter() - t, spread,
-                          f"the plan's blocks cannot be repeated ({err})")
+                          f"the plan's blocks cannot be repeated ({err}); --all-blocks searches every block")
     seconds = time.perf_counter() - t
     joint = Candidate(JOINT, pcg, costs, totals(costs, machine))
     say(f"mesh {mesh}: extraction {extraction.method}, {seconds:.2f} s, plan {joint.totals.time_s * 1e3:.3f} ms")
