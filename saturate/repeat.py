@@ -31,12 +31,12 @@ has no stamped plan for that mesh, never a wrong one.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 from typing import Mapping
 
 from parsat.dsl.library import Library
 from parsat.dsl.parallel_ops import PARALLEL_OPS
+from parsat.ir.blocks import OUTSIDE, block_of, in_block, node_blocks
 from parsat.ir.budget import GraphBudget
 from parsat.ir.costs import NodeCost
 from parsat.ir.graph import Graph
@@ -47,8 +47,6 @@ from parsat.saturate.snapshot import Snapshot
 
 SEARCHED_BLOCKS = 3            # first, middle (repeated), last
 REPEATED = 1                   # the searched block whose plan repeats
-OUTSIDE = -1                   # a value that depends on no block's weights (embeddings, masks, positions)
-_BLOCK_NAME = re.compile(r"^b(\d+)_")
 
 
 class RepeatError(Exception):
@@ -90,16 +88,6 @@ def repetition_for(named, whole: Graph, library: Library, sizes: Mapping[str, in
     return Repetition(whole, searched, blocks)
 
 
-def block_of(name: str) -> int:
-    """The block a graph name belongs to (`b3_wq` -> 3), OUTSIDE for names outside every block."""
-    found = _BLOCK_NAME.match(name)
-    return int(found.group(1)) if found else OUTSIDE
-
-
-def _renamed(name: str, block: int) -> str:
-    return _BLOCK_NAME.sub(f"b{block}_", name, count=1) if block_of(name) != OUTSIDE else name
-
-
 # ------------------------------------------------------------------ weighing the e-graph
 
 
@@ -132,28 +120,6 @@ def weigh(costs: Mapping[tuple[int, int], NodeCost], snapshot: Snapshot, repetit
 
 
 # ------------------------------------------------------------------ stamping the PCG
-
-
-def node_blocks(pcg: PCG) -> dict[int, int]:
-    """PCG node -> its block: the latest block whose weights it depends on (the PCG is in topological order),
-    except that parallel operators that only a later block reads belong to that block: they are its entry,
-    converting the value it reads into the placements it wants (block 1 may want the same value of block 0
-    in two placements, and block 2 of block 1 in one: what crosses is the value, each block converts it)."""
-    blocks: dict[int, int] = {}
-    for node in pcg.nodes:
-        own = block_of(node.op) if node.kind == "leaf" else block_of(node.origin)
-        blocks[node.id] = max([own] + [blocks[i] for i in node.inputs])
-    readers: dict[int, set[int]] = {}
-    for node in pcg.nodes:
-        for i in node.inputs:
-            readers.setdefault(i, set()).add(node.id)
-    for node in reversed(pcg.nodes):
-        if node.kind != "parallel" or blocks[node.id] == OUTSIDE or node.id in pcg.outputs:
-            continue
-        later = {blocks[r] for r in readers.get(node.id, ())}
-        if len(later) == 1 and next(iter(later)) > blocks[node.id]:
-            blocks[node.id] = next(iter(later))
-    return blocks
 
 
 def value_names(snapshot: Snapshot, classes: Mapping[str, int]) -> dict[int, str]:
@@ -199,7 +165,7 @@ def stamp(pcg: PCG, repetition: Repetition, values: Mapping[int, str]) -> PCG:
         """What a block reads from the one before: which value (up to the block prefix), where it lies."""
         if i not in values:
             raise RepeatError(f"node {i} ({by_id[i].label}), read across blocks, holds no value the graph names")
-        return _renamed(values[i], 0), by_id[i].shape, by_id[i].placement
+        return in_block(values[i], 0), by_id[i].shape, by_id[i].placement
 
     ahead = {read(i): i for i in into_last}
     behind = {read(i): i for i in into_middle}
@@ -216,8 +182,8 @@ def stamp(pcg: PCG, repetition: Repetition, values: Mapping[int, str]) -> PCG:
     def emit(node: PNode, block: int, source) -> None:
         new_id[(block, node.id)] = len(nodes)
         renamed = replace(node, id=len(nodes), inputs=tuple(source(i) for i in node.inputs),
-                          origin=_renamed(node.origin, block))
-        nodes.append(replace(renamed, op=_renamed(node.op, block)) if node.kind == "leaf" else renamed)
+                          origin=in_block(node.origin, block))
+        nodes.append(replace(renamed, op=in_block(node.op, block)) if node.kind == "leaf" else renamed)
 
     def at_end(i: int) -> int:
         return new_id[(ends[blocks[i]], i)]
