@@ -1,0 +1,317 @@
+"""Pipeline stages: a PCG cut into contiguous chunks of layers, the chunks' stages, and their schedule.
+
+A pipelined plan runs one PCG (the stage plan, on the stage's sub-mesh)
+split by layers (`ir.blocks`: the prelude OUTSIDE every block, then block
+0 .. N-1; the head counts with the last block). The full mesh is
+`pp x` the stage mesh: rank r is stage r // S, local rank r % S, and every
+stage lays its part of the PCG out the same way, so a value crossing from
+one stage to another goes from local rank i to local rank i, piece for
+piece (`Crossing`). With `v` chunks per stage (interleaved 1F1B) the model
+is cut into p * v chunks, chunk c on stage c % p (Megatron's layout).
+
+This module is the one place that says which PCG node runs where
+(`lay_out_stages`) and in which order each stage runs its micro-batches
+(`schedule_order`); the cost model simulates that order
+(`simulate_schedule`) and the backend runs it.
+
+What moves is values, never what they are: a chunk computes the PCG nodes
+it owns exactly as the unstaged PCG does, from the same inputs; values made
+from graph inputs alone (masks, positions) or from weights alone (a weight's
+parallel operators, a tied embedding's transpose) are recomputed by every
+chunk that reads them (`free_nodes`), so a chunk needs nothing but its
+crossings. A weight read on two stages (GPT's tied
+embedding and LM head) is held by both, and its gradient is summed over
+them before the update (Megatron's embedding group), so both copies stay
+equal to the unstaged weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from parsat.ir.blocks import node_blocks
+from parsat.ir.pcg import PCG, WEIGHT
+
+GPIPE, ONE_F_ONE_B, INTERLEAVED = "gpipe", "1f1b", "interleaved"
+SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED)
+FORWARD, BACKWARD = "F", "B"
+
+
+class PipelineError(ValueError):
+    """A pipeline that cannot be laid out or scheduled as asked."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Contiguous layers run by one stage: the PCG nodes it computes, in PCG order."""
+
+    index: int
+    stage: int
+    layers: tuple[int, ...]       # the layers it owns (`ir.blocks`), ascending
+    nodes: tuple[int, ...]        # the PCG nodes it computes: its own and the free values they read
+
+    def to_dict(self) -> dict:
+        return {"index": self.index, "stage": self.stage, "layers": list(self.layers), "nodes": list(self.nodes)}
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """A value one chunk makes and a later chunk reads: sent each micro-batch from the source chunk's stage to
+    the target's, local rank to local rank (its piece), and its gradient sent back in the backward."""
+
+    node: int
+    source: int                  # chunk
+    target: int                  # chunk
+    piece_elements: int          # per rank, per micro-batch
+
+    def to_dict(self) -> dict:
+        return {"node": self.node, "source": self.source, "target": self.target,
+                "piece_elements": self.piece_elements}
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Where every PCG node runs: the chunks, the values that cross between them, and the weights held on
+    more than one stage (their gradients summed over those stages each step)."""
+
+    degree: int                  # p, the pipeline stages
+    chunks_per_stage: int        # v
+    chunks: tuple[Chunk, ...]
+    crossings: tuple[Crossing, ...]
+    shared_weights: tuple[tuple[int, tuple[int, ...]], ...]   # (weight leaf id, the stages that hold it)
+
+    def stage_chunks(self, stage: int) -> tuple[Chunk, ...]:
+        return tuple(c for c in self.chunks if c.stage == stage)
+
+    def to_dict(self) -> dict:
+        return {"degree": self.degree, "chunks_per_stage": self.chunks_per_stage,
+                "chunks": [c.to_dict() for c in self.chunks], "crossings": [c.to_dict() for c in self.crossings],
+                "shared_weights": [{"node": n, "stages": list(s)} for n, s in self.shared_weights]}
+
+    @staticmethod
+    def from_dict(data: Mapping) -> "StageLayout":
+        return StageLayout(int(data["degree"]), int(data["chunks_per_stage"]),
+                           tuple(Chunk(int(c["index"]), int(c["stage"]), tuple(int(x) for x in c["layers"]),
+                                       tuple(int(x) for x in c["nodes"])) for c in data["chunks"]),
+                           tuple(Crossing(int(c["node"]), int(c["source"]), int(c["target"]),
+                                          int(c["piece_elements"])) for c in data["crossings"]),
+                           tuple((int(w["node"]), tuple(int(s) for s in w["stages"]))
+                                 for w in data["shared_weights"]))
+
+
+def pcg_layers(pcg: PCG) -> tuple[int, ...]:
+    """The layers a PCG can be cut between, in order: the blocks of its non-free nodes (`free_nodes`)."""
+    blocks = node_blocks(pcg)
+    free = free_nodes(pcg)
+    return tuple(sorted({blocks[n.id] for n in pcg.nodes if n.id not in free}))
+
+
+def free_nodes(pcg: PCG) -> set[int]:
+    """Nodes every chunk may compute for itself: leaves, and nodes made from graph inputs alone (masks,
+    positions) or from weights alone (a tied embedding's transpose, a weight's parallel operators). What mixes
+    the two is an activation a layer owns."""
+    reads: dict[int, frozenset[str]] = {}
+    free: set[int] = set()
+    for node in pcg.nodes:
+        if node.kind == "leaf":
+            reads[node.id] = frozenset({node.role or "input"})
+            free.add(node.id)
+            continue
+        reads[node.id] = frozenset().union(*(reads[i] for i in node.inputs))
+        if all(i in free for i in node.inputs) and len(reads[node.id]) == 1:
+            free.add(node.id)
+    return free
+
+
+def lay_out_stages(pcg: PCG, starts: Sequence[int], degree: int) -> StageLayout:
+    """The PCG cut into chunks at `starts` (each chunk's first layer, ascending, the first one the PCG's first
+    layer; p * v of them), chunk c on stage c % p."""
+    layers = pcg_layers(pcg)
+    if not starts or starts[0] != layers[0] or list(starts) != sorted(set(starts)) or \
+            any(s not in layers for s in starts):
+        raise PipelineError(f"chunk starts {list(starts)} do not cut the layers {list(layers)} into contiguous runs")
+    if degree < 1 or len(starts) % degree:
+        raise PipelineError(f"{len(starts)} chunks cannot be spread evenly over {degree} stages")
+    blocks = node_blocks(pcg)
+    free = free_nodes(pcg)
+    index = {layer: k for k, layer in enumerate(layers)}
+    bounds = [index[s] for s in starts] + [len(layers)]
+    chunk_of_layer = {layers[i]: c for c in range(len(starts)) for i in range(bounds[c], bounds[c + 1])}
+    owner = {n.id: chunk_of_layer[blocks[n.id]] for n in pcg.nodes if n.id not in free}
+    by_id = {n.id: n for n in pcg.nodes}
+    members: list[set[int]] = [set() for _ in starts]
+    for node in reversed(pcg.nodes):          # owned nodes, then the free values each chunk needs
+        if node.id in owner:
+            members[owner[node.id]].add(node.id)
+    for chunk in members:
+        todo = [i for n in chunk for i in by_id[n].inputs if i in free]
+        while todo:
+            i = todo.pop()
+            if i not in chunk:
+                chunk.add(i)
+                todo.extend(j for j in by_id[i].inputs if j in free)
+    chunks = tuple(Chunk(c, c % degree, layers[bounds[c]:bounds[c + 1]],
+                         tuple(n.id for n in pcg.nodes if n.id in members[c])) for c in range(len(starts)))
+    crossings = []
+    for node in pcg.nodes:
+        if node.id not in owner:
+            continue
+        for target in sorted({owner[r] for r in _readers(pcg).get(node.id, ()) if r in owner} - {owner[node.id]}):
+            if target < owner[node.id]:
+                raise PipelineError(f"node {node.id} of chunk {owner[node.id]} is read by the earlier chunk {target}")
+            crossings.append(Crossing(node.id, owner[node.id], target, node.degrees.piece_elements(node.shape)))
+    shared = []
+    for node in pcg.nodes:
+        if node.kind == "leaf" and node.role == WEIGHT:
+            stages = tuple(sorted({c.stage for c in chunks if node.id in c.nodes}))
+            if len(stages) > 1:
+                shared.append((node.id, stages))
+    return StageLayout(degree, len(starts) // degree, chunks, tuple(crossings), tuple(shared))
+
+
+def _readers(pcg: PCG) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for node in pcg.nodes:
+        for i in node.inputs:
+            out.setdefault(i, []).append(node.id)
+    return out
+
+
+# ------------------------------------------------------------------ schedules
+
+
+@dataclass(frozen=True)
+class Action:
+    """One stage's work item: the forward or backward of one micro-batch through one chunk."""
+
+    phase: str        # FORWARD | BACKWARD
+    microbatch: int
+    chunk: int
+
+
+def schedule_order(schedule: str, degree: int, chunks_per_stage: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    """Each stage's actions in the order it runs them.
+
+    GPipe: every forward, then every backward. 1F1B (PipeDream-Flush):
+    stage s runs p - s - 1 warm-up forwards, then alternates one forward
+    and one backward, then drains; at most p - s micro-batches are in
+    flight. Interleaved 1F1B (Megatron-LM, Narayanan et al. SC'21): v
+    chunks per stage, micro-batches taken p at a time through each chunk
+    in turn, (p - s - 1) * 2 + (v - 1) * p warm-up forwards; it needs m to
+    be a multiple of p.
+    """
+    p, v, m = degree, chunks_per_stage, microbatches
+    if schedule not in SCHEDULES:
+        raise PipelineError(f"unknown schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
+    if p < 1 or v < 1 or m < 1:
+        raise PipelineError(f"a schedule needs positive stages, chunks and micro-batches, got {p}, {v}, {m}")
+    if schedule != INTERLEAVED and v != 1:
+        raise PipelineError(f"{schedule} runs one chunk per stage, got {v}")
+    if schedule == INTERLEAVED and m % p:
+        raise PipelineError(f"interleaved 1F1B needs the micro-batches ({m}) to be a multiple of the stages ({p})")
+    orders = []
+    for s in range(p):
+        if schedule == GPIPE:
+            orders.append(tuple(Action(FORWARD, k, s) for k in range(m)) +
+                          tuple(Action(BACKWARD, k, s) for k in range(m)))
+            continue
+        forwards = [_virtual(k, s, p, v, backward=False) for k in range(m * v)]
+        backwards = [_virtual(k, s, p, v, backward=True) for k in range(m * v)]
+        if schedule == ONE_F_ONE_B:
+            warmup = min(p - s - 1, m)
+        else:
+            warmup = min((p - s - 1) * 2 + (v - 1) * p, m * v)
+        order = forwards[:warmup]
+        for k in range(m * v - warmup):
+            order += [forwards[warmup + k], backwards[k]]
+        order += backwards[m * v - warmup:]
+        orders.append(tuple(order))
+    return tuple(orders)
+
+
+def _virtual(k: int, stage: int, p: int, v: int, backward: bool) -> Action:
+    """The k-th forward (or backward) of `stage`: micro-batches go p at a time through each of its chunks."""
+    local = (k // p) % v
+    if backward:
+        local = v - 1 - local
+    microbatch = (k // (p * v)) * p + k % p
+    return Action(BACKWARD if backward else FORWARD, microbatch, local * p + stage)
+
+
+@dataclass(frozen=True)
+class ScheduleRun:
+    """A schedule simulated: when each action ran on its stage, and what that keeps alive."""
+
+    time_s: float                                    # the last backward's end
+    busy: tuple[tuple[tuple[Action, float, float], ...], ...]   # per stage: (action, start, end)
+    in_flight: tuple[int, ...]                        # per stage: most chunk micro-batches forwarded, not yet back
+    activation_peak_bytes: tuple[int, ...]           # per stage: the activations those hold at their peak
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The share of the step the busiest stage waits: 1 - its busy time / the step."""
+        if self.time_s <= 0:
+            return 0.0
+        return 1.0 - max(sum(e - b for _a, b, e in stage) for stage in self.busy) / self.time_s
+
+
+def simulate_schedule(layout: StageLayout, schedule: str, microbatches: int, forward_s: Sequence[float],
+                      backward_s: Sequence[float], transfer_s: Mapping[tuple[int, int], float],
+                      activation_bytes: Sequence[int]) -> ScheduleRun:
+    """Run each stage's actions in `schedule_order`, each as soon as its stage is free and its inputs have
+    arrived: a chunk's forward waits for the forwards of the chunks it reads plus the transfer
+    (`transfer_s[(source, target)]`, seconds per micro-batch), its backward for its own forward and the
+    backwards of the chunks that read it plus the gradient's transfer back. Per chunk: seconds per
+    micro-batch and the activation bytes one micro-batch keeps until its backward."""
+    p = layout.degree
+    orders = schedule_order(schedule, p, layout.chunks_per_stage, microbatches)
+    sources: dict[int, set[int]] = {}
+    targets: dict[int, set[int]] = {}
+    for crossing in layout.crossings:
+        sources.setdefault(crossing.target, set()).add(crossing.source)
+        targets.setdefault(crossing.source, set()).add(crossing.target)
+    done: dict[tuple[str, int, int], float] = {}
+    free_at = [0.0] * p
+    position = [0] * p
+    busy: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
+    live, peak_count, live_bytes, peak_bytes = [0] * p, [0] * p, [0] * p, [0] * p
+    total = sum(len(o) for o in orders)
+    while sum(position) < total:
+        progressed = False
+        for s in range(p):
+            if position[s] == len(orders[s]):
+                continue
+            action = orders[s][position[s]]
+            ready = _ready(action, done, sources, targets, transfer_s)
+            if ready is None:
+                continue
+            start = max(free_at[s], ready)
+            seconds = (forward_s if action.phase == FORWARD else backward_s)[action.chunk]
+            end = start + seconds
+            done[(action.phase, action.microbatch, action.chunk)] = end
+            busy[s].append((action, start, end))
+            free_at[s], position[s], progressed = end, position[s] + 1, True
+            sign = 1 if action.phase == FORWARD else -1
+            live[s] += sign
+            live_bytes[s] += sign * activation_bytes[action.chunk]
+            peak_count[s], peak_bytes[s] = max(peak_count[s], live[s]), max(peak_bytes[s], live_bytes[s])
+        if not progressed:
+            raise PipelineError(f"the {schedule} schedule deadlocks on this layout")
+    return ScheduleRun(max(free_at), tuple(tuple(b) for b in busy), tuple(peak_count), tuple(peak_bytes))
+
+
+def _ready(action: Action, done, sources, targets, transfer_s) -> float | None:
+    """When `action`'s inputs are there; None while one is not yet computed."""
+    k, c = action.microbatch, action.chunk
+    if action.phase == FORWARD:
+        needs = [(FORWARD, k, src, transfer_s.get((src, c), 0.0)) for src in sources.get(c, ())]
+    else:
+        needs = [(FORWARD, k, c, 0.0)] + [(BACKWARD, k, t, transfer_s.get((c, t), 0.0))
+                                          for t in targets.get(c, ())]
+    ready = 0.0
+    for phase, mb, chunk, delay in needs:
+        if (phase, mb, chunk) not in done:
+            return None
+        ready = max(ready, done[(phase, mb, chunk)] + delay)
+    return ready
