@@ -84,6 +84,10 @@ class StageLayout:
     def stage_chunks(self, stage: int) -> tuple[Chunk, ...]:
         return tuple(c for c in self.chunks if c.stage == stage)
 
+    def stage_nodes(self, stage: int) -> set[int]:
+        """The PCG nodes a stage's ranks compute: its chunks' (a free value two of its chunks read, once)."""
+        return {n for c in self.stage_chunks(stage) for n in c.nodes}
+
     def to_dict(self) -> dict:
         return {"degree": self.degree, "chunks_per_stage": self.chunks_per_stage,
                 "chunks": [c.to_dict() for c in self.chunks], "crossings": [c.to_dict() for c in self.crossings],
@@ -315,3 +319,86 @@ def _ready(action: Action, done, sources, targets, transfer_s) -> float | None:
             return None
         ready = max(ready, done[(phase, mb, chunk)] + delay)
     return ready
+
+
+# ------------------------------------------------------------------ a pipelined plan
+
+
+@dataclass(frozen=True)
+class StageFigures:
+    """What the cost model predicts for one stage (each of its ranks)."""
+
+    forward_s: float        # per micro-batch, all its chunks
+    backward_s: float       # per micro-batch
+    sync_s: float           # once per step: its weights' gradient reductions and gathers, its shared weights' sum
+    optimizer_s: float      # once per step
+    memory_bytes: int       # peak: weights' state plus the activations in flight at the schedule's peak
+    in_flight: int          # most chunk micro-batches forwarded and not yet back
+
+    def to_dict(self) -> dict:
+        return {"forward_s": self.forward_s, "backward_s": self.backward_s, "sync_s": self.sync_s,
+                "optimizer_s": self.optimizer_s, "memory_bytes": self.memory_bytes, "in_flight": self.in_flight}
+
+    @staticmethod
+    def from_dict(data: Mapping) -> "StageFigures":
+        return StageFigures(float(data["forward_s"]), float(data["backward_s"]), float(data["sync_s"]),
+                            float(data["optimizer_s"]), int(data["memory_bytes"]), int(data["in_flight"]))
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """A plan's pipeline: the PCG (on the stage mesh of `stage_devices`) cut into stages (`layout`), run as
+    `microbatches` micro-batches in `schedule` order; the plan's devices are degree x stage_devices."""
+
+    schedule: str
+    microbatches: int
+    stage_devices: int
+    layout: StageLayout
+    stages: tuple[StageFigures, ...] = ()
+    chunk_forward_s: tuple[float, ...] = ()     # per chunk, per micro-batch: what `simulate_schedule` ran
+    chunk_backward_s: tuple[float, ...] = ()
+    chunk_activation_bytes: tuple[int, ...] = ()
+    bubble_fraction: float = 0.0
+    p2p_bytes: int = 0        # per step, sent by each rank of the busiest sending stage (and as many received)
+    transfer_s: float = 0.0   # one micro-batch's point-to-point transfer between two stages
+
+    @property
+    def degree(self) -> int:
+        return self.layout.degree
+
+    def stage_of_rank(self, rank: int) -> tuple[int, int]:
+        """(stage, local rank) of a global rank: stages are consecutive blocks of `stage_devices` ranks."""
+        return rank // self.stage_devices, rank % self.stage_devices
+
+    def to_dict(self) -> dict:
+        return {"degree": self.degree, "schedule": self.schedule, "microbatches": self.microbatches,
+                "stage_devices": self.stage_devices, "layout": self.layout.to_dict(),
+                "stages": [s.to_dict() for s in self.stages], "chunk_forward_s": list(self.chunk_forward_s),
+                "chunk_backward_s": list(self.chunk_backward_s),
+                "chunk_activation_bytes": list(self.chunk_activation_bytes), "bubble_fraction": self.bubble_fraction,
+                "p2p_bytes": self.p2p_bytes, "transfer_s": self.transfer_s}
+
+    @staticmethod
+    def from_dict(data: Mapping) -> "PipelinePlan":
+        return PipelinePlan(str(data["schedule"]), int(data["microbatches"]), int(data["stage_devices"]),
+                            StageLayout.from_dict(data["layout"]),
+                            tuple(StageFigures.from_dict(s) for s in data.get("stages", ())),
+                            tuple(float(x) for x in data.get("chunk_forward_s", ())),
+                            tuple(float(x) for x in data.get("chunk_backward_s", ())),
+                            tuple(int(x) for x in data.get("chunk_activation_bytes", ())),
+                            float(data.get("bubble_fraction", 0.0)), int(data.get("p2p_bytes", 0)),
+                            float(data.get("transfer_s", 0.0)))
+
+
+def p2p_elements(layout: StageLayout, microbatches: int) -> dict[tuple[int, int], int]:
+    """Elements each rank of one stage sends to its twin rank of another per step, by (from stage, to stage):
+    every crossing between two stages forward each micro-batch, and its gradient back."""
+    out: dict[tuple[int, int], int] = {}
+    stage = {c.index: c.stage for c in layout.chunks}
+    for crossing in layout.crossings:
+        a, b = stage[crossing.source], stage[crossing.target]
+        if a == b:
+            continue
+        out[(a, b)] = out.get((a, b), 0) + crossing.piece_elements * microbatches
+        out[(b, a)] = out.get((b, a), 0) + crossing.piece_elements * microbatches
+    return out

@@ -26,6 +26,7 @@ from parsat.ir.machine import Machine
 from parsat.ir.mesh import Mesh, MeshError
 from parsat.ir.parallelism import describe
 from parsat.ir.pcg import PCG, Degrees, PNode
+from parsat.ir.pipeline import PipelinePlan
 from parsat.ir.placement import PlacementError, from_dtensor
 from parsat.ir.validate import PLAN_SCHEMA, PLAN_VERSION, READABLE_VERSIONS, validate_plan_dict
 
@@ -77,6 +78,7 @@ class Plan:
     extraction: Mapping = field(default_factory=dict)
     pinned: Mapping[str, Degrees] = field(default_factory=dict)   # tensor name -> pinned layout (inputs and outputs)
     baseline_plans: Mapping[str, BaselinePlan] = field(default_factory=dict)  # baseline name -> its PCG
+    pipeline: PipelinePlan | None = None   # the PCG cut into stages (the PCG is one stage mesh's plan)
 
     @property
     def cost(self) -> float:
@@ -105,6 +107,7 @@ class Plan:
             "rules_used": list(self.rules_used),
             "saturation": dict(self.saturation),
             "extraction": dict(self.extraction),
+            **({"pipeline": self.pipeline.to_dict()} if self.pipeline else {}),
         }
 
     def to_json(self) -> str:

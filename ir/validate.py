@@ -238,12 +238,49 @@ def validate_plan_dict(data: Mapping, error: type[Exception], label: str) -> Non
             source = baseline.get("pcg", baseline)
             at = f"baselines.{name}.pcg." if "pcg" in baseline else f"baselines.{name}."
             _check_pcg(f, f.obj(source, at.rstrip(".")), at)
+    if data.get("pipeline") is not None:
+        _check_pipeline(f, f.obj(data["pipeline"], "pipeline"), data)
     if "totals" in data and data["totals"] is not None:
         totals = f.obj(data["totals"], "totals")
         for key, value in totals.items():
             if key != "step":
                 f.number(value, f"totals.{key}", nullable=True)
         check_simulated_step(f, totals, "totals")
+
+
+def _check_pipeline(f: _Fields, pipeline: Mapping, data: Mapping) -> None:
+    """A plan's `pipeline` object: every chunk on a stage, every node it names a node of the PCG, every crossing
+    between chunks that exist, and the plan's devices the stages times each stage's."""
+    degree = f.integer(f.get(pipeline, "degree", "pipeline"), "pipeline.degree", low=1, high=MAX_DEVICES)
+    schedule = f.text(f.get(pipeline, "schedule", "pipeline"), "pipeline.schedule")
+    if schedule not in ("gpipe", "1f1b", "interleaved"):
+        f.fail("pipeline.schedule", f"must be gpipe, 1f1b or interleaved, got {_short(schedule)}")
+    f.integer(f.get(pipeline, "microbatches", "pipeline"), "pipeline.microbatches", low=1)
+    stage_devices = f.integer(f.get(pipeline, "stage_devices", "pipeline"), "pipeline.stage_devices", low=1,
+                              high=MAX_DEVICES)
+    if isinstance(data.get("devices"), int) and degree * stage_devices != data["devices"]:
+        f.fail("pipeline.stage_devices", f"{degree} stages of {stage_devices} devices are not the plan's "
+                                         f"{data['devices']} devices")
+    layout = f.obj(f.get(pipeline, "layout", "pipeline"), "pipeline.layout")
+    ids = {n.get("id") for n in data.get("nodes", []) if isinstance(n, Mapping)}
+    chunks = f.array(f.get(layout, "chunks", "pipeline.layout"), "pipeline.layout.chunks")
+    if not chunks:
+        f.fail("pipeline.layout.chunks", "a pipeline has at least one chunk")
+    for i, chunk in enumerate(chunks):
+        at = f"pipeline.layout.chunks[{i}]"
+        chunk = f.obj(chunk, at)
+        f.integer(f.get(chunk, "stage", at), f"{at}.stage", low=0, high=degree - 1)
+        for j, ident in enumerate(f.array(f.get(chunk, "nodes", at), f"{at}.nodes")):
+            if ident not in ids:
+                f.fail(f"{at}.nodes[{j}]", f"{_short(ident)} is not a node of the plan")
+    for i, crossing in enumerate(f.array(layout.get("crossings", []), "pipeline.layout.crossings")):
+        at = f"pipeline.layout.crossings[{i}]"
+        crossing = f.obj(crossing, at)
+        for key in ("source", "target"):
+            f.integer(f.get(crossing, key, at), f"{at}.{key}", low=0, high=len(chunks) - 1)
+        f.integer(f.get(crossing, "piece_elements", at), f"{at}.piece_elements", low=0)
+        if f.get(crossing, "node", at) not in ids:
+            f.fail(f"{at}.node", f"{_short(crossing['node'])} is not a node of the plan")
 
 
 def _check_pcg(f: _Fields, data: Mapping, at: str) -> None:
