@@ -360,7 +360,18 @@ class PipelinePlan:
     chunk_activation_bytes: tuple[int, ...] = ()
     bubble_fraction: float = 0.0
     p2p_bytes: int = 0        # per step, sent by each rank of the busiest sending stage (and as many received)
-    transfer_s: float = 0.0   # one micro-batch's point-to-point transfer between two stages
+    transfers: tuple[tuple[int, int, float], ...] = ()   # (source chunk, target chunk, seconds per micro-batch)
+
+    @property
+    def transfer_s(self) -> float:
+        """The longest point-to-point transfer of one micro-batch between two stages."""
+        return max((t for _a, _b, t in self.transfers), default=0.0)
+
+    def simulate(self) -> "ScheduleRun":
+        """The schedule as the cost model ran it (again, from the figures kept in the plan)."""
+        return simulate_schedule(self.layout, self.schedule, self.microbatches, self.chunk_forward_s,
+                                 self.chunk_backward_s, {(a, b): t for a, b, t in self.transfers},
+                                 self.chunk_activation_bytes)
 
     @property
     def degree(self) -> int:
@@ -376,7 +387,7 @@ class PipelinePlan:
                 "stages": [s.to_dict() for s in self.stages], "chunk_forward_s": list(self.chunk_forward_s),
                 "chunk_backward_s": list(self.chunk_backward_s),
                 "chunk_activation_bytes": list(self.chunk_activation_bytes), "bubble_fraction": self.bubble_fraction,
-                "p2p_bytes": self.p2p_bytes, "transfer_s": self.transfer_s}
+                "p2p_bytes": self.p2p_bytes, "transfers": [list(t) for t in self.transfers]}
 
     @staticmethod
     def from_dict(data: Mapping) -> "PipelinePlan":
@@ -387,7 +398,7 @@ class PipelinePlan:
                             tuple(float(x) for x in data.get("chunk_backward_s", ())),
                             tuple(int(x) for x in data.get("chunk_activation_bytes", ())),
                             float(data.get("bubble_fraction", 0.0)), int(data.get("p2p_bytes", 0)),
-                            float(data.get("transfer_s", 0.0)))
+                            tuple((int(a), int(b), float(t)) for a, b, t in data.get("transfers", ())))
 
 
 def p2p_elements(layout: StageLayout, microbatches: int) -> dict[tuple[int, int], int]:
@@ -402,3 +413,66 @@ def p2p_elements(layout: StageLayout, microbatches: int) -> dict[tuple[int, int]
         out[(a, b)] = out.get((a, b), 0) + crossing.piece_elements * microbatches
         out[(b, a)] = out.get((b, a), 0) + crossing.piece_elements * microbatches
     return out
+
+
+# ------------------------------------------------------------------ explain
+
+
+def describe_pipeline(pipeline: "PipelinePlan", devices_per_node: int) -> list[str]:
+    """`explain`'s pipeline section: degree, schedule, bubble, transfers, each stage's layers and memory, and the
+    schedule drawn per stage."""
+    p, s_dev = pipeline.degree, pipeline.stage_devices
+    where = "across nodes" if s_dev >= devices_per_node else "inside a node" if p * s_dev <= devices_per_node \
+        else "across and inside nodes"
+    v = pipeline.layout.chunks_per_stage
+    lines = [f"  pipeline: PP {p} {where} ({s_dev} device(s) per stage), {_schedule_name(pipeline.schedule, v)}, "
+             f"{pipeline.microbatches} micro-batches; bubble {pipeline.bubble_fraction:.1%} of the step; "
+             f"point-to-point {pipeline.p2p_bytes / 2**20:.2f} MiB sent per rank per step, "
+             f"{pipeline.transfer_s * 1e3:.3f} ms per micro-batch transfer"]
+    for s, figures in enumerate(pipeline.stages):
+        layers = [layer for c in pipeline.layout.stage_chunks(s) for layer in c.layers]
+        lines.append(f"    stage {s}: {_layer_text(pipeline.layout.stage_chunks(s))}; per micro-batch forward "
+                     f"{figures.forward_s * 1e3:.3f} ms, backward {figures.backward_s * 1e3:.3f} ms; sync "
+                     f"{figures.sync_s * 1e3:.3f} ms, optimizer {figures.optimizer_s * 1e3:.3f} ms per step; "
+                     f"memory {figures.memory_bytes / 2**30:.2f} GiB ({figures.in_flight} in flight)"
+                     + ("" if layers else " (no layers)"))
+    if pipeline.layout.shared_weights:
+        lines.append("    weights held on several stages, gradients summed each step: "
+                     + ", ".join(f"#{n} on stages {', '.join(map(str, st))}" for n, st in pipeline.layout.shared_weights))
+    if pipeline.chunk_forward_s:
+        lines += schedule_lanes(pipeline.simulate(), p)
+    return lines
+
+
+def _schedule_name(schedule: str, v: int) -> str:
+    return {GPIPE: "GPipe", ONE_F_ONE_B: "1F1B"}.get(schedule, f"interleaved 1F1B, {v} chunks per stage")
+
+
+def _layer_text(chunks: Sequence[Chunk]) -> str:
+    parts = []
+    for chunk in chunks:
+        blocks = [layer for layer in chunk.layers if layer >= 0]
+        text = ("prelude" if -1 in chunk.layers else "") + \
+            (("" if -1 not in chunk.layers else " + ") + (f"block {blocks[0]}" if len(blocks) == 1 else
+                                                         f"blocks {blocks[0]}-{blocks[-1]}") if blocks else "")
+        parts.append(text)
+    return "; ".join(parts)
+
+
+def schedule_lanes(run: "ScheduleRun", degree: int, width: int = 96) -> list[str]:
+    """The simulated schedule, one lane per stage, one character per equal slice of the step: F forward, B
+    backward (f and b for a stage's later chunks when interleaved), '.' waiting."""
+    lines = [f"  pipeline timeline ({width} slices of {run.time_s * 1e3 / width:.3f} ms; F forward, B backward, "
+             "f/b a later chunk, . idle):"]
+    for s, actions in enumerate(run.busy):
+        lane = []
+        for k in range(width):
+            t = (k + 0.5) * run.time_s / width
+            found = next((a for a, b, e in actions if b <= t < e), None)
+            if found is None:
+                lane.append(".")
+            else:
+                letter = found.phase
+                lane.append(letter if found.chunk < degree else letter.lower())
+        lines.append(f"    stage {s:<3}|{''.join(lane)}|")
+    return lines

@@ -26,7 +26,7 @@ from parsat.ir.machine import Machine
 from parsat.ir.mesh import Mesh, MeshError
 from parsat.ir.parallelism import describe
 from parsat.ir.pcg import PCG, Degrees, PNode
-from parsat.ir.pipeline import PipelinePlan
+from parsat.ir.pipeline import PipelinePlan, describe_pipeline
 from parsat.ir.placement import PlacementError, from_dtensor
 from parsat.ir.validate import PLAN_SCHEMA, PLAN_VERSION, READABLE_VERSIONS, validate_plan_dict
 
@@ -246,7 +246,10 @@ def explain(data: Mapping, limit: int | None = 40) -> str:
         lines.append(f"  {repeated['blocks']} identical blocks, searched as {repeated['searched_blocks']}: block "
                      f"{repeated['repeated_block']}'s plan repeated for {repeated['copies']} blocks")
     mesh = Mesh.from_dict(data["mesh"])
-    lines.append(f"  mesh {mesh if len(mesh) else 'none (one device)'}: {describe(pcg_from_dict(data))}")
+    lines.append(f"  {'each stage: ' if data.get('pipeline') else ''}mesh {mesh if len(mesh) else 'none (one device)'}: "
+                 f"{describe(pcg_from_dict(data))}")
+    if data.get("pipeline"):
+        lines += describe_pipeline(PipelinePlan.from_dict(data["pipeline"]), machine["devices_per_node"])
     if "step" in totals:
         lines += step_timeline(totals)
     ext = data.get("extraction") or {}

@@ -34,7 +34,14 @@ def register(subparsers) -> None:
     opt.add_argument("--allow-unverified", action="store_true", help="also use rules the verifier has not PROVED")
     opt.add_argument("--list-examples", action="store_true", help="list the built-in examples and their sizes")
     opt.add_argument("--degrees", default=None, metavar="KIND=N,...",
-                     help="pin degrees of parallelism (dp, tp), e.g. tp=2,dp=4; the rest is searched")
+                     help="pin degrees of parallelism (dp, tp, pp), e.g. tp=8,pp=4; the rest is searched "
+                          "(dp x tp are one pipeline stage's devices)")
+    opt.add_argument("--schedule", default=None, choices=("gpipe", "1f1b", "interleaved"),
+                     help="pin the pipeline schedule (default: searched)")
+    opt.add_argument("--pipeline", dest="pipeline", action="store_true", default=None,
+                     help="also search pipelined plans (default: when the devices span several nodes, or when "
+                          "no unstaged plan fits)")
+    opt.add_argument("--no-pipeline", dest="pipeline", action="store_false", help="never pipeline")
     opt.add_argument("--microbatches", type=int, default=None, metavar="M",
                      help="run the step as M micro-batches (default: split a built-in example's batch only when "
                           "a whole batch does not fit in memory)")
@@ -118,7 +125,7 @@ def run_optimize(args: argparse.Namespace) -> int:
                         precision=args.precision,
                         baselines=not args.no_baselines, sizes=sizes or None, degrees=degrees or None,
                         microbatches=args.microbatches, repeat_blocks=not args.all_blocks,
-                        progress=progress)
+                        pipeline=args.pipeline, schedule=args.schedule, progress=progress)
     except (ValueError, OptimizeError, GraphError, MachineError, FileProblem) as err:
         return _error(str(err))
     except DslError as err:

@@ -52,6 +52,7 @@ from parsat.saturate.baselines import Candidate, best_grid, data_parallel, megat
 from parsat.saturate.errors import DoesNotFit, OptimizeError
 from parsat.saturate.extract import Extraction, ExtractionError, leaf_roles
 from parsat.saturate.inputs import check_devices, check_pins, pins_on, resolve_graph, resolve_library, search_meshes
+from parsat.saturate.pipeline_search import best_of, parameters_of, search_pipelines
 from parsat.saturate.program import MeshCaches
 from parsat.saturate.repeat import SEARCHED_BLOCKS, RepeatError, Repetition, repetition_for
 from parsat.saturate.runner import STOP_SATURATED, Limits, check_limits
@@ -73,8 +74,69 @@ def every_rule(library: Library) -> tuple[list[ast.RuleDecl], str]:
 
 
 def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limits | Mapping | None = None,
-             devices: int | None = None, *, microbatches: int | None = None, **options) -> Plan:
-    """The cheapest plan (`optimize_step`), with the step split into micro-batches where one does not fit.
+             devices: int | None = None, *, microbatches: int | None = None, pipeline: bool | None = None,
+             schedule: str | None = None, **options) -> Plan:
+    """The cheapest plan, unstaged (`optimize_unstaged`) or pipelined (`pipeline_search`).
+
+    A built-in example of several blocks is also searched as a pipeline
+    (stages over a mesh axis, micro-batches, a schedule) when `pipeline` is
+    True, when its devices span more than one node, when `degrees` pins
+    `pp` above 1, or when no unstaged plan fits; `pipeline=False` never
+    does. `schedule` pins the pipeline schedule ("gpipe", "1f1b",
+    "interleaved"). The fastest plan that fits wins, the unstaged one on a
+    tie; `saturation.pipeline_search` lists what was tried.
+    """
+    degrees = dict(options.pop("degrees", None) or {})
+    pp = degrees.pop("pp", None)
+    if pp is not None and (isinstance(pp, bool) or not isinstance(pp, int) or pp < 1):
+        raise OptimizeError(f"--degrees pp must be a positive integer, got {pp!r}")
+    options["degrees"] = degrees or None
+    sizes = dict(options.get("sizes") or {})
+    batch = _example_batch(graph, sizes)
+    base = Machine.resolve(machine)
+    count = base.devices if devices is None else int(devices)
+    blocks = {**EXAMPLES[graph].defaults(), **sizes}.get("blocks") if batch else None
+    stageable = bool(batch) and isinstance(blocks, int) and blocks >= 2 and count >= 2
+    if pp is not None and pp > 1:
+        if pipeline is False:
+            raise OptimizeError("--degrees pp asks for a pipeline, which pipeline=False (--no-pipeline) turns off")
+        if not stageable:
+            raise OptimizeError(f"--degrees pp={pp}: only a built-in example of several blocks, with a batch, on "
+                                f"several devices is pipelined ('{graph}' is not)" if isinstance(graph, str) else
+                                f"--degrees pp={pp}: only a built-in example of several blocks is pipelined")
+        if count % pp:
+            raise OptimizeError(f"--degrees pp={pp} does not divide the {count} devices")
+    flat, unfit = None, None
+    if pp is None or pp == 1:
+        try:
+            flat = optimize_unstaged(graph, machine, rules, limits, devices, microbatches=microbatches, **options)
+        except DoesNotFit as err:
+            if not stageable or pipeline is False:
+                raise
+            unfit = err
+    wanted = pipeline is True or (pp or 1) > 1 or (pipeline is None and (
+        count > base.devices_per_node or unfit is not None or not flat.totals.fits(flat.machine)))
+    if not stageable or pipeline is False or pp == 1 or not wanted:
+        if schedule is not None and flat is not None:
+            options.get("progress", lambda _m: None)(f"--schedule {schedule}: the plan is not pipelined")
+        return flat
+    say = options.get("progress") or (lambda _m: None)
+    whole = resolve_graph(graph, resolve_library(rules), sizes)
+
+    def stage_plan(stage_machine: Machine, stage_devices: int, m: int) -> Plan:
+        return optimize_step(graph, stage_machine, rules, limits, stage_devices, **_split(options, sizes, batch, m))
+
+    found = search_pipelines(stage_plan, base.with_devices(count), count, batch, parameters_of(whole), blocks + 1,
+                             degree=pp if pp and pp > 1 else None, microbatches=microbatches, schedule=schedule,
+                             say=say)
+    if flat is None and not found.plans and unfit is not None:
+        raise unfit
+    return best_of(flat, found, base.with_devices(count))
+
+
+def optimize_unstaged(graph, machine: Machine | str = "h100x8", rules=None, limits: Limits | Mapping | None = None,
+                      devices: int | None = None, *, microbatches: int | None = None, **options) -> Plan:
+    """The cheapest unstaged plan (`optimize_step`), with the step split into micro-batches where one does not fit.
 
     `microbatches=m` runs the step as m micro-batches: a built-in example is
     built at its `batch` / m, any other graph is taken as one micro-batch's.

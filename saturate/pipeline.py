@@ -1,0 +1,306 @@
+"""Pipeline parallelism priced: a stage plan cut into stages, the cut points chosen by the cost model.
+
+A pipelined plan is a stage plan (a PCG for the whole model on the stage
+mesh of S devices, found by the joint search, `saturate.api`) run on p
+stages of S devices each, every stage computing a contiguous run of the
+layers (`ir.pipeline.lay_out_stages`). This module:
+
+1. profiles the stage plan per layer (`layer_costs`: each layer's
+   forward and backward seconds per micro-batch, the activations one
+   micro-batch keeps, its weights' state, from the plan's node costs);
+2. chooses the cut points (`balanced_starts`): contiguous stages that
+   minimise the slowest stage's time per micro-batch (what sets a
+   pipeline's steady state) subject to each stage's memory, weights'
+   state plus the activations its schedule keeps in flight, fitting the
+   device: stages balanced by predicted time and memory, not by layer
+   count (`equal_starts` is the layer-count split Megatron-LM uses, kept
+   for the grid baseline and for comparison);
+3. prices the cut plan (`pipelined`): the schedule simulated action by
+   action (`ir.pipeline.simulate_schedule`: the bubble comes out of it,
+   (p - 1) / (m + p - 1) of the step for 1F1B, less when interleaved),
+   point-to-point transfers on the link between two stages' ranks, each
+   stage's weights' gradient synchronisation and optimizer once per step,
+   the sum of a weight held on two stages (a tied embedding), and each
+   stage's peak memory from the schedule's in-flight activations.
+
+The figures add up from the same node costs that rank unstaged plans, so a
+pipelined plan and an unstaged one are compared on one cost model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Mapping, Sequence
+
+from parsat.ir.costs import NodeCost, Totals
+from parsat.ir.machine import Machine
+from parsat.ir.pcg import PCG, weight_storage
+from parsat.ir.pipeline import (GPIPE, INTERLEAVED, ONE_F_ONE_B, PipelineError, PipelinePlan, StageFigures,
+                                StageLayout, lay_out_stages, p2p_elements, pcg_layers, simulate_schedule)
+from parsat.ir.plan import Plan
+from parsat.saturate.collectives import ALL_REDUCE, SEND_RECV, GroupTopology, price
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer of a stage plan, per rank of its stage: what the cut-point search adds up."""
+
+    forward_s: float = 0.0       # per micro-batch
+    backward_s: float = 0.0      # per micro-batch
+    activation_bytes: int = 0    # what one micro-batch keeps alive until its backward
+    state_bytes: int = 0         # weights, gradients, optimizer state (and accumulated gradients)
+    step_s: float = 0.0          # once per step: its weights' chains (gathers, gradient reductions), the optimizer
+
+    def __add__(self, other: "LayerCost") -> "LayerCost":
+        return LayerCost(self.forward_s + other.forward_s, self.backward_s + other.backward_s,
+                         self.activation_bytes + other.activation_bytes, self.state_bytes + other.state_bytes,
+                         self.step_s + other.step_s)
+
+
+def node_share(cost: NodeCost, microbatches: int) -> LayerCost:
+    """One node's part of its layer. Costs are per step (`NodeCost.per_step`): compute and activation
+    collectives divide by the micro-batches, half of a node's collective time counted with the forward and
+    half with the backward (its dual). A weight's chain runs once per step: its time is the stage's
+    synchronisation (`stage_figures`), not a micro-batch's."""
+    state = cost.memory_bytes - cost.activation_bytes
+    if cost.weight_chain:
+        return LayerCost(state_bytes=state, step_s=cost.time_s)
+    m = microbatches
+    return LayerCost((cost.forward_s + cost.comm_s / 2) / m, (cost.backward_s + cost.comm_s / 2) / m,
+                     cost.activation_bytes, state, cost.optimizer_s)
+
+
+def layer_costs(pcg: PCG, costs: Mapping[int, NodeCost], microbatches: int) -> dict[int, LayerCost]:
+    """Layer -> its cost: the nodes a one-chunk-per-layer layout gives each layer (free values with the first
+    layer that reads them, as a stage computes each once)."""
+    layers = pcg_layers(pcg)
+    layout = lay_out_stages(pcg, layers, len(layers))   # one chunk per layer, one stage each: who computes what
+    out: dict[int, LayerCost] = {}
+    charged: set[int] = set()
+    for chunk in layout.chunks:
+        total = LayerCost()
+        for ident in chunk.nodes:
+            if ident not in charged:
+                charged.add(ident)
+                total = total + node_share(costs.get(ident, NodeCost()), microbatches)
+        out[chunk.layers[0]] = total
+    return out
+
+
+def equal_starts(layers: Sequence[int], chunks: int) -> tuple[int, ...]:
+    """The layers cut into `chunks` runs of equal count (the first ones one longer when it does not divide)."""
+    if chunks > len(layers):
+        raise PipelineError(f"{len(layers)} layers cannot make {chunks} chunks")
+    size, extra = divmod(len(layers), chunks)
+    starts, at = [], 0
+    for c in range(chunks):
+        starts.append(layers[at])
+        at += size + (1 if c < extra else 0)
+    return tuple(starts)
+
+
+def in_flight(schedule: str, stage: int, degree: int, microbatches: int) -> int:
+    """Micro-batches whose activations one stage holds at its peak (one chunk per stage): GPipe all of them,
+    1F1B the p - s its warm-up starts."""
+    return microbatches if schedule == GPIPE else min(microbatches, degree - stage)
+
+
+def balanced_starts(layers: Sequence[int], cost: Mapping[int, LayerCost], chunks: int, degree: int,
+                    schedule: str, microbatches: int, capacity: float) -> tuple[int, ...] | None:
+    """Chunk starts that minimise the busiest chunk's time per step (m micro-batches' forward and backward, then
+    its weights' synchronisation and optimizer: what the slowest stage adds to the pipeline's fill and drain),
+    each stage's weights' state plus in-flight activations within `capacity` (one chunk per stage; interleaved
+    chunks are balanced by time and their memory checked when priced). Dynamic programming over (chunk, first
+    layer); None when no cut fits."""
+    n = len(layers)
+    if chunks > n:
+        return None
+    times = [0.0]
+    acts = [0]
+    states = [0]
+    for layer in layers:
+        c = cost[layer]
+        times.append(times[-1] + (c.forward_s + c.backward_s) * microbatches + c.step_s)
+        acts.append(acts[-1] + c.activation_bytes)
+        states.append(states[-1] + c.state_bytes)
+    inf = float("inf")
+    # best[k][i]: the least slowest-chunk time for chunks k.. covering layers i..n-1, and the next chunk's start
+    best = [[(inf, -1)] * (n + 1) for _ in range(chunks + 1)]
+    best[chunks][n] = (0.0, n)
+    for k in range(chunks - 1, -1, -1):
+        held = in_flight(schedule, k % degree, degree, microbatches) if schedule != INTERLEAVED else 1
+        for i in range(n - (chunks - k) + 1):
+            for j in range(i + 1, n - (chunks - k - 1) + 1):
+                rest = best[k + 1][j][0]
+                if rest == inf:
+                    continue
+                memory = states[j] - states[i] + held * (acts[j] - acts[i])
+                if schedule != INTERLEAVED and memory > capacity:
+                    continue
+                value = max(rest, times[j] - times[i])
+                if value < best[k][i][0]:
+                    best[k][i] = (value, j)
+    if best[0][0][0] == inf:
+        return None
+    starts, at = [], 0
+    for k in range(chunks):
+        starts.append(layers[at])
+        at = best[k][at][1]
+    return tuple(starts)
+
+
+def transfer_seconds(layout: StageLayout, stage_devices: int, machine: Machine, dtype_bytes: int
+                     ) -> dict[tuple[int, int], float]:
+    """(source chunk, target chunk) -> seconds to send one micro-batch's crossings between their stages: every
+    rank to its twin at once, over the slowest pair's link (another node when a stage fills whole nodes)."""
+    stage = {c.index: c.stage for c in layout.chunks}
+    sizes: dict[tuple[int, int], int] = {}
+    for crossing in layout.crossings:
+        if stage[crossing.source] != stage[crossing.target]:
+            key = (crossing.source, crossing.target)
+            sizes[key] = sizes.get(key, 0) + crossing.piece_elements * dtype_bytes
+    out = {}
+    for (a, b), nbytes in sizes.items():
+        group = _pair(stage[a], stage[b], stage_devices, machine.devices_per_node)
+        out[(a, b)] = price(SEND_RECV, group, nbytes, machine).seconds
+    return out
+
+
+def _pair(s: int, t: int, stage_devices: int, per_node: int) -> GroupTopology:
+    """The link between local rank i of stage s and of stage t, for the worst i."""
+    across = any((s * stage_devices + i) // per_node != (t * stage_devices + i) // per_node
+                 for i in range(stage_devices))
+    return GroupTopology(2, 1, 2) if across else GroupTopology(2, 2, 1)
+
+
+def pipelined(plan: Plan, degree: int, schedule: str, machine: Machine, *, chunks_per_stage: int = 1,
+              starts: Sequence[int] | None = None) -> Plan:
+    """`plan` (a stage plan on S devices) run as `degree` stages on `machine`'s degree x S devices, cut at
+    `starts` (None: `balanced_starts`, falling back to equal layer counts when no balanced cut fits, which
+    the memory figures then show). Raises PipelineError when the layers cannot make the chunks."""
+    m = plan.graph.microbatches
+    stage_devices = plan.devices
+    chunks = degree * chunks_per_stage
+    if schedule != INTERLEAVED and chunks_per_stage != 1:
+        raise PipelineError(f"{schedule} runs one chunk per stage")
+    layers = pcg_layers(plan.pcg)
+    if chunks > len(layers):
+        raise PipelineError(f"'{plan.graph.name}' has {len(layers)} layers to cut, fewer than {chunks} chunks")
+    if starts is not None:
+        return _priced(plan, lay_out_stages(plan.pcg, starts, degree), schedule, machine, stage_devices)
+    # The dynamic programme ranks cuts by the busiest stage; the step also depends on where that stage sits
+    # (fill and drain) and on each stage's tail. So the balanced cut and the layer-count one are both priced by
+    # the simulated schedule, and the better one improved by moving one cut at a time while the step shrinks.
+    per_layer = layer_costs(plan.pcg, plan.costs, m)
+    seen: dict[tuple[int, ...], Plan] = {}
+
+    def price_cut(cut: tuple[int, ...]) -> Plan:
+        if cut not in seen:
+            seen[cut] = _priced(plan, lay_out_stages(plan.pcg, cut, degree), schedule, machine, stage_devices)
+        return seen[cut]
+
+    def rank(p: Plan) -> tuple:
+        return (not p.totals.fits(machine), p.totals.time_s)
+
+    starts_found = [equal_starts(layers, chunks)]
+    balanced = balanced_starts(layers, per_layer, chunks, degree, schedule, m, machine.memory_capacity)
+    if balanced is not None:
+        starts_found.append(balanced)
+    cut = min(starts_found, key=lambda c: rank(price_cut(c)))
+    index = {layer: i for i, layer in enumerate(layers)}
+    while len(seen) < REFINE_PRICINGS:
+        moves = []
+        for k in range(1, chunks):
+            for step in (-1, 1):
+                at = index[cut[k]] + step
+                if index[cut[k - 1]] < at and (k + 1 == chunks or at < index[cut[k + 1]]):
+                    moves.append(cut[:k] + (layers[at],) + cut[k + 1:])
+        better = [c for c in moves if len(seen) < REFINE_PRICINGS and rank(price_cut(c)) < rank(price_cut(cut))]
+        if not better:
+            break
+        cut = min(better, key=lambda c: rank(price_cut(c)))
+    return price_cut(cut)
+
+
+REFINE_PRICINGS = 64   # simulated schedules spent improving one pipeline's cut (at most)
+
+
+def _priced(plan: Plan, layout: StageLayout, schedule: str, machine: Machine, stage_devices: int) -> Plan:
+    m = plan.graph.microbatches
+    p = layout.degree
+    dtype = machine.dtype_bytes
+    costs = plan.costs
+    per_chunk: list[LayerCost] = []
+    chains: list[NodeCost] = [NodeCost() for _ in range(p)]
+    charged: list[set[int]] = [set() for _ in range(p)]
+    for chunk in layout.chunks:
+        total = LayerCost()
+        for ident in chunk.nodes:
+            if ident in charged[chunk.stage]:
+                continue
+            charged[chunk.stage].add(ident)
+            cost = costs.get(ident, NodeCost())
+            total = total + node_share(cost, m)
+            if cost.weight_chain:
+                chains[chunk.stage] = _plus(chains[chunk.stage], cost)
+            else:
+                chains[chunk.stage] = _plus(chains[chunk.stage], replace(cost, forward_s=0.0, backward_s=0.0,
+                                                                          comm_s=0.0))
+        per_chunk.append(total)
+    transfers = transfer_seconds(layout, stage_devices, machine, dtype)
+    run = simulate_schedule(layout, schedule, m, [c.forward_s for c in per_chunk],
+                            [c.backward_s for c in per_chunk], transfers,
+                            [c.activation_bytes for c in per_chunk])
+    shared_s = _shared_sync(plan.pcg, layout, stage_devices, machine)
+    sent = p2p_elements(layout, m)
+    stages, ends = [], []
+    for s in range(p):
+        mine = [per_chunk[c.index] for c in layout.stage_chunks(s)]
+        state = sum(c.state_bytes for c in mine)
+        sync = chains[s].comm_s + shared_s.get(s, 0.0)
+        stage_end = max((e for _a, _b, e in run.busy[s]), default=0.0)
+        stages.append(StageFigures(sum(c.forward_s for c in mine), sum(c.backward_s for c in mine), sync,
+                                   chains[s].optimizer_s, state + run.activation_peak_bytes[s], run.in_flight[s]))
+        ends.append(stage_end + sync + chains[s].optimizer_s)
+    step = max(ends)
+    stage_comm = [sum(costs.get(i, NodeCost()).comm_elements for i in layout.stage_nodes(s))
+                  + sum(v for (a, _b), v in sent.items() if a == s) for s in range(p)]
+    busiest = max(range(p), key=lambda s: stage_comm[s])
+    p2p_bytes = max((sum(v for (a, _b), v in sent.items() if a == s) for s in range(p)), default=0) * dtype
+    figures = PipelinePlan(schedule, m, stage_devices, layout, tuple(stages),
+                           tuple(c.forward_s for c in per_chunk), tuple(c.backward_s for c in per_chunk),
+                           tuple(c.activation_bytes for c in per_chunk), run.bubble_fraction, p2p_bytes,
+                           tuple((a, b, t) for (a, b), t in sorted(transfers.items())))
+    compute = max((s.forward_s + s.backward_s) * m + s.optimizer_s for s in stages)
+    totals = Totals(step, stage_comm[busiest], stage_comm[busiest] * dtype,
+                    max(s.memory_bytes for s in stages),
+                    max(sum(costs.get(i, NodeCost()).grad_sync_elements for i in layout.stage_nodes(s))
+                        for s in range(p)),
+                    compute, max(s.sync_s for s in stages) + figures.transfer_s * 2 * m)
+    return replace(plan, machine=machine, devices=p * stage_devices, totals=totals, pipeline=figures)
+
+
+def _plus(a: NodeCost, b: NodeCost) -> NodeCost:
+    return replace(a, forward_s=a.forward_s + b.forward_s, backward_s=a.backward_s + b.backward_s,
+                   optimizer_s=a.optimizer_s + b.optimizer_s, comm_s=a.comm_s + b.comm_s)
+
+
+def _shared_sync(pcg: PCG, layout: StageLayout, stage_devices: int, machine: Machine) -> dict[int, float]:
+    """Stage -> seconds to sum the gradients of the weights it shares with other stages (each rank's stored
+    piece, all-reduced with its twins on those stages)."""
+    storage = weight_storage(pcg)
+    by_id = {n.id: n for n in pcg.nodes}
+    out: dict[int, float] = {}
+    for weight, stages in layout.shared_weights:
+        stored = by_id[storage[weight][-1]]
+        nbytes = stored.degrees.piece_elements(stored.shape) * machine.dtype_bytes
+        across = any(_pair(a, b, stage_devices, machine.devices_per_node).nodes_spanned > 1
+                     for a in stages for b in stages if a < b)
+        group = GroupTopology(len(stages), 1, len(stages)) if across else GroupTopology(len(stages), len(stages), 1)
+        seconds = price(ALL_REDUCE, group, nbytes, machine).seconds
+        for s in stages:
+            out[s] = out.get(s, 0.0) + seconds
+    return out
+
+
+SCHEDULE_CHOICES = ((ONE_F_ONE_B, 1), (INTERLEAVED, 2), (GPIPE, 1))   # what the search tries, in this order

@@ -1,0 +1,167 @@
+"""The pipeline search: which pipeline degree, micro-batch count and schedule, around the joint search.
+
+For each pipeline degree p tried, the joint search (`api.optimize_step`)
+finds the stage plan: the whole model on a stage mesh of S = devices / p
+devices, with each stage holding about 1/p of the weights' state (the
+search is told a device p times the size, so that it ranks plans by what
+a stage holds; the exact memory of each stage is priced after the cut).
+`pipeline.pipelined` then chooses the cut points by the cost model and
+prices each schedule; the fastest pipelined plan that fits competes with
+the unstaged plan on the same cost model. This is Alpa's split (the
+intra-operator plan from the e-graph inside an inter-operator pass over
+stages), with one stage plan per stage-mesh size rather than one per stage.
+
+The grid baseline gains Megatron-LM's PTD-P points the same way: the
+grid's configuration found on each stage mesh, cut into stages of equal
+layer counts (as Megatron cuts), run with 1F1B and interleaved 1F1B.
+
+Degrees tried: p = 2, 4, ... dividing the devices, from the smallest whose
+stage (tensor parallelism inside a node, no ZeRO) holds its weights' state
+in 80% of a device, two of them (one when pinned); micro-batch counts
+about 4p and 8p (the 1F1B bubble (p - 1) / (m + p - 1) is then 16-43% at
+most before interleaving), each a divisor of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from math import prod
+from typing import Callable, Sequence
+
+from parsat.ir.costs import Totals
+from parsat.ir.machine import Machine
+from parsat.ir.pipeline import INTERLEAVED, SCHEDULES, PipelineError
+from parsat.ir.plan import BaselinePlan, Plan
+from parsat.saturate.cost import weight_bytes
+from parsat.saturate.errors import DoesNotFit, OptimizeError
+from parsat.saturate.pipeline import SCHEDULE_CHOICES, equal_starts, pipelined
+from parsat.ir.pipeline import pcg_layers
+
+DEGREES_TRIED = 2          # pipeline degrees searched when none is pinned
+STATE_SHARE = 0.8          # of a device's memory the weights' state may take when choosing the least degree
+
+StageSearch = Callable[[Machine, int, int], Plan]    # (stage machine, stage devices, micro-batches) -> stage plan
+
+
+@dataclass(frozen=True)
+class PipelineSearch:
+    """What the pipeline search found: its pipelined candidates, the PTD-P grid points, and what it tried."""
+
+    plans: tuple[Plan, ...]
+    grid: tuple[tuple[Totals, dict], ...]
+    tried: tuple[dict, ...]
+
+
+def pipeline_degrees(devices: int, machine: Machine, parameters: int, layers: int, pinned: int | None) -> list[int]:
+    """The pipeline degrees to search (see the module docstring)."""
+    if pinned is not None:
+        return [pinned]
+    degrees = [p for p in (2 ** k for k in range(1, 16)) if p <= devices and devices % p == 0 and p <= layers]
+    tensor = min(machine.devices_per_node, devices)
+    state = parameters * weight_bytes(machine)
+    fitting = [p for p in degrees if state / (p * min(tensor, devices // p)) <= STATE_SHARE * machine.memory_capacity]
+    start = degrees.index(fitting[0]) if fitting else max(0, len(degrees) - DEGREES_TRIED)
+    return degrees[start:start + DEGREES_TRIED]
+
+
+def microbatch_counts(batch: int, degree: int, pinned: int | None) -> list[int]:
+    """Micro-batch counts to search at pipeline degree `degree`: about 4p and 8p, divisors of the batch."""
+    if pinned is not None:
+        return [pinned]
+    counts = []
+    for want in (4 * degree, 8 * degree):
+        found = next((k for k in range(min(want, batch), batch + 1) if batch % k == 0), None)
+        if found is not None and found not in counts:
+            counts.append(found)
+    return counts
+
+
+def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch: int, parameters: int,
+                     layers: int, *, degree: int | None = None, microbatches: int | None = None,
+                     schedule: str | None = None, say: Callable[[str], None] = lambda _m: None) -> PipelineSearch:
+    """Every pipelined candidate: stage plans searched per (degree, micro-batch count), cut and priced per
+    schedule (`schedule` pins one). A degree or count whose stage plan cannot be found is said and skipped."""
+    if schedule is not None and schedule not in SCHEDULES:
+        raise OptimizeError(f"unknown schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
+    plans: list[Plan] = []
+    grid: list[tuple[Totals, dict]] = []
+    tried: list[dict] = []
+    for p in pipeline_degrees(devices, machine, parameters, layers, degree):
+        stage_devices = devices // p
+        stage_machine = replace(machine.with_devices(stage_devices), memory_capacity=machine.memory_capacity * p)
+        for m in microbatch_counts(batch, p, microbatches):
+            say(f"pipeline {p} stages of {stage_devices} devices, {m} micro-batches: searching the stage plan")
+            try:
+                stage = search(stage_machine, stage_devices, m)
+            except (DoesNotFit, OptimizeError) as err:
+                say(f"pipeline {p} x {m} micro-batches: no stage plan ({err})")
+                tried.append({"pp": p, "microbatches": m, "error": str(err)})
+                continue
+            for name, v in _schedules(schedule, p, m, len(pcg_layers(stage.pcg))):
+                try:
+                    plan = pipelined(stage, p, name, machine, chunks_per_stage=v)
+                except PipelineError as err:
+                    tried.append({"pp": p, "microbatches": m, "schedule": name, "error": str(err)})
+                    continue
+                plans.append(plan)
+                tried.append({"pp": p, "microbatches": m, "schedule": name, "chunks_per_stage": v,
+                              "time_s": plan.totals.time_s, "peak_memory_bytes": plan.totals.peak_memory_bytes,
+                              "fits": plan.totals.fits(machine)})
+                grid.extend(_grid_points(stage, p, name, v, machine))
+    return PipelineSearch(tuple(plans), tuple(grid), tuple(tried))
+
+
+def _schedules(pinned: str | None, p: int, m: int, layers: int) -> list[tuple[str, int]]:
+    """(schedule, chunks per stage) to price: interleaved with two chunks where m is a multiple of p and the
+    layers make 2p chunks."""
+    out = []
+    for name, v in SCHEDULE_CHOICES:
+        if pinned is not None and name != pinned:
+            continue
+        if name == INTERLEAVED and (m % p or layers < p * v):
+            continue
+        out.append((name, v))
+    return out
+
+
+def _grid_points(stage: Plan, p: int, schedule: str, v: int, machine: Machine) -> list[tuple[Totals, dict]]:
+    """The grid's configuration on this stage mesh as PTD-P points: equal layer counts per stage, `schedule`."""
+    chosen = stage.baseline_plans.get("best_grid")
+    if chosen is None or chosen.pcg is None or schedule not in ("1f1b", INTERLEAVED):
+        return []
+    as_stage = replace(stage, pcg=chosen.pcg, costs=chosen.costs)
+    layers = pcg_layers(chosen.pcg)
+    try:
+        plan = pipelined(as_stage, p, schedule, machine, chunks_per_stage=v,
+                         starts=equal_starts(layers, p * v))
+    except PipelineError:
+        return []
+    config = {**dict(chosen.config or {}), "pp": p, "schedule": schedule, "chunks_per_stage": v,
+              "microbatches": stage.graph.microbatches, "cuts": "equal layer counts"}
+    return [(plan.totals, config)]
+
+
+def best_of(flat: Plan | None, found: PipelineSearch, machine: Machine) -> Plan:
+    """The fastest plan that fits (the unstaged one on a tie), with best_grid the best grid point of both and
+    the pipeline search's trials in `saturation.pipeline_search`."""
+    candidates = ([flat] if flat is not None else []) + list(found.plans)
+    if not candidates:
+        raise OptimizeError("no plan: neither the unstaged search nor any pipeline found one")
+    best = min(candidates, key=lambda c: (not c.totals.fits(machine), round(c.totals.time_s, 12), c is not flat))
+    # the unstaged search's baselines are over every device; a stage search's are over a stage's only
+    baselines = dict(flat.baselines) if flat is not None else {}
+    baseline_plans = dict(flat.baseline_plans) if flat is not None else {}
+    fitting = [(t, c) for t, c in found.grid if t.fits(machine)]
+    if fitting:
+        totals, config = min(fitting, key=lambda g: g[0].time_s)
+        current = baselines.get("best_grid")
+        if current is None or not current.fits(machine) or totals.time_s < current.time_s:
+            baselines["best_grid"] = totals
+            baseline_plans["best_grid"] = BaselinePlan(None, {}, config)
+    saturation = {**dict(best.saturation), "pipeline_search": list(found.tried)}
+    return replace(best, baselines=baselines, baseline_plans=baseline_plans, saturation=saturation)
+
+
+def parameters_of(graph) -> int:
+    """Trained parameters of a graph (its weights' elements)."""
+    return sum(prod(w.shape) for w in graph.weights)

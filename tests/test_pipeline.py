@@ -1,0 +1,174 @@
+"""Pipeline stages: layouts, schedules, their simulation, the cut-point search and the pipeline search."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+
+from parsat.ir.blocks import node_blocks
+from parsat.ir.graph import GraphBuilder
+from parsat.ir.machine import Machine
+from parsat.ir.pipeline import (BACKWARD, FORWARD, GPIPE, INTERLEAVED, ONE_F_ONE_B, PipelineError, PipelinePlan,
+                                free_nodes, lay_out_stages, pcg_layers, schedule_order, simulate_schedule)
+from parsat.ir.validate import validate_plan_dict
+from parsat.saturate.api import optimize
+from parsat.saturate.errors import OptimizeError
+from parsat.saturate.pipeline import balanced_starts, equal_starts, layer_costs, pipelined
+
+SIZES = {"blocks": 4, "batch": 8, "seq": 16, "hidden": 32, "heads": 2, "vocab": 64}
+
+
+@pytest.fixture(scope="module")
+def stage_plan():
+    """A small gpt's plan on 2 devices with 4 micro-batches: the stage plan the pipeline tests cut."""
+    return optimize("gpt", "cpu", devices=2, sizes=SIZES, microbatches=4, limits={"seconds": 30},
+                    pipeline=False, baselines=False)
+
+
+@pytest.mark.parametrize("schedule,v,m", [(GPIPE, 1, 4), (ONE_F_ONE_B, 1, 3), (ONE_F_ONE_B, 1, 8),
+                                          (INTERLEAVED, 2, 4), (INTERLEAVED, 3, 8)])
+def test_every_stage_runs_each_action_once_forward_first(schedule, v, m):
+    p = 4 if m % 4 == 0 else 2
+    orders = schedule_order(schedule, p, v, m)
+    for s, order in enumerate(orders):
+        assert Counter((a.phase, a.microbatch, a.chunk) for a in order) == Counter(
+            (phase, k, c) for phase in (FORWARD, BACKWARD) for k in range(m) for c in range(s, p * v, p))
+        seen = set()
+        for a in order:
+            if a.phase == BACKWARD:
+                assert (a.microbatch, a.chunk) in seen
+            seen.add((a.microbatch, a.chunk))
+
+
+def test_interleaving_needs_whole_rounds_of_micro_batches():
+    with pytest.raises(PipelineError, match="multiple of the stages"):
+        schedule_order(INTERLEAVED, 4, 2, 6)
+    with pytest.raises(PipelineError, match="unknown schedule"):
+        schedule_order("zigzag", 2, 1, 4)
+
+
+def _chain_layout(p: int, v: int):
+    """A layout of p * v chunks in a chain (each chunk reads the one before), no PCG needed."""
+    from parsat.ir.pipeline import Chunk, Crossing, StageLayout
+    n = p * v
+    return StageLayout(p, v, tuple(Chunk(c, c % p, (c,), ()) for c in range(n)),
+                       tuple(Crossing(c, c, c + 1, 1) for c in range(n - 1)), ())
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
+def test_one_f_one_b_bubble_is_p_minus_one_over_m_plus_p_minus_one(p, m):
+    layout = _chain_layout(p, 1)
+    run = simulate_schedule(layout, ONE_F_ONE_B, m, [1.0] * p, [2.0] * p, {}, [1] * p)
+    assert run.time_s == pytest.approx((m + p - 1) * 3.0)
+    assert run.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert run.in_flight == tuple(min(m, p - s) for s in range(p))       # 1F1B keeps at most p - s
+    gpipe = simulate_schedule(layout, GPIPE, m, [1.0] * p, [2.0] * p, {}, [1] * p)
+    assert gpipe.in_flight == (m,) * p and gpipe.time_s == pytest.approx(run.time_s)
+
+
+def test_interleaving_divides_the_bubble_by_the_chunks():
+    p, v, m = 4, 2, 8
+    one = simulate_schedule(_chain_layout(p, 1), ONE_F_ONE_B, m, [1.0] * p, [2.0] * p, {}, [1] * p)
+    inter = simulate_schedule(_chain_layout(p, v), INTERLEAVED, m, [0.5] * (p * v), [1.0] * (p * v), {},
+                              [1] * (p * v))
+    busy = m * 3.0
+    assert one.time_s - busy == pytest.approx((p - 1) * 3.0)
+    assert inter.time_s - busy == pytest.approx((p - 1) * 3.0 / v)
+
+
+def test_transfers_delay_the_next_stage():
+    layout = _chain_layout(2, 1)
+    run = simulate_schedule(layout, ONE_F_ONE_B, 1, [1.0, 1.0], [1.0, 1.0], {(0, 1): 0.5}, [1, 1])
+    assert run.time_s == pytest.approx(1 + 0.5 + 1 + 1 + 0.5 + 1)
+
+
+def test_layout_owns_each_value_once_and_recomputes_free_ones(stage_plan):
+    pcg = stage_plan.pcg
+    layers = pcg_layers(pcg)
+    assert layers == (-1, 0, 1, 2, 3)
+    layout = lay_out_stages(pcg, [-1, 1], 2)
+    free = free_nodes(pcg)
+    owned = [n for c in layout.chunks for n in c.nodes if n not in free]
+    assert sorted(owned) == sorted(n.id for n in pcg.nodes if n.id not in free)      # each once
+    blocks = node_blocks(pcg)
+    for chunk in layout.chunks:
+        assert all(blocks[n] in chunk.layers for n in chunk.nodes if n not in free)
+    # the residual stream crosses once, forward; the tied embedding is held by both stages
+    assert [(c.source, c.target) for c in layout.crossings] == [(0, 1)]
+    wte = next(n.id for n in pcg.nodes if n.op == "wte")
+    assert layout.shared_weights == ((wte, (0, 1)),)
+    with pytest.raises(PipelineError, match="contiguous"):
+        lay_out_stages(pcg, [0, 1], 2)
+    with pytest.raises(PipelineError, match="evenly"):
+        lay_out_stages(pcg, [-1, 1, 2], 2)
+
+
+def test_a_pipelined_plan_round_trips_through_the_plan_json(stage_plan):
+    plan = pipelined(stage_plan, 2, ONE_F_ONE_B, Machine.resolve("cpu").with_devices(4))
+    data = json.loads(plan.to_json())
+    validate_plan_dict(data, ValueError, "plan")
+    assert data["devices"] == 4 and PipelinePlan.from_dict(data["pipeline"]) == plan.pipeline
+    assert plan.pipeline.stages[0].in_flight == 2 and plan.pipeline.stages[1].in_flight == 1
+    text = plan.explain()
+    assert "PP 2 inside a node" in text and "1F1B, 4 micro-batches" in text and "stage 1:" in text
+    bad = dict(data, devices=6)
+    with pytest.raises(ValueError, match="stages of 2 devices"):
+        validate_plan_dict(bad, ValueError, "plan")
+
+
+def _uneven(library=None):
+    """Eight residual MLP blocks, blocks 0 and 1 eight times wider than the rest: layer counts cut badly."""
+    g = GraphBuilder(library, name="uneven")
+    rows, hidden = 4096, 512
+    x = g.input("x", [rows, hidden])
+    for i in range(8):
+        width = 8 * 4 * hidden if i in (0, 1) else 4 * hidden
+        w1 = g.weight(f"b{i}_w1", [hidden, width])
+        w2 = g.weight(f"b{i}_w2", [width, hidden])
+        h = g.op("relu", g.op("matmul", x, w1, name=f"b{i}_up"), name=f"b{i}_act")
+        x = g.op("add", x, g.op("matmul", h, w2, name=f"b{i}_down"), name=f"b{i}_out")
+    err = g.op("sub", x, g.input("target", [rows, hidden]), name="err")
+    sq = g.op("reduce_sum", g.op("reduce_sum", g.op("mul", err, err, name="sq"), dim=1, name="rows"), dim=0,
+              name="total")
+    g.output(g.op("scale", sq, c=1.0 / (rows * hidden), name="loss"))
+    return g.build()
+
+
+def test_cut_points_follow_the_cost_not_the_layer_count():
+    stage = optimize(_uneven(), "h100x8", devices=2, limits={"seconds": 20, "enodes": 50000}, baselines=False,
+                     microbatches=16)
+    machine = Machine.resolve("h100x8").with_devices(8)
+    balanced = pipelined(stage, 4, ONE_F_ONE_B, machine)
+    layers = pcg_layers(stage.pcg)
+    equal = pipelined(stage, 4, ONE_F_ONE_B, machine, starts=equal_starts(layers, 4))
+    assert [c.layers for c in equal.pipeline.layout.chunks] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    # the wide blocks 0 and 1 get a stage each, where layer counts put them on one
+    assert [c.layers for c in balanced.pipeline.layout.chunks][:2] == [(0,), (1,)]
+    assert balanced.totals.time_s < equal.totals.time_s * 0.8
+    slowest = max(s.forward_s + s.backward_s for s in balanced.pipeline.stages)
+    assert slowest < max(s.forward_s + s.backward_s for s in equal.pipeline.stages)
+    # memory is a limit of the cut: with room for little more than one wide block per stage the cut still fits
+    costs = layer_costs(stage.pcg, stage.costs, 16)
+    wide = costs[0].state_bytes + 4 * costs[0].activation_bytes     # stage 0 holds 4 micro-batches (1F1B)
+    starts = balanced_starts(layers, costs, 4, 4, ONE_F_ONE_B, 16, wide * 1.05)
+    assert starts is not None and starts[:2] == (0, 1)
+    assert balanced_starts(layers, costs, 4, 4, ONE_F_ONE_B, 16, costs[0].state_bytes * 0.5) is None
+
+
+def test_the_search_pipelines_when_pinned_and_refuses_bad_pins():
+    plan = optimize("gpt", "cpu", devices=4, sizes=SIZES, limits={"seconds": 30}, degrees={"pp": 2},
+                    microbatches=4, schedule=ONE_F_ONE_B)
+    assert plan.pipeline is not None and plan.pipeline.degree == 2 and plan.pipeline.schedule == ONE_F_ONE_B
+    assert plan.devices == 4 and plan.pipeline.stage_devices == 2
+    assert any(t.get("pp") == 2 for t in plan.saturation["pipeline_search"])
+    grid = plan.baseline_plans.get("best_grid")
+    assert grid is not None and grid.config.get("pp") == 2
+    with pytest.raises(OptimizeError, match="does not divide"):
+        optimize("gpt", "cpu", devices=4, sizes=SIZES, degrees={"pp": 3})
+    with pytest.raises(OptimizeError, match="only a built-in example"):
+        optimize("mlp", "cpu", devices=4, degrees={"pp": 2})
+    with pytest.raises(OptimizeError, match="no-pipeline"):
+        optimize("gpt", "cpu", devices=4, sizes=SIZES, degrees={"pp": 2}, pipeline=False)
