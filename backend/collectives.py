@@ -188,6 +188,8 @@ class MeshGroups:
         options = _group_options(dist.get_backend(), timedelta(seconds=timeout_s))
         shape, names = tuple(mesh.shape), tuple(mesh.names)
         if stages > 1:
+            if PIPELINE_AXIS in names:
+                raise CollectiveError(f"a mesh axis may not be named '{PIPELINE_AXIS}' (the pipeline's own axis)")
             shape, names = (stages, *shape), (PIPELINE_AXIS, *names)
         self.device_mesh = DeviceMesh(device.type, torch.arange(prod(shape)).reshape(shape), mesh_dim_names=names,
                                       backend_override=tuple((None, options) for _ in shape))

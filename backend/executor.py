@@ -354,7 +354,8 @@ class RankProgram:
 
     def forward(self, step: int, counter: CommCounter, inputs: Mapping[str, torch.Tensor],
                 weights: "WeightValues | None" = None, nodes: frozenset[int] | set[int] | None = None,
-                env: dict[int, tuple[torch.Tensor, Placement]] | None = None) -> dict[int, tuple[torch.Tensor, Placement]]:
+                env: dict[int, tuple[torch.Tensor, Placement]] | None = None,
+                ) -> dict[int, tuple[torch.Tensor, Placement]]:
         """Every node's local piece and placement for one (micro-)batch (`inputs`: full values by leaf name).
 
         With `weights` (`weight_values`), the weights' chains are not run again: their values are those;
@@ -512,7 +513,7 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
         losses.append(float(total))
         steps_comm.append(step_comm(counter, program.mesh))
         if reference is not None:
-            diffs.append(_compare(program, outputs, reference, step, float(total)))
+            diffs.append(compare_with_reference(program, outputs, reference, step, float(total)))
     found = Comparison()
     for d in diffs:
         found = found.merge(d)
@@ -660,8 +661,8 @@ def compare_values(pairs) -> Comparison:
     return result
 
 
-def _compare(program: RankProgram, outputs: Mapping[str, list], reference: Reference, step: int,
-             loss: float) -> Comparison:
+def compare_with_reference(program: RankProgram, outputs: Mapping[str, list], reference: Reference, step: int,
+                           loss: float) -> Comparison:
     """This rank's pieces against the reference, this step: outputs, loss, gradients, updated weights.
 
     `outputs` are each output's (piece, placement) per micro-batch, for the outputs this rank computes

@@ -75,17 +75,18 @@ import torch.distributed as dist
 
 from parsat.backend.collectives import (ALL_REDUCE_KIND, COLLECTIVES, GRAD_SYNC, PIPELINE_AXIS, Comm, CommCounter,
                                         MeshGroups)
-from parsat.backend.executor import (Comparison, ExecutionError, Prediction, RankProgram, RunResult, TensorMemory,
-                                     TrainConfig, WeightValues, _compare, _job_summary, _make_optimizer, check_mesh,
-                                     gradient_of, operator_library, reference_run, step_comm)
+from parsat.backend.executor import (Comparison, ExecutionError, Optimizer, Prediction, RankProgram, RunResult,
+                                     TensorMemory, TrainConfig, WeightValues, _job_summary, check_mesh,
+                                     compare_with_reference, gradient_of, operator_library, reference_run, step_comm)
 from parsat.backend.launch import LaunchConfig, RankContext, launch
+from parsat.backend.training_data import StepData
 from parsat.dsl.library import Library
 from parsat.ir.costs import NodeCost
 from parsat.ir.graph import Graph
 from parsat.ir.microbatch import StepBatch, step_batch
 from parsat.ir.pcg import PCG, WEIGHT, weight_storage
-from parsat.ir.pipeline import (FORWARD, Crossing, PipelineError, PipelinePlan, StageLayout, free_nodes,
-                                p2p_elements, schedule_order, shared_weight_elements, simulate_schedule,
+from parsat.ir.pipeline import (FORWARD, Crossing, PipelineError, PipelinePlan, free_nodes, p2p_elements,
+                                schedule_order, shared_weight_elements, simulate_schedule,
                                 stage_comm_elements)
 from parsat.ir.placement import Placement
 
@@ -194,7 +195,7 @@ class _ChunkRun:
 class _StepState:
     """What one step of one stage holds while its actions run."""
 
-    data: object
+    data: StepData
     weights: WeightValues
     counter: CommCounter
     p2p: list[int]                                        # elements sent to each stage
@@ -364,7 +365,8 @@ class StageRank:
                         tag=GRAD_SYNC)
             param.grad = COLLECTIVES[ALL_REDUCE_KIND](gradient_of(param), None, comm, "backward")
 
-    def train_step(self, step: int, batch: StepBatch, optimizer, memory: TensorMemory) -> tuple[_StepState, CommCounter]:
+    def train_step(self, step: int, batch: StepBatch, optimizer: Optimizer,
+                   memory: TensorMemory) -> tuple[_StepState, CommCounter]:
         """One step: the stage's actions in schedule order, then its gradient syncs, the shared weights' sum and
         the optimizer. Returns the step's state (outputs, counts) and the shared sum's counter."""
         program = self.program
@@ -408,7 +410,7 @@ def run_stage_rank(ctx: RankContext, pcg: PCG, pipeline: PipelinePlan, config: T
         batch = step_batch(graph, library) if graph is not None else StepBatch()
     stage = StageRank(ctx, pcg, pipeline, config, library)
     program = stage.program
-    optimizer = _make_optimizer([p.tensor for p in program.params.values()], config)
+    optimizer = Optimizer([p.tensor for p in program.params.values()], config)
     reference = reference_run(graph, config, batch) if config.check and graph is not None else None
     losses, times, steps_comm, diffs, figures = [], [], [], [], []
     memory = TensorMemory()
@@ -427,7 +429,7 @@ def run_stage_rank(ctx: RankContext, pcg: PCG, pipeline: PipelinePlan, config: T
         figures.append({"p2p": [float(x) for x in state.p2p], "shared": float(shared.sent()),
                         "shared_events": len(shared.events)})
         if reference is not None:
-            diffs.append(_compare(program, state.outputs, reference, step, float(total)))
+            diffs.append(compare_with_reference(program, state.outputs, reference, step, float(total)))
     found = Comparison()
     for d in diffs:
         found = found.merge(d)
