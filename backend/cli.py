@@ -17,6 +17,12 @@ starts, the micro-batches are checked to make the step's whole batch
 (`plan_check.micro_batches_make_the_step`); `--model` runs the module's
 own loop, one batch a step, and refuses such a plan.
 
+A pipelined plan (a `pipeline` object: the PCG cut into stages, docs in
+ir/pipeline.py) runs on stages x stage devices ranks, each stage's
+schedule as the plan says (backend/pipeline_run.py); the report adds, per
+stage, its collectives and each rank's point-to-point and shared-weight
+elements beside the prediction.
+
 `--plan-of NAME` runs one of the baselines the plan file carries
 (`data_parallel`, `sequential`, `megatron`) instead of parsat's own PCG,
 with that baseline's predicted totals, so both sides of a comparison are
@@ -119,6 +125,14 @@ def load_plan(path: str, nproc: int, plan_of: str = "parsat"):
             from None
 
 
+def pipeline_of(path: str):
+    """(pipeline, node costs) of a pipelined plan file (`pipeline_run.load_pipeline`); None without one."""
+    from parsat.backend.pipeline_run import load_pipeline
+    from parsat.ir.plan import load_plan_dict
+
+    return load_pipeline(load_plan_dict(path))
+
+
 def main_run(args: argparse.Namespace) -> int:
     try:
         from parsat.backend.executor import ExecutionError, TrainConfig, check_mesh, run_plan
@@ -138,13 +152,22 @@ def main_run(args: argparse.Namespace) -> int:
         return _fail(f"--lr must be a finite number, got {args.lr}")
     try:
         pcg, graph, predicted = load_plan(args.plan, args.nproc, args.plan_of)
-        check_mesh(pcg, args.nproc)
+        pipeline = pipeline_of(args.plan) if args.plan_of == "parsat" else None
+        if pipeline is None:
+            check_mesh(pcg, args.nproc)
+        else:
+            from parsat.backend.pipeline_run import check_pipeline, run_pipelined_plan
+
+            check_pipeline(pcg, pipeline[0], args.nproc, graph)
         from parsat.backend.plan_check import micro_batches_make_the_step, plan_follows_graph
 
         plan_follows_graph(pcg, graph, args.seed)  # before any rank starts
         micro_batches_make_the_step(graph, args.seed)
         config = TrainConfig(steps=args.steps, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
                              dtype=args.dtype, check=args.check, tolerance=check_tolerance(args.dtype, args.model))
+        if args.model is not None and pipeline is not None:
+            raise ExecutionError(f"{args.plan} is a pipelined plan; --model trains the module in its own loop on "
+                                 "one mesh: run the plan without --model")
         if args.model is not None:
             from parsat.backend.parallelize import run_module_plan
 
@@ -162,7 +185,12 @@ def main_run(args: argparse.Namespace) -> int:
         else:
             if args.data is not None:
                 raise ExecutionError("--data needs --model (a plan alone trains on seeded data)")
-            result = run_plan(pcg, args.nproc, config, graph=graph, predicted=predicted, backend=args.backend,
+            if pipeline is not None:
+                result = run_pipelined_plan(pcg, *pipeline, args.nproc, config, graph=graph, predicted=predicted,
+                                            backend=args.backend, timeout_s=args.timeout,
+                                            collective_timeout_s=args.collective_timeout)
+            else:
+                result = run_plan(pcg, args.nproc, config, graph=graph, predicted=predicted, backend=args.backend,
                               timeout_s=args.timeout, collective_timeout_s=args.collective_timeout)
     except (PlanError, GraphError, ExecutionError, LaunchError, PlacementError, ValueError, FileProblem) as err:
         return _fail(str(err))
@@ -200,12 +228,41 @@ def _report(result, args: argparse.Namespace, tolerance: float) -> None:
              + ("" if memory_predicted is None
                 else f" (plan's bound {memory_predicted / 2**20:.2f} MiB, Adam state included)")
              + f"; process RSS {result.process_rss_bytes / 2**20:.0f} MiB"]
+    if result.pipeline:
+        lines += pipeline_lines(result.pipeline)
     if result.check is not None:
         lines.append(check_line(result.check, result.max_rel_diff, result.max_abs_diff, result.nonfinite,
                                 result.worst, tolerance))
     print("\n".join(lines))
     if args.json:
         print(json.dumps(result.to_dict()))
+
+
+def pipeline_lines(pipeline: Mapping) -> list[str]:
+    """Per stage: its collectives (summed over its ranks), the point-to-point elements each of its ranks sent
+    to each other stage, and each rank's part of the shared weights' gradient sum, measured beside predicted
+    (`pipeline_run.pipeline_comparison`)."""
+    def pair(measured, predicted) -> str:
+        values = measured if isinstance(measured, list) else [measured]
+        shown = f"{values[0]:,.0f}" if len(set(values)) == 1 else "/".join(f"{x:,.0f}" for x in values)
+        equal = all(abs(x - predicted) < 0.5 for x in values)
+        return f"measured {shown}, predicted {predicted:,.0f} ({'equal' if equal else 'DIFFERENT'})"
+
+    chunks = pipeline["chunks_per_stage"]
+    lines = [f"  pipeline             {pipeline['degree']} stages of {pipeline['stage_devices']} rank(s), "
+             f"{pipeline['schedule']}" + (f" with {chunks} chunks per stage" if chunks > 1 else "")
+             + f", {pipeline['microbatches']} micro-batches: "
+             + ("measured = predicted" if pipeline["matches"] else "measured differs from predicted")]
+    for stage in pipeline["stages"]:
+        ranks = stage["ranks"]
+        parts = [f"collectives {pair(stage['collectives_measured'], stage['collectives_predicted'])}"]
+        parts += [f"p2p to stage {t} per rank {pair(xs, stage['p2p_sent_predicted'][t])}"
+                  for t, xs in stage["p2p_sent_measured"].items()]
+        if stage["shared_sum_predicted"] or any(stage["shared_sum_measured"]):
+            parts.append("shared weights' gradient sum per rank "
+                         + pair(stage["shared_sum_measured"], stage["shared_sum_predicted"]))
+        lines.append(f"    stage {stage['stage']} (ranks {ranks[0]}-{ranks[-1]}) " + "; ".join(parts))
+    return lines
 
 
 def check_line(verdict: str, rel, diff, nonfinite: int, worst: str, tolerance: float) -> str:

@@ -61,6 +61,7 @@ from parsat.ir.placement import FREE, Placement, apply_parallel
 SLICE, IDENTITY = "slice", "identity"
 ALL_GATHER_KIND, ALL_REDUCE_KIND, REDUCE_SCATTER_KIND = "all_gather", "all_reduce", "reduce_scatter"
 GRAD_SYNC = "grad_sync"
+PIPELINE_AXIS = "pipeline_stage"   # the DeviceMesh axis of a pipelined plan's stages (never a plan's mesh axis)
 
 
 class CollectiveError(RuntimeError):
@@ -164,28 +165,41 @@ class MeshGroups:
     that); its group on each axis is checked to hold exactly `Mesh.group`'s
     ranks, in coordinate order (group rank t = coordinate t), which is what
     the slices and gathers below assume. A mesh of one rank needs no group.
+
+    A pipelined plan runs `stages` copies of the mesh side by side (stage s
+    on the global ranks s * world ... s * world + world - 1, `ir.pipeline`):
+    the DeviceMesh then has a leading pipeline axis, each rank gets its own
+    stage's groups, and `rank` here is its rank within the stage (what
+    pieces and coordinates are computed from).
     """
 
-    def __init__(self, mesh: Mesh, rank: int, device: torch.device, timeout_s: float = 30.0):
-        self.mesh, self.rank = mesh, rank
+    def __init__(self, mesh: Mesh, rank: int, device: torch.device, timeout_s: float = 30.0, stages: int = 1):
+        self.mesh, self.rank = mesh, rank % mesh.world
         self.device_mesh = None
         self._groups: dict[int, object] = {}
         if mesh.world == 1:
             return
-        if not dist.is_initialized() or dist.get_world_size() != mesh.world:
+        if not dist.is_initialized() or dist.get_world_size() != stages * mesh.world:
             have = dist.get_world_size() if dist.is_initialized() else "no process group"
-            raise CollectiveError(f"the mesh {mesh} has {mesh.world} ranks, the job {have}")
+            what = f"{stages} stages of the mesh {mesh}" if stages > 1 else f"the mesh {mesh}"
+            raise CollectiveError(f"{what} need {stages * mesh.world} ranks, the job has {have}")
         from torch.distributed.device_mesh import DeviceMesh
 
         options = _group_options(dist.get_backend(), timedelta(seconds=timeout_s))
-        self.device_mesh = DeviceMesh(device.type, torch.arange(mesh.world).reshape(mesh.shape),
-                                      mesh_dim_names=mesh.names, backend_override=tuple((None, options) for _ in mesh))
+        shape, names = tuple(mesh.shape), tuple(mesh.names)
+        if stages > 1:
+            if PIPELINE_AXIS in names:
+                raise CollectiveError(f"a mesh axis may not be named '{PIPELINE_AXIS}' (the pipeline's own axis)")
+            shape, names = (stages, *shape), (PIPELINE_AXIS, *names)
+        self.device_mesh = DeviceMesh(device.type, torch.arange(prod(shape)).reshape(shape), mesh_dim_names=names,
+                                      backend_override=tuple((None, options) for _ in shape))
+        first = rank - self.rank   # the stage's first global rank
         for axis, spec in enumerate(mesh):
             group = self.device_mesh.get_group(spec.name)
             members = tuple(dist.get_process_group_ranks(group))
-            if members != mesh.group(axis, rank):
+            if members != tuple(first + r for r in mesh.group(axis, self.rank)):
                 raise CollectiveError(f"DeviceMesh's group on axis '{spec.name}' holds ranks {members}, the mesh "
-                                      f"says {mesh.group(axis, rank)}")
+                                      f"says {mesh.group(axis, self.rank)} (from rank {first})")
             self._groups[axis] = group
 
     def group(self, axis: int):

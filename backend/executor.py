@@ -246,6 +246,13 @@ class RankProgram:
     `weights` gives full weight values by leaf name (a user's module); without
     it weights come from the seed. `forward` takes the full input values by
     leaf name the same way (dropout masks included: they are data).
+
+    `nodes` restricts the program to the PCG nodes this rank computes (a
+    pipeline stage's, `ir.pipeline.StageLayout.stage_nodes`; None: all): it
+    stores only the weights those read, makes only their chains, and
+    differentiates only the outputs among them. A stage's ranks then pass
+    their own `ctx` (rank and world within the stage) and `groups` (the
+    stage's process groups, `MeshGroups(..., stages=p)`).
     """
 
     pcg: PCG
@@ -253,7 +260,8 @@ class RankProgram:
     config: TrainConfig
     library: Library
     weights: Mapping[str, torch.Tensor] | None = None
-    groups: MeshGroups = field(init=False)
+    nodes: frozenset[int] | None = None
+    groups: MeshGroups | None = None
     params: dict[int, _Param] = field(init=False)          # stored-at node id -> parameter
     folded: set[int] = field(init=False)                   # partition nodes absorbed into storage
     placements: dict[int, Placement] = field(init=False)   # node id -> where its pieces live
@@ -261,19 +269,24 @@ class RankProgram:
 
     def __post_init__(self) -> None:
         self.placements = check_mesh(self.pcg, self.ctx.world, self.library)
-        self.groups = MeshGroups(self.pcg.mesh, self.ctx.rank, self.ctx.device, self.ctx.collective_timeout_s)
+        if self.groups is None:
+            self.groups = MeshGroups(self.pcg.mesh, self.ctx.rank, self.ctx.device, self.ctx.collective_timeout_s)
         self.output_names = self.pcg.output_names or tuple(f"out{i}" for i in range(len(self.pcg.outputs)))
+        self.outputs_here = tuple((i, name) for i, name in zip(self.pcg.outputs, self.output_names)
+                                  if self.computes(i))
         self.params, self.folded = {}, set()
         by_id = {n.id: n for n in self.pcg}
         for leaf, chain in weight_storage(self.pcg).items():
-            self._store_weight(by_id[leaf], chain)
+            if self.computes(leaf):
+                self._store_weight(by_id[leaf], chain)
         self._grad_syncs = gradient_reductions(self.pcg)
-        self._chains = weight_chains(self.pcg)
-        outputs = set(self.pcg.outputs)
+        self._chains = {i for i in weight_chains(self.pcg) if self.computes(i)}
+        outputs = {i for i, _ in self.outputs_here}
         readers: dict[int, list[PNode]] = {}
         for node in self.pcg:
             for i in node.inputs:
-                readers.setdefault(i, []).append(node)
+                if self.computes(node.id):
+                    readers.setdefault(i, []).append(node)
         # the chains' values read outside them: what a micro-batch reads and accumulates a gradient on
         self._chain_ends = sorted(i for i in self._chains if i in outputs or any(
             user.id not in self._chains for user in readers.get(i, [])))
@@ -281,6 +294,10 @@ class RankProgram:
     @property
     def mesh(self) -> Mesh:
         return self.pcg.mesh
+
+    def computes(self, ident: int) -> bool:
+        """Whether this rank computes PCG node `ident` (every node, unless `nodes` says otherwise)."""
+        return self.nodes is None or ident in self.nodes
 
     def _store_weight(self, leaf: PNode, chain: tuple[int, ...]) -> None:
         """Hold this rank's piece of `leaf` as its storage chain's last node gives it (`ir.pcg.weight_storage`)."""
@@ -336,13 +353,19 @@ class RankProgram:
             torch.autograd.backward(ends, grads)
 
     def forward(self, step: int, counter: CommCounter, inputs: Mapping[str, torch.Tensor],
-                weights: "WeightValues | None" = None) -> dict[int, tuple[torch.Tensor, Placement]]:
+                weights: "WeightValues | None" = None, nodes: frozenset[int] | set[int] | None = None,
+                env: dict[int, tuple[torch.Tensor, Placement]] | None = None,
+                ) -> dict[int, tuple[torch.Tensor, Placement]]:
         """Every node's local piece and placement for one (micro-)batch (`inputs`: full values by leaf name).
 
         With `weights` (`weight_values`), the weights' chains are not run again: their values are those;
-        without, they run here, inside this forward's autograd graph (one batch, its own backward)."""
-        env: dict[int, tuple[torch.Tensor, Placement]] = {}
+        without, they run here, inside this forward's autograd graph (one batch, its own backward).
+        `nodes` limits it to those (a pipeline chunk's); values already in `env` (what a chunk received
+        from another stage) are taken as they are."""
+        env = {} if env is None else env
         for node in self.pcg:
+            if node.id in env or not self.computes(node.id) or (nodes is not None and node.id not in nodes):
+                continue
             if weights is not None and node.id in self._chains:
                 if node.id in weights.used:
                     env[node.id] = weights.used[node.id]
@@ -370,11 +393,13 @@ class RankProgram:
         return parallel_op(node.op, x, placement, node.axis(self.mesh), None if dim is None else int(dim),
                            self.groups, counter, tag)
 
-    def loss(self, env, targets: Mapping[str, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, env, targets: Mapping[str, torch.Tensor | None],
+             outputs: Sequence[tuple[int, str]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's share to differentiate, its share of the reported loss); `targets`: full targets by
-        output name (None for a loss output, `training_data.objective`)."""
+        output name (None for a loss output, `training_data.objective`). `outputs` (id, name): those of the
+        outputs to count (default: every output this rank computes)."""
         backward_terms, report_terms = [], []
-        for out_id, name in zip(self.pcg.outputs, self.output_names):
+        for out_id, name in (self.outputs_here if outputs is None else outputs):
             x, placement = env[out_id]
             shape = self.pcg.node(out_id).shape
             replicas, holders = output_holders(placement, self.mesh, name)
@@ -459,7 +484,7 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
         # once per step for all micro-batches: gathers, replicas (one batch runs them inside its own autograd)
         weights = program.weight_values(counter) if m > 1 else None
         reported = torch.zeros((), dtype=config.torch_dtype(), device=ctx.device)
-        outputs: dict[str, list] = {name: [] for name in program.output_names}
+        outputs: dict[str, list] = {name: [] for _, name in program.outputs_here}
         for k in range(m):
             with memory.saving():
                 env = program.forward(step, counter, data.inputs(k), weights)
@@ -471,7 +496,7 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
                 (to_diff / m).backward()   # the step's objective is the mean of its micro-batches'
             memory.measure(env, program, optimizer, weights)  # end of backward: every gradient alive
             reported = reported + to_report / m
-            for out_id, name in zip(pcg.outputs, program.output_names):
+            for out_id, name in program.outputs_here:
                 x, placement = env[out_id]
                 outputs[name].append((x.detach(), placement))
             del env, to_diff   # this micro-batch's values go before the next one's are made
@@ -488,7 +513,7 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
         losses.append(float(total))
         steps_comm.append(step_comm(counter, program.mesh))
         if reference is not None:
-            diffs.append(_compare(program, outputs, reference, step, float(total)))
+            diffs.append(compare_with_reference(program, outputs, reference, step, float(total)))
     found = Comparison()
     for d in diffs:
         found = found.merge(d)
@@ -516,21 +541,26 @@ class TensorMemory:
 
     def __init__(self) -> None:
         self.peak = 0
-        self._saved: dict[int, int] = {}
+        self._saved: dict[object, dict[int, int]] = {}
 
-    def saving(self):
-        """A context recording the storages autograd saves for backward."""
-        self._saved = {}
+    def saving(self, key: object = None):
+        """A context recording the storages autograd saves for backward, under `key` (replacing what it
+        recorded before): a pipeline stage keeps one per forward not yet run backward (`release`)."""
+        saved = self._saved[key] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             storage = t.untyped_storage()
-            self._saved[storage.data_ptr()] = storage.nbytes()
+            saved[storage.data_ptr()] = storage.nbytes()
             return t
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
+    def release(self, key: object) -> None:
+        """The tensors saved under `key` are gone (its backward ran)."""
+        self._saved.pop(key, None)
+
     def measure(self, env, program: "RankProgram", optimizer: Optimizer, weights: "WeightValues | None" = None) -> None:
-        live = dict(self._saved)
+        live = {ptr: size for saved in self._saved.values() for ptr, size in saved.items()}
         tensors = [x for x, _ in env.values()] + [p.tensor for p in program.params.values()]
         tensors += weights.tensors() if weights is not None else []
         tensors += [p.tensor.grad for p in program.params.values() if p.tensor.grad is not None]
@@ -631,17 +661,18 @@ def compare_values(pairs) -> Comparison:
     return result
 
 
-def _compare(program: RankProgram, outputs: Mapping[str, list], reference: Reference, step: int,
-             loss: float) -> Comparison:
+def compare_with_reference(program: RankProgram, outputs: Mapping[str, list], reference: Reference, step: int,
+                           loss: float) -> Comparison:
     """This rank's pieces against the reference, this step: outputs, loss, gradients, updated weights.
 
-    `outputs` are each output's (piece, placement) per micro-batch; an output the reference knows per
-    micro-batch is compared micro-batch by micro-batch, one it knows as the whole batch's (a loss) as the
-    mean over the micro-batches (`Reference`)."""
+    `outputs` are each output's (piece, placement) per micro-batch, for the outputs this rank computes
+    (`RankProgram.outputs_here`: a pipeline stage's); an output the reference knows per micro-batch is
+    compared micro-batch by micro-batch, one it knows as the whole batch's (a loss) as the mean over the
+    micro-batches (`Reference`)."""
     rank = program.ctx.rank
     missing: list[Comparison] = []
     pairs = [("loss", torch.tensor(loss), torch.tensor(reference.losses[step]))]
-    for name in program.output_names:
+    for _, name in program.outputs_here:
         pieces = outputs[name]
         placement = pieces[0][1]
         expected = reference.outputs[step].get(name)
@@ -713,6 +744,9 @@ class RunResult:
     worst: str = ""
     comm_by_axis: Mapping[str, float] = field(default_factory=dict)
     microbatches: int = 1   # per step: activations' collectives ran this many times, the gradient sync once
+    # a pipelined plan: each stage's collectives, point-to-point and shared-weight figures beside the prediction
+    # (backend/pipeline_run.py `pipeline_comparison`); the totals above are then summed over every stage's ranks
+    pipeline: Mapping | None = None
 
     @staticmethod
     def of_job(reports: Sequence[dict], config: TrainConfig, predicted: Prediction | None = None,
@@ -753,7 +787,7 @@ class RunResult:
                 "step_time_predicted_s": self.predicted.time_s,
                 "peak_memory_predicted_bytes": self.predicted.peak_memory_bytes,
                 "process_rss_bytes": self.process_rss_bytes, "microbatches": self.microbatches,
-                "losses": list(self.losses)}
+                "losses": list(self.losses), **({"pipeline": dict(self.pipeline)} if self.pipeline else {})}
 
 
 def run_plan(pcg: PCG, nproc: int, config: TrainConfig, graph: Graph | None = None,

@@ -244,6 +244,9 @@ def _resolve_plan(plan) -> tuple[PCG, Graph]:
         plan = load_plan_dict(plan)
     if not isinstance(plan, Mapping):
         raise ParallelizeError("plan must be a parsat Plan, a plan dict or a plan JSON file")
+    if plan.get("pipeline"):
+        raise ParallelizeError("pipelined plans run through `parsat run` (each stage runs its part of the graph on "
+                               "its own ranks in the plan's schedule; parallelize wraps one module on one mesh)")
     library = operator_library()
     return pcg_from_dict(plan), Graph.from_dict(plan["graph"], library)
 

@@ -45,6 +45,16 @@ class NodeCost:
                 "comm_bytes": self.comm_elements * dtype_bytes, "grad_sync_elements": self.grad_sync_elements,
                 "memory_bytes": self.memory_bytes, "flops": self.flops, "collectives": list(self.collectives)}
 
+    @staticmethod
+    def from_dict(data: Mapping) -> "NodeCost":
+        """A node's `cost` object of a plan JSON (`to_dict`) read back: the figures it records (what only the
+        search keeps, activation and accumulation bytes, the weight-chain flag, stays at its default)."""
+        return NodeCost(float(data.get("forward_s", 0.0)), float(data.get("backward_s", 0.0)),
+                        float(data.get("optimizer_s", 0.0)), float(data.get("comm_s", 0.0)),
+                        int(data.get("comm_elements", 0)), int(data.get("grad_sync_elements", 0)),
+                        int(data.get("memory_bytes", 0)), float(data.get("flops", 0.0)),
+                        tuple(data.get("collectives", ())))
+
     def times(self, factor: int) -> "NodeCost":
         """This cost counted `factor` times (a node standing for `factor` alike, `saturate.repeat`): every
         figure that adds up over nodes."""

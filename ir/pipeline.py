@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from parsat.ir.blocks import node_blocks
-from parsat.ir.pcg import PCG, WEIGHT
+from parsat.ir.costs import NodeCost
+from parsat.ir.pcg import PCG, WEIGHT, weight_storage
 
 GPIPE, ONE_F_ONE_B, INTERLEAVED = "gpipe", "1f1b", "interleaved"
 SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED)
@@ -403,7 +404,9 @@ class PipelinePlan:
 
 def p2p_elements(layout: StageLayout, microbatches: int) -> dict[tuple[int, int], int]:
     """Elements each rank of one stage sends to its twin rank of another per step, by (from stage, to stage):
-    every crossing between two stages forward each micro-batch, and its gradient back."""
+    every crossing between two stages forward each micro-batch, and its gradient back (every micro-batch's,
+    whether or not it is zero). A crossing between two chunks of one stage moves nothing. The backend
+    counts what it sends the same way (backend/pipeline_run.py) and reports the two side by side."""
     out: dict[tuple[int, int], int] = {}
     stage = {c.index: c.stage for c in layout.chunks}
     for crossing in layout.crossings:
@@ -476,3 +479,30 @@ def schedule_lanes(run: "ScheduleRun", degree: int, width: int = 96) -> list[str
                 lane.append(letter if found.chunk < degree else letter.lower())
         lines.append(f"    stage {s:<3}|{''.join(lane)}|")
     return lines
+
+
+def stage_comm_elements(layout: StageLayout, costs: Mapping[int, NodeCost],
+                        part: str = "comm_elements") -> tuple[int, ...]:
+    """Per stage, the elements its collectives send per step, summed over its ranks: the plan's node costs
+    (per step, `NodeCost.per_step`) over the nodes the stage computes (`StageLayout.stage_nodes`: a free value
+    two of its chunks read, once; one that several stages read, on each). `part` picks the figure:
+    "comm_elements" (every collective) or "grad_sync_elements" (the gradient synchronisation). The cost
+    model prices a stage with it and the backend compares each stage's measured collectives with it."""
+    return tuple(sum(getattr(costs[n], part) for n in layout.stage_nodes(s) if n in costs)
+                 for s in range(layout.degree))
+
+
+def shared_weight_elements(pcg: PCG, layout: StageLayout) -> dict[int, float]:
+    """Per stage, the elements each of its ranks sends per step to sum the gradients of the weights it shares
+    with other stages (`StageLayout.shared_weights`): local rank i of every holding stage all-reduces its
+    stored piece's gradient with the others' (a ring over k stages sends 2 (k - 1) / k of the piece, so two
+    stages exchange one piece each), once per step before the optimizer."""
+    storage = weight_storage(pcg)
+    by_id = {n.id: n for n in pcg.nodes}
+    out: dict[int, float] = {}
+    for leaf, stages in layout.shared_weights:
+        stored = by_id[storage[leaf][-1]]
+        piece, k = stored.degrees.piece_elements(stored.shape), len(stages)
+        for s in stages:
+            out[s] = out.get(s, 0.0) + 2 * (k - 1) * piece / k
+    return out

@@ -36,7 +36,8 @@ from parsat.ir.costs import NodeCost, Totals
 from parsat.ir.machine import Machine
 from parsat.ir.pcg import PCG, weight_storage
 from parsat.ir.pipeline import (GPIPE, INTERLEAVED, ONE_F_ONE_B, PipelineError, PipelinePlan, StageFigures,
-                                StageLayout, lay_out_stages, p2p_elements, pcg_layers, simulate_schedule)
+                                StageLayout, lay_out_stages, p2p_elements, pcg_layers, shared_weight_elements,
+                                simulate_schedule, stage_comm_elements)
 from parsat.ir.plan import Plan
 from parsat.saturate.collectives import ALL_REDUCE, SEND_RECV, GroupTopology, price
 
@@ -263,8 +264,9 @@ def _priced(plan: Plan, layout: StageLayout, schedule: str, machine: Machine, st
                                    chains[s].optimizer_s, state + run.activation_peak_bytes[s], run.in_flight[s]))
         ends.append(stage_end + sync + chains[s].optimizer_s)
     step = max(ends)
-    stage_comm = [sum(costs.get(i, NodeCost()).comm_elements for i in layout.stage_nodes(s))
-                  + sum(v for (a, _b), v in sent.items() if a == s) for s in range(p)]
+    shared = shared_weight_elements(plan.pcg, layout)
+    stage_comm = [collectives + shared.get(s, 0) + sum(v for (a, _b), v in sent.items() if a == s)
+                  for s, collectives in enumerate(stage_comm_elements(layout, costs))]
     busiest = max(range(p), key=lambda s: stage_comm[s])
     p2p_bytes = max((sum(v for (a, _b), v in sent.items() if a == s) for s in range(p)), default=0) * dtype
     figures = PipelinePlan(schedule, m, stage_devices, layout, tuple(stages),
@@ -272,10 +274,9 @@ def _priced(plan: Plan, layout: StageLayout, schedule: str, machine: Machine, st
                            tuple(c.activation_bytes for c in per_chunk), run.bubble_fraction, p2p_bytes,
                            tuple((a, b, t) for (a, b), t in sorted(transfers.items())))
     compute = max((s.forward_s + s.backward_s) * m + s.optimizer_s for s in stages)
-    totals = Totals(step, stage_comm[busiest], stage_comm[busiest] * dtype,
+    totals = Totals(step, int(stage_comm[busiest]), int(stage_comm[busiest]) * dtype,
                     max(s.memory_bytes for s in stages),
-                    max(sum(costs.get(i, NodeCost()).grad_sync_elements for i in layout.stage_nodes(s))
-                        for s in range(p)),
+                    max(stage_comm_elements(layout, costs, "grad_sync_elements")),
                     compute, max(s.sync_s for s in stages) + figures.transfer_s * 2 * m)
     return replace(plan, machine=machine, devices=p * stage_devices, totals=totals, pipeline=figures)
 
