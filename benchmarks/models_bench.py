@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/models_bench.py sizes
     .venv/bin/python benchmarks/models_bench.py table rows.json ...
     .venv/bin/python benchmarks/models_bench.py optimize gpt-6.7b:8 gpt-6.7b:64 gpt-6.7b:8:batch=8 \
-        [--limit seconds=300 --limit enodes=1000000] [--json out.json]
+        [--limit seconds=300 --limit enodes=1000000] [--machine a100x8] [--json out.json]
+    .venv/bin/python benchmarks/models_bench.py optimize gpt-175b:1024:pp=16,tp=8,dp=8,schedule=interleaved,m=64
 
 `sizes`: for every named configuration, the CPU seconds to build its graph
 (library loaded once beforehand), its nodes and weights, and its parameter
@@ -45,14 +46,21 @@ def sizes() -> list[dict]:
     return rows
 
 
-def _case(spec: str) -> tuple[str, int, dict[str, int]]:
+SEARCH_KEYS = ("pp", "tp", "dp", "schedule", "m")   # in a case: pinned degrees, schedule, micro-batches
+
+
+def _case(spec: str) -> tuple[str, int, dict[str, int], dict]:
+    """NAME:DEVICES[:KEY=VALUE,...]: sizes, and the search pins of SEARCH_KEYS (pp=16,tp=8,schedule=interleaved)."""
     name, devices, *rest = spec.split(":")
-    overrides = {}
+    overrides, search = {}, {}
     for item in ",".join(rest).split(","):
         if item:
             key, _, value = item.partition("=")
-            overrides[key] = int(value)
-    return name, int(devices), overrides
+            if key in SEARCH_KEYS:
+                search[key] = value if key == "schedule" else int(value)
+            else:
+                overrides[key] = int(value)
+    return name, int(devices), overrides, search
 
 
 def model_flops(graph) -> float:
@@ -73,17 +81,20 @@ def _max_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def optimize_cases(specs: list[str], limits: dict) -> list[dict]:
+def optimize_cases(specs: list[str], limits: dict, machine: str = "h100x8") -> list[dict]:
     import parsat
 
     rows = []
     for spec in specs:
-        name, devices, overrides = _case(spec)
+        name, devices, overrides, search = _case(spec)
         start, rss = time.process_time(), _max_rss_mib()
-        row = {"case": spec, "name": name, "devices": devices, "sizes": overrides, "limits": limits}
+        row = {"case": spec, "name": name, "devices": devices, "sizes": overrides, "limits": limits,
+               "machine": machine, "pins": search}
+        degrees = {k: v for k, v in search.items() if k in ("pp", "tp", "dp")}
         try:
-            plan = parsat.optimize(name, machine="h100x8", devices=devices, sizes=overrides or None,
-                                   limits=limits or None,
+            plan = parsat.optimize(name, machine=machine, devices=devices, sizes=overrides or None,
+                                   limits=limits or None, degrees=degrees or None, schedule=search.get("schedule"),
+                                   microbatches=search.get("m"),
                                    progress=lambda message: print(f"  [{spec}] {message}", file=sys.stderr,
                                                                   flush=True))
         except Exception as err:  # noqa: BLE001 - the error is the result
@@ -111,6 +122,14 @@ def optimize_cases(specs: list[str], limits: dict) -> list[dict]:
                                     for k, v in plan.baselines.items()}
             row["baselines_fit"] = {k: (v.fits(plan.machine) if v is not None
                                         else None) for k, v in plan.baselines.items()}
+            if plan.pipeline is not None:
+                pipe = plan.pipeline
+                row["pipeline"] = {"pp": pipe.degree, "stage_devices": pipe.stage_devices,
+                                   "schedule": pipe.schedule, "chunks_per_stage": pipe.layout.chunks_per_stage,
+                                   "microbatches": pipe.microbatches, "bubble": pipe.bubble_fraction,
+                                   "stage_memory_gib": [s.memory_bytes / 2 ** 30 for s in pipe.stages],
+                                   "stage_layers": [[c.layers[0], c.layers[-1]] for c in pipe.layout.chunks]}
+            row["pipeline_search"] = plan.saturation.get("pipeline_search")
             row["enodes"] = plan.saturation.get("enodes")
             row["stop"] = plan.saturation.get("stop")
         row["cpu_s"] = round(time.process_time() - start, 2)
@@ -139,7 +158,13 @@ def table(paths: list[str]) -> str:
             if "error" in r:
                 lines.append(f"| {r['case']} | {r['error'][:120]} |" + " |" * 11 + f" {r['cpu_s']} |")
                 continue
-            plan = next((line.split(":", 1)[1].strip() for line in r["explain"] if line.startswith("  mesh ")), "")
+            plan = next((line.split(":", 1)[1].strip() for line in r["explain"]
+                         if line.startswith("  mesh ") or line.startswith("  each stage: mesh ")), "")
+            if r.get("pipeline"):
+                pipe = r["pipeline"]
+                plan = (f"PP {pipe['pp']} {pipe['schedule']}" + (f" v={pipe['chunks_per_stage']}"
+                        if pipe['chunks_per_stage'] > 1 else "") + f", bubble {100 * pipe['bubble']:.0f}%; "
+                        f"stage: {plan}")
             grid = r.get("best_grid_config") or {}
             spelled = ", ".join(f"{k}={v}" for k, v in grid.items()) if grid else "-"
             lines.append(f"| {r['case']} | {plan} | {r['microbatches']} | {r['step_time_ms'] / 1e3:.3f} s | "
@@ -157,6 +182,7 @@ def main(argv: list[str]) -> int:
     opt = sub.add_parser("optimize")
     opt.add_argument("cases", nargs="+", metavar="NAME:DEVICES[:KEY=VALUE,...]")
     opt.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE")
+    opt.add_argument("--machine", default="h100x8")
     tab = sub.add_parser("table", help="the markdown table of --json files")
     tab.add_argument("files", nargs="+")
     parser.add_argument("--json", default=None, help="also write the rows here")
@@ -174,7 +200,7 @@ def main(argv: list[str]) -> int:
         for item in args.limit:
             key, _, value = item.partition("=")
             limits[key] = int(value) if key in ("iterations", "enodes") else float(value)
-        rows = optimize_cases(args.cases, limits)
+        rows = optimize_cases(args.cases, limits, args.machine)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:
             json.dump(rows, out, indent=1)

@@ -506,3 +506,35 @@ def shared_weight_elements(pcg: PCG, layout: StageLayout) -> dict[int, float]:
         for s in stages:
             out[s] = out.get(s, 0.0) + 2 * (k - 1) * piece / k
     return out
+
+
+def schedule_svg(pipeline: "PipelinePlan") -> str:
+    """The simulated schedule as an SVG drawing: one row per stage, a box per forward (blue) and backward
+    (green) labelled with its micro-batch, a later chunk's lighter; the bubble is the white between."""
+    run = pipeline.simulate()
+    p = pipeline.degree
+    width, row, left, top = 1200.0, 28.0, 70.0, 40.0
+    scale = (width - left - 10) / run.time_s if run.time_s > 0 else 0.0
+    height = top + row * p + 20
+    colors = {(FORWARD, 0): "#4a78c2", (FORWARD, 1): "#9db8e6", (BACKWARD, 0): "#3f9b5a", (BACKWARD, 1): "#a3d4ae"}
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+             f'font-family="sans-serif" font-size="10">',
+             f'<text x="{left}" y="16" font-size="13">{_schedule_name(pipeline.schedule, pipeline.layout.chunks_per_stage)}'
+             f', {p} stages, {pipeline.microbatches} micro-batches: step {run.time_s * 1e3:.3f} ms, bubble '
+             f'{run.bubble_fraction:.1%}</text>']
+    for s, actions in enumerate(run.busy):
+        y = top + s * row
+        parts.append(f'<text x="4" y="{y + row * 0.6:.1f}">stage {s}</text>')
+        parts.append(f'<rect x="{left}" y="{y:.1f}" width="{width - left - 10:.1f}" height="{row - 4:.1f}" '
+                     f'fill="white" stroke="#ccc"/>')
+        for action, begin, end in actions:
+            x, w = left + begin * scale, max((end - begin) * scale, 0.5)
+            fill = colors[(action.phase, 0 if action.chunk < p else 1)]
+            parts.append(f'<rect x="{x:.2f}" y="{y:.1f}" width="{w:.2f}" height="{row - 4:.1f}" fill="{fill}">'
+                         f'<title>{action.phase} micro-batch {action.microbatch} chunk {action.chunk}: '
+                         f'{begin * 1e3:.3f}-{end * 1e3:.3f} ms</title></rect>')
+            if w > 12:
+                parts.append(f'<text x="{x + w / 2:.2f}" y="{y + row * 0.55:.1f}" fill="white" '
+                             f'text-anchor="middle">{action.microbatch}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"

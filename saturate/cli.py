@@ -23,6 +23,8 @@ def register(subparsers) -> None:
     show = subparsers.add_parser("show", help="draw a plan's PCG (graphviz)")
     show.add_argument("plan", metavar="PLAN")
     show.add_argument("--output", "-o", required=True, metavar="FILE", help=".svg/.png (needs graphviz 'dot') or .dot")
+    show.add_argument("--schedule", action="store_true",
+                      help="draw a pipelined plan's schedule per stage instead (.svg, no graphviz needed)")
     show.set_defaults(run=run_show)
 
 
@@ -92,6 +94,7 @@ def plan_dot(data: dict) -> str:
 
 def run_show(args: argparse.Namespace) -> int:
     from parsat.dsl.files import FileProblem, refuse_overwriting, write_atomic
+    from parsat.ir.pipeline import PipelinePlan, schedule_svg
     from parsat.ir.plan import PlanError, load_plan_dict
     from parsat.ir.validate import validate_plan_report
 
@@ -103,8 +106,14 @@ def run_show(args: argparse.Namespace) -> int:
         dot = plan_dot(data)
     except (PlanError, FileProblem) as err:
         return _error(str(err))
-    if out.suffix == ".dot":
-        drawing: str | bytes = dot
+    if args.schedule:
+        if not data.get("pipeline"):
+            return _error(f"{args.plan} is not pipelined: it has no schedule to draw (draw its PCG without --schedule)")
+        if out.suffix != ".svg":
+            return _error(f"--schedule draws SVG: name the output .svg, not {out.suffix or 'no suffix'}")
+        drawing: str | bytes = schedule_svg(PipelinePlan.from_dict(data["pipeline"]))
+    elif out.suffix == ".dot":
+        drawing = dot
     else:
         binary = shutil.which("dot")
         if binary is None:

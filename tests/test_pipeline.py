@@ -172,3 +172,22 @@ def test_the_search_pipelines_when_pinned_and_refuses_bad_pins():
         optimize("mlp", "cpu", devices=4, degrees={"pp": 2})
     with pytest.raises(OptimizeError, match="no-pipeline"):
         optimize("gpt", "cpu", devices=4, sizes=SIZES, degrees={"pp": 2}, pipeline=False)
+
+
+def test_show_draws_the_schedule_and_refuses_an_unpipelined_plan(stage_plan, tmp_path, capsys):
+    from parsat.cli import main
+    plan = pipelined(stage_plan, 2, ONE_F_ONE_B, Machine.resolve("cpu").with_devices(4))
+    path = tmp_path / "piped.json"
+    plan.save(path)
+    assert main(["show", str(path), "--schedule", "-o", str(tmp_path / "s.svg")]) == 0
+    svg = (tmp_path / "s.svg").read_text()
+    # one box per action: 2 stages x 4 micro-batches x forward and backward
+    assert svg.startswith("<svg") and svg.count("<title>") == 16 and "1F1B, 2 stages, 4 micro-batches" in svg
+    assert main(["show", str(path), "--schedule", "-o", str(tmp_path / "s.png")]) == 1
+    flat = tmp_path / "flat.json"
+    stage_plan.save(flat)
+    assert main(["show", str(flat), "--schedule", "-o", str(tmp_path / "f.svg")]) == 1
+    assert "not pipelined" in capsys.readouterr().err
+    assert main(["explain", str(path)]) == 0
+    lanes = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("stage 0 ")]
+    assert lanes and set(lanes[0].split("|")[1]) <= set("FB.") and "F" in lanes[0] and "B" in lanes[0]
