@@ -107,9 +107,7 @@ class StageLayout:
 
 def pcg_layers(pcg: PCG) -> tuple[int, ...]:
     """The layers a PCG can be cut between, in order: the blocks of its non-free nodes (`free_nodes`)."""
-    blocks = node_blocks(pcg)
-    free = free_nodes(pcg)
-    return tuple(sorted({blocks[n.id] for n in pcg.nodes if n.id not in free}))
+    return LayerMap(pcg).layers
 
 
 def free_nodes(pcg: PCG) -> set[int]:
@@ -132,47 +130,60 @@ def free_nodes(pcg: PCG) -> set[int]:
 def lay_out_stages(pcg: PCG, starts: Sequence[int], degree: int) -> StageLayout:
     """The PCG cut into chunks at `starts` (each chunk's first layer, ascending, the first one the PCG's first
     layer; p * v of them), chunk c on stage c % p."""
-    layers = pcg_layers(pcg)
-    if not starts or starts[0] != layers[0] or list(starts) != sorted(set(starts)) or \
-            any(s not in layers for s in starts):
-        raise PipelineError(f"chunk starts {list(starts)} do not cut the layers {list(layers)} into contiguous runs")
-    if degree < 1 or len(starts) % degree:
-        raise PipelineError(f"{len(starts)} chunks cannot be spread evenly over {degree} stages")
-    blocks = node_blocks(pcg)
-    free = free_nodes(pcg)
-    index = {layer: k for k, layer in enumerate(layers)}
-    bounds = [index[s] for s in starts] + [len(layers)]
-    chunk_of_layer = {layers[i]: c for c in range(len(starts)) for i in range(bounds[c], bounds[c + 1])}
-    owner = {n.id: chunk_of_layer[blocks[n.id]] for n in pcg.nodes if n.id not in free}
-    by_id = {n.id: n for n in pcg.nodes}
-    members: list[set[int]] = [set() for _ in starts]
-    for node in reversed(pcg.nodes):          # owned nodes, then the free values each chunk needs
-        if node.id in owner:
-            members[owner[node.id]].add(node.id)
-    for chunk in members:
-        todo = [i for n in chunk for i in by_id[n].inputs if i in free]
-        while todo:
-            i = todo.pop()
-            if i not in chunk:
-                chunk.add(i)
-                todo.extend(j for j in by_id[i].inputs if j in free)
-    chunks = tuple(Chunk(c, c % degree, layers[bounds[c]:bounds[c + 1]],
-                         tuple(n.id for n in pcg.nodes if n.id in members[c])) for c in range(len(starts)))
-    crossings = []
-    for node in pcg.nodes:
-        if node.id not in owner:
-            continue
-        for target in sorted({owner[r] for r in _readers(pcg).get(node.id, ()) if r in owner} - {owner[node.id]}):
-            if target < owner[node.id]:
-                raise PipelineError(f"node {node.id} of chunk {owner[node.id]} is read by the earlier chunk {target}")
-            crossings.append(Crossing(node.id, owner[node.id], target, node.degrees.piece_elements(node.shape)))
-    shared = []
-    for node in pcg.nodes:
-        if node.kind == "leaf" and node.role == WEIGHT:
-            stages = tuple(sorted({c.stage for c in chunks if node.id in c.nodes}))
+    return LayerMap(pcg).lay_out(starts, degree)
+
+
+class LayerMap:
+    """What cutting one PCG into stages needs, worked out once (the cut search lays out many cuts of one PCG):
+    its layers, each node's layer, its free values and what each node needs of them, its readers."""
+
+    def __init__(self, pcg: PCG):
+        self.pcg = pcg
+        self.blocks = node_blocks(pcg)
+        self.free = free_nodes(pcg)
+        self.layers = tuple(sorted({self.blocks[n.id] for n in pcg.nodes if n.id not in self.free}))
+        self.position = {n.id: k for k, n in enumerate(pcg.nodes)}
+        self.readers = _readers(pcg)
+        needs: dict[int, frozenset[int]] = {}   # node -> the free values it reads, directly or through free ones
+        for node in pcg.nodes:
+            direct = [i for i in node.inputs if i in self.free]
+            needs[node.id] = frozenset(direct).union(*(needs[i] for i in direct))
+        self.needs = needs
+        self.weights = [n.id for n in pcg.nodes if n.kind == "leaf" and n.role == WEIGHT]
+
+    def lay_out(self, starts: Sequence[int], degree: int) -> StageLayout:
+        layers, pcg = self.layers, self.pcg
+        if not starts or starts[0] != layers[0] or list(starts) != sorted(set(starts)) or \
+                any(s not in layers for s in starts):
+            raise PipelineError(f"chunk starts {list(starts)} do not cut the layers {list(layers)} into "
+                                "contiguous runs")
+        if degree < 1 or len(starts) % degree:
+            raise PipelineError(f"{len(starts)} chunks cannot be spread evenly over {degree} stages")
+        index = {layer: k for k, layer in enumerate(layers)}
+        bounds = [index[s] for s in starts] + [len(layers)]
+        chunk_of_layer = {layers[i]: c for c in range(len(starts)) for i in range(bounds[c], bounds[c + 1])}
+        owner = {n.id: chunk_of_layer[self.blocks[n.id]] for n in pcg.nodes if n.id not in self.free}
+        members: list[set[int]] = [set() for _ in starts]
+        for ident, chunk in owner.items():   # owned nodes, and the free values each needs
+            members[chunk].add(ident)
+            members[chunk] |= self.needs[ident]
+        chunks = tuple(Chunk(c, c % degree, layers[bounds[c]:bounds[c + 1]],
+                             tuple(sorted(members[c], key=self.position.__getitem__))) for c in range(len(starts)))
+        crossings = []
+        for node in pcg.nodes:
+            if node.id not in owner:
+                continue
+            mine = owner[node.id]
+            for target in sorted({owner[r] for r in self.readers.get(node.id, ()) if r in owner} - {mine}):
+                if target < mine:
+                    raise PipelineError(f"node {node.id} of chunk {mine} is read by the earlier chunk {target}")
+                crossings.append(Crossing(node.id, mine, target, node.degrees.piece_elements(node.shape)))
+        shared = []
+        for weight in self.weights:
+            stages = tuple(sorted({c % degree for c in range(len(starts)) if weight in members[c]}))
             if len(stages) > 1:
-                shared.append((node.id, stages))
-    return StageLayout(degree, len(starts) // degree, chunks, tuple(crossings), tuple(shared))
+                shared.append((weight, stages))
+        return StageLayout(degree, len(starts) // degree, chunks, tuple(crossings), tuple(shared))
 
 
 def _readers(pcg: PCG) -> dict[int, list[int]]:

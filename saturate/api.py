@@ -108,8 +108,12 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
             raise OptimizeError(f"--degrees pp={pp} does not divide the {count} devices")
     flat, unfit = None, None
     if pp is None or pp == 1:
+        # across nodes the pipeline is searched too: the unstaged search then gets fewer micro-batch counts
+        searches = UNSTAGED_SEARCHES_BESIDE_PIPELINE if stageable and pipeline is not False and \
+            count > base.devices_per_node else None
         try:
-            flat = optimize_unstaged(graph, machine, rules, limits, devices, microbatches=microbatches, **options)
+            flat = optimize_unstaged(graph, machine, rules, limits, devices, microbatches=microbatches,
+                                     searches=searches, **options)
         except DoesNotFit as err:
             if not stageable or pipeline is False:
                 raise
@@ -134,8 +138,12 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     return best_of(flat, found, base.with_devices(count))
 
 
+UNSTAGED_SEARCHES_BESIDE_PIPELINE = 3   # micro-batch counts the unstaged search tries when a pipeline is searched too
+
+
 def optimize_unstaged(graph, machine: Machine | str = "h100x8", rules=None, limits: Limits | Mapping | None = None,
-                      devices: int | None = None, *, microbatches: int | None = None, **options) -> Plan:
+                      devices: int | None = None, *, microbatches: int | None = None, searches: int | None = None,
+                      **options) -> Plan:
     """The cheapest unstaged plan (`optimize_step`), with the step split into micro-batches where one does not fit.
 
     `microbatches=m` runs the step as m micro-batches: a built-in example is
@@ -150,7 +158,8 @@ def optimize_unstaged(graph, machine: Machine | str = "h100x8", rules=None, limi
     largest count that failed (the estimate can overshoot), and the fastest
     plan that fits wins. A plan that fits without micro-batches is not
     split further: more micro-batches cost latency and smaller kernels and
-    save only memory.
+    save only memory. `searches` caps the micro-batch counts searched while none fits (the last plan comes
+    back, or DoesNotFit).
     """
     sizes = dict(options.pop("sizes", None) or {})
     say = options.get("progress") or (lambda _m: None)
@@ -199,7 +208,7 @@ def optimize_unstaged(graph, machine: Machine | str = "h100x8", rules=None, limi
             # monotone in m (a micro-batch that no longer divides among the data-parallel devices needs tensor
             # parallelism), so a far jump can pass over the count that fits best
             more = min(more, _next_count(batch, 2 * m) or more)
-        if more is None or more in tried:
+        if more is None or more in tried or (searches is not None and len(tried) >= searches):
             if plan is not None:
                 return plan
             raise needed

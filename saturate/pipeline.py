@@ -35,9 +35,9 @@ from typing import Mapping, Sequence
 from parsat.ir.costs import NodeCost, Totals
 from parsat.ir.machine import Machine
 from parsat.ir.pcg import PCG, weight_storage
-from parsat.ir.pipeline import (GPIPE, INTERLEAVED, ONE_F_ONE_B, PipelineError, PipelinePlan, StageFigures,
-                                StageLayout, lay_out_stages, p2p_elements, pcg_layers, shared_weight_elements,
-                                simulate_schedule, stage_comm_elements)
+from parsat.ir.pipeline import (GPIPE, INTERLEAVED, ONE_F_ONE_B, LayerMap, PipelineError, PipelinePlan,
+                                StageFigures, StageLayout, p2p_elements, shared_weight_elements, simulate_schedule,
+                                stage_comm_elements)
 from parsat.ir.plan import Plan
 from parsat.saturate.collectives import ALL_REDUCE, SEND_RECV, GroupTopology, price
 
@@ -71,21 +71,10 @@ def node_share(cost: NodeCost, microbatches: int) -> LayerCost:
                      cost.activation_bytes, state, cost.optimizer_s)
 
 
-def layer_costs(pcg: PCG, costs: Mapping[int, NodeCost], microbatches: int) -> dict[int, LayerCost]:
-    """Layer -> its cost: the nodes a one-chunk-per-layer layout gives each layer (free values with the first
-    layer that reads them, as a stage computes each once)."""
-    layers = pcg_layers(pcg)
-    layout = lay_out_stages(pcg, layers, len(layers))   # one chunk per layer, one stage each: who computes what
-    out: dict[int, LayerCost] = {}
-    charged: set[int] = set()
-    for chunk in layout.chunks:
-        total = LayerCost()
-        for ident in chunk.nodes:
-            if ident not in charged:
-                charged.add(ident)
-                total = total + node_share(costs.get(ident, NodeCost()), microbatches)
-        out[chunk.layers[0]] = total
-    return out
+def layer_costs(plan: Plan) -> dict[int, LayerCost]:
+    """Layer -> its cost in a stage plan: the nodes a one-chunk-per-layer layout gives each layer (free values
+    with the first layer that reads them, as a stage computes each once)."""
+    return StagePricer(plan, plan.machine).layer_costs()
 
 
 def equal_starts(layers: Sequence[int], chunks: int) -> tuple[int, ...]:
@@ -177,113 +166,130 @@ def _pair(s: int, t: int, stage_devices: int, per_node: int) -> GroupTopology:
 def pipelined(plan: Plan, degree: int, schedule: str, machine: Machine, *, chunks_per_stage: int = 1,
               starts: Sequence[int] | None = None) -> Plan:
     """`plan` (a stage plan on S devices) run as `degree` stages on `machine`'s degree x S devices, cut at
-    `starts` (None: `balanced_starts`, falling back to equal layer counts when no balanced cut fits, which
-    the memory figures then show). Raises PipelineError when the layers cannot make the chunks."""
-    m = plan.graph.microbatches
-    stage_devices = plan.devices
-    chunks = degree * chunks_per_stage
-    if schedule != INTERLEAVED and chunks_per_stage != 1:
-        raise PipelineError(f"{schedule} runs one chunk per stage")
-    layers = pcg_layers(plan.pcg)
-    if chunks > len(layers):
-        raise PipelineError(f"'{plan.graph.name}' has {len(layers)} layers to cut, fewer than {chunks} chunks")
-    if starts is not None:
-        return _priced(plan, lay_out_stages(plan.pcg, starts, degree), schedule, machine, stage_devices)
-    # The dynamic programme ranks cuts by the busiest stage; the step also depends on where that stage sits
-    # (fill and drain) and on each stage's tail. So the balanced cut and the layer-count one are both priced by
-    # the simulated schedule, and the better one improved by moving one cut at a time while the step shrinks.
-    per_layer = layer_costs(plan.pcg, plan.costs, m)
-    seen: dict[tuple[int, ...], Plan] = {}
-
-    def price_cut(cut: tuple[int, ...]) -> Plan:
-        if cut not in seen:
-            seen[cut] = _priced(plan, lay_out_stages(plan.pcg, cut, degree), schedule, machine, stage_devices)
-        return seen[cut]
-
-    def rank(p: Plan) -> tuple:
-        return (not p.totals.fits(machine), p.totals.time_s)
-
-    starts_found = [equal_starts(layers, chunks)]
-    balanced = balanced_starts(layers, per_layer, chunks, degree, schedule, m, machine.memory_capacity)
-    if balanced is not None:
-        starts_found.append(balanced)
-    cut = min(starts_found, key=lambda c: rank(price_cut(c)))
-    index = {layer: i for i, layer in enumerate(layers)}
-    while len(seen) < REFINE_PRICINGS:
-        moves = []
-        for k in range(1, chunks):
-            for step in (-1, 1):
-                at = index[cut[k]] + step
-                if index[cut[k - 1]] < at and (k + 1 == chunks or at < index[cut[k + 1]]):
-                    moves.append(cut[:k] + (layers[at],) + cut[k + 1:])
-        better = [c for c in moves if len(seen) < REFINE_PRICINGS and rank(price_cut(c)) < rank(price_cut(cut))]
-        if not better:
-            break
-        cut = min(better, key=lambda c: rank(price_cut(c)))
-    return price_cut(cut)
+    `starts`, or where the cost model finds the step shortest (below). Raises PipelineError when the layers
+    cannot make the chunks."""
+    return StagePricer(plan, machine).pipelined(degree, schedule, chunks_per_stage, starts)
 
 
 REFINE_PRICINGS = 64   # simulated schedules spent improving one pipeline's cut (at most)
 
 
-def _priced(plan: Plan, layout: StageLayout, schedule: str, machine: Machine, stage_devices: int) -> Plan:
-    m = plan.graph.microbatches
-    p = layout.degree
-    dtype = machine.dtype_bytes
-    costs = plan.costs
-    per_chunk: list[LayerCost] = []
-    chains: list[NodeCost] = [NodeCost() for _ in range(p)]
-    charged: list[set[int]] = [set() for _ in range(p)]
-    for chunk in layout.chunks:
-        total = LayerCost()
-        for ident in chunk.nodes:
-            if ident in charged[chunk.stage]:
-                continue
-            charged[chunk.stage].add(ident)
-            cost = costs.get(ident, NodeCost())
-            total = total + node_share(cost, m)
-            if cost.weight_chain:
-                chains[chunk.stage] = _plus(chains[chunk.stage], cost)
-            else:
-                chains[chunk.stage] = _plus(chains[chunk.stage], replace(cost, forward_s=0.0, backward_s=0.0,
-                                                                          comm_s=0.0))
-        per_chunk.append(total)
-    transfers = transfer_seconds(layout, stage_devices, machine, dtype)
-    run = simulate_schedule(layout, schedule, m, [c.forward_s for c in per_chunk],
-                            [c.backward_s for c in per_chunk], transfers,
-                            [c.activation_bytes for c in per_chunk])
-    shared_s = _shared_sync(plan.pcg, layout, stage_devices, machine)
-    sent = p2p_elements(layout, m)
-    stages, ends = [], []
-    for s in range(p):
-        mine = [per_chunk[c.index] for c in layout.stage_chunks(s)]
-        state = sum(c.state_bytes for c in mine)
-        sync = chains[s].comm_s + shared_s.get(s, 0.0)
-        stage_end = max((e for _a, _b, e in run.busy[s]), default=0.0)
-        stages.append(StageFigures(sum(c.forward_s for c in mine), sum(c.backward_s for c in mine), sync,
-                                   chains[s].optimizer_s, state + run.activation_peak_bytes[s], run.in_flight[s]))
-        ends.append(stage_end + sync + chains[s].optimizer_s)
-    step = max(ends)
-    shared = shared_weight_elements(plan.pcg, layout)
-    stage_comm = [collectives + shared.get(s, 0) + sum(v for (a, _b), v in sent.items() if a == s)
-                  for s, collectives in enumerate(stage_comm_elements(layout, costs))]
-    busiest = max(range(p), key=lambda s: stage_comm[s])
-    p2p_bytes = max((sum(v for (a, _b), v in sent.items() if a == s) for s in range(p)), default=0) * dtype
-    figures = PipelinePlan(schedule, m, stage_devices, layout, tuple(stages),
-                           tuple(c.forward_s for c in per_chunk), tuple(c.backward_s for c in per_chunk),
-                           tuple(c.activation_bytes for c in per_chunk), run.bubble_fraction, p2p_bytes,
-                           tuple((a, b, t) for (a, b), t in sorted(transfers.items())))
-    compute = max((s.forward_s + s.backward_s) * m + s.optimizer_s for s in stages)
-    totals = Totals(step, int(stage_comm[busiest]), int(stage_comm[busiest]) * dtype,
-                    max(s.memory_bytes for s in stages),
-                    max(stage_comm_elements(layout, costs, "grad_sync_elements")),
-                    compute, max(s.sync_s for s in stages) + figures.transfer_s * 2 * m)
-    return replace(plan, machine=machine, devices=p * stage_devices, totals=totals, pipeline=figures)
+class StagePricer:
+    """Prices cuts of one stage plan on one machine: the per-node figures and the PCG's layer map are worked
+    out once, since the cut search prices many cuts of the same plan."""
 
+    def __init__(self, plan: Plan, machine: Machine):
+        self.plan, self.machine = plan, machine
+        self.layer_map = LayerMap(plan.pcg)
+        self.microbatches = plan.graph.microbatches
+        self.shares = {ident: node_share(cost, self.microbatches) for ident, cost in plan.costs.items()}
+        # once per step, per node: a weight chain's collectives (the stage's sync) and the optimizer
+        self.chain_s = {ident: cost.comm_s for ident, cost in plan.costs.items() if cost.weight_chain}
+        self.optimizer_s = {ident: cost.optimizer_s for ident, cost in plan.costs.items()}
 
-def _plus(a: NodeCost, b: NodeCost) -> NodeCost:
-    return replace(a, forward_s=a.forward_s + b.forward_s, backward_s=a.backward_s + b.backward_s,
-                   optimizer_s=a.optimizer_s + b.optimizer_s, comm_s=a.comm_s + b.comm_s)
+    def pipelined(self, degree: int, schedule: str, chunks_per_stage: int = 1,
+                  starts: Sequence[int] | None = None) -> Plan:
+        m = self.microbatches
+        chunks = degree * chunks_per_stage
+        if schedule != INTERLEAVED and chunks_per_stage != 1:
+            raise PipelineError(f"{schedule} runs one chunk per stage")
+        layers = self.layer_map.layers
+        if chunks > len(layers):
+            raise PipelineError(f"'{self.plan.graph.name}' has {len(layers)} layers to cut, fewer than {chunks} "
+                                "chunks")
+        if starts is not None:
+            return self.price(self.layer_map.lay_out(starts, degree), schedule)
+        # The dynamic programme ranks cuts by the busiest stage; the step also depends on where that stage sits
+        # (fill and drain) and on each stage's tail. So the balanced cut and the layer-count one are both priced
+        # by the simulated schedule, and the better one improved by moving one cut at a time while the step
+        # shrinks.
+        seen: dict[tuple[int, ...], Plan] = {}
+
+        def price_cut(cut: tuple[int, ...]) -> Plan:
+            if cut not in seen:
+                seen[cut] = self.price(self.layer_map.lay_out(cut, degree), schedule)
+            return seen[cut]
+
+        def rank(p: Plan) -> tuple:
+            return (not p.totals.fits(self.machine), p.totals.time_s)
+
+        found = [equal_starts(layers, chunks)]
+        balanced = balanced_starts(layers, self.layer_costs(), chunks, degree, schedule, m,
+                                   self.machine.memory_capacity)
+        if balanced is not None:
+            found.append(balanced)
+        cut = min(found, key=lambda c: rank(price_cut(c)))
+        index = {layer: i for i, layer in enumerate(layers)}
+        while len(seen) < REFINE_PRICINGS:
+            moves = []
+            for k in range(1, chunks):
+                for step in (-1, 1):
+                    at = index[cut[k]] + step
+                    if index[cut[k - 1]] < at and (k + 1 == chunks or at < index[cut[k + 1]]):
+                        moves.append(cut[:k] + (layers[at],) + cut[k + 1:])
+            better = [c for c in moves
+                      if len(seen) < REFINE_PRICINGS and rank(price_cut(c)) < rank(price_cut(cut))]
+            if not better:
+                break
+            cut = min(better, key=lambda c: rank(price_cut(c)))
+        return price_cut(cut)
+
+    def layer_costs(self) -> dict[int, LayerCost]:
+        """Layer -> its cost (`layer_costs`)."""
+        layers = self.layer_map.layers
+        layout = self.layer_map.lay_out(layers, len(layers))   # one chunk per layer: who computes what
+        return dict(zip(layers, self._chunk_costs(layout)))
+
+    def _chunk_costs(self, layout: StageLayout) -> list[LayerCost]:
+        """Each chunk's cost: its nodes' shares, a value two chunks of one stage read counted with the first."""
+        charged: list[set[int]] = [set() for _ in range(layout.degree)]
+        out = []
+        for chunk in layout.chunks:
+            mine = [i for i in chunk.nodes if i not in charged[chunk.stage] and i in self.shares]
+            charged[chunk.stage].update(mine)
+            shares = [self.shares[i] for i in mine]
+            out.append(LayerCost(sum(c.forward_s for c in shares), sum(c.backward_s for c in shares),
+                                 sum(c.activation_bytes for c in shares), sum(c.state_bytes for c in shares),
+                                 sum(c.step_s for c in shares)))
+        return out
+
+    def price(self, layout: StageLayout, schedule: str) -> Plan:
+        """The plan cut as `layout`, run in `schedule`, priced (see the module docstring)."""
+        plan, machine, m = self.plan, self.machine, self.microbatches
+        p, stage_devices, dtype = layout.degree, plan.devices, machine.dtype_bytes
+        per_chunk = self._chunk_costs(layout)
+        transfers = transfer_seconds(layout, stage_devices, machine, dtype)
+        run = simulate_schedule(layout, schedule, m, [c.forward_s for c in per_chunk],
+                                [c.backward_s for c in per_chunk], transfers,
+                                [c.activation_bytes for c in per_chunk])
+        shared_s = _shared_sync(plan.pcg, layout, stage_devices, machine)
+        sent = p2p_elements(layout, m)
+        stages, ends = [], []
+        for s in range(p):
+            nodes = layout.stage_nodes(s)
+            mine = [per_chunk[c.index] for c in layout.stage_chunks(s)]
+            sync = sum(self.chain_s.get(i, 0.0) for i in nodes) + shared_s.get(s, 0.0)
+            optimizer = sum(self.optimizer_s.get(i, 0.0) for i in nodes)
+            stage_end = max((e for _a, _b, e in run.busy[s]), default=0.0)
+            stages.append(StageFigures(sum(c.forward_s for c in mine), sum(c.backward_s for c in mine), sync,
+                                       optimizer, sum(c.state_bytes for c in mine) + run.activation_peak_bytes[s],
+                                       run.in_flight[s]))
+            ends.append(stage_end + sync + optimizer)
+        shared = shared_weight_elements(plan.pcg, layout)
+        stage_comm = [collectives + shared.get(s, 0) + sum(v for (a, _b), v in sent.items() if a == s)
+                      for s, collectives in enumerate(stage_comm_elements(layout, plan.costs))]
+        busiest = max(range(p), key=lambda s: stage_comm[s])
+        p2p_bytes = max((sum(v for (a, _b), v in sent.items() if a == s) for s in range(p)), default=0) * dtype
+        figures = PipelinePlan(schedule, m, stage_devices, layout, tuple(stages),
+                               tuple(c.forward_s for c in per_chunk), tuple(c.backward_s for c in per_chunk),
+                               tuple(c.activation_bytes for c in per_chunk), run.bubble_fraction, p2p_bytes,
+                               tuple((a, b, t) for (a, b), t in sorted(transfers.items())))
+        compute = max((s.forward_s + s.backward_s) * m + s.optimizer_s for s in stages)
+        totals = Totals(max(ends), int(stage_comm[busiest]), int(stage_comm[busiest]) * dtype,
+                        max(s.memory_bytes for s in stages),
+                        max(stage_comm_elements(layout, plan.costs, "grad_sync_elements")),
+                        compute, max(s.sync_s for s in stages) + figures.transfer_s * 2 * m)
+        return replace(plan, machine=machine, devices=p * stage_devices, totals=totals, pipeline=figures)
 
 
 def _shared_sync(pcg: PCG, layout: StageLayout, stage_devices: int, machine: Machine) -> dict[int, float]:

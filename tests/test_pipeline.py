@@ -151,7 +151,7 @@ def test_cut_points_follow_the_cost_not_the_layer_count():
     slowest = max(s.forward_s + s.backward_s for s in balanced.pipeline.stages)
     assert slowest < max(s.forward_s + s.backward_s for s in equal.pipeline.stages)
     # memory is a limit of the cut: with room for little more than one wide block per stage the cut still fits
-    costs = layer_costs(stage.pcg, stage.costs, 16)
+    costs = layer_costs(stage)
     wide = costs[0].state_bytes + 4 * costs[0].activation_bytes     # stage 0 holds 4 micro-batches (1F1B)
     starts = balanced_starts(layers, costs, 4, 4, ONE_F_ONE_B, 16, wide * 1.05)
     assert starts is not None and starts[:2] == (0, 1)
