@@ -118,7 +118,7 @@ def pinned_meshes(degrees: Mapping[str, int], devices: int, devices_per_node: in
     if unknown:
         raise PinError(f"unknown parallelism {', '.join(unknown)} in --degrees (pin {', '.join(PINNABLE)})")
     if "pp" in degrees and degrees["pp"] != 1:
-        raise PinError("pp: pipeline parallelism is chosen by the pipeline search, which this plan does not run")
+        raise PinError("pp: one stage's search pins dp and tp only; `optimize` searches the pipeline around it")
     for kind, value in degrees.items():
         if not isinstance(value, int) or value < 1:
             raise PinError(f"{kind} must be a positive integer, got {value!r}")

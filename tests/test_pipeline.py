@@ -138,8 +138,8 @@ def _uneven(library=None):
 
 
 def test_cut_points_follow_the_cost_not_the_layer_count():
-    stage = optimize(_uneven(), "h100x8", devices=2, limits={"seconds": 20, "enodes": 50000}, baselines=False,
-                     microbatches=16)
+    stage = optimize(_uneven(), "h100x8", devices=2, limits={"seconds": 10, "enodes": 15000, "ilp_seconds": 2},
+                     baselines=False, microbatches=16)
     machine = Machine.resolve("h100x8").with_devices(8)
     balanced = pipelined(stage, 4, ONE_F_ONE_B, machine)
     layers = pcg_layers(stage.pcg)
