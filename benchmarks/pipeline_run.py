@@ -2,11 +2,10 @@
 
     .venv/bin/python benchmarks/pipeline_run.py [--steps 3]
 
-Each plan is a stage plan from `optimize` (1 device, TP 2 or DP 2, 4
-micro-batches) cut into 2 stages by `ir.pipeline.lay_out_stages` (until the
-search of cut points lands, the cuts are given here: after block 0, or
-4 chunks of one layer run for interleaved 1F1B) and written to a plan
-file, which `parsat run` then trains on gloo ranks, as a user would. Prints
+Each plan comes from the pipeline search (`parsat.optimize` with `pp=2`
+pinned, dp or tp of the stage pinned, 4 micro-batches, the schedule pinned):
+the cut points are the search's, and the plan is written to a file, which
+`parsat run` then trains on gloo ranks, as a user would. Prints
 the command per plan and a markdown table (benchmarks/backend_results.md,
 section "Pipelined plans").
 """
@@ -19,12 +18,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from parsat.api import optimize
 from parsat.ir.machine import Machine
-from parsat.ir.pipeline import PipelinePlan, lay_out_stages
 
 SIZES = {"blocks": 4, "batch": 8, "seq": 16, "hidden": 32, "heads": 2, "vocab": 64}
 MICROBATCHES = 4
@@ -33,12 +30,12 @@ MACHINE = Machine("two-nodes-of-two", 2, 2, peak_flops=1e8, memory_bandwidth=1e1
                   intra_bandwidth=1e12, intra_latency=1e-9, inter_bandwidth=1e9, inter_latency=1e-6)
 # label -> (stage devices, pinned degrees, schedule, chunk starts)
 PLANS = {
-    "PP 2, 1F1B": (1, None, "1f1b", [-1, 1]),
-    "PP 2, GPipe": (1, None, "gpipe", [-1, 1]),
-    "PP 2, interleaved v=2": (1, None, "interleaved", [-1, 1, 2, 3]),
-    "PP 2 x DP 2, 1F1B": (2, {"dp": 2}, "1f1b", [-1, 1]),
-    "PP 2 x TP 2, 1F1B": (2, {"tp": 2}, "1f1b", [-1, 1]),
-    "PP 2 x TP 2, interleaved v=2": (2, {"tp": 2}, "interleaved", [-1, 1, 2, 3]),
+    "PP 2, 1F1B": (None, "1f1b"),
+    "PP 2, GPipe": (None, "gpipe"),
+    "PP 2, interleaved v=2": (None, "interleaved"),
+    "PP 2 x DP 2, 1F1B": ({"dp": 2}, "1f1b"),
+    "PP 2 x TP 2, 1F1B": ({"tp": 2}, "1f1b"),
+    "PP 2 x TP 2, interleaved v=2": ({"tp": 2}, "interleaved"),
 }
 
 
@@ -46,17 +43,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
-    stage_plans: dict = {}
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        for index, (label, (devices, degrees, schedule, starts)) in enumerate(PLANS.items()):
-            key = (devices, json.dumps(degrees))
-            if key not in stage_plans:
-                stage_plans[key] = optimize("gpt", MACHINE, devices=devices, sizes=SIZES, microbatches=MICROBATCHES,
-                                            degrees=degrees)
-            stage = stage_plans[key]
-            layout = lay_out_stages(stage.pcg, starts, 2)
-            plan = replace(stage, devices=2 * devices, pipeline=PipelinePlan(schedule, MICROBATCHES, devices, layout))
+        for index, (label, (degrees, schedule)) in enumerate(PLANS.items()):
+            devices = 2 * (2 if degrees else 1)
+            plan = optimize("gpt", MACHINE, devices=devices, sizes=SIZES, microbatches=MICROBATCHES,
+                            degrees={"pp": 2, **(degrees or {})}, schedule=schedule)
+            cuts = " | ".join(",".join(map(str, c.layers)) for c in plan.pipeline.layout.chunks)
+            print(f"{label}: chunks (layers) {cuts}", flush=True)
             path = Path(folder) / f"plan{index}.json"
             plan.save(path)
             command = [sys.executable, "-m", "parsat", "run", str(path), "--nproc", str(plan.devices), "--check",

@@ -26,16 +26,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from math import prod
-from typing import Callable, Sequence
+from typing import Callable
 
-from parsat.ir.costs import Totals
 from parsat.ir.machine import Machine
-from parsat.ir.pipeline import INTERLEAVED, SCHEDULES, PipelineError
+from parsat.ir.pipeline import INTERLEAVED, SCHEDULES, PipelineError, pcg_layers
 from parsat.ir.plan import BaselinePlan, Plan
 from parsat.saturate.cost import weight_bytes
 from parsat.saturate.errors import DoesNotFit, OptimizeError
 from parsat.saturate.pipeline import SCHEDULE_CHOICES, equal_starts, pipelined
-from parsat.ir.pipeline import pcg_layers
 
 DEGREES_TRIED = 2          # pipeline degrees searched when none is pinned
 STATE_SHARE = 0.8          # of a device's memory the weights' state may take when choosing the least degree
@@ -48,7 +46,7 @@ class PipelineSearch:
     """What the pipeline search found: its pipelined candidates, the PTD-P grid points, and what it tried."""
 
     plans: tuple[Plan, ...]
-    grid: tuple[tuple[Totals, dict], ...]
+    grid: tuple[tuple[Plan, dict], ...]      # PTD-P points: the pipelined plan and its configuration
     tried: tuple[dict, ...]
 
 
@@ -84,7 +82,7 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
     if schedule is not None and schedule not in SCHEDULES:
         raise OptimizeError(f"unknown schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
     plans: list[Plan] = []
-    grid: list[tuple[Totals, dict]] = []
+    grid: list[tuple[Plan, dict]] = []
     tried: list[dict] = []
     for p in pipeline_degrees(devices, machine, parameters, layers, degree):
         stage_devices = devices // p
@@ -124,7 +122,7 @@ def _schedules(pinned: str | None, p: int, m: int, layers: int) -> list[tuple[st
     return out
 
 
-def _grid_points(stage: Plan, p: int, schedule: str, v: int, machine: Machine) -> list[tuple[Totals, dict]]:
+def _grid_points(stage: Plan, p: int, schedule: str, v: int, machine: Machine) -> list[tuple[Plan, dict]]:
     """The grid's configuration on this stage mesh as PTD-P points: equal layer counts per stage, `schedule`."""
     chosen = stage.baseline_plans.get("best_grid")
     if chosen is None or chosen.pcg is None or schedule not in ("1f1b", INTERLEAVED):
@@ -138,20 +136,25 @@ def _grid_points(stage: Plan, p: int, schedule: str, v: int, machine: Machine) -
         return []
     config = {**dict(chosen.config or {}), "pp": p, "schedule": schedule, "chunks_per_stage": v,
               "microbatches": stage.graph.microbatches, "cuts": "equal layer counts"}
-    return [(plan.totals, config)]
+    return [(plan, config)]
 
 
 def best_of(flat: Plan | None, found: PipelineSearch, machine: Machine) -> Plan:
     """The fastest plan that fits (the unstaged one on a tie), with best_grid the best grid point of both and
     the pipeline search's trials in `saturation.pipeline_search`."""
-    candidates = ([flat] if flat is not None else []) + list(found.plans)
+    grid_plans = [g for g, _c in found.grid]
+    candidates = ([flat] if flat is not None else []) + list(found.plans) + grid_plans
     if not candidates:
         raise OptimizeError("no plan: neither the unstaged search nor any pipeline found one")
-    best = min(candidates, key=lambda c: (not c.totals.fits(machine), round(c.totals.time_s, 12), c is not flat))
+    # a grid point is a whole pipelined plan: when it is strictly the fastest it is the plan, and says so
+    best = min(candidates, key=lambda c: (not c.totals.fits(machine), round(c.totals.time_s, 12), c is not flat,
+                                          any(c is g for g in grid_plans)))
+    if any(best is g for g in grid_plans):
+        best = replace(best, extraction={**dict(best.extraction), "chosen": "best_grid"})
     # the unstaged search's baselines are over every device; a stage search's are over a stage's only
     baselines = dict(flat.baselines) if flat is not None else {}
     baseline_plans = dict(flat.baseline_plans) if flat is not None else {}
-    fitting = [(t, c) for t, c in found.grid if t.fits(machine)]
+    fitting = [(g.totals, c) for g, c in found.grid if g.totals.fits(machine)]
     if fitting:
         totals, config = min(fitting, key=lambda g: g[0].time_s)
         current = baselines.get("best_grid")
