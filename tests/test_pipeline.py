@@ -191,3 +191,16 @@ def test_show_draws_the_schedule_and_refuses_an_unpipelined_plan(stage_plan, tmp
     assert main(["explain", str(path)]) == 0
     lanes = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("stage 0 ")]
     assert lanes and set(lanes[0].split("|")[1]) <= set("FB.") and "F" in lanes[0] and "B" in lanes[0]
+
+
+def test_degrees_start_where_a_stage_holds_its_weights_and_counts_divide_the_batch():
+    from parsat.saturate.pipeline_search import microbatch_counts, pipeline_degrees
+    a100 = Machine.resolve("a100x8")
+    # GPT-3 175B: 2.8 TB of weights' state; 8 stages of 128 devices hold 44 GB each with TP 8, 4 stages 88 GB
+    assert pipeline_degrees(1024, a100, 175_000_000_000, 97, None) == [8, 16]
+    assert pipeline_degrees(64, a100, 1_300_000_000, 25, None) == [2, 4]
+    assert pipeline_degrees(64, a100, 1_300_000_000, 25, 4) == [4]
+    assert pipeline_degrees(8, a100, 1_300_000_000, 3, None) == [2]          # no more stages than layers
+    assert microbatch_counts(512, 8, None) == [32, 64]
+    assert microbatch_counts(24, 4, None) == [24]                           # 16 and 32 do not divide 24
+    assert microbatch_counts(512, 8, 12) == [12]
