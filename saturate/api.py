@@ -194,9 +194,11 @@ def optimize_unstaged(graph, machine: Machine | str = "h100x8", rules=None, limi
             # (larger kernels, fewer activation collectives), so bisect towards the largest count that failed
             fewer = _fewer_micro_batches(batch, failed, best.graph.microbatches, tried)
             if fewer is None or refined == REFINEMENTS:
+                # beside a pipeline search, the grid's pipelined points stand in for more unstaged searches
                 return _with_grid(best, plans, tried, batch, say,
                                   lambda k: optimize_step(graph, machine, rules, limits, devices,
-                                                          **_split(options, sizes, batch, k)))
+                                                          **_split(options, sizes, batch, k)),
+                                  GRID_SEARCHES if searches is None else 0)
             refined += 1
             say(f"a plan fits with {best.graph.microbatches} micro-batches: trying {fewer}")
             m = fewer
@@ -228,10 +230,10 @@ def _next_count(batch: int, least: int, skip: set[int] = frozenset()) -> int | N
 
 
 def _with_grid(best: Plan, plans: Sequence[Plan], tried: set[int], batch: int, say: Progress,
-               search: Callable[[int], Plan]) -> Plan:
+               search: Callable[[int], Plan], extra: int = GRID_SEARCHES) -> Plan:
     """`best` compared with every baseline at every micro-batch count searched: Megatron-style grids choose
     their micro-batch count too, and theirs may be larger than the joint plan's (tensor parallelism of one
-    sequence per data-parallel rank). While no grid configuration fits, up to `GRID_SEARCHES` searches at
+    sequence per data-parallel rank). While no grid configuration fits, up to `extra` searches at
     twice the micro-batches are added. A baseline faster than the joint plan at its own count makes that
     search's plan the answer (it is a whole plan at that count); otherwise each baseline's best totals across
     counts are kept, with the count in its configuration, and its PCG when it was found at `best`'s count."""
@@ -242,7 +244,7 @@ def _with_grid(best: Plan, plans: Sequence[Plan], tried: set[int], batch: int, s
 
     if "best_grid" in best.baselines:   # baselines were asked for
         m = max(p.graph.microbatches for p in plans)
-        for _ in range(GRID_SEARCHES):
+        for _ in range(extra):
             if fitting("best_grid"):
                 break
             m = _next_count(batch, 2 * m, tried)
