@@ -154,11 +154,13 @@ def best_of(flat: Plan | None, found: PipelineSearch, machine: Machine) -> Plan:
     # the unstaged search's baselines are over every device; a stage search's are over a stage's only
     baselines = dict(flat.baselines) if flat is not None else {}
     baseline_plans = dict(flat.baseline_plans) if flat is not None else {}
-    fitting = [(g.totals, c) for g, c in found.grid if g.totals.fits(machine)]
-    if fitting:
-        totals, config = min(fitting, key=lambda g: g[0].time_s)
+    if found.grid:
+        # the fastest point that fits, else the one nearest to fitting (shown with the memory it needs)
+        totals, config = min(((g.totals, c) for g, c in found.grid),
+                             key=lambda g: (not g[0].fits(machine),
+                                            g[0].time_s if g[0].fits(machine) else g[0].peak_memory_bytes))
         current = baselines.get("best_grid")
-        if current is None or not current.fits(machine) or totals.time_s < current.time_s:
+        if current is None or (totals.fits(machine), -totals.time_s) > (current.fits(machine), -current.time_s):
             baselines["best_grid"] = totals
             baseline_plans["best_grid"] = BaselinePlan(None, {}, config)
     saturation = {**dict(best.saturation), "pipeline_search": list(found.tried)}
