@@ -65,6 +65,14 @@ class NodeCost:
                        flops=self.flops * factor, accumulation_bytes=self.accumulation_bytes * factor,
                        activation_bytes=self.activation_bytes * factor)
 
+    def with_in_flight(self, count: int) -> "NodeCost":
+        """This cost with `count` micro-batches' activations alive at once (a pipeline stage's warm-up): what
+        a stage search ranks memory by (`saturate.pipeline_search`)."""
+        if count == 1:
+            return self
+        extra = (count - 1) * self.activation_bytes
+        return replace(self, memory_bytes=self.memory_bytes + extra, activation_bytes=self.activation_bytes + extra)
+
     def per_step(self, microbatches: int) -> "NodeCost":
         """This node's cost per step when a step runs `microbatches` micro-batches (gradient accumulation).
 

@@ -127,8 +127,9 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     say = options.get("progress") or (lambda _m: None)
     whole = resolve_graph(graph, resolve_library(rules), sizes)
 
-    def stage_plan(stage_machine: Machine, stage_devices: int, m: int) -> Plan:
-        return optimize_step(graph, stage_machine, rules, limits, stage_devices, **_split(options, sizes, batch, m))
+    def stage_plan(stage_machine: Machine, stage_devices: int, m: int, in_flight: int) -> Plan:
+        return optimize_step(graph, stage_machine, rules, limits, stage_devices, in_flight=in_flight,
+                             **_split(options, sizes, batch, m))
 
     found = search_pipelines(stage_plan, base.with_devices(count), count, batch, parameters_of(whole), blocks + 1,
                              degree=pp if pp and pp > 1 else None, microbatches=microbatches, schedule=schedule,
@@ -343,7 +344,7 @@ def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: 
              input_spreads: Mapping[str, Degrees | Mapping] | None = None, free_input_layouts: bool = True,
              baselines: bool = True, sizes: Mapping[str, int] | None = None,
              degrees: Mapping[str, int] | None = None, progress: Progress | None = None,
-                  microbatches_of: int = 1, repeat_blocks: bool = True) -> Plan:
+                  microbatches_of: int = 1, repeat_blocks: bool = True, in_flight: int = 1) -> Plan:
     """The cheapest plan the chosen rules reach for `graph` on `devices` devices of `machine`.
 
     `graph` is a Graph, a graph JSON path or an example name (with `sizes`);
@@ -359,7 +360,8 @@ def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: 
     parallelism (`{"tp": 2, "dp": 4}`: `strategies.pinned_meshes`) and
     searches the rest. A built-in example of more than three identical
     blocks is searched as three and the middle block's plan repeated
-    (`repeat`), unless `repeat_blocks` is False. Raises OptimizeError,
+    (`repeat`), unless `repeat_blocks` is False. `in_flight` ranks memory with that many micro-batches'
+    activations alive (a pipeline stage's, `pipeline_search`). Raises OptimizeError,
     GraphError or MachineError with a message for the user.
     """
     say = progress or (lambda _m: None)
@@ -413,7 +415,7 @@ def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: 
             break
         found = search_mesh(searched, library, chosen, mesh, Deadline(time.perf_counter() + share.seconds, limits),
                             machine, placed, input_pins, free_input_layouts, baselines, caches, say, config,
-                            repetition)
+                            repetition, in_flight)
         searches.append(found)
     if pinned and not any(s.joint for s in searches):
         raise OptimizeError(f"--degrees {', '.join(f'{k}={v}' for k, v in degrees.items())} cannot hold for "
@@ -569,7 +571,8 @@ class CandidateSteps:
 def search_mesh(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh: Mesh, clock: "Deadline",
                 machine: Machine, pins: Mapping[str, Placement], input_pins: Mapping[str, Degrees],
                 free_inputs: bool, baselines: bool, caches: MeshCaches, say: Progress,
-                config: Config | None = None, repetition: Repetition | None = None) -> MeshSearch:
+                config: Config | None = None, repetition: Repetition | None = None,
+                in_flight: int = 1) -> MeshSearch:
     """Saturate on one mesh, price every e-node, extract the joint plan (within `config`, pinned degrees, when
     given) and the baselines that restrict the same e-graph (Megatron, the grid), all before `clock`'s deadline
     (extractions past it take the greedy passes only: a plan, never none). With a `repetition`, `graph` is the
@@ -585,7 +588,8 @@ def search_mesh(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], m
     pinned = config_excluded(result.snapshot, leaf_roles(result.snapshot, graph), config) if config else None
     try:
         pcg, costs, extraction = solve(result, graph, library, machine, roots, clock.remaining(),
-                                       free_inputs, pinned, pins=input_pins, costs=priced, repetition=repetition)
+                                       free_inputs, pinned, pins=input_pins, costs=priced, repetition=repetition,
+                                       in_flight=in_flight)
     except ExtractionError as err:
         return MeshSearch(mesh, pins, result, None, None, None, None, time.perf_counter() - t, spread, str(err),
                           err.needed_bytes)

@@ -2,9 +2,12 @@
 
 For each pipeline degree p tried, the joint search (`api.optimize_step`)
 finds the stage plan: the whole model on a stage mesh of S = devices / p
-devices, with each stage holding about 1/p of the weights' state (the
-search is told a device p times the size, so that it ranks plans by what
-a stage holds; the exact memory of each stage is priced after the cut).
+devices. A stage holds about 1/p of the weights' state and, on the first
+stage of 1F1B, p micro-batches of 1/p of the layers' activations: so the
+search is told a device p times the size and ranks memory with p
+micro-batches in flight (state + p x activations <= p x capacity is the
+first stage's state / p + activations <= capacity); each stage's exact
+memory is priced after the cut.
 `pipeline.pipelined` then chooses the cut points by the cost model and
 prices each schedule; the fastest pipelined plan that fits competes with
 the unstaged plan on the same cost model. This is Alpa's split (the
@@ -38,7 +41,8 @@ from parsat.saturate.pipeline import SCHEDULE_CHOICES, equal_starts, pipelined
 DEGREES_TRIED = 2          # pipeline degrees searched when none is pinned
 STATE_SHARE = 0.8          # of a device's memory the weights' state may take when choosing the least degree
 
-StageSearch = Callable[[Machine, int, int], Plan]    # (stage machine, stage devices, micro-batches) -> stage plan
+StageSearch = Callable[[Machine, int, int, int], Plan]
+"""(stage machine, stage devices, micro-batches, micro-batches in flight) -> the stage plan"""
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,7 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
         for m in microbatch_counts(batch, p, microbatches):
             say(f"pipeline {p} stages of {stage_devices} devices, {m} micro-batches: searching the stage plan")
             try:
-                stage = search(stage_machine, stage_devices, m)
+                stage = search(stage_machine, stage_devices, m, min(p, m))
             except (DoesNotFit, OptimizeError) as err:
                 say(f"pipeline {p} x {m} micro-batches: no stage plan ({err})")
                 tried.append({"pp": p, "microbatches": m, "error": str(err)})

@@ -30,14 +30,18 @@ from parsat.saturate.snapshot import Snapshot
 def solve(result: SaturationResult, graph: Graph, library: Library, machine: Machine, roots: Sequence[int],
           limits: Limits, free_inputs: bool, exclude=None, pins: Mapping[str, Degrees] | None = None,
           costs: Mapping[NodeId, NodeCost] | None = None,
-          repetition: Repetition | None = None) -> tuple[PCG, dict[int, NodeCost], Extraction]:
+          repetition: Repetition | None = None, in_flight: int = 1) -> tuple[PCG, dict[int, NodeCost], Extraction]:
     """Extract from `result` (with `costs`, the e-nodes priced, when already known) and build the PCG.
+
+    `in_flight` > 1 ranks memory with that many micro-batches' activations alive (a pipeline stage's), while
+    the PCG's costs stay one micro-batch's, as every plan's are.
 
     With a `repetition`, `graph` is the searched blocks and the PCG that comes back the whole model's
     (`repeat.stamp`), priced node by node (RepeatError when the plan's blocks are not laid out alike)."""
     if costs is None:
         costs = price(result, graph, library, machine, free_inputs, pins, repetition)
-    extraction = extract(result.snapshot, costs, roots, machine.memory_capacity, limits.ilp_seconds, exclude)
+    ranked = costs if in_flight == 1 else {k: c.with_in_flight(in_flight) for k, c in costs.items()}
+    extraction = extract(result.snapshot, ranked, roots, machine.memory_capacity, limits.ilp_seconds, exclude)
     pcg, ident = pcg_from_extraction(result, extraction, graph, library, roots, graph.outputs)
     if repetition is not None:
         names = value_names(result.snapshot, result.classes)
