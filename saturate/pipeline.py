@@ -225,7 +225,7 @@ class StagePricer:
             for k in range(1, chunks):
                 for step in (-1, 1):
                     at = index[cut[k]] + step
-                    if index[cut[k - 1]] < at and (k + 1 == chunks or at < index[cut[k + 1]]):
+                    if index[cut[k - 1]] < at < (len(layers) if k + 1 == chunks else index[cut[k + 1]]):
                         moves.append(cut[:k] + (layers[at],) + cut[k + 1:])
             better = [c for c in moves
                       if len(seen) < REFINE_PRICINGS and rank(price_cut(c)) < rank(price_cut(cut))]

@@ -204,3 +204,13 @@ def test_degrees_start_where_a_stage_holds_its_weights_and_counts_divide_the_bat
     assert microbatch_counts(512, 8, None) == [32, 64]
     assert microbatch_counts(24, 4, None) == [24]                           # 16 and 32 do not divide 24
     assert microbatch_counts(512, 8, 12) == [12]
+
+
+def test_the_last_cut_can_move_to_the_last_layer_and_no_further(stage_plan):
+    machine = Machine.resolve("cpu").with_devices(8)
+    # 4 chunks of 5 layers: the search moves cuts one layer at a time, the last one up to the last layer
+    plan = pipelined(stage_plan, 4, ONE_F_ONE_B, machine)
+    starts = [c.layers[0] for c in plan.pipeline.layout.chunks]
+    assert starts == sorted(starts) and starts[-1] <= 3 and len(starts) == 4
+    interleaved = pipelined(stage_plan, 2, INTERLEAVED, machine.with_devices(4), chunks_per_stage=2)
+    assert [c.stage for c in interleaved.pipeline.layout.chunks] == [0, 1, 0, 1]
