@@ -149,7 +149,11 @@ def best_of(flat: Plan | None, found: PipelineSearch, machine: Machine) -> Plan:
     grid_plans = [g for g, _c in found.grid]
     candidates = ([flat] if flat is not None else []) + list(found.plans) + grid_plans
     if not candidates:
-        raise OptimizeError("no plan: neither the unstaged search nor any pipeline found one")
+        why = "; ".join(f"pp {t['pp']} x {t['microbatches']} micro-batches"
+                        + (f" ({t['schedule']})" if "schedule" in t else "") + f": {t['error']}"
+                        for t in found.tried if "error" in t)
+        raise OptimizeError("no pipelined plan: " + (why or "no schedule applies to the micro-batch counts tried "
+                                                            "(interleaved needs a multiple of the stages)"))
     # a grid point is a whole pipelined plan: when it is strictly the fastest it is the plan, and says so
     best = min(candidates, key=lambda c: (not c.totals.fits(machine), round(c.totals.time_s, 12), c is not flat,
                                           any(c is g for g in grid_plans)))

@@ -214,3 +214,9 @@ def test_the_last_cut_can_move_to_the_last_layer_and_no_further(stage_plan):
     assert starts == sorted(starts) and starts[-1] <= 3 and len(starts) == 4
     interleaved = pipelined(stage_plan, 2, INTERLEAVED, machine.with_devices(4), chunks_per_stage=2)
     assert [c.stage for c in interleaved.pipeline.layout.chunks] == [0, 1, 0, 1]
+
+
+def test_a_pinned_pipeline_that_cannot_be_says_why():
+    with pytest.raises(OptimizeError, match="interleaved needs a multiple of the stages"):
+        optimize("gpt", "cpu", devices=4, sizes=SIZES, degrees={"pp": 4}, microbatches=2, schedule=INTERLEAVED,
+                 limits={"seconds": 10})
