@@ -2,12 +2,13 @@
 
 For each pipeline degree p tried, the joint search (`api.optimize_step`)
 finds the stage plan: the whole model on a stage mesh of S = devices / p
-devices. A stage holds about 1/p of the weights' state and, on the first
-stage of 1F1B, p micro-batches of 1/p of the layers' activations: so the
-search is told a device p times the size and ranks memory with p
-micro-batches in flight (state + p x activations <= p x capacity is the
-first stage's state / p + activations <= capacity); each stage's exact
-memory is priced after the cut.
+devices. A stage holds about 1/p of the weights' state: the search is
+told a device p times the size. The first stage of 1F1B also holds p
+micro-batches of 1/p of the layers' activations; when no schedule of that
+stage plan fits, it is searched again ranking memory with p micro-batches
+in flight (state + p x activations <= p x capacity is the first stage's
+state / p + activations <= capacity), which finds leaner stage plans.
+Each stage's exact memory is priced after the cut.
 `pipeline.pipelined` then chooses the cut points by the cost model and
 prices each schedule; the fastest pipelined plan that fits competes with
 the unstaged plan on the same cost model. This is Alpa's split (the
@@ -92,25 +93,42 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
         stage_devices = devices // p
         stage_machine = replace(machine.with_devices(stage_devices), memory_capacity=machine.memory_capacity * p)
         for m in microbatch_counts(batch, p, microbatches):
-            say(f"pipeline {p} stages of {stage_devices} devices, {m} micro-batches: searching the stage plan")
-            try:
-                stage = search(stage_machine, stage_devices, m, min(p, m))
-            except (DoesNotFit, OptimizeError) as err:
-                say(f"pipeline {p} x {m} micro-batches: no stage plan ({err})")
-                tried.append({"pp": p, "microbatches": m, "error": str(err)})
-                continue
-            for name, v in _schedules(schedule, p, m, len(pcg_layers(stage.pcg))):
+            # first ranked as one micro-batch alive (the fastest stage plan on p devices' memory), then, if no
+            # schedule of it fits, with the first stage's p in flight (a leaner stage plan)
+            for in_flight in (1, min(p, m)):
+                say(f"pipeline {p} stages of {stage_devices} devices, {m} micro-batches: searching the stage plan"
+                    + (f" ({in_flight} in flight)" if in_flight > 1 else ""))
                 try:
-                    plan = pipelined(stage, p, name, machine, chunks_per_stage=v)
-                except PipelineError as err:
-                    tried.append({"pp": p, "microbatches": m, "schedule": name, "error": str(err)})
+                    stage = search(stage_machine, stage_devices, m, in_flight)
+                except (DoesNotFit, OptimizeError) as err:
+                    say(f"pipeline {p} x {m} micro-batches: no stage plan ({err})")
+                    tried.append({"pp": p, "microbatches": m, "in_flight": in_flight, "error": str(err)})
                     continue
-                plans.append(plan)
-                tried.append({"pp": p, "microbatches": m, "schedule": name, "chunks_per_stage": v,
-                              "time_s": plan.totals.time_s, "peak_memory_bytes": plan.totals.peak_memory_bytes,
-                              "fits": plan.totals.fits(machine)})
-                grid.extend(_grid_points(stage, p, name, v, machine))
+                found = _price_schedules(stage, p, m, schedule, machine, in_flight, tried)
+                plans.extend(found)
+                for plan in found:
+                    grid.extend(_grid_points(stage, p, plan.pipeline.schedule, plan.pipeline.layout.chunks_per_stage,
+                                             machine))
+                if any(plan.totals.fits(machine) for plan in found) or in_flight == min(p, m):
+                    break
     return PipelineSearch(tuple(plans), tuple(grid), tuple(tried))
+
+
+def _price_schedules(stage: Plan, p: int, m: int, schedule: str | None, machine: Machine, in_flight: int,
+                     tried: list[dict]) -> list[Plan]:
+    """`stage` cut into p stages and priced in every schedule that applies; each recorded in `tried`."""
+    found = []
+    for name, v in _schedules(schedule, p, m, len(pcg_layers(stage.pcg))):
+        try:
+            plan = pipelined(stage, p, name, machine, chunks_per_stage=v)
+        except PipelineError as err:
+            tried.append({"pp": p, "microbatches": m, "schedule": name, "error": str(err)})
+            continue
+        found.append(plan)
+        tried.append({"pp": p, "microbatches": m, "in_flight": in_flight, "schedule": name, "chunks_per_stage": v,
+                      "time_s": plan.totals.time_s, "peak_memory_bytes": plan.totals.peak_memory_bytes,
+                      "fits": plan.totals.fits(machine)})
+    return found
 
 
 def _schedules(pinned: str | None, p: int, m: int, layers: int) -> list[tuple[str, int]]:
