@@ -136,7 +136,7 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
                              say=say)
     if flat is None and not found.plans and unfit is not None:
         raise unfit
-    return best_of(flat, found, base.with_devices(count))
+    return best_of(flat, found, base.with_devices(count), pinned=bool(degrees) or bool(pp and pp > 1))
 
 
 UNSTAGED_SEARCHES_BESIDE_PIPELINE = 3   # micro-batch counts the unstaged search tries when a pipeline is searched too

@@ -161,10 +161,11 @@ def _grid_points(stage: Plan, p: int, schedule: str, v: int, machine: Machine) -
     return [(plan, config)]
 
 
-def best_of(flat: Plan | None, found: PipelineSearch, machine: Machine) -> Plan:
+def best_of(flat: Plan | None, found: PipelineSearch, machine: Machine, pinned: bool = False) -> Plan:
     """The fastest plan that fits (the unstaged one on a tie), with best_grid the best grid point of both and
-    the pipeline search's trials in `saturation.pipeline_search`."""
-    grid_plans = [g for g, _c in found.grid]
+    the pipeline search's trials in `saturation.pipeline_search`. With `pinned` degrees the plan keeps them:
+    a grid point is compared with, never taken."""
+    grid_plans = [] if pinned else [g for g, _c in found.grid]
     candidates = ([flat] if flat is not None else []) + list(found.plans) + grid_plans
     if not candidates:
         why = "; ".join(f"pp {t['pp']} x {t['microbatches']} micro-batches"

@@ -166,6 +166,10 @@ def test_the_search_pipelines_when_pinned_and_refuses_bad_pins():
     assert any(t.get("pp") == 2 for t in plan.saturation["pipeline_search"])
     grid = plan.baseline_plans.get("best_grid")
     assert grid is not None and grid.config.get("pp") == 2
+    assert plan.extraction.get("chosen") != "best_grid"      # pinned: the grid is compared with, never taken
+    tensor = optimize("gpt", "cpu", devices=4, sizes=SIZES, limits={"seconds": 30}, degrees={"pp": 2, "tp": 2},
+                      microbatches=4, schedule=ONE_F_ONE_B)
+    assert tensor.pcg.mesh.names == ("tp",) and tensor.pipeline.stage_devices == 2
     with pytest.raises(OptimizeError, match="does not divide"):
         optimize("gpt", "cpu", devices=4, sizes=SIZES, degrees={"pp": 3})
     with pytest.raises(OptimizeError, match="only a built-in example"):
