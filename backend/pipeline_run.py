@@ -86,8 +86,8 @@ from parsat.ir.graph import Graph
 from parsat.ir.microbatch import StepBatch, step_batch
 from parsat.ir.pcg import PCG, WEIGHT, weight_storage
 from parsat.ir.pipeline import (FORWARD, Crossing, PipelineError, PipelinePlan, free_nodes, p2p_elements,
-                                schedule_order, shared_weight_elements, simulate_schedule,
-                                stage_comm_elements)
+                                schedule_order, shared_weight_elements, simulate_schedule, stage_comm_elements,
+                                stored_piece_elements)
 from parsat.ir.placement import Placement
 
 SHARED_WEIGHT = "shared_weight"   # the counter's name for the gradient sum of a weight several stages hold
@@ -111,9 +111,10 @@ class PipelinePrediction:
     @staticmethod
     def of(pcg: PCG, pipeline: PipelinePlan, costs: Mapping[int, NodeCost]) -> "PipelinePrediction":
         layout = pipeline.layout
-        return PipelinePrediction(stage_comm_elements(layout, costs), stage_comm_elements(layout, costs,
-                                                                                          "grad_sync_elements"),
-                                  p2p_elements(layout, pipeline.microbatches), shared_weight_elements(pcg, layout))
+        return PipelinePrediction(stage_comm_elements(layout, costs),
+                                  stage_comm_elements(layout, costs, "grad_sync_elements"),
+                                  p2p_elements(layout, pipeline.microbatches),
+                                  shared_weight_elements(stored_piece_elements(pcg), layout))
 
     def totals(self, base: Prediction) -> Prediction:
         """The job's prediction: the stages' collectives and gradient syncs summed (every rank's, as

@@ -503,17 +503,22 @@ def stage_comm_elements(layout: StageLayout, costs: Mapping[int, NodeCost],
                  for s in range(layout.degree))
 
 
-def shared_weight_elements(pcg: PCG, layout: StageLayout) -> dict[int, float]:
+def stored_piece_elements(pcg: PCG) -> dict[int, int]:
+    """Weight leaf id -> the elements of the piece each rank stores (the end of its `weight_storage` chain):
+    what a weight shared by several stages sums the gradient of."""
+    by_id = {n.id: n for n in pcg.nodes}
+    return {leaf: by_id[chain[-1]].degrees.piece_elements(by_id[chain[-1]].shape)
+            for leaf, chain in weight_storage(pcg).items()}
+
+
+def shared_weight_elements(pieces: Mapping[int, int], layout: StageLayout) -> dict[int, float]:
     """Per stage, the elements each of its ranks sends per step to sum the gradients of the weights it shares
     with other stages (`StageLayout.shared_weights`): local rank i of every holding stage all-reduces its
-    stored piece's gradient with the others' (a ring over k stages sends 2 (k - 1) / k of the piece, so two
-    stages exchange one piece each), once per step before the optimizer."""
-    storage = weight_storage(pcg)
-    by_id = {n.id: n for n in pcg.nodes}
+    stored piece's gradient (`pieces`: `stored_piece_elements`) with the others' (a ring over k stages sends
+    2 (k - 1) / k of the piece, so two stages exchange one piece each), once per step before the optimizer."""
     out: dict[int, float] = {}
     for leaf, stages in layout.shared_weights:
-        stored = by_id[storage[leaf][-1]]
-        piece, k = stored.degrees.piece_elements(stored.shape), len(stages)
+        piece, k = pieces[leaf], len(stages)
         for s in stages:
             out[s] = out.get(s, 0.0) + 2 * (k - 1) * piece / k
     return out

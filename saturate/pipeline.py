@@ -34,10 +34,9 @@ from typing import Mapping, Sequence
 
 from parsat.ir.costs import NodeCost, Totals
 from parsat.ir.machine import Machine
-from parsat.ir.pcg import PCG, weight_storage
 from parsat.ir.pipeline import (GPIPE, INTERLEAVED, ONE_F_ONE_B, LayerMap, PipelineError, PipelinePlan,
                                 StageFigures, StageLayout, p2p_elements, shared_weight_elements, simulate_schedule,
-                                stage_comm_elements)
+                                stage_comm_elements, stored_piece_elements)
 from parsat.ir.plan import Plan
 from parsat.saturate.collectives import ALL_REDUCE, SEND_RECV, GroupTopology, price
 
@@ -51,11 +50,6 @@ class LayerCost:
     activation_bytes: int = 0    # what one micro-batch keeps alive until its backward
     state_bytes: int = 0         # weights, gradients, optimizer state (and accumulated gradients)
     step_s: float = 0.0          # once per step: its weights' chains (gathers, gradient reductions), the optimizer
-
-    def __add__(self, other: "LayerCost") -> "LayerCost":
-        return LayerCost(self.forward_s + other.forward_s, self.backward_s + other.backward_s,
-                         self.activation_bytes + other.activation_bytes, self.state_bytes + other.state_bytes,
-                         self.step_s + other.step_s)
 
 
 def node_share(cost: NodeCost, microbatches: int) -> LayerCost:
@@ -186,6 +180,7 @@ class StagePricer:
         # once per step, per node: a weight chain's collectives (the stage's sync) and the optimizer
         self.chain_s = {ident: cost.comm_s for ident, cost in plan.costs.items() if cost.weight_chain}
         self.optimizer_s = {ident: cost.optimizer_s for ident, cost in plan.costs.items()}
+        self.pieces = stored_piece_elements(plan.pcg)
 
     def pipelined(self, degree: int, schedule: str, chunks_per_stage: int = 1,
                   starts: Sequence[int] | None = None) -> Plan:
@@ -262,7 +257,7 @@ class StagePricer:
         run = simulate_schedule(layout, schedule, m, [c.forward_s for c in per_chunk],
                                 [c.backward_s for c in per_chunk], transfers,
                                 [c.activation_bytes for c in per_chunk])
-        shared_s = _shared_sync(plan.pcg, layout, stage_devices, machine)
+        shared_s = _shared_sync(self.pieces, layout, stage_devices, machine)
         sent = p2p_elements(layout, m)
         stages, ends = [], []
         for s in range(p):
@@ -275,7 +270,7 @@ class StagePricer:
                                        optimizer, sum(c.state_bytes for c in mine) + run.activation_peak_bytes[s],
                                        run.in_flight[s]))
             ends.append(stage_end + sync + optimizer)
-        shared = shared_weight_elements(plan.pcg, layout)
+        shared = shared_weight_elements(self.pieces, layout)
         stage_comm = [collectives + shared.get(s, 0) + sum(v for (a, _b), v in sent.items() if a == s)
                       for s, collectives in enumerate(stage_comm_elements(layout, plan.costs))]
         busiest = max(range(p), key=lambda s: stage_comm[s])
@@ -292,15 +287,13 @@ class StagePricer:
         return replace(plan, machine=machine, devices=p * stage_devices, totals=totals, pipeline=figures)
 
 
-def _shared_sync(pcg: PCG, layout: StageLayout, stage_devices: int, machine: Machine) -> dict[int, float]:
+def _shared_sync(pieces: Mapping[int, int], layout: StageLayout, stage_devices: int, machine: Machine
+                 ) -> dict[int, float]:
     """Stage -> seconds to sum the gradients of the weights it shares with other stages (each rank's stored
-    piece, all-reduced with its twins on those stages)."""
-    storage = weight_storage(pcg)
-    by_id = {n.id: n for n in pcg.nodes}
+    piece, `stored_piece_elements`, all-reduced with its twins on those stages)."""
     out: dict[int, float] = {}
     for weight, stages in layout.shared_weights:
-        stored = by_id[storage[weight][-1]]
-        nbytes = stored.degrees.piece_elements(stored.shape) * machine.dtype_bytes
+        nbytes = pieces[weight] * machine.dtype_bytes
         across = any(_pair(a, b, stage_devices, machine.devices_per_node).nodes_spanned > 1
                      for a in stages for b in stages if a < b)
         group = GroupTopology(len(stages), 1, len(stages)) if across else GroupTopology(len(stages), len(stages), 1)

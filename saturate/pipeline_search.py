@@ -30,14 +30,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from math import prod
-from typing import Callable
+from typing import Callable, Sequence
 
 from parsat.ir.machine import Machine
-from parsat.ir.pipeline import INTERLEAVED, SCHEDULES, PipelineError, pcg_layers
+from parsat.ir.pipeline import INTERLEAVED, ONE_F_ONE_B, SCHEDULES, PipelineError
 from parsat.ir.plan import BaselinePlan, Plan
 from parsat.saturate.cost import weight_bytes
 from parsat.saturate.errors import DoesNotFit, OptimizeError
-from parsat.saturate.pipeline import SCHEDULE_CHOICES, equal_starts, pipelined
+from parsat.saturate.pipeline import SCHEDULE_CHOICES, StagePricer, equal_starts
 
 DEGREES_TRIED = 2          # pipeline degrees searched when none is pinned
 STATE_SHARE = 0.8          # of a device's memory the weights' state may take when choosing the least degree
@@ -106,9 +106,8 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
                     continue
                 found = _price_schedules(stage, p, m, schedule, machine, in_flight, tried)
                 plans.extend(found)
-                for plan in found:
-                    grid.extend(_grid_points(stage, p, plan.pipeline.schedule, plan.pipeline.layout.chunks_per_stage,
-                                             machine))
+                grid.extend(_grid_points(stage, p, [(plan.pipeline.schedule, plan.pipeline.layout.chunks_per_stage)
+                                                    for plan in found], machine))
                 if any(plan.totals.fits(machine) for plan in found) or in_flight == min(p, m):
                     break
     return PipelineSearch(tuple(plans), tuple(grid), tuple(tried))
@@ -118,9 +117,10 @@ def _price_schedules(stage: Plan, p: int, m: int, schedule: str | None, machine:
                      tried: list[dict]) -> list[Plan]:
     """`stage` cut into p stages and priced in every schedule that applies; each recorded in `tried`."""
     found = []
-    for name, v in _schedules(schedule, p, m, len(pcg_layers(stage.pcg))):
+    pricer = StagePricer(stage, machine)     # the stage plan's layers and node figures, once for every schedule
+    for name, v in _schedules(schedule, p, m, len(pricer.layer_map.layers)):
         try:
-            plan = pipelined(stage, p, name, machine, chunks_per_stage=v)
+            plan = pricer.pipelined(p, name, v)
         except PipelineError as err:
             tried.append({"pp": p, "microbatches": m, "schedule": name, "error": str(err)})
             continue
@@ -144,21 +144,25 @@ def _schedules(pinned: str | None, p: int, m: int, layers: int) -> list[tuple[st
     return out
 
 
-def _grid_points(stage: Plan, p: int, schedule: str, v: int, machine: Machine) -> list[tuple[Plan, dict]]:
-    """The grid's configuration on this stage mesh as PTD-P points: equal layer counts per stage, `schedule`."""
+def _grid_points(stage: Plan, p: int, schedules: Sequence[tuple[str, int]], machine: Machine
+                 ) -> list[tuple[Plan, dict]]:
+    """The grid's configuration on this stage mesh as PTD-P points: equal layer counts per stage, in each of
+    `schedules` ((schedule, chunks per stage)) that Megatron runs (1F1B, interleaved)."""
     chosen = stage.baseline_plans.get("best_grid")
-    if chosen is None or chosen.pcg is None or schedule not in ("1f1b", INTERLEAVED):
+    schedules = [(name, v) for name, v in schedules if name in (ONE_F_ONE_B, INTERLEAVED)]
+    if chosen is None or chosen.pcg is None or not schedules:
         return []
-    as_stage = replace(stage, pcg=chosen.pcg, costs=chosen.costs)
-    layers = pcg_layers(chosen.pcg)
-    try:
-        plan = pipelined(as_stage, p, schedule, machine, chunks_per_stage=v,
-                         starts=equal_starts(layers, p * v))
-    except PipelineError:
-        return []
-    config = {**dict(chosen.config or {}), "pp": p, "schedule": schedule, "chunks_per_stage": v,
-              "microbatches": stage.graph.microbatches, "cuts": "equal layer counts"}
-    return [(plan, config)]
+    pricer = StagePricer(replace(stage, pcg=chosen.pcg, costs=chosen.costs), machine)
+    points = []
+    for name, v in schedules:
+        try:
+            plan = pricer.pipelined(p, name, v, starts=equal_starts(pricer.layer_map.layers, p * v))
+        except PipelineError:
+            continue
+        config = {**dict(chosen.config or {}), "pp": p, "schedule": name, "chunks_per_stage": v,
+                  "microbatches": stage.graph.microbatches, "cuts": "equal layer counts"}
+        points.append((plan, config))
+    return points
 
 
 def best_of(flat: Plan | None, found: PipelineSearch, machine: Machine, pinned: bool = False) -> Plan:
