@@ -86,6 +86,9 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     "interleaved"). The fastest plan that fits wins, the unstaged one on a
     tie; `saturation.pipeline_search` lists what was tried.
     """
+    say = options.get("progress") or (lambda _m: None)
+    # loaded once (2-3 CPU s for the shipped rules): every search below, unstaged or a stage's, takes the Library
+    rules = resolve_library(rules)
     degrees = dict(options.pop("degrees", None) or {})
     pp = degrees.pop("pp", None)
     if pp is not None and (isinstance(pp, bool) or not isinstance(pp, int) or pp < 1):
@@ -122,10 +125,9 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
         count > base.devices_per_node or unfit is not None or not flat.totals.fits(flat.machine)))
     if not stageable or pipeline is False or pp == 1 or not wanted:
         if schedule is not None and flat is not None:
-            options.get("progress", lambda _m: None)(f"--schedule {schedule}: the plan is not pipelined")
+            say(f"--schedule {schedule}: the plan is not pipelined")
         return flat
-    say = options.get("progress") or (lambda _m: None)
-    whole = resolve_graph(graph, resolve_library(rules), sizes)
+    whole = resolve_graph(graph, rules, sizes)
 
     def stage_plan(stage_machine: Machine, stage_devices: int, m: int, in_flight: int) -> Plan:
         return optimize_step(graph, stage_machine, rules, limits, stage_devices, in_flight=in_flight,

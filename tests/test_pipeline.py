@@ -224,3 +224,12 @@ def test_a_pinned_pipeline_that_cannot_be_says_why():
     with pytest.raises(OptimizeError, match="interleaved needs a multiple of the stages"):
         optimize("gpt", "cpu", devices=4, sizes=SIZES, degrees={"pp": 4}, microbatches=2, schedule=INTERLEAVED,
                  limits={"seconds": 10})
+
+
+def test_a_schedule_for_an_unpipelined_plan_is_said_not_fatal():
+    said = []
+    plan = optimize("gpt", "cpu", devices=2, sizes=SIZES, schedule=ONE_F_ONE_B, limits={"seconds": 10},
+                    baselines=False, progress=said.append)
+    assert plan.pipeline is None and any("not pipelined" in m for m in said)
+    assert optimize("gpt", "cpu", devices=2, sizes=SIZES, schedule=ONE_F_ONE_B, limits={"seconds": 10},
+                    baselines=False, progress=None).pipeline is None
