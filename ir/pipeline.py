@@ -246,6 +246,19 @@ def schedule_order(schedule: str, degree: int, chunks_per_stage: int, microbatch
     return tuple(orders)
 
 
+def in_flight_counts(schedule: str, degree: int, chunks_per_stage: int, microbatches: int) -> tuple[int, ...]:
+    """Per stage, the most chunk micro-batches its `schedule_order` has forwarded and not yet taken back
+    (1F1B: p - s, GPipe: m): what a stage holds at its peak, known before any cut is priced."""
+    counts = []
+    for order in schedule_order(schedule, degree, chunks_per_stage, microbatches):
+        live = peak = 0
+        for action in order:
+            live += 1 if action.phase == FORWARD else -1
+            peak = max(peak, live)
+        counts.append(peak)
+    return tuple(counts)
+
+
 def _virtual(k: int, stage: int, p: int, v: int, backward: bool) -> Action:
     """The k-th forward (or backward) of `stage`: micro-batches go p at a time through each of its chunks."""
     local = (k // p) % v

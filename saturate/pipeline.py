@@ -35,8 +35,8 @@ from typing import Mapping, Sequence
 from parsat.ir.costs import NodeCost, Totals
 from parsat.ir.machine import Machine
 from parsat.ir.pipeline import (GPIPE, INTERLEAVED, ONE_F_ONE_B, LayerMap, PipelineError, PipelinePlan,
-                                StageFigures, StageLayout, p2p_elements, shared_weight_elements, simulate_schedule,
-                                stage_comm_elements, stored_piece_elements)
+                                StageFigures, StageLayout, in_flight_counts, p2p_elements, shared_weight_elements,
+                                simulate_schedule, stage_comm_elements, stored_piece_elements)
 from parsat.ir.plan import Plan
 from parsat.saturate.collectives import ALL_REDUCE, SEND_RECV, GroupTopology, price
 
@@ -83,12 +83,6 @@ def equal_starts(layers: Sequence[int], chunks: int) -> tuple[int, ...]:
     return tuple(starts)
 
 
-def in_flight(schedule: str, stage: int, degree: int, microbatches: int) -> int:
-    """Micro-batches whose activations one stage holds at its peak (one chunk per stage): GPipe all of them,
-    1F1B the p - s its warm-up starts."""
-    return microbatches if schedule == GPIPE else min(microbatches, degree - stage)
-
-
 def balanced_starts(layers: Sequence[int], cost: Mapping[int, LayerCost], chunks: int, degree: int,
                     schedule: str, microbatches: int, capacity: float) -> tuple[int, ...] | None:
     """Chunk starts that minimise the busiest chunk's time per step (m micro-batches' forward and backward, then
@@ -108,17 +102,17 @@ def balanced_starts(layers: Sequence[int], cost: Mapping[int, LayerCost], chunks
         acts.append(acts[-1] + c.activation_bytes)
         states.append(states[-1] + c.state_bytes)
     inf = float("inf")
+    held = in_flight_counts(schedule, degree, 1, microbatches) if schedule != INTERLEAVED else (1,) * degree
     # best[k][i]: the least slowest-chunk time for chunks k.. covering layers i..n-1, and the next chunk's start
     best = [[(inf, -1)] * (n + 1) for _ in range(chunks + 1)]
     best[chunks][n] = (0.0, n)
     for k in range(chunks - 1, -1, -1):
-        held = in_flight(schedule, k % degree, degree, microbatches) if schedule != INTERLEAVED else 1
         for i in range(n - (chunks - k) + 1):
             for j in range(i + 1, n - (chunks - k - 1) + 1):
                 rest = best[k + 1][j][0]
                 if rest == inf:
                     continue
-                memory = states[j] - states[i] + held * (acts[j] - acts[i])
+                memory = states[j] - states[i] + held[k % degree] * (acts[j] - acts[i])
                 if schedule != INTERLEAVED and memory > capacity:
                     continue
                 value = max(rest, times[j] - times[i])

@@ -12,7 +12,7 @@ from parsat.ir.blocks import node_blocks
 from parsat.ir.graph import GraphBuilder
 from parsat.ir.machine import Machine
 from parsat.ir.pipeline import (BACKWARD, FORWARD, GPIPE, INTERLEAVED, ONE_F_ONE_B, PipelineError, PipelinePlan,
-                                free_nodes, lay_out_stages, pcg_layers, schedule_order, simulate_schedule)
+                                free_nodes, in_flight_counts, lay_out_stages, pcg_layers, schedule_order, simulate_schedule)
 from parsat.ir.validate import validate_plan_dict
 from parsat.saturate.api import optimize
 from parsat.saturate.errors import OptimizeError
@@ -67,6 +67,9 @@ def test_one_f_one_b_bubble_is_p_minus_one_over_m_plus_p_minus_one(p, m):
     assert run.in_flight == tuple(min(m, p - s) for s in range(p))       # 1F1B keeps at most p - s
     gpipe = simulate_schedule(layout, GPIPE, m, [1.0] * p, [2.0] * p, {}, [1] * p)
     assert gpipe.in_flight == (m,) * p and gpipe.time_s == pytest.approx(run.time_s)
+    # known from the order alone, before any cut is priced (what the cut search bounds memory with)
+    assert in_flight_counts(ONE_F_ONE_B, p, 1, m) == run.in_flight
+    assert in_flight_counts(GPIPE, p, 1, m) == gpipe.in_flight
 
 
 def test_interleaving_divides_the_bubble_by_the_chunks():
