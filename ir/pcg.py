@@ -116,12 +116,14 @@ class PNode:
 
 @dataclass(frozen=True)
 class PCG:
-    """Nodes in topological order (inputs before users), the output ids, and the mesh they run on."""
+    """Nodes in topological order (inputs before users), the output ids, the mesh they run on, and which
+    activations are recomputed in backward rather than kept (`ir.recompute`: "none" or "blocks")."""
 
     nodes: tuple[PNode, ...]
     outputs: tuple[int, ...]
     output_names: tuple[str, ...] = ()
     mesh: Mesh = Mesh(())
+    recompute: str = "none"
 
     def __iter__(self) -> Iterator[PNode]:
         return iter(self.nodes)

@@ -28,6 +28,7 @@ from parsat.ir.parallelism import describe
 from parsat.ir.pcg import PCG, Degrees, PNode
 from parsat.ir.pipeline import PipelinePlan, describe_pipeline
 from parsat.ir.placement import PlacementError, from_dtensor
+from parsat.ir.recompute import NONE
 from parsat.ir.validate import PLAN_SCHEMA, PLAN_VERSION, READABLE_VERSIONS, validate_plan_dict
 
 BASELINES = ("data_parallel", "sequential", "megatron", "best_grid")
@@ -61,7 +62,8 @@ def pcg_to_dict(pcg: PCG, costs: Mapping[int, NodeCost], dtype_bytes: int) -> di
             entry["role"] = node.role
         nodes.append(entry)
     return {"mesh": pcg.mesh.to_dict(), "nodes": nodes,
-            "outputs": [{"name": name, "node": ident} for name, ident in zip(pcg.output_names, pcg.outputs)]}
+            "outputs": [{"name": name, "node": ident} for name, ident in zip(pcg.output_names, pcg.outputs)],
+            "recompute": pcg.recompute}
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,8 @@ def pcg_from_dict(data: Mapping) -> PCG:
                       for n in data["nodes"])
     except (PlacementError, MeshError) as err:
         raise PlanError(str(err)) from None
-    return PCG(nodes, tuple(o["node"] for o in data["outputs"]), tuple(o["name"] for o in data["outputs"]), mesh)
+    return PCG(nodes, tuple(o["node"] for o in data["outputs"]), tuple(o["name"] for o in data["outputs"]), mesh,
+               data.get("recompute", NONE))
 
 
 # ----------------------------------------------------------------------- explain

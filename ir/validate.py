@@ -25,6 +25,7 @@ from parsat.dsl.instantiate import InstantiationError
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.ir.errors import GraphError, MachineError
 from parsat.ir.instance import instance_for
+from parsat.ir.recompute import POLICIES as RECOMPUTE_POLICIES
 
 # The schemas' names and versions: every writer stamps them, every reader checks them.
 GRAPH_SCHEMA = "parsat.graph"
@@ -362,6 +363,9 @@ def _check_pcg(f: _Fields, data: Mapping, at: str) -> None:
         ref = f.integer(f.get(out, "node", f"{at}outputs[{i}]"), f"{at}outputs[{i}].node")
         if ref not in seen:
             f.fail(f"{at}outputs[{i}].node", f"node {ref} is not a node of the plan")
+    if "recompute" in data and data["recompute"] not in RECOMPUTE_POLICIES:
+        f.fail(f"{at}recompute", f"'{_short(data['recompute'])}' is not a recomputation policy "
+                                 f"({', '.join(RECOMPUTE_POLICIES)})")
 
 
 def _check_mesh(f: _Fields, value: Any, path: str) -> list[str]:

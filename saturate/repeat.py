@@ -212,7 +212,7 @@ def stamp(pcg: PCG, repetition: Repetition, values: Mapping[int, str]) -> PCG:
         if blocks[node.id] == last:
             emit(node, repetition.blocks - 1, in_last)
     outputs = tuple(in_last(o) if blocks[o] == REPEATED else at_end(o) for o in pcg.outputs)
-    stamped = PCG(tuple(nodes), outputs, pcg.output_names, pcg.mesh)
+    stamped = PCG(tuple(nodes), outputs, pcg.output_names, pcg.mesh, pcg.recompute)
     _check_leaves(stamped, repetition.whole)
     return stamped
 
