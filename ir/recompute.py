@@ -15,12 +15,14 @@ the step simulator and the backend all read it from the plan, and this
 module is the one place that says which nodes it covers:
 
 * NONE: nothing is recomputed;
-* BLOCKS: every node of a block (`ir.blocks.node_blocks`) that is computed
-  per micro-batch (not a leaf, not on a weight's chain: a ZeRO-3 gathered
-  weight is made once per step and kept) and read only inside its own
-  block. What another block, the outside (the head, the loss) or the
-  plan's outputs read is kept: it is the checkpoint the next recompute
-  starts from.
+* BLOCKS: each block (`ir.blocks.node_blocks`) is a checkpoint: its nodes
+  computed per micro-batch (not leaves, not a weight's chain: a ZeRO-3
+  gathered weight is made once per step and kept) run in forward, and all
+  of them run again before the block's backward (Megatron's and
+  `torch.utils.checkpoint`'s semantics: the whole block re-runs from its
+  kept inputs). Of their values only those another block, the outside
+  (the head, the loss) or the plan's outputs read are kept after forward:
+  what the next block's recomputation starts from.
 
 Recomputing moves no value and changes none: the recomputed forward is
 the same operators on the same kept inputs, so the gradients are the same
@@ -29,7 +31,7 @@ the same operators on the same kept inputs, so the gradients are the same
 
 from __future__ import annotations
 
-from typing import Mapping
+from dataclasses import dataclass
 
 from parsat.ir.blocks import OUTSIDE, node_blocks
 from parsat.ir.pcg import PCG, weight_chains
@@ -49,11 +51,25 @@ def check_policy(policy: str) -> str:
     return policy
 
 
-def recomputed_blocks(pcg: PCG) -> dict[int, tuple[int, ...]]:
-    """Block -> the ids of its nodes that `pcg.recompute` drops after forward and computes again before the
-    block's backward, in topological order (empty for NONE; see the module docstring)."""
+@dataclass(frozen=True)
+class Checkpoint:
+    """One block under recomputation: the nodes its forward runs (again before its backward), in topological
+    order, and those of them whose values are kept (read outside the block, or plan outputs)."""
+
+    block: int
+    runs: tuple[int, ...]
+    kept: frozenset[int]
+
+    @property
+    def dropped(self) -> tuple[int, ...]:
+        """The nodes whose values are freed after forward (the activations recomputation saves)."""
+        return tuple(i for i in self.runs if i not in self.kept)
+
+
+def checkpoints(pcg: PCG) -> tuple[Checkpoint, ...]:
+    """The blocks `pcg.recompute` recomputes, in order (none for NONE; see the module docstring)."""
     if check_policy(pcg.recompute) == NONE:
-        return {}
+        return ()
     blocks = node_blocks(pcg)
     chains = weight_chains(pcg)
     readers: dict[int, set[int]] = {}
@@ -61,28 +77,29 @@ def recomputed_blocks(pcg: PCG) -> dict[int, tuple[int, ...]]:
         for i in node.inputs:
             readers.setdefault(i, set()).add(blocks[node.id])
     outputs = set(pcg.outputs)
-    out: dict[int, list[int]] = {}
+    runs: dict[int, list[int]] = {}
+    kept: dict[int, set[int]] = {}
     for node in pcg.nodes:
         block = blocks[node.id]
-        if block == OUTSIDE or node.kind == "leaf" or node.id in chains or node.id in outputs:
+        if block == OUTSIDE or node.kind == "leaf" or node.id in chains:
             continue
-        if readers.get(node.id, set()) <= {block}:
-            out.setdefault(block, []).append(node.id)
-    return {b: tuple(ids) for b, ids in out.items()}
+        runs.setdefault(block, []).append(node.id)
+        if node.id in outputs or not readers.get(node.id, set()) <= {block}:
+            kept.setdefault(block, set()).add(node.id)
+    return tuple(Checkpoint(b, tuple(ids), frozenset(kept.get(b, ()))) for b, ids in sorted(runs.items()))
 
 
-def recomputed_nodes(pcg: PCG) -> dict[int, int]:
-    """Node id -> its block, for every node `pcg.recompute` recomputes."""
-    return {ident: block for block, ids in recomputed_blocks(pcg).items() for ident in ids}
+def dropped_nodes(pcg: PCG) -> dict[int, int]:
+    """Node id -> its block, for every node whose value `pcg.recompute` frees after forward."""
+    return {ident: c.block for c in checkpoints(pcg) for ident in c.dropped}
 
 
-def describe(policy: str, recomputed: Mapping[int, tuple[int, ...]] | None = None) -> str:
+def describe(policy: str) -> str:
     """How `explain` says it."""
     if policy == NONE:
         return "no activation recomputation"
-    count = f" ({len(recomputed)} blocks)" if recomputed else ""
-    return f"full activation recomputation per block{count}: only values crossing blocks kept"
+    return "full activation recomputation per block (only values crossing blocks kept)"
 
 
-__all__ = ["BLOCKS", "NONE", "POLICIES", "RecomputeError", "check_policy", "describe", "recomputed_blocks",
-           "recomputed_nodes"]
+__all__ = ["BLOCKS", "Checkpoint", "NONE", "POLICIES", "RecomputeError", "check_policy", "checkpoints", "describe",
+           "dropped_nodes"]
