@@ -604,6 +604,7 @@ def search_mesh(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], m
     if recompute == AUTO and not any(block_of(leaf.name) != OUTSIDE for leaf in graph.leaves):
         policies = (NONE,)   # no blocks (`ir.blocks`): nothing to recompute
     failure: MeshSearch | None = None
+    found = None    # (policy, priced, pcg, costs, extraction, joint) of the plan kept so far
     for policy in policies:
         priced = price(result, graph, library, machine, free_inputs, input_pins, repetition, roots, policy, raw)
         try:
@@ -611,23 +612,28 @@ def search_mesh(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], m
                                            free_inputs, pinned, pins=input_pins, costs=priced, repetition=repetition,
                                            in_flight=in_flight, recompute=policy)
         except ExtractionError as err:
-            failure = failure or MeshSearch(mesh, pins, result, None, None, None, None, time.perf_counter() - t,
-                                            spread, str(err), err.needed_bytes)
-            if err.needed_bytes and failure.needed_bytes:
-                failure = replace(failure, needed_bytes=min(failure.needed_bytes, err.needed_bytes),
-                                  error=str(err) if err.needed_bytes < failure.needed_bytes else failure.error)
+            if failure is None or 0 < err.needed_bytes < (failure.needed_bytes or float("inf")):
+                failure = MeshSearch(mesh, pins, result, None, None, None, None, time.perf_counter() - t, spread,
+                                     str(err), err.needed_bytes)
             continue
-        except RepeatError as err:
+        except RepeatError as err:   # this policy's plan cannot be repeated: another policy's may be
             say(f"mesh {mesh}: {err}")
-            return MeshSearch(mesh, pins, result, None, None, None, None, time.perf_counter() - t, spread,
-                              f"the plan's blocks cannot be repeated ({err}); --all-blocks searches every block")
+            failure = failure or MeshSearch(mesh, pins, result, None, None, None, None, time.perf_counter() - t,
+                                            spread, f"the plan's blocks cannot be repeated ({err}); --all-blocks "
+                                                    "searches every block")
+            continue
         joint = Candidate(JOINT, pcg, costs, totals(costs, machine))
-        if joint.totals.fits(machine) or policy == policies[-1]:
+        if found is None or joint.totals.peak_memory_bytes < found[5].totals.peak_memory_bytes:
+            found = (policy, priced, pcg, costs, extraction, joint)
+        if joint.totals.fits(machine):
+            found = (policy, priced, pcg, costs, extraction, joint)
             break
-        say(f"mesh {mesh}: the plan keeping every activation needs {joint.totals.peak_memory_bytes / 2**30:.1f} "
-            "GiB per device: extracting again with activation recomputation")
-    else:
+        if policy != policies[-1]:
+            say(f"mesh {mesh}: the plan keeping every activation needs {joint.totals.peak_memory_bytes / 2**30:.1f} "
+                "GiB per device: extracting again with activation recomputation")
+    if found is None:
         return failure
+    policy, priced, pcg, costs, extraction, joint = found
     seconds = time.perf_counter() - t
     say(f"mesh {mesh}: extraction {extraction.method}, {seconds:.2f} s, plan {joint.totals.time_s * 1e3:.3f} ms"
         + (f", {describe_recompute(policy)}" if policy != NONE else ""))
