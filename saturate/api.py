@@ -174,7 +174,7 @@ def optimize_unstaged(graph, machine: Machine | str = "h100x8", rules=None, limi
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise OptimizeError(f"microbatches must be a positive integer, got {microbatches!r}")
         return optimize_step(graph, machine, rules, limits, devices, **_split(options, sizes, batch, microbatches))
-    m, tried, failed, best, refined = 1, set(), 0, None, 0
+    m, tried, failed, best, refined, kept_tried = 1, set(), 0, None, 0, False
     plans: list[Plan] = []
     while True:
         tried.add(m)
@@ -189,12 +189,22 @@ def optimize_unstaged(graph, machine: Machine | str = "h100x8", rules=None, limi
         if plan is not None:
             plans.append(plan)
         fits = plan is not None and plan.totals.fits(plan.machine)
+        recomputes = plan is not None and plan.pcg.recompute != NONE
         if fits and (best is None or plan.totals.time_s < best.totals.time_s):
             best = plan
-        if fits and m == 1:
+        if fits and m == 1 and not recomputes:
             return plan
-        if not fits:
+        if not fits or recomputes:   # a count at which keeping every activation does not fit
             failed = max(failed, m)
+        if fits and recomputes and not kept_tried and options.get("recompute", AUTO) == AUTO:
+            # recomputing costs a forward per step: more micro-batches that keep every activation may run faster
+            kept_tried = True
+            more = micro_batches_needed(plan, batch, m)
+            if more is not None and more not in tried and (searches is None or len(tried) < searches):
+                say(f"a plan fits with {m} micro-batch(es) by recomputing activations: trying {more}, where "
+                    "keeping them may fit")
+                m = more
+                continue
         if best is not None:
             # a count fits: the estimate that led to it may have overshot, and fewer micro-batches run faster
             # (larger kernels, fewer activation collectives), so bisect towards the largest count that failed
@@ -330,10 +340,13 @@ def _split(options: dict, sizes: Mapping[str, int], batch: int | None, m: int) -
 def micro_batches_needed(plan: Plan, batch: int, m: int) -> int | None:
     """The fewest micro-batches (a divisor of `batch`, more than `m`) whose activations fit beside the weights'
     state, estimated from `plan` at `m` micro-batches: its activations shrink by m / m', its weights' state
-    does not. None when the weights' state alone does not fit (splitting the batch cannot help)."""
-    activations = sum(c.activation_bytes for c in plan.costs.values()) + max(
-        (c.transient_bytes for c in plan.costs.values()), default=0)   # a recomputed block's, one at a time
-    state = plan.totals.peak_memory_bytes - activations
+    does not. None when the weights' state alone does not fit (splitting the batch cannot help). For a plan
+    that recomputes (`ir.recompute`), the count at which keeping every activation would fit: its kept ones and
+    every block's recomputed ones (`transient_bytes`, one block's per node that carries any)."""
+    costs = plan.costs.values()
+    transient = [c.transient_bytes for c in costs]
+    activations = sum(c.activation_bytes for c in costs) + sum(transient)
+    state = plan.totals.peak_memory_bytes - sum(c.activation_bytes for c in costs) - max(transient, default=0)
     room = plan.machine.memory_capacity - state
     if room <= 0 or activations <= 0:
         return None

@@ -552,13 +552,14 @@ class _Builder:
     def _node_backward(self, node: PNode, deps: list[int], syncs: list[int]) -> int | None:
         piece = _elements(node)
         label = f"{node.label} #{node.id} backward"
+        held = self.allocated.get(node.id, 0)
         # a recomputed value is freed by its backward whatever the profile (torch.utils.checkpoint's does)
-        free = self.allocated.get(node.id, 0) if not self.profile.keep_activations or node.id in self.dropped else 0
+        free = held if not self.profile.keep_activations or node.id in self.dropped else 0
         if node.id in self.dropped:
             self.allocated[node.id] = 0
         if node.kind == "op":
             timed = self.timed[node.id]
-            view = self.allocated.get(node.id, 0) == 0
+            view = held == 0
             grads = [i for i in node.inputs if self.needs_grad[i]]
             products = timed.gemm is not None
             kernel = 0.0 if view else timed.kernel_s * (max(1, len(grads)) if products else 1)
