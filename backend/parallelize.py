@@ -164,7 +164,11 @@ class ParallelModule(torch.nn.Module):
                 dist.broadcast(value, src=0)  # every rank starts from rank 0's weights
             weights[name] = value
         config = TrainConfig(dtype=str(self.dtype).replace("torch.", ""), seed=seed)
-        self.program = RankProgram(pcg, ctx, config, library, weights)
+        # the batch statistics the running statistics are updated from are read after forward: kept alive
+        # even inside a recomputed block (`RankProgram.keep`)
+        stats = frozenset(running_stats.node_of(pcg, name) for stat in imported.running_stats
+                          for name in (stat.mean, stat.var))
+        self.program = RankProgram(pcg, ctx, config, library, weights, keep=stats)
         self.pieces = torch.nn.ParameterDict()
         for param in self.program.params.values():
             tensor = torch.nn.Parameter(param.tensor.detach().clone())
@@ -462,7 +466,7 @@ def run_module_plan(pcg: PCG, graph: Graph, model_spec: str, data_path: str | No
     reports = launch(run_module_rank, (pcg, graph, model_spec, data_path, config),
                      LaunchConfig(nproc=nproc, backend=backend, timeout_s=timeout_s,
                                   collective_timeout_s=collective_timeout_s))
-    return RunResult.of_job(reports, config, predicted)
+    return RunResult.of_job(reports, config, predicted, recompute=pcg.recompute)
 
 
 __all__ = ["run_module_plan", "ParallelModule", "ParallelizeError", "ReferenceDropout", "gather_weights", "parallelize",
