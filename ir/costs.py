@@ -34,6 +34,12 @@ class NodeCost:
     # micro-batch count, so none of its collectives repeat per micro-batch (`per_step`).
     weight_chain: bool = False
     accumulation_bytes: int = 0  # a gradient this node holds across a step's micro-batches (a gathered weight's)
+    # Forward parts of comm_s and comm_elements: what activation recomputation runs again (`recomputed`).
+    forward_comm_s: float = 0.0
+    forward_comm_elements: int = 0
+    # Part of memory_bytes alive only while the node's block is recomputed and differentiated (`recomputed`):
+    # one block's at a time, so it neither repeats with the blocks a node stands for nor with micro-batches.
+    transient_bytes: int = 0
 
     @property
     def time_s(self) -> float:
@@ -61,9 +67,24 @@ class NodeCost:
         return replace(self, forward_s=self.forward_s * factor, backward_s=self.backward_s * factor,
                        optimizer_s=self.optimizer_s * factor, comm_s=self.comm_s * factor,
                        comm_elements=self.comm_elements * factor,
-                       grad_sync_elements=self.grad_sync_elements * factor, memory_bytes=self.memory_bytes * factor,
+                       grad_sync_elements=self.grad_sync_elements * factor,
+                       memory_bytes=(self.memory_bytes - self.transient_bytes) * factor + self.transient_bytes,
                        flops=self.flops * factor, accumulation_bytes=self.accumulation_bytes * factor,
-                       activation_bytes=self.activation_bytes * factor)
+                       activation_bytes=self.activation_bytes * factor,
+                       forward_comm_s=self.forward_comm_s * factor,
+                       forward_comm_elements=self.forward_comm_elements * factor)
+
+    def recomputed(self, kept: bool) -> "NodeCost":
+        """This node under activation recomputation (`ir.recompute`): its block's forward runs again before
+        the block's backward, so its forward compute and forward collectives count twice (as backward time and
+        elements sent; model FLOPs do not change). Unless its value is `kept` (read outside its block), it
+        holds no activation between forward and backward, only while its block is recomputed
+        (`transient_bytes`)."""
+        again = replace(self, backward_s=self.backward_s + self.forward_s, comm_s=self.comm_s + self.forward_comm_s,
+                        comm_elements=self.comm_elements + self.forward_comm_elements)
+        if kept:
+            return again
+        return replace(again, activation_bytes=0, transient_bytes=self.transient_bytes + self.activation_bytes)
 
     def with_in_flight(self, count: int) -> "NodeCost":
         """This cost with `count` micro-batches' activations alive at once (a pipeline stage's warm-up): what
@@ -98,7 +119,8 @@ class NodeCost:
         if self.weight_chain:
             return replace(self, memory_bytes=self.memory_bytes + self.accumulation_bytes)
         return replace(self, forward_s=self.forward_s * m, backward_s=self.backward_s * m, comm_s=self.comm_s * m,
-                       comm_elements=self.comm_elements * m, flops=self.flops * m)
+                       comm_elements=self.comm_elements * m, flops=self.flops * m,
+                       forward_comm_s=self.forward_comm_s * m, forward_comm_elements=self.forward_comm_elements * m)
 
 
 # The phases a simulated step is reported in (`StepTimeline.phases`), and the letter each draws on the timeline's
@@ -207,7 +229,11 @@ class Totals:
 def totals(costs: Mapping[int, NodeCost] | Sequence[NodeCost], machine: Machine) -> Totals:
     values = list(costs.values()) if isinstance(costs, Mapping) else list(costs)
     comm = sum(c.comm_elements for c in values)
+    # a recomputed block's activations live only while it is recomputed, one block at a time
+    # (`saturate.recompute.recomputed_pcg_costs` puts each block's on one node)
+    memory = sum(c.memory_bytes - c.transient_bytes for c in values) + max((c.transient_bytes for c in values),
+                                                                           default=0)
     return Totals(sum(c.time_s for c in values), comm, comm * machine.dtype_bytes,
-                  sum(c.memory_bytes for c in values), sum(c.grad_sync_elements for c in values),
+                  memory, sum(c.grad_sync_elements for c in values),
                   sum(c.forward_s + c.backward_s + c.optimizer_s for c in values),
                   sum(c.comm_s for c in values))

@@ -29,6 +29,7 @@ from parsat.ir.pcg import PCG, Degrees, PNode
 from parsat.ir.pipeline import PipelinePlan, describe_pipeline
 from parsat.ir.placement import PlacementError, from_dtensor
 from parsat.ir.recompute import NONE
+from parsat.ir.recompute import describe as describe_recompute
 from parsat.ir.validate import PLAN_SCHEMA, PLAN_VERSION, READABLE_VERSIONS, validate_plan_dict
 
 BASELINES = ("data_parallel", "sequential", "megatron", "best_grid")
@@ -244,6 +245,8 @@ def explain(data: Mapping, limit: int | None = 40) -> str:
         lines.append(f"  {micro} micro-batches per step (gradient accumulation): the graph is one micro-batch, "
                      "its weights gathered and gradients synchronised once per step; memory is one micro-batch's "
                      "activations")
+    if data.get("recompute", NONE) != NONE:
+        lines.append(f"  {describe_recompute(data['recompute'])}: the blocks' forward runs twice per step")
     repeated = (data.get("saturation") or {}).get("repeated_blocks")
     if repeated:
         lines.append(f"  {repeated['blocks']} identical blocks, searched as {repeated['searched_blocks']}: block "

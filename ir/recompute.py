@@ -39,6 +39,7 @@ from parsat.ir.pcg import PCG, weight_chains
 NONE = "none"
 BLOCKS = "blocks"
 POLICIES = (NONE, BLOCKS)
+AUTO = "auto"   # a search option, not a policy: keep every activation where that fits, else recompute blocks
 
 
 class RecomputeError(ValueError):
@@ -101,5 +102,5 @@ def describe(policy: str) -> str:
     return "full activation recomputation per block (only values crossing blocks kept)"
 
 
-__all__ = ["BLOCKS", "Checkpoint", "NONE", "POLICIES", "RecomputeError", "check_policy", "checkpoints", "describe",
+__all__ = ["AUTO", "BLOCKS", "Checkpoint", "NONE", "POLICIES", "RecomputeError", "check_policy", "checkpoints", "describe",
            "dropped_nodes"]

@@ -42,6 +42,10 @@ def register(subparsers) -> None:
                      help="also search pipelined plans (default: when the devices span several nodes, or when "
                           "no unstaged plan fits)")
     opt.add_argument("--no-pipeline", dest="pipeline", action="store_false", help="never pipeline")
+    opt.add_argument("--recompute", default="auto", choices=("auto", "none", "blocks"),
+                     help="activation recomputation: blocks (each block's forward run again before its backward, "
+                          "only values crossing blocks kept), none, or auto (default: blocks only where keeping "
+                          "every activation does not fit)")
     opt.add_argument("--microbatches", type=int, default=None, metavar="M",
                      help="run the step as M micro-batches (default: split a built-in example's batch only when "
                           "a whole batch does not fit in memory)")
@@ -125,7 +129,8 @@ def run_optimize(args: argparse.Namespace) -> int:
                         precision=args.precision,
                         baselines=not args.no_baselines, sizes=sizes or None, degrees=degrees or None,
                         microbatches=args.microbatches, repeat_blocks=not args.all_blocks,
-                        pipeline=args.pipeline, schedule=args.schedule, progress=progress)
+                        pipeline=args.pipeline, schedule=args.schedule, recompute=args.recompute,
+                        progress=progress)
     except (ValueError, OptimizeError, GraphError, MachineError, FileProblem) as err:
         return _error(str(err))
     except DslError as err:

@@ -37,6 +37,7 @@ from typing import Callable, Mapping, Sequence
 
 from parsat.dsl import ast
 from parsat.dsl.library import Library
+from parsat.ir.blocks import OUTSIDE, block_of
 from parsat.ir.budget import GraphBudget
 from parsat.ir.costs import Totals, totals
 from parsat.ir.graph import Graph
@@ -47,10 +48,12 @@ from parsat.ir.pcg import Degrees
 from parsat.ir.pcg_layout import lay_out
 from parsat.ir.placement import Placement, PlacementError
 from parsat.ir.plan import BASELINES, JOINT, BaselinePlan, Plan
+from parsat.ir.recompute import AUTO, BLOCKS, NONE, POLICIES, check_policy
+from parsat.ir.recompute import describe as describe_recompute
 from parsat.saturate.cost import weight_bytes
 from parsat.saturate.baselines import Candidate, best_grid, data_parallel, megatron_excluded, sequential
 from parsat.saturate.errors import DoesNotFit, OptimizeError
-from parsat.saturate.extract import Extraction, ExtractionError, leaf_roles
+from parsat.saturate.extract import Extraction, ExtractionError, leaf_roles, node_costs
 from parsat.saturate.inputs import check_devices, check_pins, pins_on, resolve_graph, resolve_library, search_meshes
 from parsat.saturate.pipeline_search import best_of, parameters_of, search_pipelines
 from parsat.saturate.program import MeshCaches
@@ -328,7 +331,8 @@ def micro_batches_needed(plan: Plan, batch: int, m: int) -> int | None:
     """The fewest micro-batches (a divisor of `batch`, more than `m`) whose activations fit beside the weights'
     state, estimated from `plan` at `m` micro-batches: its activations shrink by m / m', its weights' state
     does not. None when the weights' state alone does not fit (splitting the batch cannot help)."""
-    activations = sum(c.activation_bytes for c in plan.costs.values())
+    activations = sum(c.activation_bytes for c in plan.costs.values()) + max(
+        (c.transient_bytes for c in plan.costs.values()), default=0)   # a recomputed block's, one at a time
     state = plan.totals.peak_memory_bytes - activations
     room = plan.machine.memory_capacity - state
     if room <= 0 or activations <= 0:
@@ -346,7 +350,8 @@ def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: 
              input_spreads: Mapping[str, Degrees | Mapping] | None = None, free_input_layouts: bool = True,
              baselines: bool = True, sizes: Mapping[str, int] | None = None,
              degrees: Mapping[str, int] | None = None, progress: Progress | None = None,
-                  microbatches_of: int = 1, repeat_blocks: bool = True, in_flight: int = 1) -> Plan:
+                  microbatches_of: int = 1, repeat_blocks: bool = True, in_flight: int = 1,
+                  recompute: str = AUTO) -> Plan:
     """The cheapest plan the chosen rules reach for `graph` on `devices` devices of `machine`.
 
     `graph` is a Graph, a graph JSON path or an example name (with `sizes`);
@@ -363,10 +368,13 @@ def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: 
     searches the rest. A built-in example of more than three identical
     blocks is searched as three and the middle block's plan repeated
     (`repeat`), unless `repeat_blocks` is False. `in_flight` ranks memory with that many micro-batches'
-    activations alive (a pipeline stage's, `pipeline_search`). Raises OptimizeError,
-    GraphError or MachineError with a message for the user.
+    activations alive (a pipeline stage's, `pipeline_search`). `recompute` is the activation-recomputation
+    policy ("none", "blocks": `ir.recompute`), or "auto": recompute blocks only where keeping every activation
+    does not fit. Raises OptimizeError, GraphError or MachineError with a message for the user.
     """
     say = progress or (lambda _m: None)
+    if recompute not in POLICIES + (AUTO,):
+        raise OptimizeError(f"--recompute must be one of {', '.join(POLICIES + (AUTO,))}, got {recompute!r}")
     library = resolve_library(rules)
     limits = limits if isinstance(limits, Limits) else Limits.from_mapping(limits)
     check_limits(limits)
@@ -417,7 +425,7 @@ def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: 
             break
         found = search_mesh(searched, library, chosen, mesh, Deadline(time.perf_counter() + share.seconds, limits),
                             machine, placed, input_pins, free_input_layouts, baselines, caches, say, config,
-                            repetition, in_flight)
+                            repetition, in_flight, recompute)
         searches.append(found)
     if pinned and not any(s.joint for s in searches):
         raise OptimizeError(f"--degrees {', '.join(f'{k}={v}' for k, v in degrees.items())} cannot hold for "
@@ -574,11 +582,15 @@ def search_mesh(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], m
                 machine: Machine, pins: Mapping[str, Placement], input_pins: Mapping[str, Degrees],
                 free_inputs: bool, baselines: bool, caches: MeshCaches, say: Progress,
                 config: Config | None = None, repetition: Repetition | None = None,
-                in_flight: int = 1) -> MeshSearch:
+                in_flight: int = 1, recompute: str = AUTO) -> MeshSearch:
     """Saturate on one mesh, price every e-node, extract the joint plan (within `config`, pinned degrees, when
     given) and the baselines that restrict the same e-graph (Megatron, the grid), all before `clock`'s deadline
     (extractions past it take the greedy passes only: a plan, never none). With a `repetition`, `graph` is the
-    searched blocks and every plan the whole model's (`repeat`)."""
+    searched blocks and every plan the whole model's (`repeat`).
+
+    `recompute` ("none", "blocks": `ir.recompute`) is the activation-recomputation policy the plans run with;
+    AUTO extracts with every activation kept, and again recomputing blocks when that plan does not fit (the
+    e-graph is priced once: recomputation changes costs, not values, `saturate.recompute`)."""
     t = time.perf_counter()
     result = saturate(graph, library, rules, mesh, clock.remaining(), pins, caches=caches)
     say(f"mesh {mesh}: saturation {result.stop} after {result.iterations} iterations, {result.enodes} e-nodes, "
@@ -586,30 +598,54 @@ def search_mesh(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], m
     spread = any(p.spread_axes for p in result.snapshot.placement.values())
     roots = [result.classes[f"pin:{n}"] if n in pins else result.classes[n] for n in graph.outputs]
     t = time.perf_counter()
-    priced = price(result, graph, library, machine, free_inputs, input_pins, repetition)
+    raw = node_costs(result.snapshot, graph, library, machine, free_inputs, input_pins)
     pinned = config_excluded(result.snapshot, leaf_roles(result.snapshot, graph), config) if config else None
-    try:
-        pcg, costs, extraction = solve(result, graph, library, machine, roots, clock.remaining(),
-                                       free_inputs, pinned, pins=input_pins, costs=priced, repetition=repetition,
-                                       in_flight=in_flight)
-    except ExtractionError as err:
-        return MeshSearch(mesh, pins, result, None, None, None, None, time.perf_counter() - t, spread, str(err),
-                          err.needed_bytes)
-    except RepeatError as err:
-        say(f"mesh {mesh}: {err}")
-        return MeshSearch(mesh, pins, result, None, None, None, None, time.perf_counter() - t, spread,
-                          f"the plan's blocks cannot be repeated ({err}); --all-blocks searches every block")
+    policies = (NONE, BLOCKS) if recompute == AUTO else (check_policy(recompute),)
+    if recompute == AUTO and not any(block_of(leaf.name) != OUTSIDE for leaf in graph.leaves):
+        policies = (NONE,)   # no blocks (`ir.blocks`): nothing to recompute
+    failure: MeshSearch | None = None
+    found = None    # (policy, priced, pcg, costs, extraction, joint) of the plan kept so far
+    for policy in policies:
+        priced = price(result, graph, library, machine, free_inputs, input_pins, repetition, roots, policy, raw)
+        try:
+            pcg, costs, extraction = solve(result, graph, library, machine, roots, clock.remaining(),
+                                           free_inputs, pinned, pins=input_pins, costs=priced, repetition=repetition,
+                                           in_flight=in_flight, recompute=policy)
+        except ExtractionError as err:
+            if failure is None or 0 < err.needed_bytes < (failure.needed_bytes or float("inf")):
+                failure = MeshSearch(mesh, pins, result, None, None, None, None, time.perf_counter() - t, spread,
+                                     str(err), err.needed_bytes)
+            continue
+        except RepeatError as err:   # this policy's plan cannot be repeated: another policy's may be
+            say(f"mesh {mesh}: {err}")
+            failure = failure or MeshSearch(mesh, pins, result, None, None, None, None, time.perf_counter() - t,
+                                            spread, f"the plan's blocks cannot be repeated ({err}); --all-blocks "
+                                                    "searches every block")
+            continue
+        joint = Candidate(JOINT, pcg, costs, totals(costs, machine))
+        if found is None or joint.totals.peak_memory_bytes < found[5].totals.peak_memory_bytes:
+            found = (policy, priced, pcg, costs, extraction, joint)
+        if joint.totals.fits(machine):
+            found = (policy, priced, pcg, costs, extraction, joint)
+            break
+        if policy != policies[-1]:
+            say(f"mesh {mesh}: the plan keeping every activation needs {joint.totals.peak_memory_bytes / 2**30:.1f} "
+                "GiB per device: extracting again with activation recomputation")
+    if found is None:
+        return failure
+    policy, priced, pcg, costs, extraction, joint = found
     seconds = time.perf_counter() - t
-    joint = Candidate(JOINT, pcg, costs, totals(costs, machine))
-    say(f"mesh {mesh}: extraction {extraction.method}, {seconds:.2f} s, plan {joint.totals.time_s * 1e3:.3f} ms")
+    say(f"mesh {mesh}: extraction {extraction.method}, {seconds:.2f} s, plan {joint.totals.time_s * 1e3:.3f} ms"
+        + (f", {describe_recompute(policy)}" if policy != NONE else ""))
     megatron = grid = None
     if baselines:
         grid = best_grid(result, graph, library, machine, roots, clock.remaining(0.5), free_inputs,
-                         priced, input_pins, repetition)
+                         priced, input_pins, repetition, policy)
         excluded = megatron_excluded(result.snapshot, leaf_roles(result.snapshot, graph))
         try:
             mpcg, mcosts, _ = solve(result, graph, library, machine, roots, clock.remaining(),
-                                    free_inputs, excluded, pins=input_pins, costs=priced, repetition=repetition)
+                                    free_inputs, excluded, pins=input_pins, costs=priced, repetition=repetition,
+                                    recompute=policy)
             if mpcg.max_pieces > 1:
                 megatron = Candidate("megatron", mpcg, mcosts, totals(mcosts, machine))
         except (ExtractionError, RepeatError):

@@ -32,6 +32,7 @@ from parsat.ir.machine import Machine
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import PCG, Degrees
 from parsat.ir.placement import Placement
+from parsat.ir.recompute import NONE
 from parsat.saturate.errors import OptimizeError
 from parsat.saturate.extract import ExtractionError, NodeId, leaf_roles
 from parsat.saturate.program import MeshCaches
@@ -142,9 +143,11 @@ GRID_ILP_SECONDS = 2.0   # each grid point's ILP: the grid has several points pe
 
 def best_grid(result: SaturationResult, graph: Graph, library: Library, machine: Machine, roots: Sequence[int],
               limits: Limits, free_inputs: bool, priced: Mapping[NodeId, NodeCost],
-              input_pins: Mapping[str, Degrees], repetition: Repetition | None = None) -> Candidate | None:
+              input_pins: Mapping[str, Degrees], repetition: Repetition | None = None,
+              recompute: str = NONE) -> Candidate | None:
     """The best Megatron-style configuration on this mesh's e-graph (`strategies.grid`: data x tensor axes,
-    sequence parallelism on or off, ZeRO-3 or not), priced by the same cost model; its configuration spelled out."""
+    sequence parallelism on or off, ZeRO-3 or not), priced by the same cost model (`priced`: under the
+    activation-recomputation policy `recompute`, as Megatron runs large models); its configuration spelled out."""
     mesh = result.snapshot.mesh or Mesh(())
     roles = leaf_roles(result.snapshot, graph)
     best: Candidate | None = None
@@ -153,10 +156,12 @@ def best_grid(result: SaturationResult, graph: Graph, library: Library, machine:
         try:
             pcg, costs, _ = solve(result, graph, library, machine, roots,
                                   replace(limits, ilp_seconds=min(limits.ilp_seconds, GRID_ILP_SECONDS)), free_inputs,
-                                  excluded, pins=input_pins, costs=priced, repetition=repetition)
+                                  excluded, pins=input_pins, costs=priced, repetition=repetition,
+                                  recompute=recompute)
         except (ExtractionError, RepeatError):
             continue
-        found = Candidate("best_grid", pcg, costs, totals(costs, machine), config.spelled(mesh, graph.microbatches))
+        spelled = {**config.spelled(mesh, graph.microbatches), **({"recompute": recompute} if recompute != NONE else {})}
+        found = Candidate("best_grid", pcg, costs, totals(costs, machine), spelled)
         if best is None or _better(found, best, machine):
             best = found
     return best

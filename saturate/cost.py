@@ -156,15 +156,19 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
     group = group or GroupTopology.consecutive(p, machine.devices_per_node)
     in_piece, out_piece = source.piece_elements(shape), output.piece_elements(shape)
     time, elements, grad_sync, collectives = 0.0, 0, 0, []
+    forward_time, forward_elements = 0.0, 0
     memory, activation, accumulation, opt = 0, 0, 0, 0.0
     weighty = source_role in WEIGHT_ROLES
     slices_weight = op == PARTITION and weighty and not (stores and source_role in STORED_ROLES)
 
     def run(phase: str, kind: str, n: int, pieces: int, sync: bool = False) -> None:
-        nonlocal time, elements, grad_sync
+        nonlocal time, elements, grad_sync, forward_time, forward_elements
         t, e = _collective(machine, kind, group, n)
         time += t
         elements += e * pieces
+        if phase == "fwd":
+            forward_time += t
+            forward_elements += e * pieces
         if sync:
             grad_sync += e * pieces
         collectives.append(f"{phase} {kind} x{pieces} ({p} devices, {n} elements)" + (" [gradient sync]" if sync else ""))
@@ -209,9 +213,11 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
     if devices and devices > spread_over and devices % spread_over == 0:
         elements *= devices // spread_over
         grad_sync *= devices // spread_over
+        forward_elements *= devices // spread_over
     return NodeCost(optimizer_s=opt, comm_s=time, comm_elements=elements, grad_sync_elements=grad_sync,
                     memory_bytes=memory, collectives=tuple(collectives), activation_bytes=activation,
-                    weight_chain=weighty, accumulation_bytes=accumulation)
+                    weight_chain=weighty, accumulation_bytes=accumulation, forward_comm_s=forward_time,
+                    forward_comm_elements=forward_elements)
 
 
 def gather_cost(machine: Machine, degrees: Degrees, shape: Sequence[int], devices: int | None = None) -> NodeCost:

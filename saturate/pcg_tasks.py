@@ -58,6 +58,7 @@ from parsat.ir.graph import instance_for
 from parsat.ir.machine import Machine
 from parsat.ir.microbatch import is_loss
 from parsat.ir.pcg import PCG, PNode, weight_chains, weight_storage
+from parsat.ir.recompute import Checkpoint, checkpoints
 from parsat.saturate.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, GroupTopology, price
 from parsat.saturate.cost import compute_time
 from parsat.saturate.op_time import OpTime, memory_op_time
@@ -208,6 +209,12 @@ class _Builder:
         self.first = True                             # this pass makes the weights' chains (the first micro-batch)
         self.syncing = True                           # this pass synchronises gradients (the last micro-batch)
         self.accumulating = False                     # gradients accumulate over several micro-batches
+        self.checkpoints = {c.block: c for c in checkpoints(pcg)}   # activation recomputation (`ir.recompute`)
+        self.block_of_run = {i: c.block for c in self.checkpoints.values() for i in c.runs}
+        self.dropped = {i for c in self.checkpoints.values() for i in c.dropped}
+        self.last_run = {c.runs[-1]: c for c in self.checkpoints.values()}
+        self.recomputed: set[int] = set()             # blocks recomputed in this pass's backward
+        self.recomputing: PNode | None = None         # the node whose forward runs again (`_recompute`)
 
     def new_pass(self, first: bool, syncing: bool, accumulating: bool = False) -> None:
         """Start a micro-batch: values, gradients and buffers are the pass's own; compute times are kept.
@@ -220,6 +227,7 @@ class _Builder:
         self.contiguous = {k: v for k, v in self.contiguous.items() if k in keep}
         self.grad_ready = {}
         self.bucket_of = {}
+        self.recomputed = set()
         self.first, self.syncing, self.accumulating = first, syncing, accumulating
 
     # ---------------------------------------------------------------- facts
@@ -255,6 +263,10 @@ class _Builder:
              phase: str = "forward") -> int:
         if stream == self.compute:
             self.since_sync += seconds
+        if self.recomputing is not None:   # a forward run again in backward (`_recompute`)
+            name, phase = f"recompute {name}", {"forward": "backward", "forward_comm": "backward_comm"}[phase]
+            if self.recomputing.id not in self.dropped:   # a kept value: it is still there, its copy is dropped
+                alloc = free = 0
         return self.steps.add(name, stream, seconds, deps, alloc=alloc, free=free, phase=phase)
 
     def _sync(self, name: str, kind: str, node: PNode, nbytes: float, deps, alloc: int = 0, free: int = 0,
@@ -264,8 +276,8 @@ class _Builder:
         self.since_sync = 0.0
         if wait > 0:
             deps = [self.steps.add(f"{name}: waiting for the slowest rank", self.comm, wait, deps, phase="stragglers")]
-        return self.steps.add(name, self.comm, self._collective(kind, node, nbytes), deps, alloc=alloc, free=free,
-                              phase=phase)
+        return self._add(name, self.comm, self._collective(kind, node, nbytes), deps, alloc=alloc, free=free,
+                         phase=phase)
 
     def finish(self) -> None:
         """The step ends when the slowest rank ends: its lag since the last collective."""
@@ -284,6 +296,31 @@ class _Builder:
                 self._parallel_forward(node)
             else:
                 self._compute_forward(node)
+            if node.id in self.last_run:
+                self._drop(self.last_run[node.id])
+
+    def _drop(self, checkpoint: Checkpoint) -> None:
+        """A recomputed block's forward is done: the values only it reads are freed (`ir.recompute`)."""
+        held = sum(self.allocated.get(i, 0) for i in checkpoint.dropped)
+        for i in checkpoint.dropped:
+            self.allocated[i] = 0
+        if held:
+            self._add(f"block {checkpoint.block}'s activations dropped", self.compute, 0.0,
+                      [self.ready[checkpoint.runs[-1]]], free=held)
+
+    def _recompute(self, block: int) -> None:
+        """Before a recomputed block's first backward task: its forward again, from the values it kept."""
+        self.recomputed.add(block)
+        for ident in self.checkpoints[block].runs:
+            node = self.by_id[ident]
+            self.recomputing = node
+            try:
+                if node.kind == "parallel":
+                    self._parallel_forward(node)
+                else:
+                    self._compute_forward(node)
+            finally:
+                self.recomputing = None
 
     def _leaf(self, node: PNode) -> None:
         self.contiguous[node.id] = True
@@ -421,6 +458,9 @@ class _Builder:
 
         def visit(node: PNode) -> None:
             done.add(node.id)
+            block = self.block_of_run.get(node.id)
+            if block is not None and block not in self.recomputed:
+                self._recompute(block)
             deps = self.grad_ready.get(node.id, [])
             if self.needs_grad[node.id] and deps:  # else no gradient reaches it (data, or off the loss's path)
                 last = max(deps) if node.kind == "leaf" else self._node_backward(node, deps, syncs)
@@ -428,6 +468,9 @@ class _Builder:
                     produced[node.id] = last
                     if node.id in self.bucket_of:
                         self.bucket_of[node.id][1].ready(str(node.id), last)
+            if self.allocated.get(node.id) and node.id in self.dropped:   # recomputed, but no gradient reached it
+                self._add(f"{node.label} #{node.id} dropped", self.compute, 0.0, [len(self.steps) - 1],
+                          free=self.allocated.pop(node.id), phase="backward")
             for i in node.inputs:
                 waiting[i] -= 1
                 if eager and not waiting[i] and i in params and i not in done:
@@ -509,7 +552,10 @@ class _Builder:
     def _node_backward(self, node: PNode, deps: list[int], syncs: list[int]) -> int | None:
         piece = _elements(node)
         label = f"{node.label} #{node.id} backward"
-        free = self.allocated.get(node.id, 0) if not self.profile.keep_activations else 0
+        # a recomputed value is freed by its backward whatever the profile (torch.utils.checkpoint's does)
+        free = self.allocated.get(node.id, 0) if not self.profile.keep_activations or node.id in self.dropped else 0
+        if node.id in self.dropped:
+            self.allocated[node.id] = 0
         if node.kind == "op":
             timed = self.timed[node.id]
             view = self.allocated.get(node.id, 0) == 0

@@ -50,6 +50,7 @@ class LayerCost:
     activation_bytes: int = 0    # what one micro-batch keeps alive until its backward
     state_bytes: int = 0         # weights, gradients, optimizer state (and accumulated gradients)
     step_s: float = 0.0          # once per step: its weights' chains (gathers, gradient reductions), the optimizer
+    transient_bytes: int = 0     # the largest recomputed block's activations (`ir.recompute`), one at a time
 
 
 def node_share(cost: NodeCost, microbatches: int) -> LayerCost:
@@ -57,12 +58,12 @@ def node_share(cost: NodeCost, microbatches: int) -> LayerCost:
     collectives divide by the micro-batches, half of a node's collective time counted with the forward and
     half with the backward (its dual). A weight's chain runs once per step: its time is the stage's
     synchronisation (`stage_figures`), not a micro-batch's."""
-    state = cost.memory_bytes - cost.activation_bytes
+    state = cost.memory_bytes - cost.activation_bytes - cost.transient_bytes
     if cost.weight_chain:
         return LayerCost(state_bytes=state, step_s=cost.time_s)
     m = microbatches
     return LayerCost((cost.forward_s + cost.comm_s / 2) / m, (cost.backward_s + cost.comm_s / 2) / m,
-                     cost.activation_bytes, state, cost.optimizer_s)
+                     cost.activation_bytes, state, cost.optimizer_s, cost.transient_bytes)
 
 
 def layer_costs(plan: Plan) -> dict[int, LayerCost]:
@@ -102,6 +103,8 @@ def balanced_starts(layers: Sequence[int], cost: Mapping[int, LayerCost], chunks
         acts.append(acts[-1] + c.activation_bytes)
         states.append(states[-1] + c.state_bytes)
     inf = float("inf")
+    # one recomputed block's activations at a time (`ir.recompute`): the largest, wherever it falls (an upper bound)
+    transient = max((cost[layer].transient_bytes for layer in layers), default=0)
     held = in_flight_counts(schedule, degree, 1, microbatches) if schedule != INTERLEAVED else (1,) * degree
     # best[k][i]: the least slowest-chunk time for chunks k.. covering layers i..n-1, and the next chunk's start
     best = [[(inf, -1)] * (n + 1) for _ in range(chunks + 1)]
@@ -112,7 +115,7 @@ def balanced_starts(layers: Sequence[int], cost: Mapping[int, LayerCost], chunks
                 rest = best[k + 1][j][0]
                 if rest == inf:
                     continue
-                memory = states[j] - states[i] + held[k % degree] * (acts[j] - acts[i])
+                memory = states[j] - states[i] + held[k % degree] * (acts[j] - acts[i]) + transient
                 if schedule != INTERLEAVED and memory > capacity:
                     continue
                 value = max(rest, times[j] - times[i])
@@ -239,7 +242,7 @@ class StagePricer:
             shares = [self.shares[i] for i in mine]
             out.append(LayerCost(sum(c.forward_s for c in shares), sum(c.backward_s for c in shares),
                                  sum(c.activation_bytes for c in shares), sum(c.state_bytes for c in shares),
-                                 sum(c.step_s for c in shares)))
+                                 sum(c.step_s for c in shares), max((c.transient_bytes for c in shares), default=0)))
         return out
 
     def price(self, layout: StageLayout, schedule: str) -> Plan:
@@ -261,8 +264,8 @@ class StagePricer:
             optimizer = sum(self.optimizer_s.get(i, 0.0) for i in nodes)
             stage_end = max((e for _a, _b, e in run.busy[s]), default=0.0)
             stages.append(StageFigures(sum(c.forward_s for c in mine), sum(c.backward_s for c in mine), sync,
-                                       optimizer, sum(c.state_bytes for c in mine) + run.activation_peak_bytes[s],
-                                       run.in_flight[s]))
+                                       optimizer, sum(c.state_bytes for c in mine) + run.activation_peak_bytes[s]
+                                       + max((c.transient_bytes for c in mine), default=0), run.in_flight[s]))
             ends.append(stage_end + sync + optimizer)
         shared = shared_weight_elements(self.pieces, layout)
         stage_comm = [collectives + shared.get(s, 0) + sum(v for (a, _b), v in sent.items() if a == s)

@@ -9,6 +9,7 @@ so every candidate is priced by one cost model and built one way.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import Callable, Mapping, Sequence
 
 from parsat.dsl import ast
@@ -19,8 +20,10 @@ from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import PCG, WEIGHT_VALUE, Degrees, PNode, pcg_roles
+from parsat.ir.recompute import NONE
 from parsat.saturate.encoding import PIN_SUFFIX
 from parsat.saturate.extract import Extraction, NodeId, Pricer, dag_cost, extract, node_costs
+from parsat.saturate.recompute import recomputed_enodes, recomputed_pcg_costs
 from parsat.saturate.repeat import Repetition, RepeatError, stamp, value_names, weigh
 from parsat.saturate.runner import Limits
 from parsat.saturate.saturate import SaturationResult
@@ -30,19 +33,28 @@ from parsat.saturate.snapshot import Snapshot
 def solve(result: SaturationResult, graph: Graph, library: Library, machine: Machine, roots: Sequence[int],
           limits: Limits, free_inputs: bool, exclude=None, pins: Mapping[str, Degrees] | None = None,
           costs: Mapping[NodeId, NodeCost] | None = None,
-          repetition: Repetition | None = None, in_flight: int = 1) -> tuple[PCG, dict[int, NodeCost], Extraction]:
+          repetition: Repetition | None = None, in_flight: int = 1,
+          recompute: str = NONE) -> tuple[PCG, dict[int, NodeCost], Extraction]:
     """Extract from `result` (with `costs`, the e-nodes priced, when already known) and build the PCG.
 
     `in_flight` > 1 ranks memory with that many micro-batches' activations alive (a pipeline stage's), while
     the PCG's costs stay one micro-batch's, as every plan's are.
 
     With a `repetition`, `graph` is the searched blocks and the PCG that comes back the whole model's
-    (`repeat.stamp`), priced node by node (RepeatError when the plan's blocks are not laid out alike)."""
+    (`repeat.stamp`), priced node by node (RepeatError when the plan's blocks are not laid out alike).
+
+    `recompute` is the activation-recomputation policy the plan runs with (`ir.recompute`); `costs`, when
+    given, must be priced under it (`price`)."""
     if costs is None:
-        costs = price(result, graph, library, machine, free_inputs, pins, repetition)
+        costs = price(result, graph, library, machine, free_inputs, pins, repetition, roots, recompute)
     ranked = costs if in_flight == 1 else {k: c.with_in_flight(in_flight) for k, c in costs.items()}
     extraction = extract(result.snapshot, ranked, roots, machine.memory_capacity, limits.ilp_seconds, exclude)
     pcg, ident = pcg_from_extraction(result, extraction, graph, library, roots, graph.outputs)
+    pcg = replace(pcg, recompute=recompute)
+    if recompute != NONE and repetition is None:   # the PCG's own readers say what is kept (`saturate.recompute`)
+        priced = price_pcg(pcg, library, machine, free_inputs, graph.microbatches, pins)
+        if priced is not None:
+            return pcg, priced, extraction
     if repetition is not None:
         names = value_names(result.snapshot, result.classes)
         pcg = stamp(pcg, repetition, {ident[c]: name for c, name in names.items() if c in ident})
@@ -59,11 +71,16 @@ def solve(result: SaturationResult, graph: Graph, library: Library, machine: Mac
 
 
 def price(result: SaturationResult, graph: Graph, library: Library, machine: Machine, free_inputs: bool,
-          pins: Mapping[str, Degrees] | None, repetition: Repetition | None = None) -> dict[NodeId, NodeCost]:
-    """Every e-node priced; pinned inputs arrive in their layout (a pinned output is an extraction root). With a
-    `repetition`, the repeated block's e-nodes count once per block they stand for (`repeat.weigh`)."""
-    input_pins = {k: v for k, v in (pins or {}).items() if k not in graph.outputs}
-    costs = node_costs(result.snapshot, graph, library, machine, free_inputs, input_pins)
+          pins: Mapping[str, Degrees] | None, repetition: Repetition | None = None, roots: Sequence[int] = (),
+          recompute: str = NONE, raw: Mapping[NodeId, NodeCost] | None = None) -> dict[NodeId, NodeCost]:
+    """Every e-node priced (`raw`, when already priced: `node_costs`), as `recompute` runs it
+    (`saturate.recompute`; `roots` are kept); pinned inputs arrive in their layout (a pinned output is an
+    extraction root). With a `repetition`, the repeated block's e-nodes count once per block they stand for
+    (`repeat.weigh`)."""
+    if raw is None:
+        input_pins = {k: v for k, v in (pins or {}).items() if k not in graph.outputs}
+        raw = node_costs(result.snapshot, graph, library, machine, free_inputs, input_pins)
+    costs = recomputed_enodes(raw, result.snapshot, roots, recompute)
     return weigh(costs, result.snapshot, repetition) if repetition is not None else costs
 
 
@@ -92,7 +109,7 @@ def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_layouts: 
         if cost is None:
             return None
         out[node.id] = cost
-    return out
+    return recomputed_pcg_costs(pcg, out)
 
 
 def pcg_from_extraction(result: SaturationResult, extraction: Extraction, graph: Graph, library: Library,
