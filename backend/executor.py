@@ -44,6 +44,14 @@ The step's data, its cut into micro-batches and the objective are
 in one process where it is known (`ir.microbatch`), otherwise with the
 micro-batch graph accumulated m times in one process.
 
+Activation recomputation (`pcg.recompute == "blocks"`, `ir.recompute`):
+each block runs as one non-reentrant `torch.utils.checkpoint` region
+(`RankProgram._checkpointed`, `recompute_regions`) that returns only the
+values read outside it, so the others are gone after forward; its whole
+forward, collectives included, runs again before its backward (early
+stopping off), counted as any collective, which is what the cost model
+prices (docs/ARCHITECTURE.md, "Activation recomputation in the backend").
+
 Objective: a loss output (a scalar) as it is, any other output
 0.5 * mean((output - target)^2), summed over outputs, targets from the
 seed (`training_data.objective`). A rank's share is its piece's part. The ranks holding the same piece
@@ -255,6 +263,10 @@ class RankProgram:
     differentiates only the outputs among them. A stage's ranks then pass
     their own `ctx` (rank and world within the stage) and `groups` (the
     stage's process groups, `MeshGroups(..., stages=p)`).
+
+    `keep`: node ids whose values the caller reads after forward, kept even
+    where a recomputed block would drop them (`parallelize` reads the batch
+    statistics).
     """
 
     pcg: PCG

@@ -43,6 +43,12 @@ What the returned module is:
   its piece through the plan like any input, so ranks agree and the
   `--check` reference can draw the same masks (`ReferenceDropout`).
 
+A plan that recomputes activations (`PCG.recompute`) recomputes them here
+too: each block is a checkpointed region of the forward, run again in the
+user's `backward()` (the batch statistics stay alive for the running
+statistics). Blocks are `ir.blocks`' (weights named `b{i}_...`): a module
+named otherwise has none, and nothing is recomputed, as the plan's costs say.
+
 A plan of m micro-batches (`Graph.microbatches`) is a plan for one
 micro-batch here: each call runs one, and the user's loop accumulates
 (each loss divided by m); every backward then synchronises the gradients,

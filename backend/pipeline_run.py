@@ -17,6 +17,10 @@ PCG with the executor's own pieces (`RankProgram` restricted to
   them and from its loss (divided by m, as `executor.run_rank` does), send
   back the gradients of the values it received.
 
+Under activation recomputation each chunk runs the part of each block it
+computes as one checkpointed region (`RankProgram.forward`), keeping what
+it sends; the region's forward runs again in the chunk's backward.
+
 Weights' chains are made once per step for all micro-batches and their
 gradients reduced once after the stage's last backward, exactly as
 `run_rank` runs m > 1 micro-batches (`RankProgram.weight_values`,

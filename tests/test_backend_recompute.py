@@ -131,8 +131,9 @@ def _assert_recomputes_as_planned(plans: dict, results: dict) -> None:
 
 @pytest.fixture(scope="module")
 def two_rank_plans(plan_file):
-    plans = {"tp/m1": _plan(plan_file, 2, {"tp": 2}, 1), "tp/m2": _plan(plan_file, 2, {"tp": 2}, 2),
-             "dp/m2": _plan(plan_file, 2, {"dp": 2}, 2)}
+    # data parallelism at m = 1 (the weights' chains, gradient sync included, run inside the batch's own
+    # forward and backward, beside the recomputation), tensor parallelism at m = 2
+    plans = {"dp/m1": _plan(plan_file, 2, {"dp": 2}, 1), "tp/m2": _plan(plan_file, 2, {"tp": 2}, 2)}
     return plans, _launch(_with_and_without(plans), 2)
 
 
@@ -147,7 +148,7 @@ def test_tensor_and_data_parallel_plans_recompute_their_collectives(two_rank_pla
     plans, results = two_rank_plans
     _assert_recomputes_as_planned(plans, results)
     # tensor parallelism has collectives inside its blocks: recomputing them really moves more
-    extra, collectives = recomputed_forward(replace(plans["tp/m1"][0], recompute="blocks"))
+    extra, collectives = recomputed_forward(replace(plans["tp/m2"][0], recompute="blocks"))
     assert extra > 0 and collectives > 0
 
 
@@ -184,7 +185,7 @@ def test_regions_follow_dependencies_not_only_the_pcg_order(plan_file):
     """A block's nodes are interleaved in the PCG with a later block's weight chain; each region runs after
     everything it reads and before everything that reads it, and a chunk's region keeps what another chunk
     reads."""
-    pcg, _ = _plan(plan_file, 2, {"tp": 2}, 1)
+    pcg, _ = _plan(plan_file, 2, {"tp": 2}, 2)
     pcg = replace(pcg, recompute="blocks")
     units = forward_units(pcg, [n.id for n in pcg.nodes])
     done: set[int] = set()
@@ -254,19 +255,28 @@ def test_pipelined_tensor_parallel_plans_recompute_their_collectives():
 
 def _plan_file(plan_file, tmp_path, recompute) -> str:
     """The tensor-parallel plan's file with its `recompute` set to `recompute`."""
-    data = json.loads(Path(plan_file(2, {"tp": 2}, 1)).read_text(encoding="utf-8"))
+    data = json.loads(Path(plan_file(2, {"tp": 2}, 2)).read_text(encoding="utf-8"))
     data["recompute"] = recompute
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data), encoding="utf-8")
     return str(path)
 
 
-def test_the_cli_runs_a_recomputing_plan_with_check(plan_file, tmp_path, capsys):
-    path = _plan_file(plan_file, tmp_path, "blocks")
+def test_the_cli_runs_a_plan_optimized_to_recompute_as_predicted(tmp_path, capsys):
+    """`parsat.optimize(..., recompute="blocks")`: the plan's own totals (its blocks' forward collectives
+    priced twice) are what `parsat run --check` measures."""
+    path = tmp_path / "recomputing.json"
+    plan = optimize("gpt", machine=TWO_BY_TWO, devices=2, sizes=GPT, degrees={"tp": 2}, microbatches=2,
+                    baselines=False, recompute="blocks")
+    plan.save(path)
+    assert plan.pcg.recompute == "blocks" and recomputed_forward(plan.pcg)[0] > 0
     capsys.readouterr()
-    assert main(["run", path, "--nproc", "2", "--check", "--json", "--steps", "2"]) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result["check"] == "passed" and result["recompute"] == "blocks"
+    assert main(["run", str(path), "--nproc", "2", "--check", "--json", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["check"] == "passed" and result["recompute"] == "blocks" and "recomputation" in out
+    assert result["comm_matches"] is True and result["comm_elements_measured"] > 0
+    assert result["grad_sync_elements_measured"] == result["grad_sync_elements_predicted"]
 
 
 def test_an_unknown_recomputation_policy_is_a_clear_error(plan_file, tmp_path, capsys):
