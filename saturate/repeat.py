@@ -32,7 +32,7 @@ has no stamped plan for that mesh, never a wrong one.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Mapping
+from typing import Callable, Mapping
 
 from parsat.dsl.library import Library
 from parsat.dsl.parallel_ops import PARALLEL_OPS
@@ -41,9 +41,10 @@ from parsat.ir.budget import GraphBudget
 from parsat.ir.costs import NodeCost
 from parsat.ir.graph import Graph
 from parsat.ir.models import EXAMPLES, build_example
-from parsat.ir.pcg import PCG, PNode
+from parsat.ir.pcg import PCG, Degrees, PNode
+from parsat.ir.placement import Placement
 from parsat.saturate.encoding import PIN_SUFFIX
-from parsat.saturate.snapshot import Snapshot
+from parsat.saturate.snapshot import ENode, Snapshot, parallel_attrs
 
 SEARCHED_BLOCKS = 3            # first, middle (repeated), last
 REPEATED = 1                   # the searched block whose plan repeats
@@ -144,11 +145,71 @@ def value_names(snapshot: Snapshot, classes: Mapping[str, int]) -> dict[int, str
     return names
 
 
-def stamp(pcg: PCG, repetition: Repetition, values: Mapping[int, str]) -> PCG:
+@dataclass(frozen=True)
+class Step:
+    """One parallel operator of a conversion between two placements of a value (`conversions`)."""
+
+    op: str
+    attrs: tuple
+    shape: tuple[int, ...]
+    degrees: Degrees
+    placement: Placement
+
+
+Converter = Callable[[str, Placement, Placement], "tuple[Step, ...] | None"]
+
+
+def conversions(snapshot: Snapshot, classes: Mapping[str, int]) -> Converter:
+    """How to move a graph tensor's value from one placement to another with the e-graph's own parallel
+    e-nodes (None when saturation made no such path): the shortest chain of parallel operators from a class
+    holding the value in the source placement to one holding it in the target's (`value_names`). Parallel
+    operators move values and never change them, and each e-node is one the rules made, so the chain is
+    what a plan could have chosen."""
+    names = value_names(snapshot, classes)
+    holding: dict[str, list[int]] = {}
+    for cid, name in names.items():
+        holding.setdefault(name, []).append(cid)
+    made_from: dict[int, list[tuple[int, ENode]]] = {}    # class -> (class it converts into, by which e-node)
+    for cid, nodes in snapshot.classes.items():
+        for node in nodes:
+            if node.op in PARALLEL_OPS and names.get(cid) is not None:
+                made_from.setdefault(node.children[0], []).append((cid, node))
+    mesh = snapshot.mesh
+
+    def convert(name: str, source: Placement, target: Placement) -> tuple[Step, ...] | None:
+        mine = set(holding.get(name, ()))
+        frontier = [c for c in mine if snapshot.placement.get(c) == source]
+        path: dict[int, tuple[int, ENode] | None] = {c: None for c in frontier}
+        while frontier:
+            following = []
+            for cid in frontier:
+                if snapshot.placement.get(cid) == target:
+                    steps = []
+                    while path[cid] is not None:
+                        before, node = path[cid]
+                        steps.append(Step(node.op, parallel_attrs(node, mesh), snapshot.shape[cid],
+                                          snapshot.degrees[cid], snapshot.placement[cid]))
+                        cid = before
+                    return tuple(reversed(steps))
+                for after, node in made_from.get(cid, ()):
+                    if after in mine and after not in path:
+                        path[after] = (cid, node)
+                        following.append(after)
+            frontier = following
+        return None
+
+    return convert
+
+
+def stamp(pcg: PCG, repetition: Repetition, values: Mapping[int, str], convert: Converter | None = None) -> PCG:
     """The searched blocks' PCG repeated into the whole model's (module docstring); RepeatError if it cannot be.
 
     `values` names, for PCG nodes, the graph tensor each holds (`value_names`): a copy of block 1 reads from
-    the copy before it the value block 1 read from block 0, one block later, in the same placement."""
+    the copy before it the value block 1 read from block 0, one block later, in the same placement. Where
+    block 2 reads that value of block 1 in another placement than block 1 read it of block 0 (extraction
+    weighs block 0 once and block 1 N - 2 times, so their outputs may be laid out apart), `convert`
+    (`conversions`) gives the parallel operators that move it into block 1's placement: they run between
+    every two copies (the PCG's layout check, `pcg_layout`, checks each placement again)."""
     blocks = node_blocks(pcg)
     by_id = {n.id: n for n in pcg.nodes}
     last = SEARCHED_BLOCKS - 1
@@ -169,11 +230,24 @@ def stamp(pcg: PCG, repetition: Repetition, values: Mapping[int, str]) -> PCG:
 
     ahead = {read(i): i for i in into_last}
     behind = {read(i): i for i in into_middle}
-    if set(ahead) != set(behind):
-        raise RepeatError("the blocks are not laid out alike: block 1 reads "
-                          f"{_reads(behind)} from block 0, block 2 reads {_reads(ahead)} from block 1")
-    # what block 1 read from block 0, copy j reads from copy j - 1: the same value one block later, laid out alike
-    successor = {i: ahead[read(i)] for i in into_middle}
+    # what block 1 read from block 0, copy j reads from copy j - 1: the same value one block later, laid out
+    # alike, or moved there by `bridges`' parallel operators
+    successor: dict[int, int] = {}
+    bridges: dict[int, tuple[Step, ...]] = {}
+    for key, i in behind.items():
+        if key in ahead:
+            successor[i] = ahead[key]
+            continue
+        name, shape, placement = key
+        for (other, other_shape, other_placement), a in sorted(ahead.items(), key=lambda kv: kv[1]):
+            steps = convert(values[a], other_placement, placement) if convert and other == name \
+                and other_shape == shape else None
+            if steps:
+                successor[i], bridges[i] = a, steps
+                break
+        else:
+            raise RepeatError("the blocks are not laid out alike: block 1 reads "
+                              f"{_reads(behind)} from block 0, block 2 reads {_reads(ahead)} from block 1")
 
     nodes: list[PNode] = []
     new_id: dict[tuple[int, int], int] = {}   # (block of the whole model, searched node id) -> new id
@@ -188,12 +262,24 @@ def stamp(pcg: PCG, repetition: Repetition, values: Mapping[int, str]) -> PCG:
     def at_end(i: int) -> int:
         return new_id[(ends[blocks[i]], i)]
 
+    bridged: dict[tuple[int, int], int] = {}   # (copy, node it reads of block 0) -> the bridge's last node
+
+    def bridge(block: int) -> None:
+        """The parallel operators that move what copy `block - 1` made into the placements copy `block` reads."""
+        for i, steps in sorted(bridges.items()):
+            at = new_id[(block - 1, successor[i])]
+            for step in steps:
+                nodes.append(PNode(len(nodes), "parallel", step.op, (at,), step.attrs, step.shape, step.degrees,
+                                   origin=in_block(values[successor[i]], block - 1), placement=step.placement))
+                at = nodes[-1].id
+            bridged[(block, i)] = at
+
     def in_copy(block: int):
         def source(i: int) -> int:
             if blocks[i] == REPEATED:
                 return new_id[(block, i)]
             if blocks[i] == REPEATED - 1 and block > REPEATED:
-                return new_id[(block - 1, successor[i])]
+                return bridged[(block, i)] if i in bridges else new_id[(block - 1, successor[i])]
             return at_end(i)
         return source
 
@@ -204,6 +290,8 @@ def stamp(pcg: PCG, repetition: Repetition, values: Mapping[int, str]) -> PCG:
         if blocks[node.id] in (OUTSIDE, 0):
             emit(node, ends[blocks[node.id]], at_end)
     for block in range(REPEATED, repetition.blocks - 1):
+        if block > REPEATED:
+            bridge(block)
         source = in_copy(block)
         for node in pcg.nodes:
             if blocks[node.id] == REPEATED:

@@ -24,6 +24,13 @@ class ENode:
     attrs: tuple  # values of the non-tensor positions, in order (ints, strings for reals, leaf name)
 
 
+def parallel_attrs(node: ENode, mesh: Mesh) -> tuple[tuple[str, int | str], ...]:
+    """A parallel operator e-node's attributes as its PCG node carries them: its dim (partition, combine), the
+    name of the mesh axis it acts on and that axis's size (the e-node's last attribute is the axis index)."""
+    axis = node.attrs[-1]
+    return tuple(zip(("dim",), node.attrs[:-1])) + (("axis", mesh.axes[axis].name), ("degree", mesh.size(axis)))
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """The e-graph read back: e-classes with their e-nodes and their analysis.

@@ -24,10 +24,10 @@ from parsat.ir.recompute import NONE
 from parsat.saturate.encoding import PIN_SUFFIX
 from parsat.saturate.extract import Extraction, NodeId, Pricer, dag_cost, extract, node_costs
 from parsat.saturate.recompute import recomputed_enodes, recomputed_pcg_costs
-from parsat.saturate.repeat import Repetition, RepeatError, stamp, value_names, weigh
+from parsat.saturate.repeat import Repetition, RepeatError, conversions, stamp, value_names, weigh
 from parsat.saturate.runner import Limits
 from parsat.saturate.saturate import SaturationResult
-from parsat.saturate.snapshot import Snapshot
+from parsat.saturate.snapshot import Snapshot, parallel_attrs
 
 
 def solve(result: SaturationResult, graph: Graph, library: Library, machine: Machine, roots: Sequence[int],
@@ -57,7 +57,8 @@ def solve(result: SaturationResult, graph: Graph, library: Library, machine: Mac
             return pcg, priced, extraction
     if repetition is not None:
         names = value_names(result.snapshot, result.classes)
-        pcg = stamp(pcg, repetition, {ident[c]: name for c, name in names.items() if c in ident})
+        pcg = stamp(pcg, repetition, {ident[c]: name for c, name in names.items() if c in ident},
+                    conversions(result.snapshot, result.classes))
         priced = price_pcg(pcg, library, machine, free_inputs, graph.microbatches, pins)
         if priced is None:
             raise RepeatError("the repeated plan has a node the cost model cannot price")
@@ -134,10 +135,7 @@ def pcg_from_extraction(result: SaturationResult, extraction: Extraction, graph:
             name = enode.attrs[0].removesuffix(PIN_SUFFIX)
             node = PNode(len(nodes), "leaf", name, (), (), shape, degrees, roles.get(name, "input"), name, where)
         elif enode.op in PARALLEL_OPS:
-            axis = enode.attrs[-1]
-            attrs = (tuple(zip(("dim",), enode.attrs[:-1])) + (("axis", mesh.axes[axis].name),
-                                                                 ("degree", mesh.size(axis))))
-            node = PNode(len(nodes), "parallel", enode.op, inputs, attrs, shape, degrees,
+            node = PNode(len(nodes), "parallel", enode.op, inputs, parallel_attrs(enode, mesh), shape, degrees,
                          origin=names_of.get(cid, ""), placement=where)
         else:
             op = library.ops[enode.op]

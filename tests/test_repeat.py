@@ -14,8 +14,9 @@ from parsat.dsl.library import load_library  # noqa: E402
 from parsat.ir.models import build_example  # noqa: E402
 from parsat.ir.pcg import PCG  # noqa: E402
 from parsat.ir.pcg_layout import lay_out  # noqa: E402
+from parsat.dsl.parallel_ops import PARALLEL_OPS  # noqa: E402
 from parsat.saturate.repeat import (OUTSIDE, REPEATED, RepeatError, Repetition, block_of, class_blocks,  # noqa: E402
-                                    node_blocks, stamp, value_names, weigh)
+                                    conversions, node_blocks, stamp, value_names, weigh)
 from parsat.ir.costs import NodeCost  # noqa: E402
 
 LIBRARY = load_library()[0]
@@ -67,8 +68,9 @@ def test_repeated_plan_trains_like_one_process(plans):
     assert result.comm_elements_measured == repeated.totals.comm_elements
 
 
-def _searched() -> tuple[PCG, dict[int, str], Repetition]:
-    """The three searched blocks' PCG on 2 devices, the graph tensor each node holds, and a 6-block repetition."""
+def _searched(with_result: bool = False):
+    """The three searched blocks' PCG on 2 devices, the graph tensor each node holds, and a 6-block repetition
+    (and the saturation result, `with_result`)."""
     from parsat.ir.machine import Machine
     from parsat.saturate.extract import extract, node_costs
     from parsat.saturate.runner import Limits
@@ -83,7 +85,8 @@ def _searched() -> tuple[PCG, dict[int, str], Repetition]:
                          machine.memory_capacity, 0)
     pcg, ident = pcg_from_extraction(result, extraction, graph, LIBRARY, roots, graph.outputs)
     values = {ident[c]: name for c, name in value_names(result.snapshot, result.classes).items() if c in ident}
-    return pcg, values, Repetition(build_example("gpt", {**SMALL, "blocks": 6}, LIBRARY), graph, 6)
+    repetition = Repetition(build_example("gpt", {**SMALL, "blocks": 6}, LIBRARY), graph, 6)
+    return (pcg, values, repetition, result) if with_result else (pcg, values, repetition)
 
 
 def test_stamp_repeats_block_one_and_refuses_blocks_laid_out_differently():
@@ -105,6 +108,43 @@ def test_stamp_repeats_block_one_and_refuses_blocks_laid_out_differently():
     # ... or a value the graph does not name
     with pytest.raises(RepeatError, match="holds no value the graph names"):
         stamp(pcg, repetition, {k: v for k, v in values.items() if k != read})
+
+
+def test_stamp_bridges_blocks_whose_outputs_are_laid_out_apart():
+    """Block 1 reads block 0's output in one placement, block 2 reads block 1's in another: the e-graph's own
+    parallel operators move each copy's output into the placement the next copy reads."""
+    pcg, values, repetition, result = _searched(with_result=True)
+    convert = conversions(result.snapshot, result.classes)
+    searched = node_blocks(pcg)
+    behind = next(i for n in pcg.nodes if searched[n.id] == REPEATED for i in n.inputs
+                  if searched[i] == REPEATED - 1 and i in values)
+    ahead_name = values[behind].replace("b0_", "b1_", 1)
+    ahead = next(i for n in pcg.nodes if searched[n.id] == 2 for i in n.inputs if values.get(i) == ahead_name)
+    here = pcg.nodes[ahead].placement
+    # another placement of the same value that saturation can reach from the one block 2 reads
+    names = value_names(result.snapshot, result.classes)
+    elsewhere = next(p for c, p in result.snapshot.placement.items()
+                     if names.get(c) == ahead_name and p != here and convert(ahead_name, here, p))
+    steps = convert(ahead_name, here, elsewhere)
+    assert steps and steps[-1].placement == elsewhere and all(s.op in PARALLEL_OPS for s in steps)
+    assert convert(ahead_name, here, here) == ()
+    nodes = list(pcg.nodes)
+    nodes[behind] = replace(nodes[behind], placement=elsewhere)   # block 1 now reads block 0's output elsewhere
+    moved = replace(pcg, nodes=tuple(nodes))
+    with pytest.raises(RepeatError, match="not laid out alike"):
+        stamp(moved, repetition, values)                           # no converter: refused, as before
+    stamped = stamp(moved, repetition, values, convert)
+    by_id = {n.id: n for n in stamped.nodes}
+    blocks = node_blocks(stamped)
+    bridges = [n for n in stamped.nodes if n.kind == "parallel" and n.placement == elsewhere
+               and n.origin.endswith(ahead_name[3:]) and by_id[n.inputs[0]].kind != "leaf"
+               and blocks[n.id] in (2, 3, 4)]
+    assert len(bridges) == 3      # between copies 1-2, 2-3 and 3-4 (copy 1 reads block 0 itself)
+    for bridge in bridges:
+        first = bridge
+        for _ in range(len(steps) - 1):
+            first = by_id[first.inputs[0]]
+        assert by_id[first.inputs[0]].placement == here      # it starts from what the copy before made
 
 
 def test_stamp_refuses_a_plan_that_misses_the_model_leaves():
