@@ -209,12 +209,15 @@ def check_tolerance(dtype: str, model: str | None) -> float:
 
 
 def _report(result, args: argparse.Namespace, tolerance: float) -> None:
+    from parsat.ir import recompute
+
     measured, predicted = result.comm_elements_measured, result.comm_elements_predicted
     sync_predicted = result.predicted.grad_sync_elements
     memory_predicted = result.predicted.peak_memory_bytes
     micro = result.microbatches
     lines = [f"ran {args.steps} step(s) of the {args.plan_of} plan on {args.nproc} rank(s)"
-             + (f", {micro} micro-batches each (gradients accumulated, synchronised once a step)" if micro > 1 else ""),
+             + (f", {micro} micro-batches each (gradients accumulated, synchronised once a step)" if micro > 1 else "")
+             + (f", {recompute.describe(result.recompute)}" if result.recompute != recompute.NONE else ""),
              f"  loss per step        {', '.join(f'{x:.6g}' for x in result.losses)}",
              f"  communication/step   measured {measured:,.0f} elements, predicted "
              + ("n/a" if predicted is None else f"{predicted:,.0f}")

@@ -44,6 +44,14 @@ The step's data, its cut into micro-batches and the objective are
 in one process where it is known (`ir.microbatch`), otherwise with the
 micro-batch graph accumulated m times in one process.
 
+Activation recomputation (`pcg.recompute == "blocks"`, `ir.recompute`):
+each block runs as one non-reentrant `torch.utils.checkpoint` region
+(`RankProgram._checkpointed`, `recompute_regions`) that returns only the
+values read outside it, so the others are gone after forward; its whole
+forward, collectives included, runs again before its backward (early
+stopping off), counted as any collective, which is what the cost model
+prices (docs/ARCHITECTURE.md, "Activation recomputation in the backend").
+
 Objective: a loss output (a scalar) as it is, any other output
 0.5 * mean((output - target)^2), summed over outputs, targets from the
 seed (`training_data.objective`). A rank's share is its piece's part. The ranks holding the same piece
@@ -65,13 +73,15 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from math import prod
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from parsat.backend.collectives import GRAD_SYNC, CommCounter, MeshGroups, parallel_op
 from parsat.backend.launch import LaunchConfig, RankContext, launch
+from parsat.backend.recompute_regions import Region, RegionError, Unit, forward_units
 from parsat.backend.torch_ops import apply_op
 from parsat.backend.training_data import (MASK, ONEHOT, StepData, TrainConfig, causal_mask, data_leaves,  # noqa: F401
                                           fan_in, leaf_value, objective, target_value)
@@ -253,6 +263,10 @@ class RankProgram:
     differentiates only the outputs among them. A stage's ranks then pass
     their own `ctx` (rank and world within the stage) and `groups` (the
     stage's process groups, `MeshGroups(..., stages=p)`).
+
+    `keep`: node ids whose values the caller reads after forward, kept even
+    where a recomputed block would drop them (`parallelize` reads the batch
+    statistics).
     """
 
     pcg: PCG
@@ -262,6 +276,7 @@ class RankProgram:
     weights: Mapping[str, torch.Tensor] | None = None
     nodes: frozenset[int] | None = None
     groups: MeshGroups | None = None
+    keep: frozenset[int] = frozenset()                     # values kept alive after forward whatever recompute says
     params: dict[int, _Param] = field(init=False)          # stored-at node id -> parameter
     folded: set[int] = field(init=False)                   # partition nodes absorbed into storage
     placements: dict[int, Placement] = field(init=False)   # node id -> where its pieces live
@@ -275,7 +290,8 @@ class RankProgram:
         self.outputs_here = tuple((i, name) for i, name in zip(self.pcg.outputs, self.output_names)
                                   if self.computes(i))
         self.params, self.folded = {}, set()
-        by_id = {n.id: n for n in self.pcg}
+        by_id = self._by_id = {n.id: n for n in self.pcg}
+        self._unit_cache: dict[frozenset[int] | None, tuple[Unit, ...]] = {}
         for leaf, chain in weight_storage(self.pcg).items():
             if self.computes(leaf):
                 self._store_weight(by_id[leaf], chain)
@@ -355,16 +371,26 @@ class RankProgram:
     def forward(self, step: int, counter: CommCounter, inputs: Mapping[str, torch.Tensor],
                 weights: "WeightValues | None" = None, nodes: frozenset[int] | set[int] | None = None,
                 env: dict[int, tuple[torch.Tensor, Placement]] | None = None,
+                recomputed: Callable[[Mapping[int, tuple[torch.Tensor, Placement]]], None] | None = None,
                 ) -> dict[int, tuple[torch.Tensor, Placement]]:
         """Every node's local piece and placement for one (micro-)batch (`inputs`: full values by leaf name).
 
         With `weights` (`weight_values`), the weights' chains are not run again: their values are those;
         without, they run here, inside this forward's autograd graph (one batch, its own backward).
         `nodes` limits it to those (a pipeline chunk's); values already in `env` (what a chunk received
-        from another stage) are taken as they are."""
+        from another stage) are taken as they are.
+
+        Under activation recomputation (`pcg.recompute`), each block runs as one checkpointed region
+        (`_checkpointed`): only the values it keeps are in the returned `env`, the others are dropped and
+        made again before the block's backward; `recomputed` is then called with the values made again
+        (for the memory count: they are alive, beside everything else, until the block's backward)."""
         env = {} if env is None else env
-        for node in self.pcg:
-            if node.id in env or not self.computes(node.id) or (nodes is not None and node.id not in nodes):
+        for unit in self._units(None if nodes is None else frozenset(nodes)):
+            if isinstance(unit, Region):
+                self._checkpointed(unit, env, counter, recomputed)
+                continue
+            node = self._by_id[unit]
+            if node.id in env:
                 continue
             if weights is not None and node.id in self._chains:
                 if node.id in weights.used:
@@ -379,12 +405,61 @@ class RankProgram:
                 env[node.id] = (value, self.placements[node.id])
             elif node.id in self.folded:
                 continue
-            elif node.kind == "parallel":
-                env[node.id] = self._parallel(node, env, counter)
             else:
-                ins = [env[i][0] for i in node.inputs]
-                env[node.id] = (apply_op(node.op, ins, dict(node.attrs)), self.placements[node.id])
+                env[node.id] = self._compute(node, env, counter)
         return env
+
+    def _units(self, nodes: frozenset[int] | None) -> tuple[Unit, ...]:
+        """What `forward` runs over `nodes` (None: all this rank computes), in order: node ids, and the
+        recomputed blocks as regions (`recompute_regions.forward_units`); made once per distinct `nodes`."""
+        if nodes not in self._unit_cache:
+            computed = [n.id for n in self.pcg if self.computes(n.id) and (nodes is None or n.id in nodes)]
+            try:
+                self._unit_cache[nodes] = forward_units(self.pcg, computed, self.keep)
+            except RegionError as err:
+                raise ExecutionError(str(err)) from None
+        return self._unit_cache[nodes]
+
+    def _compute(self, node: PNode, env, counter: CommCounter) -> tuple[torch.Tensor, Placement]:
+        """A compute or parallel node's piece and placement, from its inputs' in `env`."""
+        if node.kind == "parallel":
+            return self._parallel(node, env, counter)
+        return apply_op(node.op, [env[i][0] for i in node.inputs], dict(node.attrs)), self.placements[node.id]
+
+    def _checkpointed(self, region: Region, env: dict, counter: CommCounter, recomputed=None) -> None:
+        """One recomputed block: its nodes run inside `torch.utils.checkpoint` (non-reentrant), from the values
+        it reads in `env`; only the values it keeps are put in `env`.
+
+        Early stopping is off: the whole block, every collective in it included, runs again before its
+        backward, as the cost model prices it (Megatron's full recomputation; with early stopping torch
+        would skip the block's last operators whose saved tensors no backward needs, e.g. a final
+        all-reduce, and the ranks' collectives would no longer be the plan's). No RNG state is stashed:
+        no operator of the library draws random numbers (a dropout's mask is a data input), so the
+        recomputation is the same computation on the same inputs; torch's default determinism check
+        still compares the recomputed saved tensors' shapes, dtypes and devices with the first run's."""
+        clash = [i for i in region.runs if i in env]
+        if clash:
+            raise ExecutionError(f"node(s) {clash} of recomputed block {region.block} were handed in already made; "
+                                 "a block recomputes from its inputs only")
+        placements = {i: env[i][1] for i in region.inputs}
+        made: dict[int, Placement] = {}
+        runs = [0]
+
+        def block(*pieces: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            values = {i: (x, placements[i]) for i, x in zip(region.inputs, pieces)}
+            for ident in region.runs:
+                values[ident] = self._compute(self._by_id[ident], values, counter)
+            runs[0] += 1
+            if runs[0] == 1:
+                made.update((i, values[i][1]) for i in region.kept)
+            elif recomputed is not None:
+                recomputed({i: values[i] for i in region.runs})
+            return tuple(values[i][0] for i in region.kept)
+
+        kept = checkpoint(block, *(env[i][0] for i in region.inputs), use_reentrant=False, early_stop=False,
+                          preserve_rng_state=False)
+        for ident, x in zip(region.kept, kept):
+            env[ident] = (x, made[ident])
 
     def _parallel(self, node: PNode, env, counter: CommCounter) -> tuple[torch.Tensor, Placement]:
         x, placement = env[node.inputs[0]]
@@ -486,8 +561,11 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
         reported = torch.zeros((), dtype=config.torch_dtype(), device=ctx.device)
         outputs: dict[str, list] = {name: [] for _, name in program.outputs_here}
         for k in range(m):
+            env: dict = {}
             with memory.saving():
-                env = program.forward(step, counter, data.inputs(k), weights)
+                program.forward(step, counter, data.inputs(k), weights, env=env,
+                                recomputed=lambda made: memory.measure(_beside(env, made), program, optimizer,
+                                                                       weights))
                 to_diff, to_report = program.loss(env, data.targets(k))
             memory.measure(env, program, optimizer, weights)  # end of forward: activations, saved tensors
             if k == 0:
@@ -526,17 +604,32 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
     return report
 
 
+def _beside(env: Mapping, made: Mapping) -> dict:
+    """`env`'s values and a recomputed block's, all alive at once (the block's own kept values are made again
+    beside the kept ones of its first run), for `TensorMemory.measure`."""
+    return {**{("env", i): v for i, v in env.items()}, **{("recomputed", i): v for i, v in made.items()}}
+
+
 class TensorMemory:
     """Peak bytes of this rank's live tensors on CPU, where torch keeps no allocator statistics.
 
-    Counted at the two high points of a step: the end of the forward pass
+    Counted at the high points of a step: the end of the forward pass
     (every activation, the tensors autograd saved for backward, parameters,
-    last step's gradients, optimizer state) and the end of the backward
-    pass (every gradient). Storages are counted once however many views
-    share them. Backward's transient buffers are not seen, so this is a
-    lower bound of the allocator's peak; it is what the plan's memory
+    last step's gradients, optimizer state), the end of the backward
+    pass (every gradient), and under activation recomputation the moment
+    each block has been computed again before its backward (its values
+    beside everything alive then). Storages are counted once however many
+    views share them. Backward's transient buffers are not seen, so this is
+    a lower bound of the allocator's peak; it is what the plan's memory
     bound describes, unlike the process RSS (interpreter, torch, the
     single-process reference of --check).
+
+    A recomputed block's values are not in the rank's values after its
+    forward, and the tensors autograd saves inside its checkpoint are
+    torch's placeholders, not tensors (the checkpoint's own saved-tensor
+    hooks stand in for `saving`'s there), so what the block drops is not
+    counted, what it keeps is, and its inputs, which the checkpoint saves
+    outside its hooks, are counted through `saving` as any saved tensor.
     """
 
     def __init__(self) -> None:
@@ -747,10 +840,11 @@ class RunResult:
     # a pipelined plan: each stage's collectives, point-to-point and shared-weight figures beside the prediction
     # (backend/pipeline_run.py `pipeline_comparison`); the totals above are then summed over every stage's ranks
     pipeline: Mapping | None = None
+    recompute: str = "none"   # the plan's activation recomputation (`PCG.recompute`) the run followed
 
     @staticmethod
     def of_job(reports: Sequence[dict], config: TrainConfig, predicted: Prediction | None = None,
-               microbatches: int = 1) -> "RunResult":
+               microbatches: int = 1, recompute: str = "none") -> "RunResult":
         """The summary of a launched job: every rank's report carries the job-wide figures (`_job_summary`);
         under torchrun there is only this rank's."""
         job = reports[0]["job"]
@@ -760,7 +854,7 @@ class RunResult:
                          job["grad_sync"], statistics.median(timed), job["peak_memory_bytes"],
                          job["process_rss_bytes"], tuple(reports[0]["losses"]), predicted or Prediction(),
                          job.get("max_rel_diff"), job.get("nonfinite", 0), job.get("worst", ""),
-                         dict(job.get("sent_by_axis", {})), microbatches)
+                         dict(job.get("sent_by_axis", {})), microbatches, recompute=recompute)
 
     @property
     def comm_elements_predicted(self) -> float | None:
@@ -787,6 +881,7 @@ class RunResult:
                 "step_time_predicted_s": self.predicted.time_s,
                 "peak_memory_predicted_bytes": self.predicted.peak_memory_bytes,
                 "process_rss_bytes": self.process_rss_bytes, "microbatches": self.microbatches,
+                "recompute": self.recompute,
                 "losses": list(self.losses), **({"pipeline": dict(self.pipeline)} if self.pipeline else {})}
 
 
@@ -811,7 +906,7 @@ def run_plan(pcg: PCG, nproc: int, config: TrainConfig, graph: Graph | None = No
     reports = launch(run_rank, (pcg, config, graph, None, batch),
                      LaunchConfig(nproc=nproc, backend=backend, timeout_s=timeout_s,
                                   collective_timeout_s=collective_timeout_s))
-    return RunResult.of_job(reports, config, predicted, batch.microbatches)
+    return RunResult.of_job(reports, config, predicted, batch.microbatches, pcg.recompute)
 
 
 def check_verdict(job: Mapping, config: TrainConfig) -> str | None:

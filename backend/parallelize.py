@@ -43,6 +43,12 @@ What the returned module is:
   its piece through the plan like any input, so ranks agree and the
   `--check` reference can draw the same masks (`ReferenceDropout`).
 
+A plan that recomputes activations (`PCG.recompute`) recomputes them here
+too: each block is a checkpointed region of the forward, run again in the
+user's `backward()` (the batch statistics stay alive for the running
+statistics). Blocks are `ir.blocks`' (weights named `b{i}_...`): a module
+named otherwise has none, and nothing is recomputed, as the plan's costs say.
+
 A plan of m micro-batches (`Graph.microbatches`) is a plan for one
 micro-batch here: each call runs one, and the user's loop accumulates
 (each loss divided by m); every backward then synchronises the gradients,
@@ -164,7 +170,11 @@ class ParallelModule(torch.nn.Module):
                 dist.broadcast(value, src=0)  # every rank starts from rank 0's weights
             weights[name] = value
         config = TrainConfig(dtype=str(self.dtype).replace("torch.", ""), seed=seed)
-        self.program = RankProgram(pcg, ctx, config, library, weights)
+        # the batch statistics the running statistics are updated from are read after forward: kept alive
+        # even inside a recomputed block (`RankProgram.keep`)
+        stats = frozenset(running_stats.node_of(pcg, name) for stat in imported.running_stats
+                          for name in (stat.mean, stat.var))
+        self.program = RankProgram(pcg, ctx, config, library, weights, keep=stats)
         self.pieces = torch.nn.ParameterDict()
         for param in self.program.params.values():
             tensor = torch.nn.Parameter(param.tensor.detach().clone())
@@ -462,7 +472,7 @@ def run_module_plan(pcg: PCG, graph: Graph, model_spec: str, data_path: str | No
     reports = launch(run_module_rank, (pcg, graph, model_spec, data_path, config),
                      LaunchConfig(nproc=nproc, backend=backend, timeout_s=timeout_s,
                                   collective_timeout_s=collective_timeout_s))
-    return RunResult.of_job(reports, config, predicted)
+    return RunResult.of_job(reports, config, predicted, recompute=pcg.recompute)
 
 
 __all__ = ["run_module_plan", "ParallelModule", "ParallelizeError", "ReferenceDropout", "gather_weights", "parallelize",

@@ -17,6 +17,10 @@ PCG with the executor's own pieces (`RankProgram` restricted to
   them and from its loss (divided by m, as `executor.run_rank` does), send
   back the gradients of the values it received.
 
+Under activation recomputation each chunk runs the part of each block it
+computes as one checkpointed region (`RankProgram.forward`), keeping what
+it sends; the region's forward runs again in the chunk's backward.
+
 Weights' chains are made once per step for all micro-batches and their
 gradients reduced once after the stage's last backward, exactly as
 `run_rank` runs m > 1 micro-batches (`RankProgram.weight_values`,
@@ -298,7 +302,8 @@ class StageRank:
 
     # -------------------------------------------------------------- actions
 
-    def forward(self, state: _StepState, step: int, k: int, chunk: int, memory: TensorMemory) -> _ChunkRun:
+    def forward(self, state: _StepState, step: int, k: int, chunk: int, memory: TensorMemory,
+                recomputed=None) -> _ChunkRun:
         program = self.program
         nodes = self.chunk_nodes[chunk]
         free = state.free.setdefault(k, {})
@@ -316,7 +321,7 @@ class StageRank:
             received.append((index, crossing, value))
         to_diff = None
         with memory.saving((k, chunk)):
-            program.forward(step, state.counter, state.data.inputs(k), state.weights, nodes, env)
+            program.forward(step, state.counter, state.data.inputs(k), state.weights, nodes, env, recomputed)
             if self.outputs_of[chunk]:
                 to_diff, to_report = program.loss(env, state.data.targets(k), self.outputs_of[chunk])
                 state.reported += float(to_report) / self.pipeline.microbatches
@@ -375,15 +380,21 @@ class StageRank:
         state = _StepState(program.step_data(batch, step), program.weight_values(counter), counter,
                            [0] * self.layout.degree, outputs={name: [] for _, name in program.outputs_here})
         first = True
+
+        def recomputed(made) -> None:   # a recomputed block's values, beside every chunk's still alive
+            memory.measure({**_live_values(state), **{("recomputed", i): v for i, v in made.items()}}, program,
+                           optimizer, state.weights)
+
         for action in self.order:
             key = (action.microbatch, action.chunk)
             if action.phase == FORWARD:
-                state.live[key] = self.forward(state, step, action.microbatch, action.chunk, memory)
+                state.live[key] = self.forward(state, step, action.microbatch, action.chunk, memory, recomputed)
                 if first:   # after the first forward: last step's gradients were alive until here
                     optimizer.zero_grad()
                     first = False
             else:
-                self.backward(state, action.microbatch, action.chunk, state.live.pop(key))
+                self.backward(state, action.microbatch, action.chunk, state.live[key])   # alive in its backward
+                del state.live[key]
                 memory.release(key)
             memory.measure(_live_values(state), program, optimizer, state.weights)
         for work, _tensor in state.sends:
@@ -519,7 +530,8 @@ def run_pipelined_plan(pcg: PCG, pipeline: PipelinePlan, costs: Mapping[int, Nod
     reports = launch(run_stage_rank, (pcg, pipeline, config, graph, batch),
                      LaunchConfig(nproc=nproc, backend=backend, timeout_s=timeout_s,
                                   collective_timeout_s=collective_timeout_s))
-    result = RunResult.of_job(reports, config, expected.totals(predicted or Prediction()), batch.microbatches)
+    result = RunResult.of_job(reports, config, expected.totals(predicted or Prediction()), batch.microbatches,
+                              pcg.recompute)
     return replace(result, pipeline=pipeline_comparison(reports[0]["job"]["pipeline"], expected, pipeline))
 
 
