@@ -400,6 +400,9 @@ def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: 
         graph = graph.with_microbatches(microbatches_of)
         repetition = repetition and repetition.with_microbatches(microbatches_of)
     searched = repetition.searched if repetition else graph
+    if recompute == BLOCKS and not any(block_of(leaf.name) != OUTSIDE for leaf in graph.leaves):
+        raise OptimizeError(f"--recompute blocks: '{graph.name}' has no blocks to recompute (ir.blocks: a block's "
+                            "weights are named b0_..., b1_..., as the built-in examples name them)")
     if repetition:
         say(f"'{graph.name}' has {repetition.blocks} identical blocks: searching {SEARCHED_BLOCKS}, the middle one's "
             f"plan repeated {repetition.copies} times")

@@ -151,3 +151,8 @@ def test_auto_recomputes_only_when_keeping_activations_does_not_fit(one_device, 
 def test_bad_policy_is_a_clear_error():
     with pytest.raises(OptimizeError, match="--recompute must be one of"):
         parsat.optimize("gpt", "h100x8", devices=1, sizes=SIZES, recompute="sometimes")
+
+
+def test_blocks_on_a_graph_without_blocks_is_a_clear_error():
+    with pytest.raises(OptimizeError, match="has no blocks to recompute"):
+        parsat.optimize("mlp", "h100x8", devices=1, recompute=BLOCKS, baselines=False)
