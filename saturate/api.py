@@ -541,8 +541,10 @@ def _best(found: Sequence[Candidate | None], machine: Machine) -> Candidate | No
 
 
 def _rank(candidate: Candidate, machine: Machine) -> tuple:
-    """Plans that fit in memory first, then the fastest; the joint plan wins ties."""
-    return (not candidate.totals.fits(machine), round(candidate.totals.time_s, 12),
+    """Plans that fit in memory first, then the fastest; the joint plan wins ties. When none fits, the one that
+    needs least memory (what the micro-batch search splits from, and what the user is told)."""
+    fits = candidate.totals.fits(machine)
+    return (not fits, round(candidate.totals.time_s, 12) if fits else candidate.totals.peak_memory_bytes,
             candidate.name != JOINT)
 
 

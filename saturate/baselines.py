@@ -17,6 +17,7 @@ the cheapest of them and the joint plan, and the backend can run any of them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
@@ -151,19 +152,36 @@ def best_grid(result: SaturationResult, graph: Graph, library: Library, machine:
     mesh = result.snapshot.mesh or Mesh(())
     roles = leaf_roles(result.snapshot, graph)
     best: Candidate | None = None
-    for config in grid(mesh):
-        excluded = config_excluded(result.snapshot, roles, config)
-        try:
-            pcg, costs, _ = solve(result, graph, library, machine, roots,
-                                  replace(limits, ilp_seconds=min(limits.ilp_seconds, GRID_ILP_SECONDS)), free_inputs,
-                                  excluded, pins=input_pins, costs=priced, repetition=repetition,
-                                  recompute=recompute)
-        except (ExtractionError, RepeatError):
-            continue
+    unfit = []
+
+    def keep(config, pcg: PCG, costs) -> None:
+        nonlocal best
         spelled = {**config.spelled(mesh, graph.microbatches), **({"recompute": recompute} if recompute != NONE else {})}
         found = Candidate("best_grid", pcg, costs, totals(costs, machine), spelled)
         if best is None or _better(found, best, machine):
             best = found
+
+    for config in grid(mesh):
+        excluded = config_excluded(result.snapshot, roles, config)
+        try:
+            keep(config, *solve(result, graph, library, machine, roots,
+                                replace(limits, ilp_seconds=min(limits.ilp_seconds, GRID_ILP_SECONDS)), free_inputs,
+                                excluded, pins=input_pins, costs=priced, repetition=repetition,
+                                recompute=recompute)[:2])
+        except ExtractionError:
+            unfit.append((config, excluded))
+        except RepeatError:
+            continue
+    if best is None:
+        # no configuration fits: the grid still says what its fastest one would take and need (greedy passes)
+        roomy = replace(machine, memory_capacity=math.inf)
+        for config, excluded in unfit:
+            try:
+                keep(config, *solve(result, graph, library, roomy, roots, replace(limits, ilp_seconds=0.0),
+                                    free_inputs, excluded, pins=input_pins, costs=priced, repetition=repetition,
+                                    recompute=recompute)[:2])
+            except (ExtractionError, RepeatError):
+                continue
     return best
 
 

@@ -190,7 +190,9 @@ def test_list_examples_names_every_configuration_and_its_source(capsys):
 # ------------------------------------------------------------- the optimizer
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama", "bert"])
+# gpt runs in the fast suite; llama and bert (20 s each) with the slow tests
+@pytest.mark.parametrize("name", ["gpt", pytest.param("llama", marks=pytest.mark.slow),
+                                  pytest.param("bert", marks=pytest.mark.slow)])
 def test_optimizer_splits_tiny_models_over_a_2x2_mesh(lib, name):
     sizes = {**TINY, "kv_heads": 2} if name == "llama" else TINY
     graph = build_example(name, sizes, lib)

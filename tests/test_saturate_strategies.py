@@ -68,3 +68,30 @@ def test_hand_built_plans_are_described_by_what_their_axes_do():
     text = describe(mesh_plans.tp_sp_block(library).pcg)
     assert "TP 2" in text and "sequence-parallel norms" in text
     assert "ZeRO-3 over DP" in describe(mesh_plans.zero3_tp_mlp(library).pcg)
+
+
+def test_best_grid_reports_its_fastest_point_when_none_fits():
+    """A grid whose every configuration needs more memory than the device has still says what the fastest
+    one would take and how much it needs (a baseline shown as 'needs X GiB'), never None."""
+    from dataclasses import replace as _replace
+
+    from parsat.ir.machine import Machine
+    from parsat.ir.models import build_example
+    from parsat.saturate.baselines import best_grid
+    from parsat.saturate.extract import node_costs
+    from parsat.saturate.inputs import resolve_library
+    from parsat.saturate.runner import Limits
+    from parsat.saturate.saturate import saturate
+
+    library = resolve_library(None)
+    graph = build_example("transformer", {}, library)
+    machine = Machine.resolve("h100x8").with_devices(8)
+    result = saturate(graph, library, library.rules, 8, Limits(iterations=4))
+    roots = [result.classes[n] for n in graph.outputs]
+    priced = node_costs(result.snapshot, graph, library, machine)
+    roomy = best_grid(result, graph, library, machine, roots, Limits(seconds=30), True, priced, {})
+    assert roomy is not None and roomy.totals.fits(machine)
+    tiny = _replace(machine, memory_capacity=1024)
+    cramped = best_grid(result, graph, library, tiny, roots, Limits(seconds=30), True, priced, {})
+    assert cramped is not None and not cramped.totals.fits(tiny)
+    assert cramped.config["dp"] * cramped.config["tp"] == 8
