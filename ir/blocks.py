@@ -23,6 +23,12 @@ def block_of(name: str) -> int:
     return int(found.group(1)) if found else OUTSIDE
 
 
+def has_blocks(names) -> bool:
+    """Whether any of `names` (a graph's leaves) belongs to a block: a model the block-wise machinery (repeated
+    search, pipeline stages, recomputation) can cut."""
+    return any(block_of(name) != OUTSIDE for name in names)
+
+
 def in_block(name: str, block: int) -> str:
     """`name` moved into `block` (`b1_wq` -> `b7_wq`); a name outside every block is kept."""
     return _BLOCK_NAME.sub(f"b{block}_", name, count=1) if block_of(name) != OUTSIDE else name

@@ -90,11 +90,6 @@ def checkpoints(pcg: PCG) -> tuple[Checkpoint, ...]:
     return tuple(Checkpoint(b, tuple(ids), frozenset(kept.get(b, ()))) for b, ids in sorted(runs.items()))
 
 
-def dropped_nodes(pcg: PCG) -> dict[int, int]:
-    """Node id -> its block, for every node whose value `pcg.recompute` frees after forward."""
-    return {ident: c.block for c in checkpoints(pcg) for ident in c.dropped}
-
-
 def describe(policy: str) -> str:
     """How `explain` says it."""
     if policy == NONE:
@@ -102,5 +97,5 @@ def describe(policy: str) -> str:
     return "full activation recomputation per block (only values crossing blocks kept)"
 
 
-__all__ = ["AUTO", "BLOCKS", "Checkpoint", "NONE", "POLICIES", "RecomputeError", "check_policy", "checkpoints", "describe",
-           "dropped_nodes"]
+__all__ = ["AUTO", "BLOCKS", "Checkpoint", "NONE", "POLICIES", "RecomputeError", "check_policy", "checkpoints",
+           "describe"]

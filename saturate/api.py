@@ -37,7 +37,7 @@ from typing import Callable, Mapping, Sequence
 
 from parsat.dsl import ast
 from parsat.dsl.library import Library
-from parsat.ir.blocks import OUTSIDE, block_of
+from parsat.ir.blocks import has_blocks
 from parsat.ir.budget import GraphBudget
 from parsat.ir.costs import Totals, totals
 from parsat.ir.graph import Graph
@@ -400,7 +400,7 @@ def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: 
         graph = graph.with_microbatches(microbatches_of)
         repetition = repetition and repetition.with_microbatches(microbatches_of)
     searched = repetition.searched if repetition else graph
-    if recompute == BLOCKS and not any(block_of(leaf.name) != OUTSIDE for leaf in graph.leaves):
+    if recompute == BLOCKS and not has_blocks(leaf.name for leaf in graph.leaves):
         raise OptimizeError(f"--recompute blocks: '{graph.name}' has no blocks to recompute (ir.blocks: a block's "
                             "weights are named b0_..., b1_..., as the built-in examples name them)")
     if repetition:
@@ -619,7 +619,7 @@ def search_mesh(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], m
     raw = node_costs(result.snapshot, graph, library, machine, free_inputs, input_pins)
     pinned = config_excluded(result.snapshot, leaf_roles(result.snapshot, graph), config) if config else None
     policies = (NONE, BLOCKS) if recompute == AUTO else (check_policy(recompute),)
-    if recompute == AUTO and not any(block_of(leaf.name) != OUTSIDE for leaf in graph.leaves):
+    if recompute == AUTO and not has_blocks(leaf.name for leaf in graph.leaves):
         policies = (NONE,)   # no blocks (`ir.blocks`): nothing to recompute
     failure: MeshSearch | None = None
     found = None    # (policy, priced, pcg, costs, extraction, joint) of the plan kept so far
@@ -641,10 +641,10 @@ def search_mesh(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], m
                                                     "searches every block")
             continue
         joint = Candidate(JOINT, pcg, costs, totals(costs, machine))
-        if found is None or joint.totals.peak_memory_bytes < found[5].totals.peak_memory_bytes:
+        if joint.totals.fits(machine) or found is None or \
+                joint.totals.peak_memory_bytes < found[5].totals.peak_memory_bytes:
             found = (policy, priced, pcg, costs, extraction, joint)
         if joint.totals.fits(machine):
-            found = (policy, priced, pcg, costs, extraction, joint)
             break
         if policy != policies[-1]:
             say(f"mesh {mesh}: the plan keeping every activation needs {joint.totals.peak_memory_bytes / 2**30:.1f} "

@@ -159,24 +159,28 @@ class Step:
 Converter = Callable[[str, Placement, Placement], "tuple[Step, ...] | None"]
 
 
-def conversions(snapshot: Snapshot, classes: Mapping[str, int]) -> Converter:
+def conversions(snapshot: Snapshot, names: Mapping[int, str]) -> Converter:
     """How to move a graph tensor's value from one placement to another with the e-graph's own parallel
     e-nodes (None when saturation made no such path): the shortest chain of parallel operators from a class
-    holding the value in the source placement to one holding it in the target's (`value_names`). Parallel
-    operators move values and never change them, and each e-node is one the rules made, so the chain is
-    what a plan could have chosen."""
-    names = value_names(snapshot, classes)
+    holding the value in the source placement to one holding it in the target's (`names`: `value_names`).
+    Parallel operators move values and never change them, and each e-node is one the rules made, so the
+    chain is what a plan could have chosen. The e-graph is indexed on the first call only: most plans'
+    blocks are laid out alike and never ask."""
     holding: dict[str, list[int]] = {}
-    for cid, name in names.items():
-        holding.setdefault(name, []).append(cid)
     made_from: dict[int, list[tuple[int, ENode]]] = {}    # class -> (class it converts into, by which e-node)
-    for cid, nodes in snapshot.classes.items():
-        for node in nodes:
-            if node.op in PARALLEL_OPS and names.get(cid) is not None:
-                made_from.setdefault(node.children[0], []).append((cid, node))
     mesh = snapshot.mesh
 
+    def index() -> None:
+        for cid, name in names.items():
+            holding.setdefault(name, []).append(cid)
+        for cid, nodes in snapshot.classes.items():
+            for node in nodes:
+                if node.op in PARALLEL_OPS and names.get(cid) is not None:
+                    made_from.setdefault(node.children[0], []).append((cid, node))
+
     def convert(name: str, source: Placement, target: Placement) -> tuple[Step, ...] | None:
+        if not holding:
+            index()
         mine = set(holding.get(name, ()))
         frontier = [c for c in mine if snapshot.placement.get(c) == source]
         path: dict[int, tuple[int, ENode] | None] = {c: None for c in frontier}

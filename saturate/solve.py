@@ -58,7 +58,7 @@ def solve(result: SaturationResult, graph: Graph, library: Library, machine: Mac
     if repetition is not None:
         names = value_names(result.snapshot, result.classes)
         pcg = stamp(pcg, repetition, {ident[c]: name for c, name in names.items() if c in ident},
-                    conversions(result.snapshot, result.classes))
+                    conversions(result.snapshot, names))
         priced = price_pcg(pcg, library, machine, free_inputs, graph.microbatches, pins)
         if priced is None:
             raise RepeatError("the repeated plan has a node the cost model cannot price")

@@ -13,7 +13,7 @@ from parsat.ir.costs import NodeCost, totals
 from parsat.ir.machine import Machine
 from parsat.ir.pcg import weight_chains
 from parsat.ir.plan import load_plan_dict, pcg_from_dict
-from parsat.ir.recompute import BLOCKS, NONE, RecomputeError, checkpoints, dropped_nodes
+from parsat.ir.recompute import BLOCKS, NONE, RecomputeError, checkpoints
 from parsat.saturate.errors import DoesNotFit, OptimizeError
 from parsat.saturate.inputs import resolve_library
 from parsat.saturate.pcg_tasks import DDP, simulate_pcg
@@ -61,7 +61,7 @@ def test_each_block_keeps_only_what_leaves_it(one_device):
             crosses = ident in pcg.outputs or not readers.get(ident, set()) <= {c.block}
             assert (ident in c.kept) == crosses
     assert not checkpoints(one_device.pcg)      # "none": nothing recomputed
-    assert all(blocks[i] != OUTSIDE for i in dropped_nodes(pcg))
+    assert all(blocks[i] != OUTSIDE for c in found for i in c.dropped)
 
 
 def test_unknown_policy_is_refused(one_device):

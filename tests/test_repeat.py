@@ -114,7 +114,8 @@ def test_stamp_bridges_blocks_whose_outputs_are_laid_out_apart():
     """Block 1 reads block 0's output in one placement, block 2 reads block 1's in another: the e-graph's own
     parallel operators move each copy's output into the placement the next copy reads."""
     pcg, values, repetition, result = _searched(with_result=True)
-    convert = conversions(result.snapshot, result.classes)
+    names = value_names(result.snapshot, result.classes)
+    convert = conversions(result.snapshot, names)
     searched = node_blocks(pcg)
     behind = next(i for n in pcg.nodes if searched[n.id] == REPEATED for i in n.inputs
                   if searched[i] == REPEATED - 1 and i in values)
@@ -122,7 +123,6 @@ def test_stamp_bridges_blocks_whose_outputs_are_laid_out_apart():
     ahead = next(i for n in pcg.nodes if searched[n.id] == 2 for i in n.inputs if values.get(i) == ahead_name)
     here = pcg.nodes[ahead].placement
     # another placement of the same value that saturation can reach from the one block 2 reads
-    names = value_names(result.snapshot, result.classes)
     elsewhere = next(p for c, p in result.snapshot.placement.items()
                      if names.get(c) == ahead_name and p != here and convert(ahead_name, here, p))
     steps = convert(ahead_name, here, elsewhere)
