@@ -254,22 +254,14 @@ def bottom_up(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Call
     def weight(nid: NodeId) -> float:
         return 0.0 if prefer.get(nid[0]) == nid[1] else costs[nid].time_s + EPSILON
 
-    parents: dict[int, list[NodeId]] = {}
-    pending: dict[NodeId, int] = {}
+    pending: dict[NodeId, int] = {}     # usable e-node -> its children not yet final
     heap: list = []
-    for cid, nodes in snapshot.classes.items():
-        for index, node in enumerate(nodes):
-            nid = (cid, index)
-            if not usable(nid):
-                continue
-            kids = set(node.children)
-            if cid in kids:
-                continue
-            pending[nid] = len(kids)
-            for child in kids:
-                parents.setdefault(child, []).append(nid)
-            if not kids:
-                heapq.heappush(heap, (weight(nid), cid, index))
+    for nid, kids in snapshot.kids.items():
+        if nid[0] in kids or not usable(nid):
+            continue
+        pending[nid] = len(kids)
+        if not kids:
+            heapq.heappush(heap, (weight(nid), nid[0], nid[1]))
     best: dict[int, float] = {}
     choice: dict[int, int] = {}
     rank: dict[int, int] = {}
@@ -279,11 +271,12 @@ def bottom_up(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Call
             continue
         best[cid], choice[cid] = value, index
         rank[cid] = len(rank)
-        for nid in parents.get(cid, ()):
+        for nid in snapshot.readers.get(cid, ()):
+            if nid not in pending:
+                continue
             pending[nid] -= 1
             if pending[nid] == 0 and nid[0] not in best:
-                node = snapshot.classes[nid[0]][nid[1]]
-                total = weight(nid) + sum(best[ch] for ch in set(node.children))
+                total = weight(nid) + sum(best[ch] for ch in snapshot.kids[nid])
                 heapq.heappush(heap, (total, nid[0], nid[1]))
     return choice, rank
 
@@ -300,20 +293,15 @@ def greedy_dag(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Cal
     add share their prefix), so a pass is near linear where summing whole
     sets was quadratic in the depth of the graph (10 s on a 24-block stack).
     """
-    parents: dict[int, list[NodeId]] = {}
-    pending: dict[NodeId, int] = {}
+    pending: dict[NodeId, int] = {}     # usable e-node -> its children not yet final
     ready: list = []
-    for cid, nodes in snapshot.classes.items():
-        for index, node in enumerate(nodes):
-            nid = (cid, index)
-            if not usable(nid) or cid in node.children:
-                continue
-            kids = set(node.children)
-            pending[nid] = len(kids)
-            for child in kids:
-                parents.setdefault(child, []).append(nid)
-            if not kids:
-                heapq.heappush(ready, (costs[nid].time_s + EPSILON, cid, index))
+    kids_of = snapshot.kids
+    for nid, kids in kids_of.items():
+        if nid[0] in kids or not usable(nid):
+            continue
+        pending[nid] = len(kids)
+        if not kids:
+            heapq.heappush(ready, (costs[nid].time_s + EPSILON, nid[0], nid[1]))
     below: dict[int, int] = {}          # class -> bitset of the classes its choice needs (itself included)
     value_of: dict[int, float] = {}     # class -> summed cost of that set
     own: list[float] = []               # finalisation rank -> cost of the class's chosen e-node
@@ -339,13 +327,15 @@ def greedy_dag(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Cal
         value, cid, index = heapq.heappop(ready)
         if cid in choice:
             continue
-        mask, _total = union(set(snapshot.classes[cid][index].children))
+        mask, _total = union(kids_of[(cid, index)])
         own.append(costs[(cid, index)].time_s + EPSILON)
         below[cid], value_of[cid], choice[cid] = mask | (1 << (len(own) - 1)), value, index
-        for nid in parents.get(cid, ()):
+        for nid in snapshot.readers.get(cid, ()):
+            if nid not in pending:
+                continue
             pending[nid] -= 1
             if pending[nid] == 0 and nid[0] not in choice:
-                _mask, total = union(set(snapshot.classes[nid[0]][nid[1]].children))
+                _mask, total = union(kids_of[nid])
                 heapq.heappush(ready, (total + costs[nid].time_s + EPSILON, nid[0], nid[1]))
     return choice
 

@@ -7,6 +7,7 @@ Extraction, pricing and the plan work on this snapshot, not on egglog:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Mapping
 
 from parsat.ir.mesh import Mesh
@@ -57,3 +58,20 @@ class Snapshot:
     @property
     def enodes(self) -> int:
         return sum(len(v) for v in self.classes.values())
+
+    @cached_property
+    def kids(self) -> dict[tuple[int, int], tuple[int, ...]]:
+        """(e-class, index) -> the distinct classes the e-node reads. Every extraction pass walks the e-graph
+        by these (`extract`), a dozen passes per e-graph (the joint plan, the grid's points, Megatron's): they
+        are worked out once per snapshot."""
+        return {(cid, index): tuple(dict.fromkeys(node.children)) for cid, nodes in self.classes.items()
+                for index, node in enumerate(nodes)}
+
+    @cached_property
+    def readers(self) -> dict[int, tuple[tuple[int, int], ...]]:
+        """E-class -> the e-nodes that read it (each once), for the same passes."""
+        out: dict[int, list[tuple[int, int]]] = {}
+        for nid, kids in self.kids.items():
+            for child in kids:
+                out.setdefault(child, []).append(nid)
+        return {cid: tuple(nids) for cid, nids in out.items()}
