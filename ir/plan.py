@@ -352,6 +352,8 @@ def explain(data: Mapping, limit: int | None = 40) -> str:
                      f"{sat.get('enodes')} e-nodes in {sat.get('eclasses')} e-classes, {sat.get('seconds', 0):.2f} s "
                      f"(+{sat.get('compile_seconds', 0):.2f} s to compile "
                      f"{sum((sat.get('rules_compiled') or {}).values())} egglog rules)")
+        if sat.get("search_limit"):
+            lines.append(f"search cut short: {sat['search_limit']}")
     if ext:
         lines.append(f"extraction: best by {ext.get('method')}; "
                      + ", ".join(f"{k} {_fmt_time(v) if v is not None else 'none'}"

@@ -30,7 +30,8 @@ def register(subparsers) -> None:
     opt.add_argument("--rules", action="append", default=None, metavar="PATH",
                      help=".rule files or folders (default: the shipped rules); repeat for several")
     opt.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE",
-                     help="saturation limits: iterations, enodes, seconds, ilp_seconds")
+                     help="search limits: seconds (the whole search's wall time, default 30), iterations "
+                          "and enodes (each saturation's), ilp_seconds (each extraction's ILP)")
     opt.add_argument("--allow-unverified", action="store_true", help="also use rules the verifier has not PROVED")
     opt.add_argument("--list-examples", action="store_true", help="list the built-in examples and their sizes")
     opt.add_argument("--degrees", default=None, metavar="KIND=N,...",

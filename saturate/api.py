@@ -50,8 +50,9 @@ from parsat.ir.placement import Placement, PlacementError
 from parsat.ir.plan import BASELINES, JOINT, BaselinePlan, Plan
 from parsat.ir.recompute import AUTO, BLOCKS, NONE, POLICIES, check_policy
 from parsat.ir.recompute import describe as describe_recompute
-from parsat.saturate.cost import weight_bytes
 from parsat.saturate.baselines import Candidate, best_grid, data_parallel, megatron_excluded, sequential
+from parsat.saturate.cost import weight_bytes
+from parsat.saturate.deadline import Deadline
 from parsat.saturate.errors import DoesNotFit, OptimizeError
 from parsat.saturate.extract import Extraction, ExtractionError, leaf_roles, node_costs
 from parsat.saturate.inputs import check_devices, check_pins, pins_on, resolve_graph, resolve_library, search_meshes
@@ -88,10 +89,19 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     does. `schedule` pins the pipeline schedule ("gpipe", "1f1b",
     "interleaved"). The fastest plan that fits wins, the unstaged one on a
     tie; `saturation.pipeline_search` lists what was tried.
+
+    `limits.seconds` bounds the whole call (`deadline`): the unstaged search
+    gets `UNSTAGED_SHARE` of it when a pipeline is searched too
+    (`UNSTAGED_SHARE_FIRST` when the pipeline waits on it not fitting), the
+    pipeline what is left. Every search shares one cache of compiled rules.
     """
     say = options.get("progress") or (lambda _m: None)
     # loaded once (2-3 CPU s for the shipped rules): every search below, unstaged or a stage's, takes the Library
     rules = resolve_library(rules)
+    limits = limits if isinstance(limits, Limits) else Limits.from_mapping(limits)
+    check_limits(limits)
+    clock = Deadline.starting_now(limits)
+    options["caches"] = options.get("caches") or MeshCaches()
     degrees = dict(options.pop("degrees", None) or {})
     pp = degrees.pop("pp", None)
     if pp is not None and (isinstance(pp, bool) or not isinstance(pp, int) or pp < 1):
@@ -115,11 +125,12 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     flat, unfit = None, None
     if pp is None or pp == 1:
         # across nodes the pipeline is searched too: the unstaged search then gets fewer micro-batch counts
-        searches = UNSTAGED_SEARCHES_BESIDE_PIPELINE if stageable and pipeline is not False and \
-            count > base.devices_per_node else None
+        surely = stageable and pipeline is not False and (count > base.devices_per_node or pipeline is True)
+        searches = UNSTAGED_SEARCHES_BESIDE_PIPELINE if surely else None
+        share = UNSTAGED_SHARE if surely else UNSTAGED_SHARE_FIRST if stageable and pipeline is not False else 1.0
         try:
             flat = optimize_unstaged(graph, machine, rules, limits, devices, microbatches=microbatches,
-                                     searches=searches, **options)
+                                     searches=searches, clock=clock.part(share), **options)
         except DoesNotFit as err:
             if not stageable or pipeline is False:
                 raise
@@ -132,24 +143,27 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
         return flat
     whole = resolve_graph(graph, rules, sizes)
 
-    def stage_plan(stage_machine: Machine, stage_devices: int, m: int, in_flight: int) -> Plan:
+    def stage_plan(stage_machine: Machine, stage_devices: int, m: int, in_flight: int,
+                   stage_clock: Deadline | None) -> Plan:
         return optimize_step(graph, stage_machine, rules, limits, stage_devices, in_flight=in_flight,
-                             **_split(options, sizes, batch, m))
+                             clock=stage_clock, **_split(options, sizes, batch, m))
 
     found = search_pipelines(stage_plan, base.with_devices(count), count, batch, parameters_of(whole), blocks + 1,
                              degree=pp if pp and pp > 1 else None, microbatches=microbatches, schedule=schedule,
-                             say=say)
+                             say=say, clock=clock)
     if flat is None and not found.plans and unfit is not None:
         raise unfit
     return best_of(flat, found, base.with_devices(count), pinned=bool(degrees) or bool(pp and pp > 1))
 
 
 UNSTAGED_SEARCHES_BESIDE_PIPELINE = 3   # micro-batch counts the unstaged search tries when a pipeline is searched too
+UNSTAGED_SHARE = 0.5         # of the time limit, for the unstaged search when a pipeline is searched beside it
+UNSTAGED_SHARE_FIRST = 0.6   # ... when the pipeline is searched only if no unstaged plan fits
 
 
 def optimize_unstaged(graph, machine: Machine | str = "h100x8", rules=None, limits: Limits | Mapping | None = None,
                       devices: int | None = None, *, microbatches: int | None = None, searches: int | None = None,
-                      **options) -> Plan:
+                      clock: Deadline | None = None, **options) -> Plan:
     """The cheapest unstaged plan (`optimize_step`), with the step split into micro-batches where one does not fit.
 
     `microbatches=m` runs the step as m micro-batches: a built-in example is
@@ -166,24 +180,56 @@ def optimize_unstaged(graph, machine: Machine | str = "h100x8", rules=None, limi
     split further: more micro-batches cost latency and smaller kernels and
     save only memory. `searches` caps the micro-batch counts searched while none fits (the last plan comes
     back, or DoesNotFit).
+
+    `clock` (default: `limits.seconds` from now) bounds every count's search together: each gets a part of the
+    time left (`FIRST_COUNT_SHARE`, `LATER_COUNT_SHARE`), and once it is spent no further count is searched:
+    the best plan found comes back, its `saturation.search_limit` saying what was left out.
     """
     sizes = dict(options.pop("sizes", None) or {})
     say = options.get("progress") or (lambda _m: None)
     batch = _example_batch(graph, sizes)
+    if clock is None:
+        given = limits if isinstance(limits, Limits) else Limits.from_mapping(limits)
+        check_limits(given)
+        clock = Deadline.starting_now(given)
     if microbatches is not None:
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise OptimizeError(f"microbatches must be a positive integer, got {microbatches!r}")
-        return optimize_step(graph, machine, rules, limits, devices, **_split(options, sizes, batch, microbatches))
+        return optimize_step(graph, machine, rules, limits, devices, clock=clock,
+                             **_split(options, sizes, batch, microbatches))
     m, tried, failed, best, refined, kept_tried = 1, set(), 0, None, 0, False
     plans: list[Plan] = []
+
+    def search(k: int, share: float) -> Plan:
+        return optimize_step(graph, machine, rules, limits, devices, clock=clock.part(share),
+                             **_split(options, sizes, batch, k))
+
+    def cut_short(why: str) -> Plan:
+        """The best plan found so far (else the leanest), saying what the time limit left out."""
+        say(why)
+        if best is not None:
+            return _limited(_with_grid(best, plans, tried, batch, say, search, 0), why)
+        if plans:
+            return _limited(min(plans, key=lambda p: p.totals.peak_memory_bytes), why)
+        raise DoesNotFit(f"{needed} ({why}; raise the limit to search it)", needed.needed_bytes,
+                         needed.capacity_bytes)
+
     while True:
+        if tried and clock.spent:
+            return cut_short(f"micro-batch count {m} not searched: --limit seconds={clock.limits_given.seconds:g} "
+                             "reached")
         tried.add(m)
         try:
-            plan, needed = optimize_step(graph, machine, rules, limits, devices, **_split(options, sizes, batch, m)), None
+            plan, needed = search(m, FIRST_COUNT_SHARE if len(tried) == 1 else LATER_COUNT_SHARE), None
         except DoesNotFit as err:
             if not batch:
                 raise
             plan, needed = None, err
+        except OptimizeError as err:
+            if len(tried) == 1 or (best is None and not plans):
+                raise
+            # a later count's search that its part of the time limit cut short: the counts searched stand
+            return cut_short(f"micro-batch count {m}: {err}")
         if not batch:
             return plan
         if plan is not None:
@@ -211,10 +257,8 @@ def optimize_unstaged(graph, machine: Machine | str = "h100x8", rules=None, limi
             fewer = _fewer_micro_batches(batch, failed, best.graph.microbatches, tried)
             if fewer is None or refined == REFINEMENTS:
                 # beside a pipeline search, the grid's pipelined points stand in for more unstaged searches
-                return _with_grid(best, plans, tried, batch, say,
-                                  lambda k: optimize_step(graph, machine, rules, limits, devices,
-                                                          **_split(options, sizes, batch, k)),
-                                  GRID_SEARCHES if searches is None else 0)
+                return _with_grid(best, plans, tried, batch, say, search, GRID_SEARCHES if searches is None else 0,
+                                  clock)
             refined += 1
             say(f"a plan fits with {best.graph.microbatches} micro-batches: trying {fewer}")
             m = fewer
@@ -238,6 +282,13 @@ def optimize_unstaged(graph, machine: Machine | str = "h100x8", rules=None, limi
 
 
 GRID_SEARCHES = 2   # searches at more micro-batches spent finding a grid configuration that fits (at most)
+FIRST_COUNT_SHARE = 0.5   # of the time left, for the first micro-batch count's search (the one always made)
+LATER_COUNT_SHARE = 0.5   # ... for each later count's (estimates and refinements)
+
+
+def _limited(plan: Plan, why: str) -> Plan:
+    """`plan`, saying in `saturation.search_limit` what the search's time limit left out."""
+    return replace(plan, saturation={**dict(plan.saturation), "search_limit": why})
 
 
 def _next_count(batch: int, least: int, skip: set[int] = frozenset()) -> int | None:
@@ -246,7 +297,7 @@ def _next_count(batch: int, least: int, skip: set[int] = frozenset()) -> int | N
 
 
 def _with_grid(best: Plan, plans: Sequence[Plan], tried: set[int], batch: int, say: Progress,
-               search: Callable[[int], Plan], extra: int = GRID_SEARCHES) -> Plan:
+               search: Callable[[int, float], Plan], extra: int = GRID_SEARCHES, clock: Deadline | None = None) -> Plan:
     """`best` compared with every baseline at every micro-batch count searched: Megatron-style grids choose
     their micro-batch count too, and theirs may be larger than the joint plan's (tensor parallelism of one
     sequence per data-parallel rank). While no grid configuration fits, up to `extra` searches at
@@ -261,7 +312,7 @@ def _with_grid(best: Plan, plans: Sequence[Plan], tried: set[int], batch: int, s
     if "best_grid" in best.baselines:   # baselines were asked for
         m = max(p.graph.microbatches for p in plans)
         for _ in range(extra):
-            if fitting("best_grid"):
+            if fitting("best_grid") or (clock is not None and clock.spent):
                 break
             m = _next_count(batch, 2 * m, tried)
             if m is None:
@@ -269,7 +320,7 @@ def _with_grid(best: Plan, plans: Sequence[Plan], tried: set[int], batch: int, s
             tried.add(m)
             say(f"no grid configuration fits at the micro-batch counts searched: searching {m} for the baselines")
             try:
-                plans.append(search(m))
+                plans.append(search(m, 0.5))
             except DoesNotFit:
                 continue
     best = min((p for p in plans if p.totals.fits(p.machine)), key=lambda p: p.totals.time_s, default=best)
@@ -364,7 +415,7 @@ def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: 
              baselines: bool = True, sizes: Mapping[str, int] | None = None,
              degrees: Mapping[str, int] | None = None, progress: Progress | None = None,
                   microbatches_of: int = 1, repeat_blocks: bool = True, in_flight: int = 1,
-                  recompute: str = AUTO) -> Plan:
+                  recompute: str = AUTO, clock: Deadline | None = None, caches: MeshCaches | None = None) -> Plan:
     """The cheapest plan the chosen rules reach for `graph` on `devices` devices of `machine`.
 
     `graph` is a Graph, a graph JSON path or an example name (with `sizes`);
@@ -383,7 +434,9 @@ def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: 
     (`repeat`), unless `repeat_blocks` is False. `in_flight` ranks memory with that many micro-batches'
     activations alive (a pipeline stage's, `pipeline_search`). `recompute` is the activation-recomputation
     policy ("none", "blocks": `ir.recompute`), or "auto": recompute blocks only where keeping every activation
-    does not fit. Raises OptimizeError, GraphError or MachineError with a message for the user.
+    does not fit. `clock` is the search's deadline when a caller shares one among several searches (default:
+    `limits.seconds` from now); `caches` the compiled rules they share. Raises OptimizeError, GraphError or
+    MachineError with a message for the user.
     """
     say = progress or (lambda _m: None)
     if recompute not in POLICIES + (AUTO,):
@@ -391,9 +444,10 @@ def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: 
     library = resolve_library(rules)
     limits = limits if isinstance(limits, Limits) else Limits.from_mapping(limits)
     check_limits(limits)
-    clock = Deadline(time.perf_counter() + limits.seconds, limits)
+    shared = clock is not None    # a part of a caller's deadline: building the graph is not cut by it
+    clock = clock or Deadline.starting_now(limits)
     named = graph
-    budget = GraphBudget(limits.enodes, clock.at, limits.seconds)
+    budget = GraphBudget(limits.enodes, None if shared else clock.at, limits.seconds)
     graph = resolve_graph(graph, library, sizes, budget)
     repetition = repetition_for(named, graph, library, sizes or {}, budget) if repeat_blocks else None
     if microbatches_of != 1:
@@ -418,7 +472,7 @@ def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: 
     chosen = list(chosen)
     say(f"{len(chosen)} rules; {note}")
 
-    caches = MeshCaches()
+    caches = caches or MeshCaches()
     try:
         pinned = pinned_meshes(dict(degrees or {}), devices, machine.devices_per_node)
     except PinError as err:
@@ -431,7 +485,12 @@ def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: 
         raise OptimizeError(f"no device mesh of {devices} devices can hold the pinned spreads")
     searches: list[MeshSearch] = []
     for index, (mesh, config, placed) in enumerate(meshes):
-        share = clock.limits(share=1.0 / (len(meshes) - index))   # what is left, split over the meshes to go
+        # what is left, split over the meshes to go, the first (one axis: the cheapest, and the data-parallel plans)
+        # getting FIRST_MESH_SHARE of it when others follow
+        part = FIRST_MESH_SHARE if index == 0 and len(meshes) > 1 else 1.0 / (len(meshes) - index)
+        share = clock.limits(share=part)
+        if share is None and not searches and shared:
+            share = clock.remaining()   # a caller's part of its deadline ran out while building: the least work
         if share is None:
             if not searches:
                 raise OptimizeError(f"--limit seconds={limits.seconds:g} passed before saturation could start "
@@ -548,6 +607,10 @@ def _rank(candidate: Candidate, machine: Machine) -> tuple:
             candidate.name != JOINT)
 
 
+SATURATION_SHARE = 0.6   # of a mesh's time, for saturating: pricing, extraction and the baselines take the rest
+FIRST_MESH_SHARE = 0.5   # of a search's time, for its first mesh when several are searched
+
+
 @dataclass(frozen=True)
 class MeshSearch:
     """What the search found on one device mesh: the saturated e-graph, the joint plan and the Megatron-style
@@ -610,7 +673,7 @@ def search_mesh(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], m
     AUTO extracts with every activation kept, and again recomputing blocks when that plan does not fit (the
     e-graph is priced once: recomputation changes costs, not values, `saturate.recompute`)."""
     t = time.perf_counter()
-    result = saturate(graph, library, rules, mesh, clock.remaining(), pins, caches=caches)
+    result = saturate(graph, library, rules, mesh, clock.remaining(SATURATION_SHARE), pins, caches=caches)
     say(f"mesh {mesh}: saturation {result.stop} after {result.iterations} iterations, {result.enodes} e-nodes, "
         f"{time.perf_counter() - t:.2f} s")
     spread = any(p.spread_axes for p in result.snapshot.placement.values())
@@ -669,34 +732,6 @@ def search_mesh(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], m
         except (ExtractionError, RepeatError):
             pass
     return MeshSearch(mesh, pins, result, extraction, joint, megatron, grid, seconds, spread)
-
-
-@dataclass(frozen=True)
-class Deadline:
-    """The search's one deadline (`time.perf_counter()`), and the limits that fit in what is left of it."""
-
-    at: float
-    limits_given: Limits
-
-    def pause(self, seconds: float) -> "Deadline":
-        """The same deadline, `seconds` later: time spent on what the limit does not count."""
-        return replace(self, at=self.at + seconds)
-
-    def limits(self, share: float = 1.0) -> Limits | None:
-        """The given limits with `seconds` (and the ILP's) cut to `share` of the time left; None if none is."""
-        left = (self.at - time.perf_counter()) * share
-        if left <= 0:
-            return None
-        given = self.limits_given
-        return replace(given, seconds=left, ilp_seconds=min(given.ilp_seconds, left))
-
-    def greedy(self) -> Limits:
-        """No time left: extraction's greedy passes only (they always give a plan)."""
-        return replace(self.limits_given, ilp_seconds=0)
-
-    def remaining(self, share: float = 1.0) -> Limits:
-        """`limits(share)`, or with no time left the least work: saturation stops at once, extraction greedy."""
-        return self.limits(share) or replace(self.greedy(), seconds=1e-9)
 
 
 def _unplaceable(candidates: Sequence[Candidate], library: Library) -> dict[str, str]:

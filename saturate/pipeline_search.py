@@ -36,14 +36,17 @@ from parsat.ir.machine import Machine
 from parsat.ir.pipeline import INTERLEAVED, ONE_F_ONE_B, SCHEDULES, PipelineError
 from parsat.ir.plan import BaselinePlan, Plan
 from parsat.saturate.cost import weight_bytes
+from parsat.saturate.deadline import Deadline
 from parsat.saturate.errors import DoesNotFit, OptimizeError
 from parsat.saturate.pipeline import SCHEDULE_CHOICES, StagePricer, equal_starts
 
 DEGREES_TRIED = 2          # pipeline degrees searched when none is pinned
 STATE_SHARE = 0.8          # of a device's memory the weights' state may take when choosing the least degree
 
-StageSearch = Callable[[Machine, int, int, int], Plan]
-"""(stage machine, stage devices, micro-batches, micro-batches in flight) -> the stage plan"""
+StageSearch = Callable[[Machine, int, int, int, "Deadline | None"], Plan]
+"""(stage machine, stage devices, micro-batches, micro-batches in flight, its deadline) -> the stage plan"""
+
+NOT_SEARCHED = "not searched: the search's time limit (--limit seconds) was reached before it"
 
 
 @dataclass(frozen=True)
@@ -81,35 +84,47 @@ def microbatch_counts(batch: int, degree: int, pinned: int | None) -> list[int]:
 
 def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch: int, parameters: int,
                      layers: int, *, degree: int | None = None, microbatches: int | None = None,
-                     schedule: str | None = None, say: Callable[[str], None] = lambda _m: None) -> PipelineSearch:
+                     schedule: str | None = None, say: Callable[[str], None] = lambda _m: None,
+                     clock: Deadline | None = None) -> PipelineSearch:
     """Every pipelined candidate: stage plans searched per (degree, micro-batch count), cut and priced per
-    schedule (`schedule` pins one). A degree or count whose stage plan cannot be found is said and skipped."""
+    schedule (`schedule` pins one). A degree or count whose stage plan cannot be found is said and skipped.
+    With a `clock`, each (degree, count) gets an equal part of the time left, and those the clock leaves no
+    time for are listed as not searched (the first one always is searched)."""
     if schedule is not None and schedule not in SCHEDULES:
         raise OptimizeError(f"unknown schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
     plans: list[Plan] = []
     grid: list[tuple[Plan, dict]] = []
     tried: list[dict] = []
-    for p in pipeline_degrees(devices, machine, parameters, layers, degree):
+    pairs = [(p, m) for p in pipeline_degrees(devices, machine, parameters, layers, degree)
+             for m in microbatch_counts(batch, p, microbatches)]
+    for index, (p, m) in enumerate(pairs):
         stage_devices = devices // p
         stage_machine = replace(machine.with_devices(stage_devices), memory_capacity=machine.memory_capacity * p)
-        for m in microbatch_counts(batch, p, microbatches):
-            # first ranked as one micro-batch alive (the fastest stage plan on p devices' memory), then, if no
-            # schedule of it fits, with the first stage's p in flight (a leaner stage plan)
-            for in_flight in (1, min(p, m)):
-                say(f"pipeline {p} stages of {stage_devices} devices, {m} micro-batches: searching the stage plan"
-                    + (f" ({in_flight} in flight)" if in_flight > 1 else ""))
-                try:
-                    stage = search(stage_machine, stage_devices, m, in_flight)
-                except (DoesNotFit, OptimizeError) as err:
-                    say(f"pipeline {p} x {m} micro-batches: no stage plan ({err})")
-                    tried.append({"pp": p, "microbatches": m, "in_flight": in_flight, "error": str(err)})
-                    continue
-                found = _price_schedules(stage, p, m, schedule, machine, in_flight, tried)
-                plans.extend(found)
-                grid.extend(_grid_points(stage, p, [(plan.pipeline.schedule, plan.pipeline.layout.chunks_per_stage)
-                                                    for plan in found], machine))
-                if any(plan.totals.fits(machine) for plan in found) or in_flight == min(p, m):
-                    break
+        if clock is not None and clock.spent and index > 0:
+            say(f"pipeline {p} stages x {m} micro-batches: {NOT_SEARCHED}")
+            tried.append({"pp": p, "microbatches": m, "error": NOT_SEARCHED})
+            continue
+        # first ranked as one micro-batch alive (the fastest stage plan on p devices' memory), then, if no
+        # schedule of it fits, with the first stage's p in flight (a leaner stage plan)
+        for in_flight in (1, min(p, m)):
+            if in_flight > 1 and clock is not None and clock.spent:
+                tried.append({"pp": p, "microbatches": m, "in_flight": in_flight, "error": NOT_SEARCHED})
+                break
+            say(f"pipeline {p} stages of {stage_devices} devices, {m} micro-batches: searching the stage plan"
+                + (f" ({in_flight} in flight)" if in_flight > 1 else ""))
+            try:
+                stage = search(stage_machine, stage_devices, m, in_flight,
+                               clock.part(1.0 / (len(pairs) - index)) if clock is not None else None)
+            except (DoesNotFit, OptimizeError) as err:
+                say(f"pipeline {p} x {m} micro-batches: no stage plan ({err})")
+                tried.append({"pp": p, "microbatches": m, "in_flight": in_flight, "error": str(err)})
+                continue
+            found = _price_schedules(stage, p, m, schedule, machine, in_flight, tried)
+            plans.extend(found)
+            grid.extend(_grid_points(stage, p, [(plan.pipeline.schedule, plan.pipeline.layout.chunks_per_stage)
+                                                for plan in found], machine))
+            if any(plan.totals.fits(machine) for plan in found) or in_flight == min(p, m):
+                break
     return PipelineSearch(tuple(plans), tuple(grid), tuple(tried))
 
 

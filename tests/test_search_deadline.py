@@ -1,0 +1,80 @@
+"""`--limit seconds` bounds a whole `optimize` call: every micro-batch count's search and every pipeline stage
+plan get a part of one deadline (`saturate.deadline`), and what it leaves no time for is said, not searched."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+
+import parsat.saturate.api as api
+from parsat.ir.machine import Machine
+from parsat.ir.plan import explain
+from parsat.saturate.deadline import Deadline
+from parsat.saturate.errors import DoesNotFit, OptimizeError
+from parsat.saturate.pipeline_search import NOT_SEARCHED, microbatch_counts, pipeline_degrees, search_pipelines
+from parsat.saturate.runner import Limits
+
+SIZES = {"blocks": 4, "batch": 8, "seq": 16, "hidden": 32, "heads": 2, "vocab": 64}
+
+
+class Spent(Deadline):
+    """A deadline with time left for the search under way, but none to start another."""
+
+    @property
+    def spent(self) -> bool:
+        return True
+
+
+def test_every_search_of_one_call_ends_by_the_call_s_one_deadline(monkeypatch):
+    outer: list[Deadline] = []
+    seen: list[Deadline | None] = []
+    starting_now = Deadline.starting_now.__func__
+    real_step = api.optimize_step
+
+    def first_clock(cls, limits):
+        outer.append(starting_now(cls, limits))
+        return outer[-1]
+
+    def recording(*args, clock=None, **kwargs):
+        seen.append(clock)
+        return real_step(*args, clock=clock, **kwargs)
+
+    monkeypatch.setattr(Deadline, "starting_now", classmethod(first_clock))
+    monkeypatch.setattr(api, "optimize_step", recording)
+    plan = api.optimize("gpt", "cpu", devices=4, sizes=SIZES, limits={"seconds": 20}, pipeline=True, baselines=False)
+    assert plan.saturation.get("pipeline_search")
+    # the unstaged search and the stage plans: several searches, each within the one deadline, none its own 20 s
+    assert len(seen) >= 3 and all(clock is not None for clock in seen)
+    deadline = outer[0].at
+    assert all(clock.at <= deadline + 1e-9 for clock in seen)
+    assert seen[0].at <= deadline - 20 * (1 - api.UNSTAGED_SHARE) + 1e-9
+
+
+def test_a_spent_limit_stops_the_micro_batch_search_and_says_what_it_left_out():
+    whole = api.optimize("mlp", machine="cpu", devices=2, baselines=False)
+    activations = sum(c.activation_bytes for c in whole.costs.values())
+    tight = replace(Machine.resolve("cpu"), memory_capacity=whole.totals.peak_memory_bytes - activations // 3)
+    # with time (test_microbatches) the batch is split until it fits; with none left after the first count the
+    # search stops there, and the error says what the limit left out rather than that nothing can fit
+    with pytest.raises(DoesNotFit, match=r"no plan fits .*micro-batch count \d+ not searched: --limit seconds"):
+        api.optimize_unstaged("mlp", tight, devices=2, baselines=False,
+                              clock=Spent(time.perf_counter() + 60, Limits()))
+
+
+def test_a_spent_limit_leaves_later_stage_plans_unsearched_and_listed():
+    machine = Machine.resolve("h100x8").with_devices(64)
+    calls = []
+
+    def search(stage_machine, devices, m, in_flight, clock):
+        calls.append((devices, m, in_flight))
+        assert clock is not None and clock.left > 0
+        raise OptimizeError("no stage plan here")
+
+    found = search_pipelines(search, machine, 64, 512, 10 ** 9, 25, clock=Spent(time.perf_counter() + 60, Limits()))
+    pairs = [(p, m) for p in pipeline_degrees(64, machine, 10 ** 9, 25, None) for m in microbatch_counts(512, p, None)]
+    assert len(pairs) > 1 and calls == [(64 // pairs[0][0], pairs[0][1], 1)]   # the first is always searched
+    unsearched = {(t["pp"], t["microbatches"]) for t in found.tried if t.get("error") == NOT_SEARCHED}
+    assert unsearched == set(pairs)   # the first pair's retry with more in flight, and every later pair
+    assert not found.plans
