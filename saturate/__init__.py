@@ -2,7 +2,8 @@
 
 Modules, in the order `optimize` uses them:
 `api` (`optimize`: inputs, saturation, extraction, baselines, the plan),
-`inputs` (the library, graph, device count and pins, checked), `errors`;
+`inputs` (the library, graph, device count and pins, checked), `errors`,
+`deadline` (the one time limit every search of a call shares);
 the e-graph: `instances` (which rule instances can fire on this graph),
 `guards` (the degrees where a rule keeps the device layout), `rule_text`
 (an instance as egglog rules), `encoding` (sorts, tables, the graph as

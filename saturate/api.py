@@ -158,7 +158,7 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
 
 UNSTAGED_SEARCHES_BESIDE_PIPELINE = 3   # micro-batch counts the unstaged search tries when a pipeline is searched too
 UNSTAGED_SHARE = 0.5         # of the time limit, for the unstaged search when a pipeline is searched beside it
-UNSTAGED_SHARE_FIRST = 0.6   # ... when the pipeline is searched only if no unstaged plan fits
+UNSTAGED_SHARE_FIRST = 0.75  # ... when the pipeline is searched only if no unstaged plan fits
 
 
 def optimize_unstaged(graph, machine: Machine | str = "h100x8", rules=None, limits: Limits | Mapping | None = None,
@@ -182,7 +182,7 @@ def optimize_unstaged(graph, machine: Machine | str = "h100x8", rules=None, limi
     back, or DoesNotFit).
 
     `clock` (default: `limits.seconds` from now) bounds every count's search together: each gets a part of the
-    time left (`FIRST_COUNT_SHARE`, `LATER_COUNT_SHARE`), and once it is spent no further count is searched:
+    time left (`EXPECTED_COUNTS`), and once it is spent no further count is searched:
     the best plan found comes back, its `saturation.search_limit` saying what was left out.
     """
     sizes = dict(options.pop("sizes", None) or {})
@@ -220,7 +220,9 @@ def optimize_unstaged(graph, machine: Machine | str = "h100x8", rules=None, limi
                              "reached")
         tried.add(m)
         try:
-            plan, needed = search(m, FIRST_COUNT_SHARE if len(tried) == 1 else LATER_COUNT_SHARE), None
+            # no batch to split: one search; else an equal part of what is left for each of the counts expected
+            share = 1.0 / max(1, EXPECTED_COUNTS + 1 - len(tried)) if len(tried) <= EXPECTED_COUNTS else 0.5
+            plan, needed = search(m, share if batch else 1.0), None
         except DoesNotFit as err:
             if not batch:
                 raise
@@ -282,8 +284,8 @@ def optimize_unstaged(graph, machine: Machine | str = "h100x8", rules=None, limi
 
 
 GRID_SEARCHES = 2   # searches at more micro-batches spent finding a grid configuration that fits (at most)
-FIRST_COUNT_SHARE = 0.5   # of the time left, for the first micro-batch count's search (the one always made)
-LATER_COUNT_SHARE = 0.5   # ... for each later count's (estimates and refinements)
+EXPECTED_COUNTS = 4   # micro-batch counts a search usually makes: each gets an equal part of what is left, any
+                      # further one half of what those left over
 
 
 def _limited(plan: Plan, why: str) -> Plan:
