@@ -182,7 +182,7 @@ def optimize_unstaged(graph, machine: Machine | str = "h100x8", rules=None, limi
     back, or DoesNotFit).
 
     `clock` (default: `limits.seconds` from now) bounds every count's search together: each gets a part of the
-    time left (`EXPECTED_COUNTS`), and once it is spent no further count is searched:
+    time left (`_count_share`), and once it is spent no further count is searched:
     the best plan found comes back, its `saturation.search_limit` saying what was left out.
     """
     sizes = dict(options.pop("sizes", None) or {})
@@ -220,9 +220,7 @@ def optimize_unstaged(graph, machine: Machine | str = "h100x8", rules=None, limi
                              "reached")
         tried.add(m)
         try:
-            # no batch to split: one search; else an equal part of what is left for each of the counts expected
-            share = 1.0 / max(1, EXPECTED_COUNTS + 1 - len(tried)) if len(tried) <= EXPECTED_COUNTS else 0.5
-            plan, needed = search(m, share if batch else 1.0), None
+            plan, needed = search(m, _count_share(len(tried)) if batch else 1.0), None   # no batch: one search
         except DoesNotFit as err:
             if not batch:
                 raise
@@ -284,8 +282,17 @@ def optimize_unstaged(graph, machine: Machine | str = "h100x8", rules=None, limi
 
 
 GRID_SEARCHES = 2   # searches at more micro-batches spent finding a grid configuration that fits (at most)
-EXPECTED_COUNTS = 4   # micro-batch counts a search usually makes: each gets an equal part of what is left, any
-                      # further one half of what those left over
+EXPECTED_COUNTS = 4   # micro-batch counts a search usually makes (the first, an estimate, the count that keeps
+                      # every activation, a refinement)
+
+
+def _count_share(searched: int) -> float:
+    """The part of the time left for the `searched`-th micro-batch count's search: half for the first (the one
+    always made, and the one that pays for compiling the rules on every mesh), equal parts of what is left for
+    the others expected, half of what they leave for any further one."""
+    if searched == 1:
+        return 0.5
+    return 1.0 / (EXPECTED_COUNTS + 1 - searched) if searched <= EXPECTED_COUNTS else 0.5
 
 
 def _limited(plan: Plan, why: str) -> Plan:
@@ -486,13 +493,15 @@ def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: 
     if not meshes:
         raise OptimizeError(f"no device mesh of {devices} devices can hold the pinned spreads")
     searches: list[MeshSearch] = []
+    # the meshes get MESHES_SHARE of the time: simulating every candidate's step and the baselines take the rest
+    meshes_clock = clock.part(MESHES_SHARE)
     for index, (mesh, config, placed) in enumerate(meshes):
         # what is left, split over the meshes to go, the first (one axis: the cheapest, and the data-parallel plans)
         # getting FIRST_MESH_SHARE of it when others follow
         part = FIRST_MESH_SHARE if index == 0 and len(meshes) > 1 else 1.0 / (len(meshes) - index)
-        share = clock.limits(share=part)
+        share = meshes_clock.limits(share=part)
         if share is None and not searches and shared:
-            share = clock.remaining()   # a caller's part of its deadline ran out while building: the least work
+            share = meshes_clock.remaining()   # a caller's part of its deadline ran out while building: least work
         if share is None:
             if not searches:
                 raise OptimizeError(f"--limit seconds={limits.seconds:g} passed before saturation could start "
@@ -611,6 +620,7 @@ def _rank(candidate: Candidate, machine: Machine) -> tuple:
 
 SATURATION_SHARE = 0.6   # of a mesh's time, for saturating: pricing, extraction and the baselines take the rest
 FIRST_MESH_SHARE = 0.5   # of a search's time, for its first mesh when several are searched
+MESHES_SHARE = 0.8       # of a search's time, for its meshes (saturation, extraction); then the candidates' steps
 
 
 @dataclass(frozen=True)
@@ -649,15 +659,21 @@ class CandidateSteps:
         self.library, self.machine, self.microbatches = library, machine, microbatches
         self.times = OpTimes(library, machine)
         self.failures: dict[str, str] = {}
+        # a PCG found twice (a mesh's joint plan is often one of its grid points) is simulated once: a step of
+        # many micro-batches of a whole model takes seconds
+        self.simulated: dict = {}
 
     def __call__(self, candidate: Candidate | None) -> Candidate | None:
         if candidate is None or candidate.totals.streams is not None:
             return candidate
-        try:
-            streams, step = simulate_step(candidate.pcg, self.library, self.machine, self.microbatches, self.times)
-        except (TaskBuildError, SimulationError) as err:
-            self.failures[candidate.name] = str(err)
-            return candidate
+        if candidate.pcg not in self.simulated:
+            try:
+                self.simulated[candidate.pcg] = simulate_step(candidate.pcg, self.library, self.machine,
+                                                              self.microbatches, self.times)
+            except (TaskBuildError, SimulationError) as err:
+                self.failures[candidate.name] = str(err)
+                return candidate
+        streams, step = self.simulated[candidate.pcg]
         return replace(candidate, totals=candidate.totals.simulated(streams, step))
 
 

@@ -11,6 +11,7 @@ import pytest
 import parsat.saturate.api as api
 from parsat.ir.machine import Machine
 from parsat.ir.plan import explain
+from parsat.ir.validate import validate_plan_report
 from parsat.saturate.deadline import Deadline
 from parsat.saturate.errors import DoesNotFit, OptimizeError
 from parsat.saturate.pipeline_search import NOT_SEARCHED, microbatch_counts, pipeline_degrees, search_pipelines
@@ -78,3 +79,16 @@ def test_a_spent_limit_leaves_later_stage_plans_unsearched_and_listed():
     unsearched = {(t["pp"], t["microbatches"]) for t in found.tried if t.get("error") == NOT_SEARCHED}
     assert unsearched == set(pairs)   # the first pair's retry with more in flight, and every later pair
     assert not found.plans
+
+
+def test_explain_says_what_the_limit_left_out():
+    plan = api.optimize("mlp", machine="cpu", devices=2, baselines=False)
+    assert "search cut short" not in explain(plan.to_dict())
+    cut = replace(plan, saturation={**plan.saturation, "search_limit": "micro-batch count 4 not searched: --limit "
+                                                                      "seconds=5 reached"})
+    assert "search cut short: micro-batch count 4 not searched" in explain(cut.to_dict())
+    validate_plan_report(cut.to_dict(), ValueError, "plan")
+    bad = cut.to_dict()
+    bad["saturation"]["search_limit"] = 5
+    with pytest.raises(ValueError, match="saturation.search_limit"):
+        validate_plan_report(bad, ValueError, "plan")
