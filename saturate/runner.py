@@ -38,7 +38,9 @@ STOP_SECONDS = "seconds"
 
 @dataclass(frozen=True)
 class Limits:
-    """When to stop saturating. Extraction still returns the best plan found."""
+    """When to stop saturating. Extraction still returns the best plan found. `seconds` given to `optimize`
+    bounds its whole call (`saturate.deadline`: each saturation gets a part of it); `iterations` and `enodes`
+    bound each saturation."""
 
     iterations: int = 30
     enodes: int = 200_000
