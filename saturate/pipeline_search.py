@@ -210,6 +210,11 @@ def best_of(flat: Plan | None, found: PipelineSearch, machine: Machine, pinned: 
             baselines["best_grid"] = totals
             baseline_plans["best_grid"] = BaselinePlan(None, {}, config)
     saturation = {**dict(best.saturation), "pipeline_search": list(found.tried)}
+    unsearched = list(dict.fromkeys(f"pp {t['pp']} x {t['microbatches']} micro-batches" for t in found.tried
+                                    if t.get("error") == NOT_SEARCHED))
+    if unsearched:   # said where explain shows it, beside what the unstaged search left out
+        said = f"pipeline {', '.join(unsearched)} not searched: the time limit (--limit seconds) was reached"
+        saturation["search_limit"] = "; ".join(filter(None, (saturation.get("search_limit"), said)))
     return replace(best, baselines=baselines, baseline_plans=baseline_plans, saturation=saturation)
 
 

@@ -14,7 +14,8 @@ from parsat.ir.plan import explain
 from parsat.ir.validate import validate_plan_report
 from parsat.saturate.deadline import Deadline
 from parsat.saturate.errors import DoesNotFit, OptimizeError
-from parsat.saturate.pipeline_search import NOT_SEARCHED, microbatch_counts, pipeline_degrees, search_pipelines
+from parsat.saturate.pipeline_search import (NOT_SEARCHED, best_of, microbatch_counts, pipeline_degrees,
+                                             search_pipelines)
 from parsat.saturate.runner import Limits
 
 SIZES = {"blocks": 4, "batch": 8, "seq": 16, "hidden": 32, "heads": 2, "vocab": 64}
@@ -79,6 +80,10 @@ def test_a_spent_limit_leaves_later_stage_plans_unsearched_and_listed():
     unsearched = {(t["pp"], t["microbatches"]) for t in found.tried if t.get("error") == NOT_SEARCHED}
     assert unsearched == set(pairs)   # the first pair's retry with more in flight, and every later pair
     assert not found.plans
+    # the plan that comes back says which pairs the limit left out, where explain shows it
+    flat = api.optimize("mlp", machine="cpu", devices=2, baselines=False)
+    said = best_of(flat, found, flat.machine).saturation["search_limit"]
+    assert all(f"pp {p} x {m} micro-batches" in said for p, m in pairs[1:]) and "--limit seconds" in said
 
 
 def test_explain_says_what_the_limit_left_out():
