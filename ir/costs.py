@@ -86,6 +86,12 @@ class NodeCost:
             return again
         return replace(again, activation_bytes=0, transient_bytes=self.transient_bytes + self.activation_bytes)
 
+    def with_transient(self, transient_bytes: int) -> "NodeCost":
+        """This node charged `transient_bytes` of recomputed activations in place of its own (a block's are
+        counted on one node, or spread as an average: `saturate.recompute`)."""
+        return replace(self, memory_bytes=self.memory_bytes - self.transient_bytes + transient_bytes,
+                       transient_bytes=transient_bytes)
+
     def with_in_flight(self, count: int) -> "NodeCost":
         """This cost with `count` micro-batches' activations alive at once (a pipeline stage's warm-up): what
         a stage search ranks memory by (`saturate.pipeline_search`)."""

@@ -59,7 +59,7 @@ from parsat.saturate.inputs import check_devices, check_pins, pins_on, resolve_g
 from parsat.saturate.pipeline_search import best_of, parameters_of, search_pipelines
 from parsat.saturate.program import MeshCaches
 from parsat.saturate.repeat import SEARCHED_BLOCKS, RepeatError, Repetition, repetition_for
-from parsat.saturate.runner import STOP_SATURATED, Limits, check_limits
+from parsat.saturate.runner import STOP_SATURATED, Limits
 from parsat.saturate.saturate import SaturationResult, saturate
 from parsat.saturate.solve import price, rules_used, solve
 from parsat.saturate.pcg_tasks import OpTimes, TaskBuildError
@@ -98,8 +98,7 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     say = options.get("progress") or (lambda _m: None)
     # loaded once (2-3 CPU s for the shipped rules): every search below, unstaged or a stage's, takes the Library
     rules = resolve_library(rules)
-    limits = limits if isinstance(limits, Limits) else Limits.from_mapping(limits)
-    check_limits(limits)
+    limits = Limits.resolve(limits)
     clock = Deadline.starting_now(limits)
     options["caches"] = options.get("caches") or MeshCaches()
     degrees = dict(options.pop("degrees", None) or {})
@@ -188,10 +187,7 @@ def optimize_unstaged(graph, machine: Machine | str = "h100x8", rules=None, limi
     sizes = dict(options.pop("sizes", None) or {})
     say = options.get("progress") or (lambda _m: None)
     batch = _example_batch(graph, sizes)
-    if clock is None:
-        given = limits if isinstance(limits, Limits) else Limits.from_mapping(limits)
-        check_limits(given)
-        clock = Deadline.starting_now(given)
+    clock = clock or Deadline.starting_now(Limits.resolve(limits))
     if microbatches is not None:
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise OptimizeError(f"microbatches must be a positive integer, got {microbatches!r}")
@@ -405,8 +401,9 @@ def micro_batches_needed(plan: Plan, batch: int, m: int) -> int | None:
     every block's recomputed ones (`transient_bytes`, one block's per node that carries any)."""
     costs = plan.costs.values()
     transient = [c.transient_bytes for c in costs]
-    activations = sum(c.activation_bytes for c in costs) + sum(transient)
-    state = plan.totals.peak_memory_bytes - sum(c.activation_bytes for c in costs) - max(transient, default=0)
+    kept = sum(c.activation_bytes for c in costs)
+    activations = kept + sum(transient)
+    state = plan.totals.peak_memory_bytes - kept - max(transient, default=0)
     room = plan.machine.memory_capacity - state
     if room <= 0 or activations <= 0:
         return None
@@ -451,8 +448,7 @@ def optimize_step(graph, machine: Machine | str = "h100x8", rules=None, limits: 
     if recompute not in POLICIES + (AUTO,):
         raise OptimizeError(f"--recompute must be one of {', '.join(POLICIES + (AUTO,))}, got {recompute!r}")
     library = resolve_library(rules)
-    limits = limits if isinstance(limits, Limits) else Limits.from_mapping(limits)
-    check_limits(limits)
+    limits = Limits.resolve(limits)
     shared = clock is not None    # a part of a caller's deadline: building the graph is not cut by it
     clock = clock or Deadline.starting_now(limits)
     named = graph
@@ -666,15 +662,15 @@ class CandidateSteps:
     def __call__(self, candidate: Candidate | None) -> Candidate | None:
         if candidate is None or candidate.totals.streams is not None:
             return candidate
-        if candidate.pcg not in self.simulated:
+        found = self.simulated.get(candidate.pcg)
+        if found is None:
             try:
-                self.simulated[candidate.pcg] = simulate_step(candidate.pcg, self.library, self.machine,
-                                                              self.microbatches, self.times)
+                found = simulate_step(candidate.pcg, self.library, self.machine, self.microbatches, self.times)
             except (TaskBuildError, SimulationError) as err:
                 self.failures[candidate.name] = str(err)
                 return candidate
-        streams, step = self.simulated[candidate.pcg]
-        return replace(candidate, totals=candidate.totals.simulated(streams, step))
+            self.simulated[candidate.pcg] = found
+        return replace(candidate, totals=candidate.totals.simulated(*found))
 
 
 def search_mesh(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh: Mesh, clock: "Deadline",

@@ -20,7 +20,6 @@ node with its own readers and its largest block (`ir.recompute.checkpoints`,
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Mapping, Sequence
 
 from parsat.ir.blocks import OUTSIDE
@@ -53,9 +52,7 @@ def recomputed_enodes(costs: Mapping[NodeId, NodeCost], snapshot: Snapshot, root
             continue
         again = cost.recomputed(kept=cid in kept)
         # one block's activations at a time: each block's e-nodes count for 1 / count of them (the average block)
-        share = again.transient_bytes // count
-        out[(cid, index)] = replace(again, memory_bytes=again.memory_bytes - again.transient_bytes + share,
-                                    transient_bytes=share)
+        out[(cid, index)] = again.with_transient(again.transient_bytes // count)
     return out
 
 
@@ -72,10 +69,7 @@ def recomputed_pcg_costs(pcg: PCG, costs: Mapping[int, NodeCost]) -> dict[int, N
             continue
         block = sum(out[i].transient_bytes for i in here)
         for ident in here:
-            out[ident] = replace(out[ident], memory_bytes=out[ident].memory_bytes - out[ident].transient_bytes,
-                                 transient_bytes=0)
-        first = out[here[0]]
-        out[here[0]] = replace(first, memory_bytes=first.memory_bytes + block, transient_bytes=block)
+            out[ident] = out[ident].with_transient(block if ident == here[0] else 0)
     return out
 
 

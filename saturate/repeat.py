@@ -99,19 +99,17 @@ def class_blocks(snapshot: Snapshot) -> dict[int, int]:
     block 2 reads depends on no later weight, so it counts with block 1, as every block but the last has one.
     """
     blocks = {cid: OUTSIDE for cid in snapshot.classes}
-    readers: dict[int, set[int]] = {}   # class -> the classes with an e-node that reads it
     for cid, nodes in snapshot.classes.items():
         for node in nodes:
             if node.op == "leaf":
                 blocks[cid] = max(blocks[cid], block_of(str(node.attrs[0]).removesuffix(PIN_SUFFIX)))
-            for child in node.children:
-                readers.setdefault(child, set()).add(cid)
-    # a worklist, not sweeps over every class until none changes: a class is looked at again only when a
-    # class it reads got a later block (the same fixpoint; sweeps cost 40 s on a 2-axis mesh's e-graph)
+    # a worklist over the snapshot's readers, not sweeps over every class until none changes: a class is looked
+    # at again only when a class it reads got a later block (the same fixpoint; sweeps cost 40 s on a 2-axis
+    # mesh's e-graph)
     work = [cid for cid, block in blocks.items() if block != OUTSIDE]
     while work:
         child = work.pop()
-        for cid in readers.get(child, ()):
+        for cid, _index in snapshot.readers.get(child, ()):
             if blocks[child] > blocks[cid]:
                 blocks[cid] = blocks[child]
                 work.append(cid)

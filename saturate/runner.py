@@ -59,6 +59,14 @@ class Limits:
         check_limits(limits)
         return limits
 
+    @staticmethod
+    def resolve(limits: "Limits | Mapping[str, float] | None") -> "Limits":
+        """`limits` as given (checked: a user's path may hand a `Limits` in), or built from a mapping."""
+        if isinstance(limits, Limits):
+            check_limits(limits)
+            return limits
+        return Limits.from_mapping(limits)
+
 
 def check_limits(limits: Limits) -> None:
     """ValueError for a limit that would stop the search before it starts, or never (0, negative, NaN).
