@@ -26,7 +26,7 @@ mesh (`degrees={"dp": 2, "tp": 2}`: a hybrid of data and tensor
 parallelism on two mesh axes).
 
 The default predictor is the step simulator on the plan's mesh PCG
-(`saturate.pcg_tasks.simulate_pcg`, profile PARSAT_RUN: what `parsat
+(`cost.pcg_tasks.simulate_pcg`, profile PARSAT_RUN: what `parsat
 optimize` puts in `totals.time_s` for a CPU machine); `plan_totals` is the
 plan file's per-node sum (`totals.node_sum_s`, what extraction ranks by)
 and bound on memory, for comparison; every row records that sum as
@@ -54,9 +54,9 @@ from parsat.ir.costs import totals
 from parsat.ir.data_parallel import data_parallel_pcg
 from parsat.ir.machine import Machine
 from parsat.ir.models import build_example
-from parsat.saturate.baselines import price_pcg
-from parsat.saturate.errors import OptimizeError
-from parsat.saturate.pcg_tasks import PARSAT_RUN, simulate_pcg
+from parsat.search.baselines import price_pcg
+from parsat.ir.errors import OptimizeError
+from parsat.cost.pcg_tasks import PARSAT_RUN, simulate_pcg
 
 GRAPHS = {
     "mlp": ("mlp", {}),

@@ -28,7 +28,7 @@ from pathlib import Path
 from parsat.api import optimize
 from parsat.dsl.checker import load_checked
 from parsat.generate.generate import derive_library, rules_over
-from parsat.saturate.errors import OptimizeError
+from parsat.ir.errors import OptimizeError
 
 
 def main(argv=None) -> int:

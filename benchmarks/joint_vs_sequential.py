@@ -8,7 +8,7 @@ Default cases: the built-in examples `experts` (16, 32, 64 devices),
 
 * the joint plan's predicted step time, the `sequential` baseline's
   (algebraic rules saturated and extracted on one device first, then
-  parallel rules only: `saturate.baselines.sequential`) and their ratio;
+  parallel rules only: `search.baselines.sequential`) and their ratio;
 * the process's CPU seconds for the whole search (every mesh, every
   baseline), the e-graph size of the chosen mesh and the ILP status;
 * the algebraic form of each plan (its PCG without parallel operators,
@@ -42,8 +42,8 @@ from parsat.api import proved_rules
 from parsat.dsl.checker import is_parallel_rule
 from parsat.dsl.library import load_library
 from parsat.ir.models import build_example
-from parsat.saturate.api import optimize as optimize_with
-from parsat.saturate.baselines import pcg_to_graph
+from parsat.search.optimize import optimize as optimize_with
+from parsat.search.baselines import pcg_to_graph
 
 from models_bench import _case   # NAME:DEVICES[:KEY=VALUE,...], as models_bench.py reads its cases
 

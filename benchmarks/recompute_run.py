@@ -9,7 +9,7 @@ pipelined plan (PP 2 x TP 2, 1F1B, 4 micro-batches). Each plan's
 PCG runs twice on gloo CPU ranks with `--check` (float64, SGD): as
 optimized (`recompute="blocks"`, predicted by the plan's own totals) and
 with `dataclasses.replace(pcg, recompute="none")`, re-priced by the same
-cost model (`saturate.solve.price_pcg`; the pipeline is cut from the
+cost model (`search.solve.price_pcg`; the pipeline is cut from the
 stage plan so re-priced, and predicted by `ir.pipeline`'s stage figures,
 as `parsat run` predicts one). Communication is elements
 per step summed over ranks; memory is the measured peak of live tensors
@@ -32,8 +32,8 @@ from parsat.backend.pipeline_run import run_pipelined_plan
 from parsat.ir.costs import totals
 from parsat.ir.machine import Machine
 from parsat.ir.parallelism import describe
-from parsat.saturate.pipeline import pipelined
-from parsat.saturate.solve import price_pcg
+from parsat.cost.pipeline import pipelined
+from parsat.search.solve import price_pcg
 
 TWO_BY_TWO = Machine("two-nodes-of-two", 2, 2, peak_flops=1e8, memory_bandwidth=1e12, memory_capacity=2 ** 30,
                      intra_bandwidth=1e12, intra_latency=1e-9, inter_bandwidth=1e9, inter_latency=1e-6)

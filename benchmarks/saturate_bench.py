@@ -22,7 +22,7 @@ from pathlib import Path
 
 from parsat.api import optimize
 from parsat.dsl.library import load_library
-from parsat.saturate.errors import OptimizeError
+from parsat.ir.errors import OptimizeError
 
 
 def fmt_ms(seconds):

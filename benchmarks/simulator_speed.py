@@ -7,7 +7,7 @@
    memory effects on every task): CPU seconds per simulation.
 2. BERT-Large (24 encoder blocks, hidden 1024, seq 512) at batch 256,
    data-parallel on 8 and 64 h100x8 devices, priced as PyTorch DDP runs it
-   (`saturate.pcg_tasks.DDP`: 25 MiB buckets overlapping backward, NCCL
+   (`cost.pcg_tasks.DDP`: 25 MiB buckets overlapping backward, NCCL
    collectives with hierarchical all-reduce across nodes, bf16): the step
    time, its critical path by phase, the overlap, and the per-node sum the
    extraction model gives (no overlap, one all-reduce per weight);
@@ -24,9 +24,9 @@ from parsat.ir.costs import totals
 from parsat.ir.data_parallel import data_parallel_pcg
 from parsat.ir.machine import Machine
 from parsat.ir.models import stack
-from parsat.saturate.baselines import price_pcg
-from parsat.saturate.pcg_tasks import DDP, OpTimes, simulate_pcg
-from parsat.saturate.simulator import COMM, COMPUTE, StepBuilder
+from parsat.search.baselines import price_pcg
+from parsat.cost.pcg_tasks import DDP, OpTimes, simulate_pcg
+from parsat.cost.simulator import COMM, COMPUTE, StepBuilder
 
 
 def synthetic(layers: int) -> StepBuilder:

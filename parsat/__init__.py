@@ -25,7 +25,7 @@ _LAZY = {
     "Machine": "parsat.ir.machine",
     "Graph": "parsat.ir.graph",
     "GraphBuilder": "parsat.ir.graph",
-    "Limits": "parsat.saturate.runner",
+    "Limits": "parsat.egraph.runner",
 }
 
 
@@ -45,12 +45,12 @@ def optimize(graph, machine="h100x8", rules=None, limits=None, devices=None, **o
 
 
 def from_torch(module, example_inputs, library=None, name=None):
-    """The parsat `Graph` of a torch `nn.Module` (torch.export): see `parsat.backend.torch_import.from_torch`.
+    """The parsat `Graph` of a torch `nn.Module` (torch.export): see `parsat.importer.torch_import.from_torch`.
 
     Weights are named by the module's parameter names; unsupported
     operators raise one `TorchImportError` listing each with its source line.
     """
-    from parsat.backend.torch_import import from_torch as run
+    from parsat.importer.torch_import import from_torch as run
 
     return run(module, example_inputs, library, name)
 

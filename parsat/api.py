@@ -4,7 +4,7 @@
 neither knows the other. `optimize` here joins them: saturation gets only
 the rules the verifier PROVED, and the BOUNDED ones at the ranks they were
 proved for (its verdicts are cached on disk, so a library proved once is
-only looked up), unless the caller allows unverified rules. Everything else is `parsat.saturate.api.optimize`.
+only looked up), unless the caller allows unverified rules. Everything else is `parsat.search.optimize.optimize`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from parsat.dsl.library import Library
 from parsat.dsl.typecheck import rank_bounded
 from parsat.ir.machine import Machine
 from parsat.ir.plan import Plan
-from parsat.saturate.api import optimize as optimize_with
-from parsat.saturate.errors import OptimizeError
+from parsat.search.optimize import optimize as optimize_with
+from parsat.ir.errors import OptimizeError
 
 
 def proved_rules(library: Library, allow_unverified: bool | None) -> tuple[list[ast.RuleDecl], str]:
@@ -68,12 +68,12 @@ def proved_rules(library: Library, allow_unverified: bool | None) -> tuple[list[
 
 def optimize(graph, machine="h100x8", rules=None, limits=None, devices=None, *,
              allow_unverified: bool | None = None, precision: str | None = None, **options) -> Plan:
-    """The cheapest plan the proven rules reach: `parsat.saturate.api.optimize` with only proved rules.
+    """The cheapest plan the proven rules reach: `parsat.search.optimize.optimize` with only proved rules.
 
     `allow_unverified=True` uses every rule (`proved_rules` says what None and
     False do); `precision` ("bf16", "fp32", ...) trains on `machine` in that
     precision instead of its own (`Machine.with_precision`); the other
-    options are `parsat.saturate.api.optimize`'s.
+    options are `parsat.search.optimize.optimize`'s.
     """
     if precision is not None:
         machine = Machine.resolve(machine).with_precision(precision)

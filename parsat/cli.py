@@ -27,8 +27,8 @@ SUBCOMMANDS = {
     "run": "parsat.backend.cli",
     "calibrate": "parsat.backend.cli",
     "optimize": "parsat.optimize_cli",
-    "explain": "parsat.saturate.cli",
-    "show": "parsat.saturate.cli",
+    "explain": "parsat.report.cli",
+    "show": "parsat.report.cli",
     "generate": "parsat.generate.cli",
 }
 

@@ -1,19 +1,21 @@
 """The house's rules, checked on the source: which package may import which (docs/ARCHITECTURE.md).
 
-Every module of every package is parsed (`ast`, nothing is imported) and
-each import it makes, at the top or inside a function, is held against the
-allowed directions:
+Every module of every package (each folder under `parsat/`) is parsed
+(`ast`, nothing is imported) and each import it makes, at the top or inside
+a function, is held against the allowed directions:
 
-    dsl <- ir <- saturate <- generate,  dsl <- verifier <- generate,  ir <- backend,
+    dsl <- ir <- cost <- search,  ir <- egraph <- search,  egraph <- generate,
+    dsl <- verifier <- generate,  ir <- importer <- backend,  ir <- report,
 
-with `rules` (package data) below everything and the facade `parsat/` above
-everything. A package may import what it points to, directly or through
-others (saturate may import dsl). Also refused: a cycle between packages or
-between modules (a function-level import does not hide one), a private
-(underscore) name taken from another package, and a heavy dependency
-outside its one home (egglog: saturate's session; z3: verifier; torch:
-backend; highspy: saturate). Importing `parsat`, the dsl and the data model
-must load none of them: checked in a fresh interpreter.
+with `rules` (package data) below everything and the facade (the modules
+directly in `parsat/`) above everything. A package may import what it
+points to, directly or through others (search may import dsl). Also
+refused: a cycle between packages or between modules (a function-level
+import does not hide one), a private (underscore) name taken from another
+package, and a heavy dependency outside its one home (egglog: the e-graph's
+session; z3: verifier; torch: importer and backend; highspy: search).
+Importing `parsat`, the dsl and the data model must load none of them:
+checked in a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,34 +34,50 @@ ALLOWED = {
     "dsl": {"rules"},
     "ir": {"dsl", "rules"},
     "verifier": {"dsl", "rules"},
-    "saturate": {"ir", "dsl", "rules"},
-    "generate": {"saturate", "verifier", "ir", "dsl", "rules"},
-    "backend": {"ir", "dsl", "rules"},
-    "parsat": {"dsl", "rules", "ir", "verifier", "saturate", "generate", "backend"},
+    "cost": {"ir", "dsl", "rules"},
+    "egraph": {"ir", "dsl", "rules"},
+    "search": {"cost", "egraph", "ir", "dsl", "rules"},
+    "generate": {"egraph", "verifier", "ir", "dsl", "rules"},
+    "importer": {"ir", "dsl", "rules"},
+    "backend": {"importer", "ir", "dsl", "rules"},
+    "report": {"ir", "dsl", "rules"},
+    "parsat": {"dsl", "rules", "ir", "verifier", "cost", "egraph", "search", "generate", "importer", "backend",
+               "report"},
 }
+DIRECTIONS = ("dsl <- ir <- cost <- search, ir <- egraph <- search, egraph <- generate, dsl <- verifier <- generate, "
+              "ir <- importer <- backend, ir <- report, the facade on top")
 # third-party module -> the only files (or packages) that may import it
 HEAVY = {
-    "egglog": ("saturate/session.py",),
-    "z3": ("verifier/",),
-    "torch": ("backend/",),
-    "highspy": ("saturate/",),
+    "egglog": ("parsat/egraph/session.py",),
+    "z3": ("parsat/verifier/",),
+    "torch": ("parsat/importer/", "parsat/backend/"),
+    "highspy": ("parsat/search/",),
 }
 LIGHT_PACKAGES = ("parsat", "parsat.dsl", "parsat.ir")
 
 
 @dataclass(frozen=True)
 class Import:
-    source: str        # file, relative to the repository ("saturate/api.py")
+    source: str        # file, relative to the repository ("parsat/search/optimize.py")
     line: int
     module: str        # the module imported ("parsat.verifier.api")
     names: tuple[str, ...] = ()   # names taken from it (`from module import names`)
 
 
+PACKAGE = ROOT / "parsat"
+
+
 def package_dirs() -> dict[str, Path]:
-    """Subpackage name ("dsl", and "parsat" for the facade) -> its folder, from pyproject's package-dir."""
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
-    mapping = config["tool"]["setuptools"]["package-dir"]
-    return {name.split(".")[-1]: ROOT / folder for name, folder in mapping.items()}
+    """Subpackage name ("dsl", and "parsat" for the facade) -> its folder: every folder of `parsat/` that is a
+    package, and `parsat/` itself for the facade."""
+    found = {folder.name: folder for folder in sorted(PACKAGE.iterdir()) if (folder / "__init__.py").is_file()}
+    return {"parsat": PACKAGE, **found}
+
+
+def package_files(package: str, folder: Path) -> list[Path]:
+    """The modules of a package: the facade's are the files directly in `parsat/`, a stage's every file below
+    its folder."""
+    return sorted(folder.glob("*.py") if package == "parsat" else folder.rglob("*.py"))
 
 
 def module_name(path: Path, package: str, folder: Path) -> str:
@@ -87,7 +104,7 @@ def imports_of(path: Path, package: str, folder: Path) -> list[Import]:
                 base = ".".join(anchor + ([base] if base else []))
             names = tuple(alias.name for alias in node.names)
             found.append(Import(source, node.lineno, base, names))
-            # `from parsat.saturate import cost` imports the module parsat.saturate.cost
+            # `from parsat.cost import model` imports the module parsat.cost.model
             found += [Import(source, node.lineno, f"{base}.{name}") for name in names
                       if (ROOT / folder_of(f"{base}.{name}")).with_suffix(".py").exists()]
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
@@ -98,7 +115,7 @@ def imports_of(path: Path, package: str, folder: Path) -> list[Import]:
 
 
 def folder_of(module: str) -> Path:
-    """The path (without suffix) a parsat module lives at, e.g. parsat.saturate.cost -> saturate/cost."""
+    """The path (without suffix) a parsat module lives at, e.g. parsat.cost.model -> saturate/cost."""
     dirs = package_dirs()
     parts = module.split(".")
     if parts[0] != "parsat":
@@ -109,7 +126,7 @@ def folder_of(module: str) -> Path:
 
 
 def package_of(module: str) -> str | None:
-    """The subpackage a module belongs to ("saturate"), "parsat" for the facade, None if not parsat's."""
+    """The subpackage a module belongs to ("search"), "parsat" for the facade, None if not parsat's."""
     parts = module.split(".")
     if parts[0] != "parsat":
         return None
@@ -122,7 +139,7 @@ def all_imports() -> dict[str, list[Import]]:
     """Package -> every import its modules make."""
     out: dict[str, list[Import]] = {}
     for package, folder in package_dirs().items():
-        for path in sorted(folder.rglob("*.py")):
+        for path in package_files(package, folder):
             out.setdefault(package, []).extend(imports_of(path, package, folder))
     return out
 
@@ -145,8 +162,7 @@ def direction_violations(imports: dict[str, list[Import]]) -> list[str]:
         if target not in ALLOWED[package]:
             allowed = ", ".join(sorted(ALLOWED[package])) or "nothing of parsat"
             problems.append(f"{imp.source}:{imp.line} imports {imp.module}: {package} may import only "
-                            f"{allowed} (dsl <- ir <- saturate <- generate, dsl <- verifier <- generate, "
-                            "ir <- backend, the facade on top)")
+                            f"{allowed} ({DIRECTIONS})")
     return problems
 
 
@@ -233,7 +249,7 @@ def heavy_violations(imports: dict[str, list[Import]]) -> list[str]:
 # ---------------------------------------------------------------------- tests
 
 
-def test_every_package_of_pyproject_is_known():
+def test_every_package_is_known():
     assert set(package_dirs()) == set(ALLOWED)
 
 
@@ -265,13 +281,13 @@ def test_heavy_dependencies_stay_home():
 
 def test_the_checks_catch_what_they_guard():
     """Each check refuses a made-up import that breaks its rule, so a passing run means something."""
-    fake = {"saturate": [Import("saturate/x.py", 1, "parsat.verifier.api", ("verify_library",)),
-                         Import("saturate/x.py", 2, "parsat.dsl.library", ("_display",))],
-            "verifier": [Import("verifier/y.py", 3, "parsat.saturate.cost", ("work",))]}
-    assert any("saturate may import only" in p for p in direction_violations(fake))
+    fake = {"search": [Import("parsat/search/x.py", 1, "parsat.verifier.api", ("verify_library",)),
+                       Import("parsat/search/x.py", 2, "parsat.dsl.library", ("_display",))],
+            "verifier": [Import("parsat/verifier/y.py", 3, "parsat.search.extract", ("work",))]}
+    assert any("search may import only" in p for p in direction_violations(fake))
     assert any("_display" in p for p in private_violations(fake))
-    assert cycles(package_edges(fake)) == [["saturate", "verifier"]]
-    assert heavy_violations({"ir": [Import("ir/z.py", 4, "egglog.bindings")]})
+    assert cycles(package_edges(fake)) == [["search", "verifier"]]
+    assert heavy_violations({"ir": [Import("parsat/ir/z.py", 4, "egglog.bindings")]})
 
 
 def test_importing_parsat_the_dsl_and_the_data_model_loads_no_heavy_dependency():

@@ -21,7 +21,7 @@ from torch import nn  # noqa: E402
 
 import parsat  # noqa: E402
 from parsat.backend.executor import evaluate_graph  # noqa: E402
-from parsat.backend.torch_import import TorchImportError, import_module, load_model_file  # noqa: E402
+from parsat.importer.torch_import import TorchImportError, import_module, load_model_file  # noqa: E402
 from parsat.cli import main  # noqa: E402
 
 

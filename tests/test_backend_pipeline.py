@@ -22,7 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from parsat.api import optimize  # noqa: E402
-from parsat.saturate.pipeline import pipelined  # noqa: E402
+from parsat.cost.pipeline import pipelined  # noqa: E402
 from parsat.backend.cli import load_plan, pipeline_of  # noqa: E402
 from parsat.backend.executor import ExecutionError, TrainConfig  # noqa: E402
 from parsat.backend.launch import LaunchConfig, launch  # noqa: E402
@@ -43,7 +43,7 @@ MACHINE = Machine("two-nodes-of-two", 2, 2, peak_flops=1e8, memory_bandwidth=1e1
 
 def pipelined_plan(stage_plan, schedule: str, starts: list[int], stages: int = 2):
     """`stage_plan` (one stage mesh's plan) cut into chunks at `starts` (layer ids, -1 the prelude) on
-    `stages` stages, priced by the cost model (`saturate.pipeline.pipelined`)."""
+    `stages` stages, priced by the cost model (`cost.pipeline.pipelined`)."""
     machine = stage_plan.machine.with_devices(stages * stage_plan.devices)
     return pipelined(stage_plan, stages, schedule, machine, chunks_per_stage=len(starts) // stages, starts=starts)
 

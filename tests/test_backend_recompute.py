@@ -203,7 +203,7 @@ def test_regions_follow_dependencies_not_only_the_pcg_order(plan_file):
 
 
 def _pipelined_jobs(devices: int, kind: str | None, schedules=(("1f1b", [-1, 1]), ("interleaved", [-1, 1, 2, 3]))):
-    from parsat.saturate.pipeline import pipelined
+    from parsat.cost.pipeline import pipelined
 
     sizes = {"blocks": 4, "batch": 8, "seq": 16, "hidden": 32, "heads": 2, "vocab": 64}   # test_backend_pipeline's
     stage = optimize("gpt", TWO_BY_TWO, devices=devices, sizes=sizes, microbatches=4,

@@ -9,7 +9,7 @@ import pytest
 
 from parsat.ir.machine import Machine
 from parsat.ir.machine_profile import CollectivePoint, CommProfile
-from parsat.saturate.collectives import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, REDUCE_SCATTER, SEND_RECV,
+from parsat.cost.collectives import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, REDUCE_SCATTER, SEND_RECV,
                                          CollectiveError, GroupTopology, price, sent_bytes)
 
 H100 = Machine.preset("h100x8")

@@ -12,8 +12,8 @@ from parsat.ir.graph import instance_for
 from parsat.ir.machine import Machine
 from parsat.ir.machine_profile import OpEfficiency
 from parsat.ir.pcg import Degrees
-from parsat.saturate.cost import compute_cost
-from parsat.saturate.op_time import kernel_time, local_gemm, memory_op_time
+from parsat.cost.model import compute_cost
+from parsat.cost.op_time import kernel_time, local_gemm, memory_op_time
 
 OPS = load_library([shipped_rules_dir() / "ops.rule"])[0].ops
 

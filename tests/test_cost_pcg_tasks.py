@@ -16,8 +16,8 @@ from parsat.ir.mesh import Mesh
 from parsat.ir.models import mlp, stack
 from parsat.ir.pcg import PCG, Degrees, PNode
 from parsat.ir.placement import Placement, apply_parallel, compute_placement
-from parsat.saturate.collectives import ALL_REDUCE, GroupTopology, price
-from parsat.saturate.pcg_tasks import DDP, PARSAT_RUN, OpTimes, TaskBuildError, simulate_pcg
+from parsat.cost.collectives import ALL_REDUCE, GroupTopology, price
+from parsat.cost.pcg_tasks import DDP, PARSAT_RUN, OpTimes, TaskBuildError, simulate_pcg
 
 LIB = load_library([shipped_rules_dir() / "ops.rule"])[0]
 CPU64 = Machine.preset("cpu").with_precision("fp64")     # `parsat run` trains in float64
@@ -203,7 +203,7 @@ def test_parsat_run_memory_sampled_between_calls_misses_gather_buffers():
 
 @pytest.mark.parametrize("profile", [PARSAT_RUN, DDP])
 def test_zero3_weights_are_gathered_once_per_step_and_their_gradients_reduce_scattered(profile):
-    """As backend/executor.py runs ZeRO-3: one all-gather per weight in forward, the copy kept for backward (no
+    """As parsat/backend/executor.py runs ZeRO-3: one all-gather per weight in forward, the copy kept for backward (no
     second gather), the gradient reduce-scattered onto the stored shard: that is the gradient sync."""
     machine = CPU64 if profile is PARSAT_RUN else Machine.preset("h100x8")
     step = simulate_pcg(zero3_mlp(), LIB, machine, profile)
@@ -244,7 +244,7 @@ def test_zero3_data_parallelism_moves_what_data_parallelism_does_and_syncs_by_re
     from parsat.ir.models import transformer
     from parsat.ir.pcg_layout import lay_out
     from parsat.ir.costs import totals
-    from parsat.saturate.baselines import price_pcg
+    from parsat.search.baselines import price_pcg
 
     graph = transformer(batch=4, seq=32, hidden=64, heads=4, ffn=256, library=LIB)
     dp, zero = (data_parallel_pcg(graph, LIB, 4, 4, zero3=z) for z in (False, True))

@@ -96,7 +96,7 @@ def test_version_1_machine_files_still_load(tmp_path):
     ({"comm": {"points": [{"collective": "all_reduce", "link": "intra", "group": 1, "latency_s": 0,
                            "bus_bandwidth": 1}]}}, "group"),
     ({"version": 9}, "version 9"),
-    # every profile number is held to ir/validate.py's ranges, as the flat fields are
+    # every profile number is held to parsat/ir/validate.py's ranges, as the flat fields are
     ({"comm": {"launch_s": 1e9}}, r"comm.launch_s: 1000000000.0 is outside the range"),
     ({"comm": {"sync_skew": -0.5}}, "sync_skew"),
     ({"comm": {"bucket_bytes": 2.5}}, "bucket_bytes: must be an integer"),

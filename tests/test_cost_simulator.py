@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from parsat.saturate.schedules import Gradient, GradientBuckets, Unit, assign_buckets, fsdp_step
-from parsat.saturate.simulator import COMM, COMPUTE, SimulationError, StepBuilder
+from parsat.cost.schedules import Gradient, GradientBuckets, Unit, assign_buckets, fsdp_step
+from parsat.cost.simulator import COMM, COMPUTE, SimulationError, StepBuilder
 
 
 def test_a_stream_runs_its_tasks_in_order_and_streams_run_at_once():

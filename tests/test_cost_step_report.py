@@ -16,9 +16,9 @@ from parsat.ir.models import mlp, stack
 from parsat.ir.pcg import weight_chains
 from parsat.ir.plan import explain
 from parsat.ir.validate import validate_plan_report
-from parsat.saturate.pcg_tasks import DDP, PARSAT_RUN, StepPrediction, profile_for, simulate_pcg
-from parsat.saturate.simulator import COMM, COMPUTE, StepBuilder
-from parsat.saturate.step_report import simulate_step, summarize
+from parsat.cost.pcg_tasks import DDP, PARSAT_RUN, StepPrediction, profile_for, simulate_pcg
+from parsat.cost.simulator import COMM, COMPUTE, StepBuilder
+from parsat.cost.step_report import simulate_step, summarize
 
 LIB = load_library([shipped_rules_dir() / "ops.rule"])[0]
 

@@ -15,8 +15,8 @@ import pytest
 from parsat.api import optimize
 from parsat.dsl.library import load_library
 from parsat.ir.models import build_example
-from parsat.saturate.api import optimize as optimize_with
-from parsat.saturate.baselines import pcg_to_graph
+from parsat.search.optimize import optimize as optimize_with
+from parsat.search.baselines import pcg_to_graph
 
 SIZES = {"tokens": 4096, "hidden": 2048, "rank": 1408}   # rank above 4096 * 2048 / (2 * 4096 - 2048) = 1365.3
 

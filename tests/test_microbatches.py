@@ -14,7 +14,7 @@ from parsat.ir.costs import NodeCost
 from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
 from parsat.ir.plan import explain
-from parsat.saturate.errors import OptimizeError
+from parsat.ir.errors import OptimizeError
 
 
 def test_per_step_repeats_micro_batch_work_and_runs_weight_chains_once():

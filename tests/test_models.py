@@ -1,4 +1,4 @@
-"""The language models among the built-in examples (ir/models.py, docs/MODELS.md): GPT, LLaMA, BERT.
+"""The language models among the built-in examples (parsat/ir/models.py, docs/MODELS.md): GPT, LLaMA, BERT.
 
 Their structure (tied embedding, grouped-query attention, rotary tables,
 the scalar loss), their parameter counts (a closed form per family, and
@@ -21,7 +21,7 @@ from parsat.ir.graph import GraphError
 from parsat.ir.machine import Machine
 from parsat.ir.models import EXAMPLES, build_example, llama_ffn, parameter_count
 from parsat.ir.pcg_layout import lay_out
-from parsat.saturate.api import optimize
+from parsat.search.optimize import optimize
 
 TINY = {"blocks": 2, "hidden": 64, "heads": 4, "seq": 16, "vocab": 128, "batch": 8}
 NAMED = ("gpt-1.3b", "gpt-6.7b", "gpt-13b", "gpt-175b", "llama-7b", "llama-70b", "bert-large")

@@ -14,9 +14,9 @@ from parsat.ir.machine import Machine
 from parsat.ir.pipeline import (BACKWARD, FORWARD, GPIPE, INTERLEAVED, ONE_F_ONE_B, PipelineError, PipelinePlan,
                                 free_nodes, in_flight_counts, lay_out_stages, pcg_layers, schedule_order, simulate_schedule)
 from parsat.ir.validate import validate_plan_dict
-from parsat.saturate.api import optimize
-from parsat.saturate.errors import OptimizeError
-from parsat.saturate.pipeline import balanced_starts, equal_starts, layer_costs, pipelined
+from parsat.search.optimize import optimize
+from parsat.ir.errors import OptimizeError
+from parsat.cost.pipeline import balanced_starts, equal_starts, layer_costs, pipelined
 
 SIZES = {"blocks": 4, "batch": 8, "seq": 16, "hidden": 32, "heads": 2, "vocab": 64}
 
@@ -201,7 +201,7 @@ def test_show_draws_the_schedule_and_refuses_an_unpipelined_plan(stage_plan, tmp
 
 
 def test_degrees_start_where_a_stage_holds_its_weights_and_counts_divide_the_batch():
-    from parsat.saturate.pipeline_search import microbatch_counts, pipeline_degrees
+    from parsat.search.pipeline_search import microbatch_counts, pipeline_degrees
     a100 = Machine.resolve("a100x8")
     # GPT-3 175B: 2.8 TB of weights' state; 8 stages of 128 devices hold 44 GB each with TP 8, 4 stages 88 GB
     assert pipeline_degrees(1024, a100, 175_000_000_000, 97, None) == [8, 16]

@@ -1,4 +1,4 @@
-"""Activation recomputation (ir/recompute.py, saturate/recompute.py): which nodes a block re-runs, what that
+"""Activation recomputation (parsat/ir/recompute.py, parsat/search/recompute.py): which nodes a block re-runs, what that
 costs per node, in the plan's totals and in the simulated step, and when the search turns it on."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from parsat.ir.machine import Machine
 from parsat.ir.pcg import weight_chains
 from parsat.ir.plan import load_plan_dict, pcg_from_dict
 from parsat.ir.recompute import BLOCKS, NONE, RecomputeError, checkpoints
-from parsat.saturate.errors import DoesNotFit, OptimizeError
-from parsat.saturate.inputs import resolve_library
-from parsat.saturate.pcg_tasks import DDP, simulate_pcg
-from parsat.saturate.solve import price_pcg
+from parsat.ir.errors import DoesNotFit, OptimizeError
+from parsat.dsl.checker import resolve_library
+from parsat.cost.pcg_tasks import DDP, simulate_pcg
+from parsat.search.solve import price_pcg
 
 SIZES = {"blocks": 3, "hidden": 64, "heads": 4, "seq": 64, "batch": 8, "vocab": 256}
 

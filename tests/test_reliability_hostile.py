@@ -99,7 +99,7 @@ def plan_file(tmp_path_factory) -> Path:
     from parsat.ir.data_parallel import data_parallel_pcg
     from parsat.ir.machine import Machine
     from parsat.ir.plan import Plan
-    from parsat.saturate.baselines import price_pcg
+    from parsat.search.baselines import price_pcg
 
     lib = operator_library()
     graph = models.mlp(batch=8, d_in=6, d_hidden=4, d_out=2, library=lib)
@@ -401,7 +401,7 @@ def test_a_size_past_2_to_the_53_is_refused(capsys):
 
 def test_a_short_time_limit_names_itself_rather_than_blaming_the_rules(capsys):
     from parsat.api import optimize
-    from parsat.saturate.errors import OptimizeError
+    from parsat.ir.errors import OptimizeError
 
     # the limit passes before saturation starts, or during it (the box decides): either way it is named
     with pytest.raises(OptimizeError, match=r"--limit seconds=0.02 (passed before saturation could start|before "

@@ -10,7 +10,7 @@ verifier: the danger is size, not truth):
 * thousands of generated rules;
 * graphs of thousands of operators.
 
-Limits are checked between chunks of rules (saturate/runner.py), and
+Limits are checked between chunks of rules (parsat/egraph/runner.py), and
 `seconds` counts compilation too, so the overshoot is one chunk's egglog run;
 the tests allow that slack and measure it. Memory: the RSS growth of this
 process across the call (VmRSS).
@@ -32,9 +32,9 @@ import pytest
 from parsat.cli import main
 from parsat.dsl.library import Library, load_library
 from parsat.ir.graph import Graph, GraphBuilder
-from parsat.saturate import program
-from parsat.saturate.runner import STOP_ENODES, STOP_ITERATIONS, STOP_SATURATED, STOP_SECONDS, Limits
-from parsat.saturate.saturate import saturate
+from parsat.egraph import program
+from parsat.egraph.runner import STOP_ENODES, STOP_ITERATIONS, STOP_SATURATED, STOP_SECONDS, Limits
+from parsat.egraph.saturate import saturate
 
 ADVERSARIAL = """\
 import "ops.rule"

@@ -40,8 +40,8 @@ from parsat.backend.launch import LaunchConfig, RankContext, launch  # noqa: E40
 from parsat.dsl.library import Library  # noqa: E402
 from parsat.ir.graph import Graph, GraphBuilder, Tensor  # noqa: E402
 from parsat.ir.machine import Machine  # noqa: E402
-from parsat.saturate.errors import OptimizeError  # noqa: E402
-from parsat.saturate.inputs import resolve_library  # noqa: E402
+from parsat.ir.errors import OptimizeError  # noqa: E402
+from parsat.dsl.checker import resolve_library  # noqa: E402
 
 CASES = int(os.environ.get("PARSAT_SOUNDNESS_CASES", "4"))
 BASE_SEED = int(os.environ.get("PARSAT_SOUNDNESS_SEED", "0"))

@@ -1,4 +1,4 @@
-"""Repeated blocks (`saturate.repeat`): a model of N identical blocks searched as three, the middle block's plan
+"""Repeated blocks (`search.repeat`): a model of N identical blocks searched as three, the middle block's plan
 repeated, gives the whole model's plan: the full search's cost, every leaf, a PCG that trains like one process."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from parsat.ir.models import build_example  # noqa: E402
 from parsat.ir.pcg import PCG  # noqa: E402
 from parsat.ir.pcg_layout import lay_out  # noqa: E402
 from parsat.dsl.parallel_ops import PARALLEL_OPS  # noqa: E402
-from parsat.saturate.repeat import (OUTSIDE, REPEATED, RepeatError, Repetition, block_of, class_blocks,  # noqa: E402
+from parsat.search.repeat import (OUTSIDE, REPEATED, RepeatError, Repetition, block_of, class_blocks,  # noqa: E402
                                     conversions, node_blocks, stamp, value_names, weigh)
 from parsat.ir.costs import NodeCost  # noqa: E402
 
@@ -72,10 +72,10 @@ def _searched(with_result: bool = False):
     """The three searched blocks' PCG on 2 devices, the graph tensor each node holds, and a 6-block repetition
     (and the saturation result, `with_result`)."""
     from parsat.ir.machine import Machine
-    from parsat.saturate.extract import extract, node_costs
-    from parsat.saturate.runner import Limits
-    from parsat.saturate.saturate import saturate
-    from parsat.saturate.solve import pcg_from_extraction
+    from parsat.search.extract import extract, node_costs
+    from parsat.egraph.runner import Limits
+    from parsat.egraph.saturate import saturate
+    from parsat.search.solve import pcg_from_extraction
 
     graph = build_example("gpt", {**SMALL, "blocks": 3}, LIBRARY)
     machine = Machine.resolve("cpu").with_devices(2)
@@ -155,7 +155,7 @@ def test_stamp_refuses_a_plan_that_misses_the_model_leaves():
 
 
 def test_weigh_counts_the_middle_block_once_per_copy():
-    from parsat.saturate.saturate import saturate
+    from parsat.egraph.saturate import saturate
 
     graph = build_example("gpt", {**SMALL, "blocks": 3}, LIBRARY)
     result = saturate(graph, LIBRARY, [], 1)

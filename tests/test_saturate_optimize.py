@@ -16,11 +16,11 @@ from parsat.ir.graph import GraphError
 from parsat.ir.machine import Machine
 from parsat.ir.models import build_example
 from parsat.ir.plan import PLAN_VERSION, explain, load_plan_dict, pcg_from_dict
-from parsat.saturate.baselines import price_pcg
-from parsat.saturate.errors import OptimizeError
-from parsat.saturate.runner import STOP_ENODES, STOP_ITERATIONS, STOP_SATURATED, STOP_SECONDS, Limits
-from parsat.saturate.saturate import saturate
-from parsat.saturate.step_report import simulate_step
+from parsat.search.baselines import price_pcg
+from parsat.ir.errors import OptimizeError
+from parsat.egraph.runner import STOP_ENODES, STOP_ITERATIONS, STOP_SATURATED, STOP_SECONDS, Limits
+from parsat.egraph.saturate import saturate
+from parsat.cost.step_report import simulate_step
 
 HERE = Path(__file__).parent
 TEST_RULES = HERE / "rules_for_saturate"
@@ -268,9 +268,9 @@ def test_a_long_explanation_opens_with_the_parallel_operators_counted(mlp_plan_c
 
 def test_rules_used_are_the_makers_of_the_plan_s_new_operators(shipped):
     """Provenance: every e-node the plan chose that the input graph lacks was built by a listed rule."""
-    from parsat.saturate.solve import rules_used, solve as _solve
-    from parsat.saturate.encoding import GRAPH_MADE
-    from parsat.saturate.saturate import saturate
+    from parsat.search.solve import rules_used, solve as _solve
+    from parsat.egraph.encoding import GRAPH_MADE
+    from parsat.egraph.saturate import saturate
 
     graph = build_example("mlp", library=shipped)
     machine = Machine.preset("cpu").with_devices(2)

@@ -21,9 +21,9 @@ from parsat.ir.models import build_example
 from parsat.ir.pcg import PCG, Degrees, PNode
 from parsat.ir.pcg_layout import lay_out
 from parsat.ir.placement import FREE, PARTIAL, REPLICA, Placement, PlacementError, codes_for_rank, shard
-from parsat.saturate import program as rule_program
-from parsat.saturate.lifting import NotLiftable, assignments, lift
-from parsat.saturate.saturate import saturate
+from parsat.egraph import program as rule_program
+from parsat.egraph.lifting import NotLiftable, assignments, lift
+from parsat.egraph.saturate import saturate
 
 MOVES_REPLICAS = """import "ops.rule"
 

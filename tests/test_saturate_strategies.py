@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from parsat.ir.parallelism import DATA, SEQUENCE, TENSOR, ZERO3, axis_uses, describe
-from parsat.saturate.api import optimize
-from parsat.saturate.errors import OptimizeError
-from parsat.saturate.strategies import Config, grid, pinned_meshes
+from parsat.search.optimize import optimize
+from parsat.ir.errors import OptimizeError
+from parsat.search.strategies import Config, grid, pinned_meshes
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +77,11 @@ def test_best_grid_reports_its_fastest_point_when_none_fits():
 
     from parsat.ir.machine import Machine
     from parsat.ir.models import build_example
-    from parsat.saturate.baselines import best_grid
-    from parsat.saturate.extract import node_costs
-    from parsat.saturate.inputs import resolve_library
-    from parsat.saturate.runner import Limits
-    from parsat.saturate.saturate import saturate
+    from parsat.search.baselines import best_grid
+    from parsat.search.extract import node_costs
+    from parsat.dsl.checker import resolve_library
+    from parsat.egraph.runner import Limits
+    from parsat.egraph.saturate import saturate
 
     library = resolve_library(None)
     graph = build_example("transformer", {}, library)

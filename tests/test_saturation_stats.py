@@ -1,6 +1,6 @@
 """What saturation reports about its rules: matches per rule, rules that never fired, seconds per ruleset.
 
-Optimization and the rule generator run the same runner (`saturate.runner`),
+Optimization and the rule generator run the same runner (`egraph.runner`),
 so both stop by the same limits; the plan keeps every loaded rule's matches
 (`saturation.rule_matches`) and `parsat optimize --stats` names the rules
 that never fired.
@@ -18,12 +18,12 @@ from parsat.dsl.library import load_library
 from parsat.generate import derivation
 from parsat.ir.models import build_example
 from parsat.ir.plan import saturation_stats
-from parsat.saturate import runner
-from parsat.saturate.api import optimize
-from parsat.saturate.encoding import graph_program
-from parsat.saturate.program import compile_rules
-from parsat.saturate.saturate import saturate
-from parsat.saturate.session import Session
+from parsat.egraph import runner
+from parsat.search.optimize import optimize
+from parsat.egraph.encoding import graph_program
+from parsat.egraph.program import compile_rules
+from parsat.egraph.saturate import saturate
+from parsat.egraph.session import Session
 
 TEST_RULES = Path(__file__).parent / "rules_for_saturate"
 

@@ -1,5 +1,5 @@
 """`--limit seconds` bounds a whole `optimize` call: every micro-batch count's search and every pipeline stage
-plan get a part of one deadline (`saturate.deadline`), and what it leaves no time for is said, not searched."""
+plan get a part of one deadline (`search.deadline`), and what it leaves no time for is said, not searched."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ from dataclasses import replace
 
 import pytest
 
-import parsat.saturate.api as api
+import parsat.search.optimize as api
 from parsat.ir.machine import Machine
 from parsat.ir.plan import explain
 from parsat.ir.validate import validate_plan_report
-from parsat.saturate.deadline import Deadline
-from parsat.saturate.errors import DoesNotFit, OptimizeError
-from parsat.saturate.pipeline_search import (NOT_SEARCHED, best_of, microbatch_counts, pipeline_degrees,
+from parsat.search.deadline import Deadline
+from parsat.ir.errors import DoesNotFit, OptimizeError
+from parsat.search.pipeline_search import (NOT_SEARCHED, best_of, microbatch_counts, pipeline_degrees,
                                              search_pipelines)
-from parsat.saturate.runner import Limits
+from parsat.egraph.runner import Limits
 
 SIZES = {"blocks": 4, "batch": 8, "seq": 16, "hidden": 32, "heads": 2, "vocab": 64}
 

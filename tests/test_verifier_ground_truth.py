@@ -153,5 +153,5 @@ def test_a_broken_spread_analysis_is_caught_not_trusted(monkeypatch, write_rules
                        '  avgpool2d(partition(x, 2, p), 3, 3) => partition(avgpool2d(x, 3, 3), 2, p)\n')
     (verdict,) = verify_paths([path]).verdicts
     assert verdict.verdict == "REFUTED", verdict.render()
-    assert "the spread analysis accepts it: a bug in dsl/spread.py" in verdict.reason
+    assert "the spread analysis accepts it: a bug in parsat/dsl/spread.py" in verdict.reason
     assert any("spread analysis accepts a spread the devices cannot compute" in n for n in verdict.notes)

@@ -119,7 +119,7 @@ def test_the_shipped_library_needs_no_rank_bound():
 
 
 def test_a_bounded_rule_never_reaches_saturation_beyond_its_ranks(rules):
-    from parsat.saturate.instances import typed_instances
+    from parsat.egraph.instances import typed_instances
 
     _, library = rules
     rule = library.rule("bounded_sums_over_a_group_dim")

@@ -39,7 +39,7 @@ from parsat.ir.graph import GraphBuilder  # noqa: E402
 from parsat.ir.machine import Machine  # noqa: E402
 from parsat.ir.mesh import Mesh  # noqa: E402
 from parsat.ir.pcg import WEIGHT_PIECE, WEIGHT_VALUE, pcg_roles, weight_storage  # noqa: E402
-from parsat.saturate.solve import price_pcg  # noqa: E402
+from parsat.search.solve import price_pcg  # noqa: E402
 
 LIBRARY = operator_library()
 B, K = 8, 4

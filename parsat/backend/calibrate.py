@@ -1,0 +1,524 @@
+"""`parsat calibrate --machine NAME -o machine.json`: measure this machine for the cost model.
+
+Everything is measured the way `parsat run` executes, on `nproc` ranks at
+once (gloo on CPU, nccl on CUDA), each rank timing the same thing at the
+same time, so that ranks sharing cores, memory or a link are measured as
+they share them in a run (on a 2-core box, 4 ranks get half a core each);
+a figure is the slowest rank's median. In the run's dtype (float64 by
+default, as `parsat run`; `--dtype float32` for fp32 training):
+
+* dispatch: a chain of tiny operators with autograd recording, forward
+  and backward, per operator (`OpEfficiency.dispatch_s`,
+  `backward_dispatch_s`: Python, torch dispatch and autograd bookkeeping);
+* GEMMs over a grid of shapes, fitted to Hockney's model per dimension,
+  t = dispatch + FLOPs / (peak x 1/((1 + m_half/m)(1 + n_half/n)(1 + k_half/k)))
+  (`peak_flops`, `gemm_half_*`); the largest square product is also timed
+  in the other dtype for `peaks`;
+* memory-bound operators (copies, adds, relus) from kilobytes to tens of
+  megabytes, fitted to t = dispatch + (bytes + half) / bandwidth
+  (`memory_bandwidth`, `memory_half_bytes`);
+* collectives as the backend calls them (all-reduce of a clone, all-gather
+  then concatenation; reduce-scatter, all-to-all and send/recv as
+  torch.distributed runs them), on every group size that divides `nproc`,
+  all groups at once, several sizes each, fitted to
+  t = latency + bus factor x bytes / bus bandwidth per group size: the
+  machine's measured table (`CommProfile.points`), with the largest
+  group's all-reduce as the per-link bandwidth and per-step latency.
+
+The result is a version-2 `ir.machine.Machine` written by its own `save`,
+so `parsat optimize --machine machine.json` loads it. One node is
+measured: the inter-node link is set to the intra-node one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from parsat.backend.launch import LaunchConfig, RankContext, launch
+from parsat.backend.torch_ops import apply_op
+from parsat.ir.machine import Machine
+from parsat.ir.machine_profile import CollectivePoint, CommProfile, OpEfficiency, bus_factor
+
+DTYPES = {"float64": ("fp64", torch.float64, torch.float32), "float32": ("fp32", torch.float32, torch.float64),
+          "bfloat16": ("bf16", torch.bfloat16, torch.float32)}
+"""--dtype -> (precision, the dtype measured, the other dtype whose peak is measured too): bfloat16 for GPUs."""
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+DISPATCH_CHAIN = 64          # tiny operators per timed chain
+
+
+@dataclass(frozen=True)
+class OpTiming:
+    """One timed call: what it was, its shape, the slowest rank's median seconds, its FLOPs and bytes."""
+
+    op: str
+    shape: tuple[int, ...]
+    seconds: float
+    flops: float
+    nbytes: float
+
+    def predicted(self, machine: Machine) -> float:
+        """The time `machine`'s compute model gives this call (parsat/cost/op_time.py's formula)."""
+        eff = machine.efficiency
+        if self.op == "randn":
+            return eff.op_time(self.nbytes / eff.random_bandwidth) if eff.random_bandwidth else float("nan")
+        if self.op == "matmul":
+            m, n, k = self.shape
+            return eff.op_time(self.flops / (machine.peak_flops * eff.gemm_efficiency(m, n, k)))
+        return eff.op_time(self.nbytes / eff.bandwidth(self.nbytes, machine.memory_bandwidth))
+
+
+@dataclass(frozen=True)
+class CollectiveTiming:
+    """One collective over groups of `ranks` ranks of a buffer of `nbytes` bytes (the gathered one, for all-gather)."""
+
+    kind: str
+    ranks: int
+    nbytes: float
+    seconds: float
+
+    def predicted(self, machine: Machine) -> float:
+        point = machine.comm.point(self.kind, "intra", self.ranks)
+        if point is None:
+            return float("nan")
+        return point.latency_s + bus_factor(self.kind, self.ranks) * self.nbytes / point.bus_bandwidth
+
+
+@dataclass(frozen=True)
+class Calibration:
+    machine: Machine
+    dispatch: tuple[float, float]
+    ops: tuple[OpTiming, ...]
+    collectives: tuple[CollectiveTiming, ...]
+    device: str
+
+    def to_dict(self) -> dict:
+        return {"machine": self.machine.to_dict(), "device": self.device,
+                "dispatch_s": {"forward": self.dispatch[0], "backward": self.dispatch[1]},
+                "ops": [{"op": t.op, "shape": list(t.shape), "seconds": t.seconds, "flops": t.flops,
+                         "bytes": t.nbytes, "predicted_s": t.predicted(self.machine)} for t in self.ops],
+                "collectives": [{"kind": c.kind, "ranks": c.ranks, "bytes": c.nbytes, "seconds": c.seconds,
+                                 "predicted_s": c.predicted(self.machine)} for c in self.collectives]}
+
+
+# ------------------------------------------------------------------ timing
+
+
+WINDOW_S = 0.03   # each figure is the average over at least this much wall time
+
+
+def _average_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None], window_s: float) -> float:
+    """Wall time per call, averaged over at least `repeats` calls and `window_s` seconds (after two warm-ups).
+
+    An average over a window, not a median of short timings: a rank that
+    shares its cores is sometimes not running at all, and a training step
+    pays for those gaps as it pays for the work (a median of calls shorter
+    than a scheduler time slice would leave them out).
+    """
+    fn()
+    fn()
+    sync()
+    count, start = 0, time.perf_counter()
+    while True:
+        fn()
+        count += 1
+        if count >= repeats:
+            sync()
+            elapsed = time.perf_counter() - start
+            if elapsed >= window_s:
+                return elapsed / count
+
+
+def _slowest(ctx: RankContext, value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How long each figure is measured: at least `repeats` calls and `window_s` seconds."""
+
+    repeats: int = 5
+    window_s: float = WINDOW_S
+
+
+def _timed(ctx: RankContext, fn: Callable[[], object], budget: Budget, sync) -> float:
+    """All ranks time `fn` at once, each making the same number of calls; the slowest rank's average."""
+    dist.barrier()
+    count = int(_slowest(ctx, budget.window_s / max(_average_time(fn, 1, sync, 0.0), 1e-9)))
+    dist.barrier()
+    return _slowest(ctx, _average_time(fn, max(budget.repeats, min(count, 100_000)), sync, 0.0))
+
+
+def gemm_shapes(size: int) -> list[tuple[int, int, int]]:
+    """(m, n, k) timed: squares from 8 to `size`, and skinny products with one small dimension."""
+    squares = []
+    s = 8
+    while s <= size:
+        squares.append(s)
+        s *= 2
+    shapes = [(s, s, s) for s in squares]
+    for small in (8, 32):
+        if small < size:
+            shapes += [(small, size, size), (size, small, size), (size, size, small)]
+    return shapes
+
+
+def memory_sizes(size: int) -> list[int]:
+    """Elements of the memory-bound operators: 1 Ki to 16 x size^2 by factors of 4 (32 MB in float64 at 512)."""
+    top = max(1 << 12, 16 * size * size)
+    out, n = [], 1 << 10
+    while n <= top:
+        out.append(n)
+        n *= 4
+    return out
+
+
+def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, comm_sizes: Sequence[int]) -> dict:
+    """Run on every rank: dispatch, GEMMs, memory-bound operators, collectives (all ranks together)."""
+    _precision, dtype, other = DTYPES[dtype_name]
+    cuda = ctx.device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(ctx.device)) if cuda else (lambda: None)
+    gen = torch.Generator().manual_seed(ctx.rank)
+
+    def rand(*shape, kind=dtype):
+        return torch.randn(*shape, generator=gen, dtype=kind).to(ctx.device)
+
+    # dispatch: a chain of tiny operators, forward with autograd recording, then backward
+    leaf = rand(2, 2).requires_grad_()
+
+    def chain():
+        y = leaf
+        for i in range(DISPATCH_CHAIN):
+            y = apply_op("relu" if i % 2 else "scale", [y], {} if i % 2 else {"c": 1.0})
+        return y
+
+    forward = _timed(ctx, chain, budget, sync) / DISPATCH_CHAIN
+
+    graph = chain().sum()
+
+    def backward():  # the same recorded chain, backward again and again
+        graph.backward(retain_graph=True)
+
+    dispatch = (forward, _timed(ctx, backward, budget, sync) / DISPATCH_CHAIN)
+
+    ops = []
+    for m, n, k in gemm_shapes(size):
+        a, b = rand(m, k), rand(k, n)
+        ops.append(["matmul", [m, n, k], _timed(ctx, lambda: apply_op("matmul", [a, b], {}), budget, sync),
+                    2.0 * m * n * k, float((m * k + k * n + m * n) * a.element_size())])
+    s = max(m for m, n, k in gemm_shapes(size) if m == n == k)  # the largest square, in the other dtype
+    a, b = rand(s, s, kind=other), rand(s, s, kind=other)
+    ops.append(["matmul_other", [s, s, s], _timed(ctx, lambda: torch.matmul(a, b), budget, sync),
+                2.0 * s ** 3, float(3 * s * s * a.element_size())])
+    for elements in memory_sizes(size):
+        x, y = rand(elements), rand(elements)
+        item = x.element_size()
+        for op, args, nbytes in (("relu", [x], 2 * elements * item), ("add", [x, y], 3 * elements * item)):
+            ops.append([op, [elements], _timed(ctx, lambda: apply_op(op, args, {}), budget, sync), 0.0,
+                        float(nbytes)])
+        ops.append(["copy", [elements], _timed(ctx, lambda: x.clone(), budget, sync), 0.0, float(2 * elements * item)])
+        ops.append(["randn", [elements], _timed(ctx, lambda: torch.randn(elements, generator=gen, dtype=dtype)
+                                                .to(ctx.device), budget, sync), 0.0, float(elements * item)])
+    return {"dispatch": dispatch, "ops": ops, "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync),
+            "skew": _skew(ctx, dtype, size, budget, sync), "threads": torch.get_num_threads()}
+
+
+SKEW_BURSTS = (0, 2, 8, 16)
+
+
+def _skew(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> list[list[float]]:
+    """[the burst's compute as calibrated, the cycle's time beyond it] per burst length, on every rank.
+
+    Ranks that do the same work between two collectives still arrive apart
+    (cores shared with each other and other processes, OS noise), and the
+    collective waits for the last one. Timed as a step runs: a burst of
+    products, then a small all-reduce, repeated; the cycle (burst and
+    all-reduce) is compared with the burst's time as the other figures are
+    calibrated (every rank computing at once), so that what the step adds
+    to them is what is fitted (the compute a rank does while another waits
+    is faster than calibrated, which must not count twice).
+    """
+    s = max(m for m, n, k in gemm_shapes(size) if m == n == k)
+    a = torch.randn(s, s, dtype=dtype, device=ctx.device)
+    x = torch.ones(1024, dtype=dtype, device=ctx.device)
+    one = _timed(ctx, lambda: a @ a, budget, sync)
+    rows = []
+    for burst in SKEW_BURSTS:
+        cycles = []
+        dist.barrier()
+        for i in range(max(30, 6 * budget.repeats) + 2):
+            start = time.perf_counter()
+            for _ in range(burst):
+                a @ a
+            y = x.clone()
+            dist.all_reduce(y)
+            sync()
+            if i >= 2:
+                cycles.append(time.perf_counter() - start)
+        rows.append([burst * one, statistics.fmean(cycles) - burst * one])
+    return rows
+
+
+def fit_skew(rows_by_rank: Sequence[Sequence[Sequence[float]]]) -> float:
+    """The fraction of the compute between two collectives that a step adds waiting for stragglers (>= 0):
+    the least-squares slope of (cycle - calibrated compute) against calibrated compute over every rank's
+    bursts (absolute errors: the long bursts, where the excess is mostly stragglers, weigh most)."""
+    xs = [c for rows in rows_by_rank for c, _w in rows]
+    ys = [w for rows in rows_by_rank for _c, w in rows]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    if var <= 0:
+        return 0.0
+    return max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var)
+
+
+def _groups(ctx: RankContext) -> dict[int, object]:
+    """For every group size g >= 2 dividing the world: this rank's group of g consecutive ranks."""
+    out = {}
+    for g in range(2, ctx.world + 1):
+        if ctx.world % g:
+            continue
+        enumeration = [list(range(s, s + g)) for s in range(0, ctx.world, g)]
+        if g == ctx.world:
+            out[g] = None  # the default group
+        else:
+            out[g], _ = dist.new_subgroups_by_enumeration(enumeration)
+    return out
+
+
+def _collectives(ctx: RankContext, dtype, budget: Budget, sizes: Sequence[int], sync) -> list[list]:
+    """Each collective kind, group size and buffer size: [kind, group, bytes, seconds], the slowest rank's."""
+    rows = []
+    for g, group in _groups(ctx).items():
+        position = ctx.rank % g
+        for n in sizes:
+            n = max(g, n - n % g)
+            full = torch.ones(n, dtype=dtype, device=ctx.device)
+            piece = torch.ones(n // g, dtype=dtype, device=ctx.device)
+            parts = [torch.empty_like(piece) for _ in range(g)]
+            out_piece = torch.empty_like(piece)
+            item = full.element_size()
+
+            def all_reduce():
+                out = full.clone()
+                dist.all_reduce(out, group=group)
+
+            def all_gather():
+                dist.all_gather(parts, piece, group=group)
+                torch.cat(parts)
+
+            def reduce_scatter():
+                dist.reduce_scatter(out_piece, list(full.chunk(g)), group=group)
+
+            def all_to_all():
+                dist.all_to_all(list(torch.empty_like(full).chunk(g)), list(full.chunk(g)), group=group)
+
+            def send_recv():
+                peer = ctx.rank + 1 if position % 2 == 0 else ctx.rank - 1
+                if position % 2 == 0:
+                    dist.send(full, peer)
+                    dist.recv(full, peer)
+                else:
+                    dist.recv(full, peer)
+                    dist.send(full, peer)
+
+            cases = [("all_reduce", all_reduce), ("all_gather", all_gather), ("reduce_scatter", reduce_scatter),
+                     ("all_to_all", all_to_all)]
+            if g == 2:
+                cases.append(("send_recv", send_recv))
+            for kind, fn in cases:
+                try:
+                    seconds = _timed(ctx, fn, budget, sync)
+                except (RuntimeError, ValueError):  # a collective this backend lacks: not in the table
+                    continue
+                if kind == "send_recv":
+                    seconds /= 2  # one round trip is two messages
+                rows.append([kind, g, float(n * item), seconds])
+    return rows
+
+
+# ------------------------------------------------------------------ fitting
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """(intercept, slope) of y = a + b x by least squares on relative errors (every point weighs alike)."""
+    w = [1.0 / max(y, 1e-12) ** 2 for y in ys]
+    sw = sum(w)
+    sx = sum(wi * x for wi, x in zip(w, xs))
+    sy = sum(wi * y for wi, y in zip(w, ys))
+    sxx = sum(wi * x * x for wi, x in zip(w, xs))
+    sxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys))
+    det = sw * sxx - sx * sx
+    if det <= 0:
+        return 0.0, ys[0] / xs[0] if xs and xs[0] else 0.0
+    slope = (sw * sxy - sx * sy) / det
+    return (sy - slope * sx) / sw, slope
+
+
+def fit_link(timings: Sequence[CollectiveTiming]) -> tuple[float, float]:
+    """(bus bandwidth bytes/s, latency s) of latency + bus factor x bytes / bandwidth through the timings."""
+    p = timings[0].ranks
+    xs = [bus_factor(t.kind, p) * t.nbytes for t in timings]
+    latency, slope = fit_line(xs, [t.seconds for t in timings])
+    if slope <= 0 or latency < 0:  # noise hides one of the two: the largest buffer's rate, the smallest's time
+        big = max(timings, key=lambda t: t.nbytes)
+        small = min(timings, key=lambda t: t.nbytes)
+        slope = big.seconds / max(bus_factor(big.kind, p) * big.nbytes, 1.0)
+        latency = max(0.0, small.seconds - slope * bus_factor(small.kind, p) * small.nbytes)
+    return 1.0 / slope, latency
+
+
+HALF_GRID = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def _weighted_error(xs: Sequence[float], ys: Sequence[float], a: float, b: float) -> float:
+    return sum(((a + b * x) / y - 1) ** 2 for x, y in zip(xs, ys))
+
+
+def fit_gemm(timings: Sequence[OpTiming]) -> tuple[float, tuple[float, float, float]]:
+    """(peak FLOP/s, (m_half, n_half, k_half)): t = c + FLOPs (1 + m_half/m)(1 + n_half/n)(1 + k_half/k) / peak.
+
+    For each half-length triple of a grid, the intercept c (the call's own
+    fixed cost) and 1/peak are a weighted least-squares line; the triple
+    with the smallest relative error wins.
+    """
+    ys = [t.seconds for t in timings]
+    best = None
+    for hm, hn, hk in itertools.product(HALF_GRID, repeat=3):
+        xs = [t.flops * (1 + hm / t.shape[0]) * (1 + hn / t.shape[1]) * (1 + hk / t.shape[2]) for t in timings]
+        c, slope = fit_line(xs, ys)
+        if slope <= 0:
+            continue
+        error = _weighted_error(xs, ys, c, slope)
+        if best is None or error < best[0] - 1e-12:
+            best = (error, 1.0 / slope, (float(hm), float(hn), float(hk)))
+    if best is None:
+        raise ValueError("the GEMM timings do not grow with their FLOPs: nothing to fit (too noisy?)")
+    return best[1], best[2]
+
+
+def fit_memory(timings: Sequence[OpTiming]) -> tuple[float, float, float, float]:
+    """(memory bandwidth, half-bandwidth bytes, cache bytes, cache bandwidth) of the memory-bound timings.
+
+    Time = c + bytes / bandwidth, with one line for working sets that fit in
+    cache and one for those that stream from memory: the split between
+    sizes that fits both lines best is the cache size (none when one line
+    fits best). The half-bandwidth length is the intercept beyond the
+    smallest call's time, in bytes at the memory line's bandwidth.
+    """
+    rows = sorted(timings, key=lambda t: t.nbytes)
+    xs, ys = [t.nbytes for t in rows], [t.seconds for t in rows]
+
+    def line(lo: int, hi: int) -> tuple[float, float, float]:
+        c, slope = fit_line(xs[lo:hi], ys[lo:hi])
+        if slope <= 0:
+            slope = ys[hi - 1] / xs[hi - 1]
+        return c, slope, _weighted_error(xs[lo:hi], ys[lo:hi], c, slope)
+
+    c, slope, error = line(0, len(xs))
+    best = (error, c, slope, 0.0, 0.0)
+    sizes = sorted(set(xs))
+    for cut in sizes[1:-1]:
+        k = sum(1 for x in xs if x <= cut)
+        if k < 2 or len(xs) - k < 2:
+            continue
+        cc, cs, ce = line(0, k)
+        mc, ms, me = line(k, len(xs))
+        if ce + me < best[0] and cs < ms:  # the cache must be the faster tier
+            best = (ce + me, cc, ms, float(cut), 1.0 / cs)
+    _e, intercept, slope, cache_bytes, cache_bw = best
+    bandwidth = 1.0 / slope
+    smallest = min(ys)
+    return bandwidth, max(0.0, (intercept - smallest) * bandwidth), cache_bytes, cache_bw
+
+
+def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, backend: str | None = None,
+              collective_sizes: Sequence[int] = (256, 1 << 12, 1 << 16, 1 << 20), dtype: str = "float64",
+              timeout_s: float = 600.0, window_s: float = WINDOW_S) -> Calibration:
+    """Measure this machine on `nproc` ranks at once: operators, dispatch and collectives; the fitted Machine."""
+    if nproc < 2:
+        raise ValueError("calibrating collectives needs --nproc 2 or more")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}")
+    config = LaunchConfig(nproc=nproc, backend=backend, timeout_s=timeout_s)
+    cuda = config.resolved_backend() == "nccl"
+    results = launch(_rank_measure, (dtype, size, Budget(repeats, window_s), list(collective_sizes)), config)
+    result = results[0]
+    skew = fit_skew([r["skew"] for r in results])
+    dispatch = tuple(result["dispatch"])
+    ops = tuple(OpTiming(op, tuple(shape), seconds, flops, nbytes) for op, shape, seconds, flops, nbytes
+                in result["ops"])
+    collectives = tuple(CollectiveTiming(kind, g, nbytes, seconds) for kind, g, nbytes, seconds
+                        in result["collectives"])
+    gemms = [t for t in ops if t.op == "matmul"]
+    peak, halves = fit_gemm(gemms)
+    bandwidth, half_bytes, cache_bytes, cache_bw = fit_memory([t for t in ops if t.op in ("relu", "add", "copy")])
+    randn = [t for t in ops if t.op == "randn"]
+    _c, random_slope = fit_line([t.nbytes for t in randn], [t.seconds for t in randn])
+    random_bw = 1.0 / random_slope if random_slope > 0 else max(t.nbytes / t.seconds for t in randn)
+    points = []
+    for (kind, g), group in itertools.groupby(sorted(collectives, key=lambda c: (c.kind, c.ranks, c.nbytes)),
+                                              key=lambda c: (c.kind, c.ranks)):
+        bw, latency = fit_link(list(group))
+        points.append(CollectivePoint(kind, "intra", g, latency, bw))
+    largest = max((p for p in points if p.collective == "all_reduce"), key=lambda p: p.group)
+    step_latency = largest.latency_s / (2 * (largest.group - 1))
+    precision, _dtype, other_dtype = DTYPES[dtype]
+    other_name = next(name for name, kind, _o in DTYPES.values() if kind == other_dtype)
+    other = next(t for t in ops if t.op == "matmul_other")
+    same = max((t for t in gemms if t.shape == other.shape), key=lambda t: t.seconds, default=None)
+    other_peak = peak * (same.seconds / other.seconds) if same is not None else other.flops / other.seconds
+    if cuda:
+        capacity = float(torch.cuda.get_device_properties(0).total_memory)
+        label = torch.cuda.get_device_name(0)
+    else:
+        capacity = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / nproc
+        label = f"cpu ({os.cpu_count()} cores, {nproc} ranks, {result['threads']} thread(s) each)"
+    efficiency = OpEfficiency(dispatch_s=dispatch[0], backward_dispatch_s=dispatch[1], gemm_half_m=halves[0],
+                              gemm_half_n=halves[1], gemm_half_k=halves[2], memory_half_bytes=half_bytes,
+                              cache_bytes=cache_bytes, cache_bandwidth=cache_bw, random_bandwidth=random_bw,
+                              async_dispatch=cuda)
+    machine = Machine(name, nproc, 1, peak_flops=peak, memory_bandwidth=bandwidth, memory_capacity=capacity,
+                      intra_bandwidth=largest.bus_bandwidth, intra_latency=step_latency,
+                      inter_bandwidth=largest.bus_bandwidth, inter_latency=step_latency, precision=precision,
+                      peaks=((precision, peak), (other_name, other_peak)), efficiency=efficiency,
+                      comm=CommProfile(points=tuple(points), sync_skew=skew))
+    return Calibration(machine, dispatch, ops, collectives, label)
+
+
+def report(cal: Calibration) -> str:
+    """The measurements next to what the calibrated machine predicts for them."""
+    m = cal.machine
+    e = m.efficiency
+    lines = [f"machine '{m.name}' on {cal.device}, {m.precision}: peak {m.peak_flops / 1e9:.2f} GFLOP/s "
+             f"(GEMM half lengths m {e.gemm_half_m:g}, n {e.gemm_half_n:g}, k {e.gemm_half_k:g}), memory "
+             f"{m.memory_bandwidth / 1e9:.2f} GB/s (half at {e.memory_half_bytes / 1e3:.1f} kB; "
+             f"{e.cache_bandwidth / 1e9:.1f} GB/s up to {e.cache_bytes / 1e6:.2f} MB), dispatch "
+             f"{e.dispatch_s * 1e6:.1f} us forward + {e.backward_dispatch_s * 1e6:.1f} us backward per operator",
+             f"  {'operator':<14} {'shape':<22} {'measured':>11} {'model':>11}"]
+    for t in cal.ops:
+        if t.op == "matmul_other":
+            continue
+        shape = "x".join(str(d) for d in t.shape)
+        lines.append(f"  {t.op:<14} {shape:<22} {t.seconds * 1e3:>8.4f} ms {t.predicted(m) * 1e3:>8.4f} ms")
+    lines.append(f"  stragglers: a collective waits {m.comm.sync_skew:.2f} x the compute since the previous one")
+    for p in m.comm.points:
+        lines.append(f"  {p.collective:<14} {f'{p.group} ranks':<22} latency {p.latency_s * 1e6:8.1f} us, bus "
+                     f"bandwidth {p.bus_bandwidth / 1e9:.3f} GB/s")
+    for c in cal.collectives:
+        lines.append(f"  {c.kind:<14} {f'{c.ranks} ranks, {c.nbytes:,.0f} B':<22} {c.seconds * 1e3:>8.4f} ms "
+                     f"{c.predicted(m) * 1e3:>8.4f} ms")
+    return "\n".join(lines)
+
+
+__all__ = ["Calibration", "CollectiveTiming", "OpTiming", "calibrate", "fit_gemm", "fit_line", "fit_link",
+           "fit_memory", "gemm_shapes", "memory_sizes", "report"]

@@ -1,0 +1,234 @@
+"""The cost model: per-iteration training time, communication and memory of a PCG node.
+
+Conventions (docs/plan-schema.md repeats them):
+
+* Time of a training step = forward + backward + optimizer update, summed
+  over nodes (no overlap of compute and communication is assumed).
+* Compute runs on local pieces (SPMD). FLOPs and bytes follow from the
+  operator's index semantics (`dsl.work.work`); the local share divides the global
+  work by the degrees spread inference (`dsl.spread.infer_compute`) gives
+  every index variable. Time is the roofline max(FLOPs/peak, bytes/bandwidth)
+  with the machine's GEMM and bandwidth efficiency and a dispatch cost per
+  call (`op_time`). Backward = 2 x forward (two products per product).
+* Parallel operators, as in docs/ARCHITECTURE.md: partition fwd local slice / bwd
+  all-gather of the gradient; combine fwd all-gather / bwd slice; replicate
+  fwd none / bwd all-reduce of the gradient; reduce fwd all-reduce / bwd none.
+  Graph inputs have no gradient. A weight read through `partition` is stored
+  sharded (no communication at all) where that partition is its only
+  reader; a weight read through `replicate` needs its gradient all-reduced
+  every step: the gradient synchronisation. A partition of a weight that
+  is not stored in the partition's layout (read after a replicate or an
+  all_gather, or beside another reader) slices it and gathers the gradient
+  back in backward, as for an activation.
+* Collectives are priced as NCCL runs them (`cost.collectives`: ring,
+  tree or hierarchical all-reduce, whichever is faster; measured points of
+  the machine file where it has them) over the group of the mesh axis the
+  operator acts on (`GroupTopology.of_axis`: NVLink when the group stays in
+  a node, the network when it spans nodes, hierarchical when both).
+* Communication volume (`comm_elements`) is the number of elements SENT per
+  step, summed over all devices (a tensor with fewer pieces than devices is
+  held redundantly, and each replica set runs its own collective): a ring all-reduce of n elements over p
+  devices sends 2(p-1)/p n per device, 2(p-1) n in all; an all-gather of a
+  tensor of n elements sends (p-1)/p n per device, (p-1) n in all. With this
+  convention data parallelism of the 2-layer MLP on 2 devices sends
+  2 * (784*512 + 512*10) = 813,056 gradient elements per step.
+* Memory per device (an upper bound: every node's piece is counted as if it
+  lived on every device): activations kept for backward (each node's output
+  piece, in the compute dtype), and for weights the bytes per parameter of
+  the machine's precision with Adam (`ir.precision`: 16 in fp32 and in bf16
+  with fp32 master weights and moments), charged to the node that reads the
+  weight leaf in the layout it reads it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from parsat.dsl.instantiate import OpInstance
+from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER, REPLICATE
+from parsat.dsl.spread import infer_compute
+from parsat.ir.costs import NodeCost
+from parsat.ir.machine import Machine
+from parsat.ir.pcg import STORED_ROLES, WEIGHT, WEIGHT_PIECE, WEIGHT_ROLES, Degrees
+from parsat.cost import collectives
+from parsat.cost.collectives import GroupTopology, price
+from parsat.cost.op_time import OpTime, op_time
+
+OPTIMIZER = "adam"           # the optimizer the plan's memory and update time assume
+
+
+def weight_bytes(machine: Machine) -> int:
+    """Bytes per parameter held for training: working weight, gradient, master copy, Adam state (16)."""
+    return machine.precision_spec.parameter_bytes(OPTIMIZER).total
+
+
+def update_traffic_bytes(machine: Machine) -> int:
+    """Bytes the Adam update moves per parameter (28)."""
+    return machine.precision_spec.optimizer_traffic_bytes(OPTIMIZER)
+
+
+# ----------------------------------------------------------------- collectives
+
+
+_KIND = {"all-reduce": collectives.ALL_REDUCE, "all-gather": collectives.ALL_GATHER,
+         "reduce-scatter": collectives.REDUCE_SCATTER}
+_SENT = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1}   # elements sent over a group: x (p-1) n
+
+
+def _collective(machine: Machine, kind: str, group: GroupTopology, n: int) -> tuple[float, int]:
+    """(seconds, elements sent over the group) of one collective of n elements: all-reduce 2(p-1) n;
+    all-gather (n: the gathered piece) and reduce-scatter (n: its input) (p-1) n."""
+    return price(_KIND[kind], group, n * machine.dtype_bytes, machine).seconds, _SENT[kind] * (group.size - 1) * n
+
+
+# -------------------------------------------------------------------- node cost
+
+
+def compute_time(instance: OpInstance, inputs: Sequence[Degrees], output: Degrees,
+                 machine: Machine) -> tuple[OpTime, tuple[str, ...]]:
+    """A compute operator's time on its local pieces, and the problems spread inference found (if any)."""
+    inferred = infer_compute(instance, [l.to_spread() for l in inputs])
+    problems = list(inferred.problems)
+    got = Degrees.of(inferred.spread)
+    if not problems and got != output:
+        problems.append(f"{instance.name}: spread inference gives {got}, the e-graph says {output}")
+    shapes = [tuple(int(d.evaluate({})) for d in s) for s in instance.input_shapes]
+    out_shape = tuple(int(d.evaluate({})) for d in instance.output_shape)
+    local_elems = sum(l.piece_elements(s) for l, s in zip(inputs, shapes)) + output.piece_elements(out_shape)
+    return op_time(instance, inferred.var_degrees, local_elems, machine), tuple(problems)
+
+
+def compute_cost(instance: OpInstance, inputs: Sequence[Degrees], output: Degrees, machine: Machine,
+                 weight_inputs: Sequence[bool]) -> NodeCost:
+    """A compute operator on local pieces; weights read directly are stored whole."""
+    timed, problems = compute_time(instance, inputs, output, machine)
+    shapes = [tuple(int(d.evaluate({})) for d in s) for s in instance.input_shapes]
+    out_shape = tuple(int(d.evaluate({})) for d in instance.output_shape)
+    memory = output.piece_elements(out_shape) * machine.dtype_bytes
+    opt = 0.0
+    for is_weight, degrees, shape in zip(weight_inputs, inputs, shapes):
+        if is_weight:
+            memory += degrees.piece_elements(shape) * weight_bytes(machine)
+            opt += degrees.piece_elements(shape) * update_traffic_bytes(machine) / machine.memory_bandwidth
+    return NodeCost(timed.forward_s, timed.backward_s, opt, memory_bytes=memory, flops=timed.flops,
+                    problems=tuple(problems),
+                    activation_bytes=output.piece_elements(out_shape) * machine.dtype_bytes)
+
+
+def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, output: Degrees, machine: Machine,
+                  source_role: str, devices: int | None = None,
+                  group: GroupTopology | None = None, stores: bool = True) -> NodeCost:
+    """A parallel operator on one mesh axis of `degree` devices. `source_role` (`ir.pcg`'s roles) says what it
+    reads:
+
+    * "input": a graph input or a piece of one: inputs have no gradient, and
+      the data loader gives each device the piece it needs, so nothing moves;
+    * "weight": a weight leaf: a partition stores it sharded (no
+      communication), a replicate stores it whole and all-reduces its
+      gradient (the gradient synchronisation);
+    * "weight-piece": a weight stored sharded by partitions: a further
+      partition stores it finer (its optimizer state shrinks by the
+      difference), a replicate or all_gather of it synchronises its gradient
+      (ZeRO-3 / FSDP: an all_gather of a stored shard gathers it forward and
+      again backward, and reduce-scatters the gradient);
+    * "weight-value": a weight's value made by other parallel operators
+      (replicate, all_gather): not stored in this layout, so a partition of
+      it slices it and gathers the gradient in backward, as for an
+      activation; a replicate or all_gather of it synchronises its gradient;
+    * "": an activation: each operator's collectives as in docs/ARCHITECTURE.md.
+
+    `stores` (partitions of a "weight" or "weight-piece" only): whether this
+    partition is the weight's storage, i.e. its only reader (as the backend
+    stores weights, `ir.pcg.weight_storage`). An e-node cannot know its
+    readers and assumes so; a PCG node knows. A partition that does not
+    store the weight slices the weight held whole (or as its stored piece)
+    and gathers the gradient back: its memory is its share of that weight
+    and the slice.
+
+    A tensor with fewer pieces than `devices` is held redundantly (SPMD): each
+    of the `devices / pieces` replica sets runs the collective, so the elements
+    sent are multiplied accordingly (time is not: the sets run in parallel).
+    """
+    p = degree
+    shape = tuple(shape)
+    if p <= 1:
+        return NodeCost()
+    group = group or GroupTopology.consecutive(p, machine.devices_per_node)
+    in_piece, out_piece = source.piece_elements(shape), output.piece_elements(shape)
+    time, elements, grad_sync, collectives = 0.0, 0, 0, []
+    forward_time, forward_elements = 0.0, 0
+    memory, activation, accumulation, opt = 0, 0, 0, 0.0
+    weighty = source_role in WEIGHT_ROLES
+    slices_weight = op == PARTITION and weighty and not (stores and source_role in STORED_ROLES)
+
+    def run(phase: str, kind: str, n: int, pieces: int, sync: bool = False) -> None:
+        nonlocal time, elements, grad_sync, forward_time, forward_elements
+        t, e = _collective(machine, kind, group, n)
+        time += t
+        elements += e * pieces
+        if phase == "fwd":
+            forward_time += t
+            forward_elements += e * pieces
+        if sync:
+            grad_sync += e * pieces
+        collectives.append(f"{phase} {kind} x{pieces} ({p} devices, {n} elements)" + (" [gradient sync]" if sync else ""))
+
+    if source_role == WEIGHT and op in (PARTITION, REPLICATE):   # the weight is stored in this layout
+        memory = out_piece * weight_bytes(machine)
+        opt = out_piece * update_traffic_bytes(machine) / machine.memory_bandwidth
+    elif source_role == WEIGHT_PIECE and op == PARTITION and stores:   # stored finer: the state shrinks
+        memory = (out_piece - in_piece) * weight_bytes(machine)
+        opt = (out_piece - in_piece) * update_traffic_bytes(machine) / machine.memory_bandwidth
+    elif not source_role and op not in (REPLICATE,):
+        memory = activation = out_piece * machine.dtype_bytes       # an activation kept for backward
+    if slices_weight:   # the slice of a weight not stored so, kept for backward like an activation
+        activation = out_piece * machine.dtype_bytes
+        memory += activation
+    if source_role == "input":
+        pass
+    elif op == PARTITION:
+        if not weighty or slices_weight:
+            run("bwd", "all-gather", in_piece, source.pieces)
+    elif op == COMBINE:
+        run("fwd", "all-gather", out_piece, output.pieces)
+    elif op == REPLICATE:
+        run("bwd", "all-reduce", in_piece, source.pieces, sync=weighty)
+    elif op == REDUCE:
+        run("fwd", "all-reduce", out_piece, output.pieces)
+    elif op == REDUCE_SCATTER:   # one group per piece outside this axis: the partial sum is `p` of the pieces
+        run("fwd", "reduce-scatter", in_piece, source.pieces // p)
+        run("bwd", "all-gather", in_piece, source.pieces // p)
+    elif op == ALL_GATHER:       # likewise: the gathered copies are `p` of the output's pieces
+        groups = output.pieces // p
+        run("fwd", "all-gather", out_piece, groups)
+        # The gathered weight is kept for backward, as the backend runs ZeRO-3 (FSDP's reshard_after_forward
+        # off): one all-gather per step, and its memory until backward is done.
+        memory += out_piece * machine.dtype_bytes if weighty else 0
+        if weighty:  # over micro-batches its gradient accumulates whole, for one reduce-scatter per step
+            accumulation = out_piece * machine.precision_spec.gradient_bytes
+        run("bwd", "reduce-scatter", out_piece, groups, sync=weighty)
+    else:
+        raise KeyError(op)
+    spread_over = max(source.pieces, output.pieces)
+    if devices and devices > spread_over and devices % spread_over == 0:
+        elements *= devices // spread_over
+        grad_sync *= devices // spread_over
+        forward_elements *= devices // spread_over
+    return NodeCost(optimizer_s=opt, comm_s=time, comm_elements=elements, grad_sync_elements=grad_sync,
+                    memory_bytes=memory, collectives=tuple(collectives), activation_bytes=activation,
+                    weight_chain=weighty, accumulation_bytes=accumulation, forward_comm_s=forward_time,
+                    forward_comm_elements=forward_elements)
+
+
+def gather_cost(machine: Machine, degrees: Degrees, shape: Sequence[int], devices: int | None = None) -> NodeCost:
+    """Bringing a tensor that arrives spread as `degrees` to every device whole (a pinned input used whole)."""
+    p = degrees.pieces
+    if p <= 1:
+        return NodeCost()
+    n = 1
+    for d in shape:
+        n *= d
+    t, e = _collective(machine, "all-gather", GroupTopology.consecutive(p, machine.devices_per_node), n)
+    sets = max(1, (devices or p) // p)
+    return NodeCost(comm_s=t, comm_elements=e * sets,
+                    collectives=(f"fwd all-gather of the pinned input ({p} devices, {n} elements)",))

@@ -1,0 +1,662 @@
+"""A plan's training step as simulator tasks, on the plan's device mesh.
+
+This is the task builder the step simulator (`cost.simulator`) needs
+to price a whole plan. Every parallel operator of a PCG acts on one mesh
+axis (docs/MESH.md); its collective runs among that axis's group, priced by
+the group's topology (`GroupTopology.of_axis`: NVLink inside a node, the
+network across nodes, hierarchical when both). Every device does the same
+work (SPMD: every group of an axis has the same shape), so one device is
+simulated.
+
+How the program that runs the plan issues work is an `ExecutionProfile`:
+
+* `PARSAT_RUN`: the torch backend as `parsat run` executes today: one
+  host thread walks the PCG, every operator is one synchronous call
+  (dispatch + kernel), collectives block inside autograd (no overlap),
+  each weight's gradient is all-reduced alone when backward reaches it,
+  every node's output stays alive until the step ends (the executor's
+  environment), inputs and targets are drawn from a seed every step, SGD.
+* `DDP`: a GPU framework: communication on its own stream, gradients in
+  DDP buckets overlapping backward (one bucket sequence per mesh axis the
+  weights are replicated on), activations freed by backward, fused Adam.
+
+ZeRO-3 (a weight stored as a shard, read through `all_gather`) runs as the
+backend runs it (parsat/backend/executor.py): the weight is gathered once per step
+in forward, the gathered copy is kept until its backward (nothing is
+gathered again), and its gradient is reduce-scattered back onto the shard
+(the gradient synchronisation; on its own stream under `DDP`, so it
+overlaps the rest of backward as FSDP's does).
+
+Per node (forward; backward walks the nodes in reverse, and only for
+tensors that need a gradient: ones computed from a weight):
+
+| node | forward | backward |
+|---|---|---|
+| input leaf | random data of its full shape (`PARSAT_RUN`) | none |
+| compute | dispatch + kernel (`op_time`) | dispatch + one kernel per input needing a gradient (products), else one |
+| partition | a slice (a copy, unless a view); a weight's is folded into storage | all-gather + concatenation |
+| combine | all-gather + concatenation | slice (copy) |
+| replicate | a view | all-reduce (+ copy); a weight's: the gradient sync |
+| reduce | copy + all-reduce | a view |
+| reduce_scatter | slices (copies) + reduce-scatter | all-gather + concatenation |
+| all_gather | all-gather + concatenation (a weight's: kept to its backward) | slices + reduce-scatter; a weight's: the gradient sync |
+
+Then the loss (per output: its target drawn, difference, square, sum:
+memory-bound operators on the output's piece) and the optimizer (per stored
+weight piece: SGD two operators, Adam eleven, each memory-bound).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from parsat.dsl.library import Library
+from parsat.dsl import parallel_ops
+from parsat.dsl.parallel_ops import COMBINE, PARTITION, REDUCE, REPLICATE
+from parsat.ir.graph import instance_for
+from parsat.ir.machine import Machine
+from parsat.ir.microbatch import is_loss
+from parsat.ir.pcg import PCG, PNode, weight_chains, weight_storage
+from parsat.ir.recompute import Checkpoint, checkpoints
+from parsat.cost.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, GroupTopology, price
+from parsat.cost.model import compute_time
+from parsat.cost.op_time import OpTime, memory_op_time
+from parsat.cost.schedules import Gradient, GradientBuckets
+from parsat.cost.simulator import COMM, COMPUTE, StepBuilder, StepResult
+
+DEVICE = 0
+# Operators torch runs as views of their input (no new storage): parsat/backend/torch_ops.py. `flatten` is a view
+# only of a contiguous tensor (after a transpose it copies).
+VIEW_OPS = frozenset({"transpose", "unflatten", "split", "dropout", "broadcast"})
+RESHAPING_PRODUCTS = frozenset({"matmul", "bmm", "linear", "linear_nobias"})   # torch.matmul: >2-D inputs reshaped
+OPTIMIZER_PASSES = {"sgd": (2, 5), "adam": (11, 26)}
+"""Optimizer: (operators per parameter tensor, element reads + writes per parameter) as the backend runs it."""
+LOSS_OPS = 6           # per output: sub, pow, sum, div, div, detach-div (parsat/backend/executor.py `objective`)
+LOSS_BACKWARD_OPS = 4
+SCALAR_LOSS_OPS, SCALAR_LOSS_BACKWARD_OPS = 3, 2   # a loss output: sum, div, detach-div
+
+
+class TaskBuildError(ValueError):
+    """A PCG the builder cannot turn into tasks (an operator that does not instantiate)."""
+
+
+@dataclass(frozen=True)
+class ExecutionProfile:
+    """How the program that runs a plan issues its work (see the module docstring)."""
+
+    name: str
+    overlap: bool            # collectives on their own stream (else inline, blocking the host thread)
+    ddp_buckets: bool        # weight gradients all-reduced in DDP buckets (else one all-reduce each, inline)
+    keep_activations: bool   # every node's output alive to the end of the step (else freed by its backward)
+    seeded_inputs: bool      # inputs and targets drawn from a seed every step (their full shape, on every rank)
+    eager_gradients: bool    # a weight's gradient is handed on as soon as it is complete (DDP's hooks)
+    fused_optimizer: bool    # one multi-tensor update (foreach/fused Adam) instead of operators per tensor
+    optimizer: str = "sgd"
+
+
+PARSAT_RUN = ExecutionProfile("parsat run", overlap=False, ddp_buckets=False, keep_activations=True,
+                              seeded_inputs=True, eager_gradients=False, fused_optimizer=False, optimizer="sgd")
+DDP = ExecutionProfile("ddp", overlap=True, ddp_buckets=True, keep_activations=False, seeded_inputs=False,
+                       eager_gradients=True, fused_optimizer=True, optimizer="adam")
+
+Topology = Callable[[PNode], GroupTopology]
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """A simulated step: the result, and the memory it was given as resident (weights, gradients, state)."""
+
+    result: StepResult
+    resident_bytes: int
+    end_of_forward: int | None = None    # the last task of forward and loss
+    end_of_backward: int | None = None   # the last task before the optimizer
+
+    @property
+    def step_s(self) -> float:
+        return self.result.step_s
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        """The largest memory at any instant of the step, transient buffers included (what an allocator's
+        peak statistic, such as torch.cuda.max_memory_allocated, reports)."""
+        return self.result.peak_memory_bytes.get(DEVICE, 0)
+
+    @property
+    def sampled_memory_bytes(self) -> int:
+        """The larger of the memory at the end of forward and at the end of backward: what `parsat run`
+        measures on CPU (`executor.TensorMemory`, which sees live tensors between calls, not transients)."""
+        points = [t for t in (self.end_of_forward, self.end_of_backward) if t is not None]
+        return max((self.result.memory_after(t, self.resident_bytes) for t in points), default=self.resident_bytes)
+
+
+def profile_for(machine: Machine) -> ExecutionProfile:
+    """The execution a plan for `machine` is priced as: `DDP` where the host launches kernels asynchronously
+    (a GPU: the presets and `parsat calibrate` on CUDA), `PARSAT_RUN` where one host thread computes
+    (a CPU box: what `parsat run` does there, and what benchmarks/costmodel_fidelity.py measures)."""
+    return DDP if machine.efficiency.async_dispatch else PARSAT_RUN
+
+
+def mesh_groups(pcg: PCG) -> Topology:
+    """Each parallel operator's group: one group of the mesh axis it acts on (`PNode.axis`)."""
+    mesh = pcg.mesh
+    groups = [GroupTopology.of_axis(mesh, a) for a in range(len(mesh))]
+    return lambda node: groups[node.axis(mesh)]
+
+
+def _elements(node: PNode) -> int:
+    return node.degrees.piece_elements(tuple(node.shape))
+
+
+def _full(node: PNode) -> int:
+    n = 1
+    for d in node.shape:
+        n *= d
+    return n
+
+
+class OpTimes:
+    """Compute nodes' times by (operator, attributes, shapes, spreads), for one machine: a model of repeated
+    blocks prices each kind of node once, and extraction can share one across the candidate plans it prices."""
+
+    def __init__(self, library: Library, machine: Machine):
+        self.library, self.machine = library, machine
+        self._known: dict = {}
+
+    def __call__(self, node: PNode, inputs: list[PNode]) -> OpTime:
+        key = (node.op, node.attrs, tuple(i.shape for i in inputs), tuple(i.degrees for i in inputs), node.degrees)
+        found = self._known.get(key)
+        if found is None:
+            found = self._known[key] = compute_time(self._instance(node, inputs), [i.degrees for i in inputs],
+                                                    node.degrees, self.machine)[0]
+        return found
+
+    def _instance(self, node: PNode, inputs: list[PNode]):
+        op = self.library.ops.get(node.op)
+        if op is None:
+            raise TaskBuildError(f"operator '{node.op}' is not in the library")
+        try:
+            return instance_for(op, [i.shape for i in inputs], dict(node.attrs))
+        except Exception as err:  # noqa: BLE001 - any instantiation failure is a plan the builder cannot price
+            raise TaskBuildError(f"node #{node.id} ({node.label}) does not instantiate: {err}") from None
+
+
+class _Builder:
+    def __init__(self, pcg: PCG, machine: Machine, profile: ExecutionProfile, topology: Topology, times: OpTimes):
+        self.pcg, self.machine, self.profile, self.topology, self.times = pcg, machine, profile, topology, times
+        self.item = machine.dtype_bytes
+        self.eff = machine.efficiency
+        self.steps = StepBuilder()
+        self.compute = self.steps.stream(DEVICE, COMPUTE)
+        self.comm = self.steps.stream(DEVICE, COMM) if profile.overlap else self.compute
+        self.by_id = {n.id: n for n in pcg.nodes}
+        self.users: dict[int, list[PNode]] = {}
+        for node in pcg.nodes:
+            for i in node.inputs:
+                self.users.setdefault(i, []).append(node)
+        self.needs_grad = self._needs_grad()
+        self.folded: set[int] = set()
+        self.stored = self._stored_weights()
+        self.params = weight_chains(pcg)
+        self.bucket_of: dict[int, tuple[int, GradientBuckets]] = {}   # stored-at node -> (its axis, buckets)
+        self.timed: dict[int, OpTime] = {}
+        self.ready: dict[int, int | None] = {}        # node -> the task after which its forward value exists
+        self.grad_ready: dict[int, list[int]] = {}    # node -> tasks producing its gradient
+        self.allocated: dict[int, int] = {}           # node -> bytes its forward output allocated
+        self.contiguous: dict[int, bool] = {}
+        self.since_sync = 0.0                         # compute seconds since the last collective (stragglers)
+        self.loss_bytes = 0                           # what this micro-batch's loss allocated
+        self.first = True                             # this pass makes the weights' chains (the first micro-batch)
+        self.syncing = True                           # this pass synchronises gradients (the last micro-batch)
+        self.accumulating = False                     # gradients accumulate over several micro-batches
+        self.checkpoints = {c.block: c for c in checkpoints(pcg)}   # activation recomputation (`ir.recompute`)
+        self.block_of_run = {i: c.block for c in self.checkpoints.values() for i in c.runs}
+        self.dropped = {i for c in self.checkpoints.values() for i in c.dropped}
+        self.last_run = {c.runs[-1]: c for c in self.checkpoints.values()}
+        self.recomputed: set[int] = set()             # blocks recomputed in this pass's backward
+        self.recomputing: PNode | None = None         # the node whose forward runs again (`_recompute`)
+
+    def new_pass(self, first: bool, syncing: bool, accumulating: bool = False) -> None:
+        """Start a micro-batch: values, gradients and buffers are the pass's own; compute times are kept.
+        A weight's chain (`weight_chains`) runs once per step, as the backend runs it: its forward in the
+        first micro-batch, its values kept for the others, its backward (the gradient synchronisation) in
+        the last, on the gradient accumulated over all of them (DDP's `no_sync`)."""
+        keep = self.params
+        self.ready = {k: v for k, v in self.ready.items() if k in keep}
+        self.allocated = {k: v for k, v in self.allocated.items() if k in keep}
+        self.contiguous = {k: v for k, v in self.contiguous.items() if k in keep}
+        self.grad_ready = {}
+        self.bucket_of = {}
+        self.recomputed = set()
+        self.first, self.syncing, self.accumulating = first, syncing, accumulating
+
+    # ---------------------------------------------------------------- facts
+    def _needs_grad(self) -> dict[int, bool]:
+        out = {}
+        for node in self.pcg.nodes:
+            if node.kind == "leaf":
+                out[node.id] = node.role == "weight"
+            else:
+                out[node.id] = any(out[i] for i in node.inputs)
+        return out
+
+    def _stored_weights(self) -> dict[int, PNode]:
+        """Node id where each weight is stored -> that node (`ir.pcg.weight_storage`, as the backend stores it);
+        the partitions on a storage chain are folded into it: nothing runs."""
+        out = {}
+        for chain in weight_storage(self.pcg).values():
+            self.folded.update(chain[1:])
+            out[chain[-1]] = self.by_id[chain[-1]]
+        return out
+
+    # ---------------------------------------------------------------- helpers
+    def _copy_s(self, elements: int, backward: bool = False) -> float:
+        return memory_op_time(2.0 * elements * self.item, self.machine, backward)
+
+    def _collective(self, kind: str, node: PNode, nbytes: float) -> float:
+        return price(kind, self.topology(node), nbytes, self.machine).seconds
+
+    def _deps(self, node: PNode) -> list[int]:
+        return [t for t in (self.ready.get(i) for i in node.inputs) if t is not None]
+
+    def _add(self, name: str, stream: int, seconds: float, deps, alloc: int = 0, free: int = 0,
+             phase: str = "forward") -> int:
+        if stream == self.compute:
+            self.since_sync += seconds
+        if self.recomputing is not None:   # a forward run again in backward (`_recompute`)
+            name, phase = f"recompute {name}", {"forward": "backward", "forward_comm": "backward_comm"}[phase]
+            if self.recomputing.id not in self.dropped:   # a kept value: it is still there, its copy is dropped
+                alloc = free = 0
+        return self.steps.add(name, stream, seconds, deps, alloc=alloc, free=free, phase=phase)
+
+    def _sync(self, name: str, kind: str, node: PNode, nbytes: float, deps, alloc: int = 0, free: int = 0,
+              phase: str = "forward_comm") -> int:
+        """A collective: it first waits for the slowest rank (`comm.sync_skew` x the compute since the last one)."""
+        wait = self.machine.comm.sync_skew * self.since_sync
+        self.since_sync = 0.0
+        if wait > 0:
+            deps = [self.steps.add(f"{name}: waiting for the slowest rank", self.comm, wait, deps, phase="stragglers")]
+        return self._add(name, self.comm, self._collective(kind, node, nbytes), deps, alloc=alloc, free=free,
+                         phase=phase)
+
+    def finish(self) -> None:
+        """The step ends when the slowest rank ends: its lag since the last collective."""
+        wait = self.machine.comm.sync_skew * self.since_sync
+        if wait > 0:
+            self._add("the slowest rank finishing", self.compute, wait, [len(self.steps) - 1], phase="stragglers")
+
+    # ---------------------------------------------------------------- forward
+    def forward(self) -> None:
+        for node in self.pcg.nodes:
+            if not self.first and node.id in self.params:
+                continue  # a weight's chain: made by the first micro-batch
+            if node.kind == "leaf":
+                self._leaf(node)
+            elif node.kind == "parallel":
+                self._parallel_forward(node)
+            else:
+                self._compute_forward(node)
+            if node.id in self.last_run:
+                self._drop(self.last_run[node.id])
+
+    def _drop(self, checkpoint: Checkpoint) -> None:
+        """A recomputed block's forward is done: the values only it reads are freed (`ir.recompute`)."""
+        held = sum(self.allocated.get(i, 0) for i in checkpoint.dropped)
+        for i in checkpoint.dropped:
+            self.allocated[i] = 0
+        if held:
+            self._add(f"block {checkpoint.block}'s activations dropped", self.compute, 0.0,
+                      [self.ready[checkpoint.runs[-1]]], free=held)
+
+    def _recompute(self, block: int) -> None:
+        """Before a recomputed block's first backward task: its forward again, from the values it kept."""
+        self.recomputed.add(block)
+        for ident in self.checkpoints[block].runs:
+            node = self.by_id[ident]
+            self.recomputing = node
+            try:
+                if node.kind == "parallel":
+                    self._parallel_forward(node)
+                else:
+                    self._compute_forward(node)
+            finally:
+                self.recomputing = None
+
+    def _leaf(self, node: PNode) -> None:
+        self.contiguous[node.id] = True
+        if node.role == "weight" or not self.profile.seeded_inputs:
+            self.ready[node.id] = None
+            return
+        nbytes = _full(node) * self.item
+        rate = self.eff.random_bandwidth
+        seconds = self.eff.op_time(nbytes / rate if rate else 0.0)
+        self.allocated[node.id] = nbytes
+        self.ready[node.id] = self._add(f"data {node.op}", self.compute, seconds, (), alloc=nbytes)
+
+    def _parallel_forward(self, node: PNode) -> None:
+        deps = self._deps(node)
+        piece = _elements(node)
+        source = self.by_id[node.inputs[0]]
+        self.contiguous[node.id] = True
+        if node.id in self.folded:
+            self.ready[node.id] = None  # stored as this piece: nothing runs
+            return
+        label = f"{node.label} #{node.id}"
+        if node.op == PARTITION:
+            if self._slice_is_view(node, source):  # narrow() of a contiguous tensor along its outer dims
+                self.contiguous[node.id] = True
+                self.ready[node.id] = self._add(label, self.compute, self.eff.op_time(0.0), deps)
+                return
+            nbytes = piece * self.item
+            self.allocated[node.id] = nbytes
+            self.ready[node.id] = self._add(label, self.compute, self._copy_s(piece), deps, alloc=nbytes)
+        elif node.op in (COMBINE, parallel_ops.ALL_GATHER):   # a weight's gathered copy lives to its backward
+            nbytes = piece * self.item
+            gather = self._sync(f"{label} all-gather", ALL_GATHER, node, nbytes, deps, alloc=nbytes)
+            self.allocated[node.id] = nbytes  # the concatenation; the gathered pieces are freed with it
+            self.ready[node.id] = self._add(f"{label} concat", self.compute, self._copy_s(piece), [gather],
+                                            alloc=nbytes, free=nbytes)
+        elif node.op == parallel_ops.REDUCE_SCATTER:
+            whole = _elements(source) * self.item   # the partial sum's piece, cut into one block per group member
+            cut = self._add(f"{label} slices", self.compute, self._copy_s(_elements(source)), deps, alloc=whole)
+            self.allocated[node.id] = piece * self.item
+            self.ready[node.id] = self._sync(f"{label} reduce-scatter", REDUCE_SCATTER, node, whole, [cut],
+                                             alloc=piece * self.item, free=whole)
+        elif node.op == REPLICATE:
+            self.contiguous[node.id] = self.contiguous.get(source.id, True)
+            self.ready[node.id] = self._add(label, self.compute, self.eff.op_time(0.0), deps)
+        elif node.op == REDUCE:
+            nbytes = piece * self.item
+            copy = self._add(f"{label} copy", self.compute, self._copy_s(piece), deps, alloc=nbytes)
+            self.allocated[node.id] = nbytes
+            self.ready[node.id] = self._sync(f"{label} all-reduce", ALL_REDUCE, node, nbytes, [copy])
+        else:
+            raise TaskBuildError(f"unknown parallel operator '{node.op}'")
+
+    def _slice_is_view(self, node: PNode, source: PNode) -> bool:
+        """Whether a partition's slice is a view: every dim before the split one has one element locally."""
+        dim = int(node.attr("dim"))
+        local = [d // s for d, s in zip(source.shape, source.degrees.shard)]
+        return self.contiguous.get(source.id, True) and all(d == 1 for d in local[:dim])
+
+    def _compute_forward(self, node: PNode) -> None:
+        timed = self.times(node, [self.by_id[i] for i in node.inputs])
+        self.timed[node.id] = timed
+        view = node.op in VIEW_OPS or node.op == "flatten" and self.contiguous.get(node.inputs[0], True)
+        self.contiguous[node.id] = node.op != "transpose" and (not view or self.contiguous.get(node.inputs[0], True))
+        nbytes = 0 if view else _elements(node) * self.item
+        kernel = 0.0 if view else timed.kernel_s
+        saved = self._saved_extra(node)
+        self.allocated[node.id] = nbytes + saved
+        copy = saved / self.eff.bandwidth(2 * saved, self.machine.memory_bandwidth) if saved else 0.0
+        self.ready[node.id] = self._add(f"{node.label} #{node.id}", self.compute, self.eff.op_time(kernel + copy),
+                                        self._deps(node), alloc=nbytes + saved)
+
+    def _saved_extra(self, node: PNode) -> int:
+        """Bytes torch allocates and saves for backward beyond the output: a batched product copies an input
+        that is not contiguous when its batch dims cannot merge as a view (`torch.matmul` reshapes them into
+        one: a transposed [b, h, s, d] needs a copy unless b or h is 1), layer norm keeps a mean and a 1/std
+        per row."""
+        extra = 0
+        if node.op in RESHAPING_PRODUCTS:
+            for i in node.inputs:
+                source = self.by_id[i]
+                local = [d // s for d, s in zip(source.shape, source.degrees.shard)]
+                if not self.contiguous.get(i, True) and sum(1 for d in local[:-2] if d > 1) >= 2:
+                    extra += _elements(source) * self.item
+        if node.op == "layernorm":
+            extra += 2 * _elements(node) // max(1, node.shape[-1] // node.degrees.shard[-1]) * self.item
+        return extra
+
+    # ---------------------------------------------------------------- loss
+    def loss(self) -> list[int]:
+        """Per output, the backend's objective (parsat/backend/executor.py `objective`): a loss output as it is, any
+        other against a target drawn from the seed."""
+        tasks = []
+        self.loss_bytes = 0
+        for out in self.pcg.outputs:
+            node = self.by_id[out]
+            piece = _elements(node)
+            deps = [t for t in (self.ready.get(out),) if t is not None]
+            loss = is_loss(node.shape)
+            if self.profile.seeded_inputs and not loss:
+                rate = self.eff.random_bandwidth
+                target = _full(node) * self.item
+                deps.append(self._add(f"target of #{out}", self.compute,
+                                      self.eff.op_time(target / rate if rate else 0.0), deps, phase="loss"))
+            seconds = (SCALAR_LOSS_OPS if loss else LOSS_OPS) * self._copy_s(piece)
+            self.loss_bytes += piece * self.item
+            tasks.append(self._add(f"loss of #{out}", self.compute, seconds, deps, alloc=piece * self.item,
+                                   phase="loss"))
+        return tasks
+
+    # ---------------------------------------------------------------- backward
+    def backward(self, loss: list[int]) -> tuple[list[int], dict[int, int]]:
+        """Backward tasks in reverse order; returns (the grad-sync tasks, weight-storing node -> its grad task).
+
+        Nodes are visited in reverse order, as autograd runs them (it takes the
+        most recently created ready node first). So in `parsat run` the
+        `replicate` of a weight, created with the leaves at the start, runs
+        its gradient all-reduce only at the end of backward. With
+        `eager_gradients` (DDP: autograd accumulates a parameter's gradient as
+        soon as it is complete, its hook marks it ready for its bucket), the
+        nodes between a weight and its readers are visited as soon as their
+        last reader's backward is done.
+        """
+        for out, task in zip(self.pcg.outputs, loss):
+            piece = _elements(self.by_id[out])
+            ops = SCALAR_LOSS_BACKWARD_OPS if is_loss(self.by_id[out].shape) else LOSS_BACKWARD_OPS
+            seconds = ops * self._copy_s(piece, backward=True)
+            self._give(out, self._add(f"loss backward of #{out}", self.compute, seconds, [task], phase="backward"))
+        syncs: list[int] = []
+        produced: dict[int, int] = {}
+        buckets = self._buckets() if self.syncing else []
+        waiting = {n.id: len(self.users.get(n.id, [])) for n in self.pcg.nodes}  # users whose backward is pending
+        params = self.params
+        done: set[int] = set()
+        eager = self.profile.eager_gradients and self.syncing
+
+        def visit(node: PNode) -> None:
+            done.add(node.id)
+            block = self.block_of_run.get(node.id)
+            if block is not None and block not in self.recomputed:
+                self._recompute(block)
+            deps = self.grad_ready.get(node.id, [])
+            if self.needs_grad[node.id] and deps:  # else no gradient reaches it (data, or off the loss's path)
+                last = max(deps) if node.kind == "leaf" else self._node_backward(node, deps, syncs)
+                if node.id in self.stored and last is not None:
+                    produced[node.id] = last
+                    if node.id in self.bucket_of:
+                        self.bucket_of[node.id][1].ready(str(node.id), last)
+            if self.allocated.get(node.id) and node.id in self.dropped:   # recomputed, but no gradient reached it
+                self._add(f"{node.label} #{node.id} dropped", self.compute, 0.0, [len(self.steps) - 1],
+                          free=self.allocated.pop(node.id), phase="backward")
+            for i in node.inputs:
+                waiting[i] -= 1
+                if eager and not waiting[i] and i in params and i not in done:
+                    visit(self.by_id[i])
+
+        # Over several micro-batches the weights' chains run backward only in the last one (before it, their
+        # gradients accumulate), after the rest of its backward (the backend reduces the accumulated gradients
+        # then; `eager_gradients` aside). One batch runs them where autograd reaches them.
+        if not self.accumulating:
+            order = list(reversed(self.pcg.nodes))
+        else:
+            order = [n for n in reversed(self.pcg.nodes) if n.id not in params]
+            if self.syncing:
+                order += [n for n in reversed(self.pcg.nodes) if n.id in params]
+        for node in order:
+            if node.id not in done:
+                visit(node)
+        if self.first and self.accumulating and self._accumulated_bytes():
+            self._add("gradients kept across micro-batches", self.compute, 0.0, [len(self.steps) - 1],
+                      alloc=self._accumulated_bytes(), phase="backward")
+        for bucketed in buckets:
+            syncs.extend(bucketed.done())
+        return syncs, produced
+
+    def _accumulated_bytes(self, node: PNode | None = None) -> int:
+        """Bytes of the gradients a weight's chain holds across micro-batches (`NodeCost.accumulation_bytes`:
+        a gathered weight's whole gradient, until its one reduce-scatter), of `node` or of all."""
+        if not self.accumulating:
+            return 0
+        nodes = [node] if node is not None else [self.by_id[i] for i in self.params]
+        return sum(_elements(n) * self.machine.precision_spec.gradient_bytes for n in nodes
+                   if n.kind == "parallel" and n.op == parallel_ops.ALL_GATHER and n.id in self.params)
+
+    def end_pass(self) -> None:
+        """A micro-batch's activations are freed before the next begins (the backend drops its values; a
+        framework frees them in backward): where the profile keeps them to the end of the step, free them
+        here when more micro-batches follow."""
+        if not self.accumulating or not self.profile.keep_activations:
+            return
+        held = sum(v for k, v in self.allocated.items() if k not in self.params) + self.loss_bytes
+        if held:
+            self._add("micro-batch's values freed", self.compute, 0.0, [len(self.steps) - 1], free=held,
+                      phase="backward")
+
+    def _synced(self) -> dict[int, PNode]:
+        """Stored weights whose gradient a `replicate` reading the stored piece synchronises: stored-at node ->
+        that replicate (the first, if several)."""
+        out = {}
+        for at in self.stored:
+            for user in self.users.get(at, []):
+                if user.kind == "parallel" and user.op == REPLICATE and at not in out:
+                    out[at] = user
+        return out
+
+    def _buckets(self) -> list[GradientBuckets]:
+        """DDP's buckets, one sequence per mesh axis the stored weights are replicated on (DDP's process
+        group), each priced on that axis's group; `bucket_of` says which holds each weight."""
+        if not self.profile.ddp_buckets:
+            return []
+        by_axis: dict[int, list[int]] = {}
+        for at, user in self._synced().items():
+            by_axis.setdefault(user.axis(self.pcg.mesh), []).append(at)
+        comm, grad_bytes = self.machine.comm, self.machine.precision_spec.gradient_bytes
+        out = []
+        for axis, stored in sorted(by_axis.items()):
+            grads = [Gradient(str(i), _elements(self.stored[i]) * grad_bytes) for i in sorted(stored, reverse=True)]
+            group = GroupTopology.of_axis(self.pcg.mesh, axis)
+            buckets = GradientBuckets(self.steps, DEVICE, grads,
+                                      lambda nbytes, g=group: price(ALL_REDUCE, g, nbytes, self.machine).seconds,
+                                      comm.bucket_bytes, comm.first_bucket_bytes)
+            out.append(buckets)
+            for at in stored:
+                self.bucket_of[at] = (axis, buckets)
+        return out
+
+    def _give(self, node_id: int, task: int) -> None:
+        self.grad_ready.setdefault(node_id, []).append(task)
+
+    def _node_backward(self, node: PNode, deps: list[int], syncs: list[int]) -> int | None:
+        piece = _elements(node)
+        label = f"{node.label} #{node.id} backward"
+        held = self.allocated.get(node.id, 0)
+        # a recomputed value is freed by its backward whatever the profile (torch.utils.checkpoint's does)
+        free = held if not self.profile.keep_activations or node.id in self.dropped else 0
+        if node.id in self.dropped:
+            self.allocated[node.id] = 0
+        if node.kind == "op":
+            timed = self.timed[node.id]
+            view = held == 0
+            grads = [i for i in node.inputs if self.needs_grad[i]]
+            products = timed.gemm is not None
+            kernel = 0.0 if view else timed.kernel_s * (max(1, len(grads)) if products else 1)
+            task = self._add(label, self.compute, self.eff.op_time(kernel, backward=True), deps, free=free,
+                                  phase="backward")
+            for i in grads:
+                self._give(i, task)
+            return task
+        source = node.inputs[0]
+        weight = source in self.params      # a weight's value: its gradient's reduction is the gradient sync
+        if node.op in (PARTITION, parallel_ops.REDUCE_SCATTER):
+            if node.id in self.folded:
+                return max(deps)
+            nbytes = _elements(self.by_id[source]) * self.item
+            gather = self._sync(f"{label} all-gather", ALL_GATHER, node, nbytes, deps, phase="backward_comm")
+            task = self._add(f"{label} concat", self.compute, self._copy_s(_elements(self.by_id[source]), True),
+                                  [gather], free=free, phase="backward")
+        elif node.op == COMBINE:
+            task = self._add(label, self.compute, self._copy_s(_elements(self.by_id[source]), True), deps,
+                                  free=free, phase="backward")
+        elif node.op == parallel_ops.ALL_GATHER:   # the gathered gradient cut into blocks and reduce-scattered
+            cut = self._add(f"{label} slices", self.compute, self._copy_s(piece, True), deps, phase="backward")
+            task = self._sync(f"{label} reduce-scatter", REDUCE_SCATTER, node, piece * self.item, [cut],
+                              free=free + self._accumulated_bytes(node),
+                              phase="grad_sync" if weight else "backward_comm")
+            if weight:
+                syncs.append(task)
+        elif node.op == REPLICATE:
+            nbytes = _elements(self.by_id[source]) * self.item
+            bucketed = self.bucket_of.get(source)
+            if bucketed is not None and bucketed[0] == node.axis(self.pcg.mesh):
+                task = self._add(f"{label} (gradient into its bucket)", self.compute, self.eff.op_time(0.0, True),
+                                      deps, free=free, phase="backward")
+            else:
+                copy = self._add(f"{label} copy", self.compute, self._copy_s(piece, True), deps, phase="backward")
+                task = self._sync(f"{label} all-reduce", ALL_REDUCE, node, nbytes, [copy], free=free,
+                                  phase="grad_sync" if weight else "backward_comm")
+                if weight:
+                    syncs.append(task)
+        else:  # reduce: the gradient passes through as a view
+            task = self._add(label, self.compute, self.eff.op_time(0.0, True), deps, free=free, phase="backward")
+        self._give(source, task)
+        return task
+
+    # ---------------------------------------------------------------- optimizer
+    def optimizer(self, after: list[int], produced: Mapping[int, int]) -> None:
+        if self.profile.fused_optimizer:  # one multi-tensor update over every piece (torch's foreach/fused Adam)
+            elements = sum(_elements(n) for n in self.stored.values())
+            nbytes = elements * self.machine.precision_spec.optimizer_traffic_bytes(self.profile.optimizer)
+            self._add("optimizer update (fused)", self.compute, memory_op_time(nbytes, self.machine),
+                      list(after) + list(produced.values()), phase="optimizer")
+            return
+        calls, passes = OPTIMIZER_PASSES[self.profile.optimizer]
+        for at, node in self.stored.items():
+            per_call = passes * _elements(node) * self.item / calls
+            deps = list(after) + ([produced[at]] if at in produced else [])
+            self._add(f"update {node.op if node.kind == 'leaf' else '#' + str(at)}", self.compute,
+                           calls * memory_op_time(per_call, self.machine), deps, phase="optimizer")
+
+    def resident(self) -> int:
+        """Weights, their gradients and the optimizer state on the device for the whole step (bytes per
+        parameter of the machine's precision and the profile's optimizer, `ir.precision`)."""
+        per_parameter = self.machine.precision_spec.parameter_bytes(self.profile.optimizer).total
+        return sum(_elements(n) for n in self.stored.values()) * per_parameter
+
+
+def simulate_pcg(pcg: PCG, library: Library, machine: Machine, profile: ExecutionProfile = PARSAT_RUN,
+                 topology: Topology | None = None, times: OpTimes | None = None,
+                 microbatches: int = 1) -> StepPrediction:
+    """One training step of `pcg` on `machine` as `profile` runs it, simulated (see the module docstring).
+
+    `topology` gives each parallel operator's group (default: one group of
+    the mesh axis it acts on, `mesh_groups`); `times` a cache of compute
+    nodes' times to share between calls for the same machine. With
+    `microbatches` m (`Graph.microbatches`: `pcg` is one micro-batch's) the
+    step is m forward and backward passes, the gradient synchronisation in
+    the last one only, then one optimizer update.
+    """
+    if times is not None and times.machine != machine:
+        raise TaskBuildError("the compute-time cache was made for another machine")
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise TaskBuildError(f"micro-batches must be a positive integer, got {microbatches!r}")
+    builder = _Builder(pcg, machine, profile, topology or mesh_groups(pcg),
+                       times or OpTimes(library, machine))
+    for k in range(microbatches):
+        builder.new_pass(first=k == 0, syncing=k == microbatches - 1, accumulating=microbatches > 1)
+        builder.forward()
+        loss = builder.loss()
+        end_of_forward = len(builder.steps) - 1 if len(builder.steps) else None
+        syncs, produced = builder.backward(loss)
+        end_of_backward = len(builder.steps) - 1 if len(builder.steps) else None
+        builder.end_pass()
+    builder.optimizer(syncs, produced)
+    builder.finish()
+    resident = builder.resident()
+    return StepPrediction(builder.steps.simulate({DEVICE: resident}), resident, end_of_forward, end_of_backward)
+
+
+__all__ = ["DDP", "ExecutionProfile", "OpTimes", "PARSAT_RUN", "StepPrediction", "TaskBuildError", "VIEW_OPS",
+           "mesh_groups", "profile_for", "simulate_pcg"]

@@ -1,0 +1,303 @@
+"""Pipeline parallelism priced: a stage plan cut into stages, the cut points chosen by the cost model.
+
+A pipelined plan is a stage plan (a PCG for the whole model on the stage
+mesh of S devices, found by the joint search, `search.optimize`) run on p
+stages of S devices each, every stage computing a contiguous run of the
+layers (`ir.pipeline.lay_out_stages`). This module:
+
+1. profiles the stage plan per layer (`layer_costs`: each layer's
+   forward and backward seconds per micro-batch, the activations one
+   micro-batch keeps, its weights' state, from the plan's node costs);
+2. chooses the cut points (`balanced_starts`): contiguous stages that
+   minimise the slowest stage's time per micro-batch (what sets a
+   pipeline's steady state) subject to each stage's memory, weights'
+   state plus the activations its schedule keeps in flight, fitting the
+   device: stages balanced by predicted time and memory, not by layer
+   count (`equal_starts` is the layer-count split Megatron-LM uses, kept
+   for the grid baseline and for comparison);
+3. prices the cut plan (`pipelined`): the schedule simulated action by
+   action (`ir.pipeline.simulate_schedule`: the bubble comes out of it,
+   (p - 1) / (m + p - 1) of the step for 1F1B, less when interleaved),
+   point-to-point transfers on the link between two stages' ranks, each
+   stage's weights' gradient synchronisation and optimizer once per step,
+   the sum of a weight held on two stages (a tied embedding), and each
+   stage's peak memory from the schedule's in-flight activations.
+
+The figures add up from the same node costs that rank unstaged plans, so a
+pipelined plan and an unstaged one are compared on one cost model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Mapping, Sequence
+
+from parsat.ir.costs import NodeCost, Totals
+from parsat.ir.machine import Machine
+from parsat.ir.pipeline import (GPIPE, INTERLEAVED, ONE_F_ONE_B, LayerMap, PipelineError, PipelinePlan,
+                                StageFigures, StageLayout, in_flight_counts, p2p_elements, shared_weight_elements,
+                                simulate_schedule, stage_comm_elements, stored_piece_elements)
+from parsat.ir.plan import Plan
+from parsat.cost.collectives import ALL_REDUCE, SEND_RECV, GroupTopology, price
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer of a stage plan, per rank of its stage: what the cut-point search adds up."""
+
+    forward_s: float = 0.0       # per micro-batch
+    backward_s: float = 0.0      # per micro-batch
+    activation_bytes: int = 0    # what one micro-batch keeps alive until its backward
+    state_bytes: int = 0         # weights, gradients, optimizer state (and accumulated gradients)
+    step_s: float = 0.0          # once per step: its weights' chains (gathers, gradient reductions), the optimizer
+    transient_bytes: int = 0     # the largest recomputed block's activations (`ir.recompute`), one at a time
+
+
+def node_share(cost: NodeCost, microbatches: int) -> LayerCost:
+    """One node's part of its layer. Costs are per step (`NodeCost.per_step`): compute and activation
+    collectives divide by the micro-batches, half of a node's collective time counted with the forward and
+    half with the backward (its dual). A weight's chain runs once per step: its time is the stage's
+    synchronisation (`stage_figures`), not a micro-batch's."""
+    state = cost.memory_bytes - cost.activation_bytes - cost.transient_bytes
+    if cost.weight_chain:
+        return LayerCost(state_bytes=state, step_s=cost.time_s)
+    m = microbatches
+    return LayerCost((cost.forward_s + cost.comm_s / 2) / m, (cost.backward_s + cost.comm_s / 2) / m,
+                     cost.activation_bytes, state, cost.optimizer_s, cost.transient_bytes)
+
+
+def layer_costs(plan: Plan) -> dict[int, LayerCost]:
+    """Layer -> its cost in a stage plan: the nodes a one-chunk-per-layer layout gives each layer (free values
+    with the first layer that reads them, as a stage computes each once)."""
+    return StagePricer(plan, plan.machine).layer_costs()
+
+
+def equal_starts(layers: Sequence[int], chunks: int) -> tuple[int, ...]:
+    """The layers cut into `chunks` runs of equal count (the first ones one longer when it does not divide)."""
+    if chunks > len(layers):
+        raise PipelineError(f"{len(layers)} layers cannot make {chunks} chunks")
+    size, extra = divmod(len(layers), chunks)
+    starts, at = [], 0
+    for c in range(chunks):
+        starts.append(layers[at])
+        at += size + (1 if c < extra else 0)
+    return tuple(starts)
+
+
+def balanced_starts(layers: Sequence[int], cost: Mapping[int, LayerCost], chunks: int, degree: int,
+                    schedule: str, microbatches: int, capacity: float) -> tuple[int, ...] | None:
+    """Chunk starts that minimise the busiest chunk's time per step (m micro-batches' forward and backward, then
+    its weights' synchronisation and optimizer: what the slowest stage adds to the pipeline's fill and drain),
+    each stage's weights' state plus in-flight activations within `capacity` (one chunk per stage; interleaved
+    chunks are balanced by time and their memory checked when priced). Dynamic programming over (chunk, first
+    layer); None when no cut fits."""
+    n = len(layers)
+    if chunks > n:
+        return None
+    times = [0.0]
+    acts = [0]
+    states = [0]
+    for layer in layers:
+        c = cost[layer]
+        times.append(times[-1] + (c.forward_s + c.backward_s) * microbatches + c.step_s)
+        acts.append(acts[-1] + c.activation_bytes)
+        states.append(states[-1] + c.state_bytes)
+    inf = float("inf")
+    # one recomputed block's activations at a time (`ir.recompute`): the largest, wherever it falls (an upper bound)
+    transient = max((cost[layer].transient_bytes for layer in layers), default=0)
+    held = in_flight_counts(schedule, degree, 1, microbatches) if schedule != INTERLEAVED else (1,) * degree
+    # best[k][i]: the least slowest-chunk time for chunks k.. covering layers i..n-1, and the next chunk's start
+    best = [[(inf, -1)] * (n + 1) for _ in range(chunks + 1)]
+    best[chunks][n] = (0.0, n)
+    for k in range(chunks - 1, -1, -1):
+        for i in range(n - (chunks - k) + 1):
+            for j in range(i + 1, n - (chunks - k - 1) + 1):
+                rest = best[k + 1][j][0]
+                if rest == inf:
+                    continue
+                memory = states[j] - states[i] + held[k % degree] * (acts[j] - acts[i]) + transient
+                if schedule != INTERLEAVED and memory > capacity:
+                    continue
+                value = max(rest, times[j] - times[i])
+                if value < best[k][i][0]:
+                    best[k][i] = (value, j)
+    if best[0][0][0] == inf:
+        return None
+    starts, at = [], 0
+    for k in range(chunks):
+        starts.append(layers[at])
+        at = best[k][at][1]
+    return tuple(starts)
+
+
+def transfer_seconds(layout: StageLayout, stage_devices: int, machine: Machine, dtype_bytes: int
+                     ) -> dict[tuple[int, int], float]:
+    """(source chunk, target chunk) -> seconds to send one micro-batch's crossings between their stages: every
+    rank to its twin at once, over the slowest pair's link (another node when a stage fills whole nodes)."""
+    stage = {c.index: c.stage for c in layout.chunks}
+    sizes: dict[tuple[int, int], int] = {}
+    for crossing in layout.crossings:
+        if stage[crossing.source] != stage[crossing.target]:
+            key = (crossing.source, crossing.target)
+            sizes[key] = sizes.get(key, 0) + crossing.piece_elements * dtype_bytes
+    out = {}
+    for (a, b), nbytes in sizes.items():
+        group = _pair(stage[a], stage[b], stage_devices, machine.devices_per_node)
+        out[(a, b)] = price(SEND_RECV, group, nbytes, machine).seconds
+    return out
+
+
+def _pair(s: int, t: int, stage_devices: int, per_node: int) -> GroupTopology:
+    """The link between local rank i of stage s and of stage t, for the worst i."""
+    across = any((s * stage_devices + i) // per_node != (t * stage_devices + i) // per_node
+                 for i in range(stage_devices))
+    return GroupTopology(2, 1, 2) if across else GroupTopology(2, 2, 1)
+
+
+def pipelined(plan: Plan, degree: int, schedule: str, machine: Machine, *, chunks_per_stage: int = 1,
+              starts: Sequence[int] | None = None) -> Plan:
+    """`plan` (a stage plan on S devices) run as `degree` stages on `machine`'s degree x S devices, cut at
+    `starts`, or where the cost model finds the step shortest (below). Raises PipelineError when the layers
+    cannot make the chunks."""
+    return StagePricer(plan, machine).pipelined(degree, schedule, chunks_per_stage, starts)
+
+
+REFINE_PRICINGS = 64   # simulated schedules spent improving one pipeline's cut (at most)
+
+
+class StagePricer:
+    """Prices cuts of one stage plan on one machine: the per-node figures and the PCG's layer map are worked
+    out once, since the cut search prices many cuts of the same plan."""
+
+    def __init__(self, plan: Plan, machine: Machine):
+        self.plan, self.machine = plan, machine
+        self.layer_map = LayerMap(plan.pcg)
+        self.microbatches = plan.graph.microbatches
+        self.shares = {ident: node_share(cost, self.microbatches) for ident, cost in plan.costs.items()}
+        # once per step, per node: a weight chain's collectives (the stage's sync) and the optimizer
+        self.chain_s = {ident: cost.comm_s for ident, cost in plan.costs.items() if cost.weight_chain}
+        self.optimizer_s = {ident: cost.optimizer_s for ident, cost in plan.costs.items()}
+        self.pieces = stored_piece_elements(plan.pcg)
+
+    def pipelined(self, degree: int, schedule: str, chunks_per_stage: int = 1,
+                  starts: Sequence[int] | None = None) -> Plan:
+        m = self.microbatches
+        chunks = degree * chunks_per_stage
+        if schedule != INTERLEAVED and chunks_per_stage != 1:
+            raise PipelineError(f"{schedule} runs one chunk per stage")
+        layers = self.layer_map.layers
+        if chunks > len(layers):
+            raise PipelineError(f"'{self.plan.graph.name}' has {len(layers)} layers to cut, fewer than {chunks} "
+                                "chunks")
+        if starts is not None:
+            return self.price(self.layer_map.lay_out(starts, degree), schedule)
+        # The dynamic programme ranks cuts by the busiest stage; the step also depends on where that stage sits
+        # (fill and drain) and on each stage's tail. So the balanced cut and the layer-count one are both priced
+        # by the simulated schedule, and the better one improved by moving one cut at a time while the step
+        # shrinks.
+        seen: dict[tuple[int, ...], Plan] = {}
+
+        def price_cut(cut: tuple[int, ...]) -> Plan:
+            if cut not in seen:
+                seen[cut] = self.price(self.layer_map.lay_out(cut, degree), schedule)
+            return seen[cut]
+
+        def rank(p: Plan) -> tuple:
+            return (not p.totals.fits(self.machine), p.totals.time_s)
+
+        found = [equal_starts(layers, chunks)]
+        balanced = balanced_starts(layers, self.layer_costs(), chunks, degree, schedule, m,
+                                   self.machine.memory_capacity)
+        if balanced is not None:
+            found.append(balanced)
+        cut = min(found, key=lambda c: rank(price_cut(c)))
+        index = {layer: i for i, layer in enumerate(layers)}
+        while len(seen) < REFINE_PRICINGS:
+            moves = []
+            for k in range(1, chunks):
+                for step in (-1, 1):
+                    at = index[cut[k]] + step
+                    if index[cut[k - 1]] < at < (len(layers) if k + 1 == chunks else index[cut[k + 1]]):
+                        moves.append(cut[:k] + (layers[at],) + cut[k + 1:])
+            better = [c for c in moves
+                      if len(seen) < REFINE_PRICINGS and rank(price_cut(c)) < rank(price_cut(cut))]
+            if not better:
+                break
+            cut = min(better, key=lambda c: rank(price_cut(c)))
+        return price_cut(cut)
+
+    def layer_costs(self) -> dict[int, LayerCost]:
+        """Layer -> its cost (`layer_costs`)."""
+        layers = self.layer_map.layers
+        layout = self.layer_map.lay_out(layers, len(layers))   # one chunk per layer: who computes what
+        return dict(zip(layers, self._chunk_costs(layout)))
+
+    def _chunk_costs(self, layout: StageLayout) -> list[LayerCost]:
+        """Each chunk's cost: its nodes' shares, a value two chunks of one stage read counted with the first."""
+        charged: list[set[int]] = [set() for _ in range(layout.degree)]
+        out = []
+        for chunk in layout.chunks:
+            mine = [i for i in chunk.nodes if i not in charged[chunk.stage] and i in self.shares]
+            charged[chunk.stage].update(mine)
+            shares = [self.shares[i] for i in mine]
+            out.append(LayerCost(sum(c.forward_s for c in shares), sum(c.backward_s for c in shares),
+                                 sum(c.activation_bytes for c in shares), sum(c.state_bytes for c in shares),
+                                 sum(c.step_s for c in shares), max((c.transient_bytes for c in shares), default=0)))
+        return out
+
+    def price(self, layout: StageLayout, schedule: str) -> Plan:
+        """The plan cut as `layout`, run in `schedule`, priced (see the module docstring)."""
+        plan, machine, m = self.plan, self.machine, self.microbatches
+        p, stage_devices, dtype = layout.degree, plan.devices, machine.dtype_bytes
+        per_chunk = self._chunk_costs(layout)
+        transfers = transfer_seconds(layout, stage_devices, machine, dtype)
+        run = simulate_schedule(layout, schedule, m, [c.forward_s for c in per_chunk],
+                                [c.backward_s for c in per_chunk], transfers,
+                                [c.activation_bytes for c in per_chunk])
+        shared_s = _shared_sync(self.pieces, layout, stage_devices, machine)
+        sent = p2p_elements(layout, m)
+        stages, ends = [], []
+        for s in range(p):
+            nodes = layout.stage_nodes(s)
+            mine = [per_chunk[c.index] for c in layout.stage_chunks(s)]
+            sync = sum(self.chain_s.get(i, 0.0) for i in nodes) + shared_s.get(s, 0.0)
+            optimizer = sum(self.optimizer_s.get(i, 0.0) for i in nodes)
+            stage_end = max((e for _a, _b, e in run.busy[s]), default=0.0)
+            stages.append(StageFigures(sum(c.forward_s for c in mine), sum(c.backward_s for c in mine), sync,
+                                       optimizer, sum(c.state_bytes for c in mine) + run.activation_peak_bytes[s]
+                                       + max((c.transient_bytes for c in mine), default=0), run.in_flight[s]))
+            ends.append(stage_end + sync + optimizer)
+        shared = shared_weight_elements(self.pieces, layout)
+        stage_comm = [collectives + shared.get(s, 0) + sum(v for (a, _b), v in sent.items() if a == s)
+                      for s, collectives in enumerate(stage_comm_elements(layout, plan.costs))]
+        busiest = max(range(p), key=lambda s: stage_comm[s])
+        p2p_bytes = max((sum(v for (a, _b), v in sent.items() if a == s) for s in range(p)), default=0) * dtype
+        figures = PipelinePlan(schedule, m, stage_devices, layout, tuple(stages),
+                               tuple(c.forward_s for c in per_chunk), tuple(c.backward_s for c in per_chunk),
+                               tuple(c.activation_bytes for c in per_chunk), run.bubble_fraction, p2p_bytes,
+                               tuple((a, b, t) for (a, b), t in sorted(transfers.items())))
+        compute = max((s.forward_s + s.backward_s) * m + s.optimizer_s for s in stages)
+        totals = Totals(max(ends), int(stage_comm[busiest]), int(stage_comm[busiest]) * dtype,
+                        max(s.memory_bytes for s in stages),
+                        max(stage_comm_elements(layout, plan.costs, "grad_sync_elements")),
+                        compute, max(s.sync_s for s in stages) + figures.transfer_s * 2 * m)
+        return replace(plan, machine=machine, devices=p * stage_devices, totals=totals, pipeline=figures)
+
+
+def _shared_sync(pieces: Mapping[int, int], layout: StageLayout, stage_devices: int, machine: Machine
+                 ) -> dict[int, float]:
+    """Stage -> seconds to sum the gradients of the weights it shares with other stages (each rank's stored
+    piece, `stored_piece_elements`, all-reduced with its twins on those stages)."""
+    out: dict[int, float] = {}
+    for weight, stages in layout.shared_weights:
+        nbytes = pieces[weight] * machine.dtype_bytes
+        across = any(_pair(a, b, stage_devices, machine.devices_per_node).nodes_spanned > 1
+                     for a in stages for b in stages if a < b)
+        group = GroupTopology(len(stages), 1, len(stages)) if across else GroupTopology(len(stages), len(stages), 1)
+        seconds = price(ALL_REDUCE, group, nbytes, machine).seconds
+        for s in stages:
+            out[s] = out.get(s, 0.0) + seconds
+    return out
+
+
+SCHEDULE_CHOICES = ((ONE_F_ONE_B, 1), (INTERLEAVED, 2), (GPIPE, 1))   # what the search tries, in this order

@@ -1,0 +1,184 @@
+"""How frameworks schedule a step's communication, as task generators for the step simulator.
+
+* `GradientBuckets`: PyTorch DDP. Gradients are grouped into buckets in
+  the reverse order of the parameters (about the order backward produces
+  them); the first bucket holds `first_bucket_bytes` (1 MiB), the others
+  `bucket_bytes` (25 MiB by default, `bucket_cap_mb`): a bucket closes
+  once it reaches its cap, so a large gradient makes a bucket of its own.
+  One all-reduce per bucket, launched on the communication stream as soon
+  as the bucket's last gradient is ready and every earlier bucket has been
+  launched (DDP launches buckets in order), so it overlaps the rest of the
+  backward pass; the optimizer waits for all of them.
+* `fsdp_step`: FSDP (ZeRO-3). Each unit's parameters are all-gathered
+  before its forward and again before its backward, one unit ahead (the
+  all-gather of unit i+1 is issued when unit i starts computing, on its own
+  stream), freed after use; each unit's gradients are reduce-scattered on a
+  third stream once its backward is done.
+
+Both only add tasks to a `StepBuilder` (`cost.simulator`); the caller
+prices the collectives (`cost.collectives`) and the compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Sequence
+
+from parsat.cost.simulator import COMM, COMPUTE, SimulationError, StepBuilder
+
+
+@dataclass(frozen=True)
+class Gradient:
+    """A parameter's gradient on one device: its name and size in bytes (as communicated)."""
+
+    name: str
+    nbytes: int
+
+
+def assign_buckets(gradients: Sequence[Gradient], bucket_bytes: int, first_bucket_bytes: int) -> list[list[Gradient]]:
+    """DDP's bucket assignment, `gradients` in bucket order (the reverse of the parameters' order).
+
+    A bucket closes once it holds at least its cap (the first bucket's cap
+    is `first_bucket_bytes`), as `torch.distributed`'s size-based assignment does.
+    """
+    if bucket_bytes < 1 or first_bucket_bytes < 1:
+        raise SimulationError("bucket sizes must be positive")
+    buckets: list[list[Gradient]] = []
+    current: list[Gradient] = []
+    size = 0
+    for g in gradients:
+        current.append(g)
+        size += g.nbytes
+        if size >= (first_bucket_bytes if not buckets else bucket_bytes):
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+@dataclass
+class GradientBuckets:
+    """DDP's bucketed gradient all-reduce on one device, added to `builder` as gradients become ready.
+
+    Call `ready(name, task)` when the backward task that produces gradient
+    `name` is added; it adds the all-reduce of every bucket that is now
+    complete and next in order. `all_reduce_s(nbytes)` prices one bucket.
+    """
+
+    builder: StepBuilder
+    device: Hashable
+    gradients: Sequence[Gradient]
+    all_reduce_s: Callable[[int], float]
+    bucket_bytes: int = 25 << 20
+    first_bucket_bytes: int = 1 << 20
+    phase: str = "grad_sync"
+    buckets: list[list[Gradient]] = field(init=False)
+    tasks: list[int] = field(init=False)           # the all-reduce task of each launched bucket, in order
+
+    def __post_init__(self) -> None:
+        self.buckets = assign_buckets(self.gradients, self.bucket_bytes, self.first_bucket_bytes)
+        self._bucket_of = {g.name: b for b, bucket in enumerate(self.buckets) for g in bucket}
+        self.names = frozenset(self._bucket_of)
+        self._missing = [len(bucket) for bucket in self.buckets]
+        self._last_ready: list[int | None] = [None] * len(self.buckets)
+        self._stream = self.builder.stream(self.device, COMM)
+        self.tasks = []
+
+    def ready(self, name: str, task: int) -> list[int]:
+        """Gradient `name` is produced by `task`: the all-reduce tasks this launches (maybe none)."""
+        b = self._bucket_of.get(name)
+        if b is None:
+            raise SimulationError(f"gradient '{name}' is in no bucket")
+        self._missing[b] -= 1
+        if self._missing[b] < 0:
+            raise SimulationError(f"gradient '{name}' was made ready twice")
+        previous = self._last_ready[b]
+        self._last_ready[b] = task if previous is None else max(previous, task)
+        launched = []
+        while len(self.tasks) < len(self.buckets) and self._missing[len(self.tasks)] == 0:
+            index = len(self.tasks)
+            nbytes = sum(g.nbytes for g in self.buckets[index])
+            ident = self.builder.add(f"all-reduce bucket {index} ({len(self.buckets[index])} grads, {nbytes:,} B)",
+                                     self._stream, self.all_reduce_s(nbytes), (self._last_ready[index],),
+                                     phase=self.phase)
+            self.tasks.append(ident)
+            launched.append(ident)
+        return launched
+
+    def done(self) -> list[int]:
+        """Every bucket's all-reduce; SimulationError if a gradient never became ready (DDP would hang)."""
+        if len(self.tasks) < len(self.buckets):
+            waiting = [g.name for b in self.buckets[len(self.tasks):] for g in b][:5]
+            raise SimulationError(f"gradients never ready, their buckets never launched: {', '.join(waiting)}")
+        return list(self.tasks)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One FSDP unit (a layer): its gathered parameters, its compute, the activations it keeps for backward."""
+
+    name: str
+    gathered_bytes: int
+    forward_s: float
+    backward_s: float
+    activation_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class FsdpTasks:
+    forward: tuple[int, ...]
+    backward: tuple[int, ...]           # in backward order (last unit first)
+    all_gathers: tuple[int, ...]
+    reduce_scatters: tuple[int, ...]
+
+
+def fsdp_step(builder: StepBuilder, device: Hashable, units: Sequence[Unit], all_gather_s: Callable[[int], float],
+              reduce_scatter_s: Callable[[int], float], after: Sequence[int] = ()) -> FsdpTasks:
+    """Forward and backward of `units` under FSDP with one unit of prefetch; returns the task ids.
+
+    Memory: a unit's gathered parameters are allocated when its all-gather
+    starts and freed when the compute that uses them ends; its activations
+    from its forward to its backward; its unsharded gradients from its
+    backward until its reduce-scatter ends. `after`: tasks the step waits for first.
+    """
+    compute = builder.stream(device, COMPUTE)
+    gather = builder.stream(device, COMM, "all-gather")
+    scatter = builder.stream(device, COMM, "reduce-scatter")
+    n = len(units)
+    if not n:
+        return FsdpTasks((), (), (), ())
+    gathers: list[int] = []
+
+    def all_gather(i: int, deps: Sequence[int], phase: str) -> int:
+        u = units[i]
+        ident = builder.add(f"all-gather {u.name} ({phase})", gather, all_gather_s(u.gathered_bytes), deps,
+                            alloc=u.gathered_bytes, phase=phase)
+        gathers.append(ident)
+        return ident
+
+    forward: list[int] = []
+    ahead = all_gather(0, after, "forward")
+    for i, u in enumerate(units):
+        mine = ahead
+        if i + 1 < n:  # issued when unit i starts: after unit i-1's forward
+            ahead = all_gather(i + 1, [forward[-1]] if forward else list(after), "forward")
+        forward.append(builder.add(f"forward {u.name}", compute, u.forward_s, (mine,), alloc=u.activation_bytes,
+                                   free=u.gathered_bytes, phase="forward"))
+    backward: list[int] = []
+    scatters: list[int] = []
+    ahead = all_gather(n - 1, (forward[-1],), "backward")
+    for i in range(n - 1, -1, -1):
+        u = units[i]
+        mine = ahead
+        if i > 0:
+            ahead = all_gather(i - 1, (backward[-1],) if backward else (forward[-1],), "backward")
+        task = builder.add(f"backward {u.name}", compute, u.backward_s, (mine,), alloc=u.gathered_bytes,
+                           free=u.gathered_bytes + u.activation_bytes, phase="backward")
+        backward.append(task)
+        scatters.append(builder.add(f"reduce-scatter {u.name}", scatter, reduce_scatter_s(u.gathered_bytes), (task,),
+                                    free=u.gathered_bytes, phase="grad_sync"))
+    return FsdpTasks(tuple(forward), tuple(backward), tuple(gathers), tuple(scatters))
+
+
+__all__ = ["FsdpTasks", "Gradient", "GradientBuckets", "Unit", "assign_buckets", "fsdp_step"]

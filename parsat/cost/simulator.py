@@ -1,0 +1,292 @@
+"""The step simulator: tasks on in-order streams with dependencies; the step time is the critical path.
+
+A training step is a list of tasks. Each runs on one stream (a device's
+compute stream, its communication stream, ...), takes a duration, waits
+for its dependencies, and may allocate bytes when it starts and free bytes
+when it ends. Streams run their tasks in the order they were added, one at
+a time, as CUDA streams do (and as a host thread does on CPU); different
+streams run at once, so communication that nothing waits for overlaps
+with computation. Task builders (`cost.schedules` for DDP buckets and
+FSDP prefetch; a plan's task builder) add tasks in the order the host
+issues them.
+
+`simulate` is one pass over the tasks in that order (every dependency is
+an earlier task, so a task's start is the later of its stream becoming
+free and its dependencies finishing), then a sweep over the memory events.
+It returns the step time (the last finish), each stream's busy time, per
+device the time its compute and communication overlapped, the critical
+path (walked back through whichever predecessor held each task up), the
+timeline for `explain`, and the peak memory per device. A few thousand
+tasks take a few milliseconds (benchmarks/simulator_speed.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Hashable, Iterable, Mapping, Sequence
+
+COMPUTE, COMM = "compute", "comm"
+
+
+class SimulationError(ValueError):
+    """A task list the simulator cannot run (a dependency on a later task, a negative duration)."""
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A stream of one device: `kind` is COMPUTE or COMM (what `overlap` compares), `name` tells streams apart."""
+
+    device: Hashable
+    kind: str
+    name: str = ""
+
+    def label(self) -> str:
+        return f"{self.device}:{self.name or self.kind}"
+
+
+@dataclass(frozen=True)
+class Span:
+    """One task as it ran: for timelines."""
+
+    task: int
+    name: str
+    stream: Stream
+    start: float
+    end: float
+    phase: str
+    alloc: int = 0
+    free: int = 0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one simulated step gives: time, per-stream busy time, overlap, critical path, timeline, memory."""
+
+    step_s: float
+    busy_s: Mapping[str, float]            # stream label -> seconds busy
+    overlap_s: Mapping[Hashable, float]    # device -> seconds its compute and communication streams ran at once
+    peak_memory_bytes: Mapping[Hashable, int]
+    critical_path: tuple[int, ...]          # task ids, first to last
+    _columns: tuple = field(repr=False, compare=False)   # (builder, starts, ends): spans are made on demand
+
+    @cached_property
+    def spans(self) -> tuple[Span, ...]:
+        """Every task as it ran, by task id."""
+        b, start, end = self._columns
+        return tuple(Span(i, b.names[i], b.streams[b.stream_of[i]], start[i], end[i], b.phases[i], b.allocs[i],
+                          b.frees[i]) for i in range(len(start)))
+
+    def memory_after(self, task: int, resident: int = 0) -> int:
+        """Bytes allocated on the task's device right after it ends (before anything starting then):
+        what a measurement taken between two host calls sees, transients of finished tasks excluded."""
+        at = self.spans[task]
+        level = resident
+        for s in self.spans:
+            if s.stream.device != at.stream.device:
+                continue
+            if s.alloc and (s.start < at.end or s.start == at.end and s.task <= task):
+                level += s.alloc
+            if s.free and (s.end < at.end or s.end == at.end and s.task <= task):
+                level -= s.free
+        return level
+
+    def exposed_comm_s(self, device: Hashable) -> float:
+        """Time the device's compute streams stood idle within the step (waiting on communication or peers)."""
+        compute = sum(v for k, v in self.busy_s.items() if k in self._labels(device, COMPUTE))
+        return max(0.0, self.step_s - compute)
+
+    def _labels(self, device: Hashable, kind: str) -> set[str]:
+        return {s.stream.label() for s in self.spans if s.stream.device == device and s.stream.kind == kind}
+
+    def critical_breakdown(self) -> dict[str, float]:
+        """Seconds of the critical path by phase ("forward", "backward", "grad_sync", ...)."""
+        by_id = {s.task: s for s in self.spans}
+        out: dict[str, float] = {}
+        for t in self.critical_path:
+            s = by_id[t]
+            out[s.phase] = out.get(s.phase, 0.0) + (s.end - s.start)
+        return out
+
+    def timeline(self, width: int = 64, limit: int = 40) -> str:
+        """Each stream as a bar over the step (`#` busy), then the longest tasks: for `explain`."""
+        if not self.spans or self.step_s <= 0:
+            return "  (empty step)"
+        scale = width / self.step_s
+        lines = []
+        streams: dict[str, list[Span]] = {}
+        for s in self.spans:
+            streams.setdefault(s.stream.label(), []).append(s)
+        name_width = max(len(k) for k in streams)
+        for label, spans in streams.items():
+            bar = [" "] * width
+            for s in spans:
+                if s.end <= s.start:
+                    continue
+                for c in range(int(s.start * scale), min(width, max(int(s.start * scale) + 1, int(s.end * scale)))):
+                    bar[c] = "#"
+            lines.append(f"  {label:<{name_width}} |{''.join(bar)}| {self.busy_s.get(label, 0.0) * 1e3:9.3f} ms busy")
+        for device, seconds in self.overlap_s.items():
+            lines.append(f"  {str(device):<{name_width}} overlap of compute and communication {seconds * 1e3:.3f} ms")
+        return "\n".join(lines)
+
+
+class StepBuilder:
+    """Collects streams and tasks in issue order; `simulate()` runs them.
+
+    Tasks are stored column-wise (plain lists) because extraction prices
+    many candidate plans: adding and simulating a task must cost microseconds.
+    """
+
+    def __init__(self) -> None:
+        self.streams: list[Stream] = []
+        self._stream_ids: dict[Stream, int] = {}
+        self.names: list[str] = []
+        self.stream_of: list[int] = []
+        self.durations: list[float] = []
+        self.deps: list[tuple[int, ...]] = []
+        self.allocs: list[int] = []
+        self.frees: list[int] = []
+        self.phases: list[str] = []
+
+    def stream(self, device: Hashable, kind: str = COMPUTE, name: str = "") -> int:
+        """The id of a stream of `device` (created on first use)."""
+        key = Stream(device, kind, name)
+        found = self._stream_ids.get(key)
+        if found is None:
+            found = self._stream_ids[key] = len(self.streams)
+            self.streams.append(key)
+        return found
+
+    def add(self, name: str, stream: int, duration: float, deps: Iterable[int] = (), alloc: int = 0, free: int = 0,
+            phase: str = "") -> int:
+        """Add a task (after every task already added on its stream); its id."""
+        ident = len(self.names)
+        deps = tuple(d for d in deps if d is not None)
+        for d in deps:
+            if not 0 <= d < ident:
+                raise SimulationError(f"task '{name}' depends on task {d}, which is not an earlier task")
+        if not duration >= 0:
+            raise SimulationError(f"task '{name}' has duration {duration}")
+        if not 0 <= stream < len(self.streams):
+            raise SimulationError(f"task '{name}' is on unknown stream {stream}")
+        self.names.append(name)
+        self.stream_of.append(stream)
+        self.durations.append(float(duration))
+        self.deps.append(deps)
+        self.allocs.append(int(alloc))
+        self.frees.append(int(free))
+        self.phases.append(phase)
+        return ident
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def simulate(self, resident: Mapping[Hashable, int] | None = None) -> StepResult:
+        """Run the step: `resident` bytes are held on each device throughout (weights, optimizer state)."""
+        n = len(self.names)
+        free_at = [0.0] * len(self.streams)
+        last = [-1] * len(self.streams)
+        start = [0.0] * n
+        end = [0.0] * n
+        held_by = [-1] * n
+        durations, deps, stream_of = self.durations, self.deps, self.stream_of
+        for i in range(n):
+            s = stream_of[i]
+            t, why = free_at[s], last[s]
+            for d in deps[i]:
+                if end[d] > t:
+                    t, why = end[d], d
+            start[i] = t
+            end[i] = finish = t + durations[i]
+            free_at[s] = finish
+            last[s] = i
+            held_by[i] = why
+        step = max(end, default=0.0)
+        per_stream = [0.0] * len(self.streams)
+        for i in range(n):
+            per_stream[stream_of[i]] += durations[i]
+        busy = {stream.label(): per_stream[k] for k, stream in enumerate(self.streams)}
+        path: list[int] = []
+        if n:
+            i = max(range(n), key=end.__getitem__)
+            while i >= 0:
+                path.append(i)
+                i = held_by[i]
+            path.reverse()
+        snapshot = StepBuilder.__new__(StepBuilder)   # the columns as they are now, if tasks are added later
+        snapshot.__dict__.update({k: list(v) if isinstance(v, list) else v for k, v in self.__dict__.items()})
+        return StepResult(step, busy, self._overlap(start, end), self._peaks(start, end, resident or {}),
+                          tuple(path), (snapshot, start, end))
+
+    def _overlap(self, start: Sequence[float], end: Sequence[float]) -> dict[Hashable, float]:
+        """Per device: the measure of the time its compute and its communication streams were both busy."""
+        keys = [(stream.device, stream.kind) for stream in self.streams]
+        intervals: dict[tuple[Hashable, str], list[tuple[float, float]]] = {}
+        for i, s in enumerate(self.stream_of):
+            if end[i] > start[i]:
+                intervals.setdefault(keys[s], []).append((start[i], end[i]))
+        out = {}
+        for device in {s.device for s in self.streams}:
+            a = union(intervals.get((device, COMPUTE), []))
+            b = union(intervals.get((device, COMM), []))
+            out[device] = intersection_length(a, b)
+        return out
+
+    def _peaks(self, start: Sequence[float], end: Sequence[float], resident: Mapping[Hashable, int]) -> dict:
+        """Per device: the largest sum of allocated bytes at any instant (frees before allocations at a tie)."""
+        events: dict[Hashable, list[tuple[float, int, int]]] = {}
+        devices = [stream.device for stream in self.streams]
+        for i, s in enumerate(self.stream_of):
+            if not (self.allocs[i] or self.frees[i]):
+                continue
+            device = devices[s]
+            if self.allocs[i]:
+                events.setdefault(device, []).append((start[i], 1, self.allocs[i]))
+            if self.frees[i]:  # a zero-length task's free comes after the allocations of its instant
+                events.setdefault(device, []).append((end[i], 0 if end[i] > start[i] else 2, -self.frees[i]))
+        out = {}
+        for device in {s.device for s in self.streams} | set(resident):
+            level = peak = int(resident.get(device, 0))
+            for _t, _order, delta in sorted(events.get(device, [])):
+                level += delta
+                if level > peak:
+                    peak = level
+            out[device] = peak
+        return out
+
+
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Intervals merged where they touch or overlap, sorted."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The intersection of two sorted unions of intervals (`union`), as sorted intervals."""
+    i = j = 0
+    out: list[tuple[float, float]] = []
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def intersection_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """The measure of the intersection of two sorted unions of intervals."""
+    return sum(hi - lo for lo, hi in intersection(a, b))
+
+
+__all__ = ["COMM", "COMPUTE", "SimulationError", "Span", "StepBuilder", "StepResult", "Stream", "intersection",
+           "intersection_length", "union"]

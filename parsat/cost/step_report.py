@@ -1,0 +1,98 @@
+"""A plan's step simulated and summed up for the plan JSON: per-stream totals, phases, a drawing of the lanes.
+
+`optimize` ranks its final candidates (the joint plan of every mesh and
+each baseline) by the simulated step (`simulate_step`), while extraction
+ranks e-nodes by the per-node sum (`cost.model`): a node's cost must
+not depend on the other nodes chosen, a step's overlap does. The
+simulation runs the plan as `pcg_tasks.profile_for(machine)` says (a GPU
+framework on GPUs, `parsat run` on a CPU box).
+
+The report sorts every task into two lanes by what it does, whatever
+stream it ran on: the communication lane holds the collectives and the
+waits for slower ranks, the compute lane everything else. (Under
+`parsat run` both run on the one host thread, so the lanes never overlap;
+under DDP they are the two streams.) Busy times, the overlap of the lanes
+and the exposed communication (the step less the compute lane's busy time)
+follow, and each phase's extent and busy times (`ir.costs.STEP_PHASES`).
+"""
+
+from __future__ import annotations
+
+from parsat.dsl.library import Library
+from parsat.ir.costs import LANE_LETTERS, STEP_PHASES, PhaseTimes, StepStreams, StepTimeline
+from parsat.ir.machine import Machine
+from parsat.ir.pcg import PCG
+from parsat.cost.pcg_tasks import OpTimes, StepPrediction, profile_for, simulate_pcg
+from parsat.cost.simulator import intersection, union
+
+LANE_WIDTH = 64    # characters per lane in the plan JSON's drawing
+COMM_PHASES = frozenset({"forward_comm", "backward_comm", "grad_sync", "stragglers"})
+PHASE_OF = {"forward": "forward", "loss": "forward", "forward_comm": "forward", "backward": "backward",
+            "backward_comm": "backward", "grad_sync": "grad_sync", "optimizer": "optimizer",
+            "stragglers": "stragglers"}
+"""The simulator's task phases (`pcg_tasks`) -> the reported phases."""
+
+
+def simulate_step(pcg: PCG, library: Library, machine: Machine, microbatches: int = 1,
+                  times: OpTimes | None = None) -> tuple[StepStreams, StepTimeline]:
+    """One training step of `pcg` on `machine`, simulated as `profile_for(machine)` runs it, summed up.
+
+    Raises `pcg_tasks.TaskBuildError` or `simulator.SimulationError` for a
+    PCG the task builder cannot run.
+    """
+    profile = profile_for(machine)
+    prediction = simulate_pcg(pcg, library, machine, profile, times=times, microbatches=microbatches)
+    return summarize(prediction, profile.name, microbatches)
+
+
+def summarize(prediction: StepPrediction, profile: str, microbatches: int = 1,
+              width: int = LANE_WIDTH) -> tuple[StepStreams, StepTimeline]:
+    """The per-stream totals and the timeline of a simulated step (see the module docstring)."""
+    result = prediction.result
+    step = result.step_s
+    b, starts, ends = result._columns   # the task columns: no Span objects for a thousand-node plan
+    intervals: dict[str, list[tuple[float, float]]] = {"compute": [], "comm": []}
+    busy = {"compute": 0.0, "comm": 0.0}
+    extent: dict[str, list[float]] = {}          # phase -> [start, end, compute busy, comm busy]
+    cells = {lane: [dict() for _ in range(width)] for lane in intervals}   # lane -> per slice: phase -> seconds
+    scale = width / step if step > 0 else 0.0
+    for i, (start, end) in enumerate(zip(starts, ends)):
+        phase = b.phases[i]
+        lane = "comm" if phase in COMM_PHASES else "compute"
+        shown = PHASE_OF.get(phase, "forward")
+        length = end - start
+        found = extent.setdefault(shown, [start, end, 0.0, 0.0])
+        found[0], found[1] = min(found[0], start), max(found[1], end)
+        if length <= 0:
+            continue
+        busy[lane] += length
+        found[2 if lane == "compute" else 3] += length
+        intervals[lane].append((start, end))
+        first, last = int(start * scale), min(width - 1, int(end * scale))
+        for c in range(first, last + 1):
+            part = min(end, (c + 1) / scale) - max(start, c / scale)
+            if part > 0:
+                cells[lane][c][shown] = cells[lane][c].get(shown, 0.0) + part
+    both = intersection(union(intervals["compute"]), union(intervals["comm"]))
+    overlap = sum(hi - lo for lo, hi in both)
+    streams = StepStreams(step, busy["compute"], busy["comm"], max(0.0, step - busy["compute"]), overlap)
+    slice_s = step / width if width else 0.0
+    lanes = tuple((lane, "".join(_letter(lane, cell, slice_s) for cell in cells[lane])) for lane in cells)
+    overlapped = [0.0] * width
+    for lo, hi in both:
+        for c in range(int(lo * scale), min(width - 1, int(hi * scale)) + 1):
+            overlapped[c] += max(0.0, min(hi, (c + 1) / scale) - max(lo, c / scale))
+    lanes += (("overlap", "".join("^" if o >= 0.25 * slice_s and o > 0 else " " for o in overlapped)),)
+    phases = tuple(PhaseTimes(p, *extent[p]) for p in STEP_PHASES if p in extent)
+    timeline = StepTimeline(profile, microbatches, prediction.peak_memory_bytes, phases, lanes)
+    return streams, timeline
+
+
+def _letter(lane: str, cell: dict[str, float], slice_s: float) -> str:
+    """The phase that kept the lane busiest in one slice; a space where it was busy under a quarter of it."""
+    if not cell or sum(cell.values()) < 0.25 * slice_s:
+        return " "
+    return LANE_LETTERS[(lane, max(cell, key=cell.get))]
+
+
+__all__ = ["COMM_PHASES", "LANE_WIDTH", "simulate_step", "summarize"]

@@ -1,0 +1,17 @@
+"""parsat.egraph: the e-graph layer: `.rule` instances compiled to egglog, a graph saturated, the e-graph read back.
+
+The only package that imports egglog (in `session`, its one state module
+in front of the bindings). It knows rules, graphs and meshes, and nothing
+of costs or plans: the search (`parsat.search`) and rule discovery
+(`parsat.generate`) both run saturations through it.
+
+Modules, in the order a saturation uses them: `instances` (which rule
+instances can fire on this graph), `guards` (the degrees where a rule
+keeps the device layout), `lifting` (an instance lifted onto a device
+mesh, docs/MESH.md), `rule_text` and `lifted_text` (an instance as egglog
+rules), `encoding` and `mesh_encoding` (sorts, tables, the graph as egglog
+text), `program` (`compile_rules`, `MeshCaches`), `session` (the e-graph),
+`runner` (one saturation loop: `Limits`, the stop reason, matches per
+rule), `saturate` (compile, load, run, read back), `snapshot` (the e-graph
+read back: e-classes, e-nodes, shapes, placements).
+"""

@@ -1,0 +1,153 @@
+"""The egglog encoding of a graph on a device mesh (docs/MESH.md), shared by the rules and the graph.
+
+* Tensors are the sort `T`, with the constructors of `encoding` (`Leaf`,
+  `Op_<op>`); a parallel operator's last argument is the mesh axis it acts
+  on (an index), not a degree: `P_partition x dim axis`, `P_replicate x axis`.
+* Two analysis tables, one row per e-class (an e-class is a value with a
+  placement, so they are well defined):
+  `Local c = (S<rank> d...)`, the shape of the piece one device holds, and
+  `Pl c = (V<axes> code...)`, the placement code on every axis
+  (`ir.placement`: free 0, replica 1, partial 2, shard(d) 3 + d). A rule
+  binds a metavariable's local sizes and placement with one lookup each,
+  and requires free (0) on the axes it acts on by writing 0 in the pattern.
+* A lifted rule's table of legal placements on one other axis
+  (`lifting.OtherAxisTable`) is a relation `Lift_<hash>` of i64 columns,
+  declared once per program however many rule instances share it.
+* Provenance rows (`Made_...`) as in `encoding`.
+* Fused parallel operators (`dsl.parallel_ops`: reduce_scatter, all_gather)
+  mean their steps, so wherever the steps stand one on the other on one
+  axis the fused operator is unioned in by definition, not by a rule (the
+  `fold` rules, in the ruleset that runs before every step, `FOLD_MADE`
+  their maker): `partition(reduce(x, a), d, a)` gets `reduce_scatter(x, d,
+  a)`, `replicate(combine(x, d, a), a)` gets `all_gather(x, d, a)`.
+
+The global shape of a class is not stored: it is the local shape times the
+sizes of the axes that shard each dim, computed when the e-graph is read
+back (`session.Session.snapshot`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Mapping, Sequence
+
+from parsat.dsl import ast
+from parsat.dsl.parallel_ops import PARALLEL_OPS, PARTITION, REPLICATE
+from parsat.ir.graph import Graph
+from parsat.ir.mesh import Mesh
+from parsat.ir.placement import REPLICA, Placement, apply_parallel, shard_dim
+from parsat.egraph.encoding import (GRAPH_MADE, MADE_PREFIX, MAX_RANK, PIN_SUFFIX, SHAPE_RULESET, ctor, made_row,
+                                      node_arguments, quote, shape_term)
+
+LOCAL = "Local"
+PLACE = "Pl"
+
+
+def place_term(codes: Sequence[str | int]) -> str:
+    return f"(V{len(codes)}{''.join(' ' + str(c) for c in codes)})"
+
+
+def table_name(rows: Sequence[tuple[int, ...]], width: int) -> str:
+    """A lift table's relation name, from its content: equal tables are declared once."""
+    digest = hashlib.sha1(repr((width, tuple(rows))).encode()).hexdigest()[:12]
+    return f"Lift_{digest}"
+
+
+def table_text(name: str, width: int, rows: Sequence[tuple[int, ...]]) -> str:
+    return (f"(relation {name} ({' '.join('i64' for _ in range(width))}))\n"
+            + "".join(f"({name} {' '.join(map(str, row))})\n" for row in rows))
+
+
+def mesh_declarations(ops: Mapping[str, ast.OpDecl], mesh: Mesh) -> str:
+    """The sort of tensors, its constructors and provenance relations, and the two analysis tables."""
+    signatures = {ctor(op.name): ["T" if p.is_tensor else ("String" if p.type.kind == "real" else "i64")
+                                  for p in op.params] for op in ops.values()}
+    # a parallel operator's integer arguments: its dim (if it has one), then its mesh axis
+    signatures.update({ctor(op.name): ["T"] + ["i64"] * len(op.attrs) for op in PARALLEL_OPS.values()})
+    lines = ["(datatype T", "  (Leaf String)"]
+    lines += [f"  ({name} {' '.join(sorts)})" for name, sorts in signatures.items()]
+    lines[-1] += ")"
+    lines += [f"(relation {MADE_PREFIX}{name} ({' '.join(sorts)} String))" for name, sorts in signatures.items()]
+    lines.append("(datatype Shape " + " ".join(f"(S{r}{' i64' * r})" for r in range(MAX_RANK + 1)) + ")")
+    axes = len(mesh)
+    lines.append(f"(datatype Place (V{axes}{' i64' * axes}))")
+    lines.append(f"(function {LOCAL} (T) Shape :merge new)")
+    lines.append(f"(function {PLACE} (T) Place :merge new)")
+    lines.append(f"(ruleset {SHAPE_RULESET})")   # the runner runs it first every step: the fold rules
+    lines += fold_rules()
+    return "\n".join(lines) + "\n"
+
+
+FOLD_MADE = "fused operator (by definition)"
+
+
+def fold_rules() -> list[str]:
+    """For every fused operator, the egglog rule that unions it with its steps where they occur (module doc)."""
+    out = []
+    for op in PARALLEL_OPS.values():
+        if not op.steps:
+            continue
+        inner, outer = (PARALLEL_OPS[s] for s in op.steps)
+        dim = "d"
+        inner_args = ["x"] + ([dim] if inner.has_dim else []) + ["a"]
+        outer_args = ["c"] + ([dim] if outer.has_dim else []) + ["a"]
+        fused_args = ["x", dim, "a"]
+        out.append(f"(rule ((= o ({ctor(outer.name)} {' '.join(outer_args)})) (= c ({ctor(inner.name)} "
+                   f"{' '.join(inner_args)}))) ((union o ({ctor(op.name)} {' '.join(fused_args)})) "
+                   f"{made_row(ctor(op.name), fused_args, FOLD_MADE)}) :ruleset {SHAPE_RULESET})")
+    return out
+
+
+def _rows(var: str, local: Sequence[int], placement: Placement) -> list[str]:
+    return [f"(set ({LOCAL} {var}) {shape_term([str(d) for d in local])})",
+            f"(set ({PLACE} {var}) {place_term(placement.codes)})"]
+
+
+def pin_chain(placement: Placement) -> list[tuple[str, int, int | None]]:
+    """The parallel operators (op, axis, dim) that bring a tensor from free on every axis to `placement`: the
+    partitions axis by axis in mesh order (so a dim sharded on two axes nests major first), then replicas."""
+    steps: list[tuple[str, int, int | None]] = []
+    for axis, code in enumerate(placement.codes):
+        dim = shard_dim(code)
+        if dim is not None:
+            steps.append((PARTITION, axis, dim))
+    steps += [(REPLICATE, axis, None) for axis, code in enumerate(placement.codes) if code == REPLICA]
+    return steps
+
+
+def mesh_graph_program(graph: Graph, ops: Mapping[str, ast.OpDecl], mesh: Mesh,
+                       pins: Mapping[str, Placement] | None = None) -> tuple[str, dict[str, str]]:
+    """One `let` per leaf and per operator (a DAG), every tensor free on every axis; pins as in
+    `encoding.graph_program`: an output's pinned placement is reached by parallel terms that become the
+    extraction root ("pin:NAME"), an input arrives in its pinned placement (a second, free leaf
+    `Leaf "NAME@pinned"` unioned with those terms)."""
+    lines: list[str] = []
+    names: dict[str, str] = {}
+    shapes = graph.shapes()
+    inputs = {leaf.name for leaf in graph.leaves if leaf.role == "input"}
+    whole = Placement.whole(len(mesh))
+    for index, leaf in enumerate(graph.leaves):
+        var = f"$l{index}"
+        names[leaf.name] = var
+        lines.append(f"\n(let {var} (Leaf {quote(leaf.name)}))")
+        lines.extend(_rows(var, leaf.shape, whole))
+    for index, node in enumerate(graph.nodes):
+        var = f"$n{index}"
+        names[node.name] = var
+        args = node_arguments(ops[node.op], node, names)
+        lines.append(f"\n(let {var} ({ctor(node.op)} {' '.join(args)}))")
+        lines.append(made_row(ctor(node.op), args, GRAPH_MADE))
+        lines.extend(_rows(var, node.shape, whole))
+    for pin_index, (name, placement) in enumerate((pins or {}).items()):
+        var = names[name]
+        current = whole
+        for step, (op, axis, dim) in enumerate(pin_chain(placement)):
+            current = apply_parallel(current, op, axis, dim)
+            args = [var] + ([str(dim)] if dim is not None else []) + [str(axis)]
+            var = f"$p{pin_index}_{step}"
+            lines.append(f"\n(let {var} ({ctor(op)} {' '.join(args)}))")
+            lines.extend(_rows(var, current.local_shape(shapes[name], mesh.shape), current))
+        if name in inputs and var != names[name]:
+            lines.append(f"\n(union {var} (Leaf {quote(name + PIN_SUFFIX)}))")
+        names[f"pin:{name}"] = var
+    return "\n".join(lines) + "\n", names

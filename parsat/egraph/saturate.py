@@ -1,0 +1,93 @@
+"""Equality saturation of one graph on a device mesh: compile, load, run within limits, read back.
+
+The rules are lifted onto the mesh and compiled for the graph
+(`program.compile_mesh_rules`, docs/MESH.md), loaded with it into an
+egglog e-graph (`session`) and run by the runner (`runner`: iterations,
+e-nodes and seconds, checked between chunks of rules). `seconds` counts
+from the start, compilation included: once it passes, compilation stops
+adding rules and saturation stops at the next chunk, so the overshoot is
+one chunk's run plus reading the e-graph back. The result says which limit
+stopped saturation (or that it saturated), what each rule did, and carries
+a snapshot of the e-graph for extraction, which works whatever stopped it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+from parsat.dsl import ast
+from parsat.dsl.library import Library
+from parsat.ir.graph import Graph
+from parsat.ir.mesh import Mesh
+from parsat.ir.placement import Placement
+from parsat.egraph.encoding import RULESET_NAMES, RULESETS
+from parsat.egraph.instances import graph_signatures
+from parsat.egraph.mesh_encoding import mesh_graph_program
+from parsat.egraph.program import MeshCaches, RuleProgram, compile_mesh_rules
+from parsat.egraph.runner import Limits, run
+from parsat.egraph.session import Session
+from parsat.egraph.snapshot import Snapshot
+
+
+@dataclass(frozen=True)
+class SaturationResult:
+    snapshot: Snapshot
+    stop: str
+    iterations: int
+    enodes: int
+    seconds: float
+    compile_seconds: float
+    program: RuleProgram = field(repr=False)
+    rule_matches: Mapping[str, int] = field(default_factory=dict)   # each rule loaded, library order; 0: never fired
+    classes: Mapping[str, int] = field(default_factory=dict)   # graph tensor (or "pin:NAME") -> e-class
+    note: str = ""   # where the limit stopped it when not between iterations, e.g. "during compilation: ..."
+    ruleset_seconds: Mapping[str, float] = field(default_factory=dict)   # "algebraic"/"parallel" -> seconds run
+
+    @property
+    def matches(self) -> dict[str, int]:
+        """Library rule -> matches, for the rules that matched."""
+        return {name: count for name, count in self.rule_matches.items() if count}
+
+    def to_dict(self) -> dict:
+        return {"stop": self.stop, "note": self.note, "iterations": self.iterations, "enodes": self.enodes,
+                "eclasses": len(self.snapshot.classes), "seconds": self.seconds,
+                "compile_seconds": self.compile_seconds,
+                "rules_compiled": {RULESET_NAMES[r]: self.program.count(r) for r in RULESETS},
+                "rules_skipped": [{"rule": s.name, "reason": s.reason} for s in self.program.skipped],
+                "rule_matches": dict(self.rule_matches),
+                "ruleset_seconds": {k: round(v, 6) for k, v in self.ruleset_seconds.items()}}
+
+
+def saturate(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh: Mesh | int,
+             limits: Limits = Limits(), pins: Mapping[str, Placement] | None = None,
+             rulesets: Sequence[str] = ("alg", "par"), progress: Callable[[str], None] | None = None,
+             caches: MeshCaches | None = None) -> SaturationResult:
+    """Saturate `graph` with `rules` on `mesh` (a device count means a one-axis mesh), within `limits`; `pins`
+    fix input/output placements on the mesh."""
+    if isinstance(mesh, int):
+        mesh = Mesh.of((mesh,) if mesh > 1 else ())
+    start = time.perf_counter()
+    deadline = start + limits.seconds
+    program = compile_mesh_rules(library, rules, graph.ranks(), mesh, {n.op for n in graph.nodes},
+                                 graph_signatures(graph, library.ops, pins), deadline, caches)
+    text, names = mesh_graph_program(graph, library.ops, mesh, pins)
+    session = Session(program, text, deadline, mesh)
+    compiled = time.perf_counter() - start
+    note = ""
+    if program.unfinished:
+        note = f"during compilation: {len(rules) - program.unfinished} of {len(rules)} rules compiled"
+    elif session.loaded < len(program.rules):
+        note = f"during compilation: {session.loaded} of {len(program.rules)} egglog rules loaded"
+    chunks = {ruleset: program.chunks(ruleset) for ruleset in rulesets}
+    loaded = [r for r in program.rules[:session.loaded] if r.ruleset in rulesets]
+    done = run(session, [chunk for ruleset in rulesets for chunk in chunks[ruleset]], limits, deadline,
+               {r.key: r.name for r in loaded}, progress)
+    snapshot = session.snapshot()
+    classes = {name: snapshot.lets[var] for name, var in names.items() if var in snapshot.lets}
+    seconds = {RULESET_NAMES[ruleset]: sum(done.step_seconds.get(chunk, 0.0) for chunk in chunks[ruleset])
+               for ruleset in rulesets}
+    return SaturationResult(snapshot, done.stop, done.iterations, snapshot.enodes, done.seconds, compiled, program,
+                            {r.name: done.matches.get(r.name, 0) for r in loaded}, classes, note or done.note,
+                            seconds)

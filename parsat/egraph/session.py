@@ -1,0 +1,253 @@
+"""An egglog e-graph holding a compiled program and a graph: the only module that imports egglog.
+
+It uses the low-level `egglog.bindings.EGraph` with generated text (fast,
+and the e-graph is read back with `freeze()`; extraction is ours, in
+`extract`). `run` runs one ruleset (or chunk) once and returns egglog's
+report: whether anything changed, matches and seconds per rule. The loop
+around it, with its limits, is `runner`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Mapping, Sequence
+
+from egglog import bindings
+
+from parsat.ir.mesh import Mesh
+from parsat.ir.pcg import Degrees
+from parsat.ir.placement import Placement
+from parsat.egraph.encoding import ANALYSES, MADE_PREFIX, RULESETS, SHAPE_RULESET, match_ruleset
+from parsat.egraph.mesh_encoding import LOCAL, PLACE
+from parsat.ir.errors import OptimizeError
+from parsat.egraph.program import CompiledRule, RuleProgram, past
+from parsat.egraph.snapshot import ENode, Snapshot
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one run of a ruleset did, as egglog reports it: whether the e-graph changed, and the matches of
+    each egglog rule (by its `:name`).
+
+    egglog 13.2 also reports search-and-apply times per rule and per ruleset, but they read microseconds
+    for runs that take seconds (1.2M matches of an associativity rule: 0.6 ms reported, 1.76 s measured),
+    so they are not passed on; the runner times its steps itself.
+    """
+
+    changed: bool
+    matches: Mapping[str, int]
+
+
+class CompileError(Exception):
+    """The rules or the graph cannot be turned into an egglog program."""
+
+
+def _children_and_attrs(eg, sorts: Sequence[str], values: Sequence) -> tuple[tuple[int, ...], tuple]:
+    """A row's tensor arguments (e-class ids) and its other arguments (ints, strings for reals and leaf names)."""
+    children, attrs = [], []
+    for sort, value in zip(sorts, values):
+        if sort == "T":
+            children.append(eg.value_to_i64(value))
+        elif sort == "String":
+            attrs.append(eg.value_to_string(value))
+        else:
+            attrs.append(eg.value_to_i64(value))
+    return tuple(children), tuple(attrs)
+
+
+class Provenance(Mapping):
+    """E-node -> the rules that made it (`encoding.made_row`), read from the e-graph on first use.
+
+    Provenance rows outnumber e-nodes two to one and only the final plan's
+    rules are ever asked for (`solve.rules_used`), so they are decoded when
+    a plan asks, not each time an e-graph is read back."""
+
+    def __init__(self, egraph, frozen) -> None:
+        self._egraph, self._frozen = egraph, frozen
+        self._rows: dict[ENode, frozenset[str]] | None = None
+
+    def _load(self) -> dict[ENode, frozenset[str]]:
+        if self._rows is None:
+            eg, made = self._egraph, {}
+            for name, fn in self._frozen.functions.items():
+                if not name.startswith(MADE_PREFIX):
+                    continue
+                op = name[len(MADE_PREFIX):].split("_", 1)[1]
+                for row in fn.rows:
+                    node = ENode(op, *_children_and_attrs(eg, fn.input_sorts[:-1], row.inputs[:-1]))
+                    made.setdefault(node, set()).add(eg.value_to_string(row.inputs[-1]))
+            self._rows = {node: frozenset(who) for node, who in made.items()}
+            self._egraph = self._frozen = None
+        return self._rows
+
+    def __getitem__(self, node: ENode) -> frozenset[str]:
+        return self._load()[node]
+
+    def __iter__(self):
+        return iter(self._load())
+
+    def __len__(self) -> int:
+        return len(self._load())
+
+
+class Session:
+    """An egglog e-graph with the compiled rules and one graph loaded."""
+
+    def __init__(self, program: RuleProgram, graph_text: str, deadline: float | None = None,
+                 mesh: Mesh | None = None):
+        """Once `deadline` (a `time.perf_counter()` value) passes, no more rules are loaded (`loaded` says how
+        many were); the graph always is, so the e-graph stays whole, unless the deadline passes while it is
+        loaded (OptimizeError: there is no plan of part of a graph). With `mesh` the program is in the mesh
+        encoding (`mesh_encoding`), and the snapshot reads placements."""
+        self.mesh = mesh
+        self.egraph = bindings.EGraph()
+        self.loaded = 0
+        try:
+            # One command batch per rule and per graph node: egglog 13.2 is far
+            # slower on one large program (9 s against 0.4 s for 200 rules).
+            self._run(program.declarations)
+            self._constructors = frozenset(name for name, fn in self.egraph.freeze().functions.items()
+                                           if fn.output_sort == "T" and not fn.is_let_binding)
+            for rule in program.rules:
+                if past(deadline):
+                    break
+                self._run(rule.text)
+                self.loaded += 1
+            chunks = [chunk for chunk in graph_text.split("\n\n") if chunk.strip()]
+            for index, chunk in enumerate(chunks):
+                # a graph not loaded whole cannot give a plan; small ones (< 256 tensors, < 0.2 s) always load
+                if index and index % 256 == 0 and past(deadline):
+                    raise OptimizeError(f"loading the graph into the e-graph ran past the time limit (--limit "
+                                        f"seconds): {index:,} of {len(chunks):,} tensors loaded; raise the limit")
+                self._run(chunk)
+        except bindings.EggSmolError as err:
+            raise CompileError(f"egglog rejected the generated program: {err}") from None
+
+    def _run(self, text: str):
+        return self.egraph.run_program(*self.egraph.parse_program(text))
+
+    def extend(self, rules: Sequence[CompiledRule], tag: str, first_index: int) -> None:
+        """Loads more compiled rules into rulesets of their own, `<tag>alg` and `<tag>par`.
+
+        The rule generator adds the rules it keeps to an e-graph that already
+        holds its candidates, batch by batch; `first_index` keeps the rules'
+        match relations apart from the ones loaded before (`RuleBody.text`).
+        """
+        try:
+            for ruleset in RULESETS:
+                self._run(f"(ruleset {tag}{ruleset}) (ruleset {match_ruleset(tag + ruleset)})")
+            for offset, rule in enumerate(rules):
+                self._run(rule.body.text(first_index + offset, tag + rule.ruleset, f"{tag}{rule.name}#{offset}"))
+        except bindings.EggSmolError as err:
+            raise CompileError(f"egglog rejected the generated program: {err}") from None
+
+    def push(self) -> None:
+        """Saves the e-graph (egglog's push); `pop` brings it back."""
+        self._run("(push)")
+
+    def pop(self) -> None:
+        self._run("(pop)")
+
+    def load(self, text: str) -> None:
+        """Runs program text that inserts terms or facts (a graph chunk)."""
+        try:
+            self._run(text)
+        except bindings.EggSmolError as err:
+            raise CompileError(f"egglog rejected the generated program: {err}") from None
+
+    def combine_rulesets(self, name: str, parts: Sequence[str]) -> None:
+        """Declares `name` (and its match half) as the combined ruleset of `parts` (and theirs)."""
+        self._run(f"(unstable-combined-ruleset {name} {' '.join(parts)})\n"
+                  f"(unstable-combined-ruleset {match_ruleset(name)} {' '.join(match_ruleset(p) for p in parts)})")
+
+    def holds(self, left: str, right: str) -> bool:
+        """Whether the e-graph already has `right` (an egglog term, not inserted) in `left`'s e-class."""
+        try:
+            self._run(f"(check (= {left} {right}))")
+        except bindings.EggSmolError:
+            return False
+        return True
+
+    def run(self, ruleset: str) -> StepReport:
+        """One iteration of `ruleset` (or of one of its chunks), and egglog's report of it.
+
+        The `Whole` rows of terms built since the last run are derived first, then the rules' patterns
+        matched (`RuleBody`), then the rules applied: the report is the applying halves' (a pattern half
+        only records matches for its rule to join with its guards).
+        """
+        outputs = self._run(f"(run {SHAPE_RULESET} 1) (run {match_ruleset(ruleset)} 1) (run {ruleset} 1)")
+        report = outputs[-1].report
+        return StepReport(bool(report.updated), dict(report.num_matches_per_rule))
+
+    def size(self) -> int:
+        """Number of e-nodes (constructor rows), from egglog's table sizes: cheap enough to check between chunks
+        (freezing the e-graph to count them costs ~45 ms per 18k e-nodes, this ~0.3 ms)."""
+        sizes = self._run("(print-size)")[-1].sizes
+        return sum(count for name, count in sizes if name in self._constructors)
+
+    def snapshot(self) -> Snapshot:
+        eg = self.egraph
+        frozen = eg.freeze()
+        classes: dict[int, list[ENode]] = {}
+        analysis: dict[str, dict] = {name: {} for name in ANALYSES}
+        lets: dict[str, int] = {}
+        for name, fn in frozen.functions.items():
+            if name.startswith(MADE_PREFIX):
+                continue
+            if fn.is_let_binding:
+                if fn.output_sort == "T":
+                    lets[name] = eg.value_to_i64(fn.rows[0].output)
+                continue
+            if name in analysis:
+                table = analysis[name]
+                for row in fn.rows:
+                    key = tuple(eg.value_to_i64(v) for v in row.inputs)
+                    table[key] = eg.value_to_i64(row.output)
+                continue
+            if fn.output_sort != "T":
+                continue
+            op = "leaf" if name == "Leaf" else name.split("_", 1)[1]
+            for row in fn.rows:
+                if row.subsumed:
+                    continue
+                classes.setdefault(eg.value_to_i64(row.output), []).append(
+                    ENode(op, *_children_and_attrs(eg, fn.input_sorts, row.inputs)))
+        classes = {k: tuple(v) for k, v in classes.items()}
+        made_by = Provenance(eg, frozen)
+        if self.mesh is not None:
+            return _mesh_snapshot(eg, frozen, classes, lets, made_by, self.mesh)
+        shape: dict[int, tuple[int, ...]] = {}
+        degrees: dict[int, Degrees] = {}
+        for cid in classes:
+            rank = analysis["Rank"].get((cid,))
+            if rank is None:
+                continue
+            dims = tuple(analysis["Dim"].get((cid, i), 0) for i in range(rank))
+            shard = tuple(analysis["Shard"].get((cid, i), 1) for i in range(rank))
+            shape[cid] = dims
+            degrees[cid] = Degrees(shard, analysis["Copy"].get((cid,), 1), analysis["Psum"].get((cid,), 1))
+        return Snapshot(classes, shape, degrees, lets, made_by)
+
+
+def _mesh_snapshot(eg, frozen, classes, lets, made, mesh: Mesh) -> Snapshot:
+    """Placements and local shapes read from `Pl` and `Local` (datatype values, decoded through their
+    constructors' rows); global shapes and degrees computed from them."""
+    constructors: dict = {}
+    for name, fn in frozen.functions.items():
+        if fn.output_sort in ("Shape", "Place") and not fn.is_let_binding and name not in (LOCAL, PLACE):
+            for row in fn.rows:
+                constructors[row.output] = tuple(eg.value_to_i64(v) for v in row.inputs)
+    local = {eg.value_to_i64(row.inputs[0]): constructors[row.output] for row in frozen.functions[LOCAL].rows}
+    place = {eg.value_to_i64(row.inputs[0]): constructors[row.output] for row in frozen.functions[PLACE].rows}
+    shape: dict[int, tuple[int, ...]] = {}
+    degrees: dict[int, Degrees] = {}
+    placement: dict[int, Placement] = {}
+    for cid in classes:
+        if cid not in local or cid not in place:
+            continue
+        where = Placement(place[cid])
+        dims = tuple(d * prod(mesh.size(a) for a in where.shard_axes(i)) for i, d in enumerate(local[cid]))
+        shape[cid], placement[cid] = dims, where
+        degrees[cid] = Degrees.of_placement(where, mesh, len(dims))
+    return Snapshot(classes, shape, degrees, lets, made, placement, mesh)

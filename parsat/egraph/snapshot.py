@@ -1,0 +1,77 @@
+"""The e-graph read back: e-classes, their e-nodes, shapes and spreads, and who made each e-node.
+
+Extraction, pricing and the plan work on this snapshot, not on egglog:
+`session` fills it from egglog's tables once saturation stops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Mapping
+
+from parsat.ir.mesh import Mesh
+from parsat.ir.pcg import Degrees
+from parsat.ir.placement import Placement
+from parsat.egraph.encoding import GRAPH_MADE
+
+
+@dataclass(frozen=True)
+class ENode:
+    """One e-node of the snapshot: constructor (operator name, or "leaf"), children classes, attributes."""
+
+    op: str
+    children: tuple[int, ...]
+    attrs: tuple  # values of the non-tensor positions, in order (ints, strings for reals, leaf name)
+
+
+def parallel_attrs(node: ENode, mesh: Mesh) -> tuple[tuple[str, int | str], ...]:
+    """A parallel operator e-node's attributes as its PCG node carries them: its dim (partition, combine), the
+    name of the mesh axis it acts on and that axis's size (the e-node's last attribute is the axis index)."""
+    axis = node.attrs[-1]
+    return tuple(zip(("dim",), node.attrs[:-1])) + (("axis", mesh.axes[axis].name), ("degree", mesh.size(axis)))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The e-graph read back: e-classes with their e-nodes and their analysis.
+
+    `shape` is every class's global shape, `degrees` its spread; on a device
+    mesh (the optimizer's encoding, `mesh_encoding`) `placement` gives each
+    class's placement on `mesh` (the degrees follow from it); the rule
+    generator's degree encoding has no mesh and no placements.
+    """
+
+    classes: Mapping[int, tuple[ENode, ...]]
+    shape: Mapping[int, tuple[int, ...]]
+    degrees: Mapping[int, Degrees]
+    lets: Mapping[str, int]
+    made: Mapping[ENode, frozenset[str]] = field(default_factory=dict)  # who made an e-node (`made_row`)
+    placement: Mapping[int, Placement] = field(default_factory=dict)
+    mesh: Mesh | None = None
+
+    def makers(self, node: ENode) -> frozenset[str]:
+        """The rules that made `node`; empty for the input graph's own e-nodes (and leaves and pins)."""
+        who = self.made.get(node, frozenset())
+        return frozenset() if GRAPH_MADE in who else who
+
+    @property
+    def enodes(self) -> int:
+        return sum(len(v) for v in self.classes.values())
+
+    @cached_property
+    def kids(self) -> dict[tuple[int, int], tuple[int, ...]]:
+        """(e-class, index) -> the distinct classes the e-node reads. Every extraction pass walks the e-graph
+        by these (`extract`), a dozen passes per e-graph (the joint plan, the grid's points, Megatron's): they
+        are worked out once per snapshot."""
+        return {(cid, index): tuple(dict.fromkeys(node.children)) for cid, nodes in self.classes.items()
+                for index, node in enumerate(nodes)}
+
+    @cached_property
+    def readers(self) -> dict[int, tuple[tuple[int, int], ...]]:
+        """E-class -> the e-nodes that read it (each once), for the same passes."""
+        out: dict[int, list[tuple[int, int]]] = {}
+        for nid, kids in self.kids.items():
+            for child in kids:
+                out.setdefault(child, []).append(nid)
+        return {cid: tuple(nids) for cid, nids in out.items()}

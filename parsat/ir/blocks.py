@@ -1,0 +1,56 @@
+"""Which block of a stack a value belongs to: what repeated-block search (`search.repeat`) and pipeline
+stages (`ir.pipeline`) both cut a model by.
+
+Language models are stacks of blocks (`ir.models`: every weight and node
+of block i is named `b{i}_...`). A PCG node belongs to the latest block
+whose weights it depends on; values that depend on no block's weights
+(embeddings, masks, positions) are OUTSIDE every block.
+"""
+
+from __future__ import annotations
+
+import re
+
+from parsat.ir.pcg import PCG
+
+OUTSIDE = -1                   # a value that depends on no block's weights (embeddings, masks, positions)
+_BLOCK_NAME = re.compile(r"^b(\d+)_")
+
+
+def block_of(name: str) -> int:
+    """The block a graph name belongs to (`b3_wq` -> 3), OUTSIDE for names outside every block."""
+    found = _BLOCK_NAME.match(name)
+    return int(found.group(1)) if found else OUTSIDE
+
+
+def has_blocks(names) -> bool:
+    """Whether any of `names` (a graph's leaves) belongs to a block: a model the block-wise machinery (repeated
+    search, pipeline stages, recomputation) can cut."""
+    return any(block_of(name) != OUTSIDE for name in names)
+
+
+def in_block(name: str, block: int) -> str:
+    """`name` moved into `block` (`b1_wq` -> `b7_wq`); a name outside every block is kept."""
+    return _BLOCK_NAME.sub(f"b{block}_", name, count=1) if block_of(name) != OUTSIDE else name
+
+
+def node_blocks(pcg: PCG) -> dict[int, int]:
+    """PCG node -> its block: the latest block whose weights it depends on (the PCG is in topological order),
+    except that parallel operators that only a later block reads belong to that block: they are its entry,
+    converting the value it reads into the placements it wants (block 1 may want the same value of block 0
+    in two placements, and block 2 of block 1 in one: what crosses is the value, each block converts it)."""
+    blocks: dict[int, int] = {}
+    for node in pcg.nodes:
+        own = block_of(node.op) if node.kind == "leaf" else block_of(node.origin)
+        blocks[node.id] = max([own] + [blocks[i] for i in node.inputs])
+    readers: dict[int, set[int]] = {}
+    for node in pcg.nodes:
+        for i in node.inputs:
+            readers.setdefault(i, set()).add(node.id)
+    for node in reversed(pcg.nodes):
+        if node.kind != "parallel" or blocks[node.id] == OUTSIDE or node.id in pcg.outputs:
+            continue
+        later = {blocks[r] for r in readers.get(node.id, ())}
+        if len(later) == 1 and next(iter(later)) > blocks[node.id]:
+            blocks[node.id] = next(iter(later))
+    return blocks

@@ -1,0 +1,245 @@
+"""What a PCG node and a whole plan cost per training step: the records the plan JSON carries.
+
+The cost model (`parsat/cost/model.py`) fills them; the plan (`plan.py`)
+writes them (`nodes[i].cost`, `totals`, `baselines.NAME`); the backend
+compares its measurements with them. Their meaning, and the conventions
+behind every number, are in docs/plan-schema.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Mapping, Sequence
+
+from parsat.ir.machine import Machine
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """What one node costs per training step (times in seconds)."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    optimizer_s: float = 0.0
+    comm_s: float = 0.0
+    comm_elements: int = 0
+    grad_sync_elements: int = 0
+    memory_bytes: int = 0
+    flops: float = 0.0
+    collectives: tuple[str, ...] = ()
+    problems: tuple[str, ...] = field(default=(), compare=False)
+    activation_bytes: int = 0  # the part of memory_bytes one micro-batch keeps alive (the rest: weights' state)
+    # A parallel operator on a weight's chain (`ir.pcg.pcg_roles`: a weight or a weight-piece read by parallel
+    # operators only): its value is made once per step and its gradient reduced once per step, whatever the
+    # micro-batch count, so none of its collectives repeat per micro-batch (`per_step`).
+    weight_chain: bool = False
+    accumulation_bytes: int = 0  # a gradient this node holds across a step's micro-batches (a gathered weight's)
+    # Forward parts of comm_s and comm_elements: what activation recomputation runs again (`recomputed`).
+    forward_comm_s: float = 0.0
+    forward_comm_elements: int = 0
+    # Part of memory_bytes alive only while the node's block is recomputed and differentiated (`recomputed`):
+    # one block's at a time, so it neither repeats with the blocks a node stands for nor with micro-batches.
+    transient_bytes: int = 0
+
+    @property
+    def time_s(self) -> float:
+        return self.forward_s + self.backward_s + self.optimizer_s + self.comm_s
+
+    def to_dict(self, dtype_bytes: int) -> dict:
+        return {"time_s": self.time_s, "forward_s": self.forward_s, "backward_s": self.backward_s,
+                "optimizer_s": self.optimizer_s, "comm_s": self.comm_s, "comm_elements": self.comm_elements,
+                "comm_bytes": self.comm_elements * dtype_bytes, "grad_sync_elements": self.grad_sync_elements,
+                "memory_bytes": self.memory_bytes, "flops": self.flops, "collectives": list(self.collectives)}
+
+    @staticmethod
+    def from_dict(data: Mapping) -> "NodeCost":
+        """A node's `cost` object of a plan JSON (`to_dict`) read back: the figures it records (what only the
+        search keeps, activation and accumulation bytes, the weight-chain flag, stays at its default)."""
+        return NodeCost(float(data.get("forward_s", 0.0)), float(data.get("backward_s", 0.0)),
+                        float(data.get("optimizer_s", 0.0)), float(data.get("comm_s", 0.0)),
+                        int(data.get("comm_elements", 0)), int(data.get("grad_sync_elements", 0)),
+                        int(data.get("memory_bytes", 0)), float(data.get("flops", 0.0)),
+                        tuple(data.get("collectives", ())))
+
+    def times(self, factor: int) -> "NodeCost":
+        """This cost counted `factor` times (a node standing for `factor` alike, `search.repeat`): every
+        figure that adds up over nodes."""
+        return replace(self, forward_s=self.forward_s * factor, backward_s=self.backward_s * factor,
+                       optimizer_s=self.optimizer_s * factor, comm_s=self.comm_s * factor,
+                       comm_elements=self.comm_elements * factor,
+                       grad_sync_elements=self.grad_sync_elements * factor,
+                       memory_bytes=(self.memory_bytes - self.transient_bytes) * factor + self.transient_bytes,
+                       flops=self.flops * factor, accumulation_bytes=self.accumulation_bytes * factor,
+                       activation_bytes=self.activation_bytes * factor,
+                       forward_comm_s=self.forward_comm_s * factor,
+                       forward_comm_elements=self.forward_comm_elements * factor)
+
+    def recomputed(self, kept: bool) -> "NodeCost":
+        """This node under activation recomputation (`ir.recompute`): its block's forward runs again before
+        the block's backward, so its forward compute and forward collectives count twice (as backward time and
+        elements sent; model FLOPs do not change). Unless its value is `kept` (read outside its block), it
+        holds no activation between forward and backward, only while its block is recomputed
+        (`transient_bytes`)."""
+        again = replace(self, backward_s=self.backward_s + self.forward_s, comm_s=self.comm_s + self.forward_comm_s,
+                        comm_elements=self.comm_elements + self.forward_comm_elements)
+        if kept:
+            return again
+        return replace(again, activation_bytes=0, transient_bytes=self.transient_bytes + self.activation_bytes)
+
+    def with_transient(self, transient_bytes: int) -> "NodeCost":
+        """This node charged `transient_bytes` of recomputed activations in place of its own (a block's are
+        counted on one node, or spread as an average: `search.recompute`)."""
+        return replace(self, memory_bytes=self.memory_bytes - self.transient_bytes + transient_bytes,
+                       transient_bytes=transient_bytes)
+
+    def with_in_flight(self, count: int) -> "NodeCost":
+        """This cost with `count` micro-batches' activations alive at once (a pipeline stage's warm-up): what
+        a stage search ranks memory by (`search.pipeline_search`)."""
+        if count == 1:
+            return self
+        extra = (count - 1) * self.activation_bytes
+        return replace(self, memory_bytes=self.memory_bytes + extra, activation_bytes=self.activation_bytes + extra)
+
+    def per_step(self, microbatches: int) -> "NodeCost":
+        """This node's cost per step when a step runs `microbatches` micro-batches (gradient accumulation).
+
+        The cost model prices a node at the micro-batch's shapes. Its
+        compute and the collectives on activations run once per micro-batch.
+        A weight's chain runs once per step, as the backend runs it
+        (parsat/backend/executor.py `RankProgram.weight_values`): the values made
+        from a weight by parallel operators (its ZeRO-3 all-gather, its
+        replicas) before the first micro-batch, kept for all of them, and
+        their backward (the gradient synchronisation: all-reduce,
+        reduce-scatter) after the last, on the gradient accumulated over the
+        micro-batches (as DDP's `no_sync`, and FSDP's with resharding after
+        forward off). The optimizer runs once per step. Memory is what one
+        micro-batch keeps alive plus the weights' state, since a
+        micro-batch's activations are freed by its backward before the next
+        begins, plus the gradients a weight's chain accumulates across the
+        micro-batches (`accumulation_bytes`: a gathered weight's whole
+        gradient waits for the one reduce-scatter).
+        """
+        m = microbatches
+        if m == 1:
+            return self
+        if self.weight_chain:
+            return replace(self, memory_bytes=self.memory_bytes + self.accumulation_bytes)
+        return replace(self, forward_s=self.forward_s * m, backward_s=self.backward_s * m, comm_s=self.comm_s * m,
+                       comm_elements=self.comm_elements * m, flops=self.flops * m,
+                       forward_comm_s=self.forward_comm_s * m, forward_comm_elements=self.forward_comm_elements * m)
+
+
+# The phases a simulated step is reported in (`StepTimeline.phases`), and the letter each draws on the timeline's
+# lanes: the compute lane in capitals, the communication lane in lower case (the gradient sync is communication
+# by nature, so it is G on the communication lane), a waiting rank as w. `explain` prints the legend.
+STEP_PHASES = ("forward", "backward", "grad_sync", "optimizer", "stragglers")
+LANES = ("compute", "comm", "overlap")
+LANE_LETTERS = {("compute", "forward"): "F", ("compute", "backward"): "B", ("compute", "optimizer"): "O",
+                ("compute", "grad_sync"): "G", ("compute", "stragglers"): "w",
+                ("comm", "forward"): "f", ("comm", "backward"): "b", ("comm", "grad_sync"): "G",
+                ("comm", "optimizer"): "o", ("comm", "stragglers"): "w"}
+
+
+@dataclass(frozen=True)
+class PhaseTimes:
+    """One phase of a simulated step: when it ran, and how long each lane was busy with it."""
+
+    phase: str          # one of STEP_PHASES
+    start_s: float
+    end_s: float
+    compute_s: float    # the compute lane's busy time in this phase
+    comm_s: float       # the communication lane's busy time in this phase
+
+    def to_dict(self) -> dict:
+        return {"phase": self.phase, "start_s": self.start_s, "end_s": self.end_s, "compute_s": self.compute_s,
+                "comm_s": self.comm_s}
+
+
+@dataclass(frozen=True)
+class StepTimeline:
+    """A plan's training step as the step simulator ran it (`cost.step_report`): the `step` object of a
+    plan's `totals` (docs/plan-schema.md). `lanes` draw the step, one character per equal slice of it
+    (`LANE_LETTERS`, a space where the lane is idle), for `explain`."""
+
+    profile: str                    # the execution profile simulated (`cost.pcg_tasks`: "ddp", "parsat run")
+    microbatches: int
+    peak_memory_bytes: int          # the simulated peak at any instant, transient buffers included
+    phases: tuple[PhaseTimes, ...]
+    lanes: tuple[tuple[str, str], ...]   # (lane, its drawing): ("compute", "FFFBB..."), ("comm", " f  GG..."),
+                                         # ("overlap", "    ^^..."): where both were busy at once
+
+    def to_dict(self) -> dict:
+        return {"profile": self.profile, "microbatches": self.microbatches,
+                "peak_memory_bytes": self.peak_memory_bytes, "phases": [p.to_dict() for p in self.phases],
+                "lanes": dict(self.lanes)}
+
+
+@dataclass(frozen=True)
+class StepStreams:
+    """The simulated step's time and what its streams did: the per-stream totals of the plan JSON."""
+
+    time_s: float            # the simulated step time: the critical path
+    compute_busy_s: float    # the compute lane busy (computation, loss, optimizer)
+    comm_busy_s: float       # the communication lane busy (every collective, waits for peers)
+    exposed_comm_s: float    # the step less the compute lane's busy time: compute idle, waiting
+    overlap_s: float         # time both lanes were busy at once
+
+
+@dataclass(frozen=True)
+class Totals:
+    """A plan's totals: the `totals` / `baselines` objects of the plan JSON.
+
+    `time_s` is the step time the plan is ranked by: the step simulator's
+    when the plan was simulated (`simulated`), the per-node sum otherwise;
+    `node_sum_s` is always the per-node sum (what extraction ranks e-nodes
+    by); `compute_s` and `comm_s` are the per-node sums of computation and
+    communication; `streams` and `step` the simulation's figures.
+    """
+
+    time_s: float
+    comm_elements: int
+    comm_bytes: int
+    peak_memory_bytes: int
+    grad_sync_elements: int
+    compute_s: float
+    comm_s: float
+    node_sum_s: float | None = None
+    streams: StepStreams | None = None
+    step: StepTimeline | None = None
+
+    def simulated(self, streams: StepStreams, step: StepTimeline) -> "Totals":
+        """These totals with the simulated step: `time_s` becomes the simulated time, the sum is kept."""
+        return replace(self, time_s=streams.time_s, node_sum_s=self.per_node_s, streams=streams, step=step)
+
+    def fits(self, machine: Machine) -> bool:
+        """Whether the plan's peak memory per device fits in `machine`'s."""
+        return self.peak_memory_bytes <= machine.memory_capacity
+
+    @property
+    def per_node_s(self) -> float:
+        return self.time_s if self.node_sum_s is None else self.node_sum_s
+
+    def to_dict(self) -> dict:
+        out = {"time_s": self.time_s, "comm_elements": self.comm_elements, "comm_bytes": self.comm_bytes,
+               "peak_memory_bytes": self.peak_memory_bytes, "grad_sync_elements": self.grad_sync_elements,
+               "compute_s": self.compute_s, "comm_s": self.comm_s, "node_sum_s": self.per_node_s}
+        if self.streams is not None:
+            s = self.streams
+            out.update({"compute_busy_s": s.compute_busy_s, "comm_busy_s": s.comm_busy_s,
+                        "exposed_comm_s": s.exposed_comm_s, "overlap_s": s.overlap_s})
+        if self.step is not None:
+            out["step"] = self.step.to_dict()
+        return out
+
+
+def totals(costs: Mapping[int, NodeCost] | Sequence[NodeCost], machine: Machine) -> Totals:
+    values = list(costs.values()) if isinstance(costs, Mapping) else list(costs)
+    comm = sum(c.comm_elements for c in values)
+    # a recomputed block's activations live only while it is recomputed, one block at a time
+    # (`search.recompute.recomputed_pcg_costs` puts each block's on one node)
+    memory = sum(c.memory_bytes - c.transient_bytes for c in values) + max((c.transient_bytes for c in values),
+                                                                           default=0)
+    return Totals(sum(c.time_s for c in values), comm, comm * machine.dtype_bytes,
+                  memory, sum(c.grad_sync_elements for c in values),
+                  sum(c.forward_s + c.backward_s + c.optimizer_s for c in values),
+                  sum(c.comm_s for c in values))

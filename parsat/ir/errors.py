@@ -1,0 +1,35 @@
+"""The errors every stage shares: each says, for the user, why a graph, machine or plan cannot be used, or why
+no plan could be made.
+
+They live apart from the classes that raise them so that the readers
+(`graph`, `machine`, `plan`) and the structural checks they call first
+(`validate`) share them without importing each other, and so that the
+e-graph layer and the search raise the same `OptimizeError` without the
+one importing the other.
+"""
+
+from __future__ import annotations
+
+
+class GraphError(Exception):
+    """A graph that cannot be optimized; the message names the node."""
+
+
+class MachineError(Exception):
+    """A machine description that cannot be used."""
+
+
+class PlanError(Exception):
+    """A plan file that cannot be read."""
+
+
+class OptimizeError(Exception):
+    """Why `optimize` could not make a plan; the message is for the user."""
+
+
+class DoesNotFit(OptimizeError):
+    """No plan fits in memory: the smallest needs `needed_bytes` per device of `capacity_bytes`."""
+
+    def __init__(self, message: str, needed_bytes: int, capacity_bytes: int):
+        super().__init__(message)
+        self.needed_bytes, self.capacity_bytes = needed_bytes, capacity_bytes

@@ -1,0 +1,159 @@
+"""What a machine file says beyond peak rates: operator efficiency and measured collectives.
+
+Two records, both part of `ir.machine.Machine` (machine file version 2,
+docs/COSTMODEL.md):
+
+* `OpEfficiency`: what keeps an operator below the roofline. A fixed cost
+  per operator call (kernel launch on a GPU, Python dispatch and autograd
+  bookkeeping in `parsat run`), paid in forward and again in backward;
+  and Hockney's half-performance lengths: a rate r(n) = r_peak / (1 + n_half / n)
+  reaches half of its peak at n = n_half. A GEMM has one per dimension
+  (m, n, k: small or skinny products do not fill the machine), a
+  memory-bound operator one in bytes (small copies do not reach the
+  achievable bandwidth).
+* `CommProfile`: the collective model's parameters beyond the per-link
+  bandwidth and per-step latency the machine already has: a fixed cost per
+  collective call, how much of a ring's bandwidth NCCL's tree reaches, the
+  DDP bucket sizes, how long a collective waits for stragglers, and a table of measured collectives (`CollectivePoint`:
+  a collective, a link kind and a group size -> latency and bus bandwidth)
+  that `parsat calibrate` fills; where the table has the case, it is used
+  as measured, otherwise the algorithmic model (`cost.collectives`).
+
+Defaults are neutral (no overhead, no efficiency loss, an empty table), so
+a version-1 machine file reads as it always priced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from parsat.ir.errors import MachineError
+from parsat.ir.validate import COLLECTIVE_KINDS as COLLECTIVES
+from parsat.ir.validate import LINK_KINDS as LINKS
+from parsat.ir.validate import validate_comm_dict, validate_efficiency_dict
+MIB = 1 << 20
+
+
+def bus_factor(collective: str, p: int) -> float:
+    """nccl-tests' bus bandwidth factor: bytes over the busiest link per byte of the buffer (`CollectivePoint`)."""
+    if collective not in COLLECTIVES:
+        raise MachineError(f"unknown collective '{collective}' ({', '.join(COLLECTIVES)})")
+    if p <= 1:
+        return 0.0
+    if collective == "all_reduce":
+        return 2 * (p - 1) / p
+    if collective in ("send_recv", "broadcast"):
+        return 1.0
+    return (p - 1) / p
+
+
+@dataclass(frozen=True)
+class OpEfficiency:
+    """Per-operator overheads and the half-performance lengths of the compute model (seconds, elements, bytes)."""
+
+    dispatch_s: float = 0.0            # fixed cost of one operator call in forward
+    backward_dispatch_s: float = 0.0   # fixed cost of one operator in backward (autograd's node)
+    gemm_half_m: float = 0.0           # rows of the product at which a GEMM runs at half its peak rate
+    gemm_half_n: float = 0.0           # columns
+    gemm_half_k: float = 0.0           # contraction length
+    memory_half_bytes: float = 0.0     # bytes moved at which a memory-bound operator reaches half the bandwidth
+    cache_bytes: float = 0.0           # operators moving at most this many bytes run from cache ...
+    cache_bandwidth: float = 0.0       # ... at this bandwidth (bytes/s; 0: no cache tier)
+    random_bandwidth: float = 0.0      # bytes/s of normal random numbers made (seeded data; 0: not measured)
+    async_dispatch: bool = False       # True on GPUs: the host launches ahead, an operator takes max(dispatch,
+                                       # kernel); False on CPU: the dispatching thread computes, dispatch + kernel
+
+    def op_time(self, kernel_s: float, backward: bool = False) -> float:
+        """An operator call's time: its kernel and its fixed dispatch cost, overlapped or in sequence."""
+        dispatch = self.backward_dispatch_s if backward else self.dispatch_s
+        return max(dispatch, kernel_s) if self.async_dispatch else dispatch + kernel_s
+
+    def gemm_efficiency(self, m: float, n: float, k: float) -> float:
+        """Fraction of peak FLOP/s a (batched) m x k by k x n product reaches, in (0, 1]."""
+        return 1.0 / ((1 + self.gemm_half_m / max(m, 1.0)) * (1 + self.gemm_half_n / max(n, 1.0))
+                      * (1 + self.gemm_half_k / max(k, 1.0)))
+
+    def memory_efficiency(self, nbytes: float) -> float:
+        """Fraction of the achievable bandwidth a memory-bound operator moving `nbytes` reaches."""
+        return 1.0 / (1 + self.memory_half_bytes / max(nbytes, 1.0))
+
+    def bandwidth(self, nbytes: float, memory_bandwidth: float) -> float:
+        """The bandwidth an operator moving `nbytes` sees: the cache's when it fits there, else memory's,
+        times the small-transfer efficiency. (A CPU's last-level cache serves an 8 MB working set at
+        several times DRAM bandwidth; beyond it every pass streams from DRAM.)"""
+        fits = self.cache_bandwidth > 0 and nbytes <= self.cache_bytes
+        return (self.cache_bandwidth if fits else memory_bandwidth) * self.memory_efficiency(nbytes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(data: Any) -> "OpEfficiency":
+        """An `efficiency` object, checked against `ir.validate.EFFICIENCY_RANGES` (MachineError otherwise)."""
+        data = validate_efficiency_dict(data)
+        return OpEfficiency(**{k: (v if isinstance(v, bool) else float(v)) for k, v in data.items()})
+
+
+@dataclass(frozen=True)
+class CollectivePoint:
+    """One measured collective: `collective` among `group` devices over `link`, as latency + bytes / bus bandwidth.
+
+    Bus bandwidth as nccl-tests defines it: the algorithm bandwidth (bytes
+    of the buffer / time) times 2(p-1)/p for an all-reduce, (p-1)/p for
+    all-gather, reduce-scatter and all-to-all, 1 for send/recv and
+    broadcast; so one figure describes the link whatever the group size.
+    """
+
+    collective: str
+    link: str
+    group: int
+    latency_s: float
+    bus_bandwidth: float
+
+    def to_dict(self) -> dict:
+        return {"collective": self.collective, "link": self.link, "group": self.group, "latency_s": self.latency_s,
+                "bus_bandwidth": self.bus_bandwidth}
+
+    @staticmethod
+    def from_dict(data: Any) -> "CollectivePoint":
+        """A checked point (`ir.validate.validate_comm_dict` checks the points of a `comm` object)."""
+        return CollectivePoint(str(data["collective"]), str(data["link"]), int(data["group"]), float(data["latency_s"]),
+                               float(data["bus_bandwidth"]))
+
+
+@dataclass(frozen=True)
+class CommProfile:
+    """The collective model's parameters beyond the machine's per-link bandwidth and per-step latency."""
+
+    launch_s: float = 0.0                 # fixed cost of one collective call (kernel launch, enqueue)
+    tree_bandwidth_factor: float = 1.0    # a tree all-reduce's bus bandwidth over a ring's (NCCL: a bit below 1)
+    bucket_bytes: int = 25 * MIB          # DDP's bucket_cap_mb (25 MiB by default)
+    first_bucket_bytes: int = 1 * MIB     # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+    sync_skew: float = 0.0                # stragglers: a synchronising collective also waits this fraction of the
+                                          # compute since the previous one (ranks sharing cores; ~0 on dedicated GPUs)
+    points: tuple[CollectivePoint, ...] = field(default=())
+
+    def point(self, collective: str, link: str, group: int) -> CollectivePoint | None:
+        """The measured point for exactly this case, if the table has it."""
+        for p in self.points:
+            if p.collective == collective and p.link == link and p.group == group:
+                return p
+        return None
+
+    def to_dict(self) -> dict:
+        return {"launch_s": self.launch_s, "tree_bandwidth_factor": self.tree_bandwidth_factor,
+                "bucket_bytes": self.bucket_bytes, "first_bucket_bytes": self.first_bucket_bytes,
+                "sync_skew": self.sync_skew,
+                "points": [p.to_dict() for p in self.points]}
+
+    @staticmethod
+    def from_dict(data: Any) -> "CommProfile":
+        """A `comm` object, checked against `ir.validate.COMM_RANGES` and `POINT_RANGES` (MachineError otherwise)."""
+        data = dict(validate_comm_dict(data))
+        points = tuple(CollectivePoint.from_dict(p) for p in data.pop("points", []))
+        numbers = {k: (int(v) if k in ("bucket_bytes", "first_bucket_bytes") else float(v)) for k, v in data.items()}
+        return CommProfile(**numbers, points=points)
+
+
+__all__ = ["COLLECTIVES", "LINKS", "CollectivePoint", "CommProfile", "OpEfficiency", "bus_factor"]

@@ -1,0 +1,119 @@
+"""A training step of m micro-batches: how its batch is cut, and the graph of the whole batch.
+
+A graph with `microbatches` m > 1 is one micro-batch of a step: the step
+runs it m times and accumulates the gradients (`ir.costs.NodeCost.per_step`
+prices it so). What the step trains on is one batch of m micro-batches, and
+running it needs to know how that batch is laid out:
+
+* an input that carries the batch is cut into m equal blocks along its
+  batch dim, and micro-batch k reads block k (its *cut*); an input without
+  the batch (a position table, rotary tables) is the same for every
+  micro-batch;
+* an output likewise: one with a cut is the k-th block of the whole
+  batch's output; one without (a loss scalar) must be the same function of
+  every micro-batch, so that the whole batch's is their mean.
+
+Which dim carries the batch is known where the whole batch's graph can be
+built: a built-in example (`Graph.example`) whose `batch` size
+(`ir.models.BATCH`) was divided by m (`search.optimize.optimize`). Its graph
+at batch x m is built and compared with the micro-batch graph tensor by
+tensor: a dim that is m times larger is the cut, a dim that is equal is
+not, anything else (two cut dims, another ratio, other weights) is an
+error. For any other graph the whole batch is not known (`whole` is None):
+the step's batch is then m independent micro-batches, as if stacked along
+a new leading dim.
+
+The backend draws a step's data at the whole batch's shapes and gives
+micro-batch k its block, so a plan with m micro-batches and one with none
+train on the same data; `--check` compares with the whole batch's graph
+(parsat/backend/executor.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from parsat.dsl.library import Library
+from parsat.ir.errors import GraphError
+from parsat.ir.graph import Graph
+from parsat.ir.models import BATCH, EXAMPLES, build_example
+
+
+def is_loss(shape) -> bool:
+    """Whether an output of this shape is the graph's loss: a scalar (0-d), which training minimizes as it
+    is (the mean over its micro-batch: the step's loss is the mean of its micro-batches'). Any other output
+    is trained against a target (parsat/backend/executor.py `objective`)."""
+    return len(tuple(shape)) == 0
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """How one step's batch is cut into `microbatches` micro-batches (see the module docstring)."""
+
+    microbatches: int = 1
+    cuts: tuple[tuple[str, int], ...] = ()   # input or output name -> the dim cut into m blocks
+    whole: Graph | None = None               # the whole batch's graph; None where it is not known
+
+    def cut(self, name: str) -> int | None:
+        """The dim of `name` cut into micro-batches; None: the same for every micro-batch (or not known)."""
+        return dict(self.cuts).get(name)
+
+    def block(self, shape, name: str, k: int) -> tuple[slice, ...]:
+        """The index of micro-batch `k`'s block in a whole-batch tensor `name` of `shape`."""
+        dim = self.cut(name)
+        if dim is None:
+            return tuple(slice(None) for _ in shape)
+        size = shape[dim] // self.microbatches
+        return tuple(slice(k * size, (k + 1) * size) if d == dim else slice(None) for d in range(len(shape)))
+
+
+def step_batch(graph: Graph, library: Library | None = None) -> StepBatch:
+    """The step `graph` is one micro-batch of (GraphError when its example's whole batch does not match it)."""
+    m = graph.microbatches
+    if m == 1:
+        return StepBatch(1, (), graph)
+    whole = whole_batch_graph(graph, library)
+    if whole is None:
+        return StepBatch(m)
+    return StepBatch(m, tuple(sorted(_cuts(graph, whole, m).items())), whole)
+
+
+def whole_batch_graph(graph: Graph, library: Library | None = None) -> Graph | None:
+    """The graph of the whole batch of `graph`'s step: its example rebuilt at `microbatches` x its batch.
+    None for a graph that is not (or no longer) the example it records, or an example without a batch."""
+    if graph.example is None or graph.example[0] not in EXAMPLES:
+        return None
+    name, sizes = graph.example[0], dict(graph.example[1])
+    batch = {**EXAMPLES[name].defaults(), **sizes}.get(BATCH)
+    if batch is None:
+        return None
+    if _structure(build_example(name, sizes, library)) != _structure(graph):
+        return None   # edited since it was built: its example says nothing about it
+    return build_example(name, {**sizes, BATCH: batch * graph.microbatches}, library)
+
+
+def _structure(graph: Graph) -> dict:
+    data = graph.to_dict()
+    return {key: data[key] for key in ("inputs", "weights", "nodes", "outputs")}
+
+
+def _cuts(micro: Graph, whole: Graph, m: int) -> dict[str, int]:
+    """Input and output name -> the dim that is m times larger in `whole` (none: equal shapes)."""
+    small, big = micro.shapes(), whole.shapes()
+    roles: Mapping[str, str] = {leaf.name: leaf.role for leaf in micro.leaves}
+    if roles != {leaf.name: leaf.role for leaf in whole.leaves} or micro.outputs != whole.outputs:
+        raise GraphError(f"the whole batch of '{micro.name}' has other inputs, weights or outputs than its "
+                         "micro-batch")
+    names = list(roles) + list(micro.outputs)
+    cuts: dict[str, int] = {}
+    for name in names:
+        a, b = small[name], big[name]
+        differ = [d for d in range(len(a)) if len(a) != len(b) or a[d] != b[d]]
+        if len(a) != len(b) or len(differ) > 1 or any(b[d] != m * a[d] for d in differ) \
+                or (differ and roles.get(name) == "weight"):
+            raise GraphError(f"'{name}' of '{micro.name}' has shape {list(a)} in a micro-batch and {list(b)} in "
+                             f"the whole batch of {m} micro-batches: it is not cut along one dim into {m} blocks")
+        if differ:
+            cuts[name] = differ[0]
+    return cuts

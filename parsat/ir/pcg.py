@@ -1,0 +1,194 @@
+"""The Parallel Computation Graph (PCG): what extraction picks out of the e-graph.
+
+A PCG runs on a device mesh (`ir.mesh`). A node is a leaf (graph input or
+weight, whole), a compute operator on local pieces, or a parallel operator
+acting on one mesh axis (attributes `axis`, the axis's name, and `degree`,
+its size; `dim` for partition and combine). Every node carries its logical
+shape, its `Placement` (one entry per mesh axis: where its pieces live,
+docs/MESH.md) and its `Degrees`: the integer shard degree per dim, copy
+degree and partial-sum degree that the placement amounts to (the plan
+JSON's `spread`; `Degrees.of` is the one conversion from a symbolic
+`dsl.spread.Spread`, `Degrees.of_placement` the one from a placement).
+Placements are not computed here: they come from the e-graph analysis, and
+`pcg_layout.lay_out` checks that every node's follows from its inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Iterator, Mapping
+
+from parsat.dsl.parallel_ops import PARTITION
+from parsat.dsl.spread import Spread
+from parsat.dsl.symbolic import Poly
+from parsat.ir.mesh import Mesh
+from parsat.ir.placement import Placement
+
+@dataclass(frozen=True)
+class Degrees:
+    """How a tensor is spread over devices, with concrete degrees."""
+
+    shard: tuple[int, ...]
+    copy: int = 1
+    sum: int = 1
+
+    @staticmethod
+    def whole(rank: int) -> "Degrees":
+        return Degrees(tuple(1 for _ in range(rank)))
+
+    @staticmethod
+    def of(spread: Spread, sizes: Mapping[str, int] | None = None) -> "Degrees":
+        """A symbolic spread's degrees at `sizes` (its symbols' values; none needed when it is concrete)."""
+        env = dict(sizes or {})
+        return Degrees(tuple(int(d.evaluate(env)) for d in spread.shard), int(spread.copy.evaluate(env)),
+                       int(spread.sum.evaluate(env)))
+
+    @staticmethod
+    def of_placement(placement: Placement, mesh: Mesh, rank: int) -> "Degrees":
+        shard, copy, total = placement.degrees(mesh.shape, rank)
+        return Degrees(shard, copy, total)
+
+    @property
+    def pieces(self) -> int:
+        return prod(self.shard) * self.copy * self.sum
+
+    @property
+    def is_whole(self) -> bool:
+        return self.pieces == 1
+
+    def piece_elements(self, shape: tuple[int, ...]) -> int:
+        """Elements of one local piece."""
+        return prod(shape) // prod(self.shard) if shape else 1
+
+    def to_spread(self) -> Spread:
+        return Spread(tuple(Poly.const(d) for d in self.shard), Poly.const(self.copy), Poly.const(self.sum))
+
+    def to_dict(self) -> dict:
+        return {"shard": list(self.shard), "copy": self.copy, "sum": self.sum}
+
+    @staticmethod
+    def from_dict(data: dict) -> "Degrees":
+        return Degrees(tuple(int(d) for d in data["shard"]), int(data.get("copy", 1)), int(data.get("sum", 1)))
+
+    def __str__(self) -> str:
+        if self.is_whole:
+            return "whole"
+        parts = []
+        if any(d != 1 for d in self.shard):
+            parts.append("shard[" + ",".join(str(d) for d in self.shard) + "]")
+        if self.copy != 1:
+            parts.append(f"copy {self.copy}")
+        if self.sum != 1:
+            parts.append(f"sum {self.sum}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class PNode:
+    """One PCG node. `inputs` are ids of earlier nodes; `origin` names the graph node it computes, if any."""
+
+    id: int
+    kind: str  # "leaf" | "op" | "parallel"
+    op: str    # operator name, parallel operator name, or the leaf's name
+    inputs: tuple[int, ...]
+    attrs: tuple[tuple[str, int | float | str], ...]
+    shape: tuple[int, ...]
+    degrees: Degrees
+    role: str = ""     # leaves: "input" | "weight"
+    origin: str = ""
+    placement: Placement = Placement(())   # one entry per mesh axis (empty only for a 1-device PCG)
+
+    def attr(self, key: str):
+        return dict(self.attrs)[key]
+
+    def axis(self, mesh: Mesh) -> int:
+        """The mesh axis a parallel node acts on."""
+        return mesh.index(str(self.attr("axis")))
+
+    @property
+    def label(self) -> str:
+        if self.kind == "leaf":
+            return self.op
+        attrs = ", ".join(f"{k}={v}" for k, v in self.attrs)
+        return f"{self.op}({attrs})" if attrs else self.op
+
+
+@dataclass(frozen=True)
+class PCG:
+    """Nodes in topological order (inputs before users), the output ids, the mesh they run on, and which
+    activations are recomputed in backward rather than kept (`ir.recompute`: "none" or "blocks")."""
+
+    nodes: tuple[PNode, ...]
+    outputs: tuple[int, ...]
+    output_names: tuple[str, ...] = ()
+    mesh: Mesh = Mesh(())
+    recompute: str = "none"
+
+    def __iter__(self) -> Iterator[PNode]:
+        return iter(self.nodes)
+
+    def node(self, ident: int) -> PNode:
+        return self._by_id()[ident]
+
+    def _by_id(self) -> dict[int, PNode]:
+        return {n.id: n for n in self.nodes}
+
+    @property
+    def max_pieces(self) -> int:
+        return max((n.degrees.pieces for n in self.nodes), default=1)
+
+
+# What a value is made from, as the cost model prices the parallel operators reading it (`cost.model`):
+# a graph input or a piece of one; a weight leaf; a weight stored sharded (a partition on its storage chain,
+# `weight_storage`); a weight's value made by any other parallel operator (a replicate, an all_gather, a
+# partition that does not store it), which no rank stores in that layout.
+INPUT, WEIGHT, WEIGHT_PIECE, WEIGHT_VALUE = "input", "weight", "weight-piece", "weight-value"
+WEIGHT_ROLES = (WEIGHT, WEIGHT_PIECE, WEIGHT_VALUE)
+STORED_ROLES = (WEIGHT, WEIGHT_PIECE)   # a further partition of these can store the weight finer
+
+
+def weight_storage(pcg: PCG) -> dict[int, tuple[int, ...]]:
+    """Weight leaf id -> its storage chain: the leaf, then each partition that is the only reader of the node
+    before it. The weight is stored as the last node's piece, and the partitions on the chain run nothing.
+
+    This is how the backend stores weights (`backend.executor`), how the step simulator runs them and how
+    the cost model prices a PCG (`pcg_roles`): a weight with several readers is held whole (or as the piece
+    its chain gives), and a partition reading it beside another reader slices it and gathers the gradient.
+    """
+    users: dict[int, list[PNode]] = {}
+    for node in pcg.nodes:
+        for i in node.inputs:
+            users.setdefault(i, []).append(node)
+    chains: dict[int, tuple[int, ...]] = {}
+    for node in pcg.nodes:
+        if node.kind != "leaf" or node.role != WEIGHT:
+            continue
+        chain = [node.id]
+        while len(users.get(chain[-1], ())) == 1 and users[chain[-1]][0].kind == "parallel" \
+                and users[chain[-1]][0].op == PARTITION:
+            chain.append(users[chain[-1]][0].id)
+        chains[node.id] = tuple(chain)
+    return chains
+
+
+def weight_chains(pcg: PCG) -> set[int]:
+    """The weight leaves and the values made from them by parallel operators only (`pcg_roles`): what a step
+    of several micro-batches makes once and reduces the gradient of once (`ir.costs.NodeCost.per_step`)."""
+    return {ident for ident, role in pcg_roles(pcg).items() if role in WEIGHT_ROLES}
+
+
+def pcg_roles(pcg: PCG) -> dict[int, str]:
+    """Node id -> role, as `extract.leaf_roles` gives e-classes: leaves by their role, values made from them by
+    parallel operators only as INPUT, WEIGHT_PIECE (on a weight's storage chain, `weight_storage`) or
+    WEIGHT_VALUE. Unlike an e-class, a PCG node knows its readers: a partition of a weight that has other
+    readers too is WEIGHT_VALUE, not a stored piece."""
+    stored = {i for chain in weight_storage(pcg).values() for i in chain[1:]}
+    roles: dict[int, str] = {}
+    for node in pcg.nodes:
+        if node.kind == "leaf":
+            roles[node.id] = node.role or INPUT
+        elif node.kind == "parallel" and node.inputs[0] in roles:
+            source = roles[node.inputs[0]]
+            roles[node.id] = INPUT if source == INPUT else WEIGHT_PIECE if node.id in stored else WEIGHT_VALUE
+    return roles

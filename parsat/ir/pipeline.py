@@ -1,0 +1,569 @@
+"""Pipeline stages: a PCG cut into contiguous chunks of layers, the chunks' stages, and their schedule.
+
+A pipelined plan runs one PCG (the stage plan, on the stage's sub-mesh)
+split by layers (`ir.blocks`: the prelude OUTSIDE every block, then block
+0 .. N-1; the head counts with the last block). The full mesh is
+`pp x` the stage mesh: rank r is stage r // S, local rank r % S, and every
+stage lays its part of the PCG out the same way, so a value crossing from
+one stage to another goes from local rank i to local rank i, piece for
+piece (`Crossing`). With `v` chunks per stage (interleaved 1F1B) the model
+is cut into p * v chunks, chunk c on stage c % p (Megatron's layout).
+
+This module is the one place that says which PCG node runs where
+(`lay_out_stages`) and in which order each stage runs its micro-batches
+(`schedule_order`); the cost model simulates that order
+(`simulate_schedule`) and the backend runs it.
+
+What moves is values, never what they are: a chunk computes the PCG nodes
+it owns exactly as the unstaged PCG does, from the same inputs; values made
+from graph inputs alone (masks, positions) or from weights alone (a weight's
+parallel operators, a tied embedding's transpose) are recomputed by every
+chunk that reads them (`free_nodes`), so a chunk needs nothing but its
+crossings. A weight read on two stages (GPT's tied
+embedding and LM head) is held by both, and its gradient is summed over
+them before the update (Megatron's embedding group), so both copies stay
+equal to the unstaged weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from parsat.ir.blocks import node_blocks
+from parsat.ir.costs import NodeCost
+from parsat.ir.pcg import PCG, WEIGHT, weight_storage
+
+GPIPE, ONE_F_ONE_B, INTERLEAVED = "gpipe", "1f1b", "interleaved"
+SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED)
+FORWARD, BACKWARD = "F", "B"
+
+
+class PipelineError(ValueError):
+    """A pipeline that cannot be laid out or scheduled as asked."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Contiguous layers run by one stage: the PCG nodes it computes, in PCG order."""
+
+    index: int
+    stage: int
+    layers: tuple[int, ...]       # the layers it owns (`ir.blocks`), ascending
+    nodes: tuple[int, ...]        # the PCG nodes it computes: its own and the free values they read
+
+    def to_dict(self) -> dict:
+        return {"index": self.index, "stage": self.stage, "layers": list(self.layers), "nodes": list(self.nodes)}
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """A value one chunk makes and a later chunk reads: sent each micro-batch from the source chunk's stage to
+    the target's, local rank to local rank (its piece), and its gradient sent back in the backward."""
+
+    node: int
+    source: int                  # chunk
+    target: int                  # chunk
+    piece_elements: int          # per rank, per micro-batch
+
+    def to_dict(self) -> dict:
+        return {"node": self.node, "source": self.source, "target": self.target,
+                "piece_elements": self.piece_elements}
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Where every PCG node runs: the chunks, the values that cross between them, and the weights held on
+    more than one stage (their gradients summed over those stages each step)."""
+
+    degree: int                  # p, the pipeline stages
+    chunks_per_stage: int        # v
+    chunks: tuple[Chunk, ...]
+    crossings: tuple[Crossing, ...]
+    shared_weights: tuple[tuple[int, tuple[int, ...]], ...]   # (weight leaf id, the stages that hold it)
+
+    def stage_chunks(self, stage: int) -> tuple[Chunk, ...]:
+        return tuple(c for c in self.chunks if c.stage == stage)
+
+    def stage_nodes(self, stage: int) -> set[int]:
+        """The PCG nodes a stage's ranks compute: its chunks' (a free value two of its chunks read, once)."""
+        return {n for c in self.stage_chunks(stage) for n in c.nodes}
+
+    def to_dict(self) -> dict:
+        return {"degree": self.degree, "chunks_per_stage": self.chunks_per_stage,
+                "chunks": [c.to_dict() for c in self.chunks], "crossings": [c.to_dict() for c in self.crossings],
+                "shared_weights": [{"node": n, "stages": list(s)} for n, s in self.shared_weights]}
+
+    @staticmethod
+    def from_dict(data: Mapping) -> "StageLayout":
+        return StageLayout(int(data["degree"]), int(data["chunks_per_stage"]),
+                           tuple(Chunk(int(c["index"]), int(c["stage"]), tuple(int(x) for x in c["layers"]),
+                                       tuple(int(x) for x in c["nodes"])) for c in data["chunks"]),
+                           tuple(Crossing(int(c["node"]), int(c["source"]), int(c["target"]),
+                                          int(c["piece_elements"])) for c in data["crossings"]),
+                           tuple((int(w["node"]), tuple(int(s) for s in w["stages"]))
+                                 for w in data["shared_weights"]))
+
+
+def pcg_layers(pcg: PCG) -> tuple[int, ...]:
+    """The layers a PCG can be cut between, in order: the blocks of its non-free nodes (`free_nodes`)."""
+    return LayerMap(pcg).layers
+
+
+def free_nodes(pcg: PCG) -> set[int]:
+    """Nodes every chunk may compute for itself: leaves, and nodes made from graph inputs alone (masks,
+    positions) or from weights alone (a tied embedding's transpose, a weight's parallel operators). What mixes
+    the two is an activation a layer owns."""
+    reads: dict[int, frozenset[str]] = {}
+    free: set[int] = set()
+    for node in pcg.nodes:
+        if node.kind == "leaf":
+            reads[node.id] = frozenset({node.role or "input"})
+            free.add(node.id)
+            continue
+        reads[node.id] = frozenset().union(*(reads[i] for i in node.inputs))
+        if all(i in free for i in node.inputs) and len(reads[node.id]) == 1:
+            free.add(node.id)
+    return free
+
+
+def lay_out_stages(pcg: PCG, starts: Sequence[int], degree: int) -> StageLayout:
+    """The PCG cut into chunks at `starts` (each chunk's first layer, ascending, the first one the PCG's first
+    layer; p * v of them), chunk c on stage c % p."""
+    return LayerMap(pcg).lay_out(starts, degree)
+
+
+class LayerMap:
+    """What cutting one PCG into stages needs, worked out once (the cut search lays out many cuts of one PCG):
+    its layers, each node's layer, its free values and what each node needs of them, its readers."""
+
+    def __init__(self, pcg: PCG):
+        self.pcg = pcg
+        self.blocks = node_blocks(pcg)
+        self.free = free_nodes(pcg)
+        self.layers = tuple(sorted({self.blocks[n.id] for n in pcg.nodes if n.id not in self.free}))
+        self.position = {n.id: k for k, n in enumerate(pcg.nodes)}
+        self.readers = _readers(pcg)
+        needs: dict[int, frozenset[int]] = {}   # node -> the free values it reads, directly or through free ones
+        for node in pcg.nodes:
+            direct = [i for i in node.inputs if i in self.free]
+            needs[node.id] = frozenset(direct).union(*(needs[i] for i in direct))
+        self.needs = needs
+        self.weights = [n.id for n in pcg.nodes if n.kind == "leaf" and n.role == WEIGHT]
+
+    def lay_out(self, starts: Sequence[int], degree: int) -> StageLayout:
+        layers, pcg = self.layers, self.pcg
+        if not starts or starts[0] != layers[0] or list(starts) != sorted(set(starts)) or \
+                any(s not in layers for s in starts):
+            raise PipelineError(f"chunk starts {list(starts)} do not cut the layers {list(layers)} into "
+                                "contiguous runs")
+        if degree < 1 or len(starts) % degree:
+            raise PipelineError(f"{len(starts)} chunks cannot be spread evenly over {degree} stages")
+        index = {layer: k for k, layer in enumerate(layers)}
+        bounds = [index[s] for s in starts] + [len(layers)]
+        chunk_of_layer = {layers[i]: c for c in range(len(starts)) for i in range(bounds[c], bounds[c + 1])}
+        owner = {n.id: chunk_of_layer[self.blocks[n.id]] for n in pcg.nodes if n.id not in self.free}
+        members: list[set[int]] = [set() for _ in starts]
+        for ident, chunk in owner.items():   # owned nodes, and the free values each needs
+            members[chunk].add(ident)
+            members[chunk] |= self.needs[ident]
+        chunks = tuple(Chunk(c, c % degree, layers[bounds[c]:bounds[c + 1]],
+                             tuple(sorted(members[c], key=self.position.__getitem__))) for c in range(len(starts)))
+        crossings = []
+        for node in pcg.nodes:
+            if node.id not in owner:
+                continue
+            mine = owner[node.id]
+            for target in sorted({owner[r] for r in self.readers.get(node.id, ()) if r in owner} - {mine}):
+                if target < mine:
+                    raise PipelineError(f"node {node.id} of chunk {mine} is read by the earlier chunk {target}")
+                crossings.append(Crossing(node.id, mine, target, node.degrees.piece_elements(node.shape)))
+        shared = []
+        for weight in self.weights:
+            stages = tuple(sorted({c % degree for c in range(len(starts)) if weight in members[c]}))
+            if len(stages) > 1:
+                shared.append((weight, stages))
+        return StageLayout(degree, len(starts) // degree, chunks, tuple(crossings), tuple(shared))
+
+
+def _readers(pcg: PCG) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for node in pcg.nodes:
+        for i in node.inputs:
+            out.setdefault(i, []).append(node.id)
+    return out
+
+
+# ------------------------------------------------------------------ schedules
+
+
+@dataclass(frozen=True)
+class Action:
+    """One stage's work item: the forward or backward of one micro-batch through one chunk."""
+
+    phase: str        # FORWARD | BACKWARD
+    microbatch: int
+    chunk: int
+
+
+def schedule_order(schedule: str, degree: int, chunks_per_stage: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    """Each stage's actions in the order it runs them.
+
+    GPipe: every forward, then every backward. 1F1B (PipeDream-Flush):
+    stage s runs p - s - 1 warm-up forwards, then alternates one forward
+    and one backward, then drains; at most p - s micro-batches are in
+    flight. Interleaved 1F1B (Megatron-LM, Narayanan et al. SC'21): v
+    chunks per stage, micro-batches taken p at a time through each chunk
+    in turn, (p - s - 1) * 2 + (v - 1) * p warm-up forwards; it needs m to
+    be a multiple of p.
+    """
+    p, v, m = degree, chunks_per_stage, microbatches
+    if schedule not in SCHEDULES:
+        raise PipelineError(f"unknown schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
+    if p < 1 or v < 1 or m < 1:
+        raise PipelineError(f"a schedule needs positive stages, chunks and micro-batches, got {p}, {v}, {m}")
+    if schedule != INTERLEAVED and v != 1:
+        raise PipelineError(f"{schedule} runs one chunk per stage, got {v}")
+    if schedule == INTERLEAVED and m % p:
+        raise PipelineError(f"interleaved 1F1B needs the micro-batches ({m}) to be a multiple of the stages ({p})")
+    orders = []
+    for s in range(p):
+        if schedule == GPIPE:
+            orders.append(tuple(Action(FORWARD, k, s) for k in range(m)) +
+                          tuple(Action(BACKWARD, k, s) for k in range(m)))
+            continue
+        forwards = [_virtual(k, s, p, v, backward=False) for k in range(m * v)]
+        backwards = [_virtual(k, s, p, v, backward=True) for k in range(m * v)]
+        if schedule == ONE_F_ONE_B:
+            warmup = min(p - s - 1, m)
+        else:
+            warmup = min((p - s - 1) * 2 + (v - 1) * p, m * v)
+        order = forwards[:warmup]
+        for k in range(m * v - warmup):
+            order += [forwards[warmup + k], backwards[k]]
+        order += backwards[m * v - warmup:]
+        orders.append(tuple(order))
+    return tuple(orders)
+
+
+def in_flight_counts(schedule: str, degree: int, chunks_per_stage: int, microbatches: int) -> tuple[int, ...]:
+    """Per stage, the most chunk micro-batches its `schedule_order` has forwarded and not yet taken back
+    (1F1B: p - s, GPipe: m): what a stage holds at its peak, known before any cut is priced."""
+    counts = []
+    for order in schedule_order(schedule, degree, chunks_per_stage, microbatches):
+        live = peak = 0
+        for action in order:
+            live += 1 if action.phase == FORWARD else -1
+            peak = max(peak, live)
+        counts.append(peak)
+    return tuple(counts)
+
+
+def _virtual(k: int, stage: int, p: int, v: int, backward: bool) -> Action:
+    """The k-th forward (or backward) of `stage`: micro-batches go p at a time through each of its chunks."""
+    local = (k // p) % v
+    if backward:
+        local = v - 1 - local
+    microbatch = (k // (p * v)) * p + k % p
+    return Action(BACKWARD if backward else FORWARD, microbatch, local * p + stage)
+
+
+@dataclass(frozen=True)
+class ScheduleRun:
+    """A schedule simulated: when each action ran on its stage, and what that keeps alive."""
+
+    time_s: float                                    # the last backward's end
+    busy: tuple[tuple[tuple[Action, float, float], ...], ...]   # per stage: (action, start, end)
+    in_flight: tuple[int, ...]                        # per stage: most chunk micro-batches forwarded, not yet back
+    activation_peak_bytes: tuple[int, ...]           # per stage: the activations those hold at their peak
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The share of the step the busiest stage waits: 1 - its busy time / the step."""
+        if self.time_s <= 0:
+            return 0.0
+        return 1.0 - max(sum(e - b for _a, b, e in stage) for stage in self.busy) / self.time_s
+
+
+def simulate_schedule(layout: StageLayout, schedule: str, microbatches: int, forward_s: Sequence[float],
+                      backward_s: Sequence[float], transfer_s: Mapping[tuple[int, int], float],
+                      activation_bytes: Sequence[int]) -> ScheduleRun:
+    """Run each stage's actions in `schedule_order`, each as soon as its stage is free and its inputs have
+    arrived: a chunk's forward waits for the forwards of the chunks it reads plus the transfer
+    (`transfer_s[(source, target)]`, seconds per micro-batch), its backward for its own forward and the
+    backwards of the chunks that read it plus the gradient's transfer back. Per chunk: seconds per
+    micro-batch and the activation bytes one micro-batch keeps until its backward."""
+    p = layout.degree
+    orders = schedule_order(schedule, p, layout.chunks_per_stage, microbatches)
+    sources: dict[int, set[int]] = {}
+    targets: dict[int, set[int]] = {}
+    for crossing in layout.crossings:
+        sources.setdefault(crossing.target, set()).add(crossing.source)
+        targets.setdefault(crossing.source, set()).add(crossing.target)
+    done: dict[tuple[str, int, int], float] = {}
+    free_at = [0.0] * p
+    position = [0] * p
+    busy: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
+    live, peak_count, live_bytes, peak_bytes = [0] * p, [0] * p, [0] * p, [0] * p
+    total = sum(len(o) for o in orders)
+    while sum(position) < total:
+        progressed = False
+        for s in range(p):
+            if position[s] == len(orders[s]):
+                continue
+            action = orders[s][position[s]]
+            ready = _ready(action, done, sources, targets, transfer_s)
+            if ready is None:
+                continue
+            start = max(free_at[s], ready)
+            seconds = (forward_s if action.phase == FORWARD else backward_s)[action.chunk]
+            end = start + seconds
+            done[(action.phase, action.microbatch, action.chunk)] = end
+            busy[s].append((action, start, end))
+            free_at[s], position[s], progressed = end, position[s] + 1, True
+            sign = 1 if action.phase == FORWARD else -1
+            live[s] += sign
+            live_bytes[s] += sign * activation_bytes[action.chunk]
+            peak_count[s], peak_bytes[s] = max(peak_count[s], live[s]), max(peak_bytes[s], live_bytes[s])
+        if not progressed:
+            raise PipelineError(f"the {schedule} schedule deadlocks on this layout")
+    return ScheduleRun(max(free_at), tuple(tuple(b) for b in busy), tuple(peak_count), tuple(peak_bytes))
+
+
+def _ready(action: Action, done, sources, targets, transfer_s) -> float | None:
+    """When `action`'s inputs are there; None while one is not yet computed."""
+    k, c = action.microbatch, action.chunk
+    if action.phase == FORWARD:
+        needs = [(FORWARD, k, src, transfer_s.get((src, c), 0.0)) for src in sources.get(c, ())]
+    else:
+        needs = [(FORWARD, k, c, 0.0)] + [(BACKWARD, k, t, transfer_s.get((c, t), 0.0))
+                                          for t in targets.get(c, ())]
+    ready = 0.0
+    for phase, mb, chunk, delay in needs:
+        if (phase, mb, chunk) not in done:
+            return None
+        ready = max(ready, done[(phase, mb, chunk)] + delay)
+    return ready
+
+
+# ------------------------------------------------------------------ a pipelined plan
+
+
+@dataclass(frozen=True)
+class StageFigures:
+    """What the cost model predicts for one stage (each of its ranks)."""
+
+    forward_s: float        # per micro-batch, all its chunks
+    backward_s: float       # per micro-batch
+    sync_s: float           # once per step: its weights' gradient reductions and gathers, its shared weights' sum
+    optimizer_s: float      # once per step
+    memory_bytes: int       # peak: weights' state plus the activations in flight at the schedule's peak
+    in_flight: int          # most chunk micro-batches forwarded and not yet back
+
+    def to_dict(self) -> dict:
+        return {"forward_s": self.forward_s, "backward_s": self.backward_s, "sync_s": self.sync_s,
+                "optimizer_s": self.optimizer_s, "memory_bytes": self.memory_bytes, "in_flight": self.in_flight}
+
+    @staticmethod
+    def from_dict(data: Mapping) -> "StageFigures":
+        return StageFigures(float(data["forward_s"]), float(data["backward_s"]), float(data["sync_s"]),
+                            float(data["optimizer_s"]), int(data["memory_bytes"]), int(data["in_flight"]))
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """A plan's pipeline: the PCG (on the stage mesh of `stage_devices`) cut into stages (`layout`), run as
+    `microbatches` micro-batches in `schedule` order; the plan's devices are degree x stage_devices."""
+
+    schedule: str
+    microbatches: int
+    stage_devices: int
+    layout: StageLayout
+    stages: tuple[StageFigures, ...] = ()
+    chunk_forward_s: tuple[float, ...] = ()     # per chunk, per micro-batch: what `simulate_schedule` ran
+    chunk_backward_s: tuple[float, ...] = ()
+    chunk_activation_bytes: tuple[int, ...] = ()
+    bubble_fraction: float = 0.0
+    p2p_bytes: int = 0        # per step, sent by each rank of the busiest sending stage (and as many received)
+    transfers: tuple[tuple[int, int, float], ...] = ()   # (source chunk, target chunk, seconds per micro-batch)
+
+    @property
+    def transfer_s(self) -> float:
+        """The longest point-to-point transfer of one micro-batch between two stages."""
+        return max((t for _a, _b, t in self.transfers), default=0.0)
+
+    def simulate(self) -> "ScheduleRun":
+        """The schedule as the cost model ran it (again, from the figures kept in the plan)."""
+        return simulate_schedule(self.layout, self.schedule, self.microbatches, self.chunk_forward_s,
+                                 self.chunk_backward_s, {(a, b): t for a, b, t in self.transfers},
+                                 self.chunk_activation_bytes)
+
+    @property
+    def degree(self) -> int:
+        return self.layout.degree
+
+    def stage_of_rank(self, rank: int) -> tuple[int, int]:
+        """(stage, local rank) of a global rank: stages are consecutive blocks of `stage_devices` ranks."""
+        return rank // self.stage_devices, rank % self.stage_devices
+
+    def to_dict(self) -> dict:
+        return {"degree": self.degree, "schedule": self.schedule, "microbatches": self.microbatches,
+                "stage_devices": self.stage_devices, "layout": self.layout.to_dict(),
+                "stages": [s.to_dict() for s in self.stages], "chunk_forward_s": list(self.chunk_forward_s),
+                "chunk_backward_s": list(self.chunk_backward_s),
+                "chunk_activation_bytes": list(self.chunk_activation_bytes), "bubble_fraction": self.bubble_fraction,
+                "p2p_bytes": self.p2p_bytes, "transfers": [list(t) for t in self.transfers]}
+
+    @staticmethod
+    def from_dict(data: Mapping) -> "PipelinePlan":
+        return PipelinePlan(str(data["schedule"]), int(data["microbatches"]), int(data["stage_devices"]),
+                            StageLayout.from_dict(data["layout"]),
+                            tuple(StageFigures.from_dict(s) for s in data.get("stages", ())),
+                            tuple(float(x) for x in data.get("chunk_forward_s", ())),
+                            tuple(float(x) for x in data.get("chunk_backward_s", ())),
+                            tuple(int(x) for x in data.get("chunk_activation_bytes", ())),
+                            float(data.get("bubble_fraction", 0.0)), int(data.get("p2p_bytes", 0)),
+                            tuple((int(a), int(b), float(t)) for a, b, t in data.get("transfers", ())))
+
+
+def p2p_elements(layout: StageLayout, microbatches: int) -> dict[tuple[int, int], int]:
+    """Elements each rank of one stage sends to its twin rank of another per step, by (from stage, to stage):
+    every crossing between two stages forward each micro-batch, and its gradient back (every micro-batch's,
+    whether or not it is zero). A crossing between two chunks of one stage moves nothing. The backend
+    counts what it sends the same way (parsat/backend/pipeline_run.py) and reports the two side by side."""
+    out: dict[tuple[int, int], int] = {}
+    stage = {c.index: c.stage for c in layout.chunks}
+    for crossing in layout.crossings:
+        a, b = stage[crossing.source], stage[crossing.target]
+        if a == b:
+            continue
+        out[(a, b)] = out.get((a, b), 0) + crossing.piece_elements * microbatches
+        out[(b, a)] = out.get((b, a), 0) + crossing.piece_elements * microbatches
+    return out
+
+
+# ------------------------------------------------------------------ explain
+
+
+def describe_pipeline(pipeline: "PipelinePlan", devices_per_node: int) -> list[str]:
+    """`explain`'s pipeline section: degree, schedule, bubble, transfers, each stage's layers and memory, and the
+    schedule drawn per stage."""
+    p, s_dev = pipeline.degree, pipeline.stage_devices
+    where = "across nodes" if s_dev >= devices_per_node else "inside a node" if p * s_dev <= devices_per_node \
+        else "across and inside nodes"
+    v = pipeline.layout.chunks_per_stage
+    lines = [f"  pipeline: PP {p} {where} ({s_dev} device(s) per stage), {_schedule_name(pipeline.schedule, v)}, "
+             f"{pipeline.microbatches} micro-batches; bubble {pipeline.bubble_fraction:.1%} of the step; "
+             f"point-to-point {pipeline.p2p_bytes / 2**20:.2f} MiB sent per rank per step, "
+             f"{pipeline.transfer_s * 1e3:.3f} ms per micro-batch transfer"]
+    for s, figures in enumerate(pipeline.stages):
+        layers = [layer for c in pipeline.layout.stage_chunks(s) for layer in c.layers]
+        lines.append(f"    stage {s}: {_layer_text(pipeline.layout.stage_chunks(s))}; per micro-batch forward "
+                     f"{figures.forward_s * 1e3:.3f} ms, backward {figures.backward_s * 1e3:.3f} ms; sync "
+                     f"{figures.sync_s * 1e3:.3f} ms, optimizer {figures.optimizer_s * 1e3:.3f} ms per step; "
+                     f"memory {figures.memory_bytes / 2**30:.2f} GiB ({figures.in_flight} in flight)"
+                     + ("" if layers else " (no layers)"))
+    if pipeline.layout.shared_weights:
+        lines.append("    weights held on several stages, gradients summed each step: "
+                     + ", ".join(f"#{n} on stages {', '.join(map(str, st))}" for n, st in pipeline.layout.shared_weights))
+    if pipeline.chunk_forward_s:
+        lines += schedule_lanes(pipeline.simulate(), p)
+    return lines
+
+
+def _schedule_name(schedule: str, v: int) -> str:
+    return {GPIPE: "GPipe", ONE_F_ONE_B: "1F1B"}.get(schedule, f"interleaved 1F1B, {v} chunks per stage")
+
+
+def _layer_text(chunks: Sequence[Chunk]) -> str:
+    parts = []
+    for chunk in chunks:
+        blocks = [layer for layer in chunk.layers if layer >= 0]
+        text = ("prelude" if -1 in chunk.layers else "") + \
+            (("" if -1 not in chunk.layers else " + ") + (f"block {blocks[0]}" if len(blocks) == 1 else
+                                                         f"blocks {blocks[0]}-{blocks[-1]}") if blocks else "")
+        parts.append(text)
+    return "; ".join(parts)
+
+
+def schedule_lanes(run: "ScheduleRun", degree: int, width: int = 96) -> list[str]:
+    """The simulated schedule, one lane per stage, one character per equal slice of the step: F forward, B
+    backward (f and b for a stage's later chunks when interleaved), '.' waiting."""
+    lines = [f"  pipeline timeline ({width} slices of {run.time_s * 1e3 / width:.3f} ms; F forward, B backward, "
+             "f/b a later chunk, . idle):"]
+    for s, actions in enumerate(run.busy):
+        lane = []
+        for k in range(width):
+            t = (k + 0.5) * run.time_s / width
+            found = next((a for a, b, e in actions if b <= t < e), None)
+            if found is None:
+                lane.append(".")
+            else:
+                letter = found.phase
+                lane.append(letter if found.chunk < degree else letter.lower())
+        lines.append(f"    stage {s:<3}|{''.join(lane)}|")
+    return lines
+
+
+def stage_comm_elements(layout: StageLayout, costs: Mapping[int, NodeCost],
+                        part: str = "comm_elements") -> tuple[int, ...]:
+    """Per stage, the elements its collectives send per step, summed over its ranks: the plan's node costs
+    (per step, `NodeCost.per_step`) over the nodes the stage computes (`StageLayout.stage_nodes`: a free value
+    two of its chunks read, once; one that several stages read, on each). `part` picks the figure:
+    "comm_elements" (every collective) or "grad_sync_elements" (the gradient synchronisation). The cost
+    model prices a stage with it and the backend compares each stage's measured collectives with it."""
+    return tuple(sum(getattr(costs[n], part) for n in layout.stage_nodes(s) if n in costs)
+                 for s in range(layout.degree))
+
+
+def stored_piece_elements(pcg: PCG) -> dict[int, int]:
+    """Weight leaf id -> the elements of the piece each rank stores (the end of its `weight_storage` chain):
+    what a weight shared by several stages sums the gradient of."""
+    by_id = {n.id: n for n in pcg.nodes}
+    return {leaf: by_id[chain[-1]].degrees.piece_elements(by_id[chain[-1]].shape)
+            for leaf, chain in weight_storage(pcg).items()}
+
+
+def shared_weight_elements(pieces: Mapping[int, int], layout: StageLayout) -> dict[int, float]:
+    """Per stage, the elements each of its ranks sends per step to sum the gradients of the weights it shares
+    with other stages (`StageLayout.shared_weights`): local rank i of every holding stage all-reduces its
+    stored piece's gradient (`pieces`: `stored_piece_elements`) with the others' (a ring over k stages sends
+    2 (k - 1) / k of the piece, so two stages exchange one piece each), once per step before the optimizer."""
+    out: dict[int, float] = {}
+    for leaf, stages in layout.shared_weights:
+        piece, k = pieces[leaf], len(stages)
+        for s in stages:
+            out[s] = out.get(s, 0.0) + 2 * (k - 1) * piece / k
+    return out
+
+
+def schedule_svg(pipeline: "PipelinePlan") -> str:
+    """The simulated schedule as an SVG drawing: one row per stage, a box per forward (blue) and backward
+    (green) labelled with its micro-batch, a later chunk's lighter; the bubble is the white between."""
+    run = pipeline.simulate()
+    p = pipeline.degree
+    width, row, left, top = 1200.0, 28.0, 70.0, 40.0
+    scale = (width - left - 10) / run.time_s if run.time_s > 0 else 0.0
+    height = top + row * p + 20
+    colors = {(FORWARD, 0): "#4a78c2", (FORWARD, 1): "#9db8e6", (BACKWARD, 0): "#3f9b5a", (BACKWARD, 1): "#a3d4ae"}
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+             f'font-family="sans-serif" font-size="10">',
+             f'<text x="{left}" y="16" font-size="13">{_schedule_name(pipeline.schedule, pipeline.layout.chunks_per_stage)}'
+             f', {p} stages, {pipeline.microbatches} micro-batches: step {run.time_s * 1e3:.3f} ms, bubble '
+             f'{run.bubble_fraction:.1%}</text>']
+    for s, actions in enumerate(run.busy):
+        y = top + s * row
+        parts.append(f'<text x="4" y="{y + row * 0.6:.1f}">stage {s}</text>')
+        parts.append(f'<rect x="{left}" y="{y:.1f}" width="{width - left - 10:.1f}" height="{row - 4:.1f}" '
+                     f'fill="white" stroke="#ccc"/>')
+        for action, begin, end in actions:
+            x, w = left + begin * scale, max((end - begin) * scale, 0.5)
+            fill = colors[(action.phase, 0 if action.chunk < p else 1)]
+            parts.append(f'<rect x="{x:.2f}" y="{y:.1f}" width="{w:.2f}" height="{row - 4:.1f}" fill="{fill}">'
+                         f'<title>{action.phase} micro-batch {action.microbatch} chunk {action.chunk}: '
+                         f'{begin * 1e3:.3f}-{end * 1e3:.3f} ms</title></rect>')
+            if w > 12:
+                parts.append(f'<text x="{x + w / 2:.2f}" y="{y + row * 0.55:.1f}" fill="white" '
+                             f'text-anchor="middle">{action.microbatch}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"

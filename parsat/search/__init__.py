@@ -1,0 +1,18 @@
+"""parsat.search: the joint search: saturate on every mesh, extract the cheapest plan, compare the baselines.
+
+Modules, in the order `optimize` uses them: `optimize` (the entry point:
+unstaged or pipelined, the micro-batch counts, one search per step),
+`inputs` (the graph, device count and pins, checked), `deadline` (the one
+time limit every search of a call shares), `solve` (price every e-node,
+extract, build the PCG), `extract` (bottom-up, greedy DAG and ILP
+extraction), `repeat` (repeated blocks searched once, stamped N times),
+`recompute` (activation recomputation priced in the search),
+`strategies` (the Megatron-style grid and `--degrees` pins as
+restrictions of the e-graph), `baselines` (data parallel, Megatron,
+sequential, the best grid point), `pipeline_search` (pipeline degree,
+micro-batch count and schedule around the joint search).
+
+It saturates through `parsat.egraph` and prices with `parsat.cost`. It
+applies the rules it is given; which are trusted is the facade's choice
+(`parsat.api`), so it never imports the verifier.
+"""

@@ -1,0 +1,189 @@
+"""The baselines every plan is compared with, priced by the same cost model.
+
+* data parallelism: the textbook PCG (`ir.data_parallel`), priced node by
+  node (`solve.price_pcg`);
+* Megatron-style tensor parallelism: the joint e-graph with the e-nodes it
+  forbids excluded (`megatron_excluded`): graph inputs never split, matrices
+  never replicated or read whole;
+* the sequential approach: algebraic rules saturated and extracted first,
+  on one device, then parallel rules only (`sequential`);
+* the best of a Megatron-style grid (`best_grid`): on every mesh the search
+  tries, data x tensor axes, sequence parallelism on or off, ZeRO-3 or not
+  (`strategies`), each a restriction of the same e-graph.
+
+Each is a `Candidate` (a valid PCG with its costs), so `optimize` can keep
+the cheapest of them and the joint plan, and the backend can run any of them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Callable, Mapping, Sequence
+
+from parsat.dsl import ast
+from parsat.dsl.checker import is_parallel_rule
+from parsat.dsl.library import Library
+from parsat.dsl.parallel_ops import PARALLEL_OPS, PARTITION, REPLICATE
+from parsat.ir.costs import NodeCost, Totals, totals
+from parsat.ir.data_parallel import data_parallel_pcg
+from parsat.ir.errors import GraphError
+from parsat.ir.graph import Graph, GraphBuilder
+from parsat.ir.machine import Machine
+from parsat.ir.mesh import Mesh
+from parsat.ir.pcg import PCG, Degrees
+from parsat.ir.placement import Placement
+from parsat.ir.recompute import NONE
+from parsat.ir.errors import OptimizeError
+from parsat.search.extract import ExtractionError, NodeId, leaf_roles
+from parsat.egraph.program import MeshCaches
+from parsat.search.repeat import RepeatError, Repetition
+from parsat.egraph.runner import Limits
+from parsat.egraph.saturate import SaturationResult, saturate
+from parsat.egraph.snapshot import Snapshot
+from parsat.search.solve import price_pcg, solve
+from parsat.search.strategies import config_excluded, grid
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plan `optimize` may return: the joint extraction's or a baseline's PCG, with its costs."""
+
+    name: str
+    pcg: PCG
+    costs: Mapping[int, NodeCost]
+    totals: Totals
+    config: Mapping | None = None    # best_grid: the configuration it chose (`strategies.Config.spelled`)
+
+
+def data_parallel(graph: Graph, library: Library, machine: Machine, free_input_layouts: bool,
+                  devices: int) -> Candidate | None:
+    """The data-parallel PCG priced; None where it does not apply (a batch that does not split, an operator
+    that refuses the spread)."""
+    pcg = data_parallel_pcg(graph, library, devices, machine.devices_per_node)
+    costs = price_pcg(pcg, library, machine, free_input_layouts, graph.microbatches) if pcg is not None else None
+    if costs is None:
+        return None
+    return Candidate("data_parallel", pcg, costs, totals(costs, machine))
+
+
+def megatron_excluded(snapshot: Snapshot, roles: Mapping[int, str]) -> Callable[[NodeId], bool]:
+    """The e-nodes tensor parallelism forbids: inputs never split, matrices never replicated or read whole."""
+    inputs = {c for c, r in roles.items() if r == "input"}
+    weights = {c for c, r in roles.items() if r == "weight"}
+
+    def excluded(nid: NodeId) -> bool:
+        node = snapshot.classes[nid[0]][nid[1]]
+        if node.op == PARTITION:
+            return node.children[0] in inputs
+        if node.op == REPLICATE:
+            return node.children[0] in weights and len(snapshot.shape[node.children[0]]) >= 2
+        if node.op in PARALLEL_OPS or node.op == "leaf":
+            return False
+        return any(ch in weights and len(snapshot.shape[ch]) >= 2 for ch in node.children)
+
+    return excluded
+
+
+def pcg_to_graph(pcg: PCG, graph: Graph, library: Library, drop_parallel: bool = False) -> Graph:
+    """A whole (unparallelised) PCG as a computation graph: the sequential baseline's middle step.
+
+    With `drop_parallel`, any PCG: its parallel operators are left out (they change how a value is spread,
+    never the value), which gives the algebraic form a plan computes, e.g. to price it on one device.
+    """
+    builder = GraphBuilder(library, name=graph.name)
+    handles = {}
+    used_names = set()
+    for node in pcg.nodes:
+        if node.kind == "leaf":
+            handles[node.id] = builder.leaf(node.op, node.shape, node.role or "input")
+            used_names.add(node.op)
+            continue
+        if node.kind == "parallel":
+            if not drop_parallel:
+                raise OptimizeError("internal: the algebraic-only plan contains a parallel operator")
+            handles[node.id] = handles[node.inputs[0]]
+            continue
+        name = node.origin if node.origin and node.origin not in used_names else None
+        handles[node.id] = builder.op(node.op, *[handles[i] for i in node.inputs], name=name, **dict(node.attrs))
+        used_names.add(handles[node.id].name)
+    builder.output(*[handles[i] for i in pcg.outputs])
+    return builder.build().with_microbatches(graph.microbatches)
+
+
+def sequential(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh: Mesh, limits: Limits,
+               machine: Machine, pins: Mapping[str, Placement], input_pins: Mapping[str, Degrees], free_inputs: bool,
+               say: Progress, caches: MeshCaches | None = None,
+               repetition: Repetition | None = None) -> Candidate | None:
+    """Algebraic rules saturated and extracted first (on one device), then parallel rules only, on `mesh`."""
+    algebraic = [r for r in rules if not is_parallel_rule(r)]
+    parallel = [r for r in rules if is_parallel_rule(r)]
+    try:
+        first = saturate(graph, library, algebraic, 1, limits, None, rulesets=("alg",), caches=caches)
+        roots = [first.classes[n] for n in graph.outputs]
+        one = machine.with_devices(1)
+        pcg, _c, _e = solve(first, graph, library, one, roots, limits, free_inputs)
+        middle = pcg_to_graph(pcg, graph, library)
+        if any(n not in middle.shapes() for n in pins) or middle.outputs != graph.outputs:
+            say("sequential baseline: none (the algebraic rewrite renamed a pinned tensor)")
+            return None
+        second = saturate(middle, library, parallel, mesh, limits, pins, rulesets=("par",), caches=caches)
+        roots = [second.classes[f"pin:{n}"] if n in pins else second.classes[n] for n in middle.outputs]
+        spcg, scosts, _ = solve(second, middle, library, machine, roots, limits, free_inputs, pins=input_pins,
+                                repetition=repetition)
+    except (ExtractionError, GraphError, OptimizeError, RepeatError) as err:
+        say(f"sequential baseline: none ({err})")
+        return None
+    return Candidate("sequential", spcg, scosts, totals(scosts, machine))
+
+
+GRID_ILP_SECONDS = 2.0   # each grid point's ILP: the grid has several points per mesh
+
+
+def best_grid(result: SaturationResult, graph: Graph, library: Library, machine: Machine, roots: Sequence[int],
+              limits: Limits, free_inputs: bool, priced: Mapping[NodeId, NodeCost],
+              input_pins: Mapping[str, Degrees], repetition: Repetition | None = None,
+              recompute: str = NONE) -> Candidate | None:
+    """The best Megatron-style configuration on this mesh's e-graph (`strategies.grid`: data x tensor axes,
+    sequence parallelism on or off, ZeRO-3 or not), priced by the same cost model (`priced`: under the
+    activation-recomputation policy `recompute`, as Megatron runs large models); its configuration spelled out."""
+    mesh = result.snapshot.mesh or Mesh(())
+    roles = leaf_roles(result.snapshot, graph)
+    best: Candidate | None = None
+    unfit = []
+
+    def keep(config, pcg: PCG, costs) -> None:
+        nonlocal best
+        spelled = {**config.spelled(mesh, graph.microbatches), **({"recompute": recompute} if recompute != NONE else {})}
+        found = Candidate("best_grid", pcg, costs, totals(costs, machine), spelled)
+        if best is None or _better(found, best, machine):
+            best = found
+
+    for config in grid(mesh):
+        excluded = config_excluded(result.snapshot, roles, config)
+        try:
+            keep(config, *solve(result, graph, library, machine, roots,
+                                replace(limits, ilp_seconds=min(limits.ilp_seconds, GRID_ILP_SECONDS)), free_inputs,
+                                excluded, pins=input_pins, costs=priced, repetition=repetition,
+                                recompute=recompute)[:2])
+        except ExtractionError:
+            unfit.append((config, excluded))
+        except RepeatError:
+            continue
+    if best is None:
+        # no configuration fits: the grid still says what its fastest one would take and need (greedy passes)
+        roomy = replace(machine, memory_capacity=math.inf)
+        for config, excluded in unfit:
+            try:
+                keep(config, *solve(result, graph, library, roomy, roots, replace(limits, ilp_seconds=0.0),
+                                    free_inputs, excluded, pins=input_pins, costs=priced, repetition=repetition,
+                                    recompute=recompute)[:2])
+            except (ExtractionError, RepeatError):
+                continue
+    return best
+
+
+def _better(a: Candidate, b: Candidate, machine: Machine) -> bool:
+    return (not a.totals.fits(machine), a.totals.time_s) < (not b.totals.fits(machine), b.totals.time_s)

@@ -1,0 +1,524 @@
+"""Extraction: the cheapest acyclic choice of one e-node per needed e-class.
+
+The cost of a plan is additive over the e-nodes it uses, each counted once
+(a DAG, not a tree): a node's cost depends only on its own e-class and its
+children's e-classes (shape and spread are properties of the e-class), so
+`node_costs` prices every e-node once with the cost model. Three passes:
+
+1. bottom-up (Knuth's generalisation of Dijkstra): tree-optimal, and a class
+   is only chosen after all children of its node are final, so it never picks
+   a cycle;
+2. DAG-aware greedy (extraction-gym's "faster greedy DAG"): the cost of a
+   choice is the sum over the *set* of e-nodes below it, so shared subgraphs
+   count once;
+3. an ILP (HiGHS) under a time limit, warm-started from the best of the
+   above, with the per-device memory limit as a constraint, over the acyclic
+   sub-e-graph the bottom-up pass's order defines (see `ilp`).
+
+The best plan that fits in memory wins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import heapq
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping, Sequence
+
+from parsat.dsl.library import Library
+from parsat.dsl.parallel_ops import PARALLEL_OPS, PARTITION, REPLICATE
+from parsat.ir.costs import NodeCost
+from parsat.ir.graph import Graph, instance_for
+from parsat.ir.machine import Machine
+from parsat.ir.mesh import Mesh
+from parsat.ir.pcg import INPUT, STORED_ROLES, WEIGHT, WEIGHT_PIECE, WEIGHT_VALUE, Degrees
+from parsat.cost.collectives import BROADCAST, GroupTopology, price
+from parsat.cost.model import compute_cost, gather_cost, parallel_cost
+from parsat.egraph.encoding import PIN_SUFFIX
+from parsat.egraph.snapshot import Snapshot
+
+NodeId = tuple[int, int]  # (e-class, index of the e-node in the class)
+EPSILON = 1e-12           # a strictly positive cost per node keeps tree costs strictly increasing
+
+
+class ExtractionError(Exception):
+    """No plan can be extracted (nothing reaches the roots, or nothing fits in memory)."""
+
+    needed_bytes = 0   # when nothing fits: what the smallest plan found needs per device
+
+
+# ------------------------------------------------------------------- node costs
+
+
+def leaf_roles(snapshot: Snapshot, graph: Graph) -> dict[int, str]:
+    """E-class -> role (`ir.pcg`'s roles) for classes that hold a graph leaf ("input" / "weight") or a value made
+    from one by parallel operators only: "input", "weight-piece" (made by partitions only: a weight can be
+    stored so) or "weight-value" (anything else). The cost model prices their parallel operators as storage and
+    gradient synchronisation, not as activations (`cost.parallel_cost`)."""
+    roles = {leaf.name: leaf.role for leaf in graph.leaves}
+    found: dict[int, str] = {}
+    for cid, nodes in snapshot.classes.items():
+        for node in nodes:
+            if node.op == "leaf" and node.attrs[0].removesuffix(PIN_SUFFIX) in roles:
+                found[cid] = roles[node.attrs[0].removesuffix(PIN_SUFFIX)]
+
+    def spread(role_of: Callable[[str, str], str | None]) -> None:
+        """Give every class without a role the one `role_of(op, its child's role)` says, to a fixpoint."""
+        changed = True
+        while changed:
+            changed = False
+            for cid, nodes in snapshot.classes.items():
+                if cid in found:
+                    continue
+                for node in nodes:
+                    role = role_of(node.op, found[node.children[0]]) if node.op in PARALLEL_OPS and \
+                        node.children[0] in found else None
+                    if role is not None:
+                        found[cid] = role
+                        changed = True
+                        break
+
+    # A class a partition chain reaches is a stored piece however else it is made, so those come first.
+    spread(lambda op, child: WEIGHT_PIECE if op == PARTITION and child in STORED_ROLES else None)
+    spread(lambda op, child: INPUT if child == INPUT else WEIGHT_VALUE)
+    return found
+
+
+def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Machine,
+               free_input_layouts: bool = True, input_pins: Mapping[str, Degrees] | None = None) -> dict[NodeId, NodeCost]:
+    """Every e-node priced by the cost model on the snapshot's mesh; e-nodes the model rejects are left out.
+
+    With `free_input_layouts` (the default) graph inputs may arrive in any
+    layout (the data loader reads the pieces each device needs); otherwise a
+    graph input arrives whole and replicating it is a broadcast. An input in
+    `input_pins` arrives in that layout: reading it whole costs a gather.
+    """
+    roles = leaf_roles(snapshot, graph)
+    pricer = Pricer(library, machine, snapshot.mesh or Mesh(()), free_input_layouts, input_pins, graph.microbatches)
+    out: dict[NodeId, NodeCost] = {}
+    for cid, nodes in snapshot.classes.items():
+        if cid not in snapshot.shape:
+            continue
+        for index, node in enumerate(nodes):
+            if any(ch not in snapshot.shape for ch in node.children):
+                continue
+            parallel = node.op in PARALLEL_OPS
+            cost = pricer.price(node.op, node.attrs[:-1] if parallel else node.attrs, snapshot.shape[cid],
+                                snapshot.degrees[cid], tuple(snapshot.shape[ch] for ch in node.children),
+                                tuple(snapshot.degrees[ch] for ch in node.children),
+                                tuple(roles.get(ch, "") for ch in node.children),
+                                node.attrs[-1] if parallel else None)
+            if cost is not None:
+                out[(cid, index)] = cost
+    return out
+
+
+class Pricer:
+    """Prices one node (an e-node or a PCG node) with the cost model on a mesh, memoised.
+
+    `attrs` are the operator's non-tensor arguments in declaration order
+    (reals may be strings, as the e-graph stores them; a parallel operator's
+    dim, if it has one); `axis` is the mesh axis a parallel operator acts
+    on; `roles` say which children are graph inputs or weights; `stores`
+    whether a partition of a weight is its storage (`cost.parallel_cost`:
+    an e-node assumes so, a PCG node knows).
+    """
+
+    def __init__(self, library: Library, machine: Machine, mesh: Mesh, free_input_layouts: bool = True,
+                 input_pins: Mapping[str, Degrees] | None = None, microbatches: int = 1):
+        self.library, self.machine, self.mesh, self.free_inputs = library, machine, mesh, free_input_layouts
+        self.input_pins = dict(input_pins or {})
+        self.microbatches = microbatches   # every cost is per step: `NodeCost.per_step`
+        self.cache: dict = {}
+
+    def price(self, op: str, attrs: tuple, shape, degrees: Degrees, child_shapes, child_degrees, roles,
+              axis: int | None = None, stores: bool = True) -> NodeCost | None:
+        devices = self.mesh.world
+        if op == "leaf":
+            pinned = self.input_pins.get(attrs[0]) if attrs else None
+            return gather_cost(self.machine, pinned, shape, devices).per_step(self.microbatches) if pinned else NodeCost()
+        key = (op, tuple(attrs), tuple(shape), degrees, tuple(child_shapes), tuple(child_degrees), tuple(roles), axis,
+               stores)
+        if key not in self.cache:
+            if op in PARALLEL_OPS:
+                role = roles[0]
+                if role == INPUT and not self.free_inputs and op == REPLICATE:
+                    role = "broadcast-input"
+                self.cache[key] = _parallel(op, GroupTopology.of_axis(self.mesh, axis),
+                                            shape, child_degrees[0], degrees, self.machine, role, devices, stores)
+            else:
+                self.cache[key] = _compute(self.library, op, attrs, child_shapes, child_degrees, degrees, self.machine,
+                                           tuple(r == WEIGHT for r in roles))
+            if self.cache[key] is not None:
+                self.cache[key] = self.cache[key].per_step(self.microbatches)
+        return self.cache[key]
+
+
+def _parallel(op: str, group: GroupTopology, shape, source: Degrees, out: Degrees,
+              machine: Machine, role: str, devices: int, stores: bool = True) -> NodeCost:
+    degree = group.size
+    if role == "broadcast-input":  # a whole input sent to the copies: (p-1) n elements
+        n = source.piece_elements(shape)
+        return NodeCost(comm_s=price(BROADCAST, group, n * machine.dtype_bytes, machine).seconds,
+                        comm_elements=(degree - 1) * n * source.pieces * max(1, devices // out.pieces),
+                        collectives=(f"fwd broadcast ({degree} devices, {n} elements)",))
+    return parallel_cost(op, degree, shape, source, out, machine, role, devices, group, stores)
+
+
+def _compute(library: Library, op_name: str, values: tuple, shapes, input_degrees, out: Degrees, machine: Machine,
+             weights) -> NodeCost | None:
+    op = library.ops.get(op_name)
+    if op is None:
+        return None
+    attrs = {}
+    for param, value in zip(op.attr_params, values):
+        attrs[param.name] = float(value) if param.type.kind == "real" else int(value)
+    try:
+        instance = instance_for(op, shapes, attrs)
+    except Exception:  # the cost model only prices what instantiates; anything else is not extractable
+        return None
+    cost = compute_cost(instance, input_degrees, out, machine, weights)
+    return None if cost.problems else cost
+
+
+# ---------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class Extraction:
+    """A choice of e-node per e-class (only the classes the plan needs)."""
+
+    choice: Mapping[int, int]
+    time_s: float
+    memory_bytes: int
+    method: str
+    seconds: Mapping[str, float] = field(default_factory=dict)
+    candidates: Mapping[str, float] = field(default_factory=dict)  # method -> DAG time (inf: none)
+    ilp_status: str = ""
+
+
+def dag_cost(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], choice: Mapping[int, int],
+             roots: Sequence[int]) -> tuple[float, int, list[int]] | None:
+    """(time, memory, classes in topological order) of a choice, each class once; None if cyclic or incomplete."""
+    order: list[int] = []
+    state: dict[int, int] = {}  # 1 visiting, 2 done
+    for root in roots:
+        stack = [(root, False)]
+        while stack:
+            cid, exiting = stack.pop()
+            if exiting:
+                state[cid] = 2
+                order.append(cid)
+                continue
+            seen = state.get(cid)
+            if seen == 2:
+                continue
+            if seen == 1:
+                return None  # a cycle
+            if cid not in choice or (cid, choice[cid]) not in costs:
+                return None
+            state[cid] = 1
+            stack.append((cid, True))
+            for child in snapshot.classes[cid][choice[cid]].children:
+                if state.get(child) == 1:
+                    return None
+                if state.get(child) != 2:
+                    stack.append((child, False))
+    time_s = sum(costs[(c, choice[c])].time_s for c in order)
+    memory = sum(costs[(c, choice[c])].memory_bytes for c in order)
+    return time_s, memory, order
+
+
+def _usable(costs, exclude) -> Callable[[NodeId], bool]:
+    if exclude is None:
+        return lambda nid: nid in costs
+    return lambda nid: nid in costs and not exclude(nid)
+
+
+def bottom_up(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Callable[[NodeId], bool],
+              prefer: Mapping[int, int] | None = None) -> tuple[dict[int, int], dict[int, int]]:
+    """Tree-optimal choice; classes are final before any parent uses them (never a cycle).
+
+    Also returns each class's finalisation rank: keeping only the e-nodes whose
+    children rank below their class gives an acyclic sub-e-graph that still
+    contains this choice (the ILP works on it). With `prefer` (a choice),
+    those e-nodes cost nothing, so the order also contains that choice.
+    """
+    prefer = prefer or {}
+
+    def weight(nid: NodeId) -> float:
+        return 0.0 if prefer.get(nid[0]) == nid[1] else costs[nid].time_s + EPSILON
+
+    pending: dict[NodeId, int] = {}     # usable e-node -> its children not yet final
+    heap: list = []
+    for nid, kids in snapshot.kids.items():
+        if nid[0] in kids or not usable(nid):
+            continue
+        pending[nid] = len(kids)
+        if not kids:
+            heapq.heappush(heap, (weight(nid), nid[0], nid[1]))
+    best: dict[int, float] = {}
+    choice: dict[int, int] = {}
+    rank: dict[int, int] = {}
+    while heap:
+        value, cid, index = heapq.heappop(heap)
+        if cid in best:
+            continue
+        best[cid], choice[cid] = value, index
+        rank[cid] = len(rank)
+        for nid in snapshot.readers.get(cid, ()):
+            if nid not in pending:
+                continue
+            pending[nid] -= 1
+            if pending[nid] == 0 and nid[0] not in best:
+                total = weight(nid) + sum(best[ch] for ch in snapshot.kids[nid])
+                heapq.heappush(heap, (total, nid[0], nid[1]))
+    return choice, rank
+
+
+def greedy_dag(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Callable[[NodeId], bool],
+               deadline: float) -> dict[int, int] | None:
+    """Faster-greedy-DAG: a class's cost is the summed cost of the set of e-nodes below its choice.
+
+    Classes are final in the order they are popped, and each holds exactly
+    one chosen e-node, so the set below a choice is a set of earlier
+    classes: a bitset (a Python int, bit = finalisation rank). The cost of a
+    candidate is that of its dearest child's set plus the nodes of the other
+    children's sets that set lacks (usually few: the children of a residual
+    add share their prefix), so a pass is near linear where summing whole
+    sets was quadratic in the depth of the graph (10 s on a 24-block stack).
+    """
+    pending: dict[NodeId, int] = {}     # usable e-node -> its children not yet final
+    ready: list = []
+    kids_of = snapshot.kids
+    for nid, kids in kids_of.items():
+        if nid[0] in kids or not usable(nid):
+            continue
+        pending[nid] = len(kids)
+        if not kids:
+            heapq.heappush(ready, (costs[nid].time_s + EPSILON, nid[0], nid[1]))
+    below: dict[int, int] = {}          # class -> bitset of the classes its choice needs (itself included)
+    value_of: dict[int, float] = {}     # class -> summed cost of that set
+    own: list[float] = []               # finalisation rank -> cost of the class's chosen e-node
+    choice: dict[int, int] = {}
+
+    def union(children: Iterable[int]) -> tuple[int, float]:
+        kids = sorted(children, key=value_of.__getitem__, reverse=True)
+        if not kids:
+            return 0, 0.0
+        mask, total = below[kids[0]], value_of[kids[0]]
+        for child in kids[1:]:
+            extra = below[child] & ~mask
+            mask |= extra
+            while extra:
+                low = extra & -extra
+                total += own[low.bit_length() - 1]
+                extra ^= low
+        return mask, total
+
+    while ready:
+        if time.perf_counter() > deadline:
+            return None
+        value, cid, index = heapq.heappop(ready)
+        if cid in choice:
+            continue
+        mask, _total = union(kids_of[(cid, index)])
+        own.append(costs[(cid, index)].time_s + EPSILON)
+        below[cid], value_of[cid], choice[cid] = mask | (1 << (len(own) - 1)), value, index
+        for nid in snapshot.readers.get(cid, ()):
+            if nid not in pending:
+                continue
+            pending[nid] -= 1
+            if pending[nid] == 0 and nid[0] not in choice:
+                _mask, total = union(kids_of[nid])
+                heapq.heappush(ready, (total + costs[nid].time_s + EPSILON, nid[0], nid[1]))
+    return choice
+
+
+def _reachable(snapshot: Snapshot, roots: Sequence[int], usable) -> list[int]:
+    seen = set(roots)
+    stack = list(roots)
+    while stack:
+        cid = stack.pop()
+        for index, node in enumerate(snapshot.classes.get(cid, ())):
+            if not usable((cid, index)):
+                continue
+            for child in node.children:
+                if child not in seen:
+                    seen.add(child)
+                    stack.append(child)
+    return sorted(seen)
+
+
+@contextlib.contextmanager
+def _quiet_stdout():
+    """File descriptor 1 goes to /dev/null inside the block.
+
+    HiGHS prints its banner from the C++ constructor, before any option
+    (`output_flag`) can be set, straight to the process's stdout: it would
+    end up in `parsat optimize -q` and in the JSON a caller reads.
+    """
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:           # no stdout at all: nothing to protect
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None).fflush(None)   # C stdio's buffer goes to /dev/null, not to the restored fd
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
+def ilp(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], usable, capacity: float,
+        warm: Mapping[int, int] | None, seconds: float, rank: Mapping[int, int]) -> tuple[dict[int, int] | None, str]:
+    """Exact DAG extraction with a memory constraint, by HiGHS, under a time limit.
+
+    Acyclicity: the ILP only sees e-nodes whose children were finalised
+    before their own class by the bottom-up pass (`rank`), an acyclic
+    sub-e-graph that contains the greedy plans. (Cycle constraints on the
+    full e-graph, big-M orderings or lazy cycle cuts, were tried: the
+    combine/partition round trips make their relaxation so weak that HiGHS
+    did not close the gap on a single transformer block in 20 s.)
+    """
+    import highspy
+    import numpy as np
+
+    def allowed(nid: NodeId) -> bool:
+        if not usable(nid) or nid[0] not in rank:
+            return False
+        return all(rank.get(ch, math.inf) < rank[nid[0]] for ch in snapshot.classes[nid[0]][nid[1]].children)
+
+    classes = _reachable(snapshot, roots, allowed)
+    cols: list[NodeId] = []
+    col_of: dict[NodeId, int] = {}
+    for cid in classes:
+        for index, node in enumerate(snapshot.classes.get(cid, ())):
+            nid = (cid, index)
+            if allowed(nid):
+                col_of[nid] = len(cols)
+                cols.append(nid)
+    ncols = len(cols)
+    rows_start, rows_index, rows_value, lower, upper = [0], [], [], [], []
+
+    def row(entries: Iterable[tuple[int, float]], lo: float, hi: float) -> None:
+        for col, val in entries:
+            rows_index.append(col)
+            rows_value.append(val)
+        rows_start.append(len(rows_index))
+        lower.append(lo)
+        upper.append(hi)
+
+    by_class: dict[int, list[int]] = {}
+    for col, (cid, _i) in enumerate(cols):
+        by_class.setdefault(cid, []).append(col)
+    for root in roots:
+        if root not in by_class:
+            return None, "infeasible (a root has no usable e-node)"
+        row(((c, 1.0) for c in by_class[root]), 1.0, 1.0)
+    for cid, cs in by_class.items():
+        if cid not in roots and len(cs) > 1:
+            row(((c, 1.0) for c in cs), 0.0, 1.0)
+    for col, (cid, index) in enumerate(cols):
+        node = snapshot.classes[cid][index]
+        for child in set(node.children):
+            row([(c, 1.0) for c in by_class.get(child, [])] + [(col, -1.0)], 0.0, math.inf)
+    if capacity and math.isfinite(capacity):
+        row(((col, costs[nid].memory_bytes / capacity) for col, nid in enumerate(cols)), 0.0, 1.0)
+
+    scale = max((costs[nid].time_s for nid in cols), default=1.0) or 1.0
+    lp = highspy.HighsLp()
+    lp.num_col_ = ncols
+    lp.num_row_ = len(lower)
+    lp.col_cost_ = np.array([costs[nid].time_s / scale for nid in cols])
+    lp.col_lower_ = np.zeros(ncols)
+    lp.col_upper_ = np.ones(ncols)
+    lp.row_lower_ = np.array(lower)
+    lp.row_upper_ = np.array(upper)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = np.array(rows_start, dtype=np.int32)
+    lp.a_matrix_.index_ = np.array(rows_index, dtype=np.int32)
+    lp.a_matrix_.value_ = np.array(rows_value)
+    lp.a_matrix_.num_col_ = ncols
+    lp.a_matrix_.num_row_ = len(lower)
+    lp.integrality_ = [highspy.HighsVarType.kInteger] * ncols
+    with _quiet_stdout():
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+    h.setOptionValue("mip_rel_gap", 1e-6)
+    h.setOptionValue("time_limit", float(max(seconds, 0.05)))
+    h.passModel(lp)
+    if warm:
+        values = np.zeros(ncols)
+        for cid, index in warm.items():
+            col = col_of.get((cid, index))
+            if col is not None:
+                values[col] = 1.0
+        solution = highspy.HighsSolution()
+        solution.col_value = list(values)
+        solution.value_valid = True
+        h.setSolution(solution)
+    h.run()
+    status = h.modelStatusToString(h.getModelStatus())
+    if h.getInfo().primal_solution_status != 2:  # no feasible solution
+        return None, status
+    values = h.getSolution().col_value
+    return {cols[c][0]: cols[c][1] for c in range(ncols) if values[c] > 0.5}, status
+
+
+def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], capacity: float,
+            ilp_seconds: float = 10.0, exclude: Callable[[NodeId], bool] | None = None,
+            dag_seconds: float = 10.0) -> Extraction:
+    """The cheapest plan the three passes find; the memory limit is hard."""
+    usable = _usable(costs, exclude)
+    seconds: dict[str, float] = {}
+    candidates: dict[str, float] = {}
+    found: list[tuple[float, int, str, dict[int, int]]] = []
+
+    def consider(method: str, choice: Mapping[int, int] | None) -> None:
+        result = dag_cost(snapshot, costs, choice, roots) if choice is not None else None
+        if result is None:
+            candidates[method] = math.inf
+            return
+        time_s, memory, order = result
+        candidates[method] = time_s
+        found.append((time_s, memory, method, {c: choice[c] for c in order}))
+
+    t = time.perf_counter()
+    tree, rank = bottom_up(snapshot, costs, usable)
+    seconds["bottom_up"] = time.perf_counter() - t
+    if any(r not in tree for r in roots):
+        raise ExtractionError("no plan reaches the graph's outputs with the e-nodes the cost model accepts")
+    consider("bottom_up", tree)
+    t = time.perf_counter()
+    consider("greedy_dag", greedy_dag(snapshot, costs, usable, t + dag_seconds))
+    seconds["greedy_dag"] = time.perf_counter() - t
+    warm = min(found, key=lambda f: (f[1] > capacity, f[0]))[3]
+    status = "skipped"
+    if ilp_seconds > 0:
+        t = time.perf_counter()
+        _tree, rank = bottom_up(snapshot, costs, usable, prefer=warm)  # an order that admits the warm start
+        choice, status = ilp(snapshot, costs, roots, usable, capacity, warm, ilp_seconds, rank)
+        seconds["ilp"] = time.perf_counter() - t
+        consider("ilp", choice)
+    fitting = [f for f in found if f[1] <= capacity]
+    if not fitting:
+        least = min(found, key=lambda f: f[1])
+        err = ExtractionError(
+            f"no plan fits in memory: the smallest plan found needs {least[1] / 2 ** 30:.2f} GiB per device, "
+            f"the device has {capacity / 2 ** 30:.2f} GiB (use more devices or a smaller model)")
+        err.needed_bytes = int(least[1])
+        raise err
+    best = min(fitting, key=lambda f: (f[0], f[2] != "ilp"))
+    return Extraction(best[3], best[0], best[1], best[2], seconds, candidates, status)

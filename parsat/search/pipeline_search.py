@@ -1,0 +1,223 @@
+"""The pipeline search: which pipeline degree, micro-batch count and schedule, around the joint search.
+
+For each pipeline degree p tried, the joint search (`api.optimize_step`)
+finds the stage plan: the whole model on a stage mesh of S = devices / p
+devices. A stage holds about 1/p of the weights' state: the search is
+told a device p times the size. The first stage of 1F1B also holds p
+micro-batches of 1/p of the layers' activations; when no schedule of that
+stage plan fits, it is searched again ranking memory with p micro-batches
+in flight (state + p x activations <= p x capacity is the first stage's
+state / p + activations <= capacity), which finds leaner stage plans.
+Each stage's exact memory is priced after the cut.
+`pipeline.pipelined` then chooses the cut points by the cost model and
+prices each schedule; the fastest pipelined plan that fits competes with
+the unstaged plan on the same cost model. This is Alpa's split (the
+intra-operator plan from the e-graph inside an inter-operator pass over
+stages), with one stage plan per stage-mesh size rather than one per stage.
+
+The grid baseline gains Megatron-LM's PTD-P points the same way: the
+grid's configuration found on each stage mesh, cut into stages of equal
+layer counts (as Megatron cuts), run with 1F1B and interleaved 1F1B.
+
+Degrees tried: p = 2, 4, ... dividing the devices, from the smallest whose
+stage (tensor parallelism inside a node, no ZeRO) holds its weights' state
+in 80% of a device, two of them (one when pinned); micro-batch counts
+about 4p and 8p (the 1F1B bubble (p - 1) / (m + p - 1) is then 16-43% at
+most before interleaving), each a divisor of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from math import prod
+from typing import Callable, Sequence
+
+from parsat.ir.machine import Machine
+from parsat.ir.pipeline import INTERLEAVED, ONE_F_ONE_B, SCHEDULES, PipelineError
+from parsat.ir.plan import BaselinePlan, Plan
+from parsat.cost.model import weight_bytes
+from parsat.search.deadline import Deadline
+from parsat.ir.errors import DoesNotFit, OptimizeError
+from parsat.cost.pipeline import SCHEDULE_CHOICES, StagePricer, equal_starts
+
+DEGREES_TRIED = 2          # pipeline degrees searched when none is pinned
+STATE_SHARE = 0.8          # of a device's memory the weights' state may take when choosing the least degree
+
+StageSearch = Callable[[Machine, int, int, int, "Deadline | None"], Plan]
+"""(stage machine, stage devices, micro-batches, micro-batches in flight, its deadline) -> the stage plan"""
+
+NOT_SEARCHED = "not searched: the search's time limit (--limit seconds) was reached before it"
+
+
+@dataclass(frozen=True)
+class PipelineSearch:
+    """What the pipeline search found: its pipelined candidates, the PTD-P grid points, and what it tried."""
+
+    plans: tuple[Plan, ...]
+    grid: tuple[tuple[Plan, dict], ...]      # PTD-P points: the pipelined plan and its configuration
+    tried: tuple[dict, ...]
+
+
+def pipeline_degrees(devices: int, machine: Machine, parameters: int, layers: int, pinned: int | None) -> list[int]:
+    """The pipeline degrees to search (see the module docstring)."""
+    if pinned is not None:
+        return [pinned]
+    degrees = [p for p in (2 ** k for k in range(1, 16)) if p <= devices and devices % p == 0 and p <= layers]
+    tensor = min(machine.devices_per_node, devices)
+    state = parameters * weight_bytes(machine)
+    fitting = [p for p in degrees if state / (p * min(tensor, devices // p)) <= STATE_SHARE * machine.memory_capacity]
+    start = degrees.index(fitting[0]) if fitting else max(0, len(degrees) - DEGREES_TRIED)
+    return degrees[start:start + DEGREES_TRIED]
+
+
+def microbatch_counts(batch: int, degree: int, pinned: int | None) -> list[int]:
+    """Micro-batch counts to search at pipeline degree `degree`: about 4p and 8p, divisors of the batch."""
+    if pinned is not None:
+        return [pinned]
+    counts = []
+    for want in (4 * degree, 8 * degree):
+        found = next((k for k in range(min(want, batch), batch + 1) if batch % k == 0), None)
+        if found is not None and found not in counts:
+            counts.append(found)
+    return counts
+
+
+def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch: int, parameters: int,
+                     layers: int, *, degree: int | None = None, microbatches: int | None = None,
+                     schedule: str | None = None, say: Callable[[str], None] = lambda _m: None,
+                     clock: Deadline | None = None) -> PipelineSearch:
+    """Every pipelined candidate: stage plans searched per (degree, micro-batch count), cut and priced per
+    schedule (`schedule` pins one). A degree or count whose stage plan cannot be found is said and skipped.
+    With a `clock`, each (degree, count) gets an equal part of the time left, and those the clock leaves no
+    time for are listed as not searched (the first one always is searched)."""
+    if schedule is not None and schedule not in SCHEDULES:
+        raise OptimizeError(f"unknown schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
+    plans: list[Plan] = []
+    grid: list[tuple[Plan, dict]] = []
+    tried: list[dict] = []
+    pairs = [(p, m) for p in pipeline_degrees(devices, machine, parameters, layers, degree)
+             for m in microbatch_counts(batch, p, microbatches)]
+    for index, (p, m) in enumerate(pairs):
+        stage_devices = devices // p
+        stage_machine = replace(machine.with_devices(stage_devices), memory_capacity=machine.memory_capacity * p)
+        if clock is not None and clock.spent and index > 0:
+            say(f"pipeline {p} stages x {m} micro-batches: {NOT_SEARCHED}")
+            tried.append({"pp": p, "microbatches": m, "error": NOT_SEARCHED})
+            continue
+        # first ranked as one micro-batch alive (the fastest stage plan on p devices' memory), then, if no
+        # schedule of it fits, with the first stage's p in flight (a leaner stage plan)
+        for in_flight in (1, min(p, m)):
+            if in_flight > 1 and clock is not None and clock.spent:
+                tried.append({"pp": p, "microbatches": m, "in_flight": in_flight, "error": NOT_SEARCHED})
+                break
+            say(f"pipeline {p} stages of {stage_devices} devices, {m} micro-batches: searching the stage plan"
+                + (f" ({in_flight} in flight)" if in_flight > 1 else ""))
+            try:
+                stage = search(stage_machine, stage_devices, m, in_flight,
+                               clock.part(1.0 / (len(pairs) - index)) if clock is not None else None)
+            except (DoesNotFit, OptimizeError) as err:
+                say(f"pipeline {p} x {m} micro-batches: no stage plan ({err})")
+                tried.append({"pp": p, "microbatches": m, "in_flight": in_flight, "error": str(err)})
+                continue
+            found = _price_schedules(stage, p, m, schedule, machine, in_flight, tried)
+            plans.extend(found)
+            grid.extend(_grid_points(stage, p, [(plan.pipeline.schedule, plan.pipeline.layout.chunks_per_stage)
+                                                for plan in found], machine))
+            if any(plan.totals.fits(machine) for plan in found) or in_flight == min(p, m):
+                break
+    return PipelineSearch(tuple(plans), tuple(grid), tuple(tried))
+
+
+def _price_schedules(stage: Plan, p: int, m: int, schedule: str | None, machine: Machine, in_flight: int,
+                     tried: list[dict]) -> list[Plan]:
+    """`stage` cut into p stages and priced in every schedule that applies; each recorded in `tried`."""
+    found = []
+    pricer = StagePricer(stage, machine)     # the stage plan's layers and node figures, once for every schedule
+    for name, v in _schedules(schedule, p, m, len(pricer.layer_map.layers)):
+        try:
+            plan = pricer.pipelined(p, name, v)
+        except PipelineError as err:
+            tried.append({"pp": p, "microbatches": m, "schedule": name, "error": str(err)})
+            continue
+        found.append(plan)
+        tried.append({"pp": p, "microbatches": m, "in_flight": in_flight, "schedule": name, "chunks_per_stage": v,
+                      "time_s": plan.totals.time_s, "peak_memory_bytes": plan.totals.peak_memory_bytes,
+                      "fits": plan.totals.fits(machine)})
+    return found
+
+
+def _schedules(pinned: str | None, p: int, m: int, layers: int) -> list[tuple[str, int]]:
+    """(schedule, chunks per stage) to price: interleaved with two chunks where m is a multiple of p and the
+    layers make 2p chunks."""
+    out = []
+    for name, v in SCHEDULE_CHOICES:
+        if pinned is not None and name != pinned:
+            continue
+        if name == INTERLEAVED and (m % p or layers < p * v):
+            continue
+        out.append((name, v))
+    return out
+
+
+def _grid_points(stage: Plan, p: int, schedules: Sequence[tuple[str, int]], machine: Machine
+                 ) -> list[tuple[Plan, dict]]:
+    """The grid's configuration on this stage mesh as PTD-P points: equal layer counts per stage, in each of
+    `schedules` ((schedule, chunks per stage)) that Megatron runs (1F1B, interleaved)."""
+    chosen = stage.baseline_plans.get("best_grid")
+    schedules = [(name, v) for name, v in schedules if name in (ONE_F_ONE_B, INTERLEAVED)]
+    if chosen is None or chosen.pcg is None or not schedules:
+        return []
+    pricer = StagePricer(replace(stage, pcg=chosen.pcg, costs=chosen.costs), machine)
+    points = []
+    for name, v in schedules:
+        try:
+            plan = pricer.pipelined(p, name, v, starts=equal_starts(pricer.layer_map.layers, p * v))
+        except PipelineError:
+            continue
+        config = {**dict(chosen.config or {}), "pp": p, "schedule": name, "chunks_per_stage": v,
+                  "microbatches": stage.graph.microbatches, "cuts": "equal layer counts"}
+        points.append((plan, config))
+    return points
+
+
+def best_of(flat: Plan | None, found: PipelineSearch, machine: Machine, pinned: bool = False) -> Plan:
+    """The fastest plan that fits (the unstaged one on a tie), with best_grid the best grid point of both and
+    the pipeline search's trials in `saturation.pipeline_search`. With `pinned` degrees the plan keeps them:
+    a grid point is compared with, never taken."""
+    grid_plans = [] if pinned else [g for g, _c in found.grid]
+    candidates = ([flat] if flat is not None else []) + list(found.plans) + grid_plans
+    if not candidates:
+        why = "; ".join(f"pp {t['pp']} x {t['microbatches']} micro-batches"
+                        + (f" ({t['schedule']})" if "schedule" in t else "") + f": {t['error']}"
+                        for t in found.tried if "error" in t)
+        raise OptimizeError("no pipelined plan: " + (why or "no schedule applies to the micro-batch counts tried "
+                                                            "(interleaved needs a multiple of the stages)"))
+    # a grid point is a whole pipelined plan: when it is strictly the fastest it is the plan, and says so
+    best = min(candidates, key=lambda c: (not c.totals.fits(machine), round(c.totals.time_s, 12), c is not flat,
+                                          any(c is g for g in grid_plans)))
+    if any(best is g for g in grid_plans):
+        best = replace(best, extraction={**dict(best.extraction), "chosen": "best_grid"})
+    # the unstaged search's baselines are over every device; a stage search's are over a stage's only
+    baselines = dict(flat.baselines) if flat is not None else {}
+    baseline_plans = dict(flat.baseline_plans) if flat is not None else {}
+    if found.grid:
+        # the fastest point that fits, else the one nearest to fitting (shown with the memory it needs)
+        totals, config = min(((g.totals, c) for g, c in found.grid),
+                             key=lambda g: (not g[0].fits(machine),
+                                            g[0].time_s if g[0].fits(machine) else g[0].peak_memory_bytes))
+        current = baselines.get("best_grid")
+        if current is None or (totals.fits(machine), -totals.time_s) > (current.fits(machine), -current.time_s):
+            baselines["best_grid"] = totals
+            baseline_plans["best_grid"] = BaselinePlan(None, {}, config)
+    saturation = {**dict(best.saturation), "pipeline_search": list(found.tried)}
+    unsearched = list(dict.fromkeys(f"pp {t['pp']} x {t['microbatches']} micro-batches" for t in found.tried
+                                    if t.get("error") == NOT_SEARCHED))
+    if unsearched:   # said where explain shows it, beside what the unstaged search left out
+        said = f"pipeline {', '.join(unsearched)} not searched: the time limit (--limit seconds) was reached"
+        saturation["search_limit"] = "; ".join(filter(None, (saturation.get("search_limit"), said)))
+    return replace(best, baselines=baselines, baseline_plans=baseline_plans, saturation=saturation)
+
+
+def parameters_of(graph) -> int:
+    """Trained parameters of a graph (its weights' elements)."""
+    return sum(prod(w.shape) for w in graph.weights)

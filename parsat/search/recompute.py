@@ -1,0 +1,76 @@
+"""Activation recomputation in the search: e-nodes and PCG nodes priced as `ir.recompute`'s policy runs them.
+
+Recomputation is not a rewrite (it moves and changes no value); it is a
+way to run a plan, which changes what each node costs: the nodes of a
+block run their forward twice, and those only their own block reads hold
+no activation from forward to backward (`NodeCost.recomputed`). So the
+search prices the same e-graph both ways and extracts from each
+(`search.optimize.search_mesh`): the plan that keeps every activation, and,
+when that one does not fit, the one that recomputes.
+
+An e-node cannot know which of its class's readers a plan will pick, so
+an e-class counts as kept when any e-node of another block (or the root)
+reads it. Extraction adds memory up over e-nodes, while only one block is
+recomputed at a time: each block's transient activations count for one
+over the number of blocks (the average block's, in all). Both are
+estimates for ranking; the PCG that comes back is priced again node by
+node with its own readers and its largest block (`ir.recompute.checkpoints`,
+`recomputed_pcg_costs`), and that is what says whether it fits.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from parsat.ir.blocks import OUTSIDE
+from parsat.ir.costs import NodeCost
+from parsat.ir.pcg import PCG
+from parsat.ir.recompute import NONE, check_policy, checkpoints
+from parsat.search.repeat import class_blocks
+from parsat.egraph.snapshot import Snapshot
+
+NodeId = tuple[int, int]
+
+
+def recomputed_enodes(costs: Mapping[NodeId, NodeCost], snapshot: Snapshot, roots: Sequence[int],
+                      policy: str) -> dict[NodeId, NodeCost]:
+    """Every e-node's cost under `policy` (the module docstring); NONE leaves them as they are."""
+    if check_policy(policy) == NONE:
+        return dict(costs)
+    blocks = class_blocks(snapshot)
+    kept = set(roots)
+    for cid, nodes in snapshot.classes.items():
+        for node in nodes:
+            kept.update(ch for ch in node.children if blocks.get(ch, OUTSIDE) != blocks[cid])
+    count = max(1, len({b for b in blocks.values() if b != OUTSIDE}))
+    out = {}
+    for (cid, index), cost in costs.items():
+        node = snapshot.classes[cid][index]
+        runs = blocks.get(cid, OUTSIDE) != OUTSIDE and node.op != "leaf" and not cost.weight_chain
+        if not runs:
+            out[(cid, index)] = cost
+            continue
+        again = cost.recomputed(kept=cid in kept)
+        # one block's activations at a time: each block's e-nodes count for 1 / count of them (the average block)
+        out[(cid, index)] = again.with_transient(again.transient_bytes // count)
+    return out
+
+
+def recomputed_pcg_costs(pcg: PCG, costs: Mapping[int, NodeCost]) -> dict[int, NodeCost]:
+    """A PCG's node costs under its own recomputation policy (`ir.recompute.checkpoints`). Each block's
+    transient activations are charged to its first node, so that the plan's memory (`ir.costs.totals`) counts
+    the largest block's, once: blocks are recomputed one at a time."""
+    out = dict(costs)
+    for checkpoint in checkpoints(pcg):
+        here = [i for i in checkpoint.runs if i in out]
+        for ident in here:
+            out[ident] = out[ident].recomputed(kept=ident in checkpoint.kept)
+        if not here:
+            continue
+        block = sum(out[i].transient_bytes for i in here)
+        for ident in here:
+            out[ident] = out[ident].with_transient(block if ident == here[0] else 0)
+    return out
+
+
+__all__ = ["recomputed_enodes", "recomputed_pcg_costs"]

@@ -1,0 +1,326 @@
+"""Repeated blocks: search three of a model's N identical blocks, then repeat the middle one's plan N - 2 times.
+
+Language models are stacks of identical blocks (`ir.models`: every weight
+and node of block i is named `b{i}_...`). Saturating all N of them costs N
+times one block's e-graph (a 32-block GPT on a two-axis mesh passes 200,000
+e-nodes before partitions reach the later blocks), yet the best plan for
+block 7 is the best plan for block 8. So the search saturates the model
+built with three blocks (first, middle, last: a middle block's inputs and
+outputs both meet blocks, as every block but the ends does) and:
+
+1. prices every e-node of the middle block `N - 2` times (`weigh`): time,
+   communication and memory, so extraction ranks and fits plans as the
+   whole model (a plan that fits three blocks but not 32 is not chosen);
+2. repeats the extracted plan's middle block for blocks 1 to N - 2
+   (`stamp`), renaming `b1_` to `b{j}_`, and its last block as block N - 1.
+   The PCG that comes back computes the whole model, every node is
+   priced again on it and its step simulated, like any other plan.
+
+Why the stamped plan is sound: each rule is proven for all tensors, so an
+equality saturation derived for block 1 holds for block j, whose operators
+are the same with other weights; a copy reads, in place of what block 1
+read from block 0, the same value of block j - 1 in the same placement.
+`stamp` checks that last part: the values block 1 reads from block 0 and
+block 2 reads from block 1 must be the same graph tensors up to the block
+prefix (`value_names`: the e-graph knows which tensor each class holds),
+in the same placements. How block 0 computes its output does not matter
+(it may differ from block 1's: it reads the embeddings). A plan whose
+blocks are not laid out alike is refused (`RepeatError`): the caller then
+has no stamped plan for that mesh, never a wrong one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Mapping
+
+from parsat.dsl.library import Library
+from parsat.dsl.parallel_ops import PARALLEL_OPS
+from parsat.ir.blocks import OUTSIDE, block_of, in_block, node_blocks
+from parsat.ir.budget import GraphBudget
+from parsat.ir.costs import NodeCost
+from parsat.ir.graph import Graph
+from parsat.ir.models import EXAMPLES, build_example
+from parsat.ir.pcg import PCG, Degrees, PNode
+from parsat.ir.placement import Placement
+from parsat.egraph.encoding import PIN_SUFFIX
+from parsat.egraph.snapshot import ENode, Snapshot, parallel_attrs
+
+SEARCHED_BLOCKS = 3            # first, middle (repeated), last
+REPEATED = 1                   # the searched block whose plan repeats
+
+
+class RepeatError(Exception):
+    """The searched blocks' plan cannot be repeated (its blocks are not laid out alike)."""
+
+
+@dataclass(frozen=True)
+class Repetition:
+    """A model of `blocks` identical blocks searched as `searched` (built with `SEARCHED_BLOCKS`)."""
+
+    whole: Graph
+    searched: Graph
+    blocks: int
+
+    @property
+    def copies(self) -> int:
+        """How many blocks the middle block's plan stands for."""
+        return self.blocks - SEARCHED_BLOCKS + 1
+
+    def with_microbatches(self, count: int) -> "Repetition":
+        return replace(self, whole=self.whole.with_microbatches(count),
+                       searched=self.searched.with_microbatches(count))
+
+    def to_dict(self) -> dict:
+        return {"blocks": self.blocks, "searched_blocks": SEARCHED_BLOCKS, "repeated_block": REPEATED,
+                "copies": self.copies}
+
+
+def repetition_for(named, whole: Graph, library: Library, sizes: Mapping[str, int],
+                   budget: GraphBudget | None = None) -> Repetition | None:
+    """How to search `whole`, built from the example `named` at `sizes`: as three of its blocks, when it is a
+    built-in example of more than three (None for any other graph: its blocks are not known to be alike)."""
+    if not isinstance(named, str) or named not in EXAMPLES:
+        return None
+    blocks = {**EXAMPLES[named].defaults(), **sizes}.get("blocks")
+    if not isinstance(blocks, int) or blocks <= SEARCHED_BLOCKS:
+        return None
+    searched = build_example(named, {**sizes, "blocks": SEARCHED_BLOCKS}, library, budget)
+    return Repetition(whole, searched, blocks)
+
+
+# ------------------------------------------------------------------ weighing the e-graph
+
+
+def class_blocks(snapshot: Snapshot) -> dict[int, int]:
+    """E-class -> the latest block whose weights it depends on (OUTSIDE for none): a fixpoint from the leaves.
+
+    A value of block 1 depends on block 1's weights (and earlier ones'); a conversion of block 1's output that
+    block 2 reads depends on no later weight, so it counts with block 1, as every block but the last has one.
+    """
+    blocks = {cid: OUTSIDE for cid in snapshot.classes}
+    for cid, nodes in snapshot.classes.items():
+        for node in nodes:
+            if node.op == "leaf":
+                blocks[cid] = max(blocks[cid], block_of(str(node.attrs[0]).removesuffix(PIN_SUFFIX)))
+    # a worklist over the snapshot's readers, not sweeps over every class until none changes: a class is looked
+    # at again only when a class it reads got a later block (the same fixpoint; sweeps cost 40 s on a 2-axis
+    # mesh's e-graph)
+    work = [cid for cid, block in blocks.items() if block != OUTSIDE]
+    while work:
+        child = work.pop()
+        for cid, _index in snapshot.readers.get(child, ()):
+            if blocks[child] > blocks[cid]:
+                blocks[cid] = blocks[child]
+                work.append(cid)
+    return blocks
+
+
+def weigh(costs: Mapping[tuple[int, int], NodeCost], snapshot: Snapshot, repetition: Repetition) -> dict:
+    """Every e-node's cost with the middle block's counted `copies` times: extraction then prices the whole model."""
+    blocks = class_blocks(snapshot)
+    factor = repetition.copies
+    return {nid: cost.times(factor) if blocks.get(nid[0]) == REPEATED else cost for nid, cost in costs.items()}
+
+
+# ------------------------------------------------------------------ stamping the PCG
+
+
+def value_names(snapshot: Snapshot, classes: Mapping[str, int]) -> dict[int, str]:
+    """E-class -> the graph tensor whose value it holds, however spread: the classes the graph names, and every
+    class joined to one of them by a parallel operator (which moves a value between devices, never changes it)."""
+    names: dict[int, str] = {}
+    for name, cid in classes.items():
+        if not name.startswith("pin:"):
+            names.setdefault(cid, name)
+    changed = True
+    while changed:
+        changed = False
+        for cid, nodes in snapshot.classes.items():
+            for node in nodes:
+                if node.op not in PARALLEL_OPS:
+                    continue
+                child = node.children[0]
+                if cid not in names and child in names:
+                    names[cid], changed = names[child], True
+                elif child not in names and cid in names:
+                    names[child], changed = names[cid], True
+    return names
+
+
+@dataclass(frozen=True)
+class Step:
+    """One parallel operator of a conversion between two placements of a value (`conversions`)."""
+
+    op: str
+    attrs: tuple
+    shape: tuple[int, ...]
+    degrees: Degrees
+    placement: Placement
+
+
+Converter = Callable[[str, Placement, Placement], "tuple[Step, ...] | None"]
+
+
+def conversions(snapshot: Snapshot, names: Mapping[int, str]) -> Converter:
+    """How to move a graph tensor's value from one placement to another with the e-graph's own parallel
+    e-nodes (None when saturation made no such path): the shortest chain of parallel operators from a class
+    holding the value in the source placement to one holding it in the target's (`names`: `value_names`).
+    Parallel operators move values and never change them, and each e-node is one the rules made, so the
+    chain is what a plan could have chosen. The e-graph is indexed on the first call only: most plans'
+    blocks are laid out alike and never ask."""
+    holding: dict[str, list[int]] = {}
+    made_from: dict[int, list[tuple[int, ENode]]] = {}    # class -> (class it converts into, by which e-node)
+    mesh = snapshot.mesh
+
+    def index() -> None:
+        for cid, name in names.items():
+            holding.setdefault(name, []).append(cid)
+        for cid, nodes in snapshot.classes.items():
+            for node in nodes:
+                if node.op in PARALLEL_OPS and names.get(cid) is not None:
+                    made_from.setdefault(node.children[0], []).append((cid, node))
+
+    def convert(name: str, source: Placement, target: Placement) -> tuple[Step, ...] | None:
+        if not holding:
+            index()
+        mine = set(holding.get(name, ()))
+        frontier = [c for c in mine if snapshot.placement.get(c) == source]
+        path: dict[int, tuple[int, ENode] | None] = {c: None for c in frontier}
+        while frontier:
+            following = []
+            for cid in frontier:
+                if snapshot.placement.get(cid) == target:
+                    steps = []
+                    while path[cid] is not None:
+                        before, node = path[cid]
+                        steps.append(Step(node.op, parallel_attrs(node, mesh), snapshot.shape[cid],
+                                          snapshot.degrees[cid], snapshot.placement[cid]))
+                        cid = before
+                    return tuple(reversed(steps))
+                for after, node in made_from.get(cid, ()):
+                    if after in mine and after not in path:
+                        path[after] = (cid, node)
+                        following.append(after)
+            frontier = following
+        return None
+
+    return convert
+
+
+def stamp(pcg: PCG, repetition: Repetition, values: Mapping[int, str], convert: Converter | None = None) -> PCG:
+    """The searched blocks' PCG repeated into the whole model's (module docstring); RepeatError if it cannot be.
+
+    `values` names, for PCG nodes, the graph tensor each holds (`value_names`): a copy of block 1 reads from
+    the copy before it the value block 1 read from block 0, one block later, in the same placement. Where
+    block 2 reads that value of block 1 in another placement than block 1 read it of block 0 (extraction
+    weighs block 0 once and block 1 N - 2 times, so their outputs may be laid out apart), `convert`
+    (`conversions`) gives the parallel operators that move it into block 1's placement: they run between
+    every two copies (the PCG's layout check, `pcg_layout`, checks each placement again)."""
+    blocks = node_blocks(pcg)
+    by_id = {n.id: n for n in pcg.nodes}
+    last = SEARCHED_BLOCKS - 1
+    readers = {b: {i for n in pcg.nodes if blocks[n.id] == b for i in n.inputs} for b in range(SEARCHED_BLOCKS)}
+    for n in pcg.nodes:
+        for i in n.inputs:
+            if blocks[i] not in (OUTSIDE, blocks[n.id], blocks[n.id] - 1):
+                raise RepeatError(f"node {n.id} ({n.label}) of block {blocks[n.id]} reads block {blocks[i]}: "
+                                  "the blocks are not a chain")
+    into_middle = sorted(i for i in readers[REPEATED] if blocks[i] == REPEATED - 1)
+    into_last = sorted(i for i in readers[last] if blocks[i] == REPEATED)
+
+    def read(i: int) -> tuple:
+        """What a block reads from the one before: which value (up to the block prefix), where it lies."""
+        if i not in values:
+            raise RepeatError(f"node {i} ({by_id[i].label}), read across blocks, holds no value the graph names")
+        return in_block(values[i], 0), by_id[i].shape, by_id[i].placement
+
+    ahead = {read(i): i for i in into_last}
+    behind = {read(i): i for i in into_middle}
+    # what block 1 read from block 0, copy j reads from copy j - 1: the same value one block later, laid out
+    # alike, or moved there by `bridges`' parallel operators
+    successor: dict[int, int] = {}
+    bridges: dict[int, tuple[Step, ...]] = {}
+    for key, i in behind.items():
+        if key in ahead:
+            successor[i] = ahead[key]
+            continue
+        name, shape, placement = key
+        for (other, other_shape, other_placement), a in sorted(ahead.items(), key=lambda kv: kv[1]):
+            steps = convert(values[a], other_placement, placement) if convert and other == name \
+                and other_shape == shape else None
+            if steps:
+                successor[i], bridges[i] = a, steps
+                break
+        else:
+            raise RepeatError("the blocks are not laid out alike: block 1 reads "
+                              f"{_reads(behind)} from block 0, block 2 reads {_reads(ahead)} from block 1")
+
+    nodes: list[PNode] = []
+    new_id: dict[tuple[int, int], int] = {}   # (block of the whole model, searched node id) -> new id
+    ends = {OUTSIDE: OUTSIDE, 0: 0, last: repetition.blocks - 1}
+
+    def emit(node: PNode, block: int, source) -> None:
+        new_id[(block, node.id)] = len(nodes)
+        renamed = replace(node, id=len(nodes), inputs=tuple(source(i) for i in node.inputs),
+                          origin=in_block(node.origin, block))
+        nodes.append(replace(renamed, op=in_block(node.op, block)) if node.kind == "leaf" else renamed)
+
+    def at_end(i: int) -> int:
+        return new_id[(ends[blocks[i]], i)]
+
+    bridged: dict[tuple[int, int], int] = {}   # (copy, node it reads of block 0) -> the bridge's last node
+
+    def bridge(block: int) -> None:
+        """The parallel operators that move what copy `block - 1` made into the placements copy `block` reads."""
+        for i, steps in sorted(bridges.items()):
+            at = new_id[(block - 1, successor[i])]
+            for step in steps:
+                nodes.append(PNode(len(nodes), "parallel", step.op, (at,), step.attrs, step.shape, step.degrees,
+                                   origin=in_block(values[successor[i]], block - 1), placement=step.placement))
+                at = nodes[-1].id
+            bridged[(block, i)] = at
+
+    def in_copy(block: int):
+        def source(i: int) -> int:
+            if blocks[i] == REPEATED:
+                return new_id[(block, i)]
+            if blocks[i] == REPEATED - 1 and block > REPEATED:
+                return bridged[(block, i)] if i in bridges else new_id[(block - 1, successor[i])]
+            return at_end(i)
+        return source
+
+    def in_last(i: int) -> int:
+        return new_id[(repetition.blocks - 2, i)] if blocks[i] == REPEATED else at_end(i)
+
+    for node in pcg.nodes:
+        if blocks[node.id] in (OUTSIDE, 0):
+            emit(node, ends[blocks[node.id]], at_end)
+    for block in range(REPEATED, repetition.blocks - 1):
+        if block > REPEATED:
+            bridge(block)
+        source = in_copy(block)
+        for node in pcg.nodes:
+            if blocks[node.id] == REPEATED:
+                emit(node, block, source)
+    for node in pcg.nodes:
+        if blocks[node.id] == last:
+            emit(node, repetition.blocks - 1, in_last)
+    outputs = tuple(in_last(o) if blocks[o] == REPEATED else at_end(o) for o in pcg.outputs)
+    stamped = PCG(tuple(nodes), outputs, pcg.output_names, pcg.mesh, pcg.recompute)
+    _check_leaves(stamped, repetition.whole)
+    return stamped
+
+
+def _reads(found: Mapping[tuple, int]) -> str:
+    return ", ".join(sorted(f"{name} as {placement}" for name, _shape, placement in found)) or "nothing"
+
+
+def _check_leaves(pcg: PCG, whole: Graph) -> None:
+    """The stamped PCG reads exactly the whole model's leaves, at their shapes."""
+    want = {leaf.name: tuple(leaf.shape) for leaf in whole.leaves}
+    have = {n.op: tuple(n.shape) for n in pcg.nodes if n.kind == "leaf"}
+    if have != want:
+        missing = sorted(set(want) - set(have))[:3]
+        extra = sorted(set(have) - set(want))[:3]
+        raise RepeatError(f"the repeated plan's leaves differ from the model's (missing {missing}, extra {extra})")

@@ -1,0 +1,171 @@
+"""From a saturated e-graph to the cheapest PCG: price every e-node, extract, build the PCG.
+
+The joint plan, the Megatron baseline (the same e-graph with some e-nodes
+excluded) and both phases of the sequential baseline go through `solve`,
+so every candidate is priced by one cost model and built one way.
+`rules_used` then says which rules made the e-nodes a plan uses.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+from typing import Callable, Mapping, Sequence
+
+from parsat.dsl import ast
+from parsat.dsl.library import Library
+from parsat.dsl.parallel_ops import PARALLEL_OPS
+from parsat.ir.costs import NodeCost
+from parsat.ir.graph import Graph
+from parsat.ir.machine import Machine
+from parsat.ir.mesh import Mesh
+from parsat.ir.pcg import PCG, WEIGHT_VALUE, Degrees, PNode, pcg_roles
+from parsat.ir.recompute import NONE
+from parsat.egraph.encoding import PIN_SUFFIX
+from parsat.search.extract import Extraction, NodeId, Pricer, dag_cost, extract, node_costs
+from parsat.search.recompute import recomputed_enodes, recomputed_pcg_costs
+from parsat.search.repeat import Repetition, RepeatError, conversions, stamp, value_names, weigh
+from parsat.egraph.runner import Limits
+from parsat.egraph.saturate import SaturationResult
+from parsat.egraph.snapshot import Snapshot, parallel_attrs
+
+
+def solve(result: SaturationResult, graph: Graph, library: Library, machine: Machine, roots: Sequence[int],
+          limits: Limits, free_inputs: bool, exclude=None, pins: Mapping[str, Degrees] | None = None,
+          costs: Mapping[NodeId, NodeCost] | None = None,
+          repetition: Repetition | None = None, in_flight: int = 1,
+          recompute: str = NONE) -> tuple[PCG, dict[int, NodeCost], Extraction]:
+    """Extract from `result` (with `costs`, the e-nodes priced, when already known) and build the PCG.
+
+    `in_flight` > 1 ranks memory with that many micro-batches' activations alive (a pipeline stage's), while
+    the PCG's costs stay one micro-batch's, as every plan's are.
+
+    With a `repetition`, `graph` is the searched blocks and the PCG that comes back the whole model's
+    (`repeat.stamp`), priced node by node (RepeatError when the plan's blocks are not laid out alike).
+
+    `recompute` is the activation-recomputation policy the plan runs with (`ir.recompute`); `costs`, when
+    given, must be priced under it (`price`)."""
+    if costs is None:
+        costs = price(result, graph, library, machine, free_inputs, pins, repetition, roots, recompute)
+    ranked = costs if in_flight == 1 else {k: c.with_in_flight(in_flight) for k, c in costs.items()}
+    extraction = extract(result.snapshot, ranked, roots, machine.memory_capacity, limits.ilp_seconds, exclude)
+    pcg, ident = pcg_from_extraction(result, extraction, graph, library, roots, graph.outputs)
+    pcg = replace(pcg, recompute=recompute)
+    if recompute != NONE and repetition is None:   # the PCG's own readers say what is kept (`search.recompute`)
+        priced = price_pcg(pcg, library, machine, free_inputs, graph.microbatches, pins)
+        if priced is not None:
+            return pcg, priced, extraction
+    if repetition is not None:
+        names = value_names(result.snapshot, result.classes)
+        pcg = stamp(pcg, repetition, {ident[c]: name for c, name in names.items() if c in ident},
+                    conversions(result.snapshot, names))
+        priced = price_pcg(pcg, library, machine, free_inputs, graph.microbatches, pins)
+        if priced is None:
+            raise RepeatError("the repeated plan has a node the cost model cannot price")
+        return pcg, priced, extraction
+    by_class = {ident[c]: costs[(c, i)] for c, i in extraction.choice.items()}
+    # An e-node prices a partition of a weight as its storage, not knowing the weight's other readers: the
+    # PCG's parallel nodes are priced again knowing them, so the plan's figures are what the backend runs.
+    readers = price_pcg(pcg, library, machine, free_inputs, graph.microbatches, pins,
+                        only=lambda node: node.kind == "parallel")
+    return pcg, {**by_class, **(readers or {})}, extraction
+
+
+def price(result: SaturationResult, graph: Graph, library: Library, machine: Machine, free_inputs: bool,
+          pins: Mapping[str, Degrees] | None, repetition: Repetition | None = None, roots: Sequence[int] = (),
+          recompute: str = NONE, raw: Mapping[NodeId, NodeCost] | None = None) -> dict[NodeId, NodeCost]:
+    """Every e-node priced (`raw`, when already priced: `node_costs`), as `recompute` runs it
+    (`search.recompute`; `roots` are kept); pinned inputs arrive in their layout (a pinned output is an
+    extraction root). With a `repetition`, the repeated block's e-nodes count once per block they stand for
+    (`repeat.weigh`)."""
+    if raw is None:
+        input_pins = {k: v for k, v in (pins or {}).items() if k not in graph.outputs}
+        raw = node_costs(result.snapshot, graph, library, machine, free_inputs, input_pins)
+    costs = recomputed_enodes(raw, result.snapshot, roots, recompute)
+    return weigh(costs, result.snapshot, repetition) if repetition is not None else costs
+
+
+def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_layouts: bool = True,
+              microbatches: int = 1, pins: Mapping[str, Degrees] | None = None,
+              only: Callable[[PNode], bool] | None = None) -> dict[int, NodeCost] | None:
+    """Every PCG node (`only` those it accepts) priced by the same cost model as the e-nodes, on the PCG's mesh,
+    per step of `microbatches` micro-batches (None if a node is not priceable); pinned inputs arrive in their
+    layout. Unlike an e-node, a PCG node knows its readers: a partition of a weight that is not the weight's
+    storage (`ir.pcg.weight_storage`, as the backend runs it) is priced as slicing it (`cost.parallel_cost`)."""
+    pricer = Pricer(library, machine, pcg.mesh, free_input_layouts, pins, microbatches=microbatches)
+    by_id = {n.id: n for n in pcg.nodes}
+    roles = pcg_roles(pcg)
+    out: dict[int, NodeCost] = {}
+    for node in pcg.nodes:
+        if only is not None and not only(node):
+            continue
+        children = [by_id[i] for i in node.inputs]
+        axis = node.axis(pcg.mesh) if node.kind == "parallel" else None
+        attrs = (node.op,) if node.kind == "leaf" else tuple(v for k, v in node.attrs
+                                                              if node.kind != "parallel" or k == "dim")
+        op = node.op if node.kind != "leaf" else "leaf"
+        cost = pricer.price(op, attrs, node.shape, node.degrees, tuple(c.shape for c in children),
+                            tuple(c.degrees for c in children), tuple(roles.get(c.id, "") for c in children), axis,
+                            stores=roles.get(node.id) != WEIGHT_VALUE)
+        if cost is None:
+            return None
+        out[node.id] = cost
+    return recomputed_pcg_costs(pcg, out)
+
+
+def pcg_from_extraction(result: SaturationResult, extraction: Extraction, graph: Graph, library: Library,
+                        roots: Sequence[int], output_names: Sequence[str]) -> tuple[PCG, dict[int, int]]:
+    """The chosen e-nodes as a PCG (topological order); also e-class -> PCG id."""
+    snapshot = result.snapshot
+    info = dag_cost(snapshot, {(c, i): NodeCost() for c, i in extraction.choice.items()}, extraction.choice, roots)
+    order = info[2]
+    names_of: dict[int, str] = {}
+    for name, cid in result.classes.items():
+        if not name.startswith("pin:"):
+            names_of.setdefault(cid, name)
+    roles = {leaf.name: leaf.role for leaf in graph.leaves}
+    ident: dict[int, int] = {}
+    nodes: list[PNode] = []
+    mesh = snapshot.mesh or Mesh(())
+    for cid in order:
+        enode = snapshot.classes[cid][extraction.choice[cid]]
+        inputs = tuple(ident[ch] for ch in enode.children)
+        shape, degrees, where = snapshot.shape[cid], snapshot.degrees[cid], snapshot.placement[cid]
+        if enode.op == "leaf":
+            name = enode.attrs[0].removesuffix(PIN_SUFFIX)
+            node = PNode(len(nodes), "leaf", name, (), (), shape, degrees, roles.get(name, "input"), name, where)
+        elif enode.op in PARALLEL_OPS:
+            node = PNode(len(nodes), "parallel", enode.op, inputs, parallel_attrs(enode, mesh), shape, degrees,
+                         origin=names_of.get(cid, ""), placement=where)
+        else:
+            op = library.ops[enode.op]
+            attrs = tuple((p.name, float(v) if p.type.kind == "real" else int(v))
+                          for p, v in zip(op.attr_params, enode.attrs))
+            node = PNode(len(nodes), "op", enode.op, inputs, attrs, shape, degrees, origin=names_of.get(cid, ""),
+                         placement=where)
+        ident[cid] = node.id
+        nodes.append(node)
+    return PCG(tuple(nodes), tuple(ident[r] for r in roots), tuple(output_names), mesh), ident
+
+
+def rules_used(library_rules: Sequence[ast.RuleDecl], snapshot: Snapshot, choice: Mapping[int, int]) -> tuple[str, ...]:
+    """A small set of rules that built the e-nodes an extraction chose, in library order.
+
+    Every rule application records the e-nodes it built (`encoding.made_row`),
+    and the input graph's operators need no rule. An e-node is often built by
+    several rules (a pattern reached two ways), so listing every maker says
+    little; the rules are picked greedily, the one that built most of the
+    still unexplained e-nodes first, until each of the plan's new e-nodes has
+    a maker among them.
+    """
+    order = {rule.name: i for i, rule in enumerate(library_rules)}
+    unexplained = [makers for makers in (snapshot.makers(snapshot.classes[c][i]) for c, i in choice.items()) if makers]
+    picked: list[str] = []
+    while unexplained:
+        counts = Counter(name for makers in unexplained for name in makers if name in order)
+        if not counts:
+            break
+        best = min(counts, key=lambda name: (-counts[name], order[name]))
+        picked.append(best)
+        unexplained = [makers for makers in unexplained if best not in makers]
+    return tuple(sorted(picked, key=order.__getitem__))

@@ -1,0 +1,150 @@
+"""The Megatron-style grid, imposed on an extraction: kinds of parallelism as restrictions of the e-graph.
+
+`Config` is one point of the grid (a data axis, a tensor axis, sequence
+parallelism on or off, ZeRO-3 over the data axis or not; the kinds are
+`ir.parallelism`'s), and `config_excluded` turns it into the e-nodes an
+extraction must not use, so the grid's plans come out of the same e-graph
+and cost model as parsat's own (`baselines.best_grid`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from parsat.dsl.parallel_ops import ALL_GATHER, PARALLEL_OPS, PARTITION, REDUCE_SCATTER, REPLICATE
+from parsat.ir.mesh import Mesh
+from parsat.ir.pcg import WEIGHT_ROLES
+from parsat.ir.placement import shard_dim
+from parsat.egraph.snapshot import Snapshot
+
+
+@dataclass(frozen=True)
+class Config:
+    """A Megatron-style configuration on a mesh: which axis is data parallel and which tensor parallel
+    (None: no such axis), sequence parallelism, ZeRO-3 over the data axis."""
+
+    data_axis: int | None
+    tensor_axis: int | None
+    sequence: bool = False
+    zero3: bool = False
+    others_free: bool = False   # pinned degrees: axes the configuration does not name are searched freely
+
+    def spelled(self, mesh: Mesh, microbatches: int = 1) -> dict:
+        dp = mesh.size(self.data_axis) if self.data_axis is not None else 1
+        tp = mesh.size(self.tensor_axis) if self.tensor_axis is not None else 1
+        return {"dp": dp, "tp": tp, "sp": self.sequence and tp > 1, "zero": 3 if self.zero3 else 0,
+                "microbatches": microbatches}
+
+
+def grid(mesh: Mesh) -> list[Config]:
+    """The configurations of a mesh of one or two axes: data parallel on the major axis, tensor parallel on the
+    minor one (inside a node), each alone or both, with and without sequence parallelism and ZeRO-3."""
+    out: list[Config] = []
+    axes = len(mesh)
+    shapes: list[tuple[int | None, int | None]] = []
+    if axes == 1:
+        shapes = [(0, None)] + ([(None, 0)] if mesh.nodes_spanned(0) == 1 else [])
+    elif axes == 2:
+        shapes = [(0, 1)]
+    for data, tensor in shapes:
+        for sequence in ((False, True) if tensor is not None else (False,)):
+            for zero3 in ((False, True) if data is not None else (False,)):
+                out.append(Config(data, tensor, sequence, zero3))
+    return out
+
+
+def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config) -> Callable[[tuple[int, int]], bool]:
+    """The e-nodes a configuration forbids, for `extract.extract(..., exclude=...)`.
+
+    On the data axis: graph inputs split along dim 0, weights replicated
+    (their gradients synchronised) or, with ZeRO-3, stored split and
+    all-gathered; activations only gathered or summed (the loss). On the
+    tensor axis: weights split, activations replicated, summed, gathered or
+    split by the operators' own rules (heads, vocabulary), graph inputs
+    never split; sequence parallelism adds reduce-scatter / all-gather of
+    activations and cuts along the sequence.
+
+    The set is decided once, e-node by e-node: extraction asks about every
+    e-node in each of its passes, on e-graphs of 10^5 e-nodes per grid point.
+    """
+    def excluded(node) -> bool:
+        if node.op == "leaf":
+            return False
+        if node.op not in PARALLEL_OPS:
+            # on the data axis a weight is whole where it is used: its shards (ZeRO-3) are only storage
+            return config.data_axis is not None and any(
+                roles.get(ch) in WEIGHT_ROLES and shard_dim(snapshot.placement[ch].codes[config.data_axis])
+                is not None for ch in node.children)
+        axis = node.attrs[-1]
+        dim = node.attrs[0] if PARALLEL_OPS[node.op].has_dim else None
+        source = roles.get(node.children[0], "")
+        weight = source in WEIGHT_ROLES
+        if axis == config.data_axis:
+            if node.op == PARTITION:
+                return not ((source == "input" and dim == 0) or (weight and config.zero3))
+            if node.op == REPLICATE:
+                return not (weight or source == "input")
+            if node.op == ALL_GATHER:
+                return not (weight and config.zero3)
+            return node.op == REDUCE_SCATTER
+        if axis == config.tensor_axis:
+            if source == "input":
+                return node.op != REPLICATE
+            if weight:
+                return node.op not in (PARTITION, REPLICATE)
+            if node.op in (REDUCE_SCATTER, ALL_GATHER):
+                return not config.sequence
+            if node.op == PARTITION and len(snapshot.shape[node.children[0]]) == 3 and dim == 1:
+                return not config.sequence
+            return False
+        return not config.others_free   # an axis the configuration does not name
+
+    forbidden = frozenset((cid, index) for cid, nodes in snapshot.classes.items()
+                          for index, node in enumerate(nodes) if excluded(node))
+    return forbidden.__contains__
+
+
+# --------------------------------------------------------------- pinned degrees
+
+PINNABLE = ("dp", "tp")
+
+
+class PinError(Exception):
+    """Pinned degrees that cannot hold (the message says why)."""
+
+
+def pinned_meshes(degrees: Mapping[str, int], devices: int, devices_per_node: int) -> list[tuple[Mesh, Config]]:
+    """The meshes and configurations that realise pinned degrees (`--degrees tp=2,dp=4`): a pinned tensor
+    degree is the minor axis (inside a node when it fits), a pinned data degree the major one; whatever is not
+    pinned is searched (sequence parallelism, ZeRO-3, and the unpinned axis's use). Raises PinError."""
+    unknown = sorted(set(degrees) - set(PINNABLE) - {"pp"})
+    if unknown:
+        raise PinError(f"unknown parallelism {', '.join(unknown)} in --degrees (pin {', '.join(PINNABLE)})")
+    if "pp" in degrees and degrees["pp"] != 1:
+        raise PinError("pp: one stage's search pins dp and tp only; `optimize` searches the pipeline around it")
+    for kind, value in degrees.items():
+        if not isinstance(value, int) or value < 1:
+            raise PinError(f"{kind} must be a positive integer, got {value!r}")
+        if devices % value:
+            raise PinError(f"{kind}={value} does not divide the {devices} devices")
+    dp, tp = degrees.get("dp"), degrees.get("tp")
+    if dp is not None and tp is not None and dp * tp != devices:
+        raise PinError(f"dp {dp} x tp {tp} = {dp * tp} devices, but the plan is for {devices}")
+    if tp is None and dp is None:
+        return []
+    if tp is None:
+        tp = devices // dp
+        tensor_pinned = False
+    else:
+        tensor_pinned = True
+    dp = devices // tp
+    data_pinned = "dp" in degrees
+    if dp == 1:
+        mesh = Mesh.of((tp,), devices_per_node, names=("tp",))
+        return [(mesh, Config(None, 0, True, False, others_free=False))]
+    if tp == 1:
+        mesh = Mesh.of((dp,), devices_per_node, names=("dp",))
+        return [(mesh, Config(0, None, False, True, others_free=False))]
+    mesh = Mesh.of((dp, tp), devices_per_node, names=("dp" if data_pinned else "a0", "tp" if tensor_pinned else "a1"))
+    return [(mesh, Config(0 if data_pinned else None, 1 if tensor_pinned else None, True, True, others_free=True))]

@@ -1,0 +1,373 @@
+"""One rule to one verdict: ranks, concrete search, vacuity, proof, replay, all within one deadline.
+
+The order is docs/VERIFIER.md's (and docs/ARCHITECTURE.md's):
+1. `ranks.plan` types the rule at the rank assignments to search and to
+   prove, and says whether the proofs cover every rank (PROVED) or only
+   ranks up to a bound (BOUNDED). A rank where the left side types and
+   the right does not is a counterexample.
+2. The checker's diagnostics: a malformed rule is an error (`RuleError`);
+   a semantic one (an illegal spread, sides spread or shaped differently,
+   a window that does not tile its block) is a claim to refute.
+3. A concrete search at every searched rank, smallest ranks and shapes
+   first, judged device by device (`concrete`, `devices`), with witnesses
+   the checker finds for a failing legality condition tried first.
+4. Vacuity: a rule whose assumptions force a degree to 1 (or can never
+   hold) is VACUOUS, never PROVED.
+5. z3 (`prove`) for every proof instance; any model it proposes is
+   replayed device by device and shrunk before it is REFUTED.
+6. Before PROVED: the search must have run the rule on the devices at
+   least once, the z3 lowering must agree with the devices
+   (`crosscheck`), and the spread analysis must not have disagreed with
+   them anywhere; otherwise the verdict is UNKNOWN with a bug report.
+
+`timeout` bounds the whole verdict: every stage gets what is left of one
+deadline, and a rule that runs out is UNKNOWN saying which stage it was in.
+A crash inside one rule's verification becomes that rule's UNKNOWN.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import replace
+from typing import Mapping
+
+from parsat.dsl import ast
+from parsat.dsl.checker import SEMANTIC_KINDS, compare_sides, witness
+from parsat.dsl.conditions import Negation, Rel
+from parsat.dsl.parallel_ops import expand_fused_rule
+from parsat.dsl.symbolic import Poly
+from parsat.dsl.typecheck import RuleInstance, TypeCheckError, check_rhs_bound, group_assignments, type_rule
+from parsat.verifier import concrete, ranks
+from parsat.verifier.verdict import BOUNDED, PROVED, REFUTED, UNKNOWN, VACUOUS, Counterexample, Verdict
+
+MAX_RANK = ranks.MAX_RANK
+DEFAULT_TIMEOUT = 20.0
+SEARCH_SHARE = 0.5       # of the deadline, at most, for the concrete search before the proof starts
+SEARCH_TRIALS = 80       # random trials per rule, spread over its searched instances
+SEARCH_MIN_TRIALS = 12   # per instance
+VERSION = "verify-3"     # with the hash of the verifier's code (cache.code_hash), the cache key's version
+
+
+class RuleError(Exception):
+    """The rule is malformed (not a semantic claim): a `check` error."""
+
+
+def instances(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], max_rank: int = MAX_RANK) -> list[RuleInstance]:
+    """Every rank assignment with metavariables up to `max_rank`, smallest first (raises RuleError)."""
+    try:
+        check_rhs_bound(rule)
+    except TypeCheckError as err:
+        raise RuleError(f"rule {rule.name}: {err}") from None
+    out = []
+    assignments = sorted(group_assignments(rule, max_rank), key=lambda g: (sum(g.values()), sorted(g.items())))
+    for groups in assignments:
+        try:
+            out.append(type_rule(rule, ops, groups))
+        except TypeCheckError as err:
+            if err.kind == "rank":
+                continue
+            raise RuleError(f"rule {rule.name}: {err}") from None
+    return out
+
+
+def _rank(instance: RuleInstance) -> int:
+    return max((len(s) for s in instance.tensors.values()), default=0)
+
+
+class _Clock:
+    def __init__(self, timeout: float):
+        self.start = time.monotonic()
+        self.deadline = self.start + timeout
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+
+def verify_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], file: str = "", timeout: float = DEFAULT_TIMEOUT,
+                search_trials: int = SEARCH_TRIALS) -> Verdict:
+    """The verdict for one rule; never raises for a semantic problem (RuleError for a malformed rule).
+
+    A fused parallel operator means its steps (`dsl.parallel_ops`): the rule is verified with them expanded."""
+    rule = expand_fused_rule(rule)
+    clock = _Clock(timeout)
+    line = rule.span.line if rule.span else 0
+    file = file or (rule.span.file if rule.span else "")
+    notes: list[str] = []
+
+    def done(verdict: str, reason: str = "", cex=None, assumptions=(), max_rank=None) -> Verdict:
+        found = tuple(dict.fromkeys(notes))[:3]  # bug reports: a few say enough
+        if verdict in (PROVED, BOUNDED) and found:  # a disagreement is no proof: report it, promise nothing
+            verdict, reason, max_rank = UNKNOWN, f"proved, but the devices disagree with the verifier: {found[0]}", None
+        return Verdict(rule.name, file, line, verdict, round(clock.elapsed(), 4), reason, cex, tuple(assumptions),
+                       max_rank=max_rank, notes=found)
+
+    try:
+        try:
+            rank_plan = ranks.plan(rule, ops)
+        except TypeCheckError as err:
+            raise RuleError(f"rule {rule.name}: {err}") from None
+        semantic = None
+        for instance in rank_plan.search + rank_plan.proof:
+            problem = compare_sides(instance)
+            if problem is not None:
+                if problem.kind not in SEMANTIC_KINDS:
+                    raise RuleError(f"rule {rule.name}: {problem}")
+                semantic = semantic or problem
+        if rank_plan.rhs_untyped:
+            return _rhs_untyped(rule, ops, rank_plan, clock, done)
+        if not rank_plan.search and not rank_plan.proof:
+            top = f" up to rank {ranks.SEARCH_MAX_RANK}" if rank_plan.max_rank is not None else ""
+            return done(VACUOUS, f"no rank assignment types{top}: the rule never applies")
+
+        # 3. concrete search, smallest ranks first, witnesses of failing legality conditions first
+        searched = sorted(rank_plan.search, key=lambda i: (_rank(i), sum(i.groups.values())))
+        per_instance = max(SEARCH_MIN_TRIALS, search_trials // max(1, len(searched)))
+        search_deadline = clock.start + timeout * SEARCH_SHARE
+        trials, skipped = 0, ""
+        exhausted = True
+        for instance in searched:
+            if time.monotonic() > search_deadline:
+                exhausted = False
+                break
+            failure, ran, skip = concrete.search(instance, count=per_instance, deadline=clock.deadline,
+                                                 extra=_witnesses(instance), notes=notes)
+            if failure is None and not ran:  # no drawn size applies: ask the checker's search for some that do
+                failure, ran, skip = concrete.search(instance, count=0, deadline=clock.deadline,
+                                                     extra=_applicable(instance), notes=notes)
+            trials += ran
+            skipped = skipped or skip
+            if failure is not None:
+                return done(REFUTED, failure.reason, _explained(failure.counterexample, semantic))
+        if clock.left() <= 0:
+            return done(UNKNOWN, f"timeout ({timeout:g} s) during the concrete search, after {trials} trials; "
+                                 "no counterexample found")
+
+        # 4. vacuity: assumptions that can never hold, or that force a degree to 1
+        from parsat.verifier import prove
+
+        if not rank_plan.proof:
+            return done(UNKNOWN, f"the rule types only above rank {rank_plan.max_rank}, where it is not proved "
+                                 f"({rank_plan.why_bounded}); no counterexample up to rank {ranks.SEARCH_MAX_RANK} "
+                                 f"in {trials} trials")
+
+        vacuous = _vacuity(rank_plan.proof or rank_plan.search, prove, clock)
+        hint = ""
+        if vacuous.startswith("?"):  # probably vacuous, not shown: said with an UNKNOWN, never PROVED
+            vacuous, hint = "", vacuous[1:]
+        if vacuous:
+            return done(VACUOUS, vacuous)
+        if semantic is not None and semantic.kind == "illegal-spread":
+            limits = (f"{trials} trials over {len(searched)} rank assignments"
+                      + ("" if exhausted else f", stopped at {SEARCH_SHARE:.0%} of the {timeout:g} s timeout")
+                      + (f"; some sizes could not be simulated: {skipped}" if skipped else ""))
+            return done(UNKNOWN, f"{semantic} (no counterexample found: the search is exhausted within its limits, "
+                                 f"{limits}){'; ' + hint if hint else ''}")
+
+        # 5. proof of every proof instance; a z3 model counts only once it replays on the devices
+        assumptions: tuple = ()
+        for instance in rank_plan.proof:
+            if clock.left() <= 0:
+                return done(UNKNOWN, f"timeout ({timeout:g} s) while proving{_groups(instance)}")
+            try:
+                result = prove.prove_instance(instance, clock.left())
+            except prove.Unprovable as err:
+                return done(UNKNOWN, f"{err}{_groups(instance)}")
+            assumptions = assumptions or result.assumptions
+            if result.status in ("proved", "never"):
+                continue
+            if result.status == "candidate":
+                failure = _replay(instance, result.model, clock.deadline)
+                if failure is not None:
+                    return done(REFUTED, failure.reason, _explained(failure.counterexample, semantic))
+                sizes = ", ".join(f"{k} = {v}" for k, v in sorted(result.model.items()))
+                return done(UNKNOWN, f"{result.reason}{_groups(instance)}; its model ({sizes}) does not replay on "
+                                     "the devices, so a lemma may be missing")
+            return done(UNKNOWN, result.reason + _groups(instance))
+        if not trials:
+            return done(UNKNOWN, "z3 proved it, but no size where it applies could be run on the devices, so the "
+                                 f"proof was never checked against them{': ' + skipped if skipped else ''}",
+                        assumptions=assumptions)
+        disagreement = _lowering_checked(rank_plan.proof, clock)
+        if disagreement:
+            notes.append(disagreement)
+            return done(UNKNOWN, f"z3 proved it, but the proof cannot be trusted: {disagreement} (a bug in "
+                                 "parsat/verifier/prove.py or parsat/verifier/normal.py: please report it)")
+        if hint:
+            return done(UNKNOWN, f"proved, but perhaps vacuously: {hint}", assumptions=assumptions)
+        if rank_plan.max_rank is not None:
+            return done(BOUNDED, f"proved for every rank up to {rank_plan.max_rank} ({len(rank_plan.proof)} rank "
+                                 f"assignments), not beyond: {rank_plan.why_bounded}", assumptions=assumptions,
+                        max_rank=rank_plan.max_rank)
+        if any(instance.groups for instance in rank_plan.proof):
+            assumptions = tuple(assumptions) + ("every rank: each group proved at lengths 0 and 1, and longer "
+                                                "groups reduce to length 1 (parsat/verifier/ranks.py)",)
+        return done(PROVED, assumptions=assumptions)
+    except RuleError:
+        raise
+    except Exception as err:  # a crash in one rule never stops the others
+        return done(UNKNOWN, f"internal error: {type(err).__name__}: {err}")
+
+
+def _lowering_checked(proved: list[RuleInstance], clock: _Clock) -> str:
+    """The z3 lowering of every proved instance against the devices ('' if they agree, or there is no time
+    left to look), at its smallest applicable sizes and at the applicable candidate sizes with the most
+    symbols above 1 (the smallest such): at size 1 a max, a window, a block re-indexing or a gather has a
+    single term, and a wrong lowering of it can agree with the devices by accident."""
+    from parsat.verifier.crosscheck import lowering_disagrees
+
+    for instance in proved:
+        if clock.left() <= 0:
+            break
+        kinds = instance.symbols
+        wide = [{n: (2 if k == "degree" else m if k == "dim" else m // 2) for n, k in kinds.items()} for m in (4, 6)]
+        applicable = [sizes for sizes in list(concrete.candidate_sizes(instance, random.Random(0), 8)) + wide
+                      if concrete.applies(instance, sizes)]
+        if not applicable:
+            continue
+        spread = max(applicable, key=lambda sizes: (sum(v >= 2 for v in sizes.values()), -sum(sizes.values())))
+        for sizes in [applicable[0]] + ([spread] if spread != applicable[0] else []):
+            if clock.left() <= 0:
+                return ""
+            try:
+                found = lowering_disagrees(instance, sizes)
+            except concrete.Unsupported:
+                continue
+            if found:
+                return found
+    return ""
+
+
+def _explained(cex: Counterexample, semantic) -> Counterexample:
+    """Say why before showing what: the checker's finding, confirmed by the replay."""
+    if semantic is not None and semantic.kind == "illegal-spread" and str(semantic) not in cex.reason:
+        return replace(cex, reason=f"{semantic}; replayed device by device, {cex.reason}")
+    return cex
+
+
+def _witnesses(instance: RuleInstance) -> list[dict[str, int]]:
+    """Sizes where the rule applies but a legality condition fails (the checker's search)."""
+    assumptions = instance.where + instance.lhs_requires
+    found = []
+    for cond, _node in instance.legal_when:
+        sizes = witness(assumptions + (Negation(cond),), instance.symbols)
+        if sizes is not None:
+            found.append(sizes)
+    return found
+
+
+def _applicable(instance: RuleInstance) -> list[dict[str, int]]:
+    """Sizes where the rule applies (with every degree at least 2 when possible), for rules whose
+    conditions the drawn sizes miss."""
+    assumptions = instance.where + instance.lhs_requires + instance.rhs_requires
+    degrees = tuple(Rel(">=", Poly.sym(d), Poly.const(2)) for d, k in instance.symbols.items() if k == "degree")
+    found = [witness(assumptions + degrees, instance.symbols)]
+    if found[0] is None:
+        found = [witness(assumptions, instance.symbols)]
+    return [sizes for sizes in found if sizes is not None]
+
+
+def _vacuity(typed: list[RuleInstance], prove, clock: _Clock) -> str:
+    """Why the rule is vacuous ('' when it is not): it never applies, or only with a degree forced to 1."""
+    if not typed:
+        return ""
+    never = 0
+    forced: dict[str, str] = {}
+    hints: list[str] = []
+    for instance in typed:
+        assumptions = instance.where + instance.lhs_requires
+        if witness(assumptions, instance.symbols) is None and prove.never_applies(instance, max(0.05, clock.left())):
+            never += 1
+            continue
+        for degree in sorted(s for s, k in instance.symbols.items() if k == "degree"):
+            at_least_two = Rel(">=", Poly.sym(degree), Poly.const(2))
+            if witness(assumptions + (at_least_two,), instance.symbols) is not None:
+                continue
+            if prove.forced_to_one(instance, degree, max(0.05, clock.left())):
+                shown = dict.fromkeys(prove.describe_condition(c) for c in assumptions)
+                forced.setdefault(degree, "; ".join(shown) or "no assumption")
+            else:
+                hints.append(f"no sizes up to 64 apply it with {degree} >= 2, but z3 could not show that {degree} "
+                             "must be 1")
+    if never == len(typed):
+        return "the rule never applies: its 'where' and the left-hand side's requirements cannot hold together"
+    if forced:
+        degree, why = next(iter(forced.items()))
+        return (f"vacuous: the rule applies only when {degree} = 1 (its assumptions {why} force it), so it "
+                "parallelizes nothing")
+    return "" if not hints else "?" + hints[0]
+
+
+def _rhs_untyped(rule, ops, rank_plan, clock: _Clock, done) -> Verdict:
+    """The left side types at some ranks and the right does not: show the left side applying there."""
+    groups, error = rank_plan.rhs_untyped[0]
+    reason = f"the right-hand side does not type where the left does ({_fmt_groups(groups)}): {error}"
+    left_only = replace(rule, rhs=rule.lhs)
+    try:
+        instance = type_rule(left_only, ops, groups)
+    except TypeCheckError:
+        return done(REFUTED, reason, Counterexample(reason, groups=dict(groups), rhs="does not type"))
+    failure = None
+    for sizes in concrete.candidate_sizes(instance, random.Random(0), 40):
+        if concrete.applies(instance, sizes):
+            failure = sizes
+            break
+    cex = Counterexample(reason, groups=dict(groups), sizes=dict(sorted((failure or {}).items())),
+                         lhs_text=_text(rule.lhs), rhs_text=_text(rule.rhs), lhs="defined", rhs="does not type")
+    return done(REFUTED, reason, cex)
+
+
+def _text(expr) -> str:
+    from parsat.dsl.printer import format_expr
+
+    return format_expr(expr)
+
+
+def _fmt_groups(groups: Mapping[str, int]) -> str:
+    return ", ".join(f"len({g}) = {n}" for g, n in groups.items()) or "no groups"
+
+
+def refuted_concretely(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], trials: int = 40) -> bool:
+    """Whether the concrete search finds a counterexample (False is no proof, only no evidence against).
+
+    The rule generator tries many variants of a proved rule (wider sizes,
+    more ranks) and proves only the one it settles on; this refutes most
+    wrong variants in milliseconds. Raises RuleError for a malformed rule.
+    """
+    rule = expand_fused_rule(rule)
+    try:
+        rank_plan = ranks.plan(rule, ops)
+    except TypeCheckError as err:
+        raise RuleError(f"rule {rule.name}: {err}") from None
+    if rank_plan.rhs_untyped:
+        return True
+    if not rank_plan.search:
+        return True
+    searched = sorted(rank_plan.search, key=lambda i: (_rank(i), sum(i.groups.values())))
+    per_instance = max(SEARCH_MIN_TRIALS, trials // max(1, len(searched)))
+    for instance in searched:
+        problem = compare_sides(instance)
+        if problem is not None and problem.kind not in SEMANTIC_KINDS:
+            raise RuleError(f"rule {rule.name}: {problem}")
+        failure, _ran, _skipped = concrete.search(instance, count=per_instance, shrink_failure=False,
+                                                  extra=_witnesses(instance))
+        if failure is not None:
+            return True
+    return False
+
+
+def _groups(instance: RuleInstance) -> str:
+    if not instance.groups:
+        return ""
+    return " (when " + _fmt_groups(instance.groups) + ")"
+
+
+def _replay(instance: RuleInstance, model: Mapping[str, int], deadline: float) -> concrete.Failure | None:
+    """A z3 model counts only if the devices agree; then it is shrunk."""
+    if not model:
+        return None
+    failure = concrete.replay(instance, model)
+    return concrete.shrink(instance, failure, deadline) if failure is not None else None
