@@ -26,6 +26,7 @@ import time
 
 from parsat.dsl.library import load_library
 from parsat.ir.models import EXAMPLES, build_example, parameter_count
+from parsat.report.explain import explain_plan
 
 NAMED = ("gpt", "gpt-1.3b", "gpt-6.7b", "gpt-13b", "gpt-175b", "llama-7b", "llama-70b", "bert", "bert-large")
 
@@ -109,7 +110,7 @@ def optimize_cases(specs: list[str], limits: dict, machine: str = "h100x8") -> l
             row["mfu"] = flops / (plan.totals.time_s * peak)
             row["baselines_mfu"] = {k: (flops / (v.time_s * peak) if v is not None else None)
                                     for k, v in plan.baselines.items()}
-            row["explain"] = plan.explain().splitlines()[:9]
+            row["explain"] = explain_plan(plan).splitlines()[:9]
             row["mesh"] = plan.saturation.get("mesh")
             row["meshes"] = plan.saturation.get("meshes")
             row["chosen"] = plan.extraction.get("chosen")

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "load_rules", "check", "verify", "optimize", "from_torch", "parallelize", "gather_weights",
-           "Machine", "Graph", "GraphBuilder", "Limits"]
+__all__ = ["__version__", "load_rules", "check", "verify", "optimize", "explain", "from_torch", "parallelize",
+           "gather_weights", "Machine", "Graph", "GraphBuilder", "Limits"]
 
 # Lazy re-exports of the saturation API (importing parsat must not import egglog).
 _LAZY = {
@@ -42,6 +42,17 @@ def optimize(graph, machine="h100x8", rules=None, limits=None, devices=None, **o
     from parsat.api import optimize as run
 
     return run(graph, machine=machine, rules=rules, limits=limits, devices=devices, **options)
+
+
+def explain(plan, limit=40):
+    """A plan as text, what `parsat explain` prints: see `parsat.report.explain.explain_plan`.
+
+    `plan` is a `Plan`, a plan dict or a plan JSON file; long plans show the
+    first `limit` parallel operators and nodes (None: all).
+    """
+    from parsat.report.explain import explain_plan
+
+    return explain_plan(plan, limit)
 
 
 def from_torch(module, example_inputs, library=None, name=None):

@@ -142,9 +142,11 @@ def run_optimize(args: argparse.Namespace) -> int:
         except FileProblem as err:
             return _error(str(err))
         print(f"wrote {args.output}", file=sys.stderr)
-    print(plan.explain())
+    from parsat.report.explain import explain_plan
+
+    print(explain_plan(plan))
     if args.stats:
-        from parsat.ir.plan import saturation_stats
+        from parsat.report.explain import saturation_stats
 
         print()
         print(saturation_stats(plan.saturation))

@@ -14,7 +14,7 @@ from parsat.ir.errors import PlanError
 from parsat.ir.machine import Machine
 from parsat.ir.models import mlp, stack
 from parsat.ir.pcg import weight_chains
-from parsat.ir.plan import explain
+from parsat.report.explain import explain
 from parsat.ir.validate import validate_plan_report
 from parsat.cost.pcg_tasks import DDP, PARSAT_RUN, StepPrediction, profile_for, simulate_pcg
 from parsat.cost.simulator import COMM, COMPUTE, StepBuilder

@@ -13,7 +13,7 @@ from parsat.cli import main
 from parsat.ir.costs import NodeCost
 from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
-from parsat.ir.plan import explain
+from parsat.report.explain import explain
 from parsat.ir.errors import OptimizeError
 
 

@@ -17,6 +17,7 @@ from parsat.ir.validate import validate_plan_dict
 from parsat.search.optimize import optimize
 from parsat.ir.errors import OptimizeError
 from parsat.cost.pipeline import balanced_starts, equal_starts, layer_costs, pipelined
+from parsat.report.explain import explain_plan
 
 SIZES = {"blocks": 4, "batch": 8, "seq": 16, "hidden": 32, "heads": 2, "vocab": 64}
 
@@ -115,7 +116,7 @@ def test_a_pipelined_plan_round_trips_through_the_plan_json(stage_plan):
     validate_plan_dict(data, ValueError, "plan")
     assert data["devices"] == 4 and PipelinePlan.from_dict(data["pipeline"]) == plan.pipeline
     assert plan.pipeline.stages[0].in_flight == 2 and plan.pipeline.stages[1].in_flight == 1
-    text = plan.explain()
+    text = explain_plan(plan)
     assert "PP 2 inside a node" in text and "1F1B, 4 micro-batches" in text and "stage 1:" in text
     bad = dict(data, devices=6)
     with pytest.raises(ValueError, match="stages of 2 devices"):

@@ -18,6 +18,7 @@ from parsat.ir.errors import DoesNotFit, OptimizeError
 from parsat.dsl.checker import resolve_library
 from parsat.cost.pcg_tasks import DDP, simulate_pcg
 from parsat.search.solve import price_pcg
+from parsat.report.explain import explain_plan
 
 SIZES = {"blocks": 3, "hidden": 64, "heads": 4, "seq": 64, "batch": 8, "vocab": 256}
 
@@ -122,7 +123,7 @@ def test_plan_file_keeps_the_policy(one_device, tmp_path):
     path = tmp_path / "plan.json"
     plan.save(path)
     assert pcg_from_dict(load_plan_dict(path)).recompute == BLOCKS
-    assert "full activation recomputation per block" in plan.explain()
+    assert "full activation recomputation per block" in explain_plan(plan)
 
 
 def test_auto_recomputes_only_when_keeping_activations_does_not_fit(one_device, library):

@@ -38,10 +38,11 @@ from parsat.ir.costs import totals  # noqa: E402
 from parsat.ir.data_parallel import data_parallel_pcg  # noqa: E402
 from parsat.ir.graph import Graph, GraphError  # noqa: E402
 from parsat.ir.machine import Machine, MachineError  # noqa: E402
-from parsat.ir.plan import Plan, PlanError, explain, load_plan_dict, pcg_from_dict  # noqa: E402
+from parsat.ir.plan import Plan, PlanError, load_plan_dict, pcg_from_dict  # noqa: E402
+from parsat.report.explain import explain  # noqa: E402
 from parsat.ir.validate import validate_plan_report  # noqa: E402
 from parsat.search.baselines import price_pcg  # noqa: E402
-from parsat.report.cli import plan_dot  # noqa: E402
+from parsat.report.dot import plan_dot  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 HOSTILE: list[Any] = [None, True, 0, -1, 1.5, 2 ** 70, float("nan"), float("inf"), "", "x", "matmul", [], [0],

@@ -18,6 +18,7 @@ from parsat.dsl.parallel_ops import PARALLEL_OPS  # noqa: E402
 from parsat.search.repeat import (OUTSIDE, REPEATED, RepeatError, Repetition, block_of, class_blocks,  # noqa: E402
                                     conversions, node_blocks, stamp, value_names, weigh)
 from parsat.ir.costs import NodeCost  # noqa: E402
+from parsat.report.explain import explain_plan  # noqa: E402
 
 LIBRARY = load_library()[0]
 SMALL = {"batch": 8, "seq": 16, "hidden": 64, "heads": 4, "vocab": 128}   # on the slow "cpu" machine: split
@@ -47,7 +48,7 @@ def test_repeated_plan_is_as_good_as_the_whole_search(plans):
     blocks = node_blocks(repeated.pcg)
     assert any(n.placement.spread_axes for n in repeated.pcg.nodes if blocks[n.id] == 2 and n.kind == "op")
     assert repeated.totals.time_s <= whole.totals.time_s * 1.02
-    assert "5 identical blocks, searched as 3" in repeated.explain()
+    assert "5 identical blocks, searched as 3" in explain_plan(repeated)
 
 
 def test_repeated_plan_reads_every_leaf_and_lays_out(plans):

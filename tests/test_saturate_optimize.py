@@ -15,12 +15,14 @@ from parsat.ir.data_parallel import data_parallel_pcg
 from parsat.ir.graph import GraphError
 from parsat.ir.machine import Machine
 from parsat.ir.models import build_example
-from parsat.ir.plan import PLAN_VERSION, explain, load_plan_dict, pcg_from_dict
+from parsat.ir.plan import PLAN_VERSION, load_plan_dict, pcg_from_dict
+from parsat.report.explain import explain
 from parsat.search.baselines import price_pcg
 from parsat.ir.errors import OptimizeError
 from parsat.egraph.runner import STOP_ENODES, STOP_ITERATIONS, STOP_SATURATED, STOP_SECONDS, Limits
 from parsat.egraph.saturate import saturate
 from parsat.cost.step_report import simulate_step
+from parsat.report.explain import explain_plan
 
 HERE = Path(__file__).parent
 TEST_RULES = HERE / "rules_for_saturate"
@@ -50,7 +52,7 @@ def test_mlp_anchor_shipped_rules(mlp_plan_cpu):
     assert plan.totals.comm_elements <= 131_072
     assert dp.grad_sync_elements >= 6.2 * max(plan.totals.comm_elements, 1)
     assert plan.pcg.max_pieces == 2  # it really uses both devices
-    text = plan.explain()
+    text = explain_plan(plan)
     assert "splits w1" in text and "adds up 2 partial sums" in text
     assert "data_parallel" in text and "813,056" in text
 
@@ -117,7 +119,7 @@ def test_baseline_fallback_is_explained(shipped):
     chosen = plan.extraction["chosen"]
     assert chosen == "data_parallel"
     assert plan.totals == plan.baselines[chosen]
-    assert f"baseline {chosen}'s simulated step was faster than the plan extracted" in plan.explain()
+    assert f"baseline {chosen}'s simulated step was faster than the plan extracted" in explain_plan(plan)
 
 
 def test_limits_are_reported(small_rules):
@@ -190,7 +192,7 @@ def test_plan_json_is_self_contained(mlp_plan_cpu, tmp_path):
     for node in data["nodes"]:
         assert set(node["spread"]) == {"shard", "copy", "sum"}
         assert all(i < node["id"] for i in node["inputs"])
-    assert explain(data) == mlp_plan_cpu.explain()
+    assert explain(data) == explain_plan(mlp_plan_cpu)
 
 
 def test_cli_optimize_explain_show(tmp_path, capsys):

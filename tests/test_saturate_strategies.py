@@ -8,6 +8,7 @@ from parsat.ir.parallelism import DATA, SEQUENCE, TENSOR, ZERO3, axis_uses, desc
 from parsat.search.optimize import optimize
 from parsat.ir.errors import OptimizeError
 from parsat.search.strategies import Config, grid, pinned_meshes
+from parsat.report.explain import explain_plan
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def test_best_grid_is_priced_and_spelled_and_never_beats_the_plan(transformer8):
     config = grid_plan["config"]
     assert config["dp"] * config["tp"] == 8 and config["zero"] in (0, 3) and isinstance(config["sp"], bool)
     assert transformer8.totals.time_s <= grid_plan["time_s"] + 1e-12
-    assert "best_grid: dp" in transformer8.explain()
+    assert "best_grid: dp" in explain_plan(transformer8)
 
 
 def test_pinned_tensor_degree_is_the_minor_axis_and_the_rest_is_searched():

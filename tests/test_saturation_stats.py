@@ -17,7 +17,7 @@ from parsat.cli import main
 from parsat.dsl.library import load_library
 from parsat.generate import derivation
 from parsat.ir.models import build_example
-from parsat.ir.plan import saturation_stats
+from parsat.report.explain import saturation_stats
 from parsat.egraph import runner
 from parsat.search.optimize import optimize
 from parsat.egraph.encoding import graph_program

@@ -10,7 +10,7 @@ import pytest
 
 import parsat.search.optimize as api
 from parsat.ir.machine import Machine
-from parsat.ir.plan import explain
+from parsat.report.explain import explain
 from parsat.ir.validate import validate_plan_report
 from parsat.search.deadline import Deadline
 from parsat.ir.errors import DoesNotFit, OptimizeError

@@ -4,5 +4,9 @@ It reads a plan's JSON form (docs/plan-schema.md) through the data model
 and imports nothing of the search, so presenting a plan never loads
 egglog, z3 or torch.
 
-Modules: `cli` (`parsat explain`, `parsat show`).
+Modules: `explain` (a plan as text, section by section: `explain`,
+`explain_plan`, `saturation_stats` for `--stats`), `pipeline` (a
+pipelined plan's stages in text, its schedule as lanes and as SVG), `dot`
+(the PCG as graphviz DOT), `units` (times and bytes as people read them),
+`cli` (`parsat explain`, `parsat show`).
 """
