@@ -3,7 +3,7 @@
 The command joins three packages, so it lives in the facade: a model given
 as `model.py:factory` is imported by the torch backend
 (`importer.torch_import`), the rules are the ones the verifier PROVED
-(`parsat.api.optimize`), and the search is `saturate`'s. Every error a user
+(`parsat.api.optimize`), and the search is `parsat.search`'s. Every error a user
 can cause (a bad graph, an unknown preset, a device count the model cannot
 use, a plan that does not fit) ends with a message and exit status 1, never
 a stack trace. egglog is only imported when `optimize` runs.

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+import parsat.search.microbatches as microbatches
 import parsat.search.optimize as api
 from parsat.ir.machine import Machine
 from parsat.report.explain import explain
@@ -17,6 +18,7 @@ from parsat.ir.errors import DoesNotFit, OptimizeError
 from parsat.search.pipeline_search import (NOT_SEARCHED, best_of, microbatch_counts, pipeline_degrees,
                                              search_pipelines)
 from parsat.egraph.runner import Limits
+from parsat.search.request import resolve_request
 
 SIZES = {"blocks": 4, "batch": 8, "seq": 16, "hidden": 32, "heads": 2, "vocab": 64}
 
@@ -33,18 +35,19 @@ def test_every_search_of_one_call_ends_by_the_call_s_one_deadline(monkeypatch):
     outer: list[Deadline] = []
     seen: list[Deadline | None] = []
     starting_now = Deadline.starting_now.__func__
-    real_step = api.optimize_step
+    real_step = api.search_step
 
     def first_clock(cls, limits):
         outer.append(starting_now(cls, limits))
         return outer[-1]
 
-    def recording(*args, clock=None, **kwargs):
+    def recording(step, clock):
         seen.append(clock)
-        return real_step(*args, clock=clock, **kwargs)
+        return real_step(step, clock)
 
     monkeypatch.setattr(Deadline, "starting_now", classmethod(first_clock))
-    monkeypatch.setattr(api, "optimize_step", recording)
+    monkeypatch.setattr(api, "search_step", recording)          # the pipeline's stage plans
+    monkeypatch.setattr(microbatches, "search_step", recording)  # the unstaged micro-batch counts
     plan = api.optimize("gpt", "cpu", devices=4, sizes=SIZES, limits={"seconds": 20}, pipeline=True, baselines=False)
     assert plan.saturation.get("pipeline_search")
     # the unstaged search and the stage plans: several searches, each within the one deadline, none its own 20 s
@@ -61,8 +64,8 @@ def test_a_spent_limit_stops_the_micro_batch_search_and_says_what_it_left_out():
     # with time (test_microbatches) the batch is split until it fits; with none left after the first count the
     # search stops there, and the error says what the limit left out rather than that nothing can fit
     with pytest.raises(DoesNotFit, match=r"no plan fits .*micro-batch count \d+ not searched: --limit seconds"):
-        api.optimize_unstaged("mlp", tight, devices=2, baselines=False,
-                              clock=Spent(time.perf_counter() + 60, Limits()))
+        microbatches.search_unstaged(resolve_request("mlp", tight, None, None, 2, baselines=False),
+                                     Spent(time.perf_counter() + 60, Limits()))
 
 
 def test_a_spent_limit_leaves_later_stage_plans_unsearched_and_listed():

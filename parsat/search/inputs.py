@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-from parsat.dsl.checker import resolve_library
 from parsat.dsl.library import Library
 from parsat.ir.budget import GraphBudget
 from parsat.ir.errors import GraphError

@@ -1,6 +1,6 @@
 """The pipeline search: which pipeline degree, micro-batch count and schedule, around the joint search.
 
-For each pipeline degree p tried, the joint search (`api.optimize_step`)
+For each pipeline degree p tried, the joint search (`step.search_step`)
 finds the stage plan: the whole model on a stage mesh of S = devices / p
 devices. A stage holds about 1/p of the weights' state: the search is
 told a device p times the size. The first stage of 1F1B also holds p

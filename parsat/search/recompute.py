@@ -5,7 +5,7 @@ way to run a plan, which changes what each node costs: the nodes of a
 block run their forward twice, and those only their own block reads hold
 no activation from forward to backward (`NodeCost.recomputed`). So the
 search prices the same e-graph both ways and extracts from each
-(`search.optimize.search_mesh`): the plan that keeps every activation, and,
+(`search.mesh.search_mesh`): the plan that keeps every activation, and,
 when that one does not fit, the one that recomputes.
 
 An e-node cannot know which of its class's readers a plan will pick, so

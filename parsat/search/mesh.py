@@ -1,0 +1,231 @@
+"""One device mesh's search: saturate, price every e-node, extract the joint plan and the restricted baselines.
+
+`search_mesh` is the innermost loop of `optimize` (docs/MESH.md): for one
+mesh of the step's devices it saturates the graph with the rules lifted
+onto that mesh, prices the e-graph once, extracts the cheapest plan that
+fits (keeping every activation, then recomputing blocks when that does not
+fit), and extracts the baselines that restrict the same e-graph (Megatron's
+layout, the best grid point). `CandidateSteps` then simulates every
+candidate's step for the final ranking, and `rank` orders them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Mapping, Sequence
+
+from parsat.cost.pcg_tasks import OpTimes, TaskBuildError
+from parsat.cost.simulator import SimulationError
+from parsat.cost.step_report import simulate_step
+from parsat.dsl.library import Library
+from parsat.egraph.saturate import SaturationResult, saturate
+from parsat.ir.blocks import has_blocks
+from parsat.ir.costs import totals
+from parsat.ir.machine import Machine
+from parsat.ir.mesh import Mesh
+from parsat.ir.placement import Placement
+from parsat.ir.plan import JOINT
+from parsat.ir.recompute import AUTO, BLOCKS, NONE, check_policy
+from parsat.ir.recompute import describe as describe_recompute
+from parsat.search.baselines import Candidate, best_grid, megatron_excluded
+from parsat.search.deadline import Deadline
+from parsat.search.extract import Extraction, ExtractionError, leaf_roles, node_costs
+from parsat.search.repeat import RepeatError
+from parsat.search.request import StepContext
+from parsat.search.solve import price, solve
+from parsat.search.strategies import Config, config_excluded
+
+SATURATION_SHARE = 0.6   # of a mesh's time, for saturating: pricing, extraction and the baselines take the rest
+
+
+@dataclass(frozen=True)
+class MeshSearch:
+    """What the search found on one device mesh: the saturated e-graph, the joint plan and the Megatron-style
+    restriction of it (None where extraction found none), and how long it took."""
+
+    mesh: Mesh
+    pins: Mapping[str, Placement]
+    result: SaturationResult
+    extraction: Extraction | None
+    joint: Candidate | None
+    megatron: Candidate | None
+    grid: Candidate | None
+    extract_seconds: float
+    spread: bool       # whether any class of the e-graph is spread over the mesh
+    error: str = ""
+    needed_bytes: int = 0   # nothing fits in memory: what the smallest plan needs per device
+
+    def summary(self) -> dict:
+        return {"mesh": self.mesh.to_dict(), "stop": self.result.stop, "enodes": self.result.enodes,
+                "seconds": round(self.result.seconds + self.result.compile_seconds + self.extract_seconds, 4),
+                "time_s": self.joint.totals.time_s if self.joint else None,
+                "node_sum_s": self.joint.totals.per_node_s if self.joint else None, "error": self.error}
+
+    def simulated(self, steps: "CandidateSteps") -> "MeshSearch":
+        """This search with its candidates' steps simulated (`CandidateSteps`)."""
+        return replace(self, joint=steps(self.joint), megatron=steps(self.megatron), grid=steps(self.grid))
+
+
+class CandidateSteps:
+    """Simulates candidates' steps for the final ranking (`step_report.simulate_step`), sharing one cache of
+    compute times; a candidate the simulator cannot run keeps its per-node sum, and `failures` says why."""
+
+    def __init__(self, library: Library, machine: Machine, microbatches: int = 1):
+        self.library, self.machine, self.microbatches = library, machine, microbatches
+        self.times = OpTimes(library, machine)
+        self.failures: dict[str, str] = {}
+        # a PCG found twice (a mesh's joint plan is often one of its grid points) is simulated once: a step of
+        # many micro-batches of a whole model takes seconds
+        self.simulated: dict = {}
+
+    def __call__(self, candidate: Candidate | None) -> Candidate | None:
+        if candidate is None or candidate.totals.streams is not None:
+            return candidate
+        found = self.simulated.get(candidate.pcg)
+        if found is None:
+            try:
+                found = simulate_step(candidate.pcg, self.library, self.machine, self.microbatches, self.times)
+            except (TaskBuildError, SimulationError) as err:
+                self.failures[candidate.name] = str(err)
+                return candidate
+            self.simulated[candidate.pcg] = found
+        return replace(candidate, totals=candidate.totals.simulated(*found))
+
+
+def rank(candidate: Candidate, machine: Machine) -> tuple:
+    """Plans that fit in memory first, then the fastest; the joint plan wins ties. When none fits, the one that
+    needs least memory (what the micro-batch search splits from, and what the user is told)."""
+    fits = candidate.totals.fits(machine)
+    return (not fits, round(candidate.totals.time_s, 12) if fits else candidate.totals.peak_memory_bytes,
+            candidate.name != JOINT)
+
+
+def best(found: Sequence[Candidate | None], machine: Machine) -> Candidate | None:
+    """The best of the candidates found (`rank`), None when there is none."""
+    present = [c for c in found if c is not None]
+    return min(present, key=lambda c: rank(c, machine)) if present else None
+
+
+@dataclass(frozen=True)
+class Saturated:
+    """A mesh's saturated e-graph, priced once: what every extraction on that mesh reads."""
+
+    mesh: Mesh
+    pins: Mapping[str, Placement]
+    result: SaturationResult
+    roots: list[int]
+    raw: Mapping
+    spread: bool
+
+
+def search_mesh(step: StepContext, mesh: Mesh, config: Config | None, pins: Mapping[str, Placement],
+                clock: Deadline) -> MeshSearch:
+    """Saturate on one mesh, price every e-node, extract the joint plan (within `config`, pinned degrees, when
+    given) and the baselines that restrict the same e-graph (Megatron, the grid), all before `clock`'s deadline
+    (extractions past it take the greedy passes only: a plan, never none). With repeated blocks, saturation
+    sees the searched blocks and every plan is the whole model's (`repeat`).
+
+    The request's `recompute` ("none", "blocks": `ir.recompute`) is the activation-recomputation policy the
+    plans run with; AUTO extracts with every activation kept, and again recomputing blocks when that plan does
+    not fit (the e-graph is priced once: recomputation changes costs, not values, `search.recompute`)."""
+    sat = _saturate(step, mesh, pins, clock)
+    t = time.perf_counter()
+    found, failure = _extract_joint(step, sat, config, clock, t)
+    if found is None:
+        return failure
+    policy, priced, extraction, joint = found
+    seconds = time.perf_counter() - t
+    step.say(f"mesh {mesh}: extraction {extraction.method}, {seconds:.2f} s, plan {joint.totals.time_s * 1e3:.3f} ms"
+             + (f", {describe_recompute(policy)}" if policy != NONE else ""))
+    megatron = grid = None
+    if step.request.baselines:
+        megatron, grid = _restricted_baselines(step, sat, priced, policy, clock)
+    return MeshSearch(mesh, pins, sat.result, extraction, joint, megatron, grid, seconds, sat.spread)
+
+
+def _saturate(step: StepContext, mesh: Mesh, pins: Mapping[str, Placement], clock: Deadline) -> Saturated:
+    """The step's graph saturated on `mesh` within its share of `clock`, its roots, and every e-node priced."""
+    request, graph = step.request, step.searched
+    t = time.perf_counter()
+    result = saturate(graph, request.library, request.rules, mesh, clock.remaining(SATURATION_SHARE), pins,
+                      caches=request.caches)
+    step.say(f"mesh {mesh}: saturation {result.stop} after {result.iterations} iterations, {result.enodes} "
+             f"e-nodes, {time.perf_counter() - t:.2f} s")
+    spread = any(p.spread_axes for p in result.snapshot.placement.values())
+    roots = [result.classes[f"pin:{n}"] if n in pins else result.classes[n] for n in graph.outputs]
+    raw = node_costs(result.snapshot, graph, request.library, step.machine, request.free_input_placements,
+                     step.input_pins)
+    return Saturated(mesh, pins, result, roots, raw, spread)
+
+
+def _policies(step: StepContext) -> tuple[str, ...]:
+    """The recomputation policies to extract with, in order: AUTO keeps every activation first."""
+    recompute = step.request.recompute
+    if recompute != AUTO:
+        return (check_policy(recompute),)
+    if not has_blocks(leaf.name for leaf in step.searched.leaves):
+        return (NONE,)   # no blocks (`ir.blocks`): nothing to recompute
+    return (NONE, BLOCKS)
+
+
+def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clock: Deadline, started: float):
+    """The joint plan of the first policy whose plan fits (else the one needing least memory): ((policy, priced,
+    extraction, joint), None), or (None, the MeshSearch that says why none was found)."""
+    request, graph, machine = step.request, step.searched, step.machine
+    result = sat.result
+    pinned = config_excluded(result.snapshot, leaf_roles(result.snapshot, graph), config) if config else None
+    policies = _policies(step)
+    failure: MeshSearch | None = None
+    found = None    # (policy, priced, extraction, joint) of the plan kept so far
+    for policy in policies:
+        priced = price(result, graph, request.library, machine, request.free_input_placements, step.input_pins,
+                       step.repetition, sat.roots, policy, sat.raw)
+        try:
+            pcg, costs, extraction = solve(result, graph, request.library, machine, sat.roots, clock.remaining(),
+                                           request.free_input_placements, pinned, pins=step.input_pins,
+                                           costs=priced, repetition=step.repetition, in_flight=step.in_flight,
+                                           recompute=policy)
+        except ExtractionError as err:
+            if failure is None or 0 < err.needed_bytes < (failure.needed_bytes or float("inf")):
+                failure = MeshSearch(sat.mesh, sat.pins, result, None, None, None, None,
+                                     time.perf_counter() - started, sat.spread, str(err), err.needed_bytes)
+            continue
+        except RepeatError as err:   # this policy's plan cannot be repeated: another policy's may be
+            step.say(f"mesh {sat.mesh}: {err}")
+            failure = failure or MeshSearch(sat.mesh, sat.pins, result, None, None, None, None,
+                                            time.perf_counter() - started, sat.spread,
+                                            f"the plan's blocks cannot be repeated ({err}); --all-blocks "
+                                            "searches every block")
+            continue
+        joint = Candidate(JOINT, pcg, costs, totals(costs, machine))
+        if joint.totals.fits(machine) or found is None or \
+                joint.totals.peak_memory_bytes < found[3].totals.peak_memory_bytes:
+            found = (policy, priced, extraction, joint)
+        if joint.totals.fits(machine):
+            break
+        if policy != policies[-1]:
+            step.say(f"mesh {sat.mesh}: the plan keeping every activation needs "
+                     f"{joint.totals.peak_memory_bytes / 2**30:.1f} GiB per device: extracting again with "
+                     "activation recomputation")
+    return found, failure
+
+
+def _restricted_baselines(step: StepContext, sat: Saturated, priced, policy: str,
+                          clock: Deadline) -> tuple[Candidate | None, Candidate | None]:
+    """The baselines that restrict the same e-graph: Megatron's layout (None where it uses no parallelism) and
+    the best grid point."""
+    request, graph, machine, result = step.request, step.searched, step.machine, sat.result
+    grid = best_grid(result, graph, request.library, machine, sat.roots, clock.remaining(0.5),
+                     request.free_input_placements, priced, step.input_pins, step.repetition, policy)
+    excluded = megatron_excluded(result.snapshot, leaf_roles(result.snapshot, graph))
+    megatron = None
+    try:
+        mpcg, mcosts, _ = solve(result, graph, request.library, machine, sat.roots, clock.remaining(),
+                                request.free_input_placements, excluded, pins=step.input_pins, costs=priced,
+                                repetition=step.repetition, recompute=policy)
+        if mpcg.max_pieces > 1:
+            megatron = Candidate("megatron", mpcg, mcosts, totals(mcosts, machine))
+    except (ExtractionError, RepeatError):
+        pass
+    return megatron, grid

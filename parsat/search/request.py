@@ -1,0 +1,189 @@
+"""What one `optimize` call searches with, resolved once at its entry point: `SearchRequest` and `StepContext`.
+
+Every search an `optimize` call makes (one per micro-batch count, one per
+pipeline stage plan, one saturation per device mesh within each) reads the
+same library, rules, machine, limits and pins. They are resolved and
+checked once, in `resolve_request`, before any saturation starts (bad input
+is refused there, before any proof is looked up), and travel as one
+frozen record (flexflow's `MachineMappingContext` plays the same part), so
+no loop below resolves a machine, a library or a graph again.
+
+A `StepContext` is one step's search: the request, the graph at one
+micro-batch count, and the machine and device count that step runs on (a
+pipeline stage's, for a stage plan).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+from parsat.dsl import ast
+from parsat.dsl.checker import resolve_library
+from parsat.dsl.library import Library
+from parsat.egraph.program import MeshCaches
+from parsat.egraph.runner import Limits
+from parsat.ir.blocks import has_blocks
+from parsat.ir.budget import GraphBudget
+from parsat.ir.errors import OptimizeError
+from parsat.ir.graph import Graph
+from parsat.ir.machine import Machine
+from parsat.ir.models import BATCH, EXAMPLES
+from parsat.ir.pcg import Degrees
+from parsat.ir.recompute import AUTO, BLOCKS, POLICIES
+from parsat.search.inputs import check_devices, check_pins, resolve_graph
+from parsat.search.repeat import SEARCHED_BLOCKS, Repetition, repetition_for
+
+Progress = Callable[[str], None]
+RuleChooser = Callable[[Library], tuple[Sequence[ast.RuleDecl], str]]
+"""Picks the rules saturation may apply out of a library, with a note for the plan (`saturation.rules_note`)."""
+
+
+def every_rule(library: Library) -> tuple[list[ast.RuleDecl], str]:
+    """The default `RuleChooser`: every rule of the library, unverified (the facade's chooser keeps PROVED ones)."""
+    return list(library.rules), "all rules used (no proof check was asked for)"
+
+
+def _silent(_message: str) -> None:
+    """The default progress: say nothing."""
+
+
+@dataclass(frozen=True)
+class SearchRequest:
+    """One `optimize` call's inputs, resolved and checked: what every search of the call shares.
+
+    `graph` is what the caller named (a built-in example is rebuilt at each
+    micro-batch count from `sizes`); `whole` is it built at the whole batch,
+    checked against the devices and pins. `rules` are the ones the caller's
+    chooser kept, chosen once for the call."""
+
+    graph: object                       # a Graph, a graph JSON path or a built-in example's name
+    whole: Graph
+    library: Library
+    rules: tuple[ast.RuleDecl, ...]
+    rules_note: str
+    machine: Machine                    # with the nodes the call's devices need
+    devices: int
+    limits: Limits
+    sizes: Mapping[str, int]            # an example's sizes (`--set`)
+    batch: int | None                   # an example's global batch; None for any other graph
+    parallel_dims: Mapping[str, int]    # `--degrees` pins other than pp (`strategies.pinned_meshes`)
+    pipeline_degree: int | None         # `--degrees pp`
+    output_pins: Mapping[str, Degrees | Mapping] | None = None
+    input_pins: Mapping[str, Degrees | Mapping] | None = None
+    free_input_placements: bool = True
+    baselines: bool = True
+    repeat_blocks: bool = True
+    recompute: str = AUTO
+    caches: MeshCaches = field(default_factory=MeshCaches, compare=False)
+    say: Progress = _silent
+
+    @property
+    def pinned(self) -> bool:
+        """Whether kinds of parallelism are pinned (`--degrees`): the plan is then the pinned one."""
+        return bool(self.parallel_dims) or bool(self.pipeline_degree and self.pipeline_degree > 1)
+
+
+def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mapping | None, devices: int | None, *,
+                    choose_rules: RuleChooser = every_rule, output_spreads=None, input_spreads=None,
+                    free_input_layouts: bool = True, baselines: bool = True, sizes: Mapping[str, int] | None = None,
+                    degrees: Mapping[str, int] | None = None, progress: Progress | None = None,
+                    repeat_blocks: bool = True, recompute: str = AUTO,
+                    caches: MeshCaches | None = None) -> SearchRequest:
+    """The call's inputs resolved and checked, then its rules chosen (a bad graph, device count or pin is refused
+    before any proof is looked up). Raises OptimizeError, GraphError or MachineError with a message for the
+    user."""
+    if recompute not in POLICIES + (AUTO,):
+        raise OptimizeError(f"--recompute must be one of {', '.join(POLICIES + (AUTO,))}, got {recompute!r}")
+    dims = dict(degrees or {})
+    pp = dims.pop("pp", None)
+    if pp is not None and (isinstance(pp, bool) or not isinstance(pp, int) or pp < 1):
+        raise OptimizeError(f"--degrees pp must be a positive integer, got {pp!r}")
+    library = resolve_library(rules)
+    limits = Limits.resolve(limits)
+    sizes = dict(sizes or {})
+    whole = resolve_graph(graph, library, sizes or None, GraphBudget(limits.enodes, None, limits.seconds))
+    if recompute == BLOCKS and not has_blocks(leaf.name for leaf in whole.leaves):
+        raise OptimizeError(f"--recompute blocks: '{whole.name}' has no blocks to recompute (ir.blocks: a block's "
+                            "weights are named b0_..., b1_..., as the built-in examples name them)")
+    base = Machine.resolve(machine)
+    count = base.devices if devices is None else int(devices)
+    check_devices(whole, count)
+    check_pins(whole, output_spreads, input_spreads, count)
+    say = progress or _silent
+    chosen, note = choose_rules(library)
+    chosen = tuple(chosen)
+    say(f"{len(chosen)} rules; {note}")
+    return SearchRequest(graph, whole, library, chosen, note, base.with_devices(count), count, limits, sizes,
+                         example_batch(graph, sizes), dims, pp, output_spreads, input_spreads, free_input_layouts,
+                         baselines, repeat_blocks, recompute, caches or MeshCaches(), say)
+
+
+def example_batch(graph, sizes: Mapping[str, int]) -> int | None:
+    """The global batch of a built-in example that has one (None for any other graph)."""
+    if isinstance(graph, str) and graph in EXAMPLES:
+        return {**EXAMPLES[graph].defaults(), **sizes}.get(BATCH)
+    return None
+
+
+def stageable(graph, sizes: Mapping[str, int], devices: int) -> bool:
+    """Whether `graph` can be pipelined on `devices` devices: a built-in example of several blocks, with a batch,
+    on several devices."""
+    if not example_batch(graph, sizes):
+        return False
+    blocks = {**EXAMPLES[graph].defaults(), **sizes}.get("blocks")
+    return isinstance(blocks, int) and blocks >= 2 and devices >= 2
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """One step's search: the request, the graph at this step's micro-batch count (`graph.microbatches`), its
+    repeated blocks, and the machine and devices the step runs on (a pipeline stage's for a stage plan)."""
+
+    request: SearchRequest
+    graph: Graph
+    repetition: Repetition | None
+    machine: Machine                     # with the nodes `devices` need
+    devices: int
+    pins: Mapping[str, Degrees]          # pinned degrees of outputs and inputs, checked on `graph`
+    in_flight: int = 1                   # micro-batches whose activations are alive at once (a stage's)
+
+    @property
+    def searched(self) -> Graph:
+        """The graph saturation sees: the searched blocks when blocks repeat, else the whole graph."""
+        return self.repetition.searched if self.repetition else self.graph
+
+    @property
+    def input_pins(self) -> dict[str, Degrees]:
+        return {k: v for k, v in self.pins.items() if k not in self.graph.outputs}
+
+    @property
+    def say(self) -> Progress:
+        return self.request.say
+
+
+def step_context(request: SearchRequest, microbatches: int = 1, machine: Machine | None = None,
+                 devices: int | None = None, in_flight: int = 1) -> StepContext:
+    """The step of `microbatches` micro-batches on `devices` devices of `machine` (default: the request's): an
+    example is built at its batch / m (the whole graph is the request's for m = 1), any other graph is taken
+    as one micro-batch's."""
+    machine, devices = machine or request.machine, devices or request.devices
+    sizes = dict(request.sizes)
+    if request.batch is not None and microbatches > 1:
+        if request.batch % microbatches:
+            raise OptimizeError(f"{microbatches} micro-batches do not divide the batch of {request.batch}")
+        sizes[BATCH] = request.batch // microbatches
+    budget = GraphBudget(request.limits.enodes, None, request.limits.seconds)
+    graph = request.whole if sizes == dict(request.sizes) else \
+        resolve_graph(request.graph, request.library, sizes, budget)
+    repetition = repetition_for(request.graph, graph, request.library, sizes, budget) if request.repeat_blocks \
+        else None
+    if microbatches != 1:
+        graph = graph.with_microbatches(microbatches)
+        repetition = repetition and repetition.with_microbatches(microbatches)
+    if repetition:
+        request.say(f"'{graph.name}' has {repetition.blocks} identical blocks: searching {SEARCHED_BLOCKS}, the "
+                    f"middle one's plan repeated {repetition.copies} times")
+    check_devices(graph, devices)
+    pins = check_pins(graph, request.output_pins, request.input_pins, devices)
+    return StepContext(request, graph, repetition, machine.with_devices(devices), devices, pins, in_flight)

@@ -1,0 +1,223 @@
+"""One step's search: every device mesh searched, every candidate simulated, the best assembled into a Plan.
+
+`search_step` is what `optimize` runs once per micro-batch count and once
+per pipeline stage plan (`StepContext`): saturate on every mesh the
+devices can form (`inputs.search_meshes`, docs/MESH.md, or the meshes the
+`--degrees` pins ask for), extract each mesh's joint plan and restricted
+baselines (`mesh.search_mesh`), add the baselines built apart from the
+e-graph (data parallelism, the sequential search), simulate every
+candidate's step (`mesh.CandidateSteps`), and keep the best that fits (the
+joint plan on a tie, or the pinned one).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from parsat.dsl.library import Library
+from parsat.ir.costs import Totals
+from parsat.ir.errors import DoesNotFit, OptimizeError
+from parsat.ir.mesh import Mesh
+from parsat.ir.pcg_layout import lay_out
+from parsat.ir.placement import Placement, PlacementError
+from parsat.ir.plan import JOINT, BaselinePlan, Plan
+from parsat.egraph.runner import STOP_SATURATED
+from parsat.search.baselines import Candidate, data_parallel, sequential
+from parsat.search.deadline import Deadline
+from parsat.search.inputs import pins_on, search_meshes
+from parsat.search.mesh import CandidateSteps, MeshSearch, best, rank, search_mesh
+from parsat.search.request import StepContext
+from parsat.search.solve import rules_used
+from parsat.search.strategies import Config, PinError, pinned_meshes
+
+FIRST_MESH_SHARE = 0.5   # of a search's time, for its first mesh when several are searched
+MESHES_SHARE = 0.8       # of a search's time, for its meshes (saturation, extraction); then the candidates' steps
+
+
+@dataclass(frozen=True)
+class MeshChoice:
+    """A mesh to search: its grid configuration when `--degrees` pins one, and the pinned placements on it."""
+
+    mesh: Mesh
+    config: Config | None
+    pins: dict[str, Placement]
+
+
+def search_step(step: StepContext, clock: Deadline) -> Plan:
+    """The cheapest plan of one step (see the module docstring), all before `clock`'s deadline. Raises
+    OptimizeError (DoesNotFit when no plan fits in memory) with a message for the user."""
+    choices = mesh_choices(step)
+    searches = search_meshes_of(step, choices, clock)
+    _refuse_empty(step, searches, pinned=choices[0].config is not None)
+    steps = CandidateSteps(step.request.library, step.machine, step.graph.microbatches)
+    searches = [s.simulated(steps) for s in searches]
+    solved = [s for s in searches if s.joint is not None]
+    if not solved:
+        needs = [s for s in searches if s.needed_bytes]
+        if needs:
+            least = min(needs, key=lambda s: s.needed_bytes)
+            raise DoesNotFit(least.error, least.needed_bytes, step.machine.memory_capacity)
+        raise OptimizeError(searches[0].error or f"no plan for '{step.graph.name}' on {step.devices} devices")
+    best_search = min(solved, key=lambda s: rank(s.joint, step.machine))
+    candidates, found_baselines, skipped = compare_baselines(step, searches, best_search, steps, clock)
+    return assemble_plan(step, searches, best_search, candidates, found_baselines, skipped, steps,
+                         pinned=choices[0].config is not None)
+
+
+def mesh_choices(step: StepContext) -> list[MeshChoice]:
+    """The meshes to search: the ones the `--degrees` pins ask for, else every factorisation of the devices;
+    each with the pinned placements on it (a mesh that cannot realise them is left out)."""
+    request = step.request
+    try:
+        pinned = pinned_meshes(dict(request.parallel_dims), step.devices, step.machine.devices_per_node)
+    except PinError as err:
+        raise OptimizeError(f"--degrees: {err}") from None
+    meshes = [(m, c) for m, c in pinned] or [(m, None) for m in search_meshes(step.devices,
+                                                                              step.machine.devices_per_node)]
+    choices = [MeshChoice(mesh, config, pins_on(step.pins, mesh)) for mesh, config in meshes]
+    choices = [choice for choice in choices if choice.pins is not None]
+    if not choices:
+        raise OptimizeError(f"no device mesh of {step.devices} devices can hold the pinned spreads")
+    return choices
+
+
+def search_meshes_of(step: StepContext, choices: Sequence[MeshChoice], clock: Deadline) -> list[MeshSearch]:
+    """Every mesh searched in turn, each with its part of the time: the meshes get MESHES_SHARE of `clock`
+    (simulating every candidate's step and the baselines take the rest), what is left split over the meshes
+    to go, the first (one axis: the cheapest, and the data-parallel plans) getting FIRST_MESH_SHARE of it when
+    others follow. The meshes the limit leaves no time for are said and not searched."""
+    limits = step.request.limits
+    searches: list[MeshSearch] = []
+    meshes_clock = clock.part(MESHES_SHARE)
+    for index, choice in enumerate(choices):
+        part = FIRST_MESH_SHARE if index == 0 and len(choices) > 1 else 1.0 / (len(choices) - index)
+        share = meshes_clock.limits(share=part)
+        if share is None and not searches:
+            share = meshes_clock.remaining()   # a caller's part of its deadline ran out while building: least work
+        if share is None:
+            step.say(f"meshes {', '.join(str(c.mesh) for c in choices[index:])} not searched: --limit seconds="
+                     f"{limits.seconds:g} reached")
+            break
+        searches.append(search_mesh(step, choice.mesh, choice.config, choice.pins,
+                                    Deadline(time.perf_counter() + share.seconds, limits)))
+    return searches
+
+
+def _refuse_empty(step: StepContext, searches: Sequence[MeshSearch], pinned: bool) -> None:
+    """Refuse, with the reason, a search whose pinned axes found no plan, or that spread nothing over several
+    devices (saturation stopped by a limit first, or no parallel rule applies)."""
+    graph, devices, limits = step.graph, step.devices, step.request.limits
+    if pinned and not any(s.joint for s in searches):
+        raise OptimizeError(f"--degrees {', '.join(f'{k}={v}' for k, v in step.request.parallel_dims.items())} "
+                            f"cannot hold for '{graph.name}': "
+                            f"{searches[0].error or 'no plan uses the pinned axes that way'}")
+    if devices > 1 and not any(s.spread for s in searches):
+        stopped = [s.result.stop for s in searches if s.result.stop != STOP_SATURATED]
+        if stopped:
+            value = getattr(limits, stopped[0], "")
+            raise OptimizeError(f"saturation stopped at --limit {stopped[0]}={value:g} before any parallel rule "
+                                f"spread '{graph.name}' over {devices} devices; raise the limit")
+        raise OptimizeError(f"no rule can spread '{graph.name}' over {devices} devices (no parallel rule applies "
+                            "on any mesh of the device count)")
+
+
+def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_search: MeshSearch,
+                      steps: CandidateSteps, clock: Deadline):
+    """The candidates to rank (the joint plan first, then every baseline found), each baseline's totals (None
+    where it has none), and what the time limit left out. The baselines that restrict each mesh's e-graph
+    (Megatron, the grid) were extracted with it, and data parallelism is built directly: they are always there
+    to compare with. Only the sequential baseline saturates again (twice), so only it is left out when the
+    deadline leaves no time."""
+    request, graph, machine = step.request, step.graph, step.machine
+    candidates = [best_search.joint]
+    found: dict[str, Totals | None] = {}
+    spare = clock.limits(share=0.5)
+    skipped = (f"sequential: --limit seconds={request.limits.seconds:g} reached before it"
+               if request.baselines and spare is None else "")
+    if skipped:
+        step.say(f"baseline {skipped}")
+    if not request.baselines:
+        return candidates, found, skipped
+    megatron = best([s.megatron for s in searches], machine)
+    two_phase = sequential(step.searched, request.library, request.rules, best_search.mesh,
+                           replace(spare, ilp_seconds=min(spare.ilp_seconds, request.limits.ilp_seconds / 2)),
+                           machine, best_search.pins, step.input_pins, request.free_input_placements, step.say,
+                           request.caches, step.repetition) if spare is not None else None
+    dp = data_parallel(graph, request.library, machine, request.free_input_placements, step.devices) \
+        if not step.pins else None
+    two_phase, dp = steps(two_phase), steps(dp)
+    # data parallelism over every device is a point of the grid too, built directly where an e-graph cut
+    # short by the limits may not reach it
+    as_grid = replace(dp, name="best_grid", config={"dp": step.devices, "tp": 1, "sp": False, "zero": 0,
+                                                     "microbatches": graph.microbatches}) if dp else None
+    grid = best([s.grid for s in searches] + [as_grid], machine)
+    for name, candidate in (("megatron", megatron), ("sequential", two_phase), ("data_parallel", dp),
+                            ("best_grid", grid)):
+        found[name] = candidate.totals if candidate is not None else None
+        if candidate is not None:
+            candidates.append(candidate)
+    return candidates, found, skipped
+
+
+def assemble_plan(step: StepContext, searches: Sequence[MeshSearch], best_search: MeshSearch,
+                  candidates: list[Candidate], found_baselines: dict, skipped: str, steps: CandidateSteps,
+                  pinned: bool) -> Plan:
+    """The plan: the best candidate that the backend can lay out (every baseline is a PCG priced by the same
+    model, so it is a valid plan; the joint plan wins ties, or is kept when degrees are pinned), with the
+    search's statistics and every baseline's PCG."""
+    request, graph, machine = step.request, step.graph, step.machine
+    # Every candidate must be one the backend can lay out (`pcg_layout`): the placement analysis makes that so,
+    # and a candidate that still is not is left out, and said, rather than returned.
+    unplaceable = _unplaceable(candidates, request.library)
+    for name, why in unplaceable.items():
+        step.say(f"{name}: left out, it cannot be laid out on the devices ({why})")
+    candidates = [c for c in candidates if c.name not in unplaceable]
+    if not candidates:
+        raise OptimizeError(f"internal: no plan for '{graph.name}' can be laid out on {step.devices} devices "
+                            f"({unplaceable.get(JOINT, '')})")
+    chosen = candidates[0] if pinned and candidates[0].name == JOINT else \
+        min(candidates, key=lambda c: rank(c, machine))
+    if chosen.name != JOINT:
+        step.say(f"baseline {chosen.name} was cheaper than anything extracted: the plan is its PCG")
+    joint = best_search.result
+    saturation = {**joint.to_dict(), "rules_note": request.rules_note, "rules_available": len(request.rules),
+                  "mesh": str(best_search.mesh), "meshes": [s.summary() for s in searches]}
+    if step.repetition:
+        saturation["repeated_blocks"] = step.repetition.to_dict()
+    extraction = _extraction_record(best_search, chosen, unplaceable, steps, skipped, step)
+    baseline_plans = {c.name: BaselinePlan(c.pcg, c.costs, c.config) for c in candidates if c.name != JOINT}
+    return Plan(graph, machine, step.devices, chosen.pcg, chosen.costs, chosen.totals, found_baselines,
+                rules_used(request.rules, joint.snapshot, best_search.extraction.choice) if chosen.name == JOINT
+                else (), saturation, extraction, step.pins, baseline_plans)
+
+
+def _extraction_record(best_search: MeshSearch, chosen: Candidate, unplaceable: dict, steps: CandidateSteps,
+                       skipped: str, step: StepContext) -> dict:
+    """The plan's `extraction` record: how the best mesh's plan was extracted, which candidate was chosen, and
+    what was left out or could not be simulated."""
+    extraction = best_search.extraction
+    ext = {"method": extraction.method, "chosen": chosen.name,
+           "seconds": round(best_search.extract_seconds, 4), "candidates": dict(extraction.candidates),
+           "ilp_status": extraction.ilp_status, "pass_seconds": dict(extraction.seconds)}
+    if unplaceable:
+        ext["unplaceable"] = unplaceable
+    if steps.failures:
+        ext["unsimulated"] = dict(steps.failures)
+        step.say("ranked by the per-node sum, the step simulator could not run them: "
+                 + "; ".join(f"{k}: {v}" for k, v in steps.failures.items()))
+    if skipped:
+        ext["baselines_skipped"] = skipped
+    return ext
+
+
+def _unplaceable(candidates: Sequence[Candidate], library: Library) -> dict[str, str]:
+    """The candidates whose PCG cannot be laid out on its mesh, and why."""
+    out = {}
+    for candidate in candidates:
+        try:
+            lay_out(candidate.pcg, library.ops)
+        except PlacementError as err:
+            out[candidate.name] = str(err)
+    return out
