@@ -42,6 +42,7 @@ Conventions (docs/plan-schema.md repeats them):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 from parsat.dsl.instantiate import OpInstance
@@ -154,25 +155,77 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
     if p <= 1:
         return NodeCost()
     group = group or GroupTopology.consecutive(p, machine.devices_per_node)
-    in_piece, out_piece = source.piece_elements(shape), output.piece_elements(shape)
-    time, elements, grad_sync, collectives = 0.0, 0, 0, []
-    forward_time, forward_elements = 0.0, 0
-    memory, activation, accumulation, opt = 0, 0, 0, 0.0
     weighty = source_role in WEIGHT_ROLES
-    slices_weight = op == PARTITION and weighty and not (stores and source_role in STORED_ROLES)
+    move = _Move(p, source, output, source.piece_elements(shape), output.piece_elements(shape), weighty,
+                 slices_weight=op == PARTITION and weighty and not (stores and source_role in STORED_ROLES))
+    held = _parallel_memory(op, source_role, stores, move, machine)
+    comm = _price_runs(machine, group, p, _collective_runs(op, source_role, move),
+                       _replica_sets(devices, source, output))
+    return NodeCost(optimizer_s=held.optimizer_s, comm_s=comm.seconds, comm_elements=comm.elements,
+                    grad_sync_elements=comm.grad_sync_elements, memory_bytes=held.memory_bytes,
+                    collectives=comm.collectives, activation_bytes=held.activation_bytes, weight_chain=weighty,
+                    accumulation_bytes=held.accumulation_bytes, forward_comm_s=comm.forward_seconds,
+                    forward_comm_elements=comm.forward_elements)
 
-    def run(phase: str, kind: str, n: int, pieces: int, sync: bool = False) -> None:
-        nonlocal time, elements, grad_sync, forward_time, forward_elements
-        t, e = _collective(machine, kind, group, n)
-        time += t
-        elements += e * pieces
-        if phase == "fwd":
-            forward_time += t
-            forward_elements += e * pieces
-        if sync:
-            grad_sync += e * pieces
-        collectives.append(f"{phase} {kind} x{pieces} ({p} devices, {n} elements)" + (" [gradient sync]" if sync else ""))
 
+@dataclass(frozen=True)
+class _Move:
+    """What a parallel operator's collectives and memory depend on besides the operator: the axis's degree, the
+    tensor's spread before and after (and the elements of one piece of each), whether it reads a weight, and
+    whether it slices a weight not stored in its layout (a partition that is not the weight's storage)."""
+
+    degree: int
+    source: Degrees
+    output: Degrees
+    in_piece: int
+    out_piece: int
+    weighty: bool
+    slices_weight: bool
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One collective a parallel operator runs per step: its phase ("fwd", "bwd"), kind, elements `n` (as
+    `_collective` counts them), how many replica sets run it (`pieces`), and whether it is the gradient
+    synchronisation."""
+
+    phase: str
+    kind: str
+    n: int
+    pieces: int
+    sync: bool = False
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A parallel operator's memory per device (weight state or activation kept for backward), the activation
+    and gradient-accumulation bytes among it, and its share of the optimizer update's time."""
+
+    memory_bytes: int = 0
+    activation_bytes: int = 0
+    accumulation_bytes: int = 0
+    optimizer_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Comm:
+    """The collectives of a parallel operator priced: seconds and elements sent per step (in all, forward only,
+    gradient synchronisation), and a line per collective for the report."""
+
+    seconds: float
+    elements: int
+    grad_sync_elements: int
+    forward_seconds: float
+    forward_elements: int
+    collectives: tuple[str, ...]
+
+
+def _parallel_memory(op: str, source_role: str, stores: bool, move: _Move, machine: Machine) -> _Held:
+    """What a parallel operator keeps: a weight stored in its layout (its training state and update), a finer
+    storage of a stored piece (the state shrinks), an activation kept for backward, the slice of a weight not
+    stored so, a gathered weight kept until backward (and its gradient accumulated whole)."""
+    memory, activation, accumulation, opt = 0, 0, 0, 0.0
+    out_piece, in_piece = move.out_piece, move.in_piece
     if source_role == WEIGHT and op in (PARTITION, REPLICATE):   # the weight is stored in this layout
         memory = out_piece * weight_bytes(machine)
         opt = out_piece * update_traffic_bytes(machine) / machine.memory_bandwidth
@@ -181,43 +234,99 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
         opt = (out_piece - in_piece) * update_traffic_bytes(machine) / machine.memory_bandwidth
     elif not source_role and op not in (REPLICATE,):
         memory = activation = out_piece * machine.dtype_bytes       # an activation kept for backward
-    if slices_weight:   # the slice of a weight not stored so, kept for backward like an activation
+    if move.slices_weight:   # the slice of a weight not stored so, kept for backward like an activation
         activation = out_piece * machine.dtype_bytes
         memory += activation
-    if source_role == "input":
-        pass
-    elif op == PARTITION:
-        if not weighty or slices_weight:
-            run("bwd", "all-gather", in_piece, source.pieces)
-    elif op == COMBINE:
-        run("fwd", "all-gather", out_piece, output.pieces)
-    elif op == REPLICATE:
-        run("bwd", "all-reduce", in_piece, source.pieces, sync=weighty)
-    elif op == REDUCE:
-        run("fwd", "all-reduce", out_piece, output.pieces)
-    elif op == REDUCE_SCATTER:   # one group per piece outside this axis: the partial sum is `p` of the pieces
-        run("fwd", "reduce-scatter", in_piece, source.pieces // p)
-        run("bwd", "all-gather", in_piece, source.pieces // p)
-    elif op == ALL_GATHER:       # likewise: the gathered copies are `p` of the output's pieces
-        groups = output.pieces // p
-        run("fwd", "all-gather", out_piece, groups)
+    if op == ALL_GATHER and move.weighty:
         # The gathered weight is kept for backward, as the backend runs ZeRO-3 (FSDP's reshard_after_forward
-        # off): one all-gather per step, and its memory until backward is done.
-        memory += out_piece * machine.dtype_bytes if weighty else 0
-        if weighty:  # over micro-batches its gradient accumulates whole, for one reduce-scatter per step
-            accumulation = out_piece * machine.precision_spec.gradient_bytes
-        run("bwd", "reduce-scatter", out_piece, groups, sync=weighty)
-    else:
+        # off): one all-gather per step, and its memory until backward is done. Over micro-batches its gradient
+        # accumulates whole, for one reduce-scatter per step.
+        memory += out_piece * machine.dtype_bytes
+        accumulation = out_piece * machine.precision_spec.gradient_bytes
+    return _Held(memory, activation, accumulation, opt)
+
+
+def _partition_runs(move: _Move) -> tuple[_Run, ...]:
+    """Partition: forward a local slice; backward all-gathers the gradient, unless it stores a weight."""
+    if not move.weighty or move.slices_weight:
+        return (_Run("bwd", "all-gather", move.in_piece, move.source.pieces),)
+    return ()
+
+
+def _combine_runs(move: _Move) -> tuple[_Run, ...]:
+    """Combine: forward all-gathers the pieces; backward slices the gradient."""
+    return (_Run("fwd", "all-gather", move.out_piece, move.output.pieces),)
+
+
+def _replicate_runs(move: _Move) -> tuple[_Run, ...]:
+    """Replicate: backward all-reduces the gradient (a weight's: the gradient synchronisation)."""
+    return (_Run("bwd", "all-reduce", move.in_piece, move.source.pieces, sync=move.weighty),)
+
+
+def _reduce_runs(move: _Move) -> tuple[_Run, ...]:
+    """Reduce: forward all-reduces the partial sums; backward passes the gradient on."""
+    return (_Run("fwd", "all-reduce", move.out_piece, move.output.pieces),)
+
+
+def _reduce_scatter_runs(move: _Move) -> tuple[_Run, ...]:
+    """Reduce-scatter forward, all-gather of the gradient backward; one group per piece outside this axis: the
+    partial sum is `degree` of the pieces."""
+    groups = move.source.pieces // move.degree
+    return (_Run("fwd", "reduce-scatter", move.in_piece, groups), _Run("bwd", "all-gather", move.in_piece, groups))
+
+
+def _all_gather_runs(move: _Move) -> tuple[_Run, ...]:
+    """All-gather forward, reduce-scatter of the gradient backward (a weight's: the gradient synchronisation);
+    likewise, the gathered copies are `degree` of the output's pieces."""
+    groups = move.output.pieces // move.degree
+    return (_Run("fwd", "all-gather", move.out_piece, groups),
+            _Run("bwd", "reduce-scatter", move.out_piece, groups, sync=move.weighty))
+
+
+_RUNS = {PARTITION: _partition_runs, COMBINE: _combine_runs, REPLICATE: _replicate_runs, REDUCE: _reduce_runs,
+         REDUCE_SCATTER: _reduce_scatter_runs, ALL_GATHER: _all_gather_runs}
+
+
+def _collective_runs(op: str, source_role: str, move: _Move) -> tuple[_Run, ...]:
+    """The collectives `op` runs per step, in order (none when it reads a graph input: inputs have no gradient and
+    the data loader gives each device its piece); KeyError for an operator that is not a parallel one."""
+    if source_role == "input":
+        return ()
+    if op not in _RUNS:
         raise KeyError(op)
+    return _RUNS[op](move)
+
+
+def _replica_sets(devices: int | None, source: Degrees, output: Degrees) -> int:
+    """How many replica sets run each collective: `devices / pieces` for a tensor held redundantly on fewer
+    pieces than devices (where that divides), else 1."""
     spread_over = max(source.pieces, output.pieces)
     if devices and devices > spread_over and devices % spread_over == 0:
-        elements *= devices // spread_over
-        grad_sync *= devices // spread_over
-        forward_elements *= devices // spread_over
-    return NodeCost(optimizer_s=opt, comm_s=time, comm_elements=elements, grad_sync_elements=grad_sync,
-                    memory_bytes=memory, collectives=tuple(collectives), activation_bytes=activation,
-                    weight_chain=weighty, accumulation_bytes=accumulation, forward_comm_s=forward_time,
-                    forward_comm_elements=forward_elements)
+        return devices // spread_over
+    return 1
+
+
+def _price_runs(machine: Machine, group: GroupTopology, degree: int, runs: Sequence[_Run], sets: int) -> _Comm:
+    """The runs priced in order over `group` (seconds added in run order), their elements sent counted over
+    `sets` replica sets."""
+    time, elements, grad_sync, forward_time, forward_elements = 0.0, 0, 0, 0.0, 0
+    lines = []
+    for run in runs:
+        t, e = _collective(machine, run.kind, group, run.n)
+        time += t
+        elements += e * run.pieces
+        if run.phase == "fwd":
+            forward_time += t
+            forward_elements += e * run.pieces
+        if run.sync:
+            grad_sync += e * run.pieces
+        lines.append(f"{run.phase} {run.kind} x{run.pieces} ({degree} devices, {run.n} elements)"
+                     + (" [gradient sync]" if run.sync else ""))
+    if sets != 1:
+        elements *= sets
+        grad_sync *= sets
+        forward_elements *= sets
+    return _Comm(time, elements, grad_sync, forward_time, forward_elements, tuple(lines))
 
 
 def gather_cost(machine: Machine, degrees: Degrees, shape: Sequence[int], devices: int | None = None) -> NodeCost:

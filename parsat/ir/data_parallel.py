@@ -18,10 +18,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
+from parsat.dsl import ast
 from parsat.dsl.instantiate import InstantiationError
 from parsat.dsl.library import Library
 from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARTITION, REDUCE, REPLICATE
-from parsat.ir.graph import Graph, instance_for
+from parsat.ir.graph import Graph, Leaf, OpNode, instance_for
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import PCG, Degrees, PNode
 from parsat.ir.placement import (FREE, PARTIAL, REPLICA, Placement, PlacementError, apply_parallel,
@@ -48,77 +49,105 @@ def data_parallel_pcg(graph: Graph, library: Library, devices: int, devices_per_
     if devices < 2:
         return None
     mesh = Mesh.of((devices,), devices_per_node, names=(DP_AXIS,))
-    nodes: list[PNode] = []
-    ident: dict[str, int] = {}
-    whole: dict[str, int | None] = {}  # graph name -> its value whole on every device, for weight-only values
+    build = _DataParallelBuilder(graph, devices, mesh)
+    for leaf in graph.leaves:
+        build.place_leaf(leaf, zero3)
+    cache: dict = {}
+    for gnode in graph.nodes:
+        if not build.place_operator(gnode, library.ops[gnode.op], cache):
+            return None
+    outputs = build.gathered_outputs(graph.outputs)
+    if outputs is None:
+        return None
+    return _live(build.nodes, outputs, tuple(graph.outputs), mesh)
 
-    def add(kind, op, inputs, attrs, shape, placement: Placement, role="", origin="") -> int:
-        degrees = Degrees.of_placement(placement, mesh, len(shape))
-        nodes.append(PNode(len(nodes), kind, op, tuple(inputs), tuple(attrs), tuple(shape), degrees, role, origin,
-                           placement))
-        return len(nodes) - 1
 
-    def parallel(op: str, source: int, dim: int | None = None, degree: int = devices, origin: str = "") -> int:
-        node = nodes[source]
-        attrs = ((("dim", dim),) if dim is not None else ()) + (("axis", DP_AXIS), ("degree", degree))
-        return add("parallel", op, (source,), attrs, node.shape, apply_parallel(node.placement, op, 0, dim),
-                   origin=origin)
+class _DataParallelBuilder:
+    """The data-parallel PCG of one graph while `data_parallel_pcg` builds it: its nodes so far, the node that
+    holds each graph value, and the weight-only values computed whole. Each call makes its own (nothing is
+    shared between calls); the steps are methods so that each reads on its own."""
 
-    def whole_of(name: str) -> int | None:
+    def __init__(self, graph: Graph, devices: int, mesh: Mesh):
+        self.devices = devices
+        self.mesh = mesh
+        self.graph_nodes = {n.name: n for n in graph.nodes}
+        self.nodes: list[PNode] = []
+        self.ident: dict[str, int] = {}          # graph name -> the node that holds it as its readers use it
+        self.whole: dict[str, int | None] = {}   # graph name -> its value whole on every device, for weight-only values
+
+    def add(self, kind: str, op: str, inputs: Sequence[int], attrs: Sequence, shape: Sequence[int],
+            placement: Placement, role: str = "", origin: str = "") -> int:
+        """Append a node (its degrees follow from its placement on the mesh); its id."""
+        degrees = Degrees.of_placement(placement, self.mesh, len(shape))
+        self.nodes.append(PNode(len(self.nodes), kind, op, tuple(inputs), tuple(attrs), tuple(shape), degrees, role,
+                                origin, placement))
+        return len(self.nodes) - 1
+
+    def parallel(self, op: str, source: int, dim: int | None = None, origin: str = "") -> int:
+        """Append the parallel operator `op` over all devices of the `dp` axis, reading `source`; its id."""
+        node = self.nodes[source]
+        attrs = ((("dim", dim),) if dim is not None else ()) + (("axis", DP_AXIS), ("degree", self.devices))
+        return self.add("parallel", op, (source,), attrs, node.shape, apply_parallel(node.placement, op, 0, dim),
+                        origin=origin)
+
+    def whole_of(self, name: str) -> int | None:
         """The node computing `name` whole (every device the same), if it depends on weights only."""
-        if name in whole:
-            return whole[name]
-        gnode = graph_nodes.get(name)
+        if name in self.whole:
+            return self.whole[name]
+        gnode = self.graph_nodes.get(name)
         found = None
         if gnode is not None:
-            parts = [whole_of(i) for i in gnode.inputs]
+            parts = [self.whole_of(i) for i in gnode.inputs]
             if None not in parts:
-                found = add("op", gnode.op, parts, gnode.attrs, gnode.shape, Placement.whole(1))
-        whole[name] = found
+                found = self.add("op", gnode.op, parts, gnode.attrs, gnode.shape, Placement.whole(1))
+        self.whole[name] = found
         return found
 
-    def all_reduced(inputs: list[PNode]) -> list[PNode]:
+    def all_reduced(self, inputs: list[PNode]) -> list[PNode]:
         """Synchronize: all-reduce the partial inputs; the reduced value is the graph node's (its origin)."""
         reduced: dict[int, int] = {}
         for n in inputs:
             if n.placement.codes[0] == PARTIAL and n.id not in reduced:
-                nodes[n.id] = replace(n, origin="")
-                total = parallel(REDUCE, n.id, origin=n.origin)
-                reduced[n.id] = parallel(REPLICATE, total)
-                ident[n.origin] = reduced[n.id]
-        return [nodes[reduced.get(n.id, n.id)] for n in inputs]
+                self.nodes[n.id] = replace(n, origin="")
+                total = self.parallel(REDUCE, n.id, origin=n.origin)
+                reduced[n.id] = self.parallel(REPLICATE, total)
+                self.ident[n.origin] = reduced[n.id]
+        return [self.nodes[reduced.get(n.id, n.id)] for n in inputs]
 
-    def split_with_batch(names: Sequence[str], inputs: list[PNode]) -> list[PNode]:
+    def split_with_batch(self, names: Sequence[str], inputs: list[PNode]) -> list[PNode]:
         """Copies of a weight-only value beside batch-split operands: split it with the batch instead."""
         split = []
         for name, n in zip(names, inputs):
-            source = whole_of(name) if n.placement.codes[0] == REPLICA else None
-            if source is not None and n.shape and n.shape[0] % devices == 0:
-                n = nodes[parallel(PARTITION, source, 0)]
+            source = self.whole_of(name) if n.placement.codes[0] == REPLICA else None
+            if source is not None and n.shape and n.shape[0] % self.devices == 0:
+                n = self.nodes[self.parallel(PARTITION, source, 0)]
             split.append(n)
         return split
 
-    graph_nodes = {n.name: n for n in graph.nodes}
-    for leaf in graph.leaves:
-        base = add("leaf", leaf.name, (), (), leaf.shape, Placement.whole(1), leaf.role, leaf.name)
-        whole[leaf.name] = base if leaf.role == "weight" else None
-        stored = next((d for d, size in enumerate(leaf.shape) if size % devices == 0), None)
-        if leaf.role == "input" and leaf.shape and leaf.shape[0] % devices == 0:
-            ident[leaf.name] = parallel(PARTITION, base, 0)
+    def place_leaf(self, leaf: Leaf, zero3: bool) -> None:
+        """A graph input split along dim 0 (replicated where dim 0 does not split evenly); a weight replicated, or
+        with `zero3` stored split along its first dim the devices divide and all-gathered for its readers."""
+        base = self.add("leaf", leaf.name, (), (), leaf.shape, Placement.whole(1), leaf.role, leaf.name)
+        self.whole[leaf.name] = base if leaf.role == "weight" else None
+        stored = next((d for d, size in enumerate(leaf.shape) if size % self.devices == 0), None)
+        if leaf.role == "input" and leaf.shape and leaf.shape[0] % self.devices == 0:
+            self.ident[leaf.name] = self.parallel(PARTITION, base, 0)
         elif leaf.role == "weight" and zero3 and stored is not None:
-            ident[leaf.name] = parallel(ALL_GATHER, parallel(PARTITION, base, stored), stored)
+            self.ident[leaf.name] = self.parallel(ALL_GATHER, self.parallel(PARTITION, base, stored), stored)
         else:
-            ident[leaf.name] = parallel(REPLICATE, base)
-    cache: dict = {}
-    for gnode in graph.nodes:
-        op = library.ops[gnode.op]
-        inputs = [nodes[ident[i]] for i in gnode.inputs]
+            self.ident[leaf.name] = self.parallel(REPLICATE, base)
+
+    def place_operator(self, gnode: OpNode, op: ast.OpDecl, cache: dict) -> bool:
+        """The graph operator `gnode` (of library operator `op`) on its inputs as placed so far, repaired in turn
+        (as is, partial sums all-reduced, weight-only values split with the batch) until the placement analysis
+        accepts it; False when no repair makes it accept them (or the operator does not instantiate)."""
+        inputs = [self.nodes[self.ident[i]] for i in gnode.inputs]
         try:
             instance = instance_for(op, [n.shape for n in inputs], dict(gnode.attrs))
         except InstantiationError:
-            return None
+            return False
         placement = None
-        for repair in (lambda ins: ins, all_reduced, lambda ins: split_with_batch(gnode.inputs, ins)):
+        for repair in (lambda ins: ins, self.all_reduced, lambda ins: self.split_with_batch(gnode.inputs, ins)):
             inputs = repair(inputs)
             try:
                 placement = compute_placement(instance, [n.placement for n in inputs], cache)
@@ -126,22 +155,27 @@ def data_parallel_pcg(graph: Graph, library: Library, devices: int, devices_per_
             except PlacementError:
                 continue
         if placement is None:
-            return None
-        ident[gnode.name] = add("op", gnode.op, [n.id for n in inputs], gnode.attrs, gnode.shape, placement,
-                                origin=gnode.name)
-    outputs = []
-    for name in graph.outputs:
-        node = nodes[ident[name]]
-        code = node.placement.codes[0]
-        if code == PARTIAL:                               # a loss summed over rows
-            outputs.append(parallel(REDUCE, node.id))
-        elif code == shard(0):
-            outputs.append(parallel(COMBINE, node.id, 0))
-        elif code in (FREE, REPLICA):                     # not split: held by every rank
-            outputs.append(node.id)
-        else:
-            return None
-    return _live(nodes, outputs, tuple(graph.outputs), mesh)
+            return False
+        self.ident[gnode.name] = self.add("op", gnode.op, [n.id for n in inputs], gnode.attrs, gnode.shape,
+                                          placement, origin=gnode.name)
+        return True
+
+    def gathered_outputs(self, names: Sequence[str]) -> list[int] | None:
+        """The graph outputs as every rank holds them: a partial sum reduced, a batch-split value combined, a
+        value not split as it is; None when an output is split some other way."""
+        outputs = []
+        for name in names:
+            node = self.nodes[self.ident[name]]
+            code = node.placement.codes[0]
+            if code == PARTIAL:                               # a loss summed over rows
+                outputs.append(self.parallel(REDUCE, node.id))
+            elif code == shard(0):
+                outputs.append(self.parallel(COMBINE, node.id, 0))
+            elif code in (FREE, REPLICA):                     # not split: held by every rank
+                outputs.append(node.id)
+            else:
+                return None
+        return outputs
 
 
 def _live(nodes: Sequence[PNode], outputs: Sequence[int], names: tuple[str, ...], mesh: Mesh) -> PCG:

@@ -294,67 +294,101 @@ def _check_pcg(f: _Fields, data: Mapping, at: str) -> None:
     seen: dict[int, str] = {}
     all_ids = {n.get("id") for n in nodes if isinstance(n, Mapping) and isinstance(n.get("id"), int)}
     for i, node in enumerate(nodes):
-        path = f"{at}nodes[{i}]"
-        node = f.obj(node, path)
-        ident = f.integer(f.get(node, "id", path), f"{path}.id", low=0)
-        if ident in seen:
-            f.fail(f"{path}.id", f"id {ident} is used twice")
-        kind = f.text(f.get(node, "kind", path), f"{path}.kind")
-        if kind not in PLAN_KINDS:
-            f.fail(f"{path}.kind", f"must be one of {', '.join(PLAN_KINDS)}, got {kind!r}")
-        op = f.text(f.get(node, "op", path), f"{path}.op")
-        path = f"{path} (#{ident} {op})"
-        inputs = f.array(f.get(node, "inputs", path), f"{path}.inputs")
-        for j, ref in enumerate(inputs):
-            f.integer(ref, f"{path}.inputs[{j}]")
-            if ref not in seen:
-                reason = ("is a later node: nodes must be in topological order (is there a cycle?)"
-                          if ref in all_ids else "is not a node of the plan")
-                f.fail(f"{path}.inputs[{j}]", f"node {ref} {reason}")
-        if kind == "leaf" and inputs:
-            f.fail(f"{path}.inputs", "a leaf has no inputs")
-        if kind == "parallel":
-            if op not in PARALLEL_ATTRS:
-                f.fail(f"{path}.op", f"a parallel node must be one of {', '.join(PARALLEL_ATTRS)}, got {op!r}")
-            if len(inputs) != 1:
-                f.fail(f"{path}.inputs", f"{op} takes one input, got {len(inputs)}")
-        attrs = f.obj(f.get(node, "attrs", path), f"{path}.attrs")
-        for key, value in attrs.items():
-            if not (kind == "parallel" and key == "axis"):
-                f.number(value, f"{path}.attrs.{key}")
-        if kind == "parallel":
-            for key in PARALLEL_ATTRS[op]:
-                if key == "axis":
-                    axis = f.text(f.get(attrs, key, f"{path}.attrs"), f"{path}.attrs.axis")
-                    if axis not in axes:
-                        f.fail(f"{path}.attrs.axis", f"'{axis}' is not an axis of the mesh ({', '.join(axes)})")
-                else:
-                    f.integer(f.get(attrs, key, f"{path}.attrs"), f"{path}.attrs.{key}",
-                              low=1 if key == "degree" else 0)
-        shape = f.shape(f.get(node, "shape", path), f"{path}.shape")
-        spread = f.obj(f.get(node, "spread", path), f"{path}.spread")
-        shard = f.array(f.get(spread, "shard", f"{path}.spread"), f"{path}.spread.shard")
-        for j, degree in enumerate(shard):
-            f.integer(degree, f"{path}.spread.shard[{j}]", low=1, high=MAX_DEVICES)
-        if len(shard) != len(shape):
-            f.fail(f"{path}.spread.shard", f"has {len(shard)} dims but the shape {list(shape)} has {len(shape)}")
-        for key in ("copy", "sum"):
-            if key in spread:
-                f.integer(spread[key], f"{path}.spread.{key}", low=1, high=MAX_DEVICES)
-        placement = f.array(f.get(node, "placement", path), f"{path}.placement")
-        if len(placement) != len(axes):
-            f.fail(f"{path}.placement", f"has {len(placement)} entries for a mesh of {len(axes)} axes")
-        for j, entry in enumerate(placement):
-            if not isinstance(entry, str) or not PLACEMENT.match(entry):
-                f.fail(f"{path}.placement[{j}]", f"must be Shard(d), Replicate() or Partial(), got {_short(entry)}")
-        for j, name in enumerate(f.array(node.get("replicated_on", []), f"{path}.replicated_on")):
-            if name not in axes:
-                f.fail(f"{path}.replicated_on[{j}]", f"'{_short(name)}' is not an axis of the mesh")
-        for key in ("role", "origin"):
-            if key in node:
-                f.text(node[key], f"{path}.{key}", empty=True)
+        ident, op = _check_pcg_node(f, node, f"{at}nodes[{i}]", axes, seen, all_ids)
         seen[ident] = op
-    outputs = f.array(f.get(data, "outputs", where), f"{at}outputs")
+    _check_pcg_outputs(f, data, at, seen)
+    if "recompute" in data and data["recompute"] not in RECOMPUTE_POLICIES:
+        f.fail(f"{at}recompute", f"'{_short(data['recompute'])}' is not a recomputation policy "
+                                 f"({', '.join(RECOMPUTE_POLICIES)})")
+
+
+def _check_pcg_node(f: _Fields, node: Any, path: str, axes: Sequence[str], seen: Mapping[int, str],
+                    all_ids: set) -> tuple[int, str]:
+    """One node of a PCG at `path` (`seen`: the earlier nodes' ids and ops, `all_ids`: every node's id); returns
+    its id and op. Once the id and op are known, later messages name the node by them."""
+    node = f.obj(node, path)
+    ident = f.integer(f.get(node, "id", path), f"{path}.id", low=0)
+    if ident in seen:
+        f.fail(f"{path}.id", f"id {ident} is used twice")
+    kind = f.text(f.get(node, "kind", path), f"{path}.kind")
+    if kind not in PLAN_KINDS:
+        f.fail(f"{path}.kind", f"must be one of {', '.join(PLAN_KINDS)}, got {kind!r}")
+    op = f.text(f.get(node, "op", path), f"{path}.op")
+    path = f"{path} (#{ident} {op})"
+    _check_node_inputs(f, node, path, kind, op, seen, all_ids)
+    _check_node_attrs(f, node, path, kind, op, axes)
+    _check_node_layout(f, node, path, axes)
+    for key in ("role", "origin"):
+        if key in node:
+            f.text(node[key], f"{path}.{key}", empty=True)
+    return ident, op
+
+
+def _check_node_inputs(f: _Fields, node: Mapping, path: str, kind: str, op: str, seen: Mapping[int, str],
+                       all_ids: set) -> None:
+    """A node's `inputs`: each an earlier node (a later one is an order error or a cycle, an unknown one a
+    dangling edge); none for a leaf, exactly one for a parallel operator (which must be one parsat knows)."""
+    inputs = f.array(f.get(node, "inputs", path), f"{path}.inputs")
+    for j, ref in enumerate(inputs):
+        f.integer(ref, f"{path}.inputs[{j}]")
+        if ref not in seen:
+            reason = ("is a later node: nodes must be in topological order (is there a cycle?)"
+                      if ref in all_ids else "is not a node of the plan")
+            f.fail(f"{path}.inputs[{j}]", f"node {ref} {reason}")
+    if kind == "leaf" and inputs:
+        f.fail(f"{path}.inputs", "a leaf has no inputs")
+    if kind == "parallel":
+        if op not in PARALLEL_ATTRS:
+            f.fail(f"{path}.op", f"a parallel node must be one of {', '.join(PARALLEL_ATTRS)}, got {op!r}")
+        if len(inputs) != 1:
+            f.fail(f"{path}.inputs", f"{op} takes one input, got {len(inputs)}")
+
+
+def _check_node_attrs(f: _Fields, node: Mapping, path: str, kind: str, op: str, axes: Sequence[str]) -> None:
+    """A node's `attrs`: numbers (a parallel node's axis a name); a parallel node has each attribute its operator
+    needs, its axis one of the mesh's, its degree at least 1."""
+    attrs = f.obj(f.get(node, "attrs", path), f"{path}.attrs")
+    for key, value in attrs.items():
+        if not (kind == "parallel" and key == "axis"):
+            f.number(value, f"{path}.attrs.{key}")
+    if kind == "parallel":
+        for key in PARALLEL_ATTRS[op]:
+            if key == "axis":
+                axis = f.text(f.get(attrs, key, f"{path}.attrs"), f"{path}.attrs.axis")
+                if axis not in axes:
+                    f.fail(f"{path}.attrs.axis", f"'{axis}' is not an axis of the mesh ({', '.join(axes)})")
+            else:
+                f.integer(f.get(attrs, key, f"{path}.attrs"), f"{path}.attrs.{key}",
+                          low=1 if key == "degree" else 0)
+
+
+def _check_node_layout(f: _Fields, node: Mapping, path: str, axes: Sequence[str]) -> None:
+    """Where a node's tensor lives: its shape, its spread (a degree per dim of the shape), its placement (an
+    entry per mesh axis) and the mesh axes it is replicated on."""
+    shape = f.shape(f.get(node, "shape", path), f"{path}.shape")
+    spread = f.obj(f.get(node, "spread", path), f"{path}.spread")
+    shard = f.array(f.get(spread, "shard", f"{path}.spread"), f"{path}.spread.shard")
+    for j, degree in enumerate(shard):
+        f.integer(degree, f"{path}.spread.shard[{j}]", low=1, high=MAX_DEVICES)
+    if len(shard) != len(shape):
+        f.fail(f"{path}.spread.shard", f"has {len(shard)} dims but the shape {list(shape)} has {len(shape)}")
+    for key in ("copy", "sum"):
+        if key in spread:
+            f.integer(spread[key], f"{path}.spread.{key}", low=1, high=MAX_DEVICES)
+    placement = f.array(f.get(node, "placement", path), f"{path}.placement")
+    if len(placement) != len(axes):
+        f.fail(f"{path}.placement", f"has {len(placement)} entries for a mesh of {len(axes)} axes")
+    for j, entry in enumerate(placement):
+        if not isinstance(entry, str) or not PLACEMENT.match(entry):
+            f.fail(f"{path}.placement[{j}]", f"must be Shard(d), Replicate() or Partial(), got {_short(entry)}")
+    for j, name in enumerate(f.array(node.get("replicated_on", []), f"{path}.replicated_on")):
+        if name not in axes:
+            f.fail(f"{path}.replicated_on[{j}]", f"'{_short(name)}' is not an axis of the mesh")
+
+
+def _check_pcg_outputs(f: _Fields, data: Mapping, at: str, seen: Mapping[int, str]) -> None:
+    """A PCG's `outputs`: at least one, each a name and a node of the PCG (`seen`)."""
+    outputs = f.array(f.get(data, "outputs", at.rstrip(".")), f"{at}outputs")
     if not outputs:
         f.fail(f"{at}outputs", "the plan has no outputs")
     for i, out in enumerate(outputs):
@@ -363,9 +397,6 @@ def _check_pcg(f: _Fields, data: Mapping, at: str) -> None:
         ref = f.integer(f.get(out, "node", f"{at}outputs[{i}]"), f"{at}outputs[{i}].node")
         if ref not in seen:
             f.fail(f"{at}outputs[{i}].node", f"node {ref} is not a node of the plan")
-    if "recompute" in data and data["recompute"] not in RECOMPUTE_POLICIES:
-        f.fail(f"{at}recompute", f"'{_short(data['recompute'])}' is not a recomputation policy "
-                                 f"({', '.join(RECOMPUTE_POLICIES)})")
 
 
 def _check_mesh(f: _Fields, value: Any, path: str) -> list[str]:
