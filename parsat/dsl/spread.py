@@ -140,6 +140,16 @@ class _NotLinear(Exception):
 _ZERO_MARK = "zero"  # a literal 0: compatible with any partial degree
 
 
+@dataclass(frozen=True)
+class _IndexReads:
+    """What the op's tensor reads say about its index variables, gathered in one pass over its accesses so
+    the later checks need not walk them again."""
+
+    constraints: dict = field(hash=False)  # index variable -> [(degree of a dim it indexes, which dim)]
+    block_reads: frozenset[int]            # id() of the index expressions read block by block
+    legal_when: tuple[Cond, ...]           # the block reads tile their sharded dims only where these hold
+
+
 def infer_compute(instance: OpInstance, inputs: Sequence[Spread]) -> ComputeSpread:
     """Output spread of a compute op on inputs with the given spreads.
 
@@ -148,12 +158,25 @@ def infer_compute(instance: OpInstance, inputs: Sequence[Spread]) -> ComputeSpre
     """
     problems: list[str] = []
     by_name = dict(zip(instance.inputs, inputs))
-    constraints: dict[str, list[tuple[Poly, str]]] = {}
-    plain_uses: set[str] = set()
     bounds_vars = set(instance.out_vars) | _sum_vars(instance.body)
-
     bounds = index_bounds(instance)
-    block_reads: set[int] = set()  # id() of index expressions read block by block
+    reads = _read_indices(instance, by_name, bounds_vars, bounds, problems)
+    degrees = _index_degrees(instance, reads.constraints, bounds_vars, problems)
+    _check_local_view(instance, inputs, degrees, bounds_vars, reads.block_reads, problems)
+    partial = _output_partial_degree(instance, by_name, inputs, degrees, problems)
+    spread = _output_spread(instance, inputs, degrees, partial, problems)
+    requires = tuple(divides(degree, bounds[var], None, f"{instance.name}: index '{_pretty(var)}' (range "
+                                                     f"{bounds[var]}) must split into {degree} equal blocks")
+                     for var, degree in degrees.items() if degree != ONE and var in bounds)
+    return ComputeSpread(spread, degrees, tuple(problems), requires, reads.legal_when)
+
+
+def _read_indices(instance: OpInstance, by_name: dict, bounds_vars: set[str], bounds: dict,
+                  problems: list[str]) -> _IndexReads:
+    """The degree each index variable meets at each dim of an input it reads, plain or block by block;
+    appends to `problems` a sharded dim read through an expression, or whose blocks do not tile it."""
+    constraints: dict[str, list[tuple[Poly, str]]] = {}
+    block_reads: set[int] = set()
     legal_when: list[Cond] = []
     for access in _accesses(instance.body):
         spread = by_name.get(access.tensor)
@@ -183,7 +206,13 @@ def infer_compute(instance: OpInstance, inputs: Sequence[Spread]) -> ComputeSpre
             elif degree != ONE:
                 problems.append(f"{instance.name}: {where} is sharded ({degree}) but is indexed by an expression, "
                                 "so a local piece does not hold what the op reads")
+    return _IndexReads(constraints, frozenset(block_reads), tuple(legal_when))
 
+
+def _index_degrees(instance: OpInstance, constraints: dict, bounds_vars: set[str],
+                   problems: list[str]) -> dict[str, Poly]:
+    """Each index variable's degree: the first its reads give it (1 if it reads nothing sharded); appends to
+    `problems` a variable whose reads disagree, since one variable has one degree."""
     degrees: dict[str, Poly] = {}
     for var, seen in constraints.items():
         distinct = {d for d, _ in seen}
@@ -193,7 +222,14 @@ def infer_compute(instance: OpInstance, inputs: Sequence[Spread]) -> ComputeSpre
         degrees[var] = seen[0][0]
     for var in bounds_vars:
         degrees.setdefault(var, ONE)
+    return degrees
 
+
+def _check_local_view(instance: OpInstance, inputs: Sequence[Spread], degrees: dict, bounds_vars: set[str],
+                      block_reads: frozenset[int], problems: list[str]) -> None:
+    """Appends to `problems` every use of a sharded index or size as a value: a local piece sees local
+    positions and sizes there, not the global ones the semantics means."""
+    plain_uses: set[str] = set()
     _collect_plain_uses(instance.body, bounds_vars, plain_uses, block_reads)
     for var, degree in degrees.items():
         if degree != ONE and var in plain_uses:
@@ -206,6 +242,11 @@ def infer_compute(instance: OpInstance, inputs: Sequence[Spread]) -> ComputeSpre
         problems.append(f"{instance.name}: size '{_pretty(name)}' belongs to a sharded dim but the semantics uses "
                         "its value, which a local piece would see as its local size")
 
+
+def _output_partial_degree(instance: OpInstance, by_name: dict, inputs: Sequence[Spread], degrees: dict,
+                           problems: list[str]) -> Poly:
+    """The output's partial-sum degree; when the op is not linear in a partial quantity, appends that to
+    `problems` and returns the degree a naive piece-by-piece run would claim, for the verifier to replay."""
     try:
         partial = _partial_degree(instance.body, by_name, degrees)
     except _NotLinear as err:
@@ -215,7 +256,14 @@ def infer_compute(instance: OpInstance, inputs: Sequence[Spread]) -> ComputeSpre
         partial = err.naive if err.naive is not None else next((s.sum for s in inputs if s.sum != ONE), ONE)
     if partial == _ZERO_MARK:
         partial = ONE
+    return partial
 
+
+def _output_spread(instance: OpInstance, inputs: Sequence[Spread], degrees: dict, partial: Poly,
+                   problems: list[str]) -> Spread:
+    """The output's spread: sharded by its index variables' degrees, with the copy degree what the inputs'
+    pieces leave; appends to `problems` inputs in different numbers of pieces, or pieces the output cannot
+    fill evenly."""
     pieces = [s.pieces for s in inputs]
     if pieces and any(p != pieces[0] for p in pieces[1:]):
         listing = ", ".join(f"'{n}' has {p}" for n, p in zip(instance.inputs, pieces))
@@ -230,10 +278,7 @@ def infer_compute(instance: OpInstance, inputs: Sequence[Spread]) -> ComputeSpre
         problems.append(f"{instance.name}: {total} pieces cannot hold an output sharded "
                         f"[{', '.join(str(d) for d in shard)}] with partial-sum degree {partial}")
         copy = total.floordiv(used)
-    requires = tuple(divides(degree, bounds[var], None, f"{instance.name}: index '{_pretty(var)}' (range "
-                                                     f"{bounds[var]}) must split into {degree} equal blocks")
-                     for var, degree in degrees.items() if degree != ONE and var in bounds)
-    return ComputeSpread(Spread(shard, copy, partial), degrees, tuple(problems), requires, tuple(legal_when))
+    return Spread(shard, copy, partial)
 
 
 def block_read(access: ast.Access, position: int, spread: Spread, instance: OpInstance,

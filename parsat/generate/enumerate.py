@@ -527,6 +527,83 @@ class _Stop(Exception):
     pass
 
 
+@dataclass
+class _TermBuilder:
+    """One enumeration's working state, shared by the step that adds a term and the steps that build a level:
+    the typer and evaluator (which remember representatives), the representatives by operator count and
+    signature, the groups by fingerprint, and the counts the term limit and the progress lines read."""
+
+    vocab: Vocabulary
+    max_ops: int
+    evaluator: Evaluator
+    typer: TermTyper
+    deadline: Callable[[], bool]
+    max_terms: int
+    show: Callable[[ast.Expr], str]                                       # a term's text
+    reps: dict[int, dict[tuple, list[Term]]] = field(default_factory=dict)  # count -> signature -> representatives
+    groups: dict[str, list[Term]] = field(default_factory=dict)
+    built: int = 0
+    typed: int = 0
+
+    def add(self, expr: ast.Expr, count: int) -> bool:
+        """Type and evaluate `expr`; False when it does not type."""
+        self.built += 1
+        if self.built >= self.max_terms:
+            raise _Stop("terms")
+        if self.built % 256 == 0 and self.deadline():
+            raise _Stop("seconds")
+        try:
+            typed, requires = self.typer.type(expr)
+        except TypeCheckError:
+            return False
+        if typed.problems:
+            return False
+        found = self.evaluator.fingerprint(typed, requires)
+        if found is None:
+            return True
+        digest, pieces = found
+        self.typed += 1
+        term = Term(expr, count, typed, self.show(expr))
+        members = self.groups.setdefault(digest, [])
+        members.append(term)
+        if len(members) == 1 and count < self.max_ops:
+            self.evaluator.remember(expr, pieces)
+            self.typer.remember(typed, requires)
+            self.reps.setdefault(count, {}).setdefault(_signature(term), []).append(term)
+        return True
+
+    def level(self, name: str, count: int) -> Iterator[None]:
+        """Every term with `name` on top and `count` operators; yields after each one, so that the top
+        operators of a level can take turns."""
+        positions = _tensor_positions(self.vocab, name)
+        for split in _compositions(count - 1, len(positions)):
+            buckets = [list(self.reps.get(c, {}).items()) for c in split]
+            for sig_combo in itertools.product(*buckets):
+                pools = [members for _, members in sig_combo]
+                for probe in _calls(self.vocab, name, [pool[0] for pool in pools]):
+                    # one type check per (attributes, argument types): the rest share its outcome
+                    first = True
+                    for args in itertools.product(*pools):
+                        expr = _with_tensors(probe, positions, [a.expr for a in args])
+                        typed = self.add(expr, count)
+                        yield
+                        if not typed and first:
+                            break
+                        first = False
+
+    def build_level(self, count: int) -> None:
+        """Every term with `count` operators, the top operators taking turns (one term each), so that a level
+        cut short by a limit has some terms of each; the last level of 3 or more skips unary tops."""
+        running = [self.level(name, count) for name in self.vocab.names
+                   if not (count == self.max_ops >= 3 and len(_tensor_positions(self.vocab, name)) < 2)]
+        while running:
+            for gen in list(running):
+                try:
+                    next(gen)
+                except StopIteration:
+                    running.remove(gen)
+
+
 def enumerate_terms(vocab: Vocabulary, max_ops: int, envs: Sequence[Environment], max_pieces: int,
                     deadline: Callable[[], bool] = lambda: False, max_terms: int = 200_000,
                     progress: Callable[[str], None] | None = None) -> Enumeration:
@@ -548,77 +625,20 @@ def enumerate_terms(vocab: Vocabulary, max_ops: int, envs: Sequence[Environment]
     """
     from parsat.dsl.printer import format_expr
 
-    evaluator = Evaluator(envs, max_pieces)
-    typer = TermTyper(vocab.binders(), vocab.ops)
-    reps: dict[int, dict[tuple, list[Term]]] = {}     # count -> signature -> representatives
-    groups: dict[str, list[Term]] = {}
-    counts = {"built": 0, "typed": 0}
+    builder = _TermBuilder(vocab, max_ops, Evaluator(envs, max_pieces), TermTyper(vocab.binders(), vocab.ops),
+                           deadline, max_terms, format_expr)
     stopped = ""
-
-    def add(expr: ast.Expr, count: int) -> bool:
-        """Type and evaluate `expr`; False when it does not type."""
-        counts["built"] += 1
-        if counts["built"] >= max_terms:
-            raise _Stop("terms")
-        if counts["built"] % 256 == 0 and deadline():
-            raise _Stop("seconds")
-        try:
-            typed, requires = typer.type(expr)
-        except TypeCheckError:
-            return False
-        if typed.problems:
-            return False
-        found = evaluator.fingerprint(typed, requires)
-        if found is None:
-            return True
-        digest, pieces = found
-        counts["typed"] += 1
-        term = Term(expr, count, typed, format_expr(expr))
-        members = groups.setdefault(digest, [])
-        members.append(term)
-        if len(members) == 1 and count < max_ops:
-            evaluator.remember(expr, pieces)
-            typer.remember(typed, requires)
-            reps.setdefault(count, {}).setdefault(_signature(term), []).append(term)
-        return True
-
     try:
         for leaf in leaves(vocab):
-            add(leaf, 0)
-        def level(name: str, count: int) -> Iterator[None]:
-            """Every term with `name` on top and `count` operators; yields after each one."""
-            positions = _tensor_positions(vocab, name)
-            for split in _compositions(count - 1, len(positions)):
-                buckets = [list(reps.get(c, {}).items()) for c in split]
-                for sig_combo in itertools.product(*buckets):
-                    pools = [members for _, members in sig_combo]
-                    for probe in _calls(vocab, name, [pool[0] for pool in pools]):
-                        # one type check per (attributes, argument types): the rest share its outcome
-                        first = True
-                        for args in itertools.product(*pools):
-                            expr = _with_tensors(probe, positions, [a.expr for a in args])
-                            typed = add(expr, count)
-                            yield
-                            if not typed and first:
-                                break
-                            first = False
-
+            builder.add(leaf, 0)
         for count in range(1, max_ops + 1):
-            # the top operators take turns, so that a level cut short by a limit has some terms of each
-            running = [level(name, count) for name in vocab.names
-                       if not (count == max_ops >= 3 and len(_tensor_positions(vocab, name)) < 2)]
-            while running:
-                for gen in list(running):
-                    try:
-                        next(gen)
-                    except StopIteration:
-                        running.remove(gen)
+            builder.build_level(count)
             if progress is not None:
-                progress(f"enumerate: {count} operator(s): {counts['built']} terms built, {counts['typed']} defined, "
-                         f"{len(groups)} groups")
+                progress(f"enumerate: {count} operator(s): {builder.built} terms built, {builder.typed} defined, "
+                         f"{len(builder.groups)} groups")
     except _Stop as stop:
         stopped = str(stop)
-    return Enumeration({k: tuple(v) for k, v in groups.items()}, counts["built"], counts["typed"], stopped)
+    return Enumeration({k: tuple(v) for k, v in builder.groups.items()}, builder.built, builder.typed, stopped)
 
 
 def _tensor_positions(vocab: Vocabulary, name: str) -> tuple[int, ...]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from parsat.dsl import ast
@@ -87,6 +87,49 @@ class _Clock:
         return time.monotonic() - self.start
 
 
+@dataclass(frozen=True)
+class _Verdicts:
+    """Makes one rule's verdicts, so that every stage words them alike and none can promise a proof the
+    devices contradicted: `notes` gathers the disagreements the stages find (bug reports), and a PROVED or
+    BOUNDED verdict made while there are any becomes UNKNOWN."""
+
+    name: str
+    file: str
+    line: int
+    clock: _Clock
+    notes: list[str] = field(default_factory=list, compare=False)
+
+    def __call__(self, verdict: str, reason: str = "", cex=None, assumptions=(), max_rank=None) -> Verdict:
+        found = tuple(dict.fromkeys(self.notes))[:3]  # bug reports: a few say enough
+        if verdict in (PROVED, BOUNDED) and found:  # a disagreement is no proof: report it, promise nothing
+            verdict, reason, max_rank = UNKNOWN, f"proved, but the devices disagree with the verifier: {found[0]}", None
+        return Verdict(self.name, self.file, self.line, verdict, round(self.clock.elapsed(), 4), reason, cex,
+                       tuple(assumptions), max_rank=max_rank, notes=found)
+
+
+@dataclass(frozen=True)
+class _Stages:
+    """What the stages after typing share, so each takes one argument for the rule's state: the rank plan,
+    the checker's first semantic finding (a claim to refute, or None), the deadline and the verdict maker."""
+
+    plan: ranks.RankPlan
+    semantic: TypeCheckError | None
+    clock: _Clock
+    timeout: float
+    done: _Verdicts
+
+
+@dataclass(frozen=True)
+class _Searched:
+    """What a concrete search that found no counterexample did: the later stages quote it in their reasons,
+    and a proof counts only if the devices ran the rule at least once (`trials`)."""
+
+    trials: int
+    skipped: str       # why some sizes could not be simulated ('' if none)
+    exhausted: bool    # every searched instance was tried before the search's share of the deadline ran out
+    instances: int     # how many rank assignments were searched
+
+
 def verify_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], file: str = "", timeout: float = DEFAULT_TIMEOUT,
                 search_trials: int = SEARCH_TRIALS) -> Verdict:
     """The verdict for one rule; never raises for a semantic problem (RuleError for a malformed rule).
@@ -96,120 +139,159 @@ def verify_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], file: str = "
     clock = _Clock(timeout)
     line = rule.span.line if rule.span else 0
     file = file or (rule.span.file if rule.span else "")
-    notes: list[str] = []
-
-    def done(verdict: str, reason: str = "", cex=None, assumptions=(), max_rank=None) -> Verdict:
-        found = tuple(dict.fromkeys(notes))[:3]  # bug reports: a few say enough
-        if verdict in (PROVED, BOUNDED) and found:  # a disagreement is no proof: report it, promise nothing
-            verdict, reason, max_rank = UNKNOWN, f"proved, but the devices disagree with the verifier: {found[0]}", None
-        return Verdict(rule.name, file, line, verdict, round(clock.elapsed(), 4), reason, cex, tuple(assumptions),
-                       max_rank=max_rank, notes=found)
+    done = _Verdicts(rule.name, file, line, clock)
 
     try:
-        try:
-            rank_plan = ranks.plan(rule, ops)
-        except TypeCheckError as err:
-            raise RuleError(f"rule {rule.name}: {err}") from None
-        semantic = None
-        for instance in rank_plan.search + rank_plan.proof:
-            problem = compare_sides(instance)
-            if problem is not None:
-                if problem.kind not in SEMANTIC_KINDS:
-                    raise RuleError(f"rule {rule.name}: {problem}")
-                semantic = semantic or problem
+        rank_plan, semantic = _typed_plan(rule, ops)
         if rank_plan.rhs_untyped:
             return _rhs_untyped(rule, ops, rank_plan, clock, done)
         if not rank_plan.search and not rank_plan.proof:
             top = f" up to rank {ranks.SEARCH_MAX_RANK}" if rank_plan.max_rank is not None else ""
             return done(VACUOUS, f"no rank assignment types{top}: the rule never applies")
+        stages = _Stages(rank_plan, semantic, clock, timeout, done)
+        searched = _concrete_search(stages, search_trials)
+        if isinstance(searched, Verdict):
+            return searched
 
-        # 3. concrete search, smallest ranks first, witnesses of failing legality conditions first
-        searched = sorted(rank_plan.search, key=lambda i: (_rank(i), sum(i.groups.values())))
-        per_instance = max(SEARCH_MIN_TRIALS, search_trials // max(1, len(searched)))
-        search_deadline = clock.start + timeout * SEARCH_SHARE
-        trials, skipped = 0, ""
-        exhausted = True
-        for instance in searched:
-            if time.monotonic() > search_deadline:
-                exhausted = False
-                break
-            failure, ran, skip = concrete.search(instance, count=per_instance, deadline=clock.deadline,
-                                                 extra=_witnesses(instance), notes=notes)
-            if failure is None and not ran:  # no drawn size applies: ask the checker's search for some that do
-                failure, ran, skip = concrete.search(instance, count=0, deadline=clock.deadline,
-                                                     extra=_applicable(instance), notes=notes)
-            trials += ran
-            skipped = skipped or skip
-            if failure is not None:
-                return done(REFUTED, failure.reason, _explained(failure.counterexample, semantic))
-        if clock.left() <= 0:
-            return done(UNKNOWN, f"timeout ({timeout:g} s) during the concrete search, after {trials} trials; "
-                                 "no counterexample found")
-
-        # 4. vacuity: assumptions that can never hold, or that force a degree to 1
         from parsat.verifier import prove
 
-        if not rank_plan.proof:
-            return done(UNKNOWN, f"the rule types only above rank {rank_plan.max_rank}, where it is not proved "
-                                 f"({rank_plan.why_bounded}); no counterexample up to rank {ranks.SEARCH_MAX_RANK} "
-                                 f"in {trials} trials")
-
-        vacuous = _vacuity(rank_plan.proof or rank_plan.search, prove, clock)
-        hint = ""
-        if vacuous.startswith("?"):  # probably vacuous, not shown: said with an UNKNOWN, never PROVED
-            vacuous, hint = "", vacuous[1:]
-        if vacuous:
-            return done(VACUOUS, vacuous)
-        if semantic is not None and semantic.kind == "illegal-spread":
-            limits = (f"{trials} trials over {len(searched)} rank assignments"
-                      + ("" if exhausted else f", stopped at {SEARCH_SHARE:.0%} of the {timeout:g} s timeout")
-                      + (f"; some sizes could not be simulated: {skipped}" if skipped else ""))
-            return done(UNKNOWN, f"{semantic} (no counterexample found: the search is exhausted within its limits, "
-                                 f"{limits}){'; ' + hint if hint else ''}")
-
-        # 5. proof of every proof instance; a z3 model counts only once it replays on the devices
-        assumptions: tuple = ()
-        for instance in rank_plan.proof:
-            if clock.left() <= 0:
-                return done(UNKNOWN, f"timeout ({timeout:g} s) while proving{_groups(instance)}")
-            try:
-                result = prove.prove_instance(instance, clock.left())
-            except prove.Unprovable as err:
-                return done(UNKNOWN, f"{err}{_groups(instance)}")
-            assumptions = assumptions or result.assumptions
-            if result.status in ("proved", "never"):
-                continue
-            if result.status == "candidate":
-                failure = _replay(instance, result.model, clock.deadline)
-                if failure is not None:
-                    return done(REFUTED, failure.reason, _explained(failure.counterexample, semantic))
-                sizes = ", ".join(f"{k} = {v}" for k, v in sorted(result.model.items()))
-                return done(UNKNOWN, f"{result.reason}{_groups(instance)}; its model ({sizes}) does not replay on "
-                                     "the devices, so a lemma may be missing")
-            return done(UNKNOWN, result.reason + _groups(instance))
-        if not trials:
-            return done(UNKNOWN, "z3 proved it, but no size where it applies could be run on the devices, so the "
-                                 f"proof was never checked against them{': ' + skipped if skipped else ''}",
-                        assumptions=assumptions)
-        disagreement = _lowering_checked(rank_plan.proof, clock)
-        if disagreement:
-            notes.append(disagreement)
-            return done(UNKNOWN, f"z3 proved it, but the proof cannot be trusted: {disagreement} (a bug in "
-                                 "parsat/verifier/prove.py or parsat/verifier/normal.py: please report it)")
-        if hint:
-            return done(UNKNOWN, f"proved, but perhaps vacuously: {hint}", assumptions=assumptions)
-        if rank_plan.max_rank is not None:
-            return done(BOUNDED, f"proved for every rank up to {rank_plan.max_rank} ({len(rank_plan.proof)} rank "
-                                 f"assignments), not beyond: {rank_plan.why_bounded}", assumptions=assumptions,
-                        max_rank=rank_plan.max_rank)
-        if any(instance.groups for instance in rank_plan.proof):
-            assumptions = tuple(assumptions) + ("every rank: each group proved at lengths 0 and 1, and longer "
-                                                "groups reduce to length 1 (parsat/verifier/ranks.py)",)
-        return done(PROVED, assumptions=assumptions)
+        settled, hint = _settled_before_proof(stages, searched, prove)
+        if settled is not None:
+            return settled
+        settled, assumptions = _proof_stage(stages, prove)
+        if settled is not None:
+            return settled
+        return _trusted_verdict(stages, searched, assumptions, hint)
     except RuleError:
         raise
     except Exception as err:  # a crash in one rule never stops the others
         return done(UNKNOWN, f"internal error: {type(err).__name__}: {err}")
+
+
+def _typed_plan(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl]) -> tuple[ranks.RankPlan, TypeCheckError | None]:
+    """Steps 1 and 2: the rank plan, and the checker's first semantic finding at any of its instances (kept
+    to explain a counterexample, or to refuse a proof); a malformed rule raises RuleError here, before any
+    search."""
+    try:
+        rank_plan = ranks.plan(rule, ops)
+    except TypeCheckError as err:
+        raise RuleError(f"rule {rule.name}: {err}") from None
+    semantic = None
+    for instance in rank_plan.search + rank_plan.proof:
+        problem = compare_sides(instance)
+        if problem is not None:
+            if problem.kind not in SEMANTIC_KINDS:
+                raise RuleError(f"rule {rule.name}: {problem}")
+            semantic = semantic or problem
+    return rank_plan, semantic
+
+
+def _concrete_search(stages: _Stages, search_trials: int) -> Verdict | _Searched:
+    """Step 3: the concrete search, smallest ranks first, witnesses of failing legality conditions first.
+
+    A counterexample is REFUTED and a deadline passed during the search is UNKNOWN (both as a Verdict);
+    otherwise what the search did, which the later stages need."""
+    clock, done = stages.clock, stages.done
+    searched = sorted(stages.plan.search, key=lambda i: (_rank(i), sum(i.groups.values())))
+    per_instance = max(SEARCH_MIN_TRIALS, search_trials // max(1, len(searched)))
+    search_deadline = clock.start + stages.timeout * SEARCH_SHARE
+    trials, skipped = 0, ""
+    exhausted = True
+    for instance in searched:
+        if time.monotonic() > search_deadline:
+            exhausted = False
+            break
+        failure, ran, skip = concrete.search(instance, count=per_instance, deadline=clock.deadline,
+                                             extra=_witnesses(instance), notes=done.notes)
+        if failure is None and not ran:  # no drawn size applies: ask the checker's search for some that do
+            failure, ran, skip = concrete.search(instance, count=0, deadline=clock.deadline,
+                                                 extra=_applicable(instance), notes=done.notes)
+        trials += ran
+        skipped = skipped or skip
+        if failure is not None:
+            return done(REFUTED, failure.reason, _explained(failure.counterexample, stages.semantic))
+    if clock.left() <= 0:
+        return done(UNKNOWN, f"timeout ({stages.timeout:g} s) during the concrete search, after {trials} trials; "
+                             "no counterexample found")
+    return _Searched(trials, skipped, exhausted, len(searched))
+
+
+def _settled_before_proof(stages: _Stages, searched: _Searched, prove) -> tuple[Verdict | None, str]:
+    """Step 4: the verdicts z3 is not asked for (no rank to prove at, a vacuous rule, an illegal spread the
+    search could not refute), or None; and a hint that the rule is perhaps vacuous ('' if not), which keeps
+    a later proof from being PROVED."""
+    plan, done = stages.plan, stages.done
+    if not plan.proof:
+        return done(UNKNOWN, f"the rule types only above rank {plan.max_rank}, where it is not proved "
+                             f"({plan.why_bounded}); no counterexample up to rank {ranks.SEARCH_MAX_RANK} "
+                             f"in {searched.trials} trials"), ""
+
+    vacuous = _vacuity(plan.proof or plan.search, prove, stages.clock)
+    hint = ""
+    if vacuous.startswith("?"):  # probably vacuous, not shown: said with an UNKNOWN, never PROVED
+        vacuous, hint = "", vacuous[1:]
+    if vacuous:
+        return done(VACUOUS, vacuous), hint
+    semantic = stages.semantic
+    if semantic is not None and semantic.kind == "illegal-spread":
+        limits = (f"{searched.trials} trials over {searched.instances} rank assignments"
+                  + ("" if searched.exhausted
+                     else f", stopped at {SEARCH_SHARE:.0%} of the {stages.timeout:g} s timeout")
+                  + (f"; some sizes could not be simulated: {searched.skipped}" if searched.skipped else ""))
+        return done(UNKNOWN, f"{semantic} (no counterexample found: the search is exhausted within its limits, "
+                             f"{limits}){'; ' + hint if hint else ''}"), hint
+    return None, hint
+
+
+def _proof_stage(stages: _Stages, prove) -> tuple[Verdict | None, tuple]:
+    """Step 5: z3 on every proof instance; a verdict when one is not proved (a z3 model counts as REFUTED
+    only once it replays on the devices), else None and the assumptions the proofs made."""
+    clock, done, timeout = stages.clock, stages.done, stages.timeout
+    assumptions: tuple = ()
+    for instance in stages.plan.proof:
+        if clock.left() <= 0:
+            return done(UNKNOWN, f"timeout ({timeout:g} s) while proving{_groups(instance)}"), assumptions
+        try:
+            result = prove.prove_instance(instance, clock.left())
+        except prove.Unprovable as err:
+            return done(UNKNOWN, f"{err}{_groups(instance)}"), assumptions
+        assumptions = assumptions or result.assumptions
+        if result.status in ("proved", "never"):
+            continue
+        if result.status == "candidate":
+            failure = _replay(instance, result.model, clock.deadline)
+            if failure is not None:
+                return done(REFUTED, failure.reason, _explained(failure.counterexample, stages.semantic)), assumptions
+            sizes = ", ".join(f"{k} = {v}" for k, v in sorted(result.model.items()))
+            return done(UNKNOWN, f"{result.reason}{_groups(instance)}; its model ({sizes}) does not replay on "
+                                 "the devices, so a lemma may be missing"), assumptions
+        return done(UNKNOWN, result.reason + _groups(instance)), assumptions
+    return None, assumptions
+
+
+def _trusted_verdict(stages: _Stages, searched: _Searched, assumptions: tuple, hint: str) -> Verdict:
+    """Step 6: a z3 proof becomes PROVED (or BOUNDED) only if the devices ran the rule, the z3 lowering
+    agrees with them and no vacuity hint stands; otherwise UNKNOWN, saying which check failed."""
+    plan, done, skipped = stages.plan, stages.done, searched.skipped
+    if not searched.trials:
+        return done(UNKNOWN, "z3 proved it, but no size where it applies could be run on the devices, so the "
+                             f"proof was never checked against them{': ' + skipped if skipped else ''}",
+                    assumptions=assumptions)
+    disagreement = _lowering_checked(plan.proof, stages.clock)
+    if disagreement:
+        done.notes.append(disagreement)
+        return done(UNKNOWN, f"z3 proved it, but the proof cannot be trusted: {disagreement} (a bug in "
+                             "parsat/verifier/prove.py or parsat/verifier/normal.py: please report it)")
+    if hint:
+        return done(UNKNOWN, f"proved, but perhaps vacuously: {hint}", assumptions=assumptions)
+    if plan.max_rank is not None:
+        return done(BOUNDED, f"proved for every rank up to {plan.max_rank} ({len(plan.proof)} rank "
+                             f"assignments), not beyond: {plan.why_bounded}", assumptions=assumptions,
+                    max_rank=plan.max_rank)
+    if any(instance.groups for instance in plan.proof):
+        assumptions = tuple(assumptions) + ("every rank: each group proved at lengths 0 and 1, and longer "
+                                            "groups reduce to length 1 (parsat/verifier/ranks.py)",)
+    return done(PROVED, assumptions=assumptions)
 
 
 def _lowering_checked(proved: list[RuleInstance], clock: _Clock) -> str:
