@@ -393,23 +393,65 @@ def ilp(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[in
     did not close the gap on a single transformer block in 20 s.)
     """
     import highspy
-    import numpy as np
 
+    cols, col_of = _ilp_columns(snapshot, roots, usable, rank)
+    rows = _ilp_rows(snapshot, costs, roots, cols, capacity)
+    if rows is None:
+        return None, "infeasible (a root has no usable e-node)"
+    lp = _highs_lp(costs, cols, rows)
+    with _quiet_stdout():
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+    h.setOptionValue("mip_rel_gap", 1e-6)
+    h.setOptionValue("time_limit", float(max(seconds, 0.05)))
+    h.passModel(lp)
+    if warm:
+        h.setSolution(_warm_solution(warm, col_of, len(cols)))
+    h.run()
+    status = h.modelStatusToString(h.getModelStatus())
+    if h.getInfo().primal_solution_status != 2:  # no feasible solution
+        return None, status
+    values = h.getSolution().col_value
+    return {cols[c][0]: cols[c][1] for c in range(len(cols)) if values[c] > 0.5}, status
+
+
+def _ilp_columns(snapshot: Snapshot, roots: Sequence[int], usable,
+                 rank: Mapping[int, int]) -> tuple[list[NodeId], dict[NodeId, int]]:
+    """The ILP's 0/1 variables, one per e-node it may choose, and each e-node's column: the usable e-nodes that
+    `rank` orders after all their children (acyclic, see `ilp`), in the classes the roots reach through them."""
     def allowed(nid: NodeId) -> bool:
         if not usable(nid) or nid[0] not in rank:
             return False
         return all(rank.get(ch, math.inf) < rank[nid[0]] for ch in snapshot.classes[nid[0]][nid[1]].children)
 
-    classes = _reachable(snapshot, roots, allowed)
     cols: list[NodeId] = []
     col_of: dict[NodeId, int] = {}
-    for cid in classes:
+    for cid in _reachable(snapshot, roots, allowed):
         for index, node in enumerate(snapshot.classes.get(cid, ())):
             nid = (cid, index)
             if allowed(nid):
                 col_of[nid] = len(cols)
                 cols.append(nid)
-    ncols = len(cols)
+    return cols, col_of
+
+
+@dataclass(frozen=True)
+class _IlpRows:
+    """The ILP's constraints, row-wise (`HighsLp`'s compressed sparse rows): `lower[r] <= sum of value * column
+    over start[r]:start[r + 1] of index/value <= upper[r]`."""
+
+    start: list[int]
+    index: list[int]
+    value: list[float]
+    lower: list[float]
+    upper: list[float]
+
+
+def _ilp_rows(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], cols: Sequence[NodeId],
+              capacity: float) -> _IlpRows | None:
+    """What makes a choice of columns a plan that fits: one e-node per root, at most one per other class, an
+    e-node's children chosen with it, the memory of what is chosen within `capacity` (None: a root has no column).
+    """
     rows_start, rows_index, rows_value, lower, upper = [0], [], [], [], []
 
     def row(entries: Iterable[tuple[int, float]], lo: float, hi: float) -> None:
@@ -425,7 +467,7 @@ def ilp(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[in
         by_class.setdefault(cid, []).append(col)
     for root in roots:
         if root not in by_class:
-            return None, "infeasible (a root has no usable e-node)"
+            return None
         row(((c, 1.0) for c in by_class[root]), 1.0, 1.0)
     for cid, cs in by_class.items():
         if cid not in roots and len(cs) > 1:
@@ -436,45 +478,50 @@ def ilp(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[in
             row([(c, 1.0) for c in by_class.get(child, [])] + [(col, -1.0)], 0.0, math.inf)
     if capacity and math.isfinite(capacity):
         row(((col, costs[nid].memory_bytes / capacity) for col, nid in enumerate(cols)), 0.0, 1.0)
+    return _IlpRows(rows_start, rows_index, rows_value, lower, upper)
 
+
+def _highs_lp(costs: Mapping[NodeId, NodeCost], cols: Sequence[NodeId], rows: _IlpRows):
+    """The model HiGHS solves: 0/1 integer columns, `rows`, and the chosen e-nodes' time to minimise, divided by
+    the largest e-node's time so the objective's coefficients are at most 1."""
+    import highspy
+    import numpy as np
+
+    ncols = len(cols)
     scale = max((costs[nid].time_s for nid in cols), default=1.0) or 1.0
     lp = highspy.HighsLp()
     lp.num_col_ = ncols
-    lp.num_row_ = len(lower)
+    lp.num_row_ = len(rows.lower)
     lp.col_cost_ = np.array([costs[nid].time_s / scale for nid in cols])
     lp.col_lower_ = np.zeros(ncols)
     lp.col_upper_ = np.ones(ncols)
-    lp.row_lower_ = np.array(lower)
-    lp.row_upper_ = np.array(upper)
+    lp.row_lower_ = np.array(rows.lower)
+    lp.row_upper_ = np.array(rows.upper)
     lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-    lp.a_matrix_.start_ = np.array(rows_start, dtype=np.int32)
-    lp.a_matrix_.index_ = np.array(rows_index, dtype=np.int32)
-    lp.a_matrix_.value_ = np.array(rows_value)
+    lp.a_matrix_.start_ = np.array(rows.start, dtype=np.int32)
+    lp.a_matrix_.index_ = np.array(rows.index, dtype=np.int32)
+    lp.a_matrix_.value_ = np.array(rows.value)
     lp.a_matrix_.num_col_ = ncols
-    lp.a_matrix_.num_row_ = len(lower)
+    lp.a_matrix_.num_row_ = len(rows.lower)
     lp.integrality_ = [highspy.HighsVarType.kInteger] * ncols
-    with _quiet_stdout():
-        h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
-    h.setOptionValue("mip_rel_gap", 1e-6)
-    h.setOptionValue("time_limit", float(max(seconds, 0.05)))
-    h.passModel(lp)
-    if warm:
-        values = np.zeros(ncols)
-        for cid, index in warm.items():
-            col = col_of.get((cid, index))
-            if col is not None:
-                values[col] = 1.0
-        solution = highspy.HighsSolution()
-        solution.col_value = list(values)
-        solution.value_valid = True
-        h.setSolution(solution)
-    h.run()
-    status = h.modelStatusToString(h.getModelStatus())
-    if h.getInfo().primal_solution_status != 2:  # no feasible solution
-        return None, status
-    values = h.getSolution().col_value
-    return {cols[c][0]: cols[c][1] for c in range(ncols) if values[c] > 0.5}, status
+    return lp
+
+
+def _warm_solution(warm: Mapping[int, int], col_of: Mapping[NodeId, int], ncols: int):
+    """The best plan the earlier passes found as a HiGHS starting solution (its e-nodes outside the ILP's
+    columns left out), so the ILP starts from a known plan and only has to improve on it."""
+    import highspy
+    import numpy as np
+
+    values = np.zeros(ncols)
+    for cid, index in warm.items():
+        col = col_of.get((cid, index))
+        if col is not None:
+            values[col] = 1.0
+    solution = highspy.HighsSolution()
+    solution.col_value = list(values)
+    solution.value_valid = True
+    return solution
 
 
 def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], capacity: float,

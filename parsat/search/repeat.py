@@ -31,7 +31,7 @@ has no stamped plan for that mesh, never a wrong one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
 from parsat.dsl.library import Library
@@ -218,27 +218,57 @@ def stamp(pcg: PCG, repetition: Repetition, values: Mapping[int, str], convert: 
     (`conversions`) gives the parallel operators that move it into block 1's placement: they run between
     every two copies (the PCG's layout check, `pcg_layout`, checks each placement again)."""
     blocks = node_blocks(pcg)
+    links = _link_copies(pcg, blocks, values, convert)
+    stamped = _Copies(pcg, repetition.blocks, blocks, values, links).build()
+    _check_leaves(stamped, repetition.whole)
+    return stamped
+
+
+@dataclass(frozen=True)
+class _Links:
+    """How a copy of block 1 reads the copy before it (`_link_copies`): kept apart from the copying so that
+    a plan whose blocks are not laid out alike is refused before any node is made."""
+
+    successor: Mapping[int, int]                # node of block 0 block 1 reads -> its counterpart in block 1
+    bridges: Mapping[int, tuple[Step, ...]]     # such a node -> the parallel operators that move its successor
+                                                # into the placement block 1 read it in (only where they differ)
+
+
+def _link_copies(pcg: PCG, blocks: Mapping[int, int], values: Mapping[int, str],
+                 convert: Converter | None) -> _Links:
+    """What block 1 reads from block 0 matched to what block 2 reads from block 1, the reads a copy makes of the
+    copy before it (RepeatError when the blocks are not a chain or a read holds no named value)."""
     by_id = {n.id: n for n in pcg.nodes}
     last = SEARCHED_BLOCKS - 1
     readers = {b: {i for n in pcg.nodes if blocks[n.id] == b for i in n.inputs} for b in range(SEARCHED_BLOCKS)}
+    _check_chain(pcg, blocks)
+    into_middle = sorted(i for i in readers[REPEATED] if blocks[i] == REPEATED - 1)
+    into_last = sorted(i for i in readers[last] if blocks[i] == REPEATED)
+    ahead = {_read_key(i, values, by_id): i for i in into_last}
+    behind = {_read_key(i, values, by_id): i for i in into_middle}
+    return _match_reads(behind, ahead, values, convert)
+
+
+def _check_chain(pcg: PCG, blocks: Mapping[int, int]) -> None:
+    """Every node reads from outside the blocks, its own block or the one before: only a chain can be copied."""
     for n in pcg.nodes:
         for i in n.inputs:
             if blocks[i] not in (OUTSIDE, blocks[n.id], blocks[n.id] - 1):
                 raise RepeatError(f"node {n.id} ({n.label}) of block {blocks[n.id]} reads block {blocks[i]}: "
                                   "the blocks are not a chain")
-    into_middle = sorted(i for i in readers[REPEATED] if blocks[i] == REPEATED - 1)
-    into_last = sorted(i for i in readers[last] if blocks[i] == REPEATED)
 
-    def read(i: int) -> tuple:
-        """What a block reads from the one before: which value (up to the block prefix), where it lies."""
-        if i not in values:
-            raise RepeatError(f"node {i} ({by_id[i].label}), read across blocks, holds no value the graph names")
-        return in_block(values[i], 0), by_id[i].shape, by_id[i].placement
 
-    ahead = {read(i): i for i in into_last}
-    behind = {read(i): i for i in into_middle}
-    # what block 1 read from block 0, copy j reads from copy j - 1: the same value one block later, laid out
-    # alike, or moved there by `bridges`' parallel operators
+def _read_key(i: int, values: Mapping[int, str], by_id: Mapping[int, PNode]) -> tuple:
+    """What a block reads from the one before: which value (up to the block prefix), where it lies."""
+    if i not in values:
+        raise RepeatError(f"node {i} ({by_id[i].label}), read across blocks, holds no value the graph names")
+    return in_block(values[i], 0), by_id[i].shape, by_id[i].placement
+
+
+def _match_reads(behind: Mapping[tuple, int], ahead: Mapping[tuple, int], values: Mapping[int, str],
+                 convert: Converter | None) -> _Links:
+    """What block 1 read from block 0, copy j reads from copy j - 1: the same value one block later, laid out
+    alike, or moved there by parallel operators (`convert`); RepeatError when neither."""
     successor: dict[int, int] = {}
     bridges: dict[int, tuple[Step, ...]] = {}
     for key, i in behind.items():
@@ -255,61 +285,89 @@ def stamp(pcg: PCG, repetition: Repetition, values: Mapping[int, str], convert: 
         else:
             raise RepeatError("the blocks are not laid out alike: block 1 reads "
                               f"{_reads(behind)} from block 0, block 2 reads {_reads(ahead)} from block 1")
+    return _Links(successor, bridges)
 
-    nodes: list[PNode] = []
-    new_id: dict[tuple[int, int], int] = {}   # (block of the whole model, searched node id) -> new id
-    ends = {OUTSIDE: OUTSIDE, 0: 0, last: repetition.blocks - 1}
 
-    def emit(node: PNode, block: int, source) -> None:
-        new_id[(block, node.id)] = len(nodes)
+@dataclass
+class _Copies:
+    """Writes the whole model's PCG from the searched one's: what lies outside the blocks and block 0 once,
+    block 1 once per middle block of the model (each after the bridge from the copy before), block 2 last.
+    One `stamp` call's state: the nodes made so far and which new node each searched node became where."""
+
+    pcg: PCG
+    count: int                       # blocks of the whole model
+    blocks: Mapping[int, int]        # searched node id -> its block (`node_blocks`)
+    values: Mapping[int, str]
+    links: _Links
+    nodes: list[PNode] = field(default_factory=list)
+    # (block of the whole model, searched node id) -> new id
+    new_id: dict[tuple[int, int], int] = field(default_factory=dict)
+    # (copy, node it reads of block 0) -> the bridge's last node
+    bridged: dict[tuple[int, int], int] = field(default_factory=dict)
+    # searched block that is not repeated -> the block of the whole model it stands for
+    ends: dict[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ends = {OUTSIDE: OUTSIDE, 0: 0, SEARCHED_BLOCKS - 1: self.count - 1}
+
+    def build(self) -> PCG:
+        """The whole model's PCG, its nodes in the order they run: each reads only nodes made before it."""
+        pcg, blocks = self.pcg, self.blocks
+        for node in pcg.nodes:
+            if blocks[node.id] in (OUTSIDE, 0):
+                self.emit(node, self.ends[blocks[node.id]], self.at_end)
+        for block in range(REPEATED, self.count - 1):
+            if block > REPEATED:
+                self.bridge(block)
+            source = self.in_copy(block)
+            for node in pcg.nodes:
+                if blocks[node.id] == REPEATED:
+                    self.emit(node, block, source)
+        for node in pcg.nodes:
+            if blocks[node.id] == SEARCHED_BLOCKS - 1:
+                self.emit(node, self.count - 1, self.in_last)
+        outputs = tuple(self.in_last(o) if blocks[o] == REPEATED else self.at_end(o) for o in pcg.outputs)
+        return PCG(tuple(self.nodes), outputs, pcg.output_names, pcg.mesh, pcg.recompute)
+
+    def emit(self, node: PNode, block: int, source: Callable[[int], int]) -> None:
+        """`node` as block `block`'s, reading the new ids `source` gives for its inputs."""
+        nodes = self.nodes
+        self.new_id[(block, node.id)] = len(nodes)
         renamed = replace(node, id=len(nodes), inputs=tuple(source(i) for i in node.inputs),
                           origin=in_block(node.origin, block))
         nodes.append(replace(renamed, op=in_block(node.op, block)) if node.kind == "leaf" else renamed)
 
-    def at_end(i: int) -> int:
-        return new_id[(ends[blocks[i]], i)]
+    def at_end(self, i: int) -> int:
+        """The new id of a node outside the blocks, of block 0 or of the last block."""
+        return self.new_id[(self.ends[self.blocks[i]], i)]
 
-    bridged: dict[tuple[int, int], int] = {}   # (copy, node it reads of block 0) -> the bridge's last node
-
-    def bridge(block: int) -> None:
+    def bridge(self, block: int) -> None:
         """The parallel operators that move what copy `block - 1` made into the placements copy `block` reads."""
-        for i, steps in sorted(bridges.items()):
-            at = new_id[(block - 1, successor[i])]
+        nodes, successor, values = self.nodes, self.links.successor, self.values
+        for i, steps in sorted(self.links.bridges.items()):
+            at = self.new_id[(block - 1, successor[i])]
             for step in steps:
                 nodes.append(PNode(len(nodes), "parallel", step.op, (at,), step.attrs, step.shape, step.degrees,
                                    origin=in_block(values[successor[i]], block - 1), placement=step.placement))
                 at = nodes[-1].id
-            bridged[(block, i)] = at
+            self.bridged[(block, i)] = at
 
-    def in_copy(block: int):
+    def in_copy(self, block: int) -> Callable[[int], int]:
+        """Where copy `block` of block 1 finds a node it reads: in itself, the copy before it (or the bridge
+        from it), or outside the repeated blocks."""
+        blocks, links, new_id = self.blocks, self.links, self.new_id
+
         def source(i: int) -> int:
             if blocks[i] == REPEATED:
                 return new_id[(block, i)]
             if blocks[i] == REPEATED - 1 and block > REPEATED:
-                return bridged[(block, i)] if i in bridges else new_id[(block - 1, successor[i])]
-            return at_end(i)
+                return self.bridged[(block, i)] if i in links.bridges else new_id[(block - 1, links.successor[i])]
+            return self.at_end(i)
         return source
 
-    def in_last(i: int) -> int:
-        return new_id[(repetition.blocks - 2, i)] if blocks[i] == REPEATED else at_end(i)
-
-    for node in pcg.nodes:
-        if blocks[node.id] in (OUTSIDE, 0):
-            emit(node, ends[blocks[node.id]], at_end)
-    for block in range(REPEATED, repetition.blocks - 1):
-        if block > REPEATED:
-            bridge(block)
-        source = in_copy(block)
-        for node in pcg.nodes:
-            if blocks[node.id] == REPEATED:
-                emit(node, block, source)
-    for node in pcg.nodes:
-        if blocks[node.id] == last:
-            emit(node, repetition.blocks - 1, in_last)
-    outputs = tuple(in_last(o) if blocks[o] == REPEATED else at_end(o) for o in pcg.outputs)
-    stamped = PCG(tuple(nodes), outputs, pcg.output_names, pcg.mesh, pcg.recompute)
-    _check_leaves(stamped, repetition.whole)
-    return stamped
+    def in_last(self, i: int) -> int:
+        """Where the last block (and the model's outputs) find a node: the last copy of block 1, or its end."""
+        return self.new_id[(self.count - 2, i)] if self.blocks[i] == REPEATED else self.at_end(i)
 
 
 def _reads(found: Mapping[tuple, int]) -> str:
