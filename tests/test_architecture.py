@@ -308,3 +308,54 @@ def _modules(package: str) -> list[str]:
     name = package.split(".")[-1]
     folder = package_dirs()[name]
     return [module_name(path, name, folder) for path in sorted(folder.glob("*.py"))]
+
+
+# ------------------------------------------------------------------ sizes: read in one sitting
+
+MAX_FUNCTION_LINES = 80     # a function longer than this does more than one thing (issue: the house, second step)
+MAX_PACKAGE_SHARE = 0.25    # of parsat's source lines, for any one package
+
+
+def function_lengths() -> list[tuple[int, str]]:
+    """(lines, "file:line name") of every function and method of parsat's source, longest first; a function's
+    lines run from its `def` to its last line, docstring included."""
+    found = []
+    for package, folder in package_dirs().items():
+        for path in package_files(package, folder):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    found.append((node.end_lineno - node.lineno + 1,
+                                  f"{path.relative_to(ROOT).as_posix()}:{node.lineno} {node.name}"))
+    return sorted(found, reverse=True)
+
+
+def package_lines() -> dict[str, int]:
+    """Package -> the lines of its modules (the facade: the modules directly in `parsat/`)."""
+    return {package: sum(len(path.read_text(encoding="utf-8").splitlines()) for path in package_files(package, folder))
+            for package, folder in package_dirs().items()}
+
+
+def test_no_function_is_longer_than_80_lines():
+    long = [f"{where}: {lines} lines" for lines, where in function_lengths() if lines > MAX_FUNCTION_LINES]
+    assert not long, f"functions longer than {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+def test_no_package_holds_more_than_a_quarter_of_the_source():
+    sizes = package_lines()
+    total = sum(sizes.values())
+    large = [f"{package}: {lines} of {total} lines ({lines / total:.0%})" for package, lines in sizes.items()
+             if lines > MAX_PACKAGE_SHARE * total]
+    assert not large, "packages over a quarter of the source:\n" + "\n".join(large)
+
+
+def test_the_size_checks_catch_what_they_guard(tmp_path, monkeypatch):
+    """A made-up package with one 81-line function and most of the lines fails both checks."""
+    fake = tmp_path / "parsat"
+    (fake / "huge").mkdir(parents=True)
+    (fake / "__init__.py").write_text('"""facade"""\n')
+    (fake / "huge" / "__init__.py").write_text("def f():\n" + "    x = 1\n" * 79 + "    return x\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert function_lengths()[0][0] == 81
+    sizes = package_lines()
+    assert sizes["huge"] > MAX_PACKAGE_SHARE * sum(sizes.values())
