@@ -45,12 +45,12 @@ def optimize(graph, machine="h100x8", rules=None, limits=None, devices=None, **o
 
 
 def from_torch(module, example_inputs, library=None, name=None):
-    """The parsat `Graph` of a torch `nn.Module` (torch.export): see `parsat.importer.torch_import.from_torch`.
+    """The parsat `Graph` of a torch `nn.Module` (torch.export): see `parsat.importer.export.from_torch`.
 
     Weights are named by the module's parameter names; unsupported
     operators raise one `TorchImportError` listing each with its source line.
     """
-    from parsat.importer.torch_import import from_torch as run
+    from parsat.importer.export import from_torch as run
 
     return run(module, example_inputs, library, name)
 

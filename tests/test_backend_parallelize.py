@@ -21,7 +21,7 @@ from torch import nn  # noqa: E402
 
 import parsat  # noqa: E402
 from parsat.backend.executor import TrainConfig, compare_values, operator_library, run_plan  # noqa: E402
-from parsat.importer.torch_import import import_module  # noqa: E402
+from parsat.importer.export import import_module  # noqa: E402
 from parsat.cli import main  # noqa: E402
 from parsat.ir.data_parallel import data_parallel_pcg  # noqa: E402
 
@@ -238,7 +238,7 @@ def test_dropout_draws_masks_that_match_the_module(models, tmp_path, capsys):
 
 
 def TiedLMFactory(models, name):
-    from parsat.importer.torch_import import load_model_factory
+    from parsat.importer.model_file import load_model_factory
 
     return load_model_factory(f"{models}:{name}")
 

@@ -22,7 +22,7 @@ What the returned module is:
   rank reads (a data-parallel plan partitions the batch, so each rank
   computes on its rows only). Integer and boolean work on the inputs
   (shifted labels, masks) runs in torch on every rank, as the import
-  recorded it (`torch_import.ImportedModule.data_values`);
+  recorded it (`importer.imported.ImportedModule.data_values`);
 * it returns the module's outputs, whole on every rank: a scalar loss as
   the value every rank holds, a sharded output gathered. Backward through
   it yields the same gradients the unmodified module would get, summed
@@ -77,7 +77,8 @@ from parsat.backend.executor import (Comparison, ExecutionError, Optimizer, Rank
                                      check_mesh, compare_values, gradient_of, operator_library, output_holders,
                                      step_comm)
 from parsat.backend.launch import RankContext
-from parsat.importer.torch_import import ImportedModule, dropout_mask, import_module
+from parsat.importer.export import import_module
+from parsat.importer.imported import ImportedModule, dropout_mask
 from parsat.ir.graph import Graph
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import PCG
@@ -387,7 +388,7 @@ def run_module_rank(ctx: RankContext, pcg: PCG, graph: Graph, model_spec: str, d
     """One rank of `parsat run plan.json --model model.py:factory`: the user's module trained as the plan,
     and with `config.check`, the unmodified module trained in this process with the same batches, masks
     and optimizer, compared step by step (`compare_values`)."""
-    from parsat.importer.torch_import import load_model_factory
+    from parsat.importer.model_file import load_model_factory
 
     torch.manual_seed(config.seed)  # a factory that draws weights or inputs draws the same on every rank
     module, example = load_model_factory(model_spec)
