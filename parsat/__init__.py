@@ -55,15 +55,19 @@ def from_torch(module, example_inputs, library=None, name=None):
     return run(module, example_inputs, library, name)
 
 
-def parallelize(module, plan, example_inputs, *, seed=0, dtype=None):
-    """The module as `plan` runs it on this rank, under torchrun: see `parsat.backend.parallelize`.
+def parallelize(module, plan, example_inputs=None, *, imported=None, seed=0, dtype=None):
+    """The module as `plan` runs it on this rank, under torchrun: see `parsat.backend.parallelize.parallelize`.
 
     Every rank passes the same global batch to the result's forward; its
-    parameters are this rank's pieces of the module's own weights.
+    parameters are this rank's pieces of the module's own weights. Give
+    `example_inputs` (the module is exported again to know how its inputs
+    feed the plan's graph) or, to skip that second export, `imported`: the
+    module's `ImportedModule` from `parsat.importer.export.import_module(module,
+    inputs)`, whose `.graph` is what `from_torch` returns.
     """
     from parsat.backend.parallelize import parallelize as run
 
-    return run(module, plan, example_inputs, seed=seed, dtype=dtype)
+    return run(module, plan, example_inputs, imported=imported, seed=seed, dtype=dtype)
 
 
 def gather_weights(pmodule):

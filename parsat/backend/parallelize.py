@@ -9,6 +9,12 @@ Under torchrun (one process per device), every rank calls
         optimizer.zero_grad(); loss.backward(); optimizer.step()
     state = parsat.gather_weights(pmodule)  # on every rank: the module's own state_dict, trained
 
+`example_inputs` serve to export the module (`import_module`) to learn how
+its inputs feed the plan's graph; a caller that has imported it already
+passes that import instead, `parallelize(module, plan, imported=imported)`,
+and the module is not exported a second time. A `Plan` object's PCG and
+graph are used as they are (a plan dict or file is read).
+
 What the returned module is:
 
 * its parameters are this rank's pieces of the user's own weights, as the
@@ -246,30 +252,42 @@ def gather_weights(pmodule: ParallelModule) -> dict[str, torch.Tensor]:
     return module.state_dict()
 
 
+_PIPELINED = ("pipelined plans run through `parsat run` (each stage runs its part of the graph on its own ranks in "
+              "the plan's schedule; parallelize wraps one module on one mesh)")
+
+
 def _resolve_plan(plan) -> tuple[PCG, Graph]:
+    """(PCG, graph) of a `Plan` (taken as they are), a plan dict or a plan JSON file; a pipelined plan refused."""
     from parsat.ir.plan import Plan, load_plan_dict, pcg_from_dict
 
     if isinstance(plan, Plan):
-        plan = plan.to_dict()
+        if plan.pipeline:
+            raise ParallelizeError(_PIPELINED)
+        return plan.pcg, plan.graph
     if isinstance(plan, (str, bytes)) or hasattr(plan, "__fspath__"):
         plan = load_plan_dict(plan)
     if not isinstance(plan, Mapping):
         raise ParallelizeError("plan must be a parsat Plan, a plan dict or a plan JSON file")
     if plan.get("pipeline"):
-        raise ParallelizeError("pipelined plans run through `parsat run` (each stage runs its part of the graph on "
-                               "its own ranks in the plan's schedule; parallelize wraps one module on one mesh)")
+        raise ParallelizeError(_PIPELINED)
     library = operator_library()
     return pcg_from_dict(plan), Graph.from_dict(plan["graph"], library)
 
 
-def parallelize(module: torch.nn.Module, plan, example_inputs, *, seed: int = 0,
-                dtype: torch.dtype | None = None) -> ParallelModule:
+def parallelize(module: torch.nn.Module, plan, example_inputs=None, *, imported: ImportedModule | None = None,
+                seed: int = 0, dtype: torch.dtype | None = None) -> ParallelModule:
     """The module as `plan` runs it on this rank (see the module docstring); call it on every rank.
 
-    `example_inputs` are inputs of the shapes the plan was made for (the
-    module is exported again to know how its inputs feed the graph; the
-    graph must be the plan's). Starts the default process group from the
-    torchrun environment when none is started.
+    `plan` is a parsat `Plan` (its PCG and graph are used as they are), a
+    plan dict or a plan JSON file. The module's graph must be the plan's.
+    How the module's inputs feed the graph comes from its import: give
+    `imported`, the `ImportedModule` the caller already made
+    (`parsat.importer.export.import_module(module, inputs)`, whose `.graph`
+    is what `from_torch` returns), and the module is not exported again
+    (`example_inputs` is then not needed); or give `example_inputs`, inputs
+    of the shapes the plan was made for, and the module is exported here.
+    Starts the default process group from the torchrun environment when
+    none is started.
     """
     from parsat.backend.launch import under_torchrun
 
@@ -283,14 +301,33 @@ def parallelize(module: torch.nn.Module, plan, example_inputs, *, seed: int = 0,
     if world != pcg.mesh.world:
         raise ParallelizeError(f"the plan runs on a mesh of {pcg.mesh.world} device(s) ({pcg.mesh or 'one device'}) "
                                f"but the job has {world} rank(s)")
-    imported = import_module(module, example_inputs)
-    difference = graph_difference(imported.graph, graph)
+    if imported is None:
+        if example_inputs is None:
+            raise ParallelizeError("give the example inputs the plan was made for, or the module's import "
+                                   "(imported=)")
+        imported = import_module(module, example_inputs)
+        difference = graph_difference(imported.graph, graph)
+    else:  # the caller's import: of this module, and of the plan's graph
+        difference = import_difference(module, imported) or graph_difference(imported.graph, graph)
     if difference:
         raise ParallelizeError(difference)
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     ctx = RankContext(rank, world, backend, device)
     return ParallelModule(module, imported, pcg, ctx, dtype, seed)
+
+
+def import_difference(module: torch.nn.Module, imported: ImportedModule) -> str:
+    """'' when every weight of the import is a parameter of `module` of the same shape, else the first that is not
+    (an import of another module)."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for leaf in imported.graph.weights:
+        param = params.get(imported.weights.get(leaf.name, leaf.name))
+        if param is None or tuple(param.shape) != tuple(leaf.shape):
+            found = "not a parameter of it" if param is None else f"of shape {list(param.shape)} in it"
+            return (f"the import is not this module's: its weight '{leaf.name}' {list(leaf.shape)} is {found}; "
+                    "import the module you parallelize")
+    return ""
 
 
 def graph_difference(got: Graph, want: Graph) -> str:
