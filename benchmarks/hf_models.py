@@ -95,7 +95,8 @@ def make(name: str, seed: int = 0):
 
 def optimize(args) -> None:
     import parsat
-    from parsat.importer.torch_import import TorchImportError, import_module
+    from parsat.importer.errors import TorchImportError
+    from parsat.importer.export import import_module
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -150,7 +151,7 @@ def optimize_tensor_parallel(args) -> None:
     device (no batch to split: data parallelism is off the table), optimized for `tensor_parallel_machine`.
     What the extraction then picks is reported by how it splits the weights."""
     import parsat
-    from parsat.importer.torch_import import import_module
+    from parsat.importer.export import import_module
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -56,25 +56,29 @@ def explain(plan, limit=40):
 
 
 def from_torch(module, example_inputs, library=None, name=None):
-    """The parsat `Graph` of a torch `nn.Module` (torch.export): see `parsat.importer.torch_import.from_torch`.
+    """The parsat `Graph` of a torch `nn.Module` (torch.export): see `parsat.importer.export.from_torch`.
 
     Weights are named by the module's parameter names; unsupported
     operators raise one `TorchImportError` listing each with its source line.
     """
-    from parsat.importer.torch_import import from_torch as run
+    from parsat.importer.export import from_torch as run
 
     return run(module, example_inputs, library, name)
 
 
-def parallelize(module, plan, example_inputs, *, seed=0, dtype=None):
-    """The module as `plan` runs it on this rank, under torchrun: see `parsat.backend.parallelize`.
+def parallelize(module, plan, example_inputs=None, *, imported=None, seed=0, dtype=None):
+    """The module as `plan` runs it on this rank, under torchrun: see `parsat.backend.parallelize.parallelize`.
 
     Every rank passes the same global batch to the result's forward; its
-    parameters are this rank's pieces of the module's own weights.
+    parameters are this rank's pieces of the module's own weights. Give
+    `example_inputs` (the module is exported again to know how its inputs
+    feed the plan's graph) or, to skip that second export, `imported`: the
+    module's `ImportedModule` from `parsat.importer.export.import_module(module,
+    inputs)`, whose `.graph` is what `from_torch` returns.
     """
     from parsat.backend.parallelize import parallelize as run
 
-    return run(module, plan, example_inputs, seed=seed, dtype=dtype)
+    return run(module, plan, example_inputs, imported=imported, seed=seed, dtype=dtype)
 
 
 def gather_weights(pmodule):

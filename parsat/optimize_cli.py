@@ -2,7 +2,7 @@
 
 The command joins three packages, so it lives in the facade: a model given
 as `model.py:factory` is imported by the torch backend
-(`importer.torch_import`), the rules are the ones the verifier PROVED
+(`importer.model_file`), the rules are the ones the verifier PROVED
 (`parsat.api.optimize`), and the search is `parsat.search`'s. Every error a user
 can cause (a bad graph, an unknown preset, a device count the model cannot
 use, a plan that does not fit) ends with a message and exit status 1, never
@@ -123,7 +123,7 @@ def run_optimize(args: argparse.Namespace) -> int:
 
         model = args.model
         if ".py:" in model:  # model.py:factory -> (module, example inputs): torch.export import, torch loaded only here
-            from parsat.importer.torch_import import load_model_file
+            from parsat.importer.model_file import load_model_file
             model = load_model_file(model)
         plan = optimize(model, machine=machine, rules=args.rules, limits=limits or None,
                         devices=args.devices, allow_unverified=True if args.allow_unverified else None,

@@ -23,7 +23,8 @@ from torch import nn  # noqa: E402
 import parsat  # noqa: E402
 from parsat.backend import running_stats  # noqa: E402
 from parsat.backend.executor import TrainConfig, compare_values, run_plan  # noqa: E402
-from parsat.importer.torch_import import TorchImportError, import_module  # noqa: E402
+from parsat.importer.errors import TorchImportError  # noqa: E402
+from parsat.importer.export import import_module  # noqa: E402
 from parsat.cli import main  # noqa: E402
 
 MODELS = '''
@@ -62,7 +63,7 @@ def models(tmp_path_factory):
 
 
 def _cnn(models):
-    from parsat.importer.torch_import import load_model_factory
+    from parsat.importer.model_file import load_model_factory
 
     return load_model_factory(f"{models}:cnn")
 

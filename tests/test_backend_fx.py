@@ -21,7 +21,9 @@ from torch import nn  # noqa: E402
 
 import parsat  # noqa: E402
 from parsat.backend.executor import evaluate_graph  # noqa: E402
-from parsat.importer.torch_import import TorchImportError, import_module, load_model_file  # noqa: E402
+from parsat.importer.errors import TorchImportError  # noqa: E402
+from parsat.importer.export import import_module  # noqa: E402
+from parsat.importer.model_file import load_model_file  # noqa: E402
 from parsat.cli import main  # noqa: E402
 
 

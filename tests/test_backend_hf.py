@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import hf_models  # noqa: E402
 
 from parsat.backend.executor import evaluate_graph  # noqa: E402
-from parsat.importer.torch_import import import_module  # noqa: E402
+from parsat.importer.export import import_module  # noqa: E402
 from parsat.cli import main  # noqa: E402
 
 

@@ -21,7 +21,7 @@ from torch import nn  # noqa: E402
 
 import parsat  # noqa: E402
 from parsat.backend.executor import TrainConfig, compare_values, operator_library, run_plan  # noqa: E402
-from parsat.importer.torch_import import import_module  # noqa: E402
+from parsat.importer.export import import_module  # noqa: E402
 from parsat.cli import main  # noqa: E402
 from parsat.ir.data_parallel import data_parallel_pcg  # noqa: E402
 
@@ -218,6 +218,48 @@ def test_parallelize_under_torchrun_on_a_2x2_mesh(models, tmp_path):
     assert result["diff"] < 1e-12 and abs(result["loss"] - result["ref_loss"]) < 1e-12, result
 
 
+def test_parallelize_reuses_the_import_it_is_given(monkeypatch):
+    """`parsat.parallelize(module, plan, imported=...)` does not export the module again and takes a `Plan`'s PCG as
+    it is; it trains as `parallelize(module, plan, example_inputs)`, which exports (one rank, in this process)."""
+    import torch.distributed as dist
+
+    from parsat.backend.parallelize import ParallelizeError, parallelize
+    from parsat.importer import export
+    from parsat.ir.costs import Totals
+    from parsat.ir.machine import Machine
+    from parsat.ir.plan import Plan
+
+    exports = []
+    real_export = export.export_module
+    monkeypatch.setattr(export, "export_module", lambda module, inputs: exports.append(module) or
+                        real_export(module, inputs))
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Embedding(20, 8), nn.LayerNorm(8), nn.Linear(8, 5)).double()
+    ids = torch.randint(0, 20, (4, 6))
+    imported = import_module(module, ids)
+    assert len(exports) == 1
+    pcg = mesh_plans.redundant_pcg(imported.graph, operator_library(), 1)
+    plan = Plan(imported.graph, Machine.preset("cpu").with_devices(1), 1, pcg, {}, Totals(0.0, 0, 0, 0, 0, 0.0, 0.0))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        given = parsat.parallelize(module, plan, imported=imported)
+        assert len(exports) == 1 and given.imported is imported and given.pcg is plan.pcg
+        exported = parallelize(module, plan, ids)
+        assert len(exports) == 2
+        losses = []
+        for pmodule in (given, exported):
+            loss = pmodule(ids).square().mean()
+            loss.backward()
+            losses.append((float(loss.detach()), {name: piece.grad for name, piece in pmodule.named_pieces().items()}))
+        assert losses[0][0] == losses[1][0]
+        assert all(torch.equal(grad, losses[1][1][name]) for name, grad in losses[0][1].items())
+        other = import_module(nn.Sequential(nn.Embedding(20, 8), nn.LayerNorm(8), nn.Linear(8, 5)).double(), ids)
+        with pytest.raises(ParallelizeError, match="import is not this module's"):
+            parallelize(nn.Linear(8, 5).double(), plan, imported=other)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_padding_idx_row_gets_no_gradient(models, tmp_path, capsys):
     plan = _optimize(models, "padded", tmp_path)
     code, result, text = _run(capsys, plan, models, "padded", "--plan-of", "data_parallel")
@@ -238,7 +280,7 @@ def test_dropout_draws_masks_that_match_the_module(models, tmp_path, capsys):
 
 
 def TiedLMFactory(models, name):
-    from parsat.importer.torch_import import load_model_factory
+    from parsat.importer.model_file import load_model_factory
 
     return load_model_factory(f"{models}:{name}")
 

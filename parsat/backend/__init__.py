@@ -1,4 +1,4 @@
-"""parsat.backend: plans run for real on torch.distributed; the only package that imports torch.
+"""parsat.backend: plans run for real on torch.distributed; with `parsat.importer`, the only packages that import torch.
 
 Modules:
 `launch` (N ranks spawned here or joined under torchrun; a rank that dies,
@@ -9,7 +9,8 @@ autograd-aware collectives on them),
 `torch_ops` (the library's operators on local pieces), `executor` (a PCG
 as training steps on every rank, checked against one process), `cli`
 (`parsat run`, `parsat calibrate`), `calibrate` (this machine's speeds for
-the cost model), `fx_import` (a torch `nn.Module` as a parsat graph).
+the cost model), `parallelize` (a user's module run as a plan, fed from its
+import: a torch `nn.Module` as a parsat graph is `parsat.importer`'s).
 
 It reads plans through `parsat.ir` (docs/plan-schema.md) and nothing of the
 optimizer.

@@ -9,6 +9,12 @@ Under torchrun (one process per device), every rank calls
         optimizer.zero_grad(); loss.backward(); optimizer.step()
     state = parsat.gather_weights(pmodule)  # on every rank: the module's own state_dict, trained
 
+`example_inputs` serve to export the module (`import_module`) to learn how
+its inputs feed the plan's graph; a caller that has imported it already
+passes that import instead, `parallelize(module, plan, imported=imported)`,
+and the module is not exported a second time. A `Plan` object's PCG and
+graph are used as they are (a plan dict or file is read).
+
 What the returned module is:
 
 * its parameters are this rank's pieces of the user's own weights, as the
@@ -22,7 +28,7 @@ What the returned module is:
   rank reads (a data-parallel plan partitions the batch, so each rank
   computes on its rows only). Integer and boolean work on the inputs
   (shifted labels, masks) runs in torch on every rank, as the import
-  recorded it (`torch_import.ImportedModule.data_values`);
+  recorded it (`importer.imported.ImportedModule.data_values`);
 * it returns the module's outputs, whole on every rank: a scalar loss as
   the value every rank holds, a sharded output gathered. Backward through
   it yields the same gradients the unmodified module would get, summed
@@ -77,7 +83,8 @@ from parsat.backend.executor import (Comparison, ExecutionError, Optimizer, Rank
                                      check_mesh, compare_values, gradient_of, operator_library, output_holders,
                                      step_comm)
 from parsat.backend.launch import RankContext
-from parsat.importer.torch_import import ImportedModule, dropout_mask, import_module
+from parsat.importer.export import import_module
+from parsat.importer.imported import ImportedModule, dropout_mask
 from parsat.ir.graph import Graph
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import PCG
@@ -245,30 +252,42 @@ def gather_weights(pmodule: ParallelModule) -> dict[str, torch.Tensor]:
     return module.state_dict()
 
 
+_PIPELINED = ("pipelined plans run through `parsat run` (each stage runs its part of the graph on its own ranks in "
+              "the plan's schedule; parallelize wraps one module on one mesh)")
+
+
 def _resolve_plan(plan) -> tuple[PCG, Graph]:
+    """(PCG, graph) of a `Plan` (taken as they are), a plan dict or a plan JSON file; a pipelined plan refused."""
     from parsat.ir.plan import Plan, load_plan_dict, pcg_from_dict
 
     if isinstance(plan, Plan):
-        plan = plan.to_dict()
+        if plan.pipeline:
+            raise ParallelizeError(_PIPELINED)
+        return plan.pcg, plan.graph
     if isinstance(plan, (str, bytes)) or hasattr(plan, "__fspath__"):
         plan = load_plan_dict(plan)
     if not isinstance(plan, Mapping):
         raise ParallelizeError("plan must be a parsat Plan, a plan dict or a plan JSON file")
     if plan.get("pipeline"):
-        raise ParallelizeError("pipelined plans run through `parsat run` (each stage runs its part of the graph on "
-                               "its own ranks in the plan's schedule; parallelize wraps one module on one mesh)")
+        raise ParallelizeError(_PIPELINED)
     library = operator_library()
     return pcg_from_dict(plan), Graph.from_dict(plan["graph"], library)
 
 
-def parallelize(module: torch.nn.Module, plan, example_inputs, *, seed: int = 0,
-                dtype: torch.dtype | None = None) -> ParallelModule:
+def parallelize(module: torch.nn.Module, plan, example_inputs=None, *, imported: ImportedModule | None = None,
+                seed: int = 0, dtype: torch.dtype | None = None) -> ParallelModule:
     """The module as `plan` runs it on this rank (see the module docstring); call it on every rank.
 
-    `example_inputs` are inputs of the shapes the plan was made for (the
-    module is exported again to know how its inputs feed the graph; the
-    graph must be the plan's). Starts the default process group from the
-    torchrun environment when none is started.
+    `plan` is a parsat `Plan` (its PCG and graph are used as they are), a
+    plan dict or a plan JSON file. The module's graph must be the plan's.
+    How the module's inputs feed the graph comes from its import: give
+    `imported`, the `ImportedModule` the caller already made
+    (`parsat.importer.export.import_module(module, inputs)`, whose `.graph`
+    is what `from_torch` returns), and the module is not exported again
+    (`example_inputs` is then not needed); or give `example_inputs`, inputs
+    of the shapes the plan was made for, and the module is exported here.
+    Starts the default process group from the torchrun environment when
+    none is started.
     """
     from parsat.backend.launch import under_torchrun
 
@@ -282,14 +301,33 @@ def parallelize(module: torch.nn.Module, plan, example_inputs, *, seed: int = 0,
     if world != pcg.mesh.world:
         raise ParallelizeError(f"the plan runs on a mesh of {pcg.mesh.world} device(s) ({pcg.mesh or 'one device'}) "
                                f"but the job has {world} rank(s)")
-    imported = import_module(module, example_inputs)
-    difference = graph_difference(imported.graph, graph)
+    if imported is None:
+        if example_inputs is None:
+            raise ParallelizeError("give the example inputs the plan was made for, or the module's import "
+                                   "(imported=)")
+        imported = import_module(module, example_inputs)
+        difference = graph_difference(imported.graph, graph)
+    else:  # the caller's import: of this module, and of the plan's graph
+        difference = import_difference(module, imported) or graph_difference(imported.graph, graph)
     if difference:
         raise ParallelizeError(difference)
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     ctx = RankContext(rank, world, backend, device)
     return ParallelModule(module, imported, pcg, ctx, dtype, seed)
+
+
+def import_difference(module: torch.nn.Module, imported: ImportedModule) -> str:
+    """'' when every weight of the import is a parameter of `module` of the same shape, else the first that is not
+    (an import of another module)."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for leaf in imported.graph.weights:
+        param = params.get(imported.weights.get(leaf.name, leaf.name))
+        if param is None or tuple(param.shape) != tuple(leaf.shape):
+            found = "not a parameter of it" if param is None else f"of shape {list(param.shape)} in it"
+            return (f"the import is not this module's: its weight '{leaf.name}' {list(leaf.shape)} is {found}; "
+                    "import the module you parallelize")
+    return ""
 
 
 def graph_difference(got: Graph, want: Graph) -> str:
@@ -387,7 +425,7 @@ def run_module_rank(ctx: RankContext, pcg: PCG, graph: Graph, model_spec: str, d
     """One rank of `parsat run plan.json --model model.py:factory`: the user's module trained as the plan,
     and with `config.check`, the unmodified module trained in this process with the same batches, masks
     and optimizer, compared step by step (`compare_values`)."""
-    from parsat.importer.torch_import import load_model_factory
+    from parsat.importer.model_file import load_model_factory
 
     torch.manual_seed(config.seed)  # a factory that draws weights or inputs draws the same on every rank
     module, example = load_model_factory(model_spec)

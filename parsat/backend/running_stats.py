@@ -4,7 +4,7 @@ A batch norm in training mode normalizes with the statistics of the batch
 (the graph's `bn_mean` and `bn_var` nodes; under data parallelism the plan
 all-reduces their partial sums: a synchronized batch norm) and, as a side
 effect that is not part of the loss, moves its module's running statistics
-towards them (`torch_import.RunningStats`). Those buffers are what the
+towards them (`importer.imported.RunningStats`). Those buffers are what the
 module uses in evaluation and what a checkpoint saves, so `parallelize`
 updates them after every training forward with torch's own formula, from
 the *global* batch statistics: every rank then holds the same running
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from parsat.backend.collectives import CommCounter, CommEvent
 from parsat.backend.executor import ExecutionError
-from parsat.importer.torch_import import RunningStats
+from parsat.importer.imported import RunningStats
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import PCG
 from parsat.ir.placement import Placement, piece_index

@@ -3,10 +3,47 @@
 Torch-dependent, beside the runtime: the backend (`parsat.backend`) feeds
 an imported module's inputs, dropout masks and running statistics from
 what the import recorded (`ImportedModule`), and never exports a module
-again when it is given the import.
+again when it is given the import. Every module imports torch inside the
+functions that use it, and the entry points below are re-exported lazily,
+so `import parsat.importer` loads neither torch nor the translator.
 
-Modules: `torch_import` (`from_torch`, `import_module`, `ImportedModule`:
-the exported program sorted into compute and data, the compute mapped
-onto library operators; every unsupported operator listed with its source
-line and module path).
+Modules, in the order an import runs through them:
+
+* `model_file`: `load_model_factory`, `load_model_file` (a module and
+  example inputs from `model.py:factory`);
+* `export`: `from_torch`, `import_module`, `export_module` (the one
+  `torch.export` call; the module's buffers left as they were);
+* `program`: running the exported program's nodes on concrete values;
+* `translator`: the walk that sorts each node into compute or data and
+  builds the graph, with `shape_ops` (torch's broadcasting, reshapes and
+  reductions as library operators);
+* `aten`: the table of ATen operators onto library operators, one module
+  per family: `aten_elementwise`, `aten_layers`, `aten_views`,
+  `aten_attention`;
+* `imported`: `ImportedModule` (the result, and each batch's data leaves),
+  `DataLeaf`, `dropout_mask`, `RunningStats`;
+* `errors`: `TorchImportError`, every unsupported operator listed with its
+  source line and module path.
 """
+
+from __future__ import annotations
+
+__all__ = ["ImportedModule", "TorchImportError", "from_torch", "import_module", "load_model_factory",
+           "load_model_file"]
+
+_LAZY = {
+    "from_torch": "parsat.importer.export",
+    "import_module": "parsat.importer.export",
+    "ImportedModule": "parsat.importer.imported",
+    "TorchImportError": "parsat.importer.errors",
+    "load_model_factory": "parsat.importer.model_file",
+    "load_model_file": "parsat.importer.model_file",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'parsat.importer' has no attribute {name!r}")

@@ -193,7 +193,7 @@ def stack(blocks: int = 24, batch: int = 8, seq: int = 512, hidden: int = 1024, 
 # ---------------------------------------------------------------- language models
 #
 # Sizes people train (GPT-3, LLaMA, Llama 2, BERT), written the way
-# `importer.torch_import` maps the Hugging Face models onto the library, so
+# `parsat.importer` maps the Hugging Face models onto the library, so
 # the parallel rules of those operators apply to them: token ids and
 # targets one-hot over the vocabulary (vocabulary-parallel embedding and
 # cross-entropy), heads as a dim of their own (heads-parallel attention),

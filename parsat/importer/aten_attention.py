@@ -1,0 +1,105 @@
+"""ATen softmax, dropout, attention and loss operators onto library operators.
+
+`scaled_dot_product_attention` is written out (`bmm`, `scale`, `softmax`
+or `softmax_masked`, `bmm`); its mask and a causal mask are data leaves.
+Dropout is `dropout_masked` with its mask a data leaf drawn each step
+(`imported.dropout_mask`). `cross_entropy` is `logsumexp` and `nll_sum`
+over one-hot targets; its mean multiplies that sum by the inverse count of
+the targets that are not ignored (a data leaf: the importer cannot know a
+batch's count).
+
+Every handler takes the translator `t` (`translator.Translator`), the ATen
+node, and the node's own arguments as torch passes them, and returns the
+graph tensor (or list of tensors) of the node, or raises `Refused`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from parsat.importer.errors import Refused
+
+
+def _h_softmax(t, node, x, dim, half_to_float=False, *rest, **kwargs):
+    a = t.tensor(x)
+    return t.op("softmax", a, dim=t.dim(a, dim))
+
+
+def _h_log_softmax(t, node, x, dim, *rest, **kwargs):
+    a = t.tensor(x)
+    d = t.dim(a, dim)
+    if d != len(t.shape(a)) - 1:
+        raise Refused("log_softmax is supported along the last dim")
+    lse = t.op("logsumexp", a, tag="lse")
+    return t.op("add_bcast_dim", a, t.op("neg", lse, tag="neg_lse"), dim=d)
+
+
+def _h_dropout(t, node, x, p, train=True):
+    a = t.tensor(x)
+    if not train or p == 0:
+        return a
+    if p >= 1:
+        raise Refused("dropout with p >= 1")
+    return t.op("dropout_masked", a, t.dropout_leaf(node, "", t.shape(a), p), rate=float(p))
+
+
+def _h_sdpa(t, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+            enable_gqa=False):
+    """softmax(q k^T * scale [masked]) [dropout] v on [..., s, d] tensors, written out with library operators."""
+    qh, kh, vh = t.tensor(q), t.tensor(k), t.tensor(v)
+    sq, sk, sv = t.shape(qh), t.shape(kh), t.shape(vh)
+    if len(sq) < 3 or sq[:-2] != sk[:-2] or sk[:-1] != sv[:-1]:
+        if enable_gqa:
+            raise Refused("scaled_dot_product_attention with enable_gqa is not supported (repeat k and v)")
+        raise Refused(f"scaled_dot_product_attention of q {list(sq)}, k {list(sk)}, v {list(sv)}")
+    rank = len(sq)
+    c = scale if scale is not None else 1.0 / math.sqrt(sq[-1])
+    kt = t.op("transpose", kh, d0=rank - 2, d1=rank - 1, tag="kT")
+    scores = t.op("scale", t.op("bmm", qh, kt, tag="scores"), c=float(c), tag="scaled")
+    shape = t.shape(scores)
+    if attn_mask is not None and is_causal:
+        raise Refused("scaled_dot_product_attention with both attn_mask and is_causal")
+    if attn_mask is not None:
+        if t.is_compute(attn_mask):
+            raise Refused("an attention mask computed from the weights is not supported (masks are data)")
+        mask = t.data_leaf(attn_mask, "mask", shape)
+        probs = t.op("softmax_masked", scores, mask, tag="probs")
+    elif is_causal:
+        mask = t.data_leaf_const(node, "causal", shape, None)
+        probs = t.op("softmax_masked", scores, mask, tag="probs")
+    else:
+        probs = t.op("softmax", scores, dim=rank - 1, tag="probs")
+    if dropout_p:
+        mask = t.dropout_leaf(node, "_attn", t.shape(probs), dropout_p)
+        probs = t.op("dropout_masked", probs, mask, rate=float(dropout_p), tag="attn_drop")
+    return t.op("bmm", probs, vh, tag="ctx")
+
+
+def _h_cross_entropy(t, node, x, target, weight=None, reduction=1, ignore_index=-100,
+                     label_smoothing=0.0):
+    if weight is not None or label_smoothing:
+        raise Refused("cross_entropy with class weights or label smoothing is not supported")
+    if t.is_compute(target):
+        raise Refused("cross_entropy targets computed from the weights (soft targets) are not supported")
+    logits = t.tensor(x)
+    shape = t.shape(logits)
+    if len(shape) != 2:
+        raise Refused(f"cross_entropy is supported on [N, classes] logits, got {list(shape)}")
+    n, classes = shape
+    if tuple(t.values[target.name].shape) != (n,):
+        raise Refused("cross_entropy targets must be class indices of shape [N]")
+    y = t.data_leaf(target, "onehot", (n, classes), classes=classes, ignore=int(ignore_index))
+    lse = t.op("logsumexp", logits, tag="lse")
+    total = t.op("nll_sum", logits, lse, y, tag="nll")
+    if reduction == 2:  # sum
+        return total
+    if reduction != 1:
+        raise Refused("cross_entropy with reduction='none' is not supported (return its mean or sum)")
+    inv = t.data_leaf(target, "inv_count", (), classes=classes, ignore=int(ignore_index))
+    return t.op("mul", total, inv, tag="mean")
+
+
+HANDLERS = {
+    "softmax": _h_softmax, "_softmax": _h_softmax, "log_softmax": _h_log_softmax,
+    "dropout": _h_dropout, "scaled_dot_product_attention": _h_sdpa, "cross_entropy_loss": _h_cross_entropy,
+}

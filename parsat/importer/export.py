@@ -1,0 +1,71 @@
+"""`from_torch(module, example_inputs)`, `import_module`: a torch `nn.Module` as a parsat graph, via `torch.export`.
+
+`torch.export.export(module, inputs, strict=False)` gives the ATen graph of
+one forward call with real shapes, every parameter, buffer and constant
+lifted to a placeholder, and each node's source line and module path in
+`node.meta`. The translator (`translator.py`) runs that graph once on the
+example inputs and sorts each node into compute (mapped onto the library's
+operators) or data (fed as input leaves: `imported.py`). `import_module`
+leaves the module as it found it: exporting runs its forward, and a batch
+norm in training mode would update its running statistics.
+
+This is the one place the importer exports a module; `export_module` is
+the call (the backend's `parallelize` takes an `ImportedModule` so that it
+need not export again).
+"""
+
+from __future__ import annotations
+
+from parsat.importer.errors import TorchImportError
+from parsat.importer.imported import ImportedModule
+from parsat.importer.translator import Translator
+from parsat.ir.graph import Graph, GraphBuilder
+
+
+def from_torch(module, example_inputs, library=None, name: str | None = None) -> Graph:
+    """The parsat graph of `module` applied to `example_inputs` (a tensor or a tuple of them).
+
+    Raises `TorchImportError` listing every operator parsat cannot express.
+    """
+    return import_module(module, example_inputs, library, name).graph
+
+
+def export_module(module, inputs: tuple):
+    """`torch.export` of `module` on `inputs` (non-strict), any failure as a `TorchImportError`."""
+    import torch
+
+    try:
+        return torch.export.export(module, inputs, strict=False)
+    except Exception as err:  # noqa: BLE001 - export raises many kinds; the user needs the reason, not a trace
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise TorchImportError(f"torch.export cannot trace {type(module).__name__}: {type(err).__name__}: "
+                               f"{first[:400]}") from None
+
+
+def import_module(module, example_inputs, library=None, name: str | None = None) -> ImportedModule:
+    """Export `module`, sort its nodes into compute and data, and map the compute onto library operators."""
+    import torch
+
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    if not all(isinstance(t, torch.Tensor) for t in inputs):
+        raise TorchImportError("example inputs must be tensors (a tensor or a tuple of tensors)")
+    for path, sub in module.named_modules():  # torch.export itself fails on these, with a cryptic message
+        if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm) and sub.training and sub.track_running_stats \
+                and sub.momentum is None:
+            raise TorchImportError(f"{type(module).__name__}: batch norm '{path}' has momentum=None (a cumulative "
+                                   "average of its running statistics), which parsat does not support; give it a "
+                                   "momentum")
+    was_training = module.training
+    # Exporting and running the exported graph once executes the module's forward, and a batch norm in
+    # training mode updates its running statistics in place: the import must leave the module as it was.
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    try:
+        program = export_module(module, inputs)
+        module.train(was_training)
+        translator = Translator(module, program, inputs, GraphBuilder(library, name=name or type(module).__name__))
+        return translator.run()
+    finally:
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])

@@ -1,0 +1,154 @@
+"""`ImportedModule`: an imported module's graph, and how to feed its data leaves for each batch.
+
+Integer and boolean work on the user's inputs (labels shifted by one, masks
+built from `arange`, comparisons and `cumsum`) never enters the graph as
+operators: where compute reads it, it is a graph input leaf, encoded for the
+operator that reads it (`DataLeaf`): ids one-hot over the vocabulary, masks
+0/1 over the attention scores, the inverse count of cross-entropy's targets.
+Data that depends only on shapes and buffers is folded to a constant once;
+data that depends on the user's inputs is recomputed from each batch by
+`ImportedModule.data_values`, running the same ATen nodes in torch (every
+rank reads the same batch). Dropout masks are data too (`dropout_mask`:
+seeded, the same on every rank), and a training-mode batch norm's running
+statistics are recorded (`RunningStats`) so the backend can update them as
+torch does. The backend (`parsat.backend.parallelize`) runs a plan from this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from parsat.importer.errors import TorchImportError
+from parsat.importer.program import run_node
+from parsat.ir.graph import Graph
+
+
+@dataclass(frozen=True)
+class DataLeaf:
+    """A graph input leaf and how to make its value from the data node it encodes.
+
+    `encoding`: "value" (the tensor as it is, in the compute dtype, expanded
+    to `shape`), "onehot" (integer ids -> one-hot rows over `classes`; an id
+    outside [0, classes) or equal to `ignore` gives a zero row), "mask"
+    (boolean or 0/-inf attention mask -> 0/1, expanded to `shape`),
+    "inv_count" (1 / the number of targets that are not ignored), or "dropout"
+    (a fresh 0/1 mask each step, 1 with probability 1 - `rate`: see
+    `dropout_mask`; `node` is the dropout's own node).
+    """
+
+    name: str
+    node: str
+    encoding: str
+    shape: tuple[int, ...]
+    classes: int = 0
+    ignore: int | None = None
+    constant: bool = False
+    rate: float = 0.0
+
+
+@dataclass(frozen=True)
+class RunningStats:
+    """One batch normalization in training mode whose module keeps running statistics.
+
+    torch updates them in forward, in place: `running_mean = (1 - momentum)
+    * running_mean + momentum * mean` and the same for `running_var` with the
+    unbiased batch variance (`var * count / (count - 1)`), and adds 1 to
+    `num_batches_tracked`. The graph computes `mean` and `var` (the biased
+    variance over `count` = N*H*W elements per channel) as nodes of its own;
+    `parallelize` reads them after each training forward and applies the
+    same update to the module's buffers (`backend.running_stats`).
+    """
+
+    mean: str                 # graph node: the batch mean per channel
+    var: str                  # graph node: the biased batch variance per channel
+    count: int                # elements per channel in the batch (N * H * W)
+    momentum: float
+    running_mean: str         # buffer names in the module
+    running_var: str
+    batches_tracked: str | None
+
+
+@dataclass
+class ImportedModule:
+    """A module's graph and everything needed to feed it: the result of `import_module`.
+
+    Holds torch objects (the exported program): the importer makes it and
+    the backend runs a plan from it; `graph` is what the optimizer sees.
+    """
+
+    graph: Graph
+    program: Any                           # torch.export.ExportedProgram
+    weights: dict[str, str]                # graph weight leaf -> module parameter name (the same name)
+    data: dict[str, DataLeaf]              # graph input leaf -> its encoding
+    constants: dict[str, Any]              # graph input leaf -> its value, for leaves that are constant
+    dropout: tuple[str, ...]               # dropout mask leaves, in the order the module draws them
+    user_inputs: tuple[str, ...]           # placeholder names of the user's inputs, in call order
+    output_spec: Any = None                # pytree spec of the module's outputs
+    _needed: dict = field(default_factory=dict, repr=False)  # data node -> nodes to evaluate, in order
+    running_stats: tuple[RunningStats, ...] = ()  # batch norms in training mode with running statistics
+
+    def data_values(self, inputs: Sequence[Any], dtype, seed: int = 0, step: int = 0) -> dict[str, Any]:
+        """Every non-constant data leaf's value (full tensor) for one batch of the user's inputs; dropout
+        masks are those of `step` under `seed`."""
+        import torch
+
+        if len(inputs) != len(self.user_inputs):
+            raise TorchImportError(f"the module takes {len(self.user_inputs)} input(s), got {len(inputs)}")
+        env: dict[str, Any] = dict(zip(self.user_inputs, inputs))
+        nodes = {n.name: n for n in self.program.graph.nodes}
+        out: dict[str, Any] = {}
+        with torch.no_grad():
+            for leaf in self.data.values():
+                if leaf.constant:
+                    continue
+                if leaf.encoding == "dropout":
+                    out[leaf.name] = dropout_mask(seed, leaf.name, step, leaf.shape, leaf.rate, dtype)
+                    continue
+                for name in self._needed[leaf.node]:
+                    if name not in env:
+                        env[name] = run_node(nodes[name], env, self.program)
+                out[leaf.name] = encode(leaf, env[leaf.node], dtype)
+        return out
+
+    def constant_values(self, dtype) -> dict[str, Any]:
+        """Every constant data leaf's value in `dtype`."""
+        return {name: value.to(dtype) for name, value in self.constants.items()}
+
+
+def dropout_mask(seed: int, name: str, step: int, shape: Sequence[int], rate: float, dtype):
+    """The 0/1 mask of dropout leaf `name` at `step` (1 with probability 1 - rate): the same on every rank."""
+    import torch
+    import zlib
+
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode()) * 7919 + step * 104729)
+                                        % 2**62)
+    return (torch.rand(tuple(shape), generator=gen, dtype=torch.float64) >= rate).to(dtype)
+
+
+def encode(leaf: DataLeaf, value, dtype):
+    """The value of a data leaf from its data node's value (see `DataLeaf`)."""
+    import torch
+
+    value = torch.as_tensor(value)
+    if leaf.encoding == "value":
+        return value.to(dtype).expand(leaf.shape).contiguous()
+    if leaf.encoding == "mask":
+        if value.dtype == torch.bool:
+            keep = value
+        else:
+            finite = value[torch.isfinite(value)]
+            low = torch.finfo(value.dtype).min if value.is_floating_point() else None
+            if not bool(((finite == 0) | (finite == low)).all()):
+                raise TorchImportError(f"attention mask '{leaf.node}' has values other than 0 and -inf; parsat "
+                                       "supports boolean and 0/-inf masks")
+            keep = value == 0
+        return keep.to(dtype).expand(leaf.shape).contiguous()
+    ids = value.long()
+    valid = (ids >= 0) & (ids < leaf.classes)
+    if leaf.ignore is not None:
+        valid &= ids != leaf.ignore
+    if leaf.encoding == "inv_count":
+        return (1.0 / valid.sum().to(dtype)).reshape(())
+    onehot = torch.nn.functional.one_hot(torch.where(valid, ids, 0), leaf.classes).to(dtype)
+    return (onehot * valid.unsqueeze(-1).to(dtype)).contiguous()

@@ -1,0 +1,316 @@
+"""The walk over an exported program: each node sorted into compute or data, compute built as a graph.
+
+Each node of the ATen graph is sorted by what it depends on:
+
+* a node that depends on a parameter is *compute*: it is mapped onto the
+  library's operators (`rules/ops.rule`) with `GraphBuilder`, which infers
+  and checks every shape again, by the handler of its ATen operator
+  (`aten.py`, one module per operator family);
+* any other node is *data*: work on the inputs, or shape-only constants
+  (rotary tables from a buffer). Data becomes a graph input leaf where
+  compute reads it (`data_leaf`, `imported.DataLeaf`), never an operator.
+
+A node that cannot be mapped is recorded (`errors.Unsupported`) and the
+walk goes on, so the one `TorchImportError` lists them all.
+
+Weights keep the module's qualified parameter names and layouts (a Linear's
+`[out, in]` weight feeds `linear` through a `transpose` node, made once per
+weight), so a plan's weights are the module's own tensors and a tied
+parameter (GPT-2's word embedding and LM head) stays one weight leaf with
+two readers. Weight leaves are made when a compute node first reads them
+(`LazyWeight`). Broadcasting, reshapes and reductions come from `ShapeOps`
+(`shape_ops.py`).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from parsat.importer.aten import HANDLERS
+from parsat.importer.errors import Refused, TorchImportError, Unsupported, aten_name, aten_short, module_path, source_line
+from parsat.importer.imported import DataLeaf, ImportedModule, RunningStats, encode
+from parsat.importer.program import concrete_values, needed_nodes
+from parsat.importer.shape_ops import ShapeOps
+from parsat.ir.graph import Graph, GraphBuilder, GraphError, Tensor
+
+
+@dataclass(frozen=True)
+class LazyWeight:
+    """A parameter placeholder whose weight leaf is made when a compute node first reads it."""
+
+    placeholder: str
+
+
+class Translator(ShapeOps):
+    """Walks the exported graph once, node by node, building the parsat graph."""
+
+    def __init__(self, module, program, inputs: tuple, builder: GraphBuilder):
+        import torch
+
+        self.torch = torch
+        self.module = module
+        self.program = program
+        self.g = builder
+        sig = program.graph_signature
+        self.params = dict(sig.inputs_to_parameters)          # placeholder -> parameter name
+        self.user_inputs = [s.arg.name for s in sig.input_specs if s.kind.name == "USER_INPUT"]
+        self.values = concrete_values(program, inputs)
+        self.compute: set = set()        # node names that depend on a parameter
+        self.varying: set = set()        # node names that depend on a user input
+        self.env: dict = {}              # compute node name -> Tensor handle (or a list of them)
+        self.failed: dict = {}           # node name -> Unsupported (the first failure on a path)
+        self.weights: dict[str, Tensor] = {}
+        self.transposed: dict[str, Tensor] = {}
+        self.data: dict[tuple, DataLeaf] = {}
+        self.constants: dict[str, Any] = {}
+        self.dropout: list[str] = []
+        self.running_stats: list[RunningStats] = []
+        self.buffers = dict(sig.inputs_to_buffers)            # placeholder -> buffer name
+        self.names: set[str] = set()
+        self.node = None
+
+    # -- helpers ---------------------------------------------------------
+    def fresh(self, base: str) -> str:
+        name, index = base, 1
+        while name in self.names:
+            index += 1
+            name = f"{base}_{index}"
+        self.names.add(name)
+        return name
+
+    def op(self, kind: str, *args, tag: str = "", **attrs) -> Tensor:
+        try:
+            return self.g.op(kind, *args, name=self.fresh(self.node.name + (f"_{tag}" if tag else "")), **attrs)
+        except GraphError as err:
+            raise Refused(str(err)) from None
+
+    def shape(self, t: Tensor) -> tuple[int, ...]:
+        return self.g.shape(t)
+
+    def dim(self, t_or_rank, d: int) -> int:
+        rank = t_or_rank if isinstance(t_or_rank, int) else len(self.shape(t_or_rank))
+        if not -rank <= d < max(rank, 1):
+            raise Refused(f"dim {d} is out of range for a tensor of rank {rank}")
+        return d % rank if rank else 0
+
+    def is_compute(self, value) -> bool:
+        return isinstance(value, self.torch.fx.Node) and value.name in self.compute
+
+    def tensor(self, value) -> Tensor:
+        """A compute operand as a graph tensor; data operands become input leaves (their value as it is)."""
+        if isinstance(value, Tensor):
+            return value
+        if self.is_compute(value):
+            got = self.env[value.name]
+            if not isinstance(got, Tensor):
+                raise Refused("a list of tensors is used where a tensor is expected")
+            return got
+        if isinstance(value, self.torch.fx.Node) and isinstance(self.values.get(value.name), self.torch.Tensor):
+            return self.data_leaf(value, "value", tuple(self.values[value.name].shape))
+        raise Refused(f"expected a tensor, got the constant {value!r}")
+
+    def scalar(self, value) -> float | None:
+        """A Python number, or a constant one-element data tensor, as a float; None for anything else."""
+        if isinstance(value, bool):
+            return float(value)
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, self.torch.fx.Node) and not self.is_compute(value) and value.name not in self.varying:
+            v = self.values.get(value.name)
+            if isinstance(v, (int, float)):
+                return float(v)
+            if isinstance(v, self.torch.Tensor) and v.numel() == 1 and v.dim() == 0:
+                return float(v)
+        return None
+
+    def weight(self, placeholder: str) -> Tensor:
+        name = self.params[placeholder]
+        if name not in self.weights:
+            shape = tuple(self.values[placeholder].shape)
+            self.names.add(name)
+            try:
+                self.weights[name] = self.g.weight(name, shape)
+            except GraphError as err:
+                raise Refused(str(err)) from None
+        return self.weights[name]
+
+    def weight_t(self, value) -> Tensor:
+        """The transpose of a 2-D operand (a Linear's [out, in] weight read as [in, out]), made once per weight."""
+        t = self.tensor(value)
+        if len(self.shape(t)) != 2:
+            raise Refused(f"expected a 2-D weight, got shape {list(self.shape(t))}")
+        if t.name not in self.transposed:
+            self.transposed[t.name] = self.op("transpose", t, d0=0, d1=1, tag="t")
+        return self.transposed[t.name]
+
+    def dropout_leaf(self, node, tag: str, shape: tuple[int, ...], rate: float) -> Tensor:
+        """A fresh dropout mask leaf for one dropout of the module (in the order the module draws them)."""
+        name = self.fresh(f"{node.name}{tag}_mask")
+        self.data[(name,)] = DataLeaf(name, node.name, "dropout", tuple(shape), rate=float(rate))
+        self.dropout.append(name)
+        try:
+            self.g.input(name, shape)
+        except GraphError as err:
+            raise Refused(str(err)) from None
+        return Tensor(name)
+
+    def data_leaf(self, node, encoding: str, shape: tuple[int, ...], classes: int = 0,
+                  ignore: int | None = None) -> Tensor:
+        """The input leaf of a data node in an encoding (one leaf per node, encoding and shape)."""
+        key = (node.name, encoding, shape, classes, ignore)
+        if key not in self.data:
+            suffix = "" if encoding == "value" and tuple(self.values[node.name].shape) == shape else f"_{encoding}"
+            base = node.name if not suffix else node.name + suffix
+            name = self.fresh(base)
+            constant = node.name not in self.varying
+            leaf = DataLeaf(name, node.name, encoding, tuple(shape), classes, ignore, constant)
+            if constant:
+                self.constants[name] = encode(leaf, self.values[node.name], self.torch.float64)
+            try:
+                self.g.input(name, shape)
+            except GraphError as err:
+                raise Refused(str(err)) from None
+            self.data[key] = leaf
+        return Tensor(self.data[key].name)
+
+    def data_leaf_const(self, node, what: str, shape, value) -> Tensor:
+        """A constant data leaf made here (ones and zeros for missing affine parameters, a causal mask)."""
+        torch = self.torch
+        key = (node.name, what, tuple(shape), 0, None)
+        if key not in self.data:
+            name = self.fresh(f"{node.name}_{what}")
+            if what == "causal":
+                s, k = shape[-2], shape[-1]
+                tensor = torch.ones(s, k, dtype=torch.float64).tril(diagonal=k - s).expand(shape).contiguous()
+            else:
+                tensor = torch.full(tuple(shape), float(value), dtype=torch.float64)
+            leaf = DataLeaf(name, node.name, "value", tuple(shape), constant=True)
+            self.constants[name] = tensor
+            self.g.input(name, shape)
+            self.data[key] = leaf
+        return Tensor(self.data[key].name)
+
+    def running_statistics(self, node, mean: Tensor, var: Tensor, count: int, running_mean, running_var,
+                           momentum) -> None:
+        """Record a training-mode batch norm's running statistics (`RunningStats`), or refuse what the update
+        cannot reproduce."""
+        names = [self.buffers.get(b.name) if isinstance(b, self.torch.fx.Node) else None
+                 for b in (running_mean, running_var)]
+        if None in names:
+            raise Refused("batch_norm in training mode whose running statistics are not buffers of the module")
+        owner = names[0].rpartition(".")[0]
+        if count < 2:
+            raise Refused("batch_norm in training mode over one element per channel (torch refuses it too)")
+        tracked = f"{owner}.num_batches_tracked" if owner else "num_batches_tracked"
+        has_tracked = tracked in dict(self.module.named_buffers())
+        self.running_stats.append(RunningStats(mean.name, var.name, int(count), float(momentum), names[0], names[1],
+                                               tracked if has_tracked else None))
+
+    # -- the walk --------------------------------------------------------
+    def run(self) -> ImportedModule:
+        """Sort and map every node, then the `ImportedModule` (one `TorchImportError` listing every failure)."""
+        graph = self.program.graph
+        for node in graph.nodes:
+            self.node = node
+            if node.op == "placeholder":
+                if node.name in self.params:
+                    self.compute.add(node.name)
+                    self.env[node.name] = LazyWeight(node.name)
+                elif node.name in self.user_inputs:
+                    self.varying.add(node.name)
+                continue
+            if node.op in ("output", "get_attr"):
+                continue
+            inputs = node.all_input_nodes
+            if any(n.name in self.varying for n in inputs):
+                self.varying.add(node.name)
+            if any(n.name in self.failed for n in inputs):
+                self.failed[node.name] = self.failed[next(n.name for n in inputs if n.name in self.failed)]
+                self.compute.add(node.name)
+                continue
+            if not any(n.name in self.compute for n in inputs):
+                continue  # data: computed from inputs and constants, in torch
+            self.compute.add(node.name)
+            try:
+                self.env[node.name] = self._map(node)
+            except Refused as err:
+                self.failed[node.name] = Unsupported(aten_name(node), str(err), source_line(node),
+                                                     module_path(node))
+        outputs = self._outputs(graph)
+        failures = list(dict.fromkeys(self.failed.values()))
+        if failures:
+            raise TorchImportError(f"{type(self.module).__name__}: {len(failures)} operator(s) parsat cannot "
+                                   "import:\n" + "\n".join(str(f) for f in failures))
+        built = pruned(self.g, outputs)
+        live = {n.name for n in built.nodes}
+        data = {leaf.name: leaf for leaf in self.data.values() if built.leaf(leaf.name) is not None}
+        needed = needed_nodes(graph, [leaf.node for leaf in data.values()
+                                       if not leaf.constant and leaf.encoding != "dropout"])
+        dropout = tuple(self.dropout)
+        weights = {leaf.name: leaf.name for leaf in built.weights}
+        return ImportedModule(built, self.program, weights, data,
+                              {k: v for k, v in self.constants.items() if k in data},
+                              dropout,
+                              tuple(self.user_inputs), self.program.call_spec.out_spec, needed,
+                              tuple(s for s in self.running_stats if s.mean in live and s.var in live))
+
+    def _outputs(self, graph) -> list[str]:
+        out_node = next(n for n in graph.nodes if n.op == "output")
+        outs = out_node.args[0]
+        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        specs = self.program.graph_signature.output_specs
+        names = []
+        for spec, value in zip(specs, outs):
+            if spec.kind.name != "USER_OUTPUT":
+                raise TorchImportError(f"{type(self.module).__name__} mutates its buffers or inputs in forward "
+                                       f"({spec.kind.name.lower()} '{spec.target}'); parsat imports pure forwards")
+            if isinstance(value, self.torch.fx.Node) and value.name in self.failed:
+                continue
+            if not self.is_compute(value):
+                raise TorchImportError(f"{type(self.module).__name__} returns '{getattr(value, 'name', value)}', "
+                                       "which does not depend on any parameter; return the loss or a tensor "
+                                       "computed from the weights")
+            self.node = value
+            handle = self.env[value.name]
+            if isinstance(handle, LazyWeight):
+                handle = self.weight(handle.placeholder)
+            names.append(handle.name)
+        return names
+
+    def _map(self, node):
+        """The graph tensor(s) of one compute node; Refused for what parsat cannot express."""
+        target = node.target
+        for i, a in enumerate(node.all_input_nodes):  # materialise weight leaves on first use
+            got = self.env.get(a.name)
+            if isinstance(got, LazyWeight):
+                self.env[a.name] = self.weight(got.placeholder)
+        if target is operator.getitem:
+            seq, index = node.args
+            items = self.env[seq.name]
+            if not isinstance(items, list):
+                raise Refused("indexing a tensor with [] is not supported")
+            return items[index]
+        name = aten_short(node)
+        handler = HANDLERS.get(name)
+        if handler is None:
+            raise Refused("unsupported operator")
+        return handler(self, node, *node.args, **node.kwargs)
+
+
+def pruned(builder: GraphBuilder, outputs: Sequence[str]) -> Graph:
+    """The built graph without the nodes and leaves no output depends on."""
+    if not outputs:
+        raise TorchImportError("the module has no output computed from its weights")
+    builder.output(*(Tensor(o) for o in outputs))
+    try:
+        graph = builder.build()
+    except GraphError as err:
+        raise TorchImportError(str(err)) from None
+    live = set(graph.outputs)
+    for node in reversed(graph.nodes):
+        if node.name in live:
+            live.update(node.inputs)
+    return Graph(tuple(l for l in graph.leaves if l.name in live), tuple(n for n in graph.nodes if n.name in live),
+                 graph.outputs, graph.name)
