@@ -1,7 +1,7 @@
 """Hand-built plans on device meshes: what the backend runs until the optimizer writes such plans itself.
 
 Each plan is written node by node the way the optimizer states one (every
-node's placement derived by `ir.placement`, so `lay_out` accepts it), on a
+node's placement derived by `ir.placement`, so `derive_placements` accepts it), on a
 named mesh, with the communication it must move per step written out from
 the collectives' ring formulas (docs/plan-schema.md): on an axis of size p
 in a world of W ranks, W/p groups each run the collective, and

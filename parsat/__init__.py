@@ -9,8 +9,9 @@ Modules: `api` (`optimize` with only the rules the verifier PROVED),
 `optimize_cli` (`parsat optimize`, which joins verifier, search and torch
 import), `terminal` (what the CLI prints shows control characters, never obeys
 them), `__main__` (`python -m parsat`). The stages are the packages
-`parsat.dsl`, `parsat.ir`, `parsat.verifier`, `parsat.saturate`,
-`parsat.generate` and `parsat.backend`.
+`parsat.dsl`, `parsat.ir`, `parsat.verifier`, `parsat.cost`,
+`parsat.egraph`, `parsat.search`, `parsat.generate`, `parsat.importer`,
+`parsat.backend` and `parsat.report` (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations

@@ -359,3 +359,18 @@ def test_the_size_checks_catch_what_they_guard(tmp_path, monkeypatch):
     assert function_lengths()[0][0] == 81
     sizes = package_lines()
     assert sizes["huge"] > MAX_PACKAGE_SHARE * sum(sizes.values())
+
+
+def unlisted_modules() -> list[str]:
+    """Modules that their package's docstring does not name (as `module`): the docstring is the package's map."""
+    missing = []
+    for package, folder in package_dirs().items():
+        doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text(encoding="utf-8"))) or ""
+        missing += [f"{package}.{path.stem}" for path in sorted(folder.glob("*.py"))
+                    if path.stem != "__init__" and f"`{path.stem}`" not in doc]
+    return missing
+
+
+def test_every_package_docstring_lists_its_modules():
+    missing = unlisted_modules()
+    assert not missing, "modules their package's docstring does not name: " + ", ".join(missing)

@@ -38,7 +38,7 @@ from parsat.cli import main  # noqa: E402
 from parsat.ir.machine import Machine  # noqa: E402
 from parsat.ir.microbatch import step_batch  # noqa: E402
 from parsat.ir.pcg import PCG  # noqa: E402
-from parsat.ir.pcg_layout import lay_out  # noqa: E402
+from parsat.ir.pcg_placement import derive_placements  # noqa: E402
 from parsat.ir.recompute import checkpoints  # noqa: E402
 
 GPT = {"blocks": 3, "hidden": 32, "heads": 2, "seq": 8, "vocab": 64, "batch": 8}
@@ -93,7 +93,7 @@ def _launch(jobs, nproc: int) -> dict:
 def recomputed_forward(pcg: PCG) -> tuple[Fraction, int]:
     """What recomputing `pcg`'s blocks adds to one micro-batch, read off the PCG: (elements summed over ranks,
     collectives per rank) of the forward collectives of every parallel node in a checkpoint's `runs`."""
-    placements = lay_out(pcg, operator_library().ops)
+    placements = derive_placements(pcg, operator_library().ops)
     mesh = pcg.mesh
     elements, count = Fraction(0), 0
     for checkpoint in checkpoints(pcg):

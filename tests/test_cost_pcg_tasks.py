@@ -24,7 +24,7 @@ CPU64 = Machine.preset("cpu").with_precision("fp64")     # `parsat run` trains i
 
 
 def mesh_pcg(mesh: Mesh, specs, outputs=None) -> PCG:
-    """A PCG from (kind, op, inputs, shape, attrs, role) rows, each placement derived as `pcg_layout` derives it;
+    """A PCG from (kind, op, inputs, shape, attrs, role) rows, each placement derived as `pcg_placement` derives it;
     a parallel row's attrs name its axis, and get the axis's size as its degree."""
     nodes: list[PNode] = []
     for ident, (kind, op, inputs, shape, attrs, role) in enumerate(specs):
@@ -242,13 +242,13 @@ def test_zero3_data_parallelism_moves_what_data_parallelism_does_and_syncs_by_re
     per-node model sends as many elements as data parallelism's all-reduces (all-gather + reduce-scatter =
     all-reduce), and the step syncs every weight's gradient by a reduce-scatter."""
     from parsat.ir.models import transformer
-    from parsat.ir.pcg_layout import lay_out
+    from parsat.ir.pcg_placement import derive_placements
     from parsat.ir.costs import totals
     from parsat.search.baselines import price_pcg
 
     graph = transformer(batch=4, seq=32, hidden=64, heads=4, ffn=256, library=LIB)
     dp, zero = (data_parallel_pcg(graph, LIB, 4, 4, zero3=z) for z in (False, True))
-    lay_out(zero, LIB.ops)
+    derive_placements(zero, LIB.ops)
     weights = [n for n in zero.nodes if n.kind == "leaf" and n.role == "weight"]
     gathers = [n for n in zero.nodes if n.op == "all_gather"]
     assert len(gathers) == len(weights) == 16

@@ -18,7 +18,7 @@ from parsat.dsl.evaluate import evaluate
 from parsat.dsl.library import load_library
 from parsat.dsl.parser import parse
 from parsat.dsl.printer import format_module
-from parsat.dsl.spread import Spread, infer_compute
+from parsat.dsl.spread import SymbolicDegrees, infer_compute
 from parsat.dsl.symbolic import ONE, Poly
 from parsat.dsl.work import work
 from parsat.ir.graph import instance_for
@@ -76,9 +76,9 @@ def test_evaluator_takes_the_max_and_an_empty_range_gives_zero():
 def test_a_max_over_a_sharded_range_is_refused_and_leading_dims_are_not():
     inst = instance_for(_ops()["amax_test"], [(4, 6)], {})
     two = Poly.const(2)
-    over_range = infer_compute(inst, [Spread((ONE, two))])
+    over_range = infer_compute(inst, [SymbolicDegrees((ONE, two))])
     assert not over_range.legal and "sharded range" in over_range.problems[0]
-    rows = infer_compute(inst, [Spread((two, ONE))])
+    rows = infer_compute(inst, [SymbolicDegrees((two, ONE))])
     assert rows.legal and rows.spread.shard == (two,) and rows.spread.sum == ONE
 
 

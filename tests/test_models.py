@@ -20,7 +20,7 @@ from parsat.dsl.library import load_library
 from parsat.ir.graph import GraphError
 from parsat.ir.machine import Machine
 from parsat.ir.models import EXAMPLES, build_example, llama_ffn, parameter_count
-from parsat.ir.pcg_layout import lay_out
+from parsat.ir.pcg_placement import derive_placements
 from parsat.search.optimize import optimize
 
 TINY = {"blocks": 2, "hidden": 64, "heads": 4, "seq": 16, "vocab": 128, "batch": 8}
@@ -197,7 +197,7 @@ def test_optimizer_splits_tiny_models_over_a_2x2_mesh(lib, name):
     sizes = {**TINY, "kv_heads": 2} if name == "llama" else TINY
     graph = build_example(name, sizes, lib)
     plan = optimize(graph, TWO_BY_TWO, lib, devices=4, baselines=False, degrees=TWO_BY_TWO_DEGREES)
-    lay_out(plan.pcg, lib.ops)                       # the backend can place every piece
+    derive_placements(plan.pcg, lib.ops)                       # the backend can place every piece
     axes = {dict(n.attrs).get("axis") for n in plan.pcg.nodes if n.kind == "parallel"}
     assert plan.pcg.mesh.shape == (2, 2) and axes == set(plan.pcg.mesh.names), (plan.pcg.mesh, axes)
 

@@ -13,7 +13,7 @@ import parsat  # noqa: E402
 from parsat.dsl.library import load_library  # noqa: E402
 from parsat.ir.models import build_example  # noqa: E402
 from parsat.ir.pcg import PCG  # noqa: E402
-from parsat.ir.pcg_layout import lay_out  # noqa: E402
+from parsat.ir.pcg_placement import derive_placements  # noqa: E402
 from parsat.dsl.parallel_ops import PARALLEL_OPS  # noqa: E402
 from parsat.search.repeat import (OUTSIDE, REPEATED, RepeatError, Repetition, block_of, class_blocks,  # noqa: E402
                                     conversions, node_blocks, stamp, value_names, weigh)
@@ -56,7 +56,7 @@ def test_repeated_plan_reads_every_leaf_and_lays_out(plans):
     leaves = {n.op: n.shape for n in repeated.pcg.nodes if n.kind == "leaf"}
     assert leaves == {leaf.name: tuple(leaf.shape) for leaf in repeated.graph.leaves}
     assert {block_of(n.origin) for n in repeated.pcg.nodes if n.origin} >= set(range(5))
-    lay_out(repeated.pcg, LIBRARY.ops)   # raises PlacementError if a node's placement does not follow
+    derive_placements(repeated.pcg, LIBRARY.ops)   # raises PlacementError if a node's placement does not follow
 
 
 def test_repeated_plan_trains_like_one_process(plans):

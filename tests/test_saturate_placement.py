@@ -19,7 +19,7 @@ from parsat.dsl.typecheck import type_rule
 from parsat.ir.mesh import Mesh
 from parsat.ir.models import build_example
 from parsat.ir.pcg import PCG, Degrees, PNode
-from parsat.ir.pcg_layout import lay_out
+from parsat.ir.pcg_placement import derive_placements
 from parsat.ir.placement import FREE, PARTIAL, REPLICA, Placement, PlacementError, codes_for_rank, shard
 from parsat.egraph import program as rule_program
 from parsat.egraph.lifting import NotLiftable, assignments, lift
@@ -97,7 +97,7 @@ def test_rules_nest_over_two_axes_and_every_plan_lays_out(library):
     plan = optimize("transformer", devices=4, machine="h100x8", allow_unverified=True)
     assert "unplaceable" not in plan.to_dict()["extraction"]
     for pcg in [plan.pcg] + [b.pcg for b in plan.baseline_plans.values()]:
-        lay_out(pcg, library.ops)
+        derive_placements(pcg, library.ops)
 
 
 @pytest.fixture
@@ -128,8 +128,8 @@ def data_parallel_matmul(library):
 
 def test_lay_out_names_the_node_whose_inputs_do_not_line_up(library, data_parallel_matmul):
     with pytest.raises(PlacementError, match=r"at node #3, matmul: on mesh axis 0: matmul: inputs are split"):
-        lay_out(data_parallel_matmul(aligned=False), library.ops)
-    placements = lay_out(data_parallel_matmul(aligned=True), library.ops)
+        derive_placements(data_parallel_matmul(aligned=False), library.ops)
+    placements = derive_placements(data_parallel_matmul(aligned=True), library.ops)
     assert placements[4] == Placement((shard(0), FREE))
 
 
@@ -139,9 +139,9 @@ def test_a_plan_whose_stated_placement_is_not_its_layout_is_refused(library, dat
                                                 placement=Placement((FREE, shard(0))))
                       for n in pcg.nodes), pcg.outputs, pcg.output_names, pcg.mesh)
     with pytest.raises(PlacementError, match=r"at node #1, partition\(dim=0, axis=dp, degree=2\): the plan states"):
-        lay_out(wrong, library.ops)
+        derive_placements(wrong, library.ops)
     wrong = PCG(tuple(n if n.id != 1 else PNode(1, n.kind, n.op, n.inputs, n.attrs, n.shape, Degrees((1, 2)),
                                                 placement=n.placement)
                       for n in pcg.nodes), pcg.outputs, pcg.output_names, pcg.mesh)
     with pytest.raises(PlacementError, match=r"states spread"):
-        lay_out(wrong, library.ops)
+        derive_placements(wrong, library.ops)

@@ -10,7 +10,14 @@ autograd-aware collectives on them),
 as training steps on every rank, checked against one process), `cli`
 (`parsat run`, `parsat calibrate`), `calibrate` (this machine's speeds for
 the cost model), `parallelize` (a user's module run as a plan, fed from its
-import: a torch `nn.Module` as a parsat graph is `parsat.importer`'s).
+import: a torch `nn.Module` as a parsat graph is `parsat.importer`'s),
+`running_stats` (batch norm's running statistics kept as torch keeps
+them), `training_data` (seeded weights, inputs and targets, cut into
+micro-batches; the objective), `plan_check` (a plan computes what its own
+graph computes, checked before any rank starts), `recompute_regions` (the
+order a rank runs its part of a PCG in, each recomputed block one
+checkpointed region), `pipeline_run` (a pipelined plan: each stage's
+chunks on its own ranks, micro-batches moved point to point).
 
 It reads plans through `parsat.ir` (docs/plan-schema.md) and nothing of the
 optimizer.

@@ -7,7 +7,7 @@ step), so every rank and the single-process reference see the same values
 without communication; a compute node runs the torch op on local pieces
 (`torch_ops`); a parallel node runs its collective on its mesh axis's
 group (`collectives.parallel_op`). Every node's placement is derived once,
-before any rank starts (`ir.pcg_layout.lay_out`: the pieces of a compute
+before any rank starts (`ir.pcg_placement.derive_placements`: the pieces of a compute
 node's inputs line up, and each placement is the one the plan states), so
 a plan the backend would run differently from what the optimizer costed
 is refused, not run.
@@ -92,7 +92,7 @@ from parsat.ir.microbatch import StepBatch, step_batch
 from parsat.ir.placement import FREE, PARTIAL, Placement, PlacementError, piece_index
 from parsat.ir.graph import Graph
 from parsat.ir.pcg import PCG, PNode, weight_chains, weight_storage
-from parsat.ir.pcg_layout import lay_out
+from parsat.ir.pcg_placement import derive_placements
 
 OPTIMIZERS = ("sgd", "adam")
 
@@ -928,7 +928,7 @@ def check_mesh(pcg: PCG, nproc: int, library: Library | None = None) -> dict[int
         raise ExecutionError(f"the plan runs on {what}, but --nproc is {nproc}: start as many ranks as the mesh "
                              "has devices")
     try:
-        return lay_out(pcg, (library or operator_library()).ops)
+        return derive_placements(pcg, (library or operator_library()).ops)
     except PlacementError as err:
         raise ExecutionError(f"the plan cannot run on its mesh ({mesh or 'one device'}): {err}") from None
 

@@ -17,7 +17,7 @@ Conventions (docs/plan-schema.md repeats them):
   sharded (no communication at all) where that partition is its only
   reader; a weight read through `replicate` needs its gradient all-reduced
   every step: the gradient synchronisation. A partition of a weight that
-  is not stored in the partition's layout (read after a replicate or an
+  is not stored in the partition's placement (read after a replicate or an
   all_gather, or beside another reader) slices it and gathers the gradient
   back in backward, as for an activation.
 * Collectives are priced as NCCL runs them (`cost.collectives`: ring,
@@ -37,7 +37,7 @@ Conventions (docs/plan-schema.md repeats them):
   piece, in the compute dtype), and for weights the bytes per parameter of
   the machine's precision with Adam (`ir.precision`: 16 in fp32 and in bf16
   with fp32 master weights and moments), charged to the node that reads the
-  weight leaf in the layout it reads it.
+  weight leaf in the placement it reads it.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def _collective(machine: Machine, kind: str, group: GroupTopology, n: int) -> tu
 def compute_time(instance: OpInstance, inputs: Sequence[Degrees], output: Degrees,
                  machine: Machine) -> tuple[OpTime, tuple[str, ...]]:
     """A compute operator's time on its local pieces, and the problems spread inference found (if any)."""
-    inferred = infer_compute(instance, [l.to_spread() for l in inputs])
+    inferred = infer_compute(instance, [l.to_symbolic() for l in inputs])
     problems = list(inferred.problems)
     got = Degrees.of(inferred.spread)
     if not problems and got != output:
@@ -133,7 +133,7 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
       (ZeRO-3 / FSDP: an all_gather of a stored shard gathers it forward and
       again backward, and reduce-scatters the gradient);
     * "weight-value": a weight's value made by other parallel operators
-      (replicate, all_gather): not stored in this layout, so a partition of
+      (replicate, all_gather): not stored in this placement, so a partition of
       it slices it and gathers the gradient in backward, as for an
       activation; a replicate or all_gather of it synchronises its gradient;
     * "": an activation: each operator's collectives as in docs/ARCHITECTURE.md.
@@ -172,7 +172,7 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
 class _Move:
     """What a parallel operator's collectives and memory depend on besides the operator: the axis's degree, the
     tensor's spread before and after (and the elements of one piece of each), whether it reads a weight, and
-    whether it slices a weight not stored in its layout (a partition that is not the weight's storage)."""
+    whether it slices a weight not stored in its placement (a partition that is not the weight's storage)."""
 
     degree: int
     source: Degrees
@@ -221,12 +221,12 @@ class _Comm:
 
 
 def _parallel_memory(op: str, source_role: str, stores: bool, move: _Move, machine: Machine) -> _Held:
-    """What a parallel operator keeps: a weight stored in its layout (its training state and update), a finer
+    """What a parallel operator keeps: a weight stored in its placement (its training state and update), a finer
     storage of a stored piece (the state shrinks), an activation kept for backward, the slice of a weight not
     stored so, a gathered weight kept until backward (and its gradient accumulated whole)."""
     memory, activation, accumulation, opt = 0, 0, 0, 0.0
     out_piece, in_piece = move.out_piece, move.in_piece
-    if source_role == WEIGHT and op in (PARTITION, REPLICATE):   # the weight is stored in this layout
+    if source_role == WEIGHT and op in (PARTITION, REPLICATE):   # the weight is stored in this placement
         memory = out_piece * weight_bytes(machine)
         opt = out_piece * update_traffic_bytes(machine) / machine.memory_bandwidth
     elif source_role == WEIGHT_PIECE and op == PARTITION and stores:   # stored finer: the state shrinks

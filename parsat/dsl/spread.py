@@ -1,6 +1,6 @@
 """How a tensor is spread over devices, and how operators change it.
 
-A parallel tensor is a logical tensor plus a `Spread`: a shard degree per
+A parallel tensor is a logical tensor plus a `SymbolicDegrees`: a shard degree per
 dim, a copy degree and a partial-sum degree (FlexFlow's parallel tensor
 shape, OneFlow's SBP, DTensor's Shard/Replicate/Partial). It has
 `prod(shard) * copy * sum` pieces, one per device.
@@ -34,7 +34,7 @@ from parsat.dsl.parallel_ops import COMBINE, PARALLEL_OPS, PARTITION, REDUCE, RE
 from parsat.dsl.symbolic import ONE, Poly
 
 @dataclass(frozen=True)
-class Spread:
+class SymbolicDegrees:
     """Per-dim shard degrees, copy degree, partial-sum degree."""
 
     shard: tuple[Poly, ...]
@@ -42,8 +42,8 @@ class Spread:
     sum: Poly = ONE
 
     @staticmethod
-    def whole(rank: int) -> "Spread":
-        return Spread(tuple(ONE for _ in range(rank)))
+    def whole(rank: int) -> "SymbolicDegrees":
+        return SymbolicDegrees(tuple(ONE for _ in range(rank)))
 
     @property
     def pieces(self) -> Poly:
@@ -65,7 +65,7 @@ class Spread:
         return ", ".join(parts)
 
 
-class SpreadError(Exception):
+class DegreesError(Exception):
     """An operator applied to a spread it does not accept."""
 
     def __init__(self, message: str, node: ast.Expr | None = None):
@@ -76,8 +76,8 @@ class SpreadError(Exception):
 # ------------------------------------------------------------ parallel operators
 
 
-def apply_parallel(name: str, shape: Sequence[Poly], spread: Spread, dim: int | None, degree: Poly,
-                   span: ast.Span | None) -> tuple[Spread, list[Cond]]:
+def apply_parallel(name: str, shape: Sequence[Poly], spread: SymbolicDegrees, dim: int | None, degree: Poly,
+                   span: ast.Span | None) -> tuple[SymbolicDegrees, list[Cond]]:
     """The spread after a parallel operator, and what it requires to be defined (a fused operator: its steps,
     `dsl.parallel_ops`, in turn)."""
     steps = PARALLEL_OPS[name].steps if name in PARALLEL_OPS else ()
@@ -90,7 +90,7 @@ def apply_parallel(name: str, shape: Sequence[Poly], spread: Spread, dim: int | 
         return spread, needs
     if name in (PARTITION, COMBINE):
         if dim is None or not 0 <= dim < len(shape):
-            raise SpreadError(f"{name}: dim {dim} is out of range for a tensor of rank {len(shape)}")
+            raise DegreesError(f"{name}: dim {dim} is out of range for a tensor of rank {len(shape)}")
         shard = list(spread.shard)
         if name == PARTITION:
             shard[dim] = shard[dim] * degree
@@ -100,13 +100,13 @@ def apply_parallel(name: str, shape: Sequence[Poly], spread: Spread, dim: int | 
             need = [divides(degree, shard[dim], span,
                             f"combine: degree {degree} must divide the shard degree {shard[dim]} of dim {dim}")]
             shard[dim] = shard[dim].floordiv(degree)
-        return Spread(tuple(shard), spread.copy, spread.sum), need
+        return SymbolicDegrees(tuple(shard), spread.copy, spread.sum), need
     if name == REPLICATE:
-        return Spread(spread.shard, spread.copy * degree, spread.sum), []
+        return SymbolicDegrees(spread.shard, spread.copy * degree, spread.sum), []
     if name == REDUCE:
         need = [divides(degree, spread.sum, span,
                         f"reduce: degree {degree} must divide the partial-sum degree {spread.sum}")]
-        return Spread(spread.shard, spread.copy, spread.sum.floordiv(degree)), need
+        return SymbolicDegrees(spread.shard, spread.copy, spread.sum.floordiv(degree)), need
     raise KeyError(name)
 
 
@@ -114,10 +114,10 @@ def apply_parallel(name: str, shape: Sequence[Poly], spread: Spread, dim: int | 
 
 
 @dataclass(frozen=True)
-class ComputeSpread:
+class ComputeDegrees:
     """The result of spread inference for one compute operator."""
 
-    spread: Spread
+    spread: SymbolicDegrees
     var_degrees: dict = field(hash=False)  # index variable -> degree (Poly)
     problems: tuple[str, ...] = ()          # non-empty: the op does not accept the spread
     requires: tuple[Cond, ...] = ()         # each sharded index range splits into equal blocks
@@ -150,7 +150,7 @@ class _IndexReads:
     legal_when: tuple[Cond, ...]           # the block reads tile their sharded dims only where these hold
 
 
-def infer_compute(instance: OpInstance, inputs: Sequence[Spread]) -> ComputeSpread:
+def infer_compute(instance: OpInstance, inputs: Sequence[SymbolicDegrees]) -> ComputeDegrees:
     """Output spread of a compute op on inputs with the given spreads.
 
     Problems are collected rather than raised, so that the verifier can
@@ -168,7 +168,7 @@ def infer_compute(instance: OpInstance, inputs: Sequence[Spread]) -> ComputeSpre
     requires = tuple(divides(degree, bounds[var], None, f"{instance.name}: index '{_pretty(var)}' (range "
                                                      f"{bounds[var]}) must split into {degree} equal blocks")
                      for var, degree in degrees.items() if degree != ONE and var in bounds)
-    return ComputeSpread(spread, degrees, tuple(problems), requires, reads.legal_when)
+    return ComputeDegrees(spread, degrees, tuple(problems), requires, reads.legal_when)
 
 
 def _read_indices(instance: OpInstance, by_name: dict, bounds_vars: set[str], bounds: dict,
@@ -225,7 +225,7 @@ def _index_degrees(instance: OpInstance, constraints: dict, bounds_vars: set[str
     return degrees
 
 
-def _check_local_view(instance: OpInstance, inputs: Sequence[Spread], degrees: dict, bounds_vars: set[str],
+def _check_local_view(instance: OpInstance, inputs: Sequence[SymbolicDegrees], degrees: dict, bounds_vars: set[str],
                       block_reads: frozenset[int], problems: list[str]) -> None:
     """Appends to `problems` every use of a sharded index or size as a value: a local piece sees local
     positions and sizes there, not the global ones the semantics means."""
@@ -243,7 +243,7 @@ def _check_local_view(instance: OpInstance, inputs: Sequence[Spread], degrees: d
                         "its value, which a local piece would see as its local size")
 
 
-def _output_partial_degree(instance: OpInstance, by_name: dict, inputs: Sequence[Spread], degrees: dict,
+def _output_partial_degree(instance: OpInstance, by_name: dict, inputs: Sequence[SymbolicDegrees], degrees: dict,
                            problems: list[str]) -> Poly:
     """The output's partial-sum degree; when the op is not linear in a partial quantity, appends that to
     `problems` and returns the degree a naive piece-by-piece run would claim, for the verifier to replay."""
@@ -259,8 +259,8 @@ def _output_partial_degree(instance: OpInstance, by_name: dict, inputs: Sequence
     return partial
 
 
-def _output_spread(instance: OpInstance, inputs: Sequence[Spread], degrees: dict, partial: Poly,
-                   problems: list[str]) -> Spread:
+def _output_spread(instance: OpInstance, inputs: Sequence[SymbolicDegrees], degrees: dict, partial: Poly,
+                   problems: list[str]) -> SymbolicDegrees:
     """The output's spread: sharded by its index variables' degrees, with the copy degree what the inputs'
     pieces leave; appends to `problems` inputs in different numbers of pieces, or pieces the output cannot
     fill evenly."""
@@ -278,10 +278,10 @@ def _output_spread(instance: OpInstance, inputs: Sequence[Spread], degrees: dict
         problems.append(f"{instance.name}: {total} pieces cannot hold an output sharded "
                         f"[{', '.join(str(d) for d in shard)}] with partial-sum degree {partial}")
         copy = total.floordiv(used)
-    return Spread(shard, copy, partial)
+    return SymbolicDegrees(shard, copy, partial)
 
 
-def block_read(access: ast.Access, position: int, spread: Spread, instance: OpInstance,
+def block_read(access: ast.Access, position: int, spread: SymbolicDegrees, instance: OpInstance,
                    bounds: dict) -> tuple[str, tuple[str, ...]] | None:
     """The leading index of a dim read block by block through an expression.
 

@@ -18,7 +18,7 @@ from parsat.dsl import ast
 from parsat.dsl.conditions import Cond, NotAnInteger, divides, to_cond, to_poly
 from parsat.dsl.instantiate import InstantiationError, OpInstance, instantiate
 from parsat.dsl.parallel_ops import PARALLEL_OPS
-from parsat.dsl.spread import Spread, SpreadError, apply_parallel, infer_compute
+from parsat.dsl.spread import SymbolicDegrees, DegreesError, apply_parallel, infer_compute
 from parsat.dsl.symbolic import Poly
 
 
@@ -40,13 +40,13 @@ class TypedTerm:
     name: str  # metavariable or operator name
     args: tuple["TypedTerm", ...]
     shape: tuple[Poly, ...]
-    spread: Spread
+    spread: SymbolicDegrees
     instance: OpInstance | None = None
     dim: int | None = None
     degree: Poly | None = None
     var_degrees: Mapping[str, Poly] = field(default_factory=dict, hash=False)
     problems: tuple[str, ...] = ()
-    legal_when: tuple[Cond, ...] = ()  # the spread is legal only where these hold (`ComputeSpread.legal_when`)
+    legal_when: tuple[Cond, ...] = ()  # the spread is legal only where these hold (`ComputeDegrees.legal_when`)
 
     def walk(self) -> Iterator["TypedTerm"]:
         yield self
@@ -143,7 +143,7 @@ class _RuleTyper:
         self.env: dict[str, Poly] = {}
         self.requires: list[Cond] = []
         self.known: Mapping[int, tuple[TypedTerm, tuple[Cond, ...]]] = {}   # see TermTyper
-        self.input_spreads: dict[str, Spread] = {}  # metavariables that arrive spread (see type_rule)
+        self.input_spreads: dict[str, SymbolicDegrees] = {}  # metavariables that arrive spread (see type_rule)
 
     # ------------------------------------------------------------ binders
     def bind(self) -> None:
@@ -197,7 +197,7 @@ class _RuleTyper:
             if expr.id in self.tensors:
                 shape = self.tensors[expr.id]
                 return TypedTerm(expr, "input", expr.id, (), shape,
-                                 self.input_spreads.get(expr.id) or Spread.whole(len(shape)))
+                                 self.input_spreads.get(expr.id) or SymbolicDegrees.whole(len(shape)))
             if expr.id in self.symbols or expr.id in self.reals:
                 raise TypeCheckError("sort", f"'{expr.id}' is a {self.symbols.get(expr.id, 'real')}, not a tensor", expr)
             raise TypeCheckError("unbound", f"unknown metavariable '{expr.id}' (declare it after 'forall')", expr)
@@ -231,7 +231,7 @@ class _RuleTyper:
                                  expr.args[-1])
         try:
             spread, needs = apply_parallel(expr.func, source.shape, source.spread, dim, degree, expr.span)
-        except SpreadError as err:
+        except DegreesError as err:
             raise TypeCheckError("attribute", str(err), expr.args[1]) from None
         self.requires.extend(needs)
         return TypedTerm(expr, "parallel", expr.func, (source,), source.shape, spread, dim=dim, degree=degree)
@@ -296,7 +296,7 @@ def _suggest(name: str, known: Mapping[str, object]) -> str:
 
 
 def type_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], groups: Mapping[str, int],
-              input_spreads: Mapping[str, Spread] | None = None) -> RuleInstance:
+              input_spreads: Mapping[str, SymbolicDegrees] | None = None) -> RuleInstance:
     """Type both sides of `rule` for one assignment of group lengths.
 
     Metavariables are whole tensors, unless `input_spreads` says one

@@ -159,8 +159,8 @@ def graph_program(graph: Graph, ops: Mapping[str, ast.OpDecl],
                   pins: Mapping[str, Degrees] | None = None) -> tuple[str, dict[str, str]]:
     """One `let` per leaf and per operator (a DAG, not a tree), with analysis rows.
 
-    `pins` fixes layouts: for an output, the parallel terms that bring it to
-    that layout are added and become the extraction root ("pin:NAME"); for a
+    `pins` fixes placements: for an output, the parallel terms that bring it to
+    that placement are added and become the extraction root ("pin:NAME"); for a
     graph input, the input *arrives* in that layout: its parallel terms are
     unioned with a second leaf `Leaf "NAME@pinned"` (free), so the whole
     input is what costs a gather. Returns the text and, for each graph

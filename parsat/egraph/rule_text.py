@@ -14,7 +14,7 @@
   have at most `devices` pieces, dividing `devices`: the device budget.
   Because parallel terms are never whole, a rule never nests on its own
   output, so saturation of the parallel rules terminates.
-* The degrees at which the rule keeps the device layout (`guards`) become a
+* The degrees at which the rule keeps the devices' placements (`guards`) become a
   relation the rule joins with.
 
 Which instances are written is `instances`' choice; `program` assembles them.

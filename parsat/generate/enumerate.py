@@ -12,7 +12,7 @@ The vocabulary is generic, not tuned to any rule:
   `x, y, u: [m, k]` (enough for the associativity of a binary operator) and,
   when a contraction (matmul) is asked for, a chain `w, v: [k, n]`,
   `t: [n, r]`.
-- Spread inputs are leaves: a parallel operator applied directly to an input
+- Spread (split) inputs are leaves: a parallel operator applied directly to an input
   (`partition(x, 0, p)`, `replicate(w, p * q)`) is an input that arrives
   already spread over devices, as in Unity's parallel tensors, and does not
   count toward the operator budget. Without this, a data-, column- or

@@ -1,4 +1,4 @@
-"""parsat.ir: the data every stage shares: graphs, PCGs, plans, machines, placements (docs/ARCHITECTURE.md).
+"""parsat.ir: the data every stage shares: graphs, PCGs, plans, machines, placements, degrees (docs/ARCHITECTURE.md).
 
 Modules:
 `graph` (the computation graph to optimize, shapes inferred; `GraphBuilder`),
@@ -7,14 +7,22 @@ presets), `machine_profile` (operator efficiency and measured collectives
 of a machine file), `precision` (training precisions, bytes per parameter,
 ZeRO), `pcg` (the Parallel Computation Graph; a node's `Degrees`),
 `placement` (which mesh atoms hold which piece: `Placement`),
-`pcg_layout` (a PCG laid out on ranks, or the node that cannot be),
-`data_parallel` (the textbook data-parallel PCG), `costs` (the cost
-records a plan carries), `plan` (the plan, its JSON and `explain`),
+`mesh` (the ranks of a job as named axes that follow the machine),
+`pcg_placement` (every node's placement derived again and checked, or
+the node that cannot be placed), `parallelism` (the kinds of parallelism
+a plan's mesh axes amount to), `data_parallel` (the textbook
+data-parallel PCG), `costs` (the cost records a plan carries), `plan`
+(the plan and its JSON; `parsat.report` presents it), `microbatch` (how a
+step's batch is cut into micro-batches), `blocks` (which block of a stack
+a value belongs to), `recompute` (which values a plan drops after forward
+and computes again), `pipeline` (a PCG cut into stages, their schedule
+and its simulation),
 `validate` (the JSON schemas, their structural checks, a plan's nodes
 against the operator library, machines' ranges), `json_files` (reading
 user files safely), `instance` (an operator at concrete shapes), `budget`
 (how large a graph may grow, and until when, under the search's limits),
-`errors` (GraphError, MachineError, PlanError).
+`errors` (GraphError, MachineError, PlanError, and OptimizeError with
+DoesNotFit: the errors every stage shares).
 
 The JSON forms are docs/graph-schema.md and docs/plan-schema.md. Importing
 this package imports neither torch, z3 nor egglog.

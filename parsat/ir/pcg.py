@@ -8,9 +8,9 @@ shape, its `Placement` (one entry per mesh axis: where its pieces live,
 docs/MESH.md) and its `Degrees`: the integer shard degree per dim, copy
 degree and partial-sum degree that the placement amounts to (the plan
 JSON's `spread`; `Degrees.of` is the one conversion from a symbolic
-`dsl.spread.Spread`, `Degrees.of_placement` the one from a placement).
+`dsl.spread.SymbolicDegrees`, `Degrees.of_placement` the one from a placement).
 Placements are not computed here: they come from the e-graph analysis, and
-`pcg_layout.lay_out` checks that every node's follows from its inputs.
+`pcg_placement.derive_placements` checks that every node's follows from its inputs.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from math import prod
 from typing import Iterator, Mapping
 
 from parsat.dsl.parallel_ops import PARTITION
-from parsat.dsl.spread import Spread
+from parsat.dsl.spread import SymbolicDegrees
 from parsat.dsl.symbolic import Poly
 from parsat.ir.mesh import Mesh
 from parsat.ir.placement import Placement
@@ -38,7 +38,7 @@ class Degrees:
         return Degrees(tuple(1 for _ in range(rank)))
 
     @staticmethod
-    def of(spread: Spread, sizes: Mapping[str, int] | None = None) -> "Degrees":
+    def of(spread: SymbolicDegrees, sizes: Mapping[str, int] | None = None) -> "Degrees":
         """A symbolic spread's degrees at `sizes` (its symbols' values; none needed when it is concrete)."""
         env = dict(sizes or {})
         return Degrees(tuple(int(d.evaluate(env)) for d in spread.shard), int(spread.copy.evaluate(env)),
@@ -61,8 +61,8 @@ class Degrees:
         """Elements of one local piece."""
         return prod(shape) // prod(self.shard) if shape else 1
 
-    def to_spread(self) -> Spread:
-        return Spread(tuple(Poly.const(d) for d in self.shard), Poly.const(self.copy), Poly.const(self.sum))
+    def to_symbolic(self) -> SymbolicDegrees:
+        return SymbolicDegrees(tuple(Poly.const(d) for d in self.shard), Poly.const(self.copy), Poly.const(self.sum))
 
     def to_dict(self) -> dict:
         return {"shard": list(self.shard), "copy": self.copy, "sum": self.sum}

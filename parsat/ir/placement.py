@@ -35,7 +35,7 @@ from math import prod
 from typing import Mapping, Sequence
 
 from parsat.dsl.instantiate import OpInstance
-from parsat.dsl.spread import ONE, Spread, infer_compute
+from parsat.dsl.spread import ONE, SymbolicDegrees, infer_compute
 from parsat.dsl.parallel_ops import COMBINE, PARALLEL_OPS, PARTITION, REDUCE, REPLICATE
 from parsat.dsl.symbolic import Poly
 from parsat.ir.mesh import Mesh
@@ -79,23 +79,23 @@ def code_short(code: int) -> str:
 # ------------------------------------------------------------ one axis at a time
 
 
-def code_spread(code: int, rank: int) -> Spread | None:
+def code_spread(code: int, rank: int) -> SymbolicDegrees | None:
     """The single-axis spread of a code (None: a shard of a dim the tensor lacks)."""
     ones = [ONE] * rank
     if code == FREE:
-        return Spread(tuple(ones))
+        return SymbolicDegrees(tuple(ones))
     if code == REPLICA:
-        return Spread(tuple(ones), AXIS_DEGREE, ONE)
+        return SymbolicDegrees(tuple(ones), AXIS_DEGREE, ONE)
     if code == PARTIAL:
-        return Spread(tuple(ones), ONE, AXIS_DEGREE)
+        return SymbolicDegrees(tuple(ones), ONE, AXIS_DEGREE)
     dim = shard_dim(code)
     if dim is None or dim >= rank:
         return None
     ones[dim] = AXIS_DEGREE
-    return Spread(tuple(ones))
+    return SymbolicDegrees(tuple(ones))
 
 
-def spread_code(spread: Spread) -> int | None:
+def spread_code(spread: SymbolicDegrees) -> int | None:
     """The code of a single-axis spread; None if it is not one (two factors of the axis size)."""
     factors = [(shard(i), d) for i, d in enumerate(spread.shard)] + [(REPLICA, spread.copy), (PARTIAL, spread.sum)]
     used = [(c, d) for c, d in factors if d != ONE]

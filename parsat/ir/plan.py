@@ -75,7 +75,7 @@ class Plan:
     rules_used: tuple[str, ...] = ()
     saturation: Mapping = field(default_factory=dict)
     extraction: Mapping = field(default_factory=dict)
-    pinned: Mapping[str, Degrees] = field(default_factory=dict)   # tensor name -> pinned layout (inputs and outputs)
+    pinned: Mapping[str, Degrees] = field(default_factory=dict)   # tensor name -> pinned degrees (inputs and outputs)
     baseline_plans: Mapping[str, BaselinePlan] = field(default_factory=dict)  # baseline name -> its PCG
     pipeline: PipelinePlan | None = None   # the PCG cut into stages (the PCG is one stage mesh's plan)
 

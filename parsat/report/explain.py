@@ -124,7 +124,7 @@ def step_timeline(totals: Mapping) -> list[str]:
 
 
 def parallel_lines(data: Mapping, nodes: Mapping[int, Mapping], limit: int | None) -> list[str]:
-    """What parsat did: inputs read in another layout than they arrive in, then every parallel operator in
+    """What parsat did: inputs read in another placement than they arrive in, then every parallel operator in
     words (the first `limit`, after a one-line summary when there are more), and the rules used."""
     weights = {w["name"] for w in data["graph"].get("weights", [])}
     lines = []

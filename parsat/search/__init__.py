@@ -1,9 +1,12 @@
 """parsat.search: the joint search: saturate on every mesh, extract the cheapest plan, compare the baselines.
 
 Modules, in the order `optimize` uses them: `optimize` (the entry point:
-unstaged or pipelined, the micro-batch counts, one search per step),
-`inputs` (the graph, device count and pins, checked), `deadline` (the one
-time limit every search of a call shares), `solve` (price every e-node,
+unstaged or pipelined), `request` (the call's inputs resolved once:
+`SearchRequest`; one step's: `StepContext`), `inputs` (the graph, device
+count and pins, checked), `deadline` (the one time limit every search of
+a call shares), `microbatches` (the micro-batch counts the batch needs),
+`step` (one step: every mesh, the baselines, the plan), `mesh` (one
+mesh: saturate, price, extract), `solve` (price every e-node,
 extract, build the PCG), `extract` (bottom-up, greedy DAG and ILP
 extraction), `repeat` (repeated blocks searched once, stamped N times),
 `recompute` (activation recomputation priced in the search),

@@ -58,12 +58,12 @@ class Candidate:
     config: Mapping | None = None    # best_grid: the configuration it chose (`strategies.Config.spelled`)
 
 
-def data_parallel(graph: Graph, library: Library, machine: Machine, free_input_layouts: bool,
+def data_parallel(graph: Graph, library: Library, machine: Machine, free_input_placements: bool,
                   devices: int) -> Candidate | None:
     """The data-parallel PCG priced; None where it does not apply (a batch that does not split, an operator
     that refuses the spread)."""
     pcg = data_parallel_pcg(graph, library, devices, machine.devices_per_node)
-    costs = price_pcg(pcg, library, machine, free_input_layouts, graph.microbatches) if pcg is not None else None
+    costs = price_pcg(pcg, library, machine, free_input_placements, graph.microbatches) if pcg is not None else None
     if costs is None:
         return None
     return Candidate("data_parallel", pcg, costs, totals(costs, machine))
@@ -114,7 +114,7 @@ def pcg_to_graph(pcg: PCG, graph: Graph, library: Library, drop_parallel: bool =
 
 
 def sequential(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh: Mesh, limits: Limits,
-               machine: Machine, pins: Mapping[str, Placement], input_pins: Mapping[str, Degrees], free_inputs: bool,
+               machine: Machine, pins: Mapping[str, Placement], input_pins: Mapping[str, Degrees], free_input_placements: bool,
                say: Progress, caches: MeshCaches | None = None,
                repetition: Repetition | None = None) -> Candidate | None:
     """Algebraic rules saturated and extracted first (on one device), then parallel rules only, on `mesh`."""
@@ -124,14 +124,14 @@ def sequential(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], me
         first = saturate(graph, library, algebraic, 1, limits, None, rulesets=("alg",), caches=caches)
         roots = [first.classes[n] for n in graph.outputs]
         one = machine.with_devices(1)
-        pcg, _c, _e = solve(first, graph, library, one, roots, limits, free_inputs)
+        pcg, _c, _e = solve(first, graph, library, one, roots, limits, free_input_placements)
         middle = pcg_to_graph(pcg, graph, library)
         if any(n not in middle.shapes() for n in pins) or middle.outputs != graph.outputs:
             say("sequential baseline: none (the algebraic rewrite renamed a pinned tensor)")
             return None
         second = saturate(middle, library, parallel, mesh, limits, pins, rulesets=("par",), caches=caches)
         roots = [second.classes[f"pin:{n}"] if n in pins else second.classes[n] for n in middle.outputs]
-        spcg, scosts, _ = solve(second, middle, library, machine, roots, limits, free_inputs, pins=input_pins,
+        spcg, scosts, _ = solve(second, middle, library, machine, roots, limits, free_input_placements, pins=input_pins,
                                 repetition=repetition)
     except (ExtractionError, GraphError, OptimizeError, RepeatError) as err:
         say(f"sequential baseline: none ({err})")
@@ -143,7 +143,7 @@ GRID_ILP_SECONDS = 2.0   # each grid point's ILP: the grid has several points pe
 
 
 def best_grid(result: SaturationResult, graph: Graph, library: Library, machine: Machine, roots: Sequence[int],
-              limits: Limits, free_inputs: bool, priced: Mapping[NodeId, NodeCost],
+              limits: Limits, free_input_placements: bool, priced: Mapping[NodeId, NodeCost],
               input_pins: Mapping[str, Degrees], repetition: Repetition | None = None,
               recompute: str = NONE) -> Candidate | None:
     """The best Megatron-style configuration on this mesh's e-graph (`strategies.grid`: data x tensor axes,
@@ -165,7 +165,7 @@ def best_grid(result: SaturationResult, graph: Graph, library: Library, machine:
         excluded = config_excluded(result.snapshot, roles, config)
         try:
             keep(config, *solve(result, graph, library, machine, roots,
-                                replace(limits, ilp_seconds=min(limits.ilp_seconds, GRID_ILP_SECONDS)), free_inputs,
+                                replace(limits, ilp_seconds=min(limits.ilp_seconds, GRID_ILP_SECONDS)), free_input_placements,
                                 excluded, pins=input_pins, costs=priced, repetition=repetition,
                                 recompute=recompute)[:2])
         except ExtractionError:
@@ -178,7 +178,7 @@ def best_grid(result: SaturationResult, graph: Graph, library: Library, machine:
         for config, excluded in unfit:
             try:
                 keep(config, *solve(result, graph, library, roomy, roots, replace(limits, ilp_seconds=0.0),
-                                    free_inputs, excluded, pins=input_pins, costs=priced, repetition=repetition,
+                                    free_input_placements, excluded, pins=input_pins, costs=priced, repetition=repetition,
                                     recompute=recompute)[:2])
             except (ExtractionError, RepeatError):
                 continue

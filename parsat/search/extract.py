@@ -90,16 +90,16 @@ def leaf_roles(snapshot: Snapshot, graph: Graph) -> dict[int, str]:
 
 
 def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Machine,
-               free_input_layouts: bool = True, input_pins: Mapping[str, Degrees] | None = None) -> dict[NodeId, NodeCost]:
+               free_input_placements: bool = True, input_pins: Mapping[str, Degrees] | None = None) -> dict[NodeId, NodeCost]:
     """Every e-node priced by the cost model on the snapshot's mesh; e-nodes the model rejects are left out.
 
-    With `free_input_layouts` (the default) graph inputs may arrive in any
-    layout (the data loader reads the pieces each device needs); otherwise a
+    With `free_input_placements` (the default) graph inputs may arrive in any
+    placement (the data loader reads the pieces each device needs); otherwise a
     graph input arrives whole and replicating it is a broadcast. An input in
     `input_pins` arrives in that layout: reading it whole costs a gather.
     """
     roles = leaf_roles(snapshot, graph)
-    pricer = Pricer(library, machine, snapshot.mesh or Mesh(()), free_input_layouts, input_pins, graph.microbatches)
+    pricer = Pricer(library, machine, snapshot.mesh or Mesh(()), free_input_placements, input_pins, graph.microbatches)
     out: dict[NodeId, NodeCost] = {}
     for cid, nodes in snapshot.classes.items():
         if cid not in snapshot.shape:
@@ -129,9 +129,9 @@ class Pricer:
     an e-node assumes so, a PCG node knows).
     """
 
-    def __init__(self, library: Library, machine: Machine, mesh: Mesh, free_input_layouts: bool = True,
+    def __init__(self, library: Library, machine: Machine, mesh: Mesh, free_input_placements: bool = True,
                  input_pins: Mapping[str, Degrees] | None = None, microbatches: int = 1):
-        self.library, self.machine, self.mesh, self.free_inputs = library, machine, mesh, free_input_layouts
+        self.library, self.machine, self.mesh, self.free_input_placements = library, machine, mesh, free_input_placements
         self.input_pins = dict(input_pins or {})
         self.microbatches = microbatches   # every cost is per step: `NodeCost.per_step`
         self.cache: dict = {}
@@ -147,7 +147,7 @@ class Pricer:
         if key not in self.cache:
             if op in PARALLEL_OPS:
                 role = roles[0]
-                if role == INPUT and not self.free_inputs and op == REPLICATE:
+                if role == INPUT and not self.free_input_placements and op == REPLICATE:
                     role = "broadcast-input"
                 self.cache[key] = _parallel(op, GroupTopology.of_axis(self.mesh, axis),
                                             shape, child_degrees[0], degrees, self.machine, role, devices, stores)

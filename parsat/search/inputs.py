@@ -2,7 +2,7 @@
 
 A library (or `.rule` paths, or the shipped rules), a graph (or a graph
 JSON path, or a built-in example), the device count and the pinned
-layouts: each turned into the data model's form, or refused with a message
+degrees: each turned into the data model's form, or refused with a message
 that names what is wrong, so saturation never starts on input it cannot use.
 """
 
@@ -54,7 +54,7 @@ def check_devices(graph: Graph, devices: int) -> None:
 
 def check_pins(graph: Graph, outputs: Mapping[str, Degrees | Mapping] | None, inputs: Mapping[str, Degrees | Mapping] | None,
           devices: int) -> dict[str, Degrees]:
-    """Pinned layouts by tensor name, checked: outputs the plan must produce, inputs as they arrive."""
+    """Pinned degrees by tensor name, checked: outputs the plan must produce, inputs as they arrive."""
     out: dict[str, Degrees] = {}
     input_names = [l.name for l in graph.leaves if l.role == "input"]
     for kind, spreads, allowed in (("output", outputs, graph.outputs), ("input", inputs, input_names)):

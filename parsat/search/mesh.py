@@ -121,7 +121,7 @@ class Saturated:
 
 def search_mesh(step: StepContext, mesh: Mesh, config: Config | None, pins: Mapping[str, Placement],
                 clock: Deadline) -> MeshSearch:
-    """Saturate on one mesh, price every e-node, extract the joint plan (within `config`, pinned degrees, when
+    """Saturate on one mesh, price every e-node, extract the joint plan (within `config`, pinned parallel dims, when
     given) and the baselines that restrict the same e-graph (Megatron, the grid), all before `clock`'s deadline
     (extractions past it take the greedy passes only: a plan, never none). With repeated blocks, saturation
     sees the searched blocks and every plan is the whole model's (`repeat`).

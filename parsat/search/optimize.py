@@ -64,9 +64,9 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     `rules` a Library, `.rule` paths, or None for the shipped rules, of which
     `choose_rules` picks the ones saturation applies; `output_spreads` pins
     outputs (default: whole); `input_spreads` says how inputs arrive
-    (default: in whatever layout the plan wants, as a data loader can read
-    any slice; a pinned input read in another layout costs a gather).
-    `degrees` pins kinds of parallelism (`{"tp": 2, "dp": 4, "pp": 2}`:
+    (default: in whatever placement the plan wants, as a data loader can read
+    any slice; a pinned input read in another placement costs a gather).
+    `degrees` pins parallel dims, kinds of parallelism (`{"tp": 2, "dp": 4, "pp": 2}`:
     `strategies.pinned_meshes`) and searches the rest. A built-in example of
     more than three identical blocks is searched as three and the middle
     block's plan repeated (`repeat`), unless `repeat_blocks` is False.

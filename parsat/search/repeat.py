@@ -216,7 +216,7 @@ def stamp(pcg: PCG, repetition: Repetition, values: Mapping[int, str], convert: 
     block 2 reads that value of block 1 in another placement than block 1 read it of block 0 (extraction
     weighs block 0 once and block 1 N - 2 times, so their outputs may be laid out apart), `convert`
     (`conversions`) gives the parallel operators that move it into block 1's placement: they run between
-    every two copies (the PCG's layout check, `pcg_layout`, checks each placement again)."""
+    every two copies (the PCG's placement check, `pcg_placement`, checks each placement again)."""
     blocks = node_blocks(pcg)
     links = _link_copies(pcg, blocks, values, convert)
     stamped = _Copies(pcg, repetition.blocks, blocks, values, links).build()

@@ -86,7 +86,7 @@ class SearchRequest:
 
 def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mapping | None, devices: int | None, *,
                     choose_rules: RuleChooser = every_rule, output_spreads=None, input_spreads=None,
-                    free_input_layouts: bool = True, baselines: bool = True, sizes: Mapping[str, int] | None = None,
+                    free_input_placements: bool = True, baselines: bool = True, sizes: Mapping[str, int] | None = None,
                     degrees: Mapping[str, int] | None = None, progress: Progress | None = None,
                     repeat_blocks: bool = True, recompute: str = AUTO,
                     caches: MeshCaches | None = None) -> SearchRequest:
@@ -115,7 +115,7 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
     chosen = tuple(chosen)
     say(f"{len(chosen)} rules; {note}")
     return SearchRequest(graph, whole, library, chosen, note, base.with_devices(count), count, limits, sizes,
-                         example_batch(graph, sizes), dims, pp, output_spreads, input_spreads, free_input_layouts,
+                         example_batch(graph, sizes), dims, pp, output_spreads, input_spreads, free_input_placements,
                          baselines, repeat_blocks, recompute, caches or MeshCaches(), say)
 
 

@@ -31,7 +31,7 @@ from parsat.egraph.snapshot import Snapshot, parallel_attrs
 
 
 def solve(result: SaturationResult, graph: Graph, library: Library, machine: Machine, roots: Sequence[int],
-          limits: Limits, free_inputs: bool, exclude=None, pins: Mapping[str, Degrees] | None = None,
+          limits: Limits, free_input_placements: bool, exclude=None, pins: Mapping[str, Degrees] | None = None,
           costs: Mapping[NodeId, NodeCost] | None = None,
           repetition: Repetition | None = None, in_flight: int = 1,
           recompute: str = NONE) -> tuple[PCG, dict[int, NodeCost], Extraction]:
@@ -46,53 +46,53 @@ def solve(result: SaturationResult, graph: Graph, library: Library, machine: Mac
     `recompute` is the activation-recomputation policy the plan runs with (`ir.recompute`); `costs`, when
     given, must be priced under it (`price`)."""
     if costs is None:
-        costs = price(result, graph, library, machine, free_inputs, pins, repetition, roots, recompute)
+        costs = price(result, graph, library, machine, free_input_placements, pins, repetition, roots, recompute)
     ranked = costs if in_flight == 1 else {k: c.with_in_flight(in_flight) for k, c in costs.items()}
     extraction = extract(result.snapshot, ranked, roots, machine.memory_capacity, limits.ilp_seconds, exclude)
     pcg, ident = pcg_from_extraction(result, extraction, graph, library, roots, graph.outputs)
     pcg = replace(pcg, recompute=recompute)
     if recompute != NONE and repetition is None:   # the PCG's own readers say what is kept (`search.recompute`)
-        priced = price_pcg(pcg, library, machine, free_inputs, graph.microbatches, pins)
+        priced = price_pcg(pcg, library, machine, free_input_placements, graph.microbatches, pins)
         if priced is not None:
             return pcg, priced, extraction
     if repetition is not None:
         names = value_names(result.snapshot, result.classes)
         pcg = stamp(pcg, repetition, {ident[c]: name for c, name in names.items() if c in ident},
                     conversions(result.snapshot, names))
-        priced = price_pcg(pcg, library, machine, free_inputs, graph.microbatches, pins)
+        priced = price_pcg(pcg, library, machine, free_input_placements, graph.microbatches, pins)
         if priced is None:
             raise RepeatError("the repeated plan has a node the cost model cannot price")
         return pcg, priced, extraction
     by_class = {ident[c]: costs[(c, i)] for c, i in extraction.choice.items()}
     # An e-node prices a partition of a weight as its storage, not knowing the weight's other readers: the
     # PCG's parallel nodes are priced again knowing them, so the plan's figures are what the backend runs.
-    readers = price_pcg(pcg, library, machine, free_inputs, graph.microbatches, pins,
+    readers = price_pcg(pcg, library, machine, free_input_placements, graph.microbatches, pins,
                         only=lambda node: node.kind == "parallel")
     return pcg, {**by_class, **(readers or {})}, extraction
 
 
-def price(result: SaturationResult, graph: Graph, library: Library, machine: Machine, free_inputs: bool,
+def price(result: SaturationResult, graph: Graph, library: Library, machine: Machine, free_input_placements: bool,
           pins: Mapping[str, Degrees] | None, repetition: Repetition | None = None, roots: Sequence[int] = (),
           recompute: str = NONE, raw: Mapping[NodeId, NodeCost] | None = None) -> dict[NodeId, NodeCost]:
     """Every e-node priced (`raw`, when already priced: `node_costs`), as `recompute` runs it
-    (`search.recompute`; `roots` are kept); pinned inputs arrive in their layout (a pinned output is an
+    (`search.recompute`; `roots` are kept); pinned inputs arrive in their placement (a pinned output is an
     extraction root). With a `repetition`, the repeated block's e-nodes count once per block they stand for
     (`repeat.weigh`)."""
     if raw is None:
         input_pins = {k: v for k, v in (pins or {}).items() if k not in graph.outputs}
-        raw = node_costs(result.snapshot, graph, library, machine, free_inputs, input_pins)
+        raw = node_costs(result.snapshot, graph, library, machine, free_input_placements, input_pins)
     costs = recomputed_enodes(raw, result.snapshot, roots, recompute)
     return weigh(costs, result.snapshot, repetition) if repetition is not None else costs
 
 
-def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_layouts: bool = True,
+def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_placements: bool = True,
               microbatches: int = 1, pins: Mapping[str, Degrees] | None = None,
               only: Callable[[PNode], bool] | None = None) -> dict[int, NodeCost] | None:
     """Every PCG node (`only` those it accepts) priced by the same cost model as the e-nodes, on the PCG's mesh,
     per step of `microbatches` micro-batches (None if a node is not priceable); pinned inputs arrive in their
     layout. Unlike an e-node, a PCG node knows its readers: a partition of a weight that is not the weight's
     storage (`ir.pcg.weight_storage`, as the backend runs it) is priced as slicing it (`cost.parallel_cost`)."""
-    pricer = Pricer(library, machine, pcg.mesh, free_input_layouts, pins, microbatches=microbatches)
+    pricer = Pricer(library, machine, pcg.mesh, free_input_placements, pins, microbatches=microbatches)
     by_id = {n.id: n for n in pcg.nodes}
     roles = pcg_roles(pcg)
     out: dict[int, NodeCost] = {}

@@ -20,7 +20,7 @@ from parsat.dsl.library import Library
 from parsat.ir.costs import Totals
 from parsat.ir.errors import DoesNotFit, OptimizeError
 from parsat.ir.mesh import Mesh
-from parsat.ir.pcg_layout import lay_out
+from parsat.ir.pcg_placement import derive_placements
 from parsat.ir.placement import Placement, PlacementError
 from parsat.ir.plan import JOINT, BaselinePlan, Plan
 from parsat.egraph.runner import STOP_SATURATED
@@ -164,18 +164,18 @@ def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_se
 def assemble_plan(step: StepContext, searches: Sequence[MeshSearch], best_search: MeshSearch,
                   candidates: list[Candidate], found_baselines: dict, skipped: str, steps: CandidateSteps,
                   pinned: bool) -> Plan:
-    """The plan: the best candidate that the backend can lay out (every baseline is a PCG priced by the same
-    model, so it is a valid plan; the joint plan wins ties, or is kept when degrees are pinned), with the
+    """The plan: the best candidate that the backend can place (every baseline is a PCG priced by the same
+    model, so it is a valid plan; the joint plan wins ties, or is kept when parallel dims are pinned), with the
     search's statistics and every baseline's PCG."""
     request, graph, machine = step.request, step.graph, step.machine
-    # Every candidate must be one the backend can lay out (`pcg_layout`): the placement analysis makes that so,
+    # Every candidate must be one the backend can place (`pcg_placement`): the placement analysis makes that so,
     # and a candidate that still is not is left out, and said, rather than returned.
     unplaceable = _unplaceable(candidates, request.library)
     for name, why in unplaceable.items():
-        step.say(f"{name}: left out, it cannot be laid out on the devices ({why})")
+        step.say(f"{name}: left out, it cannot be placed on the devices ({why})")
     candidates = [c for c in candidates if c.name not in unplaceable]
     if not candidates:
-        raise OptimizeError(f"internal: no plan for '{graph.name}' can be laid out on {step.devices} devices "
+        raise OptimizeError(f"internal: no plan for '{graph.name}' can be placed on {step.devices} devices "
                             f"({unplaceable.get(JOINT, '')})")
     chosen = candidates[0] if pinned and candidates[0].name == JOINT else \
         min(candidates, key=lambda c: rank(c, machine))
@@ -213,11 +213,11 @@ def _extraction_record(best_search: MeshSearch, chosen: Candidate, unplaceable: 
 
 
 def _unplaceable(candidates: Sequence[Candidate], library: Library) -> dict[str, str]:
-    """The candidates whose PCG cannot be laid out on its mesh, and why."""
+    """The candidates whose PCG cannot be placed on its mesh, and why."""
     out = {}
     for candidate in candidates:
         try:
-            lay_out(candidate.pcg, library.ops)
+            derive_placements(candidate.pcg, library.ops)
         except PlacementError as err:
             out[candidate.name] = str(err)
     return out

@@ -28,7 +28,7 @@ class Config:
     tensor_axis: int | None
     sequence: bool = False
     zero3: bool = False
-    others_free: bool = False   # pinned degrees: axes the configuration does not name are searched freely
+    others_free: bool = False   # pinned parallel dims: axes the configuration does not name are searched freely
 
     def spelled(self, mesh: Mesh, microbatches: int = 1) -> dict:
         dp = mesh.size(self.data_axis) if self.data_axis is not None else 1
@@ -105,30 +105,30 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
     return forbidden.__contains__
 
 
-# --------------------------------------------------------------- pinned degrees
+# --------------------------------------------------------------- pinned parallel dims
 
 PINNABLE = ("dp", "tp")
 
 
 class PinError(Exception):
-    """Pinned degrees that cannot hold (the message says why)."""
+    """Pinned parallel dims (`--degrees`) that cannot hold (the message says why)."""
 
 
-def pinned_meshes(degrees: Mapping[str, int], devices: int, devices_per_node: int) -> list[tuple[Mesh, Config]]:
-    """The meshes and configurations that realise pinned degrees (`--degrees tp=2,dp=4`): a pinned tensor
+def pinned_meshes(dims: Mapping[str, int], devices: int, devices_per_node: int) -> list[tuple[Mesh, Config]]:
+    """The meshes and configurations that realise pinned parallel dims (`--degrees tp=2,dp=4`): a pinned tensor
     degree is the minor axis (inside a node when it fits), a pinned data degree the major one; whatever is not
     pinned is searched (sequence parallelism, ZeRO-3, and the unpinned axis's use). Raises PinError."""
-    unknown = sorted(set(degrees) - set(PINNABLE) - {"pp"})
+    unknown = sorted(set(dims) - set(PINNABLE) - {"pp"})
     if unknown:
         raise PinError(f"unknown parallelism {', '.join(unknown)} in --degrees (pin {', '.join(PINNABLE)})")
-    if "pp" in degrees and degrees["pp"] != 1:
+    if "pp" in dims and dims["pp"] != 1:
         raise PinError("pp: one stage's search pins dp and tp only; `optimize` searches the pipeline around it")
-    for kind, value in degrees.items():
+    for kind, value in dims.items():
         if not isinstance(value, int) or value < 1:
             raise PinError(f"{kind} must be a positive integer, got {value!r}")
         if devices % value:
             raise PinError(f"{kind}={value} does not divide the {devices} devices")
-    dp, tp = degrees.get("dp"), degrees.get("tp")
+    dp, tp = dims.get("dp"), dims.get("tp")
     if dp is not None and tp is not None and dp * tp != devices:
         raise PinError(f"dp {dp} x tp {tp} = {dp * tp} devices, but the plan is for {devices}")
     if tp is None and dp is None:
@@ -139,7 +139,7 @@ def pinned_meshes(degrees: Mapping[str, int], devices: int, devices_per_node: in
     else:
         tensor_pinned = True
     dp = devices // tp
-    data_pinned = "dp" in degrees
+    data_pinned = "dp" in dims
     if dp == 1:
         mesh = Mesh.of((tp,), devices_per_node, names=("tp",))
         return [(mesh, Config(None, 0, True, False, others_free=False))]

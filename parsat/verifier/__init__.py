@@ -7,7 +7,8 @@ running every operator on the piece it holds), `concrete` (random and
 small sizes judged on the devices, shrinking), `prove` (lowering to index
 expressions and z3; the only z3 importer), `normal` (the sum-of-products
 normal form and the sum lemmas), `crosscheck` (the lowering evaluated
-against the devices), `core` (one rule to one `Verdict`), `cache`, `api`
+against the devices), `core` (one rule to one `Verdict`), `verdict` (the
+verdict and its evidence), `cache`, `api`
 (`verify`), `cli` (`parsat verify`), `coverage` (legal parallelizations no
 rule covers), `lifting` (lifted instances replayed on a 2-D mesh), `pieces`
 (the degree model's fast piece simulation, for the rule generator).

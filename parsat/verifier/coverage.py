@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 
 from parsat.dsl import ast
 from parsat.dsl.instantiate import InstantiationError, expanded, instantiate, op_groups
-from parsat.dsl.spread import Spread, infer_compute
+from parsat.dsl.spread import SymbolicDegrees, infer_compute
 from parsat.dsl.symbolic import ONE, Poly
 from parsat.dsl.typecheck import RuleInstance
 
@@ -91,14 +91,14 @@ def legal_parallelizations(op: ast.OpDecl) -> list[Parallelization]:
             dims = {k for a in accesses if a.tensor == name for k, i in enumerate(a.indices)
                     if isinstance(i, ast.Name) and i.id == var}
             shard = tuple(DEGREE if k in dims else ONE for k in range(len(shape)))
-            spreads.append(Spread(shard, ONE if dims else DEGREE))
+            spreads.append(SymbolicDegrees(shard, ONE if dims else DEGREE))
         if all(s.copy == DEGREE for s in spreads):
             continue  # the variable reads no input: nothing to shard
         result = infer_compute(instance, spreads)
         if result.legal:
             out.append(Parallelization(op.name, "shard", var.replace("#", ""), str(result.spread)))
     for position, name in enumerate(instance.inputs):
-        spreads = [Spread(tuple(ONE for _ in shape), ONE if k == position else DEGREE, DEGREE if k == position else ONE)
+        spreads = [SymbolicDegrees(tuple(ONE for _ in shape), ONE if k == position else DEGREE, DEGREE if k == position else ONE)
                    for k, shape in enumerate(instance.input_shapes)]
         result = infer_compute(instance, spreads)
         if result.legal:

@@ -49,7 +49,7 @@ from parsat.dsl.conditions import symbolic_truth
 from parsat.dsl.evaluate import EvaluationError, evaluate
 from parsat.dsl.instantiate import InstantiationError, OpInstance, index_bounds, instantiate
 from parsat.dsl.parallel_ops import prime_factors
-from parsat.dsl.spread import Spread, block_read
+from parsat.dsl.spread import SymbolicDegrees, block_read
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import TypedTerm
 
@@ -334,7 +334,7 @@ def compute_placement(instance: OpInstance, placements: Sequence[MeshPlacement],
         if isinstance(index, ast.Name) and index.id in bounds:
             var = index.id
         elif axes:
-            spread = Spread(tuple(Poly.const(mesh.product(d)) for d in placement.shard))
+            spread = SymbolicDegrees(tuple(Poly.const(mesh.product(d)) for d in placement.shard))
             read = block_read(node, position, spread, instance, bounds)
             if read is None:
                 problems.append(f"dim {position} of '{node.tensor}' is split over {list(axes)} but read "

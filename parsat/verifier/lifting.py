@@ -45,7 +45,7 @@ from parsat.dsl import ast
 from parsat.dsl.conditions import holds
 from parsat.dsl.evaluate import EvaluationError
 from parsat.dsl.parallel_ops import expand_fused_rule
-from parsat.dsl.spread import Spread
+from parsat.dsl.spread import SymbolicDegrees
 from parsat.dsl.symbolic import ONE, Poly
 from parsat.dsl.typecheck import RuleInstance, TypeCheckError, type_rule
 from parsat.verifier import concrete, ranks
@@ -150,7 +150,7 @@ def _combinations(base: RuleInstance, others: Sequence[str]) -> Iterator[dict[st
         yield dict(zip(names, choice))
 
 
-def _lifted_spreads(base: RuleInstance, mesh: Mesh, arrives) -> tuple[dict[str, Spread], dict[str, MeshPlacement]]:
+def _lifted_spreads(base: RuleInstance, mesh: Mesh, arrives) -> tuple[dict[str, SymbolicDegrees], dict[str, MeshPlacement]]:
     spreads, placements = {}, {}
     for name, roles in arrives.items():
         rank = len(base.tensors[name])
@@ -173,7 +173,7 @@ def _lifted_spreads(base: RuleInstance, mesh: Mesh, arrives) -> tuple[dict[str, 
                 out = out * Poly.sym(f"@{axis}")
             return out
 
-        spreads[name] = Spread(tuple(degree(d) for d in shard), degree(copy), degree(total))
+        spreads[name] = SymbolicDegrees(tuple(degree(d) for d in shard), degree(copy), degree(total))
         placements[name] = MeshPlacement(tuple(tuple(d) for d in shard), tuple(copy), tuple(total))
     return spreads, placements
 

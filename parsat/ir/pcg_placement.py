@@ -1,6 +1,6 @@
 """Where every node of a PCG puts its pieces, recomputed from the plan's structure (`ir.placement`).
 
-A PCG states every node's placement; `lay_out` derives them again from the
+A PCG states every node's placement; `derive_placements` derives them again from the
 leaves (not spread), each parallel operator (on its mesh axis) and each
 compute operator (axis by axis, by its index semantics), and refuses the
 plan at the first node whose stated placement or degrees differ or that
@@ -23,7 +23,7 @@ from parsat.ir.pcg import PCG, Degrees
 from parsat.ir.placement import Placement, PlacementError, apply_parallel, compute_placement
 
 
-def lay_out(pcg: PCG, ops: Mapping[str, ast.OpDecl]) -> dict[int, Placement]:
+def derive_placements(pcg: PCG, ops: Mapping[str, ast.OpDecl]) -> dict[int, Placement]:
     """Every node's placement on the PCG's mesh; PlacementError naming the first node that cannot be placed or
     whose stated placement (or degrees) is not the one it lays out as."""
     mesh = pcg.mesh
