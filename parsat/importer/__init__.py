@@ -4,8 +4,8 @@ Torch-dependent, beside the runtime: the backend (`parsat.backend`) feeds
 an imported module's inputs, dropout masks and running statistics from
 what the import recorded (`ImportedModule`), and never exports a module
 again when it is given the import. Every module imports torch inside the
-functions that use it, and the entry points below are re-exported lazily,
-so `import parsat.importer` loads neither torch nor the translator.
+functions that use it, so `import parsat.importer` loads neither torch nor
+the translator; the facade's `parsat.from_torch` is the public entry.
 
 Modules, in the order an import runs through them:
 
@@ -25,25 +25,3 @@ Modules, in the order an import runs through them:
 * `errors`: `TorchImportError`, every unsupported operator listed with its
   source line and module path.
 """
-
-from __future__ import annotations
-
-__all__ = ["ImportedModule", "TorchImportError", "from_torch", "import_module", "load_model_factory",
-           "load_model_file"]
-
-_LAZY = {
-    "from_torch": "parsat.importer.export",
-    "import_module": "parsat.importer.export",
-    "ImportedModule": "parsat.importer.imported",
-    "TorchImportError": "parsat.importer.errors",
-    "load_model_factory": "parsat.importer.model_file",
-    "load_model_file": "parsat.importer.model_file",
-}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'parsat.importer' has no attribute {name!r}")
