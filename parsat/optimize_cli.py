@@ -30,8 +30,11 @@ def register(subparsers) -> None:
     opt.add_argument("--rules", action="append", default=None, metavar="PATH",
                      help=".rule files or folders (default: the shipped rules); repeat for several")
     opt.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE",
-                     help="search limits: seconds (the whole search's wall time, default 30), iterations "
-                          "and enodes (each saturation's), ilp_seconds (each extraction's ILP)")
+                     help="search budgets, counted in work so the same inputs give the same plan: generations "
+                          "(rounds of the rules that make new values, default 2), iterations and enodes (each "
+                          "saturation's), ilp_nodes (each extraction's ILP); and seconds, a wall-clock safety "
+                          "valve (off by default) that returns the best plan found so far, ilp_seconds likewise "
+                          "for one ILP (0: greedy extraction only)")
     opt.add_argument("--allow-unverified", action="store_true", help="also use rules the verifier has not PROVED")
     opt.add_argument("--list-examples", action="store_true", help="list the built-in examples and their sizes")
     opt.add_argument("--degrees", default=None, metavar="KIND=N,...",
@@ -76,8 +79,8 @@ def _pairs(items: list[str], what: str, cast=int) -> dict:
 
 
 def _limit_type(key: str) -> type:
-    """iterations and enodes are counts; the others seconds."""
-    return int if key in ("iterations", "enodes") else float
+    """iterations, generations and enodes are counts; the others seconds."""
+    return int if key in ("iterations", "generations", "enodes") else float
 
 
 def _error(message: str) -> int:

@@ -72,8 +72,8 @@ def test_the_step_batch_cuts_inputs_and_outputs_along_the_batch_dim():
     gpt = build_example("gpt", dict(blocks=1, batch=2, seq=8, hidden=16, heads=2, vocab=32)).with_microbatches(4)
     batch = step_batch(gpt)
     assert batch.whole is not None and batch.whole.leaf("ids").shape == (8, 8, 32)
-    # ids [b, s, v], the mask [b, heads, s, s], targets [b*s, v]: cut on dim 0; the loss and weights are not cut
-    assert dict(batch.cuts) == {"ids": 0, "causal_mask": 0, "targets": 0}
+    # ids [b, s, v] and targets [b*s, v]: cut on dim 0; the loss and weights are not cut
+    assert dict(batch.cuts) == {"ids": 0, "targets": 0}
     assert batch.block((8, 8, 32), "ids", 3) == (slice(6, 8), slice(None), slice(None))
     one = gpt.with_microbatches(1)
     assert step_batch(one).whole is one

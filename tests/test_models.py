@@ -56,9 +56,10 @@ def test_gpt_ties_the_lm_head_to_the_token_embedding(lib):
     head = next(n for n in g.nodes if n.name == "logits")
     assert head.op == "linear_nobias" and head.inputs[1] == "wte_t"
     ops = Counter(n.op for n in g.nodes)
-    assert ops["layernorm"] == 2 * 2 + 1 and ops["softmax_masked"] == 2 and ops["gelu_tanh"] == 2
+    assert ops["layernorm"] == 2 * 2 + 1 and ops["softmax_causal"] == 2 and ops["gelu_tanh"] == 2
     assert ops["logsumexp"] == 1 and ops["nll_sum"] == 1
-    assert g.leaf("causal_mask").shape == (8, 4, 16, 16)
+    # causal attention builds its mask from positions: no [b, heads, s, s] mask is an input
+    assert {leaf.name for leaf in g.leaves if leaf.role == "input"} == {"ids", "targets"}
     assert g.leaf("targets").shape == (8 * 16, 128) and g.leaf("ids").shape == (8, 16, 128)
     # pre-LN: each block's first layernorm reads the residual stream, the block output is a residual add
     assert next(n for n in g.nodes if n.name == "b1_ln1").inputs[0] == "b0_res2"
@@ -217,11 +218,11 @@ def test_small_gpt_trains_on_a_2x2_mesh_like_one_process(lib, tmp_path, capsys):
 
 def test_backend_feeds_the_models_data_of_the_right_form(lib):
     torch = pytest.importorskip("torch")
-    from parsat.backend.executor import MASK, ONEHOT, causal_mask, data_leaves
+    from parsat.backend.executor import ONEHOT, causal_mask, data_leaves
 
     g = build_example("llama", {**TINY, "kv_heads": 2}, lib)
     kinds = data_leaves([(n.name, n.op, n.inputs) for n in g.nodes])
-    assert kinds == {"ids": ONEHOT, "targets": ONEHOT, "causal_mask": MASK}
+    assert kinds == {"ids": ONEHOT, "targets": ONEHOT}   # no mask input: `softmax_causal` builds it
     mask = causal_mask((2, 3, 4), torch.float64)   # 3 queries, 4 keys: aligned at the end, as torch's causal mask
     assert mask[1].tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
     assert causal_mask((4, 4), torch.float64).tolist()[0] == [1, 0, 0, 0]

@@ -399,14 +399,15 @@ def test_a_size_past_2_to_the_53_is_refused(capsys):
     assert "more than parsat handles (2**53)" in err and "Traceback" not in err
 
 
-def test_a_short_time_limit_names_itself_rather_than_blaming_the_rules(capsys):
+def test_a_short_time_limit_names_itself_and_still_answers(capsys):
+    """Before: a limit that stopped saturation before any rule spread the graph was an error. A limit is a
+    safety valve: the plan comes back (here the graph unspread, the baselines being off) and says which limit
+    cut it."""
     from parsat.api import optimize
-    from parsat.ir.errors import OptimizeError
 
-    # the limit passes before saturation starts, or during it (the box decides): either way it is named
-    with pytest.raises(OptimizeError, match=r"--limit seconds=0.02 (passed before saturation could start|before "
-                                            r"any parallel rule spread 'mlp')"):
-        optimize("mlp", devices=2, limits={"seconds": 0.02}, baselines=False, allow_unverified=True)
+    plan = optimize("mlp", devices=2, limits={"seconds": 0.02}, baselines=False, allow_unverified=True)
+    said = plan.saturation.get("unspread", "") + plan.saturation.get("search_limit", "")
+    assert "--limit seconds=0.02" in said, plan.saturation
 
 
 def test_a_graph_larger_than_the_e_graph_may_hold_is_refused_before_it_is_built(tmp_path):

@@ -33,7 +33,8 @@ from parsat.cli import main
 from parsat.dsl.library import Library, load_library
 from parsat.ir.graph import Graph, GraphBuilder
 from parsat.egraph import program
-from parsat.egraph.runner import STOP_ENODES, STOP_ITERATIONS, STOP_SATURATED, STOP_SECONDS, Limits
+from parsat.egraph.runner import (STOP_ENODES, STOP_GENERATIONS, STOP_ITERATIONS, STOP_SATURATED, STOP_SECONDS,
+                                  Limits)
 from parsat.egraph.saturate import saturate
 
 ADVERSARIAL = """\
@@ -97,7 +98,7 @@ def test_a_looping_rule_saturates(adversarial):
 
 def test_associativity_blow_up_is_stopped_by_the_enode_limit(adversarial):
     library, _ = adversarial
-    limits = Limits(iterations=1000, enodes=5_000, seconds=30)
+    limits = Limits(iterations=1000, enodes=5_000, seconds=30, generations=1000)
     result, wall, grew = timed(add_chain(library, 10), library, ("add_comm", "add_assoc"), limits)
     assert result.stop == STOP_ENODES
     # the limit is checked between iterations: the last one may overshoot, by a bounded factor
@@ -105,14 +106,32 @@ def test_associativity_blow_up_is_stopped_by_the_enode_limit(adversarial):
     assert wall < limits.seconds and grew < RSS_BOUND_MIB
 
 
+def test_generations_bound_the_associativity_blow_up_by_construction(adversarial):
+    """The rules that make new values (add_assoc) run once per generation, the rules that only rearrange
+    (add_comm) until nothing changes: two generations of the 10-add chain end on their own, far below the
+    e-graph the unbounded schedule reaches, and the same twice."""
+    library, _ = adversarial
+    first, _wall, _ = timed(add_chain(library, 10), library, ("add_comm", "add_assoc"), Limits(seconds=60))
+    again, _wall, _ = timed(add_chain(library, 10), library, ("add_comm", "add_assoc"), Limits(seconds=60))
+    unbounded, _wall, _ = timed(add_chain(library, 10), library, ("add_comm", "add_assoc"),
+                                Limits(iterations=1000, enodes=20_000, seconds=60, generations=1000))
+    assert first.stop == STOP_GENERATIONS and unbounded.stop == STOP_ENODES
+    assert first.enodes * 10 < unbounded.enodes
+    assert (first.enodes, first.iterations) == (again.enodes, again.iterations)
+
+
 def test_a_doubling_rule_is_stopped_by_each_limit_and_says_which(adversarial):
     library, _ = adversarial
     graph = add_chain(library, 1)
-    result, _wall, _ = timed(graph, library, ("relu_double",), Limits(iterations=6, enodes=10 ** 7, seconds=60))
+    unbounded = 10 ** 6   # generations: the doubling rule makes new values in every one
+    result, _wall, _ = timed(graph, library, ("relu_double",), Limits(iterations=6, enodes=10 ** 7, seconds=60,
+                                                                      generations=unbounded))
     assert result.stop == STOP_ITERATIONS and result.iterations == 6
-    result, wall, grew = timed(graph, library, ("relu_double",), Limits(iterations=10 ** 6, enodes=3_000, seconds=60))
+    result, wall, grew = timed(graph, library, ("relu_double",), Limits(iterations=10 ** 6, enodes=3_000, seconds=60,
+                                                                        generations=unbounded))
     assert result.stop == STOP_ENODES and 3_000 <= result.enodes < 3 * 3_000  # at most one doubling past it
-    result, wall, grew = timed(graph, library, ("relu_double",), Limits(iterations=10 ** 6, enodes=10 ** 8, seconds=0.5))
+    result, wall, grew = timed(graph, library, ("relu_double",), Limits(iterations=10 ** 6, enodes=10 ** 8, seconds=0.5,
+                                                                        generations=unbounded))
     assert result.stop == STOP_SECONDS
     # The loop stops at the first check past 0.5 s; the iteration that crossed it at most doubled the work, so
     # the loop itself ends by ~1 s. Reading the e-graph back (the snapshot, ~45 us per e-node in Python) is not
@@ -125,13 +144,14 @@ def test_a_doubling_rule_is_stopped_by_each_limit_and_says_which(adversarial):
 def test_chunked_rulesets_saturate_alike_and_stop_between_chunks(adversarial, monkeypatch):
     library, _ = adversarial
     graph = add_chain(library, 3)
-    whole, _wall, _ = timed(graph, library, ("add_comm", "add_assoc"), Limits(iterations=1000, seconds=20))
+    saturating = Limits(iterations=1000, seconds=20, generations=1000)
+    whole, _wall, _ = timed(graph, library, ("add_comm", "add_assoc"), saturating)
     monkeypatch.setattr(program, "CHUNK_RULES", 1)
-    chunked, _wall, _ = timed(graph, library, ("add_comm", "add_assoc"), Limits(iterations=1000, seconds=20))
+    chunked, _wall, _ = timed(graph, library, ("add_comm", "add_assoc"), saturating)
     assert len(chunked.program.chunks("alg")) == chunked.program.count("alg") > 1
     assert chunked.stop == whole.stop == STOP_SATURATED
     assert chunked.enodes == whole.enodes and chunked.matches and chunked.note == ""
-    limits = Limits(iterations=1000, enodes=3_000, seconds=30)
+    limits = Limits(iterations=1000, enodes=3_000, seconds=30, generations=1000)
     result, _wall, _ = timed(add_chain(library, 10), library, ("add_comm", "add_assoc"), limits)
     assert result.stop == STOP_ENODES and limits.enodes <= result.enodes < 20 * limits.enodes
 
@@ -142,7 +162,8 @@ def test_optimize_reports_the_limit_that_stopped_it(adversarial, tmp_path, capsy
     graph.write_text(add_chain(library, 2).to_json())
     plan = tmp_path / "plan.json"
     code = main(["optimize", str(graph), "--rules", str(rules), "--allow-unverified", "--devices", "1", "-q",
-                 "--no-baselines", "--limit", "enodes=2000", "--limit", "seconds=20", "-o", str(plan)])
+                 "--no-baselines", "--limit", "enodes=2000", "--limit", "seconds=20", "--limit", "generations=1000",
+                 "-o", str(plan)])
     out = capsys.readouterr().out
     assert code == 0
     assert "saturation: stopped by enodes" in out

@@ -83,7 +83,7 @@ def _searched(with_result: bool = False):
     result = saturate(graph, LIBRARY, LIBRARY.rules, 2, Limits(iterations=4))
     roots = [result.classes[n] for n in graph.outputs]
     extraction = extract(result.snapshot, node_costs(result.snapshot, graph, LIBRARY, machine), roots,
-                         machine.memory_capacity, 0)
+                         machine.memory_capacity, Limits(ilp_seconds=0))
     pcg, ident = pcg_from_extraction(result, extraction, graph, LIBRARY, roots, graph.outputs)
     values = {ident[c]: name for c, name in value_names(result.snapshot, result.classes).items() if c in ident}
     repetition = Repetition(build_example("gpt", {**SMALL, "blocks": 6}, LIBRARY), graph, 6)

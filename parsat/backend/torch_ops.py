@@ -86,6 +86,14 @@ def _layernorm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float) -> Tensor:
     return F.layer_norm(x, (x.shape[-1],), gamma, beta, float(eps))
 
 
+def _softmax_causal(x: Tensor) -> Tensor:
+    """Softmax along the last dim, query q over keys j <= q (`torch.tril` of the last two dims): the mask is
+    made from positions, never read, as in `scaled_dot_product_attention(..., is_causal=True)`."""
+    s = x.shape[-1]
+    keep = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+    return torch.softmax(x.masked_fill(~keep, float("-inf")), dim=-1)
+
+
 def _softmax_masked(x: Tensor, m: Tensor) -> Tensor:
     """`m * exp(x) / sum(m * exp(x))` along the last dim, shifted by the row's largest kept entry.
 
@@ -198,6 +206,7 @@ OPS: Mapping[str, TorchOp] = {
     "mul_bcast_dim": TorchOp(2, ("dim",), lambda x, y, dim: x * y.unsqueeze(int(dim))),
     "broadcast": TorchOp(1, ("dim", "n"), _broadcast),
     "softmax_masked": TorchOp(2, (), _softmax_masked),
+    "softmax_causal": TorchOp(1, (), _softmax_causal),
     "logsumexp": TorchOp(1, (), lambda x: torch.logsumexp(x, dim=-1)),
     "amax": TorchOp(1, (), lambda x: x.amax(dim=-1)),
     "sumexp_shifted": TorchOp(2, (), lambda x, m: torch.exp(x - m.unsqueeze(-1)).sum(dim=-1)),

@@ -25,6 +25,7 @@ from parsat.dsl.conditions import Negation, NotAnInteger, Rel, holds, to_cond, t
 from parsat.dsl.errors import Diagnostic, DslError, SourceCache
 from parsat.dsl.instantiate import SCALAR_FUNCTIONS, InstantiationError, expanded, instantiate, op_groups
 from parsat.dsl.library import Library
+from parsat.dsl.printer import format_expr
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import RuleInstance, TypeCheckError, check_rhs_bound, group_assignments, type_rule
@@ -56,6 +57,42 @@ def is_parallel_rule(rule: ast.RuleDecl) -> bool:
     """A rule that mentions a parallel operator on either side."""
     return any(isinstance(n, ast.Call) and n.func in PARALLEL_OPS
                for side in (rule.lhs, rule.rhs) for n in ast.walk(side))
+
+
+def new_values(rule: ast.RuleDecl) -> tuple[ast.Call, ...]:
+    """The right side's terms, below its root, whose value no term of the left side computes.
+
+    A term's value is the term with its parallel operators taken out (a
+    parallel operator changes where the pieces are, never the value), so
+    `partition(relu(x))` and `relu(partition(x))` compute one value, and
+    `add(x, add(y, z))` from `add(add(x, y), z)` computes a new one,
+    `add(y, z)`. The root is left out: it is made equal to the left side.
+    A rule with new values grows the set of values an e-graph holds; one
+    without only places values it already holds (`egraph.runner` schedules
+    the two kinds apart, docs/MESH.md "Saturation")."""
+    known = {_value(term) for term in ast.walk(rule.lhs) if isinstance(term, (ast.Call, ast.Name))}
+    below_root = [term for arg in _tensor_args(rule.rhs) for term in ast.walk(arg) if isinstance(term, ast.Call)]
+    return tuple(term for term in below_root if _value(term) not in known)
+
+
+def creates_values(rule: ast.RuleDecl) -> bool:
+    """Whether the rule's right side computes a value its left side does not (`new_values`)."""
+    return bool(new_values(rule))
+
+
+def _tensor_args(term: ast.Expr) -> tuple[ast.Expr, ...]:
+    return term.args if isinstance(term, ast.Call) else ()
+
+
+def _value(term: ast.Expr):
+    """What a term computes, as a hashable key: parallel operators are taken out; an attribute is its text."""
+    if isinstance(term, ast.Call):
+        if term.func in PARALLEL_OPS:
+            return _value(term.args[0])
+        return (term.func,) + tuple(_value(arg) for arg in term.args)
+    if isinstance(term, ast.Name):
+        return ("name", term.id)
+    return ("attr", format_expr(term))
 
 
 # ------------------------------------------------------------------- operators

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from parsat.dsl import ast
-from parsat.dsl.checker import is_parallel_rule
+from parsat.dsl.checker import creates_values, is_parallel_rule
 from parsat.dsl.library import Library
 from parsat.dsl.typecheck import RuleInstance
 from parsat.ir.mesh import Mesh
@@ -28,6 +28,7 @@ from parsat.egraph.lifting import NotLiftable, assignments, lift
 from parsat.egraph.mesh_encoding import mesh_declarations, table_text
 
 CHUNK_RULES = 256        # egglog rules per chunk (see `RuleProgram.chunks`)
+GROW, PLACE = "grow", "place"   # a mesh program's two phases: rules that make new values, rules that place them
 DEADLINE_NOTE = "compilation stopped by the seconds limit"
 
 
@@ -45,6 +46,11 @@ class RuleProgram:
 
     def count(self, ruleset: str) -> int:
         return sum(1 for r in self.rules if r.ruleset == ruleset)
+
+    def phase_chunks(self, phase: str, rulesets: Sequence[str] = RULESETS) -> tuple[str, ...]:
+        """The chunks of the rules of one phase (GROW, PLACE) in `rulesets`, algebraic ones first."""
+        return tuple(dict.fromkeys(r.chunk for ruleset in rulesets for r in self.rules
+                                   if r.ruleset == ruleset and r.phase == phase))
 
     def chunks(self, ruleset: str) -> tuple[str, ...]:
         """The egglog rulesets `ruleset`'s rules are split into, in order (at least one, maybe empty).
@@ -163,8 +169,9 @@ def compile_mesh_rules(library: Library, rules: Sequence[ast.RuleDecl], ranks: s
             note = ",".join(f"{g}={n}" for g, n in instance.groups.items())
             axes = " ".join(f"{s}->{mesh.axes[a].name}" for s, a in sigma.items())
             listed = tuple((name, width, rows) for name, (width, rows) in tables.items())
+            phase = GROW if creates_values(instance.rule) else PLACE
             made += [CompiledRule(instance.rule.name, f"{note} {axes}".strip() + (f" #{k}" if len(bodies) > 1 else ""),
-                                  "par" if parallel else "alg", body, tables=listed)
+                                  "par" if parallel else "alg", body, phase, tables=listed)
                      for k, body in enumerate(bodies)]
         return made, ("" if made else reason or "no assignment of its degrees to the mesh's axes")
 
@@ -227,12 +234,13 @@ def _assemble(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[int], 
             compile_reason = reason or compile_reason
         if not found:
             skipped.append(SkippedRule(rule.name, compile_reason or last_reason))
-    position = dict.fromkeys(RULESETS, 0)
+    position: dict[tuple[str, str], int] = {}
     named = []
     tables: dict[str, str] = {}
     for i, r in enumerate(compiled):
-        chunk = f"{r.ruleset}{position[r.ruleset] // CHUNK_RULES}"
-        position[r.ruleset] += 1
+        group = (r.ruleset, r.phase)
+        chunk = f"{r.ruleset}{'_' + r.phase if r.phase else ''}{position.get(group, 0) // CHUNK_RULES}"
+        position[group] = position.get(group, 0) + 1
         key = f"{r.name}#{i}"
         named.append(replace(r, key=key, chunk=chunk, text=r.body.text(i, chunk, key)))
         for name, width, rows in r.tables:

@@ -132,6 +132,7 @@ class CompiledRule:
     variant: str      # e.g. "a=0,b=1 p=2"
     ruleset: str      # "alg" or "par"
     body: RuleBody = field(repr=False)
+    phase: str = ""   # on a mesh: GROW (it makes new values) or PLACE (it places values); `runner.run_generations`
     key: str = ""     # the egglog rule's :name, unique in the program
     chunk: str = ""   # the egglog ruleset that holds it: one chunk of `ruleset` (RuleProgram.chunks)
     text: str = ""    # the egglog text, once placed in a chunk (compile_rules)

@@ -32,20 +32,27 @@ from parsat.egraph.session import Session
 
 STOP_SATURATED = "saturated"
 STOP_ITERATIONS = "iterations"
+STOP_GENERATIONS = "generations"
 STOP_ENODES = "enodes"
 STOP_SECONDS = "seconds"
 
 
 @dataclass(frozen=True)
 class Limits:
-    """When to stop saturating. Extraction still returns the best plan found. `seconds` given to `optimize`
-    bounds its whole call (`search.deadline`: each saturation gets a part of it); `iterations` and `enodes`
-    bound each saturation."""
+    """When to stop: work budgets, so the same inputs give the same plan on any machine and under any load.
 
-    iterations: int = 30
+    `generations`, `iterations` and `enodes` bound each saturation (`run_generations`); `ilp_nodes` each
+    extraction's ILP (HiGHS branch-and-bound nodes); extraction still returns the best plan found within
+    them. `seconds` and `ilp_seconds` are wall-clock safety valves, off by default (infinite): `seconds` given
+    to `optimize` bounds its whole call (`search.deadline`: each search gets a part of it) and the plan says
+    what it cut; `ilp_seconds` 0 skips the ILP (the greedy passes only)."""
+
+    iterations: int = 60
     enodes: int = 200_000
-    seconds: float = 30.0
-    ilp_seconds: float = 10.0   # extraction's ILP time limit (0: no ILP, the greedy passes only)
+    generations: int = 2        # rounds of the rules that make new values (`run_generations`)
+    ilp_nodes: int = 1_000      # branch-and-bound nodes of one extraction's ILP
+    seconds: float = math.inf
+    ilp_seconds: float = math.inf
 
     @staticmethod
     def from_mapping(values: Mapping[str, float] | None) -> "Limits":
@@ -56,7 +63,7 @@ class Limits:
         if unknown:
             raise ValueError(f"unknown limit(s) {', '.join(sorted(unknown))} (limits: {', '.join(sorted(allowed))})")
         limits = Limits(**values)
-        check_limits(limits)
+        check_limits(limits, given=set(values))
         return limits
 
     @staticmethod
@@ -68,19 +75,20 @@ class Limits:
         return Limits.from_mapping(limits)
 
 
-def check_limits(limits: Limits) -> None:
+def check_limits(limits: Limits, given: set[str] = frozenset()) -> None:
     """ValueError for a limit that would stop the search before it starts, or never (0, negative, NaN).
 
     Every user's path checks (`from_mapping`, `search.optimize.optimize`); a
     `Limits` built directly may still hold 0 (tests use it to stop at once)."""
-    for key in ("iterations", "enodes"):
+    for key, least in (("iterations", 1), ("enodes", 1), ("generations", 0), ("ilp_nodes", 1)):
         value = getattr(limits, key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"--limit {key} must be a whole number of at least 1, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"--limit {key} must be a whole number of at least {least}, got {value!r}")
     for key, zero in (("seconds", False), ("ilp_seconds", True)):   # ilp_seconds 0: the greedy passes only
         value = getattr(limits, key)
-        number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-        if not number or value < 0 or (value == 0 and not zero):
+        number = not isinstance(value, bool) and isinstance(value, (int, float)) and not math.isnan(value)
+        off = number and value == math.inf and key not in given     # the valve's default: no wall-clock limit
+        if not number or value < 0 or (value == 0 and not zero) or (not off and not math.isfinite(value)):
             need = "0 or more" if zero else "more than 0"
             raise ValueError(f"--limit {key} must be a finite number of seconds, {need}, got {value!r}")
 
@@ -98,6 +106,39 @@ class Run:
     step_seconds: Mapping[str, float]  # step -> wall-clock seconds, summed over the iterations
 
 
+class _Steps:
+    """Runs rule chunks on one session, counting each rule's matches and each chunk's seconds, and checking the
+    limits between chunks (one iteration of a large program can run far past `seconds` or `enodes`)."""
+
+    def __init__(self, session: Session, limits: Limits, deadline: float, rule_names: Mapping[str, str],
+                 steps: Sequence[str]):
+        self.session, self.limits, self.deadline, self.names = session, limits, deadline, rule_names
+        self.matches: Counter = Counter({name: 0 for name in rule_names.values()})
+        self.step_seconds: Counter = Counter({step: 0.0 for step in steps})
+        self.note = ""
+
+    def once(self, steps: Sequence[str], iteration: int, enodes: int) -> tuple[bool, str | None]:
+        """Every step once, in order: whether anything changed, and the limit that cut the run short (None)."""
+        changed = False
+        for index, step in enumerate(steps):
+            cut = reached(self.limits, 0, self.session.size() if changed else enodes, self.deadline) if index \
+                else None
+            if cut:
+                self.note = f"during iteration {iteration}: after {index} of {len(steps)} rule chunks"
+                return changed, cut
+            started = time.perf_counter()
+            report = self.session.run(step)
+            self.step_seconds[step] += time.perf_counter() - started
+            changed |= report.changed
+            for key, count in report.matches.items():
+                self.matches[self.names.get(key, key)] += count
+        return changed, None
+
+    def result(self, stop: str, iterations: int, begin: float) -> "Run":
+        return Run(stop, iterations, self.session.size(), time.perf_counter() - begin, self.note,
+                   dict(self.matches), dict(self.step_seconds))
+
+
 def run(session: Session, steps: Sequence[str], limits: Limits, deadline: float,
         rule_names: Mapping[str, str] | None = None, progress: Callable[[str], None] | None = None) -> Run:
     """Runs `steps` in turn, iteration after iteration, until nothing changes or a limit is reached.
@@ -107,33 +148,71 @@ def run(session: Session, steps: Sequence[str], limits: Limits, deadline: float,
     (`CompiledRule.key`) to the names matches are counted under (the library
     rule's); a rule it does not name is counted under its own.
     """
-    names = rule_names or {}
-    matches: Counter = Counter({name: 0 for name in names.values()})
-    step_seconds: Counter = Counter({step: 0.0 for step in steps})
-    note = ""
+    runner = _Steps(session, limits, deadline, rule_names or {}, steps)
     iterations, enodes = 0, session.size()
     begin = time.perf_counter()
     stop = reached(limits, iterations, enodes, deadline)
     while stop is None:
-        changed, cut = False, None
-        for index, step in enumerate(steps):
-            # between steps too: one iteration of a large program can run far past `seconds` or `enodes`
-            cut = reached(limits, 0, session.size() if changed else enodes, deadline) if index else None
-            if cut:
-                note = f"during iteration {iterations + 1}: after {index} of {len(steps)} rule chunks"
-                break
-            started = time.perf_counter()
-            report = session.run(step)
-            step_seconds[step] += time.perf_counter() - started
-            changed |= report.changed
-            for key, count in report.matches.items():
-                matches[names.get(key, key)] += count
+        changed, cut = runner.once(steps, iterations + 1, enodes)
         iterations += 1
         enodes = session.size()
         if progress is not None:
             progress(f"iteration {iterations}: {enodes} e-nodes, {time.perf_counter() - begin:.2f} s")
         stop = cut or (reached(limits, iterations, enodes, deadline) if changed else STOP_SATURATED)
-    return Run(stop, iterations, enodes, time.perf_counter() - begin, note, dict(matches), dict(step_seconds))
+    return runner.result(stop, iterations, begin)
+
+
+def run_generations(session: Session, grow: Sequence[str], place: Sequence[str], limits: Limits, deadline: float,
+                    rule_names: Mapping[str, str] | None = None,
+                    progress: Callable[[str], None] | None = None) -> Run:
+    """Saturation in generations, so the e-graph is bounded by construction (docs/MESH.md, "Saturation").
+
+    `place` holds the rules that only place values the e-graph already holds
+    (`dsl.checker.creates_values` is false: a parallel operator moved, a
+    placement derived); there are finitely many (value, placement) e-classes,
+    so they run, iteration after iteration, until nothing changes. `grow`
+    holds the rules that make new values (reassociation, fusion, a
+    vocabulary split into block maxima); each generation runs them once, over
+    the whole e-graph, and the place rules saturate again. `limits.generations`
+    such rounds are run (the stop reason `generations`) unless a round of
+    them changes nothing (`saturated`); `iterations` caps the place rules'
+    iterations over all generations, `enodes` the e-graph, and `seconds`, a
+    safety valve, the wall time. The e-graph thus grows with the values of
+    `generations` rounds times their placements, never with the number of
+    ways to reach a placement, and the same inputs stop at the same point."""
+    runner = _Steps(session, limits, deadline, rule_names or {}, tuple(grow) + tuple(place))
+    iterations, generation, enodes = 0, 0, session.size()
+    begin = time.perf_counter()
+    while True:
+        stop, iterations, enodes = _place(runner, place, iterations, enodes, generation, begin, progress)
+        if stop is None and generation == limits.generations:
+            stop = STOP_GENERATIONS
+        stop = stop or reached(limits, 0, enodes, deadline)
+        if stop is not None:
+            return runner.result(stop, iterations, begin)
+        generation += 1
+        grew, cut = runner.once(grow, iterations + 1, enodes)
+        enodes = session.size()
+        if cut or not grew:
+            return runner.result(cut or STOP_SATURATED, iterations, begin)
+
+
+def _place(runner: _Steps, place: Sequence[str], iterations: int, enodes: int, generation: int, begin: float,
+           progress: Callable[[str], None] | None) -> tuple[str | None, int, int]:
+    """The place rules, iteration after iteration, until nothing changes (None) or a limit is reached (which);
+    with the iterations and e-nodes after."""
+    while True:
+        stop = reached(runner.limits, iterations, enodes, runner.deadline)
+        if stop is not None:
+            return stop, iterations, enodes
+        changed, cut = runner.once(place, iterations + 1, enodes)
+        iterations += 1
+        enodes = runner.session.size()
+        if progress is not None:
+            progress(f"generation {generation}, iteration {iterations}: {enodes} e-nodes, "
+                     f"{time.perf_counter() - begin:.2f} s")
+        if cut or not changed:
+            return cut, iterations, enodes
 
 
 def reached(limits: Limits, iterations: int, enodes: int, deadline: float) -> str | None:

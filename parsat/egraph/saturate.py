@@ -25,8 +25,8 @@ from parsat.ir.placement import Placement
 from parsat.egraph.encoding import RULESET_NAMES, RULESETS
 from parsat.egraph.instances import graph_signatures
 from parsat.egraph.mesh_encoding import mesh_graph_program
-from parsat.egraph.program import MeshCaches, RuleProgram, compile_mesh_rules
-from parsat.egraph.runner import Limits, run
+from parsat.egraph.program import GROW, PLACE, MeshCaches, RuleProgram, compile_mesh_rules
+from parsat.egraph.runner import Limits, run_generations
 from parsat.egraph.session import Session
 from parsat.egraph.snapshot import Snapshot
 
@@ -82,8 +82,8 @@ def saturate(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh
         note = f"during compilation: {session.loaded} of {len(program.rules)} egglog rules loaded"
     chunks = {ruleset: program.chunks(ruleset) for ruleset in rulesets}
     loaded = [r for r in program.rules[:session.loaded] if r.ruleset in rulesets]
-    done = run(session, [chunk for ruleset in rulesets for chunk in chunks[ruleset]], limits, deadline,
-               {r.key: r.name for r in loaded}, progress)
+    done = run_generations(session, program.phase_chunks(GROW, rulesets), program.phase_chunks(PLACE, rulesets),
+                           limits, deadline, {r.key: r.name for r in loaded}, progress)
     snapshot = session.snapshot()
     classes = {name: snapshot.lets[var] for name, var in names.items() if var in snapshot.lets}
     seconds = {RULESET_NAMES[ruleset]: sum(done.step_seconds.get(chunk, 0.0) for chunk in chunks[ruleset])

@@ -1,7 +1,8 @@
 """ATen softmax, dropout, attention and loss operators onto library operators.
 
-`scaled_dot_product_attention` is written out (`bmm`, `scale`, `softmax`
-or `softmax_masked`, `bmm`); its mask and a causal mask are data leaves.
+`scaled_dot_product_attention` is written out (`bmm`, `scale`, then `softmax`,
+`softmax_causal` for a causal square one, or `softmax_masked`, `bmm`); an explicit mask,
+and a causal mask over more keys than queries, are data leaves.
 Dropout is `dropout_masked` with its mask a data leaf drawn each step
 (`imported.dropout_mask`). `cross_entropy` is `logsumexp` and `nll_sum`
 over one-hot targets; its mean multiplies that sum by the inverse count of
@@ -64,7 +65,9 @@ def _h_sdpa(t, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,
             raise Refused("an attention mask computed from the weights is not supported (masks are data)")
         mask = t.data_leaf(attn_mask, "mask", shape)
         probs = t.op("softmax_masked", scores, mask, tag="probs")
-    elif is_causal:
+    elif is_causal and shape[-1] == shape[-2]:
+        probs = t.op("softmax_causal", scores, tag="probs")   # the mask from positions: no mask tensor
+    elif is_causal:   # more keys than queries: torch aligns the causal mask at the end, a constant data leaf
         mask = t.data_leaf_const(node, "causal", shape, None)
         probs = t.op("softmax_masked", scores, mask, tag="probs")
     else:

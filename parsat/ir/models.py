@@ -131,18 +131,19 @@ class _Scope:
         return self.op("transpose", self.op("unflatten", t, dim=2, k=dh, name=f"{tag}_split"), d0=1, d1=2,
                        name=f"{tag}_heads")
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, dh: int, mask: Tensor | None = None) -> Tensor:
-        """softmax(q k^T / sqrt(dh) [masked]) v on [b, n, s, dh] heads, heads merged back: [b, s, n * dh].
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, dh: int, causal: bool = False) -> Tensor:
+        """softmax(q k^T / sqrt(dh)) v on [b, n, s, dh] heads, heads merged back: [b, s, n * dh].
 
-        With a mask it is `softmax_masked`, as the torch importer maps a causal
-        `scaled_dot_product_attention`: the mask is a graph input, 0/1 over the scores.
+        Causal attention is `softmax_causal`: the mask is made from positions,
+        as `scaled_dot_product_attention(..., is_causal=True)` makes it, so no
+        [b, n, s, s] mask is a graph input and attention splits by heads.
         """
         kt = self.op("transpose", k, d0=2, d1=3, name="kT")
         scores = self.op("scale", self.op("bmm", q, kt, name="scores"), c=1.0 / dh ** 0.5, name="scaled")
-        if mask is None:
-            probs = self.op("softmax", scores, dim=3, name="probs")
+        if causal:
+            probs = self.op("softmax_causal", scores, name="probs")
         else:
-            probs = self.op("softmax_masked", scores, mask, name="probs")
+            probs = self.op("softmax", scores, dim=3, name="probs")
         ctx = self.op("bmm", probs, v, name="ctx")
         return self.op("flatten", self.op("transpose", ctx, d0=1, d1=2, name="ctx_t"), dim=2, name="ctx_merged")
 
@@ -219,7 +220,7 @@ def _lm_loss(g: GraphBuilder, logits: Tensor, rows: int, vocab: int, counted: in
     return g.op("scale", total, c=1.0 / counted, name="loss")
 
 
-def _gpt_block(g: GraphBuilder, x: Tensor, mask: Tensor, prefix: str, hidden: int, heads: int, ffn: int) -> Tensor:
+def _gpt_block(g: GraphBuilder, x: Tensor, prefix: str, hidden: int, heads: int, ffn: int) -> Tensor:
     """Pre-LN decoder block (GPT-2/GPT-3): x + attn(ln(x)), then + mlp(ln(.)), causal multi-head attention."""
     dh = hidden // heads
     s = _Scope(g, prefix)
@@ -227,7 +228,7 @@ def _gpt_block(g: GraphBuilder, x: Tensor, mask: Tensor, prefix: str, hidden: in
     q = s.heads(s.op("linear", a, s.w("wq", [hidden, hidden]), s.w("bq", [hidden]), name="q"), dh, "q")
     k = s.heads(s.op("linear", a, s.w("wk", [hidden, hidden]), s.w("bk", [hidden]), name="k"), dh, "k")
     v = s.heads(s.op("linear", a, s.w("wv", [hidden, hidden]), s.w("bv", [hidden]), name="v"), dh, "v")
-    merged = s.attention(q, k, v, dh, mask)
+    merged = s.attention(q, k, v, dh, causal=True)
     attn = s.op("linear", merged, s.w("wo", [hidden, hidden]), s.w("bo", [hidden]), name="attn_out")
     x = s.op("add", x, attn, name="res1")
     m = s.op("layernorm", x, s.w("ln2_g", [hidden]), s.w("ln2_b", [hidden]), eps=1e-5, name="ln2")
@@ -264,9 +265,8 @@ def gpt(blocks: int = 12, batch: int = 512, seq: int = 2048, hidden: int = 768, 
     wte = g.weight("wte", [vocab, hidden])
     tokens = g.op("embedding", g.input("ids", [batch, seq, vocab]), wte, name="tok_emb")
     x = g.op("add_bcast", tokens, g.weight("wpe", [seq, hidden]), name="emb")
-    mask = g.input("causal_mask", [batch, heads, seq, seq])
     for index in range(blocks):
-        x = _gpt_block(g, x, mask, f"b{index}_", hidden, heads, ffn)
+        x = _gpt_block(g, x, f"b{index}_", hidden, heads, ffn)
     x = g.op("layernorm", x, g.weight("lnf_g", [hidden]), g.weight("lnf_b", [hidden]), eps=1e-5, name="lnf")
     logits = g.op("linear_nobias", x, g.op("transpose", wte, d0=0, d1=1, name="wte_t"), name="logits")
     g.output(_lm_loss(g, logits, batch * seq, vocab, batch * seq))
@@ -294,7 +294,7 @@ def _rotary(s: _Scope, t: Tensor, cos: Tensor, sin: Tensor, dh: int, tag: str) -
                                                                             name=f"{tag}_sin"), name=f"{tag}_rope")
 
 
-def _llama_block(g: GraphBuilder, x: Tensor, mask: Tensor, cos: Tensor, sin: Tensor, prefix: str, hidden: int,
+def _llama_block(g: GraphBuilder, x: Tensor, cos: Tensor, sin: Tensor, prefix: str, hidden: int,
                  heads: int, kv_heads: int, ffn: int) -> Tensor:
     """Pre-norm LLaMA block: RMSNorm, grouped-query attention with rotary positions, residual, RMSNorm,
     SwiGLU MLP (silu(x w1) * (x w3)) w2, residual; no biases."""
@@ -309,7 +309,7 @@ def _llama_block(g: GraphBuilder, x: Tensor, mask: Tensor, cos: Tensor, sin: Ten
         group = heads // kv_heads
         k = s.op("flatten", s.op("broadcast", k, dim=2, n=group, name="k_expand"), dim=1, name="k_shared")
         v = s.op("flatten", s.op("broadcast", v, dim=2, n=group, name="v_expand"), dim=1, name="v_shared")
-    merged = s.attention(q, k, v, dh, mask)
+    merged = s.attention(q, k, v, dh, causal=True)
     x = s.op("add", x, s.op("linear_nobias", merged, s.w("wo", [heads * dh, hidden]), name="attn_out"), name="res1")
     m = s.op("rmsnorm", x, s.w("ffn_norm", [hidden]), eps=1e-5, name="ffn_rms")
     gate = s.op("silu", s.op("linear_nobias", m, s.w("w1", [hidden, ffn]), name="ffn_gate"), name="ffn_act")
@@ -324,8 +324,8 @@ def llama(blocks: int = 32, batch: int = 512, seq: int = 2048, hidden: int = 409
     """A LLaMA decoder with its language-modelling loss; the defaults are LLaMA-7B.
 
     Token embedding (ids one-hot), `blocks` pre-norm blocks (RMSNorm,
-    grouped-query attention with rotary position embeddings and a causal
-    mask, SwiGLU MLP of width `ffn`), a final RMSNorm, an untied LM head
+    grouped-query attention with rotary position embeddings, causal
+    (`softmax_causal`), SwiGLU MLP of width `ffn`), a final RMSNorm, an untied LM head
     `lm_head` [hidden, vocab], the mean cross-entropy. No biases anywhere.
     `kv_heads` defaults to `heads` (multi-head attention, LLaMA 1), `ffn` to
     `llama_ffn(hidden)`. The rotary tables `rope_cos`/`rope_sin` are inputs
@@ -352,12 +352,11 @@ def llama(blocks: int = 32, batch: int = 512, seq: int = 2048, hidden: int = 409
     g = GraphBuilder(library, name=name, budget=budget)
     x = g.op("embedding", g.input("ids", [batch, seq, vocab]), g.weight("tok_embeddings", [vocab, hidden]),
              name="tok_emb")
-    mask = g.input("causal_mask", [batch, heads, seq, seq])
     # HF's rotary module returns its tables as [1, seq, head size] (one row of positions for the batch).
     cos = g.op("flatten", g.input("rope_cos", [1, seq, dh]), dim=0, name="rope_cos_table")
     sin = g.op("flatten", g.input("rope_sin", [1, seq, dh]), dim=0, name="rope_sin_table")
     for index in range(blocks):
-        x = _llama_block(g, x, mask, cos, sin, f"b{index}_", hidden, heads, kv_heads, ffn)
+        x = _llama_block(g, x, cos, sin, f"b{index}_", hidden, heads, kv_heads, ffn)
     x = g.op("rmsnorm", x, g.weight("norm", [hidden]), eps=1e-5, name="final_rms")
     logits = g.op("linear_nobias", x, g.weight("lm_head", [hidden, vocab]), name="logits")
     g.output(_lm_loss(g, logits, batch * seq, vocab, batch * seq))

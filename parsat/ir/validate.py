@@ -550,8 +550,9 @@ def validate_plan_report(data: Mapping, error: type[Exception], label: str) -> N
     for key in ("seconds", "compile_seconds"):
         if key in sat:
             f.number(sat[key], f"saturation.{key}")
-    if "search_limit" in sat:
-        f.text(sat["search_limit"], "saturation.search_limit")
+    for key in ("search_limit", "unspread"):
+        if key in sat:
+            f.text(sat[key], f"saturation.{key}")
     compiled = f.obj(sat.get("rules_compiled") or {}, "saturation.rules_compiled")
     for key, value in compiled.items():
         f.number(value, f"saturation.rules_compiled.{key}")

@@ -246,6 +246,8 @@ def search_lines(data: Mapping) -> list[str]:
                      f"{sum((sat.get('rules_compiled') or {}).values())} egglog rules)")
         if sat.get("search_limit"):
             lines.append(f"search cut short: {sat['search_limit']}")
+        if sat.get("unspread"):
+            lines.append(f"nothing spread by the rules: {sat['unspread']}")
     ext = data.get("extraction") or {}
     if ext:
         lines.append(f"extraction: best by {ext.get('method')}; "

@@ -139,7 +139,7 @@ def sequential(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], me
     return Candidate("sequential", spcg, scosts, totals(scosts, machine))
 
 
-GRID_ILP_SECONDS = 2.0   # each grid point's ILP: the grid has several points per mesh
+GRID_ILP_NODES = 200   # each grid point's ILP (branch-and-bound nodes): the grid has several points per mesh
 
 
 def best_grid(result: SaturationResult, graph: Graph, library: Library, machine: Machine, roots: Sequence[int],
@@ -165,7 +165,7 @@ def best_grid(result: SaturationResult, graph: Graph, library: Library, machine:
         excluded = config_excluded(result.snapshot, roles, config)
         try:
             keep(config, *solve(result, graph, library, machine, roots,
-                                replace(limits, ilp_seconds=min(limits.ilp_seconds, GRID_ILP_SECONDS)), free_input_placements,
+                                replace(limits, ilp_nodes=min(limits.ilp_nodes, GRID_ILP_NODES)), free_input_placements,
                                 excluded, pins=input_pins, costs=priced, repetition=repetition,
                                 recompute=recompute)[:2])
         except ExtractionError:

@@ -40,6 +40,7 @@ from parsat.ir.pcg import INPUT, STORED_ROLES, WEIGHT, WEIGHT_PIECE, WEIGHT_VALU
 from parsat.cost.collectives import BROADCAST, GroupTopology, price
 from parsat.cost.model import compute_cost, gather_cost, parallel_cost
 from parsat.egraph.encoding import PIN_SUFFIX
+from parsat.egraph.runner import Limits
 from parsat.egraph.snapshot import Snapshot
 
 NodeId = tuple[int, int]  # (e-class, index of the e-node in the class)
@@ -282,7 +283,7 @@ def bottom_up(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Call
 
 
 def greedy_dag(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Callable[[NodeId], bool],
-               deadline: float) -> dict[int, int] | None:
+               deadline: float = math.inf) -> dict[int, int] | None:
     """Faster-greedy-DAG: a class's cost is the summed cost of the set of e-nodes below its choice.
 
     Classes are final in the order they are popped, and each holds exactly
@@ -382,8 +383,14 @@ def _quiet_stdout():
 
 
 def ilp(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], usable, capacity: float,
-        warm: Mapping[int, int] | None, seconds: float, rank: Mapping[int, int]) -> tuple[dict[int, int] | None, str]:
-    """Exact DAG extraction with a memory constraint, by HiGHS, under a time limit.
+        warm: Mapping[int, int] | None, nodes: int, rank: Mapping[int, int],
+        seconds: float = math.inf) -> tuple[dict[int, int] | None, str]:
+    """Exact DAG extraction with a memory constraint, by HiGHS, within `nodes` branch-and-bound nodes.
+
+    The budget is work, not time: HiGHS runs on one thread with its fixed
+    seed, so the same model gives the same choice on any machine and under
+    any load (`seconds`, a safety valve, is infinite unless the caller's
+    `--limit ilp_seconds` or `seconds` says otherwise).
 
     Acyclicity: the ILP only sees e-nodes whose children were finalised
     before their own class by the bottom-up pass (`rank`), an acyclic
@@ -403,7 +410,10 @@ def ilp(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[in
         h = highspy.Highs()
         h.setOptionValue("output_flag", False)
     h.setOptionValue("mip_rel_gap", 1e-6)
-    h.setOptionValue("time_limit", float(max(seconds, 0.05)))
+    h.setOptionValue("threads", 1)
+    h.setOptionValue("mip_max_nodes", int(nodes))
+    if math.isfinite(seconds):
+        h.setOptionValue("time_limit", float(max(seconds, 0.05)))
     h.passModel(lp)
     if warm:
         h.setSolution(_warm_solution(warm, col_of, len(cols)))
@@ -525,9 +535,10 @@ def _warm_solution(warm: Mapping[int, int], col_of: Mapping[NodeId, int], ncols:
 
 
 def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], capacity: float,
-            ilp_seconds: float = 10.0, exclude: Callable[[NodeId], bool] | None = None,
-            dag_seconds: float = 10.0) -> Extraction:
-    """The cheapest plan the three passes find; the memory limit is hard."""
+            limits: Limits = Limits(), exclude: Callable[[NodeId], bool] | None = None) -> Extraction:
+    """The cheapest plan the three passes find; the memory limit is hard. The passes run to their end, the ILP
+    within `limits.ilp_nodes`; `limits.seconds` (a safety valve, off by default) also bounds the greedy DAG
+    pass and the ILP, and `ilp_seconds` 0 skips the ILP."""
     usable = _usable(costs, exclude)
     seconds: dict[str, float] = {}
     candidates: dict[str, float] = {}
@@ -549,14 +560,15 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
         raise ExtractionError("no plan reaches the graph's outputs with the e-nodes the cost model accepts")
     consider("bottom_up", tree)
     t = time.perf_counter()
-    consider("greedy_dag", greedy_dag(snapshot, costs, usable, t + dag_seconds))
+    consider("greedy_dag", greedy_dag(snapshot, costs, usable, t + limits.seconds))
     seconds["greedy_dag"] = time.perf_counter() - t
     warm = min(found, key=lambda f: (f[1] > capacity, f[0]))[3]
     status = "skipped"
-    if ilp_seconds > 0:
+    if limits.ilp_seconds > 0:
         t = time.perf_counter()
         _tree, rank = bottom_up(snapshot, costs, usable, prefer=warm)  # an order that admits the warm start
-        choice, status = ilp(snapshot, costs, roots, usable, capacity, warm, ilp_seconds, rank)
+        choice, status = ilp(snapshot, costs, roots, usable, capacity, warm, limits.ilp_nodes, rank,
+                             min(limits.ilp_seconds, limits.seconds))
         seconds["ilp"] = time.perf_counter() - t
         consider("ilp", choice)
     fitting = [f for f in found if f[1] <= capacity]

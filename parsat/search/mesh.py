@@ -34,7 +34,7 @@ from parsat.search.extract import Extraction, ExtractionError, leaf_roles, node_
 from parsat.search.repeat import RepeatError
 from parsat.search.request import StepContext
 from parsat.search.solve import price, solve
-from parsat.search.strategies import Config, config_excluded
+from parsat.search.strategies import Config, config_excluded, contraction_weights
 
 SATURATION_SHARE = 0.6   # of a mesh's time, for saturating: pricing, extraction and the baselines take the rest
 
@@ -174,7 +174,12 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
     extraction, joint), None), or (None, the MeshSearch that says why none was found)."""
     request, graph, machine = step.request, step.searched, step.machine
     result = sat.result
-    pinned = config_excluded(result.snapshot, leaf_roles(result.snapshot, graph), config) if config else None
+    pinned = None
+    if config is not None:
+        batch = {result.classes[name]: dim for name, dim in step.batch_inputs.items() if name in result.classes}
+        split = frozenset(result.classes[name] for name in contraction_weights(graph)
+                          if name in result.classes) if config.others_free else frozenset()
+        pinned = config_excluded(result.snapshot, leaf_roles(result.snapshot, graph), config, batch, split)
     policies = _policies(step)
     failure: MeshSearch | None = None
     found = None    # (policy, priced, extraction, joint) of the plan kept so far

@@ -28,6 +28,7 @@ from parsat.ir.budget import GraphBudget
 from parsat.ir.errors import OptimizeError
 from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
+from parsat.ir.microbatch import batch_dims
 from parsat.ir.models import BATCH, EXAMPLES
 from parsat.ir.pcg import Degrees
 from parsat.ir.recompute import AUTO, BLOCKS, POLICIES
@@ -147,6 +148,7 @@ class StepContext:
     devices: int
     pins: Mapping[str, Degrees]          # pinned degrees of outputs and inputs, checked on `graph`
     in_flight: int = 1                   # micro-batches whose activations are alive at once (a stage's)
+    batch_inputs: Mapping[str, int] = field(default_factory=dict)   # pinned dp or tp: inputs -> their batch dim
 
     @property
     def searched(self) -> Graph:
@@ -186,4 +188,9 @@ def step_context(request: SearchRequest, microbatches: int = 1, machine: Machine
                     f"middle one's plan repeated {repetition.copies} times")
     check_devices(graph, devices)
     pins = check_pins(graph, request.output_pins, request.input_pins, devices)
-    return StepContext(request, graph, repetition, machine.with_devices(devices), devices, pins, in_flight)
+    # pinned axes are promises: the inputs that carry the batch are split along it on a data axis, and along
+    # another dim (the vocabulary of one-hot ids and targets) on a tensor axis (`strategies.config_excluded`)
+    pinned = any(request.parallel_dims.get(kind, 1) > 1 for kind in ("dp", "tp"))
+    samples = batch_dims(graph, request.library) if pinned else {}
+    return StepContext(request, graph, repetition, machine.with_devices(devices), devices, pins, in_flight,
+                       samples)

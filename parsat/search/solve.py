@@ -48,7 +48,7 @@ def solve(result: SaturationResult, graph: Graph, library: Library, machine: Mac
     if costs is None:
         costs = price(result, graph, library, machine, free_input_placements, pins, repetition, roots, recompute)
     ranked = costs if in_flight == 1 else {k: c.with_in_flight(in_flight) for k, c in costs.items()}
-    extraction = extract(result.snapshot, ranked, roots, machine.memory_capacity, limits.ilp_seconds, exclude)
+    extraction = extract(result.snapshot, ranked, roots, machine.memory_capacity, limits, exclude)
     pcg, ident = pcg_from_extraction(result, extraction, graph, library, roots, graph.outputs)
     pcg = replace(pcg, recompute=recompute)
     if recompute != NONE and repetition is None:   # the PCG's own readers say what is kept (`search.recompute`)

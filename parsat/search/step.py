@@ -50,7 +50,7 @@ def search_step(step: StepContext, clock: Deadline) -> Plan:
     OptimizeError (DoesNotFit when no plan fits in memory) with a message for the user."""
     choices = mesh_choices(step)
     searches = search_meshes_of(step, choices, clock)
-    _refuse_empty(step, searches, pinned=choices[0].config is not None)
+    unspread = _unspread(step, searches, pinned=choices[0].config is not None)
     steps = CandidateSteps(step.request.library, step.machine, step.graph.microbatches)
     searches = [s.simulated(steps) for s in searches]
     solved = [s for s in searches if s.joint is not None]
@@ -62,8 +62,9 @@ def search_step(step: StepContext, clock: Deadline) -> Plan:
         raise OptimizeError(searches[0].error or f"no plan for '{step.graph.name}' on {step.devices} devices")
     best_search = min(solved, key=lambda s: rank(s.joint, step.machine))
     candidates, found_baselines, skipped = compare_baselines(step, searches, best_search, steps, clock)
-    return assemble_plan(step, searches, best_search, candidates, found_baselines, skipped, steps,
+    plan = assemble_plan(step, searches, best_search, candidates, found_baselines, skipped, steps,
                          pinned=choices[0].config is not None)
+    return replace(plan, saturation={**dict(plan.saturation), "unspread": unspread}) if unspread else plan
 
 
 def mesh_choices(step: StepContext) -> list[MeshChoice]:
@@ -105,22 +106,26 @@ def search_meshes_of(step: StepContext, choices: Sequence[MeshChoice], clock: De
     return searches
 
 
-def _refuse_empty(step: StepContext, searches: Sequence[MeshSearch], pinned: bool) -> None:
-    """Refuse, with the reason, a search whose pinned axes found no plan, or that spread nothing over several
-    devices (saturation stopped by a limit first, or no parallel rule applies)."""
+def _unspread(step: StepContext, searches: Sequence[MeshSearch], pinned: bool) -> str:
+    """Why no mesh's e-graph spreads anything over the devices ('' when one does): a limit stopped saturation
+    first, or no parallel rule applies. It is said, not an error: the plan is then the best baseline (a
+    data-parallel plan, built apart from the e-graph) or the unspread graph. A pin that cannot hold is an
+    error, naming the pin."""
     graph, devices, limits = step.graph, step.devices, step.request.limits
     if pinned and not any(s.joint for s in searches):
         raise OptimizeError(f"--degrees {', '.join(f'{k}={v}' for k, v in step.request.parallel_dims.items())} "
                             f"cannot hold for '{graph.name}': "
                             f"{searches[0].error or 'no plan uses the pinned axes that way'}")
-    if devices > 1 and not any(s.spread for s in searches):
-        stopped = [s.result.stop for s in searches if s.result.stop != STOP_SATURATED]
-        if stopped:
-            value = getattr(limits, stopped[0], "")
-            raise OptimizeError(f"saturation stopped at --limit {stopped[0]}={value:g} before any parallel rule "
-                                f"spread '{graph.name}' over {devices} devices; raise the limit")
-        raise OptimizeError(f"no rule can spread '{graph.name}' over {devices} devices (no parallel rule applies "
-                            "on any mesh of the device count)")
+    if devices == 1 or any(s.spread for s in searches):
+        return ""
+    stopped = [s.result.stop for s in searches if s.result.stop != STOP_SATURATED]
+    if stopped:
+        why = (f"saturation stopped at --limit {stopped[0]}={getattr(limits, stopped[0], ''):g} before any parallel "
+               f"rule spread '{graph.name}' over {devices} devices")
+    else:
+        why = f"no parallel rule applies to '{graph.name}' on any mesh of {devices} devices"
+    step.say(f"{why}: the plan is the best baseline, or the graph unspread")
+    return why
 
 
 def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_search: MeshSearch,
@@ -142,7 +147,7 @@ def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_se
         return candidates, found, skipped
     megatron = best([s.megatron for s in searches], machine)
     two_phase = sequential(step.searched, request.library, request.rules, best_search.mesh,
-                           replace(spare, ilp_seconds=min(spare.ilp_seconds, request.limits.ilp_seconds / 2)),
+                           replace(spare, ilp_nodes=max(1, request.limits.ilp_nodes // 2)),
                            machine, best_search.pins, step.input_pins, request.free_input_placements, step.say,
                            request.caches, step.repetition) if spare is not None else None
     dp = data_parallel(graph, request.library, machine, request.free_input_placements, step.devices) \

@@ -15,7 +15,7 @@ from typing import Callable, Mapping
 from parsat.dsl.parallel_ops import ALL_GATHER, PARALLEL_OPS, PARTITION, REDUCE_SCATTER, REPLICATE
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import WEIGHT_ROLES
-from parsat.ir.placement import shard_dim
+from parsat.ir.placement import FREE, shard_dim
 from parsat.egraph.snapshot import Snapshot
 
 
@@ -54,8 +54,17 @@ def grid(mesh: Mesh) -> list[Config]:
     return out
 
 
-def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config) -> Callable[[tuple[int, int]], bool]:
+def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config,
+                    batch: Mapping[int, int] | None = None,
+                    split: frozenset[int] = frozenset()) -> Callable[[tuple[int, int]], bool]:
     """The e-nodes a configuration forbids, for `extract.extract(..., exclude=...)`.
+
+    A pinned `dp` and `tp` are promises, not hints. `batch` (input leaf class -> its batch dim,
+    `ir.microbatch.batch_dims`) makes the data axis one: those inputs are read only split along their batch
+    dim on the data axis, never whole there, so every data-parallel rank computes on its own samples. `split`
+    (the leaf classes of the weights a contraction reads, `contraction_weights`) makes the tensor axis one:
+    they are never replicated on it, so every projection and embedding is split as Megatron-LM splits them
+    (columns, rows, the vocabulary) and attention follows its heads.
 
     On the data axis: graph inputs split along dim 0, weights replicated
     (their gradients synchronised) or, with ZeRO-3, stored split and
@@ -68,9 +77,20 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
     The set is decided once, e-node by e-node: extraction asks about every
     e-node in each of its passes, on e-graphs of 10^5 e-nodes per grid point.
     """
+    samples = _derived(snapshot, batch or {})
+    stored_split = frozenset(_derived(snapshot, dict.fromkeys(split, 0)))
+    from_weights = _weight_values(snapshot, roles) if config.data_axis is not None else frozenset()
+
     def excluded(node) -> bool:
         if node.op == "leaf":
             return False
+        if samples and config.data_axis is not None and any(ch in samples for ch in node.children) and \
+                _reads_samples_whole(node, samples, snapshot, config.data_axis):
+            return True
+        if node.op not in PARALLEL_OPS and config.tensor_axis is not None and any(
+                ch in stored_split and snapshot.placement[ch].codes[config.tensor_axis] == FREE
+                for ch in node.children):
+            return True   # a split weight read whole on the tensor axis: every tensor-parallel rank the same work
         if node.op not in PARALLEL_OPS:
             # on the data axis a weight is whole where it is used: its shards (ZeRO-3) are only storage
             return config.data_axis is not None and any(
@@ -83,16 +103,19 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
         if axis == config.data_axis:
             if node.op == PARTITION:
                 return not ((source == "input" and dim == 0) or (weight and config.zero3))
-            if node.op == REPLICATE:
-                return not (weight or source == "input")
+            if node.op == REPLICATE:   # what every data-parallel rank holds alike: weights, inputs, values of weights
+                return not (weight or source == "input" or node.children[0] in from_weights)
             if node.op == ALL_GATHER:
                 return not (weight and config.zero3)
             return node.op == REDUCE_SCATTER
         if axis == config.tensor_axis:
+            if source == "input" and node.children[0] in samples:   # vocabulary-parallel one-hot ids, targets
+                return node.op != REPLICATE and not (node.op == PARTITION and dim != samples[node.children[0]])
             if source == "input":
                 return node.op != REPLICATE
             if weight:
-                return node.op not in (PARTITION, REPLICATE)
+                return node.op not in (PARTITION, REPLICATE) or (node.op == REPLICATE and
+                                                                  node.children[0] in stored_split)
             if node.op in (REDUCE_SCATTER, ALL_GATHER):
                 return not config.sequence
             if node.op == PARTITION and len(snapshot.shape[node.children[0]]) == 3 and dim == 1:
@@ -103,6 +126,69 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
     forbidden = frozenset((cid, index) for cid, nodes in snapshot.classes.items()
                           for index, node in enumerate(nodes) if excluded(node))
     return forbidden.__contains__
+
+
+CONTRACTIONS = frozenset({"matmul", "linear", "linear_nobias", "bmm", "embedding", "conv2d"})
+
+
+def contraction_weights(graph) -> frozenset[str]:
+    """The weights some contraction reads (a projection, an embedding table, a tied head through a transpose):
+    those tensor parallelism splits. A weight read only by element-wise work (a norm's gain, a position table
+    added to the embeddings) stays whole on every tensor-parallel rank, as in Megatron-LM."""
+    consumers: dict[str, set[str]] = {}
+    for node in graph.nodes:
+        for source in node.inputs:
+            consumers.setdefault(source, set()).add(node.op)
+    through = {node.name: node.inputs[0] for node in graph.nodes if node.op == "transpose" and node.inputs}
+    found = {source for source, ops in consumers.items() if ops & CONTRACTIONS}
+    found |= {through[name] for name in found if name in through}
+    return frozenset(w.name for w in graph.weights if w.name in found)
+
+
+def _weight_values(snapshot: Snapshot, roles: Mapping[int, str]) -> frozenset[int]:
+    """The classes computed from weights alone (a tied embedding's transpose): the same on every data-parallel
+    rank, so replicating one over the data axis is replicating the weights it is made of (its gradient summed
+    once a step)."""
+    found = {cid for cid, role in roles.items() if role in WEIGHT_ROLES}
+    changed = True
+    while changed:
+        changed = False
+        for cid, nodes in snapshot.classes.items():
+            if cid not in found and any(node.children and all(ch in found for ch in node.children)
+                                        for node in nodes):
+                found.add(cid)
+                changed = True
+    return frozenset(found)
+
+
+def _derived(snapshot: Snapshot, batch: Mapping[int, int]) -> dict[int, int]:
+    """The classes made from the batch inputs' leaves by parallel operators alone, each with its batch dim."""
+    found = dict(batch)
+    changed = bool(found)
+    while changed:
+        changed = False
+        for cid, nodes in snapshot.classes.items():
+            if cid in found:
+                continue
+            source = next((node.children[0] for node in nodes if node.op in PARALLEL_OPS
+                           and node.children[0] in found), None)
+            if source is not None:
+                found[cid] = found[source]
+                changed = True
+    return found
+
+
+def _reads_samples_whole(node, samples: Mapping[int, int], snapshot: Snapshot, data_axis: int) -> bool:
+    """Whether an e-node reading a batch input would read it other than split along its batch dim on the data
+    axis: a compute operator on a class free there, or a parallel operator on the data axis other than that
+    split (every parallel operator on another axis is the other axis's rules' business)."""
+    if node.op not in PARALLEL_OPS:
+        return any(ch in samples and snapshot.placement[ch].codes[data_axis] == FREE for ch in node.children)
+    if node.attrs[-1] != data_axis:
+        return False
+    source = node.children[0]
+    return not (node.op == PARTITION and PARALLEL_OPS[node.op].has_dim and node.attrs[0] == samples[source]
+                and snapshot.placement[source].codes[data_axis] == FREE)
 
 
 # --------------------------------------------------------------- pinned parallel dims
