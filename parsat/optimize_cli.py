@@ -31,7 +31,7 @@ def register(subparsers) -> None:
                      help=".rule files or folders (default: the shipped rules); repeat for several")
     opt.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE",
                      help="search budgets, counted in work so the same inputs give the same plan: generations "
-                          "(rounds of the rules that make new values, default 2), iterations and enodes (each "
+                          "(rounds of the rules that make new values, default 8), iterations and enodes (each "
                           "saturation's), ilp_nodes (each extraction's ILP); and seconds, a wall-clock safety "
                           "valve (off by default) that returns the best plan found so far, ilp_seconds likewise "
                           "for one ILP (0: greedy extraction only)")

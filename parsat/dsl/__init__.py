@@ -6,9 +6,11 @@ Modules, from text to meaning:
 and imports to a `Library`), `symbolic` and `conditions` (sizes and side
 conditions as polynomials), `instantiate` (an operator at concrete ranks),
 `parallel_ops` (the one table of partition, combine, replicate, reduce),
-`spread` (how operators change a tensor's spread), `typecheck` (a rule's
-two sides typed: shapes and spreads), `checker` (every diagnostic, and
-`load_checked`), `evaluate` (numpy semantics), `work` (FLOPs and bytes of an
+`spread` (the spread analysis: which degrees an operator accepts and
+gives), `typecheck` (a rule's two sides typed: shapes and degrees),
+`checker` (every diagnostic, `load_checked`, and which rules make new
+values: `creates_values`), `check_cache` (libraries that checked clean,
+remembered by content), `evaluate` (numpy semantics), `work` (FLOPs and bytes of an
 operator), `printer` (canonical source), `comments` (every comment's place,
 so `fmt` keeps them all), `files` (every file parsat reads or writes: bounded
 reads, atomic writes; here because every stage imports the dsl), `cli`

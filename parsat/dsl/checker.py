@@ -417,10 +417,18 @@ def check_paths(paths=None, progress: Callable[[int, int], None] | None = None) 
 
 
 def load_checked(paths=None) -> Library:
-    """A library with no diagnostics, or `DslError` listing them all."""
-    report = check_paths(paths)
+    """A library with no diagnostics, or `DslError` listing them all. A library that checked clean before (its
+    files and the checker unchanged, `check_cache`) is parsed and not checked again."""
+    from parsat.dsl.check_cache import known_clean, remember_clean
+    from parsat.dsl.library import load_library
+
+    library, load_errors = load_library(paths, strict=False)
+    if not load_errors and known_clean(library):
+        return library
+    report = CheckReport(library, load_errors + check_library(library))
     if not report.ok:
         raise DslError(report.diagnostics)
+    remember_clean(library)
     return report.library
 
 

@@ -6,6 +6,8 @@ produces the message the CLI prints. No stack trace is ever the message.
 
 from __future__ import annotations
 
+import hashlib
+
 from dataclasses import dataclass
 
 from parsat.dsl.ast import Span
@@ -66,6 +68,13 @@ class SourceCache:
 
     def add(self, path: str, text: str) -> None:
         self._text[path] = text.splitlines()
+
+    def digest(self) -> str:
+        """A hash of every file's name and text: what a library is, for caches keyed by content."""
+        found = hashlib.sha256()
+        for path in sorted(self._text):
+            found.update(path.encode("utf-8") + b"\0" + "\n".join(self._text[path]).encode("utf-8") + b"\0")
+        return found.hexdigest()
 
     def line(self, span: Span | None) -> str | None:
         if span is None:

@@ -275,3 +275,10 @@ def refuse_overwriting(output: str | os.PathLike, inputs: Iterable[str | os.Path
         if same:
             raise FileProblem(f"{flag} {os.fspath(output)} is the input file {os.fspath(source)}: writing it would "
                               "replace that input; choose another output file")
+
+
+def cache_dir() -> Path:
+    """Where parsat remembers work it can trust again: `$PARSAT_CACHE_DIR`, else `~/.cache/parsat` (the
+    verifier's verdicts, the libraries that checked clean)."""
+    env = os.environ.get("PARSAT_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "parsat"

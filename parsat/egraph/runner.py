@@ -49,7 +49,7 @@ class Limits:
 
     iterations: int = 60
     enodes: int = 200_000
-    generations: int = 2        # rounds of the rules that make new values (`run_generations`)
+    generations: int = 8        # rounds of the rules that make new values (`run_generations`)
     ilp_nodes: int = 1_000      # branch-and-bound nodes of one extraction's ILP
     seconds: float = math.inf
     ilp_seconds: float = math.inf

@@ -26,6 +26,7 @@ from parsat.egraph.runner import Limits
 from parsat.ir.blocks import has_blocks
 from parsat.ir.budget import GraphBudget
 from parsat.ir.errors import OptimizeError
+from parsat.ir.validate import MAX_DEVICES
 from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
 from parsat.ir.microbatch import batch_dims
@@ -100,22 +101,25 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
     pp = dims.pop("pp", None)
     if pp is not None and (isinstance(pp, bool) or not isinstance(pp, int) or pp < 1):
         raise OptimizeError(f"--degrees pp must be a positive integer, got {pp!r}")
-    library = resolve_library(rules)
     limits = Limits.resolve(limits)
+    base = Machine.resolve(machine)
+    count = base.devices if devices is None else devices
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_DEVICES:
+        raise OptimizeError(f"the device count must be a whole number from 1 to {MAX_DEVICES:,}, got {count!r}")
+    machine = base.with_devices(count)        # bad input refused before the rules load (2-3 CPU s cold)
+    library = resolve_library(rules)
     sizes = dict(sizes or {})
     whole = resolve_graph(graph, library, sizes or None, GraphBudget(limits.enodes, None, limits.seconds))
     if recompute == BLOCKS and not has_blocks(leaf.name for leaf in whole.leaves):
         raise OptimizeError(f"--recompute blocks: '{whole.name}' has no blocks to recompute (ir.blocks: a block's "
                             "weights are named b0_..., b1_..., as the built-in examples name them)")
-    base = Machine.resolve(machine)
-    count = base.devices if devices is None else int(devices)
     check_devices(whole, count)
     check_pins(whole, output_spreads, input_spreads, count)
     say = progress or _silent
     chosen, note = choose_rules(library)
     chosen = tuple(chosen)
     say(f"{len(chosen)} rules; {note}")
-    return SearchRequest(graph, whole, library, chosen, note, base.with_devices(count), count, limits, sizes,
+    return SearchRequest(graph, whole, library, chosen, note, machine, count, limits, sizes,
                          example_batch(graph, sizes), dims, pp, output_spreads, input_spreads, free_input_placements,
                          baselines, repeat_blocks, recompute, caches or MeshCaches(), say)
 

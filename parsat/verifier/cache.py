@@ -34,13 +34,12 @@ import functools
 import hashlib
 import json
 import math
-import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Mapping
 
 from parsat.dsl import ast
-from parsat.dsl.files import FileProblem, read_text_capped, write_atomic
+from parsat.dsl.files import FileProblem, cache_dir, read_text_capped, write_atomic
 from parsat.dsl.printer import format_decl
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.verifier.verdict import BOUNDED, PROVED, REFUTED, UNKNOWN, VACUOUS, VERDICTS, Verdict
@@ -49,9 +48,8 @@ FORMAT = 2
 
 
 def default_dir() -> Path:
-    """`$PARSAT_CACHE_DIR`, else `~/.cache/parsat`."""
-    env = os.environ.get("PARSAT_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "parsat"
+    """`$PARSAT_CACHE_DIR`, else `~/.cache/parsat` (`dsl.files.cache_dir`)."""
+    return cache_dir()
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,0 +1,68 @@
+"""Libraries that checked clean, remembered by their content, so a later load skips the semantic check.
+
+Checking the shipped library (every rule typed at sampled ranks, each side's
+degrees inferred: `checker.check_library`) takes about two CPU seconds, and
+every `parsat optimize` loads the library. A library whose files (names and
+text, `SourceCache.digest`) and whose checker (every `.py` and the grammar
+of `parsat/dsl`) are those of a library that checked clean before is parsed
+and used without checking again; anything else is checked, and remembered
+when clean. An entry is a small JSON file named by its key under
+`$PARSAT_CACHE_DIR/checked` (default `~/.cache/parsat`), written atomically;
+it holds nothing but its key, so a stale or edited entry can only make a
+library be checked again. A folder that cannot be written only costs the
+check.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+
+from parsat.dsl.files import FileProblem, cache_dir, read_text_capped, write_atomic
+from parsat.dsl.library import Library
+
+FORMAT = 1
+ENTRY_BYTES = 4096
+
+
+@functools.lru_cache(maxsize=1)
+def checker_hash() -> str:
+    """A hash of the code a check depends on: the dsl package's sources and grammar."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).resolve().parent.glob("*")):
+        if path.suffix in (".py", ".lark") and path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def library_key(library: Library) -> str:
+    """What a clean check of `library` is valid for: its files' names and text, and the checker."""
+    return hashlib.sha256(f"{FORMAT}\0{checker_hash()}\0{library.sources.digest()}".encode()).hexdigest()
+
+
+def _entry(key: str, folder: Path | None) -> Path:
+    return (folder or cache_dir()) / "checked" / f"{key[:32]}.json"
+
+
+def known_clean(library: Library, folder: Path | None = None) -> bool:
+    """Whether `library` checked clean before (an entry under its key that names that key)."""
+    key = library_key(library)
+    path = _entry(key, folder)
+    try:
+        data = json.loads(read_text_capped(path, ENTRY_BYTES, "check cache entry"))
+    except (FileProblem, OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("key") == key and data.get("clean") is True
+
+
+def remember_clean(library: Library, folder: Path | None = None) -> None:
+    """Record that `library` checked clean; a folder that cannot be written is passed over."""
+    key = library_key(library)
+    path = _entry(key, folder)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps({"key": key, "clean": True}) + "\n")
+    except (FileProblem, OSError):
+        pass
