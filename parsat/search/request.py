@@ -105,7 +105,8 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
     base = Machine.resolve(machine)
     count = base.devices if devices is None else devices
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_DEVICES:
-        raise OptimizeError(f"the device count must be a whole number from 1 to {MAX_DEVICES:,}, got {count!r}")
+        raise OptimizeError(f"the device count must be a whole number, at least 1 and at most {MAX_DEVICES:,}, "
+                            f"got {count!r}")
     machine = base.with_devices(count)        # bad input refused before the rules load (2-3 CPU s cold)
     library = resolve_library(rules)
     sizes = dict(sizes or {})
