@@ -35,6 +35,7 @@ STOP_ITERATIONS = "iterations"
 STOP_GENERATIONS = "generations"
 STOP_ENODES = "enodes"
 STOP_SECONDS = "seconds"
+STOP_INTERRUPTED = "interrupted"   # Ctrl-C: the e-graph as it stands is read back, and the caller stops too
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,11 @@ class _Steps:
                 self.note = f"during iteration {iteration}: after {index} of {len(steps)} rule chunks"
                 return changed, cut
             started = time.perf_counter()
-            report = self.session.run(step)
+            try:
+                report = self.session.run(step)
+            except KeyboardInterrupt:
+                self.note = f"during iteration {iteration}: interrupted after {index} of {len(steps)} rule chunks"
+                return changed, STOP_INTERRUPTED
             self.step_seconds[step] += time.perf_counter() - started
             changed |= report.changed
             for key, count in report.matches.items():

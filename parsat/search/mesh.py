@@ -19,6 +19,7 @@ from parsat.cost.pcg_tasks import OpTimes, TaskBuildError
 from parsat.cost.simulator import SimulationError
 from parsat.cost.step_report import simulate_step
 from parsat.dsl.library import Library
+from parsat.egraph.runner import STOP_INTERRUPTED
 from parsat.egraph.saturate import SaturationResult, saturate
 from parsat.ir.blocks import has_blocks
 from parsat.ir.costs import totals
@@ -150,6 +151,8 @@ def _saturate(step: StepContext, mesh: Mesh, pins: Mapping[str, Placement], cloc
     t = time.perf_counter()
     result = saturate(graph, request.library, request.rules, mesh, clock.remaining(SATURATION_SHARE), pins,
                       caches=request.caches)
+    if result.stop == STOP_INTERRUPTED:
+        clock.interrupt()   # Ctrl-C inside egglog: this mesh's e-graph as it stands, and nothing more after it
     step.say(f"mesh {mesh}: saturation {result.stop} after {result.iterations} iterations, {result.enodes} "
              f"e-nodes, {time.perf_counter() - t:.2f} s")
     spread = any(p.spread_axes for p in result.snapshot.placement.values())

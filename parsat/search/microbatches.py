@@ -88,11 +88,15 @@ class CountSearch:
     def run(self) -> Plan:
         while True:
             if self.tried and self.clock.spent:
-                return self.cut_short(f"micro-batch count {self.m} not searched: --limit seconds="
-                                      f"{self.clock.limits_given.seconds:g} reached")
+                return self.cut_short(f"micro-batch count {self.m} not searched: {self.clock.why_spent()}")
             self.tried.add(self.m)
             try:
                 plan, self.needed = self.search(self.m, count_share(len(self.tried))), None
+            except KeyboardInterrupt:
+                self.clock.interrupt()
+                if self.best is None and not self.plans:
+                    raise
+                return self.cut_short(f"micro-batch count {self.m} not searched: interrupted (Ctrl-C)")
             except DoesNotFit as err:
                 plan, self.needed = None, err
             except OptimizeError as err:

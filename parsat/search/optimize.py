@@ -108,6 +108,8 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
             unfit = err
     wanted = pipeline is True or (pp or 1) > 1 or (pipeline is None and (
         count > per_node or unfit is not None or not flat.totals.fits(flat.machine)))
+    if flat is not None and clock.interrupted.is_set():
+        wanted = False   # Ctrl-C during the unstaged search: its best plan is the answer
     if not can_stage or pipeline is False or pp == 1 or not wanted:
         if schedule is not None and flat is not None:
             request.say(f"--schedule {schedule}: the plan is not pipelined")

@@ -47,6 +47,7 @@ StageSearch = Callable[[Machine, int, int, int, "Deadline | None"], Plan]
 """(stage machine, stage devices, micro-batches, micro-batches in flight, its deadline) -> the stage plan"""
 
 NOT_SEARCHED = "not searched: the search's time limit (--limit seconds) was reached before it"
+INTERRUPTED = "not searched: the search was interrupted (Ctrl-C) before it"
 
 
 @dataclass(frozen=True)
@@ -100,15 +101,17 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
     for index, (p, m) in enumerate(pairs):
         stage_devices = devices // p
         stage_machine = replace(machine.with_devices(stage_devices), memory_capacity=machine.memory_capacity * p)
-        if clock is not None and clock.spent and index > 0:
-            say(f"pipeline {p} stages x {m} micro-batches: {NOT_SEARCHED}")
-            tried.append({"pp": p, "microbatches": m, "error": NOT_SEARCHED})
+        if clock is not None and clock.spent and (index > 0 or clock.interrupted.is_set()):
+            why = INTERRUPTED if clock.interrupted.is_set() else NOT_SEARCHED
+            say(f"pipeline {p} stages x {m} micro-batches: {why}")
+            tried.append({"pp": p, "microbatches": m, "error": why})
             continue
         # first ranked as one micro-batch alive (the fastest stage plan on p devices' memory), then, if no
         # schedule of it fits, with the first stage's p in flight (a leaner stage plan)
         for in_flight in (1, min(p, m)):
             if in_flight > 1 and clock is not None and clock.spent:
-                tried.append({"pp": p, "microbatches": m, "in_flight": in_flight, "error": NOT_SEARCHED})
+                why = INTERRUPTED if clock.interrupted.is_set() else NOT_SEARCHED
+                tried.append({"pp": p, "microbatches": m, "in_flight": in_flight, "error": why})
                 break
             say(f"pipeline {p} stages of {stage_devices} devices, {m} micro-batches: searching the stage plan"
                 + (f" ({in_flight} in flight)" if in_flight > 1 else ""))
@@ -119,6 +122,12 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
                 say(f"pipeline {p} x {m} micro-batches: no stage plan ({err})")
                 tried.append({"pp": p, "microbatches": m, "in_flight": in_flight, "error": str(err)})
                 continue
+            except KeyboardInterrupt:
+                if clock is None:
+                    raise
+                clock.interrupt()   # the pairs after this one are listed as interrupted, the plans found stand
+                tried.append({"pp": p, "microbatches": m, "in_flight": in_flight, "error": INTERRUPTED})
+                break
             found = _price_schedules(stage, p, m, schedule, machine, in_flight, tried)
             plans.extend(found)
             grid.extend(_grid_points(stage, p, [(plan.pipeline.schedule, plan.pipeline.layout.chunks_per_stage)
@@ -211,9 +220,11 @@ def best_of(flat: Plan | None, found: PipelineSearch, machine: Machine, pinned: 
             baseline_plans["best_grid"] = BaselinePlan(None, {}, config)
     saturation = {**dict(best.saturation), "pipeline_search": list(found.tried)}
     unsearched = list(dict.fromkeys(f"pp {t['pp']} x {t['microbatches']} micro-batches" for t in found.tried
-                                    if t.get("error") == NOT_SEARCHED))
+                                    if t.get("error") in (NOT_SEARCHED, INTERRUPTED)))
     if unsearched:   # said where explain shows it, beside what the unstaged search left out
-        said = f"pipeline {', '.join(unsearched)} not searched: the time limit (--limit seconds) was reached"
+        why = ("the search was interrupted (Ctrl-C)" if any(t.get("error") == INTERRUPTED for t in found.tried)
+               else "the time limit (--limit seconds) was reached")
+        said = f"pipeline {', '.join(unsearched)} not searched: {why}"
         saturation["search_limit"] = "; ".join(filter(None, (saturation.get("search_limit"), said)))
     return replace(best, baselines=baselines, baseline_plans=baseline_plans, saturation=saturation)
 

@@ -12,7 +12,6 @@ joint plan on a tie, or the pinned one).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -64,7 +63,11 @@ def search_step(step: StepContext, clock: Deadline) -> Plan:
     candidates, found_baselines, skipped = compare_baselines(step, searches, best_search, steps, clock)
     plan = assemble_plan(step, searches, best_search, candidates, found_baselines, skipped, steps,
                          pinned=choices[0].config is not None)
-    return replace(plan, saturation={**dict(plan.saturation), "unspread": unspread}) if unspread else plan
+    said = {"unspread": unspread} if unspread else {}
+    if clock.interrupted.is_set() and len(searches) < len(choices):
+        said["search_limit"] = (f"interrupted (Ctrl-C): meshes "
+                                f"{', '.join(str(c.mesh) for c in choices[len(searches):])} not searched")
+    return replace(plan, saturation={**dict(plan.saturation), **said}) if said else plan
 
 
 def mesh_choices(step: StepContext) -> list[MeshChoice]:
@@ -89,7 +92,6 @@ def search_meshes_of(step: StepContext, choices: Sequence[MeshChoice], clock: De
     (simulating every candidate's step and the baselines take the rest), what is left split over the meshes
     to go, the first (one axis: the cheapest, and the data-parallel plans) getting FIRST_MESH_SHARE of it when
     others follow. The meshes the limit leaves no time for are said and not searched."""
-    limits = step.request.limits
     searches: list[MeshSearch] = []
     meshes_clock = clock.part(MESHES_SHARE)
     for index, choice in enumerate(choices):
@@ -98,11 +100,17 @@ def search_meshes_of(step: StepContext, choices: Sequence[MeshChoice], clock: De
         if share is None and not searches:
             share = meshes_clock.remaining()   # a caller's part of its deadline ran out while building: least work
         if share is None:
-            step.say(f"meshes {', '.join(str(c.mesh) for c in choices[index:])} not searched: --limit seconds="
-                     f"{limits.seconds:g} reached")
+            step.say(f"meshes {', '.join(str(c.mesh) for c in choices[index:])} not searched: "
+                     f"{clock.why_spent()}")
             break
-        searches.append(search_mesh(step, choice.mesh, choice.config, choice.pins,
-                                    Deadline(time.perf_counter() + share.seconds, limits)))
+        try:
+            searches.append(search_mesh(step, choice.mesh, choice.config, choice.pins, clock.within(share.seconds)))
+        except KeyboardInterrupt:
+            clock.interrupt()
+            if not searches:
+                raise
+            step.say(f"meshes {', '.join(str(c.mesh) for c in choices[index:])} not searched: interrupted (Ctrl-C)")
+            break
     return searches
 
 
