@@ -17,7 +17,9 @@ micro-batches; the objective), `plan_check` (a plan computes what its own
 graph computes, checked before any rank starts), `recompute_regions` (the
 order a rank runs its part of a PCG in, each recomputed block one
 checkpointed region), `pipeline_run` (a pipelined plan: each stage's
-chunks on its own ranks, micro-batches moved point to point).
+chunks on its own ranks, micro-batches moved point to point),
+`plan_share` (one plan for every rank: rank 0's handed to the ranks that
+hold none, different plans refused).
 
 It reads plans through `parsat.ir` (docs/plan-schema.md) and nothing of the
 optimizer.

@@ -83,6 +83,7 @@ from parsat.backend.executor import (Comparison, ExecutionError, Optimizer, Rank
                                      check_mesh, compare_values, gradient_of, operator_library, output_holders,
                                      step_comm)
 from parsat.backend.launch import RankContext
+from parsat.backend.plan_share import PlanMismatch, shared_plan
 from parsat.importer.export import import_module
 from parsat.importer.imported import ImportedModule, dropout_mask
 from parsat.ir.graph import Graph
@@ -279,7 +280,10 @@ def parallelize(module: torch.nn.Module, plan, example_inputs=None, *, imported:
     """The module as `plan` runs it on this rank (see the module docstring); call it on every rank.
 
     `plan` is a parsat `Plan` (its PCG and graph are used as they are), a
-    plan dict or a plan JSON file. The module's graph must be the plan's.
+    plan dict or a plan JSON file, or None on every rank but 0, which then
+    receive rank 0's (`plan_share`: optimize once, on rank 0); ranks holding
+    different plans are refused, naming them. The module's graph must be
+    the plan's.
     How the module's inputs feed the graph comes from its import: give
     `imported`, the `ImportedModule` the caller already made
     (`parsat.importer.export.import_module(module, inputs)`, whose `.graph`
@@ -291,13 +295,20 @@ def parallelize(module: torch.nn.Module, plan, example_inputs=None, *, imported:
     """
     from parsat.backend.launch import under_torchrun
 
-    pcg, graph = _resolve_plan(plan)
+    if plan is not None:
+        _resolve_plan(plan)   # a plan that cannot be read is refused before any process group starts
     if not dist.is_initialized():
         if not under_torchrun():
             raise ParallelizeError("parallelize runs under torchrun (one process per device): no process group "
                                    "is started and RANK/WORLD_SIZE are not set")
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
+    backend = dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    try:
+        pcg, graph = shared_plan(plan, _resolve_plan, device)
+    except PlanMismatch as err:
+        raise ParallelizeError(str(err)) from None
     if world != pcg.mesh.world:
         raise ParallelizeError(f"the plan runs on a mesh of {pcg.mesh.world} device(s) ({pcg.mesh or 'one device'}) "
                                f"but the job has {world} rank(s)")
@@ -311,8 +322,6 @@ def parallelize(module: torch.nn.Module, plan, example_inputs=None, *, imported:
         difference = import_difference(module, imported) or graph_difference(imported.graph, graph)
     if difference:
         raise ParallelizeError(difference)
-    backend = dist.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     ctx = RankContext(rank, world, backend, device)
     return ParallelModule(module, imported, pcg, ctx, dtype, seed)
 
