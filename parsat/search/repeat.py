@@ -117,10 +117,21 @@ def class_blocks(snapshot: Snapshot) -> dict[int, int]:
 
 
 def weigh(costs: Mapping[tuple[int, int], NodeCost], snapshot: Snapshot, repetition: Repetition) -> dict:
-    """Every e-node's cost with the middle block's counted `copies` times: extraction then prices the whole model."""
+    """Every e-node's cost with the middle block's counted `copies` times: extraction then prices the whole model.
+
+    An e-node of a block that reads a block other than its own or the one before (a residual sum reassociated
+    across two blocks) is left out: the searched blocks' plan is copied as a chain (`stamp`), and extraction
+    only chooses among the e-nodes that keep it one."""
     blocks = class_blocks(snapshot)
     factor = repetition.copies
-    return {nid: cost.times(factor) if blocks.get(nid[0]) == REPEATED else cost for nid, cost in costs.items()}
+    return {nid: cost.times(factor) if blocks.get(nid[0]) == REPEATED else cost for nid, cost in costs.items()
+            if _keeps_chain(snapshot, blocks, nid)}
+
+
+def _keeps_chain(snapshot: Snapshot, blocks: Mapping[int, int], nid: tuple[int, int]) -> bool:
+    """Whether an e-node reads only from outside the blocks, its own class's block or the one before."""
+    own = blocks.get(nid[0], OUTSIDE)
+    return all(blocks.get(child, OUTSIDE) in (OUTSIDE, own, own - 1) for child in snapshot.kids[nid])
 
 
 # ------------------------------------------------------------------ stamping the PCG
