@@ -11,7 +11,9 @@ ZeRO), `pcg` (the Parallel Computation Graph; a node's `Degrees`),
 `pcg_placement` (every node's placement derived again and checked, or
 the node that cannot be placed), `parallelism` (the kinds of parallelism
 a plan's mesh axes amount to), `data_parallel` (the textbook
-data-parallel PCG), `costs` (the cost records a plan carries), `plan`
+data-parallel PCG), `megatron` (Megatron-LM's data x tensor layout,
+ZeRO-3 and sequence parallelism, built directly: the independent grid's
+PCGs), `costs` (the cost records a plan carries), `plan`
 (the plan and its JSON; `parsat.report` presents it), `microbatch` (how a
 step's batch is cut into micro-batches), `blocks` (which block of a stack
 a value belongs to), `recompute` (which values a plan drops after forward

@@ -9,7 +9,9 @@
   on one device, then parallel rules only (`sequential`);
 * the best of a Megatron-style grid (`best_grid`): on every mesh the search
   tries, data x tensor axes, sequence parallelism on or off, ZeRO-3 or not
-  (`strategies`), each a restriction of the same e-graph.
+  (`strategies`), each a restriction of the same e-graph; and the same grid
+  built directly from the graph (`independent_grid`: `ir.megatron`), which
+  does not depend on how far saturation got.
 
 Each is a `Candidate` (a valid PCG with its costs), so `optimize` can keep
 the cheapest of them and the joint plan, and the backend can run any of them.
@@ -28,12 +30,14 @@ from parsat.dsl.parallel_ops import PARALLEL_OPS, PARTITION, REPLICATE
 from parsat.ir.costs import NodeCost, Totals, totals
 from parsat.ir.data_parallel import data_parallel_pcg
 from parsat.ir.errors import GraphError
+from parsat.ir.blocks import has_blocks
 from parsat.ir.graph import Graph, GraphBuilder
 from parsat.ir.machine import Machine
+from parsat.ir.megatron import ZERO_LEVELS, megatron_pcg
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import PCG, Degrees
 from parsat.ir.placement import Placement
-from parsat.ir.recompute import NONE
+from parsat.ir.recompute import BLOCKS, NONE
 from parsat.ir.errors import OptimizeError
 from parsat.search.extract import ExtractionError, NodeId, leaf_roles
 from parsat.egraph.program import MeshCaches
@@ -67,6 +71,43 @@ def data_parallel(graph: Graph, library: Library, machine: Machine, free_input_p
     if costs is None:
         return None
     return Candidate("data_parallel", pcg, costs, totals(costs, machine))
+
+
+def independent_grid(graph: Graph, library: Library, machine: Machine, free_input_placements: bool,
+                     devices: int) -> list[Candidate]:
+    """Every point of the Megatron-LM / FSDP grid built directly from the graph (`ir.megatron.megatron_pcg`, and
+    `ir.data_parallel` where tp is 1) and priced by the same cost model: dp x tp = `devices` with tp 1 or a
+    divisor of a node's devices (tensor parallelism stays inside a node), ZeRO 0 or 3 (where dp > 1), sequence
+    parallelism off or on (where tp > 1). A point that does not fit in memory is priced again recomputing
+    blocks (`ir.recompute`), as Megatron-LM runs large models. Each is a `best_grid` candidate whose `config`
+    spells its point; the caller simulates their steps and keeps the best (`search.mesh.rank`). A point the
+    graph cannot be laid out as is not in the grid."""
+    per_node = machine.devices_per_node
+    found: list[Candidate] = []
+    shared: dict = {}   # what every point's layout of the graph reuses (`megatron_pcg`'s cache)
+    blocks = has_blocks(leaf.name for leaf in graph.leaves)
+    for tp in [t for t in range(1, min(devices, per_node) + 1) if per_node % t == 0 and devices % t == 0]:
+        dp = devices // tp
+        for zero in (ZERO_LEVELS if dp > 1 else (0,)):
+            for sequence in ((False, True) if tp > 1 else (False,)):
+                pcg = megatron_pcg(graph, library, (dp, tp), per_node, zero=zero, sequence=sequence, cache=shared)
+                config = {"dp": dp, "tp": tp, "sp": sequence, "zero": zero, "microbatches": graph.microbatches}
+                point = _priced_point(pcg, config, graph, library, machine, free_input_placements)
+                if point is not None and not point.totals.fits(machine) and blocks:
+                    point = _priced_point(replace(pcg, recompute=BLOCKS), {**config, "recompute": BLOCKS}, graph,
+                                          library, machine, free_input_placements) or point
+                if point is not None:
+                    found.append(point)
+    return found
+
+
+def _priced_point(pcg: PCG | None, config: dict, graph: Graph, library: Library, machine: Machine,
+                  free_input_placements: bool) -> Candidate | None:
+    """A grid point's PCG priced as a `best_grid` candidate; None where there is none or it cannot be priced."""
+    costs = price_pcg(pcg, library, machine, free_input_placements, graph.microbatches) if pcg is not None else None
+    if costs is None:
+        return None
+    return Candidate("best_grid", pcg, costs, totals(costs, machine), config)
 
 
 def megatron_excluded(snapshot: Snapshot, roles: Mapping[int, str]) -> Callable[[NodeId], bool]:

@@ -23,7 +23,7 @@ from parsat.ir.pcg_placement import derive_placements
 from parsat.ir.placement import Placement, PlacementError
 from parsat.ir.plan import JOINT, BaselinePlan, Plan
 from parsat.egraph.runner import STOP_SATURATED
-from parsat.search.baselines import Candidate, data_parallel, sequential
+from parsat.search.baselines import Candidate, data_parallel, independent_grid, sequential
 from parsat.search.deadline import Deadline
 from parsat.search.inputs import pins_on, search_meshes
 from parsat.search.mesh import CandidateSteps, MeshSearch, best, rank, search_mesh
@@ -141,8 +141,10 @@ def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_se
     """The candidates to rank (the joint plan first, then every baseline found), each baseline's totals (None
     where it has none), and what the time limit left out. The baselines that restrict each mesh's e-graph
     (Megatron, the grid) were extracted with it, and data parallelism is built directly: they are always there
-    to compare with. Only the sequential baseline saturates again (twice), so only it is left out when the
-    deadline leaves no time."""
+    to compare with, and so is the grid built directly from the graph (`baselines.independent_grid`), every
+    point simulated: the best grid point is the best of both grids (and of data parallelism). Only
+    the sequential baseline saturates again (twice), so only it is left out when the deadline leaves no
+    time."""
     request, graph, machine = step.request, step.graph, step.machine
     candidates = [best_search.joint]
     found: dict[str, Totals | None] = {}
@@ -161,11 +163,13 @@ def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_se
     dp = data_parallel(graph, request.library, machine, request.free_input_placements, step.devices) \
         if not step.pins else None
     two_phase, dp = steps(two_phase), steps(dp)
-    # data parallelism over every device is a point of the grid too, built directly where an e-graph cut
-    # short by the limits may not reach it
+    # data parallelism over every device is a point of the grid too, and so is every point of the grid built
+    # directly from the graph (`independent_grid`): an e-graph cut short by the limits may not reach them
     as_grid = replace(dp, name="best_grid", config={"dp": step.devices, "tp": 1, "sp": False, "zero": 0,
                                                      "microbatches": graph.microbatches}) if dp else None
-    grid = best([s.grid for s in searches] + [as_grid], machine)
+    independent = independent_grid(graph, request.library, machine, request.free_input_placements,
+                                   step.devices) if not step.pins else []
+    grid = best([s.grid for s in searches] + [as_grid] + [steps(c) for c in independent], machine)
     for name, candidate in (("megatron", megatron), ("sequential", two_phase), ("data_parallel", dp),
                             ("best_grid", grid)):
         found[name] = candidate.totals if candidate is not None else None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from parsat.dsl.parallel_ops import ALL_GATHER, PARALLEL_OPS, PARTITION, REDUCE_SCATTER, REPLICATE
+from parsat.ir.megatron import contraction_weights  # noqa: F401 - the weights a tensor axis splits, one copy
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import WEIGHT_ROLES
 from parsat.ir.placement import FREE, shard_dim
@@ -126,23 +127,6 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
     forbidden = frozenset((cid, index) for cid, nodes in snapshot.classes.items()
                           for index, node in enumerate(nodes) if excluded(node))
     return forbidden.__contains__
-
-
-CONTRACTIONS = frozenset({"matmul", "linear", "linear_nobias", "bmm", "embedding", "conv2d"})
-
-
-def contraction_weights(graph) -> frozenset[str]:
-    """The weights some contraction reads (a projection, an embedding table, a tied head through a transpose):
-    those tensor parallelism splits. A weight read only by element-wise work (a norm's gain, a position table
-    added to the embeddings) stays whole on every tensor-parallel rank, as in Megatron-LM."""
-    consumers: dict[str, set[str]] = {}
-    for node in graph.nodes:
-        for source in node.inputs:
-            consumers.setdefault(source, set()).add(node.op)
-    through = {node.name: node.inputs[0] for node in graph.nodes if node.op == "transpose" and node.inputs}
-    found = {source for source, ops in consumers.items() if ops & CONTRACTIONS}
-    found |= {through[name] for name in found if name in through}
-    return frozenset(w.name for w in graph.weights if w.name in found)
 
 
 def _weight_values(snapshot: Snapshot, roles: Mapping[int, str]) -> frozenset[int]:

@@ -1,0 +1,470 @@
+"""Megatron-LM's layout (data x tensor parallelism, ZeRO-3, sequence parallelism), built directly as a PCG.
+
+The independent grid (`search.baselines.independent_grid`) prices one such
+PCG per point (dp, tp, zero, sp), so that "the plan is never worse than any
+fitting grid point" holds even where saturation is cut short: these PCGs
+come from the graph alone, not from the e-graph or the rules.
+
+The layout is propagated operator by operator, in graph order, with fixed
+preferences; the placement analysis (`ir.placement.compute_placement`,
+`apply_parallel`) decides what each operator accepts and what it makes,
+and nothing is placed by hand:
+
+* the data axis `dp`: every graph input split along its batch dim
+  (`ir.microbatch.batch_dims`; replicated where it has none or it does not
+  split evenly), every weight replicated (with ZeRO-3 stored split along
+  its first dim the axis divides and all-gathered where it is used), values
+  computed from weights alone replicated, a partial sum over the batch
+  (the loss) reduced where an operator needs it whole, outputs gathered;
+* the tensor axis `tp`: the weights a contraction reads (`linear`,
+  `linear_nobias`, `matmul`, `embedding`, `bmm`, `conv2d`:
+  `contraction_weights`) are split: column-parallel (the weight's output
+  dim) where the activation arrives replicated, row-parallel (its
+  contraction dim, a partial sum) where it arrives split along its last
+  dim, the embedding vocabulary-parallel (one-hot ids and table split on
+  the vocabulary, a partial sum). A partial sum is all-reduced lazily,
+  where the next operator does not accept it. A row-parallel `linear` runs
+  as `linear_nobias` then `bias_add` (its semantics: the same sum plus the
+  bias), so its bias is added once after the all-reduce, as Megatron-LM
+  adds it; that bias stays whole on the axis. Every other operator follows
+  its inputs where the analysis accepts them (heads-parallel attention
+  follows from column-parallel q, k, v), otherwise its inputs are
+  gathered or reduced, the cheapest way first; norms read whole rows;
+* with `sequence` (Megatron-LM's sequence parallelism): a partial sum of
+  [batch, seq, hidden] is reduce-scattered along the sequence rather than
+  all-reduced, so norms, residuals and element-wise work run on a slice of
+  the sequence, and it is all-gathered before a column-parallel GEMM.
+
+Inputs are read in the cheapest placement the analysis accepts, by a fixed
+price per conversion (`_conversion`): a layout, not a cost model. What the
+builder does not do: Megatron-LM's fused vocabulary-parallel cross-entropy
+(the graph's `logsumexp` needs whole rows, so the logits are gathered on
+the tensor axis before the loss) and splitting the sequence inside
+attention (context parallelism).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+from typing import Sequence
+
+from parsat.dsl.instantiate import InstantiationError, OpInstance
+from parsat.dsl.library import Library
+from parsat.dsl.parallel_ops import (ALL_GATHER, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER,
+                                     REPLICATE)
+from parsat.ir.data_parallel import _live, data_parallel_pcg
+from parsat.ir.graph import Graph, Leaf, instance_for
+from parsat.ir.mesh import Mesh
+from parsat.ir.microbatch import batch_dims
+from parsat.ir.pcg import PCG, Degrees, PNode
+from parsat.ir.placement import (FREE, PARTIAL, REPLICA, Placement, PlacementError, apply_parallel,
+                                 axis_compute, codes_for_rank, compute_placement, shard, shard_dim)
+
+DP_AXIS, TP_AXIS = "dp", "tp"
+ZERO_LEVELS = (0, 3)
+CONTRACTIONS = frozenset({"matmul", "linear", "linear_nobias", "bmm", "embedding", "conv2d"})
+OPTIONS_PER_AXIS = 8   # accepted input placements kept per axis, cheapest first, before they are tried together
+
+# fixed prices of reading a value in another placement on one axis (a layout's preferences, not times)
+SAME, LOCAL, COPY, SPLIT, SCATTER, SUM, GATHER, RESPLIT = 0, 1, 1, 2, 8, 10, 10, 20
+
+
+def contraction_weights(graph: Graph) -> frozenset[str]:
+    """The weights some contraction reads (a projection, an embedding table, a tied head through a transpose):
+    those tensor parallelism splits. A weight read only by element-wise work (a norm's gain, a position table
+    added to the embeddings) stays whole on every tensor-parallel rank, as in Megatron-LM."""
+    consumers: dict[str, set[str]] = {}
+    for node in graph.nodes:
+        for source in node.inputs:
+            consumers.setdefault(source, set()).add(node.op)
+    through = {node.name: node.inputs[0] for node in graph.nodes if node.op == "transpose" and node.inputs}
+    found = {source for source, ops in consumers.items() if ops & CONTRACTIONS}
+    found |= {through[name] for name in found if name in through}
+    return frozenset(w.name for w in graph.weights if w.name in found)
+
+
+def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], devices_per_node: int = 1, *,
+                 zero: int = 0, sequence: bool = False, cache: dict | None = None) -> PCG | None:
+    """Megatron-LM's layout of `graph` on the mesh `dp x tp` (`mesh_shape`; the module docstring), ZeRO-3
+    over the data axis with `zero=3`, sequence parallelism with `sequence`. An axis of size 1 is left out of
+    the mesh; with `tp == 1` it is data parallelism (`ir.data_parallel`, whose one-axis mesh it is).
+    `cache`: a dict the calls for one graph and library may share (operator instances, what they accept).
+
+    None where the graph cannot be laid out that way (an operator that accepts no placement its inputs can
+    be brought to, a size that does not split): the grid then has no such point."""
+    dp, tp = (int(s) for s in mesh_shape)
+    if zero not in ZERO_LEVELS:
+        raise ValueError(f"zero must be one of {ZERO_LEVELS}, got {zero!r}")
+    if dp < 1 or tp < 1 or dp * tp < 2:
+        return None
+    if tp == 1:
+        return data_parallel_pcg(graph, library, dp, devices_per_node, zero3=zero == 3)
+    axes = [(name, size) for name, size in ((DP_AXIS, dp), (TP_AXIS, tp)) if size > 1]
+    mesh = Mesh.of([s for _, s in axes], devices_per_node, names=[n for n, _ in axes])
+    build = _MegatronBuilder(graph, mesh, zero == 3, sequence, _Memo.of(graph, library, cache))
+    for leaf in graph.leaves:
+        build.place_leaf(leaf)
+    for gnode in graph.nodes:
+        if gnode.name in build.static:
+            continue   # made where it is read, in the placement its reader needs (`weight_value`)
+        if not build.place_graph_node(gnode):
+            return None
+    outputs = [build.gathered(name) for name in graph.outputs]
+    if any(o is None for o in outputs):
+        return None
+    return _live(build.nodes, outputs, tuple(graph.outputs), mesh)
+
+
+class _Memo:
+    """What every layout of one graph shares: its batch dims, operator instances by shapes and attributes, and
+    which codes each accepts on one axis (`axis_compute`, by the instance's key)."""
+
+    def __init__(self, graph: Graph, library: Library):
+        self.graph, self.ops = graph, library.ops
+        self.batch = batch_dims(graph, library)
+        self.instances: dict[tuple, OpInstance | None] = {}
+        self.accepts: dict[tuple, int | None] = {}
+        self.placements: dict = {}   # `compute_placement`'s own cache
+
+    @staticmethod
+    def of(graph: Graph, library: Library, cache: dict | None) -> "_Memo":
+        memo = (cache or {}).get("memo")
+        if memo is None or memo.graph is not graph:
+            memo = _Memo(graph, library)
+            if cache is not None:
+                cache["memo"] = memo
+        return memo
+
+    def instance(self, op: str, shapes: Sequence[Sequence[int]], attrs: Sequence) -> tuple[tuple, OpInstance | None]:
+        """The operator at these shapes and attributes (None where it does not instantiate), and its key."""
+        key = (op, tuple(tuple(s) for s in shapes), tuple(attrs))
+        if key not in self.instances:
+            try:
+                self.instances[key] = instance_for(self.ops[op], key[1], dict(attrs))
+            except (InstantiationError, KeyError):
+                self.instances[key] = None
+        return key, self.instances[key]
+
+    def accepted(self, key: tuple, instance: OpInstance, codes: tuple[int, ...]) -> int | None:
+        """The output code of the operator on one axis for these input codes; None where it refuses them."""
+        found = self.accepts.get((key, codes), -1)
+        if found == -1:
+            found = self.accepts[(key, codes)] = axis_compute(instance, codes, self.placements)[0]
+        return found
+
+
+@dataclass(frozen=True)
+class _Operand:
+    """An input of an operator being placed: the graph value, and whether it is static: made of weights and
+    inputs the data axis does not split alone (what every data-parallel rank holds alike)."""
+
+    name: str
+    shape: tuple[int, ...]
+    static: bool
+
+
+class _MegatronBuilder:
+    """The PCG of one graph while `megatron_pcg` builds it. Activations are placed forward, in graph order, and
+    keep every placement they were brought to (`forms`); static values (weights, inputs the data axis does not
+    split, and the values made of them alone) are made on demand, in the placement their reader needs
+    (`weight_value`), so a weight is split once, as its reader splits it, and stored so, and a table such as
+    a rotary one is replicated as an input, whose copies need no gradient."""
+
+    def __init__(self, graph: Graph, mesh: Mesh, zero3: bool, sequence: bool, memo: _Memo):
+        self.mesh, self.zero3, self.sequence, self.memo = mesh, zero3, sequence, memo
+        self.data = mesh.index(DP_AXIS) if DP_AXIS in mesh.names else None
+        self.tensor = mesh.index(TP_AXIS)
+        self.graph_nodes = {n.name: n for n in graph.nodes}
+        self.leaves = {leaf.name: leaf for leaf in graph.leaves}
+        self.shapes = dict(graph.shapes())
+        self.batch = memo.batch
+        size = mesh.size(self.data) if self.data is not None else 1
+        unsplit = {leaf.name for leaf in graph.leaves if leaf.role == "input" and (
+            self.batch.get(leaf.name) is None or leaf.shape[self.batch[leaf.name]] % size != 0)}
+        self.weighted = _made_of(graph, {w.name for w in graph.weights})       # weights and values of them alone
+        self.static = _made_of(graph, {w.name for w in graph.weights} | unsplit)   # ... and of unsplit inputs
+        self.nodes: list[PNode] = []
+        self.leaf_ids: dict[str, int] = {}
+        self.forms: dict[str, dict[Placement, int]] = {}             # activation -> placement -> node
+        self.made: dict[tuple[str, Placement], int | None] = {}      # weight value at a placement -> node
+        self.cache = memo.placements
+
+    # ------------------------------------------------------------------ nodes
+    def add(self, kind: str, op: str, inputs: Sequence[int], attrs: Sequence, shape: Sequence[int],
+            placement: Placement, role: str = "", origin: str = "") -> int:
+        """Append a node (its degrees follow from its placement; PlacementError if a dim does not split)."""
+        placement.local_shape(shape, self.mesh.shape)
+        degrees = Degrees.of_placement(placement, self.mesh, len(shape))
+        self.nodes.append(PNode(len(self.nodes), kind, op, tuple(inputs), tuple(attrs), tuple(shape), degrees, role,
+                                origin, placement))
+        return len(self.nodes) - 1
+
+    def parallel(self, op: str, source: int, axis: int, dim: int | None = None) -> int:
+        """Append the parallel operator `op` on mesh axis `axis`, reading `source` (PlacementError if illegal)."""
+        node = self.nodes[source]
+        attrs = ((("dim", dim),) if dim is not None else ()) + (("axis", self.mesh.axes[axis].name),
+                                                                 ("degree", self.mesh.size(axis)))
+        return self.add("parallel", op, (source,), attrs, node.shape, apply_parallel(node.placement, op, axis, dim))
+
+    def leaf(self, leaf: Leaf) -> int:
+        if leaf.name not in self.leaf_ids:
+            self.leaf_ids[leaf.name] = self.add("leaf", leaf.name, (), (), leaf.shape, Placement.whole(len(self.mesh)),
+                                                leaf.role, leaf.name)
+        return self.leaf_ids[leaf.name]
+
+    def place_leaf(self, leaf: Leaf) -> None:
+        """A graph input split along its batch dim on the data axis, whole on the tensor axis until a reader needs
+        it otherwise. Weights and the inputs the data axis does not split (no batch dim, or one that does not
+        split evenly) are made where they are read (`weight_value`): replicated there."""
+        if leaf.name in self.static:
+            return
+        node = self.leaf(leaf)
+        if self.data is not None:
+            node = self.parallel(PARTITION, node, self.data, self.batch[leaf.name])
+        self.forms[leaf.name] = {self.nodes[node].placement: node}
+
+    # ------------------------------------------------------------------ operators
+    def place_graph_node(self, gnode) -> bool:
+        """A graph operator placed (False: it accepts nothing its inputs can be brought to). A `linear` whose
+        input arrives split along its last dim on the tensor axis is row-parallel: `linear_nobias` (a partial
+        sum) then `bias_add`, so the bias is added once, after the all-reduce."""
+        if gnode.op == "linear" and self.split_on_features(gnode.inputs[0]):
+            partial = f"{gnode.name}_nobias"
+            self.shapes[partial] = tuple(gnode.shape)
+            return self.place(partial, "linear_nobias", gnode.inputs[:2], (), gnode.shape) and \
+                self.place(gnode.name, "bias_add", (partial, gnode.inputs[2]), (), gnode.shape)
+        return self.place(gnode.name, gnode.op, gnode.inputs, gnode.attrs, gnode.shape)
+
+    def split_on_features(self, name: str) -> bool:
+        if name in self.static or name not in self.forms:
+            return False
+        last = shard(len(self.shapes[name]) - 1)
+        return any(p.codes[self.tensor] == last for p in self.forms[name])
+
+    def place(self, name: str, op: str, inputs: Sequence[str], attrs: Sequence, shape: Sequence[int]) -> bool:
+        """Operator `op` making `name` from `inputs`: the cheapest input placements the analysis accepts, axis by
+        axis (`axis_options`), tried together until they can all be made; the output's placement is the
+        analysis's."""
+        operands = [_Operand(i, tuple(self.shapes[i]), i in self.static) for i in inputs]
+        key, instance = self.memo.instance(op, [o.shape for o in operands], attrs)
+        if instance is None:
+            return False
+        per_axis = [self.axis_options(key, instance, op, operands, shape, axis) for axis in range(len(self.mesh))]
+        combos = sorted(product(*per_axis), key=lambda options: sum(cost for cost, _ in options))
+        for combo in combos:
+            targets = [Placement(tuple(codes[k] for _, codes in combo)) for k in range(len(operands))]
+            made = [self.weight_value(o.name, t) if o.static else self.convert(o.name, t)
+                    for o, t in zip(operands, targets)]
+            if None in made:
+                continue
+            try:
+                placement = compute_placement(instance, [self.nodes[i].placement for i in made], self.cache)
+                node = self.add("op", op, made, attrs, shape, placement, origin=name)
+            except PlacementError:
+                continue
+            self.forms[name] = {placement: node}
+            return True
+        return False
+
+    def axis_options(self, key: tuple, instance: OpInstance, op: str, operands: Sequence[_Operand],
+                     shape: Sequence[int], axis: int) -> list[tuple[float, tuple[int, ...]]]:
+        """The input codes on one axis that the operator accepts (and whose output splits evenly), cheapest first:
+        at most OPTIONS_PER_AXIS of them."""
+        size = self.mesh.size(axis)
+        choices = []
+        for o in operands:
+            found = self.weight_codes(o, op, axis) if o.static else self.activation_codes(o, axis)
+            choices.append([(c, code) for c, code in found if _splits(o.shape, code, size)])
+        accepted = []
+        for combo in sorted(product(*choices), key=lambda cs: sum(c for c, _ in cs)):
+            codes = tuple(code for _, code in combo)
+            out = self.memo.accepted(key, instance, codes)
+            if out is not None and _splits(shape, out, size):
+                accepted.append((sum(c for c, _ in combo), codes))
+                if len(accepted) == OPTIONS_PER_AXIS:
+                    break
+        return accepted
+
+    def weight_codes(self, operand: _Operand, op: str, axis: int) -> list[tuple[float, int]]:
+        """How a static value may be read on one axis, with its price: replicated on the data axis; on the tensor
+        axis split when a contraction reads a weight (the embedding's table on the vocabulary first), else
+        whole, replicated, or split."""
+        if axis == self.data:
+            return [(SAME, REPLICA)]
+        shards = [shard(d) for d in range(len(operand.shape))]
+        if op in CONTRACTIONS and operand.name in self.weighted:
+            if op == "embedding":
+                return [(SAME, shard(0))] + [(RESPLIT, s) for s in shards[1:]]
+            return [(SAME, s) for s in shards]
+        split = LOCAL if self.sequence else SPLIT + 1
+        return [(SAME, FREE), (COPY, REPLICA)] + [(split, s) for s in shards]
+
+    def activation_codes(self, operand: _Operand, axis: int) -> list[tuple[float, int]]:
+        """Every code an activation can be brought to on one axis from a placement it has, at its cheapest."""
+        best: dict[int, float] = {}
+        for placement in self.forms[operand.name]:
+            for code in codes_for_rank(len(operand.shape)):
+                step = self.conversion(placement.codes[axis], code, axis, len(operand.shape))
+                if step is not None and step[0] < best.get(code, float("inf")):
+                    best[code] = step[0]
+        return sorted(((c, code) for code, c in best.items()), key=lambda cc: cc[0])
+
+    def conversion(self, src: int, dst: int, axis: int, rank: int,
+                   gather: bool = False) -> tuple[float, tuple[tuple[str, int | None], ...]] | None:
+        """The parallel operators that bring an activation from `src` to `dst` on one axis, and their price;
+        None where the layout does not (activations are never gathered on the data axis but as outputs:
+        `gather`; reduce-scatter only along the sequence, with sequence parallelism)."""
+        tensor = axis == self.tensor
+        if src == dst:
+            return SAME, ()
+        if src == FREE:
+            if dst == REPLICA:
+                return COPY, ((REPLICATE, None),)
+            return (SPLIT, ((PARTITION, shard_dim(dst)),)) if dst != PARTIAL else None
+        if src == PARTIAL:
+            if dst == FREE:
+                return SUM, ((REDUCE, None),)
+            if dst == REPLICA:
+                return SUM + COPY, ((REDUCE, None), (REPLICATE, None))
+            scatter = tensor and self.sequence and rank == 3 and shard_dim(dst) == 1
+            return (SCATTER, ((REDUCE_SCATTER, 1),)) if scatter else None
+        dim = shard_dim(src)
+        if dim is None or not (tensor or gather):
+            return None
+        if dst == FREE:
+            return GATHER, ((COMBINE, dim),)
+        if dst == REPLICA:
+            return GATHER + COPY, ((ALL_GATHER, dim),)
+        return (RESPLIT, ((COMBINE, dim), (PARTITION, shard_dim(dst)))) if dst != PARTIAL else None
+
+    def convert(self, name: str, target: Placement, gather: bool = False) -> int | None:
+        """The node holding activation `name` in `target`: one it has, else made from the placement it has that
+        is cheapest to convert (every intermediate placement kept too); None where the layout cannot."""
+        forms = self.forms[name]
+        if target in forms:
+            return forms[target]
+        rank = len(self.shapes[name])
+        plans = []
+        for placement, node in forms.items():
+            steps = [self.conversion(placement.codes[a], target.codes[a], a, rank, gather)
+                     for a in range(len(self.mesh))]
+            if None not in steps:
+                plans.append((sum(s[0] for s in steps), node, [(a, s[1]) for a, s in enumerate(steps)]))
+        for _cost, node, per_axis in sorted(plans, key=lambda p: p[0]):
+            for order in (per_axis, per_axis[::-1]):   # mesh order decides which axis may act first
+                made = self.apply_steps(node, order)
+                if made is not None and self.nodes[made[-1]].placement == target:
+                    for i in made:
+                        forms.setdefault(self.nodes[i].placement, i)
+                    return made[-1]
+        return None
+
+    def apply_steps(self, node: int, per_axis) -> list[int] | None:
+        """The parallel operators of each axis in turn on `node` (checked before any is added); their ids."""
+        placement = self.nodes[node].placement
+        try:
+            for axis, steps in per_axis:
+                for op, dim in steps:
+                    placement = apply_parallel(placement, op, axis, dim)
+                    placement.local_shape(self.nodes[node].shape, self.mesh.shape)
+        except PlacementError:
+            return None
+        made = [node]
+        for axis, steps in per_axis:
+            for op, dim in steps:
+                made.append(self.parallel(op, made[-1], axis, dim))
+        return made
+
+    # ------------------------------------------------------------------ weights
+    def weight_value(self, name: str, target: Placement) -> int | None:
+        """A static value in `target`: a weight (or an unsplit input) stored as its reader splits it (on the
+        tensor axis, then with ZeRO-3 on the data axis) and replicated or all-gathered (`stored_weight`); a value
+        made of them from its inputs in the placements that give `target` (`weight_op`). None where none can."""
+        key = (name, target)
+        if key not in self.made:
+            self.made[key] = None   # a value cannot be made from itself
+            try:
+                self.made[key] = self.stored_weight(self.leaves[name], target) if name in self.leaves \
+                    else self.weight_op(name, target)
+            except PlacementError:
+                self.made[key] = None
+        return self.made[key]
+
+    def stored_weight(self, leaf: Leaf, target: Placement) -> int | None:
+        """A weight (or unsplit input) leaf in `target`: split on the tensor axis (a weight's storage), a weight
+        with ZeRO-3 split again on the data axis along another dim the axis divides and all-gathered, else
+        replicated on the data axis."""
+        node = self.leaf(leaf)
+        tensor_code = target.codes[self.tensor]
+        data_code = target.codes[self.data] if self.data is not None else FREE
+        if data_code not in (FREE, REPLICA) or tensor_code == PARTIAL:
+            return None
+        if shard_dim(tensor_code) is not None:
+            node = self.parallel(PARTITION, node, self.tensor, shard_dim(tensor_code))
+        gathered = False
+        if data_code == REPLICA and self.zero3 and leaf.role == "weight":
+            size, local = self.mesh.size(self.data), self.nodes[node].placement.local_shape(leaf.shape, self.mesh.shape)
+            dim = next((d for d, n in enumerate(local) if n % size == 0 and shard(d) != tensor_code), None)
+            if dim is not None:
+                node = self.parallel(ALL_GATHER, self.parallel(PARTITION, node, self.data, dim), self.data, dim)
+                gathered = True
+        if tensor_code == REPLICA:
+            node = self.parallel(REPLICATE, node, self.tensor)
+        if data_code == REPLICA and not gathered:
+            node = self.parallel(REPLICATE, node, self.data)
+        return node if self.nodes[node].placement == target else None
+
+    def weight_op(self, name: str, target: Placement) -> int | None:
+        """A static value computed in `target`: on each axis the first input codes (whole, replicated, split;
+        never split on the data axis) whose output the analysis says is `target`'s, its inputs made so."""
+        gnode = self.graph_nodes[name]
+        shapes = [tuple(self.shapes[i]) for i in gnode.inputs]
+        key, instance = self.memo.instance(gnode.op, shapes, gnode.attrs)
+        if instance is None:
+            return None
+        codes = []
+        for axis in range(len(self.mesh)):
+            size = self.mesh.size(axis)
+            choices = [[c for c in codes_for_rank(len(s)) if c != PARTIAL and _splits(s, c, size)
+                        and (axis != self.data or shard_dim(c) is None)] for s in shapes]
+            found = next((combo for combo in product(*choices)
+                          if self.memo.accepted(key, instance, combo) == target.codes[axis]), None)
+            if found is None:
+                return None
+            codes.append(found)
+        made = [self.weight_value(i, Placement(tuple(c[k] for c in codes))) for k, i in enumerate(gnode.inputs)]
+        if None in made:
+            return None
+        placement = compute_placement(instance, [self.nodes[i].placement for i in made], self.cache)
+        node = self.add("op", gnode.op, made, gnode.attrs, gnode.shape, placement, origin=name)
+        return node if placement == target else None
+
+    # ------------------------------------------------------------------ outputs
+    def gathered(self, name: str) -> int | None:
+        """An output as every rank holds it: partial sums reduced, splits gathered (on every axis)."""
+        if name in self.static:
+            return self.weight_value(name, Placement(tuple(REPLICA if a == self.data else FREE
+                                                           for a in range(len(self.mesh)))))
+        forms = self.forms[name]
+        whole = next((p for p in forms if all(c in (FREE, REPLICA) for c in p.codes)), None)
+        if whole is not None:
+            return forms[whole]
+        source = min(forms, key=lambda p: sum(c not in (FREE, REPLICA) for c in p.codes))
+        target = Placement(tuple(c if c in (FREE, REPLICA) else FREE for c in source.codes))
+        return self.convert(name, target, gather=True)
+
+
+def _made_of(graph: Graph, leaves: set[str]) -> frozenset[str]:
+    """`leaves` and the values computed from them alone (a tied embedding's transpose, rotary tables)."""
+    found = set(leaves)
+    for node in graph.nodes:
+        if node.inputs and all(i in found for i in node.inputs):
+            found.add(node.name)
+    return frozenset(found)
+
+
+def _splits(shape: Sequence[int], code: int, size: int) -> bool:
+    """Whether a code on an axis of `size` cuts `shape` evenly (a shard of a dim it has, that divides)."""
+    dim = shard_dim(code)
+    return dim is None or (dim < len(shape) and shape[dim] % size == 0)
