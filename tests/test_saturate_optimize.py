@@ -112,12 +112,13 @@ def test_baseline_pcgs_in_json_priced_equal_to_totals(shipped, tmp_path):
 
 
 def test_baseline_fallback_is_explained(shipped):
-    """One iteration leaves the joint plan of a transformer block worse than data parallelism (built directly):
-    then the baseline's PCG is the plan, and explain() says so."""
+    """One iteration leaves the joint plan of a transformer block worse than a baseline built directly (data
+    parallelism, or the independent grid's tensor-parallel point, which beats it here): then the baseline's PCG
+    is the plan, and explain() says so."""
     plan = optimize("transformer", machine="h100x8", devices=8, rules=shipped, allow_unverified=True,
                     limits={"iterations": 1})
     chosen = plan.extraction["chosen"]
-    assert chosen == "data_parallel"
+    assert chosen in ("data_parallel", "best_grid")
     assert plan.totals == plan.baselines[chosen]
     assert f"baseline {chosen}'s simulated step was faster than the plan extracted" in explain_plan(plan)
 
