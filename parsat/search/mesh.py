@@ -35,7 +35,8 @@ from parsat.search.extract import Extraction, ExtractionError, leaf_roles, node_
 from parsat.search.repeat import RepeatError
 from parsat.search.request import StepContext
 from parsat.search.solve import price, solve
-from parsat.search.strategies import Config, config_excluded, contraction_weights
+from parsat.ir.megatron import contraction_weights
+from parsat.search.strategies import Config, config_excluded
 
 SATURATION_SHARE = 0.6   # of a mesh's time, for saturating: pricing, extraction and the baselines take the rest
 
@@ -226,8 +227,10 @@ def _restricted_baselines(step: StepContext, sat: Saturated, priced, policy: str
     request, graph, machine, result = step.request, step.searched, step.machine, sat.result
     grid = best_grid(result, graph, request.library, machine, sat.roots, clock.remaining(0.5),
                      request.free_input_placements, priced, step.input_pins, step.repetition, policy)
-    excluded = megatron_excluded(result.snapshot, leaf_roles(result.snapshot, graph))
     megatron = None
+    if step.stage:
+        return megatron, grid   # a pipeline stage's plan: its grid point is the one baseline the pipeline reads
+    excluded = megatron_excluded(result.snapshot, leaf_roles(result.snapshot, graph))
     try:
         mpcg, mcosts, _ = solve(result, graph, request.library, machine, sat.roots, clock.remaining(),
                                 request.free_input_placements, excluded, pins=step.input_pins, costs=priced,

@@ -125,7 +125,7 @@ def _search_pipelines(request: SearchRequest, clock: Deadline, microbatches: int
     micro-batch count that `pipeline_search` tries."""
     def stage_plan(stage_machine: Machine, stage_devices: int, m: int, in_flight: int,
                    stage_clock: Deadline | None) -> Plan:
-        step = step_context(request, m, stage_machine, stage_devices, in_flight)
+        step = step_context(request, m, stage_machine, stage_devices, in_flight, stage=True)
         return search_step(step, stage_clock or Deadline.starting_now(request.limits))
 
     pp = request.pipeline_degree

@@ -144,7 +144,8 @@ def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_se
     to compare with, and so is the grid built directly from the graph (`baselines.independent_grid`), every
     point simulated: the best grid point is the best of both grids (and of data parallelism). Only
     the sequential baseline saturates again (twice), so only it is left out when the deadline leaves no
-    time."""
+    time, and for a pipeline stage's plan, whose grid point is the one baseline the pipeline reads
+    (`pipeline_search._grid_points`)."""
     request, graph, machine = step.request, step.graph, step.machine
     candidates = [best_search.joint]
     found: dict[str, Totals | None] = {}
@@ -159,7 +160,7 @@ def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_se
     two_phase = sequential(step.searched, request.library, request.rules, best_search.mesh,
                            replace(spare, ilp_nodes=max(1, request.limits.ilp_nodes // 2)),
                            machine, best_search.pins, step.input_pins, request.free_input_placements, step.say,
-                           request.caches, step.repetition) if spare is not None else None
+                           request.caches, step.repetition) if spare is not None and not step.stage else None
     dp = data_parallel(graph, request.library, machine, request.free_input_placements, step.devices) \
         if not step.pins else None
     two_phase, dp = steps(two_phase), steps(dp)

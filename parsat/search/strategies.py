@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from parsat.dsl.parallel_ops import ALL_GATHER, PARALLEL_OPS, PARTITION, REDUCE_SCATTER, REPLICATE
-from parsat.ir.megatron import contraction_weights  # noqa: F401 - the weights a tensor axis splits, one copy
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import WEIGHT_ROLES
 from parsat.ir.placement import FREE, shard_dim
