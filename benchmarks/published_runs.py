@@ -123,11 +123,32 @@ def price(row: Row) -> dict:
     return out
 
 
+def markdown(results: list[dict]) -> str:
+    """Recorded results as the table of benchmarks/published_runs.md."""
+    lines = ["| row | GPUs | t | p | d | batch | FLOPs | fits | GiB per device | recompute | schedule | predicted step "
+             "| published step | published / predicted throughput | CPU s |", "|" + "---|" * 15]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['name']} | {r['gpus']} | {r['t']} | {r['p']} | {r['d']} | {r['batch']} | {r['flops']} "
+                         f"| refused: {r['error']} | | | | | {r['published_step_s']:.3f} s | | {r['cpu_s']} |")
+            continue
+        lines.append(f"| {r['name']} | {r['gpus']} | {r['t']} | {r['p']} | {r['d']} | {r['batch']} | {r['flops']} | "
+                     f"{'yes' if r['fits'] else 'no'} | {r['memory_gib']:.1f} | {r['recompute']} | "
+                     f"{r['schedule'] or '-'} | {r['predicted_step_s']:.3f} s | {r['published_step_s']:.3f} s | "
+                     f"{r['ratio']:.2f} | {r['cpu_s']} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=None, help="comma-separated row names (default: every row)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--markdown", default=None, metavar="JSON",
+                        help="print the recorded results of JSON as a markdown table, and nothing else")
     args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.load(open(args.markdown, encoding="utf-8"))))
+        return 0
     wanted = set(args.rows.split(",")) if args.rows else None
     results = []
     for row in ROWS:
