@@ -30,7 +30,7 @@ def library():
 
 @pytest.fixture(scope="module")
 def one_device():
-    return parsat.optimize("gpt", "h100x8", devices=1, sizes=SIZES, limits={"seconds": 10}, pipeline=False,
+    return parsat.optimize("gpt", "h100x8", devices=1, sizes=SIZES, pipeline=False,
                            recompute=NONE, baselines=False)
 
 
@@ -41,7 +41,7 @@ SLOW = Machine("two-nodes-of-two", 2, 2, peak_flops=1e8, memory_bandwidth=1e12, 
 
 @pytest.fixture(scope="module")
 def tensor_parallel():
-    return parsat.optimize("gpt", SLOW, devices=2, sizes=SIZES, limits={"seconds": 15}, pipeline=False,
+    return parsat.optimize("gpt", SLOW, devices=2, sizes=SIZES, pipeline=False,
                            recompute=NONE, baselines=False, degrees={"tp": 2})
 
 
@@ -132,7 +132,7 @@ def test_auto_recomputes_only_when_keeping_activations_does_not_fit(one_device, 
     again = totals(price_pcg(replace(plan.pcg, recompute=BLOCKS), library, plan.machine),
                    plan.machine).peak_memory_bytes
     tight = replace(Machine.resolve("h100x8"), memory_capacity=(kept + again) // 2)
-    options = dict(devices=1, sizes=SIZES, limits={"seconds": 10}, pipeline=False, baselines=False,
+    options = dict(devices=1, sizes=SIZES, pipeline=False, baselines=False,
                    microbatches=1)
     found = parsat.optimize("gpt", tight, **options)
     assert found.pcg.recompute == BLOCKS and found.totals.fits(found.machine)

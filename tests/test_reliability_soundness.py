@@ -162,7 +162,7 @@ def make_cases(library: Library, folder: Path, count: int) -> tuple[list[Case], 
         graph = random_graph(seed, library)
         try:
             plan = optimize(graph, machine=machine, devices=devices, rules=library, baselines=rng.random() < 0.3,
-                            limits={"iterations": 8, "seconds": 5, "ilp_seconds": 5})
+                            limits={"iterations": 8})
         except OptimizeError as err:
             reason = str(err).replace(f"'{graph.name}' ", "").replace(f"'{graph.name}'", "the graph")
             refused[reason.split(":")[0].split(" (")[0][:70]] += 1
