@@ -550,7 +550,7 @@ def validate_plan_report(data: Mapping, error: type[Exception], label: str) -> N
     for key in ("seconds", "compile_seconds"):
         if key in sat:
             f.number(sat[key], f"saturation.{key}")
-    for key in ("search_limit", "unspread"):
+    for key in ("search_limit", "unspread", "scouted"):
         if key in sat:
             f.text(sat[key], f"saturation.{key}")
     compiled = f.obj(sat.get("rules_compiled") or {}, "saturation.rules_compiled")

@@ -248,6 +248,8 @@ def search_lines(data: Mapping) -> list[str]:
             lines.append(f"search cut short: {sat['search_limit']}")
         if sat.get("unspread"):
             lines.append(f"nothing spread by the rules: {sat['unspread']}")
+        if sat.get("scouted"):
+            lines.append(f"scouted: {sat['scouted']}")
     ext = data.get("extraction") or {}
     if ext:
         lines.append(f"extraction: best by {ext.get('method')}; "

@@ -11,6 +11,11 @@ estimate can overshoot), and the fastest plan that fits wins. A plan that
 fits without micro-batches is not split further: more micro-batches cost
 latency and smaller kernels and save only memory.
 
+Counts are compared by scouts (`step`: the first mesh and the baselines
+built apart from the e-graph); once the search settles on a count, every
+mesh is searched at that count (`search_every_mesh`), and the fastest plan
+that fits, of every count, wins.
+
 The counts share the call's clock: each gets a part of the time left
 (`count_share`), and once it is spent no further count is searched: the
 best plan found comes back, its `saturation.search_limit` saying what was
@@ -82,8 +87,28 @@ class CountSearch:
         return self.request.batch
 
     def search(self, k: int, share: float) -> Plan:
-        """The plan of `k` micro-batches, within `share` of the time left."""
-        return search_step(step_context(self.request, k), self.clock.part(share))
+        """The scout's plan of `k` micro-batches, within `share` of the time left."""
+        return search_step(step_context(self.request, k, scout=True), self.clock.part(share))
+
+    def search_every_mesh(self, chosen: Plan) -> Plan:
+        """Every mesh searched at the count of `chosen` (a scout's plan, else `chosen` as it is): the plan of
+        the two ranked first (`rank_plans`), the one of every mesh on a tie. Kept in `plans` and `best`."""
+        if not chosen.saturation.get("scouted") or self.clock.spent:
+            return chosen
+        m = chosen.graph.microbatches
+        self.request.say(f"micro-batch count {m} chosen: searching every mesh")
+        try:
+            full = search_step(step_context(self.request, m), self.clock.part(1.0))
+        except KeyboardInterrupt:
+            self.clock.interrupt()
+            return chosen
+        except OptimizeError as err:   # DoesNotFit too: the scout's plan stands
+            self.request.say(f"micro-batch count {m}, every mesh: {err}")
+            return chosen
+        self.plans.insert(0, full)
+        if full.totals.fits(full.machine) and (self.best is None or full.totals.time_s <= self.best.totals.time_s):
+            self.best = full
+        return min((full, chosen), key=rank_plans)
 
     def run(self) -> Plan:
         while True:
@@ -118,7 +143,7 @@ class CountSearch:
         if fits and (self.best is None or plan.totals.time_s < self.best.totals.time_s):
             self.best = plan
         if fits and m == 1 and not recomputes:
-            return plan
+            return self.search_every_mesh(plan)
         if not fits or recomputes:   # a count at which keeping every activation does not fit
             self.failed = max(self.failed, m)
         if fits and recomputes and self.try_keeping_activations(plan):
@@ -146,6 +171,7 @@ class CountSearch:
         kernels, fewer activation collectives), so bisect towards the largest count that failed."""
         fewer = fewer_micro_batches(self.batch, self.failed, self.best.graph.microbatches, self.tried)
         if fewer is None or self.refined == REFINEMENTS:
+            self.search_every_mesh(self.best)
             # beside a pipeline search, the grid's pipelined points stand in for more unstaged searches
             return with_grid(self.best, self.plans, self.tried, self.batch, self.request.say, self.search,
                              GRID_SEARCHES if self.searches is None else 0, self.clock)
@@ -167,7 +193,7 @@ class CountSearch:
             more = min(more, next_count(batch, 2 * m) or more)
         if more is None or more in self.tried or (self.searches is not None and len(self.tried) >= self.searches):
             if plan is not None:
-                return plan
+                return self.search_every_mesh(plan)
             raise needed
         held = (f"the plan needs {plan.totals.peak_memory_bytes / 2**30:.1f} GiB per device of "
                 f"{plan.machine.memory_capacity / 2**30:.1f}" if plan is not None else
@@ -186,6 +212,12 @@ class CountSearch:
             return limited(min(self.plans, key=lambda p: p.totals.peak_memory_bytes), why)
         raise DoesNotFit(f"{self.needed} ({why}; raise the limit to search it)", self.needed.needed_bytes,
                          self.needed.capacity_bytes)
+
+
+def rank_plans(plan: Plan) -> tuple:
+    """Plans that fit first, then the fastest; when none fits, the one needing least memory."""
+    fits = plan.totals.fits(plan.machine)
+    return (not fits, plan.totals.time_s if fits else plan.totals.peak_memory_bytes)
 
 
 def limited(plan: Plan, why: str) -> Plan:

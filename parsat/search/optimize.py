@@ -124,8 +124,8 @@ def _search_pipelines(request: SearchRequest, clock: Deadline, microbatches: int
     """The pipelined candidates: one stage plan (`search_step` on a stage's machine) per pipeline degree and
     micro-batch count that `pipeline_search` tries."""
     def stage_plan(stage_machine: Machine, stage_devices: int, m: int, in_flight: int,
-                   stage_clock: Deadline | None) -> Plan:
-        step = step_context(request, m, stage_machine, stage_devices, in_flight, stage=True)
+                   stage_clock: Deadline | None, scout: bool) -> Plan:
+        step = step_context(request, m, stage_machine, stage_devices, in_flight, stage=True, scout=scout)
         return search_step(step, stage_clock or Deadline.starting_now(request.limits))
 
     pp = request.pipeline_degree

@@ -19,6 +19,12 @@ The grid baseline gains Megatron-LM's PTD-P points the same way: the
 grid's configuration found on each stage mesh, cut into stages of equal
 layer counts (as Megatron cuts), run with 1F1B and interleaved 1F1B.
 
+The (degree, count) pairs are compared by scouts (`step`: each stage
+plan searched on the first stage mesh, with the baselines built apart
+from the e-graph); every stage mesh is then searched for the pair whose
+pipelined plan ranks first (`_search_every_mesh`), and its plans join the
+candidates.
+
 Degrees tried: p = 2, 4, ... dividing the devices, from the smallest whose
 stage (tensor parallelism inside a node, no ZeRO) holds its weights' state
 in 80% of a device, two of them (one when pinned); micro-batch counts
@@ -43,8 +49,9 @@ from parsat.cost.pipeline import SCHEDULE_CHOICES, StagePricer, equal_starts
 DEGREES_TRIED = 2          # pipeline degrees searched when none is pinned
 STATE_SHARE = 0.8          # of a device's memory the weights' state may take when choosing the least degree
 
-StageSearch = Callable[[Machine, int, int, int, "Deadline | None"], Plan]
-"""(stage machine, stage devices, micro-batches, micro-batches in flight, its deadline) -> the stage plan"""
+StageSearch = Callable[[Machine, int, int, int, "Deadline | None", bool], Plan]
+"""(stage machine, stage devices, micro-batches, micro-batches in flight, its deadline, scout) -> the stage plan
+(a scout's searches the first stage mesh only)"""
 
 NOT_SEARCHED = "not searched: the search's time limit (--limit seconds) was reached before it"
 INTERRUPTED = "not searched: the search was interrupted (Ctrl-C) before it"
@@ -96,6 +103,7 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
     plans: list[Plan] = []
     grid: list[tuple[Plan, dict]] = []
     tried: list[dict] = []
+    scouted: dict[int, tuple[int, int, int]] = {}   # id of a plan priced from a scout's stage plan -> (p, m, in flight)
     pairs = [(p, m) for p in pipeline_degrees(devices, machine, parameters, layers, degree)
              for m in microbatch_counts(batch, p, microbatches)]
     for index, (p, m) in enumerate(pairs):
@@ -117,7 +125,7 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
                 + (f" ({in_flight} in flight)" if in_flight > 1 else ""))
             try:
                 stage = search(stage_machine, stage_devices, m, in_flight,
-                               clock.part(1.0 / (len(pairs) - index)) if clock is not None else None)
+                               clock.part(1.0 / (len(pairs) - index)) if clock is not None else None, True)
             except (DoesNotFit, OptimizeError) as err:
                 say(f"pipeline {p} x {m} micro-batches: no stage plan ({err})")
                 tried.append({"pp": p, "microbatches": m, "in_flight": in_flight, "error": str(err)})
@@ -128,13 +136,51 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
                 clock.interrupt()   # the pairs after this one are listed as interrupted, the plans found stand
                 tried.append({"pp": p, "microbatches": m, "in_flight": in_flight, "error": INTERRUPTED})
                 break
-            found = _price_schedules(stage, p, m, schedule, machine, in_flight, tried)
-            plans.extend(found)
-            grid.extend(_grid_points(stage, p, [(plan.pipeline.schedule, plan.pipeline.layout.chunks_per_stage)
-                                                for plan in found], machine))
+            found = _priced(stage, p, m, schedule, machine, in_flight, tried, plans, grid)
+            if stage.saturation.get("scouted"):
+                scouted.update({id(plan): (p, m, in_flight) for plan in found})
             if any(plan.totals.fits(machine) for plan in found) or in_flight == min(p, m):
                 break
+    if scouted and plans and not (clock is not None and clock.spent):
+        _search_every_mesh(search, scouted, machine, devices, schedule, say, clock, tried, plans, grid)
     return PipelineSearch(tuple(plans), tuple(grid), tuple(tried))
+
+
+def _priced(stage: Plan, p: int, m: int, schedule: str | None, machine: Machine, in_flight: int,
+            tried: list[dict], plans: list[Plan], grid: list[tuple[Plan, dict]]) -> list[Plan]:
+    """`stage` cut and priced in every schedule that applies, added to `plans` with its grid points; those
+    plans."""
+    found = _price_schedules(stage, p, m, schedule, machine, in_flight, tried)
+    plans.extend(found)
+    grid.extend(_grid_points(stage, p, [(plan.pipeline.schedule, plan.pipeline.layout.chunks_per_stage)
+                                        for plan in found], machine))
+    return found
+
+
+def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, int]], machine: Machine,
+                       devices: int, schedule: str | None, say: Callable[[str], None], clock: Deadline | None,
+                       tried: list[dict], plans: list[Plan], grid: list[tuple[Plan, dict]]) -> None:
+    """Every stage mesh searched for the pair of the pipelined plan that ranks first, when a scout found it:
+    its plans and grid points join the candidates (the scout's stay)."""
+    first = min(plans, key=lambda plan: (not plan.totals.fits(machine), plan.totals.time_s if
+                                         plan.totals.fits(machine) else plan.totals.peak_memory_bytes))
+    if id(first) not in scouted:
+        return
+    p, m, in_flight = scouted[id(first)]
+    stage_machine = replace(machine.with_devices(devices // p), memory_capacity=machine.memory_capacity * p)
+    say(f"pipeline {p} stages x {m} micro-batches chosen: searching every stage mesh")
+    try:
+        stage = search(stage_machine, devices // p, m, in_flight, clock.part(1.0) if clock is not None else None,
+                       False)
+    except (DoesNotFit, OptimizeError) as err:
+        say(f"pipeline {p} x {m} micro-batches, every stage mesh: no stage plan ({err})")
+        return
+    except KeyboardInterrupt:
+        if clock is None:
+            raise
+        clock.interrupt()
+        return
+    _priced(stage, p, m, schedule, machine, in_flight, tried, plans, grid)
 
 
 def _price_schedules(stage: Plan, p: int, m: int, schedule: str | None, machine: Machine, in_flight: int,

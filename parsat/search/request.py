@@ -155,6 +155,7 @@ class StepContext:
     in_flight: int = 1                   # micro-batches whose activations are alive at once (a stage's)
     batch_inputs: Mapping[str, int] = field(default_factory=dict)   # pinned dp or tp: inputs -> their batch dim
     stage: bool = False                  # a pipeline stage's plan: only its grid baseline is ever read
+    scout: bool = False                  # search the first mesh only: a count or pair compared (`step`)
 
     @property
     def searched(self) -> Graph:
@@ -171,7 +172,8 @@ class StepContext:
 
 
 def step_context(request: SearchRequest, microbatches: int = 1, machine: Machine | None = None,
-                 devices: int | None = None, in_flight: int = 1, stage: bool = False) -> StepContext:
+                 devices: int | None = None, in_flight: int = 1, stage: bool = False,
+                 scout: bool = False) -> StepContext:
     """The step of `microbatches` micro-batches on `devices` devices of `machine` (default: the request's): an
     example is built at its batch / m (the whole graph is the request's for m = 1), any other graph is taken
     as one micro-batch's."""
@@ -199,4 +201,4 @@ def step_context(request: SearchRequest, microbatches: int = 1, machine: Machine
     pinned = any(request.parallel_dims.get(kind, 1) > 1 for kind in ("dp", "tp"))
     samples = batch_dims(graph, request.library) if pinned else {}
     return StepContext(request, graph, repetition, machine.with_devices(devices), devices, pins, in_flight,
-                       samples, stage)
+                       samples, stage, scout)

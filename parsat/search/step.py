@@ -8,6 +8,15 @@ baselines (`mesh.search_mesh`), add the baselines built apart from the
 e-graph (data parallelism, the sequential search), simulate every
 candidate's step (`mesh.CandidateSteps`), and keep the best that fits (the
 joint plan on a tie, or the pinned one).
+
+A scout's step (`StepContext.scout`) searches the first mesh only (one
+axis: the cheapest to saturate, a tenth of a two-axis mesh's e-graph) with
+every baseline built apart from the e-graph (data parallelism, the grid of
+every mesh built directly): the micro-batch search and the pipeline search
+compare their counts and (degree, count) pairs by scouts, then search every
+mesh at the one they choose, so the e-graphs of the two-axis meshes are
+saturated once per call rather than once per count and pair. The plan of
+a scout says so (`saturation.scouted`).
 """
 
 from __future__ import annotations
@@ -48,6 +57,11 @@ def search_step(step: StepContext, clock: Deadline) -> Plan:
     """The cheapest plan of one step (see the module docstring), all before `clock`'s deadline. Raises
     OptimizeError (DoesNotFit when no plan fits in memory) with a message for the user."""
     choices = mesh_choices(step)
+    said = {}
+    if step.scout and len(choices) > 1:
+        said["scouted"] = (f"mesh {choices[0].mesh} searched, {', '.join(str(c.mesh) for c in choices[1:])} not: "
+                           "a scout's step, compared with the other micro-batch counts or pipeline pairs")
+        choices = choices[:1]
     searches = search_meshes_of(step, choices, clock)
     unspread = _unspread(step, searches, pinned=choices[0].config is not None)
     steps = CandidateSteps(step.request.library, step.machine, step.graph.microbatches)
@@ -63,7 +77,8 @@ def search_step(step: StepContext, clock: Deadline) -> Plan:
     candidates, found_baselines, skipped = compare_baselines(step, searches, best_search, steps, clock)
     plan = assemble_plan(step, searches, best_search, candidates, found_baselines, skipped, steps,
                          pinned=choices[0].config is not None)
-    said = {"unspread": unspread} if unspread else {}
+    if unspread:
+        said["unspread"] = unspread
     if clock.interrupted.is_set() and len(searches) < len(choices):
         said["search_limit"] = (f"interrupted (Ctrl-C): meshes "
                                 f"{', '.join(str(c.mesh) for c in choices[len(searches):])} not searched")
