@@ -21,8 +21,10 @@ The order is docs/VERIFIER.md's (and docs/ARCHITECTURE.md's):
    replayed device by device and shrunk before it is REFUTED.
 6. Before PROVED: the search must have run the rule on the devices at
    least once, the z3 lowering must agree with the devices
-   (`crosscheck`), and the spread analysis must not have disagreed with
-   them anywhere; otherwise the verdict is UNKNOWN with a bug report.
+   (`crosscheck`), random instances at ranks up to 8 and dims up to 12
+   must agree on the devices (`crosscheck.devices_disagree`), and the
+   spread analysis must not have disagreed with them anywhere; otherwise
+   the verdict is UNKNOWN with a bug report.
 
 `timeout` bounds the whole verdict: every stage gets what is left of one
 deadline, and a rule that runs out is UNKNOWN saying which stage it was in.
@@ -121,6 +123,8 @@ class _Stages:
     clock: _Clock
     timeout: float
     done: _Verdicts
+    rule: ast.RuleDecl                  # with fused operators expanded
+    ops: Mapping[str, ast.OpDecl]
 
 
 @dataclass(frozen=True)
@@ -152,7 +156,7 @@ def verify_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], file: str = "
         if not rank_plan.search and not rank_plan.proof:
             top = f" up to rank {ranks.SEARCH_MAX_RANK}" if rank_plan.max_rank is not None else ""
             return done(VACUOUS, f"no rank assignment types{top}: the rule never applies")
-        stages = _Stages(rank_plan, clock, timeout, done)
+        stages = _Stages(rank_plan, clock, timeout, done, rule, ops)
         searched = _concrete_search(stages, search_trials)
         if isinstance(searched, Verdict):
             return searched
@@ -283,6 +287,13 @@ def _trusted_verdict(stages: _Stages, searched: _Searched, assumptions: tuple, h
         done.notes.append(disagreement)
         return done(UNKNOWN, f"z3 proved it, but the proof cannot be trusted: {disagreement} (a bug in "
                              "parsat/verifier/prove.py or parsat/verifier/normal.py: please report it)")
+    from parsat.verifier.crosscheck import devices_disagree
+
+    disagreement = devices_disagree(stages.rule, stages.ops, plan.max_rank, stages.clock.deadline, done.notes)
+    if disagreement:
+        done.notes.append(disagreement)
+        return done(UNKNOWN, f"z3 proved it, but {disagreement} (a bug in the verifier's proof or its rank "
+                             "argument, parsat/verifier/ranks.py: please report it)")
     if hint:
         return done(UNKNOWN, f"proved, but perhaps vacuously: {hint}", assumptions=assumptions)
     if plan.max_rank is not None:

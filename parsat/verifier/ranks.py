@@ -81,6 +81,11 @@ def _ranks(rule: ast.RuleDecl, groups: Mapping[str, int]) -> list[int]:
             for b in rule.binders if isinstance(b.type, ast.ShapeType)]
 
 
+def top_rank(rule: ast.RuleDecl, groups: Mapping[str, int]) -> int:
+    """The largest rank of a tensor metavariable at these group lengths (0 without any)."""
+    return max(_ranks(rule, groups), default=0)
+
+
 def _assignments(rule: ast.RuleDecl, lengths: range | tuple, max_rank: int) -> list[dict[str, int]]:
     groups = rule_groups(rule)
     out = []
@@ -88,7 +93,7 @@ def _assignments(rule: ast.RuleDecl, lengths: range | tuple, max_rank: int) -> l
         assignment = dict(zip(groups, values))
         if all(r <= max_rank for r in _ranks(rule, assignment)):
             out.append(assignment)
-    return sorted(out, key=lambda g: (max(_ranks(rule, g), default=0), sum(g.values()), sorted(g.items())))
+    return sorted(out, key=lambda g: (top_rank(rule, g), sum(g.values()), sorted(g.items())))
 
 
 class _Typer:
@@ -139,7 +144,7 @@ def plan(rule: ast.RuleDecl, ops) -> RankPlan:
     else:
         proof = [typer(g) for g in _assignments(rule, range(MAX_RANK + 1), MAX_RANK)]
         beyond = [g for g in _assignments(rule, range(SEARCH_MAX_RANK + 1), SEARCH_MAX_RANK)
-                  if max(_ranks(rule, g), default=0) > MAX_RANK]
+                  if top_rank(rule, g) > MAX_RANK]
         search = proof + [typer(g) for g in beyond[:SEARCH_MAX_INSTANCES]]
         result.max_rank, result.why_bounded = MAX_RANK, why
     result.proof = [t for t in proof if t is not None]
