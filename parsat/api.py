@@ -4,12 +4,15 @@
 neither knows the other. `optimize` here joins them: saturation gets only
 the rules the verifier PROVED, and the BOUNDED ones at the ranks they were
 proved for (its verdicts are cached on disk, so a library proved once is
-only looked up), unless the caller allows unverified rules. Everything else is `parsat.search.optimize.optimize`.
+only looked up; a cached verdict that fails its checks is recomputed with
+a `CacheWarning`), unless the caller allows unverified rules; VACUOUS,
+ILLEGAL, REFUTED and UNKNOWN rules are never used. Everything else is `parsat.search.optimize.optimize`.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from functools import partial
 
 from parsat.dsl import ast
@@ -19,6 +22,11 @@ from parsat.ir.machine import Machine
 from parsat.ir.plan import Plan
 from parsat.search.optimize import optimize as optimize_with
 from parsat.ir.errors import OptimizeError
+
+
+class CacheWarning(UserWarning):
+    """A cached verdict failed its checks (a wrong checksum, evidence that does not fit its word, a
+    counterexample that no longer fails) and was recomputed: the cache folder was edited or corrupted."""
 
 
 def proved_rules(library: Library, allow_unverified: bool | None) -> tuple[list[ast.RuleDecl], str]:
@@ -45,6 +53,8 @@ def proved_rules(library: Library, allow_unverified: bool | None) -> tuple[list[
     report = verify_library(library, cache=VerdictCache(), jobs=max(1, min(os.cpu_count() or 1, 8)))
     if report.errors:
         raise OptimizeError("the verifier could not check some rules:\n" + "\n".join(report.errors))
+    for problem in report.cache_problems:  # never silent: someone or something wrote to the cache folder
+        warnings.warn(f"{problem}; the verdict was recomputed", CacheWarning, stacklevel=2)
     verdicts = {v.name: v for v in report.verdicts}
     kept, bounded = [], []
     for rule in rules:
@@ -56,13 +66,16 @@ def proved_rules(library: Library, allow_unverified: bool | None) -> tuple[list[
             bounded.append(f"{rule.name} (ranks up to {verdict.max_rank})")
         else:
             kept.append(rule)
-    dropped = [r.name for r in rules if r.name not in verdicts or not verdicts[r.name].usable]
+    dropped = [r.name + (f" ({verdicts[r.name].verdict})" if r.name in verdicts else "")
+               for r in rules if r.name not in verdicts or not verdicts[r.name].usable]
     note = f"{len(kept)} proved rules used"
     if bounded:
         note += f", {len(bounded)} of them only at the ranks they were proved for: {', '.join(bounded[:10])}" + (
             " ..." if len(bounded) > 10 else "")
     if dropped:
         note += f"; {len(dropped)} not proved and left out: {', '.join(dropped[:20])}" + (" ..." if len(dropped) > 20 else "")
+    if report.cache_problems:
+        note += f"; {len(report.cache_problems)} cached verdicts failed their checks and were recomputed"
     return kept, note
 
 

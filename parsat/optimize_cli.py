@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 
 
 def register(subparsers) -> None:
@@ -83,6 +84,18 @@ def _limit_type(key: str) -> type:
     return int if key in ("iterations", "generations", "enodes") else float
 
 
+def _say_warnings(caught) -> None:
+    """A cache entry recomputed is said as `parsat optimize: warning: ...` (a user's message, no source line);
+    other warnings go on as Python shows them."""
+    from parsat.api import CacheWarning
+
+    for item in caught:
+        if issubclass(item.category, CacheWarning):
+            print(f"parsat optimize: warning: {item.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(item.message, item.category, item.filename, item.lineno)
+
+
 def _error(message: str) -> int:
     print(f"parsat: error: {message}", file=sys.stderr)
     return 1
@@ -100,7 +113,7 @@ def run_optimize(args: argparse.Namespace) -> int:
         return 0
     if not args.model:
         return _error("give a MODEL (a graph JSON file or an example: " + ", ".join(EXAMPLES) + ")")
-    from parsat.api import optimize      # egglog (and z3, for the proofs) load here, not for `parsat --help`
+    from parsat.api import CacheWarning, optimize   # egglog (and z3, for the proofs) load here, not for `--help`
     from parsat.dsl.errors import DslError
     from parsat.dsl.files import FileProblem, check_output, refuse_overwriting
     from parsat.ir.errors import GraphError, MachineError
@@ -128,13 +141,16 @@ def run_optimize(args: argparse.Namespace) -> int:
         if ".py:" in model:  # model.py:factory -> (module, example inputs): torch.export import, torch loaded only here
             from parsat.importer.model_file import load_model_file
             model = load_model_file(model)
-        plan = optimize(model, machine=machine, rules=args.rules, limits=limits or None,
-                        devices=args.devices, allow_unverified=True if args.allow_unverified else None,
-                        precision=args.precision,
-                        baselines=not args.no_baselines, sizes=sizes or None, degrees=degrees or None,
-                        microbatches=args.microbatches, repeat_blocks=not args.all_blocks,
-                        pipeline=args.pipeline, schedule=args.schedule, recompute=args.recompute,
-                        progress=progress)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CacheWarning)
+            plan = optimize(model, machine=machine, rules=args.rules, limits=limits or None,
+                            devices=args.devices, allow_unverified=True if args.allow_unverified else None,
+                            precision=args.precision,
+                            baselines=not args.no_baselines, sizes=sizes or None, degrees=degrees or None,
+                            microbatches=args.microbatches, repeat_blocks=not args.all_blocks,
+                            pipeline=args.pipeline, schedule=args.schedule, recompute=args.recompute,
+                            progress=progress)
+        _say_warnings(caught)
     except (ValueError, OptimizeError, GraphError, MachineError, FileProblem) as err:
         return _error(str(err))
     except DslError as err:

@@ -75,7 +75,9 @@ def reference(mixed):
     assert not report.errors
     verdicts = {v.name: v.verdict for v in report.verdicts}
     assert {n for n, v in verdicts.items() if v == "PROVED"} == TRUE
-    assert all(verdicts[n] == "REFUTED" for n in verdicts if n.startswith("w_"))
+    # relu of a partial sum, softmax split along its own dim: refused by the spread analysis, never run as plans
+    assert verdicts["w_relu_through_reduce"] == verdicts["w_softmax_split_wrong_dim"] == "ILLEGAL"
+    assert verdicts["w_matmul_commutes"] == "REFUTED"
     return report
 
 

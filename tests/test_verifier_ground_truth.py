@@ -147,7 +147,7 @@ def test_a_broken_spread_analysis_is_caught_not_trusted(monkeypatch, write_rules
     from parsat.dsl import spread
     from parsat.verifier.api import verify_paths
 
-    monkeypatch.setattr(spread, "block_tiling", lambda *args, **kwargs: None)
+    monkeypatch.setattr(spread, "block_tiling", lambda *args, **kwargs: ())
     path = write_rules('import "ops.rule"\nrule r:\n  forall x: [n, c, h, w], p: degree\n'
                        '  where h % p == 0, h >= 3, w >= 3\n'
                        '  avgpool2d(partition(x, 2, p), 3, 3) => partition(avgpool2d(x, 3, 3), 2, p)\n')

@@ -7,7 +7,16 @@ broadcasts along its own axis (output indices first, then one axis per
 nesting level of `sum`); `if` is `np.where` with out-of-range indices
 clipped (the branch not taken may read anywhere); a `sum` broadcasts its
 body along its axis and adds it up, a `max` takes its largest value (0 over
-an empty range).
+an empty range, and a range whose bound is negative is empty, as
+docs/LANGUAGE.md defines it).
+
+Partial operations: values are reals, and `a / b` is undefined where
+`b == 0`, `log(a)` where `a <= 0`, `sqrt(a)` where `a < 0`. An undefined
+value is NaN here, and NaN spreads through everything that uses it (sums,
+maxima, functions) except the branch of an `if` that is not taken; float
+infinities are never produced for them (`1 / 0` is NaN, not inf), so a
+`0 * (1 / 0)` stays undefined as the semantics says. The verifier reads
+NaN as "undefined" (`verifier.concrete`).
 
 `evaluate` is the whole-tensor entry point. `evaluate_op` exposes what the
 piece-wise simulation of a parallel op needs: index ranges restricted to a
@@ -50,8 +59,32 @@ class PieceSelection:
     partial_inputs: Mapping[str, Sequence[np.ndarray]] = field(default_factory=dict)
 
 
+def _log(x):
+    """log, undefined (NaN) at and below 0 (numpy gives -inf at 0)."""
+    x = np.asarray(x, dtype=np.float64)
+    return np.where(x > 0, np.log(np.where(x > 0, x, 1.0)), np.nan)
+
+
+def _divide(left, right):
+    """`left / right`, undefined (NaN) where `right == 0`, for floats and exact rationals alike."""
+    left, right = np.asarray(left), np.asarray(right)
+    zero = right == 0
+    if not np.any(zero):
+        return np.divide(left, right)
+    return np.where(zero, np.nan, np.divide(left, np.where(zero, 1, right)))
+
+
+def undefined(values) -> np.ndarray:
+    """Where a value is undefined (NaN), for float and exact (object) arrays."""
+    values = np.asarray(values)
+    if values.dtype != object:
+        return np.isnan(values)
+    return np.vectorize(lambda v: isinstance(v, float) and v != v, otypes=[bool])(values) if values.size \
+        else np.zeros(values.shape, dtype=bool)
+
+
 _FUNCTIONS = {
-    "exp": np.exp, "log": np.log, "sqrt": np.sqrt, "tanh": np.tanh, "abs": np.abs, "sin": np.sin, "cos": np.cos,
+    "exp": np.exp, "log": _log, "sqrt": np.sqrt, "tanh": np.tanh, "abs": np.abs, "sin": np.sin, "cos": np.cos,
     "erf": np.vectorize(math.erf, otypes=[float]),
     "max": np.maximum, "min": np.minimum,
 }
@@ -245,7 +278,7 @@ class _Evaluator:
             if expr.op == "*":
                 return left * right
             if expr.op == "/":
-                return np.divide(left, right)
+                return _divide(left, right)
             raise EvaluationError(f"{self.instance.name}: '{expr.op}' on values")
         if isinstance(expr, ast.IfThenElse):
             test = self._test(expr.test, env)
@@ -259,6 +292,7 @@ class _Evaluator:
                 extent = bound // degree
                 block, inner_s = s % degree, s // degree
                 start, stop = block * extent, (block + 1) * extent
+            stop = max(start, stop)  # a negative bound is an empty range
             grid = self._grid(depth, start, stop)
             body = np.asarray(self._value(expr.body, {**env, expr.var: grid}, depth + 1, inner_s), dtype=self.dtype)
             body = body.reshape(body.shape + (1,) * (self.ndim - body.ndim))
@@ -266,18 +300,27 @@ class _Evaluator:
             target[depth] = stop - start
             return np.broadcast_to(body, tuple(target)).sum(axis=depth, keepdims=True)
         if isinstance(expr, ast.Max):
-            if self.pieces and self.pieces.var_degrees.get(expr.var, 1) > 1:
-                raise EvaluationError(f"{self.instance.name}: a max over '{expr.var}', a sharded range, has no "
-                                      "partial pieces (a local max is not a summand)")
-            bound = int(self._int(expr.bound, env))
-            start, stop = self.ranges.get(expr.var, (0, bound))
-            grid = self._grid(depth, start, stop)
-            body = np.asarray(self._value(expr.body, {**env, expr.var: grid}, depth + 1, s), dtype=self.dtype)
-            body = body.reshape(body.shape + (1,) * (self.ndim - body.ndim))
-            target = list(body.shape)
-            target[depth] = stop - start
-            if stop <= start:  # an empty range: 0, as an empty sum
-                target[depth] = 1
-                return np.zeros(tuple(target), dtype=self.dtype)
-            return np.broadcast_to(body, tuple(target)).max(axis=depth, keepdims=True)
+            return self._max(expr, env, depth, s)
         raise EvaluationError(f"{self.instance.name}: cannot evaluate {type(expr).__name__}")
+
+    def _max(self, expr: ast.Max, env, depth: int, s: int):
+        """`max(var < bound) body`: 0 over an empty range, undefined when a term is."""
+        if self.pieces and self.pieces.var_degrees.get(expr.var, 1) > 1:
+            raise EvaluationError(f"{self.instance.name}: a max over '{expr.var}', a sharded range, has no "
+                                  "partial pieces (a local max is not a summand)")
+        bound = int(self._int(expr.bound, env))
+        start, stop = self.ranges.get(expr.var, (0, bound))
+        stop = max(start, stop)  # a negative bound is an empty range
+        grid = self._grid(depth, start, stop)
+        body = np.asarray(self._value(expr.body, {**env, expr.var: grid}, depth + 1, s), dtype=self.dtype)
+        body = body.reshape(body.shape + (1,) * (self.ndim - body.ndim))
+        target = list(body.shape)
+        target[depth] = stop - start
+        if stop <= start:  # an empty range: 0, as an empty sum
+            target[depth] = 1
+            return np.zeros(tuple(target), dtype=self.dtype)
+        spread = np.broadcast_to(body, tuple(target))
+        largest = spread.max(axis=depth, keepdims=True)
+        if self.exact:  # Python's max may skip a NaN among rationals: an undefined term stays undefined
+            largest = np.where(undefined(spread).any(axis=depth, keepdims=True), np.nan, largest)
+        return largest

@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from parsat.dsl import ast
-from parsat.dsl.conditions import Cond, NotAnInteger, Rel, divides, symbolic_truth, to_poly
+from parsat.dsl.conditions import Cond, Junction, NotAnInteger, Rel, divides, symbolic_truth, to_poly
 from parsat.dsl.instantiate import OpInstance, index_bounds, param_dim_names
 from parsat.dsl.parallel_ops import COMBINE, PARALLEL_OPS, PARTITION, REDUCE, REPLICATE
-from parsat.dsl.symbolic import ONE, Poly
+from parsat.dsl.printer import format_expr
+from parsat.dsl.symbolic import ONE, ZERO, Poly
 
 @dataclass(frozen=True)
 class SymbolicDegrees:
@@ -146,7 +147,8 @@ class _IndexReads:
     the later checks need not walk them again."""
 
     constraints: dict = field(hash=False)  # index variable -> [(degree of a dim it indexes, which dim)]
-    block_reads: frozenset[int]            # id() of the index expressions read block by block
+    block_reads: frozenset[int]            # id() of the index expressions read block by block, and of the
+                                           # comparisons that only keep such a window inside its dim
     legal_when: tuple[Cond, ...]           # the block reads tile their sharded dims only where these hold
 
 
@@ -178,6 +180,7 @@ def _read_indices(instance: OpInstance, by_name: dict, bounds_vars: set[str], bo
     constraints: dict[str, list[tuple[Poly, str]]] = {}
     block_reads: set[int] = set()
     legal_when: list[Cond] = []
+    windows: list[tuple[ast.Expr, Poly]] = []  # the windows of sharded dims, with the dim's size
     for access in _accesses(instance.body):
         spread = by_name.get(access.tensor)
         if spread is None:
@@ -192,21 +195,24 @@ def _read_indices(instance: OpInstance, by_name: dict, bounds_vars: set[str], bo
             if pattern is not None:
                 leading, others = pattern
                 block_reads.add(id(index))
-                tiling = block_tiling(access, position, instance, bounds) if degree != ONE else None
-                if tiling is not None:
+                strided = _strided(index, instance.size_env()) if degree != ONE else None
+                if strided is not None:
+                    windows.append((strided[3], instance.input_shapes[instance.inputs.index(access.tensor)][position]))
+                for tiling in block_tiling(access, position, instance, bounds) if degree != ONE else ():
                     truth = symbolic_truth(tiling)
                     if truth is False:
                         problems.append(f"{instance.name}: {where} is sharded ({degree}) but the blocks of "
                                         f"'{_pretty(leading)}' do not tile it: {tiling.reason}")
-                    elif truth is None:
-                        legal_when.append(tiling)
+                    elif truth is None:  # only a split dim must be tiled: at degree 1 it holds every window
+                        legal_when.append(Junction("or", (Rel("==", degree, ONE), tiling), None, tiling.reason))
                 constraints.setdefault(leading, []).append((degree, where))
                 for var in others:
                     constraints.setdefault(var, []).append((ONE, where))
             elif degree != ONE:
-                problems.append(f"{instance.name}: {where} is sharded ({degree}) but is indexed by an expression, "
-                                "so a local piece does not hold what the op reads")
-    return _IndexReads(constraints, frozenset(block_reads), tuple(legal_when))
+                problems.append(f"{instance.name}: {where} is sharded ({degree}) but is read at "
+                                f"{_pretty(format_expr(index))}, an expression whose reads the analysis cannot place "
+                                "in one block, so a local piece may not hold what the op reads")
+    return _IndexReads(constraints, frozenset(block_reads | _window_guards(instance, windows)), tuple(legal_when))
 
 
 def _index_degrees(instance: OpInstance, constraints: dict, bounds_vars: set[str],
@@ -238,7 +244,7 @@ def _check_local_view(instance: OpInstance, inputs: Sequence[SymbolicDegrees], d
 
     sharded_sizes = {name for names, spread in zip(param_dim_names(instance), inputs)
                      for name, degree in zip(names, spread.shard) if name is not None and degree != ONE}
-    for name in sorted(_sizes_used_as_values(instance.body) & sharded_sizes):
+    for name in sorted(_sizes_used_as_values(instance.body, block_reads) & sharded_sizes):
         problems.append(f"{instance.name}: size '{_pretty(name)}' belongs to a sharded dim but the semantics uses "
                         "its value, which a local piece would see as its local size")
 
@@ -288,17 +294,23 @@ def block_read(access: ast.Access, position: int, spread: SymbolicDegrees, insta
     Two shapes keep every block of an output index inside one block of the
     input dim, so a local piece holds what the op reads and local sizes
     give the same answer:
-      `j * k + r` with `0 <= r < k`    (a dim split in two: unflatten)
+      `j * k + r` with `0 <= r < R`, `R <= k` (a dim split in two, as in
+                                       unflatten, R == k; or a strided window
+                                       no wider than its stride: pooling at
+                                       stride 3 over 2 positions, a 1x1
+                                       window at stride 2)
       `j / n`, `j % n` on this dim and the next, the next of size n and
       unsharded                        (two dims merged: flatten)
     Returns (leading index, indices that must stay unsharded), or None.
+    Whether the windows of a sharded dim really tile its blocks (R <= k, and
+    no leftover positions) is `block_tiling`'s to say.
     """
     index = access.indices[position]
     env = instance.size_env()
-    if (isinstance(index, ast.BinOp) and index.op == "+" and isinstance(index.right, ast.Name)
-            and isinstance(index.left, ast.BinOp) and index.left.op == "*" and isinstance(index.left.left, ast.Name)):
-        lead, rest, factor = index.left.left.id, index.right.id, index.left.right
-        if lead in bounds and rest in bounds and lead != rest and _size_of(factor, env) == bounds[rest]:
+    strided = _strided(index, env)
+    if strided is not None:
+        lead, rest, _factor, _window = strided
+        if lead in bounds and rest in bounds and lead != rest:
             return lead, (rest,)
     if (isinstance(index, ast.BinOp) and index.op == "/" and isinstance(index.left, ast.Name)
             and position + 1 < len(access.indices)):
@@ -313,30 +325,66 @@ def block_read(access: ast.Access, position: int, spread: SymbolicDegrees, insta
     return None
 
 
-def block_tiling(access: ast.Access, position: int, instance: OpInstance, bounds: dict) -> Rel | None:
-    """When a block read `j * k + r` keeps each block of `j` inside one block of the input dim.
+def block_tiling(access: ast.Access, position: int, instance: OpInstance, bounds: dict) -> tuple[Rel, ...]:
+    """When a block read `j * k + r` (0 <= r < R) keeps each block of `j` inside one block of the input dim.
 
-    Block b of `j` (extent J/p) reads input positions [b*(J/p)*k, (b+1)*(J/p)*k);
+    Block b of `j` (extent J/p) reads input positions [b*(J/p)*k, (b+1)*(J/p)*k - k + R);
     block b of the input dim (extent m/p) holds [b*m/p, (b+1)*m/p). They
-    coincide for every b only when the reads tile the dim exactly: m == J*k.
-    A strided window (`y * stride + dy`, stride == window) over a dim with
-    leftover rows breaks it: device 1 of 2 on h = 8 holds rows 4-7, but its
-    output row reads rows 3-5. Unflatten's `m % k == 0` makes it hold.
-    `j / n` (flatten) reads whole rows by construction: None.
+    coincide for every b only when the windows fit their stride (R <= k,
+    so a block's last window ends inside it) and the strides tile the dim
+    exactly (m == J*k, so block b starts where its first window does). A
+    strided window wider than its stride, or a dim with leftover rows,
+    breaks it: 3x3 windows at stride 3 over h = 8 rows on 2 devices: device 1
+    holds rows 4-7, its output row reads rows 3-5. Unflatten's `m % k == 0`
+    makes it hold (R == k); so does max pooling at stride 3 over 2 rows with
+    h a multiple of 3, or a 1x1 window at any stride that divides h.
+    `j / n` (flatten) reads whole rows by construction: no condition.
     """
-    index = access.indices[position]
-    if not (isinstance(index, ast.BinOp) and index.op == "+" and isinstance(index.left, ast.BinOp)
-            and index.left.op == "*" and isinstance(index.left.left, ast.Name)):
-        return None
-    lead = index.left.left.id
-    factor = _size_of(index.left.right, instance.size_env())
-    if factor is None or lead not in bounds:
-        return None
+    strided = _strided(access.indices[position], instance.size_env())
+    if strided is None:
+        return ()
+    lead, rest, factor, _window = strided
+    if lead not in bounds or rest not in bounds:
+        return ()
     size = instance.input_shapes[instance.inputs.index(access.tensor)][position]
-    return Rel("==", size, bounds[lead] * factor, None,
-               f"{instance.name}: the reads of '{_pretty(lead)}' (range {bounds[lead]}, {factor} positions each) must "
-               f"tile dim {position} of '{access.tensor}' (size {size}) exactly, so that each device holds whole "
-               "windows")
+    reach = Rel("<=", bounds[rest], factor, None,
+                f"{instance.name}: the windows of '{_pretty(lead)}' ({bounds[rest]} positions of '{_pretty(rest)}') "
+                f"must be no wider than their stride {factor}, so that no window reaches into the next block")
+    tiles = Rel("==", size, bounds[lead] * factor, None,
+                f"{instance.name}: the reads of '{_pretty(lead)}' (range {bounds[lead]}, {factor} positions each) must "
+                f"tile dim {position} of '{access.tensor}' (size {size}) exactly, so that each device holds whole "
+                "windows")
+    return (reach, tiles)
+
+
+def _strided(index: ast.Expr, env: dict) -> tuple[str, str, Poly, ast.Expr] | None:
+    """(j, r, k, the window `j * k + r`) when `index` is `j * k + r`, or `j * k + r - pad` with a padding of 0
+    at this instance (a convolution without padding reads its windows so)."""
+    if isinstance(index, ast.BinOp) and index.op == "-" and _size_of(index.right, env) == ZERO:
+        index = index.left
+    if (isinstance(index, ast.BinOp) and index.op == "+" and isinstance(index.right, ast.Name)
+            and isinstance(index.left, ast.BinOp) and index.left.op == "*" and isinstance(index.left.left, ast.Name)):
+        factor = _size_of(index.left.right, env)
+        if factor is not None:
+            return index.left.left.id, index.right.id, factor, index
+    return None
+
+
+def _window_guards(instance: OpInstance, windows: list[tuple[ast.Expr, Poly]]) -> set[int]:
+    """id() of the comparisons that only say a window `w = j * k + r` of a sharded dim of size m lies inside
+    it: `w >= c` with c == 0, `w < e` with e == m. Where the windows tile the dim (`block_tiling`), both
+    hold at every position, globally and on every device's block alike, so the comparison is no use of `j`
+    (a convolution without padding guards its reads so)."""
+    env = instance.size_env()
+    guards = set()
+    for node in ast.walk(instance.body):
+        if not isinstance(node, ast.Compare):
+            continue
+        bound = _size_of(node.right, env)
+        for window, size in windows:
+            if node.left == window and ((node.op == ">=" and bound == ZERO) or (node.op == "<" and bound == size)):
+                guards.add(id(node))
+    return guards
 
 
 def _size_of(expr: ast.Expr, env: dict) -> Poly | None:
@@ -359,21 +407,25 @@ def _accesses(expr: ast.Expr) -> list[ast.Access]:
     return [node for node in ast.walk(expr) if isinstance(node, ast.Access)]
 
 
-def _sizes_used_as_values(expr: ast.Expr) -> set[str]:
-    """Names read anywhere except as the bound of a `sum`."""
+def _sizes_used_as_values(expr: ast.Expr, guards: frozenset[int] = frozenset()) -> set[str]:
+    """Names read anywhere except as the bound of a `sum`, or in a window's guard (`_window_guards`)."""
     if isinstance(expr, ast.Name):
         return {expr.id}
+    if isinstance(expr, ast.Compare) and id(expr) in guards:
+        return set()
     if isinstance(expr, ast.RANGE_BINDERS):
-        inner = _sizes_used_as_values(expr.body)
-        return inner if isinstance(expr.bound, ast.Name) else inner | _sizes_used_as_values(expr.bound)
+        inner = _sizes_used_as_values(expr.body, guards)
+        return inner if isinstance(expr.bound, ast.Name) else inner | _sizes_used_as_values(expr.bound, guards)
     found: set[str] = set()
     for child in ast.children(expr):
-        found |= _sizes_used_as_values(child)
+        found |= _sizes_used_as_values(child, guards)
     return found
 
 
 def _collect_plain_uses(expr: ast.Expr, index_vars: set[str], out: set[str], block_reads: set[int]) -> None:
-    """Index variables used anywhere but as a whole tensor index or a block read."""
+    """Index variables used anywhere but as a whole tensor index, a block read or a window's guard."""
+    if isinstance(expr, ast.Compare) and id(expr) in block_reads:
+        return
     if isinstance(expr, ast.Access):
         for position, index in enumerate(expr.indices):
             if isinstance(index, ast.Name) or id(index) in block_reads:

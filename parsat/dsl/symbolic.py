@@ -107,6 +107,10 @@ class Poly:
             return exact
         if self.is_const and other.is_const and other.constant != 0:
             return Poly.const(self.constant // other.constant)
+        split = self._split_constant(other)
+        if split is not None:  # (A*d + c) // d = A + c // d for integer A
+            multiple, rest = split
+            return multiple + rest // other.constant
         return Poly.atom(("//", self, other))
 
     def mod(self, other: "Poly | int") -> "Poly":
@@ -115,7 +119,24 @@ class Poly:
             return Poly.const(0)
         if self.is_const and other.is_const and other.constant != 0:
             return Poly.const(self.constant % other.constant)
+        split = self._split_constant(other)
+        if split is not None:  # (A*d + c) % d = c % d
+            return Poly.const(split[1] % other.constant)
         return Poly.atom(("%", self, other))
+
+    def _split_constant(self, other: "Poly") -> tuple["Poly", int] | None:
+        """(A, c) with self == A*d + c, for a constant d > 0 dividing every non-constant coefficient."""
+        if not other.is_const or other.constant <= 0:
+            return None
+        d, rest, terms = other.constant, 0, {}
+        for mono, coeff in self.terms:
+            if not mono:
+                rest = coeff
+            elif coeff % d:
+                return None
+            else:
+                terms[mono] = coeff // d
+        return Poly._from_dict(terms), rest
 
     @staticmethod
     def atom(atom: Atom) -> "Poly":

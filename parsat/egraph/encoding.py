@@ -44,6 +44,7 @@ RULESETS = ("alg", "par")
 RULESET_NAMES = {"alg": "algebraic", "par": "parallel"}   # as the plan JSON names them (`saturation.rules_compiled`)
 MADE_PREFIX = "Made_"    # Made_<constructor>(children..., attributes..., who): the rules (or the graph) that made an e-node
 GRAPH_MADE = ""          # `who` for the input graph's own operators
+EQUATED = "Equated"      # Equated(class, who): a rule whose right side is a metavariable equated this class with it
 MATCH_SUFFIX = "/match"  # a rule's pattern half is named after the rule with this suffix (`rule_text.RuleBody`)
 
 
@@ -73,6 +74,17 @@ def made_row(constructor: str, args: Sequence[str], who: str) -> str:
     alternative; a plan's rules are the makers of the e-nodes it extracts.
     """
     return f"({MADE_PREFIX}{constructor} {' '.join(args)} {quote(who)})"
+
+
+def equated_row(root: str, who: str) -> str:
+    """The provenance row of a rule that builds nothing (`combine(partition(x, d, p), d, p) => x`): it only
+    equates its match's class with a class that already exists, so no e-node names it; this row names it on
+    the class (rows follow their class through later unions)."""
+    return f"({EQUATED} {root} {quote(who)})"
+
+
+def equated_relation() -> str:
+    return f"(relation {EQUATED} (T String))"
 
 
 def poly_expr(poly: Poly, names: Mapping[str, str]) -> str:

@@ -23,7 +23,7 @@ from parsat.dsl.conditions import Cond, symbolic_truth, to_poly
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import TypedTerm
 from parsat.ir.mesh import Mesh
-from parsat.egraph.encoding import SkipRule, ctor, made_row, poly_expr, real_literal, rel_fact, shape_term
+from parsat.egraph.encoding import SkipRule, ctor, equated_row, made_row, poly_expr, real_literal, rel_fact, shape_term
 from parsat.egraph.guards import subst_cond
 from parsat.egraph.lifting import LiftedInstance, postorder
 from parsat.egraph.mesh_encoding import LOCAL, PLACE, place_term, table_name
@@ -157,6 +157,8 @@ def lifted_bodies(lifted: LiftedInstance, mesh: Mesh) -> tuple[list[RuleBody], d
         codes = [str(lifted.target_codes[axis][id(term)]) if axis in targets else f"o_{position}_{axis}"
                  for axis in range(len(mesh))]
         actions.append(f"(set ({PLACE} {var}) {place_term(codes)})")
+    if instance.rhs.kind == "input":
+        actions.append(equated_row("root", instance.rule.name))
     actions.append(f"(union root {made[id(instance.rhs)]})")
     bodies = []
     for alternative in alternatives:

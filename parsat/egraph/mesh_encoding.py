@@ -36,8 +36,8 @@ from parsat.dsl.parallel_ops import PARALLEL_OPS, PARTITION, REPLICATE
 from parsat.ir.graph import Graph
 from parsat.ir.mesh import Mesh
 from parsat.ir.placement import REPLICA, Placement, apply_parallel, shard_dim
-from parsat.egraph.encoding import (GRAPH_MADE, MADE_PREFIX, MAX_RANK, PIN_SUFFIX, SHAPE_RULESET, ctor, made_row,
-                                      node_arguments, quote, shape_term)
+from parsat.egraph.encoding import (GRAPH_MADE, MADE_PREFIX, MAX_RANK, PIN_SUFFIX, SHAPE_RULESET, ctor,
+                                    equated_relation, made_row, node_arguments, quote, shape_term)
 
 LOCAL = "Local"
 PLACE = "Pl"
@@ -68,6 +68,7 @@ def mesh_declarations(ops: Mapping[str, ast.OpDecl], mesh: Mesh) -> str:
     lines += [f"  ({name} {' '.join(sorts)})" for name, sorts in signatures.items()]
     lines[-1] += ")"
     lines += [f"(relation {MADE_PREFIX}{name} ({' '.join(sorts)} String))" for name, sorts in signatures.items()]
+    lines.append(equated_relation())
     lines.append("(datatype Shape " + " ".join(f"(S{r}{' i64' * r})" for r in range(MAX_RANK + 1)) + ")")
     axes = len(mesh)
     lines.append(f"(datatype Place (V{axes}{' i64' * axes}))")

@@ -19,7 +19,7 @@ from parsat.dsl.typecheck import RuleInstance
 from parsat.ir.mesh import Mesh
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.egraph.encoding import (ANALYSES, MADE_PREFIX, MAX_RANK, RULESETS, SHAPE_RULESET, SkipRule, ctor,
-                                      match_ruleset, shape_term)
+                                    equated_relation, match_ruleset, shape_term)
 from parsat.egraph.guards import degree_choices
 from parsat.egraph.instances import Signature, TypedInstance, reachable_instances, reachable_rules, typed_instances
 from parsat.egraph.rule_text import CompiledRule, SkippedRule, compile_rule_instance
@@ -76,6 +76,7 @@ def declarations(ops: Mapping[str, ast.OpDecl], devices: int, free_degrees: Sequ
     lines += [f"  ({name} {' '.join(sorts)})" for name, sorts in signatures.items()]
     lines[-1] += ")"
     lines += [f"(relation {MADE_PREFIX}{name} ({' '.join(sorts)} String))" for name, sorts in signatures.items()]
+    lines.append(equated_relation())
     for name in ANALYSES:
         key = "T i64" if name in ("Dim", "Shard") else "T"
         lines.append(f"(function {name} ({key}) i64 :merge (min old new))")

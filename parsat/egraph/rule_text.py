@@ -32,8 +32,8 @@ from parsat.dsl.conditions import Cond, Negation, Rel, symbolic_truth, to_poly
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import RuleInstance, TypedTerm
 from parsat.egraph import guards
-from parsat.egraph.encoding import (MATCH_SUFFIX, MAX_RANK, SkipRule, ctor, made_row, match_ruleset, poly_expr, quote,
-                                      real_literal, rel_fact, shape_term)
+from parsat.egraph.encoding import (MATCH_SUFFIX, MAX_RANK, SkipRule, ctor, equated_row, made_row, match_ruleset,
+                                    poly_expr, quote, real_literal, rel_fact, shape_term)
 
 
 def symbol_var(symbol: str) -> str:
@@ -297,6 +297,8 @@ def _compile_one(instance: RuleInstance, devices: int, free: Sequence[str]) -> l
         actions.append(f"(let {var} ({ctor(term.name)} {' '.join(args)}))")
         actions.append(made_row(ctor(term.name), args, instance.rule.name))
         actions.extend(_analysis_rows(var, term.shape, term.spread, b))
+    if instance.rhs.kind == "input":
+        actions.append(equated_row("root", instance.rule.name))
     actions.append(f"(union root {made[id(instance.rhs)]})")
     texts = []
     for alt in alternatives:

@@ -18,7 +18,7 @@ from egglog import bindings
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import Degrees
 from parsat.ir.placement import Placement
-from parsat.egraph.encoding import ANALYSES, MADE_PREFIX, RULESETS, SHAPE_RULESET, match_ruleset
+from parsat.egraph.encoding import ANALYSES, EQUATED, MADE_PREFIX, RULESETS, SHAPE_RULESET, match_ruleset
 from parsat.egraph.mesh_encoding import LOCAL, PLACE
 from parsat.ir.errors import OptimizeError
 from parsat.egraph.program import CompiledRule, RuleProgram, past
@@ -66,11 +66,17 @@ class Provenance(Mapping):
     def __init__(self, egraph, frozen) -> None:
         self._egraph, self._frozen = egraph, frozen
         self._rows: dict[ENode, frozenset[str]] | None = None
+        self._equated: dict[int, frozenset[str]] = {}
+        self.equated = _Equated(self)  # class -> the rules that equated it with a metavariable (`equated_row`)
 
     def _load(self) -> dict[ENode, frozenset[str]]:
         if self._rows is None:
-            eg, made = self._egraph, {}
+            eg, made, equated = self._egraph, {}, {}
             for name, fn in self._frozen.functions.items():
+                if name == EQUATED:
+                    for row in fn.rows:
+                        equated.setdefault(eg.value_to_i64(row.inputs[0]), set()).add(
+                            eg.value_to_string(row.inputs[1]))
                 if not name.startswith(MADE_PREFIX):
                     continue
                 op = name[len(MADE_PREFIX):].split("_", 1)[1]
@@ -78,6 +84,7 @@ class Provenance(Mapping):
                     node = ENode(op, *_children_and_attrs(eg, fn.input_sorts[:-1], row.inputs[:-1]))
                     made.setdefault(node, set()).add(eg.value_to_string(row.inputs[-1]))
             self._rows = {node: frozenset(who) for node, who in made.items()}
+            self._equated = {cid: frozenset(who) for cid, who in equated.items()}
             self._egraph = self._frozen = None
         return self._rows
 
@@ -89,6 +96,26 @@ class Provenance(Mapping):
 
     def __len__(self) -> int:
         return len(self._load())
+
+
+class _Equated(Mapping):
+    """E-class -> the rules that equated it with one of their metavariables, loaded with the provenance rows."""
+
+    def __init__(self, provenance: Provenance) -> None:
+        self._provenance = provenance
+
+    def _table(self) -> dict[int, frozenset[str]]:
+        self._provenance._load()
+        return self._provenance._equated
+
+    def __getitem__(self, cid: int) -> frozenset[str]:
+        return self._table()[cid]
+
+    def __iter__(self):
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
 
 
 class Session:
@@ -227,7 +254,7 @@ class Session:
             shard = tuple(analysis["Shard"].get((cid, i), 1) for i in range(rank))
             shape[cid] = dims
             degrees[cid] = Degrees(shard, analysis["Copy"].get((cid,), 1), analysis["Psum"].get((cid,), 1))
-        return Snapshot(classes, shape, degrees, lets, made_by)
+        return Snapshot(classes, shape, degrees, lets, made_by, equated=made_by.equated)
 
 
 def _mesh_snapshot(eg, frozen, classes, lets, made, mesh: Mesh) -> Snapshot:
@@ -250,4 +277,4 @@ def _mesh_snapshot(eg, frozen, classes, lets, made, mesh: Mesh) -> Snapshot:
         dims = tuple(d * prod(mesh.size(a) for a in where.shard_axes(i)) for i, d in enumerate(local[cid]))
         shape[cid], placement[cid] = dims, where
         degrees[cid] = Degrees.of_placement(where, mesh, len(dims))
-    return Snapshot(classes, shape, degrees, lets, made, placement, mesh)
+    return Snapshot(classes, shape, degrees, lets, made, placement, mesh, equated=made.equated)

@@ -49,11 +49,20 @@ class Snapshot:
     made: Mapping[ENode, frozenset[str]] = field(default_factory=dict)  # who made an e-node (`made_row`)
     placement: Mapping[int, Placement] = field(default_factory=dict)
     mesh: Mesh | None = None
+    equated: Mapping[int, frozenset[str]] = field(default_factory=dict)  # class -> rules that built nothing there
 
     def makers(self, node: ENode) -> frozenset[str]:
         """The rules that made `node`; empty for the input graph's own e-nodes (and leaves and pins)."""
         who = self.made.get(node, frozenset())
         return frozenset() if GRAPH_MADE in who else who
+
+    def rules_at(self, cid: int, node: ENode) -> frozenset[str]:
+        """The rules whose rewrites produced `node` as class `cid`'s choice: its makers (each built it as the
+        right side of a match in this class), and the rules that equated the class with a term that already
+        existed (`encoding.equated_row`; rows are per class, so one may name an equation the choice does not
+        need). A rule that built only an earlier term that a later rule matched is not named here: egglog
+        records what a rewrite built, not which e-nodes its match read."""
+        return self.makers(node) | self.equated.get(cid, frozenset())
 
     @property
     def enodes(self) -> int:

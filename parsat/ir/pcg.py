@@ -86,7 +86,8 @@ class Degrees:
 
 @dataclass(frozen=True)
 class PNode:
-    """One PCG node. `inputs` are ids of earlier nodes; `origin` names the graph node it computes, if any."""
+    """One PCG node. `inputs` are ids of earlier nodes; `origin` names the graph node it computes, if any;
+    `rules` the rules whose rewrites produced it, each `name (file:line)` (none for the graph's own nodes)."""
 
     id: int
     kind: str  # "leaf" | "op" | "parallel"
@@ -98,6 +99,7 @@ class PNode:
     role: str = ""     # leaves: "input" | "weight"
     origin: str = ""
     placement: Placement = Placement(())   # one entry per mesh axis (empty only for a 1-device PCG)
+    rules: tuple[str, ...] = ()
 
     def attr(self, key: str):
         return dict(self.attrs)[key]

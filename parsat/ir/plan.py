@@ -57,6 +57,8 @@ def pcg_to_dict(pcg: PCG, costs: Mapping[int, NodeCost], dtype_bytes: int) -> di
                  "cost": cost.to_dict(dtype_bytes)}
         if node.kind == "leaf":
             entry["role"] = node.role
+        if node.rules:
+            entry["rules"] = list(node.rules)
         nodes.append(entry)
     return {"mesh": pcg.mesh.to_dict(), "nodes": nodes,
             "outputs": [{"name": name, "node": ident} for name, ident in zip(pcg.output_names, pcg.outputs)],
@@ -143,7 +145,8 @@ def pcg_from_dict(data: Mapping) -> PCG:
         nodes = tuple(PNode(n["id"], n["kind"], n["op"], tuple(n["inputs"]), tuple(n["attrs"].items()),
                             tuple(n["shape"]), Degrees.from_dict(n["spread"]), n.get("role", ""),
                             n.get("origin", ""),
-                            from_dtensor(n["placement"], [mesh.index(a) for a in n.get("replicated_on", [])]))
+                            from_dtensor(n["placement"], [mesh.index(a) for a in n.get("replicated_on", [])]),
+                            tuple(n.get("rules", ())))
                       for n in data["nodes"])
     except (PlacementError, MeshError) as err:
         raise PlanError(str(err)) from None

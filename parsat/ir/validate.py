@@ -321,6 +321,8 @@ def _check_pcg_node(f: _Fields, node: Any, path: str, axes: Sequence[str], seen:
     for key in ("role", "origin"):
         if key in node:
             f.text(node[key], f"{path}.{key}", empty=True)
+    for j, rule in enumerate(f.array(node.get("rules", []), f"{path}.rules")):
+        f.text(rule, f"{path}.rules[{j}]")
     return ident, op
 
 

@@ -127,6 +127,7 @@ def pcg_from_extraction(result: SaturationResult, extraction: Extraction, graph:
     ident: dict[int, int] = {}
     nodes: list[PNode] = []
     mesh = snapshot.mesh or Mesh(())
+    where_is = rule_locations(library.rules)
     for cid in order:
         enode = snapshot.classes[cid][extraction.choice[cid]]
         inputs = tuple(ident[ch] for ch in enode.children)
@@ -143,24 +144,35 @@ def pcg_from_extraction(result: SaturationResult, extraction: Extraction, graph:
                           for p, v in zip(op.attr_params, enode.attrs))
             node = PNode(len(nodes), "op", enode.op, inputs, attrs, shape, degrees, origin=names_of.get(cid, ""),
                          placement=where)
+        rules = tuple(shown for name, shown in where_is.items() if name in snapshot.rules_at(cid, enode))
+        node = replace(node, rules=rules) if rules else node
         ident[cid] = node.id
         nodes.append(node)
     return PCG(tuple(nodes), tuple(ident[r] for r in roots), tuple(output_names), mesh), ident
 
 
+def rule_locations(library_rules: Sequence[ast.RuleDecl]) -> dict[str, str]:
+    """Rule name -> `name (file:line)`, as a plan's node names the rules that produced it, in library order."""
+    return {rule.name: f"{rule.name} ({rule.span.file}:{rule.span.line})" if rule.span else rule.name
+            for rule in library_rules}
+
+
 def rules_used(library_rules: Sequence[ast.RuleDecl], snapshot: Snapshot, choice: Mapping[int, int]) -> tuple[str, ...]:
-    """A small set of rules that built the e-nodes an extraction chose, in library order.
+    """The rules an extraction's e-nodes came from, in library order: a small set of makers, and every rule
+    that equated a chosen class with an existing term.
 
     Every rule application records the e-nodes it built (`encoding.made_row`),
     and the input graph's operators need no rule. An e-node is often built by
     several rules (a pattern reached two ways), so listing every maker says
     little; the rules are picked greedily, the one that built most of the
     still unexplained e-nodes first, until each of the plan's new e-nodes has
-    a maker among them.
+    a maker among them. A rule that builds nothing (`softmax(x) => x`) leaves
+    no maker: the plan shows only what it equated, so each such rule recorded
+    on a chosen class (`encoding.equated_row`) is named too.
     """
     order = {rule.name: i for i, rule in enumerate(library_rules)}
     unexplained = [makers for makers in (snapshot.makers(snapshot.classes[c][i]) for c, i in choice.items()) if makers]
-    picked: list[str] = []
+    picked: list[str] = [name for c in choice for name in snapshot.equated.get(c, ()) if name in order]
     while unexplained:
         counts = Counter(name for makers in unexplained for name in makers if name in order)
         if not counts:
@@ -168,4 +180,4 @@ def rules_used(library_rules: Sequence[ast.RuleDecl], snapshot: Snapshot, choice
         best = min(counts, key=lambda name: (-counts[name], order[name]))
         picked.append(best)
         unexplained = [makers for makers in unexplained if best not in makers]
-    return tuple(sorted(picked, key=order.__getitem__))
+    return tuple(sorted(set(picked), key=order.__getitem__))

@@ -2,7 +2,8 @@
 
 Modules, in the order a rule goes through them:
 `ranks` (which rank assignments to search and prove, and whether they
-cover every rank), `devices` (the ground truth: a mesh of devices, each
+cover every rank), `uniform` (whether a rule uses the lengths of its
+groups only as positions, for every length at once), `devices` (the ground truth: a mesh of devices, each
 running every operator on the piece it holds), `concrete` (random and
 small sizes judged on the devices, shrinking), `prove` (lowering to index
 expressions and z3; the only z3 importer), `normal` (the sum-of-products

@@ -23,7 +23,7 @@ from parsat.dsl.library import Library, display_path, load_library, rule_files, 
 from parsat.dsl.parallel_ops import expand_fused_rule
 from parsat.verifier.cache import VerdictCache, rule_key
 from parsat.verifier.core import DEFAULT_TIMEOUT, VERSION, RuleError, verify_rule
-from parsat.verifier.verdict import BOUNDED, PROVED, REFUTED, UNKNOWN, VACUOUS, VERDICTS, Verdict
+from parsat.verifier.verdict import BOUNDED, ILLEGAL, PROVED, REFUTED, UNKNOWN, VACUOUS, VERDICTS, Verdict
 
 
 @dataclass
@@ -43,10 +43,10 @@ class VerifyReport:
         return not self.errors and all(v.proved for v in self.verdicts)
 
     def summary(self) -> str:
-        """`N proved, N refuted, N unknown`, with `N bounded` and `N vacuous` when there are any."""
+        """`N proved, N refuted, N unknown`, with `N bounded`, `N vacuous` and `N illegal` when there are any."""
         c = self.counts()
         parts = [f"{c[PROVED]} proved"]
-        parts += [f"{c[k]} {k.lower()}" for k in (BOUNDED, VACUOUS) if c[k]]
+        parts += [f"{c[k]} {k.lower()}" for k in (BOUNDED, VACUOUS, ILLEGAL) if c[k]]
         parts += [f"{c[REFUTED]} refuted", f"{c[UNKNOWN]} unknown"]
         return ", ".join(parts)
 

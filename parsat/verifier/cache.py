@@ -9,9 +9,10 @@ looked up again.
 
 What a read checks (`validate`): the file parses, names the key it is
 stored under, its checksum matches its content, its verdict is one of
-the five words and has the evidence that word needs (PROVED: no
+the six words and has the evidence that word needs (PROVED: no
 counterexample and no bound; BOUNDED: a bound, no counterexample;
-VACUOUS and UNKNOWN: a reason; REFUTED: a counterexample, which the caller
+VACUOUS, ILLEGAL and UNKNOWN: a reason, no counterexample on the first
+two; REFUTED: a counterexample, which the caller
 replays on the devices before trusting it, `api.verify_library`). An
 entry that fails any check is ignored, reported, and recomputed.
 
@@ -42,7 +43,7 @@ from parsat.dsl import ast
 from parsat.dsl.files import FileProblem, cache_dir, read_text_capped, write_atomic
 from parsat.dsl.printer import format_decl
 from parsat.dsl.parallel_ops import PARALLEL_OPS
-from parsat.verifier.verdict import BOUNDED, PROVED, REFUTED, UNKNOWN, VACUOUS, VERDICTS, Verdict
+from parsat.verifier.verdict import BOUNDED, ILLEGAL, PROVED, REFUTED, UNKNOWN, VACUOUS, VERDICTS, Verdict
 
 FORMAT = 2
 
@@ -85,13 +86,15 @@ def validate(verdict: Verdict) -> str:
     if verdict.verdict not in VERDICTS:
         return f"unknown verdict word {verdict.verdict!r}"
     cex = verdict.counterexample
-    if verdict.verdict in (PROVED, BOUNDED, VACUOUS) and cex is not None:
+    if verdict.verdict in (PROVED, BOUNDED, VACUOUS, ILLEGAL) and cex is not None:
         return f"a {verdict.verdict} verdict with a counterexample"
     if verdict.verdict == PROVED and verdict.max_rank is not None:
         return "a PROVED verdict with a rank bound"
     if verdict.verdict == BOUNDED and not (isinstance(verdict.max_rank, int) and verdict.max_rank >= 0):
         return "a BOUNDED verdict without its rank bound"
-    if verdict.verdict in (VACUOUS, UNKNOWN, REFUTED) and not verdict.reason:
+    if verdict.verdict != BOUNDED and verdict.max_rank is not None:
+        return f"a {verdict.verdict} verdict with a rank bound"
+    if verdict.verdict in (VACUOUS, ILLEGAL, UNKNOWN, REFUTED) and not verdict.reason:
         return f"a {verdict.verdict} verdict without a reason"
     if verdict.verdict == REFUTED and (cex is None or not cex.reason):
         return "a REFUTED verdict without a counterexample"

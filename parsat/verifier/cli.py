@@ -1,8 +1,8 @@
 """`parsat verify PATH...`: prove every rule, refute wrong ones, Alive2 style.
 
 Exit status 0 only when every rule is PROVED (for every rank); the last
-line is always `N proved, N refuted, N unknown` (with `N bounded` and `N
-vacuous` between when there are any). Malformed rules are reported as
+line is always `N proved, N refuted, N unknown` (with `N bounded`, `N
+vacuous` and `N illegal` between when there are any). Malformed rules are reported as
 `file:line:col: error: ...` messages (exit 1), never as stack traces.
 With `--json` each rule's record is printed (and flushed) as soon as it is
 decided, so an interrupted run keeps what it has.

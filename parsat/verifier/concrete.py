@@ -34,7 +34,7 @@ import numpy as np
 
 from parsat.dsl import ast
 from parsat.dsl.conditions import holds
-from parsat.dsl.evaluate import EvaluationError
+from parsat.dsl.evaluate import EvaluationError, undefined
 from parsat.dsl.printer import format_expr
 from parsat.dsl.typecheck import RuleInstance, TypedTerm
 from parsat.verifier.devices import (DeviceError, DeviceTensor, Inconsistent, Mesh, MeshPlacement, NotPlaceable,
@@ -81,25 +81,32 @@ def needs_exact(instance: RuleInstance) -> bool:
 
 
 def random_inputs(instance: RuleInstance, sizes: Mapping[str, int], rng: np.random.Generator,
-                  exact: bool = False) -> dict[str, np.ndarray]:
-    """Small integers (as float64, or as Fractions when exact): sums and products stay exact."""
+                  exact: bool = False, halves: bool = False) -> dict[str, np.ndarray]:
+    """Small integers (as float64, or as Fractions when exact): sums and products stay exact. With `halves`,
+    multiples of 1/2 from -3 to 3 instead, still exact in a float: a denominator such as `x - 0.5` has its
+    root among them."""
     out = {}
     for name, shape in instance.tensors.items():
         dims = tuple(d.evaluate(sizes) for d in shape)
-        values = rng.integers(-3, 4, size=dims)
-        out[name] = _exact(values) if exact else values.astype(np.float64)
+        values = rng.integers(-6, 7, size=dims) if halves else rng.integers(-3, 4, size=dims)
+        scale = Fraction(1, 2) if halves else Fraction(1)
+        out[name] = _exact(values, scale) if exact else values.astype(np.float64) * float(scale)
     return out
 
 
-def _exact(values: np.ndarray) -> np.ndarray:
+def _exact(values: np.ndarray, scale: Fraction = Fraction(1)) -> np.ndarray:
     out = np.empty(values.shape, dtype=object)
     for index, v in np.ndenumerate(values):
-        out[index] = Fraction(int(v))
+        out[index] = Fraction(int(v)) * scale
     return out
+
+
+# real metavariables: small integers, and non-integers (exact in a float) a rule about integers could miss
+REAL_VALUES = (-3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 0.5, -0.5, 1.5, -2.5, 0.25)
 
 
 def random_reals(instance: RuleInstance, rng: np.random.Generator) -> dict[str, float]:
-    return {name: float(rng.integers(-3, 4)) for name in instance.reals}
+    return {name: float(REAL_VALUES[int(rng.integers(len(REAL_VALUES)))]) for name in instance.reals}
 
 
 def _elements(instance: RuleInstance, sizes: Mapping[str, int]) -> int:
@@ -121,20 +128,25 @@ def _fmt_spread(values: tuple) -> str:
     return text
 
 
-def _close(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Elementwise agreement: exact for rationals, within RTOL/ATOL for floats, NaN equal to NaN."""
-    if a.dtype == object or b.dtype == object:
-        flat = [x == y if isinstance(x, Fraction) and isinstance(y, Fraction)
-                else bool(np.isclose(float(x), float(y), rtol=RTOL, atol=ATOL, equal_nan=True))
-                for x, y in zip(a.flat, b.flat)]
-        return np.array(flat, dtype=bool).reshape(a.shape)
-    return np.isclose(a, b, rtol=RTOL, atol=ATOL, equal_nan=True)
+def _agrees(reference: np.ndarray, candidate: np.ndarray) -> np.ndarray:
+    """Elementwise refinement: where `reference` is undefined (NaN) anything agrees; elsewhere `candidate` must be
+    defined and equal (exactly for rationals, within RTOL/ATOL for floats)."""
+    loose = undefined(reference)
+    missing = undefined(candidate) & ~loose
+    if reference.dtype == object or candidate.dtype == object:
+        flat = [True if lo else False if mi else
+                (x == y if isinstance(x, Fraction) and isinstance(y, Fraction)
+                 else bool(np.isclose(float(x), float(y), rtol=RTOL, atol=ATOL)))
+                for x, y, lo, mi in zip(reference.flat, candidate.flat, loose.flat, missing.flat)]
+        return np.array(flat, dtype=bool).reshape(reference.shape)
+    return loose | (~missing & np.isclose(reference, candidate, rtol=RTOL, atol=ATOL, equal_nan=True))
 
 
-def _first_difference(a: np.ndarray, b: np.ndarray) -> tuple[int, ...] | None:
-    if a.shape != b.shape:
+def first_difference(reference: np.ndarray, candidate: np.ndarray) -> tuple[int, ...] | None:
+    """The first index where `candidate` does not refine `reference` (None: it does everywhere)."""
+    if reference.shape != candidate.shape:
         return None
-    bad = np.argwhere(~_close(a, b))
+    bad = np.argwhere(~_agrees(reference, candidate))
     return tuple(int(v) for v in bad[0]) if len(bad) else None
 
 
@@ -148,14 +160,18 @@ def _num(value) -> str:
     return f"{float(value):g}"
 
 
-def _listed(value: np.ndarray):
-    """Nested lists for JSON: floats, and exact rationals a float cannot hold as their decimal text."""
-    if value.dtype == object:
+def _listed(value: np.ndarray, exact_text: bool = False):
+    """Nested lists for JSON: floats, "undefined" for an undefined element (NaN is not JSON), and exact
+    rationals a float cannot hold as their decimal text (as `p/q` with `exact_text`: an input, replayed)."""
+    if value.dtype == object or (value.size and undefined(value).any()):
         def one(v):
+            if isinstance(v, float) and v != v:
+                return "undefined"
             if isinstance(v, Fraction) and Fraction(float(v)) != v:
-                return _num(v)
+                return str(v) if exact_text else _num(v)
             return float(v)
-        return np.vectorize(one, otypes=[object])(value).tolist() if value.size else value.tolist()
+        with np.errstate(all="ignore"):
+            return np.vectorize(one, otypes=[object])(value.astype(object)).tolist() if value.size else value.tolist()
     return value.tolist()
 
 
@@ -176,11 +192,12 @@ def trial(instance: RuleInstance, sizes: Mapping[str, int], seed: int = 0,
         raise Unsupported("sizes too large to simulate")
     rng = np.random.default_rng(seed)
     exact = needs_exact(instance)
-    inputs = dict(inputs) if inputs is not None else random_inputs(instance, sizes, rng, exact)
+    inputs = dict(inputs) if inputs is not None else random_inputs(instance, sizes, rng, exact, halves=seed % 3 == 2)
     reals = dict(reals) if reals is not None else random_reals(instance, rng)
     lhs, rhs = instance.lhs, instance.rhs
-    base = dict(groups=dict(instance.groups), sizes=dict(sorted(sizes.items())), reals=dict(reals),
-                inputs={k: _listed(np.asarray(v)) for k, v in inputs.items()},
+    base = dict(groups=dict(instance.groups), sizes=dict(sorted(sizes.items())),
+                reals={k: float(v) if Fraction(float(v)) == v else str(Fraction(v)) for k, v in reals.items()},
+                inputs={k: _listed(np.asarray(v), exact_text=True) for k, v in inputs.items()},
                 lhs_text=format_expr(instance.rule.lhs), rhs_text=format_expr(instance.rule.rhs))
     memo: dict = {}
     try:
@@ -204,7 +221,11 @@ def trial(instance: RuleInstance, sizes: Mapping[str, int], seed: int = 0,
     if left.shape != right.shape:
         return failure("shape", f"the sides have different shapes: left {list(left.shape)}, right "
                                 f"{list(right.shape)}", _listed(right), **spreads)
-    spot = _first_difference(left, right)
+    spot = first_difference(left, right)
+    if spot is not None and undefined(right[spot]):
+        return failure("undefined", f"the right-hand side is undefined at index {list(spot)} (a division by zero, "
+                                    f"or a log or square root out of its domain) where the left-hand side is "
+                                    f"defined ({_num(left[spot])})", _listed(right), **spreads)
     if spot is not None:
         return failure("value", f"the sides compute different values (at index {list(spot)}: "
                                 f"{_num(left[spot])} vs {_num(right[spot])})", _listed(right), **spreads)
@@ -275,7 +296,7 @@ def _side_problem(tensor: DeviceTensor, expected: np.ndarray, mesh: Mesh) -> tup
     for c, value in enumerate(copies):
         if value.shape != expected.shape:
             return f"assembles to shape {list(value.shape)}, not {list(expected.shape)}", ""
-        spot = _first_difference(value, expected)
+        spot = first_difference(expected, value)
         if spot is None:
             continue
         holders = _holders(tensor, mesh, spot, c)
@@ -343,8 +364,9 @@ def _lcm(values) -> int:
 
 
 def candidate_sizes(instance: RuleInstance, rng: random.Random, count: int) -> Iterator[dict[str, int]]:
-    """Degenerate sizes first (all ones, all twos), then `count` more: small ones one symbol at a time,
-    interleaved with random ones.
+    """Degenerate sizes first (all ones, all twos), then `count` more: boundary sizes (every dim at a degree,
+    one below and one above it, integers at 0 and 1), small ones one symbol at a time, interleaved with random
+    ones.
 
     Dims are often drawn as multiples of the degrees, so that divisibility
     requirements hold without rejection.
@@ -360,8 +382,10 @@ def candidate_sizes(instance: RuleInstance, rng: random.Random, count: int) -> I
     yield {n: (2 if kinds[n] == "degree" else 4 if kinds[n] == "dim" else 1) for n in names}
     yield {n: (2 if kinds[n] == "degree" else 2 if kinds[n] == "dim" else 0) for n in names}
     base = {n: (2 if kinds[n] == "degree" else 2 if kinds[n] == "dim" else 1) for n in names}
-    sweep = [{**base, n: value} for n in names  # one symbol away from the small base
-             for value in ((1, 3, 4, 6, 8) if kinds[n] != "int" else (0, 2, 3))]
+    boundary = [{n: (degree if kinds[n] == "degree" else degree + step if kinds[n] == "dim" else max(0, step))
+                 for n in names} for degree in (3, 2) for step in (-1, 1, 0)] if "degree" in kinds.values() else []
+    sweep = boundary + [{**base, n: value} for n in names  # the degree and one off it, then one symbol from the base
+                        for value in ((1, 3, 4, 6, 8) if kinds[n] != "int" else (0, 2, 3))]
     drawn = _random_sizes(names, kinds, rng)
     for k in range(count):  # the sweep and random draws, interleaved
         if k % 2 == 0 and k // 2 < len(sweep):
@@ -436,6 +460,27 @@ def replay(instance: RuleInstance, sizes: Mapping[str, int], seeds: int = 3) -> 
 _fails = replay  # older name
 
 
+def replay_model(instance: RuleInstance, sizes: Mapping[str, int], inputs: Mapping[str, object],
+                 reals: Mapping[str, Fraction]) -> Failure | None:
+    """The failure at a solver's model: its sizes, and its input values and reals where it has them (exact
+    rationals: a root such as x = 1/3 of a denominator stays one); tensors and reals it leaves out are drawn.
+    None: the model does not fail on the devices (z3 reasons with uninterpreted sums, so it may be spurious)."""
+    if not applies(instance, sizes):
+        return None
+    rng = np.random.default_rng(0)
+    drawn = random_inputs(instance, sizes, rng, exact=True)
+    values = {}
+    for name, array in drawn.items():
+        given = np.array(inputs[name], dtype=object) if name in inputs else None
+        values[name] = given if given is not None and given.shape == array.shape else array
+    chosen = {**random_reals(instance, rng), **reals}
+    chosen = {k: float(v) if Fraction(float(v)) == v else Fraction(v) for k, v in chosen.items()}
+    try:
+        return trial(instance, sizes, inputs=exact_inputs(values, needs_exact(instance)), reals=chosen)
+    except Unsupported:
+        return None
+
+
 def _measure(sizes: Mapping[str, int]) -> int:
     return sum(sizes.values())
 
@@ -473,18 +518,31 @@ def shrink(instance: RuleInstance, failure: Failure, deadline: float | None = No
     return best
 
 
+def _rational(value) -> Fraction:
+    """A recorded number: a float (exact), or the text of a rational ("1/3") a float could not hold."""
+    return Fraction(value) if isinstance(value, str) else Fraction(float(value))
+
+
+def exact_inputs(values: Mapping[str, np.ndarray], exact: bool) -> dict[str, np.ndarray]:
+    """Input arrays of rationals (object arrays of Fractions) as the evaluator takes them: float64 when every
+    value is a float exactly and `exact` is not asked for, else Fractions (so a root such as 1/3 stays one)."""
+    floats = not exact and all(Fraction(float(v)) == v for array in values.values() for v in array.flat)
+    return {name: np.array(array, dtype=np.float64) if floats else array for name, array in values.items()}
+
+
 def replay_counterexample(instance: RuleInstance, cex: Counterexample) -> Failure | None:
     """Run a recorded counterexample again (its sizes, inputs and reals): the failure, or None."""
-    exact = needs_exact(instance)
-    inputs = {}
+    parsed = {}
     if set(cex.inputs) != set(instance.tensors) or any(k not in cex.sizes for k in instance.symbols):
         return None
-    for name, value in cex.inputs.items():
-        array = np.asarray(value, dtype=np.float64)
-        if array.shape != tuple(d.evaluate(cex.sizes) for d in instance.tensors[name]):
-            return None
-        inputs[name] = _exact(array.astype(np.int64)) if exact and np.all(array == np.round(array)) else array
     try:
-        return trial(instance, cex.sizes, inputs=inputs, reals=cex.reals)
-    except (Unsupported, KeyError, ValueError, TypeError):
+        for name, value in cex.inputs.items():
+            array = np.asarray(value, dtype=object)
+            if array.shape != tuple(d.evaluate(cex.sizes) for d in instance.tensors[name]):
+                return None
+            parsed[name] = np.vectorize(_rational, otypes=[object])(array) if array.size else array
+        reals = {name: _rational(v) for name, v in cex.reals.items()}
+        reals = {name: float(v) if Fraction(float(v)) == v else v for name, v in reals.items()}
+        return trial(instance, cex.sizes, inputs=exact_inputs(parsed, needs_exact(instance)), reals=reals)
+    except (Unsupported, KeyError, ValueError, TypeError, ZeroDivisionError):
         return None

@@ -6,19 +6,25 @@ The order is docs/VERIFIER.md's (and docs/ARCHITECTURE.md's):
    ranks up to a bound (BOUNDED). A rank where the left side types and
    the right does not is a counterexample.
 2. The checker's diagnostics: a malformed rule is an error (`RuleError`);
-   a semantic one (an illegal spread, sides spread or shaped differently,
-   a window that does not tile its block) is a claim to refute.
-3. A concrete search at every searched rank, smallest ranks and shapes
-   first, judged device by device (`concrete`, `devices`), with witnesses
-   the checker finds for a failing legality condition tried first.
+   a semantic one (sides spread or shaped differently, a window that does
+   not tile its block at some sizes) is a claim to refute.
+3. A concrete search at every searched rank where the spread analysis
+   places every node, smallest ranks and shapes first, judged device by
+   device (`concrete`, `devices`), with witnesses the checker finds for a
+   failing legality condition tried first.
 4. Vacuity: a rule whose assumptions force a degree to 1 (or can never
-   hold) is VACUOUS, never PROVED.
+   hold) is VACUOUS, never PROVED. Then a rule with a node the spread
+   analysis cannot place (at any rank) is ILLEGAL: the refused read and
+   why, no counterexample (a term that is no parallel program has no
+   device semantics to compare).
 5. z3 (`prove`) for every proof instance; any model it proposes is
    replayed device by device and shrunk before it is REFUTED.
 6. Before PROVED: the search must have run the rule on the devices at
    least once, the z3 lowering must agree with the devices
-   (`crosscheck`), and the spread analysis must not have disagreed with
-   them anywhere; otherwise the verdict is UNKNOWN with a bug report.
+   (`crosscheck`), random instances at ranks up to 8 and dims up to 12
+   must agree on the devices (`crosscheck.devices_disagree`), and the
+   spread analysis must not have disagreed with them anywhere; otherwise
+   the verdict is UNKNOWN with a bug report.
 
 `timeout` bounds the whole verdict: every stage gets what is left of one
 deadline, and a rule that runs out is UNKNOWN saying which stage it was in.
@@ -39,14 +45,15 @@ from parsat.dsl.parallel_ops import expand_fused_rule
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import RuleInstance, TypeCheckError, check_rhs_bound, group_assignments, type_rule
 from parsat.verifier import concrete, ranks
-from parsat.verifier.verdict import BOUNDED, PROVED, REFUTED, UNKNOWN, VACUOUS, Counterexample, Verdict
+from parsat.verifier.verdict import (BOUNDED, ILLEGAL, PROVED, REFUTED, UNKNOWN, VACUOUS, Counterexample,
+                                     Verdict)
 
 MAX_RANK = ranks.MAX_RANK
 DEFAULT_TIMEOUT = 20.0
 SEARCH_SHARE = 0.5       # of the deadline, at most, for the concrete search before the proof starts
 SEARCH_TRIALS = 80       # random trials per rule, spread over its searched instances
 SEARCH_MIN_TRIALS = 12   # per instance
-VERSION = "verify-3"     # with the hash of the verifier's code (cache.code_hash), the cache key's version
+VERSION = "verify-4"     # with the hash of the verifier's code (cache.code_hash), the cache key's version
 
 
 class RuleError(Exception):
@@ -110,13 +117,14 @@ class _Verdicts:
 @dataclass(frozen=True)
 class _Stages:
     """What the stages after typing share, so each takes one argument for the rule's state: the rank plan,
-    the checker's first semantic finding (a claim to refute, or None), the deadline and the verdict maker."""
+    the deadline and the verdict maker."""
 
     plan: ranks.RankPlan
-    semantic: TypeCheckError | None
     clock: _Clock
     timeout: float
     done: _Verdicts
+    rule: ast.RuleDecl                  # with fused operators expanded
+    ops: Mapping[str, ast.OpDecl]
 
 
 @dataclass(frozen=True)
@@ -142,13 +150,13 @@ def verify_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], file: str = "
     done = _Verdicts(rule.name, file, line, clock)
 
     try:
-        rank_plan, semantic = _typed_plan(rule, ops)
+        rank_plan = _typed_plan(rule, ops)
         if rank_plan.rhs_untyped:
             return _rhs_untyped(rule, ops, rank_plan, clock, done)
         if not rank_plan.search and not rank_plan.proof:
             top = f" up to rank {ranks.SEARCH_MAX_RANK}" if rank_plan.max_rank is not None else ""
             return done(VACUOUS, f"no rank assignment types{top}: the rule never applies")
-        stages = _Stages(rank_plan, semantic, clock, timeout, done)
+        stages = _Stages(rank_plan, clock, timeout, done, rule, ops)
         searched = _concrete_search(stages, search_trials)
         if isinstance(searched, Verdict):
             return searched
@@ -168,22 +176,18 @@ def verify_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], file: str = "
         return done(UNKNOWN, f"internal error: {type(err).__name__}: {err}")
 
 
-def _typed_plan(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl]) -> tuple[ranks.RankPlan, TypeCheckError | None]:
-    """Steps 1 and 2: the rank plan, and the checker's first semantic finding at any of its instances (kept
-    to explain a counterexample, or to refuse a proof); a malformed rule raises RuleError here, before any
-    search."""
+def _typed_plan(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl]) -> ranks.RankPlan:
+    """Steps 1 and 2: the rank plan; a malformed rule raises RuleError here, before any search (a semantic
+    finding of the checker is for the later stages to refute, or to call ILLEGAL)."""
     try:
         rank_plan = ranks.plan(rule, ops)
     except TypeCheckError as err:
         raise RuleError(f"rule {rule.name}: {err}") from None
-    semantic = None
     for instance in rank_plan.search + rank_plan.proof:
         problem = compare_sides(instance)
-        if problem is not None:
-            if problem.kind not in SEMANTIC_KINDS:
-                raise RuleError(f"rule {rule.name}: {problem}")
-            semantic = semantic or problem
-    return rank_plan, semantic
+        if problem is not None and problem.kind not in SEMANTIC_KINDS:
+            raise RuleError(f"rule {rule.name}: {problem}")
+    return rank_plan
 
 
 def _concrete_search(stages: _Stages, search_trials: int) -> Verdict | _Searched:
@@ -192,7 +196,9 @@ def _concrete_search(stages: _Stages, search_trials: int) -> Verdict | _Searched
     A counterexample is REFUTED and a deadline passed during the search is UNKNOWN (both as a Verdict);
     otherwise what the search did, which the later stages need."""
     clock, done = stages.clock, stages.done
-    searched = sorted(stages.plan.search, key=lambda i: (_rank(i), sum(i.groups.values())))
+    # A rank where the spread analysis refuses a node is no parallel program: nothing there to replay as a
+    # counterexample (ILLEGAL, `_settled_before_proof`); the other ranks are searched.
+    searched = sorted((i for i in stages.plan.search if not i.problems), key=lambda i: (_rank(i), sum(i.groups.values())))
     per_instance = max(SEARCH_MIN_TRIALS, search_trials // max(1, len(searched)))
     search_deadline = clock.start + stages.timeout * SEARCH_SHARE
     trials, skipped = 0, ""
@@ -209,7 +215,7 @@ def _concrete_search(stages: _Stages, search_trials: int) -> Verdict | _Searched
         trials += ran
         skipped = skipped or skip
         if failure is not None:
-            return done(REFUTED, failure.reason, _explained(failure.counterexample, stages.semantic))
+            return done(REFUTED, failure.reason, failure.counterexample)
     if clock.left() <= 0:
         return done(UNKNOWN, f"timeout ({stages.timeout:g} s) during the concrete search, after {trials} trials; "
                              "no counterexample found")
@@ -232,14 +238,13 @@ def _settled_before_proof(stages: _Stages, searched: _Searched, prove) -> tuple[
         vacuous, hint = "", vacuous[1:]
     if vacuous:
         return done(VACUOUS, vacuous), hint
-    semantic = stages.semantic
-    if semantic is not None and semantic.kind == "illegal-spread":
-        limits = (f"{searched.trials} trials over {searched.instances} rank assignments"
-                  + ("" if searched.exhausted
-                     else f", stopped at {SEARCH_SHARE:.0%} of the {stages.timeout:g} s timeout")
-                  + (f"; some sizes could not be simulated: {searched.skipped}" if searched.skipped else ""))
-        return done(UNKNOWN, f"{semantic} (no counterexample found: the search is exhausted within its limits, "
-                             f"{limits}){'; ' + hint if hint else ''}"), hint
+    refused = _refused(plan.search + plan.proof)
+    if refused:
+        limits = (f"{searched.trials} trials over {searched.instances} rank assignments where it can"
+                  if searched.instances else "it refuses it at every rank")
+        return done(ILLEGAL, f"{refused} A term the analysis cannot place is no parallel program, so the rule is "
+                             f"neither proved nor refuted with values (no counterexample where the analysis places "
+                             f"both sides: {limits})"), hint
     return None, hint
 
 
@@ -259,9 +264,9 @@ def _proof_stage(stages: _Stages, prove) -> tuple[Verdict | None, tuple]:
         if result.status in ("proved", "never"):
             continue
         if result.status == "candidate":
-            failure = _replay(instance, result.model, clock.deadline)
+            failure = _replay(instance, result, clock.deadline)
             if failure is not None:
-                return done(REFUTED, failure.reason, _explained(failure.counterexample, stages.semantic)), assumptions
+                return done(REFUTED, failure.reason, failure.counterexample), assumptions
             sizes = ", ".join(f"{k} = {v}" for k, v in sorted(result.model.items()))
             return done(UNKNOWN, f"{result.reason}{_groups(instance)}; its model ({sizes}) does not replay on "
                                  "the devices, so a lemma may be missing"), assumptions
@@ -282,6 +287,13 @@ def _trusted_verdict(stages: _Stages, searched: _Searched, assumptions: tuple, h
         done.notes.append(disagreement)
         return done(UNKNOWN, f"z3 proved it, but the proof cannot be trusted: {disagreement} (a bug in "
                              "parsat/verifier/prove.py or parsat/verifier/normal.py: please report it)")
+    from parsat.verifier.crosscheck import devices_disagree
+
+    disagreement = devices_disagree(stages.rule, stages.ops, plan.max_rank, stages.clock.deadline, done.notes)
+    if disagreement:
+        done.notes.append(disagreement)
+        return done(UNKNOWN, f"z3 proved it, but {disagreement} (a bug in the verifier's proof or its rank "
+                             "argument, parsat/verifier/ranks.py: please report it)")
     if hint:
         return done(UNKNOWN, f"proved, but perhaps vacuously: {hint}", assumptions=assumptions)
     if plan.max_rank is not None:
@@ -323,11 +335,12 @@ def _lowering_checked(proved: list[RuleInstance], clock: _Clock) -> str:
     return ""
 
 
-def _explained(cex: Counterexample, semantic) -> Counterexample:
-    """Say why before showing what: the checker's finding, confirmed by the replay."""
-    if semantic is not None and semantic.kind == "illegal-spread" and str(semantic) not in cex.reason:
-        return replace(cex, reason=f"{semantic}; replayed device by device, {cex.reason}")
-    return cex
+def _refused(typed: list[RuleInstance]) -> str:
+    """The first node the spread analysis cannot place, the read it refuses and why ('' if none)."""
+    for instance in typed:
+        for problem, node in instance.problems:
+            return f"the spread analysis cannot place {_text(node)}{_groups(instance)}: {problem}."
+    return ""
 
 
 def _witnesses(instance: RuleInstance) -> list[dict[str, int]]:
@@ -447,9 +460,11 @@ def _groups(instance: RuleInstance) -> str:
     return " (when " + _fmt_groups(instance.groups) + ")"
 
 
-def _replay(instance: RuleInstance, model: Mapping[str, int], deadline: float) -> concrete.Failure | None:
-    """A z3 model counts only if the devices agree; then it is shrunk."""
-    if not model:
+def _replay(instance: RuleInstance, result, deadline: float) -> concrete.Failure | None:
+    """A z3 model counts only if the devices agree: replayed at its own input values first (a root of a
+    denominator, a value outside the search's small integers), then at random ones; then it is shrunk."""
+    if not result.model and instance.symbols:
         return None
-    failure = concrete.replay(instance, model)
+    failure = concrete.replay_model(instance, result.model, result.inputs, result.reals)
+    failure = failure or concrete.replay(instance, result.model)
     return concrete.shrink(instance, failure, deadline) if failure is not None else None

@@ -9,6 +9,16 @@ compares them with the pieces the devices compute (`verifier.devices`);
 a disagreement is a bug report on the lowering, never a verdict on the
 rule. The verifier runs it on every instance it proves (`core`), at the
 smallest sizes where the rule applies.
+
+`devices_disagree` is the second, independent check: before a rule is
+PROVED (or BOUNDED) it runs random instances far from the ones the proof
+and the search looked at, at ranks up to `LARGE_MAX_RANK` (8, the largest
+the optimizer compiles) and with dims up to `LARGE_MAX_SIZE` (12), both
+sides device by device (`concrete.trial`). A rank-polymorphic rule is
+proved at a few lengths and generalized by an argument (`ranks`); a wrong
+argument, or a wrong lemma that happens to hold at small sizes, shows up
+here as a disagreement, which is a bug report: the verdict becomes
+UNKNOWN, never PROVED.
 """
 
 from __future__ import annotations
@@ -16,18 +26,26 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from fractions import Fraction
-from typing import Mapping
+import time
+import zlib
+from typing import Iterator, Mapping
 
 import numpy as np
 
+from parsat.dsl import ast
 from parsat.dsl.evaluate import EvaluationError
 from parsat.dsl.symbolic import Poly
-from parsat.dsl.typecheck import RuleInstance
+from parsat.dsl.typecheck import RuleInstance, TypeCheckError, group_assignments, type_rule
 from parsat.verifier import concrete, prove
+from parsat.verifier.ranks import top_rank
 from parsat.verifier.devices import DeviceError, NotPlaceable, RuleSides, gather
 
 MAX_POINTS = 4096  # (block, local index) points evaluated per side
+LARGE_MAX_RANK = 8     # the independent check's instances reach this rank ...
+LARGE_MAX_SIZE = 12    # ... and dims (and integer sizes) this large
+LARGE_TRIALS = 4       # instances run per rule (those that apply and fit LARGE_MAX_ELEMENTS)
+LARGE_MAX_ELEMENTS = 1_536  # in all the tensors: a dim of 12 beside seven of 2 fits
+LARGE_DRAWS = 60       # draws made to find them
 
 
 class CannotEvaluate(Exception):
@@ -169,7 +187,9 @@ def lowering_disagrees(instance: RuleInstance, sizes: Mapping[str, int], seed: i
                 return f"the z3 lowering of the {which} side cannot be evaluated at {_where(sizes, index)}: {err}"
             except (ZeroDivisionError, ValueError, OverflowError):
                 continue
-            device = float(value[index]) if value.dtype != object else float(Fraction(value[index]))
+            device = float(value[index]) if value.dtype != object else float(value[index])
+            if math.isnan(device):
+                continue  # the side is undefined here (a division by zero): a normal form may have dropped it
             if not math.isclose(lowered, device, rel_tol=1e-6, abs_tol=1e-8):
                 return (f"the z3 lowering of the {which} side gives {lowered:g} at {_where(sizes, index)}, "
                         f"the devices {device:g}")
@@ -178,3 +198,78 @@ def lowering_disagrees(instance: RuleInstance, sizes: Mapping[str, int], seed: i
 
 def _where(sizes: Mapping[str, int], index) -> str:
     return f"index {list(index)} (sizes {', '.join(f'{k} = {v}' for k, v in sorted(sizes.items()))})"
+
+
+# ---------------------------------------------------------------- random instances, large ranks and sizes
+
+
+def devices_disagree(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], max_rank: int | None = None,
+                     deadline: float | None = None, notes: list[str] | None = None) -> str:
+    """A disagreement of the two sides on the devices at a random large instance ('' when every one agrees).
+
+    `max_rank` is the rank the verdict claims up to (None: every rank, checked up to LARGE_MAX_RANK).
+    The draws are seeded by the rule's name, so a verdict is reproducible."""
+    for instance, sizes, seed in large_instances(rule, ops, max_rank, deadline):
+        try:
+            failure = concrete.trial(instance, sizes, seed=seed, notes=notes)
+        except concrete.Unsupported:
+            continue
+        if failure is not None:
+            lengths = ", ".join(f"len({g}) = {n}" for g, n in instance.groups.items())
+            shown = ", ".join(f"{k} = {v}" for k, v in sorted(sizes.items()))
+            return (f"at a random instance ({lengths + '; ' if lengths else ''}{shown}) the devices refute it: "
+                    f"{failure.reason}")
+    return ""
+
+
+def large_instances(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], max_rank: int | None = None,
+                    deadline: float | None = None) -> Iterator[tuple[RuleInstance, dict[str, int], int]]:
+    """Up to LARGE_TRIALS (instance, sizes, seed) where the rule applies and fits: half at group lengths
+    drawn among those of the largest rank, half at lengths drawn among all (typing a rank-8 instance costs
+    more than running it, so each drawn instance is run at several sizes from `large_sizes`)."""
+    rng = random.Random(zlib.crc32(rule.name.encode()))
+    top = LARGE_MAX_RANK if max_rank is None else min(max_rank, LARGE_MAX_RANK)
+    assignments = group_assignments(rule, top) or [{}]
+    highest = max(top_rank(rule, a) for a in assignments)
+    tall = [a for a in assignments if top_rank(rule, a) == highest]
+    per_instance = LARGE_TRIALS // 2
+    for pool in (tall, assignments):
+        try:
+            instance = type_rule(rule, ops, rng.choice(pool))
+        except TypeCheckError:
+            continue  # does not type at these lengths
+        if instance.problems:
+            continue  # no parallel program to run here
+        found = 0
+        for draw in range(LARGE_DRAWS // 2):
+            if found >= per_instance or (deadline is not None and time.monotonic() > deadline):
+                break
+            sizes = large_sizes(instance, rng)
+            if sizes is not None and concrete.applies(instance, sizes):
+                found += 1
+                yield instance, sizes, draw
+
+
+def large_sizes(instance: RuleInstance, rng: random.Random) -> dict[str, int] | None:
+    """Random sizes with one dim (or integer) at LARGE_MAX_SIZE or the largest multiple of the degrees below
+    it, the others anywhere from their least value up to it, lowered (largest first, never the big one) until
+    the tensors hold at most `LARGE_MAX_ELEMENTS` elements; None when even that does not fit."""
+    kinds = instance.symbols
+    sizes = {n: rng.choice((1, 2, 2, 3, 4)) for n, k in kinds.items() if k == "degree"}
+    unit = math.lcm(*sizes.values()) if sizes else 1
+    multiples = [unit * j for j in range(1, LARGE_MAX_SIZE // unit + 1)] or [unit]
+    free = sorted(n for n, k in kinds.items() if k != "degree")
+    for n in free:
+        low = 0 if kinds[n] == "int" else 1
+        sizes[n] = rng.choice(multiples) if rng.random() < 0.5 else rng.randint(low, LARGE_MAX_SIZE)
+    if free:
+        big = rng.choice(free)
+        sizes[big] = max(multiples) if rng.random() < 0.5 else LARGE_MAX_SIZE
+        while concrete._elements(instance, sizes) > LARGE_MAX_ELEMENTS:
+            shrinkable = [n for n in free if n != big and sizes[n] > 1]
+            if not shrinkable:
+                return None
+            name = max(shrinkable, key=lambda n: (sizes[n], n))  # every step lowers a size: it ends
+            sizes[name] = unit if sizes[name] > unit else 1
+    return sizes
+

@@ -263,7 +263,7 @@ def _on_mesh(lifted: RuleInstance, sizes, mesh: Mesh, binding, placements, seed:
         except (EvaluationError, ValueError) as err:
             return f"the {which} side cannot be evaluated: {err}"
         for value in copies:
-            spot = concrete._first_difference(value, expected)
+            spot = concrete.first_difference(expected, value)
             if value.shape != expected.shape or spot is not None:
                 return (f"on the devices the {which} side computes something else than its semantics"
                         + (f" (at index {list(spot)}: {value[spot]:g} vs {expected[spot]:g})" if spot else ""))
@@ -273,7 +273,7 @@ def _on_mesh(lifted: RuleInstance, sizes, mesh: Mesh, binding, placements, seed:
                     f"{concrete._fmt_spread(run.tensor.placement.degrees(mesh))}: a bug in parsat/dsl/spread.py")
         held.append(run.tensor.placement)
         values.append(expected)
-    if values[0].shape != values[1].shape or concrete._first_difference(values[0], values[1]) is not None:
+    if values[0].shape != values[1].shape or concrete.first_difference(values[0], values[1]) is not None:
         return "the sides compute different values (the rule itself is wrong)"
     left, right = held
     if left.shard != right.shard or set(left.copy) != set(right.copy) or set(left.sum) != set(right.sum):

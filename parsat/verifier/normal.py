@@ -9,7 +9,9 @@ sit outside it by construction).
 
 The lemmas the verifier instantiates itself:
 * a sum of bound 1 is its body at 0, a sum whose body ignores its binder
-  is a multiplication by the bound (sums over a single device);
+  is a multiplication by the bound, guarded by `[bound >= 0]` unless the
+  bound is evidently non-negative (a negative bound is an empty range,
+  whose sum is 0: docs/LANGUAGE.md);
 * block re-indexing: `sum(q < p) sum(r < K) f(q*K + r) = sum(l < p*K) f(l)`
   (`merge_blocks`), which is what a reduce over sharded contractions needs;
 * canonical binder names (by nesting depth, the order that gives the
@@ -152,7 +154,9 @@ def recip(a: tuple) -> tuple:
 
 
 def sum_over(var: str, bound: Poly, body: tuple) -> tuple:
-    """`sum(var < bound) body`, distributed over the monomials."""
+    """`sum(var < bound) body`, distributed over the monomials. A body that ignores `var` is multiplied by the
+    number of terms, which is `bound` only when the bound is not negative (an empty range is 0, however
+    negative its bound): `[bound >= 0] * bound` unless the bound is evidently non-negative."""
     if bound == ONE:
         return subst(body, {var: ZERO})
     out = []
@@ -160,10 +164,25 @@ def sum_over(var: str, bound: Poly, body: tuple) -> tuple:
         if var in _mono_symbols(fs):
             out.append((c, bs + ((var, bound),), fs))
         elif bound.is_const:
-            out.append((c * bound.constant, bs, fs))
-        else:
+            if bound.constant > 0:
+                out.append((c * bound.constant, bs, fs))
+        elif nonnegative(bound):
             out.append((c, bs, fs + (("size", bound),)))
+        else:
+            out.append((c, bs, fs + (("ind", ("rel", ">=", bound, ZERO), True), ("size", bound))))
     return tuple(out)
+
+
+def nonnegative(p: Poly) -> bool:
+    """Evidently >= 0: non-negative coefficients over sizes, degrees, integers and index variables (all >= 0),
+    and quotients and remainders of such."""
+    for mono, coeff in p.terms:
+        if coeff < 0:
+            return False
+        for atom, _exp in mono:
+            if not isinstance(atom, str) and not (nonnegative(atom[1]) and nonnegative(atom[2])):
+                return False
+    return True
 
 
 # ------------------------------------------------------------- traversal
@@ -301,6 +320,8 @@ def _merge_binders(bs: tuple, scope, mapper):
     while changed and len(bs) >= 2:
         changed = False
         for (q, bq), (r, br) in itertools.permutations(bs, 2):
+            if not (nonnegative(bq) and nonnegative(br)):
+                continue  # two empty ranges of negative bounds are not one range of bound bq * br > 0
             merged = f"{q}&{r}"
             failed = []
 
@@ -496,6 +517,10 @@ def upper(e: Poly, bounds: dict) -> Poly | None:
             top = upper(high, bounds) if high is not None else None
             if top is not None:
                 return top * low
+            if low.is_const and 0 < low.constant <= coeff:  # a window no wider than its stride: Y < low <= c
+                top = upper(Poly(((mono, 1),)), bounds)
+                if top is not None:
+                    return top * coeff
     return None
 
 

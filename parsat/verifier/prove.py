@@ -18,6 +18,7 @@ replays its model concretely before saying REFUTED.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -32,6 +33,8 @@ from parsat.verifier import normal as nf
 
 
 MAX_CASE_SPLITS = 4
+# The partial functions and the indicator of where each is undefined (a division is "?zero" of its divisor).
+PARTIAL_FUNCTIONS = {"log": "?nonpos", "sqrt": "?neg"}
 
 
 class Unprovable(Exception):
@@ -46,6 +49,8 @@ class ProofResult:
     reason: str = ""
     model: dict = field(default_factory=dict)  # original size symbols -> int
     assumptions: tuple[str, ...] = ()
+    inputs: dict = field(default_factory=dict)  # a candidate's input values: name -> nested lists of Fractions
+    reals: dict = field(default_factory=dict)   # and its real metavariables: name -> Fraction
 
 
 # ---------------------------------------------------------- size algebra
@@ -144,10 +149,44 @@ def solve_sizes(instance: RuleInstance) -> _Sizes:
 
 
 class _Lowering:
+    """Lowers terms piece by piece into normal forms, and records every partial operation it meets (a
+    division, a log, a square root) with where it is evaluated: the binders and `if` branches around it
+    (`context`), so that `undefined` can say where a side is undefined, even when the value's normal form
+    drops the operation (`0 * (1 / x)` is 0 as a value, undefined at x = 0)."""
+
     def __init__(self, sizes: _Sizes):
         self.sizes = sizes
         self.bounds: dict[str, Poly] = {}
         self.counter = 0
+        self.context: list[tuple] = []   # ("sum", var, bound) or ("if", cond, truth), outermost first
+        self.partials: list[tuple] = []  # (context, kind, argument NF): kind "?zero", "?nonpos" or "?neg"
+        self.undefined_forms: tuple = ((), ())  # set by `lowered_sides`: where each side is undefined
+
+    def inside(self, item: tuple, lower, *args):
+        """`lower(*args)` with `item` (a binder or a branch) around it in the context."""
+        self.context.append(item)
+        try:
+            return lower(*args)
+        finally:
+            self.context.pop()
+
+    def partial(self, kind: str, argument: tuple) -> None:
+        self.partials.append((tuple(self.context), kind, argument))
+
+    def undefined(self, partials: list[tuple]) -> tuple:
+        """How many partial operations are out of their domain (0 exactly where the side is defined): for
+        each, the indicator `?zero(arg)` (or `?nonpos`, `?neg`) summed over its binders, under its branches.
+        Every monomial is a count, never negative."""
+        total: tuple = ()
+        for context, kind, argument in partials:
+            form = nf.factor(("fn", kind, (argument,)))
+            for item in reversed(context):
+                if item[0] == "sum":
+                    form = nf.sum_over(item[1], item[2], form)
+                else:
+                    form = nf.if_then_else(item[1], form, ()) if item[2] else nf.if_then_else(item[1], (), form)
+            total = nf.add(total, form)
+        return total
 
     def P(self, poly: Poly) -> Poly:
         return self.sizes.apply(poly)
@@ -176,7 +215,8 @@ class _Lowering:
             return self.piece(arg, blocks, s, local)
         if term.name == "reduce":
             t = self.fresh(n, "t")
-            return nf.sum_over(t, n, self.piece(arg, blocks, s * n + Poly.sym(t), local))
+            piece = self.inside(("sum", t, n), self.piece, arg, blocks, s * n + Poly.sym(t), local)
+            return nf.sum_over(t, n, piece)
         k = term.dim
         extent = self.P(term.shape[k]).floordiv(self.P(term.spread.shard[k]))
         blocks, local = list(blocks), list(local)
@@ -207,7 +247,7 @@ class _Lowering:
         s = self.fresh(total, "s")
         blocks = tuple(b for b, _ in free)
         local = tuple(i for _, i in free)
-        return nf.sum_over(s, total, self.piece(term, blocks, Poly.sym(s), local))
+        return nf.sum_over(s, total, self.inside(("sum", s, total), self.piece, term, blocks, Poly.sym(s), local))
 
 
 class _Body:
@@ -252,13 +292,18 @@ class _Body:
             if expr.op == "*":
                 return nf.mul(left, right)
             if expr.op == "/":
+                self.low.partial("?zero", right)
                 return nf.mul(left, nf.recip(right))
             raise Unprovable(f"'{expr.op}' on values")
         if isinstance(expr, ast.Call):
-            return nf.factor(("fn", expr.func, tuple(self.value(a, s, variables) for a in expr.args)))
+            args = tuple(self.value(a, s, variables) for a in expr.args)
+            if expr.func in PARTIAL_FUNCTIONS:
+                self.low.partial(PARTIAL_FUNCTIONS[expr.func], args[0])
+            return nf.factor(("fn", expr.func, args))
         if isinstance(expr, ast.IfThenElse):
             test = self.cond(expr.test, variables)
-            then, orelse = self.value(expr.then, s, variables), self.value(expr.orelse, s, variables)
+            then = self.low.inside(("if", test, True), self.value, expr.then, s, variables)
+            orelse = self.low.inside(("if", test, False), self.value, expr.orelse, s, variables)
             return nf.if_then_else(test, then, orelse)
         if isinstance(expr, ast.Sum):
             bound = self.index(expr.bound, variables)
@@ -266,20 +311,21 @@ class _Body:
             if degree == ONE:
                 var = self.low.fresh(bound, "l")
                 inner = {**variables, expr.var: (ZERO, Poly.sym(var), ONE, Poly.sym(var))}
-                return nf.sum_over(var, bound, self.value(expr.body, s, inner))
+                return nf.sum_over(var, bound, self.low.inside(("sum", var, bound), self.value, expr.body, s, inner))
             extent = bound.floordiv(degree)
             inner_s, block = self.low.divmod(s, degree)
             var = self.low.fresh(extent, "l")
             glob = block * extent + Poly.sym(var)
             inner = {**variables, expr.var: (block, Poly.sym(var), degree, glob)}
-            return nf.sum_over(var, extent, self.value(expr.body, inner_s, inner))
+            return nf.sum_over(var, extent, self.low.inside(("sum", var, extent), self.value, expr.body, inner_s,
+                                                            inner))
         if isinstance(expr, ast.Max):
             if self.degrees.get(expr.var, ONE) != ONE:
                 raise Unprovable(f"{self.instance.name}: a max over a sharded range (the spread analysis refuses it)")
             bound = self.index(expr.bound, variables)
             var = self.low.fresh(bound, "m")
             inner = {**variables, expr.var: (ZERO, Poly.sym(var), ONE, Poly.sym(var))}
-            return nf.max_over(var, bound, self.value(expr.body, s, inner))
+            return nf.max_over(var, bound, self.low.inside(("sum", var, bound), self.value, expr.body, s, inner))
         raise Unprovable(f"cannot lower {type(expr).__name__}")
 
     def access(self, expr: ast.Access, s: Poly, variables) -> tuple:
@@ -317,10 +363,14 @@ class _Body:
 # ------------------------------------------------------------------ z3
 
 
+_UNDEFINED_WHERE = {"?zero": lambda v: v == 0, "?nonpos": lambda v: v <= 0, "?neg": lambda v: v < 0}
+
+
 class _Z3:
     def __init__(self):
         self.ints: dict[str, z3.ArithRef] = {}
         self.funcs: dict = {}
+        self.applied: list[tuple] = []  # (function name, argument, application) of the uninterpreted functions
         self.sum = z3.Function("SUM", z3.IntSort(), z3.ArraySort(z3.IntSort(), z3.RealSort()), z3.RealSort())
         # Uninterpreted: a proof may use only that equal bounds and equal bodies give equal maxima.
         self.max = z3.Function("MAX", z3.IntSort(), z3.ArraySort(z3.IntSort(), z3.RealSort()), z3.RealSort())
@@ -412,13 +462,28 @@ class _Z3:
                 body = self.max(b, z3.Lambda([v], z3.If(z3.And(v >= 0, v < b), body, z3.RealVal(0))))
             return body
         args = [self.value(a) for a in f[2]]
+        if f[1] in _UNDEFINED_WHERE:  # 1 where the partial operation is out of its domain, else 0
+            return z3.If(_UNDEFINED_WHERE[f[1]](args[0]), z3.RealVal(1), z3.RealVal(0))
         if f[1] == "max":
             return z3.If(args[0] >= args[1], args[0], args[1])
         if f[1] == "min":
             return z3.If(args[0] <= args[1], args[0], args[1])
         if f[1] == "abs":
             return z3.If(args[0] >= 0, args[0], -args[0])
-        return self.fn(f[1])(*args)
+        applied = self.fn(f[1])(*args)
+        self.applied.append((f[1], args[0], applied))
+        return applied
+
+    def lemmas(self) -> list:
+        """What is true of the functions z3 otherwise knows nothing about, at every application met: an
+        exponential is positive, a square root is not negative and squares back where it is defined."""
+        found = []
+        for name, arg, value in self.applied:
+            if name == "exp":
+                found.append(value > 0)
+            elif name == "sqrt":
+                found += [value >= 0, z3.Implies(arg >= 0, value * value == arg)]
+        return found
 
 
 # ----------------------------------------------------------------- proof
@@ -509,9 +574,40 @@ def prove_instance(instance: RuleInstance, timeout: float) -> ProofResult:
     if _vacuous(facts, deadline):
         return ProofResult("never", "the rule never applies: its 'where' and the left-hand side's requirements "
                                     "cannot hold together", {}, assumptions)
-    goals: list[tuple[str, object]] = []
     if len(lhs.shape) != len(rhs.shape):
         return ProofResult("candidate", "the sides have different ranks", {}, assumptions)
+    for what, goal in _shape_goals(instance, low, zz):
+        verdict = _check(zz, facts, goal, deadline)
+        if verdict[0] != "proved":
+            return _finish(verdict, what, instance, sizes, assumptions)
+
+    left, right, ranges = lowered_sides(instance, low)
+    for name, bound in ranges.items():
+        facts += [zz.int(name) >= 0, zz.int(name) < zz.poly(bound)]
+    undefined_left, undefined_right = low.undefined_forms
+    for case, l2, r2 in _cases(undefined_left, undefined_right):
+        extra = [zz.cond(c) if t else z3.Not(zz.cond(c)) for c, t in case]
+        verdict = _defined_where_left_is(zz, facts + extra, l2, r2, deadline)
+        if verdict[0] != "proved":
+            return _finish(verdict, "the right-hand side is defined wherever the left-hand side is (no division by "
+                                    "zero, log or square root out of its domain that the left side does not have)",
+                           instance, sizes, assumptions, zz)
+    facts = facts + [zz.value((m,)) == 0 for m in undefined_left]  # values must agree where the left is defined
+    for case, l2, r2 in _cases(left, right):
+        if l2 == r2:
+            continue
+        extra = [zz.cond(c) if t else z3.Not(zz.cond(c)) for c, t in case]
+        verdict = _check(zz, facts + extra, zz.value(l2) == zz.value(r2), deadline)
+        if verdict[0] != "proved":
+            return _finish(verdict, "the two sides compute the same values", instance, sizes, assumptions, zz)
+    return ProofResult("proved", "", {}, assumptions)
+
+
+def _shape_goals(instance: RuleInstance, low: _Lowering, zz: _Z3) -> list[tuple[str, object]]:
+    """What must hold besides the values: equal dims and spreads, the right side's requirements, legal
+    spreads (windows that tile blocks, on both sides)."""
+    lhs, rhs = instance.lhs, instance.rhs
+    goals: list[tuple[str, object]] = []
     for k, (a, b) in enumerate(zip(lhs.shape, rhs.shape)):
         a, b = low.P(a), low.P(b)
         if a != b:
@@ -526,37 +622,28 @@ def prove_instance(instance: RuleInstance, timeout: float) -> ProofResult:
         req2 = _apply_cond(req, low.P)
         if symbolic_truth(req2) is not True:
             goals.append((f"the right-hand side is defined: {req.reason or req}", zz.cond(req2)))
-    for cond, _node in instance.legal_when:  # windows that tile blocks, on both sides
+    for cond, _node in instance.legal_when:
         cond2 = _apply_cond(cond, low.P)
         if symbolic_truth(cond2) is not True:
             goals.append((f"the spreads are legal: {cond.reason or cond}", zz.cond(cond2)))
-    for what, goal in goals:
-        verdict = _check(zz, facts, goal, deadline)
-        if verdict[0] != "proved":
-            return _finish(verdict, what, instance, sizes, assumptions)
+    return goals
 
-    left, right, ranges = lowered_sides(instance, low)
-    for name, bound in ranges.items():
-        facts += [zz.int(name) >= 0, zz.int(name) < zz.poly(bound)]
+
+def _cases(left: tuple, right: tuple) -> list[tuple[tuple, tuple, tuple]]:
+    """(case, left, right) for every truth assignment of the conditions that mention no binder (at most
+    `MAX_CASE_SPLITS` of them), each side normalized under it: a concat's `if` then falls on one side."""
     if left == right:
-        return ProofResult("proved", "", {}, assumptions)
+        return [((), left, right)]
     conditions = nf.free_conditions(left) + [c for c in nf.free_conditions(right) if c not in nf.free_conditions(left)]
-    cases = [((), left, right)]
-    if conditions and len(conditions) <= MAX_CASE_SPLITS:
-        cases = []
-        for truths in itertools.product((True, False), repeat=len(conditions)):
-            l2, r2 = left, right
-            for cond, truth in zip(conditions, truths):
-                l2, r2 = nf.assume(l2, cond, truth), nf.assume(r2, cond, truth)
-            cases.append((tuple(zip(conditions, truths)), _normalize(l2), _normalize(r2)))
-    for case, l2, r2 in cases:
-        if l2 == r2:
-            continue
-        extra = [zz.cond(c) if t else z3.Not(zz.cond(c)) for c, t in case]
-        verdict = _check(zz, facts + extra, zz.value(l2) == zz.value(r2), deadline)
-        if verdict[0] != "proved":
-            return _finish(verdict, "the two sides compute the same values", instance, sizes, assumptions)
-    return ProofResult("proved", "", {}, assumptions)
+    if not conditions or len(conditions) > MAX_CASE_SPLITS:
+        return [((), left, right)]
+    cases = []
+    for truths in itertools.product((True, False), repeat=len(conditions)):
+        l2, r2 = left, right
+        for cond, truth in zip(conditions, truths):
+            l2, r2 = nf.assume(l2, cond, truth), nf.assume(r2, cond, truth)
+        cases.append((tuple(zip(conditions, truths)), _normalize(l2), _normalize(r2)))
+    return cases
 
 
 def lowered_sides(instance: RuleInstance, low: _Lowering) -> tuple[tuple, tuple, dict[str, Poly]]:
@@ -574,7 +661,13 @@ def lowered_sides(instance: RuleInstance, low: _Lowering) -> tuple[tuple, tuple,
         low.bounds[f"@i{k}"] = ranges[f"@i{k}"] = extent
         free.append((block, local))
     free = tuple(free)
-    return _normalize(low.observe(instance.lhs, free)), _normalize(low.observe(instance.rhs, free)), ranges
+    sides, undefined = [], []
+    for term in (instance.lhs, instance.rhs):
+        low.partials = []
+        sides.append(_normalize(low.observe(term, free)))
+        undefined.append(_normalize(low.undefined(low.partials)))
+    low.undefined_forms = tuple(undefined)
+    return sides[0], sides[1], ranges
 
 
 def _normalize(form: tuple) -> tuple:
@@ -586,6 +679,20 @@ def _normalize(form: tuple) -> tuple:
             break
         form = again
     return form
+
+
+def _defined_where_left_is(zz: _Z3, facts, left: tuple, right: tuple, deadline: float) -> tuple:
+    """("proved", None) when the right side is defined wherever the left is, else what `_check` says.
+
+    `left` and `right` count the partial operations out of their domain (`_Lowering.undefined`): a sum of
+    monomials that are each never negative, so the left side is defined exactly where each of its monomials
+    is 0. A monomial of the right that the left has too is 0 there; the others must follow from those facts.
+    """
+    residual = tuple(m for m in right if not any(m[1:] == n[1:] for n in left))
+    if not residual:
+        return ("proved", None)
+    known = [zz.value((m,)) == 0 for m in left]
+    return _check(zz, facts + known, z3.And(*[zz.value((m,)) == 0 for m in residual]), deadline)
 
 
 def _vacuous(facts, deadline: float) -> bool:
@@ -607,7 +714,7 @@ def _small_model(zz: _Z3, facts, goal, model, deadline: float):
         return model
     total = z3.Sum(sizes)
     solver = z3.Solver()
-    solver.add(*facts)
+    solver.add(*facts, *zz.lemmas())
     solver.add(z3.Not(goal))
     best = model
     for _ in range(8):
@@ -636,7 +743,7 @@ def _check(zz: _Z3, facts, goal, deadline: float) -> tuple:
         return ("timeout", None)
     solver = z3.Solver()
     solver.set("timeout", max(1, int(remaining * 1000)))
-    solver.add(*facts)
+    solver.add(*facts, *zz.lemmas())
     solver.add(z3.Not(goal))
     result = solver.check()
     if result == z3.unsat:
@@ -646,13 +753,15 @@ def _check(zz: _Z3, facts, goal, deadline: float) -> tuple:
     return ("timeout" if time.monotonic() >= deadline else "unknown", solver.reason_unknown())
 
 
-def _finish(verdict: tuple, what: str, instance: RuleInstance, sizes: _Sizes, assumptions) -> ProofResult:
+def _finish(verdict: tuple, what: str, instance: RuleInstance, sizes: _Sizes, assumptions,
+            zz: _Z3 | None = None) -> ProofResult:
     status, payload = verdict
     if status == "proved":
         return ProofResult("proved", "", {}, assumptions)
     if status == "sat":
-        return ProofResult("candidate", f"z3 cannot show that {what}", _model_sizes(payload, instance, sizes),
-                           assumptions)
+        model = _model_sizes(payload, instance, sizes)
+        inputs, reals = _model_values(payload, instance, model, zz) if zz is not None else ({}, {})
+        return ProofResult("candidate", f"z3 cannot show that {what}", model, assumptions, inputs, reals)
     if status == "timeout":
         return ProofResult("unknown", f"timeout while proving that {what}", {}, assumptions)
     return ProofResult("unknown", f"z3 gave up proving that {what} ({payload})", {}, assumptions)
@@ -675,3 +784,49 @@ def _model_sizes(model, instance: RuleInstance, sizes: _Sizes) -> dict:
         except (KeyError, ZeroDivisionError):
             out[name] = values.get(name, 1)
     return out
+
+
+MODEL_ELEMENTS = 100_000  # a model's input values are read for tensors up to this many elements (all of them)
+
+
+def _rational(value) -> Fraction:
+    """A z3 number as a Fraction (an irrational algebraic number: a close rational, which may not replay)."""
+    if z3.is_rational_value(value):
+        return Fraction(value.numerator_as_long(), value.denominator_as_long())
+    if z3.is_algebraic_value(value):
+        return Fraction(value.approx(20).as_fraction())
+    return Fraction(0)
+
+
+def _model_values(model, instance: RuleInstance, sizes: dict, zz: _Z3) -> tuple[dict, dict]:
+    """The inputs and real metavariables of a z3 model at its sizes (nested lists of Fractions), for the
+    devices to replay: a counterexample z3 finds at x = 1/2 or x = 4 is replayed there, not at random
+    inputs. Tensors the query never read, or too large to list, are left out (the replay draws them)."""
+    inputs = {}
+    for name, shape in instance.tensors.items():
+        func = zz.funcs.get((name, len(shape)))
+        dims = [d.evaluate(sizes) for d in shape]
+        if func is None or math.prod(dims) > MODEL_ELEMENTS:
+            continue
+        if not shape:
+            inputs[name] = _rational(model.eval(func, model_completion=True))
+            continue
+        table = {}
+        interp = model[func] if func in model.decls() else None
+        default = _rational(interp.else_value()) if interp is not None else Fraction(0)
+        if interp is not None:
+            for k in range(interp.num_entries()):
+                entry = interp.entry(k)
+                key = tuple(entry.arg_value(j).as_long() for j in range(len(shape)))
+                table[key] = _rational(entry.value())
+        values = [table.get(index, default) for index in itertools.product(*(range(n) for n in dims))]
+        inputs[name] = _nested(values, dims)
+    reals = {name: _rational(model.eval(z3.Real(name), model_completion=True)) for name in instance.reals}
+    return inputs, reals
+
+
+def _nested(flat: list, dims: list[int]):
+    if not dims:
+        return flat[0]
+    step = math.prod(dims[1:]) if len(dims) > 1 else 1
+    return [_nested(flat[k * step:(k + 1) * step], dims[1:]) for k in range(dims[0])]

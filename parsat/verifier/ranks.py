@@ -11,23 +11,36 @@ other, are never split, and every operator only carries them through:
 its output has them where its inputs do, each read is by the same two
 plain index variables at those positions, and the variables (and the
 sizes of those dims) appear nowhere else: no arithmetic, no condition,
-no sum, no attribute, and the `where` of the rule says nothing about the
-group's length. Then reading the two dims as one dim of size `a_k *
-a_k+1` (row-major) maps every tensor of the instance with the group at
-length L + 1 to the instance at length L, commuting with every operator
-on both sides; so the rule at length L + 1 and sizes S holds exactly when
-it holds at length L with the merged size, which the proof at length L
+no sum. Then reading the two dims as one dim of size `a_k * a_k+1`
+(row-major) maps every tensor of the instance with the group at length
+L + 1 to the instance at length L, commuting with every operator on both
+sides; so the rule at length L + 1 and sizes S holds exactly when it
+holds at length L with the merged size, which the proof at length L
 covers (it is for all sizes). By induction every length >= 1 reduces to
 length 1; length 0 is proved too. So a rule whose groups are all
 batch-like is PROVED for every rank by proving each group at lengths 0
 and 1.
 
-The property is checked on the typed instances themselves (not on the
-source text): for each group, at length 2 with every other group at 0 or
-1, and at length 3 (both adjacent pairs) with the others at 1.
-Instantiation expands every group uniformly, so a pair that passes there
-passes at every length. A rule with a group that is not batch-like is
-proved up to `MAX_RANK` and is BOUNDED there.
+That merging commutes needs two things, checked in this order:
+* **Uniformity** (`verifier.uniform`, for every length at once): nothing
+  depends on a group's length but the positions the group pushes along.
+  The rule is typed symbolically, each shape a sequence of runs and
+  single dims and every integer that mentions `len(g)` a polynomial in
+  the lengths; a degree, a size, an amount, a `where` or an operator's
+  semantics that mentions a length, a dim picked by `len(a) % 5`, or an
+  operator group that takes part of a run, is not uniform. At every
+  length each operator is then the same template over the same runs, so
+  the instance at L + 1, merged, is the instance at L.
+* **Plain carrying** (below): each operator reads the group's dims by
+  plain index variables used nowhere else. It is checked on the typed
+  instances, for each group at length 2 with every other group at 0 or
+  1, and at length 3 (both adjacent pairs) with the others at 1; by
+  uniformity every operator expands the group's indices the same way at
+  every length, so what holds for a pair there holds for every pair at
+  every length.
+
+A rule with a group that is not batch-like is proved at every rank up to
+`MAX_RANK` and is BOUNDED there (searched up to `SEARCH_MAX_RANK`).
 
 `plan` also finds rank assignments where the left side types and the
 right side does not: the rule would rewrite a term into nothing, which is
@@ -44,6 +57,7 @@ from parsat.dsl import ast
 from parsat.dsl.symbolic import ONE, Poly
 from parsat.dsl.typecheck import (RuleInstance, TypeCheckError, TypedTerm, check_rhs_bound, group_dim,
                                   rule_groups, type_rule)
+from parsat.verifier.uniform import why_not_uniform
 
 MAX_RANK = 5          # the bound for rules whose groups are not batch-like
 SEARCH_MAX_RANK = 8   # ... which are still searched up to the largest rank the optimizer compiles
@@ -67,6 +81,11 @@ def _ranks(rule: ast.RuleDecl, groups: Mapping[str, int]) -> list[int]:
             for b in rule.binders if isinstance(b.type, ast.ShapeType)]
 
 
+def top_rank(rule: ast.RuleDecl, groups: Mapping[str, int]) -> int:
+    """The largest rank of a tensor metavariable at these group lengths (0 without any)."""
+    return max(_ranks(rule, groups), default=0)
+
+
 def _assignments(rule: ast.RuleDecl, lengths: range | tuple, max_rank: int) -> list[dict[str, int]]:
     groups = rule_groups(rule)
     out = []
@@ -74,7 +93,7 @@ def _assignments(rule: ast.RuleDecl, lengths: range | tuple, max_rank: int) -> l
         assignment = dict(zip(groups, values))
         if all(r <= max_rank for r in _ranks(rule, assignment)):
             out.append(assignment)
-    return sorted(out, key=lambda g: (max(_ranks(rule, g), default=0), sum(g.values()), sorted(g.items())))
+    return sorted(out, key=lambda g: (top_rank(rule, g), sum(g.values()), sorted(g.items())))
 
 
 class _Typer:
@@ -125,7 +144,7 @@ def plan(rule: ast.RuleDecl, ops) -> RankPlan:
     else:
         proof = [typer(g) for g in _assignments(rule, range(MAX_RANK + 1), MAX_RANK)]
         beyond = [g for g in _assignments(rule, range(SEARCH_MAX_RANK + 1), SEARCH_MAX_RANK)
-                  if max(_ranks(rule, g), default=0) > MAX_RANK]
+                  if top_rank(rule, g) > MAX_RANK]
         search = proof + [typer(g) for g in beyond[:SEARCH_MAX_INSTANCES]]
         result.max_rank, result.why_bounded = MAX_RANK, why
     result.proof = [t for t in proof if t is not None]
@@ -139,8 +158,9 @@ def plan(rule: ast.RuleDecl, ops) -> RankPlan:
 
 def _not_batch_like(rule: ast.RuleDecl, groups: list[str], typer: _Typer) -> str | None:
     """None when every group is batch-like (module docstring), else why one is not."""
-    if any(isinstance(n, ast.Len) for cond in rule.where for n in ast.walk(cond)):
-        return "its 'where' mentions the length of a group"
+    why = why_not_uniform(rule, typer.ops)
+    if why is not None:
+        return f"not uniform in the lengths of its groups: {why}"
     for g in groups:
         others = [h for h in groups if h != g]
         checks = [({**dict(zip(others, values)), g: 2}, (0,)) for values in itertools.product((0, 1),

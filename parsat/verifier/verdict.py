@@ -9,6 +9,9 @@ the cache and the CLI. The verdict words mean exactly this:
   groups could not be argued away. The optimizer never applies it above.
 * VACUOUS: true only because it (almost) never applies: its assumptions
   force a degree to 1, or cannot hold at all. Not a usable rule.
+* ILLEGAL: the spread analysis cannot place a node of the rule (the read
+  it refuses and why): a term it cannot place is not a parallel program,
+  so the rule is neither proved nor refuted with values. Never applied.
 * REFUTED: a replayed counterexample (shapes, degrees, inputs, both sides,
   and where the devices or values differ).
 * UNKNOWN: neither, with the reason and the limit that was hit.
@@ -26,9 +29,10 @@ from typing import Any
 PROVED = "PROVED"
 BOUNDED = "BOUNDED"
 VACUOUS = "VACUOUS"
+ILLEGAL = "ILLEGAL"
 REFUTED = "REFUTED"
 UNKNOWN = "UNKNOWN"
-VERDICTS = (PROVED, BOUNDED, VACUOUS, REFUTED, UNKNOWN)
+VERDICTS = (PROVED, BOUNDED, VACUOUS, ILLEGAL, REFUTED, UNKNOWN)
 
 
 @dataclass(frozen=True)
