@@ -43,7 +43,7 @@ REFINEMENTS = 3   # searches spent looking for fewer micro-batches once a count 
 
 
 def search_unstaged(request: SearchRequest, clock: Deadline, microbatches: int | None = None,
-                    searches: int | None = None) -> Plan:
+                    searches: int | None = None, every_mesh: bool = True) -> Plan:
     """The cheapest unstaged plan (see the module docstring). `microbatches=m` runs the step as m micro-batches
     and searches that count only: a built-in example is built at its `batch` / m, any other graph is taken as
     one micro-batch's. `searches` caps the micro-batch counts searched while none fits (the last plan comes
@@ -54,7 +54,7 @@ def search_unstaged(request: SearchRequest, clock: Deadline, microbatches: int |
         return search_step(step_context(request, microbatches), clock)
     if request.batch is None:
         return search_step(step_context(request, 1), clock.part(1.0))   # no batch to split: one search
-    return CountSearch(request, clock, searches).run()
+    return CountSearch(request, clock, searches, every_mesh).run()
 
 
 def count_share(searched: int) -> float:
@@ -73,6 +73,7 @@ class CountSearch:
     request: SearchRequest
     clock: Deadline
     searches: int | None
+    every_mesh: bool = True         # search every mesh at the count chosen (else the caller may: `every_mesh_at`)
     m: int = 1
     tried: set[int] = field(default_factory=set)
     failed: int = 0                 # the largest count at which keeping every activation did not fit
@@ -91,20 +92,11 @@ class CountSearch:
         return search_step(step_context(self.request, k, scout=True), self.clock.part(share))
 
     def search_every_mesh(self, chosen: Plan) -> Plan:
-        """Every mesh searched at the count of `chosen` (a scout's plan, else `chosen` as it is): the plan of
+        """Every mesh searched at the count of `chosen` (`every_mesh_at`) unless the caller does it: the plan of
         the two ranked first (`rank_plans`), the one of every mesh on a tie. Kept in `plans` and `best`."""
-        if not chosen.saturation.get("scouted") or self.clock.spent:
-            return chosen
-        m = chosen.graph.microbatches
-        self.request.say(f"micro-batch count {m} chosen: searching every mesh")
-        try:
-            full = search_step(step_context(self.request, m), self.clock.part(1.0))
-        except KeyboardInterrupt:
-            self.clock.interrupt()
-            return chosen
-        except OptimizeError as err:   # DoesNotFit too: the scout's plan stands
-            self.request.say(f"micro-batch count {m}, every mesh: {err}")
-            return chosen
+        full = every_mesh_at(self.request, self.clock, chosen) if self.every_mesh else chosen
+        if full.saturation.get("scouted"):
+            return full
         self.plans.insert(0, full)
         if full.totals.fits(full.machine) and (self.best is None or full.totals.time_s <= self.best.totals.time_s):
             self.best = full
@@ -214,6 +206,32 @@ class CountSearch:
                          self.needed.capacity_bytes)
 
 
+def every_mesh_at(request: SearchRequest, clock: Deadline, chosen: Plan) -> Plan:
+    """Every mesh searched at the micro-batch count of `chosen`, a scout's plan. `chosen` itself (a scout's
+    plan still) when it is not a scout's, the clock is spent or that search finds no plan (said), and, saying
+    so in `saturation.search_limit`, when Ctrl-C cuts that search."""
+    if not chosen.saturation.get("scouted") or clock.spent:
+        return chosen
+    m = chosen.graph.microbatches
+    request.say(f"micro-batch count {m} chosen: searching every mesh")
+    try:
+        return search_step(step_context(request, m), clock.part(1.0))
+    except KeyboardInterrupt:
+        clock.interrupt()
+        return limited(chosen, f"interrupted (Ctrl-C): every mesh at micro-batch count {m} not searched")
+    except OptimizeError as err:   # DoesNotFit too: the scout's plan stands
+        request.say(f"micro-batch count {m}, every mesh: {err}")
+        return chosen
+
+
+def merged(full: Plan, chosen: Plan, batch: int, say: Callable[[str], None]) -> Plan:
+    """`chosen` (a scout's plan) or `full` (`every_mesh_at` its count), whichever ranks first, with the better
+    of their baselines (`with_grid`); `full` when no search of every mesh came of it."""
+    if full.saturation.get("scouted"):
+        return full
+    return with_grid(full, [full, chosen], set(), batch, say, None, 0)
+
+
 def rank_plans(plan: Plan) -> tuple:
     """Plans that fit first, then the fastest; when none fits, the one needing least memory."""
     fits = plan.totals.fits(plan.machine)
@@ -231,11 +249,12 @@ def next_count(batch: int, least: int, skip: set[int] = frozenset()) -> int | No
 
 
 def with_grid(best: Plan, plans: Sequence[Plan], tried: set[int], batch: int, say: Callable[[str], None],
-              search: Callable[[int, float], Plan], extra: int = GRID_SEARCHES, clock: Deadline | None = None) -> Plan:
+              search: Callable[[int, float], Plan] | None, extra: int = GRID_SEARCHES,
+              clock: Deadline | None = None) -> Plan:
     """`best` compared with every baseline at every micro-batch count searched: Megatron-style grids choose
     their micro-batch count too, and theirs may be larger than the joint plan's (tensor parallelism of one
     sequence per data-parallel rank). While no grid configuration fits, up to `extra` searches at
-    twice the micro-batches are added. A baseline faster than the joint plan at its own count makes that
+    twice the micro-batches are added (by `search`). A baseline faster than the joint plan at its own count makes that
     search's plan the answer (it is a whole plan at that count); otherwise each baseline's best totals across
     counts are kept, with the count in its configuration, and its PCG when it was found at `best`'s count."""
     plans = list(plans)

@@ -42,7 +42,7 @@ from parsat.ir.machine import Machine
 from parsat.ir.models import EXAMPLES
 from parsat.ir.plan import Plan
 from parsat.search.deadline import Deadline
-from parsat.search.microbatches import search_unstaged
+from parsat.search.microbatches import every_mesh_at, merged, rank_plans, search_unstaged
 from parsat.search.pipeline_search import best_of, parameters_of, search_pipelines
 from parsat.search.request import (Progress, RuleChooser, SearchRequest, every_rule, resolve_request, stageable,
                                    step_context)
@@ -101,7 +101,8 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
         searches = UNSTAGED_SEARCHES_BESIDE_PIPELINE if surely else None
         share = UNSTAGED_SHARE if surely else UNSTAGED_SHARE_FIRST if can_stage and pipeline is not False else 1.0
         try:
-            flat = search_unstaged(request, clock.part(share), microbatches, searches)
+            flat = search_unstaged(request, clock.part(share), microbatches, searches,
+                                   every_mesh=not (surely and pp is None))
         except DoesNotFit as err:
             if not can_stage or pipeline is False:
                 raise
@@ -114,13 +115,17 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
         if schedule is not None and flat is not None:
             request.say(f"--schedule {schedule}: the plan is not pipelined")
         return flat
-    found = _search_pipelines(request, clock, microbatches, schedule)
+    found = _search_pipelines(request, clock, microbatches, schedule, flat)
+    if flat is not None and not any(rank_plans(p) < rank_plans(flat) for p in found.plans):
+        # no pipelined plan beats the unstaged scout's: every mesh is searched at its count
+        flat = merged(every_mesh_at(request, clock, flat), flat, request.batch, request.say)
     if flat is None and not found.plans and unfit is not None:
         raise unfit
     return best_of(flat, found, request.machine, pinned=request.pinned)
 
 
-def _search_pipelines(request: SearchRequest, clock: Deadline, microbatches: int | None, schedule: str | None):
+def _search_pipelines(request: SearchRequest, clock: Deadline, microbatches: int | None, schedule: str | None,
+                      bar: Plan | None):
     """The pipelined candidates: one stage plan (`search_step` on a stage's machine) per pipeline degree and
     micro-batch count that `pipeline_search` tries."""
     def stage_plan(stage_machine: Machine, stage_devices: int, m: int, in_flight: int,
@@ -132,7 +137,7 @@ def _search_pipelines(request: SearchRequest, clock: Deadline, microbatches: int
     return search_pipelines(stage_plan, request.machine, request.devices, request.batch,
                             parameters_of(request.whole), _blocks(request) + 1,
                             degree=pp if pp and pp > 1 else None, microbatches=microbatches, schedule=schedule,
-                            say=request.say, clock=clock)
+                            say=request.say, clock=clock, bar=bar)
 
 
 def _blocks(request: SearchRequest) -> int:

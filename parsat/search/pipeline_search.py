@@ -45,6 +45,7 @@ from parsat.cost.model import weight_bytes
 from parsat.search.deadline import Deadline
 from parsat.ir.errors import DoesNotFit, OptimizeError
 from parsat.cost.pipeline import SCHEDULE_CHOICES, StagePricer, equal_starts
+from parsat.search.microbatches import rank_plans
 
 DEGREES_TRIED = 2          # pipeline degrees searched when none is pinned
 STATE_SHARE = 0.8          # of a device's memory the weights' state may take when choosing the least degree
@@ -93,7 +94,7 @@ def microbatch_counts(batch: int, degree: int, pinned: int | None) -> list[int]:
 def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch: int, parameters: int,
                      layers: int, *, degree: int | None = None, microbatches: int | None = None,
                      schedule: str | None = None, say: Callable[[str], None] = lambda _m: None,
-                     clock: Deadline | None = None) -> PipelineSearch:
+                     clock: Deadline | None = None, bar: Plan | None = None) -> PipelineSearch:
     """Every pipelined candidate: stage plans searched per (degree, micro-batch count), cut and priced per
     schedule (`schedule` pins one). A degree or count whose stage plan cannot be found is said and skipped.
     With a `clock`, each (degree, count) gets an equal part of the time left, and those the clock leaves no
@@ -142,7 +143,7 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
             if any(plan.totals.fits(machine) for plan in found) or in_flight == min(p, m):
                 break
     if scouted and plans and not (clock is not None and clock.spent):
-        _search_every_mesh(search, scouted, machine, devices, schedule, say, clock, tried, plans, grid)
+        _search_every_mesh(search, scouted, machine, devices, schedule, say, clock, tried, plans, grid, bar)
     return PipelineSearch(tuple(plans), tuple(grid), tuple(tried))
 
 
@@ -159,12 +160,12 @@ def _priced(stage: Plan, p: int, m: int, schedule: str | None, machine: Machine,
 
 def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, int]], machine: Machine,
                        devices: int, schedule: str | None, say: Callable[[str], None], clock: Deadline | None,
-                       tried: list[dict], plans: list[Plan], grid: list[tuple[Plan, dict]]) -> None:
-    """Every stage mesh searched for the pair of the pipelined plan that ranks first, when a scout found it:
-    its plans and grid points join the candidates (the scout's stay)."""
-    first = min(plans, key=lambda plan: (not plan.totals.fits(machine), plan.totals.time_s if
-                                         plan.totals.fits(machine) else plan.totals.peak_memory_bytes))
-    if id(first) not in scouted:
+                       tried: list[dict], plans: list[Plan], grid: list[tuple[Plan, dict]],
+                       bar: Plan | None) -> None:
+    """Every stage mesh searched for the pair of the pipelined plan that ranks first, when a scout found it and
+    it ranks before `bar`: its plans and grid points join the candidates (the scout's stay)."""
+    first = min(plans, key=rank_plans)
+    if id(first) not in scouted or (bar is not None and rank_plans(bar) <= rank_plans(first)):
         return
     p, m, in_flight = scouted[id(first)]
     stage_machine = replace(machine.with_devices(devices // p), memory_capacity=machine.memory_capacity * p)
