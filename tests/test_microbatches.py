@@ -95,3 +95,28 @@ def test_a_graph_records_the_example_it_was_built_from():
     assert Graph.from_dict(data).example == ("mlp", (("batch", 16),))
     with pytest.raises(GraphError, match="example.sizes.batch"):
         Graph.from_dict({**data, "example": {"name": "mlp", "sizes": {"batch": 0}}})
+
+
+def test_counts_are_scouted_on_one_mesh_and_every_mesh_is_searched_once_at_the_count_chosen(monkeypatch):
+    import parsat.search.step as step_module
+
+    real, searched = step_module.search_mesh, []
+
+    def search_mesh(step, mesh, config, pins, clock):
+        searched.append((step.graph.microbatches, str(mesh)))
+        return real(step, mesh, config, pins, clock)
+
+    whole = optimize("mlp", machine="cpu", devices=4, baselines=False)
+    activations = sum(c.activation_bytes for c in whole.costs.values())
+    tight = replace(Machine.resolve("cpu"), memory_capacity=whole.totals.peak_memory_bytes - activations // 3)
+    monkeypatch.setattr(step_module, "search_mesh", search_mesh)
+    plan = optimize("mlp", machine=tight, devices=4, baselines=False)
+    counts = [m for m, _mesh in searched]
+    two_axis = [(m, mesh) for m, mesh in searched if " x " in mesh]
+    assert len(set(counts)) > 1                        # the batch was split: several counts compared
+    assert len(two_axis) == 1                          # the 2 x 2 mesh saturated once, at the count chosen
+    assert two_axis[0][0] == plan.graph.microbatches and not plan.saturation.get("scouted")
+    monkeypatch.setattr(step_module, "search_mesh", real)
+    # what a search of every mesh at that count alone finds: the scouts' answer is as good
+    direct = optimize("mlp", machine=tight, devices=4, baselines=False, microbatches=plan.graph.microbatches)
+    assert plan.totals.time_s <= direct.totals.time_s * (1 + 1e-9)
