@@ -79,6 +79,9 @@ class SearchRequest:
     recompute: str = AUTO
     caches: MeshCaches = field(default_factory=MeshCaches, compare=False)
     say: Progress = _silent
+    # the independent grid's points by (graph, machine, devices): a scout's step and the search of every mesh at
+    # its count share them (`step.independent_points`)
+    grid_points: dict = field(default_factory=dict, compare=False)
 
     @property
     def pinned(self) -> bool:

@@ -144,7 +144,8 @@ def pcg_from_extraction(result: SaturationResult, extraction: Extraction, graph:
                           for p, v in zip(op.attr_params, enode.attrs))
             node = PNode(len(nodes), "op", enode.op, inputs, attrs, shape, degrees, origin=names_of.get(cid, ""),
                          placement=where)
-        rules = tuple(shown for name, shown in where_is.items() if name in snapshot.rules_at(cid, enode))
+        made = snapshot.rules_at(cid, enode)
+        rules = tuple(shown for name, shown in where_is.items() if name in made) if made else ()
         node = replace(node, rules=rules) if rules else node
         ident[cid] = node.id
         nodes.append(node)

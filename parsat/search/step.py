@@ -183,15 +183,29 @@ def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_se
     # directly from the graph (`independent_grid`): an e-graph cut short by the limits may not reach them
     as_grid = replace(dp, name="best_grid", config={"dp": step.devices, "tp": 1, "sp": False, "zero": 0,
                                                      "microbatches": graph.microbatches}) if dp else None
-    independent = independent_grid(graph, request.library, machine, request.free_input_placements,
-                                   step.devices) if not step.pins else []
-    grid = best([s.grid for s in searches] + [as_grid] + [steps(c) for c in independent], machine)
+    independent = independent_points(step, steps) if not step.pins else []
+    grid = best([s.grid for s in searches] + [as_grid] + independent, machine)
     for name, candidate in (("megatron", megatron), ("sequential", two_phase), ("data_parallel", dp),
                             ("best_grid", grid)):
         found[name] = candidate.totals if candidate is not None else None
         if candidate is not None:
             candidates.append(candidate)
     return candidates, found, skipped
+
+
+def independent_points(step: StepContext, steps: CandidateSteps) -> list[Candidate]:
+    """The independent grid's points (`baselines.independent_grid`), the ones that fit simulated (a point that
+    does not fit ranks by its memory, which simulating does not change); made once per call for one graph on
+    one machine and devices, which a scout's step and the search of every mesh at its count share."""
+    request = step.request
+    key = (step.graph, step.machine, step.devices)
+    found = request.grid_points.get(key)
+    if found is None:
+        found = [steps(point) if point.totals.fits(step.machine) else point for point in
+                 independent_grid(step.graph, request.library, step.machine, request.free_input_placements,
+                                  step.devices)]
+        request.grid_points[key] = found
+    return found
 
 
 def assemble_plan(step: StepContext, searches: Sequence[MeshSearch], best_search: MeshSearch,
