@@ -17,15 +17,20 @@ For each row: whether the plan fits, its predicted step, the published step
 (the published FLOPs of one step divided by the published TFLOP/s per GPU
 times the GPUs: the A100 rows count hardware FLOPs by their eq. 3, 96 B s l
 h^2 (1 + s/(6h) + V/(16 l h)); the H100 rows model FLOPs, 72 B s l h^2 (1 +
-s/(6h) + V/(12 l h))), their ratio (published / predicted throughput: above
-1 the prediction is slower than the measured run), and the CPU seconds the
-search took. Results are recorded in benchmarks/published_runs.md.
+s/(6h) + V/(12 l h))), their ratio (predicted / measured throughput, that is
+published step / predicted step: above 1 the prediction is faster than the
+measured run), the MFU of both steps by model FLOPs (the same count on every
+row, so that A100 and H100 rows compare: model FLOPs / (step x GPUs x the
+preset's bf16 peak)), and the CPU seconds the search took. Results are
+recorded in benchmarks/published_runs.md; `--markdown` prints the table and
+the summary lines from the recorded JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -51,11 +56,23 @@ class Row:
         """SC'21 counts hardware FLOPs (recomputation included, their eq. 3); Megatron-Core model FLOPs."""
         return self.machine == "a100x8"
 
-    def step_flops(self) -> float:
+    def model_flops(self) -> float:
+        """Model FLOPs of one step (shared/anchors/published_runs.md): no recomputation counted."""
         b, s, l, h, v = self.batch, self.seq, self.layers, self.hidden, self.vocab
-        if self.hardware_flops:
-            return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
         return 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+
+    def step_flops(self) -> float:
+        """The FLOPs of one step as the row's source counts them (its published TFLOP/s divide these)."""
+        if not self.hardware_flops:
+            return self.model_flops()
+        b, s, l, h, v = self.batch, self.seq, self.layers, self.hidden, self.vocab
+        return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+
+    def mfu(self, step_s: float) -> float:
+        """Model FLOPs utilization of a step of `step_s` seconds: model FLOPs over the GPUs' bf16 peak."""
+        from parsat.ir.machine import PRESETS
+
+        return self.model_flops() / (step_s * self.gpus * PRESETS[self.machine].peak_flops)
 
     def published_step_s(self) -> float:
         return self.step_flops() / (self.tflops_per_gpu * 1e12 * self.gpus)
@@ -123,19 +140,39 @@ def price(row: Row) -> dict:
     return out
 
 
+def _row(result: dict) -> Row:
+    return Row(**{k: result[k] for k in Row.__dataclass_fields__})
+
+
 def markdown(results: list[dict]) -> str:
     """Recorded results as the table of benchmarks/published_runs.md."""
-    lines = ["| row | GPUs | t | p | d | batch | FLOPs | fits | GiB per device | recompute | schedule | predicted step "
-             "| published step | published / predicted throughput | CPU s |", "|" + "---|" * 15]
+    lines = ["| row | GPUs | t | p | d | batch | published FLOPs | fits | GiB per device | recompute | schedule "
+             "| predicted step | published step | predicted / measured throughput | MFU predicted / published "
+             "(model FLOPs) | CPU s |", "|" + "---|" * 16]
     for r in results:
+        row = _row(r)
+        published_mfu = row.mfu(r["published_step_s"])
         if "error" in r:
             lines.append(f"| {r['name']} | {r['gpus']} | {r['t']} | {r['p']} | {r['d']} | {r['batch']} | {r['flops']} "
-                         f"| refused: {r['error']} | | | | | {r['published_step_s']:.3f} s | | {r['cpu_s']} |")
+                         f"| refused: {r['error']} | | | | | {r['published_step_s']:.3f} s | | - / {published_mfu:.0%} "
+                         f"| {r['cpu_s']} |")
             continue
         lines.append(f"| {r['name']} | {r['gpus']} | {r['t']} | {r['p']} | {r['d']} | {r['batch']} | {r['flops']} | "
                      f"{'yes' if r['fits'] else 'no'} | {r['memory_gib']:.1f} | {r['recompute']} | "
                      f"{r['schedule'] or '-'} | {r['predicted_step_s']:.3f} s | {r['published_step_s']:.3f} s | "
-                     f"{r['ratio']:.2f} | {r['cpu_s']} |")
+                     f"{r['ratio']:.2f} | {row.mfu(r['predicted_step_s']):.0%} / {published_mfu:.0%} | {r['cpu_s']} |")
+    return "\n".join(lines)
+
+
+def summary(results: list[dict]) -> str:
+    """How many rows fit, and the range and median of predicted / measured throughput by machine."""
+    fit = [r for r in results if r.get("fits")]
+    lines = [f"{len(fit)} of {len(results)} rows fit where they ran."]
+    for machine in sorted({r["machine"] for r in results}):
+        ratios = sorted(r["ratio"] for r in fit if r["machine"] == machine)
+        if ratios:
+            lines.append(f"{machine}: {len(ratios)} rows, predicted / measured throughput "
+                         f"{ratios[0]:.2f}-{ratios[-1]:.2f}, median {statistics.median(ratios):.2f}")
     return "\n".join(lines)
 
 
@@ -144,10 +181,13 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default=None, help="comma-separated row names (default: every row)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--markdown", default=None, metavar="JSON",
-                        help="print the recorded results of JSON as a markdown table, and nothing else")
+                        help="print the recorded results of JSON as a markdown table and its summary, and nothing else")
     args = parser.parse_args(argv)
     if args.markdown:
-        print(markdown(json.load(open(args.markdown, encoding="utf-8"))))
+        recorded = json.load(open(args.markdown, encoding="utf-8"))
+        print(markdown(recorded))
+        print()
+        print(summary(recorded))
         return 0
     wanted = set(args.rows.split(",")) if args.rows else None
     results = []

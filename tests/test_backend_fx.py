@@ -68,6 +68,43 @@ class HandAttention(nn.Module):
         return torch.relu(self.out(ctx)) + x
 
 
+class Sdpa(nn.Module):
+    """Attention through `F.scaled_dot_product_attention`: causal by flag, by the causal mask made from positions
+    (as Hugging Face's `sdpa` attention passes it), or under another constant mask."""
+
+    def __init__(self, mode: str, hidden=16, heads=4):
+        super().__init__()
+        self.mode, self.heads = mode, heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        sdpa = nn.functional.scaled_dot_product_attention
+        if self.mode == "flag":
+            ctx = sdpa(q, k, v, is_causal=True, scale=0.3)
+        elif self.mode == "causal_mask":
+            positions = torch.arange(s)
+            ctx = sdpa(q, k, v, attn_mask=positions[None, :] <= positions[:, None])
+        else:   # keys t <= r + 1: not causal
+            positions = torch.arange(s)
+            ctx = sdpa(q, k, v, attn_mask=positions[None, :] <= positions[:, None] + 1)
+        return ctx.transpose(1, 2).reshape(b, s, d).sum()
+
+
+@pytest.mark.parametrize("mode,attention", [("flag", "attention_causal"), ("causal_mask", "attention_causal"),
+                                            ("other_mask", "softmax_masked")])
+def test_causal_sdpa_is_the_fused_operator(mode, attention):
+    """A causal square SDPA, by flag or by the causal mask itself, imports as `attention_causal` (no mask input,
+    no [b, h, s, s] scores); any other mask stays written out with its mask a data leaf."""
+    torch.manual_seed(0)
+    want, got, graph = imported_output(Sdpa(mode), (torch.randn(2, 5, 16),))
+    ops = {n.op for n in graph.nodes}
+    assert attention in ops and (attention != "attention_causal" or not ops & {"bmm", "softmax_masked"})
+    assert len([leaf for leaf in graph.leaves if leaf.role == "input"]) == (2 if attention == "softmax_masked" else 1)
+    assert (got - want).abs().max() < 1e-10
+
+
 class Cnn(nn.Module):
     def __init__(self):
         super().__init__()

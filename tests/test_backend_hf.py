@@ -108,8 +108,8 @@ def test_llama_trained_tensor_parallel_on_two_ranks_like_the_module(tmp_path, ca
     path = tmp_path / "tp.json"
     plan.save(path)
     summary = hf_models.split_summary(plan.to_dict())
-    softmaxes = {"softmax_causal", "softmax_masked"}   # causal attention, or attention under an explicit mask
-    assert "bmm" in summary["ops_on_sharded_dims"] and softmaxes & set(summary["ops_on_sharded_dims"])
+    # HF's sdpa attention passes the causal mask made from positions: imported as fused attention, split by heads
+    assert "attention_causal" in summary["ops_on_sharded_dims"]
     assert sum(n for how, n in summary["matrices"].items() if how.startswith("partition")) >= 14
     model = tmp_path / "model.py"
     model.write_text(MODEL_FILE.format(bench=str(Path(hf_models.__file__).parent)), encoding="utf-8")

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from parsat.dsl.library import load_library, shipped_rules_dir
 from parsat.dsl.work import contraction
+from parsat.ir.errors import MachineError
 from parsat.ir.graph import instance_for
 from parsat.ir.machine import Machine
 from parsat.ir.machine_profile import OpEfficiency
 from parsat.ir.pcg import Degrees
 from parsat.cost.model import compute_cost
-from parsat.cost.op_time import kernel_time, local_gemm, memory_op_time
+from parsat.cost.op_time import OpTime, kernel_time, local_gemm, memory_op_time
 
 OPS = load_library([shipped_rules_dir() / "ops.rule"])[0].ops
 
@@ -83,3 +86,73 @@ def test_compute_cost_keeps_its_conventions_with_efficiency():
     slow = replace(machine, efficiency=OpEfficiency(dispatch_s=1e-3))
     assert compute_cost(inst, [whole, whole], whole, slow, [False, True]).forward_s == pytest.approx(
         cost.forward_s + 1e-3)
+
+
+# ------------------------------------------------------------ fused causal attention (FlashAttention)
+
+
+def _attention(b, h, s, d, e=None):
+    e = d if e is None else e
+    return _instance("attention_causal", ((b, h, s, d), (b, h, s, d), (b, h, s, e)), c=d ** -0.5)
+
+
+def test_fused_attention_is_priced_as_flash_attention_runs():
+    """Causal FLOPs (half of q k^T and of the sum over v), the attention rate (not a GEMM's), backward 2.5 x
+    the forward kernel, and only the output and a logsumexp per query row kept for backward."""
+    b, h, s, d = 2, 4, 256, 64
+    eff = OpEfficiency(gemm_half_m=1e6, attention_efficiency=0.5, attention_half_flops=0.0)
+    machine = replace(Machine.preset("cpu"), efficiency=eff)
+    whole = [Degrees.whole(4)] * 3
+    cost = compute_cost(_attention(b, h, s, d), whole, Degrees.whole(4), machine, [False] * 3)
+    flops = 2 * b * h * s * s * d                                      # 2 * 2 * b h s^2 d / 2
+    assert cost.flops == flops
+    assert cost.forward_s == pytest.approx(flops / (0.5 * machine.peak_flops))   # not slowed by gemm_half_m
+    assert cost.backward_s == pytest.approx(2.5 * cost.forward_s)
+    assert cost.activation_bytes == b * h * s * d * 4 + b * h * s * 4            # output (fp32 here) + logsumexp
+    odd = compute_cost(_attention(1, 1, 8, 4, 6), whole, Degrees.whole(4), machine, [False] * 3)
+    assert odd.flops == 8 * 8 * (4 + 6)                                # head sizes of q.k and of v apart
+
+
+def test_fused_attention_splits_by_heads_and_its_memory_is_linear_in_the_sequence():
+    machine = Machine.preset("h100x8")
+    heads = Degrees((1, 4, 1, 1))
+    whole = compute_cost(_attention(1, 16, 2048, 128), [Degrees.whole(4)] * 3, Degrees.whole(4), machine, [False] * 3)
+    split = compute_cost(_attention(1, 16, 2048, 128), [heads] * 3, heads, machine, [False] * 3)
+    assert split.flops == whole.flops / 4 and split.activation_bytes == whole.activation_bytes / 4
+    memory = [compute_cost(_attention(1, 16, s, 128), [Degrees.whole(4)] * 3, Degrees.whole(4), machine,
+                           [False] * 3).activation_bytes for s in (1024, 2048, 4096, 8192)]
+    assert memory == [memory[0] * k for k in (1, 2, 4, 8)]              # O(b s h): no s^2 score matrix
+
+
+def test_the_attention_rate_fits_the_measured_flash_attention_rows():
+    """The GPU presets' attention efficiency reproduces benchmarks/gpu/gpu_kernels.json's fitted rows (H200,
+    same dense peak as the H100) within 0.85-1.2, forward + backward."""
+    rows = json.loads((Path(__file__).parent.parent / "benchmarks/gpu/gpu_kernels.json").read_text())["attention"]
+    machine = Machine.preset("h100x8")
+    for r in rows:
+        if (r["b"], r["heads"], r["s"]) == (1, 16, 1024):
+            continue   # left out of the fit (ir/machine.py)
+        inst = _attention(r["b"], r["heads"], r["s"], r["d"])
+        cost = compute_cost(inst, [Degrees.whole(4)] * 3, Degrees.whole(4), machine, [False] * 3)
+        predicted = 3.5 * cost.flops / (cost.forward_s + cost.backward_s) / 1e12
+        assert 0.85 <= predicted / r["forward_backward_tflops"] <= 1.2, r
+
+
+def test_attention_efficiency_is_a_machine_file_field():
+    machine = Machine.preset("h100x8")
+    again = Machine.from_dict(json.loads(json.dumps(machine.to_dict())))
+    assert again.efficiency.attention_efficiency == 0.52 and again.efficiency.attention_half_flops == 4.4e10
+    old = {k: v for k, v in machine.to_dict()["efficiency"].items() if not k.startswith("attention")}
+    assert OpEfficiency.from_dict(old).attention_efficiency == 1.0     # neutral when a file does not say
+    with pytest.raises(MachineError, match="attention_efficiency"):
+        OpEfficiency.from_dict({**old, "attention_efficiency": 1.5})
+
+
+def test_the_simulator_charges_a_fused_kernel_its_own_backward():
+    """`OpTime.backward_kernel_s`, what the step simulator charges: a product one kernel per input needing a
+    gradient, a fused kernel its own factor whatever its inputs, anything else one kernel."""
+    product = OpTime(1.0, 2.0, 1.0, 0.0, 0.0, gemm=(4.0, 4.0, 4.0))
+    fused = OpTime(1.0, 2.5, 1.0, 0.0, 0.0, backward_factor=2.5)
+    plain = OpTime(1.0, 2.0, 1.0, 0.0, 0.0)
+    assert product.backward_kernel_s(2) == 2.0 and fused.backward_kernel_s(3) == 2.5
+    assert plain.backward_kernel_s(3) == 1.0

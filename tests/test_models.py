@@ -56,8 +56,12 @@ def test_gpt_ties_the_lm_head_to_the_token_embedding(lib):
     head = next(n for n in g.nodes if n.name == "logits")
     assert head.op == "linear_nobias" and head.inputs[1] == "wte_t"
     ops = Counter(n.op for n in g.nodes)
-    assert ops["layernorm"] == 2 * 2 + 1 and ops["softmax_causal"] == 2 and ops["gelu_tanh"] == 2
+    assert ops["layernorm"] == 2 * 2 + 1 and ops["attention_causal"] == 2 and ops["gelu_tanh"] == 2
     assert ops["logsumexp"] == 1 and ops["nll_sum"] == 1
+    # fused causal attention: no [b, heads, s, s] scores are a node, no softmax or bmm is written out
+    assert ops["bmm"] == 0 and ops["softmax_causal"] == 0 and ops["softmax"] == 0
+    ctx = next(n for n in g.nodes if n.name == "b0_ctx")
+    assert ctx.op == "attention_causal" and dict(ctx.attrs)["c"] == pytest.approx(1 / (64 // 4) ** 0.5)
     # causal attention builds its mask from positions: no [b, heads, s, s] mask is an input
     assert {leaf.name for leaf in g.leaves if leaf.role == "input"} == {"ids", "targets"}
     assert g.leaf("targets").shape == (8 * 16, 128) and g.leaf("ids").shape == (8, 16, 128)
@@ -78,6 +82,7 @@ def test_llama_grouped_query_attention_rotary_and_untied_head(lib):
     assert shapes["lm_head"] == (64, 128)
     ops = Counter(n.op for n in g.nodes)
     assert ops["rmsnorm"] == 2 * 2 + 1 and ops["silu"] == 2 and ops["layernorm"] == 0
+    assert ops["attention_causal"] == 2 and ops["bmm"] == 0                # fused causal attention
     assert not any(n.op in ("linear", "bias_add") for n in g.nodes)        # no biases
     # multi-head attention (kv_heads = heads) has no broadcast at all
     assert not any(n.op == "broadcast" for n in build_example("llama", TINY, lib).nodes)
@@ -222,7 +227,7 @@ def test_backend_feeds_the_models_data_of_the_right_form(lib):
 
     g = build_example("llama", {**TINY, "kv_heads": 2}, lib)
     kinds = data_leaves([(n.name, n.op, n.inputs) for n in g.nodes])
-    assert kinds == {"ids": ONEHOT, "targets": ONEHOT}   # no mask input: `softmax_causal` builds it
+    assert kinds == {"ids": ONEHOT, "targets": ONEHOT}   # no mask input: `attention_causal` builds it
     mask = causal_mask((2, 3, 4), torch.float64)   # 3 queries, 4 keys: aligned at the end, as torch's causal mask
     assert mask[1].tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
     assert causal_mask((4, 4), torch.float64).tolist()[0] == [1, 0, 0, 0]

@@ -124,7 +124,9 @@ NAMED = ["relu_commuted_with_reduce", "softmax_partitioned_along_its_dim", "comb
          "add_degree_mismatch_between_inputs", "flatten_inner_dim_split", "conv_rows_split_without_halo",
          "scale_by_a_tiny_number_is_not_zero", "transpose_dims_0_5_is_not_identity",
          "relu_is_not_softmax_and_not_everywhere_defined", "mesh_bmm_operand_missing_an_axis",
-         "true_up_to_rank_5_false_at_6"]
+         "true_up_to_rank_5_false_at_6",
+         # fused causal attention: sequence blocks are not causal attention (ring attention's point)
+         "attention_causal_sequence_blocks", "attention_causal_is_not_full_attention"]
 
 
 def test_the_named_kinds_are_in_the_corpus(report):

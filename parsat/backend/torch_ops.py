@@ -94,6 +94,14 @@ def _softmax_causal(x: Tensor) -> Tensor:
     return torch.softmax(x.masked_fill(~keep, float("-inf")), dim=-1)
 
 
+def _attention_causal(q: Tensor, k: Tensor, v: Tensor, c: float) -> Tensor:
+    """Fused causal attention as torch runs it: `scaled_dot_product_attention` with `is_causal=True` (the mask
+    from positions) and the operator's scale, so a GPU runs FlashAttention (or the memory-efficient kernel) and
+    keeps no [*a, s, s] scores for backward; on CPU, in float64 too, torch's math path. Rank-polymorphic:
+    any leading dims, as SDPA takes them."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=float(c))
+
+
 def _softmax_masked(x: Tensor, m: Tensor) -> Tensor:
     """`m * exp(x) / sum(m * exp(x))` along the last dim, shifted by the row's largest kept entry.
 
@@ -207,6 +215,7 @@ OPS: Mapping[str, TorchOp] = {
     "broadcast": TorchOp(1, ("dim", "n"), _broadcast),
     "softmax_masked": TorchOp(2, (), _softmax_masked),
     "softmax_causal": TorchOp(1, (), _softmax_causal),
+    "attention_causal": TorchOp(3, ("c",), _attention_causal),
     "logsumexp": TorchOp(1, (), lambda x: torch.logsumexp(x, dim=-1)),
     "amax": TorchOp(1, (), lambda x: x.amax(dim=-1)),
     "sumexp_shifted": TorchOp(2, (), lambda x, m: torch.exp(x - m.unsqueeze(-1)).sum(dim=-1)),

@@ -10,6 +10,8 @@ Conventions (docs/plan-schema.md repeats them):
   every index variable. Time is the roofline max(FLOPs/peak, bytes/bandwidth)
   with the machine's GEMM and bandwidth efficiency and a dispatch cost per
   call (`op_time`). Backward = 2 x forward (two products per product).
+  Fused kernels (`op_time.FUSED`: causal attention) are priced as they run:
+  their own FLOPs, rate and backward, and the bytes they keep for backward.
 * Parallel operators, as in docs/ARCHITECTURE.md: partition fwd local slice / bwd
   all-gather of the gradient; combine fwd all-gather / bwd slice; replicate
   fwd none / bwd all-reduce of the gradient; reduce fwd all-reduce / bwd none.
@@ -34,7 +36,7 @@ Conventions (docs/plan-schema.md repeats them):
   2 * (784*512 + 512*10) = 813,056 gradient elements per step.
 * Memory per device (an upper bound: every node's piece is counted as if it
   lived on every device): activations kept for backward (each node's output
-  piece, in the compute dtype), and for weights the bytes per parameter of
+  piece, in the compute dtype, and what a fused kernel keeps beside it), and for weights the bytes per parameter of
   the machine's precision with Adam (`ir.precision`: 16 in fp32 and in bf16
   with fp32 master weights and moments), charged to the node that reads the
   weight leaf in the placement it reads it.
@@ -105,7 +107,8 @@ def compute_cost(instance: OpInstance, inputs: Sequence[Degrees], output: Degree
     timed, problems = compute_time(instance, inputs, output, machine)
     shapes = [tuple(int(d.evaluate({})) for d in s) for s in instance.input_shapes]
     out_shape = tuple(int(d.evaluate({})) for d in instance.output_shape)
-    memory = output.piece_elements(out_shape) * machine.dtype_bytes
+    activation = output.piece_elements(out_shape) * machine.dtype_bytes + int(timed.saved_bytes)
+    memory = activation
     opt = 0.0
     for is_weight, degrees, shape in zip(weight_inputs, inputs, shapes):
         if is_weight:
@@ -113,7 +116,7 @@ def compute_cost(instance: OpInstance, inputs: Sequence[Degrees], output: Degree
             opt += degrees.piece_elements(shape) * update_traffic_bytes(machine) / machine.memory_bandwidth
     return NodeCost(timed.forward_s, timed.backward_s, opt, memory_bytes=memory, flops=timed.flops,
                     problems=tuple(problems),
-                    activation_bytes=output.piece_elements(out_shape) * machine.dtype_bytes)
+                    activation_bytes=activation)
 
 
 def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, output: Degrees, machine: Machine,

@@ -1,9 +1,10 @@
 """How long one compute operator takes on its local pieces: roofline with efficiency and dispatch cost.
 
-The work is the operator's own (`dsl.work`: FLOPs and elements from its
-index semantics), divided among devices by the degree spread inference
-gives every index variable. Then, with `machine.efficiency`
-(`ir.machine_profile.OpEfficiency`, measured by `parsat calibrate`):
+The one place an operator's time is computed. The work is the operator's
+own (`dsl.work`: FLOPs and elements from its index semantics), divided
+among devices by the degree spread inference gives every index variable.
+Then, with `machine.efficiency` (`ir.machine_profile.OpEfficiency`,
+measured by `parsat calibrate`):
 
     kernel = max(FLOPs / (peak x gemm_efficiency(m, n, k)),
                  bytes / bandwidth(bytes))
@@ -14,17 +15,30 @@ one runs at peak FLOP/s (it is memory-bound anyway). Backward does two
 products per product: 2 x the forward kernel. Each call adds the fixed
 dispatch cost (`OpEfficiency.op_time`: in sequence on CPU, hidden behind
 longer kernels on a GPU).
+
+Fused kernels (`FUSED`) are the exception, in one table: an operator that
+runs as one kernel whose work the generic count of its semantics does not
+give. Fused causal attention (`attention_causal`, FlashAttention) counts
+every score although a causal kernel computes only half of them, and its
+semantics, evaluated as written, would keep nothing for backward that the
+kernel does not; so it is priced as FlashAttention runs: causal FLOPs (half
+of the QK^T and PV products), at the machine's attention rate
+(`OpEfficiency.attention_rate`, not a GEMM's), backward 2.5 x the forward
+(FlashAttention's count: the two products again, the scores recomputed and
+their gradient), and for backward it keeps its output and one fp32
+logsumexp per query row (`OpTime.saved_bytes`), never an [s, s] matrix.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
-from typing import Mapping
+from typing import Callable, Mapping
 
 from parsat.dsl.instantiate import OpInstance, index_bounds
 from parsat.dsl.work import contraction, work
 from parsat.ir.machine import Machine
+from parsat.ir.machine_profile import OpEfficiency
 
 BACKWARD_FACTOR = 2.0        # backward FLOPs and bytes = 2 x forward (two products per product)
 
@@ -39,10 +53,56 @@ class OpTime:
     flops: float             # local forward FLOPs
     nbytes: float            # local forward bytes touched
     gemm: tuple[float, float, float] | None = None   # local (m, n, k) of its product, if any
+    backward_factor: float | None = None   # a fused kernel's backward kernel / its forward kernel
+    saved_bytes: float = 0.0                # bytes kept for backward beside the output (a fused kernel's)
+
+    def backward_kernel_s(self, gradients: int) -> float:
+        """The backward kernels' time when `gradients` inputs need a gradient, as autograd runs them: a fused
+        kernel's one backward kernel; a product's one product per such input (each as large as the forward);
+        anything else one kernel of the forward's size."""
+        if self.backward_factor is not None:
+            return self.backward_factor * self.kernel_s
+        return self.kernel_s * (max(1, gradients) if self.gemm is not None else 1)
+
+
+@dataclass(frozen=True)
+class FusedKernel:
+    """How one fused operator runs where its semantics' generic count does not say (the module docstring)."""
+
+    flops: Callable[[OpInstance], float]           # global forward FLOPs
+    rate: Callable[[OpEfficiency, float], float]   # fraction of peak FLOP/s at these local forward FLOPs
+    backward_factor: float                         # backward kernel = this x the forward kernel
+    row_bytes: int = 0                             # bytes kept for backward per row of the output, beside it
+
+
+def _sizes(shape) -> list[int]:
+    return [int(d.evaluate({})) for d in shape]
+
+
+def causal_attention_flops(instance: OpInstance) -> float:
+    """FlashAttention's causal count of `attention_causal(q [*a, s, d], k, v [*a, s, e])`: half of the s x s
+    scores, 2 FLOPs a multiply-add, for q k^T (d) and for the weighted sum of v (e): b s^2 (d + e) with b the
+    product of the leading dims (the [s, s] masking and softmax are not counted, as FlashAttention counts)."""
+    q, _, v = (_sizes(s) for s in instance.input_shapes)
+    s, d, e = q[-2], q[-1], v[-1]
+    return 2.0 * prod(q[:-2]) * s * s * (d + e) / 2
+
+
+FUSED: Mapping[str, FusedKernel] = {
+    "attention_causal": FusedKernel(causal_attention_flops, OpEfficiency.attention_rate, backward_factor=2.5,
+                                    row_bytes=4),
+}
+"""Operators priced as one fused kernel (the module docstring): their own FLOPs, rate, backward and saved bytes."""
 
 
 def _degree(value) -> int:
     return int(value.evaluate({})) if hasattr(value, "evaluate") else int(value)
+
+
+def _local_sizes(instance: OpInstance, var_degrees: Mapping[str, object], names) -> float:
+    """The local size of the index ranges `names`: each range divided by its degree."""
+    bounds = {k: int(v.evaluate({})) for k, v in index_bounds(instance).items()}
+    return float(prod(bounds[v] / max(1, _degree(var_degrees.get(v, 1))) for v in names))
 
 
 def local_gemm(instance: OpInstance, var_degrees: Mapping[str, object]) -> tuple[float, float, float] | None:
@@ -50,31 +110,37 @@ def local_gemm(instance: OpInstance, var_degrees: Mapping[str, object]) -> tuple
     dims = contraction(instance)
     if dims is None:
         return None
-    bounds = {k: int(v.evaluate({})) for k, v in index_bounds(instance).items()}
-
-    def size(names) -> float:
-        return float(prod(bounds[v] / max(1, _degree(var_degrees.get(v, 1))) for v in names))
-
     batch, m, n, k = dims
+    size = lambda names: _local_sizes(instance, var_degrees, names)  # noqa: E731
     return size(batch) * size(m), size(n), size(k)
+
+
+def roofline(flops: float, nbytes: float, fraction: float, machine: Machine) -> float:
+    """One kernel: its FLOPs at `fraction` of peak, or its bytes at the machine's bandwidth, whichever is longer."""
+    eff = machine.efficiency
+    return max(flops / (machine.peak_flops * fraction), nbytes / eff.bandwidth(nbytes, machine.memory_bandwidth))
 
 
 def kernel_time(flops: float, nbytes: float, gemm: tuple[float, float, float] | None, machine: Machine) -> float:
     """The roofline of one kernel with the machine's GEMM and bandwidth efficiency."""
-    eff = machine.efficiency
-    rate = machine.peak_flops * (eff.gemm_efficiency(*gemm) if gemm is not None else 1.0)
-    return max(flops / rate, nbytes / eff.bandwidth(nbytes, machine.memory_bandwidth))
+    return roofline(flops, nbytes, machine.efficiency.gemm_efficiency(*gemm) if gemm is not None else 1.0, machine)
 
 
 def op_time(instance: OpInstance, var_degrees: Mapping[str, object], local_elements: int, machine: Machine) -> OpTime:
     """Forward and backward time of `instance` on local pieces of `local_elements` elements in all."""
-    flops, _ = work(instance)
+    fused = FUSED.get(instance.name)
+    flops = fused.flops(instance) if fused is not None else work(instance)[0]
     split = prod(_degree(d) for d in var_degrees.values()) or 1
     local_flops = flops / split
     nbytes = float(local_elements * machine.dtype_bytes)
+    eff = machine.efficiency
+    if fused is not None:
+        kernel = roofline(local_flops, nbytes, fused.rate(eff, local_flops), machine)
+        rows = _local_sizes(instance, var_degrees, instance.out_vars[:-1])
+        return OpTime(eff.op_time(kernel), eff.op_time(fused.backward_factor * kernel, backward=True), kernel,
+                      local_flops, nbytes, None, fused.backward_factor, fused.row_bytes * rows)
     gemm = local_gemm(instance, var_degrees)
     kernel = kernel_time(local_flops, nbytes, gemm, machine)
-    eff = machine.efficiency
     return OpTime(eff.op_time(kernel), eff.op_time(BACKWARD_FACTOR * kernel, backward=True), kernel, local_flops,
                   nbytes, gemm)
 
@@ -85,4 +151,5 @@ def memory_op_time(nbytes: float, machine: Machine, backward: bool = False) -> f
     return eff.op_time(nbytes / eff.bandwidth(nbytes, machine.memory_bandwidth), backward)
 
 
-__all__ = ["BACKWARD_FACTOR", "OpTime", "kernel_time", "local_gemm", "memory_op_time", "op_time"]
+__all__ = ["BACKWARD_FACTOR", "FUSED", "FusedKernel", "OpTime", "causal_attention_flops", "kernel_time", "local_gemm",
+           "memory_op_time", "op_time", "roofline"]

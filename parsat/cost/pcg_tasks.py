@@ -33,7 +33,7 @@ tensors that need a gradient: ones computed from a weight):
 | node | forward | backward |
 |---|---|---|
 | input leaf | random data of its full shape (`PARSAT_RUN`) | none |
-| compute | dispatch + kernel (`op_time`) | dispatch + one kernel per input needing a gradient (products), else one |
+| compute | dispatch + kernel (`op_time`) | dispatch + one kernel per input needing a gradient (products), else one (a fused kernel: its own, `OpTime.backward_kernel_s`) |
 | partition | a slice (a copy, unless a view); a weight's is folded into storage | all-gather + concatenation |
 | combine | all-gather + concatenation | slice (copy) |
 | replicate | a view | all-reduce (+ copy); a weight's: the gradient sync |
@@ -386,18 +386,18 @@ class _Builder:
         self.contiguous[node.id] = node.op != "transpose" and (not view or self.contiguous.get(node.inputs[0], True))
         nbytes = 0 if view else _elements(node) * self.item
         kernel = 0.0 if view else timed.kernel_s
-        saved = self._saved_extra(node)
+        saved = self._saved_extra(node, timed)
         self.allocated[node.id] = nbytes + saved
         copy = saved / self.eff.bandwidth(2 * saved, self.machine.memory_bandwidth) if saved else 0.0
         self.ready[node.id] = self._add(f"{node.label} #{node.id}", self.compute, self.eff.op_time(kernel + copy),
                                         self._deps(node), alloc=nbytes + saved)
 
-    def _saved_extra(self, node: PNode) -> int:
+    def _saved_extra(self, node: PNode, timed: OpTime) -> int:
         """Bytes torch allocates and saves for backward beyond the output: a batched product copies an input
         that is not contiguous when its batch dims cannot merge as a view (`torch.matmul` reshapes them into
         one: a transposed [b, h, s, d] needs a copy unless b or h is 1), layer norm keeps a mean and a 1/std
-        per row."""
-        extra = 0
+        per row, a fused kernel what `op_time` says it keeps (FlashAttention: a logsumexp per query row)."""
+        extra = int(timed.saved_bytes)
         if node.op in RESHAPING_PRODUCTS:
             for i in node.inputs:
                 source = self.by_id[i]
@@ -561,8 +561,7 @@ class _Builder:
             timed = self.timed[node.id]
             view = held == 0
             grads = [i for i in node.inputs if self.needs_grad[i]]
-            products = timed.gemm is not None
-            kernel = 0.0 if view else timed.kernel_s * (max(1, len(grads)) if products else 1)
+            kernel = 0.0 if view else timed.backward_kernel_s(len(grads))
             task = self._add(label, self.compute, self.eff.op_time(kernel, backward=True), deps, free=free,
                                   phase="backward")
             for i in grads:

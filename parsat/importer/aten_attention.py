@@ -1,8 +1,13 @@
 """ATen softmax, dropout, attention and loss operators onto library operators.
 
-`scaled_dot_product_attention` is written out (`bmm`, `scale`, then `softmax`,
-`softmax_causal` for a causal square one, or `softmax_masked`, `bmm`); an explicit mask,
-and a causal mask over more keys than queries, are data leaves.
+A causal square `scaled_dot_product_attention` without dropout is the fused
+operator `attention_causal` (FlashAttention: no [*, s, s] scores stored), whether
+it says `is_causal=True` or passes the causal mask itself as a constant (what the
+Hugging Face `sdpa` attention does: a mask built from positions only, never from
+the inputs). Any other is written out (`bmm`, `scale`, then `softmax`,
+`softmax_causal` for a causal square one with dropout, or `softmax_masked`,
+`bmm`); an explicit mask, and a causal mask over more keys than queries, are
+data leaves.
 Dropout is `dropout_masked` with its mask a data leaf drawn each step
 (`imported.dropout_mask`). `cross_entropy` is `logsumexp` and `nll_sum`
 over one-hot targets; its mean multiplies that sum by the inverse count of
@@ -18,7 +23,8 @@ from __future__ import annotations
 
 import math
 
-from parsat.importer.errors import Refused
+from parsat.importer.errors import Refused, TorchImportError
+from parsat.importer.imported import DataLeaf, encode
 
 
 def _h_softmax(t, node, x, dim, half_to_float=False, *rest, **kwargs):
@@ -46,36 +52,57 @@ def _h_dropout(t, node, x, p, train=True):
 
 def _h_sdpa(t, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
             enable_gqa=False):
-    """softmax(q k^T * scale [masked]) [dropout] v on [..., s, d] tensors, written out with library operators."""
+    """softmax(q k^T * scale [masked]) [dropout] v on [..., s, d] tensors: `attention_causal` where it is causal
+    square attention without dropout, else written out with library operators."""
     qh, kh, vh = t.tensor(q), t.tensor(k), t.tensor(v)
     sq, sk, sv = t.shape(qh), t.shape(kh), t.shape(vh)
     if len(sq) < 3 or sq[:-2] != sk[:-2] or sk[:-1] != sv[:-1]:
         if enable_gqa:
             raise Refused("scaled_dot_product_attention with enable_gqa is not supported (repeat k and v)")
         raise Refused(f"scaled_dot_product_attention of q {list(sq)}, k {list(sk)}, v {list(sv)}")
-    rank = len(sq)
-    c = scale if scale is not None else 1.0 / math.sqrt(sq[-1])
-    kt = t.op("transpose", kh, d0=rank - 2, d1=rank - 1, tag="kT")
-    scores = t.op("scale", t.op("bmm", qh, kt, tag="scores"), c=float(c), tag="scaled")
-    shape = t.shape(scores)
     if attn_mask is not None and is_causal:
         raise Refused("scaled_dot_product_attention with both attn_mask and is_causal")
-    if attn_mask is not None:
+    rank = len(sq)
+    c = float(scale if scale is not None else 1.0 / math.sqrt(sq[-1]))
+    shape = (*sq[:-1], sk[-2])
+    square = shape[-1] == shape[-2]
+    causal = is_causal or (attn_mask is not None and square and _is_causal_mask(t, attn_mask, shape))
+    if causal and square and not dropout_p:
+        return t.op("attention_causal", qh, kh, vh, c=c, tag="ctx")   # FlashAttention: the mask from positions
+    kt = t.op("transpose", kh, d0=rank - 2, d1=rank - 1, tag="kT")
+    scores = t.op("scale", t.op("bmm", qh, kt, tag="scores"), c=c, tag="scaled")
+    if causal and square:
+        probs = t.op("softmax_causal", scores, tag="probs")   # the mask from positions: no mask tensor
+    elif attn_mask is not None:
         if t.is_compute(attn_mask):
             raise Refused("an attention mask computed from the weights is not supported (masks are data)")
-        mask = t.data_leaf(attn_mask, "mask", shape)
-        probs = t.op("softmax_masked", scores, mask, tag="probs")
-    elif is_causal and shape[-1] == shape[-2]:
-        probs = t.op("softmax_causal", scores, tag="probs")   # the mask from positions: no mask tensor
+        probs = t.op("softmax_masked", scores, t.data_leaf(attn_mask, "mask", shape), tag="probs")
     elif is_causal:   # more keys than queries: torch aligns the causal mask at the end, a constant data leaf
-        mask = t.data_leaf_const(node, "causal", shape, None)
-        probs = t.op("softmax_masked", scores, mask, tag="probs")
+        probs = t.op("softmax_masked", scores, t.data_leaf_const(node, "causal", shape, None), tag="probs")
     else:
         probs = t.op("softmax", scores, dim=rank - 1, tag="probs")
     if dropout_p:
         mask = t.dropout_leaf(node, "_attn", t.shape(probs), dropout_p)
         probs = t.op("dropout_masked", probs, mask, rate=float(dropout_p), tag="attn_drop")
     return t.op("bmm", probs, vh, tag="ctx")
+
+
+def _is_causal_mask(t, attn_mask, shape) -> bool:
+    """Whether an explicit mask is the causal one of square scores: constant data (made from positions, never
+    from the user's inputs) whose every [s, s] slice keeps exactly the keys t <= r for query r. A mask that
+    depends on the inputs (padding) or keeps anything else stays a data leaf."""
+    torch = t.torch
+    if not isinstance(attn_mask, torch.fx.Node) or t.is_compute(attn_mask) or attn_mask.name in t.varying:
+        return False
+    value = t.values.get(attn_mask.name)
+    if not isinstance(value, torch.Tensor):
+        return False
+    try:
+        keep = encode(DataLeaf(attn_mask.name, attn_mask.name, "mask", tuple(shape)), value, torch.float64)
+    except (TorchImportError, RuntimeError):
+        return False   # values other than 0/1 or 0/-inf, or not broadcastable to the scores: not a causal mask
+    causal = torch.ones(shape[-2], shape[-1], dtype=torch.float64).tril()
+    return bool(torch.equal(keep, causal.expand(keep.shape)))
 
 
 def _h_cross_entropy(t, node, x, target, weight=None, reduction=1, ignore_index=-100,

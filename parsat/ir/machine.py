@@ -173,8 +173,18 @@ GB = 1e9
 # longer kernels (asynchronous launch); GEMMs at half rate around 128 rows/columns and 64 of contraction on
 # H100 (64/32 on A100); half the HBM bandwidth reached around 1 MiB per copy; NCCL's tree at ~90% of the
 # ring's bus bandwidth, ~5 us to launch a collective.
+# Fused causal attention (`attention_efficiency`, `attention_half_flops`) is MEASURED, on an H200 (the same
+# 989 TFLOP/s dense bf16 peak as the H100; benchmarks/gpu_results.md): FlashAttention through SDPA, forward +
+# backward, causal FLOPs. Fitted by least squares in log rate to 15 of the 16 `attention` rows of
+# benchmarks/gpu/gpu_kernels.json (b 1-4, heads 16-96, d 128, s 1024-8192; left out: b 1, heads 16, s 1024,
+# whose forward + backward took 14x its forward where every other row's took 3.4-5.9x, a one-off): 52% of peak on
+# long sequences, half of that at 4.4e10 forward FLOPs per call; every fitted row within 0.89-1.18 of measured.
+# One rate for forward and backward, fitted to their sum (a training step runs both). The
+# A100 preset assumes the same fraction and the same fixed time per call (its half length scaled by its peak).
+_ATTENTION_EFFICIENCY, _ATTENTION_HALF_FLOPS = 0.52, 4.4e10
 _GPU_EFFICIENCY = OpEfficiency(dispatch_s=5e-6, backward_dispatch_s=5e-6, gemm_half_m=128, gemm_half_n=128,
-                               gemm_half_k=64, memory_half_bytes=1 << 20, async_dispatch=True)
+                               gemm_half_k=64, memory_half_bytes=1 << 20, async_dispatch=True,
+                               attention_efficiency=_ATTENTION_EFFICIENCY, attention_half_flops=_ATTENTION_HALF_FLOPS)
 _GPU_COMM = CommProfile(launch_s=5e-6, tree_bandwidth_factor=0.9)
 PRESETS: dict[str, Machine] = {
     # 8x H100 SXM per node, NVSwitch; 400 Gb/s InfiniBand per GPU (50 GB/s).
@@ -191,7 +201,8 @@ PRESETS: dict[str, Machine] = {
                       memory_capacity=80 * 2 ** 30, intra_bandwidth=150 * GB, intra_latency=3e-6,
                       inter_bandwidth=25 * GB, inter_latency=8e-6, precision="bf16",
                       peaks=(("bf16", 312e12), ("fp16", 312e12), ("fp32", 312e12 / 2)),
-                      efficiency=replace(_GPU_EFFICIENCY, gemm_half_m=64, gemm_half_n=64, gemm_half_k=32),
+                      efficiency=replace(_GPU_EFFICIENCY, gemm_half_m=64, gemm_half_n=64, gemm_half_k=32,
+                                         attention_half_flops=_ATTENTION_HALF_FLOPS * 312 / 989),
                       comm=_GPU_COMM),
     # A small CPU box: 2 cores' worth of FLOPs, shared memory as the "link".
     "cpu": Machine("cpu", 4, 1, peak_flops=100e9, memory_bandwidth=20 * GB, memory_capacity=8 * 2 ** 30,

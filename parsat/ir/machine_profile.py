@@ -10,7 +10,10 @@ docs/COSTMODEL.md):
   reaches half of its peak at n = n_half. A GEMM has one per dimension
   (m, n, k: small or skinny products do not fill the machine), a
   memory-bound operator one in bytes (small copies do not reach the
-  achievable bandwidth).
+  achievable bandwidth). A fused attention kernel (FlashAttention,
+  `cost.op_time.FUSED`) has a rate of its own: a fraction of peak on
+  long sequences and a half-performance length in FLOPs per call
+  (a short sequence or few heads do not fill the machine).
 * `CommProfile`: the collective model's parameters beyond the per-link
   bandwidth and per-step latency the machine already has: a fixed cost per
   collective call, how much of a ring's bandwidth NCCL's tree reaches, the
@@ -61,6 +64,9 @@ class OpEfficiency:
     cache_bytes: float = 0.0           # operators moving at most this many bytes run from cache ...
     cache_bandwidth: float = 0.0       # ... at this bandwidth (bytes/s; 0: no cache tier)
     random_bandwidth: float = 0.0      # bytes/s of normal random numbers made (seeded data; 0: not measured)
+    attention_efficiency: float = 1.0  # fraction of peak FLOP/s fused causal attention reaches, forward and
+                                       # backward, on long sequences (FlashAttention runs below the GEMM rate)
+    attention_half_flops: float = 0.0  # forward FLOPs of one attention call at which it runs at half that rate
     async_dispatch: bool = False       # True on GPUs: the host launches ahead, an operator takes max(dispatch,
                                        # kernel); False on CPU: the dispatching thread computes, dispatch + kernel
 
@@ -73,6 +79,11 @@ class OpEfficiency:
         """Fraction of peak FLOP/s a (batched) m x k by k x n product reaches, in (0, 1]."""
         return 1.0 / ((1 + self.gemm_half_m / max(m, 1.0)) * (1 + self.gemm_half_n / max(n, 1.0))
                       * (1 + self.gemm_half_k / max(k, 1.0)))
+
+    def attention_rate(self, flops: float) -> float:
+        """Fraction of peak FLOP/s one fused attention call of `flops` forward FLOPs reaches (its backward too):
+        Hockney's model in the work of the call, r = attention_efficiency / (1 + attention_half_flops / flops)."""
+        return self.attention_efficiency / (1 + self.attention_half_flops / max(flops, 1.0))
 
     def memory_efficiency(self, nbytes: float) -> float:
         """Fraction of the achievable bandwidth a memory-bound operator moving `nbytes` reaches."""

@@ -134,17 +134,20 @@ class _Scope:
     def attention(self, q: Tensor, k: Tensor, v: Tensor, dh: int, causal: bool = False) -> Tensor:
         """softmax(q k^T / sqrt(dh)) v on [b, n, s, dh] heads, heads merged back: [b, s, n * dh].
 
-        Causal attention is `softmax_causal`: the mask is made from positions,
-        as `scaled_dot_product_attention(..., is_causal=True)` makes it, so no
-        [b, n, s, s] mask is a graph input and attention splits by heads.
+        Causal attention is the fused operator `attention_causal`, as GPT and
+        LLaMA training runs it (FlashAttention, `scaled_dot_product_attention(...,
+        is_causal=True)`): the mask is made from positions, so no [b, n, s, s]
+        mask is a graph input and attention splits by heads, and no [b, n, s, s]
+        scores are stored, so the cost model keeps O(b s h) for its backward.
+        Bidirectional attention (BERT, ViT) is written out: bmm, scale, softmax, bmm.
         """
-        kt = self.op("transpose", k, d0=2, d1=3, name="kT")
-        scores = self.op("scale", self.op("bmm", q, kt, name="scores"), c=1.0 / dh ** 0.5, name="scaled")
         if causal:
-            probs = self.op("softmax_causal", scores, name="probs")
+            ctx = self.op("attention_causal", q, k, v, c=1.0 / dh ** 0.5, name="ctx")
         else:
+            kt = self.op("transpose", k, d0=2, d1=3, name="kT")
+            scores = self.op("scale", self.op("bmm", q, kt, name="scores"), c=1.0 / dh ** 0.5, name="scaled")
             probs = self.op("softmax", scores, dim=3, name="probs")
-        ctx = self.op("bmm", probs, v, name="ctx")
+            ctx = self.op("bmm", probs, v, name="ctx")
         return self.op("flatten", self.op("transpose", ctx, d0=1, d1=2, name="ctx_t"), dim=2, name="ctx_merged")
 
 
@@ -325,7 +328,7 @@ def llama(blocks: int = 32, batch: int = 512, seq: int = 2048, hidden: int = 409
 
     Token embedding (ids one-hot), `blocks` pre-norm blocks (RMSNorm,
     grouped-query attention with rotary position embeddings, causal
-    (`softmax_causal`), SwiGLU MLP of width `ffn`), a final RMSNorm, an untied LM head
+    (`attention_causal`, fused), SwiGLU MLP of width `ffn`), a final RMSNorm, an untied LM head
     `lm_head` [hidden, vocab], the mean cross-entropy. No biases anywhere.
     `kv_heads` defaults to `heads` (multi-head attention, LLaMA 1), `ffn` to
     `llama_ffn(hidden)`. The rotary tables `rope_cos`/`rope_sin` are inputs

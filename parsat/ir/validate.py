@@ -599,6 +599,8 @@ EFFICIENCY_RANGES: Mapping[str, tuple[float, float, str]] = {
     "cache_bytes": (0.0, 1e18, "bytes"),
     "cache_bandwidth": (0.0, 1e18, "bytes/s (0: no cache tier)"),
     "random_bandwidth": (0.0, 1e18, "bytes/s (0: not measured)"),
+    "attention_efficiency": (1e-6, 1.0, "of peak FLOP/s"),
+    "attention_half_flops": (0.0, 1e30, "FLOPs per call"),
 }
 EFFICIENCY_FLAGS = ("async_dispatch",)
 COMM_RANGES: Mapping[str, tuple[float, float, str]] = {
