@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Union
 
 from parsat.dsl import ast
+from parsat.dsl.printer import format_expr
 from parsat.dsl.symbolic import Poly
 
 
@@ -27,7 +28,7 @@ def to_poly(expr: ast.Expr, env: Mapping[str, Poly], groups: Mapping[str, int] |
     """The polynomial of an integer expression; names are looked up in `env`."""
     if isinstance(expr, ast.Num):
         if not isinstance(expr.value, int):
-            raise NotAnInteger(f"expected an integer, found {expr.value!r}", expr)
+            raise NotAnInteger(f"expected an integer, found the real number {format_expr(expr)}", expr)
         return Poly.const(expr.value)
     if isinstance(expr, ast.Name):
         if expr.id not in env:

@@ -7,6 +7,7 @@ produces the message the CLI prints. No stack trace is ever the message.
 from __future__ import annotations
 
 import hashlib
+import unicodedata
 
 from dataclasses import dataclass
 
@@ -14,6 +15,28 @@ from parsat.dsl.ast import Span
 
 
 SHOWN_COLUMNS = 160   # the most of a source line an error quotes
+
+# Characters that reorder or hide text in a terminal without being control characters (Trojan Source).
+_INVISIBLE = [chr(c) for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A), 0x200E, 0x200F, 0x061C)]
+_CONTROLS = [chr(c) for c in (*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0))] + _INVISIBLE
+_ESCAPES = {ord(c): (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}") for c in _CONTROLS}
+_LAYOUT = {"\n", "\t"}
+_ESCAPES_IN_TEXT = {k: v for k, v in _ESCAPES.items() if chr(k) not in _LAYOUT}
+
+
+def printable(text: str, lines: bool = False) -> str:
+    """`text` with every control character and bidi override written as an escape (`\\x1b`, `\\n`).
+
+    A name or a path comes from a user's file or folder and is one line of a
+    message: escaped whole, a newline in it cannot start a forged
+    `parsat: error:` line. With `lines`, newlines and tabs pass: the CLI's
+    streams (`parsat.terminal`) write whole messages, whose lines are ours."""
+    escaped = text.translate(_ESCAPES_IN_TEXT if lines else _ESCAPES)
+    if escaped.isascii():
+        return escaped
+    keep = _LAYOUT if lines else set()
+    return "".join(f"\\u{ord(c):04x}" if unicodedata.category(c) in ("Cc", "Cf") and c not in keep else c
+                   for c in escaped)
 
 
 @dataclass(frozen=True)
@@ -28,7 +51,7 @@ class Diagnostic:
     def render(self) -> str:
         if self.span is None:
             return f"error: {self.message}"
-        head = f"{self.span}: error: {self.message}"
+        head = f"{printable(str(self.span))}: error: {self.message}"
         if self.source_line is None:
             return head
         line = self.source_line.rstrip("\n").expandtabs(1)

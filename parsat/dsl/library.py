@@ -16,10 +16,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from parsat.dsl import ast
-from parsat.dsl.errors import Diagnostic, DslError, SourceCache
+from parsat.dsl.errors import Diagnostic, DslError, SourceCache, printable
 from parsat.dsl.files import FileProblem, FileTooLarge, max_rule_bytes, read_text_capped
 from parsat.dsl.parser import parse
 
@@ -74,11 +74,11 @@ def rule_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
             found.extend(_rule_files_under(path))
         elif path.exists():
             if path.suffix != ".rule":
-                raise DslError(Diagnostic("io", f"{path}: not a .rule file (parsat reads rules only from .rule "
-                                                "files and folders of them)", None))
+                raise DslError(Diagnostic("io", f"{printable(str(path))}: not a .rule file (parsat reads rules only "
+                                                "from .rule files and folders of them)", None))
             found.append(path)
         else:
-            raise DslError(Diagnostic("io", f"{path}: no such file or folder", None))
+            raise DslError(Diagnostic("io", f"{printable(str(path))}: no such file or folder", None))
     return found
 
 
@@ -87,11 +87,21 @@ def _rule_files_under(folder: Path) -> list[Path]:
     for root, dirs, names in os.walk(folder):
         seen += len(dirs) + len(names)
         if seen > MAX_FOLDER_ENTRIES:
-            raise DslError(Diagnostic("io", f"{folder}: more than {MAX_FOLDER_ENTRIES:,} files and folders under "
-                                            "it; name the folder that holds the .rule files", None))
+            raise DslError(Diagnostic("io", f"{printable(str(folder))}: more than {MAX_FOLDER_ENTRIES:,} files and "
+                                            "folders under it; name the folder that holds the .rule files", None))
         dirs.sort()
         found += [Path(root) / name for name in names if name.endswith(".rule") and (Path(root) / name).is_file()]
     return sorted(found)
+
+
+@dataclass
+class _Frame:
+    """A file being loaded: its module, and the imports of it still to load."""
+
+    path: Path
+    real: str
+    module: ast.Module
+    pending: Iterator[ast.Import]
 
 
 class _Loader:
@@ -102,14 +112,55 @@ class _Loader:
         self.errors: list[Diagnostic] = []
         self.budget = max_rule_bytes()   # bytes of .rule text this library may still read
 
-    def load(self, path: Path, stack: tuple[str, ...] = (), via: ast.Import | None = None) -> None:
+    def load(self, path: Path) -> None:
+        """`path` and, depth first, every file it imports, each module after the ones it imports.
+
+        A loop over an explicit stack of files, not recursion: an import chain
+        of 1,200 files ended in Python's RecursionError. The stack is also the
+        chain an import cycle is named by."""
+        chain: list[_Frame] = []
+        first = self._open(path, chain, None)
+        if first is not None:
+            chain.append(first)
+        while chain:
+            item = next(chain[-1].pending, None)
+            if item is None:
+                self.modules.append(chain.pop().module)
+                continue
+            target = self._target(chain[-1], item)
+            frame = self._open(target, chain, item) if target is not None else None
+            if frame is not None:
+                chain.append(frame)
+
+    def _target(self, frame: _Frame, item: ast.Import) -> Path | None:
+        """The file an import names, or None with a diagnostic (not a .rule file, not found, a bad path)."""
+        shown = _short_path(item.path)
+        if not item.path.endswith(".rule"):
+            self.errors.append(self.sources.diagnostic(
+                "import", f"cannot import '{shown}': only .rule files can be imported", item.span))
+            return None
+        try:
+            target = _resolve(frame.path.parent, item.path)
+        except (OSError, ValueError) as err:   # too long for the file system, a loop of links, a NUL byte
+            reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+            self.errors.append(self.sources.diagnostic("import", f"cannot import '{shown}': {reason}", item.span))
+            return None
+        if target is None:
+            self.errors.append(self.sources.diagnostic(
+                "import", f"cannot find '{shown}' (looked next to {printable(display_path(frame.path))} and in the "
+                          "shipped rules)", item.span))
+        return target
+
+    def _open(self, path: Path, chain: list[_Frame], via: ast.Import | None) -> _Frame | None:
+        """Read and parse `path` for the chain; None when it is already loaded, closes a cycle or fails."""
         real = os.path.realpath(path)
-        if real in stack:
-            chain = " -> ".join(os.path.basename(p) for p in stack[stack.index(real):] + (real,))
-            self.errors.append(self.sources.diagnostic("import", f"import cycle: {chain}", via.span if via else None))
-            return
+        reals = [frame.real for frame in chain]
+        if real in reals:
+            cycle = " -> ".join(os.path.basename(p) for p in reals[reals.index(real):] + [real])
+            self.errors.append(self.sources.diagnostic("import", f"import cycle: {cycle}", via.span if via else None))
+            return None
         if real in self.done:
-            return
+            return None
         self.done.add(real)
         display = display_path(path)
         span = via.span if via else None
@@ -117,32 +168,25 @@ class _Loader:
             text = read_text_capped(display, self.budget, "rule", "PARSAT_MAX_RULE_BYTES")
         except FileTooLarge:
             self.errors.append(self.sources.diagnostic(
-                "io", f"{display}: too much rule text: the .rule files of one library may hold "
+                "io", f"{printable(display)}: too much rule text: the .rule files of one library may hold "
                       f"{max_rule_bytes():,} bytes together (PARSAT_MAX_RULE_BYTES)", span))
-            return
+            return None
         except FileProblem as err:
             self.errors.append(self.sources.diagnostic("io", str(err), span))
-            return
+            return None
         self.budget -= len(text.encode("utf-8"))
         self.sources.add(display, text)
         try:
             module = parse(text, display)
         except DslError as err:
             self.errors.extend(err.diagnostics)
-            return
-        for item in module.imports:
-            if not item.path.endswith(".rule"):
-                self.errors.append(self.sources.diagnostic(
-                    "import", f"cannot import '{item.path}': only .rule files can be imported", item.span))
-                continue
-            target = _resolve(Path(path).parent, item.path)
-            if target is None:
-                self.errors.append(self.sources.diagnostic(
-                    "import", f"cannot find '{item.path}' (looked next to {display} and in the shipped rules)",
-                    item.span))
-                continue
-            self.load(target, stack + (real,), item)
-        self.modules.append(module)
+            return None
+        return _Frame(Path(path), real, module, iter(module.imports))
+
+
+def _short_path(path: str) -> str:
+    """An imported path as a message shows it: a 5,000-character one by its start and its length."""
+    return printable(path if len(path) <= 120 else f"{path[:60]}... ({len(path):,} characters)")
 
 
 def display_path(path: Path) -> str:

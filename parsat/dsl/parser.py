@@ -75,7 +75,8 @@ class _ToAst(Transformer):
 
     @v_args(meta=True)
     def float_lit(self, meta, items):
-        return ast.Num(Fraction(str(items[0])), _span(self.path, meta))  # exact: 1e-400 is not 0
+        text = str(items[0])   # exact: 1e-400 is not 0; a zero is 0 whatever its exponent (0e99999999)
+        return ast.Num(Fraction(text) if literal_magnitude(text) is not None else Fraction(0), _span(self.path, meta))
 
     @v_args(meta=True)
     def name(self, meta, items):
@@ -244,21 +245,47 @@ def _check_nesting(tree: Tree, path: str, text: str) -> None:
 
 
 MAX_LITERAL_DIGITS = 40
+MAX_LITERAL_EXPONENT = 300     # every literal below 10**300: each converts to a float (the cost model, numpy)
+MIN_LITERAL_EXPONENT = -1000   # every non-zero literal at least 10**-1000: an exact rational of ~1,000 digits
 
 
 def _check_literals(tree: Tree, path: str, text: str) -> None:
-    """Refuse number literals longer than MAX_LITERAL_DIGITS characters before anything converts them.
+    """Refuse number literals longer than MAX_LITERAL_DIGITS characters, or whose size is outside 10**-1000 to
+    10**300, before anything converts them.
 
     Python refuses to convert integers of more than 4,300 digits (ValueError),
     and a 10**4000 would reach z3 and the cost model as a number no tensor
-    has; no size, degree or constant comes near 40 digits."""
+    has; no size, degree or constant comes near 40 digits. Eleven characters
+    say more than 40 digits, though: `1e99999999` made `check` and `verify`
+    run past 400 s building a 100-million-digit integer, `1e-999999` hung the
+    verifier's exact arithmetic, and `1e999999` ended in Python's 4,300-digit
+    ValueError. So the size is read from the text (`literal_magnitude`, no
+    conversion) and held to the range; inside it, literals stay exact
+    rationals (`1e-400` is not 0)."""
     for token in tree.scan_values(lambda v: isinstance(v, Token) and v.type in ("INT", "FLOAT")):
+        magnitude = literal_magnitude(str(token)) if len(token) <= MAX_LITERAL_DIGITS else None
         if len(token) > MAX_LITERAL_DIGITS:
-            lines = text.splitlines()
-            span = _tok_span(path, token)
-            source_line = lines[token.line - 1] if 1 <= token.line <= len(lines) else ""
-            raise DslError(Diagnostic("literal", f"a number of {len(token):,} characters: parsat reads numbers of "
-                                                 f"at most {MAX_LITERAL_DIGITS}", span, source_line))
+            problem = f"a number of {len(token):,} characters: parsat reads numbers of at most {MAX_LITERAL_DIGITS}"
+        elif magnitude is not None and not MIN_LITERAL_EXPONENT <= magnitude < MAX_LITERAL_EXPONENT:
+            problem = (f"{token} is {'too large' if magnitude > 0 else 'too small'}: parsat reads numbers from "
+                       f"1e{MIN_LITERAL_EXPONENT} to below 1e{MAX_LITERAL_EXPONENT} (and 0)")
+        else:
+            continue
+        lines = text.splitlines()
+        source_line = lines[token.line - 1] if 1 <= token.line <= len(lines) else ""
+        raise DslError(Diagnostic("literal", problem, _tok_span(path, token), source_line))
+
+
+def literal_magnitude(text: str) -> int | None:
+    """The power of ten of a number literal's leading digit, read from its text without converting it (`1.5e3`:
+    3, `0.025`: -2, `120`: 2); None for zero."""
+    mantissa, _, exponent = text.lower().partition("e")
+    whole, _, fraction = mantissa.partition(".")
+    whole = whole.lstrip("0")
+    if not whole and not fraction.strip("0"):
+        return None
+    lead = len(whole) - 1 if whole else -(len(fraction) - len(fraction.lstrip("0")) + 1)
+    return lead + int(exponent or 0)
 
 
 def parse(text: str, path: str = "<string>") -> ast.Module:
