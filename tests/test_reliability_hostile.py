@@ -393,10 +393,13 @@ def test_limits_that_stop_nothing_or_everything_are_refused(capsys, limit, patte
 
 
 def test_a_size_past_2_to_the_53_is_refused(capsys):
-    """Before: `--set batch=99999999999999999999` ended in an egglog CompileError trace."""
+    """Before: `--set batch=99999999999999999999` ended in an egglog CompileError trace. Now refused by the size's
+    bound (`dsl.bounds.size_bound`) before anything is built; a tensor past 2**53 elements still is by its own."""
     assert main(["optimize", "mlp", "-n", "2", "-q", "--set", "batch=99999999999999999999"]) == 1
     err = capsys.readouterr().err
-    assert "more than parsat handles (2**53)" in err and "Traceback" not in err
+    assert "size batch must be a whole number from 1 to 9,007,199,254,740,992" in err and "Traceback" not in err
+    assert main(["optimize", "mlp", "-n", "2", "-q", "--set", "batch=9007199254740992"]) == 1
+    assert "more than parsat handles (2**53)" in capsys.readouterr().err
 
 
 def test_a_short_time_limit_names_itself_and_still_answers(capsys):

@@ -44,6 +44,8 @@ import torch.distributed as dist
 
 from parsat.backend.launch import LaunchConfig, RankContext, launch
 from parsat.backend.torch_ops import apply_op
+from parsat.dsl.bounds import check_all
+from parsat.ir.units import fmt_bytes
 from parsat.ir.machine import Machine
 from parsat.ir.machine_profile import CollectivePoint, CommProfile, OpEfficiency, bus_factor
 
@@ -98,9 +100,10 @@ class Calibration:
     ops: tuple[OpTiming, ...]
     collectives: tuple[CollectiveTiming, ...]
     device: str
+    oversubscribed: str = ""   # why the figures are of ranks sharing cores or GPUs ('' when each had its own)
 
     def to_dict(self) -> dict:
-        return {"machine": self.machine.to_dict(), "device": self.device,
+        return {"machine": self.machine.to_dict(), "device": self.device, "oversubscribed": self.oversubscribed,
                 "dispatch_s": {"forward": self.dispatch[0], "backward": self.dispatch[1]},
                 "ops": [{"op": t.op, "shape": list(t.shape), "seconds": t.seconds, "flops": t.flops,
                          "bytes": t.nbytes, "predicted_s": t.predicted(self.machine)} for t in self.ops],
@@ -443,14 +446,22 @@ def fit_memory(timings: Sequence[OpTiming]) -> tuple[float, float, float, float]
 
 def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, backend: str | None = None,
               collective_sizes: Sequence[int] = (256, 1 << 12, 1 << 16, 1 << 20), dtype: str = "float64",
-              timeout_s: float = 600.0, window_s: float = WINDOW_S) -> Calibration:
-    """Measure this machine on `nproc` ranks at once: operators, dispatch and collectives; the fitted Machine."""
-    if nproc < 2:
-        raise ValueError("calibrating collectives needs --nproc 2 or more")
+              timeout_s: float = 600.0, window_s: float = WINDOW_S, oversubscribe: bool = False) -> Calibration:
+    """Measure this machine on `nproc` ranks at once: operators, dispatch and collectives; the fitted Machine.
+
+    Refused before any rank starts (ValueError): numbers outside their bounds (`dsl.bounds`), work that needs
+    more memory than the machine has, and more ranks than cores or GPUs unless `oversubscribe` (then the
+    result says so in `oversubscribed`)."""
+    check_all("calibrate", {"--nproc": nproc, "--size": size, "--repeats": repeats,
+                            "--comm-elements": list(collective_sizes), "--window": window_s, "--timeout": timeout_s})
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}")
     config = LaunchConfig(nproc=nproc, backend=backend, timeout_s=timeout_s)
     cuda = config.resolved_backend() == "nccl"
+    crowded = oversubscription(nproc, cuda)
+    if crowded and not oversubscribe:
+        raise ValueError(f"{crowded}; calibrate with fewer ranks, or pass --oversubscribe to measure them sharing")
+    check_memory(nproc, size, dtype, collective_sizes, cuda)
     results = launch(_rank_measure, (dtype, size, Budget(repeats, window_s), list(collective_sizes)), config)
     result = results[0]
     skew = fit_skew([r["skew"] for r in results])
@@ -492,7 +503,68 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
                       inter_bandwidth=largest.bus_bandwidth, inter_latency=step_latency, precision=precision,
                       peaks=((precision, peak), (other_name, other_peak)), efficiency=efficiency,
                       comm=CommProfile(points=tuple(points), sync_skew=skew))
-    return Calibration(machine, dispatch, ops, collectives, label)
+    return Calibration(machine, dispatch, ops, collectives, label,
+                       f"{crowded}: each figure is of ranks waiting for each other" if crowded else "")
+
+
+def oversubscription(nproc: int, cuda: bool) -> str:
+    """Why `nproc` ranks would share this machine's cores (CPU) or GPUs (CUDA), or '' when each has its own.
+
+    Ranks that share a core take turns on it, so a rank's GEMM, timed between the turns of the others, is
+    measured as if it had the core alone: 8 ranks on 2 cores recorded a peak of 2,504 GFLOP/s."""
+    if cuda:
+        have, what = torch.cuda.device_count(), "GPU"
+    else:
+        have = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        what = "core"
+    if nproc <= have:
+        return ""
+    return f"--nproc {nproc} is more ranks than the {have} {what}{'s' if have != 1 else ''} this process may use"
+
+
+def calibration_bytes(nproc: int, size: int, dtype: str, collective_sizes: Sequence[int]) -> int:
+    """The memory one rank's measurements hold at their largest, in bytes (an upper estimate): the memory-bound
+    operators' inputs and outputs (`memory_sizes`), the GEMMs in both dtypes, a collective's buffers for the
+    largest group, and torch itself."""
+    item = max(torch.finfo(kind).bits // 8 for kind in DTYPES[dtype][1:])
+    top = max(memory_sizes(size))
+    elements = 4 * top + 6 * size * size + max(collective_sizes) * (nproc + 2)
+    return elements * item + TORCH_BYTES
+
+
+TORCH_BYTES = 400 * 2 ** 20   # a rank's resident size before it measures anything (torch, gloo, Python)
+
+
+def check_memory(nproc: int, size: int, dtype: str, collective_sizes: Sequence[int], cuda: bool) -> None:
+    """ValueError when the ranks' measurements need more memory than there is: the memory available (CPU: all
+    ranks together) or a GPU's free memory (CUDA: one rank's), and each process's address-space limit
+    (`ulimit -v`)."""
+    import resource
+
+    need = calibration_bytes(nproc, size, dtype, collective_sizes)
+    limits = []
+    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        limits.append((need, soft, "per rank, over the address-space limit (ulimit -v) of"))
+    if cuda:
+        limits.append((need - TORCH_BYTES, torch.cuda.mem_get_info(0)[0], "per rank, more than the GPU's free"))
+    else:
+        limits.append((need * nproc, _available_bytes(), f"for {nproc} ranks, more than the available"))
+    for needed, have, words in limits:
+        if needed > have:
+            raise ValueError(f"calibrating --size {size} in {dtype} needs about {fmt_bytes(needed)} {words} "
+                             f"{fmt_bytes(have)}: use a smaller --size, smaller --comm-elements or fewer ranks")
+
+
+def _available_bytes() -> int:
+    """Memory this machine can still give (MemAvailable), or its free pages where /proc/meminfo is missing."""
+    try:
+        for line in open("/proc/meminfo", encoding="ascii"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def report(cal: Calibration) -> str:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from typing import Mapping
@@ -143,13 +142,17 @@ def main_run(args: argparse.Namespace) -> int:
     except ImportError as err:  # torch missing
         return _fail(f"the backend needs torch ({err}); install it with: pip install torch==2.13.0")
     from parsat.backend.launch import under_torchrun
+    from parsat.dsl.bounds import BoundError, check_all
     from parsat.dsl.files import FileProblem, check_regular_file
     if args.nproc is None:
         if not under_torchrun():
             return _fail("--nproc is required (the number of ranks to start)")
         args.nproc = int(os.environ["WORLD_SIZE"])
-    if not math.isfinite(args.lr):
-        return _fail(f"--lr must be a finite number, got {args.lr}")
+    try:
+        check_all("run", {"--nproc": args.nproc, "--steps": args.steps, "--seed": args.seed, "--lr": args.lr,
+                          "--timeout": args.timeout, "--collective-timeout": args.collective_timeout})
+    except BoundError as err:
+        return _fail(str(err))
     try:
         pcg, graph, predicted = load_plan(args.plan, args.nproc, args.plan_of)
         pipeline = pipeline_of(args.plan) if args.plan_of == "parsat" else None
@@ -303,6 +306,9 @@ def register_calibrate(subparsers) -> None:
     cal.add_argument("--dtype", choices=("float64", "float32", "bfloat16"), default="float64",
                      help="the dtype to measure: the one `parsat run` trains in (default float64, as `parsat run`); "
                           "bfloat16 for a GPU's mixed-precision training")
+    cal.add_argument("--oversubscribe", action="store_true",
+                     help="allow more ranks than this machine has cores (or GPUs); the figures then measure "
+                          "ranks that wait for each other's cores, and the report says so")
     cal.add_argument("--json", action="store_true", help="print the measurements as one JSON object last")
     cal.set_defaults(run=main_calibrate)
 
@@ -313,23 +319,26 @@ def main_calibrate(args: argparse.Namespace) -> int:
 
         from parsat.backend.calibrate import calibrate, report
         from parsat.backend.launch import LaunchError
+        from parsat.dsl.bounds import check_all
         from parsat.dsl.files import FileProblem, check_output
         from parsat.ir.errors import MachineError
     except ImportError as err:
         return _fail(f"calibration needs torch ({err}); install it with: pip install torch==2.13.0", "calibrate")
     nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.device_count() >= 2 else 2)
     sizes = list(args.comm_elements)
-    if args.size < 16 or args.repeats < 1 or len(sizes) < 2 or min(sizes) < 1 or sizes != sorted(set(sizes)) \
-            or not 0 <= args.window <= 60:
-        return _fail("--size must be >= 16, --repeats >= 1, --window between 0 and 60 seconds, and --comm-elements "
-                     "at least two increasing sizes >= 1", "calibrate")
     try:
+        check_all("calibrate", {"--nproc": nproc, "--size": args.size, "--repeats": args.repeats,
+                                "--comm-elements": sizes, "--window": args.window})
+        if len(sizes) < 2 or sizes != sorted(set(sizes)):
+            raise ValueError(f"--comm-elements must be at least two increasing sizes, got {sizes}")
         check_output(args.output)   # before the measurements, not after them
         result = calibrate(args.machine, nproc, args.size, args.repeats, args.backend, tuple(sizes), args.dtype,
-                           window_s=args.window)
+                           window_s=args.window, oversubscribe=args.oversubscribe)
         result.machine.save(args.output)
     except (ValueError, LaunchError, FileProblem, MachineError) as err:
         return _fail(str(err), "calibrate")
+    if result.oversubscribed:
+        print(f"parsat calibrate: warning: {result.oversubscribed}", file=sys.stderr)
     print(report(result))
     print(f"wrote {args.output}", file=sys.stderr)
     if args.json:

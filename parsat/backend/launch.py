@@ -41,10 +41,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from parsat.backend import rank_guard
+from parsat.dsl.bounds import BoundError, check_all
 
 GRACE_S = 0.5        # after a first failure: how long to collect the others' reports
 TERMINATE_S = 3.0    # SIGTERM to SIGKILL
 STORE_HOST = "127.0.0.1"
+MAX_LOCAL_RANKS = 256  # processes one launcher spawns (each imports torch: ~0.3 GB); torchrun spreads more
 
 
 class LaunchError(Exception):
@@ -105,14 +107,18 @@ def launch(fn: Callable[..., Any], args: tuple = (), config: LaunchConfig | None
     the list holds this rank's result only.
     """
     config = config or LaunchConfig(nproc=1)
-    if config.nproc < 1:
-        raise LaunchError(f"--nproc must be >= 1, got {config.nproc}", ())
-    if not (config.timeout_s > 0 and config.collective_timeout_s > 0):  # also refuses NaN
-        raise LaunchError(f"timeouts must be > 0 seconds, got --timeout {config.timeout_s:g} and "
-                          f"--collective-timeout {config.collective_timeout_s:g}", ())
+    try:   # the CLI's bounds (a timeout of inf was an OverflowError in timedelta), for API callers too
+        check_all("run", {"--nproc": config.nproc, "--timeout": config.timeout_s,
+                          "--collective-timeout": config.collective_timeout_s})
+    except BoundError as err:
+        raise LaunchError(str(err), ()) from None
     backend = config.resolved_backend()
     if under_torchrun():
         return [_run_joined(fn, args, backend, config)]
+    if config.nproc > MAX_LOCAL_RANKS:
+        raise LaunchError(f"{config.nproc:,} ranks cannot be started on this machine: parsat starts at most "
+                          f"{MAX_LOCAL_RANKS} local ranks (one process each); run it under torchrun across "
+                          "machines", ())
     return _spawn(fn, args, backend, config)
 
 
@@ -173,11 +179,31 @@ def rank_main(rank: int, world: int, backend: str, store_port: int, collective_t
 _SOURCE_PREFIX = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
 
 
+_ASKED = re.compile(r"(?:tried to allocate|allocate) (\d+) bytes|Tried to allocate ([\d.]+ [KMGT]?i?B)")
+
+
 def _summary(err: BaseException) -> str:
     """One line for the user: the exception's type and first line, without the C++ source position that
-    gloo and NCCL put in front ("[/.../unbound_buffer.cc:78] Timed out ...")."""
-    first = f"{err}".strip().splitlines()[0] if str(err).strip() else ""
+    gloo and NCCL put in front ("[/.../unbound_buffer.cc:78] Timed out ..."); running out of memory is said
+    as such (torch's CPU allocator says "DefaultCPUAllocator: can't allocate memory", CUDA's raises
+    OutOfMemoryError), with what the rank asked for."""
+    text = f"{err}".strip()
+    if out_of_memory(err):
+        asked = _ASKED.search(text)
+        size = "" if asked is None else (f" (an allocation of {int(asked.group(1)) / 2 ** 30:,.2f} GiB failed)"
+                                         if asked.group(1) else f" (an allocation of {asked.group(2)} failed)")
+        return (f"ran out of memory{size}: give it less work (a smaller model, batch or --size) or more memory "
+                "(fewer ranks on this machine)")
+    first = text.splitlines()[0] if text else ""
     return f"{type(err).__name__}: {_SOURCE_PREFIX.sub('', first)}"[:500]
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """Whether `err` is an allocation that failed: MemoryError, CUDA's OutOfMemoryError, or the CPU
+    allocator's RuntimeError."""
+    oom = getattr(torch, "OutOfMemoryError", ())
+    return isinstance(err, (MemoryError, *((oom,) if oom else ()))) or (
+        isinstance(err, RuntimeError) and "can't allocate memory" in str(err))
 
 
 def _exit_reason(code: int | None) -> str:

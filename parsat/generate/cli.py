@@ -45,6 +45,7 @@ def _error(message: str) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from parsat.dsl.bounds import BoundError, check_all
     from parsat.dsl.errors import DslError
     from parsat.dsl.files import FileProblem, check_output, refuse_overwriting, write_atomic
     from parsat.dsl.checker import resolve_library
@@ -54,6 +55,12 @@ def run_generate(args: argparse.Namespace) -> int:
         degrees = tuple(int(d) for d in args.degrees.split(",") if d.strip())
     except ValueError:
         return _error(f"--degrees must be a comma-separated list of integers, got '{args.degrees}'")
+    try:   # before the rules load; `generate` checks the same bounds for API callers
+        check_all("generate", {"--degrees": degrees, "--max-ops": args.max_ops, "--seconds": args.seconds,
+                               "--jobs": args.jobs, "--verify-timeout": args.verify_timeout,
+                               "--max-terms": args.max_terms, "--max-rank": args.max_rank})
+    except BoundError as err:
+        return _error(str(err))
     ops = tuple(o.strip() for o in args.ops.split(",") if o.strip())
     if not ops:
         return _error("--ops names no operator")
@@ -65,10 +72,8 @@ def run_generate(args: argparse.Namespace) -> int:
         return _error(str(err))
     except DslError as err:
         return _error("\n".join(d.render() for d in err.diagnostics))
-    if args.seconds <= 0 or args.max_terms < 1 or args.max_rank < 1 or args.verify_timeout <= 0:
-        return _error("--seconds, --max-terms, --max-rank and --verify-timeout must be positive")
     settings = Settings(ops, args.max_ops, degrees, args.seconds, max_terms=args.max_terms,
-                        verify_timeout=args.verify_timeout, jobs=max(1, args.jobs),
+                        verify_timeout=args.verify_timeout, jobs=args.jobs,
                         prune_with_library=args.prune_with_library, lift=args.lift,
                         per_operator=args.per_operator, max_rank=args.max_rank, prefix=args.prefix)
     say = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Mapping, Sequence
 
 from parsat.dsl import ast
+from parsat.dsl.bounds import BoundError, check_all
 from parsat.dsl.library import Library
 from parsat.dsl.printer import format_decl, format_expr
 from parsat.dsl.typecheck import RuleInstance, TypeCheckError, group_assignments, rule_groups, type_rule
@@ -425,12 +426,15 @@ def generate(library: Library, settings: Settings, progress: Progress | None = N
     """Enumerate, group, select (prove, widen, prune) and minimise; the kept rules, most useful first."""
     say = progress or (lambda _m: None)
     start = time.perf_counter()
-    if settings.max_ops < 1:
-        raise GenerateError("--max-ops must be at least 1")
-    if not settings.degrees or min(settings.degrees) < 2:
-        raise GenerateError("--degrees must be integers of at least 2")
-    if settings.seconds <= 0:
-        raise GenerateError("--seconds must be more than 0")
+    try:   # the CLI's bounds (`dsl.bounds`), for API callers too
+        check_all("generate", {"--degrees": settings.degrees, "--max-ops": settings.max_ops,
+                               "--seconds": settings.seconds, "--jobs": settings.jobs,
+                               "--verify-timeout": settings.verify_timeout, "--max-terms": settings.max_terms,
+                               "--max-rank": settings.max_rank})
+    except BoundError as err:
+        raise GenerateError(str(err)) from None
+    if not settings.degrees:
+        raise GenerateError("--degrees names no degree")
     if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", settings.prefix):
         raise GenerateError(f"--prefix must be a name (a letter, then letters, digits or _), got '{settings.prefix}'")
     summary = Summary()

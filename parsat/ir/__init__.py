@@ -24,7 +24,8 @@ against the operator library, machines' ranges), `json_files` (reading
 user files safely), `instance` (an operator at concrete shapes), `budget`
 (how large a graph may grow, and until when, under the search's limits),
 `errors` (GraphError, MachineError, PlanError, and OptimizeError with
-DoesNotFit: the errors every stage shares).
+DoesNotFit: the errors every stage shares), `units` (times and bytes as
+people read them, in reports and messages alike).
 
 The JSON forms are docs/graph-schema.md and docs/plan-schema.md. Importing
 this package imports neither torch, z3 nor egglog.

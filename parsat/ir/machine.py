@@ -27,7 +27,7 @@ from parsat.ir.errors import MachineError
 from parsat.ir.json_files import read_json_file
 from parsat.ir.machine_profile import CommProfile, OpEfficiency
 from parsat.ir.precision import BYTES_TO_PRECISION, PRECISIONS, Precision, precision
-from parsat.ir.validate import MACHINE_SCHEMA, MACHINE_VERSION, validate_machine_dict
+from parsat.ir.validate import MACHINE_SCHEMA, MACHINE_VERSION, machine_field, validate_machine_dict
 
 
 @dataclass(frozen=True)
@@ -136,10 +136,12 @@ class Machine:
         if data.get("version", 1) not in READABLE_MACHINE_VERSIONS:
             raise MachineError(f"machine file version {data.get('version')!r} is not supported (this parsat reads "
                                f"{' and '.join(map(str, READABLE_MACHINE_VERSIONS))})")
-        try:
-            machine = Machine(**fields)
-        except TypeError as err:
-            raise MachineError(f"bad machine description: {err}") from None
+        missing = [k for k in _FLAT_FIELDS if k not in fields]
+        if missing:
+            raise MachineError(f"machine: the field{'s' if len(missing) > 1 else ''} "
+                               f"{', '.join(machine_field(k) for k in missing)} "
+                               f"{'are' if len(missing) > 1 else 'is'} missing")
+        machine = Machine(**fields)
         for key in ("devices_per_node", "nodes", "peak_flops", "memory_bandwidth", "memory_capacity",
                     "intra_bandwidth", "inter_bandwidth"):
             if not getattr(machine, key) > 0:

@@ -11,6 +11,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+from parsat.dsl.bounds import SIZE_LIMITS, BoundError, size_bound
 from parsat.dsl.library import Library
 from parsat.ir.budget import GraphBudget
 from parsat.ir.graph import Graph, GraphBuilder, GraphError, Tensor
@@ -515,7 +516,8 @@ def build_example(name: str, sizes: Mapping[str, int] | None = None, library: Li
                   budget: GraphBudget | None = None) -> Graph:
     """An example by name with some sizes overridden; unknown names and keys are clear errors.
 
-    Sizes are checked here (positive) and by the builder (at most 2**53 elements per tensor, and the
+    Sizes are checked here (`dsl.bounds.size_bound`: from 1 to 10,000 blocks or experts, any other size to
+    2**53), before anything is built, and by the builder (at most 2**53 elements per tensor, and the
     `budget`'s tensor count and deadline while it builds)."""
     example = EXAMPLES.get(name)
     if example is None:
@@ -526,6 +528,24 @@ def build_example(name: str, sizes: Mapping[str, int] | None = None, library: Li
         raise GraphError(f"example '{name}' has no size {', '.join(sorted(unknown))} "
                          f"(sizes: {example.describe_sizes()})")
     for key, value in sizes.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise GraphError(f"size {key} must be a positive integer, got {value!r}")
+        try:
+            size_bound(key).check(value)
+        except BoundError as err:
+            raise GraphError(str(err)) from None
+    if budget is not None and budget.tensors is not None:
+        budget.check_count(estimated_tensors(example, sizes, library), f"graph '{name}'", growing=True)
     return example.make(sizes, library, budget).from_example(name, sizes)
+
+
+def estimated_tensors(example: Example, sizes: Mapping[str, int], library: Library | None) -> int:
+    """How many tensors (leaves and operators) `example` has at `sizes`, from two small builds: each block (or
+    expert) adds the same count, so a graph of 10,000 blocks is known to be too large for the e-graph before
+    it is built (building it until the budget ran out took 7-11 s)."""
+    given = {**example.defaults(), **sizes}
+    for key in SIZE_LIMITS:
+        count = given.get(key)
+        if isinstance(count, int) and count > 2:
+            one, two = (example.make({**sizes, key: k}, library) for k in (1, 2))
+            per = len(two.leaves) + len(two.nodes) - len(one.leaves) - len(one.nodes)
+            return len(one.leaves) + len(one.nodes) + (count - 1) * per
+    return 0

@@ -21,6 +21,7 @@ import re
 from typing import Any, Mapping, NoReturn, Sequence
 
 from parsat.dsl import ast
+from parsat.dsl.bounds import figure
 from parsat.dsl.instantiate import InstantiationError
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.ir.errors import GraphError, MachineError
@@ -42,6 +43,8 @@ MAX_ELEMENTS = 2 ** 53
 MAX_DEVICES = 1 << 20
 MAX_NUMBER = 2 ** 1000  # an integer beyond this has no float (OverflowError in the cost model and explain)
 PLAN_KINDS = ("leaf", "op", "parallel")
+LINE_BREAKS = ("\n", "\r", "\v", "\f", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029")   # str.splitlines' line ends
+
 PARALLEL_ATTRS = {name: op.plan_attrs for name, op in PARALLEL_OPS.items()}   # a parallel node's `attrs` keys
 PLACEMENT = re.compile(r"^(Shard\((0|[1-9][0-9]{0,2})\)|Replicate\(\)|Partial\(\))$")
 EXPLAIN_TOTALS = ("time_s", "compute_s", "comm_s", "comm_elements", "comm_bytes", "peak_memory_bytes",
@@ -72,11 +75,15 @@ class _Fields:
             self.fail(path, f"must be a JSON array, got {_kind(value)}")
         return value
 
-    def text(self, value: Any, path: str, empty: bool = False) -> str:
+    def text(self, value: Any, path: str, empty: bool = False, lines: bool = False) -> str:
+        """A string; one line unless `lines`: a name holding a line break printed a forged `parsat: error:`
+        line wherever it was shown (other control characters are shown escaped, `parsat.terminal`)."""
         if not isinstance(value, str):
             self.fail(path, f"must be a string, got {_kind(value)}")
         if not empty and not value:
             self.fail(path, "must not be empty")
+        if not lines and any(mark in value for mark in LINE_BREAKS):
+            self.fail(path, f"must be one line, without line breaks, got {_short(value)!r}")
         return value
 
     def integer(self, value: Any, path: str, low: int | None = None, high: int | None = None) -> int:
@@ -501,7 +508,8 @@ def check_simulated_step(f: _Fields, totals: Mapping, path: str) -> None:
             f.number(f.get(phase, key, where), f"{where}.{key}")
     lanes = f.obj(f.get(step, "lanes", f"{path}.step"), f"{path}.step.lanes")
     for lane in ("compute", "comm", "overlap"):
-        text = f.text(f.get(lanes, lane, f"{path}.step.lanes"), f"{path}.step.lanes.{lane}", empty=True)
+        text = f.text(f.get(lanes, lane, f"{path}.step.lanes"), f"{path}.step.lanes.{lane}", empty=True,
+                      lines=True)
         if not LANE_TEXT.match(text):
             f.fail(f"{path}.step.lanes.{lane}", "must be at most 1000 letters, spaces and carets")
     if len({len(lanes[lane]) for lane in ("compute", "comm", "overlap")}) != 1:
@@ -554,7 +562,7 @@ def validate_plan_report(data: Mapping, error: type[Exception], label: str) -> N
             f.number(sat[key], f"saturation.{key}")
     for key in ("search_limit", "unspread", "scouted"):
         if key in sat:
-            f.text(sat[key], f"saturation.{key}")
+            f.text(sat[key], f"saturation.{key}", lines=True)
     compiled = f.obj(sat.get("rules_compiled") or {}, "saturation.rules_compiled")
     for key, value in compiled.items():
         f.number(value, f"saturation.rules_compiled.{key}")
@@ -628,6 +636,7 @@ def validate_machine_dict(data: Any, fields: Mapping[str, type | str], error: ty
     """
     f = _Fields(error, prefix)
     data = f.obj(data, "description")
+    _known(f, data, ("schema", "version", *fields, *(k for k in (*PROFILE_SECTIONS, "dtype_bytes") if k not in fields)))
     for key, kind in fields.items():
         kind = getattr(kind, "__name__", kind)
         if key not in data or key in PROFILE_SECTIONS:
@@ -701,6 +710,16 @@ def validate_comm_dict(data: Any, error: type[Exception] = MachineError, where: 
         for key, (low, high, unit) in POINT_RANGES.items():
             _ranged(f, f.get(point, key, path), f"{path}.{key}", low, high, unit)
     return data
+
+
+def machine_field(key: str) -> str:
+    """A machine file's field as its user needs to write it: `peak_flops` (a number, 1000 to 1e+21 FLOP/s per
+    device), for a message naming a missing or unknown field."""
+    if key in MACHINE_RANGES:
+        low, high, unit = MACHINE_RANGES[key]
+        kind = "a whole number" if isinstance(low, int) and isinstance(high, int) else "a number"
+        return f"{key} ({kind}, {figure(low)} to {figure(high)} {unit})"
+    return f"{key} (text)" if key in ("name", "precision") else key
 
 
 def check_machine_ranges(data: Mapping, f: _Fields) -> None:

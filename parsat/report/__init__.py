@@ -7,6 +7,7 @@ egglog, z3 or torch.
 Modules: `explain` (a plan as text, section by section: `explain`,
 `explain_plan`, `saturation_stats` for `--stats`), `pipeline` (a
 pipelined plan's stages in text, its schedule as lanes and as SVG), `dot`
-(the PCG as graphviz DOT), `units` (times and bytes as people read them),
-`cli` (`parsat explain`, `parsat show`).
+(the PCG as graphviz DOT), `cli` (`parsat explain`, `parsat show`).
+Times and bytes are written by `ir.units`, which error messages of every
+stage share.
 """

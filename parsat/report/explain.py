@@ -21,7 +21,7 @@ from parsat.ir.plan import BASELINES, JOINT, Plan, load_plan_dict, pcg_from_dict
 from parsat.ir.recompute import NONE
 from parsat.ir.recompute import describe as describe_recompute
 from parsat.report.pipeline import describe_pipeline
-from parsat.report.units import fmt_bytes, fmt_time
+from parsat.ir.units import fmt_bytes, fmt_time
 
 
 def explain_plan(plan: Plan | Mapping | str | os.PathLike, limit: int | None = 40) -> str:

@@ -10,7 +10,6 @@ the rule and its operators, so the results are the same as a serial run.
 from __future__ import annotations
 
 import fnmatch
-import math
 import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from parsat.dsl import ast
+from parsat.dsl.bounds import check_all
 from parsat.dsl.errors import DslError
 from parsat.dsl.library import Library, display_path, load_library, rule_files, shipped_rules_dir
 from parsat.dsl.parallel_ops import expand_fused_rule
@@ -111,8 +111,7 @@ def verify_library(library: Library, *, match: Sequence[str] | None = None, time
     library order. A cached REFUTED verdict is trusted only once its
     counterexample fails again on the devices.
     """
-    if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    check_all("verify", {"--timeout": timeout, "--jobs": jobs})   # the CLI's bounds (a ValueError), for API callers
     report = VerifyReport()
     ops = library.ops
     todo: list[tuple[str, ast.RuleDecl]] = []

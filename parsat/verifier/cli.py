@@ -37,9 +37,12 @@ def run(args: argparse.Namespace) -> int:
     from parsat.verifier.cache import VerdictCache
     from parsat.verifier.verdict import PROVED
 
-    if not (0 < args.timeout < float("inf")) or args.jobs < 1:  # also refuses NaN
-        print(f"parsat verify: --timeout must be a positive number of seconds (got {args.timeout:g}) and --jobs "
-              f"at least 1 (got {args.jobs})", file=sys.stderr)
+    from parsat.dsl.bounds import BoundError, check_all
+
+    try:
+        check_all("verify", {"--timeout": args.timeout, "--jobs": args.jobs})   # NaN and infinity too
+    except BoundError as err:
+        print(f"parsat verify: {err}", file=sys.stderr)
         return 2
     cache = None if args.no_cache else VerdictCache()
 
