@@ -17,6 +17,11 @@ import time
 import warnings
 
 
+VALVE_S = 10.0
+"""After a first Ctrl-C, how long the search may take to return the plan it has (extraction of the e-graph as
+it stands, the baselines already priced) before the command is ended anyway; SIGTERM ends it within a second."""
+
+
 def register(subparsers) -> None:
     opt = subparsers.add_parser("optimize", help="find the cheapest parallel plan for a model (equality saturation)")
     opt.add_argument("model", nargs="?", metavar="MODEL",
@@ -120,6 +125,7 @@ def run_optimize(args: argparse.Namespace) -> int:
     from parsat.ir.machine import Machine
     from parsat.ir.errors import OptimizeError
     from parsat.egraph.runner import Limits
+    from parsat.dsl.lifetime import valve
 
     try:
         if args.output:  # before any work: a plan written over the model or machine file would destroy it
@@ -141,7 +147,8 @@ def run_optimize(args: argparse.Namespace) -> int:
         if ".py:" in model:  # model.py:factory -> (module, example inputs): torch.export import, torch loaded only here
             from parsat.importer.model_file import load_model_file
             model = load_model_file(model)
-        with warnings.catch_warnings(record=True) as caught:
+        # a first Ctrl-C returns the plan found so far (docs/MESH.md), within VALVE_S
+        with warnings.catch_warnings(record=True) as caught, valve(VALVE_S):
             warnings.simplefilter("always", CacheWarning)
             plan = optimize(model, machine=machine, rules=args.rules, limits=limits or None,
                             devices=args.devices, allow_unverified=True if args.allow_unverified else None,

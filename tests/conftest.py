@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 
@@ -9,6 +10,10 @@ import pytest
 
 from parsat.dsl.checker import check_paths
 from parsat.ir.pcg import PCG, Degrees, PNode
+
+# An exception no command catches is one line for a user (`parsat.cli.unexpected`); under test it is raised, in
+# this process and in every `parsat` the tests start, so a bug is never mistaken for a refusal (exit 1).
+os.environ.setdefault("PARSAT_TRACEBACK", "1")
 
 
 @pytest.fixture

@@ -13,8 +13,11 @@ values: `creates_values`), `check_cache` (libraries that checked clean,
 remembered by content), `evaluate` (numpy semantics), `work` (FLOPs and bytes of an
 operator), `printer` (canonical source), `comments` (every comment's place,
 so `fmt` keeps them all), `files` (every file parsat reads or writes: bounded
-reads, atomic writes; here because every stage imports the dsl), `cli`
-(`parsat check`, `parsat fmt`).
+reads, atomic writes; here because every stage imports the dsl),
+`bounds` (every number a user gives a command, with its one bound),
+`lifetime` (SIGINT, SIGTERM and SIGHUP end a command and all it started
+within a second, leaving no partial file), `cli` (`parsat check`,
+`parsat fmt`).
 
 Importing this package imports neither torch, z3 nor egglog.
 """

@@ -30,6 +30,9 @@ import tempfile
 from pathlib import Path
 from typing import Iterable
 
+from parsat.dsl.errors import printable
+from parsat.dsl.lifetime import temporary_file
+
 # Largest JSON file parsat reads (graph, plan, machine); override with PARSAT_MAX_INPUT_BYTES. Parsing
 # costs memory: 64 MiB of `[{},{},...]` took 1.7 GB; 32 MiB stays under 1 GB, and a 2,400-operator plan
 # with its baselines is a few MB.
@@ -85,7 +88,7 @@ def read_capped(path: str | os.PathLike, limit: int, what: str, variable: str = 
     chunks up to `limit + 1` bytes: a file that grows, or that reports a
     size of 0 (`/proc`), is still read no further than the cap.
     """
-    shown = os.fspath(path)
+    shown = printable(os.fspath(path))
     fd, info = _open_regular(path, what)
     try:
         if info.st_size > limit:
@@ -109,7 +112,7 @@ def read_capped(path: str | os.PathLike, limit: int, what: str, variable: str = 
 
 def _open_regular(path: str | os.PathLike, what: str) -> tuple[int, os.stat_result]:
     """An open descriptor of a regular file (without blocking on a named pipe), or FileProblem."""
-    shown = os.fspath(path)
+    shown = printable(os.fspath(path))
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
     try:
         fd = os.open(path, flags)
@@ -141,7 +144,8 @@ def read_text_capped(path: str | os.PathLike, limit: int, what: str,
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise FileProblem(f"{os.fspath(path)} is not a {what} file: byte {err.start} is not UTF-8 text") from None
+        raise FileProblem(f"{printable(os.fspath(path))} is not a {what} "
+                          f"file: byte {err.start} is not UTF-8 text") from None
 
 
 def _reason(err: OSError) -> str:
@@ -179,7 +183,7 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     `-o /dev/stdout`) is written directly: there is nothing to replace. The new file keeps the old one's
     permissions, or gets the usual ones for a new file.
     """
-    shown = os.fspath(path)
+    shown = printable(os.fspath(path))
     payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
     try:
         info = os.stat(path)   # through symbolic links: /dev/stdout is the terminal or pipe behind it
@@ -207,21 +211,18 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
                               f"({err.strerror})") from None
         raise FileProblem(f"cannot write {shown}: {_reason(err)}{unchanged}") from None
     try:
-        try:
-            view = memoryview(payload)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
-            os.fchmod(fd, mode)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(temporary, target)
+        with temporary_file(temporary):   # removed on any failure, Ctrl-C or SIGTERM (`lifetime`)
+            try:
+                view = memoryview(payload)
+                while view:
+                    written = os.write(fd, view)
+                    view = view[written:]
+                os.fchmod(fd, mode)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(temporary, target)
     except OSError as err:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
         raise FileProblem(f"cannot write {shown}: {_reason(err)}{unchanged}") from None
     _sync_folder(folder)
 
@@ -253,7 +254,7 @@ def check_output(path: str | os.PathLike) -> None:
     """FileProblem now for an output that `write_atomic` could not write later: a missing or read-only
     folder, a folder in the file's place. Commands that work for minutes (`optimize`, `generate`,
     `calibrate`) ask first, so the work is not lost at the end."""
-    shown = os.fspath(path)
+    shown = printable(os.fspath(path))
     if os.path.isdir(path):
         raise FileProblem(f"cannot write {shown}: it is a folder, not a file")
     folder = os.path.dirname(os.path.realpath(path))
@@ -273,8 +274,9 @@ def refuse_overwriting(output: str | os.PathLike, inputs: Iterable[str | os.Path
         except (OSError, ValueError):
             same = False
         if same:
-            raise FileProblem(f"{flag} {os.fspath(output)} is the input file {os.fspath(source)}: writing it would "
-                              "replace that input; choose another output file")
+            raise FileProblem(f"{flag} {printable(os.fspath(output))} is the input file "
+                              f"{printable(os.fspath(source))}: writing it would replace that input; choose another "
+                              "output file")
 
 
 def cache_dir() -> Path:

@@ -25,7 +25,13 @@ def register(subparsers) -> None:
     show.add_argument("--output", "-o", required=True, metavar="FILE", help=".svg/.png (needs graphviz 'dot') or .dot")
     show.add_argument("--schedule", action="store_true",
                       help="draw a pipelined plan's schedule per stage instead (.svg, no graphviz needed)")
+    show.add_argument("--timeout", type=float, default=DOT_TIMEOUT_S, metavar="SECONDS",
+                      help=f"how long graphviz 'dot' may lay the drawing out (default {DOT_TIMEOUT_S:g}); past it "
+                           "the drawing's DOT source is written instead")
     show.set_defaults(run=run_show)
+
+
+DOT_TIMEOUT_S = 60.0
 
 
 def _error(message: str) -> int:
@@ -50,6 +56,7 @@ def run_explain(args: argparse.Namespace) -> int:
 
 
 def run_show(args: argparse.Namespace) -> int:
+    from parsat.dsl.bounds import BoundError, check
     from parsat.dsl.files import FileProblem, refuse_overwriting, write_atomic
     from parsat.ir.pipeline import PipelinePlan
     from parsat.report.dot import plan_dot
@@ -59,11 +66,12 @@ def run_show(args: argparse.Namespace) -> int:
 
     out = Path(args.output)
     try:
+        check("show", "--timeout", args.timeout)
         refuse_overwriting(out, [args.plan])
         data = load_plan_dict(args.plan)
         validate_plan_report(data, PlanError, f"{args.plan} does not follow the plan schema")
         dot = plan_dot(data)
-    except (PlanError, FileProblem) as err:
+    except (PlanError, FileProblem, BoundError) as err:
         return _error(str(err))
     if args.schedule:
         if not data.get("pipeline"):
@@ -74,19 +82,69 @@ def run_show(args: argparse.Namespace) -> int:
     elif out.suffix == ".dot":
         drawing = dot
     else:
-        binary = shutil.which("dot")
-        if binary is None:
-            return _error("graphviz 'dot' is not installed (apt-get install graphviz); write a .dot file instead: "
-                          f"-o {out.with_suffix('.dot')}")
-        fmt = out.suffix.lstrip(".") or "svg"
-        # dot writes to a pipe, not the file: the drawing then replaces the file whole or not at all
-        result = subprocess.run([binary, f"-T{fmt}"], input=dot.encode("utf-8"), capture_output=True)
-        if result.returncode:
-            return _error(f"dot failed: {result.stderr.decode('utf-8', 'replace').strip()}")
-        drawing = result.stdout
+        drawing = _laid_out(dot, out, args.plan, _drawn(data), args.timeout)
+        if not isinstance(drawing, bytes):
+            return _error(drawing)
     try:
         write_atomic(out, drawing)
     except FileProblem as err:
         return _error(str(err))
     print(f"wrote {out}", file=sys.stderr)
     return 0
+
+
+def _drawn(data) -> str:
+    """What `show` draws, in words: the PCG's nodes and edges and whose it is."""
+    nodes = data.get("nodes", [])
+    edges = sum(len(node.get("inputs", [])) for node in nodes)
+    name = (data.get("graph") or {}).get("name", "the graph")
+    return f"the PCG of '{name}' ({len(nodes):,} nodes, {edges:,} edges)"
+
+
+def _laid_out(dot: str, out: Path, plan: str, what: str, timeout: float) -> bytes | str:
+    """The drawing graphviz `dot` makes of `dot`, or a message saying why not.
+
+    `dot` gets `timeout` seconds: a large plan's layout can run for minutes
+    (a gpt-13b plan ran past 120 s, silently). Past it, the drawing's DOT
+    source is written beside the requested file (never over an existing
+    one), to be rendered without a limit or viewed as it is, and the
+    message says so. `dot` writes to a pipe, not the file, so the drawing
+    replaces the file whole or not at all; a signal kills it with parsat
+    (`dsl.lifetime`)."""
+    from parsat.dsl.files import FileProblem, refuse_overwriting, write_atomic
+    from parsat.dsl.lifetime import track_process, untrack_process
+
+    binary = shutil.which("dot")
+    if binary is None:
+        return ("graphviz 'dot' is not installed (apt-get install graphviz); write a .dot file instead: "
+                f"-o {out.with_suffix('.dot')}")
+    fmt = out.suffix.lstrip(".") or "svg"
+    print(f"drawing {what} with graphviz dot, as {fmt} (at most {timeout:g} s: --timeout)", file=sys.stderr,
+          flush=True)
+    process = subprocess.Popen([binary, f"-T{fmt}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    track_process(process)
+    try:
+        drawing, errors = process.communicate(dot.encode("utf-8"), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        try:
+            process.communicate(timeout=1.0)
+        except subprocess.TimeoutExpired:   # something dot started still holds its pipes: they are left to it
+            pass
+        source = out.with_suffix(".dot")
+        late = f"dot did not lay out {what} within {timeout:g} s"
+        if source.exists():
+            return f"{late}; {out} was not written (raise --timeout, or write the source with -o {source})"
+        try:
+            refuse_overwriting(source, [plan])
+            write_atomic(source, dot)
+        except FileProblem as err:
+            return f"{late}; {out} was not written, nor its source: {err}"
+        return (f"{late}; wrote its source to {source} instead (render it without a limit: dot -T{fmt} {source} "
+                f"-o {out}; or raise --timeout)")
+    finally:
+        untrack_process(process)
+    if process.returncode:
+        return f"dot failed: {errors.decode('utf-8', 'replace').strip()}"
+    return drawing
