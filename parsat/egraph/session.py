@@ -9,6 +9,7 @@ around it, with its limits, is `runner`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from math import prod
 from typing import Mapping, Sequence
@@ -118,6 +119,34 @@ class _Equated(Mapping):
         return len(self._table())
 
 
+BOUND = "Bound"
+"""The table that holds the graph's named tensors: `(Bound "$n5")` is the e-class of tensor `$n5`."""
+
+_GRAPH_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|\(let (\$[A-Za-z0-9_]+) |\$[A-Za-z0-9_]+')
+
+
+def bound_names(text: str) -> str:
+    """Graph text with its `let`s as rows of the `Bound` table: `(let $n5 (Op_relu $n4))` becomes
+    `(set (Bound "$n5") (Op_relu (Bound "$n4")))`; quoted strings (leaf names) are left as they are.
+
+    egglog 13.2 makes each global `let` a table of its own, and every command
+    then visits every table: a graph of n tensors loaded in n commands cost
+    n**2 (100,001 tensors: 7,168 loaded in the old default limit). One table
+    of names keeps each command's cost flat, so a graph loads in time linear
+    in its tensors. The encoders (`encoding`, `mesh_encoding`, the rule
+    generator's terms) keep writing `let`s; this one pass, over the text
+    every graph reaches the e-graph through, turns them into rows."""
+    def row(match: re.Match) -> str:
+        token = match.group(0)
+        if token.startswith('"'):
+            return token
+        if match.group(1):
+            return f'(set ({BOUND} "{match.group(1)}") '
+        return f'({BOUND} "{token}")'
+
+    return _GRAPH_TOKENS.sub(row, text)
+
+
 class Session:
     """An egglog e-graph with the compiled rules and one graph loaded."""
 
@@ -134,22 +163,29 @@ class Session:
             # One command batch per rule and per graph node: egglog 13.2 is far
             # slower on one large program (9 s against 0.4 s for 200 rules).
             self._run(program.declarations)
+            self._run(f"(function {BOUND} (String) T :merge old)")
             self._constructors = frozenset(name for name, fn in self.egraph.freeze().functions.items()
-                                           if fn.output_sort == "T" and not fn.is_let_binding)
+                                           if fn.output_sort == "T" and not fn.is_let_binding and name != BOUND)
             for rule in program.rules:
                 if past(deadline):
                     break
                 self._run(rule.text)
                 self.loaded += 1
-            chunks = [chunk for chunk in graph_text.split("\n\n") if chunk.strip()]
-            for index, chunk in enumerate(chunks):
-                # a graph not loaded whole cannot give a plan; small ones (< 256 tensors, < 0.2 s) always load
-                if index and index % 256 == 0 and past(deadline):
-                    raise OptimizeError(f"loading the graph into the e-graph ran past the time limit (--limit "
-                                        f"seconds): {index:,} of {len(chunks):,} tensors loaded; raise the limit")
-                self._run(chunk)
+            self._load_graph(graph_text, deadline)
         except bindings.EggSmolError as err:
             raise CompileError(f"egglog rejected the generated program: {err}") from None
+
+    def _load_graph(self, graph_text: str, deadline: float | None) -> None:
+        """The graph's tensors, one egglog call each (`bound_names`: each call's cost stays flat). Batching
+        tensors into one call does not help: egglog 13.2's cost and memory grow faster than a call's commands
+        (1,000 tensors a call took 4 GB for a 100,000-tensor chain; 8 a call ran 20% slower than 1)."""
+        chunks = [chunk for chunk in bound_names(graph_text).split("\n\n") if chunk.strip()]
+        for index, chunk in enumerate(chunks):
+            # a graph not loaded whole cannot give a plan; small ones (< 256 tensors, < 0.05 s) always load
+            if index and index % 256 == 0 and past(deadline):
+                raise OptimizeError(f"loading the graph into the e-graph ran past the time limit (--limit "
+                                    f"seconds): {index:,} of {len(chunks):,} tensors loaded; raise the limit")
+            self._run(chunk)
 
     def _run(self, text: str):
         return self.egraph.run_program(*self.egraph.parse_program(text))
@@ -179,7 +215,7 @@ class Session:
     def load(self, text: str) -> None:
         """Runs program text that inserts terms or facts (a graph chunk)."""
         try:
-            self._run(text)
+            self._run(bound_names(text))
         except bindings.EggSmolError as err:
             raise CompileError(f"egglog rejected the generated program: {err}") from None
 
@@ -191,7 +227,7 @@ class Session:
     def holds(self, left: str, right: str) -> bool:
         """Whether the e-graph already has `right` (an egglog term, not inserted) in `left`'s e-class."""
         try:
-            self._run(f"(check (= {left} {right}))")
+            self._run(bound_names(f"(check (= {left} {right}))"))
         except bindings.EggSmolError:
             return False
         return True
@@ -221,6 +257,9 @@ class Session:
         lets: dict[str, int] = {}
         for name, fn in frozen.functions.items():
             if name.startswith(MADE_PREFIX):
+                continue
+            if name == BOUND:
+                lets.update((eg.value_to_string(row.inputs[0]), eg.value_to_i64(row.output)) for row in fn.rows)
                 continue
             if fn.is_let_binding:
                 if fn.output_sort == "T":
