@@ -42,6 +42,7 @@ import torch.multiprocessing as mp
 
 from parsat.backend import rank_guard
 from parsat.dsl.bounds import BoundError, check_all
+from parsat.ir.units import fmt_bytes
 
 GRACE_S = 0.5        # after a first failure: how long to collect the others' reports
 TERMINATE_S = 3.0    # SIGTERM to SIGKILL
@@ -190,7 +191,7 @@ def _summary(err: BaseException) -> str:
     text = f"{err}".strip()
     if out_of_memory(err):
         asked = _ASKED.search(text)
-        size = "" if asked is None else (f" (an allocation of {int(asked.group(1)) / 2 ** 30:,.2f} GiB failed)"
+        size = "" if asked is None else (f" (an allocation of {fmt_bytes(int(asked.group(1)))} failed)"
                                          if asked.group(1) else f" (an allocation of {asked.group(2)} failed)")
         return (f"ran out of memory{size}: give it less work (a smaller model, batch or --size) or more memory "
                 "(fewer ranks on this machine)")

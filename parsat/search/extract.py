@@ -37,6 +37,7 @@ from parsat.ir.graph import Graph, instance_for
 from parsat.ir.machine import Machine
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import INPUT, STORED_ROLES, WEIGHT, WEIGHT_PIECE, WEIGHT_VALUE, Degrees
+from parsat.ir.units import fmt_bytes_pair
 from parsat.cost.collectives import BROADCAST, GroupTopology, price
 from parsat.cost.model import compute_cost, gather_cost, parallel_cost
 from parsat.egraph.encoding import PIN_SUFFIX
@@ -574,9 +575,10 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
     fitting = [f for f in found if f[1] <= capacity]
     if not fitting:
         least = min(found, key=lambda f: f[1])
+        needs, has = fmt_bytes_pair(least[1], capacity)   # never "needs 0.00 GiB, the device has 0.00 GiB"
         err = ExtractionError(
-            f"no plan fits in memory: the smallest plan found needs {least[1] / 2 ** 30:.2f} GiB per device, "
-            f"the device has {capacity / 2 ** 30:.2f} GiB (use more devices or a smaller model)")
+            f"no plan fits in memory: the smallest plan found needs {needs} per device, "
+            f"the device has {has} (use more devices or a smaller model)")
         err.needed_bytes = int(least[1])
         raise err
     best = min(fitting, key=lambda f: (f[0], f[2] != "ilp"))

@@ -29,6 +29,7 @@ from parsat.ir.placement import Placement
 from parsat.ir.plan import JOINT
 from parsat.ir.recompute import AUTO, BLOCKS, NONE, check_policy
 from parsat.ir.recompute import describe as describe_recompute
+from parsat.ir.units import fmt_bytes
 from parsat.search.baselines import Candidate, best_grid, megatron_excluded
 from parsat.search.deadline import Deadline
 from parsat.search.extract import Extraction, ExtractionError, leaf_roles, node_costs
@@ -215,7 +216,7 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
             break
         if policy != policies[-1]:
             step.say(f"mesh {sat.mesh}: the plan keeping every activation needs "
-                     f"{joint.totals.peak_memory_bytes / 2**30:.1f} GiB per device: extracting again with "
+                     f"{fmt_bytes(joint.totals.peak_memory_bytes)} per device: extracting again with "
                      "activation recomputation")
     return found, failure
 

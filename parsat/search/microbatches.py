@@ -32,6 +32,7 @@ from parsat.cost.model import weight_bytes
 from parsat.ir.errors import DoesNotFit, OptimizeError
 from parsat.ir.plan import BASELINES, BaselinePlan, Plan
 from parsat.ir.recompute import AUTO, NONE
+from parsat.ir.units import fmt_bytes, fmt_bytes_pair
 from parsat.search.deadline import Deadline
 from parsat.search.request import SearchRequest, step_context
 from parsat.search.step import search_step
@@ -187,9 +188,10 @@ class CountSearch:
             if plan is not None:
                 return self.search_every_mesh(plan)
             raise needed
-        held = (f"the plan needs {plan.totals.peak_memory_bytes / 2**30:.1f} GiB per device of "
-                f"{plan.machine.memory_capacity / 2**30:.1f}" if plan is not None else
-                f"no plan fits with {m} micro-batch(es) ({needed.needed_bytes / 2**30:.1f} GiB per device needed)")
+        held = ("the plan needs {} per device of {}".format(
+                    *fmt_bytes_pair(plan.totals.peak_memory_bytes, plan.machine.memory_capacity))
+                if plan is not None else
+                f"no plan fits with {m} micro-batch(es) ({fmt_bytes(needed.needed_bytes)} per device needed)")
         self.request.say(f"{held}: searching again with {more} micro-batches")
         self.m = more
         return None
