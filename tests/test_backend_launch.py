@@ -94,8 +94,12 @@ def test_job_timeout_names_every_running_rank(tmp_path):
 
 
 def test_bad_configuration_is_refused():
-    with pytest.raises(LaunchError, match="nproc must be >= 1"):
+    with pytest.raises(LaunchError, match="--nproc must be a whole number from 1 to 1,048,576, got 0"):
         launch(worker_sum, ("x",), LaunchConfig(nproc=0, backend="gloo"))
+    with pytest.raises(LaunchError, match="--collective-timeout must be a positive number of seconds, at most"):
+        launch(worker_sum, ("x",), LaunchConfig(nproc=1, backend="gloo", collective_timeout_s=float("inf")))
+    with pytest.raises(LaunchError, match="parsat starts at most 256 local ranks"):
+        launch(worker_sum, ("x",), LaunchConfig(nproc=257, backend="gloo"))
     with pytest.raises(LaunchError, match="unknown backend"):
         launch(worker_sum, ("x",), LaunchConfig(nproc=1, backend="mpi"))
     if not torch.cuda.is_available():
