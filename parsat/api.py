@@ -88,27 +88,8 @@ def optimize(graph, machine="h100x8", rules=None, limits=None, devices=None, *,
     precision instead of its own (`Machine.with_precision`); the other
     options are `parsat.search.optimize.optimize`'s.
     """
-    check_limit_bounds(limits)
     if precision is not None:
         machine = Machine.resolve(machine).with_precision(precision)
     return optimize_with(graph, machine=machine, rules=rules, limits=limits, devices=devices,
                          choose_rules=partial(proved_rules, allow_unverified=allow_unverified), **options)
 
-
-def check_limit_bounds(limits) -> None:
-    """The upper ends of `--limit` (`dsl.bounds`: `iterations=10**30` asks for nothing the user can mean),
-    after the runner's own checks of their types and lower ends (`Limits.resolve`: a ValueError). An off
-    `seconds` (infinity, the default) has no upper end to pass."""
-    from dataclasses import asdict
-
-    from parsat.dsl.bounds import BOUNDS, BoundError
-    from parsat.egraph.runner import Limits
-
-    for key, value in asdict(Limits.resolve(limits)).items():
-        bound = BOUNDS.get(("optimize", f"--limit {key}"))
-        if bound is None or value == float("inf"):
-            continue
-        try:
-            bound.check(value)
-        except BoundError as err:
-            raise OptimizeError(str(err)) from None

@@ -85,8 +85,8 @@ def _pairs(items: list[str], what: str, cast=int) -> dict:
 
 
 def _limit_type(key: str) -> type:
-    """iterations, generations and enodes are counts; the others seconds."""
-    return int if key in ("iterations", "generations", "enodes") else float
+    """iterations, generations, enodes and ilp_nodes are counts; the others seconds."""
+    return int if key in ("iterations", "generations", "enodes", "ilp_nodes") else float
 
 
 def _say_warnings(caught) -> None:

@@ -375,11 +375,13 @@ def test_refuse_overwriting_compares_files_not_names(tmp_path):
 
 
 @pytest.mark.parametrize("limit,pattern", [
-    ("seconds=0", r"--limit seconds must be a finite number of seconds, more than 0, got 0"),
-    ("seconds=nan", r"--limit seconds must be a finite number of seconds, more than 0, got nan"),
+    ("seconds=0", r"--limit seconds must be a positive number of seconds, at most 604,800, got 0"),
+    ("seconds=nan", r"--limit seconds must be a positive number of seconds, at most 604,800, got nan"),
+    ("seconds=inf", r"--limit seconds must be a positive number of seconds, at most 604,800, got inf"),
     ("seconds=-1", r"--limit seconds must be"),
-    ("enodes=0", r"--limit enodes must be a whole number of at least 1, got 0"),
-    ("iterations=0", r"--limit iterations must be a whole number of at least 1, got 0"),
+    ("enodes=0", r"--limit enodes must be a whole number from 1 to 100,000,000, got 0"),
+    ("iterations=0", r"--limit iterations must be a whole number from 1 to 10,000, got 0"),
+    ("ilp_nodes=0", r"--limit ilp_nodes must be a whole number from 1 to 10,000,000, got 0$"),
     ("enodes=inf", r"--limit enodes: 'inf' is not a whole number"),
     ("ilp_seconds=nan", r"--limit ilp_seconds must be"),
 ])

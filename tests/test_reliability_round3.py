@@ -89,10 +89,16 @@ def test_every_bound_refuses_nan_infinity_booleans_and_its_ends_plus_one():
 
 def test_the_api_refuses_limits_past_their_bounds_before_the_search():
     import parsat
-    from parsat.ir.errors import OptimizeError
 
-    with pytest.raises(OptimizeError, match="--limit enodes must be a whole number from 1 to 100,000,000"):
+    with pytest.raises(ValueError, match="--limit enodes must be a whole number from 1 to 100,000,000"):
         parsat.optimize("mlp", devices=2, limits={"enodes": 10 ** 12})
+    with pytest.raises(ValueError, match="--limit seconds must be a positive number of seconds, at most 604,800"):
+        parsat.optimize("mlp", devices=2, limits={"seconds": float("inf")})   # given, infinity is no limit
+
+
+def test_a_whole_ilp_node_count_is_read_as_one(capsys):
+    """Before: `--limit ilp_nodes=5000` was read as 5000.0 and refused as not a whole number."""
+    assert main(["optimize", "mlp", "-n", "2", "-q", "--no-baselines", "--limit", "ilp_nodes=5000"]) == 0
 
 
 # ------------------------------------------------------------------ rule files

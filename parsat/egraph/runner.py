@@ -28,6 +28,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+from parsat.dsl.bounds import bound
 from parsat.egraph.session import Session
 
 STOP_SATURATED = "saturated"
@@ -77,21 +78,21 @@ class Limits:
 
 
 def check_limits(limits: Limits, given: set[str] = frozenset()) -> None:
-    """ValueError for a limit that would stop the search before it starts, or never (0, negative, NaN).
+    """ValueError for a limit outside its bound (`dsl.bounds`): one that would stop the search before it starts
+    (0, negative, NaN) or ask for work no one can mean (`iterations=10**30`), with the bound in the message.
 
-    Every user's path checks (`from_mapping`, `search.optimize.optimize`); a
-    `Limits` built directly may still hold 0 (tests use it to stop at once)."""
-    for key, least in (("iterations", 1), ("enodes", 1), ("generations", 0), ("ilp_nodes", 1)):
+    Every user's path checks (`from_mapping`, `search.optimize.optimize`,
+    and so `parsat.optimize`); a `Limits` built directly may still hold 0
+    (tests use it to stop at once). `seconds` and `ilp_seconds` left at
+    their default, infinity, are off: there is no bound to pass."""
+    for key in Limits.__dataclass_fields__:
         value = getattr(limits, key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"--limit {key} must be a whole number of at least {least}, got {value!r}")
-    for key, zero in (("seconds", False), ("ilp_seconds", True)):   # ilp_seconds 0: the greedy passes only
-        value = getattr(limits, key)
-        number = not isinstance(value, bool) and isinstance(value, (int, float)) and not math.isnan(value)
-        off = number and value == math.inf and key not in given     # the valve's default: no wall-clock limit
-        if not number or value < 0 or (value == 0 and not zero) or (not off and not math.isfinite(value)):
-            need = "0 or more" if zero else "more than 0"
-            raise ValueError(f"--limit {key} must be a finite number of seconds, {need}, got {value!r}")
+        if key in ("seconds", "ilp_seconds") and value == math.inf and key not in given:
+            continue
+        bound(_COMMAND, f"--limit {key}").check(value)
+
+
+_COMMAND = "optimize"
 
 
 @dataclass(frozen=True)
