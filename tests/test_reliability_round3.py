@@ -34,6 +34,8 @@ from parsat.ir.units import fmt_bytes_pair
     (["optimize", "stack", "-q", "--set", "blocks=1000000000", "--microbatches", "2"],
      "size blocks must be a whole number from 1 to 10,000, got 1000000000"),
     (["optimize", "mlp", "-q", "--limit", f"iterations={10 ** 30}"], "--limit iterations must be a whole number from"),
+    (["optimize", "mlp", "-q", "-n", "2", "--microbatches", "0"],
+     "--microbatches must be a whole number from 1 to 1,048,576, got 0"),
     (["verify", "--timeout", "1e308"], "--timeout must be a positive number of seconds, at most 86,400"),
     (["verify", "--jobs", "100000"], "--jobs must be a whole number from 1 to 256, got 100000"),
     (["generate", "--ops", "relu", "-o", "new.rule", "--max-ops", "100"], "--max-ops must be a whole number from 1 to 8, got 100"),

@@ -13,9 +13,9 @@ what `benchmarks/hostile_inputs.py` tries.
 
 Bounds that belong to a data format stay with its reader (graph shapes and
 machine fields: `ir.validate`; rule literals: `dsl.parser`), and the search
-bounds `--devices` and `--microbatches` itself (`search.request`) and the
-lower ends of `--limit` (`egraph.runner`); the upper ends of `--limit` are
-here, checked by the facade (`parsat.api.optimize`).
+bounds `--devices` and `--microbatches` itself (`search.request`). The
+bounds of `--limit` are here, checked by the runner (`egraph.runner.check_limits`,
+which every path to a search passes).
 """
 
 from __future__ import annotations
@@ -80,6 +80,8 @@ class Bound:
 
 
 def _table() -> dict[tuple[str, str], Bound]:
+    """Each bound's figure is the most a user can mean, not the most parsat can take: a week for a timeout, a
+    billion steps, a calibration --size of 4,096 (about 9 GiB a rank in float64, its buffers included)."""
     seconds = dict(whole=False, unit="seconds", above=True)
     rows = {
         ("run", "--nproc"): Bound("--nproc", 1, 1 << 20),
@@ -104,7 +106,7 @@ def _table() -> dict[tuple[str, str], Bound]:
         ("generate", "--seconds"): Bound("--seconds", 0, WEEK_S, **seconds),
         ("generate", "--verify-timeout"): Bound("--verify-timeout", 0, DAY_S, **seconds),
         ("show", "--timeout"): Bound("--timeout", 0, DAY_S, **seconds),
-        # upper bounds of the search's budgets (`egraph.runner.check_limits` holds their lower ones)
+        # the search's budgets (`egraph.runner.check_limits`; `seconds` left at infinity is off, unchecked)
         ("optimize", "--limit iterations"): Bound("--limit iterations", 1, 10_000),
         ("optimize", "--limit generations"): Bound("--limit generations", 0, 1_000),
         ("optimize", "--limit enodes"): Bound("--limit enodes", 1, 100_000_000),
