@@ -396,6 +396,21 @@ def test_a_signal_ends_verify_and_its_workers(tmp_path, signum, status, word):
     assert not leftovers, leftovers
 
 
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), "Terminated"])
+def test_a_pool_told_to_end_while_it_starts_gives_the_signal_back(error):
+    """Before: a Ctrl-C landing between the pool's first worker and its manager thread became `with`'s
+    "RuntimeError: cannot join thread before it is started" (exit 1, not 130)."""
+    import threading
+
+    from parsat.dsl.lifetime import Terminated, process_pool
+
+    error = Terminated(signal.SIGTERM) if error == "Terminated" else error
+    with pytest.raises(type(error)):
+        with process_pool(2) as pool:
+            pool._executor_manager_thread = threading.Thread(target=lambda: None)   # made, not yet started
+            raise error
+
+
 def test_the_watchdog_ends_a_command_stuck_in_native_code(tmp_path):
     """Python runs a signal handler only between bytecodes; a command stuck in C (here `time.sleep` in a
     C-level loop with the handler's exception swallowed) is ended by the watchdog, its temporary file removed."""

@@ -25,6 +25,9 @@ The CLI runs every command inside `handling_signals()`:
   kills the children, removes the temporary files still registered, says
   so and ends the process (`os._exit`). A second signal ends it at once.
 
+Worker pools are made with `process_pool`, which a signal leaves without
+waiting for the workers (the handler has killed them).
+
 Cache entries and outputs are written whole or not at all
 (`files.write_atomic`: a temporary file renamed over the target), so an
 ended command leaves the old file or the new one. A forked child (a pool
@@ -40,6 +43,7 @@ import select
 import signal
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -110,6 +114,30 @@ def valve(seconds: float) -> Iterator[None]:
         yield
     finally:
         _STATE.valve_s = before
+
+
+@contextmanager
+def process_pool(workers: int) -> Iterator[ProcessPoolExecutor]:
+    """A `ProcessPoolExecutor` that a command told to end leaves at once.
+
+    `with ProcessPoolExecutor()` waits for its workers on the way out, and a
+    signal that lands while the pool is still starting (its workers forked,
+    its manager thread not yet) turns that wait into "RuntimeError: cannot
+    join thread before it is started", which replaced the user's Ctrl-C. On
+    KeyboardInterrupt or `Terminated` the workers are killed, the pool is shut
+    down without waiting, and the signal's exception goes on; on any other
+    way out the pool is shut down as `with` would."""
+    pool = ProcessPoolExecutor(max_workers=workers)
+    try:
+        yield pool
+    except (KeyboardInterrupt, Terminated):
+        end_children()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
 
 
 def end_children() -> None:

@@ -37,12 +37,12 @@ from __future__ import annotations
 import re
 import textwrap
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Mapping, Sequence
 
 from parsat.dsl import ast
 from parsat.dsl.bounds import BoundError, check_all
+from parsat.dsl.lifetime import process_pool
 from parsat.dsl.library import Library
 from parsat.dsl.printer import format_decl, format_expr
 from parsat.dsl.typecheck import RuleInstance, TypeCheckError, group_assignments, rule_groups, type_rule
@@ -199,7 +199,7 @@ def decide_all(rules: Sequence[ast.RuleDecl], ops: Mapping[str, ast.OpDecl], set
     work = [(i, r, ops, settings.verify_timeout, settings.widen, settings.lift, deadline)
             for i, r in enumerate(rules)]
     if settings.jobs > 1 and len(work) > 1:
-        with ProcessPoolExecutor(max_workers=settings.jobs) as pool:
+        with process_pool(settings.jobs) as pool:
             results = list(pool.map(_decide, work, chunksize=1))
     else:
         results = [_decide(item) for item in work]

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from parsat.dsl import ast
 from parsat.dsl.bounds import check_all
+from parsat.dsl.lifetime import process_pool
 from parsat.dsl.errors import DslError
 from parsat.dsl.library import Library, display_path, load_library, rule_files, shipped_rules_dir
 from parsat.dsl.parallel_ops import expand_fused_rule
@@ -77,7 +78,7 @@ def _run_parallel(work: list[tuple], jobs: int, on_outcome: Callable[[tuple], No
     """
     done: set[str] = set()
     try:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
+        with process_pool(jobs) as pool:
             futures = {pool.submit(_one, item): item[0] for item in work}
             for future in as_completed(futures):
                 outcome = future.result()
@@ -90,7 +91,7 @@ def _run_parallel(work: list[tuple], jobs: int, on_outcome: Callable[[tuple], No
         if key in done:
             continue
         try:
-            with ProcessPoolExecutor(max_workers=1) as alone:
+            with process_pool(1) as alone:
                 outcome = alone.submit(_one, item).result()
         except BrokenProcessPool:
             span = rule.span
