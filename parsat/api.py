@@ -92,4 +92,3 @@ def optimize(graph, machine="h100x8", rules=None, limits=None, devices=None, *,
         machine = Machine.resolve(machine).with_precision(precision)
     return optimize_with(graph, machine=machine, rules=rules, limits=limits, devices=devices,
                          choose_rules=partial(proved_rules, allow_unverified=allow_unverified), **options)
-
