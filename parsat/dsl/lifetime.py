@@ -37,6 +37,7 @@ never removes its parent's files.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import select
@@ -126,7 +127,13 @@ def process_pool(workers: int) -> Iterator[ProcessPoolExecutor]:
     join thread before it is started", which replaced the user's Ctrl-C. On
     KeyboardInterrupt or `Terminated` the workers are killed, the pool is shut
     down without waiting, and the signal's exception goes on; on any other
-    way out the pool is shut down as `with` would."""
+    way out the pool is shut down as `with` would.
+
+    The workers are forked: garbage the parent holds (an egglog e-graph of an
+    earlier search) is collected first, in the parent, because a forked child
+    that frees one waits forever on egglog's thread pool, whose threads were
+    not forked (`_in_forked_child` freezes what a child inherits)."""
+    gc.collect()
     pool = ProcessPoolExecutor(max_workers=workers)
     try:
         yield pool
@@ -245,7 +252,9 @@ def handling_signals() -> Iterator[None]:
 def _in_forked_child() -> None:
     """A forked worker (multiprocessing's pool) is its parent's to end: it ignores Ctrl-C, which the terminal
     sends the whole group (its parent kills it), uses the default SIGTERM and SIGHUP, wakes no watchdog, and
-    never removes its parent's temporary files."""
+    never removes its parent's temporary files. Nor does it collect what it inherited: freeing a parent's
+    egglog e-graph waits on a thread pool that exists only in the parent (`process_pool`)."""
+    gc.freeze()
     if _STATE.wakeup is not None:
         signal.set_wakeup_fd(-1)
         for fd in _STATE.wakeup:

@@ -55,7 +55,27 @@ class MeshChoice:
 
 def search_step(step: StepContext, clock: Deadline) -> Plan:
     """The cheapest plan of one step (see the module docstring), all before `clock`'s deadline. Raises
-    OptimizeError (DoesNotFit when no plan fits in memory) with a message for the user."""
+    OptimizeError (DoesNotFit when no plan fits in memory) with a message for the user.
+
+    A scout's step whose first mesh holds no plan that fits searches every mesh when a point of the
+    independent grid fits: a two-axis mesh (tensor parallelism inside a node) holds what one axis cannot, and
+    a count or pair must not be judged by the one mesh that fails. (A scout's plan that comes back is the best
+    of that mesh's and of every grid point, two-axis ones included: when it does not fit, no grid point
+    does.)"""
+    if not step.scout:
+        return _search_step(step, clock)
+    try:
+        return _search_step(step, clock)
+    except DoesNotFit:
+        steps = CandidateSteps(step.request.library, step.machine, step.graph.microbatches)
+        if step.pins or not any(p.totals.fits(step.machine) for p in independent_points(step, steps)):
+            raise
+        step.say("no plan on the first mesh fits where a grid point does: searching every mesh")
+        return _search_step(replace(step, scout=False), clock)
+
+
+def _search_step(step: StepContext, clock: Deadline) -> Plan:
+    """`search_step` on the meshes the step searches."""
     choices = mesh_choices(step)
     said = {}
     if step.scout and len(choices) > 1:
