@@ -209,16 +209,24 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
                                             "searches every block")
             continue
         joint = Candidate(JOINT, pcg, costs, totals(costs, machine))
-        if joint.totals.fits(machine) or found is None or \
-                joint.totals.peak_memory_bytes < found[3].totals.peak_memory_bytes:
+        holds = holds_in_flight(costs, machine, step.in_flight)
+        if holds or found is None or joint.totals.peak_memory_bytes < found[3].totals.peak_memory_bytes:
             found = (policy, priced, extraction, joint)
-        if joint.totals.fits(machine):
+        if holds:
             break
         if policy != policies[-1]:
             step.say(f"mesh {sat.mesh}: the plan keeping every activation needs "
                      f"{fmt_bytes(joint.totals.peak_memory_bytes)} per device: extracting again with "
                      "activation recomputation")
     return found, failure
+
+
+def holds_in_flight(costs: Mapping, machine: Machine, in_flight: int) -> bool:
+    """Whether a plan fits with `in_flight` micro-batches' activations alive at once (a pipeline stage's, as
+    extraction ranked it): a stage plan that fits one micro-batch but not the stage's warm-up recomputes."""
+    if in_flight == 1:
+        return totals(costs, machine).fits(machine)
+    return totals({k: c.with_in_flight(in_flight) for k, c in costs.items()}, machine).fits(machine)
 
 
 def _restricted_baselines(step: StepContext, sat: Saturated, priced, policy: str,
