@@ -421,9 +421,12 @@ import time
 from parsat.dsl.lifetime import handling_signals, temporary_file
 with handling_signals(), temporary_file({str(partial)!r}):
     open({str(partial)!r}, "w").write("half")
-    print("ready", flush=True)
+    ready = False
     while True:
-        try:
+        try:   # "ready" said inside the try: a signal right after it is swallowed too, never a traceback
+            if not ready:
+                ready = True
+                print("ready", flush=True)
             time.sleep(60)
         except BaseException:
             pass
