@@ -35,7 +35,7 @@ from parsat.search.deadline import Deadline
 from parsat.search.extract import Extraction, ExtractionError, leaf_roles, node_costs
 from parsat.search.repeat import RepeatError
 from parsat.search.request import StepContext
-from parsat.search.solve import price, solve
+from parsat.search.solve import in_flight_costs, price, solve
 from parsat.ir.megatron import contraction_weights
 from parsat.search.strategies import Config, config_excluded
 
@@ -209,7 +209,7 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
                                             "searches every block")
             continue
         joint = Candidate(JOINT, pcg, costs, totals(costs, machine))
-        holds = holds_in_flight(costs, machine, step.in_flight)
+        holds = holds_in_flight(joint, machine, step.in_flight)
         if holds or found is None or joint.totals.peak_memory_bytes < found[3].totals.peak_memory_bytes:
             found = (policy, priced, extraction, joint)
         if holds:
@@ -221,12 +221,12 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
     return found, failure
 
 
-def holds_in_flight(costs: Mapping, machine: Machine, in_flight: int) -> bool:
+def holds_in_flight(joint: Candidate, machine: Machine, in_flight: int) -> bool:
     """Whether a plan fits with `in_flight` micro-batches' activations alive at once (a pipeline stage's, as
     extraction ranked it): a stage plan that fits one micro-batch but not the stage's warm-up recomputes."""
     if in_flight == 1:
-        return totals(costs, machine).fits(machine)
-    return totals({k: c.with_in_flight(in_flight) for k, c in costs.items()}, machine).fits(machine)
+        return joint.totals.fits(machine)
+    return totals(in_flight_costs(joint.costs, in_flight), machine).fits(machine)
 
 
 def _restricted_baselines(step: StepContext, sat: Saturated, priced, policy: str,

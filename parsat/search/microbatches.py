@@ -102,9 +102,16 @@ class CountSearch:
         if full.saturation.get("scouted"):
             return full
         self.plans.insert(0, full)
-        if full.totals.fits(full.machine) and (self.best is None or full.totals.time_s <= self.best.totals.time_s):
-            self.best = full
+        self.keep_if_best(full, wins_ties=True)
         return min((full, chosen), key=rank_plans)
+
+    def keep_if_best(self, plan: Plan, wins_ties: bool = False) -> None:
+        """`plan` becomes `best` when it fits and is faster (or, `wins_ties`, as fast)."""
+        if not plan.totals.fits(plan.machine):
+            return
+        if self.best is None or plan.totals.time_s < self.best.totals.time_s or \
+                (wins_ties and plan.totals.time_s == self.best.totals.time_s):
+            self.best = plan
 
     def run(self) -> Plan:
         while True:
@@ -134,10 +141,9 @@ class CountSearch:
         m = self.m
         if plan is not None:
             self.plans.append(plan)
+            self.keep_if_best(plan)
         fits = plan is not None and plan.totals.fits(plan.machine)
         recomputes = plan is not None and plan.pcg.recompute != NONE
-        if fits and (self.best is None or plan.totals.time_s < self.best.totals.time_s):
-            self.best = plan
         if fits and m == 1 and not recomputes:
             return self.search_every_mesh(plan)
         if not fits or recomputes:   # a count at which keeping every activation does not fit

@@ -109,7 +109,7 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
              for m in microbatch_counts(batch, p, microbatches)]
     for index, (p, m) in enumerate(pairs):
         stage_devices = devices // p
-        stage_machine = replace(machine.with_devices(stage_devices), memory_capacity=machine.memory_capacity * p)
+        stage_machine = _stage_machine(machine, devices, p)
         if clock is not None and clock.spent and (index > 0 or clock.interrupted.is_set()):
             why = INTERRUPTED if clock.interrupted.is_set() else NOT_SEARCHED
             say(f"pipeline {p} stages x {m} micro-batches: {why}")
@@ -147,6 +147,12 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
     return PipelineSearch(tuple(plans), tuple(grid), tuple(tried))
 
 
+def _stage_machine(machine: Machine, devices: int, p: int) -> Machine:
+    """The machine a stage plan is searched on: a stage's devices, each p times the memory (a stage holds about
+    1/p of the weights' state: the module docstring)."""
+    return replace(machine.with_devices(devices // p), memory_capacity=machine.memory_capacity * p)
+
+
 def _priced(stage: Plan, p: int, m: int, schedule: str | None, machine: Machine, in_flight: int,
             tried: list[dict], plans: list[Plan], grid: list[tuple[Plan, dict]]) -> list[Plan]:
     """`stage` cut and priced in every schedule that applies, added to `plans` with its grid points; those
@@ -168,10 +174,9 @@ def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, i
     if id(first) not in scouted or (bar is not None and rank_plans(bar) <= rank_plans(first)):
         return
     p, m, in_flight = scouted[id(first)]
-    stage_machine = replace(machine.with_devices(devices // p), memory_capacity=machine.memory_capacity * p)
     say(f"pipeline {p} stages x {m} micro-batches chosen: searching every stage mesh")
     try:
-        stage = search(stage_machine, devices // p, m, in_flight, clock.part(1.0) if clock is not None else None,
+        stage = search(_stage_machine(machine, devices, p), devices // p, m, in_flight, clock.part(1.0) if clock is not None else None,
                        False)
     except (DoesNotFit, OptimizeError) as err:
         say(f"pipeline {p} x {m} micro-batches, every stage mesh: no stage plan ({err})")

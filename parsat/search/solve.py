@@ -47,7 +47,7 @@ def solve(result: SaturationResult, graph: Graph, library: Library, machine: Mac
     given, must be priced under it (`price`)."""
     if costs is None:
         costs = price(result, graph, library, machine, free_input_placements, pins, repetition, roots, recompute)
-    ranked = costs if in_flight == 1 else {k: c.with_in_flight(in_flight) for k, c in costs.items()}
+    ranked = in_flight_costs(costs, in_flight)
     extraction = extract(result.snapshot, ranked, roots, machine.memory_capacity, limits, exclude)
     pcg, ident = pcg_from_extraction(result, extraction, graph, library, roots, graph.outputs)
     pcg = replace(pcg, recompute=recompute)
@@ -111,6 +111,12 @@ def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_placement
             return None
         out[node.id] = cost
     return recomputed_pcg_costs(pcg, out)
+
+
+def in_flight_costs(costs: Mapping, in_flight: int) -> Mapping:
+    """`costs` with `in_flight` micro-batches' activations alive at once (a pipeline stage's warm-up): what a
+    stage's extraction ranks memory by, and what its recomputation policy is chosen by (`mesh`)."""
+    return costs if in_flight == 1 else {k: c.with_in_flight(in_flight) for k, c in costs.items()}
 
 
 def pcg_from_extraction(result: SaturationResult, extraction: Extraction, graph: Graph, library: Library,

@@ -62,26 +62,28 @@ def search_step(step: StepContext, clock: Deadline) -> Plan:
     a count or pair must not be judged by the one mesh that fails. (A scout's plan that comes back is the best
     of that mesh's and of every grid point, two-axis ones included: when it does not fit, no grid point
     does.)"""
-    if not step.scout:
-        return _search_step(step, clock)
+    choices = mesh_choices(step)
+    if not step.scout or len(choices) == 1:   # one mesh: a scout's step is the whole step
+        return _search_step(step, clock, choices)
     try:
-        return _search_step(step, clock)
+        return _search_step(step, clock, choices[:1], left_out=choices[1:])
     except DoesNotFit:
         steps = CandidateSteps(step.request.library, step.machine, step.graph.microbatches)
         if step.pins or not any(p.totals.fits(step.machine) for p in independent_points(step, steps)):
             raise
         step.say("no plan on the first mesh fits where a grid point does: searching every mesh")
-        return _search_step(replace(step, scout=False), clock)
+        return _search_step(step, clock, choices)
 
 
-def _search_step(step: StepContext, clock: Deadline) -> Plan:
-    """`search_step` on the meshes the step searches."""
-    choices = mesh_choices(step)
+def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoice],
+                 left_out: Sequence[MeshChoice] = ()) -> Plan:
+    """`search_step` on the meshes `choices`; `left_out`, the meshes a scout's step does not search, are said
+    in the plan (`saturation.scouted`)."""
     said = {}
-    if step.scout and len(choices) > 1:
-        said["scouted"] = (f"mesh {choices[0].mesh} searched, {', '.join(str(c.mesh) for c in choices[1:])} not: "
+    if left_out:
+        said["scouted"] = (f"mesh {', '.join(str(c.mesh) for c in choices)} searched, "
+                           f"{', '.join(str(c.mesh) for c in left_out)} not: "
                            "a scout's step, compared with the other micro-batch counts or pipeline pairs")
-        choices = choices[:1]
     searches = search_meshes_of(step, choices, clock)
     unspread = _unspread(step, searches, pinned=choices[0].config is not None)
     steps = CandidateSteps(step.request.library, step.machine, step.graph.microbatches)
