@@ -44,8 +44,11 @@ def register(subparsers) -> None:
     opt.add_argument("--allow-unverified", action="store_true", help="also use rules the verifier has not PROVED")
     opt.add_argument("--list-examples", action="store_true", help="list the built-in examples and their sizes")
     opt.add_argument("--degrees", default=None, metavar="KIND=N,...",
-                     help="pin degrees of parallelism (dp, tp, pp), e.g. tp=8,pp=4; the rest is searched "
-                          "(dp x tp are one pipeline stage's devices)")
+                     help="pin degrees of parallelism (dp, tp, pp) and the ZeRO stage (zero: 0-3; 1 shards the "
+                          "optimizer state over each weight's replicas, Megatron-LM's distributed optimizer; 2 the "
+                          "gradients too; 3 stores weights split, FSDP), e.g. tp=8,pp=4,zero=1; the rest is "
+                          "searched (dp x tp are one pipeline stage's devices; unpinned, ZeRO 1 or 2 is used "
+                          "where a plan would not fit without)")
     opt.add_argument("--schedule", default=None, choices=("gpipe", "1f1b", "interleaved"),
                      help="pin the pipeline schedule (default: searched)")
     opt.add_argument("--pipeline", dest="pipeline", action="store_true", default=None,

@@ -164,7 +164,7 @@ def test_the_independent_grid_spells_every_point():
         derive_placements(c.pcg, LIB.ops)
 
 
-def test_a_point_that_does_not_fit_recomputes_blocks():
+def test_a_point_that_does_not_fit_shards_the_weights_state_then_recomputes_blocks():
     graph = build_example("gpt", GPT, LIB)
     roomy = Machine.resolve("h100x8")
     keep = {(c.config["dp"], c.config["tp"], c.config["sp"], c.config["zero"]): c
@@ -172,7 +172,11 @@ def test_a_point_that_does_not_fit_recomputes_blocks():
     least = min(c.totals.peak_memory_bytes for c in keep.values())
     tight = replace(roomy, memory_capacity=least - 1)       # no point fits keeping every activation
     for c in independent_grid(graph, LIB, tight, True, 4):
-        point = (c.config["dp"], c.config["tp"], c.config["sp"], c.config["zero"])
+        dp, zero = c.config["dp"], c.config["zero"]
+        point = (dp, c.config["tp"], c.config["sp"], 0 if zero == 1 else zero)
+        # ZeRO-1 (Megatron's distributed optimizer) first, where there are data-parallel replicas to shard over
+        assert zero == (1 if dp > 1 and keep[point].config["zero"] == 0 else keep[point].config["zero"]), point
+        assert c.pcg.zero == (zero if zero in (1, 2) else 0), point
         assert c.config.get("recompute") == "blocks" and c.pcg.recompute == "blocks", point
         assert c.totals.peak_memory_bytes < keep[point].totals.peak_memory_bytes, point
 

@@ -301,13 +301,16 @@ class _Parallel(torch.autograd.Function):
 
 
 def parallel_op(name: str, x: torch.Tensor, placement: Placement, axis: int, dim: int | None,
-                groups: MeshGroups, counter: CommCounter, tag: str = "") -> tuple[torch.Tensor, Placement]:
+                groups: MeshGroups, counter: CommCounter, tag: str = "",
+                deferred: bool = False) -> tuple[torch.Tensor, Placement]:
     """Apply parallel operator `name` on mesh `axis` to this rank's piece `x` of a tensor placed as `placement`.
 
     Returns the new local piece and placement (PlacementError if the
     operator does not apply). An axis of size 1 moves nothing. `tag`
     labels its backward collective in the counter (GRAD_SYNC: the reduction
-    of a weight's gradient).
+    of a weight's gradient). `deferred` (a ZeRO weight's replicate,
+    `state_shards`): its backward runs no collective, the step's end
+    reduce-scatters the gradient instead.
     """
     if name not in PARALLEL_TABLE:
         raise KeyError(f"'{name}' is not a parallel operator ({', '.join(PARALLEL_TABLE)})")
@@ -319,4 +322,5 @@ def parallel_op(name: str, x: torch.Tensor, placement: Placement, axis: int, dim
     replicas = prod(mesh.size(b) for b, code in enumerate(placement.codes) if b != axis and code == FREE)
     comm = Comm(groups.group(axis), size, mesh.coord(groups.rank, axis), counter, name, mesh.names[axis],
                 replicas, tag)
-    return _Parallel.apply(x, PARALLEL_TABLE[name], dim, comm), after
+    row = ParallelRow(name, IDENTITY, IDENTITY) if deferred and name == REPLICATE else PARALLEL_TABLE[name]
+    return _Parallel.apply(x, row, dim, comm), after

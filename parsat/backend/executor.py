@@ -82,6 +82,7 @@ from torch.utils.checkpoint import checkpoint
 from parsat.backend.collectives import GRAD_SYNC, CommCounter, MeshGroups, parallel_op
 from parsat.backend.launch import LaunchConfig, RankContext, launch
 from parsat.backend.recompute_regions import Region, RegionError, Unit, forward_units
+from parsat.backend.state_shards import ShardingError, StateShards, check_runnable
 from parsat.backend.torch_ops import apply_op
 from parsat.backend.training_data import (MASK, ONEHOT, StepData, TrainConfig, causal_mask, data_leaves,  # noqa: F401
                                           fan_in, leaf_value, objective, target_value)
@@ -281,6 +282,7 @@ class RankProgram:
     folded: set[int] = field(init=False)                   # partition nodes absorbed into storage
     placements: dict[int, Placement] = field(init=False)   # node id -> where its pieces live
     output_names: tuple[str, ...] = field(init=False)
+    state: StateShards = field(init=False)                 # ZeRO-1/2 (`PCG.zero`): the weights updated as shards
 
     def __post_init__(self) -> None:
         self.placements = check_mesh(self.pcg, self.ctx.world, self.library)
@@ -296,6 +298,7 @@ class RankProgram:
             if self.computes(leaf):
                 self._store_weight(by_id[leaf], chain)
         self._grad_syncs = gradient_reductions(self.pcg)
+        self.state = StateShards(self)
         self._chains = {i for i in weight_chains(self.pcg) if self.computes(i)}
         outputs = {i for i, _ in self.outputs_here}
         readers: dict[int, list[PNode]] = {}
@@ -466,7 +469,7 @@ class RankProgram:
         dim = dict(node.attrs).get("dim")
         tag = GRAD_SYNC if node.id in self._grad_syncs else ""
         return parallel_op(node.op, x, placement, node.axis(self.mesh), None if dim is None else int(dim),
-                           self.groups, counter, tag)
+                           self.groups, counter, tag, deferred=node.id in self.state.replicates)
 
     def loss(self, env, targets: Mapping[str, torch.Tensor | None],
              outputs: Sequence[tuple[int, str]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -546,7 +549,7 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
         batch = step_batch(graph, library) if graph is not None else StepBatch()
     m = batch.microbatches
     program = RankProgram(pcg, ctx, config, library)
-    optimizer = _make_optimizer([p.tensor for p in program.params.values()], config)
+    optimizer = _make_optimizer(program.state.optimized(program.params), config)
     reference = reference_run(graph, config, batch) if config.check and graph is not None else None
     losses, times, steps_comm, diffs = [], [], [], []  # diffs: (relative, absolute, non-finite) per step
     memory = TensorMemory()
@@ -582,7 +585,9 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
             program.reduce_gradients(weights)             # once per step: the gradient synchronisation
             memory.measure({}, program, optimizer, weights)
             del weights
+        program.state.reduce(counter)   # ZeRO-1/2: each rank's shard of the gradient's sum
         optimizer.step()
+        program.state.gather(counter)   # ... and the updated shards into the weights
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -779,9 +784,15 @@ def compare_with_reference(program: RankProgram, outputs: Mapping[str, list], re
             mean = sum(x for x, _ in pieces) / len(pieces)
             pairs.append((f"output {name}", mean, expected[piece_index(placement, expected.shape, program.mesh,
                                                                          rank)]))
-    for param in program.params.values():
+    for at, param in program.params.items():
         where = piece_index(param.placement, param.shape, program.mesh, rank)
-        pairs.append((f"gradient of {param.name}", gradient_of(param.tensor), reference.grads[step][param.name][where]))
+        expected = reference.grads[step][param.name][where]
+        shard = program.state.shards.get(at)
+        if shard is not None:   # ZeRO: this rank holds only its shard of the summed gradient
+            pairs.append((f"gradient of {param.name} (this rank's shard)", gradient_of(shard.tensor),
+                          shard.expected_gradient(expected)))
+        else:
+            pairs.append((f"gradient of {param.name}", gradient_of(param.tensor), expected))
         pairs.append((f"weight {param.name}", param.tensor, reference.weights[step][param.name][where]))
     result = compare_values(pairs)
     for found in missing:
@@ -903,6 +914,10 @@ def run_plan(pcg: PCG, nproc: int, config: TrainConfig, graph: Graph | None = No
         raise ExecutionError(f"--steps must be >= 1, got {config.steps}")
     check_mesh(pcg, nproc)  # before any rank starts
     batch = step_batch(graph, operator_library()) if graph is not None else StepBatch()  # once, for every rank
+    try:
+        check_runnable(pcg, batch.microbatches)
+    except ShardingError as err:
+        raise ExecutionError(str(err)) from None
     reports = launch(run_rank, (pcg, config, graph, None, batch),
                      LaunchConfig(nproc=nproc, backend=backend, timeout_s=timeout_s,
                                   collective_timeout_s=collective_timeout_s))

@@ -257,6 +257,10 @@ _PIPELINED = ("pipelined plans run through `parsat run` (each stage runs its par
               "the plan's schedule; parallelize wraps one module on one mesh)")
 
 
+_ZERO = ("the plan shards its weights' optimizer state (ZeRO-{stage}), which a module trained with its own optimizer "
+         "does not run yet (`parsat run plan.json` without --model does); optimize with --degrees zero=0")
+
+
 def _resolve_plan(plan) -> tuple[PCG, Graph]:
     """(PCG, graph) of a `Plan` (taken as they are), a plan dict or a plan JSON file; a pipelined plan refused."""
     from parsat.ir.plan import Plan, load_plan_dict, pcg_from_dict
@@ -309,6 +313,8 @@ def parallelize(module: torch.nn.Module, plan, example_inputs=None, *, imported:
         pcg, graph = shared_plan(plan, _resolve_plan, device)
     except PlanMismatch as err:
         raise ParallelizeError(str(err)) from None
+    if pcg.zero:
+        raise ParallelizeError(_ZERO.format(stage=pcg.zero))
     if world != pcg.mesh.world:
         raise ParallelizeError(f"the plan runs on a mesh of {pcg.mesh.world} device(s) ({pcg.mesh or 'one device'}) "
                                f"but the job has {world} rank(s)")
@@ -515,6 +521,8 @@ def run_module_plan(pcg: PCG, graph: Graph, model_spec: str, data_path: str | No
 
     if config.steps < 1:
         raise ExecutionError(f"--steps must be >= 1, got {config.steps}")
+    if pcg.zero:
+        raise ExecutionError(_ZERO.format(stage=pcg.zero))
     check_mesh(pcg, nproc)  # before any rank starts
     reports = launch(run_module_rank, (pcg, graph, model_spec, data_path, config),
                      LaunchConfig(nproc=nproc, backend=backend, timeout_s=timeout_s,

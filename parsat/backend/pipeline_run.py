@@ -146,6 +146,9 @@ def check_pipeline(pcg: PCG, pipeline: PipelinePlan, nproc: int, graph: Graph | 
     schedule that cannot order these chunks, or a chunk that reads a value it neither computes nor receives."""
     layout = pipeline.layout
     p, s = layout.degree, pipeline.stage_devices
+    if pcg.zero:
+        raise ExecutionError(f"the plan's stages shard their weights' state (ZeRO-{pcg.zero}), which the pipelined "
+                             "backend does not run yet; optimize with --degrees zero=0 to run it")
     if nproc != p * s:
         raise ExecutionError(f"the plan runs {p} pipeline stages of {s} rank(s), {p * s} ranks in all, but "
                              f"--nproc is {nproc}: start as many ranks as the plan has devices")

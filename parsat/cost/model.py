@@ -121,7 +121,8 @@ def compute_cost(instance: OpInstance, inputs: Sequence[Degrees], output: Degree
 
 def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, output: Degrees, machine: Machine,
                   source_role: str, devices: int | None = None,
-                  group: GroupTopology | None = None, stores: bool = True) -> NodeCost:
+                  group: GroupTopology | None = None, stores: bool = True, zero: int = 0,
+                  microbatches: int = 1) -> NodeCost:
     """A parallel operator on one mesh axis of `degree` devices. `source_role` (`ir.pcg`'s roles) says what it
     reads:
 
@@ -149,6 +150,16 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
     and gathers the gradient back: its memory is its share of that weight
     and the slice.
 
+    `zero` (1 or 2: the plan's ZeRO stage, `ir.pcg.PCG.zero`) shards the
+    state of a stored weight over the devices of the replicate that
+    synchronises its gradient (`shards_state`): stage 1 its master copy
+    and optimizer moments (Megatron-LM's distributed optimizer), stage 2
+    its gradient too. The all-reduce becomes a reduce-scatter of the
+    gradient and, after each device updates its shard, an all-gather of
+    the weight: the same elements sent as a ring all-reduce. Stage 2
+    cannot accumulate a sharded gradient, so it reduce-scatters once per
+    micro-batch (`microbatches`), as DeepSpeed's stage 2 does.
+
     A tensor with fewer pieces than `devices` is held redundantly (SPMD): each
     of the `devices / pieces` replica sets runs the collective, so the elements
     sent are multiplied accordingly (time is not: the sets run in parallel).
@@ -161,9 +172,10 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
     weighty = source_role in WEIGHT_ROLES
     move = _Move(p, source, output, source.piece_elements(shape), output.piece_elements(shape), weighty,
                  slices_weight=op == PARTITION and weighty and not (stores and source_role in STORED_ROLES))
-    held = _parallel_memory(op, source_role, stores, move, machine)
-    comm = _price_runs(machine, group, p, _collective_runs(op, source_role, move),
-                       _replica_sets(devices, source, output))
+    sharding = zero if shards_state(op, source_role, zero) else 0
+    held = _parallel_memory(op, source_role, stores, move, machine, sharding)
+    runs = _sharded_sync_runs(move, sharding, microbatches) if sharding else _collective_runs(op, source_role, move)
+    comm = _price_runs(machine, group, p, runs, _replica_sets(devices, source, output))
     return NodeCost(optimizer_s=held.optimizer_s, comm_s=comm.seconds, comm_elements=comm.elements,
                     grad_sync_elements=comm.grad_sync_elements, memory_bytes=held.memory_bytes,
                     collectives=comm.collectives, activation_bytes=held.activation_bytes, weight_chain=weighty,
@@ -223,12 +235,39 @@ class _Comm:
     collectives: tuple[str, ...]
 
 
-def _parallel_memory(op: str, source_role: str, stores: bool, move: _Move, machine: Machine) -> _Held:
+def shards_state(op: str, source_role: str, zero: int) -> bool:
+    """Whether a parallel operator is a stored weight's gradient synchronisation whose state ZeRO stage `zero`
+    (1 or 2) shards: a replicate reading the weight or its stored piece (`ir.pcg.STORED_ROLES`). Its replicas
+    hold the same weight and sum their gradients, so each can update its own 1/p of it."""
+    return zero in SHARDED_STATE_STAGES and op == REPLICATE and source_role in STORED_ROLES
+
+
+SHARDED_STATE_STAGES = (1, 2)   # the ZeRO stages a plan states as `PCG.zero`; stage 3 is the PCG's own layout
+
+
+def _state_saved(machine: Machine, zero: int, degree: int) -> float:
+    """Bytes per parameter that ZeRO stage `zero` over `degree` devices takes off each device's state."""
+    held = machine.precision_spec.parameter_bytes(OPTIMIZER)
+    return held.total - held.sharded(zero, degree)
+
+
+def _parallel_memory(op: str, source_role: str, stores: bool, move: _Move, machine: Machine,
+                     zero: int = 0) -> _Held:
     """What a parallel operator keeps: a weight stored in its placement (its training state and update), a finer
     storage of a stored piece (the state shrinks), an activation kept for backward, the slice of a weight not
-    stored so, a gathered weight kept until backward (and its gradient accumulated whole)."""
+    stored so, a gathered weight kept until backward (and its gradient accumulated whole). Under ZeRO stage
+    `zero` (`shards_state`) a replicate of a stored weight takes the sharded state off what the weight's
+    storage holds, and its update runs on the device's shard only."""
     memory, activation, accumulation, opt = 0, 0, 0, 0.0
     out_piece, in_piece = move.out_piece, move.in_piece
+    if zero:
+        p = move.degree
+        saved = -in_piece * _state_saved(machine, zero, p)
+        update = -in_piece * (p - 1) / p * update_traffic_bytes(machine) / machine.memory_bandwidth
+        if source_role == WEIGHT:   # this replicate is also the weight's storage
+            saved += out_piece * weight_bytes(machine)
+            update += out_piece * update_traffic_bytes(machine) / machine.memory_bandwidth
+        return _Held(int(round(saved)), 0, 0, update)
     if source_role == WEIGHT and op in (PARTITION, REPLICATE):   # the weight is stored in this placement
         memory = out_piece * weight_bytes(machine)
         opt = out_piece * update_traffic_bytes(machine) / machine.memory_bandwidth
@@ -247,6 +286,15 @@ def _parallel_memory(op: str, source_role: str, stores: bool, move: _Move, machi
         memory += out_piece * machine.dtype_bytes
         accumulation = out_piece * machine.precision_spec.gradient_bytes
     return _Held(memory, activation, accumulation, opt)
+
+
+def _sharded_sync_runs(move: _Move, zero: int, microbatches: int) -> tuple[_Run, ...]:
+    """A stored weight's gradient synchronisation under ZeRO stage `zero` (`shards_state`): the gradient
+    reduce-scattered (stage 2: once per micro-batch, a sharded gradient cannot accumulate), then the updated
+    shards all-gathered into the weight, each over the replicas' group."""
+    scatter = _Run("bwd", "reduce-scatter", move.in_piece, move.source.pieces, sync=True)
+    gather = _Run("bwd", "all-gather", move.in_piece, move.source.pieces, sync=True)
+    return (scatter,) * (microbatches if zero == 2 else 1) + (gather,)
 
 
 def _partition_runs(move: _Move) -> tuple[_Run, ...]:

@@ -57,7 +57,7 @@ from parsat.dsl.parallel_ops import COMBINE, PARTITION, REDUCE, REPLICATE
 from parsat.ir.graph import instance_for
 from parsat.ir.machine import Machine
 from parsat.ir.microbatch import is_loss
-from parsat.ir.pcg import PCG, PNode, weight_chains, weight_storage
+from parsat.ir.pcg import PCG, PNode, state_shardings, weight_chains, weight_storage
 from parsat.ir.recompute import Checkpoint, checkpoints
 from parsat.cost.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, GroupTopology, price
 from parsat.cost.model import compute_time
@@ -198,6 +198,8 @@ class _Builder:
         self.folded: set[int] = set()
         self.stored = self._stored_weights()
         self.params = weight_chains(pcg)
+        # ZeRO stage 1/2 (`PCG.zero`): stored-at node -> the replicate over whose devices its state is sharded
+        self.sharded = {at: self.by_id[r] for at, r in state_shardings(pcg).items()} if pcg.zero else {}
         self.bucket_of: dict[int, tuple[int, GradientBuckets]] = {}   # stored-at node -> (its axis, buckets)
         self.timed: dict[int, OpTime] = {}
         self.ready: dict[int, int | None] = {}        # node -> the task after which its forward value exists
@@ -493,7 +495,17 @@ class _Builder:
                       alloc=self._accumulated_bytes(), phase="backward")
         for bucketed in buckets:
             syncs.extend(bucketed.done())
+        if self.pcg.zero == 2 and self.accumulating and not self.syncing:
+            self._scatter_microbatch_gradients()
         return syncs, produced
+
+    def _scatter_microbatch_gradients(self) -> None:
+        """ZeRO-2 keeps only its shard of a gradient, so every micro-batch's is reduce-scattered as it ends
+        (DeepSpeed's stage 2), not accumulated whole for one reduction in the last (`cost.model`)."""
+        for at, replicate in sorted(self.sharded.items()):
+            nbytes = _elements(self.stored[at]) * self.item
+            self._sync(f"{replicate.label} #{replicate.id} micro-batch reduce-scatter", REDUCE_SCATTER, replicate,
+                       nbytes, [len(self.steps) - 1], phase="grad_sync")
 
     def _accumulated_bytes(self, node: PNode | None = None) -> int:
         """Bytes of the gradients a weight's chain holds across micro-batches (`NodeCost.accumulation_bytes`:
@@ -515,31 +527,23 @@ class _Builder:
             self._add("micro-batch's values freed", self.compute, 0.0, [len(self.steps) - 1], free=held,
                       phase="backward")
 
-    def _synced(self) -> dict[int, PNode]:
-        """Stored weights whose gradient a `replicate` reading the stored piece synchronises: stored-at node ->
-        that replicate (the first, if several)."""
-        out = {}
-        for at in self.stored:
-            for user in self.users.get(at, []):
-                if user.kind == "parallel" and user.op == REPLICATE and at not in out:
-                    out[at] = user
-        return out
-
     def _buckets(self) -> list[GradientBuckets]:
         """DDP's buckets, one sequence per mesh axis the stored weights are replicated on (DDP's process
         group), each priced on that axis's group; `bucket_of` says which holds each weight."""
         if not self.profile.ddp_buckets:
             return []
         by_axis: dict[int, list[int]] = {}
-        for at, user in self._synced().items():
+        for at, replicate in state_shardings(self.pcg).items():
+            user = self.by_id[replicate]
             by_axis.setdefault(user.axis(self.pcg.mesh), []).append(at)
         comm, grad_bytes = self.machine.comm, self.machine.precision_spec.gradient_bytes
         out = []
         for axis, stored in sorted(by_axis.items()):
             grads = [Gradient(str(i), _elements(self.stored[i]) * grad_bytes) for i in sorted(stored, reverse=True)]
             group = GroupTopology.of_axis(self.pcg.mesh, axis)
+            kind = REDUCE_SCATTER if self.sharded else ALL_REDUCE   # ZeRO: each rank keeps its shard's sum
             buckets = GradientBuckets(self.steps, DEVICE, grads,
-                                      lambda nbytes, g=group: price(ALL_REDUCE, g, nbytes, self.machine).seconds,
+                                      lambda nbytes, g=group, k=kind: price(k, g, nbytes, self.machine).seconds,
                                       comm.bucket_bytes, comm.first_bucket_bytes)
             out.append(buckets)
             for at in stored:
@@ -592,6 +596,11 @@ class _Builder:
             if bucketed is not None and bucketed[0] == node.axis(self.pcg.mesh):
                 task = self._add(f"{label} (gradient into its bucket)", self.compute, self.eff.op_time(0.0, True),
                                       deps, free=free, phase="backward")
+            elif self.sharded.get(source) is node:   # ZeRO: the gradient reduce-scattered onto the shards
+                copy = self._add(f"{label} copy", self.compute, self._copy_s(piece, True), deps, phase="backward")
+                task = self._sync(f"{label} reduce-scatter", REDUCE_SCATTER, node, nbytes, [copy], free=free,
+                                  phase="grad_sync")
+                syncs.append(task)
             else:
                 copy = self._add(f"{label} copy", self.compute, self._copy_s(piece, True), deps, phase="backward")
                 task = self._sync(f"{label} all-reduce", ALL_REDUCE, node, nbytes, [copy], free=free,
@@ -604,25 +613,36 @@ class _Builder:
         return task
 
     # ---------------------------------------------------------------- optimizer
+    def _degree(self, at: int) -> int:
+        """How many shards a stored weight's state is in: its replicate's devices under ZeRO, else 1."""
+        replicate = self.sharded.get(at)
+        return self.pcg.mesh.size(replicate.axis(self.pcg.mesh)) if replicate is not None else 1
+
     def optimizer(self, after: list[int], produced: Mapping[int, int]) -> None:
+        """The update, on each rank's shard of a weight whose state ZeRO shards; then those weights gathered."""
         if self.profile.fused_optimizer:  # one multi-tensor update over every piece (torch's foreach/fused Adam)
-            elements = sum(_elements(n) for n in self.stored.values())
+            elements = sum(_elements(n) / self._degree(at) for at, n in self.stored.items())
             nbytes = elements * self.machine.precision_spec.optimizer_traffic_bytes(self.profile.optimizer)
-            self._add("optimizer update (fused)", self.compute, memory_op_time(nbytes, self.machine),
-                      list(after) + list(produced.values()), phase="optimizer")
-            return
-        calls, passes = OPTIMIZER_PASSES[self.profile.optimizer]
-        for at, node in self.stored.items():
-            per_call = passes * _elements(node) * self.item / calls
-            deps = list(after) + ([produced[at]] if at in produced else [])
-            self._add(f"update {node.op if node.kind == 'leaf' else '#' + str(at)}", self.compute,
-                           calls * memory_op_time(per_call, self.machine), deps, phase="optimizer")
+            updates = [self._add("optimizer update (fused)", self.compute, memory_op_time(nbytes, self.machine),
+                                 list(after) + list(produced.values()), phase="optimizer")]
+        else:
+            calls, passes = OPTIMIZER_PASSES[self.profile.optimizer]
+            updates = []
+            for at, node in self.stored.items():
+                per_call = passes * _elements(node) / self._degree(at) * self.item / calls
+                deps = list(after) + ([produced[at]] if at in produced else [])
+                updates.append(self._add(f"update {node.op if node.kind == 'leaf' else '#' + str(at)}", self.compute,
+                                         calls * memory_op_time(per_call, self.machine), deps, phase="optimizer"))
+        for at, replicate in sorted(self.sharded.items()):   # ZeRO: the updated shards gathered into the weight
+            self._sync(f"{replicate.label} #{replicate.id} all-gather of the updated weight", ALL_GATHER, replicate,
+                       _elements(self.stored[at]) * self.item, [max(updates)], phase="grad_sync")
 
     def resident(self) -> int:
         """Weights, their gradients and the optimizer state on the device for the whole step (bytes per
-        parameter of the machine's precision and the profile's optimizer, `ir.precision`)."""
-        per_parameter = self.machine.precision_spec.parameter_bytes(self.profile.optimizer).total
-        return sum(_elements(n) for n in self.stored.values()) * per_parameter
+        parameter of the machine's precision and the profile's optimizer, `ir.precision`; a weight whose state
+        ZeRO shards holds its share, `ParameterBytes.sharded`)."""
+        held = self.machine.precision_spec.parameter_bytes(self.profile.optimizer)
+        return int(sum(_elements(n) * held.sharded(self.pcg.zero, self._degree(at)) for at, n in self.stored.items()))
 
 
 def simulate_pcg(pcg: PCG, library: Library, machine: Machine, profile: ExecutionProfile = PARSAT_RUN,

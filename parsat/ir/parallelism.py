@@ -99,4 +99,7 @@ def describe(pcg: PCG) -> str:
     zero = [u for u in uses if ZERO3 in u.kinds]
     if zero:
         parts.append("ZeRO-3 over " + ", ".join(("DP" if DATA in u.kinds else u.name) for u in zero))
+    if pcg.zero:
+        parts.append(f"ZeRO-{pcg.zero} (" + ("optimizer state" if pcg.zero == 1 else "gradients and optimizer state")
+                     + " sharded over each weight's replicas)")
     return ", ".join(parts)

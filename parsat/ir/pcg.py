@@ -118,14 +118,18 @@ class PNode:
 
 @dataclass(frozen=True)
 class PCG:
-    """Nodes in topological order (inputs before users), the output ids, the mesh they run on, and which
-    activations are recomputed in backward rather than kept (`ir.recompute`: "none" or "blocks")."""
+    """Nodes in topological order (inputs before users), the output ids, the mesh they run on, which
+    activations are recomputed in backward rather than kept (`ir.recompute`: "none" or "blocks"), and the ZeRO
+    stage of its weights' state: 0, or 1 / 2, where every weight whose gradient a replicate synchronises has its
+    optimizer state (1) and gradient (2) sharded over that replicate's devices (`cost.model.shards_state`).
+    ZeRO-3 is not a flag: it is the layout itself (weights stored split and all-gathered)."""
 
     nodes: tuple[PNode, ...]
     outputs: tuple[int, ...]
     output_names: tuple[str, ...] = ()
     mesh: Mesh = Mesh(())
     recompute: str = "none"
+    zero: int = 0
 
     def __iter__(self) -> Iterator[PNode]:
         return iter(self.nodes)
@@ -148,6 +152,22 @@ class PCG:
 INPUT, WEIGHT, WEIGHT_PIECE, WEIGHT_VALUE = "input", "weight", "weight-piece", "weight-value"
 WEIGHT_ROLES = (WEIGHT, WEIGHT_PIECE, WEIGHT_VALUE)
 STORED_ROLES = (WEIGHT, WEIGHT_PIECE)   # a further partition of these can store the weight finer
+
+
+def state_shardings(pcg: PCG) -> dict[int, int]:
+    """Stored-at node (`weight_storage`'s last) -> the `replicate` reading it that synchronises its gradient (the
+    first, if several): the weights whose state ZeRO stage 1 or 2 (`PCG.zero`) shards over that replicate's
+    devices, as the cost model (`cost.model.shards_state`), the step simulator and the backend all take them."""
+    users: dict[int, list[PNode]] = {}
+    for node in pcg.nodes:
+        for i in node.inputs:
+            users.setdefault(i, []).append(node)
+    out: dict[int, int] = {}
+    for chain in weight_storage(pcg).values():
+        for user in users.get(chain[-1], []):
+            if user.kind == "parallel" and user.op == "replicate" and chain[-1] not in out:
+                out[chain[-1]] = user.id
+    return out
 
 
 def weight_storage(pcg: PCG) -> dict[int, tuple[int, ...]]:

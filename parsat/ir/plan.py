@@ -60,9 +60,12 @@ def pcg_to_dict(pcg: PCG, costs: Mapping[int, NodeCost], dtype_bytes: int) -> di
         if node.rules:
             entry["rules"] = list(node.rules)
         nodes.append(entry)
-    return {"mesh": pcg.mesh.to_dict(), "nodes": nodes,
-            "outputs": [{"name": name, "node": ident} for name, ident in zip(pcg.output_names, pcg.outputs)],
-            "recompute": pcg.recompute}
+    out = {"mesh": pcg.mesh.to_dict(), "nodes": nodes,
+           "outputs": [{"name": name, "node": ident} for name, ident in zip(pcg.output_names, pcg.outputs)],
+           "recompute": pcg.recompute}
+    if pcg.zero:
+        out["zero"] = pcg.zero
+    return out
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,6 @@ def pcg_from_dict(data: Mapping) -> PCG:
     except (PlacementError, MeshError) as err:
         raise PlanError(str(err)) from None
     return PCG(nodes, tuple(o["node"] for o in data["outputs"]), tuple(o["name"] for o in data["outputs"]), mesh,
-               data.get("recompute", NONE))
+               data.get("recompute", NONE), data.get("zero", 0))
 
 

@@ -307,6 +307,9 @@ def _check_pcg(f: _Fields, data: Mapping, at: str) -> None:
     if "recompute" in data and data["recompute"] not in RECOMPUTE_POLICIES:
         f.fail(f"{at}recompute", f"'{_short(data['recompute'])}' is not a recomputation policy "
                                  f"({', '.join(RECOMPUTE_POLICIES)})")
+    if "zero" in data and (isinstance(data["zero"], bool) or data["zero"] not in (0, 1, 2)):
+        f.fail(f"{at}zero", f"'{_short(data['zero'])}' is not a ZeRO stage a plan states (0, 1 or 2; stage 3 is "
+                            "the layout itself: weights stored split and all-gathered)")
 
 
 def _check_pcg_node(f: _Fields, node: Any, path: str, axes: Sequence[str], seen: Mapping[int, str],

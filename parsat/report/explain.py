@@ -73,6 +73,10 @@ def summary_lines(data: Mapping) -> list[str]:
                      "activations")
     if data.get("recompute", NONE) != NONE:
         lines.append(f"  {describe_recompute(data['recompute'])}: the blocks' forward runs twice per step")
+    if data.get("zero"):
+        lines.append(f"  ZeRO-{data['zero']}: each weight whose gradient is synchronised keeps "
+                     + ("its optimizer state" if data["zero"] == 1 else "its gradient and optimizer state")
+                     + " sharded over its replicas (gradient reduce-scattered, the updated shards all-gathered)")
     repeated = (data.get("saturation") or {}).get("repeated_blocks")
     if repeated:
         lines.append(f"  {repeated['blocks']} identical blocks, searched as {repeated['searched_blocks']}: block "
@@ -167,7 +171,9 @@ def parallel_text(node: Mapping, nodes: Mapping[int, Mapping], weights: set[str]
     if "axis" in attrs:
         text += f" on mesh axis {attrs['axis']}"
     if source["kind"] == "leaf" and source["op"] in weights:
-        text += " (weight" + (", gradient all-reduced every step)" if node["op"] == REPLICATE else
+        sharded = any("reduce-scatter" in line for line in node["cost"]["collectives"])   # ZeRO-1/2's sync
+        synced = "reduce-scattered and its update all-gathered (ZeRO)" if sharded else "all-reduced"
+        text += " (weight" + (f", gradient {synced} every step)" if node["op"] == REPLICATE else
                               ", stored sharded: no gradient sync)")
     collectives = node["cost"]["collectives"]
     if collectives:

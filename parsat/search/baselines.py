@@ -78,8 +78,9 @@ def independent_grid(graph: Graph, library: Library, machine: Machine, free_inpu
     """Every point of the Megatron-LM / FSDP grid built directly from the graph (`ir.megatron.megatron_pcg`, and
     `ir.data_parallel` where tp is 1) and priced by the same cost model: dp x tp = `devices` with tp 1 or a
     divisor of a node's devices (tensor parallelism stays inside a node), ZeRO 0 or 3 (where dp > 1), sequence
-    parallelism off or on (where tp > 1). A point that does not fit in memory is priced again recomputing
-    blocks (`ir.recompute`), as Megatron-LM runs large models. Each is a `best_grid` candidate whose `config`
+    parallelism off or on (where tp > 1). A point that does not fit in memory is priced again with its weights'
+    state sharded (ZeRO-1, Megatron-LM's distributed optimizer, where dp > 1), then recomputing blocks
+    (`ir.recompute`) too, as Megatron-LM runs large models. Each is a `best_grid` candidate whose `config`
     spells its point; the caller simulates their steps and keeps the best (`search.mesh.rank`). A point the
     graph cannot be laid out as is not in the grid."""
     per_node = machine.devices_per_node
@@ -93,6 +94,9 @@ def independent_grid(graph: Graph, library: Library, machine: Machine, free_inpu
                 pcg = megatron_pcg(graph, library, (dp, tp), per_node, zero=zero, sequence=sequence, cache=shared)
                 config = {"dp": dp, "tp": tp, "sp": sequence, "zero": zero, "microbatches": graph.microbatches}
                 point = _priced_point(pcg, config, graph, library, machine, free_input_placements)
+                if point is not None and not point.totals.fits(machine) and zero == 0 and dp > 1:
+                    pcg, config = replace(pcg, zero=1), {**config, "zero": 1}   # Megatron's distributed optimizer
+                    point = _priced_point(pcg, config, graph, library, machine, free_input_placements) or point
                 if point is not None and not point.totals.fits(machine) and blocks:
                     point = _priced_point(replace(pcg, recompute=BLOCKS), {**config, "recompute": BLOCKS}, graph,
                                           library, machine, free_input_placements) or point
@@ -186,10 +190,11 @@ GRID_ILP_NODES = 200   # each grid point's ILP (branch-and-bound nodes): the gri
 def best_grid(result: SaturationResult, graph: Graph, library: Library, machine: Machine, roots: Sequence[int],
               limits: Limits, free_input_placements: bool, priced: Mapping[NodeId, NodeCost],
               input_pins: Mapping[str, Degrees], repetition: Repetition | None = None,
-              recompute: str = NONE) -> Candidate | None:
+              recompute: str = NONE, zero: int = 0) -> Candidate | None:
     """The best Megatron-style configuration on this mesh's e-graph (`strategies.grid`: data x tensor axes,
     sequence parallelism on or off, ZeRO-3 or not), priced by the same cost model (`priced`: under the
-    activation-recomputation policy `recompute`, as Megatron runs large models); its configuration spelled out."""
+    activation-recomputation policy `recompute` and ZeRO stage `zero` of the joint plan's policy, as Megatron
+    runs large models); its configuration spelled out."""
     mesh = result.snapshot.mesh or Mesh(())
     roles = leaf_roles(result.snapshot, graph)
     best: Candidate | None = None
@@ -198,6 +203,8 @@ def best_grid(result: SaturationResult, graph: Graph, library: Library, machine:
     def keep(config, pcg: PCG, costs) -> None:
         nonlocal best
         spelled = {**config.spelled(mesh, graph.microbatches), **({"recompute": recompute} if recompute != NONE else {})}
+        if zero and not config.zero3:
+            spelled["zero"] = zero
         found = Candidate("best_grid", pcg, costs, totals(costs, machine), spelled)
         if best is None or _better(found, best, machine):
             best = found
@@ -208,7 +215,7 @@ def best_grid(result: SaturationResult, graph: Graph, library: Library, machine:
             keep(config, *solve(result, graph, library, machine, roots,
                                 replace(limits, ilp_nodes=min(limits.ilp_nodes, GRID_ILP_NODES)), free_input_placements,
                                 excluded, pins=input_pins, costs=priced, repetition=repetition,
-                                recompute=recompute)[:2])
+                                recompute=recompute, zero=zero)[:2])
         except ExtractionError:
             unfit.append((config, excluded))
         except RepeatError:
@@ -220,7 +227,7 @@ def best_grid(result: SaturationResult, graph: Graph, library: Library, machine:
             try:
                 keep(config, *solve(result, graph, library, roomy, roots, replace(limits, ilp_seconds=0.0),
                                     free_input_placements, excluded, pins=input_pins, costs=priced, repetition=repetition,
-                                    recompute=recompute)[:2])
+                                    recompute=recompute, zero=zero)[:2])
             except (ExtractionError, RepeatError):
                 continue
     return best

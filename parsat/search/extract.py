@@ -92,8 +92,11 @@ def leaf_roles(snapshot: Snapshot, graph: Graph) -> dict[int, str]:
 
 
 def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Machine,
-               free_input_placements: bool = True, input_pins: Mapping[str, Degrees] | None = None) -> dict[NodeId, NodeCost]:
+               free_input_placements: bool = True, input_pins: Mapping[str, Degrees] | None = None,
+               zero: int = 0, only: Callable[[str, str], bool] | None = None) -> dict[NodeId, NodeCost]:
     """Every e-node priced by the cost model on the snapshot's mesh; e-nodes the model rejects are left out.
+    `zero` is the plan's ZeRO stage (`Pricer`); `only(op, first child's role)`, when given, says which e-nodes
+    to price (those a ZeRO stage prices differently, `cost.model.shards_state`).
 
     With `free_input_placements` (the default) graph inputs may arrive in any
     placement (the data loader reads the pieces each device needs); otherwise a
@@ -101,13 +104,16 @@ def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Mach
     `input_pins` arrives in that layout: reading it whole costs a gather.
     """
     roles = leaf_roles(snapshot, graph)
-    pricer = Pricer(library, machine, snapshot.mesh or Mesh(()), free_input_placements, input_pins, graph.microbatches)
+    pricer = Pricer(library, machine, snapshot.mesh or Mesh(()), free_input_placements, input_pins, graph.microbatches,
+                    zero)
     out: dict[NodeId, NodeCost] = {}
     for cid, nodes in snapshot.classes.items():
         if cid not in snapshot.shape:
             continue
         for index, node in enumerate(nodes):
             if any(ch not in snapshot.shape for ch in node.children):
+                continue
+            if only is not None and not only(node.op, roles.get(node.children[0], "") if node.children else ""):
                 continue
             parallel = node.op in PARALLEL_OPS
             cost = pricer.price(node.op, node.attrs[:-1] if parallel else node.attrs, snapshot.shape[cid],
@@ -132,10 +138,11 @@ class Pricer:
     """
 
     def __init__(self, library: Library, machine: Machine, mesh: Mesh, free_input_placements: bool = True,
-                 input_pins: Mapping[str, Degrees] | None = None, microbatches: int = 1):
+                 input_pins: Mapping[str, Degrees] | None = None, microbatches: int = 1, zero: int = 0):
         self.library, self.machine, self.mesh, self.free_input_placements = library, machine, mesh, free_input_placements
         self.input_pins = dict(input_pins or {})
         self.microbatches = microbatches   # every cost is per step: `NodeCost.per_step`
+        self.zero = zero                   # the plan's ZeRO stage 1 or 2 (`cost.model.shards_state`), or 0
         self.cache: dict = {}
 
     def price(self, op: str, attrs: tuple, shape, degrees: Degrees, child_shapes, child_degrees, roles,
@@ -152,7 +159,8 @@ class Pricer:
                 if role == INPUT and not self.free_input_placements and op == REPLICATE:
                     role = "broadcast-input"
                 self.cache[key] = _parallel(op, GroupTopology.of_axis(self.mesh, axis),
-                                            shape, child_degrees[0], degrees, self.machine, role, devices, stores)
+                                            shape, child_degrees[0], degrees, self.machine, role, devices, stores,
+                                            self.zero, self.microbatches)
             else:
                 self.cache[key] = _compute(self.library, op, attrs, child_shapes, child_degrees, degrees, self.machine,
                                            tuple(r == WEIGHT for r in roles))
@@ -162,14 +170,15 @@ class Pricer:
 
 
 def _parallel(op: str, group: GroupTopology, shape, source: Degrees, out: Degrees,
-              machine: Machine, role: str, devices: int, stores: bool = True) -> NodeCost:
+              machine: Machine, role: str, devices: int, stores: bool = True, zero: int = 0,
+              microbatches: int = 1) -> NodeCost:
     degree = group.size
     if role == "broadcast-input":  # a whole input sent to the copies: (p-1) n elements
         n = source.piece_elements(shape)
         return NodeCost(comm_s=price(BROADCAST, group, n * machine.dtype_bytes, machine).seconds,
                         comm_elements=(degree - 1) * n * source.pieces * max(1, devices // out.pieces),
                         collectives=(f"fwd broadcast ({degree} devices, {n} elements)",))
-    return parallel_cost(op, degree, shape, source, out, machine, role, devices, group, stores)
+    return parallel_cost(op, degree, shape, source, out, machine, role, devices, group, stores, zero, microbatches)
 
 
 def _compute(library: Library, op_name: str, values: tuple, shapes, input_degrees, out: Degrees, machine: Machine,

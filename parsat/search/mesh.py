@@ -140,7 +140,7 @@ def search_mesh(step: StepContext, mesh: Mesh, config: Config | None, pins: Mapp
     policy, priced, extraction, joint = found
     seconds = time.perf_counter() - t
     step.say(f"mesh {mesh}: extraction {extraction.method}, {seconds:.2f} s, plan {joint.totals.time_s * 1e3:.3f} ms"
-             + (f", {describe_recompute(policy)}" if policy != NONE else ""))
+             + (f", {policy.describe()}" if policy.describe() else ""))
     megatron = grid = None
     if step.request.baselines:
         megatron, grid = _restricted_baselines(step, sat, priced, policy, clock)
@@ -164,19 +164,51 @@ def _saturate(step: StepContext, mesh: Mesh, pins: Mapping[str, Placement], cloc
     return Saturated(mesh, pins, result, roots, raw, spread)
 
 
-def _policies(step: StepContext) -> tuple[str, ...]:
-    """The recomputation policies to extract with, in order: AUTO keeps every activation first."""
-    recompute = step.request.recompute
+@dataclass(frozen=True)
+class Policy:
+    """How a plan holds memory, beside its layout: activations kept or recomputed (`ir.recompute`), and the ZeRO
+    stage of its weights' state (`ir.pcg.PCG.zero`). Both change costs, not values: the e-graph is priced once
+    and extracted once per policy."""
+
+    recompute: str = NONE
+    zero: int = 0
+
+    def describe(self) -> str:
+        """The policy in words, for progress lines ("" for keeping everything unsharded)."""
+        parts = ([describe_recompute(self.recompute)] if self.recompute != NONE else []) + \
+            ([f"ZeRO-{self.zero} (weights' state sharded over their replicas)"] if self.zero else [])
+        return ", ".join(parts)
+
+
+def policies(step: StepContext) -> tuple[Policy, ...]:
+    """The policies to extract with, fastest first: AUTO keeps every activation, then shards the weights' state
+    (ZeRO-1, then 2: a little communication, no compute), then recomputes blocks (a third more compute). A
+    pinned recomputation or ZeRO stage (`--recompute`, `--degrees zero=N`) is the only one of its kind."""
+    recompute, zero = step.request.recompute, step.request.state_zero
     if recompute != AUTO:
-        return (check_policy(recompute),)
-    if not has_blocks(leaf.name for leaf in step.searched.leaves):
-        return (NONE,)   # no blocks (`ir.blocks`): nothing to recompute
-    return (NONE, BLOCKS)
+        recomputes = (check_policy(recompute),)
+    elif has_blocks(leaf.name for leaf in step.searched.leaves):
+        recomputes = (NONE, BLOCKS)
+    else:
+        recomputes = (NONE,)   # no blocks (`ir.blocks`): nothing to recompute
+    stages = (0, 1, 2) if zero == AUTO else (zero,)
+    ordered = [Policy(r, z) for r in recomputes for z in stages]
+    if len(recomputes) > 1 and len(stages) > 1:
+        ordered.remove(Policy(BLOCKS, 0))   # recomputing while the state could be sharded: never the faster
+    return tuple(ordered)
+
+
+def _tried_in_order(ordered: Sequence[Policy]) -> list[Policy]:
+    """The order extraction tries `ordered` in: the first; then the one holding least memory, so that where
+    nothing fits two extractions say so; then the ones between, fastest first."""
+    if len(ordered) <= 2:
+        return list(ordered)
+    return [ordered[0], ordered[-1], *ordered[1:-1]]
 
 
 def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clock: Deadline, started: float):
-    """The joint plan of the first policy whose plan fits (else the one needing least memory): ((policy, priced,
-    extraction, joint), None), or (None, the MeshSearch that says why none was found)."""
+    """The joint plan of the fastest policy whose plan fits (else the one needing least memory): ((policy,
+    priced, extraction, joint), None), or (None, the MeshSearch that says why none was found)."""
     request, graph, machine = step.request, step.searched, step.machine
     result = sat.result
     pinned = None
@@ -185,21 +217,24 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
         split = frozenset(result.classes[name] for name in contraction_weights(graph)
                           if name in result.classes) if config.others_free else frozenset()
         pinned = config_excluded(result.snapshot, leaf_roles(result.snapshot, graph), config, batch, split)
-    policies = _policies(step)
+    ordered = policies(step)
     failure: MeshSearch | None = None
     found = None    # (policy, priced, extraction, joint) of the plan kept so far
-    for policy in policies:
+    fitting: dict[Policy, tuple] = {}
+    for index, policy in enumerate(_tried_in_order(ordered)):
         priced = price(result, graph, request.library, machine, request.free_input_placements, step.input_pins,
-                       step.repetition, sat.roots, policy, sat.raw)
+                       step.repetition, sat.roots, policy.recompute, sat.raw, zero=policy.zero)
         try:
             pcg, costs, extraction = solve(result, graph, request.library, machine, sat.roots, clock.remaining(),
                                            request.free_input_placements, pinned, pins=step.input_pins,
                                            costs=priced, repetition=step.repetition, in_flight=step.in_flight,
-                                           recompute=policy)
+                                           recompute=policy.recompute, zero=policy.zero)
         except ExtractionError as err:
             if failure is None or 0 < err.needed_bytes < (failure.needed_bytes or float("inf")):
                 failure = MeshSearch(sat.mesh, sat.pins, result, None, None, None, None,
                                      time.perf_counter() - started, sat.spread, str(err), err.needed_bytes)
+            if index == 1:
+                break   # the policy holding least memory has no plan: the ones between have none either
             continue
         except RepeatError as err:   # this policy's plan cannot be repeated: another policy's may be
             step.say(f"mesh {sat.mesh}: {err}")
@@ -210,14 +245,20 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
             continue
         joint = Candidate(JOINT, pcg, costs, totals(costs, machine))
         holds = holds_in_flight(joint, machine, step.in_flight)
-        if holds or found is None or joint.totals.peak_memory_bytes < found[3].totals.peak_memory_bytes:
+        if found is None or joint.totals.peak_memory_bytes < found[3].totals.peak_memory_bytes:
             found = (policy, priced, extraction, joint)
         if holds:
-            break
-        if policy != policies[-1]:
-            step.say(f"mesh {sat.mesh}: the plan keeping every activation needs "
-                     f"{fmt_bytes(joint.totals.peak_memory_bytes)} per device: extracting again with "
-                     "activation recomputation")
+            fitting[policy] = (policy, priced, extraction, joint)
+            if index != 1 or len(ordered) <= 2:
+                break   # the fastest policy that fits (the least-memory one is tried second but preferred last)
+        elif index == 1 and len(ordered) > 2:
+            break   # not even the policy holding least memory fits
+        if index + 1 < len(ordered):
+            step.say(f"mesh {sat.mesh}: the plan {('with ' + policy.describe()) if policy.describe() else 'keeping every activation'} "
+                     f"needs {fmt_bytes(joint.totals.peak_memory_bytes)} per device: extracting again with "
+                     "less held")
+    if fitting:
+        found = next(fitting[p] for p in ordered if p in fitting)
     return found, failure
 
 
@@ -229,13 +270,14 @@ def holds_in_flight(joint: Candidate, machine: Machine, in_flight: int) -> bool:
     return totals(in_flight_costs(joint.costs, in_flight), machine).fits(machine)
 
 
-def _restricted_baselines(step: StepContext, sat: Saturated, priced, policy: str,
+def _restricted_baselines(step: StepContext, sat: Saturated, priced, policy: Policy,
                           clock: Deadline) -> tuple[Candidate | None, Candidate | None]:
     """The baselines that restrict the same e-graph: Megatron's layout (None where it uses no parallelism) and
     the best grid point."""
     request, graph, machine, result = step.request, step.searched, step.machine, sat.result
     grid = best_grid(result, graph, request.library, machine, sat.roots, clock.remaining(0.5),
-                     request.free_input_placements, priced, step.input_pins, step.repetition, policy)
+                     request.free_input_placements, priced, step.input_pins, step.repetition, policy.recompute,
+                     policy.zero)
     megatron = None
     if step.stage:
         return megatron, grid   # a pipeline stage's plan: its grid point is the one baseline the pipeline reads
@@ -243,7 +285,8 @@ def _restricted_baselines(step: StepContext, sat: Saturated, priced, policy: str
     try:
         mpcg, mcosts, _ = solve(result, graph, request.library, machine, sat.roots, clock.remaining(),
                                 request.free_input_placements, excluded, pins=step.input_pins, costs=priced,
-                                repetition=step.repetition, recompute=policy)
+                                repetition=step.repetition, recompute=policy.recompute,
+                                zero=policy.zero)
         if mpcg.max_pieces > 1:
             megatron = Candidate("megatron", mpcg, mcosts, totals(mcosts, machine))
     except (ExtractionError, RepeatError):

@@ -338,7 +338,7 @@ class _Copies:
             if blocks[node.id] == SEARCHED_BLOCKS - 1:
                 self.emit(node, self.count - 1, self.in_last)
         outputs = tuple(self.in_last(o) if blocks[o] == REPEATED else self.at_end(o) for o in pcg.outputs)
-        return PCG(tuple(self.nodes), outputs, pcg.output_names, pcg.mesh, pcg.recompute)
+        return PCG(tuple(self.nodes), outputs, pcg.output_names, pcg.mesh, pcg.recompute, pcg.zero)
 
     def emit(self, node: PNode, block: int, source: Callable[[int], int]) -> None:
         """`node` as block `block`'s, reading the new ids `source` gives for its inputs."""

@@ -33,6 +33,8 @@ from parsat.ir.microbatch import batch_dims
 from parsat.ir.models import BATCH, EXAMPLES
 from parsat.ir.pcg import Degrees
 from parsat.ir.recompute import AUTO, BLOCKS, POLICIES
+
+ZERO_STAGES = (0, 1, 2, 3)   # what `--degrees zero=N` may pin
 from parsat.search.inputs import check_devices, check_pins, resolve_graph
 from parsat.search.repeat import SEARCHED_BLOCKS, Repetition, repetition_for
 
@@ -77,6 +79,7 @@ class SearchRequest:
     baselines: bool = True
     repeat_blocks: bool = True
     recompute: str = AUTO
+    zero: int | str = AUTO              # `--degrees zero=N` (0-3), or AUTO: the search chooses 0, 1 or 2
     caches: MeshCaches = field(default_factory=MeshCaches, compare=False)
     say: Progress = _silent
     # the independent grid's points by (graph, machine, devices): a scout's step and the search of every mesh at
@@ -87,6 +90,13 @@ class SearchRequest:
     def pinned(self) -> bool:
         """Whether kinds of parallelism are pinned (`--degrees`): the plan is then the pinned one."""
         return bool(self.parallel_dims) or bool(self.pipeline_degree and self.pipeline_degree > 1)
+
+    @property
+    def state_zero(self) -> int | str:
+        """The ZeRO stage the cost model prices weights' state with (`ir.pcg.PCG.zero`): AUTO, 0, 1 or 2. A
+        pinned stage 3 is a layout (weights stored split on the data axis, `strategies.pinned_meshes`), priced
+        unsharded otherwise."""
+        return 0 if self.zero == 3 else self.zero
 
 
 def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mapping | None, devices: int | None, *,
@@ -104,6 +114,14 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
     pp = dims.pop("pp", None)
     if pp is not None and (isinstance(pp, bool) or not isinstance(pp, int) or pp < 1):
         raise OptimizeError(f"--degrees pp must be a positive integer, got {pp!r}")
+    zero = dims.pop("zero", AUTO)
+    if zero != AUTO and (isinstance(zero, bool) or zero not in ZERO_STAGES):
+        raise OptimizeError(f"--degrees zero must be a ZeRO stage, {', '.join(map(str, ZERO_STAGES))}, got {zero!r} "
+                            "(1: optimizer state sharded over the data-parallel ranks, as Megatron-LM's distributed "
+                            "optimizer; 2: gradients too; 3: weights too, as FSDP)")
+    if zero == 3 and "dp" not in dims:
+        raise OptimizeError("--degrees zero=3 stores the weights split over the data-parallel axis: pin that axis "
+                            "too (dp=N)")
     limits = Limits.resolve(limits)
     base = Machine.resolve(machine)
     count = base.devices if devices is None else devices
@@ -125,7 +143,7 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
     say(f"{len(chosen)} rules; {note}")
     return SearchRequest(graph, whole, library, chosen, note, machine, count, limits, sizes,
                          example_batch(graph, sizes), dims, pp, output_spreads, input_spreads, free_input_placements,
-                         baselines, repeat_blocks, recompute, caches or MeshCaches(), say)
+                         baselines, repeat_blocks, recompute, zero, caches or MeshCaches(), say)
 
 
 def example_batch(graph, sizes: Mapping[str, int]) -> int | None:

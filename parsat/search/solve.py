@@ -15,6 +15,7 @@ from typing import Callable, Mapping, Sequence
 from parsat.dsl import ast
 from parsat.dsl.library import Library
 from parsat.dsl.parallel_ops import PARALLEL_OPS
+from parsat.cost.model import shards_state
 from parsat.ir.costs import NodeCost
 from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
@@ -34,7 +35,7 @@ def solve(result: SaturationResult, graph: Graph, library: Library, machine: Mac
           limits: Limits, free_input_placements: bool, exclude=None, pins: Mapping[str, Degrees] | None = None,
           costs: Mapping[NodeId, NodeCost] | None = None,
           repetition: Repetition | None = None, in_flight: int = 1,
-          recompute: str = NONE) -> tuple[PCG, dict[int, NodeCost], Extraction]:
+          recompute: str = NONE, zero: int = 0) -> tuple[PCG, dict[int, NodeCost], Extraction]:
     """Extract from `result` (with `costs`, the e-nodes priced, when already known) and build the PCG.
 
     `in_flight` > 1 ranks memory with that many micro-batches' activations alive (a pipeline stage's), while
@@ -43,14 +44,15 @@ def solve(result: SaturationResult, graph: Graph, library: Library, machine: Mac
     With a `repetition`, `graph` is the searched blocks and the PCG that comes back the whole model's
     (`repeat.stamp`), priced node by node (RepeatError when the plan's blocks are not laid out alike).
 
-    `recompute` is the activation-recomputation policy the plan runs with (`ir.recompute`); `costs`, when
-    given, must be priced under it (`price`)."""
+    `recompute` is the activation-recomputation policy the plan runs with (`ir.recompute`), `zero` the ZeRO
+    stage of its weights' state (`ir.pcg.PCG.zero`); `costs`, when given, must be priced under both (`price`)."""
     if costs is None:
-        costs = price(result, graph, library, machine, free_input_placements, pins, repetition, roots, recompute)
+        costs = price(result, graph, library, machine, free_input_placements, pins, repetition, roots, recompute,
+                      zero=zero)
     ranked = in_flight_costs(costs, in_flight)
     extraction = extract(result.snapshot, ranked, roots, machine.memory_capacity, limits, exclude)
     pcg, ident = pcg_from_extraction(result, extraction, graph, library, roots, graph.outputs)
-    pcg = replace(pcg, recompute=recompute)
+    pcg = replace(pcg, recompute=recompute, zero=zero)
     if recompute != NONE and repetition is None:   # the PCG's own readers say what is kept (`search.recompute`)
         priced = price_pcg(pcg, library, machine, free_input_placements, graph.microbatches, pins)
         if priced is not None:
@@ -73,14 +75,18 @@ def solve(result: SaturationResult, graph: Graph, library: Library, machine: Mac
 
 def price(result: SaturationResult, graph: Graph, library: Library, machine: Machine, free_input_placements: bool,
           pins: Mapping[str, Degrees] | None, repetition: Repetition | None = None, roots: Sequence[int] = (),
-          recompute: str = NONE, raw: Mapping[NodeId, NodeCost] | None = None) -> dict[NodeId, NodeCost]:
-    """Every e-node priced (`raw`, when already priced: `node_costs`), as `recompute` runs it
-    (`search.recompute`; `roots` are kept); pinned inputs arrive in their placement (a pinned output is an
+          recompute: str = NONE, raw: Mapping[NodeId, NodeCost] | None = None, zero: int = 0) -> dict[NodeId, NodeCost]:
+    """Every e-node priced (`raw`, when already priced without ZeRO: `node_costs`), as `recompute` runs it
+    (`search.recompute`; `roots` are kept) with ZeRO stage `zero` (only the weights' gradient synchronisations
+    are priced again, `cost.model.shards_state`); pinned inputs arrive in their placement (a pinned output is an
     extraction root). With a `repetition`, the repeated block's e-nodes count once per block they stand for
     (`repeat.weigh`)."""
+    input_pins = {k: v for k, v in (pins or {}).items() if k not in graph.outputs}
     if raw is None:
-        input_pins = {k: v for k, v in (pins or {}).items() if k not in graph.outputs}
         raw = node_costs(result.snapshot, graph, library, machine, free_input_placements, input_pins)
+    if zero:
+        raw = {**raw, **node_costs(result.snapshot, graph, library, machine, free_input_placements, input_pins, zero,
+                                   only=lambda op, role: shards_state(op, role, zero))}
     costs = recomputed_enodes(raw, result.snapshot, roots, recompute)
     return weigh(costs, result.snapshot, repetition) if repetition is not None else costs
 
@@ -92,7 +98,7 @@ def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_placement
     per step of `microbatches` micro-batches (None if a node is not priceable); pinned inputs arrive in their
     layout. Unlike an e-node, a PCG node knows its readers: a partition of a weight that is not the weight's
     storage (`ir.pcg.weight_storage`, as the backend runs it) is priced as slicing it (`cost.parallel_cost`)."""
-    pricer = Pricer(library, machine, pcg.mesh, free_input_placements, pins, microbatches=microbatches)
+    pricer = Pricer(library, machine, pcg.mesh, free_input_placements, pins, microbatches=microbatches, zero=pcg.zero)
     by_id = {n.id: n for n in pcg.nodes}
     roles = pcg_roles(pcg)
     out: dict[int, NodeCost] = {}

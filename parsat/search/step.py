@@ -112,7 +112,8 @@ def mesh_choices(step: StepContext) -> list[MeshChoice]:
     each with the pinned placements on it (a mesh that cannot realise them is left out)."""
     request = step.request
     try:
-        pinned = pinned_meshes(dict(request.parallel_dims), step.devices, step.machine.devices_per_node)
+        pinned = pinned_meshes(dict(request.parallel_dims), step.devices, step.machine.devices_per_node,
+                               request.zero)
     except PinError as err:
         raise OptimizeError(f"--degrees: {err}") from None
     meshes = [(m, c) for m, c in pinned] or [(m, None) for m in search_meshes(step.devices,

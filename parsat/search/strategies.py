@@ -14,7 +14,7 @@ from typing import Callable, Mapping
 
 from parsat.dsl.parallel_ops import ALL_GATHER, PARALLEL_OPS, PARTITION, REDUCE_SCATTER, REPLICATE
 from parsat.ir.mesh import Mesh
-from parsat.ir.pcg import WEIGHT_ROLES
+from parsat.ir.pcg import STORED_ROLES, WEIGHT_ROLES
 from parsat.ir.placement import FREE, shard_dim
 from parsat.egraph.snapshot import Snapshot
 
@@ -29,6 +29,7 @@ class Config:
     sequence: bool = False
     zero3: bool = False
     others_free: bool = False   # pinned parallel dims: axes the configuration does not name are searched freely
+    zero3_only: bool = False    # `--degrees zero=3`: every weight stored split on the data axis, never replicated
 
     def spelled(self, mesh: Mesh, microbatches: int = 1) -> dict:
         dp = mesh.size(self.data_axis) if self.data_axis is not None else 1
@@ -104,6 +105,8 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
             if node.op == PARTITION:
                 return not ((source == "input" and dim == 0) or (weight and config.zero3))
             if node.op == REPLICATE:   # what every data-parallel rank holds alike: weights, inputs, values of weights
+                if config.zero3_only and source in STORED_ROLES:
+                    return True   # pinned ZeRO-3: no rank holds a whole weight's state
                 return not (weight or source == "input" or node.children[0] in from_weights)
             if node.op == ALL_GATHER:
                 return not (weight and config.zero3)
@@ -183,11 +186,14 @@ class PinError(Exception):
     """Pinned parallel dims (`--degrees`) that cannot hold (the message says why)."""
 
 
-def pinned_meshes(dims: Mapping[str, int], devices: int, devices_per_node: int) -> list[tuple[Mesh, Config]]:
+def pinned_meshes(dims: Mapping[str, int], devices: int, devices_per_node: int,
+                  zero: int | str = "auto") -> list[tuple[Mesh, Config]]:
     """The meshes and configurations that realise pinned parallel dims (`--degrees tp=2,dp=4`): a pinned tensor
     degree is the minor axis (inside a node when it fits), a pinned data degree the major one; whatever is not
-    pinned is searched (sequence parallelism, ZeRO-3, and the unpinned axis's use). Raises PinError."""
-    unknown = sorted(set(dims) - set(PINNABLE) - {"pp"})
+    pinned is searched (sequence parallelism, ZeRO-3, and the unpinned axis's use). A pinned ZeRO stage (`zero`:
+    0-3, else "auto") below 3 keeps weights whole on the data axis; stage 3 stores every weight split there.
+    Raises PinError."""
+    unknown = sorted(set(dims) - set(PINNABLE) - {"pp", "zero"})
     if unknown:
         raise PinError(f"unknown parallelism {', '.join(unknown)} in --degrees (pin {', '.join(PINNABLE)})")
     if "pp" in dims and dims["pp"] != 1:
@@ -209,11 +215,13 @@ def pinned_meshes(dims: Mapping[str, int], devices: int, devices_per_node: int) 
         tensor_pinned = True
     dp = devices // tp
     data_pinned = "dp" in dims
+    split, only = zero in ("auto", 3), zero == 3
     if dp == 1:
         mesh = Mesh.of((tp,), devices_per_node, names=("tp",))
         return [(mesh, Config(None, 0, True, False, others_free=False))]
     if tp == 1:
         mesh = Mesh.of((dp,), devices_per_node, names=("dp",))
-        return [(mesh, Config(0, None, False, True, others_free=False))]
+        return [(mesh, Config(0, None, False, split, others_free=False, zero3_only=only))]
     mesh = Mesh.of((dp, tp), devices_per_node, names=("dp" if data_pinned else "a0", "tp" if tensor_pinned else "a1"))
-    return [(mesh, Config(0 if data_pinned else None, 1 if tensor_pinned else None, True, True, others_free=True))]
+    return [(mesh, Config(0 if data_pinned else None, 1 if tensor_pinned else None, True, split, others_free=True,
+                          zero3_only=only))]

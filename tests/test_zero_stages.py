@@ -1,0 +1,109 @@
+"""ZeRO stages 1 and 2 (`PCG.zero`): a weight's state sharded over the replicas that synchronise its gradient.
+
+Priced by the cost model (`cost.model.shards_state`), simulated, chosen by the search where a plan would not
+fit without it, pinned with `--degrees zero=N`, written to and read from the plan JSON, and run by the backend
+(`backend.state_shards`) with `--check` against one process and its communication equal to the prediction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from parsat import optimize
+from parsat.cost.model import parallel_cost
+from parsat.ir.errors import OptimizeError
+from parsat.ir.machine import Machine
+from parsat.ir.pcg import Degrees
+from parsat.ir.plan import PlanError, load_plan_dict, pcg_from_dict
+
+MLP = {"batch": 16, "d_in": 30, "d_hidden": 7, "d_out": 5}   # 30 x 7 = 210 and 7 x 5 = 35: padded shards
+CPU = Machine.resolve("cpu")
+
+
+def _replicate(zero: int, microbatches: int = 1, degree: int = 4):
+    whole, copies = Degrees((1, 1), 1, 1), Degrees((1, 1), degree, 1)
+    return parallel_cost("replicate", degree, (1000, 10), whole, copies, CPU, "weight", degree, zero=zero,
+                         microbatches=microbatches)
+
+
+def test_a_synchronised_weight_s_state_is_sharded_and_its_sync_sends_what_an_all_reduce_sends():
+    plain, one, two = _replicate(0), _replicate(1), _replicate(2)
+    held = CPU.precision_spec.parameter_bytes("adam")
+    assert plain.memory_bytes == 10_000 * held.total
+    assert one.memory_bytes == round(10_000 * held.sharded(1, 4)) < plain.memory_bytes
+    assert two.memory_bytes == round(10_000 * held.sharded(2, 4)) < one.memory_bytes
+    assert one.comm_elements == two.comm_elements == plain.comm_elements == plain.grad_sync_elements
+    assert [line.split(" x")[0] for line in one.collectives] == ["bwd reduce-scatter", "bwd all-gather"]
+    assert one.optimizer_s == pytest.approx(plain.optimizer_s / 4)
+    # stage 2 cannot accumulate a sharded gradient: one reduce-scatter per micro-batch
+    assert _replicate(2, microbatches=3).comm_elements == plain.comm_elements + 2 * plain.comm_elements // 2
+    assert _replicate(1, microbatches=3).comm_elements == plain.comm_elements
+
+
+def test_a_weight_stored_split_is_not_sharded_again():
+    piece = Degrees((4, 1), 1, 1)
+    cost = parallel_cost("partition", 4, (1000, 10), Degrees((1, 1), 1, 1), piece, CPU, "weight", 4, zero=1)
+    assert cost.collectives == () and cost.memory_bytes == 2_500 * CPU.precision_spec.parameter_bytes("adam").total
+
+
+def test_a_pinned_stage_is_the_plan_s_and_survives_its_json(tmp_path):
+    plans = {z: optimize("mlp", machine="cpu", devices=2, sizes=MLP, degrees={"dp": 2, "zero": z}) for z in (0, 1, 2)}
+    assert [plans[z].pcg.zero for z in (0, 1, 2)] == [0, 1, 2]
+    memory = [plans[z].totals.peak_memory_bytes for z in (0, 1, 2)]
+    assert memory[0] > memory[1] > memory[2]
+    assert plans[1].totals.grad_sync_elements == plans[0].totals.grad_sync_elements
+    path = tmp_path / "plan.json"
+    plans[1].save(path)
+    data = load_plan_dict(path)
+    assert data["zero"] == 1 and pcg_from_dict(data).zero == 1
+    data["zero"] = 5
+    bad = tmp_path / "bad.json"
+    bad.write_text(__import__("json").dumps(data))
+    with pytest.raises(PlanError, match="zero"):
+        load_plan_dict(bad)
+
+
+def test_pinned_zero_3_stores_every_weight_split_and_needs_a_data_axis():
+    plan = optimize("mlp", machine="cpu", devices=2, sizes=MLP, degrees={"dp": 2, "zero": 3})
+    assert plan.pcg.zero == 0
+    assert all(node.op != "replicate" for node in plan.pcg.nodes if node.kind == "parallel"
+               and plan.pcg.node(node.inputs[0]).kind == "leaf" and plan.pcg.node(node.inputs[0]).role == "weight")
+    assert any(node.op == "all_gather" for node in plan.pcg.nodes)
+    with pytest.raises(OptimizeError, match="dp=N"):
+        optimize("mlp", machine="cpu", devices=2, sizes=MLP, degrees={"zero": 3})
+    with pytest.raises(OptimizeError, match="ZeRO stage"):
+        optimize("mlp", machine="cpu", devices=2, sizes=MLP, degrees={"dp": 2, "zero": 4})
+
+
+def test_the_search_shards_the_state_where_the_plan_would_not_fit_otherwise():
+    """A device smaller than every plan without sharded state needs (ZeRO-3's included: it keeps a gathered weight
+    until backward) but larger than ZeRO-2's: the plan comes back with its state sharded, not refused (the mlp has
+    no blocks to recompute); with room, nothing is sharded."""
+    need = {z: optimize("mlp", machine="cpu", devices=2, sizes=MLP, degrees={"dp": 2, "zero": z}).totals.peak_memory_bytes
+            for z in (0, 1, 2, 3)}
+    assert need[2] < min(need[0], need[1], need[3])
+    tight = replace(CPU, memory_capacity=(need[2] + min(need[0], need[1], need[3])) // 2)
+    plan = optimize("mlp", machine=tight, devices=2, sizes=MLP, degrees={"dp": 2})
+    assert plan.pcg.zero == 2 and plan.totals.fits(plan.machine)
+    assert optimize("mlp", machine="cpu", devices=2, sizes=MLP, degrees={"dp": 2}).pcg.zero == 0
+
+
+torch = pytest.importorskip("torch")
+
+
+def test_the_backend_trains_a_zero_plan_as_one_process_does_and_sends_what_it_predicts():
+    from parsat.backend.executor import ExecutionError, TrainConfig, run_plan
+
+    for zero, microbatches in ((1, 2), (2, 1)):
+        plan = optimize("mlp", machine="cpu", devices=2, sizes=MLP, degrees={"dp": 2, "zero": zero},
+                        microbatches=microbatches)
+        result = run_plan(plan.pcg, 2, TrainConfig(steps=3, optimizer="adam", lr=0.05, check=True), graph=plan.graph,
+                          backend="gloo", timeout_s=300)
+        assert result.check == "passed", result
+        assert result.grad_sync_elements_measured == plan.totals.grad_sync_elements
+        assert result.comm_elements_measured == plan.totals.comm_elements
+    stage2 = optimize("mlp", machine="cpu", devices=2, sizes=MLP, degrees={"dp": 2, "zero": 2}, microbatches=2)
+    with pytest.raises(ExecutionError, match="ZeRO-2"):
+        run_plan(stage2.pcg, 2, TrainConfig(steps=1, check=True), graph=stage2.graph, backend="gloo")
