@@ -132,7 +132,7 @@ def price(row: Row) -> dict:
         out["error"] = f"{type(err).__name__}: {err}"
     else:
         out.update(predicted_step_s=plan.totals.time_s, memory_gib=plan.totals.peak_memory_bytes / 2 ** 30,
-                   fits=plan.totals.fits(plan.machine), recompute=plan.pcg.recompute,
+                   fits=plan.totals.fits(plan.machine), recompute=plan.pcg.recompute, zero=plan.pcg.zero,
                    schedule=plan.pipeline.schedule if plan.pipeline else None,
                    ratio=row.published_step_s() / plan.totals.time_s,
                    predicted_tflops_per_gpu=row.step_flops() / plan.totals.time_s / row.gpus / 1e12)
@@ -158,7 +158,8 @@ def markdown(results: list[dict]) -> str:
                          f"| {r['cpu_s']} |")
             continue
         lines.append(f"| {r['name']} | {r['gpus']} | {r['t']} | {r['p']} | {r['d']} | {r['batch']} | {r['flops']} | "
-                     f"{'yes' if r['fits'] else 'no'} | {r['memory_gib']:.1f} | {r['recompute']} | "
+                     f"{'yes' if r['fits'] else 'no'} | {r['memory_gib']:.1f} | {r['recompute']}"
+                     f"{', ZeRO-' + str(r['zero']) if r.get('zero') else ''} | "
                      f"{r['schedule'] or '-'} | {r['predicted_step_s']:.3f} s | {r['published_step_s']:.3f} s | "
                      f"{r['ratio']:.2f} | {row.mfu(r['predicted_step_s']):.0%} / {published_mfu:.0%} | {r['cpu_s']} |")
     return "\n".join(lines)

@@ -19,7 +19,9 @@ order a rank runs its part of a PCG in, each recomputed block one
 checkpointed region), `pipeline_run` (a pipelined plan: each stage's
 chunks on its own ranks, micro-batches moved point to point),
 `plan_share` (one plan for every rank: rank 0's handed to the ranks that
-hold none, different plans refused).
+hold none, different plans refused), `state_shards` (ZeRO stages 1 and 2:
+each weight's update on this rank's shard, its gradient reduce-scattered
+and the shards all-gathered).
 
 It reads plans through `parsat.ir` (docs/plan-schema.md) and nothing of the
 optimizer.
