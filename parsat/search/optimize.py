@@ -44,8 +44,8 @@ from parsat.ir.plan import Plan
 from parsat.search.deadline import Deadline
 from parsat.search.microbatches import every_mesh_at, merged, rank_plans, search_unstaged
 from parsat.search.pipeline_search import best_of, parameters_of, search_pipelines
-from parsat.search.request import (Progress, RuleChooser, SearchRequest, every_rule, resolve_request, stageable,
-                                   step_context)
+from parsat.search.request import (Progress, RuleChooser, SearchRequest, check_microbatches, every_rule,
+                                   resolve_request, stageable, step_context)
 from parsat.search.step import search_step
 
 __all__ = ["optimize", "every_rule", "Progress", "RuleChooser"]
@@ -88,6 +88,7 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     pipeline what is left. Every search shares one cache of compiled rules.
     Raises OptimizeError, GraphError or MachineError with a message for the user.
     """
+    check_microbatches(graph, options.get("sizes"), microbatches)
     _check_pipeline_pin(graph, machine, devices, options, pipeline)
     request = resolve_request(graph, machine, rules, limits, devices, **options)
     clock = Deadline.starting_now(request.limits)

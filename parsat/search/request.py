@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from parsat.dsl import ast
+from parsat.dsl.bounds import BoundError, check
 from parsat.dsl.checker import resolve_library
 from parsat.dsl.library import Library
 from parsat.egraph.program import MeshCaches
@@ -135,6 +136,28 @@ def example_batch(graph, sizes: Mapping[str, int]) -> int | None:
     return None
 
 
+def check_microbatches(graph, sizes: Mapping[str, int] | None, microbatches: int | None) -> None:
+    """Refuse a micro-batch count (`--microbatches`) outside its bound (`dsl.bounds`), or one that does not divide
+    a built-in example's batch: called first, so a bad count is said before the rules load and their proofs are
+    looked up (2-3 CPU s), not after."""
+    if microbatches is None:
+        return
+    try:
+        check("optimize", "--microbatches", microbatches)
+    except BoundError as err:
+        raise OptimizeError(str(err)) from None
+    sizes = dict(sizes or {})
+    batch = example_batch(graph, sizes) if all(isinstance(v, int) for v in sizes.values()) else None
+    if isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1:
+        check_divides(batch, microbatches)
+
+
+def check_divides(batch: int, microbatches: int) -> None:
+    """OptimizeError unless `microbatches` micro-batches split a batch of `batch` evenly."""
+    if batch % microbatches:
+        raise OptimizeError(f"{microbatches} micro-batches do not divide the batch of {batch}")
+
+
 def stageable(graph, sizes: Mapping[str, int], devices: int) -> bool:
     """Whether `graph` can be pipelined on `devices` devices: a built-in example of several blocks, with a batch,
     on several devices."""
@@ -183,8 +206,7 @@ def step_context(request: SearchRequest, microbatches: int = 1, machine: Machine
     machine, devices = machine or request.machine, devices or request.devices
     sizes = dict(request.sizes)
     if request.batch is not None and microbatches > 1:
-        if request.batch % microbatches:
-            raise OptimizeError(f"{microbatches} micro-batches do not divide the batch of {request.batch}")
+        check_divides(request.batch, microbatches)
         sizes[BATCH] = request.batch // microbatches
     budget = GraphBudget(request.limits.enodes, None, request.limits.seconds)
     graph = request.whole if sizes == dict(request.sizes) else \
