@@ -399,6 +399,59 @@ def test_loading_a_graph_adds_no_table_per_tensor():
     assert _tables_of(graphs[0]) == _tables_of(graphs[1])
 
 
+def test_building_a_graph_reads_the_operator_table_once(monkeypatch):
+    """Before: every node rebuilt the library's operator table (`Library.ops`), so reading the 100,001-tensor
+    chain spent about 10 CPU s there. The table is now read the same number of times for 10 nodes and 1,000."""
+    from parsat.dsl import ast
+
+    reads = []
+    table = ast.Module.ops
+    monkeypatch.setattr(ast.Module, "ops", property(lambda module: reads.append(1) or table.fget(module)))
+    counts = []
+    for n in (10, 1000):
+        reads.clear()
+        _chain(n)
+        counts.append(len(reads))
+    assert counts[0] == counts[1], counts
+
+
+def test_seconds_refuses_a_graph_larger_than_it_pays_for_before_building_it():
+    """Before: `stack --set blocks=10000 --limit seconds=20` built its 400,001 tensors, searched three blocks and
+    stamped, priced and simulated the rest, ending at 41.6 s. The tensors a seconds limit pays for are bounded
+    (`ir.budget.TENSORS_PER_SECOND`), by the count alone: the same refusal on any machine."""
+    from parsat.api import optimize
+    from parsat.ir.budget import TENSORS_PER_SECOND
+    from parsat.ir.errors import GraphError
+
+    most = 5 * TENSORS_PER_SECOND
+    with pytest.raises(GraphError, match=f"graph 'stack' has more than {most:,} tensors .* more than --limit "
+                                         f"seconds=5 can build, search and price"):
+        optimize("stack", devices=2, sizes={"blocks": 2000}, limits={"enodes": 10 ** 7, "seconds": 5},
+                 baselines=False)
+
+
+def test_building_the_graph_counts_against_the_seconds_limit(monkeypatch, capsys):
+    """Before: the deadline started after the graph was built, so building it never stopped at the limit. With
+    the deadline already passed when the call starts, building stops within 256 tensors, said as such."""
+    from parsat.search import optimize as search
+    from parsat.search.deadline import Deadline
+
+    monkeypatch.setattr(search.Deadline, "starting_now",
+                        classmethod(lambda cls, limits: Deadline(time.perf_counter() - 1.0, limits)))
+    assert main(["optimize", "stack", "-q", "-n", "2", "--set", "blocks=200", "--limit", "seconds=100"]) == 1
+    err = capsys.readouterr().err
+    assert "building the graph ran past --limit seconds=100 (256 tensors built)" in err and "Traceback" not in err, err
+
+
+def test_without_a_seconds_limit_no_graph_reads_the_clock():
+    from parsat.egraph.runner import Limits
+    from parsat.search.request import graph_budget
+
+    budget = graph_budget(Limits(), 123.0)
+    assert budget.deadline is None and budget.most_tensors is None
+    assert graph_budget(Limits(seconds=20), 123.0).most_tensors == 40_000
+
+
 def _library():
     from parsat.dsl.checker import resolve_library
     return resolve_library(None)

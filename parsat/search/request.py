@@ -15,6 +15,7 @@ pipeline stage's, for a stage plan).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
@@ -83,6 +84,11 @@ class SearchRequest:
     # the independent grid's points by (graph, machine, devices): a scout's step and the search of every mesh at
     # its count share them (`step.independent_points`)
     grid_points: dict = field(default_factory=dict, compare=False)
+    deadline: float | None = None       # the call's `--limit seconds` deadline (perf_counter), None without one
+
+    def graph_budget(self) -> GraphBudget:
+        """What a graph of this call may hold and until when it may be built (`ir.budget`)."""
+        return graph_budget(self.limits, self.deadline)
 
     @property
     def pinned(self) -> bool:
@@ -95,9 +101,10 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
                     free_input_placements: bool = True, baselines: bool = True, sizes: Mapping[str, int] | None = None,
                     degrees: Mapping[str, int] | None = None, progress: Progress | None = None,
                     repeat_blocks: bool = True, recompute: str = AUTO,
-                    caches: MeshCaches | None = None) -> SearchRequest:
+                    caches: MeshCaches | None = None, deadline: float | None = None) -> SearchRequest:
     """The call's inputs resolved and checked, then its rules chosen (a bad graph, device count or pin is refused
-    before any proof is looked up). Raises OptimizeError, GraphError or MachineError with a message for the
+    before any proof is looked up). `deadline` (a `time.perf_counter()` value: the call's `--limit seconds`)
+    bounds building the graph too. Raises OptimizeError, GraphError or MachineError with a message for the
     user."""
     if recompute not in POLICIES + (AUTO,):
         raise OptimizeError(f"--recompute must be one of {', '.join(POLICIES + (AUTO,))}, got {recompute!r}")
@@ -114,7 +121,7 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
     machine = base.with_devices(count)        # bad input refused before the rules load (2-3 CPU s cold)
     library = resolve_library(rules)
     sizes = dict(sizes or {})
-    whole = resolve_graph(graph, library, sizes or None, GraphBudget(limits.enodes, None, limits.seconds))
+    whole = resolve_graph(graph, library, sizes or None, graph_budget(limits, deadline))
     if recompute == BLOCKS and not has_blocks(leaf.name for leaf in whole.leaves):
         raise OptimizeError(f"--recompute blocks: '{whole.name}' has no blocks to recompute (ir.blocks: a block's "
                             "weights are named b0_..., b1_..., as the built-in examples name them)")
@@ -126,7 +133,14 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
     say(f"{len(chosen)} rules; {note}")
     return SearchRequest(graph, whole, library, chosen, note, machine, count, limits, sizes,
                          example_batch(graph, sizes), dims, pp, output_spreads, input_spreads, free_input_placements,
-                         baselines, repeat_blocks, recompute, caches or MeshCaches(), say)
+                         baselines, repeat_blocks, recompute, caches or MeshCaches(), say, deadline=deadline)
+
+
+def graph_budget(limits: Limits, deadline: float | None) -> GraphBudget:
+    """The graph budget of `limits`: at most `enodes` tensors, and with a finite `seconds` no more tensors than
+    it pays for, built before `deadline`; with no seconds limit the clock is never read."""
+    timed = math.isfinite(limits.seconds)
+    return GraphBudget(limits.enodes, deadline if timed else None, limits.seconds if timed else None)
 
 
 def example_batch(graph, sizes: Mapping[str, int]) -> int | None:
@@ -208,7 +222,7 @@ def step_context(request: SearchRequest, microbatches: int = 1, machine: Machine
     if request.batch is not None and microbatches > 1:
         check_divides(request.batch, microbatches)
         sizes[BATCH] = request.batch // microbatches
-    budget = GraphBudget(request.limits.enodes, None, request.limits.seconds)
+    budget = request.graph_budget()
     graph = request.whole if sizes == dict(request.sizes) else \
         resolve_graph(request.graph, request.library, sizes, budget)
     repetition = repetition_for(request.graph, graph, request.library, sizes, budget) if request.repeat_blocks \
