@@ -104,6 +104,15 @@ def _say_warnings(caught) -> None:
             warnings.showwarning(item.message, item.category, item.filename, item.lineno)
 
 
+def _warn_oversubscribed(spec: str, machine) -> None:
+    """One line on stderr when the machine file's figures were measured with more ranks than cores or GPUs
+    (`calibrate --oversubscribe`): a plan priced with them is priced for ranks taking turns, not this machine."""
+    if machine.oversubscribed is not None:
+        print(f"parsat optimize: warning: {spec}: {machine.oversubscribed.describe()}; its figures are of ranks "
+              "taking turns, not of the machine (calibrate again with at most one rank per core or GPU)",
+              file=sys.stderr)
+
+
 def _error(message: str) -> int:
     print(f"parsat: error: {message}", file=sys.stderr)
     return 1
@@ -140,6 +149,7 @@ def run_optimize(args: argparse.Namespace) -> int:
         limits = _pairs(args.limit, "--limit", _limit_type)
         Limits.from_mapping(limits)          # bad limits and machine files are refused before any work
         machine = Machine.resolve(args.machine)
+        _warn_oversubscribed(args.machine, machine)
         start = time.perf_counter()
 
         def progress(message: str) -> None:

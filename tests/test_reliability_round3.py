@@ -48,6 +48,34 @@ def test_a_number_past_its_bound_is_refused_naming_the_bound(capsys, args, patte
     assert pattern in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("value,pattern", [
+    ("0", "--microbatches must be a whole number from 1 to 1,048,576, got 0"),
+    ("-3", "--microbatches must be a whole number from 1 to 1,048,576, got -3"),
+    ("1048577", "--microbatches must be a whole number from 1 to 1,048,576, got 1048577"),
+    (str(10 ** 30), "--microbatches must be a whole number from 1 to 1,048,576, got 1000000000000000000000000000000"),
+    ("3", "3 micro-batches do not divide the batch of 128"),
+])
+def test_a_bad_microbatch_count_is_refused_before_the_rules_load(monkeypatch, capsys, value, pattern):
+    """Before: `--microbatches 0` was refused only after the rules were loaded and their proofs looked up."""
+    import parsat.search.request as request
+
+    def loaded(*_args, **_kwargs):
+        raise AssertionError("the rules were loaded")
+    monkeypatch.setattr(request, "resolve_library", loaded)
+    assert main(["optimize", "mlp", "-q", "-n", "2", "--microbatches", value]) == 1
+    err = capsys.readouterr().err
+    assert pattern in err and "Traceback" not in err and "the rules were loaded" not in err, err
+
+
+def test_the_api_refuses_a_microbatch_count_that_is_not_a_whole_number():
+    import parsat
+    from parsat.ir.errors import OptimizeError
+
+    for value in (1.5, float("nan"), True, "2"):
+        with pytest.raises(OptimizeError, match="--microbatches must be a whole number from 1 to 1,048,576"):
+            parsat.optimize("mlp", devices=2, microbatches=value)
+
+
 @pytest.mark.parametrize("value", ["inf", "1e308", "nan", "0", "-1"])
 @pytest.mark.parametrize("flag", ["--timeout", "--collective-timeout"])
 def test_run_refuses_a_timeout_past_its_bound_before_reading_the_plan(tmp_path, capsys, flag, value):
@@ -184,6 +212,32 @@ def test_a_machine_file_is_described_in_its_fields_never_a_signature(tmp_path, c
     assert pattern in err and "__init__" not in err and "positional" not in err, err
 
 
+@pytest.mark.parametrize("value,pattern", [
+    ({"ranks": 8, "cores": 8}, "oversubscribed.cores: must be fewer than the 8 ranks"),
+    ({"ranks": 8}, "oversubscribed: must give the ranks and one of cores or gpus they shared"),
+    ({"ranks": "8", "cores": 2}, "oversubscribed.ranks: must be an integer, got a string"),
+    ({"ranks": 8, "cores": 2, "evil": 1}, "oversubscribed: unknown field(s) evil (known: ranks, cores, gpus)"),
+    ([8, 2], "oversubscribed: must be a JSON object, got an array"),
+])
+def test_a_machine_files_oversubscription_is_checked_in_its_fields(tmp_path, capsys, value, pattern):
+    assert main(["optimize", "mlp", "-n", "2", "-q", "--machine",
+                 str(_machine(tmp_path, lambda d: d.update(oversubscribed=value)))]) == 1
+    err = capsys.readouterr().err
+    assert pattern in err and "Traceback" not in err, err
+
+
+def test_optimize_warns_in_one_line_when_the_machine_was_measured_oversubscribed(tmp_path, capsys):
+    """Before: a machine file written by `calibrate --oversubscribe` did not say so, and was used silently."""
+    from parsat.ir.machine import Machine
+
+    path = _machine(tmp_path, lambda d: d.update(oversubscribed={"ranks": 8, "cores": 2}))
+    assert Machine.load(path).oversubscribed.describe() == "measured oversubscribed: 8 ranks on 2 cores"
+    assert main(["optimize", "mlp", "-n", "2", "-q", "--no-baselines", "--machine", str(path)]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warned) == 1 and "measured oversubscribed: 8 ranks on 2 cores" in warned[0], warned
+    assert "oversubscribed" not in Machine.preset("h100x8").to_dict()   # a preset's plan JSON is unchanged
+
+
 def test_a_tiny_memory_is_said_in_the_unit_that_shows_the_difference(tmp_path, capsys):
     """Before: "needs 0.00 GiB per device, the device has 0.00 GiB"."""
     path = _machine(tmp_path, lambda d: d.update(memory_capacity=1024))
@@ -293,6 +347,17 @@ def test_calibrate_refuses_more_ranks_than_cores_unless_told(monkeypatch):
     assert not started   # refused before any rank
 
 
+def test_an_oversubscribed_calibration_is_recorded_in_the_machine_file(tmp_path, monkeypatch, capsys):
+    """Before: `calibrate --oversubscribe` warned once and wrote a machine file that looked measured alone."""
+    pytest.importorskip("torch")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0}, raising=False)   # two ranks, one core
+    out = tmp_path / "machine.json"
+    assert main(["calibrate", "-m", "here", "-o", str(out), "--nproc", "2", "--oversubscribe", "--size", "32",
+                 "--repeats", "1", "--window", "0.002", "--comm-elements", "16", "4096"]) == 0
+    assert json.loads(out.read_text())["oversubscribed"] == {"ranks": 2, "cores": 1}
+    assert "--nproc 2 is more ranks than the 1 core this process may use" in capsys.readouterr().err
+
+
 def test_calibrate_refuses_work_larger_than_the_memory(monkeypatch):
     pytest.importorskip("torch")
     from parsat.backend import calibrate
@@ -332,6 +397,59 @@ def test_loading_a_graph_adds_no_table_per_tensor():
     graphs = [_chain(n) for n in (10, 1000)]
     assert [len(saturate(graph, _library(), [], 2).classes) for graph in graphs] == [11, 1001]
     assert _tables_of(graphs[0]) == _tables_of(graphs[1])
+
+
+def test_building_a_graph_reads_the_operator_table_once(monkeypatch):
+    """Before: every node rebuilt the library's operator table (`Library.ops`), so reading the 100,001-tensor
+    chain spent about 10 CPU s there. The table is now read the same number of times for 10 nodes and 1,000."""
+    from parsat.dsl import ast
+
+    reads = []
+    table = ast.Module.ops
+    monkeypatch.setattr(ast.Module, "ops", property(lambda module: reads.append(1) or table.fget(module)))
+    counts = []
+    for n in (10, 1000):
+        reads.clear()
+        _chain(n)
+        counts.append(len(reads))
+    assert counts[0] == counts[1], counts
+
+
+def test_seconds_refuses_a_graph_larger_than_it_pays_for_before_building_it():
+    """Before: `stack --set blocks=10000 --limit seconds=20` built its 400,001 tensors, searched three blocks and
+    stamped, priced and simulated the rest, ending at 41.6 s. The tensors a seconds limit pays for are bounded
+    (`ir.budget.TENSORS_PER_SECOND`), by the count alone: the same refusal on any machine."""
+    from parsat.api import optimize
+    from parsat.ir.budget import TENSORS_PER_SECOND
+    from parsat.ir.errors import GraphError
+
+    most = 5 * TENSORS_PER_SECOND
+    with pytest.raises(GraphError, match=f"graph 'stack' has more than {most:,} tensors .* more than --limit "
+                                         f"seconds=5 can build, search and price"):
+        optimize("stack", devices=2, sizes={"blocks": 2000}, limits={"enodes": 10 ** 7, "seconds": 5},
+                 baselines=False)
+
+
+def test_building_the_graph_counts_against_the_seconds_limit(monkeypatch, capsys):
+    """Before: the deadline started after the graph was built, so building it never stopped at the limit. With
+    the deadline already passed when the call starts, building stops within 256 tensors, said as such."""
+    from parsat.search import optimize as search
+    from parsat.search.deadline import Deadline
+
+    monkeypatch.setattr(search.Deadline, "starting_now",
+                        classmethod(lambda cls, limits: Deadline(time.perf_counter() - 1.0, limits)))
+    assert main(["optimize", "stack", "-q", "-n", "2", "--set", "blocks=200", "--limit", "seconds=100"]) == 1
+    err = capsys.readouterr().err
+    assert "building the graph ran past --limit seconds=100 (256 tensors built)" in err and "Traceback" not in err, err
+
+
+def test_without_a_seconds_limit_no_graph_reads_the_clock():
+    from parsat.egraph.runner import Limits
+    from parsat.search.request import graph_budget
+
+    budget = graph_budget(Limits(), 123.0)
+    assert budget.deadline is None and budget.most_tensors is None
+    assert graph_budget(Limits(seconds=20), 123.0).most_tensors == 40_000
 
 
 def _library():

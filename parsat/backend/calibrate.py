@@ -47,7 +47,7 @@ from parsat.backend.torch_ops import apply_op
 from parsat.dsl.bounds import check_all
 from parsat.ir.units import fmt_bytes
 from parsat.ir.machine import Machine
-from parsat.ir.machine_profile import CollectivePoint, CommProfile, OpEfficiency, bus_factor
+from parsat.ir.machine_profile import CollectivePoint, CommProfile, OpEfficiency, Oversubscribed, bus_factor
 
 DTYPES = {"float64": ("fp64", torch.float64, torch.float32), "float32": ("fp32", torch.float32, torch.float64),
           "bfloat16": ("bf16", torch.bfloat16, torch.float32)}
@@ -502,24 +502,29 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
                       intra_bandwidth=largest.bus_bandwidth, intra_latency=step_latency,
                       inter_bandwidth=largest.bus_bandwidth, inter_latency=step_latency, precision=precision,
                       peaks=((precision, peak), (other_name, other_peak)), efficiency=efficiency,
-                      comm=CommProfile(points=tuple(points), sync_skew=skew))
+                      comm=CommProfile(points=tuple(points), sync_skew=skew),
+                      oversubscribed=crowding(nproc, cuda))   # the file says so; `optimize` warns
     return Calibration(machine, dispatch, ops, collectives, label,
                        f"{crowded}: each figure is of ranks waiting for each other" if crowded else "")
 
 
-def oversubscription(nproc: int, cuda: bool) -> str:
-    """Why `nproc` ranks would share this machine's cores (CPU) or GPUs (CUDA), or '' when each has its own.
+def crowding(nproc: int, cuda: bool) -> Oversubscribed | None:
+    """The cores (CPU) or GPUs (CUDA) `nproc` ranks would share, or None when each has its own.
 
     Ranks that share a core take turns on it, so a rank's GEMM, timed between the turns of the others, is
     measured as if it had the core alone: 8 ranks on 2 cores recorded a peak of 2,504 GFLOP/s."""
     if cuda:
-        have, what = torch.cuda.device_count(), "GPU"
+        have, unit = torch.cuda.device_count(), "gpus"
     else:
         have = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        what = "core"
-    if nproc <= have:
-        return ""
-    return f"--nproc {nproc} is more ranks than the {have} {what}{'s' if have != 1 else ''} this process may use"
+        unit = "cores"
+    return Oversubscribed(nproc, have, unit) if nproc > have else None
+
+
+def oversubscription(nproc: int, cuda: bool) -> str:
+    """Why `nproc` ranks would share this machine's cores or GPUs (`crowding`), or '' when each has its own."""
+    crowded = crowding(nproc, cuda)
+    return f"--nproc {nproc} is more ranks than the {crowded.what} this process may use" if crowded else ""
 
 
 def calibration_bytes(nproc: int, size: int, dtype: str, collective_sizes: Sequence[int]) -> int:

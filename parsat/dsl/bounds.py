@@ -13,7 +13,7 @@ what `benchmarks/hostile_inputs.py` tries.
 
 Bounds that belong to a data format stay with its reader (graph shapes and
 machine fields: `ir.validate`; rule literals: `dsl.parser`), and the search
-bounds `--devices` and `--microbatches` itself (`search.request`). The
+bounds `--devices` itself (`search.request`). The
 bounds of `--limit` are here, checked by the runner (`egraph.runner.check_limits`,
 which every path to a search passes).
 """
@@ -113,6 +113,8 @@ def _table() -> dict[tuple[str, str], Bound]:
         ("optimize", "--limit ilp_nodes"): Bound("--limit ilp_nodes", 1, 10_000_000),
         ("optimize", "--limit seconds"): Bound("--limit seconds", 0, WEEK_S, **seconds),
         ("optimize", "--limit ilp_seconds"): Bound("--limit ilp_seconds", 0, WEEK_S, whole=False, unit="seconds"),
+        # a step of more micro-batches than 2**20 has no use (each is a graph run); checked before the rules load
+        ("optimize", "--microbatches"): Bound("--microbatches", 1, 1 << 20),
     }
     return rows
 

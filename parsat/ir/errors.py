@@ -27,6 +27,12 @@ class OptimizeError(Exception):
     """Why `optimize` could not make a plan; the message is for the user."""
 
 
+class OutOfTime(GraphError, OptimizeError):
+    """A graph not built before the `--limit seconds` deadline: a GraphError to whoever reads graphs, and an
+    OptimizeError to the search, where a later micro-batch count's graph cut short leaves the counts already
+    searched standing (their best plan comes back) instead of ending the call."""
+
+
 class DoesNotFit(OptimizeError):
     """No plan fits in memory: the smallest needs `needed_bytes` per device of `capacity_bytes`."""
 

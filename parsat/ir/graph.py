@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from parsat.dsl import ast
+from parsat.dsl.bounds import bound
 from parsat.dsl.files import write_atomic
 from parsat.dsl.instantiate import InstantiationError
 from parsat.dsl.library import Library, load_library
@@ -27,7 +28,7 @@ from parsat.ir.json_files import parse_json, read_json_file
 from parsat.ir.validate import GRAPH_SCHEMA, GRAPH_VERSION, check_graph_sizes, validate_graph_dict
 
 ROLES = ("input", "weight")
-MAX_MICROBATCHES = 1 << 20
+MAX_MICROBATCHES = int(bound("optimize", "--microbatches").high)   # one bound for the flag and the graph
 
 
 @dataclass(frozen=True)

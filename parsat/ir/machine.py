@@ -25,7 +25,7 @@ from pathlib import Path
 from parsat.dsl.files import write_atomic
 from parsat.ir.errors import MachineError
 from parsat.ir.json_files import read_json_file
-from parsat.ir.machine_profile import CommProfile, OpEfficiency
+from parsat.ir.machine_profile import CommProfile, OpEfficiency, Oversubscribed
 from parsat.ir.precision import BYTES_TO_PRECISION, PRECISIONS, Precision, precision
 from parsat.ir.validate import MACHINE_SCHEMA, MACHINE_VERSION, machine_field, validate_machine_dict
 
@@ -46,6 +46,7 @@ class Machine:
     peaks: tuple[tuple[str, float], ...] = ()   # (precision, dense peak FLOP/s) for `with_precision`
     efficiency: OpEfficiency = OpEfficiency()
     comm: CommProfile = CommProfile()
+    oversubscribed: Oversubscribed | None = None   # calibrated with more ranks than cores (`--oversubscribe`)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peaks", tuple(sorted((str(k), float(v)) for k, v in self.peaks)))  # one order
@@ -101,7 +102,8 @@ class Machine:
         flat = {k: getattr(self, k) for k in _FLAT_FIELDS}
         return {"schema": MACHINE_SCHEMA, "version": MACHINE_VERSION, **flat, "precision": self.precision,
                 "dtype_bytes": self.dtype_bytes, "peaks": dict(self.peaks), "efficiency": self.efficiency.to_dict(),
-                "comm": self.comm.to_dict()}
+                "comm": self.comm.to_dict(),
+                **({"oversubscribed": self.oversubscribed.to_dict()} if self.oversubscribed else {})}
 
     def save(self, path: str | Path) -> None:
         """Write the machine JSON atomically (raises FileProblem), if `load` would take it (else MachineError)."""
@@ -114,7 +116,7 @@ class Machine:
         validate_machine_dict(data, {**{k: Machine.__dataclass_fields__[k].type for k in _FLAT_FIELDS},
                                      "precision": "str", "dtype_bytes": "int"})
         fields = {k: v for k, v in data.items() if k not in ("schema", "version", "dtype_bytes", "peaks", "efficiency",
-                                                              "comm")}
+                                                              "comm", "oversubscribed")}
         name = data.get("precision")
         if name is None:  # version 1: only the element size
             name = BYTES_TO_PRECISION.get(data.get("dtype_bytes", 4))
@@ -133,6 +135,8 @@ class Machine:
         fields["peaks"] = tuple(sorted((k, float(v)) for k, v in peaks.items()))
         fields["efficiency"] = OpEfficiency.from_dict(data.get("efficiency", {}))
         fields["comm"] = CommProfile.from_dict(data.get("comm", {}))
+        if "oversubscribed" in data:
+            fields["oversubscribed"] = Oversubscribed.from_dict(data["oversubscribed"])
         if data.get("version", 1) not in READABLE_MACHINE_VERSIONS:
             raise MachineError(f"machine file version {data.get('version')!r} is not supported (this parsat reads "
                                f"{' and '.join(map(str, READABLE_MACHINE_VERSIONS))})")

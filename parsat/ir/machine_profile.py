@@ -22,6 +22,11 @@ docs/COSTMODEL.md):
   that `parsat calibrate` fills; where the table has the case, it is used
   as measured, otherwise the algorithmic model (`cost.collectives`).
 
+* `Oversubscribed`: that `parsat calibrate --oversubscribe` measured more
+  ranks than the cores (or GPUs) they ran on, so its figures are of ranks
+  taking turns, not of the machine; `optimize` warns when it prices with
+  such a file.
+
 Defaults are neutral (no overhead, no efficiency loss, an empty table), so
 a version-1 machine file reads as it always priced.
 """
@@ -34,7 +39,7 @@ from typing import Any
 from parsat.ir.errors import MachineError
 from parsat.ir.validate import COLLECTIVE_KINDS as COLLECTIVES
 from parsat.ir.validate import LINK_KINDS as LINKS
-from parsat.ir.validate import validate_comm_dict, validate_efficiency_dict
+from parsat.ir.validate import validate_comm_dict, validate_efficiency_dict, validate_oversubscribed_dict
 MIB = 1 << 20
 
 
@@ -168,3 +173,33 @@ class CommProfile:
 
 
 __all__ = ["COLLECTIVES", "LINKS", "CollectivePoint", "CommProfile", "OpEfficiency", "bus_factor"]
+
+
+@dataclass(frozen=True)
+class Oversubscribed:
+    """A calibration of `ranks` ranks that shared `shared` `unit` ("cores" or "gpus"): each figure was timed
+    between the other ranks' turns (8 ranks on 2 cores recorded a peak of 2,504 GFLOP/s), so a plan priced with
+    it is priced for a machine that does not exist. Recorded in the machine file, said when it is used."""
+
+    ranks: int
+    shared: int
+    unit: str = "cores"
+
+    def to_dict(self) -> dict:
+        return {"ranks": self.ranks, self.unit: self.shared}
+
+    @staticmethod
+    def from_dict(data: Any) -> "Oversubscribed":
+        """An `oversubscribed` object, checked (`ir.validate.validate_oversubscribed_dict`: MachineError)."""
+        data = validate_oversubscribed_dict(data)
+        unit = next(key for key in data if key != "ranks")
+        return Oversubscribed(data["ranks"], data[unit], unit)
+
+    @property
+    def what(self) -> str:
+        """What the ranks shared, as said: '2 cores', '1 GPU'."""
+        return f"{self.shared} {'core' if self.unit == 'cores' else 'GPU'}{'s' if self.shared != 1 else ''}"
+
+    def describe(self) -> str:
+        """'measured oversubscribed: 8 ranks on 2 cores', for a warning."""
+        return f"measured oversubscribed: {self.ranks} ranks on {self.what}"

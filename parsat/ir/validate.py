@@ -597,7 +597,9 @@ MACHINE_RANGES: Mapping[str, tuple[float, float, str]] = {
 # What a version-2 machine file holds beyond the flat fields (`ir.machine_profile`; docs/COSTMODEL.md): the
 # peaks per precision, the operator efficiency record and the collective profile, each number held to a range
 # as above (a negative dispatch cost made operators pay back time; a bucket of 0 bytes never fills).
-PROFILE_SECTIONS = ("peaks", "efficiency", "comm")
+PROFILE_SECTIONS = ("peaks", "efficiency", "comm", "oversubscribed")
+OVERSUBSCRIBED_UNITS = ("cores", "gpus")   # what a calibration's ranks shared (`machine_profile.Oversubscribed`)
+MAX_RANKS = 1 << 20
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
 LINK_KINDS = ("intra", "inter")
 EFFICIENCY_RANGES: Mapping[str, tuple[float, float, str]] = {
@@ -659,6 +661,8 @@ def validate_machine_dict(data: Any, fields: Mapping[str, type | str], error: ty
         validate_efficiency_dict(data["efficiency"], error, f"{prefix}efficiency")
     if "comm" in data:
         validate_comm_dict(data["comm"], error, f"{prefix}comm")
+    if "oversubscribed" in data:
+        validate_oversubscribed_dict(data["oversubscribed"], error, f"{prefix}oversubscribed")
 
 
 def _ranged(f: _Fields, value: Any, path: str, low: float, high: float, unit: str) -> float:
@@ -686,6 +690,24 @@ def validate_efficiency_dict(data: Any, error: type[Exception] = MachineError,
     for key in EFFICIENCY_FLAGS:
         if key in data and not isinstance(data[key], bool):
             f.fail(key, f"must be true or false, got {_kind(data[key])}")
+    return data
+
+
+def validate_oversubscribed_dict(data: Any, error: type[Exception] = MachineError,
+                                 where: str = "machine oversubscribed") -> Mapping:
+    """A machine file's `oversubscribed` object (`calibrate --oversubscribe`): `ranks` and the `cores` or
+    `gpus` they shared, whole numbers with more ranks than what they shared (else it was not oversubscribed)."""
+    f = _Fields(error, f"{where}.")
+    data = f.obj(data, "")
+    _known(f, data, ("ranks", *OVERSUBSCRIBED_UNITS))
+    units = [key for key in OVERSUBSCRIBED_UNITS if key in data]
+    if len(units) != 1:
+        f.fail("", f"must give the ranks and one of {' or '.join(OVERSUBSCRIBED_UNITS)} they shared, e.g. "
+                   '{"ranks": 8, "cores": 2}')
+    ranks = f.integer(f.get(data, "ranks", ""), "ranks", 2, MAX_RANKS)
+    if f.integer(data[units[0]], units[0], 1) >= ranks:
+        f.fail(units[0], f"must be fewer than the {ranks} ranks (with one per rank nothing was oversubscribed), "
+                         f"got {data[units[0]]}")
     return data
 
 

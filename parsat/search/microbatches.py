@@ -30,7 +30,6 @@ from typing import Callable, Sequence
 
 from parsat.cost.model import weight_bytes
 from parsat.ir.errors import DoesNotFit, OptimizeError
-from parsat.ir.graph import MAX_MICROBATCHES
 from parsat.ir.plan import BASELINES, BaselinePlan, Plan
 from parsat.ir.recompute import AUTO, NONE
 from parsat.ir.units import fmt_bytes, fmt_bytes_pair
@@ -50,11 +49,7 @@ def search_unstaged(request: SearchRequest, clock: Deadline, microbatches: int |
     and searches that count only: a built-in example is built at its `batch` / m, any other graph is taken as
     one micro-batch's. `searches` caps the micro-batch counts searched while none fits (the last plan comes
     back, or DoesNotFit)."""
-    if microbatches is not None:
-        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or \
-                not 1 <= microbatches <= MAX_MICROBATCHES:
-            raise OptimizeError(f"--microbatches must be a whole number from 1 to {MAX_MICROBATCHES:,}, "
-                                f"got {microbatches!r}")
+    if microbatches is not None:   # its bound was checked before the rules loaded (`request.check_microbatches`)
         return search_step(step_context(request, microbatches), clock)
     if request.batch is None:
         return search_step(step_context(request, 1), clock.part(1.0))   # no batch to split: one search

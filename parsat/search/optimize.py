@@ -25,11 +25,13 @@
    (`extraction.chosen`). The plan keeps both figures: `totals.time_s`
    (simulated) and `totals.node_sum_s` (the per-node sum extraction used).
 
-`limits.seconds` bounds the whole search, not saturation alone: building
-the graph, saturating, extracting and the baselines share one deadline
-(`Deadline`); what the deadline leaves no time for is cut (the ILP, then
-the baselines), never the plan. Loading the rules, building the whole
-graph and looking up their proofs (cached) are not counted.
+`limits.seconds` bounds the whole call, not saturation alone: loading the
+rules and looking up their proofs, building the graph (checked as it is
+built, `ir.budget`, and refused up front when it has more tensors than
+the limit pays for), saturating, extracting and the baselines share one
+deadline (`Deadline`); what the deadline leaves no time for is cut (the
+ILP, then the baselines), never the plan, and a graph that cannot be built
+or loaded in time is a GraphError or OptimizeError saying so.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ from parsat.ir.plan import Plan
 from parsat.search.deadline import Deadline
 from parsat.search.microbatches import every_mesh_at, merged, rank_plans, search_unstaged
 from parsat.search.pipeline_search import best_of, parameters_of, search_pipelines
-from parsat.search.request import (Progress, RuleChooser, SearchRequest, every_rule, resolve_request, stageable,
-                                   step_context)
+from parsat.search.request import (Progress, RuleChooser, SearchRequest, check_microbatches, every_rule,
+                                   resolve_request, stageable, step_context)
 from parsat.search.step import search_step
 
 __all__ = ["optimize", "every_rule", "Progress", "RuleChooser"]
@@ -88,9 +90,10 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     pipeline what is left. Every search shares one cache of compiled rules.
     Raises OptimizeError, GraphError or MachineError with a message for the user.
     """
+    check_microbatches(graph, options.get("sizes"), microbatches)
     _check_pipeline_pin(graph, machine, devices, options, pipeline)
-    request = resolve_request(graph, machine, rules, limits, devices, **options)
-    clock = Deadline.starting_now(request.limits)
+    clock = Deadline.starting_now(Limits.resolve(limits))   # bad limits are refused here, before any work
+    request = resolve_request(graph, machine, rules, limits, devices, deadline=clock.at, **options)
     count, per_node = request.devices, request.machine.devices_per_node
     pp = request.pipeline_degree
     can_stage = stageable(request.graph, request.sizes, count)

@@ -15,10 +15,12 @@ pipeline stage's, for a stage plan).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from parsat.dsl import ast
+from parsat.dsl.bounds import BoundError, check
 from parsat.dsl.checker import resolve_library
 from parsat.dsl.library import Library
 from parsat.egraph.program import MeshCaches
@@ -85,6 +87,11 @@ class SearchRequest:
     # the independent grid's points by (graph, machine, devices): a scout's step and the search of every mesh at
     # its count share them (`step.independent_points`)
     grid_points: dict = field(default_factory=dict, compare=False)
+    deadline: float | None = None       # the call's `--limit seconds` deadline (perf_counter), None without one
+
+    def graph_budget(self) -> GraphBudget:
+        """What a graph of this call may hold and until when it may be built (`ir.budget`)."""
+        return graph_budget(self.limits, self.deadline)
 
     @property
     def pinned(self) -> bool:
@@ -104,9 +111,10 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
                     free_input_placements: bool = True, baselines: bool = True, sizes: Mapping[str, int] | None = None,
                     degrees: Mapping[str, int] | None = None, progress: Progress | None = None,
                     repeat_blocks: bool = True, recompute: str = AUTO,
-                    caches: MeshCaches | None = None) -> SearchRequest:
+                    caches: MeshCaches | None = None, deadline: float | None = None) -> SearchRequest:
     """The call's inputs resolved and checked, then its rules chosen (a bad graph, device count or pin is refused
-    before any proof is looked up). Raises OptimizeError, GraphError or MachineError with a message for the
+    before any proof is looked up). `deadline` (a `time.perf_counter()` value: the call's `--limit seconds`)
+    bounds building the graph too. Raises OptimizeError, GraphError or MachineError with a message for the
     user."""
     if recompute not in POLICIES + (AUTO,):
         raise OptimizeError(f"--recompute must be one of {', '.join(POLICIES + (AUTO,))}, got {recompute!r}")
@@ -131,7 +139,7 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
     machine = base.with_devices(count)        # bad input refused before the rules load (2-3 CPU s cold)
     library = resolve_library(rules)
     sizes = dict(sizes or {})
-    whole = resolve_graph(graph, library, sizes or None, GraphBudget(limits.enodes, None, limits.seconds))
+    whole = resolve_graph(graph, library, sizes or None, graph_budget(limits, deadline))
     if recompute == BLOCKS and not has_blocks(leaf.name for leaf in whole.leaves):
         raise OptimizeError(f"--recompute blocks: '{whole.name}' has no blocks to recompute (ir.blocks: a block's "
                             "weights are named b0_..., b1_..., as the built-in examples name them)")
@@ -143,7 +151,14 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
     say(f"{len(chosen)} rules; {note}")
     return SearchRequest(graph, whole, library, chosen, note, machine, count, limits, sizes,
                          example_batch(graph, sizes), dims, pp, output_spreads, input_spreads, free_input_placements,
-                         baselines, repeat_blocks, recompute, zero, caches or MeshCaches(), say)
+                         baselines, repeat_blocks, recompute, zero, caches or MeshCaches(), say, deadline=deadline)
+
+
+def graph_budget(limits: Limits, deadline: float | None) -> GraphBudget:
+    """The graph budget of `limits`: at most `enodes` tensors, and with a finite `seconds` no more tensors than
+    it pays for, built before `deadline`; with no seconds limit the clock is never read."""
+    timed = math.isfinite(limits.seconds)
+    return GraphBudget(limits.enodes, deadline if timed else None, limits.seconds if timed else None)
 
 
 def example_batch(graph, sizes: Mapping[str, int]) -> int | None:
@@ -151,6 +166,28 @@ def example_batch(graph, sizes: Mapping[str, int]) -> int | None:
     if isinstance(graph, str) and graph in EXAMPLES:
         return {**EXAMPLES[graph].defaults(), **sizes}.get(BATCH)
     return None
+
+
+def check_microbatches(graph, sizes: Mapping[str, int] | None, microbatches: int | None) -> None:
+    """Refuse a micro-batch count (`--microbatches`) outside its bound (`dsl.bounds`), or one that does not divide
+    a built-in example's batch: called first, so a bad count is said before the rules load and their proofs are
+    looked up (2-3 CPU s), not after."""
+    if microbatches is None:
+        return
+    try:
+        check("optimize", "--microbatches", microbatches)
+    except BoundError as err:
+        raise OptimizeError(str(err)) from None
+    sizes = dict(sizes or {})
+    batch = example_batch(graph, sizes) if all(isinstance(v, int) for v in sizes.values()) else None
+    if isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1:
+        check_divides(batch, microbatches)
+
+
+def check_divides(batch: int, microbatches: int) -> None:
+    """OptimizeError unless `microbatches` micro-batches split a batch of `batch` evenly."""
+    if batch % microbatches:
+        raise OptimizeError(f"{microbatches} micro-batches do not divide the batch of {batch}")
 
 
 def stageable(graph, sizes: Mapping[str, int], devices: int) -> bool:
@@ -201,10 +238,9 @@ def step_context(request: SearchRequest, microbatches: int = 1, machine: Machine
     machine, devices = machine or request.machine, devices or request.devices
     sizes = dict(request.sizes)
     if request.batch is not None and microbatches > 1:
-        if request.batch % microbatches:
-            raise OptimizeError(f"{microbatches} micro-batches do not divide the batch of {request.batch}")
+        check_divides(request.batch, microbatches)
         sizes[BATCH] = request.batch // microbatches
-    budget = GraphBudget(request.limits.enodes, None, request.limits.seconds)
+    budget = request.graph_budget()
     graph = request.whole if sizes == dict(request.sizes) else \
         resolve_graph(request.graph, request.library, sizes, budget)
     repetition = repetition_for(request.graph, graph, request.library, sizes, budget) if request.repeat_blocks \
