@@ -145,7 +145,7 @@ def mesh_groups(pcg: PCG) -> Topology:
 
 
 def _elements(node: PNode) -> int:
-    return node.degrees.piece_elements(tuple(node.shape))
+    return node.piece_size
 
 
 def _full(node: PNode) -> int:
@@ -382,8 +382,9 @@ class _Builder:
         return self.contiguous.get(source.id, True) and all(d == 1 for d in local[:dim])
 
     def _compute_forward(self, node: PNode) -> None:
-        timed = self.times(node, [self.by_id[i] for i in node.inputs])
-        self.timed[node.id] = timed
+        timed = self.timed.get(node.id)   # kept across micro-batches and recomputation: the same node, the same time
+        if timed is None:
+            timed = self.timed[node.id] = self.times(node, [self.by_id[i] for i in node.inputs])
         view = node.op in VIEW_OPS or node.op == "flatten" and self.contiguous.get(node.inputs[0], True)
         self.contiguous[node.id] = node.op != "transpose" and (not view or self.contiguous.get(node.inputs[0], True))
         nbytes = 0 if view else _elements(node) * self.item

@@ -16,6 +16,7 @@ Placements are not computed here: they come from the e-graph analysis, and
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from math import prod
 from typing import Iterator, Mapping
 
@@ -108,12 +109,18 @@ class PNode:
         """The mesh axis a parallel node acts on."""
         return mesh.index(str(self.attr("axis")))
 
-    @property
+    @cached_property
     def label(self) -> str:
+        """The node as a report names it; kept once made (the step simulator names millions of tasks)."""
         if self.kind == "leaf":
             return self.op
         attrs = ", ".join(f"{k}={v}" for k, v in self.attrs)
         return f"{self.op}({attrs})" if attrs else self.op
+
+    @cached_property
+    def piece_size(self) -> int:
+        """Elements of one device's piece of this node's value (`Degrees.piece_elements`), kept once made."""
+        return self.degrees.piece_elements(tuple(self.shape))
 
 
 @dataclass(frozen=True)
