@@ -234,3 +234,39 @@ def test_a_schedule_for_an_unpipelined_plan_is_said_not_fatal():
     plan = optimize("gpt", "cpu", devices=2, sizes=SIZES, schedule=ONE_F_ONE_B,
                     baselines=False, progress=said.append)
     assert plan.pipeline is None and any("not pipelined" in m for m in said)
+
+
+def test_a_stage_plan_that_fits_no_schedule_is_searched_again_recomputing():
+    """llama-70b:64's regression, small: a stage plan keeping every activation passed the stage search's memory
+    check (the whole plan, one micro-batch alive, against a device p times the size) and needed more than a
+    device once cut and run in any schedule. The check is now the pricing's own figure (`StageFit`), so that plan
+    is searched again recomputing blocks, and what comes back as fitting fits when priced again."""
+    from parsat.cost.pipeline import StageFit
+    from parsat.ir.costs import totals
+    from parsat.ir.recompute import BLOCKS, NONE
+    sizes = {"blocks": 4, "batch": 16, "seq": 256, "hidden": 64, "heads": 4, "vocab": 128}
+    cpu = Machine.resolve("cpu")
+    small = replace(cpu, memory_capacity=12 * 2 ** 20)      # 12 MiB a device: between the two figures below
+    p, m = 2, 4
+    stage_machine = replace(small.with_devices(2), memory_capacity=small.memory_capacity * p)
+    keeping = optimize("gpt", stage_machine, devices=2, sizes=sizes, microbatches=m, pipeline=False,
+                       baselines=False, recompute=NONE)
+    assert totals(keeping.costs, stage_machine).fits(stage_machine)           # the old check: it fits...
+    fit = StageFit(p, small.with_devices(4))
+    assert not fit.fits(fit.peak_bytes(keeping))                              # ...the schedules' figure: it does not
+    assert not any(pipelined(keeping, p, name, small.with_devices(4), chunks_per_stage=v).totals.fits(small)
+                   for name, v in ((ONE_F_ONE_B, 1), (INTERLEAVED, 2), (GPIPE, 1)))
+
+    plan = optimize("gpt", small, devices=4, sizes=sizes, degrees={"pp": p}, microbatches=m)
+    assert plan.pipeline is not None and plan.totals.fits(small)
+    assert plan.pcg.recompute == BLOCKS                                       # searched again recomputing
+    # priced again from its stage plan at its own cut: every stage within the device
+    stage = replace(plan, machine=stage_machine, devices=plan.pipeline.stage_devices, pipeline=None)
+    again = pipelined(stage, p, plan.pipeline.schedule, small.with_devices(4),
+                      chunks_per_stage=plan.pipeline.layout.chunks_per_stage,
+                      starts=[c.layers[0] for c in plan.pipeline.layout.chunks])
+    assert again.totals.peak_memory_bytes == plan.totals.peak_memory_bytes <= small.memory_capacity
+    assert all(s.memory_bytes <= small.memory_capacity for s in again.pipeline.stages)
+    for tried in plan.saturation["pipeline_search"]:                          # every pipelined plan said to fit does
+        if tried.get("fits"):
+            assert tried["peak_memory_bytes"] <= small.memory_capacity

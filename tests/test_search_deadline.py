@@ -72,7 +72,7 @@ def test_a_spent_limit_leaves_later_stage_plans_unsearched_and_listed():
     machine = Machine.resolve("h100x8").with_devices(64)
     calls = []
 
-    def search(stage_machine, devices, m, in_flight, clock, scout):
+    def search(stage_machine, devices, m, in_flight, fit, clock, scout):
         calls.append((devices, m, in_flight))
         assert clock is not None and clock.left > 0
         raise OptimizeError("no stage plan here")

@@ -35,8 +35,9 @@ from typing import Mapping, Sequence
 from parsat.ir.costs import NodeCost, Totals
 from parsat.ir.machine import Machine
 from parsat.ir.pipeline import (GPIPE, INTERLEAVED, ONE_F_ONE_B, LayerMap, PipelineError, PipelinePlan,
-                                StageFigures, StageLayout, in_flight_counts, p2p_elements, shared_weight_elements,
-                                simulate_schedule, stage_comm_elements, stored_piece_elements)
+                                StageFigures, StageLayout, activation_peaks, in_flight_counts, p2p_elements,
+                                schedule_order, shared_weight_elements, simulate_schedule, stage_comm_elements,
+                                stored_piece_elements)
 from parsat.ir.plan import Plan
 from parsat.cost.collectives import ALL_REDUCE, SEND_RECV, GroupTopology, price
 
@@ -178,17 +179,12 @@ class StagePricer:
         self.chain_s = {ident: cost.comm_s for ident, cost in plan.costs.items() if cost.weight_chain}
         self.optimizer_s = {ident: cost.optimizer_s for ident, cost in plan.costs.items()}
         self.pieces = stored_piece_elements(plan.pcg)
+        self._layer_costs: dict[int, LayerCost] | None = None
 
     def pipelined(self, degree: int, schedule: str, chunks_per_stage: int = 1,
                   starts: Sequence[int] | None = None) -> Plan:
-        m = self.microbatches
-        chunks = degree * chunks_per_stage
-        if schedule != INTERLEAVED and chunks_per_stage != 1:
-            raise PipelineError(f"{schedule} runs one chunk per stage")
+        chunks = self._chunks(degree, schedule, chunks_per_stage)
         layers = self.layer_map.layers
-        if chunks > len(layers):
-            raise PipelineError(f"'{self.plan.graph.name}' has {len(layers)} layers to cut, fewer than {chunks} "
-                                "chunks")
         if starts is not None:
             return self.price(self.layer_map.lay_out(starts, degree), schedule)
         # The dynamic programme ranks cuts by the busiest stage; the step also depends on where that stage sits
@@ -205,12 +201,7 @@ class StagePricer:
         def rank(p: Plan) -> tuple:
             return (not p.totals.fits(self.machine), p.totals.time_s)
 
-        found = [equal_starts(layers, chunks)]
-        balanced = balanced_starts(layers, self.layer_costs(), chunks, degree, schedule, m,
-                                   self.machine.memory_capacity)
-        if balanced is not None:
-            found.append(balanced)
-        cut = min(found, key=lambda c: rank(price_cut(c)))
+        cut = min(self.start_cuts(degree, schedule, chunks_per_stage), key=lambda c: rank(price_cut(c)))
         index = {layer: i for i, layer in enumerate(layers)}
         while len(seen) < REFINE_PRICINGS:
             moves = []
@@ -226,11 +217,67 @@ class StagePricer:
             cut = min(better, key=lambda c: rank(price_cut(c)))
         return price_cut(cut)
 
-    def layer_costs(self) -> dict[int, LayerCost]:
-        """Layer -> its cost (`layer_costs`)."""
+    def _chunks(self, degree: int, schedule: str, chunks_per_stage: int) -> int:
+        """The chunks `schedule` cuts the layers into; PipelineError when it cannot."""
+        if schedule != INTERLEAVED and chunks_per_stage != 1:
+            raise PipelineError(f"{schedule} runs one chunk per stage")
+        chunks, layers = degree * chunks_per_stage, self.layer_map.layers
+        if chunks > len(layers):
+            raise PipelineError(f"'{self.plan.graph.name}' has {len(layers)} layers to cut, fewer than {chunks} "
+                                "chunks")
+        return chunks
+
+    def start_cuts(self, degree: int, schedule: str, chunks_per_stage: int = 1) -> list[tuple[int, ...]]:
+        """The cuts `pipelined` starts from: equal layer counts, and the balanced cut (`balanced_starts`) where
+        one fits. `pipelined` keeps a cut that fits over one that does not, so when one of these fits
+        (`least_peak_bytes`), the plan it prices fits."""
+        chunks = self._chunks(degree, schedule, chunks_per_stage)
         layers = self.layer_map.layers
-        layout = self.layer_map.lay_out(layers, len(layers))   # one chunk per layer: who computes what
-        return dict(zip(layers, self._chunk_costs(layout)))
+        found = [equal_starts(layers, chunks)]
+        balanced = balanced_starts(layers, self.layer_costs(), chunks, degree, schedule, self.microbatches,
+                                   self.machine.memory_capacity)
+        if balanced is not None and balanced not in found:
+            found.append(balanced)
+        return found
+
+    def least_peak_bytes(self, degree: int, schedules: Sequence[tuple[str, int]]) -> int | None:
+        """The least, over `schedules` ((schedule, chunks per stage)) and the cuts each starts from
+        (`start_cuts`), of the busiest stage's memory per device, as `price` prices it (`stage_memory`): what the
+        stage search judges a stage plan's memory by, so that the plan it keeps fits when priced. None when no
+        schedule can cut the plan."""
+        least = None
+        for schedule, v in schedules:
+            try:
+                orders = schedule_order(schedule, degree, v, self.microbatches)
+                cuts = self.start_cuts(degree, schedule, v)
+            except PipelineError:
+                continue
+            for cut in cuts:
+                layout = self.layer_map.lay_out(cut, degree)
+                per_chunk = self._chunk_costs(layout)
+                peaks = activation_peaks(orders, [c.activation_bytes for c in per_chunk])
+                busiest = max(self.stage_memory(layout, per_chunk, peaks))
+                least = busiest if least is None else min(least, busiest)
+        return least
+
+    @staticmethod
+    def stage_memory(layout: StageLayout, per_chunk: Sequence[LayerCost], peaks: Sequence[int]) -> list[int]:
+        """Each stage's memory per device: its chunks' weights' state, the activations its schedule holds at its
+        peak (`peaks`, `ir.pipeline.activation_peaks`) and its largest recomputed block's while recomputed. The
+        one figure for a pipelined plan's memory (`price`) and the stage search's check (`least_peak_bytes`)."""
+        out = []
+        for s in range(layout.degree):
+            mine = [per_chunk[c.index] for c in layout.stage_chunks(s)]
+            out.append(sum(c.state_bytes for c in mine) + peaks[s] + max((c.transient_bytes for c in mine), default=0))
+        return out
+
+    def layer_costs(self) -> dict[int, LayerCost]:
+        """Layer -> its cost (`layer_costs`), worked out once."""
+        if self._layer_costs is None:
+            layers = self.layer_map.layers
+            layout = self.layer_map.lay_out(layers, len(layers))   # one chunk per layer: who computes what
+            self._layer_costs = dict(zip(layers, self._chunk_costs(layout)))
+        return self._layer_costs
 
     def _chunk_costs(self, layout: StageLayout) -> list[LayerCost]:
         """Each chunk's cost: its nodes' shares, a value two chunks of one stage read counted with the first."""
@@ -256,6 +303,7 @@ class StagePricer:
                                 [c.activation_bytes for c in per_chunk])
         shared_s = _shared_sync(self.pieces, layout, stage_devices, machine)
         sent = p2p_elements(layout, m)
+        memory = self.stage_memory(layout, per_chunk, run.activation_peak_bytes)
         stages, ends = [], []
         for s in range(p):
             nodes = layout.stage_nodes(s)
@@ -264,8 +312,7 @@ class StagePricer:
             optimizer = sum(self.optimizer_s.get(i, 0.0) for i in nodes)
             stage_end = max((e for _a, _b, e in run.busy[s]), default=0.0)
             stages.append(StageFigures(sum(c.forward_s for c in mine), sum(c.backward_s for c in mine), sync,
-                                       optimizer, sum(c.state_bytes for c in mine) + run.activation_peak_bytes[s]
-                                       + max((c.transient_bytes for c in mine), default=0), run.in_flight[s]))
+                                       optimizer, memory[s], run.in_flight[s]))
             ends.append(stage_end + sync + optimizer)
         shared = shared_weight_elements(self.pieces, layout)
         stage_comm = [collectives + shared.get(s, 0) + sum(v for (a, _b), v in sent.items() if a == s)
@@ -301,3 +348,42 @@ def _shared_sync(pieces: Mapping[int, int], layout: StageLayout, stage_devices: 
 
 
 SCHEDULE_CHOICES = ((ONE_F_ONE_B, 1), (INTERLEAVED, 2), (GPIPE, 1))   # what the search tries, in this order
+
+
+def applicable_schedules(pinned: str | None, degree: int, microbatches: int, layers: int
+                         ) -> tuple[tuple[str, int], ...]:
+    """(schedule, chunks per stage) the pipeline search prices (`pinned` alone when given): interleaved with two
+    chunks where the micro-batches are a multiple of the stages and the layers make 2p chunks."""
+    out = []
+    for name, v in SCHEDULE_CHOICES:
+        if pinned is not None and name != pinned:
+            continue
+        if name == INTERLEAVED and (microbatches % degree or layers < degree * v):
+            continue
+        out.append((name, v))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class StageFit:
+    """How the stage search judges a stage plan's memory (`search.pipeline_search`): cut into `degree` stages
+    and run in one of the schedules it will be priced in (`pinned`, or every one that applies) on `machine`
+    (all the pipeline's devices), its busiest stage's memory per device as the pricing gives it
+    (`StagePricer.least_peak_bytes`). One computation for both: a stage plan the check keeps fits when priced
+    in some schedule, and one that fits in none is not kept without recomputing."""
+
+    degree: int
+    machine: Machine
+    pinned: str | None = None
+
+    def peak_bytes(self, plan: Plan) -> int | None:
+        """The memory per device `plan` (a stage plan) needs in the schedule and cut that need least of those
+        the pricing starts from; None when no schedule can run it (too few layers, a pinned schedule that does
+        not apply)."""
+        pricer = StagePricer(plan, self.machine)
+        return pricer.least_peak_bytes(self.degree, applicable_schedules(
+            self.pinned, self.degree, pricer.microbatches, len(pricer.layer_map.layers)))
+
+    def fits(self, peak_bytes: int | None) -> bool:
+        """Whether a stage plan needing `peak_bytes` per device (`peak_bytes`) fits on the machine."""
+        return peak_bytes is not None and peak_bytes <= self.machine.memory_capacity

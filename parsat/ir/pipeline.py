@@ -249,14 +249,23 @@ def schedule_order(schedule: str, degree: int, chunks_per_stage: int, microbatch
 def in_flight_counts(schedule: str, degree: int, chunks_per_stage: int, microbatches: int) -> tuple[int, ...]:
     """Per stage, the most chunk micro-batches its `schedule_order` has forwarded and not yet taken back
     (1F1B: p - s, GPipe: m): what a stage holds at its peak, known before any cut is priced."""
-    counts = []
-    for order in schedule_order(schedule, degree, chunks_per_stage, microbatches):
+    orders = schedule_order(schedule, degree, chunks_per_stage, microbatches)
+    return activation_peaks(orders, [1] * (degree * chunks_per_stage))
+
+
+def activation_peaks(orders: Sequence[Sequence[Action]], activation_bytes: Sequence[int]) -> tuple[int, ...]:
+    """Per stage, the most activation bytes its actions in `orders` hold at once (`activation_bytes[chunk]`:
+    what one micro-batch keeps in that chunk from its forward to its backward). A stage runs its actions in
+    its order whatever their timing, so this is known from the order alone: the one figure the schedule's
+    simulation and the stage search's memory check (`cost.pipeline.StagePricer`) both read."""
+    peaks = []
+    for order in orders:
         live = peak = 0
         for action in order:
-            live += 1 if action.phase == FORWARD else -1
+            live += activation_bytes[action.chunk] if action.phase == FORWARD else -activation_bytes[action.chunk]
             peak = max(peak, live)
-        counts.append(peak)
-    return tuple(counts)
+        peaks.append(peak)
+    return tuple(peaks)
 
 
 def _virtual(k: int, stage: int, p: int, v: int, backward: bool) -> Action:
@@ -304,7 +313,6 @@ def simulate_schedule(layout: StageLayout, schedule: str, microbatches: int, for
     free_at = [0.0] * p
     position = [0] * p
     busy: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
-    live, peak_count, live_bytes, peak_bytes = [0] * p, [0] * p, [0] * p, [0] * p
     total = sum(len(o) for o in orders)
     while sum(position) < total:
         progressed = False
@@ -321,13 +329,10 @@ def simulate_schedule(layout: StageLayout, schedule: str, microbatches: int, for
             done[(action.phase, action.microbatch, action.chunk)] = end
             busy[s].append((action, start, end))
             free_at[s], position[s], progressed = end, position[s] + 1, True
-            sign = 1 if action.phase == FORWARD else -1
-            live[s] += sign
-            live_bytes[s] += sign * activation_bytes[action.chunk]
-            peak_count[s], peak_bytes[s] = max(peak_count[s], live[s]), max(peak_bytes[s], live_bytes[s])
         if not progressed:
             raise PipelineError(f"the {schedule} schedule deadlocks on this layout")
-    return ScheduleRun(max(free_at), tuple(tuple(b) for b in busy), tuple(peak_count), tuple(peak_bytes))
+    return ScheduleRun(max(free_at), tuple(tuple(b) for b in busy),
+                       activation_peaks(orders, [1] * len(layout.chunks)), activation_peaks(orders, activation_bytes))
 
 
 def _ready(action: Action, done, sources, targets, transfer_s) -> float | None:

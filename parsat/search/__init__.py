@@ -5,8 +5,9 @@ unstaged or pipelined), `request` (the call's inputs resolved once:
 `SearchRequest`; one step's: `StepContext`), `inputs` (the graph, device
 count and pins, checked), `deadline` (the one time limit every search of
 a call shares), `microbatches` (the micro-batch counts the batch needs),
-`step` (one step: every mesh, the baselines, the plan), `mesh` (one
-mesh: saturate, price, extract), `solve` (price every e-node,
+`step` (one step: every mesh, the baselines, the plan), `fit` (what
+fits in memory as the plan runs: a pipeline stage's plan as its schedules
+run it), `mesh` (one mesh: saturate, price, extract), `solve` (price every e-node,
 extract, build the PCG), `extract` (bottom-up, greedy DAG and ILP
 extraction), `repeat` (repeated blocks searched once, stamped N times),
 `recompute` (activation recomputation priced in the search),

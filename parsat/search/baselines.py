@@ -74,16 +74,18 @@ def data_parallel(graph: Graph, library: Library, machine: Machine, free_input_p
 
 
 def independent_grid(graph: Graph, library: Library, machine: Machine, free_input_placements: bool,
-                     devices: int) -> list[Candidate]:
+                     devices: int, fits: Callable[[Candidate], bool] | None = None) -> list[Candidate]:
     """Every point of the Megatron-LM / FSDP grid built directly from the graph (`ir.megatron.megatron_pcg`, and
     `ir.data_parallel` where tp is 1) and priced by the same cost model: dp x tp = `devices` with tp 1 or a
     divisor of a node's devices (tensor parallelism stays inside a node), ZeRO 0 or 3 (where dp > 1), sequence
-    parallelism off or on (where tp > 1). A point that does not fit in memory is priced again with its weights'
-    state sharded (ZeRO-1, Megatron-LM's distributed optimizer, where dp > 1), then recomputing blocks
-    (`ir.recompute`) too, as Megatron-LM runs large models. Each is a `best_grid` candidate whose `config`
+    parallelism off or on (where tp > 1). A point that does not fit in memory (`fits`: as the step runs it,
+    `search.fit`; on `machine` by default) is priced again with its weights' state sharded (ZeRO-1,
+    Megatron-LM's distributed optimizer, where dp > 1), then recomputing blocks (`ir.recompute`) too, as
+    Megatron-LM runs large models. Each is a `best_grid` candidate whose `config`
     spells its point; the caller simulates their steps and keeps the best (`search.mesh.rank`). A point the
     graph cannot be laid out as is not in the grid."""
     per_node = machine.devices_per_node
+    fits = fits or (lambda candidate: candidate.totals.fits(machine))
     found: list[Candidate] = []
     shared: dict = {}   # what every point's layout of the graph reuses (`megatron_pcg`'s cache)
     blocks = has_blocks(leaf.name for leaf in graph.leaves)
@@ -94,10 +96,10 @@ def independent_grid(graph: Graph, library: Library, machine: Machine, free_inpu
                 pcg = megatron_pcg(graph, library, (dp, tp), per_node, zero=zero, sequence=sequence, cache=shared)
                 config = {"dp": dp, "tp": tp, "sp": sequence, "zero": zero, "microbatches": graph.microbatches}
                 point = _priced_point(pcg, config, graph, library, machine, free_input_placements)
-                if point is not None and not point.totals.fits(machine) and zero == 0 and dp > 1:
+                if point is not None and not fits(point) and zero == 0 and dp > 1:
                     pcg, config = replace(pcg, zero=1), {**config, "zero": 1}   # Megatron's distributed optimizer
                     point = _priced_point(pcg, config, graph, library, machine, free_input_placements) or point
-                if point is not None and not point.totals.fits(machine) and blocks:
+                if point is not None and not fits(point) and blocks:
                     point = _priced_point(replace(pcg, recompute=BLOCKS), {**config, "recompute": BLOCKS}, graph,
                                           library, machine, free_input_placements) or point
                 if point is not None:
@@ -190,11 +192,14 @@ GRID_ILP_NODES = 200   # each grid point's ILP (branch-and-bound nodes): the gri
 def best_grid(result: SaturationResult, graph: Graph, library: Library, machine: Machine, roots: Sequence[int],
               limits: Limits, free_input_placements: bool, priced: Mapping[NodeId, NodeCost],
               input_pins: Mapping[str, Degrees], repetition: Repetition | None = None,
-              recompute: str = NONE, zero: int = 0) -> Candidate | None:
+              recompute: str = NONE, zero: int = 0,
+              fits: Callable[[Candidate], bool] | None = None) -> Candidate | None:
     """The best Megatron-style configuration on this mesh's e-graph (`strategies.grid`: data x tensor axes,
     sequence parallelism on or off, ZeRO-3 or not), priced by the same cost model (`priced`: under the
     activation-recomputation policy `recompute` and ZeRO stage `zero` of the joint plan's policy, as Megatron
-    runs large models); its configuration spelled out."""
+    runs large models), the fastest that fits (`fits`: as the step runs it, `search.fit`; on `machine` by
+    default); its configuration spelled out."""
+    fits = fits or (lambda candidate: candidate.totals.fits(machine))
     mesh = result.snapshot.mesh or Mesh(())
     roles = leaf_roles(result.snapshot, graph)
     best: Candidate | None = None
@@ -206,7 +211,7 @@ def best_grid(result: SaturationResult, graph: Graph, library: Library, machine:
         if zero and not config.zero3:
             spelled["zero"] = zero
         found = Candidate("best_grid", pcg, costs, totals(costs, machine), spelled)
-        if best is None or _better(found, best, machine):
+        if best is None or _better(found, best, fits):
             best = found
 
     for config in grid(mesh):
@@ -233,5 +238,6 @@ def best_grid(result: SaturationResult, graph: Graph, library: Library, machine:
     return best
 
 
-def _better(a: Candidate, b: Candidate, machine: Machine) -> bool:
-    return (not a.totals.fits(machine), a.totals.time_s) < (not b.totals.fits(machine), b.totals.time_s)
+def _better(a: Candidate, b: Candidate, fits: Callable[[Candidate], bool]) -> bool:
+    """Whether `a` ranks before `b`: one that fits first, then the faster."""
+    return (not fits(a), a.totals.time_s) < (not fits(b), b.totals.time_s)

@@ -35,7 +35,8 @@ from parsat.search.deadline import Deadline
 from parsat.search.extract import Extraction, ExtractionError, leaf_roles, node_costs
 from parsat.search.repeat import RepeatError
 from parsat.search.request import StepContext
-from parsat.search.solve import in_flight_costs, price, solve
+from parsat.search.fit import MemoryFit
+from parsat.search.solve import price, solve
 from parsat.ir.megatron import contraction_weights
 from parsat.search.strategies import Config, config_excluded
 
@@ -96,18 +97,19 @@ class CandidateSteps:
         return replace(candidate, totals=candidate.totals.simulated(*found))
 
 
-def rank(candidate: Candidate, machine: Machine) -> tuple:
-    """Plans that fit in memory first, then the fastest; the joint plan wins ties. When none fits, the one that
-    needs least memory (what the micro-batch search splits from, and what the user is told)."""
-    fits = candidate.totals.fits(machine)
-    return (not fits, round(candidate.totals.time_s, 12) if fits else candidate.totals.peak_memory_bytes,
+def rank(candidate: Candidate, memory: MemoryFit) -> tuple:
+    """Plans that fit in memory as they run (`memory`, the step's: `search.fit`) first, then the fastest; the
+    joint plan wins ties. When none fits, the one that needs least memory (what the micro-batch search splits
+    from, and what the user is told)."""
+    fits = memory.fits(candidate)
+    return (not fits, round(candidate.totals.time_s, 12) if fits else memory.needs(candidate),
             candidate.name != JOINT)
 
 
-def best(found: Sequence[Candidate | None], machine: Machine) -> Candidate | None:
+def best(found: Sequence[Candidate | None], memory: MemoryFit) -> Candidate | None:
     """The best of the candidates found (`rank`), None when there is none."""
     present = [c for c in found if c is not None]
-    return min(present, key=lambda c: rank(c, machine)) if present else None
+    return min(present, key=lambda c: rank(c, memory)) if present else None
 
 
 @dataclass(frozen=True)
@@ -244,8 +246,9 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
                                             "searches every block")
             continue
         joint = Candidate(JOINT, pcg, costs, totals(costs, machine))
-        holds = holds_in_flight(joint, machine, step.in_flight)
-        if found is None or joint.totals.peak_memory_bytes < found[3].totals.peak_memory_bytes:
+        # as the plan runs (`search.fit`): a stage plan that fits under none of its pipeline's schedules recomputes
+        holds = step.memory.fits(joint)
+        if found is None or step.memory.needs(joint) < step.memory.needs(found[3]):
             found = (policy, priced, extraction, joint)
         if holds:
             fitting[policy] = (policy, priced, extraction, joint)
@@ -255,19 +258,12 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
             break   # not even the policy holding least memory fits
         if index + 1 < len(ordered):
             step.say(f"mesh {sat.mesh}: the plan {('with ' + policy.describe()) if policy.describe() else 'keeping every activation'} "
-                     f"needs {fmt_bytes(joint.totals.peak_memory_bytes)} per device: extracting again with "
-                     "less held")
+                     f"needs {fmt_bytes(step.memory.needs(joint))} per device"
+                     + (" as its pipeline runs" if step.stage is not None else "")
+                     + ": extracting again with less held")
     if fitting:
         found = next(fitting[p] for p in ordered if p in fitting)
     return found, failure
-
-
-def holds_in_flight(joint: Candidate, machine: Machine, in_flight: int) -> bool:
-    """Whether a plan fits with `in_flight` micro-batches' activations alive at once (a pipeline stage's, as
-    extraction ranked it): a stage plan that fits one micro-batch but not the stage's warm-up recomputes."""
-    if in_flight == 1:
-        return joint.totals.fits(machine)
-    return totals(in_flight_costs(joint.costs, in_flight), machine).fits(machine)
 
 
 def _restricted_baselines(step: StepContext, sat: Saturated, priced, policy: Policy,
@@ -277,9 +273,9 @@ def _restricted_baselines(step: StepContext, sat: Saturated, priced, policy: Pol
     request, graph, machine, result = step.request, step.searched, step.machine, sat.result
     grid = best_grid(result, graph, request.library, machine, sat.roots, clock.remaining(0.5),
                      request.free_input_placements, priced, step.input_pins, step.repetition, policy.recompute,
-                     policy.zero)
+                     policy.zero, fits=step.memory.fits)
     megatron = None
-    if step.stage:
+    if step.stage is not None:
         return megatron, grid   # a pipeline stage's plan: its grid point is the one baseline the pipeline reads
     excluded = megatron_excluded(result.snapshot, leaf_roles(result.snapshot, graph))
     try:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from parsat.cost.pipeline import StageFit
 from parsat.egraph.runner import Limits
 from parsat.ir.errors import DoesNotFit, OptimizeError
 from parsat.ir.machine import Machine
@@ -131,9 +132,9 @@ def _search_pipelines(request: SearchRequest, clock: Deadline, microbatches: int
                       bar: Plan | None):
     """The pipelined candidates: one stage plan (`search_step` on a stage's machine) per pipeline degree and
     micro-batch count that `pipeline_search` tries."""
-    def stage_plan(stage_machine: Machine, stage_devices: int, m: int, in_flight: int,
+    def stage_plan(stage_machine: Machine, stage_devices: int, m: int, in_flight: int, fit: StageFit,
                    stage_clock: Deadline | None, scout: bool) -> Plan:
-        step = step_context(request, m, stage_machine, stage_devices, in_flight, stage=True, scout=scout)
+        step = step_context(request, m, stage_machine, stage_devices, in_flight, stage=fit, scout=scout)
         return search_step(step, stage_clock or Deadline.starting_now(request.limits))
 
     pp = request.pipeline_degree

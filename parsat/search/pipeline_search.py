@@ -2,13 +2,19 @@
 
 For each pipeline degree p tried, the joint search (`step.search_step`)
 finds the stage plan: the whole model on a stage mesh of S = devices / p
-devices. A stage holds about 1/p of the weights' state: the search is
-told a device p times the size. The first stage of 1F1B also holds p
-micro-batches of 1/p of the layers' activations; when no schedule of that
-stage plan fits, it is searched again ranking memory with p micro-batches
-in flight (state + p x activations <= p x capacity is the first stage's
-state / p + activations <= capacity), which finds leaner stage plans.
-Each stage's exact memory is priced after the cut.
+devices. A stage holds about 1/p of the weights' state: extraction ranks
+memory against a device p times the size. The first stage of 1F1B also
+holds p micro-batches of 1/p of the layers' activations; when no schedule
+of that stage plan fits, it is searched again ranking memory with p
+micro-batches in flight (state + p x activations <= p x capacity is the
+first stage's state / p + activations <= capacity), which finds leaner
+stage plans. Those are extraction's estimates: what fits is judged, in
+the stage search (its recomputation policy, its candidates, the grid's
+points), by the figure the pricing gives (`cost.pipeline.StageFit`): the
+plan cut into p stages, each stage's weights' state plus the activations
+its schedule holds at its peak, in the schedule that needs least. A stage
+plan that fits in no schedule keeping every activation is extracted again
+recomputing blocks (`search.fit`, `mesh.search_mesh`).
 `pipeline.pipelined` then chooses the cut points by the cost model and
 prices each schedule; the fastest pipelined plan that fits competes with
 the unstaged plan on the same cost model. This is Alpa's split (the
@@ -44,15 +50,16 @@ from parsat.ir.plan import BaselinePlan, Plan
 from parsat.cost.model import weight_bytes
 from parsat.search.deadline import Deadline
 from parsat.ir.errors import DoesNotFit, OptimizeError
-from parsat.cost.pipeline import SCHEDULE_CHOICES, StagePricer, equal_starts
+from parsat.cost.pipeline import StageFit, StagePricer, applicable_schedules, equal_starts
 from parsat.search.microbatches import rank_plans
 
 DEGREES_TRIED = 2          # pipeline degrees searched when none is pinned
 STATE_SHARE = 0.8          # of a device's memory the weights' state may take when choosing the least degree
 
-StageSearch = Callable[[Machine, int, int, int, "Deadline | None", bool], Plan]
-"""(stage machine, stage devices, micro-batches, micro-batches in flight, its deadline, scout) -> the stage plan
-(a scout's searches the first stage mesh only)"""
+StageSearch = Callable[[Machine, int, int, int, StageFit, "Deadline | None", bool], Plan]
+"""(stage machine, stage devices, micro-batches, micro-batches extraction ranks in flight, how the pipeline runs
+the stage plan (what fits: `search.fit`), its deadline, scout) -> the stage plan (a scout's searches the first
+stage mesh only)"""
 
 NOT_SEARCHED = "not searched: the search's time limit (--limit seconds) was reached before it"
 INTERRUPTED = "not searched: the search was interrupted (Ctrl-C) before it"
@@ -115,8 +122,9 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
             say(f"pipeline {p} stages x {m} micro-batches: {why}")
             tried.append({"pp": p, "microbatches": m, "error": why})
             continue
-        # first ranked as one micro-batch alive (the fastest stage plan on p devices' memory), then, if no
-        # schedule of it fits, with the first stage's p in flight (a leaner stage plan)
+        # extraction first ranks one micro-batch alive (the fastest stage plan on p devices' memory), then, if
+        # no schedule of it fits, the first stage's p in flight (a leaner stage plan); what fits is judged by the
+        # schedules' figure either way (`StageFit`), recomputing blocks where keeping every activation fits none
         for in_flight in (1, min(p, m)):
             if in_flight > 1 and clock is not None and clock.spent:
                 why = INTERRUPTED if clock.interrupted.is_set() else NOT_SEARCHED
@@ -125,7 +133,7 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
             say(f"pipeline {p} stages of {stage_devices} devices, {m} micro-batches: searching the stage plan"
                 + (f" ({in_flight} in flight)" if in_flight > 1 else ""))
             try:
-                stage = search(stage_machine, stage_devices, m, in_flight,
+                stage = search(stage_machine, stage_devices, m, in_flight, StageFit(p, machine, schedule),
                                clock.part(1.0 / (len(pairs) - index)) if clock is not None else None, True)
             except (DoesNotFit, OptimizeError) as err:
                 say(f"pipeline {p} x {m} micro-batches: no stage plan ({err})")
@@ -176,8 +184,8 @@ def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, i
     p, m, in_flight = scouted[id(first)]
     say(f"pipeline {p} stages x {m} micro-batches chosen: searching every stage mesh")
     try:
-        stage = search(_stage_machine(machine, devices, p), devices // p, m, in_flight, clock.part(1.0) if clock is not None else None,
-                       False)
+        stage = search(_stage_machine(machine, devices, p), devices // p, m, in_flight, StageFit(p, machine, schedule),
+                       clock.part(1.0) if clock is not None else None, False)
     except (DoesNotFit, OptimizeError) as err:
         say(f"pipeline {p} x {m} micro-batches, every stage mesh: no stage plan ({err})")
         return
@@ -194,7 +202,7 @@ def _price_schedules(stage: Plan, p: int, m: int, schedule: str | None, machine:
     """`stage` cut into p stages and priced in every schedule that applies; each recorded in `tried`."""
     found = []
     pricer = StagePricer(stage, machine)     # the stage plan's layers and node figures, once for every schedule
-    for name, v in _schedules(schedule, p, m, len(pricer.layer_map.layers)):
+    for name, v in applicable_schedules(schedule, p, m, len(pricer.layer_map.layers)):
         try:
             plan = pricer.pipelined(p, name, v)
         except PipelineError as err:
@@ -205,19 +213,6 @@ def _price_schedules(stage: Plan, p: int, m: int, schedule: str | None, machine:
                       "time_s": plan.totals.time_s, "peak_memory_bytes": plan.totals.peak_memory_bytes,
                       "fits": plan.totals.fits(machine)})
     return found
-
-
-def _schedules(pinned: str | None, p: int, m: int, layers: int) -> list[tuple[str, int]]:
-    """(schedule, chunks per stage) to price: interleaved with two chunks where m is a multiple of p and the
-    layers make 2p chunks."""
-    out = []
-    for name, v in SCHEDULE_CHOICES:
-        if pinned is not None and name != pinned:
-            continue
-        if name == INTERLEAVED and (m % p or layers < p * v):
-            continue
-        out.append((name, v))
-    return out
 
 
 def _grid_points(stage: Plan, p: int, schedules: Sequence[tuple[str, int]], machine: Machine

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
+from parsat.cost.pipeline import StageFit
 from parsat.dsl import ast
 from parsat.dsl.bounds import BoundError, check
 from parsat.dsl.checker import resolve_library
@@ -35,6 +36,7 @@ from parsat.ir.microbatch import batch_dims
 from parsat.ir.models import BATCH, EXAMPLES
 from parsat.ir.pcg import Degrees
 from parsat.ir.recompute import AUTO, BLOCKS, POLICIES
+from parsat.search.fit import MemoryFit
 
 ZERO_STAGES = (0, 1, 2, 3)   # what `--degrees zero=N` may pin
 from parsat.search.inputs import check_devices, check_pins, resolve_graph
@@ -210,10 +212,15 @@ class StepContext:
     machine: Machine                     # with the nodes `devices` need
     devices: int
     pins: Mapping[str, Degrees]          # pinned degrees of outputs and inputs, checked on `graph`
-    in_flight: int = 1                   # micro-batches whose activations are alive at once (a stage's)
+    memory: MemoryFit                    # what fits in memory, as the plan runs (`search.fit`)
+    in_flight: int = 1                   # micro-batches whose activations extraction ranks alive at once (a stage's)
     batch_inputs: Mapping[str, int] = field(default_factory=dict)   # pinned dp or tp: inputs -> their batch dim
-    stage: bool = False                  # a pipeline stage's plan: only its grid baseline is ever read
     scout: bool = False                  # search the first mesh only: a count or pair compared (`step`)
+
+    @property
+    def stage(self) -> StageFit | None:
+        """How a pipeline stage's plan runs (None unstaged): only its grid baseline is read beside it."""
+        return self.memory.stage
 
     @property
     def searched(self) -> Graph:
@@ -230,11 +237,12 @@ class StepContext:
 
 
 def step_context(request: SearchRequest, microbatches: int = 1, machine: Machine | None = None,
-                 devices: int | None = None, in_flight: int = 1, stage: bool = False,
+                 devices: int | None = None, in_flight: int = 1, stage: StageFit | None = None,
                  scout: bool = False) -> StepContext:
     """The step of `microbatches` micro-batches on `devices` devices of `machine` (default: the request's): an
     example is built at its batch / m (the whole graph is the request's for m = 1), any other graph is taken
-    as one micro-batch's."""
+    as one micro-batch's. A pipeline stage's step (`stage`: how its pipeline runs) judges what fits as the
+    pipeline runs it (`search.fit`); `in_flight` is what its extraction ranks memory with."""
     machine, devices = machine or request.machine, devices or request.devices
     sizes = dict(request.sizes)
     if request.batch is not None and microbatches > 1:
@@ -257,5 +265,6 @@ def step_context(request: SearchRequest, microbatches: int = 1, machine: Machine
     # another dim (the vocabulary of one-hot ids and targets) on a tensor axis (`strategies.config_excluded`)
     pinned = any(request.parallel_dims.get(kind, 1) > 1 for kind in ("dp", "tp"))
     samples = batch_dims(graph, request.library) if pinned else {}
-    return StepContext(request, graph, repetition, machine.with_devices(devices), devices, pins, in_flight,
-                       samples, stage, scout)
+    machine = machine.with_devices(devices)
+    return StepContext(request, graph, repetition, machine, devices, pins, MemoryFit(machine, graph, devices, stage),
+                       in_flight, samples, scout)

@@ -121,7 +121,8 @@ def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_placement
 
 def in_flight_costs(costs: Mapping, in_flight: int) -> Mapping:
     """`costs` with `in_flight` micro-batches' activations alive at once (a pipeline stage's warm-up): what a
-    stage's extraction ranks memory by, and what its recomputation policy is chosen by (`mesh`)."""
+    stage's extraction ranks memory by, an additive estimate (what fits is judged as the pipeline runs the plan:
+    `search.fit`)."""
     return costs if in_flight == 1 else {k: c.with_in_flight(in_flight) for k, c in costs.items()}
 
 

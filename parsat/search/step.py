@@ -69,7 +69,7 @@ def search_step(step: StepContext, clock: Deadline) -> Plan:
         return _search_step(step, clock, choices[:1], left_out=choices[1:])
     except DoesNotFit:
         steps = CandidateSteps(step.request.library, step.machine, step.graph.microbatches)
-        if step.pins or not any(p.totals.fits(step.machine) for p in independent_points(step, steps)):
+        if step.pins or not any(step.memory.fits(p) for p in independent_points(step, steps)):
             raise
         step.say("no plan on the first mesh fits where a grid point does: searching every mesh")
         return _search_step(step, clock, choices)
@@ -95,7 +95,7 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
             least = min(needs, key=lambda s: s.needed_bytes)
             raise DoesNotFit(least.error, least.needed_bytes, step.machine.memory_capacity)
         raise OptimizeError(searches[0].error or f"no plan for '{step.graph.name}' on {step.devices} devices")
-    best_search = min(solved, key=lambda s: rank(s.joint, step.machine))
+    best_search = min(solved, key=lambda s: rank(s.joint, step.memory))
     candidates, found_baselines, skipped = compare_baselines(step, searches, best_search, steps, clock)
     plan = assemble_plan(step, searches, best_search, candidates, found_baselines, skipped, steps,
                          pinned=choices[0].config is not None)
@@ -194,11 +194,11 @@ def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_se
         step.say(f"baseline {skipped}")
     if not request.baselines:
         return candidates, found, skipped
-    megatron = best([s.megatron for s in searches], machine)
+    megatron = best([s.megatron for s in searches], step.memory)
     two_phase = sequential(step.searched, request.library, request.rules, best_search.mesh,
                            replace(spare, ilp_nodes=max(1, request.limits.ilp_nodes // 2)),
                            machine, best_search.pins, step.input_pins, request.free_input_placements, step.say,
-                           request.caches, step.repetition) if spare is not None and not step.stage else None
+                           request.caches, step.repetition) if spare is not None and step.stage is None else None
     dp = data_parallel(graph, request.library, machine, request.free_input_placements, step.devices) \
         if not step.pins else None
     two_phase, dp = steps(two_phase), steps(dp)
@@ -207,7 +207,7 @@ def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_se
     as_grid = replace(dp, name="best_grid", config={"dp": step.devices, "tp": 1, "sp": False, "zero": 0,
                                                      "microbatches": graph.microbatches}) if dp else None
     independent = independent_points(step, steps) if not step.pins else []
-    grid = best([s.grid for s in searches] + [as_grid] + independent, machine)
+    grid = best([s.grid for s in searches] + [as_grid] + independent, step.memory)
     for name, candidate in (("megatron", megatron), ("sequential", two_phase), ("data_parallel", dp),
                             ("best_grid", grid)):
         found[name] = candidate.totals if candidate is not None else None
@@ -217,16 +217,17 @@ def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_se
 
 
 def independent_points(step: StepContext, steps: CandidateSteps) -> list[Candidate]:
-    """The independent grid's points (`baselines.independent_grid`), the ones that fit simulated (a point that
-    does not fit ranks by its memory, which simulating does not change); made once per call for one graph on
-    one machine and devices, which a scout's step and the search of every mesh at its count share."""
+    """The independent grid's points (`baselines.independent_grid`), the ones that fit as they run
+    (`search.fit`) simulated (a point that does not fit ranks by its memory, which simulating does not change);
+    made once per call for one graph on one machine and devices (and pipeline, for a stage's), which a scout's
+    step and the search of every mesh at its count share."""
     request = step.request
-    key = (step.graph, step.machine, step.devices)
+    key = (step.graph, step.machine, step.devices, step.stage)
     found = request.grid_points.get(key)
     if found is None:
-        found = [steps(point) if point.totals.fits(step.machine) else point for point in
+        found = [steps(point) if step.memory.fits(point) else point for point in
                  independent_grid(step.graph, request.library, step.machine, request.free_input_placements,
-                                  step.devices)]
+                                  step.devices, step.memory.fits)]
         request.grid_points[key] = found
     return found
 
@@ -248,7 +249,7 @@ def assemble_plan(step: StepContext, searches: Sequence[MeshSearch], best_search
         raise OptimizeError(f"internal: no plan for '{graph.name}' can be placed on {step.devices} devices "
                             f"({unplaceable.get(JOINT, '')})")
     chosen = candidates[0] if pinned and candidates[0].name == JOINT else \
-        min(candidates, key=lambda c: rank(c, machine))
+        min(candidates, key=lambda c: rank(c, step.memory))
     if chosen.name != JOINT:
         step.say(f"baseline {chosen.name} was cheaper than anything extracted: the plan is its PCG")
     joint = best_search.result

@@ -1,0 +1,72 @@
+"""Whether a step's candidate plan fits in memory, as the plan will run: the one judgment every ranking of a
+step reads (`mesh.rank`, the recomputation policy, the grid's points).
+
+An unstaged step's candidate runs as it is priced: its peak memory per device against the device's. A
+pipeline stage's candidate (the whole model on a stage mesh, `pipeline_search`) runs cut into stages in a
+schedule, so it fits when its busiest stage does, as the pipeline's pricing gives that stage's memory
+(`cost.pipeline.StageFit`: the schedule's in-flight micro-batches, each stage's own weights, the first
+stage's embedding, what recomputation keeps). The stage machine's memory, p times a device's, stays what
+extraction's additive estimate is ranked against (`solve.in_flight_costs`); it no longer decides what fits,
+which let a stage plan keep every activation where no schedule of it fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol
+
+from parsat.cost.pipeline import StageFit
+from parsat.ir.costs import NodeCost, Totals
+from parsat.ir.graph import Graph
+from parsat.ir.machine import Machine
+from parsat.ir.pcg import PCG
+from parsat.ir.plan import Plan
+
+
+class Priced(Protocol):
+    """What the judgment reads of a candidate (`baselines.Candidate`)."""
+
+    pcg: PCG
+    costs: Mapping[int, NodeCost]
+    totals: Totals
+
+
+@dataclass(frozen=True)
+class MemoryFit:
+    """A step's judgment of memory: on `machine` (the step's), or, with `stage`, as the stage plan's pipeline
+    runs. A stage candidate's figure is worked out once (cut and priced per schedule)."""
+
+    machine: Machine
+    graph: Graph          # the step's graph (its micro-batches), which a stage candidate is the plan of
+    devices: int
+    stage: StageFit | None = None
+    # id of a candidate's costs -> (those costs, its PCG, bytes): kept alive, so an id stays theirs; a candidate
+    # and its simulated copy (`mesh.CandidateSteps`: the same PCG and costs) share one figure
+    _known: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def needs(self, candidate: Priced) -> int:
+        """The memory per device `candidate` needs as it runs (a stage plan: its busiest stage's, in the schedule
+        and cut that need least; the whole plan's on the stage machine when no schedule can run it, which then
+        never fits)."""
+        staged = self._staged(candidate)
+        return candidate.totals.peak_memory_bytes if staged is None else staged
+
+    def fits(self, candidate: Priced) -> bool:
+        """Whether `candidate` fits in memory as it runs."""
+        if self.stage is None:
+            return candidate.totals.fits(self.machine)
+        return self.stage.fits(self._staged(candidate))
+
+    def _staged(self, candidate: Priced) -> int | None:
+        """A stage candidate's figure (`StageFit.peak_bytes`), worked out once; None unstaged or unrunnable."""
+        if self.stage is None:
+            return None
+        known = self._known.get(id(candidate.costs))
+        if known is None or known[0] is not candidate.costs or known[1] is not candidate.pcg:
+            plan = Plan(self.graph, self.machine, self.devices, candidate.pcg, candidate.costs, candidate.totals)
+            known = (candidate.costs, candidate.pcg, self.stage.peak_bytes(plan))
+            self._known[id(candidate.costs)] = known
+        return known[2]
+
+
+__all__ = ["MemoryFit", "Priced"]
