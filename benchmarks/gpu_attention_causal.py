@@ -3,7 +3,7 @@
     python3 benchmarks/gpu_attention_causal.py --out gpu_attention_causal.json    # on a CUDA machine (torch only)
 
 The backend's operator is `scaled_dot_product_attention(q, k, v, is_causal=True, scale=c)`
-(parsat/backend/torch_ops.py `_attention_causal`; copied here so that the
+(parsat/importer/torch_ops.py `_attention_causal`; copied here so that the
 script needs torch alone). q, k and v are made as a plan makes them: one
 [b, s, 3 h d] projection cut into heads by a view and a transpose (not
 contiguous). Per shape, bf16: the largest difference from the written-out
@@ -33,7 +33,7 @@ SHAPES = ((1, 16, 1024, 128), (1, 16, 2048, 128), (1, 16, 4096, 128), (1, 16, 81
 
 
 def attention_causal(q, k, v, c):
-    """parsat/backend/torch_ops.py's `_attention_causal`."""
+    """parsat/importer/torch_ops.py's `_attention_causal`."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=float(c))
 
 

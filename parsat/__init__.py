@@ -56,15 +56,19 @@ def explain(plan, limit=40):
     return explain_plan(plan, limit)
 
 
-def from_torch(module, example_inputs, library=None, name=None):
+def from_torch(module, example_inputs, library=None, name=None, *, check=True):
     """The parsat `Graph` of a torch `nn.Module` (torch.export): see `parsat.importer.export.from_torch`.
 
     Weights are named by the module's parameter names; unsupported
     operators raise one `TorchImportError` listing each with its source line.
+    With `check` (the default) the graph is evaluated against the module on
+    the example inputs in float64 (loss or outputs, every parameter's
+    gradient, relative 1e-6) and refused, naming the first node that
+    differs and its source line; skipped for meta tensors.
     """
     from parsat.importer.export import from_torch as run
 
-    return run(module, example_inputs, library, name)
+    return run(module, example_inputs, library, name, check=check)
 
 
 def parallelize(module, plan, example_inputs=None, *, imported=None, seed=0, dtype=None):

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from parsat.backend.torch_ops import OPS, OpCallError, UnsupportedOpError, apply_op, torch_op  # noqa: E402
+from parsat.importer.torch_ops import OPS, OpCallError, UnsupportedOpError, apply_op, torch_op  # noqa: E402
 from parsat.dsl.evaluate import evaluate  # noqa: E402
 from parsat.dsl.library import load_library  # noqa: E402
 from parsat.dsl.parser import parse  # noqa: E402

@@ -6,8 +6,9 @@ raises or hangs ends the job with its name), `rank_guard` (a rank dies
 with its launcher, from its first moment), `collectives` (one process
 group per group of each mesh axis; the parallel operators as one table of
 autograd-aware collectives on them),
-`torch_ops` (the library's operators on local pieces), `executor` (a PCG
-as training steps on every rank, checked against one process), `cli`
+`executor` (a PCG as training steps on every rank, checked against one
+process; the library's operators in torch are `parsat.importer.torch_ops`,
+which the importer's self-check runs too), `cli`
 (`parsat run`, `parsat calibrate`), `calibrate` (this machine's speeds for
 the cost model), `parallelize` (a user's module run as a plan, fed from its
 import: a torch `nn.Module` as a parsat graph is `parsat.importer`'s),

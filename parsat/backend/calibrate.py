@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from parsat.backend.launch import LaunchConfig, RankContext, launch
-from parsat.backend.torch_ops import apply_op
+from parsat.importer.torch_ops import apply_op
 from parsat.dsl.bounds import check_all
 from parsat.ir.units import fmt_bytes
 from parsat.ir.machine import Machine

@@ -5,7 +5,7 @@ The job's ranks are the plan's device mesh (`pcg.mesh`, docs/MESH.md):
 becomes its full tensor, made from a seed (weights once, data batches per
 step), so every rank and the single-process reference see the same values
 without communication; a compute node runs the torch op on local pieces
-(`torch_ops`); a parallel node runs its collective on its mesh axis's
+(`importer.torch_ops`); a parallel node runs its collective on its mesh axis's
 group (`collectives.parallel_op`). Every node's placement is derived once,
 before any rank starts (`ir.pcg_placement.derive_placements`: the pieces of a compute
 node's inputs line up, and each placement is the one the plan states), so
@@ -83,7 +83,7 @@ from parsat.backend.collectives import GRAD_SYNC, CommCounter, MeshGroups, paral
 from parsat.backend.launch import LaunchConfig, RankContext, launch
 from parsat.backend.recompute_regions import Region, RegionError, Unit, forward_units
 from parsat.backend.state_shards import ShardingError, StateShards, check_runnable
-from parsat.backend.torch_ops import apply_op
+from parsat.importer.torch_ops import apply_op, evaluate_graph
 from parsat.backend.training_data import (MASK, ONEHOT, StepData, TrainConfig, causal_mask, data_leaves,  # noqa: F401
                                           fan_in, leaf_value, objective, target_value)
 from parsat.dsl.library import Library, load_library, shipped_rules_dir
@@ -163,14 +163,6 @@ class Reference:
     outputs: tuple[dict, ...]
     grads: tuple[dict, ...]
     weights: tuple[dict, ...]
-
-
-def evaluate_graph(graph: Graph, leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every node's value, given every leaf's (the single-process semantics of a graph)."""
-    env = dict(leaves)
-    for node in graph.nodes:
-        env[node.name] = apply_op(node.op, [env[i] for i in node.inputs], dict(node.attrs))
-    return env
 
 
 def step_data(graph: Graph, batch: StepBatch, config: TrainConfig, step: int) -> StepData:

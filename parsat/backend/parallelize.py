@@ -322,7 +322,9 @@ def parallelize(module: torch.nn.Module, plan, example_inputs=None, *, imported:
         if example_inputs is None:
             raise ParallelizeError("give the example inputs the plan was made for, or the module's import "
                                    "(imported=)")
-        imported = import_module(module, example_inputs)
+        # Not checked against the module again on every rank: the graph must be the plan's, made by an import
+        # that checked it (`from_torch`).
+        imported = import_module(module, example_inputs, check=False)
         difference = graph_difference(imported.graph, graph)
     else:  # the caller's import: of this module, and of the plan's graph
         difference = import_difference(module, imported) or graph_difference(imported.graph, graph)
@@ -454,7 +456,7 @@ def run_module_rank(ctx: RankContext, pcg: PCG, graph: Graph, model_spec: str, d
         except Exception as err:  # noqa: BLE001 - a user's file
             raise ExecutionError(f"cannot read --data {data_path}: {type(err).__name__}: {err}") from None
     batches = [_same_on_every_rank(_cast(b, dtype), ctx) for b in _batches(example, data, config.steps)]
-    imported = import_module(module, example)
+    imported = import_module(module, example, check=False)   # the plan's graph, checked when it was imported
     difference = graph_difference(imported.graph, graph)
     if difference:
         raise ExecutionError(difference)

@@ -27,7 +27,7 @@ import torch
 
 from parsat.backend.executor import (ExecutionError, TrainConfig, compare_values, data_leaves, evaluate_graph,
                                      leaf_value, operator_library, seeded_weights, step_data)
-from parsat.backend.torch_ops import apply_op
+from parsat.importer.torch_ops import apply_op
 from parsat.ir.graph import Graph
 from parsat.ir.microbatch import is_loss, step_batch
 from parsat.ir.pcg import PCG

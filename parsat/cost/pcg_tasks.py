@@ -66,7 +66,7 @@ from parsat.cost.schedules import Gradient, GradientBuckets
 from parsat.cost.simulator import COMM, COMPUTE, StepBuilder, StepResult
 
 DEVICE = 0
-# Operators torch runs as views of their input (no new storage): parsat/backend/torch_ops.py. `flatten` is a view
+# Operators torch runs as views of their input (no new storage): parsat/importer/torch_ops.py. `flatten` is a view
 # only of a contiguous tensor (after a transpose it copies).
 VIEW_OPS = frozenset({"transpose", "unflatten", "split", "dropout", "broadcast"})
 RESHAPING_PRODUCTS = frozenset({"matmul", "bmm", "linear", "linear_nobias"})   # torch.matmul: >2-D inputs reshaped

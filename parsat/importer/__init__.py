@@ -22,6 +22,12 @@ Modules, in the order an import runs through them:
   `aten_attention`;
 * `imported`: `ImportedModule` (the result, and each batch's data leaves),
   `DataLeaf`, `dropout_mask`, `RunningStats`;
+* `self_check`: `check_import`, the graph evaluated against the module in
+  float64 (outputs and every parameter's gradient) before the import
+  returns it, refused naming the first node that differs;
+* `torch_ops`: the library's operators in torch and `evaluate_graph` (a
+  graph's single-process semantics), here so that the self-check and the
+  backend, which runs plans with them, share one implementation;
 * `errors`: `TorchImportError`, every unsupported operator listed with its
   source line and module path.
 """

@@ -18,16 +18,23 @@ from __future__ import annotations
 
 from parsat.importer.errors import TorchImportError
 from parsat.importer.imported import ImportedModule
+from parsat.importer.self_check import check_import
 from parsat.importer.translator import Translator
 from parsat.ir.graph import Graph, GraphBuilder
 
 
-def from_torch(module, example_inputs, library=None, name: str | None = None) -> Graph:
+def from_torch(module, example_inputs, library=None, name: str | None = None, *, check: bool = True) -> Graph:
     """The parsat graph of `module` applied to `example_inputs` (a tensor or a tuple of them).
 
-    Raises `TorchImportError` listing every operator parsat cannot express.
+    Raises `TorchImportError` listing every operator parsat cannot express,
+    or, with `check` (the default), naming the first graph node whose value
+    differs from the module's: the graph is evaluated against the module on
+    the example inputs in float64, loss (or outputs) and every parameter's
+    gradient, to a relative 1e-6 with an absolute floor of 1e-9
+    (`self_check`). The check is skipped for meta tensors (no values to
+    compare); `check=False` skips it on a model too large to run twice.
     """
-    return import_module(module, example_inputs, library, name).graph
+    return import_module(module, example_inputs, library, name, check=check).graph
 
 
 def export_module(module, inputs: tuple):
@@ -42,8 +49,10 @@ def export_module(module, inputs: tuple):
                                f"{first[:400]}") from None
 
 
-def import_module(module, example_inputs, library=None, name: str | None = None) -> ImportedModule:
-    """Export `module`, sort its nodes into compute and data, and map the compute onto library operators."""
+def import_module(module, example_inputs, library=None, name: str | None = None, *,
+                  check: bool = True) -> ImportedModule:
+    """Export `module`, sort its nodes into compute and data, map the compute onto library operators, and with
+    `check` evaluate the graph against the module in float64 (`from_torch`, `self_check.check_import`)."""
     import torch
 
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
@@ -63,7 +72,10 @@ def import_module(module, example_inputs, library=None, name: str | None = None)
         program = export_module(module, inputs)
         module.train(was_training)
         translator = Translator(module, program, inputs, GraphBuilder(library, name=name or type(module).__name__))
-        return translator.run()
+        imported = translator.run()
+        if check:
+            check_import(imported, inputs, translator.trace(), type(module).__name__)
+        return imported
     finally:
         with torch.no_grad():
             for name, b in module.named_buffers():

@@ -73,17 +73,61 @@ def concrete_values(program, inputs: tuple) -> dict:
 
 
 def needed_nodes(graph, targets: Sequence[str]) -> dict[str, list[str]]:
-    """For each target data node: the non-placeholder nodes to evaluate for it, in graph order."""
+    """For each target data node: the non-placeholder nodes to evaluate for it, in graph order.
+
+    Its ancestors, and every in-place write into the storage of one of them
+    (`writes`, `storage_root`) made before the target's last reader, with
+    that write's own ancestors: T5's decoder inputs are labels copied into
+    a slice of `new_zeros` by a `copy_` that no node reads, after which the
+    embedding reads `new_zeros`; without the write the zeros stay zeros.
+    Run in graph order, the target then holds what its last reader reads.
+    """
     order = {n.name: i for i, n in enumerate(graph.nodes)}
     by_name = {n.name: n for n in graph.nodes}
+    writers = [n for n in graph.nodes if writes(n)]
     out = {}
     for target in targets:
-        seen, stack = set(), [target]
-        while stack:
-            name = stack.pop()
-            if name in seen:
-                continue
-            seen.add(name)
-            stack.extend(n.name for n in by_name[name].all_input_nodes)
+        limit = max([order[target], *(order[u.name] for u in by_name[target].users)])
+        seen = ancestors(graph, [target])
+        grown = True
+        while grown:
+            grown = False
+            for w in writers:
+                if w.name not in seen and order[w.name] < limit and storage_root(w).name in seen:
+                    seen |= ancestors(graph, [w.name])
+                    grown = True
         out[target] = sorted(seen, key=order.get)
     return out
+
+
+def ancestors(graph, names: Sequence[str]) -> set[str]:
+    """The nodes `names` and every node they read, directly or not."""
+    by_name = {n.name: n for n in graph.nodes}
+    seen, stack = set(), list(names)
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        stack.extend(n.name for n in by_name[name].all_input_nodes)
+    return seen
+
+
+def writes(node) -> bool:
+    """Whether an ATen node writes into its first argument in place (`copy_`, `fill_`, `masked_fill_`)."""
+    schema = getattr(node.target, "_schema", None)
+    alias = schema.arguments[0].alias_info if schema is not None and schema.arguments else None
+    return node.op == "call_function" and alias is not None and alias.is_write
+
+
+def storage_root(node):
+    """The node whose storage a node's first argument is (through views and in-place writes), for a write."""
+    import torch.fx
+
+    current = node.args[0] if node.args else None
+    while isinstance(current, torch.fx.Node) and current.op == "call_function" and current.args:
+        schema = getattr(current.target, "_schema", None)
+        if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+            break
+        current = current.args[0]
+    return current if isinstance(current, torch.fx.Node) else node

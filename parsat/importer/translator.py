@@ -32,6 +32,7 @@ from parsat.importer.aten import HANDLERS
 from parsat.importer.errors import Refused, TorchImportError, Unsupported, aten_name, aten_short, module_path, source_line
 from parsat.importer.imported import DataLeaf, ImportedModule, RunningStats, encode
 from parsat.importer.program import concrete_values, needed_nodes
+from parsat.importer.self_check import ImportTrace
 from parsat.importer.shape_ops import ShapeOps
 from parsat.ir.graph import Graph, GraphBuilder, GraphError, Tensor
 
@@ -255,6 +256,12 @@ class Translator(ShapeOps):
                               dropout,
                               tuple(self.user_inputs), self.program.call_spec.out_spec, needed,
                               tuple(s for s in self.running_stats if s.mean in live and s.var in live))
+
+    def trace(self) -> ImportTrace:
+        """What the import's self-check needs of this walk: which nodes are compute, and the graph tensor holding
+        each compute node's value."""
+        handles = {name: h.name for name, h in self.env.items() if isinstance(h, Tensor)}
+        return ImportTrace(frozenset(self.compute), handles)
 
     def _outputs(self, graph) -> list[str]:
         out_node = next(n for n in graph.nodes if n.op == "output")

@@ -1,4 +1,9 @@
-"""Torch implementations of the operators of `rules/ops.rule`, on local pieces.
+"""Torch implementations of the operators of `rules/ops.rule`, on local pieces; a graph evaluated with them.
+
+Here, below the backend, because two stages run the library's operators:
+the importer evaluates each imported graph against the module it came from
+(`self_check`), and the backend runs plans on every rank (`executor`).
+`evaluate_graph` is a graph's single-process semantics.
 
 Compute operators run SPMD: every rank applies the same torch op to the
 pieces it holds. The spread analysis (`parsat.dsl.spread.infer_compute`)
@@ -22,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from parsat.dsl import ast
+from parsat.ir.graph import Graph
 
 Tensor = torch.Tensor
 Attrs = Mapping[str, "int | float"]
@@ -32,7 +38,7 @@ class UnsupportedOpError(Exception):
 
     def __init__(self, name: str, where: str | None = None):
         place = f" (declared at {where})" if where else ""
-        super().__init__(f"operator '{name}'{place} has no torch implementation in parsat.backend.torch_ops; "
+        super().__init__(f"operator '{name}'{place} has no torch implementation in parsat.importer.torch_ops; "
                          f"add one to OPS there to run plans that use it")
         self.name = name
 
@@ -263,3 +269,11 @@ def apply_op(op: str | ast.OpDecl, tensors: Sequence[Tensor], attrs: Attrs | Non
     if missing or extra:
         raise OpCallError(f"{name} takes attributes {list(impl.attrs)}; missing {missing}, unknown {extra}")
     return impl.fn(*tensors, *(attrs[a] for a in impl.attrs))
+
+
+def evaluate_graph(graph: Graph, leaves: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Every node's value, given every leaf's (the single-process semantics of a graph)."""
+    env = dict(leaves)
+    for node in graph.nodes:
+        env[node.name] = apply_op(node.op, [env[i] for i in node.inputs], dict(node.attrs))
+    return env
