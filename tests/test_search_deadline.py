@@ -48,13 +48,14 @@ def test_every_search_of_one_call_ends_by_the_call_s_one_deadline(monkeypatch):
     monkeypatch.setattr(Deadline, "starting_now", classmethod(first_clock))
     monkeypatch.setattr(api, "search_step", recording)          # the pipeline's stage plans
     monkeypatch.setattr(microbatches, "search_step", recording)  # the unstaged micro-batch counts
-    plan = api.optimize("gpt", "cpu", devices=4, sizes=SIZES, limits={"seconds": 20}, pipeline=True, baselines=False)
+    # a limit the call never reaches, however loaded the box: what is checked is how it is shared, not what it cuts
+    plan = api.optimize("gpt", "cpu", devices=4, sizes=SIZES, limits={"seconds": 600}, pipeline=True, baselines=False)
     assert plan.saturation.get("pipeline_search")
-    # the unstaged search and the stage plans: several searches, each within the one deadline, none its own 20 s
+    # the unstaged search and the stage plans: several searches, each within the one deadline, none its own 600 s
     assert len(seen) >= 3 and all(clock is not None for clock in seen)
     deadline = outer[0].at
     assert all(clock.at <= deadline + 1e-9 for clock in seen)
-    assert seen[0].at <= deadline - 20 * (1 - api.UNSTAGED_SHARE) + 1e-9
+    assert seen[0].at <= deadline - 600 * (1 - api.UNSTAGED_SHARE) + 1e-9
 
 
 def test_a_spent_limit_stops_the_micro_batch_search_and_says_what_it_left_out():
