@@ -52,7 +52,7 @@ from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARTITION, REDUCE, REDU
 from parsat.dsl.spread import infer_compute
 from parsat.ir.costs import NodeCost
 from parsat.ir.machine import Machine
-from parsat.ir.pcg import STORED_ROLES, WEIGHT, WEIGHT_PIECE, WEIGHT_ROLES, Degrees
+from parsat.ir.pcg import SHARDED_STATE_STAGES, STORED_ROLES, WEIGHT, WEIGHT_PIECE, WEIGHT_ROLES, Degrees
 from parsat.cost import collectives
 from parsat.cost.collectives import GroupTopology, price
 from parsat.cost.op_time import OpTime, op_time
@@ -240,9 +240,6 @@ def shards_state(op: str, source_role: str, zero: int) -> bool:
     (1 or 2) shards: a replicate reading the weight or its stored piece (`ir.pcg.STORED_ROLES`). Its replicas
     hold the same weight and sum their gradients, so each can update its own 1/p of it."""
     return zero in SHARDED_STATE_STAGES and op == REPLICATE and source_role in STORED_ROLES
-
-
-SHARDED_STATE_STAGES = (1, 2)   # the ZeRO stages a plan states as `PCG.zero`; stage 3 is the PCG's own layout
 
 
 def _state_saved(machine: Machine, zero: int, degree: int) -> float:

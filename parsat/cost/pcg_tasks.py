@@ -57,7 +57,7 @@ from parsat.dsl.parallel_ops import COMBINE, PARTITION, REDUCE, REPLICATE
 from parsat.ir.graph import instance_for
 from parsat.ir.machine import Machine
 from parsat.ir.microbatch import is_loss
-from parsat.ir.pcg import PCG, PNode, state_shardings, weight_chains, weight_storage
+from parsat.ir.pcg import PCG, PNode, readers, state_shardings, weight_chains, weight_storage
 from parsat.ir.recompute import Checkpoint, checkpoints
 from parsat.cost.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, GroupTopology, price
 from parsat.cost.model import compute_time
@@ -190,10 +190,7 @@ class _Builder:
         self.compute = self.steps.stream(DEVICE, COMPUTE)
         self.comm = self.steps.stream(DEVICE, COMM) if profile.overlap else self.compute
         self.by_id = {n.id: n for n in pcg.nodes}
-        self.users: dict[int, list[PNode]] = {}
-        for node in pcg.nodes:
-            for i in node.inputs:
-                self.users.setdefault(i, []).append(node)
+        self.users = readers(pcg)
         self.needs_grad = self._needs_grad()
         self.folded: set[int] = set()
         self.stored = self._stored_weights()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from parsat.dsl.parallel_ops import ALL_GATHER, PARTITION, REDUCE_SCATTER
-from parsat.ir.pcg import PCG, WEIGHT_ROLES, pcg_roles
+from parsat.ir.pcg import PCG, WEIGHT_ROLES, describe_zero, pcg_roles
 from parsat.ir.placement import shard_dim
 
 WEIGHTY = WEIGHT_ROLES   # a weight, or a piece or value of one made by parallel operators
@@ -100,6 +100,5 @@ def describe(pcg: PCG) -> str:
     if zero:
         parts.append("ZeRO-3 over " + ", ".join(("DP" if DATA in u.kinds else u.name) for u in zero))
     if pcg.zero:
-        parts.append(f"ZeRO-{pcg.zero} (" + ("optimizer state" if pcg.zero == 1 else "gradients and optimizer state")
-                     + " sharded over each weight's replicas)")
+        parts.append(describe_zero(pcg.zero))
     return ", ".join(parts)

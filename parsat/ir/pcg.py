@@ -20,7 +20,7 @@ from functools import cached_property
 from math import prod
 from typing import Iterator, Mapping
 
-from parsat.dsl.parallel_ops import PARTITION
+from parsat.dsl.parallel_ops import PARTITION, REPLICATE
 from parsat.dsl.spread import SymbolicDegrees
 from parsat.dsl.symbolic import Poly
 from parsat.ir.mesh import Mesh
@@ -161,18 +161,33 @@ WEIGHT_ROLES = (WEIGHT, WEIGHT_PIECE, WEIGHT_VALUE)
 STORED_ROLES = (WEIGHT, WEIGHT_PIECE)   # a further partition of these can store the weight finer
 
 
-def state_shardings(pcg: PCG) -> dict[int, int]:
-    """Stored-at node (`weight_storage`'s last) -> the `replicate` reading it that synchronises its gradient (the
-    first, if several): the weights whose state ZeRO stage 1 or 2 (`PCG.zero`) shards over that replicate's
-    devices, as the cost model (`cost.model.shards_state`), the step simulator and the backend all take them."""
+SHARDED_STATE_STAGES = (1, 2)   # the ZeRO stages `PCG.zero` states (0: none); stage 3 is the layout itself
+
+
+def describe_zero(stage: int) -> str:
+    """A ZeRO stage of `PCG.zero` in words, as `explain`, the plan's parallelism and progress lines say it."""
+    held = "optimizer state" if stage == 1 else "gradients and optimizer state"
+    return f"ZeRO-{stage} ({held} sharded over each synchronised weight's replicas)"
+
+
+def readers(pcg: PCG) -> dict[int, list[PNode]]:
+    """Node id -> the nodes that read it, in the PCG's order."""
     users: dict[int, list[PNode]] = {}
     for node in pcg.nodes:
         for i in node.inputs:
             users.setdefault(i, []).append(node)
+    return users
+
+
+def state_shardings(pcg: PCG) -> dict[int, int]:
+    """Stored-at node (`weight_storage`'s last) -> the `replicate` reading it that synchronises its gradient (the
+    first, if several): the weights whose state ZeRO stage 1 or 2 (`PCG.zero`) shards over that replicate's
+    devices, as the cost model (`cost.model.shards_state`), the step simulator and the backend all take them."""
+    users = readers(pcg)
     out: dict[int, int] = {}
     for chain in weight_storage(pcg).values():
         for user in users.get(chain[-1], []):
-            if user.kind == "parallel" and user.op == "replicate" and chain[-1] not in out:
+            if user.kind == "parallel" and user.op == REPLICATE and chain[-1] not in out:
                 out[chain[-1]] = user.id
     return out
 
@@ -185,10 +200,7 @@ def weight_storage(pcg: PCG) -> dict[int, tuple[int, ...]]:
     the cost model prices a PCG (`pcg_roles`): a weight with several readers is held whole (or as the piece
     its chain gives), and a partition reading it beside another reader slices it and gathers the gradient.
     """
-    users: dict[int, list[PNode]] = {}
-    for node in pcg.nodes:
-        for i in node.inputs:
-            users.setdefault(i, []).append(node)
+    users = readers(pcg)
     chains: dict[int, tuple[int, ...]] = {}
     for node in pcg.nodes:
         if node.kind != "leaf" or node.role != WEIGHT:

@@ -26,6 +26,7 @@ from parsat.dsl.instantiate import InstantiationError
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.ir.errors import GraphError, MachineError
 from parsat.ir.instance import instance_for
+from parsat.ir.pcg import SHARDED_STATE_STAGES
 from parsat.ir.recompute import POLICIES as RECOMPUTE_POLICIES
 
 # The schemas' names and versions: every writer stamps them, every reader checks them.
@@ -307,7 +308,7 @@ def _check_pcg(f: _Fields, data: Mapping, at: str) -> None:
     if "recompute" in data and data["recompute"] not in RECOMPUTE_POLICIES:
         f.fail(f"{at}recompute", f"'{_short(data['recompute'])}' is not a recomputation policy "
                                  f"({', '.join(RECOMPUTE_POLICIES)})")
-    if "zero" in data and (isinstance(data["zero"], bool) or data["zero"] not in (0, 1, 2)):
+    if "zero" in data and (isinstance(data["zero"], bool) or data["zero"] not in (0, *SHARDED_STATE_STAGES)):
         f.fail(f"{at}zero", f"'{_short(data['zero'])}' is not a ZeRO stage a plan states (0, 1 or 2; stage 3 is "
                             "the layout itself: weights stored split and all-gathered)")
 

@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER, REPLICATE
 from parsat.ir.mesh import Mesh
 from parsat.ir.parallelism import describe
-from parsat.ir.pcg import Degrees
+from parsat.ir.pcg import Degrees, describe_zero
 from parsat.ir.pipeline import PipelinePlan
 from parsat.ir.plan import BASELINES, JOINT, Plan, load_plan_dict, pcg_from_dict
 from parsat.ir.recompute import NONE
@@ -74,9 +74,8 @@ def summary_lines(data: Mapping) -> list[str]:
     if data.get("recompute", NONE) != NONE:
         lines.append(f"  {describe_recompute(data['recompute'])}: the blocks' forward runs twice per step")
     if data.get("zero"):
-        lines.append(f"  ZeRO-{data['zero']}: each weight whose gradient is synchronised keeps "
-                     + ("its optimizer state" if data["zero"] == 1 else "its gradient and optimizer state")
-                     + " sharded over its replicas (gradient reduce-scattered, the updated shards all-gathered)")
+        lines.append(f"  {describe_zero(data['zero'])}: each such gradient reduce-scattered, the updated shards "
+                     "all-gathered")
     repeated = (data.get("saturation") or {}).get("repeated_blocks")
     if repeated:
         lines.append(f"  {repeated['blocks']} identical blocks, searched as {repeated['searched_blocks']}: block "

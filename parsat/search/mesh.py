@@ -25,6 +25,7 @@ from parsat.ir.blocks import has_blocks
 from parsat.ir.costs import totals
 from parsat.ir.machine import Machine
 from parsat.ir.mesh import Mesh
+from parsat.ir.pcg import describe_zero
 from parsat.ir.placement import Placement
 from parsat.ir.plan import JOINT
 from parsat.ir.recompute import AUTO, BLOCKS, NONE, check_policy
@@ -178,7 +179,7 @@ class Policy:
     def describe(self) -> str:
         """The policy in words, for progress lines ("" for keeping everything unsharded)."""
         parts = ([describe_recompute(self.recompute)] if self.recompute != NONE else []) + \
-            ([f"ZeRO-{self.zero} (weights' state sharded over their replicas)"] if self.zero else [])
+            ([describe_zero(self.zero)] if self.zero else [])
         return ", ".join(parts)
 
 
@@ -257,8 +258,8 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
         elif index == 1 and len(ordered) > 2:
             break   # not even the policy holding least memory fits
         if index + 1 < len(ordered):
-            step.say(f"mesh {sat.mesh}: the plan {('with ' + policy.describe()) if policy.describe() else 'keeping every activation'} "
-                     f"needs {fmt_bytes(step.memory.needs(joint))} per device"
+            held = f"with {policy.describe()}" if policy.describe() else "keeping every activation"
+            step.say(f"mesh {sat.mesh}: the plan {held} needs {fmt_bytes(step.memory.needs(joint))} per device"
                      + (" as its pipeline runs" if step.stage is not None else "")
                      + ": extracting again with less held")
     if fitting:

@@ -37,10 +37,10 @@ from parsat.ir.models import BATCH, EXAMPLES
 from parsat.ir.pcg import Degrees
 from parsat.ir.recompute import AUTO, BLOCKS, POLICIES
 from parsat.search.fit import MemoryFit
-
-ZERO_STAGES = (0, 1, 2, 3)   # what `--degrees zero=N` may pin
 from parsat.search.inputs import check_devices, check_pins, resolve_graph
 from parsat.search.repeat import SEARCHED_BLOCKS, Repetition, repetition_for
+
+ZERO_STAGES = (0, 1, 2, 3)   # what `--degrees zero=N` may pin
 
 Progress = Callable[[str], None]
 RuleChooser = Callable[[Library], tuple[Sequence[ast.RuleDecl], str]]
