@@ -37,8 +37,10 @@ def register(subparsers) -> None:
                      help=".rule files or folders (default: the shipped rules); repeat for several")
     opt.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE",
                      help="search budgets, counted in work so the same inputs give the same plan: generations "
-                          "(rounds of the rules that make new values, default 8), iterations and enodes (each "
-                          "saturation's), ilp_nodes (each extraction's ILP); and seconds, a wall-clock safety "
+                          "(rounds of the rules that make new values, default 8), matches (one such rule's "
+                          "pattern matches in a round, default 100000; past it the rule is held back), "
+                          "iterations and enodes (each saturation's), ilp_nodes (each extraction's ILP); and "
+                          "seconds, a wall-clock safety "
                           "valve (off by default) that returns the best plan found so far, ilp_seconds likewise "
                           "for one ILP (0: greedy extraction only)")
     opt.add_argument("--allow-unverified", action="store_true", help="also use rules the verifier has not PROVED")
@@ -88,8 +90,8 @@ def _pairs(items: list[str], what: str, cast=int) -> dict:
 
 
 def _limit_type(key: str) -> type:
-    """iterations, generations, enodes and ilp_nodes are counts; the others seconds."""
-    return int if key in ("iterations", "generations", "enodes", "ilp_nodes") else float
+    """iterations, generations, enodes, matches and ilp_nodes are counts; the others seconds."""
+    return int if key in ("iterations", "generations", "enodes", "matches", "ilp_nodes") else float
 
 
 def _say_warnings(caught) -> None:

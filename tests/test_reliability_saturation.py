@@ -33,8 +33,8 @@ from parsat.cli import main
 from parsat.dsl.library import Library, load_library
 from parsat.ir.graph import Graph, GraphBuilder
 from parsat.egraph import program
-from parsat.egraph.runner import (STOP_ENODES, STOP_GENERATIONS, STOP_ITERATIONS, STOP_SATURATED, STOP_SECONDS,
-                                  Limits)
+from parsat.egraph.runner import (STOP_ENODES, STOP_GENERATIONS, STOP_ITERATIONS, STOP_MATCHES, STOP_SATURATED,
+                                  STOP_SECONDS, Limits)
 from parsat.egraph.saturate import saturate
 
 ADVERSARIAL = """\
@@ -118,6 +118,21 @@ def test_generations_bound_the_associativity_blow_up_by_construction(adversarial
     assert first.stop == STOP_GENERATIONS and unbounded.stop == STOP_ENODES
     assert first.enodes * 10 < unbounded.enodes
     assert (first.enodes, first.iterations) == (again.enodes, again.iterations)
+
+
+def test_a_rule_matching_past_the_budget_is_held_back_before_it_applies_any(adversarial):
+    """The third generation of the 10-add chain's associativity matches its pattern 2,422 times: with
+    --limit matches=2000 it is held back before applying one, so the e-graph is the second generation's, the
+    run ends `matches` (not `saturated`) and names the rule; under the default budget it applies."""
+    library, _ = adversarial
+    two, _wall, _ = timed(add_chain(library, 10), library, ("add_comm", "add_assoc"), Limits(generations=2))
+    held, _wall, _ = timed(add_chain(library, 10), library, ("add_comm", "add_assoc"),
+                           Limits(generations=3, matches=2_000))
+    free, _wall, _ = timed(add_chain(library, 10), library, ("add_comm", "add_assoc"), Limits(generations=3))
+    assert held.stop == STOP_MATCHES and dict(held.held_back) == {"add_assoc": 2_422}
+    assert held.enodes == two.enodes < free.enodes and not free.held_back
+    assert "held back past --limit matches=2,000: add_assoc (2,422 matches in one round)" in held.note
+    assert held.to_dict()["rules_held_back"] == [{"rule": "add_assoc", "matches": 2_422}]
 
 
 def test_a_doubling_rule_is_stopped_by_each_limit_and_says_which(adversarial):

@@ -110,6 +110,7 @@ def _table() -> dict[tuple[str, str], Bound]:
         ("optimize", "--limit iterations"): Bound("--limit iterations", 1, 10_000),
         ("optimize", "--limit generations"): Bound("--limit generations", 0, 1_000),
         ("optimize", "--limit enodes"): Bound("--limit enodes", 1, 100_000_000),
+        ("optimize", "--limit matches"): Bound("--limit matches", 1, 100_000_000),
         ("optimize", "--limit ilp_nodes"): Bound("--limit ilp_nodes", 1, 10_000_000),
         ("optimize", "--limit seconds"): Bound("--limit seconds", 0, WEEK_S, **seconds),
         ("optimize", "--limit ilp_seconds"): Bound("--limit ilp_seconds", 0, WEEK_S, whole=False, unit="seconds"),

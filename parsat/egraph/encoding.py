@@ -46,6 +46,7 @@ MADE_PREFIX = "Made_"    # Made_<constructor>(children..., attributes..., who): 
 GRAPH_MADE = ""          # `who` for the input graph's own operators
 EQUATED = "Equated"      # Equated(class, who): a rule whose right side is a metavariable equated this class with it
 MATCH_SUFFIX = "/match"  # a rule's pattern half is named after the rule with this suffix (`rule_text.RuleBody`)
+LIVE = "Live"            # Live(key): a gated rule runs while its row is there (`Session.run`'s match budget)
 
 
 class SkipRule(Exception):
@@ -59,6 +60,11 @@ def ctor(op: str) -> str:
 
 def quote(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def live_row(key: str) -> str:
+    """The row a gated rule's two halves join with (`rule_text.RuleBody.text`): deleting it holds the rule back."""
+    return f"({LIVE} {quote(key)})"
 
 
 def real_literal(value: float) -> str:

@@ -18,7 +18,7 @@ from parsat.dsl.library import Library
 from parsat.dsl.typecheck import RuleInstance
 from parsat.ir.mesh import Mesh
 from parsat.dsl.parallel_ops import PARALLEL_OPS
-from parsat.egraph.encoding import (ANALYSES, MADE_PREFIX, MAX_RANK, RULESETS, SHAPE_RULESET, SkipRule, ctor,
+from parsat.egraph.encoding import (ANALYSES, LIVE, MADE_PREFIX, MAX_RANK, RULESETS, SHAPE_RULESET, SkipRule, ctor,
                                     equated_relation, match_ruleset, shape_term)
 from parsat.egraph.guards import degree_choices
 from parsat.egraph.instances import Signature, TypedInstance, reachable_instances, reachable_rules, typed_instances
@@ -95,8 +95,9 @@ def declarations(ops: Mapping[str, ast.OpDecl], devices: int, free_degrees: Sequ
 
 
 def _ruleset_declarations(program: RuleProgram) -> str:
-    """Each chunk's ruleset, and "alg" / "par" as the combined ruleset of their chunks."""
-    lines = []
+    """Each chunk's ruleset, and "alg" / "par" as the combined ruleset of their chunks; the gated rules' `Live`
+    table."""
+    lines = [f"(relation {LIVE} (String))"]
     for ruleset in RULESETS:
         chunks = program.chunks(ruleset)
         for name in (lambda c: c, match_ruleset):
@@ -243,7 +244,7 @@ def _assemble(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[int], 
         chunk = f"{r.ruleset}{'_' + r.phase if r.phase else ''}{position.get(group, 0) // CHUNK_RULES}"
         position[group] = position.get(group, 0) + 1
         key = f"{r.name}#{i}"
-        named.append(replace(r, key=key, chunk=chunk, text=r.body.text(i, chunk, key)))
+        named.append(replace(r, key=key, chunk=chunk, text=r.body.text(i, chunk, key, gated=r.phase == GROW)))
         for name, width, rows in r.tables:
             tables.setdefault(name, table_text(name, width, rows))
     program = RuleProgram("", tuple(named), tuple(skipped), unfinished)

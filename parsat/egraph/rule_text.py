@@ -32,8 +32,8 @@ from parsat.dsl.conditions import Cond, Negation, Rel, symbolic_truth, to_poly
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import RuleInstance, TypedTerm
 from parsat.egraph import guards
-from parsat.egraph.encoding import (MATCH_SUFFIX, MAX_RANK, SkipRule, ctor, equated_row, made_row, match_ruleset,
-                                    poly_expr, quote, real_literal, rel_fact, shape_term)
+from parsat.egraph.encoding import (MATCH_SUFFIX, MAX_RANK, SkipRule, ctor, equated_row, live_row, made_row,
+                                    match_ruleset, poly_expr, quote, real_literal, rel_fact, shape_term)
 
 
 def symbol_var(symbol: str) -> str:
@@ -112,16 +112,23 @@ class RuleBody:
             out[name] = "T" if name == "root" or name.startswith("m_") else "String" if name.startswith("r_") else "i64"
         return list(out.items())
 
-    def text(self, index: int, chunk: str, key: str) -> str:
-        """The relation and the two rules; the second carries the rule's `key` as its name."""
+    def text(self, index: int, chunk: str, key: str, gated: bool = False) -> str:
+        """The relation and the two rules; the second carries the rule's `key` as its name.
+
+        A `gated` rule's halves also join its `Live` row, inserted here: a
+        rule that makes new values can then be held back by deleting the row
+        once its pattern matches past the run's budget (`Session.run`), before
+        any of those matches is applied; a one-row join costs nothing else."""
         variables = self.variables()
         relation = f"Match{index}"
         row = f"({relation} {' '.join(v for v, _ in variables)})"
-        facts = self.facts
+        gate = (live_row(key),) if gated else ()
+        facts = gate + self.facts
         return (f"(relation {relation} ({' '.join(sort for _, sort in variables)}))\n" +
-                f"(rule ({self.pattern}) ({row}) :ruleset {match_ruleset(chunk)} :name {quote(key + MATCH_SUFFIX)})\n"
+                f"(rule ({' '.join((self.pattern,) + gate)}) ({row}) :ruleset {match_ruleset(chunk)} "
+                f":name {quote(key + MATCH_SUFFIX)})\n"
                 f"(rule ({' '.join((row,) + facts)})\n      ({self.actions})\n"
-                f"      :ruleset {chunk} :name {quote(key)})")
+                f"      :ruleset {chunk} :name {quote(key)})" + "".join(f"\n{g}" for g in gate))
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from parsat.dsl.bounds import bound
@@ -36,6 +36,7 @@ STOP_ITERATIONS = "iterations"
 STOP_GENERATIONS = "generations"
 STOP_ENODES = "enodes"
 STOP_SECONDS = "seconds"
+STOP_MATCHES = "matches"   # nothing more changes, but a rule was held back by the match budget
 STOP_INTERRUPTED = "interrupted"   # Ctrl-C: the e-graph as it stands is read back, and the caller stops too
 
 
@@ -43,7 +44,7 @@ STOP_INTERRUPTED = "interrupted"   # Ctrl-C: the e-graph as it stands is read ba
 class Limits:
     """When to stop: work budgets, so the same inputs give the same plan on any machine and under any load.
 
-    `generations`, `iterations` and `enodes` bound each saturation (`run_generations`); `ilp_nodes` each
+    `generations`, `iterations`, `enodes` and `matches` bound each saturation (`run_generations`); `ilp_nodes` each
     extraction's ILP (HiGHS branch-and-bound nodes); extraction still returns the best plan found within
     them. `seconds` and `ilp_seconds` are wall-clock safety valves, off by default (infinite): `seconds` given
     to `optimize` bounds its whole call (`search.deadline`: each search gets a part of it) and the plan says
@@ -52,6 +53,7 @@ class Limits:
     iterations: int = 60
     enodes: int = 200_000
     generations: int = 8        # rounds of the rules that make new values (`run_generations`)
+    matches: int = 100_000      # one such rule's pattern matches in one round; past it the rule is held back
     ilp_nodes: int = 1_000      # branch-and-bound nodes of one extraction's ILP
     seconds: float = math.inf
     ilp_seconds: float = math.inf
@@ -106,6 +108,7 @@ class Run:
     note: str                          # where a limit cut an iteration short, e.g. "during iteration 3: ..."
     matches: Mapping[str, int]         # rule -> matches (`rule_names`' rules all present, 0 if never fired)
     step_seconds: Mapping[str, float]  # step -> wall-clock seconds, summed over the iterations
+    held: Mapping[str, int] = field(default_factory=dict)   # rule held back by `Limits.matches` -> its matches
 
 
 class _Steps:
@@ -118,9 +121,12 @@ class _Steps:
         self.matches: Counter = Counter({name: 0 for name in rule_names.values()})
         self.step_seconds: Counter = Counter({step: 0.0 for step in steps})
         self.note = ""
+        self.held: dict[str, int] = {}   # rule held back by the match budget -> its matches when it was
 
-    def once(self, steps: Sequence[str], iteration: int, enodes: int) -> tuple[bool, str | None]:
-        """Every step once, in order: whether anything changed, and the limit that cut the run short (None)."""
+    def once(self, steps: Sequence[str], iteration: int, enodes: int,
+             budget: int | None = None) -> tuple[bool, str | None]:
+        """Every step once, in order: whether anything changed, and the limit that cut the run short (None).
+        `budget`: the most pattern matches a gated rule may have in a step (`Session.run`)."""
         changed = False
         for index, step in enumerate(steps):
             cut = reached(self.limits, 0, self.session.size() if changed else enodes, self.deadline) if index \
@@ -130,7 +136,7 @@ class _Steps:
                 return changed, cut
             started = time.perf_counter()
             try:
-                report = self.session.run(step)
+                report = self.session.run(step, budget)
             except KeyboardInterrupt:
                 self.note = f"during iteration {iteration}: interrupted after {index} of {len(steps)} rule chunks"
                 return changed, STOP_INTERRUPTED
@@ -138,11 +144,17 @@ class _Steps:
             changed |= report.changed
             for key, count in report.matches.items():
                 self.matches[self.names.get(key, key)] += count
+            for key, count in report.held.items():
+                name = self.names.get(key, key)
+                self.held[name] = max(self.held.get(name, 0), count)
         return changed, None
 
     def result(self, stop: str, iterations: int, begin: float) -> "Run":
+        """The run as it ended; a saturated run that held a rule back did not saturate the rules given."""
+        if stop == STOP_SATURATED and self.held:
+            stop = STOP_MATCHES
         return Run(stop, iterations, self.session.size(), time.perf_counter() - begin, self.note,
-                   dict(self.matches), dict(self.step_seconds))
+                   dict(self.matches), dict(self.step_seconds), dict(self.held))
 
 
 def run(session: Session, steps: Sequence[str], limits: Limits, deadline: float,
@@ -185,7 +197,12 @@ def run_generations(session: Session, grow: Sequence[str], place: Sequence[str],
     iterations over all generations, `enodes` the e-graph, and `seconds`, a
     safety valve, the wall time. The e-graph thus grows with the values of
     `generations` rounds times their placements, never with the number of
-    ways to reach a placement, and the same inputs stop at the same point."""
+    ways to reach a placement, and the same inputs stop at the same point.
+    One round can still multiply the values (associativity over a sum's
+    commuted forms), so a grow rule whose pattern matches more than
+    `matches` times in a round is held back, from that round on, before it
+    applies any (`Session.run`); the run then ends `matches`, not
+    `saturated`, and says which rules (`Run.held`)."""
     runner = _Steps(session, limits, deadline, rule_names or {}, tuple(grow) + tuple(place))
     iterations, generation, enodes = 0, 0, session.size()
     begin = time.perf_counter()
@@ -197,7 +214,7 @@ def run_generations(session: Session, grow: Sequence[str], place: Sequence[str],
         if stop is not None:
             return runner.result(stop, iterations, begin)
         generation += 1
-        grew, cut = runner.once(grow, iterations + 1, enodes)
+        grew, cut = runner.once(grow, iterations + 1, enodes, limits.matches)
         enodes = session.size()
         if cut or not grew:
             return runner.result(cut or STOP_SATURATED, iterations, begin)

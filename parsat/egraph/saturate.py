@@ -44,6 +44,7 @@ class SaturationResult:
     classes: Mapping[str, int] = field(default_factory=dict)   # graph tensor (or "pin:NAME") -> e-class
     note: str = ""   # where the limit stopped it when not between iterations, e.g. "during compilation: ..."
     ruleset_seconds: Mapping[str, float] = field(default_factory=dict)   # "algebraic"/"parallel" -> seconds run
+    held_back: Mapping[str, int] = field(default_factory=dict)   # rule held back by --limit matches -> its matches
 
     @property
     def matches(self) -> dict[str, int]:
@@ -57,6 +58,7 @@ class SaturationResult:
                 "rules_compiled": {RULESET_NAMES[r]: self.program.count(r) for r in RULESETS},
                 "rules_skipped": [{"rule": s.name, "reason": s.reason} for s in self.program.skipped],
                 "rule_matches": dict(self.rule_matches),
+                "rules_held_back": [{"rule": name, "matches": count} for name, count in self.held_back.items()],
                 "ruleset_seconds": {k: round(v, 6) for k, v in self.ruleset_seconds.items()}}
 
 
@@ -89,5 +91,17 @@ def saturate(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh
     seconds = {RULESET_NAMES[ruleset]: sum(done.step_seconds.get(chunk, 0.0) for chunk in chunks[ruleset])
                for ruleset in rulesets}
     return SaturationResult(snapshot, done.stop, done.iterations, snapshot.enodes, done.seconds, compiled, program,
-                            {r.name: done.matches.get(r.name, 0) for r in loaded}, classes, note or done.note,
-                            seconds)
+                            {r.name: done.matches.get(r.name, 0) for r in loaded}, classes,
+                            _joined(note or done.note, held_note(done.held, limits)), seconds, dict(done.held))
+
+
+def held_note(held: Mapping[str, int], limits: Limits) -> str:
+    """The rules the match budget held back, in the user's words ('' when none was)."""
+    if not held:
+        return ""
+    rules = ", ".join(f"{name} ({count:,} matches in one round)" for name, count in sorted(held.items()))
+    return f"held back past --limit matches={limits.matches:,}: {rules}"
+
+
+def _joined(*notes: str) -> str:
+    return "; ".join(note for note in notes if note)
