@@ -209,7 +209,10 @@ def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_se
     as_grid = replace(dp, name="best_grid", config={"dp": step.devices, "tp": 1, "sp": False, "zero": 0,
                                                      "microbatches": graph.microbatches}) if dp else None
     independent = independent_points(step, steps) if not step.pins else []
-    grid = best([s.grid for s in searches] + [as_grid] + independent, step.memory)
+    points = [s.grid for s in searches] + [as_grid] + independent
+    if request.parallel_dims:   # pinned: the grid is the pinned layout's points, so it may be the plan
+        points = [p for p in points if p is not None and keeps_pins(p, request)]
+    grid = best(points, step.memory)
     for name, candidate in (("megatron", megatron), ("sequential", two_phase), ("data_parallel", dp),
                             ("best_grid", grid)):
         found[name] = candidate.totals if candidate is not None else None
