@@ -188,7 +188,6 @@ class _Builder:
         self.eff = machine.efficiency
         self.steps = StepBuilder()
         self.compute = self.steps.stream(DEVICE, COMPUTE)
-        self.comm = self.steps.stream(DEVICE, COMM) if profile.overlap else self.compute
         self.by_id = {n.id: n for n in pcg.nodes}
         self.users = readers(pcg)
         self.needs_grad = self._needs_grad()
@@ -273,10 +272,21 @@ class _Builder:
         """A collective: it first waits for the slowest rank (`comm.sync_skew` x the compute since the last one)."""
         wait = self.machine.comm.sync_skew * self.since_sync
         self.since_sync = 0.0
+        stream = self._comm(self.topology(node))
         if wait > 0:
-            deps = [self.steps.add(f"{name}: waiting for the slowest rank", self.comm, wait, deps, phase="stragglers")]
-        return self._add(name, self.comm, self._collective(kind, node, nbytes), deps, alloc=alloc, free=free,
+            deps = [self.steps.add(f"{name}: waiting for the slowest rank", stream, wait, deps, phase="stragglers")]
+        return self._add(name, stream, self._collective(kind, node, nbytes), deps, alloc=alloc, free=free,
                          phase=phase)
+
+    def _comm(self, group: GroupTopology) -> int:
+        """The stream a collective of `group` runs on: inline on the compute stream where the profile does not
+        overlap; else one communication stream per link the group crosses (`GroupTopology.link`): a
+        collective inside a node (NVLink) and one across nodes (the network) use different hardware and, as
+        NCCL runs them on different communicators' streams, run at once (Megatron-LM overlaps a data-parallel
+        reduce-scatter with the tensor-parallel collectives of backward); two on one link queue."""
+        if not self.profile.overlap:
+            return self.compute
+        return self.steps.stream(DEVICE, COMM, group.link)
 
     def finish(self) -> None:
         """The step ends when the slowest rank ends: its lag since the last collective."""
@@ -542,7 +552,7 @@ class _Builder:
             kind = REDUCE_SCATTER if self.sharded else ALL_REDUCE   # ZeRO: each rank keeps its shard's sum
             buckets = GradientBuckets(self.steps, DEVICE, grads,
                                       lambda nbytes, g=group, k=kind: price(k, g, nbytes, self.machine).seconds,
-                                      comm.bucket_bytes, comm.first_bucket_bytes)
+                                      comm.bucket_bytes, comm.first_bucket_bytes, stream_name=group.link)
             out.append(buckets)
             for at in stored:
                 self.bucket_of[at] = (axis, buckets)

@@ -73,6 +73,7 @@ class GradientBuckets:
     bucket_bytes: int = 25 << 20
     first_bucket_bytes: int = 1 << 20
     phase: str = "grad_sync"
+    stream_name: str = ""   # the device's communication stream for the group's link (`pcg_tasks._Builder._comm`)
     buckets: list[list[Gradient]] = field(init=False)
     tasks: list[int] = field(init=False)           # the all-reduce task of each launched bucket, in order
 
@@ -82,7 +83,7 @@ class GradientBuckets:
         self.names = frozenset(self._bucket_of)
         self._missing = [len(bucket) for bucket in self.buckets]
         self._last_ready: list[int | None] = [None] * len(self.buckets)
-        self._stream = self.builder.stream(self.device, COMM)
+        self._stream = self.builder.stream(self.device, COMM, self.stream_name)
         self.tasks = []
 
     def ready(self, name: str, task: int) -> list[int]:

@@ -7,7 +7,7 @@ devices can form (`inputs.search_meshes`, docs/MESH.md, or the meshes the
 baselines (`mesh.search_mesh`), add the baselines built apart from the
 e-graph (data parallelism, the sequential search), simulate every
 candidate's step (`mesh.CandidateSteps`), and keep the best that fits (the
-joint plan on a tie, or the pinned one).
+joint plan on a tie; where `--degrees` pins, one that keeps the pins).
 
 A scout's step (`StepContext.scout`) searches the first mesh only (one
 axis: the cheapest to saturate, a tenth of a two-axis mesh's e-graph) with
@@ -22,12 +22,14 @@ a scout says so (`saturation.scouted`).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from parsat.dsl.library import Library
 from parsat.ir.costs import Totals
 from parsat.ir.errors import DoesNotFit, OptimizeError
+from parsat.dsl.parallel_ops import PARTITION
 from parsat.ir.mesh import Mesh
+from parsat.ir.pcg import PCG
 from parsat.ir.pcg_placement import derive_placements
 from parsat.ir.placement import Placement, PlacementError
 from parsat.ir.plan import JOINT, BaselinePlan, Plan
@@ -36,7 +38,7 @@ from parsat.search.baselines import Candidate, data_parallel, independent_grid, 
 from parsat.search.deadline import Deadline
 from parsat.search.inputs import pins_on, search_meshes
 from parsat.search.mesh import CandidateSteps, MeshSearch, best, rank, search_mesh
-from parsat.search.request import StepContext
+from parsat.search.request import SearchRequest, StepContext
 from parsat.search.solve import rules_used
 from parsat.search.strategies import Config, PinError, pinned_meshes
 
@@ -207,7 +209,10 @@ def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_se
     as_grid = replace(dp, name="best_grid", config={"dp": step.devices, "tp": 1, "sp": False, "zero": 0,
                                                      "microbatches": graph.microbatches}) if dp else None
     independent = independent_points(step, steps) if not step.pins else []
-    grid = best([s.grid for s in searches] + [as_grid] + independent, step.memory)
+    points = [s.grid for s in searches] + [as_grid] + independent
+    if request.parallel_dims:   # pinned: the grid is the pinned layout's points, so it may be the plan
+        points = [p for p in points if p is not None and keeps_pins(p, request)]
+    grid = best(points, step.memory)
     for name, candidate in (("megatron", megatron), ("sequential", two_phase), ("data_parallel", dp),
                             ("best_grid", grid)):
         found[name] = candidate.totals if candidate is not None else None
@@ -236,8 +241,8 @@ def assemble_plan(step: StepContext, searches: Sequence[MeshSearch], best_search
                   candidates: list[Candidate], found_baselines: dict, skipped: str, steps: CandidateSteps,
                   pinned: bool) -> Plan:
     """The plan: the best candidate that the backend can place (every baseline is a PCG priced by the same
-    model, so it is a valid plan; the joint plan wins ties, or is kept when parallel dims are pinned), with the
-    search's statistics and every baseline's PCG."""
+    model, so it is a valid plan; the joint plan wins ties; when parallel dims are pinned, only the candidates
+    that keep the pins, `keeps_pins`), with the search's statistics and every baseline's PCG."""
     request, graph, machine = step.request, step.graph, step.machine
     # Every candidate must be one the backend can place (`pcg_placement`): the placement analysis makes that so,
     # and a candidate that still is not is left out, and said, rather than returned.
@@ -248,8 +253,9 @@ def assemble_plan(step: StepContext, searches: Sequence[MeshSearch], best_search
     if not candidates:
         raise OptimizeError(f"internal: no plan for '{graph.name}' can be placed on {step.devices} devices "
                             f"({unplaceable.get(JOINT, '')})")
-    chosen = candidates[0] if pinned and candidates[0].name == JOINT else \
-        min(candidates, key=lambda c: rank(c, step.memory))
+    if pinned and candidates[0].name == JOINT:   # only a plan that keeps the pins may stand for the joint one
+        candidates = [c for c in candidates if c.name == JOINT or keeps_pins(c, step.request)]
+    chosen = min(candidates, key=lambda c: rank(c, step.memory))
     if chosen.name != JOINT:
         step.say(f"baseline {chosen.name} was cheaper than anything extracted: the plan is its PCG")
     joint = best_search.result
@@ -262,6 +268,34 @@ def assemble_plan(step: StepContext, searches: Sequence[MeshSearch], best_search
     return Plan(graph, machine, step.devices, chosen.pcg, chosen.costs, chosen.totals, found_baselines,
                 rules_used(request.rules, joint.snapshot, best_search.extraction.choice) if chosen.name == JOINT
                 else (), saturation, extraction, step.pins, baseline_plans)
+
+
+def keeps_pins(candidate: Candidate, request: SearchRequest) -> bool:
+    """Whether a baseline keeps every `--degrees` pin, so that it may be the plan of a pinned search: a grid
+    point whose configuration has the pinned degrees (and ZeRO-3 where it is pinned; stages 1 and 2 are the one
+    policy a pinned stage prices). The joint plan is extracted within the pins, but its extraction is bounded
+    (`--limit ilp_nodes`), and the grid point of the pinned layout, a restriction of the same e-graph, can be
+    the faster plan: Megatron-Core's 32B row pinned t 8 x d 48 gave a joint plan of 2.196 s where its grid
+    point, the same degrees with Megatron's column/row projections, fits and runs in 1.374 s. Other
+    baselines (data parallelism, the sequential search) may not keep the pins."""
+    config = candidate.config
+    if candidate.name != "best_grid" or not config:
+        return False
+    if any(config.get(kind, value) != value for kind, value in request.parallel_dims.items()):
+        return False
+    return (request.zero != 3 or config.get("zero") == 3) and uses_pinned_axes(candidate.pcg, request.parallel_dims)
+
+
+def uses_pinned_axes(pcg: PCG, dims: Mapping[str, int]) -> bool:
+    """Whether `pcg` puts work on every pinned axis as the pin promises: a graph input split on `dp` (each
+    data-parallel rank on its own samples), a parallel operator on `tp`. A grid point's configuration names
+    its degrees, but its extraction may leave an axis idle (an MLP's dp 2 point computed whole on both ranks)."""
+    by_id = {node.id: node for node in pcg.nodes}
+    on_axis = {str(node.attr("axis")) for node in pcg.nodes if node.kind == "parallel"}
+    split_inputs = {str(node.attr("axis")) for node in pcg.nodes if node.kind == "parallel" and node.op == PARTITION
+                    and by_id[node.inputs[0]].kind == "leaf" and by_id[node.inputs[0]].role == "input"}
+    wanted = {kind for kind, degree in dims.items() if kind in ("dp", "tp") and degree > 1}
+    return ("dp" not in wanted or "dp" in split_inputs) and ("tp" not in wanted or "tp" in on_axis)
 
 
 def _extraction_record(best_search: MeshSearch, chosen: Candidate, unplaceable: dict, steps: CandidateSteps,

@@ -1,0 +1,34 @@
+"""A pinned search returns a plan that keeps its pins, and the grid point of the pinned layout where it is faster.
+
+The joint plan of a pinned search is extracted within the pins, but its
+extraction is bounded, so the grid point of the same degrees (Megatron's
+column/row layout, a restriction of the same e-graph or built directly) can
+be the faster plan; a grid point whose PCG leaves a pinned axis idle (an
+MLP's dp 2 point computed whole on both ranks) never stands for the pin
+(`search.step.keeps_pins`, docs/MESH.md "Pins are promises").
+"""
+
+from __future__ import annotations
+
+from parsat import optimize
+from parsat.search.step import uses_pinned_axes
+
+PINS = {"tp": 8, "dp": 2}
+GPT = {"blocks": 1, "hidden": 1024, "heads": 16, "seq": 512, "vocab": 32000, "batch": 8}
+MLP = {"batch": 16, "d_in": 30, "d_hidden": 7, "d_out": 5}
+
+
+def test_the_grid_point_of_the_pinned_layout_is_the_plan_where_it_is_faster():
+    plan = optimize("gpt", machine="h100x8", devices=16, sizes=GPT, degrees=PINS, pipeline=False)
+    joint = plan.saturation["meshes"][0]["time_s"]
+    config = plan.baseline_plans["best_grid"].config
+    assert plan.extraction["chosen"] == "best_grid" and plan.totals.time_s < joint
+    assert (config["dp"], config["tp"]) == (2, 8) and uses_pinned_axes(plan.pcg, PINS)
+    assert plan.totals.time_s == plan.baselines["best_grid"].time_s
+
+
+def test_a_grid_point_that_leaves_a_pinned_axis_idle_never_stands_for_the_pin():
+    plan = optimize("mlp", machine="cpu", devices=2, sizes=MLP, degrees={"dp": 2})
+    assert plan.extraction["chosen"] == "joint" and uses_pinned_axes(plan.pcg, {"dp": 2})
+    unpinned = optimize("mlp", machine="cpu", devices=2, sizes=MLP)
+    assert not uses_pinned_axes(unpinned.pcg, {"dp": 2})   # the unsplit plan the cost model prefers
