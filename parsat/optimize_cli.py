@@ -38,7 +38,7 @@ def register(subparsers) -> None:
     opt.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE",
                      help="search budgets, counted in work so the same inputs give the same plan: generations "
                           "(rounds of the rules that make new values, default 8), matches (one such rule's "
-                          "pattern matches in a round, default 100000; past it the rule is held back), "
+                          "pattern matches in a round, by default the enodes limit; past it the rule is held back), "
                           "iterations and enodes (each saturation's), ilp_nodes (each extraction's ILP); and "
                           "seconds, a wall-clock safety "
                           "valve (off by default) that returns the best plan found so far, ilp_seconds likewise "

@@ -53,7 +53,7 @@ class Limits:
     iterations: int = 60
     enodes: int = 200_000
     generations: int = 8        # rounds of the rules that make new values (`run_generations`)
-    matches: int = 100_000      # one such rule's pattern matches in one round; past it the rule is held back
+    matches: int | None = None  # one such rule's pattern matches in one round (None: `enodes`); past it, held back
     ilp_nodes: int = 1_000      # branch-and-bound nodes of one extraction's ILP
     seconds: float = math.inf
     ilp_seconds: float = math.inf
@@ -89,7 +89,7 @@ def check_limits(limits: Limits, given: set[str] = frozenset()) -> None:
     their default, infinity, are off: there is no bound to pass."""
     for key in Limits.__dataclass_fields__:
         value = getattr(limits, key)
-        if key in ("seconds", "ilp_seconds") and value == math.inf and key not in given:
+        if key in ("seconds", "ilp_seconds") and value == math.inf and key not in given or value is None:
             continue
         bound(_COMMAND, f"--limit {key}").check(value)
 
@@ -200,8 +200,8 @@ def run_generations(session: Session, grow: Sequence[str], place: Sequence[str],
     ways to reach a placement, and the same inputs stop at the same point.
     One round can still multiply the values (associativity over a sum's
     commuted forms), so a grow rule whose pattern matches more than
-    `matches` times in a round is held back, from that round on, before it
-    applies any (`Session.run`); the run then ends `matches`, not
+    `match_budget` times in a round is held back, from that round on, before
+    it applies any (`Session.run`); the run then ends `matches`, not
     `saturated`, and says which rules (`Run.held`)."""
     runner = _Steps(session, limits, deadline, rule_names or {}, tuple(grow) + tuple(place))
     iterations, generation, enodes = 0, 0, session.size()
@@ -214,7 +214,7 @@ def run_generations(session: Session, grow: Sequence[str], place: Sequence[str],
         if stop is not None:
             return runner.result(stop, iterations, begin)
         generation += 1
-        grew, cut = runner.once(grow, iterations + 1, enodes, limits.matches)
+        grew, cut = runner.once(grow, iterations + 1, enodes, match_budget(limits))
         enodes = session.size()
         if cut or not grew:
             return runner.result(cut or STOP_SATURATED, iterations, begin)
@@ -236,6 +236,18 @@ def _place(runner: _Steps, place: Sequence[str], iterations: int, enodes: int, g
                      f"{time.perf_counter() - begin:.2f} s")
         if cut or not changed:
             return cut, iterations, enodes
+
+
+def match_budget(limits: Limits) -> int:
+    """The most pattern matches one grow rule may have in one round: `matches`, by default the e-node limit.
+
+    Each match may add e-nodes, and the e-node limit is checked only
+    between runs, so a round whose matches alone exceed it can grow the
+    e-graph past it inside one egglog run (the imported LLaMA: 1,683,556
+    matches, 106,009 -> 1,909,533 e-nodes, out of memory). Matches below
+    it are applied as before: the built-in gpt on 64 devices reaches
+    106,080 add_assoc matches in a round and saturates at 40,795 e-nodes."""
+    return limits.enodes if limits.matches is None else limits.matches
 
 
 def reached(limits: Limits, iterations: int, enodes: int, deadline: float) -> str | None:

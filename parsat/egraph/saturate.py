@@ -26,7 +26,7 @@ from parsat.egraph.encoding import RULESET_NAMES, RULESETS
 from parsat.egraph.instances import graph_signatures
 from parsat.egraph.mesh_encoding import mesh_graph_program
 from parsat.egraph.program import GROW, PLACE, MeshCaches, RuleProgram, compile_mesh_rules
-from parsat.egraph.runner import Limits, run_generations
+from parsat.egraph.runner import Limits, match_budget, run_generations
 from parsat.egraph.session import Session
 from parsat.egraph.snapshot import Snapshot
 
@@ -100,7 +100,7 @@ def held_note(held: Mapping[str, int], limits: Limits) -> str:
     if not held:
         return ""
     rules = ", ".join(f"{name} ({count:,} matches in one round)" for name, count in sorted(held.items()))
-    return f"held back past --limit matches={limits.matches:,}: {rules}"
+    return f"held back past {match_budget(limits):,} matches in a round (--limit matches): {rules}"
 
 
 def _joined(*notes: str) -> str:
