@@ -3,11 +3,13 @@ plan get a part of one deadline (`search.deadline`), and what it leaves no time 
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import pytest
 
+import parsat.search.mesh as mesh_module
 import parsat.search.microbatches as microbatches
 import parsat.search.optimize as api
 from parsat.ir.machine import Machine
@@ -17,7 +19,7 @@ from parsat.search.deadline import Deadline
 from parsat.ir.errors import DoesNotFit, OptimizeError
 from parsat.search.pipeline_search import (NOT_SEARCHED, best_of, microbatch_counts, pipeline_degrees,
                                              search_pipelines)
-from parsat.egraph.runner import Limits
+from parsat.egraph.runner import STOP_INTERRUPTED, STOP_SATURATED, STOP_SECONDS, Limits
 from parsat.search.request import resolve_request
 
 SIZES = {"blocks": 4, "batch": 8, "seq": 16, "hidden": 32, "heads": 2, "vocab": 64}
@@ -101,3 +103,68 @@ def test_explain_says_what_the_limit_left_out():
     bad["saturation"]["search_limit"] = 5
     with pytest.raises(ValueError, match="saturation.search_limit"):
         validate_plan_report(bad, ValueError, "plan")
+
+
+@dataclass(frozen=True)
+class RunsOutAfterSaturation(Deadline):
+    """`--limit seconds` whose time runs out the moment the call's first saturation ends (that saturation runs
+    on its work budgets): what a limit that saturation nearly spends does, on any box at any load."""
+
+    saturated: threading.Event = field(default_factory=threading.Event, compare=False)   # shared by every part
+
+    def remaining(self, share: float = 1.0) -> Limits:
+        if share == mesh_module.SATURATION_SHARE and not self.saturated.is_set():
+            self.saturated.set()
+            return self.limits_given
+        return super().remaining(share)
+
+    def limits(self, share: float = 1.0) -> Limits | None:
+        return None if self.saturated.is_set() else super().limits(share)
+
+    @property
+    def left(self) -> float:
+        return 0.0 if self.saturated.is_set() else super().left
+
+
+def test_a_limit_that_cuts_a_repeated_block_search_falls_back_to_the_best_baseline_and_says_so(monkeypatch):
+    # cut to its greedy passes, extraction lays the searched blocks out unlike each other (a residual sum
+    # reassociated across two blocks): the joint plan cannot be repeated, and the call ended with "the plan's
+    # blocks cannot be repeated (...); --all-blocks searches every block" while every baseline fit
+    monkeypatch.setattr(Deadline, "starting_now",
+                        classmethod(lambda cls, limits: RunsOutAfterSaturation(time.perf_counter() + 600, limits)))
+    said: list[str] = []
+    plan = api.optimize("gpt", "cpu", devices=4, sizes=SIZES, limits={"seconds": 600}, progress=said.append)
+    assert plan.saturation["repeated_blocks"]["blocks"] == 4
+    # the joint plan could not be repeated: the plan is the best baseline built apart from the e-graph that fits
+    assert "cannot be repeated" in plan.extraction["fallback"]
+    assert plan.extraction["chosen"] in ("best_grid", "data_parallel") and plan.totals.fits(plan.machine)
+    assert plan.extraction["method"] == "none"
+    # which limit cut it: the extraction, then the search of every mesh at the count the scout chose
+    limit = plan.saturation["search_limit"]
+    assert "mesh gpu 4: extraction cut to its greedy passes by --limit seconds=600" in limit
+    assert "every mesh at micro-batch count 1 not searched: --limit seconds=600 reached" in limit
+    validate_plan_report(plan.to_dict(), ValueError, "plan")
+    shown = explain(plan.to_dict())
+    assert f"this plan is the best baseline that fits, {plan.extraction['chosen']}'s PCG" in shown
+    assert "search cut short: mesh gpu 4: extraction cut" in shown
+    assert f"extraction: no joint plan, the plan is the {plan.extraction['chosen']} baseline's" in shown
+    assert any("the plan is the best baseline that fits" in line for line in said)
+
+
+def test_no_valve_means_no_cut_whatever_a_search_ends_with():
+    """Without --limit seconds and Ctrl-C a search that finds no joint plan keeps its error: the outcome is the
+    work budgets', the same on any machine (only a cut search falls back to a baseline)."""
+
+    class Stopped:
+        def __init__(self, stop):
+            self.stop = stop
+
+    free = Deadline.starting_now(Limits())
+    assert mesh_module.valve_cut(free, Stopped(STOP_SATURATED)) == ""
+    limited_ = Deadline.starting_now(Limits(seconds=600))
+    assert mesh_module.valve_cut(limited_, Stopped(STOP_SATURATED)) == ""
+    assert mesh_module.valve_cut(limited_, Stopped(STOP_SECONDS)) == \
+        "saturation stopped by its part of --limit seconds=600"
+    assert mesh_module.valve_cut(replace(limited_, at=time.perf_counter() - 1), Stopped(STOP_SATURATED)) == \
+        "extraction cut to its greedy passes by --limit seconds=600"
+    assert mesh_module.valve_cut(free, Stopped(STOP_INTERRUPTED)) == "interrupted (Ctrl-C)"

@@ -571,6 +571,8 @@ def validate_plan_report(data: Mapping, error: type[Exception], label: str) -> N
     for key, value in compiled.items():
         f.number(value, f"saturation.rules_compiled.{key}")
     ext = f.obj(data.get("extraction") or {}, "extraction")
+    if "fallback" in ext:
+        f.text(ext["fallback"], "extraction.fallback", lines=True)
     for key, value in f.obj(ext.get("candidates") or {}, "extraction.candidates").items():
         f.number(value, f"extraction.candidates.{key}", nullable=True)
 

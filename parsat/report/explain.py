@@ -91,11 +91,14 @@ def summary_lines(data: Mapping) -> list[str]:
 
 
 def chosen_baseline_lines(data: Mapping) -> list[str]:
-    """Why the plan is a baseline's PCG, when a baseline's simulated step beat every plan extracted."""
+    """Why the plan is a baseline's PCG: a baseline's simulated step beat every plan extracted, or no plan was
+    extracted (a safety valve cut the search: `extraction.fallback`)."""
     ext = data.get("extraction") or {}
     chosen = ext.get("chosen", JOINT)
     if chosen == JOINT:
         return []
+    if ext.get("fallback"):
+        return [f"  {ext['fallback']}: this plan is the best baseline that fits, {chosen}'s PCG"]
     extracted = min((v for v in (ext.get("candidates") or {}).values() if v is not None and math.isfinite(v)),
                     default=None)
     return [f"  baseline {chosen}'s simulated step was faster than the plan extracted from the joint "
@@ -256,7 +259,9 @@ def search_lines(data: Mapping) -> list[str]:
         if sat.get("scouted"):
             lines.append(f"scouted: {sat['scouted']}")
     ext = data.get("extraction") or {}
-    if ext:
+    if ext.get("method") == "none":
+        lines.append(f"extraction: no joint plan, the plan is the {ext.get('chosen')} baseline's")
+    elif ext:
         lines.append(f"extraction: best by {ext.get('method')}; "
                      + ", ".join(f"{k} {fmt_time(v) if v is not None else 'none'}"
                                  for k, v in (ext.get('candidates') or {}).items())

@@ -42,7 +42,7 @@ from parsat.ir.errors import OptimizeError
 from parsat.search.extract import ExtractionError, NodeId, leaf_roles
 from parsat.egraph.program import MeshCaches
 from parsat.search.repeat import RepeatError, Repetition
-from parsat.egraph.runner import Limits
+from parsat.egraph.runner import STOP_INTERRUPTED, Limits
 from parsat.egraph.saturate import SaturationResult, saturate
 from parsat.egraph.snapshot import Snapshot
 from parsat.search.solve import price_pcg, solve
@@ -164,11 +164,14 @@ def sequential(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], me
                machine: Machine, pins: Mapping[str, Placement], input_pins: Mapping[str, Degrees], free_input_placements: bool,
                say: Progress, caches: MeshCaches | None = None,
                repetition: Repetition | None = None) -> Candidate | None:
-    """Algebraic rules saturated and extracted first (on one device), then parallel rules only, on `mesh`."""
+    """Algebraic rules saturated and extracted first (on one device), then parallel rules only, on `mesh`.
+    Ctrl-C inside either saturation (which egglog's run absorbs, stop reason `interrupted`) is raised again as
+    KeyboardInterrupt: the caller ends the call's search, as it does wherever else Ctrl-C lands."""
     algebraic = [r for r in rules if not is_parallel_rule(r)]
     parallel = [r for r in rules if is_parallel_rule(r)]
     try:
-        first = saturate(graph, library, algebraic, 1, limits, None, rulesets=("alg",), caches=caches)
+        first = _uninterrupted(saturate(graph, library, algebraic, 1, limits, None, rulesets=("alg",),
+                                        caches=caches))
         roots = [first.classes[n] for n in graph.outputs]
         one = machine.with_devices(1)
         pcg, _c, _e = solve(first, graph, library, one, roots, limits, free_input_placements)
@@ -176,7 +179,8 @@ def sequential(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], me
         if any(n not in middle.shapes() for n in pins) or middle.outputs != graph.outputs:
             say("sequential baseline: none (the algebraic rewrite renamed a pinned tensor)")
             return None
-        second = saturate(middle, library, parallel, mesh, limits, pins, rulesets=("par",), caches=caches)
+        second = _uninterrupted(saturate(middle, library, parallel, mesh, limits, pins, rulesets=("par",),
+                                         caches=caches))
         roots = [second.classes[f"pin:{n}"] if n in pins else second.classes[n] for n in middle.outputs]
         spcg, scosts, _ = solve(second, middle, library, machine, roots, limits, free_input_placements, pins=input_pins,
                                 repetition=repetition)
@@ -184,6 +188,13 @@ def sequential(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], me
         say(f"sequential baseline: none ({err})")
         return None
     return Candidate("sequential", spcg, scosts, totals(scosts, machine))
+
+
+def _uninterrupted(result: SaturationResult) -> SaturationResult:
+    """`result`, or KeyboardInterrupt again when Ctrl-C ended it (`runner.STOP_INTERRUPTED`)."""
+    if result.stop == STOP_INTERRUPTED:
+        raise KeyboardInterrupt
+    return result
 
 
 GRID_ILP_NODES = 200   # each grid point's ILP (branch-and-bound nodes): the grid has several points per mesh

@@ -19,7 +19,7 @@ from parsat.cost.pcg_tasks import OpTimes, TaskBuildError
 from parsat.cost.simulator import SimulationError
 from parsat.cost.step_report import simulate_step
 from parsat.dsl.library import Library
-from parsat.egraph.runner import STOP_INTERRUPTED
+from parsat.egraph.runner import STOP_INTERRUPTED, STOP_SECONDS
 from parsat.egraph.saturate import SaturationResult, saturate
 from parsat.ir.blocks import has_blocks
 from parsat.ir.costs import totals
@@ -60,6 +60,7 @@ class MeshSearch:
     spread: bool       # whether any class of the e-graph is spread over the mesh
     error: str = ""
     needed_bytes: int = 0   # nothing fits in memory: what the smallest plan needs per device
+    cut: str = ""           # no joint plan: which safety valve cut the search first ('' for none: `valve_cut`)
 
     def summary(self) -> dict:
         return {"mesh": self.mesh.to_dict(), "stop": self.result.stop, "enodes": self.result.enodes,
@@ -139,7 +140,7 @@ def search_mesh(step: StepContext, mesh: Mesh, config: Config | None, pins: Mapp
     t = time.perf_counter()
     found, failure = _extract_joint(step, sat, config, clock, t)
     if found is None:
-        return failure
+        return replace(failure, cut=valve_cut(clock, sat.result))   # the step may fall back to a baseline
     policy, priced, extraction, joint = found
     seconds = time.perf_counter() - t
     step.say(f"mesh {mesh}: extraction {extraction.method}, {seconds:.2f} s, plan {joint.totals.time_s * 1e3:.3f} ms"
@@ -148,6 +149,21 @@ def search_mesh(step: StepContext, mesh: Mesh, config: Config | None, pins: Mapp
     if step.request.baselines:
         megatron, grid = _restricted_baselines(step, sat, priced, policy, clock)
     return MeshSearch(mesh, pins, sat.result, extraction, joint, megatron, grid, seconds, sat.spread)
+
+
+def valve_cut(clock: Deadline, result: SaturationResult) -> str:
+    """Which safety valve cut a mesh's search ('' when none did): Ctrl-C, or `--limit seconds` stopping its
+    saturation or running out before its extraction ended (which then ran its greedy passes only, and a repeated
+    plan's blocks may not come out alike, `repeat`). A search no valve cut ran on its work budgets alone, so
+    without `--limit seconds` and Ctrl-C this is always '' and the search's outcome is the same on any machine."""
+    if clock.interrupted.is_set() or result.stop == STOP_INTERRUPTED:
+        return "interrupted (Ctrl-C)"
+    seconds = f"--limit seconds={clock.limits_given.seconds:g}"
+    if result.stop == STOP_SECONDS:
+        return f"saturation stopped by its part of {seconds}"
+    if clock.limits() is None:
+        return f"extraction cut to its greedy passes by {seconds}"
+    return ""
 
 
 def _saturate(step: StepContext, mesh: Mesh, pins: Mapping[str, Placement], clock: Deadline) -> Saturated:

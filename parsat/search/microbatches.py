@@ -214,11 +214,13 @@ class CountSearch:
 
 def every_mesh_at(request: SearchRequest, clock: Deadline, chosen: Plan) -> Plan:
     """Every mesh searched at the micro-batch count of `chosen`, a scout's plan. `chosen` itself (a scout's
-    plan still) when it is not a scout's, the clock is spent or that search finds no plan (said), and, saying
-    so in `saturation.search_limit`, when Ctrl-C cuts that search."""
-    if not chosen.saturation.get("scouted") or clock.spent:
+    plan still) when it is not a scout's or that search finds no plan (said), and, saying so in
+    `saturation.search_limit`, when the clock is spent (`--limit seconds` or Ctrl-C) or Ctrl-C cuts that search."""
+    if not chosen.saturation.get("scouted"):
         return chosen
     m = chosen.graph.microbatches
+    if clock.spent:
+        return limited(chosen, f"every mesh at micro-batch count {m} not searched: {clock.why_spent()}")
     request.say(f"micro-batch count {m} chosen: searching every mesh")
     try:
         return search_step(step_context(request, m), clock.part(1.0))
@@ -245,8 +247,10 @@ def rank_plans(plan: Plan) -> tuple:
 
 
 def limited(plan: Plan, why: str) -> Plan:
-    """`plan`, saying in `saturation.search_limit` what the search's time limit left out."""
-    return replace(plan, saturation={**dict(plan.saturation), "search_limit": why})
+    """`plan`, saying in `saturation.search_limit` what the search's time limit left out (after what its own
+    search already said there: which limit cut it, `step`)."""
+    said = "; ".join(dict.fromkeys(filter(None, (plan.saturation.get("search_limit"), why))))
+    return replace(plan, saturation={**dict(plan.saturation), "search_limit": said})
 
 
 def next_count(batch: int, least: int, skip: set[int] = frozenset()) -> int | None:

@@ -33,7 +33,7 @@ from parsat.ir.pcg import PCG
 from parsat.ir.pcg_placement import derive_placements
 from parsat.ir.placement import Placement, PlacementError
 from parsat.ir.plan import JOINT, BaselinePlan, Plan
-from parsat.egraph.runner import STOP_SATURATED
+from parsat.egraph.runner import STOP_INTERRUPTED, STOP_SATURATED, Limits
 from parsat.search.baselines import Candidate, data_parallel, independent_grid, sequential
 from parsat.search.deadline import Deadline
 from parsat.search.inputs import pins_on, search_meshes
@@ -57,7 +57,8 @@ class MeshChoice:
 
 def search_step(step: StepContext, clock: Deadline) -> Plan:
     """The cheapest plan of one step (see the module docstring), all before `clock`'s deadline. Raises
-    OptimizeError (DoesNotFit when no plan fits in memory) with a message for the user.
+    OptimizeError (DoesNotFit when no plan fits in memory) with a message for the user; where no mesh gives a
+    joint plan because a safety valve cut the search, the best baseline that fits instead (`_valve_cut`).
 
     A scout's step whose first mesh holds no plan that fits searches every mesh when a point of the
     independent grid fits: a two-axis mesh (tensor parallelism inside a node) holds what one axis cannot, and
@@ -91,22 +92,58 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
     steps = CandidateSteps(step.request.library, step.machine, step.graph.microbatches)
     searches = [s.simulated(steps) for s in searches]
     solved = [s for s in searches if s.joint is not None]
-    if not solved:
-        needs = [s for s in searches if s.needed_bytes]
-        if needs:
-            least = min(needs, key=lambda s: s.needed_bytes)
-            raise DoesNotFit(least.error, least.needed_bytes, step.machine.memory_capacity)
-        raise OptimizeError(searches[0].error or f"no plan for '{step.graph.name}' on {step.devices} devices")
-    best_search = min(solved, key=lambda s: rank(s.joint, step.memory))
+    cut = "" if solved else _valve_cut(searches, choices, clock)
+    if not solved and not cut:
+        raise _no_joint_plan(step, searches)
+    best_search = min(solved, key=lambda s: rank(s.joint, step.memory)) if solved else searches[0]
     candidates, found_baselines, skipped = compare_baselines(step, searches, best_search, steps, clock)
+    if not candidates:
+        raise _no_joint_plan(step, searches)   # nothing to fall back to (pinned inputs: no baseline keeps them)
     plan = assemble_plan(step, searches, best_search, candidates, found_baselines, skipped, steps,
                          pinned=choices[0].config is not None)
     if unspread:
         said["unspread"] = unspread
-    if clock.interrupted.is_set() and len(searches) < len(choices):
+    if cut:
+        plan = _fallen_back(step, searches, plan, cut)
+        said["search_limit"] = cut   # which valve cut the search, the meshes it left unsearched included
+    elif clock.interrupted.is_set() and len(searches) < len(choices):
         said["search_limit"] = (f"interrupted (Ctrl-C): meshes "
                                 f"{', '.join(str(c.mesh) for c in choices[len(searches):])} not searched")
     return replace(plan, saturation={**dict(plan.saturation), **said}) if said else plan
+
+
+def _no_joint_plan(step: StepContext, searches: Sequence[MeshSearch]) -> OptimizeError:
+    """Why no mesh gave a joint plan, as the step's error: DoesNotFit with what the leanest plan needs when
+    nothing fits in memory (the micro-batch search splits the batch on it), else the first mesh's error."""
+    needs = [s for s in searches if s.needed_bytes]
+    if needs:
+        least = min(needs, key=lambda s: s.needed_bytes)
+        return DoesNotFit(least.error, least.needed_bytes, step.machine.memory_capacity)
+    return OptimizeError(searches[0].error or f"no plan for '{step.graph.name}' on {step.devices} devices")
+
+
+def _valve_cut(searches: Sequence[MeshSearch], choices: Sequence[MeshChoice], clock: Deadline) -> str:
+    """Which safety valve cut a step whose meshes gave no joint plan ('' when none did, and the step's error
+    stands): the meshes' own (`mesh.valve_cut`: saturation stopped, extraction cut to its greedy passes, Ctrl-C),
+    or the meshes it left unsearched. A cut step falls back to the best baseline that fits (`_fallen_back`):
+    `--limit seconds` and Ctrl-C return the best plan found so far, never an error while one fits."""
+    cuts = [f"mesh {s.mesh}: {s.cut}" for s in searches if s.cut]
+    if len(searches) < len(choices):
+        cuts.append(f"meshes {', '.join(str(c.mesh) for c in choices[len(searches):])} not searched: "
+                    f"{clock.why_spent()}")
+    return "; ".join(cuts)
+
+
+def _fallen_back(step: StepContext, searches: Sequence[MeshSearch], plan: Plan, cut: str) -> Plan:
+    """`plan`, a baseline's (no mesh gave a joint plan and a safety valve cut the search: `cut`), saying why in
+    `extraction.fallback`; the step's error when it does not fit (what the search would have ended with: it
+    does not hide a plan that fits, and the micro-batch search reads DoesNotFit)."""
+    if not step.memory.fits(plan):
+        raise _no_joint_plan(step, searches)
+    why = "; ".join(f"mesh {s.mesh}: {s.error}" for s in searches if s.error)
+    fallback = f"no joint plan once the search was cut ({why})"
+    step.say(f"{fallback}: the plan is the best baseline that fits, {plan.extraction['chosen']}")
+    return replace(plan, extraction={**dict(plan.extraction), "fallback": fallback})
 
 
 def mesh_choices(step: StepContext) -> list[MeshChoice]:
@@ -168,8 +205,9 @@ def _unspread(step: StepContext, searches: Sequence[MeshSearch], pinned: bool) -
         return ""
     stopped = [s.result.stop for s in searches if s.result.stop != STOP_SATURATED]
     if stopped:
-        why = (f"saturation stopped at --limit {stopped[0]}={getattr(limits, stopped[0], ''):g} before any parallel "
-               f"rule spread '{graph.name}' over {devices} devices")
+        how = "interrupted (Ctrl-C)" if stopped[0] == STOP_INTERRUPTED else \
+            f"stopped at --limit {stopped[0]}={getattr(limits, stopped[0]):g}"
+        why = f"saturation {how} before any parallel rule spread '{graph.name}' over {devices} devices"
     else:
         why = f"no parallel rule applies to '{graph.name}' on any mesh of {devices} devices"
     step.say(f"{why}: the plan is the best baseline, or the graph unspread")
@@ -179,7 +217,9 @@ def _unspread(step: StepContext, searches: Sequence[MeshSearch], pinned: bool) -
 def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_search: MeshSearch,
                       steps: CandidateSteps, clock: Deadline):
     """The candidates to rank (the joint plan first, then every baseline found), each baseline's totals (None
-    where it has none), and what the time limit left out. The baselines that restrict each mesh's e-graph
+    where it has none), and what the time limit left out; the joint plan is missing where `best_search` has none
+    (a step a safety valve cut: the baselines are then built even without `request.baselines`, as the plans
+    to fall back to, `_fallen_back`). The baselines that restrict each mesh's e-graph
     (Megatron, the grid) were extracted with it, and data parallelism is built directly: they are always there
     to compare with, and so is the grid built directly from the graph (`baselines.independent_grid`), every
     point simulated: the best grid point is the best of both grids (and of data parallelism). Only
@@ -187,20 +227,17 @@ def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_se
     time, and for a pipeline stage's plan, whose grid point is the one baseline the pipeline reads
     (`pipeline_search._grid_points`)."""
     request, graph, machine = step.request, step.graph, step.machine
-    candidates = [best_search.joint]
+    candidates = [best_search.joint] if best_search.joint is not None else []
     found: dict[str, Totals | None] = {}
     spare = clock.limits(share=0.5)
-    skipped = (f"sequential: --limit seconds={request.limits.seconds:g} reached before it"
-               if request.baselines and spare is None else "")
+    skipped = f"sequential: {clock.why_spent()} before it" if request.baselines and spare is None else ""
     if skipped:
         step.say(f"baseline {skipped}")
-    if not request.baselines:
+    if not request.baselines and candidates:
         return candidates, found, skipped
     megatron = best([s.megatron for s in searches], step.memory)
-    two_phase = sequential(step.searched, request.library, request.rules, best_search.mesh,
-                           replace(spare, ilp_nodes=max(1, request.limits.ilp_nodes // 2)),
-                           machine, best_search.pins, step.input_pins, request.free_input_placements, step.say,
-                           request.caches, step.repetition) if spare is not None and step.stage is None else None
+    two_phase = _two_phase(step, best_search, spare, clock) \
+        if spare is not None and step.stage is None and request.baselines else None
     dp = data_parallel(graph, request.library, machine, request.free_input_placements, step.devices) \
         if not step.pins else None
     two_phase, dp = steps(two_phase), steps(dp)
@@ -219,6 +256,21 @@ def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_se
         if candidate is not None:
             candidates.append(candidate)
     return candidates, found, skipped
+
+
+def _two_phase(step: StepContext, best_search: MeshSearch, spare: Limits, clock: Deadline) -> Candidate | None:
+    """The sequential baseline on the best mesh within `spare`; None when Ctrl-C cuts it, which then ends the call's
+    search as anywhere else (`Deadline.interrupt`): the step's plan comes back, not the user's interrupt."""
+    request = step.request
+    try:
+        return sequential(step.searched, request.library, request.rules, best_search.mesh,
+                          replace(spare, ilp_nodes=max(1, request.limits.ilp_nodes // 2)), step.machine,
+                          best_search.pins, step.input_pins, request.free_input_placements, step.say, request.caches,
+                          step.repetition)
+    except KeyboardInterrupt:
+        clock.interrupt()
+        step.say("baseline sequential: none (interrupted (Ctrl-C))")
+        return None
 
 
 def independent_points(step: StepContext, steps: CandidateSteps) -> list[Candidate]:
@@ -256,7 +308,7 @@ def assemble_plan(step: StepContext, searches: Sequence[MeshSearch], best_search
     if pinned and candidates[0].name == JOINT:   # only a plan that keeps the pins may stand for the joint one
         candidates = [c for c in candidates if c.name == JOINT or keeps_pins(c, step.request)]
     chosen = min(candidates, key=lambda c: rank(c, step.memory))
-    if chosen.name != JOINT:
+    if chosen.name != JOINT and best_search.joint is not None:
         step.say(f"baseline {chosen.name} was cheaper than anything extracted: the plan is its PCG")
     joint = best_search.result
     saturation = {**joint.to_dict(), "rules_note": request.rules_note, "rules_available": len(request.rules),
@@ -300,12 +352,14 @@ def uses_pinned_axes(pcg: PCG, dims: Mapping[str, int]) -> bool:
 
 def _extraction_record(best_search: MeshSearch, chosen: Candidate, unplaceable: dict, steps: CandidateSteps,
                        skipped: str, step: StepContext) -> dict:
-    """The plan's `extraction` record: how the best mesh's plan was extracted, which candidate was chosen, and
-    what was left out or could not be simulated."""
+    """The plan's `extraction` record: how the best mesh's plan was extracted (method "none" where no mesh gave
+    one), which candidate was chosen, and what was left out or could not be simulated."""
     extraction = best_search.extraction
-    ext = {"method": extraction.method, "chosen": chosen.name,
-           "seconds": round(best_search.extract_seconds, 4), "candidates": dict(extraction.candidates),
-           "ilp_status": extraction.ilp_status, "pass_seconds": dict(extraction.seconds)}
+    ext = {"method": "none", "chosen": chosen.name, "seconds": round(best_search.extract_seconds, 4),
+           "candidates": {}, "ilp_status": "not run", "pass_seconds": {}}
+    if extraction is not None:
+        ext.update(method=extraction.method, candidates=dict(extraction.candidates),
+                   ilp_status=extraction.ilp_status, pass_seconds=dict(extraction.seconds))
     if unplaceable:
         ext["unplaceable"] = unplaceable
     if steps.failures:
