@@ -30,6 +30,7 @@ from parsat.ir.errors import DoesNotFit, OptimizeError
 from parsat.dsl.parallel_ops import PARTITION
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import PCG
+from parsat.ir.recompute import AUTO
 from parsat.ir.pcg_placement import derive_placements
 from parsat.ir.placement import Placement, PlacementError
 from parsat.ir.plan import JOINT, BaselinePlan, Plan
@@ -323,11 +324,11 @@ def assemble_plan(step: StepContext, searches: Sequence[MeshSearch], best_search
 
 
 def keeps_pins(candidate: Candidate, request: SearchRequest) -> bool:
-    """Whether a baseline keeps every `--degrees` pin, so that it may be the plan of a pinned search: a grid
-    point whose configuration has the pinned degrees (and ZeRO-3 where it is pinned; stages 1 and 2 are the one
-    policy a pinned stage prices). The joint plan is extracted within the pins, but its extraction is bounded
-    (`--limit ilp_nodes`), and the grid point of the pinned layout, a restriction of the same e-graph, can be
-    the faster plan: Megatron-Core's 32B row pinned t 8 x d 48 gave a joint plan of 2.196 s where its grid
+    """Whether a baseline keeps every pin, so that it may be the plan of a pinned search: a grid point whose
+    configuration has the pinned `--degrees`, whose PCG has the pinned ZeRO stage and `--recompute` policy
+    (the grid built apart from the e-graph prices its own), and uses the pinned axes. The joint plan is
+    extracted within the pins, but its extraction is bounded (`--limit ilp_nodes`), and the grid point of the
+    pinned layout, a restriction of the same e-graph, can be the faster plan: Megatron-Core's 32B row pinned t 8 x d 48 gave a joint plan of 2.196 s where its grid
     point, the same degrees with Megatron's column/row projections, fits and runs in 1.374 s. Other
     baselines (data parallelism, the sequential search) may not keep the pins."""
     config = candidate.config
@@ -335,7 +336,11 @@ def keeps_pins(candidate: Candidate, request: SearchRequest) -> bool:
         return False
     if any(config.get(kind, value) != value for kind, value in request.parallel_dims.items()):
         return False
-    return (request.zero != 3 or config.get("zero") == 3) and uses_pinned_axes(candidate.pcg, request.parallel_dims)
+    if request.zero != AUTO and (config.get("zero") != 3 if request.zero == 3 else candidate.pcg.zero != request.zero):
+        return False
+    if request.recompute != AUTO and candidate.pcg.recompute != request.recompute:
+        return False
+    return uses_pinned_axes(candidate.pcg, request.parallel_dims)
 
 
 def uses_pinned_axes(pcg: PCG, dims: Mapping[str, int]) -> bool:
