@@ -20,11 +20,11 @@ from parsat.search.optimize import optimize
 def test_ctrl_c_inside_egglog_ends_saturation_with_the_e_graph_as_it_stands(monkeypatch):
     real, calls = session_module.Session.run, []
 
-    def run(self, step):
+    def run(self, step, budget=None):
         calls.append(step)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return real(self, step)
+        return real(self, step, budget)
 
     monkeypatch.setattr(session_module.Session, "run", run)
     graph = build_example("mlp")
@@ -110,11 +110,11 @@ def test_ctrl_c_before_any_rule_spread_the_graph_is_said_not_a_crash(monkeypatch
     # the unspread note formatted the stop reason as a limit's value ("--limit interrupted=..."): ValueError
     real, calls = session_module.Session.run, []
 
-    def run(self, step):
+    def run(self, step, budget=None):
         calls.append(step)
         if len(calls) == 1:
             raise KeyboardInterrupt
-        return real(self, step)
+        return real(self, step, budget)
 
     monkeypatch.setattr(session_module.Session, "run", run)
     plan = optimize("mlp", machine="cpu", devices=2, baselines=False)
