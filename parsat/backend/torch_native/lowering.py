@@ -152,6 +152,8 @@ class Style:
             if self.output_layout != ("shard" if self.kind == COLWISE else "replicate"):
                 extra.append(f"output_layouts={'Replicate()' if self.output_layout == 'replicate' else 'Shard(-1)'}")
         nodes = f" (nodes {', '.join(f'#{n}' for n in self.nodes)})" if self.nodes else ""
+        if self.kind == REPLICATE_STYLE:
+            return f"{self.module or '<root>'}: distribute_module, every parameter Replicate()"
         return f"{self.module or '<root>'}: {torch_name}({', '.join(extra)}){nodes}"
 
 
@@ -229,8 +231,10 @@ class _Lowerer:
         self.users = readers(pcg)
         self.static = _weight_values(pcg)
         self.inputs = _input_chains(pcg)
+        self.data_only = _data_only(pcg)
         self.library = library
         self.notes: list[str] = []
+        self.partial_region: set[int] = set()   # partial sums the row-parallel styles' outputs are computed into
 
     def node(self, ident: int) -> PNode:
         return self.pcg.node(ident)
@@ -383,7 +387,7 @@ class _Lowerer:
                         f"input '{leaf.op}' is read {read} on data axis {name} by {self.where(user)}: each rank "
                         f"runs the module on its local batch, which the plan must split along the batch dim"
                         f"{f' ({dim})' if dim is not None else ''} on every data axis")
-                if dim is not None and data_axes:
+                if dim is not None and data_axes and value.placement.shard_axes(dim):
                     orders.add(value.placement.shard_axes(dim))
         if len(orders) > 1:
             raise LoweringError("the plan splits its inputs' batch over the data axes in different orders "
@@ -466,7 +470,10 @@ class _Lowerer:
                 styles[style.module] = style
                 claimed.update(style.nodes)
         self.check_style_params(styles, weights, axis)
+        self.check_partials(axis)
         for node in self.pcg.nodes:
+            if node.kind == "parallel" and node.op == REPLICATE and node.inputs[0] in self.data_only:
+                continue   # a copy of what the inputs alone make (a rotary table): no gradient for its backward to sum
             if node.kind == "parallel" and node.axis(self.mesh) == axis and node.id not in self.static \
                     and node.id not in claimed:
                 raise LoweringError(
@@ -559,24 +566,52 @@ class _Lowerer:
             return "shard", []
 
     def reduced_output(self, user: PNode, axis: int, owner: str) -> list[int]:
-        """A row-parallel (or vocabulary-parallel) partial sum: the `reduce` on the tensor axis that makes it whole,
-        after operators that keep it a partial sum, each the only reader."""
-        current = user
-        while True:
-            readers_ = self.users.get(current.id, [])
-            if len(readers_) == 1:
-                reader = readers_[0]
+        """A row-parallel (or vocabulary-parallel) partial sum, which RowwiseParallel all-reduces at the module's
+        output: the plan may compute on it as a partial sum first (its operators that keep a partial sum, linear
+        in it: a residual add of two such sums, a square's first factor, a mean), as long as every way out of that
+        region is a `reduce` on the tensor axis. Claimed: those reduces, and the `replicate`s the region reads
+        (a whole factor's copy, whose backward all-reduce torch's whole values make needless). The region's
+        nodes are kept (`partial_region`) for `check_partials`."""
+        claims, todo = [], [user]
+        self.partial_region.add(user.id)
+        while todo:
+            current = todo.pop()
+            for reader in self.users.get(current.id, []):
                 if reader.kind == "parallel" and reader.axis(self.mesh) == axis and reader.op == REDUCE:
-                    return [reader.id]
-                if reader.kind == "op" and sum(i not in self.static for i in reader.inputs) == 1 \
-                        and reader.placement.codes[axis] == PARTIAL:
-                    current = reader
-                    continue
-            where = ", ".join(self.where(r) for r in readers_) or "nothing"
-            raise LoweringError(
-                f"the partial sum of {self.where(user)} (module {owner}) is read by {where} on tensor axis "
-                f"{self.mesh.names[axis]}, not all-reduced by a `reduce` there: RowwiseParallel all-reduces it at "
-                "the module's output (a reduce-scatter would be sequence parallelism, not lowered yet)")
+                    claims.append(reader.id)
+                elif reader.kind == "op" and reader.placement.codes[axis] == PARTIAL:
+                    if reader.id not in self.partial_region:
+                        self.partial_region.add(reader.id)
+                        todo.append(reader)
+                        for i in reader.inputs:
+                            source = self.node(i)
+                            if source.kind == "parallel" and source.op == REPLICATE \
+                                    and source.axis(self.mesh) == axis:
+                                claims.append(source.id)
+                else:
+                    raise LoweringError(
+                        f"the partial sum of {self.where(user)} (module {owner}) reaches {self.where(reader)} on "
+                        f"tensor axis {self.mesh.names[axis]}, which makes it {code_text(reader.placement.codes[axis])}"
+                        " without a `reduce`: RowwiseParallel all-reduces it at the module's output (a reduce-scatter"
+                        " would be sequence parallelism, not lowered yet)")
+        return claims
+
+    def check_partials(self, axis: int) -> None:
+        """Every partial sum on the tensor axis is a styled contraction's or computed from one (the module's own
+        code, between the styles, computes on whole values or local pieces, never on partial sums)."""
+        for node in self.pcg.nodes:
+            if node.kind != "op" or node.id in self.static:
+                continue
+            partial_inputs = [i for i in node.inputs if self.node(i).placement.codes[axis] == PARTIAL]
+            if node.placement.codes[axis] == PARTIAL and node.id not in self.partial_region:
+                raise LoweringError(
+                    f"{self.where(node)} makes a partial sum on tensor axis {self.mesh.names[axis]} that no split "
+                    "nn.Linear or nn.Embedding makes: the module's own code would compute it on local pieces and "
+                    "never add them up")
+            for i in partial_inputs:
+                if i not in self.partial_region:
+                    raise LoweringError(f"{self.where(node)} reads the partial sum {self.where(self.node(i))} on "
+                                        f"tensor axis {self.mesh.names[axis]}, which no styled module makes")
 
     def check_style_params(self, styles: Mapping[str, Style], weights: Sequence[WeightLowering], axis: int) -> None:
         """A styled module's other parameters must be as its style shards them: a column-parallel linear's bias
@@ -661,6 +696,18 @@ def _weight_values(pcg: PCG) -> set[int]:
         elif node.inputs and all(i in static for i in node.inputs):
             static.add(node.id)
     return static
+
+
+def _data_only(pcg: PCG) -> set[int]:
+    """Nodes computed from graph inputs alone (no weight upstream: nothing there has a gradient)."""
+    found: set[int] = set()
+    for node in pcg.nodes:
+        if node.kind == "leaf":
+            if node.role != "weight":
+                found.add(node.id)
+        elif node.inputs and all(i in found for i in node.inputs):
+            found.add(node.id)
+    return found
 
 
 def _input_chains(pcg: PCG) -> set[int]:
