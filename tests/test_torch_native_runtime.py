@@ -401,8 +401,9 @@ def compile_job(ctx, plans: dict) -> dict:
             module, _ = tiny()
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             mixed = parsat.parallelize(module, plan, runtime="torch", mp_policy=policy)
-            row["mixed"] = float(mixed(*batch).detach())
+            # the stored (sharded) parameters; between forward and backward the registered ones are bf16 copies
             row["mixed_param_dtypes"] = sorted({str(p.dtype) for p in mixed.parameters()})
+            row["mixed"] = float(mixed(*batch).detach())
         out[label] = row
     return out
 
