@@ -271,18 +271,20 @@ def _dcp_loads_into_the_unmodified_module(folder: Path, label: str, factory: str
 @pytest.fixture(scope="module")
 def tiny_runs(tiny_graph, tmp_path_factory):
     """One 2-rank job trains the tiny model under each plan in turn: data parallel (the optimizer's plan, pinned
-    dp=2), Megatron tensor parallel, ZeRO-3."""
+    dp=2), Megatron tensor parallel, ZeRO-3, and data parallel with ZeRO-1 (lowered as FSDP2 without resharding
+    after forward: ZeRO-2)."""
     from parsat.backend.launch import LaunchConfig, launch
 
     dp = parsat.optimize(tiny_graph, machine="h100x8", devices=2, degrees={"dp": 2}, baselines=False)
-    plans = {"dp": dp.to_dict(), "tp": _plan(tiny_graph, (1, 2)), "zero3": _plan(tiny_graph, (2, 1), zero=3)}
+    plans = {"dp": dp.to_dict(), "tp": _plan(tiny_graph, (1, 2)), "zero3": _plan(tiny_graph, (2, 1), zero=3),
+             "zero1": dict(_plan(tiny_graph, (2, 1)), zero=1)}
     folder = tmp_path_factory.mktemp("torch-native")
     results = launch(train_job, ("tiny", plans, 3, str(folder), (BATCH, SEQ, VOCAB_SIZE)),
                      LaunchConfig(nproc=2, backend="gloo", timeout_s=300))
     return results, folder
 
 
-@pytest.mark.parametrize("label", ["dp", "tp", "zero3"])
+@pytest.mark.parametrize("label", ["dp", "tp", "zero3", "zero1"])
 def test_trained_on_two_ranks_like_the_module_in_one_process(tiny_runs, label):
     results, folder = tiny_runs
     for result in results:
@@ -294,14 +296,15 @@ def test_trained_on_two_ranks_like_the_module_in_one_process(tiny_runs, label):
     if label == "tp":
         assert placements["fc1.weight"] == ["Shard(dim=0)"] and placements["fc2.weight"] == ["Shard(dim=1)"]
         assert placements["emb.weight"] == ["Shard(dim=0)"] and placements["norm.weight"] == ["Replicate()"]
-    if label == "zero3":
+    if label in ("zero3", "zero1"):
         assert all(p[0].startswith("Shard") for p in placements.values())
+        assert "fully_shard" in results[0][label]["lowering"]
     assert _dcp_loads_into_the_unmodified_module(folder, label, "tiny") == 0.0
 
 
 def test_the_tied_parameter_stays_one_tensor(tiny_runs):
     results, _ = tiny_runs
-    for label in ("dp", "tp", "zero3"):
+    for label in ("dp", "tp", "zero3", "zero1"):
         assert "emb.weight" in results[0][label]["placements"] and "head.weight" not in results[0][label]["placements"]
 
 
