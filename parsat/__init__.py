@@ -71,16 +71,42 @@ def from_torch(module, example_inputs, library=None, name=None, *, check=True):
     return run(module, example_inputs, library, name, check=check)
 
 
-def parallelize(module, plan, example_inputs=None, *, imported=None, seed=0, dtype=None):
-    """The module as `plan` runs it on this rank, under torchrun: see `parsat.backend.parallelize.parallelize`.
+def parallelize(module, plan, example_inputs=None, *, imported=None, seed=0, dtype=None, runtime="interpreter",
+                mp_policy=None):
+    """The module as `plan` runs it on this rank, under torchrun; call it on every rank.
 
-    Every rank passes the same global batch to the result's forward; its
+    `runtime="torch"` lowers the plan onto PyTorch's own distributed stack
+    (`parsat.backend.torch_native.apply.parallelize_native`, docs/TORCH_NATIVE.md):
+    the user's module itself comes back, its forward its own, run on this
+    rank's local batch, every parameter a DTensor on the plan's mesh
+    (tensor parallelism as `parallelize_module` styles, data parallelism as
+    `replicate`, ZeRO as `fully_shard`, with `mp_policy` if given), so
+    `clip_grad_norm_`, optimizers, `torch.distributed.checkpoint`,
+    `torch.compile` and autocast work unchanged; a plan torch's pieces
+    cannot express is refused, naming the node. `example_inputs` or
+    `imported`, when given, have the module's graph compared with the plan's.
+
+    The default, `runtime="interpreter"`, is `parsat.backend.parallelize.parallelize`:
+    the plan's nodes interpreted one by one (the `--check` reference). Every
+    rank passes the same global batch to the result's forward; its
     parameters are this rank's pieces of the module's own weights. Give
     `example_inputs` (the module is exported again to know how its inputs
     feed the plan's graph) or, to skip that second export, `imported`: the
     module's `ImportedModule` from `parsat.importer.export.import_module(module,
     inputs)`, whose `.graph` is what `from_torch` returns.
     """
+    if runtime == "torch":
+        if dtype is not None or seed != 0:
+            raise ValueError("runtime='torch' runs the module's own forward: cast the module yourself (dtype=) and "
+                             "seed torch's generator (seed=); mp_policy= sets a mixed-precision policy")
+        from parsat.backend.torch_native.apply import parallelize_native
+
+        return parallelize_native(module, plan, mp_policy=mp_policy, example_inputs=example_inputs,
+                                  imported=imported)
+    if runtime != "interpreter":
+        raise ValueError(f"runtime must be 'interpreter' or 'torch', got {runtime!r}")
+    if mp_policy is not None:
+        raise ValueError("mp_policy= is for runtime='torch' (the interpreter takes dtype=)")
     from parsat.backend.parallelize import parallelize as run
 
     return run(module, plan, example_inputs, imported=imported, seed=seed, dtype=dtype)

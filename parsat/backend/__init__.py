@@ -22,7 +22,10 @@ chunks on its own ranks, micro-batches moved point to point),
 `plan_share` (one plan for every rank: rank 0's handed to the ranks that
 hold none, different plans refused), `state_shards` (ZeRO stages 1 and 2:
 each weight's update on this rank's shard, its gradient reduce-scattered
-and the shards all-gathered).
+and the shards all-gathered), `torch_native` (a plan lowered onto torch's
+own stack for `parallelize(..., runtime="torch")`: DTensor parameters on
+the plan's DeviceMesh, tensor-parallel styles, replicate / fully_shard;
+docs/TORCH_NATIVE.md).
 
 It reads plans through `parsat.ir` (docs/plan-schema.md) and nothing of the
 optimizer.

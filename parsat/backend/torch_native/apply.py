@@ -1,0 +1,325 @@
+"""A plan's lowering applied to the user's module, on every rank: DTensor parameters, torch's own parallelism.
+
+Under torchrun (or `backend.launch`), every rank calls
+
+    model = parsat.parallelize(model, plan, runtime="torch")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for ids, labels in loader:                     # this rank's local batch
+        loss = model(ids, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step(); optimizer.zero_grad()
+    dcp.save(get_model_state_dict(model), checkpoint_id=path)
+
+`parallelize_native` reads the plan as `lowering.lower` says and applies
+it in place, in this order (docs/TORCH_NATIVE.md):
+
+1. rank 0's parameters and buffers are broadcast, so every rank starts
+   from the same values (as DDP does);
+2. the plan's mesh becomes a `DeviceMesh` (`init_device_mesh` with the
+   plan's axis sizes and names; ranks laid out as the plan lays them, the
+   last axis fastest);
+3. on the tensor axis, `parallelize_module` with each module's style
+   (`ColwiseParallel`, `RowwiseParallel`), and every other module that
+   holds parameters computing with `Replicate()` DTensors
+   (`distribute_module`); a tied parameter is tied again afterwards;
+4. on the data axes, `replicate` (`torch.distributed._composable.
+   replicate_with_fsdp`: DDP's gradient all-reduce with DTensor
+   parameters) or, for a ZeRO-3 axis, `fully_shard` on each block (each
+   child of an `nn.ModuleList` holding parameters) and then the root, with
+   the dim the plan shards each weight along; a plan's ZeRO-1/2 is
+   `fully_shard(reshard_after_forward=False)` over its data axes; a
+   `MixedPrecisionPolicy` given as `mp_policy` goes to them.
+
+The module returned is the user's (modified in place): its forward is its
+own, run on this rank's local batch (`local_batch` cuts a global one as
+the plan does), and every parameter is a DTensor on the plan's mesh (on
+the data and tensor axes it uses).
+"""
+
+from __future__ import annotations
+
+from math import prod
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parsat.backend.torch_native.lowering import (COLWISE, DATA, EMBEDDING, LINEAR, REPLICATE_STYLE, ROWWISE, VOCAB,
+                                                  ZERO3, GATHERED, Lowering, LoweringError, ModuleInfo, ParamInfo,
+                                                  lower)
+
+LOWERING_ATTRIBUTE = "_parsat_lowering"
+
+
+class NativeParallelizeError(ValueError):
+    """A module and plan that torch's stack cannot run together (the message says why, naming the node)."""
+
+
+# ------------------------------------------------------------------ the module, described
+
+
+def module_info(module: nn.Module) -> ModuleInfo:
+    """What `lowering.lower` needs of `module`: parameters by every name (tied ones share one `ParamInfo`), each
+    submodule's kind, the parameters each holds itself."""
+    kinds: dict[str, str] = {}
+    holds: dict[str, tuple[str, ...]] = {}
+    for name, sub in module.named_modules(remove_duplicate=False):
+        kinds[name] = (LINEAR if isinstance(sub, nn.Linear) else EMBEDDING if isinstance(sub, nn.Embedding)
+                       else type(sub).__name__)
+        holds[name] = tuple(n for n, _ in sub.named_parameters(recurse=False, remove_duplicate=False))
+    below = set()
+    for name in holds:
+        if holds[name]:
+            parts = name.split(".") if name else []
+            for i in range(len(parts)):
+                below.add(".".join(parts[:i]))
+    groups: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+        tensors[id(param)] = param
+    params: dict[str, ParamInfo] = {}
+    for key, names in groups.items():
+        owners = tuple((n.rpartition(".")[0], kinds[n.rpartition(".")[0]]) for n in names)
+        info = ParamInfo(tuple(names), tuple(tensors[key].shape), owners)
+        for n in names:
+            params[n] = info
+    return ModuleInfo(params, kinds, holds, frozenset(below))
+
+
+# ------------------------------------------------------------------ applying it
+
+
+def parallelize_native(module: nn.Module, plan, *, mp_policy=None, example_inputs=None, imported=None) -> nn.Module:
+    """The module with `plan` lowered onto torch's stack (module docstring); call it on every rank.
+
+    `plan` is a parsat `Plan`, a plan dict or JSON file, or None on every rank
+    but 0 (rank 0's is broadcast, `plan_share`). The module must hold the
+    plan's weights under the plan's names and shapes; give `example_inputs`
+    or `imported` to have its whole graph compared with the plan's as
+    `parallelize` does. Raises `NativeParallelizeError` (naming the plan
+    node) where the plan cannot be lowered.
+    """
+    from parsat.backend.launch import under_torchrun
+    from parsat.backend.parallelize import _resolve_plan, graph_difference, import_difference
+    from parsat.backend.plan_share import PlanMismatch, shared_plan
+
+    if plan is not None:
+        try:
+            _resolve_plan(plan)   # a plan that cannot be read is refused before any process group starts
+        except ValueError as err:
+            raise NativeParallelizeError(str(err)) from None
+    if not dist.is_initialized():
+        if not under_torchrun():
+            raise NativeParallelizeError("parallelize runs under torchrun (one process per device): no process "
+                                         "group is started and RANK/WORLD_SIZE are not set")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    backend = dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    try:
+        pcg, graph = shared_plan(plan, _resolve_plan, device)
+    except (PlanMismatch, ValueError) as err:
+        raise NativeParallelizeError(str(err)) from None
+    world = dist.get_world_size()
+    if world != pcg.mesh.world:
+        raise NativeParallelizeError(f"the plan runs on a mesh of {pcg.mesh.world} device(s) "
+                                     f"({pcg.mesh or 'one device'}) but the job has {world} rank(s)")
+    if imported is not None or example_inputs is not None:
+        if imported is None:
+            from parsat.importer.export import import_module
+
+            imported = import_module(module, example_inputs, check=False)
+            difference = graph_difference(imported.graph, graph)
+        else:
+            difference = import_difference(module, imported) or graph_difference(imported.graph, graph)
+        if difference:
+            raise NativeParallelizeError(difference)
+    try:
+        lowering = lower(pcg, graph, module_info(module))
+    except LoweringError as err:
+        raise NativeParallelizeError(str(err)) from None
+    if mp_policy is not None and not (lowering.axes(DATA) or lowering.axes(ZERO3)):
+        raise NativeParallelizeError("mp_policy is applied by replicate / fully_shard on the data axes, and this "
+                                     "plan has none: use torch.autocast around the forward")
+    module.to(device)
+    _broadcast_state(module)
+    mesh = _device_mesh(lowering, device)
+    if lowering.tensor_axis is not None:
+        _tensor_parallel(module, lowering, mesh[lowering.mesh.names[lowering.tensor_axis]])
+    _data_parallel(module, lowering, mesh, mp_policy)
+    setattr(module, LOWERING_ATTRIBUTE, lowering)
+    return module
+
+
+def lowering_of(module: nn.Module) -> Lowering:
+    """The lowering `parallelize_native` applied to `module`."""
+    found = getattr(module, LOWERING_ATTRIBUTE, None)
+    if found is None:
+        raise NativeParallelizeError("this module was not parallelized with runtime='torch'")
+    return found
+
+
+def local_batch(module: nn.Module, *tensors: torch.Tensor, dim: int = 0, rank: int | None = None):
+    """This rank's block of a global batch as the plan splits it (along `dim`, over the data axes, major first);
+    every tensor-parallel rank of one data-parallel group takes the same block. One tensor in, one out."""
+    lowering = lowering_of(module)
+    rank = dist.get_rank() if rank is None else rank
+    coords = lowering.mesh.coords(rank)
+    sizes = lowering.mesh.shape
+    block, count = 0, prod(sizes[a] for a in lowering.batch_axes)
+    for a in lowering.batch_axes:
+        block = block * sizes[a] + coords[a]
+    out = []
+    for t in tensors:
+        if t.shape[dim] % count:
+            raise NativeParallelizeError(f"a batch of {t.shape[dim]} along dim {dim} does not split into {count} "
+                                         "equal local batches")
+        n = t.shape[dim] // count
+        out.append(t.narrow(dim, block * n, n))
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def _broadcast_state(module: nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank (each tensor once)."""
+    seen = set()
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            dist.broadcast(t.data, src=0)
+
+
+def _device_mesh(lowering: Lowering, device: torch.device):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = lowering.mesh
+    return init_device_mesh(device.type, mesh.shape, mesh_dim_names=mesh.names)
+
+
+def _tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh) -> None:
+    from torch.distributed.tensor import Replicate, Shard, distribute_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def layout(word: str):
+        return Replicate() if word == "replicate" else Shard(-1)
+
+    plan: dict[str, Any] = {}
+    replicated = []
+    for style in lowering.styles:
+        if style.kind == COLWISE:
+            plan[style.module] = ColwiseParallel(input_layouts=layout(style.input_layout),
+                                                 output_layouts=layout(style.output_layout))
+        elif style.kind in (ROWWISE, VOCAB):
+            plan[style.module] = RowwiseParallel(input_layouts=layout(style.input_layout),
+                                                 output_layouts=layout(style.output_layout))
+        elif style.kind == REPLICATE_STYLE:
+            replicated.append(style.module)
+    if plan:
+        styled = {k: v for k, v in plan.items() if k}
+        if "" in plan:
+            parallelize_module(module, tp_mesh, plan[""])
+        if styled:
+            parallelize_module(module, tp_mesh, styled)
+    for name in replicated:
+        distribute_module(module.get_submodule(name), tp_mesh, None, _replicated_inputs, _local_outputs)
+    _tie_again(module, lowering)
+
+
+def _replicated_inputs(_module, inputs, mesh):
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                 if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+
+def _local_outputs(_module, outputs, _mesh):
+    from torch.distributed.tensor import DTensor
+
+    return torch.utils._pytree.tree_map(lambda x: x.to_local() if isinstance(x, DTensor) else x, outputs)
+
+
+def _tie_again(module: nn.Module, lowering: Lowering) -> None:
+    """A tied parameter is one tensor under several names; distributing each module made one per name: keep the
+    first name's for all (the plan stores a graph weight once, so its styles place it alike)."""
+    for w in lowering.weights:
+        if len(w.params) < 2:
+            continue
+        first = module.get_parameter(w.params[0])
+        for name in w.params[1:]:
+            other = module.get_parameter(name)
+            if other is first:
+                continue
+            if getattr(other, "placements", None) != getattr(first, "placements", None):
+                raise NativeParallelizeError(f"tied parameter {' = '.join(w.params)} would be placed "
+                                             f"{getattr(first, 'placements', None)} and "
+                                             f"{getattr(other, 'placements', None)}")
+            owner, _, local = name.rpartition(".")
+            setattr(module.get_submodule(owner), local, first)
+
+
+def _data_parallel(module: nn.Module, lowering: Lowering, mesh, mp_policy) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    names = lowering.mesh.names
+    data = [names[a] for a in lowering.axes(DATA)]
+    zero3 = [names[a] for a in lowering.axes(ZERO3)]
+    if not data and not zero3:
+        return
+    policy = mp_policy or MixedPrecisionPolicy()
+    if zero3 or lowering.zero:
+        from torch.distributed.fsdp import fully_shard
+
+        if data and zero3:
+            if len(data) > 1 or len(zero3) > 1:
+                raise NativeParallelizeError(f"replicated over {data} and sharded over {zero3}: HSDP over more "
+                                             "than one axis each is not lowered")
+            dp_mesh = mesh[(data[0], zero3[0])]
+        else:
+            dp_mesh = _flattened(mesh, zero3 or data)
+        reshard = None if zero3 else False
+        dims = {id(module.get_parameter(name)): dim for name, dim in _zero3_dims(lowering).items()}
+        place = (lambda p: _shard_of(p, dims)) if dims else None
+        for block in _blocks(module):
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, shard_placement_fn=place,
+                        mp_policy=policy)
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, shard_placement_fn=place, mp_policy=policy)
+        return
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    replicate(module, mesh=_flattened(mesh, data), mp_policy=policy)
+
+
+def _flattened(mesh, names: list[str]):
+    if len(names) == 1:
+        return mesh[names[0]]
+    return mesh[tuple(names)]._flatten("_".join(names))
+
+
+def _zero3_dims(lowering: Lowering) -> Mapping[str, int]:
+    """Parameter name -> the dim the plan shards it along on its ZeRO-3 axis (FSDP's default, dim 0, for the
+    others)."""
+    out = {}
+    for w in lowering.weights:
+        for axis, role in enumerate(w.roles):
+            if role == GATHERED:
+                out.update({name: w.stored_dim(axis) for name in w.params})
+    return out
+
+
+def _shard_of(param, dims: Mapping[int, int]):
+    from torch.distributed.tensor import Shard
+
+    dim = dims.get(id(param))
+    return Shard(dim) if dim is not None else None
+
+
+def _blocks(module: nn.Module) -> list[nn.Module]:
+    """Each child of an nn.ModuleList that holds parameters: the groups FSDP gathers one at a time."""
+    out = []
+    for sub in module.modules():
+        if isinstance(sub, nn.ModuleList):
+            out += [child for child in sub if any(True for _ in child.parameters())]
+    return out

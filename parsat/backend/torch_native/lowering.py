@@ -1,0 +1,721 @@
+"""A plan read as PyTorch's distributed pieces: per mesh axis a role, per weight a placement, per module a style.
+
+`lower(pcg, graph, module)` reads what the plan does to each weight and
+around each split contraction, and says it in torch's terms
+(docs/TORCH_NATIVE.md has the table, node kind by node kind):
+
+* **each weight, per mesh axis** (`WeightLowering.roles`): where its
+  storage chain (`ir.pcg.weight_storage`) leaves it and how the compute
+  operators read it, following every path through parallel operators and
+  through computations on weights alone (a transpose):
+  stored whole and read whole, `free` (every rank computes the same
+  gradient); stored whole and read as a `replicate`'s copy, `synced` (its
+  gradient all-reduced: data parallelism); stored split and gathered
+  before use, `gathered` (ZeRO-3); stored split and read split, `split`
+  (tensor parallelism). Anything else (a whole weight sliced where it is
+  read, split on one path and gathered on another) is refused, naming the
+  node.
+* **each mesh axis** (`Lowering.axis_roles`): `tensor` if it splits some
+  weight (then it may neither synchronise nor gather any: one role per
+  axis, as torch's styles give it), else `zero3` if it gathers some, else
+  `data` if it synchronises some. At most one tensor axis. An axis on
+  which every rank does the same work is refused: nothing of torch's
+  stack runs it, and the plan would waste its devices.
+* **each split weight's module** (`Style`): the contraction that reads it
+  decides: a `nn.Linear` weight stored `Shard(0)` (its output features)
+  is `ColwiseParallel`, `Shard(1)` (its input features)
+  `RowwiseParallel`; a `nn.Embedding` table `Shard(0)` (the vocabulary)
+  is `RowwiseParallel` (vocabulary-parallel, each rank looking up its
+  rows and the partial sums all-reduced), `Shard(1)` `ColwiseParallel`.
+  The plan's placements around it must be the style's: a column-parallel
+  contraction reads its activation whole (a `replicate`: the backward
+  all-reduce of the input's gradient, Megatron's f) and makes it split
+  along its last dim; a row-parallel one reads it split along its last
+  dim and makes a partial sum that the plan then `reduce`s (Megatron's g).
+  The parallel operators on the tensor axis that a style does for itself
+  are *claimed* by it: that `replicate`, that `reduce`, a `combine` of a
+  column-parallel output (the style then returns it whole,
+  `output_layouts=Replicate()`), a `partition` of a row-parallel input
+  (`input_layouts=Replicate()`), the one-hot ids' vocabulary `partition`
+  of a vocabulary-parallel embedding. Any parallel operator on the tensor
+  axis that no style claims is refused, naming it: the module's own code
+  runs between the styled modules on local pieces, and only the styles
+  move activations.
+* **every other parameter** on a tensor axis is read whole there (`free`):
+  its module is wrapped to compute with `Replicate()` DTensors (style
+  `replicate`), so every parameter is a DTensor on one mesh.
+* **data axes**: each rank runs its module on its local batch: every
+  input that carries a batch (`ir.microbatch.batch_dims`) must be read
+  split along it on every data axis, in one order of axes
+  (`Lowering.batch_axes`: rank coordinates on them, major first, pick the
+  rank's block, `apply.local_batch`); a collective over a data axis on an
+  activation (the loss's `reduce`, an output's gather) is allowed only
+  where no operator that reads a weight follows it, because the module's
+  own forward computes everything before it on the local batch (batch
+  statistics synchronised mid-model are refused).
+
+What the plan decides that the module's own forward does not reproduce
+is said in `Lowering.notes`, never silently: operators rewritten by
+algebraic rules (the module computes its own form, equal in value, which
+the proofs are about), where a partial sum is all-reduced, a loss averaged
+per rank, micro-batches. Pipelined plans and plans that recompute blocks
+are refused here (docs/TORCH_NATIVE.md says how they would lower).
+
+Torch is not imported here: the module is described by `ModuleInfo`
+(`apply.module_info` builds it from an `nn.Module`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER, REPLICATE
+from parsat.ir.graph import Graph
+from parsat.ir.mesh import Mesh
+from parsat.ir.microbatch import batch_dims
+from parsat.ir.pcg import PCG, PNode, readers, weight_storage
+from parsat.ir.placement import FREE, PARTIAL, REPLICA, Placement, code_text, shard, shard_dim
+
+FREE_ROLE, SYNCED, GATHERED, SPLIT = "free", "synced", "gathered", "split"
+DATA, ZERO3, TENSOR = "data", "zero3", "tensor"
+COLWISE, ROWWISE, VOCAB, REPLICATE_STYLE = "colwise", "rowwise", "vocab", "replicate"
+LINEAR, EMBEDDING = "linear", "embedding"
+LINEAR_OPS = frozenset({"linear", "linear_nobias", "matmul"})
+EMBEDDING_OPS = frozenset({"embedding"})
+GATHERS = frozenset({COMBINE, ALL_GATHER, REDUCE, REDUCE_SCATTER})
+
+
+class LoweringError(ValueError):
+    """A plan that torch's distributed stack cannot run as the plan says: the message names the node and why."""
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter of the module: every name it has (a tied parameter has several), its shape, and for each
+    name the module that holds it and that module's kind (`linear`, `embedding`, or its class name)."""
+
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    owners: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    """What the lowering needs of an `nn.Module`: its parameters by every name, each submodule's kind, the
+    parameters each holds itself, and the submodules that hold parameters below them."""
+
+    params: Mapping[str, ParamInfo]
+    kinds: Mapping[str, str]
+    holds: Mapping[str, tuple[str, ...]]       # module -> its own parameters' local names (`recurse=False`)
+    has_param_below: frozenset[str] = frozenset()  # modules some strict descendant of which holds a parameter
+
+    def param(self, name: str) -> ParamInfo | None:
+        return self.params.get(name)
+
+
+@dataclass(frozen=True)
+class WeightLowering:
+    """A graph weight as the plan keeps it: the module's names for it, its stored placement, its leaf node, and
+    per mesh axis its role (`free`, `synced`, `gathered`, `split`)."""
+
+    name: str
+    params: tuple[str, ...]
+    node: int
+    stored: Placement
+    roles: tuple[str, ...]
+
+    def stored_dim(self, axis: int) -> int | None:
+        return shard_dim(self.stored.codes[axis]) if self.stored.codes else None
+
+
+@dataclass(frozen=True)
+class Style:
+    """How one module runs on the tensor axis: `colwise`, `rowwise`, `vocab` (RowwiseParallel of an
+    embedding) or `replicate` (every parameter whole); how its activation arrives and leaves (`replicate`: whole,
+    `shard`: split along the last dim); the plan nodes it stands for (the contraction and the parallel operators
+    it claims)."""
+
+    module: str
+    kind: str
+    input_layout: str = "replicate"
+    output_layout: str = "replicate"
+    nodes: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        torch_name = {COLWISE: "ColwiseParallel", ROWWISE: "RowwiseParallel", VOCAB: "RowwiseParallel",
+                      REPLICATE_STYLE: "Replicate()"}[self.kind]
+        extra = []
+        if self.kind in (COLWISE, ROWWISE, VOCAB):
+            if self.input_layout != ("shard" if self.kind == ROWWISE else "replicate"):
+                extra.append(f"input_layouts={'Replicate()' if self.input_layout == 'replicate' else 'Shard(-1)'}")
+            if self.output_layout != ("shard" if self.kind == COLWISE else "replicate"):
+                extra.append(f"output_layouts={'Replicate()' if self.output_layout == 'replicate' else 'Shard(-1)'}")
+        nodes = f" (nodes {', '.join(f'#{n}' for n in self.nodes)})" if self.nodes else ""
+        if self.kind == REPLICATE_STYLE:
+            return f"{self.module or '<root>'}: distribute_module, every parameter Replicate()"
+        return f"{self.module or '<root>'}: {torch_name}({', '.join(extra)}){nodes}"
+
+
+@dataclass(frozen=True)
+class Lowering:
+    """A plan in torch's terms (module docstring)."""
+
+    mesh: Mesh
+    axis_roles: tuple[str, ...]
+    weights: tuple[WeightLowering, ...]
+    styles: tuple[Style, ...]
+    batch_axes: tuple[int, ...]
+    zero: int = 0                      # the plan's ZeRO stage of replicated weights' state (1, 2), else 0
+    notes: tuple[str, ...] = field(default=())
+
+    def axes(self, role: str) -> tuple[int, ...]:
+        return tuple(i for i, r in enumerate(self.axis_roles) if r == role)
+
+    @property
+    def tensor_axis(self) -> int | None:
+        found = self.axes(TENSOR)
+        return found[0] if found else None
+
+    def weight(self, name: str) -> WeightLowering:
+        for w in self.weights:
+            if name == w.name or name in w.params:
+                return w
+        raise KeyError(name)
+
+    def describe(self) -> str:
+        """The lowering as text: axes, styles, data parallelism, notes."""
+        lines = ["mesh: " + " x ".join(f"{a.name} {a.size} ({role})" for a, role in
+                                       zip(self.mesh.axes, self.axis_roles))]
+        data, zero3 = self.axes(DATA), self.axes(ZERO3)
+        names = self.mesh.names
+        if zero3 or (data and self.zero):
+            how = (f"fully_shard over {', '.join(names[a] for a in zero3)}" if zero3 else "")
+            if data and zero3:
+                how += f", replicated over {', '.join(names[a] for a in data)} (HSDP)"
+            if data and not zero3:
+                how = (f"fully_shard over {', '.join(names[a] for a in data)} with reshard_after_forward=False "
+                       f"(the plan's ZeRO-{self.zero})")
+            lines.append("data parallelism: " + how)
+        elif data:
+            lines.append(f"data parallelism: replicate over {', '.join(names[a] for a in data)}")
+        if self.tensor_axis is not None:
+            lines.append(f"tensor parallelism on {names[self.tensor_axis]}: parallelize_module")
+            lines += ["  " + s.describe() for s in self.styles]
+        lines += ["note: " + n for n in self.notes]
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ the analysis
+
+
+def lower(pcg: PCG, graph: Graph, module: ModuleInfo, *, pipelined: bool = False, library=None) -> Lowering:
+    """The plan `pcg` (of `graph`) on `module` in torch's terms; raises LoweringError naming what cannot be."""
+    if pipelined:
+        raise LoweringError("a pipelined plan is not lowered onto torch yet (torch.distributed.pipelining would run "
+                            "its stages: docs/TORCH_NATIVE.md); run it with `parsat run`, or optimize with "
+                            "--degrees pp=1")
+    if pcg.mesh.world < 2:
+        raise LoweringError("the plan is for one device: run the module itself")
+    if pcg.recompute != "none":
+        raise LoweringError(f"the plan recomputes activations ({pcg.recompute!r}); recomputation is not lowered onto "
+                            "torch yet (torch.utils.checkpoint around each block would: docs/TORCH_NATIVE.md); "
+                            "optimize with recompute='none'")
+    return _Lowerer(pcg, graph, module, library).run()
+
+
+class _Lowerer:
+    def __init__(self, pcg: PCG, graph: Graph, module: ModuleInfo, library):
+        self.pcg, self.graph, self.module = pcg, graph, module
+        self.mesh = pcg.mesh
+        self.users = readers(pcg)
+        self.static = _weight_values(pcg)
+        self.inputs = _input_chains(pcg)
+        self.data_only = _data_only(pcg)
+        self.library = library
+        self.notes: list[str] = []
+        self.partial_region: set[int] = set()   # partial sums the row-parallel styles' outputs are computed into
+
+    def node(self, ident: int) -> PNode:
+        return self.pcg.node(ident)
+
+    def where(self, node: PNode) -> str:
+        """A node as the refusals name it: `#id op(attrs)` and the graph node it computes."""
+        origin = f" [{node.origin}]" if node.origin else ""
+        return f"node #{node.id} {node.label}{origin}"
+
+    # ------------------------------------------------------------ weights
+
+    def run(self) -> Lowering:
+        weights = [self.weight(leaf) for leaf in self.pcg.nodes if leaf.kind == "leaf" and leaf.role == "weight"]
+        roles = tuple(self.axis_role(a, weights) for a in range(len(self.mesh.axes)))
+        tensor = [a for a, r in enumerate(roles) if r == TENSOR]
+        if len(tensor) > 1:
+            raise LoweringError(f"the plan splits weights on {len(tensor)} mesh axes "
+                                f"({', '.join(self.mesh.names[a] for a in tensor)}): tensor parallelism over two "
+                                "axes is not lowered (torch's styles take one tensor-parallel mesh)")
+        batch_axes = self.check_inputs(roles)
+        self.check_data_collectives(roles)
+        styles: list[Style] = []
+        if tensor:
+            styles = self.tensor_styles(tensor[0], weights)
+        self.note_rewrites()
+        zero = self.pcg.zero
+        if zero and not any(r == DATA for r in roles):
+            zero = 0
+        if self.graph.microbatches > 1:
+            self.notes.append(f"the plan runs {self.graph.microbatches} micro-batches a step: the training loop calls "
+                              "the module once per micro-batch and accumulates (each loss divided by their number); "
+                              "torch synchronises gradients in every backward unless the loop turns it off "
+                              "(FSDPModule.set_requires_gradient_sync(False) for all but the last)")
+        return Lowering(self.mesh, roles, tuple(weights), tuple(styles), batch_axes, zero, tuple(self.notes))
+
+    def weight(self, leaf: PNode) -> WeightLowering:
+        info = self.module.param(leaf.op)
+        shape = tuple(leaf.shape)
+        if info is None:
+            raise LoweringError(f"the plan's weight '{leaf.op}' {list(shape)} is not a parameter of the module: "
+                                "parallelize the module the plan was made for")
+        if tuple(info.shape) != shape:
+            raise LoweringError(f"the plan's weight '{leaf.op}' has shape {list(shape)}, the module's "
+                                f"{list(info.shape)}: parallelize the module the plan was made for")
+        chain = weight_storage(self.pcg)[leaf.id]
+        stored = self.node(chain[-1]).placement
+        uses = list(self.uses(chain[-1]))
+        roles = []
+        for axis in range(len(self.mesh.axes)):
+            roles.append(self.weight_role(leaf, stored, uses, axis))
+        return WeightLowering(leaf.op, info.names, leaf.id, stored, tuple(roles))
+
+    def uses(self, start: int) -> Iterable[tuple[PNode, PNode]]:
+        """(reader, value read) for every operator that reads a value made from the weight at `start` by parallel
+        operators and computations on weights alone, where the reader also reads an activation or an input."""
+        seen, todo = {start}, [start]
+        while todo:
+            current = todo.pop()
+            for user in self.users.get(current, []):
+                if user.id in self.static:
+                    if user.id not in seen:
+                        seen.add(user.id)
+                        todo.append(user.id)
+                else:
+                    yield user, self.node(current)
+
+    def weight_role(self, leaf: PNode, stored: Placement, uses: list[tuple[PNode, PNode]], axis: int) -> str:
+        name = self.mesh.names[axis]
+        s = stored.codes[axis]
+        used = [(user, value, value.placement.codes[axis]) for user, value in uses]
+        if s == FREE:
+            if all(code == FREE for *_, code in used):
+                return FREE_ROLE
+            for user, value, code in used:
+                if code not in (FREE, REPLICA):
+                    raise LoweringError(
+                        f"weight '{leaf.op}' is stored whole on mesh axis {name} but {self.where(user)} reads it "
+                        f"as {code_text(code)} there ({self.where(value)}): a slice of a whole weight taken where it "
+                        "is read is no torch style (store it split: ColwiseParallel / RowwiseParallel)")
+            return SYNCED
+        if shard_dim(s) is not None:
+            if all(code in (FREE, REPLICA) for *_, code in used):
+                return GATHERED
+            if all(shard_dim(code) is not None for *_, code in used):
+                return SPLIT
+            gathered = next(user for user, _, code in used if code in (FREE, REPLICA))
+            split = next(user for user, _, code in used if shard_dim(code) is not None)
+            raise LoweringError(f"weight '{leaf.op}' is stored split on mesh axis {name}, read split by "
+                                f"{self.where(split)} and gathered for {self.where(gathered)}: one weight that is "
+                                "both tensor-parallel and ZeRO-3 on one axis is no torch style")
+        raise LoweringError(f"weight '{leaf.op}' is stored as {code_text(s)} on mesh axis {name}")
+
+    def axis_role(self, axis: int, weights: Sequence[WeightLowering]) -> str:
+        name = self.mesh.names[axis]
+        by_role: dict[str, list[WeightLowering]] = {}
+        for w in weights:
+            by_role.setdefault(w.roles[axis], []).append(w)
+        if SPLIT in by_role:
+            for other, what in ((SYNCED, "synchronises the gradient of"), (GATHERED, "gathers before use")):
+                if other in by_role:
+                    raise LoweringError(
+                        f"mesh axis {name} splits '{by_role[SPLIT][0].name}' (tensor parallelism) and {what} "
+                        f"'{by_role[other][0].name}' ({self.where(self.first_collective(by_role[other][0], axis))}): "
+                        "an axis that is a tensor axis for some layers and a data axis for others is not lowered "
+                        "(torch gives each mesh axis one role; sequence parallelism is not lowered yet either)")
+            return TENSOR
+        if GATHERED in by_role:
+            return ZERO3
+        if SYNCED in by_role:
+            return DATA
+        raise LoweringError(f"on mesh axis {name} every rank does the same work (no weight is split or synchronised "
+                            "there): nothing of torch's stack runs such an axis; optimize for fewer devices or pin "
+                            "the parallelism (--degrees dp=... or tp=...)")
+
+    def first_collective(self, weight: WeightLowering, axis: int) -> PNode:
+        """The first parallel operator acting on `axis` that a weight's values pass through (for messages)."""
+        seen, todo = {weight.node}, [weight.node]
+        while todo:
+            current = todo.pop(0)
+            for user in self.users.get(current, []):
+                if user.kind == "parallel" and user.axis(self.mesh) == axis and user.op != PARTITION:
+                    return user
+                if user.id in self.static and user.id not in seen:
+                    seen.add(user.id)
+                    todo.append(user.id)
+        return self.node(weight.node)
+
+    # ------------------------------------------------------------ inputs and data axes
+
+    def check_inputs(self, roles: Sequence[str]) -> tuple[int, ...]:
+        """Every input that carries a batch is read split along it on every data axis (in one axis order, which
+        is returned), and read whole on the tensor axis unless a style claims its split (checked there)."""
+        data_axes = [a for a, r in enumerate(roles) if r in (DATA, ZERO3)]
+        batch = batch_dims(self.graph, self.library)
+        orders = set()
+        for leaf in self.pcg.nodes:
+            if leaf.kind != "leaf" or leaf.role == "weight":
+                continue
+            dim = batch.get(leaf.op)
+            for user, value in self.input_uses(leaf):
+                for a in data_axes:
+                    code = value.placement.codes[a]
+                    name = self.mesh.names[a]
+                    if dim is not None and code == shard(dim):
+                        continue
+                    if code in (FREE, REPLICA) and (dim is None or leaf.shape[dim] == 1):
+                        continue   # a table or a constant every rank reads whole
+                    read = "whole" if code in (FREE, REPLICA) else f"as {code_text(code)}"
+                    raise LoweringError(
+                        f"input '{leaf.op}' is read {read} on data axis {name} by {self.where(user)}: each rank "
+                        f"runs the module on its local batch, which the plan must split along the batch dim"
+                        f"{f' ({dim})' if dim is not None else ''} on every data axis")
+                if dim is not None and data_axes and value.placement.shard_axes(dim):
+                    orders.add(value.placement.shard_axes(dim))
+        if len(orders) > 1:
+            raise LoweringError("the plan splits its inputs' batch over the data axes in different orders "
+                                f"({sorted(orders)}): a rank's local batch would differ between inputs")
+        order = orders.pop() if orders else tuple(data_axes)
+        if sorted(order) != data_axes:
+            raise LoweringError(f"the plan splits its inputs' batch over mesh axes {[self.mesh.names[a] for a in order]}"
+                                f" but its data axes are {[self.mesh.names[a] for a in data_axes]}")
+        return tuple(order)
+
+    def input_uses(self, leaf: PNode) -> Iterable[tuple[PNode, PNode]]:
+        """(reader, value read) for every compute operator reading the input or a piece of it."""
+        todo = [leaf]
+        while todo:
+            current = todo.pop()
+            for user in self.users.get(current.id, []):
+                if user.kind == "parallel":
+                    todo.append(user)
+                else:
+                    yield user, current
+
+    def check_data_collectives(self, roles: Sequence[str]) -> None:
+        """On a data axis, only the inputs' own splits and replicas, and collectives no weight-reading operator
+        follows (the loss's reduce, an output gathered): the module computes everything else on its batch."""
+        data_axes = {a for a, r in enumerate(roles) if r in (DATA, ZERO3)}
+        for node in self.pcg.nodes:
+            if node.kind != "parallel" or node.id in self.static or node.axis(self.mesh) not in data_axes:
+                continue
+            if node.id in self.inputs and node.op in (PARTITION, REPLICATE):
+                continue
+            axis = self.mesh.names[node.axis(self.mesh)]
+            if node.op not in GATHERS:
+                raise LoweringError(f"{self.where(node)} on data axis {axis}: each rank runs the module on its local "
+                                    "batch, so activations are neither split nor replicated there")
+            later = self.weight_reader_after(node)
+            if later is not None:
+                raise LoweringError(
+                    f"{self.where(node)} on data axis {axis} is followed by {self.where(later)}, which reads a weight: "
+                    "the plan combines the data-parallel ranks' activations mid-model (batch statistics?), which "
+                    "the module's own forward computes on its local batch (torch.nn.SyncBatchNorm would)")
+        loss_reduced = any(n.kind == "parallel" and n.op == REDUCE and n.id not in self.static
+                           and n.axis(self.mesh) in data_axes for n in self.pcg.nodes)
+        if loss_reduced:
+            self.notes.append("each rank's forward returns its local batch's loss, and the data-parallel gradient is "
+                              "the ranks' mean: the plan's global loss and gradient when every rank's loss averages "
+                              "as many items (equal local batches, no ignored targets); average the ranks' losses "
+                              "to log the global one")
+
+    def weight_reader_after(self, start: PNode) -> PNode | None:
+        seen, todo = {start.id}, [start.id]
+        while todo:
+            current = todo.pop()
+            for user in self.users.get(current, []):
+                if user.kind == "op" and any(i in self.static for i in user.inputs):
+                    return user
+                if user.id not in seen:
+                    seen.add(user.id)
+                    todo.append(user.id)
+        return None
+
+    # ------------------------------------------------------------ the tensor axis
+
+    def tensor_styles(self, axis: int, weights: Sequence[WeightLowering]) -> list[Style]:
+        name = self.mesh.names[axis]
+        styles: dict[str, Style] = {}
+        claimed: set[int] = set()
+        for w in weights:
+            if w.roles[axis] != SPLIT:
+                continue
+            for user, value in self.uses(w.node):
+                style = self.contraction_style(w, user, axis)
+                previous = styles.get(style.module)
+                if previous is not None and (previous.kind, previous.input_layout, previous.output_layout) != \
+                        (style.kind, style.input_layout, style.output_layout):
+                    raise LoweringError(f"module {style.module} is read two ways on tensor axis {name} "
+                                        f"({previous.describe()}; {style.describe()})")
+                if previous is not None:
+                    style = Style(style.module, style.kind, style.input_layout, style.output_layout,
+                                  tuple(sorted(set(previous.nodes) | set(style.nodes))))
+                styles[style.module] = style
+                claimed.update(style.nodes)
+        self.check_style_params(styles, weights, axis)
+        self.check_partials(axis)
+        for node in self.pcg.nodes:
+            if node.kind == "parallel" and node.op == REPLICATE and node.inputs[0] in self.data_only:
+                continue   # a copy of what the inputs alone make (a rotary table): no gradient for its backward to sum
+            if node.kind == "parallel" and node.axis(self.mesh) == axis and node.id not in self.static \
+                    and node.id not in claimed:
+                raise LoweringError(
+                    f"{self.where(node)} on tensor axis {name} is not at the input or output of a split nn.Linear or "
+                    "nn.Embedding: the module's own code runs between torch's tensor-parallel styles on local pieces, "
+                    "and only the styles move activations (a vocabulary-parallel loss would need loss_parallel() "
+                    "around the loop's forward and backward; sequence parallelism is not lowered yet)")
+        replicated = self.replicated_modules(styles, weights, axis)
+        return sorted(styles.values(), key=lambda s: s.module) + replicated
+
+    def contraction_style(self, w: WeightLowering, user: PNode, axis: int) -> Style:
+        """The style of the module whose weight `w` the contraction `user` reads, and the nodes it claims."""
+        axis_name = self.mesh.names[axis]
+        dim = w.stored_dim(axis)
+        owner, kind = self.owner_for(w, user)
+        if kind == LINEAR and user.op in LINEAR_OPS:
+            style = COLWISE if dim == 0 else ROWWISE if dim == 1 else None
+        elif kind == EMBEDDING and user.op in EMBEDDING_OPS:
+            style = VOCAB if dim == 0 else COLWISE if dim == 1 else None
+        else:
+            raise LoweringError(
+                f"weight '{w.name}' (of {owner or '<root>'}, a {kind}) is split on tensor axis {axis_name} and read "
+                f"by {self.where(user)}: torch's tensor-parallel styles split nn.Linear and nn.Embedding weights "
+                "read by their own linear or embedding")
+        if style is None:
+            raise LoweringError(f"weight '{w.name}' is split along dim {dim} on tensor axis {axis_name}")
+        activations = [i for i in user.inputs if i not in self.static]
+        if len(activations) != 1:
+            raise LoweringError(f"{self.where(user)} reads {len(activations)} activations beside its split weight "
+                                f"'{w.name}'")
+        x = self.node(activations[0])
+        x_code, out_code = x.placement.codes[axis], user.placement.codes[axis]
+        last_in, last_out = len(x.shape) - 1, len(user.shape) - 1
+        claims = [user.id]
+        want = {COLWISE: ("whole", f"split along its last dim (Shard({last_out}))"),
+                ROWWISE: (f"split along its last dim (Shard({last_in}))", "a partial sum"),
+                VOCAB: (f"the ids split along the vocabulary (Shard({last_in}))", "a partial sum")}[style]
+        ok_in = x_code in (FREE, REPLICA) if style == COLWISE else x_code == shard(last_in)
+        ok_out = out_code == shard(last_out) if style == COLWISE else out_code == PARTIAL
+        if not (ok_in and ok_out):
+            torch_style = "ColwiseParallel" if style == COLWISE else "RowwiseParallel"
+            raise LoweringError(
+                f"{self.where(user)} (module {owner}) reads {self.where(x)} as {code_text(x_code)} and makes "
+                f"{code_text(out_code)} on tensor axis {axis_name}; its weight's split makes it {torch_style}, "
+                f"which reads {want[0]} and makes {want[1]}")
+        input_layout = "replicate" if style in (COLWISE, VOCAB) else "shard"
+        if x.kind == "parallel" and x.axis(self.mesh) == axis:
+            if style == COLWISE and x.op == REPLICATE:
+                claims.append(x.id)
+            elif style == ROWWISE and x.op == PARTITION and x.attr("dim") == last_in:
+                claims.append(x.id)
+                input_layout = "replicate"
+            elif style == VOCAB and x.op == PARTITION and x.id in self.inputs:
+                claims.append(x.id)
+        if style == COLWISE:
+            output_layout, found = self.gathered_output(user, axis)
+        else:
+            output_layout, found = "replicate", self.reduced_output(user, axis, owner)
+        claims += found
+        return Style(owner, style, input_layout, output_layout, tuple(claims))
+
+    def owner_for(self, w: WeightLowering, user: PNode) -> tuple[str, str]:
+        """The module (and its kind) holding the weight under the name that matches the reading operator: a tied
+        table is an embedding's weight where `embedding` reads it and a linear's where a projection does."""
+        info = self.module.param(w.name)
+        owners = list(info.owners) if info else []
+        wanted = EMBEDDING if user.op in EMBEDDING_OPS else LINEAR if user.op in LINEAR_OPS else None
+        for owner, kind in owners:
+            if kind == wanted:
+                return owner, kind
+        return owners[0] if owners else ("", "parameter")
+
+    def gathered_output(self, user: PNode, axis: int) -> tuple[str, list[int]]:
+        """A column-parallel output: gathered whole (a `combine` of its last dim after operators that keep it
+        split along its last dim, each the only reader) or left split."""
+        current = user
+        while True:
+            readers_ = self.users.get(current.id, [])
+            if len(readers_) != 1:
+                return "shard", []
+            reader = readers_[0]
+            if reader.kind == "parallel" and reader.axis(self.mesh) == axis and reader.op == COMBINE \
+                    and reader.attr("dim") == len(current.shape) - 1:
+                return "replicate", [reader.id]
+            if reader.kind == "op" and sum(i not in self.static for i in reader.inputs) == 1 \
+                    and reader.placement.codes[axis] == shard(len(reader.shape) - 1) \
+                    and current.placement.codes[axis] == shard(len(current.shape) - 1):
+                current = reader
+                continue
+            return "shard", []
+
+    def reduced_output(self, user: PNode, axis: int, owner: str) -> list[int]:
+        """A row-parallel (or vocabulary-parallel) partial sum, which RowwiseParallel all-reduces at the module's
+        output: the plan may compute on it as a partial sum first (its operators that keep a partial sum, linear
+        in it: a residual add of two such sums, a square's first factor, a mean), as long as every way out of that
+        region is a `reduce` on the tensor axis. Claimed: those reduces, and the `replicate`s the region reads
+        (a whole factor's copy, whose backward all-reduce torch's whole values make needless). The region's
+        nodes are kept (`partial_region`) for `check_partials`."""
+        claims, todo = [], [user]
+        self.partial_region.add(user.id)
+        while todo:
+            current = todo.pop()
+            for reader in self.users.get(current.id, []):
+                if reader.kind == "parallel" and reader.axis(self.mesh) == axis and reader.op == REDUCE:
+                    claims.append(reader.id)
+                elif reader.kind == "op" and reader.placement.codes[axis] == PARTIAL:
+                    if reader.id not in self.partial_region:
+                        self.partial_region.add(reader.id)
+                        todo.append(reader)
+                        for i in reader.inputs:
+                            source = self.node(i)
+                            if source.kind == "parallel" and source.op == REPLICATE \
+                                    and source.axis(self.mesh) == axis:
+                                claims.append(source.id)
+                else:
+                    raise LoweringError(
+                        f"the partial sum of {self.where(user)} (module {owner}) reaches {self.where(reader)} on "
+                        f"tensor axis {self.mesh.names[axis]}, which makes it {code_text(reader.placement.codes[axis])}"
+                        " without a `reduce`: RowwiseParallel all-reduces it at the module's output (a reduce-scatter"
+                        " would be sequence parallelism, not lowered yet)")
+        return claims
+
+    def check_partials(self, axis: int) -> None:
+        """Every partial sum on the tensor axis is a styled contraction's or computed from one (the module's own
+        code, between the styles, computes on whole values or local pieces, never on partial sums)."""
+        for node in self.pcg.nodes:
+            if node.kind != "op" or node.id in self.static:
+                continue
+            partial_inputs = [i for i in node.inputs if self.node(i).placement.codes[axis] == PARTIAL]
+            if node.placement.codes[axis] == PARTIAL and node.id not in self.partial_region:
+                raise LoweringError(
+                    f"{self.where(node)} makes a partial sum on tensor axis {self.mesh.names[axis]} that no split "
+                    "nn.Linear or nn.Embedding makes: the module's own code would compute it on local pieces and "
+                    "never add them up")
+            for i in partial_inputs:
+                if i not in self.partial_region:
+                    raise LoweringError(f"{self.where(node)} reads the partial sum {self.where(self.node(i))} on "
+                                        f"tensor axis {self.mesh.names[axis]}, which no styled module makes")
+
+    def check_style_params(self, styles: Mapping[str, Style], weights: Sequence[WeightLowering], axis: int) -> None:
+        """A styled module's other parameters must be as its style shards them: a column-parallel linear's bias
+        split along dim 0, a row-parallel one's whole."""
+        axis_name = self.mesh.names[axis]
+        by_param = {p: w for w in weights for p in w.params}
+        for style in styles.values():
+            for local in self.module.holds.get(style.module, ()):
+                full = f"{style.module}.{local}" if style.module else local
+                w = by_param.get(full)
+                if w is None or local == "weight":
+                    continue
+                want = "split along dim 0" if style.kind == COLWISE else "whole"
+                got = w.roles[axis]
+                ok = (got == SPLIT and w.stored_dim(axis) == 0) if style.kind == COLWISE else got == FREE_ROLE
+                if not ok:
+                    raise LoweringError(f"parameter '{full}' of {style.describe()} is {got} on tensor axis "
+                                        f"{axis_name}; the style keeps it {want}")
+        if self.module.has_param_below:
+            for style in styles.values():
+                if style.module in self.module.has_param_below:
+                    raise LoweringError(f"module {style.module or '<root>'} is styled on tensor axis {axis_name} but "
+                                        "has submodules with parameters of their own")
+
+    def replicated_modules(self, styles: Mapping[str, Style], weights: Sequence[WeightLowering],
+                           axis: int) -> list[Style]:
+        """The modules holding parameters no style covers: each computes with `Replicate()` DTensors on the tensor
+        axis (the plan reads those parameters whole there; parameters the plan lacks are whole too)."""
+        axis_name = self.mesh.names[axis]
+        by_param = {p: w for w in weights for p in w.params}
+        out = []
+        for module, names in sorted(self.module.holds.items()):
+            if not names or module in styles:
+                continue
+            for local in names:
+                full = f"{module}.{local}" if module else local
+                w = by_param.get(full)
+                if w is not None and w.roles[axis] != FREE_ROLE:
+                    raise LoweringError(f"parameter '{full}' is {w.roles[axis]} on tensor axis {axis_name} but its "
+                                        f"module {module or '<root>'} ({self.module.kinds.get(module)}) has no "
+                                        "tensor-parallel style")
+            if module in self.module.has_param_below:
+                raise LoweringError(f"module {module or '<root>'} holds parameters ({', '.join(names)}) beside "
+                                    f"submodules with parameters: on tensor axis {axis_name} its parameters would "
+                                    "be Replicate() DTensors, which only a module without such submodules computes "
+                                    "with")
+            out.append(Style(module, REPLICATE_STYLE))
+        unused = sorted(p for p, info in self.module.params.items() if p == info.names[0] and p not in by_param
+                        and not any(p in w.params for w in weights))
+        if unused:
+            self.notes.append(f"parameters the plan's graph does not have ({', '.join(unused[:8])}"
+                              f"{' ...' if len(unused) > 8 else ''}) are Replicate() on the tensor axis")
+        return out
+
+    # ------------------------------------------------------------ notes
+
+    def note_rewrites(self) -> None:
+        """Say where the plan computes with other operators than the graph (algebraic rewrites): the module runs
+        its own forward, which the rewrites were proved equal to, so those choices are not lowered."""
+        graph_ops: dict[str, int] = {}
+        for n in self.graph.nodes:
+            graph_ops[n.op] = graph_ops.get(n.op, 0) + 1
+        plan_ops: dict[str, int] = {}
+        for n in self.pcg.nodes:
+            if n.kind == "op":
+                plan_ops[n.op] = plan_ops.get(n.op, 0) + 1
+        differ = sorted(op for op in set(graph_ops) | set(plan_ops) if graph_ops.get(op, 0) != plan_ops.get(op, 0))
+        if differ:
+            shown = ", ".join(f"{op} {graph_ops.get(op, 0)} -> {plan_ops.get(op, 0)}" for op in differ[:8])
+            self.notes.append(f"the plan computes with other operators than the module's graph ({shown}"
+                              f"{' ...' if len(differ) > 8 else ''}): rewrites whose value the rules prove equal; "
+                              "the module runs its own forward, so their order of computation is not lowered")
+
+
+def _weight_values(pcg: PCG) -> set[int]:
+    """Nodes computed from weights alone (weight leaves, then anything all of whose inputs are such)."""
+    static: set[int] = set()
+    for node in pcg.nodes:
+        if node.kind == "leaf":
+            if node.role == "weight":
+                static.add(node.id)
+        elif node.inputs and all(i in static for i in node.inputs):
+            static.add(node.id)
+    return static
+
+
+def _data_only(pcg: PCG) -> set[int]:
+    """Nodes computed from graph inputs alone (no weight upstream: nothing there has a gradient)."""
+    found: set[int] = set()
+    for node in pcg.nodes:
+        if node.kind == "leaf":
+            if node.role != "weight":
+                found.add(node.id)
+        elif node.inputs and all(i in found for i in node.inputs):
+            found.add(node.id)
+    return found
+
+
+def _input_chains(pcg: PCG) -> set[int]:
+    """Graph inputs and the values parallel operators make from them alone."""
+    chains: set[int] = set()
+    for node in pcg.nodes:
+        if node.kind == "leaf" and node.role != "weight":
+            chains.add(node.id)
+        elif node.kind == "parallel" and node.inputs[0] in chains:
+            chains.add(node.id)
+    return chains
