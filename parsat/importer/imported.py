@@ -134,16 +134,7 @@ def encode(leaf: DataLeaf, value, dtype):
     if leaf.encoding == "value":
         return value.to(dtype).expand(leaf.shape).contiguous()
     if leaf.encoding == "mask":
-        if value.dtype == torch.bool:
-            keep = value
-        else:
-            finite = value[torch.isfinite(value)]
-            low = torch.finfo(value.dtype).min if value.is_floating_point() else None
-            if not bool(((finite == 0) | (finite == low)).all()):
-                raise TorchImportError(f"attention mask '{leaf.node}' has values other than 0 and -inf; parsat "
-                                       "supports boolean and 0/-inf masks")
-            keep = value == 0
-        return keep.to(dtype).expand(leaf.shape).contiguous()
+        return mask_keep(value, leaf.node).to(dtype).expand(leaf.shape).contiguous()
     ids = value.long()
     valid = (ids >= 0) & (ids < leaf.classes)
     if leaf.ignore is not None:
@@ -152,3 +143,18 @@ def encode(leaf: DataLeaf, value, dtype):
         return (1.0 / valid.sum().to(dtype)).reshape(())
     onehot = torch.nn.functional.one_hot(torch.where(valid, ids, 0), leaf.classes).to(dtype)
     return (onehot * valid.unsqueeze(-1).to(dtype)).contiguous()
+
+
+def mask_keep(value, node: str):
+    """Which elements an attention mask keeps (boolean, its own shape: not yet expanded to the scores'), from a
+    boolean or 0/-inf mask; TorchImportError for any other."""
+    import torch
+
+    if value.dtype == torch.bool:
+        return value
+    finite = value[torch.isfinite(value)]
+    low = torch.finfo(value.dtype).min if value.is_floating_point() else None
+    if not bool(((finite == 0) | (finite == low)).all()):
+        raise TorchImportError(f"attention mask '{node}' has values other than 0 and -inf; parsat supports "
+                               "boolean and 0/-inf masks")
+    return value == 0
