@@ -15,7 +15,8 @@ walk goes on, so the one `TorchImportError` lists them all.
 
 Weights keep the module's qualified parameter names and layouts (a Linear's
 `[out, in]` weight feeds `linear` through a `transpose` node, made once per
-weight), so a plan's weights are the module's own tensors and a tied
+weight; `export.named_blocks` then renames a stack's blocks, the names kept
+in `ImportedModule.weights`), so a plan's weights are the module's own tensors and a tied
 parameter (GPT-2's word embedding and LM head) stays one weight leaf with
 two readers. Weight leaves are made when a compute node first reads them
 (`LazyWeight`). Broadcasting, reshapes and reductions come from `ShapeOps`
