@@ -6,7 +6,7 @@ ViTForImageClassification, ResNetForImageClassification. The only code
 around them is `Loss`, a wrapper whose forward returns the model's own
 training loss (`use_cache=False` for the causal LMs).
 
-Three modes:
+Five modes:
 
   python benchmarks/hf_models.py optimize [--devices 2 4 8] [--out DIR]
       import each model with torch.export, optimize it for each device count
@@ -25,6 +25,16 @@ Three modes:
       step by step: loss, gradients and updated weights (relative
       differences, `executor.compare_values`). Rank 0 prints one JSON line
       per model.
+
+  python benchmarks/hf_models.py blocks [--models llama gpt2 bert vit] [--layers 2 4]
+      import each model with that many layers and say the identical blocks
+      the import found by structure (`ir.block_layout`) and how it named them.
+
+  python benchmarks/hf_models.py llama-7b [--batch 128] [--microbatches 4] [--devices 64]
+      Llama-2-7B's configuration (32 layers, hidden 4096) built on the meta
+      device, imported at batch x 2048 tokens, optimized for `--devices`
+      devices (machine h100x8, default limits) as `--microbatches`
+      micro-batches a step; one JSON line: CPU seconds, blocks, the plan.
 
 The recorded results and the commands that made them are in
 benchmarks/hf_models_results.md.
@@ -61,27 +71,28 @@ class Loss(torch.nn.Module):
         return self.model(pixel_values=x, labels=labels).loss
 
 
-def make(name: str, seed: int = 0):
-    """(wrapped model, example inputs) of one benchmark model, seeded."""
+def make(name: str, seed: int = 0, layers: int = 2):
+    """(wrapped model, example inputs) of one benchmark model, seeded (`layers`: of the transformers)."""
     import transformers as T
 
     torch.manual_seed(seed)
     ids = torch.randint(1, 256, (BATCH, 32))
     if name == "gpt2":
-        config = T.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0,
+        config = T.GPT2Config(n_layer=layers, n_embd=128, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0,
                               eos_token_id=0)
         return Loss(T.GPT2LMHeadModel(config), "causal"), (ids, ids)
     if name == "llama":
-        config = T.LlamaConfig(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                               num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+        config = T.LlamaConfig(num_hidden_layers=layers, hidden_size=128, intermediate_size=256,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                               max_position_embeddings=64)
         return Loss(T.LlamaForCausalLM(config), "causal"), (ids, ids)
     if name == "bert":
-        config = T.BertConfig(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+        config = T.BertConfig(num_hidden_layers=layers, hidden_size=128, intermediate_size=256, num_attention_heads=4,
                               vocab_size=256, max_position_embeddings=64)
         labels = torch.where(torch.rand(ids.shape) < 0.15, ids, torch.full_like(ids, -100))
         return Loss(T.BertForMaskedLM(config), "masked"), (ids, labels)
     if name == "vit":
-        config = T.ViTConfig(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+        config = T.ViTConfig(num_hidden_layers=layers, hidden_size=128, intermediate_size=256, num_attention_heads=4,
                              image_size=32, patch_size=8, num_labels=10)
         return Loss(T.ViTForImageClassification(config), "image"), (torch.randn(BATCH, 3, 32, 32),
                                                                     torch.randint(0, 10, (BATCH,)))
@@ -129,6 +140,68 @@ def optimize(args) -> None:
                 b = (data.get("baselines") or {}).get(base)
                 row[f"{base}_ms"] = b["time_s"] * 1e3 if isinstance(b, dict) and "time_s" in b else None
             print(json.dumps(row), flush=True)
+
+
+def blocks(args) -> None:
+    """Each model imported with each layer count: the identical blocks found by structure, and their names."""
+    from parsat.importer.export import import_module
+    from parsat.ir.block_layout import named_layout
+
+    for name in args.models:
+        for layers in args.layers:
+            module, inputs = make(name, layers=layers)
+            start = time.process_time()
+            imported = import_module(module, inputs)
+            seconds = time.process_time() - start
+            layout = named_layout(imported.graph)
+            renamed = {leaf: param for leaf, param in imported.weights.items() if leaf != param}
+            example = next(iter(sorted(renamed.items(), key=lambda kv: kv[1])), None)
+            print(json.dumps({"model": name, "layers": layers, "blocks": layout.count if layout else 0,
+                              "tensors_per_block": len(layout.members[0]) if layout else 0,
+                              "weights_renamed": len(renamed), "weights": len(imported.graph.weights),
+                              "example": example, "import_cpu_s": round(seconds, 2)}), flush=True)
+
+
+def llama_7b(args) -> None:
+    """Llama-2-7B's configuration on the meta device, imported and optimized (one JSON line)."""
+    import transformers as T
+
+    import parsat
+    from parsat.importer.export import import_module
+    from parsat.ir.block_layout import named_layout
+
+    seq = 2048
+    config = T.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                           vocab_size=32000, max_position_embeddings=seq)
+    start = time.process_time()
+    with torch.device("meta"):
+        module = Loss(T.LlamaForCausalLM(config), "causal")
+        ids = torch.randint(0, 32000, (args.batch, seq))
+    built = time.process_time() - start
+    start = time.process_time()
+    graph = import_module(module, (ids, ids)).graph
+    imported = time.process_time() - start
+    limits = {key: float(value) if "." in value else int(value)
+              for key, value in (item.split("=", 1) for item in args.limit)}
+    start = time.process_time()
+    plan = parsat.optimize(graph, machine=args.machine, devices=args.devices, limits=limits or None,
+                           microbatches=args.microbatches if args.microbatches > 1 else None,
+                           progress=lambda line: print(line, file=sys.stderr, flush=True))
+    optimized = time.process_time() - start
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plan.save(out / f"llama-7b-imported-{args.batch}x{args.microbatches}-{args.devices}.json")
+    data = plan.to_dict()
+    layout = named_layout(graph)
+    print(json.dumps({"batch": args.batch, "microbatches": args.microbatches, "devices": args.devices,
+                      "build_cpu_s": round(built, 2), "import_cpu_s": round(imported, 2),
+                      "optimize_cpu_s": round(optimized, 2), "nodes": len(graph.nodes),
+                      "operators": sorted({n.op for n in graph.nodes}), "blocks": layout.count if layout else 0,
+                      "step_ms": data["totals"]["time_s"] * 1e3,
+                      "memory_gib": data["totals"]["peak_memory_bytes"] / 2**30,
+                      "repeated_blocks": data["saturation"].get("repeated_blocks"),
+                      "stop": data["saturation"].get("stop"), "enodes": data["saturation"].get("enodes")}),
+          flush=True)
 
 
 def tensor_parallel_machine(base: str):
@@ -257,14 +330,23 @@ def train(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=("optimize", "tensor-parallel", "train"))
+    parser.add_argument("mode", choices=("optimize", "tensor-parallel", "train", "blocks", "llama-7b"))
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    parser.add_argument("--devices", nargs="+", type=int, default=[2, 4, 8])
+    parser.add_argument("--devices", nargs="+", type=int, default=None)
     parser.add_argument("--machine", default="h100x8")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=os.environ.get("PARSAT_HF_PLANS", "benchmarks/hf_plans"))
+    parser.add_argument("--layers", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
-    {"optimize": optimize, "tensor-parallel": optimize_tensor_parallel, "train": train}[args.mode](args)
+    if args.mode == "llama-7b":
+        args.devices = (args.devices or [64])[0]
+    else:
+        args.devices = args.devices or [2, 4, 8]
+    {"optimize": optimize, "tensor-parallel": optimize_tensor_parallel, "train": train, "blocks": blocks,
+     "llama-7b": llama_7b}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -137,7 +137,7 @@ def imported_output(module, inputs):
     inputs = tuple(t.double() if t.is_floating_point() else t for t in inputs)
     imported = import_module(module, inputs)
     graph = imported.graph
-    leaves = {name: module.get_parameter(name).detach() for name in imported.weights}
+    leaves = {name: module.get_parameter(p).detach() for name, p in imported.weights.items()}
     leaves.update(imported.constant_values(torch.float64))
     leaves.update(imported.data_values(inputs, torch.float64))
     env = evaluate_graph(graph, leaves)

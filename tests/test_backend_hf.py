@@ -35,7 +35,7 @@ def test_imported_graph_gives_the_models_loss(name):
     module = module.double().eval()
     inputs = tuple(t.double() if t.is_floating_point() else t for t in inputs)
     imported = import_module(module, inputs)
-    leaves = {w: module.get_parameter(w).detach() for w in imported.weights}
+    leaves = {w: module.get_parameter(p).detach() for w, p in imported.weights.items()}
     leaves.update(imported.constant_values(torch.float64))
     leaves.update(imported.data_values(inputs, torch.float64))
     mask_ones = {leaf.name: torch.full(leaf.shape, 1.0 - leaf.rate, dtype=torch.float64)
@@ -54,7 +54,7 @@ def test_resnet_in_training_mode_gives_the_models_loss_with_batch_statistics():
     imported = import_module(module, inputs)
     ops = {n.op for n in imported.graph.nodes}
     assert {"maxpool2d_padded", "bn_mean", "bn_var", "bn_normalize"} <= ops and len(imported.running_stats) == 7
-    leaves = {w: module.get_parameter(w).detach() for w in imported.weights}
+    leaves = {w: module.get_parameter(p).detach() for w, p in imported.weights.items()}
     leaves.update(imported.constant_values(torch.float64))
     leaves.update(imported.data_values(inputs, torch.float64))
     got = evaluate_graph(imported.graph, leaves)[imported.graph.outputs[0]]

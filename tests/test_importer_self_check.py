@@ -4,7 +4,7 @@ A correct import passes and leaves the module as it was; an operator
 mapped onto the wrong library operator (patched in here, for the test
 only) is refused before any plan is made, naming the graph node, the ATen
 operator, the module path and the user's source line; meta tensors skip
-the check; data written in place into a view (T5's decoder inputs: labels
+the check (a constant causal mask is made again on the CPU to be seen); data written in place into a view (T5's decoder inputs: labels
 copied into a slice of zeros, which the importer once fed as zeros) is fed
 with its writes, and T5 imports exactly.
 """
@@ -87,6 +87,19 @@ def test_meta_tensors_skip_the_check():
     assert parsat.from_torch(module, inputs).outputs
 
 
+def test_a_meta_import_sees_the_causal_mask_hugging_face_passes():
+    """On meta tensors the mask HF's sdpa attention passes (built from positions) has no values: it is made again
+    on the CPU, and the attention imports fused, as on real tensors (it raised NotImplementedError before)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                      vocab_size=64, max_position_embeddings=16)
+    with torch.device("meta"):
+        module = LmLoss(transformers.LlamaForCausalLM(config))
+        ids = torch.randint(0, 64, (2, 16))
+    ops = {n.op for n in import_module(module, (ids, ids)).graph.nodes}
+    assert "attention_causal" in ops and "softmax_masked" not in ops
+
+
 class ShiftedIds(nn.Module):
     """Embeds its ids shifted right by one, made as T5 makes its decoder inputs: written into a slice of zeros."""
 
@@ -111,7 +124,7 @@ def test_data_written_in_place_into_a_view_is_fed_with_its_writes():
     assert torch.equal(onehot, F.one_hot(shifted, 16).double())
 
 
-class T5Loss(nn.Module):
+class LmLoss(nn.Module):
     def __init__(self, model):
         super().__init__()
         self.model = model
@@ -129,7 +142,7 @@ def test_t5_imports_exactly():
     config = transformers.T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
                                    num_heads=4, decoder_start_token_id=0, pad_token_id=0,
                                    attn_implementation="eager")
-    module = T5Loss(transformers.T5ForConditionalGeneration(config))
+    module = LmLoss(transformers.T5ForConditionalGeneration(config))
     inputs = (torch.randint(1, 256, (4, 16)), torch.randint(1, 256, (4, 16)))
     imported = import_module(module, inputs)
     reference = copy.deepcopy(module).double()

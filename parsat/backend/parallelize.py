@@ -52,8 +52,12 @@ What the returned module is:
 A plan that recomputes activations (`PCG.recompute`) recomputes them here
 too: each block is a checkpointed region of the forward, run again in the
 user's `backward()` (the batch statistics stay alive for the running
-statistics). Blocks are `ir.blocks`' (weights named `b{i}_...`): a module
-named otherwise has none, and nothing is recomputed, as the plan's costs say.
+statistics). Blocks are `ir.blocks`' (weights named `b{i}_...`): the import
+names a stack of identical blocks so (`ir.block_layout`, found by structure),
+keeping the module's parameter names beside the graph's
+(`ImportedModule.weights`: pieces, placements and `gather_weights` use the
+module's); a module without such a stack has none, and nothing is
+recomputed, as the plan's costs say.
 
 A plan of m micro-batches (`Graph.microbatches`) is a plan for one
 micro-batch here: each call runs one, and the user's loop accumulates
@@ -172,8 +176,8 @@ class ParallelModule(torch.nn.Module):
         library = operator_library()
         check_mesh(pcg, ctx.world, library)
         weights = {}
-        for name in imported.weights:
-            value = module.get_parameter(name).detach().to(self.dtype).clone().contiguous()
+        for name, parameter in imported.weights.items():
+            value = module.get_parameter(parameter).detach().to(self.dtype).clone().contiguous()
             if dist.is_initialized() and ctx.world > 1:
                 dist.broadcast(value, src=0)  # every rank starts from rank 0's weights
             weights[name] = value
@@ -187,7 +191,7 @@ class ParallelModule(torch.nn.Module):
         for param in self.program.params.values():
             tensor = torch.nn.Parameter(param.tensor.detach().clone())
             param.tensor = tensor
-            self.pieces[param.name.replace(".", "/")] = tensor
+            self.pieces[imported.weights[param.name].replace(".", "/")] = tensor
         self.counter = CommCounter()
         self._constants = imported.constant_values(self.dtype)
 
@@ -196,13 +200,17 @@ class ParallelModule(torch.nn.Module):
         """The user's module (its parameters are updated only by `gather_weights`)."""
         return self._module[0]
 
+    def parameter(self, weight: str) -> str:
+        """The module's name of a graph weight (a block's weight is renamed in the graph, `ImportedModule.weights`)."""
+        return self.imported.weights[weight]
+
     def piece_placements(self) -> dict[str, tuple[Placement, tuple[int, ...]]]:
-        """Graph weight name -> (the placement its stored piece has, the weight's full shape)."""
-        return {p.name: (p.placement, p.shape) for p in self.program.params.values()}
+        """Module parameter name -> (the placement its stored piece has, the weight's full shape)."""
+        return {self.parameter(p.name): (p.placement, p.shape) for p in self.program.params.values()}
 
     def named_pieces(self) -> dict[str, torch.Tensor]:
-        """Graph weight name -> this rank's piece (the parameters the optimizer updates)."""
-        return {p.name: p.tensor for p in self.program.params.values()}
+        """Module parameter name -> this rank's piece (the parameters the optimizer updates)."""
+        return {self.parameter(p.name): p.tensor for p in self.program.params.values()}
 
     def forward(self, *inputs):
         data = dict(self._constants)
@@ -231,10 +239,10 @@ class ParallelModule(torch.nn.Module):
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """Every graph weight whole (a collective: every rank must call it)."""
+        """Every weight whole, by the module's parameter name (a collective: every rank must call it)."""
         out = {}
         for param in self.program.params.values():
-            out[param.name] = _gather_full(param.tensor, param.placement, param.shape, self.pcg.mesh)
+            out[self.parameter(param.name)] = _gather_full(param.tensor, param.placement, param.shape, self.pcg.mesh)
         return out
 
 
@@ -465,7 +473,7 @@ def run_module_rank(ctx: RankContext, pcg: PCG, graph: Graph, model_spec: str, d
     if reference is not None:
         with torch.no_grad():
             for name, value in pmodule.program.weights.items():
-                reference.get_parameter(name).copy_(value)
+                reference.get_parameter(pmodule.parameter(name)).copy_(value)
     optimizer = Optimizer(list(pmodule.parameters()), config)
     ref_params = list(reference.parameters()) if reference is not None else []
     ref_optimizer = Optimizer(ref_params, config) if reference is not None else None

@@ -20,6 +20,10 @@ Modules, in the order an import runs through them:
 * `aten`: the table of ATen operators onto library operators, one module
   per family: `aten_elementwise`, `aten_layers`, `aten_views`,
   `aten_attention`;
+* `export.named_blocks`: a stack of identical blocks (found by structure,
+  `ir.block_layout`) renamed `b{i}_...`, the names the repeated-block
+  search, pipeline stages and recomputation cut a model by; the module's
+  parameter names stay in `ImportedModule.weights`;
 * `imported`: `ImportedModule` (the result, and each batch's data leaves),
   `DataLeaf`, `dropout_mask`, `RunningStats`;
 * `self_check`: `check_import`, the graph evaluated against the module in

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 
 from parsat.importer.errors import Refused, TorchImportError
-from parsat.importer.imported import DataLeaf, encode
+from parsat.importer.imported import mask_keep
 
 
 def _h_softmax(t, node, x, dim, half_to_float=False, *rest, **kwargs):
@@ -90,19 +90,31 @@ def _h_sdpa(t, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,
 def _is_causal_mask(t, attn_mask, shape) -> bool:
     """Whether an explicit mask is the causal one of square scores: constant data (made from positions, never
     from the user's inputs) whose every [s, s] slice keeps exactly the keys t <= r for query r. A mask that
-    depends on the inputs (padding) or keeps anything else stays a data leaf."""
+    depends on the inputs (padding) or keeps anything else stays a data leaf. On meta tensors its value is
+    made again on the CPU (`Translator.constant_value`); a mask too large for that is taken as not causal."""
     torch = t.torch
     if not isinstance(attn_mask, torch.fx.Node) or t.is_compute(attn_mask) or attn_mask.name in t.varying:
         return False
-    value = t.values.get(attn_mask.name)
+    key = (attn_mask.name, tuple(shape))
+    if key not in t.causal_masks:     # every layer reads the one mask: looked at once
+        t.causal_masks[key] = _keeps_causal(t, attn_mask, shape)
+    return t.causal_masks[key]
+
+
+def _keeps_causal(t, attn_mask, shape) -> bool:
+    """Whether a constant mask's value keeps exactly the causal keys of every [s, s] slice (`_is_causal_mask`)."""
+    torch = t.torch
+    value = t.constant_value(attn_mask)
     if not isinstance(value, torch.Tensor):
         return False
     try:
-        keep = encode(DataLeaf(attn_mask.name, attn_mask.name, "mask", tuple(shape)), value, torch.float64)
+        keep = mask_keep(value, attn_mask.name)
+        if torch.broadcast_shapes(keep.shape, tuple(shape)) != tuple(shape):
+            return False
     except (TorchImportError, RuntimeError):
         return False   # values other than 0/1 or 0/-inf, or not broadcastable to the scores: not a causal mask
-    causal = torch.ones(shape[-2], shape[-1], dtype=torch.float64).tril()
-    return bool(torch.equal(keep, causal.expand(keep.shape)))
+    causal = torch.ones(shape[-2], shape[-1], dtype=torch.bool).tril()
+    return bool((keep == causal).all())   # broadcast over the mask's leading dims: never expanded to the heads
 
 
 def _h_cross_entropy(t, node, x, target, weight=None, reduction=1, ignore_index=-100,

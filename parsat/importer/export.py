@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from parsat.importer.errors import TorchImportError
 from parsat.importer.imported import ImportedModule
-from parsat.importer.self_check import check_import
+from parsat.importer.self_check import ImportTrace, check_import
 from parsat.importer.translator import Translator
+from parsat.ir.block_layout import block_names
 from parsat.ir.graph import Graph, GraphBuilder
 
 
@@ -72,12 +73,22 @@ def import_module(module, example_inputs, library=None, name: str | None = None,
         program = export_module(module, inputs)
         module.train(was_training)
         translator = Translator(module, program, inputs, GraphBuilder(library, name=name or type(module).__name__))
-        imported = translator.run()
+        imported, trace = named_blocks(translator.run(), translator.trace())
         if check:
-            check_import(imported, inputs, translator.trace(), type(module).__name__)
+            check_import(imported, inputs, trace, type(module).__name__)
         return imported
     finally:
         with torch.no_grad():
             for name, b in module.named_buffers():
                 if name in buffers:
                     b.copy_(buffers[name])
+
+
+def named_blocks(imported: ImportedModule, trace: ImportTrace) -> tuple[ImportedModule, ImportTrace]:
+    """The import with a stack of identical blocks (a transformer's layers) named as the search, pipeline stages
+    and recomputation cut models, `b{i}_...` (`ir.block_layout.block_names`: found by structure, not by the
+    module's names); as it is where it has none. Its self-check then runs on the renamed graph."""
+    renaming = block_names(imported.graph)
+    if not renaming:
+        return imported, trace
+    return imported.renamed(renaming), trace.renamed(renaming)

@@ -16,11 +16,12 @@ torch does. The backend (`parsat.backend.parallelize`) runs a plan from this.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Sequence
 
 from parsat.importer.errors import TorchImportError
 from parsat.importer.program import run_node
+from parsat.ir.block_layout import renamed
 from parsat.ir.graph import Graph
 
 
@@ -79,7 +80,9 @@ class ImportedModule:
 
     graph: Graph
     program: Any                           # torch.export.ExportedProgram
-    weights: dict[str, str]                # graph weight leaf -> module parameter name (the same name)
+    weights: dict[str, str]                # graph weight leaf -> module parameter name: the same name, but for
+                                           # a block's (`renamed`: `b3_model.layers.#.mlp.up_proj.weight` is
+                                           # the parameter `model.layers.3.mlp.up_proj.weight`)
     data: dict[str, DataLeaf]              # graph input leaf -> its encoding
     constants: dict[str, Any]              # graph input leaf -> its value, for leaves that are constant
     dropout: tuple[str, ...]               # dropout mask leaves, in the order the module draws them
@@ -111,6 +114,18 @@ class ImportedModule:
                 out[leaf.name] = encode(leaf, env[leaf.node], dtype)
         return out
 
+    def renamed(self, renaming: Mapping[str, str]) -> "ImportedModule":
+        """The same import with its graph's tensors renamed (the importer names a stack's identical blocks
+        `b{i}_...`, `ir.block_layout.block_names`): every leaf and node this record names follows, while the
+        module's parameters, buffers and exported nodes keep theirs (`weights` maps the one to the other)."""
+        new = lambda name: renaming.get(name, name)  # noqa: E731
+        return replace(self, graph=renamed(self.graph, renaming),
+                       weights={new(leaf): param for leaf, param in self.weights.items()},
+                       data={new(name): replace(leaf, name=new(leaf.name)) for name, leaf in self.data.items()},
+                       constants={new(name): value for name, value in self.constants.items()},
+                       dropout=tuple(new(name) for name in self.dropout),
+                       running_stats=tuple(replace(s, mean=new(s.mean), var=new(s.var)) for s in self.running_stats))
+
     def constant_values(self, dtype) -> dict[str, Any]:
         """Every constant data leaf's value in `dtype`."""
         return {name: value.to(dtype) for name, value in self.constants.items()}
@@ -134,16 +149,7 @@ def encode(leaf: DataLeaf, value, dtype):
     if leaf.encoding == "value":
         return value.to(dtype).expand(leaf.shape).contiguous()
     if leaf.encoding == "mask":
-        if value.dtype == torch.bool:
-            keep = value
-        else:
-            finite = value[torch.isfinite(value)]
-            low = torch.finfo(value.dtype).min if value.is_floating_point() else None
-            if not bool(((finite == 0) | (finite == low)).all()):
-                raise TorchImportError(f"attention mask '{leaf.node}' has values other than 0 and -inf; parsat "
-                                       "supports boolean and 0/-inf masks")
-            keep = value == 0
-        return keep.to(dtype).expand(leaf.shape).contiguous()
+        return mask_keep(value, leaf.node).to(dtype).expand(leaf.shape).contiguous()
     ids = value.long()
     valid = (ids >= 0) & (ids < leaf.classes)
     if leaf.ignore is not None:
@@ -152,3 +158,18 @@ def encode(leaf: DataLeaf, value, dtype):
         return (1.0 / valid.sum().to(dtype)).reshape(())
     onehot = torch.nn.functional.one_hot(torch.where(valid, ids, 0), leaf.classes).to(dtype)
     return (onehot * valid.unsqueeze(-1).to(dtype)).contiguous()
+
+
+def mask_keep(value, node: str):
+    """Which elements an attention mask keeps (boolean, its own shape: not yet expanded to the scores'), from a
+    boolean or 0/-inf mask; TorchImportError for any other."""
+    import torch
+
+    if value.dtype == torch.bool:
+        return value
+    finite = value[torch.isfinite(value)]
+    low = torch.finfo(value.dtype).min if value.is_floating_point() else None
+    if not bool(((finite == 0) | (finite == low)).all()):
+        raise TorchImportError(f"attention mask '{node}' has values other than 0 and -inf; parsat supports "
+                               "boolean and 0/-inf masks")
+    return value == 0

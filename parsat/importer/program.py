@@ -41,6 +41,36 @@ def lifted_value(program, placeholder: str):
     raise KeyError(placeholder)
 
 
+def value_on_cpu(program, target: str, values: dict, limit: int):
+    """A data node's value made on the CPU, for an import on meta tensors (shapes, no values): the nodes it
+    needs run again with each `device` argument the CPU (a causal mask made from positions). None when one of
+    them reads a meta tensor of the module's or holds more than `limit` elements (`values`: every node's meta
+    value, whose shapes say so before anything runs)."""
+    import torch
+    import torch.fx
+
+    graph = program.graph
+    order = needed_nodes(graph, [target])[target]
+    if any(isinstance(values.get(name), torch.Tensor) and values[name].numel() > limit for name in order):
+        return None
+    by_name = {n.name: n for n in graph.nodes}
+    last_read = {i.name: name for name in order for i in by_name[name].all_input_nodes}
+    env: dict = {}
+    with torch.no_grad():
+        for name in order:
+            node = by_name[name]
+            value = run_node(node, env, program) if node.op in ("placeholder", "get_attr") else \
+                node.target(*torch.fx.node.map_arg(node.args, lambda n: env[n.name]),
+                            **{k: torch.device("cpu") if k == "device" else v for k, v in
+                               torch.fx.node.map_arg(node.kwargs, lambda n: env[n.name]).items()})
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                return None
+            env[name] = value
+            for done in [i.name for i in node.all_input_nodes if last_read.get(i.name) == name]:
+                env.pop(done, None)    # at a real model's sizes a mask is [batch, 1, s, s]: hold few at once
+    return env[target]
+
+
 def concrete_values(program, inputs: tuple) -> dict:
     """Every node's value on the example inputs (one eager run of the exported graph, no gradient)."""
     import torch

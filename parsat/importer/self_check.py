@@ -57,6 +57,10 @@ class ImportTrace:
     compute: frozenset[str]
     handles: Mapping[str, str]
 
+    def renamed(self, renaming: Mapping[str, str]) -> "ImportTrace":
+        """The same trace of a graph whose tensors were renamed (`ImportedModule.renamed`)."""
+        return ImportTrace(self.compute, {node: renaming.get(t, t) for node, t in self.handles.items()})
+
 
 @dataclass(frozen=True)
 class Difference:

@@ -15,7 +15,8 @@ walk goes on, so the one `TorchImportError` lists them all.
 
 Weights keep the module's qualified parameter names and layouts (a Linear's
 `[out, in]` weight feeds `linear` through a `transpose` node, made once per
-weight), so a plan's weights are the module's own tensors and a tied
+weight; `export.named_blocks` then renames a stack's blocks, the names kept
+in `ImportedModule.weights`), so a plan's weights are the module's own tensors and a tied
 parameter (GPT-2's word embedding and LM head) stays one weight leaf with
 two readers. Weight leaves are made when a compute node first reads them
 (`LazyWeight`). Broadcasting, reshapes and reductions come from `ShapeOps`
@@ -31,10 +32,13 @@ from typing import Any, Sequence
 from parsat.importer.aten import HANDLERS
 from parsat.importer.errors import Refused, TorchImportError, Unsupported, aten_name, aten_short, module_path, source_line
 from parsat.importer.imported import DataLeaf, ImportedModule, RunningStats, encode
-from parsat.importer.program import concrete_values, needed_nodes
+from parsat.importer.program import concrete_values, needed_nodes, value_on_cpu
 from parsat.importer.self_check import ImportTrace
 from parsat.importer.shape_ops import ShapeOps
 from parsat.ir.graph import Graph, GraphBuilder, GraphError, Tensor
+
+CPU_DATA_ELEMENTS = 2**29   # the largest data value a meta import makes on the CPU (a causal mask [128, 1, 2048,
+                            # 2048]: 0.5 GB as booleans)
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class Translator(ShapeOps):
         self.constants: dict[str, Any] = {}
         self.dropout: list[str] = []
         self.running_stats: list[RunningStats] = []
+        self.causal_masks: dict[tuple, bool] = {}             # (mask node, scores' shape) -> whether causal
         self.buffers = dict(sig.inputs_to_buffers)            # placeholder -> buffer name
         self.names: set[str] = set()
         self.node = None
@@ -111,6 +116,14 @@ class Translator(ShapeOps):
         if isinstance(value, self.torch.fx.Node) and isinstance(self.values.get(value.name), self.torch.Tensor):
             return self.data_leaf(value, "value", tuple(self.values[value.name].shape))
         raise Refused(f"expected a tensor, got the constant {value!r}")
+
+    def constant_value(self, node):
+        """A data node's value (`values`); on meta tensors, made again on the CPU where it is at most
+        `CPU_DATA_ELEMENTS` elements large at every step (`program.value_on_cpu`), else None."""
+        value = self.values.get(node.name)
+        if isinstance(value, self.torch.Tensor) and value.is_meta:
+            return value_on_cpu(self.program, node.name, self.values, CPU_DATA_ELEMENTS)
+        return value
 
     def scalar(self, value) -> float | None:
         """A Python number, or a constant one-element data tensor, as a float; None for anything else."""

@@ -16,7 +16,9 @@ ZeRO-3 and sequence parallelism, built directly: the independent grid's
 PCGs), `costs` (the cost records a plan carries), `plan`
 (the plan and its JSON; `parsat.report` presents it), `microbatch` (how a
 step's batch is cut into micro-batches), `blocks` (which block of a stack
-a value belongs to), `recompute` (which values a plan drops after forward
+a value belongs to), `block_layout` (a stack's blocks checked identical
+by structure, found where no name says them, cut to the blocks searched),
+`recompute` (which values a plan drops after forward
 and computes again), `pipeline` (a PCG cut into stages, their schedule
 and its simulation),
 `validate` (the JSON schemas, their structural checks, a plan's nodes

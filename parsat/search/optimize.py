@@ -70,9 +70,10 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     (default: in whatever placement the plan wants, as a data loader can read
     any slice; a pinned input read in another placement costs a gather).
     `degrees` pins parallel dims, kinds of parallelism (`{"tp": 2, "dp": 4, "pp": 2}`:
-    `strategies.pinned_meshes`) and searches the rest. A built-in example of
-    more than three identical blocks is searched as three and the middle
-    block's plan repeated (`repeat`), unless `repeat_blocks` is False.
+    `strategies.pinned_meshes`) and searches the rest. A graph of more than
+    three identical blocks (a built-in example's, an imported stack's:
+    `ir.block_layout`) is searched as three and the middle block's plan
+    repeated (`repeat`), unless `repeat_blocks` is False.
     `recompute` is the activation-recomputation policy ("none", "blocks":
     `ir.recompute`), or "auto": recompute blocks only where keeping every
     activation does not fit. The other options are `resolve_request`'s.

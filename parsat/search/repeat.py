@@ -1,12 +1,16 @@
 """Repeated blocks: search three of a model's N identical blocks, then repeat the middle one's plan N - 2 times.
 
 Language models are stacks of identical blocks (`ir.models`: every weight
-and node of block i is named `b{i}_...`). Saturating all N of them costs N
-times one block's e-graph (a 32-block GPT on a two-axis mesh passes 200,000
-e-nodes before partitions reach the later blocks), yet the best plan for
-block 7 is the best plan for block 8. So the search saturates the model
-built with three blocks (first, middle, last: a middle block's inputs and
-outputs both meet blocks, as every block but the ends does) and:
+and node of block i is named `b{i}_...`; the importer names an imported
+stack so, found by structure). Saturating all N of them costs N times one
+block's e-graph (a 32-block GPT on a two-axis mesh passes 200,000 e-nodes
+before partitions reach the later blocks), yet the best plan for block 7 is
+the best plan for block 8. So, where the names give N > 3 blocks that are
+alike (`ir.block_layout.named_layout` checks operators, shapes and wiring),
+the search saturates the model cut to three blocks (first, middle, last:
+a middle block's inputs and outputs both meet blocks, as every block but
+the ends does; `ir.block_layout.searched_blocks`, for a built-in example
+the graph it builds with three blocks) and:
 
 1. prices every e-node of the middle block `N - 2` times (`weigh`): time,
    communication and memory, so extraction ranks and fits plans as the
@@ -34,13 +38,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
-from parsat.dsl.library import Library
 from parsat.dsl.parallel_ops import PARALLEL_OPS
+from parsat.ir.block_layout import named_layout, searched_blocks
 from parsat.ir.blocks import OUTSIDE, block_of, in_block, node_blocks
-from parsat.ir.budget import GraphBudget
 from parsat.ir.costs import NodeCost
 from parsat.ir.graph import Graph
-from parsat.ir.models import EXAMPLES, build_example
 from parsat.ir.pcg import PCG, Degrees, PNode
 from parsat.ir.placement import Placement
 from parsat.egraph.encoding import PIN_SUFFIX
@@ -56,7 +58,7 @@ class RepeatError(Exception):
 
 @dataclass(frozen=True)
 class Repetition:
-    """A model of `blocks` identical blocks searched as `searched` (built with `SEARCHED_BLOCKS`)."""
+    """A model of `blocks` identical blocks searched as `searched` (cut to `SEARCHED_BLOCKS`)."""
 
     whole: Graph
     searched: Graph
@@ -76,17 +78,14 @@ class Repetition:
                 "copies": self.copies}
 
 
-def repetition_for(named, whole: Graph, library: Library, sizes: Mapping[str, int],
-                   budget: GraphBudget | None = None) -> Repetition | None:
-    """How to search `whole`, built from the example `named` at `sizes`: as three of its blocks, when it is a
-    built-in example of more than three (None for any other graph: its blocks are not known to be alike)."""
-    if not isinstance(named, str) or named not in EXAMPLES:
+def repetition_for(whole: Graph) -> Repetition | None:
+    """How to search `whole`: as three of its blocks, when its names give more than three identical ones
+    (`ir.block_layout.named_layout`: a built-in example's, or an imported module's stack, which the importer
+    names so); None for any other graph (its blocks are not known to be alike)."""
+    layout = named_layout(whole)
+    if layout is None or layout.count <= SEARCHED_BLOCKS:
         return None
-    blocks = {**EXAMPLES[named].defaults(), **sizes}.get("blocks")
-    if not isinstance(blocks, int) or blocks <= SEARCHED_BLOCKS:
-        return None
-    searched = build_example(named, {**sizes, "blocks": SEARCHED_BLOCKS}, library, budget)
-    return Repetition(whole, searched, blocks)
+    return Repetition(whole, searched_blocks(whole, layout.count, SEARCHED_BLOCKS), layout.count)
 
 
 # ------------------------------------------------------------------ weighing the e-graph

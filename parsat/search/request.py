@@ -144,7 +144,8 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
     whole = resolve_graph(graph, library, sizes or None, graph_budget(limits, deadline))
     if recompute == BLOCKS and not has_blocks(leaf.name for leaf in whole.leaves):
         raise OptimizeError(f"--recompute blocks: '{whole.name}' has no blocks to recompute (ir.blocks: a block's "
-                            "weights are named b0_..., b1_..., as the built-in examples name them)")
+                            "weights are named b0_..., b1_..., as the built-in examples name them and the importer "
+                            "names a module's stack of identical layers)")
     check_devices(whole, count)
     check_pins(whole, output_spreads, input_spreads, count)
     say = progress or _silent
@@ -251,8 +252,7 @@ def step_context(request: SearchRequest, microbatches: int = 1, machine: Machine
     budget = request.graph_budget()
     graph = request.whole if sizes == dict(request.sizes) else \
         resolve_graph(request.graph, request.library, sizes, budget)
-    repetition = repetition_for(request.graph, graph, request.library, sizes, budget) if request.repeat_blocks \
-        else None
+    repetition = repetition_for(graph) if request.repeat_blocks else None
     if microbatches != 1:
         graph = graph.with_microbatches(microbatches)
         repetition = repetition and repetition.with_microbatches(microbatches)
