@@ -16,7 +16,7 @@ from parsat.ir.machine import Machine
 from parsat.ir.machine_profile import OpEfficiency
 from parsat.ir.pcg import Degrees
 from parsat.cost.model import compute_cost
-from parsat.cost.op_time import OpTime, kernel_time, local_gemm, memory_op_time
+from parsat.cost.op_time import OpTime, chunk_time, kernel_time, local_gemm, memory_op_time
 
 OPS = load_library([shipped_rules_dir() / "ops.rule"])[0].ops
 
@@ -55,6 +55,26 @@ def test_small_gemms_do_not_reach_peak():
     assert big < skinny < small
     plain = kernel_time(2 * 16 ** 3, 0, (16, 16, 16), Machine.preset("cpu"))
     assert plain == pytest.approx(2 * 16 ** 3 / 100e9)                  # no efficiency: the roofline
+
+
+def test_a_chunk_of_a_product_keeps_its_share_of_the_work_at_the_thinner_products_efficiency():
+    """`chunk_time`: what a pipelined collective's GEMM chunk costs (`cost.pcg_tasks.Pipeline`): 1/k of the FLOPs
+    and bytes, at the GEMM efficiency of the product with one of m, n, k cut k times."""
+    machine = Machine.preset("h100x8")
+    flops, nbytes, gemm = 2.0 * 4096 * 7168 * 3584, 1e8, (4096.0, 3584.0, 7168.0)
+    whole = kernel_time(flops, nbytes, gemm, machine)
+    timed = OpTime(whole, 2 * whole, whole, flops, nbytes, gemm)
+    for axis in range(3):
+        part = chunk_time(timed, 8, axis, machine)
+        assert part.flops * 8 == flops and part.nbytes * 8 == nbytes
+        assert part.gemm[axis] * 8 == gemm[axis]
+        assert part.kernel_s == pytest.approx(kernel_time(flops / 8, nbytes / 8, part.gemm, machine))
+        assert part.kernel_s > whole / 8                                   # a thinner product runs slower
+    rows = chunk_time(timed, 8, 0, machine)
+    eff = machine.efficiency
+    assert rows.kernel_s * 8 / whole == pytest.approx(eff.gemm_efficiency(*gemm) / eff.gemm_efficiency(*rows.gemm))
+    plain = chunk_time(OpTime(1.0, 2.0, 1.0, 0.0, 8.0), 4, 0, machine)   # no product: cut evenly
+    assert plain.kernel_s == 0.25 and plain.gemm is None
 
 
 def test_dispatch_cost_adds_on_cpu_and_hides_behind_kernels_on_gpu():

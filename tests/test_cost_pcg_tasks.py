@@ -16,11 +16,13 @@ from parsat.ir.mesh import Mesh
 from parsat.ir.models import mlp, stack
 from parsat.ir.pcg import PCG, Degrees, PNode
 from parsat.ir.placement import Placement, apply_parallel, compute_placement
-from parsat.cost.collectives import ALL_REDUCE, GroupTopology, price
+from parsat.cost.collectives import ALL_REDUCE, SEND_RECV, GroupTopology, price
 from parsat.cost.pcg_tasks import DDP, PARSAT_RUN, OpTimes, TaskBuildError, simulate_pcg
 
 LIB = load_library([shipped_rules_dir() / "ops.rule"])[0]
 CPU64 = Machine.preset("cpu").with_precision("fp64")     # `parsat run` trains in float64
+H100 = Machine.preset("h100x8")
+SERIAL_DDP = replace(DDP, tp_comm_overlap=False)         # a GPU framework without tensor-parallel overlap
 
 
 def mesh_pcg(mesh: Mesh, specs, outputs=None) -> PCG:
@@ -100,6 +102,34 @@ def hybrid_mlp() -> PCG:
         ("parallel", "combine", (12,), (128, 10), {"dim": 0, "axis": "tp"}, ""),
         ("parallel", "combine", (13,), (128, 10), {"dim": 0, "axis": "dp"}, ""),
     ))
+
+
+def sequence_parallel_mlp(rows: int = 4096, hidden: int = 4096) -> PCG:
+    """Megatron's sequence-parallel MLP on a tp axis of 8 (one node of h100x8): the rows split, all-gathered into a
+    column-parallel matmul (#9), relu, a row-parallel matmul (#12) reduce-scattered back onto the rows (#13). A
+    first matmul (#6) makes the gathered rows an activation with a gradient, so backward has both collectives."""
+    mesh = Mesh.of((8,), 8, names=("tp",))
+    return mesh_pcg(mesh, (
+        ("leaf", "x", (), (rows, hidden), {}, "input"),
+        ("leaf", "w0", (), (hidden, hidden), {}, "weight"),
+        ("leaf", "w1", (), (hidden, 4 * hidden), {}, "weight"),
+        ("leaf", "w2", (), (4 * hidden, hidden), {}, "weight"),
+        ("parallel", "partition", (0,), (rows, hidden), {"dim": 0, "axis": "tp"}, ""),
+        ("parallel", "replicate", (1,), (hidden, hidden), {"axis": "tp"}, ""),
+        ("op", "matmul", (4, 5), (rows, hidden), {}, ""),
+        ("parallel", "all_gather", (6,), (rows, hidden), {"dim": 0, "axis": "tp"}, ""),
+        ("parallel", "partition", (2,), (hidden, 4 * hidden), {"dim": 1, "axis": "tp"}, ""),
+        ("op", "matmul", (7, 8), (rows, 4 * hidden), {}, ""),
+        ("op", "relu", (9,), (rows, 4 * hidden), {}, ""),
+        ("parallel", "partition", (3,), (4 * hidden, hidden), {"dim": 0, "axis": "tp"}, ""),
+        ("op", "matmul", (10, 11), (rows, hidden), {}, ""),
+        ("parallel", "reduce_scatter", (12,), (rows, hidden), {"dim": 0, "axis": "tp"}, ""),
+    ))
+
+
+def _chunks(spans, prefix: str):
+    """The chunk tasks (`name [i/k]`) of the task named `prefix`, in order."""
+    return [s for s in spans if s.name.startswith(prefix + " [")]
 
 
 def test_parsat_run_memory_is_every_tensor_the_executor_keeps():
@@ -226,7 +256,7 @@ def test_each_collective_is_priced_on_its_mesh_axis_group():
     """The hybrid 2 x 2 mesh on nodes of 2: dp spans two nodes (one device each), tp stays inside a node."""
     pcg = hybrid_mlp()
     machine = Machine.preset("h100x8")
-    step = simulate_pcg(pcg, LIB, machine, DDP).result
+    step = simulate_pcg(pcg, LIB, machine, SERIAL_DDP).result   # whole collectives (pipelined: the tests below)
     bucket = next(s for s in step.spans if s.name.startswith("all-reduce bucket"))
     grads = (784 * 256 + 256 * 10) * machine.precision_spec.gradient_bytes      # the tp pieces of w1 and w2
     assert bucket.end - bucket.start == pytest.approx(price(ALL_REDUCE, GroupTopology(2, 1, 2), grads, machine).seconds)
@@ -260,3 +290,117 @@ def test_zero3_data_parallelism_moves_what_data_parallelism_does_and_syncs_by_re
     step = simulate_pcg(zero, LIB, CPU64, PARSAT_RUN).result
     syncs = [s for s in step.spans if s.phase == "grad_sync"]
     assert len(syncs) == len(weights) and all(s.name.endswith("reduce-scatter") for s in syncs)
+
+
+# ---------------------------------------------------------------- tensor-parallel communication overlap
+
+
+def test_an_all_gather_feeding_a_gemm_is_pipelined_with_it():
+    """DDP (a GPU framework, as Megatron-Core's --tp-comm-overlap and PyTorch's async TP run it): the all-gather
+    and the matmul it feeds run as 8 chunks each, chunk i of the matmul as soon as chunk i has arrived. The pair
+    takes less than the gather and the matmul one after the other, never less than the longer of them."""
+    pcg = sequence_parallel_mlp()
+    serial = simulate_pcg(pcg, LIB, H100, SERIAL_DDP)
+    piped = simulate_pcg(pcg, LIB, H100, DDP)
+    spans = piped.result.spans
+    gather = _chunks(spans, "all_gather(dim=0, axis=tp, degree=8) #7 all-gather")
+    gemm = _chunks(spans, "matmul #9")
+    assert len(gather) == len(gemm) == 8
+    assert all(m.start >= g.end for g, m in zip(gather, gemm))
+    assert any(m.end > g.start for g, m in zip(gather[1:], gemm))       # a chunk computes while the next arrives
+    pair = gemm[-1].end - gather[0].start
+    comm, compute = (sum(s.end - s.start for s in spans) for spans in (gather, gemm))
+    assert max(comm, compute) <= pair + 1e-15 < comm + compute
+    whole = [s for s in serial.result.spans if "#7 all-gather" in s.name or s.name in ("matmul #9",)
+             or "#7 concat" in s.name]
+    assert pair < max(s.end for s in whole) - min(s.start for s in whole)
+    assert piped.step_s < serial.step_s
+
+
+def test_a_gemm_feeding_a_reduce_scatter_and_the_backward_collectives_are_pipelined_too():
+    """Chunk i of the reduce-scatter goes once chunk i of the matmul it drains is computed; in backward the
+    all-gather of the gradient feeds the row-parallel matmul's backward chunk by chunk, and the column-parallel
+    matmul's backward feeds the reduce-scatter of the gathered value's gradient."""
+    spans = simulate_pcg(sequence_parallel_mlp(), LIB, H100, DDP).result.spans
+    pairs = [("matmul #12", "reduce_scatter(dim=0, axis=tp, degree=8) #13 reduce-scatter"),          # forward
+             ("reduce_scatter(dim=0, axis=tp, degree=8) #13 backward all-gather", "matmul #12 backward"),
+             ("matmul #9 backward", "all_gather(dim=0, axis=tp, degree=8) #7 backward reduce-scatter")]
+    for first, second in pairs:
+        before, after = _chunks(spans, first), _chunks(spans, second)
+        assert len(before) == len(after) == 8, (first, second)
+        assert all(b.start >= a.end for a, b in zip(before, after)), (first, second)
+    assert not [s for s in spans if s.name.endswith(("concat", "slices"))]   # in place: nothing concatenated
+
+
+def test_pipelined_chunks_move_the_same_bytes_one_ring_step_each_and_allocate_once():
+    """Each chunk that moves data is one step of a ring exchange: a send/recv of 1/8 of the tensor on the group's
+    link (`collectives.price`), 7 of them: the all-gather's first chunk is the rank's own piece, the
+    reduce-scatter's last the rank's own block. A value is allocated once and freed once, as unpipelined; no
+    concatenation buffer is held beside it."""
+    pcg = sequence_parallel_mlp()
+    piped = simulate_pcg(pcg, LIB, H100, DDP)
+    serial = simulate_pcg(pcg, LIB, H100, SERIAL_DDP)
+    spans = piped.result.spans
+    group, nbytes = GroupTopology(8, 8, 1), 4096 * 4096 * H100.dtype_bytes
+    step = price(SEND_RECV, group, nbytes / 8, H100).seconds
+    gather = _chunks(spans, "all_gather(dim=0, axis=tp, degree=8) #7 all-gather")
+    scatter = _chunks(spans, "reduce_scatter(dim=0, axis=tp, degree=8) #13 reduce-scatter")
+    assert [s.end - s.start for s in gather] == pytest.approx([0.0] + [step] * 7)
+    assert [s.end - s.start for s in scatter] == pytest.approx([step] * 7 + [0.0])
+    assert [s.alloc for s in gather] == [nbytes] + [0] * 7
+    assert [s.alloc for s in scatter] == [nbytes // 8] + [0] * 7
+    net = [sum(s.alloc - s.free for s in p.result.spans) for p in (piped, serial)]
+    assert net[0] == net[1]
+    assert piped.peak_memory_bytes < serial.peak_memory_bytes
+
+
+def test_parsat_run_and_collectives_across_nodes_are_not_pipelined():
+    """`parsat run` (CPU, one host thread, blocking gloo collectives) pipelines nothing: the step is every task one
+    after the other, and asking for the overlap without a communication stream changes nothing. Under DDP a
+    collective across nodes (the network, which userbuffers and symmetric memory do not reach) stays whole."""
+    pcg = sequence_parallel_mlp(rows=256, hidden=64)
+    run = simulate_pcg(pcg, LIB, CPU64, PARSAT_RUN)
+    assert not PARSAT_RUN.tp_comm_overlap and DDP.tp_comm_overlap
+    assert not [s for s in run.result.spans if s.name.endswith("/8]")]
+    assert run.step_s == pytest.approx(sum(s.end - s.start for s in run.result.spans))
+    forced = simulate_pcg(pcg, LIB, CPU64, replace(PARSAT_RUN, tp_comm_overlap=True))
+    assert forced.step_s == run.step_s and forced.peak_memory_bytes == run.peak_memory_bytes
+    across = simulate_pcg(pcg, LIB, H100, DDP, topology=lambda node: GroupTopology(8, 1, 8))
+    assert not [s for s in across.result.spans if s.name.endswith("/8]")]
+
+
+def test_an_all_gather_feeds_all_its_gemms_as_one():
+    """Two products read one gathered value (parsat's gpt computes q, k and v as three linears of one input):
+    the gather feeds them chunk by chunk as one product, as Megatron-Core's fused QKV GEMM and the several B of
+    PyTorch's fused_all_gather_matmul take it, the second's weight issued before it in the first micro-batch
+    too. Backward: the first product's runs in chunks, pipelined with the reduce-scatter of the gathered value's
+    gradient; the second's runs whole, before it."""
+    mesh = Mesh.of((8,), 8, names=("tp",))
+    pcg = mesh_pcg(mesh, (
+        ("leaf", "x", (), (4096, 1024), {}, "input"),
+        ("leaf", "w0", (), (1024, 1024), {}, "weight"),
+        ("leaf", "wa", (), (1024, 1024), {}, "weight"),
+        ("leaf", "wb", (), (1024, 1024), {}, "weight"),
+        ("parallel", "partition", (0,), (4096, 1024), {"dim": 0, "axis": "tp"}, ""),
+        ("parallel", "replicate", (1,), (1024, 1024), {"axis": "tp"}, ""),
+        ("op", "matmul", (4, 5), (4096, 1024), {}, ""),
+        ("parallel", "all_gather", (6,), (4096, 1024), {"dim": 0, "axis": "tp"}, ""),
+        ("parallel", "partition", (2,), (1024, 1024), {"dim": 1, "axis": "tp"}, ""),
+        ("op", "matmul", (7, 8), (4096, 1024), {}, ""),
+        ("parallel", "partition", (3,), (1024, 1024), {"dim": 1, "axis": "tp"}, ""),
+        ("op", "matmul", (7, 10), (4096, 1024), {}, ""),
+        ("op", "add", (9, 11), (4096, 1024), {}, ""),
+    ))
+    for microbatches in (1, 2):
+        spans = simulate_pcg(pcg, LIB, H100, DDP, microbatches=microbatches).result.spans
+        gather = _chunks(spans, "all_gather(dim=0, axis=tp, degree=8) #7 all-gather")
+        fused = _chunks(spans, "matmul #9 + #11")
+        assert len(gather) == len(fused) == 8 * microbatches
+        assert all(m.start >= g.end for g, m in zip(gather, fused))
+        assert not [s for s in spans if s.name.startswith(("matmul #9 [", "matmul #11 [", "matmul #11 "))
+                    and s.phase == "forward"]
+        second = [s for s in spans if s.name == "matmul #11 backward"]
+        first = _chunks(spans, "matmul #9 backward")
+        scatter = _chunks(spans, "all_gather(dim=0, axis=tp, degree=8) #7 backward reduce-scatter")
+        assert len(second) == microbatches and len(first) == len(scatter) == 8 * microbatches
+        assert second[0].end <= first[0].start and all(b.start >= a.end for a, b in zip(first, scatter))

@@ -14,7 +14,9 @@ where (m, n, k) is the local shape of the operator's matrix product
 one runs at peak FLOP/s (it is memory-bound anyway). Backward does two
 products per product: 2 x the forward kernel. Each call adds the fixed
 dispatch cost (`OpEfficiency.op_time`: in sequence on CPU, hidden behind
-longer kernels on a GPU).
+longer kernels on a GPU). A product run in chunks (`chunk_time`: fed or
+drained by a pipelined collective) is priced at the thinner product's
+efficiency.
 
 Fused kernels (`FUSED`) are the exception, in one table: an operator that
 runs as one kernel whose work the generic count of its semantics does not
@@ -31,7 +33,7 @@ logsumexp per query row (`OpTime.saved_bytes`), never an [s, s] matrix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 from typing import Callable, Mapping
 
@@ -145,11 +147,28 @@ def op_time(instance: OpInstance, var_degrees: Mapping[str, object], local_eleme
                   nbytes, gemm)
 
 
+def chunk_time(timed: OpTime, parts: int, axis: int, machine: Machine) -> OpTime:
+    """One of `parts` equal slices of a product cut along its m, n or k (`axis` 0, 1, 2): 1 / parts of its
+    FLOPs, bytes and saved bytes, at the GEMM efficiency of the thinner product (a slice of 512 rows runs
+    below one of 4096). A collective pipelined with the product feeds or drains it a slice at a time
+    (`cost.pcg_tasks.Pipeline`); an operator without a product is cut evenly."""
+    eff = machine.efficiency
+    if timed.gemm is None:
+        kernel, gemm = timed.kernel_s / parts, None
+    else:
+        gemm = tuple(d / parts if i == axis else d for i, d in enumerate(timed.gemm))
+        kernel = kernel_time(timed.flops / parts, timed.nbytes / parts, gemm, machine)
+    backward = timed.backward_factor or BACKWARD_FACTOR
+    return replace(timed, forward_s=eff.op_time(kernel), backward_s=eff.op_time(backward * kernel, backward=True),
+                   kernel_s=kernel, flops=timed.flops / parts, nbytes=timed.nbytes / parts, gemm=gemm,
+                   saved_bytes=timed.saved_bytes / parts)
+
+
 def memory_op_time(nbytes: float, machine: Machine, backward: bool = False) -> float:
     """A memory-bound copy (a slice made contiguous, a concatenation, an optimizer update) of `nbytes`."""
     eff = machine.efficiency
     return eff.op_time(nbytes / eff.bandwidth(nbytes, machine.memory_bandwidth), backward)
 
 
-__all__ = ["BACKWARD_FACTOR", "FUSED", "FusedKernel", "OpTime", "causal_attention_flops", "kernel_time", "local_gemm",
-           "memory_op_time", "op_time", "roofline"]
+__all__ = ["BACKWARD_FACTOR", "FUSED", "FusedKernel", "OpTime", "causal_attention_flops", "chunk_time", "kernel_time",
+           "local_gemm", "memory_op_time", "op_time", "roofline"]

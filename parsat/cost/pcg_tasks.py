@@ -18,7 +18,10 @@ How the program that runs the plan issues work is an `ExecutionProfile`:
   environment), inputs and targets are drawn from a seed every step, SGD.
 * `DDP`: a GPU framework: communication on its own stream, gradients in
   DDP buckets overlapping backward (one bucket sequence per mesh axis the
-  weights are replicated on), activations freed by backward, fused Adam.
+  weights are replicated on), activations freed by backward, fused Adam,
+  and an in-node all-gather or reduce-scatter next to a GEMM pipelined
+  with it in chunks, as Megatron-Core's `--tp-comm-overlap` and PyTorch's
+  async tensor parallelism run them (`Pipeline`; docs/COSTMODEL.md).
 
 ZeRO-3 (a weight stored as a shard, read through `all_gather`) runs as the
 backend runs it (parsat/backend/executor.py): the weight is gathered once per step
@@ -48,8 +51,8 @@ weight piece: SGD two operators, Adam eleven, each memory-bound).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Callable, Mapping, Sequence
 
 from parsat.dsl.library import Library
 from parsat.dsl import parallel_ops
@@ -59,9 +62,9 @@ from parsat.ir.machine import Machine
 from parsat.ir.microbatch import is_loss
 from parsat.ir.pcg import PCG, PNode, readers, state_shardings, weight_chains, weight_storage
 from parsat.ir.recompute import Checkpoint, checkpoints
-from parsat.cost.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, GroupTopology, price
+from parsat.cost.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, SEND_RECV, GroupTopology, price
 from parsat.cost.model import compute_time
-from parsat.cost.op_time import OpTime, memory_op_time
+from parsat.cost.op_time import OpTime, chunk_time, memory_op_time
 from parsat.cost.schedules import Gradient, GradientBuckets
 from parsat.cost.simulator import COMM, COMPUTE, StepBuilder, StepResult
 
@@ -69,7 +72,10 @@ DEVICE = 0
 # Operators torch runs as views of their input (no new storage): parsat/importer/torch_ops.py. `flatten` is a view
 # only of a contiguous tensor (after a transpose it copies).
 VIEW_OPS = frozenset({"transpose", "unflatten", "split", "dropout", "broadcast"})
-RESHAPING_PRODUCTS = frozenset({"matmul", "bmm", "linear", "linear_nobias"})   # torch.matmul: >2-D inputs reshaped
+PRODUCTS = frozenset({"matmul", "bmm", "linear", "linear_nobias"})
+"""GEMM-kind operators: one product `a [*, m, k] x b [*, k, n]` (linear's b is its weight [k, n]); torch runs them
+through torch.matmul, which reshapes >2-D inputs (`_saved_extra`), and they are what a pipelined collective
+feeds or drains (`Pipeline`)."""
 OPTIMIZER_PASSES = {"sgd": (2, 5), "adam": (11, 26)}
 """Optimizer: (operators per parameter tensor, element reads + writes per parameter) as the backend runs it."""
 LOSS_OPS = 6           # per output: sub, pow, sum, div, div, detach-div (parsat/backend/executor.py `objective`)
@@ -93,14 +99,68 @@ class ExecutionProfile:
     eager_gradients: bool    # a weight's gradient is handed on as soon as it is complete (DDP's hooks)
     fused_optimizer: bool    # one multi-tensor update (foreach/fused Adam) instead of operators per tensor
     optimizer: str = "sgd"
+    tp_comm_overlap: bool = False   # an in-node all-gather / reduce-scatter pipelined with its GEMM (`Pipeline`)
 
 
 PARSAT_RUN = ExecutionProfile("parsat run", overlap=False, ddp_buckets=False, keep_activations=True,
-                              seeded_inputs=True, eager_gradients=False, fused_optimizer=False, optimizer="sgd")
+                              seeded_inputs=True, eager_gradients=False, fused_optimizer=False, optimizer="sgd",
+                              tp_comm_overlap=False)
 DDP = ExecutionProfile("ddp", overlap=True, ddp_buckets=True, keep_activations=False, seeded_inputs=False,
-                       eager_gradients=True, fused_optimizer=True, optimizer="adam")
+                       eager_gradients=True, fused_optimizer=True, optimizer="adam", tp_comm_overlap=True)
 
 Topology = Callable[[PNode], GroupTopology]
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A collective pipelined with the GEMM it feeds or drains, as Megatron-Core's `--tp-comm-overlap`
+    (Transformer Engine's userbuffers) and PyTorch's async tensor parallelism run them: both cut into `parts`
+    chunks, chunk i of the side that runs second waiting for chunk i of the side that runs first, so the
+    collective's chunks run while the GEMM computes the others (`_Builder._pipelines` finds them).
+
+    The chunks of an all-gather land in the buffer the GEMM reads and a reduce-scatter's chunks are sent from
+    the buffer the GEMM writes, so the concatenation (or slicing) copy of the unpipelined collective is not
+    issued."""
+
+    collective: int     # the parallel node
+    product: int        # the GEMM-kind compute node (`PRODUCTS`)
+    parts: int          # chunks: the group's size (one step of the ring exchange each)
+    axis: int           # the product's dim the chunks cut: 0 m (rows, batch dims included), 1 n, 2 k
+    gathers: bool       # forward: the collective's all-gather feeds the product (backward: the product's gradient
+    #                     feeds the reduce-scatter); else the product feeds the collective's reduce-scatter
+    #                     (backward: the all-gather of the gradient feeds the product's backward)
+    forward: bool       # the forward collective is pipelined (a partition has none: only its backward all-gather)
+    backward: bool      # the backward collective is pipelined (a combine's backward is a slice: none)
+    siblings: tuple[int, ...] = ()   # other products reading the gathered value as `product` does: in forward
+    #                     the gather feeds them with it, chunk by chunk, as one product (Megatron-Core's fused QKV
+    #                     GEMM; the several B of PyTorch's fused_all_gather_matmul); their backward runs whole
+
+    def ring(self, kind: str, step_s: float) -> list[float]:
+        """The collective's chunks as a ring exchange runs them (Transformer Engine's `ring_exchange`, PyTorch's
+        async tensor parallelism): `parts - 1` steps, each a send/recv of one chunk to the next rank (`step_s`),
+        and one chunk that moves nothing: an all-gather's first (the rank's own piece, computed on at once), a
+        reduce-scatter's last (the rank's own block, added to what arrived). The bytes sent are the ring
+        collective's, (p - 1) / p of the tensor; the latency is p - 1 launches and link latencies."""
+        moves = [step_s] * (self.parts - 1)
+        return [0.0] + moves if kind == ALL_GATHER else moves + [0.0]
+
+    def product_first(self, backward: bool) -> bool:
+        """Whether the product's chunks run first in this direction (their results feed the collective's)."""
+        return self.gathers == backward
+
+
+def product_axis(operand: int | None, rank: int, dim: int) -> int | None:
+    """Which of a product's (m, n, k) the dim `dim` of a tensor of `rank` dims belongs to: its operand 0 or 1,
+    or its output (`operand` None), in `PRODUCTS`' layout (leading dims are batch, counted in m); None for
+    any other operand (a bias)."""
+    last = rank - 1
+    if operand is None:
+        return 1 if dim == last else 0
+    if operand == 0:
+        return 2 if dim == last else 0
+    if operand == 1:
+        return 1 if dim == last else 2 if dim == last - 1 else 0
+    return None
 
 
 @dataclass(frozen=True)
@@ -194,6 +254,9 @@ class _Builder:
         self.folded: set[int] = set()
         self.stored = self._stored_weights()
         self.params = weight_chains(pcg)
+        self.pipes = self._pipelines()                # collective and product -> their `Pipeline`
+        self.piped: dict[tuple[bool, int], list[int]] = {}   # (backward, collective) -> the first side's chunks
+        self.early: set[int] = set()                  # products computed with a pipeline's product (its siblings)
         # ZeRO stage 1/2 (`PCG.zero`): stored-at node -> the replicate over whose devices its state is sharded
         self.sharded = {at: self.by_id[r] for at, r in state_shardings(pcg).items()} if pcg.zero else {}
         self.bucket_of: dict[int, tuple[int, GradientBuckets]] = {}   # stored-at node -> (its axis, buckets)
@@ -224,6 +287,8 @@ class _Builder:
         self.allocated = {k: v for k, v in self.allocated.items() if k in keep}
         self.contiguous = {k: v for k, v in self.contiguous.items() if k in keep}
         self.grad_ready = {}
+        self.piped = {}
+        self.early = set()
         self.bucket_of = {}
         self.recomputed = set()
         self.first, self.syncing, self.accumulating = first, syncing, accumulating
@@ -268,15 +333,95 @@ class _Builder:
         return self.steps.add(name, stream, seconds, deps, alloc=alloc, free=free, phase=phase)
 
     def _sync(self, name: str, kind: str, node: PNode, nbytes: float, deps, alloc: int = 0, free: int = 0,
-              phase: str = "forward_comm") -> int:
-        """A collective: it first waits for the slowest rank (`comm.sync_skew` x the compute since the last one)."""
+              phase: str = "forward_comm", pipe: Pipeline | None = None, backward: bool = False) -> int:
+        """A collective: it first waits for the slowest rank (`comm.sync_skew` x the compute since the last one).
+        With `pipe`, in chunks pipelined with its product (`Pipeline.ring`)."""
         wait = self.machine.comm.sync_skew * self.since_sync
         self.since_sync = 0.0
         stream = self._comm(self.topology(node))
         if wait > 0:
             deps = [self.steps.add(f"{name}: waiting for the slowest rank", stream, wait, deps, phase="stragglers")]
-        return self._add(name, stream, self._collective(kind, node, nbytes), deps, alloc=alloc, free=free,
-                         phase=phase)
+        whole = self._collective(kind, node, nbytes)
+        if pipe is None:
+            return self._add(name, stream, whole, deps, alloc=alloc, free=free, phase=phase)
+        step = self._collective(SEND_RECV, node, nbytes / pipe.parts)
+        return self._piped(pipe, backward, False, name, stream, pipe.ring(kind, step), whole, list(deps), alloc, free,
+                           phase)
+
+    # ---------------------------------------------------------------- tensor-parallel communication overlap
+    def _pipelines(self) -> dict[int, Pipeline]:
+        """Collective node and product node -> their `Pipeline`, where the profile overlaps tensor-parallel
+        communication (`tp_comm_overlap`). A product is pipelined with one collective: the one feeding it where
+        one feeds it and another drains it (the first found, in the PCG's order)."""
+        if not (self.profile.tp_comm_overlap and self.profile.overlap):
+            return {}
+        out: dict[int, Pipeline] = {}
+        taken: set[int] = set()
+        for node in self.pcg.nodes:
+            pipe = self._pipeline_of(node)
+            if pipe is not None and pipe.product not in taken:
+                pipe = replace(pipe, siblings=tuple(i for i in pipe.siblings if i not in taken))
+                out[node.id] = out[pipe.product] = pipe
+                taken.update((pipe.product, *pipe.siblings))
+        return out
+
+    def _pipeline_of(self, node: PNode) -> Pipeline | None:
+        """The pipeline of a collective on a group inside one node (NVLink: what Transformer Engine's userbuffers
+        and symmetric memory reach) with its product, if it has one: an all-gather (combine, all_gather) of an
+        activation whose first reader is a product (backward: that product's gradient reduce-scattered), or a
+        reduce_scatter (forward and backward) or a partition (backward: its all-gather) of a product's output.
+        A weight's chain (a ZeRO-3 gather: FSDP's prefetch already overlaps it) and all-reduces (`reduce`,
+        which these frameworks do not pipeline) are not."""
+        if node.kind != "parallel" or node.id in self.params or node.id in self.folded:
+            return None
+        group = self.topology(node)
+        if group.size < 2 or group.link != "intra":
+            return None
+        siblings: tuple[int, ...] = ()
+        if node.op in (COMBINE, parallel_ops.ALL_GATHER):
+            users = self.users.get(node.id, [])
+            product, operand = (users[0], users[0].inputs.index(node.id)) if users else (None, None)
+            gathers, forward, backward = True, True, node.op == parallel_ops.ALL_GATHER
+            siblings = tuple(u.id for u in users[1:] if u.kind == "op" and u.op in PRODUCTS
+                             and u.inputs.index(node.id) == operand and u.id != users[0].id)
+        elif node.op in (PARTITION, parallel_ops.REDUCE_SCATTER):
+            product, operand = self.by_id[node.inputs[0]], None
+            gathers, forward, backward = False, node.op == parallel_ops.REDUCE_SCATTER, True
+        else:
+            return None
+        if product is None or product.kind != "op" or product.op not in PRODUCTS:
+            return None
+        axis = product_axis(operand, len(node.shape), int(node.attr("dim")))
+        if axis is None:
+            return None
+        return Pipeline(node.id, product.id, group.size, axis, gathers, forward, backward, siblings)
+
+    def _pipe(self, node: PNode, backward: bool) -> Pipeline | None:
+        """The pipeline `node` (a collective or a product) runs in, in this direction, if any."""
+        pipe = self.pipes.get(node.id)
+        return pipe if pipe is not None and (pipe.backward if backward else pipe.forward) else None
+
+    def _piped(self, pipe: Pipeline, backward: bool, product: bool, name: str, stream: int, chunks: Sequence[float],
+               whole: float, deps: list[int], alloc: int, free: int, phase: str) -> int:
+        """One side of `pipe` (the product's if `product`, else the collective's) as `pipe.parts` tasks of
+        `chunks` seconds, the first allocating what the whole allocates and the last freeing what it frees;
+        returns the last. The side that runs second waits, chunk by chunk, for the first side's chunks; where it
+        does not wait for them (a product recomputed without its collective), it runs whole (`whole` seconds)."""
+        first = pipe.product_first(backward) == product
+        key = (backward, pipe.collective)
+        feed: list[int] = []
+        if not first:
+            earlier = self.piped.pop(key, None)
+            if earlier is None or earlier[-1] not in deps:
+                return self._add(name, stream, whole, deps, alloc=alloc, free=free, phase=phase)
+            deps, feed = [d for d in deps if d != earlier[-1]], earlier
+        last = pipe.parts - 1
+        tasks = [self._add(f"{name} [{i + 1}/{pipe.parts}]", stream, chunks[i], deps + feed[i:i + 1],
+                           alloc=0 if i else alloc, free=free if i == last else 0, phase=phase)
+                 for i in range(pipe.parts)]
+        if first:
+            self.piped[key] = tasks
+        return tasks[-1]
 
     def _comm(self, group: GroupTopology) -> int:
         """The stream a collective of `group` runs on: inline on the compute stream where the profile does not
@@ -297,16 +442,19 @@ class _Builder:
     # ---------------------------------------------------------------- forward
     def forward(self) -> None:
         for node in self.pcg.nodes:
-            if not self.first and node.id in self.params:
-                continue  # a weight's chain: made by the first micro-batch
-            if node.kind == "leaf":
-                self._leaf(node)
-            elif node.kind == "parallel":
-                self._parallel_forward(node)
-            else:
-                self._compute_forward(node)
+            if node.id in self.params and (not self.first or node.id in self.ready):
+                continue  # a weight's chain: made by the first micro-batch (or issued early, `_issue_chains`)
+            self._forward_node(node)
             if node.id in self.last_run:
                 self._drop(self.last_run[node.id])
+
+    def _forward_node(self, node: PNode) -> None:
+        if node.kind == "leaf":
+            self._leaf(node)
+        elif node.kind == "parallel":
+            self._parallel_forward(node)
+        else:
+            self._compute_forward(node)
 
     def _drop(self, checkpoint: Checkpoint) -> None:
         """A recomputed block's forward is done: the values only it reads are freed (`ir.recompute`)."""
@@ -360,15 +508,16 @@ class _Builder:
             self.allocated[node.id] = nbytes
             self.ready[node.id] = self._add(label, self.compute, self._copy_s(piece), deps, alloc=nbytes)
         elif node.op in (COMBINE, parallel_ops.ALL_GATHER):   # a weight's gathered copy lives to its backward
-            nbytes = piece * self.item
-            gather = self._sync(f"{label} all-gather", ALL_GATHER, node, nbytes, deps, alloc=nbytes)
-            self.allocated[node.id] = nbytes  # the concatenation; the gathered pieces are freed with it
-            self.ready[node.id] = self._add(f"{label} concat", self.compute, self._copy_s(piece), [gather],
-                                            alloc=nbytes, free=nbytes)
+            self._gather_forward(node, label, deps)
         elif node.op == parallel_ops.REDUCE_SCATTER:
             whole = _elements(source) * self.item   # the partial sum's piece, cut into one block per group member
-            cut = self._add(f"{label} slices", self.compute, self._copy_s(_elements(source)), deps, alloc=whole)
             self.allocated[node.id] = piece * self.item
+            pipe = self._pipe(node, backward=False)
+            if pipe is not None:   # each chunk sent from the product's output as the product writes it
+                self.ready[node.id] = self._sync(f"{label} reduce-scatter", REDUCE_SCATTER, node, whole, deps,
+                                                 alloc=piece * self.item, pipe=pipe)
+                return
+            cut = self._add(f"{label} slices", self.compute, self._copy_s(_elements(source)), deps, alloc=whole)
             self.ready[node.id] = self._sync(f"{label} reduce-scatter", REDUCE_SCATTER, node, whole, [cut],
                                              alloc=piece * self.item, free=whole)
         elif node.op == REPLICATE:
@@ -382,6 +531,20 @@ class _Builder:
         else:
             raise TaskBuildError(f"unknown parallel operator '{node.op}'")
 
+    def _gather_forward(self, node: PNode, label: str, deps: list[int]) -> None:
+        """An all-gather and the concatenation of its pieces; pipelined with its product, the chunks land in the
+        buffer the product reads, and nothing is concatenated (`Pipeline`)."""
+        nbytes = _elements(node) * self.item
+        self.allocated[node.id] = nbytes  # the concatenation; the gathered pieces are freed with it
+        pipe = self._pipe(node, backward=False)
+        if pipe is not None:
+            self.ready[node.id] = self._sync(f"{label} all-gather", ALL_GATHER, node, nbytes, deps, alloc=nbytes,
+                                             pipe=pipe)
+            return
+        gather = self._sync(f"{label} all-gather", ALL_GATHER, node, nbytes, deps, alloc=nbytes)
+        self.ready[node.id] = self._add(f"{label} concat", self.compute, self._copy_s(_elements(node)), [gather],
+                                        alloc=nbytes, free=nbytes)
+
     def _slice_is_view(self, node: PNode, source: PNode) -> bool:
         """Whether a partition's slice is a view: every dim before the split one has one element locally."""
         dim = int(node.attr("dim"))
@@ -389,18 +552,64 @@ class _Builder:
         return self.contiguous.get(source.id, True) and all(d == 1 for d in local[:dim])
 
     def _compute_forward(self, node: PNode) -> None:
+        if node.id in self.early:   # computed with the product before it (a sibling of its pipeline)
+            self.early.discard(node.id)
+            return
+        pipe = self._pipe(node, backward=False)
+        fused = [node] + (self._ready_siblings(pipe) if pipe is not None else [])
+        run = [self._prepare(n) for n in fused]
+        timed, kernel, copy, nbytes = run[0]
+        if pipe is None or kernel == 0.0:   # not pipelined, or a view
+            self.ready[node.id] = self._add(f"{node.label} #{node.id}", self.compute, self.eff.op_time(kernel + copy),
+                                            self._deps(node), alloc=nbytes)
+            return
+        part = self.eff.op_time(sum(chunk_time(t, pipe.parts, pipe.axis, self.machine).kernel_s + c / pipe.parts
+                                    for t, _k, c, _b in run))
+        whole = self.eff.op_time(sum(k + c for _t, k, c, _b in run))
+        deps = sorted({d for n in fused for d in self._deps(n)})
+        name = f"{node.label} #{node.id}" + "".join(f" + #{n.id}" for n in fused[1:])
+        last = self._piped(pipe, False, True, name, self.compute, [part] * pipe.parts, whole, deps,
+                           sum(b for _t, _k, _c, b in run), 0, "forward")
+        for n in fused:
+            self.ready[n.id] = last
+        self.early.update(n.id for n in fused[1:])
+
+    def _prepare(self, node: PNode) -> tuple[OpTime, float, float, int]:
+        """A compute node's forward facts: (its time, its kernel's seconds, the seconds of the copy it saves for
+        backward, the bytes it allocates); records whether its output is contiguous and what it holds."""
         timed = self.timed.get(node.id)   # kept across micro-batches and recomputation: the same node, the same time
         if timed is None:
             timed = self.timed[node.id] = self.times(node, [self.by_id[i] for i in node.inputs])
         view = node.op in VIEW_OPS or node.op == "flatten" and self.contiguous.get(node.inputs[0], True)
         self.contiguous[node.id] = node.op != "transpose" and (not view or self.contiguous.get(node.inputs[0], True))
         nbytes = 0 if view else _elements(node) * self.item
-        kernel = 0.0 if view else timed.kernel_s
         saved = self._saved_extra(node, timed)
         self.allocated[node.id] = nbytes + saved
         copy = saved / self.eff.bandwidth(2 * saved, self.machine.memory_bandwidth) if saved else 0.0
-        self.ready[node.id] = self._add(f"{node.label} #{node.id}", self.compute, self.eff.op_time(kernel + copy),
-                                        self._deps(node), alloc=nbytes + saved)
+        return timed, 0.0 if view else timed.kernel_s, copy, nbytes + saved
+
+    def _ready_siblings(self, pipe: Pipeline) -> list[PNode]:
+        """The pipeline's sibling products whose inputs are issued (their weights' chains issued now where they
+        are not yet, `_issue_chains`), so that the gather's chunks feed them with its product, chunk by chunk,
+        as one fused product (`Pipeline.siblings`)."""
+        return [self.by_id[i] for i in pipe.siblings if self._issue_chains(self.by_id[i])]
+
+    def _issue_chains(self, node: PNode) -> bool:
+        """Whether every input of `node` is issued, after issuing now those that are values of a weight's chain
+        (a framework holds its weights before the layer runs: in the PCG's order they may come after `node`'s
+        first sibling); False, issuing nothing, where another input is not issued yet."""
+        missing: set[int] = set()
+        waiting = [i for i in node.inputs if i not in self.ready]
+        while waiting:
+            i = waiting.pop()
+            if i not in missing:
+                missing.add(i)
+                waiting.extend(j for j in self.by_id[i].inputs if j not in self.ready)
+        if not missing <= self.params or not self.first:
+            return not missing
+        for i in sorted(missing):
+            self._forward_node(self.by_id[i])
+        return True
 
     def _saved_extra(self, node: PNode, timed: OpTime) -> int:
         """Bytes torch allocates and saves for backward beyond the output: a batched product copies an input
@@ -408,7 +617,7 @@ class _Builder:
         one: a transposed [b, h, s, d] needs a copy unless b or h is 1), layer norm keeps a mean and a 1/std
         per row, a fused kernel what `op_time` says it keeps (FlashAttention: a logsumexp per query row)."""
         extra = int(timed.saved_bytes)
-        if node.op in RESHAPING_PRODUCTS:
+        if node.op in PRODUCTS:
             for i in node.inputs:
                 source = self.by_id[i]
                 local = [d // s for d, s in zip(source.shape, source.degrees.shard)]
@@ -570,32 +779,29 @@ class _Builder:
         if node.id in self.dropped:
             self.allocated[node.id] = 0
         if node.kind == "op":
-            timed = self.timed[node.id]
-            view = held == 0
-            grads = [i for i in node.inputs if self.needs_grad[i]]
-            kernel = 0.0 if view else timed.backward_kernel_s(len(grads))
-            task = self._add(label, self.compute, self.eff.op_time(kernel, backward=True), deps, free=free,
-                                  phase="backward")
-            for i in grads:
-                self._give(i, task)
-            return task
+            return self._compute_backward(node, label, deps, view=held == 0, free=free)
         source = node.inputs[0]
         weight = source in self.params      # a weight's value: its gradient's reduction is the gradient sync
         if node.op in (PARTITION, parallel_ops.REDUCE_SCATTER):
             if node.id in self.folded:
                 return max(deps)
             nbytes = _elements(self.by_id[source]) * self.item
-            gather = self._sync(f"{label} all-gather", ALL_GATHER, node, nbytes, deps, phase="backward_comm")
-            task = self._add(f"{label} concat", self.compute, self._copy_s(_elements(self.by_id[source]), True),
-                                  [gather], free=free, phase="backward")
+            pipe = self._pipe(node, backward=True)   # chunks land in the buffer the product's backward reads
+            gather = self._sync(f"{label} all-gather", ALL_GATHER, node, nbytes, deps, free=free if pipe else 0,
+                                phase="backward_comm", pipe=pipe, backward=True)
+            task = gather if pipe else self._add(f"{label} concat", self.compute,
+                                                 self._copy_s(_elements(self.by_id[source]), True), [gather],
+                                                 free=free, phase="backward")
         elif node.op == COMBINE:
             task = self._add(label, self.compute, self._copy_s(_elements(self.by_id[source]), True), deps,
                                   free=free, phase="backward")
         elif node.op == parallel_ops.ALL_GATHER:   # the gathered gradient cut into blocks and reduce-scattered
-            cut = self._add(f"{label} slices", self.compute, self._copy_s(piece, True), deps, phase="backward")
-            task = self._sync(f"{label} reduce-scatter", REDUCE_SCATTER, node, piece * self.item, [cut],
+            pipe = self._pipe(node, backward=True)   # chunks sent from the buffer the product's backward writes
+            cut = deps if pipe else [self._add(f"{label} slices", self.compute, self._copy_s(piece, True), deps,
+                                               phase="backward")]
+            task = self._sync(f"{label} reduce-scatter", REDUCE_SCATTER, node, piece * self.item, cut,
                               free=free + self._accumulated_bytes(node),
-                              phase="grad_sync" if weight else "backward_comm")
+                              phase="grad_sync" if weight else "backward_comm", pipe=pipe, backward=True)
             if weight:
                 syncs.append(task)
         elif node.op == REPLICATE:
@@ -618,6 +824,24 @@ class _Builder:
         else:  # reduce: the gradient passes through as a view
             task = self._add(label, self.compute, self.eff.op_time(0.0, True), deps, free=free, phase="backward")
         self._give(source, task)
+        return task
+
+    def _compute_backward(self, node: PNode, label: str, deps: list[int], view: bool, free: int) -> int:
+        """A compute node's backward: one kernel per input needing a gradient (`OpTime.backward_kernel_s`), each
+        input handed the task; a product pipelined with a collective runs it in chunks (`Pipeline`)."""
+        timed = self.timed[node.id]
+        grads = [i for i in node.inputs if self.needs_grad[i]]
+        kernel = 0.0 if view else timed.backward_kernel_s(len(grads))
+        whole = self.eff.op_time(kernel, backward=True)
+        pipe = None if view else self._pipe(node, backward=True)
+        if pipe is None:
+            task = self._add(label, self.compute, whole, deps, free=free, phase="backward")
+        else:
+            chunk = chunk_time(timed, pipe.parts, pipe.axis, self.machine).backward_kernel_s(len(grads))
+            parts = [self.eff.op_time(chunk, backward=True)] * pipe.parts
+            task = self._piped(pipe, True, True, label, self.compute, parts, whole, list(deps), 0, free, "backward")
+        for i in grads:
+            self._give(i, task)
         return task
 
     # ---------------------------------------------------------------- optimizer
