@@ -68,7 +68,7 @@ Torch is not imported here: the module is described by `ModuleInfo`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER, REPLICATE
 from parsat.ir.graph import Graph
@@ -688,22 +688,20 @@ class _Lowerer:
 
 def _weight_values(pcg: PCG) -> set[int]:
     """Nodes computed from weights alone (weight leaves, then anything all of whose inputs are such)."""
-    static: set[int] = set()
-    for node in pcg.nodes:
-        if node.kind == "leaf":
-            if node.role == "weight":
-                static.add(node.id)
-        elif node.inputs and all(i in static for i in node.inputs):
-            static.add(node.id)
-    return static
+    return _computed_from(pcg, lambda leaf: leaf.role == "weight")
 
 
 def _data_only(pcg: PCG) -> set[int]:
     """Nodes computed from graph inputs alone (no weight upstream: nothing there has a gradient)."""
+    return _computed_from(pcg, lambda leaf: leaf.role != "weight")
+
+
+def _computed_from(pcg: PCG, seed: Callable[[PNode], bool]) -> set[int]:
+    """The leaves `seed` accepts, then every node all of whose inputs are among them (in the PCG's order)."""
     found: set[int] = set()
     for node in pcg.nodes:
         if node.kind == "leaf":
-            if node.role != "weight":
+            if seed(node):
                 found.add(node.id)
         elif node.inputs and all(i in found for i in node.inputs):
             found.add(node.id)
