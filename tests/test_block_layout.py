@@ -110,6 +110,28 @@ def test_an_imported_stack_is_named_by_its_blocks():
     assert [leaf.name for leaf in graph.weights if block_of(leaf.name) == -1] == ["head.weight", "head.bias"]
 
 
+class ConvLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return x + torch.relu(self.bn(self.conv(x)))
+
+
+def test_a_stack_with_batch_norms_keeps_its_running_statistics():
+    """Training-mode batch norms in each block: the batch statistics the backend reads are the renamed nodes, the
+    running statistics still the module's buffers."""
+    module = nn.Sequential(*(ConvLayer() for _ in range(4)), nn.Flatten(), nn.Linear(4 * 6 * 6, 2)).double()
+    imported = import_module(module, (torch.randn(2, 4, 6, 6, dtype=torch.float64),))
+    assert named_layout(imported.graph).count == 4
+    nodes = {n.name for n in imported.graph.nodes}
+    assert [(block_of(s.mean), s.running_mean) for s in imported.running_stats] == \
+        [(b, f"{b}.bn.running_mean") for b in range(4)]
+    assert all(s.mean in nodes and s.var in nodes for s in imported.running_stats)
+
+
 def test_an_imported_module_without_a_stack_is_left_alone():
     """One layer, or layers that are not alike: every name is the module's own."""
     for module, inputs in ((Layer(8).double(), (torch.randn(4, 8, dtype=torch.float64),)),
