@@ -1,5 +1,4 @@
-import sys
-
 from parsat.cli import main
+from parsat.dsl.lifetime import exit_process
 
-sys.exit(main())
+exit_process(main())

@@ -42,6 +42,7 @@ import multiprocessing
 import os
 import select
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -247,6 +248,30 @@ def handling_signals() -> Iterator[None]:
         watchdog.join(timeout=1.0)
         os.close(read_fd)
         _STATE.active, _STATE.wakeup = False, None
+
+
+def exit_process(status: int) -> None:
+    """End the process with `status`; a command ended by a signal ends within `GRACE_S` even if Python's own
+    shutdown hangs.
+
+    Python 3.11's `ProcessPoolExecutor` joins its manager thread at exit, and
+    that thread joins the call queue's feeder thread, which can be stuck for
+    ever writing tasks into a pipe whose readers (the workers) were killed
+    (CPython gh-94777, fixed in 3.12). `verify --jobs 2` told to end printed
+    "parsat: interrupted" and then hung at exit under load. Only a process
+    ended by a signal gets the timer: it has nothing left to do but exit."""
+    if status > 128:
+        def _end() -> None:
+            time.sleep(GRACE_S)
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError):
+                    pass
+            os._exit(status)
+
+        threading.Thread(target=_end, name="parsat-exit-guard", daemon=True).start()
+    sys.exit(status)
 
 
 def _in_forked_child() -> None:
