@@ -14,7 +14,10 @@ import torch.distributed as dist  # noqa: E402
 
 from parsat.backend.launch import LaunchConfig, LaunchError, RankContext, launch  # noqa: E402
 
-FAST = dict(backend="gloo", timeout_s=30, collective_timeout_s=2)
+# collectives time out in 2 s; the job's timeout is a ceiling that catches a hang: ranks that import torch at
+# load 8 on 2 cores took 30 s to start, and a rank's fault must be named whatever the load (the message says
+# "still running after the job timeout" where the launcher waited for the ceiling instead)
+FAST = dict(backend="gloo", timeout_s=300, collective_timeout_s=2)
 
 
 def _note_pid(folder: str, ctx: RankContext) -> None:
@@ -80,7 +83,7 @@ def test_fault_ends_the_job_naming_the_rank(tmp_path, fault, expect):
         launch(worker_fault, (str(tmp_path), fault), LaunchConfig(nproc=2, **FAST))
     elapsed = time.monotonic() - start
     assert info.value.ranks[0] == 1
-    assert elapsed < 20, f"took {elapsed:.1f} s to end"
+    assert elapsed < 200, f"took {elapsed:.1f} s to end"
     pids = _pids(tmp_path)
     assert len(pids) == 2 and all(_gone(pid) for pid in pids), "a rank outlived the job"
 

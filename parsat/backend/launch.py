@@ -14,7 +14,9 @@ exit and a message queue, and as soon as one rank raises or dies, or the
 job runs past `config.timeout_s`, it ends every other rank (SIGTERM, then
 SIGKILL), reaps them all, and raises `LaunchError` naming the rank(s) and
 why. Collectives carry the process-group timeout `collective_timeout_s`,
-so a rank stuck in a collective its peers never join raises by itself.
+so a rank stuck in a collective its peers never join raises by itself;
+joining the group waits for every rank within the job's timeout instead
+(ranks start seconds apart on a loaded box: `_all_arrived`).
 
 Ranks die with their launcher, however it ends (SIGKILL, an OOM kill, a
 parent's `subprocess.run(..., timeout=...)`), from their first moment:
@@ -154,15 +156,16 @@ def share_cores(world: int) -> None:
     torch.set_num_threads(max(1, cores // max(1, world)))
 
 
-def rank_main(rank: int, world: int, backend: str, store_port: int, collective_timeout_s: float,
+def rank_main(rank: int, world: int, backend: str, store_port: int, timeouts: tuple[float, float],
               fn: Callable[..., Any], args: tuple, messages) -> None:
     """A spawned rank (started by `rank_guard.start`): join the group, run, report; any exception becomes a
-    message and exit 1."""
+    message and exit 1. `timeouts` are the job's and one collective's (`LaunchConfig`)."""
+    job_timeout_s, collective_timeout_s = timeouts
     try:
         share_cores(world)
         device = _device(backend, rank)
-        store = dist.TCPStore(STORE_HOST, store_port, None, is_master=False,
-                              timeout=timedelta(seconds=collective_timeout_s))
+        store = dist.TCPStore(STORE_HOST, store_port, None, is_master=False, timeout=timedelta(seconds=job_timeout_s))
+        _all_arrived(store, world)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=collective_timeout_s))
         result = fn(RankContext(rank, world, backend, device, collective_timeout_s), *args)
@@ -175,6 +178,20 @@ def rank_main(rank: int, world: int, backend: str, store_port: int, collective_t
         messages.close()
         messages.join_thread()
         os._exit(1)
+
+
+def _all_arrived(store, world: int) -> None:
+    """Wait, within the job's timeout (the store's), until every rank has started and reached the store.
+
+    Ranks start seconds apart on a loaded box (each spawns a Python and
+    imports torch), and the process group's connection is bounded by the
+    collective timeout, which a user sets to seconds to catch a hung
+    collective fast: the first rank then timed out waiting for a peer that
+    was still importing, and the job failed blaming the wrong rank. Once all
+    have arrived, joining the group takes milliseconds."""
+    if store.add("parsat/arrived", 1) == world:
+        store.set("parsat/all_arrived", "1")
+    store.wait(["parsat/all_arrived"])
 
 
 _SOURCE_PREFIX = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
@@ -223,12 +240,13 @@ def _spawn(fn, args, backend: str, config: LaunchConfig) -> list[Any]:
     messages = context.Queue()
     # the rendezvous: served by this process for as long as the job runs, gone with it
     store = dist.TCPStore(STORE_HOST, 0, None, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=config.collective_timeout_s))
+                          timeout=timedelta(seconds=config.timeout_s))
     # the job is pickled here and unpickled by the rank only after it is bound to this process's life
     # (`rank_guard`): unpickling imports torch and `fn`'s module, seconds a killed launcher must not leave it
+    timeouts = (config.timeout_s, config.collective_timeout_s)
     procs = [context.Process(target=rank_guard.start, name=f"parsat-rank-{rank}", daemon=True,
                              args=(os.getpid(), pickle.dumps((rank_main, (rank, config.nproc, backend, store.port,
-                                                                         config.collective_timeout_s, fn, args))),
+                                                                         timeouts, fn, args))),
                                    messages))
              for rank in range(config.nproc)]
     results: dict[int, Any] = {}
