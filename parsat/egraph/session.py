@@ -21,8 +21,8 @@ from parsat.ir.pcg import Degrees
 from parsat.ir.placement import Placement
 from parsat.egraph.encoding import (ANALYSES, EQUATED, MADE_PREFIX, MATCH_SUFFIX, RULESETS, SHAPE_RULESET, live_row,
                                     match_ruleset)
+from parsat.egraph.loading import BOUND, GraphLoader, bound_names
 from parsat.egraph.mesh_encoding import LOCAL, PLACE
-from parsat.ir.errors import OptimizeError
 from parsat.egraph.program import CompiledRule, RuleProgram, past
 from parsat.egraph.snapshot import ENode, Snapshot
 
@@ -121,34 +121,6 @@ class _Equated(Mapping):
         return len(self._table())
 
 
-BOUND = "Bound"
-"""The table that holds the graph's named tensors: `(Bound "$n5")` is the e-class of tensor `$n5`."""
-
-_GRAPH_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|\(let (\$[A-Za-z0-9_]+) |\$[A-Za-z0-9_]+')
-
-
-def bound_names(text: str) -> str:
-    """Graph text with its `let`s as rows of the `Bound` table: `(let $n5 (Op_relu $n4))` becomes
-    `(set (Bound "$n5") (Op_relu (Bound "$n4")))`; quoted strings (leaf names) are left as they are.
-
-    egglog 13.2 makes each global `let` a table of its own, and every command
-    then visits every table: a graph of n tensors loaded in n commands cost
-    n**2 (100,001 tensors: 7,168 loaded in the old default limit). One table
-    of names keeps each command's cost flat, so a graph loads in time linear
-    in its tensors. The encoders (`encoding`, `mesh_encoding`, the rule
-    generator's terms) keep writing `let`s; this one pass, over the text
-    every graph reaches the e-graph through, turns them into rows."""
-    def row(match: re.Match) -> str:
-        token = match.group(0)
-        if token.startswith('"'):
-            return token
-        if match.group(1):
-            return f'(set ({BOUND} "{match.group(1)}") '
-        return f'({BOUND} "{token}")'
-
-    return _GRAPH_TOKENS.sub(row, text)
-
-
 class Session:
     """An egglog e-graph with the compiled rules and one graph loaded."""
 
@@ -162,8 +134,9 @@ class Session:
         self.egraph = bindings.EGraph()
         self.loaded = 0
         try:
-            # One command batch per rule and per graph node: egglog 13.2 is far
-            # slower on one large program (9 s against 0.4 s for 200 rules).
+            # One command batch per rule: egglog 13.2 is far slower on one large
+            # program (9 s against 0.4 s for 200 rules): egglog-python gives every
+            # parsed node's span its own copy of the whole program text.
             self._run(program.declarations)
             self._run(f"(function {BOUND} (String) T :merge old)")
             self._constructors = frozenset(name for name, fn in self.egraph.freeze().functions.items()
@@ -173,21 +146,16 @@ class Session:
                     break
                 self._run(rule.text)
                 self.loaded += 1
-            self._load_graph(graph_text, deadline)
+            self._load_graph(graph_text, program.declarations, deadline)
         except bindings.EggSmolError as err:
             raise CompileError(f"egglog rejected the generated program: {err}") from None
 
-    def _load_graph(self, graph_text: str, deadline: float | None) -> None:
-        """The graph's tensors, one egglog call each (`bound_names`: each call's cost stays flat). Batching
-        tensors into one call does not help: egglog 13.2's cost and memory grow faster than a call's commands
-        (1,000 tensors a call took 4 GB for a 100,000-tensor chain; 8 a call ran 20% slower than 1)."""
-        chunks = [chunk for chunk in bound_names(graph_text).split("\n\n") if chunk.strip()]
-        for index, chunk in enumerate(chunks):
-            # a graph not loaded whole cannot give a plan; small ones (< 256 tensors, < 0.05 s) always load
-            if index and index % 256 == 0 and past(deadline):
-                raise OptimizeError(f"loading the graph into the e-graph ran past the time limit (--limit "
-                                    f"seconds): {index:,} of {len(chunks):,} tensors loaded; raise the limit")
-            self._run(chunk)
+    def _load_graph(self, graph_text: str, declarations: str, deadline: float | None) -> None:
+        """The graph's tensors: a command per term, the facts read in bulk (`loading`; a command per line took
+        20 CPU s for a 100,001-tensor chain). The loader tells facts from terms by the relations `declarations`
+        declare and the tensor constructors."""
+        relations = frozenset(re.findall(r"\(relation ([^\s()]+)", declarations))
+        GraphLoader(self._run, relations, self._constructors).load(graph_text, deadline)
 
     def _run(self, text: str):
         return self.egraph.run_program(*self.egraph.parse_program(text))

@@ -23,7 +23,8 @@ and computes again), `pipeline` (a PCG cut into stages, their schedule
 and its simulation),
 `validate` (the JSON schemas, their structural checks, a plan's nodes
 against the operator library, machines' ranges), `json_files` (reading
-user files safely), `instance` (an operator at concrete shapes), `budget`
+user files safely), `collector` (Python's garbage collector paused while a
+large graph's objects are built), `instance` (an operator at concrete shapes), `budget`
 (how large a graph may grow, and until when, under the search's limits),
 `errors` (GraphError, MachineError, PlanError, and OptimizeError with
 DoesNotFit: the errors every stage shares), `units` (times and bytes as
