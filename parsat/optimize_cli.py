@@ -137,6 +137,7 @@ def run_optimize(args: argparse.Namespace) -> int:
     from parsat.dsl.files import FileProblem, check_output, refuse_overwriting
     from parsat.ir.errors import GraphError, MachineError
     from parsat.ir.machine import Machine
+    from parsat.ir.plan import save_plan_dict
     from parsat.ir.errors import OptimizeError
     from parsat.egraph.runner import Limits
     from parsat.dsl.lifetime import valve
@@ -177,15 +178,16 @@ def run_optimize(args: argparse.Namespace) -> int:
         return _error(str(err))
     except DslError as err:
         return _error(f"the rules do not load:\n{err}")
+    data = plan.to_dict()   # once, for the file and for the explanation
     if args.output:
         try:
-            plan.save(args.output)
+            save_plan_dict(args.output, data)
         except FileProblem as err:
             return _error(str(err))
         print(f"wrote {args.output}", file=sys.stderr)
-    from parsat.report.explain import explain_plan
+    from parsat.report.explain import explain
 
-    print(explain_plan(plan))
+    print(explain(data))
     if args.stats:
         from parsat.report.explain import saturation_stats
 

@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 
 from parsat.dsl import ast
 from parsat.dsl.bounds import bound
+from parsat.ir.collector import collection_paused
 from parsat.dsl.files import write_atomic
 from parsat.dsl.instantiate import InstantiationError
 from parsat.dsl.library import Library, load_library
@@ -95,6 +96,10 @@ class Graph:
 
     # ----------------------------------------------------------------- JSON
     def to_dict(self) -> dict:
+        with collection_paused():   # 100,001 nodes' dicts, all kept (`ir.collector`)
+            return self._to_dict()
+
+    def _to_dict(self) -> dict:
         return {
             "schema": GRAPH_SCHEMA, "version": GRAPH_VERSION, "name": self.name,
             "inputs": [{"name": l.name, "shape": list(l.shape)} for l in self.leaves if l.role == "input"],
@@ -142,26 +147,8 @@ class Graph:
         if version != GRAPH_VERSION:
             raise GraphError(f"graph schema version {version} is not supported (this parsat reads {GRAPH_VERSION})")
         builder = GraphBuilder(library, name=str(data.get("name", "graph")), budget=budget)
-        try:
-            for role, key in (("input", "inputs"), ("weight", "weights")):
-                for item in data.get(key, []):
-                    builder.leaf(item["name"], item["shape"], role)
-            for item in data.get("nodes", []):
-                handles = []
-                for ref in item.get("inputs", []):
-                    if ref not in builder._shapes:
-                        raise GraphError(f"node '{item.get('name')}': input '{ref}' is not defined before it")
-                    handles.append(Tensor(ref))
-                made = builder.op(item["op"], *handles, name=item.get("name"), **dict(item.get("attrs", {})))
-                if "shape" in item and tuple(item["shape"]) != builder._shapes[made.name]:
-                    raise GraphError(f"node '{made.name}': the file says shape {list(item['shape'])}, "
-                                     f"but {item['op']} gives {list(builder._shapes[made.name])}")
-            for ref in data.get("outputs", []):
-                if ref not in builder._shapes:
-                    raise GraphError(f"output '{ref}' is not a node or leaf of the graph")
-                builder.output(Tensor(ref))
-        except KeyError as err:
-            raise GraphError(f"graph JSON is missing the field {err}") from None
+        with collection_paused():   # a node's objects all live on (`ir.collector`)
+            _add_from_dict(builder, data)
         graph = builder.build()
         check_graph_sizes(graph.shapes())
         example = data.get("example")
@@ -183,6 +170,30 @@ class Tensor:
     """A handle to a leaf or node of a graph under construction."""
 
     name: str
+
+
+def _add_from_dict(builder: "GraphBuilder", data: Mapping) -> None:
+    """A validated graph dict's leaves, nodes (shapes checked against the file's) and outputs, added."""
+    try:
+        for role, key in (("input", "inputs"), ("weight", "weights")):
+            for item in data.get(key, []):
+                builder.leaf(item["name"], item["shape"], role)
+        for item in data.get("nodes", []):
+            handles = []
+            for ref in item.get("inputs", []):
+                if ref not in builder._shapes:
+                    raise GraphError(f"node '{item.get('name')}': input '{ref}' is not defined before it")
+                handles.append(Tensor(ref))
+            made = builder.op(item["op"], *handles, name=item.get("name"), **dict(item.get("attrs", {})))
+            if "shape" in item and tuple(item["shape"]) != builder._shapes[made.name]:
+                raise GraphError(f"node '{made.name}': the file says shape {list(item['shape'])}, "
+                                 f"but {item['op']} gives {list(builder._shapes[made.name])}")
+        for ref in data.get("outputs", []):
+            if ref not in builder._shapes:
+                raise GraphError(f"output '{ref}' is not a node or leaf of the graph")
+            builder.output(Tensor(ref))
+    except KeyError as err:
+        raise GraphError(f"graph JSON is missing the field {err}") from None
 
 
 def _library(library: Library | None) -> Library:

@@ -14,6 +14,7 @@ import json
 import os
 from typing import Any
 
+from parsat.ir.collector import collection_paused
 from parsat.dsl.files import FileProblem, max_input_bytes, read_text_capped
 
 
@@ -35,7 +36,8 @@ def read_json_file(path: str | os.PathLike, error: type[Exception], what: str) -
 def parse_json(text: str, error: type[Exception], prefix: str) -> Any:
     """json.loads with parsat's error for bad text and for pathologically deep nesting."""
     try:
-        return json.loads(text)
+        with collection_paused():   # a large file's objects all live on (`ir.collector`)
+            return json.loads(text)
     except json.JSONDecodeError as err:
         raise error(f"{prefix}: {err}") from None
     except RecursionError:
