@@ -270,35 +270,38 @@ class GraphLoader:
         """Loads `text` (chunks separated by blank lines, a tensor each); OptimizeError once `deadline` (a
         `time.perf_counter()` value) passes: there is no plan of part of a graph."""
         with collection_paused():
-            uses: Counter = Counter()
-            chunks = self._read(text, uses)
-            pending: _Term | None = None
-            for index, chunk in enumerate(chunks):
-                # small graphs (< TENSORS_PER_CHECK tensors, < 0.05 s) always load
-                if index and index % TENSORS_PER_CHECK == 0 and past(deadline):
-                    raise OptimizeError(f"loading the graph into the e-graph ran past the time limit (--limit "
-                                        f"seconds): {index:,} of {len(chunks):,} tensors loaded; raise the limit")
-                if chunk.template is None:
-                    self._send(pending)
-                    pending = None
-                    self._flush()
-                    self._run(bound_names(chunk.text))
-                    continue
-                for let in chunk.template.lets:
-                    pending = self._term(let, chunk.literals, pending, uses)
-                if chunk.template.facts:
-                    self._rows.setdefault((chunk.template.facts, False), []).append(
-                        _tsv_row(chunk.template.fact_literals(chunk.literals)))
-            self._send(pending)
-            self._flush()
+            self._load(text, deadline)   # its chunks are freed before the collector is back: not walked once more
 
-    def _read(self, text: str, uses: Counter) -> list[_Chunk]:
+    def _load(self, text: str, deadline: float | None) -> None:
+        chunks, uses = self._read(text)
+        pending: _Term | None = None
+        for index, chunk in enumerate(chunks):
+            # small graphs (< TENSORS_PER_CHECK tensors, < 0.05 s) always load
+            if index and index % TENSORS_PER_CHECK == 0 and past(deadline):
+                raise OptimizeError(f"loading the graph into the e-graph ran past the time limit (--limit "
+                                    f"seconds): {index:,} of {len(chunks):,} tensors loaded; raise the limit")
+            if chunk.template is None:
+                self._send(pending)
+                pending = None
+                self._flush()
+                self._run(bound_names(chunk.text))
+                continue
+            for let in chunk.template.lets:
+                pending = self._term(let, chunk.literals, pending, uses)
+            if chunk.template.facts:
+                self._rows.setdefault((chunk.template.facts, False), []).append(
+                    _tsv_row(chunk.template.fact_literals(chunk.literals)))
+        self._send(pending)
+        self._flush()
+
+    def _read(self, text: str) -> tuple[list[_Chunk], Counter]:
         """The chunks of `text`, each read through its template (once per template) or left as text: so is a
-        chunk that names a tensor not made before it, or whose facts hold a string `input` cannot read.
-        `uses` counts the tensors named where a command runs (`let`s, chunks left as text); facts are written
-        after all terms, so they do not count."""
+        chunk that names a tensor not made before it, or whose facts hold a string `input` cannot read. And
+        how many times each tensor is named where a command runs (`let`s, chunks left as text); facts are
+        written after all terms, so they do not count."""
         chunks: list[_Chunk] = []
         defined: set[str] = set()
+        named: list[str] = []
         for part in text.split("\n\n"):
             if not part.strip():
                 continue
@@ -307,13 +310,13 @@ class GraphLoader:
                 self._templates[key] = read_template(template(key), self._relations, self._constructors)
             found = self._templates[key]
             if found is not None and _readable(found, literals, defined):
-                uses.update(found.uses(literals))
+                named += found.uses(literals)
                 chunks.append(_Chunk(part, found, literals))
                 continue
             defined.update(m.group(1) for m in _GRAPH_TOKENS.finditer(part) if m.group(1))
-            uses.update(m.group(0) for m in _GRAPH_TOKENS.finditer(part) if m.group(0).startswith("$"))
+            named += (m.group(0) for m in _GRAPH_TOKENS.finditer(part) if m.group(0).startswith("$"))
             chunks.append(_Chunk(part, None, []))
-        return chunks
+        return chunks, Counter(named)
 
     def _term(self, let: Let, literals: list[str], pending: _Term | None, uses: Counter) -> _Term:
         """The term of `let`, `pending` written inside it when it is that term's only use (then found by a
@@ -372,7 +375,7 @@ def _readable(found: Template, literals: Sequence[str], defined: set[str]) -> bo
     `input` reads back the same; if so, its tensors join `defined`."""
     made = found.made(literals)
     needs = found.needs(literals)
-    if not (defined.issuperset(needs) or all(name in defined or name in made for name in needs)):
+    if not defined.issuperset(needs) and not set(needs).difference(defined).issubset(made):   # its own tensors
         return False
     if not all(map(_SAFE_STRING.fullmatch, found.strings(literals))):
         return False
