@@ -404,3 +404,91 @@ def test_an_all_gather_feeds_all_its_gemms_as_one():
         scatter = _chunks(spans, "all_gather(dim=0, axis=tp, degree=8) #7 backward reduce-scatter")
         assert len(second) == microbatches and len(first) == len(scatter) == 8 * microbatches
         assert second[0].end <= first[0].start and all(b.start >= a.end for a, b in zip(first, scatter))
+
+
+def _gpt_layouts():
+    """A 3-block GPT laid out as the independent grid lays it out on 4 devices (data, tensor and both, ZeRO-3,
+    sequence parallelism), with ZeRO stages 1 and 2 and recomputation beside: plans of every kind of task."""
+    from parsat.dsl.library import load_library as load
+    from parsat.ir.megatron import megatron_pcg
+    from parsat.ir.models import build_example
+    from parsat.ir.recompute import BLOCKS
+
+    library = load()[0]
+    graph = build_example("gpt", {"blocks": 3, "hidden": 64, "heads": 4, "batch": 8, "seq": 32, "vocab": 256}, library)
+    found = []
+    for shape, zero, sequence in (((4, 1), 0, False), ((4, 1), 3, False), ((2, 2), 0, True), ((2, 2), 3, False),
+                                  ((1, 4), 0, False)):
+        pcg = megatron_pcg(graph, library, shape, 2, zero=zero, sequence=sequence)
+        found += [pcg, replace(pcg, recompute=BLOCKS)]
+        if zero == 0 and shape[0] > 1:
+            found += [replace(pcg, zero=1), replace(pcg, zero=2, recompute=BLOCKS)]
+    return library, found
+
+
+@pytest.mark.parametrize("skew", [0.0, 0.3])
+def test_repeated_micro_batches_are_the_tasks_built_anew(skew):
+    """The middle micro-batches copied from one known to repeat (`_Builder.template`) are, task for task, what
+    building each anew gives: names, streams, durations, dependencies, memory, and so every start and end; with
+    stragglers (`sync_skew`: the lag a micro-batch carries sets its first wait) and without."""
+    library, layouts = _gpt_layouts()
+    for name, profile in (("h100x8", DDP), ("cpu", PARSAT_RUN)):
+        machine = Machine.preset(name).with_devices(4)
+        machine = replace(machine, comm=replace(machine.comm, sync_skew=skew))
+        for pcg in layouts:
+            for m in (3, 4, 6):
+                copied, built = (simulate_pcg(pcg, library, machine, profile, microbatches=m, repeat=r)
+                                 for r in (True, False))
+                (a, a_start, a_end), (b, b_start, b_end) = copied.result._columns, built.result._columns
+                assert (a.names, a.stream_of, a.durations, a.deps, a.allocs, a.frees, a.phases) == \
+                    (b.names, b.stream_of, b.durations, b.deps, b.allocs, b.frees, b.phases)
+                assert (a_start, a_end, copied.result.peak_memory_bytes) == \
+                    (b_start, b_end, built.result.peak_memory_bytes)
+                assert (copied.end_of_forward, copied.end_of_backward) == (built.end_of_forward, built.end_of_backward)
+
+
+def test_the_step_floor_is_below_every_simulated_step():
+    """`step_floor` is a lower bound of the simulated step (what lets the search skip simulating a candidate):
+    every layout, ZeRO stage and recomputation, one micro-batch or several, a GPU's profile and `parsat run`'s."""
+    from parsat.cost.pcg_tasks import step_floor
+
+    library, layouts = _gpt_layouts()
+    for name, profile in (("h100x8", DDP), ("cpu", PARSAT_RUN)):
+        machine = Machine.preset(name).with_devices(4)
+        times = OpTimes(library, machine)
+        for pcg in layouts:
+            for m in (1, 3):
+                floor = step_floor(pcg, machine, times, m)
+                step = simulate_pcg(pcg, library, machine, profile, times=times, microbatches=m)
+                assert 0 < step_floor(pcg, machine, times, m, plan=False) <= floor <= step.step_s
+                compute = sum(v for k, v in step.result.busy_s.items() if k.endswith("compute"))
+                assert floor <= compute     # it sums compute tasks, no more
+
+
+@pytest.mark.parametrize("network", [1.0, 100.0])
+def test_the_step_floor_holds_where_collectives_are_pipelined_with_their_products(network):
+    """Under DDP an in-node all-gather or reduce-scatter pipelined with its product (`Pipeline`) issues no
+    concatenation or slices, and its product runs as chunks fused with its siblings: a floor that counted
+    the unpipelined copies was above the compute stream's busy time here, and above the simulated step where
+    NVLink is fast enough (`network` x its bandwidth, no latency) that the step is about its compute."""
+    from parsat.cost.pcg_tasks import step_floor
+    from parsat.ir.megatron import megatron_pcg
+    from parsat.ir.models import build_example
+    from parsat.ir.recompute import BLOCKS
+
+    library = load_library()[0]
+    graph = build_example("gpt", {"blocks": 2, "hidden": 1024, "heads": 8, "batch": 16, "seq": 1024, "vocab": 2048},
+                          library)
+    machine = Machine.preset("h100x8").with_devices(8)
+    machine = replace(machine, intra_bandwidth=machine.intra_bandwidth * network,
+                      intra_latency=machine.intra_latency / network,
+                      comm=replace(machine.comm, launch_s=machine.comm.launch_s / network, points=()))
+    times = OpTimes(library, machine)
+    for shape in ((1, 8), (2, 4)):
+        pcg = megatron_pcg(graph, library, shape, 8, zero=0, sequence=True)
+        for plan, microbatches in ((pcg, 1), (pcg, 2), (replace(pcg, recompute=BLOCKS), 2)):
+            step = simulate_pcg(plan, library, machine, DDP, times=times, microbatches=microbatches)
+            assert any(s.name.endswith(f"[1/{shape[1]}]") for s in step.result.spans)   # pipelined
+            floor = step_floor(plan, machine, times, microbatches)
+            compute = sum(v for k, v in step.result.busy_s.items() if k.endswith("compute"))
+            assert step_floor(plan, machine, times, microbatches, plan=False) <= floor <= compute <= step.step_s

@@ -215,6 +215,23 @@ def _full(node: PNode) -> int:
     return n
 
 
+def needs_gradient(pcg: PCG) -> dict[int, bool]:
+    """Node id -> whether backward computes a gradient for it: a weight, or a value computed from one."""
+    out: dict[int, bool] = {}
+    for node in pcg.nodes:
+        out[node.id] = node.role == "weight" if node.kind == "leaf" else any(out[i] for i in node.inputs)
+    return out
+
+
+def reaches_output(pcg: PCG) -> set[int]:
+    """The nodes an output is computed from (the outputs included): those a gradient from the loss can reach."""
+    reached = set(pcg.outputs)
+    for node in reversed(pcg.nodes):
+        if node.id in reached:
+            reached.update(node.inputs)
+    return reached
+
+
 class OpTimes:
     """Compute nodes' times by (operator, attributes, shapes, spreads), for one machine: a model of repeated
     blocks prices each kind of node once, and extraction can share one across the candidate plans it prices."""
@@ -241,6 +258,16 @@ class OpTimes:
             raise TaskBuildError(f"node #{node.id} ({node.label}) does not instantiate: {err}") from None
 
 
+@dataclass(frozen=True)
+class _Template:
+    """A middle micro-batch's tasks, `start` to `end` (excluded), which every later middle one repeats
+    (`_Builder.template`); `collectives`: whether it issued any (else the lag it carries grows)."""
+
+    start: int
+    end: int
+    collectives: bool
+
+
 class _Builder:
     def __init__(self, pcg: PCG, machine: Machine, profile: ExecutionProfile, topology: Topology, times: OpTimes):
         self.pcg, self.machine, self.profile, self.topology, self.times = pcg, machine, profile, topology, times
@@ -250,7 +277,7 @@ class _Builder:
         self.compute = self.steps.stream(DEVICE, COMPUTE)
         self.by_id = {n.id: n for n in pcg.nodes}
         self.users = readers(pcg)
-        self.needs_grad = self._needs_grad()
+        self.needs_grad = needs_gradient(pcg)
         self.folded: set[int] = set()
         self.stored = self._stored_weights()
         self.params = weight_chains(pcg)
@@ -266,6 +293,7 @@ class _Builder:
         self.allocated: dict[int, int] = {}           # node -> bytes its forward output allocated
         self.contiguous: dict[int, bool] = {}
         self.since_sync = 0.0                         # compute seconds since the last collective (stragglers)
+        self.collectives = 0                          # collectives issued so far (`_sync`)
         self.loss_bytes = 0                           # what this micro-batch's loss allocated
         self.first = True                             # this pass makes the weights' chains (the first micro-batch)
         self.syncing = True                           # this pass synchronises gradients (the last micro-batch)
@@ -293,16 +321,35 @@ class _Builder:
         self.recomputed = set()
         self.first, self.syncing, self.accumulating = first, syncing, accumulating
 
-    # ---------------------------------------------------------------- facts
-    def _needs_grad(self) -> dict[int, bool]:
-        out = {}
-        for node in self.pcg.nodes:
-            if node.kind == "leaf":
-                out[node.id] = node.role == "weight"
-            else:
-                out[node.id] = any(out[i] for i in node.inputs)
-        return out
+    def template(self, start: int, lag: float, collectives: int) -> "_Template | None":
+        """The middle micro-batch just built (its tasks from `start` on; begun with `lag` as `since_sync` and
+        `collectives` issued) as the template every later middle one repeats (`repeat`), or None when the next
+        one may differ.
 
+        Why the next one repeats it exactly, task for task one micro-batch later: a middle micro-batch reads no
+        state of the one before but the lag carried (`since_sync`): its values, gradients and buffers are its
+        own (`new_pass`), the weights' chains were made by the first micro-batch and are left alone until the
+        last, compute times are cached, and its dependencies on earlier micro-batches are on those chains
+        only. The lag is read only by a collective's wait for the slowest rank (`_sync`). So the next one
+        repeats this one when it starts with the same lag (with collectives, one ends with the compute since
+        its last one: this holds from the second middle micro-batch on, and is checked), or when no duration
+        read the lag (no collective), the lag then growing by the compute durations, added in the same order
+        (`repeat`)."""
+        made = self.collectives > collectives
+        if made and self.since_sync != lag:
+            return None
+        return _Template(start, len(self.steps), made)
+
+    def repeat(self, template: "_Template") -> None:
+        """A middle micro-batch, as `template` says the one it was made from ran (`template`)."""
+        self.steps.repeat(template.start, template.end)
+        if not template.collectives:
+            durations, stream_of = self.steps.durations, self.steps.stream_of
+            for i in range(template.start, template.end):
+                if stream_of[i] == self.compute:   # every compute task of it was added by `_add`
+                    self.since_sync += durations[i]
+
+    # ---------------------------------------------------------------- facts
     def _stored_weights(self) -> dict[int, PNode]:
         """Node id where each weight is stored -> that node (`ir.pcg.weight_storage`, as the backend stores it);
         the partitions on a storage chain are folded into it: nothing runs."""
@@ -339,6 +386,7 @@ class _Builder:
         wait = self.machine.comm.sync_skew * self.since_sync
         self.since_sync = 0.0
         stream = self._comm(self.topology(node))
+        self.collectives += 1
         if wait > 0:
             deps = [self.steps.add(f"{name}: waiting for the slowest rank", stream, wait, deps, phase="stragglers")]
         whole = self._collective(kind, node, nbytes)
@@ -643,11 +691,19 @@ class _Builder:
                 target = _full(node) * self.item
                 deps.append(self._add(f"target of #{out}", self.compute,
                                       self.eff.op_time(target / rate if rate else 0.0), deps, phase="loss"))
-            seconds = (SCALAR_LOSS_OPS if loss else LOSS_OPS) * self._copy_s(piece)
+            seconds = self._loss_s(node)
             self.loss_bytes += piece * self.item
             tasks.append(self._add(f"loss of #{out}", self.compute, seconds, deps, alloc=piece * self.item,
                                    phase="loss"))
         return tasks
+
+    def _loss_s(self, node: PNode, backward: bool = False) -> float:
+        """An output's objective (a loss output's own, a difference from a target's), or its backward: memory-bound
+        operators on its piece."""
+        loss = is_loss(node.shape)
+        if backward:
+            return (SCALAR_LOSS_BACKWARD_OPS if loss else LOSS_BACKWARD_OPS) * self._copy_s(_elements(node), True)
+        return (SCALAR_LOSS_OPS if loss else LOSS_OPS) * self._copy_s(_elements(node))
 
     # ---------------------------------------------------------------- backward
     def backward(self, loss: list[int]) -> tuple[list[int], dict[int, int]]:
@@ -663,9 +719,7 @@ class _Builder:
         last reader's backward is done.
         """
         for out, task in zip(self.pcg.outputs, loss):
-            piece = _elements(self.by_id[out])
-            ops = SCALAR_LOSS_BACKWARD_OPS if is_loss(self.by_id[out].shape) else LOSS_BACKWARD_OPS
-            seconds = ops * self._copy_s(piece, backward=True)
+            seconds = self._loss_s(self.by_id[out], backward=True)
             self._give(out, self._add(f"loss backward of #{out}", self.compute, seconds, [task], phase="backward"))
         syncs: list[int] = []
         produced: dict[int, int] = {}
@@ -852,22 +906,115 @@ class _Builder:
 
     def optimizer(self, after: list[int], produced: Mapping[int, int]) -> None:
         """The update, on each rank's shard of a weight whose state ZeRO shards; then those weights gathered."""
-        if self.profile.fused_optimizer:  # one multi-tensor update over every piece (torch's foreach/fused Adam)
-            elements = sum(_elements(n) / self._degree(at) for at, n in self.stored.items())
-            nbytes = elements * self.machine.precision_spec.optimizer_traffic_bytes(self.profile.optimizer)
-            updates = [self._add("optimizer update (fused)", self.compute, memory_op_time(nbytes, self.machine),
-                                 list(after) + list(produced.values()), phase="optimizer")]
-        else:
-            calls, passes = OPTIMIZER_PASSES[self.profile.optimizer]
-            updates = []
-            for at, node in self.stored.items():
-                per_call = passes * _elements(node) / self._degree(at) * self.item / calls
-                deps = list(after) + ([produced[at]] if at in produced else [])
-                updates.append(self._add(f"update {node.op if node.kind == 'leaf' else '#' + str(at)}", self.compute,
-                                         calls * memory_op_time(per_call, self.machine), deps, phase="optimizer"))
+        updates = []
+        for name, at, seconds in self._updates():
+            deps = list(after) + (list(produced.values()) if at is None else [produced[at]] if at in produced else [])
+            updates.append(self._add(name, self.compute, seconds, deps, phase="optimizer"))
         for at, replicate in sorted(self.sharded.items()):   # ZeRO: the updated shards gathered into the weight
             self._sync(f"{replicate.label} #{replicate.id} all-gather of the updated weight", ALL_GATHER, replicate,
                        _elements(self.stored[at]) * self.item, [max(updates)], phase="grad_sync")
+
+    def _updates(self) -> list[tuple[str, int | None, float]]:
+        """The optimizer's tasks: (name, the stored-at node it updates, None for all, seconds). One multi-tensor
+        update over every piece (torch's foreach/fused Adam), or a few operators per stored weight."""
+        if self.profile.fused_optimizer:
+            elements = sum(_elements(n) / self._degree(at) for at, n in self.stored.items())
+            nbytes = elements * self.machine.precision_spec.optimizer_traffic_bytes(self.profile.optimizer)
+            return [("optimizer update (fused)", None, memory_op_time(nbytes, self.machine))]
+        calls, passes = OPTIMIZER_PASSES[self.profile.optimizer]
+        return [(f"update {node.op if node.kind == 'leaf' else '#' + str(at)}", at,
+                 calls * memory_op_time(passes * _elements(node) / self._degree(at) * self.item / calls, self.machine))
+                for at, node in self.stored.items()]
+
+    # ---------------------------------------------------------------- a lower bound
+    def floor(self, microbatches: int, plan: bool = True) -> float:
+        """A lower bound of the step this builder's simulation gives over `microbatches` micro-batches, without
+        making a task (`step_floor`).
+
+        Why: the compute stream runs its tasks one at a time, in order, so the step (the last end of any task) is
+        at least the sum of that stream's durations; this sums tasks that every simulation puts there, each at
+        no more than the simulator makes it, with `op_time` and the copies never shorter for a longer kernel or
+        more bytes. Every micro-batch runs, besides the weights' chains (left out): each node's forward
+        (`_node_floor`), each output's objective and its backward (`_loss_s`), and the backward of each node a
+        gradient reaches: one computed from a weight (`needs_gradient`) that an output is computed from
+        (`reaches_output`: the loss's gradient flows back along every such path, each node on it computed
+        from the weight too), and, recomputing, each recomputed block's forward again (every micro-batch's backward
+        visits a node of each block, `_recompute`). The step ends with the optimizer's updates (`_updates`).
+        Collectives and waits only add tasks. Less `FLOOR_SLACK` for the order of floating-point sums. Without
+        the `plan`'s own part (the updates, which the ZeRO stage shards, and the recomputation) it is a floor of
+        every ZeRO stage and recomputation of the layout."""
+        grads, reached = self.needs_grad, reaches_output(self.pcg)
+        fused = {i for pipe in self.pipes.values() for i in pipe.siblings}   # counted with their product
+        per_pass = sum(self._loss_s(self.by_id[o]) + self._loss_s(self.by_id[o], True) for o in self.pcg.outputs)
+        forwards: dict[int, float] = {}
+        for node in self.pcg.nodes:
+            if node.id in self.params or node.kind == "leaf":
+                continue
+            forwards[node.id], backward = self._node_floor(node, grads, fused)
+            per_pass += forwards[node.id] + (backward if grads[node.id] and node.id in reached else 0.0)
+        if plan:
+            per_pass += sum(forwards.get(i, 0.0) for c in self.checkpoints.values() for i in c.runs)
+        total = microbatches * per_pass + (sum(seconds for _name, _at, seconds in self._updates()) if plan else 0.0)
+        return total * (1.0 - FLOOR_SLACK)
+
+    def _node_floor(self, node: PNode, grads: Mapping[int, bool], fused: set[int]) -> tuple[float, float]:
+        """The least a node (not of a weight's chain) keeps the compute stream busy in a micro-batch's forward and
+        in its backward. A compute node: its kernel (`_compute_forward`; an operator that may run as a view,
+        only its dispatch), and one backward kernel per input needing a gradient (`OpTime.backward_kernel_s`:
+        a value recomputation dropped is computed again before its backward, so only a view runs none); a
+        product pipelined with a collective, its group's (`_piped_floor`). A parallel node its copies
+        (`_parallel_forward`, `_node_backward`): a partition a slice (a view at least), a combine or all-gather
+        its concatenation, a reduce-scatter its slices, a reduce its copy; backward a partition's,
+        reduce-scatter's or combine's concatenation or slice of the input, an all-gather's slices, a
+        replicate's copy (a weight's gradient, bucketed or sharded, is a chain's, left out); none of these
+        copies where the collective is pipelined with its product (`Pipeline`: the chunks land in, or are
+        sent from, the product's buffer); a partition on a weight's storage chain (`folded`) runs nothing."""
+        eff = self.eff
+        if node.kind == "op":
+            if node.op in VIEW_OPS or node.op == "flatten" or node.piece_size == 0:
+                return eff.op_time(0.0), eff.op_time(0.0, backward=True)
+            return self._piped_floor(node, grads, node.id in fused)
+        if node.id in self.folded:
+            return 0.0, 0.0
+        piece, source = _elements(node), _elements(self.by_id[node.inputs[0]])
+        floors = {PARTITION: (eff.op_time(0.0), self._copy_s(source, True)),
+                  COMBINE: (self._copy_s(piece), self._copy_s(source, True)),
+                  parallel_ops.ALL_GATHER: (self._copy_s(piece), self._copy_s(piece, True)),
+                  parallel_ops.REDUCE_SCATTER: (self._copy_s(source), self._copy_s(source, True)),
+                  REPLICATE: (eff.op_time(0.0), self._copy_s(piece, True)),
+                  REDUCE: (self._copy_s(piece), eff.op_time(0.0, True))}.get(node.op)
+        if floors is None:
+            raise TaskBuildError(f"unknown parallel operator '{node.op}'")   # as the simulation would
+        forward, backward = floors
+        if node.op in (COMBINE, parallel_ops.ALL_GATHER, parallel_ops.REDUCE_SCATTER) and self._pipe(node, False):
+            forward = 0.0
+        if node.op in (PARTITION, parallel_ops.ALL_GATHER, parallel_ops.REDUCE_SCATTER) and self._pipe(node, True):
+            backward = 0.0
+        return forward, backward
+
+    def _piped_floor(self, node: PNode, grads: Mapping[int, bool], sibling: bool) -> tuple[float, float]:
+        """A compute node's forward and backward floor (`_node_floor`). A product pipelined with a collective
+        (`Pipeline`) runs as `parts` chunks of its thinner slices, or whole where its collective does not feed
+        it, and in forward fused with the siblings whose inputs are issued (the rest then run alone): each
+        product i of the group takes at least min(k_i, parts x c_i) of kernel (k its whole kernel, c a chunk's,
+        `chunk_time`), and, `op_time` being monotone and subadditive (max(dispatch, k) or dispatch + k), the
+        group at least `op_time` of their sum: counted on the product, a `sibling`'s forward left at 0."""
+        eff = self.eff
+        timed = self.times(node, [self.by_id[i] for i in node.inputs])
+        needing = sum(1 for i in node.inputs if grads[i])
+        kernel, backward = timed.kernel_s, timed.backward_kernel_s(needing)
+        if sibling:
+            kernel = 0.0
+        pipe = self._pipe(node, backward=False)
+        if pipe is not None and pipe.product == node.id and kernel > 0:
+            group = [node] + [self.by_id[i] for i in pipe.siblings]
+            kernel = sum(min(t.kernel_s, pipe.parts * chunk_time(t, pipe.parts, pipe.axis, self.machine).kernel_s)
+                         for t in (self.times(n, [self.by_id[i] for i in n.inputs]) for n in group))
+        pipe = self._pipe(node, backward=True)
+        if pipe is not None and pipe.product == node.id:
+            chunk = chunk_time(timed, pipe.parts, pipe.axis, self.machine).backward_kernel_s(needing)
+            backward = min(backward, pipe.parts * chunk)
+        return eff.op_time(kernel), eff.op_time(backward, backward=True)
 
     def resident(self) -> int:
         """Weights, their gradients and the optimizer state on the device for the whole step (bytes per
@@ -879,7 +1026,7 @@ class _Builder:
 
 def simulate_pcg(pcg: PCG, library: Library, machine: Machine, profile: ExecutionProfile = PARSAT_RUN,
                  topology: Topology | None = None, times: OpTimes | None = None,
-                 microbatches: int = 1) -> StepPrediction:
+                 microbatches: int = 1, repeat: bool = True) -> StepPrediction:
     """One training step of `pcg` on `machine` as `profile` runs it, simulated (see the module docstring).
 
     `topology` gives each parallel operator's group (default: one group of
@@ -887,7 +1034,9 @@ def simulate_pcg(pcg: PCG, library: Library, machine: Machine, profile: Executio
     nodes' times to share between calls for the same machine. With
     `microbatches` m (`Graph.microbatches`: `pcg` is one micro-batch's) the
     step is m forward and backward passes, the gradient synchronisation in
-    the last one only, then one optimizer update.
+    the last one only, then one optimizer update. The middle micro-batches are alike: once one is known to
+    repeat the one before (`_Builder.template`), the rest are its tasks copied (`repeat=False` builds each
+    anew, the same tasks: what the tests compare).
     """
     if times is not None and times.machine != machine:
         raise TaskBuildError("the compute-time cache was made for another machine")
@@ -895,19 +1044,43 @@ def simulate_pcg(pcg: PCG, library: Library, machine: Machine, profile: Executio
         raise TaskBuildError(f"micro-batches must be a positive integer, got {microbatches!r}")
     builder = _Builder(pcg, machine, profile, topology or mesh_groups(pcg),
                        times or OpTimes(library, machine))
+    template = None
     for k in range(microbatches):
-        builder.new_pass(first=k == 0, syncing=k == microbatches - 1, accumulating=microbatches > 1)
+        first, syncing = k == 0, k == microbatches - 1
+        if template is not None and not syncing and repeat:
+            builder.repeat(template)
+            continue
+        start, lag, collectives = len(builder.steps), builder.since_sync, builder.collectives
+        builder.new_pass(first=first, syncing=syncing, accumulating=microbatches > 1)
         builder.forward()
         loss = builder.loss()
         end_of_forward = len(builder.steps) - 1 if len(builder.steps) else None
         syncs, produced = builder.backward(loss)
         end_of_backward = len(builder.steps) - 1 if len(builder.steps) else None
         builder.end_pass()
+        if not first and not syncing:
+            template = builder.template(start, lag, collectives)
     builder.optimizer(syncs, produced)
     builder.finish()
     resident = builder.resident()
     return StepPrediction(builder.steps.simulate({DEVICE: resident}), resident, end_of_forward, end_of_backward)
 
 
-__all__ = ["DDP", "ExecutionProfile", "OpTimes", "PARSAT_RUN", "StepPrediction", "TaskBuildError", "VIEW_OPS",
-           "mesh_groups", "profile_for", "simulate_pcg"]
+FLOOR_SLACK = 1e-9   # relative: the floor's sum and the simulator's chain of ends round in different orders
+
+
+def step_floor(pcg: PCG, machine: Machine, times: OpTimes, microbatches: int = 1,
+               profile: ExecutionProfile | None = None, plan: bool = True) -> float:
+    """A lower bound of the step `simulate_pcg` gives `pcg` over `microbatches` micro-batches as `profile` (the
+    machine's, `profile_for`) runs it, at a small part of its cost: what lets a search skip simulating a
+    candidate that cannot be the fastest (`search.mesh.CandidateSteps.fastest`). `times` is the simulation's
+    own cache of compute times. Why it is one: `_Builder.floor`. Without the `plan`'s own part (the
+    optimizer's updates, which the ZeRO stage shards, and the recomputed forwards) it reads nothing the
+    plan's ZeRO stage or recomputation changes: a bound for every ZeRO stage and recomputation of `pcg`'s
+    layout."""
+    profile = profile or profile_for(machine)
+    return _Builder(pcg, machine, profile, mesh_groups(pcg), times).floor(microbatches, plan)
+
+
+__all__ = ["DDP", "ExecutionProfile", "FLOOR_SLACK", "OpTimes", "PARSAT_RUN", "StepPrediction", "TaskBuildError",
+           "VIEW_OPS", "mesh_groups", "needs_gradient", "profile_for", "reaches_output", "simulate_pcg", "step_floor"]

@@ -65,10 +65,16 @@ class StepResult:
 
     step_s: float
     busy_s: Mapping[str, float]            # stream label -> seconds busy
-    overlap_s: Mapping[Hashable, float]    # device -> seconds its compute and communication streams ran at once
     peak_memory_bytes: Mapping[Hashable, int]
     critical_path: tuple[int, ...]          # task ids, first to last
     _columns: tuple = field(repr=False, compare=False)   # (builder, starts, ends): spans are made on demand
+
+    @cached_property
+    def overlap_s(self) -> Mapping[Hashable, float]:
+        """Device -> seconds its compute and communication streams ran at once: worked out when asked (a
+        search ranks thousands of steps by their time and memory alone)."""
+        b, start, end = self._columns
+        return b._overlap(start, end)
 
     @cached_property
     def spans(self) -> tuple[Span, ...]:
@@ -182,6 +188,19 @@ class StepBuilder:
     def __len__(self) -> int:
         return len(self.names)
 
+    def repeat(self, start: int, end: int) -> None:
+        """Tasks `start` to `end` (excluded) added again, in order, after every task so far: a dependency among
+        them becomes one on the copy of that task, one on an earlier task stays. Each already passed `add`'s
+        checks, and the copies keep every dependency on an earlier task."""
+        shift = len(self.names) - start
+        self.names.extend(self.names[start:end])
+        self.stream_of.extend(self.stream_of[start:end])
+        self.durations.extend(self.durations[start:end])
+        self.deps.extend(tuple(d + shift if d >= start else d for d in deps) for deps in self.deps[start:end])
+        self.allocs.extend(self.allocs[start:end])
+        self.frees.extend(self.frees[start:end])
+        self.phases.extend(self.phases[start:end])
+
     def simulate(self, resident: Mapping[Hashable, int] | None = None) -> StepResult:
         """Run the step: `resident` bytes are held on each device throughout (weights, optimizer state)."""
         n = len(self.names)
@@ -216,8 +235,7 @@ class StepBuilder:
             path.reverse()
         snapshot = StepBuilder.__new__(StepBuilder)   # the columns as they are now, if tasks are added later
         snapshot.__dict__.update({k: list(v) if isinstance(v, list) else v for k, v in self.__dict__.items()})
-        return StepResult(step, busy, self._overlap(start, end), self._peaks(start, end, resident or {}),
-                          tuple(path), (snapshot, start, end))
+        return StepResult(step, busy, self._peaks(start, end, resident or {}), tuple(path), (snapshot, start, end))
 
     def _overlap(self, start: Sequence[float], end: Sequence[float]) -> dict[Hashable, float]:
         """Per device: the measure of the time its compute and its communication streams were both busy."""

@@ -74,6 +74,7 @@ class _DataParallelBuilder:
         self.nodes: list[PNode] = []
         self.ident: dict[str, int] = {}          # graph name -> the node that holds it as its readers use it
         self.whole: dict[str, int | None] = {}   # graph name -> its value whole on every device, for weight-only values
+        self.instances: dict = {}                # operator instances (`instance_for`'s memo): blocks repeat them
 
     def add(self, kind: str, op: str, inputs: Sequence[int], attrs: Sequence, shape: Sequence[int],
             placement: Placement, role: str = "", origin: str = "") -> int:
@@ -143,7 +144,7 @@ class _DataParallelBuilder:
         accepts it; False when no repair makes it accept them (or the operator does not instantiate)."""
         inputs = [self.nodes[self.ident[i]] for i in gnode.inputs]
         try:
-            instance = instance_for(op, [n.shape for n in inputs], dict(gnode.attrs))
+            instance = instance_for(op, [n.shape for n in inputs], dict(gnode.attrs), self.instances)
         except InstantiationError:
             return False
         placement = None

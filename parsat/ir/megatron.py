@@ -189,13 +189,20 @@ class _MegatronBuilder:
         self.forms: dict[str, dict[Placement, int]] = {}             # activation -> placement -> node
         self.made: dict[tuple[str, Placement], int | None] = {}      # weight value at a placement -> node
         self.cache = memo.placements
+        # what repeats block after block within one layout, worked out once: a placement's degrees at a shape
+        # (`add`), and the input codes an operator accepts on an axis from its operands as they lie (`place`)
+        self.degrees: dict[tuple[Placement, tuple[int, ...]], Degrees] = {}
+        self.options: dict[tuple, list[tuple[float, tuple[int, ...]]]] = {}
 
     # ------------------------------------------------------------------ nodes
     def add(self, kind: str, op: str, inputs: Sequence[int], attrs: Sequence, shape: Sequence[int],
             placement: Placement, role: str = "", origin: str = "") -> int:
         """Append a node (its degrees follow from its placement; PlacementError if a dim does not split)."""
-        placement.local_shape(shape, self.mesh.shape)
-        degrees = Degrees.of_placement(placement, self.mesh, len(shape))
+        known = (placement, tuple(shape))
+        degrees = self.degrees.get(known)
+        if degrees is None:
+            placement.local_shape(shape, self.mesh.shape)
+            degrees = self.degrees[known] = Degrees.of_placement(placement, self.mesh, len(shape))
         self.nodes.append(PNode(len(self.nodes), kind, op, tuple(inputs), tuple(attrs), tuple(shape), degrees, role,
                                 origin, placement))
         return len(self.nodes) - 1
@@ -250,7 +257,7 @@ class _MegatronBuilder:
         key, instance = self.memo.instance(op, [o.shape for o in operands], attrs)
         if instance is None:
             return False
-        per_axis = [self.axis_options(key, instance, op, operands, shape, axis) for axis in range(len(self.mesh))]
+        per_axis = [self.known_options(key, instance, op, operands, shape, axis) for axis in range(len(self.mesh))]
         combos = sorted(product(*per_axis), key=lambda options: sum(cost for cost, _ in options))
         for combo in combos:
             targets = [Placement(tuple(codes[k] for _, codes in combo)) for k in range(len(operands))]
@@ -266,6 +273,19 @@ class _MegatronBuilder:
             self.forms[name] = {placement: node}
             return True
         return False
+
+    def known_options(self, key: tuple, instance: OpInstance, op: str, operands: Sequence[_Operand],
+                      shape: Sequence[int], axis: int) -> list[tuple[float, tuple[int, ...]]]:
+        """`axis_options`, once per operator and operands as they lie on the axis: what it reads of an operand is
+        its shape, whether it is static (and a weight's value, `weight_codes`), or the codes its placements
+        have on the axis, in order (`activation_codes`); every block of a model asks the same."""
+        lie = tuple((o.shape, o.static, o.name in self.weighted) if o.static else
+                    (o.shape, tuple(p.codes[axis] for p in self.forms[o.name])) for o in operands)
+        found = self.options.get((key, op, lie, tuple(shape), axis))
+        if found is None:
+            found = self.options[(key, op, lie, tuple(shape), axis)] = \
+                self.axis_options(key, instance, op, operands, shape, axis)
+        return found
 
     def axis_options(self, key: tuple, instance: OpInstance, op: str, operands: Sequence[_Operand],
                      shape: Sequence[int], axis: int) -> list[tuple[float, tuple[int, ...]]]:

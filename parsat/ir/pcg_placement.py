@@ -30,6 +30,7 @@ def derive_placements(pcg: PCG, ops: Mapping[str, ast.OpDecl]) -> dict[int, Plac
     shapes = {node.id: node.shape for node in pcg}
     placements: dict[int, Placement] = {}
     cache: dict = {}
+    instances: dict = {}
     for node in pcg:
         try:
             if node.kind == "leaf":
@@ -45,7 +46,7 @@ def derive_placements(pcg: PCG, ops: Mapping[str, ast.OpDecl]) -> dict[int, Plac
                 placement = apply_parallel(placements[node.inputs[0]], node.op, axis,
                                            None if dim is None else int(dim))
             else:
-                instance = instance_for(ops[node.op], [shapes[i] for i in node.inputs], dict(node.attrs))
+                instance = instance_for(ops[node.op], [shapes[i] for i in node.inputs], dict(node.attrs), instances)
                 placement = compute_placement(instance, [placements[i] for i in node.inputs], cache)
             placement.local_shape(node.shape, mesh.shape)
         except PlacementError as err:

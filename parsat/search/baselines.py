@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 from parsat.dsl import ast
 from parsat.dsl.checker import is_parallel_rule
@@ -83,28 +83,59 @@ def independent_grid(graph: Graph, library: Library, machine: Machine, free_inpu
     Megatron-LM's distributed optimizer, where dp > 1), then recomputing blocks (`ir.recompute`) too, as
     Megatron-LM runs large models. Each is a `best_grid` candidate whose `config`
     spells its point; the caller simulates their steps and keeps the best (`search.mesh.rank`). A point the
-    graph cannot be laid out as is not in the grid."""
+    graph cannot be laid out as is not in the grid. In the order of tp, then ZeRO, then sequence parallelism."""
+    return [point for _place, point in sorted(
+        (found for family in grid_families(graph, library, machine, free_input_placements, devices, fits)
+         for found in family), key=lambda found: found[0])]
+
+
+def grid_families(graph: Graph, library: Library, machine: Machine, free_input_placements: bool, devices: int,
+                  fits: Callable[[Candidate], bool] | None = None,
+                  skip: Callable[[PCG], bool] | None = None) -> Iterator[list[tuple[int, Candidate]]]:
+    """`independent_grid`'s points, one (dp, tp, sequence parallelism) layout at a time, each with its place in
+    `independent_grid`'s order: the layout with ZeRO 0, then 3, each with its fallbacks.
+
+    A family's points lay out every value but the weights' alike: ZeRO-3 stores a weight split on the data
+    axis and all-gathers it into the placement its readers take, which data parallelism replicates it into
+    (`megatron_pcg`, `data_parallel_pcg`), and ZeRO-1 and recomputation change how state is held and what
+    runs again, not the layout. So a bound on their steps that reads only those values' operators (the
+    layout's step floor, without the plan's own updates and recomputation: `cost.pcg_tasks.step_floor`) is
+    one for the whole family, and `skip(pcg)`, shown the family's first layout, leaves the family out (the
+    rest are not even built) where it says so. A generator: `skip` is asked when the caller asks for the
+    family, after the ones before it, so it can read what they gave (the bar of a branch and bound)."""
     per_node = machine.devices_per_node
     fits = fits or (lambda candidate: candidate.totals.fits(machine))
-    found: list[Candidate] = []
     shared: dict = {}   # what every point's layout of the graph reuses (`megatron_pcg`'s cache)
     blocks = has_blocks(leaf.name for leaf in graph.leaves)
+    place = 0
     for tp in [t for t in range(1, min(devices, per_node) + 1) if per_node % t == 0 and devices % t == 0]:
         dp = devices // tp
-        for zero in (ZERO_LEVELS if dp > 1 else (0,)):
-            for sequence in ((False, True) if tp > 1 else (False,)):
+        zeros, sequences = (ZERO_LEVELS if dp > 1 else (0,)), ((False, True) if tp > 1 else (False,))
+        for s, sequence in enumerate(sequences):
+            family = []
+            for z, zero in enumerate(zeros):
                 pcg = megatron_pcg(graph, library, (dp, tp), per_node, zero=zero, sequence=sequence, cache=shared)
+                if z == 0 and pcg is not None and skip is not None and skip(pcg):
+                    break
                 config = {"dp": dp, "tp": tp, "sp": sequence, "zero": zero, "microbatches": graph.microbatches}
-                point = _priced_point(pcg, config, graph, library, machine, free_input_placements)
-                if point is not None and not fits(point) and zero == 0 and dp > 1:
-                    pcg, config = replace(pcg, zero=1), {**config, "zero": 1}   # Megatron's distributed optimizer
-                    point = _priced_point(pcg, config, graph, library, machine, free_input_placements) or point
-                if point is not None and not fits(point) and blocks:
-                    point = _priced_point(replace(pcg, recompute=BLOCKS), {**config, "recompute": BLOCKS}, graph,
-                                          library, machine, free_input_placements) or point
+                point = _fitting_point(pcg, config, graph, library, machine, free_input_placements, fits, blocks)
                 if point is not None:
-                    found.append(point)
-    return found
+                    family.append((place + z * len(sequences) + s, point))
+            yield family
+        place += len(zeros) * len(sequences)
+
+
+def _fitting_point(pcg: PCG | None, config: dict, graph: Graph, library: Library, machine: Machine,
+                   free_input_placements: bool, fits: Callable[[Candidate], bool], blocks: bool) -> Candidate | None:
+    """A grid point priced; where it does not fit, priced again with ZeRO-1 (dp > 1), then recomputing blocks."""
+    point = _priced_point(pcg, config, graph, library, machine, free_input_placements)
+    if point is not None and not fits(point) and config["zero"] == 0 and config["dp"] > 1:
+        pcg, config = replace(pcg, zero=1), {**config, "zero": 1}   # Megatron's distributed optimizer
+        point = _priced_point(pcg, config, graph, library, machine, free_input_placements) or point
+    if point is not None and not fits(point) and blocks:
+        point = _priced_point(replace(pcg, recompute=BLOCKS), {**config, "recompute": BLOCKS}, graph,
+                              library, machine, free_input_placements) or point
+    return point
 
 
 def _priced_point(pcg: PCG | None, config: dict, graph: Graph, library: Library, machine: Machine,

@@ -11,11 +11,12 @@ candidate's step for the final ranking, and `rank` orders them.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
-from parsat.cost.pcg_tasks import OpTimes, TaskBuildError
+from parsat.cost.pcg_tasks import OpTimes, TaskBuildError, step_floor
 from parsat.cost.simulator import SimulationError
 from parsat.cost.step_report import simulate_step
 from parsat.dsl.library import Library
@@ -25,7 +26,7 @@ from parsat.ir.blocks import has_blocks
 from parsat.ir.costs import totals
 from parsat.ir.machine import Machine
 from parsat.ir.mesh import Mesh
-from parsat.ir.pcg import describe_zero
+from parsat.ir.pcg import PCG, describe_zero
 from parsat.ir.placement import Placement
 from parsat.ir.plan import JOINT
 from parsat.ir.recompute import AUTO, BLOCKS, NONE, check_policy
@@ -77,13 +78,16 @@ class CandidateSteps:
     """Simulates candidates' steps for the final ranking (`step_report.simulate_step`), sharing one cache of
     compute times; a candidate the simulator cannot run keeps its per-node sum, and `failures` says why."""
 
-    def __init__(self, library: Library, machine: Machine, microbatches: int = 1):
+    def __init__(self, library: Library, machine: Machine, microbatches: int = 1, shared: dict | None = None):
         self.library, self.machine, self.microbatches = library, machine, microbatches
-        self.times = OpTimes(library, machine)
         self.failures: dict[str, str] = {}
-        # a PCG found twice (a mesh's joint plan is often one of its grid points) is simulated once: a step of
-        # many micro-batches of a whole model takes seconds
-        self.simulated: dict = {}
+        # a PCG found twice (a mesh's joint plan is often one of its grid points; a scout's candidates are found
+        # again by the search of every mesh at its count) is simulated once: a step of many micro-batches of a
+        # whole model takes seconds. `shared` (the call's, `SearchRequest.simulations`) keeps the simulated
+        # steps and the compute times for every step on this machine and micro-batch count.
+        known = (OpTimes(library, machine), {})
+        self.times, self.simulated = known if shared is None else shared.setdefault((machine, microbatches), known)
+        self.skipped = 0   # candidates `fastest` left out unsimulated
 
     def __call__(self, candidate: Candidate | None) -> Candidate | None:
         if candidate is None or candidate.totals.streams is not None:
@@ -97,6 +101,46 @@ class CandidateSteps:
                 return candidate
             self.simulated[candidate.pcg] = found
         return replace(candidate, totals=candidate.totals.simulated(*found))
+
+    def floor(self, pcg: PCG, plan: bool = True) -> float | None:
+        """A lower bound of `pcg`'s simulated step (`pcg_tasks.step_floor`; without the `plan`'s own part, one
+        for every ZeRO stage and recomputation of its layout), None where a node of it cannot be timed (its
+        simulation, if made, says why)."""
+        try:
+            return step_floor(pcg, self.machine, self.times, self.microbatches, plan=plan)
+        except TaskBuildError:
+            return None
+
+    def beyond(self, pcg: PCG, bar: float) -> bool:
+        """Whether every ZeRO stage and recomputation of `pcg`'s layout is surely slower than `bar` (a simulated
+        step, rounded as `rank` rounds): their floor, so rounded, is above it."""
+        floor = self.floor(pcg, plan=False)
+        return floor is not None and round(floor, 12) > bar
+
+    def fastest(self, candidates: Sequence[Candidate], fits: Callable[[Candidate], bool], bar: float = math.inf,
+                rivals: Callable[[Candidate], bool] | None = None) -> tuple[dict[int, Candidate], float]:
+        """`candidates` by their index, with those that fit simulated, less those that cannot be the fastest of
+        them: branch and bound. The ones that fit are simulated in the order of their floors (`floor`), and one
+        whose floor is above the fastest step simulated so far (from `bar`, one already simulated among those
+        they are ranked with), as `rank` rounds them, is left out unsimulated: its step would be slower still,
+        so the fastest that fits, and every one as fast (`rank`'s ties), are what simulating every one gives.
+        (A left-out candidate is never run, so a simulator failure it would have had is not recorded.) Those
+        that do not fit are kept as they are: they rank by memory, which simulating does not change; so are
+        those `rivals` says are not ranked at all (a pinned search's grid points that do not keep the pins:
+        the bar must come from a candidate that can be chosen). Also the fastest step simulated, the bar for
+        the candidates ranked after them. `skipped` counts those left out."""
+        fitting = [i for i, c in enumerate(candidates) if fits(c) and (rivals is None or rivals(c))]
+        floors = {i: self.floor(candidates[i].pcg) for i in fitting}
+        kept = dict(enumerate(candidates))
+        for i in sorted(fitting, key=lambda i: (-math.inf if floors[i] is None else floors[i], i)):
+            if floors[i] is not None and round(floors[i], 12) > bar:
+                del kept[i]
+                self.skipped += 1
+                continue
+            kept[i] = self(candidates[i])
+            if kept[i].totals.streams is not None:
+                bar = min(bar, round(kept[i].totals.time_s, 12))
+        return kept, bar
 
 
 def rank(candidate: Candidate, memory: MemoryFit) -> tuple:

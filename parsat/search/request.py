@@ -89,6 +89,10 @@ class SearchRequest:
     # the independent grid's points by (graph, machine, devices): a scout's step and the search of every mesh at
     # its count share them (`step.independent_points`)
     grid_points: dict = field(default_factory=dict, compare=False)
+    # what the steps of one call share beside: each mesh's search by its inputs (`step.searched_once`), and the
+    # simulated steps and compute times by machine and micro-batch count (`mesh.CandidateSteps`)
+    mesh_searches: dict = field(default_factory=dict, compare=False)
+    simulations: dict = field(default_factory=dict, compare=False)
     deadline: float | None = None       # the call's `--limit seconds` deadline (perf_counter), None without one
 
     def graph_budget(self) -> GraphBudget:

@@ -21,6 +21,7 @@ a scout says so (`saturation.scouted`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
@@ -35,7 +36,7 @@ from parsat.ir.pcg_placement import derive_placements
 from parsat.ir.placement import Placement, PlacementError
 from parsat.ir.plan import JOINT, BaselinePlan, Plan
 from parsat.egraph.runner import STOP_INTERRUPTED, STOP_SATURATED, Limits
-from parsat.search.baselines import Candidate, data_parallel, independent_grid, sequential
+from parsat.search.baselines import Candidate, data_parallel, grid_families, sequential
 from parsat.search.deadline import Deadline
 from parsat.search.inputs import pins_on, search_meshes
 from parsat.search.mesh import CandidateSteps, MeshSearch, best, rank, search_mesh
@@ -72,7 +73,7 @@ def search_step(step: StepContext, clock: Deadline) -> Plan:
     try:
         return _search_step(step, clock, choices[:1], left_out=choices[1:])
     except DoesNotFit:
-        steps = CandidateSteps(step.request.library, step.machine, step.graph.microbatches)
+        steps = CandidateSteps(step.request.library, step.machine, step.graph.microbatches, step.request.simulations)
         if step.pins or not any(step.memory.fits(p) for p in independent_points(step, steps)):
             raise
         step.say("no plan on the first mesh fits where a grid point does: searching every mesh")
@@ -90,7 +91,7 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
                            "a scout's step, compared with the other micro-batch counts or pipeline pairs")
     searches = search_meshes_of(step, choices, clock)
     unspread = _unspread(step, searches, pinned=choices[0].config is not None)
-    steps = CandidateSteps(step.request.library, step.machine, step.graph.microbatches)
+    steps = CandidateSteps(step.request.library, step.machine, step.graph.microbatches, step.request.simulations)
     searches = [s.simulated(steps) for s in searches]
     solved = [s for s in searches if s.joint is not None]
     cut = "" if solved else _valve_cut(searches, choices, clock)
@@ -182,7 +183,7 @@ def search_meshes_of(step: StepContext, choices: Sequence[MeshChoice], clock: De
                      f"{clock.why_spent()}")
             break
         try:
-            searches.append(search_mesh(step, choice.mesh, choice.config, choice.pins, clock.within(share.seconds)))
+            searches.append(searched_once(step, choice, clock.within(share.seconds)))
         except KeyboardInterrupt:
             clock.interrupt()
             if not searches:
@@ -190,6 +191,28 @@ def search_meshes_of(step: StepContext, choices: Sequence[MeshChoice], clock: De
             step.say(f"meshes {', '.join(str(c.mesh) for c in choices[index:])} not searched: interrupted (Ctrl-C)")
             break
     return searches
+
+
+def searched_once(step: StepContext, choice: MeshChoice, clock: Deadline) -> MeshSearch:
+    """`search_mesh` on `choice`, once per call for the same inputs: the search of every mesh at the count (or
+    pipeline pair) a scout chose repeats the scout's search of the first mesh, on the same graph, machine,
+    devices and pins, so its result is kept and found again. Only where no wall-clock limit can cut a search
+    (`--limit seconds`, `ilp_seconds`): a search's result then depends on its inputs alone (work budgets),
+    and one that Ctrl-C cut is not kept."""
+    request = step.request
+    if math.isfinite(request.limits.seconds) or math.isfinite(request.limits.ilp_seconds):
+        return search_mesh(step, choice.mesh, choice.config, choice.pins, clock)
+    key = (step.graph, step.repetition, step.machine, step.devices, step.stage, step.in_flight,
+           tuple(sorted(step.batch_inputs.items())), tuple(sorted(step.pins.items())), choice.mesh, choice.config,
+           tuple(sorted(choice.pins.items())))
+    found = request.mesh_searches.get(key)
+    if found is not None:
+        step.say(f"mesh {choice.mesh}: searched before, with the same inputs")
+        return found
+    found = search_mesh(step, choice.mesh, choice.config, choice.pins, clock)
+    if found.result.stop != STOP_INTERRUPTED and not clock.interrupted.is_set():
+        request.mesh_searches[key] = found
+    return found
 
 
 def _unspread(step: StepContext, searches: Sequence[MeshSearch], pinned: bool) -> str:
@@ -276,16 +299,27 @@ def _two_phase(step: StepContext, best_search: MeshSearch, spare: Limits, clock:
 
 def independent_points(step: StepContext, steps: CandidateSteps) -> list[Candidate]:
     """The independent grid's points (`baselines.independent_grid`), the ones that fit as they run
-    (`search.fit`) simulated (a point that does not fit ranks by its memory, which simulating does not change);
-    made once per call for one graph on one machine and devices (and pipeline, for a stage's), which a scout's
+    (`search.fit`) simulated, less those whose step cannot be the fastest of them: only the fastest point can
+    be the best grid point, and a point that does not fit ranks by its memory, which simulating does not
+    change. Branch and bound over the grid's layouts (`baselines.grid_families`): a layout whose step floor
+    is above the fastest point simulated so far is not built further nor simulated, and within a layout
+    `CandidateSteps.fastest` skips likewise; so the points kept hold every one as fast as the fastest, in
+    the grid's order. Where `--degrees` pins, only the points that keep the pins can be the best grid point
+    (`compare_baselines`), so only they are simulated and set the bar; the others are kept unsimulated. Made
+    once per call for one graph on one machine and devices (and pipeline, for a stage's), which a scout's
     step and the search of every mesh at its count share."""
     request = step.request
     key = (step.graph, step.machine, step.devices, step.stage)
     found = request.grid_points.get(key)
     if found is None:
-        found = [steps(point) if step.memory.fits(point) else point for point in
-                 independent_grid(step.graph, request.library, step.machine, request.free_input_placements,
-                                  step.devices, step.memory.fits)]
+        rivals = (lambda point: keeps_pins(point, request)) if request.parallel_dims else None
+        kept: list[tuple[int, Candidate]] = []
+        bar = math.inf
+        for family in grid_families(step.graph, request.library, step.machine, request.free_input_placements,
+                                    step.devices, step.memory.fits, skip=lambda pcg: steps.beyond(pcg, bar)):
+            points, bar = steps.fastest([point for _place, point in family], step.memory.fits, bar, rivals)
+            kept += [(family[i][0], point) for i, point in points.items()]
+        found = [point for _place, point in sorted(kept, key=lambda pair: pair[0])]
         request.grid_points[key] = found
     return found
 

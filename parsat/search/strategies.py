@@ -136,14 +136,15 @@ def _weight_values(snapshot: Snapshot, roles: Mapping[int, str]) -> frozenset[in
     rank, so replicating one over the data axis is replicating the weights it is made of (its gradient summed
     once a step)."""
     found = {cid for cid, role in roles.items() if role in WEIGHT_ROLES}
-    changed = True
-    while changed:
-        changed = False
-        for cid, nodes in snapshot.classes.items():
-            if cid not in found and any(node.children and all(ch in found for ch in node.children)
-                                        for node in nodes):
+    # a worklist over the snapshot's readers, not sweeps over every class until none changes: a class is looked
+    # at again only when one it reads is found (the same fixpoint)
+    work = list(found)
+    while work:
+        child = work.pop()
+        for cid, index in snapshot.readers.get(child, ()):
+            if cid not in found and all(ch in found for ch in snapshot.kids[(cid, index)]):
                 found.add(cid)
-                changed = True
+                work.append(cid)
     return frozenset(found)
 
 

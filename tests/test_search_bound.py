@@ -1,0 +1,146 @@
+"""Branch and bound over the independent grid (`mesh.CandidateSteps.fastest`): a point whose step floor
+(`pcg_tasks.step_floor`) is above the fastest step simulated so far is not simulated, and the best point, and
+so the plan, is the one simulating every point gives."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parsat.search.baselines import grid_families, independent_grid
+from parsat.search.mesh import CandidateSteps, best
+from parsat.search.request import resolve_request, step_context
+from parsat.search.step import independent_points, keeps_pins
+
+# large enough a batch that data parallelism is bound by its compute, which tensor parallelism only slows
+SIZES = {"blocks": 2, "hidden": 512, "heads": 8, "batch": 256, "seq": 512, "vocab": 2048}
+
+
+def _grid():
+    request = resolve_request("gpt", "h100x8", None, None, 8, sizes=SIZES)
+    step = step_context(request, 1)
+    points = independent_grid(step.graph, request.library, step.machine, True, step.devices, step.memory.fits)
+    return request, step, points
+
+
+def test_points_that_cannot_be_the_fastest_are_not_simulated():
+    request, step, points = _grid()
+    bounded = CandidateSteps(request.library, step.machine, 1)
+    kept, bar = bounded.fastest(points, step.memory.fits)
+    kept = [kept[i] for i in sorted(kept)]
+    every = CandidateSteps(request.library, step.machine, 1)
+    simulated = [every(p) if step.memory.fits(p) else p for p in points]
+    assert bounded.skipped > 0 and len(kept) == len(points) - bounded.skipped
+    assert len(bounded.simulated) == len(points) - bounded.skipped     # the skipped ones never ran
+    chosen, unbounded = best(kept, step.memory), best(simulated, step.memory)
+    assert chosen.pcg == unbounded.pcg and chosen.config == unbounded.config and chosen.totals == unbounded.totals
+    assert bar == round(chosen.totals.time_s, 12)
+    left_out = [s for s in simulated if not any(k.pcg == s.pcg for k in kept)]
+    assert left_out and all(s.totals.time_s > chosen.totals.time_s for s in left_out)
+    assert [k.config for k in kept] == [s.config for s in simulated if any(k.pcg == s.pcg for k in kept)]
+
+
+def test_a_layout_is_left_out_whole_where_its_floor_is_beyond_the_fastest_point():
+    """A layout's points (ZeRO 0 and 3, and the fallbacks) compute alike, so they share one floor
+    (`baselines.grid_families`); a layout `skip` turns down on its first point yields none of its points."""
+    request, step, points = _grid()
+    steps = CandidateSteps(request.library, step.machine, 1)
+    families = list(grid_families(step.graph, request.library, step.machine, True, step.devices, step.memory.fits))
+    for family in families:
+        layout = {steps.floor(point.pcg, plan=False) for _place, point in family}
+        assert len(layout) == 1 and all(steps.floor(point.pcg) >= min(layout) for _place, point in family)
+    bar = round(min(steps(p).totals.time_s for p in points if p.config["tp"] == 1), 12)
+    shown = []
+
+    def skip(pcg) -> bool:
+        shown.append(pcg)
+        return steps.beyond(pcg, bar)
+
+    kept = list(grid_families(step.graph, request.library, step.machine, True, step.devices, step.memory.fits,
+                              skip))
+    assert len(shown) == len(families) and [len(f) for f in kept].count(0) == sum(map(steps.beyond, shown,
+                                                                                        [bar] * len(shown))) > 0
+    assert all(not f or steps.floor(f[0][1].pcg, plan=False) <= bar for f in kept)
+    assert [f for f in kept if f] == [f for f in families if not steps.beyond(f[0][1].pcg, bar)]
+
+
+def _without_timing(value):
+    if isinstance(value, dict):
+        return {k: _without_timing(v) for k, v in value.items() if "seconds" not in k}
+    if isinstance(value, list):
+        return [_without_timing(v) for v in value]
+    return value
+
+
+def test_a_pinned_search_bounds_only_the_points_that_keep_the_pins():
+    """Pinned dp 2 x tp 4, a layout slower than data parallelism here: only points that keep the pins can be
+    the best grid point (`step.keeps_pins`), so the best of them is the one simulating every point gives. A
+    bar set by the faster dp 8 points would leave every point of the pinned layout out."""
+    request = resolve_request("gpt", "h100x8", None, None, 8, sizes=SIZES, degrees={"dp": 2, "tp": 4})
+    step = step_context(request, 1)
+    steps = CandidateSteps(request.library, step.machine, 1, request.simulations)
+    kept = [p for p in independent_points(step, steps) if keeps_pins(p, request)]
+    every = CandidateSteps(request.library, step.machine, 1)
+    points = [every(p) for p in independent_grid(step.graph, request.library, step.machine, True, step.devices,
+                                                  step.memory.fits)]
+    chosen, unbounded = best(kept, step.memory), best([p for p in points if keeps_pins(p, request)], step.memory)
+    assert chosen is not None and (chosen.config, chosen.totals) == (unbounded.config, unbounded.totals)
+    assert best(points, step.memory).config["dp"] == 8 and len(kept) == 4
+    assert all(p.totals.streams is None for p in independent_points(step, steps) if not keeps_pins(p, request))
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_every_grid_point_s_floor_is_below_its_simulated_step(microbatches):
+    """What the bound rests on, for every point of the grid on 16 devices of two nodes (data, tensor and both,
+    ZeRO 0 and 3, sequence parallelism, whose in-node collectives are pipelined with their products): its
+    floor is below its simulated step, and so is the floor of its layout (`plan=False`, the family's first
+    point's), which `beyond` reads for the whole family."""
+    request = resolve_request("gpt", "h100x8", None, None, 16, sizes=SIZES)
+    step = step_context(request, microbatches)
+    steps = CandidateSteps(request.library, step.machine, microbatches)
+    families = [f for f in grid_families(step.graph, request.library, step.machine, True, step.devices,
+                                         lambda point: True) if f]
+    assert len(families) >= 6 and any(p.config["sp"] for f in families for _i, p in f)
+    for family in families:
+        layout = steps.floor(family[0][1].pcg, plan=False)
+        for _place, point in family:
+            simulated = steps(point).totals
+            assert simulated.streams is not None
+            assert layout <= steps.floor(point.pcg) <= simulated.time_s
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("degrees", [{"dp": 8}, {"dp": 4, "tp": 2}])
+def test_the_plan_is_the_one_simulating_every_point_gives(monkeypatch, degrees):
+    """The whole call, with the bound and with every point simulated (no floor): the same plan, field for field
+    but its timings, and the bound skipped points. Pinned dp 4 x tp 2, a layout slower than data parallelism
+    here: its points are the only ones that can be the best grid point, so a faster point that does not keep
+    the pins must not set the bar they are left out by."""
+    import parsat
+
+    skipped = []
+    fastest, beyond = CandidateSteps.fastest, CandidateSteps.beyond
+
+    def counting(self, *args):
+        before = self.skipped
+        found = fastest(self, *args)
+        skipped.append(self.skipped - before)
+        return found
+
+    def layouts(self, *args):   # a layout left out whole
+        out = beyond(self, *args)
+        skipped.append(int(out))
+        return out
+
+    def plan() -> dict:
+        found = parsat.optimize("gpt", machine="h100x8", devices=8, sizes=SIZES, degrees=degrees)
+        return _without_timing(json.loads(found.to_json()))
+
+    monkeypatch.setattr(CandidateSteps, "fastest", counting)
+    monkeypatch.setattr(CandidateSteps, "beyond", layouts)
+    bounded = plan()
+    assert sum(skipped) > 0
+    monkeypatch.setattr(CandidateSteps, "floor", lambda self, pcg, plan=True: None)
+    skipped.clear()
+    assert plan() == bounded and sum(skipped) == 0
