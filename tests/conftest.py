@@ -70,3 +70,26 @@ def _data_parallel_matmul(aligned: bool) -> PCG:
 def data_parallel_matmul():
     """`_data_parallel_matmul`: a 4-rank plan whose matmul inputs line up (aligned=True) or not."""
     return _data_parallel_matmul
+
+
+@pytest.fixture
+def unrepeatable_blocks(monkeypatch):
+    """The searched blocks' plan refused as unrepeatable (`RepeatError`) wherever a mesh's search extracts one.
+
+    Cut to its greedy passes (a limit, Ctrl-C), extraction could lay the searched blocks out unlike each other,
+    and the call then ended in an error although every baseline fit. Whether the greedy passes do depends on
+    the order of the e-graph's classes (the graph loader of 3b4e15b made the small gpt's blocks come out
+    alike), so tests of the fallback inject the refusal."""
+    import parsat.search.mesh as mesh_module
+    from parsat.search.repeat import RepeatError
+
+    real_solve = mesh_module.solve
+
+    def unrepeatable(*args, **kwargs):
+        found = real_solve(*args, **kwargs)
+        if kwargs.get("repetition") is not None:
+            raise RepeatError("the blocks are not laid out alike: block 1 reads block 0's output in another "
+                              "placement (injected)")
+        return found
+
+    monkeypatch.setattr(mesh_module, "solve", unrepeatable)

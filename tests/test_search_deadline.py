@@ -20,7 +20,6 @@ from parsat.ir.errors import DoesNotFit, OptimizeError
 from parsat.search.pipeline_search import (NOT_SEARCHED, best_of, microbatch_counts, pipeline_degrees,
                                              search_pipelines)
 from parsat.egraph.runner import STOP_INTERRUPTED, STOP_SATURATED, STOP_SECONDS, Limits
-from parsat.search.repeat import RepeatError
 from parsat.search.request import resolve_request
 
 SIZES = {"blocks": 4, "batch": 8, "seq": 16, "hidden": 32, "heads": 2, "vocab": 64}
@@ -127,24 +126,13 @@ class RunsOutAfterSaturation(Deadline):
         return 0.0 if self.saturated.is_set() else super().left
 
 
-def test_a_limit_that_cuts_a_repeated_block_search_falls_back_to_the_best_baseline_and_says_so(monkeypatch):
+def test_a_limit_that_cuts_a_repeated_block_search_falls_back_to_the_best_baseline_and_says_so(monkeypatch,
+                                                                                               unrepeatable_blocks):
     # cut to its greedy passes, extraction laid the searched blocks out unlike each other (a residual sum
     # reassociated across two blocks): the joint plan could not be repeated, and the call ended with "the plan's
-    # blocks cannot be repeated (...); --all-blocks searches every block" while every baseline fit. Whether the
-    # greedy passes lay the blocks out alike depends on the order of the e-graph's classes (a new graph loader
-    # made them alike), so the repeated plan's refusal is injected too.
+    # blocks cannot be repeated (...); --all-blocks searches every block" while every baseline fit
     monkeypatch.setattr(Deadline, "starting_now",
                         classmethod(lambda cls, limits: RunsOutAfterSaturation(time.perf_counter() + 600, limits)))
-    real_solve = mesh_module.solve
-
-    def unrepeatable(*args, **kwargs):
-        found = real_solve(*args, **kwargs)
-        if kwargs.get("repetition") is not None:
-            raise RepeatError("the blocks are not laid out alike: block 1 reads block 0's output in another "
-                              "placement (injected)")
-        return found
-
-    monkeypatch.setattr(mesh_module, "solve", unrepeatable)
     said: list[str] = []
     plan = api.optimize("gpt", "cpu", devices=4, sizes=SIZES, limits={"seconds": 600}, progress=said.append)
     assert plan.saturation["repeated_blocks"]["blocks"] == 4
