@@ -154,6 +154,52 @@ def test_an_optimizer_plan_that_mixes_roles_on_one_axis_is_refused(tiny_graph):
         lower(plan.pcg, tiny_graph, module_info(tiny()[0]))
 
 
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(WIDTH, 4 * WIDTH)
+        self.fc2 = nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, h):
+        return h + self.fc2(torch.nn.functional.gelu(self.fc1(h)))
+
+
+class _StackLM(nn.Module):
+    """Two identical blocks in an nn.ModuleList: the importer names their weights b0_blocks.#... and b1_..."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB_SIZE, WIDTH)
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.head = nn.Linear(WIDTH, VOCAB_SIZE, bias=False)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.slow
+def test_a_plan_naming_a_stack_of_blocks_lowers_through_the_import_names():
+    """The importer renames a stack's identical blocks (b{i}_..., issue 32), so a transformer's plan does not name
+    its weights as the module does: without the import's map the lowering refuses and says to give example
+    inputs; with it (`parallelize(module, plan, example_inputs, runtime="torch")`) each block's projections get
+    their own styles under the module's names. ~40 s on 2 loaded cores (torch.export)."""
+    from parsat.importer.export import import_module
+
+    torch.manual_seed(0)
+    module = _StackLM()
+    imported = import_module(module, _batch(0, BATCH, SEQ, VOCAB_SIZE), check=False)
+    assert any(name.startswith("b1_") for name in imported.weights)
+    pcg = megatron_pcg(imported.graph, operator_library(), (1, 2))
+    with pytest.raises(LoweringError, match="give parallelize example_inputs"):
+        lower(pcg, imported.graph, module_info(module))
+    styles = {s.module: s.kind for s in lower(pcg, imported.graph, module_info(module, imported.weights)).styles}
+    for block in ("blocks.0", "blocks.1"):
+        assert styles[f"{block}.fc1"] == COLWISE and styles[f"{block}.fc2"] == ROWWISE, styles
+
+
 # ------------------------------------------------------------------ training on 2 gloo ranks
 
 
@@ -176,9 +222,10 @@ def train_job(ctx, factory: str, plans: dict, steps: int, folder: str, batch: tu
     make = _factory(factory)
     out = {}
     for label, plan in plans.items():
-        module, _ = make()
+        module, example = make()
         reference = copy.deepcopy(module)
-        model = parsat.parallelize(module, plan, runtime="torch")
+        # a Hugging Face model's plan names its stack of blocks b{i}_...: the import of the example maps them back
+        model = parsat.parallelize(module, plan, None if factory == "tiny" else example, runtime="torch")
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
         ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
         losses, ref_losses, norms, ref_norms = [], [], [], []

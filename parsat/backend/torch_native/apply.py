@@ -60,9 +60,11 @@ class NativeParallelizeError(ValueError):
 # ------------------------------------------------------------------ the module, described
 
 
-def module_info(module: nn.Module) -> ModuleInfo:
+def module_info(module: nn.Module, aliases: Mapping[str, str] | None = None) -> ModuleInfo:
     """What `lowering.lower` needs of `module`: parameters by every name (tied ones share one `ParamInfo`), each
-    submodule's kind, the parameters each holds itself."""
+    submodule's kind, the parameters each holds itself. `aliases` (graph weight -> parameter name, an import's
+    `weights`) adds the graph's names: the importer names a stack's identical blocks `b{i}_...`, so a plan of
+    a transformer names its weights so, not as the module does."""
     kinds: dict[str, str] = {}
     holds: dict[str, tuple[str, ...]] = {}
     for name, sub in module.named_modules(remove_duplicate=False):
@@ -86,6 +88,9 @@ def module_info(module: nn.Module) -> ModuleInfo:
         info = ParamInfo(tuple(names), tuple(tensors[key].shape), owners)
         for n in names:
             params[n] = info
+    for graph_name, name in (aliases or {}).items():
+        if graph_name not in params and name in params:
+            params[graph_name] = params[name]
     return ModuleInfo(params, kinds, holds, frozenset(below))
 
 
@@ -137,7 +142,7 @@ def parallelize_native(module: nn.Module, plan, *, mp_policy=None, example_input
         if difference:
             raise NativeParallelizeError(difference)
     try:
-        lowering = lower(pcg, graph, module_info(module))
+        lowering = lower(pcg, graph, module_info(module, imported.weights if imported is not None else None))
     except LoweringError as err:
         raise NativeParallelizeError(str(err)) from None
     if mp_policy is not None and not (lowering.axes(DATA) or lowering.axes(ZERO3)):

@@ -67,6 +67,8 @@ Torch is not imported here: the module is described by `ModuleInfo`
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -275,7 +277,10 @@ class _Lowerer:
         shape = tuple(leaf.shape)
         if info is None:
             raise LoweringError(f"the plan's weight '{leaf.op}' {list(shape)} is not a parameter of the module: "
-                                "parallelize the module the plan was made for")
+                                "parallelize the module the plan was made for"
+                                + (" (the importer named its stack of identical blocks b{i}_...: give parallelize "
+                                   "example_inputs, and the import maps them to the module's names)"
+                                   if re.match(r"b\d+_", leaf.op) else ""))
         if tuple(info.shape) != shape:
             raise LoweringError(f"the plan's weight '{leaf.op}' has shape {list(shape)}, the module's "
                                 f"{list(info.shape)}: parallelize the module the plan was made for")
