@@ -80,6 +80,11 @@ CASES: dict[str, list[tuple[list[tuple[int, ...]], dict]]] = {
     "rmsnorm": [([(3, 4), (4,)], {"eps": 1e-6}), ([(2, 3, 4), (4,)], {"eps": 1e-5})],
     "dropout_masked": [([(3, 4), (3, 4)], {"rate": 0.25})],
     "embedding_padded": [([(4, 7), (7, 3)], {"pad": 0}), ([(2, 3, 7), (7, 5)], {"pad": 6})],
+    "conv2d_grouped": [([(2, 4, 6, 6), (4, 1, 3, 3)], {"groups": 4, "stride": 1, "pad": 1}),   # depthwise
+                       ([(1, 4, 7, 5), (6, 2, 3, 2)], {"groups": 2, "stride": 2, "pad": 0})],
+    "conv1d": [([(2, 3, 8), (4, 3, 3)], {"stride": 1, "pad": 1}), ([(1, 2, 9), (3, 2, 3)], {"stride": 2, "pad": 1})],
+    "pad": [([(2, 3, 4)], {"dim": 1, "before": 1, "after": 2, "c": 0.0}),
+            ([(3, 2)], {"dim": 1, "before": 0, "after": 3, "c": -1.5})],
 }
 
 POSITIVE = {"sqrt": (0,), "rsqrt": (0,), "log": (0,), "reciprocal": (0,), "div": (1,), "bn_normalize": (2,)}

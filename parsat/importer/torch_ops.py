@@ -128,6 +128,16 @@ def _maxpool2d_padded(x: Tensor, size: int, stride: int, pad: int) -> Tensor:
     return F.max_pool2d(x, int(size), int(stride), padding=int(pad))
 
 
+def _pad(x: Tensor, dim: int, before: int, after: int, c: float) -> Tensor:
+    """Constant padding of one dim; torch's `F.pad` lists (before, after) per dim from the last dim backwards."""
+    widths = [0, 0] * (x.dim() - 1 - int(dim)) + [int(before), int(after)]
+    return F.pad(x, widths, value=float(c))
+
+
+def _conv2d_grouped(x: Tensor, k: Tensor, groups: int, stride: int, pad: int) -> Tensor:
+    return F.conv2d(x, k, stride=int(stride), padding=int(pad), groups=int(groups))
+
+
 def _nll_sum(x: Tensor, lse: Tensor, y: Tensor) -> Tensor:
     return (y * (lse.unsqueeze(-1) - x)).sum()
 
@@ -199,6 +209,10 @@ OPS: Mapping[str, TorchOp] = {
     "embedding_padded": TorchOp(2, ("pad",), _embedding_padded),
     "conv2d": TorchOp(2, ("stride", "pad"), lambda x, k, stride, pad: F.conv2d(x, k, stride=int(stride),
                                                                                 padding=int(pad))),
+    "conv2d_grouped": TorchOp(2, ("groups", "stride", "pad"), _conv2d_grouped),
+    "conv1d": TorchOp(2, ("stride", "pad"), lambda x, k, stride, pad: F.conv1d(x, k, stride=int(stride),
+                                                                                padding=int(pad))),
+    "pad": TorchOp(1, ("dim", "before", "after", "c"), _pad),
     "avgpool2d": TorchOp(1, ("size", "stride"), lambda x, size, stride: F.avg_pool2d(x, int(size), int(stride))),
     "global_avgpool": TorchOp(1, (), lambda x: x.mean(dim=(2, 3))),
     "neg": TorchOp(1, (), torch.neg),
