@@ -1,11 +1,12 @@
 """Data parallelism, by its textbook definition: the PCG every baseline table starts from.
 
 Every graph input split along dim 0 over all devices (one mesh axis, `dp`),
-every weight replicated, outputs gathered; a partial sum (a statistic over
+but the inputs the graph names constant (`Graph.constants`), which carry no
+batch, every weight replicated, outputs gathered; a partial sum (a statistic over
 the split batch: batch norm's mean and variance) all-reduced where an
 operator needs it whole, which is synchronized batch normalization, the
 data parallelism torch's SyncBatchNorm runs; and a value computed from the
-weights alone that meets the batch along its dim 0 (ViT's class token,
+weights and constants alone that meets the batch along its dim 0 (ViT's class token,
 broadcast over the batch and concatenated with the patches) computed whole
 on every device and split with the batch, as each rank would slice it. It
 is built from the graph alone, not found by the rules, so the optimizer can
@@ -51,7 +52,7 @@ def data_parallel_pcg(graph: Graph, library: Library, devices: int, devices_per_
     mesh = Mesh.of((devices,), devices_per_node, names=(DP_AXIS,))
     build = _DataParallelBuilder(graph, devices, mesh)
     for leaf in graph.leaves:
-        build.place_leaf(leaf, zero3)
+        build.place_leaf(leaf, zero3, leaf.name in graph.constants)
     cache: dict = {}
     for gnode in graph.nodes:
         if not build.place_operator(gnode, library.ops[gnode.op], cache):
@@ -125,13 +126,14 @@ class _DataParallelBuilder:
             split.append(n)
         return split
 
-    def place_leaf(self, leaf: Leaf, zero3: bool) -> None:
-        """A graph input split along dim 0 (replicated where dim 0 does not split evenly); a weight replicated, or
+    def place_leaf(self, leaf: Leaf, zero3: bool, constant: bool = False) -> None:
+        """A graph input split along dim 0 (replicated where dim 0 does not split evenly, or where it is a
+        `constant`: the same for every batch, held whole by every rank as a weight is); a weight replicated, or
         with `zero3` stored split along its first dim the devices divide and all-gathered for its readers."""
         base = self.add("leaf", leaf.name, (), (), leaf.shape, Placement.whole(1), leaf.role, leaf.name)
-        self.whole[leaf.name] = base if leaf.role == "weight" else None
+        self.whole[leaf.name] = base if leaf.role == "weight" or constant else None
         stored = next((d for d, size in enumerate(leaf.shape) if size % self.devices == 0), None)
-        if leaf.role == "input" and leaf.shape and leaf.shape[0] % self.devices == 0:
+        if leaf.role == "input" and leaf.shape and leaf.shape[0] % self.devices == 0 and not constant:
             self.ident[leaf.name] = self.parallel(PARTITION, base, 0)
         elif leaf.role == "weight" and zero3 and stored is not None:
             self.ident[leaf.name] = self.parallel(ALL_GATHER, self.parallel(PARTITION, base, stored), stored)

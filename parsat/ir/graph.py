@@ -71,6 +71,11 @@ class Graph:
     # the backend build the same model at a step's whole batch (`ir.microbatch.step_batch`). Not part of the
     # graph's identity: a graph read from a file without it is the same graph.
     example: tuple[str, tuple[tuple[str, int], ...]] | None = field(default=None, compare=False)
+    # Inputs that are the same for every batch (made from positions and buffers, not from the user's data: T5's
+    # relative-position one-hots, Swin's relative-position gathers): they carry no batch, so a data-parallel
+    # axis holds them whole on every rank as it holds the weights (`ir.microbatch.batch_dims`,
+    # `ir.data_parallel`). The importer names them; a graph that names none treats every input as batch data.
+    constants: frozenset[str] = frozenset()
 
     # ------------------------------------------------------------- queries
     def shape(self, name: str) -> tuple[int, ...]:
@@ -102,7 +107,9 @@ class Graph:
     def _to_dict(self) -> dict:
         return {
             "schema": GRAPH_SCHEMA, "version": GRAPH_VERSION, "name": self.name,
-            "inputs": [{"name": l.name, "shape": list(l.shape)} for l in self.leaves if l.role == "input"],
+            "inputs": [{"name": l.name, "shape": list(l.shape), **({"constant": True} if l.name in self.constants
+                                                                    else {})}
+                       for l in self.leaves if l.role == "input"],
             "weights": [{"name": l.name, "shape": list(l.shape)} for l in self.leaves if l.role == "weight"],
             "nodes": [{"name": n.name, "op": n.op, "inputs": list(n.inputs), "attrs": dict(n.attrs),
                        "shape": list(n.shape)} for n in self.nodes],
@@ -154,6 +161,9 @@ class Graph:
         example = data.get("example")
         if example is not None:
             graph = graph.from_example(example["name"], example.get("sizes", {}))
+        constants = frozenset(item["name"] for item in data.get("inputs", []) if item.get("constant"))
+        if constants:
+            graph = replace(graph, constants=constants)
         return graph.with_microbatches(data.get("microbatches", 1))
 
     @staticmethod

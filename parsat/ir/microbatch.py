@@ -123,7 +123,8 @@ def batch_dims(graph: Graph, library: Library | None = None) -> dict[str, int]:
     """Input name -> the dim that carries the batch, for the inputs that carry one (a position or rotary table
     does not): what a data-parallel axis splits. For a built-in example, the dims that double when its example
     is built at twice its batch (`_cuts`); for any other graph (an imported module, a graph file), the leading
-    dim of every input, which is where torch and the data loaders put the batch."""
+    dim of every input, which is where torch and the data loaders put the batch, except the inputs the graph
+    names constant (`Graph.constants`: the same for every batch, such as T5's relative-position one-hots)."""
     if graph.example is not None and graph.example[0] in EXAMPLES:
         name, sizes = graph.example[0], dict(graph.example[1])
         batch = {**EXAMPLES[name].defaults(), **sizes}.get(BATCH)
@@ -131,4 +132,5 @@ def batch_dims(graph: Graph, library: Library | None = None) -> dict[str, int]:
             doubled = build_example(name, {**sizes, BATCH: 2 * batch}, library)
             inputs = {leaf.name for leaf in graph.leaves if leaf.role == "input"}
             return {k: v for k, v in _cuts(graph.with_microbatches(1), doubled, 2).items() if k in inputs}
-    return {leaf.name: 0 for leaf in graph.leaves if leaf.role == "input" and leaf.shape}
+    return {leaf.name: 0 for leaf in graph.leaves if leaf.role == "input" and leaf.shape
+            and leaf.name not in graph.constants}

@@ -175,6 +175,8 @@ def validate_graph_dict(data: Any, error: type[Exception] = GraphError, prefix: 
             item = f.obj(item, path)
             name = f.text(f.get(item, "name", path), f"{path}.name")
             f.shape(f.get(item, "shape", path), f"{path}.shape")
+            if key == "inputs" and "constant" in item and not isinstance(item["constant"], bool):
+                f.fail(f"{path}.constant", f"must be true or false, got {_kind(item['constant'])}")
             if name in places:
                 f.fail(f"{path}.name", f"the name '{name}' is used twice ({places[name]} and {path})")
             places[name] = path

@@ -80,7 +80,8 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
     """
     samples = _derived(snapshot, batch or {})
     stored_split = frozenset(_derived(snapshot, dict.fromkeys(split, 0)))
-    from_weights = _weight_values(snapshot, roles) if config.data_axis is not None else frozenset()
+    from_weights = _weight_values(snapshot, roles, samples if batch else None) if config.data_axis is not None \
+        else frozenset()
 
     def excluded(node) -> bool:
         if node.op == "leaf":
@@ -131,11 +132,14 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
     return forbidden.__contains__
 
 
-def _weight_values(snapshot: Snapshot, roles: Mapping[int, str]) -> frozenset[int]:
-    """The classes computed from weights alone (a tied embedding's transpose): the same on every data-parallel
-    rank, so replicating one over the data axis is replicating the weights it is made of (its gradient summed
-    once a step)."""
-    found = {cid for cid, role in roles.items() if role in WEIGHT_ROLES}
+def _weight_values(snapshot: Snapshot, roles: Mapping[int, str],
+                   samples: Mapping[int, int] | None = None) -> frozenset[int]:
+    """The classes computed from weights alone (a tied embedding's transpose), and, when the batch inputs are
+    known (`samples`), from weights and the inputs that carry no batch (T5's position bias: a weight read
+    through a constant one-hot): the same on every data-parallel rank, so replicating one over the data axis is
+    replicating the weights it is made of (its gradient summed once a step)."""
+    found = {cid for cid, role in roles.items()
+             if role in WEIGHT_ROLES or (samples is not None and role == "input" and cid not in samples)}
     # a worklist over the snapshot's readers, not sweeps over every class until none changes: a class is looked
     # at again only when one it reads is found (the same fixpoint)
     work = list(found)
