@@ -7,7 +7,9 @@ Hugging Face `sdpa` attention does: a mask built from positions only, never from
 the inputs). Any other is written out (`bmm`, `scale`, then `softmax`,
 `softmax_causal` for a causal square one with dropout, or `softmax_masked`,
 `bmm`); an explicit mask, and a causal mask over more keys than queries, are
-data leaves.
+data leaves; a float mask computed from the weights (T5's relative position
+bias, where a data mask keeps it) is added to the scores before `softmax`,
+as torch adds it.
 Dropout is `dropout_masked` with its mask a data leaf drawn each step
 (`imported.dropout_mask`). `cross_entropy` is `logsumexp` and `nll_sum`
 over one-hot targets; its mean multiplies that sum by the inverse count of
@@ -55,6 +57,7 @@ def _h_sdpa(t, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,
     """softmax(q k^T * scale [masked]) [dropout] v on [..., s, d] tensors: `attention_causal` where it is causal
     square attention without dropout, else written out with library operators."""
     qh, kh, vh = t.tensor(q), t.tensor(k), t.tensor(v)
+    qh, kh, vh = _broadcast_heads(t, qh, kh, vh)
     sq, sk, sv = t.shape(qh), t.shape(kh), t.shape(vh)
     if len(sq) < 3 or sq[:-2] != sk[:-2] or sk[:-1] != sv[:-1]:
         if enable_gqa:
@@ -73,9 +76,10 @@ def _h_sdpa(t, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,
     scores = t.op("scale", t.op("bmm", qh, kt, tag="scores"), c=c, tag="scaled")
     if causal and square:
         probs = t.op("softmax_causal", scores, tag="probs")   # the mask from positions: no mask tensor
+    elif attn_mask is not None and t.is_compute(attn_mask):   # a float mask from the weights is added to the
+        biased = t.binary_handles("add", scores, t.tensor(attn_mask))   # scores (T5's relative position bias)
+        probs = t.op("softmax", biased, dim=rank - 1, tag="probs")
     elif attn_mask is not None:
-        if t.is_compute(attn_mask):
-            raise Refused("an attention mask computed from the weights is not supported (masks are data)")
         probs = t.op("softmax_masked", scores, t.data_leaf(attn_mask, "mask", shape), tag="probs")
     elif is_causal:   # more keys than queries: torch aligns the causal mask at the end, a constant data leaf
         probs = t.op("softmax_masked", scores, t.data_leaf_const(node, "causal", shape, None), tag="probs")
@@ -85,6 +89,19 @@ def _h_sdpa(t, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,
         mask = t.dropout_leaf(node, "_attn", t.shape(probs), dropout_p)
         probs = t.op("dropout_masked", probs, mask, rate=float(dropout_p), tag="attn_drop")
     return t.op("bmm", probs, vh, tag="ctx")
+
+
+def _broadcast_heads(t, qh, kh, vh):
+    """q, k and v with k's and v's leading dims broadcast to q's where torch's attention broadcasts them (Falcon's
+    multi-query attention: one key and value head for every query head), as `broadcast` nodes."""
+    sq = t.shape(qh)
+    lead = tuple(sq[:-2])
+    out = []
+    for x in (kh, vh):
+        sx = t.shape(x)
+        fits = len(sx) == len(sq) and all(a in (1, b) for a, b in zip(sx[:-2], lead))
+        out.append(t.expand_to(x, lead + tuple(sx[-2:])) if fits and tuple(sx[:-2]) != lead else x)
+    return (qh, *out)
 
 
 def _is_causal_mask(t, attn_mask, shape) -> bool:

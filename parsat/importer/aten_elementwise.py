@@ -3,7 +3,9 @@
 Arithmetic follows torch's broadcasting and folds constant operands
 (`Translator.binary`): `x - c` is `add_scalar`, `x / c` a `scale`, `c / x`
 a `reciprocal` scaled. `pow` maps the exponents the library has operators
-for (1, 2, 3, 0.5, -0.5, -1).
+for (1, 2, 3, 0.5, -0.5, -1). `torch.where` on a condition that is data
+(a mask from the inputs or from positions) is `mul` and `add` with data
+leaves (`_h_where`).
 
 Every handler takes the translator `t` (`translator.Translator`), the ATen
 node, and the node's own arguments as torch passes them, and returns the
@@ -106,10 +108,34 @@ def _h_pow(t, node, x, exponent):
     raise Refused(f"pow with exponent {e:g} (parsat maps 1, 2, 3, 0.5, -0.5 and -1)")
 
 
+def _h_where(t, node, cond, x, y):
+    """`torch.where(cond, x, y)` with a data condition, exactly: each tensor branch times the condition's 0/1
+    factor where it is taken (`mul`), a scalar branch folded into a data leaf holding it where it is taken and 0
+    elsewhere, the two added (T5's position bias where a mask keeps it, the float32 minimum elsewhere). In
+    floating point too: x * 1 + 0 is x, x * 0 + s is s, for a finite branch x where the other is taken."""
+    if t.is_compute(cond):
+        raise Refused("torch.where with a condition computed from the weights is not differentiable in it")
+    if not isinstance(cond, t.torch.fx.Node):
+        raise Refused("torch.where with a constant condition")
+    shape = tuple(t.values[node.name].shape)
+    terms = []
+    for branch, on in ((x, (1.0, 0.0)), (y, (0.0, 1.0))):
+        c = t.scalar(branch)
+        if c is None:
+            factor = t.data_leaf(cond, "select", shape, select=on)
+            terms.append(t.binary_handles("mul", t.tensor(branch), factor))
+        elif c != 0:
+            terms.append(t.data_leaf(cond, "select", shape, select=(on[0] * c, on[1] * c)))
+    if len(terms) == 1:
+        return terms[0]
+    return t.op("add", terms[0], terms[1])
+
+
 HANDLERS = {
     **{name: _h_identity for name in _IDENTITY},
     "_assert_tensor_metadata": _h_assert,
     **{name: _h_unary for name in _UNARY},
     "gelu": _h_gelu,
     "add": _h_add, "sub": _h_sub, "rsub": _h_rsub, "mul": _h_mul, "div": _h_div, "pow": _h_pow,
+    "where": _h_where,
 }

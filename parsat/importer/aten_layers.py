@@ -6,7 +6,9 @@ A Linear's `[out, in]` weight is read through one `transpose` per weight
 batch norm in training mode computes its batch statistics as graph nodes
 and records its running statistics (`Translator.running_statistics`).
 Convolution and pooling take square kernels, strides and paddings
-(`square`).
+(`square`); a grouped (depthwise) convolution is `conv2d_grouped`, a 1-D
+one `conv1d`, each bias added per channel (`channel_bias`); interpolation
+of a tensor to its own size is the identity (`_h_upsample`).
 
 Every handler takes the translator `t` (`translator.Translator`), the ATen
 node, and the node's own arguments as torch passes them, and returns the
@@ -15,7 +17,7 @@ graph tensor (or list of tensors) of the node, or raises `Refused`.
 
 from __future__ import annotations
 
-from parsat.importer.errors import Refused
+from parsat.importer.errors import Refused, aten_short
 
 
 def _h_linear(t, node, x, w, b=None):
@@ -92,15 +94,33 @@ def _h_batch_norm(t, node, x, weight, bias, running_mean, running_var, training,
 
 
 def _h_conv2d(t, node, x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
+    """`conv2d`, or `conv2d_grouped` with groups > 1 (ConvNeXt's depthwise convolution), and its bias."""
+    step, pad = square(stride), square(padding)
+    if step is None or pad is None or square(dilation) != 1:
+        raise Refused("conv2d is supported with square stride and padding, no dilation")
+    if groups == 1:
+        out = t.op("conv2d", t.tensor(x), t.tensor(w), stride=step, pad=pad)
+    else:
+        out = t.op("conv2d_grouped", t.tensor(x), t.tensor(w), groups=int(groups), stride=step, pad=pad)
+    return channel_bias(t, out, b)
+
+
+def _h_conv1d(t, node, x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
+    """`conv1d` (Whisper's audio encoder) and its bias."""
     step, pad = square(stride), square(padding)
     if step is None or pad is None or square(dilation) != 1 or groups != 1:
-        raise Refused("conv2d is supported with square stride and padding, no dilation, groups=1")
-    out = t.op("conv2d", t.tensor(x), t.tensor(w), stride=step, pad=pad)
+        raise Refused("conv1d is supported with an integer stride and padding, no dilation, groups=1")
+    return channel_bias(t, t.op("conv1d", t.tensor(x), t.tensor(w), stride=step, pad=pad), b)
+
+
+def channel_bias(t, out, b):
+    """A convolution's output plus its bias per channel (dim 1): channels moved last for `bias_add` and back."""
     if b is None:
         return out
-    moved = t.op("transpose", out, d0=1, d1=3, tag="bias_in")  # channels last, for bias_add
+    last = len(t.shape(out)) - 1
+    moved = t.op("transpose", out, d0=1, d1=last, tag="bias_in")
     biased = t.op("bias_add", moved, t.tensor(b), tag="bias")
-    return t.op("transpose", biased, d0=1, d1=3, tag="bias_out")
+    return t.op("transpose", biased, d0=1, d1=last, tag="bias_out")
 
 
 def _h_avg_pool2d(t, node, x, kernel, stride=None, padding=0, ceil_mode=False,
@@ -130,6 +150,28 @@ def _h_adaptive_avg_pool2d(t, node, x, output_size):
     return t.reshape(out, t.shape(out) + (1, 1))
 
 
+def _h_adaptive_avg_pool1d(t, node, x, output_size):
+    """Swin's pooler: average pooling of the last dim to one entry, a `mean` kept as a size-1 dim."""
+    if square(output_size) != 1:
+        raise Refused("adaptive_avg_pool1d is supported with output size 1 (a mean over the last dim)")
+    return t.reduce("mean", t.tensor(x), [-1], True)
+
+
+def _h_upsample(t, node, x, output_size=None, *rest, **kwargs):
+    """Bilinear or nearest upsampling of [N, C, H, W] to its own size is the identity, exactly: each output pixel
+    reads the input pixel at its own position with weight 1 (BEiT interpolates its relative position bias table
+    to the window it was made for). Any other size is refused."""
+    a = t.tensor(x)
+    shape = t.shape(a)
+    given = [f for f in (*rest, *kwargs.values()) if f is not None and not isinstance(f, bool)]  # scales, not
+    factors = [v for f in given for v in (f if isinstance(f, (list, tuple)) else [f])]          # align_corners
+    same = output_size is None or tuple(int(s) for s in output_size) == tuple(shape[2:])
+    if not same or any(float(f) != 1.0 for f in factors) or (output_size is None and not factors):
+        raise Refused(f"{aten_short(node)} to another size than the input's (parsat maps interpolation of a tensor "
+                      "to its own size, the identity)")
+    return a
+
+
 def square(value) -> int | None:
     """An int from an int or a pair of equal ints (kernel sizes, strides, paddings); None otherwise."""
     if isinstance(value, int):
@@ -144,6 +186,7 @@ def square(value) -> int | None:
 HANDLERS = {
     "linear": _h_linear, "addmm": _h_addmm, "matmul": _h_matmul, "mm": _h_matmul, "bmm": _h_matmul,
     "embedding": _h_embedding, "layer_norm": _h_layer_norm, "batch_norm": _h_batch_norm,
-    "conv2d": _h_conv2d, "avg_pool2d": _h_avg_pool2d, "max_pool2d": _h_max_pool2d,
-    "adaptive_avg_pool2d": _h_adaptive_avg_pool2d,
+    "conv2d": _h_conv2d, "conv1d": _h_conv1d, "avg_pool2d": _h_avg_pool2d, "max_pool2d": _h_max_pool2d,
+    "adaptive_avg_pool2d": _h_adaptive_avg_pool2d, "adaptive_avg_pool1d": _h_adaptive_avg_pool1d,
+    "upsample_bilinear2d": _h_upsample, "upsample_nearest2d": _h_upsample,
 }

@@ -33,7 +33,10 @@ class DataLeaf:
     to `shape`), "onehot" (integer ids -> one-hot rows over `classes`; an id
     outside [0, classes) or equal to `ignore` gives a zero row), "mask"
     (boolean or 0/-inf attention mask -> 0/1, expanded to `shape`),
-    "inv_count" (1 / the number of targets that are not ignored), or "dropout"
+    "inv_count" (1 / the number of targets that are not ignored), "select"
+    (a boolean condition -> `select[0]` where it holds, `select[1]` where
+    not, expanded to `shape`: `torch.where`'s condition as a 0/1 factor, or
+    its scalar branch as the value it puts where it is taken), or "dropout"
     (a fresh 0/1 mask each step, 1 with probability 1 - `rate`: see
     `dropout_mask`; `node` is the dropout's own node).
     """
@@ -46,6 +49,7 @@ class DataLeaf:
     ignore: int | None = None
     constant: bool = False
     rate: float = 0.0
+    select: tuple[float, float] = ()
 
 
 @dataclass(frozen=True)
@@ -148,6 +152,9 @@ def encode(leaf: DataLeaf, value, dtype):
     value = torch.as_tensor(value)
     if leaf.encoding == "value":
         return value.to(dtype).expand(leaf.shape).contiguous()
+    if leaf.encoding == "select":
+        on, off = (torch.tensor(v, dtype=dtype) for v in leaf.select)
+        return torch.where(value.bool(), on, off).expand(leaf.shape).contiguous()
     if leaf.encoding == "mask":
         return mask_keep(value, leaf.node).to(dtype).expand(leaf.shape).contiguous()
     ids = value.long()

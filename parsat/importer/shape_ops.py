@@ -15,10 +15,20 @@ raises `Refused`.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 from parsat.importer.errors import Refused
 from parsat.ir.graph import Tensor
+
+
+@dataclass(frozen=True)
+class Empty:
+    """A compute value with no elements: an empty slice (Phi-3's `q[..., rotary_dim:]` when the rotary dims are
+    all of them). A graph tensor has no size-0 dim, so it is never a graph tensor: `cat` leaves it out (joining
+    nothing changes nothing), and any other operator that reads it is refused (`translator.Translator.tensor`)."""
+
+    shape: tuple[int, ...]
 
 
 class ShapeOps:

@@ -8,7 +8,9 @@ Each node of the ATen graph is sorted by what it depends on:
   (`aten.py`, one module per operator family);
 * any other node is *data*: work on the inputs, or shape-only constants
   (rotary tables from a buffer). Data becomes a graph input leaf where
-  compute reads it (`data_leaf`, `imported.DataLeaf`), never an operator.
+  compute reads it (`data_leaf`, `imported.DataLeaf`), never an operator;
+  the graph names the constant ones (`Graph.constants`: they carry no
+  batch, so data parallelism copies them rather than splitting them).
 
 A node that cannot be mapped is recorded (`errors.Unsupported`) and the
 walk goes on, so the one `TorchImportError` lists them all.
@@ -26,7 +28,7 @@ two readers. Weight leaves are made when a compute node first reads them
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from parsat.importer.aten import HANDLERS
@@ -34,7 +36,7 @@ from parsat.importer.errors import Refused, TorchImportError, Unsupported, aten_
 from parsat.importer.imported import DataLeaf, ImportedModule, RunningStats, encode
 from parsat.importer.program import concrete_values, needed_nodes, value_on_cpu
 from parsat.importer.self_check import ImportTrace
-from parsat.importer.shape_ops import ShapeOps
+from parsat.importer.shape_ops import Empty, ShapeOps
 from parsat.ir.graph import Graph, GraphBuilder, GraphError, Tensor
 
 CPU_DATA_ELEMENTS = 2**29   # the largest data value a meta import makes on the CPU (a causal mask [128, 1, 2048,
@@ -46,6 +48,11 @@ class LazyWeight:
     """A parameter placeholder whose weight leaf is made when a compute node first reads it."""
 
     placeholder: str
+
+
+# ATen operators that draw random values: data made from them differs on every call, so it is never folded.
+RANDOM = frozenset({"rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "bernoulli",
+                    "normal", "uniform", "multinomial", "exponential", "native_dropout"})
 
 
 class Translator(ShapeOps):
@@ -64,6 +71,7 @@ class Translator(ShapeOps):
         self.values = concrete_values(program, inputs)
         self.compute: set = set()        # node names that depend on a parameter
         self.varying: set = set()        # node names that depend on a user input
+        self.random: set = set()         # node names that depend on values drawn at random in forward
         self.env: dict = {}              # compute node name -> Tensor handle (or a list of them)
         self.failed: dict = {}           # node name -> Unsupported (the first failure on a path)
         self.weights: dict[str, Tensor] = {}
@@ -110,6 +118,9 @@ class Translator(ShapeOps):
             return value
         if self.is_compute(value):
             got = self.env[value.name]
+            if isinstance(got, Empty):
+                raise Refused(f"an empty tensor (shape {list(got.shape)}, from an empty slice) is read here; parsat "
+                              "leaves empty tensors out only where cat joins them")
             if not isinstance(got, Tensor):
                 raise Refused("a list of tensors is used where a tensor is expected")
             return got
@@ -124,6 +135,10 @@ class Translator(ShapeOps):
         if isinstance(value, self.torch.Tensor) and value.is_meta:
             return value_on_cpu(self.program, node.name, self.values, CPU_DATA_ELEMENTS)
         return value
+
+    def is_empty(self, value) -> bool:
+        """Whether a compute operand is an `Empty` (an empty slice)."""
+        return self.is_compute(value) and isinstance(self.env.get(value.name), Empty)
 
     def scalar(self, value) -> float | None:
         """A Python number, or a constant one-element data tensor, as a float; None for anything else."""
@@ -171,15 +186,19 @@ class Translator(ShapeOps):
         return Tensor(name)
 
     def data_leaf(self, node, encoding: str, shape: tuple[int, ...], classes: int = 0,
-                  ignore: int | None = None) -> Tensor:
-        """The input leaf of a data node in an encoding (one leaf per node, encoding and shape)."""
-        key = (node.name, encoding, shape, classes, ignore)
+                  ignore: int | None = None, select: tuple[float, float] = ()) -> Tensor:
+        """The input leaf of a data node in an encoding (one leaf per node, encoding, shape and parameters)."""
+        key = (node.name, encoding, shape, classes, ignore, select)
+        if node.name in self.random:
+            raise Refused("values drawn at random in forward (stochastic depth's `torch.rand`: a drop-path rate above "
+                          "0) would be one draw folded into the graph; parsat draws dropout's masks only "
+                          "(aten.dropout): set the model's drop-path rate to 0")
         if key not in self.data:
             suffix = "" if encoding == "value" and tuple(self.values[node.name].shape) == shape else f"_{encoding}"
             base = node.name if not suffix else node.name + suffix
             name = self.fresh(base)
             constant = node.name not in self.varying
-            leaf = DataLeaf(name, node.name, encoding, tuple(shape), classes, ignore, constant)
+            leaf = DataLeaf(name, node.name, encoding, tuple(shape), classes, ignore, constant, select=select)
             if constant:
                 self.constants[name] = encode(leaf, self.values[node.name], self.torch.float64)
             try:
@@ -192,7 +211,7 @@ class Translator(ShapeOps):
     def data_leaf_const(self, node, what: str, shape, value) -> Tensor:
         """A constant data leaf made here (ones and zeros for missing affine parameters, a causal mask)."""
         torch = self.torch
-        key = (node.name, what, tuple(shape), 0, None)
+        key = (node.name, what, tuple(shape), 0, None, ())
         if key not in self.data:
             name = self.fresh(f"{node.name}_{what}")
             if what == "causal":
@@ -240,6 +259,8 @@ class Translator(ShapeOps):
             inputs = node.all_input_nodes
             if any(n.name in self.varying for n in inputs):
                 self.varying.add(node.name)
+            if aten_short(node) in RANDOM or any(n.name in self.random for n in inputs):
+                self.random.add(node.name)
             if any(n.name in self.failed for n in inputs):
                 self.failed[node.name] = self.failed[next(n.name for n in inputs if n.name in self.failed)]
                 self.compute.add(node.name)
@@ -260,6 +281,7 @@ class Translator(ShapeOps):
         built = pruned(self.g, outputs)
         live = {n.name for n in built.nodes}
         data = {leaf.name: leaf for leaf in self.data.values() if built.leaf(leaf.name) is not None}
+        built = replace(built, constants=frozenset(name for name, leaf in data.items() if leaf.constant))
         needed = needed_nodes(graph, [leaf.node for leaf in data.values()
                                        if not leaf.constant and leaf.encoding != "dropout"])
         dropout = tuple(self.dropout)

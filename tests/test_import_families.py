@@ -1,0 +1,271 @@
+"""The operators of more Hugging Face families import exactly (issue 32, build 2): one tiny module per operator.
+
+Each module uses one operator the way a family does (Falcon's `w.T`, T5's
+`torch.where` with a scalar and its position bias as an attention mask,
+GPT-J's `x[..., ::2]`, Phi-3's empty slice, Falcon's `x[..., [-2], :]` and
+multi-query attention, ConvNeXt's depthwise convolution, Whisper's conv1d,
+Swin's padding); `import_module` runs the importer's float64 self-check
+(loss and every gradient against the module), so an import that returns is
+an exact one. An operator still unsupported (Mixtral's top-k routing) is
+refused with the operator and the user's source line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+from parsat.importer.errors import TorchImportError  # noqa: E402
+from parsat.importer.export import import_module  # noqa: E402
+
+
+def ops_of(module, *inputs) -> set[str]:
+    """The library operators of the module's imported graph (the import checks itself)."""
+    torch.manual_seed(0)
+    return {n.op for n in import_module(module, inputs).graph.nodes}
+
+
+class Transposed(nn.Module):
+    """Falcon's linear layers: `x @ self.weight.T` (`aten.numpy_T`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, 4))
+
+    def forward(self, x):
+        return (x @ self.weight.T).pow(2).mean()
+
+
+def test_numpy_t_is_a_transpose():
+    assert {"transpose", "linear_nobias"} <= ops_of(Transposed(), torch.randn(2, 3, 4))
+
+
+class MaskedBias(nn.Module):
+    """T5 with SDPA: a position bias kept where a data mask holds, the float32 minimum elsewhere
+    (`aten.where.ScalarOther`), passed to attention as its mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(2, 5, 5))
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x, keep):
+        q = self.proj(x)
+        mask = torch.where(keep[:, None, None, :], self.bias[None], torch.finfo(torch.float32).min)
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=mask).pow(2).mean()
+
+
+def test_where_with_a_scalar_and_a_mask_from_the_weights():
+    keep = torch.tensor([[True, True, False, True, True], [True, True, True, True, False]])
+    ops = ops_of(MaskedBias(), torch.randn(2, 2, 5, 4), keep)
+    assert {"mul", "add", "softmax"} <= ops and "softmax_masked" not in ops
+
+
+class Where(nn.Module):
+    """`torch.where` with two tensor branches, and with the scalar as the branch taken where the condition holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        cond = x > 0
+        return (torch.where(cond, self.a(x), self.b(x)) + torch.where(cond, 2.0, self.a(x))).pow(2).mean()
+
+
+def test_where_with_tensor_branches_and_a_scalar_first():
+    assert {"mul", "add"} <= ops_of(Where(), torch.randn(3, 4))
+
+
+class Strided(nn.Module):
+    """GPT-J's rotate-every-two (`x[..., ::2]`, `x[..., 1::2]`, `torch.stack`), and a step whose last whole step
+    runs past the end of the dim (`x[:, 1:8:3]` of 8: 1, 4, 7)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        rotated = torch.stack((-h[..., 1::2], h[..., ::2]), dim=-1).flatten(-2)
+        return (rotated * h).mean() + h[:, 1:8:3].pow(2).mean()
+
+
+def test_slices_with_a_step():
+    assert {"unflatten", "split", "concat"} <= ops_of(Strided(), torch.randn(3, 8))
+
+
+class EmptySlice(nn.Module):
+    """Phi-3's partial rotary when the rotary dims are all of them: `cat((h[..., :8] * 2, h[..., 8:]), -1)`."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return torch.cat((h[..., :8] * 2, h[..., 8:]), dim=-1).pow(2).mean()
+
+
+def test_an_empty_slice_joined_by_cat():
+    assert "concat" not in ops_of(EmptySlice(), torch.randn(3, 8))
+
+
+class EmptyRead(EmptySlice):
+    def forward(self, x):
+        return self.proj(x)[..., 8:].sum() + self.proj(x).sum()
+
+
+def test_an_empty_slice_read_by_anything_else_is_refused():
+    with pytest.raises(TorchImportError, match="an empty tensor .* from an empty slice"):
+        import_module(EmptyRead(), (torch.randn(3, 8),))
+
+
+class MultiQuery(nn.Module):
+    """Falcon's multi-query attention: one key and value head picked with `[..., [-2], :]` and `[..., [-1], :]`,
+    broadcast by attention over the query heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x):
+        fused = self.qkv(x).view(2, 5, 6, 4)                     # 4 query heads, then one key and one value
+        q, k, v = fused[..., :-2, :], fused[..., [-2], :], fused[..., [-1], :]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return out.pow(2).mean() + self.qkv(x)[:, :, [5, 0, 1, 2]].mean()
+
+
+def test_constant_indices_and_multi_query_attention():
+    assert {"split", "broadcast", "attention_causal"} <= ops_of(MultiQuery(), torch.randn(2, 5, 8))
+
+
+class Convolutions(nn.Module):
+    """ConvNeXt's depthwise convolution, a grouped one, Whisper's strided conv1d, and Swin's padding to whole
+    windows (`F.pad` of H and W)."""
+
+    def __init__(self):
+        super().__init__()
+        self.depthwise = nn.Conv2d(4, 4, 3, padding=1, groups=4)
+        self.grouped = nn.Conv2d(4, 6, 3, groups=2, bias=False)
+        self.audio = nn.Conv1d(3, 4, 3, stride=2, padding=1)
+
+    def forward(self, image, audio):
+        h = self.grouped(self.depthwise(image))                  # [n, 6, 4, 4]
+        h = F.pad(h.permute(0, 2, 3, 1), (0, 0, 1, 2, 0, 1))     # [n, 5, 7, 6]
+        return h.pow(2).mean() + self.audio(audio).pow(2).mean()
+
+
+def test_grouped_and_1d_convolutions_and_padding():
+    ops = ops_of(Convolutions(), torch.randn(2, 4, 6, 6), torch.randn(2, 3, 9))
+    assert {"conv2d_grouped", "conv1d", "pad", "bias_add"} <= ops
+
+
+class TopK(nn.Module):
+    """Mixtral's routing: each token's top-2 experts by router logit."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(8, 4)
+
+    def forward(self, x):
+        weights, chosen = torch.topk(self.router(x).softmax(-1), 2, dim=-1)  # the routing parsat cannot import
+        return weights.sum()
+
+
+def test_top_k_routing_is_refused_with_its_source_line():
+    with pytest.raises(TorchImportError) as err:
+        import_module(TopK(), (torch.randn(3, 8),))
+    message = str(err.value)
+    lines = Path(__file__).read_text(encoding="utf-8").splitlines()
+    number = next(i for i, line in enumerate(lines, 1) if "# the routing parsat cannot import" in line)
+    assert "aten.topk.default in module 'router'" not in message   # the node is made in TopK's own forward
+    assert "aten.topk.default in the top-level forward: unsupported operator" in message
+    assert f"{Path(__file__).resolve()}:{number}" in message
+
+
+class ShiftedWindows(nn.Module):
+    """Swin's shifted windows (`torch.roll` over H and W), its pooler (`adaptive_avg_pool1d` to 1) and BEiT's
+    interpolation of a table to its own size (`upsample_bilinear2d`, the identity)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.table = nn.Parameter(torch.randn(1, 4, 3, 3))
+
+    def forward(self, x):
+        h = torch.roll(self.proj(x), shifts=(-1, 2), dims=(1, 2))                      # [n, 5, 6, 4]
+        pooled = F.adaptive_avg_pool1d(h.flatten(1, 2).transpose(1, 2), 1)             # [n, 4, 1]
+        table = F.interpolate(self.table, size=(3, 3), mode="bilinear")
+        return pooled.pow(2).mean() + table.pow(2).sum()
+
+
+def test_roll_pooling_and_interpolation_to_the_same_size():
+    assert {"split", "concat", "mean"} <= ops_of(ShiftedWindows(), torch.randn(2, 5, 6, 4))
+
+
+class Upsampled(ShiftedWindows):
+    def forward(self, x):
+        return F.interpolate(self.table, scale_factor=2.0, mode="bilinear").sum()
+
+
+def test_interpolation_to_another_size_is_refused():
+    with pytest.raises(TorchImportError, match="upsample_bilinear2d to another size than the input's"):
+        import_module(Upsampled(), (torch.randn(2, 5, 6, 4),))
+
+
+class DropPath(nn.Module):
+    """Stochastic depth as Swin and BEiT write it: a per-sample mask drawn with `torch.rand` in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        keep = (0.9 + torch.rand(x.shape[0], 1)).floor()
+        return (self.proj(x) / 0.9 * keep).pow(2).mean()
+
+
+def test_values_drawn_at_random_in_forward_are_refused():
+    with pytest.raises(TorchImportError, match="values drawn at random in forward"):
+        import_module(DropPath(), (torch.randn(3, 4),))
+
+
+class PositionBias(nn.Module):
+    """T5's relative position bias: a table read through bucket ids made from positions alone (a constant
+    one-hot of [queries, keys, buckets], whose dim 0 is no batch), added to each sample's scores."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Embedding(8, 2)
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        positions = torch.arange(6)
+        buckets = (positions[None, :] - positions[:, None]).abs().clamp(max=7)
+        h = self.proj(x)
+        scores = h @ h.transpose(-1, -2) + self.bias(buckets).permute(2, 0, 1)
+        return scores.softmax(-1).pow(2).sum()   # a sum over the batch: a partial sum on each rank
+
+
+def test_constants_are_named_and_data_parallelism_copies_them():
+    from parsat.dsl.library import load_library
+    from parsat.ir.data_parallel import data_parallel_pcg
+    from parsat.ir.graph import Graph
+    from parsat.ir.microbatch import batch_dims
+
+    torch.manual_seed(0)
+    graph = import_module(PositionBias(), (torch.randn(4, 2, 6, 4),)).graph
+    (constant,) = graph.constants
+    assert graph.leaf(constant).shape == (6, 6, 8) and constant not in batch_dims(graph)
+    assert Graph.from_dict(graph.to_dict()).constants == graph.constants
+    pcg = data_parallel_pcg(graph, load_library()[0], 2)   # the one-hot whole on each rank, the samples split
+    assert pcg is not None
+    leaf = next(n for n in pcg.nodes if n.kind == "leaf" and n.op == constant)
+    assert [n.op for n in pcg.nodes if leaf.id in n.inputs] == ["replicate"]
