@@ -64,10 +64,12 @@ class Loss(torch.nn.Module):
         self.model, self.kind = model, kind
 
     def forward(self, x, labels):
-        if self.kind == "causal":
+        if self.kind in ("causal", "seq2seq"):
             return self.model(input_ids=x, labels=labels, use_cache=False).loss
         if self.kind == "masked":
             return self.model(input_ids=x, labels=labels).loss
+        if self.kind == "speech":
+            return self.model(input_features=x, labels=labels, use_cache=False).loss
         return self.model(pixel_values=x, labels=labels).loss
 
 
@@ -270,7 +272,11 @@ def split_summary(plan: dict) -> dict:
             "grad_sync_elements": plan["totals"]["grad_sync_elements"], "predicted_ms": plan["totals"]["time_s"] * 1e3}
 
 
-def train(args) -> None:
+def train_one(module, inputs, plan_path, steps: int, tolerance: float) -> dict:
+    """`parsat.parallelize(module, plan)` trained `steps` steps of the user's SGD loop on this rank, beside the
+    unmodified module (a deep copy, the same dropout masks) trained by torch; every step the loss, each gradient
+    and each updated weight (this rank's piece against the same piece of the reference) compared by relative
+    difference. Float64 throughout. Returns the row rank 0 prints (every rank must call it: it all-reduces)."""
     import torch.distributed as dist
 
     import parsat
@@ -278,6 +284,48 @@ def train(args) -> None:
     from parsat.backend import running_stats
     from parsat.backend.parallelize import ReferenceDropout
     from parsat.ir.placement import piece_index
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    module = module.double()
+    inputs = tuple(t.double() if t.is_floating_point() else t for t in inputs)
+    reference = copy.deepcopy(module)
+    start = time.process_time()
+    pmodule = parsat.parallelize(module, str(plan_path), inputs)
+    optimizer = torch.optim.SGD(pmodule.parameters(), lr=0.01)          # the user's own loop
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.01)
+    found, losses = Comparison(), []
+    for step in range(steps):
+        loss = pmodule(*inputs)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        with ReferenceDropout(pmodule.imported.dropout, pmodule.seed, step):
+            want = reference(*inputs)
+        ref_optimizer.zero_grad()
+        want.backward()
+        ref_optimizer.step()
+        pairs = [("loss", loss.detach(), want.detach())]
+        for weight, (placement, shape) in pmodule.piece_placements().items():
+            where = piece_index(placement, shape, pmodule.pcg.mesh, rank)
+            piece, ref = pmodule.named_pieces()[weight], reference.get_parameter(weight)
+            pairs.append((f"gradient of {weight}", gradient_of(piece), gradient_of(ref)[where]))
+            pairs.append((f"weight {weight}", piece.detach(), ref.detach()[where]))
+        pairs += running_stats.compared(pmodule.module, reference, pmodule.imported.running_stats)
+        found = found.merge(compare_values(pairs))
+        losses.append(float(loss.detach()))
+    seconds = time.process_time() - start
+    worst = torch.tensor([found.max_rel, float(len(found.nonfinite))], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    state = parsat.gather_weights(pmodule)  # the module's own names and layouts, trained
+    verdict = "passed" if worst[1] == 0 and worst[0] <= tolerance else "failed"
+    return {"ranks": world, "steps": steps, "check": verdict, "tolerance": tolerance,
+            "max_rel_diff": float(worst[0]), "losses": losses,
+            "comm_elements_step": float(pmodule.counter.sent()) / steps,
+            "state_dict_keys": len(state), "cpu_s_rank0": round(seconds, 2)}
+
+
+def train(args) -> None:
+    import torch.distributed as dist
 
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -287,44 +335,9 @@ def train(args) -> None:
         if not plan_path.is_file():
             continue
         module, inputs = make(name)
-        module = module.double()
-        inputs = tuple(t.double() if t.is_floating_point() else t for t in inputs)
-        reference = copy.deepcopy(module)
-        start = time.process_time()
-        pmodule = parsat.parallelize(module, str(plan_path), inputs)
-        optimizer = torch.optim.SGD(pmodule.parameters(), lr=0.01)          # the user's own loop
-        ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.01)
-        found, losses = Comparison(), []
-        for step in range(args.steps):
-            loss = pmodule(*inputs)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            with ReferenceDropout(pmodule.imported.dropout, pmodule.seed, step):
-                want = reference(*inputs)
-            ref_optimizer.zero_grad()
-            want.backward()
-            ref_optimizer.step()
-            pairs = [("loss", loss.detach(), want.detach())]
-            for weight, (placement, shape) in pmodule.piece_placements().items():
-                where = piece_index(placement, shape, pmodule.pcg.mesh, rank)
-                piece, ref = pmodule.named_pieces()[weight], reference.get_parameter(weight)
-                pairs.append((f"gradient of {weight}", gradient_of(piece), gradient_of(ref)[where]))
-                pairs.append((f"weight {weight}", piece.detach(), ref.detach()[where]))
-            pairs += running_stats.compared(pmodule.module, reference, pmodule.imported.running_stats)
-            found = found.merge(compare_values(pairs))
-            losses.append(float(loss.detach()))
-        seconds = time.process_time() - start
-        worst = torch.tensor([found.max_rel, float(len(found.nonfinite))], dtype=torch.float64)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        state = parsat.gather_weights(pmodule)  # the module's own names and layouts, trained
+        row = train_one(module, inputs, plan_path, args.steps, 1e-6)
         if rank == 0:
-            tolerance = 1e-6
-            verdict = "passed" if worst[1] == 0 and worst[0] <= tolerance else "failed"
-            print(json.dumps({"model": name, "plan": plan_of, "ranks": world, "steps": args.steps, "check": verdict,
-                              "max_rel_diff": float(worst[0]), "losses": losses,
-                              "comm_elements_step": float(pmodule.counter.sent()) / args.steps,
-                              "state_dict_keys": len(state), "cpu_s_rank0": round(seconds, 2)}), flush=True)
+            print(json.dumps({"model": name, "plan": plan_of, **row}), flush=True)
     dist.destroy_process_group()
 
 

@@ -146,6 +146,25 @@ def test_constant_indices_and_multi_query_attention():
     assert {"split", "broadcast", "attention_causal"} <= ops_of(MultiQuery(), torch.randn(2, 5, 8))
 
 
+class Gathers(nn.Module):
+    """Whisper's `weight[position_ids]` (a 2-D index into dim 0) and Swin's `table[index.view(-1)]` (many runs
+    of positions, along dim 1 here): gathers by constant positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.positions = nn.Parameter(torch.randn(8, 4))
+        self.table = nn.Parameter(torch.randn(3, 7))
+
+    def forward(self, x):
+        placed = x + self.positions[torch.arange(5)[None, :]]                   # [n, 5, 4]
+        picked = self.table[:, torch.tensor([6, 0, 3, 3, 1, 5])]                 # [3, 6]
+        return placed.pow(2).mean() + picked.pow(2).sum()
+
+
+def test_gathers_by_constant_positions_are_embeddings():
+    assert "embedding" in ops_of(Gathers(), torch.randn(2, 5, 4))
+
+
 class Convolutions(nn.Module):
     """ConvNeXt's depthwise convolution, a grouped one, Whisper's strided conv1d, and Swin's padding to whole
     windows (`F.pad` of H and W)."""

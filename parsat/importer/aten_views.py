@@ -189,7 +189,8 @@ def _h_stack(t, node, tensors, dim=0):
 def _h_index(t, node, x, indices):
     """`x[..., idx, ...]` with one constant integer index tensor: a few runs of consecutive positions (Falcon's
     `fused_qkv[..., [-2], :]`) as `split`s joined by `cat`; many (Swin's and BEiT's relative position bias,
-    `table[index.view(-1)]`) as an `embedding` of a constant one-hot of the positions (`gather_rows`). Indices
+    `table[index.view(-1)]`), or an index tensor of rank 2 and up into dim 0 (Whisper's
+    `weight[position_ids]`), as an `embedding` of a constant one-hot of the positions (`gather_rows`). Indices
     that come from the inputs or the weights (a gather) are not constants and are refused."""
     a = t.tensor(x)
     picked = [(d, i) for d, i in enumerate(indices) if i is not None]
@@ -198,35 +199,43 @@ def _h_index(t, node, x, indices):
     d, idx = picked[0]
     value = t.values.get(idx.name) if isinstance(idx, t.torch.fx.Node) else None
     if t.is_compute(idx) or idx.name in t.varying or not isinstance(value, t.torch.Tensor) \
-            or value.dtype == t.torch.bool or value.is_floating_point() or value.dim() > 1:
-        raise Refused("indexing is supported with one constant 1-D integer index tensor (not a gather by indices "
-                      "from the inputs, nor a boolean mask)")
+            or value.dtype == t.torch.bool or value.is_floating_point() or (value.dim() > 1 and d != 0):
+        raise Refused("indexing is supported with one constant integer index tensor (1-D, or of any rank into dim "
+                      "0), not a gather by indices from the inputs, nor a boolean mask")
     shape = t.shape(a)
     positions = [int(p) % shape[d] for p in value.reshape(-1).tolist()]
+    runs = position_runs(positions)
+    if (len(runs) > 2 or value.dim() > 1) and bool((value >= 0).all()):
+        out = gather_rows(t, idx, a, d, tuple(value.shape))
+    else:
+        pieces = [a if len(r) == shape[d] else t.op("split", a, dim=d, start=r[0], size=len(r), tag=f"run{k}")
+                  for k, r in enumerate(runs)]
+        out = _h_cat(t, node, pieces, d)
+    return t.reshape(out, shape[:d] + tuple(value.shape) + shape[d + 1:])
+
+
+def position_runs(positions: list[int]) -> list[list[int]]:
+    """The positions cut into runs of consecutive ones (3, 4, 5, 0, 1 -> [3, 4, 5], [0, 1])."""
     runs: list[list[int]] = []
     for p in positions:
         if runs and p == runs[-1][-1] + 1:
             runs[-1].append(p)
         else:
             runs.append([p])
-    if len(runs) > 2 and bool((value >= 0).all()):
-        out = gather_rows(t, idx, a, d, len(positions))
-    else:
-        pieces = [a if len(r) == shape[d] else t.op("split", a, dim=d, start=r[0], size=len(r), tag=f"run{k}")
-                  for k, r in enumerate(runs)]
-        out = _h_cat(t, node, pieces, d)
-    return t.reshape(out, shape[:d] + shape[d + 1:]) if value.dim() == 0 else out
+    return runs
 
 
-def gather_rows(t, idx, a, d: int, count: int):
-    """`a` at the constant positions `idx` along dim d, as an `embedding` (a contraction with a one-hot row per
-    position, run as a gather): dim d moved first and the others flattened into the table's columns."""
+def gather_rows(t, idx, a, d: int, picked: tuple[int, ...]):
+    """`a` at the constant positions `idx` (of shape `picked`) along dim d, as an `embedding` (a contraction
+    with a one-hot row per position, run as a gather): dim d moved first and the others flattened into the
+    table's columns; the result has the positions' dims first, then the others, in dim d's place when d > 0
+    (picked then has one dim)."""
     shape = t.shape(a)
     moved = t.transpose(a, 0, d)
     rest = t.shape(moved)[1:]
     table = t.reshape(moved, (shape[d], math.prod(rest)))
-    onehot = t.data_leaf(idx, "onehot", (count, shape[d]), classes=shape[d])
-    rows = t.reshape(t.op("embedding", onehot, table, tag="gather"), (count, *rest))
+    onehot = t.data_leaf(idx, "onehot", picked + (shape[d],), classes=shape[d])
+    rows = t.reshape(t.op("embedding", onehot, table, tag="gather"), picked + tuple(rest))
     return t.transpose(rows, 0, d)
 
 

@@ -1,0 +1,218 @@
+"""Twenty-one Hugging Face families imported, planned on 2 CPU ranks and trained like the module (issue 32, build 2).
+
+Each family is built from a small config (2 layers, hidden 64, vocabulary
+256, random weights) and wrapped as `hf_models.Loss` does it: the only code
+around the model is a forward that returns the model's own `.loss`. Batches
+are 4 sequences of 16 tokens, 4 images of 32x32, or 4 log-mel spectrograms.
+
+Modes, one family at a time (the box is shared):
+
+  python benchmarks/hf_families.py import --families falcon t5
+      import each family (torch.export, the importer's float64 self-check);
+      one JSON line per family: the graph's size and operators, or the
+      refusal (every unsupported operator with its source line).
+
+  python benchmarks/hf_families.py optimize --families falcon [--out DIR]
+      import, then `parsat.optimize(graph, machine="cpu", devices=2)`; where
+      the cost model prefers no parallelism, again with `degrees={"dp": 2}`
+      pinned; the plan is saved as DIR/<family>-2.json.
+
+  torchrun --nproc-per-node 2 benchmarks/hf_families.py train --families falcon [--out DIR]
+      `parsat.parallelize` with that plan, 3 steps of the user's SGD loop
+      against the unmodified module (`hf_models.train_one`), relative 1e-4.
+
+Results and the commands that made them: benchmarks/hf_families.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hf_models  # noqa: E402
+
+BATCH, SEQ, VOCAB = 4, 16, 256
+TOLERANCE = 1e-4
+RULES = Path(__file__).resolve().parent.parent / "rules"
+# The parallel rules without the algebraic ones: on LLaMA-like graphs the shipped library's e-graph explodes
+# (benchmarks/search_results.md), and data parallelism needs no algebraic rewrite.
+PARALLEL_RULES = [str(RULES / "parallel.rule"), str(RULES / "parallel_layers.rule")]
+
+# Shared sizes of the decoder-only language models (LLaMA-like configs).
+_LM = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=VOCAB,
+           max_position_embeddings=64)
+_GQA = dict(_LM, num_key_value_heads=2)
+_ENC = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=VOCAB)
+_IMG = dict(image_size=32, num_labels=10, drop_path_rate=0.0)   # stochastic depth draws in forward
+
+
+def _configs(T) -> dict:
+    """Family -> (model class, config, Loss kind): the whole of what differs between families."""
+    return {
+        "mistral": (T.MistralForCausalLM, T.MistralConfig(**_GQA), "causal"),
+        "qwen2": (T.Qwen2ForCausalLM, T.Qwen2Config(**_GQA), "causal"),
+        "qwen3": (T.Qwen3ForCausalLM, T.Qwen3Config(**_GQA, head_dim=16), "causal"),
+        "opt": (T.OPTForCausalLM, T.OPTConfig(num_hidden_layers=2, hidden_size=64, ffn_dim=128, num_attention_heads=4,
+                                              vocab_size=VOCAB, max_position_embeddings=64, word_embed_proj_dim=64),
+                "causal"),
+        "gpt_neox": (T.GPTNeoXForCausalLM, T.GPTNeoXConfig(**_LM), "causal"),
+        "phi": (T.PhiForCausalLM, T.PhiConfig(**_LM), "causal"),
+        "phi3": (T.Phi3ForCausalLM, T.Phi3Config(**_GQA, pad_token_id=0, bos_token_id=1, eos_token_id=2), "causal"),
+        "gemma": (T.GemmaForCausalLM, T.GemmaConfig(**_GQA, head_dim=16), "causal"),
+        "gemma2": (T.Gemma2ForCausalLM, T.Gemma2Config(**_GQA, head_dim=16, query_pre_attn_scalar=16), "causal"),
+        "falcon": (T.FalconForCausalLM, T.FalconConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                                       vocab_size=VOCAB), "causal"),
+        "gptj": (T.GPTJForCausalLM, T.GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, vocab_size=VOCAB,
+                                                 n_positions=64), "causal"),
+        "mixtral": (T.MixtralForCausalLM, T.MixtralConfig(**_GQA, num_local_experts=4, num_experts_per_tok=2),
+                    "causal"),
+        "t5": (T.T5ForConditionalGeneration, T.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                                        num_decoder_layers=2, num_heads=4, decoder_start_token_id=0,
+                                                        pad_token_id=0, attn_implementation="sdpa"), "seq2seq"),
+        "distilbert": (T.DistilBertForMaskedLM, T.DistilBertConfig(n_layers=2, dim=64, hidden_dim=128, n_heads=4,
+                                                                   vocab_size=VOCAB, max_position_embeddings=64),
+                       "masked"),
+        "roberta": (T.RobertaForMaskedLM, T.RobertaConfig(**_ENC, max_position_embeddings=64), "masked"),
+        "albert": (T.AlbertForMaskedLM, T.AlbertConfig(**_ENC, embedding_size=32, max_position_embeddings=64),
+                   "masked"),
+        "convnext": (T.ConvNextForImageClassification, T.ConvNextConfig(num_stages=2, hidden_sizes=[32, 64],
+                                                                        depths=[1, 1], **_IMG), "image"),
+        "swin": (T.SwinForImageClassification, T.SwinConfig(patch_size=4, embed_dim=32, depths=[2, 1],
+                                                            num_heads=[2, 4], window_size=4,
+                                                            **dict(_IMG, image_size=40)), "image"),
+        "deit": (T.DeiTForImageClassification, T.DeiTConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                                             num_attention_heads=4, patch_size=8, **_IMG), "image"),
+        "beit": (T.BeitForImageClassification, T.BeitConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                                            num_attention_heads=4, patch_size=8,
+                                                            use_relative_position_bias=True, **_IMG), "image"),
+        "whisper": (T.WhisperForConditionalGeneration, T.WhisperConfig(
+            vocab_size=VOCAB, num_mel_bins=16, encoder_layers=2, decoder_layers=2, d_model=64, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_source_positions=16,
+            max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1),
+            "speech"),
+    }
+
+
+FAMILIES = ("mistral", "qwen2", "qwen3", "opt", "gpt_neox", "phi", "phi3", "gemma", "gemma2", "falcon", "gptj",
+            "mixtral", "t5", "distilbert", "roberta", "albert", "convnext", "swin", "deit", "beit", "whisper")
+
+
+def inputs_for(kind: str, config) -> tuple:
+    """A seeded batch for a Loss kind: token ids and labels, images and classes, or spectrograms and labels."""
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ))
+    if kind in ("causal", "seq2seq"):
+        return ids, ids
+    if kind == "masked":
+        return ids, torch.where(torch.rand(ids.shape) < 0.15, ids, torch.full_like(ids, -100))
+    if kind == "speech":
+        return torch.randn(BATCH, config.num_mel_bins, 2 * config.max_source_positions), ids
+    return torch.randn(BATCH, 3, config.image_size, config.image_size), torch.randint(0, 10, (BATCH,))
+
+
+def make(name: str, seed: int = 0):
+    """(wrapped model, example inputs) of one family, seeded."""
+    import transformers as T
+
+    cls, config, kind = _configs(T)[name]
+    torch.manual_seed(seed)
+    model = hf_models.Loss(cls(config), kind)
+    return model, inputs_for(kind, config)
+
+
+def import_family(args) -> None:
+    """Import each family in turn; one JSON line each: the graph's size, or the refusal."""
+    from parsat.importer.errors import TorchImportError
+    from parsat.importer.export import import_module
+
+    for name in args.families:
+        module, inputs = make(name)
+        start = time.process_time()
+        try:
+            graph = import_module(module, inputs).graph
+            row = {"family": name, "import": "ok", "nodes": len(graph.nodes), "weights": len(graph.weights),
+                   "operators": sorted({n.op for n in graph.nodes})}
+        except TorchImportError as err:
+            row = {"family": name, "import": "refused", "error": str(err)}
+        row["cpu_s"] = round(time.process_time() - start, 2)
+        print(json.dumps(row), flush=True)
+
+
+def parallelism(plan) -> dict:
+    """What a plan splits: the largest shard degree of any compute node, and how it splits the weights, which
+    operators run on split dims and its collectives (`hf_models.split_summary`)."""
+    data = plan.to_dict()
+    shards = [max(n["spread"]["shard"] or [1]) for n in data["nodes"] if n["kind"] == "op"]
+    return {"largest_shard": max(shards or [1]), **hf_models.split_summary(data)}
+
+
+def progress(start: float):
+    """The search's progress lines on stderr, each with the CPU seconds since `start`."""
+    return lambda line: print(f"[{time.process_time() - start:7.1f} cpu s] {line}", file=sys.stderr, flush=True)
+
+
+def optimize(args) -> None:
+    """Import and plan each family on 2 CPU devices; pin data parallelism where the cost model picks none."""
+    import parsat
+    from parsat.importer.errors import TorchImportError
+    from parsat.importer.export import import_module
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in args.families:
+        module, inputs = make(name)
+        try:
+            graph = import_module(module, inputs).graph
+        except TorchImportError as err:
+            print(json.dumps({"family": name, "import": "refused", "error": str(err)}), flush=True)
+            continue
+        start = time.process_time()
+        options = dict(machine="cpu", devices=2, microbatches=1, baselines=False, limits=args.limit,
+                       rules=PARALLEL_RULES if args.rules == "parallel" else None, progress=progress(start))
+        plan, pinned = parsat.optimize(graph, **options), None
+        if parallelism(plan)["largest_shard"] < 2:
+            plan, pinned = parsat.optimize(graph, degrees={"dp": 2}, **options), "dp=2"
+        plan.save(out / f"{name}-2.json")
+        print(json.dumps({"family": name, "nodes": len(graph.nodes), "pinned": pinned,
+                          "optimize_cpu_s": round(time.process_time() - start, 2), **parallelism(plan)}), flush=True)
+
+
+def train(args) -> None:
+    """Train each planned family 3 steps through `parsat.parallelize` beside the unmodified module."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    for name in args.families:
+        plan = Path(args.out) / f"{name}-{dist.get_world_size()}.json"
+        if not plan.is_file():
+            continue
+        module, inputs = make(name)
+        row = hf_models.train_one(module, inputs, plan, args.steps, TOLERANCE)
+        if dist.get_rank() == 0:
+            print(json.dumps({"family": name, **row}), flush=True)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=("import", "optimize", "train"))
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rules", choices=("all", "parallel"), default="all",
+                        help="the shipped library, or its parallel rules only (no algebraic rewrites)")
+    parser.add_argument("--limit", type=lambda kv: kv.split("="), action="append", default=[],
+                        help="a search budget, key=value (parsat's Limits: enodes=50000, generations=2)")
+    parser.add_argument("--out", default=os.environ.get("PARSAT_HF_PLANS", "benchmarks/hf_plans"))
+    args = parser.parse_args()
+    args.limit = {k: float(v) if "." in v or k.endswith("seconds") else int(v) for k, v in args.limit} or None
+    {"import": import_family, "optimize": optimize, "train": train}[args.mode](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
