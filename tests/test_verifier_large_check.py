@@ -51,6 +51,16 @@ def test_a_true_rule_agrees_everywhere():
     assert crosscheck.devices_disagree(_rule(RELU_SPLIT), OPS) == ""
 
 
+def test_sizes_that_divide_by_an_int_of_0_are_not_drawn():
+    """A grouped convolution's kernel is [o, c / groups, r, s] with `groups` an int: a draw of groups = 0 leaves
+    the shape undefined (the `where` excludes it); it is skipped, not an internal error."""
+    library = load_library()[0]
+    rule = next(r for r in library.rules if r.name == "conv2d_grouped_batch_parallel")
+    drawn = list(crosscheck.large_instances(rule, library.ops))
+    assert drawn and all(sizes["groups"] >= 1 for _, sizes, _ in drawn)
+    assert crosscheck.devices_disagree(rule, library.ops) == ""
+
+
 def test_a_rule_wrong_only_from_rank_7_is_caught():
     """`len(a) % 6` is `len(a)` up to rank 6: a proof at small lengths would miss it, the devices do not."""
     wrong = _rule("forall x: [*a, n]\n  softmax(x, len(a)) => softmax(x, len(a) % 6)")

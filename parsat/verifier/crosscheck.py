@@ -250,10 +250,19 @@ def large_instances(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], max_rank:
                 yield instance, sizes, draw
 
 
+def _elements(instance: RuleInstance, sizes: dict[str, int]) -> int | None:
+    """The tensors' elements at `sizes`; None where a shape divides by a size of 0."""
+    try:
+        return concrete._elements(instance, sizes)
+    except ZeroDivisionError:
+        return None
+
+
 def large_sizes(instance: RuleInstance, rng: random.Random) -> dict[str, int] | None:
     """Random sizes with one dim (or integer) at LARGE_MAX_SIZE or the largest multiple of the degrees below
     it, the others anywhere from their least value up to it, lowered (largest first, never the big one) until
-    the tensors hold at most `LARGE_MAX_ELEMENTS` elements; None when even that does not fit."""
+    the tensors hold at most `LARGE_MAX_ELEMENTS` elements; None when even that does not fit, or when a shape
+    is undefined at the sizes drawn (`c / groups` with an int `groups` of 0, which the rule's `where` excludes)."""
     kinds = instance.symbols
     sizes = {n: rng.choice((1, 2, 2, 3, 4)) for n, k in kinds.items() if k == "degree"}
     unit = math.lcm(*sizes.values()) if sizes else 1
@@ -265,7 +274,9 @@ def large_sizes(instance: RuleInstance, rng: random.Random) -> dict[str, int] | 
     if free:
         big = rng.choice(free)
         sizes[big] = max(multiples) if rng.random() < 0.5 else LARGE_MAX_SIZE
-        while concrete._elements(instance, sizes) > LARGE_MAX_ELEMENTS:
+        while (elements := _elements(instance, sizes)) is None or elements > LARGE_MAX_ELEMENTS:
+            if elements is None:
+                return None
             shrinkable = [n for n in free if n != big and sizes[n] > 1]
             if not shrinkable:
                 return None
