@@ -23,6 +23,8 @@ from torch.nn import functional as F  # noqa: E402
 from parsat.importer.errors import TorchImportError  # noqa: E402
 from parsat.importer.export import import_module  # noqa: E402
 
+RULES = Path(__file__).resolve().parent.parent / "rules"
+
 
 def ops_of(module, *inputs) -> set[str]:
     """The library operators of the module's imported graph (the import checks itself)."""
@@ -178,7 +180,7 @@ class Convolutions(nn.Module):
     def forward(self, image, audio):
         h = self.grouped(self.depthwise(image))                  # [n, 6, 4, 4]
         h = F.pad(h.permute(0, 2, 3, 1), (0, 0, 1, 2, 0, 1))     # [n, 5, 7, 6]
-        return h.pow(2).mean() + self.audio(audio).pow(2).mean()
+        return h.pow(2).sum() + self.audio(audio).pow(2).sum()   # sums: a data-parallel loss is a partial sum
 
 
 def test_grouped_and_1d_convolutions_and_padding():
@@ -288,3 +290,88 @@ def test_constants_are_named_and_data_parallelism_copies_them():
     assert pcg is not None
     leaf = next(n for n in pcg.nodes if n.kind == "leaf" and n.op == constant)
     assert [n.op for n in pcg.nodes if leaf.id in n.inputs] == ["replicate"]
+
+
+class BiasedLayer(nn.Module):
+    """A layer reading its own position bias through constant bucket ids (a stack of them is named by blocks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Embedding(8, 2)
+        self.proj = nn.Linear(6, 6)
+
+    def forward(self, x):
+        positions = torch.arange(6)
+        buckets = (positions[None, :] - positions[:, None]).abs().clamp(max=7)
+        return torch.tanh(self.proj(x) + self.bias(buckets).permute(2, 0, 1))
+
+
+def test_constants_follow_the_blocks_renaming():
+    """The importer renames a stack's tensors by block (`b0_...`); the inputs the graph names constant are
+    renamed with them, so each block's bucket one-hot is still held whole by data parallelism, not split."""
+    from parsat.ir.microbatch import batch_dims
+
+    torch.manual_seed(0)
+    module = nn.Sequential(*(BiasedLayer() for _ in range(4)))
+    imported = import_module(module, (torch.randn(4, 2, 6, 6),))
+    graph = imported.graph
+    made = {leaf.name for leaf in graph.leaves if leaf.role == "input" and imported.data[leaf.name].constant}
+    assert len(made) == 4 and all(name.startswith(("b0_", "b1_", "b2_", "b3_")) for name in made), made
+    assert graph.constants == made and not made & set(batch_dims(graph))
+
+
+def convolutions():
+    """`parsat run --model` factories (this file is the model file): a module and a batch of 4."""
+    torch.manual_seed(0)
+    return Convolutions(), (torch.randn(4, 4, 6, 6), torch.randn(4, 3, 9))
+
+
+def position_bias():
+    torch.manual_seed(0)
+    return PositionBias(), (torch.randn(4, 2, 6, 4),)
+
+
+def sharded_ops(plan: dict) -> set[str]:
+    """The operators a plan (its JSON form) runs on split tensors."""
+    return {n["op"] for n in plan["nodes"] if n["kind"] == "op" and max(n["spread"]["shard"] or [1]) > 1}
+
+
+@pytest.mark.parametrize("factory, split", [("convolutions", {"conv2d_grouped", "conv1d", "pad", "bias_add"}),
+                                            ("position_bias", {"softmax", "add_bcast"})])
+def test_the_new_operators_train_data_parallel_on_two_ranks_like_the_module(factory, split, tmp_path, capsys):
+    """Data parallelism (`data_parallel_pcg`) runs the new operators on batch-split tensors and holds the position
+    bias's constant one-hot whole on each rank; trained 3 steps on 2 ranks, loss, gradients and weights equal the
+    unmodified module's (`parsat run --check --model`, float64)."""
+    import json
+    import sys
+
+    from parsat.backend.executor import operator_library
+    from parsat.cli import main
+    from parsat.ir.data_parallel import data_parallel_pcg
+
+    sys.path.insert(0, str(RULES.parent / "benchmarks"))
+    import mesh_plans
+
+    module, inputs = globals()[factory]()
+    graph = import_module(module, inputs).graph
+    data = mesh_plans.plan_dict(graph, data_parallel_pcg(graph, operator_library(), 2))
+    assert split <= sharded_ops(data), sharded_ops(data)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    capsys.readouterr()
+    code = main(["run", str(path), "--nproc", "2", "--check", "--model", f"{Path(__file__).resolve()}:{factory}"])
+    out = capsys.readouterr().out
+    assert code == 0 and "check                passed" in out, out
+
+
+def test_the_optimizer_splits_the_batch_through_the_new_convolutions():
+    """With data parallelism pinned, the batch inputs are read split: the grouped and 1-D convolutions that read
+    them need rules that introduce batch parallelism, and a group count that saturation does not take for a
+    mesh degree (the parallel rules alone, so that no algebraic rewrite moves them)."""
+    import parsat
+
+    module, inputs = convolutions()
+    graph = import_module(module, inputs).graph
+    rules = [str(RULES / "parallel.rule"), str(RULES / "parallel_layers.rule")]
+    plan = parsat.optimize(graph, "cpu", rules=rules, devices=2, degrees={"dp": 2}, baselines=False)
+    assert {"conv2d_grouped", "conv1d"} <= sharded_ops(plan.to_dict())

@@ -197,9 +197,10 @@ def _h_index(t, node, x, indices):
     if len(picked) != 1:
         raise Refused("indexing with more than one index tensor is not supported")
     d, idx = picked[0]
-    value = t.values.get(idx.name) if isinstance(idx, t.torch.fx.Node) else None
-    if t.is_compute(idx) or idx.name in t.varying or not isinstance(value, t.torch.Tensor) \
-            or value.dtype == t.torch.bool or value.is_floating_point() or (value.dim() > 1 and d != 0):
+    constant = isinstance(idx, t.torch.fx.Node) and not t.is_compute(idx) and idx.name not in t.varying
+    value = t.constant_value(idx) if constant else None   # on meta tensors made again on the CPU
+    if not isinstance(value, t.torch.Tensor) or value.dtype == t.torch.bool or value.is_floating_point() \
+            or (value.dim() > 1 and d != 0):
         raise Refused("indexing is supported with one constant integer index tensor (1-D, or of any rank into dim "
                       "0), not a gather by indices from the inputs, nor a boolean mask")
     shape = t.shape(a)

@@ -318,11 +318,12 @@ def _without_number(column: Sequence[str]) -> str | None:
 
 
 def renamed(graph: Graph, renaming: Mapping[str, str]) -> Graph:
-    """`graph` with its tensors renamed (a name `renaming` lacks is kept)."""
+    """`graph` with its tensors renamed (a name `renaming` lacks is kept), the inputs it names constant too."""
     new = lambda name: renaming.get(name, name)  # noqa: E731
     leaves = tuple(replace(leaf, name=new(leaf.name)) for leaf in graph.leaves)
     nodes = tuple(replace(n, name=new(n.name), inputs=tuple(new(i) for i in n.inputs)) for n in graph.nodes)
-    return replace(graph, leaves=leaves, nodes=nodes, outputs=tuple(new(o) for o in graph.outputs))
+    return replace(graph, leaves=leaves, nodes=nodes, outputs=tuple(new(o) for o in graph.outputs),
+                   constants=frozenset(new(c) for c in graph.constants))
 
 
 # ------------------------------------------------------------------ cut to the blocks searched
@@ -344,4 +345,5 @@ def searched_blocks(graph: Graph, count: int, kept: int) -> Graph:
     leaves = tuple(replace(leaf, name=moved(leaf.name)) for leaf in graph.leaves if kept_(leaf.name))
     nodes = tuple(replace(n, name=moved(n.name), inputs=tuple(moved(i) for i in n.inputs))
                   for n in graph.nodes if kept_(n.name))
-    return replace(graph, leaves=leaves, nodes=nodes, outputs=tuple(moved(o) for o in graph.outputs), example=None)
+    return replace(graph, leaves=leaves, nodes=nodes, outputs=tuple(moved(o) for o in graph.outputs), example=None,
+                   constants=frozenset(moved(c) for c in graph.constants if kept_(c)))
