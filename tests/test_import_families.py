@@ -331,13 +331,39 @@ def position_bias():
     return PositionBias(), (torch.randn(4, 2, 6, 4),)
 
 
+class Frozen(nn.Module):
+    """Whisper's encoder positions: a parameter with `requires_grad=False`, added to each sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.positions = nn.Parameter(torch.randn(5, 4), requires_grad=False)
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return (self.proj(x) + self.positions).pow(2).sum()
+
+
+def frozen():
+    torch.manual_seed(0)
+    return Frozen(), (torch.randn(4, 5, 4),)
+
+
+def test_a_frozen_parameter_is_a_constant_not_a_weight():
+    module, inputs = frozen()
+    imported = import_module(module, inputs)
+    graph = imported.graph
+    assert {leaf.name for leaf in graph.weights} == {"proj.weight", "proj.bias"}
+    (constant,) = graph.constants
+    assert torch.equal(imported.constants[constant], module.positions.double())
+
+
 def sharded_ops(plan: dict) -> set[str]:
     """The operators a plan (its JSON form) runs on split tensors."""
     return {n["op"] for n in plan["nodes"] if n["kind"] == "op" and max(n["spread"]["shard"] or [1]) > 1}
 
 
 @pytest.mark.parametrize("factory, split", [("convolutions", {"conv2d_grouped", "conv1d", "pad", "bias_add"}),
-                                            ("position_bias", {"softmax", "add_bcast"})])
+                                            ("position_bias", {"softmax", "add_bcast"}), ("frozen", {"add_bcast"})])
 def test_the_new_operators_train_data_parallel_on_two_ranks_like_the_module(factory, split, tmp_path, capsys):
     """Data parallelism (`data_parallel_pcg`) runs the new operators on batch-split tensors and holds the position
     bias's constant one-hot whole on each rank; trained 3 steps on 2 ranks, loss, gradients and weights equal the

@@ -119,7 +119,8 @@ def has_meta(program, inputs: Sequence) -> bool:
 
 
 def module_state(program) -> dict[str, Any]:
-    """Placeholder -> a copy of its parameter (in float64, requiring a gradient), buffer or constant (as it is)."""
+    """Placeholder -> a copy of its parameter (in float64, requiring a gradient where the module trains it: a
+    frozen one is data, as the importer takes it), buffer or constant (as it is)."""
     from parsat.importer.program import lifted_value
 
     params = program.graph_signature.inputs_to_parameters
@@ -127,9 +128,10 @@ def module_state(program) -> dict[str, Any]:
     for spec in program.graph_signature.input_specs:
         if spec.kind.name == "USER_INPUT":
             continue
-        value = lifted_value(program, spec.arg.name).detach()
-        state[spec.arg.name] = as_float64(value).clone().requires_grad_() if spec.arg.name in params \
-            else value.clone()
+        value = lifted_value(program, spec.arg.name)
+        trained = spec.arg.name in params and value.requires_grad
+        state[spec.arg.name] = as_float64(value.detach()).clone().requires_grad_() if trained \
+            else value.detach().clone()
     return state
 
 
@@ -233,7 +235,8 @@ def gradients(pairs: list, weights: Mapping[str, Any], state: Mapping[str, Any],
     output as it is, any other output against a seeded cotangent."""
     import torch
 
-    params = {name: state[p] for p, name in program.graph_signature.inputs_to_parameters.items()}
+    params = {name: state[p] for p, name in program.graph_signature.inputs_to_parameters.items()
+              if state[p].requires_grad}   # the trained ones (`module_state`)
     names = sorted(params)
     graph_side = sum(objective(got, k) for k, (got, _) in enumerate(pairs))
     module_side = sum(objective(want, k) for k, (_, want) in enumerate(pairs))

@@ -154,6 +154,12 @@ class Translator(ShapeOps):
                 return float(v)
         return None
 
+    def trained(self, placeholder: str) -> bool:
+        """Whether a parameter is trained. A frozen one (`requires_grad=False`: Whisper's sinusoidal encoder
+        positions) gets no gradient and no update from torch, so it is data: a constant of the graph, its value
+        at import, never a weight whose gradient a plan would sum and whose value the optimizer would change."""
+        return self.module.get_parameter(self.params[placeholder]).requires_grad
+
     def weight(self, placeholder: str) -> Tensor:
         name = self.params[placeholder]
         if name not in self.weights:
@@ -248,7 +254,7 @@ class Translator(ShapeOps):
         for node in graph.nodes:
             self.node = node
             if node.op == "placeholder":
-                if node.name in self.params:
+                if node.name in self.params and self.trained(node.name):
                     self.compute.add(node.name)
                     self.env[node.name] = LazyWeight(node.name)
                 elif node.name in self.user_inputs:
