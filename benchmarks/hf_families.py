@@ -21,6 +21,9 @@ Modes, one family at a time (the box is shared):
       `parsat.parallelize` with that plan, 3 steps of the user's SGD loop
       against the unmodified module (`hf_models.train_one`), relative 1e-4.
 
+  python benchmarks/hf_families.py report --logs A.jsonl B.jsonl ... [--md FILE] [--note TEXT]
+      benchmarks/hf_families.md from those lines: one row per family.
+
 Results and the commands that made them: benchmarks/hf_families.md.
 """
 
@@ -70,7 +73,7 @@ def _configs(T) -> dict:
         "falcon": (T.FalconForCausalLM, T.FalconConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
                                                        vocab_size=VOCAB), "causal"),
         "gptj": (T.GPTJForCausalLM, T.GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, vocab_size=VOCAB,
-                                                 n_positions=64), "causal"),
+                                                 n_positions=64, bos_token_id=1, eos_token_id=2), "causal"),
         "mixtral": (T.MixtralForCausalLM, T.MixtralConfig(**_GQA, num_local_experts=4, num_experts_per_tok=2),
                     "causal"),
         "t5": (T.T5ForConditionalGeneration, T.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2,
@@ -162,6 +165,7 @@ def optimize(args) -> None:
     import parsat
     from parsat.importer.errors import TorchImportError
     from parsat.importer.export import import_module
+    from parsat.ir.errors import GraphError, OptimizeError
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -175,12 +179,19 @@ def optimize(args) -> None:
         start = time.process_time()
         options = dict(machine="cpu", devices=2, microbatches=1, baselines=False, limits=args.limit,
                        rules=PARALLEL_RULES if args.rules == "parallel" else None, progress=progress(start))
-        plan, pinned = parsat.optimize(graph, **options), None
-        if parallelism(plan)["largest_shard"] < 2:
-            plan, pinned = parsat.optimize(graph, degrees={"dp": 2}, **options), "dp=2"
+        row = {"family": name, "nodes": len(graph.nodes), "pinned": None}
+        try:
+            plan = parsat.optimize(graph, **options)
+            if parallelism(plan)["largest_shard"] < 2:
+                row["pinned"] = "dp=2"
+                plan = parsat.optimize(graph, degrees={"dp": 2}, **options)
+        except (OptimizeError, GraphError) as err:
+            row.update(optimize="refused", error=str(err), optimize_cpu_s=round(time.process_time() - start, 2))
+            print(json.dumps(row), flush=True)
+            continue
         plan.save(out / f"{name}-2.json")
-        print(json.dumps({"family": name, "nodes": len(graph.nodes), "pinned": pinned,
-                          "optimize_cpu_s": round(time.process_time() - start, 2), **parallelism(plan)}), flush=True)
+        print(json.dumps({**row, "optimize_cpu_s": round(time.process_time() - start, 2), **parallelism(plan)}),
+              flush=True)
 
 
 def train(args) -> None:
@@ -199,9 +210,96 @@ def train(args) -> None:
     dist.destroy_process_group()
 
 
+COMMANDS = """\
+PYTHONPATH=. .venv/bin/python benchmarks/hf_families.py import > /tmp/hf_families/import.jsonl
+PYTHONPATH=. .venv/bin/python benchmarks/hf_families.py optimize --out /tmp/hf_families/plans > /tmp/hf_families/optimize.jsonl
+PYTHONPATH=. .venv/bin/torchrun --nproc-per-node 2 benchmarks/hf_families.py train --out /tmp/hf_families/plans \\
+    > /tmp/hf_families/train.jsonl
+.venv/bin/python benchmarks/hf_families.py report --logs /tmp/hf_families/*.jsonl --md benchmarks/hf_families.md"""
+
+
+def read_rows(paths) -> dict[str, dict]:
+    """Family -> its rows of every log merged (import, optimize and train rows name their family)."""
+    rows: dict[str, dict] = {}
+    for path in paths:
+        for line in Path(path).read_text(encoding="utf-8").splitlines():
+            if line.startswith("{"):
+                row = json.loads(line)
+                mode = "train" if "check" in row else "optimize" if "optimize_cpu_s" in row else "import"
+                rows.setdefault(row["family"], {})[mode] = row
+    return rows
+
+
+def plan_cell(row: dict | None) -> str:
+    """What a family's plan splits, in words, or why there is none."""
+    if row is None:
+        return "not planned"
+    if row.get("optimize") == "refused":
+        return f"no: {row['error'].splitlines()[0]}"
+    split = sum(n for how, n in row["matrices"].items() if how.startswith("partition"))
+    weights = sum(row["matrices"].values())
+    if row["pinned"]:
+        how = "data parallel, pinned dp=2 (the cost model alone splits nothing)"
+    else:
+        how = "the cost model's choice" + (", tensor parallel (no gradient sync)" if not row["grad_sync_elements"]
+                                           else "")
+    collectives = ", ".join(f"{n} {op}" for op, n in sorted(row["collectives"].items())) or "none"
+    return (f"yes: {how}; {split} of {weights} weight matrices read split; "
+            f"{len(row['ops_on_sharded_dims'])} operators on split dims; collectives {collectives}; "
+            f"search {row['optimize_cpu_s']:.0f} CPU s")
+
+
+def train_cell(row: dict | None) -> str:
+    """Whether training through `parallelize` equalled the module, with the largest relative difference."""
+    if row is None:
+        return "not run"
+    verdict = "equal" if row["check"] == "passed" else "NOT equal"
+    return f"{verdict} (max rel. diff {row['max_rel_diff']:.1e}, {row['steps']} steps, {row['ranks']} ranks)"
+
+
+def site_packages() -> str:
+    """The folder transformers is installed in, left out of the source lines the report quotes."""
+    import transformers
+
+    return str(Path(transformers.__file__).resolve().parent.parent) + os.sep
+
+
+def report(args) -> None:
+    """benchmarks/hf_families.md from the logs of the other modes: one row per family, then the totals."""
+    import transformers
+
+    rows = read_rows(args.logs)
+    lines = ["# Twenty-one Hugging Face families: import, plan on 2 CPU ranks, train like the module (issue 32)", "",
+             f"Script: `benchmarks/hf_families.py` (configs and modes in its docstring). torch {torch.__version__},",
+             f"transformers {transformers.__version__}, CPython {sys.version.split()[0]}, a shared 2-core x86_64 box.",
+             "Commands (from the repository root):", "", "```", COMMANDS, "```", "",
+             "| family | imports | plan with parallelism on 2 ranks | training through `parallelize` vs the module |",
+             "|---|---|---|---|"]
+    counts = {"import": 0, "plan": 0, "train": 0}
+    for name in FAMILIES:
+        got = rows.get(name, {})
+        imp = got.get("import")
+        if imp is None:
+            cell = "not run"
+        elif imp["import"] == "ok":
+            cell = f"yes ({imp['nodes']} nodes, {len(imp['operators'])} operators)"
+        else:
+            cell = "no: " + " ".join(imp["error"].split()).replace(site_packages(), "")
+        planned = got.get("optimize") is not None and got["optimize"].get("optimize") != "refused"
+        trained = got.get("train") is not None and got["train"]["check"] == "passed"
+        counts["import"] += imp is not None and imp["import"] == "ok"
+        counts["plan"] += planned
+        counts["train"] += trained
+        lines.append(f"| {name} | {cell} | {plan_cell(got.get('optimize'))} | {train_cell(got.get('train'))} |")
+    lines += ["", f"Of {len(FAMILIES)} families: {counts['import']} import, {counts['plan']} have a plan with "
+              f"parallelism on 2 ranks, {counts['train']} train through `parallelize` equal to the module "
+              f"(losses, gradients and updated weights, relative {TOLERANCE:g})."]
+    Path(args.md).write_text("\n".join(lines + args.notes) + "\n", encoding="utf-8")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=("import", "optimize", "train"))
+    parser.add_argument("mode", choices=("import", "optimize", "train", "report"))
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rules", choices=("all", "parallel"), default="all",
@@ -209,9 +307,13 @@ def main() -> None:
     parser.add_argument("--limit", type=lambda kv: kv.split("="), action="append", default=[],
                         help="a search budget, key=value (parsat's Limits: enodes=50000, generations=2)")
     parser.add_argument("--out", default=os.environ.get("PARSAT_HF_PLANS", "benchmarks/hf_plans"))
+    parser.add_argument("--logs", nargs="+", default=[], help="report: the JSON lines of the other modes")
+    parser.add_argument("--md", default="benchmarks/hf_families.md", help="report: the Markdown written")
+    parser.add_argument("--note", dest="notes", action="append", default=[],
+                        help="report: a paragraph appended after the table")
     args = parser.parse_args()
     args.limit = {k: float(v) if "." in v or k.endswith("seconds") else int(v) for k, v in args.limit} or None
-    {"import": import_family, "optimize": optimize, "train": train}[args.mode](args)
+    {"import": import_family, "optimize": optimize, "train": train, "report": report}[args.mode](args)
 
 
 if __name__ == "__main__":

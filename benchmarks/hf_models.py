@@ -319,7 +319,7 @@ def train_one(module, inputs, plan_path, steps: int, tolerance: float) -> dict:
     state = parsat.gather_weights(pmodule)  # the module's own names and layouts, trained
     verdict = "passed" if worst[1] == 0 and worst[0] <= tolerance else "failed"
     return {"ranks": world, "steps": steps, "check": verdict, "tolerance": tolerance,
-            "max_rel_diff": float(worst[0]), "losses": losses,
+            "max_rel_diff": float(worst[0]), "worst_on_rank0": found.worst, "losses": losses,
             "comm_elements_step": float(pmodule.counter.sent()) / steps,
             "state_dict_keys": len(state), "cpu_s_rank0": round(seconds, 2)}
 
