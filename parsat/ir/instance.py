@@ -19,13 +19,19 @@ from parsat.dsl.symbolic import Poly
 def instance_for(op: ast.OpDecl, shapes: Sequence[Sequence[int]], attrs: Mapping[str, int | float],
                  memo: dict | None = None) -> OpInstance:
     """The operator at concrete shapes and attributes (raises InstantiationError). `memo`, a dict the caller
-    keeps for the operators of one library, holds the instances made: a model of repeated blocks asks for
-    each one once per block, and instantiating is most of what laying out or checking a node costs."""
+    keeps for the operators of one library, holds the instances made and the refusals: a model of repeated
+    blocks asks for each one once per block, and instantiating is most of what laying out or checking a node
+    costs."""
     if memo is not None:
         key = (op.name, tuple(tuple(s) for s in shapes), tuple(sorted(attrs.items())))
         found = memo.get(key)
         if found is None:
-            found = memo[key] = instance_for(op, shapes, attrs)
+            try:
+                found = memo[key] = instance_for(op, shapes, attrs)
+            except InstantiationError as err:
+                found = memo[key] = err
+        if isinstance(found, InstantiationError):
+            raise found.with_traceback(None)   # the same refusal, without the tracebacks of earlier raises
         return found
     int_attrs: dict[str, Poly] = {}
     real_attrs: dict[str, ast.Expr] = {}

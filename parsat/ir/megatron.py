@@ -123,7 +123,7 @@ class _Memo:
     def __init__(self, graph: Graph, library: Library):
         self.graph, self.ops = graph, library.ops
         self.batch = batch_dims(graph, library)
-        self.instances: dict[tuple, OpInstance | None] = {}
+        self.instances: dict = {}    # `instance_for`'s memo
         self.accepts: dict[tuple, int | None] = {}
         self.placements: dict = {}   # `compute_placement`'s own cache
 
@@ -139,12 +139,10 @@ class _Memo:
     def instance(self, op: str, shapes: Sequence[Sequence[int]], attrs: Sequence) -> tuple[tuple, OpInstance | None]:
         """The operator at these shapes and attributes (None where it does not instantiate), and its key."""
         key = (op, tuple(tuple(s) for s in shapes), tuple(attrs))
-        if key not in self.instances:
-            try:
-                self.instances[key] = instance_for(self.ops[op], key[1], dict(attrs))
-            except (InstantiationError, KeyError):
-                self.instances[key] = None
-        return key, self.instances[key]
+        try:
+            return key, instance_for(self.ops[op], key[1], dict(attrs), self.instances)
+        except (InstantiationError, KeyError):
+            return key, None
 
     def accepted(self, key: tuple, instance: OpInstance, codes: tuple[int, ...]) -> int | None:
         """The output code of the operator on one axis for these input codes; None where it refuses them."""
