@@ -67,12 +67,11 @@ Torch is not imported here: the module is described by `ModuleInfo`
 
 from __future__ import annotations
 
-import re
-
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
 from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER, REPLICATE
+from parsat.ir.blocks import has_blocks
 from parsat.ir.graph import Graph
 from parsat.ir.mesh import Mesh
 from parsat.ir.microbatch import batch_dims
@@ -280,7 +279,7 @@ class _Lowerer:
                                 "parallelize the module the plan was made for"
                                 + (" (the importer named its stack of identical blocks b{i}_...: give parallelize "
                                    "example_inputs, and the import maps them to the module's names)"
-                                   if re.match(r"b\d+_", leaf.op) else ""))
+                                   if has_blocks([leaf.op]) else ""))
         if tuple(info.shape) != shape:
             raise LoweringError(f"the plan's weight '{leaf.op}' has shape {list(shape)}, the module's "
                                 f"{list(info.shape)}: parallelize the module the plan was made for")
