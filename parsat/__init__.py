@@ -72,11 +72,11 @@ def from_torch(module, example_inputs, library=None, name=None, *, check=True):
 
 
 def parallelize(module, plan, example_inputs=None, *, imported=None, seed=0, dtype=None, runtime="interpreter",
-                mp_policy=None):
+                mp_policy=None, weight_names=None):
     """The module as `plan` runs it on this rank, under torchrun; call it on every rank.
 
     `runtime="torch"` lowers the plan onto PyTorch's own distributed stack
-    (`parsat.backend.torch_native.apply.parallelize_native`, docs/TORCH_NATIVE.md):
+    (`parsat.backend.torch_native.entry.parallelize_native`, docs/TORCH_NATIVE.md):
     the user's module itself comes back, its forward its own, run on this
     rank's local batch, every parameter a DTensor on the plan's mesh
     (tensor parallelism as `parallelize_module` styles, data parallelism as
@@ -84,7 +84,13 @@ def parallelize(module, plan, example_inputs=None, *, imported=None, seed=0, dty
     `clip_grad_norm_`, optimizers, `torch.distributed.checkpoint`,
     `torch.compile` and autocast work unchanged; a plan torch's pieces
     cannot express is refused, naming the node. `example_inputs` or
-    `imported`, when given, have the module's graph compared with the plan's.
+    `imported`, when given, have the module's graph compared with the plan's;
+    `weight_names` (graph weight -> parameter name) names the plan's weights
+    in a module that names them otherwise. A pipelined plan needs
+    `example_inputs` (one step's local batch) and returns a
+    `PipelinedModule` (`torch.distributed.pipelining` stages and schedule):
+    the loop calls `model.step(*batch)` instead of forward and backward, and
+    `model.clip_grad_norm_` for the norm over every stage.
 
     The default, `runtime="interpreter"`, is `parsat.backend.parallelize.parallelize`:
     the plan's nodes interpreted one by one (the `--check` reference). Every
@@ -99,14 +105,14 @@ def parallelize(module, plan, example_inputs=None, *, imported=None, seed=0, dty
         if dtype is not None or seed != 0:
             raise ValueError("runtime='torch' runs the module's own forward: cast the module yourself (dtype=) and "
                              "seed torch's generator (seed=); mp_policy= sets a mixed-precision policy")
-        from parsat.backend.torch_native.apply import parallelize_native
+        from parsat.backend.torch_native.entry import parallelize_native
 
         return parallelize_native(module, plan, mp_policy=mp_policy, example_inputs=example_inputs,
-                                  imported=imported)
+                                  imported=imported, weight_names=weight_names)
     if runtime != "interpreter":
         raise ValueError(f"runtime must be 'interpreter' or 'torch', got {runtime!r}")
-    if mp_policy is not None:
-        raise ValueError("mp_policy= is for runtime='torch' (the interpreter takes dtype=)")
+    if mp_policy is not None or weight_names is not None:
+        raise ValueError("mp_policy= and weight_names= are for runtime='torch' (the interpreter takes dtype=)")
     from parsat.backend.parallelize import parallelize as run
 
     return run(module, plan, example_inputs, imported=imported, seed=seed, dtype=dtype)

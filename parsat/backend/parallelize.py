@@ -262,29 +262,43 @@ def gather_weights(pmodule: ParallelModule) -> dict[str, torch.Tensor]:
 
 
 _PIPELINED = ("pipelined plans run through `parsat run` (each stage runs its part of the graph on its own ranks in "
-              "the plan's schedule; parallelize wraps one module on one mesh)")
+              "the plan's schedule; the interpreter's parallelize wraps one module on one mesh) or through "
+              "parallelize(..., runtime='torch') (torch.distributed.pipelining stages and schedules)")
 
 
 _ZERO = ("the plan shards its weights' optimizer state (ZeRO-{stage}), which a module trained with its own optimizer "
          "does not run yet (`parsat run plan.json` without --model does); optimize with --degrees zero=0")
 
 
-def _resolve_plan(plan) -> tuple[PCG, Graph]:
-    """(PCG, graph) of a `Plan` (taken as they are), a plan dict or a plan JSON file; a pipelined plan refused."""
+def resolve_plan(plan) -> tuple[PCG, Graph, "PipelinePlan | None"]:
+    """(PCG, graph, pipeline or None) of a `Plan` (taken as they are), a plan dict or a plan JSON file."""
+    from parsat.ir.pipeline import PipelinePlan
     from parsat.ir.plan import Plan, load_plan_dict, pcg_from_dict
 
     if isinstance(plan, Plan):
-        if plan.pipeline:
-            raise ParallelizeError(_PIPELINED)
-        return plan.pcg, plan.graph
+        return plan.pcg, plan.graph, plan.pipeline
     if isinstance(plan, (str, bytes)) or hasattr(plan, "__fspath__"):
         plan = load_plan_dict(plan)
     if not isinstance(plan, Mapping):
         raise ParallelizeError("plan must be a parsat Plan, a plan dict or a plan JSON file")
+    pipeline = None
     if plan.get("pipeline"):
-        raise ParallelizeError(_PIPELINED)
+        try:
+            pipeline = PipelinePlan.from_dict(plan["pipeline"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ParallelizeError(f"the plan's pipeline does not follow the plan schema ({type(err).__name__}: "
+                                   f"{err})") from None
     library = operator_library()
-    return pcg_from_dict(plan), Graph.from_dict(plan["graph"], library)
+    return pcg_from_dict(plan), Graph.from_dict(plan["graph"], library), pipeline
+
+
+def _resolve_plan(plan) -> tuple[PCG, Graph]:
+    """(PCG, graph) of a plan as `resolve_plan` reads it; a pipelined plan refused (the interpreter's
+    `parallelize` wraps one module on one mesh)."""
+    pcg, graph, pipeline = resolve_plan(plan)
+    if pipeline:
+        raise ParallelizeError(_PIPELINED)
+    return pcg, graph
 
 
 def parallelize(module: torch.nn.Module, plan, example_inputs=None, *, imported: ImportedModule | None = None,

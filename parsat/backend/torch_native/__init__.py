@@ -8,9 +8,16 @@ ZeRO-3 (and ZeRO-1/2) `fully_shard`. So `clip_grad_norm_`, optimizers,
 LR schedulers, `torch.distributed.checkpoint`, `torch.compile` and
 autocast see ordinary DTensor parameters.
 
+A pipelined plan becomes `torch.distributed.pipelining` stages (the module
+cut at the plan's chunks) and the plan's schedule, each stage's own plan
+lowered on its stage modules.
+
 Modules: `lowering` (a plan read as those pieces, per mesh axis and per
 weight, or refused naming the node torch's pieces cannot express; torch
-is not imported there), `apply` (the pieces applied to the user's module
-on every rank; `parallelize_native`, `local_batch`, `lowering_of`).
-`parsat.parallelize(module, plan, runtime="torch")` is the way in.
+is not imported there), `pipeline_lowering` (a pipelined plan's cuts,
+schedule and shared weights, also without torch), `apply` (the pieces
+applied to the user's module on every rank; `local_batch`,
+`lowering_of`), `pipelined` (a pipelined plan applied: `PipelinedModule`),
+`entry` (`parallelize_native`: one plan for every rank, then one of the
+two). `parsat.parallelize(module, plan, runtime="torch")` is the way in.
 """

@@ -11,8 +11,8 @@ Under torchrun (or `backend.launch`), every rank calls
         optimizer.step(); optimizer.zero_grad()
     dcp.save(get_model_state_dict(model), checkpoint_id=path)
 
-`parallelize_native` reads the plan as `lowering.lower` says and applies
-it in place, in this order (docs/TORCH_NATIVE.md):
+`entry.parallelize_native` reads the plan as `lowering.lower` says and
+`apply_lowering` applies it in place, in this order (docs/TORCH_NATIVE.md):
 
 1. rank 0's parameters and buffers are broadcast, so every rank starts
    from the same values (as DDP does);
@@ -47,8 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parsat.backend.torch_native.lowering import (COLWISE, DATA, EMBEDDING, LINEAR, REPLICATE_STYLE, ROWWISE, VOCAB,
-                                                  ZERO3, GATHERED, Lowering, LoweringError, ModuleInfo, ParamInfo,
-                                                  lower)
+                                                  ZERO3, GATHERED, Lowering, ModuleInfo, ParamInfo)
 
 LOWERING_ATTRIBUTE = "_parsat_lowering"
 
@@ -97,69 +96,24 @@ def module_info(module: nn.Module, aliases: Mapping[str, str] | None = None) -> 
 # ------------------------------------------------------------------ applying it
 
 
-def parallelize_native(module: nn.Module, plan, *, mp_policy=None, example_inputs=None, imported=None) -> nn.Module:
-    """The module with `plan` lowered onto torch's stack (module docstring); call it on every rank.
-
-    `plan` is a parsat `Plan`, a plan dict or JSON file, or None on every rank
-    but 0 (rank 0's is broadcast, `plan_share`). The module must hold the
-    plan's weights under the plan's names and shapes; give `example_inputs`
-    or `imported` to have its whole graph compared with the plan's as
-    `parallelize` does. Raises `NativeParallelizeError` (naming the plan
-    node) where the plan cannot be lowered.
-    """
-    from parsat.backend.launch import under_torchrun
-    from parsat.backend.parallelize import _resolve_plan, graph_difference, import_difference
-    from parsat.backend.plan_share import PlanMismatch, shared_plan
-
-    if plan is not None:
-        try:
-            _resolve_plan(plan)   # a plan that cannot be read is refused before any process group starts
-        except ValueError as err:
-            raise NativeParallelizeError(str(err)) from None
-    if not dist.is_initialized():
-        if not under_torchrun():
-            raise NativeParallelizeError("parallelize runs under torchrun (one process per device): no process "
-                                         "group is started and RANK/WORLD_SIZE are not set")
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    backend = dist.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    try:
-        pcg, graph = shared_plan(plan, _resolve_plan, device)
-    except (PlanMismatch, ValueError) as err:
-        raise NativeParallelizeError(str(err)) from None
-    world = dist.get_world_size()
-    if world != pcg.mesh.world:
-        raise NativeParallelizeError(f"the plan runs on a mesh of {pcg.mesh.world} device(s) "
-                                     f"({pcg.mesh or 'one device'}) but the job has {world} rank(s)")
-    if imported is not None or example_inputs is not None:
-        if imported is None:
-            from parsat.importer.export import import_module
-
-            imported = import_module(module, example_inputs, check=False)
-            difference = graph_difference(imported.graph, graph)
-        else:
-            difference = import_difference(module, imported) or graph_difference(imported.graph, graph)
-        if difference:
-            raise NativeParallelizeError(difference)
-    try:
-        lowering = lower(pcg, graph, module_info(module, imported.weights if imported is not None else None))
-    except LoweringError as err:
-        raise NativeParallelizeError(str(err)) from None
+def apply_lowering(module: nn.Module, lowering: Lowering, device: torch.device, mp_policy=None) -> nn.Module:
+    """`lowering` (of an unpipelined plan) applied to `module` in place on this rank (module docstring, steps 1-4);
+    the process group is started and every rank holds the same plan (`entry.parallelize_native`)."""
     if mp_policy is not None and not (lowering.axes(DATA) or lowering.axes(ZERO3)):
         raise NativeParallelizeError("mp_policy is applied by replicate / fully_shard on the data axes, and this "
                                      "plan has none: use torch.autocast around the forward")
     module.to(device)
-    _broadcast_state(module)
+    broadcast_state(module)
     mesh = _device_mesh(lowering, device)
     if lowering.tensor_axis is not None:
         _tensor_parallel(module, lowering, mesh[lowering.mesh.names[lowering.tensor_axis]])
-    _data_parallel(module, lowering, mesh, mp_policy)
+    data_parallel(module, lowering, mesh, mp_policy)
     setattr(module, LOWERING_ATTRIBUTE, lowering)
     return module
 
 
-def lowering_of(module: nn.Module) -> Lowering:
-    """The lowering `parallelize_native` applied to `module`."""
+def lowering_of(module) -> Lowering:
+    """The lowering `parallelize_native` applied to `module` (a `PipelineLowering` for a pipelined module)."""
     found = getattr(module, LOWERING_ATTRIBUTE, None)
     if found is None:
         raise NativeParallelizeError("this module was not parallelized with runtime='torch'")
@@ -168,9 +122,10 @@ def lowering_of(module: nn.Module) -> Lowering:
 
 def local_batch(module: nn.Module, *tensors: torch.Tensor, dim: int = 0, rank: int | None = None):
     """This rank's block of a global batch as the plan splits it (along `dim`, over the data axes, major first);
-    every tensor-parallel rank of one data-parallel group takes the same block. One tensor in, one out."""
+    every tensor-parallel rank of one data-parallel group takes the same block. One tensor in, one out. In a
+    pipelined module, rank r is local rank r % S of its stage's S ranks, and the stage plan splits the batch."""
     lowering = lowering_of(module)
-    rank = dist.get_rank() if rank is None else rank
+    rank = (dist.get_rank() if rank is None else rank) % lowering.mesh.world
     coords = lowering.mesh.coords(rank)
     sizes = lowering.mesh.shape
     block, count = 0, prod(sizes[a] for a in lowering.batch_axes)
@@ -186,7 +141,7 @@ def local_batch(module: nn.Module, *tensors: torch.Tensor, dim: int = 0, rank: i
     return out[0] if len(out) == 1 else tuple(out)
 
 
-def _broadcast_state(module: nn.Module) -> None:
+def broadcast_state(module: nn.Module) -> None:
     """Rank 0's parameters and buffers on every rank (each tensor once)."""
     seen = set()
     with torch.no_grad():
@@ -265,7 +220,10 @@ def _tie_again(module: nn.Module, lowering: Lowering) -> None:
             setattr(module.get_submodule(owner), local, first)
 
 
-def _data_parallel(module: nn.Module, lowering: Lowering, mesh, mp_policy) -> None:
+def data_parallel(module: nn.Module, lowering: Lowering, mesh, mp_policy, prefix: str = "") -> None:
+    """The plan's data and ZeRO axes on `module`: `replicate`, or `fully_shard` on each block and the root (module
+    docstring, step 4). `prefix` is what `module`'s parameter names carry before the plan's module's names (a
+    traced pipeline stage's)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     names = lowering.mesh.names
@@ -285,7 +243,9 @@ def _data_parallel(module: nn.Module, lowering: Lowering, mesh, mp_policy) -> No
         else:
             dp_mesh = _flattened(mesh, zero3 or data)
         reshard = None if zero3 else False
-        dims = {id(module.get_parameter(name)): dim for name, dim in _zero3_dims(lowering).items()}
+        wanted = _zero3_dims(lowering)
+        dims = {id(p): wanted[name[len(prefix):]] for name, p in module.named_parameters(remove_duplicate=False)
+                if name.startswith(prefix) and name[len(prefix):] in wanted}
         place = (lambda p: _shard_of(p, dims)) if dims else None
         for block in _blocks(module):
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, shard_placement_fn=place,

@@ -210,8 +210,11 @@ class Lowering:
 # ------------------------------------------------------------------ the analysis
 
 
-def lower(pcg: PCG, graph: Graph, module: ModuleInfo, *, pipelined: bool = False, library=None) -> Lowering:
-    """The plan `pcg` (of `graph`) on `module` in torch's terms; raises LoweringError naming what cannot be."""
+def lower(pcg: PCG, graph: Graph, module: ModuleInfo, *, pipelined: bool = False, library=None,
+          no_tensor_axis: str | None = None) -> Lowering:
+    """The plan `pcg` (of `graph`) on `module` in torch's terms; raises LoweringError naming what cannot be.
+    `no_tensor_axis`: why a tensor axis cannot be lowered here (a pipeline's traced stages), said as soon as the
+    axes' roles are known."""
     if pipelined:
         raise LoweringError("a pipelined plan is not lowered onto torch yet (torch.distributed.pipelining would run "
                             "its stages: docs/TORCH_NATIVE.md); run it with `parsat run`, or optimize with "
@@ -222,12 +225,13 @@ def lower(pcg: PCG, graph: Graph, module: ModuleInfo, *, pipelined: bool = False
         raise LoweringError(f"the plan recomputes activations ({pcg.recompute!r}); recomputation is not lowered onto "
                             "torch yet (torch.utils.checkpoint around each block would: docs/TORCH_NATIVE.md); "
                             "optimize with recompute='none'")
-    return _Lowerer(pcg, graph, module, library).run()
+    return _Lowerer(pcg, graph, module, library, no_tensor_axis).run()
 
 
 class _Lowerer:
-    def __init__(self, pcg: PCG, graph: Graph, module: ModuleInfo, library):
+    def __init__(self, pcg: PCG, graph: Graph, module: ModuleInfo, library, no_tensor_axis: str | None = None):
         self.pcg, self.graph, self.module = pcg, graph, module
+        self.no_tensor_axis = no_tensor_axis
         self.mesh = pcg.mesh
         self.users = readers(pcg)
         self.static = _weight_values(pcg)
@@ -251,6 +255,10 @@ class _Lowerer:
         weights = [self.weight(leaf) for leaf in self.pcg.nodes if leaf.kind == "leaf" and leaf.role == "weight"]
         roles = tuple(self.axis_role(a, weights) for a in range(len(self.mesh.axes)))
         tensor = [a for a, r in enumerate(roles) if r == TENSOR]
+        if tensor and self.no_tensor_axis:
+            split = next(w for w in weights if w.roles[tensor[0]] == SPLIT)
+            raise LoweringError(f"mesh axis {self.mesh.names[tensor[0]]} splits weight '{split.name}' (tensor "
+                                f"parallelism): {self.no_tensor_axis}")
         if len(tensor) > 1:
             raise LoweringError(f"the plan splits weights on {len(tensor)} mesh axes "
                                 f"({', '.join(self.mesh.names[a] for a in tensor)}): tensor parallelism over two "

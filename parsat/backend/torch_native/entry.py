@@ -1,0 +1,109 @@
+"""The way in to the torch-native runtime: one plan for every rank, read as torch's pieces, applied.
+
+`parallelize_native` (what `parsat.parallelize(module, plan, runtime="torch")`
+calls, on every rank) reads the plan, starts the process group under
+torchrun when none is started, makes every rank hold rank 0's plan
+(`plan_share`), compares the module's graph with the plan's when asked,
+and then hands over: an unpipelined plan to `apply.apply_lowering` (the
+user's module back, parameters DTensors), a pipelined one to
+`pipelined.apply_pipeline` (a `PipelinedModule`: the module cut into
+`torch.distributed.pipelining` stages, trained with `step`).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parsat.backend.torch_native.apply import NativeParallelizeError, apply_lowering, module_info
+from parsat.backend.torch_native.lowering import LoweringError, lower
+from parsat.backend.torch_native.pipeline_lowering import lower_pipeline
+
+
+def parallelize_native(module: nn.Module, plan, *, mp_policy=None, example_inputs=None, imported=None,
+                       weight_names: Mapping[str, str] | None = None):
+    """The module with `plan` lowered onto torch's stack; call it on every rank (docs/TORCH_NATIVE.md).
+
+    `plan` is a parsat `Plan`, a plan dict or JSON file, or None on every rank
+    but 0 (rank 0's is broadcast, `plan_share`). The module must hold the
+    plan's weights under the plan's names and shapes, or under the names
+    `weight_names` (graph weight -> parameter name) or the import
+    (`imported.weights`) give them. Unpipelined plans: give `example_inputs`
+    or `imported` to have the module's whole graph compared with the plan's
+    as `parallelize` does; the module itself comes back. Pipelined plans:
+    `example_inputs` (one step's local batch, as `PipelinedModule.step` will
+    be given it) is required, to trace the module; a `PipelinedModule` comes
+    back. Raises `NativeParallelizeError` (naming the plan node) where the
+    plan cannot be lowered.
+    """
+    from parsat.backend.launch import under_torchrun
+    from parsat.backend.parallelize import graph_difference, import_difference, resolve_plan
+    from parsat.backend.plan_share import PlanMismatch, shared_plan
+
+    resolve = _resolver(resolve_plan)
+    if plan is not None:
+        resolve(plan)   # a plan that cannot be read is refused before any process group starts
+    if not dist.is_initialized():
+        if not under_torchrun():
+            raise NativeParallelizeError("parallelize runs under torchrun (one process per device): no process "
+                                         "group is started and RANK/WORLD_SIZE are not set")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    try:
+        pcg, graph, pipeline = shared_plan(plan, resolve, device)
+    except (PlanMismatch, ValueError) as err:
+        raise NativeParallelizeError(str(err)) from None
+    devices = pcg.mesh.world * (pipeline.layout.degree if pipeline else 1)
+    if dist.get_world_size() != devices:
+        where = (f"{pipeline.layout.degree} pipeline stages of {pipeline.stage_devices} device(s)" if pipeline
+                 else str(pcg.mesh or "one device"))
+        raise NativeParallelizeError(f"the plan runs on {devices} device(s) ({where}) but the job has "
+                                     f"{dist.get_world_size()} rank(s)")
+    aliases = dict(imported.weights) if imported is not None else {}
+    aliases.update(weight_names or {})
+    if pipeline is not None:
+        return _pipelined(module, pcg, graph, pipeline, module_info(module, aliases), example_inputs, device,
+                          mp_policy)
+    if imported is not None or example_inputs is not None:
+        if imported is None:
+            from parsat.importer.export import import_module
+
+            imported = import_module(module, example_inputs, check=False)
+            aliases = {**imported.weights, **(weight_names or {})}
+            difference = graph_difference(imported.graph, graph)
+        else:
+            difference = import_difference(module, imported) or graph_difference(imported.graph, graph)
+        if difference:
+            raise NativeParallelizeError(difference)
+    try:
+        lowering = lower(pcg, graph, module_info(module, aliases))
+    except LoweringError as err:
+        raise NativeParallelizeError(str(err)) from None
+    return apply_lowering(module, lowering, device, mp_policy)
+
+
+def _resolver(resolve_plan):
+    """`resolve_plan` with its refusals as NativeParallelizeError."""
+    def resolve(plan):
+        try:
+            return resolve_plan(plan)
+        except ValueError as err:
+            raise NativeParallelizeError(str(err)) from None
+    return resolve
+
+
+def _pipelined(module, pcg, graph, pipeline, info, example_inputs, device, mp_policy):
+    from parsat.backend.torch_native.pipelined import apply_pipeline
+
+    if example_inputs is None:
+        raise NativeParallelizeError("a pipelined plan needs example_inputs (one step's local batch, as you will "
+                                     "pass it to PipelinedModule.step): torch.distributed.pipelining traces the "
+                                     "module on one micro-batch of it")
+    try:
+        lowering = lower_pipeline(pcg, graph, pipeline, info)
+    except LoweringError as err:
+        raise NativeParallelizeError(str(err)) from None
+    return apply_pipeline(module, lowering, tuple(example_inputs), device, mp_policy)

@@ -1,0 +1,183 @@
+"""A pipelined plan read as `torch.distributed.pipelining` pieces: where to cut the module, which schedule, which
+stage holds what, and how each stage runs inside (docs/TORCH_NATIVE.md, "Pipelining").
+
+`lower_pipeline(pcg, graph, pipeline, module)` says, without torch:
+
+* **the cuts**: chunk c > 0 of the plan's layout (`ir.pipeline`) begins
+  at its first layer; layer L is block L of the plan's stack (its weights
+  are named `b{L}_...`, `ir.blocks`), and the module's submodule that
+  holds every parameter of those weights and none of another layer's is
+  where the module is cut (`pipeline()`'s `SplitPoint.BEGINNING`). A layer
+  whose weights no one submodule holds alone is refused, naming it;
+* **each chunk's weights**: the parameters of the weights its nodes read
+  (a tied embedding's on the first and the last stage), which the traced
+  stage modules must hold exactly (`pipelined.py` checks it);
+* **the shared weights**: a weight several stages hold has its gradient
+  summed over them before the optimizer (Megatron's embedding group), as
+  `ir.pipeline.StageLayout.shared_weights` says;
+* **the schedule**: `ScheduleGPipe`, `Schedule1F1B` or
+  `ScheduleInterleaved1F1B` (the plan's `gpipe`, `1f1b`, `interleaved`)
+  with the plan's micro-batch count; torch orders the actions itself, in
+  the same schedule family as the one the cost model simulated;
+* **inside a stage**: the stage plan (one PCG on the stage's S devices)
+  lowered as `lowering.lower` lowers any plan, on each stage module. The
+  traced stage modules run the module's operators, not its `nn.Linear`
+  modules, so a stage plan with a tensor axis is refused (no
+  `parallelize_module` style has a module to attach to); data and ZeRO-3
+  axes become `replicate` / `fully_shard` on each stage module. A
+  one-device stage holds its parameters as DTensors on a one-rank mesh.
+
+Refused, naming why: recomputation (the traced stages have no block
+modules to checkpoint), a tensor axis inside a stage, a layer the module
+does not hold as one submodule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from parsat.backend.torch_native.lowering import Lowering, LoweringError, ModuleInfo, lower
+from parsat.ir.blocks import OUTSIDE, block_of
+from parsat.ir.graph import Graph
+from parsat.ir.mesh import Mesh
+from parsat.ir.pcg import PCG, WEIGHT
+from parsat.ir.pipeline import GPIPE, INTERLEAVED, ONE_F_ONE_B, PipelinePlan
+
+TORCH_SCHEDULES = {GPIPE: "ScheduleGPipe", ONE_F_ONE_B: "Schedule1F1B", INTERLEAVED: "ScheduleInterleaved1F1B"}
+PIPELINE_AXIS_NAME = "pp"
+STAGE_AXIS_NAME = "stage"   # the one-rank axis of a one-device stage (its parameters' DTensor mesh)
+
+
+@dataclass(frozen=True)
+class ChunkLowering:
+    """One chunk of the plan as a traced stage module: its index (torch's stage index), the stage (rank group)
+    that runs it, its layers, the submodule it begins at (None for the first), the parameters it holds."""
+
+    index: int
+    stage: int
+    layers: tuple[int, ...]
+    begins_at: str | None
+    params: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PipelineLowering:
+    """A pipelined plan in torch's terms (module docstring)."""
+
+    degree: int                                   # p, the pipeline stages
+    stage_devices: int                            # S, the ranks of one stage
+    schedule: str                                 # the plan's schedule (`ir.pipeline`)
+    microbatches: int
+    chunks: tuple[ChunkLowering, ...]
+    shared: tuple[tuple[tuple[str, ...], tuple[int, ...]], ...]   # (a shared weight's parameter names, its stages)
+    stage: Lowering | None                        # inside each stage (None: one device a stage)
+
+    @property
+    def torch_schedule(self) -> str:
+        return TORCH_SCHEDULES[self.schedule]
+
+    @property
+    def mesh(self) -> Mesh:
+        """The stage mesh (a rank's coordinates in it pick its local batch: rank r is local rank r % S)."""
+        return self.stage.mesh if self.stage is not None else Mesh.of([])
+
+    @property
+    def batch_axes(self) -> tuple[int, ...]:
+        return self.stage.batch_axes if self.stage is not None else ()
+
+    def device_mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The job's DeviceMesh: the pipeline axis (major: rank r is stage r // S), then the stage mesh's axes (a
+        one-rank `stage` axis for one-device stages)."""
+        if self.stage is None:
+            return (self.degree, 1), (PIPELINE_AXIS_NAME, STAGE_AXIS_NAME)
+        return (self.degree, *self.stage.mesh.shape), (PIPELINE_AXIS_NAME, *self.stage.mesh.names)
+
+    def chunks_of(self, stage: int) -> tuple[ChunkLowering, ...]:
+        return tuple(c for c in self.chunks if c.stage == stage)
+
+    def split_points(self) -> tuple[str, ...]:
+        """The submodules the module is cut before, in order (chunks 1 .. n-1)."""
+        return tuple(c.begins_at for c in self.chunks if c.begins_at is not None)
+
+    def describe(self) -> str:
+        """The lowering as text: stages, schedule, cuts, shared weights, each stage's own lowering."""
+        lines = [f"pipeline: {self.degree} stages of {self.stage_devices} rank(s), "
+                 f"{self.torch_schedule}(n_microbatches={self.microbatches}) over torch.distributed.pipelining"]
+        for c in self.chunks:
+            where = f"from {c.begins_at}" if c.begins_at else "from the start"
+            lines.append(f"  stage module {c.index} (layers {c.layers[0]}..{c.layers[-1]}) on pipeline stage "
+                         f"{c.stage}: {where}, {len(c.params)} parameters")
+        for names, stages in self.shared:
+            lines.append(f"  shared: {' = '.join(names)} held by stages {', '.join(map(str, stages))}, gradients "
+                         "summed over them before the optimizer")
+        if self.stage is None:
+            lines.append("inside each stage: one rank, parameters DTensors on a one-rank mesh")
+        else:
+            lines += ["inside each stage:"] + ["  " + line for line in self.stage.describe().splitlines()]
+        return "\n".join(lines)
+
+
+def lower_pipeline(pcg: PCG, graph: Graph, pipeline: PipelinePlan, module: ModuleInfo) -> PipelineLowering:
+    """The pipelined plan (`pcg`, one stage mesh's plan of `graph`, cut as `pipeline` says) on `module`; raises
+    LoweringError naming what cannot be lowered."""
+    if pipeline.schedule not in TORCH_SCHEDULES:
+        raise LoweringError(f"the plan's pipeline schedule {pipeline.schedule!r} has no torch schedule "
+                            f"(torch runs {', '.join(TORCH_SCHEDULES)})")
+    if pcg.recompute != "none":
+        raise LoweringError(f"the pipelined plan recomputes activations ({pcg.recompute!r}): the traced stage "
+                            "modules have no block modules to checkpoint, so recomputation inside a pipeline is not "
+                            "lowered onto torch; optimize with recompute='none' or run it with `parsat run`")
+    stage = _stage_lowering(pcg, graph, module, pipeline.stage_devices)
+    weights = {n.id: n.op for n in pcg.nodes if n.kind == "leaf" and n.role == WEIGHT}
+    chunks = []
+    for chunk in pipeline.layout.chunks:
+        begins = None if chunk.index == 0 else _layer_module(chunk.layers[0], weights.values(), module)
+        names = sorted({p for ident in chunk.nodes if ident in weights for p in _params(weights[ident], module)})
+        chunks.append(ChunkLowering(chunk.index, chunk.stage, chunk.layers, begins, tuple(names)))
+    shared = tuple((_params(weights[ident], module), tuple(stages))
+                   for ident, stages in pipeline.layout.shared_weights)
+    return PipelineLowering(pipeline.layout.degree, pipeline.stage_devices, pipeline.schedule,
+                            pipeline.microbatches, tuple(chunks), shared, stage)
+
+
+def _stage_lowering(pcg: PCG, graph: Graph, module: ModuleInfo, devices: int) -> Lowering | None:
+    """Inside a stage: nothing for one device, else the stage plan lowered, a tensor axis refused."""
+    if devices == 1:
+        return None
+    why = ("the stage modules torch.distributed.pipelining traces run the module's operators, not its nn.Linear "
+           "modules, so no parallelize_module style applies; tensor parallelism inside a pipeline stage is not "
+           "lowered (run it with `parsat run`)")
+    # the schedule runs the micro-batches: the stage plan is lowered as one micro-batch's
+    return lower(pcg, replace(graph, microbatches=1), module, no_tensor_axis=why)
+
+
+def _params(weight: str, module: ModuleInfo) -> tuple[str, ...]:
+    info = module.param(weight)
+    if info is None:
+        raise LoweringError(f"the plan's weight '{weight}' is not a parameter of the module: give parallelize "
+                            "weight_names (graph weight -> parameter name) for a module that names its blocks "
+                            "otherwise (the plan names block i's weights b{i}_...)")
+    return info.names
+
+
+def _layer_module(layer: int, weights, module: ModuleInfo) -> str:
+    """The submodule holding every parameter of layer `layer`'s weights and none of another layer's: where the
+    chunk that begins with that layer is cut from the one before."""
+    if layer == OUTSIDE:
+        raise LoweringError("a pipeline chunk after the first begins with the prelude (layer -1): no cut")
+    mine = [n for w in weights if block_of(w) == layer for n in _params(w, module)]
+    others = {n for w in weights if block_of(w) != layer for n in _params(w, module)}
+    if not mine:
+        raise LoweringError(f"the pipeline cuts before layer {layer}, which has no weights to find its module by")
+    parts = [n.split(".")[:-1] for n in mine]
+    common = parts[0]
+    for p in parts[1:]:
+        k = 0
+        while k < min(len(common), len(p)) and common[k] == p[k]:
+            k += 1
+        common = common[:k]
+    owner = ".".join(common)
+    if not owner or any(n.startswith(owner + ".") for n in others):
+        raise LoweringError(f"the pipeline cuts before layer {layer} (weights b{layer}_...), but no submodule of "
+                            f"the module holds that layer's parameters ({', '.join(mine[:3])}, ...) and no other "
+                            "layer's: torch.distributed.pipelining cuts a module before a submodule's call")
+    return owner

@@ -1,0 +1,263 @@
+"""A pipelined plan applied with `torch.distributed.pipelining`: the module cut into stages, trained with `step`.
+
+Under torchrun, every rank calls
+
+    model = parsat.parallelize(module, plan, example_inputs, runtime="torch")   # a PipelinedModule
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)   # this rank's stage's parameters
+    for ids, labels in loader:                 # one step's local batch (`local_batch` cuts a global one)
+        loss = model.step(ids, labels)         # forward and backward of every micro-batch, in the schedule
+        model.clip_grad_norm_(1.0)             # the norm over every stage (a tied weight counted once)
+        optimizer.step(); optimizer.zero_grad()
+
+`apply_pipeline` does, in this order (docs/TORCH_NATIVE.md, "Pipelining"):
+
+1. rank 0's parameters and buffers broadcast (every rank traces the same module);
+2. the job's `DeviceMesh`: the pipeline axis `pp` (major: rank r is
+   stage r // S), then the stage mesh's axes (a one-rank `stage` axis for
+   one-device stages);
+3. `pipeline()` traces the module on one micro-batch and cuts it before
+   each chunk's first block (`SplitPoint.BEGINNING`); each stage module
+   must hold exactly the parameters of the weights its chunk reads (a tied
+   embedding on the first and last stage); the module's inputs are passed
+   through the first stage (a copy), so labels reach the stage that
+   computes the loss as an activation (torch's traced stages take the
+   step's arguments on the first stage only);
+4. on this rank's stage modules, the stage plan's data / ZeRO-3 axes
+   (`apply.data_parallel`: `replicate` or `fully_shard` over the stage's
+   slice of the mesh), or `replicate` over the one-rank `stage` axis: every
+   parameter a DTensor;
+5. `build_stage` for each of this rank's chunks (over the `pp` group of
+   this local rank), and the plan's schedule with its micro-batch count.
+   The module's forward returns the loss (a mean over its micro-batch);
+   the schedule backpropagates it and divides the gradients by the
+   micro-batch count (`scale_grads`), so a step's gradient is the whole
+   batch's mean's.
+
+`step` then sums the gradients of each weight several stages hold over
+those stages (local rank i with local rank i), and returns the step's loss
+(the micro-batches' mean) on every rank. `clip_grad_norm_` needs the norm
+over every stage: each stage's (DTensor) norm, a shared weight counted on
+its first stage only, summed over the `pp` group.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parsat.backend.torch_native.apply import LOWERING_ATTRIBUTE, NativeParallelizeError, broadcast_state, data_parallel
+from parsat.backend.torch_native.pipeline_lowering import STAGE_AXIS_NAME, PIPELINE_AXIS_NAME, PipelineLowering
+
+TRACED_PREFIX = "module."   # the traced wrapper's name for the user's module
+
+
+class _PassInputsThrough(nn.Module):
+    """The user's module with each input copied first, so the copy is made on the first stage and travels as an
+    activation to every stage that reads it (torch's traced stages take the step's arguments on the first stage
+    only: labels the last stage reads would otherwise be a root argument there, which torch refuses)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *inputs):
+        return self.module(*(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs))
+
+
+def _module_loss(output, _target):
+    """The schedule's loss: the module's own output (its forward computes the loss)."""
+    if not isinstance(output, torch.Tensor) or output.dim() != 0:
+        raise NativeParallelizeError("a pipelined module's forward must return its loss (a scalar mean over its "
+                                     f"micro-batch); it returned {type(output).__name__}"
+                                     f"{list(output.shape) if isinstance(output, torch.Tensor) else ''}")
+    return output
+
+
+class PipelinedModule:
+    """This rank's part of a pipelined module: its stage modules, their `PipelineStage`s and the schedule
+    (module docstring). Parameters keep the module's own names."""
+
+    def __init__(self, lowering: PipelineLowering, modules: Sequence[nn.Module], schedule, stage: int,
+                 pp_group, shared_groups: dict, micro_shapes: Sequence[tuple[int, ...]]):
+        self.lowering = lowering
+        self.stage_modules = tuple(modules)
+        self.schedule = schedule
+        self.stage = stage
+        self.pp_group = pp_group
+        self.shared_groups = shared_groups
+        self.micro_shapes = tuple(micro_shapes)
+        setattr(self, LOWERING_ATTRIBUTE, lowering)
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.lowering.degree - 1
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the module's names, each once."""
+        seen = set()
+        for module in self.stage_modules:
+            for name, param in module.named_parameters():
+                name = name[len(TRACED_PREFIX):] if name.startswith(TRACED_PREFIX) else name
+                if name not in seen:
+                    seen.add(name)
+                    yield name, param
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters (for its optimizer)."""
+        return (param for _, param in self.named_parameters())
+
+    def get_parameter(self, name: str) -> nn.Parameter:
+        for found, param in self.named_parameters():
+            if found == name:
+                return param
+        raise AttributeError(f"pipeline stage {self.stage} holds no parameter {name!r}")
+
+    def step(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one step's local batch (every rank passes it; the first stage reads it), cut
+        into the plan's micro-batches and run in its schedule; the shared weights' gradients summed over their
+        stages. Returns the step's loss (the micro-batches' mean) on every rank."""
+        m = self.lowering.microbatches
+        for x, shape in zip(inputs, self.micro_shapes):
+            if tuple(x.shape) != (shape[0] * m, *shape[1:]):
+                raise NativeParallelizeError(f"step takes the batch parallelize traced: {m} micro-batches of "
+                                             f"{list(shape)}, a tensor of {[shape[0] * m, *shape[1:]]}; got "
+                                             f"{list(x.shape)} (torch's traced stages have fixed shapes)")
+        losses: list[torch.Tensor] = []
+        target = torch.zeros(m)   # the schedule splits a target per micro-batch; the module computes its own loss
+        self.schedule.step(*(inputs if self.first else ()), target=target, losses=losses, return_outputs=False)
+        self._sum_shared_gradients()
+        loss = torch.stack([x.detach() for x in losses]).mean() if self.last else torch.zeros(())
+        last_rank = dist.get_global_rank(self.pp_group, self.lowering.degree - 1)
+        loss = loss.to(torch.float64)
+        dist.broadcast(loss, src=last_rank, group=self.pp_group)
+        return loss
+
+    def _sum_shared_gradients(self) -> None:
+        for names, stages in self.lowering.shared:
+            if self.stage not in stages:
+                continue
+            param = self.get_parameter(names[0])
+            if param.grad is not None:
+                dist.all_reduce(_local(param.grad), group=self.shared_groups[stages])
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` over the whole pipelined module: the norm of every stage's gradients
+        (a weight several stages hold counted once), the same on every rank; this rank's gradients scaled."""
+        params = [p for p in self.parameters() if p.grad is not None]
+        counted = [p for name, p in self.named_parameters() if p.grad is not None and self._counts(name)]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in counted], norm_type)
+        norm = _whole(norm).to(torch.float64)
+        if math.isinf(norm_type):
+            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=self.pp_group)
+        else:
+            norm = norm ** norm_type
+            dist.all_reduce(norm, group=self.pp_group)
+            norm = norm ** (1.0 / norm_type)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    def _counts(self, name: str) -> bool:
+        """Whether this stage counts parameter `name` in the norm: a shared weight on its first stage only."""
+        for names, stages in self.lowering.shared:
+            if name in names:
+                return self.stage == min(stages)
+        return True
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def apply_pipeline(module: nn.Module, lowering: PipelineLowering, example_inputs: tuple, device: torch.device,
+                   mp_policy=None) -> PipelinedModule:
+    """`lowering` applied on this rank (module docstring); `example_inputs` is one step's local batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    micro = _first_microbatch(example_inputs, lowering.microbatches)
+    module.to(device)
+    broadcast_state(module)
+    shape, names = lowering.device_mesh_shape()
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    rank, stage_devices = dist.get_rank(), lowering.stage_devices
+    stage = rank // stage_devices
+    split = {TRACED_PREFIX + name: SplitPoint.BEGINNING for name in lowering.split_points()}
+    try:
+        pipe = pipeline(_PassInputsThrough(module), mb_args=tuple(x.to(device) for x in micro), split_spec=split)
+    except Exception as err:   # torch.export's own errors: say which step failed, keep torch's message
+        raise NativeParallelizeError(f"torch.distributed.pipelining.pipeline() could not trace and cut the module "
+                                     f"before {', '.join(lowering.split_points())}: {type(err).__name__}: {err}") \
+            from None
+    if pipe.num_stages != len(lowering.chunks):
+        raise NativeParallelizeError(f"the traced module has {pipe.num_stages} stages, the plan "
+                                     f"{len(lowering.chunks)} chunks")
+    pp_group = mesh[PIPELINE_AXIS_NAME].get_group()
+    modules, stages = [], []
+    for chunk in lowering.chunks_of(stage):
+        sub = pipe.get_stage_module(chunk.index)
+        _check_stage_params(sub, chunk)
+        if lowering.stage is None:
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+
+            replicate(sub, mesh=mesh[STAGE_AXIS_NAME])
+        else:
+            data_parallel(sub, lowering.stage, mesh, mp_policy, prefix=TRACED_PREFIX)
+        modules.append(sub)
+        stages.append(pipe.build_stage(chunk.index, device, group=pp_group))
+    schedule = _schedule(lowering, stages)
+    shared = _shared_groups(lowering, stage_devices)
+    return PipelinedModule(lowering, modules, schedule, stage, pp_group, shared, [tuple(x.shape) for x in micro])
+
+
+def _first_microbatch(inputs: tuple, microbatches: int) -> tuple:
+    for x in inputs:
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] % microbatches:
+            raise NativeParallelizeError(f"example_inputs must be tensors whose first dim (the batch) the plan's "
+                                         f"{microbatches} micro-batches divide; got "
+                                         f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    return tuple(x[: x.shape[0] // microbatches] for x in inputs)
+
+
+def _check_stage_params(sub: nn.Module, chunk) -> None:
+    """The traced stage module holds exactly the parameters of the weights the plan's chunk reads."""
+    held = {n[len(TRACED_PREFIX):] for n, _ in sub.named_parameters(remove_duplicate=False)}
+    want = set(chunk.params)
+    if held != want:
+        extra, missing = sorted(held - want), sorted(want - held)
+        raise NativeParallelizeError(f"the module cut by pipeline() does not follow the plan's chunk {chunk.index} "
+                                     f"(layers {chunk.layers[0]}..{chunk.layers[-1]}): its stage module also holds "
+                                     f"{extra[:4]} and lacks {missing[:4]}")
+
+
+def _schedule(lowering: PipelineLowering, stages: list):
+    from torch.distributed.pipelining import schedules
+
+    cls = getattr(schedules, lowering.torch_schedule)
+    if lowering.torch_schedule == "ScheduleInterleaved1F1B":
+        return cls(stages, lowering.microbatches, loss_fn=_module_loss)
+    return cls(stages[0], lowering.microbatches, loss_fn=_module_loss)
+
+
+def _shared_groups(lowering: PipelineLowering, stage_devices: int) -> dict:
+    """Per shared weight's stages, this rank's group of twin ranks (local rank i of each of those stages); every
+    rank makes every group, in one order, as `new_group` needs."""
+    mine, rank = {}, dist.get_rank()
+    for _, stages in lowering.shared:
+        for local in range(stage_devices):
+            ranks = [s * stage_devices + local for s in stages]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[stages] = group
+    return mine

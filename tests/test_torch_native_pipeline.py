@@ -1,0 +1,267 @@
+"""A pipelined plan on torch's own pipelining: `parsat.parallelize(module, plan, example_inputs, runtime="torch")`.
+
+The built-in `gpt` (4 blocks, tied embedding and head), written as a torch
+module with the graph's weights (`GPT` below: block i's weights under
+`blocks.{i}.`, the plan's `b{i}_...` mapped by `weight_names`), is planned
+with the pipeline pinned (`--degrees pp=2`, as `parsat optimize gpt --set
+blocks=4 ... --devices 2 --machine cpu --degrees pp=2` does). Without
+processes: the lowering (the cut before `blocks.2`, the schedule, the tied
+embedding shared by the first and last stage) and its refusals. On gloo
+ranks (slow): the user's loop (`model.step`, `model.clip_grad_norm_`,
+AdamW) trains it 3 steps on 2 ranks (pp 2) and on 4 ranks (pp 2 x dp 2)
+like the unmodified module trained on the whole batch in one process:
+losses, clipped norms and final weights within 1e-4 relative, every
+parameter a DTensor.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import replace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import parsat  # noqa: E402
+from parsat.backend.torch_native.apply import module_info  # noqa: E402
+from parsat.backend.torch_native.lowering import LoweringError  # noqa: E402
+from parsat.backend.torch_native.pipeline_lowering import lower_pipeline  # noqa: E402
+
+SIZES = {"blocks": 4, "batch": 8, "seq": 8, "hidden": 16, "heads": 2, "vocab": 32}
+MICROBATCHES = 4
+TOLERANCE = 1e-4
+BLOCK_WEIGHTS = ("ln1_g", "ln1_b", "wq", "bq", "wk", "bk", "wv", "bv", "wo", "bo", "ln2_g", "ln2_b",
+                 "w1", "b1", "w2", "b2")
+
+
+class Block(nn.Module):
+    """`ir.models._gpt_block` in torch: pre-LN, causal multi-head attention, tanh-GELU MLP; weights [in, out]."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        shapes = {"wq": (hidden, hidden), "wk": (hidden, hidden), "wv": (hidden, hidden), "wo": (hidden, hidden),
+                  "w1": (hidden, 4 * hidden), "w2": (4 * hidden, hidden), "b1": (4 * hidden,)}
+        for name in BLOCK_WEIGHTS:
+            shape = shapes.get(name, (hidden,))
+            init = torch.ones(shape) if name.endswith("_g") else torch.randn(shape) * 0.2
+            setattr(self, name, nn.Parameter(init))
+
+    def forward(self, x):
+        h = x.shape[-1]
+        dh = h // self.heads
+
+        def heads(y):
+            return y.unflatten(2, (self.heads, dh)).transpose(1, 2)
+
+        a = F.layer_norm(x, (h,), self.ln1_g, self.ln1_b, 1e-5)
+        q, k, v = heads(a @ self.wq + self.bq), heads(a @ self.wk + self.bk), heads(a @ self.wv + self.bv)
+        ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1 / math.sqrt(dh))
+        x = x + ctx.transpose(1, 2).flatten(2) @ self.wo + self.bo
+        m = F.layer_norm(x, (h,), self.ln2_g, self.ln2_b, 1e-5)
+        return x + F.gelu(m @ self.w1 + self.b1, approximate="tanh") @ self.w2 + self.b2
+
+
+class GPT(nn.Module):
+    """`ir.models.gpt` in torch: token and position embeddings, the blocks, a final LayerNorm, the head tied to
+    the token embedding, mean cross-entropy over every position."""
+
+    def __init__(self, blocks: int, seq: int, hidden: int, heads: int, vocab: int):
+        super().__init__()
+        self.wte = nn.Parameter(torch.randn(vocab, hidden) * 0.2)
+        self.wpe = nn.Parameter(torch.randn(seq, hidden) * 0.2)
+        self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(blocks))
+        self.lnf_g, self.lnf_b = nn.Parameter(torch.ones(hidden)), nn.Parameter(torch.zeros(hidden))
+
+    def forward(self, ids, targets):
+        x = F.embedding(ids, self.wte) + self.wpe
+        for block in self.blocks:
+            x = block(x)
+        x = F.layer_norm(x, (x.shape[-1],), self.lnf_g, self.lnf_b, 1e-5)
+        return F.cross_entropy((x @ self.wte.t()).flatten(0, 1), targets.flatten())
+
+
+def gpt_module(seed: int = 0) -> GPT:
+    """In float64: the key bias's gradient is zero in exact arithmetic (softmax ignores a shift of every score),
+    and in float32 AdamW turns its rounding noise into whole learning-rate steps (5e-3 of the bias apart after 3
+    steps, while losses and norms agree within 2e-7)."""
+    torch.manual_seed(seed)
+    return GPT(SIZES["blocks"], SIZES["seq"], SIZES["hidden"], SIZES["heads"], SIZES["vocab"]).double()
+
+
+def weight_names() -> dict[str, str]:
+    """The plan's names (`b{i}_wq`) -> the module's (`blocks.{i}.wq`)."""
+    return {f"b{i}_{name}": f"blocks.{i}.{name}" for i in range(SIZES["blocks"]) for name in BLOCK_WEIGHTS}
+
+
+def batch(step: int) -> tuple:
+    g = torch.Generator().manual_seed(100 + step)
+    shape = (SIZES["batch"], SIZES["seq"])
+    return torch.randint(0, SIZES["vocab"], shape, generator=g), torch.randint(0, SIZES["vocab"], shape, generator=g)
+
+
+def pipelined_plan(devices: int, schedule: str = "1f1b", **degrees):
+    """The built-in gpt planned with the pipeline pinned (pp=2) on the `cpu` machine."""
+    return parsat.optimize("gpt", machine="cpu", devices=devices, sizes=SIZES, microbatches=MICROBATCHES,
+                           schedule=schedule, degrees={"pp": 2, **degrees}, baselines=False)
+
+
+@pytest.fixture(scope="module")
+def pp2():
+    return pipelined_plan(2)
+
+
+# ------------------------------------------------------------------ the lowering, without processes
+
+
+def test_a_pipelined_plan_is_cut_before_a_block_with_the_tied_embedding_on_both_ends(pp2):
+    lowering = lower_pipeline(pp2.pcg, pp2.graph, pp2.pipeline, module_info(gpt_module(), weight_names()))
+    starts = [c.layers[0] for c in pp2.pipeline.layout.chunks]
+    assert lowering.split_points() == tuple(f"blocks.{layer}" for layer in starts[1:])
+    assert lowering.torch_schedule == "Schedule1F1B" and lowering.microbatches == MICROBATCHES
+    assert lowering.shared == ((("wte",), (0, 1)),)
+    first, last = lowering.chunks
+    assert {"wte", "wpe", "blocks.0.wq"} <= set(first.params) and "lnf_g" not in first.params
+    assert {"wte", "lnf_g", f"blocks.{SIZES['blocks'] - 1}.w2"} <= set(last.params)
+    assert not set(first.params) & set(last.params) - {"wte"}
+    assert lowering.stage is None and "Schedule1F1B(n_microbatches=4)" in lowering.describe()
+
+
+def test_what_torch_pipelining_cannot_run_is_refused(pp2):
+    info = module_info(gpt_module(), weight_names())
+    with pytest.raises(LoweringError, match="recomputes activations"):
+        lower_pipeline(replace(pp2.pcg, recompute="blocks"), pp2.graph, pp2.pipeline, info)
+    # the cut block's weights held by two blocks' modules (one read from the block before): no one submodule
+    # holds the layer alone, so there is nothing to cut before
+    names = dict(weight_names())
+    cut = pp2.pipeline.layout.chunks[1].layers[0]
+    names[f"b{cut}_wq"] = f"blocks.{cut - 1}.wq"
+    with pytest.raises(LoweringError, match=rf"cuts before layer {cut}.*no submodule"):
+        lower_pipeline(pp2.pcg, pp2.graph, pp2.pipeline, module_info(gpt_module(), names))
+    with pytest.raises(LoweringError, match="give parallelize weight_names"):
+        lower_pipeline(pp2.pcg, pp2.graph, pp2.pipeline, module_info(gpt_module()))
+
+
+def test_tensor_parallelism_inside_a_stage_is_refused(pp2):
+    """The Megatron layout on each stage's 2 devices (tp 2), cut as the pp=2 plan is: refused, as the traced
+    stage modules have no nn.Linear for the styles (here the projections are not nn.Linear either)."""
+    from parsat.backend.executor import operator_library
+    from parsat.ir.megatron import megatron_pcg
+    from parsat.ir.pipeline import lay_out_stages
+
+    stage_plan = megatron_pcg(pp2.graph, operator_library(), (1, 2))
+    starts = [c.layers[0] for c in pp2.pipeline.layout.chunks]
+    pipeline = replace(pp2.pipeline, stage_devices=2, layout=lay_out_stages(stage_plan, starts, 2))
+    with pytest.raises(LoweringError, match="tensor parallelism inside a pipeline stage is not lowered"):
+        lower_pipeline(stage_plan, pp2.graph, pipeline, module_info(gpt_module(), weight_names()))
+
+
+# ------------------------------------------------------------------ training on gloo ranks (slow)
+
+
+def _relative(a, b) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+
+
+def train_job(ctx, plans: dict, steps: int) -> dict:
+    """`train_plan` for each plan, in one job: label -> its result."""
+    return {label: train_plan(ctx, plan, steps) for label, plan in plans.items()}
+
+
+def train_plan(ctx, plan: dict, steps: int) -> dict:
+    """On every rank: the GPT parallelized with the pipelined plan, the user's loop (`step`, `clip_grad_norm_`,
+    AdamW) on this rank's local batch, beside the unmodified module trained on the whole batch in this process."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from parsat.backend.torch_native.apply import local_batch, lowering_of
+
+    module = gpt_module()
+    reference = copy.deepcopy(module)
+    data = plan["pipeline"]["stage_devices"]   # the stage plan's devices: data-parallel replicas here
+    example = tuple(x[: x.shape[0] // data] for x in batch(0))   # a local batch's shape
+    model = parsat.parallelize(module, plan, example, runtime="torch", weight_names=weight_names())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    rows = {"losses": [], "ref_losses": [], "norms": [], "ref_norms": []}
+    for step in range(steps):
+        ids, labels = batch(step)
+        loss = model.step(*local_batch(model, ids, labels))
+        norm = model.clip_grad_norm_(max_norm=0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        held = loss.detach().clone()
+        dist.all_reduce(held)   # every rank holds its data-parallel replica's loss: the mean over the ranks
+        rows["losses"].append(float(held) / ctx.world)
+        rows["norms"].append(float(norm))
+        want = reference(ids, labels)
+        want.backward()
+        rows["ref_norms"].append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.5)))
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        rows["ref_losses"].append(float(want.detach()))
+    worst, worst_name = 0.0, ""
+    params = dict(model.named_parameters())
+    for name, got in params.items():
+        whole = got.full_tensor() if isinstance(got, DTensor) else got
+        rel = _relative(whole.detach(), reference.get_parameter(name).detach())
+        if rel >= worst:
+            worst, worst_name = rel, name
+    return {**rows, "worst_weight": worst, "worst_name": worst_name,
+            "params": sorted(params), "not_dtensor": sorted(n for n, t in params.items() if not isinstance(t, DTensor)),
+            "placements": sorted({str(list(t.placements)) for t in params.values() if isinstance(t, DTensor)}),
+            "lowering": lowering_of(model).describe()}
+
+
+def _check_run(results: list) -> None:
+    held = set()
+    for result in results:
+        assert result["not_dtensor"] == [], result["not_dtensor"]
+        for key in ("losses", "norms"):
+            for got, want in zip(result[key], result[f"ref_{key}"]):
+                assert abs(got - want) <= TOLERANCE * abs(want), (key, result[key], result[f"ref_{key}"])
+        assert min(result["ref_norms"]) > 0.5   # the norms were clipped
+        assert result["worst_weight"] <= TOLERANCE, (result["worst_name"], result["worst_weight"])
+        held |= set(result["params"])
+    assert held == {n for n, _ in gpt_module().named_parameters()}   # the stages hold the whole module between them
+    assert "wte" in results[0]["params"] and "wte" in results[-1]["params"]   # the tied embedding on both ends
+
+
+def _launch(plans: dict, nproc: int) -> list:
+    from parsat.backend.launch import LaunchConfig, launch
+
+    return launch(train_job, ({label: plan.to_dict() for label, plan in plans.items()}, 3),
+                  LaunchConfig(nproc=nproc, backend="gloo", timeout_s=600))
+
+
+@pytest.mark.slow
+def test_pp2_trained_on_two_ranks_like_the_module_in_one_process(pp2):
+    """1F1B (the optimizer's choice), GPipe and interleaved 1F1B (2 chunks a stage) on 2 ranks."""
+    plans = {"1f1b": pp2, "gpipe": pipelined_plan(2, "gpipe"), "interleaved": pipelined_plan(2, "interleaved")}
+    results = _launch(plans, 2)
+    for label, plan in plans.items():
+        assert plan.pipeline.schedule == label
+        _check_run([r[label] for r in results])
+        first, last = results[0][label], results[1][label]
+        assert first["losses"] == last["losses"] and first["norms"] == last["norms"]
+        assert "wpe" in first["params"] and "wpe" not in last["params"]
+        assert first["placements"] == ["[Replicate()]"]   # a one-rank mesh per stage
+    assert "ScheduleInterleaved1F1B" in results[0]["interleaved"]["lowering"]
+
+
+@pytest.mark.slow
+def test_pp2_by_dp2_trained_on_four_ranks_like_the_module_in_one_process():
+    """The optimizer's pp 2 x dp 2 plan (its stage plan keeps ZeRO-3 over dp: fully_shard on each stage module)
+    and the same with ZeRO pinned off (replicate on each stage module)."""
+    plans = {"zero3": pipelined_plan(4, dp=2), "replicate": pipelined_plan(4, dp=2, zero=0)}
+    results = _launch(plans, 4)
+    for label in plans:
+        _check_run([r[label] for r in results])
+    assert "fully_shard over dp" in results[0]["zero3"]["lowering"]
+    assert any("Shard(dim=" in p for p in results[0]["zero3"]["placements"])
+    assert "replicate over dp" in results[0]["replicate"]["lowering"]
+    assert results[0]["replicate"]["placements"] == ["[Replicate()]"]   # on each stage's dp slice
