@@ -18,10 +18,9 @@ Under torchrun, every rank calls
 3. `pipeline()` traces the module on one micro-batch and cuts it before
    each chunk's first block (`SplitPoint.BEGINNING`); each stage module
    must hold exactly the parameters of the weights its chunk reads (a tied
-   embedding on the first and last stage); the module's inputs are passed
-   through the first stage (a copy), so labels reach the stage that
-   computes the loss as an activation (torch's traced stages take the
-   step's arguments on the first stage only);
+   embedding on the first and last stage); the module's inputs are carried
+   from stage to stage (`_PassInputsThrough`), so labels reach the stage
+   that computes the loss as an activation of the stage before it;
 4. on this rank's stage modules, the stage plan's data / ZeRO-3 axes
    (`apply.data_parallel`: `replicate` or `fully_shard` over the stage's
    slice of the mesh), or `replicate` over the one-rank `stage` axis: every
@@ -56,16 +55,38 @@ TRACED_PREFIX = "module."   # the traced wrapper's name for the user's module
 
 
 class _PassInputsThrough(nn.Module):
-    """The user's module with each input copied first, so the copy is made on the first stage and travels as an
-    activation to every stage that reads it (torch's traced stages take the step's arguments on the first stage
-    only: labels the last stage reads would otherwise be a root argument there, which torch refuses)."""
+    """The user's module with its inputs carried from stage to stage, for tracing.
 
-    def __init__(self, module: nn.Module):
+    torch's traced stages take the step's arguments on the first stage only
+    (labels the last stage reads would be a root argument there, which torch
+    refuses), and the multi-chunk schedules (interleaved) send only between
+    adjacent chunks. So each input is copied first (the copy is made on the
+    first stage), and at each cut a no-op in-place copy of it (`t.copy_(t)`,
+    a forward pre-hook of the module the cut is before, traced on the stage
+    before the cut) makes the next stage read it from the stage just before:
+    an input hops along every stage up to the last that reads it, the same
+    values, never changed. The traced copies are then made out of place
+    (`_relays_out_of_place`), so no saved input is modified."""
+
+    def __init__(self, module: nn.Module, cuts: Sequence[str]):
         super().__init__()
         self.module = module
+        self.cuts = tuple(cuts)
 
     def forward(self, *inputs):
-        return self.module(*(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs))
+        carried = [x.clone() for x in inputs if isinstance(x, torch.Tensor)]
+
+        def relay(_module, _args):
+            for t in carried:
+                t.copy_(t)
+
+        hooks = [self.module.get_submodule(cut).register_forward_pre_hook(relay) for cut in self.cuts]
+        try:
+            it = iter(carried)
+            return self.module(*(next(it) if isinstance(x, torch.Tensor) else x for x in inputs))
+        finally:
+            for hook in hooks:
+                hook.remove()
 
 
 def _module_loss(output, _target):
@@ -195,11 +216,12 @@ def apply_pipeline(module: nn.Module, lowering: PipelineLowering, example_inputs
     stage = rank // stage_devices
     split = {TRACED_PREFIX + name: SplitPoint.BEGINNING for name in lowering.split_points()}
     try:
-        pipe = pipeline(_PassInputsThrough(module), mb_args=tuple(x.to(device) for x in micro), split_spec=split)
+        pipe = pipeline(_PassInputsThrough(module, lowering.split_points()), mb_args=tuple(x.to(device) for x in micro), split_spec=split)
     except Exception as err:   # torch.export's own errors: say which step failed, keep torch's message
         raise NativeParallelizeError(f"torch.distributed.pipelining.pipeline() could not trace and cut the module "
                                      f"before {', '.join(lowering.split_points())}: {type(err).__name__}: {err}") \
             from None
+    _relays_out_of_place(pipe.split_gm)
     if pipe.num_stages != len(lowering.chunks):
         raise NativeParallelizeError(f"the traced module has {pipe.num_stages} stages, the plan "
                                      f"{len(lowering.chunks)} chunks")
@@ -219,6 +241,24 @@ def apply_pipeline(module: nn.Module, lowering: PipelineLowering, example_inputs
     schedule = _schedule(lowering, stages)
     shared = _shared_groups(lowering, stage_devices)
     return PipelinedModule(lowering, modules, schedule, stage, pp_group, shared, [tuple(x.shape) for x in micro])
+
+
+def _relays_out_of_place(root: nn.Module) -> None:
+    """Each traced `copy_(t, t)` (`_PassInputsThrough`'s relay) becomes `clone(t)`: the same value, a new tensor,
+    so the autograd graph's saved inputs (the ids an embedding's backward reads) keep their version."""
+    copy_, clone = torch.ops.aten.copy_.default, torch.ops.aten.clone.default
+    for sub in root.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        changed = False
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target is copy_ and len(node.args) >= 2 and \
+                    node.args[0] is node.args[1]:
+                node.target, node.args, node.kwargs = clone, (node.args[0],), {}
+                changed = True
+        if changed and hasattr(sub, "recompile"):   # an fx GraphModule; an InterpreterModule runs its graph as it is
+            sub.recompile()
 
 
 def _first_microbatch(inputs: tuple, microbatches: int) -> tuple:
