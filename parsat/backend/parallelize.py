@@ -301,6 +301,21 @@ def _resolve_plan(plan) -> tuple[PCG, Graph]:
     return pcg, graph
 
 
+def started_process_group(error: type[Exception]) -> torch.device:
+    """This rank's device, the default process group started from the torchrun environment when none is (`error`
+    when there is none to start from)."""
+    from parsat.backend.launch import under_torchrun
+
+    if not dist.is_initialized():
+        if not under_torchrun():
+            raise error("parallelize runs under torchrun (one process per device): no process group is started and "
+                        "RANK/WORLD_SIZE are not set")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def parallelize(module: torch.nn.Module, plan, example_inputs=None, *, imported: ImportedModule | None = None,
                 seed: int = 0, dtype: torch.dtype | None = None) -> ParallelModule:
     """The module as `plan` runs it on this rank (see the module docstring); call it on every rank.
@@ -319,18 +334,10 @@ def parallelize(module: torch.nn.Module, plan, example_inputs=None, *, imported:
     Starts the default process group from the torchrun environment when
     none is started.
     """
-    from parsat.backend.launch import under_torchrun
-
     if plan is not None:
         _resolve_plan(plan)   # a plan that cannot be read is refused before any process group starts
-    if not dist.is_initialized():
-        if not under_torchrun():
-            raise ParallelizeError("parallelize runs under torchrun (one process per device): no process group "
-                                   "is started and RANK/WORLD_SIZE are not set")
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = started_process_group(ParallelizeError)
     world, rank = dist.get_world_size(), dist.get_rank()
-    backend = dist.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     try:
         pcg, graph = shared_plan(plan, _resolve_plan, device)
     except PlanMismatch as err:

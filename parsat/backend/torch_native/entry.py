@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Mapping
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -39,19 +38,13 @@ def parallelize_native(module: nn.Module, plan, *, mp_policy=None, example_input
     back. Raises `NativeParallelizeError` (naming the plan node) where the
     plan cannot be lowered.
     """
-    from parsat.backend.launch import under_torchrun
-    from parsat.backend.parallelize import graph_difference, import_difference, resolve_plan
+    from parsat.backend.parallelize import graph_difference, import_difference, resolve_plan, started_process_group
     from parsat.backend.plan_share import PlanMismatch, shared_plan
 
     resolve = _resolver(resolve_plan)
     if plan is not None:
         resolve(plan)   # a plan that cannot be read is refused before any process group starts
-    if not dist.is_initialized():
-        if not under_torchrun():
-            raise NativeParallelizeError("parallelize runs under torchrun (one process per device): no process "
-                                         "group is started and RANK/WORLD_SIZE are not set")
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = started_process_group(NativeParallelizeError)
     try:
         pcg, graph, pipeline = shared_plan(plan, resolve, device)
     except (PlanMismatch, ValueError) as err:
