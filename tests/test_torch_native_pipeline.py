@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import replace
+from functools import partial
 
 import pytest
 
@@ -131,10 +132,32 @@ def test_a_pipelined_plan_is_cut_before_a_block_with_the_tied_embedding_on_both_
     assert lowering.stage is None and "Schedule1F1B(n_microbatches=4)" in lowering.describe()
 
 
+def test_recomputing_blocks_checkpoints_each_block_module(pp2):
+    """A plan that recomputes blocks names each block's module; `checkpoint_blocks` runs their forwards under
+    torch.utils.checkpoint: the forward keeps fewer tensors for backward, and the gradients are the same."""
+    from parsat.backend.torch_native.apply import checkpoint_blocks
+
+    info = module_info(gpt_module(), weight_names())
+    lowering = lower_pipeline(replace(pp2.pcg, recompute="blocks"), pp2.graph, pp2.pipeline, info)
+    assert lowering.recompute == tuple(f"blocks.{i}" for i in range(SIZES["blocks"]))
+    assert "torch.utils.checkpoint" in lowering.describe()
+    kept, grads = [], []
+    for recompute in (False, True):
+        module = gpt_module()
+        if recompute:
+            checkpoint_blocks(module, lowering.recompute)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            loss = module(*batch(0))
+        loss.backward()
+        kept.append(sum(saved))
+        grads.append({n: p.grad for n, p in module.named_parameters()})
+    assert kept[1] < kept[0] / 2, kept
+    assert all(torch.allclose(grads[0][n], grads[1][n], rtol=1e-12, atol=1e-14) for n in grads[0])
+
+
 def test_what_torch_pipelining_cannot_run_is_refused(pp2):
     info = module_info(gpt_module(), weight_names())
-    with pytest.raises(LoweringError, match="recomputes activations"):
-        lower_pipeline(replace(pp2.pcg, recompute="blocks"), pp2.graph, pp2.pipeline, info)
     # the cut block's weights held by two blocks' modules (one read from the block before): no one submodule
     # holds the layer alone, so there is nothing to cut before
     names = dict(weight_names())
@@ -211,7 +234,9 @@ def train_plan(ctx, plan: dict, steps: int) -> dict:
         rel = _relative(whole.detach(), reference.get_parameter(name).detach())
         if rel >= worst:
             worst, worst_name = rel, name
-    return {**rows, "worst_weight": worst, "worst_name": worst_name,
+    checkpointed = sorted(name[len("module."):] for stage in model.stage_modules for name, sub in stage.named_modules()
+                          if isinstance(sub.__dict__.get("forward"), partial))
+    return {**rows, "worst_weight": worst, "worst_name": worst_name, "checkpointed": checkpointed,
             "params": sorted(params), "not_dtensor": sorted(n for n, t in params.items() if not isinstance(t, DTensor)),
             "placements": sorted({str(list(t.placements)) for t in params.values() if isinstance(t, DTensor)}),
             "lowering": lowering_of(model).describe()}
@@ -234,23 +259,29 @@ def _check_run(results: list) -> None:
 def _launch(plans: dict, nproc: int) -> list:
     from parsat.backend.launch import LaunchConfig, launch
 
-    return launch(train_job, ({label: plan.to_dict() for label, plan in plans.items()}, 3),
+    plans = {label: plan if isinstance(plan, dict) else plan.to_dict() for label, plan in plans.items()}
+    return launch(train_job, (plans, 3),
                   LaunchConfig(nproc=nproc, backend="gloo", timeout_s=600))
 
 
 @pytest.mark.slow
 def test_pp2_trained_on_two_ranks_like_the_module_in_one_process(pp2):
-    """1F1B (the optimizer's choice), GPipe and interleaved 1F1B (2 chunks a stage) on 2 ranks."""
-    plans = {"1f1b": pp2, "gpipe": pipelined_plan(2, "gpipe"), "interleaved": pipelined_plan(2, "interleaved")}
+    """1F1B (the optimizer's choice), GPipe and interleaved 1F1B (2 chunks a stage) on 2 ranks, and 1F1B
+    recomputing blocks (each stage's blocks checkpointed)."""
+    plans = {"1f1b": pp2, "gpipe": pipelined_plan(2, "gpipe"), "interleaved": pipelined_plan(2, "interleaved"),
+             "recompute": dict(pp2.to_dict(), recompute="blocks")}
     results = _launch(plans, 2)
-    for label, plan in plans.items():
-        assert plan.pipeline.schedule == label
+    for label in plans:
+        assert label == "recompute" or plans[label].pipeline.schedule == label
         _check_run([r[label] for r in results])
         first, last = results[0][label], results[1][label]
         assert first["losses"] == last["losses"] and first["norms"] == last["norms"]
         assert "wpe" in first["params"] and "wpe" not in last["params"]
         assert first["placements"] == ["[Replicate()]"]   # a one-rank mesh per stage
     assert "ScheduleInterleaved1F1B" in results[0]["interleaved"]["lowering"]
+    assert results[0]["recompute"]["checkpointed"] == ["blocks.0", "blocks.1"]
+    assert results[1]["recompute"]["checkpointed"] == ["blocks.2", "blocks.3"]
+    assert results[0]["1f1b"]["checkpointed"] == []
 
 
 @pytest.mark.slow

@@ -29,7 +29,9 @@ Under torchrun (or `backend.launch`), every rank calls
    child of an `nn.ModuleList` holding parameters) and then the root, with
    the dim the plan shards each weight along; a plan's ZeRO-1/2 is
    `fully_shard(reshard_after_forward=False)` over its data axes; a
-   `MixedPrecisionPolicy` given as `mp_policy` goes to them.
+   `MixedPrecisionPolicy` given as `mp_policy` goes to them. Before all
+   of these, a plan that recomputes blocks has each block's forward run
+   under `torch.utils.checkpoint` (`checkpoint_blocks`).
 
 The module returned is the user's (modified in place): its forward is its
 own, run on this rank's local batch (`local_batch` cuts a global one as
@@ -40,7 +42,8 @@ the data and tensor axes it uses).
 from __future__ import annotations
 
 from math import prod
-from typing import Any, Mapping
+from functools import partial
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -104,12 +107,29 @@ def apply_lowering(module: nn.Module, lowering: Lowering, device: torch.device, 
                                      "plan has none: use torch.autocast around the forward")
     module.to(device)
     broadcast_state(module)
+    checkpoint_blocks(module, lowering.recompute)
     mesh = _device_mesh(lowering, device)
     if lowering.tensor_axis is not None:
         _tensor_parallel(module, lowering, mesh[lowering.mesh.names[lowering.tensor_axis]])
     data_parallel(module, lowering, mesh, mp_policy)
     setattr(module, LOWERING_ATTRIBUTE, lowering)
     return module
+
+
+def checkpoint_blocks(module: nn.Module, names: Sequence[str], prefix: str = "") -> None:
+    """The plan's recomputation: each named block's forward run under `torch.utils.checkpoint` (non-reentrant),
+    so its activations are recomputed in its backward instead of kept. The forward is wrapped in place (not
+    `checkpoint_wrapper`, which renames the parameters), before `fully_shard` hooks the module's call. `prefix`:
+    what `module`'s names carry before the plan's module's (a traced stage's); a block it lacks, or holds without
+    parameters (a traced stage's scope of the next stage's block, with `pipelined`'s input relays only), is
+    skipped."""
+    from torch.utils.checkpoint import checkpoint
+
+    held = dict(module.named_modules())
+    for name in names:
+        block = held.get(prefix + name)
+        if block is not None and any(True for _ in block.parameters()):
+            block.forward = partial(checkpoint, block.forward, use_reentrant=False)
 
 
 def lowering_of(module) -> Lowering:

@@ -67,15 +67,15 @@ Torch is not imported here: the module is described by `ModuleInfo`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Mapping, Sequence
 
 from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER, REPLICATE
-from parsat.ir.blocks import has_blocks
+from parsat.ir.blocks import OUTSIDE, block_of, has_blocks
 from parsat.ir.graph import Graph
 from parsat.ir.mesh import Mesh
 from parsat.ir.microbatch import batch_dims
-from parsat.ir.pcg import PCG, PNode, readers, weight_storage
+from parsat.ir.pcg import PCG, WEIGHT, PNode, readers, weight_storage
 from parsat.ir.placement import FREE, PARTIAL, REPLICA, Placement, code_text, shard, shard_dim
 
 FREE_ROLE, SYNCED, GATHERED, SPLIT = "free", "synced", "gathered", "split"
@@ -169,6 +169,7 @@ class Lowering:
     batch_axes: tuple[int, ...]
     zero: int = 0                      # the plan's ZeRO stage of replicated weights' state (1, 2), else 0
     notes: tuple[str, ...] = field(default=())
+    recompute: tuple[str, ...] = ()    # the block modules checkpointed (`recomputed_blocks`)
 
     def axes(self, role: str) -> tuple[int, ...]:
         return tuple(i for i, r in enumerate(self.axis_roles) if r == role)
@@ -203,6 +204,9 @@ class Lowering:
         if self.tensor_axis is not None:
             lines.append(f"tensor parallelism on {names[self.tensor_axis]}: parallelize_module")
             lines += ["  " + s.describe() for s in self.styles]
+        if self.recompute:
+            lines.append(f"recomputation: torch.utils.checkpoint around each block's forward "
+                         f"({', '.join(self.recompute)})")
         lines += ["note: " + n for n in self.notes]
         return "\n".join(lines)
 
@@ -216,16 +220,12 @@ def lower(pcg: PCG, graph: Graph, module: ModuleInfo, *, pipelined: bool = False
     `no_tensor_axis`: why a tensor axis cannot be lowered here (a pipeline's traced stages), said as soon as the
     axes' roles are known."""
     if pipelined:
-        raise LoweringError("a pipelined plan is not lowered onto torch yet (torch.distributed.pipelining would run "
-                            "its stages: docs/TORCH_NATIVE.md); run it with `parsat run`, or optimize with "
-                            "--degrees pp=1")
+        raise LoweringError("a pipelined plan is lowered stage by stage (pipeline_lowering.lower_pipeline: "
+                            "torch.distributed.pipelining), not as one mesh's plan")
     if pcg.mesh.world < 2:
         raise LoweringError("the plan is for one device: run the module itself")
-    if pcg.recompute != "none":
-        raise LoweringError(f"the plan recomputes activations ({pcg.recompute!r}); recomputation is not lowered onto "
-                            "torch yet (torch.utils.checkpoint around each block would: docs/TORCH_NATIVE.md); "
-                            "optimize with recompute='none'")
-    return _Lowerer(pcg, graph, module, library, no_tensor_axis).run()
+    lowering = _Lowerer(pcg, graph, module, library, no_tensor_axis).run()
+    return replace(lowering, recompute=recomputed_blocks(pcg, module))
 
 
 class _Lowerer:
@@ -729,3 +729,50 @@ def _input_chains(pcg: PCG) -> set[int]:
         elif node.kind == "parallel" and node.inputs[0] in chains:
             chains.add(node.id)
     return chains
+
+
+def weight_params(weight: str, module: ModuleInfo) -> tuple[str, ...]:
+    """Every name of the module's parameter that is the plan's weight `weight`, or a LoweringError."""
+    info = module.param(weight)
+    if info is None:
+        raise LoweringError(f"the plan's weight '{weight}' is not a parameter of the module: give parallelize "
+                            "weight_names (graph weight -> parameter name) for a module that names its blocks "
+                            "otherwise (the plan names block i's weights b{i}_...)")
+    return info.names
+
+
+def layer_module(layer: int, weights, module: ModuleInfo) -> str:
+    """The submodule holding every parameter of layer `layer`'s weights and none of another layer's: where a
+    pipeline chunk that begins with that layer is cut from the one before, and what recomputing it checkpoints."""
+    if layer == OUTSIDE:
+        raise LoweringError("a pipeline chunk after the first begins with the prelude (layer -1): no cut")
+    mine = [n for w in weights if block_of(w) == layer for n in weight_params(w, module)]
+    others = {n for w in weights if block_of(w) != layer for n in weight_params(w, module)}
+    if not mine:
+        raise LoweringError(f"the pipeline cuts before layer {layer}, which has no weights to find its module by")
+    parts = [n.split(".")[:-1] for n in mine]
+    common = parts[0]
+    for p in parts[1:]:
+        k = 0
+        while k < min(len(common), len(p)) and common[k] == p[k]:
+            k += 1
+        common = common[:k]
+    owner = ".".join(common)
+    if not owner or any(n.startswith(owner + ".") for n in others):
+        raise LoweringError(f"the pipeline cuts before layer {layer} (weights b{layer}_...), but no submodule of "
+                            f"the module holds that layer's parameters ({', '.join(mine[:3])}, ...) and no other "
+                            "layer's: torch.distributed.pipelining cuts a module before a submodule's call")
+    return owner
+
+
+def recomputed_blocks(pcg: PCG, module: ModuleInfo) -> tuple[str, ...]:
+    """The submodules to checkpoint for the plan's recomputation: one per block of the plan's stack
+    (`layer_module`) when it recomputes blocks, none when it recomputes nothing; refused otherwise."""
+    if pcg.recompute == "none":
+        return ()
+    weights = [n.op for n in pcg.nodes if n.kind == "leaf" and n.role == WEIGHT]
+    layers = sorted({block_of(w) for w in weights} - {OUTSIDE})
+    if pcg.recompute != "blocks" or not layers:
+        raise LoweringError(f"the plan recomputes activations ({pcg.recompute!r}) but names no blocks (b{{i}}_... "
+                            "weights) to checkpoint: only recomputing blocks is lowered onto torch")
+    return tuple(layer_module(layer, weights, module) for layer in layers)

@@ -27,16 +27,18 @@ stage holds what, and how each stage runs inside (docs/TORCH_NATIVE.md, "Pipelin
   axes become `replicate` / `fully_shard` on each stage module. A
   one-device stage holds its parameters as DTensors on a one-rank mesh.
 
-Refused, naming why: recomputation (the traced stages have no block
-modules to checkpoint), a tensor axis inside a stage, a layer the module
+Recomputation (`PCG.recompute == "blocks"`) checkpoints each block's
+submodule in the traced stage modules (`lowering.recomputed_blocks`).
+Refused, naming why: a tensor axis inside a stage, a layer the module
 does not hold as one submodule.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from parsat.backend.torch_native.lowering import Lowering, LoweringError, ModuleInfo, lower
-from parsat.ir.blocks import OUTSIDE, block_of
+
+from parsat.backend.torch_native.lowering import (Lowering, LoweringError, ModuleInfo, layer_module, lower,
+                                                  recomputed_blocks, weight_params)
 from parsat.ir.graph import Graph
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import PCG, WEIGHT
@@ -70,6 +72,7 @@ class PipelineLowering:
     chunks: tuple[ChunkLowering, ...]
     shared: tuple[tuple[tuple[str, ...], tuple[int, ...]], ...]   # (a shared weight's parameter names, its stages)
     stage: Lowering | None                        # inside each stage (None: one device a stage)
+    recompute: tuple[str, ...] = ()               # the block modules checkpointed (`lowering.recomputed_blocks`)
 
     @property
     def torch_schedule(self) -> str:
@@ -109,6 +112,9 @@ class PipelineLowering:
         for names, stages in self.shared:
             lines.append(f"  shared: {' = '.join(names)} held by stages {', '.join(map(str, stages))}, gradients "
                          "summed over them before the optimizer")
+        if self.recompute:
+            lines.append(f"recomputation: torch.utils.checkpoint around each block's forward "
+                         f"({', '.join(self.recompute)})")
         if self.stage is None:
             lines.append("inside each stage: one rank, parameters DTensors on a one-rank mesh")
         else:
@@ -122,21 +128,17 @@ def lower_pipeline(pcg: PCG, graph: Graph, pipeline: PipelinePlan, module: Modul
     if pipeline.schedule not in TORCH_SCHEDULES:
         raise LoweringError(f"the plan's pipeline schedule {pipeline.schedule!r} has no torch schedule "
                             f"(torch runs {', '.join(TORCH_SCHEDULES)})")
-    if pcg.recompute != "none":
-        raise LoweringError(f"the pipelined plan recomputes activations ({pcg.recompute!r}): the traced stage "
-                            "modules have no block modules to checkpoint, so recomputation inside a pipeline is not "
-                            "lowered onto torch; optimize with recompute='none' or run it with `parsat run`")
     stage = _stage_lowering(pcg, graph, module, pipeline.stage_devices)
     weights = {n.id: n.op for n in pcg.nodes if n.kind == "leaf" and n.role == WEIGHT}
     chunks = []
     for chunk in pipeline.layout.chunks:
-        begins = None if chunk.index == 0 else _layer_module(chunk.layers[0], weights.values(), module)
-        names = sorted({p for ident in chunk.nodes if ident in weights for p in _params(weights[ident], module)})
+        begins = None if chunk.index == 0 else layer_module(chunk.layers[0], weights.values(), module)
+        names = sorted({p for ident in chunk.nodes if ident in weights for p in weight_params(weights[ident], module)})
         chunks.append(ChunkLowering(chunk.index, chunk.stage, chunk.layers, begins, tuple(names)))
-    shared = tuple((_params(weights[ident], module), tuple(stages))
+    shared = tuple((weight_params(weights[ident], module), tuple(stages))
                    for ident, stages in pipeline.layout.shared_weights)
     return PipelineLowering(pipeline.layout.degree, pipeline.stage_devices, pipeline.schedule,
-                            pipeline.microbatches, tuple(chunks), shared, stage)
+                            pipeline.microbatches, tuple(chunks), shared, stage, recomputed_blocks(pcg, module))
 
 
 def _stage_lowering(pcg: PCG, graph: Graph, module: ModuleInfo, devices: int) -> Lowering | None:
@@ -148,36 +150,3 @@ def _stage_lowering(pcg: PCG, graph: Graph, module: ModuleInfo, devices: int) ->
            "lowered (run it with `parsat run`)")
     # the schedule runs the micro-batches: the stage plan is lowered as one micro-batch's
     return lower(pcg, replace(graph, microbatches=1), module, no_tensor_axis=why)
-
-
-def _params(weight: str, module: ModuleInfo) -> tuple[str, ...]:
-    info = module.param(weight)
-    if info is None:
-        raise LoweringError(f"the plan's weight '{weight}' is not a parameter of the module: give parallelize "
-                            "weight_names (graph weight -> parameter name) for a module that names its blocks "
-                            "otherwise (the plan names block i's weights b{i}_...)")
-    return info.names
-
-
-def _layer_module(layer: int, weights, module: ModuleInfo) -> str:
-    """The submodule holding every parameter of layer `layer`'s weights and none of another layer's: where the
-    chunk that begins with that layer is cut from the one before."""
-    if layer == OUTSIDE:
-        raise LoweringError("a pipeline chunk after the first begins with the prelude (layer -1): no cut")
-    mine = [n for w in weights if block_of(w) == layer for n in _params(w, module)]
-    others = {n for w in weights if block_of(w) != layer for n in _params(w, module)}
-    if not mine:
-        raise LoweringError(f"the pipeline cuts before layer {layer}, which has no weights to find its module by")
-    parts = [n.split(".")[:-1] for n in mine]
-    common = parts[0]
-    for p in parts[1:]:
-        k = 0
-        while k < min(len(common), len(p)) and common[k] == p[k]:
-            k += 1
-        common = common[:k]
-    owner = ".".join(common)
-    if not owner or any(n.startswith(owner + ".") for n in others):
-        raise LoweringError(f"the pipeline cuts before layer {layer} (weights b{layer}_...), but no submodule of "
-                            f"the module holds that layer's parameters ({', '.join(mine[:3])}, ...) and no other "
-                            "layer's: torch.distributed.pipelining cuts a module before a submodule's call")
-    return owner

@@ -21,7 +21,9 @@ Under torchrun, every rank calls
    embedding on the first and last stage); the module's inputs are carried
    from stage to stage (`_PassInputsThrough`), so labels reach the stage
    that computes the loss as an activation of the stage before it;
-4. on this rank's stage modules, the stage plan's data / ZeRO-3 axes
+4. on this rank's stage modules, each block's forward under
+   `torch.utils.checkpoint` when the plan recomputes blocks, then the
+   stage plan's data / ZeRO-3 axes
    (`apply.data_parallel`: `replicate` or `fully_shard` over the stage's
    slice of the mesh), or `replicate` over the one-rank `stage` axis: every
    parameter a DTensor;
@@ -48,7 +50,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parsat.backend.torch_native.apply import LOWERING_ATTRIBUTE, NativeParallelizeError, broadcast_state, data_parallel
+from parsat.backend.torch_native.apply import (LOWERING_ATTRIBUTE, NativeParallelizeError, broadcast_state,
+                                              checkpoint_blocks, data_parallel)
 from parsat.backend.torch_native.pipeline_lowering import STAGE_AXIS_NAME, PIPELINE_AXIS_NAME, PipelineLowering
 
 TRACED_PREFIX = "module."   # the traced wrapper's name for the user's module
@@ -230,6 +233,7 @@ def apply_pipeline(module: nn.Module, lowering: PipelineLowering, example_inputs
     for chunk in lowering.chunks_of(stage):
         sub = pipe.get_stage_module(chunk.index)
         _check_stage_params(sub, chunk)
+        checkpoint_blocks(sub, lowering.recompute, prefix=TRACED_PREFIX)
         if lowering.stage is None:
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
