@@ -17,6 +17,7 @@ parameter a DTensor.
 from __future__ import annotations
 
 import copy
+import json
 import math
 from dataclasses import replace
 from functools import partial
@@ -243,6 +244,9 @@ def train_plan(ctx, plan: dict, steps: int) -> dict:
 
 
 def _check_run(results: list) -> None:
+    worst = {key: max(abs(g - w) / abs(w) for r in results for g, w in zip(r[key], r[f"ref_{key}"]))
+             for key in ("losses", "norms")}
+    print(json.dumps({**worst, "weights": max(r["worst_weight"] for r in results)}))   # the figures docs cite
     held = set()
     for result in results:
         assert result["not_dtensor"] == [], result["not_dtensor"]
