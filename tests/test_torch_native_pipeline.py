@@ -170,6 +170,13 @@ def test_what_torch_pipelining_cannot_run_is_refused(pp2):
         lower_pipeline(pp2.pcg, pp2.graph, pp2.pipeline, module_info(gpt_module()))
 
 
+def test_a_pipelined_plan_without_example_inputs_is_refused_before_any_process_starts(pp2):
+    from parsat.backend.torch_native.apply import NativeParallelizeError
+
+    with pytest.raises(NativeParallelizeError, match="pipelined plan needs example_inputs"):
+        parsat.parallelize(gpt_module(), pp2, runtime="torch", weight_names=weight_names())
+
+
 def test_tensor_parallelism_inside_a_stage_is_refused(pp2):
     """The Megatron layout on each stage's 2 devices (tp 2), cut as the pp=2 plan is: refused, as the traced
     stage modules have no nn.Linear for the styles (here the projections are not nn.Linear either)."""
@@ -202,13 +209,19 @@ def train_plan(ctx, plan: dict, steps: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from parsat.backend.torch_native.apply import local_batch, lowering_of
+    from parsat.backend.torch_native.apply import NativeParallelizeError, local_batch, lowering_of
 
     module = gpt_module()
     reference = copy.deepcopy(module)
     data = plan["pipeline"]["stage_devices"]   # the stage plan's devices: data-parallel replicas here
     example = tuple(x[: x.shape[0] // data] for x in batch(0))   # a local batch's shape
     model = parsat.parallelize(module, plan, example, runtime="torch", weight_names=weight_names())
+    refusals = []   # calling it as a module, and a step of another batch shape: clear errors, nothing run
+    for wrong in (lambda: model(*batch(0)), lambda: model.step(*(x[:1] for x in batch(0)))):
+        try:
+            wrong()
+        except NativeParallelizeError as err:
+            refusals.append(str(err))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
     rows = {"losses": [], "ref_losses": [], "norms": [], "ref_norms": []}
@@ -237,7 +250,7 @@ def train_plan(ctx, plan: dict, steps: int) -> dict:
             worst, worst_name = rel, name
     checkpointed = sorted(name[len("module."):] for stage in model.stage_modules for name, sub in stage.named_modules()
                           if isinstance(sub.__dict__.get("forward"), partial))
-    return {**rows, "worst_weight": worst, "worst_name": worst_name, "checkpointed": checkpointed,
+    return {**rows, "worst_weight": worst, "worst_name": worst_name, "checkpointed": checkpointed, "refusals": refusals,
             "params": sorted(params), "not_dtensor": sorted(n for n, t in params.items() if not isinstance(t, DTensor)),
             "placements": sorted({str(list(t.placements)) for t in params.values() if isinstance(t, DTensor)}),
             "lowering": lowering_of(model).describe()}
@@ -286,6 +299,8 @@ def test_pp2_trained_on_two_ranks_like_the_module_in_one_process(pp2):
     assert results[0]["recompute"]["checkpointed"] == ["blocks.0", "blocks.1"]
     assert results[1]["recompute"]["checkpointed"] == ["blocks.2", "blocks.3"]
     assert results[0]["1f1b"]["checkpointed"] == []
+    refusals = results[0]["1f1b"]["refusals"]
+    assert len(refusals) == 2 and "call model.step(*batch)" in refusals[0] and "fixed shapes" in refusals[1], refusals
 
 
 @pytest.mark.slow

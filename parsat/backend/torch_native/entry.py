@@ -42,8 +42,9 @@ def parallelize_native(module: nn.Module, plan, *, mp_policy=None, example_input
     from parsat.backend.plan_share import PlanMismatch, shared_plan
 
     resolve = _resolver(resolve_plan)
-    if plan is not None:
-        resolve(plan)   # a plan that cannot be read is refused before any process group starts
+    if plan is not None:   # a plan that cannot be read, or run so, is refused before any process group starts
+        if resolve(plan)[2] is not None and example_inputs is None:
+            raise NativeParallelizeError(_NO_EXAMPLE)
     device = started_process_group(NativeParallelizeError)
     try:
         pcg, graph, pipeline = shared_plan(plan, resolve, device)
@@ -78,6 +79,10 @@ def parallelize_native(module: nn.Module, plan, *, mp_policy=None, example_input
     return apply_lowering(module, lowering, device, mp_policy)
 
 
+_NO_EXAMPLE = ("a pipelined plan needs example_inputs (one step's local batch, as you will pass it to "
+               "PipelinedModule.step): torch.distributed.pipelining traces the module on one micro-batch of it")
+
+
 def _resolver(resolve_plan):
     """`resolve_plan` with its refusals as NativeParallelizeError."""
     def resolve(plan):
@@ -92,9 +97,7 @@ def _pipelined(module, pcg, graph, pipeline, info, example_inputs, device, mp_po
     from parsat.backend.torch_native.pipelined import apply_pipeline
 
     if example_inputs is None:
-        raise NativeParallelizeError("a pipelined plan needs example_inputs (one step's local batch, as you will "
-                                     "pass it to PipelinedModule.step): torch.distributed.pipelining traces the "
-                                     "module on one micro-batch of it")
+        raise NativeParallelizeError(_NO_EXAMPLE)
     try:
         lowering = lower_pipeline(pcg, graph, pipeline, info)
     except LoweringError as err:

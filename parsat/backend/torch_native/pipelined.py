@@ -116,6 +116,11 @@ class PipelinedModule:
         self.micro_shapes = tuple(micro_shapes)
         setattr(self, LOWERING_ATTRIBUTE, lowering)
 
+    def __call__(self, *args, **kwargs):
+        raise NativeParallelizeError("a pipelined module runs whole steps: call model.step(*batch) (forward and "
+                                     "backward of every micro-batch in the plan's schedule) instead of model(*batch) "
+                                     "and loss.backward()")
+
     @property
     def first(self) -> bool:
         return self.stage == 0
