@@ -58,8 +58,11 @@ What the plan decides that the module's own forward does not reproduce
 is said in `Lowering.notes`, never silently: operators rewritten by
 algebraic rules (the module computes its own form, equal in value, which
 the proofs are about), where a partial sum is all-reduced, a loss averaged
-per rank, micro-batches. Pipelined plans and plans that recompute blocks
-are refused here (docs/TORCH_NATIVE.md says how they would lower).
+per rank, micro-batches. A plan that recomputes blocks names each block's
+module (`recomputed_blocks`, the submodule `layer_module` finds for block
+i's `b{i}_...` weights: what `apply.checkpoint_blocks` checkpoints). A
+pipelined plan is read stage by stage by `pipeline_lowering`, which calls
+`lower` for its stage plan.
 
 Torch is not imported here: the module is described by `ModuleInfo`
 (`apply.module_info` builds it from an `nn.Module`).

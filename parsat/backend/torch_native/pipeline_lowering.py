@@ -112,7 +112,7 @@ class PipelineLowering:
         for names, stages in self.shared:
             lines.append(f"  shared: {' = '.join(names)} held by stages {', '.join(map(str, stages))}, gradients "
                          "summed over them before the optimizer")
-        if self.recompute:
+        if self.recompute and self.stage is None:   # a stage plan's own lowering says it otherwise
             lines.append(f"recomputation: torch.utils.checkpoint around each block's forward "
                          f"({', '.join(self.recompute)})")
         if self.stage is None:
@@ -135,6 +135,7 @@ def lower_pipeline(pcg: PCG, graph: Graph, pipeline: PipelinePlan, module: Modul
         begins = None if chunk.index == 0 else layer_module(chunk.layers[0], weights.values(), module)
         names = sorted({p for ident in chunk.nodes if ident in weights for p in weight_params(weights[ident], module)})
         chunks.append(ChunkLowering(chunk.index, chunk.stage, chunk.layers, begins, tuple(names)))
+    _one_copy_a_stage(chunks)
     shared = tuple((weight_params(weights[ident], module), tuple(stages))
                    for ident, stages in pipeline.layout.shared_weights)
     return PipelineLowering(pipeline.layout.degree, pipeline.stage_devices, pipeline.schedule,
@@ -150,3 +151,16 @@ def _stage_lowering(pcg: PCG, graph: Graph, module: ModuleInfo, devices: int) ->
            "lowered (run it with `parsat run`)")
     # the schedule runs the micro-batches: the stage plan is lowered as one micro-batch's
     return lower(pcg, replace(graph, microbatches=1), module, no_tensor_axis=why)
+
+
+def _one_copy_a_stage(chunks: list[ChunkLowering]) -> None:
+    """No parameter in two chunks of one stage: each stage module is made data-parallel on its own, which would
+    make two parameters of one weight on one rank (the gradient sum over stages assumes one a stage)."""
+    seen: dict[tuple[int, str], int] = {}
+    for chunk in chunks:
+        for name in chunk.params:
+            if (chunk.stage, name) in seen:
+                raise LoweringError(f"parameter {name} is read by chunks {seen[chunk.stage, name]} and {chunk.index}, "
+                                    f"both on pipeline stage {chunk.stage}: one weight in two stage modules of a rank "
+                                    "is not lowered")
+            seen[chunk.stage, name] = chunk.index
