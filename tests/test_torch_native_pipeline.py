@@ -170,6 +170,19 @@ def test_what_torch_pipelining_cannot_run_is_refused(pp2):
         lower_pipeline(pp2.pcg, pp2.graph, pp2.pipeline, module_info(gpt_module()))
 
 
+def test_ranks_holding_pipelines_that_differ_hold_different_plans(pp2):
+    """The plan every rank must hold (`plan_share.fingerprint`) includes its pipeline: the same stage plan cut
+    into other chunks or run in another schedule is another plan."""
+    from parsat.backend.plan_share import fingerprint
+    from parsat.ir.pipeline import lay_out_stages
+
+    mine = fingerprint(pp2.pcg, pp2.graph, pp2.pipeline)
+    assert mine == fingerprint(pp2.pcg, pp2.graph, replace(pp2.pipeline, bubble_fraction=0.0))   # a prediction
+    assert mine != fingerprint(pp2.pcg, pp2.graph, replace(pp2.pipeline, schedule="gpipe"))
+    assert mine != fingerprint(pp2.pcg, pp2.graph, replace(pp2.pipeline, layout=lay_out_stages(pp2.pcg, [-1, 1], 2)))
+    assert mine != fingerprint(pp2.pcg, pp2.graph)
+
+
 def test_a_pipelined_plan_without_example_inputs_is_refused_before_any_process_starts(pp2):
     from parsat.backend.torch_native.apply import NativeParallelizeError
 
@@ -199,11 +212,12 @@ def _relative(a, b) -> float:
 
 
 def train_job(ctx, plans: dict, steps: int) -> dict:
-    """`train_plan` for each plan, in one job: label -> its result."""
-    return {label: train_plan(ctx, plan, steps) for label, plan in plans.items()}
+    """`train_plan` for each plan, in one job: label -> its result. The GPipe plan is held by rank 0 only (the
+    others pass None and receive it, pipeline included)."""
+    return {label: train_plan(ctx, plan, steps, held_by_all=label != "gpipe") for label, plan in plans.items()}
 
 
-def train_plan(ctx, plan: dict, steps: int) -> dict:
+def train_plan(ctx, plan: dict, steps: int, held_by_all: bool = True) -> dict:
     """On every rank: the GPT parallelized with the pipelined plan, the user's loop (`step`, `clip_grad_norm_`,
     AdamW) on this rank's local batch, beside the unmodified module trained on the whole batch in this process."""
     import torch.distributed as dist
@@ -215,7 +229,8 @@ def train_plan(ctx, plan: dict, steps: int) -> dict:
     reference = copy.deepcopy(module)
     data = plan["pipeline"]["stage_devices"]   # the stage plan's devices: data-parallel replicas here
     example = tuple(x[: x.shape[0] // data] for x in batch(0))   # a local batch's shape
-    model = parsat.parallelize(module, plan, example, runtime="torch", weight_names=weight_names())
+    held = plan if held_by_all or ctx.rank == 0 else None
+    model = parsat.parallelize(module, held, example, runtime="torch", weight_names=weight_names())
     refusals = []   # calling it as a module, and a step of another batch shape: clear errors, nothing run
     for wrong in (lambda: model(*batch(0)), lambda: model.step(*(x[:1] for x in batch(0)))):
         try:
