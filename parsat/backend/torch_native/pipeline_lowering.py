@@ -76,6 +76,7 @@ class PipelineLowering:
 
     @property
     def torch_schedule(self) -> str:
+        """The name of torch's schedule class for the plan's schedule."""
         return TORCH_SCHEDULES[self.schedule]
 
     @property
@@ -85,6 +86,7 @@ class PipelineLowering:
 
     @property
     def batch_axes(self) -> tuple[int, ...]:
+        """The stage mesh's axes the batch is split over (`apply.local_batch`)."""
         return self.stage.batch_axes if self.stage is not None else ()
 
     def device_mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -95,6 +97,7 @@ class PipelineLowering:
         return (self.degree, *self.stage.mesh.shape), (PIPELINE_AXIS_NAME, *self.stage.mesh.names)
 
     def chunks_of(self, stage: int) -> tuple[ChunkLowering, ...]:
+        """The chunks pipeline stage `stage` runs (one, or v when interleaved)."""
         return tuple(c for c in self.chunks if c.stage == stage)
 
     def split_points(self) -> tuple[str, ...]:

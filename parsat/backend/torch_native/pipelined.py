@@ -123,10 +123,12 @@ class PipelinedModule:
 
     @property
     def first(self) -> bool:
+        """Whether this rank's stage reads the step's inputs."""
         return self.stage == 0
 
     @property
     def last(self) -> bool:
+        """Whether this rank's stage computes the loss."""
         return self.stage == self.lowering.degree - 1
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -144,6 +146,7 @@ class PipelinedModule:
         return (param for _, param in self.named_parameters())
 
     def get_parameter(self, name: str) -> nn.Parameter:
+        """This rank's parameter `name` (the module's name)."""
         for found, param in self.named_parameters():
             if found == name:
                 return param
