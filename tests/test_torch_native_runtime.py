@@ -18,6 +18,7 @@ import copy
 import json
 import sys
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -264,14 +265,23 @@ def train_job(ctx, factory: str, plans: dict, steps: int, folder: str, batch: tu
                       "worst_weight": worst, "worst_name": worst_name,
                       "not_dtensor": sorted(n for n, t in params.items() if not isinstance(t, DTensor)),
                       "meshes": sorted({str(getattr(t, "device_mesh", None)) for t in params.values()}),
-                      "placements": placements, "lowering": lowering_of(model).describe()}
+                      "placements": placements, "lowering": lowering_of(model).describe(),
+                      "checkpointed": sorted(n for n, sub in model.named_modules()
+                                             if isinstance(sub.__dict__.get("forward"), partial))}
         dist.barrier()
     return out
+
+
+def _stack():
+    torch.manual_seed(0)
+    return _StackLM(), _batch(0, BATCH, SEQ, VOCAB_SIZE)
 
 
 def _factory(name: str):
     if name == "tiny":
         return tiny
+    if name == "stack":
+        return _stack
     import hf_models
 
     def make():
@@ -353,6 +363,27 @@ def test_the_tied_parameter_stays_one_tensor(tiny_runs):
     results, _ = tiny_runs
     for label in ("dp", "tp", "zero3", "zero1"):
         assert "emb.weight" in results[0][label]["placements"] and "head.weight" not in results[0][label]["placements"]
+
+
+@pytest.mark.slow
+def test_a_plan_recomputing_blocks_checkpoints_each_block_and_trains_like_the_module(tmp_path):
+    """The data-parallel plan of the two-block stack with `recompute="blocks"`: each block's forward runs under
+    torch.utils.checkpoint (found through the import's `b{i}_` names), and 3 steps on 2 ranks equal the
+    unmodified module's."""
+    from parsat.backend.launch import LaunchConfig, launch
+    from parsat.importer.export import import_module
+
+    module, example = _stack()
+    imported = import_module(module, example, check=False)
+    plan = dict(mesh_plans.plan_dict(imported.graph, megatron_pcg(imported.graph, operator_library(), (2, 1))),
+                recompute="blocks")
+    results = launch(train_job, ("stack", {"recompute": plan}, 3, str(tmp_path), (BATCH, SEQ, VOCAB_SIZE)),
+                     LaunchConfig(nproc=2, backend="gloo", timeout_s=600))
+    for result in results:
+        _check_run(result, "recompute")
+        assert "torch.utils.checkpoint around each block's forward (blocks.0, blocks.1)" in \
+            result["recompute"]["lowering"]
+        assert result["recompute"]["checkpointed"] == ["blocks.0", "blocks.1"]
 
 
 # ------------------------------------------------------------------ Hugging Face models (slow)
