@@ -271,7 +271,8 @@ def test_a_long_explanation_opens_with_the_parallel_operators_counted(mlp_plan_c
 
 def test_rules_used_are_the_makers_of_the_plan_s_new_operators(shipped):
     """Provenance: every e-node the plan chose that the input graph lacks was built by a listed rule."""
-    from parsat.search.solve import rules_used, solve as _solve
+    from parsat.search.provenance import rules_used
+    from parsat.search.solve import solve as _solve
     from parsat.egraph.encoding import GRAPH_MADE
     from parsat.egraph.saturate import saturate
 

@@ -14,5 +14,6 @@ text), `program` (`compile_rules`, `MeshCaches`), `loading` (the graph's
 text into the e-graph: a command per term, its facts read in bulk),
 `session` (the e-graph), `runner` (one saturation loop: `Limits`, the stop reason, matches per
 rule), `saturate` (compile, load, run, read back), `snapshot` (the e-graph
-read back: e-classes, e-nodes, shapes, placements).
+read back: e-classes, e-nodes, shapes, placements), `derivation` (what each
+rule application read and built, from the match it recorded).
 """

@@ -45,6 +45,7 @@ RULESET_NAMES = {"alg": "algebraic", "par": "parallel"}   # as the plan JSON nam
 MADE_PREFIX = "Made_"    # Made_<constructor>(children..., attributes..., who): the rules (or the graph) that made an e-node
 GRAPH_MADE = ""          # `who` for the input graph's own operators
 EQUATED = "Equated"      # Equated(class, who): a rule whose right side is a metavariable equated this class with it
+APPLIED_PREFIX = "Applied"  # Applied<index>(pattern variables...): the matches rule <index> applied (`rule_text.RuleBody`)
 MATCH_SUFFIX = "/match"  # a rule's pattern half is named after the rule with this suffix (`rule_text.RuleBody`)
 LIVE = "Live"            # Live(key): a gated rule runs while its row is there (`Session.run`'s match budget)
 

@@ -38,6 +38,7 @@ from parsat.ir.mesh import Mesh
 from parsat.ir.placement import REPLICA, Placement, apply_parallel, shard_dim
 from parsat.egraph.encoding import (GRAPH_MADE, MADE_PREFIX, MAX_RANK, PIN_SUFFIX, SHAPE_RULESET, ctor,
                                     equated_relation, made_row, node_arguments, quote, shape_term)
+from parsat.egraph.snapshot import Application, ENode
 
 LOCAL = "Local"
 PLACE = "Pl"
@@ -96,6 +97,27 @@ def fold_rules() -> list[str]:
         out.append(f"(rule ((= o ({ctor(outer.name)} {' '.join(outer_args)})) (= c ({ctor(inner.name)} "
                    f"{' '.join(inner_args)}))) ((union o ({ctor(op.name)} {' '.join(fused_args)})) "
                    f"{made_row(ctor(op.name), fused_args, FOLD_MADE)}) :ruleset {SHAPE_RULESET})")
+    return out
+
+
+def fold_applications(classes: Mapping[int, Sequence[ENode]]) -> list[Application]:
+    """What the `fold` rules did, read back from the snapshot (they are not library rules and record no
+    match): each fused e-node with, in its class, the steps it was unioned with (`fold_rules`' pattern:
+    the inner step read first, the outer one, the match's root, last)."""
+    out = []
+    for nodes in classes.values():
+        for fused in nodes:
+            op = PARALLEL_OPS.get(fused.op)
+            if op is None or not op.steps:
+                continue
+            inner, outer = (PARALLEL_OPS[step] for step in op.steps)
+            dim, axis = fused.attrs
+            for root in nodes:
+                if root.op != outer.name or root.attrs != ((dim, axis) if outer.has_dim else (axis,)):
+                    continue
+                out.extend(Application(FOLD_MADE, (step, root), (fused,)) for step in classes.get(root.children[0], ())
+                           if step.op == inner.name and step.children == fused.children[:1]
+                           and step.attrs == ((dim, axis) if inner.has_dim else (axis,)))
     return out
 
 

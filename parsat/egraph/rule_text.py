@@ -32,8 +32,8 @@ from parsat.dsl.conditions import Cond, Negation, Rel, symbolic_truth, to_poly
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import RuleInstance, TypedTerm
 from parsat.egraph import guards
-from parsat.egraph.encoding import (MATCH_SUFFIX, MAX_RANK, SkipRule, ctor, equated_row, live_row, made_row,
-                                    match_ruleset, poly_expr, quote, real_literal, rel_fact, shape_term)
+from parsat.egraph.encoding import (APPLIED_PREFIX, MATCH_SUFFIX, MAX_RANK, SkipRule, ctor, equated_row, live_row,
+                                    made_row, match_ruleset, poly_expr, quote, real_literal, rel_fact, shape_term)
 
 
 def symbol_var(symbol: str) -> str:
@@ -82,6 +82,19 @@ def dnf(cond: Cond, negate: bool = False) -> list[list[Rel]]:
 _PATTERN_VAR = re.compile(r"(?<![\w\"])([A-Za-z_]\w*)")
 
 
+def _let_terms(actions: str) -> list[str]:
+    """The terms of the actions' `(let VAR TERM)`s, as text."""
+    out = []
+    for found in re.finditer(r"\(let \S+ ", actions):
+        depth, start = 0, found.end()
+        for end in range(start, len(actions)):
+            depth += {"(": 1, ")": -1}.get(actions[end], 0)
+            if depth == 0:
+                out.append(actions[start:end + 1])
+                break
+    return out
+
+
 @dataclass(frozen=True)
 class RuleBody:
     """One egglog rule before it is placed: the structural pattern, the other facts, the actions.
@@ -112,22 +125,40 @@ class RuleBody:
             out[name] = "T" if name == "root" or name.startswith("m_") else "String" if name.startswith("r_") else "i64"
         return list(out.items())
 
+    def applied_variables(self) -> list[tuple[str, str]]:
+        """The columns of the rule's `Applied` row: the pattern's variables, then the ones the guards bind
+        (sizes looked up, degrees chosen) that the built terms use, so the row fixes every e-node the
+        application built (`derivation`)."""
+        out = dict(self.variables())
+        for term in _let_terms(self.actions):
+            for name in _PATTERN_VAR.findall(term):
+                if name not in out and name != "let" and not name.startswith(("Op_", "P_", "t")):
+                    out[name] = "String" if name.startswith("r_") else "i64"
+        return list(out.items())
+
     def text(self, index: int, chunk: str, key: str, gated: bool = False) -> str:
         """The relation and the two rules; the second carries the rule's `key` as its name.
 
         A `gated` rule's halves also join its `Live` row, inserted here: a
         rule that makes new values can then be held back by deleting the row
         once its pattern matches past the run's budget (`Session.run`), before
-        any of those matches is applied; a one-row join costs nothing else."""
+        any of those matches is applied; a one-row join costs nothing else.
+
+        The applying half also records the match it applied in `Applied<index>` (same columns as the match
+        relation): what the application read and built is worked out from it (`derivation`), so a plan can name
+        the rules that built the terms its rules matched, not only the makers of its own e-nodes."""
         variables = self.variables()
         relation = f"Match{index}"
         row = f"({relation} {' '.join(v for v, _ in variables)})"
+        recorded = self.applied_variables()
+        applied = f"({APPLIED_PREFIX}{index} {' '.join(v for v, _ in recorded)})"
         gate = (live_row(key),) if gated else ()
         facts = gate + self.facts
-        return (f"(relation {relation} ({' '.join(sort for _, sort in variables)}))\n" +
+        return (f"(relation {relation} ({' '.join(sort for _, sort in variables)}))\n"
+                f"(relation {APPLIED_PREFIX}{index} ({' '.join(sort for _, sort in recorded)}))\n" +
                 f"(rule ({' '.join((self.pattern,) + gate)}) ({row}) :ruleset {match_ruleset(chunk)} "
                 f":name {quote(key + MATCH_SUFFIX)})\n"
-                f"(rule ({' '.join((row,) + facts)})\n      ({self.actions})\n"
+                f"(rule ({' '.join((row,) + facts)})\n      ({self.actions} {applied})\n"
                 f"      :ruleset {chunk} :name {quote(key)})" + "".join(f"\n{g}" for g in gate))
 
 

@@ -19,12 +19,13 @@ from egglog import bindings
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import Degrees
 from parsat.ir.placement import Placement
-from parsat.egraph.encoding import (ANALYSES, EQUATED, MADE_PREFIX, MATCH_SUFFIX, RULESETS, SHAPE_RULESET, live_row,
+from parsat.egraph.derivation import Template, applications
+from parsat.egraph.encoding import (ANALYSES, APPLIED_PREFIX, EQUATED, MADE_PREFIX, MATCH_SUFFIX, RULESETS, SHAPE_RULESET, live_row,
                                     match_ruleset)
 from parsat.egraph.loading import BOUND, GraphLoader, bound_names
-from parsat.egraph.mesh_encoding import LOCAL, PLACE
+from parsat.egraph.mesh_encoding import FOLD_MADE, LOCAL, PLACE, fold_applications
 from parsat.egraph.program import CompiledRule, RuleProgram, past
-from parsat.egraph.snapshot import ENode, Snapshot
+from parsat.egraph.snapshot import Application, ENode, Snapshot
 
 
 @dataclass(frozen=True)
@@ -66,16 +67,25 @@ class Provenance(Mapping):
     rules are ever asked for (`solve.rules_used`), so they are decoded when
     a plan asks, not each time an e-graph is read back."""
 
-    def __init__(self, egraph, frozen) -> None:
-        self._egraph, self._frozen = egraph, frozen
+    def __init__(self, egraph, frozen, rules: Sequence[CompiledRule] = (),
+                 classes: Mapping[int, Sequence[ENode]] | None = None) -> None:
+        """`rules` are the program's loaded rules, the i-th recording its applications in `Applied<i>`;
+        `classes` the snapshot's, to find their e-nodes in (`derivation`)."""
+        self._egraph, self._frozen, self._rules = egraph, frozen, rules
         self._rows: dict[ENode, frozenset[str]] | None = None
         self._equated: dict[int, frozenset[str]] = {}
+        self._applied_rows: dict[int, list[tuple]] = {}
+        self._classes = classes or {}
         self.equated = _Equated(self)  # class -> the rules that equated it with a metavariable (`equated_row`)
+        self.applied = _Applied(self)  # rule -> its applications (`derivation`)
 
     def _load(self) -> dict[ENode, frozenset[str]]:
         if self._rows is None:
             eg, made, equated = self._egraph, {}, {}
             for name, fn in self._frozen.functions.items():
+                if name.startswith(APPLIED_PREFIX) and name[len(APPLIED_PREFIX):].isdigit():
+                    self._applied_rows[int(name[len(APPLIED_PREFIX):])] = [
+                        tuple(_value(eg, sort, v) for sort, v in zip(fn.input_sorts, row.inputs)) for row in fn.rows]
                 if name == EQUATED:
                     for row in fn.rows:
                         equated.setdefault(eg.value_to_i64(row.inputs[0]), set()).add(
@@ -99,6 +109,45 @@ class Provenance(Mapping):
 
     def __len__(self) -> int:
         return len(self._load())
+
+
+def _value(eg, sort: str, value):
+    """One column of a row as Python: an e-class id, a string or an integer."""
+    return eg.value_to_string(value) if sort == "String" else eg.value_to_i64(value)
+
+
+class _Applied(Mapping):
+    """Rule name -> its applications, each worked out (`derivation`) when a plan first asks for that rule."""
+
+    def __init__(self, provenance: Provenance) -> None:
+        self._provenance = provenance
+        self._done: dict[str, tuple[Application, ...]] = {}
+        self._hashcons: dict[ENode, int] | None = None
+
+    def _names(self) -> list[str]:
+        return list(dict.fromkeys([rule.name for rule in self._provenance._rules] + [FOLD_MADE]))
+
+    def __getitem__(self, rule: str) -> tuple[Application, ...]:
+        if rule not in self._done:
+            provenance = self._provenance
+            provenance._load()
+            if self._hashcons is None:
+                self._hashcons = {node: cid for cid, nodes in provenance._classes.items() for node in nodes}
+            found: list[Application] = fold_applications(provenance._classes) if rule == FOLD_MADE else []
+            for index, compiled in enumerate(provenance._rules):
+                if compiled.name == rule and index in provenance._applied_rows:
+                    found.extend(applications(Template.of(rule, compiled.body), provenance._applied_rows[index],
+                                              self._hashcons))
+            if not found and rule not in self._names():
+                raise KeyError(rule)
+            self._done[rule] = tuple(found)
+        return self._done[rule]
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
 
 
 class _Equated(Mapping):
@@ -131,6 +180,7 @@ class Session:
         loaded (OptimizeError: there is no plan of part of a graph). With `mesh` the program is in the mesh
         encoding (`mesh_encoding`), and the snapshot reads placements."""
         self.mesh = mesh
+        self._rules = program.rules   # the i-th records its applications in `Applied<i>` (`RuleBody.text`)
         self.egraph = bindings.EGraph()
         self.loaded = 0
         try:
@@ -264,7 +314,7 @@ class Session:
                 classes.setdefault(eg.value_to_i64(row.output), []).append(
                     ENode(op, *_children_and_attrs(eg, fn.input_sorts, row.inputs)))
         classes = {k: tuple(v) for k, v in classes.items()}
-        made_by = Provenance(eg, frozen)
+        made_by = Provenance(eg, frozen, self._rules[:self.loaded], classes)
         if self.mesh is not None:
             return _mesh_snapshot(eg, frozen, classes, lets, made_by, self.mesh)
         shape: dict[int, tuple[int, ...]] = {}
@@ -277,7 +327,7 @@ class Session:
             shard = tuple(analysis["Shard"].get((cid, i), 1) for i in range(rank))
             shape[cid] = dims
             degrees[cid] = Degrees(shard, analysis["Copy"].get((cid,), 1), analysis["Psum"].get((cid,), 1))
-        return Snapshot(classes, shape, degrees, lets, made_by, equated=made_by.equated)
+        return Snapshot(classes, shape, degrees, lets, made_by, equated=made_by.equated, applied=made_by.applied)
 
 
 def _mesh_snapshot(eg, frozen, classes, lets, made, mesh: Mesh) -> Snapshot:
@@ -300,4 +350,4 @@ def _mesh_snapshot(eg, frozen, classes, lets, made, mesh: Mesh) -> Snapshot:
         dims = tuple(d * prod(mesh.size(a) for a in where.shard_axes(i)) for i, d in enumerate(local[cid]))
         shape[cid], placement[cid] = dims, where
         degrees[cid] = Degrees.of_placement(where, mesh, len(dims))
-    return Snapshot(classes, shape, degrees, lets, made, placement, mesh, equated=made.equated)
+    return Snapshot(classes, shape, degrees, lets, made, placement, mesh, equated=made.equated, applied=made.applied)

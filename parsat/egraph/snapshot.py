@@ -25,6 +25,16 @@ class ENode:
     attrs: tuple  # values of the non-tensor positions, in order (ints, strings for reals, leaf name)
 
 
+@dataclass(frozen=True)
+class Application:
+    """One application of a rule, read back (`derivation`): the e-nodes its match read (its left side's,
+    children first, the root's last) and the e-nodes its right side built."""
+
+    rule: str
+    reads: tuple[ENode, ...]
+    builds: tuple[ENode, ...]
+
+
 def parallel_attrs(node: ENode, mesh: Mesh) -> tuple[tuple[str, int | str], ...]:
     """A parallel operator e-node's attributes as its PCG node carries them: its dim (partition, combine), the
     name of the mesh axis it acts on and that axis's size (the e-node's last attribute is the axis index)."""
@@ -50,6 +60,7 @@ class Snapshot:
     placement: Mapping[int, Placement] = field(default_factory=dict)
     mesh: Mesh | None = None
     equated: Mapping[int, frozenset[str]] = field(default_factory=dict)  # class -> rules that built nothing there
+    applied: Mapping[str, tuple[Application, ...]] = field(default_factory=dict)  # rule -> its applications
 
     def makers(self, node: ENode) -> frozenset[str]:
         """The rules that made `node`; empty for the input graph's own e-nodes (and leaves and pins)."""
@@ -60,9 +71,14 @@ class Snapshot:
         """The rules whose rewrites produced `node` as class `cid`'s choice: its makers (each built it as the
         right side of a match in this class), and the rules that equated the class with a term that already
         existed (`encoding.equated_row`; rows are per class, so one may name an equation the choice does not
-        need). A rule that built only an earlier term that a later rule matched is not named here: egglog
-        records what a rewrite built, not which e-nodes its match read."""
+        need). A rule that built only an earlier term that a later rule matched is not named here (a plan's
+        `rules_used` follows those back through `applied`: `search.provenance`)."""
         return self.makers(node) | self.equated.get(cid, frozenset())
+
+    @cached_property
+    def class_of(self) -> dict[ENode, int]:
+        """E-node -> its class (the e-graph is hash-consed: each e-node is in one class)."""
+        return {node: cid for cid, nodes in self.classes.items() for node in nodes}
 
     @property
     def enodes(self) -> int:

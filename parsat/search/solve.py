@@ -3,12 +3,11 @@
 The joint plan, the Megatron baseline (the same e-graph with some e-nodes
 excluded) and both phases of the sequential baseline go through `solve`,
 so every candidate is priced by one cost model and built one way.
-`rules_used` then says which rules made the e-nodes a plan uses.
+`provenance.rules_used` then says which rules a plan needs.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import replace
 from typing import Callable, Mapping, Sequence
 
@@ -28,7 +27,7 @@ from parsat.search.recompute import recomputed_enodes, recomputed_pcg_costs
 from parsat.search.repeat import Repetition, RepeatError, conversions, stamp, value_names, weigh
 from parsat.egraph.runner import Limits
 from parsat.egraph.saturate import SaturationResult
-from parsat.egraph.snapshot import Snapshot, parallel_attrs
+from parsat.egraph.snapshot import parallel_attrs
 
 
 def solve(result: SaturationResult, graph: Graph, library: Library, machine: Machine, roots: Sequence[int],
@@ -169,29 +168,3 @@ def rule_locations(library_rules: Sequence[ast.RuleDecl]) -> dict[str, str]:
     """Rule name -> `name (file:line)`, as a plan's node names the rules that produced it, in library order."""
     return {rule.name: f"{rule.name} ({rule.span.file}:{rule.span.line})" if rule.span else rule.name
             for rule in library_rules}
-
-
-def rules_used(library_rules: Sequence[ast.RuleDecl], snapshot: Snapshot, choice: Mapping[int, int]) -> tuple[str, ...]:
-    """The rules an extraction's e-nodes came from, in library order: a small set of makers, and every rule
-    that equated a chosen class with an existing term.
-
-    Every rule application records the e-nodes it built (`encoding.made_row`),
-    and the input graph's operators need no rule. An e-node is often built by
-    several rules (a pattern reached two ways), so listing every maker says
-    little; the rules are picked greedily, the one that built most of the
-    still unexplained e-nodes first, until each of the plan's new e-nodes has
-    a maker among them. A rule that builds nothing (`softmax(x) => x`) leaves
-    no maker: the plan shows only what it equated, so each such rule recorded
-    on a chosen class (`encoding.equated_row`) is named too.
-    """
-    order = {rule.name: i for i, rule in enumerate(library_rules)}
-    unexplained = [makers for makers in (snapshot.makers(snapshot.classes[c][i]) for c, i in choice.items()) if makers]
-    picked: list[str] = [name for c in choice for name in snapshot.equated.get(c, ()) if name in order]
-    while unexplained:
-        counts = Counter(name for makers in unexplained for name in makers if name in order)
-        if not counts:
-            break
-        best = min(counts, key=lambda name: (-counts[name], order[name]))
-        picked.append(best)
-        unexplained = [makers for makers in unexplained if best not in makers]
-    return tuple(sorted(set(picked), key=order.__getitem__))

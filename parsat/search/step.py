@@ -41,7 +41,7 @@ from parsat.search.deadline import Deadline
 from parsat.search.inputs import pins_on, search_meshes
 from parsat.search.mesh import CandidateSteps, MeshSearch, best, rank, search_mesh
 from parsat.search.request import SearchRequest, StepContext
-from parsat.search.solve import rules_used
+from parsat.search.provenance import rules_used
 from parsat.search.strategies import Config, PinError, pinned_meshes
 
 FIRST_MESH_SHARE = 0.5   # of a search's time, for its first mesh when several are searched
