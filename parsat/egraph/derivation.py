@@ -54,69 +54,88 @@ def op_of(constructor: str) -> str:
 
 
 def _is_tensor(name: str) -> bool:
-    return name == "root" or name.startswith(("m_", "t"))
+    return name == "root" or name.startswith(("m_", "t", "_"))
+
+
+CHILD, VARIABLE, CONSTANT, EXPRESSION = range(4)   # how a step finds one argument
+Step = tuple[str, tuple[tuple[int, object], ...], str]   # (operator, arguments, variable its class is kept in)
 
 
 @dataclass(frozen=True)
 class Template:
-    """A compiled rule's pattern and the terms its actions build, parsed once."""
+    """A compiled rule's pattern and the terms its actions build, parsed once into steps: the pattern's
+    constructors bottom-up (`reads` of them), then the actions' `let`s in order."""
 
     rule: str
     variables: tuple[str, ...]   # the columns of `Applied<index>`, in order
-    pattern: list   # the constructor term matched at `root`
-    lets: tuple[tuple[str, list], ...]   # (variable, constructor term) in the actions' order
+    steps: tuple[Step, ...]
+    reads: int
 
     @staticmethod
     def of(rule: str, body: RuleBody) -> "Template":
         """A compiled rule's body: its pattern is `(= root TERM)`, its actions the applying half's."""
         (_eq, _root, term), = parse(body.pattern)
-        lets = tuple((form[1], form[2]) for form in parse(body.actions) if form and form[0] == "let")
-        return Template(rule, tuple(name for name, _sort in body.applied_variables()), term, lets)
+        steps: list[Step] = []
+        _pattern_steps(term, steps, "_top")
+        reads = len(steps)
+        for form in parse(body.actions):
+            if form and form[0] == "let":
+                steps.append((op_of(form[2][0]), tuple(_argument(arg, True) for arg in form[2][1:]), form[1]))
+        return Template(rule, tuple(name for name, _sort in body.applied_variables()), tuple(steps), reads)
 
     def application(self, values: Mapping[str, object], classes: Mapping[ENode, int]) -> Application | None:
         """The application of this rule to the match `values` (variable -> value), or None when one of its
         e-nodes is not in the snapshot (`classes`, e-node -> class)."""
-        reads: list[ENode] = []
         found = dict(values)
-        if _walk(self.pattern, found, classes, reads) != values.get("root"):
-            return None
-        builds: list[ENode] = []
-        for var, term in self.lets:
-            cid = _walk(term, found, classes, builds, top_only=True)
+        nodes: list[ENode] = []
+        for op, args, target in self.steps:
+            children, attrs = [], []
+            for kind, arg in args:
+                if kind == CHILD:
+                    children.append(found[arg])
+                elif kind == VARIABLE:
+                    attrs.append(found[arg])
+                elif kind == CONSTANT:
+                    attrs.append(arg)
+                else:
+                    attrs.append(evaluate(arg, found))
+            node = ENode(op, tuple(children), tuple(attrs))
+            cid = classes.get(node)
             if cid is None:
                 return None
-            found[var] = cid
-        return Application(self.rule, tuple(dict.fromkeys(reads)), tuple(dict.fromkeys(builds)))
+            found[target] = cid
+            nodes.append(node)
+        if found["_top"] != values.get("root"):
+            return None
+        return Application(self.rule, tuple(dict.fromkeys(nodes[:self.reads])),
+                           tuple(dict.fromkeys(nodes[self.reads:])))
 
 
-def _walk(term: list, values: dict, classes: Mapping[ENode, int], out: list[ENode],
-          top_only: bool = False) -> int | None:
-    """The class of constructor `term` under `values`, its e-nodes appended to `out` (children first); a
-    nested list is a sub-pattern, or with `top_only` (the right side, whose terms are `let`s) an i64
-    expression."""
-    children: list[int] = []
-    attrs: list = []
+def _pattern_steps(term: list, steps: list[Step], target: str) -> None:
+    """The steps of a pattern term, children first; its class is kept in `target`."""
+    args = []
     for arg in term[1:]:
-        if isinstance(arg, list) and not top_only:
-            child = _walk(arg, values, classes, out)
-            if child is None:
-                return None
-            children.append(child)
-        elif isinstance(arg, list):
-            attrs.append(evaluate(arg, values))
-        elif isinstance(arg, Literal):
-            attrs.append(arg.text)
-        elif isinstance(arg, int):
-            attrs.append(arg)
-        elif _is_tensor(arg):
-            children.append(values[arg])
+        if isinstance(arg, list):
+            inner = f"_p{len(steps)}_{len(args)}"
+            _pattern_steps(arg, steps, inner)
+            args.append((CHILD, inner))
         else:
-            attrs.append(values[arg])
-    node = ENode(op_of(term[0]), tuple(children), tuple(attrs))
-    cid = classes.get(node)
-    if cid is not None:
-        out.append(node)
-    return cid
+            args.append(_argument(arg, False))
+    steps.append((op_of(term[0]), tuple(args), target))
+
+
+def _argument(arg, built: bool) -> tuple[int, object]:
+    """How a step finds one argument: a tensor variable, another variable, a literal, or (on the right side,
+    `built`) an i64 expression."""
+    if isinstance(arg, list):
+        if not built:
+            raise ValueError(f"a nested pattern term here: {arg}")
+        return EXPRESSION, arg
+    if isinstance(arg, Literal):
+        return CONSTANT, arg.text
+    if isinstance(arg, int):
+        return CONSTANT, arg
+    return (CHILD if _is_tensor(arg) else VARIABLE), arg
 
 
 def evaluate(expr, values: Mapping[str, object]) -> int:

@@ -20,7 +20,10 @@ ground terms) and read back by `session`:
   dims with one lookup (`rule_text`).
 * Provenance: every e-node has a row `Made_<constructor>(args..., who)`
   naming the rule that built it (or GRAPH_MADE for the input graph's own
-  operators), so a plan can say which rules made it.
+  operators), so a plan can say which rules made it; and every rule
+  application writes `Applied<index>(match...)` (`rule_text.RuleBody`), so
+  a plan can follow what each application read back to the graph
+  (`derivation`, `search.provenance`).
 
 Real attributes are written as strings (their shortest repr), so equal
 reals are equal constants.

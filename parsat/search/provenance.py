@@ -17,16 +17,20 @@ Each e-node is explained by an application at its own level, so every read
 it adds is at a lower level, and the walk ends at the graph. Among those
 applications one whose rule is already named is preferred, then library
 order: the set is small, not minimal.
+
+An e-node must also be in the class its reader reads, not only exist: see
+`Derivations.joins`. docs/ARCHITECTURE.md ("Provenance") gives the argument
+and what it does not cover.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from parsat.dsl import ast
-from parsat.egraph.snapshot import Application, ENode, Snapshot
+from parsat.egraph.snapshot import Snapshot
 
 
 def rules_used(library_rules: Sequence[ast.RuleDecl], snapshot: Snapshot, choice: Mapping[int, int]) -> tuple[str, ...]:
@@ -34,174 +38,154 @@ def rules_used(library_rules: Sequence[ast.RuleDecl], snapshot: Snapshot, choice
     graph's, in library order, and every rule that equated a chosen class with an existing term (a rule whose
     right side is a metavariable builds nothing, so no derivation names it: `encoding.equated_row`).
 
-    An e-node no recorded application explains (none should be left) is answered by all its makers."""
+    Rules that are no library rule (the fused operators' `fold`) are followed, never named. An e-node no
+    recorded application explains (none should be left) is answered by all its makers."""
     order = {rule.name: i for i, rule in enumerate(library_rules)}
-    picked = {name for c in choice for name in snapshot.equated.get(c, ()) if name in order}
-    chosen = {c: snapshot.classes[c][i] for c, i in choice.items()}
-    targets = list(chosen.values())
-    joined: set[Application] = set()
-    while True:
-        builders = _builders(snapshot, targets, order)
-        level, app_level = _levels(snapshot, builders)
-        named, anchors, required = _derivation(snapshot, targets, builders, level, app_level, order, picked)
-        picked |= named
-        anchors += [node for base in required if not _needs_rule(snapshot, base) for child in base.children
-                    for node in snapshot.classes.get(child, ()) if not _needs_rule(snapshot, node)]
-        joins = _joins(snapshot, required, anchors) - joined
-        if not joins:
-            return tuple(sorted(picked, key=order.__getitem__))
-        joined |= joins
-        picked |= {app.rule for app in joins if app.rule in order}
-        targets = list(dict.fromkeys(targets + [read for app in joins for read in app.reads]))
+    found = Derivations(snapshot, order)
+    found.picked |= {name for c in choice for name in snapshot.equated.get(c, ()) if name in order}
+    new = [found.ids[snapshot.classes[c][i]] for c, i in choice.items()]
+    while new:
+        found.walk(new)
+        new = [read for app in found.joins() for read in found.apps[app][1]]
+    return tuple(sorted(found.picked, key=order.__getitem__))
 
 
-def _needs_rule(snapshot: Snapshot, node: ENode) -> bool:
-    return bool(snapshot.makers(node))
+class Derivations:
+    """Every application of the snapshot, indexed by e-node (e-nodes and applications numbered), with levels,
+    and the derivation walked so far: the rules it picked, the e-nodes it needs, the inner terms it built."""
 
+    def __init__(self, snapshot: Snapshot, order: Mapping[str, int]) -> None:
+        self.order = order
+        self.nodes = [node for nodes in snapshot.classes.values() for node in nodes]
+        self.ids = {node: i for i, node in enumerate(self.nodes)}
+        self.cls = [cid for cid, nodes in snapshot.classes.items() for _ in nodes]
+        self.makers = [snapshot.makers(node) for node in self.nodes]
+        self.apps: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+        for rule in snapshot.applied:
+            for app in snapshot.applied[rule]:
+                if all(n in self.ids for n in app.reads + app.builds):
+                    self.apps.append((rule, tuple(self.ids[n] for n in app.reads),
+                                      tuple(self.ids[n] for n in app.builds)))
+        self.builders: list[list[int]] = [[] for _ in self.nodes]
+        for index, (_rule, _reads, builds) in enumerate(self.apps):
+            for built in builds:
+                self.builders[built].append(index)
+        self.level, self.app_level = self._levels()
+        self.picked: set[str] = set()
+        self.done: set[int] = set()
+        self.anchors: list[int] = []
+        self.joined: set[int] = set()
+        self.tried: set[tuple[int, int]] = set()
+        self.members: dict[int, list[int]] = {}
+        for node, cid in enumerate(self.cls):
+            self.members.setdefault(cid, []).append(node)
+        self._edges: list[list[tuple[int, int]]] | None = None
 
-def _builders(snapshot: Snapshot, targets: Iterable[ENode], order: Mapping[str, int]) -> dict[ENode, list[Application]]:
-    """E-node -> the applications that built it, for the targets and everything those applications read,
-    transitively. An application's rule is a maker of all it builds (`made_row`), so indexing a node's
-    makers' applications finds all of its builders."""
-    by_build: dict[ENode, list[Application]] = {}
-    indexed: set[str] = set()
-    frontier = [node for node in dict.fromkeys(targets) if _needs_rule(snapshot, node)]
-    seen = set(frontier)
-    while frontier:
-        node = frontier.pop()
-        for rule in sorted(snapshot.makers(node)):
-            if rule in indexed:
+    def _levels(self) -> tuple[dict[int, int], dict[int, int]]:
+        """The level of every derivable e-node and application (the module's docstring)."""
+        waiting: list[int] = []
+        readers: dict[int, list[int]] = {}
+        heap: list[tuple[int, int]] = []
+        app_level: dict[int, int] = {}
+        for index, (_rule, reads, builds) in enumerate(self.apps):
+            pending = {read for read in reads if self.makers[read]}
+            waiting.append(len(pending))
+            for read in pending:
+                readers.setdefault(read, []).append(index)
+            if not pending:
+                app_level[index] = 1
+                heap.extend((1, built) for built in builds)
+        heapq.heapify(heap)
+        level: dict[int, int] = {}
+        while heap:
+            at, node = heapq.heappop(heap)
+            if node in level:
                 continue
-            indexed.add(rule)
-            for app in snapshot.applied.get(rule, ()):
-                for built in app.builds:
-                    by_build.setdefault(built, []).append(app)
-        for app in by_build.get(node, ()):
-            for read in app.reads:
-                if read not in seen and _needs_rule(snapshot, read):
-                    seen.add(read)
-                    frontier.append(read)
-    return by_build
+            level[node] = at
+            for index in readers.get(node, ()):
+                waiting[index] -= 1
+                if waiting[index] == 0:   # its last read is its highest: nodes leave the heap in level order
+                    app_level[index] = at + 1
+                    for built in self.apps[index][2]:
+                        if built not in level:
+                            heapq.heappush(heap, (at + 1, built))
+        return level, app_level
 
+    def walk(self, targets: Sequence[int]) -> None:
+        """Explains `targets` and all they need, from the highest level down: each e-node by an application at
+        its own level, one whose rule is picked already if there is one (a rule that is no library rule
+        first: it costs nothing)."""
+        tie = itertools.count()
+        heap = [(-self.level.get(node, 0), next(tie), node) for node in targets if node not in self.done]
+        heapq.heapify(heap)
+        while heap:
+            _, _, node = heapq.heappop(heap)
+            if node in self.done:
+                continue
+            self.done.add(node)
+            if not self.makers[node]:
+                continue
+            if node not in self.level:
+                self.picked |= self.makers[node] & self.order.keys()
+                continue
+            best = min((i for i in self.builders[node] if self.app_level.get(i) == self.level[node]),
+                       key=lambda i: (self.apps[i][0] in self.order, self.apps[i][0] not in self.picked,
+                                      self.order.get(self.apps[i][0], -1), self.apps[i][0]))
+            rule, reads, builds = self.apps[best]
+            if rule in self.order:
+                self.picked.add(rule)
+            self.anchors.extend(builds[:-1])
+            for read in reads:
+                if read not in self.done:
+                    heapq.heappush(heap, (-self.level.get(read, 0), next(tie), read))
 
-def _levels(snapshot: Snapshot, by_build: Mapping[ENode, Sequence[Application]],
-            ) -> tuple[dict[ENode, int], dict[Application, int]]:
-    """The level of every derivable e-node and application (the module's docstring)."""
-    apps = list(dict.fromkeys(app for found in by_build.values() for app in found))
-    waiting: dict[Application, int] = {}
-    readers: dict[ENode, list[Application]] = {}
-    tie = itertools.count()
-    heap: list[tuple[int, int, ENode]] = []
-    app_level: dict[Application, int] = {}
-    for app in apps:
-        pending = {read for read in app.reads if _needs_rule(snapshot, read)}
-        waiting[app] = len(pending)
-        for read in pending:
-            readers.setdefault(read, []).append(app)
-        if not pending:
-            app_level[app] = 1
-            heap.extend((1, next(tie), built) for built in app.builds)
-    heapq.heapify(heap)
-    level: dict[ENode, int] = {}
-    while heap:
-        at, _, node = heapq.heappop(heap)
-        if node in level:
-            continue
-        level[node] = at
-        for app in readers.get(node, ()):
-            waiting[app] -= 1
-            if waiting[app] == 0:   # its last read is the highest: nodes leave the heap in level order
-                app_level[app] = at + 1
-                for built in app.builds:
-                    if built not in level:
-                        heapq.heappush(heap, (at + 1, next(tie), built))
-    return level, app_level
+    def joins(self) -> list[int]:
+        """Applications (not joined before) that put the e-nodes the derivation needs in the class its outer
+        terms read; their rules are picked, and their reads still need explaining.
 
+        A class is first made by one e-node: an application's inner term
+        (which its outer term reads) or the input graph's (which the graph's
+        next operator reads): those are the anchors. Another e-node of the
+        class is there only through unions, each made by an application
+        between its match's root e-node and the top term it built. For every
+        needed e-node in an anchor's class, the shortest chain of such unions
+        to the anchor is added."""
+        anchors = self.anchors + [node for base in self.done if not self.makers[base]
+                                  for child in self.nodes[base].children
+                                  for node in self.members.get(child, ()) if not self.makers[node]]
+        needed: dict[int, list[int]] = {}
+        for node in self.done:
+            needed.setdefault(self.cls[node], []).append(node)
+        out: list[int] = []
+        for anchor in dict.fromkeys(anchors):
+            for goal in needed.get(self.cls[anchor], ()):
+                if goal != anchor and (anchor, goal) not in self.tried:
+                    self.tried.add((anchor, goal))
+                    out.extend(i for i in self._path(anchor, goal) if i not in self.joined)
+                    self.joined.update(out)
+        self.picked |= {self.apps[i][0] for i in out if self.apps[i][0] in self.order}
+        return list(dict.fromkeys(out))
 
-def _derivation(snapshot: Snapshot, targets: Iterable[ENode], by_build: Mapping[ENode, Sequence[Application]],
-                level: Mapping[ENode, int], app_level: Mapping[Application, int], order: Mapping[str, int],
-                named: Iterable[str]) -> tuple[set[str], list[ENode], set[ENode]]:
-    """The rules of one derivation of `targets`, walking down from the highest level (`named` rules are
-    preferred where an e-node has a choice), the inner terms its applications built and every e-node it
-    needs, the graph's too (`_joins`)."""
-    picked = set(named)
-    tie = itertools.count()
-    heap = [(-level.get(node, 0), next(tie), node) for node in dict.fromkeys(targets)]
-    heapq.heapify(heap)
-    done: set[ENode] = set()
-    anchors: list[ENode] = []
-    while heap:
-        _, _, node = heapq.heappop(heap)
-        if node in done:
-            continue
-        done.add(node)
-        if not _needs_rule(snapshot, node):
-            continue
-        if node not in level:
-            picked |= snapshot.makers(node) & order.keys()
-            continue
-        best = min((app for app in by_build[node] if app_level.get(app) == level[node]),
-                   key=lambda app: (app.rule in order, app.rule not in picked, order.get(app.rule, -1), app.rule))
-        if best.rule in order:
-            picked.add(best.rule)
-        anchors.extend(best.builds[:-1])
-        for read in best.reads:
-            if read not in done:
-                heapq.heappush(heap, (-level.get(read, 0), next(tie), read))
-    return picked, anchors, done
-
-
-def _joins(snapshot: Snapshot, required: Iterable[ENode], anchors: Iterable[ENode]) -> set[Application]:
-    """Applications that put the e-nodes a derivation needs in the class its outer terms read.
-
-    A class is first made by one e-node: an application's inner term (which
-    its outer term reads) or the input graph's (which the graph's next
-    operator reads): those are the anchors. Another e-node of the class is
-    there only through unions, each made by an application between its
-    match's root e-node and the top term it built. For every needed e-node in
-    an anchor's class, the shortest chain of such unions to the anchor is
-    added (its applications then need derivations of their own)."""
-    where = snapshot.class_of
-    needed: dict[int, list[ENode]] = {}
-    for node in required:
-        needed.setdefault(where.get(node), []).append(node)
-    edges: dict[ENode, list[tuple[ENode, Application]]] = {}
-    out: set[Application] = set()
-    for anchor in dict.fromkeys(anchors):
-        for goal in needed.get(where.get(anchor), ()):
-            if goal != anchor:
-                edges = edges or _union_edges(snapshot)
-                out |= _path(anchor, goal, edges)
-    return out
-
-
-def _union_edges(snapshot: Snapshot) -> dict[ENode, list[tuple[ENode, Application]]]:
-    """E-node -> (e-node, application) for each union an application made: its root read with its top term."""
-    edges: dict[ENode, list[tuple[ENode, Application]]] = {}
-    for rule in snapshot.applied:
-        for app in snapshot.applied[rule]:
-            if app.builds and app.reads and app.reads[-1] != app.builds[-1]:
-                edges.setdefault(app.reads[-1], []).append((app.builds[-1], app))
-                edges.setdefault(app.builds[-1], []).append((app.reads[-1], app))
-    return edges
-
-
-def _path(start: ENode, goal: ENode, edges: Mapping[ENode, Sequence[tuple[ENode, Application]]]) -> set[Application]:
-    """The applications of a shortest union chain from `start` to `goal` (none when there is none)."""
-    back: dict[ENode, tuple[ENode, Application] | None] = {start: None}
-    queue = [start]
-    for node in queue:
-        if node == goal:
-            break
-        for other, app in edges.get(node, ()):
-            if other not in back:
-                back[other] = (node, app)
-                queue.append(other)
-    if goal not in back:
-        return set()
-    out = set()
-    step = back[goal]
-    while step is not None:
-        out.add(step[1])
-        step = back[step[0]]
-    return out
+    def _path(self, start: int, goal: int) -> list[int]:
+        """The applications of a shortest union chain from `start` to `goal` (none when there is none)."""
+        if self._edges is None:
+            self._edges = [[] for _ in self.nodes]
+            for index, (_rule, reads, builds) in enumerate(self.apps):
+                if builds and reads and reads[-1] != builds[-1]:
+                    self._edges[reads[-1]].append((builds[-1], index))
+                    self._edges[builds[-1]].append((reads[-1], index))
+        back: dict[int, tuple[int, int] | None] = {start: None}
+        queue = [start]
+        for node in queue:
+            if node == goal:
+                break
+            for other, index in self._edges[node]:
+                if other not in back:
+                    back[other] = (node, index)
+                    queue.append(other)
+        out: list[int] = []
+        step = back.get(goal)
+        while step is not None:
+            out.append(step[1])
+            step = back[step[0]]
+        return out
