@@ -198,3 +198,19 @@ def test_the_rules_used_alone_give_the_same_plan(case):
     assert again.rules_used == plan.rules_used
     assert _unnamed(again.pcg) == _unnamed(plan.pcg) and again.pcg.mesh == plan.pcg.mesh
     assert again.totals == plan.totals
+
+
+def test_an_application_is_read_back_with_what_it_read_and_built(tmp_path):
+    """The recorded match of row_to_col gives the e-nodes it matched (built by row_matmul) and the ones it
+    built (made by row_to_col); every one is an e-node of the snapshot."""
+    _, result = _saturated(_library(CHAIN, tmp_path))
+    snapshot = result.snapshot
+    applied = snapshot.applied["row_to_col"]
+    assert applied
+    for app in applied:
+        assert [node.op for node in app.reads] == ["partition", "partition", "matmul", "reduce"]
+        assert {"row_matmul"} <= set.union(*(set(snapshot.makers(node)) for node in app.reads))
+        assert all("row_to_col" in snapshot.makers(node) for node in app.builds)
+        assert [node.op for node in app.builds][-1] == "combine"
+        assert all(node in snapshot.class_of for node in app.reads + app.builds)
+    assert all(app.reads[-1].op == "matmul" for app in snapshot.applied["row_matmul"])

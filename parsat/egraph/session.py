@@ -64,7 +64,7 @@ class Provenance(Mapping):
     """E-node -> the rules that made it (`encoding.made_row`), read from the e-graph on first use.
 
     Provenance rows outnumber e-nodes two to one and only the final plan's
-    rules are ever asked for (`solve.rules_used`), so they are decoded when
+    rules are ever asked for (`search.provenance.rules_used`), so they are decoded when
     a plan asks, not each time an e-graph is read back."""
 
     def __init__(self, egraph, frozen, rules: Sequence[CompiledRule] = (),

@@ -44,6 +44,9 @@ def rules_used(library_rules: Sequence[ast.RuleDecl], snapshot: Snapshot, choice
     found = Derivations(snapshot, order)
     found.picked |= {name for c in choice for name in snapshot.equated.get(c, ()) if name in order}
     new = [found.ids[snapshot.classes[c][i]] for c, i in choice.items()]
+    read = {child for c, i in choice.items() for child in snapshot.classes[c][i].children}
+    found.anchors += [node for c in choice if c not in read for node in found.members.get(c, ())
+                      if not found.makers[node]]   # a root is read as the graph's own term (or its pin's)
     while new:
         found.walk(new)
         new = [read for app in found.joins() for read in found.apps[app][1]]
@@ -144,12 +147,15 @@ class Derivations:
         terms read; their rules are picked, and their reads still need explaining.
 
         A class is first made by one e-node: an application's inner term
-        (which its outer term reads) or the input graph's (which the graph's
-        next operator reads): those are the anchors. Another e-node of the
-        class is there only through unions, each made by an application
-        between its match's root e-node and the top term it built. For every
-        needed e-node in an anchor's class, the shortest chain of such unions
-        to the anchor is added."""
+        (which its outer term reads), the input graph's (which the graph's
+        next operator reads, or the plan's root): those are the anchors. A
+        term an application builds over a metavariable reads the class where
+        its match found the metavariable, which leads back, reader by reader,
+        to one of those anchors. Another e-node of the class is there only
+        through unions, each made by an application between its match's root
+        e-node and the top term it built. For every needed e-node in an
+        anchor's class, the shortest chain of such unions to every anchor
+        there is added (more than one reader needs, never less)."""
         anchors = self.anchors + [node for base in self.done if not self.makers[base]
                                   for child in self.nodes[base].children
                                   for node in self.members.get(child, ()) if not self.makers[node]]
