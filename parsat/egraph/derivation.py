@@ -83,9 +83,9 @@ class Template:
                 steps.append((op_of(form[2][0]), tuple(_argument(arg, True) for arg in form[2][1:]), form[1]))
         return Template(rule, tuple(name for name, _sort in body.applied_variables()), tuple(steps), reads)
 
-    def application(self, values: Mapping[str, object], classes: Mapping[ENode, int]) -> Application | None:
+    def application(self, values: Mapping[str, object], classes: Mapping[tuple, tuple[int, ENode]]) -> Application | None:
         """The application of this rule to the match `values` (variable -> value), or None when one of its
-        e-nodes is not in the snapshot (`classes`, e-node -> class)."""
+        e-nodes is not in the snapshot (`classes`: `hashcons`)."""
         found = dict(values)
         nodes: list[ENode] = []
         for op, args, target in self.steps:
@@ -99,11 +99,10 @@ class Template:
                     attrs.append(arg)
                 else:
                     attrs.append(evaluate(arg, found))
-            node = ENode(op, tuple(children), tuple(attrs))
-            cid = classes.get(node)
-            if cid is None:
+            held = classes.get((op, tuple(children), tuple(attrs)))
+            if held is None:
                 return None
-            found[target] = cid
+            found[target], node = held
             nodes.append(node)
         if found["_top"] != values.get("root"):
             return None
@@ -164,8 +163,14 @@ def evaluate(expr, values: Mapping[str, object]) -> int:
     return left
 
 
+def hashcons(classes: Mapping[int, Sequence[ENode]]) -> dict[tuple, tuple[int, ENode]]:
+    """(operator, children, attributes) -> the e-node's class and the snapshot's own e-node: applications
+    are found as plain tuples (cheap to hash) and hold the snapshot's e-nodes (cheap to compare)."""
+    return {(node.op, node.children, node.attrs): (cid, node) for cid, nodes in classes.items() for node in nodes}
+
+
 def applications(template: Template, rows: Sequence[Sequence[object]],
-                 classes: Mapping[ENode, int]) -> list[Application]:
+                 classes: Mapping[tuple, tuple[int, ENode]]) -> list[Application]:
     """The applications of one compiled rule, one per recorded match (its `Applied` row's values, in the
     template's `variables` order) whose e-nodes the snapshot holds."""
     out = []

@@ -19,7 +19,7 @@ from egglog import bindings
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import Degrees
 from parsat.ir.placement import Placement
-from parsat.egraph.derivation import Template, applications
+from parsat.egraph.derivation import Template, applications, hashcons
 from parsat.egraph.encoding import (ANALYSES, APPLIED_PREFIX, EQUATED, MADE_PREFIX, MATCH_SUFFIX, RULESETS, SHAPE_RULESET, live_row,
                                     match_ruleset)
 from parsat.egraph.loading import BOUND, GraphLoader, bound_names
@@ -122,7 +122,7 @@ class _Applied(Mapping):
     def __init__(self, provenance: Provenance) -> None:
         self._provenance = provenance
         self._done: dict[str, tuple[Application, ...]] = {}
-        self._hashcons: dict[ENode, int] | None = None
+        self._hashcons: dict[tuple, tuple[int, ENode]] | None = None
 
     def _names(self) -> list[str]:
         return list(dict.fromkeys([rule.name for rule in self._provenance._rules] + [FOLD_MADE]))
@@ -132,7 +132,7 @@ class _Applied(Mapping):
             provenance = self._provenance
             provenance._load()
             if self._hashcons is None:
-                self._hashcons = {node: cid for cid, nodes in provenance._classes.items() for node in nodes}
+                self._hashcons = hashcons(provenance._classes)
             found: list[Application] = fold_applications(provenance._classes) if rule == FOLD_MADE else []
             for index, compiled in enumerate(provenance._rules):
                 if compiled.name == rule and index in provenance._applied_rows:
