@@ -117,37 +117,45 @@ def _value(eg, sort: str, value):
 
 
 class _Applied(Mapping):
-    """Rule name -> its applications, each worked out (`derivation`) when a plan first asks for that rule."""
+    """Rule name -> its applications, each worked out (`derivation`) when a plan first asks for that rule.
+
+    A recorded match the read-back cannot follow (it never should: the
+    text is generated) leaves that compiled rule's applications out, and a
+    plan's `rules_used` then names every maker of what they built rather
+    than stopping the optimization at its end."""
 
     def __init__(self, provenance: Provenance) -> None:
         self._provenance = provenance
         self._done: dict[str, tuple[Application, ...]] = {}
         self._hashcons: dict[tuple, tuple[int, ENode]] | None = None
-
-    def _names(self) -> list[str]:
-        return list(dict.fromkeys([rule.name for rule in self._provenance._rules] + [FOLD_MADE]))
+        self._indexes: dict[str, list[int]] = {FOLD_MADE: []}
+        for index, compiled in enumerate(provenance._rules):
+            self._indexes.setdefault(compiled.name, []).append(index)
 
     def __getitem__(self, rule: str) -> tuple[Application, ...]:
+        if rule not in self._indexes:
+            raise KeyError(rule)
         if rule not in self._done:
             provenance = self._provenance
             provenance._load()
             if self._hashcons is None:
                 self._hashcons = hashcons(provenance._classes)
             found: list[Application] = fold_applications(provenance._classes) if rule == FOLD_MADE else []
-            for index, compiled in enumerate(provenance._rules):
-                if compiled.name == rule and index in provenance._applied_rows:
-                    found.extend(applications(Template.of(rule, compiled.body), provenance._applied_rows[index],
+            for index in self._indexes[rule]:
+                rows = provenance._applied_rows.get(index, ())
+                try:
+                    found.extend(applications(Template.of(rule, provenance._rules[index].body), rows,
                                               self._hashcons))
-            if not found and rule not in self._names():
-                raise KeyError(rule)
+                except (KeyError, ValueError):
+                    continue
             self._done[rule] = tuple(found)
         return self._done[rule]
 
     def __iter__(self):
-        return iter(self._names())
+        return iter(self._indexes)
 
     def __len__(self) -> int:
-        return len(self._names())
+        return len(self._indexes)
 
 
 class _Equated(Mapping):
