@@ -359,7 +359,7 @@ def parallelize(module: torch.nn.Module, plan, example_inputs=None, *, imported:
         difference = import_difference(module, imported) or graph_difference(imported.graph, graph)
     if difference:
         raise ParallelizeError(difference)
-    ctx = RankContext(rank, world, backend, device)
+    ctx = RankContext(rank, world, dist.get_backend(), device)
     return ParallelModule(module, imported, pcg, ctx, dtype, seed)
 
 
