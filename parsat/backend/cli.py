@@ -87,7 +87,7 @@ def load_plan(path: str, nproc: int, plan_of: str = "parsat"):
     by the optimizer's own definition (`ir.data_parallel.data_parallel_pcg`).
     """
     from parsat.backend.executor import ExecutionError, Prediction, operator_library
-    from parsat.ir.data_parallel import data_parallel_pcg
+    from parsat.ir.data_parallel import data_parallel_pcg, data_parallel_refusal
     from parsat.ir.graph import Graph
     from parsat.ir.plan import PlanError, load_plan_dict, pcg_from_dict
     from parsat.ir.validate import validate_plan_operators
@@ -114,7 +114,8 @@ def load_plan(path: str, nproc: int, plan_of: str = "parsat"):
         elif plan_of == "data_parallel":
             pcg = data_parallel_pcg(graph, library, nproc)
             if pcg is None:
-                raise ExecutionError(f"data parallelism does not apply to {path}'s graph")
+                raise ExecutionError(f"data parallelism does not apply to {path}'s graph: "
+                                     f"{data_parallel_refusal(graph, library, nproc)}")
         else:
             raise ExecutionError(f"{path} carries the {plan_of} baseline's costs but not its PCG; re-run "
                                  "`parsat optimize` with this version to record it")

@@ -8,7 +8,11 @@ operator needs it whole, which is synchronized batch normalization, the
 data parallelism torch's SyncBatchNorm runs; and a value computed from the
 weights and constants alone that meets the batch along its dim 0 (ViT's class token,
 broadcast over the batch and concatenated with the patches) computed whole
-on every device and split with the batch, as each rank would slice it. It
+on every device and split with the batch, as each rank would slice it; a
+mean over the split batch (a `.mean()` loss) as each rank's sum of its rows,
+all-reduced, times one over the global count, the global mean exactly
+(`mean` divides by its dim's size, which a split piece does not know, so
+the placement analysis refuses it on a split dim). It
 is built from the graph alone, not found by the rules, so the optimizer can
 price it as a baseline (`parsat/search/baselines.py`) and the backend can run it
 for a plan that names it (`parsat/backend/cli.py`).
@@ -49,18 +53,37 @@ def data_parallel_pcg(graph: Graph, library: Library, devices: int, devices_per_
     """
     if devices < 2:
         return None
+    build = _built(graph, library, devices, devices_per_node, zero3)
+    return build.pcg if isinstance(build, _DataParallelBuilder) else None
+
+
+def data_parallel_refusal(graph: Graph, library: Library, devices: int) -> str | None:
+    """Why `data_parallel_pcg` has no PCG for `graph` on `devices` devices, in words (the operator that accepts
+    no repair of its inputs' spread, with the placement analysis's reason); None where it has one."""
+    if devices < 2:
+        return f"data parallelism needs 2 or more devices, not {devices}"
+    build = _built(graph, library, devices, 1, False)
+    return build if isinstance(build, str) else None
+
+
+def _built(graph: Graph, library: Library, devices: int, devices_per_node: int,
+           zero3: bool) -> "_DataParallelBuilder | str":
+    """The builder after placing every leaf and operator and gathering the outputs (its `pcg` set), or the reason
+    it stopped."""
     mesh = Mesh.of((devices,), devices_per_node, names=(DP_AXIS,))
-    build = _DataParallelBuilder(graph, devices, mesh)
+    build = _DataParallelBuilder(graph, devices, mesh, library)
     for leaf in graph.leaves:
         build.place_leaf(leaf, zero3, leaf.name in graph.constants)
     cache: dict = {}
     for gnode in graph.nodes:
-        if not build.place_operator(gnode, library.ops[gnode.op], cache):
-            return None
+        refused = build.place_operator(gnode, library.ops[gnode.op], cache)
+        if refused:
+            return f"operator '{gnode.name}' ({gnode.op}) does not accept its inputs split along the batch: {refused}"
     outputs = build.gathered_outputs(graph.outputs)
     if outputs is None:
-        return None
-    return _live(build.nodes, outputs, tuple(graph.outputs), mesh)
+        return "an output is split along a dim other than the batch, which no rank can gather as the module returns it"
+    build.pcg = _live(build.nodes, outputs, tuple(graph.outputs), mesh)
+    return build
 
 
 class _DataParallelBuilder:
@@ -68,9 +91,11 @@ class _DataParallelBuilder:
     holds each graph value, and the weight-only values computed whole. Each call makes its own (nothing is
     shared between calls); the steps are methods so that each reads on its own."""
 
-    def __init__(self, graph: Graph, devices: int, mesh: Mesh):
+    def __init__(self, graph: Graph, devices: int, mesh: Mesh, library: Library):
         self.devices = devices
         self.mesh = mesh
+        self.library = library
+        self.pcg: PCG | None = None              # set by `_built` once every node is placed
         self.graph_nodes = {n.name: n for n in graph.nodes}
         self.nodes: list[PNode] = []
         self.ident: dict[str, int] = {}          # graph name -> the node that holds it as its readers use it
@@ -140,27 +165,50 @@ class _DataParallelBuilder:
         else:
             self.ident[leaf.name] = self.parallel(REPLICATE, base)
 
-    def place_operator(self, gnode: OpNode, op: ast.OpDecl, cache: dict) -> bool:
+    def place_operator(self, gnode: OpNode, op: ast.OpDecl, cache: dict) -> str | None:
         """The graph operator `gnode` (of library operator `op`) on its inputs as placed so far, repaired in turn
         (as is, partial sums all-reduced, weight-only values split with the batch) until the placement analysis
-        accepts it; False when no repair makes it accept them (or the operator does not instantiate)."""
+        accepts it; a mean over a split dim as a sum and a scale (`split_mean`). None once placed, else why not:
+        the placement analysis's reason for the inputs as first placed (or the instantiation error)."""
         inputs = [self.nodes[self.ident[i]] for i in gnode.inputs]
         try:
             instance = instance_for(op, [n.shape for n in inputs], dict(gnode.attrs), self.instances)
-        except InstantiationError:
-            return False
-        placement = None
+        except InstantiationError as err:
+            return str(err)
+        placement, first_reason = None, None
         for repair in (lambda ins: ins, self.all_reduced, lambda ins: self.split_with_batch(gnode.inputs, ins)):
             inputs = repair(inputs)
             try:
                 placement = compute_placement(instance, [n.placement for n in inputs], cache)
                 break
-            except PlacementError:
-                continue
+            except PlacementError as err:
+                first_reason = first_reason or str(err)
         if placement is None:
-            return False
+            return None if self.split_mean(gnode, inputs, cache) else first_reason
         self.ident[gnode.name] = self.add("op", gnode.op, [n.id for n in inputs], gnode.attrs, gnode.shape,
                                           placement, origin=gnode.name)
+        return None
+
+    def split_mean(self, gnode: OpNode, inputs: list[PNode], cache: dict) -> bool:
+        """`mean(x, dim)` with `x` split along `dim` over the batch axis: each rank sums its rows (`reduce_sum`, a
+        partial sum over the axis) and scales the sum by one over the global size of `dim`; the reduce a reader
+        or the output adds makes it the global mean, exactly (the global mean of equal pieces is the mean of
+        the pieces' means, and each piece's mean is its sum over the same global count's share). False where
+        the operator is not such a mean or the analysis refuses the sum or the scale."""
+        if gnode.op != "mean" or len(inputs) != 1 or inputs[0].placement.codes[0] != shard(dict(gnode.attrs)["dim"]):
+            return False
+        x, dim = inputs[0], dict(gnode.attrs)["dim"]
+        try:
+            total_op = instance_for(self.library.ops["reduce_sum"], [x.shape], {"dim": dim}, self.instances)
+            total_at = compute_placement(total_op, [x.placement], cache)
+            scale_op = instance_for(self.library.ops["scale"], [gnode.shape], {"c": 1.0 / x.shape[dim]},
+                                    self.instances)
+            scaled_at = compute_placement(scale_op, [total_at], cache)
+        except (InstantiationError, PlacementError, KeyError):
+            return False
+        total = self.add("op", "reduce_sum", [x.id], (("dim", dim),), gnode.shape, total_at)
+        self.ident[gnode.name] = self.add("op", "scale", [total], (("c", 1.0 / x.shape[dim]),), gnode.shape,
+                                          scaled_at, origin=gnode.name)
         return True
 
     def gathered_outputs(self, names: Sequence[str]) -> list[int] | None:
