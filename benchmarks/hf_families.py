@@ -1,4 +1,4 @@
-"""Twenty-one Hugging Face families imported, planned on 2 CPU ranks and trained like the module (issue 32, build 2).
+"""Twenty-one Hugging Face families imported, planned on 2 and 4 CPU ranks and trained like the module (issue 32).
 
 Each family is built from a small config (2 layers, hidden 64, vocabulary
 256, random weights) and wrapped as `hf_models.Loss` does it: the only code
@@ -12,14 +12,14 @@ Modes, one family at a time (the box is shared):
       one JSON line per family: the graph's size and operators, or the
       refusal (every unsupported operator with its source line).
 
-  python benchmarks/hf_families.py optimize --families falcon [--out DIR]
-      import, then `parsat.optimize(graph, machine="cpu", devices=2)`; where
-      the cost model prefers no parallelism, again with `degrees={"dp": 2}`
-      pinned; the plan is saved as DIR/<family>-2.json.
+  python benchmarks/hf_families.py optimize --families falcon [--devices 4] [--out DIR]
+      import, then `parsat.optimize(graph, machine="cpu", devices=N)` (N = 2
+      by default); where the cost model prefers no parallelism, again with
+      `degrees={"dp": N}` pinned; the plan is saved as DIR/<family>-N.json.
 
-  torchrun --nproc-per-node 2 benchmarks/hf_families.py train --families falcon [--out DIR]
-      `parsat.parallelize` with that plan, 3 steps of the user's SGD loop
-      against the unmodified module (`hf_models.train_one`), relative 1e-4.
+  torchrun --nproc-per-node N benchmarks/hf_families.py train --families falcon [--out DIR]
+      `parsat.parallelize` with the N-device plan, 3 steps of the user's SGD
+      loop against the unmodified module (`hf_models.train_one`), relative 1e-4.
 
   python benchmarks/hf_families.py report --logs A.jsonl B.jsonl ... [--md FILE] [--note TEXT]
       benchmarks/hf_families.md from those lines: one row per family.
@@ -161,7 +161,8 @@ def progress(start: float):
 
 
 def optimize(args) -> None:
-    """Import and plan each family on 2 CPU devices; pin data parallelism where the cost model picks none."""
+    """Import and plan each family on `--devices` CPU devices; pin data parallelism over all of them where the
+    cost model picks none."""
     import parsat
     from parsat.importer.errors import TorchImportError
     from parsat.importer.export import import_module
@@ -177,19 +178,19 @@ def optimize(args) -> None:
             print(json.dumps({"family": name, "import": "refused", "error": str(err)}), flush=True)
             continue
         start = time.process_time()
-        options = dict(machine="cpu", devices=2, microbatches=1, baselines=False, limits=args.limit,
+        options = dict(machine="cpu", devices=args.devices, microbatches=1, baselines=False, limits=args.limit,
                        rules=PARALLEL_RULES if args.rules == "parallel" else None, progress=progress(start))
-        row = {"family": name, "nodes": len(graph.nodes), "pinned": None}
+        row = {"family": name, "devices": args.devices, "nodes": len(graph.nodes), "pinned": None}
         try:
             plan = parsat.optimize(graph, **options)
             if parallelism(plan)["largest_shard"] < 2:
-                row["pinned"] = "dp=2"
-                plan = parsat.optimize(graph, degrees={"dp": 2}, **options)
+                row["pinned"] = f"dp={args.devices}"
+                plan = parsat.optimize(graph, degrees={"dp": args.devices}, **options)
         except (OptimizeError, GraphError) as err:
             row.update(optimize="refused", error=str(err), optimize_cpu_s=round(time.process_time() - start, 2))
             print(json.dumps(row), flush=True)
             continue
-        plan.save(out / f"{name}-2.json")
+        plan.save(out / f"{name}-{args.devices}.json")
         print(json.dumps({**row, "optimize_cpu_s": round(time.process_time() - start, 2), **parallelism(plan)}),
               flush=True)
 
@@ -215,17 +216,27 @@ PYTHONPATH=. .venv/bin/python benchmarks/hf_families.py import > /tmp/hf_familie
 PYTHONPATH=. .venv/bin/python benchmarks/hf_families.py optimize --out /tmp/hf_families/plans > /tmp/hf_families/optimize.jsonl
 PYTHONPATH=. .venv/bin/torchrun --nproc-per-node 2 benchmarks/hf_families.py train --out /tmp/hf_families/plans \\
     > /tmp/hf_families/train.jsonl
+PYTHONPATH=. .venv/bin/python benchmarks/hf_families.py optimize --devices 4 --out /tmp/hf_families/plans \\
+    > /tmp/hf_families/optimize4.jsonl
+PYTHONPATH=. .venv/bin/torchrun --nproc-per-node 4 benchmarks/hf_families.py train --out /tmp/hf_families/plans \\
+    > /tmp/hf_families/train4.jsonl
 .venv/bin/python benchmarks/hf_families.py report --logs /tmp/hf_families/*.jsonl --md benchmarks/hf_families.md"""
 
 
 def read_rows(paths) -> dict[str, dict]:
-    """Family -> its rows of every log merged (import, optimize and train rows name their family)."""
+    """Family -> its rows of every log merged: "import", and "optimize-N" and "train-N" for N ranks (each row names
+    its family; an optimize row without its device count is from before `--devices`: 2)."""
     rows: dict[str, dict] = {}
     for path in paths:
         for line in Path(path).read_text(encoding="utf-8").splitlines():
             if line.startswith("{"):
                 row = json.loads(line)
-                mode = "train" if "check" in row else "optimize" if "optimize_cpu_s" in row else "import"
+                if "check" in row:
+                    mode = f"train-{row['ranks']}"
+                elif "optimize_cpu_s" in row:
+                    mode = f"optimize-{row.get('devices', 2)}"
+                else:
+                    mode = "import"
                 rows.setdefault(row["family"], {})[mode] = row
     return rows
 
@@ -239,7 +250,7 @@ def plan_cell(row: dict | None) -> str:
     split = sum(n for how, n in row["matrices"].items() if how.startswith("partition"))
     weights = sum(row["matrices"].values())
     if row["pinned"]:
-        how = "data parallel, pinned dp=2 (the cost model alone splits nothing)"
+        how = f"data parallel, pinned {row['pinned']} (the cost model alone splits nothing)"
     else:
         how = "the cost model's choice" + (", tensor parallel (no gradient sync)" if not row["grad_sync_elements"]
                                            else "")
@@ -264,36 +275,44 @@ def site_packages() -> str:
     return str(Path(transformers.__file__).resolve().parent.parent) + os.sep
 
 
+RANKS = (2, 4)
+
+
+def import_cell(row: dict | None) -> str:
+    """Whether a family imports: its graph's size, or the refusal as the importer words it."""
+    if row is None:
+        return "not run"
+    if row["import"] == "ok":
+        return f"yes ({row['nodes']} nodes, {len(row['operators'])} operators)"
+    return "no: " + " ".join(row["error"].split()).replace(site_packages(), "")
+
+
 def report(args) -> None:
     """benchmarks/hf_families.md from the logs of the other modes: one row per family, then the totals."""
     import transformers
 
     rows = read_rows(args.logs)
-    lines = ["# Twenty-one Hugging Face families: import, plan on 2 CPU ranks, train like the module (issue 32)", "",
-             f"Script: `benchmarks/hf_families.py` (configs and modes in its docstring). torch {torch.__version__},",
+    columns = " | ".join(f"plan with parallelism on {n} ranks | training on {n} ranks vs the module" for n in RANKS)
+    lines = ["# Twenty-one Hugging Face families: import, plan on 2 and 4 CPU ranks, train like the module (issue 32)",
+             "", f"Script: `benchmarks/hf_families.py` (configs and modes in its docstring). torch {torch.__version__},",
              f"transformers {transformers.__version__}, CPython {sys.version.split()[0]}, a shared 2-core x86_64 box.",
              "Commands (from the repository root):", "", "```", COMMANDS, "```", "",
-             "| family | imports | plan with parallelism on 2 ranks | training through `parallelize` vs the module |",
-             "|---|---|---|---|"]
-    counts = {"import": 0, "plan": 0, "train": 0}
+             f"| family | imports | {columns} |", "|---|---|" + "---|---|" * len(RANKS)]
+    counts = {"import": 0, **{f"plan-{n}": 0 for n in RANKS}, **{f"train-{n}": 0 for n in RANKS}}
     for name in FAMILIES:
         got = rows.get(name, {})
-        imp = got.get("import")
-        if imp is None:
-            cell = "not run"
-        elif imp["import"] == "ok":
-            cell = f"yes ({imp['nodes']} nodes, {len(imp['operators'])} operators)"
-        else:
-            cell = "no: " + " ".join(imp["error"].split()).replace(site_packages(), "")
-        planned = got.get("optimize") is not None and got["optimize"].get("optimize") != "refused"
-        trained = got.get("train") is not None and got["train"]["check"] == "passed"
-        counts["import"] += imp is not None and imp["import"] == "ok"
-        counts["plan"] += planned
-        counts["train"] += trained
-        lines.append(f"| {name} | {cell} | {plan_cell(got.get('optimize'))} | {train_cell(got.get('train'))} |")
-    lines += ["", f"Of {len(FAMILIES)} families: {counts['import']} import, {counts['plan']} have a plan with "
-              f"parallelism on 2 ranks, {counts['train']} train through `parallelize` equal to the module "
-              f"(losses, gradients and updated weights, relative {TOLERANCE:g})."]
+        counts["import"] += got.get("import", {}).get("import") == "ok"
+        cells = [import_cell(got.get("import"))]
+        for n in RANKS:
+            plan, trained = got.get(f"optimize-{n}"), got.get(f"train-{n}")
+            counts[f"plan-{n}"] += plan is not None and plan.get("optimize") != "refused"
+            counts[f"train-{n}"] += trained is not None and trained["check"] == "passed"
+            cells += [plan_cell(plan), train_cell(trained)]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    per_ranks = "; ".join(f"on {n} ranks {counts[f'plan-{n}']} have a plan with parallelism and "
+                          f"{counts[f'train-{n}']} train through `parallelize` equal to the module" for n in RANKS)
+    lines += ["", f"Of {len(FAMILIES)} families {counts['import']} import; {per_ranks} (losses, gradients and "
+              f"updated weights, relative {TOLERANCE:g})."]
     Path(args.md).write_text("\n".join(lines + args.notes) + "\n", encoding="utf-8")
 
 
@@ -302,6 +321,7 @@ def main() -> None:
     parser.add_argument("mode", choices=("import", "optimize", "train", "report"))
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--devices", type=int, default=2, help="optimize: the number of CPU devices planned for")
     parser.add_argument("--rules", choices=("all", "parallel"), default="all",
                         help="the shipped library, or its parallel rules only (no algebraic rewrites)")
     parser.add_argument("--limit", type=lambda kv: kv.split("="), action="append", default=[],
