@@ -68,6 +68,7 @@ CASES: dict[str, list[tuple[list[tuple[int, ...]], dict]]] = {
                                                                   {"c": 0.25})],
     "logsumexp": [([(3, 4)], {}), ([(2, 3, 4)], {})],
     "amax": [([(3, 4)], {}), ([(2, 3, 4)], {})],
+    "topk_onehot": [([(3, 5)], {"k": 2}), ([(2, 3, 4)], {"k": 4}), ([(4, 1)], {"k": 1})],
     "sumexp_shifted": [([(3, 4), (3,)], {}), ([(2, 3, 4), (2, 3)], {})],
     "maxpool2d": [([(2, 3, 6, 6)], {"size": 2, "stride": 2}), ([(1, 2, 7, 5)], {"size": 3, "stride": 2})],
     "maxpool2d_padded": [([(2, 3, 8, 8)], {"size": 3, "stride": 2, "pad": 1}),
@@ -127,6 +128,19 @@ def test_op_matches_index_semantics(op, shapes, attrs):
     got = apply_op(decl, [torch.tensor(a, dtype=torch.float64) for a in arrays], attrs)
     assert tuple(got.shape) == tuple(int(d.constant) for d in instance.output_shape)
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-10, atol=1e-10)
+
+
+def test_topk_onehot_ranks_equal_entries_by_position_as_declared():
+    """Rows with ties (entries from {0, 1, 2}): the torch implementation follows the declared tie-break (the lower
+    position first), which the random cases above never meet."""
+    rng = np.random.default_rng(7)
+    x = rng.integers(0, 3, size=(6, 5)).astype(float)
+    decl = LIBRARY_OPS["topk_onehot"]
+    instance = instance_for(decl, [x.shape], {"k": 3})
+    expected = evaluate(instance, {}, {instance.inputs[0]: x})
+    got = apply_op(decl, [torch.tensor(x)], {"k": 3}).numpy()
+    np.testing.assert_array_equal(got, expected)
+    assert (expected.sum(axis=-1) == 1).all() and (expected.sum(axis=-2) <= 1).all()   # k distinct picks
 
 
 def test_embedding_gradient_through_matmul_path():

@@ -6,7 +6,8 @@ GPT-J's `x[..., ::2]`, Phi-3's empty slice, Falcon's `x[..., [-2], :]` and
 multi-query attention, ConvNeXt's depthwise convolution, Whisper's conv1d,
 Swin's padding); `import_module` runs the importer's float64 self-check
 (loss and every gradient against the module), so an import that returns is
-an exact one. An operator still unsupported (Mixtral's top-k routing) is
+an exact one. Mixtral's top-k routing imports as `topk_onehot` whose one-hot
+picks each token's expert weights; its indices read any other way are
 refused with the operator and the user's source line.
 """
 
@@ -188,26 +189,61 @@ def test_grouped_and_1d_convolutions_and_padding():
     assert {"conv2d_grouped", "conv1d", "pad", "bias_add"} <= ops
 
 
-class TopK(nn.Module):
-    """Mixtral's routing: each token's top-2 experts by router logit."""
+class Experts(nn.Module):
+    """Mixtral's mixture of experts as Hugging Face's `batched_mm` runs it: a router's softmax, each token's top-2
+    experts (`torch.topk`), their weights renormalized, each token repeated once per chosen expert, that
+    expert's weights picked by index (`w[ids]`, indices computed from the weights) and applied by `bmm`."""
+
+    def __init__(self, experts: int = 4, width: int = 8, hidden: int = 6):
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.router = nn.Linear(width, experts, bias=False)
+        self.up = nn.Parameter(torch.randn(experts, hidden, width) / width ** 0.5)
+        self.down = nn.Parameter(torch.randn(experts, width, hidden) / hidden ** 0.5)
+
+    def forward(self, x):
+        tokens = self.proj(x).reshape(-1, x.shape[-1])
+        weights, chosen = torch.topk(self.router(tokens).softmax(-1), 2, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        ids = chosen.reshape(-1)
+        h = torch.bmm(self.up[ids], tokens.repeat_interleave(2, dim=0).unsqueeze(-1)).squeeze(-1)
+        out = torch.bmm(self.down[ids], F.silu(h).unsqueeze(-1)).squeeze(-1) * weights.reshape(-1, 1)
+        return out.view(tokens.shape[0], 2, -1).sum(1).pow(2).mean()
+
+
+def experts():
+    torch.manual_seed(0)
+    return Experts(), (torch.randn(4, 3, 8),)
+
+
+def test_top_k_routing_imports_exactly_as_a_one_hot_that_picks_expert_weights():
+    """The import's float64 self-check compares the loss and every gradient (the router's included, which flows
+    through the picked values only) with the module's; the routing is `topk_onehot`, the picks `embedding`s."""
+    module, inputs = experts()
+    graph = import_module(module, inputs).graph
+    ops = [n.op for n in graph.nodes]
+    assert ops.count("topk_onehot") == 1 and ops.count("embedding") == 2 and "broadcast" in ops
+
+
+class RoutedIndicesAsValues(nn.Module):
+    """A top-k's indices used as numbers: nothing in the library computes integers from the weights."""
 
     def __init__(self):
         super().__init__()
         self.router = nn.Linear(8, 4)
 
     def forward(self, x):
-        weights, chosen = torch.topk(self.router(x).softmax(-1), 2, dim=-1)  # the routing parsat cannot import
-        return weights.sum()
+        weights, chosen = torch.topk(self.router(x).softmax(-1), 2, dim=-1)
+        return weights.sum() + chosen.float().sum()  # the indices read as values
 
 
-def test_top_k_routing_is_refused_with_its_source_line():
+def test_top_k_indices_read_as_values_are_refused_with_the_source_line():
     with pytest.raises(TorchImportError) as err:
-        import_module(TopK(), (torch.randn(3, 8),))
+        import_module(RoutedIndicesAsValues(), (torch.randn(3, 8),))
     message = str(err.value)
     lines = Path(__file__).read_text(encoding="utf-8").splitlines()
-    number = next(i for i, line in enumerate(lines, 1) if "# the routing parsat cannot import" in line)
-    assert "aten.topk.default in module 'router'" not in message   # the node is made in TopK's own forward
-    assert "aten.topk.default in the top-level forward: unsupported operator" in message
+    number = next(i for i, line in enumerate(lines, 1) if "# the indices read as values" in line)
+    assert "the indices of a top-k (computed from the weights) are read here" in message
     assert f"{Path(__file__).resolve()}:{number}" in message
 
 
@@ -363,7 +399,8 @@ def sharded_ops(plan: dict) -> set[str]:
 
 
 @pytest.mark.parametrize("factory, split", [("convolutions", {"conv2d_grouped", "conv1d", "pad", "bias_add"}),
-                                            ("position_bias", {"softmax", "add_bcast"}), ("frozen", {"add_bcast"})])
+                                            ("position_bias", {"softmax", "add_bcast"}), ("frozen", {"add_bcast"}),
+                                            ("experts", {"topk_onehot", "embedding", "bmm"})])
 def test_the_new_operators_train_data_parallel_on_two_ranks_like_the_module(factory, split, tmp_path, capsys):
     """Data parallelism (`data_parallel_pcg`) runs the new operators on batch-split tensors and holds the position
     bias's constant one-hot whole on each rank; trained 3 steps on 2 ranks, loss, gradients and weights equal the

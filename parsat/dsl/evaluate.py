@@ -87,8 +87,15 @@ _FUNCTIONS = {
     "exp": np.exp, "log": _log, "sqrt": np.sqrt, "tanh": np.tanh, "abs": np.abs, "sin": np.sin, "cos": np.cos,
     "erf": np.vectorize(math.erf, otypes=[float]),
     "max": np.maximum, "min": np.minimum,
+    "step": lambda v: _step(np.asarray(v)),
 }
-_EXACT_FUNCTIONS = {"max", "min", "abs"}  # the others leave the rationals (object arrays of floats)
+_EXACT_FUNCTIONS = {"max", "min", "abs", "step"}  # the others leave the rationals (object arrays of floats)
+
+
+def _step(v: np.ndarray) -> np.ndarray:
+    """1 where v > 0, else 0 (the Heaviside step, 0 at 0): Python ints for exact (object) arrays."""
+    out = np.where(v > 0, 1, 0)
+    return out.astype(object) if v.dtype == object else out.astype(np.float64)
 
 
 def evaluate(instance: OpInstance, sizes: Mapping[str, int], inputs: Mapping[str, np.ndarray],

@@ -20,7 +20,7 @@ from parsat.dsl.symbolic import Poly
 MAX_GROUP_RANK = 8
 
 SCALAR_FUNCTIONS = {"max": 2, "min": 2, "exp": 1, "log": 1, "sqrt": 1, "tanh": 1, "erf": 1, "abs": 1, "sin": 1,
-                    "cos": 1}
+                    "cos": 1, "step": 1}
 
 
 class InstantiationError(Exception):

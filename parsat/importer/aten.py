@@ -10,7 +10,9 @@ handler is reported as unsupported. Each family lives in its own module:
 * `aten_views`: views and reshapes, transposes, slices, splits, `cat`,
   `mean` and `sum`;
 * `aten_attention`: softmax, dropout, scaled dot-product attention,
-  cross-entropy.
+  cross-entropy;
+* `aten_routing`: top-k routing (its indices as a one-hot) and
+  `repeat_interleave`.
 
 To support an operator, add its handler to its family's `HANDLERS`.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from parsat.importer import aten_attention, aten_elementwise, aten_layers, aten_views
+from parsat.importer import aten_attention, aten_elementwise, aten_layers, aten_routing, aten_views
 from parsat.importer.errors import Refused
 
 
@@ -32,5 +34,6 @@ HANDLERS: dict[str, Callable] = {
     **aten_layers.HANDLERS,
     **aten_views.HANDLERS,
     **aten_attention.HANDLERS,
+    **aten_routing.HANDLERS,
     "wrap_with_set_grad_enabled": _h_hop_grad,
 }

@@ -21,11 +21,13 @@ from __future__ import annotations
 import math
 
 from parsat.importer.errors import Refused
+from parsat.importer.aten_routing import reshaped, routed
 from parsat.importer.shape_ops import Empty
 
 
 def _h_view(t, node, x, shape):
-    return t.reshape(t.tensor(x), shape)
+    indices = routed(t, x)
+    return reshaped(t, indices, shape) if indices is not None else t.reshape(t.tensor(x), shape)
 
 
 def _h_flatten(t, node, x, start_dim=0, end_dim=-1):
@@ -190,13 +192,21 @@ def _h_index(t, node, x, indices):
     """`x[..., idx, ...]` with one constant integer index tensor: a few runs of consecutive positions (Falcon's
     `fused_qkv[..., [-2], :]`) as `split`s joined by `cat`; many (Swin's and BEiT's relative position bias,
     `table[index.view(-1)]`), or an index tensor of rank 2 and up into dim 0 (Whisper's
-    `weight[position_ids]`), as an `embedding` of a constant one-hot of the positions (`gather_rows`). Indices
-    that come from the inputs or the weights (a gather) are not constants and are refused."""
+    `weight[position_ids]`), as an `embedding` of a constant one-hot of the positions (`gather_rows`). A top-k's
+    indices (`aten_routing.RoutedIndices`: Mixtral's `gate_up_proj[expert_ids]`) pick rows by their computed
+    one-hot the same way. Other indices from the inputs or the weights (a gather) are refused."""
     a = t.tensor(x)
     picked = [(d, i) for d, i in enumerate(indices) if i is not None]
     if len(picked) != 1:
         raise Refused("indexing with more than one index tensor is not supported")
     d, idx = picked[0]
+    chosen = routed(t, idx)
+    if chosen is not None:   # a top-k's indices, computed from the weights: rows picked by their one-hot
+        index_shape = t.shape(chosen.onehot)[:-1]
+        if len(index_shape) > 1 and d != 0:
+            raise Refused("indexing with computed indices of rank 2 and up is supported into dim 0")
+        out = gather_rows(t, chosen.onehot, a, d, index_shape)
+        return t.reshape(out, t.shape(a)[:d] + index_shape + t.shape(a)[d + 1:])
     constant = isinstance(idx, t.torch.fx.Node) and not t.is_compute(idx) and idx.name not in t.varying
     value = t.constant_value(idx) if constant else None   # on meta tensors made again on the CPU
     if not isinstance(value, t.torch.Tensor) or value.dtype == t.torch.bool or value.is_floating_point() \
@@ -207,7 +217,8 @@ def _h_index(t, node, x, indices):
     positions = [int(p) % shape[d] for p in value.reshape(-1).tolist()]
     runs = position_runs(positions)
     if (len(runs) > 2 or value.dim() > 1) and bool((value >= 0).all()):
-        out = gather_rows(t, idx, a, d, tuple(value.shape))
+        out = gather_rows(t, t.data_leaf(idx, "onehot", tuple(value.shape) + (shape[d],), classes=shape[d]), a, d,
+                          tuple(value.shape))
     else:
         pieces = [a if len(r) == shape[d] else t.op("split", a, dim=d, start=r[0], size=len(r), tag=f"run{k}")
                   for k, r in enumerate(runs)]
@@ -226,16 +237,15 @@ def position_runs(positions: list[int]) -> list[list[int]]:
     return runs
 
 
-def gather_rows(t, idx, a, d: int, picked: tuple[int, ...]):
-    """`a` at the constant positions `idx` (of shape `picked`) along dim d, as an `embedding` (a contraction
-    with a one-hot row per position, run as a gather): dim d moved first and the others flattened into the
-    table's columns; the result has the positions' dims first, then the others, in dim d's place when d > 0
-    (picked then has one dim)."""
+def gather_rows(t, onehot, a, d: int, picked: tuple[int, ...]):
+    """`a` at the positions `onehot` holds (of shape `picked`, one-hot over dim d's size: a constant data leaf,
+    or a top-k's computed one) along dim d, as an `embedding` (a contraction with a one-hot row per position,
+    run as a gather): dim d moved first and the others flattened into the table's columns; the result has the
+    positions' dims first, then the others, in dim d's place when d > 0 (picked then has one dim)."""
     shape = t.shape(a)
     moved = t.transpose(a, 0, d)
     rest = t.shape(moved)[1:]
     table = t.reshape(moved, (shape[d], math.prod(rest)))
-    onehot = t.data_leaf(idx, "onehot", picked + (shape[d],), classes=shape[d])
     rows = t.reshape(t.op("embedding", onehot, table, tag="gather"), picked + tuple(rest))
     return t.transpose(rows, 0, d)
 

@@ -179,6 +179,13 @@ class TorchOp:
     fn: Callable[..., Tensor]
 
 
+def _topk_onehot(x: Tensor, k: int) -> Tensor:
+    """Row r: the one-hot of the r-th largest entry of the last dim, equal entries ranked by position (a stable
+    descending sort, the declared tie-break); no gradient, as the selection is piecewise constant in x."""
+    order = torch.sort(x.detach(), dim=-1, descending=True, stable=True).indices[..., :int(k)]
+    return F.one_hot(order, x.shape[-1]).to(x.dtype)
+
+
 OPS: Mapping[str, TorchOp] = {
     "matmul": TorchOp(2, (), torch.matmul),
     "bmm": TorchOp(2, (), torch.matmul),
@@ -247,6 +254,7 @@ OPS: Mapping[str, TorchOp] = {
     "bn_normalize": TorchOp(5, ("eps",), _bn_normalize),
     "rmsnorm": TorchOp(2, ("eps",), _rmsnorm),
     "dropout_masked": TorchOp(2, ("rate",), lambda x, m, rate: x * m / (1.0 - float(rate))),
+    "topk_onehot": TorchOp(1, ("k",), _topk_onehot),
 }
 
 

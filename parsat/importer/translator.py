@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from parsat.importer.aten import HANDLERS
+from parsat.importer.aten_routing import RoutedIndices
 from parsat.importer.errors import Refused, TorchImportError, Unsupported, aten_name, aten_short, module_path, source_line
 from parsat.importer.imported import DataLeaf, ImportedModule, RunningStats, encode
 from parsat.importer.program import concrete_values, needed_nodes, value_on_cpu
@@ -121,6 +122,9 @@ class Translator(ShapeOps):
             if isinstance(got, Empty):
                 raise Refused(f"an empty tensor (shape {list(got.shape)}, from an empty slice) is read here; parsat "
                               "leaves empty tensors out only where cat joins them")
+            if isinstance(got, RoutedIndices):
+                raise Refused("the indices of a top-k (computed from the weights) are read here; parsat follows them "
+                              "only through reshapes and into a row pick, x[indices]")
             if not isinstance(got, Tensor):
                 raise Refused("a list of tensors is used where a tensor is expected")
             return got

@@ -54,7 +54,7 @@ class CannotEvaluate(Exception):
 
 _FUNCTIONS = {"exp": math.exp, "log": math.log, "sqrt": math.sqrt, "tanh": math.tanh, "erf": math.erf,
               "sin": math.sin, "cos": math.cos,
-              "abs": abs, "max": max, "min": min}
+              "abs": abs, "max": max, "min": min, "step": lambda v: 1.0 if v > 0 else 0.0}
 
 
 def evaluate_form(form: tuple, env: Mapping[str, int], inputs: Mapping[str, np.ndarray],

@@ -470,6 +470,8 @@ class _Z3:
             return z3.If(args[0] <= args[1], args[0], args[1])
         if f[1] == "abs":
             return z3.If(args[0] >= 0, args[0], -args[0])
+        if f[1] == "step":
+            return z3.If(args[0] > 0, z3.RealVal(1), z3.RealVal(0))
         applied = self.fn(f[1])(*args)
         self.applied.append((f[1], args[0], applied))
         return applied
