@@ -74,8 +74,11 @@ def _configs(T) -> dict:
                                                        vocab_size=VOCAB), "causal"),
         "gptj": (T.GPTJForCausalLM, T.GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, vocab_size=VOCAB,
                                                  n_positions=64, bos_token_id=1, eos_token_id=2), "causal"),
-        "mixtral": (T.MixtralForCausalLM, T.MixtralConfig(**_GQA, num_local_experts=4, num_experts_per_tok=2),
-                    "causal"),
+        # Experts as Hugging Face's `batched_mm` runs them (each token's expert weights picked by index), a config
+        # option: its default on CPU, `grouped_mm`, sorts the tokens by expert (aten.sort, histc) and multiplies
+        # groups of data-dependent sizes (transformers::grouped_mm_fallback), which parsat does not import.
+        "mixtral": (T.MixtralForCausalLM, T.MixtralConfig(**_GQA, num_local_experts=4, num_experts_per_tok=2,
+                                                          experts_implementation="batched_mm"), "causal"),
         "t5": (T.T5ForConditionalGeneration, T.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2,
                                                         num_decoder_layers=2, num_heads=4, decoder_start_token_id=0,
                                                         pad_token_id=0, attn_implementation="sdpa"), "seq2seq"),
