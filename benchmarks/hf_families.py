@@ -191,11 +191,30 @@ def optimize(args) -> None:
                 plan = parsat.optimize(graph, degrees={"dp": args.devices}, **options)
         except (OptimizeError, GraphError) as err:
             row.update(optimize="refused", error=str(err), optimize_cpu_s=round(time.process_time() - start, 2))
+            textbook = textbook_data_parallel(graph, args.devices) if row["pinned"] else None
+            if textbook is not None:   # the plan trained instead, said so in the row
+                (out / f"{name}-{args.devices}.json").write_text(json.dumps(textbook), encoding="utf-8")
+                row["textbook"] = hf_models.split_summary({**textbook, "totals": {"time_s": 0.0,
+                                                                                  "grad_sync_elements": None}})
             print(json.dumps(row), flush=True)
             continue
         plan.save(out / f"{name}-{args.devices}.json")
         print(json.dumps({**row, "optimize_cpu_s": round(time.process_time() - start, 2), **parallelism(plan)}),
               flush=True)
+
+
+def textbook_data_parallel(graph, devices: int) -> dict | None:
+    """Where the pinned search finds no plan: the textbook data-parallel PCG (`ir.data_parallel`, built from the
+    graph, not by the rules) as a plan file with no cost figures (`mesh_plans.plan_dict`); None where it has
+    none either."""
+    import mesh_plans
+    from parsat.backend.executor import operator_library
+    from parsat.ir.data_parallel import data_parallel_pcg
+
+    pcg = data_parallel_pcg(graph, operator_library(), devices)
+    if pcg is None:
+        return None
+    return mesh_plans.plan_dict(graph, pcg)
 
 
 def train(args) -> None:
@@ -248,6 +267,10 @@ def plan_cell(row: dict | None) -> str:
     """What a family's plan splits, in words, or why there is none."""
     if row is None:
         return "not planned"
+    if row.get("optimize") == "refused" and row.get("textbook"):
+        collectives = ", ".join(f"{n} {op}" for op, n in sorted(row["textbook"]["collectives"].items())) or "none"
+        return (f"the optimizer's: none ({row['error'].splitlines()[0]}); trained instead: the textbook "
+                f"data-parallel PCG (`ir.data_parallel`, {row['pinned']}, no cost figures), collectives {collectives}")
     if row.get("optimize") == "refused":
         return f"no: {row['error'].splitlines()[0]}"
     split = sum(n for how, n in row["matrices"].items() if how.startswith("partition"))
