@@ -335,7 +335,7 @@ def report(args) -> None:
             counts[f"train-{n}"] += trained is not None and trained["check"] == "passed"
             cells += [plan_cell(plan), train_cell(trained)]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    per_ranks = "; ".join(f"on {n} ranks {counts[f'plan-{n}']} have a plan with parallelism and "
+    per_ranks = "; ".join(f"on {n} ranks {counts[f'plan-{n}']} have a plan with parallelism from the optimizer and "
                           f"{counts[f'train-{n}']} train through `parallelize` equal to the module" for n in RANKS)
     lines += ["", f"Of {len(FAMILIES)} families {counts['import']} import; {per_ranks} (losses, gradients and "
               f"updated weights, relative {TOLERANCE:g})."]
