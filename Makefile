@@ -31,8 +31,9 @@ demo: $(STAMP)
 	$(BIN)/parsat explain out/mlp-plan.json
 	$(BIN)/parsat run out/mlp-plan.json --nproc 2 --steps 3 --check
 
+# Two pytest workers (pytest-xdist): the suite is mostly single-threaded Python, and CI has 2 cores.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q -m ''
+	$(BIN)/python -m pytest -q -n 2 -m ''
