@@ -96,3 +96,27 @@ def test_best_grid_reports_its_fastest_point_when_none_fits():
     cramped = best_grid(result, graph, library, tiny, roots, Limits(seconds=30), True, priced, {})
     assert cramped is not None and not cramped.totals.fits(tiny)
     assert cramped.config["dp"] * cramped.config["tp"] == 8
+
+
+def test_a_data_parallel_pin_the_rules_cannot_reach_is_kept_by_the_data_parallel_point():
+    """A data-parallel plan exists whatever the rules reach: `--degrees dp=2` with a library of operators and no
+    rule (so no joint plan splits anything) answers with the grid's data-parallel point, built apart from the
+    e-graph, and says why; before, the pin was refused as one that cannot hold."""
+    from dataclasses import replace as replaced
+
+    import parsat
+    from parsat.dsl import ast
+    from parsat.dsl.checker import resolve_library
+    from parsat.dsl.library import Library
+
+    shipped = resolve_library(None)
+    no_rules = Library(tuple(replaced(m, items=tuple(d for d in m.items if not isinstance(d, ast.RuleDecl)))
+                             for m in shipped.modules), shipped.sources)
+    plan = parsat.optimize("mlp", machine="cpu", devices=2, degrees={"dp": 2}, rules=no_rules, allow_unverified=True)
+    assert plan.extraction["chosen"] == "best_grid"
+    assert plan.extraction["fallback"].startswith("no joint plan keeps --degrees dp=2")
+    assert plan.pcg.mesh.shape == (2,) and plan.pcg.mesh.axes[0].name == "dp"
+    inputs = [n for n in plan.pcg.nodes if n.kind == "parallel" and n.op == "partition"
+              and plan.pcg.nodes[n.inputs[0]].role == "input"]
+    assert inputs and all(dict(n.attrs)["dim"] == 0 for n in inputs)   # the batch, split on the dp axis
+    assert "no joint plan keeps --degrees dp=2" in explain_plan(plan)

@@ -92,7 +92,7 @@ def summary_lines(data: Mapping) -> list[str]:
 
 def chosen_baseline_lines(data: Mapping) -> list[str]:
     """Why the plan is a baseline's PCG: a baseline's simulated step beat every plan extracted, or no plan was
-    extracted (a safety valve cut the search: `extraction.fallback`)."""
+    extracted (a safety valve cut the search, or no joint plan keeps the pinned degrees: `extraction.fallback`)."""
     ext = data.get("extraction") or {}
     chosen = ext.get("chosen", JOINT)
     if chosen == JOINT:

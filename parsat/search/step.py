@@ -90,28 +90,55 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
                            f"{', '.join(str(c.mesh) for c in left_out)} not: "
                            "a scout's step, compared with the other micro-batch counts or pipeline pairs")
     searches = search_meshes_of(step, choices, clock)
-    unspread = _unspread(step, searches, pinned=choices[0].config is not None)
+    pinned = choices[0].config is not None
+    unspread = _unspread(step, searches)
     steps = CandidateSteps(step.request.library, step.machine, step.graph.microbatches, step.request.simulations)
     searches = [s.simulated(steps) for s in searches]
     solved = [s for s in searches if s.joint is not None]
     cut = "" if solved else _valve_cut(searches, choices, clock)
-    if not solved and not cut:
+    if not solved and not cut and not pinned:
         raise _no_joint_plan(step, searches)
     best_search = min(solved, key=lambda s: rank(s.joint, step.memory)) if solved else searches[0]
     candidates, found_baselines, skipped = compare_baselines(step, searches, best_search, steps, clock)
+    if pinned and not solved:   # only a baseline that keeps the pins may stand for the joint plan
+        candidates = [c for c in candidates if keeps_pins(c, step.request)]
     if not candidates:
-        raise _no_joint_plan(step, searches)   # nothing to fall back to (pinned inputs: no baseline keeps them)
-    plan = assemble_plan(step, searches, best_search, candidates, found_baselines, skipped, steps,
-                         pinned=choices[0].config is not None)
+        # nothing to fall back to (pinned inputs, or pinned degrees: no baseline keeps them)
+        raise _pin_error(step, searches) if pinned else _no_joint_plan(step, searches)
+    plan = assemble_plan(step, searches, best_search, candidates, found_baselines, skipped, steps, pinned=pinned)
     if unspread:
         said["unspread"] = unspread
     if cut:
-        plan = _fallen_back(step, searches, plan, cut)
+        plan = _fallen_back(step, searches, plan, f"no joint plan once the search was cut ({_mesh_errors(searches)})")
         said["search_limit"] = cut   # which valve cut the search, the meshes it left unsearched included
+    elif not solved:
+        plan = _fallen_back(step, searches, plan, _pins_unheld(step, searches))
     elif clock.interrupted.is_set() and len(searches) < len(choices):
         said["search_limit"] = (f"interrupted (Ctrl-C): meshes "
                                 f"{', '.join(str(c.mesh) for c in choices[len(searches):])} not searched")
     return replace(plan, saturation={**dict(plan.saturation), **said}) if said else plan
+
+
+def _pins_unheld(step: StepContext, searches: Sequence[MeshSearch]) -> str:
+    """Why no mesh's joint plan keeps the pinned degrees, said where a baseline that keeps them (the grid's
+    point of the pinned layout, data parallelism built apart from the e-graph) is the plan instead: a data-parallel
+    plan exists whatever the rules reach, so a pin it keeps is answered, not refused."""
+    return f"no joint plan keeps --degrees {_pins(step)} ({_mesh_errors(searches) or 'no plan uses the pinned axes that way'})"
+
+
+def _mesh_errors(searches: Sequence[MeshSearch]) -> str:
+    """Each mesh's reason for having no joint plan."""
+    return "; ".join(f"mesh {s.mesh}: {s.error}" for s in searches if s.error)
+
+
+def _pin_error(step: StepContext, searches: Sequence[MeshSearch]) -> OptimizeError:
+    """A pin that no plan keeps, neither a joint plan nor a baseline: the error names it."""
+    return OptimizeError(f"--degrees {_pins(step)} cannot hold for '{step.graph.name}': "
+                         f"{searches[0].error or 'no plan uses the pinned axes that way'}")
+
+
+def _pins(step: StepContext) -> str:
+    return ", ".join(f"{k}={v}" for k, v in step.request.parallel_dims.items())
 
 
 def _no_joint_plan(step: StepContext, searches: Sequence[MeshSearch]) -> OptimizeError:
@@ -136,14 +163,13 @@ def _valve_cut(searches: Sequence[MeshSearch], choices: Sequence[MeshChoice], cl
     return "; ".join(cuts)
 
 
-def _fallen_back(step: StepContext, searches: Sequence[MeshSearch], plan: Plan, cut: str) -> Plan:
-    """`plan`, a baseline's (no mesh gave a joint plan and a safety valve cut the search: `cut`), saying why in
-    `extraction.fallback`; the step's error when it does not fit (what the search would have ended with: it
-    does not hide a plan that fits, and the micro-batch search reads DoesNotFit)."""
+def _fallen_back(step: StepContext, searches: Sequence[MeshSearch], plan: Plan, fallback: str) -> Plan:
+    """`plan`, a baseline's (no mesh gave a joint plan: a safety valve cut the search, or no joint plan keeps
+    the pinned degrees), saying why (`fallback`) in `extraction.fallback`; the step's error when it does not
+    fit (what the search would have ended with: it does not hide a plan that fits, and the micro-batch search
+    reads DoesNotFit)."""
     if not step.memory.fits(plan):
         raise _no_joint_plan(step, searches)
-    why = "; ".join(f"mesh {s.mesh}: {s.error}" for s in searches if s.error)
-    fallback = f"no joint plan once the search was cut ({why})"
     step.say(f"{fallback}: the plan is the best baseline that fits, {plan.extraction['chosen']}")
     return replace(plan, extraction={**dict(plan.extraction), "fallback": fallback})
 
@@ -215,16 +241,12 @@ def searched_once(step: StepContext, choice: MeshChoice, clock: Deadline) -> Mes
     return found
 
 
-def _unspread(step: StepContext, searches: Sequence[MeshSearch], pinned: bool) -> str:
+def _unspread(step: StepContext, searches: Sequence[MeshSearch]) -> str:
     """Why no mesh's e-graph spreads anything over the devices ('' when one does): a limit stopped saturation
     first, or no parallel rule applies. It is said, not an error: the plan is then the best baseline (a
-    data-parallel plan, built apart from the e-graph) or the unspread graph. A pin that cannot hold is an
-    error, naming the pin."""
+    data-parallel plan, built apart from the e-graph) or the unspread graph (under pins, a baseline that keeps
+    them: `_pins_unheld`)."""
     graph, devices, limits = step.graph, step.devices, step.request.limits
-    if pinned and not any(s.joint for s in searches):
-        raise OptimizeError(f"--degrees {', '.join(f'{k}={v}' for k, v in step.request.parallel_dims.items())} "
-                            f"cannot hold for '{graph.name}': "
-                            f"{searches[0].error or 'no plan uses the pinned axes that way'}")
     if devices == 1 or any(s.spread for s in searches):
         return ""
     stopped = [s.result.stop for s in searches if s.result.stop != STOP_SATURATED]
@@ -340,7 +362,7 @@ def assemble_plan(step: StepContext, searches: Sequence[MeshSearch], best_search
     if not candidates:
         raise OptimizeError(f"internal: no plan for '{graph.name}' can be placed on {step.devices} devices "
                             f"({unplaceable.get(JOINT, '')})")
-    if pinned and candidates[0].name == JOINT:   # only a plan that keeps the pins may stand for the joint one
+    if pinned:   # only a plan that keeps the pins may stand for the joint one
         candidates = [c for c in candidates if c.name == JOINT or keeps_pins(c, step.request)]
     chosen = min(candidates, key=lambda c: rank(c, step.memory))
     if chosen.name != JOINT and best_search.joint is not None:
