@@ -11,12 +11,13 @@ import pytest
 from parsat.ir.blocks import node_blocks
 from parsat.ir.graph import GraphBuilder
 from parsat.ir.machine import Machine
-from parsat.ir.pipeline import (BACKWARD, FORWARD, GPIPE, INTERLEAVED, ONE_F_ONE_B, PipelineError, PipelinePlan,
+from parsat.ir.pipeline import (BACKWARD, FORWARD, GPIPE, INTERLEAVED, ONE_F_ONE_B, Action, LayerMap, PipelineError,
+                                PipelinePlan,
                                 free_nodes, in_flight_counts, lay_out_stages, pcg_layers, schedule_order, simulate_schedule)
 from parsat.ir.validate import validate_plan_dict
 from parsat.search.optimize import optimize
 from parsat.ir.errors import OptimizeError
-from parsat.cost.pipeline import balanced_starts, equal_starts, layer_costs, pipelined
+from parsat.cost.pipeline import balanced_starts, equal_starts, layer_costs, overlapped_reduce_end, pipelined
 from parsat.report.explain import explain_plan
 
 SIZES = {"blocks": 4, "batch": 8, "seq": 16, "hidden": 32, "heads": 2, "vocab": 64}
@@ -270,3 +271,39 @@ def test_a_stage_plan_that_fits_no_schedule_is_searched_again_recomputing():
     for tried in plan.saturation["pipeline_search"]:                          # every pipelined plan said to fit does
         if tried.get("fits"):
             assert tried["peak_memory_bytes"] <= small.memory_capacity
+
+
+def _backwards(*spans):
+    """A stage's busy list of backwards only: (chunk, micro-batch, start, end) each."""
+    return [(Action(BACKWARD, k, c), start, end) for c, k, start, end in spans]
+
+
+def test_a_gradient_reduction_runs_beside_the_last_backward_of_its_chunk():
+    busy = _backwards((0, 0, 0.0, 1.0), (0, 1, 2.0, 3.0))
+    # shorter than the last backward: done when it is (the last bucket waits for the last gradient)
+    assert overlapped_reduce_end(busy, {0: 0.5}) == pytest.approx(3.0)
+    # longer: from the last backward's start, not from the first one's, nor after the flush
+    assert overlapped_reduce_end(busy, {0: 4.0}) == pytest.approx(6.0)
+    assert overlapped_reduce_end(busy, {}) == 0.0
+
+
+def test_interleaved_chunks_reduce_one_after_another_in_the_order_their_last_backwards_start():
+    busy = _backwards((1, 0, 0.0, 1.0), (0, 0, 1.0, 2.0))
+    # chunk 1 ends its backward first: its 3 s run 0-3, then chunk 0's 1 s after it, not beside it
+    assert overlapped_reduce_end(busy, {0: 1.0, 1: 3.0}) == pytest.approx(4.0)
+    assert overlapped_reduce_end(busy, {0: 1.0, 1: 0.5}) == pytest.approx(2.0)
+
+
+def test_a_stage_overlaps_its_gradient_reductions_with_its_last_backwards():
+    """The pipelined step with the reductions overlapped is shorter than with all of them after the flush, and
+    by no more than the reductions take."""
+    machine = Machine.resolve("cpu").with_devices(4)
+    stage_plan = optimize("gpt", "cpu", devices=2, sizes=SIZES, microbatches=4, pipeline=False, baselines=False,
+                          degrees={"dp": 2})
+    reduce_s = sum(c.grad_reduce_s for c in stage_plan.costs.values() if c.weight_chain)
+    assert reduce_s > 0   # the stage plan replicates weights: their gradients are reduced
+    serial = replace(stage_plan, costs={i: replace(c, grad_reduce_s=0.0) for i, c in stage_plan.costs.items()})
+    starts = equal_starts(LayerMap(stage_plan.pcg).layers, 2)
+    overlapped = pipelined(stage_plan, 2, ONE_F_ONE_B, machine, starts=starts).totals.time_s
+    after_flush = pipelined(serial, 2, ONE_F_ONE_B, machine, starts=starts).totals.time_s
+    assert after_flush - reduce_s - 1e-12 <= overlapped < after_flush

@@ -107,3 +107,11 @@ def test_the_backend_trains_a_zero_plan_as_one_process_does_and_sends_what_it_pr
     stage2 = optimize("mlp", machine="cpu", devices=2, sizes=MLP, degrees={"dp": 2, "zero": 2}, microbatches=2)
     with pytest.raises(ExecutionError, match="ZeRO-2"):
         run_plan(stage2.pcg, 2, TrainConfig(steps=1, check=True), graph=stage2.graph, backend="gloo")
+
+
+def test_the_gradient_s_reduction_is_what_runs_beside_the_backward_not_the_gather_after_the_update():
+    plain, one = _replicate(0), _replicate(1)
+    assert plain.comm_s > 0 and plain.grad_reduce_s == pytest.approx(plain.comm_s)   # the all-reduce, all of it
+    # ZeRO-1: the reduce-scatter only; the all-gather of the updated shards waits for the optimizer
+    assert 0 < one.grad_reduce_s < one.comm_s
+    assert _replicate(2, microbatches=3).grad_reduce_s > one.grad_reduce_s   # stage 2: a reduce-scatter per micro-batch

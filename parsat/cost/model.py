@@ -180,7 +180,7 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
                     grad_sync_elements=comm.grad_sync_elements, memory_bytes=held.memory_bytes,
                     collectives=comm.collectives, activation_bytes=held.activation_bytes, weight_chain=weighty,
                     accumulation_bytes=held.accumulation_bytes, forward_comm_s=comm.forward_seconds,
-                    forward_comm_elements=comm.forward_elements)
+                    forward_comm_elements=comm.forward_elements, grad_reduce_s=comm.reduce_seconds)
 
 
 @dataclass(frozen=True)
@@ -201,14 +201,16 @@ class _Move:
 @dataclass(frozen=True)
 class _Run:
     """One collective a parallel operator runs per step: its phase ("fwd", "bwd"), kind, elements `n` (as
-    `_collective` counts them), how many replica sets run it (`pieces`), and whether it is the gradient
-    synchronisation."""
+    `_collective` counts them), how many replica sets run it (`pieces`), whether it is the gradient
+    synchronisation, and whether it runs after the optimizer update (ZeRO's all-gather of the updated
+    shards) rather than as the backward produces the gradient."""
 
     phase: str
     kind: str
     n: int
     pieces: int
     sync: bool = False
+    after_update: bool = False
 
 
 @dataclass(frozen=True)
@@ -225,7 +227,8 @@ class _Held:
 @dataclass(frozen=True)
 class _Comm:
     """The collectives of a parallel operator priced: seconds and elements sent per step (in all, forward only,
-    gradient synchronisation), and a line per collective for the report."""
+    gradient synchronisation), the seconds of the gradient's reduction (`NodeCost.grad_reduce_s`), and a line
+    per collective for the report."""
 
     seconds: float
     elements: int
@@ -233,6 +236,7 @@ class _Comm:
     forward_seconds: float
     forward_elements: int
     collectives: tuple[str, ...]
+    reduce_seconds: float = 0.0
 
 
 def shards_state(op: str, source_role: str, zero: int) -> bool:
@@ -290,7 +294,7 @@ def _sharded_sync_runs(move: _Move, zero: int, microbatches: int) -> tuple[_Run,
     reduce-scattered (stage 2: once per micro-batch, a sharded gradient cannot accumulate), then the updated
     shards all-gathered into the weight, each over the replicas' group."""
     scatter = _Run("bwd", "reduce-scatter", move.in_piece, move.source.pieces, sync=True)
-    gather = _Run("bwd", "all-gather", move.in_piece, move.source.pieces, sync=True)
+    gather = _Run("bwd", "all-gather", move.in_piece, move.source.pieces, sync=True, after_update=True)
     return (scatter,) * (microbatches if zero == 2 else 1) + (gather,)
 
 
@@ -357,11 +361,13 @@ def _replica_sets(devices: int | None, source: Degrees, output: Degrees) -> int:
 def _price_runs(machine: Machine, group: GroupTopology, degree: int, runs: Sequence[_Run], sets: int) -> _Comm:
     """The runs priced in order over `group` (seconds added in run order), their elements sent counted over
     `sets` replica sets."""
-    time, elements, grad_sync, forward_time, forward_elements = 0.0, 0, 0, 0.0, 0
+    time, elements, grad_sync, forward_time, forward_elements, reduce_time = 0.0, 0, 0, 0.0, 0, 0.0
     lines = []
     for run in runs:
         t, e = _collective(machine, run.kind, group, run.n)
         time += t
+        if run.sync and not run.after_update:
+            reduce_time += t
         elements += e * run.pieces
         if run.phase == "fwd":
             forward_time += t
@@ -374,7 +380,7 @@ def _price_runs(machine: Machine, group: GroupTopology, degree: int, runs: Seque
         elements *= sets
         grad_sync *= sets
         forward_elements *= sets
-    return _Comm(time, elements, grad_sync, forward_time, forward_elements, tuple(lines))
+    return _Comm(time, elements, grad_sync, forward_time, forward_elements, tuple(lines), reduce_time)
 
 
 def gather_cost(machine: Machine, degrees: Degrees, shape: Sequence[int], devices: int | None = None) -> NodeCost:

@@ -19,9 +19,12 @@ layers (`ir.pipeline.lay_out_stages`). This module:
    action (`ir.pipeline.simulate_schedule`: the bubble comes out of it,
    (p - 1) / (m + p - 1) of the step for 1F1B, less when interleaved),
    point-to-point transfers on the link between two stages' ranks, each
-   stage's weights' gradient synchronisation and optimizer once per step,
-   the sum of a weight held on two stages (a tied embedding), and each
-   stage's peak memory from the schedule's in-flight activations.
+   stage's weights' gradient reductions overlapped with each chunk's last
+   backward (`overlapped_reduce_end`, Megatron's overlap_grad_reduce), the
+   rest of its synchronisation (ZeRO's all-gather of updated shards) and its
+   optimizer once per step after them, the sum of a weight held on two
+   stages (a tied embedding) after the flush, and each stage's peak memory
+   from the schedule's in-flight activations.
 
 The figures add up from the same node costs that rank unstaged plans, so a
 pipelined plan and an unstaged one are compared on one cost model.
@@ -34,7 +37,7 @@ from typing import Mapping, Sequence
 
 from parsat.ir.costs import NodeCost, Totals
 from parsat.ir.machine import Machine
-from parsat.ir.pipeline import (GPIPE, INTERLEAVED, ONE_F_ONE_B, LayerMap, PipelineError, PipelinePlan,
+from parsat.ir.pipeline import (BACKWARD, GPIPE, INTERLEAVED, ONE_F_ONE_B, Action, LayerMap, PipelineError, PipelinePlan,
                                 StageFigures, StageLayout, activation_peaks, in_flight_counts, p2p_elements,
                                 schedule_order, shared_weight_elements, simulate_schedule, stage_comm_elements,
                                 stored_piece_elements)
@@ -177,6 +180,8 @@ class StagePricer:
         self.shares = {ident: node_share(cost, self.microbatches) for ident, cost in plan.costs.items()}
         # once per step, per node: a weight chain's collectives (the stage's sync) and the optimizer
         self.chain_s = {ident: cost.comm_s for ident, cost in plan.costs.items() if cost.weight_chain}
+        # the part of it that reduces gradients as the last backward produces them (`NodeCost.grad_reduce_s`)
+        self.reduce_s = {ident: cost.grad_reduce_s for ident, cost in plan.costs.items() if cost.weight_chain}
         self.optimizer_s = {ident: cost.optimizer_s for ident, cost in plan.costs.items()}
         self.pieces = stored_piece_elements(plan.pcg)
         self._layer_costs: dict[int, LayerCost] | None = None
@@ -313,7 +318,9 @@ class StagePricer:
             stage_end = max((e for _a, _b, e in run.busy[s]), default=0.0)
             stages.append(StageFigures(sum(c.forward_s for c in mine), sum(c.backward_s for c in mine), sync,
                                        optimizer, memory[s], run.in_flight[s]))
-            ends.append(stage_end + sync + optimizer)
+            reduce_s = {c.index: sum(self.reduce_s.get(i, 0.0) for i in c.nodes) for c in layout.stage_chunks(s)}
+            reduced = overlapped_reduce_end(run.busy[s], reduce_s)
+            ends.append(max(stage_end, reduced) + sync - sum(reduce_s.values()) + optimizer)
         shared = shared_weight_elements(self.pieces, layout)
         stage_comm = [collectives + shared.get(s, 0) + sum(v for (a, _b), v in sent.items() if a == s)
                       for s, collectives in enumerate(stage_comm_elements(layout, plan.costs))]
@@ -329,6 +336,26 @@ class StagePricer:
                         max(stage_comm_elements(layout, plan.costs, "grad_sync_elements")),
                         compute, max(s.sync_s for s in stages) + figures.transfer_s * 2 * m)
         return replace(plan, machine=machine, devices=p * stage_devices, totals=totals, pipeline=figures)
+
+
+def overlapped_reduce_end(busy: Sequence[tuple[Action, float, float]], reduce_s: Mapping[int, float]) -> float:
+    """When a stage's gradient reductions end, each chunk's (`reduce_s`: chunk -> seconds) run as its last
+    micro-batch's backward produces the gradients, as Megatron's overlap_grad_reduce and DDP's buckets run them:
+    a chunk's reduction starts with that backward (its buckets are launched as they fill), ends no earlier than
+    the backward does (the last bucket waits for the last gradient), and the chunks' reductions run one after
+    another on the stage's data-parallel link, in the order their last backwards start (interleaved: the
+    later chunk first). The last bucket's own time after the backward is not charged (a 25 MB bucket: about
+    1 ms across nodes)."""
+    last: dict[int, tuple[float, float]] = {}
+    for action, start, end in busy:
+        if action.phase == BACKWARD:
+            last[action.chunk] = (start, end)
+    free = 0.0
+    for chunk, (start, end) in sorted(last.items(), key=lambda item: item[1]):
+        seconds = reduce_s.get(chunk, 0.0)
+        if seconds > 0:
+            free = max(max(free, start) + seconds, end)
+    return free
 
 
 def _shared_sync(pieces: Mapping[int, int], layout: StageLayout, stage_devices: int, machine: Machine

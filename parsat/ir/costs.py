@@ -40,6 +40,10 @@ class NodeCost:
     # Part of memory_bytes alive only while the node's block is recomputed and differentiated (`recomputed`):
     # one block's at a time, so it neither repeats with the blocks a node stands for nor with micro-batches.
     transient_bytes: int = 0
+    # Part of comm_s that reduces a weight's gradient (all-reduce, or ZeRO's reduce-scatter) and can run while
+    # the last micro-batch's backward produces it, bucket by bucket (DDP; Megatron's overlap_grad_reduce): what a
+    # pipeline stage overlaps with its last backward (`cost.pipeline`). Not ZeRO's all-gather after the update.
+    grad_reduce_s: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -72,7 +76,8 @@ class NodeCost:
                        flops=self.flops * factor, accumulation_bytes=self.accumulation_bytes * factor,
                        activation_bytes=self.activation_bytes * factor,
                        forward_comm_s=self.forward_comm_s * factor,
-                       forward_comm_elements=self.forward_comm_elements * factor)
+                       forward_comm_elements=self.forward_comm_elements * factor,
+                       grad_reduce_s=self.grad_reduce_s * factor)
 
     def recomputed(self, kept: bool) -> "NodeCost":
         """This node under activation recomputation (`ir.recompute`): its block's forward runs again before
