@@ -176,9 +176,14 @@ GB = 1e9
 # GPU presets train in bf16 (fp32 master weights and Adam state); `--precision fp32` means TF32 tensor cores.
 # Operator efficiency and collective launch costs are ASSUMED (not measured here: no GPU; `parsat calibrate`
 # on the GPU replaces them, docs/COSTMODEL.md): ~5 us of eager PyTorch dispatch per operator, hidden behind
-# longer kernels (asynchronous launch); GEMMs at half rate around 128 rows/columns and 64 of contraction on
-# H100 (64/32 on A100); half the HBM bandwidth reached around 1 MiB per copy; NCCL's tree at ~90% of the
-# ring's bus bandwidth, ~5 us to launch a collective.
+# longer kernels (asynchronous launch); half the HBM bandwidth reached around 1 MiB per copy; NCCL's tree at
+# ~90% of the ring's bus bandwidth, ~5 us to launch a collective.
+# GEMM efficiency (`gemm_peak_fraction`, `gemm_half_*`) is MEASURED, on the same H200: fitted by least squares in
+# log rate to the 46 `gemm` rows of benchmarks/gpu/gpu_kernels.json that take at least 50 us (m 512-16384, k and
+# n 1024-16384; the 10 shorter calls are launch-bound) by benchmarks/gpu_gemm_fit.py: 80.2% of peak for the
+# largest, half rate at 64 rows, 320 columns and 384 of contraction; every fitted row within 0.81-1.13 of
+# measured (the assumed curve before, fraction 1 and halves 128/128/64, priced them 1.1-1.9x too fast). The A100
+# preset assumes the same fraction, with the half lengths halved as before (no A100 was measured).
 # Fused causal attention (`attention_efficiency`, `attention_half_flops`) is MEASURED, on an H200 (the same
 # 989 TFLOP/s dense bf16 peak as the H100; benchmarks/gpu_results.md): FlashAttention through SDPA, forward +
 # backward, causal FLOPs. Fitted by least squares in log rate to 15 of the 16 `attention` rows of
@@ -188,8 +193,9 @@ GB = 1e9
 # One rate for forward and backward, fitted to their sum (a training step runs both). The
 # A100 preset assumes the same fraction and the same fixed time per call (its half length scaled by its peak).
 _ATTENTION_EFFICIENCY, _ATTENTION_HALF_FLOPS = 0.52, 4.4e10
-_GPU_EFFICIENCY = OpEfficiency(dispatch_s=5e-6, backward_dispatch_s=5e-6, gemm_half_m=128, gemm_half_n=128,
-                               gemm_half_k=64, memory_half_bytes=1 << 20, async_dispatch=True,
+_GPU_EFFICIENCY = OpEfficiency(dispatch_s=5e-6, backward_dispatch_s=5e-6, gemm_half_m=64, gemm_half_n=320,
+                               gemm_half_k=384, gemm_peak_fraction=0.802, memory_half_bytes=1 << 20,
+                               async_dispatch=True,
                                attention_efficiency=_ATTENTION_EFFICIENCY, attention_half_flops=_ATTENTION_HALF_FLOPS)
 _GPU_COMM = CommProfile(launch_s=5e-6, tree_bandwidth_factor=0.9)
 PRESETS: dict[str, Machine] = {
@@ -207,7 +213,7 @@ PRESETS: dict[str, Machine] = {
                       memory_capacity=80 * 2 ** 30, intra_bandwidth=150 * GB, intra_latency=3e-6,
                       inter_bandwidth=25 * GB, inter_latency=8e-6, precision="bf16",
                       peaks=(("bf16", 312e12), ("fp16", 312e12), ("fp32", 312e12 / 2)),
-                      efficiency=replace(_GPU_EFFICIENCY, gemm_half_m=64, gemm_half_n=64, gemm_half_k=32,
+                      efficiency=replace(_GPU_EFFICIENCY, gemm_half_m=32, gemm_half_n=160, gemm_half_k=192,
                                          attention_half_flops=_ATTENTION_HALF_FLOPS * 312 / 989),
                       comm=_GPU_COMM),
     # A small CPU box: 2 cores' worth of FLOPs, shared memory as the "link".

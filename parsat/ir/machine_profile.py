@@ -65,6 +65,9 @@ class OpEfficiency:
     gemm_half_m: float = 0.0           # rows of the product at which a GEMM runs at half its peak rate
     gemm_half_n: float = 0.0           # columns
     gemm_half_k: float = 0.0           # contraction length
+    gemm_peak_fraction: float = 1.0    # fraction of peak FLOP/s the largest GEMMs reach (clocks under load, tiles'
+                                       # waves, epilogues: 0.80 measured on an H200; `parsat calibrate` folds it
+                                       # into the peak it measures)
     memory_half_bytes: float = 0.0     # bytes moved at which a memory-bound operator reaches half the bandwidth
     cache_bytes: float = 0.0           # operators moving at most this many bytes run from cache ...
     cache_bandwidth: float = 0.0       # ... at this bandwidth (bytes/s; 0: no cache tier)
@@ -81,8 +84,9 @@ class OpEfficiency:
         return max(dispatch, kernel_s) if self.async_dispatch else dispatch + kernel_s
 
     def gemm_efficiency(self, m: float, n: float, k: float) -> float:
-        """Fraction of peak FLOP/s a (batched) m x k by k x n product reaches, in (0, 1]."""
-        return 1.0 / ((1 + self.gemm_half_m / max(m, 1.0)) * (1 + self.gemm_half_n / max(n, 1.0))
+        """Fraction of peak FLOP/s a (batched) m x k by k x n product reaches, in (0, 1]: the largest GEMMs'
+        fraction, less by Hockney's half-performance lengths in each dimension."""
+        return self.gemm_peak_fraction / ((1 + self.gemm_half_m / max(m, 1.0)) * (1 + self.gemm_half_n / max(n, 1.0))
                       * (1 + self.gemm_half_k / max(k, 1.0)))
 
     def attention_rate(self, flops: float) -> float:

@@ -614,6 +614,7 @@ EFFICIENCY_RANGES: Mapping[str, tuple[float, float, str]] = {
     "gemm_half_m": (0.0, MAX_ELEMENTS, "elements"),
     "gemm_half_n": (0.0, MAX_ELEMENTS, "elements"),
     "gemm_half_k": (0.0, MAX_ELEMENTS, "elements"),
+    "gemm_peak_fraction": (1e-6, 1.0, "of peak FLOP/s"),
     "memory_half_bytes": (0.0, 1e18, "bytes"),
     "cache_bytes": (0.0, 1e18, "bytes"),
     "cache_bandwidth": (0.0, 1e18, "bytes/s (0: no cache tier)"),
