@@ -492,3 +492,28 @@ def test_the_step_floor_holds_where_collectives_are_pipelined_with_their_product
             floor = step_floor(plan, machine, times, microbatches)
             compute = sum(v for k, v in step.result.busy_s.items() if k.endswith("compute"))
             assert step_floor(plan, machine, times, microbatches, plan=False) <= floor <= compute <= step.step_s
+
+
+def test_a_weight_replicated_on_two_axes_holds_neither_backward_compute_nor_the_tensor_axis_link():
+    """Megatron's layout with sequence-parallel norms replicates a norm's weight over tp, then over dp: its
+    gradient is all-reduced over dp, then bucketed over tp. Backward's kernels and tensor-parallel collectives
+    wait for neither (the hand-on waits on the dp stream, the tp bucket is launched after backward, as
+    Megatron's finalize_model_grads); before, every such weight held the compute stream until its dp
+    all-reduce, queued behind the data-parallel buckets, ended."""
+    from parsat.ir.megatron import megatron_pcg
+    from parsat.ir.models import build_example
+    from parsat.ir.pcg import weight_chains
+    library = load_library(sorted(shipped_rules_dir().glob("*.rule")))[0]
+    graph = build_example("gpt", {"blocks": 2, "batch": 4, "seq": 256, "hidden": 512, "heads": 8, "vocab": 1024},
+                          library)
+    pcg = megatron_pcg(graph, library, (2, 8), 8, sequence=True)
+    by, chains = {n.id: n for n in pcg.nodes}, weight_chains(pcg)
+    assert any(n.op == "replicate" and n.inputs[0] in chains and by[n.inputs[0]].op == "replicate"
+               for n in pcg.nodes if n.kind == "parallel" and by[n.inputs[0]].kind == "parallel")
+    b = simulate_pcg(pcg, library, Machine.preset("h100x8").with_devices(16), DDP, microbatches=2).result._columns[0]
+    kind = [b.streams[b.stream_of[i]].kind for i in range(len(b.names))]
+    assert not [b.names[i] for i in range(len(b.names)) if kind[i] == "compute" and "optimizer" not in b.names[i]
+                and any(kind[d] != "compute" and b.phases[d] == "grad_sync" for d in b.deps[i])]
+    intra = [i for i in range(len(b.names)) if b.streams[b.stream_of[i]].name == "intra"]
+    buckets = [i for i in intra if b.names[i].startswith("all-reduce bucket")]
+    assert buckets and min(buckets) > max(i for i in intra if b.phases[i] == "backward_comm")

@@ -728,6 +728,7 @@ class _Builder:
         params = self.params
         done: set[int] = set()
         eager = self.profile.eager_gradients and self.syncing
+        deferred: list[tuple[int, int]] = []   # gradients that reach their bucket through another axis's reduction
 
         def visit(node: PNode) -> None:
             done.add(node.id)
@@ -739,7 +740,9 @@ class _Builder:
                 last = max(deps) if node.kind == "leaf" else self._node_backward(node, deps, syncs)
                 if node.id in self.stored and last is not None:
                     produced[node.id] = last
-                    if node.id in self.bucket_of:
+                    if node.id in self.bucket_of and self._through_reduction(last):
+                        deferred.append((node.id, last))
+                    elif node.id in self.bucket_of:
                         self.bucket_of[node.id][1].ready(str(node.id), last)
             if self.allocated.get(node.id) and node.id in self.dropped:   # recomputed, but no gradient reached it
                 self._add(f"{node.label} #{node.id} dropped", self.compute, 0.0, [len(self.steps) - 1],
@@ -764,6 +767,8 @@ class _Builder:
         if self.first and self.accumulating and self._accumulated_bytes():
             self._add("gradients kept across micro-batches", self.compute, 0.0, [len(self.steps) - 1],
                       alloc=self._accumulated_bytes(), phase="backward")
+        for ident, task in deferred:   # after backward's own collectives, as Megatron's finalize_model_grads
+            self.bucket_of[ident][1].ready(str(ident), task)
         for bucketed in buckets:
             syncs.extend(bucketed.done())
         if self.pcg.zero == 2 and self.accumulating and not self.syncing:
@@ -861,16 +866,17 @@ class _Builder:
         elif node.op == REPLICATE:
             nbytes = _elements(self.by_id[source]) * self.item
             bucketed = self.bucket_of.get(source)
+            stream = self._reduction_stream(weight, deps)
             if bucketed is not None and bucketed[0] == node.axis(self.pcg.mesh):
-                task = self._add(f"{label} (gradient into its bucket)", self.compute, self.eff.op_time(0.0, True),
+                task = self._add(f"{label} (gradient into its bucket)", stream, self.eff.op_time(0.0, True),
                                       deps, free=free, phase="backward")
             elif self.sharded.get(source) is node:   # ZeRO: the gradient reduce-scattered onto the shards
-                copy = self._add(f"{label} copy", self.compute, self._copy_s(piece, True), deps, phase="backward")
+                copy = self._add(f"{label} copy", stream, self._copy_s(piece, True), deps, phase="backward")
                 task = self._sync(f"{label} reduce-scatter", REDUCE_SCATTER, node, nbytes, [copy], free=free,
                                   phase="grad_sync")
                 syncs.append(task)
             else:
-                copy = self._add(f"{label} copy", self.compute, self._copy_s(piece, True), deps, phase="backward")
+                copy = self._add(f"{label} copy", stream, self._copy_s(piece, True), deps, phase="backward")
                 task = self._sync(f"{label} all-reduce", ALL_REDUCE, node, nbytes, [copy], free=free,
                                   phase="grad_sync" if weight else "backward_comm")
                 if weight:
@@ -879,6 +885,27 @@ class _Builder:
             task = self._add(label, self.compute, self.eff.op_time(0.0, True), deps, free=free, phase="backward")
         self._give(source, task)
         return task
+
+    def _through_reduction(self, task: int) -> bool:
+        """Whether a stored weight's gradient, ready at `task`, came through another axis's reduction (a weight
+        replicated on two axes, `_reduction_stream`). Its bucket is then launched when backward is done, as
+        Megatron all-reduces sequence-parallel norms' gradients over tp after backward (finalize_model_grads):
+        launched at once it would wait on that reduction and hold its own link's stream, where backward's
+        tensor-parallel collectives queue behind it."""
+        return self.profile.overlap and self.steps.stream_of[task] != self.compute
+
+    def _reduction_stream(self, weight: bool, deps: Sequence[int]) -> int:
+        """The stream of a weight's gradient handed on along its chain (`weight`: the replicate reads a value
+        of a weight's chain): where its gradient comes from another reduction (a weight replicated on two
+        axes: its gradient all-reduced over one, then bucketed over the other), the hand-on waits on that
+        reduction's stream, as a framework's gradient hooks and NCCL's streams do; on the compute stream it
+        would hold every later backward kernel until the reduction ends, which nothing there waits for.
+        Otherwise the compute stream."""
+        if weight and self.profile.overlap:
+            comm = [d for d in deps if d is not None and self.steps.stream_of[d] != self.compute]
+            if comm:
+                return self.steps.stream_of[max(comm)]
+        return self.compute
 
     def _compute_backward(self, node: PNode, label: str, deps: list[int], view: bool, free: int) -> int:
         """A compute node's backward: one kernel per input needing a gradient (`OpTime.backward_kernel_s`), each
