@@ -13,5 +13,6 @@ pieces: roofline with GEMM and bandwidth efficiency, dispatch cost),
 `schedules` (DDP buckets, FSDP prefetch as task generators), `pcg_tasks`
 (a plan's step as tasks, per execution profile), `step_report` (a step
 simulated and summed up for the plan JSON), `pipeline` (a stage plan cut
-into pipeline stages and priced under a schedule).
+into pipeline stages and priced under a schedule), `stage_sync` (a
+stage's gradient reductions priced in buckets).
 """

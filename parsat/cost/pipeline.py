@@ -43,6 +43,7 @@ from parsat.ir.pipeline import (BACKWARD, GPIPE, INTERLEAVED, ONE_F_ONE_B, Actio
                                 stored_piece_elements)
 from parsat.ir.plan import Plan
 from parsat.cost.collectives import ALL_REDUCE, SEND_RECV, GroupTopology, price
+from parsat.cost.stage_sync import bucketed_seconds, weight_reductions
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,7 @@ class StagePricer:
         self.chain_s = {ident: cost.comm_s for ident, cost in plan.costs.items() if cost.weight_chain}
         # the part of it that reduces gradients as the last backward produces them (`NodeCost.grad_reduce_s`)
         self.reduce_s = {ident: cost.grad_reduce_s for ident, cost in plan.costs.items() if cost.weight_chain}
+        self.reductions = weight_reductions(plan)   # the ones a stage runs in buckets (`cost.stage_sync`)
         self.optimizer_s = {ident: cost.optimizer_s for ident, cost in plan.costs.items()}
         self.pieces = stored_piece_elements(plan.pcg)
         self._layer_costs: dict[int, LayerCost] | None = None
@@ -297,6 +299,24 @@ class StagePricer:
                                  sum(c.step_s for c in shares), max((c.transient_bytes for c in shares), default=0)))
         return out
 
+    def _stage_sync(self, layout: StageLayout, stage: int) -> tuple[dict[int, float], float]:
+        """A stage's synchronisation once per step: per chunk, the seconds reducing its weights' gradients (run
+        beside its last backward, `overlapped_reduce_end`), and the seconds of the rest (ZeRO's all-gathers of
+        updated shards, ZeRO-3's gathers), after them. The gradient reductions run in buckets
+        (`cost.stage_sync`); a node two chunks of the stage read counts with the first."""
+        seen: set[int] = set()
+        reduce_s: dict[int, float] = {}
+        after_s = 0.0
+        for chunk in layout.stage_chunks(stage):
+            nodes = [i for i in chunk.nodes if i not in seen and i in self.chain_s]
+            seen.update(nodes)
+            bucketed = [self.reductions[i] for i in nodes if i in self.reductions]
+            reducing, after = bucketed_seconds(bucketed, self.machine)
+            rest = [i for i in nodes if i not in self.reductions]
+            reduce_s[chunk.index] = reducing + sum(self.reduce_s[i] for i in rest)
+            after_s += after + sum(self.chain_s[i] - self.reduce_s[i] for i in rest)
+        return reduce_s, after_s
+
     def price(self, layout: StageLayout, schedule: str) -> Plan:
         """The plan cut as `layout`, run in `schedule`, priced (see the module docstring)."""
         plan, machine, m = self.plan, self.machine, self.microbatches
@@ -313,14 +333,14 @@ class StagePricer:
         for s in range(p):
             nodes = layout.stage_nodes(s)
             mine = [per_chunk[c.index] for c in layout.stage_chunks(s)]
-            sync = sum(self.chain_s.get(i, 0.0) for i in nodes) + shared_s.get(s, 0.0)
+            reduce_s, after_s = self._stage_sync(layout, s)
+            after_s += shared_s.get(s, 0.0)
+            sync = sum(reduce_s.values()) + after_s
             optimizer = sum(self.optimizer_s.get(i, 0.0) for i in nodes)
             stage_end = max((e for _a, _b, e in run.busy[s]), default=0.0)
             stages.append(StageFigures(sum(c.forward_s for c in mine), sum(c.backward_s for c in mine), sync,
                                        optimizer, memory[s], run.in_flight[s]))
-            reduce_s = {c.index: sum(self.reduce_s.get(i, 0.0) for i in c.nodes) for c in layout.stage_chunks(s)}
-            reduced = overlapped_reduce_end(run.busy[s], reduce_s)
-            ends.append(max(stage_end, reduced) + sync - sum(reduce_s.values()) + optimizer)
+            ends.append(max(stage_end, overlapped_reduce_end(run.busy[s], reduce_s)) + after_s + optimizer)
         shared = shared_weight_elements(self.pieces, layout)
         stage_comm = [collectives + shared.get(s, 0) + sum(v for (a, _b), v in sent.items() if a == s)
                       for s, collectives in enumerate(stage_comm_elements(layout, plan.costs))]
