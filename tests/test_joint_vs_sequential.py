@@ -54,11 +54,13 @@ def test_joint_keeps_the_association_whose_partial_sums_are_narrow(shipped):
     assert _one_device_time(sequential, graph, shipped) < _one_device_time(plan.pcg, graph, shipped)
 
     # What the reassociation costs in parallel: the joint plan adds up [tokens, rank] partial sums across
-    # devices; the sequential one has no such tensor and moves a [tokens, hidden] one instead (it reduces that
-    # product's partial sums or gathers h, whichever its sizes make cheaper).
+    # devices; the sequential one has no such tensor and moves a hidden-wide one instead: a [tokens, hidden]
+    # activation (it reduces that product's partial sums or gathers h) or, under data parallelism, the
+    # [hidden, hidden] product weight's gradient, whichever its sizes and the GEMMs' measured rates make cheaper.
     by_id = {n.id: n for n in plan.pcg.nodes}
     summed = {tuple(by_id[n.inputs[0]].shape) for n in plan.pcg.nodes if n.op in ("reduce", "reduce_scatter")}
     assert (tokens, rank) in summed
     costs = plan.baseline_plans["sequential"].costs
     costliest = max((n for n in sequential.nodes if n.kind == "parallel"), key=lambda n: costs[n.id].comm_s)
-    assert tuple(costliest.shape) == (tokens, hidden)
+    assert tuple(costliest.shape) in ((tokens, hidden), (hidden, hidden))
+    assert not any(tuple(n.shape) == (tokens, rank) for n in sequential.nodes if n.kind == "parallel")

