@@ -14,6 +14,7 @@ graph tensor (or list of tensors) of the node, or raises `Refused`.
 
 from __future__ import annotations
 
+from parsat.importer.aten_patterns import rmsnorm_of
 from parsat.importer.errors import Refused, aten_short
 
 
@@ -69,7 +70,7 @@ def _h_rsub(t, node, x, y, alpha=1):
 
 
 def _h_mul(t, node, x, y):
-    return t.binary("mul", x, y)
+    return rmsnorm_of(t, x, y) or t.binary("mul", x, y)
 
 
 def _h_div(t, node, x, y, rounding_mode=None):
