@@ -16,6 +16,7 @@ torch does. The backend (`parsat.backend.parallelize`) runs a plan from this.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
@@ -151,7 +152,10 @@ def encode(leaf: DataLeaf, value, dtype):
 
     value = torch.as_tensor(value)
     if leaf.encoding == "value":
-        return value.to(dtype).expand(leaf.shape).contiguous()
+        value = value.to(dtype)
+        if value.numel() == math.prod(leaf.shape):   # the node's value, or a view of it (`Translator.view_root`)
+            return value.reshape(leaf.shape).contiguous()
+        return value.expand(leaf.shape).contiguous()
     if leaf.encoding == "select":
         on, off = (torch.tensor(v, dtype=dtype) for v in leaf.select)
         return torch.where(value.bool(), on, off).expand(leaf.shape).contiguous()

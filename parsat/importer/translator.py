@@ -27,6 +27,7 @@ two readers. Weight leaves are made when a compute node first reads them
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
@@ -50,6 +51,11 @@ class LazyWeight:
 
     placeholder: str
 
+
+# ATen operators whose value is their operand's elements in the same order (a view, or a floating-point cast or
+# copy, `view_root` checks): a data leaf of one is a leaf of the operand, reshaped.
+DATA_VIEWS = frozenset({"unsqueeze", "squeeze", "view", "reshape", "_unsafe_view", "clone", "contiguous", "alias",
+                        "_to_copy", "to", "type_as", "flatten"})
 
 # ATen operators that draw random values: data made from them differs on every call, so it is never folded.
 RANDOM = frozenset({"rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "bernoulli",
@@ -78,6 +84,7 @@ class Translator(ShapeOps):
         self.weights: dict[str, Tensor] = {}
         self.transposed: dict[str, Tensor] = {}
         self.data: dict[tuple, DataLeaf] = {}
+        self.leaf_nodes: dict = {}       # data leaf name -> (its data node, its DataLeaf) (`data_leaf`)
         self.constants: dict[str, Any] = {}
         self.dropout: list[str] = []
         self.running_stats: list[RunningStats] = []
@@ -197,7 +204,12 @@ class Translator(ShapeOps):
 
     def data_leaf(self, node, encoding: str, shape: tuple[int, ...], classes: int = 0,
                   ignore: int | None = None, select: tuple[float, float] = ()) -> Tensor:
-        """The input leaf of a data node in an encoding (one leaf per node, encoding, shape and parameters)."""
+        """The input leaf of a data node in an encoding (one leaf per node, encoding, shape and parameters).
+
+        A value read as it is comes from the data node its views start from (`view_root`), so that views made
+        of one value in every layer (HF LLaMA's rotary tables, unsqueezed per layer) are one leaf."""
+        if encoding == "value" and math.prod(shape) == self.values[node.name].numel():
+            node = self.view_root(node)
         key = (node.name, encoding, shape, classes, ignore, select)
         if node.name in self.random:
             raise Refused("values drawn at random in forward (stochastic depth's `torch.rand`: a drop-path rate above "
@@ -216,7 +228,30 @@ class Translator(ShapeOps):
             except GraphError as err:
                 raise Refused(str(err)) from None
             self.data[key] = leaf
+            self.leaf_nodes[name] = (node, leaf)
         return Tensor(self.data[key].name)
+
+    def view_root(self, node):
+        """The data node that `node` is a view of, element for element in the same order (through unsqueezes,
+        squeezes, views and floating-point casts and copies); `node` itself when it is no such view."""
+        while isinstance(node, self.torch.fx.Node) and aten_short(node) in DATA_VIEWS and node.args \
+                and isinstance(node.args[0], self.torch.fx.Node) and not self.is_compute(node.args[0]):
+            source, value = node.args[0], self.values.get(node.name)
+            before = self.values.get(source.name)
+            if not (isinstance(value, self.torch.Tensor) and isinstance(before, self.torch.Tensor)) \
+                    or value.numel() != before.numel() or value.is_floating_point() != before.is_floating_point() \
+                    or source.name in self.random:
+                break
+            node = source
+        return node
+
+    def reshaped_data(self, x: Tensor, shape: tuple[int, ...]) -> Tensor | None:
+        """A data leaf read as it is, reshaped: the leaf of its data node in that shape (made once, never a
+        `flatten` or `unflatten` per reader); None for any other tensor."""
+        node, leaf = self.leaf_nodes.get(x.name, (None, None))
+        if leaf is None or leaf.encoding != "value" or math.prod(shape) != math.prod(leaf.shape):
+            return None
+        return self.data_leaf(node, "value", shape)
 
     def data_leaf_const(self, node, what: str, shape, value) -> Tensor:
         """A constant data leaf made here (ones and zeros for missing affine parameters, a causal mask)."""
