@@ -20,7 +20,8 @@ Modules, in the order an import runs through them:
 * `aten`: the table of ATen operators onto library operators, one module
   per family: `aten_elementwise`, `aten_layers`, `aten_views`,
   `aten_attention`, `aten_routing` (top-k routing, its indices kept as a
-  one-hot);
+  one-hot); `aten_patterns`: several ATen nodes recognised as one fused
+  library operator (HF's RMSNorm pieces as `rmsnorm`);
 * `export.named_blocks`: a stack of identical blocks (found by structure,
   `ir.block_layout`) renamed `b{i}_...`, the names the repeated-block
   search, pipeline stages and recomputation cut a model by; the module's

@@ -4,7 +4,8 @@ A compute node's operator (`errors.aten_short`: `aten.add.Tensor` and the
 in-place `add_` are both `add`) is looked up here; an operator with no
 handler is reported as unsupported. Each family lives in its own module:
 
-* `aten_elementwise`: casts and copies, unary functions, arithmetic, pow;
+* `aten_elementwise`: casts and copies, unary functions, arithmetic, pow
+  (a `mul` ending an RMS normalization is `rmsnorm`: `aten_patterns`);
 * `aten_layers`: linear and matmul, embedding, layer and batch norm,
   convolution and pooling;
 * `aten_views`: views and reshapes, transposes, slices, splits, `cat`,
