@@ -22,8 +22,9 @@ and by the exporter's counters (`linear_17`). Two things here, one check:
   LLaMA layer); each is taken only if the renamed graph passes
   `named_layout`, so an order that misleads gives no blocks, never wrong
   ones. Tensors that depend on no weight (a rotary table, a dropout mask)
-  read by one block only are that block's: each LLaMA layer reads its own
-  copy of the rotary tables.
+  read by one block only are that block's (a layer's own dropout mask);
+  one that every block reads (the importer's one leaf per rotary table) is
+  the model's.
 
 `searched_blocks` cuts a layout's graph to three blocks (first, middle,
 last), the graph `search.repeat` saturates in place of the whole model.
