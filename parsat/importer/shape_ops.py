@@ -109,9 +109,10 @@ class ShapeOps:
             raise Refused(f"cannot reshape {src} to {list(shape)}")
         if src == dst:
             return x
-        as_data = self.reshaped_data(x, tuple(dst))
-        if as_data is not None:
-            return as_data
+        shared = self.shared_reshapes.get((x.name, tuple(dst)))
+        if shared is not None:   # a data leaf reshaped so before (`Translator.view_root`): once for all readers
+            return shared
+        key = (x.name, tuple(dst))
         if not src or not dst:
             raise Refused(f"reshape between a 0-d tensor and {src or dst} is not supported")
         groups = reshape_groups(src, dst)
@@ -124,6 +125,8 @@ class ShapeOps:
             for i in range(len(outs) - 1):
                 x = self.op("unflatten", x, dim=pos + i, k=math.prod(outs[i + 1:]), tag="split")
             pos += len(outs)
+        if key[0] in self.leaf_nodes:
+            self.shared_reshapes[key] = x
         return x
 
     def transpose(self, x: Tensor, d0: int, d1: int) -> Tensor:

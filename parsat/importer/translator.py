@@ -85,6 +85,7 @@ class Translator(ShapeOps):
         self.transposed: dict[str, Tensor] = {}
         self.data: dict[tuple, DataLeaf] = {}
         self.leaf_nodes: dict = {}       # data leaf name -> (its data node, its DataLeaf) (`data_leaf`)
+        self.shared_reshapes: dict = {}  # (data leaf, shape) -> the leaf reshaped so, made once (`ShapeOps.reshape`)
         self.constants: dict[str, Any] = {}
         self.dropout: list[str] = []
         self.running_stats: list[RunningStats] = []
@@ -207,7 +208,9 @@ class Translator(ShapeOps):
         """The input leaf of a data node in an encoding (one leaf per node, encoding, shape and parameters).
 
         A value read as it is comes from the data node its views start from (`view_root`), so that views made
-        of one value in every layer (HF LLaMA's rotary tables, unsqueezed per layer) are one leaf."""
+        of one value in every layer (HF LLaMA's rotary tables, unsqueezed per layer) are one leaf, and each
+        reshape of it is made once for all its readers (`ShapeOps.reshape`), as the built-in `llama` flattens
+        its `rope_cos` once."""
         if encoding == "value" and math.prod(shape) == self.values[node.name].numel():
             node = self.view_root(node)
         key = (node.name, encoding, shape, classes, ignore, select)
@@ -244,14 +247,6 @@ class Translator(ShapeOps):
                 break
             node = source
         return node
-
-    def reshaped_data(self, x: Tensor, shape: tuple[int, ...]) -> Tensor | None:
-        """A data leaf read as it is, reshaped: the leaf of its data node in that shape (made once, never a
-        `flatten` or `unflatten` per reader); None for any other tensor."""
-        node, leaf = self.leaf_nodes.get(x.name, (None, None))
-        if leaf is None or leaf.encoding != "value" or math.prod(shape) != math.prod(leaf.shape):
-            return None
-        return self.data_leaf(node, "value", shape)
 
     def data_leaf_const(self, node, what: str, shape, value) -> Tensor:
         """A constant data leaf made here (ones and zeros for missing affine parameters, a causal mask)."""
