@@ -241,6 +241,9 @@ class _Lowerer:
         self.inputs = _input_chains(pcg)
         self.data_only = _data_only(pcg)
         self.library = library
+        self.batch_constants = _batch_wide_constants(pcg, graph, library)
+        self.constant_rows = _computed_from(pcg, lambda leaf: leaf.role == "weight" or leaf.id in
+                                            self.batch_constants) - self.static
         self.notes: list[str] = []
         self.partial_region: set[int] = set()   # partial sums the row-parallel styles' outputs are computed into
 
@@ -395,6 +398,8 @@ class _Lowerer:
                     name = self.mesh.names[a]
                     if dim is not None and code == shard(dim):
                         continue
+                    if dim is None and code == shard(0) and leaf.id in self.batch_constants:
+                        continue   # the module's forward builds it for its local batch: the slice it reads
                     if code in (FREE, REPLICA) and (dim is None or leaf.shape[dim] == 1):
                         continue   # a table or a constant every rank reads whole
                     read = "whole" if code in (FREE, REPLICA) else f"as {code_text(code)}"
@@ -433,6 +438,8 @@ class _Lowerer:
                 continue
             if node.id in self.inputs and node.op in (PARTITION, REPLICATE):
                 continue
+            if node.op == PARTITION and node.attr("dim") == 0 and node.inputs[0] in self.constant_rows:
+                continue   # e.g. BERT's token-type embedding of its constant ids: each rank's forward computes its rows
             axis = self.mesh.names[node.axis(self.mesh)]
             if node.op not in GATHERS:
                 raise LoweringError(f"{self.where(node)} on data axis {axis}: each rank runs the module on its local "
@@ -721,6 +728,17 @@ def _computed_from(pcg: PCG, seed: Callable[[PNode], bool]) -> set[int]:
         elif node.inputs and all(i in found for i in node.inputs):
             found.add(node.id)
     return found
+
+
+def _batch_wide_constants(pcg: PCG, graph: Graph, library) -> set[int]:
+    """Leaves of constants the import found in the forward (`Graph.constants`, e.g. BERT's attention mask of ones
+    or its token-type one-hots) whose leading dim is the batch: the module rebuilds them from its local batch's
+    shape on every rank, so a plan that splits them (or values made from them and weights alone) along that dim
+    on a data axis reads what the rank's own forward computes."""
+    batch = batch_dims(graph, library)
+    leaves = [n for n in pcg.nodes if n.kind == "leaf" and n.role != "weight"]
+    sizes = {leaf.shape[batch[leaf.op]] for leaf in leaves if leaf.op in batch}
+    return {leaf.id for leaf in leaves if leaf.op in graph.constants and leaf.shape and leaf.shape[0] in sizes}
 
 
 def _input_chains(pcg: PCG) -> set[int]:
