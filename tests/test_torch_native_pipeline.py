@@ -211,15 +211,18 @@ def _relative(a, b) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
 
 
-def train_job(ctx, plans: dict, steps: int) -> dict:
+def train_job(ctx, plans: dict, steps: int, folder: str | None = None) -> dict:
     """`train_plan` for each plan, in one job: label -> its result. The GPipe plan is held by rank 0 only (the
     others pass None and receive it, pipeline included)."""
-    return {label: train_plan(ctx, plan, steps, held_by_all=label != "gpipe") for label, plan in plans.items()}
+    return {label: train_plan(ctx, plan, steps, held_by_all=label != "gpipe", folder=folder and f"{folder}/{label}")
+            for label, plan in plans.items()}
 
 
-def train_plan(ctx, plan: dict, steps: int, held_by_all: bool = True) -> dict:
+def train_plan(ctx, plan: dict, steps: int, held_by_all: bool = True, folder: str | None = None) -> dict:
     """On every rank: the GPT parallelized with the pipelined plan, the user's loop (`step`, `clip_grad_norm_`,
-    AdamW) on this rank's local batch, beside the unmodified module trained on the whole batch in this process."""
+    AdamW) on this rank's local batch, beside the unmodified module trained on the whole batch in this process;
+    with a folder, the DCP checkpoint of `model.state_dict()` written there and each rank's weights gathered
+    whole saved beside it (`rank{r}.pt`)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -263,6 +266,13 @@ def train_plan(ctx, plan: dict, steps: int, held_by_all: bool = True) -> dict:
         rel = _relative(whole.detach(), reference.get_parameter(name).detach())
         if rel >= worst:
             worst, worst_name = rel, name
+    if folder is not None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(model.state_dict(), checkpoint_id=folder)
+        torch.save({name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+                    for name, t in model.state_dict().items()}, f"{folder}/rank{ctx.rank}.pt")
+        dist.barrier()
     checkpointed = sorted(name[len("module."):] for stage in model.stage_modules for name, sub in stage.named_modules()
                           if isinstance(sub.__dict__.get("forward"), partial))
     return {**rows, "worst_weight": worst, "worst_name": worst_name, "checkpointed": checkpointed, "refusals": refusals,
@@ -288,21 +298,40 @@ def _check_run(results: list) -> None:
     assert "wte" in results[0]["params"] and "wte" in results[-1]["params"]   # the tied embedding on both ends
 
 
-def _launch(plans: dict, nproc: int) -> list:
+def _launch(plans: dict, nproc: int, folder=None) -> list:
     from parsat.backend.launch import LaunchConfig, launch
 
     plans = {label: plan if isinstance(plan, dict) else plan.to_dict() for label, plan in plans.items()}
-    return launch(train_job, (plans, 3),
+    return launch(train_job, (plans, 3, None if folder is None else str(folder)),
                   LaunchConfig(nproc=nproc, backend="gloo", timeout_s=600))
 
 
+def _checkpoint_loads_into_the_unmodified_module(folder, ranks: int) -> float:
+    """The DCP checkpoint the pipeline's ranks wrote, loaded in this process (no process group) into a fresh
+    unmodified GPT: the largest relative difference from the weights the ranks held (every weight some rank's)."""
+    import torch.distributed.checkpoint as dcp
+
+    fresh = gpt_module()
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=str(folder))
+    fresh.load_state_dict(state)
+    held = {}
+    for r in range(ranks):
+        held.update(torch.load(folder / f"rank{r}.pt", weights_only=True))
+    assert set(held) == set(fresh.state_dict()), sorted(set(held) ^ set(fresh.state_dict()))
+    return max(_relative(value, held[name]) for name, value in fresh.state_dict().items())
+
+
 @pytest.mark.slow
-def test_pp2_trained_on_two_ranks_like_the_module_in_one_process(pp2):
+def test_pp2_trained_on_two_ranks_like_the_module_in_one_process(pp2, tmp_path):
     """1F1B (the optimizer's choice), GPipe and interleaved 1F1B (2 chunks a stage) on 2 ranks, and 1F1B
-    recomputing blocks (each stage's blocks checkpointed)."""
+    recomputing blocks (each stage's blocks checkpointed); each plan's DCP checkpoint, written by the 2 stages
+    (`model.state_dict()`), loads into the unmodified module here with the weights the stages held."""
     plans = {"1f1b": pp2, "gpipe": pipelined_plan(2, "gpipe"), "interleaved": pipelined_plan(2, "interleaved"),
              "recompute": dict(pp2.to_dict(), recompute="blocks")}
-    results = _launch(plans, 2)
+    results = _launch(plans, 2, tmp_path)
+    for label in plans:
+        assert _checkpoint_loads_into_the_unmodified_module(tmp_path / label, 2) == 0.0
     for label in plans:
         assert label == "recompute" or plans[label].pipeline.schedule == label
         _check_run([r[label] for r in results])
@@ -319,13 +348,15 @@ def test_pp2_trained_on_two_ranks_like_the_module_in_one_process(pp2):
 
 
 @pytest.mark.slow
-def test_pp2_by_dp2_trained_on_four_ranks_like_the_module_in_one_process():
+def test_pp2_by_dp2_trained_on_four_ranks_like_the_module_in_one_process(tmp_path):
     """The optimizer's pp 2 x dp 2 plan (its stage plan keeps ZeRO-3 over dp: fully_shard on each stage module)
-    and the same with ZeRO pinned off (replicate on each stage module)."""
+    and the same with ZeRO pinned off (replicate on each stage module); the DCP checkpoints (sharded DTensors
+    on each stage's dp ranks for ZeRO-3) load into the unmodified module here."""
     plans = {"zero3": pipelined_plan(4, dp=2), "replicate": pipelined_plan(4, dp=2, zero=0)}
-    results = _launch(plans, 4)
+    results = _launch(plans, 4, tmp_path)
     for label in plans:
         _check_run([r[label] for r in results])
+        assert _checkpoint_loads_into_the_unmodified_module(tmp_path / label, 4) == 0.0
     assert "fully_shard over dp" in results[0]["zero3"]["lowering"]
     assert any("Shard(dim=" in p for p in results[0]["zero3"]["placements"])
     assert "replicate over dp" in results[0]["replicate"]["lowering"]

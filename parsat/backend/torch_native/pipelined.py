@@ -145,6 +145,14 @@ class PipelinedModule:
         """This rank's parameters (for its optimizer)."""
         return (param for _, param in self.named_parameters())
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters under the module's names (DTensors on its stage's mesh), for
+        `torch.distributed.checkpoint`: `dcp.save(model.state_dict(), ...)` on every rank writes the whole module
+        (each stage its own keys, a weight several stages hold once: equal on every stage after each step), which
+        loads into the unmodified module in one process (tests/test_torch_native_pipeline.py; loading it back into
+        a PipelinedModule, `dcp.load(model.state_dict(), ...)`, is not checked yet)."""
+        return {name: param for name, param in self.named_parameters()}
+
     def get_parameter(self, name: str) -> nn.Parameter:
         """This rank's parameter `name` (the module's name)."""
         for found, param in self.named_parameters():
