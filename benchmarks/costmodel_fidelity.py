@@ -1,6 +1,12 @@
 """Does the cost model predict what runs? Predicted vs measured step time and peak memory, plan by plan.
 
     .venv/bin/python benchmarks/costmodel_fidelity.py [--nproc 2 4] [--rounds 2] [--steps 12] [--json out.json]
+        [--runtime interpreter|torch]
+
+`--runtime torch`: the plans run through `parsat.parallelize(...,
+runtime="torch")` instead of the interpreter (benchmarks/
+costmodel_fidelity_torch.py: Hugging Face models under Megatron-layout
+plans, predicted with the simulator's profile of that runtime).
 
 For each rank count: `parsat calibrate` on this box (the same ranks, the
 same dtype as `parsat run`), then `parsat optimize` of each graph with the
@@ -78,11 +84,20 @@ def simulator(pcg, library, machine: Machine, prediction) -> tuple[float, float]
     return result.step_s, float(result.sampled_memory_bytes)
 
 
+def torch_simulator(pcg, library, machine: Machine, prediction) -> tuple[float, float]:
+    """The step simulator as the torch-native runtime runs a plan (`TORCH_NATIVE_CPU`)."""
+    from costmodel_fidelity_torch import TORCH_NATIVE_CPU
+
+    result = simulate_pcg(pcg, library, machine, TORCH_NATIVE_CPU)
+    return result.step_s, float(result.sampled_memory_bytes)
+
+
 def plan_totals(pcg, library, machine: Machine, prediction) -> tuple[float, float]:
     return prediction.node_sum_s, prediction.peak_memory_bytes
 
 
-PREDICTORS: dict[str, Callable] = {"simulator": simulator, "plan_totals": plan_totals}
+PREDICTORS: dict[str, Callable] = {"simulator": simulator, "plan_totals": plan_totals,
+                                   "torch_simulator": torch_simulator}
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -179,8 +194,13 @@ def main() -> int:
     parser.add_argument("--window", type=float, default=0.03, help="calibration averaging window (seconds)")
     parser.add_argument("--json", default=None, help="write every row here")
     parser.add_argument("--keep", default=None, metavar="DIR", help="keep the machine and plan files here")
+    parser.add_argument("--runtime", default="interpreter", choices=["interpreter", "torch"])
+    parser.add_argument("--oversubscribe", action="store_true",
+                        help="calibrate more ranks than cores (they share them, as the runs do)")
+    parser.add_argument("--models", nargs="+", default=None, help="--runtime torch: of gpt2 llama bert")
     args = parser.parse_args()
-    predict = PREDICTORS[args.predictor]
+    predict = PREDICTORS["torch_simulator" if args.runtime == "torch" and args.predictor == "simulator"
+                         else args.predictor]
     library = operator_library()
     config = TrainConfig(steps=args.steps)
     rows: list[dict] = []
@@ -192,15 +212,15 @@ def main() -> int:
         for n in args.nproc:
             def calibrated(r: int) -> Machine:
                 machine_file = folder / f"machine-{n}-{r}.json"
-                calibrate(f"this-box-{n}", nproc=n, size=args.calibrate_size,
-                          window_s=args.window).machine.save(machine_file)
+                calibrate(f"this-box-{n}", nproc=n, size=args.calibrate_size, window_s=args.window,
+                          oversubscribe=args.oversubscribe).machine.save(machine_file)
                 return Machine.load(machine_file)
 
             before = calibrated(0)
-            plans[n] = plans_for(n, folder / f"machine-{n}-0.json", folder, args.graphs)  # optimized once
+            plans[n] = (plans_for(n, folder / f"machine-{n}-0.json", folder, args.graphs)  # optimized once
+                        if args.runtime == "interpreter" else _torch_plans(n, before, args.models))
             for r in range(args.rounds):
-                jobs = [(label, pcg, graph) for label, pcg, graph, _p in plans[n]]
-                measured = launch(run_many, (jobs, config), LaunchConfig(nproc=n, backend="gloo", timeout_s=3600))[0]
+                measured = _measure(args.runtime, plans[n], n, config)
                 after = calibrated(r + 1)
                 for label, pcg, graph, prediction in plans[n]:
                     (t0, m0), (t1, m1) = (predict(pcg, library, m, prediction) for m in (before, after))
@@ -220,6 +240,25 @@ def main() -> int:
     print(summary)
     print(f"\n({time.perf_counter() - started:.0f} s wall)")
     return 0
+
+
+def _torch_plans(n: int, machine: Machine, models: list[str] | None) -> list:
+    from costmodel_fidelity_torch import MODELS, torch_plans
+
+    return torch_plans(n, machine, list(models or MODELS))
+
+
+def _measure(runtime: str, plans: list, n: int, config: TrainConfig) -> dict:
+    """label -> {"step_times", "peak_memory_bytes"} (the slowest rank's per step, the largest peak), every plan of
+    one rank count in one process group."""
+    settings = LaunchConfig(nproc=n, backend="gloo", timeout_s=3600)
+    if runtime == "interpreter":
+        return launch(run_many, ([(label, pcg, graph) for label, pcg, graph, _p in plans], config), settings)[0]
+    import mesh_plans
+    from costmodel_fidelity_torch import slowest, torch_many
+
+    jobs = [(label, mesh_plans.plan_dict(graph, pcg)) for label, pcg, graph, _p in plans]
+    return slowest(launch(torch_many, (jobs, config.steps), settings))
 
 
 def summarize(rows: list[dict]) -> str:

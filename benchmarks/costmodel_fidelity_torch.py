@@ -1,0 +1,178 @@
+"""`costmodel_fidelity.py --runtime torch`: the plans run through `parsat.parallelize(..., runtime="torch")`.
+
+The interpreter's graphs (built-in mlp, transformer, gpt) have no torch
+module, and the torch-native runtime runs the user's module; so this
+runtime's rows are the Hugging Face models of benchmarks/hf_models.py
+(`make`, code unchanged, dropout off, float32), imported with
+`parsat.from_torch`, under the Megatron-layout plans the lowering takes
+(`ir.megatron.megatron_pcg`): data parallel (`replicate`), ZeRO-3
+(`fully_shard`), tensor parallel (`ColwiseParallel` / `RowwiseParallel`;
+LLaMA only: GPT-2's projections are `Conv1D`, BERT's tied decoder is
+refused) and, on 4 ranks, 2 x 2 (data x tensor, LLaMA); a plan the
+lowering refuses is left out, saying why on stderr (LLaMA's tp 4: the
+Megatron layout partitions an activation between two styles, where the
+module's own code runs on local pieces). The optimizer's
+own plans of these models are not run: `parsat optimize` of an imported
+transformer takes minutes on the shared 2-core box, and its per-layer
+choices often mix roles on one mesh axis, which the lowering refuses.
+
+Predicted: the step simulator on the plan's mesh PCG with
+`TORCH_NATIVE_CPU`, how the lowered module runs on CPU gloo (collectives
+inline and blocking, activations freed by backward, integer ids rather
+than seeded one-hots, SGD), with the machine `parsat calibrate` measured
+just before and just after (as for the interpreter). Measured, per plan:
+the median step (forward, backward, `optimizer.step()`, `zero_grad()`;
+SGD lr 1e-3 on `local_batch` of a fixed global batch; each step starts at
+a barrier; wall seconds, the slowest rank's, as the interpreter's rows; the
+first step dropped) and live bytes as the
+simulator samples them: at the end of forward, the rank's parameter
+pieces plus the distinct storages autograd saved for backward plus the
+loss; at the end of backward, parameters plus gradients; the larger.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from parsat.cost.pcg_tasks import ExecutionProfile  # noqa: E402
+
+TORCH_NATIVE_CPU = ExecutionProfile("parsat.parallelize(runtime='torch') on CPU gloo", overlap=False,
+                                    ddp_buckets=False, keep_activations=False, seeded_inputs=False,
+                                    eager_gradients=False, fused_optimizer=False, optimizer="sgd",
+                                    tp_comm_overlap=False)
+MODELS = ("gpt2", "llama", "bert")
+SHAPES = {2: {"dp": ((2, 1), 0), "zero3": ((2, 1), 3), "tp": ((1, 2), 0)},
+          4: {"dp": ((4, 1), 0), "zero3": ((4, 1), 3), "tp": ((1, 4), 0), "dp2xtp2": ((2, 2), 0)}}
+TENSOR_MODELS = ("llama",)   # the models whose tensor-parallel plans the lowering takes
+
+
+def model(name: str):
+    """(module, example inputs) of `hf_models.make(name)` with dropout off (each rank would draw its own)."""
+    import hf_models
+    from torch import nn
+
+    module, inputs = hf_models.make(name)
+    for sub in module.modules():
+        if isinstance(sub, nn.Dropout):
+            sub.p = 0.0
+    return module, inputs
+
+
+def torch_plans(n: int, machine, models: list[str]) -> list[tuple[str, object, object, object]]:
+    """(label, pcg, graph, PlanFigures) of each model's Megatron-layout plans on `n` ranks."""
+    from costmodel_fidelity import PlanFigures
+    from parsat.backend.executor import operator_library
+    from parsat.backend.torch_native.apply import module_info
+    from parsat.backend.torch_native.lowering import LoweringError, lower
+    from parsat.cost.pcg_tasks import simulate_pcg
+    from parsat.importer.export import import_module
+    from parsat.ir.costs import totals
+    from parsat.ir.megatron import megatron_pcg
+    from parsat.search.baselines import price_pcg
+
+    library = operator_library()
+    out = []
+    for name in models:
+        module, inputs = model(name)
+        imported = import_module(module, inputs, check=False)
+        graph, info = imported.graph, module_info(module, imported.weights)
+        for label, (shape, zero) in SHAPES[n].items():
+            if shape[1] > 1 and name not in TENSOR_MODELS:
+                continue
+            pcg = megatron_pcg(graph, library, shape, zero=zero)
+            if pcg is None:
+                print(f"{name}/{label} on {n} ranks: no Megatron layout", file=sys.stderr)
+                continue
+            try:
+                lower(pcg, graph, info)
+            except LoweringError as err:
+                print(f"{name}/{label} on {n} ranks: not lowered ({err})", file=sys.stderr)
+                continue
+            summed = totals(price_pcg(pcg, library, machine), machine)
+            out.append((f"{name}/{label}", pcg, graph,
+                        PlanFigures(simulate_pcg(pcg, library, machine, TORCH_NATIVE_CPU).step_s, summed.time_s,
+                                    summed.peak_memory_bytes)))
+    return out
+
+
+def torch_many(ctx, jobs: list[tuple[str, dict]], steps: int) -> dict:
+    """On every rank, per (label, plan dict): the model lowered with `runtime="torch"`, `steps` SGD steps on this
+    rank's local batch; this rank's step times and live bytes (module docstring)."""
+    import torch
+    import torch.distributed as dist
+
+    import parsat
+    from parsat.backend.torch_native.apply import local_batch
+
+    out = {}
+    for label, plan in jobs:
+        module, example = model(label.split("/")[0])
+        net = parsat.parallelize(module, plan, example, runtime="torch")
+        optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
+        batch = local_batch(net, *example)
+        times, peak = [], 0
+        for _ in range(steps):
+            dist.barrier()
+            start = time.perf_counter()
+            saved: dict[int, int] = {}
+            with torch.autograd.graph.saved_tensors_hooks(_recorder(saved), lambda t: t):
+                loss = net(*batch)
+            forward = _param_bytes(net, saved) + sum(saved.values()) + loss.nbytes
+            loss.backward()
+            backward = _param_bytes(net, {}) + _grad_bytes(net)
+            optimizer.step()
+            optimizer.zero_grad()
+            times.append(time.perf_counter() - start)
+            peak = max(peak, forward, backward)
+        out[label] = {"step_times": times, "peak_memory_bytes": peak}
+        dist.barrier()
+    return out
+
+
+def slowest(per_rank: list[dict]) -> dict:
+    """The ranks' figures as `parsat run` reports them: per step the slowest rank's time, the largest peak."""
+    return {label: {"step_times": [max(times) for times in zip(*(r[label]["step_times"] for r in per_rank))],
+                    "peak_memory_bytes": max(r[label]["peak_memory_bytes"] for r in per_rank)}
+            for label in per_rank[0]}
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _storage(t) -> tuple[int, int]:
+    """(address, bytes) of a tensor's storage (a DTensor's local piece); (0, 0) where it holds none (a freed
+    FSDP buffer, a tensor subclass without storage)."""
+    try:
+        storage = _local(t).untyped_storage()
+        return (storage.data_ptr(), storage.nbytes()) if storage.nbytes() else (0, 0)
+    except (RuntimeError, NotImplementedError):
+        return 0, 0
+
+
+def _recorder(saved: dict):
+    """A pack hook that records each saved tensor's storage once (by address) with its size."""
+    def pack(t):
+        address, size = _storage(t)
+        if size:
+            saved[address] = size
+        return t
+    return pack
+
+
+def _param_bytes(net, seen: dict) -> int:
+    """The rank's parameter pieces; a piece autograd also saved is counted once (removed from `seen`)."""
+    total = 0
+    for p in net.parameters():
+        address, size = _storage(p.data)
+        seen.pop(address, None)
+        total += size
+    return total
+
+
+def _grad_bytes(net) -> int:
+    return sum(_storage(p.grad)[1] for p in net.parameters() if p.grad is not None)
