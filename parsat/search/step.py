@@ -44,6 +44,7 @@ from parsat.search.request import SearchRequest, StepContext
 from parsat.search.provenance import rules_used
 from parsat.search.strategies import Config, PinError, pinned_meshes
 
+NO_PINNED_LAYOUT = "no plan uses the pinned axes that way"
 FIRST_MESH_SHARE = 0.5   # of a search's time, for its first mesh when several are searched
 MESHES_SHARE = 0.8       # of a search's time, for its meshes (saturation, extraction); then the candidates' steps
 
@@ -100,12 +101,12 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
         raise _no_joint_plan(step, searches)
     best_search = min(solved, key=lambda s: rank(s.joint, step.memory)) if solved else searches[0]
     candidates, found_baselines, skipped = compare_baselines(step, searches, best_search, steps, clock)
-    if pinned and not solved:   # only a baseline that keeps the pins may stand for the joint plan
-        candidates = [c for c in candidates if keeps_pins(c, step.request)]
+    if pinned:   # only a plan that keeps the pins may stand for the joint one
+        candidates = [c for c in candidates if c.name == JOINT or keeps_pins(c, step.request)]
     if not candidates:
         # nothing to fall back to (pinned inputs, or pinned degrees: no baseline keeps them)
         raise _pin_error(step, searches) if pinned else _no_joint_plan(step, searches)
-    plan = assemble_plan(step, searches, best_search, candidates, found_baselines, skipped, steps, pinned=pinned)
+    plan = assemble_plan(step, searches, best_search, candidates, found_baselines, skipped, steps)
     if unspread:
         said["unspread"] = unspread
     if cut:
@@ -123,7 +124,7 @@ def _pins_unheld(step: StepContext, searches: Sequence[MeshSearch]) -> str:
     """Why no mesh's joint plan keeps the pinned degrees, said where a baseline that keeps them (the grid's
     point of the pinned layout, data parallelism built apart from the e-graph) is the plan instead: a data-parallel
     plan exists whatever the rules reach, so a pin it keeps is answered, not refused."""
-    return f"no joint plan keeps --degrees {_pins(step)} ({_mesh_errors(searches) or 'no plan uses the pinned axes that way'})"
+    return f"no joint plan keeps --degrees {_pins(step)} ({_mesh_errors(searches) or NO_PINNED_LAYOUT})"
 
 
 def _mesh_errors(searches: Sequence[MeshSearch]) -> str:
@@ -134,10 +135,11 @@ def _mesh_errors(searches: Sequence[MeshSearch]) -> str:
 def _pin_error(step: StepContext, searches: Sequence[MeshSearch]) -> OptimizeError:
     """A pin that no plan keeps, neither a joint plan nor a baseline: the error names it."""
     return OptimizeError(f"--degrees {_pins(step)} cannot hold for '{step.graph.name}': "
-                         f"{searches[0].error or 'no plan uses the pinned axes that way'}")
+                         f"{searches[0].error or NO_PINNED_LAYOUT}")
 
 
 def _pins(step: StepContext) -> str:
+    """The pinned degrees as the user wrote them (`dp=2, tp=2`)."""
     return ", ".join(f"{k}={v}" for k, v in step.request.parallel_dims.items())
 
 
@@ -347,11 +349,10 @@ def independent_points(step: StepContext, steps: CandidateSteps) -> list[Candida
 
 
 def assemble_plan(step: StepContext, searches: Sequence[MeshSearch], best_search: MeshSearch,
-                  candidates: list[Candidate], found_baselines: dict, skipped: str, steps: CandidateSteps,
-                  pinned: bool) -> Plan:
+                  candidates: list[Candidate], found_baselines: dict, skipped: str, steps: CandidateSteps) -> Plan:
     """The plan: the best candidate that the backend can place (every baseline is a PCG priced by the same
-    model, so it is a valid plan; the joint plan wins ties; when parallel dims are pinned, only the candidates
-    that keep the pins, `keeps_pins`), with the search's statistics and every baseline's PCG."""
+    model, so it is a valid plan; the joint plan wins ties; when parallel dims are pinned, the caller passes only
+    the candidates that keep the pins, `keeps_pins`), with the search's statistics and every baseline's PCG."""
     request, graph, machine = step.request, step.graph, step.machine
     # Every candidate must be one the backend can place (`pcg_placement`): the placement analysis makes that so,
     # and a candidate that still is not is left out, and said, rather than returned.
@@ -362,8 +363,6 @@ def assemble_plan(step: StepContext, searches: Sequence[MeshSearch], best_search
     if not candidates:
         raise OptimizeError(f"internal: no plan for '{graph.name}' can be placed on {step.devices} devices "
                             f"({unplaceable.get(JOINT, '')})")
-    if pinned:   # only a plan that keeps the pins may stand for the joint one
-        candidates = [c for c in candidates if c.name == JOINT or keeps_pins(c, step.request)]
     chosen = min(candidates, key=lambda c: rank(c, step.memory))
     if chosen.name != JOINT and best_search.joint is not None:
         step.say(f"baseline {chosen.name} was cheaper than anything extracted: the plan is its PCG")
