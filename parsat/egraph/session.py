@@ -51,12 +51,7 @@ def _children_and_attrs(eg, sorts: Sequence[str], values: Sequence) -> tuple[tup
     """A row's tensor arguments (e-class ids) and its other arguments (ints, strings for reals and leaf names)."""
     children, attrs = [], []
     for sort, value in zip(sorts, values):
-        if sort == "T":
-            children.append(eg.value_to_i64(value))
-        elif sort == "String":
-            attrs.append(eg.value_to_string(value))
-        else:
-            attrs.append(eg.value_to_i64(value))
+        (children if sort == "T" else attrs).append(_value(eg, sort, value))
     return tuple(children), tuple(attrs)
 
 
