@@ -56,7 +56,7 @@ def test_a_correct_import_passes_and_leaves_the_module_as_it_was():
     module, inputs = mlp()
     before = copy.deepcopy(module.state_dict())
     graph = parsat.from_torch(module, inputs)
-    assert {n.op for n in graph.nodes} >= {"gelu", "linear"}
+    assert {n.op for n in graph.nodes} >= {"gelu", "linear_t"} and "transpose" not in {n.op for n in graph.nodes}
     assert all(p.dtype == torch.float32 and p.grad is None for p in module.parameters())
     assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
 
@@ -71,6 +71,28 @@ def test_a_mis_mapped_operator_is_refused_naming_its_node_and_source_line(monkey
     assert "first value that differs: graph node 'gelu' (relu), made from aten.gelu.default" in message
     assert marked_line() in message and "Traceback" not in message
     assert parsat.from_torch(module, inputs, check=False) is not None  # the opt-out
+
+
+def test_a_linear_that_reads_the_weight_untransposed_is_refused(monkeypatch):
+    """torch's [out, in] weight read as if it were [in, out] (`linear` instead of `linear_t`, shapes agree on a
+    square layer): the self-check catches the layout, not only the operator."""
+    monkeypatch.setitem(HANDLERS, "linear", lambda t, node, x, w, b=None: t.op("linear", t.tensor(x), t.tensor(w),
+                                                                                t.tensor(b)))
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+    with pytest.raises(TorchImportError, match=r"does not compute what the module computes"):
+        import_module(Squared(module), (torch.randn(3, 6),))
+
+
+class Squared(nn.Module):
+    """The mean square of a module's output: a loss to check an import by."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x).pow(2).mean()
 
 
 def test_a_wrong_subtraction_is_refused_at_its_node(monkeypatch):

@@ -197,3 +197,38 @@ def test_cut_short_saturation_still_meets_the_grid():
     assert fitting and plan.totals.fits(plan.machine)
     assert plan.baselines["best_grid"].time_s == pytest.approx(min(t.time_s for t in fitting), rel=1e-12)
     assert all(plan.totals.time_s <= t.time_s + 1e-12 for t in fitting)
+
+
+def torch_layout_mlp():
+    """Two MLPs as torch's nn.Linear computes them (`linear_t`, `linear_nobias_t`: weights [out, in]), as the
+    importer maps an HF model: up, activation, down, then the same without biases."""
+    from parsat.ir.graph import GraphBuilder
+    g = GraphBuilder(LIB, name="torch_mlp")
+    x = g.input("x", [8, 16, 32])
+    up = g.op("linear_t", x, g.weight("w1", [64, 32]), g.weight("b1", [64]), name="up")
+    down = g.op("linear_t", g.op("gelu", up, name="act"), g.weight("w2", [32, 64]), g.weight("b2", [32]), name="down")
+    q = g.op("linear_nobias_t", down, g.weight("w3", [64, 32]), name="q")
+    g.output(g.op("linear_nobias_t", g.op("relu", q, name="act2"), g.weight("w4", [32, 64]), name="o"))
+    return g.build()
+
+
+def test_torch_layout_projections_split_their_out_rows_column_wise_and_in_columns_row_wise():
+    """ColwiseParallel is Shard(0) of an [out, in] weight, RowwiseParallel Shard(1): the row-parallel `linear_t`
+    runs as `linear_nobias_t` (a partial sum, all-reduced) then `bias_add`, its bias whole."""
+    pcg = megatron_pcg(torch_layout_mlp(), LIB, (2, 2), 8)
+    assert pcg is not None
+    for name, weight_code in (("up", shard(0)), ("q", shard(0))):
+        node = computing(pcg, name)
+        assert tp_code(pcg, node.inputs[0]) == REPLICA and tp_code(pcg, node.inputs[1]) == weight_code, name
+        assert node.placement.codes[TP] == shard(2), name
+    partial = computing(pcg, "down_nobias")
+    assert partial.op == "linear_nobias_t" and tp_code(pcg, partial.inputs[0]) == shard(2)
+    assert tp_code(pcg, partial.inputs[1]) == shard(1) and partial.placement.codes[TP] == PARTIAL
+    (reduce,) = readers(pcg, partial.id)
+    assert reduce.op == REDUCE and reduce.attr("axis") == "tp"
+    biased = computing(pcg, "down")
+    assert biased.op == "bias_add" and biased.inputs[0] == reduce.id and tp_code(pcg, biased.inputs[1]) == FREE
+    out = computing(pcg, "o")
+    assert tp_code(pcg, out.inputs[1]) == shard(1) and out.placement.codes[TP] == PARTIAL
+    placements = derive_placements(pcg, LIB.ops)
+    assert all(placements[n.id] == n.placement for n in pcg.nodes)

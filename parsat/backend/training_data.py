@@ -78,8 +78,9 @@ def leaf_value(name: str, shape: Sequence[int], role: str, config: TrainConfig, 
 
 # Where a weight is read, which of its dims are the inputs of one output: (operator, argument) -> dims.
 # A weight read through `transpose` swaps them (torch's [out, in] Linear weight feeding `linear`).
-_FAN_IN_DIMS = {("matmul", 1): (0,), ("linear", 1): (0,), ("linear_nobias", 1): (0,), ("conv2d", 1): (1, 2, 3),
-                ("bmm", 1): (-2,)}
+# torch's `linear_t` and `linear_nobias_t` read it [out, in], as nn.Linear stores it: its fan-in is dim 1.
+_FAN_IN_DIMS = {("matmul", 1): (0,), ("linear", 1): (0,), ("linear_nobias", 1): (0,), ("linear_t", 1): (1,),
+                ("linear_nobias_t", 1): (1,), ("conv2d", 1): (1, 2, 3), ("bmm", 1): (-2,)}
 
 
 def fan_in(nodes: Sequence[tuple[str, str, Sequence[str]]], shapes: dict, name: str) -> int:

@@ -72,10 +72,11 @@ DEVICE = 0
 # Operators torch runs as views of their input (no new storage): parsat/importer/torch_ops.py. `flatten` is a view
 # only of a contiguous tensor (after a transpose it copies).
 VIEW_OPS = frozenset({"transpose", "unflatten", "split", "dropout", "broadcast"})
-PRODUCTS = frozenset({"matmul", "bmm", "linear", "linear_nobias"})
-"""GEMM-kind operators: one product `a [*, m, k] x b [*, k, n]` (linear's b is its weight [k, n]); torch runs them
-through torch.matmul, which reshapes >2-D inputs (`_saved_extra`), and they are what a pipelined collective
+PRODUCTS = frozenset({"matmul", "bmm", "linear", "linear_nobias", "linear_t", "linear_nobias_t"})
+"""GEMM-kind operators: one product `a [*, m, k] x b [*, k, n]` (linear's b is its weight [k, n]; torch's `linear_t`
+and `linear_nobias_t` read it [n, k]: `TRANSPOSED_B`); torch runs them through torch.matmul or F.linear, which reshapes >2-D inputs (`_saved_extra`), and they are what a pipelined collective
 feeds or drains (`Pipeline`)."""
+TRANSPOSED_B = frozenset({"linear_t", "linear_nobias_t"})
 OPTIMIZER_PASSES = {"sgd": (2, 5), "adam": (11, 26)}
 """Optimizer: (operators per parameter tensor, element reads + writes per parameter) as the backend runs it."""
 LOSS_OPS = 6           # per output: sub, pow, sum, div, div, detach-div (parsat/backend/executor.py `objective`)
@@ -149,11 +150,13 @@ class Pipeline:
         return self.gathers == backward
 
 
-def product_axis(operand: int | None, rank: int, dim: int) -> int | None:
+def product_axis(operand: int | None, rank: int, dim: int, transposed_b: bool = False) -> int | None:
     """Which of a product's (m, n, k) the dim `dim` of a tensor of `rank` dims belongs to: its operand 0 or 1,
     or its output (`operand` None), in `PRODUCTS`' layout (leading dims are batch, counted in m); None for
-    any other operand (a bias)."""
+    any other operand (a bias). `transposed_b`: operand 1 is [n, k] (`TRANSPOSED_B`)."""
     last = rank - 1
+    if operand == 1 and transposed_b:
+        return 2 if dim == last else 1 if dim == last - 1 else 0
     if operand is None:
         return 1 if dim == last else 0
     if operand == 0:
@@ -439,7 +442,7 @@ class _Builder:
             return None
         if product is None or product.kind != "op" or product.op not in PRODUCTS:
             return None
-        axis = product_axis(operand, len(node.shape), int(node.attr("dim")))
+        axis = product_axis(operand, len(node.shape), int(node.attr("dim")), product.op in TRANSPOSED_B)
         if axis is None:
             return None
         return Pipeline(node.id, product.id, group.size, axis, gathers, forward, backward, siblings)

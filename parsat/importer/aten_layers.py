@@ -1,7 +1,7 @@
 """ATen layer operators onto library operators: linear and matmul, embedding, the norms, convolution and pooling.
 
-A Linear's `[out, in]` weight is read through one `transpose` per weight
-(`Translator.weight_t`); embedding ids are data, fed one-hot
+A Linear's `[out, in]` weight is read as it is stored, by torch's `F.linear`
+(`linear_nobias_t`, `linear_t`; `x @ w.t()` too, `Translator.untransposed_of`); embedding ids are data, fed one-hot
 (`padding_idx`: `embedding_padded`, whose row is read and never trained); a
 batch norm in training mode computes its batch statistics as graph nodes
 and records its running statistics (`Translator.running_statistics`).
@@ -21,22 +21,32 @@ from parsat.importer.errors import Refused, aten_short
 
 
 def _h_linear(t, node, x, w, b=None):
-    a = t.tensor(x)
-    wt = t.weight_t(w)
+    """torch's `F.linear` as torch computes it: the weight read [out, in], as nn.Linear stores it."""
+    a, weight = t.tensor(x), t.tensor(w)
+    if len(t.shape(weight)) != 2:
+        raise Refused(f"linear with a weight of shape {list(t.shape(weight))} (expected 2-D)")
     if b is None:
-        return t.op("linear_nobias", a, wt)
-    return t.op("linear", a, wt, t.tensor(b))
+        return t.op("linear_nobias_t", a, weight)
+    return t.op("linear_t", a, weight, t.tensor(b))
 
 
 def _h_addmm(t, node, bias, x, w, beta=1, alpha=1):
+    """`bias + x @ w`; `bias + x @ w.t()` (a decomposed nn.Linear) is `F.linear` on the [out, in] weight."""
     if beta != 1 or alpha != 1:
         raise Refused("addmm with beta or alpha other than 1 is not supported")
+    source = t.untransposed_of(w)
+    if source is not None:
+        return t.op("linear_t", t.tensor(x), source, t.tensor(bias))
     return t.op("linear", t.tensor(x), t.tensor(w), t.tensor(bias))
 
 
 def _h_matmul(t, node, x, y):
+    """A product by shapes; `x @ w.t()` or `x @ w.T` of a matrix `w` is `F.linear` on `w` as it is stored."""
     a, b = t.tensor(x), t.tensor(y)
     sa, sb = t.shape(a), t.shape(b)
+    source = t.untransposed_of(b) if len(sb) == 2 else None
+    if source is not None:
+        return t.op("linear_nobias_t", a, source)
     if len(sa) == 2 and len(sb) == 2:
         return t.op("matmul", a, b)
     if len(sb) == 2 and len(sa) > 2:

@@ -86,7 +86,10 @@ def _h_transpose(t, node, x, d0, d1):
 
 
 def _h_t(t, node, x):
-    return t.transpose(t.tensor(x), 0, 1)
+    """`w.t()`: a matrix's is the one transpose made per operand (`Translator.weight_t`), which a product reading
+    it turns into `F.linear` on `w` (`aten_layers._h_matmul`)."""
+    a = t.tensor(x)
+    return t.weight_t(a) if len(t.shape(a)) == 2 else a
 
 
 def _h_permute(t, node, x, dims):

@@ -234,6 +234,8 @@ OPS: Mapping[str, TorchOp] = {
     "silu": TorchOp(1, (), F.silu),
     "gelu_tanh": TorchOp(1, (), lambda x: F.gelu(x, approximate="tanh")),
     "linear_nobias": TorchOp(2, (), torch.matmul),
+    "linear_nobias_t": TorchOp(2, (), F.linear),      # torch's own: the weight [out, in]
+    "linear_t": TorchOp(3, (), F.linear),
     # Broadcasting aligns trailing dims, which is exactly `[*a, *t]` with `[*t]`.
     "add_bcast": TorchOp(2, (), torch.add),
     "mul_bcast": TorchOp(2, (), torch.mul),

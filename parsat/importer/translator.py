@@ -16,8 +16,8 @@ A node that cannot be mapped is recorded (`errors.Unsupported`) and the
 walk goes on, so the one `TorchImportError` lists them all.
 
 Weights keep the module's qualified parameter names and layouts (a Linear's
-`[out, in]` weight feeds `linear` through a `transpose` node, made once per
-weight; `export.named_blocks` then renames a stack's blocks, the names kept
+`[out, in]` weight feeds `linear_nobias_t` or `linear_t`, torch's `F.linear`, as it
+is stored, with no transpose; `export.named_blocks` then renames a stack's blocks, the names kept
 in `ImportedModule.weights`), so a plan's weights are the module's own tensors and a tied
 parameter (GPT-2's word embedding and LM head) stays one weight leaf with
 two readers. Weight leaves are made when a compute node first reads them
@@ -83,6 +83,7 @@ class Translator(ShapeOps):
         self.failed: dict = {}           # node name -> Unsupported (the first failure on a path)
         self.weights: dict[str, Tensor] = {}
         self.transposed: dict[str, Tensor] = {}
+        self.untransposed: dict[str, Tensor] = {}   # a `weight_t` transpose's name -> the matrix it transposes
         self.data: dict[tuple, DataLeaf] = {}
         self.leaf_nodes: dict = {}       # data leaf name -> (its data node, its DataLeaf) (`data_leaf`)
         self.shared_reshapes: dict = {}  # (data leaf, shape) -> the leaf reshaped so, made once (`ShapeOps.reshape`)
@@ -190,7 +191,14 @@ class Translator(ShapeOps):
             raise Refused(f"expected a 2-D weight, got shape {list(self.shape(t))}")
         if t.name not in self.transposed:
             self.transposed[t.name] = self.op("transpose", t, d0=0, d1=1, tag="t")
+            self.untransposed[self.transposed[t.name].name] = t
         return self.transposed[t.name]
+
+    def untransposed_of(self, value) -> Tensor | None:
+        """The matrix `value` is the `weight_t` transpose of (`x @ w.t()`, `x @ w.T`), else None: a product that
+        reads it is torch's `F.linear` on the [out, in] matrix (`linear_nobias_t`, `linear_t`), and the transpose,
+        left unread, is pruned."""
+        return self.untransposed.get(self.tensor(value).name)
 
     def dropout_leaf(self, node, tag: str, shape: tuple[int, ...], rate: float) -> Tensor:
         """A fresh dropout mask leaf for one dropout of the module (in the order the module draws them)."""

@@ -17,7 +17,9 @@ and nothing is placed by hand:
   computed from weights alone replicated, a partial sum over the batch
   (the loss) reduced where an operator needs it whole, outputs gathered;
 * the tensor axis `tp`: the weights a contraction reads (`linear`,
-  `linear_nobias`, `matmul`, `embedding`, `bmm`, `conv2d`:
+  `linear_nobias`, torch's `linear_t` and `linear_nobias_t` (weight [out, in]:
+  column-parallel is its dim 0, row-parallel its dim 1), `matmul`,
+  `embedding`, `bmm`, `conv2d`:
   `contraction_weights`) are split: column-parallel (the weight's output
   dim) where the activation arrives replicated, row-parallel (its
   contraction dim, a partial sum) where it arrives split along its last
@@ -63,7 +65,9 @@ from parsat.ir.placement import (FREE, PARTIAL, REPLICA, Placement, PlacementErr
 
 DP_AXIS, TP_AXIS = "dp", "tp"
 ZERO_LEVELS = (0, 3)
-CONTRACTIONS = frozenset({"matmul", "linear", "linear_nobias", "bmm", "embedding", "conv2d"})
+CONTRACTIONS = frozenset({"matmul", "linear", "linear_nobias", "linear_t", "linear_nobias_t", "bmm", "embedding",
+                          "conv2d"})
+UNBIASED = {"linear": "linear_nobias", "linear_t": "linear_nobias_t"}   # a row-parallel layer's partial sum
 OPTIONS_PER_AXIS = 8   # accepted input placements kept per axis, cheapest first, before they are tried together
 
 # fixed prices of reading a value in another placement on one axis (a layout's preferences, not times)
@@ -233,11 +237,11 @@ class _MegatronBuilder:
     def place_graph_node(self, gnode) -> bool:
         """A graph operator placed (False: it accepts nothing its inputs can be brought to). A `linear` whose
         input arrives split along its last dim on the tensor axis is row-parallel: `linear_nobias` (a partial
-        sum) then `bias_add`, so the bias is added once, after the all-reduce."""
-        if gnode.op == "linear" and self.split_on_features(gnode.inputs[0]):
+        sum; `linear_nobias_t` for torch's `linear_t`) then `bias_add`, so the bias is added once, after the all-reduce."""
+        if gnode.op in UNBIASED and self.split_on_features(gnode.inputs[0]):
             partial = f"{gnode.name}_nobias"
             self.shapes[partial] = tuple(gnode.shape)
-            return self.place(partial, "linear_nobias", gnode.inputs[:2], (), gnode.shape) and \
+            return self.place(partial, UNBIASED[gnode.op], gnode.inputs[:2], (), gnode.shape) and \
                 self.place(gnode.name, "bias_add", (partial, gnode.inputs[2]), (), gnode.shape)
         return self.place(gnode.name, gnode.op, gnode.inputs, gnode.attrs, gnode.shape)
 

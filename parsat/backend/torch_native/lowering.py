@@ -85,7 +85,7 @@ FREE_ROLE, SYNCED, GATHERED, SPLIT = "free", "synced", "gathered", "split"
 DATA, ZERO3, TENSOR = "data", "zero3", "tensor"
 COLWISE, ROWWISE, VOCAB, REPLICATE_STYLE = "colwise", "rowwise", "vocab", "replicate"
 LINEAR, EMBEDDING = "linear", "embedding"
-LINEAR_OPS = frozenset({"linear", "linear_nobias", "matmul"})
+LINEAR_OPS = frozenset({"linear", "linear_nobias", "linear_t", "linear_nobias_t", "matmul"})
 EMBEDDING_OPS = frozenset({"embedding"})
 GATHERS = frozenset({COMBINE, ALL_GATHER, REDUCE, REDUCE_SCATTER})
 
