@@ -173,10 +173,11 @@ def test_weights_are_named_by_the_module_parameters():
     names = {leaf.name for leaf in graph.weights}
     assert names == {name for name, _ in module.named_parameters()}
     shapes = {leaf.name: leaf.shape for leaf in graph.weights}
-    assert shapes["fc1.weight"] == (32, 16)            # the module's own [out, in] layout (a transpose reads it)
+    assert shapes["fc1.weight"] == (32, 16)            # the module's own [out, in] layout, read by torch's F.linear
     assert shapes["attn.in_proj_weight"] == (48, 16)
     assert shapes["ln1.weight"] == (16,)
-    assert any(n.op == "transpose" and n.inputs == ("fc1.weight",) for n in graph.nodes)
+    assert any(n.op in ("linear_t", "linear_nobias_t") and n.inputs[1] == "fc1.weight" for n in graph.nodes)
+    assert not any(n.op == "transpose" and n.inputs == ("fc1.weight",) for n in graph.nodes)
 
 
 class WithUnsupported(nn.Module):

@@ -317,3 +317,5 @@ def test_seeded_weights_are_scaled_by_their_fan_in():
     assert fan_in(nodes, shapes, "lin") == 4     # torch's [out, in] = [16, 4] Linear weight, read transposed
     assert fan_in(nodes, shapes, "table") == 1   # an embedding table is not a contraction's input side
     assert fan_in(nodes, shapes, "b") == 1
+    direct = [("o", "linear_t", ("h", "lin", "b"))]   # torch's F.linear reads [out, in] as stored: dim 1 is in
+    assert fan_in(direct, shapes, "lin") == 4 and fan_in([("o", "linear_nobias_t", ("h", "lin"))], shapes, "lin") == 4

@@ -517,3 +517,12 @@ def test_a_weight_replicated_on_two_axes_holds_neither_backward_compute_nor_the_
     intra = [i for i in range(len(b.names)) if b.streams[b.stream_of[i]].name == "intra"]
     buckets = [i for i in intra if b.names[i].startswith("all-reduce bucket")]
     assert buckets and min(buckets) > max(i for i in intra if b.phases[i] == "backward_comm")
+
+
+def test_product_axes_of_a_torch_layout_weight():
+    """torch's `linear_t`/`linear_nobias_t` read the weight [n, k]: its dim 0 is the product's n, dim 1 its k (a
+    [k, n] weight's are the other way round); the activation's and the output's dims are the same for both."""
+    from parsat.cost.pcg_tasks import product_axis
+    assert product_axis(1, 2, 0) == 2 and product_axis(1, 2, 1) == 1                      # [k, n]
+    assert product_axis(1, 2, 0, transposed_b=True) == 1 and product_axis(1, 2, 1, transposed_b=True) == 2
+    assert product_axis(0, 3, 2, transposed_b=True) == 2 and product_axis(None, 3, 2, transposed_b=True) == 1
