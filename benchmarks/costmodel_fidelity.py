@@ -62,7 +62,7 @@ from parsat.ir.machine import Machine
 from parsat.ir.models import build_example
 from parsat.search.baselines import price_pcg
 from parsat.ir.errors import OptimizeError
-from parsat.cost.pcg_tasks import PARSAT_RUN, simulate_pcg
+from parsat.cost.pcg_tasks import PARSAT_RUN, TORCH_NATIVE, simulate_pcg
 
 GRAPHS = {
     "mlp": ("mlp", {}),
@@ -85,10 +85,8 @@ def simulator(pcg, library, machine: Machine, prediction) -> tuple[float, float]
 
 
 def torch_simulator(pcg, library, machine: Machine, prediction) -> tuple[float, float]:
-    """The step simulator as the torch-native runtime runs a plan (`TORCH_NATIVE_CPU`)."""
-    from costmodel_fidelity_torch import TORCH_NATIVE_CPU
-
-    result = simulate_pcg(pcg, library, machine, TORCH_NATIVE_CPU)
+    """The step simulator as the torch-native runtime runs a plan (`TORCH_NATIVE`)."""
+    result = simulate_pcg(pcg, library, machine, TORCH_NATIVE)
     return result.step_s, float(result.sampled_memory_bytes)
 
 
@@ -212,8 +210,10 @@ def main() -> int:
         for n in args.nproc:
             def calibrated(r: int) -> Machine:
                 machine_file = folder / f"machine-{n}-{r}.json"
+                torch_native = args.runtime == "torch"   # it trains in float32, its styled modules on DTensors
                 calibrate(f"this-box-{n}", nproc=n, size=args.calibrate_size, window_s=args.window,
-                          oversubscribe=args.oversubscribe).machine.save(machine_file)
+                          oversubscribe=args.oversubscribe, dtype="float32" if torch_native else "float64",
+                          dtensor=torch_native).machine.save(machine_file)
                 return Machine.load(machine_file)
 
             before = calibrated(0)

@@ -16,11 +16,13 @@ own plans of these models are not run: `parsat optimize` of an imported
 transformer takes minutes on the shared 2-core box, and its per-layer
 choices often mix roles on one mesh axis, which the lowering refuses.
 
-Predicted: the step simulator on the plan's mesh PCG with
-`TORCH_NATIVE_CPU`, how the lowered module runs on CPU gloo (collectives
+Predicted: the step simulator on the plan's mesh PCG with the library's
+profile of this runtime, `cost.pcg_tasks.TORCH_NATIVE` (collectives
 inline and blocking, activations freed by backward, integer ids rather
-than seeded one-hots, SGD), with the machine `parsat calibrate` measured
-just before and just after (as for the interpreter). Measured, per plan:
+than seeded one-hots, FSDP2's parameter groups, torch's tensor-parallel
+styles on DTensors, the loss each rank's own, SGD), with the machine
+`parsat calibrate --dtype float32 --dtensor` measured just before and
+just after (as for the interpreter; float32, as these runs train). Measured, per plan:
 the median step (forward, backward, `optimizer.step()`, `zero_grad()`;
 SGD lr 1e-3 on `local_batch` of a fixed global batch; each step starts at
 a barrier; wall seconds, the slowest rank's, as the interpreter's rows; the
@@ -38,12 +40,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from parsat.cost.pcg_tasks import ExecutionProfile  # noqa: E402
+from parsat.cost.pcg_tasks import TORCH_NATIVE  # noqa: E402
 
-TORCH_NATIVE_CPU = ExecutionProfile("parsat.parallelize(runtime='torch') on CPU gloo", overlap=False,
-                                    ddp_buckets=False, keep_activations=False, seeded_inputs=False,
-                                    eager_gradients=False, fused_optimizer=False, optimizer="sgd",
-                                    tp_comm_overlap=False)
 MODELS = ("gpt2", "llama", "bert")
 SHAPES = {2: {"dp": ((2, 1), 0), "zero3": ((2, 1), 3), "tp": ((1, 2), 0)},
           4: {"dp": ((4, 1), 0), "zero3": ((4, 1), 3), "tp": ((1, 4), 0), "dp2xtp2": ((2, 2), 0)}}
@@ -94,7 +92,7 @@ def torch_plans(n: int, machine, models: list[str]) -> list[tuple[str, object, o
                 continue
             summed = totals(price_pcg(pcg, library, machine), machine)
             out.append((f"{name}/{label}", pcg, graph,
-                        PlanFigures(simulate_pcg(pcg, library, machine, TORCH_NATIVE_CPU).step_s, summed.time_s,
+                        PlanFigures(simulate_pcg(pcg, library, machine, TORCH_NATIVE).step_s, summed.time_s,
                                     summed.peak_memory_bytes)))
     return out
 

@@ -70,6 +70,19 @@ def test_calibrate_writes_a_machine_the_optimizer_loads(tmp_path, capsys):
                  "--set", "batch=8", "--set", "d_in=8", "--set", "d_hidden=8", "--set", "d_out=2"]) == 0
 
 
+def test_calibrate_dtensor_measures_what_an_operator_on_a_dtensor_adds(tmp_path, capsys):
+    """`--dtensor`: the dispatch chain again on a Replicate() DTensor over the ranks (the torch-native runtime's
+    styled modules), the extra per operator written to the machine file; without it the fields stay 0."""
+    out = tmp_path / "machine.json"
+    code = main(["calibrate", "--machine", "here", "-o", str(out), "--nproc", "2", "--size", "32", "--repeats", "1",
+                 "--window", "0.002", "--comm-elements", "16", "4096", "--dtype", "float32", "--dtensor"])
+    assert code == 0
+    efficiency = Machine.load(out).efficiency
+    assert efficiency.dtensor_dispatch_s > 0 and efficiency.dtensor_backward_dispatch_s >= 0
+    assert "on a DTensor" in capsys.readouterr().out
+    assert Machine.preset("cpu").efficiency.dtensor_time() == 0.0
+
+
 def test_calibrate_refuses_bad_sizes(capsys):
     assert main(["calibrate", "--machine", "x", "-o", "/nonexistent/m.json", "--size", "4"]) == 1
     assert "--size" in capsys.readouterr().err

@@ -14,6 +14,10 @@ default, as `parsat run`; `--dtype float32` for fp32 training):
   t = dispatch + FLOPs / (peak x 1/((1 + m_half/m)(1 + n_half/n)(1 + k_half/k)))
   (`peak_flops`, `gemm_half_*`); the largest square product is also timed
   in the other dtype for `peaks`;
+* with `dtensor` (`--dtensor`): the same chain on a `Replicate()` DTensor
+  over all ranks, less the plain chain (`OpEfficiency.dtensor_dispatch_s`,
+  `dtensor_backward_dispatch_s`: what torch's tensor-parallel styles add
+  to every operator of a module they style);
 * memory-bound operators (copies, adds, relus) from kilobytes to tens of
   megabytes, fitted to t = dispatch + (bytes + half) / bandwidth
   (`memory_bandwidth`, `memory_half_bytes`);
@@ -185,7 +189,8 @@ def memory_sizes(size: int) -> list[int]:
     return out
 
 
-def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, comm_sizes: Sequence[int]) -> dict:
+def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, comm_sizes: Sequence[int],
+                  dtensor: bool = False) -> dict:
     """Run on every rank: dispatch, GEMMs, memory-bound operators, collectives (all ranks together)."""
     _precision, dtype, other = DTYPES[dtype_name]
     cuda = ctx.device.type == "cuda"
@@ -212,6 +217,7 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
         graph.backward(retain_graph=True)
 
     dispatch = (forward, _timed(ctx, backward, budget, sync) / DISPATCH_CHAIN)
+    extra = _dtensor_dispatch(ctx, leaf, budget, sync, dispatch) if dtensor else (0.0, 0.0)
 
     ops = []
     for m, n, k in gemm_shapes(size):
@@ -231,8 +237,31 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
         ops.append(["copy", [elements], _timed(ctx, lambda: x.clone(), budget, sync), 0.0, float(2 * elements * item)])
         ops.append(["randn", [elements], _timed(ctx, lambda: torch.randn(elements, generator=gen, dtype=dtype)
                                                 .to(ctx.device), budget, sync), 0.0, float(elements * item)])
-    return {"dispatch": dispatch, "ops": ops, "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync),
+    return {"dispatch": dispatch, "dtensor": extra, "ops": ops, "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync),
             "skew": _skew(ctx, dtype, size, budget, sync), "threads": torch.get_num_threads()}
+
+
+def _dtensor_dispatch(ctx: RankContext, leaf: torch.Tensor, budget: Budget, sync,
+                      plain: tuple[float, float]) -> tuple[float, float]:
+    """The dispatch chain's operators on a `Replicate()` DTensor over every rank, forward and backward, per
+    operator, less the plain chain's (`plain`): DTensor's sharding propagation and wrapping (no communication:
+    an operator on replicated operands runs locally)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh(ctx.device.type, (dist.get_world_size(),))
+    start = distribute_tensor(leaf.detach(), mesh, [Replicate()]).requires_grad_()
+
+    def chain():
+        y = start
+        for i in range(DISPATCH_CHAIN):
+            y = apply_op("relu" if i % 2 else "scale", [y], {} if i % 2 else {"c": 1.0})
+        return y
+
+    forward = _timed(ctx, chain, budget, sync) / DISPATCH_CHAIN
+    graph = chain().sum()
+    backward = _timed(ctx, lambda: graph.backward(retain_graph=True), budget, sync) / DISPATCH_CHAIN
+    return max(0.0, forward - plain[0]), max(0.0, backward - plain[1])
 
 
 SKEW_BURSTS = (0, 2, 8, 16)
@@ -446,7 +475,8 @@ def fit_memory(timings: Sequence[OpTiming]) -> tuple[float, float, float, float]
 
 def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, backend: str | None = None,
               collective_sizes: Sequence[int] = (256, 1 << 12, 1 << 16, 1 << 20), dtype: str = "float64",
-              timeout_s: float = 600.0, window_s: float = WINDOW_S, oversubscribe: bool = False) -> Calibration:
+              timeout_s: float = 600.0, window_s: float = WINDOW_S, oversubscribe: bool = False,
+              dtensor: bool = False) -> Calibration:
     """Measure this machine on `nproc` ranks at once: operators, dispatch and collectives; the fitted Machine.
 
     Refused before any rank starts (ValueError): numbers outside their bounds (`dsl.bounds`), work that needs
@@ -462,7 +492,8 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
     if crowded and not oversubscribe:
         raise ValueError(f"{crowded}; calibrate with fewer ranks, or pass --oversubscribe to measure them sharing")
     check_memory(nproc, size, dtype, collective_sizes, cuda)
-    results = launch(_rank_measure, (dtype, size, Budget(repeats, window_s), list(collective_sizes)), config)
+    results = launch(_rank_measure, (dtype, size, Budget(repeats, window_s), list(collective_sizes), dtensor),
+                     config)
     result = results[0]
     skew = fit_skew([r["skew"] for r in results])
     dispatch = tuple(result["dispatch"])
@@ -494,7 +525,9 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
     else:
         capacity = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / nproc
         label = f"cpu ({os.cpu_count()} cores, {nproc} ranks, {result['threads']} thread(s) each)"
-    efficiency = OpEfficiency(dispatch_s=dispatch[0], backward_dispatch_s=dispatch[1], gemm_half_m=halves[0],
+    extra = tuple(result["dtensor"])
+    efficiency = OpEfficiency(dispatch_s=dispatch[0], backward_dispatch_s=dispatch[1],
+                              dtensor_dispatch_s=extra[0], dtensor_backward_dispatch_s=extra[1], gemm_half_m=halves[0],
                               gemm_half_n=halves[1], gemm_half_k=halves[2], memory_half_bytes=half_bytes,
                               cache_bytes=cache_bytes, cache_bandwidth=cache_bw, random_bandwidth=random_bw,
                               async_dispatch=cuda)
@@ -580,7 +613,9 @@ def report(cal: Calibration) -> str:
              f"(GEMM half lengths m {e.gemm_half_m:g}, n {e.gemm_half_n:g}, k {e.gemm_half_k:g}), memory "
              f"{m.memory_bandwidth / 1e9:.2f} GB/s (half at {e.memory_half_bytes / 1e3:.1f} kB; "
              f"{e.cache_bandwidth / 1e9:.1f} GB/s up to {e.cache_bytes / 1e6:.2f} MB), dispatch "
-             f"{e.dispatch_s * 1e6:.1f} us forward + {e.backward_dispatch_s * 1e6:.1f} us backward per operator",
+             f"{e.dispatch_s * 1e6:.1f} us forward + {e.backward_dispatch_s * 1e6:.1f} us backward per operator"
+             + (f" (on a DTensor {e.dtensor_dispatch_s * 1e6:.1f} + {e.dtensor_backward_dispatch_s * 1e6:.1f} us more)"
+                if e.dtensor_dispatch_s or e.dtensor_backward_dispatch_s else ""),
              f"  {'operator':<14} {'shape':<22} {'measured':>11} {'model':>11}"]
     for t in cal.ops:
         if t.op == "matmul_other":

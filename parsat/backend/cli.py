@@ -310,6 +310,9 @@ def register_calibrate(subparsers) -> None:
     cal.add_argument("--oversubscribe", action="store_true",
                      help="allow more ranks than this machine has cores (or GPUs); the figures then measure "
                           "ranks that wait for each other's cores, and the report says so")
+    cal.add_argument("--dtensor", action="store_true",
+                     help="also measure what an operator on a DTensor costs beyond a plain one (the torch-native "
+                          "runtime's tensor-parallel modules, `parallelize(runtime='torch')`)")
     cal.add_argument("--json", action="store_true", help="print the measurements as one JSON object last")
     cal.set_defaults(run=main_calibrate)
 
@@ -334,7 +337,7 @@ def main_calibrate(args: argparse.Namespace) -> int:
             raise ValueError(f"--comm-elements must be at least two increasing sizes, got {sizes}")
         check_output(args.output)   # before the measurements, not after them
         result = calibrate(args.machine, nproc, args.size, args.repeats, args.backend, tuple(sizes), args.dtype,
-                           window_s=args.window, oversubscribe=args.oversubscribe)
+                           window_s=args.window, oversubscribe=args.oversubscribe, dtensor=args.dtensor)
         result.machine.save(args.output)
     except (ValueError, LaunchError, FileProblem, MachineError) as err:
         return _fail(str(err), "calibrate")

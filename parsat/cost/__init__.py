@@ -11,7 +11,9 @@ pieces: roofline with GEMM and bandwidth efficiency, dispatch cost),
 `collectives` (NCCL's algorithms from a group's topology), `simulator`
 (tasks on in-order streams: critical path, overlap, memory),
 `schedules` (DDP buckets, FSDP prefetch as task generators), `pcg_tasks`
-(a plan's step as tasks, per execution profile), `step_report` (a step
+(a plan's step as tasks, per execution profile), `fsdp_groups` (which
+weights FSDP2 communicates together, for the torch-native runtime's
+profile), `step_report` (a step
 simulated and summed up for the plan JSON), `pipeline` (a stage plan cut
 into pipeline stages and priced under a schedule), `stage_sync` (a
 stage's gradient reductions priced in buckets).

@@ -62,6 +62,7 @@ from parsat.ir.machine import Machine
 from parsat.ir.microbatch import is_loss
 from parsat.ir.pcg import PCG, PNode, readers, state_shardings, weight_chains, weight_storage
 from parsat.ir.recompute import Checkpoint, checkpoints
+from parsat.cost.fsdp_groups import ParamGroup, group_elements, param_groups, tensor_axes
 from parsat.cost.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, SEND_RECV, GroupTopology, price
 from parsat.cost.model import compute_time
 from parsat.cost.op_time import OpTime, chunk_time, memory_op_time
@@ -101,11 +102,25 @@ class ExecutionProfile:
     fused_optimizer: bool    # one multi-tensor update (foreach/fused Adam) instead of operators per tensor
     optimizer: str = "sgd"
     tp_comm_overlap: bool = False   # an in-node all-gather / reduce-scatter pipelined with its GEMM (`Pipeline`)
+    fsdp_groups: bool = False       # weights gathered and synchronised per FSDP2 group (`cost.fsdp_groups`)
+    style_collectives: bool = False  # a replicated activation's gradient all-reduced once per module reading it
+    #                                 (torch's ColwiseParallel styles each convert their own input), not once
+    dtensor_modules: bool = False   # with a tensor axis, operators reading a weight run on DTensors
+    #                                 (`OpEfficiency.dtensor_time` more each, forward and backward)
+    local_loss: bool = False        # a reduce giving an output (the loss over the data ranks) is not run: each rank
+    #                                 returns its local batch's loss, the gradient sync averages
 
 
 PARSAT_RUN = ExecutionProfile("parsat run", overlap=False, ddp_buckets=False, keep_activations=True,
                               seeded_inputs=True, eager_gradients=False, fused_optimizer=False, optimizer="sgd",
                               tp_comm_overlap=False)
+TORCH_NATIVE = ExecutionProfile("parsat.parallelize(runtime='torch')", overlap=False, ddp_buckets=False,
+                                keep_activations=False, seeded_inputs=False, eager_gradients=False,
+                                fused_optimizer=False, optimizer="sgd", tp_comm_overlap=False, fsdp_groups=True,
+                                style_collectives=True, dtensor_modules=True, local_loss=True)
+"""The torch-native runtime on CPU gloo (docs/TORCH_NATIVE.md): the user's module on integer ids, activations
+freed by backward, collectives blocking the one host thread (gloo's work runs while the rank waits for it),
+FSDP2's groups (`cost.fsdp_groups`), tensor parallelism as torch's styles run it, SGD per tensor."""
 DDP = ExecutionProfile("ddp", overlap=True, ddp_buckets=True, keep_activations=False, seeded_inputs=False,
                        eager_gradients=True, fused_optimizer=True, optimizer="adam", tp_comm_overlap=True)
 
@@ -307,6 +322,12 @@ class _Builder:
         self.last_run = {c.runs[-1]: c for c in self.checkpoints.values()}
         self.recomputed: set[int] = set()             # blocks recomputed in this pass's backward
         self.recomputing: PNode | None = None         # the node whose forward runs again (`_recompute`)
+        self.groups = param_groups(pcg) if profile.fsdp_groups else {}   # stored-at node -> its FSDP2 group
+        self.group_gathered: dict[int, int] = {}      # group key -> the task after which it is gathered
+        self.group_grads: dict[int, list[int]] = {}   # group key -> the tasks producing its members' gradients
+        self.weight_fed: set[int] | None = None       # values computed from weights alone (`_weight_fed`)
+        self.tensor_axes = tensor_axes(pcg) if profile.dtensor_modules else set()
+        self.gathered_values = {n.id for n in pcg.nodes if n.kind == "parallel" and n.op == parallel_ops.ALL_GATHER}
 
     def new_pass(self, first: bool, syncing: bool, accumulating: bool = False) -> None:
         """Start a micro-batch: values, gradients and buffers are the pass's own; compute times are kept.
@@ -574,6 +595,8 @@ class _Builder:
         elif node.op == REPLICATE:
             self.contiguous[node.id] = self.contiguous.get(source.id, True)
             self.ready[node.id] = self._add(label, self.compute, self.eff.op_time(0.0), deps)
+        elif node.op == REDUCE and self.profile.local_loss and node.id in self.pcg.outputs:
+            self.ready[node.id] = self._add(f"{label} (the rank's own loss)", self.compute, self.eff.op_time(0.0), deps)
         elif node.op == REDUCE:
             nbytes = piece * self.item
             copy = self._add(f"{label} copy", self.compute, self._copy_s(piece), deps, alloc=nbytes)
@@ -585,6 +608,12 @@ class _Builder:
     def _gather_forward(self, node: PNode, label: str, deps: list[int]) -> None:
         """An all-gather and the concatenation of its pieces; pipelined with its product, the chunks land in the
         buffer the product reads, and nothing is concatenated (`Pipeline`)."""
+        if node.id in self.params and node.inputs[0] in self.groups:   # FSDP2: the whole group at once
+            group = self.groups[node.inputs[0]]
+            if group.key not in self.group_gathered:
+                self.group_gathered[group.key] = self._group_gather(group, node, deps, "forward")
+            self.ready[node.id] = self.group_gathered[group.key]
+            return
         nbytes = _elements(node) * self.item
         self.allocated[node.id] = nbytes  # the concatenation; the gathered pieces are freed with it
         pipe = self._pipe(node, backward=False)
@@ -611,8 +640,9 @@ class _Builder:
         run = [self._prepare(n) for n in fused]
         timed, kernel, copy, nbytes = run[0]
         if pipe is None or kernel == 0.0:   # not pipelined, or a view
-            self.ready[node.id] = self._add(f"{node.label} #{node.id}", self.compute, self.eff.op_time(kernel + copy),
-                                            self._deps(node), alloc=nbytes)
+            seconds = self.eff.op_time(kernel + copy) + self._dtensor_s(node, False)
+            self.ready[node.id] = self._add(f"{node.label} #{node.id}", self.compute, seconds, self._deps(node),
+                                            alloc=nbytes)
             return
         part = self.eff.op_time(sum(chunk_time(t, pipe.parts, pipe.axis, self.machine).kernel_s + c / pipe.parts
                                     for t, _k, c, _b in run))
@@ -770,6 +800,8 @@ class _Builder:
         if self.first and self.accumulating and self._accumulated_bytes():
             self._add("gradients kept across micro-batches", self.compute, 0.0, [len(self.steps) - 1],
                       alloc=self._accumulated_bytes(), phase="backward")
+        if self.syncing:
+            syncs.extend(self._group_syncs())
         for ident, task in deferred:   # after backward's own collectives, as Megatron's finalize_model_grads
             self.bucket_of[ident][1].ready(str(ident), task)
         for bucketed in buckets:
@@ -857,6 +889,9 @@ class _Builder:
         elif node.op == COMBINE:
             task = self._add(label, self.compute, self._copy_s(_elements(self.by_id[source]), True), deps,
                                   free=free, phase="backward")
+        elif weight and self.syncing and node.id in getattr(self.groups.get(source), "sync", ()):   # FSDP2
+            task = max(deps)
+            self.group_grads.setdefault(self.groups[source].key, []).append(task)
         elif node.op == parallel_ops.ALL_GATHER:   # the gathered gradient cut into blocks and reduce-scattered
             pipe = self._pipe(node, backward=True)   # chunks sent from the buffer the product's backward writes
             cut = deps if pipe else [self._add(f"{label} slices", self.compute, self._copy_s(piece, True), deps,
@@ -880,14 +915,85 @@ class _Builder:
                 syncs.append(task)
             else:
                 copy = self._add(f"{label} copy", stream, self._copy_s(piece, True), deps, phase="backward")
-                task = self._sync(f"{label} all-reduce", ALL_REDUCE, node, nbytes, [copy], free=free,
-                                  phase="grad_sync" if weight else "backward_comm")
+                for _ in range(1 if weight else self._style_conversions(node)):
+                    task = copy = self._sync(f"{label} all-reduce", ALL_REDUCE, node, nbytes, [copy], free=free,
+                                             phase="grad_sync" if weight else "backward_comm")
                 if weight:
                     syncs.append(task)
         else:  # reduce: the gradient passes through as a view
             task = self._add(label, self.compute, self.eff.op_time(0.0, True), deps, free=free, phase="backward")
         self._give(source, task)
         return task
+
+    def _style_conversions(self, node: PNode) -> int:
+        """How many all-reduces a replicated activation's gradient takes: one, or under torch's styles
+        (`style_collectives`) one per module reading it with a weight (each `ColwiseParallel` converts its own
+        input, and its backward all-reduces that input's partial gradient; autograd then adds them). A weight
+        is read through the values computed from weights alone (a transposed weight)."""
+        if not self.profile.style_collectives:
+            return 1
+        fed = self._weight_fed()
+        styled = [u for u in self.users.get(node.id, []) if u.kind == "op" and any(i in fed for i in u.inputs)]
+        return max(1, len(styled))
+
+    def _weight_fed(self) -> set[int]:
+        """The weights' chains and the values computed from them alone (a transposed weight)."""
+        if self.weight_fed is None:
+            self.weight_fed = set(self.params)
+            for n in self.pcg.nodes:
+                if n.kind == "op" and n.inputs and all(i in self.weight_fed for i in n.inputs):
+                    self.weight_fed.add(n.id)
+        return self.weight_fed
+
+    def _dtensor_s(self, node: PNode, backward: bool) -> float:
+        """What running `node` on DTensors adds (`dtensor_modules`): under torch's tensor-parallel styles the
+        modules holding weights compute on DTensors, so an operator reading a weight pays DTensor's dispatch;
+        without a tensor axis FSDP2 hands the modules plain tensors and nothing is added."""
+        if not self.profile.dtensor_modules or not self.tensor_axes:
+            return 0.0
+        if not any(i in self._weight_fed() and i not in self.gathered_values for i in node.inputs):
+            return 0.0
+        return self.eff.dtensor_time(backward)
+
+    # ---------------------------------------------------------------- FSDP2 groups (`cost.fsdp_groups`)
+    def _group_gather(self, group: ParamGroup, node: PNode, deps: list[int], phase: str) -> int:
+        """A sharded group gathered: its shards copied into one buffer, one all-gather, the whole copied out
+        into the parameters (FSDP2's all_gather_copy_in, all_gather, split_with_sizes_copy)."""
+        pieces, whole = group_elements(group, self.by_id)
+        backward = phase == "backward"
+        copy = self._add(f"group {group.key} copy in", self.compute, self._copy_s(pieces, backward), deps,
+                         phase=phase)
+        gather = self._sync(f"group {group.key} all-gather", ALL_GATHER, node, whole * self.item, [copy],
+                            alloc=whole * self.item, phase=f"{phase}_comm")
+        return self._add(f"group {group.key} copy out", self.compute, self._copy_s(whole, backward), [gather],
+                         phase=phase)
+
+    def _group_syncs(self) -> list[int]:
+        """Each group's gradients synchronised once backward has made them all, in the order backward finished
+        the groups: a sharded group gathered again where FSDP2 freed it after forward, its gradients copied into
+        one buffer and reduce-scattered; a replicated group's all-reduced and copied back. Collectives block
+        the host here (`TORCH_NATIVE`), so issuing them as each group ends would take the same time."""
+        tasks = []
+        groups = {g.key: g for g in self.groups.values()}
+        for key, grads in sorted(self.group_grads.items(), key=lambda kv: max(kv[1])):
+            group = groups[key]
+            node = self.by_id[group.sync[0]]
+            pieces, whole = group_elements(group, self.by_id)
+            deps = [max(grads)]
+            if group.reshard:
+                deps = [self._group_gather(group, node, deps, "backward")]
+            copy = self._add(f"group {key} gradients copied in", self.compute, self._copy_s(whole, True), deps,
+                             phase="backward")
+            kind = REDUCE_SCATTER if group.sharded else ALL_REDUCE
+            task = self._sync(f"group {key} {kind.replace('_', '-')}", kind, node, whole * self.item, [copy],
+                              free=(whole * self.item * (2 if group.reshard else 1)) if group.sharded else 0,
+                              phase="grad_sync")
+            if not group.sharded:
+                task = self._add(f"group {key} gradients copied out", self.compute, self._copy_s(pieces, True),
+                                 [task], phase="backward")
+            tasks.append(task)
+        self.group_grads = {}
+        return tasks
 
     def _through_reduction(self, task: int) -> bool:
         """Whether a stored weight's gradient, ready at `task`, came through another axis's reduction (a weight
@@ -919,7 +1025,8 @@ class _Builder:
         whole = self.eff.op_time(kernel, backward=True)
         pipe = None if view else self._pipe(node, backward=True)
         if pipe is None:
-            task = self._add(label, self.compute, whole, deps, free=free, phase="backward")
+            task = self._add(label, self.compute, whole + self._dtensor_s(node, True), deps, free=free,
+                             phase="backward")
         else:
             chunk = chunk_time(timed, pipe.parts, pipe.axis, self.machine).backward_kernel_s(len(grads))
             parts = [self.eff.op_time(chunk, backward=True)] * pipe.parts
@@ -1112,5 +1219,6 @@ def step_floor(pcg: PCG, machine: Machine, times: OpTimes, microbatches: int = 1
     return _Builder(pcg, machine, profile, mesh_groups(pcg), times).floor(microbatches, plan)
 
 
-__all__ = ["DDP", "ExecutionProfile", "FLOOR_SLACK", "OpTimes", "PARSAT_RUN", "StepPrediction", "TaskBuildError",
+__all__ = ["DDP", "ExecutionProfile", "FLOOR_SLACK", "OpTimes", "PARSAT_RUN", "StepPrediction", "TORCH_NATIVE",
+           "TaskBuildError",
            "VIEW_OPS", "mesh_groups", "needs_gradient", "profile_for", "reaches_output", "simulate_pcg", "step_floor"]

@@ -75,6 +75,8 @@ class OpEfficiency:
     attention_efficiency: float = 1.0  # fraction of peak FLOP/s fused causal attention reaches, forward and
                                        # backward, on long sequences (FlashAttention runs below the GEMM rate)
     attention_half_flops: float = 0.0  # forward FLOPs of one attention call at which it runs at half that rate
+    dtensor_dispatch_s: float = 0.0    # extra fixed cost of an operator on a DTensor (sharding propagation, wrapping)
+    dtensor_backward_dispatch_s: float = 0.0   # the same in backward; both 0 unless `parsat calibrate --dtensor`
     async_dispatch: bool = False       # True on GPUs: the host launches ahead, an operator takes max(dispatch,
                                        # kernel); False on CPU: the dispatching thread computes, dispatch + kernel
 
@@ -82,6 +84,11 @@ class OpEfficiency:
         """An operator call's time: its kernel and its fixed dispatch cost, overlapped or in sequence."""
         dispatch = self.backward_dispatch_s if backward else self.dispatch_s
         return max(dispatch, kernel_s) if self.async_dispatch else dispatch + kernel_s
+
+    def dtensor_time(self, backward: bool = False) -> float:
+        """What an operator on DTensors costs beyond a plain one (torch's tensor-parallel styles run the
+        modules they style on DTensors): measured by `parsat calibrate --dtensor`, 0 otherwise."""
+        return self.dtensor_backward_dispatch_s if backward else self.dtensor_dispatch_s
 
     def gemm_efficiency(self, m: float, n: float, k: float) -> float:
         """Fraction of peak FLOP/s a (batched) m x k by k x n product reaches, in (0, 1]: the largest GEMMs'

@@ -611,6 +611,8 @@ LINK_KINDS = ("intra", "inter")
 EFFICIENCY_RANGES: Mapping[str, tuple[float, float, str]] = {
     "dispatch_s": (0.0, 3600.0, "seconds"),
     "backward_dispatch_s": (0.0, 3600.0, "seconds"),
+    "dtensor_dispatch_s": (0.0, 3600.0, "seconds"),
+    "dtensor_backward_dispatch_s": (0.0, 3600.0, "seconds"),
     "gemm_half_m": (0.0, MAX_ELEMENTS, "elements"),
     "gemm_half_n": (0.0, MAX_ELEMENTS, "elements"),
     "gemm_half_k": (0.0, MAX_ELEMENTS, "elements"),

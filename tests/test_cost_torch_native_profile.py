@@ -1,0 +1,90 @@
+"""The step simulator's profile of the torch-native runtime (`TORCH_NATIVE`): FSDP2's parameter groups (one
+all-gather / reduce-scatter / all-reduce per group, not per weight), torch's tensor-parallel styles (one
+all-reduce of a replicated activation's gradient per module reading it, DTensor dispatch on the operators
+reading a weight), and the loss each rank's own."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from parsat.cost.fsdp_groups import param_groups, tensor_axes
+from parsat.cost.pcg_tasks import PARSAT_RUN, TORCH_NATIVE, OpTimes, simulate_pcg, step_floor
+from parsat.dsl.library import load_library, shipped_rules_dir
+from parsat.ir.blocks import OUTSIDE
+from parsat.ir.data_parallel import data_parallel_pcg
+from parsat.ir.machine import Machine
+from parsat.ir.megatron import megatron_pcg
+from parsat.ir.models import gpt
+
+LIB = load_library([shipped_rules_dir() / "ops.rule"])[0]
+CPU = Machine.preset("cpu").with_devices(2)
+SIZES = dict(blocks=2, batch=4, seq=16, hidden=32, heads=2, vocab=64)
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return gpt(library=LIB, **SIZES)
+
+
+def _collectives(pcg, machine=CPU, profile=TORCH_NATIVE) -> dict[str, int]:
+    step = simulate_pcg(pcg, LIB, machine, profile).result
+    out: dict[str, int] = {}
+    for span in step.spans:
+        for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+            if span.name.endswith(kind) and "waiting" not in span.name:
+                out[kind] = out.get(kind, 0) + 1
+    return out
+
+
+def test_zero3_is_one_gather_and_one_reduce_scatter_per_fsdp_group(graph):
+    """ZeRO-3 as `fully_shard` on each block and the root: a group per block and one for the rest; each gathered
+    once in forward, the blocks again in backward (the root is kept), each reduce-scattered once."""
+    pcg = data_parallel_pcg(graph, LIB, 2, zero3=True)
+    groups = {g.key: g for g in param_groups(pcg).values()}
+    assert sorted(groups) == [OUTSIDE, 0, 1]
+    assert all(g.sharded for g in groups.values()) and not groups[OUTSIDE].reshard and groups[0].reshard
+    assert _collectives(pcg) == {"all-gather": 3 + 2, "reduce-scatter": 3}
+    per_weight = _collectives(pcg, profile=PARSAT_RUN)
+    weights = sum(1 for n in pcg.nodes if n.kind == "leaf" and n.role == "weight")
+    assert per_weight["all-gather"] == per_weight["reduce-scatter"] == weights
+
+
+def test_data_parallelism_is_one_all_reduce_of_every_gradient_and_no_loss_reduce(graph):
+    """`replicate` on the root: one group, one all-reduce of the flattened gradients; the loss is each rank's
+    own (the interpreter all-reduces it, and each weight's gradient alone)."""
+    pcg = data_parallel_pcg(graph, LIB, 2)
+    assert len({g.key for g in param_groups(pcg).values()}) == 1
+    assert _collectives(pcg) == {"all-reduce": 1}
+    weights = sum(1 for n in pcg.nodes if n.kind == "leaf" and n.role == "weight")
+    assert _collectives(pcg, profile=PARSAT_RUN)["all-reduce"] == weights + 1   # + the loss
+
+
+def test_tensor_parallel_styles_all_reduce_an_input_gradient_per_module_and_pay_dtensor_dispatch(graph):
+    """Megatron tp 2: the styles convert each column-parallel module's input on its own, so the replicated
+    normed activation read by q, k and v (and by the MLP's first projection) is all-reduced once per reader in
+    backward; the operators reading a weight run on DTensors: a measured cost per call, forward and backward,
+    which a data-parallel plan (FSDP2 hands modules plain tensors) does not pay."""
+    pcg = megatron_pcg(graph, LIB, (1, 2))
+    assert tensor_axes(pcg) == {0} and param_groups(pcg) == {}
+    styled = simulate_pcg(pcg, LIB, CPU, TORCH_NATIVE).result
+    plain = simulate_pcg(pcg, LIB, CPU, replace(TORCH_NATIVE, style_collectives=False)).result
+    backward = lambda step: sum(1 for s in step.spans if s.phase == "backward_comm" and s.name.endswith("all-reduce"))
+    assert backward(styled) > backward(plain) >= 1
+    dtensor = replace(CPU, efficiency=replace(CPU.efficiency, dtensor_dispatch_s=1e-3,
+                                              dtensor_backward_dispatch_s=1e-3))
+    extra = simulate_pcg(pcg, LIB, dtensor, TORCH_NATIVE).step_s - styled.step_s
+    assert extra > 0 and extra == pytest.approx(round(extra / 1e-3) * 1e-3, rel=1e-6)   # whole calls
+    dp = data_parallel_pcg(graph, LIB, 2)
+    assert simulate_pcg(dp, LIB, dtensor, TORCH_NATIVE).step_s == simulate_pcg(dp, LIB, CPU, TORCH_NATIVE).step_s
+
+
+def test_the_step_floor_stays_below_the_torch_native_step(graph):
+    """The profile only groups what the floor leaves out (the weights' chains) and adds DTensor time, so the
+    search's floor is still a floor under it."""
+    for pcg in (data_parallel_pcg(graph, LIB, 2), data_parallel_pcg(graph, LIB, 2, zero3=True),
+                megatron_pcg(graph, LIB, (1, 2))):
+        times = OpTimes(LIB, CPU)
+        floor = step_floor(pcg, CPU, times, profile=TORCH_NATIVE)
+        assert 0 < floor <= simulate_pcg(pcg, LIB, CPU, TORCH_NATIVE, times=times).step_s
