@@ -459,6 +459,16 @@ def test_hf_bert_data_parallel_on_two_ranks_and_zero3_on_four(tmp_path):
     _train_hf("bert", {"bert_zero3_4": _hf_plan("bert", (4, 1), zero=3)}, 4, tmp_path)
 
 
+@pytest.mark.slow
+def test_hf_gpt2_data_parallel_and_llama_dp_by_tp_on_four_ranks(tmp_path):
+    """Issue 30's must-show on 4 gloo ranks for the two families the tests above train on 2 only: GPT-2 under
+    data parallelism over 4 ranks (`replicate`) and LLaMA under dp 2 x tp 2 (`replicate` over dp, Megatron
+    styles over tp; LLaMA's tp 4 plan is refused by the lowering): 3 AdamW steps with clipping equal the
+    unmodified module's in one process, every parameter a DTensor, the checkpoints loading into it here."""
+    _train_hf("gpt2", {"gpt2_dp4": _hf_plan("gpt2", (4, 1))}, 4, tmp_path)
+    _train_hf("llama", {"llama_dp2_tp2": _hf_plan("llama", (2, 2))}, 4, tmp_path)
+
+
 def two_d_job(ctx, plans: dict, folder: str) -> dict:
     """On 4 ranks: each 2-D plan trained as `train_job` does; then the DCP checkpoint the 2-rank data-parallel job
     wrote (folder/dp) loaded into the 2-D module (dp x tp) and gathered whole, to compare with its weights."""

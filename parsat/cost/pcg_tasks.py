@@ -22,6 +22,10 @@ How the program that runs the plan issues work is an `ExecutionProfile`:
   and an in-node all-gather or reduce-scatter next to a GEMM pipelined
   with it in chunks, as Megatron-Core's `--tp-comm-overlap` and PyTorch's
   async tensor parallelism run them (`Pipeline`; docs/COSTMODEL.md).
+* `TORCH_NATIVE`: `parsat.parallelize(..., runtime="torch")` on CPU gloo:
+  inline collectives as `PARSAT_RUN`, but FSDP2's parameter groups
+  (`cost.fsdp_groups`), torch's tensor-parallel styles (an all-reduce per
+  column-parallel reader, DTensor dispatch), the loss each rank's own.
 
 ZeRO-3 (a weight stored as a shard, read through `all_gather`) runs as the
 backend runs it (parsat/backend/executor.py): the weight is gathered once per step
