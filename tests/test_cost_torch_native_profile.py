@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from parsat.cost.fsdp_groups import param_groups, tensor_axes
+from parsat.cost.fsdp_groups import group_elements, param_groups, tensor_axes
 from parsat.cost.pcg_tasks import PARSAT_RUN, TORCH_NATIVE, OpTimes, simulate_pcg, step_floor
 from parsat.dsl.library import load_library, shipped_rules_dir
 from parsat.ir.blocks import OUTSIDE
@@ -88,3 +88,25 @@ def test_the_step_floor_stays_below_the_torch_native_step(graph):
         times = OpTimes(LIB, CPU)
         floor = step_floor(pcg, CPU, times, profile=TORCH_NATIVE)
         assert 0 < floor <= simulate_pcg(pcg, LIB, CPU, TORCH_NATIVE, times=times).step_s
+
+
+def test_gradients_live_from_backward_to_the_update_and_resharded_blocks_leave_forward_freed(graph):
+    """`zero_grad(set_to_none=True)`: at the end of forward no gradient exists (the interpreter holds them all
+    step), at the end of backward every weight's does; FSDP2 frees a block's gathered weights after its forward,
+    so a ZeRO-3 step's forward ends holding the root group's gathered weights only."""
+    pcg = data_parallel_pcg(graph, LIB, 2)
+    held = replace(TORCH_NATIVE, transient_gradients=False)
+    now, before = (simulate_pcg(pcg, LIB, CPU, p) for p in (TORCH_NATIVE, held))
+    weights = sum(n.piece_size for n in pcg.nodes if n.kind == "leaf" and n.role == "weight")
+    grads = weights * CPU.precision_spec.gradient_bytes
+    forward = lambda s: s.result.memory_after(s.end_of_forward, s.resident_bytes)
+    backward = lambda s: s.result.memory_after(s.end_of_backward, s.resident_bytes)
+    assert forward(before) - forward(now) == grads
+    assert backward(now) == backward(before)
+    zero = data_parallel_pcg(graph, LIB, 2, zero3=True)
+    step = simulate_pcg(zero, LIB, CPU, TORCH_NATIVE)
+    groups = {g.key: g for g in param_groups(zero).values()}
+    by_id = {n.id: n for n in zero.nodes}
+    root = group_elements(groups[OUTSIDE], by_id)[1] * CPU.dtype_bytes
+    kept = replace(TORCH_NATIVE, fsdp_groups=False)   # per weight: every gathered weight kept to its backward
+    assert forward(simulate_pcg(zero, LIB, CPU, kept)) > forward(step) > root

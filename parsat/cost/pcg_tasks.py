@@ -111,6 +111,8 @@ class ExecutionProfile:
     #                                 (torch's ColwiseParallel styles each convert their own input), not once
     dtensor_modules: bool = False   # with a tensor axis, operators reading a weight run on DTensors
     #                                 (`OpEfficiency.dtensor_time` more each, forward and backward)
+    transient_gradients: bool = False   # gradients exist from backward to the update (`zero_grad(set_to_none)`),
+    #                                 not for the whole step
     local_loss: bool = False        # a reduce giving an output (the loss over the data ranks) is not run: each rank
     #                                 returns its local batch's loss, the gradient sync averages
 
@@ -121,7 +123,8 @@ PARSAT_RUN = ExecutionProfile("parsat run", overlap=False, ddp_buckets=False, ke
 TORCH_NATIVE = ExecutionProfile("parsat.parallelize(runtime='torch')", overlap=False, ddp_buckets=False,
                                 keep_activations=False, seeded_inputs=False, eager_gradients=False,
                                 fused_optimizer=False, optimizer="sgd", tp_comm_overlap=False, fsdp_groups=True,
-                                style_collectives=True, dtensor_modules=True, local_loss=True)
+                                style_collectives=True, dtensor_modules=True, transient_gradients=True,
+                                local_loss=True)
 """The torch-native runtime on CPU gloo (docs/TORCH_NATIVE.md): the user's module on integer ids, activations
 freed by backward, collectives blocking the one host thread (gloo's work runs while the rank waits for it),
 FSDP2's groups (`cost.fsdp_groups`), tensor parallelism as torch's styles run it, SGD per tensor."""
@@ -718,6 +721,11 @@ class _Builder:
         other against a target drawn from the seed."""
         tasks = []
         self.loss_bytes = 0
+        resharded = {g.key: g for g in self.groups.values() if g.reshard and g.key in self.group_gathered}
+        if resharded:   # FSDP2 frees a non-root group's gathered weights after its forward
+            whole = sum(group_elements(g, self.by_id)[1] for g in resharded.values()) * self.item
+            self._add("gathered blocks freed after forward", self.compute, 0.0, [len(self.steps) - 1], free=whole,
+                      phase="forward")
         for out in self.pcg.outputs:
             node = self.by_id[out]
             piece = _elements(node)
@@ -806,6 +814,9 @@ class _Builder:
                       alloc=self._accumulated_bytes(), phase="backward")
         if self.syncing:
             syncs.extend(self._group_syncs())
+        if self.profile.transient_gradients and self.syncing:   # the gradients, until the update frees them
+            self._add("the weights' gradients", self.compute, 0.0, [len(self.steps) - 1],
+                      alloc=self.gradient_bytes(), phase="backward")
         for ident, task in deferred:   # after backward's own collectives, as Megatron's finalize_model_grads
             self.bucket_of[ident][1].ready(str(ident), task)
         for bucketed in buckets:
@@ -990,8 +1001,7 @@ class _Builder:
                              phase="backward")
             kind = REDUCE_SCATTER if group.sharded else ALL_REDUCE
             task = self._sync(f"group {key} {kind.replace('_', '-')}", kind, node, whole * self.item, [copy],
-                              free=(whole * self.item * (2 if group.reshard else 1)) if group.sharded else 0,
-                              phase="grad_sync")
+                              free=whole * self.item if group.sharded else 0, phase="grad_sync")
             if not group.sharded:
                 task = self._add(f"group {key} gradients copied out", self.compute, self._copy_s(pieces, True),
                                  [task], phase="backward")
@@ -1051,6 +1061,9 @@ class _Builder:
         for name, at, seconds in self._updates():
             deps = list(after) + (list(produced.values()) if at is None else [produced[at]] if at in produced else [])
             updates.append(self._add(name, self.compute, seconds, deps, phase="optimizer"))
+        if self.profile.transient_gradients:   # zero_grad(set_to_none=True)
+            self._add("zero_grad", self.compute, 0.0, [len(self.steps) - 1], free=self.gradient_bytes(),
+                      phase="optimizer")
         for at, replicate in sorted(self.sharded.items()):   # ZeRO: the updated shards gathered into the weight
             self._sync(f"{replicate.label} #{replicate.id} all-gather of the updated weight", ALL_GATHER, replicate,
                        _elements(self.stored[at]) * self.item, [max(updates)], phase="grad_sync")
@@ -1162,7 +1175,13 @@ class _Builder:
         parameter of the machine's precision and the profile's optimizer, `ir.precision`; a weight whose state
         ZeRO shards holds its share, `ParameterBytes.sharded`)."""
         held = self.machine.precision_spec.parameter_bytes(self.profile.optimizer)
+        if self.profile.transient_gradients:
+            held = replace(held, gradient=0)
         return int(sum(_elements(n) * held.sharded(self.pcg.zero, self._degree(at)) for at, n in self.stored.items()))
+
+    def gradient_bytes(self) -> int:
+        """The stored weights' gradients on the device (a ZeRO-3 weight's: its shard's, after the reduce-scatter)."""
+        return sum(_elements(n) for n in self.stored.values()) * self.machine.precision_spec.gradient_bytes
 
 
 def simulate_pcg(pcg: PCG, library: Library, machine: Machine, profile: ExecutionProfile = PARSAT_RUN,
