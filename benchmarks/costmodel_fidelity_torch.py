@@ -177,3 +177,28 @@ def _grad_bytes(net) -> int:
     """The gradients' storages, each once (a group's reduced gradients may be views of one buffer)."""
     storages = dict(_storage(p.grad) for p in net.parameters() if p.grad is not None)
     return sum(size for address, size in storages.items() if address)
+
+
+def repredict_memory(rows: list[dict]) -> list[dict]:
+    """`rows` (a run's JSON) with the predicted memory of the current simulator: with collectives inline (one
+    stream) the memory sampled at the end of forward and of backward depends on the tasks' order and sizes,
+    not on the calibrated rates, so any float32 machine of the run's rank count gives it."""
+    from parsat.backend.executor import operator_library
+    from parsat.cost.pcg_tasks import simulate_pcg
+    from parsat.ir.machine import Machine
+
+    library, memory = operator_library(), {}
+    for n in sorted({r["nproc"] for r in rows}):
+        machine = Machine.preset("cpu").with_precision("fp32").with_devices(n)
+        for label, pcg, _graph, _f in torch_plans(n, machine, sorted({r["plan"].split("/")[0] for r in rows})):
+            memory[(n, label)] = float(simulate_pcg(pcg, library, machine, TORCH_NATIVE).sampled_memory_bytes)
+    return [dict(r, predicted_peak_bytes=memory[(r["nproc"], r["plan"])]) for r in rows]
+
+
+if __name__ == "__main__":
+    # python benchmarks/costmodel_fidelity_torch.py ROWS.json: the run's summary, memory predicted anew
+    import json
+
+    from costmodel_fidelity import summarize
+
+    print(summarize(repredict_memory(json.loads(Path(sys.argv[1]).read_text(encoding="utf-8")))))
