@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from parsat.dsl.instantiate import OpInstance
-from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER, REPLICATE
+from parsat.dsl.parallel_ops import ALL_GATHER, ALL_TO_ALL, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER, REPLICATE
 from parsat.dsl.spread import infer_compute
 from parsat.ir.costs import NodeCost
 from parsat.ir.machine import Machine
@@ -74,13 +74,15 @@ def update_traffic_bytes(machine: Machine) -> int:
 
 
 _KIND = {"all-reduce": collectives.ALL_REDUCE, "all-gather": collectives.ALL_GATHER,
-         "reduce-scatter": collectives.REDUCE_SCATTER}
-_SENT = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1}   # elements sent over a group: x (p-1) n
+         "reduce-scatter": collectives.REDUCE_SCATTER, "all-to-all": collectives.ALL_TO_ALL}
+# elements sent over a group: x (p-1) n (an all-to-all's n: one device's buffer, of which it sends (p-1)/p)
+_SENT = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1, "all-to-all": 1}
 
 
 def _collective(machine: Machine, kind: str, group: GroupTopology, n: int) -> tuple[float, int]:
     """(seconds, elements sent over the group) of one collective of n elements: all-reduce 2(p-1) n;
-    all-gather (n: the gathered piece) and reduce-scatter (n: its input) (p-1) n."""
+    all-gather (n: the gathered piece), reduce-scatter (n: its input) and all-to-all (n: one device's buffer)
+    (p-1) n."""
     return price(_KIND[kind], group, n * machine.dtype_bytes, machine).seconds, _SENT[kind] * (group.size - 1) * n
 
 
@@ -335,8 +337,16 @@ def _all_gather_runs(move: _Move) -> tuple[_Run, ...]:
             _Run("bwd", "reduce-scatter", move.out_piece, groups, sync=move.weighty))
 
 
+def _all_to_all_runs(move: _Move) -> tuple[_Run, ...]:
+    """All-to-all forward (a shard moved from one dim to another: a mixture of experts' dispatch or combine), the
+    reverse all-to-all of the gradient backward; one group per piece outside this axis, each device sending
+    (p-1)/p of its piece."""
+    groups = move.source.pieces // move.degree
+    return (_Run("fwd", "all-to-all", move.in_piece, groups), _Run("bwd", "all-to-all", move.out_piece, groups))
+
+
 _RUNS = {PARTITION: _partition_runs, COMBINE: _combine_runs, REPLICATE: _replicate_runs, REDUCE: _reduce_runs,
-         REDUCE_SCATTER: _reduce_scatter_runs, ALL_GATHER: _all_gather_runs}
+         REDUCE_SCATTER: _reduce_scatter_runs, ALL_GATHER: _all_gather_runs, ALL_TO_ALL: _all_to_all_runs}
 
 
 def _collective_runs(op: str, source_role: str, move: _Move) -> tuple[_Run, ...]:

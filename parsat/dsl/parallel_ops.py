@@ -10,7 +10,12 @@ pair would be two (Megatron's sequence parallelism, ZeRO-3 / FSDP):
 `reduce_scatter(x, dim, n)` = `partition(reduce(x, n), dim, n)` (a
 reduce-scatter forward, an all-gather of the gradient backward) and
 `all_gather(x, dim, n)` = `replicate(combine(x, dim, n), n)` (an all-gather
-forward, a reduce-scatter of the gradient backward). A fused operator's
+forward, a reduce-scatter of the gradient backward). The third,
+`all_to_all(x, dim, to_dim, n)` = `partition(combine(x, dim, n), to_dim, n)`,
+moves the shard of one dim to another on the same devices (DTensor's
+`Shard(dim) -> Shard(to_dim)` redistribute): one all-to-all forward, the
+reverse all-to-all backward; a mixture of experts' dispatch (tokens
+sharded -> experts sharded) and combine (back). A fused operator's
 meaning is its expansion (`steps`): the verifier proves rules with fused
 operators expanded (`expand_fused`), spread inference and placements
 apply the steps in turn. The checker knows their signatures from here, the
@@ -32,15 +37,18 @@ REPLICATE = "replicate"
 REDUCE = "reduce"
 REDUCE_SCATTER = "reduce_scatter"
 ALL_GATHER = "all_gather"
+ALL_TO_ALL = "all_to_all"
 
 
 @dataclass(frozen=True)
 class ParallelOp:
-    """One parallel operator: its name and its parameter kinds in call order ("tensor", "dim", "degree")."""
+    """One parallel operator: its name and its parameter kinds in call order ("tensor", "dim", "to_dim",
+    "degree")."""
 
     name: str
     params: tuple[str, ...]
     steps: tuple[str, ...] = ()   # a fused operator: the elementary operators it stands for, innermost first
+    step_dims: tuple[str | None, ...] = ()   # the dim parameter each step reads (None: a step without a dim)
 
     @property
     def attrs(self) -> tuple[str, ...]:
@@ -58,15 +66,28 @@ class ParallelOp:
         """Whether it acts on one dim (partition, combine) rather than on the whole tensor."""
         return "dim" in self.params
 
+    @property
+    def dim_params(self) -> tuple[str, ...]:
+        """The dim parameters in call order: ("dim",), ("dim", "to_dim") for all_to_all, or ()."""
+        return tuple(kind for kind in self.params if kind in ("dim", "to_dim"))
+
 
 PARALLEL_OPS: Mapping[str, ParallelOp] = {op.name: op for op in (
     ParallelOp(PARTITION, ("tensor", "dim", "degree")),
     ParallelOp(COMBINE, ("tensor", "dim", "degree")),
     ParallelOp(REPLICATE, ("tensor", "degree")),
     ParallelOp(REDUCE, ("tensor", "degree")),
-    ParallelOp(REDUCE_SCATTER, ("tensor", "dim", "degree"), (REDUCE, PARTITION)),
-    ParallelOp(ALL_GATHER, ("tensor", "dim", "degree"), (COMBINE, REPLICATE)),
+    ParallelOp(REDUCE_SCATTER, ("tensor", "dim", "degree"), (REDUCE, PARTITION), (None, "dim")),
+    ParallelOp(ALL_GATHER, ("tensor", "dim", "degree"), (COMBINE, REPLICATE), ("dim", None)),
+    ParallelOp(ALL_TO_ALL, ("tensor", "dim", "to_dim", "degree"), (COMBINE, PARTITION), ("dim", "to_dim")),
 )}
+
+
+def step_calls(name: str, dims: Mapping[str, object]) -> list[tuple[str, object]]:
+    """A fused operator's steps, innermost first, each with the dim it acts on (None for a step without one),
+    given the call's dims by parameter name (`{"dim": 1, "to_dim": 0}`): every stage expands through this."""
+    op = PARALLEL_OPS[name]
+    return [(step, dims.get(param) if param else None) for step, param in zip(op.steps, op.step_dims)]
 
 
 def expand_fused(expr):
@@ -77,11 +98,10 @@ def expand_fused(expr):
         op = PARALLEL_OPS.get(expr.func)
         if op is None or not op.steps:
             return ast.Call(expr.func, args, expr.span) if args != expr.args else expr
-        source, rest = args[0], args[1:]
-        dim, degree = (rest[0], rest[1]) if op.has_dim else (None, rest[0])
-        for step in op.steps:
-            takes_dim = PARALLEL_OPS[step].has_dim
-            source = ast.Call(step, (source, dim, degree) if takes_dim else (source, degree), expr.span)
+        source, degree = args[0], args[-1]
+        dims = dict(zip(op.dim_params, args[1:-1]))
+        for step, dim in step_calls(expr.func, dims):
+            source = ast.Call(step, (source, dim, degree) if dim is not None else (source, degree), expr.span)
         return source
     return expr
 

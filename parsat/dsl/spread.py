@@ -30,7 +30,7 @@ from typing import Sequence
 from parsat.dsl import ast
 from parsat.dsl.conditions import Cond, Junction, NotAnInteger, Rel, divides, symbolic_truth, to_poly
 from parsat.dsl.instantiate import OpInstance, index_bounds, param_dim_names
-from parsat.dsl.parallel_ops import COMBINE, PARALLEL_OPS, PARTITION, REDUCE, REPLICATE
+from parsat.dsl.parallel_ops import COMBINE, PARALLEL_OPS, PARTITION, REDUCE, REPLICATE, step_calls
 from parsat.dsl.printer import format_expr
 from parsat.dsl.symbolic import ONE, ZERO, Poly
 
@@ -78,15 +78,13 @@ class DegreesError(Exception):
 
 
 def apply_parallel(name: str, shape: Sequence[Poly], spread: SymbolicDegrees, dim: int | None, degree: Poly,
-                   span: ast.Span | None) -> tuple[SymbolicDegrees, list[Cond]]:
+                   span: ast.Span | None, to_dim: int | None = None) -> tuple[SymbolicDegrees, list[Cond]]:
     """The spread after a parallel operator, and what it requires to be defined (a fused operator: its steps,
-    `dsl.parallel_ops`, in turn)."""
-    steps = PARALLEL_OPS[name].steps if name in PARALLEL_OPS else ()
-    if steps:
+    `dsl.parallel_ops`, in turn; `to_dim` is all_to_all's second dim)."""
+    if name in PARALLEL_OPS and PARALLEL_OPS[name].steps:
         needs: list[Cond] = []
-        for step in steps:
-            spread, need = apply_parallel(step, shape, spread, dim if PARALLEL_OPS[step].has_dim else None, degree,
-                                          span)
+        for step, step_dim in step_calls(name, {"dim": dim, "to_dim": to_dim}):
+            spread, need = apply_parallel(step, shape, spread, step_dim, degree, span)
             needs += need
         return spread, needs
     if name in (PARTITION, COMBINE):

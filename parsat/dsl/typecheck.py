@@ -47,6 +47,12 @@ class TypedTerm:
     var_degrees: Mapping[str, Poly] = field(default_factory=dict, hash=False)
     problems: tuple[str, ...] = ()
     legal_when: tuple[Cond, ...] = ()  # the spread is legal only where these hold (`ComputeDegrees.legal_when`)
+    to_dim: int | None = None          # all_to_all's second dim (`dsl.parallel_ops`)
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """A parallel term's dim arguments in call order: (), (dim,) or all_to_all's (dim, to_dim)."""
+        return tuple(d for d in (self.dim, self.to_dim) if d is not None)
 
     def walk(self) -> Iterator["TypedTerm"]:
         yield self
@@ -213,28 +219,32 @@ class _RuleTyper:
     def _parallel(self, expr: ast.Call) -> TypedTerm:
         kinds = PARALLEL_OPS[expr.func].params
         if len(expr.args) != len(kinds):
-            names = {"tensor": "x", "dim": "dim", "degree": "n"}
+            names = {"tensor": "x", "dim": "dim", "to_dim": "to_dim", "degree": "n"}
             signature = ", ".join(names[k] for k in kinds)
             raise TypeCheckError("arity", f"{expr.func} takes {len(kinds)} arguments ({signature}), "
                                           f"got {len(expr.args)}", expr)
         source = self.term(expr.args[0])
-        dim = None
-        if PARALLEL_OPS[expr.func].has_dim:
-            dim_poly = self._size(expr.args[1])
+        dims = []
+        for arg in expr.args[1:-1]:
+            dim_poly = self._size(arg)
             if not dim_poly.is_const:
                 raise TypeCheckError("attribute", f"{expr.func}: the dim must be a constant or len(group), "
-                                                  f"not {dim_poly}", expr.args[1])
-            dim = dim_poly.constant
+                                                  f"not {dim_poly}", arg)
+            dims.append(dim_poly.constant)
+        dim, to_dim = (dims + [None, None])[:2]
+        if to_dim is not None and to_dim == dim:
+            raise TypeCheckError("attribute", f"{expr.func}: the two dims must differ, both are {dim}", expr.args[2])
         degree = self._size(expr.args[-1])
         if degree.is_const and degree.constant < 1:
             raise TypeCheckError("attribute", f"{expr.func}: degree must be at least 1, got {degree.constant}",
                                  expr.args[-1])
         try:
-            spread, needs = apply_parallel(expr.func, source.shape, source.spread, dim, degree, expr.span)
+            spread, needs = apply_parallel(expr.func, source.shape, source.spread, dim, degree, expr.span, to_dim)
         except DegreesError as err:
             raise TypeCheckError("attribute", str(err), expr.args[1]) from None
         self.requires.extend(needs)
-        return TypedTerm(expr, "parallel", expr.func, (source,), source.shape, spread, dim=dim, degree=degree)
+        return TypedTerm(expr, "parallel", expr.func, (source,), source.shape, spread, dim=dim, degree=degree,
+                         to_dim=to_dim)
 
     def _compute(self, expr: ast.Call, op: ast.OpDecl) -> TypedTerm:
         if len(expr.args) != len(op.params):

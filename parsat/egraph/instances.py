@@ -67,7 +67,7 @@ matches any value.
 
 def _term_signature(term: TypedTerm) -> Signature:
     if term.kind == "parallel":
-        return term.name, (len(term.shape),), (term.dim,) if term.dim is not None else ()
+        return term.name, (len(term.shape),), term.dims
     instance = term.instance
     values = tuple(instance.attrs[p.name].constant if instance.attrs[p.name].is_const else None
                    for p in instance.op.attr_params if p.type.kind != "real")

@@ -66,7 +66,7 @@ class _Writer:
         if term.kind == "input":
             return "m_" + term.name
         if term.kind == "parallel":
-            args = [self.pattern(term.args[0])] + ([str(term.dim)] if term.dim is not None else [])
+            args = [self.pattern(term.args[0])] + [str(d) for d in term.dims]
             return f"({ctor(term.name)} {' '.join(args + [str(self.axis_of(term))])})"
         return f"({ctor(term.name)} {' '.join(self.op_args(term, None))})"
 
@@ -140,7 +140,7 @@ def lifted_bodies(lifted: LiftedInstance, mesh: Mesh) -> tuple[list[RuleBody], d
             made[id(term)] = "m_" + term.name
             continue
         if term.kind == "parallel":
-            args = [made[id(term.args[0])]] + ([str(term.dim)] if term.dim is not None else [])
+            args = [made[id(term.args[0])]] + [str(d) for d in term.dims]
             args.append(str(w.axis_of(term)))
         else:
             args = w.op_args(term, made)

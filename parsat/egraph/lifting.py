@@ -70,7 +70,7 @@ def term_codes(term: TypedTerm, axis: int, sigma: Mapping[str, int], metas: Mapp
             code = None
         elif term.kind == "parallel":
             on = sigma[term.degree.as_symbol()]
-            code = axis_parallel(term.name, args[0], term.dim, on == axis, axis < on)
+            code = axis_parallel(term.name, args[0], term.dim, on == axis, axis < on, term.to_dim)
         else:
             code = axis_compute(term.instance, args, cache)[0]
     out[id(term)] = code

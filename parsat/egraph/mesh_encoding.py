@@ -19,7 +19,8 @@
   axis the fused operator is unioned in by definition, not by a rule (the
   `fold` rules, in the ruleset that runs before every step, `FOLD_MADE`
   their maker): `partition(reduce(x, a), d, a)` gets `reduce_scatter(x, d,
-  a)`, `replicate(combine(x, d, a), a)` gets `all_gather(x, d, a)`.
+  a)`, `replicate(combine(x, d, a), a)` gets `all_gather(x, d, a)`,
+  `partition(combine(x, d, a), e, a)` (d != e) gets `all_to_all(x, d, e, a)`.
 
 The global shape of a class is not stored: it is the local shape times the
 sizes of the axes that shard each dim, computed when the e-graph is read
@@ -32,7 +33,7 @@ import hashlib
 from typing import Mapping, Sequence
 
 from parsat.dsl import ast
-from parsat.dsl.parallel_ops import PARALLEL_OPS, PARTITION, REPLICATE
+from parsat.dsl.parallel_ops import PARALLEL_OPS, PARTITION, REPLICATE, step_calls
 from parsat.ir.graph import Graph
 from parsat.ir.mesh import Mesh
 from parsat.ir.placement import REPLICA, Placement, apply_parallel, shard_dim
@@ -89,13 +90,14 @@ def fold_rules() -> list[str]:
     for op in PARALLEL_OPS.values():
         if not op.steps:
             continue
-        inner, outer = (PARALLEL_OPS[s] for s in op.steps)
-        dim = "d"
-        inner_args = ["x"] + ([dim] if inner.has_dim else []) + ["a"]
-        outer_args = ["c"] + ([dim] if outer.has_dim else []) + ["a"]
-        fused_args = ["x", dim, "a"]
-        out.append(f"(rule ((= o ({ctor(outer.name)} {' '.join(outer_args)})) (= c ({ctor(inner.name)} "
-                   f"{' '.join(inner_args)}))) ((union o ({ctor(op.name)} {' '.join(fused_args)})) "
+        names = {param: var for param, var in zip(op.dim_params, ("d", "e"))}
+        (inner, inner_dim), (outer, outer_dim) = step_calls(op.name, names)
+        inner_args = ["x"] + ([inner_dim] if inner_dim else []) + ["a"]
+        outer_args = ["c"] + ([outer_dim] if outer_dim else []) + ["a"]
+        fused_args = ["x", *names.values(), "a"]
+        distinct = " (!= d e)" if len(names) == 2 else ""   # all_to_all moves a shard between two dims
+        out.append(f"(rule ((= o ({ctor(outer)} {' '.join(outer_args)})) (= c ({ctor(inner)} "
+                   f"{' '.join(inner_args)})){distinct}) ((union o ({ctor(op.name)} {' '.join(fused_args)})) "
                    f"{made_row(ctor(op.name), fused_args, FOLD_MADE)}) :ruleset {SHAPE_RULESET})")
     return out
 
@@ -110,14 +112,14 @@ def fold_applications(classes: Mapping[int, Sequence[ENode]]) -> list[Applicatio
             op = PARALLEL_OPS.get(fused.op)
             if op is None or not op.steps:
                 continue
-            inner, outer = (PARALLEL_OPS[step] for step in op.steps)
-            dim, axis = fused.attrs
+            *dims, axis = fused.attrs
+            (inner, inner_dim), (outer, outer_dim) = step_calls(op.name, dict(zip(op.dim_params, dims)))
             for root in nodes:
-                if root.op != outer.name or root.attrs != ((dim, axis) if outer.has_dim else (axis,)):
+                if root.op != outer or root.attrs != ((outer_dim, axis) if outer_dim is not None else (axis,)):
                     continue
                 out.extend(Application(FOLD_MADE, (step, root), (fused,)) for step in classes.get(root.children[0], ())
-                           if step.op == inner.name and step.children == fused.children[:1]
-                           and step.attrs == ((dim, axis) if inner.has_dim else (axis,)))
+                           if step.op == inner and step.children == fused.children[:1]
+                           and step.attrs == ((inner_dim, axis) if inner_dim is not None else (axis,)))
     return out
 
 

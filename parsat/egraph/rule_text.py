@@ -216,7 +216,7 @@ class _Builder:
             return var
         if term.kind == "parallel":
             inner = self.pattern(term.args[0], metas)
-            args = [inner] + ([str(term.dim)] if term.dim is not None else []) + [self.int_arg(term.degree)]
+            args = [inner] + [str(d) for d in term.dims] + [self.int_arg(term.degree)]
             return f"({ctor(term.name)} {' '.join(args)})"
         return f"({ctor(term.name)} {' '.join(self.op_args(term, metas, lhs=True))})"
 
@@ -326,7 +326,7 @@ def _compile_one(instance: RuleInstance, devices: int, free: Sequence[str]) -> l
             made[id(term)] = metas.get(term.name) or _raise(f"'{term.name}' is not bound by the left side")
             continue
         if term.kind == "parallel":
-            args = [made[id(term.args[0])]] + ([str(term.dim)] if term.dim is not None else [])
+            args = [made[id(term.args[0])]] + [str(d) for d in term.dims]
             args.append(_expr(term.degree, b.names))
         else:
             args = b.op_args(term, made, lhs=False)

@@ -90,7 +90,7 @@ class TermWriter:
         if term.kind == "input":
             return f'(Leaf "{self.prefix}{term.name}")'
         if term.kind == "parallel":
-            args = [child(term.args[0])] + ([str(term.dim)] if term.dim is not None else [])
+            args = [child(term.args[0])] + [str(d) for d in term.dims]
             return f"({ctor(term.name)} {' '.join(args + [str(self.num(term.degree))])})"
         env = {s: Poly.sym(s) for s in self.instance.symbols}
         tensors = iter(term.args)

@@ -36,7 +36,7 @@ from typing import Mapping, Sequence
 
 from parsat.dsl.instantiate import OpInstance
 from parsat.dsl.spread import ONE, SymbolicDegrees, infer_compute
-from parsat.dsl.parallel_ops import COMBINE, PARALLEL_OPS, PARTITION, REDUCE, REPLICATE
+from parsat.dsl.parallel_ops import COMBINE, PARALLEL_OPS, PARTITION, REDUCE, REPLICATE, step_calls
 from parsat.dsl.symbolic import Poly
 from parsat.ir.mesh import Mesh
 
@@ -135,18 +135,18 @@ def _signature(instance: OpInstance) -> tuple:
             tuple(sorted(instance.groups.items())))
 
 
-def axis_parallel(op: str, code: int, dim: int | None, acts_here: bool, here_before_op_axis: bool) -> int | None:
+def axis_parallel(op: str, code: int, dim: int | None, acts_here: bool, here_before_op_axis: bool,
+                  to_dim: int | None = None) -> int | None:
     """A parallel operator seen from one axis: the code after it, None if illegal.
 
     `acts_here`: the operator acts on this axis. Otherwise it leaves this
     axis's code alone, except that a partition or combine of a dim this axis
     also shards must act on an axis after this one (mesh order stays the
-    order of the blocks; `here_before_op_axis`).
+    order of the blocks; `here_before_op_axis`). `to_dim`: all_to_all's second dim.
     """
-    steps = PARALLEL_OPS[op].steps if op in PARALLEL_OPS else ()
-    if steps:
-        for step in steps:
-            code = axis_parallel(step, code, dim, acts_here, here_before_op_axis)
+    if op in PARALLEL_OPS and PARALLEL_OPS[op].steps:
+        for step, step_dim in step_calls(op, {"dim": dim, "to_dim": to_dim}):
+            code = axis_parallel(step, code, step_dim, acts_here, here_before_op_axis)
             if code is None:
                 return None
         return code
@@ -239,16 +239,18 @@ class Placement:
         return "[" + " ".join(code_short(c) for c in self.codes) + "]"
 
 
-def apply_parallel(placement: Placement, op: str, axis: int, dim: int | None = None) -> Placement:
+def apply_parallel(placement: Placement, op: str, axis: int, dim: int | None = None,
+                   to_dim: int | None = None) -> Placement:
     """The placement after a parallel operator on `axis` (raises PlacementError); a fused operator
-    (`dsl.parallel_ops`: reduce_scatter, all_gather) is its steps in turn."""
+    (`dsl.parallel_ops`: reduce_scatter, all_gather, all_to_all, whose second dim is `to_dim`) is its steps
+    in turn."""
     if not 0 <= axis < len(placement.codes):
         raise PlacementError(f"{op}: mesh axis {axis} does not exist (the mesh has {len(placement.codes)})")
     steps = PARALLEL_OPS[op].steps if op in PARALLEL_OPS else ()
     if steps:
-        for step in steps:
+        for step, step_dim in step_calls(op, {"dim": dim, "to_dim": to_dim}):
             try:
-                placement = apply_parallel(placement, step, axis, dim if step in (PARTITION, COMBINE) else None)
+                placement = apply_parallel(placement, step, axis, step_dim)
             except PlacementError as err:
                 raise PlacementError(f"{op} ({' then '.join(steps)}): {err}") from None
         return placement
