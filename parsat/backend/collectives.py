@@ -21,6 +21,7 @@ also knows the fused rows as the composition of their steps):
 | reduce | partial -> free | all-reduce | identity |
 | reduce_scatter | partial -> Shard(d) | reduce-scatter | all-gather |
 | all_gather | Shard(d) -> replica | all-gather | reduce-scatter |
+| all_to_all | Shard(d) -> Shard(e) | all-to-all | all-to-all back (e -> d) |
 
 One `autograd.Function` runs any row, so a new fused operator is one more
 row. A local slice takes block `coord(axis)` of the local piece along d:
@@ -53,13 +54,14 @@ from typing import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER, REPLICATE
+from parsat.dsl.parallel_ops import ALL_GATHER, ALL_TO_ALL, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER, REPLICATE
 from parsat.ir.mesh import Mesh
 from parsat.ir.placement import FREE, Placement, apply_parallel
 
 # The collectives (and the two local steps) a parallel operator runs in one direction.
 SLICE, IDENTITY = "slice", "identity"
 ALL_GATHER_KIND, ALL_REDUCE_KIND, REDUCE_SCATTER_KIND = "all_gather", "all_reduce", "reduce_scatter"
+ALL_TO_ALL_KIND, ALL_TO_ALL_BACK = "all_to_all", "all_to_all_back"   # the backward moves the shard back
 GRAD_SYNC = "grad_sync"
 PIPELINE_AXIS = "pipeline_stage"   # the DeviceMesh axis of a pipelined plan's stages (never a plan's mesh axis)
 
@@ -74,10 +76,11 @@ class CommEvent:
 
     op: str          # the parallel operator (a PARALLEL_TABLE row)
     phase: str       # forward | backward
-    kind: str        # all_gather | all_reduce | reduce_scatter
+    kind: str        # all_gather | all_reduce | reduce_scatter | all_to_all
     axis: str        # the mesh axis it ran on
     group_size: int
-    elements: int    # n: the gathered result's size, the reduce-scattered input's size, or the all-reduced size
+    elements: int    # n: the gathered result's size, the reduce-scattered input's size, the all-reduced size, or
+                     # the all-to-all's buffer on one rank (of which it sends (p-1)/p)
     itemsize: int
     replicas: int = 1  # ranks running this same collective redundantly (the input is free on their axes)
     tag: str = ""      # GRAD_SYNC: the reduction of a weight's gradient
@@ -261,9 +264,26 @@ def _reduce_scatter(x: torch.Tensor, dim: int, comm: Comm, phase: str) -> torch.
     return out
 
 
+def _all_to_all(x: torch.Tensor, dims: tuple[int, int], comm: Comm, phase: str) -> torch.Tensor:
+    """`x`, this rank's block of dim `dims[0]` (whole along `dims[1]` on this axis), becomes its block of
+    `dims[1]` (whole along `dims[0]`): block j of dims[1] is sent to rank j, and the blocks received are
+    concatenated along dims[0] in rank order (one `all_to_all_single` of the blocks stacked)."""
+    src, dst = dims
+    send = torch.stack(x.chunk(comm.size, dim=dst)).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=comm.group)
+    comm.record(phase, ALL_TO_ALL_KIND, x.numel(), x)
+    return torch.cat(received.unbind(0), dim=src)
+
+
+def _all_to_all_back(x: torch.Tensor, dims: tuple[int, int], comm: Comm, phase: str) -> torch.Tensor:
+    """The adjoint of `_all_to_all` with the same dims: the shard moved back from dims[1] to dims[0]."""
+    return _all_to_all(x, (dims[1], dims[0]), comm, phase)
+
+
 COLLECTIVES: Mapping[str, Callable[[torch.Tensor, int | None, Comm, str], torch.Tensor]] = {
     SLICE: _slice, IDENTITY: _identity, ALL_GATHER_KIND: _all_gather, ALL_REDUCE_KIND: _all_reduce,
-    REDUCE_SCATTER_KIND: _reduce_scatter,
+    REDUCE_SCATTER_KIND: _reduce_scatter, ALL_TO_ALL_KIND: _all_to_all, ALL_TO_ALL_BACK: _all_to_all_back,
 }
 
 
@@ -284,6 +304,7 @@ PARALLEL_TABLE: Mapping[str, ParallelRow] = {row.name: row for row in (
     ParallelRow(REDUCE, ALL_REDUCE_KIND, IDENTITY),
     ParallelRow(REDUCE_SCATTER, REDUCE_SCATTER_KIND, ALL_GATHER_KIND),
     ParallelRow(ALL_GATHER, ALL_GATHER_KIND, REDUCE_SCATTER_KIND),
+    ParallelRow(ALL_TO_ALL, ALL_TO_ALL_KIND, ALL_TO_ALL_BACK),
 )}
 
 
@@ -302,7 +323,7 @@ class _Parallel(torch.autograd.Function):
 
 def parallel_op(name: str, x: torch.Tensor, placement: Placement, axis: int, dim: int | None,
                 groups: MeshGroups, counter: CommCounter, tag: str = "",
-                deferred: bool = False) -> tuple[torch.Tensor, Placement]:
+                deferred: bool = False, to_dim: int | None = None) -> tuple[torch.Tensor, Placement]:
     """Apply parallel operator `name` on mesh `axis` to this rank's piece `x` of a tensor placed as `placement`.
 
     Returns the new local piece and placement (PlacementError if the
@@ -310,12 +331,12 @@ def parallel_op(name: str, x: torch.Tensor, placement: Placement, axis: int, dim
     labels its backward collective in the counter (GRAD_SYNC: the reduction
     of a weight's gradient). `deferred` (a ZeRO weight's replicate,
     `state_shards`): its backward runs no collective, the step's end
-    reduce-scatters the gradient instead.
+    reduce-scatters the gradient instead. `to_dim`: all_to_all's second dim (its collectives take both).
     """
     if name not in PARALLEL_TABLE:
         raise KeyError(f"'{name}' is not a parallel operator ({', '.join(PARALLEL_TABLE)})")
     mesh = groups.mesh
-    after = apply_parallel(placement, name, axis, dim)
+    after = apply_parallel(placement, name, axis, dim, to_dim)
     size = mesh.size(axis)
     if size == 1:
         return x, after
@@ -323,4 +344,4 @@ def parallel_op(name: str, x: torch.Tensor, placement: Placement, axis: int, dim
     comm = Comm(groups.group(axis), size, mesh.coord(groups.rank, axis), counter, name, mesh.names[axis],
                 replicas, tag)
     row = ParallelRow(name, IDENTITY, IDENTITY) if deferred and name == REPLICATE else PARALLEL_TABLE[name]
-    return _Parallel.apply(x, row, dim, comm), after
+    return _Parallel.apply(x, row, dim if to_dim is None else (dim, to_dim), comm), after

@@ -458,10 +458,10 @@ class RankProgram:
 
     def _parallel(self, node: PNode, env, counter: CommCounter) -> tuple[torch.Tensor, Placement]:
         x, placement = env[node.inputs[0]]
-        dim = dict(node.attrs).get("dim")
+        dims = {k: int(v) for k, v in node.attrs if k in ("dim", "to_dim")}
         tag = GRAD_SYNC if node.id in self._grad_syncs else ""
-        return parallel_op(node.op, x, placement, node.axis(self.mesh), None if dim is None else int(dim),
-                           self.groups, counter, tag, deferred=node.id in self.state.replicates)
+        return parallel_op(node.op, x, placement, node.axis(self.mesh), dims.get("dim"), self.groups, counter, tag,
+                           deferred=node.id in self.state.replicates, to_dim=dims.get("to_dim"))
 
     def loss(self, env, targets: Mapping[str, torch.Tensor | None],
              outputs: Sequence[tuple[int, str]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Mapping
 
+from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import Degrees
 from parsat.ir.placement import Placement
@@ -39,7 +40,7 @@ def parallel_attrs(node: ENode, mesh: Mesh) -> tuple[tuple[str, int | str], ...]
     """A parallel operator e-node's attributes as its PCG node carries them: its dim (partition, combine), the
     name of the mesh axis it acts on and that axis's size (the e-node's last attribute is the axis index)."""
     axis = node.attrs[-1]
-    return tuple(zip(("dim",), node.attrs[:-1])) + (("axis", mesh.axes[axis].name), ("degree", mesh.size(axis)))
+    return tuple(zip(PARALLEL_OPS[node.op].dim_params, node.attrs[:-1])) + (("axis", mesh.axes[axis].name), ("degree", mesh.size(axis)))
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,55 @@ def experts(experts: int = 4, tokens: int = 8192, hidden: int = 1024, ffn: int =
     return g.build()
 
 
+def moe(num_experts: int = 8, top: int = 2, tokens: int = 4096, hidden: int = 1024, ffn: int = 4096,
+        library: Library | None = None, budget: GraphBudget | None = None) -> Graph:
+    """A routed mixture of experts, dropless: each token goes to its `top` experts, none is dropped.
+
+    The router's softmax picks each token's top experts (`topk_onehot`, as
+    `torch.topk`); the token's output is the sum of those experts' FFNs
+    (relu(x @ w1_e) @ w2_e) weighted by their router probabilities (Switch /
+    GShard's gates, not renormalized over the chosen ones), then the
+    residual, a layernorm and the mean squared error (`_mse_loss`). It is
+    written as GShard's dispatch and combine with the capacity of every
+    expert equal to all tokens, so no token is ever dropped (Megablocks'
+    and torchtitan's dropless semantics) and every shape is static: the
+    tokens are dispatched as [experts, tokens, hidden] (zero rows for the
+    experts a token did not choose), the experts run as one batched
+    matmul over the experts dim, and the combine sums the experts' rows
+    weighted by the gates. The price of static shapes: each expert
+    multiplies all token rows, zero or not, `experts / top` times the
+    FLOPs of a sparse (grouped GEMM) implementation, and the cost model
+    prices it so.
+
+    Why it is an example (docs/MODELS.md): it is where expert parallelism
+    (`bmm_expert_parallel`: the experts' weights stored split on the
+    experts dim, tokens moved by an all-to-all to the rank that holds
+    their expert and back) competes with data parallelism (every rank
+    holds every expert, the weights' gradients all-reduced).
+    """
+    experts = num_experts   # a dim here, not a count of separately built parts (`dsl.bounds.SIZE_LIMITS`)
+    if not 1 <= top <= experts:
+        raise GraphError(f"a mixture routes each token to 1 <= top <= num_experts experts, got top {top} of "
+                         f"{experts}")
+    g = GraphBuilder(library, name="moe", budget=budget)
+    x = g.input("x", [tokens, hidden])
+    probs = g.op("softmax", g.op("matmul", x, g.weight("router", [hidden, experts]), name="logits"), dim=1,
+                 name="probs")
+    chosen = g.op("reduce_sum", g.op("topk_onehot", probs, k=top, name="topk"), dim=1, name="chosen")
+    gates = g.op("transpose", g.op("mul", probs, chosen, name="gates"), d0=0, d1=1, name="gates_t")
+    spread = g.op("broadcast", x, dim=0, n=experts, name="to_experts")
+    dispatched = g.op("mul_bcast_dim", spread, g.op("transpose", chosen, d0=0, d1=1, name="chosen_t"), dim=2,
+                      name="dispatch")
+    up = g.op("relu", g.op("bmm", dispatched, g.weight("w1", [experts, hidden, ffn]), name="expert_up"),
+              name="expert_act")
+    down = g.op("bmm", up, g.weight("w2", [experts, ffn, hidden]), name="expert_down")
+    mixed = g.op("reduce_sum", g.op("mul_bcast_dim", down, gates, dim=2, name="weighted"), dim=0, name="combine")
+    y = g.op("layernorm", g.op("add", x, mixed, name="res"), g.weight("ln_g", [hidden]), g.weight("ln_b", [hidden]),
+             eps=1e-5, name="ln")
+    g.output(_mse_loss(g, y, tokens, hidden))
+    return g.build()
+
+
 def factorized(tokens: int = 8192, hidden: int = 4096, rank: int = 2816, library: Library | None = None,
                budget: GraphBudget | None = None) -> Graph:
     """An MLP whose second layer is trained in factored form: relu((relu(x @ w0) @ u) @ v), u [hidden, rank].
@@ -483,6 +532,8 @@ EXAMPLES: Mapping[str, Example] = {
     "stack": Example("stack", stack, "a stack of BERT-Large encoder blocks"),
     "branches": Example("branches", branches, "MLP with two parallel branches joined by concat"),
     "experts": Example("experts", experts, "dense mixture of expert FFNs, outputs summed, residual, layernorm, MSE loss"),
+    "moe": Example("moe", moe, "routed dropless mixture of experts (top-k router, experts' batched matmul), "
+                               "residual, layernorm, MSE loss"),
     "factorized": Example("factorized", factorized, "MLP whose second layer is a product of two matrices, MSE loss"),
     "gpt": Example("gpt", gpt, "GPT-3 Small (125M): pre-LN decoder, tied LM head, cross-entropy", (), _GPT_DERIVED,
                    _GPT3, 125e6),

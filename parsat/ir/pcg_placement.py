@@ -42,9 +42,9 @@ def derive_placements(pcg: PCG, ops: Mapping[str, ast.OpDecl]) -> dict[int, Plac
                 if int(node.attr("degree")) != mesh.size(axis):
                     raise PlacementError(f"{node.label}: degree {node.attr('degree')} is not the size "
                                          f"{mesh.size(axis)} of mesh axis '{mesh.axes[axis].name}'")
-                dim = dict(node.attrs).get("dim")
-                placement = apply_parallel(placements[node.inputs[0]], node.op, axis,
-                                           None if dim is None else int(dim))
+                dims = {k: int(v) for k, v in node.attrs if k in ("dim", "to_dim")}
+                placement = apply_parallel(placements[node.inputs[0]], node.op, axis, dims.get("dim"),
+                                           dims.get("to_dim"))
             else:
                 instance = instance_for(ops[node.op], [shapes[i] for i in node.inputs], dict(node.attrs), instances)
                 placement = compute_placement(instance, [placements[i] for i in node.inputs], cache)

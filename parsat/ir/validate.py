@@ -468,8 +468,10 @@ def _check_pcg_operators(f: _Fields, data: Mapping, at: str, ops: Mapping[str, a
             if set(attrs) != keys:
                 f.fail(f"{path}.attrs", f"{op} takes the attributes {', '.join(sorted(keys))}, got "
                                         f"{', '.join(sorted(attrs)) or 'none'}")
-            if "dim" in attrs and attrs["dim"] >= len(inputs[0]):
-                f.fail(f"{path}.attrs.dim", f"dim {attrs['dim']} is not a dim of its input's shape {list(inputs[0])}")
+            for key in ("dim", "to_dim"):
+                if key in attrs and attrs[key] >= len(inputs[0]):
+                    f.fail(f"{path}.attrs.{key}", f"{key} {attrs[key]} is not a dim of its input's shape "
+                                                  f"{list(inputs[0])}")
             expected = inputs[0]
         else:
             if op in PARALLEL_ATTRS:

@@ -12,7 +12,7 @@ import os
 from collections import Counter
 from typing import Mapping, Sequence
 
-from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER, REPLICATE
+from parsat.dsl.parallel_ops import ALL_GATHER, ALL_TO_ALL, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER, REPLICATE
 from parsat.ir.mesh import Mesh
 from parsat.ir.parallelism import describe
 from parsat.ir.pcg import Degrees, describe_zero
@@ -168,6 +168,9 @@ def parallel_text(node: Mapping, nodes: Mapping[int, Mapping], weights: set[str]
         text = f"adds up {attrs['degree']} partial sums of {what}"
     elif node["op"] == REDUCE_SCATTER:
         text = f"adds up {attrs['degree']} partial sums of {what}, each device keeping block of dim {attrs['dim']}"
+    elif node["op"] == ALL_TO_ALL:
+        text = (f"moves {what}'s {attrs['degree']} blocks from dim {attrs['dim']} to dim {attrs['to_dim']} "
+                "(all-to-all)")
     else:
         text = f"gathers {what} along dim {attrs['dim']} from {attrs['degree']} blocks into copies"
     if "axis" in attrs:
@@ -195,7 +198,8 @@ def _parallel_summary(parallel: Sequence[Mapping], nodes: Mapping[int, Mapping],
                 REPLICATE: f"weights replicated on {d} devices" if weight else f"replications on {d} devices",
                 REDUCE: f"sums of {d} partial sums",
                 REDUCE_SCATTER: f"reduce-scatters over {d} devices",
-                ALL_GATHER: f"all-gathers of {d} blocks into copies"}[node["op"]]
+                ALL_GATHER: f"all-gathers of {d} blocks into copies",
+                ALL_TO_ALL: f"all-to-alls over {d} devices"}[node["op"]]
         counts[kind] += 1
     return ", ".join(f"{n} {kind}" for kind, n in counts.most_common())
 

@@ -107,7 +107,7 @@ def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_placement
         children = [by_id[i] for i in node.inputs]
         axis = node.axis(pcg.mesh) if node.kind == "parallel" else None
         attrs = (node.op,) if node.kind == "leaf" else tuple(v for k, v in node.attrs
-                                                              if node.kind != "parallel" or k == "dim")
+                                                              if node.kind != "parallel" or k in ("dim", "to_dim"))
         op = node.op if node.kind != "leaf" else "leaf"
         cost = pricer.price(op, attrs, node.shape, node.degrees, tuple(c.shape for c in children),
                             tuple(c.degrees for c in children), tuple(roles.get(c.id, "") for c in children), axis,

@@ -73,7 +73,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Mapping, Sequence
 
-from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER, REPLICATE
+from parsat.dsl.parallel_ops import ALL_GATHER, ALL_TO_ALL, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER, REPLICATE
 from parsat.ir.blocks import OUTSIDE, block_of, has_blocks
 from parsat.ir.graph import Graph
 from parsat.ir.mesh import Mesh
@@ -227,6 +227,11 @@ def lower(pcg: PCG, graph: Graph, module: ModuleInfo, *, pipelined: bool = False
                             "torch.distributed.pipelining), not as one mesh's plan")
     if pcg.mesh.world < 2:
         raise LoweringError("the plan is for one device: run the module itself")
+    moved = next((n for n in pcg.nodes if n.kind == "parallel" and n.op == ALL_TO_ALL), None)
+    if moved is not None:
+        raise LoweringError(f"node #{moved.id} is an all_to_all (expert parallelism: a shard moved between dims), "
+                            "which the torch-native runtime does not lower; run the plan with the interpreter "
+                            "(runtime='interpreter', `parsat run`)")
     lowering = _Lowerer(pcg, graph, module, library, no_tensor_axis).run()
     return replace(lowering, recompute=recomputed_blocks(pcg, module))
 
