@@ -54,10 +54,16 @@ def _full(seed: int, shape=SHAPE) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def _input_code(op: str, dim: int | None) -> int:
-    """What the operator needs on its own axis."""
-    return {"partition": FREE, "replicate": FREE, "combine": shard(dim or 0), "all_gather": shard(dim or 0),
-            "reduce": PARTIAL, "reduce_scatter": PARTIAL}[op]
+def _input_code(op: str, dim: int | tuple | None) -> int:
+    """What the operator needs on its own axis (all_to_all's `dim`: its (dim, to_dim))."""
+    first = dim[0] if isinstance(dim, tuple) else (dim or 0)
+    return {"partition": FREE, "replicate": FREE, "combine": shard(first), "all_gather": shard(first),
+            "reduce": PARTIAL, "reduce_scatter": PARTIAL, "all_to_all": shard(first)}[op]
+
+
+def _dims(dim: int | tuple | None) -> tuple[int | None, int | None]:
+    """A case's (dim, to_dim): all_to_all's pair, or the one dim and None."""
+    return dim if isinstance(dim, tuple) else (dim, None)
 
 
 def op_cases() -> dict[str, tuple[str, int, int | None, int]]:
@@ -65,14 +71,15 @@ def op_cases() -> dict[str, tuple[str, int, int | None, int]]:
     others = {"free": FREE, "replica": REPLICA, "S0": shard(0), "S1": shard(1)}
     cases = {}
     for op in PARALLEL_TABLE:
-        dims = (0, 1) if op in ("partition", "combine", "reduce_scatter", "all_gather") else (None,)
+        dims = ((0, 1) if op in ("partition", "combine", "reduce_scatter", "all_gather") else
+                ((0, 1), (1, 0)) if op == "all_to_all" else (None,))
         for axis in (0, 1):
             for dim in dims:
                 for label, other in others.items():
                     codes = [FREE, FREE]
                     codes[axis], codes[1 - axis] = _input_code(op, dim), other
                     try:
-                        apply_parallel(Placement(tuple(codes)), op, axis, dim)
+                        apply_parallel(Placement(tuple(codes)), op, axis, *_dims(dim))
                     except PlacementError:
                         continue  # e.g. a partition on dp of a dim tp already shards: refused, tested elsewhere
                     cases[f"{op}-{MESH.names[axis]}-dim{dim}-other_{label}"] = (op, axis, dim, other)
@@ -105,7 +112,7 @@ def run_op_case(ctx: RankContext, groups: MeshGroups, op: str, axis: int, dim: i
         piece = logical[where_in]
     piece = piece.clone().requires_grad_()
     counter = CommCounter()
-    out, after = parallel_op(op, piece, before, axis, dim, groups, counter)
+    out, after = parallel_op(op, piece, before, axis, _dims(dim)[0], groups, counter, to_dim=_dims(dim)[1])
     where_out = piece_index(after, SHAPE, MESH, ctx.rank)
     replica_out = after.codes[axis] == REPLICA
     grads = [_full(200 + k) for k in range(size if replica_out else 1)]
@@ -113,7 +120,7 @@ def run_op_case(ctx: RankContext, groups: MeshGroups, op: str, axis: int, dim: i
     want_grad = sum(grads)[where_in]
     return {"forward": float((out - logical[where_out]).abs().max()),
             "backward": float((piece.grad - want_grad).abs().max()),
-            "after": list(after.codes), "want_after": list(apply_parallel(before, op, axis, dim).codes),
+            "after": list(after.codes), "want_after": list(apply_parallel(before, op, axis, *_dims(dim)).codes),
             "in_local": prod(before.local_shape(SHAPE, MESH.shape)),
             "out_local": prod(after.local_shape(SHAPE, MESH.shape)),
             "events": counter.to_json(), "sent": str(counter.sent())}
@@ -128,7 +135,8 @@ def expected_events(op: str, axis: int, other: int, in_local: int, out_local: in
             "replicate": [("backward", "all_reduce", in_local)],
             "reduce": [("forward", "all_reduce", in_local)],
             "reduce_scatter": [("forward", "reduce_scatter", in_local), ("backward", "all_gather", in_local)],
-            "all_gather": [("forward", "all_gather", out_local), ("backward", "reduce_scatter", out_local)]}[op]
+            "all_gather": [("forward", "all_gather", out_local), ("backward", "reduce_scatter", out_local)],
+            "all_to_all": [("forward", "all_to_all", in_local), ("backward", "all_to_all", out_local)]}[op]
     return [(phase, kind, name, n, replicas) for phase, kind, n in rows]
 
 
@@ -210,7 +218,7 @@ def test_parallel_operator_sends_what_the_ring_formulas_say(mesh_job, op):
             got = [(e["phase"], e["kind"], e["axis"], e["elements"], e["replicas"]) for e in found["events"]]
             assert sorted(got) == sorted(expected), name
             assert all(e["group_size"] == 2 and e["op"] == op for e in found["events"])
-            # per rank: all-gather and reduce-scatter (p-1)/p * n, all-reduce 2(p-1)/p * n
+            # per rank: all-gather, reduce-scatter and all-to-all (p-1)/p * n, all-reduce 2(p-1)/p * n
             formula = sum(Fraction((2 if kind == "all_reduce" else 1) * n, 2) for _, kind, _, n, _ in expected)
             assert Fraction(found["sent"]) == formula, name
 

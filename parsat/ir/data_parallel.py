@@ -67,11 +67,11 @@ def data_parallel_refusal(graph: Graph, library: Library, devices: int) -> str |
 
 
 def _built(graph: Graph, library: Library, devices: int, devices_per_node: int,
-           zero3: bool) -> "_DataParallelBuilder | str":
+           zero3: bool, builder: type | None = None) -> "_DataParallelBuilder | str":
     """The builder after placing every leaf and operator and gathering the outputs (its `pcg` set), or the reason
-    it stopped."""
+    it stopped. `builder`: a subclass of `_DataParallelBuilder` to build with (`ir.expert_parallel`)."""
     mesh = Mesh.of((devices,), devices_per_node, names=(DP_AXIS,))
-    build = _DataParallelBuilder(graph, devices, mesh, library)
+    build = (builder or _DataParallelBuilder)(graph, devices, mesh, library)
     for leaf in graph.leaves:
         build.place_leaf(leaf, zero3, leaf.name in graph.constants)
     cache: dict = {}
@@ -176,7 +176,7 @@ class _DataParallelBuilder:
         except InstantiationError as err:
             return str(err)
         placement, first_reason = None, None
-        for repair in (lambda ins: ins, self.all_reduced, lambda ins: self.split_with_batch(gnode.inputs, ins)):
+        for repair in self.repairs(gnode):
             inputs = repair(inputs)
             try:
                 placement = compute_placement(instance, [n.placement for n in inputs], cache)
@@ -188,6 +188,11 @@ class _DataParallelBuilder:
         self.ident[gnode.name] = self.add("op", gnode.op, [n.id for n in inputs], gnode.attrs, gnode.shape,
                                           placement, origin=gnode.name)
         return None
+
+    def repairs(self, gnode: OpNode) -> tuple:
+        """The repairs `place_operator` tries in turn on an operator's inputs: none, partial sums all-reduced,
+        weight-only values split with the batch (a subclass may add its own: `ir.expert_parallel`)."""
+        return (lambda ins: ins, self.all_reduced, lambda ins: self.split_with_batch(gnode.inputs, ins))
 
     def split_mean(self, gnode: OpNode, inputs: list[PNode], cache: dict) -> bool:
         """`mean(x, dim)` with `x` split along `dim` over the batch axis: each rank sums its rows (`reduce_sum`, a
