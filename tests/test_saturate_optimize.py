@@ -193,7 +193,7 @@ def test_plan_json_is_self_contained(mlp_plan_cpu, tmp_path):
     assert data["devices"] == 2
     assert {w["name"] for w in data["graph"]["weights"]} == {"w1", "w2"}
     assert set(data["totals"]) >= {"time_s", "comm_elements", "comm_bytes", "peak_memory_bytes"}
-    assert set(data["baselines"]) == {"data_parallel", "sequential", "megatron", "best_grid"}
+    assert set(data["baselines"]) == {"data_parallel", "sequential", "megatron", "expert_parallel", "best_grid"}
     for node in data["nodes"]:
         assert set(node["spread"]) == {"shard", "copy", "sum"}
         assert all(i < node["id"] for i in node["inputs"])

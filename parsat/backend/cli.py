@@ -38,7 +38,7 @@ import sys
 from typing import Mapping
 
 
-PLAN_OF = ("parsat", "data_parallel", "sequential", "megatron")
+PLAN_OF = ("parsat", "data_parallel", "sequential", "megatron", "expert_parallel")
 
 
 def register(subparsers) -> None:

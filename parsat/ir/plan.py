@@ -28,7 +28,7 @@ from parsat.ir.placement import PlacementError, from_dtensor
 from parsat.ir.recompute import NONE
 from parsat.ir.validate import PLAN_SCHEMA, PLAN_VERSION, READABLE_VERSIONS, validate_plan_dict
 
-BASELINES = ("data_parallel", "sequential", "megatron", "best_grid")
+BASELINES = ("data_parallel", "sequential", "megatron", "expert_parallel", "best_grid")
 JOINT = "joint"                # `extraction.chosen` when the plan was extracted from the joint e-graph
 
 

@@ -228,7 +228,7 @@ def node_lines(data: Mapping, nodes: Mapping[int, Mapping], limit: int | None) -
 
 def baseline_lines(data: Mapping) -> list[str]:
     """The plan beside every baseline on one cost model, and the grid point the best grid chose."""
-    lines = [f"  {'plan':<14} {'time':>12} {'node sum':>12} {'exposed comm':>12} {'comm elements':>16} "
+    lines = [f"  {'plan':<15} {'time':>12} {'node sum':>12} {'exposed comm':>12} {'comm elements':>16} "
              f"{'grad sync':>14} {'memory':>12}", _baseline_row("parsat", data["totals"])]
     lines += [_baseline_row(name, data["baselines"].get(name)) for name in BASELINES]
     chosen_grid = (data["baselines"].get("best_grid") or {}).get("config")
@@ -239,9 +239,9 @@ def baseline_lines(data: Mapping) -> list[str]:
 
 def _baseline_row(name: str, t: Mapping | None) -> str:
     if t is None:
-        return f"  {name:<14} {'n/a':>12}"
+        return f"  {name:<15} {'n/a':>12}"
     exposed = fmt_time(t["exposed_comm_s"]) if "exposed_comm_s" in t else "-"
-    return (f"  {name:<14} {fmt_time(t['time_s']):>12} {fmt_time(t.get('node_sum_s', t['time_s'])):>12} "
+    return (f"  {name:<15} {fmt_time(t['time_s']):>12} {fmt_time(t.get('node_sum_s', t['time_s'])):>12} "
             f"{exposed:>12} {t['comm_elements']:>16,} {t['grad_sync_elements']:>14,} "
             f"{fmt_bytes(t['peak_memory_bytes']):>12}")
 

@@ -2,6 +2,9 @@
 
 * data parallelism: the textbook PCG (`ir.data_parallel`), priced node by
   node (`solve.price_pcg`);
+* expert parallelism, for a graph with a mixture of experts' batched
+  matmul: data parallelism with the experts split and tokens all-to-all'd
+  to them (`ir.expert_parallel`), priced likewise;
 * Megatron-style tensor parallelism: the joint e-graph with the e-nodes it
   forbids excluded (`megatron_excluded`): graph inputs never split, matrices
   never replicated or read whole;
@@ -29,6 +32,7 @@ from parsat.dsl.library import Library
 from parsat.dsl.parallel_ops import PARALLEL_OPS, PARTITION, REPLICATE
 from parsat.ir.costs import NodeCost, Totals, totals
 from parsat.ir.data_parallel import data_parallel_pcg
+from parsat.ir.expert_parallel import expert_parallel_pcg
 from parsat.ir.errors import GraphError
 from parsat.ir.blocks import has_blocks
 from parsat.ir.graph import Graph, GraphBuilder
@@ -71,6 +75,17 @@ def data_parallel(graph: Graph, library: Library, machine: Machine, free_input_p
     if costs is None:
         return None
     return Candidate("data_parallel", pcg, costs, totals(costs, machine))
+
+
+def expert_parallel(graph: Graph, library: Library, machine: Machine, free_input_placements: bool,
+                    devices: int) -> Candidate | None:
+    """The expert-parallel PCG priced; None where it does not apply (no experts' batched matmul, an operator that
+    refuses the layout)."""
+    pcg = expert_parallel_pcg(graph, library, devices, machine.devices_per_node)
+    costs = price_pcg(pcg, library, machine, free_input_placements, graph.microbatches) if pcg is not None else None
+    if costs is None:
+        return None
+    return Candidate("expert_parallel", pcg, costs, totals(costs, machine))
 
 
 def independent_grid(graph: Graph, library: Library, machine: Machine, free_input_placements: bool,

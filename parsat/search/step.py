@@ -36,7 +36,7 @@ from parsat.ir.pcg_placement import derive_placements
 from parsat.ir.placement import Placement, PlacementError
 from parsat.ir.plan import JOINT, BaselinePlan, Plan
 from parsat.egraph.runner import STOP_INTERRUPTED, STOP_SATURATED, Limits
-from parsat.search.baselines import Candidate, data_parallel, grid_families, sequential
+from parsat.search.baselines import Candidate, data_parallel, expert_parallel, grid_families, sequential
 from parsat.search.deadline import Deadline
 from parsat.search.inputs import pins_on, search_meshes
 from parsat.search.mesh import CandidateSteps, MeshSearch, best, rank, search_mesh
@@ -288,7 +288,9 @@ def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_se
         if spare is not None and step.stage is None and request.baselines else None
     dp = data_parallel(graph, request.library, machine, request.free_input_placements, step.devices) \
         if not step.pins else None
-    two_phase, dp = steps(two_phase), steps(dp)
+    experts = expert_parallel(graph, request.library, machine, request.free_input_placements, step.devices) \
+        if not step.pins else None
+    two_phase, dp, experts = steps(two_phase), steps(dp), steps(experts)
     # data parallelism over every device is a point of the grid too, and so is every point of the grid built
     # directly from the graph (`independent_grid`): an e-graph cut short by the limits may not reach them
     as_grid = replace(dp, name="best_grid", config={"dp": step.devices, "tp": 1, "sp": False, "zero": 0,
@@ -299,7 +301,7 @@ def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_se
         points = [p for p in points if p is not None and keeps_pins(p, request)]
     grid = best(points, step.memory)
     for name, candidate in (("megatron", megatron), ("sequential", two_phase), ("data_parallel", dp),
-                            ("best_grid", grid)):
+                            ("expert_parallel", experts), ("best_grid", grid)):
         found[name] = candidate.totals if candidate is not None else None
         if candidate is not None:
             candidates.append(candidate)
