@@ -11,7 +11,8 @@ ZeRO), `pcg` (the Parallel Computation Graph; a node's `Degrees`),
 `pcg_placement` (every node's placement derived again and checked, or
 the node that cannot be placed), `parallelism` (the kinds of parallelism
 a plan's mesh axes amount to), `data_parallel` (the textbook
-data-parallel PCG), `megatron` (Megatron-LM's data x tensor layout,
+data-parallel PCG), `expert_parallel` (data parallelism with a mixture
+of experts' experts split and tokens moved by all-to-all), `megatron` (Megatron-LM's data x tensor layout,
 ZeRO-3 and sequence parallelism, built directly: the independent grid's
 PCGs), `costs` (the cost records a plan carries), `plan`
 (the plan and its JSON; `parsat.report` presents it), `microbatch` (how a
