@@ -67,7 +67,8 @@ from parsat.ir.microbatch import is_loss
 from parsat.ir.pcg import PCG, PNode, readers, state_shardings, weight_chains, weight_storage
 from parsat.ir.recompute import Checkpoint, checkpoints
 from parsat.cost.fsdp_groups import ParamGroup, group_elements, param_groups, tensor_axes
-from parsat.cost.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, SEND_RECV, GroupTopology, price
+from parsat.cost.collectives import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, SEND_RECV, GroupTopology,
+                                     price)
 from parsat.cost.model import compute_time
 from parsat.cost.op_time import OpTime, chunk_time, memory_op_time
 from parsat.cost.schedules import Gradient, GradientBuckets
@@ -609,6 +610,13 @@ class _Builder:
             copy = self._add(f"{label} copy", self.compute, self._copy_s(piece), deps, alloc=nbytes)
             self.allocated[node.id] = nbytes
             self.ready[node.id] = self._sync(f"{label} all-reduce", ALL_REDUCE, node, nbytes, [copy])
+        elif node.op == parallel_ops.ALL_TO_ALL:   # the blocks packed, exchanged, and laid out along the new dim
+            nbytes = piece * self.item
+            self.allocated[node.id] = nbytes   # the output, until its backward
+            pack = self._add(f"{label} pack", self.compute, self._copy_s(piece), deps, alloc=nbytes)
+            moved = self._sync(f"{label} all-to-all", ALL_TO_ALL, node, nbytes, [pack], alloc=nbytes)
+            self.ready[node.id] = self._add(f"{label} unpack", self.compute, self._copy_s(piece), [moved],
+                                            alloc=nbytes, free=2 * nbytes)   # the send and receive buffers go
         else:
             raise TaskBuildError(f"unknown parallel operator '{node.op}'")
 
@@ -907,6 +915,13 @@ class _Builder:
         elif weight and self.syncing and node.id in getattr(self.groups.get(source), "sync", ()):   # FSDP2
             task = max(deps)
             self.group_grads.setdefault(self.groups[source].key, []).append(task)
+        elif node.op == parallel_ops.ALL_TO_ALL:   # the gradient moved back to the source's dim
+            nbytes = piece * self.item
+            pack = self._add(f"{label} pack", self.compute, self._copy_s(piece, True), deps, phase="backward")
+            moved = self._sync(f"{label} all-to-all", ALL_TO_ALL, node, nbytes, [pack], phase="backward_comm",
+                               backward=True)
+            task = self._add(f"{label} unpack", self.compute, self._copy_s(piece, True), [moved], free=free,
+                             phase="backward")
         elif node.op == parallel_ops.ALL_GATHER:   # the gathered gradient cut into blocks and reduce-scattered
             pipe = self._pipe(node, backward=True)   # chunks sent from the buffer the product's backward writes
             cut = deps if pipe else [self._add(f"{label} slices", self.compute, self._copy_s(piece, True), deps,
@@ -1136,7 +1151,8 @@ class _Builder:
                   parallel_ops.ALL_GATHER: (self._copy_s(piece), self._copy_s(piece, True)),
                   parallel_ops.REDUCE_SCATTER: (self._copy_s(source), self._copy_s(source, True)),
                   REPLICATE: (eff.op_time(0.0), self._copy_s(piece, True)),
-                  REDUCE: (self._copy_s(piece), eff.op_time(0.0, True))}.get(node.op)
+                  REDUCE: (self._copy_s(piece), eff.op_time(0.0, True)),
+                  parallel_ops.ALL_TO_ALL: (2 * self._copy_s(piece), 2 * self._copy_s(piece, True))}.get(node.op)
         if floors is None:
             raise TaskBuildError(f"unknown parallel operator '{node.op}'")   # as the simulation would
         forward, backward = floors
