@@ -26,6 +26,7 @@ from parsat.ir.expert_parallel import expert_parallel_pcg, expert_parallel_refus
 from parsat.ir.machine import Machine  # noqa: E402
 from parsat.ir.models import build_example  # noqa: E402
 from parsat.ir.placement import Placement, PlacementError, apply_parallel, shard  # noqa: E402
+from parsat.cost.pcg_tasks import profile_for, simulate_pcg  # noqa: E402
 from parsat.search.solve import price_pcg  # noqa: E402
 from parsat.verifier.api import verify  # noqa: E402
 
@@ -97,6 +98,20 @@ def test_the_cost_model_prices_each_all_to_all_both_ways():
     # one rank's piece [experts, tokens / 2, hidden] each way, of which it sends half: (p - 1) n over the group
     piece = SMALL["num_experts"] * SMALL["tokens"] // 2 * SMALL["hidden"]
     assert all(cost.comm_elements == 2 * piece for cost in moves)
+
+
+def test_the_step_simulator_runs_the_all_to_alls_on_the_communication_stream():
+    graph = _moe()
+    machine = Machine.preset("h100x8")
+    pcg = expert_parallel_pcg(graph, LIBRARY, 2)
+    spans = simulate_pcg(pcg, LIBRARY, machine, profile_for(machine)).result.spans
+    moved = [sp for sp in spans if sp.name.endswith("all-to-all")]
+    assert len(moved) == 4                                                   # dispatch and combine, each way
+    assert {sp.phase for sp in moved} == {"forward_comm", "backward_comm"}
+    costs = price_pcg(pcg, LIBRARY, machine, True, graph.microbatches)
+    forward = sorted(sp.end - sp.start for sp in moved if sp.phase == "forward_comm")
+    priced = sorted(costs[n.id].forward_comm_s for n in pcg.nodes if n.op == ALL_TO_ALL)
+    assert forward == pytest.approx(priced, rel=1e-9)   # the simulator and the node costs price it alike
 
 
 def test_the_torch_native_runtime_refuses_an_all_to_all_and_names_the_interpreter():

@@ -103,6 +103,9 @@ def test_baseline_pcgs_in_json_priced_equal_to_totals(shipped, tmp_path):
     data = load_plan_dict(path)
     machine = Machine.from_dict(data["machine"])
     for name, baseline in data["baselines"].items():
+        if name == "expert_parallel":   # null for a graph without a mixture of experts (docs/plan-schema.md)
+            assert baseline is None
+            continue
         assert baseline is not None, name
         pcg = pcg_from_dict(baseline["pcg"])
         assert [o["name"] for o in baseline["pcg"]["outputs"]] == list(plan.graph.outputs)
