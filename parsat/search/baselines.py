@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 from parsat.dsl import ast
 from parsat.dsl.checker import is_parallel_rule
 from parsat.dsl.library import Library
-from parsat.dsl.parallel_ops import PARALLEL_OPS, PARTITION, REPLICATE
+from parsat.dsl.parallel_ops import ALL_TO_ALL, PARALLEL_OPS, PARTITION, REPLICATE
 from parsat.ir.costs import NodeCost, Totals, totals
 from parsat.ir.data_parallel import data_parallel_pcg
 from parsat.ir.expert_parallel import expert_parallel_pcg
@@ -163,7 +163,8 @@ def _priced_point(pcg: PCG | None, config: dict, graph: Graph, library: Library,
 
 
 def megatron_excluded(snapshot: Snapshot, roles: Mapping[int, str]) -> Callable[[NodeId], bool]:
-    """The e-nodes tensor parallelism forbids: inputs never split, matrices never replicated or read whole."""
+    """The e-nodes tensor parallelism forbids: inputs never split, matrices never replicated or read whole, no
+    all-to-all (Megatron-LM moves no shard between dims)."""
     inputs = {c for c, r in roles.items() if r == "input"}
     weights = {c for c, r in roles.items() if r == "weight"}
 
@@ -173,6 +174,8 @@ def megatron_excluded(snapshot: Snapshot, roles: Mapping[int, str]) -> Callable[
             return node.children[0] in inputs
         if node.op == REPLICATE:
             return node.children[0] in weights and len(snapshot.shape[node.children[0]]) >= 2
+        if node.op == ALL_TO_ALL:
+            return True
         if node.op in PARALLEL_OPS or node.op == "leaf":
             return False
         return any(ch in weights and len(snapshot.shape[ch]) >= 2 for ch in node.children)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from parsat.dsl.parallel_ops import ALL_GATHER, PARALLEL_OPS, PARTITION, REDUCE_SCATTER, REPLICATE
+from parsat.dsl.parallel_ops import ALL_GATHER, ALL_TO_ALL, PARALLEL_OPS, PARTITION, REDUCE_SCATTER, REPLICATE
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import STORED_ROLES, WEIGHT_ROLES
 from parsat.ir.placement import FREE, shard_dim
@@ -98,6 +98,8 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
             return config.data_axis is not None and any(
                 roles.get(ch) in WEIGHT_ROLES and shard_dim(snapshot.placement[ch].codes[config.data_axis])
                 is not None for ch in node.children)
+        if node.op == ALL_TO_ALL:
+            return True   # the grid is Megatron-LM's and FSDP's layouts: no shard moves between dims
         axis = node.attrs[-1]
         dim = node.attrs[0] if PARALLEL_OPS[node.op].has_dim else None
         source = roles.get(node.children[0], "")
