@@ -77,11 +77,12 @@ def test_every_table_row_is_a_parallel_operator_of_the_placement_algebra():
     assert set(PARALLEL_TABLE) == set(PARALLEL_OPS)
     for row in PARALLEL_TABLE.values():  # each row changes a placement as its name says, on one axis
         before = {"partition": FREE, "replicate": FREE, "combine": shard(1), "all_gather": shard(1),
-                  "reduce": PARTIAL, "reduce_scatter": PARTIAL}[row.name]
-        after = apply_parallel(Placement((shard(0), before)), row.name, 1, 1)
+                  "reduce": PARTIAL, "reduce_scatter": PARTIAL, "all_to_all": shard(1)}[row.name]
+        to_dim = 2 if row.name == "all_to_all" else None   # its shard moves from dim 1 to dim 2
+        after = apply_parallel(Placement((shard(0), before)), row.name, 1, 1, to_dim)
         assert after.codes[0] == shard(0)
         assert after.codes[1] == {"partition": shard(1), "replicate": REPLICA, "combine": FREE, "all_gather": REPLICA,
-                                  "reduce": FREE, "reduce_scatter": shard(1)}[row.name]
+                                  "reduce": FREE, "reduce_scatter": shard(1), "all_to_all": shard(2)}[row.name]
 
 
 @pytest.mark.parametrize("op,codes,axis,dim,message", [
