@@ -104,7 +104,8 @@ def load_plan(path: str, nproc: int, plan_of: str = "parsat"):
     try:
         graph = Graph.from_dict(data["graph"], library)
         if plan_of == "parsat":
-            return pcg_from_dict(data), graph, Prediction.from_totals(data.get("totals"))
+            return pcg_from_dict(data), graph, Prediction.from_totals(data.get("totals")).on_machine(
+                data.get("machine"))
         baseline = (data.get("baselines") or {}).get(plan_of)
         if not isinstance(baseline, Mapping):
             raise ExecutionError(f"{path} has no {plan_of} baseline (it does not apply to this graph)")
@@ -119,7 +120,7 @@ def load_plan(path: str, nproc: int, plan_of: str = "parsat"):
         else:
             raise ExecutionError(f"{path} carries the {plan_of} baseline's costs but not its PCG; re-run "
                                  "`parsat optimize` with this version to record it")
-        return pcg, graph, Prediction.from_totals(dict(baseline))
+        return pcg, graph, Prediction.from_totals(dict(baseline)).on_machine(data.get("machine"))
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise ExecutionError(f"{path}: the plan does not follow the plan schema ({type(err).__name__}: {err})") \
             from None
@@ -212,6 +213,26 @@ def check_tolerance(dtype: str, model: str | None) -> float:
     return 1e-3 if model else 1e-4
 
 
+def step_time_line(measured_s: float, predicted) -> str:
+    """The measured step beside the plan's predicted one, and how far apart they are.
+
+    The prediction is only this box's when the plan was priced on a machine
+    measured here (`parsat calibrate`); a preset's figures are another
+    machine's, so the line says so instead of inviting a comparison."""
+    line = f"  step time (median)   {measured_s * 1e3:.3f} ms"
+    if predicted.time_s is None or predicted.time_s <= 0:
+        return line + " (the plan predicts none)"
+    line += f", predicted {predicted.time_s * 1e3:.3f} ms"
+    if predicted.machine_kind == "calibrated":
+        return line + (f" on '{predicted.machine}' (calibrated): measured {measured_s / predicted.time_s:.2f} x "
+                       "the prediction")
+    if predicted.machine_kind == "preset":
+        return line + (f" for the preset '{predicted.machine}', not this machine (`parsat calibrate` measures "
+                       "it, `parsat optimize --machine FILE` prices on it)")
+    name = f" '{predicted.machine}'" if predicted.machine else ""
+    return line + f" on the described machine{name}: measured {measured_s / predicted.time_s:.2f} x the prediction"
+
+
 def _report(result, args: argparse.Namespace, tolerance: float) -> None:
     from parsat.ir import recompute
 
@@ -230,7 +251,7 @@ def _report(result, args: argparse.Namespace, tolerance: float) -> None:
              + ("n/a" if sync_predicted is None else f"{sync_predicted:,.0f}"),
              *(["    by mesh axis       " + ", ".join(f"{axis} {sent:,.0f}" for axis, sent
                                                       in result.comm_by_axis.items())] if result.comm_by_axis else []),
-             f"  step time (median)   {result.step_time_s * 1e3:.3f} ms",
+             step_time_line(result.step_time_s, result.predicted),
              f"  peak memory per rank {result.peak_memory_bytes / 2**20:.2f} MiB of tensors"
              + ("" if memory_predicted is None
                 else f" (plan's bound {memory_predicted / 2**20:.2f} MiB, Adam state included)")

@@ -71,7 +71,7 @@ import math
 import resource
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import prod
 from typing import Callable, Mapping, Sequence
 
@@ -88,6 +88,7 @@ from parsat.backend.training_data import (MASK, ONEHOT, StepData, TrainConfig, c
                                           fan_in, leaf_value, objective, target_value)
 from parsat.dsl.library import Library, load_library, shipped_rules_dir
 from parsat.dsl.parallel_ops import ALL_GATHER, REPLICATE
+from parsat.ir.machine import PRESETS
 from parsat.ir.mesh import Mesh
 from parsat.ir.microbatch import StepBatch, step_batch
 from parsat.ir.placement import FREE, PARTIAL, Placement, PlacementError, piece_index
@@ -549,7 +550,7 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
         torch.cuda.reset_peak_memory_stats(ctx.device)
     for step in range(config.steps):
         counter = CommCounter()
-        start = time.perf_counter()
+        start = ctx.step_start()
         data = program.step_data(batch, step)
         # once per step for all micro-batches: gathers, replicas (one batch runs them inside its own autograd)
         weights = program.weight_values(counter) if m > 1 else None
@@ -803,6 +804,10 @@ class Prediction:
     grad_sync_elements: float | None = None
     peak_memory_bytes: float | None = None
     time_s: float | None = None
+    # the machine the figures are for: its name, and whether it was measured (`parsat calibrate`), a preset,
+    # or described by hand; a preset's step time is not this box's, and `parsat run` says so beside its own
+    machine: str | None = None
+    machine_kind: str | None = None   # "calibrated" | "preset" | "described"
 
     @staticmethod
     def from_totals(totals) -> "Prediction":
@@ -810,6 +815,15 @@ class Prediction:
         totals = totals if isinstance(totals, dict) else {}
         return Prediction(totals.get("comm_elements"), totals.get("grad_sync_elements"),
                           totals.get("peak_memory_bytes"), totals.get("time_s"))
+
+    def on_machine(self, machine) -> "Prediction":
+        """This prediction, naming the plan file's machine (its `machine` object) and what kind it is."""
+        if not isinstance(machine, Mapping) or not isinstance(machine.get("name"), str):
+            return self
+        comm = machine.get("comm")
+        measured = isinstance(comm, Mapping) and bool(comm.get("points"))
+        kind = "calibrated" if measured else "preset" if machine["name"] in PRESETS else "described"
+        return replace(self, machine=machine["name"], machine_kind=kind)
 
 
 @dataclass(frozen=True)

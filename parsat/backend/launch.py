@@ -89,6 +89,20 @@ class RankContext:
     device: torch.device
     collective_timeout_s: float = 30.0   # what a subgroup's collectives get too (torch's default for them is 30 min)
 
+    def step_start(self) -> float:
+        """The clock at which a timed training step starts, every rank having arrived.
+
+        A rank that spent longer between steps (comparing with `--check`'s
+        reference, or simply descheduled) would otherwise make its peers'
+        first collective of the step wait for it, and that wait would be
+        counted as the step's: 4-5x the step on the demo's MLP with `--check`.
+        The barrier is outside the timed span, as the step it precedes is."""
+        if self.world > 1:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            dist.barrier()
+        return time.perf_counter()
+
 
 def under_torchrun() -> bool:
     """True when launched by torchrun (or any launcher that sets the env:// variables)."""

@@ -501,7 +501,7 @@ def run_module_rank(ctx: RankContext, pcg: PCG, graph: Graph, model_spec: str, d
     losses, times, comm, found = [], [], [], Comparison()
     for step, batch in enumerate(batches):
         pmodule.counter = CommCounter()
-        start = time.perf_counter()
+        start = ctx.step_start()
         loss = pmodule(*batch)
         value = loss if isinstance(loss, torch.Tensor) else loss[0]
         optimizer.zero_grad()

@@ -432,7 +432,7 @@ def run_stage_rank(ctx: RankContext, pcg: PCG, pipeline: PipelinePlan, config: T
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     for step in range(config.steps):
-        start = time.perf_counter()
+        start = ctx.step_start()
         state, shared = stage.train_step(step, batch, optimizer, memory)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
