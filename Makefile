@@ -23,7 +23,7 @@ setup: $(STAMP)
 
 # The main job: prove every shipped rule, measure this machine (once per
 # host: the file is reused), optimize the 2-layer MLP for two of its ranks,
-# explain the plan, and train with it for 10 steps on 2 CPU ranks, checked
+# explain the plan, and train with it for 20 steps on 2 CPU ranks, checked
 # against a single process; `parsat run` prints the measured step beside the
 # predicted one. The `cpu` preset is not this box: priced on it, the plan's
 # step would be another machine's.
@@ -37,7 +37,7 @@ demo: $(STAMP) $(HOST_MACHINE)
 	$(BIN)/parsat verify rules/
 	$(BIN)/parsat optimize mlp --devices 2 --machine $(HOST_MACHINE) -o out/mlp-plan.json
 	$(BIN)/parsat explain out/mlp-plan.json
-	$(BIN)/parsat run out/mlp-plan.json --nproc 2 --steps 10 --check
+	$(BIN)/parsat run out/mlp-plan.json --nproc 2 --steps 20 --check
 
 # Two pytest workers (pytest-xdist): the suite is mostly single-threaded Python, and CI has 2 cores.
 test: $(STAMP)
