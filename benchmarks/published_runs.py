@@ -11,7 +11,16 @@ what is left), micro-batch size 1 where it is not published (the step's
 micro-batches: batch / d), and, for the A100 rows, the interleaved schedule
 and full activation recomputation that paper states. The H100 table states
 neither recomputation nor micro-batch size: those rows let the search
-choose recomputation (default `auto`) at micro-batch size 1.
+choose recomputation (default `auto`) at micro-batch size 1. The H100 rows
+pin Megatron's distributed optimizer, ZeRO-1 over the data-parallel ranks
+(`--degrees zero=1`; `--zero-free` lets the search choose, as before
+2026-12-02): the anchor says only that their data-parallel communication
+was overlapped, but the README it summarizes names the flags,
+`--overlap-grad-reduce --overlap-param-gather`, and Megatron-LM refuses
+`--overlap-param-gather` without `--use-distributed-optimizer`
+(megatron/training/arguments.py: "--overlap-param-gather only supported
+with distributed optimizer"). SC'21 states no distributed optimizer (it
+predates it): the A100 rows leave the stage to the search.
 
 For each row: whether the plan fits, its predicted step, the published step
 (the published FLOPs of one step divided by the published TFLOP/s per GPU
@@ -50,6 +59,7 @@ class Row:
     machine: str            # a100x8 (SC'21) or h100x8 (Megatron-Core)
     seq: int
     vocab: int
+    distributed_optimizer: bool = False   # the run used Megatron's distributed optimizer (ZeRO-1 over dp)
 
     @property
     def hardware_flops(self) -> bool:
@@ -83,7 +93,7 @@ def _sc21(name, heads, hidden, layers, t, p, gpus, batch, tflops):
 
 
 def _mcore(name, heads, hidden, layers, t, p, gpus, batch, tflops):
-    return Row(name, heads, hidden, layers, t, p, gpus, batch, tflops, "h100x8", 4096, 131072)
+    return Row(name, heads, hidden, layers, t, p, gpus, batch, tflops, "h100x8", 4096, 131072, True)
 
 
 ROWS = (
@@ -106,12 +116,15 @@ ROWS = (
 )
 
 
-def price(row: Row) -> dict:
-    """The row optimized with its published configuration pinned, and its figures beside the published step."""
+def price(row: Row, zero_free: bool = False) -> dict:
+    """The row optimized with its published configuration pinned (its optimizer's ZeRO stage too, unless
+    `zero_free`), and its figures beside the published step."""
     import parsat
 
     d = row.gpus // (row.t * row.p)
     degrees = {"tp": row.t, "pp": row.p} if row.p > 1 else {"tp": row.t, "dp": d}
+    if row.distributed_optimizer and not zero_free:
+        degrees["zero"] = 1
     sizes = {"blocks": row.layers, "hidden": row.hidden, "heads": row.heads, "seq": row.seq, "vocab": row.vocab,
              "batch": row.batch}
     options = {"degrees": degrees, "microbatches": row.batch // d}   # micro-batch size 1 per data-parallel rank
@@ -141,7 +154,7 @@ def price(row: Row) -> dict:
 
 
 def _row(result: dict) -> Row:
-    return Row(**{k: result[k] for k in Row.__dataclass_fields__})
+    return Row(**{k: result[k] for k in Row.__dataclass_fields__ if k in result})
 
 
 def markdown(results: list[dict]) -> str:
@@ -181,6 +194,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=None, help="comma-separated row names (default: every row)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--zero-free", action="store_true",
+                        help="let the search choose the ZeRO stage of the rows that ran Megatron's distributed "
+                             "optimizer, instead of pinning ZeRO-1")
     parser.add_argument("--markdown", default=None, metavar="JSON",
                         help="print the recorded results of JSON as a markdown table and its summary, and nothing else")
     args = parser.parse_args(argv)
@@ -195,7 +211,7 @@ def main(argv=None) -> int:
     for row in ROWS:
         if wanted is not None and row.name not in wanted:
             continue
-        result = price(row)
+        result = price(row, args.zero_free)
         results.append(result)
         print(json.dumps(result), flush=True)
         if args.json:

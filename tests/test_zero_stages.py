@@ -115,3 +115,21 @@ def test_the_gradient_s_reduction_is_what_runs_beside_the_backward_not_the_gathe
     # ZeRO-1: the reduce-scatter only; the all-gather of the updated shards waits for the optimizer
     assert 0 < one.grad_reduce_s < one.comm_s
     assert _replicate(2, microbatches=3).grad_reduce_s > one.grad_reduce_s   # stage 2: a reduce-scatter per micro-batch
+
+
+def test_a_pinned_zero_1_search_may_answer_with_the_pinned_layout_holding_its_state_sharded():
+    """`--degrees zero=1` with the layout pinned: the grid's point of that layout comes with its state sharded
+    (Megatron's distributed optimizer), so the pinned search is never slower than that layout run with ZeRO-1,
+    whose updated shards' gathers overlap the next forward (`cost.schedules.ParamGathers`)."""
+    from parsat.cost.pcg_tasks import DDP, simulate_pcg
+    from parsat.dsl.library import load_library
+
+    sizes = {"blocks": 2, "batch": 32, "seq": 64, "hidden": 256, "heads": 4, "vocab": 2048}
+    plain = optimize("gpt", machine="h100x8", devices=16, sizes=sizes, degrees={"dp": 16, "zero": 0},
+                     pipeline=False, microbatches=2)
+    sharded = optimize("gpt", machine="h100x8", devices=16, sizes=sizes, degrees={"dp": 16, "zero": 1},
+                       pipeline=False, microbatches=2)
+    assert plain.pcg.zero == 0 and sharded.pcg.zero == 1
+    library = load_library()[0]
+    layout = simulate_pcg(replace(plain.pcg, zero=1), library, plain.machine, DDP, microbatches=2).step_s
+    assert sharded.totals.time_s <= layout * (1 + 1e-9)

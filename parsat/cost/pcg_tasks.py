@@ -71,7 +71,7 @@ from parsat.cost.collectives import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_
                                      price)
 from parsat.cost.model import compute_time
 from parsat.cost.op_time import OpTime, chunk_time, memory_op_time
-from parsat.cost.schedules import Gradient, GradientBuckets
+from parsat.cost.schedules import Gradient, GradientBuckets, ParamGathers, assign_buckets
 from parsat.cost.simulator import COMM, COMPUTE, StepBuilder, StepResult
 
 DEVICE = 0
@@ -116,6 +116,7 @@ class ExecutionProfile:
     #                                 not for the whole step
     local_loss: bool = False        # a reduce giving an output (the loss over the data ranks) is not run: each rank
     #                                 returns its local batch's loss, the gradient sync averages
+    overlap_param_gather: bool = False   # ZeRO-1/2's gathers of updated shards run during the next forward
 
 
 PARSAT_RUN = ExecutionProfile("parsat run", overlap=False, ddp_buckets=False, keep_activations=True,
@@ -130,7 +131,8 @@ TORCH_NATIVE = ExecutionProfile("parsat.parallelize(runtime='torch')", overlap=F
 freed by backward, collectives blocking the one host thread (gloo's work runs while the rank waits for it),
 FSDP2's groups (`cost.fsdp_groups`), tensor parallelism as torch's styles run it, SGD per tensor."""
 DDP = ExecutionProfile("ddp", overlap=True, ddp_buckets=True, keep_activations=False, seeded_inputs=False,
-                       eager_gradients=True, fused_optimizer=True, optimizer="adam", tp_comm_overlap=True)
+                       eager_gradients=True, fused_optimizer=True, optimizer="adam", tp_comm_overlap=True,
+                       overlap_param_gather=True)
 
 Topology = Callable[[PNode], GroupTopology]
 
@@ -313,6 +315,8 @@ class _Builder:
         # ZeRO stage 1/2 (`PCG.zero`): stored-at node -> the replicate over whose devices its state is sharded
         self.sharded = {at: self.by_id[r] for at, r in state_shardings(pcg).items()} if pcg.zero else {}
         self.bucket_of: dict[int, tuple[int, GradientBuckets]] = {}   # stored-at node -> (its axis, buckets)
+        self.gathers = self._param_gathers()          # ZeRO-1/2's gathers overlapped with forward, per axis
+        self.weights_of = self._weights_of() if self.gathers else {}   # chain node -> the stored weights it reads
         self.timed: dict[int, OpTime] = {}
         self.ready: dict[int, int | None] = {}        # node -> the task after which its forward value exists
         self.grad_ready: dict[int, list[int]] = {}    # node -> tasks producing its gradient
@@ -399,7 +403,10 @@ class _Builder:
         return price(kind, self.topology(node), nbytes, self.machine).seconds
 
     def _deps(self, node: PNode) -> list[int]:
-        return [t for t in (self.ready.get(i) for i in node.inputs) if t is not None]
+        deps = [t for t in (self.ready.get(i) for i in node.inputs) if t is not None]
+        if self.gathers and self.first and node.id not in self.params:
+            deps += self._await_parameters(node)
+        return deps
 
     def _add(self, name: str, stream: int, seconds: float, deps, alloc: int = 0, free: int = 0,
              phase: str = "forward") -> int:
@@ -527,6 +534,9 @@ class _Builder:
             self._forward_node(node)
             if node.id in self.last_run:
                 self._drop(self.last_run[node.id])
+        if self.first:
+            for gathers in self.gathers:
+                gathers.finish()
 
     def _forward_node(self, node: PNode) -> None:
         if node.kind == "leaf":
@@ -866,10 +876,7 @@ class _Builder:
         group), each priced on that axis's group; `bucket_of` says which holds each weight."""
         if not self.profile.ddp_buckets:
             return []
-        by_axis: dict[int, list[int]] = {}
-        for at, replicate in state_shardings(self.pcg).items():
-            user = self.by_id[replicate]
-            by_axis.setdefault(user.axis(self.pcg.mesh), []).append(at)
+        by_axis = self._sharded_by_axis()
         comm, grad_bytes = self.machine.comm, self.machine.precision_spec.gradient_bytes
         out = []
         for axis, stored in sorted(by_axis.items()):
@@ -883,6 +890,58 @@ class _Builder:
             for at in stored:
                 self.bucket_of[at] = (axis, buckets)
         return out
+
+    def _sharded_by_axis(self) -> dict[int, list[int]]:
+        """Mesh axis -> the stored weights replicated on it (`ir.pcg.state_shardings`: DDP's process group)."""
+        by_axis: dict[int, list[int]] = {}
+        for at, replicate in state_shardings(self.pcg).items():
+            by_axis.setdefault(self.by_id[replicate].axis(self.pcg.mesh), []).append(at)
+        return by_axis
+
+    def _gather_buckets(self) -> list[tuple[int, list[list[str]], list[int]]]:
+        """ZeRO-1/2's all-gathers of the updated shards as DDP-style frameworks run them (Megatron's distributed
+        optimizer: its parameter buckets are its gradient buckets): per mesh axis, (the axis, the stored weights'
+        names bucket by bucket in forward order, each bucket's parameter bytes), the gradient buckets
+        (`assign_buckets`, as `_buckets` makes them) reversed."""
+        comm, grad_bytes = self.machine.comm, self.machine.precision_spec.gradient_bytes
+        out = []
+        for axis, stored in sorted(self._sharded_by_axis().items()):
+            grads = [Gradient(str(i), _elements(self.stored[i]) * grad_bytes) for i in sorted(stored, reverse=True)]
+            buckets = [[g.name for g in b] for b in reversed(assign_buckets(grads, comm.bucket_bytes,
+                                                                           comm.first_bucket_bytes))]
+            out.append((axis, buckets, [sum(_elements(self.stored[int(n)]) for n in b) * self.item for b in buckets]))
+        return out
+
+    def _param_gathers(self) -> list[ParamGathers]:
+        """Under ZeRO-1/2 where the profile overlaps them (`overlap_param_gather`, Megatron-Core's distributed
+        optimizer): per mesh axis, the updated shards' all-gathers bucket by bucket (`_gather_buckets`), run during
+        the first micro-batch's forward (`schedules.ParamGathers`; the step is a steady-state one) instead of
+        after the update. Else none."""
+        if self.pcg.zero not in (1, 2) or not (self.profile.overlap_param_gather and self.profile.overlap):
+            return []
+        out = []
+        for axis, buckets, nbytes in self._gather_buckets():
+            group = GroupTopology.of_axis(self.pcg.mesh, axis)
+            out.append(ParamGathers(self.steps, DEVICE, buckets, nbytes,
+                                    lambda n, g=group: price(ALL_GATHER, g, n, self.machine).seconds,
+                                    stream_name=group.link))
+        return out
+
+    def _weights_of(self) -> dict[int, frozenset[int]]:
+        """Node of a weight's chain -> the stored weights (`stored`) its value is made from."""
+        out: dict[int, frozenset[int]] = {}
+        for node in self.pcg.nodes:
+            if node.id in self.stored:
+                out[node.id] = frozenset((node.id,))
+            elif node.id in self.params:
+                out[node.id] = frozenset().union(*(out.get(i, frozenset()) for i in node.inputs))
+        return out
+
+    def _await_parameters(self, node: PNode) -> list[int]:
+        """The parameter gathers (`_param_gathers`) a forward task of `node` waits for: those of the weights its
+        inputs are made from, launching them (and the next bucket) now if they are not yet."""
+        names = [str(w) for i in node.inputs for w in self.weights_of.get(i, ())]
+        return [t for gathers in self.gathers for t in gathers.needed(names)] if names else []
 
     def _give(self, node_id: int, task: int) -> None:
         self.grad_ready.setdefault(node_id, []).append(task)
@@ -1079,7 +1138,16 @@ class _Builder:
         if self.profile.transient_gradients:   # zero_grad(set_to_none=True)
             self._add("zero_grad", self.compute, 0.0, [len(self.steps) - 1], free=self.gradient_bytes(),
                       phase="optimizer")
-        for at, replicate in sorted(self.sharded.items()):   # ZeRO: the updated shards gathered into the weight
+        if self.gathers:   # gathered during the next step's forward (`_param_gathers`)
+            return
+        if self.profile.ddp_buckets and self.sharded:   # ZeRO: the updated shards gathered bucket by bucket
+            for _axis, buckets, nbytes in self._gather_buckets():
+                for bucket, size in zip(buckets, nbytes):
+                    replicate = self.sharded[int(bucket[0])]
+                    self._sync(f"all-gather of the updated weights, {len(bucket)} of them", ALL_GATHER, replicate,
+                               size, [max(updates)], phase="grad_sync")
+            return
+        for at, replicate in sorted(self.sharded.items()):   # ZeRO: each updated shard gathered into its weight
             self._sync(f"{replicate.label} #{replicate.id} all-gather of the updated weight", ALL_GATHER, replicate,
                        _elements(self.stored[at]) * self.item, [max(updates)], phase="grad_sync")
 

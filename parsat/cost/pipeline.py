@@ -21,8 +21,11 @@ layers (`ir.pipeline.lay_out_stages`). This module:
    point-to-point transfers on the link between two stages' ranks, each
    stage's weights' gradient reductions overlapped with each chunk's last
    backward (`overlapped_reduce_end`, Megatron's overlap_grad_reduce), the
-   rest of its synchronisation (ZeRO's all-gather of updated shards) and its
-   optimizer once per step after them, the sum of a weight held on two
+   rest of its synchronisation and its optimizer once per step after them
+   (ZeRO-1/2's all-gathers of updated shards too, unless the machine's
+   profile overlaps them with the next step's forward, Megatron's
+   overlap_param_gather: then each chunk's first forward waits for what its
+   first layers cannot hide, `StagePricer._gather_wait`), the sum of a weight held on two
    stages (a tied embedding) after the flush, and each stage's peak memory
    from the schedule's in-flight activations.
 
@@ -37,13 +40,15 @@ from typing import Mapping, Sequence
 
 from parsat.ir.costs import NodeCost, Totals
 from parsat.ir.machine import Machine
-from parsat.ir.pipeline import (BACKWARD, GPIPE, INTERLEAVED, ONE_F_ONE_B, Action, LayerMap, PipelineError, PipelinePlan,
-                                StageFigures, StageLayout, activation_peaks, in_flight_counts, p2p_elements,
-                                schedule_order, shared_weight_elements, simulate_schedule, stage_comm_elements,
-                                stored_piece_elements)
+from parsat.ir.pipeline import (BACKWARD, GPIPE, INTERLEAVED, ONE_F_ONE_B, Action, Chunk, LayerMap, PipelineError,
+                                PipelinePlan, StageFigures, StageLayout, activation_peaks, in_flight_counts,
+                                p2p_elements, schedule_order, shared_weight_elements, simulate_schedule,
+                                stage_comm_elements, stored_piece_elements)
 from parsat.ir.plan import Plan
 from parsat.cost.collectives import ALL_REDUCE, SEND_RECV, GroupTopology, price
-from parsat.cost.stage_sync import bucketed_seconds, weight_reductions
+from parsat.cost.pcg_tasks import profile_for
+from parsat.cost.schedules import prefetch_delay
+from parsat.cost.stage_sync import bucketed_seconds, gather_buckets, weight_gathers, weight_reductions
 
 
 @dataclass(frozen=True)
@@ -172,9 +177,11 @@ REFINE_PRICINGS = 64   # simulated schedules spent improving one pipeline's cut 
 
 class StagePricer:
     """Prices cuts of one stage plan on one machine: the per-node figures and the PCG's layer map are worked
-    out once, since the cut search prices many cuts of the same plan."""
+    out once, since the cut search prices many cuts of the same plan. `overlap_param_gather`: whether ZeRO-1/2's
+    gathers of updated shards run during the next step's forward (None: as the machine's execution profile
+    says, `pcg_tasks.profile_for`)."""
 
-    def __init__(self, plan: Plan, machine: Machine):
+    def __init__(self, plan: Plan, machine: Machine, overlap_param_gather: bool | None = None):
         self.plan, self.machine = plan, machine
         self.layer_map = LayerMap(plan.pcg)
         self.microbatches = plan.graph.microbatches
@@ -184,6 +191,10 @@ class StagePricer:
         # the part of it that reduces gradients as the last backward produces them (`NodeCost.grad_reduce_s`)
         self.reduce_s = {ident: cost.grad_reduce_s for ident, cost in plan.costs.items() if cost.weight_chain}
         self.reductions = weight_reductions(plan)   # the ones a stage runs in buckets (`cost.stage_sync`)
+        # ZeRO-1/2's gathers of updated shards, where they run during the next step's forward
+        if overlap_param_gather is None:
+            overlap_param_gather = profile_for(machine).overlap_param_gather
+        self.gathers = weight_gathers(plan) if overlap_param_gather else {}
         self.optimizer_s = {ident: cost.optimizer_s for ident, cost in plan.costs.items()}
         self.pieces = stored_piece_elements(plan.pcg)
         self._layer_costs: dict[int, LayerCost] | None = None
@@ -299,14 +310,19 @@ class StagePricer:
                                  sum(c.step_s for c in shares), max((c.transient_bytes for c in shares), default=0)))
         return out
 
-    def _stage_sync(self, layout: StageLayout, stage: int) -> tuple[dict[int, float], float]:
+    def _stage_sync(self, layout: StageLayout, stage: int, aligned: bool = False) -> "StageSync":
         """A stage's synchronisation once per step: per chunk, the seconds reducing its weights' gradients (run
         beside its last backward, `overlapped_reduce_end`), and the seconds of the rest (ZeRO's all-gathers of
-        updated shards, ZeRO-3's gathers), after them. The gradient reductions run in buckets
-        (`cost.stage_sync`); a node two chunks of the stage read counts with the first."""
+        updated shards, ZeRO-3's gathers), after them; or, where they are overlapped with the next forward
+        (`gathers`), those all-gathers' seconds and what each chunk's first forward waits for them
+        (`_gather_wait`; `aligned`: every stage launches them at the step's start, chunk after chunk). The
+        gradient reductions run in buckets (`cost.stage_sync`); a node two chunks of the stage read counts
+        with the first."""
         seen: set[int] = set()
         reduce_s: dict[int, float] = {}
-        after_s = 0.0
+        wait_s: dict[int, float] = {}
+        after_s = gather_s = 0.0
+        launched: dict[GroupTopology, float] = {}   # aligned: per group, the gathers queued before this chunk's
         for chunk in layout.stage_chunks(stage):
             nodes = [i for i in chunk.nodes if i not in seen and i in self.chain_s]
             seen.update(nodes)
@@ -314,8 +330,40 @@ class StagePricer:
             reducing, after = bucketed_seconds(bucketed, self.machine)
             rest = [i for i in nodes if i not in self.reductions]
             reduce_s[chunk.index] = reducing + sum(self.reduce_s[i] for i in rest)
-            after_s += after + sum(self.chain_s[i] - self.reduce_s[i] for i in rest)
-        return reduce_s, after_s
+            gathered = [self.gathers[i] for i in nodes if i in self.gathers]
+            if gathered:   # ZeRO-1's bucketed gathers (`after`) and ZeRO-2's per-node ones run in the next forward
+                after = 0.0
+                buckets = gather_buckets(gathered, self.machine)
+                wait_s[chunk.index] = self._gather_wait(chunk, buckets, launched if aligned else {})
+                for group, found in buckets.items():
+                    seconds = sum(s for _nodes, s in found)
+                    gather_s += seconds
+                    launched[group] = launched.get(group, 0.0) + seconds
+            after_s += after + sum(self.chain_s[i] - self.reduce_s[i] for i in rest if i not in self.gathers)
+        return StageSync(reduce_s, after_s, gather_s, wait_s)
+
+    def _gather_wait(self, chunk: Chunk, buckets: Mapping[GroupTopology, Sequence[tuple[tuple[int, ...], float]]],
+                     queued: Mapping[GroupTopology, float]) -> float:
+        """What `chunk`'s first forward waits for its parameters' all-gathers (`stage_sync.gather_buckets`: per
+        group, bucket by bucket), as Megatron's overlap_param_gather runs them (`schedules.prefetch_delay`): a
+        bucket is first read where the chunk's forward reaches the first node reading one of its weights (the
+        forward seconds per micro-batch of the chunk's nodes before it, `node_share`). Each group on its own
+        link: the longest of their waits. `queued`: per group, seconds of gathers launched before this chunk's
+        at the same moment (aligned launches), which the result then counts from."""
+        first: dict[int, float] = {}
+        at = 0.0
+        for i in chunk.nodes:
+            if i in self.chain_s:
+                continue
+            for r in self.layer_map.needs.get(i, ()):
+                first.setdefault(r, at)
+            share = self.shares.get(i)
+            at += share.forward_s if share is not None else 0.0
+        waits = [prefetch_delay([seconds for _nodes, seconds in found],
+                                [min((first.get(n, at) for n in nodes), default=at) for nodes, _s in found],
+                                queued.get(group, 0.0))
+                 for group, found in buckets.items()]
+        return max(waits, default=0.0)
 
     def price(self, layout: StageLayout, schedule: str) -> Plan:
         """The plan cut as `layout`, run in `schedule`, priced (see the module docstring)."""
@@ -323,9 +371,17 @@ class StagePricer:
         p, stage_devices, dtype = layout.degree, plan.devices, machine.dtype_bytes
         per_chunk = self._chunk_costs(layout)
         transfers = transfer_seconds(layout, stage_devices, machine, dtype)
+        # Megatron launches the gathers on every stage at the step's start where the schedule is interleaved
+        # (align_param_gather, its default there), else each stage at its first forward (it forces it off)
+        aligned = schedule == INTERLEAVED
+        syncs = [self._stage_sync(layout, s, aligned) for s in range(p)]
+        waits = tuple(next((sync.wait_s[c.index] for sync in syncs if c.index in sync.wait_s), 0.0)
+                      for c in layout.chunks)
+        waits = waits if any(waits) else ()
         run = simulate_schedule(layout, schedule, m, [c.forward_s for c in per_chunk],
                                 [c.backward_s for c in per_chunk], transfers,
-                                [c.activation_bytes for c in per_chunk])
+                                [c.activation_bytes for c in per_chunk], () if aligned else waits,
+                                waits if aligned else ())
         shared_s = _shared_sync(self.pieces, layout, stage_devices, machine)
         sent = p2p_elements(layout, m)
         memory = self.stage_memory(layout, per_chunk, run.activation_peak_bytes)
@@ -333,9 +389,8 @@ class StagePricer:
         for s in range(p):
             nodes = layout.stage_nodes(s)
             mine = [per_chunk[c.index] for c in layout.stage_chunks(s)]
-            reduce_s, after_s = self._stage_sync(layout, s)
-            after_s += shared_s.get(s, 0.0)
-            sync = sum(reduce_s.values()) + after_s
+            reduce_s, after_s = syncs[s].reduce_s, syncs[s].after_s + shared_s.get(s, 0.0)
+            sync = sum(reduce_s.values()) + after_s + syncs[s].gather_s
             optimizer = sum(self.optimizer_s.get(i, 0.0) for i in nodes)
             stage_end = max((e for _a, _b, e in run.busy[s]), default=0.0)
             stages.append(StageFigures(sum(c.forward_s for c in mine), sum(c.backward_s for c in mine), sync,
@@ -349,13 +404,25 @@ class StagePricer:
         figures = PipelinePlan(schedule, m, stage_devices, layout, tuple(stages),
                                tuple(c.forward_s for c in per_chunk), tuple(c.backward_s for c in per_chunk),
                                tuple(c.activation_bytes for c in per_chunk), run.bubble_fraction, p2p_bytes,
-                               tuple((a, b, t) for (a, b), t in sorted(transfers.items())))
+                               tuple((a, b, t) for (a, b), t in sorted(transfers.items())),
+                               () if aligned else waits, waits if aligned else ())
         compute = max((s.forward_s + s.backward_s) * m + s.optimizer_s for s in stages)
         totals = Totals(max(ends), int(stage_comm[busiest]), int(stage_comm[busiest]) * dtype,
                         max(s.memory_bytes for s in stages),
                         max(stage_comm_elements(layout, plan.costs, "grad_sync_elements")),
                         compute, max(s.sync_s for s in stages) + figures.transfer_s * 2 * m)
         return replace(plan, machine=machine, devices=p * stage_devices, totals=totals, pipeline=figures)
+
+
+@dataclass(frozen=True)
+class StageSync:
+    """A stage's weights' synchronisation per step (`StagePricer._stage_sync`)."""
+
+    reduce_s: Mapping[int, float]   # chunk -> seconds reducing its gradients beside its last backward
+    after_s: float                  # seconds after the reductions, before the optimizer
+    gather_s: float                 # seconds of ZeRO's gathers run during the next forward (0 when not overlapped)
+    wait_s: Mapping[int, float]     # chunk -> what its first forward waits for those gathers (aligned: its earliest
+    #                                 start, from the step's start)
 
 
 def overlapped_reduce_end(busy: Sequence[tuple[Action, float, float]], reduce_s: Mapping[int, float]) -> float:

@@ -9,6 +9,15 @@
   as the bucket's last gradient is ready and every earlier bucket has been
   launched (DDP launches buckets in order), so it overlaps the rest of the
   backward pass; the optimizer waits for all of them.
+* `ParamGathers`: Megatron-Core's distributed optimizer (ZeRO-1/2) with
+  `overlap_param_gather`. The updated parameters are all-gathered bucket
+  by bucket (the gradient buckets, in forward order) during the next
+  step's forward: the first bucket's gather is launched when forward
+  begins, and the pre-hook that waits for a bucket launches the next one
+  (`finish_param_sync`'s one-bucket prefetch), so only what the first
+  layers' compute cannot hide is exposed. `prefetch_delay` is the same
+  chain as a number: how much later a forward of known per-bucket offsets
+  ends than it would with its parameters already there.
 * `fsdp_step`: FSDP (ZeRO-3). Each unit's parameters are all-gathered
   before its forward and again before its backward, one unit ahead (the
   all-gather of unit i+1 is issued when unit i starts computing, on its own
@@ -22,7 +31,7 @@ prices the collectives (`cost.collectives`) and the compute.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Hashable, Iterable, Sequence
 
 from parsat.cost.simulator import COMM, COMPUTE, SimulationError, StepBuilder
 
@@ -115,6 +124,75 @@ class GradientBuckets:
         return list(self.tasks)
 
 
+@dataclass
+class ParamGathers:
+    """The all-gathers of ZeRO-1/2's updated parameter shards, overlapped with the next step's forward, as
+    Megatron-Core's `overlap_param_gather` runs them, added to `builder` as forward reaches the weights.
+
+    The step simulated is a steady-state one: the gathers of the previous step's update run during this step's
+    forward (and this step's update gathers nothing after it). `buckets` are the weights' names bucket by
+    bucket in forward order (the gradient buckets reversed: Megatron's parameter and gradient buckets are the
+    same buffers), `nbytes` each bucket's parameter bytes, `all_gather_s(nbytes)` prices one. `needed(names)`
+    is called when a forward task reads those weights: it launches every bucket up to theirs and the next one
+    (the pre-hook waits for its bucket and launches the next), and returns the gathers that task waits for."""
+
+    builder: StepBuilder
+    device: Hashable
+    buckets: Sequence[Sequence[str]]
+    nbytes: Sequence[int]
+    all_gather_s: Callable[[int], float]
+    phase: str = "grad_sync"
+    stream_name: str = ""
+    tasks: list[int] = field(init=False)          # the all-gather task of each launched bucket, in order
+
+    def __post_init__(self) -> None:
+        if len(self.buckets) != len(self.nbytes):
+            raise SimulationError("one byte count per bucket")
+        self._bucket_of = {name: b for b, bucket in enumerate(self.buckets) for name in bucket}
+        self._stream = self.builder.stream(self.device, COMM, self.stream_name)
+        self.tasks = []
+
+    def needed(self, names: Iterable[str]) -> list[int]:
+        """The gathers of the buckets holding `names` (names in no bucket are ignored), launching every bucket up
+        to the last of them and one more."""
+        wanted = sorted({self._bucket_of[n] for n in names if n in self._bucket_of})
+        if wanted:
+            self._launch(min(wanted[-1] + 1, len(self.buckets) - 1))
+        return [self.tasks[b] for b in wanted]
+
+    def finish(self) -> list[int]:
+        """Every bucket's gather (the ones no forward task read launched now, in order)."""
+        self._launch(len(self.buckets) - 1)
+        return list(self.tasks)
+
+    def _launch(self, last: int) -> None:
+        while len(self.tasks) <= last:
+            b = len(self.tasks)
+            self.tasks.append(self.builder.add(
+                f"all-gather of updated parameters, bucket {b} ({len(self.buckets[b])} weights, "
+                f"{self.nbytes[b]:,} B)", self._stream, self.all_gather_s(self.nbytes[b]), (), phase=self.phase))
+
+
+def prefetch_delay(gather_s: Sequence[float], offsets_s: Sequence[float], start_s: float = 0.0) -> float:
+    """How much later a forward ends when the buckets of its parameters are all-gathered as `ParamGathers` runs
+    them (on a link nothing else uses) than with its parameters in place. Bucket b takes `gather_s[b]` seconds
+    (in forward order) and is first read `offsets_s[b]` seconds of compute into the forward. Bucket 0 is
+    launched when the forward begins; the host launches each next one as it passes the pre-hook that waits for
+    the one before (a wait on the stream, not on the host), so on their link they run back to back and bucket b
+    is there at g_0 + ... + g_b. Where the forward reaches a bucket before it is there it waits; the delay is the
+    longest of those waits counted from the start, max(0, max_b(g_0 + ... + g_b - o_b)): at least the first
+    bucket's gather when it is read at once, at most all of them. With `start_s`, the gathers start that long
+    after the forward's reference time (their link busy before, or launched earlier: negative); the result is
+    then counted from that reference time, not from the gathers' start."""
+    if len(gather_s) != len(offsets_s):
+        raise SimulationError("one offset per bucket")
+    arrived, delay = start_s, 0.0
+    for seconds, offset in zip(gather_s, offsets_s):
+        arrived += seconds
+        delay = max(delay, arrived - offset)
+    return delay
+
+
 @dataclass(frozen=True)
 class Unit:
     """One FSDP unit (a layer): its gathered parameters, its compute, the activations it keeps for backward."""
@@ -182,4 +260,5 @@ def fsdp_step(builder: StepBuilder, device: Hashable, units: Sequence[Unit], all
     return FsdpTasks(tuple(forward), tuple(backward), tuple(gathers), tuple(scatters))
 
 
-__all__ = ["FsdpTasks", "Gradient", "GradientBuckets", "Unit", "assign_buckets", "fsdp_step"]
+__all__ = ["FsdpTasks", "Gradient", "GradientBuckets", "ParamGathers", "Unit", "assign_buckets", "fsdp_step",
+           "prefetch_delay"]

@@ -14,12 +14,20 @@ all-gathers the updated shard after the optimizer) and prices a chunk's in
 buckets, per group and kind, in the order they are given. ZeRO-2 (a
 reduce-scatter per micro-batch) and ZeRO-3 gathers keep their per-node
 prices.
+
+Under ZeRO-1 and 2, where the profile overlaps them (Megatron-Core's
+`overlap_param_gather`, `pcg_tasks.ExecutionProfile`), the all-gathers of
+the updated shards run during the next step's forward, bucket by bucket
+(`weight_gathers`, `gather_buckets`): `cost.pipeline` charges each chunk's
+first forward the wait its first layers cannot hide
+(`schedules.prefetch_delay`), as the step simulator does for an unstaged
+plan (`schedules.ParamGathers`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from parsat.dsl.parallel_ops import REPLICATE
 from parsat.ir.machine import Machine
@@ -27,6 +35,8 @@ from parsat.ir.pcg import state_shardings
 from parsat.ir.plan import Plan
 from parsat.cost.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, GroupTopology, price
 from parsat.cost.schedules import Gradient, assign_buckets
+
+SHARDING_STAGES = (1, 2)   # ZeRO stages whose updated shards are all-gathered into the weight after the update
 
 
 @dataclass(frozen=True)
@@ -79,3 +89,41 @@ def bucketed_seconds(reductions: Iterable[Reduction], machine: Machine) -> tuple
             if kind == REDUCE_SCATTER:
                 after += price(ALL_GATHER, group, nbytes, machine).seconds
     return reducing, after
+
+
+def weight_gathers(plan: Plan) -> dict[int, Reduction]:
+    """Replicate node -> the all-gather of its weight's updated shards, for every weight whose state ZeRO-1 or 2
+    shards (`ir.pcg.state_shardings`): kind ALL_GATHER, the weight's piece in the compute dtype, and what the
+    per-node cost charged for it after the update (`NodeCost.comm_s` less `grad_reduce_s`). None otherwise."""
+    pcg, costs = plan.pcg, plan.costs
+    if pcg.zero not in SHARDING_STAGES:
+        return {}
+    by_id = {n.id: n for n in pcg.nodes}
+    out = {}
+    for replicate in sorted(set(state_shardings(pcg).values())):
+        cost = costs.get(replicate)
+        if cost is None or not cost.weight_chain:
+            continue
+        node = by_id[replicate]
+        group = GroupTopology.of_axis(pcg.mesh, node.axis(pcg.mesh))
+        nbytes = by_id[node.inputs[0]].piece_size * plan.machine.dtype_bytes
+        out[replicate] = Reduction(replicate, ALL_GATHER, group, nbytes, cost.comm_s - cost.grad_reduce_s)
+    return out
+
+
+def gather_buckets(gathers: Sequence[Reduction], machine: Machine
+                   ) -> dict[GroupTopology, list[tuple[tuple[int, ...], float]]]:
+    """`gathers` (in forward order) in the buckets Megatron gathers them in: per group (one link each: the groups'
+    gathers run at once), the gradient buckets (`assign_buckets` over the weights in reverse order, as backward
+    fills them) in forward order, each as (its replicate nodes, the seconds of its all-gather)."""
+    by_group: dict[GroupTopology, list[Reduction]] = {}
+    for g in gathers:
+        by_group.setdefault(g.group, []).append(g)
+    comm = machine.comm
+    out = {}
+    for group, found in by_group.items():
+        backward = [Gradient(str(g.node), g.nbytes) for g in reversed(found)]
+        out[group] = [(tuple(int(g.name) for g in reversed(bucket)),
+                       price(ALL_GATHER, group, sum(g.nbytes for g in bucket), machine).seconds)
+                      for bucket in reversed(assign_buckets(backward, comm.bucket_bytes, comm.first_bucket_bytes))]
+    return out

@@ -296,12 +296,16 @@ class ScheduleRun:
 
 def simulate_schedule(layout: StageLayout, schedule: str, microbatches: int, forward_s: Sequence[float],
                       backward_s: Sequence[float], transfer_s: Mapping[tuple[int, int], float],
-                      activation_bytes: Sequence[int]) -> ScheduleRun:
+                      activation_bytes: Sequence[int], first_forward_wait_s: Sequence[float] = (),
+                      first_forward_ready_s: Sequence[float] = ()) -> ScheduleRun:
     """Run each stage's actions in `schedule_order`, each as soon as its stage is free and its inputs have
     arrived: a chunk's forward waits for the forwards of the chunks it reads plus the transfer
     (`transfer_s[(source, target)]`, seconds per micro-batch), its backward for its own forward and the
     backwards of the chunks that read it plus the gradient's transfer back. Per chunk: seconds per
-    micro-batch and the activation bytes one micro-batch keeps until its backward."""
+    micro-batch and the activation bytes one micro-batch keeps until its backward; `first_forward_wait_s`
+    (per chunk, empty for none): what its first micro-batch's forward waits for its parameters mid-way
+    (ZeRO's gathers overlapped with it, `cost.pipeline`), added to that action; `first_forward_ready_s` (per
+    chunk, empty for none): the earliest that action may start (those gathers launched at the step's start)."""
     p = layout.degree
     orders = schedule_order(schedule, p, layout.chunks_per_stage, microbatches)
     sources: dict[int, set[int]] = {}
@@ -323,8 +327,12 @@ def simulate_schedule(layout: StageLayout, schedule: str, microbatches: int, for
             ready = _ready(action, done, sources, targets, transfer_s)
             if ready is None:
                 continue
+            if first_forward_ready_s and action.phase == FORWARD and action.microbatch == 0:
+                ready = max(ready, first_forward_ready_s[action.chunk])
             start = max(free_at[s], ready)
             seconds = (forward_s if action.phase == FORWARD else backward_s)[action.chunk]
+            if first_forward_wait_s and action.phase == FORWARD and action.microbatch == 0:
+                seconds += first_forward_wait_s[action.chunk]
             end = start + seconds
             done[(action.phase, action.microbatch, action.chunk)] = end
             busy[s].append((action, start, end))
@@ -391,6 +399,8 @@ class PipelinePlan:
     bubble_fraction: float = 0.0
     p2p_bytes: int = 0        # per step, sent by each rank of the busiest sending stage (and as many received)
     transfers: tuple[tuple[int, int, float], ...] = ()   # (source chunk, target chunk, seconds per micro-batch)
+    chunk_first_forward_wait_s: tuple[float, ...] = ()   # per chunk: its first forward's wait for its parameters
+    chunk_first_forward_ready_s: tuple[float, ...] = ()  # per chunk: the earliest its first forward starts
 
     @property
     def transfer_s(self) -> float:
@@ -401,7 +411,8 @@ class PipelinePlan:
         """The schedule as the cost model ran it (again, from the figures kept in the plan)."""
         return simulate_schedule(self.layout, self.schedule, self.microbatches, self.chunk_forward_s,
                                  self.chunk_backward_s, {(a, b): t for a, b, t in self.transfers},
-                                 self.chunk_activation_bytes)
+                                 self.chunk_activation_bytes, self.chunk_first_forward_wait_s,
+                                 self.chunk_first_forward_ready_s)
 
     @property
     def degree(self) -> int:
@@ -417,7 +428,9 @@ class PipelinePlan:
                 "stages": [s.to_dict() for s in self.stages], "chunk_forward_s": list(self.chunk_forward_s),
                 "chunk_backward_s": list(self.chunk_backward_s),
                 "chunk_activation_bytes": list(self.chunk_activation_bytes), "bubble_fraction": self.bubble_fraction,
-                "p2p_bytes": self.p2p_bytes, "transfers": [list(t) for t in self.transfers]}
+                "p2p_bytes": self.p2p_bytes, "transfers": [list(t) for t in self.transfers],
+                "chunk_first_forward_wait_s": list(self.chunk_first_forward_wait_s),
+                "chunk_first_forward_ready_s": list(self.chunk_first_forward_ready_s)}
 
     @staticmethod
     def from_dict(data: Mapping) -> "PipelinePlan":
@@ -428,7 +441,9 @@ class PipelinePlan:
                             tuple(float(x) for x in data.get("chunk_backward_s", ())),
                             tuple(int(x) for x in data.get("chunk_activation_bytes", ())),
                             float(data.get("bubble_fraction", 0.0)), int(data.get("p2p_bytes", 0)),
-                            tuple((int(a), int(b), float(t)) for a, b, t in data.get("transfers", ())))
+                            tuple((int(a), int(b), float(t)) for a, b, t in data.get("transfers", ())),
+                            tuple(float(x) for x in data.get("chunk_first_forward_wait_s", ())),
+                            tuple(float(x) for x in data.get("chunk_first_forward_ready_s", ())))
 
 
 def p2p_elements(layout: StageLayout, microbatches: int) -> dict[tuple[int, int], int]:

@@ -106,7 +106,8 @@ def independent_grid(graph: Graph, library: Library, machine: Machine, free_inpu
 
 def grid_families(graph: Graph, library: Library, machine: Machine, free_input_placements: bool, devices: int,
                   fits: Callable[[Candidate], bool] | None = None,
-                  skip: Callable[[PCG], bool] | None = None) -> Iterator[list[tuple[int, Candidate]]]:
+                  skip: Callable[[PCG], bool] | None = None,
+                  state_zero: int = 0) -> Iterator[list[tuple[int, Candidate]]]:
     """`independent_grid`'s points, one (dp, tp, sequence parallelism) layout at a time, each with its place in
     `independent_grid`'s order: the layout with ZeRO 0, then 3, each with its fallbacks.
 
@@ -117,7 +118,10 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
     layout's step floor, without the plan's own updates and recomputation: `cost.pcg_tasks.step_floor`) is
     one for the whole family, and `skip(pcg)`, shown the family's first layout, leaves the family out (the
     rest are not even built) where it says so. A generator: `skip` is asked when the caller asks for the
-    family, after the ones before it, so it can read what they gave (the bar of a branch and bound)."""
+    family, after the ones before it, so it can read what they gave (the bar of a branch and bound).
+    `state_zero` (1 or 2: a pinned `--degrees zero=N`): the points that store their weights whole (ZeRO 0) hold
+    their state so, as the pin asks (Megatron's distributed optimizer is the layout with ZeRO-1), rather than
+    only where they would not fit otherwise."""
     per_node = machine.devices_per_node
     fits = fits or (lambda candidate: candidate.totals.fits(machine))
     shared: dict = {}   # what every point's layout of the graph reuses (`megatron_pcg`'s cache)
@@ -132,6 +136,8 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
                 pcg = megatron_pcg(graph, library, (dp, tp), per_node, zero=zero, sequence=sequence, cache=shared)
                 if z == 0 and pcg is not None and skip is not None and skip(pcg):
                     break
+                if zero == 0 and state_zero and dp > 1 and pcg is not None:
+                    pcg, zero = replace(pcg, zero=state_zero), state_zero
                 config = {"dp": dp, "tp": tp, "sp": sequence, "zero": zero, "microbatches": graph.microbatches}
                 point = _fitting_point(pcg, config, graph, library, machine, free_input_placements, fits, blocks)
                 if point is not None:
