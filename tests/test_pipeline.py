@@ -142,6 +142,75 @@ def _uneven(library=None):
     return g.build()
 
 
+def _balanced_by_loop(layers, cost, chunks, degree, schedule, microbatches, capacity):
+    """The cut-point programme written as plain loops over (chunk, first layer, next start): what
+    `balanced_starts` computes an array row at a time, kept here to check that it computes the same cut."""
+    n, inf = len(layers), float("inf")
+    if chunks > n:
+        return None
+    times, acts, states = [0.0], [0], [0]
+    for layer in layers:
+        c = cost[layer]
+        times.append(times[-1] + (c.forward_s + c.backward_s) * microbatches + c.step_s)
+        acts.append(acts[-1] + c.activation_bytes)
+        states.append(states[-1] + c.state_bytes)
+    transient = max((cost[layer].transient_bytes for layer in layers), default=0)
+    held = in_flight_counts(schedule, degree, 1, microbatches) if schedule != INTERLEAVED else (1,) * degree
+    best = [[(inf, -1)] * (n + 1) for _ in range(chunks + 1)]
+    best[chunks][n] = (0.0, n)
+    for k in range(chunks - 1, -1, -1):
+        for i in range(n - (chunks - k) + 1):
+            for j in range(i + 1, n - (chunks - k - 1) + 1):
+                rest = best[k + 1][j][0]
+                if rest == inf:
+                    continue
+                memory = states[j] - states[i] + held[k % degree] * (acts[j] - acts[i]) + transient
+                if schedule != INTERLEAVED and memory > capacity:
+                    continue
+                value = max(rest, times[j] - times[i])
+                if value < best[k][i][0]:
+                    best[k][i] = (value, j)
+    if best[0][0][0] == inf:
+        return None
+    starts, at = [], 0
+    for k in range(chunks):
+        starts.append(layers[at])
+        at = best[k][at][1]
+    return tuple(starts)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_balanced_starts_is_the_plain_programme(seed):
+    """The array form of the cut-point programme gives the cut the plain loops give, ties (equal layers, so many
+    cuts are equally busy) and memory limits (tight, exact at a boundary, huge byte counts, float bytes)
+    included."""
+    import random
+
+    from parsat.cost.pipeline import LayerCost
+
+    rng = random.Random(seed)
+    n = rng.randint(2, 24)
+    layers = list(range(-1, n - 1)) if seed % 2 else list(range(n))
+    scale = 2 ** 50 if seed % 4 == 3 else 1
+    same = seed % 3 == 0     # identical layers: every cut of equal counts ties
+    cost = {}
+    for layer in layers:
+        r = rng if not same else random.Random(0)
+        act = r.randint(0, 1000) * scale
+        state = r.randint(0, 5000) * scale
+        cost[layer] = LayerCost(r.choice([0.5, 0.25, r.random()]), r.choice([1.0, r.random()]),
+                                float(act) if seed == 5 else act, state, r.choice([0.0, r.random() / 10]),
+                                r.randint(0, 300) * scale)
+    for schedule in (ONE_F_ONE_B, GPIPE, INTERLEAVED):
+        for degree in (1, 2, 3, 4):
+            m = rng.choice([degree, 2 * degree, 8])
+            chunks = degree * (2 if schedule == INTERLEAVED else 1)
+            whole = sum(c.state_bytes + m * c.activation_bytes for c in cost.values())
+            for capacity in (float("inf"), whole / degree, whole / (2 * degree), float(whole // degree), 0.0):
+                args = (layers, cost, chunks, degree, schedule, m, capacity)
+                assert balanced_starts(*args) == _balanced_by_loop(*args), (schedule, degree, m, capacity)
+
+
 def test_cut_points_follow_the_cost_not_the_layer_count():
     stage = optimize(_uneven(), "h100x8", devices=2, limits={"enodes": 15000},
                      baselines=False, microbatches=16)

@@ -35,8 +35,11 @@ pipelined plan and an unstaged one are compared on one cost model.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
+
+import numpy as np
 
 from parsat.ir.costs import NodeCost, Totals
 from parsat.ir.machine import Machine
@@ -100,44 +103,79 @@ def balanced_starts(layers: Sequence[int], cost: Mapping[int, LayerCost], chunks
     its weights' synchronisation and optimizer: what the slowest stage adds to the pipeline's fill and drain),
     each stage's weights' state plus in-flight activations within `capacity` (one chunk per stage; interleaved
     chunks are balanced by time and their memory checked when priced). Dynamic programming over (chunk, first
-    layer); None when no cut fits."""
+    layer); None when no cut fits. Of equal cuts, the one whose chunks end first, chunk by chunk.
+
+    Each chunk's row of the programme is one array operation over (first layer, next chunk's first layer): the
+    same sums and maxima as a loop would make, in float64, and the memory in exact integers (the stage search
+    runs this for every candidate's schedules, at 80 layers x 16 chunks)."""
     n = len(layers)
     if chunks > n:
         return None
-    times = [0.0]
-    acts = [0]
-    states = [0]
+    run = [0.0]   # added one by one, as a loop adds them (numpy's cumsum may add in another order)
     for layer in layers:
-        c = cost[layer]
-        times.append(times[-1] + (c.forward_s + c.backward_s) * microbatches + c.step_s)
-        acts.append(acts[-1] + c.activation_bytes)
-        states.append(states[-1] + c.state_bytes)
-    inf = float("inf")
+        run.append(run[-1] + (cost[layer].forward_s + cost[layer].backward_s) * microbatches + cost[layer].step_s)
+    times = np.array(run)
     # one recomputed block's activations at a time (`ir.recompute`): the largest, wherever it falls (an upper bound)
     transient = max((cost[layer].transient_bytes for layer in layers), default=0)
     held = in_flight_counts(schedule, degree, 1, microbatches) if schedule != INTERLEAVED else (1,) * degree
-    # best[k][i]: the least slowest-chunk time for chunks k.. covering layers i..n-1, and the next chunk's start
-    best = [[(inf, -1)] * (n + 1) for _ in range(chunks + 1)]
-    best[chunks][n] = (0.0, n)
+    acts, states = _byte_sums([cost[layer].activation_bytes for layer in layers],
+                              [cost[layer].state_bytes for layer in layers], max(held), transient)
+    inf = float("inf")
+    span = np.arange(n + 1)
+    later = span[None, :] > span[:, None]                  # [i, j]: j after i
+    # best[k][i]: the least slowest-chunk time for chunks k.. covering layers i..n-1; then[k][i]: the next start
+    best = np.full((chunks + 1, n + 1), inf)
+    then = np.full((chunks + 1, n + 1), -1)
+    best[chunks, n] = 0.0
     for k in range(chunks - 1, -1, -1):
-        for i in range(n - (chunks - k) + 1):
-            for j in range(i + 1, n - (chunks - k - 1) + 1):
-                rest = best[k + 1][j][0]
-                if rest == inf:
-                    continue
-                memory = states[j] - states[i] + held[k % degree] * (acts[j] - acts[i]) + transient
-                if schedule != INTERLEAVED and memory > capacity:
-                    continue
-                value = max(rest, times[j] - times[i])
-                if value < best[k][i][0]:
-                    best[k][i] = (value, j)
-    if best[0][0][0] == inf:
+        value = np.maximum(best[k + 1][None, :], times[None, :] - times[:, None])
+        allowed = later & (span[:, None] <= n - (chunks - k)) & (span[None, :] <= n - (chunks - k - 1)) & \
+            (best[k + 1][None, :] < inf)
+        if schedule != INTERLEAVED:
+            memory = states[None, :] - states[:, None] + held[k % degree] * (acts[None, :] - acts[:, None]) + transient
+            allowed &= ~_exceeds(memory, capacity)
+        value = np.where(allowed, value, inf)
+        first = np.argmin(value, axis=1)                   # the first of equal ones, as a loop over j keeps
+        least = value[span, first]
+        found = least < inf
+        best[k] = np.where(found, least, inf)
+        then[k] = np.where(found, first, -1)
+    if best[0][0] == inf:
         return None
     starts, at = [], 0
     for k in range(chunks):
         starts.append(layers[at])
-        at = best[k][at][1]
+        at = int(then[k][at])
     return tuple(starts)
+
+
+def _byte_sums(acts: Sequence[int], states: Sequence[int], held: int, transient: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """0 and the running sums of `acts` and of `states` (bytes), as a loop adds them: in int64 where every figure
+    is an integer and no memory the programme forms (differences of sums, activations times `held`, plus
+    `transient`) can overflow it, else as the Python numbers themselves (compared as Python compares them)."""
+    sums = []
+    for values in (acts, states):
+        run = [0]
+        for v in values:
+            run.append(run[-1] + v)
+        sums.append(run)
+    integral = all(type(v) is int for run in sums for v in run) and type(transient) is int
+    bound = 2 * max(map(abs, sums[0])) * max(held, 1) + 2 * max(map(abs, sums[1])) + abs(transient) \
+        if integral else math.inf
+    dtype = np.int64 if bound < 2 ** 62 else object
+    return np.array(sums[0], dtype=dtype), np.array(sums[1], dtype=dtype)
+
+
+def _exceeds(memory: np.ndarray, capacity: float) -> np.ndarray:
+    """Where `memory` > `capacity`, as Python compares them: an int64 array against the float's floor (an integer
+    exceeds a finite float exactly when it exceeds its floor; numpy would round a large integer first)."""
+    if memory.dtype == object or not math.isfinite(capacity):
+        return np.vectorize(lambda b: b > capacity, otypes=[bool])(memory)
+    floor = math.floor(capacity)
+    if abs(floor) >= 2 ** 62:   # beyond every int64 memory formed (`_byte_sums`)
+        return np.full(memory.shape, floor < 0, dtype=bool)
+    return memory > floor
 
 
 def transfer_seconds(layout: StageLayout, stage_devices: int, machine: Machine, dtype_bytes: int
