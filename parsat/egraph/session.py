@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from math import prod
+from operator import call, itemgetter
 from typing import Mapping, Sequence
 
 from egglog import bindings
@@ -47,12 +48,41 @@ class CompileError(Exception):
     """The rules or the graph cannot be turned into an egglog program."""
 
 
-def _children_and_attrs(eg, sorts: Sequence[str], values: Sequence) -> tuple[tuple[int, ...], tuple]:
-    """A row's tensor arguments (e-class ids) and its other arguments (ints, strings for reals and leaf names)."""
-    children, attrs = [], []
-    for sort, value in zip(sorts, values):
-        (children if sort == "T" else attrs).append(_value(eg, sort, value))
-    return tuple(children), tuple(attrs)
+class _RowReader:
+    """Decodes the rows of one egglog table, each column as Python (a String column as a string, any other, an
+    e-class id or an integer, as an int), and tells its tensor columns (e-class ids) from its other columns
+    (ints, strings for reals and leaf names).
+
+    Made once per table, not per row: a saturated e-graph of 44,000 e-nodes has twice as many provenance rows
+    (`Provenance`), and deciding each column's decoder row by row (a Python call per value) took a third of
+    reading them back; the decoders are chosen here and mapped over a row in C."""
+
+    def __init__(self, eg, sorts: Sequence[str]) -> None:
+        self._decoders = tuple(eg.value_to_string if sort == "String" else eg.value_to_i64 for sort in sorts)
+        self._plain = eg.value_to_i64 if "String" not in sorts else None
+        self._children = _picker([i for i, sort in enumerate(sorts) if sort == "T"])
+        self._attrs = _picker([i for i, sort in enumerate(sorts) if sort != "T"])
+
+    def values(self, row: Sequence) -> tuple:
+        """Every column of `row`, decoded."""
+        if self._plain is not None:
+            return tuple(map(self._plain, row))
+        return tuple(map(call, self._decoders, row))
+
+    def enode(self, op: str, row: Sequence) -> ENode:
+        """`row` (the table's columns, no more) as an e-node of `op`."""
+        values = self.values(row)
+        return ENode(op, self._children(values), self._attrs(values))
+
+
+def _picker(indices: Sequence[int]):
+    """A function taking the columns `indices` of a decoded row, as a tuple (also for one column, or none)."""
+    if not indices:
+        return lambda _values: ()
+    if len(indices) == 1:
+        only = indices[0]
+        return lambda values: (values[only],)
+    return itemgetter(*indices)
 
 
 class Provenance(Mapping):
@@ -79,8 +109,8 @@ class Provenance(Mapping):
             eg, made, equated = self._egraph, {}, {}
             for name, fn in self._frozen.functions.items():
                 if name.startswith(APPLIED_PREFIX) and name[len(APPLIED_PREFIX):].isdigit():
-                    self._applied_rows[int(name[len(APPLIED_PREFIX):])] = [
-                        tuple(_value(eg, sort, v) for sort, v in zip(fn.input_sorts, row.inputs)) for row in fn.rows]
+                    values = _RowReader(eg, fn.input_sorts).values
+                    self._applied_rows[int(name[len(APPLIED_PREFIX):])] = [values(row.inputs) for row in fn.rows]
                 if name == EQUATED:
                     for row in fn.rows:
                         equated.setdefault(eg.value_to_i64(row.inputs[0]), set()).add(
@@ -88,9 +118,10 @@ class Provenance(Mapping):
                 if not name.startswith(MADE_PREFIX):
                     continue
                 op = name[len(MADE_PREFIX):].split("_", 1)[1]
+                reader, who = _RowReader(eg, fn.input_sorts[:-1]), eg.value_to_string
                 for row in fn.rows:
-                    node = ENode(op, *_children_and_attrs(eg, fn.input_sorts[:-1], row.inputs[:-1]))
-                    made.setdefault(node, set()).add(eg.value_to_string(row.inputs[-1]))
+                    inputs = row.inputs
+                    made.setdefault(reader.enode(op, inputs[:-1]), set()).add(who(inputs[-1]))
             self._rows = {node: frozenset(who) for node, who in made.items()}
             self._equated = {cid: frozenset(who) for cid, who in equated.items()}
             self._egraph = self._frozen = None
@@ -104,11 +135,6 @@ class Provenance(Mapping):
 
     def __len__(self) -> int:
         return len(self._load())
-
-
-def _value(eg, sort: str, value):
-    """One column of a row as Python: an e-class id, a string or an integer."""
-    return eg.value_to_string(value) if sort == "String" else eg.value_to_i64(value)
 
 
 class _Applied(Mapping):
@@ -311,11 +337,11 @@ class Session:
             if fn.output_sort != "T":
                 continue
             op = "leaf" if name == "Leaf" else name.split("_", 1)[1]
+            reader, to_i64 = _RowReader(eg, fn.input_sorts), eg.value_to_i64
             for row in fn.rows:
                 if row.subsumed:
                     continue
-                classes.setdefault(eg.value_to_i64(row.output), []).append(
-                    ENode(op, *_children_and_attrs(eg, fn.input_sorts, row.inputs)))
+                classes.setdefault(to_i64(row.output), []).append(reader.enode(op, row.inputs))
         classes = {k: tuple(v) for k, v in classes.items()}
         made_by = Provenance(eg, frozen, self._rules[:self.loaded], classes)
         if self.mesh is not None:
