@@ -71,7 +71,10 @@ class _RowReader:
 
     def enode(self, op: str, row: Sequence) -> ENode:
         """`row` (the table's columns, no more) as an e-node of `op`."""
-        values = self.values(row)
+        return self.node(op, self.values(row))
+
+    def node(self, op: str, values: tuple) -> ENode:
+        """A row's columns, already decoded (`values`), as an e-node of `op`."""
         return ENode(op, self._children(values), self._attrs(values))
 
 
@@ -97,14 +100,20 @@ class Provenance(Mapping):
         """`rules` are the program's loaded rules, the i-th recording its applications in `Applied<i>`;
         `classes` the snapshot's, to find their e-nodes in (`derivation`)."""
         self._egraph, self._frozen, self._rules = egraph, frozen, rules
-        self._rows: dict[ENode, frozenset[str]] | None = None
+        self._rows: dict[tuple, frozenset[str]] | None = None
+        self._tensor_columns: dict[str, tuple[bool, ...]] = {}   # operator -> which columns of its rows are tensors
+        self._readers: dict[str, _RowReader] = {}
         self._equated: dict[int, frozenset[str]] = {}
         self._applied_rows: dict[int, list[tuple]] = {}
         self._classes = classes or {}
         self.equated = _Equated(self)  # class -> the rules that equated it with a metavariable (`equated_row`)
         self.applied = _Applied(self)  # rule -> its applications (`derivation`)
 
-    def _load(self) -> dict[ENode, frozenset[str]]:
+    def _load(self) -> dict[tuple, frozenset[str]]:
+        """The rows, decoded once: (operator, the e-node's columns as egglog orders them) -> its makers. Keyed by
+        the decoded columns rather than by an ENode: a 44,000 e-node e-graph has twice as many rows, and making
+        and hashing an ENode for each took most of decoding them; an ENode asked for is turned into its key
+        (`_key`), and iterating makes the ENodes."""
         if self._rows is None:
             eg, made, equated = self._egraph, {}, {}
             for name, fn in self._frozen.functions.items():
@@ -118,20 +127,32 @@ class Provenance(Mapping):
                 if not name.startswith(MADE_PREFIX):
                     continue
                 op = name[len(MADE_PREFIX):].split("_", 1)[1]
-                reader, who = _RowReader(eg, fn.input_sorts[:-1]), eg.value_to_string
+                self._tensor_columns[op] = tuple(sort == "T" for sort in fn.input_sorts[:-1])
+                self._readers[op] = _RowReader(eg, fn.input_sorts[:-1])
+                values = _RowReader(eg, fn.input_sorts).values
                 for row in fn.rows:
-                    inputs = row.inputs
-                    made.setdefault(reader.enode(op, inputs[:-1]), set()).add(who(inputs[-1]))
-            self._rows = {node: frozenset(who) for node, who in made.items()}
+                    decoded = values(row.inputs)
+                    made.setdefault((op, decoded[:-1]), set()).add(decoded[-1])
+            self._rows = {key: frozenset(who) for key, who in made.items()}
             self._equated = {cid: frozenset(who) for cid, who in equated.items()}
             self._egraph = self._frozen = None
         return self._rows
 
+    def _key(self, node: ENode) -> tuple:
+        """`node`'s key in `_load`'s rows: its children and attributes back in their table's column order."""
+        tensor = self._tensor_columns.get(node.op)
+        if tensor is None or len(tensor) != len(node.children) + len(node.attrs):
+            return (node.op, None)   # no such table, or not its columns: no row
+        children, attrs = iter(node.children), iter(node.attrs)
+        return (node.op, tuple(next(children) if is_tensor else next(attrs) for is_tensor in tensor))
+
     def __getitem__(self, node: ENode) -> frozenset[str]:
-        return self._load()[node]
+        rows = self._load()
+        return rows[self._key(node)]
 
     def __iter__(self):
-        return iter(self._load())
+        self._load()
+        return (self._readers[op].node(op, values) for op, values in self._rows)
 
     def __len__(self) -> int:
         return len(self._load())

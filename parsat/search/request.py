@@ -93,6 +93,9 @@ class SearchRequest:
     # simulated steps and compute times by machine and micro-batch count (`mesh.CandidateSteps`)
     mesh_searches: dict = field(default_factory=dict, compare=False)
     simulations: dict = field(default_factory=dict, compare=False)
+    # the rules a joint plan used, by its snapshot and choice: a scout's plan and the plan of the search of every
+    # mesh at its count are often the same extraction of the same e-graph (`step.plan_rules`)
+    rules_found: dict = field(default_factory=dict, compare=False)
     deadline: float | None = None       # the call's `--limit seconds` deadline (perf_counter), None without one
 
     def graph_budget(self) -> GraphBudget:
