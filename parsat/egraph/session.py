@@ -71,10 +71,7 @@ class _RowReader:
 
     def enode(self, op: str, row: Sequence) -> ENode:
         """`row` (the table's columns, no more) as an e-node of `op`."""
-        return self.node(op, self.values(row))
-
-    def node(self, op: str, values: tuple) -> ENode:
-        """A row's columns, already decoded (`values`), as an e-node of `op`."""
+        values = self.values(row)
         return ENode(op, self._children(values), self._attrs(values))
 
 
@@ -102,7 +99,6 @@ class Provenance(Mapping):
         self._egraph, self._frozen, self._rules = egraph, frozen, rules
         self._rows: dict[tuple, frozenset[str]] | None = None
         self._tensor_columns: dict[str, tuple[bool, ...]] = {}   # operator -> which columns of its rows are tensors
-        self._readers: dict[str, _RowReader] = {}
         self._equated: dict[int, frozenset[str]] = {}
         self._applied_rows: dict[int, list[tuple]] = {}
         self._classes = classes or {}
@@ -128,8 +124,7 @@ class Provenance(Mapping):
                     continue
                 op = name[len(MADE_PREFIX):].split("_", 1)[1]
                 self._tensor_columns[op] = tuple(sort == "T" for sort in fn.input_sorts[:-1])
-                self._readers[op] = _RowReader(eg, fn.input_sorts[:-1])
-                values = _RowReader(eg, fn.input_sorts).values
+                values = _RowReader(eg, fn.input_sorts).values   # holds `eg`: not kept past decoding
                 for row in fn.rows:
                     decoded = values(row.inputs)
                     made.setdefault((op, decoded[:-1]), set()).add(decoded[-1])
@@ -152,7 +147,13 @@ class Provenance(Mapping):
 
     def __iter__(self):
         self._load()
-        return (self._readers[op].node(op, values) for op, values in self._rows)
+        return (self._node(op, values) for op, values in self._rows)
+
+    def _node(self, op: str, values: tuple) -> ENode:
+        """A row's key (`_load`) as its e-node: the inverse of `_key`."""
+        tensor = self._tensor_columns[op]
+        return ENode(op, tuple(v for v, is_tensor in zip(values, tensor) if is_tensor),
+                     tuple(v for v, is_tensor in zip(values, tensor) if not is_tensor))
 
     def __len__(self) -> int:
         return len(self._load())

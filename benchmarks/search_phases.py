@@ -1,0 +1,112 @@
+"""Where one `parsat.optimize` call's CPU goes, phase by phase, without a profiler's distortion.
+
+    .venv/bin/python benchmarks/search_phases.py gpt-1.3b:64 [--plan FILE]
+
+Runs `parsat.optimize(NAME, machine="h100x8", devices=N)` (what
+`models_bench.py optimize NAME:N` runs) with the search's main functions
+wrapped where they are looked up, and prints the CPU seconds
+(`time.process_time`) spent inside each, and each saturation's mesh,
+e-nodes, iterations and egglog CPU seconds. cProfile multiplies the cost
+of the many small Python calls (extraction, decoding) several times over
+and not egglog's, so its shares mislead; these wrappers add one call per
+wrapped call. A phase called from inside another is counted in both
+(`pcg_from_extraction` inside `solve`, the provenance decode inside it).
+`--plan` also writes the plan JSON, to compare plans across trees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import resource
+import sys
+import time
+from typing import Callable
+
+import parsat
+import parsat.api as api
+import parsat.egraph.saturate as saturate
+import parsat.egraph.session as session
+import parsat.search.baselines as baselines
+import parsat.search.mesh as mesh
+import parsat.search.solve as solve
+import parsat.search.step as step
+
+CPU: collections.Counter = collections.Counter()
+CALLS: collections.Counter = collections.Counter()
+SATURATIONS: list[tuple] = []
+PHASES = [(saturate, "compile_mesh_rules", "compile the rule program"),
+          (saturate, "Session", "load it and the graph into egglog"),
+          (saturate, "run_generations", "egglog: saturate"),
+          (session.Session, "snapshot", "read the e-graph back"),
+          (session.Provenance, "_load", "decode provenance rows"),
+          (mesh, "node_costs", "price every e-node"),
+          (mesh, "solve", "extract: joint plan and Megatron"),
+          (baselines, "solve", "extract: restricted grid, sequential"),
+          (solve, "pcg_from_extraction", "PCG of an extraction (with its rules)"),
+          (step, "independent_points", "independent grid"),
+          (mesh, "simulate_step", "simulate candidates' steps"),
+          (step, "plan_rules", "rules_used of a step's plan"),
+          (api, "proved_rules", "proved rules (verdict cache)")]
+
+
+def wrap(owner, name: str, label: str) -> None:
+    """`owner.name` counting its CPU seconds under `label` (the outermost call only, when it recurses)."""
+    inner: Callable = getattr(owner, name)
+    depth = [0]
+
+    def counted(*args, **kwargs):
+        start = time.process_time()
+        depth[0] += 1
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+            if depth[0] == 0:
+                CPU[label] += time.process_time() - start
+            CALLS[label] += 1
+    setattr(owner, name, counted)
+
+
+def wrap_saturations() -> None:
+    """Each saturation's mesh, e-nodes, iterations and egglog CPU seconds, in call order."""
+    inner = saturate.run_generations
+
+    def logged(sess, *args, **kwargs):
+        start = time.process_time()
+        done = inner(sess, *args, **kwargs)
+        SATURATIONS.append((str(sess.mesh) or "1 device", sess.size(), done.iterations, done.stop,
+                            time.process_time() - start))
+        return done
+    saturate.run_generations = logged
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("case", help="NAME:DEVICES, as models_bench.py names it")
+    parser.add_argument("--plan", default=None, help="also write the plan JSON here")
+    args = parser.parse_args(argv)
+    wrap_saturations()   # first: the phase wrapper around it then counts it whole
+    for owner, name, label in PHASES:
+        if hasattr(owner, name):
+            wrap(owner, name, label)
+    name, devices = args.case.split(":")
+    start = time.process_time()
+    plan = parsat.optimize(name, machine="h100x8", devices=int(devices))
+    total = time.process_time() - start
+    for label, seconds in CPU.most_common():
+        print(f"{label:42s} {seconds:7.2f} CPU s  {CALLS[label]:6d} calls")
+    for where, enodes, iterations, stop, seconds in SATURATIONS:
+        print(f"saturation: mesh {where:20s} {enodes:7,} e-nodes {iterations:3d} iterations {stop:10s} "
+              f"{seconds:6.2f} CPU s")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"total {total:.1f} CPU s (the optimize call), peak RSS {peak:.0f} MiB, "
+          f"step {plan.totals.time_s * 1e3:.3f} ms (predicted by the cost model)")
+    if args.plan:
+        with open(args.plan, "w", encoding="utf-8") as out:
+            out.write(plan.to_json())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
