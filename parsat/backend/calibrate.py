@@ -202,21 +202,7 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
 
     # dispatch: a chain of tiny operators, forward with autograd recording, then backward
     leaf = rand(2, 2).requires_grad_()
-
-    def chain():
-        y = leaf
-        for i in range(DISPATCH_CHAIN):
-            y = apply_op("relu" if i % 2 else "scale", [y], {} if i % 2 else {"c": 1.0})
-        return y
-
-    forward = _timed(ctx, chain, budget, sync) / DISPATCH_CHAIN
-
-    graph = chain().sum()
-
-    def backward():  # the same recorded chain, backward again and again
-        graph.backward(retain_graph=True)
-
-    dispatch = (forward, _timed(ctx, backward, budget, sync) / DISPATCH_CHAIN)
+    dispatch = _chain_dispatch(ctx, leaf, budget, sync)
     extra = _dtensor_dispatch(ctx, leaf, budget, sync, dispatch) if dtensor else (0.0, 0.0)
 
     ops = []
@@ -251,7 +237,14 @@ def _dtensor_dispatch(ctx: RankContext, leaf: torch.Tensor, budget: Budget, sync
 
     mesh = init_device_mesh(ctx.device.type, (dist.get_world_size(),))
     start = distribute_tensor(leaf.detach(), mesh, [Replicate()]).requires_grad_()
+    forward, backward = _chain_dispatch(ctx, start, budget, sync)
+    return max(0.0, forward - plain[0]), max(0.0, backward - plain[1])
 
+
+def _chain_dispatch(ctx: RankContext, start: torch.Tensor, budget: Budget, sync) -> tuple[float, float]:
+    """Seconds per operator of a chain of tiny operators from `start` (which needs a gradient): forward with
+    autograd recording, then the same recorded chain's backward again and again. The operators are too small
+    for their kernels to count: what is left is dispatch."""
     def chain():
         y = start
         for i in range(DISPATCH_CHAIN):
@@ -261,7 +254,7 @@ def _dtensor_dispatch(ctx: RankContext, leaf: torch.Tensor, budget: Budget, sync
     forward = _timed(ctx, chain, budget, sync) / DISPATCH_CHAIN
     graph = chain().sum()
     backward = _timed(ctx, lambda: graph.backward(retain_graph=True), budget, sync) / DISPATCH_CHAIN
-    return max(0.0, forward - plain[0]), max(0.0, backward - plain[1])
+    return forward, backward
 
 
 SKEW_BURSTS = (0, 2, 8, 16)
