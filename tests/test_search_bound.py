@@ -86,7 +86,8 @@ def test_a_pinned_search_bounds_only_the_points_that_keep_the_pins():
                                                   step.memory.fits)]
     chosen, unbounded = best(kept, step.memory), best([p for p in points if keeps_pins(p, request)], step.memory)
     assert chosen is not None and (chosen.config, chosen.totals) == (unbounded.config, unbounded.totals)
-    assert best(points, step.memory).config["dp"] == 8 and len(kept) == 4
+    # sequence parallelism off and on, each with ZeRO 0, 1 (GPUs overlap its gathers: `grid_families`) and 3
+    assert best(points, step.memory).config["dp"] == 8 and len(kept) == 6
     assert all(p.totals.streams is None for p in independent_points(step, steps) if not keeps_pins(p, request))
 
 
@@ -144,3 +145,21 @@ def test_the_plan_is_the_one_simulating_every_point_gives(monkeypatch, degrees):
     monkeypatch.setattr(CandidateSteps, "floor", lambda self, pcg, plan=True: None)
     skipped.clear()
     assert plan() == bounded and sum(skipped) == 0
+
+
+def test_a_layout_that_fits_with_its_state_whole_is_also_a_zero_1_point_where_gpus_overlap_its_gathers():
+    """On GPUs ZeRO-1's gathers of the updated shards run during the next forward (`pcg_tasks.DDP`), so a layout
+    that fits with ZeRO 0 can still be faster with its state sharded: the grid offers both, and the simulation
+    chooses. On a CPU box (`PARSAT_RUN`: gathered after the update, inline) ZeRO-1 stays a fallback for a
+    layout that does not fit."""
+    for machine, sharded_too in (("h100x8", True), ("cpu", False)):
+        request = resolve_request("gpt", machine, None, None, 8 if machine == "h100x8" else 4, sizes=SIZES)
+        step = step_context(request, 1)
+        points = independent_grid(step.graph, request.library, step.machine, True, step.devices, lambda p: True)
+        layouts = {(p.config["dp"], p.config["tp"], p.config["sp"]): set() for p in points}
+        for p in points:
+            layouts[(p.config["dp"], p.config["tp"], p.config["sp"])].add(p.config["zero"])
+        spread = [zeros for (dp, _tp, _sp), zeros in layouts.items() if dp > 1]
+        assert spread and all((1 in zeros) == sharded_too for zeros in spread), (machine, layouts)
+        # ZeRO 0 and 1 hold the same layout's state whole or sharded (`PCG.zero`); ZeRO-3 stores the weights split
+        assert all(p.pcg.zero == p.config["zero"] for p in points if p.config["zero"] in (0, 1))

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Mapping, Sequence
 
+from parsat.cost.pcg_tasks import profile_for
 from parsat.dsl import ast
 from parsat.dsl.checker import is_parallel_rule
 from parsat.dsl.library import Library
@@ -121,9 +122,15 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
     family, after the ones before it, so it can read what they gave (the bar of a branch and bound).
     `state_zero` (1 or 2: a pinned `--degrees zero=N`): the points that store their weights whole (ZeRO 0) hold
     their state so, as the pin asks (Megatron's distributed optimizer is the layout with ZeRO-1), rather than
-    only where they would not fit otherwise."""
+    only where they would not fit otherwise. Unpinned, on a machine whose execution overlaps ZeRO-1's gathers
+    with the next forward (`pcg_tasks.profile_for`: GPUs), a layout that fits with ZeRO 0 is also a point with
+    ZeRO-1."""
     per_node = machine.devices_per_node
     fits = fits or (lambda candidate: candidate.totals.fits(machine))
+    # where ZeRO-1's gathers of the updated shards run during the next forward (Megatron's distributed optimizer
+    # with overlap_param_gather), a layout that fits with its state whole may still run faster with it sharded:
+    # half the gradient bytes reduced, the update on a shard; so both are points, and the simulation chooses
+    overlapped = profile_for(machine).overlap_param_gather
     shared: dict = {}   # what every point's layout of the graph reuses (`megatron_pcg`'s cache)
     blocks = has_blocks(leaf.name for leaf in graph.leaves)
     place = 0
@@ -142,6 +149,11 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
                 point = _fitting_point(pcg, config, graph, library, machine, free_input_placements, fits, blocks)
                 if point is not None:
                     family.append((place + z * len(sequences) + s, point))
+                    if overlapped and point.config["zero"] == 0 and dp > 1:
+                        sharded = _priced_point(replace(point.pcg, zero=1), {**point.config, "zero": 1}, graph,
+                                                library, machine, free_input_placements)
+                        if sharded is not None:
+                            family.append((place + z * len(sequences) + s, sharded))
             yield family
         place += len(zeros) * len(sequences)
 
