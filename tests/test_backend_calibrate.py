@@ -74,7 +74,7 @@ def test_calibrate_dtensor_measures_what_an_operator_on_a_dtensor_adds(tmp_path,
     """`--dtensor`: the dispatch chain again on a Replicate() DTensor over the ranks (the torch-native runtime's
     styled modules), the extra per operator written to the machine file; without it the fields stay 0."""
     out = tmp_path / "machine.json"
-    code = main(["calibrate", "--machine", "here", "-o", str(out), "--nproc", "2", "--size", "32", "--repeats", "1",
+    code = main(["calibrate", "--machine", "here", "-o", str(out), "--nproc", "2", "--size", "128", "--repeats", "1",
                  "--window", "0.002", "--comm-elements", "16", "4096", "--dtype", "float32", "--dtensor"])
     assert code == 0
     efficiency = Machine.load(out).efficiency
