@@ -54,7 +54,7 @@ def test_fit_skew_is_the_slope_of_wait_against_compute():
 
 def test_calibrate_writes_a_machine_the_optimizer_loads(tmp_path, capsys):
     out = tmp_path / "machine.json"
-    code = main(["calibrate", "--machine", "here", "-o", str(out), "--nproc", "2", "--size", "32", "--repeats", "1",
+    code = main(["calibrate", "--machine", "here", "-o", str(out), "--nproc", "2", "--size", "128", "--repeats", "1",
                  "--window", "0.002", "--comm-elements", "16", "4096", "--json"])
     assert code == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -352,7 +352,7 @@ def test_an_oversubscribed_calibration_is_recorded_in_the_machine_file(tmp_path,
     pytest.importorskip("torch")
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0}, raising=False)   # two ranks, one core
     out = tmp_path / "machine.json"
-    assert main(["calibrate", "-m", "here", "-o", str(out), "--nproc", "2", "--oversubscribe", "--size", "32",
+    assert main(["calibrate", "-m", "here", "-o", str(out), "--nproc", "2", "--oversubscribe", "--size", "128",
                  "--repeats", "1", "--window", "0.002", "--comm-elements", "16", "4096"]) == 0
     assert json.loads(out.read_text())["oversubscribed"] == {"ranks": 2, "cores": 1}
     assert "--nproc 2 is more ranks than the 1 core this process may use" in capsys.readouterr().err
