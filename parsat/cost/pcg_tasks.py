@@ -73,6 +73,7 @@ from parsat.cost.model import compute_time
 from parsat.cost.op_time import OpTime, chunk_time, memory_op_time
 from parsat.cost.schedules import Gradient, GradientBuckets, ParamGathers, assign_buckets
 from parsat.cost.simulator import COMM, COMPUTE, StepBuilder, StepResult
+from parsat.cost.stage_sync import SHARDING_STAGES
 
 DEVICE = 0
 # Operators torch runs as views of their input (no new storage): parsat/importer/torch_ops.py. `flatten` is a view
@@ -876,11 +877,9 @@ class _Builder:
         group), each priced on that axis's group; `bucket_of` says which holds each weight."""
         if not self.profile.ddp_buckets:
             return []
-        by_axis = self._sharded_by_axis()
-        comm, grad_bytes = self.machine.comm, self.machine.precision_spec.gradient_bytes
+        comm = self.machine.comm
         out = []
-        for axis, stored in sorted(by_axis.items()):
-            grads = [Gradient(str(i), _elements(self.stored[i]) * grad_bytes) for i in sorted(stored, reverse=True)]
+        for axis, stored, grads in self._axis_gradients():
             group = GroupTopology.of_axis(self.pcg.mesh, axis)
             kind = REDUCE_SCATTER if self.sharded else ALL_REDUCE   # ZeRO: each rank keeps its shard's sum
             buckets = GradientBuckets(self.steps, DEVICE, grads,
@@ -891,22 +890,25 @@ class _Builder:
                 self.bucket_of[at] = (axis, buckets)
         return out
 
-    def _sharded_by_axis(self) -> dict[int, list[int]]:
-        """Mesh axis -> the stored weights replicated on it (`ir.pcg.state_shardings`: DDP's process group)."""
+    def _axis_gradients(self) -> list[tuple[int, list[int], list[Gradient]]]:
+        """Per mesh axis the stored weights are replicated on (`ir.pcg.state_shardings`: DDP's process group), in
+        axis order: (the axis, those weights, their gradients in bucket order: the reverse of the weights')."""
         by_axis: dict[int, list[int]] = {}
         for at, replicate in state_shardings(self.pcg).items():
             by_axis.setdefault(self.by_id[replicate].axis(self.pcg.mesh), []).append(at)
-        return by_axis
+        grad_bytes = self.machine.precision_spec.gradient_bytes
+        return [(axis, stored, [Gradient(str(i), _elements(self.stored[i]) * grad_bytes)
+                                for i in sorted(stored, reverse=True)])
+                for axis, stored in sorted(by_axis.items())]
 
     def _gather_buckets(self) -> list[tuple[int, list[list[str]], list[int]]]:
         """ZeRO-1/2's all-gathers of the updated shards as DDP-style frameworks run them (Megatron's distributed
         optimizer: its parameter buckets are its gradient buckets): per mesh axis, (the axis, the stored weights'
         names bucket by bucket in forward order, each bucket's parameter bytes), the gradient buckets
         (`assign_buckets`, as `_buckets` makes them) reversed."""
-        comm, grad_bytes = self.machine.comm, self.machine.precision_spec.gradient_bytes
+        comm = self.machine.comm
         out = []
-        for axis, stored in sorted(self._sharded_by_axis().items()):
-            grads = [Gradient(str(i), _elements(self.stored[i]) * grad_bytes) for i in sorted(stored, reverse=True)]
+        for axis, _stored, grads in self._axis_gradients():
             buckets = [[g.name for g in b] for b in reversed(assign_buckets(grads, comm.bucket_bytes,
                                                                            comm.first_bucket_bytes))]
             out.append((axis, buckets, [sum(_elements(self.stored[int(n)]) for n in b) * self.item for b in buckets]))
@@ -917,7 +919,7 @@ class _Builder:
         optimizer): per mesh axis, the updated shards' all-gathers bucket by bucket (`_gather_buckets`), run during
         the first micro-batch's forward (`schedules.ParamGathers`; the step is a steady-state one) instead of
         after the update. Else none."""
-        if self.pcg.zero not in (1, 2) or not (self.profile.overlap_param_gather and self.profile.overlap):
+        if self.pcg.zero not in SHARDING_STAGES or not (self.profile.overlap_param_gather and self.profile.overlap):
             return []
         out = []
         for axis, buckets, nbytes in self._gather_buckets():
