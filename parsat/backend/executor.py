@@ -550,8 +550,8 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
         torch.cuda.reset_peak_memory_stats(ctx.device)
     for step in range(config.steps):
         counter = CommCounter()
+        data = program.step_data(batch, step).loaded()   # before the clock: the data loader's work, not the plan's
         start = ctx.step_start()
-        data = program.step_data(batch, step)
         # once per step for all micro-batches: gathers, replicas (one batch runs them inside its own autograd)
         weights = program.weight_values(counter) if m > 1 else None
         reported = torch.zeros((), dtype=config.torch_dtype(), device=ctx.device)

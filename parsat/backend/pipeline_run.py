@@ -374,13 +374,14 @@ class StageRank:
                         tag=GRAD_SYNC)
             param.grad = COLLECTIVES[ALL_REDUCE_KIND](gradient_of(param), None, comm, "backward")
 
-    def train_step(self, step: int, batch: StepBatch, optimizer: Optimizer,
+    def train_step(self, step: int, data: StepData, optimizer: Optimizer,
                    memory: TensorMemory) -> tuple[_StepState, CommCounter]:
-        """One step: the stage's actions in schedule order, then its gradient syncs, the shared weights' sum and
-        the optimizer. Returns the step's state (outputs, counts) and the shared sum's counter."""
+        """One step on `data` (drawn before the step's clock): the stage's actions in schedule order, then its
+        gradient syncs, the shared weights' sum and the optimizer. Returns the step's state (outputs, counts) and
+        the shared sum's counter."""
         program = self.program
         counter = CommCounter()
-        state = _StepState(program.step_data(batch, step), program.weight_values(counter), counter,
+        state = _StepState(data, program.weight_values(counter), counter,
                            [0] * self.layout.degree, outputs={name: [] for _, name in program.outputs_here})
         first = True
 
@@ -432,8 +433,9 @@ def run_stage_rank(ctx: RankContext, pcg: PCG, pipeline: PipelinePlan, config: T
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     for step in range(config.steps):
+        data = program.step_data(batch, step).loaded()   # before the clock: the data loader's work, not the plan's
         start = ctx.step_start()
-        state, shared = stage.train_step(step, batch, optimizer, memory)
+        state, shared = stage.train_step(step, data, optimizer, memory)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)

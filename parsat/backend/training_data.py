@@ -170,17 +170,29 @@ class StepData:
         self.batch, self.config, self.step = batch, config, step
         self.leaves, self.outputs = list(leaves), list(outputs)
         self._whole: dict[str, torch.Tensor] = {}
+        self._loaded: dict[int, tuple[dict, dict]] = {}
 
     @property
     def microbatches(self) -> int:
         return self.batch.microbatches
 
+    def loaded(self) -> "StepData":
+        """This data with every micro-batch's inputs and targets drawn now, as a data loader hands a step its
+        batch before the step starts. A run's timed step then holds the plan's work only, which is what the
+        cost model prices: drawing the data is not (on the demo's MLP it was 1.5-3 ms of a 7 ms step)."""
+        self._loaded = {k: (self.inputs(k), self.targets(k)) for k in range(self.microbatches)}
+        return self
+
     def inputs(self, k: int) -> dict[str, torch.Tensor]:
         """Micro-batch k's full input values by leaf name."""
+        if k in self._loaded:
+            return dict(self._loaded[k][0])
         return {name: self._value(name, shape, form, k, target=False) for name, shape, form in self.leaves}
 
     def targets(self, k: int) -> dict[str, torch.Tensor | None]:
         """Micro-batch k's full targets by output name (None for a loss output: it has none)."""
+        if k in self._loaded:
+            return dict(self._loaded[k][1])
         return {name: None if is_loss(shape) else self._value(name, shape, "", k, target=True)
                 for name, shape in self.outputs}
 
