@@ -22,6 +22,13 @@ was overlapped, but the README it summarizes names the flags,
 with distributed optimizer"). SC'21 states no distributed optimizer (it
 predates it): the A100 rows leave the stage to the search.
 
+With `--free`, each row is also optimized with nothing pinned (the same
+model, batch, machine and GPU count; the search chooses t, p, d, ZeRO,
+micro-batches, schedule and recomputation under its default work budgets),
+and the free plan's predicted step is printed beside the pinned one with
+the side that wins (issue 31: the free search must be at least as fast as
+the published configuration it could have pinned).
+
 For each row: whether the plan fits, its predicted step, the published step
 (the published FLOPs of one step divided by the published TFLOP/s per GPU
 times the GPUs: the A100 rows count hardware FLOPs by their eq. 3, 96 B s l
@@ -153,6 +160,46 @@ def price(row: Row, zero_free: bool = False) -> dict:
     return out
 
 
+def price_free(row: Row) -> dict:
+    """The row optimized with nothing pinned: its predicted step, layout, memory and CPU seconds."""
+    import parsat
+    from parsat.report.explain import explain_plan
+
+    sizes = {"blocks": row.layers, "hidden": row.hidden, "heads": row.heads, "seq": row.seq, "vocab": row.vocab,
+             "batch": row.batch}
+    start = time.process_time()
+    out: dict = {}
+    try:
+        plan = parsat.optimize("gpt", machine=row.machine, devices=row.gpus, sizes=sizes,
+                               progress=lambda m: print(f"  [{row.name} free] {m}", file=sys.stderr, flush=True))
+    except Exception as err:  # noqa: BLE001 - the error is the result
+        out["error"] = f"{type(err).__name__}: {err}"
+    else:
+        grid = plan.baseline_plans.get("best_grid")
+        out.update(step_s=plan.totals.time_s, memory_gib=plan.totals.peak_memory_bytes / 2 ** 30,
+                   fits=plan.totals.fits(plan.machine), recompute=plan.pcg.recompute, zero=plan.pcg.zero,
+                   microbatches=plan.graph.microbatches, chosen=plan.extraction.get("chosen"),
+                   best_grid=dict(grid.config) if grid is not None and grid.config else None,
+                   pipeline=({"pp": plan.pipeline.degree, "schedule": plan.pipeline.schedule,
+                              "microbatches": plan.pipeline.microbatches} if plan.pipeline else None),
+                   explain=explain_plan(plan).splitlines()[:6])
+    out["cpu_s"] = round(time.process_time() - start, 1)
+    return out
+
+
+def free_line(r: dict) -> str:
+    """One row's free plan beside its pinned one: steps, their ratio and the side that wins."""
+    free = r.get("free") or {}
+    if "error" in free or "error" in r:
+        return f"{r['name']}: pinned {r.get('error') or 'ok'}; free {free.get('error') or 'ok'}"
+    pinned, found = r["predicted_step_s"], free["step_s"]
+    side = "free" if found < pinned * (1 - 1e-9) else ("equal" if found <= pinned * (1 + 1e-9) else "PINNED")
+    pipe = free.get("pipeline") or {}
+    return (f"{r['name']}: pinned {pinned:.3f} s, free {found:.3f} s ({pinned / found:.2f}x), wins: {side}; free "
+            f"plan {free.get('chosen')}, pp {pipe.get('pp', 1)} {pipe.get('schedule') or ''}, ZeRO-{free['zero']}, "
+            f"recompute {free['recompute']}, fits {free['fits']}, {free['cpu_s']} CPU s")
+
+
 def _row(result: dict) -> Row:
     return Row(**{k: result[k] for k in Row.__dataclass_fields__ if k in result})
 
@@ -182,6 +229,7 @@ def summary(results: list[dict]) -> str:
     """How many rows fit, and the range and median of predicted / measured throughput by machine."""
     fit = [r for r in results if r.get("fits")]
     lines = [f"{len(fit)} of {len(results)} rows fit where they ran."]
+    lines += [free_line(r) for r in results if "free" in r]
     for machine in sorted({r["machine"] for r in results}):
         ratios = sorted(r["ratio"] for r in fit if r["machine"] == machine)
         if ratios:
@@ -197,6 +245,8 @@ def main(argv=None) -> int:
     parser.add_argument("--zero-free", action="store_true",
                         help="let the search choose the ZeRO stage of the rows that ran Megatron's distributed "
                              "optimizer, instead of pinning ZeRO-1")
+    parser.add_argument("--free", action="store_true",
+                        help="also optimize each row with nothing pinned, and print which of the two is faster")
     parser.add_argument("--markdown", default=None, metavar="JSON",
                         help="print the recorded results of JSON as a markdown table and its summary, and nothing else")
     args = parser.parse_args(argv)
@@ -212,6 +262,9 @@ def main(argv=None) -> int:
         if wanted is not None and row.name not in wanted:
             continue
         result = price(row, args.zero_free)
+        if args.free:
+            result["free"] = price_free(row)
+            print(free_line(result), flush=True)
         results.append(result)
         print(json.dumps(result), flush=True)
         if args.json:
