@@ -181,12 +181,13 @@ def optimize(args) -> None:
             print(json.dumps({"family": name, "import": "refused", "error": str(err)}), flush=True)
             continue
         start = time.process_time()
-        options = dict(machine="cpu", devices=args.devices, microbatches=1, baselines=False, limits=args.limit,
+        options = dict(machine="cpu", devices=args.devices, microbatches=1, baselines=args.pin == "experts",
+                       limits=args.limit,
                        rules=PARALLEL_RULES if args.rules == "parallel" else None, progress=progress(start))
         row = {"family": name, "devices": args.devices, "nodes": len(graph.nodes), "pinned": None}
         try:
             plan = parsat.optimize(graph, **options)
-            if parallelism(plan)["largest_shard"] < 2:
+            if parallelism(plan)["largest_shard"] < 2 and args.pin is None:
                 row["pinned"] = f"dp={args.devices}"
                 plan = parsat.optimize(graph, degrees={"dp": args.devices}, **options)
         except (OptimizeError, GraphError) as err:
@@ -198,9 +199,31 @@ def optimize(args) -> None:
                                                                                   "grad_sync_elements": None}})
             print(json.dumps(row), flush=True)
             continue
+        if args.pin == "experts":   # the free search's choice recorded, the expert-parallel plan saved and trained
+            row.update(pinned="experts", free=parallelism(plan), free_chosen=(plan.extraction or {}).get("chosen"),
+                       free_time_ms=plan.totals.time_s * 1e3,
+                       baselines_ms={k: v.time_s * 1e3 for k, v in plan.baselines.items() if v is not None})
+            data = expert_parallel_plan(graph, plan)
+            (out / f"{name}-{args.devices}.json").write_text(json.dumps(data), encoding="utf-8")
+            print(json.dumps({**row, "optimize_cpu_s": round(time.process_time() - start, 2),
+                              **hf_models.split_summary(data)}), flush=True)
+            continue
         plan.save(out / f"{name}-{args.devices}.json")
         print(json.dumps({**row, "optimize_cpu_s": round(time.process_time() - start, 2), **parallelism(plan)}),
               flush=True)
+
+
+def expert_parallel_plan(graph, plan) -> dict:
+    """The search's `expert_parallel` baseline (`ir.expert_parallel`: the experts' weights split over the mesh
+    axis, the rows all-to-all'd to their expert's rank and back; priced by the same cost model) as the plan file
+    `parallelize` trains, with its simulated step and predicted communication as the totals."""
+    import mesh_plans
+
+    figures = plan.baselines["expert_parallel"]
+    data = mesh_plans.plan_dict(graph, plan.baseline_plans["expert_parallel"].pcg, figures.comm_elements,
+                                figures.grad_sync_elements)
+    data["totals"]["time_s"] = figures.time_s
+    return data
 
 
 def textbook_data_parallel(graph, devices: int) -> dict | None:
@@ -275,7 +298,15 @@ def plan_cell(row: dict | None) -> str:
         return f"no: {row['error'].splitlines()[0]}"
     split = sum(n for how, n in row["matrices"].items() if how.startswith("partition"))
     weights = sum(row["matrices"].values())
-    if row["pinned"]:
+    if row["pinned"] == "experts":
+        free = row["free"]
+        others = ", ".join(f"{k} {v:.2f} ms" for k, v in sorted(row["baselines_ms"].items()))
+        how = (f"expert parallel, pinned (the search's `expert_parallel` baseline, predicted "
+               f"{row['baselines_ms'].get('expert_parallel', float('nan')):.2f} ms); the cost model's own choice: "
+               f"{row['free_chosen']}, predicted {row['free_time_ms']:.2f} ms, collectives "
+               f"{', '.join(f'{n} {op}' for op, n in sorted(free['collectives'].items())) or 'none'} "
+               f"(baselines: {others})")
+    elif row["pinned"]:
         how = f"data parallel, pinned {row['pinned']} (the cost model alone splits nothing)"
     else:
         how = "the cost model's choice" + (", tensor parallel (no gradient sync)" if not row["grad_sync_elements"]
@@ -348,6 +379,8 @@ def main() -> None:
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--devices", type=int, default=2, help="optimize: the number of CPU devices planned for")
+    parser.add_argument("--pin", choices=("experts",), default=None,
+                        help="optimize: save the search's expert-parallel baseline as the plan (a mixture of experts)")
     parser.add_argument("--rules", choices=("all", "parallel"), default="all",
                         help="the shipped library, or its parallel rules only (no algebraic rewrites)")
     parser.add_argument("--limit", type=lambda kv: kv.split("="), action="append", default=[],

@@ -264,7 +264,7 @@ def split_summary(plan: dict) -> dict:
         counts[how] = counts.get(how, 0) + 1
     collectives: dict[str, int] = {}
     for n in nodes.values():
-        if n["kind"] == "parallel" and n["op"] in ("reduce", "combine"):
+        if n["kind"] == "parallel" and n["op"] in ("reduce", "combine", "all_to_all"):
             collectives[n["op"]] = collectives.get(n["op"], 0) + 1
     sharded_ops = sorted({n["op"] for n in nodes.values() if n["kind"] == "op" and n["spread"]["shard"]
                           and max(n["spread"]["shard"]) > 1})

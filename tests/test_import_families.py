@@ -23,6 +23,7 @@ from torch.nn import functional as F  # noqa: E402
 
 from parsat.importer.errors import TorchImportError  # noqa: E402
 from parsat.importer.export import import_module  # noqa: E402
+from parsat.ir.expert_parallel import expert_matmuls  # noqa: E402
 
 RULES = Path(__file__).resolve().parent.parent / "rules"
 
@@ -218,13 +219,18 @@ def experts():
     return Experts(), (torch.randn(4, 3, 8),)
 
 
-def test_top_k_routing_imports_exactly_as_a_one_hot_that_picks_expert_weights():
+def test_top_k_routing_imports_exactly_as_experts_dispatched_over_an_experts_dim():
     """The import's float64 self-check compares the loss and every gradient (the router's included, which flows
-    through the picked values only) with the module's; the routing is `topk_onehot`, the picks `embedding`s."""
+    through the picked values only) with the module's; the routing is `topk_onehot`, and each `bmm` by picked
+    expert weights the dispatch form (`aten_routing.expert_matmul`): rows spread over the experts and masked by the
+    one-hot, one bmm over the experts dim by the weights as stored, the experts' rows summed. No pick is left."""
     module, inputs = experts()
     graph = import_module(module, inputs).graph
     ops = [n.op for n in graph.nodes]
-    assert ops.count("topk_onehot") == 1 and ops.count("embedding") == 2 and "broadcast" in ops
+    assert ops.count("topk_onehot") == 1 and ops.count("embedding") == 0
+    assert expert_matmuls(graph, 2) == {"bmm_experts": "up", "bmm_1_experts": "down"}
+    shapes = {n.name: n.shape for n in graph.nodes}
+    assert shapes["bmm_experts"] == (4, 24, 6) and shapes["bmm_1_experts"] == (4, 24, 8)   # [experts, rows, n]
 
 
 class RoutedIndicesAsValues(nn.Module):
@@ -440,3 +446,29 @@ def test_the_optimizer_splits_the_batch_through_the_new_convolutions():
     rules = [str(RULES / "parallel.rule"), str(RULES / "parallel_layers.rule")]
     plan = parsat.optimize(graph, "cpu", rules=rules, devices=2, degrees={"dp": 2}, baselines=False)
     assert {"conv2d_grouped", "conv1d"} <= sharded_ops(plan.to_dict())
+
+
+def test_imported_experts_train_expert_parallel_on_two_gloo_ranks_as_one_process():
+    """The imported experts (dispatch form) laid out expert-parallel (`ir.expert_parallel`: each expert's weights on
+    one rank, the rows all-to-all'd to it and back around each bmm), trained 3 steps on 2 gloo ranks in float64
+    against one process of the imported graph, which the import's self-check holds equal to the module."""
+    from parsat.backend.executor import TrainConfig, operator_library, run_plan
+    from parsat.ir.expert_parallel import expert_parallel_pcg
+    from parsat.ir.machine import Machine
+    from parsat.search.solve import price_pcg
+
+    module, inputs = experts()
+    graph = import_module(module, inputs).graph
+    pcg = expert_parallel_pcg(graph, operator_library(), 2)
+    assert pcg is not None
+    weights = {n.id: n.op for n in pcg.nodes if n.kind == "leaf" and n.role == "weight"}
+    stored = {weights[n.inputs[0]]: (n.op, dict(n.attrs).get("dim")) for n in pcg.nodes
+              if n.kind == "parallel" and n.inputs[0] in weights}
+    assert stored["up"] == stored["down"] == ("partition", 0)                  # split on the experts dim
+    moves = sorted((dict(n.attrs)["dim"], dict(n.attrs)["to_dim"]) for n in pcg.nodes if n.op == "all_to_all")
+    assert moves == [(0, 1), (0, 1), (1, 0), (1, 0)]                           # each bmm's dispatch and combine
+    result = run_plan(pcg, 2, TrainConfig(steps=3, optimizer="adam", lr=0.05, check=True, tolerance=1e-4),
+                      graph=graph, backend="gloo")
+    assert result.check == "passed", result
+    costs = price_pcg(pcg, operator_library(), Machine.preset("cpu").with_devices(2), True, graph.microbatches)
+    assert result.comm_elements_measured == sum(c.comm_elements for c in costs.values())   # what ran, predicted

@@ -124,7 +124,7 @@ def compute_cost(instance: OpInstance, inputs: Sequence[Degrees], output: Degree
 def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, output: Degrees, machine: Machine,
                   source_role: str, devices: int | None = None,
                   group: GroupTopology | None = None, stores: bool = True, zero: int = 0,
-                  microbatches: int = 1) -> NodeCost:
+                  microbatches: int = 1, gradient: bool = True) -> NodeCost:
     """A parallel operator on one mesh axis of `degree` devices. `source_role` (`ir.pcg`'s roles) says what it
     reads:
 
@@ -165,6 +165,11 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
     A tensor with fewer pieces than `devices` is held redundantly (SPMD): each
     of the `devices / pieces` replica sets runs the collective, so the elements
     sent are multiplied accordingly (time is not: the sets run in parallel).
+
+    `gradient` False: no gradient reaches the source (made from the data, or
+    through a routing one-hot, `cost.pcg_tasks.needs_gradient`), so autograd
+    runs none of the operator's backward collectives (a mixture of experts'
+    dispatch all-to-all sends nothing back).
     """
     p = degree
     shape = tuple(shape)
@@ -177,6 +182,8 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
     sharding = zero if shards_state(op, source_role, zero) else 0
     held = _parallel_memory(op, source_role, stores, move, machine, sharding)
     runs = _sharded_sync_runs(move, sharding, microbatches) if sharding else _collective_runs(op, source_role, move)
+    if not gradient:   # no gradient reaches the source (`cost.pcg_tasks.needs_gradient`): nothing runs backward
+        runs = tuple(run for run in runs if run.phase != "bwd")
     comm = _price_runs(machine, group, p, runs, _replica_sets(devices, source, output))
     return NodeCost(optimizer_s=held.optimizer_s, comm_s=comm.seconds, comm_elements=comm.elements,
                     grad_sync_elements=comm.grad_sync_elements, memory_bytes=held.memory_bytes,

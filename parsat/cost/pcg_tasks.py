@@ -59,6 +59,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
 from parsat.dsl.library import Library
+from parsat.dsl.gradient import gradient_free
 from parsat.dsl import parallel_ops
 from parsat.dsl.parallel_ops import COMBINE, PARTITION, REDUCE, REPLICATE
 from parsat.ir.graph import instance_for
@@ -244,11 +245,19 @@ def _full(node: PNode) -> int:
     return n
 
 
-def needs_gradient(pcg: PCG) -> dict[int, bool]:
-    """Node id -> whether backward computes a gradient for it: a weight, or a value computed from one."""
+def needs_gradient(pcg: PCG, library: Library | None = None) -> dict[int, bool]:
+    """Node id -> whether backward computes a gradient for it: a weight, or a value computed from one through an
+    operand that passes a gradient (with `library`: not one its operator's semantics reads only through `step` or
+    a comparison, `dsl.gradient.gradient_free`, such as the input of a mixture's routing one-hot)."""
     out: dict[int, bool] = {}
     for node in pcg.nodes:
-        out[node.id] = node.role == "weight" if node.kind == "leaf" else any(out[i] for i in node.inputs)
+        if node.kind == "leaf":
+            out[node.id] = node.role == "weight"
+            continue
+        op = library.ops.get(node.op) if library is not None and node.kind == "op" else None
+        free = gradient_free(op) if op is not None else frozenset()
+        names = [p.name for p in op.tensor_params] if op is not None else []
+        out[node.id] = any(out[i] for k, i in enumerate(node.inputs) if k >= len(names) or names[k] not in free)
     return out
 
 
@@ -306,7 +315,7 @@ class _Builder:
         self.compute = self.steps.stream(DEVICE, COMPUTE)
         self.by_id = {n.id: n for n in pcg.nodes}
         self.users = readers(pcg)
-        self.needs_grad = needs_gradient(pcg)
+        self.needs_grad = needs_gradient(pcg, times.library)
         self.folded: set[int] = set()
         self.stored = self._stored_weights()
         self.params = weight_chains(pcg)

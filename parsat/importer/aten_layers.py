@@ -18,6 +18,7 @@ graph tensor (or list of tensors) of the node, or raises `Refused`.
 from __future__ import annotations
 
 from parsat.importer.errors import Refused, aten_short
+from parsat.importer.aten_routing import expert_matmul
 
 
 def _h_linear(t, node, x, w, b=None):
@@ -43,6 +44,9 @@ def _h_addmm(t, node, bias, x, w, beta=1, alpha=1):
 def _h_matmul(t, node, x, y):
     """A product by shapes; `x @ w.t()` or `x @ w.T` of a matrix `w` is `F.linear` on `w` as it is stored."""
     a, b = t.tensor(x), t.tensor(y)
+    experts = expert_matmul(t, a, b)
+    if experts is not None:   # rows by their top-k's picked expert weights: the experts' dispatch form
+        return experts
     sa, sb = t.shape(a), t.shape(b)
     source = t.untransposed_of(b) if len(sb) == 2 else None
     if source is not None:

@@ -12,6 +12,25 @@ reshapes follow (`reshaped`) and which picks rows of a tensor (`x[idx]`:
 Hugging Face's `batched_mm` experts read each token's expert weights); any
 other use of them is refused. `repeat_interleave` (each token once per
 chosen expert) is a `broadcast` and a `flatten`.
+
+Experts: a batched matmul of each (token, choice) row by its picked
+expert's weights (`bmm(w[ids], x.unsqueeze(-1))`, Hugging Face's
+`batched_mm`, or `bmm(x.unsqueeze(1), w[ids])` for transposed weights) is
+imported as the dispatch form the expert rules match (`expert_matmul`):
+the rows spread over an experts dim and zeroed where the row did not pick
+the expert (`broadcast`, `mul_bcast_dim` by the one-hot), one `bmm` over
+the experts dim by the weights as stored ([experts, k, n]), and the
+experts' rows summed (`reduce_sum` over the experts dim: only the picked
+expert's row is non-zero). That is the same value: out[s] =
+sum_e onehot[s, e] * (x[s] @ w[e]) = x[s] @ w[ids[s]], with the gradients
+of x and w the same sums. Dropless: every row reaches its expert. It
+multiplies every row by every expert (experts times the FLOPs of the
+pick), the price of static shapes that the built-in `moe` pays too, and
+it is what lets `rules/parallel.rule`'s `bmm_expert_parallel` and
+`ir.expert_parallel` store the experts split over a mesh axis and move the
+rows by all-to-all. Each such bmm is dispatched and combined on its own:
+between two of them (Mixtral's up and down projections) the activation
+runs on the combined rows, so no all-to-all pair cancels there.
 """
 
 from __future__ import annotations
@@ -42,6 +61,34 @@ def reshaped(t, indices: RoutedIndices, shape) -> RoutedIndices:
     """The indices viewed as `shape` (-1 allowed): their one-hot reshaped with its classes dim kept last."""
     dims = [int(d) for d in shape]
     return RoutedIndices(t.reshape(indices.onehot, tuple(dims) + (indices.classes,)), indices.classes)
+
+
+def note_picked_rows(t, rows, indices: RoutedIndices, table) -> None:
+    """Remember that `rows` is `table[indices]` (a 1-D top-k's indices into dim 0 of a rank-3 table) for
+    `expert_matmul`; the pick itself stays in the graph for any other reader (pruned where there is none)."""
+    if len(t.shape(indices.onehot)) == 2 and len(t.shape(table)) == 3:
+        t.picked_rows[rows.name] = (indices.onehot, table)
+
+
+def expert_matmul(t, a, b):
+    """The dispatch form (module docstring) of `bmm(a, b)` where one operand is a table's rows picked by a top-k's
+    indices, [s, n, k] by x [s, k, 1] or x [s, 1, k] by [s, k, n]; None for any other bmm."""
+    sa, sb = t.shape(a), t.shape(b)
+    if a.name in t.picked_rows and len(sb) == 3 and sb[2] == 1 and sb[:2] == (sa[0], sa[2]):
+        onehot, table = t.picked_rows[a.name]
+        weights, rows, out_shape = t.transpose(table, 1, 2), b, (sa[0], sa[1], 1)
+    elif b.name in t.picked_rows and len(sa) == 3 and sa[1] == 1 and (sa[0], sa[2]) == sb[:2]:
+        onehot, table = t.picked_rows[b.name]
+        weights, rows, out_shape = table, a, (sb[0], 1, sb[2])
+    else:
+        return None
+    experts = t.shape(table)[0]
+    tokens = t.reshape(rows, (t.shape(rows)[0], -1))
+    spread = t.op("broadcast", tokens, dim=0, n=experts, tag="to_experts")
+    chosen = t.transpose(onehot, 0, 1)
+    dispatched = t.op("mul_bcast_dim", spread, chosen, dim=2, tag="dispatch")
+    ran = t.op("bmm", dispatched, weights, tag="experts")
+    return t.reshape(t.op("reduce_sum", ran, dim=0, tag="combine"), out_shape)
 
 
 def _h_topk(t, node, x, k, dim=-1, largest=True, sorted=True):

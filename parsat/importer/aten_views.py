@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 from parsat.importer.errors import Refused
-from parsat.importer.aten_routing import reshaped, routed
+from parsat.importer.aten_routing import note_picked_rows, reshaped, routed
 from parsat.importer.shape_ops import Empty
 
 
@@ -208,8 +208,11 @@ def _h_index(t, node, x, indices):
         index_shape = t.shape(chosen.onehot)[:-1]
         if len(index_shape) > 1 and d != 0:
             raise Refused("indexing with computed indices of rank 2 and up is supported into dim 0")
-        out = gather_rows(t, chosen.onehot, a, d, index_shape)
-        return t.reshape(out, t.shape(a)[:d] + index_shape + t.shape(a)[d + 1:])
+        out = t.reshape(gather_rows(t, chosen.onehot, a, d, index_shape),
+                        t.shape(a)[:d] + index_shape + t.shape(a)[d + 1:])
+        if d == 0:
+            note_picked_rows(t, out, chosen, a)
+        return out
     constant = isinstance(idx, t.torch.fx.Node) and not t.is_compute(idx) and idx.name not in t.varying
     value = t.constant_value(idx) if constant else None   # on meta tensors made again on the CPU
     if not isinstance(value, t.torch.Tensor) or value.dtype == t.torch.bool or value.is_floating_point() \

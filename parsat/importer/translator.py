@@ -84,6 +84,7 @@ class Translator(ShapeOps):
         self.weights: dict[str, Tensor] = {}
         self.transposed: dict[str, Tensor] = {}
         self.untransposed: dict[str, Tensor] = {}   # a `weight_t` transpose's name -> the matrix it transposes
+        self.picked_rows: dict[str, tuple] = {}     # rows picked by a top-k -> (its one-hot, the table) (aten_routing)
         self.data: dict[tuple, DataLeaf] = {}
         self.leaf_nodes: dict = {}       # data leaf name -> (its data node, its DataLeaf) (`data_leaf`)
         self.shared_reshapes: dict = {}  # (data leaf, shape) -> the leaf reshaped so, made once (`ShapeOps.reshape`)

@@ -35,22 +35,34 @@ EXPERTS_DIM = 0   # the experts dim of an experts' batched matmul's operands (bm
 
 
 def expert_weights(graph: Graph, devices: int) -> frozenset[str]:
-    """The weights an experts' batched matmul reads as its second operand: rank 3, [experts, k, n], the experts
-    dim the same as the first operand's and split evenly by `devices`, and read by nothing else."""
-    weights = {leaf.name: leaf for leaf in graph.leaves if leaf.role == "weight"}
+    """The weights an experts' batched matmul reads as its second operand (`expert_matmuls`)."""
+    return frozenset(expert_matmuls(graph, devices).values())
+
+
+def expert_matmuls(graph: Graph, devices: int) -> dict[str, str]:
+    """Each experts' batched matmul -> the weight it reads as its second operand: rank 3, [experts, k, n], the
+    experts dim the same as the first operand's and split evenly by `devices`, read by nothing else; read as it
+    is (the built-in `moe`) or through a transpose of its last two dims (an imported [experts, n, k] weight as
+    torch's `F.linear` stores it, `importer.aten_routing.expert_matmul`), that transpose read by nothing else."""
+    weights = {leaf.name for leaf in graph.leaves if leaf.role == "weight"}
     readers: dict[str, int] = {}
     for node in graph.nodes:
         for name in node.inputs:
             readers[name] = readers.get(name, 0) + 1
+    nodes = {n.name: n for n in graph.nodes}
     shapes = {**{leaf.name: leaf.shape for leaf in graph.leaves}, **{n.name: n.shape for n in graph.nodes}}
-    found = set()
+    found = {}
     for node in graph.nodes:
-        if node.op != "bmm" or node.inputs[1] not in weights:
+        if node.op != "bmm" or readers.get(node.inputs[1]) != 1:
             continue
+        source = node.inputs[1]
+        turned = nodes.get(source)
+        if turned is not None and turned.op == "transpose" and dict(turned.attrs) == {"d0": 1, "d1": 2}:
+            source = turned.inputs[0] if readers.get(turned.inputs[0]) == 1 else None
         x, w = shapes[node.inputs[0]], shapes[node.inputs[1]]
-        if len(x) == 3 and len(w) == 3 and x[0] == w[0] and w[0] % devices == 0 and readers[node.inputs[1]] == 1:
-            found.add(node.inputs[1])
-    return frozenset(found)
+        if source in weights and len(x) == 3 and len(w) == 3 and x[0] == w[0] and w[0] % devices == 0:
+            found[node.name] = source
+    return found
 
 
 def expert_parallel_pcg(graph: Graph, library: Library, devices: int, devices_per_node: int = 1) -> PCG | None:
@@ -80,7 +92,8 @@ class _ExpertParallelBuilder(_DataParallelBuilder):
 
     def __init__(self, graph: Graph, devices: int, mesh, library: Library):
         super().__init__(graph, devices, mesh, library)
-        self.experts = expert_weights(graph, devices)
+        self.matmuls = expert_matmuls(graph, devices)
+        self.experts = frozenset(self.matmuls.values())
         self.home: dict[int, int] = {}       # node split on the experts dim -> the dim its tokens were split on
         self.sent: dict[int, int] = {}       # such a node -> its all-to-all back (made once)
 
@@ -103,7 +116,7 @@ class _ExpertParallelBuilder(_DataParallelBuilder):
     def place_operator(self, gnode: OpNode, op, cache: dict) -> str | None:
         """An experts' matmul gets its token operand dispatched first (all-to-all onto the experts dim); every
         operator's output stays split on the experts dim where an input was (its tokens' dim remembered)."""
-        if gnode.op == "bmm" and gnode.inputs[1] in self.experts:
+        if gnode.name in self.matmuls:
             self.dispatch(gnode.inputs[0])
         refused = super().place_operator(gnode, op, cache)
         if refused is None and gnode.name in self.ident:
@@ -137,6 +150,11 @@ class _ExpertParallelBuilder(_DataParallelBuilder):
 
     def repairs(self, gnode: OpNode) -> tuple:
         """Data parallelism's repairs, with the combine first after none (`sent_home`), then with each of the
-        others."""
+        others. A sum over the experts dim (an imported mixture's combine, `reduce_sum(.., 0)` of the experts'
+        rows) is not tried as it is: on expert-split rows it would be a partial sum, all-reduced over the tokens
+        of every rank, where expert parallelism sends the rows back to their tokens' rank first."""
         base = super().repairs(gnode)
-        return (base[0], self.sent_home, *(lambda ins, r=r: r(self.sent_home(ins)) for r in base[1:]))
+        combined = (self.sent_home, *(lambda ins, r=r: r(self.sent_home(ins)) for r in base[1:]))
+        if gnode.op == "reduce_sum" and dict(gnode.attrs).get("dim") == EXPERTS_DIM:
+            return combined
+        return (base[0], *combined)

@@ -146,13 +146,13 @@ class Pricer:
         self.cache: dict = {}
 
     def price(self, op: str, attrs: tuple, shape, degrees: Degrees, child_shapes, child_degrees, roles,
-              axis: int | None = None, stores: bool = True) -> NodeCost | None:
+              axis: int | None = None, stores: bool = True, gradient: bool = True) -> NodeCost | None:
         devices = self.mesh.world
         if op == "leaf":
             pinned = self.input_pins.get(attrs[0]) if attrs else None
             return gather_cost(self.machine, pinned, shape, devices).per_step(self.microbatches) if pinned else NodeCost()
         key = (op, tuple(attrs), tuple(shape), degrees, tuple(child_shapes), tuple(child_degrees), tuple(roles), axis,
-               stores)
+               stores, gradient)
         if key not in self.cache:
             if op in PARALLEL_OPS:
                 role = roles[0]
@@ -160,7 +160,7 @@ class Pricer:
                     role = "broadcast-input"
                 self.cache[key] = _parallel(op, GroupTopology.of_axis(self.mesh, axis),
                                             shape, child_degrees[0], degrees, self.machine, role, devices, stores,
-                                            self.zero, self.microbatches)
+                                            self.zero, self.microbatches, gradient)
             else:
                 self.cache[key] = _compute(self.library, op, attrs, child_shapes, child_degrees, degrees, self.machine,
                                            tuple(r == WEIGHT for r in roles))
@@ -171,14 +171,15 @@ class Pricer:
 
 def _parallel(op: str, group: GroupTopology, shape, source: Degrees, out: Degrees,
               machine: Machine, role: str, devices: int, stores: bool = True, zero: int = 0,
-              microbatches: int = 1) -> NodeCost:
+              microbatches: int = 1, gradient: bool = True) -> NodeCost:
     degree = group.size
     if role == "broadcast-input":  # a whole input sent to the copies: (p-1) n elements
         n = source.piece_elements(shape)
         return NodeCost(comm_s=price(BROADCAST, group, n * machine.dtype_bytes, machine).seconds,
                         comm_elements=(degree - 1) * n * source.pieces * max(1, devices // out.pieces),
                         collectives=(f"fwd broadcast ({degree} devices, {n} elements)",))
-    return parallel_cost(op, degree, shape, source, out, machine, role, devices, group, stores, zero, microbatches)
+    return parallel_cost(op, degree, shape, source, out, machine, role, devices, group, stores, zero, microbatches,
+                         gradient)
 
 
 def _compute(library: Library, op_name: str, values: tuple, shapes, input_degrees, out: Degrees, machine: Machine,

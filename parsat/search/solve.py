@@ -15,6 +15,7 @@ from parsat.dsl import ast
 from parsat.dsl.library import Library
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.cost.model import shards_state
+from parsat.cost.pcg_tasks import needs_gradient
 from parsat.ir.costs import NodeCost
 from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
@@ -100,6 +101,7 @@ def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_placement
     pricer = Pricer(library, machine, pcg.mesh, free_input_placements, pins, microbatches=microbatches, zero=pcg.zero)
     by_id = {n.id: n for n in pcg.nodes}
     roles = pcg_roles(pcg)
+    flows = needs_gradient(pcg, library)   # a parallel operator whose source takes no gradient runs no backward
     out: dict[int, NodeCost] = {}
     for node in pcg.nodes:
         if only is not None and not only(node):
@@ -111,7 +113,8 @@ def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_placement
         op = node.op if node.kind != "leaf" else "leaf"
         cost = pricer.price(op, attrs, node.shape, node.degrees, tuple(c.shape for c in children),
                             tuple(c.degrees for c in children), tuple(roles.get(c.id, "") for c in children), axis,
-                            stores=roles.get(node.id) != WEIGHT_VALUE)
+                            stores=roles.get(node.id) != WEIGHT_VALUE,
+                            gradient=node.kind != "parallel" or flows[node.inputs[0]])
         if cost is None:
             return None
         out[node.id] = cost
