@@ -23,7 +23,10 @@ from parsat.backend.torch_native.lowering import LoweringError, lower  # noqa: E
 from parsat.dsl.library import load_library  # noqa: E402
 from parsat.dsl.parallel_ops import ALL_TO_ALL, PARALLEL_OPS, expand_fused  # noqa: E402
 from parsat.dsl.parser import parse  # noqa: E402
+from parsat.ir.data_parallel import data_parallel_pcg  # noqa: E402
 from parsat.ir.expert_parallel import expert_parallel_pcg, expert_parallel_refusal, expert_weights  # noqa: E402
+from parsat.ir.parallelism import DATA, EXPERT, axis_uses  # noqa: E402
+from parsat.report.explain import explain_plan  # noqa: E402
 from parsat.ir.machine import Machine  # noqa: E402
 from parsat.ir.models import build_example  # noqa: E402
 from parsat.ir.placement import Placement, PlacementError, apply_parallel, shard  # noqa: E402
@@ -81,6 +84,13 @@ def test_the_expert_parallel_layout_stores_each_expert_on_one_rank_and_moves_tok
     assert [(m["dim"], m["to_dim"]) for m in moves] == [(1, 0), (0, 1)]   # dispatch, then combine
     experts = [n for n in pcg.nodes if n.op in ("bmm", "relu")]
     assert all(n.placement.codes == (shard(0),) for n in experts)         # each rank runs its own experts
+
+
+def test_the_experts_axis_is_named_expert_parallel_and_a_data_parallel_one_is_not():
+    graph = _moe()
+    uses = axis_uses(expert_parallel_pcg(graph, LIBRARY, 2))
+    assert [u.kinds for u in uses] == [frozenset({DATA, EXPERT})] and uses[0].label().startswith("DP+EP 2")
+    assert [u.kinds for u in axis_uses(data_parallel_pcg(graph, LIBRARY, 2))] == [frozenset({DATA})]
 
 
 def test_a_graph_without_experts_is_refused_with_the_reason():
@@ -172,3 +182,5 @@ def test_on_h100s_the_search_splits_many_experts_over_the_devices_and_its_e_grap
     assert any(n.op == ALL_TO_ALL and dict(n.attrs)["dim"] == 1 and dict(n.attrs)["to_dim"] == 0
                for n in sequential.nodes)
     assert plan.baselines["expert_parallel"].time_s < plan.baselines["data_parallel"].time_s
+    mesh_line = next(line for line in explain_plan(plan).splitlines() if line.startswith("  mesh "))
+    assert "EP 8" in mesh_line and "TP" not in mesh_line, mesh_line        # experts split, no expert's matrix

@@ -9,7 +9,12 @@ follows from what those operators do to which values:
 * sequence parallelism: activations cut along the sequence (dim 1 of a
   rank-3 activation) or moved by a reduce-scatter / all-gather pair
   (Megatron-SP's norm and dropout regions);
-* ZeRO-3 / FSDP: weights stored in shards and all-gathered for use.
+* ZeRO-3 / FSDP: weights stored in shards and all-gathered for use;
+* expert parallelism: a mixture of experts' weights ([experts, k, n], read
+  by a `bmm` over the experts dim) split on their experts dim, each device
+  computing its own experts (the rows moved to them by an all-to-all, or
+  every row on every device); not tensor parallelism, which splits one
+  expert's matrices.
 
 `axis_uses` reads them off a PCG, `describe` says them the way people do
 ("DP 8 across nodes x TP 8 inside a node, sequence-parallel norms, ZeRO-3
@@ -28,7 +33,7 @@ from parsat.ir.placement import shard_dim
 
 WEIGHTY = WEIGHT_ROLES   # a weight, or a piece or value of one made by parallel operators
 
-DATA, TENSOR, SEQUENCE, ZERO3 = "data", "tensor", "sequence", "zero3"
+DATA, TENSOR, SEQUENCE, ZERO3, EXPERT = "data", "tensor", "sequence", "zero3", "expert"
 KINDS = {"dp": DATA, "tp": TENSOR, "sp": SEQUENCE, "pp": "pipeline"}   # what `--degrees` names them
 
 
@@ -44,6 +49,8 @@ class AxisUse:
     def label(self) -> str:
         main = "DP" if DATA in self.kinds else "TP" if TENSOR in self.kinds else "SP" if SEQUENCE in self.kinds \
             else "unused"
+        if EXPERT in self.kinds:
+            main = "EP" if main == "unused" else f"{main}+EP"
         return f"{main} {self.size} {self.where}"
 
 
@@ -51,6 +58,7 @@ def axis_uses(pcg: PCG) -> list[AxisUse]:
     """What each axis of the PCG's mesh is used for (module docstring)."""
     roles = pcg_roles(pcg)
     by_id = {n.id: n for n in pcg.nodes}
+    experts = _expert_splits(pcg)
     kinds: dict[int, set[str]] = {a: set() for a in range(len(pcg.mesh))}
     for node in pcg.nodes:
         if node.kind != "parallel":
@@ -64,7 +72,7 @@ def axis_uses(pcg: PCG) -> list[AxisUse]:
         elif node.op == ALL_GATHER and source in WEIGHTY:
             kinds[axis].add(ZERO3)
         elif node.op == PARTITION and source in WEIGHTY:
-            kinds[axis].add(TENSOR)
+            kinds[axis].add(EXPERT if node.id in experts else TENSOR)
         elif node.op in (REDUCE_SCATTER, ALL_GATHER) or (node.op == PARTITION and rank == 3 and dim == 1
                                                           and by_id[node.inputs[0]].kind != "leaf"):
             kinds[axis].add(SEQUENCE)
@@ -73,6 +81,29 @@ def axis_uses(pcg: PCG) -> list[AxisUse]:
         if ZERO3 in found and not _computes_on_weight_pieces(pcg, by_id, roles, axis):
             found.discard(TENSOR)
     return [AxisUse(a.name, a.size, pcg.mesh.describe_axis(i), frozenset(kinds[i])) for i, a in enumerate(pcg.mesh)]
+
+
+def _expert_splits(pcg: PCG) -> set[int]:
+    """The partitions of dim 0 of a weight that a `bmm` reads as its second operand (directly, or through
+    transposes that keep dim 0 in place) with dim 0 its batch dim: a mixture's experts split over the axis."""
+    by_id = {n.id: n for n in pcg.nodes}
+    readers: dict[int, list] = {}
+    for node in pcg.nodes:
+        for i in node.inputs:
+            readers.setdefault(i, []).append(node)
+
+    def feeds_bmm(ref: int) -> bool:
+        for user in readers.get(ref, []):
+            if user.kind == "op" and user.op == "bmm" and user.inputs[1] == ref and len(user.shape) == 3:
+                return True
+            if user.kind == "op" and user.op == "transpose" and 0 not in dict(user.attrs).values() \
+                    and feeds_bmm(user.id):
+                return True
+        return False
+
+    return {n.id for n in pcg.nodes if n.kind == "parallel" and n.op == PARTITION and dict(n.attrs).get("dim") == 0
+            and by_id[n.inputs[0]].kind == "leaf" and by_id[n.inputs[0]].role == "weight"
+            and feeds_bmm(n.id)}
 
 
 def _computes_on_weight_pieces(pcg: PCG, by_id: Mapping, roles: Mapping[int, str], axis: int) -> bool:
