@@ -408,7 +408,7 @@ def sharded_ops(plan: dict) -> set[str]:
 
 @pytest.mark.parametrize("factory, split", [("convolutions", {"conv2d_grouped", "conv1d", "pad", "bias_add"}),
                                             ("position_bias", {"softmax", "add_bcast"}), ("frozen", {"add_bcast"}),
-                                            ("experts", {"topk_onehot", "embedding", "bmm"})])
+                                            ("experts", {"topk_onehot", "broadcast", "bmm"})])
 def test_the_new_operators_train_data_parallel_on_two_ranks_like_the_module(factory, split, tmp_path, capsys):
     """Data parallelism (`data_parallel_pcg`) runs the new operators on batch-split tensors and holds the position
     bias's constant one-hot whole on each rank; trained 3 steps on 2 ranks, loss, gradients and weights equal the
@@ -448,14 +448,21 @@ def test_the_optimizer_splits_the_batch_through_the_new_convolutions():
     assert {"conv2d_grouped", "conv1d"} <= sharded_ops(plan.to_dict())
 
 
-def test_imported_experts_train_expert_parallel_on_two_gloo_ranks_as_one_process():
+def test_imported_experts_train_expert_parallel_on_two_gloo_ranks_like_the_module(tmp_path, capsys):
     """The imported experts (dispatch form) laid out expert-parallel (`ir.expert_parallel`: each expert's weights on
-    one rank, the rows all-to-all'd to it and back around each bmm), trained 3 steps on 2 gloo ranks in float64
-    against one process of the imported graph, which the import's self-check holds equal to the module."""
-    from parsat.backend.executor import TrainConfig, operator_library, run_plan
+    one rank, the rows all-to-all'd to it and back around each bmm), trained 3 steps on 2 gloo ranks against the
+    unmodified module (`parsat run --check --model`, float64); the elements sent equal the cost model's count."""
+    import json
+    import sys
+
+    from parsat.backend.executor import operator_library
+    from parsat.cli import main
     from parsat.ir.expert_parallel import expert_parallel_pcg
     from parsat.ir.machine import Machine
     from parsat.search.solve import price_pcg
+
+    sys.path.insert(0, str(RULES.parent / "benchmarks"))
+    import mesh_plans
 
     module, inputs = experts()
     graph = import_module(module, inputs).graph
@@ -467,8 +474,12 @@ def test_imported_experts_train_expert_parallel_on_two_gloo_ranks_as_one_process
     assert stored["up"] == stored["down"] == ("partition", 0)                  # split on the experts dim
     moves = sorted((dict(n.attrs)["dim"], dict(n.attrs)["to_dim"]) for n in pcg.nodes if n.op == "all_to_all")
     assert moves == [(0, 1), (0, 1), (1, 0), (1, 0)]                           # each bmm's dispatch and combine
-    result = run_plan(pcg, 2, TrainConfig(steps=3, optimizer="adam", lr=0.05, check=True, tolerance=1e-4),
-                      graph=graph, backend="gloo")
-    assert result.check == "passed", result
     costs = price_pcg(pcg, operator_library(), Machine.preset("cpu").with_devices(2), True, graph.microbatches)
-    assert result.comm_elements_measured == sum(c.comm_elements for c in costs.values())   # what ran, predicted
+    predicted = sum(c.comm_elements for c in costs.values())
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(mesh_plans.plan_dict(graph, pcg, predicted)), encoding="utf-8")
+    capsys.readouterr()
+    code = main(["run", str(path), "--nproc", "2", "--check", "--model", f"{Path(__file__).resolve()}:experts"])
+    out = capsys.readouterr().out
+    assert code == 0 and "check                passed" in out, out
+    assert f"measured {predicted:,} elements, predicted {predicted:,}" in out, out   # what ran, predicted
