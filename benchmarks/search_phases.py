@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import resource
+import signal
 import sys
 import time
 from typing import Callable
@@ -27,8 +28,10 @@ import parsat
 import parsat.api as api
 import parsat.egraph.saturate as saturate
 import parsat.egraph.session as session
+import parsat.cost.pipeline as pipeline
 import parsat.search.baselines as baselines
 import parsat.search.mesh as mesh
+import parsat.search.optimize as optimize
 import parsat.search.solve as solve
 import parsat.search.step as step
 
@@ -47,7 +50,11 @@ PHASES = [(saturate, "compile_mesh_rules", "compile the rule program"),
           (step, "independent_points", "independent grid"),
           (mesh, "simulate_step", "simulate candidates' steps"),
           (step, "plan_rules", "rules_used of a step's plan"),
-          (api, "proved_rules", "proved rules (verdict cache)")]
+          (api, "proved_rules", "proved rules (verdict cache)"),
+          (optimize, "search_pipelines", "pipeline search (all of it)"),
+          (pipeline.StageFit, "peak_bytes", "stage candidates' memory (StageFit)"),
+          (pipeline.StagePricer, "pipelined", "cut and price a stage plan per schedule"),
+          (pipeline.StagePricer, "price", "price one cut (simulated schedule)")]
 
 
 def wrap(owner, name: str, label: str) -> None:
@@ -81,6 +88,15 @@ def wrap_saturations() -> None:
     saturate.run_generations = logged
 
 
+def report() -> None:
+    """The phases' CPU seconds so far."""
+    for label, seconds in CPU.most_common():
+        print(f"{label:42s} {seconds:7.2f} CPU s  {CALLS[label]:6d} calls")
+    for where, enodes, iterations, stop, seconds in SATURATIONS:
+        print(f"saturation: mesh {where:20s} {enodes:7,} e-nodes {iterations:3d} iterations {stop:10s} "
+              f"{seconds:6.2f} CPU s")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("case", help="NAME:DEVICES, as models_bench.py names it")
@@ -91,14 +107,13 @@ def main(argv: list[str]) -> int:
         if hasattr(owner, name):
             wrap(owner, name, label)
     name, devices = args.case.split(":")
+    # `kill -USR1 PID`: the phases so far, for a run too long to wait for on a loaded box
+    signal.signal(signal.SIGUSR1, lambda _s, _f: (print(f"--- at {time.process_time():.1f} CPU s"), report(),
+                                                  sys.stdout.flush()))
     start = time.process_time()
     plan = parsat.optimize(name, machine="h100x8", devices=int(devices))
     total = time.process_time() - start
-    for label, seconds in CPU.most_common():
-        print(f"{label:42s} {seconds:7.2f} CPU s  {CALLS[label]:6d} calls")
-    for where, enodes, iterations, stop, seconds in SATURATIONS:
-        print(f"saturation: mesh {where:20s} {enodes:7,} e-nodes {iterations:3d} iterations {stop:10s} "
-              f"{seconds:6.2f} CPU s")
+    report()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"total {total:.1f} CPU s (the optimize call), peak RSS {peak:.0f} MiB, "
           f"step {plan.totals.time_s * 1e3:.3f} ms (predicted by the cost model)")

@@ -36,7 +36,9 @@ pipelined plan and an unstaged one are compared on one cost model.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -210,39 +212,114 @@ def pipelined(plan: Plan, degree: int, schedule: str, machine: Machine, *, chunk
     return StagePricer(plan, machine).pipelined(degree, schedule, chunks_per_stage, starts)
 
 
+LAYER_MAPS_KEPT = 4   # layer maps a StageMemo keeps (the most recently used)
+
+
+class StageMemo:
+    """What pricing many stage plans of one pipeline search repeats, worked out once: the layer map of a PCG's
+    nodes (`ir.pipeline.LayerMap`) and the layouts of the cuts laid out on it. The stage search judges the
+    memory of every candidate by its cuts (`StageFit`), and a grid layout is judged with its state whole, then
+    with ZeRO-1, then recomputing blocks (`search.baselines`): three PCGs with the same nodes, so one layer map
+    and the same layouts. A layer map depends on the nodes and the outputs alone (not on the ZeRO stage or the
+    recomputation policy), and is keyed by their identity, each kept alive beside it so that no other tuple can
+    take its id. Only the last LAYER_MAPS_KEPT are kept: a stage plan's map is large, and the variants of one
+    layout are judged one after another."""
+
+    def __init__(self, kept: int = LAYER_MAPS_KEPT):
+        self.kept = kept
+        # (id(nodes), id(outputs)) -> (nodes, outputs, their layer map, its layouts by (starts, degree))
+        self._maps: OrderedDict[tuple[int, int], tuple] = OrderedDict()
+
+    def layer_map(self, pcg) -> LayerMap:
+        """The layer map of `pcg`'s nodes (the one made before for the same nodes and outputs, if kept)."""
+        return self._entry(pcg)[2]
+
+    def lay_out(self, layer_map: LayerMap, starts: Sequence[int], degree: int) -> StageLayout:
+        """`layer_map.lay_out(starts, degree)`, laid out once per cut while the map is kept."""
+        layouts = self._entry(layer_map.pcg, layer_map)[3]
+        key = (tuple(starts), degree)
+        found = layouts.get(key)
+        if found is None:
+            found = layouts[key] = layer_map.lay_out(starts, degree)
+        return found
+
+    def _entry(self, pcg, made: LayerMap | None = None) -> tuple:
+        key = (id(pcg.nodes), id(pcg.outputs))
+        found = self._maps.get(key)
+        if found is None or found[0] is not pcg.nodes or found[1] is not pcg.outputs:
+            found = (pcg.nodes, pcg.outputs, made if made is not None else LayerMap(pcg), {})
+            self._maps[key] = found
+            while len(self._maps) > self.kept:
+                self._maps.popitem(last=False)
+        self._maps.move_to_end(key)
+        return found
+
+
 REFINE_PRICINGS = 64   # simulated schedules spent improving one pipeline's cut (at most)
 
 
 class StagePricer:
     """Prices cuts of one stage plan on one machine: the per-node figures and the PCG's layer map are worked
-    out once, since the cut search prices many cuts of the same plan. `overlap_param_gather`: whether ZeRO-1/2's
-    gathers of updated shards run during the next step's forward (None: as the machine's execution profile
-    says, `pcg_tasks.profile_for`)."""
+    out once, since the cut search prices many cuts of the same plan, and so are each chunk's cost and each
+    stage's synchronisation (a cut moved by one layer changes two chunks). `overlap_param_gather`: whether
+    ZeRO-1/2's gathers of updated shards run during the next step's forward (None: as the machine's execution
+    profile says, `pcg_tasks.profile_for`). `memo`: the layer maps and layouts shared with the other pricers of
+    one search (`StageMemo`)."""
 
-    def __init__(self, plan: Plan, machine: Machine, overlap_param_gather: bool | None = None):
+    def __init__(self, plan: Plan, machine: Machine, overlap_param_gather: bool | None = None,
+                 memo: "StageMemo | None" = None):
         self.plan, self.machine = plan, machine
-        self.layer_map = LayerMap(plan.pcg)
+        self.memo = memo if memo is not None else StageMemo()
+        self.layer_map = self.memo.layer_map(plan.pcg)
         self.microbatches = plan.graph.microbatches
         self.shares = {ident: node_share(cost, self.microbatches) for ident, cost in plan.costs.items()}
-        # once per step, per node: a weight chain's collectives (the stage's sync) and the optimizer
-        self.chain_s = {ident: cost.comm_s for ident, cost in plan.costs.items() if cost.weight_chain}
-        # the part of it that reduces gradients as the last backward produces them (`NodeCost.grad_reduce_s`)
-        self.reduce_s = {ident: cost.grad_reduce_s for ident, cost in plan.costs.items() if cost.weight_chain}
-        self.reductions = weight_reductions(plan)   # the ones a stage runs in buckets (`cost.stage_sync`)
-        # ZeRO-1/2's gathers of updated shards, where they run during the next step's forward
-        if overlap_param_gather is None:
-            overlap_param_gather = profile_for(machine).overlap_param_gather
-        self.gathers = weight_gathers(plan) if overlap_param_gather else {}
-        self.optimizer_s = {ident: cost.optimizer_s for ident, cost in plan.costs.items()}
-        self.pieces = stored_piece_elements(plan.pcg)
+        self._overlap_param_gather = overlap_param_gather
         self._layer_costs: dict[int, LayerCost] | None = None
+        self._chunk_memo: dict[tuple, LayerCost] = {}   # (stage's earlier chunks' layers, chunk's layers) -> cost
+        self._sync_memo: dict[tuple, StageSync] = {}     # (degree, stage, its chunks' layers, aligned) -> its sync
+
+    @cached_property
+    def chain_s(self) -> dict[int, float]:
+        """Once per step, per node: a weight chain's collectives (the stage's sync). This and the figures below
+        are read only by `price`, not by the memory a cut needs (`least_peak_bytes`), which the stage search
+        asks of every candidate: they are worked out when first read."""
+        return {ident: cost.comm_s for ident, cost in self.plan.costs.items() if cost.weight_chain}
+
+    @cached_property
+    def reduce_s(self) -> dict[int, float]:
+        """The part of `chain_s` that reduces gradients as the last backward produces them
+        (`NodeCost.grad_reduce_s`)."""
+        return {ident: cost.grad_reduce_s for ident, cost in self.plan.costs.items() if cost.weight_chain}
+
+    @cached_property
+    def reductions(self) -> dict:
+        """The gradient reductions a stage runs in buckets (`cost.stage_sync`)."""
+        return weight_reductions(self.plan)
+
+    @cached_property
+    def gathers(self) -> dict:
+        """ZeRO-1/2's gathers of updated shards, where they run during the next step's forward (`overlap_param_gather`
+        given, else as the machine's execution profile says)."""
+        overlap = self._overlap_param_gather
+        if overlap is None:
+            overlap = profile_for(self.machine).overlap_param_gather
+        return weight_gathers(self.plan) if overlap else {}
+
+    @cached_property
+    def optimizer_s(self) -> dict[int, float]:
+        return {ident: cost.optimizer_s for ident, cost in self.plan.costs.items()}
+
+    @cached_property
+    def pieces(self) -> dict[int, int]:
+        """Each weight's stored piece (`stored_piece_elements`): what a weight two stages share sums."""
+        return stored_piece_elements(self.plan.pcg)
 
     def pipelined(self, degree: int, schedule: str, chunks_per_stage: int = 1,
                   starts: Sequence[int] | None = None) -> Plan:
         chunks = self._chunks(degree, schedule, chunks_per_stage)
         layers = self.layer_map.layers
         if starts is not None:
-            return self.price(self.layer_map.lay_out(starts, degree), schedule)
+            return self.price(self.memo.lay_out(self.layer_map, starts, degree), schedule)
         # The dynamic programme ranks cuts by the busiest stage; the step also depends on where that stage sits
         # (fill and drain) and on each stage's tail. So the balanced cut and the layer-count one are both priced
         # by the simulated schedule, and the better one improved by moving one cut at a time while the step
@@ -251,7 +328,7 @@ class StagePricer:
 
         def price_cut(cut: tuple[int, ...]) -> Plan:
             if cut not in seen:
-                seen[cut] = self.price(self.layer_map.lay_out(cut, degree), schedule)
+                seen[cut] = self.price(self.memo.lay_out(self.layer_map, cut, degree), schedule)
             return seen[cut]
 
         def rank(p: Plan) -> tuple:
@@ -309,7 +386,7 @@ class StagePricer:
             except PipelineError:
                 continue
             for cut in cuts:
-                layout = self.layer_map.lay_out(cut, degree)
+                layout = self.memo.lay_out(self.layer_map, cut, degree)
                 per_chunk = self._chunk_costs(layout)
                 peaks = activation_peaks(orders, [c.activation_bytes for c in per_chunk])
                 busiest = max(self.stage_memory(layout, per_chunk, peaks))
@@ -331,21 +408,28 @@ class StagePricer:
         """Layer -> its cost (`layer_costs`), worked out once."""
         if self._layer_costs is None:
             layers = self.layer_map.layers
-            layout = self.layer_map.lay_out(layers, len(layers))   # one chunk per layer: who computes what
+            layout = self.memo.lay_out(self.layer_map, layers, len(layers))   # one chunk per layer: who computes what
             self._layer_costs = dict(zip(layers, self._chunk_costs(layout)))
         return self._layer_costs
 
     def _chunk_costs(self, layout: StageLayout) -> list[LayerCost]:
-        """Each chunk's cost: its nodes' shares, a value two chunks of one stage read counted with the first."""
-        charged: list[set[int]] = [set() for _ in range(layout.degree)]
+        """Each chunk's cost: its nodes' shares, a value two chunks of one stage read counted with the first.
+        A chunk's nodes follow from its layers and those of the stage's chunks before it, so its cost is worked
+        out once per pricer for those (the cut search prices cuts that differ in one or two chunks)."""
+        earlier: list[tuple[tuple[int, ...], ...]] = [() for _ in range(layout.degree)]
         out = []
         for chunk in layout.chunks:
-            mine = [i for i in chunk.nodes if i not in charged[chunk.stage] and i in self.shares]
-            charged[chunk.stage].update(mine)
-            shares = [self.shares[i] for i in mine]
-            out.append(LayerCost(sum(c.forward_s for c in shares), sum(c.backward_s for c in shares),
-                                 sum(c.activation_bytes for c in shares), sum(c.state_bytes for c in shares),
-                                 sum(c.step_s for c in shares), max((c.transient_bytes for c in shares), default=0)))
+            key = (earlier[chunk.stage], chunk.layers)
+            found = self._chunk_memo.get(key)
+            if found is None:
+                charged = {i for c in layout.stage_chunks(chunk.stage) if c.index < chunk.index for i in c.nodes}
+                shares = [self.shares[i] for i in chunk.nodes if i not in charged and i in self.shares]
+                found = LayerCost(sum(c.forward_s for c in shares), sum(c.backward_s for c in shares),
+                                  sum(c.activation_bytes for c in shares), sum(c.state_bytes for c in shares),
+                                  sum(c.step_s for c in shares), max((c.transient_bytes for c in shares), default=0))
+                self._chunk_memo[key] = found
+            earlier[chunk.stage] += (chunk.layers,)
+            out.append(found)
         return out
 
     def _stage_sync(self, layout: StageLayout, stage: int, aligned: bool = False) -> "StageSync":
@@ -355,7 +439,16 @@ class StagePricer:
         (`gathers`), those all-gathers' seconds and what each chunk's first forward waits for them
         (`_gather_wait`; `aligned`: every stage launches them at the step's start, chunk after chunk). The
         gradient reductions run in buckets (`cost.stage_sync`); a node two chunks of the stage read counts
-        with the first."""
+        with the first. Worked out once per pricer for the stage's chunks (their layers) in a pipeline of
+        `layout.degree` stages: its chunks' indices and nodes follow from them."""
+        key = (layout.degree, stage, tuple(c.layers for c in layout.stage_chunks(stage)), aligned)
+        found = self._sync_memo.get(key)
+        if found is None:
+            found = self._sync_memo[key] = self._work_out_sync(layout, stage, aligned)
+        return found
+
+    def _work_out_sync(self, layout: StageLayout, stage: int, aligned: bool) -> "StageSync":
+        """`_stage_sync`, worked out."""
         seen: set[int] = set()
         reduce_s: dict[int, float] = {}
         wait_s: dict[int, float] = {}
@@ -527,12 +620,14 @@ class StageFit:
     degree: int
     machine: Machine
     pinned: str | None = None
+    # the layer maps and layouts the candidates' pricers share (not part of what the judgment is)
+    memo: StageMemo = field(default_factory=StageMemo, compare=False, repr=False)
 
     def peak_bytes(self, plan: Plan) -> int | None:
         """The memory per device `plan` (a stage plan) needs in the schedule and cut that need least of those
         the pricing starts from; None when no schedule can run it (too few layers, a pinned schedule that does
         not apply)."""
-        pricer = StagePricer(plan, self.machine)
+        pricer = StagePricer(plan, self.machine, memo=self.memo)
         return pricer.least_peak_bytes(self.degree, applicable_schedules(
             self.pinned, self.degree, pricer.microbatches, len(pricer.layer_map.layers)))
 

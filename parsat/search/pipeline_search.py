@@ -50,7 +50,7 @@ from parsat.ir.plan import BaselinePlan, Plan
 from parsat.cost.model import weight_bytes
 from parsat.search.deadline import Deadline
 from parsat.ir.errors import DoesNotFit, OptimizeError
-from parsat.cost.pipeline import StageFit, StagePricer, applicable_schedules, equal_starts
+from parsat.cost.pipeline import StageFit, StageMemo, StagePricer, applicable_schedules, equal_starts
 from parsat.search.microbatches import rank_plans
 
 DEGREES_TRIED = 2          # pipeline degrees searched when none is pinned
@@ -135,8 +135,9 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
                 break
             say(f"pipeline {p} stages of {stage_devices} devices, {m} micro-batches: searching the stage plan"
                 + (f" ({in_flight} in flight)" if in_flight > 1 else ""))
+            fit = StageFit(p, machine, schedule)
             try:
-                stage = search(stage_machine, stage_devices, m, in_flight, StageFit(p, machine, schedule),
+                stage = search(stage_machine, stage_devices, m, in_flight, fit,
                                clock.part(1.0 / (len(pairs) - index)) if clock is not None else None, True)
             except (DoesNotFit, OptimizeError) as err:
                 say(f"pipeline {p} x {m} micro-batches: no stage plan ({err})")
@@ -148,7 +149,7 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
                 clock.interrupt()   # the pairs after this one are listed as interrupted, the plans found stand
                 tried.append({"pp": p, "microbatches": m, "in_flight": in_flight, "error": INTERRUPTED})
                 break
-            found = _priced(stage, p, m, schedule, machine, in_flight, tried, plans, grid)
+            found = _priced(stage, p, m, schedule, machine, in_flight, tried, plans, grid, fit.memo)
             if stage.saturation.get("scouted"):
                 scouted.update({id(plan): (p, m, in_flight) for plan in found})
             if any(plan.totals.fits(machine) for plan in found) or in_flight == min(p, m):
@@ -165,13 +166,14 @@ def _stage_machine(machine: Machine, devices: int, p: int) -> Machine:
 
 
 def _priced(stage: Plan, p: int, m: int, schedule: str | None, machine: Machine, in_flight: int,
-            tried: list[dict], plans: list[Plan], grid: list[tuple[Plan, dict]]) -> list[Plan]:
+            tried: list[dict], plans: list[Plan], grid: list[tuple[Plan, dict]],
+            memo: StageMemo | None = None) -> list[Plan]:
     """`stage` cut and priced in every schedule that applies, added to `plans` with its grid points; those
-    plans."""
-    found = _price_schedules(stage, p, m, schedule, machine, in_flight, tried)
+    plans. `memo`: the layer maps and layouts of the stage search's memory checks (`StageFit.memo`)."""
+    found = _price_schedules(stage, p, m, schedule, machine, in_flight, tried, memo)
     plans.extend(found)
     grid.extend(_grid_points(stage, p, [(plan.pipeline.schedule, plan.pipeline.layout.chunks_per_stage)
-                                        for plan in found], machine))
+                                        for plan in found], machine, memo))
     return found
 
 
@@ -186,8 +188,9 @@ def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, i
         return
     p, m, in_flight = scouted[id(first)]
     say(f"pipeline {p} stages x {m} micro-batches chosen: searching every stage mesh")
+    fit = StageFit(p, machine, schedule)
     try:
-        stage = search(_stage_machine(machine, devices, p), devices // p, m, in_flight, StageFit(p, machine, schedule),
+        stage = search(_stage_machine(machine, devices, p), devices // p, m, in_flight, fit,
                        clock.part(1.0) if clock is not None else None, False)
     except (DoesNotFit, OptimizeError) as err:
         say(f"pipeline {p} x {m} micro-batches, every stage mesh: no stage plan ({err})")
@@ -197,14 +200,14 @@ def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, i
             raise
         clock.interrupt()
         return
-    _priced(stage, p, m, schedule, machine, in_flight, tried, plans, grid)
+    _priced(stage, p, m, schedule, machine, in_flight, tried, plans, grid, fit.memo)
 
 
 def _price_schedules(stage: Plan, p: int, m: int, schedule: str | None, machine: Machine, in_flight: int,
-                     tried: list[dict]) -> list[Plan]:
+                     tried: list[dict], memo: StageMemo | None = None) -> list[Plan]:
     """`stage` cut into p stages and priced in every schedule that applies; each recorded in `tried`."""
     found = []
-    pricer = StagePricer(stage, machine)     # the stage plan's layers and node figures, once for every schedule
+    pricer = StagePricer(stage, machine, memo=memo)   # the stage plan's layers and node figures, once for all
     for name, v in applicable_schedules(schedule, p, m, len(pricer.layer_map.layers)):
         try:
             plan = pricer.pipelined(p, name, v)
@@ -218,15 +221,15 @@ def _price_schedules(stage: Plan, p: int, m: int, schedule: str | None, machine:
     return found
 
 
-def _grid_points(stage: Plan, p: int, schedules: Sequence[tuple[str, int]], machine: Machine
-                 ) -> list[tuple[Plan, dict]]:
+def _grid_points(stage: Plan, p: int, schedules: Sequence[tuple[str, int]], machine: Machine,
+                 memo: StageMemo | None = None) -> list[tuple[Plan, dict]]:
     """The grid's configuration on this stage mesh as PTD-P points: equal layer counts per stage, in each of
     `schedules` ((schedule, chunks per stage)) that Megatron runs (1F1B, interleaved)."""
     chosen = stage.baseline_plans.get("best_grid")
     schedules = [(name, v) for name, v in schedules if name in (ONE_F_ONE_B, INTERLEAVED)]
     if chosen is None or chosen.pcg is None or not schedules:
         return []
-    pricer = StagePricer(replace(stage, pcg=chosen.pcg, costs=chosen.costs), machine)
+    pricer = StagePricer(replace(stage, pcg=chosen.pcg, costs=chosen.costs), machine, memo=memo)
     points = []
     for name, v in schedules:
         try:
