@@ -383,3 +383,30 @@ def test_a_stage_overlaps_its_gradient_reductions_with_its_last_backwards():
                                       for i, c in stage_plan.costs.items()})
     unsynced = pipelined(free, 2, ONE_F_ONE_B, machine, starts=starts).totals.time_s
     assert unsynced - 1e-12 <= overlapped < after_flush
+
+
+def test_the_stage_memo_changes_no_price(stage_plan):
+    """A pricer that reuses layer maps, layouts, chunk costs and stage syncs (`StageMemo`, one search's memo shared
+    by plans with the same nodes) prices every cut, schedule and ZeRO stage exactly as a fresh pricer does, the
+    memory checks included: what it reuses follows from the chunks' layers, whatever was priced before."""
+    from itertools import combinations
+    from parsat.cost.pipeline import StageFit, StageMemo, StagePricer
+    machine = Machine.resolve("cpu").with_devices(4)
+    zero1 = replace(stage_plan, pcg=replace(stage_plan.pcg, zero=1))   # the same nodes: one layer map for both
+    memo = StageMemo(kept=1)
+    shared = {id(plan): StagePricer(plan, machine, memo=memo) for plan in (stage_plan, zero1)}
+    layers = pcg_layers(stage_plan.pcg)
+    priced = 0
+    for schedule, v in ((ONE_F_ONE_B, 1), (GPIPE, 1), (INTERLEAVED, 2)):
+        for rest in combinations(layers[1:], 2 * v - 1):
+            for plan in (stage_plan, zero1):
+                cut = (layers[0],) + rest
+                fresh = StagePricer(plan, machine).pipelined(2, schedule, v, starts=cut)
+                again = shared[id(plan)].pipelined(2, schedule, v, starts=cut)
+                assert again.to_json() == fresh.to_json(), (schedule, cut, plan.pcg.zero)
+                priced += 1
+    assert priced > 20
+    fit, memory = StageFit(2, machine), StageFit(2, machine, memo=memo)
+    assert memory == fit   # the memo is not part of the judgment
+    for plan in (stage_plan, zero1, stage_plan):
+        assert memory.peak_bytes(plan) == StageFit(2, machine).peak_bytes(plan)

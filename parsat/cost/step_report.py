@@ -56,23 +56,41 @@ def summarize(prediction: StepPrediction, profile: str, microbatches: int = 1,
     extent: dict[str, list[float]] = {}          # phase -> [start, end, compute busy, comm busy]
     cells = {lane: [dict() for _ in range(width)] for lane in intervals}   # lane -> per slice: phase -> seconds
     scale = width / step if step > 0 else 0.0
-    for i, (start, end) in enumerate(zip(starts, ends)):
-        phase = b.phases[i]
-        lane = "comm" if phase in COMM_PHASES else "compute"
-        shown = PHASE_OF.get(phase, "forward")
+    # A simulated step of many micro-batches has hundreds of thousands of tasks: each phase's lane, its shown
+    # phase and where they are kept are looked up once per phase, and min/max are written out as comparisons
+    # that pick the same operand (every sum is made in the same order, so the figures are the same bits).
+    kinds: dict[str, tuple] = {}
+    phases, totals = b.phases, [0.0, 0.0]   # busy seconds: compute, comm
+    for start, end, phase in zip(starts, ends, phases):
+        kind = kinds.get(phase)
+        if kind is None:
+            comm = phase in COMM_PHASES
+            lane = "comm" if comm else "compute"
+            kind = kinds[phase] = (int(comm), PHASE_OF.get(phase, "forward"), 3 if comm else 2, intervals[lane],
+                                   cells[lane])
+        slot, shown, column, spans, lane_cells = kind
+        found = extent.get(shown)
+        if found is None:
+            found = extent[shown] = [start, end, 0.0, 0.0]
+        else:
+            if start < found[0]:
+                found[0] = start
+            if end > found[1]:
+                found[1] = end
         length = end - start
-        found = extent.setdefault(shown, [start, end, 0.0, 0.0])
-        found[0], found[1] = min(found[0], start), max(found[1], end)
         if length <= 0:
             continue
-        busy[lane] += length
-        found[2 if lane == "compute" else 3] += length
-        intervals[lane].append((start, end))
+        totals[slot] += length
+        found[column] += length
+        spans.append((start, end))
         first, last = int(start * scale), min(width - 1, int(end * scale))
         for c in range(first, last + 1):
-            part = min(end, (c + 1) / scale) - max(start, c / scale)
+            hi, lo = (c + 1) / scale, c / scale
+            part = (hi if hi < end else end) - (lo if lo > start else start)
             if part > 0:
-                cells[lane][c][shown] = cells[lane][c].get(shown, 0.0) + part
+                cell = lane_cells[c]
+                cell[shown] = cell.get(shown, 0.0) + part
+    busy["compute"], busy["comm"] = totals
     both = intersection(union(intervals["compute"]), union(intervals["comm"]))
     overlap = sum(hi - lo for lo, hi in both)
     streams = StepStreams(step, busy["compute"], busy["comm"], max(0.0, step - busy["compute"]), overlap)
