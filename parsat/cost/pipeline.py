@@ -307,6 +307,7 @@ class StagePricer:
 
     @cached_property
     def optimizer_s(self) -> dict[int, float]:
+        """Each node's optimizer seconds, once per step."""
         return {ident: cost.optimizer_s for ident, cost in self.plan.costs.items()}
 
     @cached_property

@@ -1,0 +1,53 @@
+"""Two plans' JSON compared apart from the fields that measure time: whether a change left the plan alone.
+
+    .venv/bin/python benchmarks/plan_compare.py before.json after.json
+
+The plans (`Plan.to_json()`, `parsat optimize -o`, `search_phases.py --plan`) are compared with every field
+whose name holds "seconds" (`seconds`, `compile_seconds`, `ruleset_seconds`, `pass_seconds`, ...) and every
+`cpu_s` removed, serialized in the plan's own key order (`search_determinism.without_timing`). Prints
+IDENTICAL, or the first path where they differ; exit code 1 then.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from search_determinism import without_timing  # noqa: E402
+
+
+def stripped(value):
+    """The plan without its timing fields (`without_timing`, and `cpu_s`)."""
+    if isinstance(value, dict):
+        return {k: stripped(v) for k, v in without_timing(value).items() if k != "cpu_s"}
+    if isinstance(value, list):
+        return [stripped(v) for v in value]
+    return value
+
+
+def first_difference(a, b, path: str = "") -> str | None:
+    """The first path at which `a` and `b` differ, None where they do not."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if list(a) != list(b):
+            return f"{path or '/'}: keys {sorted(set(a) ^ set(b)) or 'in another order'}"
+        return next((d for k in a if (d := first_difference(a[k], b[k], f"{path}/{k}")) is not None), None)
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return f"{path}: {len(a)} items against {len(b)}"
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := first_difference(x, y, f"{path}/{i}"))), None)
+    return None if a == b and type(a) is type(b) else f"{path}: {a!r} against {b!r}"
+
+
+def main(argv: list[str]) -> int:
+    a, b = (stripped(json.loads(Path(p).read_text())) for p in argv[:2])
+    if json.dumps(a) == json.dumps(b):
+        print("IDENTICAL (apart from timing fields)")
+        return 0
+    print("DIFFERENT:", first_difference(a, b) or "in serialization")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
