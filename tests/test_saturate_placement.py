@@ -145,3 +145,43 @@ def test_a_plan_whose_stated_placement_is_not_its_layout_is_refused(library, dat
                       for n in pcg.nodes), pcg.outputs, pcg.output_names, pcg.mesh)
     with pytest.raises(PlacementError, match=r"states spread"):
         derive_placements(wrong, library.ops)
+
+
+def test_every_class_has_one_local_shape_and_placement_row_on_two_axis_meshes(library):
+    """The mesh encoding keeps a class's local sizes and placement as one flat row of `At<rank>`
+    (`egraph.mesh_encoding`), a relation, so nothing merges two rows of one class the way a function's
+    `:merge` did: a union of two classes of one value in different placements, or with different local
+    sizes, would leave two rows, and extraction would read a piece of the wrong size. On two meshes of the
+    same shape and different degrees, every class has exactly one row, every class read back has a
+    placement, its global shape splits into whole blocks on the axes that shard it, and the e-nodes read
+    back are the ones the runner counted."""
+    from collections import Counter
+
+    from parsat.egraph.instances import graph_signatures
+    from parsat.egraph.mesh_encoding import at_relation, mesh_graph_program
+    from parsat.egraph.runner import Limits, run_generations
+    from parsat.egraph.session import Session
+
+    graph = build_example("gpt", {"blocks": 1, "hidden": 64, "heads": 4, "seq": 16, "batch": 8, "vocab": 128},
+                          library)
+    for shape in ((4, 2), (2, 4)):
+        mesh = Mesh.of(shape, 8)
+        program = rule_program.compile_mesh_rules(library, library.rules, graph.ranks(), mesh,
+                                                  {n.op for n in graph.nodes},
+                                                  graph_signatures(graph, library.ops, None))
+        text, _ = mesh_graph_program(graph, library.ops, mesh)
+        session = Session(program, text, mesh=mesh)
+        done = run_generations(session, program.phase_chunks(rule_program.GROW),
+                               program.phase_chunks(rule_program.PLACE), Limits(), float("inf"))
+        assert done.stop == "saturated"
+        snapshot = session.snapshot()
+        rows: Counter = Counter()
+        frozen = session.egraph.freeze()
+        for rank in range(9):
+            for row in frozen.functions[at_relation(rank)].rows:
+                rows[session.egraph.value_to_i64(row.inputs[0])] += 1
+        assert set(rows) >= set(snapshot.classes) and max(rows.values()) == 1
+        assert set(snapshot.placement) == set(snapshot.classes)
+        for cid, placement in snapshot.placement.items():
+            assert all(d >= 1 for d in placement.local_shape(snapshot.shape[cid], mesh.shape))
+        assert sum(len(nodes) for nodes in snapshot.classes.values()) == done.enodes

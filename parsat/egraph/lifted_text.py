@@ -1,8 +1,9 @@
 """One rule instance, lifted onto a mesh (`lifting`), written as egglog rules (`rule_text.RuleBody`).
 
 The pattern is the left side with each parallel operator's mesh axis as a
-constant. The facts bind each metavariable's local sizes (`Local`) and
-placement (`Pl`, with 0, free, written on the axes the rule acts on), look
+constant. The facts bind each metavariable's local sizes and placement
+with one `At<rank>` atom (`mesh_encoding`; 0, free, written on the axes
+the rule acts on), look
 up each other axis's lift table with the metavariables' codes there (which
 binds the codes of every term the right side builds), and check the rule's
 conditions on the local sizes with the degrees replaced by the axes'
@@ -23,10 +24,10 @@ from parsat.dsl.conditions import Cond, symbolic_truth, to_poly
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import TypedTerm
 from parsat.ir.mesh import Mesh
-from parsat.egraph.encoding import SkipRule, ctor, equated_row, made_row, poly_expr, real_literal, rel_fact, shape_term
+from parsat.egraph.encoding import SkipRule, ctor, equated_row, made_row, poly_expr, real_literal, rel_fact
 from parsat.egraph.guards import subst_cond
 from parsat.egraph.lifting import LiftedInstance, postorder
-from parsat.egraph.mesh_encoding import LOCAL, PLACE, place_term, table_name
+from parsat.egraph.mesh_encoding import at_fact, table_name
 from parsat.egraph.rule_text import RuleBody, bind_shape, dnf, symbol_var
 
 
@@ -106,9 +107,8 @@ def lifted_bodies(lifted: LiftedInstance, mesh: Mesh) -> tuple[list[RuleBody], d
     for name in lifted.metas:
         dims, deferred = bind_shape(name, instance.tensors[name], w.names, w.fresh)
         w.deferred.extend(deferred)
-        facts.append(f"(= ({LOCAL} m_{name}) {shape_term(dims)})")
         codes = ["0" if axis in targets else f"c_{name}_{axis}" for axis in range(len(mesh))]
-        facts.append(f"(= ({PLACE} m_{name}) {place_term(codes)})")
+        facts.append(at_fact(f"m_{name}", dims, codes))
     for var, poly in w.deferred:
         facts.append(f"(= {var} {w.expr(poly)})")
     tables: dict[str, tuple] = {}
@@ -153,10 +153,9 @@ def lifted_bodies(lifted: LiftedInstance, mesh: Mesh) -> tuple[list[RuleBody], d
         for dim, size in enumerate(term.shape):
             factor = lifted.local_factor(term, dim, mesh.shape)
             local.append(w.expr(size) if factor == 1 else f"(/ {w.expr(size)} {factor})")
-        actions.append(f"(set ({LOCAL} {var}) {shape_term(local)})")
         codes = [str(lifted.target_codes[axis][id(term)]) if axis in targets else f"o_{position}_{axis}"
                  for axis in range(len(mesh))]
-        actions.append(f"(set ({PLACE} {var}) {place_term(codes)})")
+        actions.append(at_fact(var, local, codes))
     if instance.rhs.kind == "input":
         actions.append(equated_row("root", instance.rule.name))
     actions.append(f"(union root {made[id(instance.rhs)]})")

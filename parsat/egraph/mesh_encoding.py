@@ -3,13 +3,19 @@
 * Tensors are the sort `T`, with the constructors of `encoding` (`Leaf`,
   `Op_<op>`); a parallel operator's last argument is the mesh axis it acts
   on (an index), not a degree: `P_partition x dim axis`, `P_replicate x axis`.
-* Two analysis tables, one row per e-class (an e-class is a value with a
-  placement, so they are well defined):
-  `Local c = (S<rank> d...)`, the shape of the piece one device holds, and
-  `Pl c = (V<axes> code...)`, the placement code on every axis
-  (`ir.placement`: free 0, replica 1, partial 2, shard(d) 3 + d). A rule
-  binds a metavariable's local sizes and placement with one lookup each,
-  and requires free (0) on the axes it acts on by writing 0 in the pattern.
+* One analysis relation per rank r, `At<r>`, one row per e-class (an
+  e-class is a value with a placement, so it is well defined):
+  `(At<r> c d1 .. dr code1 .. codeA)`, the shape of the piece one device
+  holds, then the placement code on every axis (`ir.placement`: free 0,
+  replica 1, partial 2, shard(d) 3 + d). A rule binds a metavariable's
+  local sizes and placement with one atom, and requires free (0) on the
+  axes it acts on by writing 0 in it. It used to be two functions whose
+  values were datatype terms (`Local c = (S<r> d...)`, `Pl c = (V<A>
+  code...)`): four atoms per metavariable, each of which egglog's
+  semi-naive evaluation joins again whenever its rows are new, and they
+  are new for every class a union touches. The flat relation gives the
+  same e-graph (the same classes and e-nodes) for about half the
+  saturation's CPU time (docs/MESH.md, "Saturation").
 * A lifted rule's table of legal placements on one other axis
   (`lifting.OtherAxisTable`) is a relation `Lift_<hash>` of i64 columns,
   declared once per program however many rule instances share it.
@@ -38,15 +44,21 @@ from parsat.ir.graph import Graph
 from parsat.ir.mesh import Mesh
 from parsat.ir.placement import REPLICA, Placement, apply_parallel, shard_dim
 from parsat.egraph.encoding import (GRAPH_MADE, MADE_PREFIX, MAX_RANK, PIN_SUFFIX, SHAPE_RULESET, ctor,
-                                    equated_relation, made_row, node_arguments, quote, shape_term)
+                                    equated_relation, made_row, node_arguments, quote)
 from parsat.egraph.snapshot import Application, ENode
 
-LOCAL = "Local"
-PLACE = "Pl"
+AT_PREFIX = "At"   # `At<rank>`: a class's local sizes and placement codes, one flat row (module doc)
 
 
-def place_term(codes: Sequence[str | int]) -> str:
-    return f"(V{len(codes)}{''.join(' ' + str(c) for c in codes)})"
+def at_relation(rank: int) -> str:
+    """The name of the relation holding the local shape and placement of the classes of rank `rank`."""
+    return f"{AT_PREFIX}{rank}"
+
+
+def at_fact(var: str, dims: Sequence[str], codes: Sequence[str | int]) -> str:
+    """`var`'s row of `At<rank>` (a query atom or an action inserting it): its local sizes, then one
+    placement code per mesh axis."""
+    return f"({at_relation(len(dims))} {var}{''.join(' ' + str(d) for d in dims)}{''.join(' ' + str(c) for c in codes)})"
 
 
 def table_name(rows: Sequence[tuple[int, ...]], width: int) -> str:
@@ -71,11 +83,8 @@ def mesh_declarations(ops: Mapping[str, ast.OpDecl], mesh: Mesh) -> str:
     lines[-1] += ")"
     lines += [f"(relation {MADE_PREFIX}{name} ({' '.join(sorts)} String))" for name, sorts in signatures.items()]
     lines.append(equated_relation())
-    lines.append("(datatype Shape " + " ".join(f"(S{r}{' i64' * r})" for r in range(MAX_RANK + 1)) + ")")
     axes = len(mesh)
-    lines.append(f"(datatype Place (V{axes}{' i64' * axes}))")
-    lines.append(f"(function {LOCAL} (T) Shape :merge new)")
-    lines.append(f"(function {PLACE} (T) Place :merge new)")
+    lines += [f"(relation {at_relation(r)} (T{' i64' * (r + axes)}))" for r in range(MAX_RANK + 1)]
     lines.append(f"(ruleset {SHAPE_RULESET})")   # the runner runs it first every step: the fold rules
     lines += fold_rules()
     return "\n".join(lines) + "\n"
@@ -124,8 +133,7 @@ def fold_applications(classes: Mapping[int, Sequence[ENode]]) -> list[Applicatio
 
 
 def _rows(var: str, local: Sequence[int], placement: Placement) -> list[str]:
-    return [f"(set ({LOCAL} {var}) {shape_term([str(d) for d in local])})",
-            f"(set ({PLACE} {var}) {place_term(placement.codes)})"]
+    return [at_fact(var, [str(d) for d in local], placement.codes)]
 
 
 def pin_chain(placement: Placement) -> list[tuple[str, int, int | None]]:

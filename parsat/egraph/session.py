@@ -21,10 +21,11 @@ from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import Degrees
 from parsat.ir.placement import Placement
 from parsat.egraph.derivation import Template, applications, hashcons
-from parsat.egraph.encoding import (ANALYSES, APPLIED_PREFIX, EQUATED, MADE_PREFIX, MATCH_SUFFIX, RULESETS, SHAPE_RULESET, live_row,
+from parsat.egraph.encoding import (ANALYSES, APPLIED_PREFIX, EQUATED, MADE_PREFIX, MATCH_SUFFIX, MAX_RANK, RULESETS,
+                                    SHAPE_RULESET, live_row,
                                     match_ruleset)
 from parsat.egraph.loading import BOUND, GraphLoader, bound_names
-from parsat.egraph.mesh_encoding import FOLD_MADE, LOCAL, PLACE, fold_applications
+from parsat.egraph.mesh_encoding import FOLD_MADE, at_relation, fold_applications
 from parsat.egraph.program import CompiledRule, RuleProgram, past
 from parsat.egraph.snapshot import Application, ENode, Snapshot
 
@@ -382,23 +383,27 @@ class Session:
 
 
 def _mesh_snapshot(eg, frozen, classes, lets, made, mesh: Mesh) -> Snapshot:
-    """Placements and local shapes read from `Pl` and `Local` (datatype values, decoded through their
-    constructors' rows); global shapes and degrees computed from them."""
-    constructors: dict = {}
-    for name, fn in frozen.functions.items():
-        if fn.output_sort in ("Shape", "Place") and not fn.is_let_binding and name not in (LOCAL, PLACE):
-            for row in fn.rows:
-                constructors[row.output] = tuple(eg.value_to_i64(v) for v in row.inputs)
-    local = {eg.value_to_i64(row.inputs[0]): constructors[row.output] for row in frozen.functions[LOCAL].rows}
-    place = {eg.value_to_i64(row.inputs[0]): constructors[row.output] for row in frozen.functions[PLACE].rows}
+    """Placements and local shapes read from the `At<rank>` rows (`mesh_encoding`); global shapes and degrees
+    computed from them. A class has one row (a class is a value in one placement); were there two, the first
+    read is kept."""
+    axes = len(mesh)
+    located: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for rank in range(MAX_RANK + 1):
+        fn = frozen.functions.get(at_relation(rank))
+        if fn is None:
+            continue
+        for row in fn.rows:
+            values = tuple(map(eg.value_to_i64, row.inputs))
+            located.setdefault(values[0], (values[1:1 + rank], values[1 + rank:1 + rank + axes]))
     shape: dict[int, tuple[int, ...]] = {}
     degrees: dict[int, Degrees] = {}
     placement: dict[int, Placement] = {}
     for cid in classes:
-        if cid not in local or cid not in place:
+        if cid not in located:
             continue
-        where = Placement(place[cid])
-        dims = tuple(d * prod(mesh.size(a) for a in where.shard_axes(i)) for i, d in enumerate(local[cid]))
+        local, codes = located[cid]
+        where = Placement(codes)
+        dims = tuple(d * prod(mesh.size(a) for a in where.shard_axes(i)) for i, d in enumerate(local))
         shape[cid], placement[cid] = dims, where
         degrees[cid] = Degrees.of_placement(where, mesh, len(dims))
     return Snapshot(classes, shape, degrees, lets, made, placement, mesh, equated=made.equated, applied=made.applied)
