@@ -63,7 +63,7 @@ def library(tmp_path_factory):
 
 
 def test_true_rules_are_proved(library):
-    report = verify_library(library, timeout=20, only_files={r.span.file for r in library.rules})
+    report = verify_library(library, timeout=600, only_files={r.span.file for r in library.rules})
     assert len(report.verdicts) == 8
     for verdict in report.verdicts:
         assert verdict.verdict == "PROVED", verdict.render()
@@ -80,7 +80,7 @@ def test_prover_alone_doubts_a_wrong_rule(tmp_path):
     path.write_text('import "ops.rule"\nrule w:\n  forall x: [m, n], p: degree\n  where n % p == 0\n'
                     "  softmax(x, 1) => combine(softmax(partition(x, 1, p), 1), 1, p)\n")
     lib, _ = load_library([path])
-    result = prove.prove_instance(instances(lib.rule("w"), lib.ops)[0], 60)
+    result = prove.prove_instance(instances(lib.rule("w"), lib.ops)[0], 600)
     # z3 answers with a model in well under a second alone; on a loaded CI box it once gave up ("unknown"),
     # which is still doubt: what must never come back is a proof
     assert result.status in ("candidate", "unknown"), result
@@ -88,13 +88,13 @@ def test_prover_alone_doubts_a_wrong_rule(tmp_path):
 
 
 def test_timeout_is_never_proved(library, monkeypatch):
-    monkeypatch.setattr(core.concrete, "search", lambda inst, count=60: (None, 0, ""))
+    monkeypatch.setattr(core.concrete, "search", lambda inst, count=60, **_: (None, 0, ""))
     verdict = verify_rule(library.rule("t_split_contraction"), library.ops, timeout=0.0)
-    assert verdict.verdict == "UNKNOWN" and "timeout" in verdict.reason
+    assert verdict.verdict == "UNKNOWN" and "timeout" in verdict.reason and "wall clock" in verdict.reason
 
 
 def test_a_crash_is_unknown_for_that_rule_only(library, monkeypatch):
-    def boom(instance, timeout):
+    def boom(instance, *limits):
         raise RuntimeError("lowering exploded")
 
     monkeypatch.setattr(prove, "prove_instance", boom)

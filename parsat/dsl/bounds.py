@@ -98,6 +98,7 @@ def _table() -> dict[tuple[str, str], Bound]:
         ("calibrate", "--timeout"): Bound("--timeout", 0, WEEK_S, **seconds),
         ("verify", "--timeout"): Bound("--timeout", 0, DAY_S, **seconds),
         ("verify", "--jobs"): Bound("--jobs", 1, 256),
+        ("verify", "--rlimit"): Bound("--rlimit", 1, 2 ** 32 - 1),   # z3's rlimit is an unsigned 32-bit count
         ("generate", "--max-ops"): Bound("--max-ops", 1, 8),
         ("generate", "--degrees"): Bound("--degrees", 2, 64),
         ("generate", "--max-rank"): Bound("--max-rank", 1, 6),

@@ -8,7 +8,9 @@ running every operator on the piece it holds), `concrete` (random and
 small sizes judged on the devices, shrinking), `prove` (lowering to index
 expressions and z3; the only z3 importer), `normal` (the sum-of-products
 normal form and the sum lemmas), `crosscheck` (the lowering evaluated
-against the devices), `core` (one rule to one `Verdict`), `verdict` (the
+against the devices), `limits` (the work budgets that decide a verdict and
+the wall clock that only stops a runaway), `core` (one rule to one
+`Verdict`), `verdict` (the
 verdict and its evidence), `cache`, `api`
 (`verify`), `cli` (`parsat verify`), `coverage` (legal parallelizations no
 rule covers), `lifting` (lifted instances replayed on a 2-D mesh), `pieces`

@@ -4,7 +4,10 @@ This is what `parsat verify` and `parsat.verify` call. Load errors and
 malformed rules are collected as messages (`VerifyReport.errors`), never
 raised as stack traces; semantic problems are verdicts. With `jobs > 1`
 rules are verified in worker processes; each rule's verdict depends only on
-the rule and its operators, so the results are the same as a serial run.
+the rule, its operators and the work budget (`rlimit`, `limits`), so the
+results are the same as a serial run, on any machine, under any load. The
+wall-clock `timeout` is a safety valve: what it cuts is UNKNOWN and never
+cached.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from parsat.dsl.errors import DslError
 from parsat.dsl.library import Library, display_path, load_library, rule_files, shipped_rules_dir
 from parsat.dsl.parallel_ops import expand_fused_rule
 from parsat.verifier.cache import VerdictCache, rule_key
-from parsat.verifier.core import DEFAULT_TIMEOUT, VERSION, RuleError, verify_rule
+from parsat.verifier.core import VERSION, RuleError, verify_rule
+from parsat.verifier.limits import DEFAULT_RLIMIT, DEFAULT_TIMEOUT, is_wall_clock
 from parsat.verifier.verdict import BOUNDED, ILLEGAL, PROVED, REFUTED, UNKNOWN, VACUOUS, VERDICTS, Verdict
 
 
@@ -58,9 +62,9 @@ def _matches(name: str, patterns: Sequence[str] | None) -> bool:
 
 def _one(args: tuple) -> tuple[str, Verdict | None, str]:
     """Worker: (key, verdict or None, error message)."""
-    key, rule, ops, timeout = args
+    key, rule, ops, timeout, rlimit = args
     try:
-        return key, verify_rule(rule, ops, timeout=timeout), ""
+        return key, verify_rule(rule, ops, timeout=timeout, rlimit=rlimit), ""
     except RuleError as err:
         return key, None, f"{rule.span}: error: {err}" if rule.span else str(err)
 
@@ -104,15 +108,19 @@ def _run_parallel(work: list[tuple], jobs: int, on_outcome: Callable[[tuple], No
 
 def verify_library(library: Library, *, match: Sequence[str] | None = None, timeout: float = DEFAULT_TIMEOUT,
                    jobs: int = 1, cache: VerdictCache | None = None, only_files: set[str] | None = None,
-                   on_verdict: Callable[[Verdict], None] | None = None) -> VerifyReport:
+                   on_verdict: Callable[[Verdict], None] | None = None,
+                   rlimit: int = DEFAULT_RLIMIT) -> VerifyReport:
     """Verify the library's rules (those in `only_files` when given).
+
+    `rlimit` (z3's work units per query) decides verdicts and is part of the cache key; `timeout` (seconds
+    per rule) is the wall clock's safety valve.
 
     `on_verdict` is called with each verdict as soon as it is decided
     (cached ones first), so a caller can stream them; the report keeps
     library order. A cached REFUTED verdict is trusted only once its
     counterexample fails again on the devices.
     """
-    check_all("verify", {"--timeout": timeout, "--jobs": jobs})   # the CLI's bounds (a ValueError), for API callers
+    check_all("verify", {"--timeout": timeout, "--jobs": jobs, "--rlimit": rlimit})   # the CLI's bounds (a ValueError), for API callers
     report = VerifyReport()
     ops = library.ops
     todo: list[tuple[str, ast.RuleDecl]] = []
@@ -121,7 +129,7 @@ def verify_library(library: Library, *, match: Sequence[str] | None = None, time
             continue
         if not _matches(rule.name, match):
             continue
-        todo.append((rule_key(rule, ops, VERSION), rule))
+        todo.append((rule_key(rule, ops, VERSION, rlimit), rule))
     results: dict[str, Verdict] = {}
     errors: dict[str, str] = {}
     rules = dict(todo)
@@ -144,14 +152,14 @@ def verify_library(library: Library, *, match: Sequence[str] | None = None, time
         if hit is not None:
             decided(key, replace(hit, cached=True))
         else:
-            work.append((key, rule, ops, timeout))
+            work.append((key, rule, ops, timeout, rlimit))
 
     def outcome(item: tuple) -> None:
         key, verdict, error = item
         if verdict is None:
             errors[key] = error
             return
-        if cache is not None and not verdict.reason.startswith(_WORKER_DIED):
+        if cache is not None and not verdict.reason.startswith(_WORKER_DIED) and not is_wall_clock(verdict):
             cache.put(key, verdict, timeout)
         decided(key, verdict)
 

@@ -2,7 +2,9 @@
 
 What a key covers: the verifier's version, a hash of the verifier's own
 code and of the DSL code it runs (`code_hash`: every `.py` under
-`verifier/` and `dsl/`, and the grammar), the rule's canonical text and
+`verifier/` and `dsl/`, and the grammar), the work budget (`rlimit`: a
+verdict is a function of the rule and its budget, so an entry is what a
+fresh run under the same budget would say), the rule's canonical text and
 the canonical text of every operator it uses (docs left out: a comment
 never changes a verdict). Change any of them and the old entry is never
 looked up again.
@@ -25,8 +27,9 @@ entry), so the cache folder must be as trusted as the code. Use
 says the same for users.
 
 One JSON file per key, written atomically, so parallel workers and
-concurrent runs never see half a file. An UNKNOWN reached under a shorter
-timeout than the one asked for now is not reused.
+concurrent runs never see half a file. An UNKNOWN the wall clock cut is
+never stored (`api.verify_library`); one reached under a shorter timeout
+than the one asked for now is not reused.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from parsat.dsl import ast
 from parsat.dsl.files import FileProblem, cache_dir, read_text_capped, write_atomic
 from parsat.dsl.printer import format_decl
 from parsat.dsl.parallel_ops import PARALLEL_OPS
+from parsat.verifier.limits import DEFAULT_RLIMIT
 from parsat.verifier.verdict import BOUNDED, ILLEGAL, PROVED, REFUTED, UNKNOWN, VACUOUS, VERDICTS, Verdict
 
 FORMAT = 2
@@ -70,8 +74,9 @@ def used_ops(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl]) -> list[ast.OpDe
     return [ops[n] for n in sorted(names) if n in ops and n not in PARALLEL_OPS]
 
 
-def rule_key(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], version: str) -> str:
-    parts = [version, code_hash(), format_decl(replace(rule, doc=()))]
+def rule_key(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], version: str, rlimit: int = DEFAULT_RLIMIT) -> str:
+    """The key of a rule's verdict under a work budget (what the module docstring lists)."""
+    parts = [version, code_hash(), f"rlimit={rlimit}", format_decl(replace(rule, doc=()))]
     parts += [format_decl(replace(op, doc=())) for op in used_ops(rule, ops)]
     return hashlib.sha256("\n\0".join(parts).encode("utf-8")).hexdigest()
 

@@ -14,15 +14,19 @@ import argparse
 import json
 import sys
 
-from parsat.verifier.core import DEFAULT_TIMEOUT
+from parsat.verifier.limits import DEFAULT_RLIMIT, DEFAULT_TIMEOUT
 
 
 def register(subparsers) -> None:
     verify = subparsers.add_parser("verify", help="prove rules for all shapes and degrees, or refute them")
     verify.add_argument("paths", nargs="*", metavar="PATH", help=".rule files or folders (default: the shipped library)")
     verify.add_argument("--match", action="append", metavar="NAME", help="only rules with this name (glob; repeatable)")
+    verify.add_argument("--rlimit", type=int, default=DEFAULT_RLIMIT, metavar="N",
+                        help=f"z3's work budget per query, in its deterministic resource units (default "
+                             f"{DEFAULT_RLIMIT:,}): verdicts depend on it, never on the machine's speed")
     verify.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
-                        help="seconds per rule, for its whole verdict (search, proof, replay, shrinking)")
+                        help=f"wall-clock safety valve per rule (default {DEFAULT_TIMEOUT:g} s): a rule it cuts "
+                             "is UNKNOWN, saying so")
     verify.add_argument("--jobs", type=int, default=1, metavar="N", help="worker processes")
     verify.add_argument("--json", action="store_true", help="one JSON record per rule on stdout")
     verify.add_argument("--no-cache", action="store_true", help="neither read nor write the verdict cache")
@@ -40,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from parsat.dsl.bounds import BoundError, check_all
 
     try:
-        check_all("verify", {"--timeout": args.timeout, "--jobs": args.jobs})   # NaN and infinity too
+        check_all("verify", {"--timeout": args.timeout, "--jobs": args.jobs, "--rlimit": args.rlimit})   # NaN, inf
     except BoundError as err:
         print(f"parsat verify: {err}", file=sys.stderr)
         return 2
@@ -50,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(verdict.to_json()), flush=True)
 
     report = verify_paths(args.paths or None, match=args.match, timeout=args.timeout, jobs=args.jobs, cache=cache,
-                          on_verdict=stream if args.json else None)
+                          on_verdict=stream if args.json else None, rlimit=args.rlimit)
     for problem in report.cache_problems:
         print(f"parsat verify: warning: {problem}", file=sys.stderr)
     for error in report.errors:

@@ -16,7 +16,9 @@ inputs and says whether it fails there, and how:
 multiples of the degrees, so that divisibility holds without rejection),
 plus any witnesses the caller passes. `shrink` lowers sizes while the
 failure stays; every step it takes lowers the sum of all sizes, so it
-ends. Both stop at a deadline. Literals that a float cannot hold exactly
+ends. Both are bounded by counts; past an optional wall-clock deadline
+they raise `limits.OutOfTime` (a safety valve: stopping early would make
+the answer depend on the machine's speed). Literals that a float cannot hold exactly
 (`1e-400`) are replayed in exact rational arithmetic.
 """
 
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
@@ -39,6 +40,7 @@ from parsat.dsl.printer import format_expr
 from parsat.dsl.typecheck import RuleInstance, TypedTerm
 from parsat.verifier.devices import (DeviceError, DeviceTensor, Inconsistent, Mesh, MeshPlacement, NotPlaceable,
                                      RuleSides, gather, global_value)
+from parsat.verifier.limits import check_deadline
 from parsat.verifier.pieces import PieceSimulator, Unsupported, assemble, observe, simulate  # noqa: F401 (public)
 from parsat.verifier.verdict import Counterexample
 
@@ -417,16 +419,15 @@ def search(instance: RuleInstance, count: int = 60, seed: int = 0, shrink_failur
            notes: list[str] | None = None) -> tuple[Failure | None, int, str]:
     """The first failing sizes found (shrunk unless `shrink_failure` is False), trials run, last skip reason.
 
-    `extra` sizes (witnesses from the checker or z3) are tried first. Stops
-    at `deadline` (a `time.monotonic()` value).
+    `extra` sizes (witnesses from the checker or z3) are tried first. Raises OutOfTime past `deadline`
+    (a `time.monotonic()` value).
     """
     rng = random.Random(seed)
     ran, skipped = 0, ""
     seen: set[tuple] = set()
     candidates = list(extra) + list(candidate_sizes(instance, rng, count))
     for k, sizes in enumerate(candidates):
-        if deadline is not None and time.monotonic() > deadline:
-            break
+        check_deadline(deadline, "the concrete search")
         key = tuple(sorted(sizes.items()))
         if key in seen:
             continue
@@ -490,14 +491,13 @@ def _smaller(value: int, floor: int) -> list[int]:
 
 
 def shrink(instance: RuleInstance, failure: Failure, deadline: float | None = None) -> Failure:
-    """Lower sizes while the rule still fails; every accepted step lowers the sum of sizes, so it ends."""
+    """Lower sizes while the rule still fails; every accepted step lowers the sum of sizes, so it ends
+    (OutOfTime past `deadline`)."""
     best = failure
     floors = {n: (0 if instance.symbols.get(n) == "int" else 1) for n in best.sizes}
     changed = True
     while changed:
         changed = False
-        if deadline is not None and time.monotonic() > deadline:
-            break
         options = []
         for name in sorted(best.sizes, key=lambda n: -best.sizes[n]):
             options += [{**best.sizes, name: v} for v in _smaller(best.sizes[name], floors[name])]
@@ -509,8 +509,7 @@ def shrink(instance: RuleInstance, failure: Failure, deadline: float | None = No
         for sizes in options:
             if _measure(sizes) >= _measure(best.sizes):
                 continue
-            if deadline is not None and time.monotonic() > deadline:
-                break
+            check_deadline(deadline, "shrinking the counterexample")
             smaller = replay(instance, sizes)
             if smaller is not None:
                 best, changed = smaller, True

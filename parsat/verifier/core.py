@@ -1,4 +1,4 @@
-"""One rule to one verdict: ranks, concrete search, vacuity, proof, replay, all within one deadline.
+"""One rule to one verdict: ranks, concrete search, vacuity, proof, replay, each bounded by counted work.
 
 The order is docs/VERIFIER.md's (and docs/ARCHITECTURE.md's):
 1. `ranks.plan` types the rule at the rank assignments to search and to
@@ -26,15 +26,16 @@ The order is docs/VERIFIER.md's (and docs/ARCHITECTURE.md's):
    spread analysis must not have disagreed with them anywhere; otherwise
    the verdict is UNKNOWN with a bug report.
 
-`timeout` bounds the whole verdict: every stage gets what is left of one
-deadline, and a rule that runs out is UNKNOWN saying which stage it was in.
+Every stage is bounded by counted work (`limits`): the search by its trial
+counts, every z3 query by `rlimit`, so the verdict is a function of the rule
+and the budgets. `timeout` is only a safety valve on the wall clock: a rule
+that passes it is UNKNOWN saying which stage the wall clock cut.
 A crash inside one rule's verification becomes that rule's UNKNOWN.
 """
 
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
@@ -45,15 +46,14 @@ from parsat.dsl.parallel_ops import expand_fused_rule
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import RuleInstance, TypeCheckError, check_rhs_bound, group_assignments, type_rule
 from parsat.verifier import concrete, ranks
+from parsat.verifier.limits import DEFAULT_RLIMIT, DEFAULT_TIMEOUT, OutOfTime, WallClock, wall_clock_reason
 from parsat.verifier.verdict import (BOUNDED, ILLEGAL, PROVED, REFUTED, UNKNOWN, VACUOUS, Counterexample,
                                      Verdict)
 
 MAX_RANK = ranks.MAX_RANK
-DEFAULT_TIMEOUT = 20.0
-SEARCH_SHARE = 0.5       # of the deadline, at most, for the concrete search before the proof starts
 SEARCH_TRIALS = 80       # random trials per rule, spread over its searched instances
 SEARCH_MIN_TRIALS = 12   # per instance
-VERSION = "verify-4"     # with the hash of the verifier's code (cache.code_hash), the cache key's version
+VERSION = "verify-5"     # with the hash of the verifier's code (cache.code_hash), the cache key's version
 
 
 class RuleError(Exception):
@@ -82,18 +82,6 @@ def _rank(instance: RuleInstance) -> int:
     return max((len(s) for s in instance.tensors.values()), default=0)
 
 
-class _Clock:
-    def __init__(self, timeout: float):
-        self.start = time.monotonic()
-        self.deadline = self.start + timeout
-
-    def left(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.start
-
-
 @dataclass(frozen=True)
 class _Verdicts:
     """Makes one rule's verdicts, so that every stage words them alike and none can promise a proof the
@@ -103,7 +91,7 @@ class _Verdicts:
     name: str
     file: str
     line: int
-    clock: _Clock
+    clock: WallClock
     notes: list[str] = field(default_factory=list, compare=False)
 
     def __call__(self, verdict: str, reason: str = "", cex=None, assumptions=(), max_rank=None) -> Verdict:
@@ -117,14 +105,16 @@ class _Verdicts:
 @dataclass(frozen=True)
 class _Stages:
     """What the stages after typing share, so each takes one argument for the rule's state: the rank plan,
-    the deadline and the verdict maker."""
+    the wall clock, the verdict maker and the rule's z3 work (`prove.Solving`, set once the search is done:
+    z3 is loaded only for rules that get that far)."""
 
     plan: ranks.RankPlan
-    clock: _Clock
-    timeout: float
+    clock: WallClock
     done: _Verdicts
     rule: ast.RuleDecl                  # with fused operators expanded
     ops: Mapping[str, ast.OpDecl]
+    rlimit: int
+    solving: object = None
 
 
 @dataclass(frozen=True)
@@ -134,17 +124,18 @@ class _Searched:
 
     trials: int
     skipped: str       # why some sizes could not be simulated ('' if none)
-    exhausted: bool    # every searched instance was tried before the search's share of the deadline ran out
     instances: int     # how many rank assignments were searched
 
 
 def verify_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], file: str = "", timeout: float = DEFAULT_TIMEOUT,
-                search_trials: int = SEARCH_TRIALS) -> Verdict:
+                search_trials: int = SEARCH_TRIALS, rlimit: int = DEFAULT_RLIMIT) -> Verdict:
     """The verdict for one rule; never raises for a semantic problem (RuleError for a malformed rule).
 
-    A fused parallel operator means its steps (`dsl.parallel_ops`): the rule is verified with them expanded."""
+    `search_trials` and `rlimit` (z3's work units per query) decide the verdict; `timeout` (seconds) only
+    stops a runaway, with an UNKNOWN that says so. A fused parallel operator means its steps
+    (`dsl.parallel_ops`): the rule is verified with them expanded."""
     rule = expand_fused_rule(rule)
-    clock = _Clock(timeout)
+    clock = WallClock(timeout)
     line = rule.span.line if rule.span else 0
     file = file or (rule.span.file if rule.span else "")
     done = _Verdicts(rule.name, file, line, clock)
@@ -156,22 +147,25 @@ def verify_rule(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], file: str = "
         if not rank_plan.search and not rank_plan.proof:
             top = f" up to rank {ranks.SEARCH_MAX_RANK}" if rank_plan.max_rank is not None else ""
             return done(VACUOUS, f"no rank assignment types{top}: the rule never applies")
-        stages = _Stages(rank_plan, clock, timeout, done, rule, ops)
+        stages = _Stages(rank_plan, clock, done, rule, ops, rlimit)
         searched = _concrete_search(stages, search_trials)
         if isinstance(searched, Verdict):
             return searched
 
         from parsat.verifier import prove
 
-        settled, hint = _settled_before_proof(stages, searched, prove)
+        stages = replace(stages, solving=prove.Solving(rlimit))
+        settled, hint = _settled_before_proof(stages, searched)
         if settled is not None:
             return settled
-        settled, assumptions = _proof_stage(stages, prove)
+        settled, assumptions = _proof_stage(stages)
         if settled is not None:
             return settled
         return _trusted_verdict(stages, searched, assumptions, hint)
     except RuleError:
         raise
+    except OutOfTime as cut:
+        return done(UNKNOWN, wall_clock_reason(timeout, cut.stage))
     except Exception as err:  # a crash in one rule never stops the others
         return done(UNKNOWN, f"internal error: {type(err).__name__}: {err}")
 
@@ -193,20 +187,15 @@ def _typed_plan(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl]) -> ranks.Rank
 def _concrete_search(stages: _Stages, search_trials: int) -> Verdict | _Searched:
     """Step 3: the concrete search, smallest ranks first, witnesses of failing legality conditions first.
 
-    A counterexample is REFUTED and a deadline passed during the search is UNKNOWN (both as a Verdict);
-    otherwise what the search did, which the later stages need."""
+    A counterexample is REFUTED (a Verdict); otherwise what the search did, which the later stages need.
+    Bounded by its trial counts only (the wall clock raises OutOfTime)."""
     clock, done = stages.clock, stages.done
     # A rank where the spread analysis refuses a node is no parallel program: nothing there to replay as a
     # counterexample (ILLEGAL, `_settled_before_proof`); the other ranks are searched.
     searched = sorted((i for i in stages.plan.search if not i.problems), key=lambda i: (_rank(i), sum(i.groups.values())))
     per_instance = max(SEARCH_MIN_TRIALS, search_trials // max(1, len(searched)))
-    search_deadline = clock.start + stages.timeout * SEARCH_SHARE
     trials, skipped = 0, ""
-    exhausted = True
     for instance in searched:
-        if time.monotonic() > search_deadline:
-            exhausted = False
-            break
         failure, ran, skip = concrete.search(instance, count=per_instance, deadline=clock.deadline,
                                              extra=_witnesses(instance), notes=done.notes)
         if failure is None and not ran:  # no drawn size applies: ask the checker's search for some that do
@@ -216,13 +205,10 @@ def _concrete_search(stages: _Stages, search_trials: int) -> Verdict | _Searched
         skipped = skipped or skip
         if failure is not None:
             return done(REFUTED, failure.reason, failure.counterexample)
-    if clock.left() <= 0:
-        return done(UNKNOWN, f"timeout ({stages.timeout:g} s) during the concrete search, after {trials} trials; "
-                             "no counterexample found")
-    return _Searched(trials, skipped, exhausted, len(searched))
+    return _Searched(trials, skipped, len(searched))
 
 
-def _settled_before_proof(stages: _Stages, searched: _Searched, prove) -> tuple[Verdict | None, str]:
+def _settled_before_proof(stages: _Stages, searched: _Searched) -> tuple[Verdict | None, str]:
     """Step 4: the verdicts z3 is not asked for (no rank to prove at, a vacuous rule, an illegal spread the
     search could not refute), or None; and a hint that the rule is perhaps vacuous ('' if not), which keeps
     a later proof from being PROVED."""
@@ -232,7 +218,7 @@ def _settled_before_proof(stages: _Stages, searched: _Searched, prove) -> tuple[
                              f"({plan.why_bounded}); no counterexample up to rank {ranks.SEARCH_MAX_RANK} "
                              f"in {searched.trials} trials"), ""
 
-    vacuous = _vacuity(plan.proof or plan.search, prove, stages.clock)
+    vacuous = _vacuity(plan.proof or plan.search, stages)
     hint = ""
     if vacuous.startswith("?"):  # probably vacuous, not shown: said with an UNKNOWN, never PROVED
         vacuous, hint = "", vacuous[1:]
@@ -248,16 +234,17 @@ def _settled_before_proof(stages: _Stages, searched: _Searched, prove) -> tuple[
     return None, hint
 
 
-def _proof_stage(stages: _Stages, prove) -> tuple[Verdict | None, tuple]:
+def _proof_stage(stages: _Stages) -> tuple[Verdict | None, tuple]:
     """Step 5: z3 on every proof instance; a verdict when one is not proved (a z3 model counts as REFUTED
     only once it replays on the devices), else None and the assumptions the proofs made."""
-    clock, done, timeout = stages.clock, stages.done, stages.timeout
+    from parsat.verifier import prove
+
+    clock, done = stages.clock, stages.done
     assumptions: tuple = ()
     for instance in stages.plan.proof:
-        if clock.left() <= 0:
-            return done(UNKNOWN, f"timeout ({timeout:g} s) while proving{_groups(instance)}"), assumptions
+        clock.check(f"the proof{_groups(instance)}")
         try:
-            result = prove.prove_instance(instance, clock.left())
+            result = prove.prove_instance(instance, clock.left(), stages.solving)
         except prove.Unprovable as err:
             return done(UNKNOWN, f"{err}{_groups(instance)}"), assumptions
         assumptions = assumptions or result.assumptions
@@ -306,16 +293,15 @@ def _trusted_verdict(stages: _Stages, searched: _Searched, assumptions: tuple, h
     return done(PROVED, assumptions=assumptions)
 
 
-def _lowering_checked(proved: list[RuleInstance], clock: _Clock) -> str:
-    """The z3 lowering of every proved instance against the devices ('' if they agree, or there is no time
-    left to look), at its smallest applicable sizes and at the applicable candidate sizes with the most
+def _lowering_checked(proved: list[RuleInstance], clock: WallClock) -> str:
+    """The z3 lowering of every proved instance against the devices ('' if they agree), at its smallest applicable sizes and at the applicable candidate sizes with the most
     symbols above 1 (the smallest such): at size 1 a max, a window, a block re-indexing or a gather has a
     single term, and a wrong lowering of it can agree with the devices by accident."""
     from parsat.verifier.crosscheck import lowering_disagrees
 
+    stage = "the cross-check of the z3 lowering against the devices"
     for instance in proved:
-        if clock.left() <= 0:
-            break
+        clock.check(stage)
         kinds = instance.symbols
         wide = [{n: (2 if k == "degree" else m if k == "dim" else m // 2) for n, k in kinds.items()} for m in (4, 6)]
         applicable = [sizes for sizes in list(concrete.candidate_sizes(instance, random.Random(0), 8)) + wide
@@ -324,8 +310,7 @@ def _lowering_checked(proved: list[RuleInstance], clock: _Clock) -> str:
             continue
         spread = max(applicable, key=lambda sizes: (sum(v >= 2 for v in sizes.values()), -sum(sizes.values())))
         for sizes in [applicable[0]] + ([spread] if spread != applicable[0] else []):
-            if clock.left() <= 0:
-                return ""
+            clock.check(stage)
             try:
                 found = lowering_disagrees(instance, sizes)
             except concrete.Unsupported:
@@ -365,8 +350,11 @@ def _applicable(instance: RuleInstance) -> list[dict[str, int]]:
     return [sizes for sizes in found if sizes is not None]
 
 
-def _vacuity(typed: list[RuleInstance], prove, clock: _Clock) -> str:
+def _vacuity(typed: list[RuleInstance], stages: _Stages) -> str:
     """Why the rule is vacuous ('' when it is not): it never applies, or only with a degree forced to 1."""
+    from parsat.verifier import prove
+
+    clock, solving = stages.clock, stages.solving
     if not typed:
         return ""
     never = 0
@@ -374,14 +362,14 @@ def _vacuity(typed: list[RuleInstance], prove, clock: _Clock) -> str:
     hints: list[str] = []
     for instance in typed:
         assumptions = instance.where + instance.lhs_requires
-        if witness(assumptions, instance.symbols) is None and prove.never_applies(instance, max(0.05, clock.left())):
+        if witness(assumptions, instance.symbols) is None and prove.never_applies(instance, clock.left(), solving):
             never += 1
             continue
         for degree in sorted(s for s, k in instance.symbols.items() if k == "degree"):
             at_least_two = Rel(">=", Poly.sym(degree), Poly.const(2))
             if witness(assumptions + (at_least_two,), instance.symbols) is not None:
                 continue
-            if prove.forced_to_one(instance, degree, max(0.05, clock.left())):
+            if prove.forced_to_one(instance, degree, clock.left(), solving):
                 shown = dict.fromkeys(prove.describe_condition(c) for c in assumptions)
                 forced.setdefault(degree, "; ".join(shown) or "no assumption")
             else:
@@ -396,7 +384,7 @@ def _vacuity(typed: list[RuleInstance], prove, clock: _Clock) -> str:
     return "" if not hints else "?" + hints[0]
 
 
-def _rhs_untyped(rule, ops, rank_plan, clock: _Clock, done) -> Verdict:
+def _rhs_untyped(rule, ops, rank_plan, clock: WallClock, done) -> Verdict:
     """The left side types at some ranks and the right does not: show the left side applying there."""
     groups, error = rank_plan.rhs_untyped[0]
     reason = f"the right-hand side does not type where the left does ({_fmt_groups(groups)}): {error}"

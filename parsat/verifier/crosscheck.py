@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 import math
 import random
-import time
 import zlib
 from typing import Iterator, Mapping
 
@@ -37,6 +36,7 @@ from parsat.dsl.evaluate import EvaluationError
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import RuleInstance, TypeCheckError, group_assignments, type_rule
 from parsat.verifier import concrete, prove
+from parsat.verifier.limits import check_deadline
 from parsat.verifier.ranks import top_rank
 from parsat.verifier.devices import DeviceError, NotPlaceable, RuleSides, gather
 
@@ -208,7 +208,8 @@ def devices_disagree(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], max_rank
     """A disagreement of the two sides on the devices at a random large instance ('' when every one agrees).
 
     `max_rank` is the rank the verdict claims up to (None: every rank, checked up to LARGE_MAX_RANK).
-    The draws are seeded by the rule's name, so a verdict is reproducible."""
+    The draws are seeded by the rule's name, so a verdict is reproducible; past `deadline` (the wall
+    clock's safety valve) OutOfTime, never a shorter check."""
     for instance, sizes, seed in large_instances(rule, ops, max_rank, deadline):
         try:
             failure = concrete.trial(instance, sizes, seed=seed, notes=notes)
@@ -242,8 +243,9 @@ def large_instances(rule: ast.RuleDecl, ops: Mapping[str, ast.OpDecl], max_rank:
             continue  # no parallel program to run here
         found = 0
         for draw in range(LARGE_DRAWS // 2):
-            if found >= per_instance or (deadline is not None and time.monotonic() > deadline):
+            if found >= per_instance:
                 break
+            check_deadline(deadline, "the cross-check at random large instances")
             sizes = large_sizes(instance, rng)
             if sizes is not None and concrete.applies(instance, sizes):
                 found += 1

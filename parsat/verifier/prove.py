@@ -30,6 +30,7 @@ from parsat.dsl.conditions import Cond, Junction, Negation, Rel, symbolic_truth,
 from parsat.dsl.symbolic import ONE, ZERO, Poly
 from parsat.dsl.typecheck import RuleInstance, TypedTerm
 from parsat.verifier import normal as nf
+from parsat.verifier.limits import DEFAULT_RLIMIT, OutOfTime, budget_reason, check_deadline
 
 
 MAX_CASE_SPLITS = 4
@@ -366,24 +367,77 @@ class _Body:
 _UNDEFINED_WHERE = {"?zero": lambda v: v == 0, "?nonpos": lambda v: v <= 0, "?neg": lambda v: v < 0}
 
 
+class Solving:
+    """One rule's z3 work: a context of its own and the work budget of each query (`limits`).
+
+    z3's count for a query depends on the terms its context already holds (the
+    same query used 16k units first in a process, 26k after 30 other rules),
+    so each rule gets a fresh context: its counts, and so its verdict, are then
+    a function of the rule and the budget alone, whichever worker runs it.
+    `most` is the largest count one query used, for the benchmark that sets the
+    default (benchmarks/verify_rlimit.py)."""
+
+    def __init__(self, rlimit: int = DEFAULT_RLIMIT):
+        self.rlimit = rlimit
+        self.ctx = z3.Context()
+        self.most = 0
+        self.last = 0      # the units the last query used
+        self._count = 0
+
+    def solver(self, deadline: float) -> z3.Solver:
+        """A solver bounded by the budget; the wall clock's remaining time is only its safety valve."""
+        solver = z3.Solver(ctx=self.ctx)
+        solver.set("rlimit", self.rlimit)
+        solver.set("timeout", max(1, min(2 ** 32 - 2, int((deadline - time.monotonic()) * 1000))))
+        return solver
+
+    def check(self, solver: z3.Solver, deadline: float, stage: str):
+        """`solver.check()`: sat, unsat, or unknown when the budget ran out (`out_of_budget`) or z3 gave up;
+        OutOfTime when the wall clock cut it (before or during the query)."""
+        check_deadline(deadline, stage)
+        result = solver.check()
+        stats = solver.statistics()
+        if "rlimit count" in stats.keys():  # the context's running count: this query's is the difference
+            count = int(stats.get_key_value("rlimit count"))
+            self.last, self._count = count - self._count, count
+            self.most = max(self.most, self.last)
+        if result == z3.unknown and not self.out_of_budget(solver) and time.monotonic() >= deadline:
+            raise OutOfTime(stage)
+        return result
+
+    def out_of_budget(self, solver: z3.Solver) -> bool:
+        """Whether the last query's unknown is the budget's: z3 says "max. resource limit exceeded", or
+        "canceled" with the count at the budget (a tactic stopped by the limit says only that)."""
+        reason = solver.reason_unknown()
+        return "resource limit" in reason or (reason == "canceled" and self.last >= self.rlimit)
+
+
 class _Z3:
-    def __init__(self):
+    """Terms in one rule's context (`Solving`), built once per name."""
+
+    def __init__(self, solving: Solving):
+        self.solving = solving
+        self.ctx = ctx = solving.ctx
         self.ints: dict[str, z3.ArithRef] = {}
         self.funcs: dict = {}
         self.applied: list[tuple] = []  # (function name, argument, application) of the uninterpreted functions
-        self.sum = z3.Function("SUM", z3.IntSort(), z3.ArraySort(z3.IntSort(), z3.RealSort()), z3.RealSort())
+        ints, reals = z3.IntSort(ctx), z3.RealSort(ctx)
+        self.sum = z3.Function("SUM", ints, z3.ArraySort(ints, reals), reals)
         # Uninterpreted: a proof may use only that equal bounds and equal bodies give equal maxima.
-        self.max = z3.Function("MAX", z3.IntSort(), z3.ArraySort(z3.IntSort(), z3.RealSort()), z3.RealSort())
+        self.max = z3.Function("MAX", ints, z3.ArraySort(ints, reals), reals)
 
     def int(self, name: str):
         if name not in self.ints:
-            self.ints[name] = z3.Int(name)
+            self.ints[name] = z3.Int(name, self.ctx)
         return self.ints[name]
 
+    def real(self, value) -> z3.ArithRef:
+        return z3.RealVal(value, self.ctx)
+
     def poly(self, p: Poly):
-        total = z3.IntVal(0)
+        total = z3.IntVal(0, self.ctx)
         for mono, coeff in p.terms:
-            term = z3.IntVal(coeff)
+            term = z3.IntVal(coeff, self.ctx)
             for atom, exp in mono:
                 if isinstance(atom, str):
                     base = self.int(atom)
@@ -393,7 +447,7 @@ class _Z3:
                 for _ in range(exp):
                     term = term * base
             total = total + term
-        return z3.simplify(total) if False else total
+        return total
 
     def rel(self, op: str, a, b):
         return {"<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b, "==": a == b, "!=": a != b}[op]
@@ -417,27 +471,28 @@ class _Z3:
         key = (name, rank)
         if key not in self.funcs:
             if rank == 0:
-                self.funcs[key] = z3.Real(f"{name}[]")
+                self.funcs[key] = z3.Real(f"{name}[]", self.ctx)
             else:
-                self.funcs[key] = z3.Function(name, *([z3.IntSort()] * rank), z3.RealSort())
+                self.funcs[key] = z3.Function(name, *([z3.IntSort(self.ctx)] * rank), z3.RealSort(self.ctx))
         return self.funcs[key]
 
     def fn(self, name: str):
         key = ("fn", name)
         if key not in self.funcs:
-            self.funcs[key] = z3.Function(f"fn_{name}", z3.RealSort(), z3.RealSort())
+            self.funcs[key] = z3.Function(f"fn_{name}", z3.RealSort(self.ctx), z3.RealSort(self.ctx))
         return self.funcs[key]
 
     def value(self, form: tuple):
-        total = z3.RealVal(0)
+        total = self.real(0)
         for coef, binders, factors in form:
-            body = z3.RealVal(Fraction(coef).numerator) / z3.RealVal(Fraction(coef).denominator) \
-                if Fraction(coef).denominator != 1 else z3.RealVal(Fraction(coef).numerator)
+            coef = Fraction(coef)
+            body = self.real(coef.numerator) / self.real(coef.denominator) if coef.denominator != 1 \
+                else self.real(coef.numerator)
             for f in factors:
                 body = body * self.factor(f)
             for var, bound in reversed(binders):
                 v, b = self.int(var), self.poly(bound)
-                body = self.sum(b, z3.Lambda([v], z3.If(z3.And(v >= 0, v < b), body, z3.RealVal(0))))
+                body = self.sum(b, z3.Lambda([v], z3.If(z3.And(v >= 0, v < b), body, self.real(0))))
             total = total + body
         return total
 
@@ -449,21 +504,21 @@ class _Z3:
         if kind == "size":
             return z3.ToReal(self.poly(f[1]))
         if kind == "real":
-            return z3.Real(f[1])
+            return z3.Real(f[1], self.ctx)
         if kind == "recip":
             return 1 / self.value(f[1])
         if kind == "ind":
             test = self.cond(f[1])
-            return z3.If(test if f[2] else z3.Not(test), z3.RealVal(1), z3.RealVal(0))
+            return z3.If(test if f[2] else z3.Not(test), self.real(1), self.real(0))
         if kind == "max":
             body = self.value(f[2])
             for var, bound in reversed(f[1]):
                 v, b = self.int(var), self.poly(bound)
-                body = self.max(b, z3.Lambda([v], z3.If(z3.And(v >= 0, v < b), body, z3.RealVal(0))))
+                body = self.max(b, z3.Lambda([v], z3.If(z3.And(v >= 0, v < b), body, self.real(0))))
             return body
         args = [self.value(a) for a in f[2]]
         if f[1] in _UNDEFINED_WHERE:  # 1 where the partial operation is out of its domain, else 0
-            return z3.If(_UNDEFINED_WHERE[f[1]](args[0]), z3.RealVal(1), z3.RealVal(0))
+            return z3.If(_UNDEFINED_WHERE[f[1]](args[0]), self.real(1), self.real(0))
         if f[1] == "max":
             return z3.If(args[0] >= args[1], args[0], args[1])
         if f[1] == "min":
@@ -471,7 +526,7 @@ class _Z3:
         if f[1] == "abs":
             return z3.If(args[0] >= 0, args[0], -args[0])
         if f[1] == "step":
-            return z3.If(args[0] > 0, z3.RealVal(1), z3.RealVal(0))
+            return z3.If(args[0] > 0, self.real(1), self.real(0))
         applied = self.fn(f[1])(*args)
         self.applied.append((f[1], args[0], applied))
         return applied
@@ -523,11 +578,11 @@ def _assumptions(instance: RuleInstance) -> tuple[str, ...]:
     return tuple(found)
 
 
-def _facts(instance: RuleInstance) -> tuple[_Sizes, _Lowering, _Z3, list]:
+def _facts(instance: RuleInstance, solving: Solving) -> tuple[_Sizes, _Lowering, _Z3, list]:
     """The solved sizes, a lowering over them, and the z3 facts every query assumes."""
     sizes = solve_sizes(instance)
     low = _Lowering(sizes)
-    zz = _Z3()
+    zz = _Z3(solving)
     facts = []
     for name, kind in sizes.kinds.items():
         if name in sizes.subst:
@@ -540,40 +595,45 @@ def _facts(instance: RuleInstance) -> tuple[_Sizes, _Lowering, _Z3, list]:
     return sizes, low, zz, facts
 
 
-def never_applies(instance: RuleInstance, timeout: float) -> bool:
+def never_applies(instance: RuleInstance, timeout: float, solving: Solving | None = None) -> bool:
     """z3 shows the `where` and the left side's requirements contradictory (a proof would be empty)."""
-    _sizes, _low, _zz, facts = _facts(instance)
-    return _vacuous(facts, time.monotonic() + timeout)
+    _sizes, _low, zz, facts = _facts(instance, solving or Solving())
+    return _vacuous(zz, facts, time.monotonic() + timeout)
 
 
-def forced_to_one(instance: RuleInstance, degree: str, timeout: float) -> bool:
+def forced_to_one(instance: RuleInstance, degree: str, timeout: float, solving: Solving | None = None) -> bool:
     """z3 shows that the rule's assumptions allow `degree` only at 1 (the rule parallelizes nothing).
 
     Asked twice: on the assumptions as written (z3 settles `h % p == 0, (h - 1) % p == 0` at once) and
-    after the divisibility substitutions (which settle others).
+    after the divisibility substitutions (which settle others). A query that runs out of its budget shows
+    nothing (False).
     """
-    zz = _Z3()
+    solving = solving or Solving()
+    deadline = time.monotonic() + timeout
+    zz = _Z3(solving)
     raw = [zz.int(n) >= (0 if k == "int" else 1) for n, k in instance.symbols.items()]
     raw += [zz.cond(c) for c in instance.where + instance.lhs_requires]
-    sizes, low, zs, facts = _facts(instance)
+    sizes, low, zs, facts = _facts(instance, solving)
     for z, given, value in ((zz, raw, Poly.sym(degree)), (zs, facts, low.P(Poly.sym(degree)))):
-        solver = z3.Solver()
-        solver.set("timeout", max(1, int(min(2.0, timeout) * 1000)))
+        solver = solving.solver(deadline)
         solver.add(*given)
         solver.add(z.poly(value) >= 2)
-        if solver.check() == z3.unsat:
+        if solving.check(solver, deadline, "the vacuity check (z3)") == z3.unsat:
             return True
     return False
 
 
-def prove_instance(instance: RuleInstance, timeout: float) -> ProofResult:
-    """Prove one rank assignment; z3 models come back as candidates ("never": it never applies)."""
+def prove_instance(instance: RuleInstance, timeout: float, solving: Solving | None = None) -> ProofResult:
+    """Prove one rank assignment; z3 models come back as candidates ("never": it never applies).
+
+    Each query is bounded by `solving`'s budget (a fresh context and the default budget when None);
+    OutOfTime when the wall clock passes `timeout` seconds."""
     deadline = time.monotonic() + timeout
-    sizes, low, zz, facts = _facts(instance)
+    sizes, low, zz, facts = _facts(instance, solving or Solving())
     assumptions = _assumptions(instance)
     lhs, rhs = instance.lhs, instance.rhs
 
-    if _vacuous(facts, deadline):
+    if _vacuous(zz, facts, deadline):
         return ProofResult("never", "the rule never applies: its 'where' and the left-hand side's requirements "
                                     "cannot hold together", {}, assumptions)
     if len(lhs.shape) != len(rhs.shape):
@@ -697,38 +757,34 @@ def _defined_where_left_is(zz: _Z3, facts, left: tuple, right: tuple, deadline: 
     return _check(zz, facts + known, z3.And(*[zz.value((m,)) == 0 for m in residual]), deadline)
 
 
-def _vacuous(facts, deadline: float) -> bool:
+def _vacuous(zz: _Z3, facts, deadline: float) -> bool:
     """True only when z3 shows the assumptions contradictory (a proof would be empty)."""
-    solver = z3.Solver()
-    solver.set("timeout", max(1, int(min(2.0, max(0.0, deadline - time.monotonic())) * 1000)))
+    solver = zz.solving.solver(deadline)
     solver.add(*facts)
-    return solver.check() == z3.unsat
+    return zz.solving.check(solver, deadline, "the vacuity check (z3)") == z3.unsat
 
 
 def _small_model(zz: _Z3, facts, goal, model, deadline: float):
     """A model with small sizes (descending bounds on their sum), so its replay is cheap and readable.
 
     z3.Optimize would refuse the lambdas of summations, so the solver is
-    asked again with `sum(sizes) <= bound` for shrinking bounds.
+    asked again with `sum(sizes) <= bound` for shrinking bounds, at most 8
+    times, each query within the budget (one that runs out ends the descent).
     """
     sizes = [v for name, v in zz.ints.items() if not name.startswith(("@", "$", "~"))]
     if not sizes:
         return model
     total = z3.Sum(sizes)
-    solver = z3.Solver()
+    solver = zz.solving.solver(deadline)
     solver.add(*facts, *zz.lemmas())
     solver.add(z3.Not(goal))
     best = model
     for _ in range(8):
-        remaining = min(1.0, deadline - time.monotonic())
-        if remaining <= 0.05:
-            break
         current = best.eval(total, model_completion=True).as_long()
         for bound in (current // 2, current - 1):
             solver.push()
-            solver.set("timeout", int(remaining * 1000))
             solver.add(total <= bound)
-            found = solver.check() == z3.sat
+            found = zz.solving.check(solver, deadline, "the search for a small model (z3)") == z3.sat
             if found:
                 best = solver.model()
             solver.pop()
@@ -740,19 +796,18 @@ def _small_model(zz: _Z3, facts, goal, model, deadline: float):
 
 
 def _check(zz: _Z3, facts, goal, deadline: float) -> tuple:
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        return ("timeout", None)
-    solver = z3.Solver()
-    solver.set("timeout", max(1, int(remaining * 1000)))
+    """("proved", None), ("sat", a small model), ("budget", None) or ("unknown", z3's reason)."""
+    solver = zz.solving.solver(deadline)
     solver.add(*facts, *zz.lemmas())
     solver.add(z3.Not(goal))
-    result = solver.check()
+    result = zz.solving.check(solver, deadline, "the proof (z3)")
     if result == z3.unsat:
         return ("proved", None)
     if result == z3.sat:
         return ("sat", _small_model(zz, facts, goal, solver.model(), deadline))
-    return ("timeout" if time.monotonic() >= deadline else "unknown", solver.reason_unknown())
+    if zz.solving.out_of_budget(solver):
+        return ("budget", zz.solving.rlimit)
+    return ("unknown", solver.reason_unknown())
 
 
 def _finish(verdict: tuple, what: str, instance: RuleInstance, sizes: _Sizes, assumptions,
@@ -764,15 +819,15 @@ def _finish(verdict: tuple, what: str, instance: RuleInstance, sizes: _Sizes, as
         model = _model_sizes(payload, instance, sizes)
         inputs, reals = _model_values(payload, instance, model, zz) if zz is not None else ({}, {})
         return ProofResult("candidate", f"z3 cannot show that {what}", model, assumptions, inputs, reals)
-    if status == "timeout":
-        return ProofResult("unknown", f"timeout while proving that {what}", {}, assumptions)
+    if status == "budget":
+        return ProofResult("unknown", budget_reason(payload, what), {}, assumptions)
     return ProofResult("unknown", f"z3 gave up proving that {what} ({payload})", {}, assumptions)
 
 
 def _model_sizes(model, instance: RuleInstance, sizes: _Sizes) -> dict:
     values = {}
     for name, kind in sizes.kinds.items():
-        decl = z3.Int(name)
+        decl = z3.Int(name, model.ctx)
         value = model.eval(decl, model_completion=True)
         try:
             values[name] = max(int(value.as_long()), 0 if kind == "int" else 1)
@@ -823,7 +878,7 @@ def _model_values(model, instance: RuleInstance, sizes: dict, zz: _Z3) -> tuple[
                 table[key] = _rational(entry.value())
         values = [table.get(index, default) for index in itertools.product(*(range(n) for n in dims))]
         inputs[name] = _nested(values, dims)
-    reals = {name: _rational(model.eval(z3.Real(name), model_completion=True)) for name in instance.reals}
+    reals = {name: _rational(model.eval(z3.Real(name, model.ctx), model_completion=True)) for name in instance.reals}
     return inputs, reals
 
 
