@@ -30,10 +30,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-# The most z3 work units (`rlimit`) one query may use. The largest any query of rules/ and tests/true_rules
-# needs is under 1.1 million (benchmarks/RESULTS-verify.md, `benchmarks/verify_rlimit.py`): 50 million
-# leaves a margin of about 45x. A query that reaches it runs for about ten CPU seconds on the 2-core box.
-DEFAULT_RLIMIT = 50_000_000
+# The most z3 work units (`rlimit`) one query may use. The largest any query of rules/ (17,142) and
+# tests/true_rules/ (171,174) needs was measured with `benchmarks/verify_rlimit.py` (benchmarks/
+# RESULTS-verify.md): 10 million is 58x the largest, 580x the library's. A query that runs out of it has
+# spent about 3 CPU seconds on the 2-core box, and ends its rule's verdict (UNKNOWN).
+DEFAULT_RLIMIT = 10_000_000
 # The wall-clock safety valve per rule (seconds). Far above what any rule needs under its budgets (the
 # slowest rule of the library takes a few CPU seconds), so that it fires only for a runaway or a stalled
 # machine, not because a loaded one is slow.
