@@ -25,7 +25,7 @@ from parsat.verifier.cache import VerdictCache, rule_key
 
 TRUE = Path(__file__).parent / "true_rules" / "more_true.rule"
 WRONG = Path(__file__).parent / "wrong_rules" / "parallel_wrong.rule"
-RULE = "unflatten_of_flatten"   # four z3 queries, the largest under 30k units: 2,000 is far too few
+RULE = "unflatten_of_flatten"   # about eight z3 queries, the largest 16,208 units: 2,000 is far too few
 TINY = 2_000
 
 
