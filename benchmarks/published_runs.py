@@ -91,6 +91,11 @@ class Row:
 
         return self.model_flops() / (step_s * self.gpus * PRESETS[self.machine].peak_flops)
 
+    def sizes(self) -> dict[str, int]:
+        """The built-in `gpt` example's sizes for this row (`parsat.optimize(..., sizes=)`)."""
+        return {"blocks": self.layers, "hidden": self.hidden, "heads": self.heads, "seq": self.seq,
+                "vocab": self.vocab, "batch": self.batch}
+
     def published_step_s(self) -> float:
         return self.step_flops() / (self.tflops_per_gpu * 1e12 * self.gpus)
 
@@ -132,8 +137,6 @@ def price(row: Row, zero_free: bool = False) -> dict:
     degrees = {"tp": row.t, "pp": row.p} if row.p > 1 else {"tp": row.t, "dp": d}
     if row.distributed_optimizer and not zero_free:
         degrees["zero"] = 1
-    sizes = {"blocks": row.layers, "hidden": row.hidden, "heads": row.heads, "seq": row.seq, "vocab": row.vocab,
-             "batch": row.batch}
     options = {"degrees": degrees, "microbatches": row.batch // d}   # micro-batch size 1 per data-parallel rank
     if row.hardware_flops:
         options["recompute"] = "blocks"
@@ -145,7 +148,7 @@ def price(row: Row, zero_free: bool = False) -> dict:
     out = {**asdict(row), "d": d, "pins": degrees, "published_step_s": row.published_step_s(),
            "flops": "hardware (SC'21 eq. 3)" if row.hardware_flops else "model"}
     try:
-        plan = parsat.optimize("gpt", machine=row.machine, devices=row.gpus, sizes=sizes,
+        plan = parsat.optimize("gpt", machine=row.machine, devices=row.gpus, sizes=row.sizes(),
                                progress=lambda m: print(f"  [{row.name}] {m}", file=sys.stderr, flush=True),
                                **options)
     except Exception as err:  # noqa: BLE001 - the error is the result
@@ -165,12 +168,10 @@ def price_free(row: Row) -> dict:
     import parsat
     from parsat.report.explain import explain_plan
 
-    sizes = {"blocks": row.layers, "hidden": row.hidden, "heads": row.heads, "seq": row.seq, "vocab": row.vocab,
-             "batch": row.batch}
     start = time.process_time()
     out: dict = {}
     try:
-        plan = parsat.optimize("gpt", machine=row.machine, devices=row.gpus, sizes=sizes,
+        plan = parsat.optimize("gpt", machine=row.machine, devices=row.gpus, sizes=row.sizes(),
                                progress=lambda m: print(f"  [{row.name} free] {m}", file=sys.stderr, flush=True))
     except Exception as err:  # noqa: BLE001 - the error is the result
         out["error"] = f"{type(err).__name__}: {err}"
@@ -196,7 +197,8 @@ def free_line(r: dict) -> str:
     side = "free" if found < pinned * (1 - 1e-9) else ("equal" if found <= pinned * (1 + 1e-9) else "PINNED")
     pipe = free.get("pipeline") or {}
     return (f"{r['name']}: pinned {pinned:.3f} s, free {found:.3f} s ({pinned / found:.2f}x), wins: {side}; free "
-            f"plan {free.get('chosen')}, pp {pipe.get('pp', 1)} {pipe.get('schedule') or ''}, ZeRO-{free['zero']}, "
+            f"plan {free.get('chosen')}, pp {pipe.get('pp', 1)}{' ' + pipe['schedule'] if pipe else ''}, "
+            f"ZeRO-{free['zero']}, "
             f"recompute {free['recompute']}, fits {free['fits']}, {free['cpu_s']} CPU s")
 
 

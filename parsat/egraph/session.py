@@ -22,8 +22,7 @@ from parsat.ir.pcg import Degrees
 from parsat.ir.placement import Placement
 from parsat.egraph.derivation import Template, applications, hashcons
 from parsat.egraph.encoding import (ANALYSES, APPLIED_PREFIX, EQUATED, MADE_PREFIX, MATCH_SUFFIX, MAX_RANK, RULESETS,
-                                    SHAPE_RULESET, live_row,
-                                    match_ruleset)
+                                    SHAPE_RULESET, live_row, match_ruleset)
 from parsat.egraph.loading import BOUND, GraphLoader, bound_names
 from parsat.egraph.mesh_encoding import FOLD_MADE, at_relation, fold_applications
 from parsat.egraph.program import CompiledRule, RuleProgram, past

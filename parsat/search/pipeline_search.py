@@ -82,7 +82,7 @@ def pipeline_degrees(devices: int, machine: Machine, parameters: int, layers: in
     # a stage is whole nodes, or a part of one node that divides it (48 h100x8 GPUs in 4 stages of 12 is neither)
     degrees = [p for p in (2 ** k for k in range(1, 16)) if p <= devices and devices % p == 0 and p <= layers
                and (node % (devices // p) == 0 or (devices // p) % node == 0)]
-    tensor = min(machine.devices_per_node, devices)
+    tensor = min(node, devices)
     state = parameters * weight_bytes(machine)
     fitting = [p for p in degrees if state / (p * min(tensor, devices // p)) <= STATE_SHARE * machine.memory_capacity]
     start = degrees.index(fitting[0]) if fitting else max(0, len(degrees) - DEGREES_TRIED)

@@ -294,9 +294,10 @@ def _trusted_verdict(stages: _Stages, searched: _Searched, assumptions: tuple, h
 
 
 def _lowering_checked(proved: list[RuleInstance], clock: WallClock) -> str:
-    """The z3 lowering of every proved instance against the devices ('' if they agree), at its smallest applicable sizes and at the applicable candidate sizes with the most
-    symbols above 1 (the smallest such): at size 1 a max, a window, a block re-indexing or a gather has a
-    single term, and a wrong lowering of it can agree with the devices by accident."""
+    """The z3 lowering of every proved instance against the devices ('' if they agree), at its smallest
+    applicable sizes and at the applicable candidate sizes with the most symbols above 1 (the smallest such):
+    at size 1 a max, a window, a block re-indexing or a gather has a single term, and a wrong lowering of it can
+    agree with the devices by accident."""
     from parsat.verifier.crosscheck import lowering_disagrees
 
     stage = "the cross-check of the z3 lowering against the devices"
