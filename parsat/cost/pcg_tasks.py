@@ -15,7 +15,10 @@ How the program that runs the plan issues work is an `ExecutionProfile`:
   (dispatch + kernel), collectives block inside autograd (no overlap),
   each weight's gradient is all-reduced alone when backward reaches it,
   every node's output stays alive until the step ends (the executor's
-  environment), inputs and targets are drawn from a seed every step, SGD.
+  environment), inputs and targets drawn from a seed before each step's
+  clock starts (held full-shape on every rank, not timed:
+  `training_data.StepData.loaded`, as a data loader hands a step its
+  batch), SGD.
 * `DDP`: a GPU framework: communication on its own stream, gradients in
   DDP buckets overlapping backward (one bucket sequence per mesh axis the
   weights are replicated on), activations freed by backward, fused Adam,
@@ -39,7 +42,7 @@ tensors that need a gradient: ones computed from a weight):
 
 | node | forward | backward |
 |---|---|---|
-| input leaf | random data of its full shape (`PARSAT_RUN`) | none |
+| input leaf | its full shape held, drawn before the step (`PARSAT_RUN`: memory, no time) | none |
 | compute | dispatch + kernel (`op_time`) | dispatch + one kernel per input needing a gradient (products), else one (a fused kernel: its own, `OpTime.backward_kernel_s`) |
 | partition | a slice (a copy, unless a view); a weight's is folded into storage | all-gather + concatenation |
 | combine | all-gather + concatenation | slice (copy) |
@@ -48,7 +51,7 @@ tensors that need a gradient: ones computed from a weight):
 | reduce_scatter | slices (copies) + reduce-scatter | all-gather + concatenation |
 | all_gather | all-gather + concatenation (a weight's: kept to its backward) | slices + reduce-scatter; a weight's: the gradient sync |
 
-Then the loss (per output: its target drawn, difference, square, sum:
+Then the loss (per output: difference from its target, square, sum:
 memory-bound operators on the output's piece) and the optimizer (per stored
 weight piece: SGD two operators, Adam eleven, each memory-bound).
 """
@@ -104,7 +107,7 @@ class ExecutionProfile:
     overlap: bool            # collectives on their own stream (else inline, blocking the host thread)
     ddp_buckets: bool        # weight gradients all-reduced in DDP buckets (else one all-reduce each, inline)
     keep_activations: bool   # every node's output alive to the end of the step (else freed by its backward)
-    seeded_inputs: bool      # inputs and targets drawn from a seed every step (their full shape, on every rank)
+    seeded_inputs: bool      # inputs and targets drawn from a seed before each step, held whole on every rank
     eager_gradients: bool    # a weight's gradient is handed on as soon as it is complete (DDP's hooks)
     fused_optimizer: bool    # one multi-tensor update (foreach/fused Adam) instead of operators per tensor
     optimizer: str = "sgd"
@@ -584,11 +587,9 @@ class _Builder:
         if node.role == "weight" or not self.profile.seeded_inputs:
             self.ready[node.id] = None
             return
-        nbytes = _full(node) * self.item
-        rate = self.eff.random_bandwidth
-        seconds = self.eff.op_time(nbytes / rate if rate else 0.0)
+        nbytes = _full(node) * self.item   # drawn before the step's clock (`StepData.loaded`): held, not timed
         self.allocated[node.id] = nbytes
-        self.ready[node.id] = self._add(f"data {node.op}", self.compute, seconds, (), alloc=nbytes)
+        self.ready[node.id] = self._add(f"data {node.op}", self.compute, 0.0, (), alloc=nbytes)
 
     def _parallel_forward(self, node: PNode) -> None:
         deps = self._deps(node)
@@ -746,7 +747,7 @@ class _Builder:
     # ---------------------------------------------------------------- loss
     def loss(self) -> list[int]:
         """Per output, the backend's objective (parsat/backend/executor.py `objective`): a loss output as it is, any
-        other against a target drawn from the seed."""
+        other against a target drawn from the seed before the step (not timed)."""
         tasks = []
         self.loss_bytes = 0
         resharded = {g.key: g for g in self.groups.values() if g.reshard and g.key in self.group_gathered}
@@ -759,11 +760,6 @@ class _Builder:
             piece = _elements(node)
             deps = [t for t in (self.ready.get(out),) if t is not None]
             loss = is_loss(node.shape)
-            if self.profile.seeded_inputs and not loss:
-                rate = self.eff.random_bandwidth
-                target = _full(node) * self.item
-                deps.append(self._add(f"target of #{out}", self.compute,
-                                      self.eff.op_time(target / rate if rate else 0.0), deps, phase="loss"))
             seconds = self._loss_s(node)
             self.loss_bytes += piece * self.item
             tasks.append(self._add(f"loss of #{out}", self.compute, seconds, deps, alloc=piece * self.item,

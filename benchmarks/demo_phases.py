@@ -1,0 +1,96 @@
+"""Where a `parsat run` step's time goes, phase by phase, beside the cost model's simulated phases.
+
+Runs a plan's rank program on `--nproc` spawned ranks (as `parsat run` starts them) and times each phase of
+`executor.run_rank`'s step with `time.perf_counter` on every rank: forward (collectives included), loss,
+backward, optimizer, and the step's memory bookkeeping (`TensorMemory`). Prints each phase's median over the
+steps after `--warmup`, the slowest rank's, beside the simulator's phases of the same plan on the plan's machine
+(`parsat explain` prints the same simulated phases). A measurement, not a test: the box's load moves it.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/demo_phases.py out/mlp-plan.json --machine out/machine-$(hostname).json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from parsat.backend.cli import load_plan
+from parsat.backend.executor import (RankProgram, TensorMemory, _make_optimizer, operator_library)
+from parsat.backend.launch import LaunchConfig, RankContext, launch
+from parsat.backend.training_data import TrainConfig
+from parsat.cost.pcg_tasks import PARSAT_RUN, simulate_pcg
+from parsat.cost.step_report import summarize
+from parsat.ir.machine import Machine
+from parsat.ir.microbatch import step_batch
+
+PHASES = ("forward", "loss", "backward", "optimizer", "bookkeeping", "step")
+
+
+def _rank(ctx: RankContext, path: str, steps: int, bookkeeping: bool) -> dict:
+    pcg, graph, _ = load_plan(path, ctx.world)
+    library = operator_library()
+    config = TrainConfig(steps=steps)
+    batch = step_batch(graph, library)
+    program = RankProgram(pcg, ctx, config, library)
+    optimizer = _make_optimizer(program.state.optimized(program.params), config)
+    memory = TensorMemory()
+    times = {p: [] for p in PHASES}
+    from parsat.backend.collectives import CommCounter
+    for step in range(steps):
+        counter = CommCounter()
+        data = program.step_data(batch, step).loaded()
+        start = ctx.step_start()
+        env: dict = {}
+        t0 = time.perf_counter()
+        with memory.saving():
+            program.forward(step, counter, data.inputs(0), None, env=env)
+            t1 = time.perf_counter()
+            to_diff, _ = program.loss(env, data.targets(0))
+        t2 = time.perf_counter()
+        if bookkeeping:
+            memory.measure(env, program, optimizer, None)
+        t3 = time.perf_counter()
+        optimizer.zero_grad()
+        to_diff.backward()
+        t4 = time.perf_counter()
+        if bookkeeping:
+            memory.measure(env, program, optimizer, None)
+        t5 = time.perf_counter()
+        program.state.reduce(counter)
+        optimizer.step()
+        program.state.gather(counter)
+        t6 = time.perf_counter()
+        for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t4 - t3, t6 - t5, (t3 - t2) + (t5 - t4), t6 - start)):
+            times[phase].append(seconds)
+    return {"rank": ctx.rank, "times": times}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("plan")
+    parser.add_argument("--machine", required=True, help="the machine JSON the plan was priced on")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--no-bookkeeping", action="store_true", help="skip TensorMemory's measurements")
+    args = parser.parse_args()
+    results = launch(_rank, (args.plan, args.steps, not args.no_bookkeeping),
+                     LaunchConfig(nproc=args.nproc, timeout_s=600))
+    pcg, graph, _ = load_plan(args.plan, args.nproc)
+    machine = Machine.load(args.machine)
+    streams, timeline = summarize(simulate_pcg(pcg, operator_library(), machine, PARSAT_RUN), PARSAT_RUN.name)
+    simulated = {p.phase: p for p in timeline.phases}
+    print(f"{'phase':12s} " + " ".join(f"rank {r['rank']:>2d} ms" for r in results) + "   simulated ms")
+    for phase in PHASES:
+        medians = [statistics.median(r["times"][phase][args.warmup:]) * 1e3 for r in results]
+        sim = simulated.get(phase)
+        shown = f"{(sim.end_s - sim.start_s) * 1e3:8.3f}" if sim is not None else "       -"
+        print(f"{phase:12s} " + " ".join(f"{m:10.3f}" for m in medians) + f"   {shown}")
+    print(f"simulated step {streams.time_s * 1e3:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
