@@ -15,10 +15,9 @@ import argparse
 import statistics
 import time
 
-import torch
-
 from parsat.backend.cli import load_plan
 from parsat.backend.executor import (RankProgram, TensorMemory, _make_optimizer, operator_library)
+from parsat.backend.collectives import CommCounter
 from parsat.backend.launch import LaunchConfig, RankContext, launch
 from parsat.backend.training_data import TrainConfig
 from parsat.cost.pcg_tasks import PARSAT_RUN, simulate_pcg
@@ -38,7 +37,6 @@ def _rank(ctx: RankContext, path: str, steps: int, bookkeeping: bool) -> dict:
     optimizer = _make_optimizer(program.state.optimized(program.params), config)
     memory = TensorMemory()
     times = {p: [] for p in PHASES}
-    from parsat.backend.collectives import CommCounter
     for step in range(steps):
         counter = CommCounter()
         data = program.step_data(batch, step).loaded()

@@ -759,7 +759,6 @@ class _Builder:
             node = self.by_id[out]
             piece = _elements(node)
             deps = [t for t in (self.ready.get(out),) if t is not None]
-            loss = is_loss(node.shape)
             seconds = self._loss_s(node)
             self.loss_bytes += piece * self.item
             tasks.append(self._add(f"loss of #{out}", self.compute, seconds, deps, alloc=piece * self.item,
