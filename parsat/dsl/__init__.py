@@ -10,7 +10,8 @@ conditions as polynomials), `instantiate` (an operator at concrete ranks),
 gives), `typecheck` (a rule's two sides typed: shapes and degrees),
 `checker` (every diagnostic, `load_checked`, and which rules make new
 values: `creates_values`), `check_cache` (libraries that checked clean,
-remembered by content), `evaluate` (numpy semantics), `work` (FLOPs and bytes of an
+remembered by content), `parse_cache` (parsed files, remembered by content),
+`evaluate` (numpy semantics), `work` (FLOPs and bytes of an
 operator), `gradient` (the operands an operator passes no gradient to:
 read only through `step` or a comparison), `printer` (canonical source), `comments` (every comment's place,
 so `fmt` keeps them all), `files` (every file parsat reads or writes: bounded

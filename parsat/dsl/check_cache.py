@@ -15,26 +15,16 @@ check.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 from pathlib import Path
 
 from parsat.dsl.files import FileProblem, cache_dir, read_text_capped, write_atomic
 from parsat.dsl.library import Library
+from parsat.dsl.parse_cache import dsl_code_hash as checker_hash   # the checker is the dsl package too
 
 FORMAT = 1
 ENTRY_BYTES = 4096
-
-
-@functools.lru_cache(maxsize=1)
-def checker_hash() -> str:
-    """A hash of the code a check depends on: the dsl package's sources and grammar."""
-    digest = hashlib.sha256()
-    for path in sorted(Path(__file__).resolve().parent.glob("*")):
-        if path.suffix in (".py", ".lark") and path.is_file():
-            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
 
 
 def library_key(library: Library) -> str:

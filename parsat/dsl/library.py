@@ -22,7 +22,7 @@ from typing import Iterable, Iterator, Sequence
 from parsat.dsl import ast
 from parsat.dsl.errors import Diagnostic, DslError, SourceCache, printable
 from parsat.dsl.files import FileProblem, FileTooLarge, max_rule_bytes, read_text_capped
-from parsat.dsl.parser import parse
+from parsat.dsl.parse_cache import parse_cached
 
 
 def shipped_rules_dir() -> Path:
@@ -181,7 +181,7 @@ class _Loader:
         self.budget -= len(text.encode("utf-8"))
         self.sources.add(display, text)
         try:
-            module = parse(text, display)
+            module = parse_cached(text, display)   # Lark once per file content
         except DslError as err:
             self.errors.extend(err.diagnostics)
             return None
