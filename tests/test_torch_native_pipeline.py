@@ -190,18 +190,52 @@ def test_a_pipelined_plan_without_example_inputs_is_refused_before_any_process_s
         parsat.parallelize(gpt_module(), pp2, runtime="torch", weight_names=weight_names())
 
 
-def test_tensor_parallelism_inside_a_stage_is_refused(pp2):
-    """The Megatron layout on each stage's 2 devices (tp 2), cut as the pp=2 plan is: refused, as the traced
-    stage modules have no nn.Linear for the styles (here the projections are not nn.Linear either)."""
+def megatron_stage_plan(pp2, sequence: bool = False):
+    """The pp=2 plan's cut and schedule with Megatron's layout (tp 2) as the stage plan, on 4 devices: what
+    `--degrees pp=2,tp=2` asks for. The optimizer pinned so plans this gpt on the `cpu` machine with nothing split
+    (a collective there costs more than the tiny step: refused, below), so the test lays Megatron's plan out itself,
+    as the PTD-P baseline does."""
     from parsat.backend.executor import operator_library
     from parsat.ir.megatron import megatron_pcg
     from parsat.ir.pipeline import lay_out_stages
 
-    stage_plan = megatron_pcg(pp2.graph, operator_library(), (1, 2))
+    stage_plan = megatron_pcg(pp2.graph, operator_library(), (1, 2), sequence=sequence)
     starts = [c.layers[0] for c in pp2.pipeline.layout.chunks]
     pipeline = replace(pp2.pipeline, stage_devices=2, layout=lay_out_stages(stage_plan, starts, 2))
-    with pytest.raises(LoweringError, match="tensor parallelism inside a pipeline stage is not lowered"):
-        lower_pipeline(stage_plan, pp2.graph, pipeline, module_info(gpt_module(), weight_names()))
+    return replace(pp2, pcg=stage_plan, costs={}, devices=4, pipeline=pipeline)
+
+
+def test_tensor_parallelism_inside_a_stage_is_each_weights_dtensor_placement(pp2):
+    """Megatron's layout on each stage's 2 devices (tp 2), cut as the pp=2 plan is: the traced stage modules call
+    no nn.Linear, so each split weight is a Shard(d) DTensor, d as the plan stores it (the projections read
+    `x @ w`, [in, out]: q/k/v and the MLP's first weight column-parallel, Shard(1); the output projections
+    row-parallel, Shard(0)), every other parameter Replicate(); the same role analysis as `lower`."""
+    plan = megatron_stage_plan(pp2)
+    lowering = lower_pipeline(plan.pcg, plan.graph, plan.pipeline, module_info(gpt_module(), weight_names()))
+    stage = lowering.stage
+    assert stage.mesh.names == ("tp",) and stage.tensor_axis == 0 and stage.styles == ()
+    assert lowering.device_mesh_shape() == ((2, 2), ("pp", "tp"))
+    splits = {s.params[0]: s for s in stage.traced_splits}
+    for name in ("wq", "wk", "wv", "w1", "bq", "b1"):
+        assert splits[f"blocks.0.{name}"].dim == (1 if name.startswith("w") else 0), name
+    assert splits["blocks.3.wq"].kind == "column-parallel" and splits["blocks.3.wo"].kind == "row-parallel"
+    assert splits["blocks.1.w2"].dim == 0 and splits["blocks.1.w2"].kind == "row-parallel"
+    assert "blocks.0.ln1_g" not in splits and "blocks.0.bo" not in splits and "lnf_g" not in splits
+    text = lowering.describe()
+    assert "DTensor parameters" in text and "blocks.0.wo: Shard(0), row-parallel" in text, text
+
+
+def test_a_stage_plan_that_still_cannot_be_lowered_is_refused(pp2):
+    """Sequence parallelism inside a stage (Megatron's layout keeping the residual stream split along the sequence
+    between blocks) would send a split value between stages, which torch's traced stages size whole; the
+    optimizer's own pinned pp=2 x tp=2 plan on the `cpu` machine splits nothing on tp: both refused, saying why."""
+    info = module_info(gpt_module(), weight_names())
+    sequence = megatron_stage_plan(pp2, sequence=True)
+    with pytest.raises(LoweringError, match=r"tensor axis tp|sequence parallelism"):
+        lower_pipeline(sequence.pcg, sequence.graph, sequence.pipeline, info)
+    pinned = pipelined_plan(4, tp=2)
+    with pytest.raises(LoweringError, match="every rank does the same work"):
+        lower_pipeline(pinned.pcg, pinned.graph, pinned.pipeline, info)
 
 
 # ------------------------------------------------------------------ training on gloo ranks (slow)
@@ -230,7 +264,8 @@ def train_plan(ctx, plan: dict, steps: int, held_by_all: bool = True, folder: st
 
     module = gpt_module()
     reference = copy.deepcopy(module)
-    data = plan["pipeline"]["stage_devices"]   # the stage plan's devices: data-parallel replicas here
+    # the stage plan's data-parallel replicas (its axes but the tensor axis; tensor-parallel ranks share a batch)
+    data = math.prod(a["size"] for a in plan["mesh"]["axes"] if a["name"] != "tp")
     example = tuple(x[: x.shape[0] // data] for x in batch(0))   # a local batch's shape
     held = plan if held_by_all or ctx.rank == 0 else None
     model = parsat.parallelize(module, held, example, runtime="torch", weight_names=weight_names())
@@ -361,3 +396,18 @@ def test_pp2_by_dp2_trained_on_four_ranks_like_the_module_in_one_process(tmp_pat
     assert any("Shard(dim=" in p for p in results[0]["zero3"]["placements"])
     assert "replicate over dp" in results[0]["replicate"]["lowering"]
     assert results[0]["replicate"]["placements"] == ["[Replicate()]"]   # on each stage's dp slice
+
+
+@pytest.mark.slow
+def test_pp2_by_tp2_trained_on_four_ranks_like_the_module_in_one_process(pp2):
+    """Megatron's tp 2 inside each of the 2 stages (`megatron_stage_plan`), 1F1B over 4 micro-batches: the traced
+    stage modules' parameters DTensors on their stage's tp slice (the split ones Shard(d) as the plan stores
+    them), trained 3 AdamW steps with the pipeline's clipped norm like the unmodified module in one process."""
+    results = _launch({"tp": megatron_stage_plan(pp2)}, 4)
+    run = [r["tp"] for r in results]
+    _check_run(run)
+    assert all(r["placements"] == ["[Replicate()]", "[Shard(dim=0)]", "[Shard(dim=1)]"] for r in run), \
+        [r["placements"] for r in run]
+    assert "tensor parallelism on tp: DTensor parameters" in run[0]["lowering"]
+    assert run[0]["losses"] == run[1]["losses"] and run[0]["norms"] == run[3]["norms"]   # tp twins, every rank
+    assert run[0]["params"] == run[1]["params"] and "wpe" in run[0]["params"] and "wpe" not in run[2]["params"]

@@ -49,8 +49,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parsat.backend.torch_native.lowering import (COLWISE, DATA, EMBEDDING, LINEAR, REPLICATE_STYLE, ROWWISE, VOCAB,
-                                                  ZERO3, GATHERED, Lowering, ModuleInfo, ParamInfo)
+from parsat.backend.torch_native.lowering import (COLWISE, DATA, EMBEDDING, LINEAR, REPLICATE_STYLE, ROWWISE, SPLIT,
+                                                  VOCAB, ZERO3, GATHERED, Lowering, ModuleInfo, ParamInfo)
 
 LOWERING_ATTRIBUTE = "_parsat_lowering"
 
@@ -208,6 +208,56 @@ def _tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh) -> None:
     _tie_again(module, lowering)
 
 
+def traced_tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh, prefix: str = "") -> None:
+    """A traced stage module's tensor axis (`lower(traced=True)`): each parameter a DTensor on `tp_mesh`,
+    `Shard(d)` where the plan stores its weight split along d, `Replicate()` otherwise; the module's tensor inputs
+    enter as `Replicate()` DTensors and its outputs leave whole and local (the stages send plain, whole tensors),
+    so its aten operators run on DTensors of the traced, global shapes. `prefix`: what the module's parameter
+    names carry before the plan's module's. `dtensor_step` must be around its forward and backward."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+
+    dims = _stored_dims(lowering, SPLIT)
+    # one DTensor per parameter, however many names it has (a tie stays one); the original kept, so its id stays its
+    made: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+
+    def partition(name: str, sub: nn.Module, mesh) -> None:
+        for local, param in list(sub.named_parameters(recurse=False)):
+            if id(param) not in made:
+                full = f"{name}.{local}" if name else local
+                dim = dims.get(full[len(prefix):] if full.startswith(prefix) else full)
+                placement = Shard(dim) if dim is not None else Replicate()
+                made[id(param)] = (param, nn.Parameter(distribute_tensor(param.data, mesh, [placement]),
+                                                       param.requires_grad))
+            sub.register_parameter(local, made[id(param)][1])
+
+    distribute_module(module, tp_mesh, partition, _replicated_inputs, _whole_outputs)
+
+
+def dtensor_step(device: torch.device):
+    """The context a traced stage with DTensor parameters runs its forward and backward in: tensors the traced
+    graph makes itself (a causal mask) count as `Replicate()` (`implicit_replication`), and on CPU attention
+    runs as its math decomposition (torch registers no DTensor sharding for the CPU flash-attention kernel)."""
+    from contextlib import ExitStack
+
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    stack = ExitStack()
+    stack.enter_context(implicit_replication())
+    if device.type == "cpu":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
+    return stack
+
+
+def _whole_outputs(_module, outputs, _mesh):
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return torch.utils._pytree.tree_map(
+        lambda x: x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim).to_local()
+        if isinstance(x, DTensor) else x, outputs)
+
+
 def _replicated_inputs(_module, inputs, mesh):
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -263,7 +313,7 @@ def data_parallel(module: nn.Module, lowering: Lowering, mesh, mp_policy, prefix
         else:
             dp_mesh = _flattened(mesh, zero3 or data)
         reshard = None if zero3 else False
-        wanted = _zero3_dims(lowering)
+        wanted = _stored_dims(lowering, GATHERED)
         dims = {id(p): wanted[name[len(prefix):]] for name, p in module.named_parameters(remove_duplicate=False)
                 if name.startswith(prefix) and name[len(prefix):] in wanted}
         place = (lambda p: _shard_of(p, dims)) if dims else None
@@ -283,13 +333,13 @@ def _flattened(mesh, names: list[str]):
     return mesh[tuple(names)]._flatten("_".join(names))
 
 
-def _zero3_dims(lowering: Lowering) -> Mapping[str, int]:
-    """Parameter name -> the dim the plan shards it along on its ZeRO-3 axis (FSDP's default, dim 0, for the
-    others)."""
+def _stored_dims(lowering: Lowering, role: str) -> Mapping[str, int]:
+    """Parameter name -> the dim the plan stores it split along on the axis where it has `role` (`gathered`: its
+    ZeRO-3 axis, FSDP's default dim 0 for the others; `split`: its tensor axis)."""
     out = {}
     for w in lowering.weights:
-        for axis, role in enumerate(w.roles):
-            if role == GATHERED:
+        for axis, found in enumerate(w.roles):
+            if found == role:
                 out.update({name: w.stored_dim(axis) for name in w.params})
     return out
 

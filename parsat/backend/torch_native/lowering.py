@@ -62,7 +62,11 @@ per rank, micro-batches. A plan that recomputes blocks names each block's
 module (`recomputed_blocks`, the submodule `layer_module` finds for block
 i's `b{i}_...` weights: what `apply.checkpoint_blocks` checkpoints). A
 pipelined plan is read stage by stage by `pipeline_lowering`, which calls
-`lower` for its stage plan.
+`lower(..., traced=True)` for its stage plan: torch's traced stage modules
+run aten operators, not the module's `nn.Linear`s, so there a tensor axis
+is each split weight's DTensor placement (`TracedSplit`: the same roles,
+the stored dim as `Shard(dim)`), the operators running on DTensors, not a
+style per module.
 
 Torch is not imported here: the module is described by `ModuleInfo`
 (`apply.module_info` builds it from an `nn.Module`).
@@ -162,6 +166,24 @@ class Style:
 
 
 @dataclass(frozen=True)
+class TracedSplit:
+    """A weight split on the tensor axis of a traced stage module: its parameter names, the dim it is stored
+    split along (its DTensor's `Shard(dim)`), what its reads make of it in Megatron's words (`column-parallel`: the
+    output split along its last dim; `row-parallel`: a partial sum; `vocabulary-parallel`: an embedding's partial
+    sum), and those reading nodes."""
+
+    weight: str
+    params: tuple[str, ...]
+    dim: int
+    kind: str
+    nodes: tuple[int, ...]
+
+    def describe(self) -> str:
+        nodes = ", ".join(f"#{n}" for n in self.nodes)
+        return f"{' = '.join(self.params)}: Shard({self.dim}), {self.kind} (nodes {nodes})"
+
+
+@dataclass(frozen=True)
 class Lowering:
     """A plan in torch's terms (module docstring)."""
 
@@ -173,6 +195,7 @@ class Lowering:
     zero: int = 0                      # the plan's ZeRO stage of replicated weights' state (1, 2), else 0
     notes: tuple[str, ...] = field(default=())
     recompute: tuple[str, ...] = ()    # the block modules checkpointed (`recomputed_blocks`)
+    traced_splits: tuple[TracedSplit, ...] = ()   # a traced module's split weights (`lower(traced=True)`)
 
     def axes(self, role: str) -> tuple[int, ...]:
         return tuple(i for i, r in enumerate(self.axis_roles) if r == role)
@@ -204,7 +227,11 @@ class Lowering:
             lines.append("data parallelism: " + how)
         elif data:
             lines.append(f"data parallelism: replicate over {', '.join(names[a] for a in data)}")
-        if self.tensor_axis is not None:
+        if self.traced_splits:
+            lines.append(f"tensor parallelism on {names[self.tensor_axis]}: DTensor parameters (the split ones below, "
+                         "every other Replicate()), the traced operators run on DTensors")
+            lines += ["  " + s.describe() for s in self.traced_splits]
+        elif self.tensor_axis is not None:
             lines.append(f"tensor parallelism on {names[self.tensor_axis]}: parallelize_module")
             lines += ["  " + s.describe() for s in self.styles]
         if self.recompute:
@@ -218,10 +245,11 @@ class Lowering:
 
 
 def lower(pcg: PCG, graph: Graph, module: ModuleInfo, *, pipelined: bool = False, library=None,
-          no_tensor_axis: str | None = None) -> Lowering:
+          traced: bool = False) -> Lowering:
     """The plan `pcg` (of `graph`) on `module` in torch's terms; raises LoweringError naming what cannot be.
-    `no_tensor_axis`: why a tensor axis cannot be lowered here (a pipeline's traced stages), said as soon as the
-    axes' roles are known."""
+    `traced`: the module runs as traced aten graphs (a pipeline's stage modules, which call no `nn.Linear`), so a
+    tensor axis is lowered as each weight's DTensor placement (`TracedSplit`), the activations DTensors too,
+    instead of `parallelize_module` styles."""
     if pipelined:
         raise LoweringError("a pipelined plan is lowered stage by stage (pipeline_lowering.lower_pipeline: "
                             "torch.distributed.pipelining), not as one mesh's plan")
@@ -232,14 +260,14 @@ def lower(pcg: PCG, graph: Graph, module: ModuleInfo, *, pipelined: bool = False
         raise LoweringError(f"node #{moved.id} is an all_to_all (expert parallelism: a shard moved between dims), "
                             "which the torch-native runtime does not lower; run the plan with the interpreter "
                             "(runtime='interpreter', `parsat run`)")
-    lowering = _Lowerer(pcg, graph, module, library, no_tensor_axis).run()
+    lowering = _Lowerer(pcg, graph, module, library, traced).run()
     return replace(lowering, recompute=recomputed_blocks(pcg, module))
 
 
 class _Lowerer:
-    def __init__(self, pcg: PCG, graph: Graph, module: ModuleInfo, library, no_tensor_axis: str | None = None):
+    def __init__(self, pcg: PCG, graph: Graph, module: ModuleInfo, library, traced: bool = False):
         self.pcg, self.graph, self.module = pcg, graph, module
-        self.no_tensor_axis = no_tensor_axis
+        self.traced = traced
         self.mesh = pcg.mesh
         self.users = readers(pcg)
         self.static = _weight_values(pcg)
@@ -266,10 +294,6 @@ class _Lowerer:
         weights = [self.weight(leaf) for leaf in self.pcg.nodes if leaf.kind == "leaf" and leaf.role == "weight"]
         roles = tuple(self.axis_role(a, weights) for a in range(len(self.mesh.axes)))
         tensor = [a for a, r in enumerate(roles) if r == TENSOR]
-        if tensor and self.no_tensor_axis:
-            split = next(w for w in weights if w.roles[tensor[0]] == SPLIT)
-            raise LoweringError(f"mesh axis {self.mesh.names[tensor[0]]} splits weight '{split.name}' (tensor "
-                                f"parallelism): {self.no_tensor_axis}")
         if len(tensor) > 1:
             raise LoweringError(f"the plan splits weights on {len(tensor)} mesh axes "
                                 f"({', '.join(self.mesh.names[a] for a in tensor)}): tensor parallelism over two "
@@ -277,7 +301,10 @@ class _Lowerer:
         batch_axes = self.check_inputs(roles)
         self.check_data_collectives(roles)
         styles: list[Style] = []
-        if tensor:
+        splits: tuple[TracedSplit, ...] = ()
+        if tensor and self.traced:
+            splits = self.traced_splits(tensor[0], weights)
+        elif tensor:
             styles = self.tensor_styles(tensor[0], weights)
         self.note_rewrites()
         zero = self.pcg.zero
@@ -288,7 +315,8 @@ class _Lowerer:
                               "the module once per micro-batch and accumulates (each loss divided by their number); "
                               "torch synchronises gradients in every backward unless the loop turns it off "
                               "(FSDPModule.set_requires_gradient_sync(False) for all but the last)")
-        return Lowering(self.mesh, roles, tuple(weights), tuple(styles), batch_axes, zero, tuple(self.notes))
+        return Lowering(self.mesh, roles, tuple(weights), tuple(styles), batch_axes, zero, tuple(self.notes),
+                        traced_splits=splits)
 
     def weight(self, leaf: PNode) -> WeightLowering:
         info = self.module.param(leaf.op)
@@ -510,6 +538,26 @@ class _Lowerer:
                     "around the loop's forward and backward; sequence parallelism is not lowered yet)")
         replicated = self.replicated_modules(styles, weights, axis)
         return sorted(styles.values(), key=lambda s: s.module) + replicated
+
+    def traced_splits(self, axis: int, weights: Sequence[WeightLowering]) -> tuple[TracedSplit, ...]:
+        """A traced module's tensor axis: each split weight becomes a `Shard(dim)` DTensor (the dim it is stored
+        split along) and every other parameter a `Replicate()` one; the traced operators then run on DTensors,
+        whose sharding propagation computes each global value, so no style has to claim the plan's
+        collectives. Each split weight's reads are named as Megatron would (`TracedSplit`)."""
+        out = []
+        for w in weights:
+            if w.roles[axis] != SPLIT:
+                continue
+            kinds, nodes = set(), []
+            for user, _value in self.uses(w.node):
+                code = user.placement.codes[axis]
+                kinds.add("column-parallel" if code == shard(len(user.shape) - 1) else
+                          "vocabulary-parallel" if code == PARTIAL and user.op in EMBEDDING_OPS else
+                          "row-parallel" if code == PARTIAL else f"read as {code_text(code)}")
+                nodes.append(user.id)
+            out.append(TracedSplit(w.name, w.params, w.stored_dim(axis), " and ".join(sorted(kinds)),
+                                   tuple(sorted(nodes))))
+        return tuple(out)
 
     def contraction_style(self, w: WeightLowering, user: PNode, axis: int) -> Style:
         """The style of the module whose weight `w` the contraction `user` reads, and the nodes it claims."""

@@ -20,17 +20,23 @@ stage holds what, and how each stage runs inside (docs/TORCH_NATIVE.md, "Pipelin
   with the plan's micro-batch count; torch orders the actions itself, in
   the same schedule family as the one the cost model simulated;
 * **inside a stage**: the stage plan (one PCG on the stage's S devices)
-  lowered as `lowering.lower` lowers any plan, on each stage module. The
-  traced stage modules run the module's operators, not its `nn.Linear`
-  modules, so a stage plan with a tensor axis is refused (no
-  `parallelize_module` style has a module to attach to); data and ZeRO-3
-  axes become `replicate` / `fully_shard` on each stage module. A
-  one-device stage holds its parameters as DTensors on a one-rank mesh.
+  lowered as `lowering.lower` lowers any plan, on each stage module, with
+  `traced=True`: the traced stage modules run aten operators, not the
+  module's `nn.Linear` modules, so no `parallelize_module` style has a
+  module to attach to; a tensor axis is instead each weight's DTensor
+  placement (`Shard(d)` for a weight the plan stores split along d,
+  `Replicate()` for the others: the same role analysis), and the stage's
+  operators run on DTensors (`pipelined.py`). Every value crossing between
+  chunks must be whole on the tensor axis (sent whole: torch sizes the
+  stage's buffers from the traced shapes); data and ZeRO-3 axes become
+  `replicate` / `fully_shard` on each stage module. A one-device stage
+  holds its parameters as DTensors on a one-rank mesh.
 
 Recomputation (`PCG.recompute == "blocks"`) checkpoints each block's
 submodule in the traced stage modules (`lowering.recomputed_blocks`).
-Refused, naming why: a tensor axis inside a stage, a layer the module
-does not hold as one submodule.
+Refused, naming why: a value crossing between chunks split on the
+stage's tensor axis (sequence parallelism), a layer the module does not
+hold as one submodule, and whatever `lower` refuses in the stage plan.
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ from parsat.backend.torch_native.lowering import (Lowering, LoweringError, Modul
 from parsat.ir.graph import Graph
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import PCG, WEIGHT
-from parsat.ir.pipeline import GPIPE, INTERLEAVED, ONE_F_ONE_B, PipelinePlan
+from parsat.ir.pipeline import GPIPE, INTERLEAVED, ONE_F_ONE_B, PipelinePlan, StageLayout
+from parsat.ir.placement import FREE, REPLICA, code_text
 
 TORCH_SCHEDULES = {GPIPE: "ScheduleGPipe", ONE_F_ONE_B: "Schedule1F1B", INTERLEAVED: "ScheduleInterleaved1F1B"}
 PIPELINE_AXIS_NAME = "pp"
@@ -131,7 +138,7 @@ def lower_pipeline(pcg: PCG, graph: Graph, pipeline: PipelinePlan, module: Modul
     if pipeline.schedule not in TORCH_SCHEDULES:
         raise LoweringError(f"the plan's pipeline schedule {pipeline.schedule!r} has no torch schedule "
                             f"(torch runs {', '.join(TORCH_SCHEDULES)})")
-    stage = _stage_lowering(pcg, graph, module, pipeline.stage_devices)
+    stage = _stage_lowering(pcg, graph, module, pipeline.layout, pipeline.stage_devices)
     weights = {n.id: n.op for n in pcg.nodes if n.kind == "leaf" and n.role == WEIGHT}
     chunks = []
     for chunk in pipeline.layout.chunks:
@@ -145,15 +152,27 @@ def lower_pipeline(pcg: PCG, graph: Graph, pipeline: PipelinePlan, module: Modul
                             pipeline.microbatches, tuple(chunks), shared, stage, recomputed_blocks(pcg, module))
 
 
-def _stage_lowering(pcg: PCG, graph: Graph, module: ModuleInfo, devices: int) -> Lowering | None:
-    """Inside a stage: nothing for one device, else the stage plan lowered, a tensor axis refused."""
+def _stage_lowering(pcg: PCG, graph: Graph, module: ModuleInfo, layout: StageLayout,
+                    devices: int) -> Lowering | None:
+    """Inside a stage: nothing for one device, else the stage plan lowered for traced modules (a tensor axis as
+    DTensor placements), every value crossing between chunks whole on its tensor axis."""
     if devices == 1:
         return None
-    why = ("the stage modules torch.distributed.pipelining traces run the module's operators, not its nn.Linear "
-           "modules, so no parallelize_module style applies; tensor parallelism inside a pipeline stage is not "
-           "lowered (run it with `parsat run`)")
     # the schedule runs the micro-batches: the stage plan is lowered as one micro-batch's
-    return lower(pcg, replace(graph, microbatches=1), module, no_tensor_axis=why)
+    lowering = lower(pcg, replace(graph, microbatches=1), module, traced=True)
+    axis = lowering.tensor_axis
+    if axis is not None:
+        for crossing in layout.crossings:
+            node = pcg.node(crossing.node)
+            code = node.placement.codes[axis]
+            if code not in (FREE, REPLICA):
+                origin = f" [{node.origin}]" if node.origin else ""
+                raise LoweringError(
+                    f"node #{node.id} {node.label}{origin} crosses from chunk {crossing.source} to chunk "
+                    f"{crossing.target} as {code_text(code)} on tensor axis {lowering.mesh.names[axis]}: the traced "
+                    "stages send each value whole (torch's PipelineStage sizes its buffers from the traced, global "
+                    "shapes), so a value kept split between stages (sequence parallelism) is not lowered")
+    return lowering
 
 
 def _one_copy_a_stage(chunks: list[ChunkLowering]) -> None:

@@ -23,7 +23,10 @@ Under torchrun, every rank calls
    that computes the loss as an activation of the stage before it;
 4. on this rank's stage modules, each block's forward under
    `torch.utils.checkpoint` when the plan recomputes blocks, then the
-   stage plan's data / ZeRO-3 axes
+   stage plan's tensor axis (`apply.traced_tensor_parallel`: each
+   parameter a DTensor on the stage's tensor-parallel slice, `Shard(d)`
+   as the plan stores it, the stage's inputs entering as `Replicate()`
+   DTensors and its outputs leaving whole), then its data / ZeRO-3 axes
    (`apply.data_parallel`: `replicate` or `fully_shard` over the stage's
    slice of the mesh), or `replicate` over the one-rank `stage` axis: every
    parameter a DTensor;
@@ -34,6 +37,9 @@ Under torchrun, every rank calls
    micro-batch count (`scale_grads`), so a step's gradient is the whole
    batch's mean's.
 
+With a tensor axis, the schedule runs under `apply.dtensor_step` (the
+traced graph's own tensors `Replicate()`, CPU attention as its math
+decomposition) and each gradient is then placed as its parameter.
 `step` then sums the gradients of each weight several stages hold over
 those stages (local rank i with local rank i), and returns the step's loss
 (the micro-batches' mean) on every rank. `clip_grad_norm_` needs the norm
@@ -43,6 +49,7 @@ its first stage only, summed over the `pp` group.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Iterator, Sequence
 
@@ -51,7 +58,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parsat.backend.torch_native.apply import (LOWERING_ATTRIBUTE, NativeParallelizeError, broadcast_state,
-                                              checkpoint_blocks, data_parallel)
+                                              checkpoint_blocks, data_parallel, dtensor_step, traced_tensor_parallel)
 from parsat.backend.torch_native.pipeline_lowering import STAGE_AXIS_NAME, PIPELINE_AXIS_NAME, PipelineLowering
 
 TRACED_PREFIX = "module."   # the traced wrapper's name for the user's module
@@ -106,8 +113,10 @@ class PipelinedModule:
     (module docstring). Parameters keep the module's own names."""
 
     def __init__(self, lowering: PipelineLowering, modules: Sequence[nn.Module], schedule, stage: int,
-                 pp_group, shared_groups: dict, micro_shapes: Sequence[tuple[int, ...]]):
+                 pp_group, shared_groups: dict, micro_shapes: Sequence[tuple[int, ...]],
+                 device: torch.device = torch.device("cpu")):
         self.lowering = lowering
+        self.device = device
         self.stage_modules = tuple(modules)
         self.schedule = schedule
         self.stage = stage
@@ -172,13 +181,26 @@ class PipelinedModule:
                                              f"{list(x.shape)} (torch's traced stages have fixed shapes)")
         losses: list[torch.Tensor] = []
         target = torch.zeros(m)   # the schedule splits a target per micro-batch; the module computes its own loss
-        self.schedule.step(*(inputs if self.first else ()), target=target, losses=losses, return_outputs=False)
+        tensor_parallel = self.lowering.stage is not None and self.lowering.stage.tensor_axis is not None
+        with dtensor_step(self.device) if tensor_parallel else contextlib.nullcontext():
+            self.schedule.step(*(inputs if self.first else ()), target=target, losses=losses, return_outputs=False)
+        if tensor_parallel:
+            self._grads_placed_as_parameters()
         self._sum_shared_gradients()
         loss = torch.stack([x.detach() for x in losses]).mean() if self.last else torch.zeros(())
         last_rank = dist.get_global_rank(self.pp_group, self.lowering.degree - 1)
         loss = loss.to(torch.float64)
         dist.broadcast(loss, src=last_rank, group=self.pp_group)
         return loss
+
+    def _grads_placed_as_parameters(self) -> None:
+        """Each DTensor gradient in its parameter's placements: DTensor's backward may leave one otherwise (a
+        `Shard(0)` table's gradient `Replicate()`), which the shared weights' sum (local pieces) and the optimizer
+        would read as another layout."""
+        for param in self.parameters():
+            grad = param.grad
+            if grad is not None and hasattr(grad, "placements") and grad.placements != param.placements:
+                param.grad = grad.redistribute(param.device_mesh, param.placements)
 
     def _sum_shared_gradients(self) -> None:
         for names, stages in self.lowering.shared:
@@ -255,12 +277,16 @@ def apply_pipeline(module: nn.Module, lowering: PipelineLowering, example_inputs
 
             replicate(sub, mesh=mesh[STAGE_AXIS_NAME])
         else:
+            if lowering.stage.tensor_axis is not None:
+                tp_name = lowering.stage.mesh.names[lowering.stage.tensor_axis]
+                traced_tensor_parallel(sub, lowering.stage, mesh[tp_name], prefix=TRACED_PREFIX)
             data_parallel(sub, lowering.stage, mesh, mp_policy, prefix=TRACED_PREFIX)
         modules.append(sub)
         stages.append(pipe.build_stage(chunk.index, device, group=pp_group))
     schedule = _schedule(lowering, stages)
     shared = _shared_groups(lowering, stage_devices)
-    return PipelinedModule(lowering, modules, schedule, stage, pp_group, shared, [tuple(x.shape) for x in micro])
+    return PipelinedModule(lowering, modules, schedule, stage, pp_group, shared, [tuple(x.shape) for x in micro],
+                           device)
 
 
 def _relays_out_of_place(root: nn.Module) -> None:
