@@ -226,9 +226,10 @@ def test_tensor_parallelism_inside_a_stage_is_each_weights_dtensor_placement(pp2
 
 
 def test_a_stage_plan_that_still_cannot_be_lowered_is_refused(pp2):
-    """Sequence parallelism inside a stage (Megatron's layout keeping the residual stream split along the sequence
-    between blocks) would send a split value between stages, which torch's traced stages size whole; the
-    optimizer's own pinned pp=2 x tp=2 plan on the `cpu` machine splits nothing on tp: both refused, saying why."""
+    """Refused, each saying why: sequence parallelism inside a stage (Megatron's layout with `sequence=True`: its
+    layer norms' gradients all-reduced on tp, which splits weights: one axis, two roles); the optimizer's own
+    pinned pp=2 x tp=2 plan on the `cpu` machine (nothing split on tp); a value crossing between stages split on
+    tp (torch's traced stages size what they send whole)."""
     info = module_info(gpt_module(), weight_names())
     sequence = megatron_stage_plan(pp2, sequence=True)
     with pytest.raises(LoweringError, match=r"tensor axis tp|sequence parallelism"):
@@ -236,6 +237,16 @@ def test_a_stage_plan_that_still_cannot_be_lowered_is_refused(pp2):
     pinned = pipelined_plan(4, tp=2)
     with pytest.raises(LoweringError, match="every rank does the same work"):
         lower_pipeline(pinned.pcg, pinned.graph, pinned.pipeline, info)
+    # the role analysis refuses that sequence-parallel plan first; the value crossing between the stages kept split
+    # on tp (the Megatron plan's residual stream marked so by hand) is refused by the pipeline's own check
+    from parsat.ir.placement import Placement, shard
+
+    plan = megatron_stage_plan(pp2)
+    crossing = plan.pipeline.layout.crossings[0].node
+    nodes = tuple(replace(n, placement=Placement((shard(1),))) if n.id == crossing else n for n in plan.pcg.nodes)
+    with pytest.raises(LoweringError, match=rf"node #{crossing} .* crosses from chunk 0 to chunk 1 as .* on tensor "
+                                            "axis tp: the traced stages send each value whole"):
+        lower_pipeline(replace(plan.pcg, nodes=nodes), plan.graph, plan.pipeline, info)
 
 
 # ------------------------------------------------------------------ training on gloo ranks (slow)
