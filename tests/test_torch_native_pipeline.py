@@ -414,7 +414,8 @@ def test_pp2_by_tp2_trained_on_four_ranks_like_the_module_in_one_process(pp2):
     """Megatron's tp 2 inside each of the 2 stages (`megatron_stage_plan`), 1F1B over 4 micro-batches: the traced
     stage modules' parameters DTensors on their stage's tp slice (the split ones Shard(d) as the plan stores
     them), trained 3 AdamW steps with the pipeline's clipped norm like the unmodified module in one process."""
-    results = _launch({"tp": megatron_stage_plan(pp2)}, 4)
+    plan = megatron_stage_plan(pp2)
+    results = _launch({"tp": plan}, 4)
     run = [r["tp"] for r in results]
     _check_run(run)
     assert all(r["placements"] == ["[Replicate()]", "[Shard(dim=0)]", "[Shard(dim=1)]"] for r in run), \

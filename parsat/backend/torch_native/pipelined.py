@@ -182,8 +182,15 @@ class PipelinedModule:
         losses: list[torch.Tensor] = []
         target = torch.zeros(m)   # the schedule splits a target per micro-batch; the module computes its own loss
         tensor_parallel = self.lowering.stage is not None and self.lowering.stage.tensor_axis is not None
-        with dtensor_step(self.device) if tensor_parallel else contextlib.nullcontext():
-            self.schedule.step(*(inputs if self.first else ()), target=target, losses=losses, return_outputs=False)
+        try:
+            with dtensor_step(self.device) if tensor_parallel else contextlib.nullcontext():
+                self.schedule.step(*(inputs if self.first else ()), target=target, losses=losses,
+                                   return_outputs=False)
+        except NotImplementedError as err:   # DTensor's: an operator without a sharding rule
+            if not tensor_parallel:
+                raise
+            raise NativeParallelizeError("tensor parallelism inside a pipeline stage runs the traced stage's aten "
+                                         f"operators on DTensors, and DTensor cannot run one of them: {err}") from err
         if tensor_parallel:
             self._grads_placed_as_parameters()
         self._sum_shared_gradients()
