@@ -8,7 +8,9 @@ blocks=4 ... --devices 2 --machine cpu --degrees pp=2` does). Without
 processes: the lowering (the cut before `blocks.2`, the schedule, the tied
 embedding shared by the first and last stage) and its refusals. On gloo
 ranks (slow): the user's loop (`model.step`, `model.clip_grad_norm_`,
-AdamW) trains it 3 steps on 2 ranks (pp 2) and on 4 ranks (pp 2 x dp 2)
+AdamW) trains it 3 steps on 2 ranks (pp 2) and on 4 ranks (pp 2 x dp 2,
+and pp 2 x tp 2: Megatron's tensor parallelism inside each stage, the
+traced stages' parameters DTensors placed as the plan stores them)
 like the unmodified module trained on the whole batch in one process:
 losses, clipped norms and final weights within 1e-4 relative, every
 parameter a DTensor.
