@@ -413,15 +413,18 @@ def test_pp2_by_dp2_trained_on_four_ranks_like_the_module_in_one_process(tmp_pat
 
 @pytest.mark.slow
 def test_pp2_by_tp2_trained_on_four_ranks_like_the_module_in_one_process(pp2):
-    """Megatron's tp 2 inside each of the 2 stages (`megatron_stage_plan`), 1F1B over 4 micro-batches: the traced
-    stage modules' parameters DTensors on their stage's tp slice (the split ones Shard(d) as the plan stores
-    them), trained 3 AdamW steps with the pipeline's clipped norm like the unmodified module in one process."""
-    plan = megatron_stage_plan(pp2)
-    results = _launch({"tp": plan}, 4)
-    run = [r["tp"] for r in results]
-    _check_run(run)
-    assert all(r["placements"] == ["[Replicate()]", "[Shard(dim=0)]", "[Shard(dim=1)]"] for r in run), \
-        [r["placements"] for r in run]
-    assert "tensor parallelism on tp: DTensor parameters" in run[0]["lowering"]
-    assert run[0]["losses"] == run[1]["losses"] and run[0]["norms"] == run[3]["norms"]   # tp twins, every rank
-    assert run[0]["params"] == run[1]["params"] and "wpe" in run[0]["params"] and "wpe" not in run[2]["params"]
+    """Megatron's tp 2 inside each of the 2 stages (`megatron_stage_plan`), 1F1B over 4 micro-batches, and the
+    same interleaved (2 chunks a stage: two tensor-parallel stage modules on each rank): the traced stage modules'
+    parameters DTensors on their stage's tp slice (the split ones Shard(d) as the plan stores them), trained 3
+    AdamW steps with the pipeline's clipped norm like the unmodified module in one process. ~4 min wall."""
+    plans = {"1f1b": megatron_stage_plan(pp2), "interleaved": megatron_stage_plan(pipelined_plan(2, "interleaved"))}
+    results = _launch(plans, 4)
+    for label in plans:
+        run = [r[label] for r in results]
+        _check_run(run)
+        assert all(r["placements"] == ["[Replicate()]", "[Shard(dim=0)]", "[Shard(dim=1)]"] for r in run), \
+            [r["placements"] for r in run]
+        assert "tensor parallelism on tp: DTensor parameters" in run[0]["lowering"]
+        assert run[0]["losses"] == run[1]["losses"] and run[0]["norms"] == run[3]["norms"]   # tp twins, every rank
+        assert run[0]["params"] == run[1]["params"] and "wpe" in run[0]["params"] and "wpe" not in run[2]["params"]
+    assert "ScheduleInterleaved1F1B" in results[0]["interleaved"]["lowering"]
