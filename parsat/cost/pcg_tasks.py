@@ -68,7 +68,7 @@ from parsat.dsl.parallel_ops import COMBINE, PARTITION, REDUCE, REPLICATE
 from parsat.ir.graph import instance_for
 from parsat.ir.machine import Machine
 from parsat.ir.microbatch import is_loss
-from parsat.ir.pcg import PCG, PNode, readers, state_shardings, weight_chains, weight_storage
+from parsat.ir.pcg import PCG, PNode, state_shardings, weight_chains, weight_storage
 from parsat.ir.recompute import Checkpoint, checkpoints
 from parsat.cost.fsdp_groups import ParamGroup, group_elements, param_groups, tensor_axes
 from parsat.cost.collectives import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, SEND_RECV, GroupTopology,
@@ -253,13 +253,21 @@ def needs_gradient(pcg: PCG, library: Library | None = None) -> dict[int, bool]:
     operand that passes a gradient (with `library`: not one its operator's semantics reads only through `step` or
     a comparison, `dsl.gradient.gradient_free`, such as the input of a mixture's routing one-hot)."""
     out: dict[int, bool] = {}
+    # operator name -> its operands' names and the gradient-free ones: `gradient_free`'s cache is keyed by the
+    # operator's whole declaration, whose hash walks its semantics' tree; asked once per node of every PCG the
+    # simulator and its floor build, that hashing was most of this function
+    operands: dict[str, tuple[list[str], frozenset[str]]] = {}
     for node in pcg.nodes:
         if node.kind == "leaf":
             out[node.id] = node.role == "weight"
             continue
-        op = library.ops.get(node.op) if library is not None and node.kind == "op" else None
-        free = gradient_free(op) if op is not None else frozenset()
-        names = [p.name for p in op.tensor_params] if op is not None else []
+        key = node.op if library is not None and node.kind == "op" else ""
+        known = operands.get(key)
+        if known is None:
+            op = library.ops.get(node.op) if key else None
+            known = operands[key] = ([p.name for p in op.tensor_params], gradient_free(op)) if op is not None \
+                else ([], frozenset())
+        names, free = known
         out[node.id] = any(out[i] for k, i in enumerate(node.inputs) if k >= len(names) or names[k] not in free)
     return out
 
@@ -317,7 +325,7 @@ class _Builder:
         self.steps = StepBuilder()
         self.compute = self.steps.stream(DEVICE, COMPUTE)
         self.by_id = {n.id: n for n in pcg.nodes}
-        self.users = readers(pcg)
+        self.users = pcg.readers_of   # shared with the PCG's other readers: only read here
         self.needs_grad = needs_gradient(pcg, times.library)
         self.folded: set[int] = set()
         self.stored = self._stored_weights()

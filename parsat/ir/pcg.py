@@ -147,6 +147,20 @@ class PCG:
     def _by_id(self) -> dict[int, PNode]:
         return {n.id: n for n in self.nodes}
 
+    @cached_property
+    def readers_of(self) -> Mapping[int, tuple[PNode, ...]]:
+        """Node id -> the nodes that read it, in the PCG's order (`readers`), worked out once per PCG and shared:
+        the step simulator, its floor and the weights' storage each walk them, for every grid point a search
+        bounds or simulates. Read only; `readers` gives a copy to change."""
+        return {ident: tuple(users) for ident, users in readers(self).items()}
+
+    @cached_property
+    def storage_chains(self) -> Mapping[int, tuple[int, ...]]:
+        """`weight_storage`'s chains, worked out once per PCG: the step simulator, its floor, the pricer and the
+        roles (`pcg_roles`) each ask for them, several times per PCG of a search's grid. Read it through
+        `weight_storage`, which hands out a copy: this one is shared."""
+        return _weight_storage(self)
+
     @property
     def max_pieces(self) -> int:
         return max((n.degrees.pieces for n in self.nodes), default=1)
@@ -183,7 +197,7 @@ def state_shardings(pcg: PCG) -> dict[int, int]:
     """Stored-at node (`weight_storage`'s last) -> the `replicate` reading it that synchronises its gradient (the
     first, if several): the weights whose state ZeRO stage 1 or 2 (`PCG.zero`) shards over that replicate's
     devices, as the cost model (`cost.model.shards_state`), the step simulator and the backend all take them."""
-    users = readers(pcg)
+    users = pcg.readers_of
     out: dict[int, int] = {}
     for chain in weight_storage(pcg).values():
         for user in users.get(chain[-1], []):
@@ -193,6 +207,11 @@ def state_shardings(pcg: PCG) -> dict[int, int]:
 
 
 def weight_storage(pcg: PCG) -> dict[int, tuple[int, ...]]:
+    """`_weight_storage`, kept with the PCG (`PCG.storage_chains`); a copy, the caller's to change."""
+    return dict(pcg.storage_chains)
+
+
+def _weight_storage(pcg: PCG) -> dict[int, tuple[int, ...]]:
     """Weight leaf id -> its storage chain: the leaf, then each partition that is the only reader of the node
     before it. The weight is stored as the last node's piece, and the partitions on the chain run nothing.
 
@@ -200,7 +219,7 @@ def weight_storage(pcg: PCG) -> dict[int, tuple[int, ...]]:
     the cost model prices a PCG (`pcg_roles`): a weight with several readers is held whole (or as the piece
     its chain gives), and a partition reading it beside another reader slices it and gathers the gradient.
     """
-    users = readers(pcg)
+    users = pcg.readers_of
     chains: dict[int, tuple[int, ...]] = {}
     for node in pcg.nodes:
         if node.kind != "leaf" or node.role != WEIGHT:
