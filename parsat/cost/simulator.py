@@ -168,10 +168,11 @@ class StepBuilder:
             phase: str = "") -> int:
         """Add a task (after every task already added on its stream); its id."""
         ident = len(self.names)
-        deps = tuple(d for d in deps if d is not None)
-        for d in deps:
-            if not 0 <= d < ident:
-                raise SimulationError(f"task '{name}' depends on task {d}, which is not an earlier task")
+        deps = tuple([d for d in deps if d is not None])
+        # one comparison of the extremes for the common case (a step adds 10^5 tasks); the first bad one named
+        if deps and not (0 <= min(deps) and max(deps) < ident):
+            bad = next(d for d in deps if not 0 <= d < ident)
+            raise SimulationError(f"task '{name}' depends on task {bad}, which is not an earlier task")
         if not duration >= 0:
             raise SimulationError(f"task '{name}' has duration {duration}")
         if not 0 <= stream < len(self.streams):
