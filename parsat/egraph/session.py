@@ -397,12 +397,18 @@ def _mesh_snapshot(eg, frozen, classes, lets, made, mesh: Mesh) -> Snapshot:
     shape: dict[int, tuple[int, ...]] = {}
     degrees: dict[int, Degrees] = {}
     placement: dict[int, Placement] = {}
+    # most classes share their local shape and placement with others (every block's values alike): each pair's
+    # global shape, placement and degrees are worked out once (equal values, immutable, shared)
+    known: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple] = {}
     for cid in classes:
-        if cid not in located:
+        found = located.get(cid)
+        if found is None:
             continue
-        local, codes = located[cid]
-        where = Placement(codes)
-        dims = tuple(d * prod(mesh.size(a) for a in where.shard_axes(i)) for i, d in enumerate(local))
-        shape[cid], placement[cid] = dims, where
-        degrees[cid] = Degrees.of_placement(where, mesh, len(dims))
+        worked = known.get(found)
+        if worked is None:
+            local, codes = found
+            where = Placement(codes)
+            dims = tuple(d * prod(mesh.size(a) for a in where.shard_axes(i)) for i, d in enumerate(local))
+            worked = known[found] = (dims, where, Degrees.of_placement(where, mesh, len(dims)))
+        shape[cid], placement[cid], degrees[cid] = worked
     return Snapshot(classes, shape, degrees, lets, made, placement, mesh, equated=made.equated, applied=made.applied)
