@@ -27,7 +27,12 @@ layers (`ir.pipeline.lay_out_stages`). This module:
    overlap_param_gather: then each chunk's first forward waits for what its
    first layers cannot hide, `StagePricer._gather_wait`), the sum of a weight held on two
    stages (a tied embedding) after the flush, and each stage's peak memory
-   from the schedule's in-flight activations.
+   from the schedule's in-flight activations. Where the machine's profile
+   pipelines in-node tensor-parallel collectives with their GEMMs
+   (`ExecutionProfile.tp_comm_overlap`, Megatron-Core's --tp-comm-overlap),
+   each chunk's forward and backward are the node costs' less the part of
+   their activation collectives the step simulator hides for one
+   micro-batch of the stage plan (`TpOverlap`, docs/PIPELINE.md).
 
 The figures add up from the same node costs that rank unstaged plans, so a
 pipelined plan and an unstaged one are compared on one cost model.
@@ -43,6 +48,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from parsat.dsl.library import Library
 from parsat.ir.costs import NodeCost, Totals
 from parsat.ir.machine import Machine
 from parsat.ir.pipeline import (BACKWARD, GPIPE, INTERLEAVED, ONE_F_ONE_B, Action, Chunk, LayerMap, PipelineError,
@@ -51,9 +57,10 @@ from parsat.ir.pipeline import (BACKWARD, GPIPE, INTERLEAVED, ONE_F_ONE_B, Actio
                                 stage_comm_elements, stored_piece_elements)
 from parsat.ir.plan import Plan
 from parsat.cost.collectives import ALL_REDUCE, SEND_RECV, GroupTopology, price
-from parsat.cost.pcg_tasks import profile_for
+from parsat.cost.pcg_tasks import ExecutionProfile, OpTimes, mesh_groups, profile_for, simulate_pcg
 from parsat.cost.schedules import prefetch_delay
 from parsat.cost.stage_sync import bucketed_seconds, gather_buckets, weight_gathers, weight_reductions
+from parsat.cost.step_report import summarize
 
 
 @dataclass(frozen=True)
@@ -66,19 +73,71 @@ class LayerCost:
     state_bytes: int = 0         # weights, gradients, optimizer state (and accumulated gradients)
     step_s: float = 0.0          # once per step: its weights' chains (gathers, gradient reductions), the optimizer
     transient_bytes: int = 0     # the largest recomputed block's activations (`ir.recompute`), one at a time
+    tp_comm_s: float = 0.0       # per micro-batch and direction: the part of forward_s (and of backward_s) that is
+    #                              in-node activation collectives, what tensor-parallel overlap can hide (`TpOverlap`)
 
 
-def node_share(cost: NodeCost, microbatches: int) -> LayerCost:
+def node_share(cost: NodeCost, microbatches: int, in_node: bool = False) -> LayerCost:
     """One node's part of its layer. Costs are per step (`NodeCost.per_step`): compute and activation
     collectives divide by the micro-batches, half of a node's collective time counted with the forward and
     half with the backward (its dual). A weight's chain runs once per step: its time is the stage's
-    synchronisation (`stage_figures`), not a micro-batch's."""
+    synchronisation (`stage_figures`), not a micro-batch's. `in_node`: the node is an activation collective on
+    a group inside one node, whose time tensor-parallel overlap can hide (`LayerCost.tp_comm_s`)."""
     state = cost.memory_bytes - cost.activation_bytes - cost.transient_bytes
     if cost.weight_chain:
         return LayerCost(state_bytes=state, step_s=cost.time_s)
     m = microbatches
     return LayerCost((cost.forward_s + cost.comm_s / 2) / m, (cost.backward_s + cost.comm_s / 2) / m,
-                     cost.activation_bytes, state, cost.optimizer_s, cost.transient_bytes)
+                     cost.activation_bytes, state, cost.optimizer_s, cost.transient_bytes,
+                     cost.comm_s / 2 / m if in_node else 0.0)
+
+
+@dataclass(frozen=True)
+class TpOverlap:
+    """What tensor-parallel communication overlap (`ExecutionProfile.tp_comm_overlap`) takes off one micro-batch
+    of a stage plan, as the step simulator runs it: the stage plan's PCG simulated for one micro-batch with the
+    overlap and without it, under the machine's profile (its ZeRO gathers left after the update: the stage price
+    charges those itself), and the difference of the forward's and of the backward's extents. The per-node sum
+    has no overlap (a node's cost must not depend on the nodes around it), so the stage price takes the part
+    `forward` (`backward`) of every in-node activation collective's time (`LayerCost.tp_comm_s`) off: the
+    seconds saved over those collectives' seconds in that direction, at most all of them, so that a chunk is
+    never priced below its computation. Below zero where the simulator finds the pipelined collectives slower
+    than whole ones (their ring steps each pay a launch)."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+    saved_forward_s: float = 0.0    # per micro-batch of the whole stage plan, as simulated
+    saved_backward_s: float = 0.0
+
+    def applied(self, cost: LayerCost) -> LayerCost:
+        """`cost` (a chunk's, per micro-batch) with the hidden part of its collectives taken off."""
+        if not cost.tp_comm_s or (not self.forward and not self.backward):
+            return cost
+        return replace(cost, forward_s=cost.forward_s - self.forward * cost.tp_comm_s,
+                       backward_s=cost.backward_s - self.backward * cost.tp_comm_s)
+
+
+NO_OVERLAP = TpOverlap()
+
+
+def tp_overlap(plan: Plan, library: Library, profile: ExecutionProfile, comm_s: float,
+               times: OpTimes | None = None) -> TpOverlap:
+    """`TpOverlap` of stage plan `plan` (on its stage machine, `plan.machine`) under `profile`; `comm_s` the
+    stage plan's in-node activation collectives' seconds per micro-batch and direction (their `tp_comm_s`).
+    No overlap (and no simulation) where the profile pipelines nothing or there is nothing to hide."""
+    if not (profile.tp_comm_overlap and profile.overlap) or comm_s <= 0:
+        return NO_OVERLAP
+    base = replace(profile, overlap_param_gather=False)
+    extents = []
+    for run in (base, replace(base, tp_comm_overlap=False)):
+        prediction = simulate_pcg(plan.pcg, library, plan.machine, run, times=times, microbatches=1)
+        phases = {p.phase: p for p in summarize(prediction, run.name)[1].phases}
+        forward_end = phases["forward"].end_s if "forward" in phases else 0.0
+        backward_end = phases["backward"].end_s if "backward" in phases else forward_end
+        extents.append((forward_end, backward_end - forward_end))
+    (forward_on, backward_on), (forward_off, backward_off) = extents
+    saved_f, saved_b = forward_off - forward_on, backward_off - backward_on
+    return TpOverlap(min(1.0, saved_f / comm_s), min(1.0, saved_b / comm_s), saved_f, saved_b)
 
 
 def layer_costs(plan: Plan) -> dict[int, LayerCost]:
@@ -205,11 +264,13 @@ def _pair(s: int, t: int, stage_devices: int, per_node: int) -> GroupTopology:
 
 
 def pipelined(plan: Plan, degree: int, schedule: str, machine: Machine, *, chunks_per_stage: int = 1,
-              starts: Sequence[int] | None = None) -> Plan:
+              starts: Sequence[int] | None = None, library: Library | None = None) -> Plan:
     """`plan` (a stage plan on S devices) run as `degree` stages on `machine`'s degree x S devices, cut at
-    `starts`, or where the cost model finds the step shortest (below). Raises PipelineError when the layers
+    `starts`, or where the cost model finds the step shortest (below). `library`: the operators', for the
+    stage's tensor-parallel overlap (`TpOverlap`; none without it). Raises PipelineError when the layers
     cannot make the chunks."""
-    return StagePricer(plan, machine).pipelined(degree, schedule, chunks_per_stage, starts)
+    return StagePricer(plan, machine, memo=StageMemo(library=library)).pipelined(degree, schedule,
+                                                                                 chunks_per_stage, starts)
 
 
 LAYER_MAPS_KEPT = 4   # layer maps a StageMemo keeps (the most recently used)
@@ -223,12 +284,35 @@ class StageMemo:
     and the same layouts. A layer map depends on the nodes and the outputs alone (not on the ZeRO stage or the
     recomputation policy), and is keyed by their identity, each kept alive beside it so that no other tuple can
     take its id. Only the last LAYER_MAPS_KEPT are kept: a stage plan's map is large, and the variants of one
-    layout are judged one after another."""
+    layout are judged one after another.
 
-    def __init__(self, kept: int = LAYER_MAPS_KEPT):
+    `library`: the operators' library, which the step simulator needs to time a stage plan's nodes for its
+    tensor-parallel overlap (`tp_overlap`); without one a stage is priced with none. The overlap of each stage
+    plan is simulated once per memo (`overlap`): the search prices a stage plan's cuts in every schedule, and
+    its grid point is often the same PCG."""
+
+    def __init__(self, kept: int = LAYER_MAPS_KEPT, library: Library | None = None):
         self.kept = kept
+        self.library = library
         # (id(nodes), id(outputs)) -> (nodes, outputs, their layer map, its layouts by (starts, degree))
         self._maps: OrderedDict[tuple[int, int], tuple] = OrderedDict()
+        self._overlaps: OrderedDict[tuple, TpOverlap] = OrderedDict()   # (pcg, machine, profile) -> its overlap
+        self._times: dict[Machine, OpTimes] = {}                          # stage machine -> compute-time cache
+
+    def overlap(self, plan: Plan, profile: ExecutionProfile, comm_s: float) -> TpOverlap:
+        """`tp_overlap(plan, ...)`, simulated once per stage plan while kept (the last `kept`); none without a
+        library."""
+        if self.library is None:
+            return NO_OVERLAP
+        key = (plan.pcg, plan.machine, profile)
+        found = self._overlaps.get(key)
+        if found is None:
+            times = self._times.setdefault(plan.machine, OpTimes(self.library, plan.machine))
+            found = self._overlaps[key] = tp_overlap(plan, self.library, profile, comm_s, times)
+            while len(self._overlaps) > self.kept:
+                self._overlaps.popitem(last=False)
+        self._overlaps.move_to_end(key)
+        return found
 
     def layer_map(self, pcg) -> LayerMap:
         """The layer map of `pcg`'s nodes (the one made before for the same nodes and outputs, if kept)."""
@@ -267,13 +351,16 @@ class StagePricer:
     one search (`StageMemo`)."""
 
     def __init__(self, plan: Plan, machine: Machine, overlap_param_gather: bool | None = None,
-                 memo: "StageMemo | None" = None):
+                 memo: "StageMemo | None" = None, tp_comm_overlap: bool | None = None):
         self.plan, self.machine = plan, machine
         self.memo = memo if memo is not None else StageMemo()
         self.layer_map = self.memo.layer_map(plan.pcg)
         self.microbatches = plan.graph.microbatches
-        self.shares = {ident: node_share(cost, self.microbatches) for ident, cost in plan.costs.items()}
+        in_node = _in_node_collectives(plan)
+        self.shares = {ident: node_share(cost, self.microbatches, ident in in_node)
+                       for ident, cost in plan.costs.items()}
         self._overlap_param_gather = overlap_param_gather
+        self._tp_comm_overlap = tp_comm_overlap
         self._layer_costs: dict[int, LayerCost] | None = None
         self._chunk_memo: dict[tuple, LayerCost] = {}   # (stage's earlier chunks' layers, chunk's layers) -> cost
         self._sync_memo: dict[tuple, StageSync] = {}     # (degree, stage, its chunks' layers, aligned) -> its sync
@@ -304,6 +391,19 @@ class StagePricer:
         if overlap is None:
             overlap = profile_for(self.machine).overlap_param_gather
         return weight_gathers(self.plan) if overlap else {}
+
+    @cached_property
+    def overlap(self) -> TpOverlap:
+        """The tensor-parallel overlap of a micro-batch of this stage plan (`TpOverlap`), as the machine's
+        execution profile runs it (`tp_comm_overlap` given: with it on or off): what `price` takes off each
+        chunk's forward and backward. Not read by the memory a cut needs (`least_peak_bytes`) nor by the cuts
+        the search starts from (`start_cuts`, from the per-node sums): the stage search asks those of every
+        candidate, and only a plan it prices pays for the simulation."""
+        profile = profile_for(self.machine)
+        if self._tp_comm_overlap is not None:
+            profile = replace(profile, tp_comm_overlap=self._tp_comm_overlap)
+        comm_s = sum(share.tp_comm_s for share in self.shares.values())
+        return self.memo.overlap(self.plan, profile, comm_s)
 
     @cached_property
     def optimizer_s(self) -> dict[int, float]:
@@ -427,7 +527,8 @@ class StagePricer:
                 shares = [self.shares[i] for i in chunk.nodes if i not in charged and i in self.shares]
                 found = LayerCost(sum(c.forward_s for c in shares), sum(c.backward_s for c in shares),
                                   sum(c.activation_bytes for c in shares), sum(c.state_bytes for c in shares),
-                                  sum(c.step_s for c in shares), max((c.transient_bytes for c in shares), default=0))
+                                  sum(c.step_s for c in shares), max((c.transient_bytes for c in shares), default=0),
+                                  sum(c.tp_comm_s for c in shares))
                 self._chunk_memo[key] = found
             earlier[chunk.stage] += (chunk.layers,)
             out.append(found)
@@ -490,7 +591,7 @@ class StagePricer:
             for r in self.layer_map.needs.get(i, ()):
                 first.setdefault(r, at)
             share = self.shares.get(i)
-            at += share.forward_s if share is not None else 0.0
+            at += self.overlap.applied(share).forward_s if share is not None else 0.0
         waits = [prefetch_delay([seconds for _nodes, seconds in found],
                                 [min((first.get(n, at) for n in nodes), default=at) for nodes, _s in found],
                                 queued.get(group, 0.0))
@@ -501,7 +602,7 @@ class StagePricer:
         """The plan cut as `layout`, run in `schedule`, priced (see the module docstring)."""
         plan, machine, m = self.plan, self.machine, self.microbatches
         p, stage_devices, dtype = layout.degree, plan.devices, machine.dtype_bytes
-        per_chunk = self._chunk_costs(layout)
+        per_chunk = [self.overlap.applied(c) for c in self._chunk_costs(layout)]   # memory as it was, time overlapped
         transfers = transfer_seconds(layout, stage_devices, machine, dtype)
         # Megatron launches the gathers on every stage at the step's start where the schedule is interleaved
         # (align_param_gather, its default there), else each stage at its first forward (it forces it off)
@@ -555,6 +656,14 @@ class StageSync:
     gather_s: float                 # seconds of ZeRO's gathers run during the next forward (0 when not overlapped)
     wait_s: Mapping[int, float]     # chunk -> what its first forward waits for those gathers (aligned: its earliest
     #                                 start, from the step's start)
+
+
+def _in_node_collectives(plan: Plan) -> set[int]:
+    """The plan's parallel nodes whose group is inside one node: the collectives Megatron-Core's userbuffers and
+    PyTorch's symmetric memory reach (docs/COSTMODEL.md "Tensor-parallel communication overlap")."""
+    pcg = plan.pcg
+    groups = mesh_groups(pcg)
+    return {node.id for node in pcg.nodes if node.kind == "parallel" and groups(node).nodes_spanned == 1}
 
 
 def overlapped_reduce_end(busy: Sequence[tuple[Action, float, float]], reduce_s: Mapping[int, float]) -> float:

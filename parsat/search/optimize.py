@@ -142,7 +142,7 @@ def _search_pipelines(request: SearchRequest, clock: Deadline, microbatches: int
     return search_pipelines(stage_plan, request.machine, request.devices, request.batch,
                             parameters_of(request.whole), _blocks(request) + 1,
                             degree=pp if pp and pp > 1 else None, microbatches=microbatches, schedule=schedule,
-                            say=request.say, clock=clock, bar=bar)
+                            say=request.say, clock=clock, bar=bar, library=request.library)
 
 
 def _blocks(request: SearchRequest) -> int:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 from math import prod
 from typing import Callable, Sequence
 
+from parsat.dsl.library import Library
 from parsat.ir.machine import Machine
 from parsat.ir.pipeline import INTERLEAVED, ONE_F_ONE_B, SCHEDULES, PipelineError
 from parsat.ir.plan import BaselinePlan, Plan
@@ -104,11 +105,13 @@ def microbatch_counts(batch: int, degree: int, pinned: int | None) -> list[int]:
 def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch: int, parameters: int,
                      layers: int, *, degree: int | None = None, microbatches: int | None = None,
                      schedule: str | None = None, say: Callable[[str], None] = lambda _m: None,
-                     clock: Deadline | None = None, bar: Plan | None = None) -> PipelineSearch:
+                     clock: Deadline | None = None, bar: Plan | None = None,
+                     library: Library | None = None) -> PipelineSearch:
     """Every pipelined candidate: stage plans searched per (degree, micro-batch count), cut and priced per
     schedule (`schedule` pins one). A degree or count whose stage plan cannot be found is said and skipped.
     With a `clock`, each (degree, count) gets an equal part of the time left, and those the clock leaves no
-    time for are listed as not searched (the first one always is searched)."""
+    time for are listed as not searched (the first one always is searched). `library`: the operators', with
+    which a stage's price simulates its tensor-parallel overlap (`cost.pipeline.TpOverlap`)."""
     if schedule is not None and schedule not in SCHEDULES:
         raise OptimizeError(f"unknown schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
     plans: list[Plan] = []
@@ -135,7 +138,7 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
                 break
             say(f"pipeline {p} stages of {stage_devices} devices, {m} micro-batches: searching the stage plan"
                 + (f" ({in_flight} in flight)" if in_flight > 1 else ""))
-            fit = StageFit(p, machine, schedule)
+            fit = StageFit(p, machine, schedule, memo=StageMemo(library=library))
             try:
                 stage = search(stage_machine, stage_devices, m, in_flight, fit,
                                clock.part(1.0 / (len(pairs) - index)) if clock is not None else None, True)
@@ -155,7 +158,7 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
             if any(plan.totals.fits(machine) for plan in found) or in_flight == min(p, m):
                 break
     if scouted and plans and not (clock is not None and clock.spent):
-        _search_every_mesh(search, scouted, machine, devices, schedule, say, clock, tried, plans, grid, bar)
+        _search_every_mesh(search, scouted, machine, devices, schedule, say, clock, tried, plans, grid, bar, library)
     return PipelineSearch(tuple(plans), tuple(grid), tuple(tried))
 
 
@@ -180,7 +183,7 @@ def _priced(stage: Plan, p: int, m: int, schedule: str | None, machine: Machine,
 def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, int]], machine: Machine,
                        devices: int, schedule: str | None, say: Callable[[str], None], clock: Deadline | None,
                        tried: list[dict], plans: list[Plan], grid: list[tuple[Plan, dict]],
-                       bar: Plan | None) -> None:
+                       bar: Plan | None, library: Library | None = None) -> None:
     """Every stage mesh searched for the pair of the pipelined plan that ranks first, when a scout found it and
     it ranks before `bar`: its plans and grid points join the candidates (the scout's stay)."""
     first = min(plans, key=rank_plans)
@@ -188,7 +191,7 @@ def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, i
         return
     p, m, in_flight = scouted[id(first)]
     say(f"pipeline {p} stages x {m} micro-batches chosen: searching every stage mesh")
-    fit = StageFit(p, machine, schedule)
+    fit = StageFit(p, machine, schedule, memo=StageMemo(library=library))
     try:
         stage = search(_stage_machine(machine, devices, p), devices // p, m, in_flight, fit,
                        clock.part(1.0) if clock is not None else None, False)
