@@ -296,7 +296,7 @@ class StageMemo:
         self.library = library
         # (id(nodes), id(outputs)) -> (nodes, outputs, their layer map, its layouts by (starts, degree))
         self._maps: OrderedDict[tuple[int, int], tuple] = OrderedDict()
-        self._overlaps: OrderedDict[tuple, TpOverlap] = OrderedDict()   # (pcg, machine, profile) -> its overlap
+        self._overlaps: OrderedDict[tuple, TpOverlap] = OrderedDict()   # (pcg, machine, profile, comm) -> overlap
         self._times: dict[Machine, OpTimes] = {}                          # stage machine -> compute-time cache
 
     def overlap(self, plan: Plan, profile: ExecutionProfile, comm_s: float) -> TpOverlap:
@@ -304,7 +304,7 @@ class StageMemo:
         library."""
         if self.library is None:
             return NO_OVERLAP
-        key = (plan.pcg, plan.machine, profile)
+        key = (plan.pcg, plan.machine, profile, comm_s)
         found = self._overlaps.get(key)
         if found is None:
             times = self._times.setdefault(plan.machine, OpTimes(self.library, plan.machine))
