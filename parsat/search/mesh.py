@@ -277,8 +277,10 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
     pinned = None
     if config is not None:
         batch = {result.classes[name]: dim for name, dim in step.batch_inputs.items() if name in result.classes}
+        # a pinned tensor axis splits every contraction's weight, on a mesh of that axis alone too (a pipeline
+        # stage's tp 2 mesh extracted a plan with nothing split there before)
         split = frozenset(result.classes[name] for name in contraction_weights(graph)
-                          if name in result.classes) if config.others_free else frozenset()
+                          if name in result.classes) if config.tensor_axis is not None else frozenset()
         pinned = config_excluded(result.snapshot, leaf_roles(result.snapshot, graph), config, batch, split)
     ordered = policies(step)
     failure: MeshSearch | None = None

@@ -33,7 +33,7 @@ from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import PCG
 from parsat.ir.recompute import AUTO
 from parsat.ir.pcg_placement import derive_placements
-from parsat.ir.placement import Placement, PlacementError
+from parsat.ir.placement import PARTIAL, Placement, PlacementError, shard_dim
 from parsat.ir.plan import JOINT, BaselinePlan, Plan
 from parsat.egraph.runner import STOP_INTERRUPTED, STOP_SATURATED, Limits
 from parsat.egraph.snapshot import Snapshot
@@ -43,7 +43,7 @@ from parsat.search.inputs import pins_on, search_meshes
 from parsat.search.mesh import CandidateSteps, MeshSearch, best, rank, search_mesh
 from parsat.search.request import SearchRequest, StepContext
 from parsat.search.provenance import rules_used
-from parsat.search.strategies import Config, PinError, pinned_meshes
+from parsat.search.strategies import PINNABLE, Config, PinError, pinned_meshes
 
 NO_PINNED_LAYOUT = "no plan uses the pinned axes that way"
 FIRST_MESH_SHARE = 0.5   # of a search's time, for its first mesh when several are searched
@@ -96,6 +96,8 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
     unspread = _unspread(step, searches)
     steps = CandidateSteps(step.request.library, step.machine, step.graph.microbatches, step.request.simulations)
     searches = [s.simulated(steps) for s in searches]
+    if pinned:
+        searches = [_keeping_pins(s, step) for s in searches]
     solved = [s for s in searches if s.joint is not None]
     cut = "" if solved else _valve_cut(searches, choices, clock)
     if not solved and not cut and not pinned:
@@ -119,6 +121,19 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
         said["search_limit"] = (f"interrupted (Ctrl-C): meshes "
                                 f"{', '.join(str(c.mesh) for c in choices[len(searches):])} not searched")
     return replace(plan, saturation={**dict(plan.saturation), **said}) if said else plan
+
+
+def _keeping_pins(search: MeshSearch, step: StepContext) -> MeshSearch:
+    """`search`, or, where its joint plan leaves a pinned axis idle (`idle_pinned_axes`), the search without a
+    joint plan, its error naming the axis: the step then answers with a baseline that keeps the pins (the grid's
+    point of the pinned layout) or refuses, never with an idle axis. Extraction within a pinned configuration
+    splits every pinned axis (`strategies.config_excluded`); this holds the promise wherever it does not."""
+    idle = idle_pinned_axes(search.joint.pcg, step.request.parallel_dims) if search.joint is not None else {}
+    if not idle:
+        return search
+    why = "; ".join(f"its plan leaves axis {kind} idle: {reason}" for kind, reason in idle.items())
+    step.say(f"mesh {search.mesh}: {why}")
+    return replace(search, joint=None, extraction=None, error=why)
 
 
 def _pins_unheld(step: StepContext, searches: Sequence[MeshSearch]) -> str:
@@ -417,15 +432,35 @@ def keeps_pins(candidate: Candidate, request: SearchRequest) -> bool:
 
 
 def uses_pinned_axes(pcg: PCG, dims: Mapping[str, int]) -> bool:
-    """Whether `pcg` puts work on every pinned axis as the pin promises: a graph input split on `dp` (each
-    data-parallel rank on its own samples), a parallel operator on `tp`. A grid point's configuration names
-    its degrees, but its extraction may leave an axis idle (an MLP's dp 2 point computed whole on both ranks)."""
+    """Whether `pcg` puts work on every pinned axis as the pin promises (`idle_pinned_axes` finds none idle). A
+    grid point's configuration names its degrees, but its extraction may leave an axis idle (an MLP's dp 2 point
+    computed whole on both ranks), and so may a joint plan extracted on a pinned mesh."""
+    return not idle_pinned_axes(pcg, dims)
+
+
+def idle_pinned_axes(pcg: PCG, dims: Mapping[str, int]) -> dict[str, str]:
+    """The pinned axes (`dp`, `tp` above 1) on which `pcg` breaks the pin, each with why: no operator computes a
+    split or partial piece there (every rank of the axis does the same work: a `tp` axis with only a replicate
+    on it, or a pipeline stage plan on a `tp 2` mesh with nothing split), or, on `dp`, no graph input is split
+    there (each data-parallel rank must compute on its own samples)."""
     by_id = {node.id: node for node in pcg.nodes}
-    on_axis = {str(node.attr("axis")) for node in pcg.nodes if node.kind == "parallel"}
     split_inputs = {str(node.attr("axis")) for node in pcg.nodes if node.kind == "parallel" and node.op == PARTITION
                     and by_id[node.inputs[0]].kind == "leaf" and by_id[node.inputs[0]].role == "input"}
-    wanted = {kind for kind, degree in dims.items() if kind in ("dp", "tp") and degree > 1}
-    return ("dp" not in wanted or "dp" in split_inputs) and ("tp" not in wanted or "tp" in on_axis)
+    names = tuple(pcg.mesh.names)
+    idle = {}
+    for kind in (kind for kind, degree in dims.items() if kind in PINNABLE and degree > 1):
+        at = names.index(kind) if kind in names else None
+        if at is None or not any(node.kind == "op" and _splits(node.placement, at) for node in pcg.nodes):
+            idle[kind] = "no operator is split on it, so every rank of the axis does the same work"
+        elif kind == "dp" and kind not in split_inputs:
+            idle[kind] = "no graph input is split on it, so every data-parallel rank computes on the same samples"
+    return idle
+
+
+def _splits(placement: Placement, axis: int) -> bool:
+    """Whether a value placed so is a different piece on each rank of `axis` (split, or a partial sum)."""
+    codes = placement.codes
+    return axis < len(codes) and (codes[axis] == PARTIAL or shard_dim(codes[axis]) is not None)
 
 
 def _extraction_record(best_search: MeshSearch, chosen: Candidate, unplaceable: dict, steps: CandidateSteps,
