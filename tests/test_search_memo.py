@@ -18,8 +18,7 @@ from parsat.egraph.runner import Limits
 from parsat.egraph.saturate import saturate
 from parsat.ir.machine import Machine
 from parsat.ir.models import build_example
-from parsat.dsl.parallel_ops import PARTITION
-from parsat.ir.pcg import WEIGHT, readers, weight_storage
+from parsat.ir.pcg import readers, weight_storage
 from parsat.search.baselines import independent_grid
 from parsat.search.extract import EPSILON, bottom_up, node_costs
 from parsat.search.request import resolve_request, step_context
@@ -39,20 +38,6 @@ def grid():
 def _fresh(pcg):
     """The same PCG as a new object: nothing worked out yet."""
     return replace(pcg, nodes=tuple(pcg.nodes))
-
-
-def _storage_afresh(pcg) -> dict:
-    """`weight_storage` as it was worked out before the PCG kept it."""
-    users = readers(pcg)
-    chains = {}
-    for node in pcg.nodes:
-        if node.kind == "leaf" and node.role == WEIGHT:
-            chain = [node.id]
-            while len(users.get(chain[-1], ())) == 1 and users[chain[-1]][0].kind == "parallel" \
-                    and users[chain[-1]][0].op == PARTITION:
-                chain.append(users[chain[-1]][0].id)
-            chains[node.id] = tuple(chain)
-    return chains
 
 
 def _gradients_afresh(pcg, library) -> dict:
@@ -75,11 +60,11 @@ def test_a_pcg_s_kept_readers_storage_and_gradients_are_those_worked_out_afresh(
     for point in points:
         pcg = point.pcg
         assert pcg.readers_of == {i: tuple(users) for i, users in readers(pcg).items()}
-        assert weight_storage(pcg) == _storage_afresh(pcg)
+        assert weight_storage(pcg) == weight_storage(_fresh(pcg))
         assert needs_gradient(pcg, request.library) == _gradients_afresh(pcg, request.library)
         handed = weight_storage(pcg)
         handed.clear()
-        assert weight_storage(pcg) == _storage_afresh(pcg)   # a caller's copy, not the PCG's table
+        assert weight_storage(pcg) == weight_storage(_fresh(pcg))   # a caller's copy, not the PCG's table
         assert pcg == _fresh(pcg) and hash(pcg) == hash(_fresh(pcg))   # kept tables are no part of its value
 
 
