@@ -46,7 +46,8 @@ def register(subparsers) -> None:
     opt.add_argument("--allow-unverified", action="store_true", help="also use rules the verifier has not PROVED")
     opt.add_argument("--list-examples", action="store_true", help="list the built-in examples and their sizes")
     opt.add_argument("--degrees", default=None, metavar="KIND=N,...",
-                     help="pin degrees of parallelism (dp, tp, pp) and the ZeRO stage (zero: 0-3; 1 shards the "
+                     help="pin degrees of parallelism (dp, tp, pp; sp=N with tp=N: Megatron-LM's sequence-parallel "
+                          "norms on the tensor-parallel ranks, sp=1 none) and the ZeRO stage (zero: 0-3; 1 shards the "
                           "optimizer state over each weight's replicas, Megatron-LM's distributed optimizer; 2 the "
                           "gradients too; 3 stores weights split, FSDP), e.g. tp=8,pp=4,zero=1; the rest is "
                           "searched (dp x tp are one pipeline stage's devices; unpinned, ZeRO 1 or 2 is used "

@@ -11,10 +11,16 @@ joint plan, a pipeline stage's included (`search.step.idle_pinned_axes`).
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
+import pytest
+
 from parsat import optimize
+from parsat.ir.errors import OptimizeError
+from parsat.ir.parallelism import describe
 from parsat.ir.placement import Placement
+from parsat.search.request import resolve_request
 from parsat.search.step import idle_pinned_axes, uses_pinned_axes
 
 PINS = {"tp": 8, "dp": 2}
@@ -56,3 +62,30 @@ def test_a_pinned_pipeline_s_tensor_axis_splits_work_in_each_stage():
                                          for n in plan.pcg.nodes))
     assert idle_pinned_axes(idle, {"tp": 2, "pp": 2}) == {"tp": "no operator is split on it, so every rank of "
                                                                 "the axis does the same work"}
+
+
+def test_a_pinned_sequence_degree_cuts_the_norms_along_the_sequence_on_the_tensor_axis():
+    """`--degrees tp=2,sp=2` is Megatron-LM's sequence parallelism: some operator computes a piece cut along the
+    sequence on tp (the joint plan, or the grid point with `sp` on where the joint plan cuts nothing); `sp=1`
+    pins it off, and nothing is cut along the sequence. The unpinned cpu plan of this gpt cuts nothing (a
+    collective costs more than this tiny step), so the pin is what turns it on."""
+    on = optimize("gpt", machine="cpu", devices=2, sizes=SMALL_GPT, degrees={"tp": 2, "sp": 2})
+    off = optimize("gpt", machine="cpu", devices=2, sizes=SMALL_GPT, degrees={"tp": 2, "sp": 1})
+    assert idle_pinned_axes(on.pcg, {"tp": 2}, sequence=True) == {}, on.extraction
+    assert on.extraction["chosen"] == "joint" or on.baseline_plans["best_grid"].config["sp"] is True
+    assert idle_pinned_axes(off.pcg, {"tp": 2}, sequence=False) == {}
+    assert "sp" in idle_pinned_axes(off.pcg, {"tp": 2}, sequence=True)   # the off plan would break an on pin
+    assert "sp" in idle_pinned_axes(on.pcg, {"tp": 2}, sequence=False)
+    assert "sequence-parallel" in describe(on.pcg) and "sequence-parallel" not in describe(off.pcg)
+
+
+@pytest.mark.parametrize("degrees, says", [
+    ({"sp": 2}, "needs tp pinned to the same degree (tp=2,sp=2)"),
+    ({"tp": 2, "sp": 4}, "(sp=2 with tp=2)"),
+    ({"tp": 2, "sp": 0}, "sp must be a positive integer"),
+    ({"tp": 2, "sp": True}, "sp must be a positive integer")])
+def test_a_sequence_pin_that_cannot_hold_is_refused_before_the_rules_load(degrees, says):
+    def no_rules(_library):
+        raise AssertionError("the rules were chosen before the pin was checked")
+    with pytest.raises(OptimizeError, match=re.escape(says)):
+        resolve_request("gpt", "cpu", None, None, 2, sizes=SMALL_GPT, degrees=degrees, choose_rules=no_rules)

@@ -34,6 +34,18 @@ from parsat.ir.placement import shard_dim
 WEIGHTY = WEIGHT_ROLES   # a weight, or a piece or value of one made by parallel operators
 
 DATA, TENSOR, SEQUENCE, ZERO3, EXPERT = "data", "tensor", "sequence", "zero3", "expert"
+
+
+def along_sequence(shape: tuple[int, ...], dim: int | None) -> bool:
+    """Whether `dim` of a value of `shape` is its sequence: dim 1 of a rank-3 activation [batch, seq, hidden],
+    as the built-in examples and the importer lay activations out. One place for what "cut along the sequence"
+    means: the reading of a plan (`axis_uses`), the grid's restrictions and the `--degrees sp` pin."""
+    return dim == 1 and len(shape) == 3
+
+
+def sequence_split(shape: tuple[int, ...], code: int) -> bool:
+    """Whether a value of `shape` placed with `code` on an axis is cut along its sequence there."""
+    return along_sequence(shape, shard_dim(code))
 KINDS = {"dp": DATA, "tp": TENSOR, "sp": SEQUENCE, "pp": "pipeline"}   # what `--degrees` names them
 
 
@@ -66,14 +78,13 @@ def axis_uses(pcg: PCG) -> list[AxisUse]:
         axis = node.axis(pcg.mesh)
         source = roles.get(node.inputs[0], "")
         dim = dict(node.attrs).get("dim")
-        rank = len(node.shape)
         if node.op == PARTITION and source == "input" and dim == 0:
             kinds[axis].add(DATA)
         elif node.op == ALL_GATHER and source in WEIGHTY:
             kinds[axis].add(ZERO3)
         elif node.op == PARTITION and source in WEIGHTY:
             kinds[axis].add(EXPERT if node.id in experts else TENSOR)
-        elif node.op in (REDUCE_SCATTER, ALL_GATHER) or (node.op == PARTITION and rank == 3 and dim == 1
+        elif node.op in (REDUCE_SCATTER, ALL_GATHER) or (node.op == PARTITION and along_sequence(node.shape, dim)
                                                           and by_id[node.inputs[0]].kind != "leaf"):
             kinds[axis].add(SEQUENCE)
     # storage shards that are gathered again are ZeRO-3, not tensor parallelism, on that axis

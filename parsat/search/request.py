@@ -84,6 +84,7 @@ class SearchRequest:
     repeat_blocks: bool = True
     recompute: str = AUTO
     zero: int | str = AUTO              # `--degrees zero=N` (0-3), or AUTO: the search chooses 0, 1 or 2
+    sequence_parallel: bool | None = None   # `--degrees sp=N`: on (N = tp) or off (N = 1); None: searched
     caches: MeshCaches = field(default_factory=MeshCaches, compare=False)
     say: Progress = _silent
     # the independent grid's points by (graph, machine, devices): a scout's step and the search of every mesh at
@@ -139,6 +140,7 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
     if zero == 3 and "dp" not in dims:
         raise OptimizeError("--degrees zero=3 stores the weights split over the data-parallel axis: pin that axis "
                             "too (dp=N)")
+    sequence = sequence_pin(dims.pop("sp", None), dims.get("tp"))
     limits = Limits.resolve(limits)
     base = Machine.resolve(machine)
     count = base.devices if devices is None else devices
@@ -161,7 +163,26 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
     say(f"{len(chosen)} rules; {note}")
     return SearchRequest(graph, whole, library, chosen, note, machine, count, limits, sizes,
                          example_batch(graph, sizes), dims, pp, output_spreads, input_spreads, free_input_placements,
-                         baselines, repeat_blocks, recompute, zero, caches or MeshCaches(), say, deadline=deadline)
+                         baselines, repeat_blocks, recompute, zero, sequence, caches or MeshCaches(), say,
+                         deadline=deadline)
+
+
+def sequence_pin(sp, tp) -> bool | None:
+    """`--degrees sp=N` as the search keeps it: True (Megatron-LM's sequence parallelism, on the tensor-parallel
+    ranks, so N is the pinned tp), False (`sp=1`: activations never cut along the sequence), None (not pinned:
+    searched). Checked here, before the rules load."""
+    if sp is None:
+        return None
+    if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
+        raise OptimizeError(f"--degrees sp must be a positive integer, got {sp!r}")
+    if sp == 1:
+        return False
+    if tp is None or sp != tp:
+        degree = f"tp={sp},sp={sp}" if tp is None else f"sp={tp} with tp={tp}"
+        raise OptimizeError(f"--degrees sp={sp}: sequence parallelism cuts the norms' and residuals' activations "
+                            "along the sequence on the tensor-parallel ranks (Megatron-LM), so it needs tp pinned "
+                            f"to the same degree ({degree}); sp=1 pins it off")
+    return True
 
 
 def graph_budget(limits: Limits, deadline: float | None) -> GraphBudget:

@@ -30,6 +30,7 @@ from parsat.ir.costs import Totals
 from parsat.ir.errors import DoesNotFit, OptimizeError
 from parsat.dsl.parallel_ops import PARTITION
 from parsat.ir.mesh import Mesh
+from parsat.ir.parallelism import sequence_split
 from parsat.ir.pcg import PCG
 from parsat.ir.recompute import AUTO
 from parsat.ir.pcg_placement import derive_placements
@@ -128,7 +129,9 @@ def _keeping_pins(search: MeshSearch, step: StepContext) -> MeshSearch:
     joint plan, its error naming the axis: the step then answers with a baseline that keeps the pins (the grid's
     point of the pinned layout) or refuses, never with an idle axis. Extraction within a pinned configuration
     splits every pinned axis (`strategies.config_excluded`); this holds the promise wherever it does not."""
-    idle = idle_pinned_axes(search.joint.pcg, step.request.parallel_dims) if search.joint is not None else {}
+    request = step.request
+    idle = idle_pinned_axes(search.joint.pcg, request.parallel_dims, request.sequence_parallel) \
+        if search.joint is not None else {}
     if not idle:
         return search
     why = "; ".join(f"its plan leaves axis {kind} idle: {reason}" for kind, reason in idle.items())
@@ -155,8 +158,12 @@ def _pin_error(step: StepContext, searches: Sequence[MeshSearch]) -> OptimizeErr
 
 
 def _pins(step: StepContext) -> str:
-    """The pinned degrees as the user wrote them (`dp=2, tp=2`)."""
-    return ", ".join(f"{k}={v}" for k, v in step.request.parallel_dims.items())
+    """The pinned degrees as the user wrote them (`dp=2, tp=2`, `sp=2` with sequence parallelism pinned on)."""
+    request = step.request
+    pins = [f"{k}={v}" for k, v in request.parallel_dims.items()]
+    if request.sequence_parallel is not None:
+        pins.append(f"sp={request.parallel_dims['tp'] if request.sequence_parallel else 1}")
+    return ", ".join(pins)
 
 
 def _no_joint_plan(step: StepContext, searches: Sequence[MeshSearch]) -> OptimizeError:
@@ -198,7 +205,7 @@ def mesh_choices(step: StepContext) -> list[MeshChoice]:
     request = step.request
     try:
         pinned = pinned_meshes(dict(request.parallel_dims), step.devices, step.machine.devices_per_node,
-                               request.zero)
+                               request.zero, request.sequence_parallel)
     except PinError as err:
         raise OptimizeError(f"--degrees: {err}") from None
     meshes = [(m, c) for m, c in pinned] or [(m, None) for m in search_meshes(step.devices,
@@ -428,21 +435,25 @@ def keeps_pins(candidate: Candidate, request: SearchRequest) -> bool:
         return False
     if request.recompute != AUTO and candidate.pcg.recompute != request.recompute:
         return False
-    return uses_pinned_axes(candidate.pcg, request.parallel_dims)
+    if request.sequence_parallel is not None and bool(config.get("sp")) != request.sequence_parallel:
+        return False
+    return uses_pinned_axes(candidate.pcg, request.parallel_dims, request.sequence_parallel)
 
 
-def uses_pinned_axes(pcg: PCG, dims: Mapping[str, int]) -> bool:
+def uses_pinned_axes(pcg: PCG, dims: Mapping[str, int], sequence: bool | None = None) -> bool:
     """Whether `pcg` puts work on every pinned axis as the pin promises (`idle_pinned_axes` finds none idle). A
     grid point's configuration names its degrees, but its extraction may leave an axis idle (an MLP's dp 2 point
     computed whole on both ranks), and so may a joint plan extracted on a pinned mesh."""
-    return not idle_pinned_axes(pcg, dims)
+    return not idle_pinned_axes(pcg, dims, sequence)
 
 
-def idle_pinned_axes(pcg: PCG, dims: Mapping[str, int]) -> dict[str, str]:
+def idle_pinned_axes(pcg: PCG, dims: Mapping[str, int], sequence: bool | None = None) -> dict[str, str]:
     """The pinned axes (`dp`, `tp` above 1) on which `pcg` breaks the pin, each with why: no operator computes a
     split or partial piece there (every rank of the axis does the same work: a `tp` axis with only a replicate
     on it, or a pipeline stage plan on a `tp 2` mesh with nothing split), or, on `dp`, no graph input is split
-    there (each data-parallel rank must compute on its own samples)."""
+    there (each data-parallel rank must compute on its own samples). A pinned `sequence` (`--degrees sp`) is
+    broken, under "sp", where it is on and no operator computes a piece cut along the sequence on the tensor
+    axis (Megatron-LM's sequence-parallel region: the norms and residuals), or off and one does."""
     by_id = {node.id: node for node in pcg.nodes}
     split_inputs = {str(node.attr("axis")) for node in pcg.nodes if node.kind == "parallel" and node.op == PARTITION
                     and by_id[node.inputs[0]].kind == "leaf" and by_id[node.inputs[0]].role == "input"}
@@ -454,6 +465,14 @@ def idle_pinned_axes(pcg: PCG, dims: Mapping[str, int]) -> dict[str, str]:
             idle[kind] = "no operator is split on it, so every rank of the axis does the same work"
         elif kind == "dp" and kind not in split_inputs:
             idle[kind] = "no graph input is split on it, so every data-parallel rank computes on the same samples"
+    if sequence is not None and "tp" in names:
+        cut = sum(node.kind == "op" and sequence_split(node.shape, node.placement.codes[names.index("tp")])
+                  for node in pcg.nodes)
+        if sequence and not cut:
+            idle["sp"] = "no operator computes a piece cut along the sequence on the tensor axis, so the norms " \
+                         "and residuals run whole on every tensor-parallel rank"
+        elif not sequence and cut:
+            idle["sp"] = f"pinned off, but {cut} operators compute pieces cut along the sequence on the tensor axis"
     return idle
 
 

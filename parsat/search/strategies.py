@@ -14,6 +14,7 @@ from typing import Callable, Mapping
 
 from parsat.dsl.parallel_ops import ALL_GATHER, ALL_TO_ALL, PARALLEL_OPS, PARTITION, REDUCE_SCATTER, REPLICATE
 from parsat.ir.mesh import Mesh
+from parsat.ir.parallelism import along_sequence
 from parsat.ir.pcg import STORED_ROLES, WEIGHT_ROLES
 from parsat.ir.placement import FREE, shard_dim
 from parsat.egraph.snapshot import Snapshot
@@ -124,7 +125,7 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
                                                                   node.children[0] in stored_split)
             if node.op in (REDUCE_SCATTER, ALL_GATHER):
                 return not config.sequence
-            if node.op == PARTITION and len(snapshot.shape[node.children[0]]) == 3 and dim == 1:
+            if node.op == PARTITION and along_sequence(snapshot.shape[node.children[0]], dim):
                 return not config.sequence
             return False
         return not config.others_free   # an axis the configuration does not name
@@ -194,12 +195,14 @@ class PinError(Exception):
 
 
 def pinned_meshes(dims: Mapping[str, int], devices: int, devices_per_node: int,
-                  zero: int | str = "auto") -> list[tuple[Mesh, Config]]:
+                  zero: int | str = "auto", sequence: bool | None = None) -> list[tuple[Mesh, Config]]:
     """The meshes and configurations that realise pinned parallel dims (`--degrees tp=2,dp=4`): a pinned tensor
     degree is the minor axis (inside a node when it fits), a pinned data degree the major one; whatever is not
     pinned is searched (sequence parallelism, ZeRO-3, and the unpinned axis's use). A pinned ZeRO stage (`zero`:
     0-3, else "auto") below 3 keeps weights whole on the data axis; stage 3 stores every weight split there.
-    Raises PinError."""
+    A pinned `sequence` (`--degrees sp`) False keeps activations whole along the sequence on the tensor axis;
+    True or None (searched) lets extraction cut them (that a True pin holds is `search.step.idle_pinned_axes`'s
+    check). Raises PinError."""
     unknown = sorted(set(dims) - set(PINNABLE) - {"pp", "zero"})
     if unknown:
         raise PinError(f"unknown parallelism {', '.join(unknown)} in --degrees (pin {', '.join(PINNABLE)})")
@@ -223,12 +226,13 @@ def pinned_meshes(dims: Mapping[str, int], devices: int, devices_per_node: int,
     dp = devices // tp
     data_pinned = "dp" in dims
     split, only = zero in ("auto", 3), zero == 3
+    cut = sequence is not False
     if dp == 1:
         mesh = Mesh.of((tp,), devices_per_node, names=("tp",))
-        return [(mesh, Config(None, 0, True, False, others_free=False))]
+        return [(mesh, Config(None, 0, cut, False, others_free=False))]
     if tp == 1:
         mesh = Mesh.of((dp,), devices_per_node, names=("dp",))
         return [(mesh, Config(0, None, False, split, others_free=False, zero3_only=only))]
     mesh = Mesh.of((dp, tp), devices_per_node, names=("dp" if data_pinned else "a0", "tp" if tensor_pinned else "a1"))
-    return [(mesh, Config(0 if data_pinned else None, 1 if tensor_pinned else None, True, split, others_free=True,
+    return [(mesh, Config(0 if data_pinned else None, 1 if tensor_pinned else None, cut, split, others_free=True,
                           zero3_only=only))]
