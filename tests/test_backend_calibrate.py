@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from parsat.backend.calibrate import (CollectiveTiming, OpTiming, fit_gemm, fit_line, fit_link,  # noqa: E402
-                                      fit_memory, fit_skew, gemm_shapes)
+from parsat.backend.calibrate import (CollectiveTiming, OpTiming, fit_gemm, fit_layouts, fit_line,  # noqa: E402
+                                      fit_link, fit_memory, fit_skew, gemm_shapes)
 from parsat.cli import main  # noqa: E402
 from parsat.ir.machine import Machine  # noqa: E402
 
@@ -37,6 +37,22 @@ def test_fit_gemm_recovers_peak_and_half_lengths():
     assert got_halves == halves and got_peak == pytest.approx(peak)
 
 
+def test_fit_layouts_gives_each_transposed_layout_its_rate_against_the_forward_peak():
+    """A layout timed 1.5x slower than the forward products at every shape fits a rate of 1 / 1.5 of the forward
+    peak and the same half lengths; a layout not timed (an older calibration) gives no field."""
+    peak, halves = 80e9, (16.0, 0.0, 64.0)
+
+    def seconds(m, n, k, slower=1.0):
+        return slower * 2 * m * n * k * (1 + halves[0] / m) * (1 + halves[1] / n) * (1 + halves[2] / k) / peak
+
+    timings = [OpTiming(op, s, seconds(*s, slower), 2.0 * s[0] * s[1] * s[2], 0.0) for s in gemm_shapes(512)
+               for op, slower in (("matmul", 1.0), ("matmul_tn", 1.5))]
+    fields = fit_layouts(timings, fit_gemm([t for t in timings if t.op == "matmul"])[0])
+    assert fields["gemm_tn_rate"] == pytest.approx(1 / 1.5)
+    assert (fields["gemm_tn_half_m"], fields["gemm_tn_half_n"], fields["gemm_tn_half_k"]) == halves
+    assert not any(k.startswith("gemm_nt") for k in fields)
+
+
 def test_fit_memory_finds_the_cache_and_both_bandwidths():
     def seconds(nbytes):
         return 2e-6 + nbytes / (80e9 if nbytes <= 1 << 20 else 10e9)
@@ -58,12 +74,16 @@ def test_calibrate_writes_a_machine_the_optimizer_loads(tmp_path, capsys):
                  "--window", "0.002", "--comm-elements", "16", "4096", "--json"])
     assert code == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert {o["op"] for o in report["ops"]} >= {"matmul", "relu", "add", "copy", "randn"}
+    assert {o["op"] for o in report["ops"]} >= {"matmul", "matmul_nt", "matmul_tn", "relu", "add", "copy", "randn"}
     assert {c["kind"] for c in report["collectives"]} >= {"all_reduce", "all_gather", "send_recv"}
     machine = Machine.load(out)
     assert machine.name == "here" and machine.devices_per_node == 2 and machine.precision == "fp64"
     assert machine.peak_flops > 0 and machine.intra_bandwidth > 0 and machine.efficiency.dispatch_s > 0
     assert machine.comm.point("all_reduce", "intra", 2) is not None
+    for layout in ("nt", "tn"):   # the backward products' layouts, measured, and written to the file
+        assert getattr(machine.efficiency, f"gemm_{layout}_rate") > 0
+        assert machine.efficiency.layout_efficiency(layout, 64, 64, 64) > 0
+    assert Machine.from_dict(json.loads(out.read_text())).efficiency == machine.efficiency
     assert dict(machine.peaks).keys() == {"fp64", "fp32"}
     assert json.loads(out.read_text())["version"] == 2
     assert main(["optimize", "mlp", "--devices", "2", "--machine", str(out), "-q", "--no-baselines",

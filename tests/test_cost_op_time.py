@@ -16,7 +16,7 @@ from parsat.ir.machine import Machine
 from parsat.ir.machine_profile import OpEfficiency
 from parsat.ir.pcg import Degrees
 from parsat.cost.model import compute_cost
-from parsat.cost.op_time import OpTime, chunk_time, kernel_time, local_gemm, memory_op_time
+from parsat.cost.op_time import OpTime, chunk_time, kernel_time, local_gemm, memory_op_time, op_time
 
 OPS = load_library([shipped_rules_dir() / "ops.rule"])[0].ops
 
@@ -174,8 +174,52 @@ def test_the_simulator_charges_a_fused_kernel_its_own_backward():
     product = OpTime(1.0, 2.0, 1.0, 0.0, 0.0, gemm=(4.0, 4.0, 4.0))
     fused = OpTime(1.0, 2.5, 1.0, 0.0, 0.0, backward_factor=2.5)
     plain = OpTime(1.0, 2.0, 1.0, 0.0, 0.0)
-    assert product.backward_kernel_s(2) == 2.0 and fused.backward_kernel_s(3) == 2.5
-    assert plain.backward_kernel_s(3) == 1.0
+    assert product.backward_kernel_s([0, 1]) == 2.0 and fused.backward_kernel_s([0, 1, 2]) == 2.5
+    assert plain.backward_kernel_s([0, 1, 2]) == 1.0
+    measured = replace(product, grad_kernels=(1.25, 1.5))   # each operand's backward product, as measured
+    assert measured.backward_kernel_s([1]) == 1.5 and measured.backward_kernel_s([0, 1]) == 2.75
+    assert measured.backward_kernel_s([0, 1, 2]) == 3.75    # a bias: one forward kernel, as before
+
+
+def _measured_layouts(machine: Machine, tn_rate: float) -> Machine:
+    """`machine` with products on transposed operands measured: g @ w^T as fast as forward, x^T @ g at `tn_rate`."""
+    eff = machine.efficiency
+    return replace(machine, efficiency=replace(
+        eff, gemm_nt_rate=eff.gemm_peak_fraction, gemm_nt_half_m=eff.gemm_half_m, gemm_nt_half_n=eff.gemm_half_n,
+        gemm_nt_half_k=eff.gemm_half_k, gemm_tn_rate=tn_rate, gemm_tn_half_m=eff.gemm_half_m,
+        gemm_tn_half_n=eff.gemm_half_n, gemm_tn_half_k=eff.gemm_half_k))
+
+
+def test_a_measured_backward_product_is_priced_at_its_own_shape_and_layout():
+    """With the transposed layouts measured (`parsat calibrate`), a product's backward is each operand's gradient
+    product at its own (m, n, k) and layout: a slower x^T @ g makes the weight's gradient slower, by the
+    layout's rate; unmeasured (the presets), both are the forward kernel again, as before."""
+    base = replace(Machine.preset("cpu"), efficiency=OpEfficiency(gemm_half_m=4, gemm_half_n=32, gemm_half_k=4))
+    inst = _instance("matmul", ((128, 784), (784, 256)))
+    fast = op_time(inst, {}, 128 * 784 + 784 * 256 + 128 * 256, _measured_layouts(base, 1.0))
+    slow = op_time(inst, {}, 128 * 784 + 784 * 256 + 128 * 256, _measured_layouts(base, 0.5))
+    unmeasured = op_time(inst, {}, 128 * 784 + 784 * 256 + 128 * 256, base)
+    assert unmeasured.grad_kernels == () and unmeasured.backward_kernel_s([1]) == unmeasured.kernel_s
+    assert unmeasured.backward_s == pytest.approx(2 * unmeasured.kernel_s)   # as before: 2 x the forward kernel
+    # g @ w^T is [128, 256] @ [256, 784] and x^T @ g [784, 128] @ [128, 256]: their own shapes' efficiency
+    eff = base.efficiency
+    assert fast.grad_kernels[0] == pytest.approx(fast.flops / (base.peak_flops * eff.gemm_efficiency(128, 784, 256)))
+    assert fast.grad_kernels[1] == pytest.approx(fast.flops / (base.peak_flops * eff.gemm_efficiency(784, 256, 128)))
+    assert slow.grad_kernels[1] == pytest.approx(2 * fast.grad_kernels[1])
+    assert slow.backward_kernel_s([1]) > fast.backward_kernel_s([1]) and slow.backward_s > fast.backward_s
+    assert slow.forward_s == fast.forward_s == unmeasured.forward_s       # forward is not touched
+    chunk = chunk_time(slow, 4, 0, _measured_layouts(base, 0.5))         # a pipelined chunk keeps its layouts
+    assert len(chunk.grad_kernels) == 2 and chunk.grad_kernels[1] > slow.grad_kernels[1] / 4
+
+
+def test_the_layout_fields_are_machine_file_fields_left_out_when_not_measured():
+    machine = _measured_layouts(Machine.preset("cpu"), 0.7)
+    again = Machine.from_dict(json.loads(json.dumps(machine.to_dict())))
+    assert again.efficiency == machine.efficiency and again.efficiency.gemm_tn_rate == 0.7
+    assert not any(k.startswith(("gemm_nt", "gemm_tn")) for k in Machine.preset("h100x8").to_dict()["efficiency"])
+    assert Machine.preset("h100x8").efficiency.layout_efficiency("tn", 64, 64, 64) is None
+    with pytest.raises(MachineError, match="gemm_tn_rate"):
+        OpEfficiency.from_dict({**again.to_dict()["efficiency"], "gemm_tn_rate": -1.0})
 
 
 def test_the_gemm_rate_fits_the_measured_gemm_rows():

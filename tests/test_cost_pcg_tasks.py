@@ -196,6 +196,28 @@ def test_stragglers_make_collectives_wait():
     assert len(waits) == 2 and noisy.step_s > calm.step_s       # before the all-reduce, and at the step's end
 
 
+def test_a_slower_measured_backward_product_prices_a_slower_step():
+    """The demo's plan (`megatron_mlp`) on a machine whose products on transposed operands are measured
+    (`parsat calibrate`: autograd's x^T @ g and g @ w^T): at the forward's rate it prices as the same machine
+    unmeasured; with x^T @ g at half that rate the weights' gradients, and the step, take longer."""
+    eff = CPU64.efficiency
+
+    def layouts(tn_rate: float) -> Machine:
+        halves = {f"gemm_{lay}_half_{d}": getattr(eff, f"gemm_half_{d}") for lay in ("nt", "tn") for d in "mnk"}
+        return replace(CPU64, efficiency=replace(eff, gemm_nt_rate=eff.gemm_peak_fraction, gemm_tn_rate=tn_rate,
+                                                 **halves))
+
+    pcg = megatron_mlp()
+    plain, same, slow = (simulate_pcg(pcg, LIB, m, PARSAT_RUN) for m in (CPU64, layouts(1.0), layouts(0.5)))
+    assert same.step_s == pytest.approx(plain.step_s)
+    assert slow.step_s > same.step_s
+
+    def phase(run, name):
+        return sum(s.end - s.start for s in run.result.spans if s.phase == name)
+
+    assert phase(slow, "backward") > phase(same, "backward") and phase(slow, "forward") == phase(same, "forward")
+
+
 def test_a_mesh_axis_across_nodes_costs_more_than_one_inside_a_node():
     machine = Machine.preset("cpu")
     inside = data_parallel_pcg(mlp(library=LIB), LIB, 2, devices_per_node=4)   # the dp axis inside one node

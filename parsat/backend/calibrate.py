@@ -14,6 +14,13 @@ default, as `parsat run`; `--dtype float32` for fp32 training):
   t = dispatch + FLOPs / (peak x 1/((1 + m_half/m)(1 + n_half/n)(1 + k_half/k)))
   (`peak_flops`, `gemm_half_*`); the largest square product is also timed
   in the other dtype for `peaks`;
+* the same grid with one operand transposed, as autograd runs a product's
+  backward (`torch.mm(g, w.t())` for the first operand's gradient,
+  `torch.mm(x.t(), g)` for the second's), each layout fitted the same way
+  (`gemm_nt_*`, `gemm_tn_*`: its rate as a multiple of `peak_flops` and its
+  half lengths), so that the cost model prices a backward product at its
+  own shape and layout (`cost.op_time.BACKWARD_PRODUCTS`), not as the
+  forward product again;
 * with `dtensor` (`--dtensor`): the same chain on a `Replicate()` DTensor
   over all ranks, less the plain chain (`OpEfficiency.dtensor_dispatch_s`,
   `dtensor_backward_dispatch_s`: what torch's tensor-parallel styles add
@@ -75,9 +82,9 @@ class OpTiming:
         eff = machine.efficiency
         if self.op == "randn":
             return eff.op_time(self.nbytes / eff.random_bandwidth) if eff.random_bandwidth else float("nan")
-        if self.op == "matmul":
-            m, n, k = self.shape
-            return eff.op_time(self.flops / (machine.peak_flops * eff.gemm_efficiency(m, n, k)))
+        if self.op in ("matmul", "matmul_nt", "matmul_tn"):
+            fraction = eff.layout_efficiency(self.op[7:] or "nn", *self.shape)
+            return eff.op_time(self.flops / (machine.peak_flops * fraction)) if fraction else float("nan")
         return eff.op_time(self.nbytes / eff.bandwidth(self.nbytes, machine.memory_bandwidth))
 
 
@@ -208,8 +215,12 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
     ops = []
     for m, n, k in gemm_shapes(size):
         a, b = rand(m, k), rand(k, n)
+        nbytes = float((m * k + k * n + m * n) * a.element_size())
         ops.append(["matmul", [m, n, k], _timed(ctx, lambda: apply_op("matmul", [a, b], {}), budget, sync),
-                    2.0 * m * n * k, float((m * k + k * n + m * n) * a.element_size())])
+                    2.0 * m * n * k, nbytes])
+        for layout, x, y in (("nt", a, rand(n, k).t()), ("tn", rand(k, m).t(), b)):   # as autograd's mm backward
+            ops.append([f"matmul_{layout}", [m, n, k], _timed(ctx, lambda: torch.mm(x, y), budget, sync),
+                        2.0 * m * n * k, nbytes])
     s = max(m for m, n, k in gemm_shapes(size) if m == n == k)  # the largest square, in the other dtype
     a, b = rand(s, s, kind=other), rand(s, s, kind=other)
     ops.append(["matmul_other", [s, s, s], _timed(ctx, lambda: torch.matmul(a, b), budget, sync),
@@ -431,6 +442,21 @@ def fit_gemm(timings: Sequence[OpTiming]) -> tuple[float, tuple[float, float, fl
     return best[1], best[2]
 
 
+def fit_layouts(timings: Sequence[OpTiming], peak: float) -> dict[str, float]:
+    """`OpEfficiency`'s `gemm_nt_*` and `gemm_tn_*` fields from the products timed with a transposed operand
+    (`fit_gemm` on each layout's timings: its peak over the forward products' `peak`, and its half lengths);
+    none for a layout not timed (an older calibration's timings)."""
+    fields: dict[str, float] = {}
+    for layout in ("nt", "tn"):
+        rows = [t for t in timings if t.op == f"matmul_{layout}"]
+        if not rows:
+            continue
+        rate, halves = fit_gemm(rows)
+        fields[f"gemm_{layout}_rate"] = rate / peak
+        fields.update({f"gemm_{layout}_half_{d}": h for d, h in zip("mnk", halves)})
+    return fields
+
+
 def fit_memory(timings: Sequence[OpTiming]) -> tuple[float, float, float, float]:
     """(memory bandwidth, half-bandwidth bytes, cache bytes, cache bandwidth) of the memory-bound timings.
 
@@ -496,6 +522,7 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
                         in result["collectives"])
     gemms = [t for t in ops if t.op == "matmul"]
     peak, halves = fit_gemm(gemms)
+    layouts = fit_layouts(ops, peak)
     bandwidth, half_bytes, cache_bytes, cache_bw = fit_memory([t for t in ops if t.op in ("relu", "add", "copy")])
     randn = [t for t in ops if t.op == "randn"]
     _c, random_slope = fit_line([t.nbytes for t in randn], [t.seconds for t in randn])
@@ -523,7 +550,7 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
                               dtensor_dispatch_s=extra[0], dtensor_backward_dispatch_s=extra[1], gemm_half_m=halves[0],
                               gemm_half_n=halves[1], gemm_half_k=halves[2], memory_half_bytes=half_bytes,
                               cache_bytes=cache_bytes, cache_bandwidth=cache_bw, random_bandwidth=random_bw,
-                              async_dispatch=cuda)
+                              async_dispatch=cuda, **layouts)
     machine = Machine(name, nproc, 1, peak_flops=peak, memory_bandwidth=bandwidth, memory_capacity=capacity,
                       intra_bandwidth=largest.bus_bandwidth, intra_latency=step_latency,
                       inter_bandwidth=largest.bus_bandwidth, inter_latency=step_latency, precision=precision,
@@ -609,6 +636,10 @@ def report(cal: Calibration) -> str:
              f"{e.dispatch_s * 1e6:.1f} us forward + {e.backward_dispatch_s * 1e6:.1f} us backward per operator"
              + (f" (on a DTensor {e.dtensor_dispatch_s * 1e6:.1f} + {e.dtensor_backward_dispatch_s * 1e6:.1f} us more)"
                 if e.dtensor_dispatch_s or e.dtensor_backward_dispatch_s else ""),
+             *(f"  backward products ({name}): {getattr(e, f'gemm_{lay}_rate'):.2f} x peak, half lengths m "
+               f"{getattr(e, f'gemm_{lay}_half_m'):g}, n {getattr(e, f'gemm_{lay}_half_n'):g}, k "
+               f"{getattr(e, f'gemm_{lay}_half_k'):g}" for lay, name in (("nt", "g @ w^T"), ("tn", "x^T @ g"))
+               if getattr(e, f"gemm_{lay}_rate") > 0),
              f"  {'operator':<14} {'shape':<22} {'measured':>11} {'model':>11}"]
     for t in cal.ops:
         if t.op == "matmul_other":
@@ -625,5 +656,5 @@ def report(cal: Calibration) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Calibration", "CollectiveTiming", "OpTiming", "calibrate", "fit_gemm", "fit_line", "fit_link",
+__all__ = ["Calibration", "CollectiveTiming", "OpTiming", "calibrate", "fit_gemm", "fit_layouts", "fit_line", "fit_link",
            "fit_memory", "gemm_shapes", "memory_sizes", "report"]

@@ -11,8 +11,12 @@ measured by `parsat calibrate`):
 
 where (m, n, k) is the local shape of the operator's matrix product
 (`dsl.work.contraction`; batch dims count as rows) and an operator without
-one runs at peak FLOP/s (it is memory-bound anyway). Backward does two
-products per product: 2 x the forward kernel. Each call adds the fixed
+one runs at peak FLOP/s (it is memory-bound anyway). Backward does one
+product per operand needing a gradient: on a machine that measured
+products on transposed operands (`OpEfficiency.layout_efficiency`, `parsat
+calibrate`), each as autograd runs it (`BACKWARD_PRODUCTS`: its own shape,
+its transposed operand), else each as large as the forward kernel (2 x the
+forward kernel for both). Each call adds the fixed
 dispatch cost (`OpEfficiency.op_time`: in sequence on CPU, hidden behind
 longer kernels on a GPU). A product run in chunks (`chunk_time`: fed or
 drained by a pipelined collective) is priced at the thinner product's
@@ -35,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from math import prod
-from typing import Callable, Mapping
+from typing import Callable, Collection, Mapping
 
 from parsat.dsl.instantiate import OpInstance, index_bounds
 from parsat.dsl.work import contraction, work
@@ -57,14 +61,23 @@ class OpTime:
     gemm: tuple[float, float, float] | None = None   # local (m, n, k) of its product, if any
     backward_factor: float | None = None   # a fused kernel's backward kernel / its forward kernel
     saved_bytes: float = 0.0                # bytes kept for backward beside the output (a fused kernel's)
+    grad_kernels: tuple[float, ...] = ()    # a product's backward kernel per operand, as measured (`BACKWARD_PRODUCTS`;
+                                            # empty: each priced as the forward kernel)
+    product: str = ""                       # the operator, for `chunk_time` to price a chunk's backward products
+    batch: float = 1.0                      # the local batch of a batched product, folded into gemm's m
 
-    def backward_kernel_s(self, gradients: int) -> float:
-        """The backward kernels' time when `gradients` inputs need a gradient, as autograd runs them: a fused
-        kernel's one backward kernel; a product's one product per such input (each as large as the forward);
-        anything else one kernel of the forward's size."""
+    def backward_kernel_s(self, gradients: Collection[int]) -> float:
+        """The backward kernels' time when the inputs at positions `gradients` need a gradient, as autograd runs
+        them: a fused kernel's one backward kernel; a product's one product per such input (the measured
+        backward product of that operand, `grad_kernels`, else as large as the forward; a bias's as the
+        forward's, as before); anything else one kernel of the forward's size."""
         if self.backward_factor is not None:
             return self.backward_factor * self.kernel_s
-        return self.kernel_s * (max(1, gradients) if self.gemm is not None else 1)
+        if self.gemm is None:
+            return self.kernel_s
+        if not self.grad_kernels or not gradients:
+            return self.kernel_s * max(1, len(gradients))
+        return sum(self.grad_kernels[i] if i < len(self.grad_kernels) else self.kernel_s for i in gradients)
 
 
 @dataclass(frozen=True)
@@ -96,6 +109,15 @@ FUSED: Mapping[str, FusedKernel] = {
 }
 """Operators priced as one fused kernel (the module docstring): their own FLOPs, rate, backward and saved bytes."""
 
+BACKWARD_PRODUCTS: Mapping[str, tuple[tuple[str, str], ...]] = {
+    **{op: (("nt", "mkn"), ("tn", "knm")) for op in ("matmul", "bmm", "linear", "linear_nobias")},
+    **{op: (("nn", "mkn"), ("tn", "nkm")) for op in ("linear_t", "linear_nobias_t")},
+}
+"""The product autograd runs for the gradient of a product's first and second operand, as torch's mm, bmm and
+addmm backward call it (`torch.matmul`: g @ b^T and a^T @ g; `F.linear`, weight [n, k]: g @ w and g^T @ x): its
+operands' layout (`OpEfficiency.layout_efficiency`) and its (m, n, k) in the forward's letters, the batch with
+the first. Operators not here keep the forward kernel per gradient."""
+
 
 def _degree(value) -> int:
     return int(value.evaluate({})) if hasattr(value, "evaluate") else int(value)
@@ -107,14 +129,38 @@ def _local_sizes(instance: OpInstance, var_degrees: Mapping[str, object], names)
     return float(prod(bounds[v] / max(1, _degree(var_degrees.get(v, 1))) for v in names))
 
 
-def local_gemm(instance: OpInstance, var_degrees: Mapping[str, object]) -> tuple[float, float, float] | None:
-    """The local (m, n, k) of the operator's product: each index range divided by its degree; batch into m."""
+def local_contraction(instance: OpInstance, var_degrees: Mapping[str, object]) -> tuple[float, ...] | None:
+    """The local (batch, m, n, k) of the operator's product: each index range divided by its degree."""
     dims = contraction(instance)
     if dims is None:
         return None
-    batch, m, n, k = dims
-    size = lambda names: _local_sizes(instance, var_degrees, names)  # noqa: E731
-    return size(batch) * size(m), size(n), size(k)
+    return tuple(_local_sizes(instance, var_degrees, names) for names in dims)
+
+
+def local_gemm(instance: OpInstance, var_degrees: Mapping[str, object]) -> tuple[float, float, float] | None:
+    """The local (m, n, k) of the operator's product: each index range divided by its degree; batch into m."""
+    dims = local_contraction(instance, var_degrees)
+    return None if dims is None else (dims[0] * dims[1], dims[2], dims[3])
+
+
+def grad_kernels(product: str, gemm: tuple[float, float, float], batch: float, flops: float, nbytes: float,
+                 machine: Machine) -> tuple[float, ...]:
+    """The backward products' kernels of a product, one per operand (`BACKWARD_PRODUCTS`), each at the measured
+    efficiency of its own shape and layout; () where the operator or a layout is not measured."""
+    sizes = {"m": gemm[0] / batch, "n": gemm[1], "k": gemm[2]}
+    kernels = []
+    for layout, letters in BACKWARD_PRODUCTS.get(product, ()):
+        m, n, k = (sizes[c] for c in letters)
+        fraction = machine.efficiency.layout_efficiency(layout, batch * m, n, k)
+        if fraction is None:
+            return ()
+        kernels.append(roofline(flops, nbytes, fraction, machine))
+    return tuple(kernels)
+
+
+def _backward_s(kernel: float, grads: tuple[float, ...], eff: OpEfficiency) -> float:
+    """The per-node model's backward of a product: every operand's gradient (2 x the forward unmeasured)."""
+    return eff.op_time(sum(grads) if grads else BACKWARD_FACTOR * kernel, backward=True)
 
 
 def roofline(flops: float, nbytes: float, fraction: float, machine: Machine) -> float:
@@ -141,10 +187,14 @@ def op_time(instance: OpInstance, var_degrees: Mapping[str, object], local_eleme
         rows = _local_sizes(instance, var_degrees, instance.out_vars[:-1])
         return OpTime(eff.op_time(kernel), eff.op_time(fused.backward_factor * kernel, backward=True), kernel,
                       local_flops, nbytes, None, fused.backward_factor, fused.row_bytes * rows)
-    gemm = local_gemm(instance, var_degrees)
+    dims = local_contraction(instance, var_degrees)
+    gemm = None if dims is None else (dims[0] * dims[1], dims[2], dims[3])
     kernel = kernel_time(local_flops, nbytes, gemm, machine)
-    return OpTime(eff.op_time(kernel), eff.op_time(BACKWARD_FACTOR * kernel, backward=True), kernel, local_flops,
-                  nbytes, gemm)
+    if gemm is None:
+        return OpTime(eff.op_time(kernel), _backward_s(kernel, (), eff), kernel, local_flops, nbytes)
+    grads = grad_kernels(instance.name, gemm, dims[0], local_flops, nbytes, machine)
+    return OpTime(eff.op_time(kernel), _backward_s(kernel, grads, eff), kernel, local_flops, nbytes, gemm,
+                  grad_kernels=grads, product=instance.name, batch=dims[0])
 
 
 def chunk_time(timed: OpTime, parts: int, axis: int, machine: Machine) -> OpTime:
@@ -153,15 +203,19 @@ def chunk_time(timed: OpTime, parts: int, axis: int, machine: Machine) -> OpTime
     below one of 4096). A collective pipelined with the product feeds or drains it a slice at a time
     (`cost.pcg_tasks.Pipeline`); an operator without a product is cut evenly."""
     eff = machine.efficiency
+    grads: tuple[float, ...] = ()
     if timed.gemm is None:
         kernel, gemm = timed.kernel_s / parts, None
     else:
         gemm = tuple(d / parts if i == axis else d for i, d in enumerate(timed.gemm))
         kernel = kernel_time(timed.flops / parts, timed.nbytes / parts, gemm, machine)
-    backward = timed.backward_factor or BACKWARD_FACTOR
-    return replace(timed, forward_s=eff.op_time(kernel), backward_s=eff.op_time(backward * kernel, backward=True),
-                   kernel_s=kernel, flops=timed.flops / parts, nbytes=timed.nbytes / parts, gemm=gemm,
-                   saved_bytes=timed.saved_bytes / parts)
+        if timed.grad_kernels:
+            grads = grad_kernels(timed.product, gemm, timed.batch, timed.flops / parts, timed.nbytes / parts, machine)
+    backward = (eff.op_time(timed.backward_factor * kernel, backward=True) if timed.backward_factor
+                else _backward_s(kernel, grads, eff))
+    return replace(timed, forward_s=eff.op_time(kernel), backward_s=backward, kernel_s=kernel,
+                   flops=timed.flops / parts, nbytes=timed.nbytes / parts, gemm=gemm,
+                   saved_bytes=timed.saved_bytes / parts, grad_kernels=grads)
 
 
 def memory_op_time(nbytes: float, machine: Machine, backward: bool = False) -> float:
@@ -170,5 +224,5 @@ def memory_op_time(nbytes: float, machine: Machine, backward: bool = False) -> f
     return eff.op_time(nbytes / eff.bandwidth(nbytes, machine.memory_bandwidth), backward)
 
 
-__all__ = ["BACKWARD_FACTOR", "FUSED", "FusedKernel", "OpTime", "causal_attention_flops", "chunk_time", "kernel_time",
-           "local_gemm", "memory_op_time", "op_time", "roofline"]
+__all__ = ["BACKWARD_FACTOR", "BACKWARD_PRODUCTS", "FUSED", "FusedKernel", "OpTime", "causal_attention_flops", "chunk_time", "grad_kernels",
+           "kernel_time", "local_contraction", "local_gemm", "memory_op_time", "op_time", "roofline"]

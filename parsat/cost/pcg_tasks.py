@@ -1123,14 +1123,15 @@ class _Builder:
         input handed the task; a product pipelined with a collective runs it in chunks (`Pipeline`)."""
         timed = self.timed[node.id]
         grads = [i for i in node.inputs if self.needs_grad[i]]
-        kernel = 0.0 if view else timed.backward_kernel_s(len(grads))
+        positions = [p for p, i in enumerate(node.inputs) if self.needs_grad[i]]
+        kernel = 0.0 if view else timed.backward_kernel_s(positions)
         whole = self.eff.op_time(kernel, backward=True)
         pipe = None if view else self._pipe(node, backward=True)
         if pipe is None:
             task = self._add(label, self.compute, whole + self._dtensor_s(node, True), deps, free=free,
                              phase="backward")
         else:
-            chunk = chunk_time(timed, pipe.parts, pipe.axis, self.machine).backward_kernel_s(len(grads))
+            chunk = chunk_time(timed, pipe.parts, pipe.axis, self.machine).backward_kernel_s(positions)
             parts = [self.eff.op_time(chunk, backward=True)] * pipe.parts
             task = self._piped(pipe, True, True, label, self.compute, parts, whole, list(deps), 0, free, "backward")
         for i in grads:
@@ -1253,7 +1254,7 @@ class _Builder:
         group at least `op_time` of their sum: counted on the product, a `sibling`'s forward left at 0."""
         eff = self.eff
         timed = self.times(node, [self.by_id[i] for i in node.inputs])
-        needing = sum(1 for i in node.inputs if grads[i])
+        needing = [p for p, i in enumerate(node.inputs) if grads[i]]
         kernel, backward = timed.kernel_s, timed.backward_kernel_s(needing)
         if sibling:
             kernel = 0.0

@@ -34,6 +34,7 @@ a version-1 machine file reads as it always priced.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from math import prod
 from typing import Any
 
 from parsat.ir.errors import MachineError
@@ -77,6 +78,17 @@ class OpEfficiency:
     attention_half_flops: float = 0.0  # forward FLOPs of one attention call at which it runs at half that rate
     dtensor_dispatch_s: float = 0.0    # extra fixed cost of an operator on a DTensor (sharding propagation, wrapping)
     dtensor_backward_dispatch_s: float = 0.0   # the same in backward; both 0 unless `parsat calibrate --dtensor`
+    gemm_nt_rate: float = 0.0          # a product whose second operand is transposed (g @ w^T: autograd's gradient
+                                       # of a product's first operand) runs at this x peak FLOP/s at its largest;
+                                       # 0: not measured (every backward product priced as the forward kernel)
+    gemm_nt_half_m: float = 0.0        # its half-performance lengths, in its own (m, n, k)
+    gemm_nt_half_n: float = 0.0
+    gemm_nt_half_k: float = 0.0
+    gemm_tn_rate: float = 0.0          # the same with the first operand transposed (x^T @ g: the second operand's
+                                       # gradient); both measured by `parsat calibrate`
+    gemm_tn_half_m: float = 0.0
+    gemm_tn_half_n: float = 0.0
+    gemm_tn_half_k: float = 0.0
     async_dispatch: bool = False       # True on GPUs: the host launches ahead, an operator takes max(dispatch,
                                        # kernel); False on CPU: the dispatching thread computes, dispatch + kernel
 
@@ -96,6 +108,20 @@ class OpEfficiency:
         return self.gemm_peak_fraction / ((1 + self.gemm_half_m / max(m, 1.0)) * (1 + self.gemm_half_n / max(n, 1.0))
                       * (1 + self.gemm_half_k / max(k, 1.0)))
 
+    def layout_efficiency(self, layout: str, m: float, n: float, k: float) -> float | None:
+        """Fraction of peak FLOP/s an m x k by k x n product reaches with its operands laid out as `layout`
+        ("nn": both row-major, as a forward product; "nt": the second transposed; "tn": the first), or None
+        where the machine has no measurement for that layout. A transposed operand changes how the BLAS packs
+        it: on a CPU x^T @ g ran 1.2-1.6x the time of the same product on row-major operands (benchmarks/
+        demo_step.md), which a fit of forward products alone does not see."""
+        if layout == "nn":
+            return self.gemm_efficiency(m, n, k)
+        rate = getattr(self, f"gemm_{layout}_rate")
+        if rate <= 0:
+            return None
+        halves = (getattr(self, f"gemm_{layout}_half_{d}") for d in "mnk")
+        return rate / prod(1 + h / max(x, 1.0) for h, x in zip(halves, (m, n, k)))
+
     def attention_rate(self, flops: float) -> float:
         """Fraction of peak FLOP/s one fused attention call of `flops` forward FLOPs reaches (its backward too):
         Hockney's model in the work of the call, r = attention_efficiency / (1 + attention_half_flops / flops)."""
@@ -113,7 +139,10 @@ class OpEfficiency:
         return (self.cache_bandwidth if fits else memory_bandwidth) * self.memory_efficiency(nbytes)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Every field, less a layout's that was not measured (files and plans of presets read as before)."""
+        return {k: v for k, v in asdict(self).items()
+                if not any(k.startswith(f"gemm_{layout}_") and getattr(self, f"gemm_{layout}_rate") <= 0
+                           for layout in ("nt", "tn"))}
 
     @staticmethod
     def from_dict(data: Any) -> "OpEfficiency":

@@ -625,6 +625,9 @@ EFFICIENCY_RANGES: Mapping[str, tuple[float, float, str]] = {
     "random_bandwidth": (0.0, 1e18, "bytes/s (0: not measured)"),
     "attention_efficiency": (1e-6, 1.0, "of peak FLOP/s"),
     "attention_half_flops": (0.0, 1e30, "FLOPs per call"),
+    **{f"gemm_{layout}_{key}": ranged for layout in ("nt", "tn") for key, ranged in (
+        ("rate", (0.0, 1e3, "x peak FLOP/s (0: not measured)")), ("half_m", (0.0, MAX_ELEMENTS, "elements")),
+        ("half_n", (0.0, MAX_ELEMENTS, "elements")), ("half_k", (0.0, MAX_ELEMENTS, "elements")))},
 }
 EFFICIENCY_FLAGS = ("async_dispatch",)
 COMM_RANGES: Mapping[str, tuple[float, float, str]] = {
