@@ -9,7 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from parsat.backend.calibrate import (CollectiveTiming, OpTiming, fit_gemm, fit_layouts, fit_line,  # noqa: E402
-                                      fit_link, fit_memory, fit_skew, gemm_shapes)
+                                      fit_link, fit_memory, fit_skew, fit_updates, gemm_shapes)
+from parsat.ir.machine_profile import OpEfficiency  # noqa: E402
 from parsat.cli import main  # noqa: E402
 from parsat.ir.machine import Machine  # noqa: E402
 
@@ -74,7 +75,8 @@ def test_calibrate_writes_a_machine_the_optimizer_loads(tmp_path, capsys):
                  "--window", "0.002", "--comm-elements", "16", "4096", "--json"])
     assert code == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert {o["op"] for o in report["ops"]} >= {"matmul", "matmul_nt", "matmul_tn", "relu", "add", "copy", "randn"}
+    assert {o["op"] for o in report["ops"]} >= {"matmul", "matmul_nt", "matmul_tn", "relu", "add", "copy", "randn",
+                                                "update_sgd", "update_adam"}
     assert {c["kind"] for c in report["collectives"]} >= {"all_reduce", "all_gather", "send_recv"}
     machine = Machine.load(out)
     assert machine.name == "here" and machine.devices_per_node == 2 and machine.precision == "fp64"
@@ -83,6 +85,8 @@ def test_calibrate_writes_a_machine_the_optimizer_loads(tmp_path, capsys):
     for layout in ("nt", "tn"):   # the backward products' layouts, measured, and written to the file
         assert getattr(machine.efficiency, f"gemm_{layout}_rate") > 0
         assert machine.efficiency.layout_efficiency(layout, 64, 64, 64) > 0
+    assert {kind for kind, _points in machine.efficiency.update_points} == {"sgd", "adam"}   # the optimizer's
+    assert machine.efficiency.update_time("sgd", 5000) > 0
     assert Machine.from_dict(json.loads(out.read_text())).efficiency == machine.efficiency
     assert dict(machine.peaks).keys() == {"fp64", "fp32"}
     assert json.loads(out.read_text())["version"] == 2
@@ -107,3 +111,15 @@ def test_calibrate_refuses_bad_sizes(capsys):
     assert main(["calibrate", "--machine", "x", "-o", "/nonexistent/m.json", "--size", "4"]) == 1
     assert "--size" in capsys.readouterr().err
     assert main(["calibrate", "--machine", "x", "-o", "/nonexistent/m.json", "--comm-elements", "64", "8"]) == 1
+
+
+def test_fit_updates_keeps_each_optimizers_measured_points_never_shrinking():
+    """The optimizer's timed updates become `OpEfficiency.update_points` as measured, in growing size; a larger
+    update measured faster than a smaller one (noise) is read as the smaller one's time; the machine prices an
+    update between two sizes on the line between them."""
+    timings = [OpTiming("update_sgd", (e,), s, 0.0, 0.0) for e, s in ((4096, 2e-5), (1024, 1e-5), (65536, 1.5e-5))]
+    fields = fit_updates(timings)
+    assert fields == {"update_points": (("sgd", ((1024.0, 1e-5), (4096.0, 2e-5), (65536.0, 2e-5))),)}
+    eff = OpEfficiency(**fields)
+    assert eff.update_time("sgd", 2560) == pytest.approx(1.5e-5) and eff.update_time("adam", 2560) is None
+    assert fit_updates([]) == {}

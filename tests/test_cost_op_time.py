@@ -222,6 +222,23 @@ def test_the_layout_fields_are_machine_file_fields_left_out_when_not_measured():
         OpEfficiency.from_dict({**again.to_dict()["efficiency"], "gemm_tn_rate": -1.0})
 
 
+def test_update_points_are_a_machine_file_field_checked_and_absent_from_older_files():
+    """`update_points` (`parsat calibrate`'s timed optimizer updates) round-trip through a machine file; a file
+    without them (every file before them, every preset) loads with none and prices no measured update."""
+    points = (("adam", ((1024.0, 3e-4), (4096.0, 5e-4))), ("sgd", ((1024.0, 1e-4), (4096.0, 2e-4))))
+    machine = replace(Machine.preset("cpu"), efficiency=replace(Machine.preset("cpu").efficiency, update_points=points))
+    data = json.loads(json.dumps(machine.to_dict()))
+    assert data["efficiency"]["update_points"]["sgd"] == [[1024.0, 1e-4], [4096.0, 2e-4]]
+    assert Machine.from_dict(data).efficiency == machine.efficiency
+    older = Machine.from_dict(Machine.preset("cpu").to_dict()).efficiency
+    assert "update_points" not in Machine.preset("cpu").to_dict()["efficiency"]
+    assert older.update_points == () and older.update_time("sgd", 4096) is None
+    for bad, match in (({"sgd": [[4096, 1e-4], [1024, 2e-4]]}, "grow"), ({"lion": [[1024, 1e-4]]}, "unknown"),
+                       ({"sgd": [[1024]]}, r"\[elements, seconds\]"), ({"sgd": [[1024, -1.0]]}, "outside")):
+        with pytest.raises(MachineError, match=match):
+            OpEfficiency.from_dict({**data["efficiency"], "update_points": bad})
+
+
 def test_the_gemm_rate_fits_the_measured_gemm_rows():
     """The GPU presets' GEMM efficiency reproduces benchmarks/gpu/gpu_kernels.json's fitted rows (H200, calls of at
     least 50 us) within 0.8-1.15, where the curve assumed before priced them up to 1.9x too fast."""

@@ -218,6 +218,25 @@ def test_a_slower_measured_backward_product_prices_a_slower_step():
     assert phase(slow, "backward") > phase(same, "backward") and phase(slow, "forward") == phase(same, "forward")
 
 
+def test_the_optimizer_phase_is_the_measured_update_where_the_machine_has_it():
+    """`parsat calibrate` times `parsat run`'s optimizer as a step runs it (`OpEfficiency.update_points`): the
+    simulated optimizer phase is then each stored weight piece's update read off those points; a machine file
+    without them prices the memory-bound operators, as before."""
+    pcg = megatron_mlp()
+    before = simulate_pcg(pcg, LIB, CPU64, PARSAT_RUN)
+    points = (("sgd", ((1024.0, 1e-4), (1 << 20, 1e-2))),)
+    measured = simulate_pcg(pcg, LIB, replace(CPU64, efficiency=replace(CPU64.efficiency, update_points=points)),
+                            PARSAT_RUN)
+
+    def optimizer(run):
+        return sum(s.end - s.start for s in run.result.spans if s.phase == "optimizer")
+
+    pieces = (784 * 512 // 2, 512 * 10 // 2)   # w1 and w2, each split over the 2 devices
+    expected = sum(1e-4 + (1e-2 - 1e-4) * (e - 1024) / ((1 << 20) - 1024) for e in pieces)
+    assert optimizer(measured) == pytest.approx(expected)
+    assert optimizer(before) != pytest.approx(expected) and measured.step_s > before.step_s
+
+
 def test_a_mesh_axis_across_nodes_costs_more_than_one_inside_a_node():
     machine = Machine.preset("cpu")
     inside = data_parallel_pcg(mlp(library=LIB), LIB, 2, devices_per_node=4)   # the dp axis inside one node

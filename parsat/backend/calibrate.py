@@ -14,13 +14,21 @@ default, as `parsat run`; `--dtype float32` for fp32 training):
   t = dispatch + FLOPs / (peak x 1/((1 + m_half/m)(1 + n_half/n)(1 + k_half/k)))
   (`peak_flops`, `gemm_half_*`); the largest square product is also timed
   in the other dtype for `peaks`;
-* the same grid with one operand transposed, as autograd runs a product's
-  backward (`torch.mm(g, w.t())` for the first operand's gradient,
-  `torch.mm(x.t(), g)` for the second's), each layout fitted the same way
-  (`gemm_nt_*`, `gemm_tn_*`: its rate as a multiple of `peak_flops` and its
-  half lengths), so that the cost model prices a backward product at its
-  own shape and layout (`cost.op_time.BACKWARD_PRODUCTS`), not as the
-  forward product again;
+* the same grid's backward products, as autograd runs them in a step
+  (right after the forward; `g @ w^T` for the first operand's gradient,
+  `x^T @ g` for the second's: one operand transposed, the output new
+  memory), each fitted the same way in its own (m, n, k) (`gemm_nt_*`,
+  `gemm_tn_*`: its rate as a multiple of `peak_flops` and its half
+  lengths), so that the cost model prices a backward product at its own
+  shape and layout (`cost.op_time.BACKWARD_PRODUCTS`), not as the forward
+  product again;
+* `parsat run`'s optimizer (`backend.executor.Optimizer`, SGD and Adam)
+  updating one weight right after a backward made its gradient, as a step
+  runs it (the gradient in freshly allocated memory, the weight last read
+  by the forward), for weights of 1 Ki to 1 Mi elements, kept as measured
+  points (`update_points`, read between them on a line); on a CPU this
+  update ran 2.3x what the memory-bound operators' rates gave for it
+  (benchmarks/demo_step.md);
 * with `dtensor` (`--dtensor`): the same chain on a `Replicate()` DTensor
   over all ranks, less the plain chain (`OpEfficiency.dtensor_dispatch_s`,
   `dtensor_backward_dispatch_s`: what torch's tensor-parallel styles add
@@ -53,7 +61,9 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from parsat.backend.executor import Optimizer
 from parsat.backend.launch import LaunchConfig, RankContext, launch
+from parsat.backend.training_data import TrainConfig
 from parsat.importer.torch_ops import apply_op
 from parsat.dsl.bounds import check_all
 from parsat.ir.units import fmt_bytes
@@ -82,6 +92,8 @@ class OpTiming:
         eff = machine.efficiency
         if self.op == "randn":
             return eff.op_time(self.nbytes / eff.random_bandwidth) if eff.random_bandwidth else float("nan")
+        if self.op.startswith("update_"):
+            return eff.update_time(self.op[7:], self.shape[0]) or float("nan")
         if self.op in ("matmul", "matmul_nt", "matmul_tn"):
             fraction = eff.layout_efficiency(self.op[7:] or "nn", *self.shape)
             return eff.op_time(self.flops / (machine.peak_flops * fraction)) if fraction else float("nan")
@@ -218,9 +230,7 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
         nbytes = float((m * k + k * n + m * n) * a.element_size())
         ops.append(["matmul", [m, n, k], _timed(ctx, lambda: apply_op("matmul", [a, b], {}), budget, sync),
                     2.0 * m * n * k, nbytes])
-        for layout, x, y in (("nt", a, rand(n, k).t()), ("tn", rand(k, m).t(), b)):   # as autograd's mm backward
-            ops.append([f"matmul_{layout}", [m, n, k], _timed(ctx, lambda: torch.mm(x, y), budget, sync),
-                        2.0 * m * n * k, nbytes])
+        ops += _backward_products(ctx, a, b, rand(m, n), budget, sync)
     s = max(m for m, n, k in gemm_shapes(size) if m == n == k)  # the largest square, in the other dtype
     a, b = rand(s, s, kind=other), rand(s, s, kind=other)
     ops.append(["matmul_other", [s, s, s], _timed(ctx, lambda: torch.matmul(a, b), budget, sync),
@@ -234,8 +244,78 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
         ops.append(["copy", [elements], _timed(ctx, lambda: x.clone(), budget, sync), 0.0, float(2 * elements * item)])
         ops.append(["randn", [elements], _timed(ctx, lambda: torch.randn(elements, generator=gen, dtype=dtype)
                                                 .to(ctx.device), budget, sync), 0.0, float(elements * item)])
+    ops += _updates(ctx, dtype, budget, sync)
     return {"dispatch": dispatch, "dtensor": extra, "ops": ops, "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync),
             "skew": _skew(ctx, dtype, size, budget, sync), "threads": torch.get_num_threads()}
+
+
+UPDATE_ROWS = (4, 16, 64, 256, 1024, 4096)   # rows of the [rows, 256] weights whose update is timed: 1 Ki to 1 Mi
+UPDATE_WIDTH = 256
+
+
+def _backward_products(ctx: RankContext, a: torch.Tensor, b: torch.Tensor, g: torch.Tensor, budget: Budget,
+                       sync) -> list[list]:
+    """The backward of `a @ b` as a step runs it, once for each operand needing a gradient: [matmul_nt, the
+    backward product's own (m, n, k), seconds, FLOPs, bytes] for a's (g @ b^T) and [matmul_tn, ...] for b's
+    (a^T @ g), each the slowest rank's average `backward()` right after its forward (not timed). So the
+    product runs where a step runs it: its output new memory, its operands last touched by the forward, with
+    autograd's engine around it (a fixed cost per call, which the fit's intercept takes). On a CPU this ran
+    1.2-1.6x the same product timed on its own, again and again (benchmarks/demo_step.md)."""
+    (m, k), n = a.shape, b.shape[1]
+    nbytes = float((m * k + k * n + m * n) * a.element_size())
+    rows = []
+    for layout, shape in (("nt", [m, k, n]), ("tn", [k, n, m])):
+        x, w = a.detach().requires_grad_(layout == "nt"), b.detach().requires_grad_(layout == "tn")
+        held: dict = {}
+
+        def forward():
+            x.grad = w.grad = None
+            held["y"] = apply_op("matmul", [x, w], {})
+
+        dist.barrier()
+        seconds = _slowest(ctx, _average_after(forward, lambda: held["y"].backward(g), budget, sync))
+        rows.append([f"matmul_{layout}", shape, seconds, 2.0 * m * n * k, nbytes])
+    return rows
+
+
+def _updates(ctx: RankContext, dtype, budget: Budget, sync) -> list[list]:
+    """[f"update_{optimizer}", [elements], seconds, 0, 0] per optimizer and weight size: the slowest rank's
+    average `Optimizer.step` on one weight, each step right after a backward (untimed) made the weight's
+    gradient, as a training step runs it: the gradient is new memory, the weight was read by the forward. An
+    update timed again and again on the same gradient would run from cache and skip the allocator."""
+    rows_out = []
+    for kind in ("sgd", "adam"):
+        for rows in UPDATE_ROWS:
+            w = torch.randn(rows, UPDATE_WIDTH, dtype=dtype).to(ctx.device).requires_grad_()
+            x = torch.randn(4, rows, dtype=dtype).to(ctx.device)
+            optimizer = Optimizer([w], TrainConfig(optimizer=kind))
+
+            def backward():
+                optimizer.zero_grad()
+                (x @ w).sum().backward()
+
+            dist.barrier()
+            seconds = _slowest(ctx, _average_after(backward, optimizer.step, budget, sync))
+            rows_out.append([f"update_{kind}", [rows * UPDATE_WIDTH], seconds, 0.0, 0.0])
+    return rows_out
+
+
+def _average_after(prepare: Callable[[], object], fn: Callable[[], object], budget: Budget, sync) -> float:
+    """Seconds per `fn()`, each right after `prepare()` (not timed), averaged over at least `budget.repeats`
+    calls and `budget.window_s` seconds of `fn` (after two warm-ups): what `fn` takes where a step runs it."""
+    for _ in range(2):
+        prepare()
+        fn()
+    total, count = 0.0, 0
+    while count < budget.repeats or total < budget.window_s:
+        prepare()
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        total += time.perf_counter() - start
+        count += 1
+    return total / count
 
 
 def _dtensor_dispatch(ctx: RankContext, leaf: torch.Tensor, budget: Budget, sync,
@@ -457,6 +537,24 @@ def fit_layouts(timings: Sequence[OpTiming], peak: float) -> dict[str, float]:
     return fields
 
 
+def fit_updates(timings: Sequence[OpTiming]) -> dict[str, tuple]:
+    """`OpEfficiency.update_points` from the optimizer's timed updates (`_updates`): per optimizer timed, its
+    (elements, seconds) in growing size, as measured. Not a line: an update's time per element changes with
+    the size (a weight and its gradient in cache or not, a gradient's memory reused or new from the OS)."""
+    points = tuple((kind, _growing(sorted((float(t.shape[0]), t.seconds) for t in timings
+                                          if t.op == f"update_{kind}"))) for kind in ("adam", "sgd"))
+    return {"update_points": tuple(p for p in points if p[1])} if any(p[1] for p in points) else {}
+
+
+def _growing(points: Sequence[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
+    """`points` with each time at least the one before (an update of more elements does not take less: where a
+    noisy measurement says so, the smaller one's time stands)."""
+    out: list[tuple[float, float]] = []
+    for x, y in points:
+        out.append((x, max(y, out[-1][1]) if out else y))
+    return tuple(out)
+
+
 def fit_memory(timings: Sequence[OpTiming]) -> tuple[float, float, float, float]:
     """(memory bandwidth, half-bandwidth bytes, cache bytes, cache bandwidth) of the memory-bound timings.
 
@@ -522,7 +620,7 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
                         in result["collectives"])
     gemms = [t for t in ops if t.op == "matmul"]
     peak, halves = fit_gemm(gemms)
-    layouts = fit_layouts(ops, peak)
+    layouts = fit_layouts(ops, peak) | fit_updates(ops)
     bandwidth, half_bytes, cache_bytes, cache_bw = fit_memory([t for t in ops if t.op in ("relu", "add", "copy")])
     randn = [t for t in ops if t.op == "randn"]
     _c, random_slope = fit_line([t.nbytes for t in randn], [t.seconds for t in randn])
@@ -656,5 +754,5 @@ def report(cal: Calibration) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Calibration", "CollectiveTiming", "OpTiming", "calibrate", "fit_gemm", "fit_layouts", "fit_line", "fit_link",
+__all__ = ["Calibration", "CollectiveTiming", "OpTiming", "calibrate", "fit_gemm", "fit_layouts", "fit_line", "fit_link", "fit_updates",
            "fit_memory", "gemm_shapes", "memory_sizes", "report"]

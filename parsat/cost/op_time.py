@@ -47,6 +47,8 @@ from parsat.ir.machine import Machine
 from parsat.ir.machine_profile import OpEfficiency
 
 BACKWARD_FACTOR = 2.0        # backward FLOPs and bytes = 2 x forward (two products per product)
+OPTIMIZER_PASSES = {"sgd": (2, 5), "adam": (11, 26)}
+"""Optimizer: (operators per parameter tensor, element reads + writes per parameter) as the backend runs it."""
 
 
 @dataclass(frozen=True)
@@ -218,6 +220,17 @@ def chunk_time(timed: OpTime, parts: int, axis: int, machine: Machine) -> OpTime
                    saved_bytes=timed.saved_bytes / parts, grad_kernels=grads)
 
 
+def update_time(optimizer: str, elements: float, item: float, machine: Machine) -> float:
+    """A per-tensor optimizer's update of one weight piece of `elements` elements of `item` bytes: as `parsat
+    calibrate` measured `parsat run`'s optimizer (`OpEfficiency.update_time`), else its operators
+    (`OPTIMIZER_PASSES`: so many calls moving so many reads and writes per element), each memory-bound."""
+    measured = machine.efficiency.update_time(optimizer, elements)
+    if measured is not None:
+        return measured
+    calls, passes = OPTIMIZER_PASSES[optimizer]
+    return calls * memory_op_time(passes * elements * item / calls, machine)
+
+
 def memory_op_time(nbytes: float, machine: Machine, backward: bool = False) -> float:
     """A memory-bound copy (a slice made contiguous, a concatenation, an optimizer update) of `nbytes`."""
     eff = machine.efficiency
@@ -225,4 +238,4 @@ def memory_op_time(nbytes: float, machine: Machine, backward: bool = False) -> f
 
 
 __all__ = ["BACKWARD_FACTOR", "BACKWARD_PRODUCTS", "FUSED", "FusedKernel", "OpTime", "causal_attention_flops", "chunk_time", "grad_kernels",
-           "kernel_time", "local_contraction", "local_gemm", "memory_op_time", "op_time", "roofline"]
+           "kernel_time", "local_contraction", "local_gemm", "memory_op_time", "op_time", "roofline", "update_time", "OPTIMIZER_PASSES"]

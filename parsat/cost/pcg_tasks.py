@@ -53,7 +53,8 @@ tensors that need a gradient: ones computed from a weight):
 
 Then the loss (per output: difference from its target, square, sum:
 memory-bound operators on the output's piece) and the optimizer (per stored
-weight piece: SGD two operators, Adam eleven, each memory-bound).
+weight piece: as `parsat calibrate` measured `parsat run`'s optimizer, else
+SGD two operators, Adam eleven, each memory-bound: `op_time.update_time`).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ from parsat.cost.fsdp_groups import ParamGroup, group_elements, param_groups, te
 from parsat.cost.collectives import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, SEND_RECV, GroupTopology,
                                      price)
 from parsat.cost.model import compute_time
-from parsat.cost.op_time import OpTime, chunk_time, memory_op_time
+from parsat.cost.op_time import OpTime, chunk_time, memory_op_time, update_time
 from parsat.cost.schedules import Gradient, GradientBuckets, ParamGathers, assign_buckets
 from parsat.cost.simulator import COMM, COMPUTE, StepBuilder, StepResult
 from parsat.cost.stage_sync import SHARDING_STAGES
@@ -88,8 +89,6 @@ PRODUCTS = frozenset({"matmul", "bmm", "linear", "linear_nobias", "linear_t", "l
 and `linear_nobias_t` read it [n, k]: `TRANSPOSED_B`); torch runs them through torch.matmul or F.linear, which reshapes >2-D inputs (`_saved_extra`), and they are what a pipelined collective
 feeds or drains (`Pipeline`)."""
 TRANSPOSED_B = frozenset({"linear_t", "linear_nobias_t"})
-OPTIMIZER_PASSES = {"sgd": (2, 5), "adam": (11, 26)}
-"""Optimizer: (operators per parameter tensor, element reads + writes per parameter) as the backend runs it."""
 LOSS_OPS = 6           # per output: sub, pow, sum, div, div, detach-div (parsat/backend/executor.py `objective`)
 LOSS_BACKWARD_OPS = 4
 SCALAR_LOSS_OPS, SCALAR_LOSS_BACKWARD_OPS = 3, 2   # a loss output: sum, div, detach-div
@@ -1173,9 +1172,8 @@ class _Builder:
             elements = sum(_elements(n) / self._degree(at) for at, n in self.stored.items())
             nbytes = elements * self.machine.precision_spec.optimizer_traffic_bytes(self.profile.optimizer)
             return [("optimizer update (fused)", None, memory_op_time(nbytes, self.machine))]
-        calls, passes = OPTIMIZER_PASSES[self.profile.optimizer]
         return [(f"update {node.op if node.kind == 'leaf' else '#' + str(at)}", at,
-                 calls * memory_op_time(passes * _elements(node) / self._degree(at) * self.item / calls, self.machine))
+                 update_time(self.profile.optimizer, _elements(node) / self._degree(at), self.item, self.machine))
                 for at, node in self.stored.items()]
 
     # ---------------------------------------------------------------- a lower bound

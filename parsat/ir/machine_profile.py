@@ -89,6 +89,11 @@ class OpEfficiency:
     gemm_tn_half_m: float = 0.0
     gemm_tn_half_n: float = 0.0
     gemm_tn_half_k: float = 0.0
+    update_points: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
+                                       # `parsat run`'s own optimizer (`backend.executor.Optimizer`) updating one
+                                       # weight after a backward made its gradient: per optimizer, (elements,
+                                       # seconds) as `parsat calibrate` measured them; () not measured (priced as
+                                       # memory-bound operators)
     async_dispatch: bool = False       # True on GPUs: the host launches ahead, an operator takes max(dispatch,
                                        # kernel); False on CPU: the dispatching thread computes, dispatch + kernel
 
@@ -122,6 +127,13 @@ class OpEfficiency:
         halves = (getattr(self, f"gemm_{layout}_half_{d}") for d in "mnk")
         return rate / prod(1 + h / max(x, 1.0) for h, x in zip(halves, (m, n, k)))
 
+    def update_time(self, optimizer: str, elements: float) -> float | None:
+        """Seconds `parsat run`'s optimizer takes to update one weight piece of `elements` elements, as measured
+        by `parsat calibrate` (its update right after a backward made the gradient: fresh gradient memory, the
+        weight last read by the forward), or None where this optimizer was not measured."""
+        points = dict(self.update_points).get(optimizer)
+        return None if not points else interpolate(points, elements)
+
     def attention_rate(self, flops: float) -> float:
         """Fraction of peak FLOP/s one fused attention call of `flops` forward FLOPs reaches (its backward too):
         Hockney's model in the work of the call, r = attention_efficiency / (1 + attention_half_flops / flops)."""
@@ -139,16 +151,32 @@ class OpEfficiency:
         return (self.cache_bandwidth if fits else memory_bandwidth) * self.memory_efficiency(nbytes)
 
     def to_dict(self) -> dict:
-        """Every field, less a layout's that was not measured (files and plans of presets read as before)."""
-        return {k: v for k, v in asdict(self).items()
-                if not any(k.startswith(f"gemm_{layout}_") and getattr(self, f"gemm_{layout}_rate") <= 0
-                           for layout in ("nt", "tn"))}
+        """Every field, less a layout's or an optimizer's that was not measured (files and plans of presets read
+        as before)."""
+        unmeasured = [f"gemm_{layout}_" for layout in ("nt", "tn") if getattr(self, f"gemm_{layout}_rate") <= 0]
+        out = {k: v for k, v in asdict(self).items() if not k.startswith(tuple(unmeasured)) and k != "update_points"}
+        if self.update_points:
+            out["update_points"] = {kind: [list(p) for p in points] for kind, points in self.update_points}
+        return out
 
     @staticmethod
     def from_dict(data: Any) -> "OpEfficiency":
         """An `efficiency` object, checked against `ir.validate.EFFICIENCY_RANGES` (MachineError otherwise)."""
-        data = validate_efficiency_dict(data)
-        return OpEfficiency(**{k: (v if isinstance(v, bool) else float(v)) for k, v in data.items()})
+        data = dict(validate_efficiency_dict(data))
+        points = tuple((kind, tuple((float(e), float(s)) for e, s in rows))
+                       for kind, rows in sorted(data.pop("update_points", {}).items()))
+        return OpEfficiency(**{k: (v if isinstance(v, bool) else float(v)) for k, v in data.items()},
+                            update_points=points)
+
+
+def interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """y at `x` on the line through measured (x, y) `points` (sorted by x): between two points on their segment,
+    beyond the largest on the last segment's slope, below the smallest the smallest's y (a fixed cost it cannot
+    go under)."""
+    if x <= points[0][0] or len(points) == 1:
+        return points[0][1] if x <= points[0][0] else points[0][1] * x / points[0][0]
+    (x0, y0), (x1, y1) = next(((a, b) for a, b in zip(points, points[1:]) if x <= b[0]), points[-2:])
+    return max(points[0][1], y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
 @dataclass(frozen=True)
@@ -212,7 +240,7 @@ class CommProfile:
         return CommProfile(**numbers, points=points)
 
 
-__all__ = ["COLLECTIVES", "LINKS", "CollectivePoint", "CommProfile", "OpEfficiency", "bus_factor"]
+__all__ = ["COLLECTIVES", "LINKS", "CollectivePoint", "CommProfile", "OpEfficiency", "bus_factor", "interpolate"]
 
 
 @dataclass(frozen=True)

@@ -630,6 +630,7 @@ EFFICIENCY_RANGES: Mapping[str, tuple[float, float, str]] = {
         ("half_n", (0.0, MAX_ELEMENTS, "elements")), ("half_k", (0.0, MAX_ELEMENTS, "elements")))},
 }
 EFFICIENCY_FLAGS = ("async_dispatch",)
+UPDATE_OPTIMIZERS = ("sgd", "adam")   # `update_points`: the optimizers `parsat calibrate` times
 COMM_RANGES: Mapping[str, tuple[float, float, str]] = {
     "launch_s": (0.0, 3600.0, "seconds"),
     "tree_bandwidth_factor": (1e-6, 1.0, "of the ring's bus bandwidth"),
@@ -697,14 +698,35 @@ def validate_efficiency_dict(data: Any, error: type[Exception] = MachineError,
     """A machine file's `efficiency` object (`OpEfficiency`): known fields, numbers in `EFFICIENCY_RANGES`."""
     f = _Fields(error, f"{where}.")
     data = f.obj(data, "")
-    _known(f, data, (*EFFICIENCY_RANGES, *EFFICIENCY_FLAGS))
+    _known(f, data, (*EFFICIENCY_RANGES, *EFFICIENCY_FLAGS, "update_points"))
     for key, (low, high, unit) in EFFICIENCY_RANGES.items():
         if key in data:
             _ranged(f, data[key], key, low, high, unit)
+    if "update_points" in data:
+        _update_points(f, data["update_points"])
     for key in EFFICIENCY_FLAGS:
         if key in data and not isinstance(data[key], bool):
             f.fail(key, f"must be true or false, got {_kind(data[key])}")
     return data
+
+
+def _update_points(f: _Fields, data: Any) -> None:
+    """`efficiency.update_points`: per optimizer of `UPDATE_OPTIMIZERS`, [elements, seconds] pairs with elements
+    growing from 1, seconds in 0-3600."""
+    points = f.obj(data, "update_points")
+    _known(_Fields(f.error, f"{f.prefix}update_points."), points, UPDATE_OPTIMIZERS)
+    for kind, rows in points.items():
+        last = 0.0
+        for i, row in enumerate(f.array(rows, f"update_points.{kind}")):
+            path = f"update_points.{kind}[{i}]"
+            pair = f.array(row, path)
+            if len(pair) != 2:
+                f.fail(path, f"must be [elements, seconds], got {len(pair)} number(s)")
+            elements = _ranged(f, pair[0], path, 1.0, MAX_ELEMENTS, "elements")
+            _ranged(f, pair[1], path, 0.0, 3600.0, "seconds")
+            if elements <= last:
+                f.fail(path, "elements must grow from one pair to the next")
+            last = elements
 
 
 def validate_oversubscribed_dict(data: Any, error: type[Exception] = MachineError,
