@@ -273,7 +273,7 @@ def _backward_products(ctx: RankContext, a: torch.Tensor, b: torch.Tensor, g: to
             held["y"] = apply_op("matmul", [x, w], {})
 
         dist.barrier()
-        seconds = _slowest(ctx, _average_after(forward, lambda: held["y"].backward(g), budget, sync))
+        seconds = _slowest(ctx, average_after(forward, lambda: held["y"].backward(g), budget, sync))
         rows.append([f"matmul_{layout}", shape, seconds, 2.0 * m * n * k, nbytes])
     return rows
 
@@ -295,14 +295,16 @@ def _updates(ctx: RankContext, dtype, budget: Budget, sync) -> list[list]:
                 (x @ w).sum().backward()
 
             dist.barrier()
-            seconds = _slowest(ctx, _average_after(backward, optimizer.step, budget, sync))
+            seconds = _slowest(ctx, average_after(backward, optimizer.step, budget, sync))
             rows_out.append([f"update_{kind}", [rows * UPDATE_WIDTH], seconds, 0.0, 0.0])
     return rows_out
 
 
-def _average_after(prepare: Callable[[], object], fn: Callable[[], object], budget: Budget, sync) -> float:
+def average_after(prepare: Callable[[], object], fn: Callable[[], object], budget: Budget, sync: Callable[[], object],
+                  clock: Callable[[], float] = time.perf_counter) -> float:
     """Seconds per `fn()`, each right after `prepare()` (not timed), averaged over at least `budget.repeats`
-    calls and `budget.window_s` seconds of `fn` (after two warm-ups): what `fn` takes where a step runs it."""
+    calls and `budget.window_s` seconds of `fn` (after two warm-ups): what `fn` takes where a step runs it.
+    `clock`: wall time for the calibration; benchmarks/demo_step_cpu.py passes thread CPU time."""
     for _ in range(2):
         prepare()
         fn()
@@ -310,10 +312,10 @@ def _average_after(prepare: Callable[[], object], fn: Callable[[], object], budg
     while count < budget.repeats or total < budget.window_s:
         prepare()
         sync()
-        start = time.perf_counter()
+        start = clock()
         fn()
         sync()
-        total += time.perf_counter() - start
+        total += clock() - start
         count += 1
     return total / count
 
@@ -754,5 +756,5 @@ def report(cal: Calibration) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Calibration", "CollectiveTiming", "OpTiming", "calibrate", "fit_gemm", "fit_layouts", "fit_line", "fit_link", "fit_updates",
-           "fit_memory", "gemm_shapes", "memory_sizes", "report"]
+__all__ = ["Budget", "Calibration", "CollectiveTiming", "OpTiming", "average_after", "calibrate", "fit_gemm",
+           "fit_layouts", "fit_line", "fit_link", "fit_memory", "fit_updates", "gemm_shapes", "memory_sizes", "report"]
