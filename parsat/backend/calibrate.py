@@ -683,9 +683,10 @@ def oversubscription(nproc: int, cuda: bool) -> str:
 def calibration_bytes(nproc: int, size: int, dtype: str, collective_sizes: Sequence[int]) -> int:
     """The memory one rank's measurements hold at their largest, in bytes (an upper estimate): the memory-bound
     operators' inputs and outputs (`memory_sizes`), the GEMMs in both dtypes, a collective's buffers for the
-    largest group, and torch itself."""
+    largest group, the largest timed update (Adam: weight, gradient, two moments, temporaries), and torch
+    itself."""
     item = max(torch.finfo(kind).bits // 8 for kind in DTYPES[dtype][1:])
-    top = max(memory_sizes(size))
+    top = max(max(memory_sizes(size)), 2 * UPDATE_ROWS[-1] * UPDATE_WIDTH)
     elements = 4 * top + 6 * size * size + max(collective_sizes) * (nproc + 2)
     return elements * item + TORCH_BYTES
 
