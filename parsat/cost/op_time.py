@@ -118,7 +118,8 @@ BACKWARD_PRODUCTS: Mapping[str, tuple[tuple[str, str], ...]] = {
 """The product autograd runs for the gradient of a product's first and second operand, as torch's mm, bmm and
 addmm backward call it (`torch.matmul`: g @ b^T and a^T @ g; `F.linear`, weight [n, k]: g @ w and g^T @ x): its
 operands' layout (`OpEfficiency.layout_efficiency`) and its (m, n, k) in the forward's letters, the batch with
-the first. Operators not here keep the forward kernel per gradient."""
+the first. Operators not here keep the forward kernel per gradient; an "nn" backward product (`F.linear`'s input
+gradient) is priced as a forward product of its shape."""
 
 
 def _degree(value) -> int:
@@ -237,5 +238,6 @@ def memory_op_time(nbytes: float, machine: Machine, backward: bool = False) -> f
     return eff.op_time(nbytes / eff.bandwidth(nbytes, machine.memory_bandwidth), backward)
 
 
-__all__ = ["BACKWARD_FACTOR", "BACKWARD_PRODUCTS", "FUSED", "FusedKernel", "OpTime", "causal_attention_flops", "chunk_time", "grad_kernels",
-           "kernel_time", "local_contraction", "local_gemm", "memory_op_time", "op_time", "roofline", "update_time", "OPTIMIZER_PASSES"]
+__all__ = ["BACKWARD_FACTOR", "BACKWARD_PRODUCTS", "FUSED", "FusedKernel", "OPTIMIZER_PASSES", "OpTime",
+           "causal_attention_flops", "chunk_time", "grad_kernels", "kernel_time", "local_contraction", "local_gemm",
+           "memory_op_time", "op_time", "roofline", "update_time"]

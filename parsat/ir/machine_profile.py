@@ -78,9 +78,9 @@ class OpEfficiency:
     attention_half_flops: float = 0.0  # forward FLOPs of one attention call at which it runs at half that rate
     dtensor_dispatch_s: float = 0.0    # extra fixed cost of an operator on a DTensor (sharding propagation, wrapping)
     dtensor_backward_dispatch_s: float = 0.0   # the same in backward; both 0 unless `parsat calibrate --dtensor`
-    gemm_nt_rate: float = 0.0          # a product whose second operand is transposed (g @ w^T: autograd's gradient
-                                       # of a product's first operand) runs at this x peak FLOP/s at its largest;
-                                       # 0: not measured (every backward product priced as the forward kernel)
+    gemm_nt_rate: float = 0.0          # a backward product whose second operand is transposed (g @ w^T: autograd's
+                                       # gradient of a product's first operand), as a step runs it, reaches this x
+                                       # peak FLOP/s at its largest; 0: not measured (priced as the forward kernel)
     gemm_nt_half_m: float = 0.0        # its half-performance lengths, in its own (m, n, k)
     gemm_nt_half_n: float = 0.0
     gemm_nt_half_k: float = 0.0
@@ -116,9 +116,10 @@ class OpEfficiency:
     def layout_efficiency(self, layout: str, m: float, n: float, k: float) -> float | None:
         """Fraction of peak FLOP/s an m x k by k x n product reaches with its operands laid out as `layout`
         ("nn": both row-major, as a forward product; "nt": the second transposed; "tn": the first), or None
-        where the machine has no measurement for that layout. A transposed operand changes how the BLAS packs
-        it: on a CPU x^T @ g ran 1.2-1.6x the time of the same product on row-major operands (benchmarks/
-        demo_step.md), which a fit of forward products alone does not see."""
+        where the machine has no measurement for that layout. `parsat calibrate` times the "nt" and "tn"
+        products as autograd runs them in a step, right after the forward (their output new memory, their
+        operands last touched by the forward): on a CPU the MLP's x^T @ g ran 1.2-1.4x the same product timed
+        alone (benchmarks/demo_step.md), which a fit of forward products does not see."""
         if layout == "nn":
             return self.gemm_efficiency(m, n, k)
         rate = getattr(self, f"gemm_{layout}_rate")
