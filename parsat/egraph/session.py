@@ -9,13 +9,15 @@ around it, with its limits, is `runner`.
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import re
+import sys
 from dataclasses import dataclass, field
 from math import prod
 from operator import call, itemgetter
+from types import ModuleType
 from typing import Mapping, Sequence
-
-from egglog import bindings
 
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import Degrees
@@ -27,6 +29,44 @@ from parsat.egraph.loading import BOUND, GraphLoader, bound_names
 from parsat.egraph.mesh_encoding import FOLD_MADE, at_relation, fold_applications
 from parsat.egraph.program import CompiledRule, RuleProgram, past
 from parsat.egraph.snapshot import Application, ENode, Snapshot
+
+
+def _egglog_bindings() -> ModuleType:
+    """egglog's Rust extension, `egglog.bindings`, loaded without running the `egglog` package's `__init__`.
+
+    `import egglog.bindings` first imports the package, and its `__init__`
+    builds egglog's high-level Python API, which imports `black` (its pretty
+    printer): 0.27 CPU s, of which parsat, using only the bindings,
+    needs 0.04 (a third of `parsat optimize mlp`'s start). The extension is
+    registered under its own name, so a later `import egglog` (a user's, in
+    the same process) reuses it rather than initialising it twice; only the
+    package attribute `egglog.bindings` is then missing (`from egglog import
+    bindings` works). Where egglog is already imported, or its layout is not
+    the one expected, the ordinary import is used.
+    """
+    name = "egglog.bindings"
+    if name in sys.modules:
+        return sys.modules[name]
+    if "egglog" in sys.modules:
+        from egglog import bindings as imported
+        return imported
+    try:
+        package = importlib.util.find_spec("egglog")
+        found = importlib.machinery.PathFinder.find_spec("bindings", list(package.submodule_search_locations or ()))
+        if found is None or not isinstance(found.loader, importlib.machinery.ExtensionFileLoader):
+            raise ImportError("egglog.bindings is not an extension module here")
+        spec = importlib.util.spec_from_file_location(name, found.origin)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+    except (ImportError, AttributeError, OSError, ValueError):
+        sys.modules.pop(name, None)
+        from egglog import bindings as imported
+        return imported
+
+
+bindings = _egglog_bindings()
 
 
 @dataclass(frozen=True)
