@@ -76,11 +76,15 @@ def register(subparsers) -> None:
 
 
 def _pairs(items: list[str], what: str, cast=int) -> dict:
+    """KEY=VALUE items as a dict, each value cast; a key given twice is refused, not the last one kept
+    (`--degrees tp=2,tp=4` is a typo, not a choice)."""
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not key:
+        if not sep or not key.strip():
             raise ValueError(f"{what} must look like KEY=VALUE, got '{item}'")
+        if key.strip() in out:
+            raise ValueError(f"{what} {key.strip()} is given twice")
         kind = cast(key.strip()) if cast is _limit_type else cast
         try:
             out[key.strip()] = kind(value)

@@ -295,7 +295,8 @@ def test_importing_parsat_the_dsl_and_the_data_model_loads_no_heavy_dependency()
     code = ("import importlib, sys\n"
             f"for name in {modules!r}:\n"
             "    importlib.import_module(name)\n"
-            f"print(sorted(m for m in {tuple(HEAVY)!r} if m in sys.modules))")
+            # a submodule counts: parsat loads egglog's bindings without the egglog package (egraph.session)
+            f"print(sorted(m for m in {tuple(HEAVY)!r} if any(k.split('.')[0] == m for k in sys.modules)))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

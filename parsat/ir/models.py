@@ -563,13 +563,10 @@ BATCH = "batch"
 batch / m is one micro-batch of a step of m (`ir.microbatch`)."""
 
 
-def build_example(name: str, sizes: Mapping[str, int] | None = None, library: Library | None = None,
-                  budget: GraphBudget | None = None) -> Graph:
-    """An example by name with some sizes overridden; unknown names and keys are clear errors.
-
-    Sizes are checked here (`dsl.bounds.size_bound`: from 1 to 10,000 blocks or experts, any other size to
-    2**53), before anything is built, and by the builder (at most 2**53 elements per tensor, and the
-    `budget`'s tensor count and deadline while it builds)."""
+def check_example(name: str, sizes: Mapping[str, int] | None = None) -> Example:
+    """The example `name`, its `sizes` checked (known keys, each within `dsl.bounds.size_bound`: from 1 to 10,000
+    blocks or experts, any other size to 2**53); GraphError with the message otherwise. Needs no library, so
+    `optimize` refuses a bad name or size before the rules load."""
     example = EXAMPLES.get(name)
     if example is None:
         raise GraphError(f"unknown example '{name}' (examples: {', '.join(EXAMPLES)})")
@@ -583,6 +580,17 @@ def build_example(name: str, sizes: Mapping[str, int] | None = None, library: Li
             size_bound(key).check(value)
         except BoundError as err:
             raise GraphError(str(err)) from None
+    return example
+
+
+def build_example(name: str, sizes: Mapping[str, int] | None = None, library: Library | None = None,
+                  budget: GraphBudget | None = None) -> Graph:
+    """An example by name with some sizes overridden; unknown names and keys are clear errors.
+
+    Sizes are checked here (`check_example`), before anything is built, and by the builder (at most 2**53
+    elements per tensor, and the `budget`'s tensor count and deadline while it builds)."""
+    example = check_example(name, sizes)
+    sizes = dict(sizes or {})
     if budget is not None and budget.tensors is not None:
         budget.check_count(estimated_tensors(example, sizes, library), f"graph '{name}'", growing=True)
     return example.make(sizes, library, budget).from_example(name, sizes)

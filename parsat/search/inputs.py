@@ -15,29 +15,43 @@ from parsat.dsl.library import Library
 from parsat.ir.budget import GraphBudget
 from parsat.ir.errors import GraphError
 from parsat.ir.graph import Graph
-from parsat.ir.models import EXAMPLES, build_example
+from parsat.ir.models import EXAMPLES, build_example, check_example
 from parsat.ir.mesh import Mesh, factorisations
 from parsat.ir.pcg import Degrees
 from parsat.ir.placement import Placement, placement_for_degrees
 from parsat.ir.errors import OptimizeError
 from parsat.egraph.guards import degree_choices
+from parsat.search.strategies import Config, PinError, pinned_meshes
+
+
+def check_graph_source(graph, sizes: Mapping[str, int] | None = None) -> None:
+    """Refuse a graph that is neither a Graph, a built-in example (its `sizes` checked: `ir.models.check_example`)
+    nor an existing file, or `sizes` given for a graph that is not an example: GraphError. Needs no library, so
+    `resolve_request` says it before the rules load."""
+    if isinstance(graph, Graph):
+        return
+    if isinstance(graph, str) and graph in EXAMPLES:
+        check_example(graph, sizes)
+        return
+    if sizes:
+        raise GraphError("--set sizes only apply to built-in examples")
+    if isinstance(graph, (str, os.PathLike)) and os.path.exists(graph):
+        return
+    raise GraphError(f"'{graph}' is neither a graph JSON file nor a built-in example "
+                     f"(examples: {', '.join(EXAMPLES)})")
 
 
 def resolve_graph(graph, library: Library, sizes: Mapping[str, int] | None = None,
                   budget: GraphBudget | None = None) -> Graph:
     """A Graph, a graph JSON path, or a built-in example name; within `budget` (tensors, building time)."""
+    check_graph_source(graph, sizes)
     if isinstance(graph, Graph):
         if budget is not None:
             budget.check_count(len(graph.leaves) + len(graph.nodes), f"graph '{graph.name}'")
         return graph
     if isinstance(graph, str) and graph in EXAMPLES:
         return build_example(graph, sizes, library, budget)
-    if sizes:
-        raise GraphError("--set sizes only apply to built-in examples")
-    if isinstance(graph, (str, os.PathLike)) and os.path.exists(graph):
-        return Graph.load(graph, library, budget)
-    raise GraphError(f"'{graph}' is neither a graph JSON file nor a built-in example "
-                     f"(examples: {', '.join(EXAMPLES)})")
+    return Graph.load(graph, library, budget)
 
 
 def check_devices(graph: Graph, devices: int) -> None:
@@ -50,6 +64,17 @@ def check_devices(graph: Graph, devices: int) -> None:
     if not any(dim % d == 0 for shape in graph.shapes().values() for dim in shape for d in degrees):
         raise OptimizeError(f"'{graph.name}' cannot use {devices} devices: no dim of any tensor is divisible by "
                             f"{' or '.join(map(str, degrees[:6]))}, so nothing can be split across them")
+
+
+def pinned_layouts(dims: Mapping[str, int], devices: int, devices_per_node: int,
+                   zero: int | str = "auto", sequence: bool | None = None) -> list[tuple[Mesh, Config]]:
+    """`strategies.pinned_meshes` for one stage of `devices` devices, its PinError said as the OptimizeError a
+    user reads (`--degrees: ...`). `resolve_request` calls it before the rules load, the search again for each
+    stage."""
+    try:
+        return pinned_meshes(dims, devices, devices_per_node, zero, sequence)
+    except PinError as err:
+        raise OptimizeError(f"--degrees: {err}") from None
 
 
 def check_pins(graph: Graph, outputs: Mapping[str, Degrees | Mapping] | None, inputs: Mapping[str, Degrees | Mapping] | None,

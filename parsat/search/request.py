@@ -37,7 +37,7 @@ from parsat.ir.models import BATCH, EXAMPLES
 from parsat.ir.pcg import Degrees
 from parsat.ir.recompute import AUTO, BLOCKS, POLICIES
 from parsat.search.fit import MemoryFit
-from parsat.search.inputs import check_devices, check_pins, resolve_graph
+from parsat.search.inputs import check_devices, check_graph_source, check_pins, pinned_layouts, resolve_graph
 from parsat.search.repeat import SEARCHED_BLOCKS, Repetition, repetition_for
 
 ZERO_STAGES = (0, 1, 2, 3)   # what `--degrees zero=N` may pin
@@ -122,8 +122,9 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
                     degrees: Mapping[str, int] | None = None, progress: Progress | None = None,
                     repeat_blocks: bool = True, recompute: str = AUTO,
                     caches: MeshCaches | None = None, deadline: float | None = None) -> SearchRequest:
-    """The call's inputs resolved and checked, then its rules chosen (a bad graph, device count or pin is refused
-    before any proof is looked up). `deadline` (a `time.perf_counter()` value: the call's `--limit seconds`)
+    """The call's inputs resolved and checked, then its rules chosen (a bad graph name or size, device count or
+    `--degrees` pin is refused before the rules load, a graph the devices cannot use before any proof is looked
+    up). `deadline` (a `time.perf_counter()` value: the call's `--limit seconds`)
     bounds building the graph too. Raises OptimizeError, GraphError or MachineError with a message for the
     user."""
     if recompute not in POLICIES + (AUTO,):
@@ -148,8 +149,11 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
         raise OptimizeError(f"the device count must be a whole number, at least 1 and at most {MAX_DEVICES:,}, "
                             f"got {count!r}")
     machine = base.with_devices(count)        # bad input refused before the rules load (2-3 CPU s cold)
-    library = resolve_library(rules)
     sizes = dict(sizes or {})
+    check_graph_source(graph, sizes or None)
+    stage = count // pp if pp and pp > 1 and count % pp == 0 else count   # dp x tp are one stage's devices
+    pinned_layouts(dims, stage, machine.devices_per_node, zero, sequence)
+    library = resolve_library(rules)
     whole = resolve_graph(graph, library, sizes or None, graph_budget(limits, deadline))
     if recompute == BLOCKS and not has_blocks(leaf.name for leaf in whole.leaves):
         raise OptimizeError(f"--recompute blocks: '{whole.name}' has no blocks to recompute (ir.blocks: a block's "

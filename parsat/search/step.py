@@ -40,11 +40,11 @@ from parsat.egraph.runner import STOP_INTERRUPTED, STOP_SATURATED, Limits
 from parsat.egraph.snapshot import Snapshot
 from parsat.search.baselines import Candidate, data_parallel, expert_parallel, grid_families, sequential
 from parsat.search.deadline import Deadline
-from parsat.search.inputs import pins_on, search_meshes
+from parsat.search.inputs import pinned_layouts, pins_on, search_meshes
 from parsat.search.mesh import CandidateSteps, MeshSearch, best, rank, search_mesh
 from parsat.search.request import SearchRequest, StepContext
 from parsat.search.provenance import rules_used
-from parsat.search.strategies import PINNABLE, Config, PinError, pinned_meshes
+from parsat.search.strategies import PINNABLE, Config
 
 NO_PINNED_LAYOUT = "no plan uses the pinned axes that way"
 FIRST_MESH_SHARE = 0.5   # of a search's time, for its first mesh when several are searched
@@ -203,11 +203,8 @@ def mesh_choices(step: StepContext) -> list[MeshChoice]:
     """The meshes to search: the ones the `--degrees` pins ask for, else every factorisation of the devices;
     each with the pinned placements on it (a mesh that cannot realise them is left out)."""
     request = step.request
-    try:
-        pinned = pinned_meshes(dict(request.parallel_dims), step.devices, step.machine.devices_per_node,
-                               request.zero, request.sequence_parallel)
-    except PinError as err:
-        raise OptimizeError(f"--degrees: {err}") from None
+    pinned = pinned_layouts(dict(request.parallel_dims), step.devices, step.machine.devices_per_node, request.zero,
+                            request.sequence_parallel)
     meshes = [(m, c) for m, c in pinned] or [(m, None) for m in search_meshes(step.devices,
                                                                               step.machine.devices_per_node)]
     choices = [MeshChoice(mesh, config, pins_on(step.pins, mesh)) for mesh, config in meshes]
