@@ -16,8 +16,10 @@ import warnings
 from functools import partial
 
 from parsat.dsl import ast
+from parsat.dsl.files import cache_dir
 from parsat.dsl.library import Library
 from parsat.dsl.typecheck import rank_bounded
+from parsat.egraph.program import MeshCaches
 from parsat.ir.machine import Machine
 from parsat.ir.plan import Plan
 from parsat.search.optimize import optimize as optimize_with
@@ -86,9 +88,13 @@ def optimize(graph, machine="h100x8", rules=None, limits=None, devices=None, *,
     `allow_unverified=True` uses every rule (`proved_rules` says what None and
     False do); `precision` ("bf16", "fp32", ...) trains on `machine` in that
     precision instead of its own (`Machine.with_precision`); the other
-    options are `parsat.search.optimize.optimize`'s.
+    options are `parsat.search.optimize.optimize`'s; unless `caches` is
+    given, the rules compiled for each mesh are kept in the cache folder
+    (`$PARSAT_CACHE_DIR`) and read back by a later call with the same inputs.
     """
     if precision is not None:
         machine = Machine.resolve(machine).with_precision(precision)
+    # compiled mesh programs are kept on disk by their content (`egraph.program_cache`), beside the verdicts
+    options.setdefault("caches", MeshCaches(cache_dir()))
     return optimize_with(graph, machine=machine, rules=rules, limits=limits, devices=devices,
                          choose_rules=partial(proved_rules, allow_unverified=allow_unverified), **options)

@@ -10,7 +10,8 @@ instances can fire on this graph), `guards` (the degrees where a rule
 keeps the device layout), `lifting` (an instance lifted onto a device
 mesh, docs/MESH.md), `rule_text` and `lifted_text` (an instance as egglog
 rules), `encoding` and `mesh_encoding` (sorts, tables, the graph as egglog
-text), `program` (`compile_rules`, `MeshCaches`), `loading` (the graph's
+text), `program` (`compile_rules`, `MeshCaches`), `program_cache` (a mesh's
+compiled program kept on disk by its content), `loading` (the graph's
 text into the e-graph: a command per term, its facts read in bulk),
 `session` (the e-graph), `runner` (one saturation loop: `Limits`, the stop reason, matches per
 rule), `saturate` (compile, load, run, read back), `snapshot` (the e-graph

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Mapping, Sequence
 
 from parsat.dsl import ast
@@ -183,12 +184,16 @@ def compile_mesh_rules(library: Library, rules: Sequence[ast.RuleDecl], ranks: s
 
 class MeshCaches:
     """What the meshes of one search share: typed rule instances, single-axis placement inference, compiled
-    rule text (keyed by rule, rank assignment and mesh shape). One object per search, not a module global."""
+    rule text (keyed by rule, rank assignment and mesh shape). One object per search, not a module global.
+    With a `folder`, whole programs are also kept on disk by their content (`program_cache`), and `digests`
+    holds the hashes of the rule objects the search's keys are made of."""
 
-    def __init__(self) -> None:
+    def __init__(self, folder: Path | None = None) -> None:
         self.typing: dict = {}
         self.placements: dict = {}
         self.compiled: dict = {}
+        self.folder = folder
+        self.digests: dict = {}
 
 
 def _assemble(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[int], graph_ops: set[str] | None,

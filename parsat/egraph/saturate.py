@@ -1,7 +1,8 @@
 """Equality saturation of one graph on a device mesh: compile, load, run within limits, read back.
 
 The rules are lifted onto the mesh and compiled for the graph
-(`program.compile_mesh_rules`, docs/MESH.md), loaded with it into an
+(`program.compile_mesh_rules`, docs/MESH.md; kept on disk by content when
+the caches ask for it, `program_cache`), loaded with it into an
 egglog e-graph (`session`) and run by the runner (`runner`: iterations,
 e-nodes and seconds, checked between chunks of rules). `seconds` counts
 from the start, compilation included: once it passes, compilation stops
@@ -25,7 +26,8 @@ from parsat.ir.placement import Placement
 from parsat.egraph.encoding import RULESET_NAMES, RULESETS
 from parsat.egraph.instances import graph_signatures
 from parsat.egraph.mesh_encoding import mesh_graph_program
-from parsat.egraph.program import GROW, PLACE, MeshCaches, RuleProgram, compile_mesh_rules
+from parsat.egraph.program import GROW, PLACE, MeshCaches, RuleProgram
+from parsat.egraph.program_cache import cached_mesh_rules
 from parsat.egraph.runner import Limits, match_budget, run_generations
 from parsat.egraph.session import Session
 from parsat.egraph.snapshot import Snapshot
@@ -72,8 +74,8 @@ def saturate(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh
         mesh = Mesh.of((mesh,) if mesh > 1 else ())
     start = time.perf_counter()
     deadline = start + limits.seconds
-    program = compile_mesh_rules(library, rules, graph.ranks(), mesh, {n.op for n in graph.nodes},
-                                 graph_signatures(graph, library.ops, pins), deadline, caches)
+    program = cached_mesh_rules(library, rules, graph.ranks(), mesh, {n.op for n in graph.nodes},
+                                graph_signatures(graph, library.ops, pins), deadline, caches)
     text, names = mesh_graph_program(graph, library.ops, mesh, pins)
     session = Session(program, text, deadline, mesh)
     compiled = time.perf_counter() - start
