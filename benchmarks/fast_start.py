@@ -7,8 +7,8 @@ Each tree (a checkout: its folder goes first on PYTHONPATH) runs `python -m pars
 the box's load falls on each alike; the first run of each tree fills the caches (parse, check, verdicts) and
 is not counted. A run's cost is its process's user + system CPU seconds (`os.wait4`), never wall seconds;
 the report gives each tree's median, min and max, its peak RSS, and the 1-minute load average at the start
-and the end. The plans the runs wrote are compared (`plan_compare.stripped`): a tree whose plan differs from
-the first tree's is said.
+and the end. An `optimize` writes its plan (`-o`, unless the arguments name one), and the plans are compared
+(`plan_compare.stripped`): a tree whose plan differs from the first tree's is said.
 
 `PYTHONDONTWRITEBYTECODE` is passed on as it is set (this box sets it: each run then compiles parsat's
 sources, ~0.3 CPU s); `--pyc` unsets it, so the warm-up run writes `__pycache__` and the counted runs read
@@ -57,7 +57,8 @@ def main() -> int:
     trees = [t.resolve() for t in options.trees]
     folder = Path(tempfile.mkdtemp(prefix="fast_start_"))
     plans = {t: folder / f"plan{i}.json" for i, t in enumerate(trees)}
-    argv = {t: args + (["-o", str(plans[t])] if args is DEFAULT_ARGS else []) for t in trees}
+    writes = args[:1] == ["optimize"] and not {"-o", "--output"} & set(args)
+    argv = {t: args + (["-o", str(plans[t])] if writes else []) for t in trees}
     for tree in trees:
         run_once(tree, argv[tree], env)
     load_start = os.getloadavg()[0]
@@ -76,7 +77,7 @@ def main() -> int:
     for tree in trees:
         cpu = seconds[tree]
         plan = ""
-        if args is DEFAULT_ARGS and plans[tree].exists():
+        if writes and plans[tree].exists():
             here = stripped(json.loads(plans[tree].read_text()))
             first = here if first is None else first
             plan = "; plan as the first tree's" if here == first else "; plan DIFFERS from the first tree's"
