@@ -459,7 +459,8 @@ def _library():
 
 def _tables_of(graph) -> int:
     from parsat.egraph.mesh_encoding import mesh_graph_program
-    from parsat.egraph.saturate import compile_mesh_rules, graph_signatures
+    from parsat.egraph.instances import graph_signatures
+    from parsat.egraph.program import compile_mesh_rules
     from parsat.egraph.session import Session
     from parsat.ir.mesh import Mesh
 
