@@ -83,3 +83,14 @@ def test_the_bindings_load_without_the_egglog_package_and_a_later_import_shares_
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[:2] == ["[]", "True True"], result.stdout
+
+
+def test_a_model_file_that_is_not_there_is_refused_before_torch_loads(tmp_path):
+    """`optimize missing.py:make` names the missing file without importing torch (3 CPU s) first."""
+    code = ("import sys\n"
+            "from parsat import cli\n"
+            f"status = cli.main(['optimize', {str(tmp_path / 'missing.py') + ':make'!r}, '-n', '2'])\n"
+            "print(status, 'torch' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == ["1", "False"], result.stdout + result.stderr
+    assert "missing.py' is not a file" in result.stderr and "Traceback" not in result.stderr

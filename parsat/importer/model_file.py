@@ -24,16 +24,16 @@ def load_model_factory(path_spec: str):
 
     The file is imported as a module of its own (its folder is not added to sys.path).
     """
-    try:
-        import torch  # noqa: F401 - only to give a clear message when it is missing
-    except ImportError:
-        raise TorchImportError("importing a torch model needs torch: pip install torch==2.13.0") from None
     file_part, sep, factory = path_spec.rpartition(":")
     if not sep or not file_part or not factory:
         raise TorchImportError(f"'{path_spec}': give a Python file and a factory, like model.py:make_model")
     path = Path(file_part)
-    if not path.is_file():
+    if not path.is_file():   # said before torch loads (3 CPU s)
         raise TorchImportError(f"'{file_part}' is not a file")
+    try:
+        import torch  # noqa: F401 - only to give a clear message when it is missing
+    except ImportError:
+        raise TorchImportError("importing a torch model needs torch: pip install torch==2.13.0") from None
     module_name = f"parsat_user_model_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
