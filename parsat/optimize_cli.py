@@ -137,7 +137,6 @@ def run_optimize(args: argparse.Namespace) -> int:
         return 0
     if not args.model:
         return _error("give a MODEL (a graph JSON file or an example: " + ", ".join(EXAMPLES) + ")")
-    from parsat.api import CacheWarning, optimize   # egglog (and z3, for the proofs) load here, not for `--help`
     from parsat.dsl.errors import DslError
     from parsat.dsl.files import FileProblem, check_output, refuse_overwriting
     from parsat.ir.errors import GraphError, MachineError
@@ -164,6 +163,8 @@ def run_optimize(args: argparse.Namespace) -> int:
             if not args.quiet:
                 print(f"[{time.perf_counter() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
 
+        # the optimizer (the search, the cost model, numpy) loads only once the arguments above are good
+        from parsat.api import CacheWarning, optimize
         model = args.model
         if ".py:" in model:  # model.py:factory -> (module, example inputs): torch.export import, torch loaded only here
             from parsat.importer.model_file import load_model_file
