@@ -163,12 +163,12 @@ def run_optimize(args: argparse.Namespace) -> int:
             if not args.quiet:
                 print(f"[{time.perf_counter() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
 
-        # the optimizer (the search, the cost model, numpy) loads only once the arguments above are good
-        from parsat.api import CacheWarning, optimize
         model = args.model
         if ".py:" in model:  # model.py:factory -> (module, example inputs): torch.export import, torch loaded only here
             from parsat.importer.model_file import load_model_file
             model = load_model_file(model)
+        # the optimizer (the search, the cost model, numpy) loads only once the arguments above are good
+        from parsat.api import CacheWarning, optimize
         # a first Ctrl-C returns the plan found so far (docs/MESH.md), within VALVE_S
         with warnings.catch_warnings(record=True) as caught, valve(VALVE_S):
             warnings.simplefilter("always", CacheWarning)
