@@ -1,0 +1,160 @@
+"""Issue 30's user-loop items on `runtime="torch"`, on 2 gloo ranks: what a PyTorch user's own loop does.
+
+Build item 2: fused AdamW and an LR scheduler on the DTensor parameters; a
+bf16 `MixedPrecisionPolicy` computing in bf16 with fp32 master weights and
+gradients. Build item 3: a batch and sequence length other than the ones
+the plan was made for (no re-planning: the module runs its own forward),
+and gradient accumulation over micro-batches with the gradient sync turned
+off for all but the last. Build item 4: the plan read from a file on rank 0
+and broadcast, and ranks holding different plans refused on every rank.
+
+Each plan's run is checked against the unmodified module trained on the
+global batch in one process (losses, clipped norms, final weights, 1e-4
+relative, float32), as tests/test_torch_native_runtime.py does for the
+plain loop.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import parsat  # noqa: E402
+from test_torch_native_runtime import (BATCH, SEQ, TOLERANCE, VOCAB_SIZE, _batch, _plan, _relative,  # noqa: E402
+                                       tiny)
+
+# the plans are made for [BATCH, SEQ] = [4, 6]; the loop runs [8, 10], each rank's [4, 10] in 2 micro-batches
+GLOBAL_BATCH, GLOBAL_SEQ, MICRO, STEPS, LR = 8, 10, 2, 3, 1e-2
+
+
+def _schedule(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+
+
+def _accumulated_step(model, ids, labels) -> torch.Tensor:
+    """One step's forward and backward over MICRO micro-batches of this rank's local batch, the gradient sync
+    (replicate / fully_shard) off for all but the last; the local batch's mean loss."""
+    from torch.distributed.fsdp import FSDPModule
+
+    total = torch.zeros(())
+    for i, (mb_ids, mb_labels) in enumerate(zip(ids.chunk(MICRO), labels.chunk(MICRO))):
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(i == MICRO - 1)
+        loss = model(mb_ids, mb_labels) / MICRO
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def loop_job(ctx, plans: dict, plan_file: str) -> dict:
+    """On every rank, per plan: the tiny model lowered, then STEPS steps of the user's loop (local batch of another
+    shape than planned, gradient accumulation, clip_grad_norm_, fused AdamW, LambdaLR) beside the unmodified
+    module on the global batch in one process. Also: the plan from a file on rank 0 only, different plans on the
+    two ranks, and a bf16 MixedPrecisionPolicy's compute and master dtypes."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from parsat.backend.torch_native.apply import NativeParallelizeError, local_batch
+
+    out: dict = {}
+    try:   # rank 0 holds the dp plan, rank 1 the tp plan: both refuse before any mesh is made
+        parsat.parallelize(tiny()[0], plans["dp"] if ctx.rank == 0 else plans["tp"], runtime="torch")
+        out["mismatch"] = "accepted"
+    except NativeParallelizeError as err:
+        out["mismatch"] = str(err)
+    for label, plan in plans.items():
+        module, _ = tiny()
+        reference = copy.deepcopy(module)
+        held = plan_file if label == "dp" else plan   # the dp plan: a JSON file on rank 0, None on the others
+        model = parsat.parallelize(module, held if ctx.rank == 0 or label != "dp" else None, runtime="torch")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
+        ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
+        schedulers = (_schedule(optimizer), _schedule(ref_optimizer))
+        row: dict = {"losses": [], "ref_losses": [], "norms": [], "ref_norms": [], "lrs": []}
+        for step in range(STEPS):
+            ids, labels = _batch(step, GLOBAL_BATCH, GLOBAL_SEQ, VOCAB_SIZE)
+            loss = _accumulated_step(model, *local_batch(model, ids, labels))
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+            dist.all_reduce(loss)
+            row["losses"].append(float(loss) / ctx.world)
+            row["norms"].append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
+            want = reference(ids, labels)
+            want.backward()
+            row["ref_norms"].append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.5)))
+            ref_optimizer.step()
+            ref_optimizer.zero_grad()
+            row["ref_losses"].append(float(want.detach()))
+            row["lrs"].append(optimizer.param_groups[0]["lr"])
+            for scheduler in schedulers:
+                scheduler.step()
+        row["worst_weight"] = max(
+            _relative((lambda t: t.full_tensor() if isinstance(t, DTensor) else t)(model.get_parameter(n)).detach(),
+                      p.detach(), floor=LR) for n, p in reference.named_parameters())
+        row["not_dtensor"] = sorted(n for n, t in model.named_parameters() if not isinstance(t, DTensor))
+        out[label] = row
+    out["mixed"] = _mixed_precision(plans["dp"])
+    return out
+
+
+def _mixed_precision(plan: dict) -> dict:
+    """A bf16 MixedPrecisionPolicy (fp32 reductions) on the data-parallel plan: the dtypes fc1 computes with in
+    the forward, and those of the stored parameters and their gradients after the backward."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from parsat.backend.torch_native.apply import local_batch
+
+    module, _ = tiny()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = parsat.parallelize(module, plan, runtime="torch", mp_policy=policy)
+    seen = {}
+    model.fc1.register_forward_hook(lambda mod, args, result: seen.update(
+        weight=str(mod.weight.dtype), output=str(result.dtype)))
+    loss = model(*local_batch(model, *_batch(0, BATCH, SEQ, VOCAB_SIZE)))
+    loss.backward()
+    return {"forward": seen, "params": sorted({str(p.dtype) for p in model.parameters()}),
+            "grads": sorted({str(p.grad.dtype) for p in model.parameters()})}
+
+
+@pytest.fixture(scope="module")
+def loop_runs(tmp_path_factory):
+    from parsat.backend.launch import LaunchConfig, launch
+
+    graph = parsat.from_torch(*tiny())
+    plans = {"dp": _plan(graph, (2, 1)), "zero3": _plan(graph, (2, 1), zero=3), "tp": _plan(graph, (1, 2))}
+    plan_file = tmp_path_factory.mktemp("plan") / "dp.json"
+    plan_file.write_text(json.dumps(plans["dp"]))
+    return launch(loop_job, (plans, str(plan_file)), LaunchConfig(nproc=2, backend="gloo", timeout_s=300))
+
+
+@pytest.mark.parametrize("label", ["dp", "zero3", "tp"])
+def test_accumulation_another_batch_shape_fused_adamw_and_a_scheduler_train_like_one_process(loop_runs, label):
+    for result in loop_runs:
+        run = result[label]
+        assert run["not_dtensor"] == []
+        for key in ("losses", "norms"):
+            for got, want in zip(run[key], run["ref_" + key]):
+                assert abs(got - want) <= TOLERANCE * abs(want), (label, key, run[key], run["ref_" + key])
+        assert min(run["ref_norms"]) > 0.5   # clipped every step
+        assert run["worst_weight"] <= TOLERANCE, (label, run["worst_weight"])
+        assert run["lrs"] == [LR * 0.5 ** s for s in range(STEPS)]   # the scheduler drove the fused optimizer
+    print(json.dumps({label: {k: loop_runs[0][label][k] for k in ("losses", "ref_losses", "norms", "ref_norms",
+                                                                   "worst_weight")}}))
+
+
+def test_ranks_holding_different_plans_are_refused_on_every_rank(loop_runs):
+    for result in loop_runs:
+        assert "rank(s) 1 hold another plan than rank 0" in result["mismatch"], result["mismatch"]
+
+
+def test_a_bf16_policy_computes_in_bf16_and_keeps_fp32_weights_and_gradients(loop_runs):
+    for result in loop_runs:
+        mixed = result["mixed"]
+        assert mixed["forward"] == {"weight": "torch.bfloat16", "output": "torch.bfloat16"}, mixed
+        assert mixed["params"] == ["torch.float32"] and mixed["grads"] == ["torch.float32"], mixed
