@@ -41,14 +41,14 @@ def _accumulated_step(model, ids, labels) -> torch.Tensor:
     (replicate / fully_shard) off for all but the last; the local batch's mean loss."""
     from torch.distributed.fsdp import FSDPModule
 
-    total = torch.zeros(())
+    losses = []
     for i, (mb_ids, mb_labels) in enumerate(zip(ids.chunk(MICRO), labels.chunk(MICRO))):
         if isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(i == MICRO - 1)
         loss = model(mb_ids, mb_labels) / MICRO
         loss.backward()
-        total += loss.detach()
-    return total
+        losses.append(loss.detach())
+    return torch.stack(losses).sum()
 
 
 def loop_job(ctx, plans: dict, plan_file: str) -> dict:
@@ -69,7 +69,7 @@ def loop_job(ctx, plans: dict, plan_file: str) -> dict:
         out["mismatch"] = str(err)
     for label, plan in plans.items():
         module, _ = tiny()
-        reference = copy.deepcopy(module)
+        reference = copy.deepcopy(module).to(ctx.device)
         held = plan_file if label == "dp" else plan   # the dp plan: a JSON file on rank 0, None on the others
         model = parsat.parallelize(module, held if ctx.rank == 0 or label != "dp" else None, runtime="torch")
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
@@ -77,7 +77,7 @@ def loop_job(ctx, plans: dict, plan_file: str) -> dict:
         schedulers = (_schedule(optimizer), _schedule(ref_optimizer))
         row: dict = {"losses": [], "ref_losses": [], "norms": [], "ref_norms": [], "lrs": []}
         for step in range(STEPS):
-            ids, labels = _batch(step, GLOBAL_BATCH, GLOBAL_SEQ, VOCAB_SIZE)
+            ids, labels = (t.to(ctx.device) for t in _batch(step, GLOBAL_BATCH, GLOBAL_SEQ, VOCAB_SIZE))
             loss = _accumulated_step(model, *local_batch(model, ids, labels))
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
             optimizer.step()
@@ -99,11 +99,11 @@ def loop_job(ctx, plans: dict, plan_file: str) -> dict:
                       p.detach(), floor=LR) for n, p in reference.named_parameters())
         row["not_dtensor"] = sorted(n for n, t in model.named_parameters() if not isinstance(t, DTensor))
         out[label] = row
-    out["mixed"] = _mixed_precision(plans["dp"])
+    out["mixed"] = _mixed_precision(plans["dp"], ctx.device)
     return out
 
 
-def _mixed_precision(plan: dict) -> dict:
+def _mixed_precision(plan: dict, device) -> dict:
     """A bf16 MixedPrecisionPolicy (fp32 reductions) on the data-parallel plan: the dtypes fc1 computes with in
     the forward, and those of the stored parameters and their gradients after the backward."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -116,26 +116,28 @@ def _mixed_precision(plan: dict) -> dict:
     seen = {}
     model.fc1.register_forward_hook(lambda mod, args, result: seen.update(
         weight=str(mod.weight.dtype), output=str(result.dtype)))
-    loss = model(*local_batch(model, *_batch(0, BATCH, SEQ, VOCAB_SIZE)))
+    loss = model(*local_batch(model, *(t.to(device) for t in _batch(0, BATCH, SEQ, VOCAB_SIZE))))
     loss.backward()
     return {"forward": seen, "params": sorted({str(p.dtype) for p in model.parameters()}),
             "grads": sorted({str(p.grad.dtype) for p in model.parameters()})}
 
 
-@pytest.fixture(scope="module")
-def loop_runs(tmp_path_factory):
+def run_loop(folder: Path, backend: str) -> list:
+    """`loop_job` on 2 ranks of `backend` for the tiny model's dp, ZeRO-3 and tp plans (the dp plan written to
+    folder/dp.json, read by rank 0 only)."""
     from parsat.backend.launch import LaunchConfig, launch
 
     graph = parsat.from_torch(*tiny())
     plans = {"dp": _plan(graph, (2, 1)), "zero3": _plan(graph, (2, 1), zero=3), "tp": _plan(graph, (1, 2))}
-    plan_file = tmp_path_factory.mktemp("plan") / "dp.json"
+    plan_file = folder / "dp.json"
     plan_file.write_text(json.dumps(plans["dp"]))
-    return launch(loop_job, (plans, str(plan_file)), LaunchConfig(nproc=2, backend="gloo", timeout_s=300))
+    return launch(loop_job, (plans, str(plan_file)), LaunchConfig(nproc=2, backend=backend, timeout_s=300))
 
 
-@pytest.mark.parametrize("label", ["dp", "zero3", "tp"])
-def test_accumulation_another_batch_shape_fused_adamw_and_a_scheduler_train_like_one_process(loop_runs, label):
-    for result in loop_runs:
+def check_loop(results: list, label: str) -> dict:
+    """Every rank's run of `label` equal to one process's (1e-4), clipped, scheduled, every parameter a DTensor;
+    rank 0's run."""
+    for result in results:
         run = result[label]
         assert run["not_dtensor"] == []
         for key in ("losses", "norms"):
@@ -144,8 +146,25 @@ def test_accumulation_another_batch_shape_fused_adamw_and_a_scheduler_train_like
         assert min(run["ref_norms"]) > 0.5   # clipped every step
         assert run["worst_weight"] <= TOLERANCE, (label, run["worst_weight"])
         assert run["lrs"] == [LR * 0.5 ** s for s in range(STEPS)]   # the scheduler drove the fused optimizer
-    print(json.dumps({label: {k: loop_runs[0][label][k] for k in ("losses", "ref_losses", "norms", "ref_norms",
-                                                                   "worst_weight")}}))
+    return results[0][label]
+
+
+def check_mixed(results: list) -> None:
+    for result in results:
+        mixed = result["mixed"]
+        assert mixed["forward"] == {"weight": "torch.bfloat16", "output": "torch.bfloat16"}, mixed
+        assert mixed["params"] == ["torch.float32"] and mixed["grads"] == ["torch.float32"], mixed
+
+
+@pytest.fixture(scope="module")
+def loop_runs(tmp_path_factory):
+    return run_loop(tmp_path_factory.mktemp("plan"), "gloo")
+
+
+@pytest.mark.parametrize("label", ["dp", "zero3", "tp"])
+def test_accumulation_another_batch_shape_fused_adamw_and_a_scheduler_train_like_one_process(loop_runs, label):
+    run = check_loop(loop_runs, label)
+    print(json.dumps({label: {k: run[k] for k in ("losses", "ref_losses", "norms", "ref_norms", "worst_weight")}}))
 
 
 def test_ranks_holding_different_plans_are_refused_on_every_rank(loop_runs):
@@ -154,7 +173,4 @@ def test_ranks_holding_different_plans_are_refused_on_every_rank(loop_runs):
 
 
 def test_a_bf16_policy_computes_in_bf16_and_keeps_fp32_weights_and_gradients(loop_runs):
-    for result in loop_runs:
-        mixed = result["mixed"]
-        assert mixed["forward"] == {"weight": "torch.bfloat16", "output": "torch.bfloat16"}, mixed
-        assert mixed["params"] == ["torch.float32"] and mixed["grads"] == ["torch.float32"], mixed
+    check_mixed(loop_runs)
