@@ -406,9 +406,9 @@ def _hf_plan(name: str, shape: tuple[int, int], zero: int = 0) -> dict:
     return _plan(parsat.from_torch(module, inputs), shape, zero=zero)
 
 
-def _train_hf(name: str, plans: dict, nproc: int, folder: Path) -> None:
+def _train_hf(name: str, plans: dict, nproc: int, folder: Path) -> list:
     """`train_job` on `nproc` gloo ranks for a Hugging Face model's plans, checked against one process, each
-    checkpoint loaded into the unmodified module here; the figures printed for the record."""
+    checkpoint loaded into the unmodified module here; the figures printed for the record; the ranks' results."""
     import hf_models
 
     from parsat.backend.launch import LaunchConfig, launch
@@ -421,6 +421,7 @@ def _train_hf(name: str, plans: dict, nproc: int, folder: Path) -> None:
         assert _dcp_loads_into_the_unmodified_module(folder, label, name) == 0.0
         print(json.dumps({label: {k: results[0][label][k] for k in ("losses", "ref_losses", "norms", "ref_norms",
                                                                     "worst_weight", "lowering")}}))
+    return results
 
 
 @pytest.mark.slow
@@ -435,11 +436,16 @@ def test_hf_gpt2_data_parallel_and_llama_tensor_parallel_on_two_ranks(tmp_path):
         _train_hf(name, {name: _hf_plan(name, shape)}, 2, tmp_path)
 
 
-def test_hf_bert_data_parallel_plan_lowers_and_its_tensor_parallel_plan_is_refused():
+def test_hf_bert_data_parallel_and_tensor_parallel_plans_lower():
     """BERT builds its attention mask and token-type one-hots in its forward (the import's batch-wide constants):
     the data-parallel plan splits them, and the token-type embedding made from them, along the batch, which each
     rank's forward computes for its local batch. Megatron's tensor-parallel layout reads the tied word table whole
-    in the embedding and split in the MLM decoder: no torch style stores one parameter both ways."""
+    in the embedding and split in the MLM decoder: no torch style keeps one parameter both ways, so torch stores
+    it vocabulary-split for both (the embedding vocabulary-parallel, as Megatron does) and the lowering says
+    where torch's collectives then differ from the plan's; the mask, expanded over the heads, is sliced along
+    them as the module's local heads read it; the head's bias, tied to the decoder's, takes the decoder's style.
+    With dropout on, the tp plan splits the attention's dropout masks along the heads, which torch's module draws
+    for itself on each rank: refused, naming the mask's partition."""
     import hf_models
 
     from parsat.importer.export import import_module
@@ -450,8 +456,23 @@ def test_hf_bert_data_parallel_plan_lowers_and_its_tensor_parallel_plan_is_refus
     info = module_info(module, imported.weights)
     dp = lower(pcg_from_dict(_plan(imported.graph, (2, 1))), imported.graph, info)
     assert dp.axis_roles == (DATA,) and dp.batch_axes == (0,) and "replicate over dp" in dp.describe()
-    with pytest.raises(LoweringError, match=r"decoder\.weight' is stored whole on mesh axis tp"):
+    with pytest.raises(LoweringError, match=r"partition\(dim=1, axis=tp, degree=2\) on tensor axis tp .* splits a dropout mask"):
         lower(pcg_from_dict(_plan(imported.graph, (1, 2))), imported.graph, info)
+    module, inputs = _factory("bert")()   # dropout off, as the slow tensor-parallel run trains it
+    imported = import_module(module, inputs, check=False)
+    info = module_info(module, imported.weights)
+    tp = lower(pcg_from_dict(_plan(imported.graph, (1, 2))), imported.graph, info)
+    styles = {s.module: s for s in tp.styles}
+    assert styles["model.bert.embeddings.word_embeddings"].kind == VOCAB
+    assert styles["model.cls.predictions.decoder"].kind == COLWISE
+    assert styles["model.cls.predictions.decoder"].output_layout == "replicate"
+    assert "model.cls.predictions" not in styles   # its bias is the decoder's
+    table = tp.weight("model.bert.embeddings.word_embeddings.weight")
+    assert table.roles == ("split",) and table.restored == (0,) and table.stored_dim(0) == 0
+    restored, = [n for n in tp.notes if "torch stores it Shard(0) for both reads" in n]
+    assert "all-gathers the split read's gradient [256, 128] in the backward" in restored
+    assert "all-reduces the embedding's output [8, 32, 128] in the forward" in restored
+    assert any("a slice of the constant" in n for n in tp.notes)
 
 
 @pytest.mark.slow
@@ -461,6 +482,23 @@ def test_hf_bert_data_parallel_on_two_ranks_and_zero3_on_four(tmp_path):
     parameter a DTensor, the checkpoints loading into the unmodified module here."""
     _train_hf("bert", {"bert_dp2": _hf_plan("bert", (2, 1))}, 2, tmp_path)
     _train_hf("bert", {"bert_zero3_4": _hf_plan("bert", (4, 1), zero=3)}, 4, tmp_path)
+
+
+@pytest.mark.slow
+def test_hf_bert_tensor_parallel_on_two_ranks(tmp_path):
+    """BERT under Megatron's tp 2 plan, its tied word table stored vocabulary-split for the embedding and the MLM
+    decoder (the lowering's restored table): 3 AdamW steps with clipping equal the unmodified module's, every
+    parameter a DTensor (the table, the decoder and its bias Shard(0)), the checkpoint loading into the
+    unmodified module here."""
+    results = _train_hf("bert", {"bert_tp2": _hf_plan("bert", (1, 2))}, 2, tmp_path)
+    for result in results:
+        placements = result["bert_tp2"]["placements"]
+        for name in ("model.bert.embeddings.word_embeddings.weight", "model.cls.predictions.bias",
+                     "model.bert.encoder.layer.0.attention.self.query.weight"):
+            assert placements[name] == ["Shard(dim=0)"], (name, placements.get(name))
+        assert "model.cls.predictions.decoder.weight" not in placements   # tied: one parameter, listed once
+        assert placements["model.bert.encoder.layer.1.output.dense.weight"] == ["Shard(dim=1)"]
+        assert placements["model.bert.embeddings.position_embeddings.weight"] == ["Replicate()"]
 
 
 @pytest.mark.slow

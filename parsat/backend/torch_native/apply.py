@@ -273,16 +273,18 @@ def _local_outputs(_module, outputs, _mesh):
 
 def _tie_again(module: nn.Module, lowering: Lowering) -> None:
     """A tied parameter is one tensor under several names; distributing each module made one per name: keep the
-    first name's for all (the plan stores a graph weight once, so its styles place it alike)."""
+    first styled name's (a DTensor) for all (the plan stores a graph weight once, so its styles place it alike; a
+    name under an unstyled module, BERT's head bias beside its decoder's, takes the styled one)."""
     for w in lowering.weights:
         if len(w.params) < 2:
             continue
-        first = module.get_parameter(w.params[0])
-        for name in w.params[1:]:
+        held = [module.get_parameter(name) for name in w.params]
+        first = next((p for p in held if hasattr(p, "placements")), held[0])
+        for name in w.params:
             other = module.get_parameter(name)
             if other is first:
                 continue
-            if getattr(other, "placements", None) != getattr(first, "placements", None):
+            if hasattr(other, "placements") and other.placements != getattr(first, "placements", None):
                 raise NativeParallelizeError(f"tied parameter {' = '.join(w.params)} would be placed "
                                              f"{getattr(first, 'placements', None)} and "
                                              f"{getattr(other, 'placements', None)}")

@@ -90,7 +90,7 @@ DATA, ZERO3, TENSOR = "data", "zero3", "tensor"
 COLWISE, ROWWISE, VOCAB, REPLICATE_STYLE = "colwise", "rowwise", "vocab", "replicate"
 LINEAR, EMBEDDING = "linear", "embedding"
 LINEAR_OPS = frozenset({"linear", "linear_nobias", "linear_t", "linear_nobias_t", "matmul"})
-EMBEDDING_OPS = frozenset({"embedding"})
+EMBEDDING_OPS = frozenset({"embedding", "embedding_padded"})
 GATHERS = frozenset({COMBINE, ALL_GATHER, REDUCE, REDUCE_SCATTER})
 
 
@@ -125,13 +125,16 @@ class ModuleInfo:
 @dataclass(frozen=True)
 class WeightLowering:
     """A graph weight as the plan keeps it: the module's names for it, its stored placement, its leaf node, and
-    per mesh axis its role (`free`, `synced`, `gathered`, `split`)."""
+    per mesh axis its role (`free`, `synced`, `gathered`, `split`). `restored`: the axes on which torch stores it
+    otherwise than the plan (`stored` then says torch's: a tied table the plan keeps whole, read whole by its
+    embedding and vocabulary-split by its head, stored vocabulary-split for both, as Megatron does)."""
 
     name: str
     params: tuple[str, ...]
     node: int
     stored: Placement
     roles: tuple[str, ...]
+    restored: tuple[int, ...] = ()
 
     def stored_dim(self, axis: int) -> int | None:
         return shard_dim(self.stored.codes[axis]) if self.stored.codes else None
@@ -333,10 +336,53 @@ class _Lowerer:
         chain = weight_storage(self.pcg)[leaf.id]
         stored = self.node(chain[-1]).placement
         uses = list(self.uses(chain[-1]))
-        roles = []
+        roles, restored = [], []
         for axis in range(len(self.mesh.axes)):
-            roles.append(self.weight_role(leaf, stored, uses, axis))
-        return WeightLowering(leaf.op, info.names, leaf.id, stored, tuple(roles))
+            if stored.codes[axis] == FREE and self.vocabulary_split_table(chain[-1], uses, axis):
+                roles.append(SPLIT)
+                restored.append(axis)
+            else:
+                roles.append(self.weight_role(leaf, stored, uses, axis))
+        if restored:
+            stored = Placement(tuple(shard(0) if a in restored else c for a, c in enumerate(stored.codes)))
+            self.note_restored(leaf, uses, restored)
+        return WeightLowering(leaf.op, info.names, leaf.id, stored, tuple(roles), tuple(restored))
+
+    def vocabulary_split_table(self, end: int, uses: list[tuple[PNode, PNode]], axis: int) -> bool:
+        """Whether the weight whose storage ends at `end`, whole on `axis`, is a tied table read whole by
+        embeddings (their outputs whole) and split along the vocabulary (a `partition` of dim 0 of the stored
+        value) by projections, nothing else: torch then stores it split for both reads (`WeightLowering.restored`),
+        the embedding vocabulary-parallel, which computes the same whole lookup (Megatron's
+        VocabParallelEmbedding beside its tied head). No torch style keeps one parameter whole for one module
+        and split for another."""
+        whole = split = 0
+        for user, value in uses:
+            code = value.placement.codes[axis]
+            if code == FREE and value.id == end and user.op in EMBEDDING_OPS \
+                    and user.placement.codes[axis] in (FREE, REPLICA):
+                whole += 1
+            elif code == shard(0) and value.kind == "parallel" and value.op == PARTITION \
+                    and value.axis(self.mesh) == axis and value.attr("dim") == 0 and value.inputs[0] == end \
+                    and user.op in LINEAR_OPS:
+                split += 1
+            else:
+                return False
+        return whole > 0 and split > 0
+
+    def note_restored(self, leaf: PNode, uses: list[tuple[PNode, PNode]], axes: Sequence[int]) -> None:
+        """Say where torch's collectives and memory differ from the plan's for a table stored vocabulary-split."""
+        for axis in axes:
+            name = self.mesh.names[axis]
+            lookups = [user for user, _ in uses if user.op in EMBEDDING_OPS]
+            slices = sorted({value.id for user, value in uses if user.op not in EMBEDDING_OPS})
+            self.notes.append(
+                f"weight '{leaf.op}' {list(leaf.shape)} is stored whole on tensor axis {name} by the plan, read whole "
+                f"by {', '.join(self.where(u) for u in lookups)} and split along the vocabulary by "
+                f"{', '.join(f'#{i}' for i in slices)}: torch stores it Shard(0) for both reads (one parameter, one "
+                "placement), the embedding vocabulary-parallel (RowwiseParallel): the same values, but where the "
+                f"plan keeps the whole table on each rank and all-gathers the split read's gradient {list(leaf.shape)} "
+                f"in the backward, torch keeps 1/{self.mesh.axes[axis].size} of it and all-reduces the embedding's "
+                f"output {list(lookups[0].shape)} in the forward")
 
     def uses(self, start: int) -> Iterable[tuple[PNode, PNode]]:
         """(reader, value read) for every operator that reads a value made from the weight at `start` by parallel
@@ -529,13 +575,20 @@ class _Lowerer:
         for node in self.pcg.nodes:
             if node.kind == "parallel" and node.op == REPLICATE and node.inputs[0] in self.data_only:
                 continue   # a copy of what the inputs alone make (a rotary table): no gradient for its backward to sum
+            if node.kind == "parallel" and node.op == PARTITION and node.axis(self.mesh) == axis \
+                    and self.node(node.inputs[0]).op in self.graph.constants:
+                self.note_constant_slice(node, axis)
+                continue
             if node.kind == "parallel" and node.axis(self.mesh) == axis and node.id not in self.static \
                     and node.id not in claimed:
+                dropout = any(u.op.startswith("dropout") for u in self.users.get(node.id, []))
                 raise LoweringError(
                     f"{self.where(node)} on tensor axis {name} is not at the input or output of a split nn.Linear or "
                     "nn.Embedding: the module's own code runs between torch's tensor-parallel styles on local pieces, "
                     "and only the styles move activations (a vocabulary-parallel loss would need loss_parallel() "
-                    "around the loop's forward and backward; sequence parallelism is not lowered yet)")
+                    "around the loop's forward and backward; sequence parallelism is not lowered yet)"
+                    + ("; it splits a dropout mask, which the module draws itself on each rank: train with dropout "
+                       "off, or run the plan with the interpreter" if dropout else ""))
         replicated = self.replicated_modules(styles, weights, axis)
         return sorted(styles.values(), key=lambda s: s.module) + replicated
 
@@ -552,7 +605,8 @@ class _Lowerer:
             for user, _value in self.uses(w.node):
                 code = user.placement.codes[axis]
                 kinds.add("column-parallel" if code == shard(len(user.shape) - 1) else
-                          "vocabulary-parallel" if code == PARTIAL and user.op in EMBEDDING_OPS else
+                          "vocabulary-parallel" if user.op in EMBEDDING_OPS and (code == PARTIAL or axis in w.restored)
+                          else
                           "row-parallel" if code == PARTIAL else f"read as {code_text(code)}")
                 nodes.append(user.id)
             out.append(TracedSplit(w.name, w.params, w.stored_dim(axis), " and ".join(sorted(kinds)),
@@ -581,6 +635,11 @@ class _Lowerer:
                                 f"'{w.name}'")
         x = self.node(activations[0])
         x_code, out_code = x.placement.codes[axis], user.placement.codes[axis]
+        if axis in w.restored and style == VOCAB:   # the whole lookup of a table torch stores vocabulary-split
+            if x_code not in (FREE, REPLICA) or out_code not in (FREE, REPLICA):
+                raise LoweringError(f"{self.where(user)} reads the tied table '{w.name}' whole on tensor axis "
+                                    f"{axis_name} but its ids as {code_text(x_code)}")
+            return Style(owner, VOCAB, "replicate", "replicate", (user.id,))
         last_in, last_out = len(x.shape) - 1, len(user.shape) - 1
         claims = [user.id]
         want = {COLWISE: ("whole", f"split along its last dim (Shard({last_out}))"),
@@ -721,6 +780,9 @@ class _Lowerer:
         for module, names in sorted(self.module.holds.items()):
             if not names or module in styles:
                 continue
+            names = tuple(n for n in names if not self.styled_elsewhere(f"{module}.{n}" if module else n, styles))
+            if not names:
+                continue   # its parameters are tied to a styled module's (BERT's head bias is its decoder's)
             for local in names:
                 full = f"{module}.{local}" if module else local
                 w = by_param.get(full)
@@ -740,6 +802,21 @@ class _Lowerer:
             self.notes.append(f"parameters the plan's graph does not have ({', '.join(unused[:8])}"
                               f"{' ...' if len(unused) > 8 else ''}) are Replicate() on the tensor axis")
         return out
+
+    def note_constant_slice(self, node: PNode, axis: int) -> None:
+        """A constant the import found in the forward (BERT's attention mask, expanded over the heads), split on
+        the tensor axis where the plan reads it (along the heads the styles split): the module builds it itself
+        on every rank and reads it with its local pieces; it has no gradient, so nothing moves either way. A
+        module that kept it whole along a split dim would fail its own shape check, loudly, in the forward."""
+        self.notes.append(f"{self.where(node)}: a slice of the constant {self.node(node.inputs[0]).op} on tensor "
+                          f"axis {self.mesh.names[axis]}, which the module builds itself and reads with its "
+                          "local pieces (no collective, no gradient)")
+
+    def styled_elsewhere(self, name: str, styles: Mapping[str, Style]) -> bool:
+        """Whether parameter `name` is tied to one a styled module holds (the style places it; the tie is remade
+        after, `apply._tie_again`)."""
+        info = self.module.param(name)
+        return info is not None and any(owner in styles for owner, _ in info.owners)
 
     # ------------------------------------------------------------ notes
 
