@@ -192,18 +192,19 @@ def test_a_pipelined_plan_without_example_inputs_is_refused_before_any_process_s
         parsat.parallelize(gpt_module(), pp2, runtime="torch", weight_names=weight_names())
 
 
-def megatron_stage_plan(pp2, sequence: bool = False):
-    """The pp=2 plan's cut and schedule with Megatron's layout (tp 2) as the stage plan, on 4 devices: what
-    `--degrees pp=2,tp=2` asks for, laid out by the test itself as the PTD-P baseline does (the optimizer's own
-    pinned plan splits every contraction's weight on tp too: below)."""
+def megatron_stage_plan(pp2, sequence: bool = False, shape: tuple[int, int] = (1, 2)):
+    """The pp=2 plan's cut and schedule with Megatron's layout (`shape`: dp x tp, default tp 2) as the stage plan,
+    on 2 x dp x tp devices: what `--degrees pp=2,tp=2` asks for, laid out by the test itself as the PTD-P baseline
+    does (the optimizer's own pinned plan splits every contraction's weight on tp too: below)."""
     from parsat.backend.executor import operator_library
     from parsat.ir.megatron import megatron_pcg
     from parsat.ir.pipeline import lay_out_stages
 
-    stage_plan = megatron_pcg(pp2.graph, operator_library(), (1, 2), sequence=sequence)
+    stage_plan = megatron_pcg(pp2.graph, operator_library(), shape, sequence=sequence)
     starts = [c.layers[0] for c in pp2.pipeline.layout.chunks]
-    pipeline = replace(pp2.pipeline, stage_devices=2, layout=lay_out_stages(stage_plan, starts, 2))
-    return replace(pp2, pcg=stage_plan, costs={}, devices=4, pipeline=pipeline)
+    devices = shape[0] * shape[1]
+    pipeline = replace(pp2.pipeline, stage_devices=devices, layout=lay_out_stages(stage_plan, starts, 2))
+    return replace(pp2, pcg=stage_plan, costs={}, devices=2 * devices, pipeline=pipeline)
 
 
 def test_tensor_parallelism_inside_a_stage_is_each_weights_dtensor_placement(pp2):
@@ -224,6 +225,20 @@ def test_tensor_parallelism_inside_a_stage_is_each_weights_dtensor_placement(pp2
     assert "blocks.0.ln1_g" not in splits and "blocks.0.bo" not in splits and "lnf_g" not in splits
     text = lowering.describe()
     assert "DTensor parameters" in text and "blocks.0.wo: Shard(0), row-parallel" in text, text
+
+
+def test_a_stage_with_data_and_tensor_axes_is_replicate_over_dp_and_dtensor_placements_on_tp(pp2):
+    """3-D parallelism, pp 2 x dp 2 x tp 2 (8 ranks): Megatron's dp 2 x tp 2 layout as the stage plan lowers,
+    without processes, to a (pp, dp, tp) mesh, each stage module's split weights Shard(d) on tp and the module
+    `replicate`d over dp. Not run on 8 ranks here (too slow on this box's 2 cores; docs/TORCH_NATIVE.md)."""
+    plan = megatron_stage_plan(pp2, shape=(2, 2))
+    lowering = lower_pipeline(plan.pcg, plan.graph, plan.pipeline, module_info(gpt_module(), weight_names()))
+    assert lowering.device_mesh_shape() == ((2, 2, 2), ("pp", "dp", "tp"))
+    stage = lowering.stage
+    assert stage.axis_roles == ("data", "tensor") and stage.batch_axes == (0,)
+    splits = {s.params[0]: s for s in stage.traced_splits}
+    assert splits["blocks.0.wq"].dim == 1 and splits["blocks.2.wo"].kind == "row-parallel"
+    assert "replicate over dp" in lowering.describe()
 
 
 def test_a_stage_plan_that_still_cannot_be_lowered_is_refused(pp2):
