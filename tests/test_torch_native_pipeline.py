@@ -361,12 +361,12 @@ def _check_run(results: list) -> None:
     assert "wte" in results[0]["params"] and "wte" in results[-1]["params"]   # the tied embedding on both ends
 
 
-def _launch(plans: dict, nproc: int, folder=None) -> list:
+def _launch(plans: dict, nproc: int, folder=None, timeout_s: float = 600) -> list:
     from parsat.backend.launch import LaunchConfig, launch
 
     plans = {label: plan if isinstance(plan, dict) else plan.to_dict() for label, plan in plans.items()}
     return launch(train_job, (plans, 3, None if folder is None else str(folder)),
-                  LaunchConfig(nproc=nproc, backend="gloo", timeout_s=600))
+                  LaunchConfig(nproc=nproc, backend="gloo", timeout_s=timeout_s))
 
 
 def _checkpoint_loads_into_the_unmodified_module(folder, ranks: int) -> float:
@@ -443,3 +443,20 @@ def test_pp2_by_tp2_trained_on_four_ranks_like_the_module_in_one_process(pp2):
         assert run[0]["losses"] == run[1]["losses"] and run[0]["norms"] == run[3]["norms"]   # tp twins, every rank
         assert run[0]["params"] == run[1]["params"] and "wpe" in run[0]["params"] and "wpe" not in run[2]["params"]
     assert "ScheduleInterleaved1F1B" in results[0]["interleaved"]["lowering"]
+
+
+@pytest.mark.slow
+def test_pp2_by_dp2_by_tp2_trained_on_eight_ranks_like_the_module_in_one_process(pp2):
+    """3-D parallelism on 8 gloo ranks: Megatron's dp 2 x tp 2 inside each of the 2 stages, 1F1B over 4
+    micro-batches: each stage module's split weights Shard(d) on its tp slice, the module `replicate`d over its
+    dp slice (FSDP2 over a DTensor-parameter module, as the unpipelined dp x tp), trained 3 AdamW steps with the
+    pipeline's clipped norm like the unmodified module in one process. 8 processes on 2 cores: many minutes."""
+    results = _launch({"3d": megatron_stage_plan(pp2, shape=(2, 2))}, 8, timeout_s=1500)
+    run = [r["3d"] for r in results]
+    _check_run(run)
+    assert "replicate over dp" in run[0]["lowering"] and "tensor parallelism on tp" in run[0]["lowering"]
+    for r in run:
+        assert r["placements"] == ["[Replicate(), Replicate()]", "[Replicate(), Shard(dim=0)]",
+                                   "[Replicate(), Shard(dim=1)]"], r["placements"]
+    assert all(r["losses"] == run[0]["losses"] for r in run)   # the ranks' mean, the same on every rank
+    assert "wpe" in run[0]["params"] and "wpe" not in run[4]["params"]   # ranks 0-3 stage 0, 4-7 stage 1
