@@ -59,13 +59,15 @@ STAGE_AXIS_NAME = "stage"   # the one-rank axis of a one-device stage (its param
 @dataclass(frozen=True)
 class ChunkLowering:
     """One chunk of the plan as a traced stage module: its index (torch's stage index), the stage (rank group)
-    that runs it, its layers, the submodule it begins at (None for the first), the parameters it holds."""
+    that runs it, its layers, the submodule it begins at (None for the first), the parameters it holds (every
+    name of each), and those names by parameter (a tied one's several names in one group)."""
 
     index: int
     stage: int
     layers: tuple[int, ...]
     begins_at: str | None
     params: tuple[str, ...]
+    groups: tuple[tuple[str, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -143,8 +145,9 @@ def lower_pipeline(pcg: PCG, graph: Graph, pipeline: PipelinePlan, module: Modul
     chunks = []
     for chunk in pipeline.layout.chunks:
         begins = None if chunk.index == 0 else layer_module(chunk.layers[0], weights.values(), module)
-        names = sorted({p for ident in chunk.nodes if ident in weights for p in weight_params(weights[ident], module)})
-        chunks.append(ChunkLowering(chunk.index, chunk.stage, chunk.layers, begins, tuple(names)))
+        groups = sorted({weight_params(weights[ident], module) for ident in chunk.nodes if ident in weights})
+        names = sorted({p for group in groups for p in group})
+        chunks.append(ChunkLowering(chunk.index, chunk.stage, chunk.layers, begins, tuple(names), tuple(groups)))
     _one_copy_a_stage(chunks)
     shared = tuple((weight_params(weights[ident], module), tuple(stages))
                    for ident, stages in pipeline.layout.shared_weights)

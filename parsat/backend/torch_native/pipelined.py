@@ -169,6 +169,16 @@ class PipelinedModule:
                 return param
         raise AttributeError(f"pipeline stage {self.stage} holds no parameter {name!r}")
 
+    def held_parameter(self, names: Sequence[str]) -> nn.Parameter:
+        """This rank's parameter of a weight the module names `names` (a tied one several ways: the tracer keeps one
+        name a stage, the one that stage's code reads it by: HF GPT-2's `wte` on the first, `lm_head` on the
+        last)."""
+        held = dict(self.named_parameters())
+        for name in names:
+            if name in held:
+                return held[name]
+        raise AttributeError(f"pipeline stage {self.stage} holds no parameter {' = '.join(names)}")
+
     def step(self, *inputs: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one step's local batch (every rank passes it; the first stage reads it), cut
         into the plan's micro-batches and run in its schedule; the shared weights' gradients summed over their
@@ -213,7 +223,7 @@ class PipelinedModule:
         for names, stages in self.lowering.shared:
             if self.stage not in stages:
                 continue
-            param = self.get_parameter(names[0])
+            param = self.held_parameter(names)
             if param.grad is not None:
                 dist.all_reduce(_local(param.grad), group=self.shared_groups[stages])
 
@@ -234,7 +244,8 @@ class PipelinedModule:
         return norm
 
     def _counts(self, name: str) -> bool:
-        """Whether this stage counts parameter `name` in the norm: a shared weight on its first stage only."""
+        """Whether this stage counts parameter `name` (any name of it) in the norm: a shared weight on its first
+        stage only."""
         for names, stages in self.lowering.shared:
             if name in names:
                 return self.stage == min(stages)
@@ -278,6 +289,7 @@ def apply_pipeline(module: nn.Module, lowering: PipelineLowering, example_inputs
     for chunk in lowering.chunks_of(stage):
         sub = pipe.get_stage_module(chunk.index)
         _check_stage_params(sub, chunk)
+        _tie_within(sub, chunk)
         checkpoint_blocks(sub, lowering.recompute, prefix=TRACED_PREFIX)
         if lowering.stage is None:
             from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -324,14 +336,37 @@ def _first_microbatch(inputs: tuple, microbatches: int) -> tuple:
 
 
 def _check_stage_params(sub: nn.Module, chunk) -> None:
-    """The traced stage module holds exactly the parameters of the weights the plan's chunk reads."""
+    """The traced stage module holds exactly the parameters of the weights the plan's chunk reads, each under one
+    of its names at least (the tracer keeps a tied parameter under the name the stage's code reads it by)."""
     held = {n[len(TRACED_PREFIX):] for n, _ in sub.named_parameters(remove_duplicate=False)}
     want = set(chunk.params)
-    if held != want:
-        extra, missing = sorted(held - want), sorted(want - held)
+    missing = sorted(n for group in chunk.groups if not held & set(group) for n in group)
+    extra = sorted(held - want)
+    if extra or missing:
         raise NativeParallelizeError(f"the module cut by pipeline() does not follow the plan's chunk {chunk.index} "
                                      f"(layers {chunk.layers[0]}..{chunk.layers[-1]}): its stage module also holds "
                                      f"{extra[:4]} and lacks {missing[:4]}")
+
+
+def _tie_within(sub: nn.Module, chunk) -> None:
+    """A tied parameter the tracer gave a stage module twice, as two tensors under two names (HF GPT-2's first
+    stage: `transformer.wte.weight`, which it reads, and an unread `lm_head.weight`): one tensor under both again,
+    as in the user's module, so the optimizer and the checkpoint see the trained one."""
+    for group in chunk.groups:
+        held = [TRACED_PREFIX + name for name in group]
+        found = [(name, sub.get_parameter(name)) for name in held if _holds(sub, name)]
+        for name, param in found[1:]:
+            if param is not found[0][1]:
+                owner, _, local = name.rpartition(".")
+                setattr(sub.get_submodule(owner), local, found[0][1])
+
+
+def _holds(sub: nn.Module, name: str) -> bool:
+    try:
+        sub.get_parameter(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _schedule(lowering: PipelineLowering, stages: list):
