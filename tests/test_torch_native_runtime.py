@@ -456,7 +456,8 @@ def test_hf_bert_data_parallel_and_tensor_parallel_plans_lower():
     info = module_info(module, imported.weights)
     dp = lower(pcg_from_dict(_plan(imported.graph, (2, 1))), imported.graph, info)
     assert dp.axis_roles == (DATA,) and dp.batch_axes == (0,) and "replicate over dp" in dp.describe()
-    with pytest.raises(LoweringError, match=r"partition\(dim=1, axis=tp, degree=2\) on tensor axis tp .* splits a dropout mask"):
+    with pytest.raises(LoweringError, match=r"partition\(dim=1, axis=tp, degree=2\) on tensor axis tp .* splits a "
+                                            r"dropout mask"):
         lower(pcg_from_dict(_plan(imported.graph, (1, 2))), imported.graph, info)
     module, inputs = _factory("bert")()   # dropout off, as the slow tensor-parallel run trains it
     imported = import_module(module, inputs, check=False)

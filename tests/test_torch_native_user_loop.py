@@ -105,7 +105,8 @@ def loop_job(ctx, plans: dict, plan_file: str) -> dict:
 
 def _mixed_precision(plan: dict, device) -> dict:
     """A bf16 MixedPrecisionPolicy (fp32 reductions) on the data-parallel plan: the dtypes fc1 computes with in
-    the forward, and those of the stored parameters and their gradients after the backward."""
+    the forward, the gradient reduction's output (FSDP2's all-reduce hook), and those of the stored parameters
+    and their gradients after the backward."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from parsat.backend.torch_native.apply import local_batch
@@ -113,12 +114,13 @@ def _mixed_precision(plan: dict, device) -> dict:
     module, _ = tiny()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = parsat.parallelize(module, plan, runtime="torch", mp_policy=policy)
-    seen = {}
+    seen, reduced = {}, set()
     model.fc1.register_forward_hook(lambda mod, args, result: seen.update(
         weight=str(mod.weight.dtype), output=str(result.dtype)))
+    model.set_all_reduce_hook(lambda out: reduced.add(str(out.dtype)))
     loss = model(*local_batch(model, *(t.to(device) for t in _batch(0, BATCH, SEQ, VOCAB_SIZE))))
     loss.backward()
-    return {"forward": seen, "params": sorted({str(p.dtype) for p in model.parameters()}),
+    return {"forward": seen, "reduced": sorted(reduced), "params": sorted({str(p.dtype) for p in model.parameters()}),
             "grads": sorted({str(p.grad.dtype) for p in model.parameters()})}
 
 
@@ -154,6 +156,7 @@ def check_mixed(results: list) -> None:
         mixed = result["mixed"]
         assert mixed["forward"] == {"weight": "torch.bfloat16", "output": "torch.bfloat16"}, mixed
         assert mixed["params"] == ["torch.float32"] and mixed["grads"] == ["torch.float32"], mixed
+        assert mixed["reduced"] == ["torch.float32"], mixed   # the gradients are reduced in fp32
 
 
 @pytest.fixture(scope="module")
@@ -172,5 +175,5 @@ def test_ranks_holding_different_plans_are_refused_on_every_rank(loop_runs):
         assert "rank(s) 1 hold another plan than rank 0" in result["mismatch"], result["mismatch"]
 
 
-def test_a_bf16_policy_computes_in_bf16_and_keeps_fp32_weights_and_gradients(loop_runs):
+def test_a_bf16_policy_computes_in_bf16_reduces_and_keeps_weights_and_gradients_in_fp32(loop_runs):
     check_mixed(loop_runs)
