@@ -12,9 +12,13 @@ around each split contraction, and says it in torch's terms
   gradient); stored whole and read as a `replicate`'s copy, `synced` (its
   gradient all-reduced: data parallelism); stored split and gathered
   before use, `gathered` (ZeRO-3); stored split and read split, `split`
-  (tensor parallelism). Anything else (a whole weight sliced where it is
-  read, split on one path and gathered on another) is refused, naming the
-  node.
+  (tensor parallelism). One exception is stored otherwise than the plan
+  says (`WeightLowering.restored`): a tied table kept whole, read whole by
+  embeddings and vocabulary-split by projections (BERT under Megatron's
+  plan) is `split` along the vocabulary for both reads, and a note says
+  which collectives then differ from the plan's. Anything else (a whole
+  weight sliced where it is read, split on one path and gathered on
+  another) is refused, naming the node.
 * **each mesh axis** (`Lowering.axis_roles`): `tensor` if it splits some
   weight (then it may neither synchronise nor gather any: one role per
   axis, as torch's styles give it), else `zero3` if it gathers some, else
