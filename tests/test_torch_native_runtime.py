@@ -29,8 +29,8 @@ from torch import nn  # noqa: E402
 import parsat  # noqa: E402
 from parsat.backend.executor import operator_library  # noqa: E402
 from parsat.backend.torch_native.apply import module_info  # noqa: E402
-from parsat.backend.torch_native.lowering import (COLWISE, DATA, REPLICATE_STYLE, ROWWISE, TENSOR, VOCAB,  # noqa: E402
-                                                  ZERO3, LoweringError, lower)
+from parsat.backend.torch_native.lowering import (COLWISE, DATA, REPLICATE_STYLE, ROWWISE, SEQUENCE,  # noqa: E402
+                                                  SEQUENCE_STYLE, TENSOR, VOCAB, ZERO3, LoweringError, lower)
 from parsat.ir.megatron import megatron_pcg  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -78,8 +78,8 @@ def tiny_graph():
     return parsat.from_torch(module, inputs)
 
 
-def _plan(graph, shape, zero=0) -> dict:
-    pcg = megatron_pcg(graph, operator_library(), shape, zero=zero)
+def _plan(graph, shape, zero=0, sequence=False) -> dict:
+    pcg = megatron_pcg(graph, operator_library(), shape, zero=zero, sequence=sequence)
     assert pcg is not None
     return mesh_plans.plan_dict(graph, pcg)
 
@@ -87,10 +87,10 @@ def _plan(graph, shape, zero=0) -> dict:
 # ------------------------------------------------------------------ the lowering, read without processes
 
 
-def _lowered(graph, shape, zero=0):
+def _lowered(graph, shape, zero=0, sequence=False):
     from parsat.ir.plan import pcg_from_dict
 
-    return lower(pcg_from_dict(_plan(graph, shape, zero)), graph, module_info(tiny()[0]))
+    return lower(pcg_from_dict(_plan(graph, shape, zero, sequence)), graph, module_info(tiny()[0]))
 
 
 def test_a_data_parallel_plan_is_replicate_and_zero3_is_fully_shard(tiny_graph):
@@ -121,6 +121,36 @@ def test_megatron_tensor_parallelism_is_colwise_and_rowwise_styles(tiny_graph):
     assert parallel - storage <= claimed   # every activation collective is some style's
     two_d = _lowered(tiny_graph, (2, 2), zero=3)
     assert two_d.axis_roles == (ZERO3, TENSOR) and two_d.batch_axes == (0,)
+
+
+def test_megatron_sequence_parallelism_is_sequence_parallel_norms_between_shard1_styles(tiny_graph):
+    """Megatron's plan with `sequence=True`: the fc2 partial sum reduce-scattered along the sequence, the residual
+    add and the norm on a Shard(1) slice, all-gathered before the head; the embedding's output all-reduced and
+    sliced for the residual. Lowered as torchtitan does: RowwiseParallel(output_layouts=Shard(1)) for the
+    embedding and fc2, ColwiseParallel(input_layouts=Shard(1)) for fc1 and the head, SequenceParallel on the norm
+    (its weights read whole beside the slice: role `sequence`, their gradients DTensor's all-reduce)."""
+    from parsat.ir.plan import pcg_from_dict
+
+    sp = _lowered(tiny_graph, (1, 2), sequence=True)
+    assert sp.axis_roles == (TENSOR,)
+    styles = {s.module: (s.kind, s.input_layout, s.output_layout) for s in sp.styles}
+    assert styles == {"emb": (VOCAB, "replicate", "sequence"), "fc1": (COLWISE, "sequence", "shard"),
+                      "fc2": (ROWWISE, "shard", "sequence"), "head": (COLWISE, "sequence", "replicate"),
+                      "norm": (SEQUENCE_STYLE, "sequence", "sequence")}
+    roles = {w.name: w.roles[0] for w in sp.weights}
+    assert roles["norm.weight"] == roles["norm.bias"] == roles["fc2.bias"] == SEQUENCE
+    pcg = pcg_from_dict(_plan(tiny_graph, (1, 2), sequence=True))
+    ops = {n.op for n in pcg.nodes if n.kind == "parallel"}
+    assert {"reduce_scatter", "all_gather"} <= ops   # the plan is sequence-parallel
+    storage = {n.id for n in pcg.nodes if n.kind == "parallel" and pcg.node(n.inputs[0]).role == "weight"}
+    parallel = {n.id for n in pcg.nodes if n.kind == "parallel"}
+    assert parallel - storage <= {n for s in sp.styles for n in s.nodes}   # every activation collective claimed
+    text = sp.describe()
+    assert "norm: SequenceParallel()" in text and "fc2: RowwiseParallel(output_layouts=Shard(1))" in text
+    assert "torch reduce-scatters it" in text   # the embedding's all-reduce-and-slice, said
+    # the same plan inside a traced pipeline stage is refused by name
+    with pytest.raises(LoweringError, match="sequence parallelism .* not inside a traced pipeline stage"):
+        lower(pcg, tiny_graph, module_info(tiny()[0]), traced=True)
 
 
 def test_what_torch_styles_cannot_run_is_refused_naming_the_node(tiny_graph):

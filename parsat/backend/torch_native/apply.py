@@ -49,8 +49,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parsat.backend.torch_native.lowering import (COLWISE, DATA, EMBEDDING, LINEAR, REPLICATE_STYLE, ROWWISE, SPLIT,
-                                                  VOCAB, ZERO3, GATHERED, Lowering, ModuleInfo, ParamInfo)
+from parsat.backend.torch_native.lowering import (COLWISE, DATA, EMBEDDING, LINEAR, REPLICATE_STYLE, ROWWISE,
+                                                  SEQ_DIM, SEQUENCE_STYLE, SPLIT, VOCAB, ZERO3, GATHERED, Lowering,
+                                                  ModuleInfo, ParamInfo)
 
 LOWERING_ATTRIBUTE = "_parsat_lowering"
 
@@ -181,10 +182,10 @@ def _device_mesh(lowering: Lowering, device: torch.device):
 
 def _tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh) -> None:
     from torch.distributed.tensor import Replicate, Shard, distribute_module
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     def layout(word: str):
-        return Replicate() if word == "replicate" else Shard(-1)
+        return Replicate() if word == "replicate" else Shard(SEQ_DIM) if word == "sequence" else Shard(-1)
 
     plan: dict[str, Any] = {}
     replicated = []
@@ -195,6 +196,8 @@ def _tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh) -> None:
         elif style.kind in (ROWWISE, VOCAB):
             plan[style.module] = RowwiseParallel(input_layouts=layout(style.input_layout),
                                                  output_layouts=layout(style.output_layout))
+        elif style.kind == SEQUENCE_STYLE:   # local tensors out, as the other styles give them
+            plan[style.module] = SequenceParallel(sequence_dim=SEQ_DIM, use_local_output=True)
         elif style.kind == REPLICATE_STYLE:
             replicated.append(style.module)
     if plan:

@@ -89,9 +89,11 @@ from parsat.ir.microbatch import batch_dims
 from parsat.ir.pcg import PCG, WEIGHT, PNode, readers, weight_storage
 from parsat.ir.placement import FREE, PARTIAL, REPLICA, Placement, code_text, shard, shard_dim
 
-FREE_ROLE, SYNCED, GATHERED, SPLIT = "free", "synced", "gathered", "split"
+FREE_ROLE, SYNCED, GATHERED, SPLIT, SEQUENCE = "free", "synced", "gathered", "split", "sequence"
 DATA, ZERO3, TENSOR = "data", "zero3", "tensor"
-COLWISE, ROWWISE, VOCAB, REPLICATE_STYLE = "colwise", "rowwise", "vocab", "replicate"
+COLWISE, ROWWISE, VOCAB, REPLICATE_STYLE, SEQUENCE_STYLE = "colwise", "rowwise", "vocab", "replicate", "sequence"
+SEQ_DIM = 1   # the sequence dim of a [batch, seq, hidden] activation: SequenceParallel's and Shard(1)'s
+LAYOUTS = {"replicate": "Replicate()", "shard": "Shard(-1)", "sequence": "Shard(1)"}
 LINEAR, EMBEDDING = "linear", "embedding"
 LINEAR_OPS = frozenset({"linear", "linear_nobias", "linear_t", "linear_nobias_t", "matmul"})
 EMBEDDING_OPS = frozenset({"embedding", "embedding_padded"})
@@ -147,9 +149,10 @@ class WeightLowering:
 @dataclass(frozen=True)
 class Style:
     """How one module runs on the tensor axis: `colwise`, `rowwise`, `vocab` (RowwiseParallel of an
-    embedding) or `replicate` (every parameter whole); how its activation arrives and leaves (`replicate`: whole,
-    `shard`: split along the last dim); the plan nodes it stands for (the contraction and the parallel operators
-    it claims)."""
+    embedding), `sequence` (SequenceParallel: a norm on a slice of the sequence, its parameters whole) or
+    `replicate` (every parameter whole); how its activation arrives and leaves (`replicate`: whole, `shard`: split
+    along the last dim, `sequence`: split along the sequence, Shard(1)); the plan nodes it stands for (the
+    contraction and the parallel operators it claims)."""
 
     module: str
     kind: str
@@ -159,13 +162,13 @@ class Style:
 
     def describe(self) -> str:
         torch_name = {COLWISE: "ColwiseParallel", ROWWISE: "RowwiseParallel", VOCAB: "RowwiseParallel",
-                      REPLICATE_STYLE: "Replicate()"}[self.kind]
+                      REPLICATE_STYLE: "Replicate()", SEQUENCE_STYLE: "SequenceParallel"}[self.kind]
         extra = []
         if self.kind in (COLWISE, ROWWISE, VOCAB):
             if self.input_layout != ("shard" if self.kind == ROWWISE else "replicate"):
-                extra.append(f"input_layouts={'Replicate()' if self.input_layout == 'replicate' else 'Shard(-1)'}")
+                extra.append(f"input_layouts={LAYOUTS[self.input_layout]}")
             if self.output_layout != ("shard" if self.kind == COLWISE else "replicate"):
-                extra.append(f"output_layouts={'Replicate()' if self.output_layout == 'replicate' else 'Shard(-1)'}")
+                extra.append(f"output_layouts={LAYOUTS[self.output_layout]}")
         nodes = f" (nodes {', '.join(f'#{n}' for n in self.nodes)})" if self.nodes else ""
         if self.kind == REPLICATE_STYLE:
             return f"{self.module or '<root>'}: distribute_module, every parameter Replicate()"
@@ -286,6 +289,7 @@ class _Lowerer:
                                             self.batch_constants) - self.static
         self.notes: list[str] = []
         self.partial_region: set[int] = set()   # partial sums the row-parallel styles' outputs are computed into
+        self.sequence_reduces: set[int] = set()  # reduces on the tensor axis torch makes Shard(1) (`sequence_split`)
 
     def node(self, ident: int) -> PNode:
         return self.pcg.node(ident)
@@ -415,6 +419,9 @@ class _Lowerer:
                         f"weight '{leaf.op}' is stored whole on mesh axis {name} but {self.where(user)} reads it "
                         f"as {code_text(code)} there ({self.where(value)}): a slice of a whole weight taken where it "
                         "is read is no torch style (store it split: ColwiseParallel / RowwiseParallel)")
+            if all(code == REPLICA and len(user.shape) == 3 and user.placement.codes[axis] == shard(SEQ_DIM)
+                   for user, _, code in used):
+                return SEQUENCE   # read whole beside a slice of the sequence: a norm's weight under SequenceParallel
             return SYNCED
         if shard_dim(s) is not None:
             if all(code in (FREE, REPLICA) for *_, code in used):
@@ -433,6 +440,12 @@ class _Lowerer:
         by_role: dict[str, list[WeightLowering]] = {}
         for w in weights:
             by_role.setdefault(w.roles[axis], []).append(w)
+        if SEQUENCE in by_role and (self.traced or SPLIT not in by_role):
+            raise LoweringError(
+                f"weight '{by_role[SEQUENCE][0].name}' is read whole beside a slice of the sequence on mesh axis "
+                f"{name} ({self.where(self.first_collective(by_role[SEQUENCE][0], axis))}): sequence parallelism is "
+                "lowered as SequenceParallel beside the tensor-parallel styles of an unpipelined plan"
+                + (", not inside a traced pipeline stage" if self.traced else "; this axis splits no weight"))
         if SPLIT in by_role:
             for other, what in ((SYNCED, "synchronises the gradient of"), (GATHERED, "gathers before use")):
                 if other in by_role:
@@ -440,7 +453,7 @@ class _Lowerer:
                         f"mesh axis {name} splits '{by_role[SPLIT][0].name}' (tensor parallelism) and {what} "
                         f"'{by_role[other][0].name}' ({self.where(self.first_collective(by_role[other][0], axis))}): "
                         "an axis that is a tensor axis for some layers and a data axis for others is not lowered "
-                        "(torch gives each mesh axis one role; sequence parallelism is not lowered yet either)")
+                        "(torch gives each mesh axis one role)")
             return TENSOR
         if GATHERED in by_role:
             return ZERO3
@@ -559,6 +572,7 @@ class _Lowerer:
         name = self.mesh.names[axis]
         styles: dict[str, Style] = {}
         claimed: set[int] = set()
+        self.sequence_reduces = self.sequence_split(axis)
         for w in weights:
             if w.roles[axis] != SPLIT:
                 continue
@@ -661,6 +675,16 @@ class _Lowerer:
         if x.kind == "parallel" and x.axis(self.mesh) == axis:
             if style == COLWISE and x.op == REPLICATE:
                 claims.append(x.id)
+                if x.inputs[0] in self.sequence_reduces:
+                    input_layout = "sequence"
+            elif style == COLWISE and self.is_sequence_op(x, ALL_GATHER, axis):
+                claims.append(x.id)
+                input_layout = "sequence"
+                other = next((u for u in self.users.get(x.id, []) if u.op not in LINEAR_OPS), None)
+                if other is not None:
+                    raise LoweringError(f"{self.where(x)} gathers the sequence on tensor axis {axis_name} for "
+                                        f"{self.where(user)} and for {self.where(other)}: ColwiseParallel("
+                                        "input_layouts=Shard(1)) gathers it inside the projection only")
             elif style == ROWWISE and x.op == PARTITION and x.attr("dim") == last_in:
                 claims.append(x.id)
                 input_layout = "replicate"
@@ -669,7 +693,7 @@ class _Lowerer:
         if style == COLWISE:
             output_layout, found = self.gathered_output(user, axis)
         else:
-            output_layout, found = "replicate", self.reduced_output(user, axis, owner)
+            output_layout, found = self.reduced_output(user, axis, owner)
         claims += found
         return Style(owner, style, input_layout, output_layout, tuple(claims))
 
@@ -703,20 +727,27 @@ class _Lowerer:
                 continue
             return "shard", []
 
-    def reduced_output(self, user: PNode, axis: int, owner: str) -> list[int]:
+    def reduced_output(self, user: PNode, axis: int, owner: str) -> tuple[str, list[int]]:
         """A row-parallel (or vocabulary-parallel) partial sum, which RowwiseParallel all-reduces at the module's
         output: the plan may compute on it as a partial sum first (its operators that keep a partial sum, linear
         in it: a residual add of two such sums, a square's first factor, a mean), as long as every way out of that
-        region is a `reduce` on the tensor axis. Claimed: those reduces, and the `replicate`s the region reads
-        (a whole factor's copy, whose backward all-reduce torch's whole values make needless). The region's
-        nodes are kept (`partial_region`) for `check_partials`."""
-        claims, todo = [], [user]
+        region is a `reduce` on the tensor axis, or every one a `reduce_scatter` along the sequence (or a reduce
+        the plan slices along it, `sequence_split`): sequence parallelism, `output_layouts=Shard(1)`, the layout
+        returned. Claimed: those reduces (and slices), and the `replicate`s the region reads (a whole factor's
+        copy, whose backward all-reduce torch's whole values make needless). The region's nodes are kept
+        (`partial_region`) for `check_partials`."""
+        claims, todo, layouts = [], [user], set()
         self.partial_region.add(user.id)
         while todo:
             current = todo.pop()
             for reader in self.users.get(current.id, []):
                 if reader.kind == "parallel" and reader.axis(self.mesh) == axis and reader.op == REDUCE:
                     claims.append(reader.id)
+                    layouts.add("sequence" if reader.id in self.sequence_reduces else "replicate")
+                    claims += [r.id for r in self.users.get(reader.id, []) if self.is_sequence_op(r, PARTITION, axis)]
+                elif self.is_sequence_op(reader, REDUCE_SCATTER, axis):
+                    claims.append(reader.id)
+                    layouts.add("sequence")
                 elif reader.kind == "op" and reader.placement.codes[axis] == PARTIAL:
                     if reader.id not in self.partial_region:
                         self.partial_region.add(reader.id)
@@ -730,9 +761,44 @@ class _Lowerer:
                     raise LoweringError(
                         f"the partial sum of {self.where(user)} (module {owner}) reaches {self.where(reader)} on "
                         f"tensor axis {self.mesh.names[axis]}, which makes it {code_text(reader.placement.codes[axis])}"
-                        " without a `reduce`: RowwiseParallel all-reduces it at the module's output (a reduce-scatter"
-                        " would be sequence parallelism, not lowered yet)")
-        return claims
+                        " without a `reduce`: RowwiseParallel all-reduces it at the module's output, or reduce-"
+                        "scatters it along the sequence (dim 1) with output_layouts=Shard(1)")
+        if len(layouts) > 1:
+            raise LoweringError(f"the partial sum of {self.where(user)} (module {owner}) is all-reduced on one path "
+                                "and split along the sequence on another: RowwiseParallel has one output layout")
+        return (layouts.pop() if layouts else "replicate"), claims
+
+    def is_sequence_op(self, node: PNode, op: str, axis: int) -> bool:
+        """Whether `node` is the parallel operator `op` along the sequence (dim 1 of [batch, seq, hidden]) on
+        the tensor axis: the collectives of sequence parallelism."""
+        return node.kind == "parallel" and node.op == op and node.axis(self.mesh) == axis \
+            and node.attr("dim") == SEQ_DIM and len(node.shape) == 3
+
+    def sequence_split(self, axis: int) -> set[int]:
+        """The `reduce`s on the tensor axis that the plan also slices along the sequence (Megatron's plan with
+        `sequence=True` all-reduces the embedding's output, reads it whole in the next column-parallel
+        projection and a slice of it in the residual stream): torch's value between the styles is one local
+        tensor, so it is the slice, Shard(1), and the projection gathers it (`input_layouts=Shard(1)`); every
+        reader must then be that slice or a column-parallel projection's `replicate`."""
+        found = set()
+        for node in self.pcg.nodes:
+            if node.kind != "parallel" or node.op != REDUCE or node.axis(self.mesh) != axis or node.id in self.static:
+                continue
+            readers_ = self.users.get(node.id, [])
+            if not any(self.is_sequence_op(r, PARTITION, axis) for r in readers_):
+                continue
+            other = next((r for r in readers_ if not self.is_sequence_op(r, PARTITION, axis) and not (
+                r.kind == "parallel" and r.op == REPLICATE and r.axis(self.mesh) == axis)), None)
+            if other is not None:
+                raise LoweringError(f"{self.where(node)} is read as a slice of the sequence and whole by "
+                                    f"{self.where(other)} on tensor axis {self.mesh.names[axis]}: between torch's "
+                                    "styles one local tensor holds it, Shard(1) under sequence parallelism")
+            found.add(node.id)
+            self.notes.append(f"{self.where(node)} all-reduces on tensor axis {self.mesh.names[axis]} and the plan "
+                              "slices the sum along the sequence: torch reduce-scatters it (output_layouts=Shard(1)) "
+                              "and all-gathers it inside the column-parallel projections that read it whole "
+                              "(input_layouts=Shard(1)): the same values and bytes, two collectives where the plan has one")
+        return found
 
     def check_partials(self, axis: int) -> None:
         """Every partial sum on the tensor axis is a styled contraction's or computed from one (the module's own
@@ -764,7 +830,8 @@ class _Lowerer:
                     continue
                 want = "split along dim 0" if style.kind == COLWISE else "whole"
                 got = w.roles[axis]
-                ok = (got == SPLIT and w.stored_dim(axis) == 0) if style.kind == COLWISE else got == FREE_ROLE
+                ok = (got == SPLIT and w.stored_dim(axis) == 0) if style.kind == COLWISE else \
+                    got == FREE_ROLE or (got == SEQUENCE and style.output_layout == "sequence")
                 if not ok:
                     raise LoweringError(f"parameter '{full}' of {style.describe()} is {got} on tensor axis "
                                         f"{axis_name}; the style keeps it {want}")
@@ -777,7 +844,8 @@ class _Lowerer:
     def replicated_modules(self, styles: Mapping[str, Style], weights: Sequence[WeightLowering],
                            axis: int) -> list[Style]:
         """The modules holding parameters no style covers: each computes with `Replicate()` DTensors on the tensor
-        axis (the plan reads those parameters whole there; parameters the plan lacks are whole too)."""
+        axis (the plan reads those parameters whole there; parameters the plan lacks are whole too), under
+        `SequenceParallel` if the plan reads some beside a slice of the sequence (role `sequence`: a norm)."""
         axis_name = self.mesh.names[axis]
         by_param = {p: w for w in weights for p in w.params}
         out = []
@@ -787,10 +855,13 @@ class _Lowerer:
             names = tuple(n for n in names if not self.styled_elsewhere(f"{module}.{n}" if module else n, styles))
             if not names:
                 continue   # its parameters are tied to a styled module's (BERT's head bias is its decoder's)
+            kind = REPLICATE_STYLE
             for local in names:
                 full = f"{module}.{local}" if module else local
                 w = by_param.get(full)
-                if w is not None and w.roles[axis] != FREE_ROLE:
+                if w is not None and w.roles[axis] == SEQUENCE:
+                    kind = SEQUENCE_STYLE
+                elif w is not None and w.roles[axis] != FREE_ROLE:
                     raise LoweringError(f"parameter '{full}' is {w.roles[axis]} on tensor axis {axis_name} but its "
                                         f"module {module or '<root>'} ({self.module.kinds.get(module)}) has no "
                                         "tensor-parallel style")
@@ -799,7 +870,7 @@ class _Lowerer:
                                     f"submodules with parameters: on tensor axis {axis_name} its parameters would "
                                     "be Replicate() DTensors, which only a module without such submodules computes "
                                     "with")
-            out.append(Style(module, REPLICATE_STYLE))
+            out.append(Style(module, kind, *(("sequence", "sequence") if kind == SEQUENCE_STYLE else ())))
         unused = sorted(p for p, info in self.module.params.items() if p == info.names[0] and p not in by_param
                         and not any(p in w.params for w in weights))
         if unused:
