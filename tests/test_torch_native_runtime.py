@@ -148,6 +148,10 @@ def test_megatron_sequence_parallelism_is_sequence_parallel_norms_between_shard1
     text = sp.describe()
     assert "norm: SequenceParallel()" in text and "fc2: RowwiseParallel(output_layouts=Shard(1))" in text
     assert "torch reduce-scatters it" in text   # the embedding's all-reduce-and-slice, said
+    # the optimizer's plan with sequence parallelism pinned (--degrees tp=2,sp=2) lowers to the same styles
+    pinned = parsat.optimize(tiny_graph, machine="h100x8", devices=2, degrees={"tp": 2, "sp": 2}, baselines=False)
+    lowered = lower(pcg_from_dict(pinned.to_dict()), tiny_graph, module_info(tiny()[0]))
+    assert {s.module: (s.kind, s.input_layout, s.output_layout) for s in lowered.styles} == styles
     # the same plan inside a traced pipeline stage is refused by name
     with pytest.raises(LoweringError, match="sequence parallelism .* not inside a traced pipeline stage"):
         lower(pcg, tiny_graph, module_info(tiny()[0]), traced=True)
