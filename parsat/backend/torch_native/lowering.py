@@ -12,7 +12,10 @@ around each split contraction, and says it in torch's terms
   gradient); stored whole and read as a `replicate`'s copy, `synced` (its
   gradient all-reduced: data parallelism); stored split and gathered
   before use, `gathered` (ZeRO-3); stored split and read split, `split`
-  (tensor parallelism). One exception is stored otherwise than the plan
+  (tensor parallelism); stored whole and read as a `replicate`'s copy
+  only by operators on a slice of the sequence (`shard(1)` of a [batch,
+  seq, hidden] value), `sequence` (a norm's weight under sequence
+  parallelism, its gradient all-reduced by DTensor). One exception is stored otherwise than the plan
   says (`WeightLowering.restored`): a tied table kept whole, read whole by
   embeddings and vocabulary-split by projections (BERT under Megatron's
   plan) is `split` along the vocabulary for both reads, and a note says
@@ -21,7 +24,8 @@ around each split contraction, and says it in torch's terms
   another) is refused, naming the node.
 * **each mesh axis** (`Lowering.axis_roles`): `tensor` if it splits some
   weight (then it may neither synchronise nor gather any: one role per
-  axis, as torch's styles give it), else `zero3` if it gathers some, else
+  axis, as torch's styles give it; its `sequence` weights are the
+  tensor-parallel styles' own), else `zero3` if it gathers some, else
   `data` if it synchronises some. At most one tensor axis. An axis on
   which every rank does the same work is refused: nothing of torch's
   stack runs it, and the plan would waste its devices.
@@ -41,7 +45,11 @@ around each split contraction, and says it in torch's terms
   column-parallel output (the style then returns it whole,
   `output_layouts=Replicate()`), a `partition` of a row-parallel input
   (`input_layouts=Replicate()`), the one-hot ids' vocabulary `partition`
-  of a vocabulary-parallel embedding. Any parallel operator on the tensor
+  of a vocabulary-parallel embedding; with sequence parallelism a
+  `reduce_scatter` along the sequence of a row-parallel partial sum
+  (`output_layouts=Shard(1)`), an `all_gather` along it before a
+  column-parallel one (`input_layouts=Shard(1)`), and the norms between
+  them `SequenceParallel`. Any parallel operator on the tensor
   axis that no style claims is refused, naming it: the module's own code
   runs between the styled modules on local pieces, and only the styles
   move activations.
@@ -604,7 +612,8 @@ class _Lowerer:
                     f"{self.where(node)} on tensor axis {name} is not at the input or output of a split nn.Linear or "
                     "nn.Embedding: the module's own code runs between torch's tensor-parallel styles on local pieces, "
                     "and only the styles move activations (a vocabulary-parallel loss would need loss_parallel() "
-                    "around the loop's forward and backward; sequence parallelism is not lowered yet)"
+                    "around the loop's forward and backward; sequence parallelism is lowered as a reduce_scatter / all_gather "
+                    "along dim 1 at a styled projection only)"
                     + ("; it splits a dropout mask, which the module draws itself on each rank: train with dropout "
                        "off, or run the plan with the interpreter" if dropout else ""))
         replicated = self.replicated_modules(styles, weights, axis)
