@@ -65,6 +65,14 @@ def tiny(seed: int = 0):
     return TinyLM(), _batch(0, BATCH, SEQ, VOCAB_SIZE)
 
 
+def tiny_unbiased():
+    """The tiny LM with fc2 bias-free: Megatron's plan then keeps the residual stream a partial sum (the
+    embedding's plus fc2's, reduce-scattered once), one region two row-parallel styles leave through."""
+    module, batch = tiny()
+    module.fc2 = nn.Linear(4 * WIDTH, WIDTH, bias=False)
+    return module, batch
+
+
 def _batch(step: int, batch: int, seq: int, vocab: int) -> tuple:
     """The global batch of a step: integer ids and targets, the same on every rank."""
     g = torch.Generator().manual_seed(1000 + step)
@@ -148,6 +156,13 @@ def test_megatron_sequence_parallelism_is_sequence_parallel_norms_between_shard1
     text = sp.describe()
     assert "norm: SequenceParallel()" in text and "fc2: RowwiseParallel(output_layouts=Shard(1))" in text
     assert "torch reduce-scatters it" in text   # the embedding's all-reduce-and-slice, said
+    # fc2 bias-free: the residual stream stays a partial sum (the embedding's and fc2's, reduce-scattered once,
+    # the embedding's also all-reduced for fc1): both row-parallel styles leave Shard(1), fc1 gathers
+    unbiased_module, unbiased_batch = tiny_unbiased()
+    unbiased_graph = parsat.from_torch(unbiased_module, unbiased_batch)
+    unbiased = lower(pcg_from_dict(_plan(unbiased_graph, (1, 2), sequence=True)), unbiased_graph,
+                     module_info(unbiased_module))
+    assert {s.module: (s.kind, s.input_layout, s.output_layout) for s in unbiased.styles} == styles
     # the optimizer's plan with sequence parallelism pinned (--degrees tp=2,sp=2) lowers to the same styles
     pinned = parsat.optimize(tiny_graph, machine="h100x8", devices=2, degrees={"tp": 2, "sp": 2}, baselines=False)
     lowered = lower(pcg_from_dict(pinned.to_dict()), tiny_graph, module_info(tiny()[0]))
@@ -327,6 +342,8 @@ def _factory(name: str):
         return tiny
     if name == "tiny64":
         return lambda: (tiny()[0].double(), tiny()[1])
+    if name == "tiny64_unbiased":
+        return lambda: (tiny_unbiased()[0].double(), tiny_unbiased()[1])
     if name == "stack":
         return _stack
     import hf_models
@@ -422,6 +439,21 @@ def test_sequence_parallel_plan_trained_on_two_ranks_like_the_module_in_one_proc
     assert run["placements"]["norm.weight"] == ["Replicate()"] and run["placements"]["fc2.bias"] == ["Replicate()"]
     assert run["placements"]["fc2.weight"] == ["Shard(dim=1)"] and run["placements"]["fc1.weight"] == ["Shard(dim=0)"]
     assert _dcp_loads_into_the_unmodified_module(tmp_path, "sp", "tiny64") == 0.0
+
+
+@pytest.mark.slow
+def test_sequence_parallel_plan_of_a_partial_residual_stream_trained_on_two_ranks(tiny_graph, tmp_path):
+    """The bias-free tiny LM's sequence-parallel plan (one partial-sum region left by the embedding's and fc2's
+    styles, each RowwiseParallel(output_layouts=Shard(1))): like one process within 1e-9, float64. ~16 s."""
+    from parsat.backend.launch import LaunchConfig, launch
+
+    module, batch = tiny_unbiased()
+    plans = {"sp": _plan(parsat.from_torch(module, batch), (1, 2), sequence=True)}
+    results = launch(train_job, ("tiny64_unbiased", plans, 3, str(tmp_path), (BATCH, SEQ, VOCAB_SIZE)),
+                     LaunchConfig(nproc=2, backend="gloo", timeout_s=300))
+    for result in results:
+        _check_run(result, "sp", tolerance=1e-9)
+    assert "fc2: RowwiseParallel(output_layouts=Shard(1))" in results[0]["sp"]["lowering"]
 
 
 def test_the_tied_parameter_stays_one_tensor(tiny_runs):

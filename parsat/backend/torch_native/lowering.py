@@ -298,6 +298,7 @@ class _Lowerer:
         self.notes: list[str] = []
         self.partial_region: set[int] = set()   # partial sums the row-parallel styles' outputs are computed into
         self.sequence_reduces: set[int] = set()  # reduces on the tensor axis torch makes Shard(1) (`sequence_split`)
+        self.region_layout: dict[int, str] = {}   # partial-region node -> how its region leaves (`reduced_output`)
 
     def node(self, ident: int) -> PNode:
         return self.pcg.node(ident)
@@ -596,6 +597,7 @@ class _Lowerer:
                                   tuple(sorted(set(previous.nodes) | set(style.nodes))))
                 styles[style.module] = style
                 claimed.update(style.nodes)
+        self.sequence_inputs(styles, axis)
         self.check_style_params(styles, weights, axis)
         self.check_partials(axis)
         for node in self.pcg.nodes:
@@ -683,9 +685,7 @@ class _Lowerer:
         input_layout = "replicate" if style in (COLWISE, VOCAB) else "shard"
         if x.kind == "parallel" and x.axis(self.mesh) == axis:
             if style == COLWISE and x.op == REPLICATE:
-                claims.append(x.id)
-                if x.inputs[0] in self.sequence_reduces:
-                    input_layout = "sequence"
+                claims.append(x.id)   # its input layout: `sequence_inputs`, once every region is read
             elif style == COLWISE and self.is_sequence_op(x, ALL_GATHER, axis):
                 claims.append(x.id)
                 input_layout = "sequence"
@@ -744,8 +744,12 @@ class _Lowerer:
         the plan slices along it, `sequence_split`): sequence parallelism, `output_layouts=Shard(1)`, the layout
         returned. Claimed: those reduces (and slices), and the `replicate`s the region reads (a whole factor's
         copy, whose backward all-reduce torch's whole values make needless). The region's nodes are kept
-        (`partial_region`) for `check_partials`."""
-        claims, todo, layouts = [], [user], set()
+        (`partial_region`) for `check_partials`, with its layout (`region_layout`): a residual stream kept a
+        partial sum joins the regions of several styles (LLaMA's embedding, o_proj and down_proj under
+        Megatron's plan), and each style then leaves as the region does (each reduce-scattered, then added:
+        the same sum)."""
+        claims, todo, layouts, reduces = [], [user], set(), []
+        region = [user.id]
         self.partial_region.add(user.id)
         while todo:
             current = todo.pop()
@@ -753,12 +757,16 @@ class _Lowerer:
                 if reader.kind == "parallel" and reader.axis(self.mesh) == axis and reader.op == REDUCE:
                     claims.append(reader.id)
                     layouts.add("sequence" if reader.id in self.sequence_reduces else "replicate")
+                    reduces.append(reader)
                     claims += [r.id for r in self.users.get(reader.id, []) if self.is_sequence_op(r, PARTITION, axis)]
                 elif self.is_sequence_op(reader, REDUCE_SCATTER, axis):
                     claims.append(reader.id)
                     layouts.add("sequence")
                 elif reader.kind == "op" and reader.placement.codes[axis] == PARTIAL:
-                    if reader.id not in self.partial_region:
+                    if reader.id in self.region_layout:   # another style's region, already read
+                        layouts.add(self.region_layout[reader.id])
+                    elif reader.id not in self.partial_region:
+                        region.append(reader.id)
                         self.partial_region.add(reader.id)
                         todo.append(reader)
                         for i in reader.inputs:
@@ -773,9 +781,47 @@ class _Lowerer:
                         " without a `reduce`: RowwiseParallel all-reduces it at the module's output, or reduce-"
                         "scatters it along the sequence (dim 1) with output_layouts=Shard(1)")
         if len(layouts) > 1:
-            raise LoweringError(f"the partial sum of {self.where(user)} (module {owner}) is all-reduced on one path "
-                                "and split along the sequence on another: RowwiseParallel has one output layout")
-        return (layouts.pop() if layouts else "replicate"), claims
+            self.gather_in_projections(user, owner, reduces, axis)
+            layouts = {"sequence"}
+        layout = layouts.pop() if layouts else "replicate"
+        self.region_layout.update((i, layout) for i in region)
+        return layout, claims
+
+    def gather_in_projections(self, user: PNode, owner: str, reduces: Sequence[PNode], axis: int) -> None:
+        """A partial sum reduce-scattered along the sequence on one path and all-reduced on another (the tiny
+        LM's bias-free residual: the embedding's sum whole for fc1, reduce-scattered with fc2's for the norm):
+        torch's style has one output, Shard(1), so the all-reduces must feed column-parallel projections only
+        (each a `replicate`), which then gather it themselves (`input_layouts=Shard(1)`, `sequence_inputs`)."""
+        for node in reduces:
+            other = next((r for r in self.users.get(node.id, []) if not (
+                r.kind == "parallel" and r.op == REPLICATE and r.axis(self.mesh) == axis)), None)
+            if other is not None or len(node.shape) != 3:
+                raise LoweringError(f"the partial sum of {self.where(user)} (module {owner}) is split along the "
+                                    f"sequence on one path and all-reduced by {self.where(node)} on another, read "
+                                    f"whole by {self.where(other) if other else 'a value not [batch, seq, hidden]'}: "
+                                    "RowwiseParallel has one output layout")
+            self.sequence_reduces.add(node.id)
+            self.notes.append(f"{self.where(node)} all-reduces on tensor axis {self.mesh.names[axis]} what the plan "
+                              "also reduce-scatters along the sequence: torch's style reduce-scatters it once "
+                              "(output_layouts=Shard(1)) and the projections reading it whole all-gather it "
+                              "(input_layouts=Shard(1)): the same values")
+
+    def sequence_inputs(self, styles: dict[str, Style], axis: int) -> None:
+        """The column-parallel styles reading a `replicate` of a sum torch keeps split along the sequence
+        (`sequence_reduces`, known once every region is read) gather it: `input_layouts=Shard(1)`."""
+        for name, style in styles.items():
+            if style.kind == COLWISE and any(
+                    self.node(n).kind == "parallel" and self.node(n).op == REPLICATE
+                    and self.node(n).inputs[0] in self.sequence_reduces for n in style.nodes):
+                styles[name] = replace(style, input_layout="sequence")
+        if any("sequence" in (s.input_layout, s.output_layout) for s in styles.values()):
+            self.notes.append(
+                "sequence parallelism: the module's own code between the styles (residual adds, norms) runs on each "
+                "rank's slice of the sequence (local Shard(1) tensors); a forward that reads the sequence length "
+                "from those activations (Hugging Face LLaMA's attention reshapes by its input's shape, its rotary "
+                "positions come from the embedding output's length) computes with the local length and fails: "
+                "such a module needs its attention's input gathered first (PrepareModuleInput, as torchtitan's "
+                "models do), which this lowering does not add")
 
     def is_sequence_op(self, node: PNode, op: str, axis: int) -> bool:
         """Whether `node` is the parallel operator `op` along the sequence (dim 1 of [batch, seq, hidden]) on
