@@ -1,8 +1,8 @@
 """Where one `parsat.optimize` call's CPU goes, phase by phase, without a profiler's distortion.
 
-    .venv/bin/python benchmarks/search_phases.py gpt-1.3b:64 [--plan FILE]
+    .venv/bin/python benchmarks/search_phases.py gpt-1.3b:64 [--plan FILE] [--machine a100x8]
 
-Runs `parsat.optimize(NAME, machine="h100x8", devices=N)` (what
+Runs `parsat.optimize(NAME, machine="h100x8", devices=N)` (or `--machine`) (what
 `models_bench.py optimize NAME:N` runs) with the search's main functions
 wrapped where they are looked up, and prints the CPU seconds
 (`time.process_time`) spent inside each, and each saturation's mesh,
@@ -101,6 +101,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("case", help="NAME:DEVICES, as models_bench.py names it")
     parser.add_argument("--plan", default=None, help="also write the plan JSON here")
+    parser.add_argument("--machine", default="h100x8", help="the machine, as `parsat optimize --machine` names it")
     args = parser.parse_args(argv)
     wrap_saturations()   # first: the phase wrapper around it then counts it whole
     for owner, name, label in PHASES:
@@ -111,7 +112,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGUSR1, lambda _s, _f: (print(f"--- at {time.process_time():.1f} CPU s"), report(),
                                                   sys.stdout.flush()))
     start = time.process_time()
-    plan = parsat.optimize(name, machine="h100x8", devices=int(devices))
+    plan = parsat.optimize(name, machine=args.machine, devices=int(devices))
     total = time.process_time() - start
     report()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -77,6 +77,13 @@ class Snapshot:
         return self.makers(node) | self.equated.get(cid, frozenset())
 
     @cached_property
+    def derived(self) -> dict:
+        """What a reader works out from this snapshot alone and asks for again, by its key (the search's leaf roles
+        and value names per graph: every extraction on a mesh asked for them afresh). The snapshot never changes,
+        so neither do they; readers keep only what follows from the snapshot and the key."""
+        return {}
+
+    @cached_property
     def class_of(self) -> dict[ENode, int]:
         """E-node -> its class (the e-graph is hash-consed: each e-node is in one class)."""
         return {node: cid for cid, nodes in self.classes.items() for node in nodes}

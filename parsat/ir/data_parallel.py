@@ -243,7 +243,11 @@ def _live(nodes: Sequence[PNode], outputs: Sequence[int], names: tuple[str, ...]
         if i not in needed:
             needed.add(i)
             stack.extend(nodes[i].inputs)
-    new = {old: k for k, old in enumerate(sorted(needed))}
-    kept = tuple(replace(nodes[old], id=new[old], inputs=tuple(new[i] for i in nodes[old].inputs))
-                 for old in sorted(needed))
+    order = sorted(needed)
+    new = {old: k for k, old in enumerate(order)}
+    # most layouts keep every node: a node whose id and inputs do not move is kept as it is (the same value
+    # `replace` would make, without building it again: a whole model's layout has thousands of nodes)
+    kept = tuple(nodes[old] if new[old] == old and all(new[i] == i for i in nodes[old].inputs) else
+                 replace(nodes[old], id=new[old], inputs=tuple(new[i] for i in nodes[old].inputs))
+                 for old in order)
     return PCG(kept, tuple(new[o] for o in outputs), names, mesh)

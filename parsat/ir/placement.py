@@ -108,7 +108,7 @@ def spread_code(spread: SymbolicDegrees) -> int | None:
 
 def axis_compute(instance: OpInstance, codes: Sequence[int], cache: dict | None = None) -> tuple[int | None, str]:
     """A compute operator on one axis: the output code, or None and why the op does not accept the inputs."""
-    key = (_signature(instance), tuple(codes))
+    key = (_signature(instance, cache), tuple(codes))
     if cache is not None and key in cache:
         return cache[key]
     spreads = [code_spread(c, len(s)) for c, s in zip(codes, instance.input_shapes)]
@@ -127,12 +127,23 @@ def axis_compute(instance: OpInstance, codes: Sequence[int], cache: dict | None 
     return out
 
 
-def _signature(instance: OpInstance) -> tuple:
+def _signature(instance: OpInstance, cache: dict | None = None) -> tuple:
     """What an operator's acceptance of placements depends on: the operator, its ranks and its attributes (the
-    index structure of its semantics), not the names or values of its sizes."""
-    return (instance.name, tuple(len(s) for s in instance.input_shapes),
-            tuple(sorted((k, str(v)) for k, v in instance.attrs.items())),
-            tuple(sorted(instance.groups.items())))
+    index structure of its semantics), not the names or values of its sizes. Kept in `cache` by the instance's
+    identity, beside the instance (so the identity is not reused): a layout asks again for every block and axis,
+    and spelling the attributes out (symbolic sizes as text) was a quarter of `axis_compute`."""
+    known = cache.get((_SIGNATURE, id(instance))) if cache is not None else None
+    if known is not None and known[0] is instance:
+        return known[1]
+    signature = (instance.name, tuple(len(s) for s in instance.input_shapes),
+                 tuple(sorted((k, str(v)) for k, v in instance.attrs.items())),
+                 tuple(sorted(instance.groups.items())))
+    if cache is not None:
+        cache[(_SIGNATURE, id(instance))] = (instance, signature)
+    return signature
+
+
+_SIGNATURE = "signature"   # `_signature`'s entries in an `axis_compute` cache (whose own keys are tuples of tuples)
 
 
 def axis_parallel(op: str, code: int, dim: int | None, acts_here: bool, here_before_op_axis: bool,

@@ -61,8 +61,18 @@ def leaf_roles(snapshot: Snapshot, graph: Graph) -> dict[int, str]:
     """E-class -> role (`ir.pcg`'s roles) for classes that hold a graph leaf ("input" / "weight") or a value made
     from one by parallel operators only: "input", "weight-piece" (made by partitions only: a weight can be
     stored so) or "weight-value" (anything else). The cost model prices their parallel operators as storage and
-    gradient synchronisation, not as activations (`cost.parallel_cost`)."""
+    gradient synchronisation, not as activations (`cost.parallel_cost`). Worked out once per snapshot and
+    graph leaves' roles (`Snapshot.derived`); each caller gets its own copy."""
     roles = {leaf.name: leaf.role for leaf in graph.leaves}
+    key = ("leaf_roles", tuple(roles.items()))
+    known = snapshot.derived.get(key)
+    if known is None:
+        known = snapshot.derived[key] = _leaf_roles(snapshot, roles)
+    return dict(known)
+
+
+def _leaf_roles(snapshot: Snapshot, roles: Mapping[str, str]) -> dict[int, str]:
+    """`leaf_roles`, worked out."""
     found: dict[int, str] = {}
     for cid, nodes in snapshot.classes.items():
         for node in nodes:

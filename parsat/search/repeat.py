@@ -138,7 +138,18 @@ def _keeps_chain(snapshot: Snapshot, blocks: Mapping[int, int], nid: tuple[int, 
 
 def value_names(snapshot: Snapshot, classes: Mapping[str, int]) -> dict[int, str]:
     """E-class -> the graph tensor whose value it holds, however spread: the classes the graph names, and every
-    class joined to one of them by a parallel operator (which moves a value between devices, never changes it)."""
+    class joined to one of them by a parallel operator (which moves a value between devices, never changes it).
+    Worked out once per snapshot and `classes` (`Snapshot.derived`: every repeated extraction asks); each caller
+    gets its own copy."""
+    key = ("value_names", tuple(classes.items()))
+    known = snapshot.derived.get(key)
+    if known is None:
+        known = snapshot.derived[key] = _value_names(snapshot, classes)
+    return dict(known)
+
+
+def _value_names(snapshot: Snapshot, classes: Mapping[str, int]) -> dict[int, str]:
+    """`value_names`, worked out."""
     names: dict[int, str] = {}
     for name, cid in classes.items():
         if not name.startswith("pin:"):
