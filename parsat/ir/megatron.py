@@ -130,6 +130,7 @@ class _Memo:
         self.instances: dict = {}    # `instance_for`'s memo
         self.accepts: dict[tuple, int | None] = {}
         self.placements: dict = {}   # `compute_placement`'s own cache
+        self.options: dict[tuple, list[tuple[float, tuple[int, ...]]]] = {}   # `_MegatronBuilder.known_options`
 
     @staticmethod
     def of(graph: Graph, library: Library, cache: dict | None) -> "_Memo":
@@ -192,9 +193,10 @@ class _MegatronBuilder:
         self.made: dict[tuple[str, Placement], int | None] = {}      # weight value at a placement -> node
         self.cache = memo.placements
         # what repeats block after block within one layout, worked out once: a placement's degrees at a shape
-        # (`add`), and the input codes an operator accepts on an axis from its operands as they lie (`place`)
+        # (`add`); and the input codes an operator accepts on an axis from its operands as they lie (`place`),
+        # which the layouts of one graph share (`known_options`)
         self.degrees: dict[tuple[Placement, tuple[int, ...]], Degrees] = {}
-        self.options: dict[tuple, list[tuple[float, tuple[int, ...]]]] = {}
+        self.options = memo.options
 
     # ------------------------------------------------------------------ nodes
     def add(self, kind: str, op: str, inputs: Sequence[int], attrs: Sequence, shape: Sequence[int],
@@ -280,13 +282,16 @@ class _MegatronBuilder:
                       shape: Sequence[int], axis: int) -> list[tuple[float, tuple[int, ...]]]:
         """`axis_options`, once per operator and operands as they lie on the axis: what it reads of an operand is
         its shape, whether it is static (and a weight's value, `weight_codes`), or the codes its placements
-        have on the axis, in order (`activation_codes`); every block of a model asks the same."""
+        have on the axis, in order (`activation_codes`); every block of a model asks the same. Of the layout they
+        read only whether the axis is the data or the tensor axis, its size and sequence parallelism (and the
+        graph's weights, which the memo is per): the layouts of one graph share them (ZeRO 0 and 3 alike)."""
         lie = tuple((o.shape, o.static, o.name in self.weighted) if o.static else
                     (o.shape, tuple(p.codes[axis] for p in self.forms[o.name])) for o in operands)
-        found = self.options.get((key, op, lie, tuple(shape), axis))
+        where = (key, op, lie, tuple(shape), axis == self.data, axis == self.tensor, self.mesh.size(axis),
+                 self.sequence)
+        found = self.options.get(where)
         if found is None:
-            found = self.options[(key, op, lie, tuple(shape), axis)] = \
-                self.axis_options(key, instance, op, operands, shape, axis)
+            found = self.options[where] = self.axis_options(key, instance, op, operands, shape, axis)
         return found
 
     def axis_options(self, key: tuple, instance: OpInstance, op: str, operands: Sequence[_Operand],
