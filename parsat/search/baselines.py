@@ -132,6 +132,7 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
     # half the gradient bytes reduced, the update on a shard; so both are points, and the simulation chooses
     overlapped = profile_for(machine).overlap_param_gather
     shared: dict = {}   # what every point's layout of the graph reuses (`megatron_pcg`'s cache)
+    computed: dict = {}   # and the compute nodes' costs every point's pricing reuses (`extract.Pricer`)
     blocks = has_blocks(leaf.name for leaf in graph.leaves)
     place = 0
     for tp in [t for t in range(1, min(devices, per_node) + 1) if per_node % t == 0 and devices % t == 0]:
@@ -146,12 +147,13 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
                 if zero == 0 and state_zero and dp > 1 and pcg is not None:
                     pcg, zero = replace(pcg, zero=state_zero), state_zero
                 config = {"dp": dp, "tp": tp, "sp": sequence, "zero": zero, "microbatches": graph.microbatches}
-                point = _fitting_point(pcg, config, graph, library, machine, free_input_placements, fits, blocks)
+                point = _fitting_point(pcg, config, graph, library, machine, free_input_placements, fits, blocks,
+                                       computed)
                 if point is not None:
                     family.append((place + z * len(sequences) + s, point))
                     if overlapped and point.config["zero"] == 0 and dp > 1:
                         sharded = _priced_point(replace(point.pcg, zero=1), {**point.config, "zero": 1}, graph,
-                                                library, machine, free_input_placements)
+                                                library, machine, free_input_placements, computed)
                         if sharded is not None:
                             family.append((place + z * len(sequences) + s, sharded))
             yield family
@@ -159,22 +161,25 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
 
 
 def _fitting_point(pcg: PCG | None, config: dict, graph: Graph, library: Library, machine: Machine,
-                   free_input_placements: bool, fits: Callable[[Candidate], bool], blocks: bool) -> Candidate | None:
-    """A grid point priced; where it does not fit, priced again with ZeRO-1 (dp > 1), then recomputing blocks."""
-    point = _priced_point(pcg, config, graph, library, machine, free_input_placements)
+                   free_input_placements: bool, fits: Callable[[Candidate], bool], blocks: bool,
+                   computed: dict | None = None) -> Candidate | None:
+    """A grid point priced; where it does not fit, priced again with ZeRO-1 (dp > 1), then recomputing blocks.
+    `computed`: compute nodes' costs shared by the grid's pricings (`extract.Pricer`)."""
+    point = _priced_point(pcg, config, graph, library, machine, free_input_placements, computed)
     if point is not None and not fits(point) and config["zero"] == 0 and config["dp"] > 1:
         pcg, config = replace(pcg, zero=1), {**config, "zero": 1}   # Megatron's distributed optimizer
-        point = _priced_point(pcg, config, graph, library, machine, free_input_placements) or point
+        point = _priced_point(pcg, config, graph, library, machine, free_input_placements, computed) or point
     if point is not None and not fits(point) and blocks:
         point = _priced_point(replace(pcg, recompute=BLOCKS), {**config, "recompute": BLOCKS}, graph,
-                              library, machine, free_input_placements) or point
+                              library, machine, free_input_placements, computed) or point
     return point
 
 
 def _priced_point(pcg: PCG | None, config: dict, graph: Graph, library: Library, machine: Machine,
-                  free_input_placements: bool) -> Candidate | None:
+                  free_input_placements: bool, computed: dict | None = None) -> Candidate | None:
     """A grid point's PCG priced as a `best_grid` candidate; None where there is none or it cannot be priced."""
-    costs = price_pcg(pcg, library, machine, free_input_placements, graph.microbatches) if pcg is not None else None
+    costs = price_pcg(pcg, library, machine, free_input_placements, graph.microbatches, computed=computed) \
+        if pcg is not None else None
     if costs is None:
         return None
     return Candidate("best_grid", pcg, costs, totals(costs, machine), config)

@@ -145,15 +145,22 @@ class Pricer:
     on; `roles` say which children are graph inputs or weights; `stores`
     whether a partition of a weight is its storage (`cost.parallel_cost`:
     an e-node assumes so, a PCG node knows).
+
+    `computed` (a dict the pricers of one library share) keeps compute operators' costs by what they read: the
+    operator, its attributes, shapes, spreads, which inputs are weights and the machine, never the mesh or
+    the micro-batch count (`_compute` reads neither). The independent grid prices each layout's PCG again
+    with its state sharded and recomputing blocks: the same compute nodes, each worked out once.
     """
 
     def __init__(self, library: Library, machine: Machine, mesh: Mesh, free_input_placements: bool = True,
-                 input_pins: Mapping[str, Degrees] | None = None, microbatches: int = 1, zero: int = 0):
+                 input_pins: Mapping[str, Degrees] | None = None, microbatches: int = 1, zero: int = 0,
+                 computed: dict | None = None):
         self.library, self.machine, self.mesh, self.free_input_placements = library, machine, mesh, free_input_placements
         self.input_pins = dict(input_pins or {})
         self.microbatches = microbatches   # every cost is per step: `NodeCost.per_step`
         self.zero = zero                   # the plan's ZeRO stage 1 or 2 (`cost.model.shards_state`), or 0
         self.cache: dict = {}
+        self.computed = {} if computed is None else computed
 
     def price(self, op: str, attrs: tuple, shape, degrees: Degrees, child_shapes, child_degrees, roles,
               axis: int | None = None, stores: bool = True, gradient: bool = True) -> NodeCost | None:
@@ -172,8 +179,12 @@ class Pricer:
                                             shape, child_degrees[0], degrees, self.machine, role, devices, stores,
                                             self.zero, self.microbatches, gradient)
             else:
-                self.cache[key] = _compute(self.library, op, attrs, child_shapes, child_degrees, degrees, self.machine,
-                                           tuple(r == WEIGHT for r in roles))
+                weights = tuple(r == WEIGHT for r in roles)
+                reads = (op, tuple(attrs), tuple(child_shapes), tuple(child_degrees), degrees, weights, self.machine)
+                if reads not in self.computed:
+                    self.computed[reads] = _compute(self.library, op, attrs, child_shapes, child_degrees, degrees,
+                                                    self.machine, weights)
+                self.cache[key] = self.computed[reads]
             if self.cache[key] is not None:
                 self.cache[key] = self.cache[key].per_step(self.microbatches)
         return self.cache[key]

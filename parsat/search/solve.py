@@ -93,12 +93,14 @@ def price(result: SaturationResult, graph: Graph, library: Library, machine: Mac
 
 def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_placements: bool = True,
               microbatches: int = 1, pins: Mapping[str, Degrees] | None = None,
-              only: Callable[[PNode], bool] | None = None) -> dict[int, NodeCost] | None:
+              only: Callable[[PNode], bool] | None = None, computed: dict | None = None) -> dict[int, NodeCost] | None:
     """Every PCG node (`only` those it accepts) priced by the same cost model as the e-nodes, on the PCG's mesh,
     per step of `microbatches` micro-batches (None if a node is not priceable); pinned inputs arrive in their
     layout. Unlike an e-node, a PCG node knows its readers: a partition of a weight that is not the weight's
-    storage (`ir.pcg.weight_storage`, as the backend runs it) is priced as slicing it (`cost.parallel_cost`)."""
-    pricer = Pricer(library, machine, pcg.mesh, free_input_placements, pins, microbatches=microbatches, zero=pcg.zero)
+    storage (`ir.pcg.weight_storage`, as the backend runs it) is priced as slicing it (`cost.parallel_cost`).
+    `computed`: compute operators' costs shared with other pricers of `library` (`extract.Pricer`)."""
+    pricer = Pricer(library, machine, pcg.mesh, free_input_placements, pins, microbatches=microbatches, zero=pcg.zero,
+                    computed=computed)
     by_id = {n.id: n for n in pcg.nodes}
     roles = pcg_roles(pcg)
     flows = needs_gradient(pcg, library)   # a parallel operator whose source takes no gradient runs no backward
