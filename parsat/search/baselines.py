@@ -108,7 +108,7 @@ def independent_grid(graph: Graph, library: Library, machine: Machine, free_inpu
 def grid_families(graph: Graph, library: Library, machine: Machine, free_input_placements: bool, devices: int,
                   fits: Callable[[Candidate], bool] | None = None,
                   skip: Callable[[PCG], bool] | None = None,
-                  state_zero: int = 0) -> Iterator[list[tuple[int, Candidate]]]:
+                  state_zero: int = 0, computed: dict | None = None) -> Iterator[list[tuple[int, Candidate]]]:
     """`independent_grid`'s points, one (dp, tp, sequence parallelism) layout at a time, each with its place in
     `independent_grid`'s order: the layout with ZeRO 0, then 3, each with its fallbacks.
 
@@ -124,7 +124,8 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
     their state so, as the pin asks (Megatron's distributed optimizer is the layout with ZeRO-1), rather than
     only where they would not fit otherwise. Unpinned, on a machine whose execution overlaps ZeRO-1's gathers
     with the next forward (`pcg_tasks.profile_for`: GPUs), a layout that fits with ZeRO 0 is also a point with
-    ZeRO-1."""
+    ZeRO-1. `computed`: compute nodes' costs shared with the caller's other pricers (`extract.Pricer`; by
+    default the grid's own)."""
     per_node = machine.devices_per_node
     fits = fits or (lambda candidate: candidate.totals.fits(machine))
     # where ZeRO-1's gathers of the updated shards run during the next forward (Megatron's distributed optimizer
@@ -132,7 +133,7 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
     # half the gradient bytes reduced, the update on a shard; so both are points, and the simulation chooses
     overlapped = profile_for(machine).overlap_param_gather
     shared: dict = {}   # what every point's layout of the graph reuses (`megatron_pcg`'s cache)
-    computed: dict = {}   # and the compute nodes' costs every point's pricing reuses (`extract.Pricer`)
+    computed = {} if computed is None else computed   # and the compute nodes' costs every pricing reuses
     blocks = has_blocks(leaf.name for leaf in graph.leaves)
     place = 0
     for tp in [t for t in range(1, min(devices, per_node) + 1) if per_node % t == 0 and devices % t == 0]:

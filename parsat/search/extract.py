@@ -103,10 +103,12 @@ def _leaf_roles(snapshot: Snapshot, roles: Mapping[str, str]) -> dict[int, str]:
 
 def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Machine,
                free_input_placements: bool = True, input_pins: Mapping[str, Degrees] | None = None,
-               zero: int = 0, only: Callable[[str, str], bool] | None = None) -> dict[NodeId, NodeCost]:
+               zero: int = 0, only: Callable[[str, str], bool] | None = None,
+               computed: dict | None = None) -> dict[NodeId, NodeCost]:
     """Every e-node priced by the cost model on the snapshot's mesh; e-nodes the model rejects are left out.
     `zero` is the plan's ZeRO stage (`Pricer`); `only(op, first child's role)`, when given, says which e-nodes
-    to price (those a ZeRO stage prices differently, `cost.model.shards_state`).
+    to price (those a ZeRO stage prices differently, `cost.model.shards_state`); `computed`, compute operators'
+    costs shared with other pricers of `library` (`Pricer`).
 
     With `free_input_placements` (the default) graph inputs may arrive in any
     placement (the data loader reads the pieces each device needs); otherwise a
@@ -115,7 +117,7 @@ def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Mach
     """
     roles = leaf_roles(snapshot, graph)
     pricer = Pricer(library, machine, snapshot.mesh or Mesh(()), free_input_placements, input_pins, graph.microbatches,
-                    zero)
+                    zero, computed)
     out: dict[NodeId, NodeCost] = {}
     for cid, nodes in snapshot.classes.items():
         if cid not in snapshot.shape:

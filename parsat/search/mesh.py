@@ -223,7 +223,7 @@ def _saturate(step: StepContext, mesh: Mesh, pins: Mapping[str, Placement], cloc
     spread = any(p.spread_axes for p in result.snapshot.placement.values())
     roots = [result.classes[f"pin:{n}"] if n in pins else result.classes[n] for n in graph.outputs]
     raw = node_costs(result.snapshot, graph, request.library, step.machine, request.free_input_placements,
-                     step.input_pins)
+                     step.input_pins, computed=request.prices)
     return Saturated(mesh, pins, result, roots, raw, spread)
 
 

@@ -364,7 +364,7 @@ def independent_points(step: StepContext, steps: CandidateSteps) -> list[Candida
         pinned_zero = request.state_zero if request.state_zero in (1, 2) else 0   # `--degrees zero=N`
         for family in grid_families(step.graph, request.library, step.machine, request.free_input_placements,
                                     step.devices, step.memory.fits, skip=lambda pcg: steps.beyond(pcg, bar),
-                                    state_zero=pinned_zero):
+                                    state_zero=pinned_zero, computed=request.prices):
             points, bar = steps.fastest([point for _place, point in family], step.memory.fits, bar, rivals)
             kept += [(family[i][0], point) for i, point in points.items()]
         found = [point for _place, point in sorted(kept, key=lambda pair: pair[0])]
