@@ -9,7 +9,9 @@ from dataclasses import replace
 
 import pytest
 
+from parsat.cost.pcg_tasks import needs_gradient
 from parsat.dsl.checker import resolve_library
+from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.egraph.runner import Limits
 from parsat.egraph.saturate import saturate
 from parsat.ir.data_parallel import _live
@@ -18,10 +20,11 @@ from parsat.ir.machine import Machine
 from parsat.ir.megatron import megatron_pcg
 from parsat.ir.mesh import Mesh
 from parsat.ir.models import build_example
-from parsat.ir.pcg import Degrees, PNode
+from parsat.ir.pcg import PCG, WEIGHT_VALUE, Degrees, PNode, pcg_roles
 from parsat.ir.placement import _SIGNATURE, Placement, _signature, axis_compute, codes_for_rank
 from parsat.search.baselines import independent_grid
 from parsat.search.extract import Pricer, _leaf_roles, leaf_roles, node_costs
+from parsat.search.recompute import recomputed_pcg_costs
 from parsat.search.repeat import _value_names, value_names
 from parsat.search.request import resolve_request, step_context
 from parsat.search.solve import price_pcg
@@ -140,3 +143,77 @@ def test_a_shared_compute_cost_is_kept_apart_by_which_inputs_are_weights(gpt):
         assert Pricer(library, machine, mesh, computed=shared).price(*args, roles) == fresh
     priced = Pricer(library, machine, mesh)
     assert priced.price(*args, ("", "weight")) != priced.price(*args, ("", ""))   # the key must tell them apart
+
+
+def _node_costs_afresh(snapshot, graph, library, machine) -> dict:
+    """`node_costs` as it was before e-nodes were kept by their classes' kinds: the pricer asked for each."""
+    roles, out = leaf_roles(snapshot, graph), {}
+    pricer = Pricer(library, machine, snapshot.mesh, microbatches=graph.microbatches)
+    for cid, nodes in snapshot.classes.items():
+        for index, node in enumerate(nodes):
+            if cid not in snapshot.shape or any(ch not in snapshot.shape for ch in node.children):
+                continue
+            parallel = node.op in PARALLEL_OPS
+            cost = pricer.price(node.op, node.attrs[:-1] if parallel else node.attrs, snapshot.shape[cid],
+                                snapshot.degrees[cid], tuple(snapshot.shape[ch] for ch in node.children),
+                                tuple(snapshot.degrees[ch] for ch in node.children),
+                                tuple(roles.get(ch, "") for ch in node.children), node.attrs[-1] if parallel else None)
+            if cost is not None:
+                out[(cid, index)] = cost
+    return out
+
+
+def test_e_nodes_kept_by_their_classes_kinds_are_priced_as_each_alone(mlp_on_two_meshes):
+    library, graph, results = mlp_on_two_meshes
+    for result in results:
+        machine = Machine.preset("cpu").with_devices(result.snapshot.mesh.world)
+        assert node_costs(result.snapshot, graph, library, machine) == \
+            _node_costs_afresh(result.snapshot, graph, library, machine)
+
+
+def _price_pcg_afresh(pcg, library, machine, microbatches) -> dict:
+    """`price_pcg` as it was before nodes were kept by their kinds: the pricer asked for each node."""
+    pricer, roles, flows = Pricer(library, machine, pcg.mesh, microbatches=microbatches, zero=pcg.zero), \
+        pcg_roles(pcg), needs_gradient(pcg, library)
+    by_id, out = {n.id: n for n in pcg.nodes}, {}
+    for node in pcg.nodes:
+        children = [by_id[i] for i in node.inputs]
+        attrs = (node.op,) if node.kind == "leaf" else tuple(v for k, v in node.attrs
+                                                              if node.kind != "parallel" or k in ("dim", "to_dim"))
+        out[node.id] = pricer.price(node.op if node.kind != "leaf" else "leaf", attrs, node.shape, node.degrees,
+                                    tuple(c.shape for c in children), tuple(c.degrees for c in children),
+                                    tuple(roles.get(c.id, "") for c in children),
+                                    node.axis(pcg.mesh) if node.kind == "parallel" else None,
+                                    stores=roles.get(node.id) != WEIGHT_VALUE,
+                                    gradient=node.kind != "parallel" or flows[node.inputs[0]])
+    return recomputed_pcg_costs(pcg, out)
+
+
+def test_pcg_nodes_kept_by_their_kinds_are_priced_as_each_alone(gpt):
+    library, graph = gpt
+    machine = Machine.preset("h100x8").with_devices(8)
+    points = independent_grid(graph, library, machine, True, 8)
+    assert len(points) >= 6
+    for point in points + [replace(p, pcg=replace(p.pcg, recompute="blocks")) for p in points[:3]]:
+        assert price_pcg(point.pcg, library, machine, True, graph.microbatches) == \
+            _price_pcg_afresh(point.pcg, library, machine, graph.microbatches)
+
+
+def test_nodes_alike_but_for_a_role_or_a_gradient_are_priced_apart(gpt):
+    """A replicated input and a replicated weight of one shape and spread: only the weight's copies take a summed
+    gradient; a parallel operator whose source takes no gradient runs no backward (`needs_gradient`)."""
+    library, _graph = gpt
+    mesh = Mesh.of((2,), 8)
+    machine = Machine.preset("h100x8").with_devices(2)
+    whole, copied = Placement.whole(1), Placement((1,))   # FREE, then REPLICA on the one axis
+    one, two = Degrees.of_placement(whole, mesh, 2), Degrees.of_placement(copied, mesh, 2)
+    axis = (("axis", mesh.axes[0].name), ("degree", 2))
+    nodes = (PNode(0, "leaf", "x", (), (), (64, 64), one, "input", "x", whole),
+             PNode(1, "leaf", "w", (), (), (64, 64), one, "weight", "w", whole),
+             PNode(2, "parallel", "replicate", (0,), axis, (64, 64), two, placement=copied),
+             PNode(3, "parallel", "replicate", (1,), axis, (64, 64), two, placement=copied),
+             PNode(4, "op", "matmul", (2, 3), (), (64, 64), two, origin="y", placement=copied))
+    pcg = PCG(nodes, (4,), ("y",), mesh)
+    kept = price_pcg(pcg, library, machine, True, 1)
+    assert kept == _price_pcg_afresh(pcg, library, machine, 1)
+    assert kept[2] != kept[3]

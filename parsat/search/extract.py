@@ -42,7 +42,7 @@ from parsat.cost.collectives import BROADCAST, GroupTopology, price
 from parsat.cost.model import compute_cost, gather_cost, parallel_cost
 from parsat.egraph.encoding import PIN_SUFFIX
 from parsat.egraph.runner import Limits
-from parsat.egraph.snapshot import Snapshot
+from parsat.egraph.snapshot import ENode, Snapshot
 
 NodeId = tuple[int, int]  # (e-class, index of the e-node in the class)
 EPSILON = 1e-12           # a strictly positive cost per node keeps tree costs strictly increasing
@@ -118,24 +118,43 @@ def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Mach
     roles = leaf_roles(snapshot, graph)
     pricer = Pricer(library, machine, snapshot.mesh or Mesh(()), free_input_placements, input_pins, graph.microbatches,
                     zero, computed)
+    # What the pricer reads of a class is its shape, spread and role: classes are numbered by those, once, and an
+    # e-node's cost is kept by its operator, attributes and its and its children's numbers. The classes of a
+    # saturated e-graph repeat a few of them (every block alike), so most e-nodes are answered by a look-up of
+    # small integers, not by the pricer's key of shapes and spreads, hashed afresh for each of 10^5 e-nodes.
+    kinds: dict[tuple, int] = {}
+    kind = {cid: kinds.setdefault((shape, snapshot.degrees[cid], roles.get(cid, "")), len(kinds))
+            for cid, shape in snapshot.shape.items()}
+    priced: dict[tuple, NodeCost | None] = {}
     out: dict[NodeId, NodeCost] = {}
     for cid, nodes in snapshot.classes.items():
-        if cid not in snapshot.shape:
+        if cid not in kind:
             continue
         for index, node in enumerate(nodes):
-            if any(ch not in snapshot.shape for ch in node.children):
+            if any(ch not in kind for ch in node.children):
                 continue
             if only is not None and not only(node.op, roles.get(node.children[0], "") if node.children else ""):
                 continue
-            parallel = node.op in PARALLEL_OPS
-            cost = pricer.price(node.op, node.attrs[:-1] if parallel else node.attrs, snapshot.shape[cid],
-                                snapshot.degrees[cid], tuple(snapshot.shape[ch] for ch in node.children),
-                                tuple(snapshot.degrees[ch] for ch in node.children),
-                                tuple(roles.get(ch, "") for ch in node.children),
-                                node.attrs[-1] if parallel else None)
+            key = (node.op, node.attrs, kind[cid], tuple(kind[ch] for ch in node.children))
+            cost = priced.get(key, _UNPRICED)
+            if cost is _UNPRICED:
+                cost = priced[key] = _price_enode(pricer, snapshot, roles, cid, node)
             if cost is not None:
                 out[(cid, index)] = cost
     return out
+
+
+_UNPRICED = object()   # `node_costs`: no e-node of this kind priced yet (None is a price: the model rejects it)
+
+
+def _price_enode(pricer: "Pricer", snapshot: Snapshot, roles: Mapping[int, str], cid: int, node: ENode) \
+        -> NodeCost | None:
+    """One e-node of class `cid` priced (`Pricer.price`)."""
+    parallel = node.op in PARALLEL_OPS
+    return pricer.price(node.op, node.attrs[:-1] if parallel else node.attrs, snapshot.shape[cid],
+                        snapshot.degrees[cid], tuple(snapshot.shape[ch] for ch in node.children),
+                        tuple(snapshot.degrees[ch] for ch in node.children),
+                        tuple(roles.get(ch, "") for ch in node.children), node.attrs[-1] if parallel else None)
 
 
 class Pricer:

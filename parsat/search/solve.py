@@ -104,23 +104,40 @@ def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_placement
     by_id = {n.id: n for n in pcg.nodes}
     roles = pcg_roles(pcg)
     flows = needs_gradient(pcg, library)   # a parallel operator whose source takes no gradient runs no backward
+    # what the pricer reads of a node is its shape, spread and role: nodes are numbered by those, and a node's
+    # cost kept by its operator, attributes, its and its inputs' numbers and whether a gradient flows (as
+    # `extract.node_costs` keeps e-nodes'): the blocks of a whole model's PCG repeat the same few
+    kinds: dict[tuple, int] = {}
+    kind = {n.id: kinds.setdefault((n.shape, n.degrees, roles.get(n.id, "")), len(kinds)) for n in pcg.nodes}
+    priced: dict[tuple, NodeCost | None] = {}
     out: dict[int, NodeCost] = {}
     for node in pcg.nodes:
         if only is not None and not only(node):
             continue
-        children = [by_id[i] for i in node.inputs]
-        axis = node.axis(pcg.mesh) if node.kind == "parallel" else None
-        attrs = (node.op,) if node.kind == "leaf" else tuple(v for k, v in node.attrs
-                                                              if node.kind != "parallel" or k in ("dim", "to_dim"))
-        op = node.op if node.kind != "leaf" else "leaf"
-        cost = pricer.price(op, attrs, node.shape, node.degrees, tuple(c.shape for c in children),
-                            tuple(c.degrees for c in children), tuple(roles.get(c.id, "") for c in children), axis,
-                            stores=roles.get(node.id) != WEIGHT_VALUE,
-                            gradient=node.kind != "parallel" or flows[node.inputs[0]])
+        gradient = node.kind != "parallel" or flows[node.inputs[0]]
+        key = (node.kind, node.op, node.attrs, kind[node.id], tuple(kind[i] for i in node.inputs), gradient)
+        cost = priced.get(key, _UNPRICED)
+        if cost is _UNPRICED:
+            cost = priced[key] = _price_node(pricer, pcg, node, [by_id[i] for i in node.inputs], roles, gradient)
         if cost is None:
             return None
         out[node.id] = cost
     return recomputed_pcg_costs(pcg, out)
+
+
+_UNPRICED = object()   # `price_pcg`: no node of this kind priced yet
+
+
+def _price_node(pricer: Pricer, pcg: PCG, node: PNode, children: Sequence[PNode], roles: Mapping[int, str],
+                gradient: bool) -> NodeCost | None:
+    """One PCG node priced (`extract.Pricer.price`), its inputs `children`."""
+    axis = node.axis(pcg.mesh) if node.kind == "parallel" else None
+    attrs = (node.op,) if node.kind == "leaf" else tuple(v for k, v in node.attrs
+                                                          if node.kind != "parallel" or k in ("dim", "to_dim"))
+    op = node.op if node.kind != "leaf" else "leaf"
+    return pricer.price(op, attrs, node.shape, node.degrees, tuple(c.shape for c in children),
+                        tuple(c.degrees for c in children), tuple(roles.get(c.id, "") for c in children), axis,
+                        stores=roles.get(node.id) != WEIGHT_VALUE, gradient=gradient)
 
 
 def in_flight_costs(costs: Mapping, in_flight: int) -> Mapping:
