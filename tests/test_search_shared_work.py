@@ -25,7 +25,8 @@ from parsat.ir.placement import _SIGNATURE, Placement, _signature, axis_compute,
 from parsat.search.baselines import independent_grid
 from parsat.search.extract import Pricer, _leaf_roles, leaf_roles, node_costs
 from parsat.search.recompute import recomputed_pcg_costs
-from parsat.search.repeat import _value_names, value_names
+from parsat.search.repeat import (OUTSIDE, REPEATED, Repetition, _value_names, class_blocks, snapshot_blocks,
+                                  value_names, weigh)
 from parsat.search.request import resolve_request, step_context
 from parsat.search.solve import price_pcg
 
@@ -217,3 +218,25 @@ def test_nodes_alike_but_for_a_role_or_a_gradient_are_priced_apart(gpt):
     kept = price_pcg(pcg, library, machine, True, 1)
     assert kept == _price_pcg_afresh(pcg, library, machine, 1)
     assert kept[2] != kept[3]
+
+
+def test_weighing_with_shared_cost_objects_counts_each_e_node_as_alone(gpt):
+    """`weigh` counts a cost object shared by many e-nodes once (by identity) and keeps the snapshot's blocks:
+    the same figures as counting each e-node's cost afresh, and `costs` left as it was."""
+    library, _graph = gpt
+    graph = build_example("gpt", {**SIZES, "blocks": 3}, library)
+    result = saturate(graph, library, library.rules, 2, Limits())
+    snapshot = result.snapshot
+    machine = Machine.preset("cpu").with_devices(2)
+    costs = node_costs(snapshot, graph, library, machine)
+    assert len({id(c) for c in costs.values()}) < len(costs)   # shared objects: what the memo keys on
+    before = dict(costs)
+    repetition = Repetition(graph, graph, 30)
+    blocks = class_blocks(snapshot)
+    afresh = {nid: cost.times(28) if blocks.get(nid[0]) == REPEATED else cost for nid, cost in costs.items()
+              if all(blocks.get(ch, OUTSIDE) in (OUTSIDE, blocks.get(nid[0], OUTSIDE), blocks.get(nid[0], OUTSIDE) - 1)
+                     for ch in snapshot.kids[nid])}
+    assert any(blocks.get(nid[0]) == REPEATED for nid in afresh)
+    for _ in range(2):   # the second time with the snapshot's blocks kept
+        assert weigh(costs, snapshot, repetition) == afresh
+    assert costs == before and snapshot_blocks(snapshot) == blocks

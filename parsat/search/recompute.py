@@ -26,7 +26,7 @@ from parsat.ir.blocks import OUTSIDE
 from parsat.ir.costs import NodeCost
 from parsat.ir.pcg import PCG
 from parsat.ir.recompute import NONE, check_policy, checkpoints
-from parsat.search.repeat import class_blocks
+from parsat.search.repeat import snapshot_blocks
 from parsat.egraph.snapshot import Snapshot
 
 NodeId = tuple[int, int]
@@ -37,7 +37,7 @@ def recomputed_enodes(costs: Mapping[NodeId, NodeCost], snapshot: Snapshot, root
     """Every e-node's cost under `policy` (the module docstring); NONE leaves them as they are."""
     if check_policy(policy) == NONE:
         return dict(costs)
-    blocks = class_blocks(snapshot)
+    blocks = snapshot_blocks(snapshot)
     kept = set(roots)
     for cid, nodes in snapshot.classes.items():
         for node in nodes:

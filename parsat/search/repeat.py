@@ -115,15 +115,34 @@ def class_blocks(snapshot: Snapshot) -> dict[int, int]:
     return blocks
 
 
+def snapshot_blocks(snapshot: Snapshot) -> Mapping[int, int]:
+    """`class_blocks(snapshot)`, worked out once per snapshot (`Snapshot.derived`): every extraction policy
+    weighs and recomputes the same e-graph's costs again. Shared: read it, never change it."""
+    blocks = snapshot.derived.get("class_blocks")
+    if blocks is None:
+        blocks = snapshot.derived["class_blocks"] = class_blocks(snapshot)
+    return blocks
+
+
 def weigh(costs: Mapping[tuple[int, int], NodeCost], snapshot: Snapshot, repetition: Repetition) -> dict:
     """Every e-node's cost with the middle block's counted `copies` times: extraction then prices the whole model.
 
     An e-node of a block that reads a block other than its own or the one before (a residual sum reassociated
     across two blocks) is left out: the searched blocks' plan is copied as a chain (`stamp`), and extraction
     only chooses among the e-nodes that keep it one."""
-    blocks = class_blocks(snapshot)
+    blocks = snapshot_blocks(snapshot)
     factor = repetition.copies
-    return {nid: cost.times(factor) if blocks.get(nid[0]) == REPEATED else cost for nid, cost in costs.items()
+    # e-nodes alike share one cost object (`extract.node_costs`): each is counted `factor` times once, by its
+    # identity, while `costs` holds it
+    scaled: dict[int, NodeCost] = {}
+
+    def counted(cost: NodeCost) -> NodeCost:
+        found = scaled.get(id(cost))
+        if found is None:
+            found = scaled[id(cost)] = cost.times(factor)
+        return found
+
+    return {nid: counted(cost) if blocks.get(nid[0]) == REPEATED else cost for nid, cost in costs.items()
             if _keeps_chain(snapshot, blocks, nid)}
 
 
