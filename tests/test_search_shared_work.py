@@ -24,7 +24,7 @@ from parsat.ir.pcg import PCG, WEIGHT_VALUE, Degrees, PNode, pcg_roles
 from parsat.ir.placement import _SIGNATURE, Placement, _signature, axis_compute, codes_for_rank
 from parsat.search.baselines import independent_grid
 from parsat.search.extract import Pricer, _leaf_roles, leaf_roles, node_costs
-from parsat.search.recompute import recomputed_pcg_costs
+from parsat.search.recompute import recomputed_enodes, recomputed_pcg_costs
 from parsat.search.repeat import (OUTSIDE, REPEATED, Repetition, _value_names, class_blocks, snapshot_blocks,
                                   value_names, weigh)
 from parsat.search.request import resolve_request, step_context
@@ -220,15 +220,20 @@ def test_nodes_alike_but_for_a_role_or_a_gradient_are_priced_apart(gpt):
     assert kept[2] != kept[3]
 
 
-def test_weighing_with_shared_cost_objects_counts_each_e_node_as_alone(gpt):
-    """`weigh` counts a cost object shared by many e-nodes once (by identity) and keeps the snapshot's blocks:
-    the same figures as counting each e-node's cost afresh, and `costs` left as it was."""
+@pytest.fixture(scope="module")
+def three_blocks(gpt):
+    """A 3-block gpt saturated on 2 devices and its e-nodes priced."""
     library, _graph = gpt
     graph = build_example("gpt", {**SIZES, "blocks": 3}, library)
     result = saturate(graph, library, library.rules, 2, Limits())
+    return graph, result, node_costs(result.snapshot, graph, library, Machine.preset("cpu").with_devices(2))
+
+
+def test_weighing_with_shared_cost_objects_counts_each_e_node_as_alone(three_blocks):
+    """`weigh` counts a cost object shared by many e-nodes once (by identity) and keeps the snapshot's blocks:
+    the same figures as counting each e-node's cost afresh, and `costs` left as it was."""
+    graph, result, costs = three_blocks
     snapshot = result.snapshot
-    machine = Machine.preset("cpu").with_devices(2)
-    costs = node_costs(snapshot, graph, library, machine)
     assert len({id(c) for c in costs.values()}) < len(costs)   # shared objects: what the memo keys on
     before = dict(costs)
     repetition = Repetition(graph, graph, 30)
@@ -240,3 +245,25 @@ def test_weighing_with_shared_cost_objects_counts_each_e_node_as_alone(gpt):
     for _ in range(2):   # the second time with the snapshot's blocks kept
         assert weigh(costs, snapshot, repetition) == afresh
     assert costs == before and snapshot_blocks(snapshot) == blocks
+
+
+def test_recomputing_shared_cost_objects_recomputes_each_e_node_as_alone(three_blocks):
+    """`recomputed_enodes` recomputes a cost object shared by many e-nodes once per kept-or-not: the same costs
+    as recomputing each e-node's afresh (the reference below is the loop as it was)."""
+    graph, result, costs = three_blocks
+    snapshot = result.snapshot
+    roots = [result.classes[name] for name in graph.outputs]
+    blocks = class_blocks(snapshot)
+    kept = set(roots) | {ch for cid, nodes in snapshot.classes.items() for node in nodes for ch in node.children
+                         if blocks.get(ch, OUTSIDE) != blocks[cid]}
+    count = max(1, len({b for b in blocks.values() if b != OUTSIDE}))
+    afresh = {}
+    for (cid, index), cost in costs.items():
+        node = snapshot.classes[cid][index]
+        if blocks.get(cid, OUTSIDE) == OUTSIDE or node.op == "leaf" or cost.weight_chain:
+            afresh[(cid, index)] = cost
+            continue
+        again = cost.recomputed(kept=cid in kept)
+        afresh[(cid, index)] = again.with_transient(again.transient_bytes // count)
+    assert afresh != costs   # recomputation changes costs here
+    assert recomputed_enodes(costs, snapshot, roots, "blocks") == afresh

@@ -44,15 +44,23 @@ def recomputed_enodes(costs: Mapping[NodeId, NodeCost], snapshot: Snapshot, root
             kept.update(ch for ch in node.children if blocks.get(ch, OUTSIDE) != blocks[cid])
     count = max(1, len({b for b in blocks.values() if b != OUTSIDE}))
     out = {}
+    # e-nodes alike share one cost object (`extract.node_costs`): each is recomputed once per kept-or-not, by its
+    # identity, while `costs` holds it
+    done: dict[tuple[int, bool], NodeCost] = {}
     for (cid, index), cost in costs.items():
         node = snapshot.classes[cid][index]
         runs = blocks.get(cid, OUTSIDE) != OUTSIDE and node.op != "leaf" and not cost.weight_chain
         if not runs:
             out[(cid, index)] = cost
             continue
-        again = cost.recomputed(kept=cid in kept)
-        # one block's activations at a time: each block's e-nodes count for 1 / count of them (the average block)
-        out[(cid, index)] = again.with_transient(again.transient_bytes // count)
+        key = (id(cost), cid in kept)
+        found = done.get(key)
+        if found is None:
+            again = cost.recomputed(kept=key[1])
+            # one block's activations at a time: each block's e-nodes count for 1 / count of them (the average
+            # block)
+            found = done[key] = again.with_transient(again.transient_bytes // count)
+        out[(cid, index)] = found
     return out
 
 
