@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Mapping
+from typing import Callable, Mapping
 
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.ir.mesh import Mesh
@@ -80,8 +80,15 @@ class Snapshot:
     def derived(self) -> dict:
         """What a reader works out from this snapshot alone and asks for again, by its key (the search's leaf roles
         and value names per graph: every extraction on a mesh asked for them afresh). The snapshot never changes,
-        so neither do they; readers keep only what follows from the snapshot and the key."""
+        so neither do they; readers keep only what follows from the snapshot and the key (`derive`)."""
         return {}
+
+    def derive(self, key, make: Callable[[], object]):
+        """`derived[key]`, made by `make()` the first time it is asked for. Shared: read it, never change it."""
+        known = self.derived.get(key)
+        if known is None:
+            known = self.derived[key] = make()
+        return known
 
     @cached_property
     def class_of(self) -> dict[ENode, int]:

@@ -64,11 +64,7 @@ def leaf_roles(snapshot: Snapshot, graph: Graph) -> dict[int, str]:
     gradient synchronisation, not as activations (`cost.parallel_cost`). Worked out once per snapshot and
     graph leaves' roles (`Snapshot.derived`); each caller gets its own copy."""
     roles = {leaf.name: leaf.role for leaf in graph.leaves}
-    key = ("leaf_roles", tuple(roles.items()))
-    known = snapshot.derived.get(key)
-    if known is None:
-        known = snapshot.derived[key] = _leaf_roles(snapshot, roles)
-    return dict(known)
+    return dict(snapshot.derive(("leaf_roles", tuple(roles.items())), lambda: _leaf_roles(snapshot, roles)))
 
 
 def _leaf_roles(snapshot: Snapshot, roles: Mapping[str, str]) -> dict[int, str]:

@@ -118,10 +118,7 @@ def class_blocks(snapshot: Snapshot) -> dict[int, int]:
 def snapshot_blocks(snapshot: Snapshot) -> Mapping[int, int]:
     """`class_blocks(snapshot)`, worked out once per snapshot (`Snapshot.derived`): every extraction policy
     weighs and recomputes the same e-graph's costs again. Shared: read it, never change it."""
-    blocks = snapshot.derived.get("class_blocks")
-    if blocks is None:
-        blocks = snapshot.derived["class_blocks"] = class_blocks(snapshot)
-    return blocks
+    return snapshot.derive("class_blocks", lambda: class_blocks(snapshot))
 
 
 def weigh(costs: Mapping[tuple[int, int], NodeCost], snapshot: Snapshot, repetition: Repetition) -> dict:
@@ -160,11 +157,7 @@ def value_names(snapshot: Snapshot, classes: Mapping[str, int]) -> dict[int, str
     class joined to one of them by a parallel operator (which moves a value between devices, never changes it).
     Worked out once per snapshot and `classes` (`Snapshot.derived`: every repeated extraction asks); each caller
     gets its own copy."""
-    key = ("value_names", tuple(classes.items()))
-    known = snapshot.derived.get(key)
-    if known is None:
-        known = snapshot.derived[key] = _value_names(snapshot, classes)
-    return dict(known)
+    return dict(snapshot.derive(("value_names", tuple(classes.items())), lambda: _value_names(snapshot, classes)))
 
 
 def _value_names(snapshot: Snapshot, classes: Mapping[str, int]) -> dict[int, str]:
