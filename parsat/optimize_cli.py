@@ -165,6 +165,11 @@ def run_optimize(args: argparse.Namespace) -> int:
 
         model = args.model
         if ".py:" in model:  # model.py:factory -> (module, example inputs): torch.export import, torch loaded only here
+            from parsat.search.request import check_arguments
+
+            if sizes:
+                raise GraphError("--set sizes only apply to built-in examples")
+            check_arguments(machine, args.devices, degrees, args.recompute)   # before torch and the export
             from parsat.importer.model_file import load_model_file
             model = load_model_file(model)
         # the optimizer (the search, the cost model, numpy) loads only once the arguments above are good

@@ -94,3 +94,24 @@ def test_a_model_file_that_is_not_there_is_refused_before_torch_loads(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.split() == ["1", "False"], result.stdout + result.stderr
     assert "missing.py' is not a file" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("options,words", [
+    (["--degrees", "tp=3"], "--degrees: tp=3 does not divide the 2 devices"),
+    (["--degrees", "sp=2"], "needs tp pinned to the same degree"),
+    (["--degrees", "zero=7"], "--degrees zero must be a ZeRO stage"),
+    (["--set", "hidden=4"], "--set sizes only apply to built-in examples"),
+])
+def test_a_model_file_s_bad_pins_and_sizes_are_refused_before_torch_loads(tmp_path, options, words):
+    """A model file that exists is imported by torch.export (seconds); a pin or size that cannot hold is said
+    first, in one line, without importing torch."""
+    model = tmp_path / "model.py"
+    model.write_text("raise SystemExit('the model file was run')\n")
+    code = ("import sys\n"
+            "from parsat import cli\n"
+            f"status = cli.main(['optimize', {str(model) + ':make'!r}, '-n', '2', *{options!r}])\n"
+            "print(status, 'torch' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == ["1", "False"], result.stdout + result.stderr
+    assert result.stderr.startswith("parsat: error: ") and words in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr

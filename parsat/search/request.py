@@ -130,32 +130,12 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
     up). `deadline` (a `time.perf_counter()` value: the call's `--limit seconds`)
     bounds building the graph too. Raises OptimizeError, GraphError or MachineError with a message for the
     user."""
-    if recompute not in POLICIES + (AUTO,):
-        raise OptimizeError(f"--recompute must be one of {', '.join(POLICIES + (AUTO,))}, got {recompute!r}")
-    dims = dict(degrees or {})
-    pp = dims.pop("pp", None)
-    if pp is not None and (isinstance(pp, bool) or not isinstance(pp, int) or pp < 1):
-        raise OptimizeError(f"--degrees pp must be a positive integer, got {pp!r}")
-    zero = dims.pop("zero", AUTO)
-    if zero != AUTO and (isinstance(zero, bool) or zero not in ZERO_STAGES):
-        raise OptimizeError(f"--degrees zero must be a ZeRO stage, {', '.join(map(str, ZERO_STAGES))}, got {zero!r} "
-                            "(1: optimizer state sharded over the data-parallel ranks, as Megatron-LM's distributed "
-                            "optimizer; 2: gradients too; 3: weights too, as FSDP)")
-    if zero == 3 and "dp" not in dims:
-        raise OptimizeError("--degrees zero=3 stores the weights split over the data-parallel axis: pin that axis "
-                            "too (dp=N)")
-    sequence = sequence_pin(dims.pop("sp", None), dims.get("tp"))
+    checked = check_arguments(machine, devices, degrees, recompute)   # before the rules load
+    dims, pp, zero, sequence, machine = checked.dims, checked.pp, checked.zero, checked.sequence, checked.machine
+    count = checked.devices
     limits = Limits.resolve(limits)
-    base = Machine.resolve(machine)
-    count = base.devices if devices is None else devices
-    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_DEVICES:
-        raise OptimizeError(f"the device count must be a whole number, at least 1 and at most {MAX_DEVICES:,}, "
-                            f"got {count!r}")
-    machine = base.with_devices(count)        # bad input refused before the rules load (2-3 CPU s cold)
     sizes = dict(sizes or {})
     check_graph_source(graph, sizes or None)
-    stage = count // pp if pp and pp > 1 and count % pp == 0 else count   # dp x tp are one stage's devices
-    pinned_layouts(dims, stage, machine.devices_per_node, zero, sequence)
     library = resolve_library(rules)
     whole = resolve_graph(graph, library, sizes or None, graph_budget(limits, deadline))
     if recompute == BLOCKS and not has_blocks(leaf.name for leaf in whole.leaves):
@@ -172,6 +152,49 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
                          example_batch(graph, sizes), dims, pp, output_spreads, input_spreads, free_input_placements,
                          baselines, repeat_blocks, recompute, zero, sequence, caches or MeshCaches(), say,
                          deadline=deadline)
+
+
+@dataclass(frozen=True)
+class Arguments:
+    """A call's arguments that need no graph, checked (`check_arguments`)."""
+    dims: Mapping[str, int]    # the mesh pins (dp, tp, ...), without pp, zero and sp
+    pp: int | None
+    zero: int | str            # a ZeRO stage or AUTO
+    sequence: bool | None      # `sequence_pin`
+    machine: Machine           # whole nodes for the call's devices
+    devices: int
+
+
+def check_arguments(machine: Machine | str, devices: int | None, degrees: Mapping[str, int] | None,
+                    recompute: str = AUTO) -> Arguments:
+    """What a call asks for that needs no graph, checked: the recompute policy, the machine, the device count
+    and every `--degrees` pin. `resolve_request` starts with it; the CLI calls it before importing a model file
+    too (torch and an export cost seconds a bad pin should not). Raises OptimizeError or MachineError with a
+    message for the user."""
+    if recompute not in POLICIES + (AUTO,):
+        raise OptimizeError(f"--recompute must be one of {', '.join(POLICIES + (AUTO,))}, got {recompute!r}")
+    dims = dict(degrees or {})
+    pp = dims.pop("pp", None)
+    if pp is not None and (isinstance(pp, bool) or not isinstance(pp, int) or pp < 1):
+        raise OptimizeError(f"--degrees pp must be a positive integer, got {pp!r}")
+    zero = dims.pop("zero", AUTO)
+    if zero != AUTO and (isinstance(zero, bool) or zero not in ZERO_STAGES):
+        raise OptimizeError(f"--degrees zero must be a ZeRO stage, {', '.join(map(str, ZERO_STAGES))}, got {zero!r} "
+                            "(1: optimizer state sharded over the data-parallel ranks, as Megatron-LM's distributed "
+                            "optimizer; 2: gradients too; 3: weights too, as FSDP)")
+    if zero == 3 and "dp" not in dims:
+        raise OptimizeError("--degrees zero=3 stores the weights split over the data-parallel axis: pin that axis "
+                            "too (dp=N)")
+    sequence = sequence_pin(dims.pop("sp", None), dims.get("tp"))
+    base = Machine.resolve(machine)
+    count = base.devices if devices is None else devices
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_DEVICES:
+        raise OptimizeError(f"the device count must be a whole number, at least 1 and at most {MAX_DEVICES:,}, "
+                            f"got {count!r}")
+    stage = count // pp if pp and pp > 1 and count % pp == 0 else count   # dp x tp are one stage's devices
+    machine = base.with_devices(count)
+    pinned_layouts(dims, stage, machine.devices_per_node, zero, sequence)
+    return Arguments(dims, pp, zero, sequence, machine, count)
 
 
 def sequence_pin(sp, tp) -> bool | None:
