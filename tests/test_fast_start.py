@@ -85,13 +85,19 @@ def test_the_bindings_load_without_the_egglog_package_and_a_later_import_shares_
     assert result.stdout.split("\n")[:2] == ["[]", "True True"], result.stdout
 
 
-def test_a_model_file_that_is_not_there_is_refused_before_torch_loads(tmp_path):
-    """`optimize missing.py:make` names the missing file without importing torch (3 CPU s) first."""
+def _cli_in_a_fresh_process(argv: list[str]) -> subprocess.CompletedProcess:
+    """`parsat.cli.main(argv)` in a new interpreter, which prints its exit status and whether torch was
+    imported."""
     code = ("import sys\n"
             "from parsat import cli\n"
-            f"status = cli.main(['optimize', {str(tmp_path / 'missing.py') + ':make'!r}, '-n', '2'])\n"
+            f"status = cli.main({argv!r})\n"
             "print(status, 'torch' in sys.modules)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_a_model_file_that_is_not_there_is_refused_before_torch_loads(tmp_path):
+    """`optimize missing.py:make` names the missing file without importing torch (3 CPU s) first."""
+    result = _cli_in_a_fresh_process(["optimize", str(tmp_path / "missing.py") + ":make", "-n", "2"])
     assert result.stdout.split() == ["1", "False"], result.stdout + result.stderr
     assert "missing.py' is not a file" in result.stderr and "Traceback" not in result.stderr
 
@@ -107,11 +113,7 @@ def test_a_model_file_s_bad_pins_and_sizes_are_refused_before_torch_loads(tmp_pa
     first, in one line, without importing torch."""
     model = tmp_path / "model.py"
     model.write_text("raise SystemExit('the model file was run')\n")
-    code = ("import sys\n"
-            "from parsat import cli\n"
-            f"status = cli.main(['optimize', {str(model) + ':make'!r}, '-n', '2', *{options!r}])\n"
-            "print(status, 'torch' in sys.modules)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = _cli_in_a_fresh_process(["optimize", str(model) + ":make", "-n", "2", *options])
     assert result.stdout.split() == ["1", "False"], result.stdout + result.stderr
     assert result.stderr.startswith("parsat: error: ") and words in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
