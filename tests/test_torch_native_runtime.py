@@ -14,6 +14,7 @@ Face GPT-2 (data parallel) and LLaMA (tensor parallel) runs are slow.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import sys
@@ -270,8 +271,10 @@ def train_job(ctx, factory: str, plans: dict, steps: int, folder: str, batch: tu
     """On every rank, for each plan: the factory's module lowered with `runtime="torch"`, the user's loop on this
     rank's local batch (AdamW, clip_grad_norm_), beside the unmodified module trained in this process on the
     global batch; the parallel module's DCP checkpoint written to folder/<plan>, and its weights gathered whole
-    saved by rank 0 to folder/<plan>.pt."""
+    saved by rank 0 to folder/<plan>.pt. The first step's forward and backward run under `CommDebugMode`: the
+    collectives torch issued, by kind (`comms`)."""
     import torch.distributed as dist
+    from torch.distributed.tensor.debug import CommDebugMode
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.tensor import DTensor
@@ -288,10 +291,12 @@ def train_job(ctx, factory: str, plans: dict, steps: int, folder: str, batch: tu
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
         ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
         losses, ref_losses, norms, ref_norms = [], [], [], []
+        comms = CommDebugMode()
         for step in range(steps):
             ids, labels = _batch(step, *batch)
-            loss = model(*local_batch(model, ids, labels))
-            loss.backward()
+            with comms if step == 0 else contextlib.nullcontext():
+                loss = model(*local_batch(model, ids, labels))
+                loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
             optimizer.step()
             optimizer.zero_grad()
@@ -326,6 +331,7 @@ def train_job(ctx, factory: str, plans: dict, steps: int, folder: str, batch: tu
                       "not_dtensor": sorted(n for n, t in params.items() if not isinstance(t, DTensor)),
                       "meshes": sorted({str(getattr(t, "device_mesh", None)) for t in params.values()}),
                       "placements": placements, "lowering": lowering_of(model).describe(),
+                      "comms": {str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()},
                       "checkpointed": sorted(n for n, sub in model.named_modules()
                                              if isinstance(sub.__dict__.get("forward"), partial))}
         dist.barrier()
@@ -486,10 +492,10 @@ def test_a_plan_recomputing_blocks_checkpoints_each_block_and_trains_like_the_mo
 # ------------------------------------------------------------------ Hugging Face models (slow)
 
 
-def _hf_plan(name: str, shape: tuple[int, int], zero: int = 0) -> dict:
+def _hf_plan(name: str, shape: tuple[int, int], zero: int = 0, sequence: bool = False) -> dict:
     """The Megatron-layout plan of a Hugging Face model as `_factory` builds it (dropout off, float64)."""
     module, inputs = _factory(name)()
-    return _plan(parsat.from_torch(module, inputs), shape, zero=zero)
+    return _plan(parsat.from_torch(module, inputs), shape, zero=zero, sequence=sequence)
 
 
 def _train_hf(name: str, plans: dict, nproc: int, folder: Path) -> list:
@@ -586,6 +592,69 @@ def test_hf_bert_tensor_parallel_on_two_ranks(tmp_path):
         assert "model.cls.predictions.decoder.weight" not in placements   # tied: one parameter, listed once
         assert placements["model.bert.encoder.layer.1.output.dense.weight"] == ["Shard(dim=1)"]
         assert placements["model.bert.embeddings.position_embeddings.weight"] == ["Replicate()"]
+
+
+def _llama_sequence_parallel():
+    """(plan dict, its lowering) of HF LLaMA under Megatron's sequence-parallel layout on tp 2 (float64)."""
+    from parsat.importer.export import import_module
+    from parsat.ir.plan import pcg_from_dict
+
+    module, inputs = _factory("llama")()
+    imported = import_module(module, inputs, check=False)
+    plan = _plan(imported.graph, (1, 2), sequence=True)
+    return plan, lower(pcg_from_dict(plan), imported.graph, module_info(module, imported.weights))
+
+
+def test_hf_llama_sequence_parallel_plan_gathers_each_attention_and_mlp_input_once():
+    """LLaMA's sequence-parallel plan all-gathers the norm's output once for q/k/v and once for gate/up: torch
+    gathers it once at the attention's and the MLP's input (PrepareModuleInput, torchtitan's layout), the
+    projections in them plain ColwiseParallel(); lm_head, alone under the root, gathers inside its style. Every
+    activation collective of the plan is claimed by one style, but the copies of what the inputs alone make (the
+    rotary tables: no gradient, each rank computes them)."""
+    from parsat.backend.torch_native.lowering import PREPARE_STYLE
+    from parsat.ir.plan import pcg_from_dict
+
+    plan, low = _llama_sequence_parallel()
+    styles = {s.module: s for s in low.styles}
+    pcg = pcg_from_dict(plan)
+    for layer in (0, 1):
+        prefix = f"model.model.layers.{layer}."
+        for parent, projections in (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))):
+            gather = styles[prefix + parent]
+            assert gather.kind == PREPARE_STYLE and gather.input_layout == "sequence", gather
+            node, = gather.nodes
+            assert pcg.node(node).op == "all_gather" and pcg.node(node).attr("dim") == 1
+            for name in projections:
+                assert (styles[prefix + parent + "." + name].kind, styles[prefix + parent + "." + name].input_layout) \
+                    == (COLWISE, "replicate")
+        for row in ("self_attn.o_proj", "mlp.down_proj"):
+            assert styles[prefix + row].output_layout == "sequence"
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            assert styles[prefix + norm].kind == SEQUENCE_STYLE
+    assert (styles["model.lm_head"].input_layout, styles["model.lm_head"].output_layout) == ("sequence", "replicate")
+    claimed = {n for s in low.styles for n in s.nodes}
+    weights = {n.id for n in pcg.nodes if n.kind == "leaf" and n.role == "weight"}
+    unclaimed = [n for n in pcg.nodes if n.kind == "parallel" and n.id not in claimed and n.inputs[0] not in weights]
+    assert {(n.op, tuple(n.shape)) for n in unclaimed} == {("replicate", (1, 1, 32, 32))}
+    assert any("reads the whole one" in note for note in low.notes), low.notes
+
+
+@pytest.mark.slow
+def test_hf_llama_sequence_parallel_on_two_ranks(tmp_path):
+    """HF LLaMA (code unchanged) under Megatron's sequence-parallel plan on 2 gloo ranks, float64: its forward
+    reads the sequence length from the embedding's output (rotary positions, causal mask), which stays a Shard(1)
+    DTensor of the global shape, and its attention reshapes by its input's shape, gathered first: 3 AdamW steps
+    with clipping equal the unmodified module's in one process, every parameter a DTensor, the checkpoint
+    loading into it. The first step issues the plan's collectives one for one (forward: 5 all-gathers of the
+    sequence and the logits' combine, 5 reduce-scatters; backward: each one's transpose), where gathering in
+    each projection (no PrepareModuleInput) issues 17 all-gathers and 16 reduce-scatters. ~18 CPU s."""
+    plan, _ = _llama_sequence_parallel()
+    results = _train_hf("llama", {"llama_sp2": plan}, 2, tmp_path)
+    for result in results:
+        run = result["llama_sp2"]
+        assert run["comms"] == {"all_gather_into_tensor": 11, "reduce_scatter_tensor": 10}, run["comms"]
+        assert run["placements"]["model.model.norm.weight"] == ["Replicate()"]
+        assert run["placements"]["model.model.layers.0.self_attn.q_proj.weight"] == ["Shard(dim=0)"]
 
 
 @pytest.mark.slow

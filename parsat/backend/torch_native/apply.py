@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parsat.backend.torch_native.lowering import (COLWISE, DATA, EMBEDDING, LINEAR, REPLICATE_STYLE, ROWWISE,
+from parsat.backend.torch_native.lowering import (COLWISE, DATA, EMBEDDING, LINEAR, PREPARE_STYLE, REPLICATE_STYLE, ROWWISE,
                                                   SEQ_DIM, SEQUENCE_STYLE, SPLIT, VOCAB, ZERO3, GATHERED, Lowering,
                                                   ModuleInfo, ParamInfo)
 
@@ -181,8 +181,13 @@ def _device_mesh(lowering: Lowering, device: torch.device):
 
 
 def _tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh) -> None:
+    """The tensor axis's styles on `module` (module docstring, step 3). Under sequence parallelism the values a
+    style leaves split along the sequence, and the norms' outputs, stay `Shard(1)` DTensors of the global shape
+    (`use_local_output=False`): the module's code between the styles runs on its slice, while a forward that
+    reads the sequence length from them (HF LLaMA's positions and mask) reads the whole one."""
     from torch.distributed.tensor import Replicate, Shard, distribute_module
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
 
     def layout(word: str):
         return Replicate() if word == "replicate" else Shard(SEQ_DIM) if word == "sequence" else Shard(-1)
@@ -190,14 +195,20 @@ def _tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh) -> None:
     plan: dict[str, Any] = {}
     replicated = []
     for style in lowering.styles:
+        local = style.output_layout != "sequence"
         if style.kind == COLWISE:
             plan[style.module] = ColwiseParallel(input_layouts=layout(style.input_layout),
-                                                 output_layouts=layout(style.output_layout))
+                                                 output_layouts=layout(style.output_layout), use_local_output=local)
         elif style.kind in (ROWWISE, VOCAB):
             plan[style.module] = RowwiseParallel(input_layouts=layout(style.input_layout),
-                                                 output_layouts=layout(style.output_layout))
-        elif style.kind == SEQUENCE_STYLE:   # local tensors out, as the other styles give them
-            plan[style.module] = SequenceParallel(sequence_dim=SEQ_DIM, use_local_output=True)
+                                                 output_layouts=layout(style.output_layout), use_local_output=local)
+        elif style.kind == SEQUENCE_STYLE:
+            plan[style.module] = SequenceParallel(sequence_dim=SEQ_DIM, use_local_output=False)
+        elif style.kind == PREPARE_STYLE:
+            first = _first_input_by_keyword(module.get_submodule(style.module), style.module)
+            plan[style.module] = PrepareModuleInput(input_kwarg_layouts={first: Shard(SEQ_DIM)},
+                                                    desired_input_kwarg_layouts={first: Replicate()},
+                                                    use_local_output=False)
         elif style.kind == REPLICATE_STYLE:
             replicated.append(style.module)
     if plan:
@@ -209,6 +220,26 @@ def _tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh) -> None:
     for name in replicated:
         distribute_module(module.get_submodule(name), tp_mesh, None, _replicated_inputs, _local_outputs)
     _tie_again(module, lowering)
+
+
+def _first_input_by_keyword(sub: nn.Module, name: str) -> str:
+    """The name of `sub`'s first forward parameter, after a pre-hook that passes a lone positional input by that
+    keyword: `PrepareModuleInput` takes positional inputs by count and keyword ones by name, and a Hugging Face
+    attention is called with `hidden_states=` while its MLP is called positionally."""
+    import inspect
+
+    first = next(iter(inspect.signature(sub.forward).parameters))
+
+    def by_keyword(_module, args, kwargs):
+        if not args:
+            return args, kwargs
+        if len(args) > 1 or first in kwargs:
+            raise NativeParallelizeError(f"module {name} gathers its first input '{first}' along the sequence "
+                                         f"(PrepareModuleInput) but is called with {len(args)} positional inputs")
+        return (), {first: args[0], **kwargs}
+
+    sub.register_forward_pre_hook(by_keyword, with_kwargs=True)
+    return first
 
 
 def traced_tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh, prefix: str = "") -> None:

@@ -100,6 +100,7 @@ from parsat.ir.placement import FREE, PARTIAL, REPLICA, Placement, code_text, sh
 FREE_ROLE, SYNCED, GATHERED, SPLIT, SEQUENCE = "free", "synced", "gathered", "split", "sequence"
 DATA, ZERO3, TENSOR = "data", "zero3", "tensor"
 COLWISE, ROWWISE, VOCAB, REPLICATE_STYLE, SEQUENCE_STYLE = "colwise", "rowwise", "vocab", "replicate", "sequence"
+PREPARE_STYLE = "prepare"   # PrepareModuleInput: a module's input gathered along the sequence once, for its projections
 SEQ_DIM = 1   # the sequence dim of a [batch, seq, hidden] activation: SequenceParallel's and Shard(1)'s
 LAYOUTS = {"replicate": "Replicate()", "shard": "Shard(-1)", "sequence": "Shard(1)"}
 LINEAR, EMBEDDING = "linear", "embedding"
@@ -157,8 +158,10 @@ class WeightLowering:
 @dataclass(frozen=True)
 class Style:
     """How one module runs on the tensor axis: `colwise`, `rowwise`, `vocab` (RowwiseParallel of an
-    embedding), `sequence` (SequenceParallel: a norm on a slice of the sequence, its parameters whole) or
-    `replicate` (every parameter whole); how its activation arrives and leaves (`replicate`: whole, `shard`: split
+    embedding), `sequence` (SequenceParallel: a norm on a slice of the sequence, its parameters whole),
+    `replicate` (every parameter whole) or `prepare` (PrepareModuleInput: a parameter-free parent, an
+    attention or an MLP, whose input torch gathers along the sequence once for the column-parallel projections
+    in it, as torchtitan's models do); how its activation arrives and leaves (`replicate`: whole, `shard`: split
     along the last dim, `sequence`: split along the sequence, Shard(1)); the plan nodes it stands for (the
     contraction and the parallel operators it claims)."""
 
@@ -170,7 +173,8 @@ class Style:
 
     def describe(self) -> str:
         torch_name = {COLWISE: "ColwiseParallel", ROWWISE: "RowwiseParallel", VOCAB: "RowwiseParallel",
-                      REPLICATE_STYLE: "Replicate()", SEQUENCE_STYLE: "SequenceParallel"}[self.kind]
+                      REPLICATE_STYLE: "Replicate()", SEQUENCE_STYLE: "SequenceParallel",
+                      PREPARE_STYLE: "PrepareModuleInput"}[self.kind]
         extra = []
         if self.kind in (COLWISE, ROWWISE, VOCAB):
             if self.input_layout != ("shard" if self.kind == ROWWISE else "replicate"):
@@ -180,6 +184,9 @@ class Style:
         nodes = f" (nodes {', '.join(f'#{n}' for n in self.nodes)})" if self.nodes else ""
         if self.kind == REPLICATE_STYLE:
             return f"{self.module or '<root>'}: distribute_module, every parameter Replicate()"
+        if self.kind == PREPARE_STYLE:
+            return (f"{self.module}: PrepareModuleInput(its first input: input_layouts=Shard(1), "
+                    f"desired_input_layouts=Replicate()){nodes}")
         return f"{self.module or '<root>'}: {torch_name}({', '.join(extra)}){nodes}"
 
 
@@ -598,6 +605,7 @@ class _Lowerer:
                 styles[style.module] = style
                 claimed.update(style.nodes)
         self.sequence_inputs(styles, axis)
+        styles.update(self.gathered_inputs(styles, axis))
         self.check_style_params(styles, weights, axis)
         self.check_partials(axis)
         for node in self.pcg.nodes:
@@ -816,12 +824,39 @@ class _Lowerer:
                 styles[name] = replace(style, input_layout="sequence")
         if any("sequence" in (s.input_layout, s.output_layout) for s in styles.values()):
             self.notes.append(
-                "sequence parallelism: the module's own code between the styles (residual adds, norms) runs on each "
-                "rank's slice of the sequence (local Shard(1) tensors); a forward that reads the sequence length "
-                "from those activations (Hugging Face LLaMA's attention reshapes by its input's shape, its rotary "
-                "positions come from the embedding output's length) computes with the local length and fails: "
-                "such a module needs its attention's input gathered first (PrepareModuleInput, as torchtitan's "
-                "models do), which this lowering does not add")
+                "sequence parallelism: between the styles the residual stream is a Shard(1) DTensor of the global "
+                "shape (the styles' and norms' use_local_output=False), so the module's own code (residual adds, "
+                "norms) runs on each rank's slice of the sequence while a forward that reads the sequence length "
+                "from those activations (Hugging Face LLaMA's rotary positions and causal mask, from the "
+                "embedding's output) reads the whole one")
+
+    def gathered_inputs(self, styles: dict[str, Style], axis: int) -> dict[str, Style]:
+        """Where several column-parallel projections gather one value along the sequence (`input_layouts=Shard(1)`:
+        LLaMA's q/k/v, its gate/up) and are the only ones in their parent module (the attention, the MLP, holding
+        no parameter itself), torch gathers it once at the parent's first input (`PrepareModuleInput`, as
+        torchtitan's models do) and the projections read it whole: one all-gather, as in the plan, where each
+        projection would issue its own, and the parent's code (an attention reshaping by its input's shape)
+        computes on the whole sequence. The parent's input stays a `Replicate()` DTensor (`use_local_output=False`,
+        torchtitan's choice), so the projections' input gradients meet as one partial sum that the gather's
+        backward reduce-scatters once, the plan's backward too. Returns the parents' styles; the projections' are
+        changed in place."""
+        groups: dict[int, list[str]] = {}
+        for name, style in styles.items():
+            if style.kind == COLWISE and style.input_layout == "sequence":
+                source = next(n for n in style.nodes if self.node(n).kind == "parallel" and (
+                    self.node(n).op == ALL_GATHER or self.node(n).op == REPLICATE))
+                groups.setdefault(source, []).append(name)
+        out: dict[str, Style] = {}
+        for source, names in groups.items():
+            parent = names[0].rpartition(".")[0]
+            inside = [m for m, s in styles.items() if s.kind == COLWISE and m.rpartition(".")[0] == parent]
+            if len(names) < 2 or not parent or sorted(inside) != sorted(names) or self.module.holds.get(parent):
+                continue
+            for name in names:
+                styles[name] = replace(styles[name], input_layout="replicate",
+                                       nodes=tuple(n for n in styles[name].nodes if n != source))
+            out[parent] = Style(parent, PREPARE_STYLE, "sequence", "replicate", (source,))
+        return out
 
     def is_sequence_op(self, node: PNode, op: str, axis: int) -> bool:
         """Whether `node` is the parallel operator `op` along the sequence (dim 1 of [batch, seq, hidden]) on
@@ -892,7 +927,7 @@ class _Lowerer:
                                         f"{axis_name}; the style keeps it {want}")
         if self.module.has_param_below:
             for style in styles.values():
-                if style.module in self.module.has_param_below:
+                if style.kind != PREPARE_STYLE and style.module in self.module.has_param_below:
                     raise LoweringError(f"module {style.module or '<root>'} is styled on tensor axis {axis_name} but "
                                         "has submodules with parameters of their own")
 
