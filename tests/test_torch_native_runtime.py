@@ -280,6 +280,7 @@ def train_job(ctx, factory: str, plans: dict, steps: int, folder: str, batch: tu
     from torch.distributed.tensor import DTensor
 
     from parsat.backend.torch_native.apply import local_batch, lowering_of
+    from parsat.backend.torch_native.zero import zero_optimizer
 
     make = _factory(factory)
     out = {}
@@ -288,7 +289,7 @@ def train_job(ctx, factory: str, plans: dict, steps: int, folder: str, batch: tu
         reference = copy.deepcopy(module)
         # a Hugging Face model's plan names its stack of blocks b{i}_...: the import of the example maps them back
         model = parsat.parallelize(module, plan, None if factory.startswith("tiny") else example, runtime="torch")
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+        optimizer = zero_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.01)   # AdamW but under ZeRO-1
         ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
         losses, ref_losses, norms, ref_norms = [], [], [], []
         comms = CommDebugMode()
@@ -297,6 +298,9 @@ def train_job(ctx, factory: str, plans: dict, steps: int, folder: str, batch: tu
             with comms if step == 0 else contextlib.nullcontext():
                 loss = model(*local_batch(model, ids, labels))
                 loss.backward()
+            if step == 0:   # the gradients as backward leaves them (whole under ZeRO-1, sharded under ZeRO-2)
+                grads = {n: ([repr(p) for p in t.grad.placements], list(t.grad.to_local().shape))
+                         for n, t in model.named_parameters() if isinstance(t.grad, DTensor)}
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
             optimizer.step()
             optimizer.zero_grad()
@@ -332,10 +336,18 @@ def train_job(ctx, factory: str, plans: dict, steps: int, folder: str, batch: tu
                       "meshes": sorted({str(getattr(t, "device_mesh", None)) for t in params.values()}),
                       "placements": placements, "lowering": lowering_of(model).describe(),
                       "comms": {str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()},
+                      "grads": grads, "state_numel": _state_numel(optimizer),
+                      "param_numel": sum(t.numel() for t in params.values()),
                       "checkpointed": sorted(n for n, sub in model.named_modules()
                                              if isinstance(sub.__dict__.get("forward"), partial))}
         dist.barrier()
     return out
+
+
+def _state_numel(optimizer) -> int:
+    """How many elements of AdamW's first moment this rank holds (its local pieces)."""
+    return sum((v.to_local() if hasattr(v, "to_local") else v).numel()
+               for state in optimizer.state.values() for k, v in state.items() if k == "exp_avg")
 
 
 def _stack():
@@ -398,20 +410,20 @@ def _dcp_loads_into_the_unmodified_module(folder: Path, label: str, factory: str
 @pytest.fixture(scope="module")
 def tiny_runs(tiny_graph, tmp_path_factory):
     """One 2-rank job trains the tiny model under each plan in turn: data parallel (the optimizer's plan, pinned
-    dp=2), Megatron tensor parallel, ZeRO-3, and data parallel with ZeRO-1 (lowered as FSDP2 without resharding
-    after forward: ZeRO-2)."""
+    dp=2), Megatron tensor parallel, ZeRO-3, and data parallel with ZeRO-1 (`replicate` and `zero_optimizer`'s
+    sharded state) and with ZeRO-2 (FSDP2 without resharding after forward)."""
     from parsat.backend.launch import LaunchConfig, launch
 
     dp = parsat.optimize(tiny_graph, machine="h100x8", devices=2, degrees={"dp": 2}, baselines=False)
     plans = {"dp": dp.to_dict(), "tp": _plan(tiny_graph, (1, 2)), "zero3": _plan(tiny_graph, (2, 1), zero=3),
-             "zero1": dict(_plan(tiny_graph, (2, 1)), zero=1)}
+             "zero1": dict(_plan(tiny_graph, (2, 1)), zero=1), "zero2": dict(_plan(tiny_graph, (2, 1)), zero=2)}
     folder = tmp_path_factory.mktemp("torch-native")
     results = launch(train_job, ("tiny", plans, 3, str(folder), (BATCH, SEQ, VOCAB_SIZE)),
                      LaunchConfig(nproc=2, backend="gloo", timeout_s=300))
     return results, folder
 
 
-@pytest.mark.parametrize("label", ["dp", "tp", "zero3", "zero1"])
+@pytest.mark.parametrize("label", ["dp", "tp", "zero3", "zero1", "zero2"])
 def test_trained_on_two_ranks_like_the_module_in_one_process(tiny_runs, label):
     results, folder = tiny_runs
     for result in results:
@@ -423,7 +435,7 @@ def test_trained_on_two_ranks_like_the_module_in_one_process(tiny_runs, label):
     if label == "tp":
         assert placements["fc1.weight"] == ["Shard(dim=0)"] and placements["fc2.weight"] == ["Shard(dim=1)"]
         assert placements["emb.weight"] == ["Shard(dim=0)"] and placements["norm.weight"] == ["Replicate()"]
-    if label in ("zero3", "zero1"):
+    if label in ("zero3", "zero2"):
         assert all(p[0].startswith("Shard") for p in placements.values())
         assert "fully_shard" in results[0][label]["lowering"]
     assert _dcp_loads_into_the_unmodified_module(folder, label, "tiny") == 0.0
@@ -462,9 +474,32 @@ def test_sequence_parallel_plan_of_a_partial_residual_stream_trained_on_two_rank
     assert "fc2: RowwiseParallel(output_layouts=Shard(1))" in results[0]["sp"]["lowering"]
 
 
+def test_zero1_keeps_whole_all_reduced_gradients_and_shards_only_the_optimizer_state(tiny_runs):
+    """ZeRO-1 (Megatron's distributed optimizer) against ZeRO-2, both over 2 data ranks: under ZeRO-1 the
+    parameters stay whole (`Replicate()`), backward leaves every gradient whole and all-reduces it (no
+    reduce-scatter), and AdamW's state on each rank is half of the parameters' (the flattened chunk, padded);
+    under ZeRO-2 backward reduce-scatters, leaving each rank half of each gradient (`Shard(0)`), and the state
+    is sharded alike; without ZeRO each rank holds all of the state."""
+    results, _ = tiny_runs
+    for result in results:
+        zero1, zero2, dp = result["zero1"], result["zero2"], result["dp"]
+        whole = zero1["param_numel"]
+        assert set(map(tuple, zero1["placements"].values())) == {("Replicate()",)}
+        assert zero1["grads"]["fc1.weight"] == [["Replicate()"], [4 * WIDTH, WIDTH]]
+        assert "allreduce_" in zero1["comms"] and "_reduce_scatter_base_" not in zero1["comms"], zero1["comms"]
+        assert zero1["state_numel"] == -(-whole // 2)
+        assert zero2["grads"]["fc1.weight"] == [["Shard(dim=0)"], [2 * WIDTH, WIDTH]]
+        assert "allreduce_" not in zero2["comms"], zero2["comms"]
+        assert zero2["state_numel"] < whole and dp["state_numel"] == whole
+        assert "ZeRO-1: gradients all-reduced whole" in zero1["lowering"]
+        assert "ZeRO-2: gradients reduce-scattered" in zero2["lowering"]
+    print(json.dumps({k: {f: results[0][k][f] for f in ("comms", "state_numel", "param_numel")}
+                      for k in ("dp", "zero1", "zero2", "zero3")}))
+
+
 def test_the_tied_parameter_stays_one_tensor(tiny_runs):
     results, _ = tiny_runs
-    for label in ("dp", "tp", "zero3", "zero1"):
+    for label in ("dp", "tp", "zero3", "zero1", "zero2"):
         assert "emb.weight" in results[0][label]["placements"] and "head.weight" not in results[0][label]["placements"]
 
 

@@ -27,8 +27,9 @@ Under torchrun (or `backend.launch`), every rank calls
    replicate_with_fsdp`: DDP's gradient all-reduce with DTensor
    parameters) or, for a ZeRO-3 axis, `fully_shard` on each block (each
    child of an `nn.ModuleList` holding parameters) and then the root, with
-   the dim the plan shards each weight along; a plan's ZeRO-1/2 is
-   `fully_shard(reshard_after_forward=False)` over its data axes; a
+   the dim the plan shards each weight along; a plan's ZeRO-2 is
+   `fully_shard(reshard_after_forward=False)` over its data axes, its
+   ZeRO-1 `replicate` with `zero.zero_optimizer` sharding the state; a
    `MixedPrecisionPolicy` given as `mp_policy` goes to them. Before all
    of these, a plan that recomputes blocks has each block's forward run
    under `torch.utils.checkpoint` (`checkpoint_blocks`).
@@ -338,7 +339,7 @@ def data_parallel(module: nn.Module, lowering: Lowering, mesh, mp_policy, prefix
     if not data and not zero3:
         return
     policy = mp_policy or MixedPrecisionPolicy()
-    if zero3 or lowering.zero:
+    if zero3 or lowering.zero >= 2:
         from torch.distributed.fsdp import fully_shard
 
         if data and zero3:
@@ -360,7 +361,11 @@ def data_parallel(module: nn.Module, lowering: Lowering, mesh, mp_policy, prefix
         return
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
+    from parsat.backend.torch_native.zero import ZERO1_MESH_ATTRIBUTE
+
     replicate(module, mesh=_flattened(mesh, data), mp_policy=policy)
+    if lowering.zero == 1:   # whole gradients all-reduced; zero_optimizer shards the state over these ranks
+        setattr(module, ZERO1_MESH_ATTRIBUTE, _flattened(mesh, data))
 
 
 def _flattened(mesh, names: list[str]):

@@ -242,16 +242,19 @@ class Lowering:
                                        zip(self.mesh.axes, self.axis_roles))]
         data, zero3 = self.axes(DATA), self.axes(ZERO3)
         names = self.mesh.names
-        if zero3 or (data and self.zero):
+        if zero3 or (data and self.zero >= 2):
             how = (f"fully_shard over {', '.join(names[a] for a in zero3)}" if zero3 else "")
             if data and zero3:
                 how += f", replicated over {', '.join(names[a] for a in data)} (HSDP)"
             if data and not zero3:
                 how = (f"fully_shard over {', '.join(names[a] for a in data)} with reshard_after_forward=False "
-                       f"(the plan's ZeRO-{self.zero})")
+                       f"(the plan's ZeRO-{self.zero}: gradients reduce-scattered, state sharded)")
             lines.append("data parallelism: " + how)
         elif data:
-            lines.append(f"data parallelism: replicate over {', '.join(names[a] for a in data)}")
+            lines.append(f"data parallelism: replicate over {', '.join(names[a] for a in data)}"
+                         + (" (the plan's ZeRO-1: gradients all-reduced whole; build the optimizer with "
+                            "zero.zero_optimizer(model, torch.optim.AdamW, ...), which shards its state over "
+                            "them; a plain optimizer keeps all of it)" if self.zero == 1 else ""))
         if self.traced_splits:
             lines.append(f"tensor parallelism on {names[self.tensor_axis]}: DTensor parameters (the split ones below, "
                          "every other Replicate()), the traced operators run on DTensors")
