@@ -3,8 +3,10 @@
 The user's module keeps its own forward; what the plan decides becomes
 torch's pieces: its mesh a `DeviceMesh`, its weights DTensors with the
 plan's placements, tensor parallelism `parallelize_module` styles
-(`ColwiseParallel`, `RowwiseParallel`), data parallelism `replicate` and
-ZeRO-3 (and ZeRO-1/2) `fully_shard`. So `clip_grad_norm_`, optimizers,
+(`ColwiseParallel`, `RowwiseParallel`, `SequenceParallel`,
+`PrepareModuleInput`), data parallelism `replicate`, ZeRO-2 and ZeRO-3
+`fully_shard`, ZeRO-1 `replicate` with an optimizer sharding its state
+(`zero.zero_optimizer`). So `clip_grad_norm_`, optimizers,
 LR schedulers, `torch.distributed.checkpoint`, `torch.compile` and
 autocast see ordinary DTensor parameters.
 
@@ -17,7 +19,8 @@ weight, or refused naming the node torch's pieces cannot express; torch
 is not imported there), `pipeline_lowering` (a pipelined plan's cuts,
 schedule and shared weights, also without torch), `apply` (the pieces
 applied to the user's module on every rank; `local_batch`,
-`lowering_of`), `pipelined` (a pipelined plan applied: `PipelinedModule`),
+`lowering_of`), `zero` (ZeRO-1's optimizer: `zero_optimizer`,
+`ZeroOneOptimizer`), `pipelined` (a pipelined plan applied: `PipelinedModule`),
 `entry` (`parallelize_native`: one plan for every rank, then one of the
 two). `parsat.parallelize(module, plan, runtime="torch")` is the way in.
 """
