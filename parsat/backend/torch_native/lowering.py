@@ -298,7 +298,7 @@ class _Lowerer:
         self.traced = traced
         self.mesh = pcg.mesh
         self.users = readers(pcg)
-        self.static = _weight_values(pcg)
+        self.static = weight_values(pcg)
         self.inputs = _input_chains(pcg)
         self.data_only = _data_only(pcg)
         self.library = library
@@ -1006,7 +1006,7 @@ class _Lowerer:
                               "the module runs its own forward, so their order of computation is not lowered")
 
 
-def _weight_values(pcg: PCG) -> set[int]:
+def weight_values(pcg: PCG) -> set[int]:
     """Nodes computed from weights alone (weight leaves, then anything all of whose inputs are such)."""
     return _computed_from(pcg, lambda leaf: leaf.role == "weight")
 

@@ -44,7 +44,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from parsat.backend.torch_native.lowering import (Lowering, LoweringError, ModuleInfo, layer_module, lower,
-                                                  recomputed_blocks, weight_params)
+                                                  recomputed_blocks, weight_params, weight_values)
+from parsat.ir.blocks import block_of
 from parsat.ir.graph import Graph
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import PCG, WEIGHT
@@ -144,7 +145,7 @@ def lower_pipeline(pcg: PCG, graph: Graph, pipeline: PipelinePlan, module: Modul
     weights = {n.id: n.op for n in pcg.nodes if n.kind == "leaf" and n.role == WEIGHT}
     chunks = []
     for chunk in pipeline.layout.chunks:
-        begins = None if chunk.index == 0 else layer_module(chunk.layers[0], weights.values(), module)
+        begins = None if chunk.index == 0 else _cut_module(pcg, chunk, weights, module)
         groups = sorted({weight_params(weights[ident], module) for ident in chunk.nodes if ident in weights})
         names = sorted({p for group in groups for p in group})
         chunks.append(ChunkLowering(chunk.index, chunk.stage, chunk.layers, begins, tuple(names), tuple(groups)))
@@ -153,6 +154,49 @@ def lower_pipeline(pcg: PCG, graph: Graph, pipeline: PipelinePlan, module: Modul
                    for ident, stages in pipeline.layout.shared_weights)
     return PipelineLowering(pipeline.layout.degree, pipeline.stage_devices, pipeline.schedule,
                             pipeline.microbatches, tuple(chunks), shared, stage, recomputed_blocks(pcg, module))
+
+
+def _cut_module(pcg: PCG, chunk, weights: dict[int, str], module: ModuleInfo) -> str:
+    """The submodule chunk `chunk` is cut before: the one holding its first layer alone (`layer_module`), or,
+    where the layer spans submodules, the one holding the weight the layer reads first, if it holds that layer's
+    parameters only: BERT's importer begins block i at the LayerNorm that ends encoder layer i - 1
+    (`b1_..embeddings.LayerNorm` is `encoder.layer.0.output.LayerNorm`), so the cut is before that LayerNorm's
+    call, where the block's computation begins. The traced stages must then hold exactly the chunks' parameters
+    (`pipelined.py` checks it), so a cut that leaves another of the layer's submodules behind is refused there."""
+    layer = chunk.layers[0]
+    try:
+        return layer_module(layer, weights.values(), module)
+    except LoweringError:
+        first = _first_weight_read(pcg, set(chunk.nodes), layer, weights)
+        if first is None:
+            raise
+        owner = weight_params(first, module)[0].rpartition(".")[0]
+        mine = {n for w in weights.values() if block_of(w) == layer for n in weight_params(w, module)}
+        held = {f"{owner}.{local}" for local in module.holds.get(owner, ())}
+        if not owner or not held <= mine or owner in module.has_param_below:
+            raise
+        return owner
+
+
+def _first_weight_read(pcg: PCG, inside: set[int], layer: int, weights: dict[int, str]) -> str | None:
+    """The graph weight of `layer` that the chunk's operators (its nodes `inside`, in the PCG's order) read first,
+    directly or through computations on weights alone."""
+    static = weight_values(pcg)
+
+    def leaf_of(ident: int) -> int | None:
+        if ident in weights:
+            return ident
+        if ident in static:
+            return next((found for i in pcg.node(ident).inputs if (found := leaf_of(i)) is not None), None)
+        return None
+
+    for node in pcg.nodes:
+        if node.id in inside and node.kind == "op" and node.id not in static:
+            for i in node.inputs:
+                leaf = leaf_of(i)
+                if leaf is not None and block_of(weights[leaf]) == layer:
+                    return weights[leaf]
+    return None
 
 
 def _stage_lowering(pcg: PCG, graph: Graph, module: ModuleInfo, layout: StageLayout,

@@ -159,8 +159,18 @@ class PipelinedModule:
         `torch.distributed.checkpoint`: `dcp.save(model.state_dict(), ...)` on every rank writes the whole module
         (each stage its own keys, a weight several stages hold once: equal on every stage after each step), which
         loads into the unmodified module in one process (tests/test_torch_native_pipeline.py; loading it back into
-        a PipelinedModule, `dcp.load(model.state_dict(), ...)`, is not checked yet)."""
-        return {name: param for name, param in self.named_parameters()}
+        a PipelinedModule, `dcp.load(model.state_dict(), ...)`, is not checked yet). A tied parameter is there
+        under every name the module gives it (the tracer keeps one: HF BERT's last stage holds
+        `cls.predictions.decoder.bias`, whose module also names it `cls.predictions.bias`), as the module's own
+        state dict has it."""
+        held = dict(self.named_parameters())
+        out = dict(held)
+        for chunk in self.lowering.chunks_of(self.stage):
+            for group in chunk.groups:
+                found = next((held[name] for name in group if name in held), None)
+                if found is not None:
+                    out.update((name, found) for name in group)
+        return out
 
     def get_parameter(self, name: str) -> nn.Parameter:
         """This rank's parameter `name` (the module's name)."""
@@ -281,6 +291,7 @@ def apply_pipeline(module: nn.Module, lowering: PipelineLowering, example_inputs
                                      f"before {', '.join(lowering.split_points())}: {type(err).__name__}: {err}") \
             from None
     _relays_out_of_place(pipe.split_gm)
+    _contiguous_outputs([pipe.get_stage_module(i) for i in range(pipe.num_stages)])
     if pipe.num_stages != len(lowering.chunks):
         raise NativeParallelizeError(f"the traced module has {pipe.num_stages} stages, the plan "
                                      f"{len(lowering.chunks)} chunks")
@@ -324,6 +335,43 @@ def _relays_out_of_place(root: nn.Module) -> None:
                 changed = True
         if changed and hasattr(sub, "recompile"):   # an fx GraphModule; an InterpreterModule runs its graph as it is
             sub.recompile()
+
+
+def _contiguous_outputs(stage_modules: Sequence[nn.Module]) -> None:
+    """Each traced stage module's outputs made contiguous (`Tensor.contiguous`, a no-op where they are), and the
+    traced values its inputs and outputs carry too: gloo sends and receives contiguous tensors only, torch's stage
+    makes its receive buffers (activations forward, gradients backward) with the traced values' strides, and a
+    value crossing a cut may be a view (BERT's attention mask, a mask of ones expanded over the query positions,
+    crosses from the stage that builds it to the next)."""
+    for sub in stage_modules:
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        out = next(node for node in graph.nodes if node.op == "output")
+
+        def contiguous(node: torch.fx.Node) -> torch.fx.Node:
+            if not isinstance(node.meta.get("val"), torch.Tensor):
+                return node
+            made = graph.call_method("contiguous", (node,))
+            made.meta = {**node.meta, "val": _contiguous_value(node.meta["val"])}
+            return made
+
+        with graph.inserting_before(out):
+            out.args = torch.fx.map_arg(out.args, contiguous)
+        for node in graph.nodes:
+            if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor):
+                node.meta["val"] = _contiguous_value(node.meta["val"])
+        if hasattr(sub, "recompile"):
+            sub.recompile()
+
+
+def _contiguous_value(value: torch.Tensor) -> torch.Tensor:
+    """A traced (fake) value with contiguous strides: the same shape and dtype."""
+    if value.is_contiguous():
+        return value
+    mode = getattr(value, "fake_mode", None)
+    with mode if mode is not None else contextlib.nullcontext():
+        return value.contiguous()
 
 
 def _first_microbatch(inputs: tuple, microbatches: int) -> tuple:
