@@ -547,7 +547,7 @@ def _train_hf(name: str, plans: dict, nproc: int, folder: Path) -> list:
             _check_run(result, label)
         assert _dcp_loads_into_the_unmodified_module(folder, label, name) == 0.0
         print(json.dumps({label: {k: results[0][label][k] for k in ("losses", "ref_losses", "norms", "ref_norms",
-                                                                    "worst_weight", "lowering")}}))
+                                                                    "worst_weight", "comms", "lowering")}}))
     return results
 
 

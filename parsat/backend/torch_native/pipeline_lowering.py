@@ -7,8 +7,10 @@ stage holds what, and how each stage runs inside (docs/TORCH_NATIVE.md, "Pipelin
   at its first layer; layer L is block L of the plan's stack (its weights
   are named `b{L}_...`, `ir.blocks`), and the module's submodule that
   holds every parameter of those weights and none of another layer's is
-  where the module is cut (`pipeline()`'s `SplitPoint.BEGINNING`). A layer
-  whose weights no one submodule holds alone is refused, naming it;
+  where the module is cut (`pipeline()`'s `SplitPoint.BEGINNING`); where
+  none does, the submodule holding the weight the layer reads first, if
+  it holds that layer's parameters only (HF BERT, `_cut_module`). Another
+  layer is refused, naming it;
 * **each chunk's weights**: the parameters of the weights its nodes read
   (a tied embedding's on the first and the last stage), which the traced
   stage modules must hold exactly (`pipelined.py` checks it);
