@@ -338,6 +338,8 @@ def train_job(ctx, factory: str, plans: dict, steps: int, folder: str, batch: tu
                       "comms": {str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()},
                       "grads": grads, "state_numel": _state_numel(optimizer),
                       "param_numel": sum(t.numel() for t in params.values()),
+                      "local_numel": sum((t.to_local() if isinstance(t, DTensor) else t).numel()
+                                         for t in params.values()),
                       "checkpointed": sorted(n for n, sub in model.named_modules()
                                              if isinstance(sub.__dict__.get("forward"), partial))}
         dist.barrier()
@@ -726,12 +728,14 @@ def two_d_job(ctx, plans: dict, folder: str) -> dict:
 
 @pytest.mark.slow
 def test_two_dimensional_plans_on_four_ranks_and_a_two_rank_checkpoint_loaded_there(tiny_graph, tiny_runs):
-    """dp 2 x tp 2 (replicate over dp, Megatron styles over tp) and ZeRO-3 2 x tp 2 (fully_shard over dp): the
-    same 3 steps as one process; the checkpoint the 2-rank data-parallel job wrote loads on the 4 ranks."""
+    """dp 2 x tp 2 (replicate over dp, Megatron styles over tp), ZeRO-3 2 x tp 2 (fully_shard over dp) and ZeRO-1
+    2 x tp 2 (replicate over dp, `zero_optimizer` sharding each rank's tensor-parallel pieces over dp): the same
+    3 steps as one process; the checkpoint the 2-rank data-parallel job wrote loads on the 4 ranks."""
     from parsat.backend.launch import LaunchConfig, launch
 
     _, folder = tiny_runs
-    plans = {"dp_tp": _plan(tiny_graph, (2, 2)), "zero3_tp": _plan(tiny_graph, (2, 2), zero=3)}
+    plans = {"dp_tp": _plan(tiny_graph, (2, 2)), "zero3_tp": _plan(tiny_graph, (2, 2), zero=3),
+             "zero1_tp": dict(_plan(tiny_graph, (2, 2)), zero=1)}
     results = launch(two_d_job, (plans, str(folder)), LaunchConfig(nproc=4, backend="gloo", timeout_s=600))
     for result in results:
         for label in plans:
@@ -741,6 +745,10 @@ def test_two_dimensional_plans_on_four_ranks_and_a_two_rank_checkpoint_loaded_th
     assert placements["fc1.weight"] == ["Replicate()", "Shard(dim=0)"]
     assert placements["norm.weight"] == ["Replicate()", "Replicate()"]
     assert results[0]["zero3_tp"]["placements"]["fc2.weight"][1] == "Shard(dim=1)"
+    for result in results:   # ZeRO-1: the tp pieces stay whole over dp, their optimizer state is halved
+        zero1, dp = result["zero1_tp"], result["dp_tp"]
+        assert zero1["placements"] == dp["placements"] and zero1["grads"]["fc1.weight"] == dp["grads"]["fc1.weight"]
+        assert zero1["state_numel"] == -(-zero1["local_numel"] // 2) and dp["state_numel"] == dp["local_numel"]
 
 
 def compile_job(ctx, plans: dict) -> dict:
