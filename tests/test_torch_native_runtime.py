@@ -699,8 +699,9 @@ def test_hf_gpt2_data_parallel_and_llama_dp_by_tp_on_four_ranks(tmp_path):
     """Issue 30's must-show on 4 gloo ranks for the two families the tests above train on 2 only: GPT-2 under
     data parallelism over 4 ranks (`replicate`) and LLaMA under dp 2 x tp 2 (`replicate` over dp, Megatron
     styles over tp; LLaMA's tp 4 plan is refused by the lowering), with and without sequence parallelism on tp
-    (2026-12-03: losses 1.7e-7 (its loss is float32), norms 3e-16, weights 1.2e-12): 3 AdamW steps with clipping equal the
-    unmodified module's in one process, every parameter a DTensor, the checkpoints loading into it here."""
+    (2026-12-03: losses 1.7e-7, its loss being float32, norms 3e-16, weights 1.2e-12): 3 AdamW steps with
+    clipping equal the unmodified module's in one process, every parameter a DTensor, the checkpoints loading
+    into it here."""
     _train_hf("gpt2", {"gpt2_dp4": _hf_plan("gpt2", (4, 1))}, 4, tmp_path)
     _train_hf("llama", {"llama_dp2_tp2": _hf_plan("llama", (2, 2)),
                         "llama_dp2_sp2": _hf_plan("llama", (2, 2), sequence=True)}, 4, tmp_path)

@@ -50,9 +50,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parsat.backend.torch_native.lowering import (COLWISE, DATA, EMBEDDING, LINEAR, PREPARE_STYLE, REPLICATE_STYLE, ROWWISE,
-                                                  SEQ_DIM, SEQUENCE_STYLE, SPLIT, VOCAB, ZERO3, GATHERED, Lowering,
-                                                  ModuleInfo, ParamInfo)
+from parsat.backend.torch_native.lowering import (COLWISE, DATA, EMBEDDING, LINEAR, PREPARE_STYLE, REPLICATE_STYLE,
+                                                  ROWWISE, SEQ_DIM, SEQUENCE_STYLE, SPLIT, VOCAB, ZERO3, GATHERED,
+                                                  Lowering, ModuleInfo, ParamInfo)
 
 LOWERING_ATTRIBUTE = "_parsat_lowering"
 
@@ -229,7 +229,8 @@ def _first_input_by_keyword(sub: nn.Module, name: str) -> str:
     attention is called with `hidden_states=` while its MLP is called positionally."""
     import inspect
 
-    first = next(iter(inspect.signature(sub.forward).parameters))
+    # the class's forward (after `self`): an instance's may be wrapped (`checkpoint_blocks`' partial)
+    first = list(inspect.signature(type(sub).forward).parameters)[1]
 
     def by_keyword(_module, args, kwargs):
         if not args:

@@ -49,7 +49,10 @@ around each split contraction, and says it in torch's terms
   `reduce_scatter` along the sequence of a row-parallel partial sum
   (`output_layouts=Shard(1)`), an `all_gather` along it before a
   column-parallel one (`input_layouts=Shard(1)`), and the norms between
-  them `SequenceParallel`. Any parallel operator on the tensor
+  them `SequenceParallel`; where one such gather feeds every
+  column-parallel projection of a parameter-free parent (an attention's
+  q/k/v, an MLP's gate/up), the parent's input is gathered once
+  instead (`PrepareModuleInput`, `gathered_inputs`). Any parallel operator on the tensor
   axis that no style claims is refused, naming it: the module's own code
   runs between the styled modules on local pieces, and only the styles
   move activations.
