@@ -60,6 +60,7 @@ def loop_job(ctx, plans: dict, plan_file: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     from parsat.backend.torch_native.apply import NativeParallelizeError, local_batch
+    from parsat.backend.torch_native.zero import zero_optimizer
 
     out: dict = {}
     try:   # rank 0 holds the dp plan, rank 1 the tp plan: both refuse before any mesh is made
@@ -72,7 +73,8 @@ def loop_job(ctx, plans: dict, plan_file: str) -> dict:
         reference = copy.deepcopy(module).to(ctx.device)
         held = plan_file if label == "dp" else plan   # the dp plan: a JSON file on rank 0, None on the others
         model = parsat.parallelize(module, held if ctx.rank == 0 or label != "dp" else None, runtime="torch")
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
+        # fused AdamW, as the plan's ZeRO asks: under ZeRO-1 on this rank's chunk of the flattened parameters
+        optimizer = zero_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.01, fused=True)
         ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
         schedulers = (_schedule(optimizer), _schedule(ref_optimizer))
         row: dict = {"losses": [], "ref_losses": [], "norms": [], "ref_norms": [], "lrs": []}
@@ -125,12 +127,13 @@ def _mixed_precision(plan: dict, device) -> dict:
 
 
 def run_loop(folder: Path, backend: str) -> list:
-    """`loop_job` on 2 ranks of `backend` for the tiny model's dp, ZeRO-3 and tp plans (the dp plan written to
-    folder/dp.json, read by rank 0 only)."""
+    """`loop_job` on 2 ranks of `backend` for the tiny model's dp, ZeRO-3, tp and ZeRO-1 plans (the dp plan written
+    to folder/dp.json, read by rank 0 only)."""
     from parsat.backend.launch import LaunchConfig, launch
 
     graph = parsat.from_torch(*tiny())
-    plans = {"dp": _plan(graph, (2, 1)), "zero3": _plan(graph, (2, 1), zero=3), "tp": _plan(graph, (1, 2))}
+    plans = {"dp": _plan(graph, (2, 1)), "zero3": _plan(graph, (2, 1), zero=3), "tp": _plan(graph, (1, 2)),
+             "zero1": dict(_plan(graph, (2, 1)), zero=1)}
     plan_file = folder / "dp.json"
     plan_file.write_text(json.dumps(plans["dp"]))
     return launch(loop_job, (plans, str(plan_file)), LaunchConfig(nproc=2, backend=backend, timeout_s=300))
@@ -164,7 +167,7 @@ def loop_runs(tmp_path_factory):
     return run_loop(tmp_path_factory.mktemp("plan"), "gloo")
 
 
-@pytest.mark.parametrize("label", ["dp", "zero3", "tp"])
+@pytest.mark.parametrize("label", ["dp", "zero3", "tp", "zero1"])
 def test_accumulation_another_batch_shape_fused_adamw_and_a_scheduler_train_like_one_process(loop_runs, label):
     run = check_loop(loop_runs, label)
     print(json.dumps({label: {k: run[k] for k in ("losses", "ref_losses", "norms", "ref_norms", "worst_weight")}}))
