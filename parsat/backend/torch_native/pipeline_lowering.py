@@ -51,7 +51,7 @@ from parsat.ir.blocks import block_of
 from parsat.ir.graph import Graph
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import PCG, WEIGHT
-from parsat.ir.pipeline import GPIPE, INTERLEAVED, ONE_F_ONE_B, PipelinePlan, StageLayout
+from parsat.ir.pipeline import GPIPE, INTERLEAVED, ONE_F_ONE_B, Chunk, PipelinePlan, StageLayout
 from parsat.ir.placement import FREE, REPLICA, code_text
 
 TORCH_SCHEDULES = {GPIPE: "ScheduleGPipe", ONE_F_ONE_B: "Schedule1F1B", INTERLEAVED: "ScheduleInterleaved1F1B"}
@@ -158,7 +158,7 @@ def lower_pipeline(pcg: PCG, graph: Graph, pipeline: PipelinePlan, module: Modul
                             pipeline.microbatches, tuple(chunks), shared, stage, recomputed_blocks(pcg, module))
 
 
-def _cut_module(pcg: PCG, chunk, weights: dict[int, str], module: ModuleInfo) -> str:
+def _cut_module(pcg: PCG, chunk: Chunk, weights: dict[int, str], module: ModuleInfo) -> str:
     """The submodule chunk `chunk` is cut before: the one holding its first layer alone (`layer_module`), or,
     where the layer spans submodules, the one holding the weight the layer reads first, if it holds that layer's
     parameters only: BERT's importer begins block i at the LayerNorm that ends encoder layer i - 1
