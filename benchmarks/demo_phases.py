@@ -6,6 +6,11 @@ backward, optimizer, and the step's memory bookkeeping (`TensorMemory`). Prints 
 steps after `--warmup`, the slowest rank's, beside the simulator's phases of the same plan on the plan's machine
 (`parsat explain` prints the same simulated phases). A measurement, not a test: the box's load moves it.
 
+Every rank also stamps, on the machine's monotonic clock (one clock for all its processes), when it leaves the
+step's starting barrier and when it enters and leaves each collective of the step, so that the collectives' time
+splits into the wait for the last rank to arrive and the collective itself once all are in it, and the ranks'
+start is seen apart (a rank whose wake-up from the barrier waits behind its peer's compute starts late).
+
     PYTHONPATH=. .venv/bin/python benchmarks/demo_phases.py out/mlp-plan.json --machine out/machine-$(hostname).json
 """
 
@@ -14,6 +19,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from contextlib import contextmanager
+
+import torch.distributed as dist
 
 from parsat.backend.cli import load_plan
 from parsat.backend.executor import (RankProgram, TensorMemory, _make_optimizer, operator_library)
@@ -26,6 +34,29 @@ from parsat.ir.machine import Machine
 from parsat.ir.microbatch import step_batch
 
 PHASES = ("forward", "loss", "backward", "optimizer", "bookkeeping", "step")
+STAMPED = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all_single")
+
+
+@contextmanager
+def stamping(calls: list):
+    """Inside: each of torch.distributed's `STAMPED` collectives appends (its name, arrival, return) to `calls`."""
+    originals = {name: getattr(dist, name) for name in STAMPED}
+
+    def stamped(name, fn):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            calls.append((name, start, time.perf_counter()))
+            return out
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, stamped(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
 
 
 def _rank(ctx: RankContext, path: str, steps: int, bookkeeping: bool) -> dict:
@@ -37,33 +68,59 @@ def _rank(ctx: RankContext, path: str, steps: int, bookkeeping: bool) -> dict:
     optimizer = _make_optimizer(program.state.optimized(program.params), config)
     memory = TensorMemory()
     times = {p: [] for p in PHASES}
+    starts, calls = [], []
     for step in range(steps):
         counter = CommCounter()
         data = program.step_data(batch, step).loaded()
         start = ctx.step_start()
-        env: dict = {}
-        t0 = time.perf_counter()
-        with memory.saving():
-            program.forward(step, counter, data.inputs(0), None, env=env)
-            t1 = time.perf_counter()
-            to_diff, _ = program.loss(env, data.targets(0))
-        t2 = time.perf_counter()
-        if bookkeeping:
-            memory.measure(env, program, optimizer, None)
-        t3 = time.perf_counter()
-        optimizer.zero_grad()
-        to_diff.backward()
-        t4 = time.perf_counter()
-        if bookkeeping:
-            memory.measure(env, program, optimizer, None)
-        t5 = time.perf_counter()
-        program.state.reduce(counter)
-        optimizer.step()
-        program.state.gather(counter)
-        t6 = time.perf_counter()
-        for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t4 - t3, t6 - t5, (t3 - t2) + (t5 - t4), t6 - start)):
-            times[phase].append(seconds)
-    return {"rank": ctx.rank, "times": times}
+        starts.append(start)
+        calls.append([])
+        with stamping(calls[-1]):
+            _step(program, optimizer, memory, counter, data, step, bookkeeping, times, start)
+    return {"rank": ctx.rank, "times": times, "starts": starts, "calls": calls}
+
+
+def _step(program, optimizer, memory, counter, data, step: int, bookkeeping: bool, times: dict,
+          start: float) -> None:
+    """One timed step, as `executor.run_rank` runs it, its phases' seconds appended to `times`."""
+    env: dict = {}
+    t0 = time.perf_counter()
+    with memory.saving():
+        program.forward(step, counter, data.inputs(0), None, env=env)
+        t1 = time.perf_counter()
+        to_diff, _ = program.loss(env, data.targets(0))
+    t2 = time.perf_counter()
+    if bookkeeping:
+        memory.measure(env, program, optimizer, None)
+    t3 = time.perf_counter()
+    optimizer.zero_grad()
+    to_diff.backward()
+    t4 = time.perf_counter()
+    if bookkeeping:
+        memory.measure(env, program, optimizer, None)
+    t5 = time.perf_counter()
+    program.state.reduce(counter)
+    optimizer.step()
+    program.state.gather(counter)
+    t6 = time.perf_counter()
+    for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t4 - t3, t6 - t5, (t3 - t2) + (t5 - t4), t6 - start)):
+        times[phase].append(seconds)
+
+
+def _skew(results: list[dict], warmup: int) -> tuple[float, float, float, int]:
+    """Means over the steps after `warmup`, in ms: how late a rank leaves the starting barrier after the first
+    (over ranks), a collective's wait for the last rank to arrive and its time once all arrived (over ranks and
+    collectives); and the collectives a step runs."""
+    late, wait, inside = [], [], []
+    for step in range(warmup, len(results[0]["starts"])):
+        first = min(r["starts"][step] for r in results)
+        late += [(r["starts"][step] - first) * 1e3 for r in results]
+        for stamps in zip(*(r["calls"][step] for r in results)):
+            last = max(a for _n, a, _b in stamps)
+            wait += [(last - a) * 1e3 for _n, a, _b in stamps]
+            inside += [(b - last) * 1e3 for _n, _a, b in stamps]
+    return (statistics.fmean(late), statistics.fmean(wait) if wait else 0.0,
+            statistics.fmean(inside) if inside else 0.0, len(results[0]["calls"][-1]))
 
 
 def main() -> None:
@@ -88,6 +145,9 @@ def main() -> None:
         shown = f"{(sim.end_s - sim.start_s) * 1e3:8.3f}" if sim is not None else "       -"
         print(f"{phase:12s} " + " ".join(f"{m:10.3f}" for m in medians) + f"   {shown}")
     print(f"simulated step {streams.time_s * 1e3:.3f} ms")
+    late, wait, inside, count = _skew(results, args.warmup)
+    print(f"shared clock (means, ms): a rank leaves the step's barrier {late:.3f} after the first; {count} "
+          f"collective(s) a step, each waiting {wait:.3f} for the last rank, then {inside:.3f} with all in")
 
 
 if __name__ == "__main__":

@@ -108,3 +108,48 @@ def test_bad_configuration_is_refused():
     if not torch.cuda.is_available():
         with pytest.raises(LaunchError, match="nccl needs CUDA"):
             launch(worker_sum, ("x",), LaunchConfig(nproc=1, backend="nccl"))
+
+
+def worker_cores(ctx: RankContext) -> dict:
+    tasks = [(Path(f"/proc/self/task/{tid}/comm").read_text().strip(), sorted(os.sched_getaffinity(int(tid))))
+             for tid in os.listdir("/proc/self/task")]
+    return {"cpus": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(),
+            "gloo": [cpus for name, cpus in tasks if "gloo" in name]}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2
+                    or "OMP_NUM_THREADS" in os.environ, reason="needs 2 cores and no OMP_NUM_THREADS")
+def test_spawned_ranks_run_on_their_own_cores():
+    """Before: both ranks could run on every core, and Linux woke the rank that a loopback message (gloo) made
+    runnable on its sender's core, behind the sender's compute: the demo's two ranks computed one after the
+    other between collectives (benchmarks/demo_collective.py: their products overlapped 0.00 of the time)."""
+    results = launch(worker_cores, (), LaunchConfig(nproc=2, **FAST))
+    allowed = sorted(os.sched_getaffinity(0))
+    share = len(allowed) // 2
+    for rank, result in enumerate(results):
+        assert result["cpus"] == allowed[rank * share:(rank + 1) * share]
+        assert result["threads"] == share
+        # gloo's threads (its transport loop, the process group's workers), started after the pinning, too
+        assert result["gloo"] and all(cpus == result["cpus"] for cpus in result["gloo"]), result
+    assert not set(results[0]["cpus"]) & set(results[1]["cpus"])
+
+
+def test_share_cores_pins_each_rank_to_its_share(monkeypatch):
+    """Rank r of `world` gets the r-th share of the cores this process may use; none when the ranks outnumber
+    the cores (they must share) or when the user set OMP_NUM_THREADS (the user's placement wins)."""
+    from parsat.backend import launch as launch_module
+
+    pinned, threads = [], []
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {2, 3, 5, 7, 8, 9}, raising=False)
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: pinned.append((pid, list(cpus))), raising=False)
+    monkeypatch.setattr(launch_module.torch, "set_num_threads", threads.append)
+    launch_module.share_cores(3, 1)
+    assert pinned == [(0, [5, 7])] and threads == [2]
+    pinned.clear(), threads.clear()
+    launch_module.share_cores(8, 7)                 # 8 ranks on 6 cores: one thread each, nobody pinned
+    assert pinned == [] and threads == [1]
+    threads.clear()
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    launch_module.share_cores(2, 0)
+    assert pinned == [] and threads == []

@@ -155,19 +155,34 @@ def _run_joined(fn, args, backend: str, config: LaunchConfig) -> Any:
             dist.destroy_process_group()
 
 
-def share_cores(world: int) -> None:
-    """Give each of `world` local ranks its share of the cores, as torchrun does (it sets OMP_NUM_THREADS=1).
+def share_cores(world: int, rank: int) -> None:
+    """Give each of `world` local ranks its share of the cores, as torchrun does (it sets OMP_NUM_THREADS=1), and
+    keep rank `rank` on its own share (CPU affinity; ranks are spawned one per share of the cores or fewer).
 
     Left alone, every rank starts one thread per core: 2 ranks on 2 cores
     then run 4 spinning threads, and an operator large enough to go
     parallel waits for the OS scheduler (a 128x784x512 product: milliseconds
     instead of a fraction of one; steps 8x slower and far noisier). A user's
-    OMP_NUM_THREADS wins.
+    OMP_NUM_THREADS wins, and then no rank is pinned.
+
+    Pinned, because gloo's messages travel over loopback sockets: the rank
+    whose peer sends it the last message of a collective (or barrier) is
+    woken on the sender's core (Linux places a task woken by a synchronous
+    socket wake-up beside its waker), queues there behind the peer's next
+    compute, and the two ranks' compute between two collectives runs one
+    after the other instead of side by side: on the demo's MLP the forward's
+    collective waited a whole product for the late rank (0.8 ms), and the
+    step ran 1.4-1.6x its prediction (benchmarks/demo_step.md). Each rank's
+    threads (its own, gloo's) inherit the affinity set here, before the
+    process group starts them.
     """
     if "OMP_NUM_THREADS" in os.environ:
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, cores // max(1, world)))
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    share = max(1, (len(cpus) or os.cpu_count() or 1) // max(1, world))
+    torch.set_num_threads(share)
+    if cpus and world <= len(cpus):
+        os.sched_setaffinity(0, cpus[rank * share:(rank + 1) * share])
 
 
 def rank_main(rank: int, world: int, backend: str, store_port: int, timeouts: tuple[float, float],
@@ -176,7 +191,7 @@ def rank_main(rank: int, world: int, backend: str, store_port: int, timeouts: tu
     message and exit 1. `timeouts` are the job's and one collective's (`LaunchConfig`)."""
     job_timeout_s, collective_timeout_s = timeouts
     try:
-        share_cores(world)
+        share_cores(world, rank)
         device = _device(backend, rank)
         store = dist.TCPStore(STORE_HOST, store_port, None, is_master=False, timeout=timedelta(seconds=job_timeout_s))
         _all_arrived(store, world)
