@@ -4,8 +4,10 @@ Everything is measured the way `parsat run` executes, on `nproc` ranks at
 once (gloo on CPU, nccl on CUDA), each rank timing the same thing at the
 same time, so that ranks sharing cores, memory or a link are measured as
 they share them in a run (on a 2-core box, 4 ranks get half a core each);
-a figure is the slowest rank's median. In the run's dtype (float64 by
-default, as `parsat run`; `--dtype float32` for fp32 training):
+a figure is the slowest rank's median. Each rank runs on its own share
+of the cores, pinned as `parsat run` pins it (`launch.share_cores`). In
+the run's dtype (float64 by default, as `parsat run`; `--dtype float32`
+for fp32 training):
 
 * dispatch: a chain of tiny operators with autograd recording, forward
   and backward, per operator (`OpEfficiency.dispatch_s`,
