@@ -165,16 +165,16 @@ def share_cores(world: int, rank: int) -> None:
     instead of a fraction of one; steps 8x slower and far noisier). A user's
     OMP_NUM_THREADS wins, and then no rank is pinned.
 
-    Pinned, because gloo's messages travel over loopback sockets: the rank
-    whose peer sends it the last message of a collective (or barrier) is
-    woken on the sender's core (Linux places a task woken by a synchronous
-    socket wake-up beside its waker), queues there behind the peer's next
-    compute, and the two ranks' compute between two collectives runs one
-    after the other instead of side by side: on the demo's MLP the forward's
-    collective waited a whole product for the late rank (0.8 ms), and the
-    step ran 1.4-1.6x its prediction (benchmarks/demo_step.md). Each rank's
+    Pinned, because unpinned the demo's two ranks computed one after the
+    other between collectives (their products overlapped 0.00 of the time):
+    the rank woken by gloo's last message of a barrier or collective queued
+    behind its peer's compute (likely Linux placing a task woken through a
+    loopback socket on its waker's core), so the next collective waited a
+    whole product for it, which no calibrated figure prices
+    (benchmarks/demo_step.md, benchmarks/demo_collective.py). Each rank's
     threads (its own, gloo's) inherit the affinity set here, before the
-    process group starts them.
+    process group starts them. The price: on a box busy with other jobs a
+    pinned rank cannot leave a core another job holds.
     """
     if "OMP_NUM_THREADS" in os.environ:
         return
