@@ -12,8 +12,11 @@ arrive (skew) and the collective itself once every rank is in it. The ways:
   the collective, as in a step;
 * after idle: a barrier, a sleep as long as the product took, then the collective (a pause without compute).
 
-Also printed: how much of the two ranks' products ran at the same time (1: fully in parallel; 0: one after the
-other), and each rank's torch.get_num_threads(). A measurement, not a test.
+`launch` pins each rank to its own core (`share_cores`); with OMP_NUM_THREADS=1 in the environment it does not,
+which shows the ranks unpinned; `--pin` then keeps only each rank's main thread on one core (gloo's threads,
+started before, stay free). `--mesh-group` times the collective on a DeviceMesh's group, the one `parsat run`'s
+collectives use. Also printed: how much of the two ranks' products ran at the same time (1: fully in parallel;
+0: one after the other), and each rank's torch.get_num_threads(). A measurement, not a test.
 
     PYTHONPATH=. .venv/bin/python benchmarks/demo_collective.py --kind all_reduce --elements 1280
 """
@@ -34,17 +37,17 @@ WAYS = ("back to back", "alone", "after compute", "after idle")
 BACK_TO_BACK = 10
 
 
-def _collective(kind: str, elements: int, world: int):
+def _collective(kind: str, elements: int, world: int, group=None):
     full = torch.ones(elements, dtype=torch.float64)
     piece = torch.ones(elements // world, dtype=torch.float64)
     parts = [torch.empty_like(piece) for _ in range(world)]
 
     def all_reduce():
         out = full.clone()
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=group)
 
     def all_gather():
-        dist.all_gather(parts, piece)
+        dist.all_gather(parts, piece, group=group)
         torch.cat(parts)
 
     return all_reduce if kind == "all_reduce" else all_gather
@@ -56,14 +59,23 @@ def _stamp(fn) -> tuple[float, float]:
     return start, time.monotonic()
 
 
-def _rank(ctx: RankContext, kind: str, elements: int, rounds: int, shape: list[int], pin: bool) -> dict:
+def _mesh_group(ctx: RankContext):
+    """The group `parsat run`'s collectives use: a DeviceMesh's over all ranks (`collectives.MeshGroups`)."""
+    from parsat.backend.collectives import MeshGroups
+    from parsat.ir.mesh import Mesh
+
+    return MeshGroups(Mesh.of([ctx.world], names=["gpu"]), ctx.rank, ctx.device).group(0)
+
+
+def _rank(ctx: RankContext, kind: str, elements: int, rounds: int, shape: list[int], pin: bool,
+          mesh: bool = False) -> dict:
     """Per way, per round, this rank's (arrival, return) stamps of each call; the products' stamps."""
     if pin:
         cpus = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cpus[ctx.rank % len(cpus)]})
     m, k, n = shape
     x, w = torch.randn(m, k, dtype=torch.float64), torch.randn(k, n, dtype=torch.float64)
-    collective = _collective(kind, elements, ctx.world)
+    collective = _collective(kind, elements, ctx.world, _mesh_group(ctx) if mesh else None)
     compute = lambda: x @ w   # noqa: E731
     stamps: dict[str, list] = {way: [] for way in (*WAYS, "compute")}
     for _ in range(3):
@@ -117,8 +129,9 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--shape", type=int, nargs=3, default=[128, 784, 128], metavar=("M", "K", "N"))
     parser.add_argument("--pin", action="store_true", help="rank r runs on the r-th cpu it may use only")
+    parser.add_argument("--mesh-group", action="store_true", help="on a DeviceMesh's group, as `parsat run`")
     args = parser.parse_args()
-    results = launch(_rank, (args.kind, args.elements, args.rounds, args.shape, args.pin),
+    results = launch(_rank, (args.kind, args.elements, args.rounds, args.shape, args.pin, args.mesh_group),
                      LaunchConfig(nproc=args.nproc, timeout_s=600))
     compute = [(b - a) * 1e3 for r in results for rnd in r["stamps"]["compute"] for a, b in rnd]
     print(f"{args.kind} of {args.elements} float64 elements, {args.nproc} ranks, threads "
