@@ -200,11 +200,17 @@ _GPU_EFFICIENCY = OpEfficiency(dispatch_s=5e-6, backward_dispatch_s=5e-6, gemm_h
 _GPU_COMM = CommProfile(launch_s=5e-6, tree_bandwidth_factor=0.9)
 PRESETS: dict[str, Machine] = {
     # 8x H100 SXM per node, NVSwitch; 400 Gb/s InfiniBand per GPU (50 GB/s).
-    # Peaks: dense bf16 989 TFLOP/s, TF32 989/2. Links: all-reduce bus
-    # bandwidth ~267 GB/s on NVSwitch and ~30 us for an 8-GPU all-reduce
-    # (published measurements on 8x H100 with NVSwitch), i.e. alpha ~2 us per ring step (2(p-1) steps).
+    # Peaks: dense bf16 989 TFLOP/s, TF32 989/2. In-node link: NVLink 4 is 900 GB/s bidirectional per GPU,
+    # 450 GB/s each way (the line rate); with NCCL's protocol overhead (~20%) the effective NVLink bandwidth is
+    # ~370 GB/s, the bus bandwidth nccl-tests shows for all-gather, reduce-scatter and ring all-reduce on 8 GPUs
+    # (NCCL's maintainer, NVIDIA/nccl-tests#212). That is the bus bandwidth here: every in-node collective is
+    # priced as a ring (or, for Megatron's tensor-parallel overlap, a ring exchange of point-to-point steps) on
+    # it. An all-reduce on NVLink SHARP (NVLS, NCCL's default on H100) reaches ~480 GB/s bus bandwidth (algbw
+    # ~275 GB/s, the same source), which is not modelled: an in-node all-reduce is priced as the ring. The figure
+    # used before, ~267 GB/s "all-reduce bus bandwidth", matches NVLS's algbw, not a bus bandwidth: it priced
+    # every in-node collective 1.39x slow. ~30 us for a small 8-GPU all-reduce, i.e. alpha ~2 us per ring step.
     "h100x8": Machine("h100x8", 8, 1, peak_flops=989e12, memory_bandwidth=3350 * GB,
-                      memory_capacity=80 * 2 ** 30, intra_bandwidth=267 * GB, intra_latency=2e-6,
+                      memory_capacity=80 * 2 ** 30, intra_bandwidth=370 * GB, intra_latency=2e-6,
                       inter_bandwidth=50 * GB, inter_latency=5e-6, precision="bf16",
                       peaks=(("bf16", 989e12), ("fp16", 989e12), ("fp32", 989e12 / 2)),
                       efficiency=_GPU_EFFICIENCY, comm=_GPU_COMM),
