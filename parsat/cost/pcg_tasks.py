@@ -889,13 +889,14 @@ class _Builder:
         if not self.profile.ddp_buckets:
             return []
         comm = self.machine.comm
+        grad_bytes = self.machine.precision_spec.gradient_bytes
         out = []
         for axis, stored, grads in self._axis_gradients():
             group = GroupTopology.of_axis(self.pcg.mesh, axis)
             kind = REDUCE_SCATTER if self.sharded else ALL_REDUCE   # ZeRO: each rank keeps its shard's sum
             buckets = GradientBuckets(self.steps, DEVICE, grads,
                                       lambda nbytes, g=group, k=kind: price(k, g, nbytes, self.machine).seconds,
-                                      comm.bucket_bytes, comm.first_bucket_bytes, stream_name=group.link)
+                                      *comm.bucket_caps(group.size, grad_bytes), stream_name=group.link)
             out.append(buckets)
             for at in stored:
                 self.bucket_of[at] = (axis, buckets)
@@ -918,10 +919,11 @@ class _Builder:
         names bucket by bucket in forward order, each bucket's parameter bytes), the gradient buckets
         (`assign_buckets`, as `_buckets` makes them) reversed."""
         comm = self.machine.comm
+        grad_bytes = self.machine.precision_spec.gradient_bytes
         out = []
         for axis, _stored, grads in self._axis_gradients():
-            buckets = [[g.name for g in b] for b in reversed(assign_buckets(grads, comm.bucket_bytes,
-                                                                           comm.first_bucket_bytes))]
+            caps = comm.bucket_caps(self.pcg.mesh.size(axis), grad_bytes)
+            buckets = [[g.name for g in b] for b in reversed(assign_buckets(grads, *caps))]
             out.append((axis, buckets, [sum(_elements(self.stored[int(n)]) for n in b) * self.item for b in buckets]))
         return out
 

@@ -5,7 +5,7 @@ each weight's gradient reduction as a collective of its own: every weight
 pays a launch and the group's latency (a ring reduce-scatter over 48 ranks
 across nodes: 47 steps of 5 us), which on a stage of hundreds of weights is
 hundreds of milliseconds no framework spends. DDP and Megatron-LM put the
-gradients into buckets (`comm.bucket_bytes`; the step simulator's
+gradients into buckets (`comm.bucket_caps`; the step simulator's
 `schedules.GradientBuckets` does the same for an unstaged plan) and run one
 collective per bucket. This module finds a stage plan's weight reductions
 (every `replicate` on a weight's chain: its backward all-reduces the
@@ -73,8 +73,8 @@ def weight_reductions(plan: Plan) -> dict[int, Reduction]:
 
 
 def bucketed_seconds(reductions: Iterable[Reduction], machine: Machine) -> tuple[float, float]:
-    """(seconds reducing, seconds after the optimizer) of `reductions` run in buckets of `comm.bucket_bytes` (the
-    first of `comm.first_bucket_bytes`), one bucket sequence per group and kind, as DDP assigns them; under
+    """(seconds reducing, seconds after the optimizer) of `reductions` run in buckets of `comm.bucket_caps` (DDP's
+    bytes, or Megatron-Core's elements per rank), one bucket sequence per group and kind, as DDP assigns them; under
     ZeRO-1 each reduce-scattered bucket's updated shards are all-gathered after the update, bucket by bucket."""
     by_group: dict[tuple[str, GroupTopology], list[Reduction]] = {}
     for r in reductions:
@@ -83,7 +83,7 @@ def bucketed_seconds(reductions: Iterable[Reduction], machine: Machine) -> tuple
     comm = machine.comm
     for (kind, group), found in by_group.items():
         gradients = [Gradient(str(r.node), r.nbytes) for r in found]
-        for bucket in assign_buckets(gradients, comm.bucket_bytes, comm.first_bucket_bytes):
+        for bucket in assign_buckets(gradients, *comm.bucket_caps(group.size, machine.dtype_bytes)):
             nbytes = sum(g.nbytes for g in bucket)
             reducing += price(kind, group, nbytes, machine).seconds
             if kind == REDUCE_SCATTER:
@@ -125,5 +125,6 @@ def gather_buckets(gathers: Sequence[Reduction], machine: Machine
         backward = [Gradient(str(g.node), g.nbytes) for g in reversed(found)]
         out[group] = [(tuple(int(g.name) for g in reversed(bucket)),
                        price(ALL_GATHER, group, sum(g.nbytes for g in bucket), machine).seconds)
-                      for bucket in reversed(assign_buckets(backward, comm.bucket_bytes, comm.first_bucket_bytes))]
+                      for bucket in reversed(assign_buckets(backward, *comm.bucket_caps(group.size,
+                                                                                         machine.dtype_bytes)))]
     return out

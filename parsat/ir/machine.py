@@ -197,7 +197,12 @@ _GPU_EFFICIENCY = OpEfficiency(dispatch_s=5e-6, backward_dispatch_s=5e-6, gemm_h
                                gemm_half_k=384, gemm_peak_fraction=0.802, memory_half_bytes=1 << 20,
                                async_dispatch=True,
                                attention_efficiency=_ATTENTION_EFFICIENCY, attention_half_flops=_ATTENTION_HALF_FLOPS)
-_GPU_COMM = CommProfile(launch_s=5e-6, tree_bandwidth_factor=0.9)
+# Data-parallel buckets as Megatron-Core sizes them (the GPU presets are priced as Megatron-Core runs a plan:
+# `pcg_tasks.DDP`'s tensor-parallel overlap and parameter gathers are its): max(40M, 1M x the data-parallel size)
+# elements, no smaller first bucket (`DistributedDataParallelConfig.bucket_size`'s default), not PyTorch DDP's
+# 25 MiB: over 48 ranks across nodes each bucket's collective pays 47 ring steps of latency.
+_GPU_COMM = CommProfile(launch_s=5e-6, tree_bandwidth_factor=0.9, bucket_elements=40_000_000,
+                        bucket_elements_per_rank=1_000_000)
 PRESETS: dict[str, Machine] = {
     # 8x H100 SXM per node, NVSwitch; 400 Gb/s InfiniBand per GPU (50 GB/s).
     # Peaks: dense bf16 989 TFLOP/s, TF32 989/2. In-node link: NVLink 4 is 900 GB/s bidirectional per GPU,

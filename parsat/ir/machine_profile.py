@@ -40,7 +40,7 @@ from typing import Any
 from parsat.ir.errors import MachineError
 from parsat.ir.validate import COLLECTIVE_KINDS as COLLECTIVES
 from parsat.ir.validate import LINK_KINDS as LINKS
-from parsat.ir.validate import validate_comm_dict, validate_efficiency_dict, validate_oversubscribed_dict
+from parsat.ir.validate import COMM_INTEGERS, validate_comm_dict, validate_efficiency_dict, validate_oversubscribed_dict
 MIB = 1 << 20
 
 
@@ -215,9 +215,24 @@ class CommProfile:
     tree_bandwidth_factor: float = 1.0    # a tree all-reduce's bus bandwidth over a ring's (NCCL: a bit below 1)
     bucket_bytes: int = 25 * MIB          # DDP's bucket_cap_mb (25 MiB by default)
     first_bucket_bytes: int = 1 * MIB     # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+    bucket_elements: int = 0              # a bucket holds at least this many elements (0: bytes only, as DDP)
+    bucket_elements_per_rank: int = 0     # ... and at least this many per rank of its group (`bucket_caps`)
     sync_skew: float = 0.0                # stragglers: a synchronising collective also waits this fraction of the
                                           # compute since the previous one (ranks sharing cores; ~0 on dedicated GPUs)
     points: tuple[CollectivePoint, ...] = field(default=())
+
+    def bucket_caps(self, group_size: int, item_bytes: int) -> tuple[int, int]:
+        """(a bucket's cap, the first bucket's cap) in bytes for gradients of `item_bytes` an element reduced over
+        `group_size` ranks. PyTorch DDP caps buckets by bytes, the first one smaller (`bucket_bytes`,
+        `first_bucket_bytes`). Megatron-Core caps them by elements, max(40M, 1M x the data-parallel size) by default
+        ("larger DP sizes need larger buckets to ensure collectives do not become latency-bound":
+        `DistributedDataParallelConfig.bucket_size`), with no smaller first bucket: where `bucket_elements` or
+        `bucket_elements_per_rank` is set, both caps are the larger of `bucket_bytes` and that many elements."""
+        elements = max(self.bucket_elements, self.bucket_elements_per_rank * group_size)
+        if elements <= 0:
+            return self.bucket_bytes, self.first_bucket_bytes
+        cap = max(self.bucket_bytes, elements * item_bytes)
+        return cap, cap
 
     def point(self, collective: str, link: str, group: int) -> CollectivePoint | None:
         """The measured point for exactly this case, if the table has it."""
@@ -229,6 +244,7 @@ class CommProfile:
     def to_dict(self) -> dict:
         return {"launch_s": self.launch_s, "tree_bandwidth_factor": self.tree_bandwidth_factor,
                 "bucket_bytes": self.bucket_bytes, "first_bucket_bytes": self.first_bucket_bytes,
+                "bucket_elements": self.bucket_elements, "bucket_elements_per_rank": self.bucket_elements_per_rank,
                 "sync_skew": self.sync_skew,
                 "points": [p.to_dict() for p in self.points]}
 
@@ -237,7 +253,7 @@ class CommProfile:
         """A `comm` object, checked against `ir.validate.COMM_RANGES` and `POINT_RANGES` (MachineError otherwise)."""
         data = dict(validate_comm_dict(data))
         points = tuple(CollectivePoint.from_dict(p) for p in data.pop("points", []))
-        numbers = {k: (int(v) if k in ("bucket_bytes", "first_bucket_bytes") else float(v)) for k, v in data.items()}
+        numbers = {k: (int(v) if k in COMM_INTEGERS else float(v)) for k, v in data.items()}
         return CommProfile(**numbers, points=points)
 
 

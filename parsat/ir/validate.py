@@ -636,9 +636,11 @@ COMM_RANGES: Mapping[str, tuple[float, float, str]] = {
     "tree_bandwidth_factor": (1e-6, 1.0, "of the ring's bus bandwidth"),
     "bucket_bytes": (1, 1e18, "bytes"),
     "first_bucket_bytes": (1, 1e18, "bytes"),
+    "bucket_elements": (0, 1e18, "elements (0: bytes only)"),
+    "bucket_elements_per_rank": (0, 1e18, "elements per rank of the group (0: bytes only)"),
     "sync_skew": (0.0, 1000.0, "x the compute between collectives"),
 }
-COMM_INTEGERS = ("bucket_bytes", "first_bucket_bytes")
+COMM_INTEGERS = ("bucket_bytes", "first_bucket_bytes", "bucket_elements", "bucket_elements_per_rank")
 POINT_RANGES: Mapping[str, tuple[float, float, str]] = {
     "group": (2, MAX_DEVICES, "devices"),
     "latency_s": (0.0, 3600.0, "seconds"),
