@@ -134,3 +134,15 @@ def test_bytes_sent_agree_with_what_the_backend_counts():
         for p in (2, 3, 4, 8):
             event = CommEvent("op", "forward", kind, "dp", p, 1000 * p, 4)
             assert event.sent_bytes == Fraction(sent_bytes(kind, p, 1000 * p * 4)).limit_denominator(1000)
+
+
+def test_h100_in_node_collectives_run_at_nccl_s_effective_nvlink_rate():
+    # NVLink 4 is 450 GB/s each way; NCCL reaches ~370 GB/s of bus bandwidth on an 8-GPU all-gather or
+    # reduce-scatter (its protocol's ~20%, NVIDIA/nccl-tests#212); the preset once said 267 GB/s, NVLS all-reduce's
+    # algorithm bandwidth. Bus bandwidth as nccl-tests computes it from a large collective's time:
+    n = 8 << 30
+    for collective in (ALL_GATHER, REDUCE_SCATTER):
+        seconds = price(collective, GroupTopology(8, 8, 1), n, H100).seconds
+        assert 7 / 8 * n / seconds == pytest.approx(370e9, rel=0.01)
+    ring = price(ALL_REDUCE, GroupTopology(8, 8, 1), n, H100).seconds
+    assert 2 * 7 / 8 * n / ring == pytest.approx(370e9, rel=0.01)
