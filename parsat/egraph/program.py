@@ -53,6 +53,14 @@ class RuleProgram:
         return tuple(dict.fromkeys(r.chunk for ruleset in rulesets for r in self.rules
                                    if r.ruleset == ruleset and r.phase == phase))
 
+    def without(self, left_out: Mapping[str, str]) -> "RuleProgram":
+        """The program less the compiled rules of the library rules `left_out` names, each said in `skipped`
+        with its reason (`sums.sequential_cut`); the chunks they leave empty are not run."""
+        if not left_out:
+            return self
+        return replace(self, rules=tuple(r for r in self.rules if r.name not in left_out),
+                       skipped=self.skipped + tuple(SkippedRule(name, why) for name, why in left_out.items()))
+
     def chunks(self, ruleset: str) -> tuple[str, ...]:
         """The egglog rulesets `ruleset`'s rules are split into, in order (at least one, maybe empty).
 

@@ -31,6 +31,7 @@ from parsat.egraph.program_cache import cached_mesh_rules
 from parsat.egraph.runner import Limits, match_budget, run_generations
 from parsat.egraph.session import Session
 from parsat.egraph.snapshot import Snapshot
+from parsat.egraph.sums import sequential_cut
 
 
 @dataclass(frozen=True)
@@ -67,15 +68,19 @@ class SaturationResult:
 def saturate(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh: Mesh | int,
              limits: Limits = Limits(), pins: Mapping[str, Placement] | None = None,
              rulesets: Sequence[str] = ("alg", "par"), progress: Callable[[str], None] | None = None,
-             caches: MeshCaches | None = None) -> SaturationResult:
+             caches: MeshCaches | None = None, cut_sums: bool = False) -> SaturationResult:
     """Saturate `graph` with `rules` on `mesh` (a device count means a one-axis mesh), within `limits`; `pins`
-    fix input/output placements on the mesh."""
+    fix input/output placements on the mesh. `cut_sums` leaves out the associativity rules that cannot pay off
+    on the graph (`sums.sequential_cut`: its sums are sequential), said in the result's `rules_skipped`."""
     if isinstance(mesh, int):
         mesh = Mesh.of((mesh,) if mesh > 1 else ())
     start = time.perf_counter()
     deadline = start + limits.seconds
     program = cached_mesh_rules(library, rules, graph.ranks(), mesh, {n.op for n in graph.nodes},
                                 graph_signatures(graph, library.ops, pins), deadline, caches)
+    if cut_sums:
+        loadable = {r.name for r in program.rules}
+        program = program.without(sequential_cut(graph, [rule for rule in rules if rule.name in loadable]))
     text, names = mesh_graph_program(graph, library.ops, mesh, pins)
     session = Session(program, text, deadline, mesh)
     compiled = time.perf_counter() - start

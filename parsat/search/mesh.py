@@ -215,7 +215,7 @@ def _saturate(step: StepContext, mesh: Mesh, pins: Mapping[str, Placement], cloc
     request, graph = step.request, step.searched
     t = time.perf_counter()
     result = saturate(graph, request.library, request.rules, mesh, clock.remaining(SATURATION_SHARE), pins,
-                      caches=request.caches)
+                      caches=request.caches, cut_sums=request.cut_sums)
     if result.stop == STOP_INTERRUPTED:
         clock.interrupt()   # Ctrl-C inside egglog: this mesh's e-graph as it stands, and nothing more after it
     step.say(f"mesh {mesh}: saturation {result.stop} after {result.iterations} iterations, {result.enodes} "

@@ -101,6 +101,9 @@ class SearchRequest:
     # mesh at its count are often the same extraction of the same e-graph (`step.plan_rules`)
     rules_found: dict = field(default_factory=dict, compare=False)
     deadline: float | None = None       # the call's `--limit seconds` deadline (perf_counter), None without one
+    # leave out the associativity rules that cannot pay off on a graph whose sums are sequential (`egraph.sums`,
+    # docs/MESH.md "Sequential sums"); False saturates with every rule (what the tests compare against)
+    cut_sums: bool = True
 
     def graph_budget(self) -> GraphBudget:
         """What a graph of this call may hold and until when it may be built (`ir.budget`)."""
@@ -124,7 +127,8 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
                     free_input_placements: bool = True, baselines: bool = True, sizes: Mapping[str, int] | None = None,
                     degrees: Mapping[str, int] | None = None, progress: Progress | None = None,
                     repeat_blocks: bool = True, recompute: str = AUTO,
-                    caches: MeshCaches | None = None, deadline: float | None = None) -> SearchRequest:
+                    caches: MeshCaches | None = None, deadline: float | None = None,
+                    cut_sums: bool = True) -> SearchRequest:
     """The call's inputs resolved and checked, then its rules chosen (a bad graph name or size, device count or
     `--degrees` pin is refused before the rules load, a graph the devices cannot use before any proof is looked
     up). `deadline` (a `time.perf_counter()` value: the call's `--limit seconds`)
@@ -151,7 +155,7 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
     return SearchRequest(graph, whole, library, chosen, note, machine, count, limits, sizes,
                          example_batch(graph, sizes), dims, pp, output_spreads, input_spreads, free_input_placements,
                          baselines, repeat_blocks, recompute, zero, sequence, caches or MeshCaches(), say,
-                         deadline=deadline)
+                         deadline=deadline, cut_sums=cut_sums)
 
 
 @dataclass(frozen=True)
