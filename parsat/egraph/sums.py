@@ -111,25 +111,81 @@ def _root(term: ast.Expr) -> str | None:
 
 
 def _makes_sums(graph: Graph, rules: Iterable[ast.RuleDecl], op: str, own: set[str]) -> bool:
-    """Whether a rule other than `op`'s associativity can put a sum where the graph has none: its right side
-    builds a new value that applies `op`, or writes a value that is no sum as one (`g(...) => op(...)`) where
-    the graph's `g` values feed a sum, or where the graph applies no `g` (the rule then rewrites what other rules
-    make) and its left side holds no sum. A rule whose left side already holds a sum under an operator the
-    graph does not apply (`bias_add(add(x, y), b) => add(bias_add(x, b), y)`) matches only where a rule has
-    put that operator over a sum, and is not counted: this is where the check trusts the rules' left sides
-    rather than the saturated e-graph (docs/MESH.md, "Sequential sums")."""
-    feeding = _operand_ops(graph, op)
-    ops = {node.op for node in graph.nodes}
-    for rule in rules:
-        if rule.name in own:
+    """Whether a rule other than `op`'s associativity can put a sum where the graph shows none: one that can
+    match (`_sum_patterns`) and builds a new value applying `op` (`mul_factor_add`'s `add(y, z)`), or writes a
+    kind of value that feeds a sum as a sum itself (`g(...) => op(...)` where `g` feeds a sum). What can match
+    is followed from the graph's sums (which operators feed them, which are applied to them) through every
+    rule's right side, to a fixed point; a rule whose left side needs a sum in a context nothing makes
+    (`mul(x, add(y, z))` where no product is ever taken of a sum) is taken not to match: this is where the
+    check trusts the rules' left sides rather than the saturated e-graph (docs/MESH.md, "Sequential sums")."""
+    others = [rule for rule in rules if rule.name not in own]
+    feed, over = _operand_ops(graph, op), _user_ops(graph, op)
+    grew = True
+    while grew:
+        grew = False
+        for rule in others:
+            if not _fits(_sum_patterns(rule.lhs, op), feed, over):
+                continue
+            feeds, users = _sum_patterns(rule.rhs, op)
+            lroot, rroot = _root(rule.lhs), _root(rule.rhs)
+            if rroot == op and lroot not in (op, None):
+                users |= _user_ops(graph, lroot)   # the sum stands where a `g` value stood
+            if lroot in feed and rroot is not None:
+                feeds.add(rroot)                   # a value that feeds a sum, now also computed by `rroot`
+            users |= _applied_to(rule.rhs, _maybe_sums(rule.lhs, over))
+            if not (feeds <= feed and users <= over):
+                feed, over, grew = feed | feeds, over | users, True
+    for rule in others:
+        if not _fits(_sum_patterns(rule.lhs, op), feed, over):
             continue
         if any(op in _ops(term) for term in new_values(rule)):
             return True
-        lroot, rroot = _root(rule.lhs), _root(rule.rhs)
-        if rroot == op and lroot != op and (lroot is None or lroot in feeding or
-                                            (lroot not in ops and op not in _ops(rule.lhs))):
+        lroot = _root(rule.lhs)
+        if _root(rule.rhs) == op and lroot != op and (lroot is None or lroot in feed):
             return True
     return False
+
+
+def _sum_patterns(term: ast.Expr, op: str) -> tuple[set[str], set[str]]:
+    """Where a rule side has sums: the operators computing their terms, and the operators applied to them
+    (parallel operators looked through; a metavariable names no operator)."""
+    feeds: set[str] = set()
+    users: set[str] = set()
+    for call in (t for t in ast.walk(term) if isinstance(t, ast.Call) and t.func not in PARALLEL_OPS):
+        roots = [_root(arg) for arg in call.args]
+        if call.func == op:
+            feeds |= {root for root in roots if root is not None}
+        if op in roots:
+            users.add(call.func)
+    return feeds, users
+
+
+def _maybe_sums(term: ast.Expr, over: set[str]) -> set[str]:
+    """A left side's metavariables that may stand for a sum: those an operator in `over` is applied to."""
+    return {arg.id for call in ast.walk(term) if isinstance(call, ast.Call) and call.func in over
+            for arg in call.args if isinstance(arg, ast.Name)}
+
+
+def _applied_to(term: ast.Expr, names: set[str]) -> set[str]:
+    """The operators a right side applies to one of `names` (through parallel operators)."""
+    def bare(arg: ast.Expr) -> ast.Expr:
+        while isinstance(arg, ast.Call) and arg.func in PARALLEL_OPS:
+            arg = arg.args[0]
+        return arg
+    return {call.func for call in ast.walk(term) if isinstance(call, ast.Call) and call.func not in PARALLEL_OPS
+            and any(isinstance(bare(arg), ast.Name) and bare(arg).id in names for arg in call.args)}
+
+
+def _fits(patterns: tuple[set[str], set[str]], feed: set[str], over: set[str]) -> bool:
+    """Whether a left side's sums can be found: each in a context some sum has (`_sum_patterns`)."""
+    feeds, users = patterns
+    return feeds <= feed and users <= over
+
+
+def _user_ops(graph: Graph, op: str) -> set[str]:
+    """The operators the graph applies to a value an `op` node computes."""
+    made = {node.name for node in graph.nodes if node.op == op}
+    return {node.op for node in graph.nodes if any(name in made for name in node.inputs)}
 
 
 def _operand_ops(graph: Graph, op: str) -> set[str]:
