@@ -14,7 +14,8 @@ text), `program` (`compile_rules`, `MeshCaches`), `program_cache` (a mesh's
 compiled program kept on disk by its content), `loading` (the graph's
 text into the e-graph: a command per term, its facts read in bulk),
 `session` (the e-graph), `runner` (one saturation loop: `Limits`, the stop reason, matches per
-rule), `saturate` (compile, load, run, read back), `snapshot` (the e-graph
+rule), `sums` (the associativity rules that cannot pay off on a graph whose sums are sequential, left out
+when `saturate` is asked to), `saturate` (compile, load, run, read back), `snapshot` (the e-graph
 read back: e-classes, e-nodes, shapes, placements), `derivation` (what each
 rule application read and built, from the match it recorded).
 """
