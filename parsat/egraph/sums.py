@@ -197,20 +197,25 @@ def _operand_ops(graph: Graph, op: str) -> set[str]:
 
 
 def _sequential_sums(graph: Graph, op: str) -> bool:
-    """Whether every `op` node of the graph that has an `op` node as an operand is a link of a chain: its other
-    operand is computed from that one (so from every term before it). `op` must be binary."""
+    """Whether the graph has a chain of `op` and every `op` node that has an `op` node as an operand is a link of
+    one: its other operand is computed from that one (so from every term before it). `op` must be binary. A
+    graph with no `op` node over another (BERT's two-term sums between post-norms) has nothing to regroup, and
+    the rule is left in: taking it out would save nothing and only renumber egglog's classes, which moves
+    extraction's ties and the recorded derivations (`search.provenance`)."""
     nodes = {node.name: node for node in graph.nodes}
     ancestors = _ancestors(graph)
+    links = 0
     for node in graph.nodes:
         if node.op != op:
             continue
         if len(node.inputs) != 2:
             return False
         for at, operand in enumerate(node.inputs):
-            other = node.inputs[1 - at]
-            if operand in nodes and nodes[operand].op == op and not _depends(ancestors, other, operand):
-                return False
-    return True
+            if operand in nodes and nodes[operand].op == op:
+                if not _depends(ancestors, node.inputs[1 - at], operand):
+                    return False
+                links += 1
+    return links > 0
 
 
 def _ancestors(graph: Graph) -> tuple[Mapping[str, int], Mapping[str, int]]:
