@@ -169,3 +169,53 @@ def test_memory_after_a_task_leaves_out_finished_transients_and_later_allocation
     assert r.peak_memory_bytes[0] == 210
     assert r.memory_after(first, 10) == 110
     assert r.memory_after(concat, 10) == 110                  # the transient 200 is not seen between calls
+
+
+def _random_step(seed: int, devices: int = 3, tasks: int = 400) -> StepBuilder:
+    """A step of random tasks over several devices' streams: many tasks at the same instants (zero-length ones,
+    equal durations), allocations and frees of all sizes, some tasks both allocating and freeing."""
+    import random
+    rng = random.Random(seed)
+    b = StepBuilder()
+    streams = [b.stream(f"d{k}", kind) for k in range(devices) for kind in (COMPUTE, COMM)]
+    for i in range(tasks):
+        deps = rng.sample(range(i), k=min(i, rng.randint(0, 3)))
+        b.add(f"t{i}", rng.choice(streams), rng.choice([0.0, 0.5, 1.0, 0.25 * rng.randint(1, 8)]), deps,
+              alloc=rng.choice([0, 0, 1, 7, 2 ** 40]), free=rng.choice([0, 0, 3, 7, 2 ** 40]))
+    return b
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_memory_peak_sums_events_as_the_ordered_sweep_does(seed):
+    """`_peaks` (a stable sort by instant and kind, a running sum) gives each device the peak the ordered sweep
+    of every event gives (`_peaks_swept`, the reference), with ties at one instant, zero-length tasks, and a
+    resident amount on a device no task runs on; a negative byte count takes the sweep itself."""
+    b = _random_step(seed)
+    result = b.simulate()
+    _snapshot, start, end = result._columns
+    resident = {"d0": 5, "elsewhere": 11}
+    assert b._peaks(start, end, resident) == b._peaks_swept(start, end, resident)
+    assert list(b._peaks(start, end, resident)) == list(b._peaks_swept(start, end, resident))
+    assert b._peaks(start, end, {}) == b._peaks_swept(start, end, {})
+    b.frees[-1] = -4   # not something a builder adds: the reference sweep answers it
+    assert b._peaks(start, end, resident) == b._peaks_swept(start, end, resident)
+
+
+def test_a_repeated_span_depends_on_its_own_copies_and_keeps_earlier_dependencies():
+    """`repeat`: a copied task's dependency inside the span moves to the copy, one before it stays, one
+    without any stays without; the simulation of the copies is the one of tasks added anew."""
+    b, fresh = StepBuilder(), StepBuilder()
+    for builder in (b, fresh):
+        s, c = builder.stream("d", COMPUTE), builder.stream("d", COMM)
+        builder.add("w", s, 1.0)
+        builder.add("f", s, 2.0, [0], alloc=4)
+        builder.add("g", c, 1.5, [1, 0], free=4)
+        builder.add("h", s, 0.5)
+    b.repeat(1, 4)
+    fresh.add("f", 0, 2.0, [0], alloc=4)
+    fresh.add("g", 1, 1.5, [4, 0], free=4)
+    fresh.add("h", 0, 0.5)
+    assert b.deps == fresh.deps == [(), (0,), (1, 0), (), (0,), (4, 0), ()]
+    one, other = b.simulate(), fresh.simulate()
+    assert (one.step_s, one.busy_s, one.peak_memory_bytes, one.critical_path) == \
+        (other.step_s, other.busy_s, other.peak_memory_bytes, other.critical_path)
