@@ -5,13 +5,14 @@ so the plan, is the one simulating every point gives."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from parsat.search.baselines import grid_families, independent_grid
 from parsat.search.mesh import CandidateSteps, best
 from parsat.search.request import resolve_request, step_context
-from parsat.search.step import independent_points, keeps_pins
+from parsat.search.step import _LayoutFloors, independent_points, keeps_pins
 
 # large enough a batch that data parallelism is bound by its compute, which tensor parallelism only slows
 SIZES = {"blocks": 2, "hidden": 512, "heads": 8, "batch": 256, "seq": 512, "vocab": 2048}
@@ -121,7 +122,7 @@ def test_the_plan_is_the_one_simulating_every_point_gives(monkeypatch, degrees):
     import parsat
 
     skipped = []
-    fastest, beyond = CandidateSteps.fastest, CandidateSteps.beyond
+    fastest, beyond, floors_beyond = CandidateSteps.fastest, CandidateSteps.beyond, _LayoutFloors.beyond
 
     def counting(self, *args):
         before = self.skipped
@@ -134,12 +135,18 @@ def test_the_plan_is_the_one_simulating_every_point_gives(monkeypatch, degrees):
         skipped.append(int(out))
         return out
 
+    def layout_floors(self, *args):   # the same, as the independent grid asks it (`step._LayoutFloors`)
+        out = floors_beyond(self, *args)
+        skipped.append(int(out))
+        return out
+
     def plan() -> dict:
         found = parsat.optimize("gpt", machine="h100x8", devices=8, sizes=SIZES, degrees=degrees)
         return _without_timing(json.loads(found.to_json()))
 
     monkeypatch.setattr(CandidateSteps, "fastest", counting)
     monkeypatch.setattr(CandidateSteps, "beyond", layouts)
+    monkeypatch.setattr(_LayoutFloors, "beyond", layout_floors)
     bounded = plan()
     assert sum(skipped) > 0
     monkeypatch.setattr(CandidateSteps, "floor", lambda self, pcg, plan=True: None)
@@ -163,3 +170,60 @@ def test_a_layout_that_fits_with_its_state_whole_is_also_a_zero_1_point_where_gp
         assert spread and all((1 in zeros) == sharded_too for zeros in spread), (machine, layouts)
         # ZeRO 0 and 1 hold the same layout's state whole or sharded (`PCG.zero`); ZeRO-3 stores the weights split
         assert all(p.pcg.zero == p.config["zero"] for p in points if p.config["zero"] in (0, 1))
+
+
+def _grid_order_points(step, steps, request) -> list:
+    """`independent_points` as it was before the layouts were ordered by their floors: the branch and bound in
+    the grid's order (the reference the ordered one is held to)."""
+    kept, bar = [], float("inf")
+    for family in grid_families(step.graph, request.library, step.machine, True, step.devices, step.memory.fits,
+                                skip=lambda pcg: steps.beyond(pcg, bar)):
+        points, bar = steps.fastest([point for _place, point in family], step.memory.fits, bar)
+        kept += [(family[i][0], point) for i, point in points.items()]
+    return [point for _place, point in sorted(kept, key=lambda pair: pair[0])]
+
+
+@pytest.mark.parametrize("devices, microbatches, tp_first", [(8, 1, False), (16, 2, False), (16, 1, True)])
+def test_layouts_in_the_order_of_their_floors_give_the_best_point_the_grid_order_gives(devices, microbatches,
+                                                                                      tp_first):
+    """The independent grid visits its layouts in the ascending order of their floors (`grid_families`' `order`):
+    the best point, and every point as fast as it, are those the grid's own order gives, and no more points
+    are simulated. With a batch that makes tensor parallelism the fastest (`tp_first`), the grid's order meets
+    data parallelism first and simulates its points; the floors' order meets the fastest layout first, and its
+    bar leaves out a point the grid's order simulated."""
+    sizes = {**SIZES, "batch": 16, "seq": 256, "hidden": 4096, "heads": 32} if tp_first else SIZES
+    request = resolve_request("gpt", "h100x8", None, None, devices, sizes=sizes)
+    step = step_context(request, microbatches)
+    ordered, plain = (CandidateSteps(request.library, step.machine, microbatches) for _ in range(2))
+    seen = []
+    floors = _LayoutFloors(ordered)
+    recording = lambda pcg: seen.append(floors(pcg)) or seen[-1]   # noqa: E731 - the order asked, recorded
+    families = list(grid_families(step.graph, request.library, step.machine, True, step.devices, step.memory.fits,
+                                  order=recording))
+    assert len(seen) == len(families) > 1
+    visited = [floors(f[0][1].pcg) for f in families if f]
+    assert visited == sorted(visited)
+    new = independent_points(step, ordered)
+    old = _grid_order_points(step, plain, request)
+    chosen, reference = best(new, step.memory), best(old, step.memory)
+    assert (chosen.pcg, chosen.config, chosen.totals) == (reference.pcg, reference.config, reference.totals)
+    fastest = round(reference.totals.time_s, 12)
+    as_fast = lambda points: [(p.config, p.totals) for p in points   # noqa: E731
+                              if p.totals.streams is not None and round(p.totals.time_s, 12) == fastest]
+    assert as_fast(new) == as_fast(old)
+    assert len(ordered.simulated) <= len(plain.simulated)
+    if tp_first:   # dp 4 x tp 4 with sequence parallelism is the fastest, the grid's order meets it late
+        assert chosen.config["tp"] > 1 and len(ordered.simulated) < len(plain.simulated)
+
+
+def test_no_layout_is_left_out_when_no_point_fits():
+    """Where no point fits, no step is simulated, the bar never falls and the floors' order leaves nothing out:
+    every point of the grid is kept (unsimulated, ranked by memory), as the grid's order keeps them."""
+    request = resolve_request("gpt", "h100x8", None, None, 8, sizes=SIZES)
+    step = step_context(request, 1)
+    tiny = replace(step, memory=replace(step.memory, machine=replace(step.machine, memory_capacity=1)))
+    steps = CandidateSteps(request.library, tiny.machine, 1)
+    kept = independent_points(tiny, steps)
+    every = independent_grid(tiny.graph, request.library, tiny.machine, True, tiny.devices, tiny.memory.fits)
+    assert kept and not any(tiny.memory.fits(p) for p in every) and not steps.simulated
+    assert [(p.config, p.totals) for p in kept] == [(p.config, p.totals) for p in every]

@@ -108,7 +108,8 @@ def independent_grid(graph: Graph, library: Library, machine: Machine, free_inpu
 def grid_families(graph: Graph, library: Library, machine: Machine, free_input_placements: bool, devices: int,
                   fits: Callable[[Candidate], bool] | None = None,
                   skip: Callable[[PCG], bool] | None = None,
-                  state_zero: int = 0, computed: dict | None = None) -> Iterator[list[tuple[int, Candidate]]]:
+                  state_zero: int = 0, computed: dict | None = None,
+                  order: Callable[[PCG], float | None] | None = None) -> Iterator[list[tuple[int, Candidate]]]:
     """`independent_grid`'s points, one (dp, tp, sequence parallelism) layout at a time, each with its place in
     `independent_grid`'s order: the layout with ZeRO 0, then 3, each with its fallbacks.
 
@@ -120,6 +121,9 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
     one for the whole family, and `skip(pcg)`, shown the family's first layout, leaves the family out (the
     rest are not even built) where it says so. A generator: `skip` is asked when the caller asks for the
     family, after the ones before it, so it can read what they gave (the bar of a branch and bound).
+    `order(pcg)` (such a bound of the family's first layout; None where there is none): the families come in
+    its ascending order (those without one first, then ties in the grid's order), every first layout built
+    before the first family is given, so that the bar falls as early as it can; without it, in the grid's order.
     `state_zero` (1 or 2: a pinned `--degrees zero=N`): the points that store their weights whole (ZeRO 0) hold
     their state so, as the pin asks (Megatron's distributed optimizer is the layout with ZeRO-1), rather than
     only where they would not fit otherwise. Unpinned, on a machine whose execution overlaps ZeRO-1's gathers
@@ -127,38 +131,87 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
     ZeRO-1. `computed`: compute nodes' costs shared with the caller's other pricers (`extract.Pricer`; by
     default the grid's own)."""
     per_node = machine.devices_per_node
-    fits = fits or (lambda candidate: candidate.totals.fits(machine))
-    # where ZeRO-1's gathers of the updated shards run during the next forward (Megatron's distributed optimizer
-    # with overlap_param_gather), a layout that fits with its state whole may still run faster with it sharded:
-    # half the gradient bytes reduced, the update on a shard; so both are points, and the simulation chooses
-    overlapped = profile_for(machine).overlap_param_gather
     shared: dict = {}   # what every point's layout of the graph reuses (`megatron_pcg`'s cache)
-    computed = {} if computed is None else computed   # and the compute nodes' costs every pricing reuses
-    blocks = has_blocks(leaf.name for leaf in graph.leaves)
-    place = 0
+
+    def lay_out(layout: _Layout, zero: int) -> PCG | None:
+        return megatron_pcg(graph, library, (layout.dp, layout.tp), per_node, zero=zero, sequence=layout.sequence,
+                            cache=shared)
+
+    layouts = _grid_layouts(devices, per_node)
+    firsts: list = [None] * len(layouts)   # each family's first layout, where `order` asks for it up front
+    if order is not None:
+        firsts = [lay_out(layout, layout.zeros[0]) for layout in layouts]
+        bounds = [order(pcg) if pcg is not None else None for pcg in firsts]
+        visit = sorted(range(len(layouts)), key=lambda k: (-math.inf if bounds[k] is None else bounds[k], k))
+        layouts, firsts = [layouts[k] for k in visit], [firsts[k] for k in visit]
+    point = _GridPricer(graph, library, machine, free_input_placements, fits or (
+        lambda candidate: candidate.totals.fits(machine)), state_zero, computed)
+    for layout, first in zip(layouts, firsts):
+        family = []
+        for z, zero in enumerate(layout.zeros):
+            pcg = first if z == 0 and first is not None else lay_out(layout, zero)
+            if z == 0 and pcg is not None and skip is not None and skip(pcg):
+                break
+            family += [(layout.place + z * layout.sequences, found) for found in point.priced(pcg, layout, zero)]
+        yield family
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A (dp, tp, sequence parallelism) layout of the grid: the ZeRO levels it is laid out with, and the place of
+    its first point in `independent_grid`'s order (a point with ZeRO level index z is `sequences` x z later)."""
+
+    dp: int
+    tp: int
+    sequence: bool
+    zeros: tuple[int, ...]
+    sequences: int
+    place: int
+
+
+def _grid_layouts(devices: int, per_node: int) -> list[_Layout]:
+    """The grid's layouts in its order: tp 1 or a divisor of a node's devices that divides `devices`, then
+    sequence parallelism off and on (where tp > 1); ZeRO 0 and 3 where dp > 1."""
+    out, place = [], 0
     for tp in [t for t in range(1, min(devices, per_node) + 1) if per_node % t == 0 and devices % t == 0]:
         dp = devices // tp
-        zeros, sequences = (ZERO_LEVELS if dp > 1 else (0,)), ((False, True) if tp > 1 else (False,))
-        for s, sequence in enumerate(sequences):
-            family = []
-            for z, zero in enumerate(zeros):
-                pcg = megatron_pcg(graph, library, (dp, tp), per_node, zero=zero, sequence=sequence, cache=shared)
-                if z == 0 and pcg is not None and skip is not None and skip(pcg):
-                    break
-                if zero == 0 and state_zero and dp > 1 and pcg is not None:
-                    pcg, zero = replace(pcg, zero=state_zero), state_zero
-                config = {"dp": dp, "tp": tp, "sp": sequence, "zero": zero, "microbatches": graph.microbatches}
-                point = _fitting_point(pcg, config, graph, library, machine, free_input_placements, fits, blocks,
-                                       computed)
-                if point is not None:
-                    family.append((place + z * len(sequences) + s, point))
-                    if overlapped and point.config["zero"] == 0 and dp > 1:
-                        sharded = _priced_point(replace(point.pcg, zero=1), {**point.config, "zero": 1}, graph,
-                                                library, machine, free_input_placements, computed)
-                        if sharded is not None:
-                            family.append((place + z * len(sequences) + s, sharded))
-            yield family
+        zeros, sequences = (tuple(ZERO_LEVELS) if dp > 1 else (0,)), ((False, True) if tp > 1 else (False,))
+        out += [_Layout(dp, tp, sequence, zeros, len(sequences), place + s) for s, sequence in enumerate(sequences)]
         place += len(zeros) * len(sequences)
+    return out
+
+
+class _GridPricer:
+    """A grid layout's points priced (`_fitting_point`), with the ZeRO-1 point beside a ZeRO-0 one that fits where
+    the machine overlaps ZeRO-1's gathers (`grid_families`)."""
+
+    def __init__(self, graph: Graph, library: Library, machine: Machine, free_input_placements: bool,
+                 fits: Callable[[Candidate], bool], state_zero: int, computed: dict | None):
+        self.graph, self.library, self.machine, self.free = graph, library, machine, free_input_placements
+        self.fits, self.state_zero = fits, state_zero
+        # where ZeRO-1's gathers of the updated shards run during the next forward (Megatron's distributed
+        # optimizer with overlap_param_gather), a layout that fits with its state whole may still run faster with
+        # it sharded: half the gradient bytes reduced, the update on a shard; so both are points, the simulation
+        # chooses
+        self.overlapped = profile_for(machine).overlap_param_gather
+        self.computed = {} if computed is None else computed   # the compute nodes' costs every pricing reuses
+        self.blocks = has_blocks(leaf.name for leaf in graph.leaves)
+
+    def priced(self, pcg: PCG | None, layout: _Layout, zero: int) -> list[Candidate]:
+        """The points of `layout` laid out with `zero` (`pcg`): none, one, or one and its ZeRO-1 twin."""
+        if zero == 0 and self.state_zero and layout.dp > 1 and pcg is not None:
+            pcg, zero = replace(pcg, zero=self.state_zero), self.state_zero
+        config = {"dp": layout.dp, "tp": layout.tp, "sp": layout.sequence, "zero": zero,
+                  "microbatches": self.graph.microbatches}
+        point = _fitting_point(pcg, config, self.graph, self.library, self.machine, self.free, self.fits,
+                               self.blocks, self.computed)
+        if point is None:
+            return []
+        if not (self.overlapped and point.config["zero"] == 0 and layout.dp > 1):
+            return [point]
+        sharded = _priced_point(replace(point.pcg, zero=1), {**point.config, "zero": 1}, self.graph, self.library,
+                                self.machine, self.free, self.computed)
+        return [point] + ([sharded] if sharded is not None else [])
 
 
 def _fitting_point(pcg: PCG | None, config: dict, graph: Graph, library: Library, machine: Machine,

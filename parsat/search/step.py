@@ -347,10 +347,13 @@ def independent_points(step: StepContext, steps: CandidateSteps) -> list[Candida
     """The independent grid's points (`baselines.independent_grid`), the ones that fit as they run
     (`search.fit`) simulated, less those whose step cannot be the fastest of them: only the fastest point can
     be the best grid point, and a point that does not fit ranks by its memory, which simulating does not
-    change. Branch and bound over the grid's layouts (`baselines.grid_families`): a layout whose step floor
+    change. Branch and bound over the grid's layouts (`baselines.grid_families`), visited in the ascending
+    order of their step floors (the fastest layouts' points set the bar first): a layout whose step floor
     is above the fastest point simulated so far is not built further nor simulated, and within a layout
     `CandidateSteps.fastest` skips likewise; so the points kept hold every one as fast as the fastest, in
-    the grid's order. Where `--degrees` pins, only the points that keep the pins can be the best grid point
+    the grid's order. The order changes only which slower points are left out: every point as fast as the
+    fastest has a floor at or below every bar, so it is kept in any order, and a point that does not fit
+    matters only where none fits, when the bar never falls and nothing is left out. Where `--degrees` pins, only the points that keep the pins can be the best grid point
     (`compare_baselines`), so only they are simulated and set the bar; the others are kept unsimulated. Made
     once per call for one graph on one machine and devices (and pipeline, for a stage's), which a scout's
     step and the search of every mesh at its count share."""
@@ -362,14 +365,35 @@ def independent_points(step: StepContext, steps: CandidateSteps) -> list[Candida
         kept: list[tuple[int, Candidate]] = []
         bar = math.inf
         pinned_zero = request.state_zero if request.state_zero in (1, 2) else 0   # `--degrees zero=N`
+        floors = _LayoutFloors(steps)
         for family in grid_families(step.graph, request.library, step.machine, request.free_input_placements,
-                                    step.devices, step.memory.fits, skip=lambda pcg: steps.beyond(pcg, bar),
-                                    state_zero=pinned_zero, computed=request.prices):
+                                    step.devices, step.memory.fits, skip=lambda pcg: floors.beyond(pcg, bar),
+                                    state_zero=pinned_zero, computed=request.prices, order=floors):
             points, bar = steps.fastest([point for _place, point in family], step.memory.fits, bar, rivals)
             kept += [(family[i][0], point) for i, point in points.items()]
         found = [point for _place, point in sorted(kept, key=lambda pair: pair[0])]
         request.grid_points[key] = found
     return found
+
+
+class _LayoutFloors:
+    """Each grid layout's step floor without the plan's own part (`CandidateSteps.floor(pcg, plan=False)`), worked
+    out once: it orders the layouts (`grid_families`' `order`) and bounds them (`beyond`). Kept by the layout's
+    identity, beside it, for one grid."""
+
+    def __init__(self, steps: CandidateSteps):
+        self.steps, self.known = steps, {}
+
+    def __call__(self, pcg: PCG) -> float | None:
+        found = self.known.get(id(pcg))
+        if found is None or found[0] is not pcg:
+            found = self.known[id(pcg)] = (pcg, self.steps.floor(pcg, plan=False))
+        return found[1]
+
+    def beyond(self, pcg: PCG, bar: float) -> bool:
+        """`CandidateSteps.beyond` on the floor worked out once: above `bar` as `rank` rounds."""
+        floor = self(pcg)
+        return floor is not None and round(floor, 12) > bar
 
 
 def assemble_plan(step: StepContext, searches: Sequence[MeshSearch], best_search: MeshSearch,
