@@ -410,3 +410,20 @@ def test_the_stage_memo_changes_no_price(stage_plan):
     assert memory == fit   # the memo is not part of the judgment
     for plan in (stage_plan, zero1, stage_plan):
         assert memory.peak_bytes(plan) == StageFit(2, machine).peak_bytes(plan)
+
+
+def test_a_stage_pricer_shares_a_node_s_share_only_with_nodes_of_the_same_cost_object(stage_plan):
+    """`StagePricer.shares`, worked out once per (cost object, in-node collective): each node's share is the one
+    `node_share` gives it alone, and nodes share one only where they hold the same cost object and are alike on
+    whether they are an in-node collective (a model of repeated blocks prices many nodes with one cost)."""
+    from parsat.cost.pipeline import StagePricer, _in_node_collectives, node_share
+    machine = Machine.resolve("cpu").with_devices(4)
+    for plan in (stage_plan, replace(stage_plan, pcg=replace(stage_plan.pcg, zero=1))):
+        pricer, in_node = StagePricer(plan, machine), _in_node_collectives(plan)
+        mb = plan.graph.microbatches
+        assert pricer.shares == {i: node_share(c, mb, i in in_node) for i, c in plan.costs.items()}
+        for i, c in plan.costs.items():
+            for j, d in plan.costs.items():
+                if pricer.shares[i] is pricer.shares[j]:
+                    assert c is d and (i in in_node) == (j in in_node)
+        assert len({id(s) for s in pricer.shares.values()}) <= len({id(c) for c in plan.costs.values()}) * 2
