@@ -31,26 +31,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from parsat.backend.calibrate import collective_cases
 from parsat.backend.launch import LaunchConfig, RankContext, launch
 
 WAYS = ("back to back", "alone", "after compute", "after idle")
 BACK_TO_BACK = 10
-
-
-def _collective(kind: str, elements: int, world: int, group=None):
-    full = torch.ones(elements, dtype=torch.float64)
-    piece = torch.ones(elements // world, dtype=torch.float64)
-    parts = [torch.empty_like(piece) for _ in range(world)]
-
-    def all_reduce():
-        out = full.clone()
-        dist.all_reduce(out, group=group)
-
-    def all_gather():
-        dist.all_gather(parts, piece, group=group)
-        torch.cat(parts)
-
-    return all_reduce if kind == "all_reduce" else all_gather
 
 
 def _stamp(fn) -> tuple[float, float]:
@@ -75,7 +60,8 @@ def _rank(ctx: RankContext, kind: str, elements: int, rounds: int, shape: list[i
         os.sched_setaffinity(0, {cpus[ctx.rank % len(cpus)]})
     m, k, n = shape
     x, w = torch.randn(m, k, dtype=torch.float64), torch.randn(k, n, dtype=torch.float64)
-    collective = _collective(kind, elements, ctx.world, _mesh_group(ctx) if mesh else None)
+    group = _mesh_group(ctx) if mesh else None
+    collective = dict(collective_cases(ctx, torch.float64, elements, ctx.world, group))[kind]
     compute = lambda: x @ w   # noqa: E731
     stamps: dict[str, list] = {way: [] for way in (*WAYS, "compute")}
     for _ in range(3):

@@ -415,46 +415,54 @@ def _groups(ctx: RankContext) -> dict[int, object]:
     return out
 
 
+def collective_cases(ctx: RankContext, dtype, n: int, g: int, group) -> list[tuple[str, Callable[[], None]]]:
+    """The collectives calibration times on one group of `g` ranks, on `n` elements each: (kind, run once).
+
+    Public so that a benchmark times exactly what calibration times (benchmarks/demo_collective.py)."""
+    position = ctx.rank % g
+    full = torch.ones(n, dtype=dtype, device=ctx.device)
+    piece = torch.ones(n // g, dtype=dtype, device=ctx.device)
+    parts = [torch.empty_like(piece) for _ in range(g)]
+    out_piece = torch.empty_like(piece)
+
+    def all_reduce():
+        out = full.clone()
+        dist.all_reduce(out, group=group)
+
+    def all_gather():
+        dist.all_gather(parts, piece, group=group)
+        torch.cat(parts)
+
+    def reduce_scatter():
+        dist.reduce_scatter(out_piece, list(full.chunk(g)), group=group)
+
+    def all_to_all():
+        dist.all_to_all(list(torch.empty_like(full).chunk(g)), list(full.chunk(g)), group=group)
+
+    def send_recv():
+        peer = ctx.rank + 1 if position % 2 == 0 else ctx.rank - 1
+        if position % 2 == 0:
+            dist.send(full, peer)
+            dist.recv(full, peer)
+        else:
+            dist.recv(full, peer)
+            dist.send(full, peer)
+
+    cases = [("all_reduce", all_reduce), ("all_gather", all_gather), ("reduce_scatter", reduce_scatter),
+             ("all_to_all", all_to_all)]
+    if g == 2:
+        cases.append(("send_recv", send_recv))
+    return cases
+
+
 def _collectives(ctx: RankContext, dtype, budget: Budget, sizes: Sequence[int], sync) -> list[list]:
     """Each collective kind, group size and buffer size: [kind, group, bytes, seconds], the slowest rank's."""
     rows = []
+    item = torch.empty((), dtype=dtype).element_size()
     for g, group in _groups(ctx).items():
-        position = ctx.rank % g
         for n in sizes:
             n = max(g, n - n % g)
-            full = torch.ones(n, dtype=dtype, device=ctx.device)
-            piece = torch.ones(n // g, dtype=dtype, device=ctx.device)
-            parts = [torch.empty_like(piece) for _ in range(g)]
-            out_piece = torch.empty_like(piece)
-            item = full.element_size()
-
-            def all_reduce():
-                out = full.clone()
-                dist.all_reduce(out, group=group)
-
-            def all_gather():
-                dist.all_gather(parts, piece, group=group)
-                torch.cat(parts)
-
-            def reduce_scatter():
-                dist.reduce_scatter(out_piece, list(full.chunk(g)), group=group)
-
-            def all_to_all():
-                dist.all_to_all(list(torch.empty_like(full).chunk(g)), list(full.chunk(g)), group=group)
-
-            def send_recv():
-                peer = ctx.rank + 1 if position % 2 == 0 else ctx.rank - 1
-                if position % 2 == 0:
-                    dist.send(full, peer)
-                    dist.recv(full, peer)
-                else:
-                    dist.recv(full, peer)
-                    dist.send(full, peer)
-
-            cases = [("all_reduce", all_reduce), ("all_gather", all_gather), ("reduce_scatter", reduce_scatter),
-                     ("all_to_all", all_to_all)]
-            if g == 2:
-                cases.append(("send_recv", send_recv))
+            cases = collective_cases(ctx, dtype, n, g, group)
             for kind, fn in cases:
                 try:
                     seconds = _timed(ctx, fn, budget, sync)
