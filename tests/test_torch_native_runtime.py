@@ -177,11 +177,11 @@ def test_what_torch_styles_cannot_run_is_refused_naming_the_node(tiny_graph):
     from parsat.ir.plan import pcg_from_dict
 
     pcg = pcg_from_dict(_plan(tiny_graph, (1, 2)))
-    # a module whose split weight is not an nn.Linear's: no torch style
+    # a module whose split weight is not an nn.Linear's (nor an nn.Embedding's or transformers' Conv1D): no style
     info = module_info(tiny()[0])
-    kinds = dict(info.kinds, fc1="Conv1D")
+    kinds = dict(info.kinds, fc1="Bilinear")
     params = {name: replace(p, owners=tuple((o, kinds[o]) for o, _ in p.owners)) for name, p in info.params.items()}
-    with pytest.raises(LoweringError, match=r"fc1\.weight.*Conv1D.*node #\d+ linear"):
+    with pytest.raises(LoweringError, match=r"fc1\.weight.*Bilinear.*node #\d+ linear"):
         lower(pcg, tiny_graph, replace(info, kinds=kinds, params=params))
     with pytest.raises(LoweringError, match="pipelined plan"):
         lower(pcg, tiny_graph, info, pipelined=True)
@@ -340,6 +340,7 @@ def train_job(ctx, factory: str, plans: dict, steps: int, folder: str, batch: tu
                       "param_numel": sum(t.numel() for t in params.values()),
                       "local_numel": sum((t.to_local() if isinstance(t, DTensor) else t).numel()
                                          for t in params.values()),
+                      "module_classes": {n: type(sub).__name__ for n, sub in model.named_modules()},
                       "checkpointed": sorted(n for n, sub in model.named_modules()
                                              if isinstance(sub.__dict__.get("forward"), partial))}
         dist.barrier()
@@ -563,6 +564,80 @@ def test_hf_gpt2_data_parallel_and_llama_tensor_parallel_on_two_ranks(tmp_path):
     modules here."""
     for name, shape in (("gpt2", (2, 1)), ("llama", (1, 2))):
         _train_hf(name, {name: _hf_plan(name, shape)}, 2, tmp_path)
+
+
+def _gpt2_lowered(shape: tuple[int, int], sequence: bool = False):
+    """(plan dict, its lowering, the import) of HF GPT-2 under Megatron's layout (float64, dropout off)."""
+    from parsat.importer.export import import_module
+    from parsat.ir.plan import pcg_from_dict
+
+    module, inputs = _factory("gpt2")()
+    imported = import_module(module, inputs, check=False)
+    plan = _plan(imported.graph, shape, sequence=sequence)
+    return plan, lower(pcg_from_dict(plan), imported.graph, module_info(module, imported.weights)), imported
+
+
+def test_hf_gpt2_tensor_parallel_plan_styles_its_conv1d_projections():
+    """GPT-2's projections are transformers' Conv1D (weight [in, out]), which torch's styles refuse: they take
+    parsat's Conv1D styles, column-parallel where the plan splits the weight's dim 1 (and the bias), row-parallel
+    where it splits dim 0. Megatron's layout gathers the fused q/k/v projection's output (c_attn [h, 3h], split
+    contiguously) before cutting it into thirds, so its Conv1DColwiseParallel returns it whole; the attention's
+    output projection is column-parallel, its split output added to a slice of the residual and then gathered,
+    which the style's gather and the module's whole add compute. Every activation collective is claimed. A plan
+    that cut the split c_attn output into q, k, v (each rank a contiguous block of columns: other heads' q and
+    k) is refused, naming the cut. GPT-2's graph flattens [batch, seq, hidden] to [batch x seq, hidden] at each
+    Conv1D, so Megatron's sequence-parallel plan (reduce-scatters along dim 1 of rank-3 sums only) is the
+    tensor-parallel plan, node for node."""
+    from parsat.backend.torch_native.lowering import CONV1D
+    from parsat.ir.plan import pcg_from_dict
+
+    plan, low, imported = _gpt2_lowered((1, 2))
+    styles = {s.module: s for s in low.styles}
+    for layer in (0, 1):
+        prefix = f"model.transformer.h.{layer}."
+        want = {"attn.c_attn": (COLWISE, "replicate"), "attn.c_proj": (COLWISE, "replicate"),
+                "mlp.c_fc": (COLWISE, "shard"), "mlp.c_proj": (ROWWISE, "replicate")}
+        for name, (kind, out) in want.items():
+            style = styles[prefix + name]
+            assert (style.kind, style.output_layout, style.conv1d) == (kind, out, True), style
+        assert "Conv1DRowwiseParallel()" in styles[prefix + "mlp.c_proj"].describe()
+        assert low.weight(f"b{layer}_model.transformer.h.#.attn.c_attn.weight").stored_dim(0) == 1
+        assert low.weight(f"b{layer}_model.transformer.h.#.mlp.c_proj.weight").stored_dim(0) == 0
+    assert imported.graph.nodes and any(k == CONV1D for k in module_info(_factory("gpt2")()[0]).kinds.values())
+    assert styles["model.transformer.wte"].kind == VOCAB and not styles["model.lm_head"].conv1d
+    pcg = pcg_from_dict(plan)
+    weights = {n.id for n in pcg.nodes if n.kind == "leaf" and n.role == "weight"}
+    claimed = {n for s in low.styles for n in s.nodes}
+    assert [n for n in pcg.nodes if n.kind == "parallel" and n.id not in claimed and n.inputs[0] not in weights] == []
+    assert any("the module joins whole values" in note for note in low.notes), low.notes
+    assert json.dumps(_gpt2_lowered((1, 2), sequence=True)[0], sort_keys=True) == json.dumps(plan, sort_keys=True)
+    # the same plan with c_attn's output cut into q, k, v while split (its gather removed): refused by name
+    gather = next(n for n in pcg.nodes if n.kind == "parallel" and n.op == "combine" and n.shape[-1] == 384)
+    split = pcg.node(gather.inputs[0]).placement
+    cut = [replace(n, inputs=tuple(gather.inputs[0] if i == gather.id else i for i in n.inputs),
+                   placement=split if gather.id in n.inputs else n.placement)
+           for n in pcg.nodes if n.id != gather.id]
+    with pytest.raises(LoweringError, match=r"node #\d+ split\(dim=2.*cuts the column-parallel output of node #\d+ "
+                                            r"linear \[b0_addmm\] \(module model\.transformer\.h\.0\.attn\.c_attn\)"):
+        lower(replace(pcg, nodes=tuple(cut)), imported.graph, module_info(_factory("gpt2")()[0], imported.weights))
+
+
+@pytest.mark.slow
+def test_hf_gpt2_tensor_parallel_on_two_ranks(tmp_path):
+    """HF GPT-2 (code unchanged, Conv1D projections, tied wte / lm_head) under Megatron's tp 2 plan on 2 gloo
+    ranks, float64: 3 AdamW steps with clipping equal the unmodified module's in one process, every parameter a
+    DTensor (c_attn / c_fc weights Shard(1) and biases Shard(0), the row-parallel c_proj Shard(0) with its bias
+    Replicate()), the module's classes and state dict keys unchanged, the checkpoint loading into the unmodified
+    module here. (Its sequence-parallel plan is this plan: the fast test above.)"""
+    results = _train_hf("gpt2", {"gpt2_tp2": _hf_plan("gpt2", (1, 2))}, 2, tmp_path)
+    for result in results:
+        placements = result["gpt2_tp2"]["placements"]
+        for name, want in (("attn.c_attn.weight", "Shard(dim=1)"), ("attn.c_attn.bias", "Shard(dim=0)"),
+                           ("mlp.c_fc.weight", "Shard(dim=1)"), ("mlp.c_proj.weight", "Shard(dim=0)"),
+                           ("mlp.c_proj.bias", "Replicate()"), ("attn.c_proj.weight", "Shard(dim=1)")):
+            assert placements[f"model.transformer.h.1.{name}"] == [want], (name, placements)
+        assert placements["model.transformer.wte.weight"] == ["Shard(dim=0)"]
+        assert result["gpt2_tp2"]["module_classes"]["model.transformer.h.0.attn.c_attn"] == "Conv1D"
 
 
 def test_hf_bert_data_parallel_and_tensor_parallel_plans_lower():

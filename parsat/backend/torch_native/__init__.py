@@ -19,7 +19,8 @@ weight, or refused naming the node torch's pieces cannot express; torch
 is not imported there), `pipeline_lowering` (a pipelined plan's cuts,
 schedule and shared weights, also without torch), `apply` (the pieces
 applied to the user's module on every rank; `local_batch`,
-`lowering_of`), `zero` (ZeRO-1's optimizer: `zero_optimizer`,
+`lowering_of`), `conv1d` (the column- and row-parallel styles of transformers'
+`Conv1D`, GPT-2's projections, which torch's own refuse), `zero` (ZeRO-1's optimizer: `zero_optimizer`,
 `ZeroOneOptimizer`), `pipelined` (a pipelined plan applied: `PipelinedModule`),
 `entry` (`parallelize_native`: one plan for every rank, then one of the
 two). `parsat.parallelize(module, plan, runtime="torch")` is the way in.

@@ -50,7 +50,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parsat.backend.torch_native.lowering import (COLWISE, DATA, EMBEDDING, LINEAR, PREPARE_STYLE, REPLICATE_STYLE,
+from parsat.backend.torch_native.lowering import (COLWISE, CONV1D, DATA, EMBEDDING, LINEAR, PREPARE_STYLE,
+                                                  REPLICATE_STYLE,
                                                   ROWWISE, SEQ_DIM, SEQUENCE_STYLE, SPLIT, VOCAB, ZERO3, GATHERED,
                                                   Lowering, ModuleInfo, ParamInfo)
 
@@ -73,7 +74,7 @@ def module_info(module: nn.Module, aliases: Mapping[str, str] | None = None) -> 
     holds: dict[str, tuple[str, ...]] = {}
     for name, sub in module.named_modules(remove_duplicate=False):
         kinds[name] = (LINEAR if isinstance(sub, nn.Linear) else EMBEDDING if isinstance(sub, nn.Embedding)
-                       else type(sub).__name__)
+                       else CONV1D if _is_conv1d(sub) else type(sub).__name__)
         holds[name] = tuple(n for n, _ in sub.named_parameters(recurse=False, remove_duplicate=False))
     below = set()
     for name in holds:
@@ -96,6 +97,13 @@ def module_info(module: nn.Module, aliases: Mapping[str, str] | None = None) -> 
         if graph_name not in params and name in params:
             params[graph_name] = params[name]
     return ModuleInfo(params, kinds, holds, frozenset(below))
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """Whether `module` is transformers' `Conv1D` (GPT-2's projections: weight [in, out]), told by its class's name
+    and module, so that transformers need not be imported."""
+    kind = type(module)
+    return kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers")
 
 
 # ------------------------------------------------------------------ applying it
@@ -193,16 +201,20 @@ def _tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh) -> None:
     def layout(word: str):
         return Replicate() if word == "replicate" else Shard(SEQ_DIM) if word == "sequence" else Shard(-1)
 
+    from parsat.backend.torch_native.conv1d import Conv1DColwiseParallel, Conv1DRowwiseParallel
+
     plan: dict[str, Any] = {}
     replicated = []
     for style in lowering.styles:
         local = style.output_layout != "sequence"
         if style.kind == COLWISE:
-            plan[style.module] = ColwiseParallel(input_layouts=layout(style.input_layout),
-                                                 output_layouts=layout(style.output_layout), use_local_output=local)
+            kind = Conv1DColwiseParallel if style.conv1d else ColwiseParallel
+            plan[style.module] = kind(input_layouts=layout(style.input_layout),
+                                      output_layouts=layout(style.output_layout), use_local_output=local)
         elif style.kind in (ROWWISE, VOCAB):
-            plan[style.module] = RowwiseParallel(input_layouts=layout(style.input_layout),
-                                                 output_layouts=layout(style.output_layout), use_local_output=local)
+            kind = Conv1DRowwiseParallel if style.conv1d else RowwiseParallel
+            plan[style.module] = kind(input_layouts=layout(style.input_layout),
+                                      output_layouts=layout(style.output_layout), use_local_output=local)
         elif style.kind == SEQUENCE_STYLE:
             plan[style.module] = SequenceParallel(sequence_dim=SEQ_DIM, use_local_output=False)
         elif style.kind == PREPARE_STYLE:

@@ -107,6 +107,8 @@ PREPARE_STYLE = "prepare"   # PrepareModuleInput: a module's input gathered alon
 SEQ_DIM = 1   # the sequence dim of a [batch, seq, hidden] activation: SequenceParallel's and Shard(1)'s
 LAYOUTS = {"replicate": "Replicate()", "shard": "Shard(-1)", "sequence": "Shard(1)"}
 LINEAR, EMBEDDING = "linear", "embedding"
+CONV1D = "conv1d"   # transformers' Conv1D (GPT-2): weight [in, out], y = x @ W + b; its styles are `apply`'s own
+PROJECTIONS = frozenset({LINEAR, CONV1D})
 LINEAR_OPS = frozenset({"linear", "linear_nobias", "linear_t", "linear_nobias_t", "matmul"})
 EMBEDDING_OPS = frozenset({"embedding", "embedding_padded"})
 GATHERS = frozenset({COMBINE, ALL_GATHER, REDUCE, REDUCE_SCATTER})
@@ -166,13 +168,16 @@ class Style:
     attention or an MLP, whose input torch gathers along the sequence once for the column-parallel projections
     in it, as torchtitan's models do); how its activation arrives and leaves (`replicate`: whole, `shard`: split
     along the last dim, `sequence`: split along the sequence, Shard(1)); the plan nodes it stands for (the
-    contraction and the parallel operators it claims)."""
+    contraction and the parallel operators it claims). `conv1d`: the module is transformers' `Conv1D`, whose
+    weight is [in, out] (column-parallel splits its dim 1, row-parallel its dim 0), run by `apply`'s Conv1D
+    styles with the same layouts as torch's."""
 
     module: str
     kind: str
     input_layout: str = "replicate"
     output_layout: str = "replicate"
     nodes: tuple[int, ...] = ()
+    conv1d: bool = False
 
     def describe(self) -> str:
         torch_name = {COLWISE: "ColwiseParallel", ROWWISE: "RowwiseParallel", VOCAB: "RowwiseParallel",
@@ -185,6 +190,8 @@ class Style:
             if self.output_layout != ("shard" if self.kind == COLWISE else "replicate"):
                 extra.append(f"output_layouts={LAYOUTS[self.output_layout]}")
         nodes = f" (nodes {', '.join(f'#{n}' for n in self.nodes)})" if self.nodes else ""
+        if self.conv1d:
+            torch_name = "Conv1D" + torch_name   # apply.conv1d_style: weight Shard(1) / Shard(0), as Conv1D stores it
         if self.kind == REPLICATE_STYLE:
             return f"{self.module or '<root>'}: distribute_module, every parameter Replicate()"
         if self.kind == PREPARE_STYLE:
@@ -348,7 +355,8 @@ class _Lowerer:
                               "the module once per micro-batch and accumulates (each loss divided by their number); "
                               "torch synchronises gradients in every backward unless the loop turns it off "
                               "(FSDPModule.set_requires_gradient_sync(False) for all but the last)")
-        return Lowering(self.mesh, roles, tuple(weights), tuple(styles), batch_axes, zero, tuple(self.notes),
+        notes = tuple(dict.fromkeys(self.notes))   # once each: a weight and its bias may note one node twice
+        return Lowering(self.mesh, roles, tuple(weights), tuple(styles), batch_axes, zero, notes,
                         traced_splits=splits)
 
     def weight(self, leaf: PNode) -> WeightLowering:
@@ -606,8 +614,7 @@ class _Lowerer:
                     raise LoweringError(f"module {style.module} is read two ways on tensor axis {name} "
                                         f"({previous.describe()}; {style.describe()})")
                 if previous is not None:
-                    style = Style(style.module, style.kind, style.input_layout, style.output_layout,
-                                  tuple(sorted(set(previous.nodes) | set(style.nodes))))
+                    style = replace(style, nodes=tuple(sorted(set(previous.nodes) | set(style.nodes))))
                 styles[style.module] = style
                 claimed.update(style.nodes)
         self.sequence_inputs(styles, axis)
@@ -663,13 +670,16 @@ class _Lowerer:
         owner, kind = self.owner_for(w, user)
         if kind == LINEAR and user.op in LINEAR_OPS:
             style = COLWISE if dim == 0 else ROWWISE if dim == 1 else None
+        elif kind == CONV1D and user.op in LINEAR_OPS:   # weight [in, out]: its output features are dim 1
+            bias = any(name == f"{owner}.bias" for name in w.params)   # [out]: split only column-parallel
+            style = (COLWISE if dim == 0 else None) if bias else COLWISE if dim == 1 else ROWWISE if dim == 0 else None
         elif kind == EMBEDDING and user.op in EMBEDDING_OPS:
             style = VOCAB if dim == 0 else COLWISE if dim == 1 else None
         else:
             raise LoweringError(
                 f"weight '{w.name}' (of {owner or '<root>'}, a {kind}) is split on tensor axis {axis_name} and read "
                 f"by {self.where(user)}: torch's tensor-parallel styles split nn.Linear and nn.Embedding weights "
-                "read by their own linear or embedding")
+                "(and transformers' Conv1D) read by their own linear or embedding")
         if style is None:
             raise LoweringError(f"weight '{w.name}' is split along dim {dim} on tensor axis {axis_name}")
         activations = [i for i in user.inputs if i not in self.static]
@@ -715,26 +725,31 @@ class _Lowerer:
                 claims.append(x.id)
         if style == COLWISE:
             output_layout, found = self.gathered_output(user, axis)
+            if output_layout == "shard":
+                self.check_split_not_cut(user, owner, axis)
         else:
             output_layout, found = self.reduced_output(user, axis, owner)
         claims += found
-        return Style(owner, style, input_layout, output_layout, tuple(claims))
+        return Style(owner, style, input_layout, output_layout, tuple(claims), conv1d=kind == CONV1D)
 
     def owner_for(self, w: WeightLowering, user: PNode) -> tuple[str, str]:
         """The module (and its kind) holding the weight under the name that matches the reading operator: a tied
         table is an embedding's weight where `embedding` reads it and a linear's where a projection does."""
         info = self.module.param(w.name)
         owners = list(info.owners) if info else []
-        wanted = EMBEDDING if user.op in EMBEDDING_OPS else LINEAR if user.op in LINEAR_OPS else None
+        wanted = {EMBEDDING} if user.op in EMBEDDING_OPS else PROJECTIONS if user.op in LINEAR_OPS else set()
         for owner, kind in owners:
-            if kind == wanted:
+            if kind in wanted:
                 return owner, kind
         return owners[0] if owners else ("", "parameter")
 
     def gathered_output(self, user: PNode, axis: int) -> tuple[str, list[int]]:
         """A column-parallel output: gathered whole (a `combine` of its last dim after operators that keep it
-        split along its last dim, each the only reader) or left split."""
-        current = user
+        split along its last dim, each the only reader) or left split. Such an operator may also read a
+        `partition` of a whole value along its last dim (GPT-2's attention output projection under
+        `megatron_pcg`: its split output added to the split residual, then gathered): the style then gathers
+        the output and the module adds the whole value, the same sum; those partitions are claimed too."""
+        current, claims = user, []
         while True:
             readers_ = self.users.get(current.id, [])
             if len(readers_) != 1:
@@ -742,13 +757,53 @@ class _Lowerer:
             reader = readers_[0]
             if reader.kind == "parallel" and reader.axis(self.mesh) == axis and reader.op == COMBINE \
                     and reader.attr("dim") == len(current.shape) - 1:
-                return "replicate", [reader.id]
-            if reader.kind == "op" and sum(i not in self.static for i in reader.inputs) == 1 \
+                if claims:
+                    self.notes.append(
+                        f"{self.where(reader)} gathers the column-parallel output of {self.where(user)} after it "
+                        f"was joined with slices of whole values ({', '.join(f'#{i}' for i in claims)}): torch "
+                        "gathers the output (output_layouts=Replicate()) and the module joins whole values: the "
+                        "same values and forward bytes; the plan's backward also all-gathers those slices' "
+                        "gradients, torch's holds them whole")
+                return "replicate", claims + [reader.id]
+            others = [self.node(i) for i in reader.inputs if i not in self.static and i != current.id]
+            if reader.kind == "op" and all(self.whole_sliced(o, axis) for o in others) \
                     and reader.placement.codes[axis] == shard(len(reader.shape) - 1) \
                     and current.placement.codes[axis] == shard(len(current.shape) - 1):
+                claims += [o.id for o in others]
                 current = reader
                 continue
             return "shard", []
+
+    def whole_sliced(self, node: PNode, axis: int) -> bool:
+        """Whether `node` is a `partition` along the last dim, on `axis`, of a value whole there: what a
+        column-parallel output may be joined with before the `combine` that gathers both (`gathered_output`)."""
+        return node.kind == "parallel" and node.op == PARTITION and node.axis(self.mesh) == axis \
+            and node.attr("dim") == len(node.shape) - 1 and node.id not in self.static \
+            and self.node(node.inputs[0]).placement.codes[axis] in (FREE, REPLICA)
+
+    def check_split_not_cut(self, user: PNode, owner: str, axis: int) -> None:
+        """A column-parallel output left split along its last dim must not be cut along that dim by the module's
+        code (a `split`): torch's style gives rank r a contiguous block of the output features, so a fused
+        projection's parts (GPT-2's c_attn [h, 3h] read as q, k, v by thirds) would be cut from the wrong
+        columns, each rank holding another mix of heads. The plan must gather it first (`combine`), as
+        `megatron_pcg` does, or it is refused here, naming the cut."""
+        seen, todo = {user.id}, [user]
+        while todo:
+            current = todo.pop()
+            last = len(current.shape) - 1
+            for reader in self.users.get(current.id, []):
+                if reader.kind != "op" or reader.id in seen:
+                    continue
+                if reader.op == "split" and reader.attr("dim") == last:
+                    raise LoweringError(
+                        f"{self.where(reader)} cuts the column-parallel output of {self.where(user)} (module "
+                        f"{owner}) along the dim tensor axis {self.mesh.names[axis]} splits: torch's column split "
+                        "of a fused projection gives each rank a contiguous block of its output features, not its "
+                        "share of each part (a fused q/k/v projection would mix heads across ranks); gather the "
+                        "output before the cut (combine), or split each part's weight separately")
+                if reader.placement.codes[axis] == shard(len(reader.shape) - 1):
+                    seen.add(reader.id)
+                    todo.append(reader)
 
     def reduced_output(self, user: PNode, axis: int, owner: str) -> tuple[str, list[int]]:
         """A row-parallel (or vocabulary-parallel) partial sum, which RowwiseParallel all-reduces at the module's
