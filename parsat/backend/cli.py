@@ -23,6 +23,12 @@ schedule as the plan says (parsat/backend/pipeline_run.py); the report adds, per
 stage, its collectives and each rank's point-to-point and shared-weight
 elements beside the prediction.
 
+`--runtime torch` runs the plan through PyTorch's own stack instead of
+the interpreter (`torch_native/run.py`: the plan's graph as a module,
+`parallelize(runtime="torch")`, torch's optimizer; `--check` against the
+unmodified module in one process), refusing, with the lowering's message,
+what that path cannot lower.
+
 `--plan-of NAME` runs one of the baselines the plan file carries
 (`data_parallel`, `sequential`, `megatron`) instead of parsat's own PCG,
 with that baseline's predicted totals, so both sides of a comparison are
@@ -67,6 +73,10 @@ def register(subparsers) -> None:
     run.add_argument("--data", metavar="FILE", default=None,
                      help="with --model: a torch.save'd list of batches (each a tuple of tensors), one per step in "
                           "turn; default: the factory's example inputs every step")
+    run.add_argument("--runtime", choices=("interpreter", "torch"), default="interpreter",
+                     help="interpreter (default): parsat runs the plan node by node; torch: the plan's graph as a "
+                          "module, lowered onto torch's own DeviceMesh / replicate / fully_shard "
+                          "(parallelize(runtime='torch')), refusing what that cannot lower")
     run.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     run.set_defaults(run=main_run)
     register_calibrate(subparsers)
@@ -170,6 +180,8 @@ def main_run(args: argparse.Namespace) -> int:
         micro_batches_make_the_step(graph, args.seed)
         config = TrainConfig(steps=args.steps, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
                              dtype=args.dtype, check=args.check, tolerance=check_tolerance(args.dtype, args.model))
+        if args.runtime == "torch":
+            return _run_torch(args, graph, pipeline is not None, config)
         if args.model is not None and pipeline is not None:
             raise ExecutionError(f"{args.plan} is a pipelined plan; --model trains the module in its own loop on "
                                  "one mesh: run the plan without --model")
@@ -202,6 +214,35 @@ def main_run(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 speaks for the job
         _report(result, args, config.tolerance)
     return 1 if result.check == "failed" else 0
+
+
+def _run_torch(args: argparse.Namespace, graph, pipelined: bool, config) -> int:
+    """`--runtime torch` (`torch_native.run`): the plan's graph as a module on torch's own stack; rank 0 reports
+    the losses, the lowering and, with --check, the comparison with the unmodified module in one process."""
+    from parsat.backend.executor import ExecutionError
+    from parsat.backend.torch_native.run import check_runnable, run_torch_plan
+
+    for flag, given in (("--model", args.model), ("--data", args.data),
+                        ("--plan-of", args.plan_of if args.plan_of != "parsat" else None)):
+        if given is not None:
+            raise ExecutionError(f"{flag} is not supported with --runtime torch (it runs the plan file's own graph "
+                                 "and parsat's PCG); a module of your own: parsat.parallelize(module, plan, "
+                                 "example_inputs, runtime='torch')")
+    check_runnable(graph, pipelined)
+    result = run_torch_plan(args.plan, args.nproc, config, args.backend, args.timeout, args.collective_timeout)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 1 if result.get("check") == "failed" else 0
+    lines = [f"ran {args.steps} step(s) of the plan on {args.nproc} rank(s) with torch's own stack (--runtime torch)",
+             f"  loss per step        {', '.join(f'{x:.6g}' for x in result['losses'])}",
+             *("  " + line for line in result["lowering"].splitlines())]
+    if result["not_dtensor"]:
+        lines.append(f"  not DTensors         {', '.join(result['not_dtensor'])}")
+    if "check" in result:
+        lines.append(check_line(result["check"], result["max_rel_diff"], None, 0, result["worst"], config.tolerance))
+    print("\n".join(lines))
+    if args.json:
+        print(json.dumps(result))
+    return 1 if result.get("check") == "failed" else 0
 
 
 def check_tolerance(dtype: str, model: str | None) -> float:

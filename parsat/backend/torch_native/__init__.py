@@ -23,5 +23,6 @@ applied to the user's module on every rank; `local_batch`,
 `Conv1D`, GPT-2's projections, which torch's own refuse), `zero` (ZeRO-1's optimizer: `zero_optimizer`,
 `ZeroOneOptimizer`), `pipelined` (a pipelined plan applied: `PipelinedModule`),
 `entry` (`parallelize_native`: one plan for every rank, then one of the
-two). `parsat.parallelize(module, plan, runtime="torch")` is the way in.
+two). `run` (`parsat run --runtime torch`: a plan file's graph as a module
+(`GraphModule`), trained through this path on N ranks, with `--check`). `parsat.parallelize(module, plan, runtime="torch")` is the way in.
 """

@@ -1,0 +1,199 @@
+"""`parsat run plan.json --runtime torch`: a plan's own graph trained on PyTorch's own distributed stack.
+
+The interpreter (`parsat run`'s default runtime, `backend/executor.py`)
+runs the plan node by node. This runs the same plan file the way a user's
+module would be run with `parsat.parallelize(module, plan,
+runtime="torch")`: the plan's graph becomes a module (`GraphModule`:
+each graph weight a parameter, seeded as the interpreter seeds it; its
+forward evaluates the graph with parsat's torch operators and returns the
+interpreter's objective), `entry.parallelize_native` lowers the plan onto
+it (`replicate`, `fully_shard`, ZeRO-1/2, on a `DeviceMesh`: gloo on CPU,
+nccl where CUDA has a device per rank), and each rank trains it on its
+local batch of the interpreter's seeded data with torch's SGD or Adam.
+With `--check` every rank also trains the unmodified module on the whole
+batch in one process, and the losses (the ranks' mean) and final weights
+(gathered whole) are compared.
+
+The module's forward evaluates the graph at the batch it is given: for a
+built-in example (`Graph.example`) the example rebuilt at the local batch
+size (the same weights: a batch changes no weight's shape); any other
+graph as it is, its operators run on the local batch (one whose attributes
+fix the batch size fails there, or `--check` says the values differ:
+nothing passes silently). Each rank's
+objective averages its local batch, and torch averages the gradients over
+the data ranks: the plan's global mean when the local batches are equal.
+
+What the torch path cannot lower is refused before any rank starts or, for
+the lowering's own refusals, by every rank with the lowering's message
+(naming the node): the graph's weights are plain parameters of one module,
+not `nn.Linear` / `nn.Embedding` modules, so a plan that splits a weight
+on a tensor axis is refused ("torch's tensor-parallel styles split
+nn.Linear ..."), as is one recomputing blocks (no block submodules); a
+pipelined plan or one of several micro-batches a step is refused up front
+(train the module with `parallelize(..., runtime="torch")` or run the plan
+with the interpreter).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parsat.backend.executor import ExecutionError, operator_library, seeded_weights, step_data
+from parsat.backend.launch import LaunchConfig, RankContext, launch
+from parsat.backend.training_data import TrainConfig, objective
+from parsat.importer.torch_ops import evaluate_graph
+from parsat.ir.graph import Graph
+from parsat.ir.microbatch import batch_dims, step_batch
+from parsat.ir.models import BATCH, EXAMPLES, build_example
+
+
+class GraphModule(nn.Module):
+    """A plan's graph as a module (module docstring): `forward(inputs, targets)` (dicts by graph leaf and output
+    name) returns the objective. Parameter names are the graph's weight names with `.` as `_` (`param_names`:
+    graph weight -> parameter name, what `parallelize` is given as `weight_names`)."""
+
+    def __init__(self, graph: Graph, weights: Mapping[str, torch.Tensor], library=None):
+        super().__init__()
+        self.graph, self.library = graph, library or operator_library()
+        self.param_names = {name: name.replace(".", "_") for name in weights}
+        for name, value in weights.items():
+            self.register_parameter(self.param_names[name], nn.Parameter(value.detach().clone()))
+        self._at_batch: dict[int, Graph] = {}   # the graph rebuilt per local batch size (its example's)
+
+    def forward(self, inputs: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor | None]):
+        """The objective of this rank's local `inputs`; `targets` whole, each cut here as the output came out
+        (along the dim the local batch shrank, the rank's block: `apply.local_batch`)."""
+        from parsat.backend.torch_native.apply import local_batch
+
+        graph = self.graph_for(inputs)
+        leaves = {name: self.get_parameter(param) for name, param in self.param_names.items()}
+        env = evaluate_graph(graph, {**leaves, **inputs})
+        total = 0.0
+        for o in graph.outputs:
+            target = targets.get(o)
+            dim = None if target is None else next(
+                (d for d, (a, b) in enumerate(zip(target.shape, env[o].shape)) if a != b), None)
+            total = total + objective(env[o], target if dim is None else local_batch(self, target, dim=dim),
+                                      env[o].numel())
+        return total
+
+    def graph_for(self, inputs: Mapping[str, torch.Tensor]) -> Graph:
+        """The graph at the batch of `inputs`: the plan's own at its shapes, else its example rebuilt at that
+        batch, else (not an example) the plan's own, whose operators then run on the local batch as they can."""
+        shapes = {leaf.name: tuple(leaf.shape) for leaf in self.graph.leaves if leaf.role == "input"}
+        if all(tuple(inputs[name].shape) == shape for name, shape in shapes.items()):
+            return self.graph
+        example = self.graph.example
+        if example is None or example[0] not in EXAMPLES:
+            return self.graph
+        name, sizes = example[0], dict(example[1])
+        batch = {**EXAMPLES[name].defaults(), **sizes}[BATCH]
+        dims = batch_dims(self.graph, self.library)
+        first = next(n for n in shapes if n in dims)
+        local = batch * inputs[first].shape[dims[first]] // shapes[first][dims[first]]
+        if local not in self._at_batch:
+            self._at_batch[local] = build_example(name, {**sizes, BATCH: local}, self.library)
+        return self._at_batch[local]
+
+
+def check_runnable(graph: Graph, pipelined: bool) -> None:
+    """What `--runtime torch` refuses before any rank starts (module docstring)."""
+    if pipelined:
+        raise ExecutionError("--runtime torch does not run a pipelined plan file: its graph has no module to cut "
+                             "into stages; run it with the interpreter (the default runtime), or train your module "
+                             "with parsat.parallelize(module, plan, example_inputs, runtime='torch')")
+    if graph.microbatches != 1:
+        raise ExecutionError(f"the plan runs its step as {graph.microbatches} micro-batches; --runtime torch trains "
+                             "one batch a step: run it with the interpreter (the default runtime)")
+
+
+def run_torch_plan(path: str, nproc: int, config: TrainConfig, backend: str | None = None,
+                   timeout_s: float = 600.0, collective_timeout_s: float = 30.0) -> dict:
+    """The plan file at `path` trained on `nproc` ranks through `parallelize(runtime="torch")`; rank 0's report
+    (`torch_rank`). Raises ExecutionError with the lowering's refusal when the plan cannot be lowered."""
+    results = launch(torch_rank, (path, config),
+                     LaunchConfig(nproc=nproc, backend=backend, timeout_s=timeout_s,
+                                  collective_timeout_s=collective_timeout_s))
+    refused = next((r["refused"] for r in results if r.get("refused")), None)
+    if refused:
+        raise ExecutionError(f"the torch runtime cannot run this plan: {refused} (--runtime torch runs the plan's "
+                             "graph as one module of plain parameters; run the plan with the interpreter, the "
+                             "default runtime, or your own module with parsat.parallelize(module, plan, "
+                             "example_inputs, runtime='torch'))")
+    return results[0]
+
+
+def torch_rank(ctx: RankContext, path: str, config: TrainConfig) -> dict:
+    """One rank: the graph's module lowered (`parallelize_native`), trained `config.steps` steps on this rank's
+    local batch, beside the unmodified module on the whole batch when `config.check`."""
+    from parsat.backend.torch_native.apply import NativeParallelizeError, local_batch, lowering_of
+    from parsat.backend.torch_native.entry import parallelize_native
+    from parsat.ir.plan import load_plan_dict
+
+    library = operator_library()
+    graph = Graph.from_dict(load_plan_dict(path)["graph"], library)
+    module = GraphModule(graph, seeded_weights(graph, config), library)
+    reference = copy.deepcopy(module).to(ctx.device) if config.check else None
+    try:
+        model = parallelize_native(module, path, weight_names=module.param_names)
+    except NativeParallelizeError as err:
+        return {"refused": str(err)}
+    optimizer, ref_optimizer = (_optimizer(m, config) if m is not None else None for m in (model, reference))
+    batch, dims = step_batch(graph, library), batch_dims(graph, library)
+    losses, ref_losses = [], []
+    for step in range(config.steps):
+        data = step_data(graph, batch, config, step)
+        inputs = {n: t.to(ctx.device) for n, t in data.whole_inputs().items()}
+        targets = {n: None if t is None else t.to(ctx.device) for n, t in data.whole_targets().items()}
+        mine = {n: local_batch(model, t, dim=dims[n]) if n in dims else t for n, t in inputs.items()}
+        loss = model(mine, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        held = loss.detach().clone()
+        dist.all_reduce(held)
+        losses.append(float(held) / ctx.world)
+        if reference is not None:
+            want = reference(inputs, targets)
+            want.backward()
+            ref_optimizer.step()
+            ref_optimizer.zero_grad()
+            ref_losses.append(float(want.detach()))
+    return _report(model, reference, losses, ref_losses, config, lowering_of(model).describe())
+
+
+def _optimizer(module: nn.Module, config: TrainConfig):
+    kind = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[config.optimizer]
+    return kind(module.parameters(), lr=config.lr)
+
+
+def _report(model: nn.Module, reference, losses: list, ref_losses: list, config: TrainConfig,
+            lowering: str) -> dict:
+    """What rank 0 reports: losses, the lowering, every parameter a DTensor or not, and with a reference the
+    largest relative difference of a loss or a final weight (gathered whole: a collective, on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    params = dict(model.named_parameters())
+    out = {"runtime": "torch", "losses": losses, "lowering": lowering,
+           "not_dtensor": sorted(n for n, t in params.items() if not isinstance(t, DTensor))}
+    if reference is None:
+        return out
+    worst, where = 0.0, ""
+    for got, want in zip(losses, ref_losses):
+        rel = abs(got - want) / max(abs(want), 1e-30)
+        if rel > worst:
+            worst, where = rel, "the loss"
+    for name, want in reference.named_parameters():
+        got = params[name]
+        whole = got.full_tensor() if isinstance(got, DTensor) else got
+        rel = float((whole.detach() - want.detach()).abs().max() / want.detach().abs().max().clamp_min(1e-30))
+        if rel > worst:
+            worst, where = rel, f"weight {name}"
+    out.update(ref_losses=ref_losses, max_rel_diff=worst, worst=where,
+               check="passed" if worst <= config.tolerance else "failed")
+    return out
