@@ -640,6 +640,68 @@ def test_hf_gpt2_tensor_parallel_on_two_ranks(tmp_path):
         assert result["gpt2_tp2"]["module_classes"]["model.transformer.h.0.attn.c_attn"] == "Conv1D"
 
 
+def conv1d_sequence_parallel_job(ctx) -> dict:
+    """On each rank: GPT-2's MLP (two transformers Conv1D, code unchanged) after a LayerNorm, under the Conv1D
+    styles' sequence-parallel variants (torchtitan's layout): the norm `SequenceParallel`, c_fc
+    `Conv1DColwiseParallel(input_layouts=Shard(1))` (the sequence all-gathered inside it), c_proj
+    `Conv1DRowwiseParallel(output_layouts=Shard(1))` (reduce-scattered along the sequence); each rank passes its
+    slice of the sequence. The output slices, the input's gradient and every parameter's gradient (gathered
+    whole) against the unmodified block on the whole sequence in this process; the collectives issued."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+
+    from parsat.backend.torch_native.conv1d import Conv1DColwiseParallel, Conv1DRowwiseParallel
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.LayerNorm(16), GPT2MLP(64, GPT2Config(n_embd=16, resid_pdrop=0.0))).double()
+    reference = copy.deepcopy(block)
+    mesh = init_device_mesh("cpu", (ctx.world,), mesh_dim_names=("tp",))
+    parallelize_module(block, mesh, {"0": SequenceParallel(use_local_output=False),
+                                     "1.c_fc": Conv1DColwiseParallel(input_layouts=Shard(1)),
+                                     "1.c_proj": Conv1DRowwiseParallel(output_layouts=Shard(1),
+                                                                         use_local_output=False)})
+    x = torch.randn(2, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    part = x.chunk(ctx.world, dim=1)[ctx.rank].clone().requires_grad_()
+    comms = CommDebugMode()
+    with comms:
+        out = block(part)
+        (out.to_local() ** 2).sum().backward()
+    whole = x.clone().requires_grad_()
+    want = reference(whole)
+    (want ** 2).sum().backward()
+    grads = {n: _relative(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad, r.grad)
+             for (n, p), (_, r) in zip(block.named_parameters(), reference.named_parameters())}
+    return {"output": _relative(out.to_local(), want.chunk(ctx.world, dim=1)[ctx.rank]),
+            "input_grad": _relative(part.grad, whole.grad.chunk(ctx.world, dim=1)[ctx.rank]), "grads": grads,
+            "placements": {n: [repr(q) for q in p.placements] for n, p in block.named_parameters()},
+            "output_placements": [repr(q) for q in out.placements],
+            "comms": {str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()}}
+
+
+def test_conv1d_styles_sequence_parallel_variants_on_two_ranks():
+    """The Conv1D styles take torch's layouts, sequence parallelism's too: GPT-2's MLP between a
+    SequenceParallel norm and a reduce-scatter along the sequence computes, on 2 gloo ranks, the unmodified
+    block's output slices and gradients (float64), c_fc's weight Shard(1) and bias Shard(0), c_proj's weight
+    Shard(0) and bias Replicate(); one all-gather and one reduce-scatter in the forward, their transposes in the
+    backward. (No parsat planner makes a sequence-parallel plan of GPT-2's graph yet: see
+    test_hf_gpt2_tensor_parallel_plan_styles_its_conv1d_projections.)"""
+    from parsat.backend.launch import LaunchConfig, launch
+
+    for result in launch(conv1d_sequence_parallel_job, (), LaunchConfig(nproc=2, backend="gloo", timeout_s=300)):
+        assert result["output"] <= 1e-12 and result["input_grad"] <= 1e-12, result
+        assert max(result["grads"].values()) <= 1e-12, result["grads"]
+        assert result["placements"]["1.c_fc.weight"] == ["Shard(dim=1)"]
+        assert result["placements"]["1.c_fc.bias"] == ["Shard(dim=0)"]
+        assert result["placements"]["1.c_proj.weight"] == ["Shard(dim=0)"]
+        assert result["placements"]["1.c_proj.bias"] == ["Replicate()"]
+        assert result["output_placements"] == ["Shard(dim=1)"]
+        assert result["comms"] == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}, result["comms"]
+
+
 def test_hf_bert_data_parallel_and_tensor_parallel_plans_lower():
     """BERT builds its attention mask and token-type one-hots in its forward (the import's batch-wide constants):
     the data-parallel plan splits them, and the token-type embedding made from them, along the batch, which each
