@@ -641,15 +641,17 @@ def test_hf_gpt2_tensor_parallel_on_two_ranks(tmp_path):
 
 
 @pytest.mark.slow
-def test_hf_gpt2_dp_by_tp_on_four_ranks(tmp_path):
-    """HF GPT-2 under Megatron's dp 2 x tp 2 plan on 4 gloo ranks: `replicate` over dp, the Conv1D styles over
-    tp; 3 AdamW steps with clipping equal the unmodified module's in one process (float64), every parameter a
-    DTensor on one 2-D mesh, the checkpoint loading into the unmodified module here."""
-    results = _train_hf("gpt2", {"gpt2_dp2_tp2": _hf_plan("gpt2", (2, 2))}, 4, tmp_path)
+def test_hf_gpt2_dp_by_tp_and_tp4_on_four_ranks(tmp_path):
+    """HF GPT-2 on 4 gloo ranks under Megatron's dp 2 x tp 2 plan (`replicate` over dp, the Conv1D styles over tp)
+    and its tp 4 plan: 3 AdamW steps with clipping equal the unmodified module's in one process (float64), every
+    parameter a DTensor on one mesh, the checkpoints loading into the unmodified module here."""
+    results = _train_hf("gpt2", {"gpt2_dp2_tp2": _hf_plan("gpt2", (2, 2)), "gpt2_tp4": _hf_plan("gpt2", (1, 4))}, 4,
+                        tmp_path)
     for result in results:
         placements = result["gpt2_dp2_tp2"]["placements"]
         assert placements["model.transformer.h.0.attn.c_attn.weight"] == ["Replicate()", "Shard(dim=1)"]
         assert placements["model.transformer.h.0.mlp.c_proj.weight"] == ["Replicate()", "Shard(dim=0)"]
+        assert result["gpt2_tp4"]["placements"]["model.transformer.h.1.mlp.c_fc.weight"] == ["Shard(dim=1)"]
 
 
 def conv1d_sequence_parallel_job(ctx) -> dict:
