@@ -73,3 +73,16 @@ def test_what_the_torch_path_cannot_lower_is_refused_with_the_lowering_message(t
     assert "node #" in err and "run the plan with the interpreter" in err, err
     code, _, err = _run(capsys, path, "--runtime", "torch", "--model", "x.py:make")
     assert code == 1 and "--model is not supported with --runtime torch" in err, err
+
+
+def test_a_pipelined_plan_or_a_micro_batched_step_is_refused_before_any_rank_starts():
+    """`check_runnable`: the graph's module has no stages to cut, and the torch path trains one batch a step."""
+    from parsat.backend.executor import ExecutionError
+    from parsat.backend.torch_native.run import check_runnable
+
+    gpt = build_example("gpt", GPT, LIBRARY)
+    check_runnable(gpt, pipelined=False)
+    with pytest.raises(ExecutionError, match="does not run a pipelined plan file"):
+        check_runnable(gpt, pipelined=True)
+    with pytest.raises(ExecutionError, match="runs its step as 2 micro-batches"):
+        check_runnable(gpt.with_microbatches(2), pipelined=False)
