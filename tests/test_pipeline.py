@@ -427,3 +427,58 @@ def test_a_stage_pricer_shares_a_node_s_share_only_with_nodes_of_the_same_cost_o
                 if pricer.shares[i] is pricer.shares[j]:
                     assert c is d and (i in in_node) == (j in in_node)
         assert len({id(s) for s in pricer.shares.values()}) <= len({id(c) for c in plan.costs.values()}) * 2
+
+
+def _laid_out_least_peak(pricer, degree, schedules):
+    """`StagePricer.least_peak_bytes` as it was worked out before the layer sums: every start cut laid out, its
+    chunks' costs summed node by node, each stage's memory from them."""
+    from parsat.ir.pipeline import activation_peaks, schedule_order
+    least = None
+    for schedule, v in schedules:
+        orders = schedule_order(schedule, degree, v, pricer.microbatches)
+        for cut in pricer.start_cuts(degree, schedule, v):
+            layout = pricer.layer_map.lay_out(cut, degree)
+            per_chunk = pricer._chunk_costs(layout)
+            busiest = max(pricer.stage_memory(layout, per_chunk,
+                                              activation_peaks(orders, [c.activation_bytes for c in per_chunk])))
+            least = busiest if least is None else min(least, busiest)
+    return least
+
+
+def test_a_cut_s_memory_from_its_layers_sums_is_the_laid_out_chunks(stage_plan):
+    """The memory check reads each chunk's bytes from its layers' integer sums (`StagePricer._chunk_bytes`), without
+    laying the cut out: for every cut, schedule and degree it equals the laid-out chunks' node-by-node sums (a free
+    value two chunks of a stage read counted once, GPT's tied embedding on two stages, recomputed blocks' transient
+    bytes), and the per-layer costs the balanced cut reads equal a one-chunk-per-layer layout's to the bit. A plan
+    with a figure that is not an integer takes the node-by-node sums (`_chunk_bytes` is None) and gives the same."""
+    from itertools import combinations
+    from parsat.cost.pipeline import StagePricer, applicable_schedules
+    from parsat.search.recompute import recomputed_pcg_costs
+    machine = Machine.resolve("cpu").with_devices(4)
+    recomputing = replace(stage_plan.pcg, recompute="blocks")
+    plans = [stage_plan, replace(stage_plan, pcg=replace(stage_plan.pcg, zero=1)),
+             replace(stage_plan, pcg=recomputing, costs=recomputed_pcg_costs(recomputing, stage_plan.costs))]
+    some = next(i for i, c in stage_plan.costs.items() if c.activation_bytes)
+    fractional = replace(stage_plan, costs={**stage_plan.costs, some: replace(
+        stage_plan.costs[some], activation_bytes=stage_plan.costs[some].activation_bytes + 0.5)})
+    compared = 0
+    for plan in plans + [fractional]:
+        pricer = StagePricer(plan, machine)
+        layers = pricer.layer_map.layers
+        per_layer = pricer._chunk_costs(pricer.layer_map.lay_out(layers, len(layers)))
+        assert pricer.layer_costs() == dict(zip(layers, per_layer))
+        assert (pricer._layer_bytes is None) == (plan is fractional)
+        if plan is fractional:
+            assert pricer._chunk_bytes(layers[:2], 2) is None
+        for degree in (2, 3):
+            for chunks in (degree, 2 * degree):
+                for rest in combinations(layers[1:], chunks - 1) if plan is not fractional else ():
+                    cut = (layers[0],) + rest
+                    laid = pricer._chunk_costs(pricer.layer_map.lay_out(cut, degree))
+                    assert pricer._chunk_bytes(cut, degree) == [(c.activation_bytes, c.state_bytes, c.transient_bytes)
+                                                               for c in laid], (cut, degree)
+                    compared += 1
+            schedules = applicable_schedules(None, degree, pricer.microbatches, len(layers))
+            assert pricer.least_peak_bytes(degree, schedules) == _laid_out_least_peak(pricer, degree, schedules)
+    assert compared > 30
+    assert any(c.transient_bytes for c in plans[2].costs.values())

@@ -298,6 +298,16 @@ class StageMemo:
         self._maps: OrderedDict[tuple[int, int], tuple] = OrderedDict()
         self._overlaps: OrderedDict[tuple, TpOverlap] = OrderedDict()   # (pcg, machine, profile, comm) -> overlap
         self._times: dict[Machine, OpTimes] = {}                          # stage machine -> compute-time cache
+        self._orders: dict[tuple, tuple] = {}   # (schedule, degree, chunks per stage, micro-batches) -> the orders
+
+    def schedule_order(self, schedule: str, degree: int, chunks_per_stage: int, microbatches: int) -> tuple:
+        """`ir.pipeline.schedule_order`, made once per search for its four integers (every candidate's memory
+        check reads the same few); PipelineError as it raises."""
+        key = (schedule, degree, chunks_per_stage, microbatches)
+        found = self._orders.get(key)
+        if found is None:
+            found = self._orders[key] = schedule_order(schedule, degree, chunks_per_stage, microbatches)
+        return found
 
     def overlap(self, plan: Plan, profile: ExecutionProfile, comm_s: float) -> TpOverlap:
         """`tp_overlap(plan, ...)`, simulated once per stage plan while kept (the last `kept`); none without a
@@ -490,35 +500,80 @@ class StagePricer:
         least = None
         for schedule, v in schedules:
             try:
-                orders = schedule_order(schedule, degree, v, self.microbatches)
+                orders = self.memo.schedule_order(schedule, degree, v, self.microbatches)
                 cuts = self.start_cuts(degree, schedule, v)
             except PipelineError:
                 continue
             for cut in cuts:
-                layout = self.memo.lay_out(self.layer_map, cut, degree)
-                per_chunk = self._chunk_costs(layout)
-                peaks = activation_peaks(orders, [c.activation_bytes for c in per_chunk])
-                busiest = max(self.stage_memory(layout, per_chunk, peaks))
+                per_chunk = self._chunk_bytes(cut, degree)
+                if per_chunk is None:   # a figure that is not an integer: summed node by node, as `price` sums it
+                    layout = self.memo.lay_out(self.layer_map, cut, degree)
+                    per_chunk = [(c.activation_bytes, c.state_bytes, c.transient_bytes)
+                                 for c in self._chunk_costs(layout)]
+                peaks = activation_peaks(orders, [act for act, _state, _transient in per_chunk])
+                busiest = max(_stage_bytes([range(s, len(cut), degree) for s in range(degree)], per_chunk, peaks))
                 least = busiest if least is None else min(least, busiest)
         return least
+
+    @cached_property
+    def _layer_bytes(self) -> tuple[dict[int, tuple[int, int, int]], dict[int, frozenset[int]],
+                                    dict[int, tuple[int, int, int]]] | None:
+        """Per layer, the activation, state and largest transient bytes of its own nodes, and the free values it
+        reads, with each free value's bytes: what a chunk's memory adds up (`_chunk_bytes`). None where a node's
+        figure is not an integer (then only the node-by-node sum in `_chunk_costs`' order is the same figure)."""
+        figures = [(c.activation_bytes, c.state_bytes, c.transient_bytes) for c in self.shares.values()]
+        if not all(type(b) is int for fig in figures for b in fig):
+            return None
+        free, own, needed = self.layer_map.free, {}, {}
+        for layer, members in self.layer_map.layer_members.items():
+            mine = [self.shares[i] for i in members if i not in free and i in self.shares]
+            own[layer] = (sum(c.activation_bytes for c in mine), sum(c.state_bytes for c in mine),
+                          max((c.transient_bytes for c in mine), default=0))
+            needed[layer] = frozenset(i for i in members if i in free)
+        free_bytes = {i: (self.shares[i].activation_bytes, self.shares[i].state_bytes, self.shares[i].transient_bytes)
+                      for i in free if i in self.shares}
+        return own, needed, free_bytes
+
+    def _chunk_bytes(self, starts: Sequence[int], degree: int) -> list[tuple[int, int, int]] | None:
+        """Each chunk's (activation, state, largest transient) bytes of the cut at `starts`, as `_chunk_costs`
+        gives them, from the layers' integer sums (`_layer_bytes`) without laying the cut out: a chunk's nodes are
+        its layers' own nodes, disjoint between layers, and the free values they read, which a stage counts with
+        its first chunk that reads them. Integers add up alike in any order, so the figures are the same. None
+        where `_layer_bytes` is."""
+        found = self._layer_bytes
+        if found is None:
+            return None
+        own, needed, free_bytes = found
+        layers = self.layer_map.layers
+        index = {layer: k for k, layer in enumerate(layers)}
+        bounds = [index[s] for s in starts] + [len(layers)]
+        charged: list[set[int]] = [set() for _ in range(degree)]
+        out = []
+        for c in range(len(starts)):
+            mine = layers[bounds[c]:bounds[c + 1]]
+            free = set().union(*(needed[layer] for layer in mine)) - charged[c % degree]
+            charged[c % degree] |= free
+            figures = [own[layer] for layer in mine] + [free_bytes[i] for i in free if i in free_bytes]
+            out.append((sum(f[0] for f in figures), sum(f[1] for f in figures), max((f[2] for f in figures), default=0)))
+        return out
 
     @staticmethod
     def stage_memory(layout: StageLayout, per_chunk: Sequence[LayerCost], peaks: Sequence[int]) -> list[int]:
         """Each stage's memory per device: its chunks' weights' state, the activations its schedule holds at its
         peak (`peaks`, `ir.pipeline.activation_peaks`) and its largest recomputed block's while recomputed. The
         one figure for a pipelined plan's memory (`price`) and the stage search's check (`least_peak_bytes`)."""
-        out = []
-        for s in range(layout.degree):
-            mine = [per_chunk[c.index] for c in layout.stage_chunks(s)]
-            out.append(sum(c.state_bytes for c in mine) + peaks[s] + max((c.transient_bytes for c in mine), default=0))
-        return out
+        return _stage_bytes([[c.index for c in layout.stage_chunks(s)] for s in range(layout.degree)],
+                            [(c.activation_bytes, c.state_bytes, c.transient_bytes) for c in per_chunk], peaks)
 
     def layer_costs(self) -> dict[int, LayerCost]:
         """Layer -> its cost (`layer_costs`), worked out once."""
         if self._layer_costs is None:
-            layers = self.layer_map.layers
-            layout = self.memo.lay_out(self.layer_map, layers, len(layers))   # one chunk per layer: who computes what
-            self._layer_costs = dict(zip(layers, self._chunk_costs(layout)))
+            # one chunk per layer, each its own stage (nothing charged to an earlier chunk): a layer's nodes in the
+            # PCG's order, as `lay_out` lists a chunk's, summed as `_chunk_costs` sums them
+            position = self.layer_map.position.__getitem__
+            self._layer_costs = {layer: _summed([self.shares[i] for i in sorted(members, key=position)
+                                                 if i in self.shares])
+                                 for layer, members in self.layer_map.layer_members.items()}
         return self._layer_costs
 
     def _chunk_costs(self, layout: StageLayout) -> list[LayerCost]:
@@ -532,11 +587,7 @@ class StagePricer:
             found = self._chunk_memo.get(key)
             if found is None:
                 charged = {i for c in layout.stage_chunks(chunk.stage) if c.index < chunk.index for i in c.nodes}
-                shares = [self.shares[i] for i in chunk.nodes if i not in charged and i in self.shares]
-                found = LayerCost(sum(c.forward_s for c in shares), sum(c.backward_s for c in shares),
-                                  sum(c.activation_bytes for c in shares), sum(c.state_bytes for c in shares),
-                                  sum(c.step_s for c in shares), max((c.transient_bytes for c in shares), default=0),
-                                  sum(c.tp_comm_s for c in shares))
+                found = _summed([self.shares[i] for i in chunk.nodes if i not in charged and i in self.shares])
                 self._chunk_memo[key] = found
             earlier[chunk.stage] += (chunk.layers,)
             out.append(found)
@@ -653,6 +704,25 @@ class StagePricer:
                         max(stage_comm_elements(layout, plan.costs, "grad_sync_elements")),
                         compute, max(s.sync_s for s in stages) + figures.transfer_s * 2 * m)
         return replace(plan, machine=machine, devices=p * stage_devices, totals=totals, pipeline=figures)
+
+
+def _summed(shares: Sequence[LayerCost]) -> LayerCost:
+    """A chunk's cost from its nodes' shares (`node_share`), summed in the order given (the PCG's)."""
+    return LayerCost(sum(c.forward_s for c in shares), sum(c.backward_s for c in shares),
+                     sum(c.activation_bytes for c in shares), sum(c.state_bytes for c in shares),
+                     sum(c.step_s for c in shares), max((c.transient_bytes for c in shares), default=0),
+                     sum(c.tp_comm_s for c in shares))
+
+
+def _stage_bytes(stages: Sequence[Sequence[int]], per_chunk: Sequence[tuple[int, int, int]], peaks: Sequence[int]
+                 ) -> list[int]:
+    """Each stage's memory per device (`StagePricer.stage_memory`) from its chunks' (activation, state, largest
+    transient) bytes; `stages`: each stage's chunks, in order."""
+    out = []
+    for s, chunks in enumerate(stages):
+        mine = [per_chunk[c] for c in chunks]
+        out.append(sum(state for _act, state, _t in mine) + peaks[s] + max((t for _a, _s, t in mine), default=0))
+    return out
 
 
 @dataclass(frozen=True)

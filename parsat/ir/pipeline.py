@@ -28,6 +28,7 @@ equal to the unstaged weight.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Mapping, Sequence
 
 from parsat.ir.blocks import node_blocks
@@ -151,6 +152,19 @@ class LayerMap:
         self.needs = needs
         self.weights = [n.id for n in pcg.nodes if n.kind == "leaf" and n.role == WEIGHT]
 
+    @cached_property
+    def layer_members(self) -> dict[int, frozenset[int]]:
+        """Layer -> the nodes a chunk holding it computes for it: the nodes of the layer (`blocks`) and the free
+        values each reads. A chunk's nodes are the union of its layers' (`lay_out`); only a free value can be in
+        two layers' sets."""
+        members: dict[int, set[int]] = {layer: set() for layer in self.layers}
+        for node in self.pcg.nodes:
+            if node.id not in self.free:
+                found = members[self.blocks[node.id]]
+                found.add(node.id)
+                found |= self.needs[node.id]
+        return {layer: frozenset(nodes) for layer, nodes in members.items()}
+
     def lay_out(self, starts: Sequence[int], degree: int) -> StageLayout:
         layers, pcg = self.layers, self.pcg
         if not starts or starts[0] != layers[0] or list(starts) != sorted(set(starts)) or \
@@ -163,10 +177,9 @@ class LayerMap:
         bounds = [index[s] for s in starts] + [len(layers)]
         chunk_of_layer = {layers[i]: c for c in range(len(starts)) for i in range(bounds[c], bounds[c + 1])}
         owner = {n.id: chunk_of_layer[self.blocks[n.id]] for n in pcg.nodes if n.id not in self.free}
-        members: list[set[int]] = [set() for _ in starts]
-        for ident, chunk in owner.items():   # owned nodes, and the free values each needs
-            members[chunk].add(ident)
-            members[chunk] |= self.needs[ident]
+        # a chunk's nodes: its layers' own nodes and the free values each needs (`layer_members`)
+        members: list[set[int]] = [set().union(*(self.layer_members[layers[i]] for i in range(bounds[c], bounds[c + 1])))
+                                   for c in range(len(starts))]
         chunks = tuple(Chunk(c, c % degree, layers[bounds[c]:bounds[c + 1]],
                              tuple(sorted(members[c], key=self.position.__getitem__))) for c in range(len(starts)))
         crossings = []
