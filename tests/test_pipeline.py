@@ -482,3 +482,54 @@ def test_a_cut_s_memory_from_its_layers_sums_is_the_laid_out_chunks(stage_plan):
             assert pricer.least_peak_bytes(degree, schedules) == _laid_out_least_peak(pricer, degree, schedules)
     assert compared > 30
     assert any(c.transient_bytes for c in plans[2].costs.values())
+
+
+@pytest.fixture(scope="module")
+def uneven_stage():
+    """`_uneven`'s plan on 2 devices with 16 micro-batches: a stage plan whose cuts the refinement moves."""
+    return optimize(_uneven(), "h100x8", devices=2, limits={"enodes": 15000}, baselines=False, microbatches=16)
+
+
+@pytest.mark.parametrize("capacity", [None, 1])
+def test_the_cut_refinement_s_floor_changes_no_plan_and_prunes_only_under_a_step_that_fits(
+        stage_plan, uneven_stage, capacity, monkeypatch):
+    """`StagePricer._busy_floor` is at or below the step `price` gives every cut, in every schedule; the
+    refinement that leaves cuts above a fitting step's floor unpriced (`pipelined`) returns the plan the
+    refinement pricing every cut returns, byte for byte, with fewer pricings on the uneven model. Where no cut
+    fits (capacity 1 byte) a cut that fits would be better whatever its step, so nothing is left unpriced: the
+    pricings are the same in number."""
+    from itertools import combinations
+    from parsat.cost.pipeline import StagePricer
+    calls = Counter()
+    price = StagePricer.price
+
+    def counted(self, layout, schedule):
+        calls[self.floor_on] += 1
+        return price(self, layout, schedule)
+    monkeypatch.setattr(StagePricer, "price", counted)
+    for plan, machine, degree in ((stage_plan, Machine.resolve("cpu").with_devices(4), 2),
+                                  (uneven_stage, Machine.resolve("h100x8").with_devices(8), 4)):
+        if capacity is not None:
+            machine = replace(machine, memory_capacity=capacity)
+        layers = pcg_layers(plan.pcg)
+        for schedule, v in ((ONE_F_ONE_B, 1), (GPIPE, 1), (INTERLEAVED, 2)):
+            if degree * v > len(layers):
+                continue
+            pruned = StagePricer(plan, machine)
+            pruned.floor_on = True
+            for rest in list(combinations(layers[1:], degree * v - 1))[:40]:
+                cut = (layers[0],) + rest
+                floor = pruned._busy_floor(cut, degree)
+                assert floor <= pruned.price(pruned.layer_map.lay_out(cut, degree), schedule).totals.time_s
+            calls.clear()
+            pruned = StagePricer(plan, machine)
+            pruned.floor_on = True
+            unpruned = StagePricer(plan, machine)
+            unpruned.floor_on = False
+            unpruned._busy_floor = lambda starts, degree: -float("inf")
+            assert pruned.pipelined(degree, schedule, v).to_json() == unpruned.pipelined(degree, schedule, v).to_json()
+            assert calls[True] <= calls[False], schedule
+            if capacity is not None:
+                assert calls[True] == calls[False], schedule
+            elif plan is uneven_stage and schedule == ONE_F_ONE_B:
+                assert calls[True] < calls[False]

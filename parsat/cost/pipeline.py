@@ -350,6 +350,7 @@ class StageMemo:
 
 
 REFINE_PRICINGS = 64   # simulated schedules spent improving one pipeline's cut (at most)
+FLOOR_MARGIN = 1e-9    # relative: a cut's floor (`StagePricer._busy_floor`) must clear a step by this to rule it out
 
 
 class StagePricer:
@@ -444,6 +445,9 @@ class StagePricer:
         # by the simulated schedule, and the better one improved by moving one cut at a time while the step
         # shrinks.
         seen: dict[tuple[int, ...], Plan] = {}
+        # cuts left unpriced because their floor (`_busy_floor`) is above a step that fits: not better, but counted
+        # against the REFINE_PRICINGS as if priced, so the refinement visits the same cuts and stops where it did
+        slower: set[tuple[int, ...]] = set()
 
         def price_cut(cut: tuple[int, ...]) -> Plan:
             if cut not in seen:
@@ -453,21 +457,53 @@ class StagePricer:
         def rank(p: Plan) -> tuple:
             return (not p.totals.fits(self.machine), p.totals.time_s)
 
+        def better(c: tuple[int, ...], than: Plan) -> bool:
+            if c not in seen and (c in slower or (than.totals.fits(self.machine) and self._busy_floor(c, degree)
+                                                  > than.totals.time_s * (1 + FLOOR_MARGIN))):
+                slower.add(c)
+                return False
+            return rank(price_cut(c)) < rank(than)
+
         cut = min(self.start_cuts(degree, schedule, chunks_per_stage), key=lambda c: rank(price_cut(c)))
         index = {layer: i for i, layer in enumerate(layers)}
-        while len(seen) < REFINE_PRICINGS:
+        while len(seen) + len(slower) < REFINE_PRICINGS:
             moves = []
             for k in range(1, chunks):
                 for step in (-1, 1):
                     at = index[cut[k]] + step
                     if index[cut[k - 1]] < at < (len(layers) if k + 1 == chunks else index[cut[k + 1]]):
                         moves.append(cut[:k] + (layers[at],) + cut[k + 1:])
-            better = [c for c in moves
-                      if len(seen) < REFINE_PRICINGS and rank(price_cut(c)) < rank(price_cut(cut))]
-            if not better:
+            found = [c for c in moves if len(seen) + len(slower) < REFINE_PRICINGS and better(c, price_cut(cut))]
+            if not found:
                 break
-            cut = min(better, key=lambda c: rank(price_cut(c)))
+            cut = min(found, key=lambda c: rank(price_cut(c)))
         return price_cut(cut)
+
+    @cached_property
+    def _own_busy_s(self) -> dict[int, float]:
+        """Per layer, per micro-batch, the forward and backward seconds of its own nodes (not the free values it
+        reads), tensor-parallel overlap taken off as `price` takes it off a chunk (`TpOverlap.applied`: linear in
+        the nodes, and no node's part below zero, since at most all of its in-node collective is hidden)."""
+        free, overlap, out = self.layer_map.free, self.overlap, {}
+        for layer, members in self.layer_map.layer_members.items():
+            mine = [self.shares[i] for i in members if i not in free and i in self.shares]
+            out[layer] = sum(c.forward_s + c.backward_s - (overlap.forward + overlap.backward) * c.tp_comm_s
+                             for c in mine)
+        return out
+
+    def _busy_floor(self, starts: Sequence[int], degree: int) -> float:
+        """A floor of the step `price` gives the cut at `starts`, without laying it out or simulating it: a stage
+        runs its m micro-batches' forwards and backwards of each of its chunks one after another
+        (`simulate_schedule`: waits only add), and the step ends no earlier than its busiest stage; its sync,
+        optimizer and the tied weights' sum come after and are not negative. Its chunks' nodes include their
+        layers' own (`_own_busy_s`), whose seconds are each at least zero."""
+        layers, busy = self.layer_map.layers, self._own_busy_s
+        index = {layer: k for k, layer in enumerate(layers)}
+        bounds = [index[s] for s in starts] + [len(layers)]
+        stages = [0.0] * degree
+        for c in range(len(starts)):
+            stages[c % degree] += sum(busy[layers[i]] for i in range(bounds[c], bounds[c + 1]))
+        return max(stages) * self.microbatches
 
     def _chunks(self, degree: int, schedule: str, chunks_per_stage: int) -> int:
         """The chunks `schedule` cuts the layers into; PipelineError when it cannot."""
@@ -521,14 +557,19 @@ class StagePricer:
         """Per layer, the activation, state and largest transient bytes of its own nodes, and the free values it
         reads, with each free value's bytes: what a chunk's memory adds up (`_chunk_bytes`). None where a node's
         figure is not an integer (then only the node-by-node sum in `_chunk_costs`' order is the same figure)."""
-        figures = [(c.activation_bytes, c.state_bytes, c.transient_bytes) for c in self.shares.values()]
-        if not all(type(b) is int for fig in figures for b in fig):
+        distinct = {id(c): c for c in self.shares.values()}.values()   # nodes alike share one (`__init__`)
+        if not all(type(c.activation_bytes) is int and type(c.state_bytes) is int and type(c.transient_bytes) is int
+                   for c in distinct):
             return None
         free, own, needed = self.layer_map.free, {}, {}
         for layer, members in self.layer_map.layer_members.items():
-            mine = [self.shares[i] for i in members if i not in free and i in self.shares]
-            own[layer] = (sum(c.activation_bytes for c in mine), sum(c.state_bytes for c in mine),
-                          max((c.transient_bytes for c in mine), default=0))
+            act = state = transient = 0
+            for i in members:
+                c = self.shares.get(i) if i not in free else None
+                if c is not None:
+                    act, state, transient = act + c.activation_bytes, state + c.state_bytes, max(transient,
+                                                                                               c.transient_bytes)
+            own[layer] = (act, state, transient)
             needed[layer] = frozenset(i for i in members if i in free)
         free_bytes = {i: (self.shares[i].activation_bytes, self.shares[i].state_bytes, self.shares[i].transient_bytes)
                       for i in free if i in self.shares}
