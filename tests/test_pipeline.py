@@ -453,6 +453,7 @@ def test_a_cut_s_memory_from_its_layers_sums_is_the_laid_out_chunks(stage_plan):
     with a figure that is not an integer takes the node-by-node sums (`_chunk_bytes` is None) and gives the same."""
     from itertools import combinations
     from parsat.cost.pipeline import StagePricer, applicable_schedules
+    from parsat.ir.pipeline import stage_comm_elements
     from parsat.search.recompute import recomputed_pcg_costs
     machine = Machine.resolve("cpu").with_devices(4)
     recomputing = replace(stage_plan.pcg, recompute="blocks")
@@ -474,9 +475,15 @@ def test_a_cut_s_memory_from_its_layers_sums_is_the_laid_out_chunks(stage_plan):
             for chunks in (degree, 2 * degree):
                 for rest in combinations(layers[1:], chunks - 1) if plan is not fractional else ():
                     cut = (layers[0],) + rest
-                    laid = pricer._chunk_costs(pricer.layer_map.lay_out(cut, degree))
+                    layout = pricer.layer_map.lay_out(cut, degree)
+                    laid = pricer._chunk_costs(layout)
                     assert pricer._chunk_bytes(cut, degree) == [(c.activation_bytes, c.state_bytes, c.transient_bytes)
                                                                for c in laid], (cut, degree)
+                    # a stage's sums, kept by its chunks' layers, are the ones its nodes give in this layout
+                    for s, (comm, grad) in enumerate(zip(stage_comm_elements(layout, plan.costs),
+                                                         stage_comm_elements(layout, plan.costs, "grad_sync_elements"))):
+                        optimizer = sum(plan.costs[i].optimizer_s for i in layout.stage_nodes(s) if i in plan.costs)
+                        assert pricer._stage_sums(layout, s) == (optimizer, comm, grad)
                     compared += 1
             schedules = applicable_schedules(None, degree, pricer.microbatches, len(layers))
             assert pricer.least_peak_bytes(degree, schedules) == _laid_out_least_peak(pricer, degree, schedules)

@@ -53,8 +53,8 @@ from parsat.ir.costs import NodeCost, Totals
 from parsat.ir.machine import Machine
 from parsat.ir.pipeline import (BACKWARD, GPIPE, INTERLEAVED, ONE_F_ONE_B, Action, Chunk, LayerMap, PipelineError,
                                 PipelinePlan, StageFigures, StageLayout, activation_peaks, in_flight_counts,
-                                p2p_elements, schedule_order, shared_weight_elements, simulate_schedule,
-                                stage_comm_elements, stored_piece_elements)
+                                nodes_elements, p2p_elements, schedule_order, shared_weight_elements,
+                                simulate_schedule, stored_piece_elements)
 from parsat.ir.plan import Plan
 from parsat.cost.collectives import ALL_REDUCE, SEND_RECV, GroupTopology, price
 from parsat.cost.pcg_tasks import ExecutionProfile, OpTimes, mesh_groups, profile_for, simulate_pcg
@@ -383,6 +383,7 @@ class StagePricer:
         self._layer_costs: dict[int, LayerCost] | None = None
         self._chunk_memo: dict[tuple, LayerCost] = {}   # (stage's earlier chunks' layers, chunk's layers) -> cost
         self._sync_memo: dict[tuple, StageSync] = {}     # (degree, stage, its chunks' layers, aligned) -> its sync
+        self._sums_memo: dict[tuple, tuple] = {}         # a stage's chunks' layers -> `_stage_sums`
 
     @cached_property
     def chain_s(self) -> dict[int, float]:
@@ -634,6 +635,21 @@ class StagePricer:
             out.append(found)
         return out
 
+    def _stage_sums(self, layout: StageLayout, stage: int) -> tuple[float, int, int]:
+        """A stage's optimizer seconds and the elements its collectives send per step, all and its gradient
+        synchronisation's (`ir.pipeline.stage_comm_elements`), over its nodes (`StageLayout.stage_nodes`). They
+        follow from its chunks' layers (a chunk's nodes do), so they are worked out once per pricer for those: a
+        cut moved by one layer changes two stages. The set of nodes is made alike for the same chunks, so its
+        sums add in the same order."""
+        key = tuple(c.layers for c in layout.stage_chunks(stage))
+        found = self._sums_memo.get(key)
+        if found is None:
+            nodes = layout.stage_nodes(stage)
+            found = self._sums_memo[key] = (sum(self.optimizer_s.get(i, 0.0) for i in nodes),
+                                            nodes_elements(nodes, self.plan.costs),
+                                            nodes_elements(nodes, self.plan.costs, "grad_sync_elements"))
+        return found
+
     def _stage_sync(self, layout: StageLayout, stage: int, aligned: bool = False) -> "StageSync":
         """A stage's synchronisation once per step: per chunk, the seconds reducing its weights' gradients (run
         beside its last backward, `overlapped_reduce_end`), and the seconds of the rest (ZeRO's all-gathers of
@@ -714,24 +730,25 @@ class StagePricer:
         run = simulate_schedule(layout, schedule, m, [c.forward_s for c in per_chunk],
                                 [c.backward_s for c in per_chunk], transfers,
                                 [c.activation_bytes for c in per_chunk], () if aligned else waits,
-                                waits if aligned else ())
+                                waits if aligned else (),
+                                self.memo.schedule_order(schedule, p, layout.chunks_per_stage, m))
         shared_s = _shared_sync(self.pieces, layout, stage_devices, machine)
         sent = p2p_elements(layout, m)
         memory = self.stage_memory(layout, per_chunk, run.activation_peak_bytes)
         stages, ends = [], []
+        sums = [self._stage_sums(layout, s) for s in range(p)]
         for s in range(p):
-            nodes = layout.stage_nodes(s)
             mine = [per_chunk[c.index] for c in layout.stage_chunks(s)]
             reduce_s, after_s = syncs[s].reduce_s, syncs[s].after_s + shared_s.get(s, 0.0)
             sync = sum(reduce_s.values()) + after_s + syncs[s].gather_s
-            optimizer = sum(self.optimizer_s.get(i, 0.0) for i in nodes)
+            optimizer = sums[s][0]
             stage_end = max((e for _a, _b, e in run.busy[s]), default=0.0)
             stages.append(StageFigures(sum(c.forward_s for c in mine), sum(c.backward_s for c in mine), sync,
                                        optimizer, memory[s], run.in_flight[s]))
             ends.append(max(stage_end, overlapped_reduce_end(run.busy[s], reduce_s)) + after_s + optimizer)
         shared = shared_weight_elements(self.pieces, layout)
-        stage_comm = [collectives + shared.get(s, 0) + sum(v for (a, _b), v in sent.items() if a == s)
-                      for s, collectives in enumerate(stage_comm_elements(layout, plan.costs))]
+        stage_comm = [sums[s][1] + shared.get(s, 0) + sum(v for (a, _b), v in sent.items() if a == s)
+                      for s in range(p)]
         busiest = max(range(p), key=lambda s: stage_comm[s])
         p2p_bytes = max((sum(v for (a, _b), v in sent.items() if a == s) for s in range(p)), default=0) * dtype
         figures = PipelinePlan(schedule, m, stage_devices, layout, tuple(stages),
@@ -742,7 +759,7 @@ class StagePricer:
         compute = max((s.forward_s + s.backward_s) * m + s.optimizer_s for s in stages)
         totals = Totals(max(ends), int(stage_comm[busiest]), int(stage_comm[busiest]) * dtype,
                         max(s.memory_bytes for s in stages),
-                        max(stage_comm_elements(layout, plan.costs, "grad_sync_elements")),
+                        max(grad for _optimizer, _comm, grad in sums),
                         compute, max(s.sync_s for s in stages) + figures.transfer_s * 2 * m)
         return replace(plan, machine=machine, devices=p * stage_devices, totals=totals, pipeline=figures)
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from parsat.ir.blocks import node_blocks
 from parsat.ir.costs import NodeCost
@@ -310,7 +310,8 @@ class ScheduleRun:
 def simulate_schedule(layout: StageLayout, schedule: str, microbatches: int, forward_s: Sequence[float],
                       backward_s: Sequence[float], transfer_s: Mapping[tuple[int, int], float],
                       activation_bytes: Sequence[int], first_forward_wait_s: Sequence[float] = (),
-                      first_forward_ready_s: Sequence[float] = ()) -> ScheduleRun:
+                      first_forward_ready_s: Sequence[float] = (),
+                      orders: Sequence[Sequence[Action]] | None = None) -> ScheduleRun:
     """Run each stage's actions in `schedule_order`, each as soon as its stage is free and its inputs have
     arrived: a chunk's forward waits for the forwards of the chunks it reads plus the transfer
     (`transfer_s[(source, target)]`, seconds per micro-batch), its backward for its own forward and the
@@ -318,9 +319,11 @@ def simulate_schedule(layout: StageLayout, schedule: str, microbatches: int, for
     micro-batch and the activation bytes one micro-batch keeps until its backward; `first_forward_wait_s`
     (per chunk, empty for none): what its first micro-batch's forward waits for its parameters mid-way
     (ZeRO's gathers overlapped with it, `cost.pipeline`), added to that action; `first_forward_ready_s` (per
-    chunk, empty for none): the earliest that action may start (those gathers launched at the step's start)."""
+    chunk, empty for none): the earliest that action may start (those gathers launched at the step's start).
+    `orders`: `schedule_order`'s for this schedule, stages, chunks and micro-batches, where the caller keeps them."""
     p = layout.degree
-    orders = schedule_order(schedule, p, layout.chunks_per_stage, microbatches)
+    if orders is None:
+        orders = schedule_order(schedule, p, layout.chunks_per_stage, microbatches)
     sources: dict[int, set[int]] = {}
     targets: dict[int, set[int]] = {}
     for crossing in layout.crossings:
@@ -482,8 +485,12 @@ def stage_comm_elements(layout: StageLayout, costs: Mapping[int, NodeCost],
     two of its chunks read, once; one that several stages read, on each). `part` picks the figure:
     "comm_elements" (every collective) or "grad_sync_elements" (the gradient synchronisation). The cost
     model prices a stage with it and the backend compares each stage's measured collectives with it."""
-    return tuple(sum(getattr(costs[n], part) for n in layout.stage_nodes(s) if n in costs)
-                 for s in range(layout.degree))
+    return tuple(nodes_elements(layout.stage_nodes(s), costs, part) for s in range(layout.degree))
+
+
+def nodes_elements(nodes: Iterable[int], costs: Mapping[int, NodeCost], part: str = "comm_elements") -> int:
+    """The elements the collectives of `nodes` send per step (`stage_comm_elements`, for one stage's nodes)."""
+    return sum(getattr(costs[n], part) for n in nodes if n in costs)
 
 
 def stored_piece_elements(pcg: PCG) -> dict[int, int]:
