@@ -480,8 +480,8 @@ def test_a_cut_s_memory_from_its_layers_sums_is_the_laid_out_chunks(stage_plan):
                     assert pricer._chunk_bytes(cut, degree) == [(c.activation_bytes, c.state_bytes, c.transient_bytes)
                                                                for c in laid], (cut, degree)
                     # a stage's sums, kept by its chunks' layers, are the ones its nodes give in this layout
-                    for s, (comm, grad) in enumerate(zip(stage_comm_elements(layout, plan.costs),
-                                                         stage_comm_elements(layout, plan.costs, "grad_sync_elements"))):
+                    grads = stage_comm_elements(layout, plan.costs, "grad_sync_elements")
+                    for s, (comm, grad) in enumerate(zip(stage_comm_elements(layout, plan.costs), grads)):
                         optimizer = sum(plan.costs[i].optimizer_s for i in layout.stage_nodes(s) if i in plan.costs)
                         assert pricer._stage_sums(layout, s) == (optimizer, comm, grad)
                     compared += 1

@@ -596,7 +596,8 @@ class StagePricer:
             free = set().union(*(needed[layer] for layer in mine)) - charged[c % degree]
             charged[c % degree] |= free
             figures = [own[layer] for layer in mine] + [free_bytes[i] for i in free if i in free_bytes]
-            out.append((sum(f[0] for f in figures), sum(f[1] for f in figures), max((f[2] for f in figures), default=0)))
+            out.append((sum(f[0] for f in figures), sum(f[1] for f in figures),
+                        max((f[2] for f in figures), default=0)))
         return out
 
     @staticmethod

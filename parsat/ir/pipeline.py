@@ -178,8 +178,8 @@ class LayerMap:
         chunk_of_layer = {layers[i]: c for c in range(len(starts)) for i in range(bounds[c], bounds[c + 1])}
         owner = {n.id: chunk_of_layer[self.blocks[n.id]] for n in pcg.nodes if n.id not in self.free}
         # a chunk's nodes: its layers' own nodes and the free values each needs (`layer_members`)
-        members: list[set[int]] = [set().union(*(self.layer_members[layers[i]] for i in range(bounds[c], bounds[c + 1])))
-                                   for c in range(len(starts))]
+        members: list[set[int]] = [set().union(*(self.layer_members[layers[i]]
+                                                 for i in range(bounds[c], bounds[c + 1]))) for c in range(len(starts))]
         chunks = tuple(Chunk(c, c % degree, layers[bounds[c]:bounds[c + 1]],
                              tuple(sorted(members[c], key=self.position.__getitem__))) for c in range(len(starts)))
         crossings = []
