@@ -320,7 +320,7 @@ def test_a_stage_plan_that_fits_no_schedule_is_searched_again_recomputing():
     from parsat.ir.recompute import BLOCKS, NONE
     sizes = {"blocks": 4, "batch": 16, "seq": 256, "hidden": 64, "heads": 4, "vocab": 128}
     cpu = Machine.resolve("cpu")
-    small = replace(cpu, memory_capacity=12 * 2 ** 20)      # 12 MiB a device: between the two figures below
+    small = replace(cpu, memory_capacity=7 * 2 ** 20)       # 7 MiB a device: between the two figures below
     p, m = 2, 4
     stage_machine = replace(small.with_devices(2), memory_capacity=small.memory_capacity * p)
     keeping = optimize("gpt", stage_machine, devices=2, sizes=sizes, microbatches=m, pipeline=False,

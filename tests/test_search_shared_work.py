@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from parsat.cost.pcg_tasks import needs_gradient
+from parsat.cost.saved import kept_values
 from parsat.dsl.checker import resolve_library
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.egraph.runner import Limits
@@ -23,7 +24,7 @@ from parsat.ir.models import build_example
 from parsat.ir.pcg import PCG, WEIGHT_VALUE, Degrees, PNode, pcg_roles
 from parsat.ir.placement import _SIGNATURE, Placement, _signature, axis_compute, codes_for_rank
 from parsat.search.baselines import independent_grid
-from parsat.search.extract import Pricer, _leaf_roles, leaf_roles, node_costs
+from parsat.search.extract import Pricer, _leaf_roles, kept_classes, leaf_roles, node_costs
 from parsat.search.recompute import recomputed_enodes, recomputed_pcg_costs
 from parsat.search.repeat import (OUTSIDE, REPEATED, Repetition, _value_names, class_blocks, snapshot_blocks,
                                   value_names, weigh)
@@ -148,7 +149,7 @@ def test_a_shared_compute_cost_is_kept_apart_by_which_inputs_are_weights(gpt):
 
 def _node_costs_afresh(snapshot, graph, library, machine) -> dict:
     """`node_costs` as it was before e-nodes were kept by their classes' kinds: the pricer asked for each."""
-    roles, out = leaf_roles(snapshot, graph), {}
+    roles, out, held = leaf_roles(snapshot, graph), {}, kept_classes(snapshot, graph, library)
     pricer = Pricer(library, machine, snapshot.mesh, microbatches=graph.microbatches)
     for cid, nodes in snapshot.classes.items():
         for index, node in enumerate(nodes):
@@ -158,7 +159,8 @@ def _node_costs_afresh(snapshot, graph, library, machine) -> dict:
             cost = pricer.price(node.op, node.attrs[:-1] if parallel else node.attrs, snapshot.shape[cid],
                                 snapshot.degrees[cid], tuple(snapshot.shape[ch] for ch in node.children),
                                 tuple(snapshot.degrees[ch] for ch in node.children),
-                                tuple(roles.get(ch, "") for ch in node.children), node.attrs[-1] if parallel else None)
+                                tuple(roles.get(ch, "") for ch in node.children), node.attrs[-1] if parallel else None,
+                                kept=cid in held)
             if cost is not None:
                 out[(cid, index)] = cost
     return out
@@ -176,7 +178,7 @@ def _price_pcg_afresh(pcg, library, machine, microbatches) -> dict:
     """`price_pcg` as it was before nodes were kept by their kinds: the pricer asked for each node."""
     pricer, roles, flows = Pricer(library, machine, pcg.mesh, microbatches=microbatches, zero=pcg.zero), \
         pcg_roles(pcg), needs_gradient(pcg, library)
-    by_id, out = {n.id: n for n in pcg.nodes}, {}
+    by_id, out, held = {n.id: n for n in pcg.nodes}, {}, kept_values(pcg, library)
     for node in pcg.nodes:
         children = [by_id[i] for i in node.inputs]
         attrs = (node.op,) if node.kind == "leaf" else tuple(v for k, v in node.attrs
@@ -186,7 +188,7 @@ def _price_pcg_afresh(pcg, library, machine, microbatches) -> dict:
                                     tuple(roles.get(c.id, "") for c in children),
                                     node.axis(pcg.mesh) if node.kind == "parallel" else None,
                                     stores=roles.get(node.id) != WEIGHT_VALUE,
-                                    gradient=node.kind != "parallel" or flows[node.inputs[0]])
+                                    gradient=node.kind != "parallel" or flows[node.inputs[0]], kept=node.id in held)
     return recomputed_pcg_costs(pcg, out)
 
 

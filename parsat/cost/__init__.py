@@ -16,5 +16,6 @@ weights FSDP2 communicates together, for the torch-native runtime's
 profile), `step_report` (a step
 simulated and summed up for the plan JSON), `pipeline` (a stage plan cut
 into pipeline stages and priced under a schedule), `stage_sync` (a
-stage's gradient reductions priced in buckets).
+stage's gradient reductions priced in buckets), `saved` (which values a
+training step keeps for backward: those some backward reads, each once).
 """

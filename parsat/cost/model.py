@@ -35,8 +35,9 @@ Conventions (docs/plan-schema.md repeats them):
   convention data parallelism of the 2-layer MLP on 2 devices sends
   2 * (784*512 + 512*10) = 813,056 gradient elements per step.
 * Memory per device (an upper bound: every node's piece is counted as if it
-  lived on every device): activations kept for backward (each node's output
-  piece, in the compute dtype, and what a fused kernel keeps beside it), and for weights the bytes per parameter of
+  lived on every device): activations kept for backward (a node's output
+  piece, in the compute dtype, where some reader's backward reads it, each
+  value once, `cost.saved`; and what a fused kernel keeps beside it), and for weights the bytes per parameter of
   the machine's precision with Adam (`ir.precision`: 16 in fp32 and in bf16
   with fp32 master weights and moments), charged to the node that reads the
   weight leaf in the placement it reads it.
@@ -44,9 +45,10 @@ Conventions (docs/plan-schema.md repeats them):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
+from parsat.dsl.gradient import is_alias
 from parsat.dsl.instantiate import OpInstance
 from parsat.dsl.parallel_ops import ALL_GATHER, ALL_TO_ALL, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER, REPLICATE
 from parsat.dsl.spread import infer_compute
@@ -55,7 +57,7 @@ from parsat.ir.machine import Machine
 from parsat.ir.pcg import SHARDED_STATE_STAGES, STORED_ROLES, WEIGHT, WEIGHT_PIECE, WEIGHT_ROLES, Degrees
 from parsat.cost import collectives
 from parsat.cost.collectives import GroupTopology, price
-from parsat.cost.op_time import OpTime, op_time
+from parsat.cost.op_time import FUSED, OpTime, op_time
 
 OPTIMIZER = "adam"           # the optimizer the plan's memory and update time assume
 
@@ -104,12 +106,17 @@ def compute_time(instance: OpInstance, inputs: Sequence[Degrees], output: Degree
 
 
 def compute_cost(instance: OpInstance, inputs: Sequence[Degrees], output: Degrees, machine: Machine,
-                 weight_inputs: Sequence[bool]) -> NodeCost:
-    """A compute operator on local pieces; weights read directly are stored whole."""
+                 weight_inputs: Sequence[bool], kept: bool = True) -> NodeCost:
+    """A compute operator on local pieces; weights read directly are stored whole. `kept`: whether some
+    reader's backward reads its output (`cost.saved`), which is then kept until that backward, unless the
+    operator is a view (its operand holds the storage); a fused kernel keeps its output for its own backward
+    (`FusedKernel.keeps_output`) and what it saves beside it (`OpTime.saved_bytes`)."""
     timed, problems = compute_time(instance, inputs, output, machine)
     shapes = [tuple(int(d.evaluate({})) for d in s) for s in instance.input_shapes]
     out_shape = tuple(int(d.evaluate({})) for d in instance.output_shape)
-    activation = output.piece_elements(out_shape) * machine.dtype_bytes + int(timed.saved_bytes)
+    fused = FUSED.get(instance.name)
+    holds = (kept and not is_alias(instance.op)) or (fused is not None and fused.keeps_output)
+    activation = holds * output.piece_elements(out_shape) * machine.dtype_bytes + int(timed.saved_bytes)
     memory = activation
     opt = 0.0
     for is_weight, degrees, shape in zip(weight_inputs, inputs, shapes):
@@ -124,7 +131,7 @@ def compute_cost(instance: OpInstance, inputs: Sequence[Degrees], output: Degree
 def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, output: Degrees, machine: Machine,
                   source_role: str, devices: int | None = None,
                   group: GroupTopology | None = None, stores: bool = True, zero: int = 0,
-                  microbatches: int = 1, gradient: bool = True) -> NodeCost:
+                  microbatches: int = 1, gradient: bool = True, kept: bool = True) -> NodeCost:
     """A parallel operator on one mesh axis of `degree` devices. `source_role` (`ir.pcg`'s roles) says what it
     reads:
 
@@ -170,6 +177,11 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
     through a routing one-hot, `cost.pcg_tasks.needs_gradient`), so autograd
     runs none of the operator's backward collectives (a mixture of experts'
     dispatch all-to-all sends nothing back).
+
+    `kept` (an activation's operators only): whether some reader's backward reads the output (`cost.saved`),
+    which is then kept until that backward; otherwise it is freed once read. A `combine` or `all_gather` of an
+    activation keeps nothing of its own: its source, the shard, is kept, and where its output is wanted it is
+    gathered again in backward, as Megatron-LM's sequence-parallel layers do (`cost.saved`).
     """
     p = degree
     shape = tuple(shape)
@@ -180,8 +192,10 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
     move = _Move(p, source, output, source.piece_elements(shape), output.piece_elements(shape), weighty,
                  slices_weight=op == PARTITION and weighty and not (stores and source_role in STORED_ROLES))
     sharding = zero if shards_state(op, source_role, zero) else 0
-    held = _parallel_memory(op, source_role, stores, move, machine, sharding)
+    held = _parallel_memory(op, source_role, stores, move, machine, sharding, kept)
     runs = _sharded_sync_runs(move, sharding, microbatches) if sharding else _collective_runs(op, source_role, move)
+    if kept and not source_role and op in (COMBINE, ALL_GATHER):   # the shard kept, gathered again for backward
+        runs = runs + tuple(replace(run, phase="bwd") for run in runs if run.phase == "fwd")
     if not gradient:   # no gradient reaches the source (`cost.pcg_tasks.needs_gradient`): nothing runs backward
         runs = tuple(run for run in runs if run.phase != "bwd")
     comm = _price_runs(machine, group, p, runs, _replica_sets(devices, source, output))
@@ -262,12 +276,13 @@ def _state_saved(machine: Machine, zero: int, degree: int) -> float:
 
 
 def _parallel_memory(op: str, source_role: str, stores: bool, move: _Move, machine: Machine,
-                     zero: int = 0) -> _Held:
+                     zero: int = 0, kept: bool = True) -> _Held:
     """What a parallel operator keeps: a weight stored in its placement (its training state and update), a finer
     storage of a stored piece (the state shrinks), an activation kept for backward, the slice of a weight not
     stored so, a gathered weight kept until backward (and its gradient accumulated whole). Under ZeRO stage
     `zero` (`shards_state`) a replicate of a stored weight takes the sharded state off what the weight's
-    storage holds, and its update runs on the device's shard only."""
+    storage holds, and its update runs on the device's shard only. An activation is kept only where `kept`
+    (`cost.saved`): never a replicate's (a view) or a gather's (its shard is kept and gathered again)."""
     memory, activation, accumulation, opt = 0, 0, 0, 0.0
     out_piece, in_piece = move.out_piece, move.in_piece
     if zero:
@@ -284,7 +299,7 @@ def _parallel_memory(op: str, source_role: str, stores: bool, move: _Move, machi
     elif source_role == WEIGHT_PIECE and op == PARTITION and stores:   # stored finer: the state shrinks
         memory = (out_piece - in_piece) * weight_bytes(machine)
         opt = (out_piece - in_piece) * update_traffic_bytes(machine) / machine.memory_bandwidth
-    elif not source_role and op not in (REPLICATE,):
+    elif not source_role and kept and op not in (REPLICATE, COMBINE, ALL_GATHER):
         memory = activation = out_piece * machine.dtype_bytes       # an activation kept for backward
     if move.slices_weight:   # the slice of a weight not stored so, kept for backward like an activation
         activation = out_piece * machine.dtype_bytes

@@ -90,6 +90,7 @@ class FusedKernel:
     rate: Callable[[OpEfficiency, float], float]   # fraction of peak FLOP/s at these local forward FLOPs
     backward_factor: float                         # backward kernel = this x the forward kernel
     row_bytes: int = 0                             # bytes kept for backward per row of the output, beside it
+    keeps_output: bool = False                     # its backward reads its own output (kept whoever reads it)
 
 
 def _sizes(shape) -> list[int]:
@@ -107,7 +108,7 @@ def causal_attention_flops(instance: OpInstance) -> float:
 
 FUSED: Mapping[str, FusedKernel] = {
     "attention_causal": FusedKernel(causal_attention_flops, OpEfficiency.attention_rate, backward_factor=2.5,
-                                    row_bytes=4),
+                                    row_bytes=4, keeps_output=True),
 }
 """Operators priced as one fused kernel (the module docstring): their own FLOPs, rate, backward and saved bytes."""
 

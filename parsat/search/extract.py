@@ -40,6 +40,7 @@ from parsat.ir.pcg import INPUT, STORED_ROLES, WEIGHT, WEIGHT_PIECE, WEIGHT_VALU
 from parsat.ir.units import fmt_bytes_pair
 from parsat.cost.collectives import BROADCAST, GroupTopology, price
 from parsat.cost.model import compute_cost, gather_cost, parallel_cost
+from parsat.cost.saved import kept
 from parsat.egraph.encoding import PIN_SUFFIX
 from parsat.egraph.runner import Limits
 from parsat.egraph.snapshot import ENode, Snapshot
@@ -112,6 +113,7 @@ def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Mach
     `input_pins` arrives in that layout: reading it whole costs a gather.
     """
     roles = leaf_roles(snapshot, graph)
+    held = kept_classes(snapshot, graph, library)
     pricer = Pricer(library, machine, snapshot.mesh or Mesh(()), free_input_placements, input_pins, graph.microbatches,
                     zero, computed)
     # What the pricer reads of a class is its shape, spread and role: classes are numbered by those, once, and an
@@ -131,10 +133,10 @@ def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Mach
                 continue
             if only is not None and not only(node.op, roles.get(node.children[0], "") if node.children else ""):
                 continue
-            key = (node.op, node.attrs, kind[cid], tuple(kind[ch] for ch in node.children))
+            key = (node.op, node.attrs, kind[cid], tuple(kind[ch] for ch in node.children), cid in held)
             cost = priced.get(key, _UNPRICED)
             if cost is _UNPRICED:
-                cost = priced[key] = _price_enode(pricer, snapshot, roles, cid, node)
+                cost = priced[key] = _price_enode(pricer, snapshot, roles, cid, node, cid in held)
             if cost is not None:
                 out[(cid, index)] = cost
     return out
@@ -143,14 +145,26 @@ def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Mach
 _UNPRICED = object()   # `node_costs`: no e-node of this kind priced yet (None is a price: the model rejects it)
 
 
-def _price_enode(pricer: "Pricer", snapshot: Snapshot, roles: Mapping[int, str], cid: int, node: ENode) \
-        -> NodeCost | None:
-    """One e-node of class `cid` priced (`Pricer.price`)."""
+def _price_enode(pricer: "Pricer", snapshot: Snapshot, roles: Mapping[int, str], cid: int, node: ENode,
+                 kept: bool = True) -> NodeCost | None:
+    """One e-node of class `cid` priced (`Pricer.price`); `kept`: whether the class's value is kept for
+    backward (`kept_classes`)."""
     parallel = node.op in PARALLEL_OPS
     return pricer.price(node.op, node.attrs[:-1] if parallel else node.attrs, snapshot.shape[cid],
                         snapshot.degrees[cid], tuple(snapshot.shape[ch] for ch in node.children),
                         tuple(snapshot.degrees[ch] for ch in node.children),
-                        tuple(roles.get(ch, "") for ch in node.children), node.attrs[-1] if parallel else None)
+                        tuple(roles.get(ch, "") for ch in node.children), node.attrs[-1] if parallel else None,
+                        kept=kept)
+
+
+def kept_classes(snapshot: Snapshot, graph: Graph, library: Library) -> frozenset[int]:
+    """The e-classes whose value is kept for backward (`cost.saved.kept`): some e-node reading the class has a
+    backward that reads it, whichever of the class's readers a plan picks (an upper bound, as extraction needs
+    a node's cost not to depend on the others picked). Worked out once per snapshot and library."""
+    roles = leaf_roles(snapshot, graph)
+    readers = ((cid, node.op, node.children) for cid, nodes in snapshot.classes.items() for node in nodes
+               if node.op != "leaf")
+    return snapshot.derive(("kept_classes", tuple(sorted(roles.items()))), lambda: kept(readers, library, roles))
 
 
 class Pricer:
@@ -180,13 +194,13 @@ class Pricer:
         self.computed = {} if computed is None else computed
 
     def price(self, op: str, attrs: tuple, shape, degrees: Degrees, child_shapes, child_degrees, roles,
-              axis: int | None = None, stores: bool = True, gradient: bool = True) -> NodeCost | None:
+              axis: int | None = None, stores: bool = True, gradient: bool = True, kept: bool = True) -> NodeCost | None:
         devices = self.mesh.world
         if op == "leaf":
             pinned = self.input_pins.get(attrs[0]) if attrs else None
             return gather_cost(self.machine, pinned, shape, devices).per_step(self.microbatches) if pinned else NodeCost()
         key = (op, tuple(attrs), tuple(shape), degrees, tuple(child_shapes), tuple(child_degrees), tuple(roles), axis,
-               stores, gradient)
+               stores, gradient, kept)
         if key not in self.cache:
             if op in PARALLEL_OPS:
                 role = roles[0]
@@ -194,13 +208,14 @@ class Pricer:
                     role = "broadcast-input"
                 self.cache[key] = _parallel(op, GroupTopology.of_axis(self.mesh, axis),
                                             shape, child_degrees[0], degrees, self.machine, role, devices, stores,
-                                            self.zero, self.microbatches, gradient)
+                                            self.zero, self.microbatches, gradient, kept)
             else:
                 weights = tuple(r == WEIGHT for r in roles)
-                reads = (op, tuple(attrs), tuple(child_shapes), tuple(child_degrees), degrees, weights, self.machine)
+                reads = (op, tuple(attrs), tuple(child_shapes), tuple(child_degrees), degrees, weights, self.machine,
+                         kept)
                 if reads not in self.computed:
                     self.computed[reads] = _compute(self.library, op, attrs, child_shapes, child_degrees, degrees,
-                                                    self.machine, weights)
+                                                    self.machine, weights, kept)
                 self.cache[key] = self.computed[reads]
             if self.cache[key] is not None:
                 self.cache[key] = self.cache[key].per_step(self.microbatches)
@@ -209,7 +224,7 @@ class Pricer:
 
 def _parallel(op: str, group: GroupTopology, shape, source: Degrees, out: Degrees,
               machine: Machine, role: str, devices: int, stores: bool = True, zero: int = 0,
-              microbatches: int = 1, gradient: bool = True) -> NodeCost:
+              microbatches: int = 1, gradient: bool = True, kept: bool = True) -> NodeCost:
     degree = group.size
     if role == "broadcast-input":  # a whole input sent to the copies: (p-1) n elements
         n = source.piece_elements(shape)
@@ -217,11 +232,11 @@ def _parallel(op: str, group: GroupTopology, shape, source: Degrees, out: Degree
                         comm_elements=(degree - 1) * n * source.pieces * max(1, devices // out.pieces),
                         collectives=(f"fwd broadcast ({degree} devices, {n} elements)",))
     return parallel_cost(op, degree, shape, source, out, machine, role, devices, group, stores, zero, microbatches,
-                         gradient)
+                         gradient, kept)
 
 
 def _compute(library: Library, op_name: str, values: tuple, shapes, input_degrees, out: Degrees, machine: Machine,
-             weights) -> NodeCost | None:
+             weights, kept: bool = True) -> NodeCost | None:
     op = library.ops.get(op_name)
     if op is None:
         return None
@@ -232,7 +247,7 @@ def _compute(library: Library, op_name: str, values: tuple, shapes, input_degree
         instance = instance_for(op, shapes, attrs)
     except Exception:  # the cost model only prices what instantiates; anything else is not extractable
         return None
-    cost = compute_cost(instance, input_degrees, out, machine, weights)
+    cost = compute_cost(instance, input_degrees, out, machine, weights, kept)
     return None if cost.problems else cost
 
 

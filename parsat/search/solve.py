@@ -16,6 +16,7 @@ from parsat.dsl.library import Library
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.cost.model import shards_state
 from parsat.cost.pcg_tasks import needs_gradient
+from parsat.cost.saved import kept_values
 from parsat.ir.costs import NodeCost
 from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
@@ -104,6 +105,7 @@ def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_placement
     by_id = {n.id: n for n in pcg.nodes}
     roles = pcg_roles(pcg)
     flows = needs_gradient(pcg, library)   # a parallel operator whose source takes no gradient runs no backward
+    held = kept_values(pcg, library)       # the values some backward reads (`cost.saved`)
     # what the pricer reads of a node is its shape, spread and role: nodes are numbered by those, and a node's
     # cost kept by its operator, attributes, its and its inputs' numbers and whether a gradient flows (as
     # `extract.node_costs` keeps e-nodes'): the blocks of a whole model's PCG repeat the same few
@@ -115,10 +117,12 @@ def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_placement
         if only is not None and not only(node):
             continue
         gradient = node.kind != "parallel" or flows[node.inputs[0]]
-        key = (node.kind, node.op, node.attrs, kind[node.id], tuple(kind[i] for i in node.inputs), gradient)
+        key = (node.kind, node.op, node.attrs, kind[node.id], tuple(kind[i] for i in node.inputs), gradient,
+               node.id in held)
         cost = priced.get(key, _UNPRICED)
         if cost is _UNPRICED:
-            cost = priced[key] = _price_node(pricer, pcg, node, [by_id[i] for i in node.inputs], roles, gradient)
+            cost = priced[key] = _price_node(pricer, pcg, node, [by_id[i] for i in node.inputs], roles, gradient,
+                                             node.id in held)
         if cost is None:
             return None
         out[node.id] = cost
@@ -129,15 +133,16 @@ _UNPRICED = object()   # `price_pcg`: no node of this kind priced yet
 
 
 def _price_node(pricer: Pricer, pcg: PCG, node: PNode, children: Sequence[PNode], roles: Mapping[int, str],
-                gradient: bool) -> NodeCost | None:
-    """One PCG node priced (`extract.Pricer.price`), its inputs `children`."""
+                gradient: bool, kept: bool = True) -> NodeCost | None:
+    """One PCG node priced (`extract.Pricer.price`), its inputs `children`; `kept`: whether some backward reads
+    its value (`cost.saved.kept_values`)."""
     axis = node.axis(pcg.mesh) if node.kind == "parallel" else None
     attrs = (node.op,) if node.kind == "leaf" else tuple(v for k, v in node.attrs
                                                           if node.kind != "parallel" or k in ("dim", "to_dim"))
     op = node.op if node.kind != "leaf" else "leaf"
     return pricer.price(op, attrs, node.shape, node.degrees, tuple(c.shape for c in children),
                         tuple(c.degrees for c in children), tuple(roles.get(c.id, "") for c in children), axis,
-                        stores=roles.get(node.id) != WEIGHT_VALUE, gradient=gradient)
+                        stores=roles.get(node.id) != WEIGHT_VALUE, gradient=gradient, kept=kept)
 
 
 def in_flight_costs(costs: Mapping, in_flight: int) -> Mapping:

@@ -1,0 +1,97 @@
+"""What training keeps for backward: the values some reader's backward reads, each value once.
+
+Autograd keeps, per operator, the tensors its backward reads, not every
+operator's output: a product its operands, a sum nothing, a norm or an
+activation function its input, fused attention its inputs, output and
+one logsumexp per row (`dsl.gradient.backward_reads`, read from each
+operator's semantics; `op_time.FUSED` for fused kernels). A value read so
+by several operators (the input of q, k and v) is kept once. So a value
+is kept when some reader's backward reads it (`kept_values` for a PCG,
+`kept_classes` for an e-graph, where a class's readers are every e-node
+that reads it, an upper bound for ranking), and:
+
+* a view (an operator whose output is one operand re-indexed:
+  `dsl.gradient.is_alias`, a transpose, flatten, unflatten) and a
+  `replicate` of an activation keep nothing of their own: where their
+  output is kept, their operand is;
+* a `combine` or `all_gather` of an activation keeps its operand, the
+  shard, and gathers it again in backward (`cost.model.parallel_cost`'s
+  `kept`), as Megatron-LM's sequence-parallel linear layers do
+  (`LinearWithGradAccumulationAndAsyncCommunication` saves the sequence
+  shard and all-gathers it for the weight's gradient);
+* every other parallel operator's output (a slice, a reduced or
+  reduce-scattered sum) is a tensor of its own, kept only where a reader's
+  backward reads it: a row-parallel product's partial sum is read only by
+  its reduction, whose backward reads nothing, so it is not kept.
+
+Reference: Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models", section 4: per layer s b h (34 + 5 a s / h)
+bytes at 16 bits without parallelism, divided by t with tensor and
+sequence parallelism; with the attention core recomputed (FlashAttention
+does the same) 34 s b h / t. Their 34 counts 2 s b h of dropout masks
+(1 byte an element, after attention's projection and after the MLP),
+which a block without dropout does not keep (tests/test_cost_saved.py).
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Iterable, Mapping, Sequence
+
+from parsat.dsl.gradient import backward_reads, gradient_free, is_alias
+from parsat.dsl.library import Library
+from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARALLEL_OPS, REPLICATE
+from parsat.ir.pcg import INPUT, PCG, pcg_roles
+
+GATHERS = (COMBINE, ALL_GATHER)
+ALIASING_PARALLEL = (REPLICATE,) + GATHERS   # their output kept means their operand kept (the module docstring)
+
+Reader = tuple[Hashable, str, Sequence[Hashable]]   # (the value it makes, its operator, the values it reads)
+
+
+def kept_values(pcg: PCG, library: Library) -> frozenset[int]:
+    """The ids of the PCG nodes whose value is kept for backward (the module docstring)."""
+    readers = ((n.id, n.op, n.inputs) for n in pcg.nodes if n.kind != "leaf")
+    return kept(readers, library, pcg_roles(pcg))
+
+
+def kept(readers: Iterable[Reader], library: Library, roles: Mapping[Hashable, str]) -> frozenset:
+    """The values some reader's backward reads, through views and gathers to the value that holds the storage.
+    `roles`: a value's role (`ir.pcg`'s: "input" takes no gradient, and a gather of a weight is its chain, not
+    an activation)."""
+    direct: set = set()
+    aliases: dict[Hashable, list[Hashable]] = {}
+    for made, op, reads in readers:
+        source = _aliased(op, reads, library, roles)
+        if source is not None:
+            aliases.setdefault(made, []).append(source)
+            continue
+        decl = library.ops.get(op)
+        if decl is None or op in PARALLEL_OPS:
+            continue
+        names = [p.name for p in decl.tensor_params]
+        free = gradient_free(decl)
+        needs = frozenset(n for n, v in zip(names, reads) if roles.get(v, "") != INPUT and n not in free)
+        wanted = backward_reads(decl, needs)
+        direct.update(v for n, v in zip(names, reads) if n in wanted)
+    found, stack = set(direct), list(direct)
+    while stack:
+        for source in aliases.get(stack.pop(), ()):
+            if source not in found:
+                found.add(source)
+                stack.append(source)
+    return frozenset(found)
+
+
+def _aliased(op: str, reads: Sequence[Hashable], library: Library, roles: Mapping[Hashable, str]):
+    """The value whose storage `op`'s output is, or stands for in backward (a view's operand, a replicated or
+    gathered activation's source); None where the output is a tensor of its own."""
+    if op in ALIASING_PARALLEL:
+        return reads[0] if reads and not roles.get(reads[0], "") else None
+    decl = library.ops.get(op)
+    if decl is None or not is_alias(decl):
+        return None
+    names = [p.name for p in decl.tensor_params]
+    return reads[names.index(decl.body.tensor)]
+
+
+__all__ = ["ALIASING_PARALLEL", "GATHERS", "kept", "kept_values"]
