@@ -316,9 +316,11 @@ def _parallel_memory(op: str, source_role: str, stores: bool, move: _Move, machi
 def _sharded_sync_runs(move: _Move, zero: int, microbatches: int) -> tuple[_Run, ...]:
     """A stored weight's gradient synchronisation under ZeRO stage `zero` (`shards_state`): the gradient
     reduce-scattered (stage 2: once per micro-batch, a sharded gradient cannot accumulate), then the updated
-    shards all-gathered into the weight, each over the replicas' group."""
-    scatter = _Run("bwd", "reduce-scatter", move.in_piece, move.source.pieces, sync=True)
-    gather = _Run("bwd", "all-gather", move.in_piece, move.source.pieces, sync=True, after_update=True)
+    shards all-gathered into the weight, each over the replicas' group, the flat gradient padded to a multiple
+    of the group's size (as `backend.state_shards` and FSDP do: every shard the same size)."""
+    padded = -(-move.in_piece // move.degree) * move.degree   # each device's shard equal: the tensor padded
+    scatter = _Run("bwd", "reduce-scatter", padded, move.source.pieces, sync=True)
+    gather = _Run("bwd", "all-gather", padded, move.source.pieces, sync=True, after_update=True)
     return (scatter,) * (microbatches if zero == 2 else 1) + (gather,)
 
 

@@ -24,7 +24,7 @@ from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import PCG, WEIGHT_VALUE, Degrees, PNode, pcg_roles
 from parsat.ir.recompute import NONE
 from parsat.egraph.encoding import PIN_SUFFIX
-from parsat.search.extract import Extraction, NodeId, Pricer, dag_cost, extract, node_costs
+from parsat.search.extract import Extraction, NodeId, Pricer, dag_cost, extract, kept_classes, node_costs
 from parsat.search.recompute import recomputed_enodes, recomputed_pcg_costs
 from parsat.search.repeat import Repetition, RepeatError, conversions, stamp, value_names, weigh
 from parsat.egraph.runner import Limits
@@ -67,10 +67,15 @@ def solve(result: SaturationResult, graph: Graph, library: Library, machine: Mac
             raise RepeatError("the repeated plan has a node the cost model cannot price")
         return pcg, priced, extraction
     by_class = {ident[c]: costs[(c, i)] for c, i in extraction.choice.items()}
-    # An e-node prices a partition of a weight as its storage, not knowing the weight's other readers: the
-    # PCG's parallel nodes are priced again knowing them, so the plan's figures are what the backend runs.
+    # An e-node prices a partition of a weight as its storage, not knowing the weight's other readers, and a
+    # class as kept for backward where any of its e-nodes' readers would keep it (`extract.kept_classes`, an
+    # upper bound): the PCG's parallel nodes, and its compute nodes whose value the PCG's own readers keep
+    # otherwise (`cost.saved.kept_values`), are priced again knowing them, so the plan's figures are what the
+    # backend runs and what pricing its PCG gives.
+    held_classes, held = kept_classes(result.snapshot, graph, library), kept_values(pcg, library)
+    differs = {ident[c] for c in extraction.choice if (c in held_classes) != (ident[c] in held)}
     readers = price_pcg(pcg, library, machine, free_input_placements, graph.microbatches, pins,
-                        only=lambda node: node.kind == "parallel")
+                        only=lambda node: node.kind == "parallel" or node.id in differs)
     return pcg, {**by_class, **(readers or {})}, extraction
 
 
