@@ -19,7 +19,8 @@ from parsat.report.explain import explain
 from parsat.ir.validate import validate_plan_report
 from parsat.cost.pcg_tasks import DDP, PARSAT_RUN, StepPrediction, profile_for, simulate_pcg
 from parsat.cost.simulator import COMM, COMPUTE, StepBuilder
-from parsat.cost.step_report import simulate_step, summarize
+from parsat.cost.step_report import simulate_step, simulated_step, summarize
+from parsat.ir.costs import SimulatedStep, Totals
 
 LIB = load_library([shipped_rules_dir() / "ops.rule"])[0]
 PRESET = Machine.preset("h100x8")
@@ -75,6 +76,28 @@ def test_data_parallel_timeline_shows_gradient_sync_overlapping_backward():
     assert overlapped                                   # a bucket's all-reduce drawn under the backward pass
     assert streams.overlap_s > 0 and streams.time_s < streams.compute_busy_s + streams.comm_busy_s
     assert [p.phase for p in step.phases][:3] == ["forward", "backward", "grad_sync"]
+
+
+def test_a_step_s_figures_worked_out_when_read_are_the_eager_ones():
+    """`simulated_step` (what a search ranks candidates by) gives `simulate_step`'s time at once and its figures
+    when first read, once: the same figures, so the same totals in the plan JSON, under DDP and `parsat run`."""
+    graph = stack(2, batch=64, seq=128, hidden=256, heads=4, ffn=1024, library=LIB)
+    for machine, microbatches in ((DDP_H100, 4), (Machine.preset("cpu").with_devices(8), 2)):
+        pcg = data_parallel_pcg(graph, LIB, 8, 8)
+        streams, step = simulate_step(pcg, LIB, machine, microbatches)
+        lazy = simulated_step(pcg, LIB, machine, microbatches)
+        calls = []
+        counted = replace(lazy, report=lambda: calls.append(1) or lazy.report())
+        assert counted.time_s == streams.time_s and not calls         # ranked by its time: nothing worked out
+        assert counted.figures == (streams, step) and (counted.streams, counted.step) == (streams, step)
+        assert len(calls) == 1                                          # worked out once, kept
+        base = Totals(1.0, 0, 0, 0, 0, 0.5, 0.5)
+        eager = base.simulated(SimulatedStep.known(streams, step))
+        assert json.dumps(base.simulated(lazy).to_dict()) == json.dumps(eager.to_dict())
+        assert base.simulated(lazy) == eager and hash(lazy) == hash(SimulatedStep.known(streams, step))
+    wrong = SimulatedStep(streams.time_s + 1.0, lambda: (streams, step))
+    with pytest.raises(ValueError, match="reported as"):
+        wrong.streams
 
 
 def test_summary_of_a_small_step():

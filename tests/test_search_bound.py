@@ -89,7 +89,7 @@ def test_a_pinned_search_bounds_only_the_points_that_keep_the_pins():
     assert chosen is not None and (chosen.config, chosen.totals) == (unbounded.config, unbounded.totals)
     # sequence parallelism off and on, each with ZeRO 0, 1 (GPUs overlap its gathers: `grid_families`) and 3
     assert best(points, step.memory).config["dp"] == 8 and len(kept) == 6
-    assert all(p.totals.streams is None for p in independent_points(step, steps) if not keeps_pins(p, request))
+    assert all(p.totals.simulation is None for p in independent_points(step, steps) if not keeps_pins(p, request))
 
 
 @pytest.mark.parametrize("microbatches", [1, 2])
@@ -108,7 +108,7 @@ def test_every_grid_point_s_floor_is_below_its_simulated_step(microbatches):
         layout = steps.floor(family[0][1].pcg, plan=False)
         for _place, point in family:
             simulated = steps(point).totals
-            assert simulated.streams is not None
+            assert simulated.simulation is not None
             assert layout <= steps.floor(point.pcg) <= simulated.time_s
 
 
@@ -209,7 +209,7 @@ def test_layouts_in_the_order_of_their_floors_give_the_best_point_the_grid_order
     assert (chosen.pcg, chosen.config, chosen.totals) == (reference.pcg, reference.config, reference.totals)
     fastest = round(reference.totals.time_s, 12)
     as_fast = lambda points: [(p.config, p.totals) for p in points   # noqa: E731
-                              if p.totals.streams is not None and round(p.totals.time_s, 12) == fastest]
+                              if p.totals.simulation is not None and round(p.totals.time_s, 12) == fastest]
     assert as_fast(new) == as_fast(old)
     assert len(ordered.simulated) <= len(plain.simulated)
     if tp_first:   # dp 4 x tp 4 with sequence parallelism is the fastest, the grid's order meets it late

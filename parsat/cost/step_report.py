@@ -19,7 +19,7 @@ follow, and each phase's extent and busy times (`ir.costs.STEP_PHASES`).
 from __future__ import annotations
 
 from parsat.dsl.library import Library
-from parsat.ir.costs import LANE_LETTERS, STEP_PHASES, PhaseTimes, StepStreams, StepTimeline
+from parsat.ir.costs import LANE_LETTERS, STEP_PHASES, PhaseTimes, SimulatedStep, StepStreams, StepTimeline
 from parsat.ir.machine import Machine
 from parsat.ir.pcg import PCG
 from parsat.cost.pcg_tasks import OpTimes, StepPrediction, profile_for, simulate_pcg
@@ -43,6 +43,21 @@ def simulate_step(pcg: PCG, library: Library, machine: Machine, microbatches: in
     profile = profile_for(machine)
     prediction = simulate_pcg(pcg, library, machine, profile, times=times, microbatches=microbatches)
     return summarize(prediction, profile.name, microbatches)
+
+
+def simulated_step(pcg: PCG, library: Library, machine: Machine, microbatches: int = 1,
+                   times: OpTimes | None = None) -> SimulatedStep:
+    """`simulate_step`'s step time now, its figures when first read: what a search ranks candidates by.
+
+    The figures (`summarize`, a quarter to a half of a simulation) are read
+    only for the plans a search keeps; the step is then simulated again
+    (the same input gives the same tasks and times, so the same figures)
+    rather than every simulated step's tasks held until then: a step of
+    many micro-batches holds hundreds of thousands of them.
+    """
+    profile = profile_for(machine)
+    prediction = simulate_pcg(pcg, library, machine, profile, times=times, microbatches=microbatches)
+    return SimulatedStep(prediction.step_s, lambda: simulate_step(pcg, library, machine, microbatches, times))
 
 
 def summarize(prediction: StepPrediction, profile: str, microbatches: int = 1,
@@ -113,4 +128,4 @@ def _letter(lane: str, cell: dict[str, float], slice_s: float) -> str:
     return LANE_LETTERS[(lane, max(cell, key=cell.get))]
 
 
-__all__ = ["COMM_PHASES", "LANE_WIDTH", "simulate_step", "summarize"]
+__all__ = ["COMM_PHASES", "LANE_WIDTH", "simulate_step", "simulated_step", "summarize"]

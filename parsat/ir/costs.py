@@ -9,7 +9,8 @@ behind every number, are in docs/plan-schema.md.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Sequence
+from functools import cached_property
+from typing import Callable, Mapping, Sequence
 
 from parsat.ir.machine import Machine
 
@@ -190,6 +191,49 @@ class StepStreams:
     overlap_s: float         # time both lanes were busy at once
 
 
+@dataclass(frozen=True, eq=False)
+class SimulatedStep:
+    """A simulated step's time, and its per-stream totals and timeline worked out when first read.
+
+    A search simulates dozens of candidate steps and ranks them by their time
+    alone; the figures the plan JSON prints (`StepStreams`, `StepTimeline`)
+    are read for the few it keeps (the plan and its baselines), and working
+    them out is a quarter to a half of a simulation (`cost.step_report`).
+    `report` gives them, with the same time; it is called at most once.
+    Two are equal when their figures are (worked out to compare them)."""
+
+    time_s: float
+    report: Callable[[], tuple[StepStreams, StepTimeline]] = field(repr=False)
+
+    @staticmethod
+    def known(streams: StepStreams, step: StepTimeline) -> "SimulatedStep":
+        """A step whose figures are already worked out."""
+        return SimulatedStep(streams.time_s, lambda: (streams, step))
+
+    @cached_property
+    def figures(self) -> tuple[StepStreams, StepTimeline]:
+        streams, step = self.report()
+        if streams.time_s != self.time_s:
+            raise ValueError(f"a step simulated in {self.time_s!r} s is reported as {streams.time_s!r} s")
+        return streams, step
+
+    @property
+    def streams(self) -> StepStreams:
+        return self.figures[0]
+
+    @property
+    def step(self) -> StepTimeline:
+        return self.figures[1]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SimulatedStep):
+            return NotImplemented
+        return self is other or (self.time_s == other.time_s and self.figures == other.figures)
+
+    def __hash__(self) -> int:
+        return hash(self.time_s)
+
+
 @dataclass(frozen=True)
 class Totals:
     """A plan's totals: the `totals` / `baselines` objects of the plan JSON.
@@ -198,7 +242,8 @@ class Totals:
     when the plan was simulated (`simulated`), the per-node sum otherwise;
     `node_sum_s` is always the per-node sum (what extraction ranks e-nodes
     by); `compute_s` and `comm_s` are the per-node sums of computation and
-    communication; `streams` and `step` the simulation's figures.
+    communication; `simulation` the simulated step, whose figures
+    (`streams`, `step`) are worked out when read (`SimulatedStep`).
     """
 
     time_s: float
@@ -209,12 +254,21 @@ class Totals:
     compute_s: float
     comm_s: float
     node_sum_s: float | None = None
-    streams: StepStreams | None = None
-    step: StepTimeline | None = None
+    simulation: SimulatedStep | None = None
 
-    def simulated(self, streams: StepStreams, step: StepTimeline) -> "Totals":
+    def simulated(self, step: SimulatedStep) -> "Totals":
         """These totals with the simulated step: `time_s` becomes the simulated time, the sum is kept."""
-        return replace(self, time_s=streams.time_s, node_sum_s=self.per_node_s, streams=streams, step=step)
+        return replace(self, time_s=step.time_s, node_sum_s=self.per_node_s, simulation=step)
+
+    @property
+    def streams(self) -> StepStreams | None:
+        """The simulated step's per-stream totals (worked out now if not yet), None where not simulated."""
+        return None if self.simulation is None else self.simulation.streams
+
+    @property
+    def step(self) -> StepTimeline | None:
+        """The simulated step's timeline (worked out now if not yet), None where not simulated."""
+        return None if self.simulation is None else self.simulation.step
 
     def fits(self, machine: Machine) -> bool:
         """Whether the plan's peak memory per device fits in `machine`'s."""

@@ -18,7 +18,7 @@ from typing import Callable, Mapping, Sequence
 
 from parsat.cost.pcg_tasks import OpTimes, TaskBuildError, step_floor
 from parsat.cost.simulator import SimulationError
-from parsat.cost.step_report import simulate_step
+from parsat.cost.step_report import simulated_step
 from parsat.dsl.library import Library
 from parsat.egraph.runner import STOP_INTERRUPTED, STOP_SECONDS
 from parsat.egraph.saturate import SaturationResult, saturate
@@ -75,8 +75,8 @@ class MeshSearch:
 
 
 class CandidateSteps:
-    """Simulates candidates' steps for the final ranking (`step_report.simulate_step`), sharing one cache of
-    compute times; a candidate the simulator cannot run keeps its per-node sum, and `failures` says why."""
+    """Simulates candidates' steps for the final ranking (`step_report.simulated_step`: the figures the plan JSON
+    prints are worked out when read), sharing one cache of compute times; a candidate the simulator cannot run keeps its per-node sum, and `failures` says why."""
 
     def __init__(self, library: Library, machine: Machine, microbatches: int = 1, shared: dict | None = None):
         self.library, self.machine, self.microbatches = library, machine, microbatches
@@ -90,17 +90,17 @@ class CandidateSteps:
         self.skipped = 0   # candidates `fastest` left out unsimulated
 
     def __call__(self, candidate: Candidate | None) -> Candidate | None:
-        if candidate is None or candidate.totals.streams is not None:
+        if candidate is None or candidate.totals.simulation is not None:
             return candidate
         found = self.simulated.get(candidate.pcg)
         if found is None:
             try:
-                found = simulate_step(candidate.pcg, self.library, self.machine, self.microbatches, self.times)
+                found = simulated_step(candidate.pcg, self.library, self.machine, self.microbatches, self.times)
             except (TaskBuildError, SimulationError) as err:
                 self.failures[candidate.name] = str(err)
                 return candidate
             self.simulated[candidate.pcg] = found
-        return replace(candidate, totals=candidate.totals.simulated(*found))
+        return replace(candidate, totals=candidate.totals.simulated(found))
 
     def floor(self, pcg: PCG, plan: bool = True) -> float | None:
         """A lower bound of `pcg`'s simulated step (`pcg_tasks.step_floor`; without the `plan`'s own part, one
@@ -138,7 +138,7 @@ class CandidateSteps:
                 self.skipped += 1
                 continue
             kept[i] = self(candidates[i])
-            if kept[i].totals.streams is not None:
+            if kept[i].totals.simulation is not None:
                 bar = min(bar, round(kept[i].totals.time_s, 12))
         return kept, bar
 
