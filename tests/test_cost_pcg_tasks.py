@@ -17,7 +17,7 @@ from parsat.ir.models import mlp, stack
 from parsat.ir.pcg import PCG, Degrees, PNode
 from parsat.ir.placement import Placement, apply_parallel, compute_placement
 from parsat.cost.collectives import ALL_REDUCE, SEND_RECV, GroupTopology, price
-from parsat.cost.pcg_tasks import DDP, PARSAT_RUN, OpTimes, TaskBuildError, simulate_pcg
+from parsat.cost.pcg_tasks import DDP, PARSAT_RUN, OpTimes, TaskBuildError, simulate_pcg, step_floor
 
 LIB = load_library([shipped_rules_dir() / "ops.rule"])[0]
 CPU64 = Machine.preset("cpu").with_precision("fp64")     # `parsat run` trains in float64
@@ -490,6 +490,29 @@ def test_repeated_micro_batches_are_the_tasks_built_anew(skew):
                 assert (a_start, a_end, copied.result.peak_memory_bytes) == \
                     (b_start, b_end, built.result.peak_memory_bytes)
                 assert (copied.end_of_forward, copied.end_of_backward) == (built.end_of_forward, built.end_of_backward)
+
+
+def test_a_compute_time_cache_shared_by_many_layouts_gives_the_tasks_a_fresh_one_does():
+    """`OpTimes` keeps collectives' prices and pipelined products' chunks by their inputs for every PCG it prices
+    (a grid's layouts, a step's micro-batches): each kept figure is what pricing it afresh gives, and a step
+    simulated with a cache warmed by the other layouts and their floors is, task for task, the one a fresh
+    cache gives; the floors too."""
+    library, layouts = _gpt_layouts()
+    machine = Machine.preset("h100x8").with_devices(4)
+    shared = OpTimes(library, machine)
+    for pcg in layouts + layouts[::-1]:
+        for m in (1, 4):
+            warm = simulate_pcg(pcg, library, machine, DDP, times=shared, microbatches=m)
+            cold = simulate_pcg(pcg, library, machine, DDP, times=OpTimes(library, machine), microbatches=m)
+            (a, a_start, a_end), (b, b_start, b_end) = warm.result._columns, cold.result._columns
+            assert (a.names, a.stream_of, a.durations, a.deps, a.allocs, a.frees, a.phases, a_start, a_end) == \
+                (b.names, b.stream_of, b.durations, b.deps, b.allocs, b.frees, b.phases, b_start, b_end)
+            assert warm.result.peak_memory_bytes == cold.result.peak_memory_bytes
+            assert step_floor(pcg, machine, shared, m) == step_floor(pcg, machine, OpTimes(library, machine), m)
+    group = GroupTopology(8, 4, 2)
+    for nbytes in (0, 1, 3 * 2**20, 3.5 * 2**20, 2**20):
+        assert shared.collective(ALL_REDUCE, group, nbytes) == price(ALL_REDUCE, group, nbytes, machine).seconds
+    assert shared.collective(SEND_RECV, group, 2**20) == price(SEND_RECV, group, 2**20, machine).seconds
 
 
 def test_the_step_floor_is_below_every_simulated_step():

@@ -233,7 +233,14 @@ def mesh_groups(pcg: PCG) -> Topology:
     """Each parallel operator's group: one group of the mesh axis it acts on (`PNode.axis`)."""
     mesh = pcg.mesh
     groups = [GroupTopology.of_axis(mesh, a) for a in range(len(mesh))]
-    return lambda node: groups[node.axis(mesh)]
+    known: dict[int, GroupTopology] = {}   # node id -> its group: asked for each collective of every pass
+
+    def group(node: PNode) -> GroupTopology:
+        found = known.get(node.id)
+        if found is None:
+            found = known[node.id] = groups[node.axis(mesh)]
+        return found
+    return group
 
 
 def _elements(node: PNode) -> int:
@@ -287,6 +294,26 @@ class OpTimes:
     def __init__(self, library: Library, machine: Machine):
         self.library, self.machine = library, machine
         self._known: dict = {}
+        self._collectives: dict = {}
+        self._chunks: dict = {}
+
+    def collective(self, kind: str, group: GroupTopology, nbytes: float) -> float:
+        """Seconds of one collective (`collectives.price` on this machine), kept by its inputs: the layouts of
+        a grid and the micro-batches of a step issue the same few hundred collectives thousands of times."""
+        key = (kind, group, nbytes, type(nbytes))
+        found = self._collectives.get(key)
+        if found is None:
+            found = self._collectives[key] = price(kind, group, nbytes, self.machine).seconds
+        return found
+
+    def chunk(self, timed: OpTime, parts: int, axis: int) -> OpTime:
+        """`op_time.chunk_time` of a pipelined product (`Pipeline`) on this machine, kept by its inputs: each
+        micro-batch's forward and backward, and the floor, ask for the same chunks again."""
+        key = (timed, parts, axis)
+        found = self._chunks.get(key)
+        if found is None:
+            found = self._chunks[key] = chunk_time(timed, parts, axis, self.machine)
+        return found
 
     def __call__(self, node: PNode, inputs: list[PNode]) -> OpTime:
         key = (node.op, node.attrs, tuple(i.shape for i in inputs), tuple(i.degrees for i in inputs), node.degrees)
@@ -319,6 +346,7 @@ class _Template:
 class _Builder:
     def __init__(self, pcg: PCG, machine: Machine, profile: ExecutionProfile, topology: Topology, times: OpTimes):
         self.pcg, self.machine, self.profile, self.topology, self.times = pcg, machine, profile, topology, times
+        self.shared_times = times.machine is machine or times.machine == machine   # its chunks are this machine's
         self.item = machine.dtype_bytes
         self.eff = machine.efficiency
         self.steps = StepBuilder()
@@ -419,8 +447,15 @@ class _Builder:
     def _copy_s(self, elements: int, backward: bool = False) -> float:
         return memory_op_time(2.0 * elements * self.item, self.machine, backward)
 
+    def _chunk(self, timed: OpTime, pipe: Pipeline) -> OpTime:
+        """One of `pipe.parts` slices of a pipelined product (`op_time.chunk_time`), through the shared cache
+        where it was made for this machine (`step_floor` may be handed another's)."""
+        if self.shared_times:
+            return self.times.chunk(timed, pipe.parts, pipe.axis)
+        return chunk_time(timed, pipe.parts, pipe.axis, self.machine)
+
     def _collective(self, kind: str, node: PNode, nbytes: float) -> float:
-        return price(kind, self.topology(node), nbytes, self.machine).seconds
+        return self.times.collective(kind, self.topology(node), nbytes)
 
     def _deps(self, node: PNode) -> list[int]:
         deps = [t for t in (self.ready.get(i) for i in node.inputs) if t is not None]
@@ -687,7 +722,7 @@ class _Builder:
             self.ready[node.id] = self._add(f"{node.label} #{node.id}", self.compute, seconds, self._deps(node),
                                             alloc=nbytes)
             return
-        part = self.eff.op_time(sum(chunk_time(t, pipe.parts, pipe.axis, self.machine).kernel_s + c / pipe.parts
+        part = self.eff.op_time(sum(self._chunk(t, pipe).kernel_s + c / pipe.parts
                                     for t, _k, c, _b in run))
         whole = self.eff.op_time(sum(k + c for _t, k, c, _b in run))
         deps = sorted({d for n in fused for d in self._deps(n)})
@@ -895,7 +930,7 @@ class _Builder:
             group = GroupTopology.of_axis(self.pcg.mesh, axis)
             kind = REDUCE_SCATTER if self.sharded else ALL_REDUCE   # ZeRO: each rank keeps its shard's sum
             buckets = GradientBuckets(self.steps, DEVICE, grads,
-                                      lambda nbytes, g=group, k=kind: price(k, g, nbytes, self.machine).seconds,
+                                      lambda nbytes, g=group, k=kind: self.times.collective(k, g, nbytes),
                                       *comm.bucket_caps(group.size, grad_bytes), stream_name=group.link)
             out.append(buckets)
             for at in stored:
@@ -938,7 +973,7 @@ class _Builder:
         for axis, buckets, nbytes in self._gather_buckets():
             group = GroupTopology.of_axis(self.pcg.mesh, axis)
             out.append(ParamGathers(self.steps, DEVICE, buckets, nbytes,
-                                    lambda n, g=group: price(ALL_GATHER, g, n, self.machine).seconds,
+                                    lambda n, g=group: self.times.collective(ALL_GATHER, g, n),
                                     stream_name=group.link))
         return out
 
@@ -1132,7 +1167,7 @@ class _Builder:
             task = self._add(label, self.compute, whole + self._dtensor_s(node, True), deps, free=free,
                              phase="backward")
         else:
-            chunk = chunk_time(timed, pipe.parts, pipe.axis, self.machine).backward_kernel_s(positions)
+            chunk = self._chunk(timed, pipe).backward_kernel_s(positions)
             parts = [self.eff.op_time(chunk, backward=True)] * pipe.parts
             task = self._piped(pipe, True, True, label, self.compute, parts, whole, list(deps), 0, free, "backward")
         for i in grads:
@@ -1261,11 +1296,11 @@ class _Builder:
         pipe = self._pipe(node, backward=False)
         if pipe is not None and pipe.product == node.id and kernel > 0:
             group = [node] + [self.by_id[i] for i in pipe.siblings]
-            kernel = sum(min(t.kernel_s, pipe.parts * chunk_time(t, pipe.parts, pipe.axis, self.machine).kernel_s)
+            kernel = sum(min(t.kernel_s, pipe.parts * self._chunk(t, pipe).kernel_s)
                          for t in (self.times(n, [self.by_id[i] for i in n.inputs]) for n in group))
         pipe = self._pipe(node, backward=True)
         if pipe is not None and pipe.product == node.id:
-            chunk = chunk_time(timed, pipe.parts, pipe.axis, self.machine).backward_kernel_s(needing)
+            chunk = self._chunk(timed, pipe).backward_kernel_s(needing)
             backward = min(backward, pipe.parts * chunk)
         return eff.op_time(kernel), eff.op_time(backward, backward=True)
 

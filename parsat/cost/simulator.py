@@ -170,7 +170,9 @@ class StepBuilder:
             phase: str = "") -> int:
         """Add a task (after every task already added on its stream); its id."""
         ident = len(self.names)
-        deps = tuple([d for d in deps if d is not None])
+        deps = tuple(deps)
+        if None in deps:   # a builder's "no task" (a value that exists before the step) waits for nothing
+            deps = tuple([d for d in deps if d is not None])
         # one comparison of the extremes for the common case (a step adds 10^5 tasks); the first bad one named
         if deps and not (0 <= min(deps) and max(deps) < ident):
             bad = next(d for d in deps if not 0 <= d < ident)
