@@ -219,3 +219,16 @@ def test_a_repeated_span_depends_on_its_own_copies_and_keeps_earlier_dependencie
     one, other = b.simulate(), fresh.simulate()
     assert (one.step_s, one.busy_s, one.peak_memory_bytes, one.critical_path) == \
         (other.step_s, other.busy_s, other.peak_memory_bytes, other.critical_path)
+
+
+def test_the_peaks_worked_out_when_read_are_those_of_the_simulated_tasks():
+    """`StepResult.peak_memory_bytes` is worked out on first read (a search reads most steps' time alone): from
+    the tasks as they were when simulated, with the resident bytes, whatever the builder was given since."""
+    b = StepBuilder()
+    c = b.stream(0, COMPUTE)
+    first = b.add("a", c, 1.0, alloc=100)
+    b.add("b", c, 1.0, [first], alloc=50, free=100)
+    result = b.simulate({0: 7, 1: 3})
+    b.add("later", c, 1.0, alloc=10**6)           # after the simulation: not part of its step
+    assert result.peak_memory_bytes == {0: 157, 1: 3} == StepBuilder._peaks_swept(
+        result._columns[0], result._columns[1], result._columns[2], {0: 7, 1: 3})

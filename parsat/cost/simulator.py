@@ -12,11 +12,12 @@ issues them.
 
 `simulate` is one pass over the tasks in that order (every dependency is
 an earlier task, so a task's start is the later of its stream becoming
-free and its dependencies finishing), then a sweep over the memory events.
-It returns the step time (the last finish), each stream's busy time, per
-device the time its compute and communication overlapped, the critical
-path (walked back through whichever predecessor held each task up), the
-timeline for `explain`, and the peak memory per device. A few thousand
+free and its dependencies finishing). It returns the step time (the last
+finish), each stream's busy time, the critical path (walked back through
+whichever predecessor held each task up), and, worked out when first read
+(a search ranks most steps by their time alone), per device the time its
+compute and communication overlapped, the timeline for `explain`, and the
+peak memory per device (a sweep over the memory events). A few thousand
 tasks take a few milliseconds (benchmarks/simulator_speed.md).
 """
 
@@ -67,9 +68,16 @@ class StepResult:
 
     step_s: float
     busy_s: Mapping[str, float]            # stream label -> seconds busy
-    peak_memory_bytes: Mapping[Hashable, int]
     critical_path: tuple[int, ...]          # task ids, first to last
     _columns: tuple = field(repr=False, compare=False)   # (builder, starts, ends): spans are made on demand
+    _resident: Mapping[Hashable, int] = field(repr=False, compare=False, default_factory=dict)
+
+    @cached_property
+    def peak_memory_bytes(self) -> Mapping[Hashable, int]:
+        """Device -> the largest bytes allocated at any instant, `resident` included (`StepBuilder._peaks`):
+        worked out when asked, as `overlap_s` is (a search ranks most steps by their time alone)."""
+        b, start, end = self._columns
+        return b._peaks(start, end, self._resident)
 
     @cached_property
     def overlap_s(self) -> Mapping[Hashable, float]:
@@ -241,7 +249,7 @@ class StepBuilder:
             path.reverse()
         snapshot = StepBuilder.__new__(StepBuilder)   # the columns as they are now, if tasks are added later
         snapshot.__dict__.update({k: list(v) if isinstance(v, list) else v for k, v in self.__dict__.items()})
-        return StepResult(step, busy, self._peaks(start, end, resident or {}), tuple(path), (snapshot, start, end))
+        return StepResult(step, busy, tuple(path), (snapshot, start, end), dict(resident or {}))
 
     def _overlap(self, start: Sequence[float], end: Sequence[float]) -> dict[Hashable, float]:
         """Per device: the measure of the time its compute and its communication streams were both busy."""
