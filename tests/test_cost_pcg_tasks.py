@@ -17,7 +17,8 @@ from parsat.ir.models import mlp, stack
 from parsat.ir.pcg import PCG, Degrees, PNode
 from parsat.ir.placement import Placement, apply_parallel, compute_placement
 from parsat.cost.collectives import ALL_REDUCE, SEND_RECV, GroupTopology, price
-from parsat.cost.pcg_tasks import DDP, PARSAT_RUN, OpTimes, TaskBuildError, simulate_pcg, step_floor
+from parsat.cost.pcg_tasks import (DDP, PARSAT_RUN, OpTimes, TaskBuildError, _needs_gradient, needs_gradient,
+                                   simulate_pcg, step_floor)
 
 LIB = load_library([shipped_rules_dir() / "ops.rule"])[0]
 CPU64 = Machine.preset("cpu").with_precision("fp64")     # `parsat run` trains in float64
@@ -513,6 +514,18 @@ def test_a_compute_time_cache_shared_by_many_layouts_gives_the_tasks_a_fresh_one
     for nbytes in (0, 1, 3 * 2**20, 3.5 * 2**20, 2**20):
         assert shared.collective(ALL_REDUCE, group, nbytes) == price(ALL_REDUCE, group, nbytes, machine).seconds
     assert shared.collective(SEND_RECV, group, 2**20) == price(SEND_RECV, group, 2**20, machine).seconds
+
+
+def test_which_nodes_need_a_gradient_is_kept_per_pcg_and_library():
+    """`needs_gradient` is worked out once per PCG and library (`PCG.derived`) and asked again by the pricer, each
+    floor and the simulation: the kept answer is the one worked out afresh, for each library it was asked with."""
+    library, layouts = _gpt_layouts()
+    for pcg in layouts:
+        kept = needs_gradient(pcg, library)
+        assert needs_gradient(pcg, library) is kept and kept == _needs_gradient(pcg, library)
+        assert needs_gradient(pcg) == _needs_gradient(pcg, None) and needs_gradient(pcg, library) is kept
+        fresh = replace(pcg, recompute=pcg.recompute)     # an equal PCG: its own table
+        assert needs_gradient(fresh, library) == kept and needs_gradient(fresh, library) is not kept
 
 
 def test_the_step_floor_is_below_every_simulated_step():

@@ -257,7 +257,19 @@ def _full(node: PNode) -> int:
 def needs_gradient(pcg: PCG, library: Library | None = None) -> dict[int, bool]:
     """Node id -> whether backward computes a gradient for it: a weight, or a value computed from one through an
     operand that passes a gradient (with `library`: not one its operator's semantics reads only through `step` or
-    a comparison, `dsl.gradient.gradient_free`, such as the input of a mixture's routing one-hot)."""
+    a comparison, `dsl.gradient.gradient_free`, such as the input of a mixture's routing one-hot). Worked out
+    once per PCG and library (`PCG.derived`): shared, read only."""
+    key = ("needs_gradient", id(library))
+    kept = pcg.derived.get(key)
+    if kept is not None and kept[0] is library:
+        return kept[1]
+    out = _needs_gradient(pcg, library)
+    pcg.derived[key] = (library, out)
+    return out
+
+
+def _needs_gradient(pcg: PCG, library: Library | None) -> dict[int, bool]:
+    """`needs_gradient` worked out."""
     out: dict[int, bool] = {}
     # operator name -> its operands' names and the gradient-free ones: `gradient_free`'s cache is keyed by the
     # operator's whole declaration, whose hash walks its semantics' tree; asked once per node of every PCG the

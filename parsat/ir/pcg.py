@@ -155,6 +155,13 @@ class PCG:
         return {ident: tuple(users) for ident, users in readers(self).items()}
 
     @cached_property
+    def derived(self) -> dict:
+        """Facts a later stage works out from this PCG and inputs it names in the key (the cost model's
+        `needs_gradient`, which also reads the operator library), kept with the PCG: a search's grid PCG is
+        priced, bounded twice and simulated, and each asks for them. Shared: read the values, never change them."""
+        return {}
+
+    @cached_property
     def storage_chains(self) -> Mapping[int, tuple[int, ...]]:
         """`weight_storage`'s chains, worked out once per PCG: the step simulator, its floor, the pricer and the
         roles (`pcg_roles`) each ask for them, several times per PCG of a search's grid. Read it through
