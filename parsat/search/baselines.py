@@ -50,7 +50,8 @@ from parsat.search.repeat import RepeatError, Repetition
 from parsat.egraph.runner import STOP_INTERRUPTED, Limits
 from parsat.egraph.saturate import SaturationResult, saturate
 from parsat.egraph.snapshot import Snapshot
-from parsat.search.solve import price_pcg, solve
+from parsat.search.recompute import recomputed_pcg_costs
+from parsat.search.solve import pcg_node_costs, price_pcg, restaged_node_costs, solve
 from parsat.search.strategies import config_excluded, grid
 
 Progress = Callable[[str], None]
@@ -198,45 +199,67 @@ class _GridPricer:
         self.blocks = has_blocks(leaf.name for leaf in graph.leaves)
 
     def priced(self, pcg: PCG | None, layout: _Layout, zero: int) -> list[Candidate]:
-        """The points of `layout` laid out with `zero` (`pcg`): none, one, or one and its ZeRO-1 twin."""
+        """The points of `layout` laid out with `zero` (`pcg`): none, one, or one and its ZeRO-1 twin. The PCG is
+        priced once; its forms with the weights' state sharded or recomputing blocks from those costs
+        (`_Forms`)."""
         if zero == 0 and self.state_zero and layout.dp > 1 and pcg is not None:
             pcg, zero = replace(pcg, zero=self.state_zero), self.state_zero
+        if pcg is None:
+            return []
+        forms = _Forms(pcg, self)
         config = {"dp": layout.dp, "tp": layout.tp, "sp": layout.sequence, "zero": zero,
                   "microbatches": self.graph.microbatches}
-        point = _fitting_point(pcg, config, self.graph, self.library, self.machine, self.free, self.fits,
-                               self.blocks, self.computed)
+        point = _fitting_point(forms, config, self.fits, self.blocks)
         if point is None:
             return []
         if not (self.overlapped and point.config["zero"] == 0 and layout.dp > 1):
             return [point]
-        sharded = _priced_point(replace(point.pcg, zero=1), {**point.config, "zero": 1}, self.graph, self.library,
-                                self.machine, self.free, self.computed)
+        sharded = forms.point(1, point.pcg.recompute, {**point.config, "zero": 1})
         return [point] + ([sharded] if sharded is not None else [])
 
 
-def _fitting_point(pcg: PCG | None, config: dict, graph: Graph, library: Library, machine: Machine,
-                   free_input_placements: bool, fits: Callable[[Candidate], bool], blocks: bool,
-                   computed: dict | None = None) -> Candidate | None:
-    """A grid point priced; where it does not fit, priced again with ZeRO-1 (dp > 1), then recomputing blocks.
-    `computed`: compute nodes' costs shared by the grid's pricings (`extract.Pricer`)."""
-    point = _priced_point(pcg, config, graph, library, machine, free_input_placements, computed)
+class _Forms:
+    """One layout's PCG and its forms that differ from it only in the ZeRO stage of the weights' state or the
+    recomputation policy, each priced as `solve.price_pcg` prices it: the PCG's node costs worked out once per
+    stage (`solve.pcg_node_costs`; another stage's from them, `solve.restaged_node_costs`: only the nodes whose
+    cost reads the stage priced again), the recomputation policy applied after (`recompute.recomputed_pcg_costs`,
+    the one thing of a PCG's costs that reads it). The same figures as pricing each form afresh."""
+
+    def __init__(self, pcg: PCG, grid: _GridPricer):
+        self.pcg, self.grid = pcg, grid
+        self.raw: dict[int, dict | None] = {}
+
+    def node_costs(self, zero: int) -> dict | None:
+        """The node costs (before recomputation) of the PCG with ZeRO stage `zero`."""
+        if zero not in self.raw:
+            g = self.grid
+            args = (g.library, g.machine, g.free, g.graph.microbatches)
+            base = self.node_costs(self.pcg.zero) if zero != self.pcg.zero else None
+            self.raw[zero] = restaged_node_costs(base, self.pcg, zero, *args, computed=g.computed) \
+                if base is not None else pcg_node_costs(replace(self.pcg, zero=zero), *args, computed=g.computed)
+        return self.raw[zero]
+
+    def point(self, zero: int, recompute: str, config: dict) -> Candidate | None:
+        """The form with `zero` and `recompute` as a `best_grid` candidate; None where it cannot be priced."""
+        pcg = self.pcg if (zero, recompute) == (self.pcg.zero, self.pcg.recompute) else \
+            replace(self.pcg, zero=zero, recompute=recompute)
+        raw = self.node_costs(zero)
+        if raw is None:
+            return None
+        costs = recomputed_pcg_costs(pcg, raw)
+        return Candidate("best_grid", pcg, costs, totals(costs, self.grid.machine), config)
+
+
+def _fitting_point(forms: _Forms, config: dict, fits: Callable[[Candidate], bool], blocks: bool) -> Candidate | None:
+    """A grid point priced; where it does not fit, priced again with ZeRO-1 (dp > 1), then recomputing blocks."""
+    zero, recompute = forms.pcg.zero, forms.pcg.recompute
+    point = forms.point(zero, recompute, config)
     if point is not None and not fits(point) and config["zero"] == 0 and config["dp"] > 1:
-        pcg, config = replace(pcg, zero=1), {**config, "zero": 1}   # Megatron's distributed optimizer
-        point = _priced_point(pcg, config, graph, library, machine, free_input_placements, computed) or point
+        zero, config = 1, {**config, "zero": 1}   # Megatron's distributed optimizer
+        point = forms.point(zero, recompute, config) or point
     if point is not None and not fits(point) and blocks:
-        point = _priced_point(replace(pcg, recompute=BLOCKS), {**config, "recompute": BLOCKS}, graph,
-                              library, machine, free_input_placements, computed) or point
+        point = forms.point(zero, BLOCKS, {**config, "recompute": BLOCKS}) or point
     return point
-
-
-def _priced_point(pcg: PCG | None, config: dict, graph: Graph, library: Library, machine: Machine,
-                  free_input_placements: bool, computed: dict | None = None) -> Candidate | None:
-    """A grid point's PCG priced as a `best_grid` candidate; None where there is none or it cannot be priced."""
-    costs = price_pcg(pcg, library, machine, free_input_placements, graph.microbatches, computed=computed) \
-        if pcg is not None else None
-    if costs is None:
-        return None
-    return Candidate("best_grid", pcg, costs, totals(costs, machine), config)
 
 
 def megatron_excluded(snapshot: Snapshot, roles: Mapping[int, str]) -> Callable[[NodeId], bool]:

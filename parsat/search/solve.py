@@ -105,6 +105,17 @@ def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_placement
     layout. Unlike an e-node, a PCG node knows its readers: a partition of a weight that is not the weight's
     storage (`ir.pcg.weight_storage`, as the backend runs it) is priced as slicing it (`cost.parallel_cost`).
     `computed`: compute operators' costs shared with other pricers of `library` (`extract.Pricer`)."""
+    raw = pcg_node_costs(pcg, library, machine, free_input_placements, microbatches, pins, only, computed)
+    return recomputed_pcg_costs(pcg, raw) if raw is not None else None
+
+
+def pcg_node_costs(pcg: PCG, library: Library, machine: Machine, free_input_placements: bool = True,
+                   microbatches: int = 1, pins: Mapping[str, Degrees] | None = None,
+                   only: Callable[[PNode], bool] | None = None,
+                   computed: dict | None = None) -> dict[int, NodeCost] | None:
+    """`price_pcg` before the PCG's recomputation policy is applied (`search.recompute.recomputed_pcg_costs`):
+    what it reads of the PCG is its nodes, mesh and ZeRO stage, never `pcg.recompute`, so a PCG and its
+    recomputing form share these costs (the independent grid prices a layout's forms from them)."""
     pricer = Pricer(library, machine, pcg.mesh, free_input_placements, pins, microbatches=microbatches, zero=pcg.zero,
                     computed=computed)
     by_id = {n.id: n for n in pcg.nodes}
@@ -131,7 +142,27 @@ def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_placement
         if cost is None:
             return None
         out[node.id] = cost
-    return recomputed_pcg_costs(pcg, out)
+    return out
+
+
+def restaged_node_costs(raw: Mapping[int, NodeCost], pcg: PCG, zero: int, library: Library, machine: Machine,
+                        free_input_placements: bool = True, microbatches: int = 1,
+                        pins: Mapping[str, Degrees] | None = None,
+                        computed: dict | None = None) -> dict[int, NodeCost] | None:
+    """`pcg_node_costs` of `pcg` with ZeRO stage `zero` (`replace(pcg, zero=zero)`), from `raw`, those of `pcg`
+    itself (every node priced). The stage reaches a node's cost only through `cost.model.shards_state` (the
+    pricer hands it to parallel operators alone, `extract.Pricer`; compute nodes and leaves never read it), so
+    only the parallel nodes it holds for under either stage are priced again: the rest are the same nodes, read
+    by the same deterministic pricing, whatever the stage."""
+    roles = pcg_roles(pcg)
+
+    def resharded(node: PNode) -> bool:
+        role = roles.get(node.inputs[0], "") if node.kind == "parallel" else ""
+        return node.kind == "parallel" and any(shards_state(node.op, role, z) for z in (pcg.zero, zero))
+
+    again = pcg_node_costs(replace(pcg, zero=zero), library, machine, free_input_placements, microbatches, pins,
+                           resharded, computed)
+    return None if again is None else {**raw, **again}
 
 
 _UNPRICED = object()   # `price_pcg`: no node of this kind priced yet

@@ -1,0 +1,73 @@
+"""The independent grid prices a layout's PCG once and its forms with the weights' state sharded (ZeRO-1, 2) or
+recomputing blocks from those costs (`baselines._Forms`, `solve.restaged_node_costs`, issue 28): each form's
+costs must be exactly what pricing that form afresh (`solve.price_pcg`) gives."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from parsat.dsl.checker import resolve_library
+from parsat.ir.machine import Machine
+from parsat.ir.megatron import megatron_pcg
+from parsat.ir.models import build_example
+from parsat.ir.recompute import BLOCKS
+from parsat.search.baselines import independent_grid
+from parsat.search.recompute import recomputed_pcg_costs
+from parsat.search.solve import pcg_node_costs, price_pcg, restaged_node_costs
+
+SIZES = {"blocks": 2, "hidden": 256, "heads": 8, "batch": 64, "seq": 128, "vocab": 1024}
+LAYOUTS = [((dp, tp), sequence, zero) for dp, tp in ((8, 1), (4, 2), (2, 4)) for sequence in (False, True)
+           for zero in (0, 3) if tp > 1 or not sequence]
+MACHINE = Machine.preset("h100x8").with_devices(8)
+
+
+@pytest.fixture(scope="module", params=["gpt", "llama"])
+def layouts(request):
+    library = resolve_library(None)
+    graph = build_example(request.param, SIZES, library).with_microbatches(2)
+    shared: dict = {}
+    pcgs = [megatron_pcg(graph, library, shape, 8, zero=zero, sequence=seq, cache=shared)
+            for shape, seq, zero in LAYOUTS]
+    assert sum(p is not None for p in pcgs) >= 8
+    return library, graph, [p for p in pcgs if p is not None]
+
+
+def test_another_zero_stage_priced_from_a_stage_s_costs_is_that_stage_priced_afresh(layouts):
+    library, graph, pcgs = layouts
+    changed = 0
+    for pcg in pcgs:
+        fresh = {z: pcg_node_costs(replace(pcg, zero=z), library, MACHINE, True, graph.microbatches)
+                 for z in (0, 1, 2)}
+        for base in (0, 1, 2):
+            for zero in (0, 1, 2):
+                derived = restaged_node_costs(fresh[base], replace(pcg, zero=base), zero, library, MACHINE, True,
+                                              graph.microbatches)
+                assert derived == fresh[zero] and list(derived) == list(fresh[zero])
+        changed += fresh[0] != fresh[1]
+    assert changed >= len(pcgs) // 2   # the stage changes some layouts' costs: the derivation is not vacuous
+
+
+def test_the_recomputing_form_priced_from_the_pcg_s_node_costs_is_it_priced_afresh(layouts):
+    library, graph, pcgs = layouts
+    for pcg in pcgs:
+        for zero in (0, 1):
+            base = replace(pcg, zero=zero)
+            raw = pcg_node_costs(base, library, MACHINE, True, graph.microbatches)
+            again = replace(base, recompute=BLOCKS)
+            afresh = price_pcg(again, library, MACHINE, True, graph.microbatches)
+            assert recomputed_pcg_costs(again, raw) == afresh
+            assert afresh != price_pcg(base, library, MACHINE, True, graph.microbatches)   # not vacuous
+
+
+@pytest.mark.parametrize("fitting", [True, False])
+def test_every_grid_point_s_costs_are_its_pcg_priced_afresh(layouts, fitting):
+    """With every point fitting (ZeRO-1 twins beside the ZeRO-0 points, on a GPU) and with none fitting (every
+    point then a ZeRO-1, recomputing form): each point's costs are its own PCG's, priced alone."""
+    library, graph, _pcgs = layouts
+    points = independent_grid(graph, library, MACHINE, True, 8, (lambda c: True) if fitting else (lambda c: False))
+    forms = {(p.config["zero"], p.pcg.recompute) for p in points}
+    assert forms >= ({(0, "none"), (1, "none"), (3, "none")} if fitting else {(1, BLOCKS)})
+    for point in points:
+        assert point.costs == price_pcg(point.pcg, library, MACHINE, True, graph.microbatches)
