@@ -12,7 +12,7 @@ from parsat.dsl.checker import resolve_library
 from parsat.ir.machine import Machine
 from parsat.ir.megatron import megatron_pcg
 from parsat.ir.models import build_example
-from parsat.ir.recompute import BLOCKS
+from parsat.ir.recompute import BLOCKS, checkpoints
 from parsat.search.baselines import independent_grid
 from parsat.search.recompute import recomputed_pcg_costs
 from parsat.search.solve import pcg_node_costs, price_pcg, restaged_node_costs
@@ -71,3 +71,27 @@ def test_every_grid_point_s_costs_are_its_pcg_priced_afresh(layouts, fitting):
     assert forms >= ({(0, "none"), (1, "none"), (3, "none")} if fitting else {(1, BLOCKS)})
     for point in points:
         assert point.costs == price_pcg(point.pcg, library, MACHINE, True, graph.microbatches)
+
+
+def _recomputed_node_by_node(pcg, costs) -> dict:
+    """`recomputed_pcg_costs` as it was before nodes alike shared their recomputed cost: each node's worked out."""
+    out = dict(costs)
+    for checkpoint in checkpoints(pcg):
+        here = [i for i in checkpoint.runs if i in out]
+        for ident in here:
+            out[ident] = out[ident].recomputed(kept=ident in checkpoint.kept)
+        block = sum(out[i].transient_bytes for i in here)
+        for ident in here:
+            out[ident] = out[ident].with_transient(block if ident == here[0] else 0)
+    return out
+
+
+def test_nodes_alike_sharing_their_recomputed_cost_give_each_node_s_own(layouts):
+    library, graph, pcgs = layouts
+    for pcg in pcgs:
+        again = replace(pcg, recompute=BLOCKS)
+        raw = pcg_node_costs(again, library, MACHINE, True, graph.microbatches)
+        shared = len({id(c) for c in raw.values()})
+        assert shared < len(raw) * 0.6   # nodes alike do share cost objects: the memo is exercised
+        assert recomputed_pcg_costs(again, raw) == _recomputed_node_by_node(again, raw)
+        assert recomputed_pcg_costs(pcg, raw) == raw   # nothing recomputed: the costs as they are

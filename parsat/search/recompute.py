@@ -69,15 +69,27 @@ def recomputed_pcg_costs(pcg: PCG, costs: Mapping[int, NodeCost]) -> dict[int, N
     transient activations are charged to its first node, so that the plan's memory (`ir.costs.totals`) counts
     the largest block's, once: blocks are recomputed one at a time."""
     out = dict(costs)
+    # nodes alike share one cost object (`solve.price_pcg` prices each kind once): each is recomputed once per
+    # kept-or-not and charged once per transient, by its identity, which `done` keeps alive beside its result
+    done: dict[tuple, tuple[NodeCost, NodeCost]] = {}
+
+    def once(key: tuple, make) -> tuple[NodeCost, NodeCost]:
+        found = done.get(key)
+        if found is None:
+            found = done[key] = make()
+        return found
+
     for checkpoint in checkpoints(pcg):
         here = [i for i in checkpoint.runs if i in out]
         for ident in here:
-            out[ident] = out[ident].recomputed(kept=ident in checkpoint.kept)
+            cost, kept = out[ident], ident in checkpoint.kept
+            out[ident] = once((id(cost), kept), lambda: (cost, cost.recomputed(kept=kept)))[1]
         if not here:
             continue
         block = sum(out[i].transient_bytes for i in here)
         for ident in here:
-            out[ident] = out[ident].with_transient(block if ident == here[0] else 0)
+            cost, transient = out[ident], block if ident == here[0] else 0
+            out[ident] = once((id(cost), "transient", transient), lambda: (cost, cost.with_transient(transient)))[1]
     return out
 
 
