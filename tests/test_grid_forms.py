@@ -95,3 +95,24 @@ def test_nodes_alike_sharing_their_recomputed_cost_give_each_node_s_own(layouts)
         assert shared < len(raw) * 0.6   # nodes alike do share cost objects: the memo is exercised
         assert recomputed_pcg_costs(again, raw) == _recomputed_node_by_node(again, raw)
         assert recomputed_pcg_costs(pcg, raw) == raw   # nothing recomputed: the costs as they are
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "bert"])
+def test_a_zero3_layout_derived_from_the_layout_without_it_is_the_one_built_alone(name):
+    """`megatron_pcg` with a shared cache derives each ZeRO-3 layout from the same layout built without ZeRO-3
+    (`_MegatronBuilder.sharded_nodes`): node for node the PCG built alone, on meshes of 8 and 16 devices."""
+    library = resolve_library(None)
+    graph = build_example(name, SIZES, library)
+    for devices in (8, 16):
+        layouts = [((devices // tp, tp), seq) for tp in (2, 4, 8) if devices > tp for seq in (False, True)]
+        shared: dict = {}
+        derived = []
+        for shape, seq in layouts:
+            megatron_pcg(graph, library, shape, 8, zero=0, sequence=seq, cache=shared)
+            derived.append(megatron_pcg(graph, library, shape, 8, zero=3, sequence=seq, cache=shared))
+        memo = shared["memo"]
+        assert len(memo.built) == len(layouts) and all(b.chains for b, _o in memo.built.values())   # derived
+        alone = [megatron_pcg(graph, library, shape, 8, zero=3, sequence=seq) for shape, seq in layouts]
+        assert derived == alone and all(p is not None for p in alone)
+        without = [megatron_pcg(graph, library, shape, 8, zero=0, sequence=seq) for shape, seq in layouts]
+        assert all(len(z3.nodes) > len(z0.nodes) for z3, z0 in zip(alone, without))   # ZeRO-3 adds nodes

@@ -106,7 +106,13 @@ def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], de
         return data_parallel_pcg(graph, library, dp, devices_per_node, zero3=zero == 3)
     axes = [(name, size) for name, size in ((DP_AXIS, dp), (TP_AXIS, tp)) if size > 1]
     mesh = Mesh.of([s for _, s in axes], devices_per_node, names=[n for n, _ in axes])
-    build = _MegatronBuilder(graph, mesh, zero == 3, sequence, _Memo.of(graph, library, cache))
+    memo = _Memo.of(graph, library, cache)
+    built = memo.built.get((mesh, sequence)) if zero == 3 and cache is not None else None
+    if built is not None:   # the layout without ZeRO-3 was built: its weights' chains rewritten (`sharded_nodes`)
+        derived = built[0].sharded_nodes(built[1])
+        if derived is not None:
+            return _live(derived[0], derived[1], tuple(graph.outputs), mesh)
+    build = _MegatronBuilder(graph, mesh, zero == 3, sequence, memo)
     for leaf in graph.leaves:
         build.place_leaf(leaf)
     for gnode in graph.nodes:
@@ -117,6 +123,8 @@ def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], de
     outputs = [build.gathered(name) for name in graph.outputs]
     if any(o is None for o in outputs):
         return None
+    if zero == 0 and cache is not None:
+        memo.built[(mesh, sequence)] = (build, outputs)
     return _live(build.nodes, outputs, tuple(graph.outputs), mesh)
 
 
@@ -131,6 +139,9 @@ class _Memo:
         self.accepts: dict[tuple, int | None] = {}
         self.placements: dict = {}   # `compute_placement`'s own cache
         self.options: dict[tuple, list[tuple[float, tuple[int, ...]]]] = {}   # `_MegatronBuilder.known_options`
+        # (mesh, sequence) -> a builder of the layout without ZeRO-3 and its outputs: that layout with ZeRO-3 is
+        # derived from it (`_MegatronBuilder.sharded_nodes`)
+        self.built: dict[tuple, tuple["_MegatronBuilder", list[int]]] = {}
 
     @staticmethod
     def of(graph: Graph, library: Library, cache: dict | None) -> "_Memo":
@@ -197,6 +208,7 @@ class _MegatronBuilder:
         # which the layouts of one graph share (`known_options`)
         self.degrees: dict[tuple[Placement, tuple[int, ...]], Degrees] = {}
         self.options = memo.options
+        self.chains: list[_Chain] = []   # without ZeRO-3: the weights' chains ZeRO-3 would store split (`stored_weight`)
 
     # ------------------------------------------------------------------ nodes
     def add(self, kind: str, op: str, inputs: Sequence[int], attrs: Sequence, shape: Sequence[int],
@@ -429,18 +441,56 @@ class _MegatronBuilder:
             return None
         if shard_dim(tensor_code) is not None:
             node = self.parallel(PARTITION, node, self.tensor, shard_dim(tensor_code))
-        gathered = False
-        if data_code == REPLICA and self.zero3 and leaf.role == "weight":
+        gathered, source, dim = False, node, None
+        if data_code == REPLICA and leaf.role == "weight":
             size, local = self.mesh.size(self.data), self.nodes[node].placement.local_shape(leaf.shape, self.mesh.shape)
             dim = next((d for d, n in enumerate(local) if n % size == 0 and shard(d) != tensor_code), None)
-            if dim is not None:
+            if dim is not None and self.zero3:
                 node = self.parallel(ALL_GATHER, self.parallel(PARTITION, node, self.data, dim), self.data, dim)
                 gathered = True
+        first = len(self.nodes)
         if tensor_code == REPLICA:
             node = self.parallel(REPLICATE, node, self.tensor)
         if data_code == REPLICA and not gathered:
             node = self.parallel(REPLICATE, node, self.data)
+            if dim is not None:
+                self.chains.append(_Chain(source, first, node, dim, tensor_code == REPLICA))
         return node if self.nodes[node].placement == target else None
+
+    def sharded_nodes(self, outputs: Sequence[int]) -> tuple[list[PNode], list[int]] | None:
+        """This layout's nodes (built without ZeRO-3) and `outputs` as the same layout with ZeRO-3 builds them;
+        None where that cannot be shown (then build it). ZeRO-3 is read in one place, `stored_weight`: a weight
+        replicated on the data axis is stored split along `dim` there and all-gathered, before its copy on the
+        tensor axis, where without it the copies come first and a replicate on the data axis last. Where the
+        gathered value's placement is the replicated one's (checked here, chain by chain), `stored_weight`
+        returns a node in the same placement either way, so every other step of the build goes alike and reads
+        it alike: the ZeRO-3 nodes are these with each chain's tail (its copies) replaced by the partition,
+        all-gather and tensor copy that `stored_weight` appends in its place, every later node renumbered."""
+        old, self.nodes = self.nodes, []
+        chains, inside = {c.first: c for c in self.chains}, {i for c in self.chains for i in range(c.first, c.last + 1)}
+        remap: dict[int, int] = {}
+        try:
+            for node in old:
+                chain = chains.get(node.id)
+                if chain is not None:
+                    made = self.parallel(ALL_GATHER, self.parallel(PARTITION, remap[chain.source], self.data,
+                                                                   chain.dim), self.data, chain.dim)
+                    if chain.tensor_copy:
+                        made = self.parallel(REPLICATE, made, self.tensor)
+                    if self.nodes[made].placement != old[chain.last].placement:
+                        return None
+                    remap[chain.last] = made
+                elif node.id not in inside:   # the node `add` appends here: its degrees are its placement's
+                    ident, inputs = len(self.nodes), tuple(remap[i] for i in node.inputs)
+                    self.nodes.append(node if (ident, inputs) == (node.id, node.inputs) else
+                                      PNode(ident, node.kind, node.op, inputs, node.attrs, node.shape, node.degrees,
+                                            node.role, node.origin, node.placement))
+                    remap[node.id] = ident
+            return self.nodes, [remap[o] for o in outputs]
+        except (KeyError, PlacementError):   # a chain's inner node read elsewhere, a split refused: build it
+            return None
+        finally:
+            self.nodes = old
 
     def weight_op(self, name: str, target: Placement) -> int | None:
         """A static value computed in `target`: on each axis the first input codes (whole, replicated, split;
@@ -480,6 +530,19 @@ class _MegatronBuilder:
         source = min(forms, key=lambda p: sum(c not in (FREE, REPLICA) for c in p.codes))
         target = Placement(tuple(c if c in (FREE, REPLICA) else FREE for c in source.codes))
         return self.convert(name, target, gather=True)
+
+
+@dataclass(frozen=True)
+class _Chain:
+    """A weight's chain as `stored_weight` made it without ZeRO-3: `source` (the leaf or its split on the tensor
+    axis), then nodes `first` .. `last` (a copy on the tensor axis where `tensor_copy`, the copy on the data axis
+    last); `dim`, the dim ZeRO-3 would store it split along on the data axis."""
+
+    source: int
+    first: int
+    last: int
+    dim: int
+    tensor_copy: bool
 
 
 def _made_of(graph: Graph, leaves: set[str]) -> frozenset[str]:
