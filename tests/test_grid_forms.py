@@ -116,3 +116,25 @@ def test_a_zero3_layout_derived_from_the_layout_without_it_is_the_one_built_alon
         assert derived == alone and all(p is not None for p in alone)
         without = [megatron_pcg(graph, library, shape, 8, zero=0, sequence=seq) for shape, seq in layouts]
         assert all(len(z3.nodes) > len(z0.nodes) for z3, z0 in zip(alone, without))   # ZeRO-3 adds nodes
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "bert"])
+def test_a_layout_rescaled_from_a_kin_graph_s_is_the_one_built_alone(name):
+    """`megatron_pcg` with `kin` takes a layout of the graph at another batch (a step at another micro-batch
+    count) rescaled where the build cannot tell the sizes apart (`_Kin`): node for node (shapes, the loss's
+    1 / tokens) the layout built alone. At a batch whose dims split otherwise on the mesh it builds anew."""
+    library = resolve_library(None)
+    for devices, batches, alike in ((8, (64, 32, 16), True), (16, (64, 32), True), (16, (64, 24), False)):
+        kin: dict = {}
+        got = []
+        for batch in batches:
+            graph = build_example(name, {**SIZES, "batch": batch}, library)
+            shared: dict = {}
+            got += [(graph, shape, seq, zero, megatron_pcg(graph, library, shape, 8, zero=zero, sequence=seq,
+                                                           cache=shared, kin=kin))
+                    for tp in (2, 4) for shape in [(devices // tp, tp)] for seq in (False, True) for zero in (0, 3)]
+        verdicts = {found for _a, _b, found in kin["kin"].verdicts.values()}
+        assert verdicts == {alike}
+        for graph, shape, seq, zero, pcg in got:
+            assert pcg == megatron_pcg(graph, library, shape, 8, zero=zero, sequence=seq)
+        assert sum(p is not None for *_rest, p in got) >= len(got) - 4

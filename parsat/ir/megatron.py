@@ -47,7 +47,7 @@ attention (context parallelism).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 from typing import Sequence
 
@@ -61,7 +61,7 @@ from parsat.ir.mesh import Mesh
 from parsat.ir.microbatch import batch_dims
 from parsat.ir.pcg import PCG, Degrees, PNode
 from parsat.ir.placement import (FREE, PARTIAL, REPLICA, Placement, PlacementError, apply_parallel,
-                                 axis_compute, codes_for_rank, compute_placement, shard, shard_dim)
+                                 _signature, axis_compute, codes_for_rank, compute_placement, shard, shard_dim)
 
 DP_AXIS, TP_AXIS = "dp", "tp"
 ZERO_LEVELS = (0, 3)
@@ -89,11 +89,15 @@ def contraction_weights(graph: Graph) -> frozenset[str]:
 
 
 def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], devices_per_node: int = 1, *,
-                 zero: int = 0, sequence: bool = False, cache: dict | None = None) -> PCG | None:
+                 zero: int = 0, sequence: bool = False, cache: dict | None = None,
+                 kin: dict | None = None) -> PCG | None:
     """Megatron-LM's layout of `graph` on the mesh `dp x tp` (`mesh_shape`; the module docstring), ZeRO-3
     over the data axis with `zero=3`, sequence parallelism with `sequence`. An axis of size 1 is left out of
     the mesh; with `tp == 1` it is data parallelism (`ir.data_parallel`, whose one-axis mesh it is).
     `cache`: a dict the calls for one graph and library may share (operator instances, what they accept).
+    `kin`: a dict calls for several graphs may share (a step's graph at several micro-batch counts): a layout
+    built for one graph is that layout of another whose sizes differ alone where the build cannot tell them
+    apart (`_Kin`), with the other's sizes.
 
     None where the graph cannot be laid out that way (an operator that accepts no placement its inputs can
     be brought to, a size that does not split): the grid then has no such point."""
@@ -107,6 +111,22 @@ def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], de
     axes = [(name, size) for name, size in ((DP_AXIS, dp), (TP_AXIS, tp)) if size > 1]
     mesh = Mesh.of([s for _, s in axes], devices_per_node, names=[n for n, _ in axes])
     memo = _Memo.of(graph, library, cache)
+    kinship = _Kin.of(kin, library) if kin is not None else None
+    found = kinship.layout(graph, memo, mesh, sequence, zero) if kinship is not None else _NONE
+    if found is not _NONE:
+        return found
+    pcg = _built_layout(graph, mesh, zero, sequence, memo, cache)
+    if kinship is not None:
+        kinship.keep(graph, memo, mesh, sequence, zero, pcg)
+    return pcg
+
+
+_NONE = object()   # `_Kin.layout`: no kin graph's layout to rescale
+
+
+def _built_layout(graph: Graph, mesh: Mesh, zero: int, sequence: bool, memo: "_Memo", cache: dict | None) -> PCG | None:
+    """`megatron_pcg` on a mesh with a tensor axis, for this graph: built, or its ZeRO-3 form derived from the
+    layout without it where `cache` holds that one's build."""
     built = memo.built.get((mesh, sequence)) if zero == 3 and cache is not None else None
     if built is not None:   # the layout without ZeRO-3 was built: its weights' chains rewritten (`sharded_nodes`)
         derived = built[0].sharded_nodes(built[1])
@@ -126,6 +146,135 @@ def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], de
     if zero == 0 and cache is not None:
         memo.built[(mesh, sequence)] = (build, outputs)
     return _live(build.nodes, outputs, tuple(graph.outputs), mesh)
+
+
+class _Kin:
+    """Layouts built for graphs of one structure, reused for another graph of that structure
+    (`megatron_pcg`'s `kin`): a step's graph at another micro-batch count differs in its sizes alone.
+
+    What the build reads of a size is, by reading `_MegatronBuilder` through: ranks; whether a dim splits into
+    blocks of a product of the mesh's axis sizes (`_splits`, `Placement.local_shape`, an input's batch dim, a
+    weight's ZeRO-3 dim, which is its dim split on both axes); whether an operator instantiates at its inputs'
+    shapes; and which placements it accepts (`axis_compute`), which reads the instance's signature (its
+    operator, ranks, attributes and variadic groups, never its sizes: `placement._signature`). So where two
+    graphs have the same leaves, operators, inputs, attributes, outputs and batch dims, every dim of every
+    value splits by the same products of the mesh's axis sizes in both, and every operator (and the
+    bias-less form of each `linear`, which a row-parallel layer reads) instantiates in both, with the same
+    signature, each step of the build goes alike for both: the layouts differ in their nodes' shapes alone,
+    each the shape of the value it holds (`_rescaled`). The verdict is worked out once per pair of graphs and
+    mesh; the graphs stay alive in the dict, so their identities cannot be reused."""
+
+    def __init__(self, library: Library):
+        self.library = library
+        self.layouts: dict[tuple, list[tuple[Graph, PCG | None]]] = {}   # (mesh, sequence, zero) -> built
+        self.batches: dict[int, tuple[Graph, dict]] = {}                 # id(graph) -> (graph, its batch dims)
+        self.verdicts: dict[tuple, tuple[Graph, Graph, bool]] = {}
+
+    @staticmethod
+    def of(kin: dict, library: Library) -> "_Kin":
+        found = kin.get("kin")
+        if found is None or found.library is not library:
+            found = kin["kin"] = _Kin(library)
+        return found
+
+    def keep(self, graph: Graph, memo: "_Memo", mesh: Mesh, sequence: bool, zero: int, pcg: PCG | None) -> None:
+        self.batches[id(graph)] = (graph, memo.batch)
+        self.layouts.setdefault((mesh, sequence, zero), []).append((graph, pcg))
+
+    def layout(self, graph: Graph, memo: "_Memo", mesh: Mesh, sequence: bool, zero: int):
+        """The layout rescaled from a kin graph's (None where the build finds none), or `_NONE`."""
+        for like, pcg in self.layouts.get((mesh, sequence, zero), ()):
+            if like is not graph and self.alike(like, graph, memo.batch, mesh):
+                found = _rescaled(pcg, like, graph) if pcg is not None else None
+                if pcg is None or found is not None:
+                    return found
+        return _NONE
+
+    def alike(self, like: Graph, graph: Graph, batch: dict, mesh: Mesh) -> bool:
+        key = (id(like), id(graph), tuple(mesh.shape))
+        if key not in self.verdicts:
+            self.verdicts[key] = (like, graph, _alike(like, graph, self.library, self.batches[id(like)][1], batch,
+                                                      _blocks(mesh.shape)))
+        return self.verdicts[key][2]
+
+
+def _blocks(sizes: Sequence[int]) -> tuple[int, ...]:
+    """The products of the mesh's axis sizes (every non-empty set of axes): the block counts a dim is split into."""
+    out = {1}
+    for size in sizes:
+        out |= {k * size for k in out}
+    return tuple(sorted(out - {1}))
+
+
+def _alike(like: Graph, graph: Graph, library: Library, like_batch: dict, batch: dict,
+           blocks: Sequence[int]) -> bool:
+    """Whether `graph` is `like` with other sizes that the build cannot tell apart on a mesh whose dims split
+    into `blocks` (`_Kin`)."""
+    def structure(g: Graph) -> tuple:   # the attributes: in the signatures (their real values are not read)
+        return (tuple((l.name, l.role, len(l.shape)) for l in g.leaves),
+                tuple((n.name, n.op, tuple(n.inputs), len(n.shape)) for n in g.nodes), tuple(g.outputs))
+
+    if structure(like) != structure(graph) or like_batch != batch:
+        return False
+    before, after = like.shapes(), graph.shapes()
+    if any((a % k == 0) != (b % k == 0) for name, shape in before.items() for a, b in zip(shape, after[name])
+           for k in blocks):
+        return False
+    seen: dict = {}
+    old_attrs = {n.name: n.attrs for n in like.nodes}
+    for node in graph.nodes:
+        forms = [(node.op, node.inputs, old_attrs[node.name], node.attrs)]
+        if node.op in UNBIASED and len(node.inputs) > 2:   # a row-parallel layer: its partial sum, then its bias
+            forms += [(UNBIASED[node.op], node.inputs[:2], (), ()), ("bias_add", (node.name, node.inputs[2]), (), ())]
+        for op, inputs, was, attrs in forms:
+            if _signature_at(library, op, [before[i] for i in inputs], was, seen) != \
+                    _signature_at(library, op, [after[i] for i in inputs], attrs, seen):
+                return False
+    return True
+
+
+def _signature_at(library: Library, op: str, shapes: Sequence[Sequence[int]], attrs: Sequence, seen: dict):
+    """The operator's signature at these shapes and attributes (`placement._signature`: its integer attributes,
+    not its real ones, such as a loss's 1 / tokens, which scale values and index nothing), None where it does not
+    instantiate."""
+    key = (op, tuple(tuple(s) for s in shapes), tuple(attrs))
+    if key not in seen:
+        try:
+            seen[key] = _signature(instance_for(library.ops[op], key[1], dict(attrs), {}))
+        except (InstantiationError, KeyError):
+            seen[key] = None
+    return seen[key]
+
+
+def _rescaled(pcg: PCG, like: Graph, graph: Graph) -> PCG | None:
+    """`pcg`, a layout of `like`, with each node's shape that of the value it holds in `graph` (a leaf's, an
+    operator's origin's, a row-parallel layer's partial sum's its layer's, a parallel operator's its input's),
+    and a graph operator's attributes its own in `graph`; None where a node's shape or attributes are not its
+    value's in `like` (then build it)."""
+    before, after = like.shapes(), graph.shapes()
+    was, now = {n.name: n for n in like.nodes}, {n.name: n for n in graph.nodes}
+    nodes: list[PNode] = []
+    for node in pcg.nodes:
+        attrs = node.attrs
+        if node.kind == "parallel":
+            old, new = pcg.nodes[node.inputs[0]].shape, nodes[node.inputs[0]].shape
+        else:
+            name = node.op if node.kind == "leaf" else node.origin
+            if node.kind == "op" and node.op in UNBIASED.values() and name not in before:
+                name = name.removesuffix("_nobias")
+            if name not in before:
+                return None
+            old, new = before[name], after[name]
+            if name in was and node.op == was[name].op:   # the graph's operator itself (else its bias or partial sum)
+                if node.attrs != tuple(was[name].attrs):
+                    return None
+                attrs = tuple(now[name].attrs)
+        if node.shape != old:
+            return None
+        nodes.append(node if (new, attrs) == (old, node.attrs) else
+                     PNode(node.id, node.kind, node.op, node.inputs, attrs, tuple(new), node.degrees, node.role,
+                           node.origin, node.placement, node.rules))
+    return replace(pcg, nodes=tuple(nodes))
 
 
 class _Memo:

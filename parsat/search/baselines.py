@@ -110,7 +110,8 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
                   fits: Callable[[Candidate], bool] | None = None,
                   skip: Callable[[PCG], bool] | None = None,
                   state_zero: int = 0, computed: dict | None = None,
-                  order: Callable[[PCG], float | None] | None = None) -> Iterator[list[tuple[int, Candidate]]]:
+                  order: Callable[[PCG], float | None] | None = None,
+                  kin: dict | None = None) -> Iterator[list[tuple[int, Candidate]]]:
     """`independent_grid`'s points, one (dp, tp, sequence parallelism) layout at a time, each with its place in
     `independent_grid`'s order: the layout with ZeRO 0, then 3, each with its fallbacks.
 
@@ -130,13 +131,14 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
     only where they would not fit otherwise. Unpinned, on a machine whose execution overlaps ZeRO-1's gathers
     with the next forward (`pcg_tasks.profile_for`: GPUs), a layout that fits with ZeRO 0 is also a point with
     ZeRO-1. `computed`: compute nodes' costs shared with the caller's other pricers (`extract.Pricer`; by
-    default the grid's own)."""
+    default the grid's own). `kin`: the layouts of other graphs' grids, which this one takes rescaled where its
+    graph differs from theirs in sizes the layout cannot tell apart (`megatron_pcg`)."""
     per_node = machine.devices_per_node
     shared: dict = {}   # what every point's layout of the graph reuses (`megatron_pcg`'s cache)
 
     def lay_out(layout: _Layout, zero: int) -> PCG | None:
         return megatron_pcg(graph, library, (layout.dp, layout.tp), per_node, zero=zero, sequence=layout.sequence,
-                            cache=shared)
+                            cache=shared, kin=kin)
 
     layouts = _grid_layouts(devices, per_node)
     firsts: list = [None] * len(layouts)   # each family's first layout, where `order` asks for it up front

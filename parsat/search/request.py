@@ -90,6 +90,9 @@ class SearchRequest:
     # the independent grid's points by (graph, machine, devices): a scout's step and the search of every mesh at
     # its count share them (`step.independent_points`)
     grid_points: dict = field(default_factory=dict, compare=False)
+    # the grid's layouts built for one graph, which its other graphs of the same structure (the step's graph at
+    # other micro-batch counts) take rescaled where the build cannot tell them apart (`megatron_pcg`'s `kin`)
+    layouts: dict = field(default_factory=dict, compare=False)
     # what the steps of one call share beside: each mesh's search by its inputs (`step.searched_once`), and the
     # simulated steps and compute times by machine and micro-batch count (`mesh.CandidateSteps`)
     mesh_searches: dict = field(default_factory=dict, compare=False)
