@@ -110,8 +110,8 @@ def test_a_zero3_layout_derived_from_the_layout_without_it_is_the_one_built_alon
         for shape, seq in layouts:
             megatron_pcg(graph, library, shape, 8, zero=0, sequence=seq, cache=shared)
             derived.append(megatron_pcg(graph, library, shape, 8, zero=3, sequence=seq, cache=shared))
-        memo = shared["memo"]
-        assert len(memo.built) == len(layouts) and all(b.chains for b, _o in memo.built.values())   # derived
+        builds = shared["built"]
+        assert len(builds) == len(layouts) and all(b.chains for b, _o, _g in builds.values())   # derived
         alone = [megatron_pcg(graph, library, shape, 8, zero=3, sequence=seq) for shape, seq in layouts]
         assert derived == alone and all(p is not None for p in alone)
         without = [megatron_pcg(graph, library, shape, 8, zero=0, sequence=seq) for shape, seq in layouts]
@@ -138,3 +138,13 @@ def test_a_layout_rescaled_from_a_kin_graph_s_is_the_one_built_alone(name):
         for graph, shape, seq, zero, pcg in got:
             assert pcg == megatron_pcg(graph, library, shape, 8, zero=zero, sequence=seq)
         assert sum(p is not None for *_rest, p in got) >= len(got) - 4
+
+
+def test_a_graph_laid_out_again_with_kin_takes_the_same_layout():
+    library = resolve_library(None)
+    graph = build_example("gpt", SIZES, library)
+    kin: dict = {}
+    first = [megatron_pcg(graph, library, (4, 2), 8, zero=zero, sequence=True, cache={}, kin=kin) for zero in (0, 3)]
+    again = [megatron_pcg(graph, library, (4, 2), 8, zero=zero, sequence=True, cache={}, kin=kin) for zero in (0, 3)]
+    assert all(a is b for a, b in zip(first, again))   # taken, not built
+    assert again == [megatron_pcg(graph, library, (4, 2), 8, zero=zero, sequence=True) for zero in (0, 3)]

@@ -124,11 +124,15 @@ def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], de
 _NONE = object()   # `_Kin.layout`: no kin graph's layout to rescale
 
 
-def _built_layout(graph: Graph, mesh: Mesh, zero: int, sequence: bool, memo: "_Memo", cache: dict | None) -> PCG | None:
+def _built_layout(graph: Graph, mesh: Mesh, zero: int, sequence: bool, memo: "_Memo",
+                  cache: dict | None) -> PCG | None:
     """`megatron_pcg` on a mesh with a tensor axis, for this graph: built, or its ZeRO-3 form derived from the
     layout without it where `cache` holds that one's build."""
-    built = memo.built.get((mesh, sequence)) if zero == 3 and cache is not None else None
-    if built is not None:   # the layout without ZeRO-3 was built: its weights' chains rewritten (`sharded_nodes`)
+    # the builds without ZeRO-3 by (graph, mesh, sequence), beside the memo rather than in it: a builder holds the
+    # memo, so the memo holding builders would be a cycle that only the collector frees
+    builds = cache.setdefault("built", {}) if cache is not None else {}
+    built = builds.get((id(graph), mesh, sequence)) if zero == 3 else None
+    if built is not None and built[2] is graph:   # built without ZeRO-3: its weights' chains rewritten
         derived = built[0].sharded_nodes(built[1])
         if derived is not None:
             return _live(derived[0], derived[1], tuple(graph.outputs), mesh)
@@ -144,7 +148,7 @@ def _built_layout(graph: Graph, mesh: Mesh, zero: int, sequence: bool, memo: "_M
     if any(o is None for o in outputs):
         return None
     if zero == 0 and cache is not None:
-        memo.built[(mesh, sequence)] = (build, outputs)
+        builds[(id(graph), mesh, sequence)] = (build, outputs, graph)
     return _live(build.nodes, outputs, tuple(graph.outputs), mesh)
 
 
@@ -162,7 +166,8 @@ class _Kin:
     bias-less form of each `linear`, which a row-parallel layer reads) instantiates in both, with the same
     signature, each step of the build goes alike for both: the layouts differ in their nodes' shapes alone,
     each the shape of the value it holds (`_rescaled`). The verdict is worked out once per pair of graphs and
-    mesh; the graphs stay alive in the dict, so their identities cannot be reused."""
+    mesh; the graphs stay alive in the dict, so their identities cannot be reused. The same graph laid out again
+    (bert-large's stage grids are asked for one graph under two schedules) takes its layout as it is."""
 
     def __init__(self, library: Library):
         self.library = library
@@ -184,7 +189,9 @@ class _Kin:
     def layout(self, graph: Graph, memo: "_Memo", mesh: Mesh, sequence: bool, zero: int):
         """The layout rescaled from a kin graph's (None where the build finds none), or `_NONE`."""
         for like, pcg in self.layouts.get((mesh, sequence, zero), ()):
-            if like is not graph and self.alike(like, graph, memo.batch, mesh):
+            if like is graph:   # laid out already (a stage's grid for another schedule): the build is a function
+                return pcg
+            if self.alike(like, graph, memo.batch, mesh):
                 found = _rescaled(pcg, like, graph) if pcg is not None else None
                 if pcg is None or found is not None:
                     return found
@@ -288,9 +295,6 @@ class _Memo:
         self.accepts: dict[tuple, int | None] = {}
         self.placements: dict = {}   # `compute_placement`'s own cache
         self.options: dict[tuple, list[tuple[float, tuple[int, ...]]]] = {}   # `_MegatronBuilder.known_options`
-        # (mesh, sequence) -> a builder of the layout without ZeRO-3 and its outputs: that layout with ZeRO-3 is
-        # derived from it (`_MegatronBuilder.sharded_nodes`)
-        self.built: dict[tuple, tuple["_MegatronBuilder", list[int]]] = {}
 
     @staticmethod
     def of(graph: Graph, library: Library, cache: dict | None) -> "_Memo":
@@ -357,7 +361,7 @@ class _MegatronBuilder:
         # which the layouts of one graph share (`known_options`)
         self.degrees: dict[tuple[Placement, tuple[int, ...]], Degrees] = {}
         self.options = memo.options
-        self.chains: list[_Chain] = []   # without ZeRO-3: the weights' chains ZeRO-3 would store split (`stored_weight`)
+        self.chains: list[_Chain] = []   # without ZeRO-3: the chains ZeRO-3 would store split (`stored_weight`)
 
     # ------------------------------------------------------------------ nodes
     def add(self, kind: str, op: str, inputs: Sequence[int], attrs: Sequence, shape: Sequence[int],
