@@ -16,7 +16,7 @@ from parsat.ir.mesh import Mesh
 from parsat.ir.models import mlp, stack
 from parsat.ir.pcg import PCG, Degrees, PNode
 from parsat.ir.placement import Placement, apply_parallel, compute_placement
-from parsat.cost.collectives import ALL_REDUCE, SEND_RECV, GroupTopology, price
+from parsat.cost.collectives import ALL_GATHER, ALL_REDUCE, SEND_RECV, GroupTopology, price
 from parsat.cost.pcg_tasks import (DDP, PARSAT_RUN, OpTimes, TaskBuildError, _needs_gradient, needs_gradient,
                                    simulate_pcg, step_floor)
 
@@ -370,12 +370,43 @@ def test_a_gemm_feeding_a_reduce_scatter_and_the_backward_collectives_are_pipeli
     spans = simulate_pcg(sequence_parallel_mlp(), LIB, H100, DDP).result.spans
     pairs = [("matmul #12", "reduce_scatter(dim=0, axis=tp, degree=8) #13 reduce-scatter"),          # forward
              ("reduce_scatter(dim=0, axis=tp, degree=8) #13 backward all-gather", "matmul #12 backward"),
-             ("matmul #9 backward", "all_gather(dim=0, axis=tp, degree=8) #7 backward reduce-scatter")]
+             ("matmul #9 backward (input gradient)", "all_gather(dim=0, axis=tp, degree=8) #7 backward reduce-scatter")]
     for first, second in pairs:
         before, after = _chunks(spans, first), _chunks(spans, second)
         assert len(before) == len(after) == 8, (first, second)
         assert all(b.start >= a.end for a, b in zip(before, after)), (first, second)
     assert not [s for s in spans if s.name.endswith(("concat", "slices"))]   # in place: nothing concatenated
+
+
+def test_a_gathered_activation_is_gathered_again_in_backward_beside_the_input_gradient():
+    """The gathered rows (#7) are read by the column-parallel matmul's backward (#9's weight gradient), so the
+    shard is kept, the gathered value freed after forward and gathered again in backward (`cost.saved`), as
+    Megatron-LM's sequence-parallel linear does: one all-gather on the tensor-parallel link, launched when #9's
+    backward may start, after which the weight gradient runs; the input gradient (which reads the weight) runs
+    beside it and hides it. Priced as the per-node model prices that second gather; without tensor-parallel
+    overlap the whole backward of #9 waits for it; `parsat run` (which keeps every value) runs none."""
+    pcg = sequence_parallel_mlp()
+    spans = simulate_pcg(pcg, LIB, H100, DDP).result.spans
+    name = "all_gather(dim=0, axis=tp, degree=8) #7 all-gather again for backward"
+    again = [s for s in spans if s.name == name]
+    assert len(again) == 1 and again[0].phase == "backward_comm" and again[0].stream.name == "intra"
+    again = again[0]
+    nbytes = 4096 * 4096 * H100.dtype_bytes
+    seconds = price(ALL_GATHER, GroupTopology.of_axis(pcg.mesh, 0), nbytes, H100).seconds
+    assert again.end - again.start == pytest.approx(seconds) and again.alloc == nbytes
+    freed = [s for s in spans if s.name.startswith("all_gather(dim=0, axis=tp, degree=8) #7 freed after forward")]
+    assert len(freed) == 1 and freed[0].free == nbytes and freed[0].phase == "forward"
+    dgrad = _chunks(spans, "matmul #9 backward (input gradient)")
+    wgrad = [s for s in spans if s.name == "matmul #9 backward (weight gradient)"]
+    assert len(dgrad) == 8 and len(wgrad) == 1
+    assert again.start <= dgrad[0].start and wgrad[0].start >= again.end        # before its reader's weight gradient
+    assert dgrad[0].start < again.end and again.start < dgrad[-1].end          # hidden beside the input gradient
+    assert wgrad[0].start - again.start < (again.end - again.start) + sum(s.end - s.start for s in dgrad)
+    serial = simulate_pcg(pcg, LIB, H100, SERIAL_DDP).result.spans
+    exposed = next(s for s in serial if s.name == name)
+    assert next(s for s in serial if s.name == "matmul #9 backward").start >= exposed.end
+    assert not [s for s in simulate_pcg(pcg, LIB, CPU64, PARSAT_RUN).result.spans if "again" in s.name]
+    assert step_floor(pcg, H100, OpTimes(LIB, H100), profile=DDP) <= simulate_pcg(pcg, LIB, H100, DDP).step_s
 
 
 def test_pipelined_chunks_move_the_same_bytes_one_ring_step_each_and_allocate_once():
@@ -445,8 +476,8 @@ def test_an_all_gather_feeds_all_its_gemms_as_one():
         assert all(m.start >= g.end for g, m in zip(gather, fused))
         assert not [s for s in spans if s.name.startswith(("matmul #9 [", "matmul #11 [", "matmul #11 "))
                     and s.phase == "forward"]
-        second = [s for s in spans if s.name == "matmul #11 backward"]
-        first = _chunks(spans, "matmul #9 backward")
+        second = [s for s in spans if s.name == "matmul #11 backward (input gradient)"]   # #7 is gathered again
+        first = _chunks(spans, "matmul #9 backward (input gradient)")
         scatter = _chunks(spans, "all_gather(dim=0, axis=tp, degree=8) #7 backward reduce-scatter")
         assert len(second) == microbatches and len(first) == len(scatter) == 8 * microbatches
         assert second[0].end <= first[0].start and all(b.start >= a.end for a, b in zip(first, scatter))

@@ -58,6 +58,7 @@ from parsat.ir.pcg import SHARDED_STATE_STAGES, STORED_ROLES, WEIGHT, WEIGHT_PIE
 from parsat.cost import collectives
 from parsat.cost.collectives import GroupTopology, price
 from parsat.cost.op_time import FUSED, OpTime, op_time
+from parsat.cost.saved import regathers
 
 OPTIMIZER = "adam"           # the optimizer the plan's memory and update time assume
 
@@ -194,7 +195,7 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
     sharding = zero if shards_state(op, source_role, zero) else 0
     held = _parallel_memory(op, source_role, stores, move, machine, sharding, kept)
     runs = _sharded_sync_runs(move, sharding, microbatches) if sharding else _collective_runs(op, source_role, move)
-    if kept and not source_role and op in (COMBINE, ALL_GATHER):   # the shard kept, gathered again for backward
+    if regathers(op, source_role, kept):   # the shard kept, gathered again for backward
         runs = runs + tuple(replace(run, phase="bwd") for run in runs if run.phase == "fwd")
     if not gradient:   # no gradient reaches the source (`cost.pcg_tasks.needs_gradient`): nothing runs backward
         runs = tuple(run for run in runs if run.phase != "bwd")

@@ -69,12 +69,13 @@ from parsat.dsl.parallel_ops import COMBINE, PARTITION, REDUCE, REPLICATE
 from parsat.ir.graph import instance_for
 from parsat.ir.machine import Machine
 from parsat.ir.microbatch import is_loss
-from parsat.ir.pcg import PCG, PNode, state_shardings, weight_chains, weight_storage
+from parsat.ir.pcg import PCG, PNode, pcg_roles, state_shardings, weight_chains, weight_storage
 from parsat.ir.recompute import Checkpoint, checkpoints
 from parsat.cost.fsdp_groups import ParamGroup, group_elements, param_groups, tensor_axes
 from parsat.cost.collectives import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, SEND_RECV, GroupTopology,
                                      price)
 from parsat.cost.model import compute_time
+from parsat.cost.saved import kept_values, regathers
 from parsat.cost.op_time import OpTime, chunk_time, memory_op_time, update_time
 from parsat.cost.schedules import Gradient, GradientBuckets, ParamGathers, assign_buckets
 from parsat.cost.simulator import COMM, COMPUTE, StepBuilder, StepResult
@@ -121,6 +122,10 @@ class ExecutionProfile:
     local_loss: bool = False        # a reduce giving an output (the loss over the data ranks) is not run: each rank
     #                                 returns its local batch's loss, the gradient sync averages
     overlap_param_gather: bool = False   # ZeRO-1/2's gathers of updated shards run during the next forward
+    regather: bool = False          # a gathered activation some backward reads is freed after forward, its shard
+    #                                 kept and gathered again for that backward (`cost.saved.regathers`:
+    #                                 Megatron-LM's sequence-parallel linear); with `tp_comm_overlap` that
+    #                                 all-gather runs beside the product's input-gradient GEMM (`_regather`)
 
 
 PARSAT_RUN = ExecutionProfile("parsat run", overlap=False, ddp_buckets=False, keep_activations=True,
@@ -136,7 +141,7 @@ freed by backward, collectives blocking the one host thread (gloo's work runs wh
 FSDP2's groups (`cost.fsdp_groups`), tensor parallelism as torch's styles run it, SGD per tensor."""
 DDP = ExecutionProfile("ddp", overlap=True, ddp_buckets=True, keep_activations=False, seeded_inputs=False,
                        eager_gradients=True, fused_optimizer=True, optimizer="adam", tp_comm_overlap=True,
-                       overlap_param_gather=True)
+                       overlap_param_gather=True, regather=True)
 
 Topology = Callable[[PNode], GroupTopology]
 
@@ -290,6 +295,21 @@ def _needs_gradient(pcg: PCG, library: Library | None) -> dict[int, bool]:
     return out
 
 
+def regathered(pcg: PCG, library: Library) -> frozenset[int]:
+    """The gathers of an activation whose value a backward reads and a gradient reaches (`cost.saved.regathers`,
+    as `cost.model.parallel_cost` charges them): training keeps their shard and gathers them again in backward,
+    as Megatron-LM's sequence-parallel linear layers do. Worked out once per PCG and library (`PCG.derived`)."""
+    key = ("regathered", id(library))
+    known = pcg.derived.get(key)
+    if known is not None and known[0] is library:
+        return known[1]
+    roles, held, flows = pcg_roles(pcg), kept_values(pcg, library), needs_gradient(pcg, library)
+    out = frozenset(n.id for n in pcg.nodes if n.kind == "parallel" and flows[n.inputs[0]]
+                    and regathers(n.op, roles.get(n.inputs[0], ""), n.id in held))
+    pcg.derived[key] = (library, out)
+    return out
+
+
 def reaches_output(pcg: PCG) -> set[int]:
     """The nodes an output is computed from (the outputs included): those a gradient from the loss can reach."""
     reached = set(pcg.outputs)
@@ -400,6 +420,9 @@ class _Builder:
         self.weight_fed: set[int] | None = None       # values computed from weights alone (`_weight_fed`)
         self.tensor_axes = tensor_axes(pcg) if profile.dtensor_modules else set()
         self.gathered_values = {n.id for n in pcg.nodes if n.kind == "parallel" and n.op == parallel_ops.ALL_GATHER}
+        self.regathered = regathered(pcg, times.library) if profile.regather else frozenset()
+        self.regathers: dict[int, int] = {}           # regathered node -> its backward all-gather in this pass
+        self.forward_readers: dict[int, int] = {}     # regathered node -> its readers whose forward is pending
 
     def new_pass(self, first: bool, syncing: bool, accumulating: bool = False) -> None:
         """Start a micro-batch: values, gradients and buffers are the pass's own; compute times are kept.
@@ -411,6 +434,8 @@ class _Builder:
         self.allocated = {k: v for k, v in self.allocated.items() if k in keep}
         self.contiguous = {k: v for k, v in self.contiguous.items() if k in keep}
         self.grad_ready = {}
+        self.regathers = {}
+        self.forward_readers = {i: len({u.id for u in self.users.get(i, [])}) for i in self.regathered}
         self.piped = {}
         self.early = set()
         self.bucket_of = {}
@@ -599,11 +624,27 @@ class _Builder:
             if node.id in self.params and (not self.first or node.id in self.ready):
                 continue  # a weight's chain: made by the first micro-batch (or issued early, `_issue_chains`)
             self._forward_node(node)
+            self._release_gathered(node)
             if node.id in self.last_run:
                 self._drop(self.last_run[node.id])
         if self.first:
             for gathers in self.gathers:
                 gathers.finish()
+
+    def _release_gathered(self, node: PNode) -> None:
+        """A regathered value (`regathered`) read by the last of its forward readers (`node`) is freed: its shard
+        is what is kept, and backward gathers it again (`_regather`). Not one recomputation keeps (a value read
+        outside its block, which `_recompute` makes again without allocating)."""
+        for i in dict.fromkeys(node.inputs):
+            if i not in self.forward_readers:
+                continue
+            self.forward_readers[i] -= 1
+            held = self.allocated.get(i, 0)
+            if self.forward_readers[i] or not held or (i in self.block_of_run and i not in self.dropped):
+                continue
+            self.allocated[i] = 0
+            self._add(f"{self.by_id[i].label} #{i} freed after forward (gathered again in backward)", self.compute,
+                      0.0, [t for t in (self.ready.get(node.id),) if t is not None], free=held)
 
     def _forward_node(self, node: PNode) -> None:
         if node.kind == "leaf":
@@ -1166,12 +1207,33 @@ class _Builder:
                 return self.steps.stream_of[max(comm)]
         return self.compute
 
+    def _regather(self, node: PNode, deps: Sequence[int]) -> int:
+        """A regathered value's all-gather in backward (`regathered`), issued once a pass, when the first of its
+        readers' backward may start (`deps`): into a buffer its gather's backward frees."""
+        task = self.regathers.get(node.id)
+        if task is None:
+            nbytes = _elements(node) * self.item
+            alloc = 0 if self.allocated.get(node.id) else nbytes   # recomputed in backward: it is there
+            if alloc:
+                self.allocated[node.id] = nbytes
+            task = self.regathers[node.id] = self._sync(f"{node.label} #{node.id} all-gather again for backward",
+                                                        ALL_GATHER, node, nbytes, list(deps), alloc=alloc,
+                                                        phase="backward_comm")
+        return task
+
     def _compute_backward(self, node: PNode, label: str, deps: list[int], view: bool, free: int) -> int:
         """A compute node's backward: one kernel per input needing a gradient (`OpTime.backward_kernel_s`), each
-        input handed the task; a product pipelined with a collective runs it in chunks (`Pipeline`)."""
+        input handed the task; a product pipelined with a collective runs it in chunks (`Pipeline`). One reading
+        a regathered value (`regathered`) waits for its second all-gather (`_split_backward`)."""
         timed = self.timed[node.id]
         grads = [i for i in node.inputs if self.needs_grad[i]]
         positions = [p for p, i in enumerate(node.inputs) if self.needs_grad[i]]
+        again = [p for p, i in enumerate(node.inputs) if i in self.regathered]
+        if again and not view:
+            gathers = sorted({self._regather(self.by_id[node.inputs[p]], deps) for p in again})
+            if node.op in PRODUCTS and self.profile.tp_comm_overlap:
+                return self._split_backward(node, label, deps, gathers, again, free)
+            deps = list(deps) + gathers
         kernel = 0.0 if view else timed.backward_kernel_s(positions)
         whole = self.eff.op_time(kernel, backward=True)
         pipe = None if view else self._pipe(node, backward=True)
@@ -1184,6 +1246,38 @@ class _Builder:
             task = self._piped(pipe, True, True, label, self.compute, parts, whole, list(deps), 0, free, "backward")
         for i in grads:
             self._give(i, task)
+        return task
+
+    def _split_backward(self, node: PNode, label: str, deps: list[int], gathers: list[int], again: list[int],
+                        free: int) -> int:
+        """A product reading regathered values (at positions `again`) as Megatron-LM runs its backward: the
+        gradients of those operands (the input gradient, which reads the weight) first, beside their all-gathers
+        (`gathers`, launched asynchronously before it), pipelined with their reduce-scatter where the product is
+        (`Pipeline`); then the other operands' (the weight gradient, which reads the gathered values), after
+        the all-gathers. The simulator's streams decide how much of them the first GEMM hides."""
+        timed = self.timed[node.id]
+        first = [p for p, i in enumerate(node.inputs) if self.needs_grad[i] and p in again]
+        second = [p for p, i in enumerate(node.inputs) if self.needs_grad[i] and p not in again]
+        task = None
+        if first:
+            whole = self.eff.op_time(timed.backward_kernel_s(first), backward=True)
+            pipe = self._pipe(node, backward=True)
+            if pipe is None:
+                task = self._add(f"{label} (input gradient)", self.compute, whole, deps,
+                                 free=0 if second else free, phase="backward")
+            else:
+                parts = [self.eff.op_time(self._chunk(timed, pipe).backward_kernel_s(first), backward=True)]
+                task = self._piped(pipe, True, True, f"{label} (input gradient)", self.compute,
+                                   parts * pipe.parts, whole, list(deps), 0, 0 if second else free, "backward")
+            for p in first:
+                self._give(node.inputs[p], task)
+        if second or task is None:
+            seconds = self.eff.op_time(timed.backward_kernel_s(second), backward=True) if second else 0.0
+            after = ([task] if task is not None else list(deps)) + gathers
+            task = self._add(f"{label} (weight gradient)", self.compute, seconds, after, free=free,
+                             phase="backward")
+            for p in second:
+                self._give(node.inputs[p], task)
         return task
 
     # ---------------------------------------------------------------- optimizer
@@ -1312,8 +1406,14 @@ class _Builder:
                          for t in (self.times(n, [self.by_id[i] for i in n.inputs]) for n in group))
         pipe = self._pipe(node, backward=True)
         if pipe is not None and pipe.product == node.id:
-            chunk = self._chunk(timed, pipe).backward_kernel_s(needing)
-            backward = min(backward, pipe.parts * chunk)
+            again = {p for p, i in enumerate(node.inputs) if i in self.regathered}
+            # reading regathered values, its input gradients run in chunks and its weight gradients whole
+            # (`_split_backward`): each side at least the lesser of the two
+            sides = [[p for p in needing if p in again], [p for p in needing if p not in again]] if again \
+                else [needing]
+            chunk = self._chunk(timed, pipe)
+            backward = sum(min(timed.backward_kernel_s(side), pipe.parts * chunk.backward_kernel_s(side))
+                           for side in sides if side or not again)
         return eff.op_time(kernel), eff.op_time(backward, backward=True)
 
     def resident(self) -> int:

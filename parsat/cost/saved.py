@@ -82,6 +82,14 @@ def kept(readers: Iterable[Reader], library: Library, roles: Mapping[Hashable, s
     return frozenset(found)
 
 
+def regathers(op: str, source_role: str, kept: bool) -> bool:
+    """Whether a parallel operator is a gather of an activation (`source_role` "": not an input, not a weight's
+    chain) whose output some backward reads (`kept`): training then keeps the shard and gathers it again for that
+    backward (the module docstring). The one test both the per-node price (`cost.model.parallel_cost`) and the
+    step simulator (`cost.pcg_tasks`) read, so that they charge the same second all-gather."""
+    return kept and not source_role and op in GATHERS
+
+
 def _aliased(op: str, reads: Sequence[Hashable], library: Library, roles: Mapping[Hashable, str]):
     """The value whose storage `op`'s output is, or stands for in backward (a view's operand, a replicated or
     gathered activation's source); None where the output is a tensor of its own."""
@@ -94,4 +102,4 @@ def _aliased(op: str, reads: Sequence[Hashable], library: Library, roles: Mappin
     return reads[names.index(decl.body.tensor)]
 
 
-__all__ = ["ALIASING_PARALLEL", "GATHERS", "kept", "kept_values"]
+__all__ = ["ALIASING_PARALLEL", "GATHERS", "kept", "kept_values", "regathers"]
