@@ -394,7 +394,7 @@ def test_a_gathered_activation_is_gathered_again_in_backward_beside_the_input_gr
     nbytes = 4096 * 4096 * H100.dtype_bytes
     seconds = price(ALL_GATHER, GroupTopology.of_axis(pcg.mesh, 0), nbytes, H100).seconds
     assert again.end - again.start == pytest.approx(seconds) and again.alloc == nbytes
-    freed = [s for s in spans if s.name.startswith("all_gather(dim=0, axis=tp, degree=8) #7 freed after forward")]
+    freed = [s for s in spans if s.name.startswith("freed after forward: all_gather(dim=0, axis=tp, degree=8) #7 ")]
     assert len(freed) == 1 and freed[0].free == nbytes and freed[0].phase == "forward"
     dgrad = _chunks(spans, "matmul #9 backward (input gradient)")
     wgrad = [s for s in spans if s.name == "matmul #9 backward (weight gradient)"]
@@ -638,3 +638,20 @@ def test_product_axes_of_a_torch_layout_weight():
     assert product_axis(1, 2, 0) == 2 and product_axis(1, 2, 1) == 1                      # [k, n]
     assert product_axis(1, 2, 0, transposed_b=True) == 1 and product_axis(1, 2, 1, transposed_b=True) == 2
     assert product_axis(0, 3, 2, transposed_b=True) == 2 and product_axis(None, 3, 2, transposed_b=True) == 1
+
+
+def test_the_simulated_activations_are_what_the_per_node_model_keeps():
+    """Under DDP (backward frees what forward kept) a value no backward reads (the row-parallel matmul's partial
+    sum, #12) is freed once forward has read it, and a regathered one (#7) too: at the end of forward the
+    simulated memory is the weights' state, the activations the per-node model keeps (`cost.saved`, the figure
+    that decides what fits) and the output with its loss, nothing more."""
+    from parsat.search.solve import price_pcg
+
+    pcg = sequence_parallel_mlp()
+    step = simulate_pcg(pcg, LIB, H100, DDP)
+    kept = sum(c.activation_bytes for c in price_pcg(pcg, LIB, H100).values())
+    output = 4096 // 8 * 4096 * H100.dtype_bytes                  # #13's piece, and its loss's
+    held = step.result.memory_after(step.end_of_forward, step.resident_bytes) - step.resident_bytes
+    assert held == kept + 2 * output
+    freed = [s for s in step.result.spans if s.name == "freed after forward: matmul #12 (no backward reads it)"]
+    assert len(freed) == 1 and freed[0].free == 4096 * 4096 * H100.dtype_bytes

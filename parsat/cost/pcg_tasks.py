@@ -310,6 +310,25 @@ def regathered(pcg: PCG, library: Library) -> frozenset[int]:
     return out
 
 
+def unkept(pcg: PCG, library: Library) -> frozenset[int]:
+    """The values no backward reads (not `cost.saved.kept_values`), which a framework frees once forward has read
+    them: not leaves, weights' chains or outputs (the loss reads them), nor the storage of a value the simulator
+    runs as a view of it (`VIEW_OPS`, flatten, a partition or replicate) that is kept. Once per PCG and library."""
+    key = ("unkept", id(library))
+    known = pcg.derived.get(key)
+    if known is not None and known[0] is library:
+        return known[1]
+    held = set(kept_values(pcg, library)) | set(pcg.outputs) | set(weight_chains(pcg))
+    for node in reversed(pcg.nodes):
+        viewed = node.kind == "op" and (node.op in VIEW_OPS or node.op == "flatten") \
+            or node.kind == "parallel" and node.op in (PARTITION, REPLICATE)
+        if node.id in held and viewed and node.inputs:
+            held.add(node.inputs[0])
+    out = frozenset(n.id for n in pcg.nodes if n.kind != "leaf" and n.id not in held)
+    pcg.derived[key] = (library, out)
+    return out
+
+
 def reaches_output(pcg: PCG) -> set[int]:
     """The nodes an output is computed from (the outputs included): those a gradient from the loss can reach."""
     reached = set(pcg.outputs)
@@ -422,7 +441,13 @@ class _Builder:
         self.gathered_values = {n.id for n in pcg.nodes if n.kind == "parallel" and n.op == parallel_ops.ALL_GATHER}
         self.regathered = regathered(pcg, times.library) if profile.regather else frozenset()
         self.regathers: dict[int, int] = {}           # regathered node -> its backward all-gather in this pass
-        self.forward_readers: dict[int, int] = {}     # regathered node -> its readers whose forward is pending
+        # values freed once their forward readers are done: regathered ones, and, where backward frees values,
+        # those no backward reads (`cost.saved`, as the per-node model counts them)
+        self.released = self.regathered if profile.keep_activations else \
+            self.regathered | unkept(pcg, times.library)
+        self.forward_readers: dict[int, int] = {}     # released node -> its readers whose forward is pending
+        self.extra: dict[int, int] = {}               # compute node -> what it saves beside its output
+        self.views: dict[int, bool] = {}              # compute node -> whether it ran as a view (no kernel)
 
     def new_pass(self, first: bool, syncing: bool, accumulating: bool = False) -> None:
         """Start a micro-batch: values, gradients and buffers are the pass's own; compute times are kept.
@@ -435,7 +460,7 @@ class _Builder:
         self.contiguous = {k: v for k, v in self.contiguous.items() if k in keep}
         self.grad_ready = {}
         self.regathers = {}
-        self.forward_readers = {i: len({u.id for u in self.users.get(i, [])}) for i in self.regathered}
+        self.forward_readers = {i: len({u.id for u in self.users.get(i, [])}) for i in self.released}
         self.piped = {}
         self.early = set()
         self.bucket_of = {}
@@ -624,27 +649,29 @@ class _Builder:
             if node.id in self.params and (not self.first or node.id in self.ready):
                 continue  # a weight's chain: made by the first micro-batch (or issued early, `_issue_chains`)
             self._forward_node(node)
-            self._release_gathered(node)
+            self._release(node)
             if node.id in self.last_run:
                 self._drop(self.last_run[node.id])
         if self.first:
             for gathers in self.gathers:
                 gathers.finish()
 
-    def _release_gathered(self, node: PNode) -> None:
-        """A regathered value (`regathered`) read by the last of its forward readers (`node`) is freed: its shard
-        is what is kept, and backward gathers it again (`_regather`). Not one recomputation keeps (a value read
-        outside its block, which `_recompute` makes again without allocating)."""
+    def _release(self, node: PNode) -> None:
+        """A released value (`released`) read by the last of its forward readers (`node`) is freed, what it saves
+        for its own backward aside (`_saved_extra`): no backward reads it, or it is gathered again for the one
+        that does (`_regather`). Not one recomputation keeps (a value read outside its block, which `_recompute`
+        makes again without allocating)."""
         for i in dict.fromkeys(node.inputs):
             if i not in self.forward_readers:
                 continue
             self.forward_readers[i] -= 1
-            held = self.allocated.get(i, 0)
-            if self.forward_readers[i] or not held or (i in self.block_of_run and i not in self.dropped):
+            held = self.allocated.get(i, 0) - self.extra.get(i, 0)
+            if self.forward_readers[i] or held <= 0 or (i in self.block_of_run and i not in self.dropped):
                 continue
-            self.allocated[i] = 0
-            self._add(f"{self.by_id[i].label} #{i} freed after forward (gathered again in backward)", self.compute,
-                      0.0, [t for t in (self.ready.get(node.id),) if t is not None], free=held)
+            self.allocated[i] -= held
+            why = "gathered again in backward" if i in self.regathered else "no backward reads it"
+            self._add(f"freed after forward: {self.by_id[i].label} #{i} ({why})", self.compute, 0.0,
+                      [t for t in (self.ready.get(node.id),) if t is not None], free=held)
 
     def _forward_node(self, node: PNode) -> None:
         if node.kind == "leaf":
@@ -797,6 +824,8 @@ class _Builder:
         nbytes = 0 if view else _elements(node) * self.item
         saved = self._saved_extra(node, timed)
         self.allocated[node.id] = nbytes + saved
+        self.extra[node.id] = saved
+        self.views[node.id] = view
         copy = saved / self.eff.bandwidth(2 * saved, self.machine.memory_bandwidth) if saved else 0.0
         return timed, 0.0 if view else timed.kernel_s, copy, nbytes + saved
 
@@ -1058,7 +1087,7 @@ class _Builder:
         if node.id in self.dropped:
             self.allocated[node.id] = 0
         if node.kind == "op":
-            return self._compute_backward(node, label, deps, view=held == 0, free=free)
+            return self._compute_backward(node, label, deps, view=self.views.get(node.id, held == 0), free=free)
         source = node.inputs[0]
         weight = source in self.params      # a weight's value: its gradient's reduction is the gradient sync
         if node.op in (PARTITION, parallel_ops.REDUCE_SCATTER):
