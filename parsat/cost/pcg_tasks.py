@@ -51,6 +51,10 @@ tensors that need a gradient: ones computed from a weight):
 | reduce_scatter | slices (copies) + reduce-scatter | all-gather + concatenation |
 | all_gather | all-gather + concatenation (a weight's: kept to its backward) | slices + reduce-scatter; a weight's: the gradient sync |
 
+A gathered activation a backward reads (`regathered`) is, under a profile with `regather` (`DDP`), freed after
+forward and gathered again before its readers' weight gradients (`_Builder._regather`, `_split_backward`); with
+`keep_activations` off a value no backward reads is freed after its forward readers (`unkept`, `cost.saved`).
+
 Then the loss (per output: difference from its target, square, sum:
 memory-bound operators on the output's piece) and the optimizer (per stored
 weight piece: as `parsat calibrate` measured `parsat run`'s optimizer, else
