@@ -58,7 +58,7 @@ from parsat.ir.pcg import SHARDED_STATE_STAGES, STORED_ROLES, WEIGHT, WEIGHT_PIE
 from parsat.cost import collectives
 from parsat.cost.collectives import GroupTopology, price
 from parsat.cost.op_time import FUSED, OpTime, op_time
-from parsat.cost.saved import regathers
+from parsat.cost.saved import regathers, runtime_regathers
 
 OPTIMIZER = "adam"           # the optimizer the plan's memory and update time assume
 
@@ -193,9 +193,10 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
     move = _Move(p, source, output, source.piece_elements(shape), output.piece_elements(shape), weighty,
                  slices_weight=op == PARTITION and weighty and not (stores and source_role in STORED_ROLES))
     sharding = zero if shards_state(op, source_role, zero) else 0
-    held = _parallel_memory(op, source_role, stores, move, machine, sharding, kept)
+    regather = runtime_regathers(machine) and regathers(op, source_role, kept)
+    held = _parallel_memory(op, source_role, stores, move, machine, sharding, kept, regather)
     runs = _sharded_sync_runs(move, sharding, microbatches) if sharding else _collective_runs(op, source_role, move)
-    if regathers(op, source_role, kept):   # the shard kept, gathered again for backward
+    if regather:   # the shard kept, gathered again for backward
         runs = runs + tuple(replace(run, phase="bwd") for run in runs if run.phase == "fwd")
     if not gradient:   # no gradient reaches the source (`cost.pcg_tasks.needs_gradient`): nothing runs backward
         runs = tuple(run for run in runs if run.phase != "bwd")
@@ -277,13 +278,15 @@ def _state_saved(machine: Machine, zero: int, degree: int) -> float:
 
 
 def _parallel_memory(op: str, source_role: str, stores: bool, move: _Move, machine: Machine,
-                     zero: int = 0, kept: bool = True) -> _Held:
+                     zero: int = 0, kept: bool = True, regather: bool = False) -> _Held:
     """What a parallel operator keeps: a weight stored in its placement (its training state and update), a finer
     storage of a stored piece (the state shrinks), an activation kept for backward, the slice of a weight not
     stored so, a gathered weight kept until backward (and its gradient accumulated whole). Under ZeRO stage
     `zero` (`shards_state`) a replicate of a stored weight takes the sharded state off what the weight's
     storage holds, and its update runs on the device's shard only. An activation is kept only where `kept`
-    (`cost.saved`): never a replicate's (a view) or a gather's (its shard is kept and gathered again)."""
+    (`cost.saved`): never a replicate's (a view), nor a gather's where the runtime gathers it again for backward
+    (`regather`: its shard is kept); where it does not, the gathered value is kept (its shard too, counted by
+    its own node: an upper bound by 1/degree)."""
     memory, activation, accumulation, opt = 0, 0, 0, 0.0
     out_piece, in_piece = move.out_piece, move.in_piece
     if zero:
@@ -300,7 +303,7 @@ def _parallel_memory(op: str, source_role: str, stores: bool, move: _Move, machi
     elif source_role == WEIGHT_PIECE and op == PARTITION and stores:   # stored finer: the state shrinks
         memory = (out_piece - in_piece) * weight_bytes(machine)
         opt = (out_piece - in_piece) * update_traffic_bytes(machine) / machine.memory_bandwidth
-    elif not source_role and kept and op not in (REPLICATE, COMBINE, ALL_GATHER):
+    elif not source_role and kept and op != REPLICATE and not regather:
         memory = activation = out_piece * machine.dtype_bytes       # an activation kept for backward
     if move.slices_weight:   # the slice of a weight not stored so, kept for backward like an activation
         activation = out_piece * machine.dtype_bytes

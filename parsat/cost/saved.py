@@ -40,6 +40,7 @@ from typing import Hashable, Iterable, Mapping, Sequence
 from parsat.dsl.gradient import backward_reads, gradient_free, is_alias
 from parsat.dsl.library import Library
 from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARALLEL_OPS, REPLICATE
+from parsat.ir.machine import Machine
 from parsat.ir.pcg import INPUT, PCG, pcg_roles
 
 GATHERS = (COMBINE, ALL_GATHER)
@@ -82,6 +83,14 @@ def kept(readers: Iterable[Reader], library: Library, roles: Mapping[Hashable, s
     return frozenset(found)
 
 
+def runtime_regathers(machine: Machine) -> bool:
+    """Whether plans for `machine` are priced as a runtime that re-gathers (`regathers`): a GPU machine's (the
+    host dispatching ahead, `pcg_tasks.profile_for`'s `DDP`), priced as Megatron-LM runs; not a machine priced
+    as `parsat run` runs (its interpreter, like torch's autograd on a DTensor gather, keeps the gathered value,
+    and `--check` counts the collectives it sends against the prediction)."""
+    return machine.efficiency.async_dispatch
+
+
 def regathers(op: str, source_role: str, kept: bool) -> bool:
     """Whether a parallel operator is a gather of an activation (`source_role` "": not an input, not a weight's
     chain) whose output some backward reads (`kept`): training then keeps the shard and gathers it again for that
@@ -102,4 +111,4 @@ def _aliased(op: str, reads: Sequence[Hashable], library: Library, roles: Mappin
     return reads[names.index(decl.body.tensor)]
 
 
-__all__ = ["ALIASING_PARALLEL", "GATHERS", "kept", "kept_values", "regathers"]
+__all__ = ["ALIASING_PARALLEL", "GATHERS", "kept", "kept_values", "regathers", "runtime_regathers"]
