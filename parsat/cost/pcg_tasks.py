@@ -268,13 +268,7 @@ def needs_gradient(pcg: PCG, library: Library | None = None) -> dict[int, bool]:
     operand that passes a gradient (with `library`: not one its operator's semantics reads only through `step` or
     a comparison, `dsl.gradient.gradient_free`, such as the input of a mixture's routing one-hot). Worked out
     once per PCG and library (`PCG.derived`): shared, read only."""
-    key = ("needs_gradient", id(library))
-    kept = pcg.derived.get(key)
-    if kept is not None and kept[0] is library:
-        return kept[1]
-    out = _needs_gradient(pcg, library)
-    pcg.derived[key] = (library, out)
-    return out
+    return pcg.derive("needs_gradient", library, lambda: _needs_gradient(pcg, library))
 
 
 def _needs_gradient(pcg: PCG, library: Library | None) -> dict[int, bool]:
@@ -303,34 +297,32 @@ def regathered(pcg: PCG, library: Library) -> frozenset[int]:
     """The gathers of an activation whose value a backward reads and a gradient reaches (`cost.saved.regathers`,
     as `cost.model.parallel_cost` charges them): training keeps their shard and gathers them again in backward,
     as Megatron-LM's sequence-parallel linear layers do. Worked out once per PCG and library (`PCG.derived`)."""
-    key = ("regathered", id(library))
-    known = pcg.derived.get(key)
-    if known is not None and known[0] is library:
-        return known[1]
+    return pcg.derive("regathered", library, lambda: _regathered(pcg, library))
+
+
+def _regathered(pcg: PCG, library: Library) -> frozenset[int]:
+    """`regathered` worked out."""
     roles, held, flows = pcg_roles(pcg), kept_values(pcg, library), needs_gradient(pcg, library)
-    out = frozenset(n.id for n in pcg.nodes if n.kind == "parallel" and flows[n.inputs[0]]
-                    and regathers(n.op, roles.get(n.inputs[0], ""), n.id in held))
-    pcg.derived[key] = (library, out)
-    return out
+    return frozenset(n.id for n in pcg.nodes if n.kind == "parallel" and flows[n.inputs[0]]
+                     and regathers(n.op, roles.get(n.inputs[0], ""), n.id in held))
 
 
 def unkept(pcg: PCG, library: Library) -> frozenset[int]:
     """The values no backward reads (not `cost.saved.kept_values`), which a framework frees once forward has read
     them: not leaves, weights' chains or outputs (the loss reads them), nor the storage of a value the simulator
     runs as a view of it (`VIEW_OPS`, flatten, a partition or replicate) that is kept. Once per PCG and library."""
-    key = ("unkept", id(library))
-    known = pcg.derived.get(key)
-    if known is not None and known[0] is library:
-        return known[1]
+    return pcg.derive("unkept", library, lambda: _unkept(pcg, library))
+
+
+def _unkept(pcg: PCG, library: Library) -> frozenset[int]:
+    """`unkept` worked out."""
     held = set(kept_values(pcg, library)) | set(pcg.outputs) | set(weight_chains(pcg))
     for node in reversed(pcg.nodes):
         viewed = node.kind == "op" and (node.op in VIEW_OPS or node.op == "flatten") \
             or node.kind == "parallel" and node.op in (PARTITION, REPLICATE)
         if node.id in held and viewed and node.inputs:
             held.add(node.inputs[0])
-    out = frozenset(n.id for n in pcg.nodes if n.kind != "leaf" and n.id not in held)
-    pcg.derived[key] = (library, out)
-    return out
+    return frozenset(n.id for n in pcg.nodes if n.kind != "leaf" and n.id not in held)
 
 
 def reaches_output(pcg: PCG) -> set[int]:

@@ -50,7 +50,13 @@ Reader = tuple[Hashable, str, Sequence[Hashable]]   # (the value it makes, its o
 
 
 def kept_values(pcg: PCG, library: Library) -> frozenset[int]:
-    """The ids of the PCG nodes whose value is kept for backward (the module docstring)."""
+    """The ids of the PCG nodes whose value is kept for backward (the module docstring). Worked out once per PCG
+    and library (`PCG.derive`): pricing, the step simulator and extraction's re-pricing each ask for it."""
+    return pcg.derive("kept_values", library, lambda: _kept_values(pcg, library))
+
+
+def _kept_values(pcg: PCG, library: Library) -> frozenset[int]:
+    """`kept_values` worked out."""
     readers = ((n.id, n.op, n.inputs) for n in pcg.nodes if n.kind != "leaf")
     return kept(readers, library, pcg_roles(pcg))
 

@@ -161,6 +161,15 @@ class PCG:
         priced, bounded twice and simulated, and each asks for them. Shared: read the values, never change them."""
         return {}
 
+    def derive(self, key, owner, make):
+        """`derived`'s value for `key` and `owner` (the other input it reads, by identity: the operator library),
+        made by `make()` the first time it is asked for. The owner is kept beside the value, so that another
+        object given a freed owner's id never reads it. Shared: read it, never change it."""
+        known = self.derived.get((key, id(owner)))
+        if known is None or known[0] is not owner:
+            known = self.derived[(key, id(owner))] = (owner, make())
+        return known[1]
+
     @cached_property
     def storage_chains(self) -> Mapping[int, tuple[int, ...]]:
         """`weight_storage`'s chains, worked out once per PCG: the step simulator, its floor, the pricer and the
