@@ -76,7 +76,8 @@ class MeshSearch:
 
 class CandidateSteps:
     """Simulates candidates' steps for the final ranking (`step_report.simulated_step`: the figures the plan JSON
-    prints are worked out when read), sharing one cache of compute times; a candidate the simulator cannot run keeps its per-node sum, and `failures` says why."""
+    prints are worked out when read), sharing one cache of compute times; a candidate the simulator cannot run
+    keeps its per-node sum, and `failures` says why."""
 
     def __init__(self, library: Library, machine: Machine, microbatches: int = 1, shared: dict | None = None):
         self.library, self.machine, self.microbatches = library, machine, microbatches
