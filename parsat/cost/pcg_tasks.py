@@ -325,15 +325,6 @@ def _unkept(pcg: PCG, library: Library) -> frozenset[int]:
     return frozenset(n.id for n in pcg.nodes if n.kind != "leaf" and n.id not in held)
 
 
-def reaches_output(pcg: PCG) -> set[int]:
-    """The nodes an output is computed from (the outputs included): those a gradient from the loss can reach."""
-    reached = set(pcg.outputs)
-    for node in reversed(pcg.nodes):
-        if node.id in reached:
-            reached.update(node.inputs)
-    return reached
-
-
 class OpTimes:
     """Compute nodes' times by (operator, attributes, shapes, spreads), for one machine: a model of repeated
     blocks prices each kind of node once, and extraction can share one across the candidate plans it prices."""
@@ -1354,46 +1345,58 @@ class _Builder:
         no more than the simulator makes it, with `op_time` and the copies never shorter for a longer kernel or
         more bytes. Every micro-batch runs, besides the weights' chains (left out): each node's forward
         (`_node_floor`), each output's objective and its backward (`_loss_s`), and the backward of each node a
-        gradient reaches: one computed from a weight (`needs_gradient`) that an output is computed from
-        (`reaches_output`: the loss's gradient flows back along every such path, each node on it computed
-        from the weight too), and, recomputing, each recomputed block's forward again (every micro-batch's backward
-        visits a node of each block, `_recompute`). The step ends with the optimizer's updates (`_updates`).
-        Collectives and waits only add tasks. Less `FLOOR_SLACK` for the order of floating-point sums. Without
-        the `plan`'s own part (the updates, which the ZeRO stage shards, and the recomputation) it is a floor of
-        every ZeRO stage and recomputation of the layout."""
-        grads, reached = self.needs_grad, reaches_output(self.pcg)
+        gradient reaches (`_gradient_reached`), and, recomputing, each recomputed block's forward again (every
+        micro-batch's backward visits a node of each block, `_recompute`). The step ends with the optimizer's
+        updates (`_updates`). Collectives and waits only add tasks. Less `FLOOR_SLACK` for the order of
+        floating-point sums. Without the `plan`'s own part (the updates, which the ZeRO stage shards, and the
+        recomputation) it is a floor of every ZeRO stage and recomputation of the layout."""
+        reached = self._gradient_reached()
         fused = {i for pipe in self.pipes.values() for i in pipe.siblings}   # counted with their product
         per_pass = sum(self._loss_s(self.by_id[o]) + self._loss_s(self.by_id[o], True) for o in self.pcg.outputs)
-        forwards: dict[int, float] = {}
+        again: dict[int, float] = {}   # node -> its forward run again by recomputation
         for node in self.pcg.nodes:
             if node.id in self.params or node.kind == "leaf":
                 continue
-            forwards[node.id], backward = self._node_floor(node, grads, fused)
-            per_pass += forwards[node.id] + (backward if grads[node.id] and node.id in reached else 0.0)
+            forward, backward, again[node.id] = self._node_floor(node, fused, reached)
+            per_pass += forward + (backward if node.id in reached else 0.0)
         if plan:
-            per_pass += sum(forwards.get(i, 0.0) for c in self.checkpoints.values() for i in c.runs)
+            per_pass += sum(again.get(i, 0.0) for c in self.checkpoints.values() for i in c.runs)
         total = microbatches * per_pass + (sum(seconds for _name, _at, seconds in self._updates()) if plan else 0.0)
         return total * (1.0 - FLOOR_SLACK)
 
-    def _node_floor(self, node: PNode, grads: Mapping[int, bool], fused: set[int]) -> tuple[float, float]:
-        """The least a node (not of a weight's chain) keeps the compute stream busy in a micro-batch's forward and
-        in its backward. A compute node: its kernel (`_compute_forward`; an operator that may run as a view,
-        only its dispatch), and one backward kernel per input needing a gradient (`OpTime.backward_kernel_s`:
-        a value recomputation dropped is computed again before its backward, so only a view runs none); a
-        product pipelined with a collective, its group's (`_piped_floor`). A parallel node its copies
-        (`_parallel_forward`, `_node_backward`): a partition a slice (a view at least), a combine or all-gather
-        its concatenation, a reduce-scatter its slices, a reduce its copy; backward a partition's,
-        reduce-scatter's or combine's concatenation or slice of the input, an all-gather's slices, a
-        replicate's copy (a weight's gradient, bucketed or sharded, is a chain's, left out); none of these
-        copies where the collective is pipelined with its product (`Pipeline`: the chunks land in, or are
-        sent from, the product's buffer); a partition on a weight's storage chain (`folded`) runs nothing."""
+    def _gradient_reached(self) -> set[int]:
+        """The nodes whose backward every micro-batch runs (`backward`'s `visit`: a node that needs a gradient,
+        `needs_gradient`, and was handed one): each output that needs one (the loss's backward hands every
+        output one), and each input needing one of such a node (a compute node's backward hands one to each
+        such input, `_compute_backward`; a parallel node's to its source, `_node_backward`, which needs one
+        where the parallel node does). Not every node an output is computed from: an input read only through
+        the gradient-free operand of a node that needs no gradient (a mixture's routing) is handed none."""
+        grads = self.needs_grad
+        reached = {o for o in self.pcg.outputs if grads[o]}
+        for node in reversed(self.pcg.nodes):
+            if node.id in reached:
+                reached.update(i for i in node.inputs if grads[i])
+        return reached
+
+    def _node_floor(self, node: PNode, fused: set[int], reached: set[int]) -> tuple[float, float, float]:
+        """The least a node (not of a weight's chain) keeps the compute stream busy in a micro-batch's forward, in
+        its backward, and in its forward run again by recomputation. A compute node: its kernel
+        (`_compute_forward`; an operator that may run as a view, only its dispatch), and its backward kernels
+        (`_piped_floor`). A parallel node its copies (`_parallel_forward`, `_node_backward`): a partition a
+        slice (a view at least), a combine or all-gather its concatenation, a reduce-scatter its slices, a
+        reduce its copy; backward a partition's, reduce-scatter's or combine's concatenation or slice of the
+        input, an all-gather's slices, a replicate's copy (a weight's gradient, bucketed or sharded, is a
+        chain's, left out); none of these copies where the collective is pipelined with its product
+        (`Pipeline`: the chunks land in, or are sent from, the product's buffer); a partition on a weight's
+        storage chain (`folded`) runs nothing. `fused`: the pipelines' sibling products; `reached`: the nodes
+        whose backward runs (`_gradient_reached`)."""
         eff = self.eff
         if node.kind == "op":
             if node.op in VIEW_OPS or node.op == "flatten" or node.piece_size == 0:
-                return eff.op_time(0.0), eff.op_time(0.0, backward=True)
-            return self._piped_floor(node, grads, node.id in fused)
+                return eff.op_time(0.0), eff.op_time(0.0, backward=True), eff.op_time(0.0)
+            return self._piped_floor(node, node.id in fused, reached)
         if node.id in self.folded:
-            return 0.0, 0.0
+            return 0.0, 0.0, 0.0
         piece, source = _elements(node), _elements(self.by_id[node.inputs[0]])
         floors = {PARTITION: (eff.op_time(0.0), self._copy_s(source, True)),
                   COMBINE: (self._copy_s(piece), self._copy_s(source, True)),
@@ -1409,37 +1412,75 @@ class _Builder:
             forward = 0.0
         if node.op in (PARTITION, parallel_ops.ALL_GATHER, parallel_ops.REDUCE_SCATTER) and self._pipe(node, True):
             backward = 0.0
-        return forward, backward
+        return forward, backward, forward
 
-    def _piped_floor(self, node: PNode, grads: Mapping[int, bool], sibling: bool) -> tuple[float, float]:
-        """A compute node's forward and backward floor (`_node_floor`). A product pipelined with a collective
-        (`Pipeline`) runs as `parts` chunks of its thinner slices, or whole where its collective does not feed
-        it, and in forward fused with the siblings whose inputs are issued (the rest then run alone): each
-        product i of the group takes at least min(k_i, parts x c_i) of kernel (k its whole kernel, c a chunk's,
-        `chunk_time`), and, `op_time` being monotone and subadditive (max(dispatch, k) or dispatch + k), the
-        group at least `op_time` of their sum: counted on the product, a `sibling`'s forward left at 0."""
+    def _piped_floor(self, node: PNode, sibling: bool, reached: set[int]) -> tuple[float, float, float]:
+        """A compute node's forward, backward (`_backward_floor`) and recomputed forward floor (`_node_floor`).
+
+        A product pipelined with a collective (`Pipeline`) runs in forward fused with the siblings whose inputs
+        are issued (the rest then run alone, whole), as `parts` chunk tasks of their thinner slices, or as one
+        whole task where it does not wait for the collective's chunks (`_piped`): each product i of the group
+        takes at least min(k_i, parts x c_i) of kernel (k its whole kernel, c a chunk's, `chunk_time`), and,
+        `op_time` being monotone and subadditive (max(dispatch, k) or dispatch + k), the group at least
+        `op_time` of their sum, counted on the product; a fused `sibling` issues no task of its own: 0.
+
+        Where the product surely runs in chunks, each chunk task is at least `op_time(c)` (monotone: the
+        siblings' slices and the saved copy only add to it), so at least `parts x op_time(c)`. That is so in
+        every micro-batch's forward (its first pass over the nodes): a product that runs first
+        (`Pipeline.product_first`: a reduce-scatter's) always runs in chunks (`_piped`), and one that runs
+        second (an all-gather's, whose first reader it is) runs after its collective's forward, which
+        `_gather_forward` issues as chunks (the collective is never a weight's chain: `_pipeline_of`) and makes
+        its value's ready task the last chunk, which `_compute_forward` puts in the product's dependencies:
+        `_piped` finds it there and runs the chunks. Not so in recomputation: a product recomputed without its
+        collective runs whole, so there it is the lesser of `op_time(k)` and `parts x op_time(c)`, unless it
+        runs first."""
         eff = self.eff
         timed = self.times(node, [self.by_id[i] for i in node.inputs])
-        needing = [p for p, i in enumerate(node.inputs) if grads[i]]
-        kernel, backward = timed.kernel_s, timed.backward_kernel_s(needing)
         if sibling:
-            kernel = 0.0
+            return 0.0, self._backward_floor(node, timed, reached), 0.0
+        forward = again = eff.op_time(timed.kernel_s)
         pipe = self._pipe(node, backward=False)
-        if pipe is not None and pipe.product == node.id and kernel > 0:
-            group = [node] + [self.by_id[i] for i in pipe.siblings]
-            kernel = sum(min(t.kernel_s, pipe.parts * self._chunk(t, pipe).kernel_s)
-                         for t in (self.times(n, [self.by_id[i] for i in n.inputs]) for n in group))
+        if pipe is not None and pipe.product == node.id and timed.kernel_s > 0:   # 0: a whole task (`_compute_forward`)
+            group = [timed] + [self.times(s, [self.by_id[i] for i in s.inputs])
+                               for s in (self.by_id[i] for i in pipe.siblings)]
+            forward = again = eff.op_time(sum(min(t.kernel_s, pipe.parts * self._chunk(t, pipe).kernel_s)
+                                              for t in group))
+            chunks = pipe.parts * eff.op_time(self._chunk(timed, pipe).kernel_s)
+            forward = max(forward, chunks)
+            again = forward if pipe.product_first(False) else max(again, min(eff.op_time(timed.kernel_s), chunks))
+        return forward, self._backward_floor(node, timed, reached), again
+
+    def _backward_floor(self, node: PNode, timed: OpTime, reached: set[int]) -> float:
+        """A compute node's backward floor (`_compute_backward`): one task of a kernel per input needing a gradient
+        (`OpTime.backward_kernel_s`: a value recomputation dropped is computed again before its backward, so
+        only a view runs none).
+
+        A product pipelined with a collective in backward runs that task as `parts` chunks, each `op_time(c)`
+        of the chunk's kernels, or whole (`_piped`); reading regathered values (`regathered`) as two
+        (`_split_backward`): the gradients of the regathered operands so, then the others' whole. Each side
+        at least the lesser of the two, and the chunks where they surely run: where the product runs first
+        (an all-gather's product: `_piped` always chunks the first side), or where its collective's backward
+        runs in every micro-batch (`_gradient_reached`): a reduce-scatter's or partition's, whose input the
+        product is, so visited before it (backward walks the nodes in reverse), issues its all-gather's chunks
+        first (`_node_backward`) and hands the product its last chunk as its gradient, which is among the
+        dependencies `_compute_backward` and `_split_backward` give `_piped`."""
+        eff = self.eff
+        needing = [p for p, i in enumerate(node.inputs) if self.needs_grad[i]]
         pipe = self._pipe(node, backward=True)
-        if pipe is not None and pipe.product == node.id:
-            again = {p for p, i in enumerate(node.inputs) if i in self.regathered}
-            # reading regathered values, its input gradients run in chunks and its weight gradients whole
-            # (`_split_backward`): each side at least the lesser of the two
-            sides = [[p for p in needing if p in again], [p for p in needing if p not in again]] if again \
-                else [needing]
-            chunk = self._chunk(timed, pipe)
-            backward = sum(min(timed.backward_kernel_s(side), pipe.parts * chunk.backward_kernel_s(side))
-                           for side in sides if side or not again)
-        return eff.op_time(kernel), eff.op_time(backward, backward=True)
+        if pipe is None or pipe.product != node.id:
+            return eff.op_time(timed.backward_kernel_s(needing), backward=True)
+        chunk = self._chunk(timed, pipe)
+        sure = pipe.product_first(True) or pipe.collective in reached
+
+        def piped(side: list[int]) -> float:
+            chunks = pipe.parts * eff.op_time(chunk.backward_kernel_s(side), backward=True)
+            return chunks if sure else min(eff.op_time(timed.backward_kernel_s(side), backward=True), chunks)
+        again = {p for p, i in enumerate(node.inputs) if i in self.regathered}
+        if not again:
+            return piped(needing)
+        first, second = [p for p in needing if p in again], [p for p in needing if p not in again]
+        return (piped(first) if first else 0.0) + \
+            (eff.op_time(timed.backward_kernel_s(second), backward=True) if second else 0.0)
 
     def resident(self) -> int:
         """Weights, their gradients and the optimizer state on the device for the whole step (bytes per
@@ -1515,4 +1556,4 @@ def step_floor(pcg: PCG, machine: Machine, times: OpTimes, microbatches: int = 1
 
 __all__ = ["DDP", "ExecutionProfile", "FLOOR_SLACK", "OpTimes", "PARSAT_RUN", "StepPrediction", "TORCH_NATIVE",
            "TaskBuildError",
-           "VIEW_OPS", "mesh_groups", "needs_gradient", "profile_for", "reaches_output", "simulate_pcg", "step_floor"]
+           "VIEW_OPS", "mesh_groups", "needs_gradient", "profile_for", "simulate_pcg", "step_floor"]
