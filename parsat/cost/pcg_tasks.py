@@ -1475,10 +1475,10 @@ class _Builder:
         def piped(side: list[int]) -> float:
             chunks = pipe.parts * eff.op_time(chunk.backward_kernel_s(side), backward=True)
             return chunks if sure else min(eff.op_time(timed.backward_kernel_s(side), backward=True), chunks)
-        again = {p for p, i in enumerate(node.inputs) if i in self.regathered}
-        if not again:
+        gathered = {p for p, i in enumerate(node.inputs) if i in self.regathered}
+        if not gathered:
             return piped(needing)
-        first, second = [p for p in needing if p in again], [p for p in needing if p not in again]
+        first, second = [p for p in needing if p in gathered], [p for p in needing if p not in gathered]
         return (piped(first) if first else 0.0) + \
             (eff.op_time(timed.backward_kernel_s(second), backward=True) if second else 0.0)
 
