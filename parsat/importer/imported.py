@@ -96,9 +96,11 @@ class ImportedModule:
     _needed: dict = field(default_factory=dict, repr=False)  # data node -> nodes to evaluate, in order
     running_stats: tuple[RunningStats, ...] = ()  # batch norms in training mode with running statistics
 
-    def data_values(self, inputs: Sequence[Any], dtype, seed: int = 0, step: int = 0) -> dict[str, Any]:
+    def data_values(self, inputs: Sequence[Any], dtype, seed: int = 0, step: int = 0,
+                    shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
         """Every non-constant data leaf's value (full tensor) for one batch of the user's inputs; dropout
-        masks are those of `step` under `seed`."""
+        masks are those of `step` under `seed`. `shapes` (leaf -> shape) encodes those leaves at another
+        shape than the import's: a rank given its local batch (`backend.torch_native.rewritten`)."""
         import torch
 
         if len(inputs) != len(self.user_inputs):
@@ -116,7 +118,8 @@ class ImportedModule:
                 for name in self._needed[leaf.node]:
                     if name not in env:
                         env[name] = run_node(nodes[name], env, self.program)
-                out[leaf.name] = encode(leaf, env[leaf.node], dtype)
+                shaped = replace(leaf, shape=tuple(shapes[leaf.name])) if shapes and leaf.name in shapes else leaf
+                out[leaf.name] = encode(shaped, env[leaf.node], dtype)
         return out
 
     def renamed(self, renaming: Mapping[str, str]) -> "ImportedModule":

@@ -109,9 +109,11 @@ def _is_conv1d(module: nn.Module) -> bool:
 # ------------------------------------------------------------------ applying it
 
 
-def apply_lowering(module: nn.Module, lowering: Lowering, device: torch.device, mp_policy=None) -> nn.Module:
+def apply_lowering(module: nn.Module, lowering: Lowering, device: torch.device, mp_policy=None,
+                   blocks: bool = True) -> nn.Module:
     """`lowering` (of an unpipelined plan) applied to `module` in place on this rank (module docstring, steps 1-4);
-    the process group is started and every rank holds the same plan (`entry.parallelize_native`)."""
+    the process group is started and every rank holds the same plan (`entry.parallelize_native`). `blocks`:
+    `fully_shard` each block before the root (False for a forward that calls no block: `rewritten`)."""
     if mp_policy is not None and not (lowering.axes(DATA) or lowering.axes(ZERO3)):
         raise NativeParallelizeError("mp_policy is applied by replicate / fully_shard on the data axes, and this "
                                      "plan has none: use torch.autocast around the forward")
@@ -121,7 +123,7 @@ def apply_lowering(module: nn.Module, lowering: Lowering, device: torch.device, 
     mesh = _device_mesh(lowering, device)
     if lowering.tensor_axis is not None:
         _tensor_parallel(module, lowering, mesh[lowering.mesh.names[lowering.tensor_axis]])
-    data_parallel(module, lowering, mesh, mp_policy)
+    data_parallel(module, lowering, mesh, mp_policy, blocks=blocks)
     setattr(module, LOWERING_ATTRIBUTE, lowering)
     return module
 
@@ -340,10 +342,11 @@ def _tie_again(module: nn.Module, lowering: Lowering) -> None:
             setattr(module.get_submodule(owner), local, first)
 
 
-def data_parallel(module: nn.Module, lowering: Lowering, mesh, mp_policy, prefix: str = "") -> None:
-    """The plan's data and ZeRO axes on `module`: `replicate`, or `fully_shard` on each block and the root (module
-    docstring, step 4). `prefix` is what `module`'s parameter names carry before the plan's module's names (a
-    traced pipeline stage's)."""
+def data_parallel(module: nn.Module, lowering: Lowering, mesh, mp_policy, prefix: str = "",
+                  blocks: bool = True) -> None:
+    """The plan's data and ZeRO axes on `module`: `replicate`, or `fully_shard` on each block (unless `blocks` is
+    False) and the root (module docstring, step 4). `prefix` is what `module`'s parameter names carry before the
+    plan's module's names (a traced pipeline stage's)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     names = lowering.mesh.names
@@ -367,7 +370,7 @@ def data_parallel(module: nn.Module, lowering: Lowering, mesh, mp_policy, prefix
         dims = {id(p): wanted[name[len(prefix):]] for name, p in module.named_parameters(remove_duplicate=False)
                 if name.startswith(prefix) and name[len(prefix):] in wanted}
         place = (lambda p: _shard_of(p, dims)) if dims else None
-        for block in _blocks(module):
+        for block in _blocks(module) if blocks else ():
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, shard_placement_fn=place,
                         mp_policy=policy)
         fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, shard_placement_fn=place, mp_policy=policy)

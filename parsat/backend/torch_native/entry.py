@@ -7,7 +7,10 @@ torchrun when none is started, makes every rank hold rank 0's plan
 and then hands over: an unpipelined plan to `apply.apply_lowering` (the
 user's module back, parameters DTensors), a pipelined one to
 `pipelined.apply_pipeline` (a `PipelinedModule`: the module cut into
-`torch.distributed.pipelining` stages, trained with `step`).
+`torch.distributed.pipelining` stages, trained with `step`). Where an
+unpipelined plan computes otherwise than the module's graph (an algebraic
+rewrite) and the module's import is at hand, the module's forward is
+replaced by one computing the plan's graph (`rewritten`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from torch import nn
 from parsat.backend.torch_native.apply import NativeParallelizeError, apply_lowering, module_info
 from parsat.backend.torch_native.lowering import LoweringError, lower
 from parsat.backend.torch_native.pipeline_lowering import lower_pipeline
+from parsat.backend.torch_native.rewritten import install, lowered_rewrite
 
 
 def parallelize_native(module: nn.Module, plan, *, mp_policy=None, example_inputs=None, imported=None,
@@ -74,9 +78,11 @@ def parallelize_native(module: nn.Module, plan, *, mp_policy=None, example_input
             raise NativeParallelizeError(difference)
     try:
         lowering = lower(pcg, graph, module_info(module, aliases))
+        lowering, rewrite = lowered_rewrite(pcg, graph, lowering, imported)
     except LoweringError as err:
         raise NativeParallelizeError(str(err)) from None
-    return apply_lowering(module, lowering, device, mp_policy)
+    model = apply_lowering(module, lowering, device, mp_policy, blocks=rewrite is None)
+    return model if rewrite is None else install(model, rewrite, imported, lowering.mesh)
 
 
 _NO_EXAMPLE = ("a pipelined plan needs example_inputs (one step's local batch, as you will pass it to "

@@ -112,6 +112,7 @@ PROJECTIONS = frozenset({LINEAR, CONV1D})
 LINEAR_OPS = frozenset({"linear", "linear_nobias", "linear_t", "linear_nobias_t", "matmul"})
 EMBEDDING_OPS = frozenset({"embedding", "embedding_padded"})
 GATHERS = frozenset({COMBINE, ALL_GATHER, REDUCE, REDUCE_SCATTER})
+REWRITE_NOTE = "the plan computes otherwise than the module's graph"   # `note_rewrites`' note begins so
 
 
 class LoweringError(ValueError):
@@ -231,6 +232,7 @@ class Lowering:
     notes: tuple[str, ...] = field(default=())
     recompute: tuple[str, ...] = ()    # the block modules checkpointed (`recomputed_blocks`)
     traced_splits: tuple[TracedSplit, ...] = ()   # a traced module's split weights (`lower(traced=True)`)
+    rewritten: str = ""                # how the module's forward computes the plan's graph (`rewritten.Rewrite`)
 
     def axes(self, role: str) -> tuple[int, ...]:
         return tuple(i for i, r in enumerate(self.axis_roles) if r == role)
@@ -275,6 +277,8 @@ class Lowering:
         if self.recompute:
             lines.append(f"recomputation: torch.utils.checkpoint around each block's forward "
                          f"({', '.join(self.recompute)})")
+        if self.rewritten:
+            lines.append("forward: " + self.rewritten)
         lines += ["note: " + n for n in self.notes]
         return "\n".join(lines)
 
@@ -315,6 +319,8 @@ class _Lowerer:
         self.batch_constants = _batch_wide_constants(pcg, graph, library)
         self.constant_rows = _computed_from(pcg, lambda leaf: leaf.role == "weight" or leaf.id in
                                             self.batch_constants) - self.static
+        # values made from weights and the import's constants alone (no batch data): every rank's forward makes them
+        self.constant_made = _computed_from(pcg, lambda leaf: leaf.role == "weight" or leaf.op in graph.constants)
         self.notes: list[str] = []
         self.partial_region: set[int] = set()   # partial sums the row-parallel styles' outputs are computed into
         self.sequence_reduces: set[int] = set()  # reduces on the tensor axis torch makes Shard(1) (`sequence_split`)
@@ -566,6 +572,8 @@ class _Lowerer:
                 continue
             if node.op == PARTITION and node.attr("dim") == 0 and node.inputs[0] in self.constant_rows:
                 continue   # e.g. BERT's token-type embedding of its constant ids: each rank's forward computes its rows
+            if node.op == REPLICATE and node.inputs[0] in self.constant_made:
+                continue   # e.g. BERT's position embedding of its constant positions: every rank computes it whole
             axis = self.mesh.names[node.axis(self.mesh)]
             if node.op not in GATHERS:
                 raise LoweringError(f"{self.where(node)} on data axis {axis}: each rank runs the module on its local "
@@ -1047,8 +1055,12 @@ class _Lowerer:
     # ------------------------------------------------------------ notes
 
     def note_rewrites(self) -> None:
-        """Say where the plan computes with other operators than the graph (algebraic rewrites): the module runs
-        its own forward, which the rewrites were proved equal to, so those choices are not lowered."""
+        """Say where the plan computes otherwise than the graph (algebraic rewrites: other operators, or the same
+        in another order, `rewritten_nodes`). The module's own forward is equal in value (the rules prove it);
+        `entry` replaces this note where `rewritten` makes the module compute the plan's graph instead."""
+        nodes = rewritten_nodes(self.pcg, self.graph)
+        if not nodes:
+            return
         graph_ops: dict[str, int] = {}
         for n in self.graph.nodes:
             graph_ops[n.op] = graph_ops.get(n.op, 0) + 1
@@ -1057,11 +1069,40 @@ class _Lowerer:
             if n.kind == "op":
                 plan_ops[n.op] = plan_ops.get(n.op, 0) + 1
         differ = sorted(op for op in set(graph_ops) | set(plan_ops) if graph_ops.get(op, 0) != plan_ops.get(op, 0))
-        if differ:
-            shown = ", ".join(f"{op} {graph_ops.get(op, 0)} -> {plan_ops.get(op, 0)}" for op in differ[:8])
-            self.notes.append(f"the plan computes with other operators than the module's graph ({shown}"
-                              f"{' ...' if len(differ) > 8 else ''}): rewrites whose value the rules prove equal; "
-                              "the module runs its own forward, so their order of computation is not lowered")
+        shown = ", ".join(f"{op} {graph_ops.get(op, 0)} -> {plan_ops.get(op, 0)}" for op in differ[:8])
+        self.notes.append(f"{REWRITE_NOTE} ({shown or 'the same operators, in another order'}"
+                          f"{' ...' if len(differ) > 8 else ''}; first {self.where(nodes[0])}"
+                          f"{', by ' + nodes[0].rules[0] if nodes[0].rules else ''}): rewrites whose value the "
+                          "rules prove equal; the module runs its own forward, so their order of computation is "
+                          "not lowered")
+
+
+def rewritten_nodes(pcg: PCG, graph: Graph) -> tuple[PNode, ...]:
+    """The plan's compute nodes that compute an expression the graph does not, parallel operators looked through
+    (they change the spread, never the value): none when the plan computes the graph's own operators on the
+    graph's own operands; after `scale(bmm(q, k))` -> `bmm(scale(q), k)`, the new scale and bmm and every node
+    computed from them. Expressions are compared by hash-consing (each one an integer, so deep graphs stay flat)."""
+    ids: dict[tuple, int] = {}
+
+    def key(op: str, attrs, inputs) -> int:
+        return ids.setdefault((op, tuple(sorted(attrs)), tuple(inputs)), len(ids))
+
+    named = {leaf.name: key("leaf", (), (leaf.name,)) for leaf in graph.leaves}
+    for n in graph.nodes:
+        named[n.name] = key(n.op, n.attrs, (named[i] for i in n.inputs))
+    known = set(named.values())
+    of: dict[int, int] = {}
+    out = []
+    for n in pcg.nodes:
+        if n.kind == "leaf":
+            of[n.id] = key("leaf", (), (n.op,))
+        elif n.kind == "parallel":
+            of[n.id] = of[n.inputs[0]]
+        else:
+            of[n.id] = key(n.op, n.attrs, (of[i] for i in n.inputs))
+            if of[n.id] not in known:
+                out.append(n)
+    return tuple(out)
 
 
 def weight_values(pcg: PCG) -> set[int]:

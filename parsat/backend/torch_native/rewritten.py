@@ -1,0 +1,275 @@
+"""An algebraic rewrite lowered: the user's module, its forward computing the plan's graph.
+
+Where the plan's PCG computes otherwise than the module's graph
+(`lowering.rewritten_nodes`: an algebraic rule replaced or reordered
+operators, e.g. BERT's attention scale moved from the scores onto the
+queries by `scale_into_bmm_left`), the module's own forward computes the
+graph's form: equal in value, as the rules prove, but not what the plan
+chose. Here the module's forward is replaced (an instance attribute: the
+class, the parameters and their names stay the user's) by
+`RewrittenForward`, which on each rank evaluates the plan's compute nodes,
+in the plan's order, with parsat's torch operators (`importer.torch_ops`)
+on
+
+* the module's own parameters, read at call time: inside `replicate` /
+  `fully_shard`'s forward they are the unsharded tensors, so gradients
+  reach torch's data-parallel machinery as the module's own forward's do,
+  and `state_dict()`, DCP, `clip_grad_norm_` and optimizers see the same
+  DTensor parameters as without a rewrite;
+* the rank's local batch, fed as the import feeds the graph
+  (`ImportedModule.data_values`, its batch-carrying leaves encoded at the
+  local batch's shapes); the import's constants and dropout masks whole,
+  sliced where the plan partitions them;
+
+and returns what the module returns (the import's output structure).
+
+Parallel operators on the data axes keep the module's own contract
+(`lowering.check_data_collectives`): each rank computes on its local batch.
+A batch split of the user's data is already done (the rank was given its
+slice); a split of a constant, a dropout mask or a value made from them and
+weights is a slice at the rank's coordinate; a replica, a gather or a sum
+over the data ranks of an activation keeps the rank's own value (the loss of
+its local batch: torch averages the gradients over the data ranks); parallel
+operators on weights are torch's (`replicate`, `fully_shard`, which then
+wraps the root only: the blocks' own forwards are not called, so their
+hooks would never gather their parameters).
+
+Covered: plans whose mesh axes are all data or ZeRO axes (data parallel,
+ZeRO-1/2/3, HSDP). Not covered, and the lowering's note says so (the
+module then runs its own forward, equal in value): a plan with a tensor
+axis (its styles compute the styled modules' parts of the plan's form, e.g.
+a row-parallel bias added after the all-reduce; the rest of the module's
+code runs on local pieces that the graph's operators would need as DTensors,
+docs/TORCH_NATIVE.md), a plan recomputing blocks (it checkpoints the
+module's block forwards, which this does not call), a module given without
+its import or example inputs. Refused, naming the node (`rewrite_of`): a
+scale after a sum over the data ranks (a normalisation fixed at the global
+batch would be off on a local one), an operator on the user's data before
+the plan splits it, a batch norm keeping running statistics.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, replace
+from math import prod
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARTITION, REDUCE, REPLICATE
+from parsat.importer.torch_ops import apply_op
+from parsat.ir.graph import Graph
+from parsat.ir.microbatch import batch_dims
+from parsat.ir.pcg import PCG, PNode
+from parsat.backend.torch_native.lowering import (DATA, REWRITE_NOTE, ZERO3, Lowering, LoweringError, rewritten_nodes,
+                                                  weight_values)
+
+WEIGHT, LEAF, OP, SAME, SLICE = "weight", "leaf", "op", "same", "slice"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One plan node as a rank evaluates it: `weight` (the module's parameter `name`), `leaf` (the data leaf
+    `name`), `op` (operator `name` with `attrs`), `same` (the input's value: a parallel operator the rank's local
+    batch or torch's data parallelism already does), or `slice` (the rank's piece of a whole value along `dim`, at
+    its coordinate on mesh axis `axis`, one of `degree`). `frees`: values no later step reads."""
+
+    node: int
+    action: str
+    name: str = ""
+    inputs: tuple[int, ...] = ()
+    attrs: tuple[tuple[str, Any], ...] = ()
+    dim: int = 0
+    axis: int = 0
+    degree: int = 1
+    frees: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """What a rank evaluates in place of the module's forward (module docstring): the steps in the plan's order,
+    the output nodes, the local shapes of the batch-carrying data leaves, and the rewritten nodes' description."""
+
+    steps: tuple[Step, ...]
+    outputs: tuple[int, ...]
+    local_shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    summary: str
+
+    def lowered(self, lowering: Lowering) -> Lowering:
+        """`lowering` saying that the module's forward computes the plan's graph (its rewrite note replaced)."""
+        notes = tuple(n for n in lowering.notes if not n.startswith(REWRITE_NOTE))
+        return replace(lowering, notes=notes, rewritten=self.summary)
+
+
+def lowered_rewrite(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=None
+                    ) -> tuple[Lowering, Rewrite | None]:
+    """(the lowering, the rewrite to install) for a plan computing otherwise than the module's graph; the rewrite
+    None where nothing differs, or where it is not covered (the lowering's note then says why the module runs its
+    own forward). Raises LoweringError for what is covered but cannot run (module docstring)."""
+    if not rewritten_nodes(pcg, graph):
+        return lowering, None
+    why = ("give parallelize the example inputs (or the import) to have it compute the plan's graph"
+           if imported is None else
+           "on a tensor axis the styled modules compute their parts of the plan's form, the rest the module's "
+           "(rewritten.py lowers plans of data and ZeRO axes only)" if lowering.tensor_axis is not None else
+           "recomputation checkpoints the module's block forwards, which a rewritten forward does not call"
+           if lowering.recompute else "")
+    if why:
+        return replace(lowering, notes=tuple(f"{n} ({why})" if n.startswith(REWRITE_NOTE) else n
+                                             for n in lowering.notes)), None
+    rewrite = rewrite_of(pcg, graph, lowering, imported, library)
+    return rewrite.lowered(lowering), rewrite
+
+
+def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=None) -> Rewrite:
+    """The steps a rank evaluates for `pcg` on its local batch (module docstring), or a LoweringError naming the
+    node that cannot be evaluated so."""
+    if imported.running_stats:
+        raise LoweringError("the plan's graph is rewritten and the module's batch norms keep running statistics, "
+                            "which only the module's own forward updates: run the plan with the interpreter")
+    data_axes = set(lowering.axes(DATA)) | set(lowering.axes(ZERO3))
+    batch = batch_dims(graph, library)
+    count = prod(lowering.mesh.shape[a] for a in lowering.batch_axes)
+    local = {name for name, leaf in imported.data.items() if not leaf.constant and leaf.encoding != "dropout"}
+    static = weight_values(pcg)
+    presliced: dict[int, frozenset[int]] = {}   # node -> data axes its value on the rank is already split along
+    summed: set[int] = set()                    # nodes after a gather or a sum over the data ranks
+    steps = []
+    for n in pcg.nodes:
+        steps.append(_step(n, pcg, lowering, data_axes, static, presliced, summed, local, batch))
+    shapes = tuple((name, tuple(s // count if d == batch[name] else s for d, s in enumerate(graph.shape(name))))
+                   for name in sorted(local) if name in batch)
+    plan_only = rewritten_nodes(pcg, graph)
+    first = plan_only[0]
+    summary = (f"the plan's graph ({sum(s.action == OP for s in steps)} operators, {len(plan_only)} computing "
+               f"otherwise than the module's graph, first #{first.id} {first.label}"
+               f"{' by ' + first.rules[0].split(' ')[0] if first.rules else ''}), evaluated with "
+               "importer.torch_ops on the module's parameters and the rank's local batch in place of its own "
+               "forward (torch_native/rewritten.py); fully_shard wraps the root only")
+    return Rewrite(_with_frees(tuple(steps), pcg.outputs), pcg.outputs, shapes, summary)
+
+
+def _step(n: PNode, pcg: PCG, lowering: Lowering, data_axes: set[int], static: set[int],
+          presliced: dict[int, frozenset[int]], summed: set[int], local: set[str], batch: Mapping[str, int]) -> Step:
+    """Node `n` as a step (`rewrite_of`), recording which data axes its value is already split along on the rank
+    and whether a sum or gather over the data ranks precedes it."""
+    where = f"node #{n.id} {n.label}{f' [{n.origin}]' if n.origin else ''}"
+    if n.kind == "leaf":
+        if n.role == "weight":
+            return Step(n.id, WEIGHT, lowering.weight(n.op).params[0])
+        if n.op in local and n.op in batch:
+            presliced[n.id] = frozenset(lowering.batch_axes)
+        return Step(n.id, LEAF, n.op)
+    source = n.inputs[0]
+    if n.kind == "op":
+        ahead = [i for i in n.inputs if presliced.get(i)]
+        if ahead:
+            raise LoweringError(f"{where} computes on the user's data before the plan splits it over the data ranks "
+                                "(each rank is given its local batch): run the plan with the interpreter")
+        if any(i in summed for i in n.inputs):
+            if n.op == "scale":
+                raise LoweringError(f"{where} scales a value summed or gathered over the data ranks: a constant "
+                                    "fixed at the global batch would be off on each rank's local batch")
+            summed.add(n.id)
+        return Step(n.id, OP, n.op, n.inputs, n.attrs)
+    axis = n.axis(pcg.mesh)
+    if source in summed:
+        summed.add(n.id)
+    if n.id in static or axis not in data_axes:   # a weight's storage and sync: torch's; no tensor axis here
+        return Step(n.id, SAME, inputs=(source,))
+    split = presliced.get(source, frozenset())
+    if n.op == PARTITION:
+        if axis in split:
+            presliced[n.id] = split - {axis}
+            return Step(n.id, SAME, inputs=(source,))
+        return Step(n.id, SLICE, inputs=(source,), dim=int(n.attr("dim")), axis=axis, degree=int(n.attr("degree")))
+    if n.op not in (REPLICATE, REDUCE, COMBINE, ALL_GATHER):
+        raise LoweringError(f"{where} on data axis {pcg.mesh.names[axis]}: a rewritten forward keeps each rank's "
+                            "own value over the data ranks, which this collective does not")
+    if n.op != REPLICATE:
+        summed.add(n.id)
+    if split:
+        presliced[n.id] = split
+    return Step(n.id, SAME, inputs=(source,))
+
+
+def _with_frees(steps: tuple[Step, ...], outputs: tuple[int, ...]) -> tuple[Step, ...]:
+    """Each step with the values whose last reader it is (outputs kept): the evaluation holds only what is
+    still to be read, autograd what backward needs."""
+    last: dict[int, int] = {}
+    for k, s in enumerate(steps):
+        for i in s.inputs:
+            last[i] = k
+    kept = set(outputs)
+    frees: dict[int, list[int]] = {}
+    for value, k in last.items():
+        if value not in kept:
+            frees.setdefault(k, []).append(value)
+    return tuple(replace(s, frees=tuple(sorted(frees.get(k, ())))) for k, s in enumerate(steps))
+
+
+class RewrittenForward:
+    """The module's forward replaced (module docstring): takes the inputs as the module's forward takes them,
+    returns what it returns. Dropout masks are the import's (`dropout_mask`: seeded per step, sliced as the plan
+    reads them); in eval mode none is drawn."""
+
+    def __init__(self, module: torch.nn.Module, rewrite: Rewrite, imported, rank: int, coords: tuple[int, ...]):
+        self.module, self.rewrite, self.imported = module, rewrite, imported
+        self.signature = inspect.signature(module.forward)   # the module's own (bound: no self)
+        self.coords, self.rank = coords, rank
+        self.step = 0
+        self.shapes = dict(rewrite.local_shapes)
+
+    def __call__(self, *args, **kwargs):
+        bound = self.signature.bind(*args, **kwargs)
+        inputs = list(bound.arguments.values())
+        params = {s.name: self.module.get_parameter(s.name) for s in self.rewrite.steps if s.action == WEIGHT}
+        first = next(iter(params.values()))
+        dtype, device = first.dtype, first.device
+        data = {k: v.to(device) for k, v in self.imported.constant_values(dtype).items()}
+        drawn = self.imported.data_values(inputs, dtype, 0, self.step, self.shapes)
+        data.update({k: v.to(device) for k, v in drawn.items()})
+        if not self.module.training:   # evaluation: every dropout mask keeps everything, scaled back
+            for leaf in self.imported.data.values():
+                if leaf.encoding == "dropout" and leaf.name in data:
+                    data[leaf.name] = torch.full_like(data[leaf.name], 1.0 - leaf.rate)
+        outs = evaluate(self.rewrite, params, data, self.coords)
+        if self.module.training:
+            self.step += 1
+        spec = self.imported.output_spec
+        if spec is not None and spec.num_leaves == len(outs):
+            return torch.utils._pytree.tree_unflatten(outs, spec)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def evaluate(rewrite: Rewrite, params: Mapping[str, torch.Tensor], data: Mapping[str, torch.Tensor],
+             coords: tuple[int, ...]) -> list[torch.Tensor]:
+    """The plan's outputs on this rank: each step in the plan's order (`Step`), values freed after their last
+    reader."""
+    env: dict[int, torch.Tensor] = {}
+    for s in rewrite.steps:
+        if s.action == WEIGHT:
+            env[s.node] = params[s.name]
+        elif s.action == LEAF:
+            env[s.node] = data[s.name]
+        elif s.action == OP:
+            env[s.node] = apply_op(s.name, [env[i] for i in s.inputs], dict(s.attrs))
+        elif s.action == SLICE:
+            x = env[s.inputs[0]]
+            size = x.shape[s.dim] // s.degree
+            env[s.node] = x.narrow(s.dim, coords[s.axis] * size, size)
+        else:
+            env[s.node] = env[s.inputs[0]]
+        for i in s.frees:
+            del env[i]
+    return [env[o] for o in rewrite.outputs]
+
+
+def install(module: torch.nn.Module, rewrite: Rewrite, imported, mesh) -> torch.nn.Module:
+    """`module` (lowered by `apply.apply_lowering`) computing `rewrite` in place of its own forward, on this rank
+    of the plan's `mesh` (`ir.mesh.Mesh`); the same module back."""
+    rank = dist.get_rank() % mesh.world
+    module.forward = RewrittenForward(module, rewrite, imported, rank, mesh.coords(rank))
+    return module
