@@ -1,0 +1,208 @@
+"""A plan whose graph an algebraic rule rewrote, lowered with `runtime="torch"`: the module computes the plan's graph.
+
+HF BERT (small config, float64, dropout off, every position a target), imported and optimized by
+`parsat.optimize` for 2 `cpu` devices with `--degrees dp=2`: the plan stores its weights ZeRO-3 style and
+computes attention as `bmm(scale(q), k)` where the module computes `scale(bmm(q, k))` (`scale_into_bmm_left`,
+46 nodes computing otherwise than the module's graph, every later one). `parallelize(..., runtime="torch")`
+replaces the module's forward by one evaluating the plan's graph on the module's parameters and the rank's local
+batch (`torch_native/rewritten.py`), `fully_shard` on the root.
+
+What fails if the module's own forward ran: a `TorchFunctionMode` trace of one forward counts the matmuls whose
+left operand is a product by a Python float (the plan's scaled queries: 2, one a layer) and the module's
+attention kernel (`scaled_dot_product_attention`: the module calls it once a layer, the plan never).
+"""
+
+from __future__ import annotations
+
+import json
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+
+import parsat  # noqa: E402
+from test_torch_native_runtime import (LR, _batch, _check_run, _dcp_loads_into_the_unmodified_module,  # noqa: E402
+                                       _factory, _plan, _relative)
+
+BATCH, SEQ, VOCAB = 8, 32, 256
+
+
+class Trace(TorchFunctionMode):
+    """Counts, in the forwards it surrounds, the attention kernel's calls (`sdpa`) and the matmuls whose left
+    operand is a tensor times (or over) a Python float (`scaled_left`: queries scaled before the score product)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scaled: list[torch.Tensor] = []   # held, so that no other tensor takes a scaled one's identity
+        self.counts = {"sdpa": 0, "scaled_left": 0}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", "")
+        if func is nn.functional.scaled_dot_product_attention:
+            self.counts["sdpa"] += 1
+        elif name in ("__mul__", "mul", "__truediv__", "div") and len(args) == 2 and isinstance(args[1], float):
+            self.scaled.append(out)
+        elif name in ("matmul", "__matmul__", "bmm") and any(args[0] is t for t in self.scaled):
+            self.counts["scaled_left"] += 1
+        return out
+
+
+@pytest.fixture(scope="module")
+def bert():
+    """(module, example, import, the optimizer's dp=2 plan dict) of HF BERT, float64, dropout off."""
+    from parsat.importer.export import import_module
+
+    module, example = _factory("bert")()
+    imported = import_module(module, example, check=False)
+    plan = parsat.optimize(imported.graph, machine="cpu", devices=2, degrees={"dp": 2}, baselines=False)
+    return module, example, imported, plan.to_dict()
+
+
+def _rewrite(module, imported, plan: dict):
+    from parsat.backend.torch_native.apply import module_info
+    from parsat.backend.torch_native.lowering import lower
+    from parsat.backend.torch_native.rewritten import lowered_rewrite
+    from parsat.ir.plan import pcg_from_dict
+
+    pcg = pcg_from_dict(plan)
+    return lowered_rewrite(pcg, imported.graph, lower(pcg, imported.graph, module_info(module, imported.weights)),
+                           imported)
+
+
+def test_a_rewritten_plan_computes_its_own_graph_on_each_local_batch(bert):
+    """Without processes: the optimizer's plan computes otherwise than the module (first the queries scaled by
+    `scale_into_bmm_left`), so the lowering says the forward is the plan's graph; the batch-carrying leaves are
+    encoded at the local batch, the batch-wide constants (token types, attention mask) sliced. Each rank's
+    forward (coordinate 0 and 1, the module's own parameters) gives the module's loss of that local batch
+    (float64, 1e-12) and runs the plan's operators: 2 matmuls of scaled queries, no attention kernel, where the
+    module's forward runs the kernel twice and scales no matmul operand. Megatron's dp plan computes the graph
+    itself (no rewrite: nothing changes); its tp plan's rewrites (a row-parallel bias added after the
+    all-reduce) are left to the styles, the note says why."""
+    from parsat.backend.torch_native.lowering import rewritten_nodes
+    from parsat.backend.torch_native.rewritten import SLICE, RewrittenForward
+    from parsat.ir.plan import pcg_from_dict
+
+    module, _, imported, plan = bert
+    first = rewritten_nodes(pcg_from_dict(plan), imported.graph)[0]
+    assert first.op == "scale" and first.rules[0].startswith("scale_into_bmm_left"), first
+    lowering, rewrite = _rewrite(module, imported, plan)
+    assert rewrite is not None and "forward: the plan's graph" in lowering.describe()
+    assert not any("computes otherwise" in n for n in lowering.notes)
+    assert dict(rewrite.local_shapes) == {"x_onehot": (4, SEQ, VOCAB), "view_7_onehot": (4 * SEQ, VOCAB)}
+    sliced = {plan_node_leaf(plan, s.inputs[0]) for s in rewrite.steps if s.action == SLICE}
+    assert sliced == {"expand_1_onehot", "expand_2_mask"}, sliced
+    ids, labels = _batch(0, BATCH, SEQ, VOCAB)
+    for rank in (0, 1):
+        mine = ids[4 * rank:4 * rank + 4], labels[4 * rank:4 * rank + 4]
+        plan_trace, module_trace = Trace(), Trace()
+        with plan_trace:
+            got = RewrittenForward(module, rewrite, imported, rank, (rank,))(*mine).detach()
+        with module_trace:
+            want = module(*mine).detach()
+        assert abs(float(got) - float(want)) <= 1e-12 * abs(float(want)), (rank, float(got), float(want))
+        assert plan_trace.counts == {"sdpa": 0, "scaled_left": 2}, plan_trace.counts
+        assert module_trace.counts == {"sdpa": 2, "scaled_left": 0}, module_trace.counts
+    graph = imported.graph
+    assert _rewrite(module, imported, _plan(graph, (2, 1)))[1] is None
+    tp, none = _rewrite(module, imported, _plan(graph, (1, 2)))
+    assert none is None
+    note, = [n for n in tp.notes if "computes otherwise" in n]
+    assert "bias_add 0 -> 4" in note and "rewritten.py lowers plans of data and ZeRO axes only" in note
+
+
+def plan_node_leaf(plan: dict, node: int) -> str:
+    """The leaf a plan node is, or the leaf its chain of parallel operators starts at."""
+    from parsat.ir.plan import pcg_from_dict
+
+    pcg = pcg_from_dict(plan)
+    n = pcg.node(node)
+    while n.kind == "parallel":
+        n = pcg.node(n.inputs[0])
+    return n.op
+
+
+def rewritten_job(ctx, plan: dict, folder: str) -> dict:
+    """On every rank: BERT lowered as `plan` (the import's example given), the user's loop (AdamW, clip_grad_norm_)
+    on this rank's local batch for 3 steps beside the unmodified module on the global batch in this process, the
+    first step's forward traced (`Trace`); the DCP checkpoint to folder/rewritten, rank 0's whole weights to
+    folder/rewritten.pt."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from parsat.backend.torch_native.apply import local_batch, lowering_of
+    from parsat.backend.torch_native.rewritten import RewrittenForward
+
+    module, example = _factory("bert")()
+    reference = _factory("bert")()[0]
+    model = parsat.parallelize(module, plan, example, runtime="torch")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
+    run = {"losses": [], "ref_losses": [], "norms": [], "ref_norms": []}
+    trace = Trace()
+    for step in range(3):
+        ids, labels = _batch(step, BATCH, SEQ, VOCAB)
+        if step == 0:
+            with trace:
+                loss = model(*local_batch(model, ids, labels))
+        else:
+            loss = model(*local_batch(model, ids, labels))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        held = loss.detach().clone()
+        dist.all_reduce(held)
+        run["losses"].append(float(held) / ctx.world)
+        run["norms"].append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
+        want = reference(ids, labels)
+        want.backward()
+        run["ref_norms"].append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.5)))
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        run["ref_losses"].append(float(want.detach()))
+    worst, worst_name = 0.0, ""
+    for name, want_param in reference.named_parameters():
+        got = model.get_parameter(name)
+        rel = _relative((got.full_tensor() if isinstance(got, DTensor) else got).detach(), want_param.detach(),
+                        floor=LR)
+        worst, worst_name = max((worst, worst_name), (rel, name))
+    params = dict(model.named_parameters())
+    state = get_model_state_dict(model)
+    dcp.save(state, checkpoint_id=f"{folder}/rewritten")
+    whole = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
+    if ctx.rank == 0:
+        torch.save(whole, f"{folder}/rewritten.pt")
+    run.update(worst_weight=worst, worst_name=worst_name, counts=trace.counts,
+               not_dtensor=sorted(n for n, t in params.items() if not isinstance(t, DTensor)),
+               meshes=sorted({str(getattr(t, "device_mesh", None)) for t in params.values()}),
+               placements=sorted({repr(t.placements) for t in params.values() if isinstance(t, DTensor)}),
+               lowering=lowering_of(model).describe(),
+               own_forward=not isinstance(model.__dict__.get("forward"), RewrittenForward))
+    dist.barrier()
+    return {"rewritten": run}
+
+
+@pytest.mark.slow
+def test_a_rewritten_plan_trains_on_two_ranks_like_the_module_in_one_process(bert, tmp_path):
+    """On 2 gloo ranks the lowered module (every parameter a `Shard(0)` DTensor under `fully_shard`, the forward
+    the plan's graph: 2 scaled-query matmuls, no attention kernel in the first step's forward) trains 3 AdamW
+    steps with clipping like the unmodified module on the global batch in one process (1e-4 asked), and its
+    checkpoint loads into the unmodified module with the same weights."""
+    from parsat.backend.launch import LaunchConfig, launch
+
+    plan = bert[3]
+    results = launch(rewritten_job, (plan, str(tmp_path)), LaunchConfig(nproc=2, backend="gloo", timeout_s=600))
+    for result in results:
+        _check_run(result, "rewritten")
+        run = result["rewritten"]
+        assert run["counts"] == {"sdpa": 0, "scaled_left": 2}, run["counts"]
+        assert run["placements"] == ["(Shard(dim=0),)"], run["placements"]
+        assert not run["own_forward"] and "forward: the plan's graph" in run["lowering"]
+    assert _dcp_loads_into_the_unmodified_module(tmp_path, "rewritten", "bert") == 0.0
+    run = results[0]["rewritten"]
+    print(json.dumps({k: run[k] for k in ("losses", "ref_losses", "norms", "ref_norms", "worst_weight",
+                                          "worst_name", "lowering")}))
