@@ -14,6 +14,7 @@ attention kernel (`scaled_dot_product_attention`: the module calls it once a lay
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pytest
 
@@ -123,11 +124,21 @@ def plan_node_leaf(plan: dict, node: int) -> str:
     return n.op
 
 
-def rewritten_job(ctx, plan: dict, folder: str) -> dict:
-    """On every rank: BERT lowered as `plan` (the import's example given), the user's loop (AdamW, clip_grad_norm_)
-    on this rank's local batch for 3 steps beside the unmodified module on the global batch in this process, the
-    first step's forward traced (`Trace`); the DCP checkpoint to folder/rewritten, rank 0's whole weights to
-    folder/rewritten.pt."""
+def rewritten_job(ctx, plans: dict, folder: str) -> dict:
+    """On every rank, per plan: BERT lowered as the plan says (the import's example given), the user's loop (AdamW,
+    clip_grad_norm_) on this rank's local batch for 3 steps beside the unmodified module on the global batch in
+    this process, the first step's forward traced (`Trace`); the DCP checkpoint to folder/<label>, rank 0's whole
+    weights to folder/<label>.pt."""
+    import torch.distributed as dist
+
+    out = {}
+    for label, plan in plans.items():
+        out[label] = _train_rewritten(ctx, plan, f"{folder}/{label}")
+        dist.barrier()
+    return out
+
+
+def _train_rewritten(ctx, plan: dict, path: str) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -145,10 +156,7 @@ def rewritten_job(ctx, plan: dict, folder: str) -> dict:
     trace = Trace()
     for step in range(3):
         ids, labels = _batch(step, BATCH, SEQ, VOCAB)
-        if step == 0:
-            with trace:
-                loss = model(*local_batch(model, ids, labels))
-        else:
+        with trace if step == 0 else contextlib.nullcontext():
             loss = model(*local_batch(model, ids, labels))
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
@@ -172,37 +180,42 @@ def rewritten_job(ctx, plan: dict, folder: str) -> dict:
         worst, worst_name = max((worst, worst_name), (rel, name))
     params = dict(model.named_parameters())
     state = get_model_state_dict(model)
-    dcp.save(state, checkpoint_id=f"{folder}/rewritten")
+    dcp.save(state, checkpoint_id=path)
     whole = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
     if ctx.rank == 0:
-        torch.save(whole, f"{folder}/rewritten.pt")
+        torch.save(whole, f"{path}.pt")
     run.update(worst_weight=worst, worst_name=worst_name, counts=trace.counts,
                not_dtensor=sorted(n for n, t in params.items() if not isinstance(t, DTensor)),
                meshes=sorted({str(getattr(t, "device_mesh", None)) for t in params.values()}),
                placements=sorted({repr(t.placements) for t in params.values() if isinstance(t, DTensor)}),
                lowering=lowering_of(model).describe(),
                own_forward=not isinstance(model.__dict__.get("forward"), RewrittenForward))
-    dist.barrier()
-    return {"rewritten": run}
+    return run
 
 
 @pytest.mark.slow
-def test_a_rewritten_plan_trains_on_two_ranks_like_the_module_in_one_process(bert, tmp_path):
-    """On 2 gloo ranks the lowered module (every parameter a `Shard(0)` DTensor under `fully_shard`, the forward
-    the plan's graph: 2 scaled-query matmuls, no attention kernel in the first step's forward) trains 3 AdamW
-    steps with clipping like the unmodified module on the global batch in one process (1e-4 asked), and its
-    checkpoint loads into the unmodified module with the same weights."""
+def test_rewritten_plans_train_on_two_ranks_like_the_module_in_one_process(bert, tmp_path):
+    """On 2 gloo ranks the lowered module, under the optimizer's plan (`fully_shard`: every parameter a `Shard(0)`
+    DTensor) and the same search with ZeRO pinned off (`replicate`: `Replicate()`), its forward the plan's graph
+    (2 scaled-query matmuls, no attention kernel, in the first step's forward), trains 3 AdamW steps with clipping
+    like the unmodified module on the global batch in one process (1e-4 asked), and each checkpoint loads into
+    the unmodified module with the same weights."""
     from parsat.backend.launch import LaunchConfig, launch
 
-    plan = bert[3]
-    results = launch(rewritten_job, (plan, str(tmp_path)), LaunchConfig(nproc=2, backend="gloo", timeout_s=600))
-    for result in results:
-        _check_run(result, "rewritten")
-        run = result["rewritten"]
-        assert run["counts"] == {"sdpa": 0, "scaled_left": 2}, run["counts"]
-        assert run["placements"] == ["(Shard(dim=0),)"], run["placements"]
-        assert not run["own_forward"] and "forward: the plan's graph" in run["lowering"]
-    assert _dcp_loads_into_the_unmodified_module(tmp_path, "rewritten", "bert") == 0.0
-    run = results[0]["rewritten"]
-    print(json.dumps({k: run[k] for k in ("losses", "ref_losses", "norms", "ref_norms", "worst_weight",
-                                          "worst_name", "lowering")}))
+    module, _, imported, zero3 = bert
+    replicated = parsat.optimize(imported.graph, machine="cpu", devices=2, degrees={"dp": 2, "zero": 0},
+                                 baselines=False).to_dict()
+    plans = {"zero3": zero3, "replicate": replicated}
+    results = launch(rewritten_job, (plans, str(tmp_path)), LaunchConfig(nproc=2, backend="gloo", timeout_s=600))
+    placements = {"zero3": ["(Shard(dim=0),)"], "replicate": ["(Replicate(),)"]}
+    for label in plans:
+        for result in results:
+            _check_run(result, label)
+            run = result[label]
+            assert run["counts"] == {"sdpa": 0, "scaled_left": 2}, run["counts"]
+            assert run["placements"] == placements[label], run["placements"]
+            assert not run["own_forward"] and "forward: the plan's graph" in run["lowering"]
+        assert _dcp_loads_into_the_unmodified_module(tmp_path, label, "bert") == 0.0
+        run = results[0][label]
+        print(json.dumps({label: {k: run[k] for k in ("losses", "ref_losses", "norms", "ref_norms", "worst_weight",
+                                                      "worst_name", "lowering")}}))

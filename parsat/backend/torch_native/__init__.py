@@ -22,6 +22,8 @@ applied to the user's module on every rank; `local_batch`,
 `lowering_of`), `conv1d` (the column- and row-parallel styles of transformers'
 `Conv1D`, GPT-2's projections, which torch's own refuse), `zero` (ZeRO-1's optimizer: `zero_optimizer`,
 `ZeroOneOptimizer`), `pipelined` (a pipelined plan applied: `PipelinedModule`),
+`rewritten` (a plan whose graph an algebraic rule rewrote: the module's
+forward replaced by one evaluating the plan's graph, `RewrittenForward`),
 `entry` (`parallelize_native`: one plan for every rank, then one of the
 two). `run` (`parsat run --runtime torch`: a plan file's graph as a module
 (`GraphModule`), trained through this path on N ranks, with `--check`). `parsat.parallelize(module, plan, runtime="torch")` is the way in.

@@ -71,8 +71,10 @@ around each split contraction, and says it in torch's terms
 
 What the plan decides that the module's own forward does not reproduce
 is said in `Lowering.notes`, never silently: operators rewritten by
-algebraic rules (the module computes its own form, equal in value, which
-the proofs are about), where a partial sum is all-reduced, a loss averaged
+algebraic rules (`rewritten_nodes`; the module computes its own form,
+equal in value, which the proofs are about, unless `rewritten` replaces
+its forward by the plan's graph: `Lowering.rewritten` then says so),
+where a partial sum is all-reduced, a loss averaged
 per rank, micro-batches. A plan that recomputes blocks names each block's
 module (`recomputed_blocks`, the submodule `layer_module` finds for block
 i's `b{i}_...` weights: what `apply.checkpoint_blocks` checkpoints). A

@@ -147,7 +147,8 @@ def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=Non
                f"otherwise than the module's graph, first #{first.id} {first.label}"
                f"{' by ' + first.rules[0].split(' ')[0] if first.rules else ''}), evaluated with "
                "importer.torch_ops on the module's parameters and the rank's local batch in place of its own "
-               "forward (torch_native/rewritten.py); fully_shard wraps the root only")
+               "forward (torch_native/rewritten.py)"
+               + ("; fully_shard wraps the root only" if lowering.axes(ZERO3) or lowering.zero >= 2 else ""))
     return Rewrite(_with_frees(tuple(steps), pcg.outputs), pcg.outputs, shapes, summary)
 
 
