@@ -219,3 +219,39 @@ def test_rewritten_plans_train_on_two_ranks_like_the_module_in_one_process(bert,
         run = results[0][label]
         print(json.dumps({label: {k: run[k] for k in ("losses", "ref_losses", "norms", "ref_norms", "worst_weight",
                                                       "worst_name", "lowering")}}))
+
+
+def test_what_a_rewritten_forward_cannot_compute_is_refused_naming_the_node():
+    """On the tiny LM's data-parallel plan, edited by hand: a `scale` after the loss's sum over the data ranks (a
+    normalisation fixed at the global batch would be off on each rank's local batch), and an embedding reading the
+    ids before the plan splits them (each rank holds only its local batch), each refused naming the node; the
+    plan as it is computes the graph itself (no rewrite)."""
+    from dataclasses import replace
+
+    from test_torch_native_runtime import tiny
+
+    from parsat.backend.torch_native.apply import module_info
+    from parsat.backend.torch_native.lowering import LoweringError, lower
+    from parsat.backend.torch_native.rewritten import lowered_rewrite, rewrite_of
+    from parsat.importer.export import import_module
+    from parsat.ir.plan import pcg_from_dict
+
+    module, example = tiny()
+    imported = import_module(module, example, check=False)
+    graph = imported.graph
+    pcg = pcg_from_dict(_plan(graph, (2, 1)))
+    lowering = lower(pcg, graph, module_info(module, imported.weights))
+    assert lowered_rewrite(pcg, graph, lowering, imported)[1] is None
+    loss, = pcg.outputs
+    scaled = replace(pcg.node(loss), id=loss + 1, kind="op", op="scale", inputs=(loss,), attrs=(("c", 0.5),),
+                     rules=())
+    with pytest.raises(LoweringError, match=rf"node #{loss + 1} scale\(c=0.5\) scales a value summed or gathered "
+                                            "over the data ranks"):
+        rewrite_of(replace(pcg, nodes=pcg.nodes + (scaled,), outputs=(scaled.id,)), graph, lowering, imported)
+    embedding = next(n for n in pcg.nodes if n.op == "embedding")
+    split, table = embedding.inputs
+    early = replace(embedding, inputs=(pcg.node(split).inputs[0], table))
+    nodes = tuple(early if n.id == embedding.id else n for n in pcg.nodes)
+    with pytest.raises(LoweringError, match=rf"node #{embedding.id} embedding .* computes on the user's data before "
+                                            "the plan splits it"):
+        rewrite_of(replace(pcg, nodes=nodes), graph, lowering, imported)

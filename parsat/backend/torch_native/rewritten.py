@@ -45,7 +45,8 @@ module's block forwards, which this does not call), a module given without
 its import or example inputs. Refused, naming the node (`rewrite_of`): a
 scale after a sum over the data ranks (a normalisation fixed at the global
 batch would be off on a local one), an operator on the user's data before
-the plan splits it, a batch norm keeping running statistics.
+the plan splits it, a batch norm keeping running statistics, a module
+returning other values than the graph's outputs (integers, None).
 """
 
 from __future__ import annotations
@@ -129,6 +130,11 @@ def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=Non
     if imported.running_stats:
         raise LoweringError("the plan's graph is rewritten and the module's batch norms keep running statistics, "
                             "which only the module's own forward updates: run the plan with the interpreter")
+    spec = imported.output_spec
+    if spec is not None and spec.num_leaves != len(pcg.outputs):
+        raise LoweringError(f"the module returns {spec.num_leaves} value(s) and the plan's graph computes "
+                            f"{len(pcg.outputs)}: a rewritten forward returns what the graph computes, so it would "
+                            "not return what the module does (return the loss, or only tensors the import maps)")
     data_axes = set(lowering.axes(DATA)) | set(lowering.axes(ZERO3))
     batch = batch_dims(graph, library)
     count = prod(lowering.mesh.shape[a] for a in lowering.batch_axes)
@@ -240,7 +246,7 @@ class RewrittenForward:
         if self.module.training:
             self.step += 1
         spec = self.imported.output_spec
-        if spec is not None and spec.num_leaves == len(outs):
+        if spec is not None:   # as many leaves as outputs (`rewrite_of`)
             return torch.utils._pytree.tree_unflatten(outs, spec)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
