@@ -30,19 +30,22 @@ BATCH, SEQ, VOCAB = 8, 32, 256
 
 
 class Trace(TorchFunctionMode):
-    """Counts, in the forwards it surrounds, the attention kernel's calls (`sdpa`) and the matmuls whose left
-    operand is a tensor times (or over) a Python float (`scaled_left`: queries scaled before the score product)."""
+    """Counts, in the forwards it surrounds, the attention kernel's calls (`sdpa`), the matmuls whose left
+    operand is a tensor times (or over) a Python float (`scaled_left`: queries scaled before the score product)
+    and the projections without a bias (`linear_nobias`: Megatron's row-parallel bias added after the sum)."""
 
     def __init__(self):
         super().__init__()
         self.scaled: list[torch.Tensor] = []   # held, so that no other tensor takes a scaled one's identity
-        self.counts = {"sdpa": 0, "scaled_left": 0}
+        self.counts = {"sdpa": 0, "scaled_left": 0, "linear_nobias": 0}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = getattr(func, "__name__", "")
         if func is nn.functional.scaled_dot_product_attention:
             self.counts["sdpa"] += 1
+        elif func is nn.functional.linear and (args[2:3] or [kwargs and kwargs.get("bias")])[0] is None:
+            self.counts["linear_nobias"] += 1
         elif name in ("__mul__", "mul", "__truediv__", "div") and len(args) == 2 and isinstance(args[1], float):
             self.scaled.append(out)
         elif name in ("matmul", "__matmul__", "bmm") and any(args[0] is t for t in self.scaled):
@@ -79,10 +82,13 @@ def test_a_rewritten_plan_computes_its_own_graph_on_each_local_batch(bert):
     forward (coordinate 0 and 1, the module's own parameters) gives the module's loss of that local batch
     (float64, 1e-12) and runs the plan's operators: 2 matmuls of scaled queries, no attention kernel, where the
     module's forward runs the kernel twice and scales no matmul operand. Megatron's dp plan computes the graph
-    itself (no rewrite: nothing changes); its tp plan's rewrites (a row-parallel bias added after the
-    all-reduce) are left to the styles, the note says why."""
+    itself (no rewrite: nothing changes); its tp plan (a row-parallel bias added after the all-reduce, 44 nodes
+    computing otherwise) lowers to a rewritten forward too, without styles: the parameters stored as the plan
+    stores them (the tied word table whole, where the styles store it vocabulary-split)."""
     from parsat.backend.torch_native.lowering import rewritten_nodes
-    from parsat.backend.torch_native.rewritten import SLICE, RewrittenForward
+    from torch.distributed.tensor import Replicate, Shard
+
+    from parsat.backend.torch_native.rewritten import SLICE, RewrittenForward, dtensor_placement
     from parsat.ir.plan import pcg_from_dict
 
     module, _, imported, plan = bert
@@ -103,14 +109,17 @@ def test_a_rewritten_plan_computes_its_own_graph_on_each_local_batch(bert):
         with module_trace:
             want = module(*mine).detach()
         assert abs(float(got) - float(want)) <= 1e-12 * abs(float(want)), (rank, float(got), float(want))
-        assert plan_trace.counts == {"sdpa": 0, "scaled_left": 2}, plan_trace.counts
-        assert module_trace.counts == {"sdpa": 2, "scaled_left": 0}, module_trace.counts
+        assert plan_trace.counts == {"sdpa": 0, "scaled_left": 2, "linear_nobias": 0}, plan_trace.counts
+        assert module_trace.counts == {"sdpa": 2, "scaled_left": 0, "linear_nobias": 0}, module_trace.counts
     graph = imported.graph
     assert _rewrite(module, imported, _plan(graph, (2, 1)))[1] is None
-    tp, none = _rewrite(module, imported, _plan(graph, (1, 2)))
-    assert none is None
-    note, = [n for n in tp.notes if "computes otherwise" in n]
-    assert "bias_add 0 -> 4" in note and "rewritten.py lowers plans of data and ZeRO axes only" in note
+    tp, rewrite = _rewrite(module, imported, _plan(graph, (1, 2)))
+    assert rewrite is not None and rewrite.tensor_axis == 0 and tp.styles == ()
+    assert "linear_nobias_t" in tp.rewritten and "placed as the plan stores its weight" in tp.describe()
+    stored = dict(rewrite.stored)   # the plan's own placements: the tied table whole, not torch's Shard(0)
+    assert dtensor_placement(stored["model.bert.embeddings.word_embeddings.weight"]) == Replicate()
+    assert dtensor_placement(stored["model.bert.encoder.layer.0.attention.self.query.weight"]) == Shard(0)
+    assert not any("torch stores it" in n for n in tp.notes)
 
 
 def plan_node_leaf(plan: dict, node: int) -> str:
@@ -188,6 +197,7 @@ def _train_rewritten(ctx, plan: dict, path: str) -> dict:
                not_dtensor=sorted(n for n, t in params.items() if not isinstance(t, DTensor)),
                meshes=sorted({str(getattr(t, "device_mesh", None)) for t in params.values()}),
                placements=sorted({repr(t.placements) for t in params.values() if isinstance(t, DTensor)}),
+               table=repr(params["model.bert.embeddings.word_embeddings.weight"].placements),
                lowering=lowering_of(model).describe(),
                own_forward=not isinstance(model.__dict__.get("forward"), RewrittenForward))
     return run
@@ -212,13 +222,36 @@ def test_rewritten_plans_train_on_two_ranks_like_the_module_in_one_process(bert,
         for result in results:
             _check_run(result, label)
             run = result[label]
-            assert run["counts"] == {"sdpa": 0, "scaled_left": 2}, run["counts"]
+            assert run["counts"] == {"sdpa": 0, "scaled_left": 2, "linear_nobias": 0}, run["counts"]
             assert run["placements"] == placements[label], run["placements"]
             assert not run["own_forward"] and "forward: the plan's graph" in run["lowering"]
         assert _dcp_loads_into_the_unmodified_module(tmp_path, label, "bert") == 0.0
         run = results[0][label]
         print(json.dumps({label: {k: run[k] for k in ("losses", "ref_losses", "norms", "ref_norms", "worst_weight",
                                                       "worst_name", "lowering")}}))
+
+
+@pytest.mark.slow
+def test_a_rewritten_tensor_parallel_plan_trains_on_two_ranks_like_the_module_in_one_process(bert, tmp_path):
+    """Megatron's tp 2 plan of BERT (row-parallel projections as `linear_nobias_t`, `reduce`, `bias_add`): every
+    parameter a DTensor placed as the plan stores it (the tied word table `Replicate()`, the projections `Shard`),
+    the forward the plan's graph on DTensors redistributed at its parallel operators (4 bias-free projections, no
+    attention kernel), 3 AdamW steps with clipping like the unmodified module in one process (1e-4 asked), the
+    checkpoint loading into the unmodified module."""
+    from parsat.backend.launch import LaunchConfig, launch
+
+    plans = {"tp": _plan(bert[2].graph, (1, 2))}
+    results = launch(rewritten_job, (plans, str(tmp_path)), LaunchConfig(nproc=2, backend="gloo", timeout_s=600))
+    for result in results:
+        _check_run(result, "tp")
+        run = result["tp"]
+        assert run["counts"] == {"sdpa": 0, "scaled_left": 0, "linear_nobias": 4}, run["counts"]
+        assert run["placements"] == ["(Replicate(),)", "(Shard(dim=0),)", "(Shard(dim=1),)"], run["placements"]
+        assert run["table"] == "(Replicate(),)" and not run["own_forward"]
+    assert _dcp_loads_into_the_unmodified_module(tmp_path, "tp", "bert") == 0.0
+    run = results[0]["tp"]
+    print(json.dumps({k: run[k] for k in ("losses", "ref_losses", "norms", "ref_norms", "worst_weight", "worst_name",
+                                          "lowering")}))
 
 
 def test_what_a_rewritten_forward_cannot_compute_is_refused_naming_the_node():

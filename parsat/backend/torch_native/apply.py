@@ -110,10 +110,12 @@ def _is_conv1d(module: nn.Module) -> bool:
 
 
 def apply_lowering(module: nn.Module, lowering: Lowering, device: torch.device, mp_policy=None,
-                   blocks: bool = True) -> nn.Module:
+                   blocks: bool = True, tensor_parallel=None) -> nn.Module:
     """`lowering` (of an unpipelined plan) applied to `module` in place on this rank (module docstring, steps 1-4);
     the process group is started and every rank holds the same plan (`entry.parallelize_native`). `blocks`:
-    `fully_shard` each block before the root (False for a forward that calls no block: `rewritten`)."""
+    `fully_shard` each block before the root (False for a forward that calls no block: `rewritten`).
+    `tensor_parallel(module, tp_mesh)`, when given, places the parameters on the tensor axis instead of the
+    styles (`rewritten.place_parameters`: the plan's own placements, for a forward that calls no styled module)."""
     if mp_policy is not None and not (lowering.axes(DATA) or lowering.axes(ZERO3)):
         raise NativeParallelizeError("mp_policy is applied by replicate / fully_shard on the data axes, and this "
                                      "plan has none: use torch.autocast around the forward")
@@ -122,7 +124,8 @@ def apply_lowering(module: nn.Module, lowering: Lowering, device: torch.device, 
     checkpoint_blocks(module, lowering.recompute)
     mesh = _device_mesh(lowering, device)
     if lowering.tensor_axis is not None:
-        _tensor_parallel(module, lowering, mesh[lowering.mesh.names[lowering.tensor_axis]])
+        tp_mesh = mesh[lowering.mesh.names[lowering.tensor_axis]]
+        (tensor_parallel or partial(_tensor_parallel, lowering=lowering))(module, tp_mesh=tp_mesh)
     data_parallel(module, lowering, mesh, mp_policy, blocks=blocks)
     setattr(module, LOWERING_ATTRIBUTE, lowering)
     return module

@@ -15,6 +15,7 @@ replaced by one computing the plan's graph (`rewritten`).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Mapping
 
 import torch.distributed as dist
@@ -23,7 +24,7 @@ from torch import nn
 from parsat.backend.torch_native.apply import NativeParallelizeError, apply_lowering, module_info
 from parsat.backend.torch_native.lowering import LoweringError, lower
 from parsat.backend.torch_native.pipeline_lowering import lower_pipeline
-from parsat.backend.torch_native.rewritten import install, lowered_rewrite
+from parsat.backend.torch_native.rewritten import install, lowered_rewrite, place_parameters
 
 
 def parallelize_native(module: nn.Module, plan, *, mp_policy=None, example_inputs=None, imported=None,
@@ -81,8 +82,11 @@ def parallelize_native(module: nn.Module, plan, *, mp_policy=None, example_input
         lowering, rewrite = lowered_rewrite(pcg, graph, lowering, imported)
     except LoweringError as err:
         raise NativeParallelizeError(str(err)) from None
-    model = apply_lowering(module, lowering, device, mp_policy, blocks=rewrite is None)
-    return model if rewrite is None else install(model, rewrite, imported, lowering.mesh)
+    if rewrite is None:
+        return apply_lowering(module, lowering, device, mp_policy)
+    model = apply_lowering(module, lowering, device, mp_policy, blocks=False,
+                           tensor_parallel=partial(place_parameters, rewrite=rewrite))
+    return install(model, rewrite, imported, lowering.mesh)
 
 
 _NO_EXAMPLE = ("a pipelined plan needs example_inputs (one step's local batch, as you will pass it to "

@@ -273,6 +273,10 @@ class Lowering:
             lines.append(f"tensor parallelism on {names[self.tensor_axis]}: DTensor parameters (the split ones below, "
                          "every other Replicate()), the traced operators run on DTensors")
             lines += ["  " + s.describe() for s in self.traced_splits]
+        elif self.tensor_axis is not None and self.rewritten:
+            lines.append(f"tensor parallelism on {names[self.tensor_axis]}: every parameter a DTensor placed as the "
+                         "plan stores its weight, the forward's values DTensors redistributed at the plan's parallel "
+                         "operators (below)")
         elif self.tensor_axis is not None:
             lines.append(f"tensor parallelism on {names[self.tensor_axis]}: parallelize_module")
             lines += ["  " + s.describe() for s in self.styles]

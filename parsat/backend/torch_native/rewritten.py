@@ -63,19 +63,21 @@ from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARTITION, REDUCE, REPL
 from parsat.importer.torch_ops import apply_op
 from parsat.ir.graph import Graph
 from parsat.ir.microbatch import batch_dims
-from parsat.ir.pcg import PCG, PNode
+from parsat.ir.pcg import PCG, PNode, weight_storage
+from parsat.ir.placement import FREE, PARTIAL, REPLICA, shard_dim
 from parsat.backend.torch_native.lowering import (DATA, REWRITE_NOTE, ZERO3, Lowering, LoweringError, rewritten_nodes,
                                                   weight_values)
 
-WEIGHT, LEAF, OP, SAME, SLICE = "weight", "leaf", "op", "same", "slice"
+WEIGHT, LEAF, OP, SAME, SLICE, PLACE = "weight", "leaf", "op", "same", "slice", "place"
 
 
 @dataclass(frozen=True)
 class Step:
     """One plan node as a rank evaluates it: `weight` (the module's parameter `name`), `leaf` (the data leaf
     `name`), `op` (operator `name` with `attrs`), `same` (the input's value: a parallel operator the rank's local
-    batch or torch's data parallelism already does), or `slice` (the rank's piece of a whole value along `dim`, at
-    its coordinate on mesh axis `axis`, one of `degree`). `frees`: values no later step reads."""
+    batch or torch's data parallelism already does), `slice` (the rank's piece of a whole value along `dim`, at
+    its coordinate on mesh axis `axis`, one of `degree`), or `place` (a parallel operator on the tensor axis: the
+    DTensor redistributed to the plan's placement there, `code`). `frees`: values no later step reads."""
 
     node: int
     action: str
@@ -85,23 +87,34 @@ class Step:
     dim: int = 0
     axis: int = 0
     degree: int = 1
+    code: int = 0
     frees: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class Rewrite:
     """What a rank evaluates in place of the module's forward (module docstring): the steps in the plan's order,
-    the output nodes, the local shapes of the batch-carrying data leaves, and the rewritten nodes' description."""
+    the output nodes, the local shapes of the batch-carrying data leaves, the rewritten nodes' description, and
+    on a tensor axis (`tensor_axis`) each weight's stored placement there (parameter name, placement code)."""
 
     steps: tuple[Step, ...]
     outputs: tuple[int, ...]
     local_shapes: tuple[tuple[str, tuple[int, ...]], ...]
     summary: str
+    tensor_axis: int | None = None
+    stored: tuple[tuple[str, int], ...] = ()
 
     def lowered(self, lowering: Lowering) -> Lowering:
         """`lowering` saying that the module's forward computes the plan's graph (its rewrite note replaced)."""
         notes = tuple(n for n in lowering.notes if not n.startswith(REWRITE_NOTE))
-        return replace(lowering, notes=notes, rewritten=self.summary)
+        if self.tensor_axis is None:
+            return replace(lowering, notes=notes, rewritten=self.summary)
+        # no styles: the parameters take the plan's placements, so the styles' notes (a table stored otherwise
+        # than the plan, a constant sliced on the tensor axis) do not apply
+        axis = lowering.mesh.names[self.tensor_axis]
+        notes = tuple(n for n in notes if f"axis {axis}" not in n and "torch stores it" not in n)
+        weights = tuple(replace(w, restored=()) for w in lowering.weights)
+        return replace(lowering, notes=notes, rewritten=self.summary, styles=(), weights=weights)
 
 
 def lowered_rewrite(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=None
@@ -113,8 +126,6 @@ def lowered_rewrite(pcg: PCG, graph: Graph, lowering: Lowering, imported, librar
         return lowering, None
     why = ("give parallelize the example inputs (or the import) to have it compute the plan's graph"
            if imported is None else
-           "on a tensor axis the styled modules compute their parts of the plan's form, the rest the module's "
-           "(rewritten.py lowers plans of data and ZeRO axes only)" if lowering.tensor_axis is not None else
            "recomputation checkpoints the module's block forwards, which a rewritten forward does not call"
            if lowering.recompute else "")
     if why:
@@ -140,10 +151,15 @@ def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=Non
     count = prod(lowering.mesh.shape[a] for a in lowering.batch_axes)
     local = {name for name, leaf in imported.data.items() if not leaf.constant and leaf.encoding != "dropout"}
     static = weight_values(pcg)
+    chains = weight_storage(pcg)
+    stored_by = {i for chain in chains.values() for i in chain[1:]}   # a weight's storage: the parameter is that
     presliced: dict[int, frozenset[int]] = {}   # node -> data axes its value on the rank is already split along
     summed: set[int] = set()                    # nodes after a gather or a sum over the data ranks
     steps = []
     for n in pcg.nodes:
+        if n.id in stored_by:
+            steps.append(Step(n.id, SAME, inputs=n.inputs))
+            continue
         steps.append(_step(n, pcg, lowering, data_axes, static, presliced, summed, local, batch))
     shapes = tuple((name, tuple(s // count if d == batch[name] else s for d, s in enumerate(graph.shape(name))))
                    for name in sorted(local) if name in batch)
@@ -155,7 +171,10 @@ def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=Non
                "importer.torch_ops on the module's parameters and the rank's local batch in place of its own "
                "forward (torch_native/rewritten.py)"
                + ("; fully_shard wraps the root only" if lowering.axes(ZERO3) or lowering.zero >= 2 else ""))
-    return Rewrite(_with_frees(tuple(steps), pcg.outputs), pcg.outputs, shapes, summary)
+    tp = lowering.tensor_axis
+    stored = () if tp is None else tuple((w.params[0], pcg.node(chains[w.node][-1]).placement.codes[tp])
+                                         for w in lowering.weights)
+    return Rewrite(_with_frees(tuple(steps), pcg.outputs), pcg.outputs, shapes, summary, tp, stored)
 
 
 def _step(n: PNode, pcg: PCG, lowering: Lowering, data_axes: set[int], static: set[int],
@@ -184,7 +203,9 @@ def _step(n: PNode, pcg: PCG, lowering: Lowering, data_axes: set[int], static: s
     axis = n.axis(pcg.mesh)
     if source in summed:
         summed.add(n.id)
-    if n.id in static or axis not in data_axes:   # a weight's storage and sync: torch's; no tensor axis here
+    if axis == lowering.tensor_axis:
+        return Step(n.id, PLACE, inputs=(source,), axis=axis, code=n.placement.codes[axis])
+    if n.id in static or axis not in data_axes:   # a weight's storage and sync: torch's
         return Step(n.id, SAME, inputs=(source,))
     split = presliced.get(source, frozenset())
     if n.op == PARTITION:
@@ -220,7 +241,9 @@ def _with_frees(steps: tuple[Step, ...], outputs: tuple[int, ...]) -> tuple[Step
 class RewrittenForward:
     """The module's forward replaced (module docstring): takes the inputs as the module's forward takes them,
     returns what it returns. Dropout masks are the import's (`dropout_mask`: seeded per step, sliced as the plan
-    reads them); in eval mode none is drawn."""
+    reads them); in eval mode none is drawn. On a tensor axis every value is a DTensor on its mesh (the data
+    enters `Replicate()`), redistributed to the plan's placement at each of its parallel operators there, and the
+    outputs leave whole."""
 
     def __init__(self, module: torch.nn.Module, rewrite: Rewrite, imported, rank: int, coords: tuple[int, ...]):
         self.module, self.rewrite, self.imported = module, rewrite, imported
@@ -242,13 +265,31 @@ class RewrittenForward:
             for leaf in self.imported.data.values():
                 if leaf.encoding == "dropout" and leaf.name in data:
                     data[leaf.name] = torch.full_like(data[leaf.name], 1.0 - leaf.rate)
-        outs = evaluate(self.rewrite, params, data, self.coords)
+        if self.rewrite.tensor_axis is None:
+            outs = evaluate(self.rewrite, params, data, self.coords)
+        else:
+            outs = _on_dtensors(self.rewrite, params, data, self.coords, device)
         if self.module.training:
             self.step += 1
         spec = self.imported.output_spec
         if spec is not None:   # as many leaves as outputs (`rewrite_of`)
             return torch.utils._pytree.tree_unflatten(outs, spec)
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _on_dtensors(rewrite: Rewrite, params, data, coords, device) -> list[torch.Tensor]:
+    """`evaluate` on a tensor axis: the data as `Replicate()` DTensors on the parameters' tensor-parallel mesh,
+    in `apply.dtensor_step` (tensors an operator makes count as `Replicate()`; attention as its math on CPU),
+    the outputs whole and local."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from parsat.backend.torch_native.apply import dtensor_step
+
+    mesh = next(p.device_mesh for p in params.values() if isinstance(p, DTensor))
+    data = {k: DTensor.from_local(v, mesh, [Replicate()], run_check=False) for k, v in data.items()}
+    with dtensor_step(device):
+        outs = evaluate(rewrite, params, data, coords)
+    return [o.full_tensor() if isinstance(o, DTensor) else o for o in outs]
 
 
 def evaluate(rewrite: Rewrite, params: Mapping[str, torch.Tensor], data: Mapping[str, torch.Tensor],
@@ -267,11 +308,43 @@ def evaluate(rewrite: Rewrite, params: Mapping[str, torch.Tensor], data: Mapping
             x = env[s.inputs[0]]
             size = x.shape[s.dim] // s.degree
             env[s.node] = x.narrow(s.dim, coords[s.axis] * size, size)
+        elif s.action == PLACE:
+            x = env[s.inputs[0]]
+            env[s.node] = x.redistribute(x.device_mesh, [dtensor_placement(s.code)])
         else:
             env[s.node] = env[s.inputs[0]]
         for i in s.frees:
             del env[i]
     return [env[o] for o in rewrite.outputs]
+
+
+def dtensor_placement(code: int):
+    """DTensor's placement for a plan's placement code on one axis (`ir.placement`): whole (free or a replica)
+    `Replicate()`, a partial sum `Partial()`, split along d `Shard(d)`."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if code in (FREE, REPLICA):
+        return Replicate()
+    return Partial() if code == PARTIAL else Shard(shard_dim(code))
+
+
+def place_parameters(module: torch.nn.Module, tp_mesh, rewrite: Rewrite) -> None:
+    """Every parameter a DTensor on the tensor axis's mesh, placed as the plan stores its weight there (a weight
+    the plan keeps whole `Replicate()`, one it stores split `Shard(d)`; a parameter the graph does not read
+    `Replicate()`): what `apply.apply_lowering` does instead of the styles when a rewritten forward, calling no
+    styled module, reads the parameters. A tied parameter stays one tensor under all its names."""
+    from torch.distributed.tensor import distribute_tensor
+
+    stored = dict(rewrite.stored)
+    made: dict[int, torch.nn.Parameter] = {}
+    for name, param in list(module.named_parameters(remove_duplicate=False)):
+        if id(param) not in made:
+            names = [n for n, p in module.named_parameters(remove_duplicate=False) if p is param]
+            code = next((stored[n] for n in names if n in stored), FREE)
+            made[id(param)] = torch.nn.Parameter(distribute_tensor(param.data, tp_mesh, [dtensor_placement(code)]),
+                                                 param.requires_grad)
+        owner, _, local = name.rpartition(".")
+        setattr(module.get_submodule(owner), local, made[id(param)])
 
 
 def install(module: torch.nn.Module, rewrite: Rewrite, imported, mesh) -> torch.nn.Module:
