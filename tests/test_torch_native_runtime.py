@@ -767,19 +767,22 @@ def test_hf_bert_data_parallel_on_two_ranks_and_zero3_on_four(tmp_path):
 
 @pytest.mark.slow
 def test_hf_bert_tensor_parallel_on_two_ranks(tmp_path):
-    """BERT under Megatron's tp 2 plan, its tied word table stored vocabulary-split for the embedding and the MLM
-    decoder (the lowering's restored table): 3 AdamW steps with clipping equal the unmodified module's, every
-    parameter a DTensor (the table, the decoder and its bias Shard(0)), the checkpoint loading into the
-    unmodified module here."""
+    """BERT under Megatron's tp 2 plan, which computes otherwise than the module (row-parallel projections as
+    `linear_nobias_t`, `reduce`, `bias_add`): the module's forward is the plan's graph on DTensors
+    (`torch_native/rewritten.py`, tests/test_torch_native_rewritten.py), every parameter placed as the plan stores
+    it (the tied word table whole, `Replicate()`, where the styles would store it vocabulary-split; the MLM bias,
+    the column-parallel weights `Shard(0)`): 3 AdamW steps with clipping equal the unmodified module's, the
+    checkpoint loading into the unmodified module here."""
     results = _train_hf("bert", {"bert_tp2": _hf_plan("bert", (1, 2))}, 2, tmp_path)
     for result in results:
         placements = result["bert_tp2"]["placements"]
-        for name in ("model.bert.embeddings.word_embeddings.weight", "model.cls.predictions.bias",
-                     "model.bert.encoder.layer.0.attention.self.query.weight"):
+        for name in ("model.cls.predictions.bias", "model.bert.encoder.layer.0.attention.self.query.weight"):
             assert placements[name] == ["Shard(dim=0)"], (name, placements.get(name))
         assert "model.cls.predictions.decoder.weight" not in placements   # tied: one parameter, listed once
+        assert placements["model.bert.embeddings.word_embeddings.weight"] == ["Replicate()"]
         assert placements["model.bert.encoder.layer.1.output.dense.weight"] == ["Shard(dim=1)"]
         assert placements["model.bert.embeddings.position_embeddings.weight"] == ["Replicate()"]
+        assert "forward: the plan's graph" in result["bert_tp2"]["lowering"]
 
 
 def _llama_sequence_parallel():

@@ -65,7 +65,7 @@ from parsat.ir.graph import Graph
 from parsat.ir.microbatch import batch_dims
 from parsat.ir.pcg import PCG, PNode, weight_storage
 from parsat.ir.placement import FREE, PARTIAL, REPLICA, shard_dim
-from parsat.backend.torch_native.lowering import (DATA, REWRITE_NOTE, ZERO3, Lowering, LoweringError, rewritten_nodes,
+from parsat.backend.torch_native.lowering import (DATA, EMBEDDING_OPS, REWRITE_NOTE, ZERO3, Lowering, LoweringError, rewritten_nodes,
                                                   weight_values)
 
 WEIGHT, LEAF, OP, SAME, SLICE, PLACE = "weight", "leaf", "op", "same", "slice", "place"
@@ -124,15 +124,27 @@ def lowered_rewrite(pcg: PCG, graph: Graph, lowering: Lowering, imported, librar
     own forward). Raises LoweringError for what is covered but cannot run (module docstring)."""
     if not rewritten_nodes(pcg, graph):
         return lowering, None
+    lookup = _split_table_lookup(pcg, lowering.tensor_axis)
     why = ("give parallelize the example inputs (or the import) to have it compute the plan's graph"
            if imported is None else
            "recomputation checkpoints the module's block forwards, which a rewritten forward does not call"
-           if lowering.recompute else "")
+           if lowering.recompute else
+           f"node #{lookup.id} {lookup.label} looks up rows of a table split on the tensor axis, which DTensor runs "
+           "as a masked partial sum whose mask torch 2.13 has released before the backward (AssertionError in "
+           "_MaskPartial._reduce_value), so the module runs its own forward under the styles" if lookup is not None else "")
     if why:
         return replace(lowering, notes=tuple(f"{n} ({why})" if n.startswith(REWRITE_NOTE) else n
                                              for n in lowering.notes)), None
     rewrite = rewrite_of(pcg, graph, lowering, imported, library)
     return rewrite.lowered(lowering), rewrite
+
+
+def _split_table_lookup(pcg: PCG, axis: int | None) -> PNode | None:
+    """An embedding whose table the plan reads split on tensor axis `axis` (a vocabulary-parallel lookup), if any."""
+    if axis is None:
+        return None
+    return next((n for n in pcg.nodes if n.kind == "op" and n.op in EMBEDDING_OPS
+                 and shard_dim(pcg.node(n.inputs[1]).placement.codes[axis]) is not None), None)
 
 
 def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=None) -> Rewrite:
