@@ -288,3 +288,4 @@ def test_what_a_rewritten_forward_cannot_compute_is_refused_naming_the_node():
     with pytest.raises(LoweringError, match=rf"node #{embedding.id} embedding .* computes on the user's data before "
                                             "the plan splits it"):
         rewrite_of(replace(pcg, nodes=nodes), graph, lowering, imported)
+

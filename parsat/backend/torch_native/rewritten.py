@@ -34,15 +34,24 @@ operators on weights are torch's (`replicate`, `fully_shard`, which then
 wraps the root only: the blocks' own forwards are not called, so their
 hooks would never gather their parameters).
 
-Covered: plans whose mesh axes are all data or ZeRO axes (data parallel,
-ZeRO-1/2/3, HSDP). Not covered, and the lowering's note says so (the
-module then runs its own forward, equal in value): a plan with a tensor
-axis (its styles compute the styled modules' parts of the plan's form, e.g.
-a row-parallel bias added after the all-reduce; the rest of the module's
-code runs on local pieces that the graph's operators would need as DTensors,
-docs/TORCH_NATIVE.md), a plan recomputing blocks (it checkpoints the
-module's block forwards, which this does not call), a module given without
-its import or example inputs. Refused, naming the node (`rewrite_of`): a
+On a tensor axis (`place_parameters`, `_on_dtensors`) no style is
+applied: every parameter is a DTensor on the tensor axis's mesh placed as
+the plan stores its weight (the end of its storage chain: BERT's tied
+word table whole, where the styles store it vocabulary-split), the data
+enters as `Replicate()` DTensors, each compute node runs on DTensors
+(DTensor's sharding propagation computes the global values, and on BERT's
+Megatron plan leaves every node in the plan's placement), and each parallel
+operator on that axis is a `redistribute` to the plan's placement there.
+
+Covered: plans of data and ZeRO axes (data parallel, ZeRO-1/2/3, HSDP) and
+plans of one tensor axis. Not covered, and the lowering's note says so
+(the module then runs its own forward, equal in value): a tensor axis
+beside data axes (not checked: no tested model has such a plan with a
+rewrite), a lookup in a table split on the tensor axis (DTensor runs it as
+a masked partial sum whose mask torch 2.13 releases before the backward:
+GPT-2's vocabulary-parallel `wte`), a plan recomputing blocks (it
+checkpoints the module's block forwards, which this does not call), a
+module given without its import or example inputs. Refused, naming the node (`rewrite_of`): a
 scale after a sum over the data ranks (a normalisation fixed at the global
 batch would be off on a local one), an operator on the user's data before
 the plan splits it, a batch norm keeping running statistics, a module
@@ -65,8 +74,8 @@ from parsat.ir.graph import Graph
 from parsat.ir.microbatch import batch_dims
 from parsat.ir.pcg import PCG, PNode, weight_storage
 from parsat.ir.placement import FREE, PARTIAL, REPLICA, shard_dim
-from parsat.backend.torch_native.lowering import (DATA, EMBEDDING_OPS, REWRITE_NOTE, ZERO3, Lowering, LoweringError, rewritten_nodes,
-                                                  weight_values)
+from parsat.backend.torch_native.lowering import (DATA, EMBEDDING_OPS, REWRITE_NOTE, ZERO3, Lowering, LoweringError,
+                                                  rewritten_nodes, weight_values)
 
 WEIGHT, LEAF, OP, SAME, SLICE, PLACE = "weight", "leaf", "op", "same", "slice", "place"
 
@@ -129,6 +138,9 @@ def lowered_rewrite(pcg: PCG, graph: Graph, lowering: Lowering, imported, librar
            if imported is None else
            "recomputation checkpoints the module's block forwards, which a rewritten forward does not call"
            if lowering.recompute else
+           "a rewritten forward on a tensor axis beside data axes is not checked yet (no plan of the tested models "
+           "has both and a rewrite: Megatron's and the optimizer's dp 2 x tp 2 of BERT do not exist)"
+           if lowering.tensor_axis is not None and lowering.batch_axes else
            f"node #{lookup.id} {lookup.label} looks up rows of a table split on the tensor axis, which DTensor runs "
            "as a masked partial sum whose mask torch 2.13 has released before the backward (AssertionError in "
            "_MaskPartial._reduce_value), so the module runs its own forward under the styles" if lookup is not None else "")
