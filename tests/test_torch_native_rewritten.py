@@ -44,7 +44,7 @@ class Trace(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if func is nn.functional.scaled_dot_product_attention:
             self.counts["sdpa"] += 1
-        elif func is nn.functional.linear and (args[2:3] or [kwargs and kwargs.get("bias")])[0] is None:
+        elif func is nn.functional.linear and (args[2] if len(args) > 2 else (kwargs or {}).get("bias")) is None:
             self.counts["linear_nobias"] += 1
         elif name in ("__mul__", "mul", "__truediv__", "div") and len(args) == 2 and isinstance(args[1], float):
             self.scaled.append(out)
