@@ -80,7 +80,11 @@ def parallelize(module, plan, example_inputs=None, *, imported=None, seed=0, dty
     the user's module itself comes back, its forward its own, run on this
     rank's local batch, every parameter a DTensor on the plan's mesh
     (tensor parallelism as `parallelize_module` styles, data parallelism as
-    `replicate`, ZeRO as `fully_shard`, with `mp_policy` if given), so
+    `replicate`, ZeRO as `fully_shard`, with `mp_policy` if given); where
+    the plan computes otherwise than the module's graph (an algebraic
+    rewrite) and `example_inputs` or `imported` is given, its forward is
+    replaced by one computing the plan's graph on its parameters
+    (`torch_native/rewritten.py`), so
     `clip_grad_norm_`, optimizers, `torch.distributed.checkpoint`,
     `torch.compile` and autocast work unchanged; a plan torch's pieces
     cannot express is refused, naming the node. `example_inputs` or
