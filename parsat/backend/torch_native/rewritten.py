@@ -134,7 +134,9 @@ def lowered_rewrite(pcg: PCG, graph: Graph, lowering: Lowering, imported, librar
     if not rewritten_nodes(pcg, graph):
         return lowering, None
     lookup = _split_table_lookup(pcg, lowering.tensor_axis)
-    why = ("give parallelize the example inputs (or the import) to have it compute the plan's graph"
+    # an import-like record may say why it cannot run a rewritten forward (`run.GraphImport.unsupported`)
+    why = getattr(imported, "unsupported", "") or (
+           "give parallelize the example inputs (or the import) to have it compute the plan's graph"
            if imported is None else
            "recomputation checkpoints the module's block forwards, which a rewritten forward does not call"
            if lowering.recompute else

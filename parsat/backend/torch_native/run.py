@@ -37,7 +37,8 @@ with the interpreter).
 from __future__ import annotations
 
 import copy
-from typing import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,7 @@ from torch import nn
 from parsat.backend.executor import ExecutionError, operator_library, seeded_weights, step_data
 from parsat.backend.launch import LaunchConfig, RankContext, launch
 from parsat.backend.training_data import TrainConfig, objective
+from parsat.importer.imported import DataLeaf
 from parsat.importer.torch_ops import evaluate_graph
 from parsat.ir.graph import Graph
 from parsat.ir.microbatch import batch_dims, step_batch
@@ -53,9 +55,11 @@ from parsat.ir.models import BATCH, EXAMPLES, build_example
 
 
 class GraphModule(nn.Module):
-    """A plan's graph as a module (module docstring): `forward(inputs, targets)` (dicts by graph leaf and output
-    name) returns the objective. Parameter names are the graph's weight names with `.` as `_` (`param_names`:
-    graph weight -> parameter name, what `parallelize` is given as `weight_names`)."""
+    """A plan's graph as a module (module docstring): `forward(inputs)` (a dict by graph leaf name) returns the
+    graph's outputs, a tuple in `graph.outputs` order (`graph_objective` makes the objective of them: the tuple is
+    what a rewritten forward returns too, `rewritten.RewrittenForward` through `GraphImport.output_spec`).
+    Parameter names are the graph's weight names with `.` as `_` (`param_names`: graph weight -> parameter name,
+    what `parallelize` is given as `weight_names`)."""
 
     def __init__(self, graph: Graph, weights: Mapping[str, torch.Tensor], library=None):
         super().__init__()
@@ -65,22 +69,12 @@ class GraphModule(nn.Module):
             self.register_parameter(self.param_names[name], nn.Parameter(value.detach().clone()))
         self._at_batch: dict[int, Graph] = {}   # the graph rebuilt per local batch size (its example's)
 
-    def forward(self, inputs: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor | None]):
-        """The objective of this rank's local `inputs`; `targets` whole, each cut here as the output came out
-        (along the dim the local batch shrank, the rank's block: `apply.local_batch`)."""
-        from parsat.backend.torch_native.apply import local_batch
-
+    def forward(self, inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The graph's outputs on this rank's local `inputs`."""
         graph = self.graph_for(inputs)
         leaves = {name: self.get_parameter(param) for name, param in self.param_names.items()}
         env = evaluate_graph(graph, {**leaves, **inputs})
-        total = 0.0
-        for o in graph.outputs:
-            target = targets.get(o)
-            dim = None if target is None else next(
-                (d for d, (a, b) in enumerate(zip(target.shape, env[o].shape)) if a != b), None)
-            total = total + objective(env[o], target if dim is None else local_batch(self, target, dim=dim),
-                                      env[o].numel())
-        return total
+        return tuple(env[o] for o in graph.outputs)
 
     def graph_for(self, inputs: Mapping[str, torch.Tensor]) -> Graph:
         """The graph at the batch of `inputs`: the plan's own at its shapes, else its example rebuilt at that
@@ -88,17 +82,87 @@ class GraphModule(nn.Module):
         shapes = {leaf.name: tuple(leaf.shape) for leaf in self.graph.leaves if leaf.role == "input"}
         if all(tuple(inputs[name].shape) == shape for name, shape in shapes.items()):
             return self.graph
+        dims = batch_dims(self.graph, self.library)
+        first = next((n for n in shapes if n in dims), None)
+        if first is None:
+            return self.graph
+        return self.at_batch_scale(inputs[first].shape[dims[first]], shapes[first][dims[first]]) or self.graph
+
+    def at_batch_scale(self, num: int, den: int) -> Graph | None:
+        """The graph's example rebuilt at its batch times num / den (the same weights), None when the graph is
+        no built-in example."""
         example = self.graph.example
         if example is None or example[0] not in EXAMPLES:
-            return self.graph
+            return None
         name, sizes = example[0], dict(example[1])
-        batch = {**EXAMPLES[name].defaults(), **sizes}[BATCH]
-        dims = batch_dims(self.graph, self.library)
-        first = next(n for n in shapes if n in dims)
-        local = batch * inputs[first].shape[dims[first]] // shapes[first][dims[first]]
+        local = {**EXAMPLES[name].defaults(), **sizes}[BATCH] * num // den
         if local not in self._at_batch:
             self._at_batch[local] = build_example(name, {**sizes, BATCH: local}, self.library)
         return self._at_batch[local]
+
+    def batch_fixed(self) -> tuple[str, ...]:
+        """The graph's nodes whose attributes its example fixes at the global batch (they change when the example
+        is rebuilt at twice the batch: the loss's 1 / count): a rank's local batch runs them as rebuilt, which the
+        plan's own (rewritten) nodes cannot be."""
+        other = self.at_batch_scale(2, 1)
+        if other is None:
+            return ()
+        attrs = {n.name: n.attrs for n in other.nodes}
+        return tuple(n.name for n in self.graph.nodes if attrs.get(n.name, n.attrs) != n.attrs)
+
+
+def graph_objective(model: nn.Module, graph: Graph, outputs: tuple[torch.Tensor, ...],
+                    targets: Mapping[str, torch.Tensor | None]) -> torch.Tensor:
+    """The interpreter's objective of `outputs` (the graph's, in order) against `targets` whole, each cut here as
+    its output came out (along the dim the local batch shrank, the rank's block of `model`: `apply.local_batch`)."""
+    from parsat.backend.torch_native.apply import local_batch
+
+    total = 0.0
+    for o, out in zip(graph.outputs, outputs):
+        target = targets.get(o)
+        dim = None if target is None else next(
+            (d for d, (a, b) in enumerate(zip(target.shape, out.shape)) if a != b), None)
+        total = total + objective(out, target if dim is None else local_batch(model, target, dim=dim),
+                                  out.numel())
+    return total
+
+
+@dataclass(frozen=True)
+class GraphImport:
+    """What `parallelize` reads of an import (`importer.imported.ImportedModule`), for a `GraphModule`: so that
+    a plan computing otherwise than its graph (an algebraic rewrite) runs the plan's graph through
+    `torch_native/rewritten.py`, as a user's imported module does. Every input leaf is data the rank is given
+    as it is (`value`, at its local batch); no constants, dropout masks or running statistics; the module
+    returns the tuple of the graph's outputs. `unsupported`: why a rewritten forward cannot run (nodes whose
+    attributes the example fixes at the global batch), the lowering's note then saying so."""
+
+    graph: Graph
+    weights: Mapping[str, str]
+    data: Mapping[str, DataLeaf]
+    output_spec: Any
+    unsupported: str = ""
+    running_stats: tuple = ()
+    constants: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, module: GraphModule) -> "GraphImport":
+        """The record of `module`'s graph."""
+        graph = module.graph
+        data = {leaf.name: DataLeaf(leaf.name, leaf.name, "value", tuple(leaf.shape))
+                for leaf in graph.leaves if leaf.role == "input"}
+        spec = torch.utils._pytree.tree_flatten(tuple(graph.outputs))[1]
+        fixed = module.batch_fixed()
+        why = (f"the example fixes node(s) {', '.join(fixed)} at the global batch (a rank's local batch runs them "
+               "rebuilt at its size, which the plan's rewritten nodes are not)") if fixed else ""
+        return cls(graph, dict(module.param_names), data, spec, why)
+
+    def data_values(self, inputs, dtype, seed: int = 0, step: int = 0, shapes=None) -> dict[str, torch.Tensor]:
+        """The leaves' values: the forward's one argument (the dict of local inputs), in `dtype`."""
+        return {name: value.to(dtype) for name, value in inputs[0].items()}
+
+    def constant_values(self, dtype) -> dict[str, torch.Tensor]:
+        """No leaf is a constant."""
+        return {}
 
 
 def check_runnable(graph: Graph, pipelined: bool) -> None:
@@ -140,7 +204,7 @@ def torch_rank(ctx: RankContext, path: str, config: TrainConfig) -> dict:
     module = GraphModule(graph, seeded_weights(graph, config), library)
     reference = copy.deepcopy(module).to(ctx.device) if config.check else None
     try:
-        model = parallelize_native(module, path, weight_names=module.param_names)
+        model = parallelize_native(module, path, weight_names=module.param_names, imported=GraphImport.of(module))
     except NativeParallelizeError as err:
         return {"refused": str(err)}
     optimizer, ref_optimizer = (_optimizer(m, config) if m is not None else None for m in (model, reference))
@@ -151,7 +215,7 @@ def torch_rank(ctx: RankContext, path: str, config: TrainConfig) -> dict:
         inputs = {n: t.to(ctx.device) for n, t in data.whole_inputs().items()}
         targets = {n: None if t is None else t.to(ctx.device) for n, t in data.whole_targets().items()}
         mine = {n: local_batch(model, t, dim=dims[n]) if n in dims else t for n, t in inputs.items()}
-        loss = model(mine, targets)
+        loss = graph_objective(model, graph, model(mine), targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -159,7 +223,7 @@ def torch_rank(ctx: RankContext, path: str, config: TrainConfig) -> dict:
         dist.all_reduce(held)
         losses.append(float(held) / ctx.world)
         if reference is not None:
-            want = reference(inputs, targets)
+            want = graph_objective(reference, graph, reference(inputs), targets)
             want.backward()
             ref_optimizer.step()
             ref_optimizer.zero_grad()
