@@ -228,12 +228,17 @@ def torch_rank(ctx: RankContext, path: str, config: TrainConfig) -> dict:
             ref_optimizer.step()
             ref_optimizer.zero_grad()
             ref_losses.append(float(want.detach()))
-    return _report(model, reference, losses, ref_losses, config, lowering_of(model).describe())
+    report = _report(model, reference, losses, ref_losses, config, lowering_of(model).describe())
+    return {**report, "optimizer": type(optimizer).__name__}
 
 
 def _optimizer(module: nn.Module, config: TrainConfig):
+    """torch's SGD or Adam as the plan asks for it (`zero.zero_optimizer`: its state sharded over the data ranks
+    under the plan's ZeRO-1; the unmodified reference module's whole)."""
+    from parsat.backend.torch_native.zero import zero_optimizer
+
     kind = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[config.optimizer]
-    return kind(module.parameters(), lr=config.lr)
+    return zero_optimizer(module, kind, lr=config.lr)
 
 
 def _report(model: nn.Module, reference, losses: list, ref_losses: list, config: TrainConfig,
