@@ -5,14 +5,24 @@ runs the plan node by node. This runs the same plan file the way a user's
 module would be run with `parsat.parallelize(module, plan,
 runtime="torch")`: the plan's graph becomes a module (`GraphModule`:
 each graph weight a parameter, seeded as the interpreter seeds it; its
-forward evaluates the graph with parsat's torch operators and returns the
-interpreter's objective), `entry.parallelize_native` lowers the plan onto
-it (`replicate`, `fully_shard`, ZeRO-1/2, on a `DeviceMesh`: gloo on CPU,
+forward evaluates the graph with parsat's torch operators and returns its
+outputs, of which `graph_objective` makes the interpreter's objective),
+`entry.parallelize_native` lowers the plan onto it (`replicate`,
+`fully_shard`, ZeRO-1/2, on a `DeviceMesh`: gloo on CPU,
 nccl where CUDA has a device per rank), and each rank trains it on its
 local batch of the interpreter's seeded data with torch's SGD or Adam.
 With `--check` every rank also trains the unmodified module on the whole
 batch in one process, and the losses (the ranks' mean) and final weights
 (gathered whole) are compared.
+
+Where the plan's PCG computes otherwise than its graph (an algebraic
+rewrite), the module computes the plan's graph: `GraphImport` is its
+import for `parallelize`, which then replaces its forward by
+`rewritten.RewrittenForward` (the same code as for a user's imported
+module). An example whose nodes fix an attribute at the global batch (the
+loss's 1 / count: `GraphModule.batch_fixed`) keeps its graph's form,
+rebuilt at the local batch, the lowering's note saying why. The optimizer
+is `zero.zero_optimizer`'s: its state sharded under the plan's ZeRO-1.
 
 The module's forward evaluates the graph at the batch it is given: for a
 built-in example (`Graph.example`) the example rebuilt at the local batch
