@@ -221,6 +221,40 @@ def test_a_repeated_span_depends_on_its_own_copies_and_keeps_earlier_dependencie
         (other.step_s, other.busy_s, other.peak_memory_bytes, other.critical_path)
 
 
+def _written_out(b: StepBuilder, start: int, end: int) -> None:
+    """`repeat` as it was before copy runs: every copied task's dependencies written out (the reference)."""
+    shift = len(b.names) - start
+    for i in range(start, end):
+        b.add(b.names[i], b.stream_of[i], b.durations[i], [d + shift if d >= start else d for d in b.deps[i]],
+              b.allocs[i], b.frees[i], b.phases[i])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_copy_runs_simulate_as_the_tasks_written_out(seed):
+    """`repeat`'s copy runs (dependencies read shifted from their source as `simulate` visits them) give every
+    figure the same tasks added one by one give, bit for bit: ends, starts, step, busy times, critical path,
+    peaks and `deps`; with tasks added between and after runs, several runs of one source, and a range holding
+    copies repeated (written out first)."""
+    import random
+    rng = random.Random(seed)
+    virtual, written = _random_step(seed, tasks=60), _random_step(seed, tasks=60)
+    runs = 0
+    for _ in range(6):
+        n = len(virtual.names)
+        start = rng.randrange(0, n - 1)
+        end = rng.randrange(start + 1, min(n, start + 40) + 1)
+        virtual.repeat(start, end)
+        runs = max(runs, len(virtual._copies))
+        _written_out(written, start, end)
+        for builder in (virtual, written):   # a task after the run, reading one of the copies
+            builder.add("after", 0, 0.5, [len(builder.names) - 1], alloc=3, free=1)
+    assert runs and virtual.deps == written.deps and virtual.names == written.names
+    one, other = virtual.simulate({"d0": 4}), written.simulate({"d0": 4})
+    assert (one.step_s, one.busy_s, one.critical_path, one.peak_memory_bytes, one.overlap_s) == \
+        (other.step_s, other.busy_s, other.critical_path, other.peak_memory_bytes, other.overlap_s)
+    assert one._columns[1:] == other._columns[1:]
+
+
 def test_the_peaks_worked_out_when_read_are_those_of_the_simulated_tasks():
     """`StepResult.peak_memory_bytes` is worked out on first read (a search reads most steps' time alone): from
     the tasks as they were when simulated, with the resident bytes, whatever the builder was given since."""

@@ -540,3 +540,41 @@ def test_the_cut_refinement_s_floor_changes_no_plan_and_prunes_only_under_a_step
                 assert calls[True] == calls[False], schedule
             elif plan is uneven_stage and schedule == ONE_F_ONE_B:
                 assert calls[True] < calls[False]
+
+
+def test_a_stage_step_simulates_only_the_baselines_that_fit_and_the_plan_is_the_same(monkeypatch):
+    """A pipeline stage's step reads a baseline's simulated step only to rank it, and only where it fits
+    (`step.step_read`): on 7 MiB devices the stage's data-parallel baseline does not fit, so it is left
+    unsimulated, and the plan is field for field (but its timings) the one simulating every baseline gives."""
+    import parsat.search.step as step_module
+    from parsat.search.mesh import CandidateSteps
+
+    sizes = {"blocks": 4, "batch": 16, "seq": 256, "hidden": 64, "heads": 4, "vocab": 128}
+    small = replace(Machine.resolve("cpu"), memory_capacity=7 * 2 ** 20)
+    left, where = [], CandidateSteps.where
+
+    def counting(self, candidate, ranked):
+        if candidate is not None and ranked is not None and not ranked(candidate):
+            left.append(candidate.name)   # left unsimulated
+        return where(self, candidate, ranked)
+
+    def plan() -> str:
+        found = optimize("gpt", small, devices=4, sizes=sizes, degrees={"pp": 2}, microbatches=4)
+        assert found.pipeline is not None
+        return json.dumps(_timeless(json.loads(found.to_json())))
+
+    monkeypatch.setattr(CandidateSteps, "where", counting)
+    cut = plan()
+    assert "data_parallel" in left
+    monkeypatch.setattr(step_module, "step_read", lambda step: None)
+    left.clear()
+    assert plan() == cut and not left
+
+
+def _timeless(value):
+    """A plan's JSON without the fields that measure time."""
+    if isinstance(value, dict):
+        return {k: _timeless(v) for k, v in value.items() if "seconds" not in k}
+    if isinstance(value, list):
+        return [_timeless(v) for v in value]
+    return value

@@ -42,6 +42,24 @@ def test_points_that_cannot_be_the_fastest_are_not_simulated():
     assert [k.config for k in kept] == [s.config for s in simulated if any(k.pcg == s.pcg for k in kept)]
 
 
+def test_a_lone_candidate_under_no_bar_is_simulated_without_its_floor(monkeypatch):
+    """`fastest` asks no floor where one candidate fits and no bar is set (nothing to order, nothing it could be
+    above): the candidate comes back simulated, as with its floor; with a bar, or two fitting, floors are asked."""
+    request, step, points = _grid()
+    fitting = [p for p in points if step.memory.fits(p)]
+    asked, floor = [], CandidateSteps.floor
+    monkeypatch.setattr(CandidateSteps, "floor", lambda self, pcg, plan=True: asked.append(pcg) or floor(self, pcg,
+                                                                                                         plan))
+    steps = CandidateSteps(request.library, step.machine, 1)
+    kept, bar = steps.fastest(fitting[:1], step.memory.fits)
+    assert not asked and kept[0].totals.simulation is not None and bar == round(kept[0].totals.time_s, 12)
+    again, _bar = CandidateSteps(request.library, step.machine, 1).fastest(fitting[:1], step.memory.fits, bar=1e9)
+    assert asked and again[0].totals == kept[0].totals
+    asked.clear()
+    CandidateSteps(request.library, step.machine, 1).fastest(fitting[:2], step.memory.fits)
+    assert len(asked) == 2
+
+
 def test_a_layout_is_left_out_whole_where_its_floor_is_beyond_the_fastest_point():
     """A layout's points (ZeRO 0 and 3, and the fallbacks) compute alike, so they share one floor
     (`baselines.grid_families`); a layout `skip` turns down on its first point yields none of its points."""

@@ -152,6 +152,9 @@ class StepBuilder:
 
     Tasks are stored column-wise (plain lists) because extraction prices
     many candidate plans: adding and simulating a task must cost microseconds.
+    The dependencies of `repeat`'s copies are not written out: each copy run
+    (`_copies`) reads its source's, shifted, as `simulate` visits it (`deps`
+    writes them out for a reader).
     """
 
     def __init__(self) -> None:
@@ -160,10 +163,28 @@ class StepBuilder:
         self.names: list[str] = []
         self.stream_of: list[int] = []
         self.durations: list[float] = []
-        self.deps: list[tuple[int, ...]] = []
+        self._deps: list[tuple[int, ...] | None] = []   # None for a task of a copy run
+        # copy runs in task order: (first, end, source's first, shift): tasks first..end-1 are the tasks from
+        # source's first on, each dependency on one of them (an id >= source's first) moved by shift
+        self._copies: list[tuple[int, int, int, int]] = []
+        self._written: tuple[int, int, list] | None = None   # `deps` written out, for (tasks, copy runs)
         self.allocs: list[int] = []
         self.frees: list[int] = []
         self.phases: list[str] = []
+
+    @property
+    def deps(self) -> list[tuple[int, ...]]:
+        """Each task's dependencies (a copy's as `repeat` says: moved onto the copies of the tasks it copies)."""
+        if not self._copies:
+            return self._deps
+        key = (len(self._deps), len(self._copies))
+        if self._written is None or self._written[:2] != key:
+            out = list(self._deps)
+            for first, end, source, shift in self._copies:
+                out[first:end] = [tuple([d + shift if d >= source else d for d in deps]) if deps else deps
+                                  for deps in self._deps[source:source + end - first]]
+            self._written = (*key, out)
+        return self._written[2]
 
     def stream(self, device: Hashable, kind: str = COMPUTE, name: str = "") -> int:
         """The id of a stream of `device` (created on first use)."""
@@ -192,7 +213,7 @@ class StepBuilder:
         self.names.append(name)
         self.stream_of.append(stream)
         self.durations.append(float(duration))
-        self.deps.append(deps)
+        self._deps.append(deps)
         self.allocs.append(int(alloc))
         self.frees.append(int(free))
         self.phases.append(phase)
@@ -204,15 +225,25 @@ class StepBuilder:
     def repeat(self, start: int, end: int) -> None:
         """Tasks `start` to `end` (excluded) added again, in order, after every task so far: a dependency among
         them becomes one on the copy of that task, one on an earlier task stays. Each already passed `add`'s
-        checks, and the copies keep every dependency on an earlier task."""
-        shift = len(self.names) - start
+        checks, and the copies keep every dependency on an earlier task.
+
+        The copies' dependencies are a copy run (`_copies`), read shifted where `simulate` visits them: a step
+        of many micro-batches repeats 10^5-10^6 tasks, and writing a tuple per task was most of the copying. A
+        range holding copies itself is written out (`deps`) first."""
+        shift, first = len(self.names) - start, len(self.names)
         self.names.extend(self.names[start:end])
         self.stream_of.extend(self.stream_of[start:end])
         self.durations.extend(self.durations[start:end])
-        # one list comprehension per task rather than a generator (a step of many micro-batches repeats 10^5
-        # tasks); a task without dependencies keeps its empty tuple
-        self.deps.extend([tuple([d + shift if d >= start else d for d in deps]) if deps else deps
-                          for deps in self.deps[start:end]])
+        if end <= start:
+            pass
+        elif any(s < end and start < e for s, e, _source, _shift in self._copies):
+            written = self.deps
+            self._deps, self._copies = list(written), []   # every task written out, no copy run
+            self._deps.extend([tuple([d + shift if d >= start else d for d in deps]) if deps else deps
+                               for deps in written[start:end]])
+        else:
+            self._deps.extend([None] * (end - start))
+            self._copies.append((first, first + end - start, start, shift))
         self.allocs.extend(self.allocs[start:end])
         self.frees.extend(self.frees[start:end])
         self.phases.extend(self.phases[start:end])
@@ -226,18 +257,25 @@ class StepBuilder:
         end = [0.0] * n
         held_by = [-1] * n
         per_stream = [0.0] * len(self.streams)
-        # each stream's busy time summed in task order, as before, in the same pass
-        for i, (s, needs, duration) in enumerate(zip(self.stream_of, self.deps, self.durations)):
-            t, why = free_at[s], last[s]
-            for d in needs:
-                if end[d] > t:
-                    t, why = end[d], d
-            start[i] = t
-            end[i] = finish = t + duration
-            free_at[s] = finish
-            last[s] = i
-            held_by[i] = why
-            per_stream[s] += duration
+        stream_of, durations, deps = self.stream_of, self.durations, self._deps
+        # each stream's busy time summed in task order, as before, in the same pass; run by run (`_runs`), each
+        # dependency at or past `cut` read moved by `shift` (a copy's, as `repeat` would have written it: the
+        # same comparisons, sums and order, so the same figures)
+        for first, stop, read, cut, shift in self._runs():
+            for i, s, needs, duration in zip(range(first, stop), stream_of[first:stop],
+                                             deps[read:read + stop - first], durations[first:stop]):
+                t, why = free_at[s], last[s]
+                for d in needs:
+                    if d >= cut:
+                        d += shift
+                    if end[d] > t:
+                        t, why = end[d], d
+                start[i] = t
+                end[i] = finish = t + duration
+                free_at[s] = finish
+                last[s] = i
+                held_by[i] = why
+                per_stream[s] += duration
         step = max(end, default=0.0)
         busy = {stream.label(): per_stream[k] for k, stream in enumerate(self.streams)}
         path: list[int] = []
@@ -250,6 +288,16 @@ class StepBuilder:
         snapshot = StepBuilder.__new__(StepBuilder)   # the columns as they are now, if tasks are added later
         snapshot.__dict__.update({k: list(v) if isinstance(v, list) else v for k, v in self.__dict__.items()})
         return StepResult(step, busy, tuple(path), (snapshot, start, end), dict(resident or {}))
+
+    def _runs(self) -> list[tuple[int, int, int, int, int]]:
+        """The tasks in runs, in order: (first, end, where its dependencies are read from, cut, shift): a run
+        written out reads its own and moves none (cut past every id); a copy run reads its source's and moves
+        those at or past the source's first."""
+        n, at, out = len(self._deps), 0, []
+        for first, end, source, shift in self._copies:
+            out += [(at, first, at, n, 0), (first, end, source, source, shift)]
+            at = end
+        return out + [(at, n, at, n, 0)]
 
     def _overlap(self, start: Sequence[float], end: Sequence[float]) -> dict[Hashable, float]:
         """Per device: the measure of the time its compute and its communication streams were both busy."""

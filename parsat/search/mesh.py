@@ -69,9 +69,12 @@ class MeshSearch:
                 "time_s": self.joint.totals.time_s if self.joint else None,
                 "node_sum_s": self.joint.totals.per_node_s if self.joint else None, "error": self.error}
 
-    def simulated(self, steps: "CandidateSteps") -> "MeshSearch":
-        """This search with its candidates' steps simulated (`CandidateSteps`)."""
-        return replace(self, joint=steps(self.joint), megatron=steps(self.megatron), grid=steps(self.grid))
+    def simulated(self, steps: "CandidateSteps", ranked: Callable[[Candidate], bool] | None = None) -> "MeshSearch":
+        """This search with its candidates' steps simulated (`CandidateSteps`): the joint plan's always (its step
+        is the mesh's `summary`), the baselines' (Megatron, the grid point) where `ranked` says their step can
+        matter (`step.step_read`; None: always)."""
+        return replace(self, joint=steps(self.joint), megatron=steps.where(self.megatron, ranked),
+                       grid=steps.where(self.grid, ranked))
 
 
 class CandidateSteps:
@@ -103,6 +106,14 @@ class CandidateSteps:
             self.simulated[candidate.pcg] = found
         return replace(candidate, totals=candidate.totals.simulated(found))
 
+    def where(self, candidate: Candidate | None, ranked: Callable[[Candidate], bool] | None) -> Candidate | None:
+        """`candidate` simulated where `ranked(candidate)` (or no `ranked` is given), else as it is: a step whose
+        ranking reads no simulated time of a candidate (`step.step_read`) leaves it unsimulated. (Never run, it
+        records no simulator failure either, as `fastest`'s left-out candidates do not.)"""
+        if candidate is None or (ranked is not None and not ranked(candidate)):
+            return candidate
+        return self(candidate)
+
     def floor(self, pcg: PCG, plan: bool = True) -> float | None:
         """A lower bound of `pcg`'s simulated step (`pcg_tasks.step_floor`; without the `plan`'s own part, one
         for every ZeRO stage and recomputation of its layout), None where a node of it cannot be timed (its
@@ -129,9 +140,11 @@ class CandidateSteps:
         that do not fit are kept as they are: they rank by memory, which simulating does not change; so are
         those `rivals` says are not ranked at all (a pinned search's grid points that do not keep the pins:
         the bar must come from a candidate that can be chosen). Also the fastest step simulated, the bar for
-        the candidates ranked after them. `skipped` counts those left out."""
+        the candidates ranked after them. `skipped` counts those left out. A lone candidate under no bar is
+        simulated without its floor: nothing is ordered by it, and no floor is above an infinite bar."""
         fitting = [i for i, c in enumerate(candidates) if fits(c) and (rivals is None or rivals(c))]
-        floors = {i: self.floor(candidates[i].pcg) for i in fitting}
+        lone = len(fitting) == 1 and bar == math.inf
+        floors = {i: None if lone else self.floor(candidates[i].pcg) for i in fitting}
         kept = dict(enumerate(candidates))
         for i in sorted(fitting, key=lambda i: (-math.inf if floors[i] is None else floors[i], i)):
             if floors[i] is not None and round(floors[i], 12) > bar:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from parsat.dsl.library import Library
 from parsat.ir.costs import Totals
@@ -96,7 +96,8 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
     pinned = choices[0].config is not None
     unspread = _unspread(step, searches)
     steps = CandidateSteps(step.request.library, step.machine, step.graph.microbatches, step.request.simulations)
-    searches = [s.simulated(steps) for s in searches]
+    ranked = step_read(step)
+    searches = [s.simulated(steps, ranked) for s in searches]
     if pinned:
         searches = [_keeping_pins(s, step) for s in searches]
     solved = [s for s in searches if s.joint is not None]
@@ -310,7 +311,8 @@ def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_se
         if not step.pins else None
     experts = expert_parallel(graph, request.library, machine, request.free_input_placements, step.devices) \
         if not step.pins else None
-    two_phase, dp, experts = steps(two_phase), steps(dp), steps(experts)
+    ranked = step_read(step)
+    two_phase, dp, experts = steps.where(two_phase, ranked), steps.where(dp, ranked), steps.where(experts, ranked)
     # data parallelism over every device is a point of the grid too, and so is every point of the grid built
     # directly from the graph (`independent_grid`): an e-graph cut short by the limits may not reach them
     as_grid = replace(dp, name="best_grid", config={"dp": step.devices, "tp": 1, "sp": False, "zero": 0,
@@ -326,6 +328,22 @@ def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_se
         if candidate is not None:
             candidates.append(candidate)
     return candidates, found, skipped
+
+
+def step_read(step: StepContext) -> Callable[[Candidate], bool] | None:
+    """Which baselines' simulated steps the step's plan can read (None: every one's, an unstaged step's: its
+    baselines are the plan's, each shown with its simulated step). A pipeline stage's step (`step.stage`)
+    reads a baseline's step only to rank it, and `rank` reads the time only of a candidate that fits (one that
+    does not ranks by `MemoryFit.needs`, which simulating does not change: `Totals.simulated` keeps the memory),
+    so only those that fit are simulated there. Nothing else of them reaches a plan: the stage plan's
+    `baselines` are over a stage's devices, and `pipeline_search.best_of` gives the plan the unstaged search's
+    instead (with the best PTD-P point, priced by `StagePricer`); the stage plan's `totals` (its chosen
+    candidate's) become its pipelined price (`StagePricer.price`); its best grid point is read for its PCG and
+    costs (`pipeline_search._grid_points`). The joint plan of each mesh is simulated whatever it needs (its
+    step is in `saturation.meshes`, which the pipelined plan keeps: `MeshSearch.simulated`); the grid built
+    apart from the graph simulates only what fits already (`independent_points`). Measured on llama-70b:64:
+    the stage steps' data-parallel baselines (a whole stage's weights per device) never fit."""
+    return step.memory.fits if step.stage is not None else None
 
 
 def _two_phase(step: StepContext, best_search: MeshSearch, spare: Limits, clock: Deadline) -> Candidate | None:
