@@ -148,3 +148,35 @@ def test_a_graph_laid_out_again_with_kin_takes_the_same_layout():
     again = [megatron_pcg(graph, library, (4, 2), 8, zero=zero, sequence=True, cache={}, kin=kin) for zero in (0, 3)]
     assert all(a is b for a, b in zip(first, again))   # taken, not built
     assert again == [megatron_pcg(graph, library, (4, 2), 8, zero=zero, sequence=True) for zero in (0, 3)]
+
+
+def test_a_restated_form_shares_its_layout_s_facts_and_they_are_the_form_s_own(layouts):
+    """`baselines.restated`: a layout's form with another ZeRO stage or recomputation shares the facts the layout
+    worked out from its nodes (`LAYOUT_FACTS`), and each is what the form alone works out; so are the facts a form
+    works out first and the layout then reads; and the form's price, floor and simulated step are a fresh
+    form's."""
+    from parsat.cost.pcg_tasks import OpTimes, needs_gradient, regathered, simulate_pcg, step_floor, unkept
+    from parsat.cost.saved import kept_values
+    from parsat.search.baselines import LAYOUT_FACTS, restated
+
+    library, graph, pcgs = layouts
+
+    def facts(pcg):
+        return (dict(pcg.readers_of), dict(pcg.storage_chains), needs_gradient(pcg, library),
+                kept_values(pcg, library), regathered(pcg, library), unkept(pcg, library))
+
+    for pcg in pcgs:
+        layout = replace(pcg)                          # a copy of its own: nothing worked out yet
+        first = restated(layout, 1, BLOCKS)            # a fact the form works out first, the layout reads
+        kept_values(first, library)
+        assert all(getattr(first, name) is getattr(layout, name) for name in LAYOUT_FACTS)
+        for zero, policy in ((0, BLOCKS), (1, "none"), (2, BLOCKS)):
+            form, fresh = restated(layout, zero, policy), replace(pcg, zero=zero, recompute=policy)
+            assert (form.zero, form.recompute) == (zero, policy) and form == fresh
+            assert facts(form) == facts(fresh)
+            assert price_pcg(form, library, MACHINE, True, 2) == price_pcg(fresh, library, MACHINE, True, 2)
+            times = OpTimes(library, MACHINE)
+            assert step_floor(form, MACHINE, times, 2) == step_floor(fresh, MACHINE, OpTimes(library, MACHINE), 2)
+            assert simulate_pcg(form, library, MACHINE, times=times, microbatches=2).step_s == \
+                simulate_pcg(fresh, library, MACHINE, times=OpTimes(library, MACHINE), microbatches=2).step_s
+        assert facts(layout) == facts(replace(pcg))

@@ -205,7 +205,7 @@ class _GridPricer:
         priced once; its forms with the weights' state sharded or recomputing blocks from those costs
         (`_Forms`)."""
         if zero == 0 and self.state_zero and layout.dp > 1 and pcg is not None:
-            pcg, zero = replace(pcg, zero=self.state_zero), self.state_zero
+            pcg, zero = restated(pcg, self.state_zero, pcg.recompute), self.state_zero
         if pcg is None:
             return []
         forms = _Forms(pcg, self)
@@ -238,18 +238,40 @@ class _Forms:
             args = (g.library, g.machine, g.free, g.graph.microbatches)
             base = self.node_costs(self.pcg.zero) if zero != self.pcg.zero else None
             self.raw[zero] = restaged_node_costs(base, self.pcg, zero, *args, computed=g.computed) \
-                if base is not None else pcg_node_costs(replace(self.pcg, zero=zero), *args, computed=g.computed)
+                if base is not None else pcg_node_costs(restated(self.pcg, zero, self.pcg.recompute), *args,
+                                                         computed=g.computed)
         return self.raw[zero]
 
     def point(self, zero: int, recompute: str, config: dict) -> Candidate | None:
         """The form with `zero` and `recompute` as a `best_grid` candidate; None where it cannot be priced."""
         pcg = self.pcg if (zero, recompute) == (self.pcg.zero, self.pcg.recompute) else \
-            replace(self.pcg, zero=zero, recompute=recompute)
+            restated(self.pcg, zero, recompute)
         raw = self.node_costs(zero)
         if raw is None:
             return None
         costs = recomputed_pcg_costs(pcg, raw)
         return Candidate("best_grid", pcg, costs, totals(costs, self.grid.machine), config)
+
+
+LAYOUT_FACTS = ("readers_of", "storage_chains", "derived")
+"""What a PCG works out from its nodes and outputs alone and keeps (`ir.pcg.PCG`): its readers, its weights' storage
+chains, and `derived` (the cost model's `needs_gradient`, `kept_values`, `regathered`, `unkept`, each read from the
+nodes, the outputs, the roles those give and the operator library, never from the ZeRO stage or the recomputation
+policy)."""
+
+
+def restated(pcg: PCG, zero: int, recompute: str) -> PCG:
+    """`pcg` with ZeRO stage `zero` and recomputation `recompute`, sharing what `pcg` works out from its nodes
+    (`LAYOUT_FACTS`): the same nodes and outputs give the same facts, so a layout's forms (ZeRO 0 and 1, keeping or
+    recomputing: priced, judged, bounded and simulated, each once) work them out once between them, where each
+    form worked out its readers (0.1 CPU s for a llama-70b stage) and saved values again. The shared `derived`
+    table is the same object: a fact one form works out, every form reads (each fact reads nothing the forms
+    differ in)."""
+    form = replace(pcg, zero=zero, recompute=recompute)
+    if form is not pcg:
+        for name in LAYOUT_FACTS:
+            form.__dict__[name] = getattr(pcg, name)
+    return form
 
 
 def _fitting_point(forms: _Forms, config: dict, fits: Callable[[Candidate], bool], blocks: bool) -> Candidate | None:
