@@ -58,7 +58,7 @@ from parsat.ir.pcg import SHARDED_STATE_STAGES, STORED_ROLES, WEIGHT, WEIGHT_PIE
 from parsat.cost import collectives
 from parsat.cost.collectives import GroupTopology, price
 from parsat.cost.op_time import FUSED, OpTime, op_time
-from parsat.cost.saved import regathers, runtime_regathers
+from parsat.cost.saved import exposed_regather_s, regathers, runtime_regathers
 
 OPTIMIZER = "adam"           # the optimizer the plan's memory and update time assume
 
@@ -124,15 +124,20 @@ def compute_cost(instance: OpInstance, inputs: Sequence[Degrees], output: Degree
         if is_weight:
             memory += degrees.piece_elements(shape) * weight_bytes(machine)
             opt += degrees.piece_elements(shape) * update_traffic_bytes(machine) / machine.memory_bandwidth
+    alone = ()
+    if timed.gemm is not None and timed.backward_factor is None:   # one product: its operands' gradients apart
+        alone = tuple(machine.efficiency.op_time(timed.backward_kernel_s([p]), backward=True)
+                      for p in range(len(shapes)))
     return NodeCost(timed.forward_s, timed.backward_s, opt, memory_bytes=memory, flops=timed.flops,
                     problems=tuple(problems),
-                    activation_bytes=activation)
+                    activation_bytes=activation, input_grad_s=alone)
 
 
 def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, output: Degrees, machine: Machine,
                   source_role: str, devices: int | None = None,
                   group: GroupTopology | None = None, stores: bool = True, zero: int = 0,
-                  microbatches: int = 1, gradient: bool = True, kept: bool = True) -> NodeCost:
+                  microbatches: int = 1, gradient: bool = True, kept: bool = True,
+                  cover_s: float = 0.0) -> NodeCost:
     """A parallel operator on one mesh axis of `degree` devices. `source_role` (`ir.pcg`'s roles) says what it
     reads:
 
@@ -182,7 +187,9 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
     `kept` (an activation's operators only): whether some reader's backward reads the output (`cost.saved`),
     which is then kept until that backward; otherwise it is freed once read. A `combine` or `all_gather` of an
     activation keeps nothing of its own: its source, the shard, is kept, and where its output is wanted it is
-    gathered again in backward, as Megatron-LM's sequence-parallel layers do (`cost.saved`).
+    gathered again in backward, as Megatron-LM's sequence-parallel layers do (`cost.saved`). That second
+    all-gather runs beside its readers' input gradients (`cover_s`, per micro-batch: `cost.saved.regather_cover`),
+    so only what they cannot hide is charged (`cost.saved.exposed_regather_s`); its elements are all sent.
     """
     p = degree
     shape = tuple(shape)
@@ -196,11 +203,10 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
     regather = runtime_regathers(machine) and regathers(op, source_role, kept)
     held = _parallel_memory(op, source_role, stores, move, machine, sharding, kept, regather)
     runs = _sharded_sync_runs(move, sharding, microbatches) if sharding else _collective_runs(op, source_role, move)
-    if regather:   # the shard kept, gathered again for backward
-        runs = runs + tuple(replace(run, phase="bwd") for run in runs if run.phase == "fwd")
+    again = tuple(replace(run, phase="bwd") for run in runs if run.phase == "fwd") if regather and gradient else ()
     if not gradient:   # no gradient reaches the source (`cost.pcg_tasks.needs_gradient`): nothing runs backward
         runs = tuple(run for run in runs if run.phase != "bwd")
-    comm = _price_runs(machine, group, p, runs, _replica_sets(devices, source, output))
+    comm = _priced_regather(machine, group, p, runs, again, _replica_sets(devices, source, output), cover_s)
     return NodeCost(optimizer_s=held.optimizer_s, comm_s=comm.seconds, comm_elements=comm.elements,
                     grad_sync_elements=comm.grad_sync_elements, memory_bytes=held.memory_bytes,
                     collectives=comm.collectives, activation_bytes=held.activation_bytes, weight_chain=weighty,
@@ -385,6 +391,18 @@ def _collective_runs(op: str, source_role: str, move: _Move) -> tuple[_Run, ...]
     if op not in _RUNS:
         raise KeyError(op)
     return _RUNS[op](move)
+
+
+def _priced_regather(machine: Machine, group: GroupTopology, degree: int, runs: Sequence[_Run],
+                     again: Sequence[_Run], sets: int, cover_s: float) -> _Comm:
+    """`runs` and the second all-gather `again` (none where nothing is gathered again) priced (`_price_runs`):
+    every element sent counts, but of `again`'s seconds only what the readers' input gradients (`cover_s`)
+    leave exposed (`cost.saved.exposed_regather_s`)."""
+    comm = _price_runs(machine, group, degree, tuple(runs) + tuple(again), sets)
+    if not again:
+        return comm
+    gather_s = _price_runs(machine, group, degree, again, sets).seconds
+    return replace(comm, seconds=comm.seconds - gather_s + exposed_regather_s(gather_s, cover_s))
 
 
 def _replica_sets(devices: int | None, source: Degrees, output: Degrees) -> int:

@@ -428,6 +428,14 @@ class _Builder:
         self.gathered_values = {n.id for n in pcg.nodes if n.kind == "parallel" and n.op == parallel_ops.ALL_GATHER}
         self.regathered = regathered(pcg, times.library) if profile.regather else frozenset()
         self.regathers: dict[int, int] = {}           # regathered node -> its backward all-gather in this pass
+        # regathered node -> its readers whose backward is split (`_split_backward`): their input gradients all
+        # run beside its second all-gather before any of their weight gradients (`_defer_weight_gradient`)
+        self.split_readers = {r: len({u.id for u in self.users.get(r, []) if u.kind == "op" and u.op in PRODUCTS})
+                              for r in self.regathered} if profile.overlap else {}
+        self.split_left: dict[int, int] = {}          # regathered node -> its split readers not yet run, this pass
+        self.held_back: dict[int, list[tuple]] = {}   # regathered node -> weight gradients waiting for the others
+        self.deferred: set[int] = set()               # inputs whose gradient is among those weight gradients
+        self.flushed: list[int] = []                  # inputs whose gradient was just issued (`backward` visits)
         # values freed once their forward readers are done: regathered ones, and, where backward frees values,
         # those no backward reads (`cost.saved`, as the per-node model counts them)
         self.released = self.regathered if profile.keep_activations else \
@@ -447,6 +455,7 @@ class _Builder:
         self.contiguous = {k: v for k, v in self.contiguous.items() if k in keep}
         self.grad_ready = {}
         self.regathers = {}
+        self.split_left, self.held_back, self.deferred, self.flushed = dict(self.split_readers), {}, set(), []
         self.forward_readers = {i: len({u.id for u in self.users.get(i, [])}) for i in self.released}
         self.piped = {}
         self.early = set()
@@ -908,9 +917,12 @@ class _Builder:
         done: set[int] = set()
         eager = self.profile.eager_gradients and self.syncing
         deferred: list[tuple[int, int]] = []   # gradients that reach their bucket through another axis's reduction
+        skipped: set[int] = set()   # passed while their gradient, or a reader's, was held back (`_walk`)
 
         def visit(node: PNode) -> None:
             done.add(node.id)
+            if node.id in self.held_back:   # a regathered value's readers are all behind: nothing waits longer
+                self.flush_weight_gradients(node.id)
             block = self.block_of_run.get(node.id)
             if block is not None and block not in self.recomputed:
                 self._recompute(block)
@@ -928,21 +940,12 @@ class _Builder:
                           free=self.allocated.pop(node.id), phase="backward")
             for i in node.inputs:
                 waiting[i] -= 1
-                if eager and not waiting[i] and i in params and i not in done:
+            for i in list(node.inputs) + self._take_flushed():
+                if i not in done and not waiting[i] and i not in self.deferred and \
+                        (i in skipped or eager and i in params):
                     visit(self.by_id[i])
 
-        # Over several micro-batches the weights' chains run backward only in the last one (before it, their
-        # gradients accumulate), after the rest of its backward (the backend reduces the accumulated gradients
-        # then; `eager_gradients` aside). One batch runs them where autograd reaches them.
-        if not self.accumulating:
-            order = list(reversed(self.pcg.nodes))
-        else:
-            order = [n for n in reversed(self.pcg.nodes) if n.id not in params]
-            if self.syncing:
-                order += [n for n in reversed(self.pcg.nodes) if n.id in params]
-        for node in order:
-            if node.id not in done:
-                visit(node)
+        self._walk(self._backward_order(), visit, done, skipped)
         if self.first and self.accumulating and self._accumulated_bytes():
             self._add("gradients kept across micro-batches", self.compute, 0.0, [len(self.steps) - 1],
                       alloc=self._accumulated_bytes(), phase="backward")
@@ -958,6 +961,37 @@ class _Builder:
         if self.pcg.zero == 2 and self.accumulating and not self.syncing:
             self._scatter_microbatch_gradients()
         return syncs, produced
+
+    def _backward_order(self) -> list[PNode]:
+        """The order `backward` visits the nodes in: the reverse of the PCG's. Over several micro-batches the
+        weights' chains run backward only in the last one (before it, their gradients accumulate), after the
+        rest of its backward (the backend reduces the accumulated gradients then; `eager_gradients` aside). One
+        batch runs them where autograd reaches them."""
+        if not self.accumulating:
+            return list(reversed(self.pcg.nodes))
+        order = [n for n in reversed(self.pcg.nodes) if n.id not in self.params]
+        if self.syncing:
+            order += [n for n in reversed(self.pcg.nodes) if n.id in self.params]
+        return order
+
+    def _walk(self, order: Sequence[PNode], visit: Callable[[PNode], None], done: set[int],
+              skipped: set[int]) -> None:
+        """`visit` each node of `order` not yet `done`, but pass (into `skipped`) one whose gradient, or a reader's,
+        is held back (`_defer_weight_gradient`): `visit` takes it once every reader's backward has run, or
+        here after the rest, once every held-back gradient is issued."""
+        for node in order:
+            if node.id in done:
+                continue
+            if node.id in self.deferred or any(u.id in skipped and u.id not in done
+                                               for u in self.users.get(node.id, ())):
+                skipped.add(node.id)
+            else:
+                visit(node)
+        self.flush_weight_gradients()
+        self.flushed = []
+        for node in order:
+            if node.id in skipped and node.id not in done:
+                visit(node)
 
     def _scatter_microbatch_gradients(self) -> None:
         """ZeRO-2 keeps only its shard of a gradient, so every micro-batch's is reduce-scattered as it ends
@@ -1247,7 +1281,7 @@ class _Builder:
         again = [p for p, i in enumerate(node.inputs) if i in self.regathered]
         if again and not view:
             gathers = sorted({self._regather(self.by_id[node.inputs[p]], deps) for p in again})
-            if node.op in PRODUCTS and self.profile.tp_comm_overlap:
+            if node.op in PRODUCTS and self.profile.overlap:
                 return self._split_backward(node, label, deps, gathers, again, free)
             deps = list(deps) + gathers
         kernel = 0.0 if view else timed.backward_kernel_s(positions)
@@ -1270,7 +1304,10 @@ class _Builder:
         gradients of those operands (the input gradient, which reads the weight) first, beside their all-gathers
         (`gathers`, launched asynchronously before it), pipelined with their reduce-scatter where the product is
         (`Pipeline`); then the other operands' (the weight gradient, which reads the gathered values), after
-        the all-gathers. The simulator's streams decide how much of them the first GEMM hides."""
+        the all-gathers and after every other product reading the same value has run its input gradient
+        (`_defer_weight_gradient`). The simulator's streams decide how much of the all-gather they hide. Runs on
+        any profile that overlaps communication: Megatron-LM issues this all-gather asynchronously whether or not
+        it pipelines collectives with GEMMs (`tp_comm_overlap`)."""
         timed = self.timed[node.id]
         first = [p for p, i in enumerate(node.inputs) if self.needs_grad[i] and p in again]
         second = [p for p, i in enumerate(node.inputs) if self.needs_grad[i] and p not in again]
@@ -1290,10 +1327,53 @@ class _Builder:
         if second or task is None:
             seconds = self.eff.op_time(timed.backward_kernel_s(second), backward=True) if second else 0.0
             after = ([task] if task is not None else list(deps)) + gathers
-            task = self._add(f"{label} (weight gradient)", self.compute, seconds, after, free=free,
-                             phase="backward")
-            for p in second:
-                self._give(node.inputs[p], task)
+            job = (node, f"{label} (weight gradient)", seconds, after, tuple(second), free)
+            if task is not None and second:
+                self._defer_weight_gradient(node.inputs[again[0]], job)
+                return task
+            task = self._weight_gradient(job)
+        self._readers_done(node.inputs[again[0]])
+        return task
+
+    def _defer_weight_gradient(self, value: int, job: tuple) -> None:
+        """Hold back a product's weight gradient (`job`, `_weight_gradient`'s) until every product reading the
+        regathered `value` has issued its input gradient: they then all run beside the all-gather, as
+        Megatron-Core's fused QKV GEMM (`linear_qkv`: q, k and v are one product there, whose input gradient
+        is the three together) runs them before its one weight gradient, and not only the first reader's
+        input gradient (docs/COSTMODEL.md "The backward re-gather")."""
+        self.held_back.setdefault(value, []).append(job)
+        self.deferred.update(job[0].inputs[p] for p in job[4])
+        self._readers_done(value)
+
+    def _readers_done(self, value: int) -> None:
+        """One more split reader of `value` has run its input gradient: where it is the last, the weight
+        gradients held back for it are issued (`flush_weight_gradients`)."""
+        if value in self.split_left:
+            self.split_left[value] -= 1
+            if self.split_left[value] <= 0:
+                self.flush_weight_gradients(value)
+
+    def flush_weight_gradients(self, value: int | None = None) -> None:
+        """Issue the weight gradients held back for `value` (every value's where None: a reader no gradient
+        reached, at the regathered value's own backward or the end of backward)."""
+        for key in [value] if value is not None else sorted(self.held_back):
+            for job in self.held_back.pop(key, []):
+                self._weight_gradient(job)
+
+    def _take_flushed(self) -> list[int]:
+        """The inputs whose held-back gradient was issued since last asked (`_weight_gradient`)."""
+        taken, self.flushed = self.flushed, []
+        return taken
+
+    def _weight_gradient(self, job: tuple) -> int:
+        """A split product's second part (`_split_backward`): the gradients of its operands at `second`."""
+        node, name, seconds, after, second, free = job
+        task = self._add(name, self.compute, seconds, after, free=free, phase="backward")
+        for p in second:
+            self._give(node.inputs[p], task)
+            if node.inputs[p] in self.deferred:
+                self.deferred.discard(node.inputs[p])
+                self.flushed.append(node.inputs[p])
         return task
 
     # ---------------------------------------------------------------- optimizer

@@ -105,6 +105,27 @@ def regathers(op: str, source_role: str, kept: bool) -> bool:
     return kept and not source_role and op in GATHERS
 
 
+def regather_cover(input_grads: Iterable[float]) -> float:
+    """The seconds of compute a re-gathered value's second all-gather runs beside (`regathers`): the input
+    gradients of the products reading it (`input_grads`, one per reader; `NodeCost.input_grad_s` at the
+    value's position, 0 for a reader that is not a product), each computed from the output's gradient and the
+    weight, not from the gathered value. Megatron-LM launches the all-gather asynchronously before the input
+    gradient (`LinearWithGradAccumulationAndAsyncCommunication`), and a fused QKV GEMM's input gradient is its
+    three siblings' together; the step simulator runs every sibling's input gradient before any weight
+    gradient that waits for the gathered value (`cost.pcg_tasks._Builder._split_backward`)."""
+    return sum(input_grads)
+
+
+def exposed_regather_s(gather_s: float, cover_s: float) -> float:
+    """The part of a re-gather's `gather_s` that its readers' input gradients (`cover_s`, `regather_cover`)
+    cannot hide, on a runtime that runs communication on its own stream (`runtime_regathers`): what the per-node
+    price charges (`cost.model.parallel_cost`), the same part the step simulator's streams leave exposed when
+    nothing else holds the link (tests/test_cost_regather_cover.py), so that extraction, which ranks by per-node
+    sums, ranks layouts as the simulator runs them, and the pipelined stage price (`cost.pipeline.TpOverlap`,
+    whose reference run hides the re-gather too) takes off nothing of it again."""
+    return max(0.0, gather_s - cover_s)
+
+
 def _aliased(op: str, reads: Sequence[Hashable], library: Library, roles: Mapping[Hashable, str]):
     """The value whose storage `op`'s output is, or stands for in backward (a view's operand, a replicated or
     gathered activation's source); None where the output is a tensor of its own."""
@@ -117,4 +138,5 @@ def _aliased(op: str, reads: Sequence[Hashable], library: Library, roles: Mappin
     return reads[names.index(decl.body.tensor)]
 
 
-__all__ = ["ALIASING_PARALLEL", "GATHERS", "kept", "kept_values", "regathers", "runtime_regathers"]
+__all__ = ["ALIASING_PARALLEL", "GATHERS", "exposed_regather_s", "kept", "kept_values", "regather_cover", "regathers",
+           "runtime_regathers"]

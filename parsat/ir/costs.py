@@ -45,6 +45,10 @@ class NodeCost:
     # the last micro-batch's backward produces it, bucket by bucket (DDP; Megatron's overlap_grad_reduce): what a
     # pipeline stage overlaps with its last backward (`cost.pipeline`). Not ZeRO's all-gather after the update.
     grad_reduce_s: float = 0.0
+    # A product's backward kernel for each operand's gradient alone, dispatch included, per micro-batch (not
+    # scaled by `per_step` or `times`): what its input-gradient GEMM can hide of a re-gathered operand's second
+    # all-gather (`cost.saved.regather_cover`); empty for anything that is not one product.
+    input_grad_s: tuple[float, ...] = ()
 
     @property
     def time_s(self) -> float:

@@ -40,7 +40,7 @@ from parsat.ir.pcg import INPUT, STORED_ROLES, WEIGHT, WEIGHT_PIECE, WEIGHT_VALU
 from parsat.ir.units import fmt_bytes_pair
 from parsat.cost.collectives import BROADCAST, GroupTopology, price
 from parsat.cost.model import compute_cost, gather_cost, parallel_cost
-from parsat.cost.saved import kept
+from parsat.cost.saved import GATHERS, kept, regather_cover, runtime_regathers
 from parsat.egraph.encoding import PIN_SUFFIX
 from parsat.egraph.runner import Limits
 from parsat.egraph.snapshot import ENode, Snapshot
@@ -124,6 +124,7 @@ def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Mach
     kind = {cid: kinds.setdefault((shape, snapshot.degrees[cid], roles.get(cid, "")), len(kinds))
             for cid, shape in snapshot.shape.items()}
     priced: dict[tuple, NodeCost | None] = {}
+    covers = _regather_covers(pricer, snapshot, roles, held) if runtime_regathers(machine) else {}
     out: dict[NodeId, NodeCost] = {}
     for cid, nodes in snapshot.classes.items():
         if cid not in kind:
@@ -133,10 +134,11 @@ def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Mach
                 continue
             if only is not None and not only(node.op, roles.get(node.children[0], "") if node.children else ""):
                 continue
-            key = (node.op, node.attrs, kind[cid], tuple(kind[ch] for ch in node.children), cid in held)
+            cover = covers.get(cid, 0.0) if node.op in GATHERS else 0.0
+            key = (node.op, node.attrs, kind[cid], tuple(kind[ch] for ch in node.children), cid in held, cover)
             cost = priced.get(key, _UNPRICED)
             if cost is _UNPRICED:
-                cost = priced[key] = _price_enode(pricer, snapshot, roles, cid, node, cid in held)
+                cost = priced[key] = _price_enode(pricer, snapshot, roles, cid, node, cid in held, cover)
             if cost is not None:
                 out[(cid, index)] = cost
     return out
@@ -145,16 +147,41 @@ def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Mach
 _UNPRICED = object()   # `node_costs`: no e-node of this kind priced yet (None is a price: the model rejects it)
 
 
+def _regather_covers(pricer: "Pricer", snapshot: Snapshot, roles: Mapping[int, str],
+                     held: frozenset[int]) -> dict[int, float]:
+    """Each kept class of activations (`kept_classes`) -> its readers' input gradients, in seconds per
+    micro-batch (`cost.saved.regather_cover`): what a gather of it, gathered again for backward, runs beside
+    (`cost.model.parallel_cost`). A class's readers are e-nodes of other classes, of which a plan picks one
+    per class: each reading class counts its reader e-node with the shortest input gradient (none, 0, where
+    one is not a product), as `kept_classes` counts a class kept where any reader keeps it; the PCG that
+    comes back is priced with its own readers (`search.solve`)."""
+    by_class: dict[int, dict[int, float]] = {}
+    for rcid, nodes in snapshot.classes.items():
+        for node in nodes:
+            if node.op == "leaf" or node.op in PARALLEL_OPS:
+                continue
+            cost = None
+            for p, child in enumerate(node.children):
+                if child not in held or roles.get(child, ""):
+                    continue
+                if cost is None:
+                    cost = _price_enode(pricer, snapshot, roles, rcid, node, rcid in held) or NodeCost()
+                grad = cost.input_grad_s[p] if p < len(cost.input_grad_s) else 0.0
+                seen = by_class.setdefault(child, {})
+                seen[rcid] = min(seen.get(rcid, grad), grad)
+    return {cid: regather_cover(grads.values()) for cid, grads in by_class.items()}
+
+
 def _price_enode(pricer: "Pricer", snapshot: Snapshot, roles: Mapping[int, str], cid: int, node: ENode,
-                 kept: bool = True) -> NodeCost | None:
+                 kept: bool = True, cover: float = 0.0) -> NodeCost | None:
     """One e-node of class `cid` priced (`Pricer.price`); `kept`: whether the class's value is kept for
-    backward (`kept_classes`)."""
+    backward (`kept_classes`); `cover`: its class's readers' input gradients (`_regather_covers`)."""
     parallel = node.op in PARALLEL_OPS
     return pricer.price(node.op, node.attrs[:-1] if parallel else node.attrs, snapshot.shape[cid],
                         snapshot.degrees[cid], tuple(snapshot.shape[ch] for ch in node.children),
                         tuple(snapshot.degrees[ch] for ch in node.children),
                         tuple(roles.get(ch, "") for ch in node.children), node.attrs[-1] if parallel else None,
-                        kept=kept)
+                        kept=kept, cover=cover)
 
 
 def kept_classes(snapshot: Snapshot, graph: Graph, library: Library) -> frozenset[int]:
@@ -194,13 +221,14 @@ class Pricer:
         self.computed = {} if computed is None else computed
 
     def price(self, op: str, attrs: tuple, shape, degrees: Degrees, child_shapes, child_degrees, roles,
-              axis: int | None = None, stores: bool = True, gradient: bool = True, kept: bool = True) -> NodeCost | None:
+              axis: int | None = None, stores: bool = True, gradient: bool = True, kept: bool = True,
+              cover: float = 0.0) -> NodeCost | None:
         devices = self.mesh.world
         if op == "leaf":
             pinned = self.input_pins.get(attrs[0]) if attrs else None
             return gather_cost(self.machine, pinned, shape, devices).per_step(self.microbatches) if pinned else NodeCost()
         key = (op, tuple(attrs), tuple(shape), degrees, tuple(child_shapes), tuple(child_degrees), tuple(roles), axis,
-               stores, gradient, kept)
+               stores, gradient, kept, cover)
         if key not in self.cache:
             if op in PARALLEL_OPS:
                 role = roles[0]
@@ -208,7 +236,7 @@ class Pricer:
                     role = "broadcast-input"
                 self.cache[key] = _parallel(op, GroupTopology.of_axis(self.mesh, axis),
                                             shape, child_degrees[0], degrees, self.machine, role, devices, stores,
-                                            self.zero, self.microbatches, gradient, kept)
+                                            self.zero, self.microbatches, gradient, kept, cover)
             else:
                 weights = tuple(r == WEIGHT for r in roles)
                 reads = (op, tuple(attrs), tuple(child_shapes), tuple(child_degrees), degrees, weights, self.machine,
@@ -224,7 +252,7 @@ class Pricer:
 
 def _parallel(op: str, group: GroupTopology, shape, source: Degrees, out: Degrees,
               machine: Machine, role: str, devices: int, stores: bool = True, zero: int = 0,
-              microbatches: int = 1, gradient: bool = True, kept: bool = True) -> NodeCost:
+              microbatches: int = 1, gradient: bool = True, kept: bool = True, cover: float = 0.0) -> NodeCost:
     degree = group.size
     if role == "broadcast-input":  # a whole input sent to the copies: (p-1) n elements
         n = source.piece_elements(shape)
@@ -232,7 +260,7 @@ def _parallel(op: str, group: GroupTopology, shape, source: Degrees, out: Degree
                         comm_elements=(degree - 1) * n * source.pieces * max(1, devices // out.pieces),
                         collectives=(f"fwd broadcast ({degree} devices, {n} elements)",))
     return parallel_cost(op, degree, shape, source, out, machine, role, devices, group, stores, zero, microbatches,
-                         gradient, kept)
+                         gradient, kept, cover)
 
 
 def _compute(library: Library, op_name: str, values: tuple, shapes, input_degrees, out: Degrees, machine: Machine,
