@@ -5,9 +5,9 @@ asynchronously before the input gradient of the product that reads it (the input
 not the gathered value), so only what that GEMM cannot cover is exposed; Megatron-Core computes q, k and v as
 one fused GEMM (`linear_qkv`), whose input gradient is all three. The per-node price charges that exposed part
 (`cost.saved.exposed_regather_s`, over `regather_cover`) and the step simulator runs the same tasks: every
-sibling's input gradient beside the all-gather, then the weight gradients. Both must agree, so that extraction
-(which ranks by per-node sums) ranks layouts as the simulator runs them, and the pipelined stage price
-(`cost.pipeline.TpOverlap`, whose reference run hides the re-gather too) does not take it off twice.
+sibling's input gradient beside the all-gather, then the weight gradients. Both must agree, so that a PCG's
+per-node sum (the grid's layouts, a re-priced plan) ranks layouts as the simulator runs them, and the pipelined
+stage price (`cost.pipeline.TpOverlap`, whose reference run hides the re-gather too) does not take it off twice.
 """
 
 from __future__ import annotations

@@ -120,9 +120,10 @@ def exposed_regather_s(gather_s: float, cover_s: float) -> float:
     """The part of a re-gather's `gather_s` that its readers' input gradients (`cover_s`, `regather_cover`)
     cannot hide, on a runtime that runs communication on its own stream (`runtime_regathers`): what the per-node
     price charges (`cost.model.parallel_cost`), the same part the step simulator's streams leave exposed when
-    nothing else holds the link (tests/test_cost_regather_cover.py), so that extraction, which ranks by per-node
-    sums, ranks layouts as the simulator runs them, and the pipelined stage price (`cost.pipeline.TpOverlap`,
-    whose reference run hides the re-gather too) takes off nothing of it again."""
+    nothing else holds the link (tests/test_cost_regather_cover.py), so that a PCG's per-node sum (a grid layout's,
+    a re-priced plan's) ranks layouts as the simulator runs them, and the pipelined stage price
+    (`cost.pipeline.TpOverlap`, whose reference run hides the re-gather too) takes off nothing of it again. An
+    e-node is charged the whole second all-gather (`search.extract._price_enode`)."""
     return max(0.0, gather_s - cover_s)
 
 

@@ -40,7 +40,7 @@ from parsat.ir.pcg import INPUT, STORED_ROLES, WEIGHT, WEIGHT_PIECE, WEIGHT_VALU
 from parsat.ir.units import fmt_bytes_pair
 from parsat.cost.collectives import BROADCAST, GroupTopology, price
 from parsat.cost.model import compute_cost, gather_cost, parallel_cost
-from parsat.cost.saved import GATHERS, kept, regather_cover, runtime_regathers
+from parsat.cost.saved import kept
 from parsat.egraph.encoding import PIN_SUFFIX
 from parsat.egraph.runner import Limits
 from parsat.egraph.snapshot import ENode, Snapshot
@@ -124,7 +124,6 @@ def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Mach
     kind = {cid: kinds.setdefault((shape, snapshot.degrees[cid], roles.get(cid, "")), len(kinds))
             for cid, shape in snapshot.shape.items()}
     priced: dict[tuple, NodeCost | None] = {}
-    covers = _regather_covers(pricer, snapshot, roles, held) if runtime_regathers(machine) else {}
     out: dict[NodeId, NodeCost] = {}
     for cid, nodes in snapshot.classes.items():
         if cid not in kind:
@@ -134,11 +133,10 @@ def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Mach
                 continue
             if only is not None and not only(node.op, roles.get(node.children[0], "") if node.children else ""):
                 continue
-            cover = covers.get(cid, 0.0) if node.op in GATHERS else 0.0
-            key = (node.op, node.attrs, kind[cid], tuple(kind[ch] for ch in node.children), cid in held, cover)
+            key = (node.op, node.attrs, kind[cid], tuple(kind[ch] for ch in node.children), cid in held)
             cost = priced.get(key, _UNPRICED)
             if cost is _UNPRICED:
-                cost = priced[key] = _price_enode(pricer, snapshot, roles, cid, node, cid in held, cover)
+                cost = priced[key] = _price_enode(pricer, snapshot, roles, cid, node, cid in held)
             if cost is not None:
                 out[(cid, index)] = cost
     return out
@@ -147,41 +145,19 @@ def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Mach
 _UNPRICED = object()   # `node_costs`: no e-node of this kind priced yet (None is a price: the model rejects it)
 
 
-def _regather_covers(pricer: "Pricer", snapshot: Snapshot, roles: Mapping[int, str],
-                     held: frozenset[int]) -> dict[int, float]:
-    """Each kept class of activations (`kept_classes`) -> its readers' input gradients, in seconds per
-    micro-batch (`cost.saved.regather_cover`): what a gather of it, gathered again for backward, runs beside
-    (`cost.model.parallel_cost`). A class's readers are e-nodes of other classes, of which a plan picks one
-    per class: each reading class counts its reader e-node with the shortest input gradient (none, 0, where
-    one is not a product), as `kept_classes` counts a class kept where any reader keeps it; the PCG that
-    comes back is priced with its own readers (`search.solve`)."""
-    by_class: dict[int, dict[int, float]] = {}
-    for rcid, nodes in snapshot.classes.items():
-        for node in nodes:
-            if node.op == "leaf" or node.op in PARALLEL_OPS:
-                continue
-            cost = None
-            for p, child in enumerate(node.children):
-                if child not in held or roles.get(child, ""):
-                    continue
-                if cost is None:
-                    cost = _price_enode(pricer, snapshot, roles, rcid, node, rcid in held) or NodeCost()
-                grad = cost.input_grad_s[p] if p < len(cost.input_grad_s) else 0.0
-                seen = by_class.setdefault(child, {})
-                seen[rcid] = min(seen.get(rcid, grad), grad)
-    return {cid: regather_cover(grads.values()) for cid, grads in by_class.items()}
-
-
 def _price_enode(pricer: "Pricer", snapshot: Snapshot, roles: Mapping[int, str], cid: int, node: ENode,
-                 kept: bool = True, cover: float = 0.0) -> NodeCost | None:
+                 kept: bool = True) -> NodeCost | None:
     """One e-node of class `cid` priced (`Pricer.price`); `kept`: whether the class's value is kept for
-    backward (`kept_classes`); `cover`: its class's readers' input gradients (`_regather_covers`)."""
+    backward (`kept_classes`). A gather gathered again for backward is charged the whole second all-gather
+    (no `cover`: which readers a plan picks is not known here, an upper bound as `kept_classes` is; per-class
+    estimates of the readers' input gradients made extraction return plans 2-8% slower by exact pricing,
+    docs/COSTMODEL.md "The backward re-gather")."""
     parallel = node.op in PARALLEL_OPS
     return pricer.price(node.op, node.attrs[:-1] if parallel else node.attrs, snapshot.shape[cid],
                         snapshot.degrees[cid], tuple(snapshot.shape[ch] for ch in node.children),
                         tuple(snapshot.degrees[ch] for ch in node.children),
                         tuple(roles.get(ch, "") for ch in node.children), node.attrs[-1] if parallel else None,
-                        kept=kept, cover=cover)
+                        kept=kept)
 
 
 def kept_classes(snapshot: Snapshot, graph: Graph, library: Library) -> frozenset[int]:
