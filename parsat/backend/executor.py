@@ -183,6 +183,17 @@ def seeded_weights(graph: Graph, config: TrainConfig) -> dict[str, torch.Tensor]
             for leaf in graph.weights}
 
 
+def starting_weights(graph: Graph | None, config: TrainConfig) -> dict[str, torch.Tensor] | None:
+    """The weights a rank starts from: the graph's seeded ones (`seeded_weights`) when the plan's graph is known.
+
+    Why not seed them from the PCG: a weight's scale is its fan-in, read off the first operator that contracts
+    it, and a rewritten PCG may read it through other operators than the graph does (`matmul_fuse_shared_input`
+    puts a `concat` between `wa` and its matmul, so the PCG alone gives fan-in 1 where the graph gives d_in):
+    the ranks would then train other starting weights than the reference (`reference_run`) and the graph's
+    module. None without a graph: `RankProgram` then seeds them from the PCG."""
+    return seeded_weights(graph, config) if graph is not None else None
+
+
 def reference_run(graph: Graph, config: TrainConfig, batch: StepBatch | None = None) -> Reference:
     """`graph` (one micro-batch's) trained in one process with the same seeds, data, loss and optimizer.
 
@@ -247,8 +258,9 @@ class _Param:
 class RankProgram:
     """The PCG as one rank runs it: stored weight pieces, groups, counters.
 
-    `weights` gives full weight values by leaf name (a user's module); without
-    it weights come from the seed. `forward` takes the full input values by
+    `weights` gives full weight values by leaf name (a user's module, or the
+    graph's seeded ones, `starting_weights`); without it weights come from
+    the seed, scaled by their fan-in in the PCG. `forward` takes the full input values by
     leaf name the same way (dropout masks included: they are data).
 
     `nodes` restricts the program to the PCG nodes this rank computes (a
@@ -541,7 +553,7 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
     if batch is None:
         batch = step_batch(graph, library) if graph is not None else StepBatch()
     m = batch.microbatches
-    program = RankProgram(pcg, ctx, config, library)
+    program = RankProgram(pcg, ctx, config, library, starting_weights(graph, config))
     optimizer = _make_optimizer(program.state.optimized(program.params), config)
     reference = reference_run(graph, config, batch) if config.check and graph is not None else None
     losses, times, steps_comm, diffs = [], [], [], []  # diffs: (relative, absolute, non-finite) per step

@@ -81,7 +81,8 @@ from parsat.backend.collectives import (ALL_REDUCE_KIND, COLLECTIVES, GRAD_SYNC,
                                         MeshGroups)
 from parsat.backend.executor import (Comparison, ExecutionError, Optimizer, Prediction, RankProgram, RunResult,
                                      TensorMemory, TrainConfig, WeightValues, _job_summary, check_mesh,
-                                     compare_with_reference, gradient_of, operator_library, reference_run, step_comm)
+                                     compare_with_reference, gradient_of, operator_library, reference_run,
+                                     starting_weights, step_comm)
 from parsat.backend.launch import LaunchConfig, RankContext, launch
 from parsat.backend.training_data import StepData
 from parsat.dsl.library import Library
@@ -216,16 +217,17 @@ class _StepState:
 
 
 class StageRank:
-    """One rank of one pipeline stage: its part of the PCG, its channels, its schedule (module docstring)."""
+    """One rank of one pipeline stage: its part of the PCG, its channels, its schedule (module docstring).
+    `weights`: full starting values by name (`executor.starting_weights`; None: seeded from the PCG)."""
 
     def __init__(self, ctx: RankContext, pcg: PCG, pipeline: PipelinePlan, config: TrainConfig,
-                 library: Library):
+                 library: Library, weights: Mapping[str, torch.Tensor] | None = None):
         layout = pipeline.layout
         self.pipeline, self.layout, self.config, self.ctx = pipeline, layout, config, ctx
         self.stage, self.local = pipeline.stage_of_rank(ctx.rank)
         size = pipeline.stage_devices
         groups = MeshGroups(pcg.mesh, ctx.rank, ctx.device, ctx.collective_timeout_s, stages=layout.degree)
-        self.program = RankProgram(pcg, replace(ctx, rank=self.local, world=size), config, library,
+        self.program = RankProgram(pcg, replace(ctx, rank=self.local, world=size), config, library, weights,
                                    nodes=frozenset(layout.stage_nodes(self.stage)), groups=groups)
         self.order = schedule_order(pipeline.schedule, layout.degree, layout.chunks_per_stage,
                                     pipeline.microbatches)[self.stage]
@@ -424,7 +426,7 @@ def run_stage_rank(ctx: RankContext, pcg: PCG, pipeline: PipelinePlan, config: T
     library = operator_library()
     if batch is None:
         batch = step_batch(graph, library) if graph is not None else StepBatch()
-    stage = StageRank(ctx, pcg, pipeline, config, library)
+    stage = StageRank(ctx, pcg, pipeline, config, library, starting_weights(graph, config))
     program = stage.program
     optimizer = Optimizer([p.tensor for p in program.params.values()], config)
     reference = reference_run(graph, config, batch) if config.check and graph is not None else None

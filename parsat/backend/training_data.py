@@ -85,7 +85,11 @@ _FAN_IN_DIMS = {("matmul", 1): (0,), ("linear", 1): (0,), ("linear_nobias", 1): 
 
 def fan_in(nodes: Sequence[tuple[str, str, Sequence[str]]], shapes: dict, name: str) -> int:
     """The fan-in of weight `name` from the first operator that contracts it (1 if none does: norms, biases,
-    embedding tables). `nodes` are (name, op, inputs) in order; `shapes` every tensor's shape."""
+    embedding tables). `nodes` are (name, op, inputs) in order; `shapes` every tensor's shape.
+
+    It is followed through parallel operators, `concat` and `split` (they keep its dims where they were, so
+    the dims contracted are still its own), as a rewritten PCG reads it: `concat(wa, wb)` feeding one matmul
+    (`matmul_fuse_shared_input`) gives `wa` the fan-in its own matmul gives it in the graph."""
     targets = {name: False}  # tensor -> read transposed
     for node_name, op, inputs in nodes:
         for position, ref in enumerate(inputs):
@@ -94,7 +98,7 @@ def fan_in(nodes: Sequence[tuple[str, str, Sequence[str]]], shapes: dict, name: 
             if op == "transpose" and len(shapes[ref]) == 2:
                 targets[node_name] = not targets[ref]
                 continue
-            if op in PARALLEL_OPS_NAMES:
+            if op in PARALLEL_OPS_NAMES or op in _KEEPS_DIMS:
                 targets[node_name] = targets[ref]
                 continue
             dims = _FAN_IN_DIMS.get((op, position))
@@ -116,6 +120,8 @@ def target_value(name: str, shape: Sequence[int], config: TrainConfig, step: int
 
 
 PARALLEL_OPS_NAMES = tuple(PARALLEL_TABLE)
+# Operators that move a tensor's entries along one dim and keep every dim where it was (`fan_in` reads through).
+_KEEPS_DIMS = ("concat", "split")
 # Operators that only move elements: a one-hot tensor stays one-hot through them.
 _MOVES_ELEMENTS = PARALLEL_OPS_NAMES + ("split", "concat", "transpose", "flatten", "unflatten", "broadcast")
 ONEHOT, MASK = "onehot", "mask"
