@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from parsat.cost.pcg_tasks import needs_gradient
-from parsat.cost.saved import kept_values
+from parsat.cost.saved import kept_values, runtime_regathers
 from parsat.dsl.checker import resolve_library
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.egraph.runner import Limits
@@ -29,6 +29,7 @@ from parsat.search.recompute import recomputed_enodes, recomputed_pcg_costs
 from parsat.search.repeat import (OUTSIDE, REPEATED, Repetition, _value_names, class_blocks, snapshot_blocks,
                                   value_names, weigh)
 from parsat.search.request import resolve_request, step_context
+from parsat.search import solve
 from parsat.search.solve import price_pcg
 
 SIZES = {"blocks": 2, "hidden": 256, "heads": 8, "batch": 64, "seq": 128, "vocab": 1024}
@@ -179,6 +180,8 @@ def _price_pcg_afresh(pcg, library, machine, microbatches) -> dict:
     pricer, roles, flows = Pricer(library, machine, pcg.mesh, microbatches=microbatches, zero=pcg.zero), \
         pcg_roles(pcg), needs_gradient(pcg, library)
     by_id, out, held = {n.id: n for n in pcg.nodes}, {}, kept_values(pcg, library)
+    # the readers' input gradients hiding a backward re-gather: one rule, asked of the same module
+    covers = solve._regather_covers(pcg, pricer, roles, held) if runtime_regathers(machine) else {}
     for node in pcg.nodes:
         children = [by_id[i] for i in node.inputs]
         attrs = (node.op,) if node.kind == "leaf" else tuple(v for k, v in node.attrs
@@ -188,7 +191,8 @@ def _price_pcg_afresh(pcg, library, machine, microbatches) -> dict:
                                     tuple(roles.get(c.id, "") for c in children),
                                     node.axis(pcg.mesh) if node.kind == "parallel" else None,
                                     stores=roles.get(node.id) != WEIGHT_VALUE,
-                                    gradient=node.kind != "parallel" or flows[node.inputs[0]], kept=node.id in held)
+                                    gradient=node.kind != "parallel" or flows[node.inputs[0]], kept=node.id in held,
+                                    cover=covers.get(node.id, 0.0))
     return recomputed_pcg_costs(pcg, out)
 
 
