@@ -174,20 +174,17 @@ def _regather_covers(pcg: PCG, pricer: Pricer, roles: Mapping[int, str], held: f
     """Each gather the runtime gathers again for backward (`cost.saved.regathers`) -> the seconds per micro-batch
     of its readers' input gradients, which run beside that all-gather (`cost.saved.regather_cover`): a PCG node
     knows its readers, so its second all-gather is charged what they leave exposed (`cost.model.parallel_cost`)."""
-    readers: dict[int, list[tuple[PNode, int]]] = {}
-    for node in pcg.nodes:
-        if node.kind == "op":
-            for p, i in enumerate(node.inputs):
-                readers.setdefault(i, []).append((node, p))
     by_id = {n.id: n for n in pcg.nodes}
     covers: dict[int, float] = {}
     for node in pcg.nodes:
         if node.kind != "parallel" or not regathers(node.op, roles.get(node.inputs[0], ""), node.id in held):
             continue
         grads = []
-        for reader, p in readers.get(node.id, ()):
+        # `readers_of` lists a reader once per operand it reads the value as: each reader once, every such operand
+        for reader in dict.fromkeys(r for r in pcg.readers_of.get(node.id, ()) if r.kind == "op"):
             cost = _price_node(pricer, pcg, reader, [by_id[i] for i in reader.inputs], roles, True, reader.id in held)
-            grads.append(cost.input_grad_s[p] if cost is not None and p < len(cost.input_grad_s) else 0.0)
+            grads += [cost.input_grad_s[p] if cost is not None and p < len(cost.input_grad_s) else 0.0
+                      for p, i in enumerate(reader.inputs) if i == node.id]
         covers[node.id] = regather_cover(grads)
     return covers
 
