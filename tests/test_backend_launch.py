@@ -18,6 +18,10 @@ from parsat.backend.launch import LaunchConfig, LaunchError, RankContext, launch
 # load 8 on 2 cores took 30 s to start, and a rank's fault must be named whatever the load (the message says
 # "still running after the job timeout" where the launcher waited for the ceiling instead)
 FAST = dict(backend="gloo", timeout_s=300, collective_timeout_s=2)
+# a job that must succeed gets the launcher's default collective timeout: gloo's connection of the ranks
+# (`init_process_group`, within one collective timeout) once took over 2 s on the 2-core box at load 9, and
+# the cores test failed with "connectFullMesh ... Connection closed by peer" where nothing was wrong
+SURE = dict(backend="gloo", timeout_s=300)
 
 
 def _note_pid(folder: str, ctx: RankContext) -> None:
@@ -65,7 +69,7 @@ def _gone(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_results_come_back_by_rank(tmp_path):
-    results = launch(worker_sum, (str(tmp_path),), LaunchConfig(nproc=3, **FAST))
+    results = launch(worker_sum, (str(tmp_path),), LaunchConfig(nproc=3, **SURE))
     assert results == [{"rank": r, "total": 6.0} for r in range(3)]
     assert all(_gone(pid) for pid in _pids(tmp_path))
 
@@ -123,7 +127,7 @@ def test_spawned_ranks_run_on_their_own_cores():
     """Before: both ranks could run on every core, and Linux woke the rank that a loopback message (gloo) made
     runnable on its sender's core, behind the sender's compute: the demo's two ranks computed one after the
     other between collectives (benchmarks/demo_collective.py: their products overlapped 0.00 of the time)."""
-    results = launch(worker_cores, (), LaunchConfig(nproc=2, **FAST))
+    results = launch(worker_cores, (), LaunchConfig(nproc=2, **SURE))
     allowed = sorted(os.sched_getaffinity(0))
     share = len(allowed) // 2
     for rank, result in enumerate(results):
