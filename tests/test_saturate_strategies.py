@@ -98,21 +98,27 @@ def test_best_grid_reports_its_fastest_point_when_none_fits():
     assert cramped.config["dp"] * cramped.config["tp"] == 8
 
 
-def test_a_data_parallel_pin_the_rules_cannot_reach_is_kept_by_the_data_parallel_point():
-    """A data-parallel plan exists whatever the rules reach: `--degrees dp=2` with a library of operators and no
-    rule (so no joint plan splits anything) answers with the grid's data-parallel point, built apart from the
-    e-graph, and says why; before, the pin was refused as one that cannot hold."""
+def _no_rules():
+    """The shipped operators without a rule: no joint plan splits anything."""
     from dataclasses import replace as replaced
 
-    import parsat
     from parsat.dsl import ast
     from parsat.dsl.checker import resolve_library
     from parsat.dsl.library import Library
 
     shipped = resolve_library(None)
-    no_rules = Library(tuple(replaced(m, items=tuple(d for d in m.items if not isinstance(d, ast.RuleDecl)))
-                             for m in shipped.modules), shipped.sources)
-    plan = parsat.optimize("mlp", machine="cpu", devices=2, degrees={"dp": 2}, rules=no_rules, allow_unverified=True)
+    return Library(tuple(replaced(m, items=tuple(d for d in m.items if not isinstance(d, ast.RuleDecl)))
+                         for m in shipped.modules), shipped.sources)
+
+
+def test_a_data_parallel_pin_the_rules_cannot_reach_is_kept_by_the_data_parallel_point():
+    """A data-parallel plan exists whatever the rules reach: `--degrees dp=2` with a library of operators and no
+    rule (so no joint plan splits anything) answers with the grid's data-parallel point, built apart from the
+    e-graph, and says why; before, the pin was refused as one that cannot hold."""
+    import parsat
+
+    plan = parsat.optimize("mlp", machine="cpu", devices=2, degrees={"dp": 2}, rules=_no_rules(),
+                           allow_unverified=True)
     assert plan.extraction["chosen"] == "best_grid"
     assert plan.extraction["fallback"].startswith("no joint plan keeps --degrees dp=2")
     assert plan.pcg.mesh.shape == (2,) and plan.pcg.mesh.axes[0].name == "dp"
@@ -120,3 +126,24 @@ def test_a_data_parallel_pin_the_rules_cannot_reach_is_kept_by_the_data_parallel
               and plan.pcg.nodes[n.inputs[0]].role == "input"]
     assert inputs and all(dict(n.attrs)["dim"] == 0 for n in inputs)   # the batch, split on the dp axis
     assert "no joint plan keeps --degrees dp=2" in explain_plan(plan)
+
+
+def test_where_no_joint_plan_fits_the_grid_point_that_fits_is_the_plan():
+    """Unpinned, a step whose every mesh's joint plan is too large answers with the baseline that fits and says
+    why; before, it failed with DoesNotFit though a grid point fitted (mcore-119b's stage at 4 stages x 16
+    micro-batches: every joint plan 444+ GiB where the grid's tp 8 point fits, so the free search missed the
+    published configuration it could have pinned). Here no rule splits anything: the joint plan is the whole
+    MLP on each device (6.7 MiB), the grid's tensor-parallel point half of it, the device 4.77 MiB."""
+    from dataclasses import replace as replaced
+
+    import parsat
+    from parsat.ir.errors import DoesNotFit
+    from parsat.ir.machine import Machine
+
+    machine = replaced(Machine.resolve("cpu"), memory_capacity=5_000_000)
+    plan = parsat.optimize("mlp", machine=machine, devices=2, rules=_no_rules(), allow_unverified=True)
+    assert plan.extraction["chosen"] == "best_grid" and plan.totals.fits(machine)
+    assert plan.extraction["fallback"].startswith("no joint plan (mesh gpu 2: no plan fits in memory")
+    with pytest.raises(DoesNotFit):   # where nothing fits, the error stands
+        parsat.optimize("mlp", machine=replaced(machine, memory_capacity=1_000_000), devices=2, rules=_no_rules(),
+                        allow_unverified=True)

@@ -86,7 +86,11 @@ def search_step(step: StepContext, clock: Deadline) -> Plan:
 def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoice],
                  left_out: Sequence[MeshChoice] = ()) -> Plan:
     """`search_step` on the meshes `choices`; `left_out`, the meshes a scout's step does not search, are said
-    in the plan (`saturation.scouted`)."""
+    in the plan (`saturation.scouted`). Where no mesh gives a joint plan (none that fits, or none at all) the
+    step answers with the best baseline that fits, saying why (`_fallen_back`), and fails only where none fits:
+    the grid's points and data parallelism are built apart from the e-graph, so a configuration the joint
+    extraction cannot reach (mcore-119b's stage at 4 stages x 16 micro-batches: every mesh's joint plan needed
+    444-2186 GiB where the grid's tp 8 point fits; the same row pinned to it ran) is answered, not refused."""
     said = {}
     if left_out:
         said["scouted"] = (f"mesh {', '.join(str(c.mesh) for c in choices)} searched, "
@@ -102,8 +106,8 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
         searches = [_keeping_pins(s, step) for s in searches]
     solved = [s for s in searches if s.joint is not None]
     cut = "" if solved else _valve_cut(searches, choices, clock)
-    if not solved and not cut and not pinned:
-        raise _no_joint_plan(step, searches)
+    if not solved and not cut and not pinned and left_out:
+        raise _no_joint_plan(step, searches)   # a scout's first mesh: `search_step` searches every mesh then
     best_search = min(solved, key=lambda s: rank(s.joint, step.memory)) if solved else searches[0]
     candidates, found_baselines, skipped = compare_baselines(step, searches, best_search, steps, clock)
     if pinned:   # only a plan that keeps the pins may stand for the joint one
@@ -117,8 +121,10 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
     if cut:
         plan = _fallen_back(step, searches, plan, f"no joint plan once the search was cut ({_mesh_errors(searches)})")
         said["search_limit"] = cut   # which valve cut the search, the meshes it left unsearched included
-    elif not solved:
+    elif not solved and pinned:
         plan = _fallen_back(step, searches, plan, _pins_unheld(step, searches))
+    elif not solved:
+        plan = _fallen_back(step, searches, plan, f"no joint plan ({_mesh_errors(searches)})")
     elif clock.interrupted.is_set() and len(searches) < len(choices):
         said["search_limit"] = (f"interrupted (Ctrl-C): meshes "
                                 f"{', '.join(str(c.mesh) for c in choices[len(searches):])} not searched")
