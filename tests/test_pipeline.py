@@ -283,6 +283,9 @@ def test_degrees_start_where_a_stage_holds_its_weights_and_counts_divide_the_bat
     # 48 GPUs (Megatron-Core's 1.7B row): 2 stages of 24, never 4 of 12 or 8 of 6 (neither whole nodes nor a part dividing one)
     assert 4 not in pipeline_degrees(48, h100, 1_700_000_000, 24, None)
     assert all(48 // p % 8 == 0 or 8 % (48 // p) == 0 for p in pipeline_degrees(48, h100, 400_000_000_000, 24, None))
+    # 1,536 GPUs (Megatron-Core's 177B row, run at 6 stages): a degree need not be a power of two
+    assert pipeline_degrees(1536, h100, 177_000_000_000, 97, None) == [6, 8]
+    assert pipeline_degrees(48, h100, 1_700_000_000, 24, None) == [2, 3]    # 3 stages of 16: whole nodes
     assert microbatch_counts(512, 8, None) == [32, 64]
     assert microbatch_counts(24, 4, None) == [24]                           # 16 and 32 do not divide 24
     assert microbatch_counts(512, 8, 12) == [12]

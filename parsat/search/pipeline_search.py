@@ -31,7 +31,9 @@ from the e-graph); every stage mesh is then searched for the pair whose
 pipelined plan ranks first (`_search_every_mesh`), and its plans join the
 candidates.
 
-Degrees tried: p = 2, 4, ... dividing the devices, from the smallest whose
+Degrees tried: any p >= 2 dividing the devices whose stages are whole
+nodes or a part dividing one (not only powers of two: Megatron-Core's
+177B row runs 6 stages, SC'21's 530B row 35), from the smallest whose
 stage (tensor parallelism inside a node, no ZeRO) holds its weights' state
 in 80% of a device, two of them (one when pinned); micro-batch counts
 about 4p and 8p (the 1F1B bubble (p - 1) / (m + p - 1) is then 16-43% at
@@ -81,7 +83,7 @@ def pipeline_degrees(devices: int, machine: Machine, parameters: int, layers: in
         return [pinned]
     node = machine.devices_per_node
     # a stage is whole nodes, or a part of one node that divides it (48 h100x8 GPUs in 4 stages of 12 is neither)
-    degrees = [p for p in (2 ** k for k in range(1, 16)) if p <= devices and devices % p == 0 and p <= layers
+    degrees = [p for p in range(2, min(devices, layers) + 1) if devices % p == 0
                and (node % (devices // p) == 0 or (devices // p) % node == 0)]
     tensor = min(node, devices)
     state = parameters * weight_bytes(machine)
