@@ -67,18 +67,29 @@ def kept(readers: Iterable[Reader], library: Library, roles: Mapping[Hashable, s
     an activation)."""
     direct: set = set()
     aliases: dict[Hashable, list[Hashable]] = {}
+    # by operator name, what the loop reads of its declaration, and by (name, needs) what its backward reads:
+    # `gradient_free` and `backward_reads` are memoised by the declaration, and hashing one (its whole
+    # semantics, a frozen dataclass tree, hashed anew on every call) twice per node was 60% of this function on
+    # a whole model's PCG. The same name is the same declaration of `library`, so the same answers.
+    declared: dict[str, tuple | None] = {}
+    wants: dict[tuple[str, frozenset[str]], frozenset[str]] = {}
     for made, op, reads in readers:
         source = _aliased(op, reads, library, roles)
         if source is not None:
             aliases.setdefault(made, []).append(source)
             continue
-        decl = library.ops.get(op)
-        if decl is None or op in PARALLEL_OPS:
+        known = declared.get(op, _UNDECLARED)
+        if known is _UNDECLARED:
+            decl = library.ops.get(op)
+            known = declared[op] = None if decl is None or op in PARALLEL_OPS else \
+                (decl, [p.name for p in decl.tensor_params], gradient_free(decl))
+        if known is None:
             continue
-        names = [p.name for p in decl.tensor_params]
-        free = gradient_free(decl)
+        decl, names, free = known
         needs = frozenset(n for n, v in zip(names, reads) if roles.get(v, "") != INPUT and n not in free)
-        wanted = backward_reads(decl, needs)
+        wanted = wants.get((op, needs))
+        if wanted is None:
+            wanted = wants[(op, needs)] = backward_reads(decl, needs)
         direct.update(v for n, v in zip(names, reads) if n in wanted)
     found, stack = set(direct), list(direct)
     while stack:
@@ -125,6 +136,9 @@ def exposed_regather_s(gather_s: float, cover_s: float) -> float:
     (`cost.pipeline.TpOverlap`, whose reference run hides the re-gather too) takes off nothing of it again. An
     e-node is charged the whole second all-gather (`search.extract._price_enode`)."""
     return max(0.0, gather_s - cover_s)
+
+
+_UNDECLARED = object()   # `kept`: an operator name not looked up yet
 
 
 def _aliased(op: str, reads: Sequence[Hashable], library: Library, roles: Mapping[Hashable, str]):

@@ -37,7 +37,7 @@ DP_AXIS = "dp"
 
 
 def data_parallel_pcg(graph: Graph, library: Library, devices: int, devices_per_node: int = 1,
-                      zero3: bool = False) -> PCG | None:
+                      zero3: bool = False, cache: dict | None = None) -> PCG | None:
     """Data parallelism: every input split along dim 0, every weight replicated, outputs gathered.
 
     An input whose dim 0 does not split evenly (a constant of batch size 1,
@@ -49,11 +49,14 @@ def data_parallel_pcg(graph: Graph, library: Library, devices: int, devices_per_
 
     Built directly (the textbook definition, independent of the rules) and
     checked operator by operator with the placement analysis; None when an
-    operator does not accept it.
+    operator does not accept it. `cache`: the placement analysis's answers
+    (`placement.axis_compute`'s cache, kept by an operator's signature and
+    input codes, which is all they read) shared with other builds, of any
+    graph and mesh (`ir.megatron._Kin`).
     """
     if devices < 2:
         return None
-    build = _built(graph, library, devices, devices_per_node, zero3)
+    build = _built(graph, library, devices, devices_per_node, zero3, cache=cache)
     return build.pcg if isinstance(build, _DataParallelBuilder) else None
 
 
@@ -67,14 +70,15 @@ def data_parallel_refusal(graph: Graph, library: Library, devices: int) -> str |
 
 
 def _built(graph: Graph, library: Library, devices: int, devices_per_node: int,
-           zero3: bool, builder: type | None = None) -> "_DataParallelBuilder | str":
+           zero3: bool, builder: type | None = None, cache: dict | None = None) -> "_DataParallelBuilder | str":
     """The builder after placing every leaf and operator and gathering the outputs (its `pcg` set), or the reason
-    it stopped. `builder`: a subclass of `_DataParallelBuilder` to build with (`ir.expert_parallel`)."""
+    it stopped. `builder`: a subclass of `_DataParallelBuilder` to build with (`ir.expert_parallel`). `cache`:
+    `axis_compute`'s, shared (`data_parallel_pcg`)."""
     mesh = Mesh.of((devices,), devices_per_node, names=(DP_AXIS,))
     build = (builder or _DataParallelBuilder)(graph, devices, mesh, library)
     for leaf in graph.leaves:
         build.place_leaf(leaf, zero3, leaf.name in graph.constants)
-    cache: dict = {}
+    cache = {} if cache is None else cache
     for gnode in graph.nodes:
         refused = build.place_operator(gnode, library.ops[gnode.op], cache)
         if refused:

@@ -106,12 +106,13 @@ def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], de
         raise ValueError(f"zero must be one of {ZERO_LEVELS}, got {zero!r}")
     if dp < 1 or tp < 1 or dp * tp < 2:
         return None
+    kinship = _Kin.of(kin, library) if kin is not None else None
     if tp == 1:
-        return data_parallel_pcg(graph, library, dp, devices_per_node, zero3=zero == 3)
+        return data_parallel_pcg(graph, library, dp, devices_per_node, zero3=zero == 3,
+                                 cache=kinship.placements if kinship is not None else None)
     axes = [(name, size) for name, size in ((DP_AXIS, dp), (TP_AXIS, tp)) if size > 1]
     mesh = Mesh.of([s for _, s in axes], devices_per_node, names=[n for n, _ in axes])
-    memo = _Memo.of(graph, library, cache)
-    kinship = _Kin.of(kin, library) if kin is not None else None
+    memo = kinship.memo(graph, cache) if kinship is not None else _Memo.of(graph, library, cache)
     found = kinship.layout(graph, memo, mesh, sequence, zero) if kinship is not None else _NONE
     if found is not _NONE:
         return found
@@ -167,13 +168,32 @@ class _Kin:
     signature, each step of the build goes alike for both: the layouts differ in their nodes' shapes alone,
     each the shape of the value it holds (`_rescaled`). The verdict is worked out once per pair of graphs and
     mesh; the graphs stay alive in the dict, so their identities cannot be reused. The same graph laid out again
-    (bert-large's stage grids are asked for one graph under two schedules) takes its layout as it is."""
+    (bert-large's stage grids are asked for one graph under two schedules) takes its layout as it is.
+
+    What every build of the grid's calls shares besides (`memo`): one graph's `_Memo` for every call that lays
+    it out (a stage grid's graph is the unstaged step's at that micro-batch count; on other meshes and
+    machines: every entry of a memo is kept by what it reads, the mesh's part included, as the layouts of one
+    call on several meshes already share it), and the placement analysis's answers (`placement.axis_compute`'s
+    cache) for every graph and mesh: kept by the operator's signature and its input codes on one axis, which is
+    all the answer reads (the sizes not, `placement._signature`), so a graph of other sizes or a layout on
+    another mesh finds them as its own would work them out."""
 
     def __init__(self, library: Library):
         self.library = library
         self.layouts: dict[tuple, list[tuple[Graph, PCG | None]]] = {}   # (mesh, sequence, zero) -> built
         self.batches: dict[int, tuple[Graph, dict]] = {}                 # id(graph) -> (graph, its batch dims)
         self.verdicts: dict[tuple, tuple[Graph, Graph, bool]] = {}
+        self.placements: dict = {}               # `axis_compute`'s cache, for every graph and mesh
+        self.memos: dict[int, "_Memo"] = {}      # id(graph) -> its memo (which keeps the graph alive)
+
+    def memo(self, graph: Graph, cache: dict | None) -> "_Memo":
+        """`graph`'s memo, shared with every call that lays it out (and kept in `cache` as `_Memo.of` keeps it)."""
+        memo = self.memos.get(id(graph))
+        if memo is None or memo.graph is not graph:
+            memo = self.memos[id(graph)] = _Memo(graph, self.library, self.placements)
+        if cache is not None:
+            cache["memo"] = memo
+        return memo
 
     @staticmethod
     def of(kin: dict, library: Library) -> "_Kin":
@@ -288,12 +308,13 @@ class _Memo:
     """What every layout of one graph shares: its batch dims, operator instances by shapes and attributes, and
     which codes each accepts on one axis (`axis_compute`, by the instance's key)."""
 
-    def __init__(self, graph: Graph, library: Library):
+    def __init__(self, graph: Graph, library: Library, placements: dict | None = None):
         self.graph, self.ops = graph, library.ops
         self.batch = batch_dims(graph, library)
         self.instances: dict = {}    # `instance_for`'s memo
         self.accepts: dict[tuple, int | None] = {}
-        self.placements: dict = {}   # `compute_placement`'s own cache
+        # `compute_placement`'s own cache (`axis_compute`'s: by signature and codes), shared across graphs by `_Kin`
+        self.placements: dict = {} if placements is None else placements
         self.options: dict[tuple, list[tuple[float, tuple[int, ...]]]] = {}   # `_MegatronBuilder.known_options`
 
     @staticmethod
