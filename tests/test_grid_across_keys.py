@@ -116,3 +116,30 @@ def test_kept_values_with_answers_kept_by_operator_are_those_asked_anew(name):
         naive = _kept_naively(readers, library, roles)
         assert kept(readers, library, roles) == naive == kept_values(pcg, library)
         assert naive
+
+
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_forms_reading_their_layout_s_floor_pass_floor_as_fresh_ones(microbatches):
+    """`pcg_tasks.step_floor` keeps a micro-batch's part of the floor in the PCG's derived facts, which a layout's
+    restated forms (another ZeRO stage, recomputing blocks: `baselines.restated`) share: the layout's floor
+    without its plan's part, then each form's whole floor (from the kept part, as the grid asks for them), are
+    the floors of fresh PCGs with nothing worked out, to the bit."""
+    from parsat.cost.pcg_tasks import OpTimes, step_floor
+    from parsat.ir.recompute import BLOCKS
+    from parsat.search.baselines import restated
+
+    library = resolve_library(None)
+    machine = Machine.preset("h100x8").with_devices(8)
+    graph = build_example("llama", SIZES, library).with_microbatches(microbatches)
+    for shape, seq, zero in (((8, 1), False, 0), ((4, 2), True, 0), ((2, 4), False, 3), ((4, 2), True, 3)):
+        layout = megatron_pcg(graph, library, shape, 8, zero=zero, sequence=seq)
+        times = OpTimes(library, machine)
+        bare = step_floor(layout, machine, times, microbatches, plan=False)
+        assert any(isinstance(key[0], tuple) and key[0][0] == "floor_pass" for key in layout.derived)   # kept, for the forms to read
+        assert bare == step_floor(replace(layout), machine, OpTimes(library, machine), microbatches, plan=False)
+        for stage, policy in ((layout.zero, "none"), (1, "none"), (2, BLOCKS), (layout.zero, BLOCKS)):
+            form = restated(layout, stage, policy)
+            fresh = replace(layout, zero=stage, recompute=policy)
+            got = step_floor(form, machine, times, microbatches)
+            assert got == step_floor(fresh, machine, OpTimes(library, machine), microbatches)
+            assert got >= bare

@@ -1416,7 +1416,7 @@ class _Builder:
                 for at, node in self.stored.items()]
 
     # ---------------------------------------------------------------- a lower bound
-    def floor(self, microbatches: int, plan: bool = True) -> float:
+    def floor(self, microbatches: int, plan: bool = True, shared: bool = False) -> float:
         """A lower bound of the step this builder's simulation gives over `microbatches` micro-batches, without
         making a task (`step_floor`).
 
@@ -1429,7 +1429,26 @@ class _Builder:
         micro-batch's backward visits a node of each block, `_recompute`). The step ends with the optimizer's
         updates (`_updates`). Collectives and waits only add tasks. Less `FLOOR_SLACK` for the order of
         floating-point sums. Without the `plan`'s own part (the updates, which the ZeRO stage shards, and the
-        recomputation) it is a floor of every ZeRO stage and recomputation of the layout."""
+        recomputation) it is a floor of every ZeRO stage and recomputation of the layout.
+
+        `shared` (`step_floor`: this builder's topology is `mesh_groups(pcg)`): the micro-batch's part is kept in
+        the PCG's `derived` facts, by machine and profile and for this compute-time cache, and read from there:
+        a layout's forms with another ZeRO stage or recomputation share those facts (`search.baselines.restated`:
+        the same nodes, outputs and mesh), and the part reads nothing else of a PCG, nor anything a form differs
+        in (the ZeRO stage reaches only `_updates`, the recomputation only `checkpoints`; every helper it calls
+        reads the nodes, the readers, the weights' chains and storage, the pipelines, the derived gradients and
+        re-gathers, the machine, the profile and the compute times), so the grid's layout floor and its points'
+        floors work it out once between them: the same sum, in the same order, so the same float."""
+        per_pass, again = self.pcg.derive(("floor_pass", self.machine, self.profile), self.times, self._pass_floor) \
+            if shared else self._pass_floor()
+        if plan:
+            per_pass += sum(again.get(i, 0.0) for c in self.checkpoints.values() for i in c.runs)
+        total = microbatches * per_pass + (sum(seconds for _name, _at, seconds in self._updates()) if plan else 0.0)
+        return total * (1.0 - FLOOR_SLACK)
+
+    def _pass_floor(self) -> tuple[float, dict[int, float]]:
+        """`floor`'s part for one micro-batch's forward and backward (the objective's included), and each node's
+        forward as recomputation runs it again."""
         reached = self._gradient_reached()
         fused = {i for pipe in self.pipes.values() for i in pipe.siblings}   # counted with their product
         per_pass = sum(self._loss_s(self.by_id[o]) + self._loss_s(self.by_id[o], True) for o in self.pcg.outputs)
@@ -1439,10 +1458,7 @@ class _Builder:
                 continue
             forward, backward, again[node.id] = self._node_floor(node, fused, reached)
             per_pass += forward + (backward if node.id in reached else 0.0)
-        if plan:
-            per_pass += sum(again.get(i, 0.0) for c in self.checkpoints.values() for i in c.runs)
-        total = microbatches * per_pass + (sum(seconds for _name, _at, seconds in self._updates()) if plan else 0.0)
-        return total * (1.0 - FLOOR_SLACK)
+        return per_pass, again
 
     def _gradient_reached(self) -> set[int]:
         """The nodes whose backward every micro-batch runs (`backward`'s `visit`: a node that needs a gradient,
@@ -1631,7 +1647,7 @@ def step_floor(pcg: PCG, machine: Machine, times: OpTimes, microbatches: int = 1
     plan's ZeRO stage or recomputation changes: a bound for every ZeRO stage and recomputation of `pcg`'s
     layout."""
     profile = profile or profile_for(machine)
-    return _Builder(pcg, machine, profile, mesh_groups(pcg), times).floor(microbatches, plan)
+    return _Builder(pcg, machine, profile, mesh_groups(pcg), times).floor(microbatches, plan, shared=True)
 
 
 __all__ = ["DDP", "ExecutionProfile", "FLOOR_SLACK", "OpTimes", "PARSAT_RUN", "StepPrediction", "TORCH_NATIVE",
