@@ -237,7 +237,8 @@ class _Forms:
             g = self.grid
             args = (g.library, g.machine, g.free, g.graph.microbatches)
             base = self.node_costs(self.pcg.zero) if zero != self.pcg.zero else None
-            self.raw[zero] = restaged_node_costs(base, self.pcg, zero, *args, computed=g.computed) \
+            self.raw[zero] = restaged_node_costs(base, self.pcg, zero, *args, computed=g.computed,
+                                                 form=restated(self.pcg, zero, self.pcg.recompute)) \
                 if base is not None else pcg_node_costs(restated(self.pcg, zero, self.pcg.recompute), *args,
                                                          computed=g.computed)
         return self.raw[zero]

@@ -150,20 +150,25 @@ def pcg_node_costs(pcg: PCG, library: Library, machine: Machine, free_input_plac
 def restaged_node_costs(raw: Mapping[int, NodeCost], pcg: PCG, zero: int, library: Library, machine: Machine,
                         free_input_placements: bool = True, microbatches: int = 1,
                         pins: Mapping[str, Degrees] | None = None,
-                        computed: dict | None = None) -> dict[int, NodeCost] | None:
+                        computed: dict | None = None, form: PCG | None = None) -> dict[int, NodeCost] | None:
     """`pcg_node_costs` of `pcg` with ZeRO stage `zero` (`replace(pcg, zero=zero)`), from `raw`, those of `pcg`
     itself (every node priced). The stage reaches a node's cost only through `cost.model.shards_state` (the
     pricer hands it to parallel operators alone, `extract.Pricer`; compute nodes and leaves never read it), so
     only the parallel nodes it holds for under either stage are priced again: the rest are the same nodes, read
-    by the same deterministic pricing, whatever the stage."""
+    by the same deterministic pricing, whatever the stage. `form`: that PCG, made by the caller so that it
+    shares what `pcg` works out from its nodes (`search.baselines.restated`: its readers, storage chains and
+    derived facts, which read neither the stage nor the recomputation policy), rather than working them out
+    again (a llama-70b stage layout's took most of this function's time)."""
     roles = pcg_roles(pcg)
 
     def resharded(node: PNode) -> bool:
         role = roles.get(node.inputs[0], "") if node.kind == "parallel" else ""
         return node.kind == "parallel" and any(shards_state(node.op, role, z) for z in (pcg.zero, zero))
 
-    again = pcg_node_costs(replace(pcg, zero=zero), library, machine, free_input_placements, microbatches, pins,
-                           resharded, computed)
+    form = replace(pcg, zero=zero) if form is None else form
+    if (form.nodes, form.outputs, form.mesh, form.zero) != (pcg.nodes, pcg.outputs, pcg.mesh, zero):
+        raise ValueError("restaged_node_costs: `form` must be `pcg` with ZeRO stage `zero`")
+    again = pcg_node_costs(form, library, machine, free_input_placements, microbatches, pins, resharded, computed)
     return None if again is None else {**raw, **again}
 
 
