@@ -257,8 +257,9 @@ class _Forms:
 LAYOUT_FACTS = ("readers_of", "storage_chains", "derived")
 """What a PCG works out from its nodes and outputs alone and keeps (`ir.pcg.PCG`): its readers, its weights' storage
 chains, and `derived` (the cost model's `needs_gradient`, `kept_values`, `regathered`, `unkept`, each read from the
-nodes, the outputs, the roles those give and the operator library, never from the ZeRO stage or the recomputation
-policy)."""
+nodes, the outputs, the roles those give and the operator library, and a micro-batch's part of the step floor,
+`pcg_tasks.step_floor`, read from those and the machine, profile and compute times: never from the ZeRO stage or
+the recomputation policy)."""
 
 
 def restated(pcg: PCG, zero: int, recompute: str) -> PCG:
