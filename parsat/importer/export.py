@@ -59,6 +59,10 @@ def import_module(module, example_inputs, library=None, name: str | None = None,
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if not all(isinstance(t, torch.Tensor) for t in inputs):
         raise TorchImportError("example inputs must be tensors (a tensor or a tuple of tensors)")
+    # the same tensor passed twice (a causal LM's (ids, ids)): torch.export reads both through one placeholder, so
+    # the graph would read the first input from the second, and a batch whose labels are not its ids would be
+    # computed on the wrong one (a rewritten forward, `backend.torch_native.rewritten`): a copy gives each its own
+    inputs = tuple(t.clone() if any(t is u for u in inputs[:i]) else t for i, t in enumerate(inputs))
     for path, sub in module.named_modules():  # torch.export itself fails on these, with a cryptic message
         if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm) and sub.training and sub.track_running_stats \
                 and sub.momentum is None:

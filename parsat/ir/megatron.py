@@ -12,7 +12,9 @@ and nothing is placed by hand:
 
 * the data axis `dp`: every graph input split along its batch dim
   (`ir.microbatch.batch_dims`; replicated where it has none or it does not
-  split evenly), every weight replicated (with ZeRO-3 stored split along
+  split evenly; a constant the module builds at its batch's shape, BERT's
+  attention mask, split along dim 0 with it:
+  `ir.microbatch.batch_wide_constants`), every weight replicated (with ZeRO-3 stored split along
   its first dim the axis divides and all-gathered where it is used), values
   computed from weights alone replicated, a partial sum over the batch
   (the loss) reduced where an operator needs it whole, outputs gathered;
@@ -58,7 +60,7 @@ from parsat.dsl.parallel_ops import (ALL_GATHER, COMBINE, PARTITION, REDUCE, RED
 from parsat.ir.data_parallel import _live, data_parallel_pcg
 from parsat.ir.graph import Graph, Leaf, instance_for
 from parsat.ir.mesh import Mesh
-from parsat.ir.microbatch import batch_dims
+from parsat.ir.microbatch import batch_dims, batch_wide_constants
 from parsat.ir.pcg import PCG, Degrees, PNode
 from parsat.ir.placement import (FREE, PARTIAL, REPLICA, Placement, PlacementError, apply_parallel,
                                  _signature, axis_compute, codes_for_rank, compute_placement, shard, shard_dim)
@@ -203,7 +205,7 @@ class _Kin:
         return found
 
     def keep(self, graph: Graph, memo: "_Memo", mesh: Mesh, sequence: bool, zero: int, pcg: PCG | None) -> None:
-        self.batches[id(graph)] = (graph, memo.batch)
+        self.batches[id(graph)] = (graph, memo.data_batch)
         self.layouts.setdefault((mesh, sequence, zero), []).append((graph, pcg))
 
     def layout(self, graph: Graph, memo: "_Memo", mesh: Mesh, sequence: bool, zero: int):
@@ -211,7 +213,7 @@ class _Kin:
         for like, pcg in self.layouts.get((mesh, sequence, zero), ()):
             if like is graph:   # laid out already (a stage's grid for another schedule): the build is a function
                 return pcg
-            if self.alike(like, graph, memo.batch, mesh):
+            if self.alike(like, graph, memo.data_batch, mesh):
                 found = _rescaled(pcg, like, graph) if pcg is not None else None
                 if pcg is None or found is not None:
                     return found
@@ -311,6 +313,9 @@ class _Memo:
     def __init__(self, graph: Graph, library: Library, placements: dict | None = None):
         self.graph, self.ops = graph, library.ops
         self.batch = batch_dims(graph, library)
+        # ... and on a data axis, with the constants the module builds at its batch's shape (`batch_wide_constants`:
+        # BERT's attention mask and token-type one-hots), split with the batch as each rank's forward builds them
+        self.data_batch = {**self.batch, **{name: 0 for name in batch_wide_constants(graph, self.batch)}}
         self.instances: dict = {}    # `instance_for`'s memo
         self.accepts: dict[tuple, int | None] = {}
         # `compute_placement`'s own cache (`axis_compute`'s: by signature and codes), shared across graphs by `_Kin`
@@ -366,7 +371,7 @@ class _MegatronBuilder:
         self.graph_nodes = {n.name: n for n in graph.nodes}
         self.leaves = {leaf.name: leaf for leaf in graph.leaves}
         self.shapes = dict(graph.shapes())
-        self.batch = memo.batch
+        self.batch = memo.data_batch if self.data is not None else memo.batch
         size = mesh.size(self.data) if self.data is not None else 1
         unsplit = {leaf.name for leaf in graph.leaves if leaf.role == "input" and (
             self.batch.get(leaf.name) is None or leaf.shape[self.batch[leaf.name]] % size != 0)}

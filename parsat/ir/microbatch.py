@@ -134,3 +134,13 @@ def batch_dims(graph: Graph, library: Library | None = None) -> dict[str, int]:
             return {k: v for k, v in _cuts(graph.with_microbatches(1), doubled, 2).items() if k in inputs}
     return {leaf.name: 0 for leaf in graph.leaves if leaf.role == "input" and leaf.shape
             and leaf.name not in graph.constants}
+
+
+def batch_wide_constants(graph: Graph, batch: Mapping[str, int]) -> frozenset[str]:
+    """The constants the import found in the forward (`Graph.constants`) whose leading dim is the batch's size (a
+    size the batch-carrying inputs of `batch`, `batch_dims`, have along it): BERT's attention mask of ones and its
+    token-type one-hots, which the module builds at its batch's shape. Each data-parallel rank's forward builds
+    them at its local batch, so a plan may split them along dim 0 with the batch."""
+    sizes = {leaf.shape[batch[leaf.name]] for leaf in graph.leaves if leaf.name in batch}
+    return frozenset(leaf.name for leaf in graph.leaves
+                     if leaf.name in graph.constants and leaf.shape and leaf.shape[0] in sizes)

@@ -98,7 +98,7 @@ from parsat.dsl.parallel_ops import ALL_GATHER, ALL_TO_ALL, COMBINE, PARTITION, 
 from parsat.ir.blocks import OUTSIDE, block_of, has_blocks
 from parsat.ir.graph import Graph
 from parsat.ir.mesh import Mesh
-from parsat.ir.microbatch import batch_dims
+from parsat.ir.microbatch import batch_dims, batch_wide_constants
 from parsat.ir.pcg import PCG, WEIGHT, PNode, readers, weight_storage
 from parsat.ir.placement import FREE, PARTIAL, REPLICA, Placement, code_text, shard, shard_dim
 
@@ -404,20 +404,31 @@ class _Lowerer:
         value) by projections, nothing else: torch then stores it split for both reads (`WeightLowering.restored`),
         the embedding vocabulary-parallel, which computes the same whole lookup (Megatron's
         VocabParallelEmbedding beside its tied head). No torch style keeps one parameter whole for one module
-        and split for another."""
+        and split for another. Parallel operators on other axes between the two (a data axis's `replicate`) are
+        looked through."""
         whole = split = 0
         for user, value in uses:
-            code = value.placement.codes[axis]
-            if code == FREE and value.id == end and user.op in EMBEDDING_OPS \
-                    and user.placement.codes[axis] in (FREE, REPLICA):
+            ops = self.ops_on_axis(value, end, axis)
+            if ops == [] and user.op in EMBEDDING_OPS and user.placement.codes[axis] in (FREE, REPLICA):
                 whole += 1
-            elif code == shard(0) and value.kind == "parallel" and value.op == PARTITION \
-                    and value.axis(self.mesh) == axis and value.attr("dim") == 0 and value.inputs[0] == end \
+            elif ops is not None and len(ops) == 1 and ops[0].op == PARTITION and ops[0].attr("dim") == 0 \
                     and user.op in LINEAR_OPS:
                 split += 1
             else:
                 return False
         return whole > 0 and split > 0
+
+    def ops_on_axis(self, value: PNode, start: int, axis: int) -> list[PNode] | None:
+        """The parallel operators on mesh axis `axis` that make `value` from node `start`, in order, those on other
+        axes looked through; None where `value` is not made from `start` by parallel operators alone."""
+        ops = []
+        while value.id != start:
+            if value.kind != "parallel":
+                return None
+            if value.axis(self.mesh) == axis:
+                ops.append(value)
+            value = self.node(value.inputs[0])
+        return ops[::-1]
 
     def note_restored(self, leaf: PNode, uses: list[tuple[PNode, PNode]], axes: Sequence[int]) -> None:
         """Say where torch's collectives and memory differ from the plan's for a table stored vocabulary-split."""
@@ -639,7 +650,7 @@ class _Lowerer:
             if node.kind == "parallel" and node.op == REPLICATE and node.inputs[0] in self.data_only:
                 continue   # a copy of what the inputs alone make (a rotary table): no gradient for its backward to sum
             if node.kind == "parallel" and node.op == PARTITION and node.axis(self.mesh) == axis \
-                    and self.node(node.inputs[0]).op in self.graph.constants:
+                    and self.chain_source(node.inputs[0]).op in self.graph.constants:
                 self.note_constant_slice(node, axis)
                 continue
             if node.kind == "parallel" and node.axis(self.mesh) == axis and node.id not in self.static \
@@ -1048,9 +1059,18 @@ class _Lowerer:
         the tensor axis where the plan reads it (along the heads the styles split): the module builds it itself
         on every rank and reads it with its local pieces; it has no gradient, so nothing moves either way. A
         module that kept it whole along a split dim would fail its own shape check, loudly, in the forward."""
-        self.notes.append(f"{self.where(node)}: a slice of the constant {self.node(node.inputs[0]).op} on tensor "
+        constant = self.chain_source(node.inputs[0]).op
+        self.notes.append(f"{self.where(node)}: a slice of the constant {constant} on tensor "
                           f"axis {self.mesh.names[axis]}, which the module builds itself and reads with its "
                           "local pieces (no collective, no gradient)")
+
+    def chain_source(self, node: int) -> PNode:
+        """The node a chain of parallel operators ending at `node` starts from (a constant split on a data axis,
+        then on the tensor axis: the constant's leaf)."""
+        found = self.node(node)
+        while found.kind == "parallel":
+            found = self.node(found.inputs[0])
+        return found
 
     def styled_elsewhere(self, name: str, styles: Mapping[str, Style]) -> bool:
         """Whether parameter `name` is tied to one a styled module holds (the style places it; the tie is remade
@@ -1134,14 +1154,12 @@ def _computed_from(pcg: PCG, seed: Callable[[PNode], bool]) -> set[int]:
 
 
 def _batch_wide_constants(pcg: PCG, graph: Graph, library) -> set[int]:
-    """Leaves of constants the import found in the forward (`Graph.constants`, e.g. BERT's attention mask of ones
-    or its token-type one-hots) whose leading dim is the batch: the module rebuilds them from its local batch's
-    shape on every rank, so a plan that splits them (or values made from them and weights alone) along that dim
-    on a data axis reads what the rank's own forward computes."""
-    batch = batch_dims(graph, library)
-    leaves = [n for n in pcg.nodes if n.kind == "leaf" and n.role != "weight"]
-    sizes = {leaf.shape[batch[leaf.op]] for leaf in leaves if leaf.op in batch}
-    return {leaf.id for leaf in leaves if leaf.op in graph.constants and leaf.shape and leaf.shape[0] in sizes}
+    """Leaves of constants the import found in the forward whose leading dim is the batch
+    (`ir.microbatch.batch_wide_constants`: BERT's attention mask of ones or its token-type one-hots): the module
+    rebuilds them from its local batch's shape on every rank, so a plan that splits them (or values made from them
+    and weights alone) along that dim on a data axis reads what the rank's own forward computes."""
+    wide = batch_wide_constants(graph, batch_dims(graph, library))
+    return {n.id for n in pcg.nodes if n.kind == "leaf" and n.role != "weight" and n.op in wide}
 
 
 def _input_chains(pcg: PCG) -> set[int]:

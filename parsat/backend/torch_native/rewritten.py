@@ -73,11 +73,11 @@ from parsat.importer.torch_ops import apply_op
 from parsat.ir.graph import Graph
 from parsat.ir.microbatch import batch_dims
 from parsat.ir.pcg import PCG, PNode, weight_storage
-from parsat.ir.placement import FREE, PARTIAL, REPLICA, shard_dim
+from parsat.ir.placement import FREE, PARTIAL, REPLICA, shard, shard_dim
 from parsat.backend.torch_native.lowering import (DATA, EMBEDDING_OPS, REWRITE_NOTE, ZERO3, Lowering, LoweringError,
                                                   rewritten_nodes, weight_values)
 
-WEIGHT, LEAF, OP, SAME, SLICE, PLACE = "weight", "leaf", "op", "same", "slice", "place"
+WEIGHT, LEAF, OP, SAME, SLICE, PLACE, LOOKUP = "weight", "leaf", "op", "same", "slice", "place", "lookup"
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,10 @@ class Step:
     """One plan node as a rank evaluates it: `weight` (the module's parameter `name`), `leaf` (the data leaf
     `name`), `op` (operator `name` with `attrs`), `same` (the input's value: a parallel operator the rank's local
     batch or torch's data parallelism already does), `slice` (the rank's piece of a whole value along `dim`, at
-    its coordinate on mesh axis `axis`, one of `degree`), or `place` (a parallel operator on the tensor axis: the
-    DTensor redistributed to the plan's placement there, `code`). `frees`: values no later step reads."""
+    its coordinate on mesh axis `axis`, one of `degree`), `place` (a parallel operator on the tensor axis: the
+    DTensor redistributed to the plan's placement there, `code`), or `lookup` (embedding `name` of a table split
+    along its rows on the tensor axis: each rank's lookup of its rows, a partial sum, `vocabulary_lookup`).
+    `frees`: values no later step reads."""
 
     node: int
     action: str
@@ -133,32 +135,17 @@ def lowered_rewrite(pcg: PCG, graph: Graph, lowering: Lowering, imported, librar
     own forward). Raises LoweringError for what is covered but cannot run (module docstring)."""
     if not rewritten_nodes(pcg, graph):
         return lowering, None
-    lookup = _split_table_lookup(pcg, lowering.tensor_axis)
     # an import-like record may say why it cannot run a rewritten forward (`run.GraphImport.unsupported`)
     why = getattr(imported, "unsupported", "") or (
            "give parallelize the example inputs (or the import) to have it compute the plan's graph"
            if imported is None else
            "recomputation checkpoints the module's block forwards, which a rewritten forward does not call"
-           if lowering.recompute else
-           "a rewritten forward on a tensor axis beside data axes is not checked yet (no plan of the tested models "
-           "has both and a rewrite: Megatron's and the optimizer's dp 2 x tp 2 of BERT do not exist)"
-           if lowering.tensor_axis is not None and lowering.batch_axes else
-           f"node #{lookup.id} {lookup.label} looks up rows of a table split on the tensor axis, which DTensor runs "
-           "as a masked partial sum whose mask torch 2.13 has released before the backward (AssertionError in "
-           "_MaskPartial._reduce_value), so the module runs its own forward under the styles" if lookup is not None else "")
+           if lowering.recompute else "")
     if why:
         return replace(lowering, notes=tuple(f"{n} ({why})" if n.startswith(REWRITE_NOTE) else n
                                              for n in lowering.notes)), None
     rewrite = rewrite_of(pcg, graph, lowering, imported, library)
     return rewrite.lowered(lowering), rewrite
-
-
-def _split_table_lookup(pcg: PCG, axis: int | None) -> PNode | None:
-    """An embedding whose table the plan reads split on tensor axis `axis` (a vocabulary-parallel lookup), if any."""
-    if axis is None:
-        return None
-    return next((n for n in pcg.nodes if n.kind == "op" and n.op in EMBEDDING_OPS
-                 and shard_dim(pcg.node(n.inputs[1]).placement.codes[axis]) is not None), None)
 
 
 def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=None) -> Rewrite:
@@ -225,6 +212,8 @@ def _step(n: PNode, pcg: PCG, lowering: Lowering, data_axes: set[int], static: s
                 raise LoweringError(f"{where} scales a value summed or gathered over the data ranks: a constant "
                                     "fixed at the global batch would be off on each rank's local batch")
             summed.add(n.id)
+        if n.op in EMBEDDING_OPS and _split_rows(pcg, n, lowering.tensor_axis):
+            return Step(n.id, LOOKUP, n.op, n.inputs, n.attrs)
         return Step(n.id, OP, n.op, n.inputs, n.attrs)
     axis = n.axis(pcg.mesh)
     if source in summed:
@@ -247,6 +236,22 @@ def _step(n: PNode, pcg: PCG, lowering: Lowering, data_axes: set[int], static: s
     if split:
         presliced[n.id] = split
     return Step(n.id, SAME, inputs=(source,))
+
+
+def _split_rows(pcg: PCG, n: PNode, axis: int | None) -> bool:
+    """Whether embedding `n` reads its table split along its rows (the vocabulary) on tensor axis `axis`: its
+    one-hot ids must then be split along the vocabulary there too (each rank's columns, the plan's SPMD reading:
+    a partial sum), else a LoweringError naming the node."""
+    if axis is None:
+        return False
+    onehot, table = (pcg.node(i) for i in n.inputs[:2])
+    if table.placement.codes[axis] != shard(0):
+        return False
+    if n.op != "embedding" or onehot.placement.codes[axis] != shard(len(onehot.shape) - 1):
+        raise LoweringError(f"node #{n.id} {n.label}{f' [{n.origin}]' if n.origin else ''} reads a table split along "
+                            f"the vocabulary on axis {pcg.mesh.names[axis]} without its ids split so: a rewritten "
+                            "forward looks up each rank's rows as the plan's vocabulary-parallel embedding does")
+    return True
 
 
 def _with_frees(steps: tuple[Step, ...], outputs: tuple[int, ...]) -> tuple[Step, ...]:
@@ -334,6 +339,8 @@ def evaluate(rewrite: Rewrite, params: Mapping[str, torch.Tensor], data: Mapping
             x = env[s.inputs[0]]
             size = x.shape[s.dim] // s.degree
             env[s.node] = x.narrow(s.dim, coords[s.axis] * size, size)
+        elif s.action == LOOKUP:
+            env[s.node] = vocabulary_lookup(s.name, env[s.inputs[0]], env[s.inputs[1]], dict(s.attrs))
         elif s.action == PLACE:
             x = env[s.inputs[0]]
             env[s.node] = x.redistribute(x.device_mesh, [dtensor_placement(s.code)])
@@ -342,6 +349,21 @@ def evaluate(rewrite: Rewrite, params: Mapping[str, torch.Tensor], data: Mapping
         for i in s.frees:
             del env[i]
     return [env[o] for o in rewrite.outputs]
+
+
+def vocabulary_lookup(op: str, onehot, table, attrs: Mapping[str, Any]):
+    """A lookup in a table split along its rows on the tensor axis, as the plan's SPMD semantics and Megatron's
+    VocabParallelEmbedding compute it: each rank looks its one-hot columns up in its rows (`apply_op` on the local
+    pieces: an id another rank holds has an all-zero row here, so its output row is zero), and the result is a
+    `Partial()` DTensor, the sum over the ranks. DTensor's own sharding of the lookup fails here (torch 2.13):
+    `gather` on the vocabulary-split one-hot makes a `_MaskPartial` whose mask its first reduction releases, and
+    the backward of the `mul` that read it reduces the saved value again (AssertionError in
+    `_MaskPartial._reduce_value`). The gradient reaches the rank's rows through `to_local`, as DTensor's
+    `Shard(0)` of the table."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    local = apply_op(op, [onehot.to_local(), table.to_local()], attrs)
+    return DTensor.from_local(local, table.device_mesh, [Partial()], run_check=False)
 
 
 def dtensor_placement(code: int):
