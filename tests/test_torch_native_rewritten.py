@@ -23,8 +23,9 @@ from torch import nn  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 import parsat  # noqa: E402
-from test_torch_native_runtime import (LR, _batch, _check_run, _dcp_loads_into_the_unmodified_module,  # noqa: E402
-                                       _factory, _plan, _relative)
+from test_torch_native_runtime import (IMPORTED, LR, _batch, _check_run,  # noqa: E402
+                                       _dcp_loads_into_the_unmodified_module, _factory, _plan, _relative,
+                                       _train_hf, train_job)
 
 BATCH, SEQ, VOCAB = 8, 32, 256
 
@@ -289,3 +290,131 @@ def test_what_a_rewritten_forward_cannot_compute_is_refused_naming_the_node():
                                             "the plan splits it"):
         rewrite_of(replace(pcg, nodes=nodes), graph, lowering, imported)
 
+
+
+# ------------------------------------------------------------------ beside data axes, and vocabulary-split lookups
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    """(module, import) of HF GPT-2, float64 (its loss too), dropout off."""
+    from parsat.importer.export import import_module
+
+    module, example = _factory("gpt2")()
+    return module, import_module(module, example, check=False)
+
+
+def test_dp_by_tp_and_vocabulary_split_plans_lower_to_rewritten_forwards(bert, gpt2):
+    """Without processes: Megatron's dp 2 x tp 2 plan of BERT (its attention mask and token-type one-hots, built by
+    the module at its batch's shape, split with the batch on dp) lowers to a rewritten forward with a tensor axis
+    beside the data axis: the constants sliced at the rank's dp coordinate, the parallel operators on tp
+    redistributions, the token-type table looked up vocabulary-parallel. GPT-2's tp 2 plan looks its word table
+    up split along the vocabulary on tp (`lookup`: each rank's rows, `rewritten.vocabulary_lookup`), where
+    DTensor's own sharding of the lookup fails in the backward. The same plan with the lookup reading the ids
+    whole is refused, naming the node."""
+    from dataclasses import replace
+
+    from parsat.backend.torch_native.lowering import LoweringError
+    from parsat.backend.torch_native.rewritten import LOOKUP, PLACE, SLICE, rewrite_of
+    from parsat.ir.plan import pcg_from_dict
+
+    module, _, imported, _ = bert
+    plan = _plan(imported.graph, (2, 2))
+    lowering, rewrite = _rewrite(module, imported, plan)
+    assert rewrite is not None and rewrite.tensor_axis == 1 and lowering.batch_axes == (0,) and lowering.styles == ()
+    assert "forward: the plan's graph" in lowering.describe()
+    slices = {(plan_node_leaf(plan, s.inputs[0]), s.axis, s.dim) for s in rewrite.steps if s.action == SLICE}
+    assert slices == {("expand_1_onehot", 0, 0), ("expand_2_mask", 0, 0)}, slices
+    assert {s.axis for s in rewrite.steps if s.action == PLACE} == {1}
+    pcg = pcg_from_dict(plan)
+    lookups = [plan_node_leaf(plan, s.inputs[1]) for s in rewrite.steps if s.action == LOOKUP]
+    assert lookups == ["model.bert.embeddings.token_type_embeddings.weight"], lookups
+    module, imported = gpt2
+    plan = _plan(imported.graph, (1, 2))
+    lowering, rewrite = _rewrite(module, imported, plan)
+    lookups = [s for s in rewrite.steps if s.action == LOOKUP]
+    assert [plan_node_leaf(plan, s.inputs[1]) for s in lookups] == ["model.lm_head.weight"]   # tied to wte
+    assert not any("looks up rows" in n for n in lowering.notes)
+    pcg = pcg_from_dict(plan)
+    node = pcg.node(lookups[0].node)
+    whole = replace(node, inputs=(pcg.node(node.inputs[0]).inputs[0], node.inputs[1]))
+    edited = replace(pcg, nodes=tuple(whole if n.id == node.id else n for n in pcg.nodes))
+    with pytest.raises(LoweringError, match=rf"node #{node.id} embedding .* reads a table split along the "
+                                            "vocabulary on axis tp without its ids split so"):
+        rewrite_of(edited, imported.graph, lowering, imported)
+
+
+@pytest.mark.parametrize("label", ["tp", pytest.param("dp_tp", marks=pytest.mark.slow)])
+def test_a_vocabulary_parallel_lookup_trains_like_the_module_in_one_process(tiny_graph_plans, tmp_path, label):
+    """The tiny tied LM (float64, its import given): Megatron's tp 2 plan (2 ranks, fast: 13 CPU s) and dp 2 x tp 2
+    plan (4 ranks, slow: 48 CPU s) compute otherwise than the module (row-parallel fc2 as `linear_nobias_t`,
+    `reduce`, `bias_add`) and look the ids up in the table split along the vocabulary on tp: each rank's forward
+    reads its 16 of the 32 rows of the tied table (`rows [16, 16]`, no `nn.Embedding` call: the test fails if
+    the module's own forward ran), every parameter a DTensor placed as the plan stores it on each mesh axis, 3
+    AdamW steps with clipping like the unmodified module in one process (1e-4 asked), the checkpoint loading into
+    the unmodified module."""
+    from parsat.backend.launch import LaunchConfig, launch
+
+    factory = "tiny64" + IMPORTED
+    nproc, plan = {"tp": (2, tiny_graph_plans[0]), "dp_tp": (4, tiny_graph_plans[1])}[label]
+    results = launch(train_job, (factory, {label: plan}, 3, str(tmp_path), (4, 6, 32)),
+                     LaunchConfig(nproc=nproc, backend="gloo", timeout_s=300))
+    data = ["Replicate()"] if label == "dp_tp" else []
+    for result in results:
+        _check_run(result, label)
+        run = result[label]
+        assert not run["own_forward"] and run["lookups"] == {"rows [16, 16]": 1}, run["lookups"]
+        assert run["placements"]["emb.weight"] == data + ["Shard(dim=0)"], run["placements"]
+        assert run["placements"]["fc2.weight"] == data + ["Shard(dim=1)"], run["placements"]
+    assert _dcp_loads_into_the_unmodified_module(tmp_path, label, factory) == 0.0
+    print(json.dumps({label: {k: results[0][label][k] for k in ("losses", "ref_losses", "worst_weight", "comms",
+                                                                 "lookups")}}))
+
+
+@pytest.fixture(scope="module")
+def tiny_graph_plans():
+    """Megatron's tp 2 and dp 2 x tp 2 plans of the tiny tied LM as imported (float64)."""
+    from parsat.importer.export import import_module
+
+    module, example = _factory("tiny64")()
+    graph = import_module(module, example, check=False).graph
+    return _plan(graph, (1, 2)), _plan(graph, (2, 2))
+
+
+@pytest.mark.slow
+def test_dp_by_tp_plans_of_bert_and_gpt2_train_on_four_ranks_like_the_module_in_one_process(tmp_path):
+    """Megatron's dp 2 x tp 2 plans of HF BERT and GPT-2 and GPT-2's tp 4 plan, each computing otherwise than the
+    module (row-parallel projections as bias-free products, then the all-reduce, then the bias), on 4 gloo ranks
+    (float64): the module's forward the plan's graph on DTensors of the tp mesh and each rank's local batch, every
+    parameter a DTensor on the 2-D mesh placed as the plan stores it per axis (`Replicate()` on dp), GPT-2's word
+    table and BERT's token-type table looked up vocabulary-parallel (each rank's rows, no `nn.Embedding` call),
+    3 AdamW steps with clipping like the unmodified module in one process (1e-4 asked), the checkpoints loading
+    into the unmodified modules."""
+    bert = _train_hf("bert", {"bert_dp2_tp2": _plan_of("bert", (2, 2))}, 4, tmp_path)
+    gpt2 = _train_hf("gpt2", {"gpt2_dp2_tp2": _plan_of("gpt2", (2, 2)), "gpt2_tp4": _plan_of("gpt2", (1, 4))}, 4,
+                     tmp_path)
+    for result in bert:
+        run = result["bert_dp2_tp2"]
+        assert not run["own_forward"] and "embedding" not in run["lookups"], run["lookups"]
+        assert run["lookups"]["rows [1, 128]"] == 1, run["lookups"]   # the token-type table's row on this rank
+        placements = run["placements"]
+        assert placements["model.bert.encoder.layer.0.attention.self.query.weight"] == ["Replicate()", "Shard(dim=0)"]
+        assert placements["model.bert.encoder.layer.1.output.dense.weight"] == ["Replicate()", "Shard(dim=1)"]
+        assert placements["model.bert.embeddings.word_embeddings.weight"] == ["Replicate()", "Replicate()"]
+    for result in gpt2:
+        for label, rows in (("gpt2_dp2_tp2", "rows [128, 128]"), ("gpt2_tp4", "rows [64, 128]")):
+            run = result[label]
+            assert not run["own_forward"] and "embedding" not in run["lookups"], run["lookups"]
+            assert run["lookups"][rows] == 1, run["lookups"]   # the word table's rows on this rank
+        placements = result["gpt2_dp2_tp2"]["placements"]
+        assert placements["model.transformer.wte.weight"] == ["Replicate()", "Shard(dim=0)"], placements
+        assert placements["model.transformer.h.0.attn.c_attn.weight"] == ["Replicate()", "Shard(dim=1)"]
+        assert placements["model.transformer.h.0.mlp.c_proj.weight"] == ["Replicate()", "Shard(dim=0)"]
+
+
+def _plan_of(name: str, shape: tuple[int, int]) -> dict:
+    """Megatron's plan of a Hugging Face model as `_factory` builds it, on the graph its import makes."""
+    from parsat.importer.export import import_module
+
+    module, example = _factory(name)()
+    return _plan(import_module(module, example, check=False).graph, shape)

@@ -26,6 +26,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
 
 import parsat  # noqa: E402
 from parsat.backend.executor import operator_library  # noqa: E402
@@ -267,12 +268,16 @@ def _relative(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(floor))
 
 
-def train_job(ctx, factory: str, plans: dict, steps: int, folder: str, batch: tuple[int, int, int]) -> dict:
+def train_job(ctx, factory: str, plans: dict, steps: int, folder: str, batch: tuple[int, int, int],
+              own_forward: bool = False) -> dict:
     """On every rank, for each plan: the factory's module lowered with `runtime="torch"`, the user's loop on this
     rank's local batch (AdamW, clip_grad_norm_), beside the unmodified module trained in this process on the
     global batch; the parallel module's DCP checkpoint written to folder/<plan>, and its weights gathered whole
     saved by rank 0 to folder/<plan>.pt. The first step's forward and backward run under `CommDebugMode`: the
-    collectives torch issued, by kind (`comms`)."""
+    collectives torch issued, by kind (`comms`), and `Lookups` (`lookups`). A Hugging Face model is given its
+    example inputs (a plan computing otherwise than the module then runs as its rewritten forward,
+    `torch_native/rewritten.py`), or with `own_forward` only the import's weight names (the module's own forward
+    under the styles)."""
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
     import torch.distributed.checkpoint as dcp
@@ -280,7 +285,9 @@ def train_job(ctx, factory: str, plans: dict, steps: int, folder: str, batch: tu
     from torch.distributed.tensor import DTensor
 
     from parsat.backend.torch_native.apply import local_batch, lowering_of
+    from parsat.backend.torch_native.rewritten import RewrittenForward
     from parsat.backend.torch_native.zero import zero_optimizer
+    from parsat.importer.export import import_module
 
     make = _factory(factory)
     out = {}
@@ -288,14 +295,16 @@ def train_job(ctx, factory: str, plans: dict, steps: int, folder: str, batch: tu
         module, example = make()
         reference = copy.deepcopy(module)
         # a Hugging Face model's plan names its stack of blocks b{i}_...: the import of the example maps them back
-        model = parsat.parallelize(module, plan, None if factory.startswith("tiny") else example, runtime="torch")
+        example = None if factory.startswith("tiny") and not factory.endswith(IMPORTED) else example
+        names = import_module(module, example, check=False).weights if own_forward and example is not None else None
+        model = parsat.parallelize(module, plan, None if names else example, runtime="torch", weight_names=names)
         optimizer = zero_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.01)   # AdamW but under ZeRO-1
         ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
         losses, ref_losses, norms, ref_norms = [], [], [], []
-        comms = CommDebugMode()
+        comms, lookups = CommDebugMode(), Lookups()
         for step in range(steps):
             ids, labels = _batch(step, *batch)
-            with comms if step == 0 else contextlib.nullcontext():
+            with comms if step == 0 else contextlib.nullcontext(), lookups if step == 0 else contextlib.nullcontext():
                 loss = model(*local_batch(model, ids, labels))
                 loss.backward()
             if step == 0:   # the gradients as backward leaves them (whole under ZeRO-1, sharded under ZeRO-2)
@@ -336,6 +345,8 @@ def train_job(ctx, factory: str, plans: dict, steps: int, folder: str, batch: tu
                       "meshes": sorted({str(getattr(t, "device_mesh", None)) for t in params.values()}),
                       "placements": placements, "lowering": lowering_of(model).describe(),
                       "comms": {str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()},
+                      "lookups": lookups.counts,
+                      "own_forward": not isinstance(model.__dict__.get("forward"), RewrittenForward),
                       "grads": grads, "state_numel": _state_numel(optimizer),
                       "param_numel": sum(t.numel() for t in params.values()),
                       "local_numel": sum((t.to_local() if isinstance(t, DTensor) else t).numel()
@@ -345,6 +356,26 @@ def train_job(ctx, factory: str, plans: dict, steps: int, folder: str, batch: tu
                                              if isinstance(sub.__dict__.get("forward"), partial))}
         dist.barrier()
     return out
+
+
+class Lookups(TorchFunctionMode):
+    """Counts, in what it surrounds, the lookups a forward makes: `F.embedding` calls (an `nn.Embedding`'s, under
+    its style or not: `embedding`) and row reads `table[ids]` of a plain 2-D tensor by integer ids, by the table's
+    shape (`rows [V, H]`: parsat's lookup of a graph `embedding`; a vocabulary-parallel one reads each rank's rows,
+    [V / tp, H], `rewritten.vocabulary_lookup`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is nn.functional.embedding:
+            self.counts["embedding"] = self.counts.get("embedding", 0) + 1
+        elif getattr(func, "__name__", "") == "__getitem__" and len(args) == 2 and isinstance(args[0], torch.Tensor) \
+                and args[0].dim() == 2 and isinstance(args[1], torch.Tensor) and not args[1].is_floating_point():
+            key = f"rows {'DTensor ' if hasattr(args[0], 'placements') else ''}{list(args[0].shape)}"
+            self.counts[key] = self.counts.get(key, 0) + 1
+        return func(*args, **(kwargs or {}))
 
 
 def _state_numel(optimizer) -> int:
@@ -358,7 +389,11 @@ def _stack():
     return _StackLM(), _batch(0, BATCH, SEQ, VOCAB_SIZE)
 
 
+IMPORTED = "+import"   # a tiny factory's name ending so: `train_job` gives parallelize its example inputs too
+
+
 def _factory(name: str):
+    name = name.removesuffix(IMPORTED)
     if name == "tiny":
         return tiny
     if name == "tiny64":
@@ -376,8 +411,21 @@ def _factory(name: str):
                 sub.p = 0.0
         # float64: in float32, AdamW's first steps turn the rounding of gradients near zero into whole steps of
         # the learning rate (m / sqrt(v) is +-1 for any gradient), 1e-3 of a weight apart after 3 steps
+        if name == "gpt2":   # its loss too: the plan's graph computes in the parameters' dtype (no float32 cast)
+            module.model.loss_function = causal_loss_in_model_dtype
         return module.double(), inputs
     return make
+
+
+def causal_loss_in_model_dtype(logits, labels, vocab_size: int, ignore_index: int = -100, **_kwargs):
+    """transformers' `ForCausalLMLoss` (shifted labels, mean cross-entropy over the targets) without its cast of the
+    logits to float32, set as the model's `loss_function`: a float64 GPT-2 then computes its loss in float64, as
+    the plan's graph does (the import drops dtype casts). With the cast, the module's gradients carry float32
+    rounding (5e-8 of the largest) that AdamW's first steps turn into 5.6e-4 of a weight on the elements whose
+    gradient is near its epsilon (measured: GPT-2's tp 2 plan, rewritten forward, against the unmodified module)."""
+    labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
+    return nn.functional.cross_entropy(logits.view(-1, vocab_size), labels.view(-1).to(logits.device),
+                                       ignore_index=ignore_index)
 
 
 def _check_run(result: dict, label: str, tolerance: float = TOLERANCE) -> None:
@@ -536,14 +584,15 @@ def _hf_plan(name: str, shape: tuple[int, int], zero: int = 0, sequence: bool = 
     return _plan(parsat.from_torch(module, inputs), shape, zero=zero, sequence=sequence)
 
 
-def _train_hf(name: str, plans: dict, nproc: int, folder: Path) -> list:
-    """`train_job` on `nproc` gloo ranks for a Hugging Face model's plans, checked against one process, each
-    checkpoint loaded into the unmodified module here; the figures printed for the record; the ranks' results."""
+def _train_hf(name: str, plans: dict, nproc: int, folder: Path, own_forward: bool = False) -> list:
+    """`train_job` on `nproc` gloo ranks for a Hugging Face model's plans (`own_forward`: the module's own forward
+    under the styles, even for a rewritten plan), checked against one process, each checkpoint loaded into the
+    unmodified module here; the figures printed for the record; the ranks' results."""
     import hf_models
 
     from parsat.backend.launch import LaunchConfig, launch
 
-    results = launch(train_job, (name, plans, 3, str(folder), (hf_models.BATCH, 32, 256)),
+    results = launch(train_job, (name, plans, 3, str(folder), (hf_models.BATCH, 32, 256), own_forward),
                      LaunchConfig(nproc=nproc, backend="gloo", timeout_s=600))
     for label in plans:
         for result in results:
