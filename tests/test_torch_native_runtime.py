@@ -677,9 +677,12 @@ def test_hf_gpt2_tensor_parallel_on_two_ranks(tmp_path):
     ranks, float64: 3 AdamW steps with clipping equal the unmodified module's in one process, every parameter a
     DTensor (c_attn / c_fc weights Shard(1) and biases Shard(0), the row-parallel c_proj Shard(0) with its bias
     Replicate()), the module's classes and state dict keys unchanged, the checkpoint loading into the unmodified
-    module here. (Its sequence-parallel plan is this plan: the fast test above.)"""
-    results = _train_hf("gpt2", {"gpt2_tp2": _hf_plan("gpt2", (1, 2))}, 2, tmp_path)
+    module here. (Its sequence-parallel plan is this plan: the fast test above.) The plan computes otherwise than
+    the module (row-parallel biases added after the all-reduce): given the import's weight names alone, the module
+    runs its own forward under the styles (tests/test_torch_native_rewritten.py runs the plan's graph)."""
+    results = _train_hf("gpt2", {"gpt2_tp2": _hf_plan("gpt2", (1, 2))}, 2, tmp_path, own_forward=True)
     for result in results:
+        assert result["gpt2_tp2"]["own_forward"] and result["gpt2_tp2"]["lookups"].get("embedding") == 2
         placements = result["gpt2_tp2"]["placements"]
         for name, want in (("attn.c_attn.weight", "Shard(dim=1)"), ("attn.c_attn.bias", "Shard(dim=0)"),
                            ("mlp.c_fc.weight", "Shard(dim=1)"), ("mlp.c_proj.weight", "Shard(dim=0)"),
@@ -693,10 +696,13 @@ def test_hf_gpt2_tensor_parallel_on_two_ranks(tmp_path):
 def test_hf_gpt2_dp_by_tp_and_tp4_on_four_ranks(tmp_path):
     """HF GPT-2 on 4 gloo ranks under Megatron's dp 2 x tp 2 plan (`replicate` over dp, the Conv1D styles over tp)
     and its tp 4 plan: 3 AdamW steps with clipping equal the unmodified module's in one process (float64), every
-    parameter a DTensor on one mesh, the checkpoints loading into the unmodified module here."""
+    parameter a DTensor on one mesh, the checkpoints loading into the unmodified module here. The module's own
+    forward under the styles (the import's weight names alone; tests/test_torch_native_rewritten.py runs the
+    plans' graphs)."""
     results = _train_hf("gpt2", {"gpt2_dp2_tp2": _hf_plan("gpt2", (2, 2)), "gpt2_tp4": _hf_plan("gpt2", (1, 4))}, 4,
-                        tmp_path)
+                        tmp_path, own_forward=True)
     for result in results:
+        assert result["gpt2_dp2_tp2"]["own_forward"] and result["gpt2_tp4"]["own_forward"]
         placements = result["gpt2_dp2_tp2"]["placements"]
         assert placements["model.transformer.h.0.attn.c_attn.weight"] == ["Replicate()", "Shard(dim=1)"]
         assert placements["model.transformer.h.0.mlp.c_proj.weight"] == ["Replicate()", "Shard(dim=0)"]
