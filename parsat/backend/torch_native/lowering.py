@@ -235,6 +235,7 @@ class Lowering:
     recompute: tuple[str, ...] = ()    # the block modules checkpointed (`recomputed_blocks`)
     traced_splits: tuple[TracedSplit, ...] = ()   # a traced module's split weights (`lower(traced=True)`)
     rewritten: str = ""                # how the module's forward computes the plan's graph (`rewritten.Rewrite`)
+    unrecomputable: str = ""           # why the module's blocks cannot be checkpointed (a rewritten forward can)
 
     def axes(self, role: str) -> tuple[int, ...]:
         return tuple(i for i, r in enumerate(self.axis_roles) if r == role)
@@ -309,7 +310,12 @@ def lower(pcg: PCG, graph: Graph, module: ModuleInfo, *, pipelined: bool = False
                             "which the torch-native runtime does not lower; run the plan with the interpreter "
                             "(runtime='interpreter', `parsat run`)")
     lowering = _Lowerer(pcg, graph, module, library, traced).run()
-    return replace(lowering, recompute=recomputed_blocks(pcg, module))
+    try:
+        return replace(lowering, recompute=recomputed_blocks(pcg, module))
+    except LoweringError as err:   # a rewritten forward checkpoints the plan's blocks, not the module's
+        if traced or not rewritten_nodes(pcg, graph):
+            raise
+        return replace(lowering, unrecomputable=str(err))
 
 
 class _Lowerer:

@@ -42,20 +42,30 @@ enters as `Replicate()` DTensors, each compute node runs on DTensors
 (DTensor's sharding propagation computes the global values, and on BERT's
 Megatron plan leaves every node in the plan's placement), and each parallel
 operator on that axis is a `redistribute` to the plan's placement there.
+Beside data axes (dp x tp) the same holds on the tensor axis's mesh:
+`replicate` / `fully_shard` over the data axes make the stored parameters
+DTensors of the 2-D mesh (`Replicate()` or `Shard(d)` on dp, the plan's
+placement on tp) and hand the forward their tp-mesh DTensors, each rank's
+values being its local batch's (the data axes' split done by the batch it
+was given, the constants sliced), so the data axes' gradient sync stays
+torch's. A lookup in a table split along the vocabulary on the tensor
+axis is each rank's lookup of its rows, a `Partial()` DTensor
+(`vocabulary_lookup`: DTensor's own sharding of it fails in the backward).
+A plan recomputing blocks runs each block's steps under
+`torch.utils.checkpoint` (`Recomputed`).
 
-Covered: plans of data and ZeRO axes (data parallel, ZeRO-1/2/3, HSDP) and
-plans of one tensor axis. Not covered, and the lowering's note says so
-(the module then runs its own forward, equal in value): a tensor axis
-beside data axes (not checked: no tested model has such a plan with a
-rewrite), a lookup in a table split on the tensor axis (DTensor runs it as
-a masked partial sum whose mask torch 2.13 releases before the backward:
-GPT-2's vocabulary-parallel `wte`), a plan recomputing blocks (it
-checkpoints the module's block forwards, which this does not call), a
-module given without its import or example inputs. Refused, naming the node (`rewrite_of`): a
+Covered: every unpipelined plan of data, ZeRO and tensor axes (data
+parallel, ZeRO-1/2/3, HSDP, one tensor axis, dp x tp), vocabulary-split
+lookups, recomputed blocks. Not covered (the module then runs its own
+forward, equal in value, and the lowering's note says so): a module given
+without its import or example inputs. Refused, naming the node (`rewrite_of`): a
 scale after a sum over the data ranks (a normalisation fixed at the global
 batch would be off on a local one), an operator on the user's data before
 the plan splits it, a batch norm keeping running statistics, a module
-returning other values than the graph's outputs (integers, None).
+returning other values than the graph's outputs (integers, None), a lookup
+of a vocabulary-split table whose ids are not split alike. The graph
+computes in the parameters' dtype: casts in the module's forward (HF's
+causal loss casts its logits to float32) are not in it.
 """
 
 from __future__ import annotations
@@ -74,6 +84,7 @@ from parsat.ir.graph import Graph
 from parsat.ir.microbatch import batch_dims
 from parsat.ir.pcg import PCG, PNode, weight_storage
 from parsat.ir.placement import FREE, PARTIAL, REPLICA, shard, shard_dim
+from parsat.backend.recompute_regions import Region, forward_units
 from parsat.backend.torch_native.lowering import (DATA, EMBEDDING_OPS, REWRITE_NOTE, ZERO3, Lowering, LoweringError,
                                                   rewritten_nodes, weight_values)
 
@@ -103,10 +114,24 @@ class Step:
 
 
 @dataclass(frozen=True)
+class Recomputed:
+    """A recomputed block's steps, `start` to `end` (exclusive) in `Rewrite.steps`, run under
+    `torch.utils.checkpoint` (non-reentrant): the values of `needed` (made outside, read inside) go in, those of
+    `kept` (read outside it or returned) come out; the rest are made again in its backward
+    (`recompute_regions.Region`, as the interpreter runs it)."""
+
+    start: int
+    end: int
+    needed: tuple[int, ...]
+    kept: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Rewrite:
     """What a rank evaluates in place of the module's forward (module docstring): the steps in the plan's order,
     the output nodes, the local shapes of the batch-carrying data leaves, the rewritten nodes' description, and
-    on a tensor axis (`tensor_axis`) each weight's stored placement there (parameter name, placement code)."""
+    on a tensor axis (`tensor_axis`) each weight's stored placement there (parameter name, placement code); for a
+    plan that recomputes blocks, each block's run of steps (`recomputed`)."""
 
     steps: tuple[Step, ...]
     outputs: tuple[int, ...]
@@ -114,6 +139,7 @@ class Rewrite:
     summary: str
     tensor_axis: int | None = None
     stored: tuple[tuple[str, int], ...] = ()
+    recomputed: tuple["Recomputed", ...] = ()
 
     def lowered(self, lowering: Lowering) -> Lowering:
         """`lowering` saying that the module's forward computes the plan's graph (its rewrite note replaced)."""
@@ -138,9 +164,9 @@ def lowered_rewrite(pcg: PCG, graph: Graph, lowering: Lowering, imported, librar
     # an import-like record may say why it cannot run a rewritten forward (`run.GraphImport.unsupported`)
     why = getattr(imported, "unsupported", "") or (
            "give parallelize the example inputs (or the import) to have it compute the plan's graph"
-           if imported is None else
-           "recomputation checkpoints the module's block forwards, which a rewritten forward does not call"
-           if lowering.recompute else "")
+           if imported is None else "")
+    if why and lowering.unrecomputable:
+        raise LoweringError(lowering.unrecomputable)
     if why:
         return replace(lowering, notes=tuple(f"{n} ({why})" if n.startswith(REWRITE_NOTE) else n
                                              for n in lowering.notes)), None
@@ -187,7 +213,11 @@ def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=Non
     tp = lowering.tensor_axis
     stored = () if tp is None else tuple((w.params[0], pcg.node(chains[w.node][-1]).placement.codes[tp])
                                          for w in lowering.weights)
-    return Rewrite(_with_frees(tuple(steps), pcg.outputs), pcg.outputs, shapes, summary, tp, stored)
+    steps, recomputed = _in_regions(pcg, tuple(steps))
+    steps = _with_frees(steps, pcg.outputs)
+    if recomputed:
+        summary += f"; {len(recomputed)} blocks recomputed in the backward (torch.utils.checkpoint)"
+    return Rewrite(steps, pcg.outputs, shapes, summary, tp, stored, recomputed)
 
 
 def _step(n: PNode, pcg: PCG, lowering: Lowering, data_axes: set[int], static: set[int],
@@ -252,6 +282,22 @@ def _split_rows(pcg: PCG, n: PNode, axis: int | None) -> bool:
                             f"the vocabulary on axis {pcg.mesh.names[axis]} without its ids split so: a rewritten "
                             "forward looks up each rank's rows as the plan's vocabulary-parallel embedding does")
     return True
+
+
+def _in_regions(pcg: PCG, steps: tuple[Step, ...]) -> tuple[tuple[Step, ...], tuple[Recomputed, ...]]:
+    """The steps in the order the interpreter runs a plan that recomputes blocks (`recompute_regions.forward_units`:
+    each recomputed block's nodes together, as one region, dependencies kept), and each region's run of them
+    (`Recomputed`: what it reads from outside, what is read outside it)."""
+    by_node = {s.node: s for s in steps}
+    ordered: list[Step] = []
+    regions = []
+    for unit in forward_units(pcg, by_node):
+        if isinstance(unit, Region):
+            regions.append(Recomputed(len(ordered), len(ordered) + len(unit.runs), unit.inputs, unit.kept))
+            ordered += [by_node[i] for i in unit.runs]
+        else:
+            ordered.append(by_node[unit])
+    return tuple(ordered), tuple(regions)
 
 
 def _with_frees(steps: tuple[Step, ...], outputs: tuple[int, ...]) -> tuple[Step, ...]:
@@ -326,29 +372,56 @@ def _on_dtensors(rewrite: Rewrite, params, data, coords, device) -> list[torch.T
 def evaluate(rewrite: Rewrite, params: Mapping[str, torch.Tensor], data: Mapping[str, torch.Tensor],
              coords: tuple[int, ...]) -> list[torch.Tensor]:
     """The plan's outputs on this rank: each step in the plan's order (`Step`), values freed after their last
-    reader."""
+    reader; a recomputed block's steps under `torch.utils.checkpoint` (`Recomputed`), so that its backward runs
+    them again (their redistributions too, on every rank alike) instead of keeping their activations."""
+    from torch.utils.checkpoint import checkpoint
+
     env: dict[int, torch.Tensor] = {}
-    for s in rewrite.steps:
-        if s.action == WEIGHT:
-            env[s.node] = params[s.name]
-        elif s.action == LEAF:
-            env[s.node] = data[s.name]
-        elif s.action == OP:
-            env[s.node] = apply_op(s.name, [env[i] for i in s.inputs], dict(s.attrs))
-        elif s.action == SLICE:
-            x = env[s.inputs[0]]
-            size = x.shape[s.dim] // s.degree
-            env[s.node] = x.narrow(s.dim, coords[s.axis] * size, size)
-        elif s.action == LOOKUP:
-            env[s.node] = vocabulary_lookup(s.name, env[s.inputs[0]], env[s.inputs[1]], dict(s.attrs))
-        elif s.action == PLACE:
-            x = env[s.inputs[0]]
-            env[s.node] = x.redistribute(x.device_mesh, [dtensor_placement(s.code)])
-        else:
-            env[s.node] = env[s.inputs[0]]
-        for i in s.frees:
-            del env[i]
+    runs = {r.start: r for r in rewrite.recomputed}
+    k = 0
+    while k < len(rewrite.steps):
+        run = runs.get(k)
+        if run is None:
+            _apply(rewrite.steps[k], env, params, data, coords)
+            k += 1
+            continue
+        block = rewrite.steps[run.start:run.end]
+
+        def forward(*values, block=block, run=run):
+            inner = dict(zip(run.needed, values))
+            for s in block:
+                _apply(replace(s, frees=()), inner, params, data, coords)
+            return tuple(inner[i] for i in run.kept)
+
+        env.update(zip(run.kept, checkpoint(forward, *(env[i] for i in run.needed), use_reentrant=False)))
+        for i in {i for s in block for i in s.frees}:
+            env.pop(i, None)
+        k = run.end
     return [env[o] for o in rewrite.outputs]
+
+
+def _apply(s: Step, env: dict[int, torch.Tensor], params: Mapping[str, torch.Tensor],
+           data: Mapping[str, torch.Tensor], coords: tuple[int, ...]) -> None:
+    """Step `s` evaluated into `env`, then the values it was the last reader of dropped."""
+    if s.action == WEIGHT:
+        env[s.node] = params[s.name]
+    elif s.action == LEAF:
+        env[s.node] = data[s.name]
+    elif s.action == OP:
+        env[s.node] = apply_op(s.name, [env[i] for i in s.inputs], dict(s.attrs))
+    elif s.action == SLICE:
+        x = env[s.inputs[0]]
+        size = x.shape[s.dim] // s.degree
+        env[s.node] = x.narrow(s.dim, coords[s.axis] * size, size)
+    elif s.action == LOOKUP:
+        env[s.node] = vocabulary_lookup(s.name, env[s.inputs[0]], env[s.inputs[1]], dict(s.attrs))
+    elif s.action == PLACE:
+        x = env[s.inputs[0]]
+        env[s.node] = x.redistribute(x.device_mesh, [dtensor_placement(s.code)])
+    else:
+        env[s.node] = env[s.inputs[0]]
+    for i in s.frees:
+        del env[i]
 
 
 def vocabulary_lookup(op: str, onehot, table, attrs: Mapping[str, Any]):
