@@ -123,6 +123,42 @@ def test_a_rewritten_plan_computes_its_own_graph_on_each_local_batch(bert):
     assert not any("torch stores it" in n for n in tp.notes)
 
 
+def test_a_rewritten_plan_recomputing_blocks_checkpoints_each_block_region(bert):
+    """The optimizer's plan of BERT with `recompute="blocks"`: the importer's blocks are not BERT's layer modules
+    (block 0 begins at the embeddings' LayerNorm), so the module's own form could not checkpoint them, but the
+    rewritten forward checkpoints the plan's own regions (`recompute_regions.forward_units`, one a block, as the
+    interpreter runs them): the same loss and gradients as without recomputation (float64, 1e-12) while autograd
+    saves fewer than 60 % of the tensors (95 -> 52 measured). Without the import the plan is refused, naming
+    the layer no module holds."""
+    import copy
+    from dataclasses import replace
+
+    from parsat.backend.torch_native.apply import module_info
+    from parsat.backend.torch_native.lowering import LoweringError, lower
+    from parsat.backend.torch_native.rewritten import RewrittenForward, lowered_rewrite
+    from parsat.ir.plan import pcg_from_dict
+
+    module, _, imported, plan = bert
+    pcg = replace(pcg_from_dict(plan), recompute="blocks")
+    lowering = lower(pcg, imported.graph, module_info(module, imported.weights))
+    assert lowering.recompute == () and "no submodule of the module holds" in lowering.unrecomputable
+    with pytest.raises(LoweringError, match="no submodule of the module holds"):
+        lowered_rewrite(pcg, imported.graph, lowering, None)
+    lowering, rewrite = lowered_rewrite(pcg, imported.graph, lowering, imported)
+    assert len(rewrite.recomputed) == 2 and "2 blocks recomputed" in lowering.describe()
+    ids, labels = _batch(0, BATCH, SEQ, VOCAB)
+    runs = {}
+    for label, rewritten in (("plain", _rewrite(module, imported, plan)[1]), ("recomputed", rewrite)):
+        copied, saved = copy.deepcopy(module), []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(1) or t, lambda t: t):
+            loss = RewrittenForward(copied, rewritten, imported, 0, (0,))(ids[:4], labels[:4])
+        loss.backward()
+        runs[label] = (float(loss), len(saved), {k: p.grad for k, p in copied.named_parameters()})
+    (plain, plain_saved, plain_grads), (again, saved, grads) = runs["plain"], runs["recomputed"]
+    assert abs(again - plain) <= 1e-12 * abs(plain) and saved < 0.6 * plain_saved, (again, plain, saved, plain_saved)
+    assert max(_relative(grads[k], plain_grads[k]) for k in grads) <= 1e-12
+
+
 def plan_node_leaf(plan: dict, node: int) -> str:
     """The leaf a plan node is, or the leaf its chain of parallel operators starts at."""
     from parsat.ir.plan import pcg_from_dict

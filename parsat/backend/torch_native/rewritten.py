@@ -144,12 +144,15 @@ class Rewrite:
     def lowered(self, lowering: Lowering) -> Lowering:
         """`lowering` saying that the module's forward computes the plan's graph (its rewrite note replaced)."""
         notes = tuple(n for n in lowering.notes if not n.startswith(REWRITE_NOTE))
+        # the module's block forwards are not called: the regions of the plan's blocks are checkpointed instead
+        lowering = replace(lowering, recompute=(), unrecomputable="")
         if self.tensor_axis is None:
             return replace(lowering, notes=notes, rewritten=self.summary)
         # no styles: the parameters take the plan's placements, so the styles' notes (a table stored otherwise
         # than the plan, a constant sliced on the tensor axis) do not apply
         axis = lowering.mesh.names[self.tensor_axis]
-        notes = tuple(n for n in notes if f"axis {axis}" not in n and "torch stores it" not in n)
+        styled = (f"axis {axis}", f"axis={axis}", "torch stores it")   # what the styles would have done on it
+        notes = tuple(n for n in notes if not any(word in n for word in styled))
         weights = tuple(replace(w, restored=()) for w in lowering.weights)
         return replace(lowering, notes=notes, rewritten=self.summary, styles=(), weights=weights)
 
