@@ -281,9 +281,10 @@ def _split_rows(pcg: PCG, n: PNode, axis: int | None) -> bool:
     if table.placement.codes[axis] != shard(0):
         return False
     if n.op != "embedding" or onehot.placement.codes[axis] != shard(len(onehot.shape) - 1):
+        why = "with a padding row (a global row index)" if n.op != "embedding" else "without its ids split so"
         raise LoweringError(f"node #{n.id} {n.label}{f' [{n.origin}]' if n.origin else ''} reads a table split along "
-                            f"the vocabulary on axis {pcg.mesh.names[axis]} without its ids split so: a rewritten "
-                            "forward looks up each rank's rows as the plan's vocabulary-parallel embedding does")
+                            f"the vocabulary on axis {pcg.mesh.names[axis]} {why}: a rewritten forward looks up "
+                            "each rank's rows as the plan's vocabulary-parallel embedding does")
     return True
 
 
