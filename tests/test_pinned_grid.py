@@ -89,3 +89,28 @@ def test_a_sequence_pin_that_cannot_hold_is_refused_before_the_rules_load(degree
         raise AssertionError("the rules were chosen before the pin was checked")
     with pytest.raises(OptimizeError, match=re.escape(says)):
         resolve_request("gpt", "cpu", None, None, 2, sizes=SMALL_GPT, degrees=degrees, choose_rules=no_rules)
+
+
+def test_a_pinned_recomputation_is_the_policy_of_every_independent_grid_point():
+    """`--recompute blocks` pinned (SC'21's Megatron-LM rows): the grid built apart from the e-graph prices every
+    point recomputing blocks, so the points that fit keeping their activations still keep the pin
+    (`keeps_pins`) and may be the plan. The grid recomputed only where a point did not fit: sc21-18.4b's
+    sequence-parallel layout (t 8) fitted keeping its activations, so no independent point kept the pin and the
+    pinned search never compared it (issue 31)."""
+    from parsat.search.mesh import CandidateSteps
+    from parsat.search.request import step_context
+    from parsat.search.step import independent_points, keeps_pins
+
+    found = {}
+    for recompute in ("auto", "blocks"):
+        request = resolve_request("gpt", "h100x8", None, None, 16, sizes=GPT, degrees=PINS, recompute=recompute)
+        step = step_context(request, 1)
+        steps = CandidateSteps(request.library, step.machine, step.graph.microbatches, request.simulations)
+        points = independent_points(step, steps)
+        found[recompute] = [p for p in points if keeps_pins(p, request)]
+        assert points and all(step.memory.fits(p) for p in points)
+    assert found["auto"] and all(p.pcg.recompute == "none" for p in found["auto"])   # they fit keeping activations
+    assert {p.config["sp"] for p in found["blocks"]} == {False, True}
+    assert all(p.pcg.recompute == "blocks" and p.config["recompute"] == "blocks" for p in found["blocks"])
+    fastest = min(found["blocks"], key=lambda p: p.totals.time_s)
+    assert fastest.totals.simulation is not None   # simulated: it may be the best grid point

@@ -111,7 +111,7 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
                   skip: Callable[[PCG], bool] | None = None,
                   state_zero: int = 0, computed: dict | None = None,
                   order: Callable[[PCG], float | None] | None = None,
-                  kin: dict | None = None) -> Iterator[list[tuple[int, Candidate]]]:
+                  kin: dict | None = None, recompute: str | None = None) -> Iterator[list[tuple[int, Candidate]]]:
     """`independent_grid`'s points, one (dp, tp, sequence parallelism) layout at a time, each with its place in
     `independent_grid`'s order: the layout with ZeRO 0, then 3, each with its fallbacks.
 
@@ -128,7 +128,10 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
     before the first family is given, so that the bar falls as early as it can; without it, in the grid's order.
     `state_zero` (1 or 2: a pinned `--degrees zero=N`): the points that store their weights whole (ZeRO 0) hold
     their state so, as the pin asks (Megatron's distributed optimizer is the layout with ZeRO-1), rather than
-    only where they would not fit otherwise. Unpinned, on a machine whose execution overlaps ZeRO-1's gathers
+    only where they would not fit otherwise. `recompute` (a pinned `--recompute`): every point runs that policy, as
+    the pin asks (SC'21's Megatron-LM rows recompute every block), rather than keeping activations wherever they
+    fit: a point with another policy does not keep the pin (`step.keeps_pins`), so the pinned grid had none of
+    the layouts that fit without recomputing (sc21-18.4b: its sequence-parallel layout). Unpinned, on a machine whose execution overlaps ZeRO-1's gathers
     with the next forward (`pcg_tasks.profile_for`: GPUs), a layout that fits with ZeRO 0 is also a point with
     ZeRO-1. `computed`: compute nodes' costs shared with the caller's other pricers (`extract.Pricer`; by
     default the grid's own). `kin`: the layouts of other graphs' grids, which this one takes rescaled where its
@@ -148,7 +151,7 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
         visit = sorted(range(len(layouts)), key=lambda k: (-math.inf if bounds[k] is None else bounds[k], k))
         layouts, firsts = [layouts[k] for k in visit], [firsts[k] for k in visit]
     point = _GridPricer(graph, library, machine, free_input_placements, fits or (
-        lambda candidate: candidate.totals.fits(machine)), state_zero, computed)
+        lambda candidate: candidate.totals.fits(machine)), state_zero, computed, recompute)
     for layout, first in zip(layouts, firsts):
         family = []
         for z, zero in enumerate(layout.zeros):
@@ -189,9 +192,10 @@ class _GridPricer:
     the machine overlaps ZeRO-1's gathers (`grid_families`)."""
 
     def __init__(self, graph: Graph, library: Library, machine: Machine, free_input_placements: bool,
-                 fits: Callable[[Candidate], bool], state_zero: int, computed: dict | None):
+                 fits: Callable[[Candidate], bool], state_zero: int, computed: dict | None,
+                 recompute: str | None = None):
         self.graph, self.library, self.machine, self.free = graph, library, machine, free_input_placements
-        self.fits, self.state_zero = fits, state_zero
+        self.fits, self.state_zero, self.recompute = fits, state_zero, recompute
         # where ZeRO-1's gathers of the updated shards run during the next forward (Megatron's distributed
         # optimizer with overlap_param_gather), a layout that fits with its state whole may still run faster with
         # it sharded: half the gradient bytes reduced, the update on a shard; so both are points, the simulation
@@ -204,14 +208,18 @@ class _GridPricer:
         """The points of `layout` laid out with `zero` (`pcg`): none, one, or one and its ZeRO-1 twin. The PCG is
         priced once; its forms with the weights' state sharded or recomputing blocks from those costs
         (`_Forms`)."""
-        if zero == 0 and self.state_zero and layout.dp > 1 and pcg is not None:
-            pcg, zero = restated(pcg, self.state_zero, pcg.recompute), self.state_zero
         if pcg is None:
             return []
+        if zero == 0 and self.state_zero and layout.dp > 1:
+            pcg, zero = restated(pcg, self.state_zero, pcg.recompute), self.state_zero
+        if self.recompute is not None and pcg.recompute != self.recompute:   # a pinned policy, the only one tried
+            pcg = restated(pcg, pcg.zero, self.recompute)
         forms = _Forms(pcg, self)
         config = {"dp": layout.dp, "tp": layout.tp, "sp": layout.sequence, "zero": zero,
                   "microbatches": self.graph.microbatches}
-        point = _fitting_point(forms, config, self.fits, self.blocks)
+        if pcg.recompute != NONE:
+            config["recompute"] = pcg.recompute
+        point = _fitting_point(forms, config, self.fits, self.blocks and self.recompute is None)
         if point is None:
             return []
         if not (self.overlapped and point.config["zero"] == 0 and layout.dp > 1):

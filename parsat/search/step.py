@@ -393,7 +393,8 @@ def independent_points(step: StepContext, steps: CandidateSteps) -> list[Candida
         for family in grid_families(step.graph, request.library, step.machine, request.free_input_placements,
                                     step.devices, step.memory.fits, skip=lambda pcg: floors.beyond(pcg, bar),
                                     state_zero=pinned_zero, computed=request.prices, order=floors,
-                                    kin=request.layouts):
+                                    kin=request.layouts,
+                                    recompute=request.recompute if request.recompute != AUTO else None):
             points, bar = steps.fastest([point for _place, point in family], step.memory.fits, bar, rivals)
             kept += [(family[i][0], point) for i, point in points.items()]
         found = [point for _place, point in sorted(kept, key=lambda pair: pair[0])]
