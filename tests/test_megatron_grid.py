@@ -106,10 +106,13 @@ def test_the_embedding_is_vocabulary_parallel_and_inputs_split_along_the_batch(g
         leaf = next(n for n in pcg.nodes if n.kind == "leaf" and n.op == name)
         (split,) = readers(pcg, leaf.id)
         assert split.op == PARTITION and split.attr("axis") == "dp" and split.attr("dim") == dim
-    # weights replicated on dp; the loss a partial sum over the batch, reduced at the end
+    # weights replicated on dp; the loss a partial sum over the batch (dp) and, Megatron-LM's vocabulary-parallel
+    # cross-entropy, over the vocabulary (tp), reduced at the end on both
     assert all(pcg.node(chain[-1]).placement.codes[DP] == FREE for chain in weight_storage(pcg).values())
     loss = pcg.node(pcg.outputs[0])
-    assert loss.op == REDUCE and loss.attr("axis") == "dp" and loss.placement.codes == (FREE, FREE)
+    before = pcg.node(loss.inputs[0])
+    assert loss.op == before.op == REDUCE and loss.placement.codes == (FREE, FREE)
+    assert {loss.attr("axis"), before.attr("axis")} == {"dp", "tp"}
 
 
 @pytest.mark.parametrize("example,sizes,shape,zero,sequence", [

@@ -40,11 +40,11 @@ and nothing is placed by hand:
   the sequence, and it is all-gathered before a column-parallel GEMM.
 
 Inputs are read in the cheapest placement the analysis accepts, by a fixed
-price per conversion (`_conversion`): a layout, not a cost model. What the
-builder does not do: Megatron-LM's fused vocabulary-parallel cross-entropy
-(the graph's `logsumexp` needs whole rows, so the logits are gathered on
-the tensor axis before the loss) and splitting the sequence inside
-attention (context parallelism).
+price per conversion (`_conversion`): a layout, not a cost model. A
+`logsumexp` of logits split along the vocabulary on the tensor axis runs as
+Megatron-LM's vocabulary-parallel cross-entropy (`vocabulary_steps`):
+the logits are never gathered. What the builder does not do: splitting the
+sequence inside attention (context parallelism).
 """
 
 from __future__ import annotations
@@ -282,11 +282,15 @@ def _rescaled(pcg: PCG, like: Graph, graph: Graph) -> PCG | None:
     value's in `like` (then build it)."""
     before, after = like.shapes(), graph.shapes()
     was, now = {n.name: n for n in like.nodes}, {n.name: n for n in graph.nodes}
+    parts = _vocabulary_parts(pcg, like, graph)
     nodes: list[PNode] = []
     for node in pcg.nodes:
         attrs = node.attrs
+        part = parts.get(node.origin) if node.kind == "op" else None
         if node.kind == "parallel":
             old, new = pcg.nodes[node.inputs[0]].shape, nodes[node.inputs[0]].shape
+        elif part is not None:
+            old, new, attrs = part
         else:
             name = node.op if node.kind == "leaf" else node.origin
             if node.kind == "op" and node.op in UNBIASED.values() and name not in before:
@@ -304,6 +308,47 @@ def _rescaled(pcg: PCG, like: Graph, graph: Graph) -> PCG | None:
                      PNode(node.id, node.kind, node.op, node.inputs, attrs, tuple(new), node.degrees, node.role,
                            node.origin, node.placement, node.rules))
     return replace(pcg, nodes=tuple(nodes))
+
+
+def vocabulary_steps(name: str, logits: str, rows: Sequence[int], vocab: int, p: int) -> list[tuple]:
+    """The operators that make logsumexp `name` of `logits` [*rows, vocab], split along the vocabulary in p
+    blocks on the tensor axis, as Megatron-LM's vocabulary-parallel cross-entropy computes it, never gathering
+    the logits: each rank's block maximum, the p maxima gathered (Megatron all-reduces their max: a value a
+    row) and their max taken, each rank's shifted sum of exps (a partial sum, all-reduced), then max + log(sum).
+    The same value by the proven rules `logsumexp_shifted_parts` and `amax_vocab_parallel`
+    (rules/parallel_layers.rule); the placement analysis makes the sum's pieces partial sums, as
+    `sumexp_shifted_vocab_parallel` does. Each step is (value, op, inputs, attrs, shape), for
+    `_MegatronBuilder.place`. The blocks are cut from [*rows, 1, vocab] (a unit dim after the rows), so that no
+    value is a rank-3 one split on its dim 1 on the tensor axis, which a plan's reading and the `--degrees sp`
+    pin take for a sequence cut (`parallelism.along_sequence`)."""
+    rows, r = tuple(rows), len(rows)   # r >= 1: the logits' last row dim takes a unit dim after it
+    part = {k: f"{name}_{k}" for k in ("unit", "blocks", "block_max", "row_max", "max", "sumexp", "log")}
+    return [(part["unit"], "unflatten", (logits,), (("dim", r - 1), ("k", 1)), (*rows, 1, vocab)),
+            (part["blocks"], "unflatten", (part["unit"],), (("dim", r + 1), ("k", vocab // p)),
+             (*rows, 1, p, vocab // p)),
+            (part["block_max"], "amax", (part["blocks"],), (), (*rows, 1, p)),
+            (part["row_max"], "amax", (part["block_max"],), (), (*rows, 1)),
+            (part["max"], "flatten", (part["row_max"],), (("dim", r - 1),), rows),
+            (part["sumexp"], "sumexp_shifted", (logits, part["max"]), (), rows),
+            (part["log"], "log", (part["sumexp"],), (), rows),
+            (name, "add", (part["max"], part["log"]), (), rows)]
+
+
+def _vocabulary_parts(pcg: PCG, like: Graph, graph: Graph) -> dict[str, tuple]:
+    """The values of each vocabulary-parallel logsumexp in `pcg` (`vocabulary_steps`) but the logsumexp itself:
+    name -> (its shape in `like`, its shape and attributes in `graph`), for `_rescaled`."""
+    was, now = like.shapes(), graph.shapes()
+    made = {n.origin for n in pcg.nodes if n.kind == "op"}
+    out = {}
+    for gnode in like.nodes:
+        if gnode.op != "logsumexp" or f"{gnode.name}_blocks" not in made:
+            continue
+        blocks = next(n for n in pcg.nodes if n.kind == "op" and n.origin == f"{gnode.name}_blocks")
+        p = blocks.shape[-2]
+        old, new = (vocabulary_steps(gnode.name, gnode.inputs[0], shapes[gnode.name], shapes[gnode.inputs[0]][-1], p)
+                    for shapes in (was, now))
+        out.update({o[0]: (tuple(o[4]), tuple(n[4]), tuple(n[3])) for o, n in zip(old[:-1], new[:-1])})
+    return out
 
 
 class _Memo:
@@ -436,7 +481,23 @@ class _MegatronBuilder:
             self.shapes[partial] = tuple(gnode.shape)
             return self.place(partial, UNBIASED[gnode.op], gnode.inputs[:2], (), gnode.shape) and \
                 self.place(gnode.name, "bias_add", (partial, gnode.inputs[2]), (), gnode.shape)
+        if gnode.op == "logsumexp" and self.split_on_features(gnode.inputs[0]):
+            steps = self.vocabulary_parallel(gnode.name, gnode.inputs[0])
+            if steps is not None:
+                return all(self.place(*step) for step in steps)
         return self.place(gnode.name, gnode.op, gnode.inputs, gnode.attrs, gnode.shape)
+
+    def vocabulary_parallel(self, name: str, logits: str) -> list[tuple] | None:
+        """`vocabulary_steps` for logsumexp `name` of `logits`, their shapes known to the builder; None where the
+        vocabulary does not split on the tensor axis."""
+        *rows, vocab = self.shapes[logits]
+        p = self.mesh.size(self.tensor)
+        if vocab % p or not rows:
+            return None
+        steps = vocabulary_steps(name, logits, rows, vocab, p)
+        for value, _op, _inputs, _attrs, shape in steps[:-1]:
+            self.shapes[value] = shape
+        return steps
 
     def split_on_features(self, name: str) -> bool:
         if name in self.static or name not in self.forms:
