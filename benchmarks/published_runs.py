@@ -19,8 +19,13 @@ was overlapped, but the README it summarizes names the flags,
 `--overlap-grad-reduce --overlap-param-gather`, and Megatron-LM refuses
 `--overlap-param-gather` without `--use-distributed-optimizer`
 (megatron/training/arguments.py: "--overlap-param-gather only supported
-with distributed optimizer"). SC'21 states no distributed optimizer (it
-predates it): the A100 rows leave the stage to the search.
+with distributed optimizer"). SC'21's Megatron-LM predates both the
+distributed optimizer and sequence parallelism (Korthikanti et al., 2022):
+the A100 rows pin ZeRO 0 and sequence parallelism off (`--degrees
+zero=0,sp=1`; `--zero-free` leaves both to the search, as before
+2026-12-03, when a pinned `--recompute` first reached every grid point and
+the A100 rows took ZeRO-1 and sequence parallelism, which that run never
+had).
 
 With `--free`, each row is also optimized with nothing pinned (the same
 model, batch, machine and GPU count; the search chooses t, p, d, ZeRO,
@@ -137,6 +142,10 @@ def price(row: Row, zero_free: bool = False) -> dict:
     degrees = {"tp": row.t, "pp": row.p} if row.p > 1 else {"tp": row.t, "dp": d}
     if row.distributed_optimizer and not zero_free:
         degrees["zero"] = 1
+    if row.hardware_flops and not zero_free:
+        # SC'21's Megatron-LM had neither the distributed optimizer nor sequence parallelism (both 2022): its
+        # runs held the weights' state whole and the layer norms' activations replicated on the tp ranks
+        degrees.update(zero=0, sp=1)
     options = {"degrees": degrees, "microbatches": row.batch // d}   # micro-batch size 1 per data-parallel rank
     if row.hardware_flops:
         options["recompute"] = "blocks"
