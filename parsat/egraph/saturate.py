@@ -48,6 +48,9 @@ class SaturationResult:
     note: str = ""   # where the limit stopped it when not between iterations, e.g. "during compilation: ..."
     ruleset_seconds: Mapping[str, float] = field(default_factory=dict)   # "algebraic"/"parallel" -> seconds run
     held_back: Mapping[str, int] = field(default_factory=dict)   # rule held back by --limit matches -> its matches
+    # every rule's pattern matches (`Session.match_rows`), read when asked for (`saturate`'s `matches`): what
+    # taking this e-graph for a graph of other sizes checks (`resize`)
+    pattern_rows: Mapping[int, list[tuple]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def matches(self) -> dict[str, int]:
@@ -68,10 +71,11 @@ class SaturationResult:
 def saturate(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh: Mesh | int,
              limits: Limits = Limits(), pins: Mapping[str, Placement] | None = None,
              rulesets: Sequence[str] = ("alg", "par"), progress: Callable[[str], None] | None = None,
-             caches: MeshCaches | None = None, cut_sums: bool = False) -> SaturationResult:
+             caches: MeshCaches | None = None, cut_sums: bool = False, matches: bool = False) -> SaturationResult:
     """Saturate `graph` with `rules` on `mesh` (a device count means a one-axis mesh), within `limits`; `pins`
     fix input/output placements on the mesh. `cut_sums` leaves out the associativity rules that cannot pay off
-    on the graph (`sums.sequential_cut`: its sums are sequential), said in the result's `rules_skipped`."""
+    on the graph (`sums.sequential_cut`: its sums are sequential), said in the result's `rules_skipped`.
+    `matches` also reads every rule's pattern matches back (`resize`)."""
     if isinstance(mesh, int):
         mesh = Mesh.of((mesh,) if mesh > 1 else ())
     start = time.perf_counter()
@@ -94,12 +98,13 @@ def saturate(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh
     done = run_generations(session, program.phase_chunks(GROW, rulesets), program.phase_chunks(PLACE, rulesets),
                            limits, deadline, {r.key: r.name for r in loaded}, progress)
     snapshot = session.snapshot()
+    rows = session.match_rows() if matches else {}
     classes = {name: snapshot.lets[var] for name, var in names.items() if var in snapshot.lets}
     seconds = {RULESET_NAMES[ruleset]: sum(done.step_seconds.get(chunk, 0.0) for chunk in chunks[ruleset])
                for ruleset in rulesets}
     return SaturationResult(snapshot, done.stop, done.iterations, snapshot.enodes, done.seconds, compiled, program,
                             {r.name: done.matches.get(r.name, 0) for r in loaded}, classes,
-                            _joined(note or done.note, held_note(done.held, limits)), seconds, dict(done.held))
+                            _joined(note or done.note, held_note(done.held, limits)), seconds, dict(done.held), rows)
 
 
 def held_note(held: Mapping[str, int], limits: Limits) -> str:

@@ -374,6 +374,17 @@ class Session:
         sizes = self._run("(print-size)")[-1].sizes
         return sum(count for name, count in sizes if name in self._constructors)
 
+    def match_rows(self) -> dict[int, list[tuple]]:
+        """Every loaded rule's `Match<i>` rows (its pattern's matches, whatever its guard said: `RuleBody.text`),
+        decoded, by the rule's index: what `resize` evaluates the guards on."""
+        eg, frozen, rows = self.egraph, self.egraph.freeze(), {}
+        for index in range(self.loaded):
+            fn = frozen.functions.get(f"Match{index}")
+            if fn is not None and fn.rows:
+                values = _RowReader(eg, fn.input_sorts).values
+                rows[index] = [values(row.inputs) for row in fn.rows]
+        return rows
+
     def snapshot(self) -> Snapshot:
         eg = self.egraph
         frozen = eg.freeze()

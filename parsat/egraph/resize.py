@@ -1,0 +1,356 @@
+"""A saturated e-graph taken for another graph of the same structure and other sizes (docs/MESH.md, "One
+saturation for every micro-batch count").
+
+The micro-batch search builds the step's graph at several batch sizes and
+saturates each on the same meshes; the graphs differ in their sizes and in
+the loss's scale (a real) alone. What the e-graph and the rules read of a
+size, by reading the encoding through (`mesh_encoding`, `lifted_text`):
+
+* a constructor's integer arguments are the operators' integer attributes,
+  dims and mesh axes, which rules copy from their matches or write as
+  constants, except where a rule's right side reads a size
+  (`unflatten(x, d, n / p)` of a vocabulary split): such an argument is
+  evaluated beside the guards (`_built_sizes`) and must come out the same;
+* sizes are in one relation, `At<rank>` (a class's local shape beside its
+  placement), which the rules read in their guarding half only
+  (`RuleBody`): an `At` atom binds a metavariable's local sizes, `(= v e)`
+  equates a size with another or with a pattern's integer, and relations
+  (`>=`, `(= (% n k) 0)`) compare them; the lift tables and placement codes
+  read no size;
+* a rule's actions write each built term's `At` row: the rule's typed shape
+  of that term at the match's sizes, divided by the axes that shard it.
+
+So two saturations, of graphs `like` and `graph` of the same structure
+(leaves, operators, inputs, integer attributes, outputs), go step by step
+alike as long as every guarding half, on every match of its pattern, holds
+at `graph`'s sizes exactly where it holds at `like`'s: the patterns are
+structural, so the same e-nodes give the same matches, the same guards let
+the same matches through, and they build the same e-nodes (no size in them)
+with `At` rows that are each term's shape at `graph`'s sizes. Reals are
+strings no rule reads but by equality, so a one-to-one renaming of the
+graph's reals that no rule writes as a literal changes nothing either.
+`resized` checks exactly this on the saturated e-graph of `like`: the
+matches of every rule's pattern are its `Match` rows (recorded for the
+pattern's every match, whatever its guard said, `RuleBody.text`), each
+class's shape at `graph`'s sizes is worked out bottom-up from the graph's
+(`ir.instance.instance_for`, the operators' shape functions, checked to give
+`like`'s snapshot back at `like`'s sizes), every shard must divide, and
+every match's guards are evaluated at both sizes. Where any differ (a batch
+that no longer divides among the data-parallel devices lets fewer rules
+through) it returns None and the graph is saturated anew.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from math import prod
+from typing import Callable, Iterator, Mapping, Sequence
+
+from parsat.dsl.library import Library
+from parsat.dsl.parallel_ops import PARALLEL_OPS
+from parsat.egraph.encoding import PIN_SUFFIX
+from parsat.egraph.program import RuleProgram
+from parsat.egraph.snapshot import Application, ENode, Snapshot
+from parsat.ir.graph import Graph
+from parsat.ir.instance import instance_for
+
+_TOKEN = re.compile(r"\(|\)|[^\s()]+")
+_PIN = "pin:"
+
+
+def structure(graph: Graph) -> tuple:
+    """What a saturation reads of `graph` beside its sizes and reals: leaves (name, role, rank), operators (name,
+    operator, inputs, rank, integer attributes, which attributes are reals), outputs."""
+    return (tuple((leaf.name, leaf.role, len(leaf.shape)) for leaf in graph.leaves),
+            tuple((n.name, n.op, n.inputs, len(n.shape),
+                   tuple((k, v if isinstance(v, int) and not isinstance(v, bool) else float)
+                         for k, v in n.attrs)) for n in graph.nodes),
+            graph.outputs)
+
+
+def _parse(text: str):
+    """One egglog s-expression as nested tuples of tokens."""
+    stack: list[list] = [[]]
+    for token in _TOKEN.findall(text):
+        if token == "(":
+            stack.append([])
+        elif token == ")":
+            done = tuple(stack.pop())
+            stack[-1].append(done)
+        else:
+            stack[-1].append(token)
+    return stack[0][0]
+
+
+def _value(expr, env: Mapping[str, int]) -> int | None:
+    """An egglog i64 expression's value (None where it reads an unbound variable)."""
+    if isinstance(expr, str):
+        if expr.lstrip("-").isdigit():
+            return int(expr)
+        return env.get(expr)
+    op, *args = expr
+    values = [_value(a, env) for a in args]
+    if any(v is None for v in values):
+        return None
+    a, b = values
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    if op == "*":
+        return a * b
+    if b == 0:
+        return None
+    quotient = abs(a) // abs(b) * (1 if (a < 0) == (b < 0) else -1)   # Rust's i64 division truncates
+    return quotient if op == "/" else a - b * quotient
+
+
+_RELATIONS: dict[str, Callable[[int, int], bool]] = {
+    "<": lambda a, b: a < b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
+    "!=": lambda a, b: a != b}
+
+
+class _Guard:
+    """The size-reading facts of one compiled rule's guarding half, parsed once (lift tables and placement codes
+    are left out: they read no size, and the two graphs' e-graphs hold the same placements)."""
+
+    def __init__(self, facts: Sequence[str], variables: Sequence[tuple[str, str]], actions: str):
+        self.variables = tuple(name for name, _ in variables)
+        self.built = _built_sizes(actions, set(self.variables))
+        self.facts = []
+        for fact in facts:
+            parsed = _parse(fact)
+            head = parsed[0]
+            if head.startswith("At") and head[2:].isdigit():
+                self.facts.append(("at", parsed[1], parsed[2:2 + int(head[2:])]))
+            elif head == "=" or head in _RELATIONS:
+                self.facts.append((head, parsed[1], parsed[2]))
+
+    def sizes(self, row: Sequence, local: Callable[[int], tuple[int, ...] | None]) -> tuple | None:
+        """The sizes the match `row` (the pattern's variables) reads, with `local` a class's local shape, and
+        the integer arguments its built e-nodes take from them; None where its guards refuse it."""
+        env = dict(zip(self.variables, row))
+        for kind, left, right in self.facts:
+            if kind == "at":
+                dims = local(env[left])
+                if dims is None or len(dims) != len(right):
+                    return None
+                for name, size in zip(right, dims):
+                    if env.setdefault(name, size) != size:
+                        return None
+                continue
+            if kind == "=" and isinstance(left, str) and left not in env and not left.lstrip("-").isdigit():
+                value = _value(right, env)
+                if value is None:
+                    return None
+                env[left] = value
+                continue
+            a, b = _value(left, env), _value(right, env)
+            if a is None or b is None or not (a == b if kind == "=" else _RELATIONS[kind](a, b)):
+                return None
+        return tuple(_value(expr, env) for expr in self.built)
+
+
+def _built_sizes(actions: str, bound: set[str]) -> tuple:
+    """The integer arguments of the e-nodes `actions` build that read a variable the pattern does not bind (a
+    size: `unflatten(x, d, n / p)` of a vocabulary split)."""
+    out = []
+    for form in _parse(f"({actions})"):
+        if not (isinstance(form, tuple) and form and form[0] == "let"):
+            continue
+        for arg in form[2][1:]:
+            names = set(_TOKEN.findall(" ".join(_flat(arg)))) - {"(", ")"}
+            if any(re.fullmatch(r"[A-Za-z_]\w*", n) and n not in bound and not re.fullmatch(r"t\d+", n)
+                   for n in names):
+                out.append(arg)
+    return tuple(out)
+
+
+def _flat(expr) -> list[str]:
+    return [expr] if isinstance(expr, str) else [t for part in expr for t in _flat(part)]
+
+
+def _graph_shapes(graph: Graph, names: Mapping[str, int]) -> dict[int, tuple[int, ...]] | None:
+    """The classes of `graph`'s tensors (and pins) with their shapes; None where two of them share a class at
+    different shapes."""
+    shapes = graph.shapes()
+    out: dict[int, tuple[int, ...]] = {}
+    for name, cid in names.items():
+        shape = tuple(shapes[name.removeprefix(_PIN)])
+        if out.setdefault(cid, shape) != shape:
+            return None
+    return out
+
+
+def class_shapes(snapshot: Snapshot, graph: Graph, names: Mapping[str, int], library: Library,
+                 memo: dict) -> dict[int, tuple[int, ...]] | None:
+    """Every class's global shape at `graph`'s sizes, worked out bottom-up from the graph's tensors through the
+    e-nodes (a parallel operator keeps its input's shape, a compute operator's is its instance's); None where
+    a class gets two shapes, or none, or an e-node does not instantiate."""
+    shape = _graph_shapes(graph, names)
+    if shape is None:
+        return None
+    leaves = {leaf.name: tuple(leaf.shape) for leaf in graph.leaves}
+    pending = list(shape)
+    for cid, nodes in snapshot.classes.items():
+        for node in nodes:
+            if node.op == "leaf":
+                found = leaves.get(str(node.attrs[0]).removesuffix(PIN_SUFFIX))
+                if found is None or shape.setdefault(cid, found) != found:
+                    return None
+                pending.append(cid)
+    readers, kids = snapshot.readers, snapshot.kids
+    while pending:
+        for nid in readers.get(pending.pop(), ()):
+            cid, index = nid
+            if any(k not in shape for k in kids[nid]):
+                continue
+            node = snapshot.classes[cid][index]
+            found = _node_shape(node, [shape[k] for k in node.children], library, memo)
+            if found is None:
+                return None
+            known = shape.get(cid)
+            if known is None:
+                shape[cid] = found
+                pending.append(cid)
+            elif known != found:
+                return None
+    return shape if len(shape) == len(snapshot.classes) else None
+
+
+def _node_shape(node: ENode, children: Sequence[tuple[int, ...]], library: Library,
+                memo: dict) -> tuple[int, ...] | None:
+    if node.op in PARALLEL_OPS:
+        return children[0]   # a parallel operator changes the spread, never the value
+    op = library.ops.get(node.op)
+    if op is None:
+        return None
+    attrs = {p.name: float(v) if p.type.kind == "real" else int(v) for p, v in zip(op.attr_params, node.attrs)}
+    try:
+        instance = instance_for(op, children, attrs, memo)
+    except Exception:   # noqa: BLE001 - an e-node that does not instantiate: no shape, no reuse
+        return None
+    return tuple(int(d.constant) for d in instance.output_shape)
+
+
+def _locals(snapshot: Snapshot, shapes: Mapping[int, tuple[int, ...]]) -> dict[int, tuple[int, ...]] | None:
+    """Each class's local shape at `shapes` (its placement's shards dividing each dim); None where one does
+    not divide."""
+    mesh, out = snapshot.mesh, {}
+    for cid, dims in shapes.items():
+        where = snapshot.placement.get(cid)
+        if where is None:
+            continue
+        local = []
+        for i, d in enumerate(dims):
+            factor = prod(mesh.size(a) for a in where.shard_axes(i))
+            if d % factor:
+                return None
+            local.append(d // factor)
+        out[cid] = tuple(local)
+    return out
+
+
+def real_renaming(like: Graph, graph: Graph, program: RuleProgram) -> dict[str, str] | None:
+    """`like`'s reals -> `graph`'s, position by position (only those that differ); None where that is not
+    one-to-one or moves a real a rule writes as a literal."""
+    moved: dict[str, str] = {}
+    for a, b in zip(like.nodes, graph.nodes):
+        for (_, x), (_, y) in zip(a.attrs, b.attrs):
+            if isinstance(x, float) or isinstance(y, float):
+                x, y = repr(float(x)), repr(float(y))
+                if moved.setdefault(x, y) != y:
+                    return None
+    moved = {x: y for x, y in moved.items() if x != y}
+    if not moved:
+        return moved
+    kept = {repr(float(v)) for node in graph.nodes for _, v in node.attrs if isinstance(v, float)} - set(moved.values())
+    literals = set(re.findall(r'"(-?[0-9][^"]*)"', program.text()))
+    touched = set(moved) | set(moved.values())
+    if len(set(moved.values())) != len(moved) or touched & literals or set(moved.values()) & (kept | set(moved)):
+        return None
+    return moved
+
+
+def _renamed_node(node: ENode, names: Mapping[str, str]) -> ENode:
+    if node.op == "leaf" or not any(isinstance(a, str) and a in names for a in node.attrs):
+        return node
+    return ENode(node.op, node.children, tuple(names.get(a, a) if isinstance(a, str) else a for a in node.attrs))
+
+
+class _RenamedMade(Mapping):
+    """Provenance rows looked up through a renaming of reals (the rows hold `like`'s)."""
+
+    def __init__(self, made: Mapping[ENode, frozenset[str]], back: Mapping[str, str]):
+        self._made, self._back = made, back
+
+    def __getitem__(self, node: ENode) -> frozenset[str]:
+        return self._made[_renamed_node(node, self._back)]
+
+    def get(self, node, default=None):
+        try:
+            return self[node]
+        except KeyError:
+            return default
+
+    def __iter__(self) -> Iterator[ENode]:
+        forward = {b: a for a, b in self._back.items()}
+        return (_renamed_node(node, forward) for node in self._made)
+
+    def __len__(self) -> int:
+        return len(self._made)
+
+
+class _RenamedApplied(Mapping):
+    """A rule's applications with their e-nodes' reals renamed, worked out when asked for."""
+
+    def __init__(self, applied: Mapping[str, tuple[Application, ...]], names: Mapping[str, str]):
+        self._applied, self._names, self._done = applied, names, {}
+
+    def __getitem__(self, rule: str) -> tuple[Application, ...]:
+        if rule not in self._done:
+            rename = lambda nodes: tuple(_renamed_node(n, self._names) for n in nodes)   # noqa: E731
+            self._done[rule] = tuple(Application(a.rule, rename(a.reads), rename(a.builds))
+                                     for a in self._applied[rule])
+        return self._done[rule]
+
+    def __iter__(self):
+        return iter(self._applied)
+
+    def __len__(self) -> int:
+        return len(self._applied)
+
+
+def resized(snapshot: Snapshot, names: Mapping[str, int], program: RuleProgram, matches: Mapping[int, list[tuple]],
+            like: Graph, graph: Graph, library: Library, memo: dict | None = None) -> Snapshot | None:
+    """The saturated e-graph `snapshot` of `like` (`names`: its tensors' classes; `matches`: every rule's pattern
+    matches, `Session.match_rows`) as `graph`'s saturation would leave it, or None
+    where the module docstring's conditions do not all hold and `graph` must be saturated itself."""
+    memo = {} if memo is None else memo
+    if structure(like) != structure(graph):
+        return None
+    reals = real_renaming(like, graph, program)
+    if reals is None:
+        return None
+    before = class_shapes(snapshot, like, names, library, memo)
+    if before != dict(snapshot.shape):
+        return None   # the shape functions do not give the e-graph's own shapes back: nothing to rely on
+    after = class_shapes(snapshot, graph, names, library, memo)
+    local_like = _locals(snapshot, snapshot.shape)
+    local_graph = after and _locals(snapshot, after)
+    if local_like is None or local_graph is None:
+        return None
+    for index, rows in matches.items():
+        rule = program.rules[index]
+        guard = _Guard(rule.body.facts, rule.body.variables(), rule.body.actions)
+        for row in rows:
+            if guard.sizes(row, local_like.get) != guard.sizes(row, local_graph.get):
+                return None
+    classes = snapshot.classes
+    made, applied = snapshot.made, snapshot.applied
+    if reals:
+        classes = {cid: tuple(_renamed_node(n, reals) for n in nodes) for cid, nodes in classes.items()}
+        made = _RenamedMade(made, {b: a for a, b in reals.items()})
+        applied = _RenamedApplied(applied, reals)
+    return replace(snapshot, classes=classes, shape=after, made=made, applied=applied)
