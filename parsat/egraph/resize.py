@@ -322,7 +322,7 @@ class _RenamedApplied(Mapping):
         return len(self._applied)
 
 
-def resized(snapshot: Snapshot, names: Mapping[str, int], program: RuleProgram, matches: Mapping[int, list[tuple]],
+def resized(snapshot: Snapshot, names: Mapping[str, int], program: RuleProgram, matches: Mapping[str, list[tuple]],
             like: Graph, graph: Graph, library: Library, memo: dict | None = None) -> Snapshot | None:
     """The saturated e-graph `snapshot` of `like` (`names`: its tensors' classes; `matches`: every rule's pattern
     matches, `Session.match_rows`) as `graph`'s saturation would leave it, or None
@@ -341,8 +341,10 @@ def resized(snapshot: Snapshot, names: Mapping[str, int], program: RuleProgram, 
     local_graph = after and _locals(snapshot, after)
     if local_like is None or local_graph is None:
         return None
-    for index, rows in matches.items():
-        rule = program.rules[index]
+    for rule in program.rules:
+        rows = matches.get(rule.key, ())
+        if not rows:
+            continue
         guard = _Guard(rule.body.facts, rule.body.variables(), rule.body.actions)
         for row in rows:
             if guard.sizes(row, local_like.get) != guard.sizes(row, local_graph.get):

@@ -50,7 +50,7 @@ class SaturationResult:
     held_back: Mapping[str, int] = field(default_factory=dict)   # rule held back by --limit matches -> its matches
     # every rule's pattern matches (`Session.match_rows`), read when asked for (`saturate`'s `matches`): what
     # taking this e-graph for a graph of other sizes checks (`resize`)
-    pattern_rows: Mapping[int, list[tuple]] = field(default_factory=dict, repr=False, compare=False)
+    pattern_rows: Mapping[str, list[tuple]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def matches(self) -> dict[str, int]:

@@ -374,15 +374,16 @@ class Session:
         sizes = self._run("(print-size)")[-1].sizes
         return sum(count for name, count in sizes if name in self._constructors)
 
-    def match_rows(self) -> dict[int, list[tuple]]:
-        """Every loaded rule's `Match<i>` rows (its pattern's matches, whatever its guard said: `RuleBody.text`),
-        decoded, by the rule's index: what `resize` evaluates the guards on."""
+    def match_rows(self) -> dict[str, list[tuple]]:
+        """Every loaded rule's `Match<i>` rows (its pattern's matches, whatever its guard said: `RuleBody.text`;
+        `i` is the number in its key, which a program less some rules keeps), decoded, by the rule's key: what
+        `resize` evaluates the guards on."""
         eg, frozen, rows = self.egraph, self.egraph.freeze(), {}
-        for index in range(self.loaded):
-            fn = frozen.functions.get(f"Match{index}")
+        for rule in self._rules[:self.loaded]:
+            fn = frozen.functions.get(f"Match{rule.key.rsplit('#', 1)[1]}")
             if fn is not None and fn.rows:
                 values = _RowReader(eg, fn.input_sorts).values
-                rows[index] = [values(row.inputs) for row in fn.rows]
+                rows[rule.key] = [values(row.inputs) for row in fn.rows]
         return rows
 
     def snapshot(self) -> Snapshot:

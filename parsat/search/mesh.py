@@ -20,7 +20,8 @@ from parsat.cost.pcg_tasks import OpTimes, TaskBuildError, step_floor
 from parsat.cost.simulator import SimulationError
 from parsat.cost.step_report import simulated_step
 from parsat.dsl.library import Library
-from parsat.egraph.runner import STOP_INTERRUPTED, STOP_SECONDS
+from parsat.egraph.resize import resized, structure
+from parsat.egraph.runner import STOP_INTERRUPTED, STOP_SATURATED, STOP_SECONDS
 from parsat.egraph.saturate import SaturationResult, saturate
 from parsat.ir.blocks import has_blocks
 from parsat.ir.costs import totals
@@ -228,8 +229,12 @@ def _saturate(step: StepContext, mesh: Mesh, pins: Mapping[str, Placement], cloc
     """The step's graph saturated on `mesh` within its share of `clock`, its roots, and every e-node priced."""
     request, graph = step.request, step.searched
     t = time.perf_counter()
-    result = saturate(graph, request.library, request.rules, mesh, clock.remaining(SATURATION_SHARE), pins,
-                      caches=request.caches, cut_sums=request.cut_sums)
+    result = _resized(step, mesh, pins)
+    if result is None:
+        result = saturate(graph, request.library, request.rules, mesh, clock.remaining(SATURATION_SHARE), pins,
+                          caches=request.caches, cut_sums=request.cut_sums, matches=True)
+        if result.stop == STOP_SATURATED:
+            request.saturations.setdefault(_saturation_key(graph, mesh, pins), []).append((graph, result))
     if result.stop == STOP_INTERRUPTED:
         clock.interrupt()   # Ctrl-C inside egglog: this mesh's e-graph as it stands, and nothing more after it
     step.say(f"mesh {mesh}: saturation {result.stop} after {result.iterations} iterations, {result.enodes} "
@@ -239,6 +244,30 @@ def _saturate(step: StepContext, mesh: Mesh, pins: Mapping[str, Placement], cloc
     raw = node_costs(result.snapshot, graph, request.library, step.machine, request.free_input_placements,
                      step.input_pins, computed=request.prices)
     return Saturated(mesh, pins, result, roots, raw, spread)
+
+
+def _saturation_key(graph, mesh: Mesh, pins: Mapping[str, Placement]) -> tuple:
+    """What a saturation on `mesh` reads of `graph` beside its sizes and reals (`resize.structure`)."""
+    return structure(graph), mesh, tuple(sorted(pins.items()))
+
+
+def _resized(step: StepContext, mesh: Mesh, pins: Mapping[str, Placement]) -> SaturationResult | None:
+    """The saturated e-graph of a graph of the step's structure at other sizes (another micro-batch count's, or
+    another pipeline pair's stage), taken at the step's sizes where every rule reads the same of them
+    (`egraph.resize`: then saturating the step's graph would leave this very e-graph); None where none is kept
+    or none holds. Only e-graphs that saturated are kept: their e-graph depends on the graph and the rules alone,
+    not on a limit."""
+    request, graph = step.request, step.searched
+    memo = request.saturations.setdefault("instances", {})
+    for like, kept in request.saturations.get(_saturation_key(graph, mesh, pins), ()):
+        t = time.perf_counter()
+        found = resized(kept.snapshot, kept.classes, kept.program, kept.pattern_rows, like, graph, request.library,
+                        memo)
+        if found is not None:
+            step.say(f"mesh {mesh}: the e-graph saturated at other sizes holds at these (every guard reads the same "
+                     "of them): taken, not saturated again")
+            return replace(kept, snapshot=found, seconds=time.perf_counter() - t, compile_seconds=0.0)
+    return None
 
 
 @dataclass(frozen=True)

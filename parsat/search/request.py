@@ -96,6 +96,9 @@ class SearchRequest:
     # what the steps of one call share beside: each mesh's search by its inputs (`step.searched_once`), and the
     # simulated steps and compute times by machine and micro-batch count (`mesh.CandidateSteps`)
     mesh_searches: dict = field(default_factory=dict, compare=False)
+    # the meshes' saturated e-graphs by what saturation reads of a graph beside its sizes: another micro-batch
+    # count's graph takes one where every rule reads the same of its sizes (`mesh._resized`, `egraph.resize`)
+    saturations: dict = field(default_factory=dict, compare=False)
     simulations: dict = field(default_factory=dict, compare=False)
     # compute operators' costs by what they read, for every pricer of the call (`extract.Pricer`'s `computed`):
     # the meshes' e-graphs and the grids' layouts hold the same operators at the same spreads

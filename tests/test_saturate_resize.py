@@ -1,0 +1,91 @@
+"""One saturation for the micro-batch counts of a step (`egraph.resize`, `search.mesh._resized`): a saturated
+e-graph taken at another graph's sizes is the e-graph saturating that graph gives, and its plan is the plan
+saturating anew gives; where a guard reads the sizes differently (a batch that no longer divides among the
+data-parallel devices), it is not taken."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from parsat.dsl.checker import resolve_library
+from parsat.egraph.resize import resized
+from parsat.egraph.runner import Limits
+from parsat.egraph.saturate import saturate
+from parsat.ir.mesh import Mesh
+from parsat.ir.models import build_example
+from parsat.search.deadline import Deadline
+from parsat.search.request import resolve_request, step_context
+from parsat.search.step import search_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from plan_compare import stripped  # noqa: E402
+
+SIZES = {"blocks": 2, "hidden": 256, "heads": 8, "seq": 128, "vocab": 1024}
+MESH = Mesh.of((2, 2))
+
+
+def _isomorphism(a, b) -> dict[int, int]:
+    """`a`'s classes -> `b`'s, matched e-node by e-node from the leaves up."""
+    index = {(n.op, n.children, n.attrs): cid for cid, nodes in b.classes.items() for n in nodes}
+    found: dict[int, int] = {}
+    changed = True
+    while changed:
+        changed = False
+        for cid, nodes in a.classes.items():
+            for node in nodes:
+                if cid not in found and all(k in found for k in node.children):
+                    other = index.get((node.op, tuple(found[k] for k in node.children), node.attrs))
+                    if other is not None:
+                        found[cid], changed = other, True
+    return found
+
+
+@pytest.fixture(scope="module")
+def saturated():
+    library = resolve_library(None)
+    like = build_example("gpt", {**SIZES, "batch": 16}, library)
+    return library, like, saturate(like, library, library.rules, MESH, Limits(), matches=True)
+
+
+def test_an_e_graph_taken_at_half_the_batch_is_the_e_graph_saturating_that_batch_gives(saturated):
+    library, like, result = saturated
+    graph = build_example("gpt", {**SIZES, "batch": 8}, library)
+    taken = resized(result.snapshot, result.classes, result.program, result.pattern_rows, like, graph, library)
+    fresh = saturate(graph, library, library.rules, MESH, Limits()).snapshot
+    assert taken is not None and taken.shape != result.snapshot.shape   # the batch's dims moved
+    same = _isomorphism(taken, fresh)
+    assert len(same) == len(taken.classes) == len(fresh.classes) and taken.enodes == fresh.enodes
+    assert all(taken.shape[c] == fresh.shape[same[c]] and taken.placement[c] == fresh.placement[same[c]]
+               for c in same)
+    # the loss's scale (1 / tokens) is a real the graphs differ in: the taken e-graph carries the new one
+    scales = {a for nodes in taken.classes.values() for n in nodes if n.op == "scale" for a in n.attrs}
+    assert scales == {a for nodes in fresh.classes.values() for n in nodes if n.op == "scale" for a in n.attrs}
+
+
+def test_an_e_graph_is_not_taken_where_the_batch_no_longer_divides_among_the_devices(saturated):
+    library, like, result = saturated
+    graph = build_example("gpt", {**SIZES, "batch": 6}, library)   # 6 on a 2 x 2 mesh: no split over both axes
+    assert resized(result.snapshot, result.classes, result.program, result.pattern_rows, like, graph,
+                   library) is None
+    # and rightly: saturating it gives another e-graph
+    assert saturate(graph, library, library.rules, MESH, Limits()).enodes != result.enodes
+
+
+def _plan(request, microbatches: int) -> dict:
+    plan = search_step(step_context(request, microbatches), Deadline.starting_now(request.limits))
+    return stripped(json.loads(plan.to_json()))
+
+
+def test_the_plan_of_an_e_graph_taken_from_another_micro_batch_count_is_the_plan_saturating_anew_gives():
+    sizes = {**SIZES, "batch": 32}   # each micro-batch count divides among the 4 devices
+    shared = resolve_request("gpt", "h100x8", None, None, 4, sizes=sizes)
+    _plan(shared, 1)
+    kept = sum(len(v) for k, v in shared.saturations.items() if k != "instances")
+    taken = _plan(shared, 2)   # every mesh's e-graph taken from the count 1's
+    assert sum(len(v) for k, v in shared.saturations.items() if k != "instances") == kept   # none saturated again
+    fresh = _plan(resolve_request("gpt", "h100x8", None, None, 4, sizes=sizes), 2)
+    assert json.dumps(taken) == json.dumps(fresh)
