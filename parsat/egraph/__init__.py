@@ -17,5 +17,6 @@ text into the e-graph: a command per term, its facts read in bulk),
 rule), `sums` (the associativity rules that cannot pay off on a graph whose sums are sequential, left out
 when `saturate` is asked to), `saturate` (compile, load, run, read back), `snapshot` (the e-graph
 read back: e-classes, e-nodes, shapes, placements), `derivation` (what each
-rule application read and built, from the match it recorded).
+rule application read and built, from the match it recorded), `resize` (a saturated e-graph taken for a
+graph of the same structure at other sizes, where every rule's guards read the sizes alike).
 """

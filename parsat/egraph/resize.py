@@ -45,6 +45,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 from math import prod
+from types import MappingProxyType
 from typing import Callable, Iterator, Mapping, Sequence
 
 from parsat.dsl.library import Library
@@ -56,6 +57,7 @@ from parsat.ir.graph import Graph
 from parsat.ir.instance import instance_for
 
 _TOKEN = re.compile(r"\(|\)|[^\s()]+")
+_NUMBER = re.compile(r"-?[0-9]+")
 _PIN = "pin:"
 
 
@@ -86,7 +88,7 @@ def _parse(text: str):
 def _value(expr, env: Mapping[str, int]) -> int | None:
     """An egglog i64 expression's value (None where it reads an unbound variable)."""
     if isinstance(expr, str):
-        if expr.lstrip("-").isdigit():
+        if _NUMBER.fullmatch(expr):
             return int(expr)
         return env.get(expr)
     op, *args = expr
@@ -106,14 +108,20 @@ def _value(expr, env: Mapping[str, int]) -> int | None:
     return quotient if op == "/" else a - b * quotient
 
 
-_RELATIONS: dict[str, Callable[[int, int], bool]] = {
+_RELATIONS: Mapping[str, Callable[[int, int], bool]] = MappingProxyType({
     "<": lambda a, b: a < b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
-    "!=": lambda a, b: a != b}
+    "!=": lambda a, b: a != b})
+
+
+class Unreadable(Exception):
+    """A guard this module cannot evaluate as egglog would (a fact of a form it does not know, or an equality
+    that binds its right side): no e-graph is taken on its word."""
 
 
 class _Guard:
-    """The size-reading facts of one compiled rule's guarding half, parsed once (lift tables and placement codes
-    are left out: they read no size, and the two graphs' e-graphs hold the same placements)."""
+    """The size-reading facts of one compiled rule's guarding half, parsed once. Lift tables read placement
+    codes only, and the codes in an `At` atom are placements: both are left out, the two graphs' e-graphs
+    holding the same placements. Any other form of fact raises Unreadable."""
 
     def __init__(self, facts: Sequence[str], variables: Sequence[tuple[str, str]], actions: str):
         self.variables = tuple(name for name, _ in variables)
@@ -124,8 +132,10 @@ class _Guard:
             head = parsed[0]
             if head.startswith("At") and head[2:].isdigit():
                 self.facts.append(("at", parsed[1], parsed[2:2 + int(head[2:])]))
-            elif head == "=" or head in _RELATIONS:
+            elif (head == "=" or head in _RELATIONS) and len(parsed) == 3:
                 self.facts.append((head, parsed[1], parsed[2]))
+            elif not head.startswith("Lift_"):
+                raise Unreadable(fact)
 
     def sizes(self, row: Sequence, local: Callable[[int], tuple[int, ...] | None]) -> tuple | None:
         """The sizes the match `row` (the pattern's variables) reads, with `local` a class's local shape, and
@@ -137,17 +147,21 @@ class _Guard:
                 if dims is None or len(dims) != len(right):
                     return None
                 for name, size in zip(right, dims):
+                    if _NUMBER.fullmatch(name):
+                        raise Unreadable(f"a constant size {name} in an At atom")
                     if env.setdefault(name, size) != size:
                         return None
                 continue
-            if kind == "=" and isinstance(left, str) and left not in env and not left.lstrip("-").isdigit():
+            if kind == "=" and isinstance(left, str) and left not in env and not _NUMBER.fullmatch(left):
                 value = _value(right, env)
                 if value is None:
-                    return None
+                    raise Unreadable(f"(= {left} ...) reads an unbound variable")
                 env[left] = value
                 continue
             a, b = _value(left, env), _value(right, env)
-            if a is None or b is None or not (a == b if kind == "=" else _RELATIONS[kind](a, b)):
+            if a is None or b is None:
+                raise Unreadable(f"({kind} ...) reads an unbound variable")
+            if not (a == b if kind == "=" else _RELATIONS[kind](a, b)):
                 return None
         return tuple(_value(expr, env) for expr in self.built)
 
@@ -322,6 +336,19 @@ class _RenamedApplied(Mapping):
         return len(self._applied)
 
 
+def _alike(program: RuleProgram, matches: Mapping[str, list[tuple]], like: Mapping[int, tuple[int, ...]],
+           other: Mapping[int, tuple[int, ...]]) -> bool:
+    """Whether every rule's guards, on every match of its pattern, read the local shapes `like` and `other`
+    alike (raises Unreadable)."""
+    for rule in program.rules:
+        rows = matches.get(rule.key, ())
+        if rows:
+            guard = _Guard(rule.body.facts, rule.body.variables(), rule.body.actions)
+            if any(guard.sizes(row, like.get) != guard.sizes(row, other.get) for row in rows):
+                return False
+    return True
+
+
 def resized(snapshot: Snapshot, names: Mapping[str, int], program: RuleProgram, matches: Mapping[str, list[tuple]],
             like: Graph, graph: Graph, library: Library, memo: dict | None = None) -> Snapshot | None:
     """The saturated e-graph `snapshot` of `like` (`names`: its tensors' classes; `matches`: every rule's pattern
@@ -341,14 +368,11 @@ def resized(snapshot: Snapshot, names: Mapping[str, int], program: RuleProgram, 
     local_graph = after and _locals(snapshot, after)
     if local_like is None or local_graph is None:
         return None
-    for rule in program.rules:
-        rows = matches.get(rule.key, ())
-        if not rows:
-            continue
-        guard = _Guard(rule.body.facts, rule.body.variables(), rule.body.actions)
-        for row in rows:
-            if guard.sizes(row, local_like.get) != guard.sizes(row, local_graph.get):
-                return None
+    try:
+        if not _alike(program, matches, local_like, local_graph):
+            return None
+    except Unreadable:
+        return None
     classes = snapshot.classes
     made, applied = snapshot.made, snapshot.applied
     if reals:
