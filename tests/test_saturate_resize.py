@@ -89,3 +89,17 @@ def test_the_plan_of_an_e_graph_taken_from_another_micro_batch_count_is_the_plan
     assert sum(len(v) for k, v in shared.saturations.items() if k != "instances") == kept   # none saturated again
     fresh = _plan(resolve_request("gpt", "h100x8", None, None, 4, sizes=sizes), 2)
     assert json.dumps(taken) == json.dumps(fresh)
+
+
+def test_a_guard_is_read_as_egglog_reads_it_or_not_at_all():
+    from parsat.egraph.resize import Unreadable, _Guard
+    guard = _Guard(["(At2 m_x s_m s_n 0 c_x_1)", "(Lift_0123456789ab c_x_1 o_0_1)", "(= (% s_m 4) 0)",
+                    "(>= (/ s_n 2) 1)"], [("root", "T"), ("m_x", "T")], "(let t0 (Op_unflatten m_x 1 (/ s_n 2)))")
+    shapes = {7: (8, 6), 8: (6, 6), 9: (8, 1)}
+    assert guard.sizes((1, 7), shapes.get) == (3,)       # the guards hold; the e-node it builds reads n / 2
+    assert guard.sizes((1, 8), shapes.get) is None       # 6 rows do not split 4 ways
+    assert guard.sizes((1, 9), shapes.get) is None       # 1 // 2 < 1
+    with pytest.raises(Unreadable):                      # a fact of a form the module does not know
+        _Guard(["(Degree p)"], [("root", "T")], "")
+    with pytest.raises(Unreadable):                      # an equality egglog would read right to left
+        _Guard(["(At1 m_x d0 0)", "(= d0 s_k)"], [("root", "T"), ("m_x", "T")], "").sizes((1, 7), {7: (4,)}.get)
