@@ -339,9 +339,12 @@ class _RenamedApplied(Mapping):
 def _alike(program: RuleProgram, matches: Mapping[str, list[tuple]], like: Mapping[int, tuple[int, ...]],
            other: Mapping[int, tuple[int, ...]]) -> bool:
     """Whether every rule's guards, on every match of its pattern, read the local shapes `like` and `other`
-    alike (raises Unreadable)."""
+    alike (raises Unreadable). A match whose classes all keep their local shape reads the same sizes in both
+    (the guards read sizes through `At` atoms of the match's classes alone), so only the others are evaluated
+    (an integer of the match that happens to equal a moved class's id only costs an evaluation)."""
+    moved = {cid for cid, shape in like.items() if other.get(cid) != shape}
     for rule in program.rules:
-        rows = matches.get(rule.key, ())
+        rows = [row for row in matches.get(rule.key, ()) if not moved.isdisjoint(row)]
         if rows:
             guard = _Guard(rule.body.facts, rule.body.variables(), rule.body.actions)
             if any(guard.sizes(row, like.get) != guard.sizes(row, other.get) for row in rows):
