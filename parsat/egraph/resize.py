@@ -352,13 +352,14 @@ def _alike(program: RuleProgram, matches: Mapping[str, list[tuple]], like: Mappi
     return True
 
 
-def resized(snapshot: Snapshot, names: Mapping[str, int], program: RuleProgram, matches: Mapping[str, list[tuple]],
-            like: Graph, graph: Graph, library: Library, memo: dict | None = None) -> Snapshot | None:
+def resized(snapshot: Snapshot, names: Mapping[str, int], program: RuleProgram,
+            matches: Mapping[str, list[tuple]] | None, like: Graph, graph: Graph, library: Library,
+            memo: dict | None = None) -> Snapshot | None:
     """The saturated e-graph `snapshot` of `like` (`names`: its tensors' classes; `matches`: every rule's pattern
-    matches, `Session.match_rows`) as `graph`'s saturation would leave it, or None
+    matches, `Session.match_rows`, None where they were not read) as `graph`'s saturation would leave it, or None
     where the module docstring's conditions do not all hold and `graph` must be saturated itself."""
     memo = {} if memo is None else memo
-    if structure(like) != structure(graph):
+    if matches is None or structure(like) != structure(graph):
         return None
     reals = real_renaming(like, graph, program)
     if reals is None:
