@@ -85,8 +85,9 @@ def test_the_plan_of_an_e_graph_taken_from_another_micro_batch_count_is_the_plan
     shared = resolve_request("gpt", "h100x8", None, None, 4, sizes=sizes)
     _plan(shared, 1)
     kept = sum(len(v) for k, v in shared.saturations.items() if k != "instances")
-    taken = _plan(shared, 2)   # every mesh's e-graph taken from the count 1's
-    assert sum(len(v) for k, v in shared.saturations.items() if k != "instances") == kept   # none saturated again
+    taken = _plan(shared, 2)   # every mesh's e-graph taken from the count 1's (and kept beside it)
+    assert all(len(v) == 2 and v[0][1].program is v[1][1].program and v[0][1].pattern_rows is v[1][1].pattern_rows
+               for k, v in shared.saturations.items() if k != "instances") and kept
     fresh = _plan(resolve_request("gpt", "h100x8", None, None, 4, sizes=sizes), 2)
     assert json.dumps(taken) == json.dumps(fresh)
 

@@ -233,8 +233,10 @@ def _saturate(step: StepContext, mesh: Mesh, pins: Mapping[str, Placement], cloc
     if result is None:
         result = saturate(graph, request.library, request.rules, mesh, clock.remaining(SATURATION_SHARE), pins,
                           caches=request.caches, cut_sums=request.cut_sums, matches=True)
-        if result.stop == STOP_SATURATED:
-            request.saturations.setdefault(_saturation_key(graph, mesh, pins), []).append((graph, result))
+    if result.stop == STOP_SATURATED:
+        # a taken e-graph is kept too: it is the e-graph saturating this graph gives, its matches the same rows,
+        # and a later count's sizes may read alike with these where they did not with the first's
+        request.saturations.setdefault(_saturation_key(graph, mesh, pins), []).append((graph, result))
     if result.stop == STOP_INTERRUPTED:
         clock.interrupt()   # Ctrl-C inside egglog: this mesh's e-graph as it stands, and nothing more after it
     step.say(f"mesh {mesh}: saturation {result.stop} after {result.iterations} iterations, {result.enodes} "
