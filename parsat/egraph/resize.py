@@ -85,17 +85,33 @@ def _parse(text: str):
     return stack[0][0]
 
 
-def _value(expr, env: Mapping[str, int]) -> int | None:
-    """An egglog i64 expression's value (None where it reads an unbound variable)."""
+class Unreadable(Exception):
+    """A guard this module cannot evaluate as egglog would (a fact of a form it does not know, or an equality
+    that binds its right side): no e-graph is taken on its word."""
+
+
+def _compiled(expr):
+    """An egglog i64 expression (`_parse`) with its numbers as ints; raises Unreadable on anything but the
+    binary `+ - * / %` that `encoding.poly_expr` writes."""
     if isinstance(expr, str):
-        if _NUMBER.fullmatch(expr):
-            return int(expr)
-        return env.get(expr)
+        return int(expr) if _NUMBER.fullmatch(expr) else expr
     op, *args = expr
-    values = [_value(a, env) for a in args]
-    if any(v is None for v in values):
+    if op not in _ARITHMETIC or len(args) != 2:
+        raise Unreadable(f"({op} ...) with {len(args)} arguments")
+    return op, _compiled(args[0]), _compiled(args[1])
+
+
+def _value(expr, env: Mapping[str, int]) -> int | None:
+    """A `_compiled` expression's value as egglog's i64 arithmetic gives it (None where it reads an unbound
+    variable or divides by 0)."""
+    if type(expr) is int:
+        return expr
+    if type(expr) is str:
+        return env.get(expr)
+    op, a, b = expr
+    a, b = _value(a, env), _value(b, env)
+    if a is None or b is None:
         return None
-    a, b = values
     if op == "+":
         return a + b
     if op == "-":
@@ -108,51 +124,57 @@ def _value(expr, env: Mapping[str, int]) -> int | None:
     return quotient if op == "/" else a - b * quotient
 
 
+_ARITHMETIC = frozenset({"+", "-", "*", "/", "%"})
+
+
 _RELATIONS: Mapping[str, Callable[[int, int], bool]] = MappingProxyType({
     "<": lambda a, b: a < b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
     "!=": lambda a, b: a != b})
 
 
-class Unreadable(Exception):
-    """A guard this module cannot evaluate as egglog would (a fact of a form it does not know, or an equality
-    that binds its right side): no e-graph is taken on its word."""
-
-
 class _Guard:
-    """The size-reading facts of one compiled rule's guarding half, parsed once. Lift tables read placement
-    codes only, and the codes in an `At` atom are placements: both are left out, the two graphs' e-graphs
-    holding the same placements. Any other form of fact raises Unreadable."""
+    """One compiled rule's guarding half, parsed once, evaluated as egglog evaluates it on a match (sizes and
+    placement codes), and what its actions build and write. Any fact of another form raises Unreadable."""
 
-    def __init__(self, facts: Sequence[str], variables: Sequence[tuple[str, str]], actions: str):
+    def __init__(self, facts: Sequence[str], variables: Sequence[tuple[str, str]], actions: str,
+                 tables: Mapping[str, Sequence[tuple[int, ...]]] = MappingProxyType({})):
         self.variables = tuple(name for name, _ in variables)
-        self.built = _built_sizes(actions, set(self.variables))
+        self.tensors = frozenset(name for name, sort in variables if sort == "T")
+        self.built = tuple(map(_compiled, _built_sizes(actions, set(self.variables))))
+        self.lets, self.writes = _actions(actions, self.tensors)
         self.facts = []
         for fact in facts:
             parsed = _parse(fact)
             head = parsed[0]
             if head.startswith("At") and head[2:].isdigit():
-                self.facts.append(("at", parsed[1], parsed[2:2 + int(head[2:])]))
+                rank = int(head[2:])
+                names = parsed[2:2 + rank]
+                if any(_NUMBER.fullmatch(name) for name in names):
+                    raise Unreadable(f"a constant size in {fact}")
+                self.facts.append(("at", parsed[1], (names, tuple(map(_compiled, parsed[2 + rank:])))))
             elif (head == "=" or head in _RELATIONS) and len(parsed) == 3:
-                self.facts.append((head, parsed[1], parsed[2]))
-            elif not head.startswith("Lift_"):
+                self.facts.append((head, _compiled(parsed[1]), _compiled(parsed[2])))
+            elif head.startswith("Lift_") and head in tables:
+                self.facts.append(("lift", head, (tuple(map(_compiled, parsed[1:])), tables[head])))
+            else:
                 raise Unreadable(fact)
 
-    def sizes(self, row: Sequence, local: Callable[[int], tuple[int, ...] | None]) -> tuple | None:
-        """The sizes the match `row` (the pattern's variables) reads, with `local` a class's local shape, and
-        the integer arguments its built e-nodes take from them; None where its guards refuse it."""
+    def bound(self, row: Sequence, local: Callable[[int], tuple[int, ...] | None],
+              codes: Callable[[int], tuple[int, ...] | None] | None = None) -> dict | None:
+        """The variables the match `row` (the pattern's variables) binds, with the sizes its guards read
+        (`local`: a class's local shape) and the placement codes (`codes`: a class's; None leaves the codes and
+        the lift tables unread); None where its guards refuse it."""
         env = dict(zip(self.variables, row))
         for kind, left, right in self.facts:
             if kind == "at":
-                dims = local(env[left])
-                if dims is None or len(dims) != len(right):
+                if not _at_holds(env, local(env[left]), None if codes is None else codes(env[left]), *right):
                     return None
-                for name, size in zip(right, dims):
-                    if _NUMBER.fullmatch(name):
-                        raise Unreadable(f"a constant size {name} in an At atom")
-                    if env.setdefault(name, size) != size:
-                        return None
                 continue
-            if kind == "=" and isinstance(left, str) and left not in env and not _NUMBER.fullmatch(left):
+            if kind == "lift":
+                if codes is not None and not _lift_holds(env, *right):
+                    return None
+                continue
+            if kind == "=" and type(left) is str and left not in env:
                 value = _value(right, env)
                 if value is None:
                     raise Unreadable(f"(= {left} ...) reads an unbound variable")
@@ -163,7 +185,84 @@ class _Guard:
                 raise Unreadable(f"({kind} ...) reads an unbound variable")
             if not (a == b if kind == "=" else _RELATIONS[kind](a, b)):
                 return None
-        return tuple(_value(expr, env) for expr in self.built)
+        return env
+
+    def sizes(self, row: Sequence, local: Callable[[int], tuple[int, ...] | None]) -> tuple | None:
+        """The integer arguments the match `row`'s built e-nodes take from its sizes; None where its guards
+        refuse it."""
+        env = self.bound(row, local)
+        return None if env is None else tuple(_value(expr, env) for expr in self.built)
+
+    def built_classes(self, env: Mapping, index: Mapping[ENode, int]) -> dict[str, int] | None:
+        """The class of each term the actions build (`let` variable -> class), found in the e-graph `index`
+        (e-node -> class); None where one is not there (the e-graph is not closed under the rule)."""
+        classes: dict[str, int] = {}
+        for var, op, args in self.lets:
+            children, attrs = [], []
+            for kind, arg in args:
+                if kind == "term":
+                    children.append(classes[arg] if arg in classes else env[arg])
+                elif kind == "real":
+                    attrs.append(arg[1:-1] if arg.startswith('"') else env[arg])
+                else:
+                    attrs.append(_value(arg, env))
+            found = index.get(ENode(op, tuple(children), tuple(attrs)))
+            if found is None:
+                return None
+            classes[var] = found
+        return classes
+
+    def writes_hold(self, env: Mapping, classes: Mapping[str, int],
+                    local: Callable[[int], tuple[int, ...] | None]) -> bool:
+        """Whether every `At` row the actions write (at the sizes `env` binds) is the local shape `local` gives
+        the class it is written for: then applying the match adds no second row, at these sizes."""
+        return all(tuple(_value(d, env) for d in dims) == local(classes[var]) for var, dims in self.writes)
+
+
+def _at_holds(env: dict, dims: tuple[int, ...] | None, codes: tuple[int, ...] | None,
+              names: Sequence[str], code_names: Sequence) -> bool:
+    """Whether a class of local shape `dims` and placement `codes` (None: not read) is a row of an `At` atom
+    binding `names` (variables) and `code_names` (variables or constants), binding them in `env`."""
+    if dims is None or len(dims) != len(names):
+        return False
+    for name, value in zip(names, dims):
+        if env.setdefault(name, value) != value:
+            return False
+    for name, value in zip(code_names, codes or ()):
+        if name != value if type(name) is int else env.setdefault(name, value) != value:
+            return False
+    return True
+
+
+def _lift_holds(env: dict, columns: Sequence, rows: Sequence[tuple[int, ...]]) -> bool:
+    """Whether a lift table (a relation of placement codes, one row per combination of its bound columns:
+    `lifting._table`) holds a row agreeing with `env` on its bound columns, binding the others in `env`."""
+    for table_row in rows:
+        if all(name == value if type(name) is int else env.get(name, value) == value
+               for name, value in zip(columns, table_row)):
+            env.update((name, value) for name, value in zip(columns, table_row) if type(name) is str)
+            return True
+    return False
+
+
+def _actions(actions: str, tensors: frozenset[str]) -> tuple[tuple, tuple]:
+    """The terms `actions` build, in order (`let` variable, e-node operator as the snapshot names it, arguments
+    as (kind, value): "term" a tensor variable, "real" a string literal or variable, "int" a `_compiled`
+    expression), and the `At` rows they write (variable, `_compiled` local sizes)."""
+    lets, writes, terms = [], [], set(tensors)
+    for form in _parse(f"({actions})"):
+        if not isinstance(form, tuple) or not form:
+            continue
+        if form[0] == "let":
+            term = form[2]
+            args = tuple(("term", a) if isinstance(a, str) and a in terms
+                         else ("real", a) if isinstance(a, str) and (a.startswith('"') or a.startswith("r_"))
+                         else ("int", _compiled(a)) for a in term[1:])
+            lets.append((form[1], term[0].split("_", 1)[1], args))
+            terms.add(form[1])
+        elif form[0].startswith("At") and form[0][2:].isdigit():
+            writes.append((form[1], tuple(map(_compiled, form[2:2 + int(form[0][2:])]))))
+    return tuple(lets), tuple(writes)
 
 
 def _built_sizes(actions: str, bound: set[str]) -> tuple:
@@ -337,17 +436,34 @@ class _RenamedApplied(Mapping):
 
 
 def _alike(program: RuleProgram, matches: Mapping[str, list[tuple]], like: Mapping[int, tuple[int, ...]],
-           other: Mapping[int, tuple[int, ...]]) -> bool:
-    """Whether every rule's guards, on every match of its pattern, read the local shapes `like` and `other`
-    alike (raises Unreadable). A match whose classes all keep their local shape reads the same sizes in both
-    (the guards read sizes through `At` atoms of the match's classes alone), so only the others are evaluated
-    (an integer of the match that happens to equal a moved class's id only costs an evaluation)."""
+           other: Mapping[int, tuple[int, ...]], codes: Mapping[int, tuple[int, ...]],
+           index: Mapping[ENode, int]) -> bool:
+    """Whether every rule's guards, on every match of its pattern, decide alike at the local shapes `like` and
+    `other` (the placement `codes` the same at both), the e-nodes a passing match builds take the same
+    arguments at both and are in the e-graph (`index`), and the `At` rows it writes are, at each, the local
+    shapes of the classes it writes them for (raises Unreadable). A match whose classes all keep their local
+    shape reads the same sizes at both (the guards read sizes through `At` atoms of the match's classes alone)
+    and builds classes that keep theirs, so only the others are evaluated (an integer of the match that
+    happens to equal a moved class's id only costs an evaluation)."""
     moved = {cid for cid, shape in like.items() if other.get(cid) != shape}
     for rule in program.rules:
         rows = [row for row in matches.get(rule.key, ()) if not moved.isdisjoint(row)]
-        if rows:
-            guard = _Guard(rule.body.facts, rule.body.variables(), rule.body.actions)
-            if any(guard.sizes(row, like.get) != guard.sizes(row, other.get) for row in rows):
+        if not rows:
+            continue
+        guard = _Guard(rule.body.facts, rule.body.variables(), rule.body.actions,
+                       {name: table for name, _, table in rule.tables})
+        for row in rows:
+            before, after = guard.bound(row, like.get, codes.get), guard.bound(row, other.get, codes.get)
+            if before is None or after is None:
+                if before is not after:
+                    return False
+                continue
+            if any(_value(e, before) != _value(e, after) for e in guard.built):
+                return False
+            # egglog applied this match (its guards hold at `like`'s sizes), so what it builds is there
+            classes = guard.built_classes(before, index)
+            if classes is None or not (guard.writes_hold(before, classes, like.get)
+                                       and guard.writes_hold(after, classes, other.get)):
                 return False
     return True
 
@@ -373,7 +489,9 @@ def resized(snapshot: Snapshot, names: Mapping[str, int], program: RuleProgram,
     if local_like is None or local_graph is None:
         return None
     try:
-        if not _alike(program, matches, local_like, local_graph):
+        index = {node: cid for cid, nodes in snapshot.classes.items() for node in nodes}
+        codes = {cid: where.codes for cid, where in snapshot.placement.items()}
+        if not _alike(program, matches, local_like, local_graph, codes, index):
             return None
     except Unreadable:
         return None

@@ -48,8 +48,9 @@ class SaturationResult:
     note: str = ""   # where the limit stopped it when not between iterations, e.g. "during compilation: ..."
     ruleset_seconds: Mapping[str, float] = field(default_factory=dict)   # "algebraic"/"parallel" -> seconds run
     held_back: Mapping[str, int] = field(default_factory=dict)   # rule held back by --limit matches -> its matches
-    # every rule's pattern matches (`Session.match_rows`), read when asked for (`saturate`'s `matches`; else None): what
-    # taking this e-graph for a graph of other sizes checks (`resize`)
+    # every rule's pattern matches (`Session.match_rows`), read when asked for (`saturate`'s `matches`): what taking
+    # this e-graph for a graph of other sizes checks (`resize`); None where not read, where some rules were not
+    # loaded (the deadline), or where a class holds two `At` rows (no e-graph is then taken from this one)
     pattern_rows: Mapping[str, list[tuple]] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -98,7 +99,9 @@ def saturate(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh
     done = run_generations(session, program.phase_chunks(GROW, rulesets), program.phase_chunks(PLACE, rulesets),
                            limits, deadline, {r.key: r.name for r in loaded}, progress)
     snapshot = session.snapshot()
-    rows = session.match_rows() if matches else None
+    # only for the whole program: an e-graph some rules never ran on is not the program's saturation
+    whole = not program.unfinished and session.loaded == len(program.rules)
+    rows = session.match_rows() if matches and whole else None
     classes = {name: snapshot.lets[var] for name, var in names.items() if var in snapshot.lets}
     seconds = {RULESET_NAMES[ruleset]: sum(done.step_seconds.get(chunk, 0.0) for chunk in chunks[ruleset])
                for ruleset in rulesets}

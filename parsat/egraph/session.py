@@ -386,11 +386,15 @@ class Session:
         sizes = self._run("(print-size)")[-1].sizes
         return sum(count for name, count in sizes if name in self._constructors)
 
-    def match_rows(self) -> dict[str, list[tuple]]:
+    def match_rows(self) -> dict[str, list[tuple]] | None:
         """Every loaded rule's `Match<i>` rows (its pattern's matches, whatever its guard said: `RuleBody.text`;
         `i` is the number in its key, which a program less some rules keeps), decoded, by the rule's key: what
-        `resize` evaluates the guards on."""
+        `resize` evaluates the guards on. None where a class holds two `At` rows (a rule wrote another local
+        shape or placement than the class had): the guards could then read either, and `resize`, which reads
+        a class's one shape, would not evaluate them as egglog did."""
         eg, functions, rows = self.egraph, self.egraph.freeze().functions, {}   # `functions` is built per access
+        if not _one_at_row(eg, functions, self.mesh):
+            return None
         # each distinct egglog value decoded once: a value is a class id, an integer or a string, and the rows
         # repeat them (74,000 rows of a small gpt's e-graph hold 2,700 distinct values)
         numbers, strings = _Decoded(eg.value_to_i64), _Decoded(eg.value_to_string)
@@ -451,6 +455,21 @@ class Session:
             shape[cid] = dims
             degrees[cid] = Degrees(shard, analysis["Copy"].get((cid,), 1), analysis["Psum"].get((cid,), 1))
         return Snapshot(classes, shape, degrees, lets, made_by, equated=made_by.equated, applied=made_by.applied)
+
+
+def _one_at_row(eg, functions, mesh: Mesh | None) -> bool:
+    """Whether every class holds at most one `At<rank>` row (`mesh_encoding`; always, without a mesh)."""
+    if mesh is None:
+        return True
+    seen: set[int] = set()
+    for rank in range(MAX_RANK + 1):
+        fn = functions.get(at_relation(rank))
+        for row in (fn.rows if fn is not None else ()):
+            cid = eg.value_to_i64(row.inputs[0])
+            if cid in seen:
+                return False
+            seen.add(cid)
+    return True
 
 
 def _mesh_snapshot(eg, frozen, classes, lets, made, mesh: Mesh) -> Snapshot:

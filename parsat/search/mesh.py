@@ -233,10 +233,11 @@ def _saturate(step: StepContext, mesh: Mesh, pins: Mapping[str, Placement], cloc
     if result is None:
         result = saturate(graph, request.library, request.rules, mesh, clock.remaining(SATURATION_SHARE), pins,
                           caches=request.caches, cut_sums=request.cut_sums, matches=True)
-    if result.stop == STOP_SATURATED:
-        # a taken e-graph is kept too: it is the e-graph saturating this graph gives, its matches the same rows,
-        # and a later count's sizes may read alike with these where they did not with the first's
-        request.saturations.setdefault(_saturation_key(graph, mesh, pins), []).append((graph, result))
+        if result.stop == STOP_SATURATED and result.pattern_rows is not None:
+            # only an e-graph saturated here is kept: a taken one's e-nodes hold its own graph's reals where its
+            # match rows hold the first graph's, and keeping it (a copy of the shapes) took no other saturation
+            # away on llama-70b:64 (benchmarks/search_results.md)
+            request.saturations.setdefault(_saturation_key(graph, mesh, pins), []).append((graph, result))
     if result.stop == STOP_INTERRUPTED:
         clock.interrupt()   # Ctrl-C inside egglog: this mesh's e-graph as it stands, and nothing more after it
     step.say(f"mesh {mesh}: saturation {result.stop} after {result.iterations} iterations, {result.enodes} "
@@ -268,7 +269,9 @@ def _resized(step: StepContext, mesh: Mesh, pins: Mapping[str, Placement]) -> Sa
         if found is not None:
             step.say(f"mesh {mesh}: the e-graph saturated at other sizes holds at these (every guard reads the same "
                      "of them): taken, not saturated again")
-            return replace(kept, snapshot=found, seconds=time.perf_counter() - t, compile_seconds=0.0)
+            # its rows hold `like`'s reals, its e-nodes `graph`'s: no other e-graph is taken from it (None)
+            return replace(kept, snapshot=found, seconds=time.perf_counter() - t, compile_seconds=0.0,
+                           pattern_rows=None)
     return None
 
 
