@@ -149,8 +149,8 @@ class _Guard:
             if head.startswith("At") and head[2:].isdigit():
                 rank = int(head[2:])
                 names = parsed[2:2 + rank]
-                if any(_NUMBER.fullmatch(name) for name in names):
-                    raise Unreadable(f"a constant size in {fact}")
+                if any(_NUMBER.fullmatch(name) for name in names) or parsed[1] not in self.tensors:
+                    raise Unreadable(f"a constant size, or a class the pattern does not bind, in {fact}")
                 self.facts.append(("at", parsed[1], (names, tuple(map(_compiled, parsed[2 + rank:])))))
             elif (head == "=" or head in _RELATIONS) and len(parsed) == 3:
                 self.facts.append((head, _compiled(parsed[1]), _compiled(parsed[2])))
