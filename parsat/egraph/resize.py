@@ -35,9 +35,14 @@ pattern's every match, whatever its guard said, `RuleBody.text`), each
 class's shape at `graph`'s sizes is worked out bottom-up from the graph's
 (`ir.instance.instance_for`, the operators' shape functions, checked to give
 `like`'s snapshot back at `like`'s sizes), every shard must divide, and
-every match's guards are evaluated at both sizes. Where any differ (a batch
-that no longer divides among the data-parallel devices lets fewer rules
-through) it returns None and the graph is saturated anew.
+every match's guards are evaluated at both sizes, placement codes and lift
+tables read as egglog reads them; a match they let through must find the
+terms it builds in the e-graph and write `At` rows equal to their classes'
+local shapes at both sizes (`like`'s e-graph holding one `At` row per
+class: `Session.match_rows`). Where any of it fails (a batch that no longer
+divides among the data-parallel devices lets fewer rules through) it
+returns None and the graph is saturated anew. Why that suffices (the
+saturated e-graph is the least one closed under the rules): docs/MESH.md.
 """
 
 from __future__ import annotations
