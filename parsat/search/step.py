@@ -90,7 +90,9 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
     step answers with the best baseline that fits, saying why (`_fallen_back`), and fails only where none fits:
     the grid's points and data parallelism are built apart from the e-graph, so a configuration the joint
     extraction cannot reach (mcore-119b's stage at 4 stages x 16 micro-batches: every mesh's joint plan needed
-    444-2186 GiB where the grid's tp 8 point fits; the same row pinned to it ran) is answered, not refused."""
+    444-2186 GiB where the grid's tp 8 point fits; the same row pinned to it ran) is answered, not refused.
+    Scouts still raise where the caller reads DoesNotFit: a scout's first mesh, and an unstaged count's scout
+    (the micro-batch search chooses its next count by it)."""
     said = {}
     if left_out:
         said["scouted"] = (f"mesh {', '.join(str(c.mesh) for c in choices)} searched, "
@@ -106,8 +108,10 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
         searches = [_keeping_pins(s, step) for s in searches]
     solved = [s for s in searches if s.joint is not None]
     cut = "" if solved else _valve_cut(searches, choices, clock)
-    if not solved and not cut and not pinned and left_out:
-        raise _no_joint_plan(step, searches)   # a scout's first mesh: `search_step` searches every mesh then
+    if not solved and not cut and not pinned and (left_out or (step.scout and step.stage is None)):
+        # a scout's first mesh: `search_step` searches every mesh then; an unstaged count's scout: the
+        # micro-batch search reads DoesNotFit to try other counts (`microbatches.CountSearch`)
+        raise _no_joint_plan(step, searches)
     best_search = min(solved, key=lambda s: rank(s.joint, step.memory)) if solved else searches[0]
     candidates, found_baselines, skipped = compare_baselines(step, searches, best_search, steps, clock)
     if pinned:   # only a plan that keeps the pins may stand for the joint one
