@@ -31,7 +31,7 @@ GPT = dict(blocks=1, batch=4, seq=4, hidden=8, heads=2, vocab=16)
 @pytest.mark.parametrize("sequence", [False, True])
 def test_the_logits_are_never_gathered_and_the_loss_sums_vocabulary_shards(sequence):
     gpt = build_example("gpt", GPT, LIBRARY)
-    pcg = megatron_pcg(gpt, LIBRARY, (1, 2), sequence=sequence)
+    pcg = megatron_pcg(gpt, LIBRARY, (1, 2), sequence=sequence, vocabulary_loss=True)
     vocab = GPT["vocab"]
     gathered = [n for n in pcg.nodes if n.kind == "parallel" and n.op in (COMBINE, ALL_GATHER) and n.shape[-1] == vocab]
     assert gathered == []
@@ -50,7 +50,8 @@ def test_the_logits_are_never_gathered_and_the_loss_sums_vocabulary_shards(seque
 def test_the_vocabulary_parallel_loss_trains_like_the_unmodified_module(tmp_path, capsys):
     gpt = build_example("gpt", GPT, LIBRARY)
     path = tmp_path / "tp.json"
-    path.write_text(json.dumps(mesh_plans.plan_dict(gpt, megatron_pcg(gpt, LIBRARY, (1, 2)))), encoding="utf-8")
+    layout = megatron_pcg(gpt, LIBRARY, (1, 2), vocabulary_loss=True)
+    path.write_text(json.dumps(mesh_plans.plan_dict(gpt, layout)), encoding="utf-8")
     code = main(["run", str(path), "--nproc", "2", "--backend", "gloo", "--steps", "2", "--json", "--check"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -65,7 +66,8 @@ def test_a_kin_graph_s_vocabulary_parallel_layout_is_rescaled_not_built_again():
 
     small, large = (build_example("gpt", {**GPT, "batch": b}, LIBRARY) for b in (4, 8))
     for sequence in (False, True):
-        layout = megatron_pcg(small, LIBRARY, (2, 2), sequence=sequence)
+        layout = megatron_pcg(small, LIBRARY, (2, 2), sequence=sequence, vocabulary_loss=True)
         rescaled = _rescaled(layout, small, large)
-        assert rescaled is not None and rescaled == megatron_pcg(large, LIBRARY, (2, 2), sequence=sequence)
+        assert rescaled is not None and rescaled == megatron_pcg(large, LIBRARY, (2, 2), sequence=sequence,
+                                                                 vocabulary_loss=True)
         assert any(n.op == "unflatten" and n.origin.endswith("_blocks") for n in rescaled.nodes)

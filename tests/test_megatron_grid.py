@@ -44,7 +44,7 @@ def tp_code(pcg: PCG, ident: int) -> int:
 @pytest.fixture(scope="module")
 def gpt():
     graph = build_example("gpt", GPT, LIB)
-    pcg = megatron_pcg(graph, LIB, (2, 2), 8)
+    pcg = megatron_pcg(graph, LIB, (2, 2), 8, vocabulary_loss=True)   # the layout the search's grid builds
     assert pcg is not None
     return graph, pcg
 

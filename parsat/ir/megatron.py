@@ -92,14 +92,19 @@ def contraction_weights(graph: Graph) -> frozenset[str]:
 
 def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], devices_per_node: int = 1, *,
                  zero: int = 0, sequence: bool = False, cache: dict | None = None,
-                 kin: dict | None = None) -> PCG | None:
+                 kin: dict | None = None, vocabulary_loss: bool = False) -> PCG | None:
     """Megatron-LM's layout of `graph` on the mesh `dp x tp` (`mesh_shape`; the module docstring), ZeRO-3
     over the data axis with `zero=3`, sequence parallelism with `sequence`. An axis of size 1 is left out of
     the mesh; with `tp == 1` it is data parallelism (`ir.data_parallel`, whose one-axis mesh it is).
     `cache`: a dict the calls for one graph and library may share (operator instances, what they accept).
     `kin`: a dict calls for several graphs may share (a step's graph at several micro-batch counts): a layout
     built for one graph is that layout of another whose sizes differ alone where the build cannot tell them
-    apart (`_Kin`), with the other's sizes.
+    apart (`_Kin`), with the other's sizes. `vocabulary_loss`: the loss runs Megatron-LM's vocabulary-parallel
+    cross-entropy (`vocabulary_steps`) rather than gathering the logits. Off by default, and the search's grid
+    (`search.baselines`) does not ask for it yet: a grid point can be the plan of an imported module, and the
+    torch runtime's lowering of a module's own code cannot run its partial sums (a `sumexp_shifted` partial
+    on tp that no split nn.Linear makes): with it on, a pinned `--degrees tp=2,sp=2` plan of a small module
+    was refused by `parallelize(..., runtime="torch")` (tests/test_torch_native_runtime.py).
 
     None where the graph cannot be laid out that way (an operator that accepts no placement its inputs can
     be brought to, a size that does not split): the grid then has no such point."""
@@ -118,7 +123,7 @@ def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], de
     found = kinship.layout(graph, memo, mesh, sequence, zero) if kinship is not None else _NONE
     if found is not _NONE:
         return found
-    pcg = _built_layout(graph, mesh, zero, sequence, memo, cache)
+    pcg = _built_layout(graph, mesh, zero, sequence, memo, cache, vocabulary_loss)
     if kinship is not None:
         kinship.keep(graph, memo, mesh, sequence, zero, pcg)
     return pcg
@@ -128,18 +133,18 @@ _NONE = object()   # `_Kin.layout`: no kin graph's layout to rescale
 
 
 def _built_layout(graph: Graph, mesh: Mesh, zero: int, sequence: bool, memo: "_Memo",
-                  cache: dict | None) -> PCG | None:
+                  cache: dict | None, vocabulary_loss: bool = False) -> PCG | None:
     """`megatron_pcg` on a mesh with a tensor axis, for this graph: built, or its ZeRO-3 form derived from the
     layout without it where `cache` holds that one's build."""
     # the builds without ZeRO-3 by (graph, mesh, sequence), beside the memo rather than in it: a builder holds the
     # memo, so the memo holding builders would be a cycle that only the collector frees
     builds = cache.setdefault("built", {}) if cache is not None else {}
-    built = builds.get((id(graph), mesh, sequence)) if zero == 3 else None
+    built = builds.get((id(graph), mesh, sequence, vocabulary_loss)) if zero == 3 else None
     if built is not None and built[2] is graph:   # built without ZeRO-3: its weights' chains rewritten
         derived = built[0].sharded_nodes(built[1])
         if derived is not None:
             return _live(derived[0], derived[1], tuple(graph.outputs), mesh)
-    build = _MegatronBuilder(graph, mesh, zero == 3, sequence, memo)
+    build = _MegatronBuilder(graph, mesh, zero == 3, sequence, memo, vocabulary_loss)
     for leaf in graph.leaves:
         build.place_leaf(leaf)
     for gnode in graph.nodes:
@@ -151,7 +156,7 @@ def _built_layout(graph: Graph, mesh: Mesh, zero: int, sequence: bool, memo: "_M
     if any(o is None for o in outputs):
         return None
     if zero == 0 and cache is not None:
-        builds[(id(graph), mesh, sequence)] = (build, outputs, graph)
+        builds[(id(graph), mesh, sequence, vocabulary_loss)] = (build, outputs, graph)
     return _live(build.nodes, outputs, tuple(graph.outputs), mesh)
 
 
@@ -409,8 +414,10 @@ class _MegatronBuilder:
     (`weight_value`), so a weight is split once, as its reader splits it, and stored so, and a table such as
     a rotary one is replicated as an input, whose copies need no gradient."""
 
-    def __init__(self, graph: Graph, mesh: Mesh, zero3: bool, sequence: bool, memo: _Memo):
+    def __init__(self, graph: Graph, mesh: Mesh, zero3: bool, sequence: bool, memo: _Memo,
+                 vocabulary_loss: bool = False):
         self.mesh, self.zero3, self.sequence, self.memo = mesh, zero3, sequence, memo
+        self.vocabulary_loss = vocabulary_loss
         self.data = mesh.index(DP_AXIS) if DP_AXIS in mesh.names else None
         self.tensor = mesh.index(TP_AXIS)
         self.graph_nodes = {n.name: n for n in graph.nodes}
@@ -481,7 +488,7 @@ class _MegatronBuilder:
             self.shapes[partial] = tuple(gnode.shape)
             return self.place(partial, UNBIASED[gnode.op], gnode.inputs[:2], (), gnode.shape) and \
                 self.place(gnode.name, "bias_add", (partial, gnode.inputs[2]), (), gnode.shape)
-        if gnode.op == "logsumexp" and self.split_on_features(gnode.inputs[0]):
+        if gnode.op == "logsumexp" and self.vocabulary_loss and self.split_on_features(gnode.inputs[0]):
             steps = self.vocabulary_parallel(gnode.name, gnode.inputs[0])
             if steps is not None:
                 return all(self.place(*step) for step in steps)
