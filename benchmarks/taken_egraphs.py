@@ -18,23 +18,7 @@ import parsat
 import parsat.search.mesh as mesh
 from parsat.egraph.runner import Limits
 from parsat.egraph.saturate import saturate
-from parsat.egraph.snapshot import Snapshot
-
-
-def matched(a: Snapshot, b: Snapshot) -> dict[int, int]:
-    """`a`'s classes -> `b`'s, matched e-node by e-node from the leaves up."""
-    index = {(n.op, n.children, n.attrs): cid for cid, nodes in b.classes.items() for n in nodes}
-    found: dict[int, int] = {}
-    changed = True
-    while changed:
-        changed = False
-        for cid, nodes in a.classes.items():
-            for node in nodes:
-                if cid not in found and all(k in found for k in node.children):
-                    other = index.get((node.op, tuple(found[k] for k in node.children), node.attrs))
-                    if other is not None:
-                        found[cid], changed = other, True
-    return found
+from parsat.egraph.snapshot import matched_classes
 
 
 def main() -> int:
@@ -61,7 +45,7 @@ def main() -> int:
         fresh = saturate(graph, request.library, request.rules, on, Limits(), pins, caches=request.caches,
                          cut_sums=request.cut_sums)
         a, b = result.snapshot, fresh.snapshot
-        same = matched(a, b)
+        same = matched_classes(a, b)
         alike = (len(same) == len(a.classes) == len(b.classes) and a.enodes == b.enodes and fresh.stop == result.stop
                  and all(a.shape[c] == b.shape[same[c]] and a.placement[c] == b.placement[same[c]] for c in same))
         differ += not alike

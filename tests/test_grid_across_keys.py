@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from parsat.cost.saved import INPUT, kept, kept_values
+from parsat.cost.saved import INPUT, kept, kept_values, through_aliases
 from parsat.dsl.checker import resolve_library
 from parsat.dsl.gradient import backward_reads, gradient_free
 from parsat.dsl.parallel_ops import PARALLEL_OPS
@@ -76,7 +76,8 @@ def test_layouts_on_other_meshes_sharing_one_memo_are_the_layouts_built_alone():
 
 
 def _kept_naively(readers, library, roles) -> frozenset:
-    """`kept` as it was written before its answers were kept by operator name: each declaration asked anew."""
+    """`kept` as it was written before its answers were kept by operator name: each declaration asked anew (the
+    alias closure after it is the same code, `through_aliases`)."""
     direct: set = set()
     aliases: dict = {}
     from parsat.cost.saved import _aliased
@@ -93,13 +94,7 @@ def _kept_naively(readers, library, roles) -> frozenset:
         needs = frozenset(n for n, v in zip(names, reads) if roles.get(v, "") != INPUT and n not in free)
         wanted = backward_reads(decl, needs)
         direct.update(v for n, v in zip(names, reads) if n in wanted)
-    found, stack = set(direct), list(direct)
-    while stack:
-        for source in aliases.get(stack.pop(), ()):
-            if source not in found:
-                found.add(source)
-                stack.append(source)
-    return frozenset(found)
+    return through_aliases(direct, aliases)
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama", "bert"])

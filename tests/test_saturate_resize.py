@@ -15,6 +15,7 @@ from parsat.dsl.checker import resolve_library
 from parsat.egraph.resize import resized
 from parsat.egraph.runner import Limits
 from parsat.egraph.saturate import saturate
+from parsat.egraph.snapshot import matched_classes
 from parsat.ir.mesh import Mesh
 from parsat.ir.models import build_example
 from parsat.search.deadline import Deadline
@@ -26,22 +27,6 @@ from plan_compare import stripped  # noqa: E402
 
 SIZES = {"blocks": 2, "hidden": 256, "heads": 8, "seq": 128, "vocab": 1024}
 MESH = Mesh.of((2, 2))
-
-
-def _isomorphism(a, b) -> dict[int, int]:
-    """`a`'s classes -> `b`'s, matched e-node by e-node from the leaves up."""
-    index = {(n.op, n.children, n.attrs): cid for cid, nodes in b.classes.items() for n in nodes}
-    found: dict[int, int] = {}
-    changed = True
-    while changed:
-        changed = False
-        for cid, nodes in a.classes.items():
-            for node in nodes:
-                if cid not in found and all(k in found for k in node.children):
-                    other = index.get((node.op, tuple(found[k] for k in node.children), node.attrs))
-                    if other is not None:
-                        found[cid], changed = other, True
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +42,7 @@ def test_an_e_graph_taken_at_half_the_batch_is_the_e_graph_saturating_that_batch
     taken = resized(result.snapshot, result.classes, result.program, result.pattern_rows, like, graph, library)
     fresh = saturate(graph, library, library.rules, MESH, Limits()).snapshot
     assert taken is not None and taken.shape != result.snapshot.shape   # the batch's dims moved
-    same = _isomorphism(taken, fresh)
+    same = matched_classes(taken, fresh)
     assert len(same) == len(taken.classes) == len(fresh.classes) and taken.enodes == fresh.enodes
     assert all(taken.shape[c] == fresh.shape[same[c]] and taken.placement[c] == fresh.placement[same[c]]
                for c in same)

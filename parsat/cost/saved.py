@@ -91,6 +91,12 @@ def kept(readers: Iterable[Reader], library: Library, roles: Mapping[Hashable, s
         if wanted is None:
             wanted = wants[(op, needs)] = backward_reads(decl, needs)
         direct.update(v for n, v in zip(names, reads) if n in wanted)
+    return through_aliases(direct, aliases)
+
+
+def through_aliases(direct: Iterable[Hashable], aliases: Mapping[Hashable, list[Hashable]]) -> frozenset:
+    """`direct` and every value they alias, followed transitively (a view or gather -> the value it reads): what
+    keeping `direct` for the backward keeps."""
     found, stack = set(direct), list(direct)
     while stack:
         for source in aliases.get(stack.pop(), ()):

@@ -115,3 +115,21 @@ class Snapshot:
             for child in kids:
                 out.setdefault(child, []).append(nid)
         return {cid: tuple(nids) for cid, nids in out.items()}
+
+
+def matched_classes(a: "Snapshot", b: "Snapshot") -> dict[int, int]:
+    """`a`'s classes -> `b`'s, matched e-node by e-node from the leaves up (operator, children's matches,
+    attributes): how an e-graph reused at other sizes is held against a fresh saturation
+    (tests/test_saturate_resize.py, benchmarks/taken_egraphs.py)."""
+    index = {(n.op, n.children, n.attrs): cid for cid, nodes in b.classes.items() for n in nodes}
+    found: dict[int, int] = {}
+    changed = True
+    while changed:
+        changed = False
+        for cid, nodes in a.classes.items():
+            for node in nodes:
+                if cid not in found and all(k in found for k in node.children):
+                    other = index.get((node.op, tuple(found[k] for k in node.children), node.attrs))
+                    if other is not None:
+                        found[cid], changed = other, True
+    return found
