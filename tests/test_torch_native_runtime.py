@@ -34,6 +34,7 @@ from parsat.backend.torch_native.apply import module_info  # noqa: E402
 from parsat.backend.torch_native.lowering import (COLWISE, DATA, REPLICATE_STYLE, ROWWISE, SEQUENCE,  # noqa: E402
                                                   SEQUENCE_STYLE, TENSOR, VOCAB, ZERO3, LoweringError, lower)
 from parsat.ir.megatron import megatron_pcg  # noqa: E402
+from parsat.ir.placement import PARTIAL  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
@@ -88,8 +89,8 @@ def tiny_graph():
     return parsat.from_torch(module, inputs)
 
 
-def _plan(graph, shape, zero=0, sequence=False) -> dict:
-    pcg = megatron_pcg(graph, operator_library(), shape, zero=zero, sequence=sequence)
+def _plan(graph, shape, zero=0, sequence=False, vocabulary_loss=False) -> dict:
+    pcg = megatron_pcg(graph, operator_library(), shape, zero=zero, sequence=sequence, vocabulary_loss=vocabulary_loss)
     assert pcg is not None
     return mesh_plans.plan_dict(graph, pcg)
 
@@ -514,6 +515,63 @@ def test_sequence_parallel_plan_trained_on_two_ranks_like_the_module_in_one_proc
     assert _dcp_loads_into_the_unmodified_module(tmp_path, "sp", "tiny64") == 0.0
 
 
+def test_vocabulary_parallel_loss_is_the_module_s_cross_entropy_under_loss_parallel(tiny_graph):
+    """Megatron's plan with its vocabulary-parallel cross-entropy (the logits split along the vocabulary, the
+    logsumexp as per-rank maxima and shifted sums of exps, all-reduced; never gathered): the head's style leaves
+    its logits a Shard(-1) DTensor (use_local_output=False), the loss's operators and collectives are the module's
+    F.cross_entropy run as loss parallelism, and they are not taken for rewrites of the graph. A vocabulary-split
+    value the loss reads that no head's style leaves split for it is refused, naming the reading node."""
+    from parsat.backend.torch_native.lowering import rewritten_nodes
+    from parsat.ir.plan import pcg_from_dict
+
+    for sequence in (False, True):
+        plan = pcg_from_dict(_plan(tiny_graph, (1, 2), sequence=sequence, vocabulary_loss=True))
+        assert any(n.op == "sumexp_shifted" and n.placement.codes == (PARTIAL,) for n in plan.nodes)
+        low = lower(plan, tiny_graph, module_info(tiny()[0]))
+        head = next(s for s in low.styles if s.module == "head")
+        assert (head.kind, head.output_layout) == (COLWISE, "loss")
+        assert "output_layouts=Shard(-1), use_local_output=False" in head.describe()
+        assert low.loss_parallel == ("cross_entropy_loss_nll",)
+        assert "runs as loss parallelism" in low.describe()
+        gathered = pcg_from_dict(_plan(tiny_graph, (1, 2), sequence=sequence))   # its logits combined for the loss
+        assert {n.origin for n in rewritten_nodes(plan, tiny_graph)} <= \
+            {n.origin for n in rewritten_nodes(gathered, tiny_graph)}   # the loss's steps are not rewrites
+        storage = {n.id for n in plan.nodes if n.kind == "parallel" and plan.node(n.inputs[0]).role == "weight"}
+        claimed = {n for s in low.styles for n in s.nodes}
+        loose = [n for n in plan.nodes if n.kind == "parallel" and n.id not in storage | claimed]
+        assert all(plan.node(n.inputs[0]).kind != "leaf" or n.op in ("partition", "replicate") for n in loose)
+    # the loss reading the logits through a copy no style makes (its input rewired past the head's flatten)
+    flat = next(n for n in plan.nodes if n.kind == "op" and n.origin == "flatten_merge")
+    nll = next(n for n in plan.nodes if n.op == "nll_sum")
+    twin = replace(flat, id=max(n.id for n in plan.nodes) + 1)
+    nodes = [replace(n, inputs=tuple(twin.id if i == flat.id else i for i in n.inputs)) if n.id == nll.id else n
+             for n in plan.nodes]
+    at = next(k for k, n in enumerate(nodes) if n.id == nll.id)
+    with pytest.raises(LoweringError, match=r"of the vocabulary-parallel cross-entropy, reads node #\d+ "
+                                            r"flatten\(dim=0\) \[flatten_merge\] as Shard\(1\) on tensor axis tp"):
+        lower(replace(plan, nodes=tuple(nodes[:at] + [twin] + nodes[at:])), tiny_graph, module_info(tiny()[0]))
+
+
+def test_vocabulary_parallel_loss_trained_on_two_ranks_like_the_module_in_one_process(tiny_graph, tmp_path):
+    """The vocabulary-parallel loss's plans (tp 2, and with sequence parallelism) on 2 gloo ranks, float64: 3 AdamW
+    steps with clip_grad_norm_ give the one-process module's losses, clipped norms and final weights within 1e-9
+    relative; the module's own forward, its cross-entropy under loss parallelism, the logits never gathered (the
+    tp plan's only all-gathers were the head's output's: none left)."""
+    from parsat.backend.launch import LaunchConfig, launch
+
+    plans = {"vocab": _plan(tiny_graph, (1, 2), vocabulary_loss=True),
+             "vocab_sp": _plan(tiny_graph, (1, 2), sequence=True, vocabulary_loss=True)}
+    results = launch(train_job, ("tiny64", plans, 3, str(tmp_path), (BATCH, SEQ, VOCAB_SIZE)),
+                     LaunchConfig(nproc=2, backend="gloo", timeout_s=300))
+    for result in results:
+        for label in plans:
+            _check_run(result, label, tolerance=1e-9)
+            assert "runs as loss parallelism" in result[label]["lowering"]
+    print(json.dumps({label: results[0][label]["comms"] for label in plans}))
+    assert "all_gather_into_tensor" not in results[0]["vocab"]["comms"], results[0]["vocab"]["comms"]
+    assert _dcp_loads_into_the_unmodified_module(tmp_path, "vocab", "tiny64") == 0.0
+
+
 @pytest.mark.slow
 def test_sequence_parallel_plan_of_a_partial_residual_stream_trained_on_two_ranks(tiny_graph, tmp_path):
     """The bias-free tiny LM's sequence-parallel plan (one partial-sum region left by the embedding's and fc2's
@@ -582,10 +640,12 @@ def test_a_plan_recomputing_blocks_checkpoints_each_block_and_trains_like_the_mo
 # ------------------------------------------------------------------ Hugging Face models (slow)
 
 
-def _hf_plan(name: str, shape: tuple[int, int], zero: int = 0, sequence: bool = False) -> dict:
+def _hf_plan(name: str, shape: tuple[int, int], zero: int = 0, sequence: bool = False,
+             vocabulary_loss: bool = False) -> dict:
     """The Megatron-layout plan of a Hugging Face model as `_factory` builds it (dropout off, float64)."""
     module, inputs = _factory(name)()
-    return _plan(parsat.from_torch(module, inputs), shape, zero=zero, sequence=sequence)
+    return _plan(parsat.from_torch(module, inputs), shape, zero=zero, sequence=sequence,
+                 vocabulary_loss=vocabulary_loss)
 
 
 def _train_hf(name: str, plans: dict, nproc: int, folder: Path, own_forward: bool = False) -> list:

@@ -327,7 +327,7 @@ def vocabulary_steps(name: str, logits: str, rows: Sequence[int], vocab: int, p:
     value is a rank-3 one split on its dim 1 on the tensor axis, which a plan's reading and the `--degrees sp`
     pin take for a sequence cut (`parallelism.along_sequence`)."""
     rows, r = tuple(rows), len(rows)   # r >= 1: the logits' last row dim takes a unit dim after it
-    part = {k: f"{name}_{k}" for k in ("unit", "blocks", "block_max", "row_max", "max", "sumexp", "log")}
+    part = {k: f"{name}_{k}" for k in VOCABULARY_PARTS}
     return [(part["unit"], "unflatten", (logits,), (("dim", r - 1), ("k", 1)), (*rows, 1, vocab)),
             (part["blocks"], "unflatten", (part["unit"],), (("dim", r + 1), ("k", vocab // p)),
              (*rows, 1, p, vocab // p)),
@@ -337,6 +337,21 @@ def vocabulary_steps(name: str, logits: str, rows: Sequence[int], vocab: int, p:
             (part["sumexp"], "sumexp_shifted", (logits, part["max"]), (), rows),
             (part["log"], "log", (part["sumexp"],), (), rows),
             (name, "add", (part["max"], part["log"]), (), rows)]
+
+
+VOCABULARY_PARTS = ("unit", "blocks", "block_max", "row_max", "max", "sumexp", "log")   # `vocabulary_steps`' values
+
+
+def vocabulary_parallel_logsumexps(pcg: PCG, graph: Graph) -> dict[str, frozenset[int]]:
+    """Each logsumexp of `graph` that `pcg` computes as `vocabulary_steps` (Megatron-LM's vocabulary-parallel
+    cross-entropy): its name -> the ids of the plan's operators of those steps, the last (named as the logsumexp
+    itself, max + log(sum)) included. What a runtime reads to run them as one loss (the torch runtime's
+    `loss_parallel`) rather than as rewrites of the graph."""
+    names = {n.name for n in graph.nodes if n.op == "logsumexp"}
+    parts = {f"{name}_{k}": name for name in names for k in VOCABULARY_PARTS}
+    split = {parts[n.origin] for n in pcg.nodes if n.kind == "op" and n.origin in parts}
+    return {name: frozenset(n.id for n in pcg.nodes if n.kind == "op" and (
+        n.origin == name or parts.get(n.origin) == name)) for name in sorted(split)}
 
 
 def _vocabulary_parts(pcg: PCG, like: Graph, graph: Graph) -> dict[str, tuple]:

@@ -141,7 +141,7 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
 
     def lay_out(layout: _Layout, zero: int) -> PCG | None:
         return megatron_pcg(graph, library, (layout.dp, layout.tp), per_node, zero=zero, sequence=layout.sequence,
-                            cache=shared, kin=kin)
+                            cache=shared, kin=kin, vocabulary_loss=True)
 
     layouts = _grid_layouts(devices, per_node)
     firsts: list = [None] * len(layouts)   # each family's first layout, where `order` asks for it up front

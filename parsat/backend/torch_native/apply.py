@@ -22,7 +22,10 @@ Under torchrun (or `backend.launch`), every rank calls
 3. on the tensor axis, `parallelize_module` with each module's style
    (`ColwiseParallel`, `RowwiseParallel`), and every other module that
    holds parameters computing with `Replicate()` DTensors
-   (`distribute_module`); a tied parameter is tied again afterwards;
+   (`distribute_module`); a tied parameter is tied again afterwards; a
+   vocabulary-parallel loss leaves the head's logits a `Shard(-1)` DTensor
+   and runs the module's cross-entropy as loss parallelism
+   (`loss_parallel.install`);
 4. on the data axes, `replicate` (`torch.distributed._composable.
    replicate_with_fsdp`: DDP's gradient all-reduce with DTensor
    parameters) or, for a ZeRO-3 axis, `fully_shard` on each block (each
@@ -203,7 +206,7 @@ def _tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh) -> None:
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
 
-    def layout(word: str):
+    def layout(word: str):   # "shard" and "loss" (the logits left split for loss parallelism): Shard(-1)
         return Replicate() if word == "replicate" else Shard(SEQ_DIM) if word == "sequence" else Shard(-1)
 
     from parsat.backend.torch_native.conv1d import Conv1DColwiseParallel, Conv1DRowwiseParallel
@@ -211,7 +214,7 @@ def _tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh) -> None:
     plan: dict[str, Any] = {}
     replicated = []
     for style in lowering.styles:
-        local = style.output_layout != "sequence"
+        local = style.output_layout not in ("sequence", "loss")   # DTensors for the code after the style
         if style.kind == COLWISE:
             kind = Conv1DColwiseParallel if style.conv1d else ColwiseParallel
             plan[style.module] = kind(input_layouts=layout(style.input_layout),
@@ -238,6 +241,10 @@ def _tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh) -> None:
     for name in replicated:
         distribute_module(module.get_submodule(name), tp_mesh, None, _replicated_inputs, _local_outputs)
     _tie_again(module, lowering)
+    if lowering.loss_parallel:
+        from parsat.backend.torch_native.loss_parallel import install
+
+        install(module)
 
 
 def _first_input_by_keyword(sub: nn.Module, name: str) -> str:

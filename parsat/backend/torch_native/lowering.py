@@ -97,6 +97,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 from parsat.dsl.parallel_ops import ALL_GATHER, ALL_TO_ALL, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER, REPLICATE
 from parsat.ir.blocks import OUTSIDE, block_of, has_blocks
 from parsat.ir.graph import Graph
+from parsat.ir.megatron import vocabulary_parallel_logsumexps
 from parsat.ir.mesh import Mesh
 from parsat.ir.microbatch import batch_dims, batch_wide_constants
 from parsat.ir.pcg import PCG, WEIGHT, PNode, readers, weight_storage
@@ -107,7 +108,9 @@ DATA, ZERO3, TENSOR = "data", "zero3", "tensor"
 COLWISE, ROWWISE, VOCAB, REPLICATE_STYLE, SEQUENCE_STYLE = "colwise", "rowwise", "vocab", "replicate", "sequence"
 PREPARE_STYLE = "prepare"   # PrepareModuleInput: a module's input gathered along the sequence once, for its projections
 SEQ_DIM = 1   # the sequence dim of a [batch, seq, hidden] activation: SequenceParallel's and Shard(1)'s
-LAYOUTS = {"replicate": "Replicate()", "shard": "Shard(-1)", "sequence": "Shard(1)"}
+LAYOUTS = {"replicate": "Replicate()", "shard": "Shard(-1)", "sequence": "Shard(1)", "loss": "Shard(-1)"}
+# "loss": a column-parallel head's logits left split along the vocabulary as a DTensor for the module's
+# cross-entropy, which runs as loss parallelism on them (`Lowering.loss_parallel`, `loss_parallel.py`)
 LINEAR, EMBEDDING = "linear", "embedding"
 CONV1D = "conv1d"   # transformers' Conv1D (GPT-2): weight [in, out], y = x @ W + b; its styles are `apply`'s own
 PROJECTIONS = frozenset({LINEAR, CONV1D})
@@ -192,6 +195,8 @@ class Style:
                 extra.append(f"input_layouts={LAYOUTS[self.input_layout]}")
             if self.output_layout != ("shard" if self.kind == COLWISE else "replicate"):
                 extra.append(f"output_layouts={LAYOUTS[self.output_layout]}")
+            if self.output_layout == "loss":
+                extra.append("use_local_output=False")
         nodes = f" (nodes {', '.join(f'#{n}' for n in self.nodes)})" if self.nodes else ""
         if self.conv1d:
             torch_name = "Conv1D" + torch_name   # apply.conv1d_style: weight Shard(1) / Shard(0), as Conv1D stores it
@@ -236,6 +241,9 @@ class Lowering:
     traced_splits: tuple[TracedSplit, ...] = ()   # a traced module's split weights (`lower(traced=True)`)
     rewritten: str = ""                # how the module's forward computes the plan's graph (`rewritten.Rewrite`)
     unrecomputable: str = ""           # why the module's blocks cannot be checkpointed (a rewritten forward can)
+    # the graph's cross-entropies (their nll_sum nodes) computed split along the vocabulary on the tensor axis: the
+    # module's F.cross_entropy runs as loss parallelism on the head's Shard(-1) logits (`_Lowerer.vocabulary_losses`)
+    loss_parallel: tuple[str, ...] = ()
 
     def axes(self, role: str) -> tuple[int, ...]:
         return tuple(i for i, r in enumerate(self.axis_roles) if r == role)
@@ -281,6 +289,10 @@ class Lowering:
         elif self.tensor_axis is not None:
             lines.append(f"tensor parallelism on {names[self.tensor_axis]}: parallelize_module")
             lines += ["  " + s.describe() for s in self.styles]
+        if self.loss_parallel:
+            lines.append(f"loss on {names[self.tensor_axis]}: the module's F.cross_entropy on the Shard(-1) logits runs "
+                         "as loss parallelism (torch.distributed.tensor.parallel.loss_parallel, forward and backward), "
+                         f"the logits never gathered ({', '.join(self.loss_parallel)})")
         if self.recompute:
             lines.append(f"recomputation: torch.utils.checkpoint around each block's forward "
                          f"({', '.join(self.recompute)})")
@@ -337,6 +349,10 @@ class _Lowerer:
         self.partial_region: set[int] = set()   # partial sums the row-parallel styles' outputs are computed into
         self.sequence_reduces: set[int] = set()  # reduces on the tensor axis torch makes Shard(1) (`sequence_split`)
         self.region_layout: dict[int, str] = {}   # partial-region node -> how its region leaves (`reduced_output`)
+        self.loss_nodes: set[int] = set()    # a vocabulary-parallel cross-entropy's operators (`vocabulary_losses`)
+        self.loss_claims: set[int] = set()   # ... and the parallel operators on the tensor axis around them
+        self.loss_inputs: set[int] = set()   # the logits a column-parallel style leaves split for it (`feeds_loss`)
+        self.losses: list[str] = []          # the graph's cross-entropies so computed (their nll_sum nodes)
 
     def node(self, ident: int) -> PNode:
         return self.pcg.node(ident)
@@ -375,7 +391,7 @@ class _Lowerer:
                               "(FSDPModule.set_requires_gradient_sync(False) for all but the last)")
         notes = tuple(dict.fromkeys(self.notes))   # once each: a weight and its bias may note one node twice
         return Lowering(self.mesh, roles, tuple(weights), tuple(styles), batch_axes, zero, notes,
-                        traced_splits=splits)
+                        traced_splits=splits, loss_parallel=tuple(self.losses))
 
     def weight(self, leaf: PNode) -> WeightLowering:
         info = self.module.param(leaf.op)
@@ -634,6 +650,8 @@ class _Lowerer:
         styles: dict[str, Style] = {}
         claimed: set[int] = set()
         self.sequence_reduces = self.sequence_split(axis)
+        self.vocabulary_losses(axis)
+        claimed |= self.loss_claims
         for w in weights:
             if w.roles[axis] != SPLIT:
                 continue
@@ -651,6 +669,7 @@ class _Lowerer:
         self.sequence_inputs(styles, axis)
         styles.update(self.gathered_inputs(styles, axis))
         self.check_style_params(styles, weights, axis)
+        self.check_loss_inputs(axis)
         self.check_partials(axis)
         for node in self.pcg.nodes:
             if node.kind == "parallel" and node.op == REPLICATE and node.inputs[0] in self.data_only:
@@ -665,9 +684,9 @@ class _Lowerer:
                 raise LoweringError(
                     f"{self.where(node)} on tensor axis {name} is not at the input or output of a split nn.Linear or "
                     "nn.Embedding: the module's own code runs between torch's tensor-parallel styles on local pieces, "
-                    "and only the styles move activations (a vocabulary-parallel loss would need loss_parallel() "
-                    "around the loop's forward and backward; sequence parallelism is lowered as a reduce_scatter / all_gather "
-                    "along dim 1 at a styled projection only)"
+                    "and only the styles move activations (a vocabulary-parallel loss is lowered as the module's "
+                    "F.cross_entropy on a column-parallel head's logits only, as loss parallelism; sequence "
+                    "parallelism as a reduce_scatter / all_gather along dim 1 at a styled projection only)"
                     + ("; it splits a dropout mask, which the module draws itself on each rank: train with dropout "
                        "off, or run the plan with the interpreter" if dropout else ""))
         replicated = self.replicated_modules(styles, weights, axis)
@@ -756,7 +775,9 @@ class _Lowerer:
                 claims.append(x.id)
         if style == COLWISE:
             output_layout, found = self.gathered_output(user, axis)
-            if output_layout == "shard":
+            if output_layout == "shard" and self.feeds_loss(user, axis):
+                output_layout = "loss"
+            elif output_layout == "shard":
                 self.check_split_not_cut(user, owner, axis)
         else:
             output_layout, found = self.reduced_output(user, axis, owner)
@@ -982,12 +1003,95 @@ class _Lowerer:
                               "(input_layouts=Shard(1)): the same values and bytes, two collectives where the plan has one")
         return found
 
+    def vocabulary_losses(self, axis: int) -> None:
+        """The cross-entropies the plan computes on logits split along the vocabulary on the tensor axis (Megatron-
+        LM's vocabulary-parallel loss: the logsumexp as `ir.megatron.vocabulary_steps`, the target's logit and
+        the mean on the shards, their partial sums all-reduced, the logits never gathered). torch runs the
+        module's own `F.cross_entropy` on the column-parallel head's `Shard(-1)` logits as loss parallelism
+        (`loss_parallel.py`: `torch.distributed.tensor.parallel.loss_parallel`), which computes the same loss
+        without gathering them either; so those operators are that loss's (`loss_nodes`, their partial sums
+        computed inside it), and the parallel operators on the axis that bring it its targets, its inverse count
+        and its own values, or take its result, are claimed (`loss_claims`). A cross-entropy is the import's
+        (`importer.aten_attention`): a logsumexp of the logits that one `nll_sum` of the same logits alone reads,
+        and that sum's mean (a `mul` by the targets' inverse count) if the graph takes it. A vocabulary-parallel
+        logsumexp that is not one is left to `check_partials`, which refuses its partial sum by name."""
+        by_name = {n.name: n for n in self.graph.nodes}
+        leaves = {leaf.name for leaf in self.graph.leaves}
+        readers_: dict[str, list] = {}
+        for n in self.graph.nodes:
+            for i in n.inputs:
+                readers_.setdefault(i, []).append(n)
+        for lse, steps in vocabulary_parallel_logsumexps(self.pcg, self.graph).items():
+            logits = by_name[lse].inputs[0]
+            nll = readers_.get(lse, [])
+            if len(nll) != 1 or nll[0].op != "nll_sum" or tuple(nll[0].inputs[:2]) != (logits, lse):
+                continue
+            names = {lse, nll[0].name}
+            mean = readers_.get(nll[0].name, [])
+            if len(mean) == 1 and mean[0].op == "mul" and any(i in leaves for i in mean[0].inputs):
+                names.add(mean[0].name)
+            nodes = set(steps) | {n.id for n in self.pcg.nodes if n.kind == "op" and n.origin in names}
+            if all(self.node(i).placement.codes[axis] in (FREE, REPLICA) for i in nodes):
+                continue   # computed on whole logits: a `combine` before it, the module's own cross-entropy
+            self.loss_nodes |= nodes
+            self.losses.append(nll[0].name)
+        for ident in self.loss_nodes:
+            for i in self.node(ident).inputs:   # back to a loss operator or an input: its targets, its count
+                chain = []
+                while self.node(i).kind == "parallel":
+                    chain.append(self.node(i))
+                    i = self.node(i).inputs[0]
+                if i in self.loss_nodes or (self.node(i).kind == "leaf" and self.node(i).role != "weight"):
+                    self.loss_claims.update(n.id for n in chain if n.axis(self.mesh) == axis)
+            todo = [ident]   # forward to the next operator: the loss's reduces, its values' copies
+            while todo:
+                for reader in self.users.get(todo.pop(), []):
+                    if reader.kind == "parallel":
+                        if reader.axis(self.mesh) == axis:
+                            self.loss_claims.add(reader.id)
+                        todo.append(reader.id)
+
+    def feeds_loss(self, user: PNode, axis: int) -> bool:
+        """Whether the column-parallel output of `user` reaches a vocabulary-parallel cross-entropy (`loss_nodes`)
+        split along its last dim, through operators that keep it so and are each the only reader (the head's
+        logits flattened for the loss), and nothing else: the style then leaves it a `Shard(-1)` DTensor for
+        loss parallelism (recorded in `loss_inputs`)."""
+        current = user
+        while True:
+            readers_ = self.users.get(current.id, [])
+            if readers_ and all(r.id in self.loss_nodes for r in readers_):
+                self.loss_inputs.add(current.id)
+                return True
+            if len(readers_) != 1 or readers_[0].kind != "op" or \
+                    readers_[0].placement.codes[axis] != shard(len(readers_[0].shape) - 1):
+                return False
+            current = readers_[0]
+
+    def check_loss_inputs(self, axis: int) -> None:
+        """Every value a vocabulary-parallel cross-entropy reads split on the tensor axis, other than its own
+        operators' and its claimed inputs, is logits a column-parallel style leaves split for it (`feeds_loss`):
+        anything else the module would hand its cross-entropy as a local piece, and it would compute a wrong loss."""
+        for ident in sorted(self.loss_nodes):
+            node = self.node(ident)
+            for i in node.inputs:
+                source = self.node(i)
+                if i in self.loss_nodes or i in self.loss_claims or source.placement.codes[axis] in (FREE, REPLICA):
+                    continue
+                if i not in self.loss_inputs:
+                    raise LoweringError(
+                        f"{self.where(node)}, of the vocabulary-parallel cross-entropy, reads {self.where(source)} "
+                        f"as {code_text(source.placement.codes[axis])} on tensor axis {self.mesh.names[axis]}, which "
+                        "no column-parallel nn.Linear leaves split along the vocabulary for the module's "
+                        "F.cross_entropy alone: torch's loss parallelism reads the head's Shard(-1) logits")
+
     def check_partials(self, axis: int) -> None:
         """Every partial sum on the tensor axis is a styled contraction's or computed from one (the module's own
         code, between the styles, computes on whole values or local pieces, never on partial sums)."""
         for node in self.pcg.nodes:
             if node.kind != "op" or node.id in self.static:
                 continue
+            if node.id in self.loss_nodes:
+                continue   # a vocabulary-parallel cross-entropy's partial sums: loss parallelism's own
             partial_inputs = [i for i in node.inputs if self.node(i).placement.codes[axis] == PARTIAL]
             if node.placement.codes[axis] == PARTIAL and node.id not in self.partial_region:
                 raise LoweringError(
@@ -1113,8 +1217,13 @@ def rewritten_nodes(pcg: PCG, graph: Graph) -> tuple[PNode, ...]:
     """The plan's compute nodes that compute an expression the graph does not, parallel operators looked through
     (they change the spread, never the value): none when the plan computes the graph's own operators on the
     graph's own operands; after `scale(bmm(q, k))` -> `bmm(scale(q), k)`, the new scale and bmm and every node
-    computed from them. Expressions are compared by hash-consing (each one an integer, so deep graphs stay flat)."""
+    computed from them. Expressions are compared by hash-consing (each one an integer, so deep graphs stay flat).
+    A logsumexp computed as Megatron-LM's vocabulary-parallel steps (`ir.megatron.vocabulary_parallel_logsumexps`)
+    is the graph's own: the module's cross-entropy computes it so on the logits' shards (`loss_parallel`), and
+    the steps' last node stands for it."""
     ids: dict[tuple, int] = {}
+    vocabulary = vocabulary_parallel_logsumexps(pcg, graph)
+    steps = {i: name for name, ids_ in vocabulary.items() for i in ids_}
 
     def key(op: str, attrs, inputs) -> int:
         return ids.setdefault((op, tuple(sorted(attrs)), tuple(inputs)), len(ids))
@@ -1130,6 +1239,8 @@ def rewritten_nodes(pcg: PCG, graph: Graph) -> tuple[PNode, ...]:
             of[n.id] = key("leaf", (), (n.op,))
         elif n.kind == "parallel":
             of[n.id] = of[n.inputs[0]]
+        elif n.id in steps:
+            of[n.id] = named[steps[n.id]] if n.origin == steps[n.id] else key(n.op, n.attrs, (of[i] for i in n.inputs))
         else:
             of[n.id] = key(n.op, n.attrs, (of[i] for i in n.inputs))
             if of[n.id] not in known:
