@@ -166,10 +166,13 @@ def test_megatron_sequence_parallelism_is_sequence_parallel_norms_between_shard1
     unbiased = lower(pcg_from_dict(_plan(unbiased_graph, (1, 2), sequence=True)), unbiased_graph,
                      module_info(unbiased_module))
     assert {s.module: (s.kind, s.input_layout, s.output_layout) for s in unbiased.styles} == styles
-    # the optimizer's plan with sequence parallelism pinned (--degrees tp=2,sp=2) lowers to the same styles
+    # the optimizer's plan with sequence parallelism pinned (--degrees tp=2,sp=2) lowers to the same styles, but for
+    # its vocabulary-parallel loss (the grid's layout): the head's logits left Shard(-1) for loss parallelism
     pinned = parsat.optimize(tiny_graph, machine="h100x8", devices=2, degrees={"tp": 2, "sp": 2}, baselines=False)
     lowered = lower(pcg_from_dict(pinned.to_dict()), tiny_graph, module_info(tiny()[0]))
-    assert {s.module: (s.kind, s.input_layout, s.output_layout) for s in lowered.styles} == styles
+    assert {s.module: (s.kind, s.input_layout, s.output_layout) for s in lowered.styles} == \
+        {**styles, "head": (COLWISE, "sequence", "loss")}
+    assert lowered.loss_parallel == ("cross_entropy_loss_nll",)
     # the same plan inside a traced pipeline stage is refused by name
     with pytest.raises(LoweringError, match="sequence parallelism .* not inside a traced pipeline stage"):
         lower(pcg, tiny_graph, module_info(tiny()[0]), traced=True)
@@ -771,6 +774,26 @@ def test_hf_gpt2_dp_by_tp_and_tp4_on_four_ranks(tmp_path):
         assert placements["model.transformer.h.0.attn.c_attn.weight"] == ["Replicate()", "Shard(dim=1)"]
         assert placements["model.transformer.h.0.mlp.c_proj.weight"] == ["Replicate()", "Shard(dim=0)"]
         assert result["gpt2_tp4"]["placements"]["model.transformer.h.1.mlp.c_fc.weight"] == ["Shard(dim=1)"]
+
+
+@pytest.mark.slow
+def test_hf_gpt2_vocabulary_parallel_loss_tp2_on_two_ranks_and_dp2_by_tp2_on_four(tmp_path):
+    """HF GPT-2 (code unchanged) under Megatron's plans with the vocabulary-parallel cross-entropy (the search's
+    grid lays them out so), tp 2 on 2 gloo ranks and dp 2 x tp 2 on 4, float64: the tied lm_head's
+    Conv1D-free ColwiseParallel leaves its logits Shard(-1) DTensors, transformers' loss (its shift, ignore_index
+    -100 on the last position, mean) runs under loss parallelism, and 3 AdamW steps with clipping equal the
+    unmodified module's in one process within 1e-4, the checkpoints loading into it here."""
+    for nproc, plans in ((2, {"gpt2_vocab_tp2": _hf_plan("gpt2", (1, 2), vocabulary_loss=True)}),
+                         (4, {"gpt2_vocab_dp2_tp2": _hf_plan("gpt2", (2, 2), vocabulary_loss=True)})):
+        folder = tmp_path / str(nproc)
+        folder.mkdir()
+        results = _train_hf("gpt2", plans, nproc, folder, own_forward=True)
+        for result in results:
+            for label in plans:
+                assert result[label]["own_forward"]
+                assert "model.lm_head: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)" in \
+                    result[label]["lowering"], result[label]["lowering"]
+                assert "runs as loss parallelism" in result[label]["lowering"]
 
 
 def conv1d_sequence_parallel_job(ctx) -> dict:

@@ -100,11 +100,10 @@ def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], de
     `kin`: a dict calls for several graphs may share (a step's graph at several micro-batch counts): a layout
     built for one graph is that layout of another whose sizes differ alone where the build cannot tell them
     apart (`_Kin`), with the other's sizes. `vocabulary_loss`: the loss runs Megatron-LM's vocabulary-parallel
-    cross-entropy (`vocabulary_steps`) rather than gathering the logits. Off by default, and the search's grid
-    (`search.baselines`) does not ask for it yet: a grid point can be the plan of an imported module, and the
-    torch runtime's lowering of a module's own code cannot run its partial sums (a `sumexp_shifted` partial
-    on tp that no split nn.Linear makes): with it on, a pinned `--degrees tp=2,sp=2` plan of a small module
-    was refused by `parallelize(..., runtime="torch")` (tests/test_torch_native_runtime.py).
+    cross-entropy (`vocabulary_steps`) rather than gathering the logits. Off by default; the search's grid
+    (`search.baselines`) asks for it, as Megatron-LM runs: a grid point can be the plan of an imported module,
+    whose own cross-entropy the torch runtime runs on the head's split logits as DTensor's loss parallelism
+    (`backend.torch_native.loss_parallel`).
 
     None where the graph cannot be laid out that way (an operator that accepts no placement its inputs can
     be brought to, a size that does not split): the grid then has no such point."""

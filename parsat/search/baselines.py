@@ -95,7 +95,9 @@ def independent_grid(graph: Graph, library: Library, machine: Machine, free_inpu
     """Every point of the Megatron-LM / FSDP grid built directly from the graph (`ir.megatron.megatron_pcg`, and
     `ir.data_parallel` where tp is 1) and priced by the same cost model: dp x tp = `devices` with tp 1 or a
     divisor of a node's devices (tensor parallelism stays inside a node), ZeRO 0 or 3 (where dp > 1), sequence
-    parallelism off or on (where tp > 1). A point that does not fit in memory (`fits`: as the step runs it,
+    parallelism off or on (where tp > 1), the loss Megatron-LM's vocabulary-parallel cross-entropy (the logits
+    never gathered; `megatron_pcg(vocabulary_loss=True)`: no point gathers them beside it, which would build
+    and price every tensor-parallel family twice). A point that does not fit in memory (`fits`: as the step runs it,
     `search.fit`; on `machine` by default) is priced again with its weights' state sharded (ZeRO-1,
     Megatron-LM's distributed optimizer, where dp > 1), then recomputing blocks (`ir.recompute`) too, as
     Megatron-LM runs large models. Each is a `best_grid` candidate whose `config`

@@ -1097,7 +1097,9 @@ class _Lowerer:
                 raise LoweringError(
                     f"{self.where(node)} makes a partial sum on tensor axis {self.mesh.names[axis]} that no split "
                     "nn.Linear or nn.Embedding makes: the module's own code would compute it on local pieces and "
-                    "never add them up")
+                    "never add them up"
+                    + (" (a vocabulary-parallel logsumexp is lowered only as the module's F.cross_entropy of a "
+                       "column-parallel head's logits, by loss parallelism)" if node.op == "sumexp_shifted" else ""))
             for i in partial_inputs:
                 if i not in self.partial_region:
                     raise LoweringError(f"{self.where(node)} reads the partial sum {self.where(self.node(i))} on "
@@ -1201,9 +1203,13 @@ class _Lowerer:
         for n in self.graph.nodes:
             graph_ops[n.op] = graph_ops.get(n.op, 0) + 1
         plan_ops: dict[str, int] = {}
+        vocabulary = vocabulary_parallel_logsumexps(self.pcg, self.graph)   # each counted as its logsumexp
+        steps = {i for ids in vocabulary.values() for i in ids}
         for n in self.pcg.nodes:
             if n.kind == "op":
-                plan_ops[n.op] = plan_ops.get(n.op, 0) + 1
+                op = n.op if n.id not in steps else "logsumexp" if n.origin in vocabulary else None
+                if op is not None:
+                    plan_ops[op] = plan_ops.get(op, 0) + 1
         differ = sorted(op for op in set(graph_ops) | set(plan_ops) if graph_ops.get(op, 0) != plan_ops.get(op, 0))
         shown = ", ".join(f"{op} {graph_ops.get(op, 0)} -> {plan_ops.get(op, 0)}" for op in differ[:8])
         self.notes.append(f"{REWRITE_NOTE} ({shown or 'the same operators, in another order'}"
