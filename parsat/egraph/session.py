@@ -277,31 +277,66 @@ class Session:
     """An egglog e-graph with the compiled rules and one graph loaded."""
 
     def __init__(self, program: RuleProgram, graph_text: str, deadline: float | None = None,
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, idle: dict | None = None):
         """Once `deadline` (a `time.perf_counter()` value) passes, no more rules are loaded (`loaded` says how
         many were); the graph always is, so the e-graph stays whole, unless the deadline passes while it is
         loaded (OptimizeError: there is no plan of part of a graph). With `mesh` the program is in the mesh
-        encoding (`mesh_encoding`), and the snapshot reads placements."""
+        encoding (`mesh_encoding`), and the snapshot reads placements.
+
+        With `idle` (`MeshCaches.egraphs`: the e-graphs of one search that hold a whole program and no graph,
+        by the program's text) an e-graph that holds this very program is taken from it rather than loaded
+        again, and `close` hands it back: loading the rules is most of a session's start (3,158 rule
+        commands in 12 sessions of bert-large:64, 6.3 of its 6.9 CPU s of loading), and the meshes of one
+        search load the same program more than once (the micro-batch counts and pipeline stages of one
+        mesh). The graph is loaded after egglog's `(push)` and `close` pops it, so the e-graph handed back is
+        again the program alone, its match relations and `Live` rows as the rules left them."""
         self.mesh = mesh
         self._rules = program.rules   # the i-th records its applications in `Applied<i>` (`RuleBody.text`)
-        self.egraph = bindings.EGraph()
+        self._idle, self._key = idle, None
         self.loaded = 0
         try:
-            # One command batch per rule: egglog 13.2 is far slower on one large
-            # program (9 s against 0.4 s for 200 rules): egglog-python gives every
-            # parsed node's span its own copy of the whole program text.
-            self._run(program.declarations)
-            self._run(f"(function {BOUND} (String) T :merge old)")
-            self._constructors = frozenset(name for name, fn in self.egraph.freeze().functions.items()
-                                           if fn.output_sort == "T" and not fn.is_let_binding and name != BOUND)
-            for rule in program.rules:
-                if past(deadline):
-                    break
-                self._run(rule.text)
-                self.loaded += 1
+            key = _program_key(program) if idle is not None else None
+            reused = idle.get(key) if idle is not None else None
+            if reused:
+                self.egraph, self._constructors = reused.pop()
+                self.loaded = len(program.rules)
+            else:
+                self._load_program(program, deadline)
+            if key is not None and self.loaded == len(program.rules):
+                self._run("(push)")
+                self._key = key
             self._load_graph(graph_text, program.declarations, deadline)
         except bindings.EggSmolError as err:
             raise CompileError(f"egglog rejected the generated program: {err}") from None
+
+    def _load_program(self, program: RuleProgram, deadline: float | None) -> None:
+        """A new e-graph with the program's declarations and as many of its rules as `deadline` leaves time for."""
+        self.egraph = bindings.EGraph()
+        # One command batch per rule: egglog 13.2 is far slower on one large
+        # program (9 s against 0.4 s for 200 rules): egglog-python gives every
+        # parsed node's span its own copy of the whole program text.
+        self._run(program.declarations)
+        self._run(f"(function {BOUND} (String) T :merge old)")
+        self._constructors = frozenset(name for name, fn in self.egraph.freeze().functions.items()
+                                       if fn.output_sort == "T" and not fn.is_let_binding and name != BOUND)
+        for rule in program.rules:
+            if past(deadline):
+                break
+            self._run(rule.text)
+            self.loaded += 1
+
+    def close(self) -> None:
+        """Hands the e-graph back to `idle`, without the graph (egglog's `(pop)`), for the next session of the
+        same program; the session is then unusable. A snapshot read before stays whole: its lazily decoded
+        provenance decodes egglog values, which a pop does not take back. Nothing to do for a session made
+        without `idle`, or whose program the deadline cut short (an e-graph of part of a program is not
+        that program's)."""
+        if self._key is None:
+            return
+        self._run("(pop)")
+        self._idle.setdefault(self._key, []).append((self.egraph, self._constructors))
+        self._key = None
+        self.egraph = None
 
     def _load_graph(self, graph_text: str, declarations: str, deadline: float | None) -> None:
         """The graph's tensors: a command per term, the facts read in bulk (`loading`; a command per line took
@@ -455,6 +490,11 @@ class Session:
             shape[cid] = dims
             degrees[cid] = Degrees(shard, analysis["Copy"].get((cid,), 1), analysis["Psum"].get((cid,), 1))
         return Snapshot(classes, shape, degrees, lets, made_by, equated=made_by.equated, applied=made_by.applied)
+
+
+def _program_key(program: RuleProgram) -> tuple:
+    """What an e-graph holding `program` and no graph was made of: its declarations and rule commands, in order."""
+    return program.declarations, tuple(rule.text for rule in program.rules)
 
 
 def _one_at_row(eg, functions, mesh: Mesh | None) -> bool:
