@@ -94,3 +94,31 @@ def test_a_program_the_deadline_cut_short_is_not_handed_back(library):
     assert session.loaded == 0 < len(program.rules)
     session.close()
     assert idle == {}
+
+
+def test_the_declarations_load_in_pieces_as_in_one_batch(library):
+    from parsat.egraph.session import PIECE_CHARS, _pieces, bindings
+
+    mesh = Mesh.of((2, 2))
+    graph = build_example("mlp", library=library)
+    program = compile_mesh_rules(library, library.rules, graph.ranks(), mesh, {n.op for n in graph.nodes},
+                                 graph_signatures(graph, library.ops, None))
+    text = program.declarations
+    pieces = _pieces(text)
+    assert len(pieces) > 1 and "\n".join(pieces) == text
+    assert all(piece.count("(") == piece.count(")") for piece in pieces)
+    assert all(len(piece) <= PIECE_CHARS or "\n(" not in piece for piece in pieces)   # only a lone form is longer
+    whole = bindings.EGraph()
+    whole.run_program(*whole.parse_program(text))
+    split = bindings.EGraph()
+    for piece in pieces:
+        split.run_program(*split.parse_program(piece))
+    assert _rows(split) == _rows(whole) and len(_rows(whole)) > 20
+
+
+def test_a_form_over_lines_that_start_with_a_parenthesis_stays_in_one_piece():
+    from parsat.egraph.session import PIECE_CHARS, _pieces
+
+    form = "(datatype T\n" + "\n".join(f"(C{i} T)" for i in range(PIECE_CHARS // 4)) + ")"
+    text = "(relation A (i64))\n" + form + "\n(relation B (i64))"
+    assert _pieces(text) == ["(relation A (i64))\n" + form, "(relation B (i64))"]

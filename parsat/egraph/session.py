@@ -312,10 +312,11 @@ class Session:
     def _load_program(self, program: RuleProgram, deadline: float | None) -> None:
         """A new e-graph with the program's declarations and as many of its rules as `deadline` leaves time for."""
         self.egraph = bindings.EGraph()
-        # One command batch per rule: egglog 13.2 is far slower on one large
+        # One command batch per rule, and the declarations in pieces: egglog 13.2 is far slower on one large
         # program (9 s against 0.4 s for 200 rules): egglog-python gives every
-        # parsed node's span its own copy of the whole program text.
-        self._run(program.declarations)
+        # parsed node's span its own copy of the whole program text (`_pieces`).
+        for piece in _pieces(program.declarations):
+            self._run(piece)
         self._run(f"(function {BOUND} (String) T :merge old)")
         self._constructors = frozenset(name for name, fn in self.egraph.freeze().functions.items()
                                        if fn.output_sort == "T" and not fn.is_let_binding and name != BOUND)
@@ -490,6 +491,35 @@ class Session:
             shape[cid] = dims
             degrees[cid] = Degrees(shard, analysis["Copy"].get((cid,), 1), analysis["Psum"].get((cid,), 1))
         return Snapshot(classes, shape, degrees, lets, made_by, equated=made_by.equated, applied=made_by.applied)
+
+
+PIECE_CHARS = 1_000
+
+
+def _pieces(text: str) -> list[str]:
+    """`text` as runs of whole top-level forms of about `PIECE_CHARS` characters, in order, each run for one
+    egglog command batch.
+
+    egglog-python gives each parsed node's span its own copy of the whole text parsed with it, so one batch
+    costs its nodes times its length: the declarations of bert-large:64's 2-axis meshes (42,658
+    characters, most of them lift-table rows) took 0.66 CPU s and 550 MB in one batch (the first 2-axis
+    session's extra seconds, in page faults), 0.07 CPU s and 7 MB in 1,000-character pieces
+    (benchmarks/search_results.md). The generated text starts each form on a
+    line of its own; a piece is only cut where its parentheses balance, so a form written over lines that
+    start with one stays whole."""
+    pieces: list[str] = []
+    lines: list[str] = []
+    size = depth = 0
+    for line in re.split(r"\n(?=\()", text):
+        if lines and depth == 0 and size + len(line) > PIECE_CHARS:
+            pieces.append("\n".join(lines))
+            lines, size = [], 0
+        lines.append(line)
+        size += len(line) + 1
+        depth += line.count("(") - line.count(")")
+    if lines:
+        pieces.append("\n".join(lines))
+    return pieces
 
 
 def _program_key(program: RuleProgram) -> tuple:
