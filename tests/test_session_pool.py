@@ -52,7 +52,7 @@ def test_a_saturation_on_a_handed_back_egraph_reads_as_a_fresh_one(library, shap
     # read only now, after the e-graph served the later graphs: the provenance is decoded lazily
     pooled = [_read(result) for result in pooled]
     fresh = [_read(saturate(graph, library, library.rules, mesh, Limits(), matches=True)) for graph in graphs]
-    assert [len(idle) for idle in caches.egraphs.values()] == [1]   # one e-graph, loaded once, served all three
+    assert len(caches.egraphs) == 1   # one e-graph, loaded once, served all three
     assert all(read["made"] and read["applied"] and read["pattern_rows"] for read in fresh)
     for got, want in zip(pooled, fresh):
         assert got.keys() == want.keys()
@@ -80,8 +80,32 @@ def test_a_closed_session_leaves_only_its_program_behind(library):
     assert sum(held[name] for name in held if name.startswith("Match")) > 0
     session.close()
     assert session.egraph is None
-    assert idle and [entry[0] for entries in idle.values() for entry in entries] == [egraph]
+    assert [entry[0] for entry in idle.values()] == [egraph]
     assert _rows(egraph) == empty
+
+
+def test_idle_holds_the_last_egraph_and_a_session_of_another_program_drops_it(library):
+    graph = build_example("mlp", library=library)
+    idle: dict = {}
+
+    def session(shape) -> Session:
+        mesh = Mesh.of(shape)
+        program = compile_mesh_rules(library, library.rules, graph.ranks(), mesh, {n.op for n in graph.nodes},
+                                     graph_signatures(graph, library.ops, None))
+        return Session(program, mesh_graph_program(graph, library.ops, mesh, None)[0], None, mesh, idle)
+
+    first = session((2,))
+    egraph = first.egraph
+    first.close()
+    assert [entry[0] for entry in idle.values()] == [egraph]
+    other = session((4,))
+    assert idle == {} and other.egraph is not egraph   # dropped before the other program was loaded
+    other.close()
+    again = session((2,))
+    assert again.egraph is not egraph and idle == {}   # loaded afresh: the first one's was dropped
+    egraph = again.egraph
+    again.close()
+    assert session((2,)).egraph is egraph   # the same program right after: taken
 
 
 def test_a_program_the_deadline_cut_short_is_not_handed_back(library):

@@ -192,8 +192,8 @@ def compile_mesh_rules(library: Library, rules: Sequence[ast.RuleDecl], ranks: s
 
 class MeshCaches:
     """What the meshes of one search share: typed rule instances, single-axis placement inference, compiled
-    rule text (keyed by rule, rank assignment and mesh shape), and the egglog e-graphs that hold a whole
-    program and no graph, for the next saturation of that program to load its graph into (`egraphs`, by
+    rule text (keyed by rule, rank assignment and mesh shape), and the egglog e-graph that holds the last
+    saturation's whole program and no graph, for the next saturation if it has that program (`egraphs`, by
     the program's text: `session.Session`). One object per search, not a module global. With a `folder`,
     whole programs are also kept on disk by their content (`program_cache`), and `digests` holds the hashes
     of the rule objects the search's keys are made of."""
