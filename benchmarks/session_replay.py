@@ -5,15 +5,13 @@
 
 `capture` runs `parsat.optimize(NAME, machine="h100x8", devices=N)` and keeps every `Session`'s arguments
 (program, graph text, mesh) in order; `replay` makes those sessions again, each loaded, saturated (default
-limits), read back (snapshot, match rows) and closed, and prints the CPU seconds (`time.process_time`) of the
+limits) and read back (snapshot, match rows), and prints the CPU seconds (`time.process_time`) of the
 loads and of it all, and the peak RSS. The file replays on any tree whose `RuleProgram` it unpickles, so
-two trees' loading compares on the same sessions without the rest of the search's noise; where `Session`
-takes no `idle` (before the e-graphs were shared), each session gets a fresh e-graph.
+two trees' loading compares on the same sessions without the rest of the search's noise.
 """
 
 from __future__ import annotations
 
-import inspect
 import pickle
 import resource
 import sys
@@ -30,9 +28,9 @@ def capture(case: str, path: str) -> None:
     made = []
     original = session.Session.__init__
 
-    def init(self, program, text, deadline=None, mesh=None, *rest, **named):
+    def init(self, program, text, deadline=None, mesh=None):
         made.append((program, text, mesh))
-        original(self, program, text, deadline, mesh, *rest, **named)
+        original(self, program, text, deadline, mesh)
 
     session.Session.__init__ = init
     name, devices = case.split(":")
@@ -45,21 +43,17 @@ def capture(case: str, path: str) -> None:
 def replay(path: str) -> None:
     with open(path, "rb") as source:
         made = pickle.load(source)
-    shared = "idle" in inspect.signature(session.Session.__init__).parameters
-    idle: dict | None = {} if shared else None
     load = 0.0
     start = time.process_time()
     for program, text, mesh in made:
         began = time.process_time()
-        one = session.Session(program, text, None, mesh, idle) if shared else session.Session(program, text, None, mesh)
+        one = session.Session(program, text, None, mesh)
         load += time.process_time() - began
         rulesets = ("alg", "par")
         run_generations(one, program.phase_chunks(GROW, rulesets), program.phase_chunks(PLACE, rulesets), Limits(),
                         float("inf"), {}, None)
         one.snapshot()
         one.match_rows()
-        if shared:
-            one.close()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     print(f"{len(made)} sessions: load {load:.2f} CPU s, load + saturate + read back "
           f"{time.process_time() - start:.2f} CPU s, peak RSS {peak} MiB")

@@ -192,11 +192,9 @@ def compile_mesh_rules(library: Library, rules: Sequence[ast.RuleDecl], ranks: s
 
 class MeshCaches:
     """What the meshes of one search share: typed rule instances, single-axis placement inference, compiled
-    rule text (keyed by rule, rank assignment and mesh shape), and the egglog e-graph that holds the last
-    saturation's whole program and no graph, for the next saturation if it has that program (`egraphs`, by
-    the program's text: `session.Session`). One object per search, not a module global. With a `folder`,
-    whole programs are also kept on disk by their content (`program_cache`), and `digests` holds the hashes
-    of the rule objects the search's keys are made of."""
+    rule text (keyed by rule, rank assignment and mesh shape). One object per search, not a module global.
+    With a `folder`, whole programs are also kept on disk by their content (`program_cache`), and `digests`
+    holds the hashes of the rule objects the search's keys are made of."""
 
     def __init__(self, folder: Path | None = None) -> None:
         self.typing: dict = {}
@@ -204,7 +202,6 @@ class MeshCaches:
         self.compiled: dict = {}
         self.folder = folder
         self.digests: dict = {}
-        self.egraphs: dict = {}
 
 
 def _assemble(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[int], graph_ops: set[str] | None,

@@ -87,7 +87,7 @@ def saturate(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh
         loadable = {r.name for r in program.rules}
         program = program.without(sequential_cut(graph, [rule for rule in rules if rule.name in loadable]))
     text, names = mesh_graph_program(graph, library.ops, mesh, pins)
-    session = Session(program, text, deadline, mesh, caches.egraphs if caches is not None else None)
+    session = Session(program, text, deadline, mesh)
     compiled = time.perf_counter() - start
     note = ""
     if program.unfinished:
@@ -102,7 +102,6 @@ def saturate(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh
     # only for the whole program: an e-graph some rules never ran on is not the program's saturation
     whole = not program.unfinished and session.loaded == len(program.rules)
     rows = session.match_rows() if matches and whole else None
-    session.close()
     classes = {name: snapshot.lets[var] for name, var in names.items() if var in snapshot.lets}
     seconds = {RULESET_NAMES[ruleset]: sum(done.step_seconds.get(chunk, 0.0) for chunk in chunks[ruleset])
                for ruleset in rulesets}

@@ -277,73 +277,32 @@ class Session:
     """An egglog e-graph with the compiled rules and one graph loaded."""
 
     def __init__(self, program: RuleProgram, graph_text: str, deadline: float | None = None,
-                 mesh: Mesh | None = None, idle: dict | None = None):
+                 mesh: Mesh | None = None):
         """Once `deadline` (a `time.perf_counter()` value) passes, no more rules are loaded (`loaded` says how
         many were); the graph always is, so the e-graph stays whole, unless the deadline passes while it is
         loaded (OptimizeError: there is no plan of part of a graph). With `mesh` the program is in the mesh
-        encoding (`mesh_encoding`), and the snapshot reads placements.
-
-        With `idle` (`MeshCaches.egraphs`: the e-graphs of one search that hold a whole program and no graph,
-        by the program's text) an e-graph that holds this very program is taken from it rather than loaded
-        again, and `close` hands it back: loading the rules is most of a session's start (3,158 rule
-        commands in 12 sessions of bert-large:64, 6.3 of its 6.9 CPU s of loading), and the meshes of one
-        search load the same program more than once (the micro-batch counts and pipeline stages of one
-        mesh). The graph is loaded after egglog's `(push)` and `close` pops it, so the e-graph handed back is
-        again the program alone, its match relations and `Live` rows as the rules left them. `idle` holds one
-        e-graph, the last handed back, and a session of another program drops it before loading its own: a
-        2-axis program's e-graph holds 110 MB, and keeping every program's (8 in bert-large:64's search) took
-        peak RSS from 903 to 1,319 MiB, for the repeats that are not consecutive (a baseline's programs)."""
+        encoding (`mesh_encoding`), and the snapshot reads placements."""
         self.mesh = mesh
         self._rules = program.rules   # the i-th records its applications in `Applied<i>` (`RuleBody.text`)
-        self._idle, self._key = idle, None
+        self.egraph = bindings.EGraph()
         self.loaded = 0
         try:
-            key = _program_key(program) if idle is not None else None
-            reused = idle.pop(key, None) if idle is not None else None
-            if idle is not None:
-                idle.clear()   # another program's e-graph is dropped before this one's is loaded: no more memory
-            if reused is not None:
-                self.egraph, self._constructors = reused
-                self.loaded = len(program.rules)
-            else:
-                self._load_program(program, deadline)
-            if key is not None and self.loaded == len(program.rules):
-                self._run("(push)")
-                self._key = key
+            # One command batch per rule, and the declarations in pieces: egglog 13.2 is far slower on one large
+            # program (9 s against 0.4 s for 200 rules): egglog-python gives every
+            # parsed node's span its own copy of the whole program text (`_pieces`).
+            for piece in _pieces(program.declarations):
+                self._run(piece)
+            self._run(f"(function {BOUND} (String) T :merge old)")
+            self._constructors = frozenset(name for name, fn in self.egraph.freeze().functions.items()
+                                           if fn.output_sort == "T" and not fn.is_let_binding and name != BOUND)
+            for rule in program.rules:
+                if past(deadline):
+                    break
+                self._run(rule.text)
+                self.loaded += 1
             self._load_graph(graph_text, program.declarations, deadline)
         except bindings.EggSmolError as err:
             raise CompileError(f"egglog rejected the generated program: {err}") from None
-
-    def _load_program(self, program: RuleProgram, deadline: float | None) -> None:
-        """A new e-graph with the program's declarations and as many of its rules as `deadline` leaves time for."""
-        self.egraph = bindings.EGraph()
-        # One command batch per rule, and the declarations in pieces: egglog 13.2 is far slower on one large
-        # program (9 s against 0.4 s for 200 rules): egglog-python gives every
-        # parsed node's span its own copy of the whole program text (`_pieces`).
-        for piece in _pieces(program.declarations):
-            self._run(piece)
-        self._run(f"(function {BOUND} (String) T :merge old)")
-        self._constructors = frozenset(name for name, fn in self.egraph.freeze().functions.items()
-                                       if fn.output_sort == "T" and not fn.is_let_binding and name != BOUND)
-        for rule in program.rules:
-            if past(deadline):
-                break
-            self._run(rule.text)
-            self.loaded += 1
-
-    def close(self) -> None:
-        """Hands the e-graph back to `idle`, without the graph (egglog's `(pop)`), for the next session if it
-        has the same program; the session is then unusable. A snapshot read before stays whole: its lazily decoded
-        provenance decodes egglog values, which a pop does not take back. Nothing to do for a session made
-        without `idle`, or whose program the deadline cut short (an e-graph of part of a program is not
-        that program's)."""
-        if self._key is None:
-            return
-        self._run("(pop)")
-        self._idle.clear()
-        self._idle[self._key] = (self.egraph, self._constructors)
-        self._key = None
-        self.egraph = None
 
     def _load_graph(self, graph_text: str, declarations: str, deadline: float | None) -> None:
         """The graph's tensors: a command per term, the facts read in bulk (`loading`; a command per line took
@@ -510,9 +469,8 @@ def _pieces(text: str) -> list[str]:
     costs its nodes times its length: the declarations of bert-large:64's 2-axis meshes (42,658
     characters, most of them lift-table rows) took 0.66 CPU s and 550 MB in one batch (the first 2-axis
     session's extra seconds, in page faults), 0.07 CPU s and 7 MB in 1,000-character pieces
-    (benchmarks/search_results.md). The generated text starts each form on a
-    line of its own; a piece is only cut where its parentheses balance, so a form written over lines that
-    start with one stays whole."""
+    (benchmarks/search_results.md). The generated text starts each form on a line of its own; a piece is
+    only cut where its parentheses balance, so a form written over lines that start with one stays whole."""
     pieces: list[str] = []
     lines: list[str] = []
     size = depth = 0
@@ -526,11 +484,6 @@ def _pieces(text: str) -> list[str]:
     if lines:
         pieces.append("\n".join(lines))
     return pieces
-
-
-def _program_key(program: RuleProgram) -> tuple:
-    """What an e-graph holding `program` and no graph was made of: its declarations and rule commands, in order."""
-    return program.declarations, tuple(rule.text for rule in program.rules)
 
 
 def _one_at_row(eg, functions, mesh: Mesh | None) -> bool:
