@@ -467,9 +467,9 @@ def _pieces(text: str) -> list[str]:
 
     egglog-python gives each parsed node's span its own copy of the whole text parsed with it, so one batch
     costs its nodes times its length: the declarations of bert-large:64's 2-axis meshes (42,658
-    characters, most of them lift-table rows) took 0.66 CPU s and 550 MB in one batch (the first 2-axis
-    session's extra seconds, in page faults), 0.07 CPU s and 7 MB in 1,000-character pieces
-    (benchmarks/search_results.md). The generated text starts each form on a line of its own; a piece is
+    characters, most of them lift-table rows) took 0.66 CPU s and 550 MB in one batch the first time in a
+    process (the first 2-axis session's extra seconds), 0.22 CPU s later (the freed memory reused), and
+    0.06-0.11 CPU s and 7 MB in 1,000-character pieces (benchmarks/search_results.md). The generated text starts each form on a line of its own; a piece is
     only cut where its parentheses balance, so a form written over lines that start with one stays whole."""
     pieces: list[str] = []
     lines: list[str] = []
