@@ -44,6 +44,7 @@ from parsat.ir.errors import DoesNotFit, OptimizeError
 from parsat.ir.machine import Machine
 from parsat.ir.models import EXAMPLES
 from parsat.ir.plan import Plan
+from parsat.search.collector import fewer_collections
 from parsat.search.deadline import Deadline
 from parsat.search.microbatches import every_mesh_at, merged, rank_plans, search_unstaged
 from parsat.search.pipeline_search import best_of, parameters_of, search_pipelines
@@ -91,7 +92,14 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     (`UNSTAGED_SHARE_FIRST` when the pipeline waits on it not fitting), the
     pipeline what is left. Every search shares one cache of compiled rules.
     Raises OptimizeError, GraphError or MachineError with a message for the user.
+    The collector runs less often meanwhile (`collector`).
     """
+    with fewer_collections():
+        return _optimize(graph, machine, rules, limits, devices, microbatches, pipeline, schedule, options)
+
+
+def _optimize(graph, machine, rules, limits, devices, microbatches, pipeline, schedule, options: Mapping) -> Plan:
+    """`optimize`'s search, its arguments as given."""
     check_microbatches(graph, options.get("sizes"), microbatches)
     _check_pipeline_pin(graph, machine, devices, options, pipeline)
     clock = Deadline.starting_now(Limits.resolve(limits))   # bad limits are refused here, before any work
