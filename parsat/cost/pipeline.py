@@ -869,6 +869,10 @@ class StageFit:
     pinned: str | None = None
     # the layer maps and layouts the candidates' pricers share (not part of what the judgment is)
     memo: StageMemo = field(default_factory=StageMemo, compare=False, repr=False)
+    # the step a pipelined plan must be faster than to matter (`search.pipeline_search`): where every candidate's
+    # `floor_s` is at or above it, the stage search stops (`ir.errors.CannotWin`); None: never. It changes which
+    # searches run, not what a search finds, so it is no part of the judgment (nor of a cache key)
+    bar_s: float | None = field(default=None, compare=False)
 
     def peak_bytes(self, plan: Plan) -> int | None:
         """The memory per device `plan` (a stage plan) needs in the schedule and cut that need least of those
@@ -881,3 +885,24 @@ class StageFit:
     def fits(self, peak_bytes: int | None) -> bool:
         """Whether a stage plan needing `peak_bytes` per device (`peak_bytes`) fits on the machine."""
         return peak_bytes is not None and peak_bytes <= self.machine.memory_capacity
+
+    def floor_s(self, pcg, costs: Mapping[int, NodeCost]) -> float:
+        """A lower bound of the step of every pipelined plan `StagePricer` prices from the stage plan (`pcg`, its
+        node `costs`) at this degree: any cut, any schedule, any chunks per stage, the grid's equal cuts too.
+
+        Why: `price` runs each stage's actions one after another (`ir.pipeline.simulate_schedule`: an action
+        starts no earlier than the one before it ends, and waits only add), and its step is the latest stage's
+        end plus that stage's synchronisation and optimizer, none negative; so the step is at least each stage's
+        busy time, hence at least their mean over the p stages. A stage runs each of its chunks' forward and
+        backward once per micro-batch, m of them; a chunk's forward per micro-batch is the sum of its nodes'
+        shares (`node_share`: (forward_s + comm_s / 2) / m), less at most the in-node collectives' half
+        (`TpOverlap.applied`: the part hidden is at most 1 of comm_s / 2 / m, and a negative part adds), so at
+        least the sum of its nodes' forward_s / m; the backward likewise. Every node outside the free values
+        (`ir.pipeline.free_nodes`) is in its layer, and a chunk computes every node of its layers (free values
+        may be counted again by other stages, which only adds): the stages' busy times sum to at least the sum
+        of forward_s + backward_s (per step) over those nodes. A weight's chain is charged once per step to the
+        synchronisation, not to a micro-batch (`node_share`), and is left out. So the step is at least that sum
+        over p, less `FLOOR_MARGIN` for the order in which the floats add up."""
+        free = self.memo.layer_map(pcg).free
+        busy = sum(c.forward_s + c.backward_s for i, c in costs.items() if i not in free and not c.weight_chain)
+        return busy / self.degree * (1.0 - FLOOR_MARGIN)

@@ -39,3 +39,14 @@ class DoesNotFit(OptimizeError):
     def __init__(self, message: str, needed_bytes: int, capacity_bytes: int):
         super().__init__(message)
         self.needed_bytes, self.capacity_bytes = needed_bytes, capacity_bytes
+
+
+class CannotWin(Exception):
+    """A pipeline stage search stopped before simulating or pricing anything: every stage plan it could return is
+    priced, in every cut and schedule, at or above the step its pipelined plans must beat (`StageFit.bar_s`), so
+    no plan it could lead to can be chosen. Not an OptimizeError: no plan is missing, none could win."""
+
+    def __init__(self, floor_s: float, bar_s: float):
+        super().__init__(f"every stage plan's pipelined step is at least {floor_s * 1e3:.3f} ms, not below the "
+                         f"{bar_s * 1e3:.3f} ms to beat (+{(floor_s / bar_s - 1) * 100:.1f}%)")
+        self.floor_s, self.bar_s = floor_s, bar_s

@@ -52,7 +52,7 @@ from parsat.ir.pipeline import INTERLEAVED, ONE_F_ONE_B, SCHEDULES, PipelineErro
 from parsat.ir.plan import BaselinePlan, Plan
 from parsat.cost.model import weight_bytes
 from parsat.search.deadline import Deadline
-from parsat.ir.errors import DoesNotFit, OptimizeError
+from parsat.ir.errors import CannotWin, DoesNotFit, OptimizeError
 from parsat.cost.pipeline import StageFit, StageMemo, StagePricer, applicable_schedules, equal_starts
 from parsat.search.microbatches import rank_plans
 
@@ -120,6 +120,7 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
     grid: list[tuple[Plan, dict]] = []
     tried: list[dict] = []
     scouted: dict[int, tuple[int, int, int]] = {}   # id of a plan priced from a scout's stage plan -> (p, m, in flight)
+    to_beat = bar_of(bar)
     pairs = [(p, m) for p in pipeline_degrees(devices, machine, parameters, layers, degree)
              for m in microbatch_counts(batch, p, microbatches)]
     for index, (p, m) in enumerate(pairs):
@@ -140,10 +141,15 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
                 break
             say(f"pipeline {p} stages of {stage_devices} devices, {m} micro-batches: searching the stage plan"
                 + (f" ({in_flight} in flight)" if in_flight > 1 else ""))
-            fit = StageFit(p, machine, schedule, memo=StageMemo(library=library))
+            fit = StageFit(p, machine, schedule, memo=StageMemo(library=library), bar_s=to_beat)
             try:
                 stage = search(stage_machine, stage_devices, m, in_flight, fit,
                                clock.part(1.0 / (len(pairs) - index)) if clock is not None else None, True)
+            except CannotWin as err:
+                say(f"pipeline {p} x {m} micro-batches: skipped, {err}")
+                tried.append({"pp": p, "microbatches": m, "in_flight": in_flight, "skipped": str(err),
+                              "floor_s": err.floor_s, "bar_s": err.bar_s})
+                break
             except (DoesNotFit, OptimizeError) as err:
                 say(f"pipeline {p} x {m} micro-batches: no stage plan ({err})")
                 tried.append({"pp": p, "microbatches": m, "in_flight": in_flight, "error": str(err)})
@@ -162,6 +168,23 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
     if scouted and plans and not (clock is not None and clock.spent):
         _search_every_mesh(search, scouted, machine, devices, schedule, say, clock, tried, plans, grid, bar, library)
     return PipelineSearch(tuple(plans), tuple(grid), tuple(tried))
+
+
+def bar_of(flat: Plan | None) -> float | None:
+    """The step a pipelined plan or PTD-P grid point must be below to matter (`StageFit.bar_s`), from the unstaged
+    plan `flat` (a scout's, searched before the pipeline: `optimize`): its step and its best grid point's, the
+    larger. A plan at or above both changes nothing: `best_of` keeps the unstaged plan on a tie and its best grid
+    point unless one is strictly faster, `optimize` and `_search_every_mesh` act only on a pipelined plan that
+    ranks strictly before the unstaged one; and the unstaged plan and best grid point the call ends with are at
+    least as fast as the scout's (`microbatches.merged` keeps the faster of each). None (nothing is skipped)
+    where there is no unstaged plan, it or its best grid point does not fit (a pipelined plan that fits would
+    then win), or it has no best grid point (any PTD-P point would become it)."""
+    if flat is None or not flat.totals.fits(flat.machine):
+        return None
+    grid = flat.baselines.get("best_grid")
+    if grid is None or not grid.fits(flat.machine):
+        return None
+    return max(flat.totals.time_s, grid.time_s)
 
 
 def _stage_machine(machine: Machine, devices: int, p: int) -> Machine:

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 from parsat.dsl.library import Library
 from parsat.ir.costs import Totals
-from parsat.ir.errors import DoesNotFit, OptimizeError
+from parsat.ir.errors import CannotWin, DoesNotFit, OptimizeError
 from parsat.dsl.parallel_ops import PARTITION
 from parsat.ir.mesh import Mesh
 from parsat.ir.parallelism import sequence_split
@@ -102,6 +102,8 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
     pinned = choices[0].config is not None
     unspread = _unspread(step, searches)
     steps = CandidateSteps(step.request.library, step.machine, step.graph.microbatches, step.request.simulations)
+    if not pinned:
+        stop_where_cannot_win(step, searches)
     ranked = step_read(step)
     searches = [s.simulated(steps, ranked) for s in searches]
     if pinned:
@@ -133,6 +135,62 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
         said["search_limit"] = (f"interrupted (Ctrl-C): meshes "
                                 f"{', '.join(str(c.mesh) for c in choices[len(searches):])} not searched")
     return replace(plan, saturation={**dict(plan.saturation), **said}) if said else plan
+
+
+def stop_where_cannot_win(step: StepContext, searches: Sequence[MeshSearch]) -> None:
+    """Raise CannotWin where this pipeline stage's step can lead to no plan that matters: every candidate the step
+    could choose as the stage plan, or as its grid point (which `pipeline_search._grid_points` prices as PTD-P
+    points), has a pipelined floor (`StageFit.floor_s`: every cut and schedule of it) at or above the bar its
+    pipelined plans must beat (`StageFit.bar_s`), so no pipelined plan priced from the step's plan is below it.
+    Called before any candidate is simulated or priced in a schedule (the step's costliest part on a stage).
+
+    The candidates bounded are every one `compare_baselines` and `assemble_plan` can choose from: each mesh's
+    joint plan, Megatron and restricted grid point, data parallelism, expert parallelism, and every point of the
+    independent grid (`baselines.grid_families` with `independent_points`' arguments: its points are a subset),
+    the sequential baseline being never built for a stage. Only where some mesh has a joint plan (otherwise the
+    step falls back or fails as before), and only where the plan the step would choose surely fits
+    (`_surely_fits`): the pipeline search then prices a plan that fits, and never searches the pair again with
+    more micro-batches in flight, so stopping changes no other search."""
+    fit = step.stage
+    if fit is None or fit.bar_s is None or step.pins or step.request.parallel_dims:
+        return
+    solved = [s for s in searches if s.joint is not None]
+    if not solved:
+        return
+    bar, least = fit.bar_s, math.inf
+    for candidate in _stage_candidates(step, searches):
+        least = min(least, fit.floor_s(candidate.pcg, candidate.costs))
+        if least < bar:
+            return
+    if _surely_fits(step, solved):
+        raise CannotWin(least, bar)
+
+
+def _stage_candidates(step: StepContext, searches: Sequence[MeshSearch]) -> Iterator[Candidate]:
+    """Every candidate a stage step can choose from (`stop_where_cannot_win`), the cheapest to build first: the
+    meshes' plans, then data and expert parallelism, then the independent grid's points, family by family."""
+    request = step.request
+    for search in searches:
+        yield from (c for c in (search.joint, search.megatron, search.grid) if c is not None)
+    for build in (data_parallel, expert_parallel):
+        found = build(step.graph, request.library, step.machine, request.free_input_placements, step.devices)
+        if found is not None:
+            yield found
+    for family in _grid_families(step):
+        yield from (point for _place, point in family)
+
+
+def _surely_fits(step: StepContext, solved: Sequence[MeshSearch]) -> bool:
+    """Whether the stage plan the step would choose fits (`step.memory`): it is the first by `rank` of the
+    candidates that can be placed, which fit first, so it fits where one that is surely among them fits and can
+    be placed: data parallelism (built alike by `compare_baselines` where baselines are asked for), or the joint
+    plan of the one mesh that has one."""
+    request = step.request
+    sure = [data_parallel(step.graph, request.library, step.machine, request.free_input_placements, step.devices)
+            ] if request.baselines else []
+    if len(solved) == 1:
+        sure.append(solved[0].joint)
+    return any(c is not None and step.memory.fits(c) and not _unplaceable([c], request.library) for c in sure)
 
 
 def _keeping_pins(search: MeshSearch, step: StepContext) -> MeshSearch:
@@ -392,18 +450,23 @@ def independent_points(step: StepContext, steps: CandidateSteps) -> list[Candida
         rivals = (lambda point: keeps_pins(point, request)) if request.parallel_dims else None
         kept: list[tuple[int, Candidate]] = []
         bar = math.inf
-        pinned_zero = request.state_zero if request.state_zero in (1, 2) else 0   # `--degrees zero=N`
         floors = _LayoutFloors(steps)
-        for family in grid_families(step.graph, request.library, step.machine, request.free_input_placements,
-                                    step.devices, step.memory.fits, skip=lambda pcg: floors.beyond(pcg, bar),
-                                    state_zero=pinned_zero, computed=request.prices, order=floors,
-                                    kin=request.layouts,
-                                    recompute=request.recompute if request.recompute != AUTO else None):
+        for family in _grid_families(step, skip=lambda pcg: floors.beyond(pcg, bar), order=floors):
             points, bar = steps.fastest([point for _place, point in family], step.memory.fits, bar, rivals)
             kept += [(family[i][0], point) for i, point in points.items()]
         found = [point for _place, point in sorted(kept, key=lambda pair: pair[0])]
         request.grid_points[key] = found
     return found
+
+
+def _grid_families(step: StepContext, **bounding) -> Iterator[list[tuple[int, Candidate]]]:
+    """`baselines.grid_families` of the step's graph, machine and devices as the request pins it (`--degrees
+    zero=N`, `--recompute`), the step's memory judging what fits; `bounding`: its `skip` and `order`."""
+    request = step.request
+    pinned_zero = request.state_zero if request.state_zero in (1, 2) else 0   # `--degrees zero=N`
+    return grid_families(step.graph, request.library, step.machine, request.free_input_placements, step.devices,
+                         step.memory.fits, state_zero=pinned_zero, computed=request.prices, kin=request.layouts,
+                         recompute=request.recompute if request.recompute != AUTO else None, **bounding)
 
 
 class _LayoutFloors:

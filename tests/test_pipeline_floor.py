@@ -1,0 +1,88 @@
+"""The pipelined floor (`StageFit.floor_s`) and the (degree, micro-batch count) pairs it skips (`StageFit.bar_s`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+import parsat.search.pipeline_search as pipeline_search
+from parsat.cost.pipeline import SCHEDULE_CHOICES, StageFit, StagePricer, equal_starts
+from parsat.ir.machine import Machine
+from parsat.ir.pipeline import PipelineError
+from parsat.search.optimize import optimize
+
+SIZES = {"blocks": 4, "batch": 16, "seq": 16, "hidden": 32, "heads": 2, "vocab": 64}
+
+
+def test_the_floor_is_at_most_every_priced_pipelined_plan_of_every_candidate():
+    """Every stage plan the stage search can choose (its joint plan and each baseline with a PCG), cut at the
+    cost model's cuts and at equal layer counts, in every schedule: the floor is at or below each price, and
+    not far below (it is most of the step of these dispatch-bound stages)."""
+    machine = Machine.resolve("h100x8").with_devices(8)
+    stage_devices = 4
+    for p, m in ((2, 4), (2, 8)):
+        stage_machine = replace(machine.with_devices(stage_devices), memory_capacity=machine.memory_capacity * p)
+        step = optimize("gpt", stage_machine, devices=stage_devices, sizes=SIZES, microbatches=m, pipeline=False)
+        plans = [step] + [replace(step, pcg=b.pcg, costs=b.costs) for b in step.baseline_plans.values()
+                          if b.pcg is not None]
+        fit = StageFit(p, machine)
+        priced = 0
+        for plan in plans:
+            floor = fit.floor_s(plan.pcg, plan.costs)
+            pricer = StagePricer(plan, machine)
+            layers = pricer.layer_map.layers
+            for name, v in SCHEDULE_CHOICES:
+                for starts in (None, equal_starts(layers, p * v)):
+                    try:
+                        found = pricer.pipelined(p, name, v, starts)
+                    except PipelineError:
+                        continue
+                    priced += 1
+                    assert floor <= found.totals.time_s, (p, m, name, v, starts)
+                    assert floor >= 0.5 * found.totals.time_s   # not a vacuous bound on these stages
+        assert priced >= 2 * len(plans)
+
+
+def _without(plan_json: str) -> dict:
+    """A plan's JSON less the pipeline search's trace and every timing field."""
+    def strip(value):
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items()
+                    if "seconds" not in k and k not in ("cpu_s", "pipeline_search")}
+        if isinstance(value, list):
+            return [strip(v) for v in value]
+        return value
+    return strip(json.loads(plan_json))
+
+
+@pytest.fixture
+def never_skipping(monkeypatch):
+    """The pipeline search with no bar: every pair searched, as before the floor."""
+    def search():
+        with monkeypatch.context() as patch:
+            patch.setattr(pipeline_search, "bar_of", lambda flat: None)
+            return optimize("gpt", "h100x8", devices=8, sizes=SIZES, pipeline=True)
+    return search
+
+
+def test_a_pair_that_cannot_win_is_skipped_and_the_plan_is_the_same(never_skipping):
+    """gpt on 8 H100s: the unstaged plan (a scout's, known before the pipeline search) runs in about 2 ms, and every
+    pipelined stage plan of each pair costs 8 ms or more: the pairs are skipped, said in the trace with the floor
+    and the bar, and the plan (its step, best grid point, every figure) is the one searching every pair gives."""
+    plan = optimize("gpt", "h100x8", devices=8, sizes=SIZES, pipeline=True)
+    tried = plan.saturation["pipeline_search"]
+    skipped = [t for t in tried if "skipped" in t]
+    assert skipped and all(t["floor_s"] >= t["bar_s"] for t in skipped)
+    assert all(t["bar_s"] >= max(plan.totals.time_s, plan.baselines["best_grid"].time_s) for t in skipped)
+    assert all("not below" in t["skipped"] for t in skipped)
+    full = never_skipping()
+    searched = full.saturation["pipeline_search"]
+    assert not any("skipped" in t for t in searched)
+    # every pair skipped was searched there, and every plan it priced is at or above the floor said
+    for t in skipped:
+        times = [s["time_s"] for s in searched if (s["pp"], s["microbatches"]) == (t["pp"], t["microbatches"])
+                 and "time_s" in s]
+        assert times and min(times) >= t["floor_s"]
+    assert _without(plan.to_json()) == _without(full.to_json())
