@@ -25,6 +25,20 @@ The grid baseline gains Megatron-LM's PTD-P points the same way: the
 grid's configuration found on each stage mesh, cut into stages of equal
 layer counts (as Megatron cuts), run with 1F1B and interleaved 1F1B.
 
+A pair that cannot win is not searched to the end: with the unstaged plan
+known first (`optimize` searches it before the pipeline), its step and its
+best grid point's are the bar (`bar_of`), and a scout's stage search stops,
+before simulating any candidate or pricing any cut, where every stage plan it
+could choose (and every grid point it could read) has a pipelined floor at
+or above it (`step.stop_where_cannot_win`, `StageFit.floor_s`: the nodes'
+per-step compute over the p stages, which no cut or schedule goes below).
+The pair is listed in `tried` as skipped, with its floor and the bar. No
+floor from the graph alone, before searching, is both sound and strong
+enough: the stages' compute is mostly operators' dispatch and memory-bound
+kernels, whose count equality saturation may change (fused or cancelled
+operators), while its FLOPs at the best rate take under a quarter of the
+bar on bert-large:64 (benchmarks/search_results.md).
+
 The (degree, count) pairs are compared by scouts (`step`: each stage
 plan searched on the first stage mesh, with the baselines built apart
 from the e-graph); every stage mesh is then searched for the pair whose
@@ -113,7 +127,9 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
     schedule (`schedule` pins one). A degree or count whose stage plan cannot be found is said and skipped.
     With a `clock`, each (degree, count) gets an equal part of the time left, and those the clock leaves no
     time for are listed as not searched (the first one always is searched). `library`: the operators', with
-    which a stage's price simulates its tensor-parallel overlap (`cost.pipeline.TpOverlap`)."""
+    which a stage's price simulates its tensor-parallel overlap (`cost.pipeline.TpOverlap`). `bar`: the
+    unstaged plan, searched before; a pair none of whose pipelined plans could beat it or its best grid point
+    is listed as skipped (`bar_of`, the module docstring)."""
     if schedule is not None and schedule not in SCHEDULES:
         raise OptimizeError(f"unknown schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
     plans: list[Plan] = []

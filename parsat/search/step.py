@@ -146,8 +146,9 @@ def stop_where_cannot_win(step: StepContext, searches: Sequence[MeshSearch]) -> 
 
     The candidates bounded are every one `compare_baselines` and `assemble_plan` can choose from: each mesh's
     joint plan, Megatron and restricted grid point, data parallelism, expert parallelism, and every point of the
-    independent grid (`baselines.grid_families` with `independent_points`' arguments: its points are a subset),
-    the sequential baseline being never built for a stage. Only where some mesh has a joint plan (otherwise the
+    independent grid (`baselines.grid_families` with `independent_points`' arguments: its points are among the
+    forms of those layouts, bounded by each layout's first form, `_stage_candidates`), the sequential baseline
+    being never built for a stage. Only where some mesh has a joint plan (otherwise the
     step falls back or fails as before), and only where the plan the step would choose surely fits
     (`_surely_fits`): the pipeline search then prices a plan that fits, and never searches the pair again with
     more micro-batches in flight, so stopping changes no other search."""
@@ -176,7 +177,12 @@ def _stage_candidates(step: StepContext, searches: Sequence[MeshSearch]) -> Iter
         found = build(step.graph, request.library, step.machine, request.free_input_placements, step.devices)
         if found is not None:
             yield found
-    for family in _grid_families(step):
+    # each layout's first form (the ZeRO stage it is laid out with, activations kept), judged as if it fit: the
+    # forms a point takes where it does not (ZeRO-1, recomputing blocks: `baselines._fitting_point`) have the same
+    # compute nodes' costs (the ZeRO stage prices only parallel nodes, whose forward_s and backward_s are 0:
+    # `solve.restaged_node_costs`, `cost.model.parallel_cost`) or more (recomputation adds each forward to its
+    # backward: `NodeCost.recomputed`), so no higher a floor; and no point's memory is judged (`StageFit.peak_bytes`)
+    for family in _grid_families(step, fits=lambda _candidate: True):
         yield from (point for _place, point in family)
 
 
@@ -459,14 +465,16 @@ def independent_points(step: StepContext, steps: CandidateSteps) -> list[Candida
     return found
 
 
-def _grid_families(step: StepContext, **bounding) -> Iterator[list[tuple[int, Candidate]]]:
+def _grid_families(step: StepContext, fits: Callable[[Candidate], bool] | None = None,
+                   **bounding) -> Iterator[list[tuple[int, Candidate]]]:
     """`baselines.grid_families` of the step's graph, machine and devices as the request pins it (`--degrees
-    zero=N`, `--recompute`), the step's memory judging what fits; `bounding`: its `skip` and `order`."""
+    zero=N`, `--recompute`), the step's memory judging what fits (or `fits`); `bounding`: its `skip` and `order`."""
     request = step.request
     pinned_zero = request.state_zero if request.state_zero in (1, 2) else 0   # `--degrees zero=N`
     return grid_families(step.graph, request.library, step.machine, request.free_input_placements, step.devices,
-                         step.memory.fits, state_zero=pinned_zero, computed=request.prices, kin=request.layouts,
-                         recompute=request.recompute if request.recompute != AUTO else None, **bounding)
+                         fits or step.memory.fits, state_zero=pinned_zero, computed=request.prices,
+                         kin=request.layouts, recompute=request.recompute if request.recompute != AUTO else None,
+                         **bounding)
 
 
 class _LayoutFloors:
