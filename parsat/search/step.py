@@ -39,6 +39,7 @@ from parsat.ir.plan import JOINT, BaselinePlan, Plan
 from parsat.egraph.runner import STOP_INTERRUPTED, STOP_SATURATED, Limits
 from parsat.egraph.snapshot import Snapshot
 from parsat.search.baselines import Candidate, data_parallel, expert_parallel, grid_families, sequential
+from parsat.search.solve import pcg_node_costs
 from parsat.search.deadline import Deadline
 from parsat.search.inputs import pinned_layouts, pins_on, search_meshes
 from parsat.search.mesh import CandidateSteps, MeshSearch, best, rank, search_mesh
@@ -147,8 +148,8 @@ def stop_where_cannot_win(step: StepContext, searches: Sequence[MeshSearch]) -> 
     The candidates bounded are every one `compare_baselines` and `assemble_plan` can choose from: each mesh's
     joint plan, Megatron and restricted grid point, data parallelism, expert parallelism, and every point of the
     independent grid (`baselines.grid_families` with `independent_points`' arguments: its points are among the
-    forms of those layouts, bounded by each layout's first form, `_stage_candidates`), the sequential baseline
-    being never built for a stage. Only where some mesh has a joint plan (otherwise the
+    families' forms, each family bounded by its first layout, `_stage_candidates`), the sequential baseline being
+    never built for a stage. Only where some mesh has a joint plan (otherwise the
     step falls back or fails as before), and only where the plan the step would choose surely fits
     (`_surely_fits`): the pipeline search then prices a plan that fits, and never searches the pair again with
     more micro-batches in flight, so stopping changes no other search."""
@@ -159,31 +160,50 @@ def stop_where_cannot_win(step: StepContext, searches: Sequence[MeshSearch]) -> 
     if not solved:
         return
     bar, least = fit.bar_s, math.inf
-    for candidate in _stage_candidates(step, searches):
-        least = min(least, fit.floor_s(candidate.pcg, candidate.costs))
+    for pcg, costs in _stage_candidates(step, searches):
+        if costs is None:   # a layout that cannot be priced is no point of the grid; not bounded, nothing skipped
+            return
+        least = min(least, fit.floor_s(pcg, costs))
         if least < bar:
             return
     if _surely_fits(step, solved):
         raise CannotWin(least, bar)
 
 
-def _stage_candidates(step: StepContext, searches: Sequence[MeshSearch]) -> Iterator[Candidate]:
-    """Every candidate a stage step can choose from (`stop_where_cannot_win`), the cheapest to build first: the
-    meshes' plans, then data and expert parallelism, then the independent grid's points, family by family."""
+def _stage_candidates(step: StepContext, searches: Sequence[MeshSearch]) -> Iterator[tuple[PCG, Mapping | None]]:
+    """Every candidate a stage step can choose from (`stop_where_cannot_win`), as (PCG, node costs), the cheapest
+    to build first: the meshes' plans, then data and expert parallelism, then one PCG per family of the
+    independent grid, whose floor bounds every point of the family.
+
+    A grid family's points are its layout laid out with ZeRO 0 and with ZeRO 3 (weights stored split and
+    all-gathered into the placement their readers take, every other value laid out alike:
+    `baselines.grid_families`), each in the forms `baselines._fitting_point` and `_GridPricer.priced` give it
+    (the ZeRO stage as pinned or as fits, recomputing blocks). Their compute nodes are the same, with the same
+    inputs' placements, so the same forward and backward seconds; the ZeRO stage prices only parallel nodes
+    (`solve.restaged_node_costs`), whose forward_s and backward_s are 0 (`cost.model.parallel_cost`: a
+    collective's time is its comm_s), and recomputation adds each recomputed forward to its backward
+    (`NodeCost.recomputed`). So the family's first layout, priced as laid out (`solve.pcg_node_costs`), has a
+    floor no higher than any of its points': the rest of the family is not built (`grid_families`' `skip`)."""
     request = step.request
     for search in searches:
-        yield from (c for c in (search.joint, search.megatron, search.grid) if c is not None)
+        yield from ((c.pcg, c.costs) for c in (search.joint, search.megatron, search.grid) if c is not None)
     for build in (data_parallel, expert_parallel):
         found = build(step.graph, request.library, step.machine, request.free_input_placements, step.devices)
         if found is not None:
-            yield found
-    # each layout's first form (the ZeRO stage it is laid out with, activations kept), judged as if it fit: the
-    # forms a point takes where it does not (ZeRO-1, recomputing blocks: `baselines._fitting_point`) have the same
-    # compute nodes' costs (the ZeRO stage prices only parallel nodes, whose forward_s and backward_s are 0:
-    # `solve.restaged_node_costs`, `cost.model.parallel_cost`) or more (recomputation adds each forward to its
-    # backward: `NodeCost.recomputed`), so no higher a floor; and no point's memory is judged (`StageFit.peak_bytes`)
-    for family in _grid_families(step, fits=lambda _candidate: True):
-        yield from (point for _place, point in family)
+            yield found.pcg, found.costs
+    firsts: list[PCG] = []
+
+    def first_only(pcg: PCG) -> bool:
+        firsts.append(pcg)
+        return True
+    # a family whose ZeRO-0 layout cannot be made gives its ZeRO-3 layout's points, in their first forms (judged as
+    # if they fit: the other forms' floors are no lower, as above)
+    for family in _grid_families(step, fits=lambda _candidate: True, skip=first_only):
+        while firsts:
+            pcg = firsts.pop()
+            yield pcg, pcg_node_costs(pcg, request.library, step.machine, request.free_input_placements,
+                                      step.graph.microbatches, computed=request.prices)
+        yield from ((point.pcg, point.costs) for _place, point in family)
 
 
 def _surely_fits(step: StepContext, solved: Sequence[MeshSearch]) -> bool:
