@@ -291,6 +291,35 @@ def test_degrees_start_where_a_stage_holds_its_weights_and_counts_divide_the_bat
     assert microbatch_counts(512, 8, 12) == [12]
 
 
+def _kept_degrees(example: str, sizes: dict, layers: int, devices: int, machine: str, batch: int):
+    """`pipeline_degrees` as the optimizer calls it: the whole model's parameters and, per sample, its activations."""
+    from parsat.cost.saved import graph_kept_bytes
+    from parsat.dsl.library import load_library
+    from parsat.ir.models import build_example
+    from parsat.search.pipeline_search import parameters_of, pipeline_degrees
+    graph, resolved = build_example(example, {**sizes, "batch": batch}), Machine.resolve(machine)
+    kept = graph_kept_bytes(graph, load_library()[0], resolved) / batch
+    return pipeline_degrees(devices, resolved, parameters_of(graph), layers + 1, None,
+                            batch=batch, sample_bytes=kept)
+
+
+def test_the_degree_below_joins_where_zero1_makes_its_stage_fit():
+    """Megatron-Core's 314B row runs 8 stages of 384 H100s: unsharded, a device of a stage holds 72 GiB of weights'
+    state (within 80 GiB, not within 80% of it, so the least degree without ZeRO is 12); with ZeRO-1 over the
+    stage's 48 replicas 19 GiB, and 1F1B's first stage keeps one 4,096-token sample's activations of its layers for
+    each of its 8 micro-batches in flight (37 GiB over tp 8): 56 GiB, in 80%. So 8 is searched, beside 12 and 16."""
+    mcore_314b = {"blocks": 96, "hidden": 16384, "heads": 128, "seq": 4096, "vocab": 131072}
+    assert _kept_degrees("gpt", mcore_314b, 96, 3072, "h100x8", 1536) == [8, 12, 16]
+    from parsat.search.pipeline_search import pipeline_degrees
+    assert pipeline_degrees(3072, Machine.resolve("h100x8"), 311_472_717_824, 97, None) == [12, 16]   # no batch
+    # issue 28's rows search the pairs they searched: GPT-3 175B on 1,024 A100s at 4 stages would hold 81 GiB of
+    # unsharded state, more than the device
+    assert _kept_degrees("gpt-175b", {}, 96, 1024, "a100x8", 512) == [8, 16]
+    # Llama 2 70B on 64 H100s: at 2 stages, 28 GiB of ZeRO-1 state (4 replicas) and the activations of 8 samples a
+    # replica for each of 2 micro-batches in flight do not fit in 80%
+    assert _kept_degrees("llama-70b", {}, 80, 64, "h100x8", 512) == [4, 8]
+
+
 def test_the_last_cut_can_move_to_the_last_layer_and_no_further(stage_plan):
     machine = Machine.resolve("cpu").with_devices(8)
     # 4 chunks of 5 layers: the search moves cuts one layer at a time, the last one up to the last layer

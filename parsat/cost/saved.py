@@ -35,11 +35,13 @@ which a block without dropout does not keep (tests/test_cost_saved.py).
 
 from __future__ import annotations
 
+from math import prod
 from typing import Hashable, Iterable, Mapping, Sequence
 
 from parsat.dsl.gradient import backward_reads, gradient_free, is_alias
 from parsat.dsl.library import Library
 from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARALLEL_OPS, REPLICATE
+from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
 from parsat.ir.pcg import INPUT, PCG, pcg_roles
 
@@ -59,6 +61,17 @@ def _kept_values(pcg: PCG, library: Library) -> frozenset[int]:
     """`kept_values` worked out."""
     readers = ((n.id, n.op, n.inputs) for n in pcg.nodes if n.kind != "leaf")
     return kept(readers, library, pcg_roles(pcg))
+
+
+def graph_kept_bytes(graph: Graph, library: Library, machine: Machine) -> int:
+    """Bytes of the activations one pass of `graph`, on one device and unparallelized, keeps for backward: the
+    operators' outputs `kept` finds (weights and inputs are not activations). The pipeline search sizes a
+    stage's activations by it before any stage plan exists (`search.pipeline_search.pipeline_degrees`)."""
+    made = {node.name for node in graph.nodes}
+    values = kept(((node.name, node.op, node.inputs) for node in graph.nodes), library,
+                  {leaf.name: leaf.role for leaf in graph.leaves})
+    shapes = graph.shapes()
+    return sum(prod(shapes[v]) for v in values if v in made) * machine.dtype_bytes
 
 
 def kept(readers: Iterable[Reader], library: Library, roles: Mapping[Hashable, str]) -> frozenset:

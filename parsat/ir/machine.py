@@ -219,9 +219,12 @@ PRESETS: dict[str, Machine] = {
                       inter_bandwidth=50 * GB, inter_latency=5e-6, precision="bf16",
                       peaks=(("bf16", 989e12), ("fp16", 989e12), ("fp32", 989e12 / 2)),
                       efficiency=_GPU_EFFICIENCY, comm=_GPU_COMM),
-    # 8x A100 SXM 80 GB: dense bf16 312 TFLOP/s, TF32 156; NVLink 3 (~150 GB/s all-reduce bus bandwidth), 200 Gb/s IB.
+    # 8x A100 SXM 80 GB: dense bf16 312 TFLOP/s, TF32 156; 200 Gb/s IB. In-node link: NVLink 3 is 12 links of
+    # 25 GB/s each way, ~20 GB/s effective each with NCCL's 128-byte payloads, 240 GB/s, of which NCCL reaches
+    # ~230 GB/s bus bandwidth on 8 A100s (NCCL's maintainer, NVIDIA/nccl-tests#149): the H100's method and source
+    # kind. 150 GB/s before 2026-12-03 (unsourced) priced every in-node collective 1.53x slow.
     "a100x8": Machine("a100x8", 8, 1, peak_flops=312e12, memory_bandwidth=2039 * GB,
-                      memory_capacity=80 * 2 ** 30, intra_bandwidth=150 * GB, intra_latency=3e-6,
+                      memory_capacity=80 * 2 ** 30, intra_bandwidth=230 * GB, intra_latency=3e-6,
                       inter_bandwidth=25 * GB, inter_latency=8e-6, precision="bf16",
                       peaks=(("bf16", 312e12), ("fp16", 312e12), ("fp32", 312e12 / 2)),
                       efficiency=replace(_GPU_EFFICIENCY, gemm_half_m=32, gemm_half_n=160, gemm_half_k=192,

@@ -39,6 +39,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from parsat.cost.pipeline import StageFit
+from parsat.cost.saved import graph_kept_bytes
 from parsat.egraph.runner import Limits
 from parsat.ir.errors import DoesNotFit, OptimizeError
 from parsat.ir.machine import Machine
@@ -150,7 +151,9 @@ def _search_pipelines(request: SearchRequest, clock: Deadline, microbatches: int
     return search_pipelines(stage_plan, request.machine, request.devices, request.batch,
                             parameters_of(request.whole), _blocks(request) + 1,
                             degree=pp if pp and pp > 1 else None, microbatches=microbatches, schedule=schedule,
-                            say=request.say, clock=clock, bar=bar, library=request.library)
+                            say=request.say, clock=clock, bar=bar, library=request.library,
+                            sample_bytes=graph_kept_bytes(request.whole, request.library, request.machine)
+                            / request.batch if request.batch else None)
 
 
 def _blocks(request: SearchRequest) -> int:

@@ -49,7 +49,16 @@ Degrees tried: any p >= 2 dividing the devices whose stages are whole
 nodes or a part dividing one (not only powers of two: Megatron-Core's
 177B row runs 6 stages, SC'21's 530B row 35), from the smallest whose
 stage (tensor parallelism inside a node, no ZeRO) holds its weights' state
-in 80% of a device, two of them (one when pinned); micro-batch counts
+in 80% of a device, two of them (one when pinned), and the degree below
+those two where its stage holds the unsharded state in a whole device (the
+80% share was a guess at the activations' room) and, as the stage plan
+can shard it (ZeRO-1 over the stage's data-parallel replicas), the state
+plus the activations 1F1B's first stage keeps (as `cost.saved` counts
+them) in 80% of one: Megatron-Core's 314B row runs 8 stages, where the
+unsharded state takes 90% of an H100, and 8, 12 and 16 are searched. A
+model whose smaller stage's activations do not fit so (Llama 2 70B on 64
+H100s), or whose unsharded state exceeds the device (GPT-3 175B on 1,024
+A100s at 4 stages), searches the same two degrees as before. Micro-batch counts
 about 4p and 8p (the 1F1B bubble (p - 1) / (m + p - 1) is then 16-43% at
 most before interleaving), each a divisor of the batch.
 """
@@ -64,7 +73,7 @@ from parsat.dsl.library import Library
 from parsat.ir.machine import Machine
 from parsat.ir.pipeline import INTERLEAVED, ONE_F_ONE_B, SCHEDULES, PipelineError
 from parsat.ir.plan import BaselinePlan, Plan
-from parsat.cost.model import weight_bytes
+from parsat.cost.model import OPTIMIZER, weight_bytes
 from parsat.search.deadline import Deadline
 from parsat.ir.errors import CannotWin, DoesNotFit, OptimizeError
 from parsat.cost.pipeline import StageFit, StageMemo, StagePricer, applicable_schedules, equal_starts
@@ -91,19 +100,47 @@ class PipelineSearch:
     tried: tuple[dict, ...]
 
 
-def pipeline_degrees(devices: int, machine: Machine, parameters: int, layers: int, pinned: int | None) -> list[int]:
-    """The pipeline degrees to search (see the module docstring)."""
+def pipeline_degrees(devices: int, machine: Machine, parameters: int, layers: int, pinned: int | None, *,
+                     batch: int | None = None, sample_bytes: float = 0.0) -> list[int]:
+    """The pipeline degrees to search (see the module docstring). `batch` and `sample_bytes` (the activations
+    one sample keeps for backward over the whole model, `cost.saved.graph_kept_bytes` per sample) size the
+    degree below the least one whose stage holds its unsharded state in the share; without a `batch` it is not
+    tried."""
     if pinned is not None:
         return [pinned]
     node = machine.devices_per_node
     # a stage is whole nodes, or a part of one node that divides it (48 h100x8 GPUs in 4 stages of 12 is neither)
     degrees = [p for p in range(2, min(devices, layers) + 1) if devices % p == 0
                and (node % (devices // p) == 0 or (devices // p) % node == 0)]
-    tensor = min(node, devices)
     state = parameters * weight_bytes(machine)
-    fitting = [p for p in degrees if state / (p * min(tensor, devices // p)) <= STATE_SHARE * machine.memory_capacity]
-    start = degrees.index(fitting[0]) if fitting else max(0, len(degrees) - DEGREES_TRIED)
+    per_device = {p: state / (p * min(node, devices // p)) for p in degrees}
+    fitting = [p for p in degrees if per_device[p] <= STATE_SHARE * machine.memory_capacity]
+    if not fitting:
+        return degrees[-DEGREES_TRIED:]
+    start = degrees.index(fitting[0])
+    below = degrees[start - 1] if start > 0 else None
+    # the share is a guess at the activations' room: the degree below, whose unsharded state fits a device but
+    # not the share, is searched too where its room, counted, holds (ZeRO-1's state and 1F1B's activations)
+    if below is not None and batch is not None and per_device[below] <= machine.memory_capacity \
+            and _sharded_stage_fits(below, devices, machine, parameters, batch, sample_bytes):
+        return degrees[start - 1:start + DEGREES_TRIED]
     return degrees[start:start + DEGREES_TRIED]
+
+
+def _sharded_stage_fits(p: int, devices: int, machine: Machine, parameters: int, batch: int,
+                        sample_bytes: float) -> bool:
+    """Whether a stage of `p` holds, in STATE_SHARE of a device, its weights' state as ZeRO-1 shards it over the
+    stage's data-parallel replicas (tensor parallelism inside a node) and the activations 1F1B's first stage keeps:
+    min(p, m) micro-batches of its 1/p of the layers, m the most micro-batches `microbatch_counts` tries, a
+    micro-batch's samples split over the replicas (one at least), their activations over the tensor axis
+    (sequence parallelism)."""
+    tensor = min(machine.devices_per_node, devices // p)
+    replicas = devices // (p * tensor)
+    state = parameters / (p * tensor) * machine.precision_spec.parameter_bytes(OPTIMIZER).sharded(1, replicas)
+    m = max(microbatch_counts(batch, p, None))
+    samples = max(1.0, batch / (m * replicas))
+    activations = sample_bytes * samples * min(p, m) / (p * tensor)
+    return state + activations <= STATE_SHARE * machine.memory_capacity
 
 
 def microbatch_counts(batch: int, degree: int, pinned: int | None) -> list[int]:
@@ -122,14 +159,15 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
                      layers: int, *, degree: int | None = None, microbatches: int | None = None,
                      schedule: str | None = None, say: Callable[[str], None] = lambda _m: None,
                      clock: Deadline | None = None, bar: Plan | None = None,
-                     library: Library | None = None) -> PipelineSearch:
+                     library: Library | None = None, sample_bytes: float | None = None) -> PipelineSearch:
     """Every pipelined candidate: stage plans searched per (degree, micro-batch count), cut and priced per
     schedule (`schedule` pins one). A degree or count whose stage plan cannot be found is said and skipped.
     With a `clock`, each (degree, count) gets an equal part of the time left, and those the clock leaves no
     time for are listed as not searched (the first one always is searched). `library`: the operators', with
     which a stage's price simulates its tensor-parallel overlap (`cost.pipeline.TpOverlap`). `bar`: the
     unstaged plan, searched before; a pair none of whose pipelined plans could beat it or its best grid point
-    is listed as skipped (`bar_of`, the module docstring)."""
+    is listed as skipped (`bar_of`, the module docstring). `sample_bytes`: the activations one sample keeps
+    over the whole model, with which the degrees count ZeRO-1 (`pipeline_degrees`; None: they do not)."""
     if schedule is not None and schedule not in SCHEDULES:
         raise OptimizeError(f"unknown schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
     plans: list[Plan] = []
@@ -137,8 +175,9 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
     tried: list[dict] = []
     scouted: dict[int, tuple[int, int, int]] = {}   # id of a plan priced from a scout's stage plan -> (p, m, in flight)
     to_beat = bar_of(bar)
-    pairs = [(p, m) for p in pipeline_degrees(devices, machine, parameters, layers, degree)
-             for m in microbatch_counts(batch, p, microbatches)]
+    degrees = pipeline_degrees(devices, machine, parameters, layers, degree,
+                               batch=batch if sample_bytes is not None else None, sample_bytes=sample_bytes or 0.0)
+    pairs = [(p, m) for p in degrees for m in microbatch_counts(batch, p, microbatches)]
     for index, (p, m) in enumerate(pairs):
         stage_devices = devices // p
         stage_machine = _stage_machine(machine, devices, p)
