@@ -385,16 +385,74 @@ def _checkpoint_loads_into_the_unmodified_module(folder, ranks: int) -> float:
     return max(_relative(value, held[name]) for name, value in fresh.state_dict().items())
 
 
+def load_job(ctx, plan: dict, folder: str, written_ranks: int) -> dict:
+    """On every rank: another GPT (another seed) parallelized with `plan`, its weights loaded from the DCP
+    checkpoint in `folder` (`dcp.load(model.state_dict())` in place, then `model.load_state_dict`), and a third
+    from the whole module's plain state dict the writing ranks' weights make (`load_state_dict` cutting each to
+    this rank's piece); each held weight against the written one (largest relative difference), and one step's
+    loss of each against the unmodified module holding the written weights."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    from parsat.backend.torch_native.apply import local_batch
+
+    written = {}
+    for r in range(written_ranks):
+        written.update(torch.load(f"{folder}/rank{r}.pt", weights_only=True))
+    reference = gpt_module(seed=1)
+    reference.load_state_dict(written)
+    data = math.prod(a["size"] for a in plan["mesh"]["axes"] if a["name"] != "tp")
+    example = tuple(x[: x.shape[0] // data] for x in batch(0))
+    ids, labels = batch(3)
+    out = {"ref_loss": float(reference(ids, labels).detach())}
+    for label in ("dcp", "plain"):
+        model = parsat.parallelize(gpt_module(seed=1), plan, example, runtime="torch", weight_names=weight_names())
+        if label == "dcp":
+            state = model.state_dict()
+            dcp.load(state, checkpoint_id=folder)
+            missing = model.load_state_dict(state)
+        else:
+            missing = model.load_state_dict(written)
+        worst = max(_relative((t.full_tensor() if isinstance(t, DTensor) else t).detach(), written[name])
+                    for name, t in model.state_dict().items())
+        loss = model.step(*local_batch(model, ids, labels)).detach().clone()
+        torch.distributed.all_reduce(loss)   # every rank holds its data-parallel replica's loss: the mean
+        out[label] = {"worst_weight": worst, "missing": missing, "loss": float(loss) / ctx.world,
+                      "held": len(model.state_dict())}
+    return out
+
+
+def _loads_on(plan, nproc: int, folder, written_ranks: int) -> list:
+    from parsat.backend.launch import LaunchConfig, launch
+
+    plan = plan if isinstance(plan, dict) else plan.to_dict()
+    return launch(load_job, (plan, str(folder), written_ranks), LaunchConfig(nproc=nproc, backend="gloo",
+                                                                             timeout_s=600))
+
+
+def _check_loaded(results: list) -> None:
+    """Every rank's loaded weights are the written ones exactly, and its step's loss the unmodified module's."""
+    for result in results:
+        for label in ("dcp", "plain"):
+            got = result[label]
+            assert got["missing"] == [] and got["held"] > 0, got
+            assert got["worst_weight"] == 0.0, (label, got)
+            assert abs(got["loss"] - result["ref_loss"]) <= TOLERANCE * abs(result["ref_loss"]), (label, got, result)
+
+
 @pytest.mark.slow
 def test_pp2_trained_on_two_ranks_like_the_module_in_one_process(pp2, tmp_path):
     """1F1B (the optimizer's choice), GPipe and interleaved 1F1B (2 chunks a stage) on 2 ranks, and 1F1B
     recomputing blocks (each stage's blocks checkpointed); each plan's DCP checkpoint, written by the 2 stages
-    (`model.state_dict()`), loads into the unmodified module here with the weights the stages held."""
+    (`model.state_dict()`), loads into the unmodified module here with the weights the stages held; the 1F1B one
+    also into a pp 2 x dp 2 ZeRO-3 pipeline on 4 ranks (`load_job`: resharded, the same weights and step)."""
     plans = {"1f1b": pp2, "gpipe": pipelined_plan(2, "gpipe"), "interleaved": pipelined_plan(2, "interleaved"),
              "recompute": dict(pp2.to_dict(), recompute="blocks")}
     results = _launch(plans, 2, tmp_path)
     for label in plans:
         assert _checkpoint_loads_into_the_unmodified_module(tmp_path / label, 2) == 0.0
+    # the 1F1B checkpoint of 2 stages loads into 2 stages of 2 ZeRO-3 replicas each, on 4 ranks (resharded)
+    _check_loaded(_loads_on(pipelined_plan(4, dp=2), 4, tmp_path / "1f1b", 2))
     for label in plans:
         assert label == "recompute" or plans[label].pipeline.schedule == label
         _check_run([r[label] for r in results])
@@ -414,12 +472,15 @@ def test_pp2_trained_on_two_ranks_like_the_module_in_one_process(pp2, tmp_path):
 def test_pp2_by_dp2_trained_on_four_ranks_like_the_module_in_one_process(tmp_path):
     """The optimizer's pp 2 x dp 2 plan (its stage plan keeps ZeRO-3 over dp: fully_shard on each stage module)
     and the same with ZeRO pinned off (replicate on each stage module); the DCP checkpoints (sharded DTensors
-    on each stage's dp ranks for ZeRO-3) load into the unmodified module here."""
+    on each stage's dp ranks for ZeRO-3) load into the unmodified module here; the ZeRO-3 one also into the
+    plain pp 2 pipeline on 2 ranks (`load_job`: the same weights and step)."""
     plans = {"zero3": pipelined_plan(4, dp=2), "replicate": pipelined_plan(4, dp=2, zero=0)}
     results = _launch(plans, 4, tmp_path)
     for label in plans:
         _check_run([r[label] for r in results])
         assert _checkpoint_loads_into_the_unmodified_module(tmp_path / label, 4) == 0.0
+    # the ZeRO-3 checkpoint of 4 ranks (sharded DTensors) loads into the plain 2-stage pipeline on 2 ranks
+    _check_loaded(_loads_on(pipelined_plan(2), 2, tmp_path / "zero3", 4))
     assert "fully_shard over dp" in results[0]["zero3"]["lowering"]
     assert any("Shard(dim=" in p for p in results[0]["zero3"]["placements"])
     assert "replicate over dp" in results[0]["replicate"]["lowering"]

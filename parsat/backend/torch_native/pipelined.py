@@ -51,11 +51,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import distribute_tensor
 
 from parsat.backend.torch_native.apply import (LOWERING_ATTRIBUTE, NativeParallelizeError, broadcast_state,
                                               checkpoint_blocks, data_parallel, dtensor_step, traced_tensor_parallel)
@@ -158,8 +159,8 @@ class PipelinedModule:
         """This rank's parameters under the module's names (DTensors on its stage's mesh), for
         `torch.distributed.checkpoint`: `dcp.save(model.state_dict(), ...)` on every rank writes the whole module
         (each stage its own keys, a weight several stages hold once: equal on every stage after each step), which
-        loads into the unmodified module in one process (tests/test_torch_native_pipeline.py; loading it back into
-        a PipelinedModule, `dcp.load(model.state_dict(), ...)`, is not checked yet). A tied parameter is there
+        loads into the unmodified module in one process, and into a PipelinedModule of another plan on another
+        rank count (`load_state_dict`; tests/test_torch_native_pipeline.py). A tied parameter is there
         under every name the module gives it (the tracer keeps one: HF BERT's last stage holds
         `cls.predictions.decoder.bias`, whose module also names it `cls.predictions.bias`), as the module's own
         state dict has it."""
@@ -171,6 +172,36 @@ class PipelinedModule:
                 if found is not None:
                     out.update((name, found) for name in group)
         return out
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> list[str]:
+        """This rank's parameters set from `state_dict`, by the module's names, in place (an optimizer built on
+        `parameters()` keeps them): the usual `state = model.state_dict(); dcp.load(state, checkpoint_id=...);
+        model.load_state_dict(state)`, or a whole module's plain state dict (`torch.load` of the unmodified
+        module's), each tensor then cut to this rank's piece as its parameter is placed (no communication: every
+        rank holds the whole value). Keys of weights other stages hold are ignored (a whole module's state dict
+        is what every stage is given); returns the keys of this stage's parameters `state_dict` lacks, which
+        `strict` refuses. A value of another shape is refused, naming it, before any parameter is changed."""
+        own = self.state_dict()
+        missing = sorted(name for name in own if name not in state_dict)
+        if missing and strict:
+            raise NativeParallelizeError(f"the state dict lacks {len(missing)} parameter(s) pipeline stage "
+                                         f"{self.stage} holds: {', '.join(missing[:5])}")
+        for name, param in own.items():
+            if name in state_dict and tuple(state_dict[name].shape) != tuple(param.shape):
+                raise NativeParallelizeError(f"the state dict's {name} is {list(state_dict[name].shape)}; "
+                                             f"pipeline stage {self.stage} holds it as {list(param.shape)}")
+        with torch.no_grad():
+            for name, param in own.items():
+                value = state_dict.get(name)
+                if value is None or value is param:
+                    continue
+                if hasattr(param, "device_mesh") and not hasattr(value, "device_mesh"):
+                    value = distribute_tensor(value.to(param.device, param.dtype), param.device_mesh,
+                                              param.placements, src_data_rank=None)
+                elif hasattr(value, "device_mesh") and not hasattr(param, "device_mesh"):
+                    value = value.full_tensor()
+                param.copy_(value)
+        return missing
 
     def get_parameter(self, name: str) -> nn.Parameter:
         """This rank's parameter `name` (the module's name)."""
