@@ -17,13 +17,26 @@ parameter per dtype: a 1-D `Shard(0)` DTensor over the data mesh holding
 this rank's chunk of every parameter's local values (its tensor-parallel
 piece, if any) laid end to end, padded to an equal chunk per rank. The
 inner optimizer's state is then `Shard(0)` DTensors too: 1/N of it on each
-rank. `step` copies this rank's chunk of the whole (all-reduced, perhaps
-clipped) gradients into the flat parameter's gradient, steps the inner
+rank. `step` copies this rank's chunk of the parameters' current values into the
+flat parameter (weights loaded or set since the last step are what it
+updates) and of the whole (all-reduced, perhaps clipped) gradients into the
+flat parameter's gradient, steps the inner
 optimizer, all-gathers the flat parameter (`full_tensor`) and copies it
 back into the module's parameters. Elementwise optimizers (SGD, Adam,
 AdamW: every update reads one element's own state) give the same values as
 on the whole parameters; one that reads a whole tensor (LAMB's trust
 ratio, Adafactor) would not, and is not checked.
+
+Checkpoints: `state_dict()` gives each flat parameter's state as a 1-D
+`Shard(0)` DTensor of the unpadded length (this rank's chunk without the
+padding, a view of the state: `dcp.load` writes into it), which is how
+torch's even sharding lays the same chunks out (`torch.chunk`'s sizes), so
+`torch.distributed.checkpoint` saves it once and loads it on another
+number of data ranks, resharded, as Megatron's distributed optimizer
+checkpoints its flattened ranges. The layout (each flat parameter's
+members' sizes, in order) is saved beside it and checked on load. Only
+where the data mesh is the whole job (no tensor or pipeline axis beside
+it: their ranks would hold other flat parameters under the same keys).
 """
 
 from __future__ import annotations
@@ -88,6 +101,10 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         size, rank = self.mesh.size(), self.mesh.get_local_rank()
         for members, flat, total in self.groups:
             chunk = flat.to_local().numel()
+            # the parameters' values as they are now (loaded from a checkpoint, set by the user since the last
+            # step): the flat chunk is this rank's copy of them, never a second source of the weights
+            flat.to_local().copy_(_padded(torch.cat([_local(p).reshape(-1) for p in members]), chunk * size)
+                                  .narrow(0, rank * chunk, chunk))
             grads = torch.cat([_local(p.grad).reshape(-1) if p.grad is not None else
                                torch.zeros(_local(p).numel(), dtype=p.dtype, device=_local(p).device)
                                for p in members])
@@ -103,6 +120,89 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
                 offset += local.numel()
         return loss
 
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state for `torch.distributed.checkpoint` (module docstring): `state` holds, per
+        flat parameter, each state tensor of its length as a `Shard(0)` DTensor of the unpadded length (views of
+        the state), the rest (a step count) as it is; `param_groups` the inner groups' settings; `layout` each flat
+        parameter's members' sizes. A fresh optimizer's state is made first (a step of zero gradients at
+        learning rate 0, as torch's `get_optimizer_state_dict` does), so that there is something to load into."""
+        self._check_whole_job()
+        self._made_state()
+        state = {}
+        for index, (_members, flat, total) in enumerate(self.groups):
+            state[str(index)] = {key: self._unpadded(value, total) if _is_flat_like(value, flat) else value
+                                 for key, value in self.inner.state[flat].items()}
+        groups = [{key: value for key, value in group.items() if key != "params"} for group in self.param_groups]
+        return {"state": state, "param_groups": groups, "layout": self._layout()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """`state_dict()`'s form loaded: the state (in place; DTensors of another data-rank count are read as the
+        whole length's pieces this rank holds) and the groups' settings. A checkpoint of another model or plan
+        (another layout) is refused before anything changes."""
+        self._check_whole_job()
+        layout = state_dict.get("layout")
+        if layout is not None and [list(map(int, sizes)) for sizes in layout] != self._layout():
+            raise ValueError("this ZeRO-1 optimizer state was saved for other parameters (its layout: "
+                             f"{len(layout)} flat parameter(s) of {[len(s) for s in layout]} members; this "
+                             f"optimizer's: {[len(s) for s in self._layout()]})")
+        self._made_state()
+        with torch.no_grad():
+            for index, (_members, flat, total) in enumerate(self.groups):
+                for key, value in state_dict["state"][str(index)].items():
+                    mine = self.inner.state[flat][key]
+                    if _is_flat_like(mine, flat):
+                        target = self._unpadded(mine, total)
+                        if value is not target:
+                            target.to_local().copy_(_piece(value, target))
+                    elif isinstance(mine, torch.Tensor):
+                        if value is not mine:
+                            mine.copy_(value)
+                    else:
+                        self.inner.state[flat][key] = value
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update({key: value for key, value in saved.items() if key != "params"})
+
+    def _layout(self) -> list[list[int]]:
+        return [[_local(p).numel() for p in members] for members, _flat, _total in self.groups]
+
+    def _check_whole_job(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_world_size() != self.mesh.size():
+            raise NotImplementedError(f"a checkpoint of ZeRO-1's optimizer state over {self.mesh.size()} of the "
+                                      f"job's {dist.get_world_size()} ranks (a tensor or pipeline axis beside the "
+                                      "data axis) is not supported: each of their ranks holds other flat parameters")
+
+    def _made_state(self) -> None:
+        """The inner optimizer's state made, where no step has made it yet (torch's optimizers make it lazily)."""
+        if self.inner.state:
+            return
+        flats = [flat for _members, flat, _total in self.groups]
+        saved = [(flat, flat.grad) for flat in flats]
+        lrs = [group.get("lr") for group in self.param_groups]
+        for flat in flats:
+            flat.grad = torch.zeros_like(flat)
+        for group in self.param_groups:
+            if "lr" in group:
+                group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+        self.inner.step()
+        for group, lr in zip(self.param_groups, lrs):
+            if lr is not None:
+                group["lr"] = lr
+        for flat, grad in saved:
+            flat.grad = grad
+
+    def _unpadded(self, value, total: int):
+        """`value` (a flat parameter's state: `Shard(0)` over the data mesh, padded) without the padding: this
+        rank's part of the first `total` elements, a view of it, as a DTensor of length `total`."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        local = value.to_local()
+        start = self.mesh.get_local_rank() * local.numel()
+        kept = max(0, min(local.numel(), total - start))
+        return DTensor.from_local(local[:kept], self.mesh, [Shard(0)], run_check=False, shape=torch.Size([total]),
+                                  stride=(1,))
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The module's gradients (what backward writes) and the flat parameters' cleared."""
         for members, flat, _ in self.groups:
@@ -113,6 +213,27 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
                     p.grad = None
                 else:
                     p.grad.zero_()
+
+
+def _is_flat_like(value: Any, flat: torch.Tensor) -> bool:
+    """Whether an optimizer state entry is per element of `flat` (a moment), not a scalar (a step count)."""
+    return hasattr(value, "to_local") and tuple(value.shape) == tuple(flat.shape)
+
+
+def _piece(value: Any, target) -> torch.Tensor:
+    """This rank's piece of `target` (an unpadded flat state DTensor) from `value`: a DTensor of the same length
+    (another sharding: redistributed) or the whole vector as a plain tensor."""
+    if hasattr(value, "redistribute"):
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(f"a ZeRO-1 state of {value.shape[0]} elements where this optimizer's has {target.shape[0]}")
+        if value.device_mesh == target.device_mesh and value.placements == target.placements:
+            return value.to_local()
+        value = value.full_tensor()
+    if tuple(value.shape) != tuple(target.shape):
+        raise ValueError(f"a ZeRO-1 state of {tuple(value.shape)} where this optimizer's is {tuple(target.shape)}")
+    local = target.to_local()
+    start = target.device_mesh.get_local_rank() * -(-target.shape[0] // target.device_mesh.size())
+    return value[start:start + local.numel()]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,114 @@
+"""ZeRO-1's optimizer state in a DCP checkpoint, resharded (issue 30, Build 2: resume training on another rank count).
+
+The tiny LM under the plan's ZeRO-1 (`replicate` + `zero.zero_optimizer`:
+AdamW on each data rank's chunk of the flattened parameters) trains 2 steps
+on 2 gloo ranks and writes `{"model": model.state_dict(), "optim":
+optimizer.state_dict()}` with `torch.distributed.checkpoint`; 4 ranks, under
+the same model's ZeRO-1 plan over 4, load it and train the third step. The
+weights must then be those of the unmodified module trained 3 steps in one
+process (1e-4 relative): the moments and step count came through, cut into
+4 chunks where 2 wrote them. The same resumed with the model's weights only
+(a fresh optimizer) must not be: the check can fail.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import parsat  # noqa: E402
+from test_torch_native_runtime import BATCH, LR, SEQ, TOLERANCE, VOCAB_SIZE, _batch, _plan, _relative, tiny  # noqa: E402
+
+STEPS_BEFORE = 2
+
+
+def _step(model, optimizer, step: int) -> None:
+    from parsat.backend.torch_native.apply import local_batch
+
+    loss = model(*local_batch(model, *_batch(step, BATCH, SEQ, VOCAB_SIZE)))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _whole(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def write_job(ctx, plan: dict, folder: str) -> dict:
+    """STEPS_BEFORE steps under `plan`, then the model's and the ZeRO-1 optimizer's state written with DCP."""
+    import torch.distributed.checkpoint as dcp
+
+    from parsat.backend.torch_native.zero import ZeroOneOptimizer, zero_optimizer
+
+    model = parsat.parallelize(tiny()[0], plan, runtime="torch")
+    optimizer = zero_optimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.01)
+    for step in range(STEPS_BEFORE):
+        _step(model, optimizer, step)
+    state = optimizer.state_dict()
+    dcp.save({"model": model.state_dict(), "optim": state}, checkpoint_id=folder)
+    moments = {key: [repr(p) for p in value.placements] for key, value in state["state"]["0"].items()
+               if hasattr(value, "placements")}
+    return {"zero1": isinstance(optimizer, ZeroOneOptimizer), "moments": moments}
+
+
+def resume_job(ctx, plan: dict, folder: str) -> dict:
+    """The checkpoint loaded under `plan` (another module seed, so loading matters), one more step; the largest
+    relative difference of its weights from the unmodified module trained STEPS_BEFORE + 1 steps here. Also the
+    same with the model's weights loaded and a fresh optimizer; and a checkpoint of another layout refused."""
+    import torch.distributed.checkpoint as dcp
+
+    from parsat.backend.torch_native.zero import zero_optimizer
+
+    reference = copy.deepcopy(tiny()[0])
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
+    for step in range(STEPS_BEFORE + 1):
+        loss = reference(*_batch(step, BATCH, SEQ, VOCAB_SIZE))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.5)
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+    out = {}
+    for label in ("with_optimizer", "model_only"):
+        model = parsat.parallelize(tiny(seed=1)[0], plan, runtime="torch")
+        optimizer = zero_optimizer(model, torch.optim.AdamW, lr=LR / 7, weight_decay=0.5)
+        state = {"model": model.state_dict()}
+        if label == "with_optimizer":
+            state["optim"] = optimizer.state_dict()
+        dcp.load(state, checkpoint_id=folder)
+        if label == "with_optimizer":
+            optimizer.load_state_dict(state["optim"])
+            out["lr"] = optimizer.param_groups[0]["lr"]
+            out["step"] = float(optimizer.state_dict()["state"]["0"]["step"])
+        _step(model, optimizer, STEPS_BEFORE)
+        out[label] = max(_relative(_whole(model.get_parameter(n)).detach(), p.detach(), floor=LR)
+                         for n, p in reference.named_parameters())
+    try:   # the saved layout is checked: a state of other parameters is refused before anything changes
+        optimizer.load_state_dict({**optimizer.state_dict(), "layout": [[1, 2, 3]]})
+        out["refused"] = ""
+    except ValueError as err:
+        out["refused"] = str(err)
+    return out
+
+
+@pytest.mark.slow
+def test_zero1_optimizer_state_written_on_two_ranks_resumes_on_four_like_one_process(tmp_path):
+    from parsat.backend.launch import LaunchConfig, launch
+
+    graph = parsat.from_torch(*tiny())
+    folder = str(tmp_path / "ckpt")
+    written = launch(write_job, (dict(_plan(graph, (2, 1)), zero=1), folder),
+                     LaunchConfig(nproc=2, backend="gloo", timeout_s=300))
+    assert all(w["zero1"] for w in written)
+    assert written[0]["moments"] == {"exp_avg": ["Shard(dim=0)"], "exp_avg_sq": ["Shard(dim=0)"]}, written[0]
+    resumed = launch(resume_job, (dict(_plan(graph, (4, 1)), zero=1), folder),
+                     LaunchConfig(nproc=4, backend="gloo", timeout_s=300))
+    for result in resumed:
+        assert result["with_optimizer"] <= TOLERANCE, result
+        assert result["model_only"] > 10 * TOLERANCE, result   # a fresh optimizer state: not the same training
+        assert result["lr"] == LR and result["step"] == STEPS_BEFORE, result   # the saved groups and step count
+        assert "saved for other parameters" in result["refused"], result
