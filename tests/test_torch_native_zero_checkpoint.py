@@ -51,9 +51,9 @@ def write_job(ctx, plan: dict, folder: str) -> dict:
         _step(model, optimizer, step)
     state = optimizer.state_dict()
     dcp.save({"model": model.state_dict(), "optim": state}, checkpoint_id=folder)
-    moments = {key: [repr(p) for p in value.placements] for key, value in state["state"]["0"].items()
-               if hasattr(value, "placements")}
-    return {"zero1": isinstance(optimizer, ZeroOneOptimizer), "moments": moments}
+    (group_key, first), = state["state"].items()   # one flat parameter (one dtype)
+    moments = {key: [repr(p) for p in value.placements] for key, value in first.items() if hasattr(value, "placements")}
+    return {"zero1": isinstance(optimizer, ZeroOneOptimizer), "moments": moments, "key": group_key}
 
 
 def resume_job(ctx, plan: dict, folder: str) -> dict:
@@ -83,12 +83,13 @@ def resume_job(ctx, plan: dict, folder: str) -> dict:
         if label == "with_optimizer":
             optimizer.load_state_dict(state["optim"])
             out["lr"] = optimizer.param_groups[0]["lr"]
-            out["step"] = float(optimizer.state_dict()["state"]["0"]["step"])
+            out["step"] = [float(group["step"]) for group in optimizer.state_dict()["state"].values()]
         _step(model, optimizer, STEPS_BEFORE)
         out[label] = max(_relative(_whole(model.get_parameter(n)).detach(), p.detach(), floor=LR)
                          for n, p in reference.named_parameters())
     try:   # the saved layout is checked: a state of other parameters is refused before anything changes
-        optimizer.load_state_dict({**optimizer.state_dict(), "layout": [[1, 2, 3]]})
+        saved = optimizer.state_dict()
+        optimizer.load_state_dict({**saved, "layout": {key: [[1, 2, 3]] for key in saved["layout"]}})
         out["refused"] = ""
     except ValueError as err:
         out["refused"] = str(err)
@@ -107,8 +108,28 @@ def test_zero1_optimizer_state_written_on_two_ranks_resumes_on_four_like_one_pro
     assert written[0]["moments"] == {"exp_avg": ["Shard(dim=0)"], "exp_avg_sq": ["Shard(dim=0)"]}, written[0]
     resumed = launch(resume_job, (dict(_plan(graph, (4, 1)), zero=1), folder),
                      LaunchConfig(nproc=4, backend="gloo", timeout_s=300))
+    assert [w["key"] for w in written] == ["0", "0"]
+    _check_resumed(resumed)
+
+
+def _check_resumed(resumed: list) -> None:
     for result in resumed:
         assert result["with_optimizer"] <= TOLERANCE, result
         assert result["model_only"] > 10 * TOLERANCE, result   # a fresh optimizer state: not the same training
-        assert result["lr"] == LR and result["step"] == STEPS_BEFORE, result   # the saved groups and step count
+        assert result["lr"] == LR and result["step"] == [STEPS_BEFORE], result   # the saved groups and step count
         assert "saved for other parameters" in result["refused"], result
+
+
+@pytest.mark.slow
+def test_zero1_beside_tensor_parallelism_keys_each_tp_rank_s_state_and_resumes_like_one_process(tmp_path):
+    """dp 2 x tp 2, ZeRO-1 over dp: each tp rank's flat parameters are its own pieces of the weights, so its state
+    is saved under its tp coordinate (`tp=0/0`, `tp=1/0`): saved under one key, DCP would keep one tp rank's
+    and the resumed run would leave one process's."""
+    from parsat.backend.launch import LaunchConfig, launch
+
+    graph = parsat.from_torch(*tiny())
+    plan = dict(_plan(graph, (2, 2)), zero=1)
+    folder = str(tmp_path / "ckpt")
+    written = launch(write_job, (plan, folder), LaunchConfig(nproc=4, backend="gloo", timeout_s=300))
+    assert sorted({w["key"] for w in written}) == ["tp=0/0", "tp=1/0"], written
+    _check_resumed(launch(resume_job, (plan, folder), LaunchConfig(nproc=4, backend="gloo", timeout_s=300)))

@@ -387,11 +387,14 @@ def data_parallel(module: nn.Module, lowering: Lowering, mesh, mp_policy, prefix
         return
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    from parsat.backend.torch_native.zero import ZERO1_MESH_ATTRIBUTE
+    from parsat.backend.torch_native.zero import ZERO1_BESIDE_ATTRIBUTE, ZERO1_MESH_ATTRIBUTE
 
     replicate(module, mesh=_flattened(mesh, data), mp_policy=policy)
     if lowering.zero == 1:   # whole gradients all-reduced; zero_optimizer shards the state over these ranks
         setattr(module, ZERO1_MESH_ATTRIBUTE, _flattened(mesh, data))
+        # this rank's place on the other axes (tp): its flat parameters are its own pieces, keyed so in a checkpoint
+        setattr(module, ZERO1_BESIDE_ATTRIBUTE, ",".join(
+            f"{name}={coord}" for name, coord in zip(mesh.mesh_dim_names, mesh.get_coordinate()) if name not in data))
 
 
 def _flattened(mesh, names: list[str]):

@@ -34,9 +34,11 @@ torch's even sharding lays the same chunks out (`torch.chunk`'s sizes), so
 `torch.distributed.checkpoint` saves it once and loads it on another
 number of data ranks, resharded, as Megatron's distributed optimizer
 checkpoints its flattened ranges. The layout (each flat parameter's
-members' sizes, in order) is saved beside it and checked on load. Only
-where the data mesh is the whole job (no tensor or pipeline axis beside
-it: their ranks would hold other flat parameters under the same keys).
+members' sizes, in order) is saved beside it and checked on load. Beside a
+tensor axis each tensor-parallel rank holds other flat parameters (its own
+pieces of the weights): their state and layout are keyed by the rank's
+coordinate on the axes beside the data axes (`tp=1`), so a checkpoint
+loads on another data-parallel degree with the same tensor-parallel one.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import torch
 from torch import nn
 
 ZERO1_MESH_ATTRIBUTE = "_parsat_zero1_mesh"
+ZERO1_BESIDE_ATTRIBUTE = "_parsat_zero1_beside"   # this rank's coordinate on the mesh axes beside the data axes
 
 
 def zero_optimizer(model: nn.Module, optimizer_class: Callable[..., torch.optim.Optimizer],
@@ -57,7 +60,8 @@ def zero_optimizer(model: nn.Module, optimizer_class: Callable[..., torch.optim.
     mesh = getattr(model, ZERO1_MESH_ATTRIBUTE, None)
     if mesh is None:
         return optimizer_class(model.parameters(), **defaults)
-    return ZeroOneOptimizer(model.parameters(), optimizer_class, mesh, **defaults)
+    return ZeroOneOptimizer(model.parameters(), optimizer_class, mesh,
+                            beside=getattr(model, ZERO1_BESIDE_ATTRIBUTE, None), **defaults)
 
 
 class ZeroOneOptimizer(torch.optim.Optimizer):
@@ -65,10 +69,13 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
     `torch.optim.Optimizer` whose `param_groups` and `state` are the inner optimizer's, so LR schedulers drive
     it; `zero_grad` clears the module's gradients."""
 
-    def __init__(self, params, optimizer_class: Callable[..., torch.optim.Optimizer], mesh, **defaults: Any):
+    def __init__(self, params, optimizer_class: Callable[..., torch.optim.Optimizer], mesh,
+                 beside: str | None = None, **defaults: Any):
+        """`beside`: this rank's coordinate on the axes beside `mesh` ('' where there are none, None where it is
+        not known: then a checkpoint needs `mesh` to be the whole job), which keys its state in a checkpoint."""
         from torch.distributed.tensor import DTensor, Shard
 
-        self.mesh = mesh
+        self.mesh, self.beside = mesh, beside
         size, rank = mesh.size(), mesh.get_local_rank()
         seen: dict[int, nn.Parameter] = {}
         for p in params:
@@ -126,21 +133,21 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         the state), the rest (a step count) as it is; `param_groups` the inner groups' settings; `layout` each flat
         parameter's members' sizes. A fresh optimizer's state is made first (a step of zero gradients at
         learning rate 0, as torch's `get_optimizer_state_dict` does), so that there is something to load into."""
-        self._check_whole_job()
+        beside = self._beside()
         self._made_state()
         state = {}
         for index, (_members, flat, total) in enumerate(self.groups):
-            state[str(index)] = {key: self._unpadded(value, total) if _is_flat_like(value, flat) else value
-                                 for key, value in self.inner.state[flat].items()}
+            state[f"{beside}{index}"] = {key: self._unpadded(value, total) if _is_flat_like(value, flat) else value
+                                         for key, value in self.inner.state[flat].items()}
         groups = [{key: value for key, value in group.items() if key != "params"} for group in self.param_groups]
-        return {"state": state, "param_groups": groups, "layout": self._layout()}
+        return {"state": state, "param_groups": groups, "layout": {beside or "all": self._layout()}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """`state_dict()`'s form loaded: the state (in place; DTensors of another data-rank count are read as the
         whole length's pieces this rank holds) and the groups' settings. A checkpoint of another model or plan
         (another layout) is refused before anything changes."""
-        self._check_whole_job()
-        layout = state_dict.get("layout")
+        beside = self._beside()
+        layout = (state_dict.get("layout") or {}).get(beside or "all")
         if layout is not None and [list(map(int, sizes)) for sizes in layout] != self._layout():
             raise ValueError("this ZeRO-1 optimizer state was saved for other parameters (its layout: "
                              f"{len(layout)} flat parameter(s) of {[len(s) for s in layout]} members; this "
@@ -148,7 +155,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         self._made_state()
         with torch.no_grad():
             for index, (_members, flat, total) in enumerate(self.groups):
-                for key, value in state_dict["state"][str(index)].items():
+                for key, value in state_dict["state"][f"{beside}{index}"].items():
                     mine = self.inner.state[flat][key]
                     if _is_flat_like(mine, flat):
                         target = self._unpadded(mine, total)
@@ -165,13 +172,16 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
     def _layout(self) -> list[list[int]]:
         return [[_local(p).numel() for p in members] for members, _flat, _total in self.groups]
 
-    def _check_whole_job(self) -> None:
+    def _beside(self) -> str:
+        """The prefix of this rank's keys in a checkpoint: its coordinate beside the data mesh (`tp=1/`), or ''."""
         import torch.distributed as dist
 
-        if dist.is_initialized() and dist.get_world_size() != self.mesh.size():
+        if self.beside is None and dist.is_initialized() and dist.get_world_size() != self.mesh.size():
             raise NotImplementedError(f"a checkpoint of ZeRO-1's optimizer state over {self.mesh.size()} of the "
-                                      f"job's {dist.get_world_size()} ranks (a tensor or pipeline axis beside the "
-                                      "data axis) is not supported: each of their ranks holds other flat parameters")
+                                      f"job's {dist.get_world_size()} ranks, built without its coordinate on the "
+                                      "other axes (a pipeline stage's), is not supported: their ranks hold other "
+                                      "flat parameters")
+        return f"{self.beside}/" if self.beside else ""
 
     def _made_state(self) -> None:
         """The inner optimizer's state made, where no step has made it yet (torch's optimizers make it lazily)."""
