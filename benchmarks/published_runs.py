@@ -73,6 +73,21 @@ class Row:
     vocab: int
     distributed_optimizer: bool = False   # the run used Megatron's distributed optimizer (ZeRO-1 over dp)
 
+    def machine_of(self):
+        """The preset this row is priced on, with its runtime's gradient reduction: SC'21's Megatron-LM
+        (`--DDP-impl local`, its default) all-reduced the gradients after the forward-backward function returned
+        (megatron/training.py `train_step` -> `allreduce_gradients()`, NVIDIA/Megatron-LM a8d172b, 2021-04-28,
+        lines 376-381; megatron/model/distributed.py lines 188-218), not overlapped with backward as the presets'
+        Megatron-Core buckets are (`CommProfile.overlap_grad_reduce`)."""
+        from dataclasses import replace
+
+        from parsat.ir.machine import PRESETS
+
+        preset = PRESETS[self.machine]
+        if self.hardware_flops:
+            return replace(preset, comm=replace(preset.comm, overlap_grad_reduce=False))
+        return preset
+
     @property
     def hardware_flops(self) -> bool:
         """SC'21 counts hardware FLOPs (recomputation included, their eq. 3); Megatron-Core model FLOPs."""
@@ -155,9 +170,10 @@ def price(row: Row, zero_free: bool = False) -> dict:
         options["pipeline"] = False
     start = time.process_time()
     out = {**asdict(row), "d": d, "pins": degrees, "published_step_s": row.published_step_s(),
+           "overlap_grad_reduce": row.machine_of().comm.overlap_grad_reduce,
            "flops": "hardware (SC'21 eq. 3)" if row.hardware_flops else "model"}
     try:
-        plan = parsat.optimize("gpt", machine=row.machine, devices=row.gpus, sizes=row.sizes(),
+        plan = parsat.optimize("gpt", machine=row.machine_of(), devices=row.gpus, sizes=row.sizes(),
                                progress=lambda m: print(f"  [{row.name}] {m}", file=sys.stderr, flush=True),
                                **options)
     except Exception as err:  # noqa: BLE001 - the error is the result
