@@ -146,3 +146,17 @@ def test_h100_in_node_collectives_run_at_nccl_s_effective_nvlink_rate():
         assert 7 / 8 * n / seconds == pytest.approx(370e9, rel=0.01)
     ring = price(ALL_REDUCE, GroupTopology(8, 8, 1), n, H100).seconds
     assert 2 * 7 / 8 * n / ring == pytest.approx(370e9, rel=0.01)
+
+
+def test_a_machine_file_says_whether_the_gradient_reduction_overlaps_backward():
+    """`comm.overlap_grad_reduce`: written only where off (files of before read and write as they were), read
+    back, and anything but true or false refused."""
+    from parsat.ir.errors import MachineError
+    after = replace(H100, comm=replace(H100.comm, overlap_grad_reduce=False))
+    assert "overlap_grad_reduce" not in H100.to_dict()["comm"]
+    assert after.to_dict()["comm"]["overlap_grad_reduce"] is False
+    assert Machine.from_dict(after.to_dict()) == after and Machine.from_dict(H100.to_dict()) == H100
+    bad = after.to_dict()
+    bad["comm"]["overlap_grad_reduce"] = 0
+    with pytest.raises(MachineError, match="overlap_grad_reduce"):
+        Machine.from_dict(bad)

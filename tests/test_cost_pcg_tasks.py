@@ -18,7 +18,7 @@ from parsat.ir.pcg import PCG, Degrees, PNode
 from parsat.ir.placement import Placement, apply_parallel, compute_placement
 from parsat.cost.collectives import ALL_GATHER, ALL_REDUCE, SEND_RECV, GroupTopology, price
 from parsat.cost.pcg_tasks import (DDP, PARSAT_RUN, OpTimes, TaskBuildError, _needs_gradient, needs_gradient,
-                                   simulate_pcg, step_floor)
+                                   profile_for, simulate_pcg, step_floor)
 
 LIB = load_library([shipped_rules_dir() / "ops.rule"])[0]
 CPU64 = Machine.preset("cpu").with_precision("fp64")     # `parsat run` trains in float64
@@ -183,6 +183,31 @@ def test_ddp_buckets_overlap_the_backward_pass():
     assert step.overlap_s[0] > 0
     comm = sum(v for k, v in step.busy_s.items() if k != "0:compute")   # one communication stream per link
     assert step.step_s < step.busy_s["0:compute"] + comm - step.overlap_s[0] + 1e-12
+
+
+def test_gradient_reduction_after_backward_exposes_the_buckets():
+    """`CommProfile.overlap_grad_reduce` off (Megatron-LM of 2021): `profile_for` gives DDP with the buckets after
+    backward, and the step grows by what the overlapped buckets had hidden: the buckets' all-reduce runs alone,
+    after the backward's end, and nothing overlaps it."""
+    graph = stack(4, batch=64, seq=128, hidden=256, heads=4, ffn=1024, library=LIB)
+    pcg = data_parallel_pcg(graph, LIB, 8, 8)
+    preset = Machine.preset("h100x8")
+    small = replace(preset.comm, bucket_elements=0, bucket_elements_per_rank=0)   # several buckets
+    overlapped = replace(preset, comm=small)
+    after = replace(preset, comm=replace(small, overlap_grad_reduce=False))
+    assert profile_for(overlapped) is DDP and profile_for(after) == replace(DDP, overlap_grad_reduce=False)
+    on, off = (simulate_pcg(pcg, LIB, m, profile_for(m)).result for m in (overlapped, after))
+    buckets = [s for s in off.spans if s.name.startswith("all-reduce bucket")]
+    last_backward = max(s.end for s in off.spans if s.phase == "backward")
+    assert len(buckets) >= 2 and min(s.start for s in buckets) >= last_backward - 1e-12
+    reduce_s = sum(s.end - s.start for s in buckets)
+    assert max(s.end for s in buckets) == pytest.approx(last_backward + reduce_s)   # back to back, from its end
+    on_backward = max(s.end for s in on.spans if s.phase == "backward")
+    on_buckets = [s for s in on.spans if s.name.startswith("all-reduce bucket")]
+    assert sum(s.end - s.start for s in on_buckets) == pytest.approx(reduce_s)      # the same buckets
+    exposed = max(s.end for s in on_buckets) - on_backward       # what the overlapped step left after backward
+    assert 0 < exposed < reduce_s
+    assert off.step_s - on.step_s == pytest.approx(reduce_s - exposed)   # the step grows by what was hidden
 
 
 def test_data_parallelism_scales_when_priced_as_ddp():

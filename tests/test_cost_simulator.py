@@ -111,6 +111,23 @@ def test_buckets_launch_when_complete_in_order_and_overlap_backward():
     assert r.step_s == 9.0 and r.overlap_s[0] == pytest.approx(3.0)
 
 
+def test_buckets_after_backward_launch_only_when_backward_has_returned():
+    """Megatron-LM's `--DDP-impl local` of 2021: the same buckets, all launched after the backward's last task, so
+    the step is the backward plus every bucket's all-reduce (the overlapped one above: 9.0 s)."""
+    b = StepBuilder()
+    compute = b.stream(0, COMPUTE)
+    grads = [Gradient(f"w{i}", 100) for i in range(4)]
+    buckets = GradientBuckets(b, 0, grads, lambda nbytes: nbytes / 100, bucket_bytes=200, first_bucket_bytes=100,
+                              after_backward=True)
+    for i in range(4):
+        assert buckets.ready(f"w{i}", b.add(f"backward {i}", compute, 2.0)) == []
+    end = b.add("input gradient after the last weight's", compute, 1.0)
+    launched = buckets.done(end)
+    r = b.simulate()
+    assert [r.spans[t].start for t in launched] == [9.0, 10.0, 12.0]
+    assert r.step_s == 13.0 and r.overlap_s[0] == 0.0
+
+
 def test_a_bucket_waits_for_the_earlier_ones():
     b = StepBuilder()
     s = b.stream(0)

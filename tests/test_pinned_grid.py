@@ -114,3 +114,22 @@ def test_a_pinned_recomputation_is_the_policy_of_every_independent_grid_point():
     assert all(p.pcg.recompute == "blocks" and p.config["recompute"] == "blocks" for p in found["blocks"])
     fastest = min(found["blocks"], key=lambda p: p.totals.time_s)
     assert fastest.totals.simulation is not None   # simulated: it may be the best grid point
+
+
+def test_a_pinned_zero_stage_0_never_stands_for_a_zero_3_grid_point():
+    """`--degrees zero=0` (SC'21's rows: the weights' state whole on every data-parallel rank): a grid point that
+    stores the weights split over the data axis (ZeRO-3, whose PCG reports stage 0: its sharding is in the
+    weights' storage, not `PCG.zero`) does not keep the pin; `zero=3` keeps only those."""
+    from parsat.search.mesh import CandidateSteps
+    from parsat.search.request import step_context
+    from parsat.search.step import independent_points, keeps_pins
+
+    kept = {}
+    for zero in (0, 3):
+        request = resolve_request("gpt", "h100x8", None, None, 8, sizes=GPT, degrees={"dp": 8, "zero": zero})
+        step = step_context(request, 1)
+        steps = CandidateSteps(request.library, step.machine, step.graph.microbatches, request.simulations)
+        points = independent_points(step, steps)
+        assert {p.config["zero"] for p in points} >= {0, 3}   # the grid has both
+        kept[zero] = {p.config["zero"] for p in points if keeps_pins(p, request)}
+    assert kept == {0: {0}, 3: {3}}

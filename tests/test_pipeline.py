@@ -417,6 +417,21 @@ def test_a_stage_overlaps_its_gradient_reductions_with_its_last_backwards():
     assert unsynced - 1e-12 <= overlapped < after_flush
 
 
+def test_a_stage_reduces_after_its_last_backward_where_the_runtime_does_not_overlap():
+    """`CommProfile.overlap_grad_reduce` off (Megatron-LM of 2021 all-reduced each stage's gradients after the
+    pipeline's flush): on a GPU preset the pipelined step grows, by at most the stage plan's reductions."""
+    overlapped = Machine.resolve("h100x8").with_devices(4)
+    after = replace(overlapped, comm=replace(overlapped.comm, overlap_grad_reduce=False))
+    stage_plan = optimize("gpt", "h100x8", devices=2, sizes=SIZES, microbatches=4, pipeline=False, baselines=False,
+                          degrees={"dp": 2, "zero": 0})
+    reduce_s = sum(c.grad_reduce_s for c in stage_plan.costs.values() if c.weight_chain)
+    assert reduce_s > 0
+    starts = equal_starts(LayerMap(stage_plan.pcg).layers, 2)
+    on = pipelined(stage_plan, 2, ONE_F_ONE_B, overlapped, starts=starts).totals.time_s
+    off = pipelined(stage_plan, 2, ONE_F_ONE_B, after, starts=starts).totals.time_s
+    assert on < off <= on + reduce_s + 1e-12
+
+
 def test_the_stage_memo_changes_no_price(stage_plan):
     """A pricer that reuses layer maps, layouts, chunk costs and stage syncs (`StageMemo`, one search's memo shared
     by plans with the same nodes) prices every cut, schedule and ZeRO stage exactly as a fresh pricer does, the

@@ -130,6 +130,8 @@ class ExecutionProfile:
     #                                 kept and gathered again for that backward (`cost.saved.regathers`:
     #                                 Megatron-LM's sequence-parallel linear); with `tp_comm_overlap` that
     #                                 all-gather runs beside the product's input-gradient GEMM (`_regather`)
+    overlap_grad_reduce: bool = True   # DDP's buckets launched as backward fills them; else all of them once the
+    #                                 last micro-batch's backward is done (`CommProfile.overlap_grad_reduce`)
 
 
 PARSAT_RUN = ExecutionProfile("parsat run", overlap=False, ddp_buckets=False, keep_activations=True,
@@ -234,8 +236,12 @@ class StepPrediction:
 def profile_for(machine: Machine) -> ExecutionProfile:
     """The execution a plan for `machine` is priced as: `DDP` where the host launches kernels asynchronously
     (a GPU: the presets and `parsat calibrate` on CUDA), `PARSAT_RUN` where one host thread computes
-    (a CPU box: what `parsat run` does there, and what benchmarks/costmodel_fidelity.py measures)."""
-    return DDP if machine.efficiency.async_dispatch else PARSAT_RUN
+    (a CPU box: what `parsat run` does there, and what benchmarks/costmodel_fidelity.py measures). Under `DDP`
+    the gradient buckets overlap backward unless the machine's `comm.overlap_grad_reduce` is off (Megatron-LM
+    of 2021, `--DDP-impl local`: the reduction after backward)."""
+    if not machine.efficiency.async_dispatch:
+        return PARSAT_RUN
+    return DDP if machine.comm.overlap_grad_reduce else replace(DDP, overlap_grad_reduce=False)
 
 
 def mesh_groups(pcg: PCG) -> Topology:
@@ -956,11 +962,17 @@ class _Builder:
                       alloc=self.gradient_bytes(), phase="backward")
         for ident, task in deferred:   # after backward's own collectives, as Megatron's finalize_model_grads
             self.bucket_of[ident][1].ready(str(ident), task)
+        backward_end = self._last_compute_task() if not self.profile.overlap_grad_reduce else None
         for bucketed in buckets:
-            syncs.extend(bucketed.done())
+            syncs.extend(bucketed.done(backward_end))
         if self.pcg.zero == 2 and self.accumulating and not self.syncing:
             self._scatter_microbatch_gradients()
         return syncs, produced
+
+    def _last_compute_task(self) -> int | None:
+        """The compute stream's latest task so far (where a reduction run after backward starts)."""
+        stream_of = self.steps.stream_of
+        return next((i for i in range(len(stream_of) - 1, -1, -1) if stream_of[i] == self.compute), None)
 
     def _backward_order(self) -> list[PNode]:
         """The order `backward` visits the nodes in: the reverse of the PCG's. Over several micro-batches the
@@ -1034,7 +1046,8 @@ class _Builder:
             kind = REDUCE_SCATTER if self.sharded else ALL_REDUCE   # ZeRO: each rank keeps its shard's sum
             buckets = GradientBuckets(self.steps, DEVICE, grads,
                                       lambda nbytes, g=group, k=kind: self.times.collective(k, g, nbytes),
-                                      *comm.bucket_caps(group.size, grad_bytes), stream_name=group.link)
+                                      *comm.bucket_caps(group.size, grad_bytes), stream_name=group.link,
+                                      after_backward=not self.profile.overlap_grad_reduce)
             out.append(buckets)
             for at in stored:
                 self.bucket_of[at] = (axis, buckets)

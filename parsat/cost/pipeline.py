@@ -20,8 +20,9 @@ layers (`ir.pipeline.lay_out_stages`). This module:
    (p - 1) / (m + p - 1) of the step for 1F1B, less when interleaved),
    point-to-point transfers on the link between two stages' ranks, each
    stage's weights' gradient reductions overlapped with each chunk's last
-   backward (`overlapped_reduce_end`, Megatron's overlap_grad_reduce), the
-   rest of its synchronisation and its optimizer once per step after them
+   backward (`overlapped_reduce_end`, Megatron's overlap_grad_reduce; after
+   the stage's last backward where the machine's profile does not overlap
+   them, `CommProfile.overlap_grad_reduce`), the rest of its synchronisation and its optimizer once per step after them
    (ZeRO-1/2's all-gathers of updated shards too, unless the machine's
    profile overlaps them with the next step's forward, Megatron's
    overlap_param_gather: then each chunk's first forward waits for what its
@@ -413,6 +414,13 @@ class StagePricer:
         return weight_gathers(self.plan) if overlap else {}
 
     @cached_property
+    def overlap_grad_reduce(self) -> bool:
+        """Whether each chunk's gradient reduction runs beside its last backward (`overlapped_reduce_end`), as the
+        machine's execution profile says, or only after the stage's last backward (`CommProfile.overlap_grad_reduce`
+        off: Megatron-LM of 2021 all-reduced once the pipeline had flushed)."""
+        return profile_for(self.machine).overlap_grad_reduce
+
+    @cached_property
     def overlap(self) -> TpOverlap:
         """The tensor-parallel overlap of a micro-batch of this stage plan (`TpOverlap`), as the machine's
         execution profile runs it (`tp_comm_overlap` given: with it on or off): what `price` takes off each
@@ -746,7 +754,9 @@ class StagePricer:
             stage_end = max((e for _a, _b, e in run.busy[s]), default=0.0)
             stages.append(StageFigures(sum(c.forward_s for c in mine), sum(c.backward_s for c in mine), sync,
                                        optimizer, memory[s], run.in_flight[s]))
-            ends.append(max(stage_end, overlapped_reduce_end(run.busy[s], reduce_s)) + after_s + optimizer)
+            reduced = (max(stage_end, overlapped_reduce_end(run.busy[s], reduce_s)) if self.overlap_grad_reduce
+                       else stage_end + sum(reduce_s.values()))   # Megatron-LM of 2021: after the flush
+            ends.append(reduced + after_s + optimizer)
         shared = shared_weight_elements(self.pieces, layout)
         stage_comm = [sums[s][1] + shared.get(s, 0) + sum(v for (a, _b), v in sent.items() if a == s)
                       for s in range(p)]

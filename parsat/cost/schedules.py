@@ -8,7 +8,11 @@
   One all-reduce per bucket, launched on the communication stream as soon
   as the bucket's last gradient is ready and every earlier bucket has been
   launched (DDP launches buckets in order), so it overlaps the rest of the
-  backward pass; the optimizer waits for all of them.
+  backward pass; the optimizer waits for all of them. With `after_backward`
+  (Megatron-LM's `--DDP-impl local` of 2021: `train_step` all-reduces the
+  gradients once the forward-backward function has returned) the same
+  buckets are launched only when the last gradient is ready, so the whole
+  reduction is exposed after backward.
 * `ParamGathers`: Megatron-Core's distributed optimizer (ZeRO-1/2) with
   `overlap_param_gather`. The updated parameters are all-gathered bucket
   by bucket (the gradient buckets, in forward order) during the next
@@ -83,6 +87,7 @@ class GradientBuckets:
     first_bucket_bytes: int = 1 << 20
     phase: str = "grad_sync"
     stream_name: str = ""   # the device's communication stream for the group's link (`pcg_tasks._Builder._comm`)
+    after_backward: bool = False   # launch every bucket once all gradients are ready (`done`), not as they fill
     buckets: list[list[Gradient]] = field(init=False)
     tasks: list[int] = field(init=False)           # the all-reduce task of each launched bucket, in order
 
@@ -105,19 +110,29 @@ class GradientBuckets:
             raise SimulationError(f"gradient '{name}' was made ready twice")
         previous = self._last_ready[b]
         self._last_ready[b] = task if previous is None else max(previous, task)
+        return [] if self.after_backward else self._launch()
+
+    def _launch(self, after: int | None = None) -> list[int]:
+        """Add the all-reduce of every complete bucket next in order, each waiting for its last gradient (and for
+        task `after`, where given); the tasks added."""
         launched = []
         while len(self.tasks) < len(self.buckets) and self._missing[len(self.tasks)] == 0:
             index = len(self.tasks)
             nbytes = sum(g.nbytes for g in self.buckets[index])
+            deps = (self._last_ready[index],) if after is None else (self._last_ready[index], after)
             ident = self.builder.add(f"all-reduce bucket {index} ({len(self.buckets[index])} grads, {nbytes:,} B)",
-                                     self._stream, self.all_reduce_s(nbytes), (self._last_ready[index],),
-                                     phase=self.phase)
+                                     self._stream, self.all_reduce_s(nbytes), deps, phase=self.phase)
             self.tasks.append(ident)
             launched.append(ident)
         return launched
 
-    def done(self) -> list[int]:
-        """Every bucket's all-reduce; SimulationError if a gradient never became ready (DDP would hang)."""
+    def done(self, backward_end: int | None = None) -> list[int]:
+        """Every bucket's all-reduce (under `after_backward` launched now, each after the last gradient of all and
+        after task `backward_end`, the backward's last: the reduction starts when the backward has returned);
+        SimulationError if a gradient never became ready (DDP would hang)."""
+        if self.after_backward:
+            last = max((t for t in (*self._last_ready, backward_end) if t is not None), default=None)
+            self._launch(last)
         if len(self.tasks) < len(self.buckets):
             waiting = [g.name for b in self.buckets[len(self.tasks):] for g in b][:5]
             raise SimulationError(f"gradients never ready, their buckets never launched: {', '.join(waiting)}")

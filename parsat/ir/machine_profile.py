@@ -220,6 +220,12 @@ class CommProfile:
     sync_skew: float = 0.0                # stragglers: a synchronising collective also waits this fraction of the
                                           # compute since the previous one (ranks sharing cores; ~0 on dedicated GPUs)
     points: tuple[CollectivePoint, ...] = field(default=())
+    # Whether the data-parallel gradient reduction runs while backward produces the gradients (DDP's buckets,
+    # Megatron-Core's --overlap-grad-reduce: the default), or only once backward is done, as Megatron-LM's
+    # `--DDP-impl local` of 2021 ran it (`train_step` calls `allreduce_gradients()` after the forward-backward
+    # function returns; docs/COSTMODEL.md). A property of the program that runs the step, priced by
+    # `cost.pcg_tasks.profile_for` and `cost.pipeline`.
+    overlap_grad_reduce: bool = True
 
     def bucket_caps(self, group_size: int, item_bytes: int) -> tuple[int, int]:
         """(a bucket's cap, the first bucket's cap) in bytes for gradients of `item_bytes` an element reduced over
@@ -242,18 +248,23 @@ class CommProfile:
         return None
 
     def to_dict(self) -> dict:
-        return {"launch_s": self.launch_s, "tree_bandwidth_factor": self.tree_bandwidth_factor,
-                "bucket_bytes": self.bucket_bytes, "first_bucket_bytes": self.first_bucket_bytes,
-                "bucket_elements": self.bucket_elements, "bucket_elements_per_rank": self.bucket_elements_per_rank,
-                "sync_skew": self.sync_skew,
-                "points": [p.to_dict() for p in self.points]}
+        """The `comm` object of a machine file; `overlap_grad_reduce` only where it is off (files written before it
+        existed read, and are written, as they were)."""
+        out = {"launch_s": self.launch_s, "tree_bandwidth_factor": self.tree_bandwidth_factor,
+               "bucket_bytes": self.bucket_bytes, "first_bucket_bytes": self.first_bucket_bytes,
+               "bucket_elements": self.bucket_elements, "bucket_elements_per_rank": self.bucket_elements_per_rank,
+               "sync_skew": self.sync_skew}
+        if not self.overlap_grad_reduce:
+            out["overlap_grad_reduce"] = False
+        return {**out, "points": [p.to_dict() for p in self.points]}
 
     @staticmethod
     def from_dict(data: Any) -> "CommProfile":
         """A `comm` object, checked against `ir.validate.COMM_RANGES` and `POINT_RANGES` (MachineError otherwise)."""
         data = dict(validate_comm_dict(data))
         points = tuple(CollectivePoint.from_dict(p) for p in data.pop("points", []))
-        numbers = {k: (int(v) if k in COMM_INTEGERS else float(v)) for k, v in data.items()}
+        numbers = {k: (v if isinstance(v, bool) else int(v) if k in COMM_INTEGERS else float(v))
+                   for k, v in data.items()}
         return CommProfile(**numbers, points=points)
 
 

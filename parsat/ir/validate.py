@@ -641,6 +641,7 @@ COMM_RANGES: Mapping[str, tuple[float, float, str]] = {
     "sync_skew": (0.0, 1000.0, "x the compute between collectives"),
 }
 COMM_INTEGERS = ("bucket_bytes", "first_bucket_bytes", "bucket_elements", "bucket_elements_per_rank")
+COMM_FLAGS = ("overlap_grad_reduce",)
 POINT_RANGES: Mapping[str, tuple[float, float, str]] = {
     "group": (2, MAX_DEVICES, "devices"),
     "latency_s": (0.0, 3600.0, "seconds"),
@@ -754,12 +755,15 @@ def validate_comm_dict(data: Any, error: type[Exception] = MachineError, where: 
     measured point a known collective on a known link with its numbers in `POINT_RANGES`."""
     f = _Fields(error, f"{where}.")
     data = f.obj(data, "")
-    _known(f, data, (*COMM_RANGES, "points"))
+    _known(f, data, (*COMM_RANGES, *COMM_FLAGS, "points"))
     for key, (low, high, unit) in COMM_RANGES.items():
         if key in data:
             if key in COMM_INTEGERS:
                 f.integer(data[key], key)
             _ranged(f, data[key], key, low, high, unit)
+    for key in COMM_FLAGS:
+        if key in data and not isinstance(data[key], bool):
+            f.fail(key, f"must be true or false, got {_kind(data[key])}")
     for i, point in enumerate(f.array(data.get("points", []), "points")):
         path = f"points[{i}]"
         point = f.obj(point, path)

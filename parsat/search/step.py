@@ -573,8 +573,9 @@ def keeps_pins(candidate: Candidate, request: SearchRequest) -> bool:
         return False
     if any(config.get(kind, value) != value for kind, value in request.parallel_dims.items()):
         return False
-    if request.zero != AUTO and (config.get("zero") != 3 if request.zero == 3 else candidate.pcg.zero != request.zero):
-        return False
+    if request.zero != AUTO and (config.get("zero") != 3 if request.zero == 3 else
+                                 config.get("zero") == 3 or candidate.pcg.zero != request.zero):
+        return False   # a ZeRO-3 point's PCG says stage 0 (its weights stored split), which a pin of 0 does not allow
     if request.recompute != AUTO and candidate.pcg.recompute != request.recompute:
         return False
     if request.sequence_parallel is not None and bool(config.get("sp")) != request.sequence_parallel:
