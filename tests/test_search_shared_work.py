@@ -312,3 +312,23 @@ def test_a_pcg_s_rules_worked_out_once_per_set_of_makers_are_each_node_s_own(thr
         assert by_id[node_id].rules == tuple(shown for name, shown in where_is.items() if name in made)
         named += bool(made)
     assert named >= 3
+
+
+def test_compute_costs_shared_across_node_counts_are_each_machine_s_own(gpt):
+    """`extract.Pricer` keeps compute costs by the machine less its node count: a compute node priced on a machine of
+    1, 2 or 8 nodes, fresh or from costs another node count filled, costs the same."""
+    from parsat.search.solve import pcg_node_costs
+    from parsat.search.step import _not_parallel
+    library, graph = gpt
+    layouts = [p for p in (megatron_pcg(graph, library, shape, 8, zero=zero, sequence=seq)
+                           for shape, seq, zero in LAYOUTS[:6]) if p is not None]
+    assert len(layouts) >= 4
+    shared: dict = {}
+    for pcg in layouts:
+        fresh = [pcg_node_costs(pcg, library, Machine.preset("h100x8", nodes), True, graph.microbatches,
+                                only=_not_parallel) for nodes in (1, 2, 8)]
+        assert fresh[0] == fresh[1] == fresh[2]
+        for nodes in (8, 1, 2):
+            assert pcg_node_costs(pcg, library, Machine.preset("h100x8", nodes), True, graph.microbatches,
+                                  only=_not_parallel, computed=shared) == fresh[0]
+    assert len({key[-2] for key in shared}) == 1   # one machine in the keys
