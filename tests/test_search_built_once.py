@@ -51,9 +51,9 @@ def _search(monkeypatch, machine: Machine, forget: bool) -> tuple[dict, list, li
         two_phase.append((graph, str(mesh)))
         return sequential(graph, library, rules, mesh, *args, **kwargs)
 
-    def counted_data_parallel(graph, library, machine, free, devices):
+    def counted_data_parallel(graph, library, machine, free, devices, **kwargs):
         dp.append((graph, machine, devices))
-        return data_parallel(graph, library, machine, free, devices)
+        return data_parallel(graph, library, machine, free, devices, **kwargs)
 
     def resolved(*args, **kwargs):
         request = resolve(*args, **kwargs)

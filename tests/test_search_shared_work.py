@@ -332,3 +332,22 @@ def test_compute_costs_shared_across_node_counts_are_each_machine_s_own(gpt):
             assert pcg_node_costs(pcg, library, Machine.preset("h100x8", nodes), True, graph.microbatches,
                                   only=_not_parallel, computed=shared) == fresh[0]
     assert len({key[-2] for key in shared}) == 1   # one machine in the keys
+
+
+def test_extractions_sharing_compute_costs_give_the_plans_and_costs_of_fresh_ones(three_blocks):
+    """`solve` prices a plan's PCG (a repeated plan's whole model) with the compute costs the call's other pricers
+    worked out (`computed`): the same PCG and costs as pricing afresh, and a second extraction works out none."""
+    graph, result, costs = three_blocks
+    library = resolve_library(None)
+    machine = Machine.preset("cpu").with_devices(2)
+    roots = [result.classes[n] for n in graph.outputs]
+    shared: dict = {}
+    for recompute in ("none", "blocks"):
+        fresh = solve.solve(result, graph, library, machine, roots, Limits(), True, recompute=recompute)
+        kept = solve.solve(result, graph, library, machine, roots, Limits(), True, recompute=recompute,
+                           computed=shared)
+        assert kept[0] == fresh[0] and kept[1] == fresh[1]
+    assert shared
+    before = dict(shared)
+    again = solve.solve(result, graph, library, machine, roots, Limits(), True, recompute="blocks", computed=shared)
+    assert again[1] == fresh[1] and shared == before

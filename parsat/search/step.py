@@ -470,7 +470,7 @@ def _two_phase(step: StepContext, best_search: MeshSearch, spare: Limits, clock:
     try:
         found = sequential(step.searched, request.library, request.rules, best_search.mesh, limits, step.machine,
                            best_search.pins, step.input_pins, request.free_input_placements, step.say,
-                           request.caches, step.repetition)
+                           request.caches, step.repetition, computed=request.prices)
     except KeyboardInterrupt:
         clock.interrupt()
         step.say("baseline sequential: none (interrupted (Ctrl-C))")
@@ -493,7 +493,7 @@ def built_once(step: StepContext, build: Callable[..., Candidate | None]) -> Can
     found = request.built.get(key, _UNBUILT)
     if found is _UNBUILT:
         found = request.built[key] = build(step.graph, request.library, step.machine, request.free_input_placements,
-                                           step.devices)
+                                           step.devices, computed=request.prices)
     return found
 
 
