@@ -40,6 +40,22 @@ def test_block_names():
     assert block_of("wte") == OUTSIDE and block_of("lnf") == OUTSIDE and block_of("bq") == OUTSIDE
 
 
+def test_a_name_moved_into_a_block_is_the_substitution_of_its_block():
+    from parsat.ir.blocks import _BLOCK_NAME, in_block
+    for name in ("b1_wq", "b12_ln1_b0_x", "b0_", "wte", "lnf", "bq", "xb1_wq", "b1wq", "", "b7_b1_w"):
+        for block in (0, 3, 17):
+            assert in_block(name, block) == (_BLOCK_NAME.sub(f"b{block}_", name, count=1)
+                                             if block_of(name) != OUTSIDE else name)
+
+
+def test_the_stamper_makes_every_field_of_a_pcg_node():
+    """`repeat._Stamper.emit` builds PNodes field by field, in order: a field added to PNode must be added there."""
+    from dataclasses import fields
+    from parsat.ir.pcg import PNode
+    assert tuple(f.name for f in fields(PNode)) == ("id", "kind", "op", "inputs", "attrs", "shape", "degrees",
+                                                    "role", "origin", "placement", "rules")
+
+
 def test_repeated_plan_is_as_good_as_the_whole_search(plans):
     whole, repeated = plans
     assert repeated.saturation["repeated_blocks"] == {"blocks": 5, "searched_blocks": 3, "repeated_block": 1,

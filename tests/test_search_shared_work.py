@@ -273,3 +273,81 @@ def test_recomputing_shared_cost_objects_recomputes_each_e_node_as_alone(three_b
         afresh[(cid, index)] = again.with_transient(again.transient_bytes // count)
     assert afresh != costs   # recomputation changes costs here
     assert recomputed_enodes(costs, snapshot, roots, "blocks") == afresh
+
+
+def test_a_layout_s_floor_priced_without_its_parallel_nodes_is_its_floor_priced_whole(gpt):
+    """`step._stage_candidates` prices a grid family's first layout without its parallel nodes: what the floor
+    reads of them (forward_s, backward_s) is 0 on every one, and the other nodes are priced as in the whole."""
+    from parsat.search.step import _not_parallel
+    from parsat.search.solve import pcg_node_costs
+    library, graph = gpt
+    machine = Machine.preset("h100x8").with_devices(8)
+    layouts = [p for p in (megatron_pcg(graph, library, shape, 8, zero=zero, sequence=seq)
+                           for shape, seq, zero in LAYOUTS) if p is not None]
+    assert len(layouts) >= 8
+    for pcg in layouts:
+        whole = pcg_node_costs(pcg, library, machine, True, graph.microbatches)
+        part = pcg_node_costs(pcg, library, machine, True, graph.microbatches, only=_not_parallel)
+        parallel = [n.id for n in pcg.nodes if n.kind == "parallel"]
+        assert parallel and all(whole[i].forward_s == whole[i].backward_s == 0.0 for i in parallel)
+        assert part == {i: c for i, c in whole.items() if i not in parallel}
+        assert sum(c.forward_s + c.backward_s for c in part.values()) == \
+            sum(c.forward_s + c.backward_s for c in whole.values())
+
+
+def test_a_pcg_s_rules_worked_out_once_per_set_of_makers_are_each_node_s_own(three_blocks):
+    """`solve.pcg_from_extraction` names each node's rules once per set of makers: each is the library's rules
+    that made that node, in library order, as looking them up node by node gives."""
+    from parsat.search.extract import extract
+    from parsat.search.solve import pcg_from_extraction, rule_locations
+    graph, result, costs = three_blocks
+    library = resolve_library(None)
+    roots = [result.classes[n] for n in graph.outputs]
+    extraction = extract(result.snapshot, costs, roots, float("inf"))
+    pcg, ident = pcg_from_extraction(result, extraction, graph, library, roots, graph.outputs)
+    where_is, by_id = rule_locations(library.rules), {n.id: n for n in pcg.nodes}
+    named = 0
+    for cid, node_id in ident.items():
+        made = result.snapshot.rules_at(cid, result.snapshot.classes[cid][extraction.choice[cid]])
+        assert by_id[node_id].rules == tuple(shown for name, shown in where_is.items() if name in made)
+        named += bool(made)
+    assert named >= 3
+
+
+def test_compute_costs_shared_across_node_counts_are_each_machine_s_own(gpt):
+    """`extract.Pricer` keeps compute costs by the machine less its node count: a compute node priced on a machine of
+    1, 2 or 8 nodes, fresh or from costs another node count filled, costs the same."""
+    from parsat.search.solve import pcg_node_costs
+    from parsat.search.step import _not_parallel
+    library, graph = gpt
+    layouts = [p for p in (megatron_pcg(graph, library, shape, 8, zero=zero, sequence=seq)
+                           for shape, seq, zero in LAYOUTS[:6]) if p is not None]
+    assert len(layouts) >= 4
+    shared: dict = {}
+    for pcg in layouts:
+        fresh = [pcg_node_costs(pcg, library, Machine.preset("h100x8", nodes), True, graph.microbatches,
+                                only=_not_parallel) for nodes in (1, 2, 8)]
+        assert fresh[0] == fresh[1] == fresh[2]
+        for nodes in (8, 1, 2):
+            assert pcg_node_costs(pcg, library, Machine.preset("h100x8", nodes), True, graph.microbatches,
+                                  only=_not_parallel, computed=shared) == fresh[0]
+    assert len({key[-2] for key in shared}) == 1   # one machine in the keys
+
+
+def test_extractions_sharing_compute_costs_give_the_plans_and_costs_of_fresh_ones(three_blocks):
+    """`solve` prices a plan's PCG (a repeated plan's whole model) with the compute costs the call's other pricers
+    worked out (`computed`): the same PCG and costs as pricing afresh, and a second extraction works out none."""
+    graph, result, costs = three_blocks
+    library = resolve_library(None)
+    machine = Machine.preset("cpu").with_devices(2)
+    roots = [result.classes[n] for n in graph.outputs]
+    shared: dict = {}
+    for recompute in ("none", "blocks"):
+        fresh = solve.solve(result, graph, library, machine, roots, Limits(), True, recompute=recompute)
+        kept = solve.solve(result, graph, library, machine, roots, Limits(), True, recompute=recompute,
+                           computed=shared)
+        assert kept[0] == fresh[0] and kept[1] == fresh[1]
+    assert shared
+    before = dict(shared)
+    again = solve.solve(result, graph, library, machine, roots, Limits(), True, recompute="blocks", computed=shared)
+    assert again[1] == fresh[1] and shared == before

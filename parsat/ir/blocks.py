@@ -31,7 +31,8 @@ def has_blocks(names) -> bool:
 
 def in_block(name: str, block: int) -> str:
     """`name` moved into `block` (`b1_wq` -> `b7_wq`); a name outside every block is kept."""
-    return _BLOCK_NAME.sub(f"b{block}_", name, count=1) if block_of(name) != OUTSIDE else name
+    found = _BLOCK_NAME.match(name)   # one match, not a match and a substitution: a stamped PCG moves every node
+    return f"b{block}_{name[found.end():]}" if found else name
 
 
 def node_blocks(pcg: PCG) -> dict[int, int]:

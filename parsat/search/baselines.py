@@ -69,22 +69,24 @@ class Candidate:
 
 
 def data_parallel(graph: Graph, library: Library, machine: Machine, free_input_placements: bool,
-                  devices: int) -> Candidate | None:
+                  devices: int, computed: dict | None = None) -> Candidate | None:
     """The data-parallel PCG priced; None where it does not apply (a batch that does not split, an operator
-    that refuses the spread)."""
+    that refuses the spread). `computed`: compute costs shared with other pricers (`extract.Pricer`)."""
     pcg = data_parallel_pcg(graph, library, devices, machine.devices_per_node)
-    costs = price_pcg(pcg, library, machine, free_input_placements, graph.microbatches) if pcg is not None else None
+    costs = price_pcg(pcg, library, machine, free_input_placements, graph.microbatches, computed=computed) \
+        if pcg is not None else None
     if costs is None:
         return None
     return Candidate("data_parallel", pcg, costs, totals(costs, machine))
 
 
 def expert_parallel(graph: Graph, library: Library, machine: Machine, free_input_placements: bool,
-                    devices: int) -> Candidate | None:
+                    devices: int, computed: dict | None = None) -> Candidate | None:
     """The expert-parallel PCG priced; None where it does not apply (no experts' batched matmul, an operator that
-    refuses the layout)."""
+    refuses the layout). `computed`: compute costs shared with other pricers (`extract.Pricer`)."""
     pcg = expert_parallel_pcg(graph, library, devices, machine.devices_per_node)
-    costs = price_pcg(pcg, library, machine, free_input_placements, graph.microbatches) if pcg is not None else None
+    costs = price_pcg(pcg, library, machine, free_input_placements, graph.microbatches, computed=computed) \
+        if pcg is not None else None
     if costs is None:
         return None
     return Candidate("expert_parallel", pcg, costs, totals(costs, machine))
@@ -348,8 +350,9 @@ def pcg_to_graph(pcg: PCG, graph: Graph, library: Library, drop_parallel: bool =
 def sequential(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh: Mesh, limits: Limits,
                machine: Machine, pins: Mapping[str, Placement], input_pins: Mapping[str, Degrees], free_input_placements: bool,
                say: Progress, caches: MeshCaches | None = None,
-               repetition: Repetition | None = None) -> Candidate | None:
-    """Algebraic rules saturated and extracted first (on one device), then parallel rules only, on `mesh`.
+               repetition: Repetition | None = None, computed: dict | None = None) -> Candidate | None:
+    """Algebraic rules saturated and extracted first (on one device), then parallel rules only, on `mesh`
+    (`computed`: compute costs shared with other pricers, `extract.Pricer`).
     Ctrl-C inside either saturation (which egglog's run absorbs, stop reason `interrupted`) is raised again as
     KeyboardInterrupt: the caller ends the call's search, as it does wherever else Ctrl-C lands."""
     algebraic = [r for r in rules if not is_parallel_rule(r)]
@@ -359,7 +362,7 @@ def sequential(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], me
                                         caches=caches))
         roots = [first.classes[n] for n in graph.outputs]
         one = machine.with_devices(1)
-        pcg, _c, _e = solve(first, graph, library, one, roots, limits, free_input_placements)
+        pcg, _c, _e = solve(first, graph, library, one, roots, limits, free_input_placements, computed=computed)
         middle = pcg_to_graph(pcg, graph, library)
         if any(n not in middle.shapes() for n in pins) or middle.outputs != graph.outputs:
             say("sequential baseline: none (the algebraic rewrite renamed a pinned tensor)")
@@ -368,7 +371,7 @@ def sequential(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], me
                                          caches=caches))
         roots = [second.classes[f"pin:{n}"] if n in pins else second.classes[n] for n in middle.outputs]
         spcg, scosts, _ = solve(second, middle, library, machine, roots, limits, free_input_placements, pins=input_pins,
-                                repetition=repetition)
+                                repetition=repetition, computed=computed)
     except (ExtractionError, GraphError, OptimizeError, RepeatError) as err:
         say(f"sequential baseline: none ({err})")
         return None
@@ -389,12 +392,12 @@ def best_grid(result: SaturationResult, graph: Graph, library: Library, machine:
               limits: Limits, free_input_placements: bool, priced: Mapping[NodeId, NodeCost],
               input_pins: Mapping[str, Degrees], repetition: Repetition | None = None,
               recompute: str = NONE, zero: int = 0,
-              fits: Callable[[Candidate], bool] | None = None) -> Candidate | None:
+              fits: Callable[[Candidate], bool] | None = None, computed: dict | None = None) -> Candidate | None:
     """The best Megatron-style configuration on this mesh's e-graph (`strategies.grid`: data x tensor axes,
     sequence parallelism on or off, ZeRO-3 or not), priced by the same cost model (`priced`: under the
     activation-recomputation policy `recompute` and ZeRO stage `zero` of the joint plan's policy, as Megatron
     runs large models), the fastest that fits (`fits`: as the step runs it, `search.fit`; on `machine` by
-    default); its configuration spelled out."""
+    default); its configuration spelled out. `computed`: compute costs shared with other pricers (`extract.Pricer`)."""
     fits = fits or (lambda candidate: candidate.totals.fits(machine))
     mesh = result.snapshot.mesh or Mesh(())
     roles = leaf_roles(result.snapshot, graph)
@@ -416,7 +419,7 @@ def best_grid(result: SaturationResult, graph: Graph, library: Library, machine:
             keep(config, *solve(result, graph, library, machine, roots,
                                 replace(limits, ilp_nodes=min(limits.ilp_nodes, GRID_ILP_NODES)), free_input_placements,
                                 excluded, pins=input_pins, costs=priced, repetition=repetition,
-                                recompute=recompute, zero=zero)[:2])
+                                recompute=recompute, zero=zero, computed=computed)[:2])
         except ExtractionError:
             unfit.append((config, excluded))
         except RepeatError:
@@ -428,7 +431,7 @@ def best_grid(result: SaturationResult, graph: Graph, library: Library, machine:
             try:
                 keep(config, *solve(result, graph, library, roomy, roots, replace(limits, ilp_seconds=0.0),
                                     free_input_placements, excluded, pins=input_pins, costs=priced, repetition=repetition,
-                                    recompute=recompute, zero=zero)[:2])
+                                    recompute=recompute, zero=zero, computed=computed)[:2])
             except (ExtractionError, RepeatError):
                 continue
     return best

@@ -341,7 +341,7 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
             pcg, costs, extraction = solve(result, graph, request.library, machine, sat.roots, clock.remaining(),
                                            request.free_input_placements, pinned, pins=step.input_pins,
                                            costs=priced, repetition=step.repetition, in_flight=step.in_flight,
-                                           recompute=policy.recompute, zero=policy.zero)
+                                           recompute=policy.recompute, zero=policy.zero, computed=request.prices)
         except ExtractionError as err:
             if failure is None or 0 < err.needed_bytes < (failure.needed_bytes or float("inf")):
                 failure = MeshSearch(sat.mesh, sat.pins, result, None, None, None, None,
@@ -384,7 +384,7 @@ def _restricted_baselines(step: StepContext, sat: Saturated, priced, policy: Pol
     request, graph, machine, result = step.request, step.searched, step.machine, sat.result
     grid = best_grid(result, graph, request.library, machine, sat.roots, clock.remaining(0.5),
                      request.free_input_placements, priced, step.input_pins, step.repetition, policy.recompute,
-                     policy.zero, fits=step.memory.fits)
+                     policy.zero, fits=step.memory.fits, computed=request.prices)
     megatron = None
     if step.stage is not None:
         return megatron, grid   # a pipeline stage's plan: its grid point is the one baseline the pipeline reads
@@ -393,7 +393,7 @@ def _restricted_baselines(step: StepContext, sat: Saturated, priced, policy: Pol
         mpcg, mcosts, _ = solve(result, graph, request.library, machine, sat.roots, clock.remaining(),
                                 request.free_input_placements, excluded, pins=step.input_pins, costs=priced,
                                 repetition=step.repetition, recompute=policy.recompute,
-                                zero=policy.zero)
+                                zero=policy.zero, computed=request.prices)
         if mpcg.max_pieces > 1:
             megatron = Candidate("megatron", mpcg, mcosts, totals(mcosts, machine))
     except (ExtractionError, RepeatError):

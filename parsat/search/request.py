@@ -106,6 +106,11 @@ class SearchRequest:
     # the rules a joint plan used, by its snapshot and choice: a scout's plan and the plan of the search of every
     # mesh at its count are often the same extraction of the same e-graph (`step.plan_rules`)
     rules_found: dict = field(default_factory=dict, compare=False)
+    # the baselines a step builds apart from the meshes' e-graphs (data and expert parallelism, the sequential
+    # search) by their inputs, and which candidates' PCGs can be placed: a scout's step and the search of every
+    # mesh at its count build and check the same ones (`step.built_once`, `step.sequential_once`,
+    # `step._unplaceable`)
+    built: dict = field(default_factory=dict, compare=False)
     deadline: float | None = None       # the call's `--limit seconds` deadline (perf_counter), None without one
     # leave out the associativity rules that cannot pay off on a graph whose sums are sequential (`egraph.sums`,
     # docs/MESH.md "Sequential sums"); False saturates with every rule (what the tests compare against)

@@ -36,7 +36,8 @@ def solve(result: SaturationResult, graph: Graph, library: Library, machine: Mac
           limits: Limits, free_input_placements: bool, exclude=None, pins: Mapping[str, Degrees] | None = None,
           costs: Mapping[NodeId, NodeCost] | None = None,
           repetition: Repetition | None = None, in_flight: int = 1,
-          recompute: str = NONE, zero: int = 0) -> tuple[PCG, dict[int, NodeCost], Extraction]:
+          recompute: str = NONE, zero: int = 0,
+          computed: dict | None = None) -> tuple[PCG, dict[int, NodeCost], Extraction]:
     """Extract from `result` (with `costs`, the e-nodes priced, when already known) and build the PCG.
 
     `in_flight` > 1 ranks memory with that many micro-batches' activations alive (a pipeline stage's), while
@@ -46,7 +47,11 @@ def solve(result: SaturationResult, graph: Graph, library: Library, machine: Mac
     (`repeat.stamp`), priced node by node (RepeatError when the plan's blocks are not laid out alike).
 
     `recompute` is the activation-recomputation policy the plan runs with (`ir.recompute`), `zero` the ZeRO
-    stage of its weights' state (`ir.pcg.PCG.zero`); `costs`, when given, must be priced under both (`price`)."""
+    stage of its weights' state (`ir.pcg.PCG.zero`); `costs`, when given, must be priced under both (`price`).
+    `computed`: compute operators' costs shared with the call's other pricers (`extract.Pricer`): the PCG priced
+    here (a repeated plan's whole model, every grid point's) holds the operators the e-graph's pricing and the
+    other extractions priced, which each extraction otherwise worked out again (bert-large:64: a third of every
+    compute cost worked out was one worked out before)."""
     if costs is None:
         costs = price(result, graph, library, machine, free_input_placements, pins, repetition, roots, recompute,
                       zero=zero)
@@ -55,14 +60,16 @@ def solve(result: SaturationResult, graph: Graph, library: Library, machine: Mac
     pcg, ident = pcg_from_extraction(result, extraction, graph, library, roots, graph.outputs)
     pcg = replace(pcg, recompute=recompute, zero=zero)
     if recompute != NONE and repetition is None:   # the PCG's own readers say what is kept (`search.recompute`)
-        priced = price_pcg(pcg, library, machine, free_input_placements, graph.microbatches, pins)
+        priced = price_pcg(pcg, library, machine, free_input_placements, graph.microbatches, pins,
+                           computed=computed)
         if priced is not None:
             return pcg, priced, extraction
     if repetition is not None:
         names = value_names(result.snapshot, result.classes)
         pcg = stamp(pcg, repetition, {ident[c]: name for c, name in names.items() if c in ident},
                     conversions(result.snapshot, names))
-        priced = price_pcg(pcg, library, machine, free_input_placements, graph.microbatches, pins)
+        priced = price_pcg(pcg, library, machine, free_input_placements, graph.microbatches, pins,
+                           computed=computed)
         if priced is None:
             raise RepeatError("the repeated plan has a node the cost model cannot price")
         return pcg, priced, extraction
@@ -75,7 +82,7 @@ def solve(result: SaturationResult, graph: Graph, library: Library, machine: Mac
     held_classes, held = kept_classes(result.snapshot, graph, library), kept_values(pcg, library)
     differs = {ident[c] for c in extraction.choice if (c in held_classes) != (ident[c] in held)}
     readers = price_pcg(pcg, library, machine, free_input_placements, graph.microbatches, pins,
-                        only=lambda node: node.kind == "parallel" or node.id in differs)
+                        only=lambda node: node.kind == "parallel" or node.id in differs, computed=computed)
     return pcg, {**by_class, **(readers or {})}, extraction
 
 
@@ -230,6 +237,9 @@ def pcg_from_extraction(result: SaturationResult, extraction: Extraction, graph:
     nodes: list[PNode] = []
     mesh = snapshot.mesh or Mesh(())
     where_is = rule_locations(library.rules)
+    # a node's rules, in library order, worked out once per set of makers: most e-nodes share theirs with others
+    # (every block's alike), and each look-up read the whole library (bert-large:64: 19,638 look-ups)
+    shown_of: dict[frozenset[str], tuple[str, ...]] = {}
     for cid in order:
         enode = snapshot.classes[cid][extraction.choice[cid]]
         inputs = tuple(ident[ch] for ch in enode.children)
@@ -247,7 +257,9 @@ def pcg_from_extraction(result: SaturationResult, extraction: Extraction, graph:
             node = PNode(len(nodes), "op", enode.op, inputs, attrs, shape, degrees, origin=names_of.get(cid, ""),
                          placement=where)
         made = snapshot.rules_at(cid, enode)
-        rules = tuple(shown for name, shown in where_is.items() if name in made) if made else ()
+        rules = shown_of.get(made)
+        if rules is None:   # the library's order, as `rule_locations` lists them (see below)
+            rules = shown_of[made] = tuple(shown for name, shown in where_is.items() if name in made) if made else ()
         node = replace(node, rules=rules) if rules else node
         ident[cid] = node.id
         nodes.append(node)

@@ -183,12 +183,17 @@ def _stage_candidates(step: StepContext, searches: Sequence[MeshSearch]) -> Iter
     (`solve.restaged_node_costs`), whose forward_s and backward_s are 0 (`cost.model.parallel_cost`: a
     collective's time is its comm_s), and recomputation adds each recomputed forward to its backward
     (`NodeCost.recomputed`). So the family's first layout, priced as laid out (`solve.pcg_node_costs`), has a
-    floor no higher than any of its points': the rest of the family is not built (`grid_families`' `skip`)."""
+    floor no higher than any of its points': the rest of the family is not built (`grid_families`' `skip`).
+    That layout's parallel nodes are not priced either (`_not_parallel`): the floor reads forward_s and
+    backward_s alone, a parallel node's are 0 (`cost.model.parallel_cost`, `NodeCost()` where no gradient
+    flows), and a sum less terms that are 0.0 is the same float; a parallel node is never unpriceable
+    (`extract.Pricer.price` gives a NodeCost for every one), so leaving them out makes no layout priceable that
+    was not. bert-large:64's four skipped pairs priced 26 such layouts."""
     request = step.request
     for search in searches:
         yield from ((c.pcg, c.costs) for c in (search.joint, search.megatron, search.grid) if c is not None)
     for build in (data_parallel, expert_parallel):
-        found = build(step.graph, request.library, step.machine, request.free_input_placements, step.devices)
+        found = built_once(step, build)
         if found is not None:
             yield found.pcg, found.costs
     firsts: list[PCG] = []
@@ -202,8 +207,13 @@ def _stage_candidates(step: StepContext, searches: Sequence[MeshSearch]) -> Iter
         while firsts:
             pcg = firsts.pop()
             yield pcg, pcg_node_costs(pcg, request.library, step.machine, request.free_input_placements,
-                                      step.graph.microbatches, computed=request.prices)
+                                      step.graph.microbatches, only=_not_parallel, computed=request.prices)
         yield from ((point.pcg, point.costs) for _place, point in family)
+
+
+def _not_parallel(node) -> bool:
+    """Whether a PCG node is a leaf or a compute node (what `_stage_candidates` prices for a family's floor)."""
+    return node.kind != "parallel"
 
 
 def _surely_fits(step: StepContext, solved: Sequence[MeshSearch]) -> bool:
@@ -212,11 +222,11 @@ def _surely_fits(step: StepContext, solved: Sequence[MeshSearch]) -> bool:
     be placed: data parallelism (built alike by `compare_baselines` where baselines are asked for), or the joint
     plan of the one mesh that has one."""
     request = step.request
-    sure = [data_parallel(step.graph, request.library, step.machine, request.free_input_placements, step.devices)
-            ] if request.baselines else []
+    sure = [built_once(step, data_parallel)] if request.baselines else []
     if len(solved) == 1:
         sure.append(solved[0].joint)
-    return any(c is not None and step.memory.fits(c) and not _unplaceable([c], request.library) for c in sure)
+    return any(c is not None and step.memory.fits(c) and not _unplaceable([c], request.library, request.built)
+               for c in sure)
 
 
 def _keeping_pins(search: MeshSearch, step: StepContext) -> MeshSearch:
@@ -401,10 +411,8 @@ def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_se
     megatron = best([s.megatron for s in searches], step.memory)
     two_phase = _two_phase(step, best_search, spare, clock) \
         if spare is not None and step.stage is None and request.baselines else None
-    dp = data_parallel(graph, request.library, machine, request.free_input_placements, step.devices) \
-        if not step.pins else None
-    experts = expert_parallel(graph, request.library, machine, request.free_input_placements, step.devices) \
-        if not step.pins else None
+    dp = built_once(step, data_parallel) if not step.pins else None
+    experts = built_once(step, expert_parallel) if not step.pins else None
     ranked = step_read(step)
     two_phase, dp, experts = steps.where(two_phase, ranked), steps.where(dp, ranked), steps.where(experts, ranked)
     # data parallelism over every device is a point of the grid too, and so is every point of the grid built
@@ -442,17 +450,54 @@ def step_read(step: StepContext) -> Callable[[Candidate], bool] | None:
 
 def _two_phase(step: StepContext, best_search: MeshSearch, spare: Limits, clock: Deadline) -> Candidate | None:
     """The sequential baseline on the best mesh within `spare`; None when Ctrl-C cuts it, which then ends the call's
-    search as anywhere else (`Deadline.interrupt`): the step's plan comes back, not the user's interrupt."""
+    search as anywhere else (`Deadline.interrupt`): the step's plan comes back, not the user's interrupt.
+
+    Built once per call for the same inputs (as `searched_once` searches a mesh once): the search of every mesh
+    at the count a scout chose builds it again on the same graph and, where the scout's first mesh stays the
+    best, the same mesh (bert-large:64: two saturations, one device and `mixed 64`, and two extractions).
+    Only where no wall-clock limit can cut it (`--limit seconds`, `ilp_seconds`: `spare` is then the given
+    limits, and saturation and extraction stop on work budgets alone, so its inputs decide it), and not where
+    Ctrl-C cut the call."""
     request = step.request
+    limits = replace(spare, ilp_nodes=max(1, request.limits.ilp_nodes // 2))
+    key = ("sequential", step.searched, step.repetition, step.machine, best_search.mesh,
+           tuple(sorted(best_search.pins.items())), tuple(sorted(step.input_pins.items())), limits)
+    once = not (math.isfinite(request.limits.seconds) or math.isfinite(request.limits.ilp_seconds))
+    found = request.built.get(key, _UNBUILT) if once else _UNBUILT
+    if found is not _UNBUILT:
+        step.say("baseline sequential: built before, with the same inputs")
+        return found
     try:
-        return sequential(step.searched, request.library, request.rules, best_search.mesh,
-                          replace(spare, ilp_nodes=max(1, request.limits.ilp_nodes // 2)), step.machine,
-                          best_search.pins, step.input_pins, request.free_input_placements, step.say, request.caches,
-                          step.repetition)
+        found = sequential(step.searched, request.library, request.rules, best_search.mesh, limits, step.machine,
+                           best_search.pins, step.input_pins, request.free_input_placements, step.say,
+                           request.caches, step.repetition, computed=request.prices)
     except KeyboardInterrupt:
         clock.interrupt()
         step.say("baseline sequential: none (interrupted (Ctrl-C))")
         return None
+    if once and not clock.interrupted.is_set():
+        request.built[key] = found
+    return found
+
+
+def built_once(step: StepContext, build: Callable[..., Candidate | None]) -> Candidate | None:
+    """`build` (`baselines.data_parallel` or `expert_parallel`) of the step's graph on its machine and devices,
+    once per call: a pipeline stage's step reads data parallelism twice before any candidate is simulated
+    (`_stage_candidates`, `_surely_fits`) and again where nothing is skipped (`compare_baselines`), and the
+    search of every mesh at a count builds what its scout built. Sound: a builder reads only these and the
+    request's library and `free_input_placements` (no limit, no clock: the same inputs give the same
+    candidate), and a Candidate is frozen, its PCG and costs never written once priced, so the one built first
+    is what building again would give. bert-large:64 built data parallelism 10 times, 5 of them again."""
+    request = step.request
+    key = (build.__name__, step.graph, step.machine, step.devices)
+    found = request.built.get(key, _UNBUILT)
+    if found is _UNBUILT:
+        found = request.built[key] = build(step.graph, request.library, step.machine, request.free_input_placements,
+                                           step.devices, computed=request.prices)
+    return found
+
+
+_UNBUILT = object()   # `built_once`: not built yet in this call (None is an answer: the baseline does not apply)
 
 
 def independent_points(step: StepContext, steps: CandidateSteps) -> list[Candidate]:
@@ -525,7 +570,7 @@ def assemble_plan(step: StepContext, searches: Sequence[MeshSearch], best_search
     request, graph, machine = step.request, step.graph, step.machine
     # Every candidate must be one the backend can place (`pcg_placement`): the placement analysis makes that so,
     # and a candidate that still is not is left out, and said, rather than returned.
-    unplaceable = _unplaceable(candidates, request.library)
+    unplaceable = _unplaceable(candidates, request.library, request.built)
     for name, why in unplaceable.items():
         step.say(f"{name}: left out, it cannot be placed on the devices ({why})")
     candidates = [c for c in candidates if c.name not in unplaceable]
@@ -646,12 +691,25 @@ def _extraction_record(best_search: MeshSearch, chosen: Candidate, unplaceable: 
     return ext
 
 
-def _unplaceable(candidates: Sequence[Candidate], library: Library) -> dict[str, str]:
-    """The candidates whose PCG cannot be placed on its mesh, and why."""
+def _unplaceable(candidates: Sequence[Candidate], library: Library, known: dict | None = None) -> dict[str, str]:
+    """The candidates whose PCG cannot be placed on its mesh, and why. `known` (the request's `built`) keeps each
+    PCG's answer by its identity, beside the PCG (so no other PCG takes its id): `derive_placements` reads only
+    the PCG and the library's operators, both the call's, and the steps of one call ask again of the same PCGs
+    (a scout's candidates are the search of every mesh's again: its first mesh's search, data parallelism, the
+    grid points; a stage step asks of data parallelism before and after the candidates are simulated)."""
     out = {}
     for candidate in candidates:
-        try:
-            derive_placements(candidate.pcg, library.ops)
-        except PlacementError as err:
-            out[candidate.name] = str(err)
+        key = ("placed", id(candidate.pcg))
+        found = known.get(key) if known is not None else None
+        if found is None or found[0] is not candidate.pcg:
+            try:
+                derive_placements(candidate.pcg, library.ops)
+                why = None
+            except PlacementError as err:
+                why = str(err)
+            found = (candidate.pcg, why)
+            if known is not None:
+                known[key] = found
+        if found[1] is not None:
+            out[candidate.name] = found[1]
     return out
