@@ -133,3 +133,20 @@ def test_zero1_beside_tensor_parallelism_keys_each_tp_rank_s_state_and_resumes_l
     written = launch(write_job, (plan, folder), LaunchConfig(nproc=4, backend="gloo", timeout_s=300))
     assert sorted({w["key"] for w in written}) == ["tp=0/0", "tp=1/0"], written
     _check_resumed(launch(resume_job, (plan, folder), LaunchConfig(nproc=4, backend="gloo", timeout_s=300)))
+
+
+def test_each_rank_copies_exactly_its_chunk_of_the_members_laid_end_to_end():
+    """`_overlaps` gives `step` the pieces of this rank's chunk and nothing else: over 3 ranks of 3 + 4 + 2
+    elements (chunk 3), every element of every member lands once, at its offset in the concatenation."""
+    from parsat.backend.torch_native.zero import _overlaps
+
+    members = [torch.arange(3.0), torch.arange(3.0, 7.0).reshape(2, 2), torch.arange(7.0, 9.0)]
+    seen = []
+    for start in (0, 3, 6):
+        chunk = torch.full((3,), -1.0)
+        for p, member, part in _overlaps(members, start, 3):
+            chunk[part] = p.reshape(-1)[member]
+        seen.append(chunk)
+    assert torch.equal(torch.cat(seen), torch.tensor([0.0, 1, 2, 3, 4, 5, 6, 7, 8]))
+    assert [(member, part) for _p, member, part in _overlaps(members, 6, 3)] == [
+        (slice(3, 4), slice(0, 1)), (slice(0, 2), slice(1, 3))]

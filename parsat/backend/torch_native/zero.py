@@ -76,7 +76,6 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         from torch.distributed.tensor import DTensor, Shard
 
         self.mesh, self.beside = mesh, beside
-        size, rank = mesh.size(), mesh.get_local_rank()
         seen: dict[int, nn.Parameter] = {}
         for p in params:
             if p.requires_grad:
@@ -86,11 +85,13 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
             by_dtype.setdefault(p.dtype, []).append(p)
         self.groups: list[tuple[list[nn.Parameter], nn.Parameter, int]] = []
         for members in by_dtype.values():
-            whole = torch.cat([_local(p).detach().reshape(-1) for p in members])
-            chunk = -(-whole.numel() // size)
-            mine = _padded(whole, chunk * size).narrow(0, rank * chunk, chunk).clone()
+            total = sum(_local(p).numel() for p in members)
+            start, chunk = _chunk_of(mesh, total)
+            mine = _local(members[0]).new_zeros(chunk)   # the last ranks' padding stays 0, and its state too
+            for p, member, part in _overlaps(members, start, chunk):
+                mine[part].copy_(_local(p).detach().reshape(-1)[member])
             flat = nn.Parameter(DTensor.from_local(mine, mesh, [Shard(0)], run_check=False))
-            self.groups.append((members, flat, whole.numel()))
+            self.groups.append((members, flat, total))
         self.inner = optimizer_class([flat for _, flat, _ in self.groups], **defaults)
         super().__init__([flat for _, flat, _ in self.groups], self.inner.defaults)
         self.param_groups, self.state = self.inner.param_groups, self.inner.state
@@ -105,18 +106,17 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        size, rank = self.mesh.size(), self.mesh.get_local_rank()
         for members, flat, total in self.groups:
-            chunk = flat.to_local().numel()
+            mine = flat.to_local()
+            start, _chunk = _chunk_of(self.mesh, total)
             # the parameters' values as they are now (loaded from a checkpoint, set by the user since the last
             # step): the flat chunk is this rank's copy of them, never a second source of the weights
-            flat.to_local().copy_(_padded(torch.cat([_local(p).reshape(-1) for p in members]), chunk * size)
-                                  .narrow(0, rank * chunk, chunk))
-            grads = torch.cat([_local(p.grad).reshape(-1) if p.grad is not None else
-                               torch.zeros(_local(p).numel(), dtype=p.dtype, device=_local(p).device)
-                               for p in members])
-            mine = _padded(grads, chunk * size).narrow(0, rank * chunk, chunk).clone()
-            flat.grad = DTensor.from_local(mine, self.mesh, [Shard(0)], run_check=False)
+            grad = torch.zeros_like(mine)
+            for p, member, part in _overlaps(members, start, mine.numel()):
+                mine[part].copy_(_local(p).reshape(-1)[member])
+                if p.grad is not None:
+                    grad[part].copy_(_local(p.grad).reshape(-1)[member])
+            flat.grad = DTensor.from_local(grad, self.mesh, [Shard(0)], run_check=False)
         self.inner.step()
         for members, flat, total in self.groups:
             whole = flat.full_tensor()[:total]
@@ -159,8 +159,9 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
                     mine = self.inner.state[flat][key]
                     if _is_flat_like(mine, flat):
                         target = self._unpadded(mine, total)
-                        if value is not target:
-                            target.to_local().copy_(_piece(value, target))
+                        piece = _piece(value, target)
+                        if piece.data_ptr() != target.to_local().data_ptr():   # not dcp.load's own view
+                            target.to_local().copy_(piece)
                     elif isinstance(mine, torch.Tensor):
                         if value is not mine:
                             mine.copy_(value)
@@ -184,7 +185,10 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         return f"{self.beside}/" if self.beside else ""
 
     def _made_state(self) -> None:
-        """The inner optimizer's state made, where no step has made it yet (torch's optimizers make it lazily)."""
+        """The inner optimizer's state made, where no step has made it yet (torch's optimizers make it lazily).
+        torch's `get_optimizer_state_dict` does this with a private helper (`_init_optim_state`) that does nothing
+        where a gradient exists (after backward, before the first step), which would leave nothing to save or to
+        load into: here the gradients are set aside for the zero-gradient step and put back."""
         if self.inner.state:
             return
         flats = [flat for _members, flat, _total in self.groups]
@@ -208,8 +212,8 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         from torch.distributed.tensor import DTensor, Shard
 
         local = value.to_local()
-        start = self.mesh.get_local_rank() * local.numel()
-        kept = max(0, min(local.numel(), total - start))
+        start, chunk = _chunk_of(self.mesh, total)
+        kept = max(0, min(chunk, total - start))
         return DTensor.from_local(local[:kept], self.mesh, [Shard(0)], run_check=False, shape=torch.Size([total]),
                                   stride=(1,))
 
@@ -241,18 +245,30 @@ def _piece(value: Any, target) -> torch.Tensor:
         value = value.full_tensor()
     if tuple(value.shape) != tuple(target.shape):
         raise ValueError(f"a ZeRO-1 state of {tuple(value.shape)} where this optimizer's is {tuple(target.shape)}")
-    local = target.to_local()
-    start = target.device_mesh.get_local_rank() * -(-target.shape[0] // target.device_mesh.size())
-    return value[start:start + local.numel()]
+    start, _chunk = _chunk_of(target.device_mesh, target.shape[0])
+    return value[start:start + target.to_local().numel()]
+
+
+def _chunk_of(mesh, total: int) -> tuple[int, int]:
+    """Where this rank's chunk of a flat vector of `total` elements starts, and its padded length: torch's even
+    sharding (`torch.chunk`'s sizes), which the flat parameters, their state and the checkpoints all follow."""
+    chunk = -(-total // mesh.size())
+    return mesh.get_local_rank() * chunk, chunk
+
+
+def _overlaps(members: list[nn.Parameter], start: int, length: int):
+    """(parameter, slice of its flattened local values, slice of the chunk) for each parameter that overlaps the
+    chunk [start, start + length) of the members' values laid end to end: what `step` copies, and no more
+    (not the whole model's weights and gradients each step)."""
+    offset = 0
+    for p in members:
+        n = _local(p).numel()
+        lo, hi = max(start, offset), min(start + length, offset + n)
+        if lo < hi:
+            yield p, slice(lo - offset, hi - offset), slice(lo - start, hi - start)
+        offset += n
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local values (a view: writing it writes the parameter), or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _padded(flat: torch.Tensor, length: int) -> torch.Tensor:
-    """`flat` with zeros after it up to `length`: every rank's chunk the same size (the padding's state stays 0)."""
-    if flat.numel() == length:
-        return flat
-    return torch.cat([flat, flat.new_zeros(length - flat.numel())])
