@@ -289,6 +289,7 @@ def train_plan(ctx, plan: dict, steps: int, held_by_all: bool = True, folder: st
     from torch.distributed.tensor import DTensor
 
     from parsat.backend.torch_native.apply import NativeParallelizeError, local_batch, lowering_of
+    from parsat.backend.torch_native.zero import zero_optimizer
 
     module = gpt_module()
     reference = copy.deepcopy(module)
@@ -303,7 +304,8 @@ def train_plan(ctx, plan: dict, steps: int, held_by_all: bool = True, folder: st
             wrong()
         except NativeParallelizeError as err:
             refusals.append(str(err))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    # the optimizer the plan asks for: ZeRO-1's sharded state where the stage plan has it, else AdamW itself
+    optimizer = zero_optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
     rows = {"losses": [], "ref_losses": [], "norms": [], "ref_norms": []}
     for step in range(steps):
@@ -341,7 +343,15 @@ def train_plan(ctx, plan: dict, steps: int, held_by_all: bool = True, folder: st
     return {**rows, "worst_weight": worst, "worst_name": worst_name, "checkpointed": checkpointed, "refusals": refusals,
             "params": sorted(params), "not_dtensor": sorted(n for n, t in params.items() if not isinstance(t, DTensor)),
             "placements": sorted({str(list(t.placements)) for t in params.values() if isinstance(t, DTensor)}),
-            "lowering": lowering_of(model).describe()}
+            "lowering": lowering_of(model).describe(), "optimizer": type(optimizer).__name__,
+            # elements of optimizer state this rank holds (its shard under ZeRO-1) against its stage's parameters
+            "state_elements": sum(v.numel() if not hasattr(v, "to_local") else v.to_local().numel()
+                                  for state in optimizer.state.values() for k, v in state.items() if k == "exp_avg"),
+            "param_elements": sum(_local(p).numel() for p in model.parameters())}
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _check_run(results: list) -> None:
@@ -470,15 +480,25 @@ def test_pp2_trained_on_two_ranks_like_the_module_in_one_process(pp2, tmp_path):
 
 @pytest.mark.slow
 def test_pp2_by_dp2_trained_on_four_ranks_like_the_module_in_one_process(tmp_path):
-    """The optimizer's pp 2 x dp 2 plan (its stage plan keeps ZeRO-3 over dp: fully_shard on each stage module)
-    and the same with ZeRO pinned off (replicate on each stage module); the DCP checkpoints (sharded DTensors
+    """The optimizer's pp 2 x dp 2 plan (its stage plan keeps ZeRO-3 over dp: fully_shard on each stage module),
+    the same with ZeRO pinned off (replicate on each stage module) and with ZeRO-1 (replicate, and
+    `zero_optimizer` sharding the state over each stage's dp ranks); the DCP checkpoints (sharded DTensors
     on each stage's dp ranks for ZeRO-3) load into the unmodified module here; the ZeRO-3 one also into the
     plain pp 2 pipeline on 2 ranks (`load_job`: the same weights and step)."""
-    plans = {"zero3": pipelined_plan(4, dp=2), "replicate": pipelined_plan(4, dp=2, zero=0)}
+    plans = {"zero3": pipelined_plan(4, dp=2), "replicate": pipelined_plan(4, dp=2, zero=0),
+             "zero1": pipelined_plan(4, dp=2, zero=1)}
     results = _launch(plans, 4, tmp_path)
     for label in plans:
         _check_run([r[label] for r in results])
         assert _checkpoint_loads_into_the_unmodified_module(tmp_path / label, 4) == 0.0
+    # ZeRO-1 in each stage (Megatron's distributed optimizer beside pipelining): each rank holds half of its
+    # stage's AdamW state, where the replicated stages hold all of it
+    for result in results:
+        zero1, whole = result["zero1"], result["replicate"]
+        assert zero1["optimizer"] == "ZeroOneOptimizer" and whole["optimizer"] == "AdamW"
+        assert whole["state_elements"] == whole["param_elements"]
+        assert zero1["state_elements"] == -(-zero1["param_elements"] // 2), (zero1["state_elements"],
+                                                                             zero1["param_elements"])
     # the ZeRO-3 checkpoint of 4 ranks (sharded DTensors) loads into the plain 2-stage pipeline on 2 ranks
     _check_loaded(_loads_on(pipelined_plan(2), 2, tmp_path / "zero3", 4))
     assert "fully_shard over dp" in results[0]["zero3"]["lowering"]

@@ -346,8 +346,26 @@ def apply_pipeline(module: nn.Module, lowering: PipelineLowering, example_inputs
         stages.append(pipe.build_stage(chunk.index, device, group=pp_group))
     schedule = _schedule(lowering, stages)
     shared = _shared_groups(lowering, stage_devices)
-    return PipelinedModule(lowering, modules, schedule, stage, pp_group, shared, [tuple(x.shape) for x in micro],
-                           device)
+    pipelined = PipelinedModule(lowering, modules, schedule, stage, pp_group, shared,
+                                [tuple(x.shape) for x in micro], device)
+    _carry_zero1(pipelined, modules)
+    return pipelined
+
+
+def _carry_zero1(pipelined: PipelinedModule, modules: Sequence[nn.Module]) -> None:
+    """A stage plan with ZeRO-1 (`apply.data_parallel` marks each stage module with its data mesh and its
+    coordinate beside it: `pp=1,tp=0`) marks the PipelinedModule too, so `zero.zero_optimizer(model, ...)`
+    shards the optimizer state of every chunk this rank holds over the stage's data ranks, as Megatron's
+    distributed optimizer runs beside pipeline parallelism. Without it the user's loop would get a whole
+    optimizer on every rank, silently holding the memory the plan was priced without."""
+    from parsat.backend.torch_native.zero import ZERO1_BESIDE_ATTRIBUTE, ZERO1_MESH_ATTRIBUTE
+
+    for name in (ZERO1_MESH_ATTRIBUTE, ZERO1_BESIDE_ATTRIBUTE):
+        values = [value for value in (getattr(sub, name, None) for sub in modules) if value is not None]
+        if any(value != values[0] for value in values):   # one data mesh for all of this rank's chunks
+            raise NativeParallelizeError(f"this rank's chunks carry different ZeRO-1 {name.strip('_')}s")
+        if values:
+            setattr(pipelined, name, values[0])
 
 
 def _relays_out_of_place(root: nn.Module) -> None:
