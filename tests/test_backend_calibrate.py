@@ -103,8 +103,11 @@ def test_calibrate_dtensor_measures_what_an_operator_on_a_dtensor_adds(tmp_path,
     assert code == 0
     efficiency = Machine.load(out).efficiency
     assert efficiency.dtensor_dispatch_s > 0 and efficiency.dtensor_backward_dispatch_s >= 0
-    assert "on a DTensor" in capsys.readouterr().out
+    assert efficiency.fsdp_forward_param_s > 0 and efficiency.fsdp_backward_param_s > 0   # FSDP2's hooks
+    printed = capsys.readouterr().out
+    assert "on a DTensor" in printed and "FSDP2's hooks" in printed
     assert Machine.preset("cpu").efficiency.dtensor_time() == 0.0
+    assert Machine.preset("cpu").efficiency.fsdp_hooks_time(10) == 0.0
 
 
 def test_calibrate_refuses_bad_sizes(capsys):

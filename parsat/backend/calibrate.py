@@ -35,6 +35,13 @@ for fp32 training):
   over all ranks, less the plain chain (`OpEfficiency.dtensor_dispatch_s`,
   `dtensor_backward_dispatch_s`: what torch's tensor-parallel styles add
   to every operator of a module they style);
+* with `dtensor` also FSDP2's hooks: a stack of tiny linear layers under
+  `replicate` over all ranks against the same stack plain, per parameter,
+  forward and backward (less its one all-reduce), `fsdp_forward_param_s`,
+  `fsdp_backward_param_s`: the host time the torch-native runtime's data
+  parallelism adds beyond its collectives and copies (on 2 CPU ranks
+  about 3 ms of a 24 ms BERT step before forward alone, which the profile
+  missed: benchmarks/costmodel_fidelity.md, run T3);
 * memory-bound operators (copies, adds, relus) from kilobytes to tens of
   megabytes, fitted to t = dispatch + (bytes + half) / bandwidth
   (`memory_bandwidth`, `memory_half_bytes`);
@@ -225,6 +232,7 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
     leaf = rand(2, 2).requires_grad_()
     dispatch = _chain_dispatch(ctx, leaf, budget, sync)
     extra = _dtensor_dispatch(ctx, leaf, budget, sync, dispatch) if dtensor else (0.0, 0.0)
+    hooks = _fsdp_hooks(ctx, dtype, budget, sync) if dtensor else (0.0, 0.0)
 
     ops = []
     for m, n, k in gemm_shapes(size):
@@ -247,7 +255,7 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
         ops.append(["randn", [elements], _timed(ctx, lambda: torch.randn(elements, generator=gen, dtype=dtype)
                                                 .to(ctx.device), budget, sync), 0.0, float(elements * item)])
     ops += _updates(ctx, dtype, budget, sync)
-    return {"dispatch": dispatch, "dtensor": extra, "ops": ops, "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync),
+    return {"dispatch": dispatch, "dtensor": extra, "fsdp": hooks, "ops": ops, "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync),
             "skew": _skew(ctx, dtype, size, budget, sync), "threads": torch.get_num_threads()}
 
 
@@ -334,6 +342,38 @@ def _dtensor_dispatch(ctx: RankContext, leaf: torch.Tensor, budget: Budget, sync
     start = distribute_tensor(leaf.detach(), mesh, [Replicate()]).requires_grad_()
     forward, backward = _chain_dispatch(ctx, start, budget, sync)
     return max(0.0, forward - plain[0]), max(0.0, backward - plain[1])
+
+
+FSDP_LAYERS = 16   # tiny linear layers (a weight and a bias each) of the stack whose FSDP2 hooks are timed
+
+
+def _fsdp_hooks(ctx: RankContext, dtype, budget: Budget, sync) -> tuple[float, float]:
+    """Host seconds FSDP2's hooks add per parameter, forward and backward: a stack of tiny linear layers
+    under `replicate` (the torch-native runtime's data parallelism) against the same stack plain; the layers
+    are too small for their kernels to count. Forward under `replicate` over every rank (its hooks set up
+    the unsharded parameters and communicate nothing). Backward under `replicate` over a one-rank axis of
+    each rank's own: its hooks' work (the gradients copied into one buffer, reduced, divided, copied out and
+    made DTensors) without the wait for another rank in its all-reduce, which the collectives' fit prices.
+    The profile's collectives and copies do not price that work."""
+    from torch import nn
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def stack() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(2, 2) for _ in range(FSDP_LAYERS)]).to(ctx.device, dtype)
+
+    mesh = init_device_mesh(ctx.device.type, (dist.get_world_size(), 1), mesh_dim_names=("ranks", "alone"))
+    plain, across, alone = stack(), stack(), stack()
+    replicate(across, mesh=mesh["ranks"])
+    replicate(alone, mesh=mesh["alone"])
+    x = torch.ones(2, 2, dtype=dtype, device=ctx.device)
+    params = sum(1 for _ in plain.parameters())
+    forward = {id(m): _timed(ctx, lambda: m(x), budget, sync) for m in (plain, across, alone)}
+    backward = {id(m): _timed(ctx, lambda: m(x).sum().backward(), budget, sync) - forward[id(m)]
+                for m in (plain, alone)}
+    return (max(0.0, forward[id(across)] - forward[id(plain)]) / params,
+            max(0.0, backward[id(alone)] - backward[id(plain)]) / params)
 
 
 def _chain_dispatch(ctx: RankContext, start: torch.Tensor, budget: Budget, sync) -> tuple[float, float]:
@@ -655,9 +695,10 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
     else:
         capacity = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / nproc
         label = f"cpu ({os.cpu_count()} cores, {nproc} ranks, {result['threads']} thread(s) each)"
-    extra = tuple(result["dtensor"])
+    extra, hooks = tuple(result["dtensor"]), tuple(result["fsdp"])
     efficiency = OpEfficiency(dispatch_s=dispatch[0], backward_dispatch_s=dispatch[1],
-                              dtensor_dispatch_s=extra[0], dtensor_backward_dispatch_s=extra[1], gemm_half_m=halves[0],
+                              dtensor_dispatch_s=extra[0], dtensor_backward_dispatch_s=extra[1],
+                              fsdp_forward_param_s=hooks[0], fsdp_backward_param_s=hooks[1], gemm_half_m=halves[0],
                               gemm_half_n=halves[1], gemm_half_k=halves[2], memory_half_bytes=half_bytes,
                               cache_bytes=cache_bytes, cache_bandwidth=cache_bw, random_bandwidth=random_bw,
                               async_dispatch=cuda, **layouts)
@@ -747,6 +788,9 @@ def report(cal: Calibration) -> str:
              f"{e.dispatch_s * 1e6:.1f} us forward + {e.backward_dispatch_s * 1e6:.1f} us backward per operator"
              + (f" (on a DTensor {e.dtensor_dispatch_s * 1e6:.1f} + {e.dtensor_backward_dispatch_s * 1e6:.1f} us more)"
                 if e.dtensor_dispatch_s or e.dtensor_backward_dispatch_s else ""),
+             *([f"  FSDP2's hooks: {e.fsdp_forward_param_s * 1e6:.1f} us before forward + "
+                f"{e.fsdp_backward_param_s * 1e6:.1f} us after backward per parameter of a group"]
+               if e.fsdp_forward_param_s or e.fsdp_backward_param_s else []),
              *(f"  backward products ({name}): {getattr(e, f'gemm_{lay}_rate'):.2f} x peak, half lengths m "
                f"{getattr(e, f'gemm_{lay}_half_m'):g}, n {getattr(e, f'gemm_{lay}_half_n'):g}, k "
                f"{getattr(e, f'gemm_{lay}_half_k'):g}" for lay, name in (("nt", "g @ w^T"), ("tn", "x^T @ g"))

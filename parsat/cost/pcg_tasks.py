@@ -647,6 +647,7 @@ class _Builder:
 
     # ---------------------------------------------------------------- forward
     def forward(self) -> None:
+        self._replicated_hooks()
         for node in self.pcg.nodes:
             if node.id in self.params and (not self.first or node.id in self.ready):
                 continue  # a weight's chain: made by the first micro-batch (or issued early, `_issue_chains`)
@@ -1216,12 +1217,22 @@ class _Builder:
         into the parameters (FSDP2's all_gather_copy_in, all_gather, split_with_sizes_copy)."""
         pieces, whole = group_elements(group, self.by_id)
         backward = phase == "backward"
-        copy = self._add(f"group {group.key} copy in", self.compute, self._copy_s(pieces, backward), deps,
+        hooks = 0.0 if backward else self.eff.fsdp_hooks_time(len(group.members))   # its pre-forward hooks' own
+        copy = self._add(f"group {group.key} copy in", self.compute, self._copy_s(pieces, backward) + hooks, deps,
                          phase=phase)
         gather = self._sync(f"group {group.key} all-gather", ALL_GATHER, node, whole * self.item, [copy],
                             alloc=whole * self.item, phase=f"{phase}_comm")
         return self._add(f"group {group.key} copy out", self.compute, self._copy_s(whole, backward), [gather],
                          phase=phase)
+
+    def _replicated_hooks(self) -> None:
+        """FSDP2's pre-forward hooks of each replicated group (`replicate` on the root), which run as the
+        module's forward starts, every pass: host time per parameter (`OpEfficiency.fsdp_hooks_time`; 0 unless
+        calibrated). A sharded group pays its own where it is gathered (`_group_gather`)."""
+        for group in {g.key: g for g in self.groups.values() if not g.sharded}.values():
+            seconds = self.eff.fsdp_hooks_time(len(group.members))
+            if seconds:
+                self._add(f"group {group.key} FSDP2 pre-forward hooks", self.compute, seconds, [], phase="forward")
 
     def _group_syncs(self) -> list[int]:
         """Each group's gradients synchronised once backward has made them all, in the order backward finished
@@ -1237,8 +1248,9 @@ class _Builder:
             deps = [max(grads)]
             if group.reshard:
                 deps = [self._group_gather(group, node, deps, "backward")]
-            copy = self._add(f"group {key} gradients copied in", self.compute, self._copy_s(whole, True), deps,
-                             phase="backward")
+            hooks = self.eff.fsdp_hooks_time(len(group.members), backward=True)   # its post-backward hooks' own
+            copy = self._add(f"group {key} gradients copied in", self.compute, self._copy_s(whole, True) + hooks,
+                             deps, phase="backward")
             kind = REDUCE_SCATTER if group.sharded else ALL_REDUCE
             task = self._sync(f"group {key} {kind.replace('_', '-')}", kind, node, whole * self.item, [copy],
                               free=whole * self.item if group.sharded else 0, phase="grad_sync")
