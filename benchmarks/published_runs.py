@@ -3,7 +3,9 @@
     .venv/bin/python benchmarks/published_runs.py [--rows sc21-7.5b,mcore-1.7b,...] [--json out.json]
 
 Each row is a GPT of the published sizes (the built-in `gpt` example: pre-LN,
-tied embedding, GELU MLP of 4h, causal attention) at the published global
+tied embedding, GELU MLP of 4h, causal attention whose q, k, v are one [h, 3h]
+product laid out per head, as both Megatron-LM versions' `query_key_value`
+/ `linear_qkv` compute them) at the published global
 batch and sequence, on the published GPU count of `a100x8` (Narayanan et al.
 SC'21, Table 1 and Table 2) or `h100x8` (Megatron-Core's README table),
 optimized with `--degrees tp=t,pp=p` pinned to the published t and p (d is

@@ -71,11 +71,15 @@ def test_every_weight_a_contraction_reads_is_split_on_the_tensor_axis(gpt):
 
 def test_qkv_are_column_parallel_and_attention_is_split_by_heads(gpt):
     _graph, pcg = gpt
-    for name in ("b0_q", "b0_k", "b0_v", "b1_q", "b0_ffn_up"):
+    for name in ("b0_qkv", "b1_qkv", "b0_ffn_up"):
         node = computing(pcg, name)
         x, w, b = node.inputs
         assert node.op == "linear" and tp_code(pcg, x) == REPLICA and tp_code(pcg, w) == shard(1) \
             and tp_code(pcg, b) == shard(0) and node.placement.codes[TP] == shard(2), name
+    for name in ("b0_q", "b0_k", "b0_v", "b1_v"):
+        node = computing(pcg, name)   # a third of each head of the fused product [b, heads, s, 3 dh]: no collective
+        assert node.op == "split" and node.placement.codes == (shard(0), shard(1)), name
+        assert pcg.node(node.inputs[0]).kind == "op", name
     for name in ("b0_ctx", "b1_ctx"):
         node = computing(pcg, name)   # fused attention [b, heads, s, dh]: heads on tp, batch on dp
         assert node.op == "attention_causal" and node.placement.codes == (shard(0), shard(1)), name
@@ -187,8 +191,10 @@ def test_a_point_that_does_not_fit_shards_the_weights_state_then_recomputes_bloc
 
 
 def test_cut_short_saturation_still_meets_the_grid():
-    """Saturation stopped after one iteration: the e-graph's own grid points are worse than Megatron's
-    tensor parallelism, which the independent grid builds anyway; the plan is never worse than any point."""
+    """Saturation stopped after one iteration: the independent grid builds Megatron's tensor parallelism
+    anyway, so the best grid point and the plan are never worse than any point built directly. (Since the
+    `gpt` example computes q, k, v as one product, the e-graph's own tp-4 point here, every product
+    column-parallel and gathered, is 0.8% faster than Megatron's direct one: the best grid point may be either.)"""
     from parsat.api import optimize
 
     sizes = dict(blocks=2, batch=4, seq=16, hidden=2048, heads=16, vocab=4096)   # weights dominate: TP wins
@@ -196,11 +202,11 @@ def test_cut_short_saturation_still_meets_the_grid():
     grid = plan.baseline_plans["best_grid"]
     assert set(grid.config) == {"dp", "tp", "sp", "zero", "microbatches"} and grid.config["tp"] > 1
     points = independent_grid(plan.graph, LIB, plan.machine, True, 4)
-    assert any(grid.pcg == p.pcg for p in points)          # the best grid point is one built directly
+    assert any(p.config["tp"] == 4 for p in points)        # Megatron's tensor parallelism, built directly
     steps = CandidateSteps(LIB, plan.machine, plan.graph.microbatches)
     fitting = [steps(p).totals for p in points if steps(p).totals.fits(plan.machine)]
     assert fitting and plan.totals.fits(plan.machine)
-    assert plan.baselines["best_grid"].time_s == pytest.approx(min(t.time_s for t in fitting), rel=1e-12)
+    assert plan.baselines["best_grid"].time_s <= min(t.time_s for t in fitting) * (1 + 1e-12)
     assert all(plan.totals.time_s <= t.time_s + 1e-12 for t in fitting)
 
 

@@ -177,11 +177,11 @@ def test_weigh_counts_the_middle_block_once_per_copy():
     graph = build_example("gpt", {**SMALL, "blocks": 3}, LIBRARY)
     result = saturate(graph, LIBRARY, [], 1)
     blocks = class_blocks(result.snapshot)
-    assert blocks[result.classes["b1_wq"]] == 1 and blocks[result.classes["b1_res2"]] == 1
+    assert blocks[result.classes["b1_wqkv"]] == 1 and blocks[result.classes["b1_res2"]] == 1
     assert blocks[result.classes["b2_ln1"]] == 2 and blocks[result.classes["loss"]] == 2
     assert blocks[result.classes["wte"]] == OUTSIDE and blocks[result.classes["emb"]] == OUTSIDE
     one = NodeCost(forward_s=1.0, memory_bytes=10, comm_elements=3)
     costs = {(cid, 0): one for cid in result.snapshot.classes}
     weighed = weigh(costs, result.snapshot, Repetition(graph, graph, 30))
-    assert weighed[(result.classes["b1_wq"], 0)] == one.times(28)
-    assert weighed[(result.classes["b0_wq"], 0)] == one and weighed[(result.classes["b2_wq"], 0)] == one
+    assert weighed[(result.classes["b1_wqkv"], 0)] == one.times(28)
+    assert weighed[(result.classes["b0_wqkv"], 0)] == one and weighed[(result.classes["b2_wqkv"], 0)] == one

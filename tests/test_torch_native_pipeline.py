@@ -38,17 +38,17 @@ from parsat.backend.torch_native.pipeline_lowering import lower_pipeline  # noqa
 SIZES = {"blocks": 4, "batch": 8, "seq": 8, "hidden": 16, "heads": 2, "vocab": 32}
 MICROBATCHES = 4
 TOLERANCE = 1e-4
-BLOCK_WEIGHTS = ("ln1_g", "ln1_b", "wq", "bq", "wk", "bk", "wv", "bv", "wo", "bo", "ln2_g", "ln2_b",
-                 "w1", "b1", "w2", "b2")
+BLOCK_WEIGHTS = ("ln1_g", "ln1_b", "wqkv", "bqkv", "wo", "bo", "ln2_g", "ln2_b", "w1", "b1", "w2", "b2")
 
 
 class Block(nn.Module):
-    """`ir.models._gpt_block` in torch: pre-LN, causal multi-head attention, tanh-GELU MLP; weights [in, out]."""
+    """`ir.models._gpt_block` in torch: pre-LN, causal multi-head attention (q, k, v one product laid out per head,
+    as Megatron-LM's `query_key_value`), tanh-GELU MLP; weights [in, out]."""
 
     def __init__(self, hidden: int, heads: int):
         super().__init__()
         self.heads = heads
-        shapes = {"wq": (hidden, hidden), "wk": (hidden, hidden), "wv": (hidden, hidden), "wo": (hidden, hidden),
+        shapes = {"wqkv": (hidden, 3 * hidden), "bqkv": (3 * hidden,), "wo": (hidden, hidden),
                   "w1": (hidden, 4 * hidden), "w2": (4 * hidden, hidden), "b1": (4 * hidden,)}
         for name in BLOCK_WEIGHTS:
             shape = shapes.get(name, (hidden,))
@@ -59,11 +59,8 @@ class Block(nn.Module):
         h = x.shape[-1]
         dh = h // self.heads
 
-        def heads(y):
-            return y.unflatten(2, (self.heads, dh)).transpose(1, 2)
-
         a = F.layer_norm(x, (h,), self.ln1_g, self.ln1_b, 1e-5)
-        q, k, v = heads(a @ self.wq + self.bq), heads(a @ self.wk + self.bk), heads(a @ self.wv + self.bv)
+        q, k, v = (a @ self.wqkv + self.bqkv).unflatten(2, (self.heads, 3 * dh)).transpose(1, 2).split(dh, dim=-1)
         ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1 / math.sqrt(dh))
         x = x + ctx.transpose(1, 2).flatten(2) @ self.wo + self.bo
         m = F.layer_norm(x, (h,), self.ln2_g, self.ln2_b, 1e-5)
@@ -98,7 +95,7 @@ def gpt_module(seed: int = 0) -> GPT:
 
 
 def weight_names() -> dict[str, str]:
-    """The plan's names (`b{i}_wq`) -> the module's (`blocks.{i}.wq`)."""
+    """The plan's names (`b{i}_wqkv`) -> the module's (`blocks.{i}.wqkv`)."""
     return {f"b{i}_{name}": f"blocks.{i}.{name}" for i in range(SIZES["blocks"]) for name in BLOCK_WEIGHTS}
 
 
@@ -129,7 +126,7 @@ def test_a_pipelined_plan_is_cut_before_a_block_with_the_tied_embedding_on_both_
     assert lowering.torch_schedule == "Schedule1F1B" and lowering.microbatches == MICROBATCHES
     assert lowering.shared == ((("wte",), (0, 1)),)
     first, last = lowering.chunks
-    assert {"wte", "wpe", "blocks.0.wq"} <= set(first.params) and "lnf_g" not in first.params
+    assert {"wte", "wpe", "blocks.0.wqkv"} <= set(first.params) and "lnf_g" not in first.params
     assert {"wte", "lnf_g", f"blocks.{SIZES['blocks'] - 1}.w2"} <= set(last.params)
     assert not set(first.params) & set(last.params) - {"wte"}
     assert lowering.stage is None and "Schedule1F1B(n_microbatches=4)" in lowering.describe()
@@ -165,7 +162,7 @@ def test_what_torch_pipelining_cannot_run_is_refused(pp2):
     # holds the layer alone, so there is nothing to cut before
     names = dict(weight_names())
     cut = pp2.pipeline.layout.chunks[1].layers[0]
-    names[f"b{cut}_wq"] = f"blocks.{cut - 1}.wq"
+    names[f"b{cut}_wqkv"] = f"blocks.{cut - 1}.wqkv"
     with pytest.raises(LoweringError, match=rf"cuts before layer {cut}.*no submodule"):
         lower_pipeline(pp2.pcg, pp2.graph, pp2.pipeline, module_info(gpt_module(), names))
     with pytest.raises(LoweringError, match="give parallelize weight_names"):
@@ -210,7 +207,7 @@ def megatron_stage_plan(pp2, sequence: bool = False, shape: tuple[int, int] = (1
 def test_tensor_parallelism_inside_a_stage_is_each_weights_dtensor_placement(pp2):
     """Megatron's layout on each stage's 2 devices (tp 2), cut as the pp=2 plan is: the traced stage modules call
     no nn.Linear, so each split weight is a Shard(d) DTensor, d as the plan stores it (the projections read
-    `x @ w`, [in, out]: q/k/v and the MLP's first weight column-parallel, Shard(1); the output projections
+    `x @ w`, [in, out]: the fused q/k/v and the MLP's first weight column-parallel, Shard(1); the output projections
     row-parallel, Shard(0)), every other parameter Replicate(); the same role analysis as `lower`."""
     plan = megatron_stage_plan(pp2)
     lowering = lower_pipeline(plan.pcg, plan.graph, plan.pipeline, module_info(gpt_module(), weight_names()))
@@ -218,9 +215,9 @@ def test_tensor_parallelism_inside_a_stage_is_each_weights_dtensor_placement(pp2
     assert stage.mesh.names == ("tp",) and stage.tensor_axis == 0 and stage.styles == ()
     assert lowering.device_mesh_shape() == ((2, 2), ("pp", "tp"))
     splits = {s.params[0]: s for s in stage.traced_splits}
-    for name in ("wq", "wk", "wv", "w1", "bq", "b1"):
+    for name in ("wqkv", "w1", "bqkv", "b1"):
         assert splits[f"blocks.0.{name}"].dim == (1 if name.startswith("w") else 0), name
-    assert splits["blocks.3.wq"].kind == "column-parallel" and splits["blocks.3.wo"].kind == "row-parallel"
+    assert splits["blocks.3.wqkv"].kind == "column-parallel" and splits["blocks.3.wo"].kind == "row-parallel"
     assert splits["blocks.1.w2"].dim == 0 and splits["blocks.1.w2"].kind == "row-parallel"
     assert "blocks.0.ln1_g" not in splits and "blocks.0.bo" not in splits and "lnf_g" not in splits
     text = lowering.describe()
@@ -237,7 +234,7 @@ def test_a_stage_with_data_and_tensor_axes_is_replicate_over_dp_and_dtensor_plac
     stage = lowering.stage
     assert stage.axis_roles == ("data", "tensor") and stage.batch_axes == (0,)
     splits = {s.params[0]: s for s in stage.traced_splits}
-    assert splits["blocks.0.wq"].dim == 1 and splits["blocks.2.wo"].kind == "row-parallel"
+    assert splits["blocks.0.wqkv"].dim == 1 and splits["blocks.2.wo"].kind == "row-parallel"
     assert "replicate over dp" in lowering.describe()
 
 

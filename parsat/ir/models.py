@@ -273,14 +273,42 @@ def _lm_loss(g: GraphBuilder, logits: Tensor, rows: int, vocab: int, counted: in
     return g.op("scale", total, c=1.0 / counted, name="loss")
 
 
+def _fused_qkv(s: _Scope, a: Tensor, hidden: int, heads: int, dh: int) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v as one product, laid out per head as Megatron-LM lays it out: three [b, n, s, dh] heads.
+
+    One weight `wqkv` [hidden, 3 * hidden] and bias `bqkv` [3 * hidden]; the
+    product [b, s, 3 * hidden] is unflattened per head into [b, s, n, 3 * dh]
+    and q, k, v are the three `dh`-wide slices of the last dim. This is
+    Megatron-LM's `query_key_value`, one ColumnParallelLinear of [h, 3h]
+    (NVIDIA/Megatron-LM a8d172b, 2021-04-28, the SC'21 code:
+    megatron/model/transformer.py lines 142-146, then lines 197-209:
+    `mixed_x_layer.view(... np, 3 * hn)` and `split_tensor_along_last_dim(.., 3)`;
+    Megatron-Core d98e8a6, megatron/core/transformer/attention.py
+    `get_query_key_value_tensors`: `linear_qkv`, the view [sq, b, ng, (np/ng + 2) hn]
+    and a split of [hn, hn, hn] along dim 3 when every head is its own group).
+    Why per head and not [q | k | v]: a column split of the product then
+    keeps whole heads with their own q, k and v, so tensor parallelism is
+    the product split on its output dim (column-parallel) followed by
+    attention split by heads, with no collective between them (HF GPT-2's
+    `c_attn` fuses too but lays out [q | k | v], whose column split mixes
+    heads: docs/TORCH_NATIVE.md). Why fused: the GEMM curve prices one
+    [h, 3h] product faster than three [h, h] ones, as the runs the
+    published-runs benchmark pins ran it (benchmarks/published_runs.md,
+    2026-12-03 (night)).
+    """
+    mixed = s.op("linear", a, s.w("wqkv", [hidden, 3 * hidden]), s.w("bqkv", [3 * hidden]), name="qkv")
+    per_head = s.heads(mixed, 3 * dh, "qkv")
+    q, k, v = (s.op("split", per_head, dim=3, start=i * dh, size=dh, name=tag) for i, tag in enumerate("qkv"))
+    return q, k, v
+
+
 def _gpt_block(g: GraphBuilder, x: Tensor, prefix: str, hidden: int, heads: int, ffn: int) -> Tensor:
-    """Pre-LN decoder block (GPT-2/GPT-3): x + attn(ln(x)), then + mlp(ln(.)), causal multi-head attention."""
+    """Pre-LN decoder block (GPT-2/GPT-3): x + attn(ln(x)), then + mlp(ln(.)), causal multi-head attention with
+    q, k, v one product (`_fused_qkv`)."""
     dh = hidden // heads
     s = _Scope(g, prefix)
     a = s.op("layernorm", x, s.w("ln1_g", [hidden]), s.w("ln1_b", [hidden]), eps=1e-5, name="ln1")
-    q = s.heads(s.op("linear", a, s.w("wq", [hidden, hidden]), s.w("bq", [hidden]), name="q"), dh, "q")
-    k = s.heads(s.op("linear", a, s.w("wk", [hidden, hidden]), s.w("bk", [hidden]), name="k"), dh, "k")
-    v = s.heads(s.op("linear", a, s.w("wv", [hidden, hidden]), s.w("bv", [hidden]), name="v"), dh, "v")
+    q, k, v = _fused_qkv(s, a, hidden, heads, dh)
     merged = s.attention(q, k, v, dh, causal=True)
     attn = s.op("linear", merged, s.w("wo", [hidden, hidden]), s.w("bo", [hidden]), name="attn_out")
     x = s.op("add", x, attn, name="res1")
@@ -299,8 +327,10 @@ def gpt(blocks: int = 12, batch: int = 512, seq: int = 2048, hidden: int = 768, 
     Token embedding `wte` [vocab, hidden] (ids one-hot) plus a learned position
     table `wpe` [seq, hidden] (a full sequence reads every position once, in
     order, so the lookup is the table itself: `add_bcast`); `blocks` pre-LN
-    blocks (layernorm, causal multi-head attention, residual, layernorm, MLP
-    of `ffn` = 4 x hidden with the tanh GELU, residual); a final layernorm;
+    blocks (layernorm, causal multi-head attention whose q, k, v are one
+    product `wqkv` laid out per head as Megatron-LM's (`_fused_qkv`),
+    residual, layernorm, MLP of `ffn` = 4 x hidden with the tanh GELU,
+    residual); a final layernorm;
     the LM head tied to the token embedding: the same weight leaf read a
     second time through `transpose`, as the importer reads HF GPT-2's tied
     `lm_head`; then the mean cross-entropy over the vocabulary.
