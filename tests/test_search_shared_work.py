@@ -26,7 +26,7 @@ from parsat.ir.pcg import PCG, WEIGHT_VALUE, Degrees, PNode, pcg_roles
 from parsat.ir.placement import _SIGNATURE, Placement, _signature, axis_compute, codes_for_rank
 from parsat.search.baselines import independent_grid
 from parsat.search.extract import ComputedCosts, Pricer, _compute, _leaf_roles, kept_classes, leaf_roles, node_costs
-from parsat.search.recompute import recomputed_enodes, recomputed_pcg_costs
+from parsat.search.recompute import _kept_across_blocks, recomputed_enodes, recomputed_pcg_costs
 from parsat.search.repeat import (OUTSIDE, REPEATED, Repetition, _value_names, chain_nodes, class_blocks,
                                   snapshot_blocks, value_names, weigh)
 from parsat.search.request import resolve_request, step_context
@@ -290,8 +290,9 @@ def test_recomputing_shared_cost_objects_recomputes_each_e_node_as_alone(three_b
     snapshot = result.snapshot
     roots = [result.classes[name] for name in graph.outputs]
     blocks = class_blocks(snapshot)
-    kept = set(roots) | {ch for cid, nodes in snapshot.classes.items() for node in nodes for ch in node.children
-                         if blocks.get(ch, OUTSIDE) != blocks[cid]}
+    across = {ch for cid, nodes in snapshot.classes.items() for node in nodes for ch in node.children
+              if blocks.get(ch, OUTSIDE) != blocks[cid]}
+    kept = set(roots) | across
     count = max(1, len({b for b in blocks.values() if b != OUTSIDE}))
     afresh = {}
     for (cid, index), cost in costs.items():
@@ -302,7 +303,11 @@ def test_recomputing_shared_cost_objects_recomputes_each_e_node_as_alone(three_b
         again = cost.recomputed(kept=cid in kept)
         afresh[(cid, index)] = again.with_transient(again.transient_bytes // count)
     assert afresh != costs   # recomputation changes costs here
-    assert recomputed_enodes(costs, snapshot, roots, "blocks") == afresh
+    for _ in range(2):   # the second time with the kept classes worked out once per snapshot and roots
+        assert recomputed_enodes(costs, snapshot, roots, "blocks") == afresh
+    other = [cid for cid in snapshot.classes if cid not in kept][:2]   # other roots: their own kept classes
+    assert other and _kept_across_blocks(snapshot, other) == (frozenset(other) | across, count)
+    assert _kept_across_blocks(snapshot, roots) == (frozenset(kept), count)
 
 
 def test_a_layout_s_floor_priced_without_its_parallel_nodes_is_its_floor_priced_whole(gpt):
