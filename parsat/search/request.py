@@ -102,7 +102,8 @@ class SearchRequest:
     saturations: dict = field(default_factory=dict, compare=False)
     simulations: dict = field(default_factory=dict, compare=False)
     # compute operators' costs by what they read, for every pricer of the call (`extract.Pricer`'s `computed`):
-    # the meshes' e-graphs and the grids' layouts hold the same operators at the same spreads
+    # the meshes' e-graphs and the grids' layouts hold the same operators at the same spreads; beside them the
+    # operators' instances by shapes (`ComputedCosts.instances`)
     prices: dict = field(default_factory=ComputedCosts, compare=False)
     # the rules a joint plan used, by its snapshot and choice: a scout's plan and the plan of the search of every
     # mesh at its count are often the same extraction of the same e-graph (`step.plan_rules`)
