@@ -1,7 +1,7 @@
-"""What the search keeps instead of working out again (`PCG.readers_of`, `PCG.storage_chains`, `needs_gradient`'s
-operator look-ups, `extract.bottom_up`'s bound look-ups) gives the answers working them out afresh gives: the same
-readers, storage chains and gradients, the same floors and simulated steps, the same extraction, and a PCG's
-shared tables cannot be changed through what callers are handed."""
+"""What the search keeps instead of working out again (`PCG.readers_of`, `PCG.storage_chains`, `PCG.node_roles`,
+`needs_gradient`'s operator look-ups, `extract.bottom_up`'s bound look-ups) gives the answers working them out
+afresh gives: the same readers, storage chains, roles and gradients, the same floors and simulated steps, the same
+extraction, and a PCG's shared tables cannot be changed through what callers are handed."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from parsat.egraph.runner import Limits
 from parsat.egraph.saturate import saturate
 from parsat.ir.machine import Machine
 from parsat.ir.models import build_example
-from parsat.ir.pcg import readers, weight_storage
+from parsat.ir.pcg import WEIGHT_PIECE, WEIGHT_ROLES, _pcg_roles, pcg_roles, readers, weight_chains, weight_storage
 from parsat.search.baselines import independent_grid
 from parsat.search.extract import EPSILON, bottom_up, node_costs
 from parsat.search.request import resolve_request, step_context
@@ -57,6 +57,7 @@ def _gradients_afresh(pcg, library) -> dict:
 def test_a_pcg_s_kept_readers_storage_and_gradients_are_those_worked_out_afresh(grid):
     request, _step, points = grid
     assert any(point.pcg.zero for point in points) and any(len(weight_storage(p.pcg)) for p in points)
+    assert any(WEIGHT_PIECE in pcg_roles(p.pcg).values() for p in points)   # stored pieces among the roles
     for point in points:
         pcg = point.pcg
         assert pcg.readers_of == {i: tuple(users) for i, users in readers(pcg).items()}
@@ -66,6 +67,11 @@ def test_a_pcg_s_kept_readers_storage_and_gradients_are_those_worked_out_afresh(
         handed.clear()
         assert weight_storage(pcg) == weight_storage(_fresh(pcg))   # a caller's copy, not the PCG's table
         assert pcg == _fresh(pcg) and hash(pcg) == hash(_fresh(pcg))   # kept tables are no part of its value
+        roles = pcg_roles(pcg)
+        assert roles == _pcg_roles(_fresh(pcg))
+        assert weight_chains(pcg) == {i for i, role in _pcg_roles(_fresh(pcg)).items() if role in WEIGHT_ROLES}
+        roles.clear()
+        assert pcg_roles(pcg) == _pcg_roles(_fresh(pcg)) and pcg_roles(pcg)   # a copy handed out, as above
 
 
 def test_floors_and_simulated_steps_are_the_same_with_the_tables_kept_or_not(grid):

@@ -12,6 +12,7 @@ import pytest
 from parsat.cost.pcg_tasks import needs_gradient
 from parsat.cost.saved import kept_values, runtime_regathers
 from parsat.dsl.checker import resolve_library
+from parsat.dsl.instantiate import InstantiationError
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.egraph.runner import Limits
 from parsat.egraph.saturate import saturate
@@ -24,10 +25,10 @@ from parsat.ir.models import build_example
 from parsat.ir.pcg import PCG, WEIGHT_VALUE, Degrees, PNode, pcg_roles
 from parsat.ir.placement import _SIGNATURE, Placement, _signature, axis_compute, codes_for_rank
 from parsat.search.baselines import independent_grid
-from parsat.search.extract import Pricer, _leaf_roles, kept_classes, leaf_roles, node_costs
-from parsat.search.recompute import recomputed_enodes, recomputed_pcg_costs
-from parsat.search.repeat import (OUTSIDE, REPEATED, Repetition, _value_names, class_blocks, snapshot_blocks,
-                                  value_names, weigh)
+from parsat.search.extract import ComputedCosts, Pricer, _compute, _leaf_roles, kept_classes, leaf_roles, node_costs
+from parsat.search.recompute import _kept_across_blocks, recomputed_enodes, recomputed_pcg_costs
+from parsat.search.repeat import (OUTSIDE, REPEATED, Repetition, _value_names, chain_nodes, class_blocks,
+                                  snapshot_blocks, value_names, weigh)
 from parsat.search.request import resolve_request, step_context
 from parsat.search import solve
 from parsat.search.solve import price_pcg
@@ -86,6 +87,29 @@ def test_e_node_pricers_sharing_compute_costs_across_meshes_price_as_fresh_ones(
         fresh = node_costs(result.snapshot, graph, library, machine)
         assert len(fresh) > 20
         assert node_costs(result.snapshot, graph, library, machine, computed=shared) == fresh
+
+
+def test_compute_costs_from_shared_instances_are_those_instantiated_afresh(mlp_on_two_meshes):
+    """`Pricer` keeps the operators' instances beside the shared costs (`ComputedCosts.instances`): the
+    e-nodes of two meshes priced through it cost what pricing with no memo gives, each instance is made once, and
+    a refusal is kept and answered again as a refusal (None: the model cannot price it)."""
+    library, graph, results = mlp_on_two_meshes
+    shared = ComputedCosts()
+    for result in results:
+        machine = Machine.preset("cpu").with_devices(result.snapshot.mesh.world)
+        mine = node_costs(result.snapshot, graph, library, machine, computed=shared)
+        assert mine == node_costs(result.snapshot, graph, library, machine, computed={})
+        instances, keyed = shared.instances, dict(shared)
+        for reads, cost in keyed.items():
+            op, attrs, shapes, inputs, out, weights, at, kept = reads
+            assert _compute(library, op, attrs, shapes, inputs, out, at, weights, kept) == cost
+        assert len(mine) > 20 and 0 < len(instances) < len(keyed)   # instances shared by several spreads
+    matmul, memo = library.ops["matmul"], {}
+    one = Degrees.of_placement(Placement.whole(2), Mesh.of((2,)), 2)
+    for _ in range(2):   # inner dims that disagree: refused, the second time from the memo
+        assert _compute(library, "matmul", (), ((4, 8), (6, 3)), (one, one), one, Machine.preset("cpu"),
+                        (False, True), True, memo) is None
+    assert [type(v) for v in memo.values()] == [InstantiationError]
 
 
 def test_leaf_roles_and_value_names_kept_per_snapshot_are_those_worked_out_afresh(mlp_on_two_meshes):
@@ -248,9 +272,15 @@ def test_weighing_with_shared_cost_objects_counts_each_e_node_as_alone(three_blo
               if all(blocks.get(ch, OUTSIDE) in (OUTSIDE, blocks.get(nid[0], OUTSIDE), blocks.get(nid[0], OUTSIDE) - 1)
                      for ch in snapshot.kids[nid])}
     assert any(blocks.get(nid[0]) == REPEATED for nid in afresh)
+    assert len(afresh) < len(costs)   # some e-node breaks the chain: the filter is exercised
     for _ in range(2):   # the second time with the snapshot's blocks kept
         assert weigh(costs, snapshot, repetition) == afresh
     assert costs == before and snapshot_blocks(snapshot) == blocks
+    # the e-nodes kept per snapshot (`chain_nodes`) filter other costs of it as they filter these: half of them
+    half = dict(list(costs.items())[::2])
+    assert weigh(half, snapshot, repetition) == {nid: cost for nid, cost in afresh.items() if nid in half}
+    chained = chain_nodes(snapshot)
+    assert frozenset(afresh) <= chained and not chained & (costs.keys() - afresh.keys())
 
 
 def test_recomputing_shared_cost_objects_recomputes_each_e_node_as_alone(three_blocks):
@@ -260,8 +290,9 @@ def test_recomputing_shared_cost_objects_recomputes_each_e_node_as_alone(three_b
     snapshot = result.snapshot
     roots = [result.classes[name] for name in graph.outputs]
     blocks = class_blocks(snapshot)
-    kept = set(roots) | {ch for cid, nodes in snapshot.classes.items() for node in nodes for ch in node.children
-                         if blocks.get(ch, OUTSIDE) != blocks[cid]}
+    across = {ch for cid, nodes in snapshot.classes.items() for node in nodes for ch in node.children
+              if blocks.get(ch, OUTSIDE) != blocks[cid]}
+    kept = set(roots) | across
     count = max(1, len({b for b in blocks.values() if b != OUTSIDE}))
     afresh = {}
     for (cid, index), cost in costs.items():
@@ -272,7 +303,11 @@ def test_recomputing_shared_cost_objects_recomputes_each_e_node_as_alone(three_b
         again = cost.recomputed(kept=cid in kept)
         afresh[(cid, index)] = again.with_transient(again.transient_bytes // count)
     assert afresh != costs   # recomputation changes costs here
-    assert recomputed_enodes(costs, snapshot, roots, "blocks") == afresh
+    for _ in range(2):   # the second time with the kept classes worked out once per snapshot and roots
+        assert recomputed_enodes(costs, snapshot, roots, "blocks") == afresh
+    other = [cid for cid in snapshot.classes if cid not in kept][:2]   # other roots: their own kept classes
+    assert other and _kept_across_blocks(snapshot, other) == (frozenset(other) | across, count)
+    assert _kept_across_blocks(snapshot, roots) == (frozenset(kept), count)
 
 
 def test_a_layout_s_floor_priced_without_its_parallel_nodes_is_its_floor_priced_whole(gpt):

@@ -38,11 +38,7 @@ def recomputed_enodes(costs: Mapping[NodeId, NodeCost], snapshot: Snapshot, root
     if check_policy(policy) == NONE:
         return dict(costs)
     blocks = snapshot_blocks(snapshot)
-    kept = set(roots)
-    for cid, nodes in snapshot.classes.items():
-        for node in nodes:
-            kept.update(ch for ch in node.children if blocks.get(ch, OUTSIDE) != blocks[cid])
-    count = max(1, len({b for b in blocks.values() if b != OUTSIDE}))
+    kept, count = _kept_across_blocks(snapshot, roots)
     out = {}
     # e-nodes alike share one cost object (`extract.node_costs`): each is recomputed once per kept-or-not, by its
     # identity, while `costs` holds it
@@ -62,6 +58,21 @@ def recomputed_enodes(costs: Mapping[NodeId, NodeCost], snapshot: Snapshot, root
             found = done[key] = again.with_transient(again.transient_bytes // count)
         out[(cid, index)] = found
     return out
+
+
+def _kept_across_blocks(snapshot: Snapshot, roots: Sequence[int]) -> tuple[frozenset[int], int]:
+    """The classes recomputation keeps (`roots`, and every class an e-node of another block reads: a block's
+    checkpointed inputs) and how many blocks the snapshot holds: the snapshot's and the roots' alone, worked out
+    once per snapshot and roots (`Snapshot.derived`), as every policy and ZeRO stage of every mesh's extraction
+    recomputes the same e-graph's costs (gpt-6.7b:64: 21 times). Shared: read it, never change it."""
+    def make() -> tuple[frozenset[int], int]:
+        blocks = snapshot_blocks(snapshot)
+        kept = set(roots)
+        for cid, nodes in snapshot.classes.items():
+            for node in nodes:
+                kept.update(ch for ch in node.children if blocks.get(ch, OUTSIDE) != blocks[cid])
+        return frozenset(kept), max(1, len({b for b in blocks.values() if b != OUTSIDE}))
+    return snapshot.derive(("kept_across_blocks", tuple(roots)), make)
 
 
 def recomputed_pcg_costs(pcg: PCG, costs: Mapping[int, NodeCost]) -> dict[int, NodeCost]:

@@ -126,8 +126,11 @@ def weigh(costs: Mapping[tuple[int, int], NodeCost], snapshot: Snapshot, repetit
 
     An e-node of a block that reads a block other than its own or the one before (a residual sum reassociated
     across two blocks) is left out: the searched blocks' plan is copied as a chain (`stamp`), and extraction
-    only chooses among the e-nodes that keep it one."""
+    only chooses among the e-nodes that keep it one. Which e-nodes keep it is the snapshot's alone (its blocks and
+    e-nodes' children, never `costs`), worked out once per snapshot (`chain_nodes`): every policy's and every
+    grid point's pricing weighs the same e-graph again (gpt-6.7b:64: 20 weighings, 159,000 e-nodes looked at)."""
     blocks = snapshot_blocks(snapshot)
+    chained = chain_nodes(snapshot)
     factor = repetition.copies
     # e-nodes alike share one cost object (`extract.node_costs`): each is counted `factor` times once, by its
     # identity, while `costs` holds it
@@ -140,7 +143,16 @@ def weigh(costs: Mapping[tuple[int, int], NodeCost], snapshot: Snapshot, repetit
         return found
 
     return {nid: counted(cost) if blocks.get(nid[0]) == REPEATED else cost for nid, cost in costs.items()
-            if _keeps_chain(snapshot, blocks, nid)}
+            if nid in chained}
+
+
+def chain_nodes(snapshot: Snapshot) -> frozenset[tuple[int, int]]:
+    """The snapshot's e-nodes that keep the blocks a chain (`_keeps_chain`), worked out once per snapshot
+    (`Snapshot.derived`). Shared: read it, never change it."""
+    def make() -> frozenset[tuple[int, int]]:
+        blocks = snapshot_blocks(snapshot)
+        return frozenset(nid for nid in snapshot.kids if _keeps_chain(snapshot, blocks, nid))
+    return snapshot.derive("chain_nodes", make)
 
 
 def _keeps_chain(snapshot: Snapshot, blocks: Mapping[int, int], nid: tuple[int, int]) -> bool:

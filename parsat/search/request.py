@@ -36,6 +36,7 @@ from parsat.ir.microbatch import batch_dims
 from parsat.ir.models import BATCH, EXAMPLES
 from parsat.ir.pcg import Degrees
 from parsat.ir.recompute import AUTO, BLOCKS, POLICIES
+from parsat.search.extract import ComputedCosts
 from parsat.search.fit import MemoryFit
 from parsat.search.inputs import check_devices, check_graph_source, check_pins, pinned_layouts, resolve_graph
 from parsat.search.repeat import SEARCHED_BLOCKS, Repetition, repetition_for
@@ -101,8 +102,9 @@ class SearchRequest:
     saturations: dict = field(default_factory=dict, compare=False)
     simulations: dict = field(default_factory=dict, compare=False)
     # compute operators' costs by what they read, for every pricer of the call (`extract.Pricer`'s `computed`):
-    # the meshes' e-graphs and the grids' layouts hold the same operators at the same spreads
-    prices: dict = field(default_factory=dict, compare=False)
+    # the meshes' e-graphs and the grids' layouts hold the same operators at the same spreads; beside them the
+    # operators' instances by shapes (`ComputedCosts.instances`)
+    prices: dict = field(default_factory=ComputedCosts, compare=False)
     # the rules a joint plan used, by its snapshot and choice: a scout's plan and the plan of the search of every
     # mesh at its count are often the same extraction of the same e-graph (`step.plan_rules`)
     rules_found: dict = field(default_factory=dict, compare=False)
