@@ -16,7 +16,7 @@ from parsat.ir.blocks import OUTSIDE
 from parsat.ir.data_parallel import data_parallel_pcg
 from parsat.ir.machine import Machine
 from parsat.ir.megatron import megatron_pcg
-from parsat.ir.models import gpt
+from parsat.ir.models import gpt, llama
 
 LIB = load_library([shipped_rules_dir() / "ops.rule"])[0]
 CPU = Machine.preset("cpu").with_devices(2)
@@ -62,11 +62,12 @@ def test_data_parallelism_is_one_all_reduce_of_every_gradient_and_no_loss_reduce
 
 
 def test_tensor_parallel_styles_all_reduce_an_input_gradient_per_module_and_pay_dtensor_dispatch(graph):
-    """Megatron tp 2: the styles convert each column-parallel module's input on its own, so the replicated
-    normed activation read by q, k and v (and by the MLP's first projection) is all-reduced once per reader in
-    backward; the operators reading a weight run on DTensors: a measured cost per call, forward and backward,
-    which a data-parallel plan (FSDP2 hands modules plain tensors) does not pay."""
-    pcg = megatron_pcg(graph, LIB, (1, 2))
+    """Megatron tp 2: the styles convert each column-parallel module's input on its own, so a replicated normed
+    activation several modules read (LLaMA's q, k and v, its MLP's gate and up projections; the built-in gpt
+    reads each through one fused product) is all-reduced once per reader in backward; the operators reading a
+    weight run on DTensors: a measured cost per call, forward and backward, which a data-parallel plan (FSDP2
+    hands modules plain tensors) does not pay."""
+    pcg = megatron_pcg(llama(library=LIB, ffn=64, **SIZES), LIB, (1, 2))
     assert tensor_axes(pcg) == {0} and param_groups(pcg) == {}
     styled = simulate_pcg(pcg, LIB, CPU, TORCH_NATIVE).result
     plain = simulate_pcg(pcg, LIB, CPU, replace(TORCH_NATIVE, style_collectives=False)).result
