@@ -248,13 +248,23 @@ def _weight_storage(pcg: PCG) -> dict[int, tuple[int, ...]]:
     return chains
 
 
-def weight_chains(pcg: PCG) -> set[int]:
+def weight_chains(pcg: PCG) -> frozenset[int]:
     """The weight leaves and the values made from them by parallel operators only (`pcg_roles`): what a step
-    of several micro-batches makes once and reduces the gradient of once (`ir.costs.NodeCost.per_step`)."""
-    return {ident for ident, role in pcg_roles(pcg).items() if role in WEIGHT_ROLES}
+    of several micro-batches makes once and reduces the gradient of once (`ir.costs.NodeCost.per_step`). Worked
+    out once per PCG (`PCG.derive`, as `pcg_roles`)."""
+    return pcg.derive("weight_chains", None,
+                      lambda: frozenset(ident for ident, role in pcg_roles(pcg).items() if role in WEIGHT_ROLES))
 
 
-def pcg_roles(pcg: PCG) -> dict[int, str]:
+def pcg_roles(pcg: PCG) -> Mapping[int, str]:
+    """`_pcg_roles`, worked out once per PCG and shared (`PCG.derive`): it reads the nodes and the weights'
+    storage alone, never the ZeRO stage or recomputation, so a layout's forms share it too; pricing, the saved
+    values, the step simulator and the recomputation's checkpoints each asked again (753 times on
+    llama-70b:64). Read it, never change it."""
+    return pcg.derive("pcg_roles", None, lambda: _pcg_roles(pcg))
+
+
+def _pcg_roles(pcg: PCG) -> dict[int, str]:
     """Node id -> role, as `extract.leaf_roles` gives e-classes: leaves by their role, values made from them by
     parallel operators only as INPUT, WEIGHT_PIECE (on a weight's storage chain, `weight_storage`) or
     WEIGHT_VALUE. Unlike an e-class, a PCG node knows its readers: a partition of a weight that has other
