@@ -32,6 +32,7 @@ import parsat.api as api
 import parsat.egraph.saturate as saturate
 import parsat.egraph.session as session
 import parsat.cost.pipeline as pipeline
+import parsat.ir.pipeline as ir_pipeline
 import parsat.cost.step_report as step_report
 import parsat.search.baselines as baselines
 import parsat.search.mesh as mesh
@@ -65,7 +66,8 @@ PHASES = [(saturate, "compile_mesh_rules", "compile the rule program"),
           (optimize, "search_pipelines", "pipeline search (all of it)"),
           (pipeline.StageFit, "peak_bytes", "stage candidates' memory (StageFit)"),
           (pipeline.StagePricer, "pipelined", "cut and price a stage plan per schedule"),
-          (pipeline.StagePricer, "price", "price one cut (simulated schedule)")]
+          (pipeline.StagePricer, "price", "price one cut (simulated schedule)"),
+          (ir_pipeline.LayerMap, "lay_out", "lay out one cut's chunks (LayerMap)")]
 
 
 def wrap(owner, name: str, label: str) -> None:

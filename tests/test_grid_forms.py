@@ -180,3 +180,28 @@ def test_a_restated_form_shares_its_layout_s_facts_and_they_are_the_form_s_own(l
             assert simulate_pcg(form, library, MACHINE, times=times, microbatches=2).step_s == \
                 simulate_pcg(fresh, library, MACHINE, times=OpTimes(library, MACHINE), microbatches=2).step_s
         assert facts(layout) == facts(replace(pcg))
+
+
+def test_a_form_s_shared_block_facts_are_the_ones_its_own_nodes_give(layouts):
+    """`node_blocks`, `pcg_roles`, `weight_chains` and the BLOCKS checkpoints are kept with a PCG (`PCG.derive`)
+    and shared by its restated forms (`baselines.restated`): each form, whichever asked first, reads what a PCG
+    of its own nodes worked out afresh gives; one keeping every activation has no checkpoints though its
+    recomputing sibling made them."""
+    from parsat.ir.blocks import node_blocks
+    from parsat.ir.pcg import pcg_roles, weight_chains
+    from parsat.ir.recompute import NONE
+    from parsat.search.baselines import restated
+    _library, _graph, pcgs = layouts
+    for pcg in pcgs:
+        recomputing = restated(pcg, 1, BLOCKS)
+        made = checkpoints(recomputing)   # made first by the recomputing form, into the shared table
+        keeping = restated(recomputing, 0, NONE)
+        assert checkpoints(keeping) == () and made
+        fresh = replace(pcg, zero=1, recompute=BLOCKS)   # a new PCG object: its own, empty table
+        assert "derived" not in fresh.__dict__
+        assert made == checkpoints(fresh)
+        for form in (keeping, recomputing):
+            assert dict(node_blocks(form)) == dict(node_blocks(fresh))
+            assert dict(pcg_roles(form)) == dict(pcg_roles(fresh))
+            assert weight_chains(form) == weight_chains(fresh)
+        assert node_blocks(keeping) is node_blocks(recomputing)   # worked out once between them

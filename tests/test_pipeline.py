@@ -111,6 +111,44 @@ def test_layout_owns_each_value_once_and_recomputes_free_ones(stage_plan):
         lay_out_stages(pcg, [-1, 1, 2], 2)
 
 
+def _crossings_by_walk(layer_map: LayerMap, starts, degree) -> list:
+    """The crossings of a cut as every node and reader walked gives them (what `lay_out` did before it read only
+    `reader_layers`): each node of a chunk, each later chunk one of its readers is in."""
+    from parsat.ir.pipeline import Crossing
+    pcg, layers, free = layer_map.pcg, layer_map.layers, layer_map.free
+    bounds = [layers.index(s) for s in starts] + [len(layers)]
+    chunk_of_layer = {layers[i]: c for c in range(len(starts)) for i in range(bounds[c], bounds[c + 1])}
+    owner = {n.id: chunk_of_layer[layer_map.blocks[n.id]] for n in pcg.nodes if n.id not in free}
+    out = []
+    for node in pcg.nodes:
+        if node.id in owner:
+            for target in sorted({owner[r] for r in layer_map.readers.get(node.id, ()) if r in owner}
+                                 - {owner[node.id]}):
+                out.append(Crossing(node.id, owner[node.id], target, node.degrees.piece_elements(node.shape)))
+    return out
+
+
+def test_a_cut_s_crossings_are_those_every_node_s_readers_give(stage_plan):
+    """`lay_out` reads only the nodes a node of another layer reads (`LayerMap.reader_layers`): for every cut of
+    the stage plan into 2 to 4 chunks, in one or two chunks per stage, its crossings are the ones walking every
+    node and its readers gives, in the same order, and some cut has crossings."""
+    from itertools import combinations
+    layer_map = LayerMap(stage_plan.pcg)
+    layers = layer_map.layers
+    assert layer_map.reader_layers and all(layer not in read for _n, layer, read, _e in layer_map.reader_layers)
+    crossed = 0
+    for chunks in (2, 3, 4):
+        for rest in combinations(layers[1:], chunks - 1):
+            starts = (layers[0],) + rest
+            for degree in {chunks, chunks // 2} - {0}:
+                if chunks % degree:
+                    continue
+                layout = layer_map.lay_out(starts, degree)
+                assert list(layout.crossings) == _crossings_by_walk(layer_map, starts, degree)
+                crossed += bool(layout.crossings)
+    assert crossed
+
+
 def test_a_pipelined_plan_round_trips_through_the_plan_json(stage_plan):
     plan = pipelined(stage_plan, 2, ONE_F_ONE_B, Machine.resolve("cpu").with_devices(4))
     data = json.loads(plan.to_json())

@@ -1,4 +1,4 @@
-"""What the search keeps instead of working out again (`PCG.readers_of`, `PCG.storage_chains`, `PCG.node_roles`,
+"""What the search keeps instead of working out again (`PCG.readers_of`, `PCG.storage_chains`, `pcg_roles` through `PCG.derive`,
 `needs_gradient`'s operator look-ups, `extract.bottom_up`'s bound look-ups) gives the answers working them out
 afresh gives: the same readers, storage chains, roles and gradients, the same floors and simulated steps, the same
 extraction, and a PCG's shared tables cannot be changed through what callers are handed."""
@@ -68,10 +68,9 @@ def test_a_pcg_s_kept_readers_storage_and_gradients_are_those_worked_out_afresh(
         assert weight_storage(pcg) == weight_storage(_fresh(pcg))   # a caller's copy, not the PCG's table
         assert pcg == _fresh(pcg) and hash(pcg) == hash(_fresh(pcg))   # kept tables are no part of its value
         roles = pcg_roles(pcg)
-        assert roles == _pcg_roles(_fresh(pcg))
+        assert roles == _pcg_roles(_fresh(pcg)) and roles
+        assert pcg_roles(pcg) is roles   # worked out once per PCG and shared (`PCG.derive`): read only
         assert weight_chains(pcg) == {i for i, role in _pcg_roles(_fresh(pcg)).items() if role in WEIGHT_ROLES}
-        roles.clear()
-        assert pcg_roles(pcg) == _pcg_roles(_fresh(pcg)) and pcg_roles(pcg)   # a copy handed out, as above
 
 
 def test_floors_and_simulated_steps_are_the_same_with_the_tables_kept_or_not(grid):

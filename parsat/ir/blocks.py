@@ -10,6 +10,7 @@ whose weights it depends on; values that depend on no block's weights
 from __future__ import annotations
 
 import re
+from typing import Mapping
 
 from parsat.ir.pcg import PCG
 
@@ -35,11 +36,21 @@ def in_block(name: str, block: int) -> str:
     return f"b{block}_{name[found.end():]}" if found else name
 
 
-def node_blocks(pcg: PCG) -> dict[int, int]:
+def node_blocks(pcg: PCG) -> Mapping[int, int]:
     """PCG node -> its block: the latest block whose weights it depends on (the PCG is in topological order),
     except that parallel operators that only a later block reads belong to that block: they are its entry,
     converting the value it reads into the placements it wants (block 1 may want the same value of block 0
-    in two placements, and block 2 of block 1 in one: what crosses is the value, each block converts it)."""
+    in two placements, and block 2 of block 1 in one: what crosses is the value, each block converts it).
+
+    Worked out once per PCG (`PCG.derive`) and shared: it reads the nodes alone, so a layout's forms that
+    differ in ZeRO stage or recomputation (`search.baselines.restated`) share it too; the recomputation's
+    checkpoints, the step simulator and the pipeline's layer map each asked for it again (261 times on
+    llama-70b:64). Read it, never change it."""
+    return pcg.derive("node_blocks", None, lambda: _node_blocks(pcg))
+
+
+def _node_blocks(pcg: PCG) -> dict[int, int]:
+    """`node_blocks` worked out."""
     blocks: dict[int, int] = {}
     for node in pcg.nodes:
         own = block_of(node.op) if node.kind == "leaf" else block_of(node.origin)

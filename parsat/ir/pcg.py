@@ -177,13 +177,6 @@ class PCG:
         `weight_storage`, which hands out a copy: this one is shared."""
         return _weight_storage(self)
 
-    @cached_property
-    def node_roles(self) -> Mapping[int, str]:
-        """`pcg_roles`' answer, worked out once per PCG: the pricer, the kept values, the weights' chains and the
-        simulator's re-gathers each ask for it (gpt-6.7b:64: 360 asks of some 80 PCGs). It reads the PCG's nodes
-        alone. Read it through `pcg_roles`, which hands out a copy: this one is shared."""
-        return _pcg_roles(self)
-
     @property
     def max_pieces(self) -> int:
         return max((n.degrees.pieces for n in self.nodes), default=1)
@@ -255,15 +248,20 @@ def _weight_storage(pcg: PCG) -> dict[int, tuple[int, ...]]:
     return chains
 
 
-def weight_chains(pcg: PCG) -> set[int]:
+def weight_chains(pcg: PCG) -> frozenset[int]:
     """The weight leaves and the values made from them by parallel operators only (`pcg_roles`): what a step
-    of several micro-batches makes once and reduces the gradient of once (`ir.costs.NodeCost.per_step`)."""
-    return {ident for ident, role in pcg.node_roles.items() if role in WEIGHT_ROLES}
+    of several micro-batches makes once and reduces the gradient of once (`ir.costs.NodeCost.per_step`). Worked
+    out once per PCG (`PCG.derive`, as `pcg_roles`)."""
+    return pcg.derive("weight_chains", None,
+                      lambda: frozenset(ident for ident, role in pcg_roles(pcg).items() if role in WEIGHT_ROLES))
 
 
-def pcg_roles(pcg: PCG) -> dict[int, str]:
-    """`_pcg_roles`, kept with the PCG (`PCG.node_roles`); a copy, the caller's to change."""
-    return dict(pcg.node_roles)
+def pcg_roles(pcg: PCG) -> Mapping[int, str]:
+    """`_pcg_roles`, worked out once per PCG and shared (`PCG.derive`): it reads the nodes and the weights'
+    storage alone, never the ZeRO stage or recomputation, so a layout's forms share it too; pricing, the saved
+    values, the step simulator and the recomputation's checkpoints each asked again (753 times on
+    llama-70b:64). Read it, never change it."""
+    return pcg.derive("pcg_roles", None, lambda: _pcg_roles(pcg))
 
 
 def _pcg_roles(pcg: PCG) -> dict[int, str]:

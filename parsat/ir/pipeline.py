@@ -165,8 +165,26 @@ class LayerMap:
                 found |= self.needs[node.id]
         return {layer: frozenset(nodes) for layer, nodes in members.items()}
 
+    @cached_property
+    def reader_layers(self) -> tuple[tuple[int, int, frozenset[int], int], ...]:
+        """The nodes some node of another layer reads (free values left out on both sides), in the PCG's order,
+        each as (node, its layer, the other layers that read it, its piece's elements): the only nodes `lay_out`
+        can find crossing chunks. Why: a chunk is a run of whole layers (`chunk_of_layer`), so a reader in the
+        node's own layer is in its chunk, and a reader of another layer is in the chunk of that layer; the chunks
+        `lay_out` finds reading a node are those of these layers, less its own. Worked out once per map: the
+        cut search lays out hundreds of cuts of one stage plan, and each walked every node and its readers."""
+        out = []
+        for node in self.pcg.nodes:
+            if node.id in self.free:
+                continue
+            layer = self.blocks[node.id]
+            read_in = frozenset(self.blocks[r] for r in self.readers.get(node.id, ()) if r not in self.free) - {layer}
+            if read_in:
+                out.append((node.id, layer, read_in, node.degrees.piece_elements(node.shape)))
+        return tuple(out)
+
     def lay_out(self, starts: Sequence[int], degree: int) -> StageLayout:
-        layers, pcg = self.layers, self.pcg
+        layers = self.layers
         if not starts or starts[0] != layers[0] or list(starts) != sorted(set(starts)) or \
                 any(s not in layers for s in starts):
             raise PipelineError(f"chunk starts {list(starts)} do not cut the layers {list(layers)} into "
@@ -176,21 +194,18 @@ class LayerMap:
         index = {layer: k for k, layer in enumerate(layers)}
         bounds = [index[s] for s in starts] + [len(layers)]
         chunk_of_layer = {layers[i]: c for c in range(len(starts)) for i in range(bounds[c], bounds[c + 1])}
-        owner = {n.id: chunk_of_layer[self.blocks[n.id]] for n in pcg.nodes if n.id not in self.free}
         # a chunk's nodes: its layers' own nodes and the free values each needs (`layer_members`)
         members: list[set[int]] = [set().union(*(self.layer_members[layers[i]]
                                                  for i in range(bounds[c], bounds[c + 1]))) for c in range(len(starts))]
         chunks = tuple(Chunk(c, c % degree, layers[bounds[c]:bounds[c + 1]],
                              tuple(sorted(members[c], key=self.position.__getitem__))) for c in range(len(starts)))
         crossings = []
-        for node in pcg.nodes:
-            if node.id not in owner:
-                continue
-            mine = owner[node.id]
-            for target in sorted({owner[r] for r in self.readers.get(node.id, ()) if r in owner} - {mine}):
+        for node, layer, read_in, elements in self.reader_layers:
+            mine = chunk_of_layer[layer]
+            for target in sorted({chunk_of_layer[other] for other in read_in} - {mine}):
                 if target < mine:
-                    raise PipelineError(f"node {node.id} of chunk {mine} is read by the earlier chunk {target}")
-                crossings.append(Crossing(node.id, mine, target, node.degrees.piece_elements(node.shape)))
+                    raise PipelineError(f"node {node} of chunk {mine} is read by the earlier chunk {target}")
+                crossings.append(Crossing(node, mine, target, elements))
         shared = []
         for weight in self.weights:
             stages = tuple(sorted({c % degree for c in range(len(starts)) if weight in members[c]}))

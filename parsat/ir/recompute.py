@@ -71,6 +71,13 @@ def checkpoints(pcg: PCG) -> tuple[Checkpoint, ...]:
     """The blocks `pcg.recompute` recomputes, in order (none for NONE; see the module docstring)."""
     if check_policy(pcg.recompute) == NONE:
         return ()
+    return pcg.derive("block_checkpoints", None, lambda: _block_checkpoints(pcg))
+
+
+def _block_checkpoints(pcg: PCG) -> tuple[Checkpoint, ...]:
+    """`checkpoints` of a PCG that recomputes blocks, worked out once per PCG (`PCG.derive`): they read its nodes
+    and outputs alone, not its policy nor its ZeRO stage, so a layout's forms (`search.baselines.restated`) share
+    them; its pricing (`search.recompute.recomputed_pcg_costs`), step floor and simulation each asked again."""
     blocks = node_blocks(pcg)
     chains = weight_chains(pcg)
     readers: dict[int, set[int]] = {}
