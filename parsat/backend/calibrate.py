@@ -232,7 +232,7 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
     leaf = rand(2, 2).requires_grad_()
     dispatch = _chain_dispatch(ctx, leaf, budget, sync)
     extra = _dtensor_dispatch(ctx, leaf, budget, sync, dispatch) if dtensor else (0.0, 0.0)
-    hooks = _fsdp_hooks(ctx, dtype, budget, sync) if dtensor else (0.0, 0.0)
+    hooks = _fsdp_hooks(ctx, dtype, sync) if dtensor else (0.0, 0.0)
 
     ops = []
     for m, n, k in gemm_shapes(size):
@@ -345,16 +345,19 @@ def _dtensor_dispatch(ctx: RankContext, leaf: torch.Tensor, budget: Budget, sync
 
 
 FSDP_LAYERS = 16   # tiny linear layers (a weight and a bias each) of the stack whose FSDP2 hooks are timed
+FSDP_CALLS = 60    # calls of each stack timed one by one; the lower quartile is kept, as load only ever adds time
 
 
-def _fsdp_hooks(ctx: RankContext, dtype, budget: Budget, sync) -> tuple[float, float]:
+def _fsdp_hooks(ctx: RankContext, dtype, sync) -> tuple[float, float]:
     """Host seconds FSDP2's hooks add per parameter, forward and backward: a stack of tiny linear layers
     under `replicate` (the torch-native runtime's data parallelism) against the same stack plain; the layers
     are too small for their kernels to count. Forward under `replicate` over every rank (its hooks set up
     the unsharded parameters and communicate nothing). Backward under `replicate` over a one-rank axis of
     each rank's own: its hooks' work (the gradients copied into one buffer, reduced, divided, copied out and
     made DTensors) without the wait for another rank in its all-reduce, which the collectives' fit prices.
-    The profile's collectives and copies do not price that work."""
+    The profile's collectives and copies do not price that work. Each figure is a difference of timings
+    (hundreds of microseconds each on a CPU), so each timing is the lower quartile of FSDP_CALLS calls timed
+    one by one: a call the scheduler interrupted is slower, never faster, and does not move it."""
     from torch import nn
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.device_mesh import init_device_mesh
@@ -369,11 +372,18 @@ def _fsdp_hooks(ctx: RankContext, dtype, budget: Budget, sync) -> tuple[float, f
     replicate(alone, mesh=mesh["alone"])
     x = torch.ones(2, 2, dtype=dtype, device=ctx.device)
     params = sum(1 for _ in plain.parameters())
-    forward = {id(m): _timed(ctx, lambda: m(x), budget, sync) for m in (plain, across, alone)}
-    backward = {id(m): _timed(ctx, lambda: m(x).sum().backward(), budget, sync) - forward[id(m)]
-                for m in (plain, alone)}
-    return (max(0.0, forward[id(across)] - forward[id(plain)]) / params,
-            max(0.0, backward[id(alone)] - backward[id(plain)]) / params)
+    runs = {"plain": lambda: plain(x), "across": lambda: across(x), "alone": lambda: alone(x),
+            "plain_step": lambda: plain(x).sum().backward(), "alone_step": lambda: alone(x).sum().backward()}
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(FSDP_CALLS):   # interleaved, one call at a time: a burst of load elsewhere inflates a few calls
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            sync()
+            seconds[name].append(time.perf_counter() - start)
+    least = {name: _slowest(ctx, sorted(times)[len(times) // 4]) for name, times in seconds.items()}
+    return (max(0.0, least["across"] - least["plain"]) / params,
+            max(0.0, (least["alone_step"] - least["alone"]) - (least["plain_step"] - least["plain"])) / params)
 
 
 def _chain_dispatch(ctx: RankContext, start: torch.Tensor, budget: Budget, sync) -> tuple[float, float]:
