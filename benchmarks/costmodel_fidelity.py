@@ -62,7 +62,7 @@ from parsat.ir.machine import Machine
 from parsat.ir.models import build_example
 from parsat.search.baselines import price_pcg
 from parsat.ir.errors import OptimizeError
-from parsat.cost.pcg_tasks import PARSAT_RUN, TORCH_NATIVE, simulate_pcg
+from parsat.cost.pcg_tasks import PARSAT_RUN, TORCH_NATIVE, ExecutionProfile, simulate_pcg
 
 GRAPHS = {
     "mlp": ("mlp", {}),
@@ -85,8 +85,9 @@ def simulator(pcg, library, machine: Machine, prediction) -> tuple[float, float]
 
 
 def torch_simulator(pcg, library, machine: Machine, prediction) -> tuple[float, float]:
-    """The step simulator as the torch-native runtime runs a plan (`TORCH_NATIVE`)."""
-    result = simulate_pcg(pcg, library, machine, TORCH_NATIVE)
+    """The step simulator as the torch-native runtime runs a plan (`TORCH_NATIVE`, with the module's own calls
+    beyond its graph: `PlanFigures.profile`)."""
+    result = simulate_pcg(pcg, library, machine, prediction.profile)
     return result.step_s, float(result.sampled_memory_bytes)
 
 
@@ -127,6 +128,8 @@ class PlanFigures:
     time_s: float           # totals.time_s: the simulated step
     node_sum_s: float       # totals.node_sum_s: the per-node sum
     peak_memory_bytes: float
+    profile: ExecutionProfile = TORCH_NATIVE   # how the torch-native runtime runs it: with the user's module's
+    #                                            own calls counted (`--runtime torch`), TORCH_NATIVE.running(...)
 
 
 def _figures(totals_dict: dict) -> PlanFigures:

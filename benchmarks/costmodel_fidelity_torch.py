@@ -68,6 +68,7 @@ def torch_plans(n: int, machine, models: list[str]) -> list[tuple[str, object, o
     from parsat.backend.torch_native.apply import module_info
     from parsat.backend.torch_native.lowering import LoweringError, lower
     from parsat.cost.pcg_tasks import simulate_pcg
+    from parsat.importer.call_count import count_module_calls
     from parsat.importer.export import import_module
     from parsat.ir.costs import totals
     from parsat.ir.megatron import megatron_pcg
@@ -79,6 +80,7 @@ def torch_plans(n: int, machine, models: list[str]) -> list[tuple[str, object, o
         module, inputs = model(name)
         imported = import_module(module, inputs, check=False)
         graph, info = imported.graph, module_info(module, imported.weights)
+        profile = TORCH_NATIVE.running(count_module_calls(module, inputs, graph))
         for label, (shape, zero) in SHAPES[n].items():
             if shape[1] > 1 and name not in TENSOR_MODELS:
                 continue
@@ -93,8 +95,8 @@ def torch_plans(n: int, machine, models: list[str]) -> list[tuple[str, object, o
                 continue
             summed = totals(price_pcg(pcg, library, machine), machine)
             out.append((f"{name}/{label}", pcg, graph,
-                        PlanFigures(simulate_pcg(pcg, library, machine, TORCH_NATIVE).step_s, summed.time_s,
-                                    summed.peak_memory_bytes)))
+                        PlanFigures(simulate_pcg(pcg, library, machine, profile).step_s, summed.time_s,
+                                    summed.peak_memory_bytes, profile)))
     return out
 
 
@@ -197,8 +199,8 @@ def repredict_memory(rows: list[dict]) -> list[dict]:
     library, memory = operator_library(), {}
     for n in sorted({r["nproc"] for r in rows}):
         machine = Machine.preset("cpu").with_precision("fp32").with_devices(n)
-        for label, pcg, _graph, _f in torch_plans(n, machine, sorted({r["plan"].split("/")[0] for r in rows})):
-            memory[(n, label)] = float(simulate_pcg(pcg, library, machine, TORCH_NATIVE).sampled_memory_bytes)
+        for label, pcg, _graph, figures in torch_plans(n, machine, sorted({r["plan"].split("/")[0] for r in rows})):
+            memory[(n, label)] = float(simulate_pcg(pcg, library, machine, figures.profile).sampled_memory_bytes)
     return [dict(r, predicted_peak_bytes=memory[(r["nproc"], r["plan"])]) for r in rows]
 
 

@@ -10,13 +10,14 @@ from dataclasses import replace
 import pytest
 
 from parsat.cost.fsdp_groups import group_elements, param_groups, tensor_axes
-from parsat.cost.pcg_tasks import PARSAT_RUN, TORCH_NATIVE, OpTimes, simulate_pcg, step_floor
+from parsat.cost.pcg_tasks import PARSAT_RUN, TORCH_NATIVE, OpTimes, needs_gradient, simulate_pcg, step_floor
 from parsat.dsl.library import load_library, shipped_rules_dir
 from parsat.ir.blocks import OUTSIDE
 from parsat.ir.data_parallel import data_parallel_pcg
 from parsat.ir.machine import Machine
 from parsat.ir.megatron import megatron_pcg
 from parsat.ir.models import gpt, llama
+from parsat.ir.module_calls import ModuleCalls
 
 LIB = load_library([shipped_rules_dir() / "ops.rule"])[0]
 CPU = Machine.preset("cpu").with_devices(2)
@@ -127,3 +128,24 @@ def test_fsdp2_hooks_cost_host_time_per_parameter_of_each_group(graph):
     assert simulate_pcg(tp, LIB, hooked, TORCH_NATIVE).step_s == simulate_pcg(tp, LIB, CPU, TORCH_NATIVE).step_s
     assert "fsdp_forward_param_s" not in CPU.efficiency.to_dict()
     assert Machine.from_dict(hooked.to_dict()).efficiency == hooked.efficiency
+
+
+def test_the_user_s_module_pays_a_dispatch_per_call_its_graph_folded_away(graph):
+    """The torch-native runtime runs the user's module, whose views and casts the imported graph folds away
+    (`ir.module_calls`): each extra forward call costs one forward dispatch, each extra autograd node one
+    backward dispatch, every micro-batch; a pipeline stage's PCG holding part of the graph pays that part."""
+    pcg = data_parallel_pcg(graph, LIB, 2)
+    ops = sum(1 for n in pcg.nodes if n.kind == "op")
+    dispatching = replace(CPU, efficiency=replace(CPU.efficiency, dispatch_s=1e-3, backward_dispatch_s=2e-3))
+    calls = ModuleCalls(forward_calls=ops + 10, backward_nodes=ops + 30, graph_nodes=ops)
+    gradient_nodes = sum(needs_gradient(pcg, LIB)[n.id] for n in pcg.nodes if n.kind == "op")
+    extra_backward = ops + 30 - gradient_nodes
+    for microbatches in (1, 3):
+        plain = simulate_pcg(pcg, LIB, dispatching, TORCH_NATIVE, microbatches=microbatches).step_s
+        module = simulate_pcg(pcg, LIB, dispatching, TORCH_NATIVE.running(calls), microbatches=microbatches).step_s
+        assert module - plain == pytest.approx(microbatches * (10 * 1e-3 + extra_backward * 2e-3), rel=1e-6)
+    assert TORCH_NATIVE.running(None) == TORCH_NATIVE
+    half = ModuleCalls(forward_calls=2 * (ops + 10), backward_nodes=0, graph_nodes=2 * ops)   # pcg: half the graph
+    assert half.extra_forward(ops) == pytest.approx(10) and half.extra_backward(ops, gradient_nodes) == 0.0
+    with pytest.raises(ValueError):
+        ModuleCalls(forward_calls=-1, backward_nodes=0, graph_nodes=1)

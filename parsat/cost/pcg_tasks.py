@@ -28,7 +28,10 @@ How the program that runs the plan issues work is an `ExecutionProfile`:
 * `TORCH_NATIVE`: `parsat.parallelize(..., runtime="torch")` on CPU gloo:
   inline collectives as `PARSAT_RUN`, but FSDP2's parameter groups
   (`cost.fsdp_groups`), torch's tensor-parallel styles (an all-reduce per
-  column-parallel reader, DTensor dispatch), the loss each rank's own.
+  column-parallel reader, DTensor dispatch), the loss each rank's own;
+  `TORCH_NATIVE.running(calls)` also prices the calls the user's module
+  makes beyond its imported graph (views, casts, mask building: one
+  dispatch each, `ir.module_calls`).
 
 ZeRO-3 (a weight stored as a shard, read through `all_gather`) runs as the
 backend runs it (parsat/backend/executor.py): the weight is gathered once per step
@@ -73,6 +76,7 @@ from parsat.dsl.parallel_ops import COMBINE, PARTITION, REDUCE, REPLICATE
 from parsat.ir.graph import instance_for
 from parsat.ir.machine import Machine
 from parsat.ir.microbatch import is_loss
+from parsat.ir.module_calls import ModuleCalls
 from parsat.ir.pcg import PCG, PNode, pcg_roles, state_shardings, weight_chains, weight_storage
 from parsat.ir.recompute import Checkpoint, checkpoints
 from parsat.cost.fsdp_groups import ParamGroup, group_elements, param_groups, tensor_axes
@@ -132,6 +136,13 @@ class ExecutionProfile:
     #                                 all-gather runs beside the product's input-gradient GEMM (`_regather`)
     overlap_grad_reduce: bool = True   # DDP's buckets launched as backward fills them; else all of them once the
     #                                 last micro-batch's backward is done (`CommProfile.overlap_grad_reduce`)
+    module_calls: ModuleCalls | None = None   # the user's module runs, not the graph: its calls beyond the graph's
+    #                                 nodes, one dispatch each (`ir.module_calls`; `running`)
+
+    def running(self, calls: ModuleCalls | None) -> "ExecutionProfile":
+        """This profile running the user's module whose eager calls `calls` counted
+        (`importer.call_count.count_module_calls`): the calls its graph folded away priced too."""
+        return replace(self, module_calls=calls)
 
 
 PARSAT_RUN = ExecutionProfile("parsat run", overlap=False, ddp_buckets=False, keep_activations=True,
@@ -648,6 +659,7 @@ class _Builder:
     # ---------------------------------------------------------------- forward
     def forward(self) -> None:
         self._replicated_hooks()
+        self._module_calls()
         for node in self.pcg.nodes:
             if node.id in self.params and (not self.first or node.id in self.ready):
                 continue  # a weight's chain: made by the first micro-batch (or issued early, `_issue_chains`)
@@ -916,6 +928,7 @@ class _Builder:
         for out, task in zip(self.pcg.outputs, loss):
             seconds = self._loss_s(self.by_id[out], backward=True)
             self._give(out, self._add(f"loss backward of #{out}", self.compute, seconds, [task], phase="backward"))
+        self._module_calls(loss, backward=True)
         syncs: list[int] = []
         produced: dict[int, int] = {}
         buckets = self._buckets() if self.syncing else []
@@ -1224,6 +1237,21 @@ class _Builder:
                             alloc=whole * self.item, phase=f"{phase}_comm")
         return self._add(f"group {group.key} copy out", self.compute, self._copy_s(whole, backward), [gather],
                          phase=phase)
+
+    def _module_calls(self, after: Sequence[int] = (), backward: bool = False) -> None:
+        """The user's module's own calls beyond the graph's nodes, each one dispatch, at the start of its forward
+        (or, `backward`, its autograd nodes beyond the graph's, at the start of backward): the views, casts and
+        mask building the importer folded away (`ir.module_calls`); none unless the profile runs a module."""
+        calls = self.profile.module_calls
+        if calls is None:
+            return
+        ops = [n for n in self.pcg.nodes if n.kind == "op"]
+        extra = calls.extra_backward(len(ops), sum(1 for n in ops if self.needs_grad[n.id])) if backward \
+            else calls.extra_forward(len(ops))
+        if extra:
+            seconds = extra * (self.eff.backward_dispatch_s if backward else self.eff.dispatch_s)
+            self._add(f"the module's own {'autograd nodes' if backward else 'calls'} beyond its graph "
+                      f"({extra:.0f})", self.compute, seconds, list(after), phase="backward" if backward else "forward")
 
     def _replicated_hooks(self) -> None:
         """FSDP2's pre-forward hooks of each replicated group (`replicate` on the root), which run as the

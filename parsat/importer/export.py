@@ -16,6 +16,8 @@ need not export again).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from parsat.importer.errors import TorchImportError
 from parsat.importer.imported import ImportedModule
 from parsat.importer.self_check import ImportTrace, check_import
@@ -70,10 +72,7 @@ def import_module(module, example_inputs, library=None, name: str | None = None,
                                    "average of its running statistics), which parsat does not support; give it a "
                                    "momentum")
     was_training = module.training
-    # Exporting and running the exported graph once executes the module's forward, and a batch norm in
-    # training mode updates its running statistics in place: the import must leave the module as it was.
-    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-    try:
+    with buffers_kept(module):
         program = export_module(module, inputs)
         module.train(was_training)
         translator = Translator(module, program, inputs, GraphBuilder(library, name=name or type(module).__name__))
@@ -81,6 +80,18 @@ def import_module(module, example_inputs, library=None, name: str | None = None,
         if check:
             check_import(imported, inputs, trace, type(module).__name__)
         return imported
+
+
+@contextmanager
+def buffers_kept(module):
+    """The module's buffers as they were on entry, again on exit: exporting (or running) its forward executes
+    it, and a batch norm in training mode updates its running statistics in place; an import must leave the
+    module as it found it."""
+    import torch
+
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    try:
+        yield
     finally:
         with torch.no_grad():
             for name, b in module.named_buffers():

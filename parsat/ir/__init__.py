@@ -27,7 +27,8 @@ against the operator library, machines' ranges), `json_files` (reading
 user files safely), `collector` (Python's garbage collector paused while a
 large graph's objects are built), `instance` (an operator at concrete shapes), `budget`
 (how large a graph may grow, and until when, under the search's limits),
-`errors` (GraphError, MachineError, PlanError, and OptimizeError with
+`module_calls` (the calls a user's module makes eagerly beyond its
+imported graph, which the torch-native runtime's step pays), `errors` (GraphError, MachineError, PlanError, and OptimizeError with
 DoesNotFit: the errors every stage shares), `units` (times and bytes as
 people read them, in reports and messages alike).
 

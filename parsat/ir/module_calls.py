@@ -1,0 +1,45 @@
+"""What a user's module issues when it runs eagerly, beyond the graph parsat imported from it.
+
+The torch-native runtime runs the user's own module (docs/TORCH_NATIVE.md), not the imported graph: its
+forward also makes the views, reshapes, dtype casts and mask-building calls the importer folds away, and its
+backward runs an autograd node for each differentiable one of them. On a CPU each is a dispatch's host time
+(`OpEfficiency.dispatch_s`, `backward_dispatch_s`): on the small BERT of
+benchmarks/costmodel_fidelity_torch.py 42 forward calls and 34 autograd nodes beyond its 63 graph nodes, about
+1.7 ms at the ~20 us a dispatch a quiet 2-core box calibrates, against a measured 19 ms step (data parallel, 2
+ranks: benchmarks/costmodel_fidelity.md run T4). The step simulator prices them under a profile that runs the module
+(`cost.pcg_tasks.ExecutionProfile.module_calls`); `importer.call_count` counts them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModuleCalls:
+    """One eager forward of the module on the import's example inputs, counted, beside its imported graph."""
+
+    forward_calls: int    # ATen calls the forward dispatched (below autograd: views and casts included)
+    backward_nodes: int   # autograd nodes its outputs' backward runs (AccumulateGrad, one per parameter, aside)
+    graph_nodes: int      # compute nodes of the graph imported from the module
+
+    def __post_init__(self) -> None:
+        if min(self.forward_calls, self.backward_nodes, self.graph_nodes) < 0:
+            raise ValueError(f"call counts cannot be negative: {self}")
+
+    def _share(self, compute_nodes: int) -> float:
+        """The part of the module a PCG holding `compute_nodes` of the graph's compute nodes runs: 1 for the
+        whole graph, in proportion for a pipeline stage's part."""
+        return compute_nodes / self.graph_nodes if self.graph_nodes else 0.0
+
+    def extra_forward(self, compute_nodes: int) -> float:
+        """Forward calls beyond the graph's own compute nodes (each of which the simulator prices as a call)."""
+        return max(0.0, self.forward_calls * self._share(compute_nodes) - compute_nodes)
+
+    def extra_backward(self, compute_nodes: int, gradient_nodes: int) -> float:
+        """Autograd nodes beyond the `gradient_nodes` of the PCG's compute nodes a gradient flows through (each
+        of which the simulator prices as a backward node)."""
+        return max(0.0, self.backward_nodes * self._share(compute_nodes) - gradient_nodes)
+
+
+__all__ = ["ModuleCalls"]

@@ -1,0 +1,42 @@
+"""`importer.call_count`: the calls a module makes eagerly beyond the graph imported from it (`ir.module_calls`)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+from parsat.importer.call_count import count_module_calls  # noqa: E402
+from parsat.importer.export import import_module  # noqa: E402
+
+
+class _Viewing(nn.Module):
+    """A linear layer, `views` shape-preserving views (the importer folds them), a batch norm in training mode
+    and a dropout: the two that would change the module or the random stream if the count left a trace."""
+
+    def __init__(self, views: int):
+        super().__init__()
+        self.lin, self.bn, self.drop, self.views = nn.Linear(4, 4), nn.BatchNorm2d(4), nn.Dropout(0.5), views
+
+    def forward(self, x):
+        y = self.lin(x)
+        for _ in range(self.views):
+            y = y.view(y.shape)
+        return self.drop(self.bn(torch.relu(y).view(2, 4, 4, 1))).sum()
+
+
+def test_folded_views_are_counted_as_calls_and_autograd_nodes_and_the_module_is_left_as_found():
+    counts = {}
+    for views in (0, 3):
+        torch.manual_seed(0)
+        module, x = _Viewing(views), torch.randn(8, 4)
+        graph = import_module(module, (x,), check=False).graph
+        running, generator = module.bn.running_mean.clone(), torch.get_rng_state()
+        counts[views] = count_module_calls(module, x, graph)
+        assert torch.equal(module.bn.running_mean, running) and torch.equal(torch.get_rng_state(), generator)
+        assert counts[views].graph_nodes == len(graph.nodes)
+    assert counts[3].graph_nodes == counts[0].graph_nodes   # the graph folds the views away ...
+    assert counts[3].forward_calls == counts[0].forward_calls + 3   # ... the module dispatches each
+    assert counts[3].backward_nodes == counts[0].backward_nodes + 3   # and autograd records each
+    assert counts[3].extra_forward(counts[3].graph_nodes) == counts[0].extra_forward(counts[0].graph_nodes) + 3
