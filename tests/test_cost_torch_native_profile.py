@@ -118,12 +118,19 @@ def test_fsdp2_hooks_cost_host_time_per_parameter_of_each_group(graph):
     """`parsat calibrate --dtensor` measures FSDP2's hooks per parameter (before a group's forward, after its
     backward): the step pays them once per parameter of each group, forward and backward, on the one host
     thread; a plan without FSDP2 groups (Megatron tp) pays nothing, and an uncalibrated machine (0) nothing."""
-    hooked = replace(CPU, efficiency=replace(CPU.efficiency, fsdp_forward_param_s=1e-3, fsdp_backward_param_s=2e-3))
+    hooked = replace(CPU, efficiency=replace(CPU.efficiency, fsdp_forward_param_s=1e-3, fsdp_backward_param_s=2e-3,
+                                             fsdp_forward_group_s=5e-3, fsdp_backward_group_s=7e-3))
     for pcg in (data_parallel_pcg(graph, LIB, 2), data_parallel_pcg(graph, LIB, 2, zero3=True)):
-        params = sum(len(g.members) for g in {g.key: g for g in param_groups(pcg).values()}.values())
-        assert params == sum(1 for n in pcg.nodes if n.kind == "leaf" and n.role == "weight")
+        groups = list({g.key: g for g in param_groups(pcg).values()}.values())
+        assert sum(len(g.members) for g in groups) == sum(1 for n in pcg.nodes if n.kind == "leaf" and n.role == "weight")
+        assert len(groups) == 1 or all(g.sharded for g in groups)   # replicate: one group on the root
+        # every group: gathered (its forward hooks) before forward and, resharded, again before backward; its
+        # backward hooks once
+        expected = sum((1 + g.reshard) * (5e-3 + len(g.members) * 1e-3) + 7e-3 + len(g.members) * 2e-3
+                       for g in groups)
         extra = simulate_pcg(pcg, LIB, hooked, TORCH_NATIVE).step_s - simulate_pcg(pcg, LIB, CPU, TORCH_NATIVE).step_s
-        assert extra == pytest.approx(params * 3e-3, rel=1e-6)
+        assert extra == pytest.approx(expected, rel=1e-6)
+    assert any(g.reshard for g in param_groups(data_parallel_pcg(graph, LIB, 2, zero3=True)).values())
     tp = megatron_pcg(graph, LIB, (1, 2))
     assert simulate_pcg(tp, LIB, hooked, TORCH_NATIVE).step_s == simulate_pcg(tp, LIB, CPU, TORCH_NATIVE).step_s
     assert "fsdp_forward_param_s" not in CPU.efficiency.to_dict()

@@ -35,13 +35,17 @@ for fp32 training):
   over all ranks, less the plain chain (`OpEfficiency.dtensor_dispatch_s`,
   `dtensor_backward_dispatch_s`: what torch's tensor-parallel styles add
   to every operator of a module they style);
-* with `dtensor` also FSDP2's hooks: a stack of tiny linear layers under
-  `replicate` over all ranks against the same stack plain, per parameter,
-  forward and backward (less its one all-reduce), `fsdp_forward_param_s`,
-  `fsdp_backward_param_s`: the host time the torch-native runtime's data
-  parallelism adds beyond its collectives and copies (on 2 CPU ranks
-  about 3 ms of a 24 ms BERT step before forward alone, which the profile
-  missed: benchmarks/costmodel_fidelity.md, run T3);
+* with `dtensor` also FSDP2's hooks: stacks of tiny linear layers under
+  `fully_shard` on a one-rank axis (one group of all layers; a group per
+  layer, resharded after forward) against the same stack plain, solved
+  for a cost per group and one per parameter, at a gather and after a
+  backward (`fsdp_forward_param_s`, `fsdp_backward_param_s`,
+  `fsdp_forward_group_s`, `fsdp_backward_group_s`): the host time the
+  torch-native runtime's data parallelism and ZeRO-3 add beyond their
+  collectives and copies (on 2 CPU ranks about 3 ms of a 24 ms BERT step
+  before forward alone, which the profile missed:
+  benchmarks/costmodel_fidelity.md, run T3; a group per layer cost ~0.35-0.5
+  ms at each gather on this box, 2026-12-04);
 * memory-bound operators (copies, adds, relus) from kilobytes to tens of
   megabytes, fitted to t = dispatch + (bytes + half) / bandwidth
   (`memory_bandwidth`, `memory_half_bytes`);
@@ -232,7 +236,7 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
     leaf = rand(2, 2).requires_grad_()
     dispatch = _chain_dispatch(ctx, leaf, budget, sync)
     extra = _dtensor_dispatch(ctx, leaf, budget, sync, dispatch) if dtensor else (0.0, 0.0)
-    hooks = _fsdp_hooks(ctx, dtype, sync) if dtensor else (0.0, 0.0)
+    hooks = _fsdp_hooks(ctx, dtype, sync) if dtensor else (0.0, 0.0, 0.0, 0.0)
 
     ops = []
     for m, n, k in gemm_shapes(size):
@@ -348,32 +352,38 @@ FSDP_LAYERS = 16   # tiny linear layers (a weight and a bias each) of the stack 
 FSDP_CALLS = 60    # calls of each stack timed one by one; the lower quartile is kept, as load only ever adds time
 
 
-def _fsdp_hooks(ctx: RankContext, dtype, sync) -> tuple[float, float]:
-    """Host seconds FSDP2's hooks add per parameter, forward and backward: a stack of tiny linear layers
-    under `replicate` (the torch-native runtime's data parallelism) against the same stack plain; the layers
-    are too small for their kernels to count. Forward under `replicate` over every rank (its hooks set up
-    the unsharded parameters and communicate nothing). Backward under `replicate` over a one-rank axis of
-    each rank's own: its hooks' work (the gradients copied into one buffer, reduced, divided, copied out and
-    made DTensors) without the wait for another rank in its all-reduce, which the collectives' fit prices.
-    The profile's collectives and copies do not price that work. Each figure is a difference of timings
-    (hundreds of microseconds each on a CPU), so each timing is the lower quartile of FSDP_CALLS calls timed
-    one by one: a call the scheduler interrupted is slower, never faster, and does not move it."""
+def _fsdp_hooks(ctx: RankContext, dtype, sync) -> tuple[float, float, float, float]:
+    """Host seconds FSDP2's hooks add, (forward per parameter, backward per parameter, forward per group,
+    backward per group): stacks of FSDP_LAYERS tiny linear layers (too small for their kernels to count) under
+    `fully_shard` on a one-rank axis of each rank's own, so that its all-gathers and reduce-scatters have no
+    other rank to wait for (the collectives' fit prices that), against the same stack plain:
+    * `flat`, one group of all P parameters (the root: gathered before forward and kept for backward, its
+      gradients reduced once): forward g_f + P p_f more than plain, backward g_b + P p_b;
+    * `nested`, each layer its own group (as the torch-native runtime shards each block), L groups resharded
+      after forward and gathered again before backward: forward L g_f + P p_f, backward the L gathers again
+      (L g_f + P p_f) and L reductions (L g_b + P p_b).
+    Solved for the four (each at least 0). The runtime's `replicate` is FSDP2 with one replica per rank: the
+    same hooks. Each figure is a difference of timings (hundreds of microseconds each on a CPU), so each timing
+    is the lower quartile of FSDP_CALLS calls timed one by one: a call the scheduler interrupted is slower,
+    never faster, and does not move it."""
     from torch import nn
-    from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
     def stack() -> nn.Module:
         torch.manual_seed(0)
         return nn.Sequential(*[nn.Linear(2, 2) for _ in range(FSDP_LAYERS)]).to(ctx.device, dtype)
 
     mesh = init_device_mesh(ctx.device.type, (dist.get_world_size(), 1), mesh_dim_names=("ranks", "alone"))
-    plain, across, alone = stack(), stack(), stack()
-    replicate(across, mesh=mesh["ranks"])
-    replicate(alone, mesh=mesh["alone"])
+    plain, flat, nested = stack(), stack(), stack()
+    fully_shard(flat, mesh=mesh["alone"])
+    for layer in nested:
+        fully_shard(layer, mesh=mesh["alone"])
+    fully_shard(nested, mesh=mesh["alone"])
     x = torch.ones(2, 2, dtype=dtype, device=ctx.device)
-    params = sum(1 for _ in plain.parameters())
-    runs = {"plain": lambda: plain(x), "across": lambda: across(x), "alone": lambda: alone(x),
-            "plain_step": lambda: plain(x).sum().backward(), "alone_step": lambda: alone(x).sum().backward()}
+    stacks = {"plain": plain, "flat": flat, "nested": nested}
+    runs = {**{name: (lambda m=m: m(x)) for name, m in stacks.items()},
+            **{f"{name}_step": (lambda m=m: m(x).sum().backward()) for name, m in stacks.items()}}
     seconds: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(FSDP_CALLS):   # interleaved, one call at a time: a burst of load elsewhere inflates a few calls
         for name, run in runs.items():
@@ -382,8 +392,16 @@ def _fsdp_hooks(ctx: RankContext, dtype, sync) -> tuple[float, float]:
             sync()
             seconds[name].append(time.perf_counter() - start)
     least = {name: _slowest(ctx, sorted(times)[len(times) // 4]) for name, times in seconds.items()}
-    return (max(0.0, least["across"] - least["plain"]) / params,
-            max(0.0, (least["alone_step"] - least["alone"]) - (least["plain_step"] - least["plain"])) / params)
+    forward = {name: least[name] - least["plain"] for name in ("flat", "nested")}
+    backward = {name: (least[f"{name}_step"] - least[name]) - (least["plain_step"] - least["plain"])
+                for name in ("flat", "nested")}
+    layers, params = FSDP_LAYERS, sum(1 for _ in plain.parameters())
+    group_f = max(0.0, (forward["nested"] - forward["flat"]) / (layers - 1))
+    param_f = max(0.0, (forward["flat"] - group_f) / params)
+    reductions = backward["nested"] - layers * group_f - params * param_f   # L g_b + P p_b
+    group_b = max(0.0, (reductions - backward["flat"]) / (layers - 1))
+    param_b = max(0.0, (backward["flat"] - group_b) / params)
+    return param_f, param_b, group_f, group_b
 
 
 def _chain_dispatch(ctx: RankContext, start: torch.Tensor, budget: Budget, sync) -> tuple[float, float]:
@@ -708,7 +726,8 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
     extra, hooks = tuple(result["dtensor"]), tuple(result["fsdp"])
     efficiency = OpEfficiency(dispatch_s=dispatch[0], backward_dispatch_s=dispatch[1],
                               dtensor_dispatch_s=extra[0], dtensor_backward_dispatch_s=extra[1],
-                              fsdp_forward_param_s=hooks[0], fsdp_backward_param_s=hooks[1], gemm_half_m=halves[0],
+                              fsdp_forward_param_s=hooks[0], fsdp_backward_param_s=hooks[1],
+                              fsdp_forward_group_s=hooks[2], fsdp_backward_group_s=hooks[3], gemm_half_m=halves[0],
                               gemm_half_n=halves[1], gemm_half_k=halves[2], memory_half_bytes=half_bytes,
                               cache_bytes=cache_bytes, cache_bandwidth=cache_bw, random_bandwidth=random_bw,
                               async_dispatch=cuda, **layouts)
@@ -798,9 +817,10 @@ def report(cal: Calibration) -> str:
              f"{e.dispatch_s * 1e6:.1f} us forward + {e.backward_dispatch_s * 1e6:.1f} us backward per operator"
              + (f" (on a DTensor {e.dtensor_dispatch_s * 1e6:.1f} + {e.dtensor_backward_dispatch_s * 1e6:.1f} us more)"
                 if e.dtensor_dispatch_s or e.dtensor_backward_dispatch_s else ""),
-             *([f"  FSDP2's hooks: {e.fsdp_forward_param_s * 1e6:.1f} us before forward + "
-                f"{e.fsdp_backward_param_s * 1e6:.1f} us after backward per parameter of a group"]
-               if e.fsdp_forward_param_s or e.fsdp_backward_param_s else []),
+             *([f"  FSDP2's hooks: {e.fsdp_forward_group_s * 1e6:.1f} us + {e.fsdp_forward_param_s * 1e6:.1f} us "
+                f"per parameter at a group's gather, {e.fsdp_backward_group_s * 1e6:.1f} us + "
+                f"{e.fsdp_backward_param_s * 1e6:.1f} us per parameter after its backward"]
+               if e.fsdp_hooks_time(1) or e.fsdp_hooks_time(1, backward=True) else []),
              *(f"  backward products ({name}): {getattr(e, f'gemm_{lay}_rate'):.2f} x peak, half lengths m "
                f"{getattr(e, f'gemm_{lay}_half_m'):g}, n {getattr(e, f'gemm_{lay}_half_n'):g}, k "
                f"{getattr(e, f'gemm_{lay}_half_k'):g}" for lay, name in (("nt", "g @ w^T"), ("tn", "x^T @ g"))

@@ -1227,10 +1227,12 @@ class _Builder:
     # ---------------------------------------------------------------- FSDP2 groups (`cost.fsdp_groups`)
     def _group_gather(self, group: ParamGroup, node: PNode, deps: list[int], phase: str) -> int:
         """A sharded group gathered: its shards copied into one buffer, one all-gather, the whole copied out
-        into the parameters (FSDP2's all_gather_copy_in, all_gather, split_with_sizes_copy)."""
+        into the parameters (FSDP2's all_gather_copy_in, all_gather, split_with_sizes_copy); its hooks' own host
+        time (`OpEfficiency.fsdp_hooks_time`) before forward and again before backward, where it was resharded:
+        the same unshard either way."""
         pieces, whole = group_elements(group, self.by_id)
         backward = phase == "backward"
-        hooks = 0.0 if backward else self.eff.fsdp_hooks_time(len(group.members))   # its pre-forward hooks' own
+        hooks = self.eff.fsdp_hooks_time(len(group.members))
         copy = self._add(f"group {group.key} copy in", self.compute, self._copy_s(pieces, backward) + hooks, deps,
                          phase=phase)
         gather = self._sync(f"group {group.key} all-gather", ALL_GATHER, node, whole * self.item, [copy],

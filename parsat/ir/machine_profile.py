@@ -79,8 +79,11 @@ class OpEfficiency:
     dtensor_dispatch_s: float = 0.0    # extra fixed cost of an operator on a DTensor (sharding propagation, wrapping)
     dtensor_backward_dispatch_s: float = 0.0   # the same in backward; both 0 unless `parsat calibrate --dtensor`
     fsdp_forward_param_s: float = 0.0   # host time FSDP2's hooks (`replicate`, `fully_shard`) take per parameter of
-                                        # a group before its forward, beyond the collectives and copies priced
-    fsdp_backward_param_s: float = 0.0  # the same after its backward; both 0 unless `parsat calibrate --dtensor`
+                                        # a group as they gather it (before its forward, again before its
+                                        # backward where it was resharded), beyond the collectives and copies priced
+    fsdp_backward_param_s: float = 0.0  # the same after its backward (the gradients' reduction)
+    fsdp_forward_group_s: float = 0.0   # and per group, whatever its size, at each gather ...
+    fsdp_backward_group_s: float = 0.0  # ... and after its backward; all four 0 unless `parsat calibrate --dtensor`
     gemm_nt_rate: float = 0.0          # a backward product whose second operand is transposed (g @ w^T: autograd's
                                        # gradient of a product's first operand), as a step runs it, reaches this x
                                        # peak FLOP/s at its largest; 0: not measured (priced as the forward kernel)
@@ -106,9 +109,12 @@ class OpEfficiency:
         return max(dispatch, kernel_s) if self.async_dispatch else dispatch + kernel_s
 
     def fsdp_hooks_time(self, params: int, backward: bool = False) -> float:
-        """Host time FSDP2's hooks take on a group of `params` parameters before its forward or after its
-        backward: measured by `parsat calibrate --dtensor`, 0 otherwise."""
-        return params * (self.fsdp_backward_param_s if backward else self.fsdp_forward_param_s)
+        """Host time FSDP2's hooks take on a group of `params` parameters as they gather it (before its forward;
+        before its backward, where it was resharded) or, `backward`, after its backward: a cost per group and
+        one per parameter, measured by `parsat calibrate --dtensor`, 0 otherwise."""
+        if backward:
+            return self.fsdp_backward_group_s + params * self.fsdp_backward_param_s
+        return self.fsdp_forward_group_s + params * self.fsdp_forward_param_s
 
     def dtensor_time(self, backward: bool = False) -> float:
         """What an operator on DTensors costs beyond a plain one (torch's tensor-parallel styles run the
@@ -163,7 +169,8 @@ class OpEfficiency:
         """Every field, less a layout's, an optimizer's or FSDP2's hooks' that was not measured (files and plans
         of presets read as before)."""
         unmeasured = [f"gemm_{layout}_" for layout in ("nt", "tn") if getattr(self, f"gemm_{layout}_rate") <= 0]
-        unmeasured += [k for k in ("fsdp_forward_param_s", "fsdp_backward_param_s") if not getattr(self, k)]
+        unmeasured += [k for k in ("fsdp_forward_param_s", "fsdp_backward_param_s", "fsdp_forward_group_s",
+                                   "fsdp_backward_group_s") if not getattr(self, k)]
         out = {k: v for k, v in asdict(self).items() if not k.startswith(tuple(unmeasured)) and k != "update_points"}
         if self.update_points:
             out["update_points"] = {kind: [list(p) for p in points] for kind, points in self.update_points}
