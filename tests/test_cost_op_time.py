@@ -178,7 +178,29 @@ def test_the_simulator_charges_a_fused_kernel_its_own_backward():
     assert plain.backward_kernel_s([0, 1, 2]) == 1.0
     measured = replace(product, grad_kernels=(1.25, 1.5))   # each operand's backward product, as measured
     assert measured.backward_kernel_s([1]) == 1.5 and measured.backward_kernel_s([0, 1]) == 2.75
-    assert measured.backward_kernel_s([0, 1, 2]) == 3.75    # a bias: one forward kernel, as before
+    biased = replace(measured, bias_kernel_s=0.125, biases=1)
+    assert biased.backward_kernel_s([0, 1, 2]) == 2.875      # a bias: its own kernel, not a third product
+    assert product.backward_kernel_s([0, 1, 2]) == 2.0       # unmeasured: two products, and a bias of 0 s here
+
+
+@pytest.mark.parametrize("name", ["h100x8", "a100x8"])
+def test_a_biased_products_backward_is_two_products_and_a_sum_in_both_models(name):
+    """A `linear`'s bias gradient is the output's gradient summed over its rows (one memory-bound pass), as
+    Megatron-LM and torch's addmm compute it: the step simulator (`backward_kernel_s`) and the per-node model
+    (`OpTime.backward_s`) charge the same backward. Until 2026-12-04 the simulator priced the bias as a third
+    forward-sized product, 1.5x the per-node backward of an unmeasured product: at main this fails."""
+    machine = Machine.preset(name)
+    inst = _instance("linear", ((4096, 7168), (7168, 2688), (2688,)))
+    timed = op_time(inst, {}, 4096 * 7168 + 2688 * 7168 + 2688 + 4096 * 2688, machine)
+    eff = machine.efficiency
+    assert timed.biases == 1
+    assert eff.op_time(timed.backward_kernel_s([0, 1, 2]), backward=True) == pytest.approx(timed.backward_s)
+    products = timed.backward_kernel_s([0, 1])
+    assert timed.backward_kernel_s([0, 1, 2]) - products == pytest.approx(timed.bias_kernel_s)
+    assert 0 < timed.bias_kernel_s < 0.05 * products            # a pass over 4096 x 2688 elements, not a GEMM
+    nobias = op_time(_instance("linear_nobias", ((4096, 7168), (7168, 2688))), {},
+                     4096 * 7168 + 2688 * 7168 + 4096 * 2688, machine)
+    assert nobias.biases == 0 and nobias.backward_kernel_s([0, 1]) == pytest.approx(products, rel=1e-3)  # its add
 
 
 def _measured_layouts(machine: Machine, tn_rate: float) -> Machine:
