@@ -211,9 +211,9 @@ _ATTENTION_EFFICIENCY, _ATTENTION_HALF_FLOPS = 0.52, 4.4e10
 # The H200's measured curve, as measured (tests check it against the rows it was fitted to); each GPU preset
 # derives its own from it (the H100 and A100 presets' fractions FITTED to published runs, above).
 MEASURED_GPU_EFFICIENCY = OpEfficiency(dispatch_s=5e-6, backward_dispatch_s=5e-6, gemm_half_m=64, gemm_half_n=320,
-                               gemm_half_k=384, gemm_peak_fraction=0.802, memory_half_bytes=1 << 20,
-                               async_dispatch=True,
-                               attention_efficiency=_ATTENTION_EFFICIENCY, attention_half_flops=_ATTENTION_HALF_FLOPS)
+                                       gemm_half_k=384, gemm_peak_fraction=0.802, memory_half_bytes=1 << 20,
+                                       async_dispatch=True, attention_efficiency=_ATTENTION_EFFICIENCY,
+                                       attention_half_flops=_ATTENTION_HALF_FLOPS)
 # Data-parallel buckets as Megatron-Core sizes them (the GPU presets are priced as Megatron-Core runs a plan:
 # `pcg_tasks.DDP`'s tensor-parallel overlap and parameter gathers are its): max(40M, 1M x the data-parallel size)
 # elements, no smaller first bucket (`DistributedDataParallelConfig.bucket_size`'s default), not PyTorch DDP's
