@@ -47,6 +47,7 @@ from parsat.ir.machine import Machine
 from parsat.ir.machine_profile import OpEfficiency
 
 BACKWARD_FACTOR = 2.0        # backward FLOPs and bytes = 2 x forward (two products per product)
+PRODUCT_OPERANDS = 2         # a product's operands that its backward products read; any after them is a bias
 OPTIMIZER_PASSES = {"sgd": (2, 5), "adam": (11, 26)}
 """Optimizer: (operators per parameter tensor, element reads + writes per parameter) as the backend runs it."""
 
@@ -67,19 +68,26 @@ class OpTime:
                                             # empty: each priced as the forward kernel)
     product: str = ""                       # the operator, for `chunk_time` to price a chunk's backward products
     batch: float = 1.0                      # the local batch of a batched product, folded into gemm's m
+    bias_kernel_s: float = 0.0              # a product's operand beyond its two (a bias): its gradient's kernel
+    #                                         (`bias_gradient_kernel`), not a product
+    biases: int = 0                         # how many such operands the product has (`linear`: one)
 
     def backward_kernel_s(self, gradients: Collection[int]) -> float:
         """The backward kernels' time when the inputs at positions `gradients` need a gradient, as autograd runs
-        them: a fused kernel's one backward kernel; a product's one product per such input (the measured
-        backward product of that operand, `grad_kernels`, else as large as the forward; a bias's as the
-        forward's, as before); anything else one kernel of the forward's size."""
+        them: a fused kernel's one backward kernel; a product's one product per such operand of its two (the
+        measured backward product of that operand, `grad_kernels`, else as large as the forward) and, for an
+        operand beyond them (a bias), the sum of the output's gradient over m (`bias_kernel_s`); anything else
+        one kernel of the forward's size. Until 2026-12-04 a bias's gradient was priced as a whole forward
+        product: a third GEMM in every biased product's backward, which the per-node model (`_backward_s`)
+        never charged (benchmarks/published_runs.md, "2026-12-04 (morning)")."""
         if self.backward_factor is not None:
             return self.backward_factor * self.kernel_s
         if self.gemm is None:
             return self.kernel_s
-        if not self.grad_kernels or not gradients:
-            return self.kernel_s * max(1, len(gradients))
-        return sum(self.grad_kernels[i] if i < len(self.grad_kernels) else self.kernel_s for i in gradients)
+        if not gradients:
+            return self.kernel_s
+        return sum((self.grad_kernels[i] if self.grad_kernels else self.kernel_s) if i < PRODUCT_OPERANDS
+                   else self.bias_kernel_s for i in gradients)
 
 
 @dataclass(frozen=True)
@@ -162,9 +170,19 @@ def grad_kernels(product: str, gemm: tuple[float, float, float], batch: float, f
     return tuple(kernels)
 
 
-def _backward_s(kernel: float, grads: tuple[float, ...], eff: OpEfficiency) -> float:
-    """The per-node model's backward of a product: every operand's gradient (2 x the forward unmeasured)."""
-    return eff.op_time(sum(grads) if grads else BACKWARD_FACTOR * kernel, backward=True)
+def _backward_s(kernel: float, grads: tuple[float, ...], eff: OpEfficiency, bias_s: float = 0.0) -> float:
+    """The per-node model's backward of a product: every operand's gradient (2 x the forward unmeasured), and
+    its biases' (`bias_s`, `bias_gradient_kernel` for each), as `OpTime.backward_kernel_s` adds them up."""
+    return eff.op_time((sum(grads) if grads else BACKWARD_FACTOR * kernel) + bias_s, backward=True)
+
+
+def bias_gradient_kernel(gemm: tuple[float, float, float], machine: Machine) -> float:
+    """The gradient of a product's bias: the output's gradient (m x n, in the compute dtype) summed over m, one
+    memory-bound pass over it (Megatron-LM's `grad_output.sum(dim=0)` in
+    `LinearWithGradAccumulationAndAsyncCommunication.backward`, megatron/core/tensor_parallel/layers.py; torch's
+    addmm backward likewise reduces the output gradient), not a product."""
+    nbytes = gemm[0] * gemm[1] * machine.dtype_bytes
+    return nbytes / machine.efficiency.bandwidth(nbytes, machine.memory_bandwidth)
 
 
 def roofline(flops: float, nbytes: float, fraction: float, machine: Machine) -> float:
@@ -197,8 +215,11 @@ def op_time(instance: OpInstance, var_degrees: Mapping[str, object], local_eleme
     if gemm is None:
         return OpTime(eff.op_time(kernel), _backward_s(kernel, (), eff), kernel, local_flops, nbytes)
     grads = grad_kernels(instance.name, gemm, dims[0], local_flops, nbytes, machine)
-    return OpTime(eff.op_time(kernel), _backward_s(kernel, grads, eff), kernel, local_flops, nbytes, gemm,
-                  grad_kernels=grads, product=instance.name, batch=dims[0])
+    bias = bias_gradient_kernel(gemm, machine)
+    biases = max(0, len(instance.input_shapes) - PRODUCT_OPERANDS)
+    return OpTime(eff.op_time(kernel), _backward_s(kernel, grads, eff, biases * bias), kernel, local_flops, nbytes,
+                  gemm, grad_kernels=grads, product=instance.name, batch=dims[0], bias_kernel_s=bias,
+                  biases=biases)
 
 
 def chunk_time(timed: OpTime, parts: int, axis: int, machine: Machine) -> OpTime:
@@ -215,11 +236,12 @@ def chunk_time(timed: OpTime, parts: int, axis: int, machine: Machine) -> OpTime
         kernel = kernel_time(timed.flops / parts, timed.nbytes / parts, gemm, machine)
         if timed.grad_kernels:
             grads = grad_kernels(timed.product, gemm, timed.batch, timed.flops / parts, timed.nbytes / parts, machine)
+    bias = bias_gradient_kernel(gemm, machine) if gemm is not None else 0.0
     backward = (eff.op_time(timed.backward_factor * kernel, backward=True) if timed.backward_factor
-                else _backward_s(kernel, grads, eff))
+                else _backward_s(kernel, grads, eff, timed.biases * bias))
     return replace(timed, forward_s=eff.op_time(kernel), backward_s=backward, kernel_s=kernel,
                    flops=timed.flops / parts, nbytes=timed.nbytes / parts, gemm=gemm,
-                   saved_bytes=timed.saved_bytes / parts, grad_kernels=grads)
+                   saved_bytes=timed.saved_bytes / parts, grad_kernels=grads, bias_kernel_s=bias)
 
 
 def update_time(optimizer: str, elements: float, item: float, machine: Machine) -> float:
