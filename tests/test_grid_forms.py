@@ -205,3 +205,52 @@ def test_a_form_s_shared_block_facts_are_the_ones_its_own_nodes_give(layouts):
             assert dict(pcg_roles(form)) == dict(pcg_roles(fresh))
             assert weight_chains(form) == weight_chains(fresh)
         assert node_blocks(keeping) is node_blocks(recomputing)   # worked out once between them
+
+
+def test_a_rescaled_layout_shares_the_kin_layout_s_structural_facts_and_they_are_its_own():
+    """`ir.megatron._rescaled` (`PCG.reshaped`): a layout taken from a kin graph's at another batch shares the facts
+    worked out from the nodes' structure alone (`PCG.structural`, `storage_chains`) with the layout it was rescaled
+    from, and each is what the rescaled layout works out alone; its floor and price are a fresh copy's. A fact
+    that read a node's shape would differ here: the batches differ, so every activation's shape does."""
+    from parsat.cost.pcg_tasks import OpTimes, needs_gradient, regathered, step_floor, unkept
+    from parsat.cost.saved import kept_values
+    from parsat.ir.blocks import node_blocks
+    from parsat.ir.pcg import pcg_roles, weight_chains
+    from parsat.search.baselines import restated
+
+    library = resolve_library(None)
+    kin: dict = {}
+    small, large = (build_example("llama", {**SIZES, "batch": batch}, library) for batch in (32, 64))
+
+    def facts(pcg):
+        return (dict(pcg.storage_chains), needs_gradient(pcg, library), kept_values(pcg, library),
+                regathered(pcg, library), unkept(pcg, library), dict(node_blocks(pcg)), dict(pcg_roles(pcg)),
+                weight_chains(pcg), checkpoints(restated(pcg, pcg.zero, BLOCKS)))
+
+    shared = 0
+    for shape, seq, zero in LAYOUTS:
+        first = megatron_pcg(small, library, shape, 8, zero=zero, sequence=seq, cache={}, kin=kin)
+        if first is None or shape[1] == 1:   # data parallelism is built, not rescaled
+            continue
+        before = facts(first)
+        second = megatron_pcg(large, library, shape, 8, zero=zero, sequence=seq, cache={}, kin=kin)
+        assert second is not None and second.nodes != first.nodes   # rescaled: other shapes
+        assert second.structural is first.structural and second.storage_chains is first.storage_chains
+        alone = megatron_pcg(large, library, shape, 8, zero=zero, sequence=seq)
+        assert alone == second and facts(second) == facts(alone) == before
+        assert step_floor(second, MACHINE, OpTimes(library, MACHINE), 2) == \
+            step_floor(alone, MACHINE, OpTimes(library, MACHINE), 2)
+        assert price_pcg(second, library, MACHINE) == price_pcg(alone, library, MACHINE)
+        shared += 1
+    assert shared >= 4
+
+
+def test_reshaping_a_pcg_with_other_structure_is_refused():
+    from parsat.ir.pcg import PCG, Degrees, PNode
+
+    a = PNode(0, "leaf", "x", (), (), (4,), Degrees.whole(1), role="input")
+    b = PNode(1, "op", "neg", (0,), (), (4,), Degrees.whole(1), origin="y")
+    pcg = PCG((a, b), (1,))
+    assert pcg.reshaped((a, replace(b, shape=(8,)))).structural is pcg.structural
+    with pytest.raises(ValueError):
+        pcg.reshaped((a, replace(b, op="exp")))

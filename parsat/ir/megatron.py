@@ -311,7 +311,7 @@ def _rescaled(pcg: PCG, like: Graph, graph: Graph) -> PCG | None:
         nodes.append(node if (new, attrs) == (old, node.attrs) else
                      PNode(node.id, node.kind, node.op, node.inputs, attrs, tuple(new), node.degrees, node.role,
                            node.origin, node.placement, node.rules))
-    return replace(pcg, nodes=tuple(nodes))
+    return pcg.reshaped(tuple(nodes))   # the same structure: the facts read from it alone are shared
 
 
 def vocabulary_steps(name: str, logits: str, rows: Sequence[int], vocab: int, p: int) -> list[tuple]:
