@@ -10,7 +10,7 @@ import pytest
 
 from parsat.dsl.checker import resolve_library
 from parsat.ir.machine import Machine
-from parsat.ir.megatron import megatron_pcg
+from parsat.ir.megatron import _alike, megatron_pcg
 from parsat.ir.models import build_example
 from parsat.ir.recompute import BLOCKS, checkpoints
 from parsat.search.baselines import independent_grid
@@ -254,3 +254,26 @@ def test_reshaping_a_pcg_with_other_structure_is_refused():
     assert pcg.reshaped((a, replace(b, shape=(8,)))).structural is pcg.structural
     with pytest.raises(ValueError):
         pcg.reshaped((a, replace(b, op="exp")))
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "bert"])
+def test_a_data_parallel_layout_taken_from_a_kin_graph_s_is_the_one_built_alone(name):
+    """`megatron_pcg` with `kin` and tp 1: data parallelism of the graph at another batch, taken from the kin
+    graph's (rescaled, or built where it cannot be), node for node the layout built alone, ZeRO 0 and 3; a graph
+    naming other inputs constant is not kin."""
+    library = resolve_library(None)
+    for devices, batches, alike in ((8, (64, 32, 16), True), (16, (64, 24), False)):
+        kin: dict = {}
+        got = []
+        for batch in batches:
+            graph = build_example(name, {**SIZES, "batch": batch}, library)
+            got += [(graph, zero, megatron_pcg(graph, library, (devices, 1), 8, zero=zero, cache={}, kin=kin))
+                    for zero in (0, 3)]
+        for graph, zero, pcg in got:
+            assert pcg == megatron_pcg(graph, library, (devices, 1), 8, zero=zero)
+        assert sum(p is not None for *_rest, p in got) >= len(got) // 2
+        assert {found for _a, _b, found in kin["kin"].verdicts.values()} == {alike}   # kin: taken rescaled
+    graph = build_example(name, SIZES, library)
+    other = replace(graph, constants=graph.constants | {graph.leaves[0].name})
+    assert not _alike(graph, other, library, {}, {}, (8,))
+    assert _alike(graph, graph, library, {}, {}, (8,))
