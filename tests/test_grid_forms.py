@@ -10,7 +10,7 @@ import pytest
 
 from parsat.dsl.checker import resolve_library
 from parsat.ir.machine import Machine
-from parsat.ir.megatron import megatron_pcg
+from parsat.ir.megatron import _alike, megatron_pcg
 from parsat.ir.models import build_example
 from parsat.ir.recompute import BLOCKS, checkpoints
 from parsat.search.baselines import independent_grid
@@ -205,3 +205,75 @@ def test_a_form_s_shared_block_facts_are_the_ones_its_own_nodes_give(layouts):
             assert dict(pcg_roles(form)) == dict(pcg_roles(fresh))
             assert weight_chains(form) == weight_chains(fresh)
         assert node_blocks(keeping) is node_blocks(recomputing)   # worked out once between them
+
+
+def test_a_rescaled_layout_shares_the_kin_layout_s_structural_facts_and_they_are_its_own():
+    """`ir.megatron._rescaled` (`PCG.reshaped`): a layout taken from a kin graph's at another batch shares the facts
+    worked out from the nodes' structure alone (`PCG.structural`, `storage_chains`) with the layout it was rescaled
+    from, and each is what the rescaled layout works out alone; its floor and price are a fresh copy's. A fact
+    that read a node's shape would differ here: the batches differ, so every activation's shape does."""
+    from parsat.cost.pcg_tasks import OpTimes, needs_gradient, regathered, step_floor, unkept
+    from parsat.cost.saved import kept_values
+    from parsat.ir.blocks import node_blocks
+    from parsat.ir.pcg import pcg_roles, weight_chains
+    from parsat.search.baselines import restated
+
+    library = resolve_library(None)
+    kin: dict = {}
+    small, large = (build_example("llama", {**SIZES, "batch": batch}, library) for batch in (32, 64))
+
+    def facts(pcg):
+        return (dict(pcg.storage_chains), needs_gradient(pcg, library), kept_values(pcg, library),
+                regathered(pcg, library), unkept(pcg, library), dict(node_blocks(pcg)), dict(pcg_roles(pcg)),
+                weight_chains(pcg), checkpoints(restated(pcg, pcg.zero, BLOCKS)))
+
+    shared = 0
+    for shape, seq, zero in LAYOUTS:
+        first = megatron_pcg(small, library, shape, 8, zero=zero, sequence=seq, cache={}, kin=kin)
+        if first is None or shape[1] == 1:   # data parallelism is built, not rescaled
+            continue
+        before = facts(first)
+        second = megatron_pcg(large, library, shape, 8, zero=zero, sequence=seq, cache={}, kin=kin)
+        assert second is not None and second.nodes != first.nodes   # rescaled: other shapes
+        assert second.structural is first.structural and second.storage_chains is first.storage_chains
+        alone = megatron_pcg(large, library, shape, 8, zero=zero, sequence=seq)
+        assert alone == second and facts(second) == facts(alone) == before
+        assert step_floor(second, MACHINE, OpTimes(library, MACHINE), 2) == \
+            step_floor(alone, MACHINE, OpTimes(library, MACHINE), 2)
+        assert price_pcg(second, library, MACHINE) == price_pcg(alone, library, MACHINE)
+        shared += 1
+    assert shared >= 4
+
+
+def test_reshaping_a_pcg_with_other_structure_is_refused():
+    from parsat.ir.pcg import PCG, Degrees, PNode
+
+    a = PNode(0, "leaf", "x", (), (), (4,), Degrees.whole(1), role="input")
+    b = PNode(1, "op", "neg", (0,), (), (4,), Degrees.whole(1), origin="y")
+    pcg = PCG((a, b), (1,))
+    assert pcg.reshaped((a, replace(b, shape=(8,)))).structural is pcg.structural
+    with pytest.raises(ValueError):
+        pcg.reshaped((a, replace(b, op="exp")))
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "bert"])
+def test_a_data_parallel_layout_taken_from_a_kin_graph_s_is_the_one_built_alone(name):
+    """`megatron_pcg` with `kin` and tp 1: data parallelism of the graph at another batch, taken from the kin
+    graph's (rescaled, or built where it cannot be), node for node the layout built alone, ZeRO 0 and 3; a graph
+    naming other inputs constant is not kin."""
+    library = resolve_library(None)
+    for devices, batches, alike in ((8, (64, 32, 16), True), (16, (64, 24), False)):
+        kin: dict = {}
+        got = []
+        for batch in batches:
+            graph = build_example(name, {**SIZES, "batch": batch}, library)
+            got += [(graph, zero, megatron_pcg(graph, library, (devices, 1), 8, zero=zero, cache={}, kin=kin))
+                    for zero in (0, 3)]
+        for graph, zero, pcg in got:
+            assert pcg == megatron_pcg(graph, library, (devices, 1), 8, zero=zero)
+        assert sum(p is not None for *_rest, p in got) >= len(got) // 2
+        assert {found for _a, _b, found in kin["kin"].verdicts.values()} == {alike}   # kin: taken rescaled
+    graph = build_example(name, SIZES, library)
+    other = replace(graph, constants=graph.constants | {graph.leaves[0].name})
+    assert not _alike(graph, other, library, {}, {}, (8,))
+    assert _alike(graph, graph, library, {}, {}, (8,))

@@ -149,6 +149,27 @@ def test_a_cut_s_crossings_are_those_every_node_s_readers_give(stage_plan):
     assert crossed
 
 
+def test_a_cut_laid_out_from_kept_runs_of_layers_is_the_one_a_fresh_map_gives(stage_plan):
+    """`LayerMap.chunk_nodes` keeps each run of layers' nodes: laying out every cut into 2 to 4 chunks with one map
+    (runs found again) gives, cut for cut, the layout a fresh map gives (chunks' nodes in the PCG's order, crossings,
+    shared weights), and each run's nodes are the union of its layers' members."""
+    from itertools import combinations
+    kept = LayerMap(stage_plan.pcg)
+    layers = kept.layers
+    cuts = 0
+    for chunks in (2, 3, 4):
+        for rest in combinations(layers[1:], chunks - 1):
+            starts = (layers[0],) + rest
+            for degree in {chunks, chunks // 2} - {0}:
+                if not chunks % degree:
+                    assert kept.lay_out(starts, degree) == LayerMap(stage_plan.pcg).lay_out(starts, degree)
+                    cuts += 1
+    assert cuts > len(kept._runs) > 0   # runs were found again
+    for (first, end), (nodes, ordered) in kept._runs.items():
+        assert nodes == frozenset().union(*(kept.layer_members[layer] for layer in layers[first:end]))
+        assert list(ordered) == sorted(nodes, key=kept.position.__getitem__)
+
+
 def test_a_pipelined_plan_round_trips_through_the_plan_json(stage_plan):
     plan = pipelined(stage_plan, 2, ONE_F_ONE_B, Machine.resolve("cpu").with_devices(4))
     data = json.loads(plan.to_json())

@@ -284,8 +284,8 @@ def needs_gradient(pcg: PCG, library: Library | None = None) -> dict[int, bool]:
     """Node id -> whether backward computes a gradient for it: a weight, or a value computed from one through an
     operand that passes a gradient (with `library`: not one its operator's semantics reads only through `step` or
     a comparison, `dsl.gradient.gradient_free`, such as the input of a mixture's routing one-hot). Worked out
-    once per PCG and library (`PCG.derived`): shared, read only."""
-    return pcg.derive("needs_gradient", library, lambda: _needs_gradient(pcg, library))
+    once per PCG and library (`PCG.structural`): shared, read only."""
+    return pcg.derive("needs_gradient", library, lambda: _needs_gradient(pcg, library), structural=True)
 
 
 def _needs_gradient(pcg: PCG, library: Library | None) -> dict[int, bool]:
@@ -313,8 +313,8 @@ def _needs_gradient(pcg: PCG, library: Library | None) -> dict[int, bool]:
 def regathered(pcg: PCG, library: Library) -> frozenset[int]:
     """The gathers of an activation whose value a backward reads and a gradient reaches (`cost.saved.regathers`,
     as `cost.model.parallel_cost` charges them): training keeps their shard and gathers them again in backward,
-    as Megatron-LM's sequence-parallel linear layers do. Worked out once per PCG and library (`PCG.derived`)."""
-    return pcg.derive("regathered", library, lambda: _regathered(pcg, library))
+    as Megatron-LM's sequence-parallel linear layers do. Worked out once per PCG and library (`PCG.structural`)."""
+    return pcg.derive("regathered", library, lambda: _regathered(pcg, library), structural=True)
 
 
 def _regathered(pcg: PCG, library: Library) -> frozenset[int]:
@@ -328,7 +328,7 @@ def unkept(pcg: PCG, library: Library) -> frozenset[int]:
     """The values no backward reads (not `cost.saved.kept_values`), which a framework frees once forward has read
     them: not leaves, weights' chains or outputs (the loss reads them), nor the storage of a value the simulator
     runs as a view of it (`VIEW_OPS`, flatten, a partition or replicate) that is kept. Once per PCG and library."""
-    return pcg.derive("unkept", library, lambda: _unkept(pcg, library))
+    return pcg.derive("unkept", library, lambda: _unkept(pcg, library), structural=True)
 
 
 def _unkept(pcg: PCG, library: Library) -> frozenset[int]:

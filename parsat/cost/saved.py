@@ -54,7 +54,7 @@ Reader = tuple[Hashable, str, Sequence[Hashable]]   # (the value it makes, its o
 def kept_values(pcg: PCG, library: Library) -> frozenset[int]:
     """The ids of the PCG nodes whose value is kept for backward (the module docstring). Worked out once per PCG
     and library (`PCG.derive`): pricing, the step simulator and extraction's re-pricing each ask for it."""
-    return pcg.derive("kept_values", library, lambda: _kept_values(pcg, library))
+    return pcg.derive("kept_values", library, lambda: _kept_values(pcg, library), structural=True)
 
 
 def _kept_values(pcg: PCG, library: Library) -> frozenset[int]:

@@ -46,7 +46,7 @@ def node_blocks(pcg: PCG) -> Mapping[int, int]:
     differ in ZeRO stage or recomputation (`search.baselines.restated`) share it too; the recomputation's
     checkpoints, the step simulator and the pipeline's layer map each asked for it again (261 times on
     llama-70b:64). Read it, never change it."""
-    return pcg.derive("node_blocks", None, lambda: _node_blocks(pcg))
+    return pcg.derive("node_blocks", None, lambda: _node_blocks(pcg), structural=True)
 
 
 def _node_blocks(pcg: PCG) -> dict[int, int]:

@@ -113,16 +113,18 @@ def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], de
     if dp < 1 or tp < 1 or dp * tp < 2:
         return None
     kinship = _Kin.of(kin, library) if kin is not None else None
-    if tp == 1:
-        return data_parallel_pcg(graph, library, dp, devices_per_node, zero3=zero == 3,
-                                 cache=kinship.placements if kinship is not None else None)
+    if tp == 1 and kinship is None:
+        return data_parallel_pcg(graph, library, dp, devices_per_node, zero3=zero == 3)
     axes = [(name, size) for name, size in ((DP_AXIS, dp), (TP_AXIS, tp)) if size > 1]
     mesh = Mesh.of([s for _, s in axes], devices_per_node, names=[n for n, _ in axes])
     memo = kinship.memo(graph, cache) if kinship is not None else _Memo.of(graph, library, cache)
     found = kinship.layout(graph, memo, mesh, sequence, zero) if kinship is not None else _NONE
     if found is not _NONE:
         return found
-    pcg = _built_layout(graph, mesh, zero, sequence, memo, cache, vocabulary_loss)
+    if tp == 1:   # data parallelism (`_Kin`: its build reads the sizes as this one's does)
+        pcg = data_parallel_pcg(graph, library, dp, devices_per_node, zero3=zero == 3, cache=kinship.placements)
+    else:
+        pcg = _built_layout(graph, mesh, zero, sequence, memo, cache, vocabulary_loss)
     if kinship is not None:
         kinship.keep(graph, memo, mesh, sequence, zero, pcg)
     return pcg
@@ -175,6 +177,14 @@ class _Kin:
     each the shape of the value it holds (`_rescaled`). The verdict is worked out once per pair of graphs and
     mesh; the graphs stay alive in the dict, so their identities cannot be reused. The same graph laid out again
     (bert-large's stage grids are asked for one graph under two schedules) takes its layout as it is.
+
+    Data parallelism (tp 1, `ir.data_parallel`) is taken so too: its build reads of a size only whether an input's
+    dim 0, a ZeRO-3 weight's dims and a weight-only value's dim 0 split into dp blocks, whether an operator
+    instantiates, and the placement analysis's answers, by signature; besides the structure it reads which
+    inputs the graph names constant, which `_alike` compares. The nodes it adds of its own (a weight-only value
+    computed whole, a mean's sum and scale over the split batch) name no graph value as their origin, so
+    `_rescaled` finds no shape for them and the layout is built instead (issue 28: llama-70b:64's seven grids
+    built their two data-parallel layouts each).
 
     What every build of the grid's calls shares besides (`memo`): one graph's `_Memo` for every call that lays
     it out (a stage grid's graph is the unstaged step's at that micro-batch count; on other meshes and
@@ -245,7 +255,8 @@ def _alike(like: Graph, graph: Graph, library: Library, like_batch: dict, batch:
     into `blocks` (`_Kin`)."""
     def structure(g: Graph) -> tuple:   # the attributes: in the signatures (their real values are not read)
         return (tuple((l.name, l.role, len(l.shape)) for l in g.leaves),
-                tuple((n.name, n.op, tuple(n.inputs), len(n.shape)) for n in g.nodes), tuple(g.outputs))
+                tuple((n.name, n.op, tuple(n.inputs), len(n.shape)) for n in g.nodes), tuple(g.outputs),
+                g.constants)
 
     if structure(like) != structure(graph) or like_batch != batch:
         return False
@@ -311,7 +322,7 @@ def _rescaled(pcg: PCG, like: Graph, graph: Graph) -> PCG | None:
         nodes.append(node if (new, attrs) == (old, node.attrs) else
                      PNode(node.id, node.kind, node.op, node.inputs, attrs, tuple(new), node.degrees, node.role,
                            node.origin, node.placement, node.rules))
-    return replace(pcg, nodes=tuple(nodes))
+    return pcg.reshaped(tuple(nodes))   # the same structure: the facts read from it alone are shared
 
 
 def vocabulary_steps(name: str, logits: str, rows: Sequence[int], vocab: int, p: int) -> list[tuple]:

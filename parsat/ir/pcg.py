@@ -15,7 +15,7 @@ Placements are not computed here: they come from the e-graph analysis, and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from math import prod
 from typing import Iterator, Mapping
@@ -123,6 +123,15 @@ class PNode:
         return self.degrees.piece_elements(tuple(self.shape))
 
 
+STRUCTURE = ("id", "kind", "op", "inputs", "role", "origin")
+"""The fields of a node that a PCG's structural facts read (`PCG.structural`): which operator reads which values
+and what each value is, never how large it is nor how it is spread."""
+
+
+def _structure(node: PNode) -> tuple:
+    return tuple(getattr(node, name) for name in STRUCTURE)
+
+
 @dataclass(frozen=True)
 class PCG:
     """Nodes in topological order (inputs before users), the output ids, the mesh they run on, which
@@ -161,14 +170,40 @@ class PCG:
         priced, bounded twice and simulated, and each asks for them. Shared: read the values, never change them."""
         return {}
 
-    def derive(self, key, owner, make):
+    @cached_property
+    def structural(self) -> dict:
+        """`derived`'s part for facts read from the nodes' structure alone (`STRUCTURE`) and the outputs (and inputs
+        the key names), never a node's shape, attributes, degrees or placement: shared, beside `derived`, by a PCG
+        of the same structure with other shapes (`reshaped`: a grid layout rescaled to a graph at another
+        micro-batch size, `ir.megatron._rescaled`). Read the values, never change them."""
+        return {}
+
+    def derive(self, key, owner, make, structural: bool = False):
         """`derived`'s value for `key` and `owner` (the other input it reads, by identity: the operator library),
         made by `make()` the first time it is asked for. The owner is kept beside the value, so that another
-        object given a freed owner's id never reads it. Shared: read it, never change it."""
-        known = self.derived.get((key, id(owner)))
+        object given a freed owner's id never reads it. `structural`: the fact reads the nodes' `STRUCTURE` and
+        the outputs alone, so it is kept in `structural`, which a reshaped PCG shares. Shared: read it, never
+        change it."""
+        table = self.structural if structural else self.derived
+        known = table.get((key, id(owner)))
         if known is None or known[0] is not owner:
-            known = self.derived[(key, id(owner))] = (owner, make())
+            known = table[(key, id(owner))] = (owner, make())
         return known[1]
+
+    def reshaped(self, nodes: tuple["PNode", ...]) -> "PCG":
+        """This PCG with `nodes`, which must have its nodes' `STRUCTURE` (ids, kinds, operators, inputs, roles,
+        origins) and may differ in shapes and attributes (a layout rescaled to another graph's sizes), sharing the
+        facts worked out from that structure alone (`structural`, `storage_chains`: each reads those fields and
+        the outputs, which both PCGs have alike, so either PCG working a fact out gives the same value). Raises
+        ValueError where a node's structure differs: sharing would then be wrong."""
+        if len(nodes) != len(self.nodes) or any(
+                a is not b and _structure(a) != _structure(b) for a, b in zip(self.nodes, nodes)):
+            raise ValueError("reshaped: the nodes' structure differs from the PCG's")
+        form = replace(self, nodes=tuple(nodes))
+        form.__dict__["structural"] = self.structural
+        if "storage_chains" in self.__dict__:
+            form.__dict__["storage_chains"] = self.storage_chains
+        return form
 
     @cached_property
     def storage_chains(self) -> Mapping[int, tuple[int, ...]]:
@@ -253,7 +288,8 @@ def weight_chains(pcg: PCG) -> frozenset[int]:
     of several micro-batches makes once and reduces the gradient of once (`ir.costs.NodeCost.per_step`). Worked
     out once per PCG (`PCG.derive`, as `pcg_roles`)."""
     return pcg.derive("weight_chains", None,
-                      lambda: frozenset(ident for ident, role in pcg_roles(pcg).items() if role in WEIGHT_ROLES))
+                      lambda: frozenset(ident for ident, role in pcg_roles(pcg).items() if role in WEIGHT_ROLES),
+                      structural=True)
 
 
 def pcg_roles(pcg: PCG) -> Mapping[int, str]:
@@ -261,7 +297,7 @@ def pcg_roles(pcg: PCG) -> Mapping[int, str]:
     storage alone, never the ZeRO stage or recomputation, so a layout's forms share it too; pricing, the saved
     values, the step simulator and the recomputation's checkpoints each asked again (753 times on
     llama-70b:64). Read it, never change it."""
-    return pcg.derive("pcg_roles", None, lambda: _pcg_roles(pcg))
+    return pcg.derive("pcg_roles", None, lambda: _pcg_roles(pcg), structural=True)
 
 
 def _pcg_roles(pcg: PCG) -> dict[int, str]:

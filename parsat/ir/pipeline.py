@@ -151,6 +151,7 @@ class LayerMap:
             needs[node.id] = frozenset(direct).union(*(needs[i] for i in direct))
         self.needs = needs
         self.weights = [n.id for n in pcg.nodes if n.kind == "leaf" and n.role == WEIGHT]
+        self._runs: dict[tuple[int, int], tuple[frozenset[int], tuple[int, ...]]] = {}   # `chunk_nodes`
 
     @cached_property
     def layer_members(self) -> dict[int, frozenset[int]]:
@@ -183,6 +184,18 @@ class LayerMap:
                 out.append((node.id, layer, read_in, node.degrees.piece_elements(node.shape)))
         return tuple(out)
 
+    def chunk_nodes(self, first: int, end: int) -> tuple[frozenset[int], tuple[int, ...]]:
+        """The nodes of a chunk holding the layers `layers[first:end]`: the union of their `layer_members`, as a
+        set and in the PCG's order. Worked out once per run of layers and map (`_runs`): the cut search lays out
+        hundreds of cuts of one stage plan, and neighbouring cuts share most of their chunks; the answer reads
+        nothing but the run, so a run found again is the same set and order (gpt-175b:1024's union and sort were
+        most of `lay_out`'s 3 CPU s)."""
+        found = self._runs.get((first, end))
+        if found is None:
+            union = frozenset().union(*(self.layer_members[self.layers[i]] for i in range(first, end)))
+            found = self._runs[(first, end)] = (union, tuple(sorted(union, key=self.position.__getitem__)))
+        return found
+
     def lay_out(self, starts: Sequence[int], degree: int) -> StageLayout:
         layers = self.layers
         if not starts or starts[0] != layers[0] or list(starts) != sorted(set(starts)) or \
@@ -194,11 +207,10 @@ class LayerMap:
         index = {layer: k for k, layer in enumerate(layers)}
         bounds = [index[s] for s in starts] + [len(layers)]
         chunk_of_layer = {layers[i]: c for c in range(len(starts)) for i in range(bounds[c], bounds[c + 1])}
-        # a chunk's nodes: its layers' own nodes and the free values each needs (`layer_members`)
-        members: list[set[int]] = [set().union(*(self.layer_members[layers[i]]
-                                                 for i in range(bounds[c], bounds[c + 1]))) for c in range(len(starts))]
-        chunks = tuple(Chunk(c, c % degree, layers[bounds[c]:bounds[c + 1]],
-                             tuple(sorted(members[c], key=self.position.__getitem__))) for c in range(len(starts)))
+        # a chunk's nodes: its layers' own nodes and the free values each needs (`chunk_nodes`)
+        runs = [self.chunk_nodes(bounds[c], bounds[c + 1]) for c in range(len(starts))]
+        members = [found for found, _ordered in runs]
+        chunks = tuple(Chunk(c, c % degree, layers[bounds[c]:bounds[c + 1]], runs[c][1]) for c in range(len(starts)))
         crossings = []
         for node, layer, read_in, elements in self.reader_layers:
             mine = chunk_of_layer[layer]

@@ -71,7 +71,7 @@ def checkpoints(pcg: PCG) -> tuple[Checkpoint, ...]:
     """The blocks `pcg.recompute` recomputes, in order (none for NONE; see the module docstring)."""
     if check_policy(pcg.recompute) == NONE:
         return ()
-    return pcg.derive("block_checkpoints", None, lambda: _block_checkpoints(pcg))
+    return pcg.derive("block_checkpoints", None, lambda: _block_checkpoints(pcg), structural=True)
 
 
 def _block_checkpoints(pcg: PCG) -> tuple[Checkpoint, ...]:

@@ -266,12 +266,12 @@ class _Forms:
         return Candidate("best_grid", pcg, costs, totals(costs, self.grid.machine), config)
 
 
-LAYOUT_FACTS = ("readers_of", "storage_chains", "derived")
+LAYOUT_FACTS = ("readers_of", "storage_chains", "derived", "structural")
 """What a PCG works out from its nodes and outputs alone and keeps (`ir.pcg.PCG`): its readers, its weights' storage
-chains, and `derived` (the cost model's `needs_gradient`, `kept_values`, `regathered`, `unkept`, each read from the
-nodes, the outputs, the roles those give and the operator library, and a micro-batch's part of the step floor,
-`pcg_tasks.step_floor`, read from those and the machine, profile and compute times: never from the ZeRO stage or
-the recomputation policy)."""
+chains, `structural` (the cost model's `needs_gradient`, `kept_values`, `regathered`, `unkept`, the roles and blocks,
+each read from the nodes' structure, the outputs and the operator library) and `derived` (a micro-batch's part of
+the step floor, `pcg_tasks.step_floor`, read from the nodes and the machine, profile and compute times): never from
+the ZeRO stage or the recomputation policy."""
 
 
 def restated(pcg: PCG, zero: int, recompute: str) -> PCG:
@@ -279,7 +279,7 @@ def restated(pcg: PCG, zero: int, recompute: str) -> PCG:
     (`LAYOUT_FACTS`): the same nodes and outputs give the same facts, so a layout's forms (ZeRO 0 and 1, keeping or
     recomputing: priced, judged, bounded and simulated, each once) work them out once between them, where each
     form worked out its readers (0.1 CPU s for a llama-70b stage) and saved values again. The shared `derived`
-    table is the same object: a fact one form works out, every form reads (each fact reads nothing the forms
+    and `structural` tables are the same objects: a fact one form works out, every form reads (each fact reads nothing the forms
     differ in)."""
     form = replace(pcg, zero=zero, recompute=recompute)
     if form is not pcg:
