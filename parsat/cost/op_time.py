@@ -181,8 +181,7 @@ def bias_gradient_kernel(gemm: tuple[float, float, float], machine: Machine) -> 
     memory-bound pass over it (Megatron-LM's `grad_output.sum(dim=0)` in
     `LinearWithGradAccumulationAndAsyncCommunication.backward`, megatron/core/tensor_parallel/layers.py; torch's
     addmm backward likewise reduces the output gradient), not a product."""
-    nbytes = gemm[0] * gemm[1] * machine.dtype_bytes
-    return nbytes / machine.efficiency.bandwidth(nbytes, machine.memory_bandwidth)
+    return kernel_time(0.0, gemm[0] * gemm[1] * machine.dtype_bytes, None, machine)
 
 
 def roofline(flops: float, nbytes: float, fraction: float, machine: Machine) -> float:

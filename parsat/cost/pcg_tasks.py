@@ -67,6 +67,7 @@ SGD two operators, Adam eleven, each memory-bound: `op_time.update_time`).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Callable, Mapping, Sequence
 
 from parsat.dsl.library import Library
@@ -1244,16 +1245,21 @@ class _Builder:
         """The user's module's own calls beyond the graph's nodes, each one dispatch, at the start of its forward
         (or, `backward`, its autograd nodes beyond the graph's, at the start of backward): the views, casts and
         mask building the importer folded away (`ir.module_calls`); none unless the profile runs a module."""
-        calls = self.profile.module_calls
-        if calls is None:
-            return
-        ops = [n for n in self.pcg.nodes if n.kind == "op"]
-        extra = calls.extra_backward(len(ops), sum(1 for n in ops if self.needs_grad[n.id])) if backward \
-            else calls.extra_forward(len(ops))
+        extra = self._module_extra[backward]
         if extra:
             seconds = extra * (self.eff.backward_dispatch_s if backward else self.eff.dispatch_s)
             self._add(f"the module's own {'autograd nodes' if backward else 'calls'} beyond its graph "
                       f"({extra:.0f})", self.compute, seconds, list(after), phase="backward" if backward else "forward")
+
+    @cached_property
+    def _module_extra(self) -> tuple[float, float]:
+        """(forward calls, autograd nodes) the module makes beyond this PCG's compute nodes (`_module_calls`):
+        the same every pass, so counted once per step."""
+        calls = self.profile.module_calls
+        if calls is None:
+            return 0.0, 0.0
+        ops = [n for n in self.pcg.nodes if n.kind == "op"]
+        return calls.extra_forward(len(ops)), calls.extra_backward(len(ops), sum(self.needs_grad[n.id] for n in ops))
 
     def _replicated_hooks(self) -> None:
         """FSDP2's pre-forward hooks of each replicated group (`replicate` on the root), which run as the

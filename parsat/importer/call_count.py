@@ -10,7 +10,7 @@ are restored and the random generators forked, so a dropout draws nothing a late
 
 from __future__ import annotations
 
-from parsat.importer.export import buffers_kept
+from parsat.importer.export import buffers_kept, example_tuple
 from parsat.ir.graph import Graph
 from parsat.ir.module_calls import ModuleCalls
 
@@ -31,8 +31,7 @@ def count_module_calls(module, example_inputs, graph: Graph) -> ModuleCalls:
     with buffers_kept(module), torch.random.fork_rng(devices=[]), torch.enable_grad():
         counting = _Counting()
         with counting:
-            outputs = module(*(tuple(example_inputs) if isinstance(example_inputs, (tuple, list))
-                               else (example_inputs,)))
+            outputs = module(*example_tuple(example_inputs))
     return ModuleCalls(counting.calls, _autograd_nodes(outputs), len(graph.nodes))
 
 

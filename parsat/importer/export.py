@@ -58,7 +58,7 @@ def import_module(module, example_inputs, library=None, name: str | None = None,
     `check` evaluate the graph against the module in float64 (`from_torch`, `self_check.check_import`)."""
     import torch
 
-    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    inputs = example_tuple(example_inputs)
     if not all(isinstance(t, torch.Tensor) for t in inputs):
         raise TorchImportError("example inputs must be tensors (a tensor or a tuple of tensors)")
     # the same tensor passed twice (a causal LM's (ids, ids)): torch.export reads both through one placeholder, so
@@ -80,6 +80,11 @@ def import_module(module, example_inputs, library=None, name: str | None = None,
         if check:
             check_import(imported, inputs, trace, type(module).__name__)
         return imported
+
+
+def example_tuple(example_inputs) -> tuple:
+    """The example inputs as the module is called with them: a tensor alone, or a tuple (or list) of them."""
+    return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
 
 
 @contextmanager
