@@ -88,7 +88,7 @@ from parsat.backend.executor import (Comparison, ExecutionError, Optimizer, Rank
                                      step_comm)
 from parsat.backend.launch import RankContext
 from parsat.backend.plan_share import PlanMismatch, shared_plan
-from parsat.importer.export import import_module
+from parsat.importer.export import example_tuple, import_module
 from parsat.importer.imported import ImportedModule, dropout_mask
 from parsat.ir.graph import Graph
 from parsat.ir.mesh import Mesh
@@ -441,11 +441,9 @@ class ReferenceDropout(torch.overrides.TorchFunctionMode):
 
 def _batches(example_inputs, data, steps: int) -> list[tuple]:
     """The batch of each step: `data` (a list of batches) in turn, or the example inputs every step."""
-    def as_tuple(batch):
-        return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
     if data is None:
-        return [as_tuple(example_inputs)] * steps
-    batches = [as_tuple(b) for b in data]
+        return [example_tuple(example_inputs)] * steps
+    batches = [example_tuple(b) for b in data]
     if not batches:
         raise ExecutionError("--data holds no batches")
     return [batches[i % len(batches)] for i in range(steps)]
@@ -477,7 +475,7 @@ def run_module_rank(ctx: RankContext, pcg: PCG, graph: Graph, model_spec: str, d
     module, example = load_model_factory(model_spec)
     dtype = config.torch_dtype()
     module = module.to(dtype)
-    example = _cast(tuple(example) if isinstance(example, (tuple, list)) else (example,), dtype)
+    example = _cast(example_tuple(example), dtype)
     data = None
     if data_path is not None:
         try:
