@@ -9,6 +9,18 @@ same live objects; at 50,000 it ran 50 times for 2.0 CPU s, with the same plan
 everything that is not a cycle either way, so memory grows only by the
 cycles left for later.
 
+The older generations are collected less often too (`OLDER_THRESHOLD`): a
+second-generation collection rescans every survivor of the first (the
+search's snapshots, priced candidates, laid-out grids: hundreds of
+thousands of objects), and at Python's 10 first-generation collections per
+second-generation one it ran 10 times in a llama-7b:64 search and a full
+collection once, 0.4-0.8 of the collector's 0.9-1.5 CPU s; at 100 it ran
+7 times and the full collection not at all, the collector taking 0.66-0.71
+CPU s, peak RSS 445 -> 450 MiB (benchmarks/search_results.md, 2026-12-04
+09:00-10:15). What the collector frees is unreachable: when it runs never
+changes what the search computes (the call's memos keyed by an object's
+identity keep that object alive beside the answer), so the plan is the same.
+
 The thresholds are the process's, so they are set for the search's duration
 and put back after it, also when it raises; a search inside another (the
 pipeline's stage searches) leaves them as the outer one set them.
@@ -21,15 +33,17 @@ import gc
 from typing import Iterator
 
 SEARCH_THRESHOLD = 50_000   # allocations between first-generation collections during a search (Python's: 700)
+OLDER_THRESHOLD = 100       # collections of the generation below between older ones, during a search (Python's: 10)
 
 
 @contextlib.contextmanager
 def fewer_collections() -> Iterator[None]:
-    """Collect the first generation every `SEARCH_THRESHOLD` allocations (at least: never more often than the
-    caller had it) until the block ends, then restore the thresholds as they were."""
+    """Collect the first generation every `SEARCH_THRESHOLD` allocations and each older one every
+    `OLDER_THRESHOLD` collections of the one below (at least: never more often than the caller had it) until the
+    block ends, then restore the thresholds as they were."""
     before = gc.get_threshold()
-    if before[0] != 0 and before[0] < SEARCH_THRESHOLD:   # 0: collection is off (the caller's choice), kept
-        gc.set_threshold(SEARCH_THRESHOLD, *before[1:])
+    if before[0] != 0:   # 0: collection is off (the caller's choice), kept
+        gc.set_threshold(max(before[0], SEARCH_THRESHOLD), *(max(t, OLDER_THRESHOLD) for t in before[1:]))
     try:
         yield
     finally:
