@@ -91,3 +91,31 @@ def test_the_search_of_every_mesh_with_its_scout_s_memo_finds_what_a_fresh_memo_
     alone = optimize("gpt", "h100x8", devices=8, sizes=SIZES, pipeline=True)
     assert len(seen["unscouted"]) == 2 and not any(m is seen["unscouted"][1] for m in seen["memos"][1].values())
     assert _without_timing(shared.to_json()) == _without_timing(alone.to_json())
+
+
+@pytest.mark.parametrize("capacity,fitting", [(1.0, True), (1e-9, False)])
+def test_a_grid_scanned_for_a_point_that_fits_answers_as_the_grid_made(capacity, fitting):
+    """`step.a_grid_point_fits` (a scout's first mesh holding no plan that fits asks it before searching every
+    mesh) says a point fits exactly where a point `independent_points` keeps does: on 8 devices with the memory a
+    point needs, or a billionth of it (where none fits), unstaged and as a stage; and
+    the grid made after the scan is the grid made at once (each point's configuration and simulated step)."""
+    from parsat.search.mesh import CandidateSteps
+    from parsat.search.step import a_grid_point_fits, independent_points
+    machine = replace(MACHINE, memory_capacity=MACHINE.memory_capacity * capacity)
+    for stage in (None, StageFit(2, machine)):
+        def context():
+            request = resolve_request("gpt", machine, None, None, 8, sizes=SIZES)
+            if stage is None:
+                return step_context(request, 2)
+            return step_context(request, 4, replace(machine.with_devices(4), memory_capacity=machine.memory_capacity
+                                                    * 2), 4, stage=replace(stage, memo=StageMemo()))
+        scanned, made = context(), context()
+        steps = [CandidateSteps(s.request.library, s.machine, s.graph.microbatches, s.request.simulations)
+                 for s in (scanned, made)]
+        fits = a_grid_point_fits(scanned)
+        grid = independent_points(made, steps[1])
+        assert fits == any(made.memory.fits(point) for point in grid)
+        again = independent_points(scanned, steps[0])
+        assert [(p.config, p.totals.time_s, p.totals.peak_memory_bytes) for p in again] == \
+            [(p.config, p.totals.time_s, p.totals.peak_memory_bytes) for p in grid]
+        assert fits == fitting   # both answers are tested
