@@ -41,7 +41,9 @@ class MemoryFit:
     devices: int
     stage: StageFit | None = None
     # id of a candidate's costs -> (those costs, its PCG, bytes): kept alive, so an id stays theirs; a candidate
-    # and its simulated copy (`mesh.CandidateSteps`: the same PCG and costs) share one figure
+    # and its simulated copy (`mesh.CandidateSteps`: the same PCG and costs) share one figure. A stage step's is
+    # the call's for its (graph, machine, devices, stage) (`request.step_context`): the figure reads those and the
+    # candidate's PCG and costs alone, so a scout's step and the search of every mesh at its pair share it
     _known: dict = field(default_factory=dict, compare=False, repr=False)
 
     def needs(self, candidate: Priced) -> int:

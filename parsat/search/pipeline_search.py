@@ -174,6 +174,7 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
     grid: list[tuple[Plan, dict]] = []
     tried: list[dict] = []
     scouted: dict[int, tuple[int, int, int]] = {}   # id of a plan priced from a scout's stage plan -> (p, m, in flight)
+    memos: dict[tuple[int, int, int], StageMemo] = {}   # (p, m, in flight) -> its scout's memo (`_search_every_mesh`)
     to_beat = bar_of(bar)
     degrees = pipeline_degrees(devices, machine, parameters, layers, degree,
                                batch=batch if sample_bytes is not None else None, sample_bytes=sample_bytes or 0.0)
@@ -197,6 +198,7 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
             say(f"pipeline {p} stages of {stage_devices} devices, {m} micro-batches: searching the stage plan"
                 + (f" ({in_flight} in flight)" if in_flight > 1 else ""))
             fit = StageFit(p, machine, schedule, memo=StageMemo(library=library), bar_s=to_beat)
+            memos[(p, m, in_flight)] = fit.memo
             try:
                 stage = search(stage_machine, stage_devices, m, in_flight, fit,
                                clock.part(1.0 / (len(pairs) - index)) if clock is not None else None, True)
@@ -221,7 +223,8 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
             if any(plan.totals.fits(machine) for plan in found) or in_flight == min(p, m):
                 break
     if scouted and plans and not (clock is not None and clock.spent):
-        _search_every_mesh(search, scouted, machine, devices, schedule, say, clock, tried, plans, grid, bar, library)
+        _search_every_mesh(search, scouted, machine, devices, schedule, say, clock, tried, plans, grid, bar, library,
+                           memos)
     return PipelineSearch(tuple(plans), tuple(grid), tuple(tried))
 
 
@@ -263,15 +266,25 @@ def _priced(stage: Plan, p: int, m: int, schedule: str | None, machine: Machine,
 def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, int]], machine: Machine,
                        devices: int, schedule: str | None, say: Callable[[str], None], clock: Deadline | None,
                        tried: list[dict], plans: list[Plan], grid: list[tuple[Plan, dict]],
-                       bar: Plan | None, library: Library | None = None) -> None:
+                       bar: Plan | None, library: Library | None = None,
+                       memos: dict[tuple[int, int, int], StageMemo] | None = None) -> None:
     """Every stage mesh searched for the pair of the pipelined plan that ranks first, when a scout found it and
-    it ranks before `bar`: its plans and grid points join the candidates (the scout's stay)."""
+    it ranks before `bar`: its plans and grid points join the candidates (the scout's stay).
+
+    `memos`: each scout's `StageMemo` by (p, m, in flight). The search of every mesh at the pair takes its
+    scout's: it judges the scout's first-mesh candidates and grid points again (`searched_once` and
+    `step.independent_points` find them again, the same PCGs) and, where its stage plan is the scout's, cuts
+    and prices the same PCG in the same schedules. A memo is a cache of what the stage plans' nodes, outputs,
+    cuts and machine determine (layer maps, layouts, schedule orders, compute times, tensor-parallel overlaps,
+    each keyed by all it reads: `StageMemo`), so a memo that holds more gives the same figures; llama-70b:64's
+    search of every mesh worked out its scout's layer maps and overlaps again."""
     first = min(plans, key=rank_plans)
     if id(first) not in scouted or (bar is not None and rank_plans(bar) <= rank_plans(first)):
         return
     p, m, in_flight = scouted[id(first)]
     say(f"pipeline {p} stages x {m} micro-batches chosen: searching every stage mesh")
-    fit = StageFit(p, machine, schedule, memo=StageMemo(library=library))
+    memo = (memos or {}).get((p, m, in_flight)) or StageMemo(library=library)
+    fit = StageFit(p, machine, schedule, memo=memo)
     try:
         stage = search(_stage_machine(machine, devices, p), devices // p, m, in_flight, fit,
                        clock.part(1.0) if clock is not None else None, False)

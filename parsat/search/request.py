@@ -113,6 +113,9 @@ class SearchRequest:
     # mesh at its count build and check the same ones (`step.built_once`, `step.sequential_once`,
     # `step._unplaceable`)
     built: dict = field(default_factory=dict, compare=False)
+    # a pipeline stage candidate's memory as its pipeline runs it, by the step's (graph, machine, devices, StageFit):
+    # a scout's step and the search of every mesh at its pair judge the same candidates (`search.fit.MemoryFit`)
+    stage_figures: dict = field(default_factory=dict, compare=False)
     deadline: float | None = None       # the call's `--limit seconds` deadline (perf_counter), None without one
     # leave out the associativity rules that cannot pay off on a graph whose sums are sequential (`egraph.sums`,
     # docs/MESH.md "Sequential sums"); False saturates with every rule (what the tests compare against)
@@ -341,5 +344,8 @@ def step_context(request: SearchRequest, microbatches: int = 1, machine: Machine
     pinned = any(request.parallel_dims.get(kind, 1) > 1 for kind in ("dp", "tp"))
     samples = batch_dims(graph, request.library) if pinned else {}
     machine = machine.with_devices(devices)
-    return StepContext(request, graph, repetition, machine, devices, pins, MemoryFit(machine, graph, devices, stage),
-                       in_flight, samples, scout)
+    # a stage candidate's figure reads the graph, machine, devices and how the pipeline runs (`StageFit`, compared
+    # without its memo and bar: neither changes a figure) and nothing else of the step: steps alike in those share
+    figures = request.stage_figures.setdefault((graph, machine, devices, stage), {}) if stage is not None else {}
+    return StepContext(request, graph, repetition, machine, devices, pins,
+                       MemoryFit(machine, graph, devices, stage, figures), in_flight, samples, scout)

@@ -77,8 +77,7 @@ def search_step(step: StepContext, clock: Deadline) -> Plan:
     try:
         return _search_step(step, clock, choices[:1], left_out=choices[1:])
     except DoesNotFit:
-        steps = CandidateSteps(step.request.library, step.machine, step.graph.microbatches, step.request.simulations)
-        if step.pins or not any(step.memory.fits(p) for p in independent_points(step, steps)):
+        if step.pins or not a_grid_point_fits(step):
             raise
         step.say("no plan on the first mesh fits where a grid point does: searching every mesh")
         return _search_step(step, clock, choices)
@@ -518,6 +517,8 @@ def independent_points(step: StepContext, steps: CandidateSteps) -> list[Candida
     key = (step.graph, step.machine, step.devices, step.stage)
     found = request.grid_points.get(key)
     if found is None:
+        if request.built.get((GRID_SCANNED, key)):   # made where `a_grid_point_fits` stood: its failures unsaid
+            steps = CandidateSteps(request.library, step.machine, step.graph.microbatches, request.simulations)
         rivals = (lambda point: keeps_pins(point, request)) if request.parallel_dims else None
         kept: list[tuple[int, Candidate]] = []
         bar = math.inf
@@ -528,6 +529,35 @@ def independent_points(step: StepContext, steps: CandidateSteps) -> list[Candida
         found = [point for _place, point in sorted(kept, key=lambda pair: pair[0])]
         request.grid_points[key] = found
     return found
+
+
+GRID_SCANNED = "grid scanned"   # `request.built` key: a step's grid scanned for a point that fits, not made
+
+
+def a_grid_point_fits(step: StepContext) -> bool:
+    """Whether a point of the step's independent grid fits (`step.memory`): what a scout's step whose first mesh
+    holds no plan that fits asks before searching every mesh (`search_step`). The answer `independent_points`'
+    points give, without simulating a step or working out a floor: the grid's every point in its order, the
+    first that fits ending the scan (a grid already made is read instead).
+
+    Why the same: `independent_points` keeps every point that does not fit and, of those that fit (and keep
+    the pins, where `--degrees` pins), leaves out only ones whose floor is above a step already simulated,
+    which is a point that fits; a family its bound skips likewise. So its points hold one that fits exactly
+    where the grid does. The scan judges each point as the grid does (`_grid_families`: the same layouts,
+    forms and `fits`, the kin layouts and compute costs shared with the call, which give what building anew
+    gives). A scout's step asked this on every count of llama-70b:64, where the search of every mesh then found no joint
+    plan that fits and raised: the grid's simulations and floors (3-4 CPU s a count) went unread.
+
+    Where the grid is made later (the search of every mesh reaches its baselines), `independent_points` makes
+    it with a `CandidateSteps` of its own, as it was made here before: a simulation that fails is not said in
+    that step's plan (`unsimulated`), as it was not."""
+    request = step.request
+    key = (step.graph, step.machine, step.devices, step.stage)
+    made = request.grid_points.get(key)
+    if made is not None:
+        return any(step.memory.fits(point) for point in made)
+    request.built[(GRID_SCANNED, key)] = True
+    return any(step.memory.fits(point) for family in _grid_families(step) for _place, point in family)
 
 
 def _grid_families(step: StepContext, fits: Callable[[Candidate], bool] | None = None,

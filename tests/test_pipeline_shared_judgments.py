@@ -1,0 +1,121 @@
+"""The search of every stage mesh at a pair shares its scout's judgments (issue 28): the stage candidates' memory
+figures (`request.stage_figures`, `search.fit.MemoryFit`) and the scout's `StageMemo`
+(`pipeline_search._search_every_mesh`), and finds what judging afresh finds."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+import parsat.search.pipeline_search as pipeline_search
+from parsat.cost.pipeline import StageFit, StageMemo
+from parsat.ir.machine import Machine
+from parsat.search.fit import MemoryFit
+from parsat.search.optimize import optimize
+from parsat.search.request import resolve_request, step_context
+
+SIZES = {"blocks": 4, "batch": 16, "seq": 16, "hidden": 32, "heads": 2, "vocab": 64}
+MACHINE = Machine.resolve("h100x8").with_devices(8)
+
+
+def _stage_machine(p: int) -> Machine:
+    return replace(MACHINE.with_devices(8 // p), memory_capacity=MACHINE.memory_capacity * p)
+
+
+@pytest.fixture(scope="module")
+def candidates():
+    """A stage step's plan at 2 stages x 4 micro-batches and its baselines: the candidates a stage step judges."""
+    step = optimize("gpt", _stage_machine(2), devices=4, sizes=SIZES, microbatches=4, pipeline=False)
+    return [step] + [replace(step, pcg=b.pcg, costs=b.costs) for b in step.baseline_plans.values()
+                     if b.pcg is not None]
+
+
+def test_steps_alike_but_for_the_memo_bar_and_scout_share_figures_that_are_fresh_ones(candidates):
+    """Two stage steps of one pair (a scout's with its bar, the search of every mesh's without: `StageFit` equal
+    but for its memo and bar) judge with one table, and each figure is the one a fresh judgment gives; a step of
+    another degree, micro-batch count or schedule pin has its own table, its figures its own fresh ones."""
+    request = resolve_request("gpt", "h100x8", None, None, 8, sizes=SIZES)
+    scout = step_context(request, 4, _stage_machine(2), 4, stage=StageFit(2, MACHINE, bar_s=1.0), scout=True)
+    every = step_context(request, 4, _stage_machine(2), 4, 2, stage=StageFit(2, MACHINE, memo=StageMemo()))
+    assert scout.memory._known is every.memory._known
+    others = [step_context(request, 4, _stage_machine(4), 2, stage=StageFit(4, MACHINE)),
+              step_context(request, 8, _stage_machine(2), 4, stage=StageFit(2, MACHINE)),
+              step_context(request, 4, _stage_machine(2), 4, stage=StageFit(2, MACHINE, "gpipe"))]
+    assert len({id(s.memory._known) for s in [scout, *others]}) == 4
+    for plan in candidates:
+        first = scout.memory.needs(plan)
+        assert every.memory.needs(plan) == first       # read from the scout's table
+        fresh = MemoryFit(every.machine, every.graph, every.devices, StageFit(2, MACHINE))
+        assert fresh.needs(plan) == first and fresh.fits(plan) == every.memory.fits(plan)
+        for other in others:
+            alone = MemoryFit(other.machine, other.graph, other.devices, replace(other.stage, memo=StageMemo()))
+            assert other.memory.needs(plan) == alone.needs(plan)
+    assert len(every.memory._known) == len({id(p.costs) for p in candidates})
+
+
+def _without_timing(plan_json: str) -> dict:
+    """A plan's JSON less every timing field."""
+    def strip(value):
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if "seconds" not in k and k != "cpu_s"}
+        if isinstance(value, list):
+            return [strip(v) for v in value]
+        return value
+    return strip(json.loads(plan_json))
+
+
+def test_the_search_of_every_mesh_with_its_scout_s_memo_finds_what_a_fresh_memo_finds(monkeypatch):
+    """gpt on 8 H100s, pipelined, with no bar (every pair searched, and every stage mesh searched at the pair a
+    scout found best even where the unstaged plan is faster): the search of every stage mesh runs with its
+    scout's `StageMemo`, and the plan, the pipeline search's trace included, is the one a fresh memo gives."""
+    monkeypatch.setattr(pipeline_search, "bar_of", lambda flat: None)
+    every_mesh = pipeline_search._search_every_mesh
+    seen: dict[str, list] = {"memos": [], "unscouted": []}
+
+    def unbarred(search, *args, share=True):
+        def spying(*step_args):
+            if not step_args[6]:   # the search of every mesh (not a scout's)
+                seen["unscouted"].append(step_args[4].memo)
+            return search(*step_args)
+        args = list(args)
+        args[9] = None   # `bar`: the unstaged plan, which outranks these small pipelines
+        seen["memos"].append(args[11])
+        return every_mesh(spying, *args[:11], memos=args[11] if share else None)
+
+    monkeypatch.setattr(pipeline_search, "_search_every_mesh", unbarred)
+    shared = optimize("gpt", "h100x8", devices=8, sizes=SIZES, pipeline=True)
+    assert len(seen["unscouted"]) == 1 and any(memo is seen["unscouted"][0] for memo in seen["memos"][0].values())
+    monkeypatch.setattr(pipeline_search, "_search_every_mesh", lambda *args: unbarred(*args, share=False))
+    alone = optimize("gpt", "h100x8", devices=8, sizes=SIZES, pipeline=True)
+    assert len(seen["unscouted"]) == 2 and not any(m is seen["unscouted"][1] for m in seen["memos"][1].values())
+    assert _without_timing(shared.to_json()) == _without_timing(alone.to_json())
+
+
+@pytest.mark.parametrize("capacity,fitting", [(1.0, True), (1e-9, False)])
+def test_a_grid_scanned_for_a_point_that_fits_answers_as_the_grid_made(capacity, fitting):
+    """`step.a_grid_point_fits` (a scout's first mesh holding no plan that fits asks it before searching every
+    mesh) says a point fits exactly where a point `independent_points` keeps does: on 8 devices with the memory a
+    point needs, or a billionth of it (where none fits), unstaged and as a stage; and
+    the grid made after the scan is the grid made at once (each point's configuration and simulated step)."""
+    from parsat.search.mesh import CandidateSteps
+    from parsat.search.step import a_grid_point_fits, independent_points
+    machine = replace(MACHINE, memory_capacity=MACHINE.memory_capacity * capacity)
+    for stage in (None, StageFit(2, machine)):
+        def context():
+            request = resolve_request("gpt", machine, None, None, 8, sizes=SIZES)
+            if stage is None:
+                return step_context(request, 2)
+            return step_context(request, 4, replace(machine.with_devices(4), memory_capacity=machine.memory_capacity
+                                                    * 2), 4, stage=replace(stage, memo=StageMemo()))
+        scanned, made = context(), context()
+        steps = [CandidateSteps(s.request.library, s.machine, s.graph.microbatches, s.request.simulations)
+                 for s in (scanned, made)]
+        fits = a_grid_point_fits(scanned)
+        grid = independent_points(made, steps[1])
+        assert fits == any(made.memory.fits(point) for point in grid)
+        again = independent_points(scanned, steps[0])
+        assert [(p.config, p.totals.time_s, p.totals.peak_memory_bytes) for p in again] == \
+            [(p.config, p.totals.time_s, p.totals.peak_memory_bytes) for p in grid]
+        assert fits == fitting   # both answers are tested
