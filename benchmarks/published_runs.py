@@ -199,6 +199,7 @@ def price(row: Row, zero_free: bool = False) -> dict:
         out.update(predicted_step_s=plan.totals.time_s, memory_gib=plan.totals.peak_memory_bytes / 2 ** 30,
                    fits=plan.totals.fits(plan.machine), recompute=plan.pcg.recompute, zero=plan.pcg.zero,
                    schedule=plan.pipeline.schedule if plan.pipeline else None,
+                   chunks_per_stage=plan.pipeline.layout.chunks_per_stage if plan.pipeline else None,
                    ratio=row.published_step_s() / plan.totals.time_s,
                    predicted_tflops_per_gpu=row.step_flops() / plan.totals.time_s / row.gpus / 1e12)
     out["cpu_s"] = round(time.process_time() - start, 1)
