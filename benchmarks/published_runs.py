@@ -31,7 +31,12 @@ the A100 rows pin ZeRO 0 and sequence parallelism off (`--degrees
 zero=0,sp=1`; `--zero-free` leaves both to the search, as before
 2026-12-03, when a pinned `--recompute` first reached every grid point and
 the A100 rows took ZeRO-1 and sequence parallelism, which that run never
-had).
+had). SC'21's Megatron-LM also predates fused attention (FlashAttention,
+2022): it wrote out the [b, heads, s, s] scores (`torch.baddbmm`), a fused
+scale-mask-softmax kernel and `torch.bmm` (a8d172b
+megatron/model/transformer.py lines 167-332, megatron/model/fused_softmax.py),
+so the A100 rows build `gpt` with `unfused_attention=1` and leave out the
+rule that would fuse it back (`without_rules=("fuse_causal_attention",)`).
 
 With `--free`, each row is also optimized with nothing pinned (the same
 model, batch, machine and GPU count; the search chooses t, p, d, ZeRO,
@@ -168,7 +173,12 @@ def price(row: Row, zero_free: bool = False) -> dict:
         # runs held the weights' state whole and the layer norms' activations replicated on the tp ranks
         degrees.update(zero=0, sp=1)
     options = {"degrees": degrees, "microbatches": row.batch // d}   # micro-batch size 1 per data-parallel rank
+    sizes = row.sizes()
     if row.hardware_flops:
+        # SC'21's Megatron-LM (2021) had no fused attention: the scores written out, and the search kept from
+        # fusing them back (`gpt`'s `unfused_attention`)
+        sizes["unfused_attention"] = 1
+        options["without_rules"] = ("fuse_causal_attention",)
         options["recompute"] = "blocks"
         if row.p > 1:
             options["schedule"] = "interleaved"
@@ -177,9 +187,10 @@ def price(row: Row, zero_free: bool = False) -> dict:
     start = time.process_time()
     out = {**asdict(row), "d": d, "pins": degrees, "published_step_s": row.published_step_s(),
            "overlap_grad_reduce": row.machine_of().comm.overlap_grad_reduce,
-           "flops": "hardware (SC'21 eq. 3)" if row.hardware_flops else "model"}
+           "flops": "hardware (SC'21 eq. 3)" if row.hardware_flops else "model",
+           "attention": "written out (2021)" if row.hardware_flops else "fused"}
     try:
-        plan = parsat.optimize("gpt", machine=row.machine_of(), devices=row.gpus, sizes=row.sizes(),
+        plan = parsat.optimize("gpt", machine=row.machine_of(), devices=row.gpus, sizes=sizes,
                                progress=lambda m: print(f"  [{row.name}] {m}", file=sys.stderr, flush=True),
                                **options)
     except Exception as err:  # noqa: BLE001 - the error is the result
@@ -188,6 +199,7 @@ def price(row: Row, zero_free: bool = False) -> dict:
         out.update(predicted_step_s=plan.totals.time_s, memory_gib=plan.totals.peak_memory_bytes / 2 ** 30,
                    fits=plan.totals.fits(plan.machine), recompute=plan.pcg.recompute, zero=plan.pcg.zero,
                    schedule=plan.pipeline.schedule if plan.pipeline else None,
+                   chunks_per_stage=plan.pipeline.layout.chunks_per_stage if plan.pipeline else None,
                    ratio=row.published_step_s() / plan.totals.time_s,
                    predicted_tflops_per_gpu=row.step_flops() / plan.totals.time_s / row.gpus / 1e12)
     out["cpu_s"] = round(time.process_time() - start, 1)

@@ -54,6 +54,9 @@ def register(subparsers) -> None:
                           "where a plan would not fit without)")
     opt.add_argument("--schedule", default=None, choices=("gpipe", "1f1b", "interleaved"),
                      help="pin the pipeline schedule (default: searched)")
+    opt.add_argument("--chunks-per-stage", type=int, default=None, metavar="V",
+                     help="pin the interleaved schedule's chunks per stage (Megatron's virtual pipeline size; "
+                          "2 or more implies --schedule interleaved; each stage's layers must split evenly)")
     opt.add_argument("--pipeline", dest="pipeline", action="store_true", default=None,
                      help="also search pipelined plans (default: when the devices span several nodes, or when "
                           "no unstaged plan fits)")
@@ -182,8 +185,8 @@ def run_optimize(args: argparse.Namespace) -> int:
                             precision=args.precision,
                             baselines=not args.no_baselines, sizes=sizes or None, degrees=degrees or None,
                             microbatches=args.microbatches, repeat_blocks=not args.all_blocks,
-                            pipeline=args.pipeline, schedule=args.schedule, recompute=args.recompute,
-                            progress=progress)
+                            pipeline=args.pipeline, schedule=args.schedule, chunks_per_stage=args.chunks_per_stage,
+                            recompute=args.recompute, progress=progress)
         _say_warnings(caught)
     except (ValueError, OptimizeError, GraphError, MachineError, FileProblem) as err:
         return _error(str(err))

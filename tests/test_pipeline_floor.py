@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 import parsat.search.pipeline_search as pipeline_search
-from parsat.cost.pipeline import SCHEDULE_CHOICES, StageFit, StagePricer, equal_starts
+from parsat.cost.pipeline import SCHEDULE_CHOICES, StageFit, StagePricer, equal_starts, schedule_chunks
 from parsat.ir.machine import Machine
 from parsat.ir.pipeline import PipelineError
 from parsat.search.optimize import optimize
@@ -33,7 +33,10 @@ def test_the_floor_is_at_most_every_priced_pipelined_plan_of_every_candidate():
             floor = fit.floor_s(plan.pcg, plan.costs)
             pricer = StagePricer(plan, machine)
             layers = pricer.layer_map.layers
-            for name, v in SCHEDULE_CHOICES:
+            for name in SCHEDULE_CHOICES:
+                v = schedule_chunks(name, p, pricer.layer_map.model_layers)
+                if v is None:
+                    continue
                 for starts in (None, equal_starts(layers, p * v)):
                     try:
                         found = pricer.pipelined(p, name, v, starts)

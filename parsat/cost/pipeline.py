@@ -53,8 +53,8 @@ from parsat.dsl.library import Library
 from parsat.ir.costs import NodeCost, Totals
 from parsat.ir.machine import Machine
 from parsat.ir.pipeline import (BACKWARD, GPIPE, INTERLEAVED, ONE_F_ONE_B, Action, Chunk, LayerMap, PipelineError,
-                                PipelinePlan, StageFigures, StageLayout, activation_peaks, in_flight_counts,
-                                nodes_elements, p2p_elements, schedule_order, shared_weight_elements,
+                                PipelinePlan, StageFigures, StageLayout, activation_peaks, chunks_refusal,
+                                in_flight_counts, interleaved_chunk_counts, nodes_elements, p2p_elements, schedule_order, shared_weight_elements,
                                 simulate_schedule, stored_piece_elements)
 from parsat.ir.plan import Plan
 from parsat.cost.collectives import ALL_REDUCE, SEND_RECV, GroupTopology, price
@@ -515,13 +515,15 @@ class StagePricer:
         return max(stages) * self.microbatches
 
     def _chunks(self, degree: int, schedule: str, chunks_per_stage: int) -> int:
-        """The chunks `schedule` cuts the layers into; PipelineError when it cannot."""
-        if schedule != INTERLEAVED and chunks_per_stage != 1:
-            raise PipelineError(f"{schedule} runs one chunk per stage")
+        """The chunks `schedule` cuts the layers into; PipelineError when it cannot (an interleaved schedule
+        whose chunks would not split each stage's layers evenly too: `ir.pipeline.chunks_refusal`)."""
         chunks, layers = degree * chunks_per_stage, self.layer_map.layers
         if chunks > len(layers):
             raise PipelineError(f"'{self.plan.graph.name}' has {len(layers)} layers to cut, fewer than {chunks} "
                                 "chunks")
+        why = chunks_refusal(schedule, self.layer_map.model_layers, degree, chunks_per_stage)
+        if why is not None:
+            raise PipelineError(why)
         return chunks
 
     def start_cuts(self, degree: int, schedule: str, chunks_per_stage: int = 1) -> list[tuple[int, ...]]:
@@ -849,18 +851,40 @@ def _shared_sync(pieces: Mapping[int, int], layout: StageLayout, stage_devices: 
     return out
 
 
-SCHEDULE_CHOICES = ((ONE_F_ONE_B, 1), (INTERLEAVED, 2), (GPIPE, 1))   # what the search tries, in this order
+SCHEDULE_CHOICES = (ONE_F_ONE_B, INTERLEAVED, GPIPE)   # what the search tries, in this order
 
 
-def applicable_schedules(pinned: str | None, degree: int, microbatches: int, layers: int
-                         ) -> tuple[tuple[str, int], ...]:
-    """(schedule, chunks per stage) the pipeline search prices (`pinned` alone when given): interleaved with two
-    chunks where the micro-batches are a multiple of the stages and the layers make 2p chunks."""
+def schedule_chunks(schedule: str, degree: int, layers: int, pinned: int | None = None) -> int | None:
+    """The chunks per stage the search prices `schedule` with on `degree` stages of `layers` layers; None when
+    it cannot run there. 1F1B and GPipe: one. Interleaved: `pinned` (Megatron's
+    `--virtual-pipeline-model-parallel-size`) when given and it splits each stage's layers evenly, else the
+    least v >= 2 that does (`ir.pipeline.interleaved_chunk_counts`, Megatron's rule).
+
+    Why the least and one only: the search prices one interleaved layout per (degree, micro-batches), as it did
+    with its fixed two chunks, so its work does not grow with the divisors of the layers per stage; two chunks
+    (Megatron's example and the most common setting) wherever they divide, so the plans that were layouts
+    Megatron runs do not move. More chunks shrink the bubble ((p - 1) / (v m) of the step) but send v times the
+    point-to-point transfers and hold more warm-up activations; a published run that used more is priced by
+    pinning them."""
+    if schedule != INTERLEAVED:
+        return 1 if pinned in (None, 1) else None
+    counts = interleaved_chunk_counts(layers, degree)
+    if pinned is not None:
+        return pinned if pinned in counts else None
+    return counts[0] if counts else None
+
+
+def applicable_schedules(pinned: str | None, degree: int, microbatches: int, layers: int,
+                         chunks: int | None = None) -> tuple[tuple[str, int], ...]:
+    """(schedule, chunks per stage) the pipeline search prices (`pinned` alone when given; `chunks` pins the
+    chunks per stage): interleaved where the micro-batches are a multiple of the stages, with the chunks
+    `schedule_chunks` gives (none where no even split exists)."""
     out = []
-    for name, v in SCHEDULE_CHOICES:
+    for name in SCHEDULE_CHOICES:
         if pinned is not None and name != pinned:
             continue
-        if name == INTERLEAVED and (microbatches % degree or layers < degree * v):
+        v = schedule_chunks(name, degree, layers, chunks)
+        if v is None or (name == INTERLEAVED and microbatches % degree):
             continue
         out.append((name, v))
     return tuple(out)
@@ -879,6 +903,8 @@ class StageFit:
     pinned: str | None = None
     # the layer maps and layouts the candidates' pricers share (not part of what the judgment is)
     memo: StageMemo = field(default_factory=StageMemo, compare=False, repr=False)
+    # chunks per stage pinned for the interleaved schedule (`schedule_chunks`); None: the search's choice
+    chunks: int | None = None
     # the step a pipelined plan must be faster than to matter (`search.pipeline_search`): where every candidate's
     # `floor_s` is at or above it, the stage search stops (`ir.errors.CannotWin`); None: never. It changes which
     # searches run, not what a search finds, so it is no part of the judgment (nor of a cache key)
@@ -890,7 +916,7 @@ class StageFit:
         not apply)."""
         pricer = StagePricer(plan, self.machine, memo=self.memo)
         return pricer.least_peak_bytes(self.degree, applicable_schedules(
-            self.pinned, self.degree, pricer.microbatches, len(pricer.layer_map.layers)))
+            self.pinned, self.degree, pricer.microbatches, pricer.layer_map.model_layers, self.chunks))
 
     def fits(self, peak_bytes: int | None) -> bool:
         """Whether a stage plan needing `peak_bytes` per device (`peak_bytes`) fits on the machine."""

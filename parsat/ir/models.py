@@ -181,7 +181,8 @@ class _Scope:
         return self.op("transpose", self.op("unflatten", t, dim=2, k=dh, name=f"{tag}_split"), d0=1, d1=2,
                        name=f"{tag}_heads")
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, dh: int, causal: bool = False) -> Tensor:
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, dh: int, causal: bool = False, fused: bool = True
+                  ) -> Tensor:
         """softmax(q k^T / sqrt(dh)) v on [b, n, s, dh] heads, heads merged back: [b, s, n * dh].
 
         Causal attention is the fused operator `attention_causal`, as GPT and
@@ -190,13 +191,17 @@ class _Scope:
         mask is a graph input and attention splits by heads, and no [b, n, s, s]
         scores are stored, so the cost model keeps O(b s h) for its backward.
         Bidirectional attention (BERT, ViT) is written out: bmm, scale, softmax, bmm.
+        Causal attention with `fused` False is written out too, as runtimes before
+        FlashAttention computed it (bmm, scale, `softmax_causal`, bmm: the [b, n, s, s]
+        scores and probabilities materialised; `gpt`'s `unfused_attention`).
         """
-        if causal:
+        if causal and fused:
             ctx = self.op("attention_causal", q, k, v, c=1.0 / dh ** 0.5, name="ctx")
         else:
             kt = self.op("transpose", k, d0=2, d1=3, name="kT")
             scores = self.op("scale", self.op("bmm", q, kt, name="scores"), c=1.0 / dh ** 0.5, name="scaled")
-            probs = self.op("softmax", scores, dim=3, name="probs")
+            probs = self.op("softmax_causal" if causal else "softmax", scores, **({} if causal else {"dim": 3}),
+                            name="probs")
             ctx = self.op("bmm", probs, v, name="ctx")
         return self.op("flatten", self.op("transpose", ctx, d0=1, d1=2, name="ctx_t"), dim=2, name="ctx_merged")
 
@@ -302,14 +307,15 @@ def _fused_qkv(s: _Scope, a: Tensor, hidden: int, heads: int, dh: int) -> tuple[
     return q, k, v
 
 
-def _gpt_block(g: GraphBuilder, x: Tensor, prefix: str, hidden: int, heads: int, ffn: int) -> Tensor:
+def _gpt_block(g: GraphBuilder, x: Tensor, prefix: str, hidden: int, heads: int, ffn: int,
+               fused_attention: bool = True) -> Tensor:
     """Pre-LN decoder block (GPT-2/GPT-3): x + attn(ln(x)), then + mlp(ln(.)), causal multi-head attention with
-    q, k, v one product (`_fused_qkv`)."""
+    q, k, v one product (`_fused_qkv`), fused or written out (`gpt`'s `unfused_attention`)."""
     dh = hidden // heads
     s = _Scope(g, prefix)
     a = s.op("layernorm", x, s.w("ln1_g", [hidden]), s.w("ln1_b", [hidden]), eps=1e-5, name="ln1")
     q, k, v = _fused_qkv(s, a, hidden, heads, dh)
-    merged = s.attention(q, k, v, dh, causal=True)
+    merged = s.attention(q, k, v, dh, causal=True, fused=fused_attention)
     attn = s.op("linear", merged, s.w("wo", [hidden, hidden]), s.w("bo", [hidden]), name="attn_out")
     x = s.op("add", x, attn, name="res1")
     m = s.op("layernorm", x, s.w("ln2_g", [hidden]), s.w("ln2_b", [hidden]), eps=1e-5, name="ln2")
@@ -320,8 +326,8 @@ def _gpt_block(g: GraphBuilder, x: Tensor, prefix: str, hidden: int, heads: int,
 
 
 def gpt(blocks: int = 12, batch: int = 512, seq: int = 2048, hidden: int = 768, heads: int = 12,
-        ffn: int | None = None, vocab: int = 51200, library: Library | None = None, name: str = "gpt",
-        budget: GraphBudget | None = None) -> Graph:
+        ffn: int | None = None, vocab: int = 51200, unfused_attention: int = 0, library: Library | None = None,
+        name: str = "gpt", budget: GraphBudget | None = None) -> Graph:
     """A GPT-2/GPT-3 decoder with its language-modelling loss; the defaults are GPT-3 Small (125M).
 
     Token embedding `wte` [vocab, hidden] (ids one-hot) plus a learned position
@@ -335,6 +341,15 @@ def gpt(blocks: int = 12, batch: int = 512, seq: int = 2048, hidden: int = 768, 
     second time through `transpose`, as the importer reads HF GPT-2's tied
     `lm_head`; then the mean cross-entropy over the vocabulary.
 
+    `unfused_attention` 0 (the default) computes attention as the fused
+    `attention_causal` (FlashAttention, 2022, and the SDPA kernels after it); 1
+    writes it out as Megatron-LM of 2021 ran it before those existed: the
+    [b, n, s, s] scores of `bmm(q, k^T)`, scaled, a causal softmax, and `bmm` with v
+    (NVIDIA/Megatron-LM a8d172b, the SC'21 code: megatron/model/transformer.py
+    lines 167-332, `torch.baddbmm` of the whole scores, `FusedScaleMaskSoftmax`
+    of megatron/model/fused_softmax.py, `torch.bmm`). The search's
+    `fuse_causal_attention` rewrites that form into the fused operator, so a plan
+    pinned to the 2021 runtime leaves that rule out (`without_rules`).
     No dropout (GPT-3's paper states none; it would add mask inputs, `dropout_masked`).
     Sizes: Brown et al. 2020, "Language Models are Few-Shot Learners",
     Table 2.1 (n_layers, d_model, n_heads, d_head = 128 for 1.3B-175B;
@@ -344,12 +359,14 @@ def gpt(blocks: int = 12, batch: int = 512, seq: int = 2048, hidden: int = 768, 
     """
     ffn = 4 * hidden if ffn is None else ffn
     _head_size(hidden, heads)
+    if unfused_attention not in (0, 1):
+        raise GraphError(f"unfused_attention is 0 (fused) or 1 (written out), got {unfused_attention}")
     g = GraphBuilder(library, name=name, budget=budget)
     wte = g.weight("wte", [vocab, hidden])
     tokens = g.op("embedding", g.input("ids", [batch, seq, vocab]), wte, name="tok_emb")
     x = g.op("add_bcast", tokens, g.weight("wpe", [seq, hidden]), name="emb")
     for index in range(blocks):
-        x = _gpt_block(g, x, f"b{index}_", hidden, heads, ffn)
+        x = _gpt_block(g, x, f"b{index}_", hidden, heads, ffn, not unfused_attention)
     x = g.op("layernorm", x, g.weight("lnf_g", [hidden]), g.weight("lnf_b", [hidden]), eps=1e-5, name="lnf")
     logits = g.op("linear_nobias", x, g.op("transpose", wte, d0=0, d1=1, name="wte_t"), name="logits")
     g.output(_lm_loss(g, logits, batch * seq, vocab, batch * seq))

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable, Mapping, Sequence
 
-from parsat.ir.blocks import node_blocks
+from parsat.ir.blocks import OUTSIDE, node_blocks
 from parsat.ir.costs import NodeCost
 from parsat.ir.pcg import PCG, WEIGHT, weight_storage
 
@@ -42,6 +42,37 @@ FORWARD, BACKWARD = "F", "B"
 
 class PipelineError(ValueError):
     """A pipeline that cannot be laid out or scheduled as asked."""
+
+
+def interleaved_chunk_counts(layers: int, degree: int) -> tuple[int, ...]:
+    """The chunks per stage v >= 2 an interleaved schedule can cut `layers` layers into on `degree` stages, least
+    first: those for which each stage's layers split evenly into its v chunks (degree x v divides the layers).
+
+    Why only those: it is the rule of the runtimes whose runs the plans are compared with. Megatron-LM takes
+    the chunks as `--num-layers-per-virtual-pipeline-stage` and requires `(num_layers / pipeline size) %
+    num_layers_per_virtual_pipeline_stage == 0` (NVIDIA/Megatron-LM a8d172b, 2021, the SC'21 code:
+    megatron/arguments.py lines 118-127, v = layers per stage / that); Megatron-Core r0.8.0 asserts the same
+    beside `--virtual-pipeline-model-parallel-size` (megatron/training/arguments.py, tag core_v0.8.0). A layout
+    of uneven chunks (105 layers on 35 stages as chunks of 2 and 1) is one neither can run."""
+    if degree < 1 or layers % degree:
+        return ()
+    per_stage = layers // degree
+    return tuple(v for v in range(2, per_stage + 1) if per_stage % v == 0)
+
+
+def chunks_refusal(schedule: str, layers: int, degree: int, chunks_per_stage: int) -> str | None:
+    """Why `schedule` cannot cut `layers` layers into `chunks_per_stage` chunks on each of `degree` stages
+    (`interleaved_chunk_counts`' rule for the interleaved schedule; one chunk a stage for the others); None
+    when it can."""
+    if schedule != INTERLEAVED:
+        return None if chunks_per_stage == 1 else f"{schedule} runs one chunk per stage, not {chunks_per_stage}"
+    if chunks_per_stage in interleaved_chunk_counts(layers, degree):
+        return None
+    counts = interleaved_chunk_counts(layers, degree)
+    return (f"interleaved 1F1B with {chunks_per_stage} chunks per stage needs each stage's layers to split evenly "
+            f"into its chunks, as Megatron-LM requires: {layers} layers on {degree} stages "
+            + (f"split into {', '.join(map(str, counts))} chunks per stage" if counts else
+               "have no split into 2 or more equal chunks per stage"))
 
 
 @dataclass(frozen=True)
@@ -152,6 +183,13 @@ class LayerMap:
         self.needs = needs
         self.weights = [n.id for n in pcg.nodes if n.kind == "leaf" and n.role == WEIGHT]
         self._runs: dict[tuple[int, int], tuple[frozenset[int], tuple[int, ...]]] = {}   # `chunk_nodes`
+
+    @cached_property
+    def model_layers(self) -> int:
+        """The model's layers, as a runtime counts them to split among stages and chunks: the blocks, less the
+        values outside every block (`ir.blocks.OUTSIDE`: the embedding), which ride with the first chunk as
+        Megatron-LM's embedding rides with its first stage (`equal_starts` gives that chunk one layer more)."""
+        return sum(1 for layer in self.layers if layer != OUTSIDE)
 
     @cached_property
     def layer_members(self) -> dict[int, frozenset[int]]:

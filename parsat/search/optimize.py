@@ -44,6 +44,7 @@ from parsat.egraph.runner import Limits
 from parsat.ir.errors import DoesNotFit, OptimizeError
 from parsat.ir.machine import Machine
 from parsat.ir.models import EXAMPLES
+from parsat.ir.pipeline import INTERLEAVED, chunks_refusal
 from parsat.ir.plan import Plan
 from parsat.search.collector import fewer_collections
 from parsat.search.deadline import Deadline
@@ -62,7 +63,7 @@ UNSTAGED_SHARE_FIRST = 0.75  # ... when the pipeline is searched only if no unst
 
 def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limits | Mapping | None = None,
              devices: int | None = None, *, microbatches: int | None = None, pipeline: bool | None = None,
-             schedule: str | None = None, **options) -> Plan:
+             schedule: str | None = None, chunks_per_stage: int | None = None, **options) -> Plan:
     """The cheapest plan, unstaged (`microbatches.search_unstaged`) or pipelined (`pipeline_search`).
 
     `graph` is a Graph, a graph JSON path or an example name (with `sizes`);
@@ -85,7 +86,12 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     True, when its devices span more than one node, when `degrees` pins
     `pp` above 1, or when no unstaged plan fits; `pipeline=False` never
     does. `schedule` pins the pipeline schedule ("gpipe", "1f1b",
-    "interleaved"). The fastest plan that fits wins, the unstaged one on a
+    "interleaved"); `chunks_per_stage` pins the interleaved schedule's chunks
+    per stage (Megatron-Core's `--virtual-pipeline-model-parallel-size`; 2 or
+    more implies "interleaved"), refused when the layers of a stage do not
+    split evenly into them (`ir.pipeline.chunks_refusal`, Megatron's rule);
+    unpinned, the search takes the least that does (`cost.pipeline.schedule_chunks`).
+    The fastest plan that fits wins, the unstaged one on a
     tie; `saturation.pipeline_search` lists what was tried.
 
     `limits.seconds` bounds the whole call (`deadline`): the unstaged search
@@ -96,10 +102,13 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     The collector runs less often meanwhile (`collector`).
     """
     with fewer_collections():
-        return _optimize(graph, machine, rules, limits, devices, microbatches, pipeline, schedule, options)
+        schedule = _check_chunks_pin(graph, options, schedule, chunks_per_stage)
+        return _optimize(graph, machine, rules, limits, devices, microbatches, pipeline, schedule, options,
+                         chunks_per_stage)
 
 
-def _optimize(graph, machine, rules, limits, devices, microbatches, pipeline, schedule, options: Mapping) -> Plan:
+def _optimize(graph, machine, rules, limits, devices, microbatches, pipeline, schedule, options: Mapping,
+              chunks: int | None = None) -> Plan:
     """`optimize`'s search, its arguments as given."""
     check_microbatches(graph, options.get("sizes"), microbatches)
     _check_pipeline_pin(graph, machine, devices, options, pipeline)
@@ -129,7 +138,7 @@ def _optimize(graph, machine, rules, limits, devices, microbatches, pipeline, sc
         if schedule is not None and flat is not None:
             request.say(f"--schedule {schedule}: the plan is not pipelined")
         return flat
-    found = _search_pipelines(request, clock, microbatches, schedule, flat)
+    found = _search_pipelines(request, clock, microbatches, schedule, flat, chunks)
     if flat is not None and not any(rank_plans(p) < rank_plans(flat) for p in found.plans):
         # no pipelined plan beats the unstaged scout's: every mesh is searched at its count
         flat = merged(every_mesh_at(request, clock, flat), flat, request.batch, request.say)
@@ -139,7 +148,7 @@ def _optimize(graph, machine, rules, limits, devices, microbatches, pipeline, sc
 
 
 def _search_pipelines(request: SearchRequest, clock: Deadline, microbatches: int | None, schedule: str | None,
-                      bar: Plan | None):
+                      bar: Plan | None, chunks: int | None = None):
     """The pipelined candidates: one stage plan (`search_step` on a stage's machine) per pipeline degree and
     micro-batch count that `pipeline_search` tries."""
     def stage_plan(stage_machine: Machine, stage_devices: int, m: int, in_flight: int, fit: StageFit,
@@ -153,12 +162,35 @@ def _search_pipelines(request: SearchRequest, clock: Deadline, microbatches: int
                             degree=pp if pp and pp > 1 else None, microbatches=microbatches, schedule=schedule,
                             say=request.say, clock=clock, bar=bar, library=request.library,
                             sample_bytes=graph_kept_bytes(request.whole, request.library, request.machine)
-                            / request.batch if request.batch else None)
+                            / request.batch if request.batch else None, chunks=chunks)
 
 
 def _blocks(request: SearchRequest) -> int:
     """The number of blocks of a pipelined built-in example (`stageable`)."""
     return {**EXAMPLES[request.graph].defaults(), **request.sizes}["blocks"]
+
+
+def _check_chunks_pin(graph, options: Mapping, schedule: str | None, chunks: int | None) -> str | None:
+    """The schedule a chunks-per-stage pin implies (interleaved for 2 or more); OptimizeError with the reason
+    for a pin that cannot hold: not a positive integer, beside a one-chunk schedule, or (pinned pipeline degree
+    of a built-in example) a split of each stage's layers that is not even (`ir.pipeline.chunks_refusal`)."""
+    if chunks is None:
+        return schedule
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise OptimizeError(f"chunks_per_stage must be a positive integer, got {chunks!r}")
+    if chunks == 1:
+        if schedule == INTERLEAVED:
+            raise OptimizeError("interleaved 1F1B runs 2 or more chunks per stage, not 1")
+        return schedule
+    if schedule not in (None, INTERLEAVED):
+        raise OptimizeError(f"{chunks} chunks per stage need the interleaved schedule, not {schedule}")
+    pp = dict(options.get("degrees") or {}).get("pp")
+    if isinstance(graph, str) and graph in EXAMPLES and isinstance(pp, int) and not isinstance(pp, bool) and pp > 1:
+        blocks = {**EXAMPLES[graph].defaults(), **dict(options.get("sizes") or {})}.get("blocks")
+        why = chunks_refusal(INTERLEAVED, blocks, pp, chunks) if isinstance(blocks, int) else None
+        if why is not None:
+            raise OptimizeError(f"--chunks-per-stage {chunks}: {why}")
+    return INTERLEAVED
 
 
 def _check_pipeline_pin(graph, machine, devices, options: Mapping, pipeline: bool | None) -> None:

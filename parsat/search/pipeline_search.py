@@ -159,7 +159,8 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
                      layers: int, *, degree: int | None = None, microbatches: int | None = None,
                      schedule: str | None = None, say: Callable[[str], None] = lambda _m: None,
                      clock: Deadline | None = None, bar: Plan | None = None,
-                     library: Library | None = None, sample_bytes: float | None = None) -> PipelineSearch:
+                     library: Library | None = None, sample_bytes: float | None = None,
+                     chunks: int | None = None) -> PipelineSearch:
     """Every pipelined candidate: stage plans searched per (degree, micro-batch count), cut and priced per
     schedule (`schedule` pins one). A degree or count whose stage plan cannot be found is said and skipped.
     With a `clock`, each (degree, count) gets an equal part of the time left, and those the clock leaves no
@@ -167,7 +168,8 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
     which a stage's price simulates its tensor-parallel overlap (`cost.pipeline.TpOverlap`). `bar`: the
     unstaged plan, searched before; a pair none of whose pipelined plans could beat it or its best grid point
     is listed as skipped (`bar_of`, the module docstring). `sample_bytes`: the activations one sample keeps
-    over the whole model, with which the degrees count ZeRO-1 (`pipeline_degrees`; None: they do not)."""
+    over the whole model, with which the degrees count ZeRO-1 (`pipeline_degrees`; None: they do not).
+    `chunks`: the interleaved schedule's chunks per stage, pinned (`cost.pipeline.schedule_chunks`)."""
     if schedule is not None and schedule not in SCHEDULES:
         raise OptimizeError(f"unknown schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
     plans: list[Plan] = []
@@ -197,7 +199,7 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
                 break
             say(f"pipeline {p} stages of {stage_devices} devices, {m} micro-batches: searching the stage plan"
                 + (f" ({in_flight} in flight)" if in_flight > 1 else ""))
-            fit = StageFit(p, machine, schedule, memo=StageMemo(library=library), bar_s=to_beat)
+            fit = StageFit(p, machine, schedule, memo=StageMemo(library=library), chunks=chunks, bar_s=to_beat)
             memos[(p, m, in_flight)] = fit.memo
             try:
                 stage = search(stage_machine, stage_devices, m, in_flight, fit,
@@ -217,14 +219,14 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
                 clock.interrupt()   # the pairs after this one are listed as interrupted, the plans found stand
                 tried.append({"pp": p, "microbatches": m, "in_flight": in_flight, "error": INTERRUPTED})
                 break
-            found = _priced(stage, p, m, schedule, machine, in_flight, tried, plans, grid, fit.memo)
+            found = _priced(stage, p, m, schedule, machine, in_flight, tried, plans, grid, fit.memo, chunks)
             if stage.saturation.get("scouted"):
                 scouted.update({id(plan): (p, m, in_flight) for plan in found})
             if any(plan.totals.fits(machine) for plan in found) or in_flight == min(p, m):
                 break
     if scouted and plans and not (clock is not None and clock.spent):
         _search_every_mesh(search, scouted, machine, devices, schedule, say, clock, tried, plans, grid, bar, library,
-                           memos)
+                           memos, chunks)
     return PipelineSearch(tuple(plans), tuple(grid), tuple(tried))
 
 
@@ -253,10 +255,11 @@ def _stage_machine(machine: Machine, devices: int, p: int) -> Machine:
 
 def _priced(stage: Plan, p: int, m: int, schedule: str | None, machine: Machine, in_flight: int,
             tried: list[dict], plans: list[Plan], grid: list[tuple[Plan, dict]],
-            memo: StageMemo | None = None) -> list[Plan]:
+            memo: StageMemo | None = None, chunks: int | None = None) -> list[Plan]:
     """`stage` cut and priced in every schedule that applies, added to `plans` with its grid points; those
-    plans. `memo`: the layer maps and layouts of the stage search's memory checks (`StageFit.memo`)."""
-    found = _price_schedules(stage, p, m, schedule, machine, in_flight, tried, memo)
+    plans. `memo`: the layer maps and layouts of the stage search's memory checks (`StageFit.memo`); `chunks`:
+    the interleaved chunks per stage pinned."""
+    found = _price_schedules(stage, p, m, schedule, machine, in_flight, tried, memo, chunks)
     plans.extend(found)
     grid.extend(_grid_points(stage, p, [(plan.pipeline.schedule, plan.pipeline.layout.chunks_per_stage)
                                         for plan in found], machine, memo))
@@ -267,7 +270,8 @@ def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, i
                        devices: int, schedule: str | None, say: Callable[[str], None], clock: Deadline | None,
                        tried: list[dict], plans: list[Plan], grid: list[tuple[Plan, dict]],
                        bar: Plan | None, library: Library | None = None,
-                       memos: dict[tuple[int, int, int], StageMemo] | None = None) -> None:
+                       memos: dict[tuple[int, int, int], StageMemo] | None = None,
+                       fit_chunks: int | None = None) -> None:
     """Every stage mesh searched for the pair of the pipelined plan that ranks first, when a scout found it and
     it ranks before `bar`: its plans and grid points join the candidates (the scout's stay).
 
@@ -284,7 +288,7 @@ def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, i
     p, m, in_flight = scouted[id(first)]
     say(f"pipeline {p} stages x {m} micro-batches chosen: searching every stage mesh")
     memo = (memos or {}).get((p, m, in_flight)) or StageMemo(library=library)
-    fit = StageFit(p, machine, schedule, memo=memo)
+    fit = StageFit(p, machine, schedule, memo=memo, chunks=fit_chunks)
     try:
         stage = search(_stage_machine(machine, devices, p), devices // p, m, in_flight, fit,
                        clock.part(1.0) if clock is not None else None, False)
@@ -296,15 +300,16 @@ def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, i
             raise
         clock.interrupt()
         return
-    _priced(stage, p, m, schedule, machine, in_flight, tried, plans, grid, fit.memo)
+    _priced(stage, p, m, schedule, machine, in_flight, tried, plans, grid, fit.memo, fit_chunks)
 
 
 def _price_schedules(stage: Plan, p: int, m: int, schedule: str | None, machine: Machine, in_flight: int,
-                     tried: list[dict], memo: StageMemo | None = None) -> list[Plan]:
-    """`stage` cut into p stages and priced in every schedule that applies; each recorded in `tried`."""
+                     tried: list[dict], memo: StageMemo | None = None, chunks: int | None = None) -> list[Plan]:
+    """`stage` cut into p stages and priced in every schedule that applies (`chunks`: the interleaved chunks per
+    stage pinned); each recorded in `tried`."""
     found = []
     pricer = StagePricer(stage, machine, memo=memo)   # the stage plan's layers and node figures, once for all
-    for name, v in applicable_schedules(schedule, p, m, len(pricer.layer_map.layers)):
+    for name, v in applicable_schedules(schedule, p, m, pricer.layer_map.model_layers, chunks):
         try:
             plan = pricer.pipelined(p, name, v)
         except PipelineError as err:

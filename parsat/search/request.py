@@ -144,10 +144,12 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
                     degrees: Mapping[str, int] | None = None, progress: Progress | None = None,
                     repeat_blocks: bool = True, recompute: str = AUTO,
                     caches: MeshCaches | None = None, deadline: float | None = None,
-                    cut_sums: bool = True) -> SearchRequest:
+                    cut_sums: bool = True, without_rules: Sequence[str] = ()) -> SearchRequest:
     """The call's inputs resolved and checked, then its rules chosen (a bad graph name or size, device count or
     `--degrees` pin is refused before the rules load, a graph the devices cannot use before any proof is looked
-    up). `deadline` (a `time.perf_counter()` value: the call's `--limit seconds`)
+    up). `without_rules` names rules the search must not apply although chosen: a pin of what a runtime
+    could not run (a 2021 Megatron-LM had no fused attention, `fuse_causal_attention`); an unknown name is
+    refused. `deadline` (a `time.perf_counter()` value: the call's `--limit seconds`)
     bounds building the graph too. Raises OptimizeError, GraphError or MachineError with a message for the
     user."""
     checked = check_arguments(machine, devices, degrees, recompute)   # before the rules load
@@ -167,6 +169,12 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
     say = progress or _silent
     chosen, note = choose_rules(library)
     chosen = tuple(chosen)
+    if without_rules:
+        unknown = sorted(set(without_rules) - {r.name for r in library.rules})
+        if unknown:
+            raise OptimizeError(f"without_rules: no rule named {', '.join(unknown)}")
+        chosen = tuple(r for r in chosen if r.name not in set(without_rules))
+        note += f"; left out as pinned: {', '.join(sorted(set(without_rules)))}"
     say(f"{len(chosen)} rules; {note}")
     return SearchRequest(graph, whole, library, chosen, note, machine, count, limits, sizes,
                          example_batch(graph, sizes), dims, pp, output_spreads, input_spreads, free_input_placements,
