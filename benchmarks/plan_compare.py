@@ -4,7 +4,7 @@
 
 The plans (`Plan.to_json()`, `parsat optimize -o`, `search_phases.py --plan`) are compared with every field
 whose name holds "seconds" (`seconds`, `compile_seconds`, `ruleset_seconds`, `pass_seconds`, ...) and every
-`cpu_s` removed, serialized in the plan's own key order (`search_determinism.without_timing`). Prints
+`cpu_s` removed, serialized in the plan's own key order (`parsat.ir.plan.without_timing`). Prints
 IDENTICAL, or the first path where they differ; exit code 1 then.
 """
 
@@ -14,17 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from search_determinism import without_timing  # noqa: E402
-
-
-def stripped(value):
-    """The plan without its timing fields (`without_timing`, and `cpu_s`)."""
-    if isinstance(value, dict):
-        return {k: stripped(v) for k, v in without_timing(value).items() if k != "cpu_s"}
-    if isinstance(value, list):
-        return [stripped(v) for v in value]
-    return value
+from parsat.ir.plan import without_timing
 
 
 def first_difference(a, b, path: str = "") -> str | None:
@@ -41,7 +31,7 @@ def first_difference(a, b, path: str = "") -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    a, b = (stripped(json.loads(Path(p).read_text())) for p in argv[:2])
+    a, b = (without_timing(json.loads(Path(p).read_text())) for p in argv[:2])
     if json.dumps(a) == json.dumps(b):
         print("IDENTICAL (apart from timing fields)")
         return 0

@@ -22,16 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from parsat.ir.plan import without_timing
+
 PARSAT = [sys.executable, "-m", "parsat", "optimize"]
-
-
-def without_timing(value):
-    """The plan with every field that measures time removed."""
-    if isinstance(value, dict):
-        return {k: without_timing(v) for k, v in value.items() if "seconds" not in k}
-    if isinstance(value, list):
-        return [without_timing(v) for v in value]
-    return value
 
 
 def run(args: list[str], out: Path, busy: bool) -> float:

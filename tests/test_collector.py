@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from parsat.ir.plan import without_timing
 from parsat.search.collector import OLDER_THRESHOLD, SEARCH_THRESHOLD, fewer_collections
 
 SEARCHING = (SEARCH_THRESHOLD, OLDER_THRESHOLD, OLDER_THRESHOLD)
@@ -71,18 +72,11 @@ def _plan_under(monkeypatch, thresholds: tuple[int, int, int] | None) -> dict:
         finally:
             gc.set_threshold(*before)
 
-    def strip(value):
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items() if "seconds" not in k and k != "cpu_s"}
-        if isinstance(value, list):
-            return [strip(v) for v in value]
-        return value
-
     with monkeypatch.context() as patch:
         if thresholds is not None:
             patch.setattr(optimize, "fewer_collections", fixed)
         plan = optimize.optimize("mlp", machine="cpu", devices=4)
-    return strip(json.loads(plan.to_json()))
+    return without_timing(json.loads(plan.to_json()))
 
 
 def test_when_the_collector_runs_leaves_the_plan_alone(thresholds, monkeypatch):

@@ -14,6 +14,7 @@ from parsat.ir.machine import Machine
 from parsat.ir.pipeline import (BACKWARD, FORWARD, GPIPE, INTERLEAVED, ONE_F_ONE_B, Action, LayerMap, PipelineError,
                                 PipelinePlan,
                                 free_nodes, in_flight_counts, lay_out_stages, pcg_layers, schedule_order, simulate_schedule)
+from parsat.ir.plan import without_timing
 from parsat.ir.validate import validate_plan_dict
 from parsat.search.optimize import optimize
 from parsat.ir.errors import OptimizeError
@@ -667,7 +668,7 @@ def test_a_stage_step_simulates_only_the_baselines_that_fit_and_the_plan_is_the_
     def plan() -> str:
         found = optimize("gpt", small, devices=4, sizes=sizes, degrees={"pp": 2}, microbatches=4)
         assert found.pipeline is not None
-        return json.dumps(_timeless(json.loads(found.to_json())))
+        return json.dumps(without_timing(json.loads(found.to_json())))
 
     monkeypatch.setattr(CandidateSteps, "where", counting)
     cut = plan()
@@ -675,12 +676,3 @@ def test_a_stage_step_simulates_only_the_baselines_that_fit_and_the_plan_is_the_
     monkeypatch.setattr(step_module, "step_read", lambda step: None)
     left.clear()
     assert plan() == cut and not left
-
-
-def _timeless(value):
-    """A plan's JSON without the fields that measure time."""
-    if isinstance(value, dict):
-        return {k: _timeless(v) for k, v in value.items() if "seconds" not in k}
-    if isinstance(value, list):
-        return [_timeless(v) for v in value]
-    return value

@@ -12,6 +12,7 @@ import pytest
 import parsat.search.pipeline_search as pipeline_search
 from parsat.cost.pipeline import StageFit, StageMemo
 from parsat.ir.machine import Machine
+from parsat.ir.plan import without_timing
 from parsat.search.fit import MemoryFit
 from parsat.search.optimize import optimize
 from parsat.search.request import resolve_request, step_context
@@ -55,15 +56,6 @@ def test_steps_alike_but_for_the_memo_bar_and_scout_share_figures_that_are_fresh
     assert len(every.memory._known) == len({id(p.costs) for p in candidates})
 
 
-def _without_timing(plan_json: str) -> dict:
-    """A plan's JSON less every timing field."""
-    def strip(value):
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items() if "seconds" not in k and k != "cpu_s"}
-        if isinstance(value, list):
-            return [strip(v) for v in value]
-        return value
-    return strip(json.loads(plan_json))
 
 
 def test_the_search_of_every_mesh_with_its_scout_s_memo_finds_what_a_fresh_memo_finds(monkeypatch):
@@ -90,7 +82,7 @@ def test_the_search_of_every_mesh_with_its_scout_s_memo_finds_what_a_fresh_memo_
     monkeypatch.setattr(pipeline_search, "_search_every_mesh", lambda *args: unbarred(*args, share=False))
     alone = optimize("gpt", "h100x8", devices=8, sizes=SIZES, pipeline=True)
     assert len(seen["unscouted"]) == 2 and not any(m is seen["unscouted"][1] for m in seen["memos"][1].values())
-    assert _without_timing(shared.to_json()) == _without_timing(alone.to_json())
+    assert without_timing(json.loads(shared.to_json())) == without_timing(json.loads(alone.to_json()))
 
 
 @pytest.mark.parametrize("capacity,fitting", [(1.0, True), (1e-9, False)])

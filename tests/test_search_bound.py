@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from parsat.ir.plan import without_timing
 from parsat.search.baselines import grid_families, independent_grid
 from parsat.search.mesh import CandidateSteps, best
 from parsat.search.request import resolve_request, step_context
@@ -84,12 +85,6 @@ def test_a_layout_is_left_out_whole_where_its_floor_is_beyond_the_fastest_point(
     assert [f for f in kept if f] == [f for f in families if not steps.beyond(f[0][1].pcg, bar)]
 
 
-def _without_timing(value):
-    if isinstance(value, dict):
-        return {k: _without_timing(v) for k, v in value.items() if "seconds" not in k}
-    if isinstance(value, list):
-        return [_without_timing(v) for v in value]
-    return value
 
 
 def test_a_pinned_search_bounds_only_the_points_that_keep_the_pins():
@@ -160,7 +155,7 @@ def test_the_plan_is_the_one_simulating_every_point_gives(monkeypatch, degrees):
 
     def plan() -> dict:
         found = parsat.optimize("gpt", machine="h100x8", devices=8, sizes=SIZES, degrees=degrees)
-        return _without_timing(json.loads(found.to_json()))
+        return without_timing(json.loads(found.to_json()))
 
     monkeypatch.setattr(CandidateSteps, "fastest", counting)
     monkeypatch.setattr(CandidateSteps, "beyond", layouts)

@@ -12,6 +12,7 @@ import pytest
 import parsat.search.optimize as optimize_module
 import parsat.search.step as step_module
 from parsat.ir.machine import Machine
+from parsat.ir.plan import without_timing
 from parsat.search.optimize import optimize
 
 
@@ -22,14 +23,6 @@ class _Forgetful(dict):
         pass
 
 
-def _without_timing(plan_json: str) -> dict:
-    def strip(value):
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items() if "seconds" not in k and k != "cpu_s"}
-        if isinstance(value, list):
-            return [strip(v) for v in value]
-        return value
-    return strip(json.loads(plan_json))
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +57,7 @@ def _search(monkeypatch, machine: Machine, forget: bool) -> tuple[dict, list, li
         patch.setattr(step_module, "data_parallel", counted_data_parallel)
         patch.setattr(optimize_module, "resolve_request", resolved)
         plan = optimize("mlp", machine=machine, devices=4)
-    return _without_timing(plan.to_json()), two_phase, dp
+    return without_timing(json.loads(plan.to_json())), two_phase, dp
 
 
 def _repeated(calls: list) -> int:

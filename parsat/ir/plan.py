@@ -127,6 +127,18 @@ def plan_json(data: Mapping) -> str:
     return json.dumps(data, indent=2, default=_json_default)
 
 
+def without_timing(value):
+    """A plan dict (or any part of one) less the fields that measure time: every key holding "seconds"
+    (`seconds`, `compile_seconds`, `ruleset_seconds`, ...) and every `cpu_s`. What is left is what the search
+    promises to give the same for the same inputs, idle or loaded, on every rank (DESIGN: same input, same
+    answer), so this is what determinism checks compare."""
+    if isinstance(value, Mapping):
+        return {k: without_timing(v) for k, v in value.items() if "seconds" not in k and k != "cpu_s"}
+    if isinstance(value, (list, tuple)):
+        return [without_timing(v) for v in value]
+    return value
+
+
 def save_plan_dict(path: str | Path, data: Mapping) -> None:
     """`Plan.save` of a plan dict already made: a caller that also explains the plan makes it once (a
     100,001-tensor graph's dict took 0.4 CPU s)."""
