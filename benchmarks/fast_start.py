@@ -8,7 +8,7 @@ the box's load falls on each alike; the first run of each tree fills the caches 
 is not counted. A run's cost is its process's user + system CPU seconds (`os.wait4`), never wall seconds;
 the report gives each tree's median, min and max, its peak RSS, and the 1-minute load average at the start
 and the end. An `optimize` writes its plan (`-o`, unless the arguments name one), and the plans are compared
-(`plan_compare.stripped`): a tree whose plan differs from the first tree's is said.
+(`parsat.ir.plan.without_timing`): a tree whose plan differs from the first tree's is said.
 
 `PYTHONDONTWRITEBYTECODE` is passed on as it is set (this box sets it: each run then compiles parsat's
 sources, ~0.3 CPU s); `--pyc` unsets it, so the warm-up run writes `__pycache__` and the counted runs read
@@ -26,8 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plan_compare import stripped  # noqa: E402
+from parsat.ir.plan import without_timing
 
 DEFAULT_ARGS = ["optimize", "mlp", "--devices", "2", "--machine", "cpu", "-q"]
 
@@ -78,7 +77,7 @@ def main() -> int:
         cpu = seconds[tree]
         plan = ""
         if writes and plans[tree].exists():
-            here = stripped(json.loads(plans[tree].read_text()))
+            here = without_timing(json.loads(plans[tree].read_text()))
             first = here if first is None else first
             plan = "; plan as the first tree's" if here == first else "; plan DIFFERS from the first tree's"
         print(f"  {tree}: median {statistics.median(cpu):.2f} CPU s (min {min(cpu):.2f}, max {max(cpu):.2f}), "

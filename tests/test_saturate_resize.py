@@ -6,8 +6,6 @@ data-parallel devices), it is not taken."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -18,12 +16,10 @@ from parsat.egraph.saturate import saturate
 from parsat.egraph.snapshot import matched_classes
 from parsat.ir.mesh import Mesh
 from parsat.ir.models import build_example
+from parsat.ir.plan import without_timing
 from parsat.search.deadline import Deadline
 from parsat.search.request import resolve_request, step_context
 from parsat.search.step import search_step
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from plan_compare import stripped  # noqa: E402
 
 SIZES = {"blocks": 2, "hidden": 256, "heads": 8, "seq": 128, "vocab": 1024}
 MESH = Mesh.of((2, 2))
@@ -62,7 +58,7 @@ def test_an_e_graph_is_not_taken_where_the_batch_no_longer_divides_among_the_dev
 
 def _plan(request, microbatches: int) -> dict:
     plan = search_step(step_context(request, microbatches), Deadline.starting_now(request.limits))
-    return stripped(json.loads(plan.to_json()))
+    return without_timing(json.loads(plan.to_json()))
 
 
 def test_the_plan_of_an_e_graph_taken_from_another_micro_batch_count_is_the_plan_saturating_anew_gives():
