@@ -66,9 +66,9 @@ def chunks_refusal(schedule: str, layers: int, degree: int, chunks_per_stage: in
     when it can."""
     if schedule != INTERLEAVED:
         return None if chunks_per_stage == 1 else f"{schedule} runs one chunk per stage, not {chunks_per_stage}"
-    if chunks_per_stage in interleaved_chunk_counts(layers, degree):
-        return None
     counts = interleaved_chunk_counts(layers, degree)
+    if chunks_per_stage in counts:
+        return None
     return (f"interleaved 1F1B with {chunks_per_stage} chunks per stage needs each stage's layers to split evenly "
             f"into its chunks, as Megatron-LM requires: {layers} layers on {degree} stages "
             + (f"split into {', '.join(map(str, counts))} chunks per stage" if counts else

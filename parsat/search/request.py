@@ -170,11 +170,12 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
     chosen, note = choose_rules(library)
     chosen = tuple(chosen)
     if without_rules:
-        unknown = sorted(set(without_rules) - {r.name for r in library.rules})
+        left_out = set(without_rules)
+        unknown = sorted(left_out - {r.name for r in library.rules})
         if unknown:
             raise OptimizeError(f"without_rules: no rule named {', '.join(unknown)}")
-        chosen = tuple(r for r in chosen if r.name not in set(without_rules))
-        note += f"; left out as pinned: {', '.join(sorted(set(without_rules)))}"
+        chosen = tuple(r for r in chosen if r.name not in left_out)
+        note += f"; left out as pinned: {', '.join(sorted(left_out))}"
     say(f"{len(chosen)} rules; {note}")
     return SearchRequest(graph, whole, library, chosen, note, machine, count, limits, sizes,
                          example_batch(graph, sizes), dims, pp, output_spreads, input_spreads, free_input_placements,
