@@ -176,7 +176,7 @@ def test_megatron_sequence_parallelism_is_sequence_parallel_norms_between_shard1
     # the same plan inside a traced pipeline stage: no style, the split weights Shard(d) DTensors, the norm's
     # Replicate() (DTensor runs it on the sequence slice the stage's inputs enter as: `apply.traced_tensor_parallel`)
     traced = lower(pcg, tiny_graph, module_info(tiny()[0]), traced=True)
-    assert traced.styles == () and {s.name for s in traced.traced_splits} >= {"fc1_w", "fc2_w"}
+    assert traced.styles == () and {p for s in traced.traced_splits for p in s.params} >= {"fc1.weight", "fc2.weight"}
 
 
 def test_what_torch_styles_cannot_run_is_refused_naming_the_node(tiny_graph):
