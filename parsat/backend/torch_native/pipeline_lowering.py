@@ -29,15 +29,18 @@ stage holds what, and how each stage runs inside (docs/TORCH_NATIVE.md, "Pipelin
   placement (`Shard(d)` for a weight the plan stores split along d,
   `Replicate()` for the others: the same role analysis), and the stage's
   operators run on DTensors (`pipelined.py`). Every value crossing between
-  chunks must be whole on the tensor axis (sent whole: torch sizes the
-  stage's buffers from the traced shapes); data and ZeRO-3 axes become
+  chunks is sent whole (torch sizes the stage's buffers from the traced
+  shapes); where the plan keeps them all split along the sequence on the
+  tensor axis (sequence parallelism), each is sliced again on arrival
+  (`sequence_crossings`); data and ZeRO-3 axes become
   `replicate` / `fully_shard` on each stage module. A one-device stage
   holds its parameters as DTensors on a one-rank mesh.
 
 Recomputation (`PCG.recompute == "blocks"`) checkpoints each block's
 submodule in the traced stage modules (`lowering.recomputed_blocks`).
 Refused, naming why: a value crossing between chunks split on the
-stage's tensor axis (sequence parallelism), a layer the module does not
+stage's tensor axis otherwise than along the sequence (or crossings split
+differently), a layer the module does not
 hold as one submodule, and whatever `lower` refuses in the stage plan.
 """
 
