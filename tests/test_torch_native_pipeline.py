@@ -238,26 +238,25 @@ def test_a_stage_with_data_and_tensor_axes_is_replicate_over_dp_and_dtensor_plac
     assert "replicate over dp" in lowering.describe()
 
 
-def test_a_stage_plan_that_still_cannot_be_lowered_is_refused(pp2):
-    """Refused, each saying why: sequence parallelism inside a stage (Megatron's layout with `sequence=True`: its
-    layer norms' gradients all-reduced on tp, which splits weights: one axis, two roles); a value crossing between
-    stages split on tp (torch's traced stages size what they send whole). The optimizer's own pinned pp=2 x tp=2
-    plan on the `cpu` machine is lowered, tp each stage's tensor axis (it used to split nothing on tp, refused as
-    "every rank does the same work": `search.step.idle_pinned_axes`)."""
+def test_a_sequence_parallel_stage_plan_is_lowered_and_what_still_cannot_be_is_refused(pp2):
+    """Sequence parallelism inside a stage is lowered: Megatron's stage plan with `sequence=True` and the
+    optimizer's own pinned `pp=2,tp=2,sp=2` plan (its layer norms' weights `Replicate()` beside the split ones,
+    the values crossing between the stages split along the sequence on tp: received whole, sliced as `Shard(1)`).
+    The optimizer's pinned pp=2 x tp=2 plan without sp crosses whole. Refused, naming the node: a crossing split
+    on tp otherwise than along the sequence (torch's traced stages send each value whole and slice only that)."""
     info = module_info(gpt_module(), weight_names())
-    sequence = megatron_stage_plan(pp2, sequence=True)
-    with pytest.raises(LoweringError, match=r"tensor axis tp|sequence parallelism"):
-        lower_pipeline(sequence.pcg, sequence.graph, sequence.pipeline, info)
+    for plan in (megatron_stage_plan(pp2, sequence=True), pipelined_plan(4, tp=2, sp=2)):
+        lowered = lower_pipeline(plan.pcg, plan.graph, plan.pipeline, info)
+        assert lowered.stage.tensor_axis == 0 and lowered.sequence_crossings
+        assert lowered.device_mesh_shape() == ((2, 2), ("pp", "tp"))
     pinned = pipelined_plan(4, tp=2)
     lowered = lower_pipeline(pinned.pcg, pinned.graph, pinned.pipeline, info)
-    assert lowered.stage.tensor_axis == 0 and lowered.device_mesh_shape() == ((2, 2), ("pp", "tp"))
-    # the role analysis refuses that sequence-parallel plan first; the value crossing between the stages kept split
-    # on tp (the Megatron plan's residual stream marked so by hand) is refused by the pipeline's own check
+    assert lowered.stage.tensor_axis == 0 and not lowered.sequence_crossings
     from parsat.ir.placement import Placement, shard
 
     plan = megatron_stage_plan(pp2)
     crossing = plan.pipeline.layout.crossings[0].node
-    nodes = tuple(replace(n, placement=Placement((shard(1),))) if n.id == crossing else n for n in plan.pcg.nodes)
+    nodes = tuple(replace(n, placement=Placement((shard(2),))) if n.id == crossing else n for n in plan.pcg.nodes)
     with pytest.raises(LoweringError, match=rf"node #{crossing} .* crosses from chunk 0 to chunk 1 as .* on tensor "
                                             "axis tp: the traced stages send each value whole"):
         lower_pipeline(replace(plan.pcg, nodes=nodes), plan.graph, plan.pipeline, info)
@@ -521,6 +520,22 @@ def test_pp2_by_tp2_trained_on_four_ranks_like_the_module_in_one_process(pp2):
         assert run[0]["losses"] == run[1]["losses"] and run[0]["norms"] == run[3]["norms"]   # tp twins, every rank
         assert run[0]["params"] == run[1]["params"] and "wpe" in run[0]["params"] and "wpe" not in run[2]["params"]
     assert "ScheduleInterleaved1F1B" in results[0]["interleaved"]["lowering"]
+
+
+@pytest.mark.slow
+def test_pp2_by_tp2_sequence_parallel_trained_on_four_ranks_like_the_module_in_one_process(pp2):
+    """Sequence parallelism inside each of the 2 stages: Megatron's stage plan with `sequence=True` and the
+    optimizer's own `--degrees pp=2,tp=2,sp=2` plan on the `cpu` machine, 1F1B over 4 micro-batches. The values
+    crossing between the stages (split along the sequence on tp) are sent whole and enter the next stage as
+    `Shard(1)` DTensors, so DTensor runs its norms and residual adds on the slice; trained 3 AdamW steps with the
+    pipeline's clipped norm like the unmodified module in one process."""
+    plans = {"megatron": megatron_stage_plan(pp2, sequence=True), "pinned": pipelined_plan(4, tp=2, sp=2)}
+    results = _launch(plans, 4)
+    for label in plans:
+        run = [r[label] for r in results]
+        _check_run(run)
+        assert "tensor parallelism on tp: DTensor parameters" in run[0]["lowering"]
+        assert run[0]["losses"] == run[1]["losses"] and run[0]["norms"] == run[3]["norms"]
 
 
 @pytest.mark.slow

@@ -268,12 +268,18 @@ def _first_input_by_keyword(sub: nn.Module, name: str) -> str:
     return first
 
 
-def traced_tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh, prefix: str = "") -> None:
+def traced_tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh, prefix: str = "",
+                           sequence_inputs: bool = False) -> None:
     """A traced stage module's tensor axis (`lower(traced=True)`): each parameter a DTensor on `tp_mesh`,
     `Shard(d)` where the plan stores its weight split along d, `Replicate()` otherwise; the module's tensor inputs
     enter as `Replicate()` DTensors and its outputs leave whole and local (the stages send plain, whole tensors),
     so its aten operators run on DTensors of the traced, global shapes. `prefix`: what the module's parameter
-    names carry before the plan's module's. `dtensor_step` must be around its forward and backward."""
+    names carry before the plan's module's. `sequence_inputs` (the plan keeps the values crossing between stages
+    split along the sequence): its floating inputs, received whole, enter as `Shard(1)` DTensors instead (a local
+    slice), so DTensor's propagation runs the stage as Megatron's sequence parallelism (norms and residual adds on
+    the slice, an all-gather before each column-parallel contraction, a reduce-scatter after each row-parallel
+    one, the norms' weight gradients `Partial` until read). `dtensor_step` must be around its forward and
+    backward."""
     from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 
     dims = _stored_dims(lowering, SPLIT)
@@ -290,7 +296,8 @@ def traced_tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh, prefi
                                                        param.requires_grad))
             sub.register_parameter(local, made[id(param)][1])
 
-    distribute_module(module, tp_mesh, partition, _replicated_inputs, _whole_outputs)
+    distribute_module(module, tp_mesh, partition, _sequence_inputs if sequence_inputs else _replicated_inputs,
+                      _whole_outputs)
 
 
 def dtensor_step(device: torch.device):
@@ -323,6 +330,13 @@ def _replicated_inputs(_module, inputs, mesh):
 
     return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
                  if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+
+def _sequence_inputs(_module, inputs, mesh):
+    from torch.distributed.tensor import Replicate, Shard
+
+    return tuple(x.redistribute(mesh, [Shard(SEQ_DIM)]) if x.is_floating_point() and x.dim() > SEQ_DIM
+                 and isinstance(x.placements[0], Replicate) else x for x in _replicated_inputs(_module, inputs, mesh))
 
 
 def _local_outputs(_module, outputs, _mesh):

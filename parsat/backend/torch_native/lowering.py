@@ -515,12 +515,12 @@ class _Lowerer:
         by_role: dict[str, list[WeightLowering]] = {}
         for w in weights:
             by_role.setdefault(w.roles[axis], []).append(w)
-        if SEQUENCE in by_role and (self.traced or SPLIT not in by_role):
+        if SEQUENCE in by_role and SPLIT not in by_role:
             raise LoweringError(
                 f"weight '{by_role[SEQUENCE][0].name}' is read whole beside a slice of the sequence on mesh axis "
                 f"{name} ({self.where(self.first_collective(by_role[SEQUENCE][0], axis))}): sequence parallelism is "
-                "lowered as SequenceParallel beside the tensor-parallel styles of an unpipelined plan"
-                + (", not inside a traced pipeline stage" if self.traced else "; this axis splits no weight"))
+                "lowered beside tensor parallelism (SequenceParallel styles, or a traced stage's Replicate() "
+                "weights); this axis splits no weight")
         if SPLIT in by_role:
             for other, what in ((SYNCED, "synchronises the gradient of"), (GATHERED, "gathers before use")):
                 if other in by_role:

@@ -29,15 +29,18 @@ stage holds what, and how each stage runs inside (docs/TORCH_NATIVE.md, "Pipelin
   placement (`Shard(d)` for a weight the plan stores split along d,
   `Replicate()` for the others: the same role analysis), and the stage's
   operators run on DTensors (`pipelined.py`). Every value crossing between
-  chunks must be whole on the tensor axis (sent whole: torch sizes the
-  stage's buffers from the traced shapes); data and ZeRO-3 axes become
+  chunks is sent whole (torch sizes the stage's buffers from the traced
+  shapes); where the plan keeps them all split along the sequence on the
+  tensor axis (sequence parallelism), each is sliced again on arrival
+  (`sequence_crossings`); data and ZeRO-3 axes become
   `replicate` / `fully_shard` on each stage module. A one-device stage
   holds its parameters as DTensors on a one-rank mesh.
 
 Recomputation (`PCG.recompute == "blocks"`) checkpoints each block's
 submodule in the traced stage modules (`lowering.recomputed_blocks`).
 Refused, naming why: a value crossing between chunks split on the
-stage's tensor axis (sequence parallelism), a layer the module does not
+stage's tensor axis otherwise than along the sequence (or crossings split
+differently), a layer the module does not
 hold as one submodule, and whatever `lower` refuses in the stage plan.
 """
 
@@ -45,14 +48,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from parsat.backend.torch_native.lowering import (Lowering, LoweringError, ModuleInfo, layer_module, lower,
+from parsat.backend.torch_native.lowering import (SEQ_DIM, Lowering, LoweringError, ModuleInfo, layer_module, lower,
                                                   recomputed_blocks, weight_params, weight_values)
 from parsat.ir.blocks import block_of
 from parsat.ir.graph import Graph
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import PCG, WEIGHT
 from parsat.ir.pipeline import GPIPE, INTERLEAVED, ONE_F_ONE_B, Chunk, PipelinePlan, StageLayout
-from parsat.ir.placement import FREE, REPLICA, code_text
+from parsat.ir.placement import FREE, REPLICA, code_text, shard
 
 TORCH_SCHEDULES = {GPIPE: "ScheduleGPipe", ONE_F_ONE_B: "Schedule1F1B", INTERLEAVED: "ScheduleInterleaved1F1B"}
 PIPELINE_AXIS_NAME = "pp"
@@ -84,6 +87,7 @@ class PipelineLowering:
     chunks: tuple[ChunkLowering, ...]
     shared: tuple[tuple[tuple[str, ...], tuple[int, ...]], ...]   # (a shared weight's parameter names, its stages)
     stage: Lowering | None                        # inside each stage (None: one device a stage)
+    sequence_crossings: bool = False              # values crossing between chunks split along the sequence on tp
     recompute: tuple[str, ...] = ()               # the block modules checkpointed (`lowering.recomputed_blocks`)
 
     @property
@@ -155,7 +159,8 @@ def lower_pipeline(pcg: PCG, graph: Graph, pipeline: PipelinePlan, module: Modul
     shared = tuple((weight_params(weights[ident], module), tuple(stages))
                    for ident, stages in pipeline.layout.shared_weights)
     return PipelineLowering(pipeline.layout.degree, pipeline.stage_devices, pipeline.schedule,
-                            pipeline.microbatches, tuple(chunks), shared, stage, recomputed_blocks(pcg, module))
+                            pipeline.microbatches, tuple(chunks), shared, stage,
+                            _sequence_crossings(pcg, pipeline.layout, stage), recomputed_blocks(pcg, module))
 
 
 def _cut_module(pcg: PCG, chunk: Chunk, weights: dict[int, str], module: ModuleInfo) -> str:
@@ -204,24 +209,36 @@ def _first_weight_read(pcg: PCG, inside: set[int], layer: int, weights: dict[int
 def _stage_lowering(pcg: PCG, graph: Graph, module: ModuleInfo, layout: StageLayout,
                     devices: int) -> Lowering | None:
     """Inside a stage: nothing for one device, else the stage plan lowered for traced modules (a tensor axis as
-    DTensor placements), every value crossing between chunks whole on its tensor axis."""
+    DTensor placements)."""
     if devices == 1:
         return None
     # the schedule runs the micro-batches: the stage plan is lowered as one micro-batch's
     lowering = lower(pcg, replace(graph, microbatches=1), module, traced=True)
-    axis = lowering.tensor_axis
-    if axis is not None:
-        for crossing in layout.crossings:
-            node = pcg.node(crossing.node)
-            code = node.placement.codes[axis]
-            if code not in (FREE, REPLICA):
-                origin = f" [{node.origin}]" if node.origin else ""
-                raise LoweringError(
-                    f"node #{node.id} {node.label}{origin} crosses from chunk {crossing.source} to chunk "
-                    f"{crossing.target} as {code_text(code)} on tensor axis {lowering.mesh.names[axis]}: the traced "
-                    "stages send each value whole (torch's PipelineStage sizes its buffers from the traced, global "
-                    "shapes), so a value kept split between stages (sequence parallelism) is not lowered")
     return lowering
+
+
+def _sequence_crossings(pcg: PCG, layout: StageLayout, lowering: Lowering | None) -> bool:
+    """Whether the values crossing between chunks are split along the sequence (`shard(1)` of [batch, seq,
+    hidden]) on the stage's tensor axis: sequence parallelism, each stage's floating inputs then entering as
+    `Shard(1)` DTensors (`apply.traced_tensor_parallel`). Sent whole all the same (torch's PipelineStage sizes
+    its buffers from the traced, global shapes): gathered before the send, sliced again after. All crossings
+    whole, or all split along the sequence; anything else is refused, naming the node."""
+    axis = lowering.tensor_axis if lowering is not None else None
+    if axis is None:
+        return False
+    codes = {}
+    for crossing in layout.crossings:
+        node = pcg.node(crossing.node)
+        code = node.placement.codes[axis]
+        codes[crossing] = "whole" if code in (FREE, REPLICA) else "sequence" if code == shard(SEQ_DIM) else None
+        if codes[crossing] is None or len(set(codes.values())) > 1:
+            origin = f" [{node.origin}]" if node.origin else ""
+            raise LoweringError(
+                f"node #{node.id} {node.label}{origin} crosses from chunk {crossing.source} to chunk "
+                f"{crossing.target} as {code_text(code)} on tensor axis {lowering.mesh.names[axis]}: the traced "
+                "stages send each value whole and slice it again along the sequence (Shard(1)) on arrival when "
+                "every crossing is so split; another split, or crossings split differently, is not lowered")
+    return "sequence" in codes.values()
 
 
 def _one_copy_a_stage(chunks: list[ChunkLowering]) -> None:

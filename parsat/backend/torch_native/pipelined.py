@@ -340,7 +340,8 @@ def apply_pipeline(module: nn.Module, lowering: PipelineLowering, example_inputs
         else:
             if lowering.stage.tensor_axis is not None:
                 tp_name = lowering.stage.mesh.names[lowering.stage.tensor_axis]
-                traced_tensor_parallel(sub, lowering.stage, mesh[tp_name], prefix=TRACED_PREFIX)
+                traced_tensor_parallel(sub, lowering.stage, mesh[tp_name], prefix=TRACED_PREFIX,
+                                       sequence_inputs=lowering.sequence_crossings)
             data_parallel(sub, lowering.stage, mesh, mp_policy, prefix=TRACED_PREFIX)
         modules.append(sub)
         stages.append(pipe.build_stage(chunk.index, device, group=pp_group))
