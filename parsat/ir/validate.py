@@ -285,13 +285,6 @@ def _check_pipeline(f: _Fields, pipeline: Mapping, data: Mapping) -> None:
         for j, ident in enumerate(f.array(f.get(chunk, "nodes", at), f"{at}.nodes")):
             if ident not in ids:
                 f.fail(f"{at}.nodes[{j}]", f"{_short(ident)} is not a node of the plan")
-    from parsat.ir.pipeline import layout_chunks_refusal   # here: ir.pipeline reaches this module through ir.costs
-
-    layers = [f.array(f.get(c, "layers", f"pipeline.layout.chunks[{i}]"), f"pipeline.layout.chunks[{i}].layers")
-              for i, c in enumerate(chunks)]
-    why = layout_chunks_refusal(schedule, degree, layers)
-    if why is not None:
-        f.fail("pipeline.layout.chunks", why)
     for i, crossing in enumerate(f.array(layout.get("crossings", []), "pipeline.layout.crossings")):
         at = f"pipeline.layout.crossings[{i}]"
         crossing = f.obj(crossing, at)
