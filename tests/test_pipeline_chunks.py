@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from parsat.cost.pipeline import StageFit, StagePricer, applicable_schedules, schedule_chunks
+from parsat.ir.blocks import OUTSIDE
 from parsat.ir.errors import OptimizeError
 from parsat.ir.machine import Machine
 from parsat.ir.pipeline import INTERLEAVED, PipelineError, chunks_refusal, interleaved_chunk_counts
@@ -69,3 +72,42 @@ def test_a_pinned_chunk_count_is_the_plans():
     plan = optimize("gpt", "cpu", devices=4, sizes=SIZES, degrees={"pp": 2}, microbatches=4, chunks_per_stage=3)
     assert plan.pipeline is not None
     assert (plan.pipeline.schedule, plan.pipeline.layout.chunks_per_stage) == (INTERLEAVED, 3)
+
+
+def _block_counts(plan) -> list[int]:
+    """Each chunk's blocks (the embedding's layer, `OUTSIDE`, left out), in chunk order."""
+    return [sum(1 for layer in chunk.layers if layer != OUTSIDE) for chunk in plan.pipeline.layout.chunks]
+
+
+def test_an_interleaved_cut_keeps_every_chunk_at_the_same_block_count():
+    """8 blocks on 2 stages, 2 chunks a stage, with a large vocabulary (the last chunk holds the head): the
+    pricer's balanced cut would move a block off the last chunk, a layout Megatron cannot run
+    (`chunks_refusal`), so an interleaved schedule is priced at the equal cut alone, 2 blocks a chunk."""
+    sizes = dict(SIZES, blocks=8, vocab=4096)
+    machine = Machine.resolve("cpu").with_devices(4)
+    stage_plan = optimize("gpt", machine.with_devices(2), devices=2, sizes=sizes, microbatches=4, pipeline=False)
+    pricer = StagePricer(stage_plan, machine)
+    assert len(pricer.start_cuts(2, INTERLEAVED, 2)) == 1
+    assert _block_counts(pricer.pipelined(2, INTERLEAVED, 2)) == [2, 2, 2, 2]
+
+
+def test_a_plan_file_with_uneven_interleaved_chunks_is_refused_on_load(tmp_path, capsys):
+    """A plan file whose interleaved chunks hold 2, 1, 1, 2 blocks (edited by hand, or written before the rule)
+    is refused when read, with the rule's reason, and `parsat run` says so without a stack trace."""
+    from parsat.cli import main
+    from parsat.ir.plan import PlanError, load_plan_dict
+
+    plan = optimize("gpt", "cpu", devices=4, sizes=dict(SIZES, blocks=4), degrees={"pp": 2}, microbatches=4,
+                    chunks_per_stage=2)
+    assert (plan.pipeline.schedule, _block_counts(plan)) == (INTERLEAVED, [1, 1, 1, 1])
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    plan.save(good)
+    data = load_plan_dict(good)
+    chunks = data["pipeline"]["layout"]["chunks"]
+    chunks[0]["layers"].append(chunks[1]["layers"].pop(0))
+    bad.write_text(json.dumps(data))
+    with pytest.raises(PlanError, match="same number of layers.*2, 0, 1, 1"):
+        load_plan_dict(bad)
+    assert main(["run", str(bad), "--nproc", "4"]) != 0
+    err = capsys.readouterr().err
+    assert "same number of layers" in err and "Traceback" not in err

@@ -475,7 +475,9 @@ class StagePricer:
 
         cut = min(self.start_cuts(degree, schedule, chunks_per_stage), key=lambda c: rank(price_cut(c)))
         index = {layer: i for i, layer in enumerate(layers)}
-        while len(seen) + len(slower) < REFINE_PRICINGS:
+        # an interleaved schedule's chunks hold equal layer counts (`ir.pipeline.chunks_refusal`): moving one cut
+        # would unbalance two chunks, which neither Megatron-LM nor Megatron-Core runs
+        while schedule != INTERLEAVED and len(seen) + len(slower) < REFINE_PRICINGS:
             moves = []
             for k in range(1, chunks):
                 for step in (-1, 1):
@@ -529,10 +531,14 @@ class StagePricer:
     def start_cuts(self, degree: int, schedule: str, chunks_per_stage: int = 1) -> list[tuple[int, ...]]:
         """The cuts `pipelined` starts from: equal layer counts, and the balanced cut (`balanced_starts`) where
         one fits. `pipelined` keeps a cut that fits over one that does not, so when one of these fits
-        (`least_peak_bytes`), the plan it prices fits."""
+        (`least_peak_bytes`), the plan it prices fits. An interleaved schedule starts from the equal cut alone:
+        its chunks must hold equal layer counts (`ir.pipeline.chunks_refusal`, checked by `_chunks`), and a
+        balanced cut that moves layers between them is one neither Megatron-LM nor Megatron-Core runs."""
         chunks = self._chunks(degree, schedule, chunks_per_stage)
         layers = self.layer_map.layers
         found = [equal_starts(layers, chunks)]
+        if schedule == INTERLEAVED:
+            return found
         balanced = balanced_starts(layers, self.layer_costs(), chunks, degree, schedule, self.microbatches,
                                    self.machine.memory_capacity)
         if balanced is not None and balanced not in found:

@@ -75,6 +75,23 @@ def chunks_refusal(schedule: str, layers: int, degree: int, chunks_per_stage: in
                "have no split into 2 or more equal chunks per stage"))
 
 
+def layout_chunks_refusal(schedule: str, degree: int, chunk_layers: Sequence[Sequence[int]]) -> str | None:
+    """Why a laid-out pipeline (each chunk's layers, in chunk order; `OUTSIDE` rides with a chunk, as the
+    embedding rides with Megatron-LM's first stage, and is not counted) cannot run under `schedule`:
+    `chunks_refusal` of its totals, or, for the interleaved schedule, chunks of unequal layer counts (the same
+    rule: Megatron-LM cuts every chunk to `--num-layers-per-virtual-pipeline-stage` layers). None when it can.
+    What a plan file is checked against on load, so that a hand-edited or old plan is refused as the search
+    refuses it."""
+    if degree < 1 or len(chunk_layers) % degree:
+        return f"{len(chunk_layers)} chunks do not make an equal number on each of {degree} stages"
+    counts = [sum(1 for layer in layers if layer != OUTSIDE) for layers in chunk_layers]
+    why = chunks_refusal(schedule, sum(counts), degree, len(chunk_layers) // degree)
+    if why is None and schedule == INTERLEAVED and len(set(counts)) > 1:
+        why = (f"interleaved 1F1B needs every chunk to hold the same number of layers, as Megatron-LM requires: "
+               f"these chunks hold {', '.join(map(str, counts))}")
+    return why
+
+
 @dataclass(frozen=True)
 class Chunk:
     """Contiguous layers run by one stage: the PCG nodes it computes, in PCG order."""

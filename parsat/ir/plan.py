@@ -23,7 +23,7 @@ from parsat.ir.json_files import read_json_file
 from parsat.ir.machine import Machine
 from parsat.ir.mesh import Mesh, MeshError
 from parsat.ir.pcg import PCG, Degrees, PNode
-from parsat.ir.pipeline import PipelinePlan
+from parsat.ir.pipeline import PipelinePlan, layout_chunks_refusal
 from parsat.ir.placement import PlacementError, from_dtensor
 from parsat.ir.recompute import NONE
 from parsat.ir.validate import PLAN_SCHEMA, PLAN_VERSION, READABLE_VERSIONS, validate_plan_dict
@@ -160,7 +160,24 @@ def load_plan_dict(path: str | Path) -> dict:
         raise PlanError(f"{path}: plan version {data.get('version')} is not supported (this parsat reads "
                         f"{' and '.join(map(str, READABLE_VERSIONS))})")
     validate_plan_dict(data, PlanError, f"{path} does not follow the plan schema")
+    _check_chunks(path, data.get("pipeline"))
     return data
+
+
+def _check_chunks(path: str | Path, pipeline: Mapping | None) -> None:
+    """A pipeline's chunks as its schedule can run them (`ir.pipeline.layout_chunks_refusal`: an interleaved one's
+    chunks of equal layer counts, as Megatron runs them); PlanError with the rule's reason otherwise. Here, not in
+    `ir.validate` (which checks the structure): the rule lives in `ir.pipeline`, which that module cannot import."""
+    if pipeline is None:
+        return
+    layers = [chunk.get("layers") for chunk in pipeline["layout"]["chunks"]]
+    for i, found in enumerate(layers):
+        if not isinstance(found, list):
+            raise PlanError(f"{path} does not follow the plan schema: pipeline.layout.chunks[{i}].layers must be a "
+                            "JSON array")
+    why = layout_chunks_refusal(pipeline["schedule"], pipeline["degree"], layers)
+    if why is not None:
+        raise PlanError(f"{path}: pipeline.layout.chunks: {why}")
 
 
 def pcg_from_dict(data: Mapping) -> PCG:
