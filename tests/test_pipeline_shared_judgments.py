@@ -111,3 +111,45 @@ def test_a_grid_scanned_for_a_point_that_fits_answers_as_the_grid_made(capacity,
         assert [(p.config, p.totals.time_s, p.totals.peak_memory_bytes) for p in again] == \
             [(p.config, p.totals.time_s, p.totals.peak_memory_bytes) for p in grid]
         assert fits == fitting   # both answers are tested
+
+
+def test_a_stage_plan_priced_again_reads_its_prices_and_gives_the_plan_pricing_anew_gives(monkeypatch):
+    """`pipeline_search.PricedOnce`: the search of every stage mesh (forced here: no bar) chooses the scout's
+    stage plan again, the same PCG and costs, and its schedules and grid points are read, not cut and priced
+    again; the plan, the pipeline search's trace included, is the one pricing anew gives. A stage plan with other
+    costs (a copy: another identity) is priced anew."""
+    from parsat.cost.pipeline import StagePricer
+    monkeypatch.setattr(pipeline_search, "bar_of", lambda flat: None)
+    every_mesh = pipeline_search._search_every_mesh
+    priced = []
+    inner = StagePricer.pipelined
+    monkeypatch.setattr(StagePricer, "pipelined", lambda self, *a, **k: priced.append(a) or inner(self, *a, **k))
+
+    def unbarred(search, *args, share=True):
+        args = list(args)
+        args[9] = None   # `bar`: the unstaged plan, which outranks these small pipelines
+        return every_mesh(search, *args[:13], once=args[13] if share else None)
+    monkeypatch.setattr(pipeline_search, "_search_every_mesh", unbarred)
+    shared = optimize("gpt", "h100x8", devices=8, sizes=SIZES, pipeline=True)
+    read = len(priced)
+    monkeypatch.setattr(pipeline_search, "_search_every_mesh", lambda *args: unbarred(*args, share=False))
+    priced.clear()
+    alone = optimize("gpt", "h100x8", devices=8, sizes=SIZES, pipeline=True)
+    assert read < len(priced)
+    assert without_timing(json.loads(shared.to_json())) == without_timing(json.loads(alone.to_json()))
+
+
+def test_prices_are_read_only_for_the_same_pcg_and_costs(candidates, monkeypatch):
+    """`PricedOnce` keys a stage plan's price by its PCG and costs' identity: the same stage plan priced again is
+    read (the plan equal), a copy of its costs is priced anew to the same figures, put on the copy."""
+    from parsat.cost.pipeline import StagePricer
+    priced = []
+    inner = StagePricer.pipelined
+    monkeypatch.setattr(StagePricer, "pipelined", lambda self, *a, **k: priced.append(a) or inner(self, *a, **k))
+    once, stage = pipeline_search.PricedOnce(), candidates[0]
+    first = once.pipelined(stage, MACHINE, lambda: StagePricer(stage, MACHINE), 2, "1f1b", 1)
+    again = once.pipelined(stage, MACHINE, lambda: StagePricer(stage, MACHINE), 2, "1f1b", 1)
+    copied = replace(stage, costs=dict(stage.costs))
+    other = once.pipelined(copied, MACHINE, lambda: StagePricer(copied, MACHINE), 2, "1f1b", 1)
+    assert len(priced) == 2 and first == again and first == StagePricer(stage, MACHINE).pipelined(2, "1f1b", 1)
+    assert other.totals == first.totals and other.pipeline == first.pipeline and other.costs is copied.costs

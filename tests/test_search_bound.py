@@ -242,3 +242,24 @@ def test_no_layout_is_left_out_when_no_point_fits():
     every = independent_grid(tiny.graph, request.library, tiny.machine, True, tiny.devices, tiny.memory.fits)
     assert kept and not any(tiny.memory.fits(p) for p in every) and not steps.simulated
     assert [(p.config, p.totals) for p in kept] == [(p.config, p.totals) for p in every]
+
+
+@pytest.mark.parametrize("devices, microbatches", [(8, 1), (16, 2)])
+def test_the_leanest_first_scan_yields_the_grid_s_points(devices, microbatches):
+    """`grid_families(lean_first=True)` (what `step.a_grid_point_fits` scans) gives the points the grid's order
+    gives, the same layouts priced alike, only in another order: tensor parallelism's widest layouts and ZeRO-3
+    first. So whether some point fits is answered alike whichever point the scan stops at."""
+    request = resolve_request("gpt", "h100x8", None, None, devices, sizes=SIZES)
+    step = step_context(request, microbatches)
+
+    def points(**how):
+        found = [pair for family in grid_families(step.graph, request.library, step.machine, True, step.devices,
+                                                  step.memory.fits, **how) for pair in family]
+        return found, [(place, p.config, p.pcg, p.totals) for place, p in sorted(found, key=lambda pair: pair[0])]
+    lean, lean_sorted = points(lean_first=True)
+    _plain, plain_sorted = points()
+    assert lean_sorted == plain_sorted and len(lean) > 2
+    widest = max(p.config["tp"] for _place, p in lean)
+    assert lean[0][1].config["tp"] == widest and lean[0][1].config["sp"]
+    spread = [p.config for _place, p in lean if p.config["dp"] > 1 and p.config["zero"] in (0, 3)]
+    assert spread and spread[0]["zero"] == 3   # a layout over data-parallel replicas: ZeRO-3 first

@@ -115,7 +115,8 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
                   skip: Callable[[PCG], bool] | None = None,
                   state_zero: int = 0, computed: dict | None = None,
                   order: Callable[[PCG], float | None] | None = None,
-                  kin: dict | None = None, recompute: str | None = None) -> Iterator[list[tuple[int, Candidate]]]:
+                  kin: dict | None = None, recompute: str | None = None,
+                  lean_first: bool = False) -> Iterator[list[tuple[int, Candidate]]]:
     """`independent_grid`'s points, one (dp, tp, sequence parallelism) layout at a time, each with its place in
     `independent_grid`'s order: the layout with ZeRO 0, then 3, each with its fallbacks.
 
@@ -139,7 +140,12 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
     with the next forward (`pcg_tasks.profile_for`: GPUs), a layout that fits with ZeRO 0 is also a point with
     ZeRO-1. `computed`: compute nodes' costs shared with the caller's other pricers (`extract.Pricer`; by
     default the grid's own). `kin`: the layouts of other graphs' grids, which this one takes rescaled where its
-    graph differs from theirs in sizes the layout cannot tell apart (`megatron_pcg`)."""
+    graph differs from theirs in sizes the layout cannot tell apart (`megatron_pcg`). `lean_first` (not with
+    `skip` or `order`): the points one (layout, ZeRO level) at a time, the layouts that split most first (tp
+    descending, sequence parallelism on before off) and ZeRO-3 before 0, for a caller that asks whether any
+    point fits (`step.a_grid_point_fits`): each point is worked out from its layout and ZeRO level alone (the
+    caches shared give what building anew gives), so every order yields the same points, and the leanest come
+    first where memory is short."""
     per_node = machine.devices_per_node
     shared: dict = {}   # what every point's layout of the graph reuses (`megatron_pcg`'s cache)
 
@@ -148,14 +154,21 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
                             cache=shared, kin=kin, vocabulary_loss=True)
 
     layouts = _grid_layouts(devices, per_node)
+    point = _GridPricer(graph, library, machine, free_input_placements, fits or (
+        lambda candidate: candidate.totals.fits(machine)), state_zero, computed, recompute)
+    if lean_first:
+        for layout in sorted(layouts, key=lambda layout: (-layout.tp, not layout.sequence)):
+            for z in reversed(range(len(layout.zeros))):
+                zero = layout.zeros[z]
+                yield [(layout.place + z * layout.sequences, found)
+                       for found in point.priced(lay_out(layout, zero), layout, zero)]
+        return
     firsts: list = [None] * len(layouts)   # each family's first layout, where `order` asks for it up front
     if order is not None:
         firsts = [lay_out(layout, layout.zeros[0]) for layout in layouts]
         bounds = [order(pcg) if pcg is not None else None for pcg in firsts]
         visit = sorted(range(len(layouts)), key=lambda k: (-math.inf if bounds[k] is None else bounds[k], k))
         layouts, firsts = [layouts[k] for k in visit], [firsts[k] for k in visit]
-    point = _GridPricer(graph, library, machine, free_input_placements, fits or (
-        lambda candidate: candidate.totals.fits(machine)), state_zero, computed, recompute)
     for layout, first in zip(layouts, firsts):
         family = []
         for z, zero in enumerate(layout.zeros):

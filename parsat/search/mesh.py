@@ -11,10 +11,11 @@ candidate's step for the final ranking, and `rank` orders them.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from parsat.cost.pcg_tasks import OpTimes, TaskBuildError, step_floor
 from parsat.cost.simulator import SimulationError
@@ -133,29 +134,62 @@ class CandidateSteps:
     def fastest(self, candidates: Sequence[Candidate], fits: Callable[[Candidate], bool], bar: float = math.inf,
                 rivals: Callable[[Candidate], bool] | None = None) -> tuple[dict[int, Candidate], float]:
         """`candidates` by their index, with those that fit simulated, less those that cannot be the fastest of
-        them: branch and bound. The ones that fit are simulated in the order of their floors (`floor`), and one
-        whose floor is above the fastest step simulated so far (from `bar`, one already simulated among those
-        they are ranked with), as `rank` rounds them, is left out unsimulated: its step would be slower still,
-        so the fastest that fits, and every one as fast (`rank`'s ties), are what simulating every one gives.
-        (A left-out candidate is never run, so a simulator failure it would have had is not recorded.) Those
-        that do not fit are kept as they are: they rank by memory, which simulating does not change; so are
-        those `rivals` says are not ranked at all (a pinned search's grid points that do not keep the pins:
-        the bar must come from a candidate that can be chosen). Also the fastest step simulated, the bar for
-        the candidates ranked after them. `skipped` counts those left out. A lone candidate under no bar is
-        simulated without its floor: nothing is ordered by it, and no floor is above an infinite bar."""
-        fitting = [i for i, c in enumerate(candidates) if fits(c) and (rivals is None or rivals(c))]
-        lone = len(fitting) == 1 and bar == math.inf
-        floors = {i: None if lone else self.floor(candidates[i].pcg) for i in fitting}
-        kept = dict(enumerate(candidates))
-        for i in sorted(fitting, key=lambda i: (-math.inf if floors[i] is None else floors[i], i)):
-            if floors[i] is not None and round(floors[i], 12) > bar:
-                del kept[i]
-                self.skipped += 1
+        them: branch and bound (`BestFirst`, from `bar`, a step already simulated among those they are ranked
+        with). Those that do not fit are kept as they are: they rank by memory, which simulating does not change;
+        so are those `rivals` says are not ranked at all (a pinned search's grid points that do not keep the pins:
+        the bar must come from a candidate that can be chosen). Also the fastest step simulated, the bar for the
+        candidates ranked after them. A lone candidate under no bar is simulated without its floor: nothing is
+        ordered by it, and no floor is above an infinite bar."""
+        search = BestFirst(self, fits, bar, rivals)
+        search.add(enumerate(candidates), lone=True)
+        search.run()
+        return {i: search.kept[i] for i in sorted(search.kept)}, search.bar
+
+
+class BestFirst:
+    """Candidates simulated best-bound-first (`CandidateSteps`): the ones that fit (and that `rivals` ranks) wait,
+    each with its step floor (`CandidateSteps.floor`), and `run` simulates them in the ascending order of their
+    floors (ties in their keys' order), leaving out one whose floor is above the fastest step simulated so far
+    (`bar`), as `rank` rounds them: its step would be slower still, so the fastest that fits, and every one as
+    fast (`rank`'s ties: their floors are at or below every bar), are what simulating every one gives, whatever
+    order they were added in. `run(upto)` stops before the first floor above `upto`, so a caller adding
+    candidates as it builds them (`step.independent_points`: a grid family at a time, in the order of the
+    families' bounds) simulates those that can set the bar before it builds a family that bound can leave out.
+    (A left-out candidate is never run, so a simulator failure it would have had is not recorded.) `kept`: by
+    key, every candidate added less those left out; `skipped` (of the steps) counts those."""
+
+    def __init__(self, steps: CandidateSteps, fits: Callable[[Candidate], bool], bar: float = math.inf,
+                 rivals: Callable[[Candidate], bool] | None = None):
+        self.steps, self.fits, self.rivals, self.bar = steps, fits, rivals, bar
+        self.kept: dict = {}
+        self._waiting: list[tuple] = []   # heap of (floor, or -inf where there is none; key; floor; candidate)
+
+    def add(self, keyed: Iterable[tuple[Any, Candidate]], lone: bool = False) -> None:
+        """`keyed` ((key, candidate), keys unique and ordered among themselves) added: those that are not ranked
+        kept as they are, the others waiting with their floors. `lone`: where one alone is ranked and no bar is
+        set yet, its floor is not worked out (it is simulated first, as it would be with one)."""
+        ranked = []
+        for key, candidate in keyed:
+            self.kept[key] = candidate
+            if self.fits(candidate) and (self.rivals is None or self.rivals(candidate)):
+                ranked.append((key, candidate))
+        unfloored = lone and len(ranked) == 1 and self.bar == math.inf and not self._waiting
+        for key, candidate in ranked:
+            floor = None if unfloored else self.steps.floor(candidate.pcg)
+            heapq.heappush(self._waiting, (-math.inf if floor is None else floor, key, floor, candidate))
+
+    def run(self, upto: float = math.inf) -> None:
+        """The waiting candidates whose floors are at or below `upto` simulated, or left out (above the bar)."""
+        steps = self.steps
+        while self._waiting and self._waiting[0][0] <= upto:
+            _order, key, floor, candidate = heapq.heappop(self._waiting)
+            if floor is not None and round(floor, 12) > self.bar:
+                del self.kept[key]
+                steps.skipped += 1
                 continue
-            kept[i] = self(candidates[i])
-            if kept[i].totals.simulation is not None:
-                bar = min(bar, round(kept[i].totals.time_s, 12))
-        return kept, bar
+            self.kept[key] = found = steps(candidate)
+            if found.totals.simulation is not None:
+                self.bar = min(self.bar, round(found.totals.time_s, 12))
 
 
 def rank(candidate: Candidate, memory: MemoryFit) -> tuple:

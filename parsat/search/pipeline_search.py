@@ -66,6 +66,7 @@ most before interleaving), each a divisor of the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cache
 from math import prod
 from typing import Callable, Sequence
 
@@ -177,6 +178,7 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
     tried: list[dict] = []
     scouted: dict[int, tuple[int, int, int]] = {}   # id of a plan priced from a scout's stage plan -> (p, m, in flight)
     memos: dict[tuple[int, int, int], StageMemo] = {}   # (p, m, in flight) -> its scout's memo (`_search_every_mesh`)
+    once = PricedOnce()
     to_beat = bar_of(bar)
     degrees = pipeline_degrees(devices, machine, parameters, layers, degree,
                                batch=batch if sample_bytes is not None else None, sample_bytes=sample_bytes or 0.0)
@@ -219,14 +221,14 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
                 clock.interrupt()   # the pairs after this one are listed as interrupted, the plans found stand
                 tried.append({"pp": p, "microbatches": m, "in_flight": in_flight, "error": INTERRUPTED})
                 break
-            found = _priced(stage, p, m, schedule, machine, in_flight, tried, plans, grid, fit.memo, chunks)
+            found = _priced(stage, p, m, schedule, machine, in_flight, tried, plans, grid, fit.memo, chunks, once)
             if stage.saturation.get("scouted"):
                 scouted.update({id(plan): (p, m, in_flight) for plan in found})
             if any(plan.totals.fits(machine) for plan in found) or in_flight == min(p, m):
                 break
     if scouted and plans and not (clock is not None and clock.spent):
         _search_every_mesh(search, scouted, machine, devices, schedule, say, clock, tried, plans, grid, bar, library,
-                           memos, chunks)
+                           memos, chunks, once)
     return PipelineSearch(tuple(plans), tuple(grid), tuple(tried))
 
 
@@ -255,14 +257,15 @@ def _stage_machine(machine: Machine, devices: int, p: int) -> Machine:
 
 def _priced(stage: Plan, p: int, m: int, schedule: str | None, machine: Machine, in_flight: int,
             tried: list[dict], plans: list[Plan], grid: list[tuple[Plan, dict]],
-            memo: StageMemo | None = None, chunks: int | None = None) -> list[Plan]:
+            memo: StageMemo | None = None, chunks: int | None = None, once: "PricedOnce | None" = None
+            ) -> list[Plan]:
     """`stage` cut and priced in every schedule that applies, added to `plans` with its grid points; those
     plans. `memo`: the layer maps and layouts of the stage search's memory checks (`StageFit.memo`); `chunks`:
-    the interleaved chunks per stage pinned."""
-    found = _price_schedules(stage, p, m, schedule, machine, in_flight, tried, memo, chunks)
+    the interleaved chunks per stage pinned; `once`: the prices of the call's stage plans so far."""
+    found = _price_schedules(stage, p, m, schedule, machine, in_flight, tried, memo, chunks, once)
     plans.extend(found)
     grid.extend(_grid_points(stage, p, [(plan.pipeline.schedule, plan.pipeline.layout.chunks_per_stage)
-                                        for plan in found], machine, memo))
+                                        for plan in found], machine, memo, once))
     return found
 
 
@@ -271,7 +274,7 @@ def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, i
                        tried: list[dict], plans: list[Plan], grid: list[tuple[Plan, dict]],
                        bar: Plan | None, library: Library | None = None,
                        memos: dict[tuple[int, int, int], StageMemo] | None = None,
-                       fit_chunks: int | None = None) -> None:
+                       fit_chunks: int | None = None, once: "PricedOnce | None" = None) -> None:
     """Every stage mesh searched for the pair of the pipelined plan that ranks first, when a scout found it and
     it ranks before `bar`: its plans and grid points join the candidates (the scout's stay).
 
@@ -300,18 +303,21 @@ def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, i
             raise
         clock.interrupt()
         return
-    _priced(stage, p, m, schedule, machine, in_flight, tried, plans, grid, fit.memo, fit_chunks)
+    _priced(stage, p, m, schedule, machine, in_flight, tried, plans, grid, fit.memo, fit_chunks, once)
 
 
 def _price_schedules(stage: Plan, p: int, m: int, schedule: str | None, machine: Machine, in_flight: int,
-                     tried: list[dict], memo: StageMemo | None = None, chunks: int | None = None) -> list[Plan]:
+                     tried: list[dict], memo: StageMemo | None = None, chunks: int | None = None,
+                     once: "PricedOnce | None" = None) -> list[Plan]:
     """`stage` cut into p stages and priced in every schedule that applies (`chunks`: the interleaved chunks per
-    stage pinned); each recorded in `tried`."""
+    stage pinned); each recorded in `tried`. `once`: prices found before are read (`PricedOnce`)."""
     found = []
-    pricer = StagePricer(stage, machine, memo=memo)   # the stage plan's layers and node figures, once for all
-    for name, v in applicable_schedules(schedule, p, m, pricer.layer_map.model_layers, chunks):
+    pricer = _pricer(stage, machine, memo)   # the stage plan's layers and node figures, once for all
+    once = once or PricedOnce()
+    layers = memo.layer_map(stage.pcg) if memo is not None else pricer().layer_map
+    for name, v in applicable_schedules(schedule, p, m, layers.model_layers, chunks):
         try:
-            plan = pricer.pipelined(p, name, v)
+            plan = once.pipelined(stage, machine, pricer, p, name, v)
         except PipelineError as err:
             tried.append({"pp": p, "microbatches": m, "schedule": name, "error": str(err)})
             continue
@@ -323,24 +329,68 @@ def _price_schedules(stage: Plan, p: int, m: int, schedule: str | None, machine:
 
 
 def _grid_points(stage: Plan, p: int, schedules: Sequence[tuple[str, int]], machine: Machine,
-                 memo: StageMemo | None = None) -> list[tuple[Plan, dict]]:
+                 memo: StageMemo | None = None, once: "PricedOnce | None" = None) -> list[tuple[Plan, dict]]:
     """The grid's configuration on this stage mesh as PTD-P points: equal layer counts per stage, in each of
-    `schedules` ((schedule, chunks per stage)) that Megatron runs (1F1B, interleaved)."""
+    `schedules` ((schedule, chunks per stage)) that Megatron runs (1F1B, interleaved). `once`: as
+    `_price_schedules`'."""
     chosen = stage.baseline_plans.get("best_grid")
     schedules = [(name, v) for name, v in schedules if name in (ONE_F_ONE_B, INTERLEAVED)]
     if chosen is None or chosen.pcg is None or not schedules:
         return []
-    pricer = StagePricer(replace(stage, pcg=chosen.pcg, costs=chosen.costs), machine, memo=memo)
+    gridded = replace(stage, pcg=chosen.pcg, costs=chosen.costs)
+    pricer = _pricer(gridded, machine, memo)
+    once = once or PricedOnce()
+    layers = (memo.layer_map(chosen.pcg) if memo is not None else pricer().layer_map).layers
     points = []
     for name, v in schedules:
         try:
-            plan = pricer.pipelined(p, name, v, starts=equal_starts(pricer.layer_map.layers, p * v))
+            plan = once.pipelined(gridded, machine, pricer, p, name, v, starts=equal_starts(layers, p * v))
         except PipelineError:
             continue
         config = {**dict(chosen.config or {}), "pp": p, "schedule": name, "chunks_per_stage": v,
                   "microbatches": stage.graph.microbatches, "cuts": "equal layer counts"}
         points.append((plan, config))
     return points
+
+
+def _pricer(stage: Plan, machine: Machine, memo: StageMemo | None) -> Callable[[], StagePricer]:
+    """The stage plan's `StagePricer`, made when first asked for (`PricedOnce` may need none)."""
+    return cache(lambda: StagePricer(stage, machine, memo=memo))
+
+
+class PricedOnce:
+    """The pipelined prices of one call's stage plans (`StagePricer.pipelined`), each worked out once for the
+    same PCG and node costs: the search of every stage mesh at the pair a scout chose (`_search_every_mesh`)
+    often chooses the scout's stage plan again (its candidates hold the scout's, the same objects:
+    `step.searched_once`, `step.independent_points`), and then cut and priced the same PCG in the same schedules,
+    its grid point too. Sound: a price reads of the stage plan only its PCG, node costs, stage machine, devices
+    and graph's micro-batches and name (`StagePricer`), each in the key (the PCG and costs by identity, kept
+    alive beside the entry so that no other object takes their id), beside the pipeline's machine, degree,
+    schedule, chunks and cut; the memo a pricer reads is a cache of what those determine (`StageMemo`), so
+    another memo gives the same figures. The plan found again is the price's figures (machine, devices, totals,
+    pipeline) put on the stage plan given, as `StagePricer.price` puts them on its own; a PipelineError is
+    raised again."""
+
+    def __init__(self) -> None:
+        self.done: dict[tuple, tuple] = {}
+
+    def pipelined(self, stage: Plan, machine: Machine, pricer: Callable[[], StagePricer], p: int, schedule: str,
+                  v: int, starts: Sequence[int] | None = None) -> Plan:
+        """`pricer().pipelined(p, schedule, v, starts=starts)` of `stage` (the pricer's plan) on `machine`."""
+        key = (id(stage.pcg), id(stage.costs), stage.machine, stage.devices, stage.graph.microbatches,
+               stage.graph.name, machine, p, schedule, v, None if starts is None else tuple(starts))
+        found = self.done.get(key)
+        if found is None:
+            try:
+                result: Plan | PipelineError = pricer().pipelined(p, schedule, v, starts=starts)
+            except PipelineError as err:
+                result = err
+            found = self.done[key] = (stage.pcg, stage.costs, result)
+        result = found[2]
+        if isinstance(result, PipelineError):
+            raise result
+        return replace(stage, machine=result.machine, devices=result.devices, totals=result.totals,
+                       pipeline=result.pipeline)
 
 
 def best_of(flat: Plan | None, found: PipelineSearch, machine: Machine, pinned: bool = False) -> Plan:

@@ -42,7 +42,7 @@ from parsat.search.baselines import Candidate, data_parallel, expert_parallel, g
 from parsat.search.solve import pcg_node_costs
 from parsat.search.deadline import Deadline
 from parsat.search.inputs import pinned_layouts, pins_on, search_meshes
-from parsat.search.mesh import CandidateSteps, MeshSearch, best, rank, search_mesh
+from parsat.search.mesh import BestFirst, CandidateSteps, MeshSearch, best, rank, search_mesh
 from parsat.search.request import SearchRequest, StepContext
 from parsat.search.provenance import rules_used
 from parsat.search.strategies import PINNABLE, Config
@@ -503,16 +503,22 @@ def independent_points(step: StepContext, steps: CandidateSteps) -> list[Candida
     """The independent grid's points (`baselines.independent_grid`), the ones that fit as they run
     (`search.fit`) simulated, less those whose step cannot be the fastest of them: only the fastest point can
     be the best grid point, and a point that does not fit ranks by its memory, which simulating does not
-    change. Branch and bound over the grid's layouts (`baselines.grid_families`), visited in the ascending
-    order of their step floors (the fastest layouts' points set the bar first): a layout whose step floor
-    is above the fastest point simulated so far is not built further nor simulated, and within a layout
-    `CandidateSteps.fastest` skips likewise; so the points kept hold every one as fast as the fastest, in
-    the grid's order. The order changes only which slower points are left out: every point as fast as the
-    fastest has a floor at or below every bar, so it is kept in any order, and a point that does not fit
-    matters only where none fits, when the bar never falls and nothing is left out. Where `--degrees` pins, only the points that keep the pins can be the best grid point
-    (`compare_baselines`), so only they are simulated and set the bar; the others are kept unsimulated. Made
-    once per call for one graph on one machine and devices (and pipeline, for a stage's), which a scout's
-    step and the search of every mesh at its count share."""
+    change. Branch and bound over the grid's points, best bound first (`mesh.BestFirst`): the layouts
+    (`baselines.grid_families`) come in the ascending order of their step floors, each layout's points wait
+    with their own floors (which count the ZeRO stage and recomputation that a layout's floor leaves out), and
+    before the next layout is built every point waiting with a floor at or below that layout's is simulated or
+    left out; a layout whose step floor is above the fastest point simulated so far is not built further nor
+    simulated, and a point whose floor is above it is not simulated. So the points kept hold every one as fast
+    as the fastest, in the grid's order. The order changes only which slower points are left out: every point
+    as fast as the fastest has a floor at or below every bar, so it is kept in any order, and a point that does
+    not fit matters only where none fits, when the bar never falls and nothing is left out. Points waiting
+    across layouts rather than a layout's alone: on llama-70b:64's stage grids, the layouts first by their
+    floors held points that all recompute blocks (a third more compute than their layout's floor), and four of
+    the grids' 13 simulations were of such points, slower than a later layout's point. Where `--degrees` pins,
+    only the points that keep the pins can be the best grid point (`compare_baselines`), so only they are
+    simulated and set the bar; the others are kept unsimulated. Made once per call for one graph on one machine
+    and devices (and pipeline, for a stage's), which a scout's step and the search of every mesh at its count
+    share."""
     request = step.request
     key = (step.graph, step.machine, step.devices, step.stage)
     found = request.grid_points.get(key)
@@ -520,13 +526,18 @@ def independent_points(step: StepContext, steps: CandidateSteps) -> list[Candida
         if request.built.get((GRID_SCANNED, key)):   # made where `a_grid_point_fits` stood: its failures unsaid
             steps = CandidateSteps(request.library, step.machine, step.graph.microbatches, request.simulations)
         rivals = (lambda point: keeps_pins(point, request)) if request.parallel_dims else None
-        kept: list[tuple[int, Candidate]] = []
-        bar = math.inf
+        search = BestFirst(steps, step.memory.fits, rivals=rivals)
         floors = _LayoutFloors(steps)
-        for family in _grid_families(step, skip=lambda pcg: floors.beyond(pcg, bar), order=floors):
-            points, bar = steps.fastest([point for _place, point in family], step.memory.fits, bar, rivals)
-            kept += [(family[i][0], point) for i, point in points.items()]
-        found = [point for _place, point in sorted(kept, key=lambda pair: pair[0])]
+
+        def skip(pcg: PCG) -> bool:   # asked of each layout's first PCG before the layout is built further
+            floor = floors(pcg)
+            search.run(-math.inf if floor is None else floor)
+            return floors.beyond(pcg, search.bar)
+        for family in _grid_families(step, skip=skip, order=floors):
+            # a point's key: its place in the grid's order, then its place in its layout (a ZeRO-1 twin follows)
+            search.add(((place, k), point) for k, (place, point) in enumerate(family))
+        search.run()
+        found = [point for _key, point in sorted(search.kept.items(), key=lambda item: item[0])]
         request.grid_points[key] = found
     return found
 
@@ -537,8 +548,10 @@ GRID_SCANNED = "grid scanned"   # `request.built` key: a step's grid scanned for
 def a_grid_point_fits(step: StepContext) -> bool:
     """Whether a point of the step's independent grid fits (`step.memory`): what a scout's step whose first mesh
     holds no plan that fits asks before searching every mesh (`search_step`). The answer `independent_points`'
-    points give, without simulating a step or working out a floor: the grid's every point in its order, the
-    first that fits ending the scan (a grid already made is read instead).
+    points give, without simulating a step or working out a floor: the grid's every point, the leanest layouts
+    first (`grid_families`' `lean_first`: any order gives the same points, and this one is asked where memory is
+    short), the first that fits ending the scan (a grid already made is read instead). In the grid's order
+    (tp 1 first) llama-70b:64's three scans built and priced 6-8 layouts each before dp 16 x tp 4 fitted.
 
     Why the same: `independent_points` keeps every point that does not fit and, of those that fit (and keep
     the pins, where `--degrees` pins), leaves out only ones whose floor is above a step already simulated,
@@ -557,13 +570,15 @@ def a_grid_point_fits(step: StepContext) -> bool:
     if made is not None:
         return any(step.memory.fits(point) for point in made)
     request.built[(GRID_SCANNED, key)] = True
-    return any(step.memory.fits(point) for family in _grid_families(step) for _place, point in family)
+    return any(step.memory.fits(point) for family in _grid_families(step, lean_first=True)
+               for _place, point in family)
 
 
 def _grid_families(step: StepContext, fits: Callable[[Candidate], bool] | None = None,
                    **bounding) -> Iterator[list[tuple[int, Candidate]]]:
     """`baselines.grid_families` of the step's graph, machine and devices as the request pins it (`--degrees
-    zero=N`, `--recompute`), the step's memory judging what fits (or `fits`); `bounding`: its `skip` and `order`."""
+    zero=N`, `--recompute`), the step's memory judging what fits (or `fits`); `bounding`: its `skip` and `order`,
+    or `lean_first`."""
     request = step.request
     pinned_zero = request.state_zero if request.state_zero in (1, 2) else 0   # `--degrees zero=N`
     return grid_families(step.graph, request.library, step.machine, request.free_input_placements, step.devices,
