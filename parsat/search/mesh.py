@@ -376,7 +376,7 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
                                            request.free_input_placements, pinned, pins=step.input_pins,
                                            costs=priced, repetition=step.repetition, in_flight=step.in_flight,
                                            recompute=policy.recompute, zero=policy.zero, computed=request.prices,
-                                           lean=True)
+                                           lean=policy == ordered[-1])   # one lean search a mesh: the leanest policy's
         except ExtractionError as err:
             if failure is None or 0 < err.needed_bytes < (failure.needed_bytes or float("inf")):
                 failure = MeshSearch(sat.mesh, sat.pins, result, None, None, None, None,
