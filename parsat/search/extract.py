@@ -297,6 +297,12 @@ class Extraction:
     candidates: Mapping[str, float] = field(default_factory=dict)  # method -> DAG time (inf: none)
     ilp_status: str = ""
 
+    @property
+    def lean(self) -> bool:
+        """Whether the plan came from `lean_choices` (no pass ranking by time alone found one that fits): a plan
+        that fits, but maybe not the fastest a policy holding less would give (`mesh._extract_joint`)."""
+        return self.method in (LEAN, LEAN_ILP)
+
 
 def dag_cost(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], choice: Mapping[int, int],
              roots: Sequence[int]) -> tuple[float, int, list[int]] | None:
@@ -337,18 +343,24 @@ def _usable(costs, exclude) -> Callable[[NodeId], bool]:
 
 
 def bottom_up(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Callable[[NodeId], bool],
-              prefer: Mapping[int, int] | None = None) -> tuple[dict[int, int], dict[int, int]]:
+              prefer: Mapping[int, int] | None = None,
+              memory_price: float = 0.0) -> tuple[dict[int, int], dict[int, int]]:
     """Tree-optimal choice; classes are final before any parent uses them (never a cycle).
 
     Also returns each class's finalisation rank: keeping only the e-nodes whose
     children rank below their class gives an acyclic sub-e-graph that still
     contains this choice (the ILP works on it). With `prefer` (a choice),
     those e-nodes cost nothing, so the order also contains that choice.
+    `memory_price` (seconds per byte) adds each e-node's memory to its time:
+    the Lagrangian weight `lean_choices` trades time for memory with.
     """
     prefer = prefer or {}
 
     def weight(nid: NodeId) -> float:
-        return 0.0 if prefer.get(nid[0]) == nid[1] else costs[nid].time_s + EPSILON
+        if prefer.get(nid[0]) == nid[1]:
+            return 0.0
+        cost = costs[nid]
+        return cost.time_s + memory_price * cost.memory_bytes + EPSILON
 
     # the same passes and sums as written plainly, with the lookups bound once: extraction runs this on every
     # grid configuration of every mesh (10^5 e-nodes each), so its per-e-node overhead is most of its cost
@@ -633,11 +645,54 @@ def _warm_solution(warm: Mapping[int, int], col_of: Mapping[NodeId, int], ncols:
     return solution
 
 
+LEAN = "lean"            # a plan of `lean_choices`: found only because none of the passes ranked by time fits
+LEAN_ILP = "ilp_lean"    # the ILP started from the fastest such plan
+LEAN_PRICES = 12         # memory prices tried (each doubling the last), then halved towards the fastest that fits
+LEAN_BISECTIONS = 4
+
+
+def lean_choices(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], usable,
+                 capacity: float, time_s: float, memory_bytes: float) -> list[dict[int, int]]:
+    """Plans that trade time for memory, for an extraction whose passes ranked by time found none that fits:
+    bottom-up choices at a price per byte of memory (a Lagrangian weight, time + price x bytes), the price
+    doubled from the fastest plan's own exchange rate (`time_s` / `memory_bytes`) until a choice fits, then
+    bisected between the last that did not and the first that did, towards the fastest that fits. The prices are
+    fixed by the costs alone (no clock), so the same e-graph gives the same plans. Every choice is judged by
+    `dag_cost` as the other passes' are; none is guaranteed to fit (the weight counts a shared child's memory
+    once per reader, the DAG once)."""
+    price = time_s / max(memory_bytes, 1.0)
+    chosen: list[dict[int, int]] = []
+    low, high = 0.0, None
+    for _ in range(LEAN_PRICES):
+        choice, _rank = bottom_up(snapshot, costs, usable, memory_price=price)
+        chosen.append(choice)
+        result = dag_cost(snapshot, costs, choice, roots)
+        if result is not None and result[1] <= capacity:
+            high = price
+            break
+        low, price = price, 2 * price
+    if high is None:
+        return chosen
+    for _ in range(LEAN_BISECTIONS):
+        price = (low + high) / 2
+        choice, _rank = bottom_up(snapshot, costs, usable, memory_price=price)
+        chosen.append(choice)
+        result = dag_cost(snapshot, costs, choice, roots)
+        if result is not None and result[1] <= capacity:
+            high = price
+        else:
+            low = price
+    return chosen
+
+
 def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], capacity: float,
-            limits: Limits = Limits(), exclude: Callable[[NodeId], bool] | None = None) -> Extraction:
+            limits: Limits = Limits(), exclude: Callable[[NodeId], bool] | None = None,
+            lean: bool = False) -> Extraction:
     """The cheapest plan the three passes find; the memory limit is hard. The passes run to their end, the ILP
     within `limits.ilp_nodes`; `limits.seconds` (a safety valve, off by default) also bounds the greedy DAG
-    pass and the ILP, and `ilp_seconds` 0 skips the ILP."""
+    pass and the ILP, and `ilp_seconds` 0 skips the ILP. With `lean`, where none of them fits, plans trading
+    time for memory are asked for (`lean_choices`) and the ILP started from the fastest of them (the joint
+    extraction's: a baseline's restriction is a layout a grid point fixes, its misses the grid's own)."""
     usable = _usable(costs, exclude)
     seconds: dict[str, float] = {}
     candidates: dict[str, float] = {}
@@ -646,10 +701,10 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
     def consider(method: str, choice: Mapping[int, int] | None) -> None:
         result = dag_cost(snapshot, costs, choice, roots) if choice is not None else None
         if result is None:
-            candidates[method] = math.inf
+            candidates.setdefault(method, math.inf)
             return
         time_s, memory, order = result
-        candidates[method] = time_s
+        candidates[method] = min(time_s, candidates.get(method, math.inf))   # a method may try several
         found.append((time_s, memory, method, {c: choice[c] for c in order}))
 
     t = time.perf_counter()
@@ -671,6 +726,22 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
         seconds["ilp"] = time.perf_counter() - t
         consider("ilp", choice)
     fitting = [f for f in found if f[1] <= capacity]
+    if lean and not fitting and 0 < capacity < math.inf:
+        # every pass ranked by time alone, and the ILP sees only the e-nodes their order admits: a plan that fits
+        # by sharding more (weights stored split, ZeRO-3 style) can lie outside it. Ask again, memory priced
+        fastest = min(found, key=lambda f: f[0])
+        for choice in lean_choices(snapshot, costs, roots, usable, capacity, fastest[0], fastest[1]):
+            consider(LEAN, choice)
+        fitting = [f for f in found if f[1] <= capacity]
+        if fitting and limits.ilp_seconds > 0:
+            warm = min(fitting, key=lambda f: f[0])[3]
+            t = time.perf_counter()
+            _tree, rank = bottom_up(snapshot, costs, usable, prefer=warm)
+            choice, status = ilp(snapshot, costs, roots, usable, capacity, warm, limits.ilp_nodes, rank,
+                                 min(limits.ilp_seconds, limits.seconds))
+            seconds[LEAN_ILP] = time.perf_counter() - t
+            consider(LEAN_ILP, choice)
+            fitting = [f for f in found if f[1] <= capacity]
     if not fitting:
         least = min(found, key=lambda f: f[1])
         needs, has = fmt_bytes_pair(least[1], capacity)   # never "needs 0.00 GiB, the device has 0.00 GiB"

@@ -375,7 +375,8 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
             pcg, costs, extraction = solve(result, graph, request.library, machine, sat.roots, clock.remaining(),
                                            request.free_input_placements, pinned, pins=step.input_pins,
                                            costs=priced, repetition=step.repetition, in_flight=step.in_flight,
-                                           recompute=policy.recompute, zero=policy.zero, computed=request.prices)
+                                           recompute=policy.recompute, zero=policy.zero, computed=request.prices,
+                                           lean=policy == ordered[-1])   # one lean search a mesh: the leanest policy's
         except ExtractionError as err:
             if failure is None or 0 < err.needed_bytes < (failure.needed_bytes or float("inf")):
                 failure = MeshSearch(sat.mesh, sat.pins, result, None, None, None, None,
@@ -397,7 +398,9 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
             found = (policy, priced, extraction, joint)
         if holds:
             fitting[policy] = (policy, priced, extraction, joint)
-            if index != 1 or len(ordered) <= 2:
+            if extraction.lean:
+                pass    # it fits by trading time for memory: a policy holding less may fit faster, so go on
+            elif index != 1 or len(ordered) <= 2:
                 break   # the fastest policy that fits (the least-memory one is tried second but preferred last)
         elif index == 1 and len(ordered) > 2:
             break   # not even the policy holding least memory fits
@@ -407,7 +410,9 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
                      + (" as its pipeline runs" if step.stage is not None else "")
                      + ": extracting again with less held")
     if fitting:
-        found = next(fitting[p] for p in ordered if p in fitting)
+        plain = [p for p in ordered if p in fitting and not fitting[p][2].lean]
+        # the first policy whose time-ranked extraction fits, as ever; else the fastest of the lean plans
+        found = fitting[plain[0]] if plain else min(fitting.values(), key=lambda f: f[3].totals.time_s)
     return found, failure
 
 

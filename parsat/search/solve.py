@@ -37,7 +37,7 @@ def solve(result: SaturationResult, graph: Graph, library: Library, machine: Mac
           costs: Mapping[NodeId, NodeCost] | None = None,
           repetition: Repetition | None = None, in_flight: int = 1,
           recompute: str = NONE, zero: int = 0,
-          computed: dict | None = None) -> tuple[PCG, dict[int, NodeCost], Extraction]:
+          computed: dict | None = None, lean: bool = False) -> tuple[PCG, dict[int, NodeCost], Extraction]:
     """Extract from `result` (with `costs`, the e-nodes priced, when already known) and build the PCG.
 
     `in_flight` > 1 ranks memory with that many micro-batches' activations alive (a pipeline stage's), while
@@ -51,12 +51,12 @@ def solve(result: SaturationResult, graph: Graph, library: Library, machine: Mac
     `computed`: compute operators' costs shared with the call's other pricers (`extract.Pricer`): the PCG priced
     here (a repeated plan's whole model, every grid point's) holds the operators the e-graph's pricing and the
     other extractions priced, which each extraction otherwise worked out again (bert-large:64: a third of every
-    compute cost worked out was one worked out before)."""
+    compute cost worked out was one worked out before). `lean`: `extract`'s, the joint extraction's."""
     if costs is None:
         costs = price(result, graph, library, machine, free_input_placements, pins, repetition, roots, recompute,
                       zero=zero)
     ranked = in_flight_costs(costs, in_flight)
-    extraction = extract(result.snapshot, ranked, roots, machine.memory_capacity, limits, exclude)
+    extraction = extract(result.snapshot, ranked, roots, machine.memory_capacity, limits, exclude, lean)
     pcg, ident = pcg_from_extraction(result, extraction, graph, library, roots, graph.outputs)
     pcg = replace(pcg, recompute=recompute, zero=zero)
     if recompute != NONE and repetition is None:   # the PCG's own readers say what is kept (`search.recompute`)

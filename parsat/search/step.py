@@ -723,7 +723,9 @@ def _extraction_record(best_search: MeshSearch, chosen: Candidate, unplaceable: 
     ext = {"method": "none", "chosen": chosen.name, "seconds": round(best_search.extract_seconds, 4),
            "candidates": {}, "ilp_status": "not run", "pass_seconds": {}}
     if extraction is not None:
-        ext.update(method=extraction.method, candidates=dict(extraction.candidates),
+        # a pass that found no plan (inf) is written null, as the schema has it (an ILP with no feasible plan)
+        ext.update(method=extraction.method,
+                   candidates={k: (v if math.isfinite(v) else None) for k, v in extraction.candidates.items()},
                    ilp_status=extraction.ilp_status, pass_seconds=dict(extraction.seconds))
     if unplaceable:
         ext["unplaceable"] = unplaceable
