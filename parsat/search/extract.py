@@ -337,23 +337,18 @@ def _usable(costs, exclude) -> Callable[[NodeId], bool]:
 
 
 def bottom_up(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Callable[[NodeId], bool],
-              prefer: Mapping[int, int] | None = None, by_memory: bool = False
-              ) -> tuple[dict[int, int], dict[int, int]]:
+              prefer: Mapping[int, int] | None = None) -> tuple[dict[int, int], dict[int, int]]:
     """Tree-optimal choice; classes are final before any parent uses them (never a cycle).
 
     Also returns each class's finalisation rank: keeping only the e-nodes whose
     children rank below their class gives an acyclic sub-e-graph that still
     contains this choice (the ILP works on it). With `prefer` (a choice),
-    those e-nodes cost nothing, so the order also contains that choice. With `by_memory`, e-nodes weigh
-    their memory (bytes, at least 0) instead of their time: the tree holding least memory, which `extract`
-    considers where the time-ranked passes find no plan that fits.
+    those e-nodes cost nothing, so the order also contains that choice.
     """
     prefer = prefer or {}
 
     def weight(nid: NodeId) -> float:
-        if prefer.get(nid[0]) == nid[1]:
-            return 0.0
-        return (max(costs[nid].memory_bytes, 0.0) if by_memory else costs[nid].time_s) + EPSILON
+        return 0.0 if prefer.get(nid[0]) == nid[1] else costs[nid].time_s + EPSILON
 
     # the same passes and sums as written plainly, with the lookups bound once: extraction runs this on every
     # grid configuration of every mesh (10^5 e-nodes each), so its per-e-node overhead is most of its cost
@@ -666,12 +661,6 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
     t = time.perf_counter()
     consider("greedy_dag", greedy_dag(snapshot, costs, usable, t + limits.seconds))
     seconds["greedy_dag"] = time.perf_counter() - t
-    if all(f[1] > capacity for f in found):
-        # the fastest trees hold too much (a sequence-parallel or head-sharded layout is slower per node but
-        # smaller): consider the tree holding least memory too, a plan that fits for the ILP to start from
-        t = time.perf_counter()
-        consider("least_memory", bottom_up(snapshot, costs, usable, by_memory=True)[0])
-        seconds["least_memory"] = time.perf_counter() - t
     warm = min(found, key=lambda f: (f[1] > capacity, f[0]))[3]
     status = "skipped"
     if limits.ilp_seconds > 0:
