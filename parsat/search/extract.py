@@ -660,25 +660,24 @@ def lean_choices(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Se
     fixed by the costs alone (no clock), so the same e-graph gives the same plans. Every choice is judged by
     `dag_cost` as the other passes' are; none is guaranteed to fit (the weight counts a shared child's memory
     once per reader, the DAG once)."""
-    price = time_s / max(memory_bytes, 1.0)
     chosen: list[dict[int, int]] = []
-    low, high = 0.0, None
-    for _ in range(LEAN_PRICES):
+
+    def fits_at(price: float) -> bool:
         choice, _rank = bottom_up(snapshot, costs, usable, memory_price=price)
         chosen.append(choice)
         result = dag_cost(snapshot, costs, choice, roots)
-        if result is not None and result[1] <= capacity:
-            high = price
+        return result is not None and result[1] <= capacity
+
+    low, high = 0.0, time_s / max(memory_bytes, 1.0)
+    for _ in range(LEAN_PRICES):
+        if fits_at(high):
             break
-        low, price = price, 2 * price
-    if high is None:
+        low, high = high, 2 * high
+    else:
         return chosen
     for _ in range(LEAN_BISECTIONS):
         price = (low + high) / 2
-        choice, _rank = bottom_up(snapshot, costs, usable, memory_price=price)
-        chosen.append(choice)
-        result = dag_cost(snapshot, costs, choice, roots)
-        if result is not None and result[1] <= capacity:
+        if fits_at(price):
             high = price
         else:
             low = price
@@ -708,7 +707,7 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
         found.append((time_s, memory, method, {c: choice[c] for c in order}))
 
     t = time.perf_counter()
-    tree, rank = bottom_up(snapshot, costs, usable)
+    tree, _rank = bottom_up(snapshot, costs, usable)
     seconds["bottom_up"] = time.perf_counter() - t
     if any(r not in tree for r in roots):
         raise ExtractionError("no plan reaches the graph's outputs with the e-nodes the cost model accepts")
@@ -716,33 +715,32 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
     t = time.perf_counter()
     consider("greedy_dag", greedy_dag(snapshot, costs, usable, t + limits.seconds))
     seconds["greedy_dag"] = time.perf_counter() - t
-    warm = min(found, key=lambda f: (f[1] > capacity, f[0]))[3]
-    status = "skipped"
-    if limits.ilp_seconds > 0:
+
+    def fitting() -> list:
+        return [f for f in found if f[1] <= capacity]
+
+    def run_ilp(method: str) -> str:
+        """The ILP, warm-started from the fastest plan found that fits (else the fastest), in an order that
+        admits it; its status."""
+        warm = min(found, key=lambda f: (f[1] > capacity, f[0]))[3]
         t = time.perf_counter()
         _tree, rank = bottom_up(snapshot, costs, usable, prefer=warm)  # an order that admits the warm start
         choice, status = ilp(snapshot, costs, roots, usable, capacity, warm, limits.ilp_nodes, rank,
                              min(limits.ilp_seconds, limits.seconds))
-        seconds["ilp"] = time.perf_counter() - t
-        consider("ilp", choice)
-    fitting = [f for f in found if f[1] <= capacity]
-    if lean and not fitting and 0 < capacity < math.inf:
+        seconds[method] = time.perf_counter() - t
+        consider(method, choice)
+        return status
+
+    status = run_ilp("ilp") if limits.ilp_seconds > 0 else "skipped"
+    if lean and not fitting() and 0 < capacity < math.inf:
         # every pass ranked by time alone, and the ILP sees only the e-nodes their order admits: a plan that fits
         # by sharding more (weights stored split, ZeRO-3 style) can lie outside it. Ask again, memory priced
         fastest = min(found, key=lambda f: f[0])
         for choice in lean_choices(snapshot, costs, roots, usable, capacity, fastest[0], fastest[1]):
             consider(LEAN, choice)
-        fitting = [f for f in found if f[1] <= capacity]
-        if fitting and limits.ilp_seconds > 0:
-            warm = min(fitting, key=lambda f: f[0])[3]
-            t = time.perf_counter()
-            _tree, rank = bottom_up(snapshot, costs, usable, prefer=warm)
-            choice, status = ilp(snapshot, costs, roots, usable, capacity, warm, limits.ilp_nodes, rank,
-                                 min(limits.ilp_seconds, limits.seconds))
-            seconds[LEAN_ILP] = time.perf_counter() - t
-            consider(LEAN_ILP, choice)
-            fitting = [f for f in found if f[1] <= capacity]
-    if not fitting:
+        if fitting() and limits.ilp_seconds > 0:
+            status = run_ilp(LEAN_ILP)
+    if not fitting():
         least = min(found, key=lambda f: f[1])
         needs, has = fmt_bytes_pair(least[1], capacity)   # never "needs 0.00 GiB, the device has 0.00 GiB"
         err = ExtractionError(
@@ -750,5 +748,5 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
             f"the device has {has} (use more devices or a smaller model)")
         err.needed_bytes = int(least[1])
         raise err
-    best = min(fitting, key=lambda f: (f[0], f[2] != "ilp"))
+    best = min(fitting(), key=lambda f: (f[0], f[2] != "ilp"))
     return Extraction(best[3], best[0], best[1], best[2], seconds, candidates, status)

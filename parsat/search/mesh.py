@@ -398,10 +398,10 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
             found = (policy, priced, extraction, joint)
         if holds:
             fitting[policy] = (policy, priced, extraction, joint)
-            if extraction.lean:
-                pass    # it fits by trading time for memory: a policy holding less may fit faster, so go on
-            elif index != 1 or len(ordered) <= 2:
-                break   # the fastest policy that fits (the least-memory one is tried second but preferred last)
+            # the fastest policy that fits (the least-memory one is tried second but preferred last); a lean plan
+            # fits by trading time for memory, and a policy holding less may fit faster, so go on after one
+            if not extraction.lean and (index != 1 or len(ordered) <= 2):
+                break
         elif index == 1 and len(ordered) > 2:
             break   # not even the policy holding least memory fits
         if index + 1 < len(ordered):
