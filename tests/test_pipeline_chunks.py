@@ -111,3 +111,7 @@ def test_a_plan_file_with_uneven_interleaved_chunks_is_refused_on_load(tmp_path,
     assert main(["run", str(bad), "--nproc", "4"]) != 0
     err = capsys.readouterr().err
     assert "same number of layers" in err and "Traceback" not in err
+    chunks[0]["layers"] = "1"   # the schema's structure check comes first, with where it failed
+    bad.write_text(json.dumps(data))
+    with pytest.raises(PlanError, match=r"pipeline\.layout\.chunks\[0\]\.layers: must be a JSON array"):
+        load_plan_dict(bad)

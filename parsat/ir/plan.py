@@ -170,11 +170,7 @@ def _check_chunks(path: str | Path, pipeline: Mapping | None) -> None:
     `ir.validate` (which checks the structure): the rule lives in `ir.pipeline`, which that module cannot import."""
     if pipeline is None:
         return
-    layers = [chunk.get("layers") for chunk in pipeline["layout"]["chunks"]]
-    for i, found in enumerate(layers):
-        if not isinstance(found, list):
-            raise PlanError(f"{path} does not follow the plan schema: pipeline.layout.chunks[{i}].layers must be a "
-                            "JSON array")
+    layers = [chunk["layers"] for chunk in pipeline["layout"]["chunks"]]
     why = layout_chunks_refusal(pipeline["schedule"], pipeline["degree"], layers)
     if why is not None:
         raise PlanError(f"{path}: pipeline.layout.chunks: {why}")

@@ -282,6 +282,7 @@ def _check_pipeline(f: _Fields, pipeline: Mapping, data: Mapping) -> None:
         at = f"pipeline.layout.chunks[{i}]"
         chunk = f.obj(chunk, at)
         f.integer(f.get(chunk, "stage", at), f"{at}.stage", low=0, high=degree - 1)
+        f.array(f.get(chunk, "layers", at), f"{at}.layers")
         for j, ident in enumerate(f.array(f.get(chunk, "nodes", at), f"{at}.nodes")):
             if ident not in ids:
                 f.fail(f"{at}.nodes[{j}]", f"{_short(ident)} is not a node of the plan")
