@@ -197,6 +197,7 @@ def price(row: Row, zero_free: bool = False) -> dict:
         out["error"] = f"{type(err).__name__}: {err}"
     else:
         out.update(predicted_step_s=plan.totals.time_s, memory_gib=plan.totals.peak_memory_bytes / 2 ** 30,
+                   simulated_peak_gib=simulated_peak_gib(plan),
                    fits=plan.totals.fits(plan.machine), recompute=plan.pcg.recompute, zero=plan.pcg.zero,
                    schedule=plan.pipeline.schedule if plan.pipeline else None,
                    chunks_per_stage=plan.pipeline.layout.chunks_per_stage if plan.pipeline else None,
@@ -204,6 +205,14 @@ def price(row: Row, zero_free: bool = False) -> dict:
                    predicted_tflops_per_gpu=row.step_flops() / plan.totals.time_s / row.gpus / 1e12)
     out["cpu_s"] = round(time.process_time() - start, 1)
     return out
+
+
+def simulated_peak_gib(plan) -> float | None:
+    """The step simulator's peak per device with transient buffers (`totals.step.peak_memory_bytes`), beside the
+    per-node bound that decides what fits (`memory_gib`): a run that fitted on real GPUs tells which of the two
+    holds. None where the plan's step was not simulated (a pipelined plan's totals are its schedule's)."""
+    step = plan.totals.step
+    return None if step is None else step.peak_memory_bytes / 2 ** 30
 
 
 def price_free(row: Row) -> dict:
@@ -221,6 +230,7 @@ def price_free(row: Row) -> dict:
     else:
         grid = plan.baseline_plans.get("best_grid")
         out.update(step_s=plan.totals.time_s, memory_gib=plan.totals.peak_memory_bytes / 2 ** 30,
+                   simulated_peak_gib=simulated_peak_gib(plan),
                    fits=plan.totals.fits(plan.machine), recompute=plan.pcg.recompute, zero=plan.pcg.zero,
                    microbatches=plan.graph.microbatches, chosen=plan.extraction.get("chosen"),
                    best_grid=dict(grid.config) if grid is not None and grid.config else None,

@@ -43,3 +43,35 @@ def test_a_plan_that_fits_by_sharding_more_is_found_where_the_fastest_do_not_fit
 def test_below_every_plan_it_is_still_a_clear_refusal():
     with pytest.raises(DoesNotFit, match="no plan fits in memory"):
         _plan(1.0)
+
+
+
+def test_where_the_leanest_policy_fits_only_lean_the_policies_between_are_asked_lean_too(monkeypatch):
+    """The leanest policy (ZeRO-2 here) fits only by trading time for memory: then no policy between fits by time
+    either, and each is asked lean as well, the fastest of the lean plans kept (llama-70b on 64 H100s
+    `--no-pipeline`: the leanest's lean plan 22.620 s, ZeRO-1's 14.985 s). Where a time-ranked pass fits, no
+    policy but the leanest is asked lean."""
+    import parsat.search.mesh as mesh
+
+    solve, calls = mesh.solve, []
+
+    def recording(*args, **kwargs):
+        if "lean" not in kwargs:   # a baseline's restricted extraction
+            return solve(*args, **kwargs)
+        call = [kwargs["zero"], kwargs["lean"], None]   # the policy's ZeRO stage, asked lean, found lean
+        calls.append(call)
+        pcg, costs, extraction = solve(*args, **kwargs)
+        call[2] = extraction.lean
+        return pcg, costs, extraction
+
+    monkeypatch.setattr(mesh, "solve", recording)
+    tight = _plan(3.0)
+    assert tight.extraction["method"] in (LEAN, LEAN_ILP)
+    # each mesh's extractions: ZeRO-0 by time, the leanest (ZeRO-2) lean, then ZeRO-1
+    runs = [calls[i:i + 3] for i, call in enumerate(calls) if call[0] == 0 and i + 2 < len(calls)]
+    leaned = [run for run in runs if run[1][:3] == [2, True, True]]
+    assert leaned, calls
+    assert all([(zero, lean) for zero, lean, _ in run] == [(0, False), (2, True), (1, True)] for run in leaned)
+    calls.clear()
+    _plan(64.0)   # every policy's fastest plan fits: the first policy, by time
+    assert calls and all(call == [0, False, False] for call in calls)

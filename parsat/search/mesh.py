@@ -368,6 +368,7 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
     failure: MeshSearch | None = None
     found = None    # (policy, priced, extraction, joint) of the plan kept so far
     fitting: dict[Policy, tuple] = {}
+    lean_after = False   # the leanest policy fitted only by trading time for memory: so will the ones between
     for index, policy in enumerate(_tried_in_order(ordered)):
         priced = price(result, graph, request.library, machine, request.free_input_placements, step.input_pins,
                        step.repetition, sat.roots, policy.recompute, sat.raw, zero=policy.zero)
@@ -376,7 +377,7 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
                                            request.free_input_placements, pinned, pins=step.input_pins,
                                            costs=priced, repetition=step.repetition, in_flight=step.in_flight,
                                            recompute=policy.recompute, zero=policy.zero, computed=request.prices,
-                                           lean=policy == ordered[-1])   # one lean search a mesh: the leanest policy's
+                                           lean=policy == ordered[-1] or lean_after)
         except ExtractionError as err:
             if failure is None or 0 < err.needed_bytes < (failure.needed_bytes or float("inf")):
                 failure = MeshSearch(sat.mesh, sat.pins, result, None, None, None, None,
@@ -396,6 +397,7 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
         holds = step.memory.fits(joint)
         if found is None or step.memory.needs(joint) < step.memory.needs(found[3]):
             found = (policy, priced, extraction, joint)
+        lean_after = lean_after or (index == 1 and extraction.lean)
         if holds:
             fitting[policy] = (policy, priced, extraction, joint)
             # the fastest policy that fits (the least-memory one is tried second but preferred last); a lean plan
