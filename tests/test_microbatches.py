@@ -120,3 +120,25 @@ def test_counts_are_scouted_on_one_mesh_and_every_mesh_is_searched_once_at_the_c
     # what a search of every mesh at that count alone finds: the scouts' answer is as good
     direct = optimize("mlp", machine=tight, devices=4, baselines=False, microbatches=plan.graph.microbatches)
     assert plan.totals.time_s <= direct.totals.time_s * (1 + 1e-9)
+
+
+def test_every_mesh_is_searched_at_the_unstaged_count_unless_a_pipelined_plan_is_well_ahead():
+    """The unstaged scout saw one mesh and the grid, so a pipelined plan that beats it by less than
+    `UNSTAGED_EVERY_MESH_WITHIN` may still lose to the count's two-axis joint plan (llama-70b:64: the scout's
+    16.539 s lost to PP 8's 16.156 s; every mesh at its count found 14.985 s). Well ahead, or fitting where the
+    scout does not, the pipelined plan stands without that search."""
+    from types import SimpleNamespace
+
+    from parsat.search.optimize import UNSTAGED_EVERY_MESH_WITHIN, _within_reach
+
+    def plan(time_s, fits=True):
+        totals = SimpleNamespace(time_s=time_s, peak_memory_bytes=1, fits=lambda machine: fits)
+        return SimpleNamespace(totals=totals, machine=None)
+
+    scout = plan(16.539)
+    assert _within_reach(scout, [])                                   # nothing pipelined beats it
+    assert _within_reach(scout, [plan(17.0)])
+    assert _within_reach(scout, [plan(16.156)])                       # 2.4% ahead
+    assert not _within_reach(scout, [plan(16.539 / (1 + UNSTAGED_EVERY_MESH_WITHIN) * 0.999)])
+    assert not _within_reach(plan(16.0, fits=False), [plan(30.0)])   # only the pipelined plan fits
+    assert _within_reach(plan(16.0, fits=False), [plan(30.0, fits=False)])
