@@ -26,7 +26,9 @@ Under torchrun, every rank calls
    stage plan's tensor axis (`apply.traced_tensor_parallel`: each
    parameter a DTensor on the stage's tensor-parallel slice, `Shard(d)`
    as the plan stores it, the stage's inputs entering as `Replicate()`
-   DTensors and its outputs leaving whole), then its data / ZeRO-3 axes
+   DTensors and its outputs leaving whole; where the plan keeps every
+   crossing split along the sequence, each tp rank sending and receiving
+   its `Shard(1)` piece instead, `_sequence_pieces`), then its data / ZeRO-3 axes
    (`apply.data_parallel`: `replicate` or `fully_shard` over the stage's
    slice of the mesh), or `replicate` over the one-rank `stage` axis: every
    parameter a DTensor;
