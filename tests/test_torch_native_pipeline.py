@@ -18,9 +18,13 @@ parameter a DTensor.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
 import json
 import math
+import re
+from collections import Counter
 from dataclasses import replace
 from functools import partial
 
@@ -238,12 +242,49 @@ def test_a_stage_with_data_and_tensor_axes_is_replicate_over_dp_and_dtensor_plac
     assert "replicate over dp" in lowering.describe()
 
 
+def test_sequence_parallel_stages_send_and_receive_pieces_of_the_sequence(pp2):
+    """Without processes: the module traced and cut as `apply_pipeline` cuts it, each stage module's floating
+    outputs (and a later stage's floating inputs) get the shape of one tp rank's `Shard(1)` piece in their traced
+    values (what torch's PipelineStage sizes its send checks and receive buffers by, forward and backward), the
+    carried integer labels and the loss whole; a sequence the tp ranks do not divide is refused by name."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    from parsat.backend.torch_native.apply import NativeParallelizeError
+    from parsat.backend.torch_native.pipelined import (TRACED_PREFIX, _PassInputsThrough, _contiguous_outputs,
+                                                       _flat_nodes, _sequence_pieces)
+
+    lowering = lower_pipeline(pp2.pcg, pp2.graph, pp2.pipeline, module_info(gpt_module(), weight_names()))
+    cuts = lowering.split_points()
+    micro = tuple(x[: SIZES["batch"] // MICROBATCHES] for x in batch(0))
+    pipe = pipeline(_PassInputsThrough(gpt_module(), cuts), mb_args=micro,
+                    split_spec={TRACED_PREFIX + cut: SplitPoint.BEGINNING for cut in cuts})
+    first, last = pipe.get_stage_module(0), pipe.get_stage_module(1)
+    _contiguous_outputs([first, last])
+
+    def shapes(sub, op: str) -> list:
+        out = next(n for n in sub.graph.nodes if n.op == "output")
+        nodes = [n for n in sub.graph.nodes if n.op == "placeholder"] if op == "placeholder" else _flat_nodes(out.args)
+        return sorted((str(n.meta["val"].dtype), tuple(n.meta["val"].shape)) for n in nodes)
+
+    whole = (SIZES["batch"] // MICROBATCHES, SIZES["seq"], SIZES["hidden"])
+    piece = (whole[0], whole[1] // 2, whole[2])
+    assert ("torch.float64", whole) in shapes(first, "output") and ("torch.float64", whole) in shapes(last, "placeholder")
+    with pytest.raises(NativeParallelizeError, match=r"split along the sequence \(dim 1\) on 3 tp ranks"):
+        _sequence_pieces(first, 3, received=False)
+    _sequence_pieces(first, 2, received=False)
+    _sequence_pieces(last, 2, received=True)
+    assert ("torch.float64", piece) in shapes(first, "output") and ("torch.float64", whole) not in shapes(first, "output")
+    assert ("torch.float64", piece) in shapes(last, "placeholder")
+    assert ("torch.int64", tuple(micro[1].shape)) in shapes(last, "placeholder")   # the labels, carried whole
+    assert shapes(last, "output") == [("torch.float64", ())]   # the loss
+
 def test_a_sequence_parallel_stage_plan_is_lowered_and_what_still_cannot_be_is_refused(pp2):
     """Sequence parallelism inside a stage is lowered: Megatron's stage plan with `sequence=True` and the
     optimizer's own pinned `pp=2,tp=2,sp=2` plan (its layer norms' weights `Replicate()` beside the split ones,
-    the values crossing between the stages split along the sequence on tp: received whole, sliced as `Shard(1)`).
-    The optimizer's pinned pp=2 x tp=2 plan without sp crosses whole. Refused, naming the node: a crossing split
-    on tp otherwise than along the sequence (torch's traced stages send each value whole and slice only that)."""
+    the values crossing between the stages split along the sequence on tp: each tp rank sends its `Shard(1)`
+    piece). The optimizer's pinned pp=2 x tp=2 plan without sp crosses whole. Refused, naming the node: a crossing
+    split on tp otherwise than along the sequence (torch's traced stages send each value whole, or its piece of
+    the sequence only)."""
     info = module_info(gpt_module(), weight_names())
     for plan in (megatron_stage_plan(pp2, sequence=True), pipelined_plan(4, tp=2, sp=2)):
         lowered = lower_pipeline(plan.pcg, plan.graph, plan.pipeline, info)
@@ -263,6 +304,140 @@ def test_a_sequence_parallel_stage_plan_is_lowered_and_what_still_cannot_be_is_r
 
 
 # ------------------------------------------------------------------ training on gloo ranks (slow)
+
+
+
+# ------------------------------------------------------------------ collectives counted on the ranks (test only)
+
+
+FUNCTIONAL = {"all_gather_single": "all-gather", "reduce_scatter_single": "reduce-scatter", "all_reduce": "all-reduce"}
+# one line of a plan node's `collectives` (`cost.model._price_runs`): "fwd all-gather x1 (2 devices, 256 elements)"
+PLAN_LINE = re.compile(r"^(fwd|bwd) (all-gather|reduce-scatter|all-reduce|all-to-all) x(\d+) \((\d+) devices, "
+                       r"(\d+) elements\)( \[gradient sync\])?$")
+
+
+@contextlib.contextmanager
+def counted_collectives(model):
+    """Test-only: every functional collective this rank issues while inside (DTensor's redistributions call
+    `torch.distributed._functional_collectives`' `all_gather_single`, `reduce_scatter_single` and `all_reduce` by
+    module attribute, so wrapping those attributes sees them all; CommDebugMode's dispatch mode broke the first
+    stage's run), counted as "schedule {fwd|bwd} {kind} {n}" inside the pipeline schedule's step (the
+    micro-batches' forward and backward: `bwd` while autograd's backward runs it) and "after {kind} {n}" outside it
+    (the gradients placed as their parameters), n the cost model's (the gathered size, the reduce-scattered
+    input's, the all-reduced one's); and the elements this rank's stages send to another stage
+    (`PipelineStage.get_fwd_send_ops` / `get_bwd_send_ops`, wrapped on the instances), "send fwd" / "send bwd"
+    (" int" after it: integer values). Yields the Counter."""
+    import torch.distributed._functional_collectives as funcol
+
+    counts: Counter = Counter()
+    where = ["after"]
+
+    def wrap_collective(name, kind):
+        original = getattr(funcol, name)
+        signature = inspect.signature(original)
+
+        def counted(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs).arguments
+            group = bound["group"]
+            size = group[0].size(group[1]) if isinstance(group, tuple) else funcol._resolve_group(group).size()
+            n = bound["self"].numel() * (size if kind == "all-gather" else 1)
+            if where[0] == "schedule":
+                counts[f"schedule {'bwd' if torch._C._current_graph_task_id() != -1 else 'fwd'} {kind} {n}"] += 1
+            else:
+                counts[f"after {kind} {n}"] += 1
+            return original(*args, **kwargs)
+        return original, counted
+
+    def wrap_sends(stage, name, phase):
+        original = getattr(stage, name)
+
+        def counted(chunk):
+            ops = original(chunk)
+            for op in ops:   # the module's carried integer inputs (ids, labels) hop too: counted apart
+                counts[f"send {phase}" + ("" if op.tensor.is_floating_point() else " int")] += op.tensor.numel()
+            return ops
+        setattr(stage, name, counted)
+
+    schedule = model.schedule
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    for stage in stages:
+        wrap_sends(stage, "get_fwd_send_ops", "fwd")
+        wrap_sends(stage, "get_bwd_send_ops", "bwd")
+    originals = {name: wrap_collective(name, kind) for name, kind in FUNCTIONAL.items()}
+    step = schedule.step
+
+    def scheduled(*args, **kwargs):
+        where[0] = "schedule"
+        try:
+            return step(*args, **kwargs)
+        finally:
+            where[0] = "after"
+    schedule.step = scheduled
+    for name, (_, counted) in originals.items():
+        setattr(funcol, name, counted)
+    try:
+        yield counts
+    finally:
+        for name, (original, _) in originals.items():
+            setattr(funcol, name, original)
+        del schedule.step
+        for stage in stages:
+            del stage.get_fwd_send_ops, stage.get_bwd_send_ops
+
+
+def plan_collectives(plan) -> list[Counter]:
+    """Per pipeline stage, the collectives the plan's stage plan runs in a step, as `counted_collectives` counts
+    them: each node's `collectives` (the cost model's, `NodeCost.collectives`; a plan made without costs, the
+    test's Megatron layout, priced by `search.solve.price_pcg`), those of a weight's chain (its gradient's
+    all-reduce) once a step "after" the schedule, every other once a micro-batch inside it; and what each stage
+    sends another (the crossings' pieces, forward and their gradients back, as `ir.pipeline.p2p_elements`)."""
+    from parsat.backend.executor import operator_library
+    from parsat.search.solve import price_pcg
+
+    pipeline = plan.pipeline
+    m = pipeline.microbatches
+    costs = plan.costs or price_pcg(plan.pcg, operator_library(), plan.machine, microbatches=m)
+    out = [Counter() for _ in range(pipeline.degree)]
+    for chunk in pipeline.layout.chunks:
+        for node in chunk.nodes:
+            cost = costs.get(node)
+            for line in cost.collectives if cost is not None else ():
+                phase, kind, pieces, _, n, _ = PLAN_LINE.match(line).groups()
+                key = f"after {kind} {n}" if cost.weight_chain else f"schedule {phase} {kind} {n}"
+                out[chunk.stage][key] += int(pieces) * (1 if cost.weight_chain else m)
+    stage = {c.index: c.stage for c in pipeline.layout.chunks}
+    for crossing in pipeline.layout.crossings:   # as `ir.pipeline.p2p_elements`, by direction
+        if stage[crossing.source] != stage[crossing.target]:
+            out[stage[crossing.source]]["send fwd"] += crossing.piece_elements * m
+            out[stage[crossing.target]]["send bwd"] += crossing.piece_elements * m
+    return out
+
+
+SEQUENCE_PIECE = SIZES["batch"] // MICROBATCHES * SIZES["seq"] * SIZES["hidden"]   # a micro-batch's residual stream
+TABLE = SIZES["vocab"] * SIZES["hidden"]
+
+
+def as_dtensor_runs_them(planned: Counter, first: bool) -> Counter:
+    """One stage's collectives of a sequence-parallel stage plan (`plan_collectives`) as a traced stage on DTensors
+    runs them (measured 2026-12-04, helper S; docs/TORCH_NATIVE.md): every one of the plan's, the crossings sent as
+    pieces, and in the backward more all-gathers of the sequence, none at a crossing. The traced `x @ w` on
+    [batch, seq, hidden] runs as mm on [batch x seq, hidden], whose sequence split DTensor keeps as a
+    `_StridedShard(0)` its mm has no strategy for, so (a) each column-parallel contraction's input, gathered in the
+    forward (the plan's all_gather), is saved as the piece and gathered again for the weight's gradient (as
+    Megatron-LM's sequence parallelism does, to save memory; the cost model prices that only under a re-gathering
+    profile) and (b) the gradient of each row-parallel contraction's reduce-scattered output is gathered once for
+    each of mm's two backward products: one more all-gather a forward all-gather and a forward reduce-scatter.
+    On the first stage DTensor slices the ids for the table's gradient instead of gathering the reduce-scattered
+    embedding output's gradient (the plan's all-gather and (b)'s: two fewer a micro-batch), then reduce-scatters
+    the table's partial gradient onto its Shard(0) once a step, after the schedule."""
+    m = MICROBATCHES
+    out = Counter(planned)
+    out[f"schedule bwd all-gather {SEQUENCE_PIECE}"] += (planned[f"schedule fwd all-gather {SEQUENCE_PIECE}"]
+                                                         + planned[f"schedule fwd reduce-scatter {SEQUENCE_PIECE}"])
+    if first:
+        out[f"schedule bwd all-gather {SEQUENCE_PIECE}"] -= 2 * m
+        out[f"after reduce-scatter {TABLE}"] += 1
+    return out
 
 
 def _relative(a, b) -> float:
@@ -303,10 +478,13 @@ def train_plan(ctx, plan: dict, steps: int, held_by_all: bool = True, folder: st
     # the optimizer the plan asks for: ZeRO-1's sharded state where the stage plan has it, else AdamW itself
     optimizer = zero_optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
-    rows = {"losses": [], "ref_losses": [], "norms": [], "ref_norms": []}
+    rows = {"losses": [], "ref_losses": [], "norms": [], "ref_norms": [], "collectives": {}}
     for step in range(steps):
         ids, labels = batch(step)
-        loss = model.step(*local_batch(model, ids, labels))
+        with counted_collectives(model) if step == 0 else contextlib.nullcontext(Counter()) as counts:
+            loss = model.step(*local_batch(model, ids, labels))
+        if step == 0:
+            rows["collectives"] = dict(counts)
         norm = model.clip_grad_norm_(max_norm=0.5)
         optimizer.step()
         optimizer.zero_grad()
@@ -524,18 +702,43 @@ def test_pp2_by_tp2_trained_on_four_ranks_like_the_module_in_one_process(pp2):
 
 @pytest.mark.slow
 def test_pp2_by_tp2_sequence_parallel_trained_on_four_ranks_like_the_module_in_one_process(pp2):
-    """Sequence parallelism inside each of the 2 stages: Megatron's stage plan with `sequence=True` and the
-    optimizer's own `--degrees pp=2,tp=2,sp=2` plan on the `cpu` machine, 1F1B over 4 micro-batches. The values
-    crossing between the stages (split along the sequence on tp) are sent whole and enter the next stage as
-    `Shard(1)` DTensors, so DTensor runs its norms and residual adds on the slice; trained 3 AdamW steps with the
-    pipeline's clipped norm like the unmodified module in one process."""
-    plans = {"megatron": megatron_stage_plan(pp2, sequence=True), "pinned": pipelined_plan(4, tp=2, sp=2)}
+    """Sequence parallelism inside each of the 2 stages: Megatron's stage plan with `sequence=True` (1F1B, and
+    interleaved: 2 chunks a stage, 3 crossings a micro-batch) and the optimizer's own `--degrees pp=2,tp=2,sp=2`
+    plan on the `cpu` machine (1F1B), 4 micro-batches. The values crossing between the stages (split along the
+    sequence on tp) travel as each tp rank's `Shard(1)` piece to the same tp rank of the other stage, forward and
+    their gradients back, and enter the next stage as `Shard(1)` DTensors, so DTensor runs its norms and residual
+    adds on the slice; trained 3 AdamW steps with the pipeline's clipped norm like the unmodified module in one
+    process. The first step's collectives, counted on each rank (`counted_collectives`), are its stage's in the
+    plan (`plan_collectives`) as DTensor runs them (`as_dtensor_runs_them`: the backward's extra all-gathers, none
+    at a crossing), and each rank sends the plan's pieces (1F1B: 512 elements a step, where gathering each
+    crossing before the send sent 1,024 and added an all-gather a micro-batch on each side: this fails then);
+    the labels the last stage reads hop along whole (integers, `_PassInputsThrough`; the plan's graph gives them
+    every device). The optimizer's plan computes the loss vocabulary-parallel (amax gathered, sum-exp and loss
+    all-reduced), which the traced last stage does not: DTensor gathers the tied head's table instead, each
+    micro-batch (asserted as it is). ~2-3 min wall on this box."""
+    plans = {"megatron": megatron_stage_plan(pp2, sequence=True), "pinned": pipelined_plan(4, tp=2, sp=2),
+             "interleaved": megatron_stage_plan(pipelined_plan(2, "interleaved"), sequence=True)}
     results = _launch(plans, 4)
-    for label in plans:
+    loss_parallel = ({f"schedule fwd all-gather {TABLE}": MICROBATCHES},   # DTensor's, not the plan's
+                     {"schedule fwd all-gather 32": 4, "schedule fwd all-reduce 16": 4, "schedule fwd all-reduce 1": 4,
+                      "schedule bwd all-reduce 16": 8})                       # the plan's, not DTensor's
+    for label, plan in plans.items():
         run = [r[label] for r in results]
         _check_run(run)
         assert "tensor parallelism on tp: DTensor parameters" in run[0]["lowering"]
         assert run[0]["losses"] == run[1]["losses"] and run[0]["norms"] == run[3]["norms"]
+        assert all(2 * c.piece_elements == SEQUENCE_PIECE for c in plan.pipeline.layout.crossings)   # tp 2's pieces
+        planned = plan_collectives(plan)
+        for rank, result in enumerate(run):
+            stage = rank // 2
+            got, want = Counter(result["collectives"]), as_dtensor_runs_them(planned[stage], stage == 0)
+            labels = got.pop("send fwd int", 0)
+            assert labels % (SIZES["batch"] * SIZES["seq"]) == 0 and (labels or stage), labels   # whole, never a piece
+            sends = {key: got[key] for key in ("send fwd", "send bwd")}
+            assert sends == {"send fwd": planned[stage]["send fwd"], "send bwd": planned[stage]["send bwd"]}, sends
+            differs = (dict(got - want), dict(want - got))
+            assert differs == (loss_parallel if (label, stage) == ("pinned", 1) else ({}, {})), (label, rank, differs)
+    assert "ScheduleInterleaved1F1B" in results[0]["interleaved"]["lowering"]
 
 
 @pytest.mark.slow

@@ -269,17 +269,20 @@ def _first_input_by_keyword(sub: nn.Module, name: str) -> str:
 
 
 def traced_tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh, prefix: str = "",
-                           sequence_inputs: bool = False) -> None:
+                           sequence: bool = False, received: bool = False) -> None:
     """A traced stage module's tensor axis (`lower(traced=True)`): each parameter a DTensor on `tp_mesh`,
     `Shard(d)` where the plan stores its weight split along d, `Replicate()` otherwise; the module's tensor inputs
     enter as `Replicate()` DTensors and its outputs leave whole and local (the stages send plain, whole tensors),
     so its aten operators run on DTensors of the traced, global shapes. `prefix`: what the module's parameter
-    names carry before the plan's module's. `sequence_inputs` (the plan keeps the values crossing between stages
-    split along the sequence): its floating inputs, received whole, enter as `Shard(1)` DTensors instead (a local
-    slice), so DTensor's propagation runs the stage as Megatron's sequence parallelism (norms and residual adds on
-    the slice, an all-gather before each column-parallel contraction, a reduce-scatter after each row-parallel
-    one, the norms' weight gradients `Partial` until read). `dtensor_step` must be around its forward and
-    backward."""
+    names carry before the plan's module's. `sequence` (the plan keeps the values crossing between stages split
+    along the sequence): its floating inputs enter as `Shard(1)` DTensors instead, so DTensor's propagation runs
+    the stage as Megatron's sequence parallelism (norms and residual adds on the slice, an all-gather before each
+    column-parallel contraction, a reduce-scatter after each row-parallel one, the norms' weight gradients
+    `Partial` until read), and its floating outputs leave as this rank's `Shard(1)` piece: what Megatron sends to
+    the same tp rank of the next stage, and its gradient back, with no gather before the send nor slice after it
+    (`pipelined._sequence_pieces` sizes the traced stage's buffers so). `received`: the module's inputs are such
+    pieces, received from the stage before (each is this rank's slice already); otherwise they are the step's
+    whole inputs (the first stage), sliced on entry. `dtensor_step` must be around its forward and backward."""
     from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 
     dims = _stored_dims(lowering, SPLIT)
@@ -296,8 +299,17 @@ def traced_tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh, prefi
                                                        param.requires_grad))
             sub.register_parameter(local, made[id(param)][1])
 
-    distribute_module(module, tp_mesh, partition, _sequence_inputs if sequence_inputs else _replicated_inputs,
-                      _whole_outputs)
+    if not sequence:
+        distribute_module(module, tp_mesh, partition, _replicated_inputs, _whole_outputs)
+    else:
+        distribute_module(module, tp_mesh, partition, _received_pieces if received else _sequence_inputs,
+                          _sequence_outputs)
+
+
+def sequence_piece(x) -> bool:
+    """Whether a value crossing between sequence-parallel stages travels as its `Shard(1)` piece: a floating
+    tensor with a sequence dim ([batch, seq, ...]); integer ones (ids, labels carried along) travel whole."""
+    return x.is_floating_point() and x.dim() > SEQ_DIM
 
 
 def dtensor_step(device: torch.device):
@@ -335,8 +347,33 @@ def _replicated_inputs(_module, inputs, mesh):
 def _sequence_inputs(_module, inputs, mesh):
     from torch.distributed.tensor import Replicate, Shard
 
-    return tuple(x.redistribute(mesh, [Shard(SEQ_DIM)]) if x.is_floating_point() and x.dim() > SEQ_DIM
-                 and isinstance(x.placements[0], Replicate) else x for x in _replicated_inputs(_module, inputs, mesh))
+    return tuple(x.redistribute(mesh, [Shard(SEQ_DIM)]) if sequence_piece(x) and isinstance(x.placements[0], Replicate)
+                 else x for x in _replicated_inputs(_module, inputs, mesh))
+
+
+def _received_pieces(_module, inputs, mesh):
+    """A later stage's inputs: each floating one this rank's `Shard(1)` piece as the stage before sent it (its
+    gradient goes back as this rank's piece too: `from_local`'s backward), the others whole."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return _replicated_inputs(_module, tuple(
+        DTensor.from_local(x, mesh, [Shard(SEQ_DIM)], run_check=False)
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and sequence_piece(x) else x
+        for x in inputs), mesh)
+
+
+def _sequence_outputs(_module, outputs, _mesh):
+    """A sequence-parallel stage's outputs: each floating one this rank's `Shard(1)` piece (a reduce-scatter only
+    where DTensor left it a partial sum, nothing where it is already split so), the others (the loss) whole."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def local(x):
+        if not isinstance(x, DTensor):
+            return x
+        placements = [Shard(SEQ_DIM) if sequence_piece(x) else Replicate()] * x.device_mesh.ndim
+        return x.redistribute(x.device_mesh, placements).to_local()
+
+    return torch.utils._pytree.tree_map(local, outputs)
 
 
 def _local_outputs(_module, outputs, _mesh):

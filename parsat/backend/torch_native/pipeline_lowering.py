@@ -29,10 +29,11 @@ stage holds what, and how each stage runs inside (docs/TORCH_NATIVE.md, "Pipelin
   placement (`Shard(d)` for a weight the plan stores split along d,
   `Replicate()` for the others: the same role analysis), and the stage's
   operators run on DTensors (`pipelined.py`). Every value crossing between
-  chunks is sent whole (torch sizes the stage's buffers from the traced
-  shapes); where the plan keeps them all split along the sequence on the
-  tensor axis (sequence parallelism), each is sliced again on arrival
-  (`sequence_crossings`); data and ZeRO-3 axes become
+  chunks is sent whole; where the plan keeps them all split along the
+  sequence on the tensor axis (sequence parallelism,
+  `sequence_crossings`), each tp rank sends its `Shard(1)` piece to the
+  same tp rank of the next stage (and the gradient back), as Megatron does
+  and the cost model prices it; data and ZeRO-3 axes become
   `replicate` / `fully_shard` on each stage module. A one-device stage
   holds its parameters as DTensors on a one-rank mesh.
 
@@ -220,8 +221,8 @@ def _stage_lowering(pcg: PCG, graph: Graph, module: ModuleInfo, layout: StageLay
 def _sequence_crossings(pcg: PCG, layout: StageLayout, lowering: Lowering | None) -> bool:
     """Whether the values crossing between chunks are split along the sequence (`shard(1)` of [batch, seq,
     hidden]) on the stage's tensor axis: sequence parallelism, each stage's floating inputs then entering as
-    `Shard(1)` DTensors (`apply.traced_tensor_parallel`). Sent whole all the same (torch's PipelineStage sizes
-    its buffers from the traced, global shapes): gathered before the send, sliced again after. All crossings
+    `Shard(1)` DTensors (`apply.traced_tensor_parallel`) and each tp rank sending its piece (`pipelined`
+    sizes torch's PipelineStage buffers to the pieces): no gather before the send, no slice after. All crossings
     whole, or all split along the sequence; anything else is refused, naming the node."""
     axis = lowering.tensor_axis if lowering is not None else None
     if axis is None:
@@ -236,8 +237,8 @@ def _sequence_crossings(pcg: PCG, layout: StageLayout, lowering: Lowering | None
             raise LoweringError(
                 f"node #{node.id} {node.label}{origin} crosses from chunk {crossing.source} to chunk "
                 f"{crossing.target} as {code_text(code)} on tensor axis {lowering.mesh.names[axis]}: the traced "
-                "stages send each value whole and slice it again along the sequence (Shard(1)) on arrival when "
-                "every crossing is so split; another split, or crossings split differently, is not lowered")
+                "stages send each value whole, or each tp rank its piece of the sequence (Shard(1)) when every "
+                "crossing is so split; another split, or crossings split differently, is not lowered")
     return "sequence" in codes.values()
 
 

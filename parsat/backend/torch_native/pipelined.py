@@ -26,7 +26,9 @@ Under torchrun, every rank calls
    stage plan's tensor axis (`apply.traced_tensor_parallel`: each
    parameter a DTensor on the stage's tensor-parallel slice, `Shard(d)`
    as the plan stores it, the stage's inputs entering as `Replicate()`
-   DTensors and its outputs leaving whole), then its data / ZeRO-3 axes
+   DTensors and its outputs leaving whole; where the plan keeps every
+   crossing split along the sequence, each tp rank sending and receiving
+   its `Shard(1)` piece instead, `_sequence_pieces`), then its data / ZeRO-3 axes
    (`apply.data_parallel`: `replicate` or `fully_shard` over the stage's
    slice of the mesh), or `replicate` over the one-rank `stage` axis: every
    parameter a DTensor;
@@ -59,7 +61,9 @@ from torch import nn
 from torch.distributed.tensor import distribute_tensor
 
 from parsat.backend.torch_native.apply import (LOWERING_ATTRIBUTE, NativeParallelizeError, broadcast_state,
-                                              checkpoint_blocks, data_parallel, dtensor_step, traced_tensor_parallel)
+                                              checkpoint_blocks, data_parallel, dtensor_step, sequence_piece,
+                                              traced_tensor_parallel)
+from parsat.backend.torch_native.lowering import SEQ_DIM
 from parsat.backend.torch_native.pipeline_lowering import STAGE_AXIS_NAME, PIPELINE_AXIS_NAME, PipelineLowering
 
 TRACED_PREFIX = "module."   # the traced wrapper's name for the user's module
@@ -339,9 +343,7 @@ def apply_pipeline(module: nn.Module, lowering: PipelineLowering, example_inputs
             replicate(sub, mesh=mesh[STAGE_AXIS_NAME])
         else:
             if lowering.stage.tensor_axis is not None:
-                tp_name = lowering.stage.mesh.names[lowering.stage.tensor_axis]
-                traced_tensor_parallel(sub, lowering.stage, mesh[tp_name], prefix=TRACED_PREFIX,
-                                       sequence_inputs=lowering.sequence_crossings)
+                _stage_tensor_parallel(sub, chunk.index, lowering, mesh)
             data_parallel(sub, lowering.stage, mesh, mp_policy, prefix=TRACED_PREFIX)
         modules.append(sub)
         stages.append(pipe.build_stage(chunk.index, device, group=pp_group))
@@ -351,6 +353,50 @@ def apply_pipeline(module: nn.Module, lowering: PipelineLowering, example_inputs
                                 [tuple(x.shape) for x in micro], device)
     _carry_zero1(pipelined, modules)
     return pipelined
+
+
+def _stage_tensor_parallel(sub: nn.Module, index: int, lowering: PipelineLowering, mesh) -> None:
+    """Chunk `index`'s stage module on the stage plan's tensor axis (`apply.traced_tensor_parallel`). Where the
+    plan keeps the crossings split along the sequence, the chunk sends and receives them as this rank's `Shard(1)`
+    pieces (each tp rank to the same tp rank of the next stage, as Megatron does and the cost model prices them,
+    `cost.pipeline.transfer_seconds`): its traced buffers are sized so first (`_sequence_pieces`); chunk 0's
+    inputs are the step's, whole."""
+    tp_name = lowering.stage.mesh.names[lowering.stage.tensor_axis]
+    received = index > 0
+    if lowering.sequence_crossings:
+        _sequence_pieces(sub, mesh[tp_name].size(), received)
+    traced_tensor_parallel(sub, lowering.stage, mesh[tp_name], prefix=TRACED_PREFIX,
+                           sequence=lowering.sequence_crossings, received=received)
+
+
+def _sequence_pieces(sub: nn.Module, tp: int, received: bool) -> None:
+    """The traced stage module's floating outputs (and, when `received`, its floating inputs) with a sequence dim
+    given the shape of one tp rank's `Shard(1)` piece in their traced values: torch's `PipelineStage` makes its
+    receive buffers (activations forward, gradients backward) and checks what it sends from those values, and the
+    stage now sends pieces (`apply.sequence_piece`). A sequence the tp ranks do not divide is refused by name
+    (uneven pieces would make each rank's buffers another shape)."""
+    graph = sub.graph
+    out = next(node for node in graph.nodes if node.op == "output")
+    inputs = [n for n in graph.nodes if n.op == "placeholder"] if received else []
+    for node in inputs + _flat_nodes(out.args):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or not sequence_piece(value):
+            continue
+        if value.shape[SEQ_DIM] % tp:
+            raise NativeParallelizeError(f"the traced stage's {node.name} {list(value.shape)} crosses between "
+                                         f"stages split along the sequence (dim {SEQ_DIM}) on {tp} tp ranks, which "
+                                         "do not divide it")
+        shape = (*value.shape[:SEQ_DIM], value.shape[SEQ_DIM] // tp, *value.shape[SEQ_DIM + 1:])
+        mode = getattr(value, "fake_mode", None)
+        with mode if mode is not None else contextlib.nullcontext():
+            node.meta["val"] = value.new_empty(shape)
+
+
+def _flat_nodes(args) -> list:
+    """The fx nodes in an output node's (nested) arguments, in order."""
+    found: list = []
+    torch.fx.node.map_arg(args, found.append)
+    return found
 
 
 def _carry_zero1(pipelined: PipelinedModule, modules: Sequence[nn.Module]) -> None:
