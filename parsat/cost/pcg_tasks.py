@@ -551,9 +551,10 @@ class _Builder:
 
     def _sync(self, name: str, kind: str, node: PNode, nbytes: float, deps, alloc: int = 0, free: int = 0,
               phase: str = "forward_comm", pipe: Pipeline | None = None, backward: bool = False) -> int:
-        """A collective: it first waits for the slowest rank (`comm.sync_skew` x the compute since the last one).
-        With `pipe`, in chunks pipelined with its product (`Pipeline.ring`)."""
-        wait = self.machine.comm.sync_skew * self.since_sync
+        """A collective: it first waits for the slowest rank (`comm.sync_skew` x the compute since the last one)
+        and, on ranks sharing cores, for a peer's turn (`_turn`). With `pipe`, in chunks pipelined with its
+        product (`Pipeline.ring`)."""
+        wait = self.machine.comm.sync_skew * self.since_sync + self._turn(node)
         self.since_sync = 0.0
         stream = self._comm(self.topology(node))
         self.collectives += 1
@@ -565,6 +566,17 @@ class _Builder:
         step = self._collective(SEND_RECV, node, nbytes / pipe.parts)
         return self._piped(pipe, backward, False, name, stream, pipe.ring(kind, step), whole, list(deps), alloc, free,
                            phase)
+
+    def _turn(self, node: PNode) -> float:
+        """What a collective waits for a peer's turn on a core, where the machine was calibrated with ranks sharing
+        cores (`machine.oversubscribed`; else 0): a peer still computing holds its core until the scheduler takes
+        it back, at most `comm.turn_s` (a time slice, `parsat calibrate`'s `fit_turn`) and at most the compute
+        since the previous collective (a peer holds the core no longer than its own compute). None after a
+        collective with no compute between them, as the collectives' table times them back to back."""
+        turn = self.machine.comm.turn_s
+        if not turn or self.machine.oversubscribed is None or self.topology(node).size < 2:
+            return 0.0
+        return min(turn, self.since_sync)
 
     # ---------------------------------------------------------------- tensor-parallel communication overlap
     def _pipelines(self) -> dict[int, Pipeline]:
