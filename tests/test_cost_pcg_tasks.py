@@ -250,6 +250,27 @@ def test_a_collective_on_ranks_sharing_cores_waits_for_a_peers_turn():
     assert long.step_s < base.step_s * 2 + 1e-9
 
 
+def test_a_runtime_that_reduce_scatters_by_all_reducing_is_priced_as_the_all_reduce():
+    """gloo's `reduce_scatter_tensor` (FSDP2's) all-reduces the whole buffer: under such a profile a
+    reduce-scatter costs what the measured all-reduce of its input costs, whatever the reduce-scatter's own
+    (list) measurement says; elsewhere the reduce-scatter's own measurement prices it."""
+    from parsat.ir.machine_profile import CollectivePoint
+
+    def machine(rs_latency: float, ar_latency: float) -> Machine:
+        points = (CollectivePoint("all_reduce", "intra", 2, ar_latency, 1e9),
+                  CollectivePoint("reduce_scatter", "intra", 2, rs_latency, 1e9),
+                  CollectivePoint("all_gather", "intra", 2, 1e-4, 1e9))
+        return replace(CPU64, comm=replace(CPU64.comm, points=points))
+
+    pcg = zero3_mlp()
+    profiles = {"own": PARSAT_RUN, "gloo": replace(PARSAT_RUN, reduce_scatter_as_all_reduce=True)}
+    step = {(name, rs, ar): simulate_pcg(pcg, LIB, machine(rs, ar), p).step_s
+            for name, p in profiles.items() for rs in (1e-4, 1.0) for ar in (1e-4, 1e-2)}
+    assert step[("gloo", 1e-4, 1e-4)] == step[("gloo", 1.0, 1e-4)]
+    assert step[("gloo", 1.0, 1e-2)] > step[("gloo", 1.0, 1e-4)]
+    assert step[("own", 1.0, 1e-4)] > step[("own", 1e-4, 1e-4)] + 0.9
+
+
 def test_a_slower_measured_backward_product_prices_a_slower_step():
     """The demo's plan (`megatron_mlp`) on a machine whose products on transposed operands are measured
     (`parsat calibrate`: autograd's x^T @ g and g @ w^T): at the forward's rate it prices as the same machine
