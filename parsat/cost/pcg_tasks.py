@@ -161,8 +161,8 @@ TORCH_NATIVE = ExecutionProfile("parsat.parallelize(runtime='torch')", overlap=F
 freed by backward, collectives blocking the one host thread (gloo's work runs while the rank waits for it),
 FSDP2's groups (`cost.fsdp_groups`), tensor parallelism as torch's styles run it, SGD per tensor, reduce-scatters
 as gloo runs `reduce_scatter_tensor` (an all-reduce of the whole buffer: torch's profiler shows one
-`gloo:all_reduce` per FSDP2 reduce-scatter; on 2 and 4 ranks it took what the all-reduce takes, the list
-`reduce_scatter` that `parsat calibrate` times 1.4-3x that: benchmarks/costmodel_fidelity.md, run T6)."""
+`gloo:all_reduce` per FSDP2 reduce-scatter; on 2 and 4 ranks it took 0.6-1.5x the all-reduce, the list
+`reduce_scatter` that `parsat calibrate` times 1.4-3.0x: benchmarks/costmodel_fidelity.md, run T6)."""
 DDP = ExecutionProfile("ddp", overlap=True, ddp_buckets=True, keep_activations=False, seeded_inputs=False,
                        eager_gradients=True, fused_optimizer=True, optimizer="adam", tp_comm_overlap=True,
                        overlap_param_gather=True, regather=True)
