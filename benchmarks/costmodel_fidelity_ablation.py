@@ -6,7 +6,11 @@ ROWS.json is a `costmodel_fidelity.py --runtime torch --json` run, MACHINES_DIR 
 calibrated before each round, `machine-{n}-{round}.json`). Each row is predicted again as the run did (the
 geometric mean over the calibrations before and after its round) against the same measured step, with: everything;
 no `module_calls` (the user's module's own calls beyond its graph, `ir.module_calls`); no per-group FSDP2 hook
-cost (`fsdp_forward_group_s`, `fsdp_backward_group_s` at 0); neither. Runs of the benchmark differ by more
+cost (`fsdp_forward_group_s`, `fsdp_backward_group_s` at 0); neither; no wait for a peer's turn on a shared
+core (`comm.turn_s` at 0; the skew's slope stays as fitted beside it); neither that nor stragglers; the
+collectives as runs T1-T5 priced them (the plans' meshes one rank a node, so every group priced by the analytic
+model as crossing nodes; a reduce-scatter at its own timing, not gloo's all-reduce); that and no turn (T5's
+model on this run's calibrations). Runs of the benchmark differ by more
 than these terms (the box's own speed moves between them), so a term is judged on one run's measurements.
 """
 
@@ -15,8 +19,9 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -24,7 +29,7 @@ from costmodel_fidelity import summarize  # noqa: E402
 from costmodel_fidelity_torch import MODELS, torch_plans  # noqa: E402
 
 from parsat.backend.executor import operator_library  # noqa: E402
-from parsat.cost.pcg_tasks import TORCH_NATIVE, simulate_pcg  # noqa: E402
+from parsat.cost.pcg_tasks import TORCH_NATIVE, ExecutionProfile, simulate_pcg  # noqa: E402
 from parsat.ir.machine import Machine  # noqa: E402
 
 
@@ -33,31 +38,68 @@ def _no_group_hooks(machine: Machine) -> Machine:
                                                fsdp_backward_group_s=0.0))
 
 
-VARIANTS = {"everything": (lambda m: m, True), "no module calls": (lambda m: m, False),
-            "no per-group hooks": (_no_group_hooks, True), "neither": (_no_group_hooks, False)}
+def _no_turn(machine: Machine) -> Machine:
+    return replace(machine, comm=replace(machine.comm, turn_s=0.0))
+
+
+def _no_waits(machine: Machine) -> Machine:
+    return replace(machine, comm=replace(machine.comm, turn_s=0.0, sync_skew=0.0))
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of predicting the rows again: the machine as kept, changed by `machine`; the module's own calls
+    priced or not; the profile changed by `profile`; the plans' meshes with `per_node` ranks a node (None: the
+    machine's, all ranks of the box one node)."""
+
+    machine: Callable[[Machine], Machine] = lambda m: m
+    calls: bool = True
+    profile: Callable[[ExecutionProfile], ExecutionProfile] = lambda p: p
+    per_node: int | None = None
+
+
+def _t5_collectives(profile: ExecutionProfile) -> ExecutionProfile:
+    return replace(profile, reduce_scatter_as_all_reduce=False)
+
+
+VARIANTS = {"everything": Variant(), "no module calls": Variant(calls=False),
+            "no per-group hooks": Variant(_no_group_hooks), "neither": Variant(_no_group_hooks, calls=False),
+            "no peer's turn (comm.turn_s 0)": Variant(_no_turn),
+            "no peer's turn, no stragglers (sync_skew 0)": Variant(_no_waits),
+            "collectives as T5 priced them (groups across nodes, reduce-scatter as timed)":
+                Variant(profile=_t5_collectives, per_node=1),
+            "T5's model (the line above, no peer's turn)": Variant(_no_turn, profile=_t5_collectives, per_node=1)}
 
 
 def main(rows_file: str, machines: str) -> None:
     rows, library = json.loads(Path(rows_file).read_text()), operator_library()
     folder = Path(machines)
-    plans = {n: {label: (pcg, figures.profile)
-                 for label, pcg, _graph, figures in torch_plans(n, Machine.load(folder / f"machine-{n}-0.json"),
-                                                                list(MODELS))}
-             for n in sorted({r["nproc"] for r in rows})}
+    built: dict = {}
+
+    def plans(n: int, per_node: int | None) -> dict:
+        if (n, per_node) not in built:
+            machine = Machine.load(folder / f"machine-{n}-0.json")
+            built[(n, per_node)] = {label: (pcg, figures.profile) for label, pcg, _graph, figures
+                                    in torch_plans(n, machine, list(MODELS), per_node)}
+        return built[(n, per_node)]
+
     print("| profile | median relative error, step | Spearman | measured / predicted, median |\n|---|---|---|---|")
-    for name, (machine_of, calls) in VARIANTS.items():
+    for name, variant in VARIANTS.items():
         again = []
         for row in rows:
-            pcg, profile = plans[row["nproc"]][row["plan"]]
-            steps = [simulate_pcg(pcg, library, machine_of(Machine.load(folder / f"machine-{row['nproc']}-{k}.json")),
-                                  profile if calls else TORCH_NATIVE).step_s for k in (row["round"], row["round"] + 1)]
+            pcg, profile = plans(row["nproc"], variant.per_node)[row["plan"]]
+            profile = variant.profile(profile if variant.calls else TORCH_NATIVE)
+            steps = [simulate_pcg(pcg, library, variant.machine(Machine.load(folder / f"machine-{row['nproc']}-{k}.json")),
+                                  profile).step_s for k in (row["round"], row["round"] + 1)]
             again.append(dict(row, predicted_s=(steps[0] * steps[1]) ** 0.5))
         line = next(s for s in summarize(again).splitlines() if s.startswith("plans:"))
         error = line.split("median relative error of step time ")[1].split(";")[0]
         spearman = line.split("Spearman rank correlation ")[1].split(";")[0]
         ratio = statistics.median(r["measured_s"] / r["predicted_s"] for r in again)
         print(f"| {name} | {error} | {spearman} | {ratio:.2f} |")
+        if name == "everything" and len(sys.argv) > 3:   # the rows as this model predicts them, for `summarize`
+            Path(sys.argv[3]).write_text(json.dumps(again, indent=1) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:3])   # a third argument: write the rows as predicted by "everything" there

@@ -61,8 +61,14 @@ def model(name: str):
     return module, inputs
 
 
-def torch_plans(n: int, machine, models: list[str]) -> list[tuple[str, object, object, object]]:
-    """(label, pcg, graph, PlanFigures) of each model's Megatron-layout plans on `n` ranks."""
+def torch_plans(n: int, machine, models: list[str], devices_per_node: int | None = None
+                ) -> list[tuple[str, object, object, object]]:
+    """(label, pcg, graph, PlanFigures) of each model's Megatron-layout plans on `n` ranks, on a mesh of
+    `devices_per_node` ranks a node (default the machine's: the `n` ranks of this box are one node, and their
+    groups are priced by the collectives' measured table, which holds the intra-node link only; runs T1-T5
+    built the meshes with 1 rank a node, so every group was priced as crossing nodes, by the analytic ring
+    model from the all-reduce's figures: a reduce-scatter or all-gather's own measurements went unused)."""
+    per_node = machine.devices_per_node if devices_per_node is None else devices_per_node
     from costmodel_fidelity import PlanFigures
     from parsat.backend.executor import operator_library
     from parsat.backend.torch_native.apply import module_info
@@ -84,7 +90,7 @@ def torch_plans(n: int, machine, models: list[str]) -> list[tuple[str, object, o
         for label, (shape, zero) in SHAPES[n].items():
             if shape[1] > 1 and name not in TENSOR_MODELS:
                 continue
-            pcg = megatron_pcg(graph, library, shape, zero=zero)
+            pcg = megatron_pcg(graph, library, shape, per_node, zero=zero)
             if pcg is None:
                 print(f"{name}/{label} on {n} ranks: no Megatron layout", file=sys.stderr)
                 continue

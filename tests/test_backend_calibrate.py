@@ -9,7 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from parsat.backend.calibrate import (CollectiveTiming, OpTiming, fit_gemm, fit_layouts, fit_line,  # noqa: E402
-                                      fit_link, fit_memory, fit_skew, fit_updates, gemm_shapes)
+                                      fit_link, fit_memory, fit_skew, fit_turn, fit_updates,
+                                      gemm_shapes)
 from parsat.ir.machine_profile import OpEfficiency  # noqa: E402
 from parsat.cli import main  # noqa: E402
 from parsat.ir.machine import Machine  # noqa: E402
@@ -67,6 +68,25 @@ def test_fit_memory_finds_the_cache_and_both_bandwidths():
 def test_fit_skew_is_the_slope_of_wait_against_compute():
     assert fit_skew([[[0.0, 1e-4], [1e-3, 3e-4], [4e-3, 9e-4]]]) == pytest.approx(0.2)
     assert fit_skew([[[0.0, 1e-4], [0.0, 1e-4]]]) == 0.0
+
+
+def test_fit_turn_is_the_plateau_of_the_excess_over_the_control():
+    """wait = min(q, compute): short bursts wait their whole compute, longer ones one q; the excess measured on
+    ranks with a core each (the method's own bias under load) is taken off first; never below 0."""
+    q = 1.5e-3
+    rows = [[c, min(q, c) + 2e-4, 2e-4] for c in (0.5e-3, 1e-3, 2e-3, 4e-3, 8e-3)]
+    assert fit_turn(rows) == pytest.approx(q)
+    assert fit_turn([[c, min(q, c)] for c in (0.5e-3, 4e-3, 8e-3)]) == pytest.approx(q)   # no control column
+    assert fit_turn([[1e-3, -5e-4, 0.0], [4e-3, -1e-3, 0.0]]) == 0.0
+    assert fit_turn([]) == 0.0
+
+
+def test_fit_skew_leaves_the_turn_to_its_own_term():
+    """Where ranks share cores the turn (`fit_turn`) is priced on its own: the slope is fitted to what is left."""
+    rows = [[[1e-3, 0.2e-3 + 1e-3], [4e-3, 0.8e-3 + 1e-3], [8e-3, 1.6e-3 + 1e-3]]]
+    assert fit_skew(rows, turn_s=1e-3) == pytest.approx(0.2)
+    assert fit_skew(rows) == pytest.approx(0.2)   # a constant shift leaves the slope: only the 0-burst row differs
+    assert fit_skew([[[0.0, 0.0], [2e-3, 1e-3], [4e-3, 1e-3]]], turn_s=1e-3) == pytest.approx(0.0)
 
 
 def test_calibrate_writes_a_machine_the_optimizer_loads(tmp_path, capsys):

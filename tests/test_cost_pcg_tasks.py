@@ -12,6 +12,7 @@ from parsat.dsl.library import load_library, shipped_rules_dir
 from parsat.ir.data_parallel import data_parallel_pcg
 from parsat.ir.graph import instance_for
 from parsat.ir.machine import Machine
+from parsat.ir.machine_profile import Oversubscribed
 from parsat.ir.mesh import Mesh
 from parsat.ir.models import mlp, stack
 from parsat.ir.pcg import PCG, Degrees, PNode
@@ -224,6 +225,50 @@ def test_stragglers_make_collectives_wait():
     noisy = simulate_pcg(pcg, LIB, replace(CPU64, comm=replace(CPU64.comm, sync_skew=0.5)), PARSAT_RUN)
     waits = [s for s in noisy.result.spans if s.phase == "stragglers"]
     assert len(waits) == 2 and noisy.step_s > calm.step_s       # before the all-reduce, and at the step's end
+
+
+def test_a_collective_on_ranks_sharing_cores_waits_for_a_peers_turn():
+    """`comm.turn_s` is priced only where the machine was calibrated with ranks sharing cores: each collective
+    then waits min(turn_s, the compute since the previous collective) before it runs; on ranks with their own
+    cores the same figure changes nothing."""
+    pcg = megatron_mlp()
+    base = simulate_pcg(pcg, LIB, CPU64, PARSAT_RUN)
+
+    def machine(turn: float, shared: bool) -> Machine:
+        return replace(CPU64, comm=replace(CPU64.comm, turn_s=turn),
+                       oversubscribed=Oversubscribed(4, 2) if shared else None)
+
+    assert simulate_pcg(pcg, LIB, machine(1e-3, False), PARSAT_RUN).step_s == base.step_s
+    turn = 1e-7   # shorter than the compute before any collective here: each collective waits all of it
+    short = simulate_pcg(pcg, LIB, machine(turn, True), PARSAT_RUN)
+    waits = [s for s in short.result.spans if s.phase == "stragglers"]
+    assert waits and all(s.end - s.start == pytest.approx(turn) for s in waits)
+    assert short.step_s == pytest.approx(base.step_s + turn * len(waits))
+    long = simulate_pcg(pcg, LIB, machine(10.0, True), PARSAT_RUN)   # a slice longer than the compute: the compute
+    first = min((s for s in long.result.spans if s.phase == "stragglers"), key=lambda s: s.start)
+    assert first.end - first.start == pytest.approx(first.start) and first.start > 0
+    assert long.step_s < base.step_s * 2 + 1e-9
+
+
+def test_a_runtime_that_reduce_scatters_by_all_reducing_is_priced_as_the_all_reduce():
+    """gloo's `reduce_scatter_tensor` (FSDP2's) all-reduces the whole buffer: under such a profile a
+    reduce-scatter costs what the measured all-reduce of its input costs, whatever the reduce-scatter's own
+    (list) measurement says; elsewhere the reduce-scatter's own measurement prices it."""
+    from parsat.ir.machine_profile import CollectivePoint
+
+    def machine(rs_latency: float, ar_latency: float) -> Machine:
+        points = (CollectivePoint("all_reduce", "intra", 2, ar_latency, 1e9),
+                  CollectivePoint("reduce_scatter", "intra", 2, rs_latency, 1e9),
+                  CollectivePoint("all_gather", "intra", 2, 1e-4, 1e9))
+        return replace(CPU64, comm=replace(CPU64.comm, points=points))
+
+    pcg = zero3_mlp()
+    profiles = {"own": PARSAT_RUN, "gloo": replace(PARSAT_RUN, reduce_scatter_as_all_reduce=True)}
+    step = {(name, rs, ar): simulate_pcg(pcg, LIB, machine(rs, ar), p).step_s
+            for name, p in profiles.items() for rs in (1e-4, 1.0) for ar in (1e-4, 1e-2)}
+    assert step[("gloo", 1e-4, 1e-4)] == step[("gloo", 1.0, 1e-4)]
+    assert step[("gloo", 1.0, 1e-2)] > step[("gloo", 1.0, 1e-4)]
+    assert step[("own", 1.0, 1e-4)] > step[("own", 1e-4, 1e-4)] + 0.9
 
 
 def test_a_slower_measured_backward_product_prices_a_slower_step():

@@ -59,7 +59,7 @@ def test_machine_file_round_trip_keeps_the_profile(tmp_path):
     machine = Machine("custom", 4, 2, 1e12, 1e11, 1e9, 1e10, 1e-6, 1e9, 1e-5, precision="fp32",
                       peaks=(("fp32", 1e12), ("bf16", 2e12)),
                       efficiency=OpEfficiency(dispatch_s=1e-5, gemm_half_m=64, cache_bytes=1e6, cache_bandwidth=1e12),
-                      comm=CommProfile(launch_s=2e-6, sync_skew=0.1,
+                      comm=CommProfile(launch_s=2e-6, sync_skew=0.1, turn_s=2e-3,
                                        points=(CollectivePoint("all_reduce", "intra", 4, 1e-5, 1e10),)))
     path = tmp_path / "m.json"
     machine.save(path)
@@ -99,6 +99,7 @@ def test_version_1_machine_files_still_load(tmp_path):
     # every profile number is held to parsat/ir/validate.py's ranges, as the flat fields are
     ({"comm": {"launch_s": 1e9}}, r"comm.launch_s: 1000000000.0 is outside the range"),
     ({"comm": {"sync_skew": -0.5}}, "sync_skew"),
+    ({"comm": {"turn_s": -1e-3}}, r"comm.turn_s: -0.001 is outside the range"),
     ({"comm": {"bucket_bytes": 2.5}}, "bucket_bytes: must be an integer"),
     ({"efficiency": {"cache_bandwidth": 1e30}}, "cache_bandwidth"),
     ({"peaks": {"bf16": 1e30}}, r"peaks.bf16: 1e\+30 is outside the range"),

@@ -137,9 +137,14 @@ class Calibration:
     collectives: tuple[CollectiveTiming, ...]
     device: str
     oversubscribed: str = ""   # why the figures are of ranks sharing cores or GPUs ('' when each had its own)
+    turns: tuple[tuple[float, float, float], ...] = ()   # `_turns`' (compute, excess, excess on ranks with a
+    #                                                          core each) per burst, as measured
+    turn_s: float = 0.0        # `fit_turn` of them (the machine keeps it only where ranks share cores)
 
     def to_dict(self) -> dict:
         return {"machine": self.machine.to_dict(), "device": self.device, "oversubscribed": self.oversubscribed,
+                "turns": {"fitted_s": self.turn_s, "bursts": [{"compute_s": c, "excess_s": e, "excess_own_cores_s": o}
+                                                                for c, e, o in self.turns]},
                 "dispatch_s": {"forward": self.dispatch[0], "backward": self.dispatch[1]},
                 "ops": [{"op": t.op, "shape": list(t.shape), "seconds": t.seconds, "flops": t.flops,
                          "bytes": t.nbytes, "predicted_s": t.predicted(self.machine)} for t in self.ops],
@@ -175,9 +180,9 @@ def _average_time(fn: Callable[[], object], repeats: int, sync: Callable[[], Non
                 return elapsed / count
 
 
-def _slowest(ctx: RankContext, value: float) -> float:
+def _slowest(ctx: RankContext, value: float, group=None) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t)
 
 
@@ -189,12 +194,13 @@ class Budget:
     window_s: float = WINDOW_S
 
 
-def _timed(ctx: RankContext, fn: Callable[[], object], budget: Budget, sync) -> float:
-    """All ranks time `fn` at once, each making the same number of calls; the slowest rank's average."""
-    dist.barrier()
-    count = int(_slowest(ctx, budget.window_s / max(_average_time(fn, 1, sync, 0.0), 1e-9)))
-    dist.barrier()
-    return _slowest(ctx, _average_time(fn, max(budget.repeats, min(count, 100_000)), sync, 0.0))
+def _timed(ctx: RankContext, fn: Callable[[], object], budget: Budget, sync, group=None) -> float:
+    """All ranks (of `group`) time `fn` at once, each making the same number of calls; the slowest rank's
+    average."""
+    dist.barrier(group=group)
+    count = int(_slowest(ctx, budget.window_s / max(_average_time(fn, 1, sync, 0.0), 1e-9), group))
+    dist.barrier(group=group)
+    return _slowest(ctx, _average_time(fn, max(budget.repeats, min(count, 100_000)), sync, 0.0), group)
 
 
 def gemm_shapes(size: int) -> list[tuple[int, int, int]]:
@@ -260,7 +266,8 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
                                                 .to(ctx.device), budget, sync), 0.0, float(elements * item)])
     ops += _updates(ctx, dtype, budget, sync)
     return {"dispatch": dispatch, "dtensor": extra, "fsdp": hooks, "ops": ops, "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync),
-            "skew": _skew(ctx, dtype, size, budget, sync), "threads": torch.get_num_threads()}
+            "skew": _skew(ctx, dtype, size, budget, sync), "turns": _turns(ctx, dtype, budget, sync),
+            "threads": torch.get_num_threads()}
 
 
 UPDATE_ROWS = (4, 16, 64, 256, 1024, 4096)   # rows of the [rows, 256] weights whose update is timed: 1 Ki to 1 Mi
@@ -456,12 +463,104 @@ def _skew(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> list[list
     return rows
 
 
-def fit_skew(rows_by_rank: Sequence[Sequence[Sequence[float]]]) -> float:
+TURN_BURSTS_S = (0.5e-3, 1e-3, 2e-3, 4e-3, 8e-3)   # compute between two collectives, as calibrated (`_turns`)
+TURN_ROUNDS = 3       # the bursts measured this many times, interleaved; the median of each is kept
+TURN_ELEMENTS = 256   # the all-reduce: small enough that its own time is latency
+TURN_SIDE = 64        # the products of a burst: 64 x 64, a few microseconds each, so bursts come in fine steps
+
+
+def _turns(ctx: RankContext, dtype, budget: Budget, sync) -> list[list[float]]:
+    """[the burst's compute as calibrated, the excess on all ranks, the excess on ranks with a core each] per
+    burst of `TURN_BURSTS_S`. The excess: every rank computing a burst of small products and then all-reducing
+    `TURN_ELEMENTS` elements, again and again, beyond the burst alone (all ranks computing at once, as every
+    compute figure is calibrated) and the all-reduce alone, back to back (as the collectives' table is). Each
+    figure is the slowest rank's average (`_timed`), each excess the median of `TURN_ROUNDS` interleaved
+    rounds. Where ranks outnumber the cores, the same again on as many ranks as cores (the others blocked in a
+    barrier, using no core): what load elsewhere on the box does to the method (a rank that sleeps in
+    collectives is scheduled ahead of the box's other jobs, so its bursts can run faster than the same burst
+    calibrated alone), which `fit_turn` takes off; with a core each, the two are the same measurement.
+
+    Why: a rank whose peer shares its core meets a collective while that peer is still computing; the
+    collective cannot finish before the scheduler gives the peer's core back to it (a time slice, at most the
+    compute the peer had left), and every rank waits. Back-to-back collectives never meet it (every rank is
+    blocked in the collective, none holds a core), so the collectives' table does not have it; it does not
+    grow with the compute as stragglers do (`_skew`)."""
+    a = torch.randn(TURN_SIDE, TURN_SIDE, dtype=dtype, device=ctx.device)
+    x = torch.ones(TURN_ELEMENTS, dtype=dtype, device=ctx.device)
+    one = _timed(ctx, lambda: a @ a, budget, sync)   # the slowest rank's: the same on every rank
+    counts = [max(1, round(target / max(one, 1e-9))) for target in TURN_BURSTS_S]
+    slow = Budget(max(budget.repeats, 10), max(budget.window_s, 0.1))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    alone = min(ctx.world, cores)   # ranks < world here are not pinned (`launch.share_cores`): all cores
+    control = dist.new_group(list(range(alone))) if 2 <= alone < ctx.world else None
+
+    def excesses(group) -> dict[int, tuple[float, float]]:
+        """count -> (compute, excess) on `group`'s ranks (None: all)."""
+        def reduce():
+            dist.all_reduce(x.clone(), group=group)
+
+        alone_s = _timed(ctx, reduce, slow, sync, group)
+        out = {}
+        for count in counts:
+            def burst(count=count):
+                for _ in range(count):
+                    a @ a
+
+            def cycle(count=count):
+                burst(count)
+                reduce()
+
+            took = _timed(ctx, burst, slow, sync, group)
+            out[count] = (took, _timed(ctx, cycle, slow, sync, group) - took - alone_s)
+        return out
+
+    rounds: list[tuple[dict, dict]] = []
+    for _round in range(TURN_ROUNDS):
+        shared = excesses(None)
+        own = {}
+        if control is not None:
+            if ctx.rank < alone:
+                own = excesses(control)
+            dist.barrier()
+        rounds.append((shared, own))
+    rows, own_rows = [], all(o for _r, o in rounds)
+    for count in counts:
+        rows.append([statistics.median(r[count][0] for r, _o in rounds),
+                     statistics.median(r[count][1] for r, _o in rounds),
+                     statistics.median(o[count][1] for _r, o in rounds) if own_rows else 0.0])
+    return rows   # the figures are the slowest rank's; a rank outside the control group has 0.0 for its excess
+
+
+def fit_turn(rows: Sequence[Sequence[float]]) -> float:
+    """The longest a collective after compute waits for a peer's turn on a shared core (>= 0): the q of
+    wait = min(q, compute since the previous collective) closest, by least squares, to `_turns`' rows
+    (compute, excess on all ranks, excess on ranks with a core each), the excess being the difference of the
+    two. A peer holding the core can hold it for no longer than the compute it has left, and a scheduler
+    gives the core back within a time slice: so the wait grows with short bursts and stops growing at about
+    one slice (measured: benchmarks/costmodel_fidelity.md, run T6)."""
+    points = sorted((max(0.0, float(row[0])), float(row[1]) - (float(row[2]) if len(row) > 2 else 0.0))
+                    for row in rows)
+    if not points:
+        return 0.0
+    candidates = []
+    for k in range(len(points)):   # q between the k-th shortest burst and the one before: the capped ones' mean
+        lower = points[k - 1][0] if k else 0.0
+        capped = [e for _c, e in points[k:]]
+        candidates.append(min(max(sum(capped) / len(capped), lower), points[k][0]))
+
+    def error(q: float) -> float:
+        return sum((min(q, c) - e) ** 2 for c, e in points)
+
+    return min(candidates, key=lambda q: (error(q), q))
+
+
+def fit_skew(rows_by_rank: Sequence[Sequence[Sequence[float]]], turn_s: float = 0.0) -> float:
     """The fraction of the compute between two collectives that a step adds waiting for stragglers (>= 0):
     the least-squares slope of (cycle - calibrated compute) against calibrated compute over every rank's
-    bursts (absolute errors: the long bursts, where the excess is mostly stragglers, weigh most)."""
+    bursts (absolute errors: the long bursts, where the excess is mostly stragglers, weigh most), less the
+    wait for a peer's turn where ranks share cores (`turn_s`, `fit_turn`: priced on its own, not twice)."""
     xs = [c for rows in rows_by_rank for c, _w in rows]
-    ys = [w for rows in rows_by_rank for _c, w in rows]
+    ys = [w - min(turn_s, c) for rows in rows_by_rank for c, w in rows]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mx) ** 2 for x in xs)
     if var <= 0:
@@ -692,7 +791,8 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
     results = launch(_rank_measure, (dtype, size, Budget(repeats, window_s), list(collective_sizes), dtensor),
                      config)
     result = results[0]
-    skew = fit_skew([r["skew"] for r in results])
+    turn = fit_turn(result["turns"])   # every rank's rows are the slowest rank's figures
+    skew = fit_skew([r["skew"] for r in results], turn if crowded else 0.0)
     dispatch = tuple(result["dispatch"])
     ops = tuple(OpTiming(op, tuple(shape), seconds, flops, nbytes) for op, shape, seconds, flops, nbytes
                 in result["ops"])
@@ -735,10 +835,11 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
                       intra_bandwidth=largest.bus_bandwidth, intra_latency=step_latency,
                       inter_bandwidth=largest.bus_bandwidth, inter_latency=step_latency, precision=precision,
                       peaks=((precision, peak), (other_name, other_peak)), efficiency=efficiency,
-                      comm=CommProfile(points=tuple(points), sync_skew=skew),
+                      comm=CommProfile(points=tuple(points), sync_skew=skew, turn_s=turn if crowded else 0.0),
                       oversubscribed=crowding(nproc, cuda))   # the file says so; `optimize` warns
     return Calibration(machine, dispatch, ops, collectives, label,
-                       f"{crowded}: each figure is of ranks waiting for each other" if crowded else "")
+                       f"{crowded}: each figure is of ranks waiting for each other" if crowded else "",
+                       tuple((float(c), float(e), float(o)) for c, e, o in result["turns"]), turn)
 
 
 def crowding(nproc: int, cuda: bool) -> Oversubscribed | None:
@@ -832,6 +933,13 @@ def report(cal: Calibration) -> str:
         shape = "x".join(str(d) for d in t.shape)
         lines.append(f"  {t.op:<14} {shape:<22} {t.seconds * 1e3:>8.4f} ms {t.predicted(m) * 1e3:>8.4f} ms")
     lines.append(f"  stragglers: a collective waits {m.comm.sync_skew:.2f} x the compute since the previous one")
+    if cal.turns:
+        bursts = ", ".join(f"{c * 1e3:.2f}: {e * 1e3:+.2f}" + (f" ({o * 1e3:+.2f})" if cal.oversubscribed else "")
+                           for c, e, o in cal.turns)
+        priced = "priced: ranks share cores" if m.comm.turn_s else "not priced: each rank has its own core"
+        lines.append(f"  a peer's turn: a collective after compute waits min({cal.turn_s * 1e3:.2f} ms, the compute "
+                     f"since the previous one) ({priced}; compute ms: excess ms"
+                     + (" (on a core each)" if cal.oversubscribed else "") + f" {bursts})")
     for p in m.comm.points:
         lines.append(f"  {p.collective:<14} {f'{p.group} ranks':<22} latency {p.latency_s * 1e6:8.1f} us, bus "
                      f"bandwidth {p.bus_bandwidth / 1e9:.3f} GB/s")
@@ -842,4 +950,4 @@ def report(cal: Calibration) -> str:
 
 
 __all__ = ["Budget", "Calibration", "CollectiveTiming", "OpTiming", "average_after", "calibrate", "fit_gemm",
-           "fit_layouts", "fit_line", "fit_link", "fit_memory", "fit_updates", "gemm_shapes", "memory_sizes", "report"]
+           "fit_layouts", "fit_line", "fit_link", "fit_memory", "fit_turn", "fit_updates", "gemm_shapes", "memory_sizes", "report"]

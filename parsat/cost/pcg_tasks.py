@@ -137,6 +137,9 @@ class ExecutionProfile:
     #                                 all-gather runs beside the product's input-gradient GEMM (`_regather`)
     overlap_grad_reduce: bool = True   # DDP's buckets launched as backward fills them; else all of them once the
     #                                 last micro-batch's backward is done (`CommProfile.overlap_grad_reduce`)
+    reduce_scatter_as_all_reduce: bool = False   # a reduce-scatter runs as an all-reduce of its whole input, each
+    #                                 rank keeping its piece (gloo's `reduce_scatter_tensor`, which FSDP2 and
+    #                                 DTensor call): priced as that all-reduce, not as the reduce-scatter timed
     module_calls: ModuleCalls | None = None   # the user's module runs, not the graph: its calls beyond the graph's
     #                                 nodes, one dispatch each (`ir.module_calls`; `running`)
 
@@ -153,10 +156,13 @@ TORCH_NATIVE = ExecutionProfile("parsat.parallelize(runtime='torch')", overlap=F
                                 keep_activations=False, seeded_inputs=False, eager_gradients=False,
                                 fused_optimizer=False, optimizer="sgd", tp_comm_overlap=False, fsdp_groups=True,
                                 style_collectives=True, dtensor_modules=True, transient_gradients=True,
-                                local_loss=True)
+                                local_loss=True, reduce_scatter_as_all_reduce=True)
 """The torch-native runtime on CPU gloo (docs/TORCH_NATIVE.md): the user's module on integer ids, activations
 freed by backward, collectives blocking the one host thread (gloo's work runs while the rank waits for it),
-FSDP2's groups (`cost.fsdp_groups`), tensor parallelism as torch's styles run it, SGD per tensor."""
+FSDP2's groups (`cost.fsdp_groups`), tensor parallelism as torch's styles run it, SGD per tensor, reduce-scatters
+as gloo runs `reduce_scatter_tensor` (an all-reduce of the whole buffer: torch's profiler shows one
+`gloo:all_reduce` per FSDP2 reduce-scatter; on 2 and 4 ranks it took 0.6-1.5x the all-reduce, the list
+`reduce_scatter` that `parsat calibrate` times 1.4-3.0x: benchmarks/costmodel_fidelity.md, run T6)."""
 DDP = ExecutionProfile("ddp", overlap=True, ddp_buckets=True, keep_activations=False, seeded_inputs=False,
                        eager_gradients=True, fused_optimizer=True, optimizer="adam", tp_comm_overlap=True,
                        overlap_param_gather=True, regather=True)
@@ -531,6 +537,10 @@ class _Builder:
         return chunk_time(timed, pipe.parts, pipe.axis, self.machine)
 
     def _collective(self, kind: str, node: PNode, nbytes: float) -> float:
+        """Seconds of one collective of `nbytes` (`collectives.price`'s convention) on `node`'s group, as this
+        profile's runtime issues it (`ExecutionProfile.reduce_scatter_as_all_reduce`)."""
+        if kind == REDUCE_SCATTER and self.profile.reduce_scatter_as_all_reduce:
+            kind = ALL_REDUCE   # the reduce-scatter's input is the all-reduced buffer
         return self.times.collective(kind, self.topology(node), nbytes)
 
     def _deps(self, node: PNode) -> list[int]:
@@ -551,9 +561,10 @@ class _Builder:
 
     def _sync(self, name: str, kind: str, node: PNode, nbytes: float, deps, alloc: int = 0, free: int = 0,
               phase: str = "forward_comm", pipe: Pipeline | None = None, backward: bool = False) -> int:
-        """A collective: it first waits for the slowest rank (`comm.sync_skew` x the compute since the last one).
-        With `pipe`, in chunks pipelined with its product (`Pipeline.ring`)."""
-        wait = self.machine.comm.sync_skew * self.since_sync
+        """A collective: it first waits for the slowest rank (`comm.sync_skew` x the compute since the last one)
+        and, on ranks sharing cores, for a peer's turn (`_turn`). With `pipe`, in chunks pipelined with its
+        product (`Pipeline.ring`)."""
+        wait = self.machine.comm.sync_skew * self.since_sync + self._turn(node)
         self.since_sync = 0.0
         stream = self._comm(self.topology(node))
         self.collectives += 1
@@ -565,6 +576,17 @@ class _Builder:
         step = self._collective(SEND_RECV, node, nbytes / pipe.parts)
         return self._piped(pipe, backward, False, name, stream, pipe.ring(kind, step), whole, list(deps), alloc, free,
                            phase)
+
+    def _turn(self, node: PNode) -> float:
+        """What a collective waits for a peer's turn on a core, where the machine was calibrated with ranks sharing
+        cores (`machine.oversubscribed`; else 0): a peer still computing holds its core until the scheduler takes
+        it back, at most `comm.turn_s` (a time slice, `parsat calibrate`'s `fit_turn`) and at most the compute
+        since the previous collective (a peer holds the core no longer than its own compute). None after a
+        collective with no compute between them, as the collectives' table times them back to back."""
+        turn = self.machine.comm.turn_s
+        if not turn or self.machine.oversubscribed is None or self.topology(node).size < 2:
+            return 0.0
+        return min(turn, self.since_sync)
 
     # ---------------------------------------------------------------- tensor-parallel communication overlap
     def _pipelines(self) -> dict[int, Pipeline]:

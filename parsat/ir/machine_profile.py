@@ -235,6 +235,9 @@ class CommProfile:
     bucket_elements_per_rank: int = 0     # ... and at least this many per rank of its group (`bucket_caps`)
     sync_skew: float = 0.0                # stragglers: a synchronising collective also waits this fraction of the
                                           # compute since the previous one (ranks sharing cores; ~0 on dedicated GPUs)
+    turn_s: float = 0.0                   # ranks sharing cores (`oversubscribed`): a collective after compute also
+                                          # waits for a peer's turn on its core, at most this long and at most the
+                                          # compute since the previous collective (`parsat calibrate`'s turns)
     points: tuple[CollectivePoint, ...] = field(default=())
     # Whether the data-parallel gradient reduction runs while backward produces the gradients (DDP's buckets,
     # Megatron-Core's --overlap-grad-reduce: the default), or only once backward is done, as Megatron-LM's
@@ -270,6 +273,8 @@ class CommProfile:
                "bucket_bytes": self.bucket_bytes, "first_bucket_bytes": self.first_bucket_bytes,
                "bucket_elements": self.bucket_elements, "bucket_elements_per_rank": self.bucket_elements_per_rank,
                "sync_skew": self.sync_skew}
+        if self.turn_s:   # written where measured on ranks sharing cores: other files read and write as before
+            out["turn_s"] = self.turn_s
         if not self.overlap_grad_reduce:
             out["overlap_grad_reduce"] = False
         return {**out, "points": [p.to_dict() for p in self.points]}

@@ -644,6 +644,7 @@ COMM_RANGES: Mapping[str, tuple[float, float, str]] = {
     "bucket_elements": (0, 1e18, "elements (0: bytes only)"),
     "bucket_elements_per_rank": (0, 1e18, "elements per rank of the group (0: bytes only)"),
     "sync_skew": (0.0, 1000.0, "x the compute between collectives"),
+    "turn_s": (0.0, 3600.0, "seconds a collective waits for a peer's turn on a shared core"),
 }
 COMM_INTEGERS = ("bucket_bytes", "first_bucket_bytes", "bucket_elements", "bucket_elements_per_rank")
 COMM_FLAGS = ("overlap_grad_reduce",)
