@@ -421,7 +421,9 @@ class _Builder:
         self.bucket_of: dict[int, tuple[int, GradientBuckets]] = {}   # stored-at node -> (its axis, buckets)
         self.gathers = self._param_gathers()          # ZeRO-1/2's gathers overlapped with forward, per axis
         self.weights_of = self._weights_of() if self.gathers else {}   # chain node -> the stored weights it reads
-        self.timed: dict[int, OpTime] = {}
+        # compute node -> its time (`OpTimes`), kept with the PCG for this cache of compute times: the simulation
+        # and the floors of a layout's forms (`search.baselines.restated`: the same nodes) read the same times
+        self.timed: dict[int, OpTime] = pcg.derive(("compute times",), times, dict)
         # compute node -> its unpipelined forward task and `_prepare`'s records (name, seconds, bytes, contiguous,
         # saved, view): the same every micro-batch and recomputation, since what they read is (the node, its
         # time, and its inputs' contiguity, which are such records too or the weights' chains', kept all step)
@@ -1626,7 +1628,9 @@ class _Builder:
         collective runs whole, so there it is the lesser of `op_time(k)` and `parts x op_time(c)`, unless it
         runs first."""
         eff = self.eff
-        timed = self.times(node, [self.by_id[i] for i in node.inputs])
+        timed = self.timed.get(node.id)
+        if timed is None:
+            timed = self.timed[node.id] = self.times(node, [self.by_id[i] for i in node.inputs])
         if sibling:
             return 0.0, self._backward_floor(node, timed, reached), 0.0
         forward = again = eff.op_time(timed.kernel_s)
