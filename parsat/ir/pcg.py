@@ -34,22 +34,6 @@ class Degrees:
     copy: int = 1
     sum: int = 1
 
-    def __hash__(self) -> int:
-        """The fields' hash, as the generated one gives it, kept once made: a search hashes the same spreads
-        millions of times (compute costs and times are kept by them, `cost.pcg_tasks.OpTimes`, `extract.Pricer`)."""
-        found = self.__dict__.get("_hash")
-        if found is None:
-            found = hash((self.shard, self.copy, self.sum))
-            object.__setattr__(self, "_hash", found)
-        return found
-
-    def __eq__(self, other: object) -> bool:
-        if self is other:
-            return True
-        if other.__class__ is not Degrees:
-            return NotImplemented
-        return self.shard == other.shard and self.copy == other.copy and self.sum == other.sum
-
     @staticmethod
     def whole(rank: int) -> "Degrees":
         return Degrees(tuple(1 for _ in range(rank)))
