@@ -992,6 +992,9 @@ class _Builder:
                     visit(self.by_id[i])
 
         self._walk(self._backward_order(), visit, done, skipped)
+        # `visit` reads itself: dropped here, so that the builder (and its tasks) is freed when the step is
+        # simulated, not left in a reference cycle for the collector (its lambdas read the cache, not `self`)
+        visit = None   # noqa: F841
         if self.first and self.accumulating and self._accumulated_bytes():
             self._add("gradients kept across micro-batches", self.compute, 0.0, [len(self.steps) - 1],
                       alloc=self._accumulated_bytes(), phase="backward")
@@ -1085,7 +1088,7 @@ class _Builder:
             group = GroupTopology.of_axis(self.pcg.mesh, axis)
             kind = REDUCE_SCATTER if self.sharded else ALL_REDUCE   # ZeRO: each rank keeps its shard's sum
             buckets = GradientBuckets(self.steps, DEVICE, grads,
-                                      lambda nbytes, g=group, k=kind: self.times.collective(k, g, nbytes),
+                                      lambda nbytes, g=group, k=kind, times=self.times: times.collective(k, g, nbytes),
                                       *comm.bucket_caps(group.size, grad_bytes), stream_name=group.link,
                                       after_backward=not self.profile.overlap_grad_reduce)
             out.append(buckets)
@@ -1129,7 +1132,7 @@ class _Builder:
         for axis, buckets, nbytes in self._gather_buckets():
             group = GroupTopology.of_axis(self.pcg.mesh, axis)
             out.append(ParamGathers(self.steps, DEVICE, buckets, nbytes,
-                                    lambda n, g=group: self.times.collective(ALL_GATHER, g, n),
+                                    lambda n, g=group, times=self.times: times.collective(ALL_GATHER, g, n),
                                     stream_name=group.link))
         return out
 
