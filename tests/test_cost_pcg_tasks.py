@@ -730,3 +730,30 @@ def test_node_facts_kept_across_micro_batches_give_the_tasks_worked_out_afresh(m
         machine = Machine.preset(name).with_devices(4)
         afresh = simulate_pcg(pcg, library, machine, profile, times=OpTimes(library, machine), microbatches=m)
         assert columns(afresh) == kept[(name, id(pcg), m)]
+
+
+def test_a_simulated_step_s_builder_is_freed_when_the_step_ends(monkeypatch):
+    """The builder (and its tasks, 10^5-10^6 for a step of many micro-batches) is in no reference cycle: it is freed
+    as the simulation returns, not held until the collector's older generation runs (which a search runs
+    seldom: `search.collector`). ZeRO-1 gathers and DDP's buckets hold lambdas, backward a recursive `visit`."""
+    import gc
+    import weakref
+    library, layouts = _gpt_layouts()
+    machine = Machine.preset("h100x8").with_devices(4)
+    made = []
+    original = pcg_tasks._Builder.__init__
+
+    def kept(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append((weakref.ref(self), weakref.ref(self.steps)))
+    monkeypatch.setattr(pcg_tasks._Builder, "__init__", kept)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for pcg in layouts:
+            simulate_pcg(pcg, library, machine, DDP, microbatches=4)
+            step_floor(pcg, machine, OpTimes(library, machine), 4)
+            assert all(builder() is None and steps() is None for builder, steps in made), pcg.zero
+    finally:
+        if enabled:
+            gc.enable()
