@@ -264,28 +264,13 @@ class StepBuilder:
         # each stream's busy time summed in task order, as before, in the same pass; run by run (`_runs`), each
         # dependency at or past `cut` read moved by `shift` (a copy's, as `repeat` would have written it: the
         # same comparisons, sums and order, so the same figures)
-        # a run written out (`shift` 0: its dependencies are its own) reads them as they are
         for first, stop, read, cut, shift in self._runs():
-            if shift:
-                for i, s, needs, duration in zip(range(first, stop), stream_of[first:stop],
-                                                 deps[read:read + stop - first], durations[first:stop]):
-                    t, why = free_at[s], latest[s]
-                    for d in needs:
-                        if d >= cut:
-                            d += shift
-                        if end[d] > t:
-                            t, why = end[d], d
-                    start[i] = t
-                    end[i] = finish = t + duration
-                    free_at[s] = finish
-                    latest[s] = i
-                    held_by[i] = why
-                    per_stream[s] += duration
-                continue
-            for i, s, needs, duration in zip(range(first, stop), stream_of[first:stop], deps[first:stop],
-                                             durations[first:stop]):
+            for i, s, needs, duration in zip(range(first, stop), stream_of[first:stop],
+                                             deps[read:read + stop - first], durations[first:stop]):
                 t, why = free_at[s], latest[s]
                 for d in needs:
+                    if d >= cut:
+                        d += shift
                     e = end[d]
                     if e > t:
                         t, why = e, d
