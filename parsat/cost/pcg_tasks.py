@@ -838,7 +838,7 @@ class _Builder:
         fused = [node] + self._ready_siblings(pipe)
         run = [self._prepare(n) for n in fused]
         timed, kernel, copy, nbytes = run[0]
-        if pipe is None or kernel == 0.0:   # not pipelined, or a view
+        if kernel == 0.0:   # a view (unpipelined nodes are run above)
             seconds = self.eff.op_time(kernel + copy) + self._dtensor_s(node, False)
             self.ready[node.id] = self._add(f"{node.label} #{node.id}", self.compute, seconds, self._deps(node),
                                             alloc=nbytes)
@@ -1088,7 +1088,7 @@ class _Builder:
             group = GroupTopology.of_axis(self.pcg.mesh, axis)
             kind = REDUCE_SCATTER if self.sharded else ALL_REDUCE   # ZeRO: each rank keeps its shard's sum
             buckets = GradientBuckets(self.steps, DEVICE, grads,
-                                      lambda nbytes, g=group, k=kind, times=self.times: times.collective(k, g, nbytes),
+                                      lambda nbytes, g=group, k=kind, t=self.times: t.collective(k, g, nbytes),
                                       *comm.bucket_caps(group.size, grad_bytes), stream_name=group.link,
                                       after_backward=not self.profile.overlap_grad_reduce)
             out.append(buckets)
@@ -1367,8 +1367,8 @@ class _Builder:
         input handed the task; a product pipelined with a collective runs it in chunks (`Pipeline`). One reading
         a regathered value (`regathered`) waits for its second all-gather (`_split_backward`)."""
         known = self.backward_known.get((node.id, view))
-        if known is not None and known[3] is None:   # worked out in an earlier micro-batch, unpipelined
-            grads, again, seconds = known[:3]
+        if known is not None:   # worked out in an earlier micro-batch, unpipelined
+            grads, again, seconds = known
             if not again or view:
                 task = self._add(label, self.compute, seconds, deps, free=free, phase="backward")
                 for i in grads:
@@ -1388,7 +1388,7 @@ class _Builder:
         pipe = None if view else self._pipe(node, backward=True)
         if pipe is None:
             seconds = whole + self._dtensor_s(node, True)
-            self.backward_known[(node.id, view)] = (grads, again, seconds, None)
+            self.backward_known[(node.id, view)] = (grads, again, seconds)
             task = self._add(label, self.compute, seconds, deps, free=free, phase="backward")
         else:
             chunk = self._chunk(timed, pipe).backward_kernel_s(positions)
