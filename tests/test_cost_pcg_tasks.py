@@ -20,6 +20,7 @@ from parsat.ir.placement import Placement, apply_parallel, compute_placement
 from parsat.cost.collectives import ALL_GATHER, ALL_REDUCE, SEND_RECV, GroupTopology, price
 from parsat.cost.pcg_tasks import (DDP, PARSAT_RUN, OpTimes, TaskBuildError, _needs_gradient, needs_gradient,
                                    profile_for, simulate_pcg, step_floor)
+import parsat.cost.pcg_tasks as pcg_tasks
 
 LIB = load_library([shipped_rules_dir() / "ops.rule"])[0]
 CPU64 = Machine.preset("cpu").with_precision("fp64")     # `parsat run` trains in float64
@@ -732,3 +733,72 @@ def test_the_simulated_activations_are_what_the_per_node_model_keeps():
     assert held == kept + 2 * output
     freed = [s for s in step.result.spans if s.name == "freed after forward: matmul #12 (no backward reads it)"]
     assert len(freed) == 1 and freed[0].free == 4096 * 4096 * H100.dtype_bytes
+
+
+class _Forgetful(dict):
+    """A memo that keeps nothing: every look-up misses, so each fact is worked out afresh."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+def test_node_facts_kept_across_micro_batches_give_the_tasks_worked_out_afresh(monkeypatch):
+    """A compute node's forward and backward facts (`_Builder.forward_known`, `backward_known`, the backward's name)
+    are worked out once per step and read again by every later micro-batch and recomputation, and the compute
+    times are kept with the PCG for the cache (`PCG.derive`, shared by a layout's forms): task for task, the step
+    is the one a builder that keeps none of them (and times every node itself) gives, over layouts with ZeRO,
+    sequence parallelism (re-gathers, pipelined products) and recomputation, in both profiles."""
+    library, layouts = _gpt_layouts()
+
+    def columns(prediction):
+        b, start, end = prediction.result._columns
+        return (b.names, b.stream_of, b.durations, b.deps, b.allocs, b.frees, b.phases, start, end,
+                prediction.result.peak_memory_bytes, prediction.end_of_forward, prediction.end_of_backward)
+
+    runs = [(name, profile, pcg, m) for name, profile in (("h100x8", DDP), ("cpu", PARSAT_RUN))
+            for pcg in layouts for m in (1, 4)]
+    kept = {}
+    for name, profile, pcg, m in runs:
+        machine = Machine.preset(name).with_devices(4)
+        times = OpTimes(library, machine)
+        step_floor(pcg, machine, times, m)   # the floor fills the PCG's table first, as a grid's does
+        kept[(name, id(pcg), m)] = columns(simulate_pcg(pcg, library, machine, profile, times=times, microbatches=m))
+        assert pcg.derive(("compute times",), times, dict)   # filled, and read by the simulation
+    original = pcg_tasks._Builder.__init__
+
+    def forgetting(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.forward_known, self.backward_known, self.backward_labels = _Forgetful(), _Forgetful(), _Forgetful()
+        self.timed = {}
+    monkeypatch.setattr(pcg_tasks._Builder, "__init__", forgetting)
+    for name, profile, pcg, m in runs:
+        machine = Machine.preset(name).with_devices(4)
+        afresh = simulate_pcg(pcg, library, machine, profile, times=OpTimes(library, machine), microbatches=m)
+        assert columns(afresh) == kept[(name, id(pcg), m)]
+
+
+def test_a_simulated_step_s_builder_is_freed_when_the_step_ends(monkeypatch):
+    """The builder (and its tasks, 10^5-10^6 for a step of many micro-batches) is in no reference cycle: it is freed
+    as the simulation returns, not held until the collector's older generation runs (which a search runs
+    seldom: `search.collector`). ZeRO-1 gathers and DDP's buckets hold lambdas, backward a recursive `visit`."""
+    import gc
+    import weakref
+    library, layouts = _gpt_layouts()
+    machine = Machine.preset("h100x8").with_devices(4)
+    made = []
+    original = pcg_tasks._Builder.__init__
+
+    def kept(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append((weakref.ref(self), weakref.ref(self.steps)))
+    monkeypatch.setattr(pcg_tasks._Builder, "__init__", kept)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for pcg in layouts:
+            simulate_pcg(pcg, library, machine, DDP, microbatches=4)
+            step_floor(pcg, machine, OpTimes(library, machine), 4)
+            assert all(builder() is None and steps() is None for builder, steps in made), pcg.zero
+    finally:
+        if enabled:
+            gc.enable()

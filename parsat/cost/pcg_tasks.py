@@ -427,7 +427,17 @@ class _Builder:
         self.bucket_of: dict[int, tuple[int, GradientBuckets]] = {}   # stored-at node -> (its axis, buckets)
         self.gathers = self._param_gathers()          # ZeRO-1/2's gathers overlapped with forward, per axis
         self.weights_of = self._weights_of() if self.gathers else {}   # chain node -> the stored weights it reads
-        self.timed: dict[int, OpTime] = {}
+        # compute node -> its time (`OpTimes`), kept with the PCG for this cache of compute times: the simulation
+        # and the floors of a layout's forms (`search.baselines.restated`: the same nodes) read the same times
+        self.timed: dict[int, OpTime] = pcg.derive(("compute times",), times, dict)
+        # compute node -> its unpipelined forward task and `_prepare`'s records (name, seconds, bytes, contiguous,
+        # saved, view): the same every micro-batch and recomputation, since what they read is (the node, its
+        # time, and its inputs' contiguity, which are such records too or the weights' chains', kept all step)
+        self.forward_known: dict[int, tuple] = {}
+        # (compute node, whether it ran as a view) -> its backward's facts (`_compute_backward`), and node -> its
+        # backward tasks' name: the same every micro-batch
+        self.backward_known: dict[tuple[int, bool], tuple] = {}
+        self.backward_labels: dict[int, str] = {}
         self.ready: dict[int, int | None] = {}        # node -> the task after which its forward value exists
         self.grad_ready: dict[int, list[int]] = {}    # node -> tasks producing its gradient
         self.allocated: dict[int, int] = {}           # node -> bytes its forward output allocated
@@ -544,7 +554,7 @@ class _Builder:
         return self.times.collective(kind, self.topology(node), nbytes)
 
     def _deps(self, node: PNode) -> list[int]:
-        deps = [t for t in (self.ready.get(i) for i in node.inputs) if t is not None]
+        deps = [t for t in map(self.ready.get, node.inputs) if t is not None]
         if self.gathers and self.first and node.id not in self.params:
             deps += self._await_parameters(node)
         return deps
@@ -557,7 +567,7 @@ class _Builder:
             name, phase = f"recompute {name}", {"forward": "backward", "forward_comm": "backward_comm"}[phase]
             if self.recomputing.id not in self.dropped:   # a kept value: it is still there, its copy is dropped
                 alloc = free = 0
-        return self.steps.add(name, stream, seconds, deps, alloc=alloc, free=free, phase=phase)
+        return self.steps.add(name, stream, seconds, deps, alloc, free, phase)
 
     def _sync(self, name: str, kind: str, node: PNode, nbytes: float, deps, alloc: int = 0, free: int = 0,
               phase: str = "forward_comm", pipe: Pipeline | None = None, backward: bool = False) -> int:
@@ -699,8 +709,9 @@ class _Builder:
         for its own backward aside (`_saved_extra`): no backward reads it, or it is gathered again for the one
         that does (`_regather`). Not one recomputation keeps (a value read outside its block, which `_recompute`
         makes again without allocating)."""
-        for i in dict.fromkeys(node.inputs):
-            if i not in self.forward_readers:
+        readers = self.forward_readers
+        for i in dict.fromkeys(node.inputs) if len(node.inputs) > 1 else node.inputs:
+            if i not in readers:
                 continue
             self.forward_readers[i] -= 1
             held = self.allocated.get(i, 0) - self.extra.get(i, 0)
@@ -832,10 +843,24 @@ class _Builder:
             self.early.discard(node.id)
             return
         pipe = self._pipe(node, backward=False)
-        fused = [node] + (self._ready_siblings(pipe) if pipe is not None else [])
+        if pipe is None:
+            known = self.forward_known.get(node.id)
+            if known is None:   # first run: worked out (`_prepare`), and kept
+                _timed, kernel, copy, nbytes = self._prepare(node)
+                seconds = self.eff.op_time(kernel + copy) + self._dtensor_s(node, False)
+                known = self.forward_known[node.id] = (f"{node.label} #{node.id}", seconds, nbytes,
+                                                       self.contiguous[node.id], self.extra[node.id],
+                                                       self.views[node.id])
+            else:   # `_prepare`'s records, as it would make them again
+                ident = node.id
+                _name, seconds, nbytes, self.contiguous[ident], self.extra[ident], self.views[ident] = known
+                self.allocated[ident] = nbytes
+            self.ready[node.id] = self._add(known[0], self.compute, known[1], self._deps(node), alloc=known[2])
+            return
+        fused = [node] + self._ready_siblings(pipe)
         run = [self._prepare(n) for n in fused]
         timed, kernel, copy, nbytes = run[0]
-        if pipe is None or kernel == 0.0:   # not pipelined, or a view
+        if kernel == 0.0:   # a view (unpipelined nodes are run above)
             seconds = self.eff.op_time(kernel + copy) + self._dtensor_s(node, False)
             self.ready[node.id] = self._add(f"{node.label} #{node.id}", self.compute, seconds, self._deps(node),
                                             alloc=nbytes)
@@ -983,12 +1008,15 @@ class _Builder:
                           free=self.allocated.pop(node.id), phase="backward")
             for i in node.inputs:
                 waiting[i] -= 1
-            for i in list(node.inputs) + self._take_flushed():
+            for i in (*node.inputs, *self._take_flushed()) if self.flushed else node.inputs:
                 if i not in done and not waiting[i] and i not in self.deferred and \
                         (i in skipped or eager and i in params):
                     visit(self.by_id[i])
 
         self._walk(self._backward_order(), visit, done, skipped)
+        # `visit` reads itself: dropped here, so that the builder (and its tasks) is freed when the step is
+        # simulated, not left in a reference cycle for the collector (its lambdas read the cache, not `self`)
+        visit = None   # noqa: F841
         if self.first and self.accumulating and self._accumulated_bytes():
             self._add("gradients kept across micro-batches", self.compute, 0.0, [len(self.steps) - 1],
                       alloc=self._accumulated_bytes(), phase="backward")
@@ -1031,8 +1059,8 @@ class _Builder:
         for node in order:
             if node.id in done:
                 continue
-            if node.id in self.deferred or any(u.id in skipped and u.id not in done
-                                               for u in self.users.get(node.id, ())):
+            if node.id in self.deferred or skipped and any(u.id in skipped and u.id not in done
+                                                           for u in self.users.get(node.id, ())):
                 skipped.add(node.id)
             else:
                 visit(node)
@@ -1082,7 +1110,7 @@ class _Builder:
             group = GroupTopology.of_axis(self.pcg.mesh, axis)
             kind = REDUCE_SCATTER if self.sharded else ALL_REDUCE   # ZeRO: each rank keeps its shard's sum
             buckets = GradientBuckets(self.steps, DEVICE, grads,
-                                      lambda nbytes, g=group, k=kind: self.times.collective(k, g, nbytes),
+                                      lambda nbytes, g=group, k=kind, t=self.times: t.collective(k, g, nbytes),
                                       *comm.bucket_caps(group.size, grad_bytes), stream_name=group.link,
                                       after_backward=not self.profile.overlap_grad_reduce)
             out.append(buckets)
@@ -1126,7 +1154,7 @@ class _Builder:
         for axis, buckets, nbytes in self._gather_buckets():
             group = GroupTopology.of_axis(self.pcg.mesh, axis)
             out.append(ParamGathers(self.steps, DEVICE, buckets, nbytes,
-                                    lambda n, g=group: self.times.collective(ALL_GATHER, g, n),
+                                    lambda n, g=group, times=self.times: times.collective(ALL_GATHER, g, n),
                                     stream_name=group.link))
         return out
 
@@ -1150,8 +1178,9 @@ class _Builder:
         self.grad_ready.setdefault(node_id, []).append(task)
 
     def _node_backward(self, node: PNode, deps: list[int], syncs: list[int]) -> int | None:
-        piece = _elements(node)
-        label = f"{node.label} #{node.id} backward"
+        label = self.backward_labels.get(node.id)
+        if label is None:
+            label = self.backward_labels[node.id] = f"{node.label} #{node.id} backward"
         held = self.allocated.get(node.id, 0)
         # a recomputed value is freed by its backward whatever the profile (torch.utils.checkpoint's does)
         free = held if not self.profile.keep_activations or node.id in self.dropped else 0
@@ -1159,6 +1188,7 @@ class _Builder:
             self.allocated[node.id] = 0
         if node.kind == "op":
             return self._compute_backward(node, label, deps, view=self.views.get(node.id, held == 0), free=free)
+        piece = _elements(node)
         source = node.inputs[0]
         weight = source in self.params      # a weight's value: its gradient's reduction is the gradient sync
         if node.op in (PARTITION, parallel_ops.REDUCE_SCATTER):
@@ -1358,6 +1388,14 @@ class _Builder:
         """A compute node's backward: one kernel per input needing a gradient (`OpTime.backward_kernel_s`), each
         input handed the task; a product pipelined with a collective runs it in chunks (`Pipeline`). One reading
         a regathered value (`regathered`) waits for its second all-gather (`_split_backward`)."""
+        known = self.backward_known.get((node.id, view))
+        if known is not None:   # worked out in an earlier micro-batch, unpipelined
+            grads, again, seconds = known
+            if not again or view:
+                task = self._add(label, self.compute, seconds, deps, free=free, phase="backward")
+                for i in grads:
+                    self._give(i, task)
+                return task
         timed = self.timed[node.id]
         grads = [i for i in node.inputs if self.needs_grad[i]]
         positions = [p for p, i in enumerate(node.inputs) if self.needs_grad[i]]
@@ -1371,8 +1409,9 @@ class _Builder:
         whole = self.eff.op_time(kernel, backward=True)
         pipe = None if view else self._pipe(node, backward=True)
         if pipe is None:
-            task = self._add(label, self.compute, whole + self._dtensor_s(node, True), deps, free=free,
-                             phase="backward")
+            seconds = whole + self._dtensor_s(node, True)
+            self.backward_known[(node.id, view)] = (grads, again, seconds)
+            task = self._add(label, self.compute, seconds, deps, free=free, phase="backward")
         else:
             chunk = self._chunk(timed, pipe).backward_kernel_s(positions)
             parts = [self.eff.op_time(chunk, backward=True)] * pipe.parts
@@ -1614,7 +1653,9 @@ class _Builder:
         collective runs whole, so there it is the lesser of `op_time(k)` and `parts x op_time(c)`, unless it
         runs first."""
         eff = self.eff
-        timed = self.times(node, [self.by_id[i] for i in node.inputs])
+        timed = self.timed.get(node.id)
+        if timed is None:
+            timed = self.timed[node.id] = self.times(node, [self.by_id[i] for i in node.inputs])
         if sibling:
             return 0.0, self._backward_floor(node, timed, reached), 0.0
         forward = again = eff.op_time(timed.kernel_s)
@@ -1714,7 +1755,8 @@ def simulate_pcg(pcg: PCG, library: Library, machine: Machine, profile: Executio
     builder.optimizer(syncs, produced)
     builder.finish()
     resident = builder.resident()
-    return StepPrediction(builder.steps.simulate({DEVICE: resident}), resident, end_of_forward, end_of_backward)
+    return StepPrediction(builder.steps.simulate({DEVICE: resident}, last=True), resident, end_of_forward,
+                          end_of_backward)
 
 
 FLOOR_SLACK = 1e-9   # relative: the floor's sum and the simulator's chain of ends round in different orders

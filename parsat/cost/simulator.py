@@ -200,12 +200,13 @@ class StepBuilder:
         """Add a task (after every task already added on its stream); its id."""
         ident = len(self.names)
         deps = tuple(deps)
-        if None in deps:   # a builder's "no task" (a value that exists before the step) waits for nothing
-            deps = tuple([d for d in deps if d is not None])
-        # one comparison of the extremes for the common case (a step adds 10^5 tasks); the first bad one named
-        if deps and not (0 <= min(deps) and max(deps) < ident):
-            bad = next(d for d in deps if not 0 <= d < ident)
-            raise SimulationError(f"task '{name}' depends on task {bad}, which is not an earlier task")
+        if deps:
+            if None in deps:   # a builder's "no task" (a value that exists before the step) waits for nothing
+                deps = tuple([d for d in deps if d is not None])
+            # one comparison of the extremes for the common case (a step adds 10^5 tasks); the first bad one named
+            if deps and not (0 <= min(deps) and max(deps) < ident):
+                bad = next(d for d in deps if not 0 <= d < ident)
+                raise SimulationError(f"task '{name}' depends on task {bad}, which is not an earlier task")
         if not duration >= 0:
             raise SimulationError(f"task '{name}' has duration {duration}")
         if not 0 <= stream < len(self.streams):
@@ -248,11 +249,13 @@ class StepBuilder:
         self.frees.extend(self.frees[start:end])
         self.phases.extend(self.phases[start:end])
 
-    def simulate(self, resident: Mapping[Hashable, int] | None = None) -> StepResult:
-        """Run the step: `resident` bytes are held on each device throughout (weights, optimizer state)."""
+    def simulate(self, resident: Mapping[Hashable, int] | None = None, last: bool = False) -> StepResult:
+        """Run the step: `resident` bytes are held on each device throughout (weights, optimizer state).
+        `last`: no task is added after this, so the result reads these columns rather than a copy of them
+        (`pcg_tasks.simulate_pcg`, whose builder ends here: a step of many micro-batches has 10^5-10^6 tasks)."""
         n = len(self.names)
         free_at = [0.0] * len(self.streams)
-        last = [-1] * len(self.streams)
+        latest = [-1] * len(self.streams)
         start = [0.0] * n
         end = [0.0] * n
         held_by = [-1] * n
@@ -264,16 +267,17 @@ class StepBuilder:
         for first, stop, read, cut, shift in self._runs():
             for i, s, needs, duration in zip(range(first, stop), stream_of[first:stop],
                                              deps[read:read + stop - first], durations[first:stop]):
-                t, why = free_at[s], last[s]
+                t, why = free_at[s], latest[s]
                 for d in needs:
                     if d >= cut:
                         d += shift
-                    if end[d] > t:
-                        t, why = end[d], d
+                    e = end[d]
+                    if e > t:
+                        t, why = e, d
                 start[i] = t
                 end[i] = finish = t + duration
                 free_at[s] = finish
-                last[s] = i
+                latest[s] = i
                 held_by[i] = why
                 per_stream[s] += duration
         step = max(end, default=0.0)
@@ -285,8 +289,10 @@ class StepBuilder:
                 path.append(i)
                 i = held_by[i]
             path.reverse()
-        snapshot = StepBuilder.__new__(StepBuilder)   # the columns as they are now, if tasks are added later
-        snapshot.__dict__.update({k: list(v) if isinstance(v, list) else v for k, v in self.__dict__.items()})
+        snapshot = self
+        if not last:   # the columns as they are now, if tasks are added later
+            snapshot = StepBuilder.__new__(StepBuilder)
+            snapshot.__dict__.update({k: list(v) if isinstance(v, list) else v for k, v in self.__dict__.items()})
         return StepResult(step, busy, tuple(path), (snapshot, start, end), dict(resident or {}))
 
     def _runs(self) -> list[tuple[int, int, int, int, int]]:

@@ -167,7 +167,9 @@ class PCG:
     def derived(self) -> dict:
         """Facts a later stage works out from this PCG and inputs it names in the key (the cost model's
         `needs_gradient`, which also reads the operator library), kept with the PCG: a search's grid PCG is
-        priced, bounded twice and simulated, and each asks for them. Shared: read the values, never change them."""
+        priced, bounded twice and simulated, and each asks for them. Shared: read the values, never change them
+        (a table whose every entry is worked out from its own key alone, the compute nodes' times, is filled as
+        they are asked: `cost.pcg_tasks`)."""
         return {}
 
     @cached_property
