@@ -169,3 +169,39 @@ def test_no_valve_means_no_cut_whatever_a_search_ends_with():
     assert mesh_module.valve_cut(replace(limited_, at=time.perf_counter() - 1), Stopped(STOP_SATURATED)) == \
         "extraction cut to its greedy passes by --limit seconds=600"
     assert mesh_module.valve_cut(free, Stopped(STOP_INTERRUPTED)) == "interrupted (Ctrl-C)"
+
+
+def test_every_stage_mesh_is_searched_only_for_a_scout_ahead_of_the_sharpened_unstaged_plan(monkeypatch):
+    """`optimize` searches every unstaged mesh between the pipeline's scouts and its search of every stage mesh
+    (`sharpen`), and that search must beat what it returns: on llama-70b:64 the unstaged plan on two axes (14.985
+    s) beats the scout's PP 8 (16.156 s), so the two stage meshes of 17,000 e-nodes each are no longer saturated."""
+    from types import SimpleNamespace
+
+    import parsat.search.pipeline_search as pipeline_search
+
+    def plan(time_s):
+        totals = SimpleNamespace(time_s=time_s, peak_memory_bytes=1, fits=lambda machine: True)
+        return SimpleNamespace(totals=totals, machine=None, saturation={"scouted": True}, baselines={})
+
+    def priced(stage, p, m, schedule, machine, in_flight, tried, plans, grid, *rest):
+        plans.append(plan(16.156 if stage.saturation.get("scouted") else 15.0))
+        return plans[-1:]
+
+    monkeypatch.setattr(pipeline_search, "_priced", priced)
+    machine = Machine.resolve("h100x8").with_devices(64)
+    for unstaged_s, every_stage_mesh in ((14.985, False), (16.539, True)):
+        scouts: list[bool] = []
+        seen: list[tuple] = []
+
+        def search(stage_machine, devices, m, in_flight, fit, clock, scout):
+            scouts.append(scout)
+            return SimpleNamespace(saturation={"scouted": True} if scout else {})
+
+        def sharpen(pipelined):
+            seen.append((tuple(p.totals.time_s for p in pipelined), list(scouts)))
+            return plan(unstaged_s)
+
+        found = search_pipelines(search, machine, 64, 512, 10 ** 9, 25, bar=plan(16.539), sharpen=sharpen)
+        assert len(seen) == 1 and seen[0][0] and set(seen[0][0]) == {16.156} and all(seen[0][1])   # scouts only
+        assert (False in scouts) is every_stage_mesh
+        assert found.unstaged.totals.time_s == unstaged_s

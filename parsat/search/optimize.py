@@ -141,9 +141,13 @@ def _optimize(graph, machine, rules, limits, devices, microbatches, pipeline, sc
         if schedule is not None and flat is not None:
             request.say(f"--schedule {schedule}: the plan is not pipelined")
         return flat
-    found = _search_pipelines(request, clock, microbatches, schedule, flat, chunks)
-    if flat is not None and _within_reach(flat, found.plans):
-        flat = merged(every_mesh_at(request, clock, flat), flat, request.batch, request.say)
+    def sharpen(scouts: tuple[Plan, ...]) -> Plan | None:
+        """The unstaged plan, searched on every mesh where the pipelined scouts leave it within reach."""
+        if flat is not None and _within_reach(flat, scouts):
+            return merged(every_mesh_at(request, clock, flat), flat, request.batch, request.say)
+        return flat
+    found = _search_pipelines(request, clock, microbatches, schedule, flat, chunks, sharpen)
+    flat = found.unstaged
     if flat is None and not found.plans and unfit is not None:
         raise unfit
     return best_of(flat, found, request.machine, pinned=request.pinned)
@@ -152,7 +156,9 @@ def _optimize(graph, machine, rules, limits, devices, microbatches, pipeline, sc
 def _within_reach(scout: Plan, pipelined: Sequence[Plan]) -> bool:
     """Whether every mesh is searched at the unstaged scout's count: where no pipelined plan beats the scout's, or
     the best that does is faster by at most `UNSTAGED_EVERY_MESH_WITHIN` (the scout saw one mesh and the grid; a
-    two-axis joint plan may close that gap). A fixed fraction of predicted steps: the same plans on any box."""
+    two-axis joint plan may close that gap). A fixed fraction of predicted steps: the same plans on any box.
+    `pipelined`: the pipeline scouts' plans, before any stage mesh but the first is searched (`sharpen` in
+    `_optimize`), so the unstaged plan this search returns is the bar that search must beat."""
     rivals = [p for p in pipelined if rank_plans(p) < rank_plans(scout)]
     if not rivals:
         return True
@@ -163,7 +169,7 @@ def _within_reach(scout: Plan, pipelined: Sequence[Plan]) -> bool:
 
 
 def _search_pipelines(request: SearchRequest, clock: Deadline, microbatches: int | None, schedule: str | None,
-                      bar: Plan | None, chunks: int | None = None):
+                      bar: Plan | None, chunks: int | None = None, sharpen=None):
     """The pipelined candidates: one stage plan (`search_step` on a stage's machine) per pipeline degree and
     micro-batch count that `pipeline_search` tries."""
     def stage_plan(stage_machine: Machine, stage_devices: int, m: int, in_flight: int, fit: StageFit,
@@ -177,7 +183,7 @@ def _search_pipelines(request: SearchRequest, clock: Deadline, microbatches: int
                             degree=pp if pp and pp > 1 else None, microbatches=microbatches, schedule=schedule,
                             say=request.say, clock=clock, bar=bar, library=request.library,
                             sample_bytes=graph_kept_bytes(request.whole, request.library, request.machine)
-                            / request.batch if request.batch else None, chunks=chunks)
+                            / request.batch if request.batch else None, chunks=chunks, sharpen=sharpen)
 
 
 def _blocks(request: SearchRequest) -> int:
