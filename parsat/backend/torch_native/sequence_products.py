@@ -1,0 +1,87 @@
+"""A sequence-parallel traced stage's products on this rank's pieces: the plan's collectives, no more.
+
+A traced stage runs its aten operators on DTensors (`apply.traced_tensor_parallel`). Its `x @ w` on
+[batch, seq, hidden] is `aten.matmul`, which DTensor decomposes into a view to [batch x seq, hidden], `mm`
+and a view back; the view keeps the sequence split as a `_StridedShard(0)` that `mm` has no strategy for,
+so each `mm` (the forward and each backward product) gathers its strided operand on its own: a row-parallel
+product's output gradient is gathered twice, a column-parallel product's input gathered again for the
+weight's gradient (measured 2026-12-04, benchmarks/backend_results.md).
+
+`local_products` points each such product of a stage module's graph (a `matmul` of a parameter the plan
+splits) at `sequence_parallel_matmul`, which computes the product on the local pieces between DTensor's own
+differentiable conversions, so that what runs is what the plan (`cost.model`) prices, forward and backward:
+
+* column-parallel (`x` split along the sequence, `w` Shard(1)): the plan's all-gather of `x` (`redistribute`
+  to Replicate), the product on the gathered input and this rank's columns; backward: the input gradient's
+  partial sums reduce-scattered back onto the sequence (the `redistribute`'s backward), the weight's gradient
+  from the gathered input autograd kept, gathered nothing again: as the cost model prices a runtime that does
+  not re-gather (`cost.saved.runtime_regathers`, `_parallel_memory`: the gathered value kept for backward);
+* row-parallel (`x` Shard(-1), `w` Shard(0)): the product of the local pieces, a `Partial()` sum that the
+  code after it reduces as DTensor chooses (the residual add's reduce-scatter onto the sequence); backward:
+  the output's gradient gathered once (`from_local`'s backward: a Partial's gradient is Replicate), both
+  products computed from it.
+
+Any other placement falls back to DTensor's own `matmul`. Why not a 3-D `mm` strategy or a placement rule for
+the view: both are DTensor internals (private registries that change between torch releases); these
+conversions are its public API, and the collectives they run are the ones its redistribution runs elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+
+from parsat.backend.torch_native.lowering import SEQ_DIM
+
+
+def sequence_parallel_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`x @ w` for a traced stage on DTensors (module docstring): on the local pieces where `w` is a tensor-
+    parallel weight split as a column- or row-parallel product on a one-axis mesh, DTensor's own `matmul`
+    otherwise."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    if not (isinstance(x, DTensor) and isinstance(w, DTensor)) or w.ndim != 2 or x.ndim <= SEQ_DIM + 1 \
+            or x.device_mesh.ndim != 1 or w.device_mesh != x.device_mesh:
+        return torch.matmul(x, w)
+    mesh, (xp,), (wp,) = x.device_mesh, x.placements, w.placements
+    shape = (*x.shape[:-1], w.shape[1])
+    stride = torch.empty(shape, device="meta").stride()
+    if type(wp) is Shard and wp.dim == 1 and type(xp) is Shard and xp.dim == SEQ_DIM:   # column-parallel
+        whole = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        return DTensor.from_local(whole @ w.to_local(), mesh, [Shard(x.ndim - 1)], run_check=False,
+                                  shape=shape, stride=stride)
+    if type(wp) is Shard and wp.dim == 0 and type(xp) is Shard and xp.dim == x.ndim - 1:   # row-parallel
+        return DTensor.from_local(x.to_local() @ w.to_local(), mesh, [Partial()], run_check=False,
+                                  shape=shape, stride=stride)
+    return torch.matmul(x, w)
+
+
+def local_products(module: nn.Module, split: Callable[[str], bool]) -> int:
+    """Each `aten.matmul(x, p)` in the graphs of `module` and its submodules, `p` a parameter read directly
+    (`get_attr`) for which `split(its full name)` holds, made a call of `sequence_parallel_matmul`; the count
+    made. A product of a derived weight (the tied head's `wte.t()`) is left to DTensor."""
+    matmul = torch.ops.aten.matmul.default
+    made = 0
+    for prefix, sub in module.named_modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        changed = False
+        for node in graph.nodes:
+            weight = node.args[1] if node.op == "call_function" and node.target is matmul and \
+                len(node.args) == 2 else None
+            if isinstance(weight, torch.fx.Node) and weight.op == "get_attr" and \
+                    split(f"{prefix}.{weight.target}" if prefix else str(weight.target)):
+                node.target = sequence_parallel_matmul
+                changed = True
+                made += 1
+        if changed and hasattr(sub, "recompile"):   # an fx GraphModule; an InterpreterModule runs its graph as it is
+            sub.recompile()
+    return made
+
+
+def split_weights(dims: Mapping[str, int], prefix: str) -> Callable[[str], bool]:
+    """The test `local_products` takes: a module's parameter name (after `prefix`) the plan stores split."""
+    return lambda name: (name[len(prefix):] if name.startswith(prefix) else name) in dims
