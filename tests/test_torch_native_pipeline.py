@@ -278,6 +278,37 @@ def test_sequence_parallel_stages_send_and_receive_pieces_of_the_sequence(pp2):
     assert ("torch.int64", tuple(micro[1].shape)) in shapes(last, "placeholder")   # the labels, carried whole
     assert shapes(last, "output") == [("torch.float64", ())]   # the loss
 
+
+def test_a_sequence_parallel_stage_computes_its_split_products_on_local_pieces(pp2):
+    """Without processes: in the traced stages of Megatron's sequence-parallel stage plan, every `matmul` of a
+    weight the plan splits on tp (each block's wqkv and w1 column-parallel, wo and w2 row-parallel, and on the last
+    stage the tied head's `wte.t()`) calls `sequence_parallel_matmul` (the plan's collectives only,
+    tests/test_torch_native_sequence_products.py); nothing else does (the attention's products, no weight)."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    from parsat.backend.torch_native.apply import _stored_dims
+    from parsat.backend.torch_native.lowering import SPLIT
+    from parsat.backend.torch_native.pipelined import TRACED_PREFIX, _PassInputsThrough
+    from parsat.backend.torch_native.sequence_products import (local_products, sequence_parallel_matmul,
+                                                               split_weights)
+
+    plan = megatron_stage_plan(pp2, sequence=True)
+    lowering = lower_pipeline(plan.pcg, plan.graph, plan.pipeline, module_info(gpt_module(), weight_names()))
+    cuts = lowering.split_points()
+    micro = tuple(x[: SIZES["batch"] // MICROBATCHES] for x in batch(0))
+    pipe = pipeline(_PassInputsThrough(gpt_module(), cuts), mb_args=micro,
+                    split_spec={TRACED_PREFIX + cut: SplitPoint.BEGINNING for cut in cuts})
+    split = split_weights(_stored_dims(lowering.stage, SPLIT), TRACED_PREFIX)
+    blocks = SIZES["blocks"] // 2
+    for index, head in ((0, 0), (1, 1)):
+        sub = pipe.get_stage_module(index)
+        assert local_products(sub, split) == 4 * blocks + head
+        calls = Counter(str(n.args[1]) for m in sub.modules() for n in getattr(m, "graph", torch.fx.Graph()).nodes
+                        if n.op == "call_function" and n.target is sequence_parallel_matmul)
+        assert calls == Counter({**{w: blocks for w in ("wqkv", "wo", "w1", "w2")}, **({"t_default": 1} if head else {})})
+        assert local_products(sub, split) == 0   # made once
+
+
 def test_a_sequence_parallel_stage_plan_is_lowered_and_what_still_cannot_be_is_refused(pp2):
     """Sequence parallelism inside a stage is lowered: Megatron's stage plan with `sequence=True` and the
     optimizer's own pinned `pp=2,tp=2,sp=2` plan (its layer norms' weights `Replicate()` beside the split ones,
@@ -415,27 +446,21 @@ def plan_collectives(plan) -> list[Counter]:
 
 SEQUENCE_PIECE = SIZES["batch"] // MICROBATCHES * SIZES["seq"] * SIZES["hidden"]   # a micro-batch's residual stream
 TABLE = SIZES["vocab"] * SIZES["hidden"]
+LOGITS = SIZES["batch"] // MICROBATCHES * SIZES["seq"] * SIZES["vocab"]   # a micro-batch's
 
 
 def as_dtensor_runs_them(planned: Counter, first: bool) -> Counter:
     """One stage's collectives of a sequence-parallel stage plan (`plan_collectives`) as a traced stage on DTensors
-    runs them (measured 2026-12-04, helper S; docs/TORCH_NATIVE.md): every one of the plan's, the crossings sent as
-    pieces, and in the backward more all-gathers of the sequence, none at a crossing. The traced `x @ w` on
-    [batch, seq, hidden] runs as mm on [batch x seq, hidden], whose sequence split DTensor keeps as a
-    `_StridedShard(0)` its mm has no strategy for, so (a) each column-parallel contraction's input, gathered in the
-    forward (the plan's all_gather), is saved as the piece and gathered again for the weight's gradient (as
-    Megatron-LM's sequence parallelism does, to save memory; the cost model prices that only under a re-gathering
-    profile) and (b) the gradient of each row-parallel contraction's reduce-scattered output is gathered once for
-    each of mm's two backward products: one more all-gather a forward all-gather and a forward reduce-scatter.
-    On the first stage DTensor slices the ids for the table's gradient instead of gathering the reduce-scattered
-    embedding output's gradient (the plan's all-gather and (b)'s: two fewer a micro-batch), then reduce-scatters
-    the table's partial gradient onto its Shard(0) once a step, after the schedule."""
-    m = MICROBATCHES
+    runs them: exactly the plan's, the crossings sent as pieces, each product of a split weight computed on the
+    local pieces (`sequence_products`: until 2026-12-04, helper D, DTensor's mm on [batch x seq, hidden] gathered
+    each column-parallel input again in backward and each row-parallel output's gradient twice, one more
+    all-gather a forward all-gather and a forward reduce-scatter), but on the first stage: there DTensor slices
+    the ids for the table's gradient instead of gathering the reduce-scattered embedding output's gradient (the
+    plan's backward all-gather: one fewer a micro-batch), then reduce-scatters the table's partial gradient onto
+    its Shard(0) once a step, after the schedule."""
     out = Counter(planned)
-    out[f"schedule bwd all-gather {SEQUENCE_PIECE}"] += (planned[f"schedule fwd all-gather {SEQUENCE_PIECE}"]
-                                                         + planned[f"schedule fwd reduce-scatter {SEQUENCE_PIECE}"])
     if first:
-        out[f"schedule bwd all-gather {SEQUENCE_PIECE}"] -= 2 * m
+        out[f"schedule bwd all-gather {SEQUENCE_PIECE}"] -= MICROBATCHES
         out[f"after reduce-scatter {TABLE}"] += 1
     return out
 
@@ -709,17 +734,18 @@ def test_pp2_by_tp2_sequence_parallel_trained_on_four_ranks_like_the_module_in_o
     their gradients back, and enter the next stage as `Shard(1)` DTensors, so DTensor runs its norms and residual
     adds on the slice; trained 3 AdamW steps with the pipeline's clipped norm like the unmodified module in one
     process. The first step's collectives, counted on each rank (`counted_collectives`), are its stage's in the
-    plan (`plan_collectives`) as DTensor runs them (`as_dtensor_runs_them`: the backward's extra all-gathers, none
-    at a crossing), and each rank sends the plan's pieces (1F1B: 512 elements a step, where gathering each
+    plan (`plan_collectives`), exactly, but for the embedding's gradient on the first stage (`as_dtensor_runs_them`;
+    until 2026-12-04 DTensor's mm also gathered in backward 12-13 times a micro-batch where the plan does 4-5,
+    which this fails), and each rank sends the plan's pieces (1F1B: 512 elements a step, where gathering each
     crossing before the send sent 1,024 and added an all-gather a micro-batch on each side: this fails then);
     the labels the last stage reads hop along whole (integers, `_PassInputsThrough`; the plan's graph gives them
     every device). The optimizer's plan computes the loss vocabulary-parallel (amax gathered, sum-exp and loss
-    all-reduced), which the traced last stage does not: DTensor gathers the tied head's table instead, each
-    micro-batch (asserted as it is). ~2-3 min wall on this box."""
+    all-reduced), which the traced last stage does not: DTensor gathers the vocabulary-split logits for its
+    cross-entropy instead, each micro-batch (asserted as it is). ~1-2 min wall on this box."""
     plans = {"megatron": megatron_stage_plan(pp2, sequence=True), "pinned": pipelined_plan(4, tp=2, sp=2),
              "interleaved": megatron_stage_plan(pipelined_plan(2, "interleaved"), sequence=True)}
     results = _launch(plans, 4)
-    loss_parallel = ({f"schedule fwd all-gather {TABLE}": MICROBATCHES},   # DTensor's, not the plan's
+    loss_parallel = ({f"schedule fwd all-gather {LOGITS}": MICROBATCHES},   # DTensor's, not the plan's
                      {"schedule fwd all-gather 32": 4, "schedule fwd all-reduce 16": 4, "schedule fwd all-reduce 1": 4,
                       "schedule bwd all-reduce 16": 8})                       # the plan's, not DTensor's
     for label, plan in plans.items():

@@ -60,8 +60,8 @@ def sequence_parallel_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def local_products(module: nn.Module, split: Callable[[str], bool]) -> int:
     """Each `aten.matmul(x, p)` in the graphs of `module` and its submodules, `p` a parameter read directly
-    (`get_attr`) for which `split(its full name)` holds, made a call of `sequence_parallel_matmul`; the count
-    made. A product of a derived weight (the tied head's `wte.t()`) is left to DTensor."""
+    (`get_attr`, or its transpose) for which `split(its full name)` holds, made a call of
+    `sequence_parallel_matmul`; the count made."""
     matmul = torch.ops.aten.matmul.default
     made = 0
     for prefix, sub in module.named_modules():
@@ -70,16 +70,23 @@ def local_products(module: nn.Module, split: Callable[[str], bool]) -> int:
             continue
         changed = False
         for node in graph.nodes:
-            weight = node.args[1] if node.op == "call_function" and node.target is matmul and \
+            weight = _read_weight(node.args[1]) if node.op == "call_function" and node.target is matmul and \
                 len(node.args) == 2 else None
-            if isinstance(weight, torch.fx.Node) and weight.op == "get_attr" and \
-                    split(f"{prefix}.{weight.target}" if prefix else str(weight.target)):
+            if weight is not None and split(f"{prefix}.{weight.target}" if prefix else str(weight.target)):
                 node.target = sequence_parallel_matmul
                 changed = True
                 made += 1
         if changed and hasattr(sub, "recompile"):   # an fx GraphModule; an InterpreterModule runs its graph as it is
             sub.recompile()
     return made
+
+
+def _read_weight(arg) -> torch.fx.Node | None:
+    """The `get_attr` node a product's second operand reads: the parameter itself, or its transpose (`aten.t`:
+    the tied head's `wte.t()`, a column-parallel product on the vocabulary-split table); None otherwise."""
+    if isinstance(arg, torch.fx.Node) and arg.op == "call_function" and arg.target is torch.ops.aten.t.default:
+        arg = arg.args[0]
+    return arg if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" else None
 
 
 def split_weights(dims: Mapping[str, int], prefix: str) -> Callable[[str], bool]:

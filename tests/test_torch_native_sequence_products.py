@@ -1,0 +1,116 @@
+"""A sequence-parallel traced stage's products on local pieces (`backend.torch_native.sequence_products`).
+
+In one process, 2 ranks simulated (a fake process group and torch's
+`LocalTensorMode`): Megatron's sequence-parallel MLP, a column-parallel
+product of the sequence split input, tanh, a row-parallel product and the
+residual add, computed by `sequence_parallel_matmul` equals the unsplit
+computation (values and every gradient) and runs exactly the collectives
+the plan prices for it (forward: one all-gather, one reduce-scatter;
+backward: one all-gather, one reduce-scatter), where DTensor's own `matmul`
+on the same DTensors gathers two more in backward. The slow run on gloo
+ranks is tests/test_torch_native_pipeline.py's sequence-parallel test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+from parsat.backend.torch_native.sequence_products import sequence_parallel_matmul  # noqa: E402
+
+COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_reduce")
+
+
+@pytest.fixture
+def two_local_ranks():
+    """A fake 2-rank process group and `LocalTensorMode` over both ranks (each tensor holds both ranks' pieces);
+    yields the 1-D DeviceMesh."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already started in this process")
+    dist.init_process_group("fake", world_size=2, rank=0, store=FakeStore())
+    try:
+        with LocalTensorMode(frozenset(range(2))):
+            yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def counted():
+    """The functional collectives DTensor's redistributions issue (as tests/test_torch_native_pipeline.py's
+    `counted_collectives` counts them), by phase: "fwd name" / "bwd name" (inside autograd's backward)."""
+    import torch.distributed._functional_collectives as funcol
+
+    counts: Counter = Counter()
+    originals = {name: getattr(funcol, name) for name in COLLECTIVES}
+
+    def wrap(name):
+        def run(*args, **kwargs):
+            counts[f"{'bwd' if torch._C._current_graph_task_id() != -1 else 'fwd'} {name}"] += 1
+            return originals[name](*args, **kwargs)
+        return run
+    for name in COLLECTIVES:
+        setattr(funcol, name, wrap(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(funcol, name, original)
+
+
+def _mlp(product, x, w1, w2):
+    return product(product(x, w1).tanh(), w2) + x
+
+
+def test_a_sequence_parallel_mlp_on_local_pieces_runs_the_plans_collectives_only(two_local_ranks):
+    from torch.distributed.tensor import Partial, Shard, distribute_tensor
+
+    mesh = two_local_ranks
+    g = torch.Generator().manual_seed(0)
+    x, w1, w2 = (torch.randn(shape, generator=g, dtype=torch.float64) for shape in ((2, 4, 6), (6, 8), (8, 6)))
+    whole = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    _mlp(torch.matmul, *whole).square().sum().backward()
+    runs = {}
+    for product in (sequence_parallel_matmul, torch.matmul):
+        split = [distribute_tensor(t, mesh, [Shard(d)]).requires_grad_() for t, d in ((x, 1), (w1, 1), (w2, 0))]
+        with counted() as counts:
+            hidden = product(split[0], split[1])
+            out = product(hidden.tanh(), split[2])
+            placements = (hidden.placements, out.placements)
+            y = out + split[0]
+            y.square().sum().backward()
+        runs[product.__name__] = dict(counts)
+        assert y.placements == (Shard(1),)
+        for got, want in zip([y] + [t.grad for t in split], [_mlp(torch.matmul, x, w1, w2)] + [t.grad for t in whole]):
+            assert torch.allclose(got.full_tensor(), want, rtol=1e-12, atol=1e-12)
+        assert [t.grad.placements for t in split] == [(Shard(1),), (Shard(1),), (Shard(0),)]
+        if product is sequence_parallel_matmul:
+            assert placements == ((Shard(2),), (Partial(),))
+    # the plan's: the input gathered and the output reduce-scattered forward, the output's gradient gathered and
+    # the input's reduce-scattered backward; the gathered input kept for the weight's gradient (no re-gather)
+    assert runs["sequence_parallel_matmul"] == {"fwd all_gather_single": 1, "fwd reduce_scatter_single": 1,
+                                                "bwd all_gather_single": 1, "bwd reduce_scatter_single": 1}
+    # DTensor's own matmul (mm on [batch x seq, hidden], a _StridedShard it has no strategy for): the input
+    # gathered again for w1's gradient, the output's gradient gathered once for each of w2's backward products
+    assert runs["matmul"] == {**runs["sequence_parallel_matmul"], "bwd all_gather_single": 3}
+
+
+def test_other_placements_are_left_to_dtensor(two_local_ranks):
+    """A replicated input, or a weight split otherwise, runs DTensor's own matmul: the same value either way."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = two_local_ranks
+    x, w = torch.randn(2, 4, 6, dtype=torch.float64), torch.randn(6, 8, dtype=torch.float64)
+    for px, pw in ((Replicate(), Shard(1)), (Shard(1), Replicate()), (Shard(0), Shard(1)), (Shard(2), Shard(1))):
+        got = sequence_parallel_matmul(distribute_tensor(x, mesh, [px]), distribute_tensor(w, mesh, [pw]))
+        assert torch.allclose(got.full_tensor(), x @ w, rtol=1e-12, atol=1e-12), (px, pw)
+    assert torch.equal(sequence_parallel_matmul(x, w), x @ w)
