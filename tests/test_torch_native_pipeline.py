@@ -283,10 +283,13 @@ def test_a_sequence_parallel_stage_computes_its_split_products_on_local_pieces(p
     """Without processes: in the traced stages of Megatron's sequence-parallel stage plan, every `matmul` of a
     weight the plan splits on tp (each block's wqkv and w1 column-parallel, wo and w2 row-parallel, and on the last
     stage the tied head's `wte.t()`) calls `sequence_parallel_matmul` (the plan's collectives only,
-    tests/test_torch_native_sequence_products.py); nothing else does (the attention's products, no weight)."""
+    tests/test_torch_native_sequence_products.py); nothing else does (the attention's products, no weight); the
+    last stage's cross-entropy can be pointed at `traced_cross_entropy` (`traced_losses`, where the plan's loss is
+    vocabulary-parallel)."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     from parsat.backend.torch_native.apply import _stored_dims
+    from parsat.backend.torch_native.loss_parallel import traced_losses
     from parsat.backend.torch_native.lowering import SPLIT
     from parsat.backend.torch_native.pipelined import TRACED_PREFIX, _PassInputsThrough
     from parsat.backend.torch_native.sequence_products import (local_products, sequence_parallel_matmul,
@@ -307,6 +310,7 @@ def test_a_sequence_parallel_stage_computes_its_split_products_on_local_pieces(p
                         if n.op == "call_function" and n.target is sequence_parallel_matmul)
         assert calls == Counter({**{w: blocks for w in ("wqkv", "wo", "w1", "w2")}, **({"t_default": 1} if head else {})})
         assert local_products(sub, split) == 0   # made once
+        assert traced_losses(sub) == head   # the cross-entropy, on the last stage (run as loss parallelism)
 
 
 def test_a_sequence_parallel_stage_plan_is_lowered_and_what_still_cannot_be_is_refused(pp2):
@@ -317,10 +321,11 @@ def test_a_sequence_parallel_stage_plan_is_lowered_and_what_still_cannot_be_is_r
     split on tp otherwise than along the sequence (torch's traced stages send each value whole, or its piece of
     the sequence only)."""
     info = module_info(gpt_module(), weight_names())
-    for plan in (megatron_stage_plan(pp2, sequence=True), pipelined_plan(4, tp=2, sp=2)):
+    for plan, loss in ((megatron_stage_plan(pp2, sequence=True), ()), (pipelined_plan(4, tp=2, sp=2), ("nll",))):
         lowered = lower_pipeline(plan.pcg, plan.graph, plan.pipeline, info)
         assert lowered.stage.tensor_axis == 0 and lowered.sequence_crossings
         assert lowered.device_mesh_shape() == ((2, 2), ("pp", "tp"))
+        assert lowered.stage.loss_parallel == loss   # the optimizer's vocabulary-parallel loss: loss parallelism
     pinned = pipelined_plan(4, tp=2)
     lowered = lower_pipeline(pinned.pcg, pinned.graph, pinned.pipeline, info)
     assert lowered.stage.tensor_axis == 0 and not lowered.sequence_crossings
@@ -446,7 +451,6 @@ def plan_collectives(plan) -> list[Counter]:
 
 SEQUENCE_PIECE = SIZES["batch"] // MICROBATCHES * SIZES["seq"] * SIZES["hidden"]   # a micro-batch's residual stream
 TABLE = SIZES["vocab"] * SIZES["hidden"]
-LOGITS = SIZES["batch"] // MICROBATCHES * SIZES["seq"] * SIZES["vocab"]   # a micro-batch's
 
 
 def as_dtensor_runs_them(planned: Counter, first: bool) -> Counter:
@@ -739,15 +743,18 @@ def test_pp2_by_tp2_sequence_parallel_trained_on_four_ranks_like_the_module_in_o
     which this fails), and each rank sends the plan's pieces (1F1B: 512 elements a step, where gathering each
     crossing before the send sent 1,024 and added an all-gather a micro-batch on each side: this fails then);
     the labels the last stage reads hop along whole (integers, `_PassInputsThrough`; the plan's graph gives them
-    every device). The optimizer's plan computes the loss vocabulary-parallel (amax gathered, sum-exp and loss
-    all-reduced), which the traced last stage does not: DTensor gathers the vocabulary-split logits for its
-    cross-entropy instead, each micro-batch (asserted as it is). ~1-2 min wall on this box."""
+    every device). The optimizer's plan computes the loss vocabulary-parallel (its block maxima gathered, sum-exp
+    and loss all-reduced, two all-reduces backward); the traced last stage runs it as torch's loss parallelism
+    (`loss_parallel.traced_losses`: each row's max, sum-exp and target logit all-reduced forward, nothing
+    backward; the logits never gathered, where DTensor gathered them each micro-batch until 2026-12-04):
+    asserted as it is. ~1-2 min wall on this box."""
     plans = {"megatron": megatron_stage_plan(pp2, sequence=True), "pinned": pipelined_plan(4, tp=2, sp=2),
              "interleaved": megatron_stage_plan(pipelined_plan(2, "interleaved"), sequence=True)}
     results = _launch(plans, 4)
-    loss_parallel = ({f"schedule fwd all-gather {LOGITS}": MICROBATCHES},   # DTensor's, not the plan's
-                     {"schedule fwd all-gather 32": 4, "schedule fwd all-reduce 16": 4, "schedule fwd all-reduce 1": 4,
-                      "schedule bwd all-reduce 16": 8})                       # the plan's, not DTensor's
+    rows, m = SIZES["batch"] // MICROBATCHES * SIZES["seq"], MICROBATCHES   # the loss's rows a micro-batch
+    loss_parallel = ({f"schedule fwd all-reduce {rows}": 2 * m},   # torch's: each row's max, sum-exp, target logit
+                     {f"schedule fwd all-gather {2 * rows}": m, "schedule fwd all-reduce 1": m,   # the plan's: the
+                      f"schedule bwd all-reduce {rows}": 2 * m})   # block maxima gathered, the loss reduced
     for label, plan in plans.items():
         run = [r[label] for r in results]
         _check_run(run)

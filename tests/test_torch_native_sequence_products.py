@@ -114,3 +114,29 @@ def test_other_placements_are_left_to_dtensor(two_local_ranks):
         got = sequence_parallel_matmul(distribute_tensor(x, mesh, [px]), distribute_tensor(w, mesh, [pw]))
         assert torch.allclose(got.full_tensor(), x @ w, rtol=1e-12, atol=1e-12), (px, pw)
     assert torch.equal(sequence_parallel_matmul(x, w), x @ w)
+
+
+def test_a_traced_cross_entropy_on_vocabulary_split_logits_runs_as_loss_parallelism(two_local_ranks):
+    """A traced last stage's `aten.cross_entropy_loss` (`loss_parallel.traced_losses` points it at
+    `traced_cross_entropy`) on vocabulary-split logits: the loss and the logits' gradient of the whole logits,
+    the logits never gathered: torch's loss parallelism all-reduces each row's max, sum of exps and target logit
+    forward and nothing backward (the plan's vocabulary-parallel loss gathers the block maxima and all-reduces
+    its sums: benchmarks/backend_results.md, 2026-12-04 helper D)."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from parsat.backend.torch_native.loss_parallel import traced_cross_entropy
+
+    mesh = two_local_ranks
+    g = torch.Generator().manual_seed(1)
+    logits, target = torch.randn(6, 8, generator=g, dtype=torch.float64), torch.randint(0, 8, (6,), generator=g)
+    whole = logits.clone().requires_grad_()
+    want = F.cross_entropy(whole, target)
+    want.backward()
+    split = distribute_tensor(logits, mesh, [Shard(1)]).requires_grad_()
+    with counted() as counts:
+        loss = traced_cross_entropy(split, distribute_tensor(target, mesh, [Replicate()]))
+        loss.backward()
+    assert torch.allclose(loss, want.detach(), rtol=1e-12) and split.grad.placements == (Shard(1),)
+    assert torch.allclose(split.grad.full_tensor(), whole.grad, rtol=1e-12, atol=1e-15)
+    assert dict(counts) == {"fwd all_reduce": 3}

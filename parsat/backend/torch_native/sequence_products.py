@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from parsat.backend.torch_native.lowering import SEQ_DIM
+from parsat.backend.torch_native.traced_graphs import retarget
 
 
 def sequence_parallel_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -63,22 +64,14 @@ def local_products(module: nn.Module, split: Callable[[str], bool]) -> int:
     (`get_attr`, or its transpose) for which `split(its full name)` holds, made a call of
     `sequence_parallel_matmul`; the count made."""
     matmul = torch.ops.aten.matmul.default
-    made = 0
-    for prefix, sub in module.named_modules():
-        graph = getattr(sub, "graph", None)
-        if not isinstance(graph, torch.fx.Graph):
-            continue
-        changed = False
-        for node in graph.nodes:
-            weight = _read_weight(node.args[1]) if node.op == "call_function" and node.target is matmul and \
-                len(node.args) == 2 else None
-            if weight is not None and split(f"{prefix}.{weight.target}" if prefix else str(weight.target)):
-                node.target = sequence_parallel_matmul
-                changed = True
-                made += 1
-        if changed and hasattr(sub, "recompile"):   # an fx GraphModule; an InterpreterModule runs its graph as it is
-            sub.recompile()
-    return made
+
+    def choose(prefix: str, node: torch.fx.Node):
+        weight = _read_weight(node.args[1]) if node.target is matmul and len(node.args) == 2 else None
+        if weight is not None and split(f"{prefix}.{weight.target}" if prefix else str(weight.target)):
+            return sequence_parallel_matmul
+        return None
+
+    return retarget(module, choose)
 
 
 def _read_weight(arg) -> torch.fx.Node | None:
