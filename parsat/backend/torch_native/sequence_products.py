@@ -22,8 +22,10 @@ differentiable conversions, so that what runs is what the plan (`cost.model`) pr
   products computed from it.
 
 Any other placement falls back to DTensor's own `matmul`. Why not a 3-D `mm` strategy or a placement rule for
-the view: both are DTensor internals (private registries that change between torch releases); these
-conversions are its public API, and the collectives they run are the ones its redistribution runs elsewhere.
+the view: both are DTensor internals (private registries that change between torch releases). Why not explicit
+functional collectives in an autograd function: it would repeat what DTensor's redistribution does. These
+conversions are DTensor's public API, and each collective they run is one the plan has (docs/TORCH_NATIVE.md,
+"Products and loss of a sequence-parallel stage").
 """
 
 from __future__ import annotations
