@@ -282,7 +282,8 @@ def test_sequence_parallel_stages_send_and_receive_pieces_of_the_sequence(pp2):
 def test_a_sequence_parallel_stage_computes_its_split_products_on_local_pieces(pp2):
     """Without processes: in the traced stages of Megatron's sequence-parallel stage plan, every `matmul` of a
     weight the plan splits on tp (each block's wqkv and w1 column-parallel, wo and w2 row-parallel, and on the last
-    stage the tied head's `wte.t()`) calls `sequence_parallel_matmul` (the plan's collectives only,
+    stage the tied head's `wte.t()`) calls `sequence_parallel_matmul`, and the first stage's lookup of the
+    vocabulary-split table `vocabulary_parallel_embedding` (the plan's collectives only,
     tests/test_torch_native_sequence_products.py); nothing else does (the attention's products, no weight); the
     last stage's cross-entropy can be pointed at `traced_cross_entropy` (`traced_losses`, where the plan's loss is
     vocabulary-parallel)."""
@@ -293,7 +294,7 @@ def test_a_sequence_parallel_stage_computes_its_split_products_on_local_pieces(p
     from parsat.backend.torch_native.lowering import SPLIT
     from parsat.backend.torch_native.pipelined import TRACED_PREFIX, _PassInputsThrough
     from parsat.backend.torch_native.sequence_products import (local_products, sequence_parallel_matmul,
-                                                               split_weights)
+                                                               split_weights, vocabulary_parallel_embedding)
 
     plan = megatron_stage_plan(pp2, sequence=True)
     lowering = lower_pipeline(plan.pcg, plan.graph, plan.pipeline, module_info(gpt_module(), weight_names()))
@@ -303,14 +304,18 @@ def test_a_sequence_parallel_stage_computes_its_split_products_on_local_pieces(p
                     split_spec={TRACED_PREFIX + cut: SplitPoint.BEGINNING for cut in cuts})
     split = split_weights(_stored_dims(lowering.stage, SPLIT), TRACED_PREFIX)
     blocks = SIZES["blocks"] // 2
-    for index, head in ((0, 0), (1, 1)):
+    local = {sequence_parallel_matmul: 1, vocabulary_parallel_embedding: 0}   # the argument naming the weight
+    for index, last in ((0, 0), (1, 1)):
         sub = pipe.get_stage_module(index)
-        assert local_products(sub, split) == 4 * blocks + head
-        calls = Counter(str(n.args[1]) for m in sub.modules() for n in getattr(m, "graph", torch.fx.Graph()).nodes
-                        if n.op == "call_function" and n.target is sequence_parallel_matmul)
-        assert calls == Counter({**{w: blocks for w in ("wqkv", "wo", "w1", "w2")}, **({"t_default": 1} if head else {})})
+        assert local_products(sub, split) == 4 * blocks + 1
+        calls = Counter((n.target.__name__, str(n.args[local[n.target]])) for m in sub.modules()
+                        for n in getattr(m, "graph", torch.fx.Graph()).nodes
+                        if n.op == "call_function" and n.target in local)
+        ends = {("sequence_parallel_matmul", "t_default"): 1} if last else {("vocabulary_parallel_embedding", "wte"): 1}
+        assert calls == Counter({**{("sequence_parallel_matmul", w): blocks for w in ("wqkv", "wo", "w1", "w2")},
+                                 **ends})
         assert local_products(sub, split) == 0   # made once
-        assert traced_losses(sub) == head   # the cross-entropy, on the last stage (run as loss parallelism)
+        assert traced_losses(sub) == last   # the cross-entropy, on the last stage (run as loss parallelism)
 
 
 def test_a_sequence_parallel_stage_plan_is_lowered_and_what_still_cannot_be_is_refused(pp2):
@@ -450,23 +455,6 @@ def plan_collectives(plan) -> list[Counter]:
 
 
 SEQUENCE_PIECE = SIZES["batch"] // MICROBATCHES * SIZES["seq"] * SIZES["hidden"]   # a micro-batch's residual stream
-TABLE = SIZES["vocab"] * SIZES["hidden"]
-
-
-def as_dtensor_runs_them(planned: Counter, first: bool) -> Counter:
-    """One stage's collectives of a sequence-parallel stage plan (`plan_collectives`) as a traced stage on DTensors
-    runs them: exactly the plan's, the crossings sent as pieces, each product of a split weight computed on the
-    local pieces (`sequence_products`: until 2026-12-04, helper D, DTensor's mm on [batch x seq, hidden] gathered
-    each column-parallel input again in backward and each row-parallel output's gradient twice, one more
-    all-gather a forward all-gather and a forward reduce-scatter), but on the first stage: there DTensor slices
-    the ids for the table's gradient instead of gathering the reduce-scattered embedding output's gradient (the
-    plan's backward all-gather: one fewer a micro-batch), then reduce-scatters the table's partial gradient onto
-    its Shard(0) once a step, after the schedule."""
-    out = Counter(planned)
-    if first:
-        out[f"schedule bwd all-gather {SEQUENCE_PIECE}"] -= MICROBATCHES
-        out[f"after reduce-scatter {TABLE}"] += 1
-    return out
 
 
 def _relative(a, b) -> float:
@@ -737,11 +725,13 @@ def test_pp2_by_tp2_sequence_parallel_trained_on_four_ranks_like_the_module_in_o
     sequence on tp) travel as each tp rank's `Shard(1)` piece to the same tp rank of the other stage, forward and
     their gradients back, and enter the next stage as `Shard(1)` DTensors, so DTensor runs its norms and residual
     adds on the slice; trained 3 AdamW steps with the pipeline's clipped norm like the unmodified module in one
-    process. The first step's collectives, counted on each rank (`counted_collectives`), are its stage's in the
-    plan (`plan_collectives`), exactly, but for the embedding's gradient on the first stage (`as_dtensor_runs_them`;
-    until 2026-12-04 DTensor's mm also gathered in backward 12-13 times a micro-batch where the plan does 4-5,
-    which this fails), and each rank sends the plan's pieces (1F1B: 512 elements a step, where gathering each
-    crossing before the send sent 1,024 and added an all-gather a micro-batch on each side: this fails then);
+    process. The first step's collectives, counted on each rank (`counted_collectives`), are exactly its stage's
+    in the plan (`plan_collectives`), the loss's apart (below): each product of a split weight and the first
+    stage's lookup computed on local pieces (`sequence_products`; until 2026-12-04 DTensor's mm gathered in
+    backward 12-13 times a micro-batch where the plan does 4-5, and its lookup reduce-scattered a whole-table
+    gradient once a step: this fails then), and each rank sends the plan's pieces (1F1B: 512 elements a step,
+    where gathering each crossing before the send sent 1,024 and added an all-gather a micro-batch on each side:
+    this fails then);
     the labels the last stage reads hop along whole (integers, `_PassInputsThrough`; the plan's graph gives them
     every device). The optimizer's plan computes the loss vocabulary-parallel (its block maxima gathered, sum-exp
     and loss all-reduced, two all-reduces backward); the traced last stage runs it as torch's loss parallelism
@@ -764,7 +754,7 @@ def test_pp2_by_tp2_sequence_parallel_trained_on_four_ranks_like_the_module_in_o
         planned = plan_collectives(plan)
         for rank, result in enumerate(run):
             stage = rank // 2
-            got, want = Counter(result["collectives"]), as_dtensor_runs_them(planned[stage], stage == 0)
+            got, want = Counter(result["collectives"]), planned[stage]
             labels = got.pop("send fwd int", 0)
             assert labels % (SIZES["batch"] * SIZES["seq"]) == 0 and (labels or stage), labels   # whole, never a piece
             sends = {key: got[key] for key in ("send fwd", "send bwd")}

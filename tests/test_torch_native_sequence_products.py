@@ -140,3 +140,39 @@ def test_a_traced_cross_entropy_on_vocabulary_split_logits_runs_as_loss_parallel
     assert torch.allclose(loss, want.detach(), rtol=1e-12) and split.grad.placements == (Shard(1),)
     assert torch.allclose(split.grad.full_tensor(), whole.grad, rtol=1e-12, atol=1e-15)
     assert dict(counts) == {"fwd all_reduce": 3}
+
+
+@pytest.mark.parametrize("vocab", [8, 7])
+def test_a_vocabulary_parallel_lookup_on_local_rows_gathers_its_gradient_once(two_local_ranks, vocab):
+    """`vocabulary_parallel_embedding` on a table split along the vocabulary (evenly, and 7 rows on 2 ranks) and
+    whole ids, plus position embeddings split along the sequence, as the gpt's first stage computes them under
+    sequence parallelism: the values and the table's gradient of the unsplit lookup, the gradient already the
+    table's `Shard(0)`, with the plan's collectives only (the partial sum reduce-scattered onto the sequence
+    forward, its gradient all-gathered backward). DTensor's own lookup slices the ids along the sequence for the
+    table's gradient instead and leaves it a whole-table partial sum: a reduce-scatter of the whole table once
+    placed as its parameter, where the plan gathers the activation's gradient."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+    from parsat.backend.torch_native.sequence_products import vocabulary_parallel_embedding
+
+    mesh = two_local_ranks
+    g = torch.Generator().manual_seed(2)
+    table, ids = torch.randn(vocab, 4, generator=g, dtype=torch.float64), torch.randint(0, vocab, (2, 6), generator=g)
+    positions = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    whole = table.clone().requires_grad_()
+    want = F.embedding(ids, whole) + positions
+    want.square().sum().backward()
+    runs = {}
+    for lookup in (vocabulary_parallel_embedding, lambda t, i: F.embedding(i, t)):
+        split = distribute_tensor(table, mesh, [Shard(0)]).requires_grad_()
+        with counted() as counts:
+            out = lookup(split, distribute_tensor(ids, mesh, [Replicate()])) + \
+                distribute_tensor(positions, mesh, [Shard(0)])
+            out.square().sum().backward()
+        assert out.placements == (Shard(1),)
+        assert torch.allclose(out.full_tensor(), want.detach(), rtol=1e-12, atol=1e-15)
+        assert torch.allclose(split.grad.full_tensor(), whole.grad, rtol=1e-12, atol=1e-15)
+        runs[lookup is vocabulary_parallel_embedding] = (split.grad.placements, dict(counts))
+    assert runs[True] == ((Shard(0),), {"fwd reduce_scatter_single": 1, "bwd all_gather_single": 1})
+    assert runs[False] == ((Partial(),), {"fwd reduce_scatter_single": 1})

@@ -61,16 +61,54 @@ def sequence_parallel_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x, w)
 
 
+def vocabulary_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, padding_idx: int = -1,
+                                  scale_grad_by_freq: bool = False, sparse: bool = False) -> torch.Tensor:
+    """`aten.embedding(weight, indices, ...)` for a traced stage on DTensors: where the table is split along the
+    vocabulary (`Shard(0)`, one-axis mesh) and the ids are whole, this rank's rows looked up locally (ids outside
+    them give zeros), a `Partial()` sum the code after it reduces as DTensor chooses (the plan's reduce-scatter
+    onto the sequence); backward: the output's gradient gathered once (`from_local`'s backward, the plan's
+    all-gather) and the table's gradient made on this rank's rows, already placed as the table: DTensor's own
+    embedding slices the ids along the sequence instead and reduce-scatters a whole-table partial gradient.
+    DTensor's own lookup otherwise (a padding index, frequency scaling, sparse gradients included)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(weight, DTensor) or weight.device_mesh.ndim != 1 or weight.placements != (Shard(0),) or \
+            (isinstance(indices, DTensor) and indices.placements != (Replicate(),)) or padding_idx != -1 or \
+            scale_grad_by_freq or sparse:
+        return torch.ops.aten.embedding.default(weight, indices, padding_idx, scale_grad_by_freq, sparse)
+    mesh = weight.device_mesh
+    ids = indices.to_local() if isinstance(indices, DTensor) else indices
+    table = weight.to_local()
+    start = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)[1][0]
+    def scalar(n):   # the offset and the row count as tensors (`LocalTensorMode`'s ranks differ in them)
+        return torch.full((), n, dtype=ids.dtype, device=ids.device)
+
+    local = ids - scalar(start)
+    outside = (local < 0) | (local >= scalar(table.shape[0]))
+    found = torch.nn.functional.embedding(local.masked_fill(outside, 0), table)
+    shape = (*ids.shape, weight.shape[1])
+    return DTensor.from_local(found.masked_fill(outside.unsqueeze(-1), 0), mesh, [Partial()], run_check=False,
+                              shape=shape, stride=torch.empty(shape, device="meta").stride())
+
+
 def local_products(module: nn.Module, split: Callable[[str], bool]) -> int:
     """Each `aten.matmul(x, p)` in the graphs of `module` and its submodules, `p` a parameter read directly
     (`get_attr`, or its transpose) for which `split(its full name)` holds, made a call of
-    `sequence_parallel_matmul`; the count made."""
-    matmul = torch.ops.aten.matmul.default
+    `sequence_parallel_matmul`, and each `aten.embedding(p, ids)` of such a table one of
+    `vocabulary_parallel_embedding`; the count made."""
+    matmul, embedding = torch.ops.aten.matmul.default, torch.ops.aten.embedding.default
 
     def choose(prefix: str, node: torch.fx.Node):
-        weight = _read_weight(node.args[1]) if node.target is matmul and len(node.args) == 2 else None
+        if node.target is matmul and len(node.args) == 2:
+            weight, local = _read_weight(node.args[1]), sequence_parallel_matmul
+        elif node.target is embedding and node.args and isinstance(node.args[0], torch.fx.Node) and \
+                node.args[0].op == "get_attr":
+            weight, local = node.args[0], vocabulary_parallel_embedding
+        else:
+            return None
         if weight is not None and split(f"{prefix}.{weight.target}" if prefix else str(weight.target)):
-            return sequence_parallel_matmul
+            return local
         return None
 
     return retarget(module, choose)
