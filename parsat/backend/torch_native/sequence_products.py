@@ -1,4 +1,4 @@
-"""A sequence-parallel traced stage's products on this rank's pieces: the plan's collectives, no more.
+"""A sequence-parallel traced stage's products and lookups on this rank's pieces: the plan's collectives, no more.
 
 A traced stage runs its aten operators on DTensors (`apply.traced_tensor_parallel`). Its `x @ w` on
 [batch, seq, hidden] is `aten.matmul`, which DTensor decomposes into a view to [batch x seq, hidden], `mm`
@@ -19,7 +19,10 @@ differentiable conversions, so that what runs is what the plan (`cost.model`) pr
 * row-parallel (`x` Shard(-1), `w` Shard(0)): the product of the local pieces, a `Partial()` sum that the
   code after it reduces as DTensor chooses (the residual add's reduce-scatter onto the sequence); backward:
   the output's gradient gathered once (`from_local`'s backward: a Partial's gradient is Replicate), both
-  products computed from it.
+  products computed from it;
+* a vocabulary-parallel lookup (`aten.embedding` of a `Shard(0)` table, `vocabulary_parallel_embedding`):
+  likewise a `Partial()` sum of this rank's rows, its gradient gathered once and the table's made on this
+  rank's rows (DTensor's own lookup slices the ids for it and reduce-scatters a whole-table partial sum).
 
 Any other placement falls back to DTensor's own `matmul`. Why not a 3-D `mm` strategy or a placement rule for
 the view: both are DTensor internals (private registries that change between torch releases). Why not explicit
