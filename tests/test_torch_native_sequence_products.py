@@ -72,7 +72,7 @@ def _mlp(product, x, w1, w2):
 
 
 def test_a_sequence_parallel_mlp_on_local_pieces_runs_the_plans_collectives_only(two_local_ranks):
-    from torch.distributed.tensor import Partial, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
     mesh = two_local_ranks
     g = torch.Generator().manual_seed(0)
@@ -82,8 +82,12 @@ def test_a_sequence_parallel_mlp_on_local_pieces_runs_the_plans_collectives_only
     runs = {}
     for product in (sequence_parallel_matmul, torch.matmul):
         split = [distribute_tensor(t, mesh, [Shard(d)]).requires_grad_() for t, d in ((x, 1), (w1, 1), (w2, 0))]
+        saved = []   # what autograd keeps for backward: (a DTensor?, shape)
         with counted() as counts:
-            hidden = product(split[0], split[1])
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((isinstance(t, DTensor),
+                                                                                   tuple(t.shape))) or t,
+                                                          lambda t: t):
+                hidden = product(split[0], split[1])
             out = product(hidden.tanh(), split[2])
             placements = (hidden.placements, out.placements)
             y = out + split[0]
@@ -93,8 +97,11 @@ def test_a_sequence_parallel_mlp_on_local_pieces_runs_the_plans_collectives_only
         for got, want in zip([y] + [t.grad for t in split], [_mlp(torch.matmul, x, w1, w2)] + [t.grad for t in whole]):
             assert torch.allclose(got.full_tensor(), want, rtol=1e-12, atol=1e-12)
         assert [t.grad.placements for t in split] == [(Shard(1),), (Shard(1),), (Shard(0),)]
-        if product is sequence_parallel_matmul:
-            assert placements == ((Shard(2),), (Partial(),))
+        if product is sequence_parallel_matmul:   # the gathered input kept whole (matmul's [b x s, h] view of
+            # it), as the cost model prices it: no re-gather
+            assert placements == ((Shard(2),), (Partial(),)) and (False, (8, 6)) in saved, saved
+        else:   # DTensor's mm keeps the strided piece (a DTensor), gathered again in backward
+            assert all(is_dtensor for is_dtensor, _ in saved), saved
     # the plan's: the input gathered and the output reduce-scattered forward, the output's gradient gathered and
     # the input's reduce-scattered backward; the gathered input kept for the weight's gradient (no re-gather)
     assert runs["sequence_parallel_matmul"] == {"fwd all_gather_single": 1, "fwd reduce_scatter_single": 1,
