@@ -278,6 +278,46 @@ def test_sequence_parallel_stages_send_and_receive_pieces_of_the_sequence(pp2):
     assert ("torch.int64", tuple(micro[1].shape)) in shapes(last, "placeholder")   # the labels, carried whole
     assert shapes(last, "output") == [("torch.float64", ())]   # the loss
 
+
+def test_a_sequence_parallel_stage_computes_its_split_products_on_local_pieces(pp2):
+    """Without processes: in the traced stages of Megatron's sequence-parallel stage plan, every `matmul` of a
+    weight the plan splits on tp (each block's wqkv and w1 column-parallel, wo and w2 row-parallel, and on the last
+    stage the tied head's `wte.t()`) calls `sequence_parallel_matmul`, and the first stage's lookup of the
+    vocabulary-split table `vocabulary_parallel_embedding` (the plan's collectives only,
+    tests/test_torch_native_sequence_products.py); nothing else does (the attention's products, no weight); the
+    last stage's cross-entropy can be pointed at `traced_cross_entropy` (`traced_losses`, where the plan's loss is
+    vocabulary-parallel)."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    from parsat.backend.torch_native.apply import _stored_dims
+    from parsat.backend.torch_native.loss_parallel import traced_losses
+    from parsat.backend.torch_native.lowering import SPLIT
+    from parsat.backend.torch_native.pipelined import TRACED_PREFIX, _PassInputsThrough
+    from parsat.backend.torch_native.sequence_products import (local_products, sequence_parallel_matmul,
+                                                               split_weights, vocabulary_parallel_embedding)
+
+    plan = megatron_stage_plan(pp2, sequence=True)
+    lowering = lower_pipeline(plan.pcg, plan.graph, plan.pipeline, module_info(gpt_module(), weight_names()))
+    cuts = lowering.split_points()
+    micro = tuple(x[: SIZES["batch"] // MICROBATCHES] for x in batch(0))
+    pipe = pipeline(_PassInputsThrough(gpt_module(), cuts), mb_args=micro,
+                    split_spec={TRACED_PREFIX + cut: SplitPoint.BEGINNING for cut in cuts})
+    split = split_weights(_stored_dims(lowering.stage, SPLIT), TRACED_PREFIX)
+    blocks = SIZES["blocks"] // 2
+    local = {sequence_parallel_matmul: 1, vocabulary_parallel_embedding: 0}   # the argument naming the weight
+    for index, last in ((0, 0), (1, 1)):
+        sub = pipe.get_stage_module(index)
+        assert local_products(sub, split) == 4 * blocks + 1
+        calls = Counter((n.target.__name__, str(n.args[local[n.target]])) for m in sub.modules()
+                        for n in getattr(m, "graph", torch.fx.Graph()).nodes
+                        if n.op == "call_function" and n.target in local)
+        ends = {("sequence_parallel_matmul", "t_default"): 1} if last else {("vocabulary_parallel_embedding", "wte"): 1}
+        assert calls == Counter({**{("sequence_parallel_matmul", w): blocks for w in ("wqkv", "wo", "w1", "w2")},
+                                 **ends})
+        assert local_products(sub, split) == 0   # made once
+        assert traced_losses(sub) == last   # the cross-entropy, on the last stage (run as loss parallelism)
+
+
 def test_a_sequence_parallel_stage_plan_is_lowered_and_what_still_cannot_be_is_refused(pp2):
     """Sequence parallelism inside a stage is lowered: Megatron's stage plan with `sequence=True` and the
     optimizer's own pinned `pp=2,tp=2,sp=2` plan (its layer norms' weights `Replicate()` beside the split ones,
@@ -286,10 +326,11 @@ def test_a_sequence_parallel_stage_plan_is_lowered_and_what_still_cannot_be_is_r
     split on tp otherwise than along the sequence (torch's traced stages send each value whole, or its piece of
     the sequence only)."""
     info = module_info(gpt_module(), weight_names())
-    for plan in (megatron_stage_plan(pp2, sequence=True), pipelined_plan(4, tp=2, sp=2)):
+    for plan, loss in ((megatron_stage_plan(pp2, sequence=True), ()), (pipelined_plan(4, tp=2, sp=2), ("nll",))):
         lowered = lower_pipeline(plan.pcg, plan.graph, plan.pipeline, info)
         assert lowered.stage.tensor_axis == 0 and lowered.sequence_crossings
         assert lowered.device_mesh_shape() == ((2, 2), ("pp", "tp"))
+        assert lowered.stage.loss_parallel == loss   # the optimizer's vocabulary-parallel loss: loss parallelism
     pinned = pipelined_plan(4, tp=2)
     lowered = lower_pipeline(pinned.pcg, pinned.graph, pinned.pipeline, info)
     assert lowered.stage.tensor_axis == 0 and not lowered.sequence_crossings
@@ -414,30 +455,6 @@ def plan_collectives(plan) -> list[Counter]:
 
 
 SEQUENCE_PIECE = SIZES["batch"] // MICROBATCHES * SIZES["seq"] * SIZES["hidden"]   # a micro-batch's residual stream
-TABLE = SIZES["vocab"] * SIZES["hidden"]
-
-
-def as_dtensor_runs_them(planned: Counter, first: bool) -> Counter:
-    """One stage's collectives of a sequence-parallel stage plan (`plan_collectives`) as a traced stage on DTensors
-    runs them (measured 2026-12-04, helper S; docs/TORCH_NATIVE.md): every one of the plan's, the crossings sent as
-    pieces, and in the backward more all-gathers of the sequence, none at a crossing. The traced `x @ w` on
-    [batch, seq, hidden] runs as mm on [batch x seq, hidden], whose sequence split DTensor keeps as a
-    `_StridedShard(0)` its mm has no strategy for, so (a) each column-parallel contraction's input, gathered in the
-    forward (the plan's all_gather), is saved as the piece and gathered again for the weight's gradient (as
-    Megatron-LM's sequence parallelism does, to save memory; the cost model prices that only under a re-gathering
-    profile) and (b) the gradient of each row-parallel contraction's reduce-scattered output is gathered once for
-    each of mm's two backward products: one more all-gather a forward all-gather and a forward reduce-scatter.
-    On the first stage DTensor slices the ids for the table's gradient instead of gathering the reduce-scattered
-    embedding output's gradient (the plan's all-gather and (b)'s: two fewer a micro-batch), then reduce-scatters
-    the table's partial gradient onto its Shard(0) once a step, after the schedule."""
-    m = MICROBATCHES
-    out = Counter(planned)
-    out[f"schedule bwd all-gather {SEQUENCE_PIECE}"] += (planned[f"schedule fwd all-gather {SEQUENCE_PIECE}"]
-                                                         + planned[f"schedule fwd reduce-scatter {SEQUENCE_PIECE}"])
-    if first:
-        out[f"schedule bwd all-gather {SEQUENCE_PIECE}"] -= 2 * m
-        out[f"after reduce-scatter {TABLE}"] += 1
-    return out
 
 
 def _relative(a, b) -> float:
@@ -708,20 +725,26 @@ def test_pp2_by_tp2_sequence_parallel_trained_on_four_ranks_like_the_module_in_o
     sequence on tp) travel as each tp rank's `Shard(1)` piece to the same tp rank of the other stage, forward and
     their gradients back, and enter the next stage as `Shard(1)` DTensors, so DTensor runs its norms and residual
     adds on the slice; trained 3 AdamW steps with the pipeline's clipped norm like the unmodified module in one
-    process. The first step's collectives, counted on each rank (`counted_collectives`), are its stage's in the
-    plan (`plan_collectives`) as DTensor runs them (`as_dtensor_runs_them`: the backward's extra all-gathers, none
-    at a crossing), and each rank sends the plan's pieces (1F1B: 512 elements a step, where gathering each
-    crossing before the send sent 1,024 and added an all-gather a micro-batch on each side: this fails then);
+    process. The first step's collectives, counted on each rank (`counted_collectives`), are exactly its stage's
+    in the plan (`plan_collectives`), the loss's apart (below): each product of a split weight and the first
+    stage's lookup computed on local pieces (`sequence_products`; until 2026-12-04 DTensor's mm gathered in
+    backward 12-13 times a micro-batch where the plan does 4-5, and its lookup reduce-scattered a whole-table
+    gradient once a step: this fails then), and each rank sends the plan's pieces (1F1B: 512 elements a step,
+    where gathering each crossing before the send sent 1,024 and added an all-gather a micro-batch on each side:
+    this fails then);
     the labels the last stage reads hop along whole (integers, `_PassInputsThrough`; the plan's graph gives them
-    every device). The optimizer's plan computes the loss vocabulary-parallel (amax gathered, sum-exp and loss
-    all-reduced), which the traced last stage does not: DTensor gathers the tied head's table instead, each
-    micro-batch (asserted as it is). ~2-3 min wall on this box."""
+    every device). The optimizer's plan computes the loss vocabulary-parallel (its block maxima gathered, sum-exp
+    and loss all-reduced, two all-reduces backward); the traced last stage runs it as torch's loss parallelism
+    (`loss_parallel.traced_losses`: each row's max, sum-exp and target logit all-reduced forward, nothing
+    backward; the logits never gathered, where DTensor gathered them each micro-batch until 2026-12-04):
+    asserted as it is. ~1-2 min wall on this box."""
     plans = {"megatron": megatron_stage_plan(pp2, sequence=True), "pinned": pipelined_plan(4, tp=2, sp=2),
              "interleaved": megatron_stage_plan(pipelined_plan(2, "interleaved"), sequence=True)}
     results = _launch(plans, 4)
-    loss_parallel = ({f"schedule fwd all-gather {TABLE}": MICROBATCHES},   # DTensor's, not the plan's
-                     {"schedule fwd all-gather 32": 4, "schedule fwd all-reduce 16": 4, "schedule fwd all-reduce 1": 4,
-                      "schedule bwd all-reduce 16": 8})                       # the plan's, not DTensor's
+    rows, m = SIZES["batch"] // MICROBATCHES * SIZES["seq"], MICROBATCHES   # the loss's rows a micro-batch
+    loss_parallel = ({f"schedule fwd all-reduce {rows}": 2 * m},   # torch's: each row's max, sum-exp, target logit
+                     {f"schedule fwd all-gather {2 * rows}": m, "schedule fwd all-reduce 1": m,   # the plan's: the
+                      f"schedule bwd all-reduce {rows}": 2 * m})   # block maxima gathered, the loss reduced
     for label, plan in plans.items():
         run = [r[label] for r in results]
         _check_run(run)
@@ -731,7 +754,7 @@ def test_pp2_by_tp2_sequence_parallel_trained_on_four_ranks_like_the_module_in_o
         planned = plan_collectives(plan)
         for rank, result in enumerate(run):
             stage = rank // 2
-            got, want = Counter(result["collectives"]), as_dtensor_runs_them(planned[stage], stage == 0)
+            got, want = Counter(result["collectives"]), planned[stage]
             labels = got.pop("send fwd int", 0)
             assert labels % (SIZES["batch"] * SIZES["seq"]) == 0 and (labels or stage), labels   # whole, never a piece
             sends = {key: got[key] for key in ("send fwd", "send bwd")}

@@ -282,8 +282,13 @@ def traced_tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh, prefi
     the same tp rank of the next stage, and its gradient back, with no gather before the send nor slice after it
     (`pipelined._sequence_pieces` sizes the traced stage's buffers so). `received`: the module's inputs are such
     pieces, received from the stage before (each is this rank's slice already); otherwise they are the step's
-    whole inputs (the first stage), sliced on entry. `dtensor_step` must be around its forward and backward."""
+    whole inputs (the first stage), sliced on entry. Its products and lookups of split weights run on the local
+    pieces with the plan's collectives only (`sequence_products`). A plan's vocabulary-parallel loss: the stage's cross-entropy
+    runs as loss parallelism (`loss_parallel.traced_losses`). `dtensor_step` must be around its forward and
+    backward."""
     from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+
+    from parsat.backend.torch_native.sequence_products import local_products, split_weights
 
     dims = _stored_dims(lowering, SPLIT)
     # one DTensor per parameter, however many names it has (a tie stays one); the original kept, so its id stays its
@@ -299,9 +304,14 @@ def traced_tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh, prefi
                                                        param.requires_grad))
             sub.register_parameter(local, made[id(param)][1])
 
+    if lowering.loss_parallel:
+        from parsat.backend.torch_native.loss_parallel import traced_losses
+
+        traced_losses(module)
     if not sequence:
         distribute_module(module, tp_mesh, partition, _replicated_inputs, _whole_outputs)
     else:
+        local_products(module, split_weights(dims, prefix))
         distribute_module(module, tp_mesh, partition, _received_pieces if received else _sequence_inputs,
                           _sequence_outputs)
 

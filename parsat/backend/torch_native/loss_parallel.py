@@ -56,6 +56,28 @@ def install(module: nn.Module) -> None:
     module.forward = on_shards
 
 
+# aten's `reduction` argument (`at::Reduction`) -> F.cross_entropy's
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+def traced_losses(module: nn.Module) -> int:
+    """A traced stage module's cross-entropies (`aten.cross_entropy_loss` in its graphs: `pipeline()` traces the
+    module's `F.cross_entropy` so) made calls of `traced_cross_entropy`, so that one on vocabulary-split DTensor
+    logits runs as loss parallelism as the module's own does under `install`; the count made. The stage's
+    forward and backward already run as one (`apply.dtensor_step`), so no mode is needed around them."""
+    from parsat.backend.torch_native.traced_graphs import retarget
+
+    loss = torch.ops.aten.cross_entropy_loss.default
+    return retarget(module, lambda _prefix, node: traced_cross_entropy if node.target is loss else None)
+
+
+def traced_cross_entropy(input, target, weight=None, reduction: int = 1, ignore_index: int = -100,
+                         label_smoothing: float = 0.0) -> torch.Tensor:
+    """`aten.cross_entropy_loss(...)` (its arguments) as `cross_entropy_on_shards`."""
+    return cross_entropy_on_shards(input, target, weight=weight, reduction=_REDUCTIONS[reduction],
+                                   ignore_index=ignore_index, label_smoothing=label_smoothing)
+
+
 class _OnShards(TorchFunctionMode):
     """`F.cross_entropy` on a DTensor split along its class dim -> `cross_entropy_on_shards`; all else unchanged."""
 

@@ -378,6 +378,7 @@ class _Lowerer:
         splits: tuple[TracedSplit, ...] = ()
         if tensor and self.traced:
             splits = self.traced_splits(tensor[0], weights)
+            self.vocabulary_losses(tensor[0])   # the traced stage's cross-entropy run as loss parallelism too
         elif tensor:
             styles = self.tensor_styles(tensor[0], weights)
         self.note_rewrites()

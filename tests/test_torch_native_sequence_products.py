@@ -1,0 +1,185 @@
+"""A sequence-parallel traced stage's products on local pieces (`backend.torch_native.sequence_products`).
+
+In one process, 2 ranks simulated (a fake process group and torch's
+`LocalTensorMode`): Megatron's sequence-parallel MLP, a column-parallel
+product of the sequence split input, tanh, a row-parallel product and the
+residual add, computed by `sequence_parallel_matmul` equals the unsplit
+computation (values and every gradient) and runs exactly the collectives
+the plan prices for it (forward: one all-gather, one reduce-scatter;
+backward: one all-gather, one reduce-scatter), where DTensor's own `matmul`
+on the same DTensors gathers two more in backward. The slow run on gloo
+ranks is tests/test_torch_native_pipeline.py's sequence-parallel test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+from parsat.backend.torch_native.sequence_products import sequence_parallel_matmul  # noqa: E402
+
+COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_reduce")
+
+
+@pytest.fixture
+def two_local_ranks():
+    """A fake 2-rank process group and `LocalTensorMode` over both ranks (each tensor holds both ranks' pieces);
+    yields the 1-D DeviceMesh."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already started in this process")
+    dist.init_process_group("fake", world_size=2, rank=0, store=FakeStore())
+    try:
+        with LocalTensorMode(frozenset(range(2))):
+            yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def counted():
+    """The functional collectives DTensor's redistributions issue (as tests/test_torch_native_pipeline.py's
+    `counted_collectives` counts them), by phase: "fwd name" / "bwd name" (inside autograd's backward)."""
+    import torch.distributed._functional_collectives as funcol
+
+    counts: Counter = Counter()
+    originals = {name: getattr(funcol, name) for name in COLLECTIVES}
+
+    def wrap(name):
+        def run(*args, **kwargs):
+            counts[f"{'bwd' if torch._C._current_graph_task_id() != -1 else 'fwd'} {name}"] += 1
+            return originals[name](*args, **kwargs)
+        return run
+    for name in COLLECTIVES:
+        setattr(funcol, name, wrap(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(funcol, name, original)
+
+
+def _mlp(product, x, w1, w2):
+    return product(product(x, w1).tanh(), w2) + x
+
+
+def test_a_sequence_parallel_mlp_on_local_pieces_runs_the_plans_collectives_only(two_local_ranks):
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+
+    mesh = two_local_ranks
+    g = torch.Generator().manual_seed(0)
+    x, w1, w2 = (torch.randn(shape, generator=g, dtype=torch.float64) for shape in ((2, 4, 6), (6, 8), (8, 6)))
+    whole = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    _mlp(torch.matmul, *whole).square().sum().backward()
+    runs = {}
+    for product in (sequence_parallel_matmul, torch.matmul):
+        split = [distribute_tensor(t, mesh, [Shard(d)]).requires_grad_() for t, d in ((x, 1), (w1, 1), (w2, 0))]
+        saved = []   # what autograd keeps for backward: (a DTensor?, shape)
+        with counted() as counts:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((isinstance(t, DTensor),
+                                                                                   tuple(t.shape))) or t,
+                                                          lambda t: t):
+                hidden = product(split[0], split[1])
+            out = product(hidden.tanh(), split[2])
+            placements = (hidden.placements, out.placements)
+            y = out + split[0]
+            y.square().sum().backward()
+        runs[product.__name__] = dict(counts)
+        assert y.placements == (Shard(1),)
+        for got, want in zip([y] + [t.grad for t in split], [_mlp(torch.matmul, x, w1, w2)] + [t.grad for t in whole]):
+            assert torch.allclose(got.full_tensor(), want, rtol=1e-12, atol=1e-12)
+        assert [t.grad.placements for t in split] == [(Shard(1),), (Shard(1),), (Shard(0),)]
+        if product is sequence_parallel_matmul:   # the gathered input kept whole (matmul's [b x s, h] view of
+            # it), as the cost model prices it: no re-gather
+            assert placements == ((Shard(2),), (Partial(),)) and (False, (8, 6)) in saved, saved
+        else:   # DTensor's mm keeps the strided piece (a DTensor), gathered again in backward
+            assert all(is_dtensor for is_dtensor, _ in saved), saved
+    # the plan's: the input gathered and the output reduce-scattered forward, the output's gradient gathered and
+    # the input's reduce-scattered backward; the gathered input kept for the weight's gradient (no re-gather)
+    assert runs["sequence_parallel_matmul"] == {"fwd all_gather_single": 1, "fwd reduce_scatter_single": 1,
+                                                "bwd all_gather_single": 1, "bwd reduce_scatter_single": 1}
+    # DTensor's own matmul (mm on [batch x seq, hidden], a _StridedShard it has no strategy for): the input
+    # gathered again for w1's gradient, the output's gradient gathered once for each of w2's backward products
+    assert runs["matmul"] == {**runs["sequence_parallel_matmul"], "bwd all_gather_single": 3}
+
+
+def test_other_placements_are_left_to_dtensor(two_local_ranks):
+    """A replicated input, or a weight split otherwise, runs DTensor's own matmul: the same value either way."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = two_local_ranks
+    x, w = torch.randn(2, 4, 6, dtype=torch.float64), torch.randn(6, 8, dtype=torch.float64)
+    for px, pw in ((Replicate(), Shard(1)), (Shard(1), Replicate()), (Shard(0), Shard(1)), (Shard(2), Shard(1))):
+        got = sequence_parallel_matmul(distribute_tensor(x, mesh, [px]), distribute_tensor(w, mesh, [pw]))
+        assert torch.allclose(got.full_tensor(), x @ w, rtol=1e-12, atol=1e-12), (px, pw)
+    assert torch.equal(sequence_parallel_matmul(x, w), x @ w)
+
+
+def test_a_traced_cross_entropy_on_vocabulary_split_logits_runs_as_loss_parallelism(two_local_ranks):
+    """A traced last stage's `aten.cross_entropy_loss` (`loss_parallel.traced_losses` points it at
+    `traced_cross_entropy`) on vocabulary-split logits: the loss and the logits' gradient of the whole logits,
+    the logits never gathered: torch's loss parallelism all-reduces each row's max, sum of exps and target logit
+    forward and nothing backward (the plan's vocabulary-parallel loss gathers the block maxima and all-reduces
+    its sums: benchmarks/backend_results.md, 2026-12-04 helper D)."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from parsat.backend.torch_native.loss_parallel import traced_cross_entropy
+
+    mesh = two_local_ranks
+    g = torch.Generator().manual_seed(1)
+    logits, target = torch.randn(6, 8, generator=g, dtype=torch.float64), torch.randint(0, 8, (6,), generator=g)
+    whole = logits.clone().requires_grad_()
+    want = F.cross_entropy(whole, target)
+    want.backward()
+    split = distribute_tensor(logits, mesh, [Shard(1)]).requires_grad_()
+    with counted() as counts:
+        loss = traced_cross_entropy(split, distribute_tensor(target, mesh, [Replicate()]))
+        loss.backward()
+    assert torch.allclose(loss, want.detach(), rtol=1e-12) and split.grad.placements == (Shard(1),)
+    assert torch.allclose(split.grad.full_tensor(), whole.grad, rtol=1e-12, atol=1e-15)
+    assert dict(counts) == {"fwd all_reduce": 3}
+
+
+@pytest.mark.parametrize("vocab", [8, 7])
+def test_a_vocabulary_parallel_lookup_on_local_rows_gathers_its_gradient_once(two_local_ranks, vocab):
+    """`vocabulary_parallel_embedding` on a table split along the vocabulary (evenly, and 7 rows on 2 ranks) and
+    whole ids, plus position embeddings split along the sequence, as the gpt's first stage computes them under
+    sequence parallelism: the values and the table's gradient of the unsplit lookup, the gradient already the
+    table's `Shard(0)`, with the plan's collectives only (the partial sum reduce-scattered onto the sequence
+    forward, its gradient all-gathered backward). DTensor's own lookup slices the ids along the sequence for the
+    table's gradient instead and leaves it a whole-table partial sum: a reduce-scatter of the whole table once
+    placed as its parameter, where the plan gathers the activation's gradient."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+    from parsat.backend.torch_native.sequence_products import vocabulary_parallel_embedding
+
+    mesh = two_local_ranks
+    g = torch.Generator().manual_seed(2)
+    table, ids = torch.randn(vocab, 4, generator=g, dtype=torch.float64), torch.randint(0, vocab, (2, 6), generator=g)
+    positions = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    whole = table.clone().requires_grad_()
+    want = F.embedding(ids, whole) + positions
+    want.square().sum().backward()
+    runs = {}
+    for lookup in (vocabulary_parallel_embedding, lambda t, i: F.embedding(i, t)):
+        split = distribute_tensor(table, mesh, [Shard(0)]).requires_grad_()
+        with counted() as counts:
+            out = lookup(split, distribute_tensor(ids, mesh, [Replicate()])) + \
+                distribute_tensor(positions, mesh, [Shard(0)])
+            out.square().sum().backward()
+        assert out.placements == (Shard(1),)
+        assert torch.allclose(out.full_tensor(), want.detach(), rtol=1e-12, atol=1e-15)
+        assert torch.allclose(split.grad.full_tensor(), whole.grad, rtol=1e-12, atol=1e-15)
+        runs[lookup is vocabulary_parallel_embedding] = (split.grad.placements, dict(counts))
+    assert runs[True] == ((Shard(0),), {"fwd reduce_scatter_single": 1, "bwd all_gather_single": 1})
+    assert runs[False] == ((Partial(),), {"fwd reduce_scatter_single": 1})
