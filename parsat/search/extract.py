@@ -304,13 +304,20 @@ class Extraction:
         return self.method in (LEAN, LEAN_ILP)
 
 
+Obliged = Mapping[NodeId, tuple[tuple[int, ...], ...]]   # e-node -> groups of classes, one of each to be held
+
+
 def dag_cost(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], choice: Mapping[int, int],
-             roots: Sequence[int]) -> tuple[float, int, list[int]] | None:
-    """(time, memory, classes in topological order) of a choice, each class once; None if cyclic or incomplete."""
+             roots: Sequence[int], obliged: Obliged | None = None) -> tuple[float, int, list[int]] | None:
+    """(time, memory, classes in topological order) of a choice, each class once; None if cyclic or incomplete.
+    `obliged` (`repeat.copy_obligations`): what a chosen e-node obliges the plan to hold beside its children
+    (the first class of each group the choice holds; None where it holds none), counted with them."""
     order: list[int] = []
     state: dict[int, int] = {}  # 1 visiting, 2 done
-    for root in roots:
-        stack = [(root, False)]
+    pending = list(roots)
+    scanned = 0   # classes of `order` whose obligations are in `pending`
+    while pending:
+        stack = [(pending.pop(0), False)]
         while stack:
             cid, exiting = stack.pop()
             if exiting:
@@ -331,12 +338,30 @@ def dag_cost(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], choice: Mappi
                     return None
                 if state.get(child) != 2:
                     stack.append((child, False))
+        if obliged and not pending:
+            # what the classes found so far oblige, as more roots; their subtrees may oblige more (to a fixpoint)
+            for cid in order[scanned:]:
+                for group in obliged.get((cid, choice[cid]), ()):
+                    if any(state.get(c) == 2 for c in group):
+                        continue
+                    held = next((c for c in group if c in choice), None)
+                    if held is None:
+                        return None
+                    pending.append(held)
+            scanned = len(order)
     time_s = sum(costs[(c, choice[c])].time_s for c in order)
     memory = sum(costs[(c, choice[c])].memory_bytes for c in order)
     return time_s, memory, order
 
 
-def _usable(costs, exclude) -> Callable[[NodeId], bool]:
+def _usable(costs, exclude, obliged: Obliged | None = None) -> Callable[[NodeId], bool]:
+    """Whether an e-node may be chosen: priced, not excluded, and not obliging a plan to hold a class that no
+    e-node makes (an empty group of `obliged`)."""
+    if obliged:
+        barred = frozenset(nid for nid, groups in obliged.items() if not all(groups))
+        if barred:
+            return _usable(costs, barred.__contains__ if exclude is None
+                           else (lambda nid: nid in barred or exclude(nid)))
     if exclude is None:
         return lambda nid: nid in costs
     return lambda nid: nid in costs and not exclude(nid)
@@ -452,15 +477,17 @@ def greedy_dag(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Cal
     return choice
 
 
-def _reachable(snapshot: Snapshot, roots: Sequence[int], usable) -> list[int]:
+def _reachable(snapshot: Snapshot, roots: Sequence[int], usable, obliged: Obliged | None = None) -> list[int]:
+    """The classes the roots reach through usable e-nodes' children and what they oblige (`obliged`)."""
     seen = set(roots)
     stack = list(roots)
+    obliged = obliged or {}
     while stack:
         cid = stack.pop()
         for index, node in enumerate(snapshot.classes.get(cid, ())):
             if not usable((cid, index)):
                 continue
-            for child in node.children:
+            for child in (*node.children, *(c for group in obliged.get((cid, index), ()) for c in group)):
                 if child not in seen:
                     seen.add(child)
                     stack.append(child)
@@ -495,7 +522,7 @@ def _quiet_stdout():
 
 def ilp(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], usable, capacity: float,
         warm: Mapping[int, int] | None, nodes: int, rank: Mapping[int, int],
-        seconds: float = math.inf) -> tuple[dict[int, int] | None, str]:
+        seconds: float = math.inf, obliged: Obliged | None = None) -> tuple[dict[int, int] | None, str]:
     """Exact DAG extraction with a memory constraint, by HiGHS, within `nodes` branch-and-bound nodes.
 
     The budget is work, not time: HiGHS runs on one thread with its fixed
@@ -509,11 +536,13 @@ def ilp(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[in
     full e-graph, big-M orderings or lazy cycle cuts, were tried: the
     combine/partition round trips make their relaxation so weak that HiGHS
     did not close the gap on a single transformer block in 20 s.)
+
+    `obliged`: an e-node chosen holds a class of each of its groups (a row each), as `dag_cost` counts them.
     """
     import highspy
 
-    cols, col_of = _ilp_columns(snapshot, roots, usable, rank)
-    rows = _ilp_rows(snapshot, costs, roots, cols, capacity)
+    cols, col_of = _ilp_columns(snapshot, roots, usable, rank, obliged)
+    rows = _ilp_rows(snapshot, costs, roots, cols, capacity, obliged)
     if rows is None:
         return None, "infeasible (a root has no usable e-node)"
     lp = _highs_lp(costs, cols, rows)
@@ -536,10 +565,11 @@ def ilp(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[in
     return {cols[c][0]: cols[c][1] for c in range(len(cols)) if values[c] > 0.5}, status
 
 
-def _ilp_columns(snapshot: Snapshot, roots: Sequence[int], usable,
-                 rank: Mapping[int, int]) -> tuple[list[NodeId], dict[NodeId, int]]:
+def _ilp_columns(snapshot: Snapshot, roots: Sequence[int], usable, rank: Mapping[int, int],
+                 obliged: Obliged | None = None) -> tuple[list[NodeId], dict[NodeId, int]]:
     """The ILP's 0/1 variables, one per e-node it may choose, and each e-node's column: the usable e-nodes that
-    `rank` orders after all their children (acyclic, see `ilp`), in the classes the roots reach through them."""
+    `rank` orders after all their children (acyclic, see `ilp`), in the classes the roots reach through them and
+    what they oblige (`obliged`)."""
     def allowed(nid: NodeId) -> bool:
         if not usable(nid) or nid[0] not in rank:
             return False
@@ -547,7 +577,7 @@ def _ilp_columns(snapshot: Snapshot, roots: Sequence[int], usable,
 
     cols: list[NodeId] = []
     col_of: dict[NodeId, int] = {}
-    for cid in _reachable(snapshot, roots, allowed):
+    for cid in _reachable(snapshot, roots, allowed, obliged):
         for index, node in enumerate(snapshot.classes.get(cid, ())):
             nid = (cid, index)
             if allowed(nid):
@@ -569,9 +599,10 @@ class _IlpRows:
 
 
 def _ilp_rows(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], cols: Sequence[NodeId],
-              capacity: float) -> _IlpRows | None:
+              capacity: float, obliged: Obliged | None = None) -> _IlpRows | None:
     """What makes a choice of columns a plan that fits: one e-node per root, at most one per other class, an
-    e-node's children chosen with it, the memory of what is chosen within `capacity` (None: a root has no column).
+    e-node's children chosen with it, and a class of each group it obliges (`obliged`), the memory of what is
+    chosen within `capacity` (None: a root has no column).
     """
     rows_start, rows_index, rows_value, lower, upper = [0], [], [], [], []
 
@@ -597,6 +628,8 @@ def _ilp_rows(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Seque
         node = snapshot.classes[cid][index]
         for child in set(node.children):
             row([(c, 1.0) for c in by_class.get(child, [])] + [(col, -1.0)], 0.0, math.inf)
+        for group in (obliged or {}).get((cid, index), ()):
+            row([(c, 1.0) for held in group for c in by_class.get(held, [])] + [(col, -1.0)], 0.0, math.inf)
     if capacity and math.isfinite(capacity):
         row(((col, costs[nid].memory_bytes / capacity) for col, nid in enumerate(cols)), 0.0, 1.0)
     return _IlpRows(rows_start, rows_index, rows_value, lower, upper)
@@ -652,7 +685,8 @@ LEAN_BISECTIONS = 4
 
 
 def lean_choices(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], usable,
-                 capacity: float, time_s: float, memory_bytes: float) -> list[dict[int, int]]:
+                 capacity: float, time_s: float, memory_bytes: float,
+                 obliged: Obliged | None = None) -> list[dict[int, int]]:
     """Plans that trade time for memory, for an extraction whose passes ranked by time found none that fits:
     bottom-up choices at a price per byte of memory (a Lagrangian weight, time + price x bytes), the price
     doubled from the fastest plan's own exchange rate (`time_s` / `memory_bytes`) until a choice fits, then
@@ -665,7 +699,7 @@ def lean_choices(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Se
     def fits_at(price: float) -> bool:
         choice, _rank = bottom_up(snapshot, costs, usable, memory_price=price)
         chosen.append(choice)
-        result = dag_cost(snapshot, costs, choice, roots)
+        result = dag_cost(snapshot, costs, choice, roots, obliged)
         return result is not None and result[1] <= capacity
 
     low, high = 0.0, time_s / max(memory_bytes, 1.0)
@@ -684,21 +718,49 @@ def lean_choices(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Se
     return chosen
 
 
+def _guided(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable,
+            obliged: Obliged | None) -> Mapping[NodeId, NodeCost]:
+    """`costs` as the greedy passes rank by: an e-node that obliges a plan to hold more (`obliged`) costs, beside
+    its own time, the cheapest parallel e-node of each class it obliges (a conversion into that placement; nothing
+    where the class has none: only computing makes it). The passes choose class by class and cannot hold an
+    obligation (the class obliged is often made from the e-node's own output: a repeated block reading a value
+    of the one before obliges the same value of its own), so this is only their guide; every plan is judged
+    with its obligations (`dag_cost`), and the ILP holds them. The ILP's warm start and the order of its columns
+    come from these passes: llama-70b's pinned dp 16 x tp 4 plan came out at a node sum of 20.344 s without the
+    guide, 19.678 s with it (benchmarks/search_results.md, 2026-12-04 helper M)."""
+    if not obliged:
+        return costs
+
+    def conversion(cid: int) -> float:
+        return min((costs[(cid, i)].time_s for i, node in enumerate(snapshot.classes.get(cid, ()))
+                    if node.op in PARALLEL_OPS and usable((cid, i))), default=0.0)
+
+    out = dict(costs)
+    for nid, groups in obliged.items():
+        if nid in costs and all(groups):
+            extra = sum(min(conversion(c) for c in group) for group in groups)
+            if extra > 0:
+                out[nid] = replace(costs[nid], comm_s=costs[nid].comm_s + extra)
+    return out
+
+
 def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], capacity: float,
             limits: Limits = Limits(), exclude: Callable[[NodeId], bool] | None = None,
-            lean: bool = False) -> Extraction:
+            lean: bool = False, obliged: Obliged | None = None) -> Extraction:
     """The cheapest plan the three passes find; the memory limit is hard. The passes run to their end, the ILP
     within `limits.ilp_nodes`; `limits.seconds` (a safety valve, off by default) also bounds the greedy DAG
     pass and the ILP, and `ilp_seconds` 0 skips the ILP. With `lean`, where none of them fits, plans trading
     time for memory are asked for (`lean_choices`) and the ILP started from the fastest of them (the joint
-    extraction's: a baseline's restriction is a layout a grid point fixes, its misses the grid's own)."""
-    usable = _usable(costs, exclude)
+    extraction's: a baseline's restriction is a layout a grid point fixes, its misses the grid's own).
+    `obliged` (a repeated model's, `repeat.copy_obligations`): what an e-node obliges a plan to hold beside its
+    children; every pass's plan is judged with it (`dag_cost`), the ILP holds it as constraints."""
+    usable = _usable(costs, exclude, obliged)
     seconds: dict[str, float] = {}
     candidates: dict[str, float] = {}
     found: list[tuple[float, int, str, dict[int, int]]] = []
 
     def consider(method: str, choice: Mapping[int, int] | None) -> None:
-        result = dag_cost(snapshot, costs, choice, roots) if choice is not None else None
+        result = dag_cost(snapshot, costs, choice, roots, obliged) if choice is not None else None
         if result is None:
             candidates.setdefault(method, math.inf)
             return
@@ -707,13 +769,14 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
         found.append((time_s, memory, method, {c: choice[c] for c in order}))
 
     t = time.perf_counter()
-    tree, _rank = bottom_up(snapshot, costs, usable)
+    guide = _guided(snapshot, costs, usable, obliged)   # what the greedy passes rank by
+    tree, _rank = bottom_up(snapshot, guide, usable)
     seconds["bottom_up"] = time.perf_counter() - t
     if any(r not in tree for r in roots):
         raise ExtractionError("no plan reaches the graph's outputs with the e-nodes the cost model accepts")
     consider("bottom_up", tree)
     t = time.perf_counter()
-    consider("greedy_dag", greedy_dag(snapshot, costs, usable, t + limits.seconds))
+    consider("greedy_dag", greedy_dag(snapshot, guide, usable, t + limits.seconds))
     seconds["greedy_dag"] = time.perf_counter() - t
 
     def fitting() -> list:
@@ -724,9 +787,9 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
         admits it; its status."""
         warm = min(found, key=lambda f: (f[1] > capacity, f[0]))[3]
         t = time.perf_counter()
-        _tree, rank = bottom_up(snapshot, costs, usable, prefer=warm)  # an order that admits the warm start
+        _tree, rank = bottom_up(snapshot, guide, usable, prefer=warm)  # an order that admits the warm start
         choice, status = ilp(snapshot, costs, roots, usable, capacity, warm, limits.ilp_nodes, rank,
-                             min(limits.ilp_seconds, limits.seconds))
+                             min(limits.ilp_seconds, limits.seconds), obliged)
         seconds[method] = time.perf_counter() - t
         consider(method, choice)
         return status
@@ -736,7 +799,7 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
         # every pass ranked by time alone, and the ILP sees only the e-nodes their order admits: a plan that fits
         # by sharding more (weights stored split, ZeRO-3 style) can lie outside it. Ask again, memory priced
         fastest = min(found, key=lambda f: f[0])
-        for choice in lean_choices(snapshot, costs, roots, usable, capacity, fastest[0], fastest[1]):
+        for choice in lean_choices(snapshot, costs, roots, usable, capacity, fastest[0], fastest[1], obliged):
             consider(LEAN, choice)
         if fitting() and limits.ilp_seconds > 0:
             status = run_ilp(LEAN_ILP)
