@@ -44,6 +44,7 @@ from parsat.cost.saved import kept
 from parsat.egraph.encoding import PIN_SUFFIX
 from parsat.egraph.runner import Limits
 from parsat.egraph.snapshot import ENode, Snapshot
+from parsat.search.value_order import value_order
 
 NodeId = tuple[int, int]  # (e-class, index of the e-node in the class)
 EPSILON = 1e-12           # a strictly positive cost per node keeps tree costs strictly increasing
@@ -541,7 +542,9 @@ def ilp(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[in
     """
     import highspy
 
-    cols, col_of = _ilp_columns(snapshot, roots, usable, rank, obliged)
+    # the warm plan's classes re-made by value order only for a repeated model's (`obliged`): elsewhere it changed
+    # ties between equal plans that tests of other stages hold (benchmarks/search_results.md, 2026-12-04 helper M)
+    cols, col_of = _ilp_columns(snapshot, roots, usable, rank, obliged, warm if obliged else None)
     rows = _ilp_rows(snapshot, costs, roots, cols, capacity, obliged)
     if rows is None:
         return None, "infeasible (a root has no usable e-node)"
@@ -565,25 +568,53 @@ def ilp(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[in
     return {cols[c][0]: cols[c][1] for c in range(len(cols)) if values[c] > 0.5}, status
 
 
-def _ilp_columns(snapshot: Snapshot, roots: Sequence[int], usable, rank: Mapping[int, int],
-                 obliged: Obliged | None = None) -> tuple[list[NodeId], dict[NodeId, int]]:
-    """The ILP's 0/1 variables, one per e-node it may choose, and each e-node's column: the usable e-nodes that
-    `rank` orders after all their children (acyclic, see `ilp`), in the classes the roots reach through them and
-    what they oblige (`obliged`)."""
-    def allowed(nid: NodeId) -> bool:
-        if not usable(nid) or nid[0] not in rank:
-            return False
-        return all(rank.get(ch, math.inf) < rank[nid[0]] for ch in snapshot.classes[nid[0]][nid[1]].children)
+# how many columns the value order may add to those `rank` admits, as a share of them: past it the ILP keeps the
+# rank's alone. HiGHS's presolve grows faster than the model: bert-large:8's three ILPs whose columns the value order
+# tripled (340 -> 981) took 0.9-2.0 CPU s each against 0.005, +5 CPU s a search; llama-70b's pinned plan needs +33%
+# (290 -> 386; benchmarks/search_results.md, 2026-12-04 helper M2)
+VALUE_ORDER_GROWTH = 0.5
 
-    cols: list[NodeId] = []
-    col_of: dict[NodeId, int] = {}
-    for cid in _reachable(snapshot, roots, allowed, obliged):
-        for index, node in enumerate(snapshot.classes.get(cid, ())):
-            nid = (cid, index)
-            if allowed(nid):
-                col_of[nid] = len(cols)
-                cols.append(nid)
-    return cols, col_of
+
+def _ilp_columns(snapshot: Snapshot, roots: Sequence[int], usable, rank: Mapping[int, int],
+                 obliged: Obliged | None = None,
+                 warm: Mapping[int, int] | None = None) -> tuple[list[NodeId], dict[NodeId, int]]:
+    """The ILP's 0/1 variables, one per e-node it may choose, and each e-node's column: the usable e-nodes whose
+    children `rank` finalised before their own class, and, in the classes of the `warm` plan, those whose children
+    come before it in the order of values, then of `rank` (`value_order`), in the classes the roots reach through
+    them and what they oblige (`obliged`). Both are read in that one order (a child before its class in `rank` is
+    before it there too), so the sub-e-graph is acyclic (see `ilp`); the second lets the ILP re-choose how a class
+    of the warm plan is made from the values before it, which `rank` alone forbade for a class the warm plan
+    finalised early. The second is a bounded amount of work: where it adds more than `VALUE_ORDER_GROWTH` of the
+    first's columns, the first alone."""
+    def ranked(nid: NodeId) -> bool:
+        cid = nid[0]
+        return usable(nid) and cid in rank and all(rank.get(ch, math.inf) < rank[cid]
+                                                   for ch in snapshot.classes[cid][nid[1]].children)
+
+    cols = _columns(snapshot, roots, ranked, obliged)
+    if not warm:
+        return cols, {nid: c for c, nid in enumerate(cols)}
+    values = value_order(snapshot)
+
+    def ordered(nid: NodeId) -> bool:
+        cid = nid[0]
+        if ranked(nid):
+            return True
+        if cid not in warm or not usable(nid) or cid not in rank:
+            return False
+        own = (values[cid], rank[cid])
+        return all(ch in rank and (values[ch], rank[ch]) < own for ch in snapshot.classes[cid][nid[1]].children)
+
+    more = _columns(snapshot, roots, ordered, obliged)
+    if len(more) <= len(cols) * (1 + VALUE_ORDER_GROWTH):
+        cols = more
+    return cols, {nid: c for c, nid in enumerate(cols)}
+
+
+def _columns(snapshot: Snapshot, roots: Sequence[int], allowed, obliged: Obliged | None) -> list[NodeId]:
+    """The `allowed` e-nodes of the classes the roots reach through them and what they oblige, in that order."""
+    return [(cid, index) for cid in _reachable(snapshot, roots, allowed, obliged)
+            for index in range(len(snapshot.classes.get(cid, ()))) if allowed((cid, index))]
 
 
 @dataclass(frozen=True)
