@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
+import parsat.search.extract as extract
 from parsat import optimize
 from parsat.ir.machine import Machine
 from parsat.ir.parallelism import sequence_split
@@ -22,6 +25,12 @@ from parsat.search.step import idle_pinned_axes
 
 LLAMA = {"blocks": 2, "hidden": 64, "heads": 8, "kv_heads": 2, "batch": 8, "seq": 16, "vocab": 128}
 PINS = {"dp": 2, "tp": 2}
+
+
+def _llama_70b_pinned():
+    machine = replace(Machine.resolve("h100x8"), memory_capacity=10 * 2 ** 40)
+    return optimize("llama-70b", machine=machine, devices=64, degrees={"dp": 16, "tp": 4, "zero": 1},
+                    recompute="blocks", baselines=False, pipeline=False)
 
 
 def _norms(plan):
@@ -46,11 +55,25 @@ def test_a_repeated_model_s_extraction_prices_the_plan_its_copies_run():
     0.50 s above: the bridges between the copies went unpriced; it is now 0.35 s below, an e-node's all-gather
     priced without the cover its readers give it in the PCG, docs/COSTMODEL.md), and every norm of the repeated
     blocks is sequence-parallel, as Megatron-LM's layout with sequence parallelism (81 of 161 were before)."""
-    machine = replace(Machine.resolve("h100x8"), memory_capacity=10 * 2 ** 40)
-    plan = optimize("llama-70b", machine=machine, devices=64, degrees={"dp": 16, "tp": 4, "zero": 1},
-                    recompute="blocks", baselines=False, pipeline=False)
+    plan = _llama_70b_pinned()
     node_sum = sum(cost.time_s for cost in plan.costs.values())
     assert node_sum <= plan.extraction["candidates"]["ilp"] * 1.001, (plan.extraction, node_sum)
     tp = plan.pcg.mesh.names.index("tp")
     cut = [sequence_split(n.shape, n.placement.codes[tp]) for n in _norms(plan)]
     assert len(cut) == 161 and sum(cut) >= 158
+
+
+@pytest.mark.slow
+def test_the_value_order_s_columns_are_bounded_work_and_what_the_sequence_parallel_norms_need(monkeypatch):
+    """The ILP takes the value order's columns only where they add at most `VALUE_ORDER_GROWTH` of its columns
+    (bert-large:8's tripled, +5 CPU s a search). llama-70b pinned needs a third more: with the bound below that,
+    the copy obligations alone hold, the plan reads each block's residual whole again (81 norms of 161 on a slice)
+    and its stamped node sum is still not above its rank (the bridges priced; benchmarks/search_results.md,
+    2026-12-04 helper M2)."""
+    monkeypatch.setattr(extract, "VALUE_ORDER_GROWTH", 0.25)
+    plan = _llama_70b_pinned()
+    node_sum = sum(cost.time_s for cost in plan.costs.values())
+    assert node_sum <= plan.extraction["candidates"]["ilp"] * 1.001, (plan.extraction, node_sum)
+    tp = plan.pcg.mesh.names.index("tp")
+    cut = [sequence_split(n.shape, n.placement.codes[tp]) for n in _norms(plan)]
+    assert len(cut) == 161 and sum(cut) <= 81
