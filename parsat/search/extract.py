@@ -539,33 +539,54 @@ def ilp(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[in
     did not close the gap on a single transformer block in 20 s.)
 
     `obliged`: an e-node chosen holds a class of each of its groups (a row each), as `dag_cost` counts them.
+    For a repeated model (`obliged`), a second ILP, started from the first's plan, may also re-make a class of
+    the warm plan by value order (`_ilp_columns`); its plan is taken only where it is cheaper by more than the
+    ILP's gap, so that ties the first breaks stay broken as they were (a tie re-broken reordered gpt-6.7b:64's
+    last block at an equal cost; benchmarks/search_results.md, 2026-12-04 helper M2).
     """
+    cols, more = _ilp_columns(snapshot, roots, usable, rank, obliged, warm if obliged else None)
+    choice, status, objective = _solve_ilp(costs, cols, _ilp_rows(snapshot, costs, roots, cols, capacity, obliged),
+                                           warm, nodes, seconds)
+    if more is None:
+        return choice, status
+    better, better_status, lower = _solve_ilp(costs, more, _ilp_rows(snapshot, costs, roots, more, capacity, obliged),
+                                              choice or warm, nodes, seconds)
+    if better is not None and lower < objective - ILP_GAP * abs(objective):
+        return better, better_status
+    return choice, status
+
+
+ILP_GAP = 1e-6   # HiGHS's relative gap: a plan within it of another is a tie
+
+
+def _solve_ilp(costs: Mapping[NodeId, NodeCost], cols: Sequence[NodeId], rows: _IlpRows | None,
+               warm: Mapping[int, int] | None, nodes: int,
+               seconds: float) -> tuple[dict[int, int] | None, str, float]:
+    """HiGHS on one ILP (`ilp`): the choice (None where it found none), its status and its time (the objective,
+    in seconds: `_highs_lp` scales it by its columns' dearest)."""
     import highspy
 
-    # the warm plan's classes re-made by value order only for a repeated model's (`obliged`): elsewhere it changed
-    # ties between equal plans that tests of other stages hold (benchmarks/search_results.md, 2026-12-04 helper M)
-    cols, col_of = _ilp_columns(snapshot, roots, usable, rank, obliged, warm if obliged else None)
-    rows = _ilp_rows(snapshot, costs, roots, cols, capacity, obliged)
     if rows is None:
-        return None, "infeasible (a root has no usable e-node)"
+        return None, "infeasible (a root has no usable e-node)", math.inf
     lp = _highs_lp(costs, cols, rows)
     with _quiet_stdout():
         h = highspy.Highs()
         h.setOptionValue("output_flag", False)
-    h.setOptionValue("mip_rel_gap", 1e-6)
+    h.setOptionValue("mip_rel_gap", ILP_GAP)
     h.setOptionValue("threads", 1)
     h.setOptionValue("mip_max_nodes", int(nodes))
     if math.isfinite(seconds):
         h.setOptionValue("time_limit", float(max(seconds, 0.05)))
     h.passModel(lp)
     if warm:
-        h.setSolution(_warm_solution(warm, col_of, len(cols)))
+        h.setSolution(_warm_solution(warm, {nid: c for c, nid in enumerate(cols)}, len(cols)))
     h.run()
     status = h.modelStatusToString(h.getModelStatus())
     if h.getInfo().primal_solution_status != 2:  # no feasible solution
-        return None, status
+        return None, status, math.inf
     values = h.getSolution().col_value
-    return {cols[c][0]: cols[c][1] for c in range(len(cols)) if values[c] > 0.5}, status
+    chosen = [cols[c] for c in range(len(cols)) if values[c] > 0.5]
+    return dict(chosen), status, sum(costs[nid].time_s for nid in chosen)
 
 
 # how many columns the value order may add to those `rank` admits, as a share of them: past it the ILP keeps the
@@ -577,15 +598,15 @@ VALUE_ORDER_GROWTH = 0.5
 
 def _ilp_columns(snapshot: Snapshot, roots: Sequence[int], usable, rank: Mapping[int, int],
                  obliged: Obliged | None = None,
-                 warm: Mapping[int, int] | None = None) -> tuple[list[NodeId], dict[NodeId, int]]:
-    """The ILP's 0/1 variables, one per e-node it may choose, and each e-node's column: the usable e-nodes whose
-    children `rank` finalised before their own class, and, in the classes of the `warm` plan, those whose children
-    come before it in the order of values, then of `rank` (`value_order`), in the classes the roots reach through
-    them and what they oblige (`obliged`). Both are read in that one order (a child before its class in `rank` is
-    before it there too), so the sub-e-graph is acyclic (see `ilp`); the second lets the ILP re-choose how a class
-    of the warm plan is made from the values before it, which `rank` alone forbade for a class the warm plan
-    finalised early. The second is a bounded amount of work: where it adds more than `VALUE_ORDER_GROWTH` of the
-    first's columns, the first alone."""
+                 warm: Mapping[int, int] | None = None) -> tuple[list[NodeId], list[NodeId] | None]:
+    """The ILP's 0/1 variables, one per e-node it may choose (a column each), in the classes the roots reach
+    through them and what they oblige (`obliged`): the usable e-nodes whose children `rank` finalised before their
+    own class; and, given a `warm` plan, those columns with the e-nodes of the warm plan's classes whose children
+    come before it in the order of values, then of `rank` (`value_order`), or None. Both are read in that one
+    order (a child before its class in `rank` is before it there too), so either sub-e-graph is acyclic (see
+    `ilp`); the second lets the ILP re-choose how a class of the warm plan is made from the values before it,
+    which `rank` alone forbade for a class the warm plan finalised early. It is a bounded amount of work: None
+    where it adds nothing or more than `VALUE_ORDER_GROWTH` of the first's columns."""
     def ranked(nid: NodeId) -> bool:
         cid = nid[0]
         return usable(nid) and cid in rank and all(rank.get(ch, math.inf) < rank[cid]
@@ -593,7 +614,7 @@ def _ilp_columns(snapshot: Snapshot, roots: Sequence[int], usable, rank: Mapping
 
     cols = _columns(snapshot, roots, ranked, obliged)
     if not warm:
-        return cols, {nid: c for c, nid in enumerate(cols)}
+        return cols, None
     values = value_order(snapshot)
 
     def ordered(nid: NodeId) -> bool:
@@ -606,9 +627,7 @@ def _ilp_columns(snapshot: Snapshot, roots: Sequence[int], usable, rank: Mapping
         return all(ch in rank and (values[ch], rank[ch]) < own for ch in snapshot.classes[cid][nid[1]].children)
 
     more = _columns(snapshot, roots, ordered, obliged)
-    if len(more) <= len(cols) * (1 + VALUE_ORDER_GROWTH):
-        cols = more
-    return cols, {nid: c for c, nid in enumerate(cols)}
+    return cols, (more if len(cols) < len(more) <= len(cols) * (1 + VALUE_ORDER_GROWTH) else None)
 
 
 def _columns(snapshot: Snapshot, roots: Sequence[int], allowed, obliged: Obliged | None) -> list[NodeId]:
