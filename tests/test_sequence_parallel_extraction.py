@@ -8,7 +8,8 @@
 * A repeated model's extraction did not price the bridges `repeat.stamp` puts between the copies of the middle
   block (`repeat.copy_obligations`), and the ILP could not re-make a class of its warm start from a class of an
   earlier value that the greedy order finalised later (`value_order`): llama-70b's pinned dp 16 x tp 4 plan read
-  each block's residual whole, its norm on every tensor rank.
+  each block's residual whole, its norm on every tensor rank. The value order's columns are a second ILP, bounded
+  (`extract.VALUE_ORDER_GROWTH`; benchmarks/search_results.md, 2026-12-04 helper M2).
 """
 
 from __future__ import annotations
