@@ -13,7 +13,9 @@ children's e-classes (shape and spread are properties of the e-class), so
    count once;
 3. an ILP (HiGHS) under a time limit, warm-started from the best of the
    above, with the per-device memory limit as a constraint, over the acyclic
-   sub-e-graph the bottom-up pass's order defines (see `ilp`).
+   sub-e-graph the bottom-up pass's order defines, and, for a repeated model,
+   again from its plan with the e-nodes that re-make a class of the warm
+   start from earlier values (see `ilp`, `value_order`).
 
 The best plan that fits in memory wins.
 """
