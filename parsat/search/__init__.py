@@ -9,7 +9,8 @@ a call shares), `microbatches` (the micro-batch counts the batch needs),
 fits in memory as the plan runs: a pipeline stage's plan as its schedules
 run it), `mesh` (one mesh: saturate, price, extract), `solve` (price every e-node,
 extract, build the PCG), `extract` (bottom-up, greedy DAG and ILP
-extraction), `repeat` (repeated blocks searched once, stamped N times),
+extraction), `value_order` (the order of the e-graph's values the ILP's
+acyclic sub-e-graph reads), `repeat` (repeated blocks searched once, stamped N times),
 `recompute` (activation recomputation priced in the search),
 `strategies` (the Megatron-style grid and `--degrees` pins as
 restrictions of the e-graph), `baselines` (data parallel, Megatron,

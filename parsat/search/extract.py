@@ -13,7 +13,9 @@ children's e-classes (shape and spread are properties of the e-class), so
    count once;
 3. an ILP (HiGHS) under a time limit, warm-started from the best of the
    above, with the per-device memory limit as a constraint, over the acyclic
-   sub-e-graph the bottom-up pass's order defines (see `ilp`).
+   sub-e-graph the bottom-up pass's order defines, and, for a repeated model,
+   again from its plan with the e-nodes that re-make a class of the warm
+   start from earlier values (see `ilp`, `value_order`).
 
 The best plan that fits in memory wins.
 """
@@ -44,6 +46,7 @@ from parsat.cost.saved import kept
 from parsat.egraph.encoding import PIN_SUFFIX
 from parsat.egraph.runner import Limits
 from parsat.egraph.snapshot import ENode, Snapshot
+from parsat.search.value_order import value_order
 
 NodeId = tuple[int, int]  # (e-class, index of the e-node in the class)
 EPSILON = 1e-12           # a strictly positive cost per node keeps tree costs strictly increasing
@@ -304,13 +307,20 @@ class Extraction:
         return self.method in (LEAN, LEAN_ILP)
 
 
+Obliged = Mapping[NodeId, tuple[tuple[int, ...], ...]]   # e-node -> groups of classes, one of each to be held
+
+
 def dag_cost(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], choice: Mapping[int, int],
-             roots: Sequence[int]) -> tuple[float, int, list[int]] | None:
-    """(time, memory, classes in topological order) of a choice, each class once; None if cyclic or incomplete."""
+             roots: Sequence[int], obliged: Obliged | None = None) -> tuple[float, int, list[int]] | None:
+    """(time, memory, classes in topological order) of a choice, each class once; None if cyclic or incomplete.
+    `obliged` (`repeat.copy_obligations`): what a chosen e-node obliges the plan to hold beside its children
+    (the first class of each group the choice holds; None where it holds none), counted with them."""
     order: list[int] = []
     state: dict[int, int] = {}  # 1 visiting, 2 done
-    for root in roots:
-        stack = [(root, False)]
+    pending = list(roots)
+    scanned = 0   # classes of `order` whose obligations are in `pending`
+    while pending:
+        stack = [(pending.pop(0), False)]
         while stack:
             cid, exiting = stack.pop()
             if exiting:
@@ -331,12 +341,30 @@ def dag_cost(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], choice: Mappi
                     return None
                 if state.get(child) != 2:
                     stack.append((child, False))
+        if obliged and not pending:
+            # what the classes found so far oblige, as more roots; their subtrees may oblige more (to a fixpoint)
+            for cid in order[scanned:]:
+                for group in obliged.get((cid, choice[cid]), ()):
+                    if any(state.get(c) == 2 for c in group):
+                        continue
+                    held = next((c for c in group if c in choice), None)
+                    if held is None:
+                        return None
+                    pending.append(held)
+            scanned = len(order)
     time_s = sum(costs[(c, choice[c])].time_s for c in order)
     memory = sum(costs[(c, choice[c])].memory_bytes for c in order)
     return time_s, memory, order
 
 
-def _usable(costs, exclude) -> Callable[[NodeId], bool]:
+def _usable(costs, exclude, obliged: Obliged | None = None) -> Callable[[NodeId], bool]:
+    """Whether an e-node may be chosen: priced, not excluded, and not obliging a plan to hold a class that no
+    e-node makes (an empty group of `obliged`)."""
+    if obliged:
+        barred = frozenset(nid for nid, groups in obliged.items() if not all(groups))
+        if barred:
+            return _usable(costs, barred.__contains__ if exclude is None
+                           else (lambda nid: nid in barred or exclude(nid)))
     if exclude is None:
         return lambda nid: nid in costs
     return lambda nid: nid in costs and not exclude(nid)
@@ -452,15 +480,17 @@ def greedy_dag(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Cal
     return choice
 
 
-def _reachable(snapshot: Snapshot, roots: Sequence[int], usable) -> list[int]:
+def _reachable(snapshot: Snapshot, roots: Sequence[int], usable, obliged: Obliged | None = None) -> list[int]:
+    """The classes the roots reach through usable e-nodes' children and what they oblige (`obliged`)."""
     seen = set(roots)
     stack = list(roots)
+    obliged = obliged or {}
     while stack:
         cid = stack.pop()
         for index, node in enumerate(snapshot.classes.get(cid, ())):
             if not usable((cid, index)):
                 continue
-            for child in node.children:
+            for child in (*node.children, *(c for group in obliged.get((cid, index), ()) for c in group)):
                 if child not in seen:
                     seen.add(child)
                     stack.append(child)
@@ -495,7 +525,7 @@ def _quiet_stdout():
 
 def ilp(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], usable, capacity: float,
         warm: Mapping[int, int] | None, nodes: int, rank: Mapping[int, int],
-        seconds: float = math.inf) -> tuple[dict[int, int] | None, str]:
+        seconds: float = math.inf, obliged: Obliged | None = None) -> tuple[dict[int, int] | None, str]:
     """Exact DAG extraction with a memory constraint, by HiGHS, within `nodes` branch-and-bound nodes.
 
     The budget is work, not time: HiGHS runs on one thread with its fixed
@@ -509,51 +539,103 @@ def ilp(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[in
     full e-graph, big-M orderings or lazy cycle cuts, were tried: the
     combine/partition round trips make their relaxation so weak that HiGHS
     did not close the gap on a single transformer block in 20 s.)
+
+    `obliged`: an e-node chosen holds a class of each of its groups (a row each), as `dag_cost` counts them.
+    For a repeated model (`obliged`), a second ILP, started from the first's plan, may also re-make a class of
+    the warm plan by value order (`_ilp_columns`); its plan is taken only where it is cheaper by more than the
+    ILP's gap, so that ties the first breaks stay broken as they were (a tie re-broken reordered gpt-6.7b:64's
+    last block at an equal cost; benchmarks/search_results.md, 2026-12-04 helper M2).
     """
+    cols, more = _ilp_columns(snapshot, roots, usable, rank, obliged, warm if obliged else None)
+    choice, status, objective = _solve_ilp(costs, cols, _ilp_rows(snapshot, costs, roots, cols, capacity, obliged),
+                                           warm, nodes, seconds)
+    if more is None:
+        return choice, status
+    better, better_status, lower = _solve_ilp(costs, more, _ilp_rows(snapshot, costs, roots, more, capacity, obliged),
+                                              choice or warm, nodes, seconds)
+    if better is not None and lower < objective - ILP_GAP * abs(objective):
+        return better, better_status
+    return choice, status
+
+
+ILP_GAP = 1e-6   # HiGHS's relative gap: a plan within it of another is a tie
+
+
+def _solve_ilp(costs: Mapping[NodeId, NodeCost], cols: Sequence[NodeId], rows: _IlpRows | None,
+               warm: Mapping[int, int] | None, nodes: int,
+               seconds: float) -> tuple[dict[int, int] | None, str, float]:
+    """HiGHS on one ILP (`ilp`): the choice (None where it found none), its status and its time (the objective,
+    in seconds: `_highs_lp` scales it by its columns' dearest)."""
     import highspy
 
-    cols, col_of = _ilp_columns(snapshot, roots, usable, rank)
-    rows = _ilp_rows(snapshot, costs, roots, cols, capacity)
     if rows is None:
-        return None, "infeasible (a root has no usable e-node)"
+        return None, "infeasible (a root has no usable e-node)", math.inf
     lp = _highs_lp(costs, cols, rows)
     with _quiet_stdout():
         h = highspy.Highs()
         h.setOptionValue("output_flag", False)
-    h.setOptionValue("mip_rel_gap", 1e-6)
+    h.setOptionValue("mip_rel_gap", ILP_GAP)
     h.setOptionValue("threads", 1)
     h.setOptionValue("mip_max_nodes", int(nodes))
     if math.isfinite(seconds):
         h.setOptionValue("time_limit", float(max(seconds, 0.05)))
     h.passModel(lp)
     if warm:
-        h.setSolution(_warm_solution(warm, col_of, len(cols)))
+        h.setSolution(_warm_solution(warm, {nid: c for c, nid in enumerate(cols)}, len(cols)))
     h.run()
     status = h.modelStatusToString(h.getModelStatus())
     if h.getInfo().primal_solution_status != 2:  # no feasible solution
-        return None, status
+        return None, status, math.inf
     values = h.getSolution().col_value
-    return {cols[c][0]: cols[c][1] for c in range(len(cols)) if values[c] > 0.5}, status
+    chosen = [cols[c] for c in range(len(cols)) if values[c] > 0.5]
+    return dict(chosen), status, sum(costs[nid].time_s for nid in chosen)
 
 
-def _ilp_columns(snapshot: Snapshot, roots: Sequence[int], usable,
-                 rank: Mapping[int, int]) -> tuple[list[NodeId], dict[NodeId, int]]:
-    """The ILP's 0/1 variables, one per e-node it may choose, and each e-node's column: the usable e-nodes that
-    `rank` orders after all their children (acyclic, see `ilp`), in the classes the roots reach through them."""
-    def allowed(nid: NodeId) -> bool:
-        if not usable(nid) or nid[0] not in rank:
+# how many columns the value order may add to those `rank` admits, as a share of them: past it the ILP keeps the
+# rank's alone. HiGHS's presolve grows faster than the model: bert-large:8's three ILPs whose columns the value order
+# tripled (340 -> 981) took 0.9-2.0 CPU s each against 0.005, +5 CPU s a search; llama-70b's pinned plan needs +33%
+# (290 -> 386; benchmarks/search_results.md, 2026-12-04 helper M2)
+VALUE_ORDER_GROWTH = 0.5
+
+
+def _ilp_columns(snapshot: Snapshot, roots: Sequence[int], usable, rank: Mapping[int, int],
+                 obliged: Obliged | None = None,
+                 warm: Mapping[int, int] | None = None) -> tuple[list[NodeId], list[NodeId] | None]:
+    """The ILP's 0/1 variables, one per e-node it may choose (a column each), in the classes the roots reach
+    through them and what they oblige (`obliged`): the usable e-nodes whose children `rank` finalised before their
+    own class; and, given a `warm` plan, those columns with the e-nodes of the warm plan's classes whose children
+    come before it in the order of values, then of `rank` (`value_order`), or None. Both are read in that one
+    order (a child before its class in `rank` is before it there too), so either sub-e-graph is acyclic (see
+    `ilp`); the second lets the ILP re-choose how a class of the warm plan is made from the values before it,
+    which `rank` alone forbade for a class the warm plan finalised early. It is a bounded amount of work: None
+    where it adds nothing or more than `VALUE_ORDER_GROWTH` of the first's columns."""
+    def ranked(nid: NodeId) -> bool:
+        cid = nid[0]
+        return usable(nid) and cid in rank and all(rank.get(ch, math.inf) < rank[cid]
+                                                   for ch in snapshot.classes[cid][nid[1]].children)
+
+    cols = _columns(snapshot, roots, ranked, obliged)
+    if not warm:
+        return cols, None
+    values = value_order(snapshot)
+
+    def ordered(nid: NodeId) -> bool:
+        cid = nid[0]
+        if ranked(nid):
+            return True
+        if cid not in warm or not usable(nid) or cid not in rank:
             return False
-        return all(rank.get(ch, math.inf) < rank[nid[0]] for ch in snapshot.classes[nid[0]][nid[1]].children)
+        own = (values[cid], rank[cid])
+        return all(ch in rank and (values[ch], rank[ch]) < own for ch in snapshot.classes[cid][nid[1]].children)
 
-    cols: list[NodeId] = []
-    col_of: dict[NodeId, int] = {}
-    for cid in _reachable(snapshot, roots, allowed):
-        for index, node in enumerate(snapshot.classes.get(cid, ())):
-            nid = (cid, index)
-            if allowed(nid):
-                col_of[nid] = len(cols)
-                cols.append(nid)
-    return cols, col_of
+    more = _columns(snapshot, roots, ordered, obliged)
+    return cols, (more if len(cols) < len(more) <= len(cols) * (1 + VALUE_ORDER_GROWTH) else None)
+
+
+def _columns(snapshot: Snapshot, roots: Sequence[int], allowed, obliged: Obliged | None) -> list[NodeId]:
+    """The `allowed` e-nodes of the classes the roots reach through them and what they oblige, in that order."""
+    return [(cid, index) for cid in _reachable(snapshot, roots, allowed, obliged)
+            for index in range(len(snapshot.classes.get(cid, ()))) if allowed((cid, index))]
 
 
 @dataclass(frozen=True)
@@ -569,9 +651,10 @@ class _IlpRows:
 
 
 def _ilp_rows(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], cols: Sequence[NodeId],
-              capacity: float) -> _IlpRows | None:
+              capacity: float, obliged: Obliged | None = None) -> _IlpRows | None:
     """What makes a choice of columns a plan that fits: one e-node per root, at most one per other class, an
-    e-node's children chosen with it, the memory of what is chosen within `capacity` (None: a root has no column).
+    e-node's children chosen with it, and a class of each group it obliges (`obliged`), the memory of what is
+    chosen within `capacity` (None: a root has no column).
     """
     rows_start, rows_index, rows_value, lower, upper = [0], [], [], [], []
 
@@ -597,6 +680,8 @@ def _ilp_rows(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Seque
         node = snapshot.classes[cid][index]
         for child in set(node.children):
             row([(c, 1.0) for c in by_class.get(child, [])] + [(col, -1.0)], 0.0, math.inf)
+        for group in (obliged or {}).get((cid, index), ()):
+            row([(c, 1.0) for held in group for c in by_class.get(held, [])] + [(col, -1.0)], 0.0, math.inf)
     if capacity and math.isfinite(capacity):
         row(((col, costs[nid].memory_bytes / capacity) for col, nid in enumerate(cols)), 0.0, 1.0)
     return _IlpRows(rows_start, rows_index, rows_value, lower, upper)
@@ -652,7 +737,8 @@ LEAN_BISECTIONS = 4
 
 
 def lean_choices(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], usable,
-                 capacity: float, time_s: float, memory_bytes: float) -> list[dict[int, int]]:
+                 capacity: float, time_s: float, memory_bytes: float,
+                 obliged: Obliged | None = None) -> list[dict[int, int]]:
     """Plans that trade time for memory, for an extraction whose passes ranked by time found none that fits:
     bottom-up choices at a price per byte of memory (a Lagrangian weight, time + price x bytes), the price
     doubled from the fastest plan's own exchange rate (`time_s` / `memory_bytes`) until a choice fits, then
@@ -665,7 +751,7 @@ def lean_choices(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Se
     def fits_at(price: float) -> bool:
         choice, _rank = bottom_up(snapshot, costs, usable, memory_price=price)
         chosen.append(choice)
-        result = dag_cost(snapshot, costs, choice, roots)
+        result = dag_cost(snapshot, costs, choice, roots, obliged)
         return result is not None and result[1] <= capacity
 
     low, high = 0.0, time_s / max(memory_bytes, 1.0)
@@ -684,21 +770,49 @@ def lean_choices(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Se
     return chosen
 
 
+def _guided(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable,
+            obliged: Obliged | None) -> Mapping[NodeId, NodeCost]:
+    """`costs` as the greedy passes rank by: an e-node that obliges a plan to hold more (`obliged`) costs, beside
+    its own time, the cheapest parallel e-node of each class it obliges (a conversion into that placement; nothing
+    where the class has none: only computing makes it). The passes choose class by class and cannot hold an
+    obligation (the class obliged is often made from the e-node's own output: a repeated block reading a value
+    of the one before obliges the same value of its own), so this is only their guide; every plan is judged
+    with its obligations (`dag_cost`), and the ILP holds them. The ILP's warm start and the order of its columns
+    come from these passes: llama-70b's pinned dp 16 x tp 4 plan came out at a node sum of 20.344 s without the
+    guide, 19.678 s with it (benchmarks/search_results.md, 2026-12-04 helper M)."""
+    if not obliged:
+        return costs
+
+    def conversion(cid: int) -> float:
+        return min((costs[(cid, i)].time_s for i, node in enumerate(snapshot.classes.get(cid, ()))
+                    if node.op in PARALLEL_OPS and usable((cid, i))), default=0.0)
+
+    out = dict(costs)
+    for nid, groups in obliged.items():
+        if nid in costs and all(groups):
+            extra = sum(min(conversion(c) for c in group) for group in groups)
+            if extra > 0:
+                out[nid] = replace(costs[nid], comm_s=costs[nid].comm_s + extra)
+    return out
+
+
 def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], capacity: float,
             limits: Limits = Limits(), exclude: Callable[[NodeId], bool] | None = None,
-            lean: bool = False) -> Extraction:
+            lean: bool = False, obliged: Obliged | None = None) -> Extraction:
     """The cheapest plan the three passes find; the memory limit is hard. The passes run to their end, the ILP
     within `limits.ilp_nodes`; `limits.seconds` (a safety valve, off by default) also bounds the greedy DAG
     pass and the ILP, and `ilp_seconds` 0 skips the ILP. With `lean`, where none of them fits, plans trading
     time for memory are asked for (`lean_choices`) and the ILP started from the fastest of them (the joint
-    extraction's: a baseline's restriction is a layout a grid point fixes, its misses the grid's own)."""
-    usable = _usable(costs, exclude)
+    extraction's: a baseline's restriction is a layout a grid point fixes, its misses the grid's own).
+    `obliged` (a repeated model's, `repeat.copy_obligations`): what an e-node obliges a plan to hold beside its
+    children; every pass's plan is judged with it (`dag_cost`), the ILP holds it as constraints."""
+    usable = _usable(costs, exclude, obliged)
     seconds: dict[str, float] = {}
     candidates: dict[str, float] = {}
     found: list[tuple[float, int, str, dict[int, int]]] = []
 
     def consider(method: str, choice: Mapping[int, int] | None) -> None:
-        result = dag_cost(snapshot, costs, choice, roots) if choice is not None else None
+        result = dag_cost(snapshot, costs, choice, roots, obliged) if choice is not None else None
         if result is None:
             candidates.setdefault(method, math.inf)
             return
@@ -707,13 +821,14 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
         found.append((time_s, memory, method, {c: choice[c] for c in order}))
 
     t = time.perf_counter()
-    tree, _rank = bottom_up(snapshot, costs, usable)
+    guide = _guided(snapshot, costs, usable, obliged)   # what the greedy passes rank by
+    tree, _rank = bottom_up(snapshot, guide, usable)
     seconds["bottom_up"] = time.perf_counter() - t
     if any(r not in tree for r in roots):
         raise ExtractionError("no plan reaches the graph's outputs with the e-nodes the cost model accepts")
     consider("bottom_up", tree)
     t = time.perf_counter()
-    consider("greedy_dag", greedy_dag(snapshot, costs, usable, t + limits.seconds))
+    consider("greedy_dag", greedy_dag(snapshot, guide, usable, t + limits.seconds))
     seconds["greedy_dag"] = time.perf_counter() - t
 
     def fitting() -> list:
@@ -724,9 +839,9 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
         admits it; its status."""
         warm = min(found, key=lambda f: (f[1] > capacity, f[0]))[3]
         t = time.perf_counter()
-        _tree, rank = bottom_up(snapshot, costs, usable, prefer=warm)  # an order that admits the warm start
+        _tree, rank = bottom_up(snapshot, guide, usable, prefer=warm)  # an order that admits the warm start
         choice, status = ilp(snapshot, costs, roots, usable, capacity, warm, limits.ilp_nodes, rank,
-                             min(limits.ilp_seconds, limits.seconds))
+                             min(limits.ilp_seconds, limits.seconds), obliged)
         seconds[method] = time.perf_counter() - t
         consider(method, choice)
         return status
@@ -736,7 +851,7 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
         # every pass ranked by time alone, and the ILP sees only the e-nodes their order admits: a plan that fits
         # by sharding more (weights stored split, ZeRO-3 style) can lie outside it. Ask again, memory priced
         fastest = min(found, key=lambda f: f[0])
-        for choice in lean_choices(snapshot, costs, roots, usable, capacity, fastest[0], fastest[1]):
+        for choice in lean_choices(snapshot, costs, roots, usable, capacity, fastest[0], fastest[1], obliged):
             consider(LEAN, choice)
         if fitting() and limits.ilp_seconds > 0:
             status = run_ilp(LEAN_ILP)

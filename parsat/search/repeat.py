@@ -14,7 +14,10 @@ the graph it builds with three blocks) and:
 
 1. prices every e-node of the middle block `N - 2` times (`weigh`): time,
    communication and memory, so extraction ranks and fits plans as the
-   whole model (a plan that fits three blocks but not 32 is not chosen);
+   whole model (a plan that fits three blocks but not 32 is not chosen),
+   and obliges a plan whose block 1 reads a value of block 0 in a
+   placement to make its own value in that placement too
+   (`copy_obligations`): what every copy reads of the one before;
 2. repeats the extracted plan's middle block for blocks 1 to N - 2
    (`stamp`), renaming `b1_` to `b{j}_`, and its last block as block N - 1.
    The PCG that comes back computes the whole model, every node is
@@ -153,6 +156,43 @@ def chain_nodes(snapshot: Snapshot) -> frozenset[tuple[int, int]]:
         blocks = snapshot_blocks(snapshot)
         return frozenset(nid for nid in snapshot.kids if _keeps_chain(snapshot, blocks, nid))
     return snapshot.derive("chain_nodes", make)
+
+
+Obligations = Mapping[tuple[int, int], tuple[tuple[int, ...], ...]]
+
+
+def copy_obligations(snapshot: Snapshot, classes: Mapping[str, int]) -> Obligations:
+    """What a middle-block e-node obliges a plan to hold beside its children, for extraction to price the copies
+    the way `stamp` chains them: e-node -> groups of classes, one of each group to be chosen (an empty group: the
+    e-node cannot be chosen).
+
+    Extraction weighs block 0 once and block 1 `copies` times (`weigh`), and each copy of block 1 reads from the
+    copy before it what block 1 reads from block 0. So where block 1 reads a value of block 0 in a placement
+    (`b0_res2` whole on the tensor axis), every copy of block 1 must make its own value in that placement
+    (`b1_res2` whole), or `stamp` bridges it there between every two copies. Without this, the bridge was priced
+    nowhere: block 0 (once) could hand block 1 a placement block 1 itself never makes, and llama-70b's pinned
+    dp 16 x tp 4 plan read each block's residual whole (norm on every tensor rank) and produced it
+    sequence-parallel, gathered between the 78 copies (0.51 s a step the extraction did not see;
+    benchmarks/search_results.md, 2026-12-04 helper M). The obligation is the class of block 1 holding the same
+    value one block later in the same placement (`value_names`, `in_block`): chosen, its own e-node (a
+    conversion, weighed as block 1's) is what each copy pays. Worked out once per snapshot and `classes`."""
+    def make() -> dict:
+        names = value_names(snapshot, classes)
+        blocks = snapshot_blocks(snapshot)
+        made: dict[tuple, list[int]] = {}   # (value as block 0 names it, placement) -> block 1's classes holding it
+        for cid in sorted(names):
+            if blocks.get(cid) == REPEATED:
+                made.setdefault((in_block(names[cid], REPEATED - 1), snapshot.placement[cid]), []).append(cid)
+        out: dict[tuple[int, int], tuple[tuple[int, ...], ...]] = {}
+        for nid, kids in snapshot.kids.items():
+            if blocks.get(nid[0]) != REPEATED:
+                continue
+            groups = tuple(dict.fromkeys(tuple(made.get((in_block(names[ch], REPEATED - 1), snapshot.placement[ch]), ()))
+                                         for ch in kids if blocks.get(ch) == REPEATED - 1 and ch in names))
+            if groups:
+                out[nid] = groups
+        return out
+    return snapshot.derive(("copy_obligations", tuple(classes.items())), make)
 
 
 def _keeps_chain(snapshot: Snapshot, blocks: Mapping[int, int], nid: tuple[int, int]) -> bool:

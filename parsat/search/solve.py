@@ -26,7 +26,7 @@ from parsat.ir.recompute import NONE
 from parsat.egraph.encoding import PIN_SUFFIX
 from parsat.search.extract import Extraction, NodeId, Pricer, dag_cost, extract, kept_classes, node_costs
 from parsat.search.recompute import recomputed_enodes, recomputed_pcg_costs
-from parsat.search.repeat import Repetition, RepeatError, conversions, stamp, value_names, weigh
+from parsat.search.repeat import Repetition, RepeatError, conversions, copy_obligations, stamp, value_names, weigh
 from parsat.egraph.runner import Limits
 from parsat.egraph.saturate import SaturationResult
 from parsat.egraph.snapshot import parallel_attrs
@@ -56,7 +56,9 @@ def solve(result: SaturationResult, graph: Graph, library: Library, machine: Mac
         costs = price(result, graph, library, machine, free_input_placements, pins, repetition, roots, recompute,
                       zero=zero)
     ranked = in_flight_costs(costs, in_flight)
-    extraction = extract(result.snapshot, ranked, roots, machine.memory_capacity, limits, exclude, lean)
+    # a repeated model's copies read each other as block 1 reads block 0: what that obliges is priced with it
+    obliged = copy_obligations(result.snapshot, result.classes) if repetition is not None else None
+    extraction = extract(result.snapshot, ranked, roots, machine.memory_capacity, limits, exclude, lean, obliged)
     pcg, ident = pcg_from_extraction(result, extraction, graph, library, roots, graph.outputs)
     pcg = replace(pcg, recompute=recompute, zero=zero)
     if recompute != NONE and repetition is None:   # the PCG's own readers say what is kept (`search.recompute`)
