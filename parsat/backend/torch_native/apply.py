@@ -308,10 +308,10 @@ def traced_tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh, prefi
         from parsat.backend.torch_native.loss_parallel import traced_losses
 
         traced_losses(module)
+    local_products(module, split_weights(dims, prefix), sequence)
     if not sequence:
         distribute_module(module, tp_mesh, partition, _replicated_inputs, _whole_outputs)
     else:
-        local_products(module, split_weights(dims, prefix))
         distribute_module(module, tp_mesh, partition, _received_pieces if received else _sequence_inputs,
                           _sequence_outputs)
 
