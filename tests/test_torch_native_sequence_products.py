@@ -241,7 +241,7 @@ def test_an_nn_linear_mlp_on_local_pieces_runs_the_plans_collectives_only(two_lo
     (`tensor_parallel_linear`, the input `Replicate()`) one all-reduce each way; values and every gradient those
     of the unsplit MLP."""
     import torch.nn.functional as F
-    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.experimental import implicit_replication
 
     from parsat.backend.torch_native.sequence_products import sequence_parallel_linear, tensor_parallel_linear
@@ -259,8 +259,12 @@ def test_an_nn_linear_mlp_on_local_pieces_runs_the_plans_collectives_only(two_lo
     entering = Shard(1) if sequence else Replicate()
     placements = (entering, Shard(0), Shard(0), Shard(1), Replicate())
     split = [distribute_tensor(t, mesh, [p]).requires_grad_() for t, p in zip(tensors, placements)]
+    if not sequence:   # the input enters as a stage's do (`apply._replicated_inputs`): its gradient, a partial sum
+        # of the column-parallel product's and the residual's, all-reduced by `from_local`'s backward
+        split[0] = split[0].to_local().detach().requires_grad_()
     with counted() as counts, implicit_replication():
-        y = mlp(linear, *split)
+        x = split[0] if sequence else DTensor.from_local(split[0], mesh, [Replicate()], run_check=False)
+        y = mlp(linear, x, *split[1:])
         y.redistribute(mesh, [entering]).to_local().square().sum().backward()
     assert y.placements == (entering,)
     assert torch.allclose(y.full_tensor(), want.detach(), rtol=1e-12, atol=1e-12)
@@ -268,7 +272,40 @@ def test_an_nn_linear_mlp_on_local_pieces_runs_the_plans_collectives_only(two_lo
     # until read, as the norms' weights' do (docs/TORCH_NATIVE.md)
     grads = placements[:-1] + ((Partial(),) if sequence else (Replicate(),))
     for got, t, p in zip(split, whole, grads):
-        assert got.grad.placements == (p,)
-        assert torch.allclose(got.grad.full_tensor(), t.grad, rtol=1e-12, atol=1e-12)
+        if isinstance(got, DTensor):
+            assert got.grad.placements == (p,)
+        assert torch.allclose(got.grad.full_tensor() if isinstance(got, DTensor) else got.grad, t.grad, rtol=1e-12,
+                              atol=1e-12)
     assert dict(counts) == ({"fwd all_gather_single": 1, "fwd reduce_scatter_single": 1, "bwd all_gather_single": 1,
                              "bwd reduce_scatter_single": 1} if sequence else {"fwd all_reduce": 1, "bwd all_reduce": 1})
+
+
+def test_a_whole_input_read_by_several_column_parallel_products_has_its_gradient_all_reduced_once(two_local_ranks):
+    """An attention's separate q, k and v projections (HF BERT's and LLaMA's `nn.Linear`s) read one whole input:
+    each product's input gradient is left a partial sum, they add up, and the norm's backward all-reduces the
+    sum once, the plan's one all-reduce of the input's gradient (a `redistribute` in each product would
+    all-reduce each: 3)."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    from parsat.backend.torch_native.sequence_products import tensor_parallel_linear
+
+    mesh = two_local_ranks
+    g = torch.Generator().manual_seed(5)
+    tensors = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in ((2, 4, 6), *[(8, 6)] * 3, (6, 8))]
+
+    def attention_like(linear, x, wq, wk, wv, wo):
+        a = F.layer_norm(x, (x.shape[-1],))
+        q, k, v = (linear(a, w) for w in (wq, wk, wv))
+        return x + linear((q * k).tanh() * v, wo)
+
+    whole = [t.clone().requires_grad_() for t in tensors]
+    attention_like(F.linear, *whole).square().sum().backward()
+    placements = (Replicate(), Shard(0), Shard(0), Shard(0), Shard(1))
+    split = [distribute_tensor(t, mesh, [p]).requires_grad_() for t, p in zip(tensors, placements)]
+    with counted() as counts, implicit_replication():
+        attention_like(tensor_parallel_linear, *split).to_local().square().sum().backward()
+    for got, t in zip(split, whole):
+        assert torch.allclose(got.grad.full_tensor(), t.grad, rtol=1e-12, atol=1e-12)
+    assert dict(counts) == {"fwd all_reduce": 1, "bwd all_reduce": 1}

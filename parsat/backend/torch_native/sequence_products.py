@@ -95,7 +95,10 @@ def _local_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tra
 
     if _is_shard(wp, out_dim) and (_is_shard(xp, SEQ_DIM) or xp == Replicate()) \
             and (b is None or _is_shard(b.placements[0], 0)):   # column-parallel
-        whole = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        # a whole input's gradient is left a partial sum, reduced once where it is read (every product reading
+        # the input adds its own first: q, k and v's); redistributing it would all-reduce it for each product
+        gathered = x if xp == Replicate() else x.redistribute(mesh, [Replicate()])
+        whole = gathered.to_local(grad_placements=[Partial()])
         return DTensor.from_local(product(whole, None if b is None else b.to_local()), mesh, [Shard(x.ndim - 1)],
                                   run_check=False, shape=shape, stride=stride)
     if _is_shard(wp, in_dim) and _is_shard(xp, x.ndim - 1) and (b is None or b.placements == (Replicate(),)):  # row
