@@ -1,4 +1,4 @@
-"""A sequence-parallel traced stage's products and lookups on this rank's pieces: the plan's collectives, no more.
+"""A tensor-parallel traced stage's products and lookups on this rank's pieces: the plan's collectives, no more.
 
 A traced stage runs its aten operators on DTensors (`apply.traced_tensor_parallel`). Its `x @ w` on
 [batch, seq, hidden] is `aten.matmul`, which DTensor decomposes into a view to [batch x seq, hidden], `mm`
@@ -24,7 +24,16 @@ differentiable conversions, so that what runs is what the plan (`cost.model`) pr
   likewise a `Partial()` sum of this rank's rows, its gradient gathered once and the table's made on this
   rank's rows (DTensor's own lookup slices the ids for it and reduce-scatters a whole-table partial sum).
 
-Any other placement falls back to DTensor's own `matmul`. Why not a 3-D `mm` strategy or a placement rule for
+Without sequence parallelism (the stage's inputs `Replicate()`) DTensor's own products left each row-parallel
+sum and the lookup `Partial`, so the residual stream after them stayed a partial sum that each norm all-reduced
+forward and again backward (16 backward all-reduces a micro-batch on the gpt's two stages where the plan has 9,
+measured 2026-12-04): `local_products(..., sequence=False)` points them at the `tensor_parallel_*` functions,
+the same local computation with the row-parallel sum and the lookup all-reduced at once (the plan's), a whole
+column-parallel input's gradient left a partial sum that the products reading it add up and its reader
+all-reduces once (the plan's). An `nn.Linear` traces as `aten.linear` (weight [out, in], a bias): pointed at
+the `*_linear` functions likewise (imported Hugging Face modules).
+
+Any other placement falls back to DTensor's own `matmul` (or `linear`). Why not a 3-D `mm` strategy or a placement rule for
 the view: both are DTensor internals (private registries that change between torch releases). Why not explicit
 functional collectives in an autograd function: it would repeat what DTensor's redistribution does. These
 conversions are DTensor's public API, and each collective they run is one the plan has (docs/TORCH_NATIVE.md,
