@@ -202,6 +202,7 @@ def local_products(module: nn.Module, split: Callable[[str], bool], sequence: bo
 
 
 def _is_attr(arg) -> bool:
+    """Whether a node's argument reads a parameter directly (a `get_attr` node)."""
     return isinstance(arg, torch.fx.Node) and arg.op == "get_attr"
 
 
