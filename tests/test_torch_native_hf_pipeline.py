@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -52,6 +53,21 @@ def hf_pipelined_plan(name: str):
     layers = pcg_layers(one.pcg)
     layout = lay_out_stages(one.pcg, [layers[0], layers[-1]], 2)
     return replace(one, pipeline=PipelinePlan("1f1b", 2, 1, layout), devices=2, costs={})
+
+
+def hf_tensor_parallel_stages_plan(name: str):
+    """Megatron's tp 2 layout of the imported model (`megatron_pcg`) as the stage plan, cut into 2 stages before
+    its last layer as `hf_pipelined_plan`, 1F1B, 2 micro-batches, on 4 devices (2 a stage): laid out by hand, as
+    `parsat.optimize` does not pipeline an imported graph."""
+    from parsat.backend.executor import operator_library
+    from parsat.ir.megatron import megatron_pcg
+    from parsat.ir.pipeline import PipelinePlan, lay_out_stages, pcg_layers
+
+    one = hf_pipelined_plan(name)
+    stage_plan = megatron_pcg(one.graph, operator_library(), (1, 2))
+    layers = pcg_layers(stage_plan)
+    layout = lay_out_stages(stage_plan, [layers[0], layers[-1]], 2)
+    return replace(one, pcg=stage_plan, pipeline=PipelinePlan("1f1b", 2, 2, layout), devices=4)
 
 
 def hf_job(ctx, plans: dict, folder: str) -> dict:
@@ -172,3 +188,72 @@ def test_hugging_face_models_pipelined_on_two_ranks_train_like_one_process(tmp_p
         assert all(len(g) > 1 for g in groups.values() if g & both), (name, both)
         assert _loads_into_the_unmodified_module(tmp_path, name) == 0.0
     assert "model.lm_head.weight" in results[1]["gpt2"]["params"]   # the tied table, traced as the head reads it
+
+
+def test_an_imported_models_tensor_parallel_stages_compute_their_nn_linear_products_on_local_pieces():
+    """HF BERT with Megatron's tp 2 stage plan, traced and cut as the runtime does (no processes): each `nn.Linear`
+    whose weight the plan splits traces as `aten.linear` and is pointed at `tensor_parallel_linear` (the plan's
+    collectives only: tests/test_torch_native_sequence_products.py), the vocabulary-split lookup at
+    `tensor_parallel_embedding`. HF LLaMA's Megatron stage plan is not lowered: its residual stream crosses
+    between the stages as a partial sum (the lowering says so), so no traced stage of it runs."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    from parsat.backend.torch_native import sequence_products as products
+    from parsat.backend.torch_native.apply import _stored_dims, module_info
+    from parsat.backend.torch_native.lowering import SPLIT, LoweringError
+    from parsat.backend.torch_native.pipeline_lowering import lower_pipeline
+    from parsat.backend.torch_native.pipelined import TRACED_PREFIX, _PassInputsThrough
+    from parsat.importer.export import import_module
+
+    module, example = _factory("bert")()
+    imported = import_module(module, example, check=False)
+    plan = hf_tensor_parallel_stages_plan("bert")
+    lowering = lower_pipeline(plan.pcg, plan.graph, plan.pipeline, module_info(module, imported.weights))
+    cuts = lowering.split_points()
+    micro = tuple(x[: x.shape[0] // 2] for x in example)
+    pipe = pipeline(_PassInputsThrough(module, cuts), mb_args=micro,
+                    split_spec={TRACED_PREFIX + cut: SplitPoint.BEGINNING for cut in cuts})
+    dims = _stored_dims(lowering.stage, SPLIT)
+    split = products.split_weights(dims, TRACED_PREFIX)
+    for index in range(2):
+        sub = pipe.get_stage_module(index)
+        linears = [n for m in sub.modules() for n in getattr(m, "graph", torch.fx.Graph()).nodes
+                   if n.op == "call_function" and n.target is torch.ops.aten.linear.default]
+        splits = sum(split(f"{p}.{n.args[1].target}" if p else n.args[1].target) for p, m in sub.named_modules()
+                     for n in getattr(m, "graph", torch.fx.Graph()).nodes
+                     if n.op == "call_function" and n.target is torch.ops.aten.linear.default)
+        made = products.local_products(sub, split, sequence=False)
+        targets = Counter(n.target.__name__ for m in sub.modules() for n in getattr(m, "graph", torch.fx.Graph()).nodes
+                          if n.op == "call_function" and getattr(n.target, "__module__", "") == products.__name__)
+        assert made == sum(targets.values()) and targets["tensor_parallel_linear"] == splits, targets
+        assert targets["tensor_parallel_embedding"] == (index == 0), targets   # the word embeddings, first stage
+        if index == 1:   # the encoder layer's 6 projections and the MLM head's: every one split on tp
+            assert splits == len(linears) > 0, (splits, len(linears))
+    llama, llama_example = _factory("llama")()
+    llama_imported = import_module(llama, llama_example, check=False)
+    with pytest.raises(LoweringError, match="Partial"):
+        llama_plan = hf_tensor_parallel_stages_plan("llama")
+        lower_pipeline(llama_plan.pcg, llama_plan.graph, llama_plan.pipeline,
+                       module_info(llama, llama_imported.weights))
+
+
+@pytest.mark.slow
+def test_bert_with_tensor_parallel_stages_on_four_ranks_trains_like_one_process(tmp_path):
+    """HF BERT pp 2 x tp 2 (`hf_tensor_parallel_stages_plan`: Megatron's tp 2 stage plan), 1F1B, on 4 gloo ranks,
+    its split `nn.Linear` products on local pieces (`sequence_products.tensor_parallel_linear`): losses, clipped
+    norms and final weights those of the unmodified module in one process, every parameter a DTensor, the
+    checkpoint loading into the unmodified module. ~30 s wall."""
+    from parsat.backend.launch import LaunchConfig, launch
+
+    plans = {"bert": hf_tensor_parallel_stages_plan("bert").to_dict()}
+    results = launch(hf_job, (plans, str(tmp_path)), LaunchConfig(nproc=4, backend="gloo", timeout_s=900))
+    runs = [r["bert"] for r in results]
+    print(json.dumps({k: runs[0][k] for k in ("losses", "ref_losses", "norms", "ref_norms", "worst_weight")}))
+    for run in runs:
+        assert run["not_dtensor"] == [], run["not_dtensor"]
+        for key in ("losses", "norms"):
+            for got, want in zip(run[key], run["ref_" + key]):
+                assert abs(got - want) <= TOLERANCE * abs(want), (key, run[key], run["ref_" + key])
+        assert min(run["ref_norms"]) > 0.5 and run["worst_weight"] <= TOLERANCE, run
+    assert runs[0]["params"] == runs[1]["params"] and runs[2]["params"] == runs[3]["params"]   # tp twins
+    assert _loads_into_the_unmodified_module(tmp_path, "bert") == 0.0

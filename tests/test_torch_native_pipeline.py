@@ -279,42 +279,46 @@ def test_sequence_parallel_stages_send_and_receive_pieces_of_the_sequence(pp2):
     assert shapes(last, "output") == [("torch.float64", ())]   # the loss
 
 
-def test_a_sequence_parallel_stage_computes_its_split_products_on_local_pieces(pp2):
-    """Without processes: in the traced stages of Megatron's sequence-parallel stage plan, every `matmul` of a
-    weight the plan splits on tp (each block's wqkv and w1 column-parallel, wo and w2 row-parallel, and on the last
-    stage the tied head's `wte.t()`) calls `sequence_parallel_matmul`, and the first stage's lookup of the
-    vocabulary-split table `vocabulary_parallel_embedding` (the plan's collectives only,
-    tests/test_torch_native_sequence_products.py); nothing else does (the attention's products, no weight); the
-    last stage's cross-entropy can be pointed at `traced_cross_entropy` (`traced_losses`, where the plan's loss is
-    vocabulary-parallel)."""
+@pytest.mark.parametrize("sequence", [True, False], ids=["sequence-parallel", "tensor-parallel"])
+def test_a_tensor_parallel_stage_computes_its_split_products_on_local_pieces(pp2, sequence):
+    """Without processes: in the traced stages of Megatron's stage plan, with sequence parallelism and without,
+    every `matmul` of a weight the plan splits on tp (each block's wqkv and w1 column-parallel, wo and w2
+    row-parallel, and on the last stage the tied head's `wte.t()`) calls `sequence_parallel_matmul` (with) or
+    `tensor_parallel_matmul` (without: the row sums all-reduced at once), and the first stage's lookup of the
+    vocabulary-split table `vocabulary_parallel_embedding` or `tensor_parallel_embedding` (the plan's
+    collectives only, tests/test_torch_native_sequence_products.py); nothing else does (the attention's
+    products, no weight); the last stage's cross-entropy can be pointed at `traced_cross_entropy`
+    (`traced_losses`, where the plan's loss is vocabulary-parallel)."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
+    from parsat.backend.torch_native import sequence_products as products
     from parsat.backend.torch_native.apply import _stored_dims
     from parsat.backend.torch_native.loss_parallel import traced_losses
     from parsat.backend.torch_native.lowering import SPLIT
     from parsat.backend.torch_native.pipelined import TRACED_PREFIX, _PassInputsThrough
-    from parsat.backend.torch_native.sequence_products import (local_products, sequence_parallel_matmul,
-                                                               split_weights, vocabulary_parallel_embedding)
 
-    plan = megatron_stage_plan(pp2, sequence=True)
+    plan = megatron_stage_plan(pp2, sequence=sequence)
     lowering = lower_pipeline(plan.pcg, plan.graph, plan.pipeline, module_info(gpt_module(), weight_names()))
     cuts = lowering.split_points()
     micro = tuple(x[: SIZES["batch"] // MICROBATCHES] for x in batch(0))
     pipe = pipeline(_PassInputsThrough(gpt_module(), cuts), mb_args=micro,
                     split_spec={TRACED_PREFIX + cut: SplitPoint.BEGINNING for cut in cuts})
-    split = split_weights(_stored_dims(lowering.stage, SPLIT), TRACED_PREFIX)
+    split = products.split_weights(_stored_dims(lowering.stage, SPLIT), TRACED_PREFIX)
     blocks = SIZES["blocks"] // 2
-    local = {sequence_parallel_matmul: 1, vocabulary_parallel_embedding: 0}   # the argument naming the weight
+    matmul, lookup = ((products.sequence_parallel_matmul, products.vocabulary_parallel_embedding) if sequence else
+                      (products.tensor_parallel_matmul, products.tensor_parallel_embedding))
+    named = {matmul: 1, lookup: 0}   # the argument naming the weight
+    everything = {getattr(products, f) for f in dir(products) if f.endswith(("_matmul", "_linear", "_embedding"))}
     for index, last in ((0, 0), (1, 1)):
         sub = pipe.get_stage_module(index)
-        assert local_products(sub, split) == 4 * blocks + 1
-        calls = Counter((n.target.__name__, str(n.args[local[n.target]])) for m in sub.modules()
-                        for n in getattr(m, "graph", torch.fx.Graph()).nodes
-                        if n.op == "call_function" and n.target in local)
-        ends = {("sequence_parallel_matmul", "t_default"): 1} if last else {("vocabulary_parallel_embedding", "wte"): 1}
-        assert calls == Counter({**{("sequence_parallel_matmul", w): blocks for w in ("wqkv", "wo", "w1", "w2")},
-                                 **ends})
-        assert local_products(sub, split) == 0   # made once
+        assert products.local_products(sub, split, sequence) == 4 * blocks + 1
+        nodes = [n for m in sub.modules() for n in getattr(m, "graph", torch.fx.Graph()).nodes
+                 if n.op == "call_function" and n.target in everything]
+        assert {n.target for n in nodes} <= set(named), {n.target.__name__ for n in nodes}
+        calls = Counter((n.target, str(n.args[named[n.target]])) for n in nodes)
+        ends = {(matmul, "t_default"): 1} if last else {(lookup, "wte"): 1}
+        assert calls == Counter({**{(matmul, w): blocks for w in ("wqkv", "wo", "w1", "w2")}, **ends})
+        assert products.local_products(sub, split, sequence) == 0   # made once
         assert traced_losses(sub) == last   # the cross-entropy, on the last stage (run as loss parallelism)
 
 
@@ -562,6 +566,23 @@ def _check_run(results: list) -> None:
     assert "wte" in results[0]["params"] and "wte" in results[-1]["params"]   # the tied embedding on both ends
 
 
+def _check_collectives(run: list, plan, differ: dict | None = None) -> None:
+    """Each rank's first-step collectives and sends (`counted_collectives`, ranks in order, tp 2 a stage) are its
+    stage's in the plan (`plan_collectives`), but for `differ`: stage -> (counted beyond the plan, planned and
+    not counted). The labels the last stage reads hop along whole (integers; the plan's graph gives them every
+    device)."""
+    planned = plan_collectives(plan)
+    for rank, result in enumerate(run):
+        stage = rank // 2
+        got, want = Counter(result["collectives"]), planned[stage]
+        labels = got.pop("send fwd int", 0)
+        assert labels % (SIZES["batch"] * SIZES["seq"]) == 0 and (labels or stage), labels   # whole, never a piece
+        sends = {key: got[key] for key in ("send fwd", "send bwd")}
+        assert sends == {"send fwd": want["send fwd"], "send bwd": want["send bwd"]}, sends
+        differs = (dict(got - want), dict(want - got))
+        assert differs == (differ or {}).get(stage, ({}, {})), (rank, differs)
+
+
 def _launch(plans: dict, nproc: int, folder=None, timeout_s: float = 600) -> list:
     from parsat.backend.launch import LaunchConfig, launch
 
@@ -703,12 +724,18 @@ def test_pp2_by_tp2_trained_on_four_ranks_like_the_module_in_one_process(pp2):
     """Megatron's tp 2 inside each of the 2 stages (`megatron_stage_plan`), 1F1B over 4 micro-batches, and the
     same interleaved (2 chunks a stage: two tensor-parallel stage modules on each rank): the traced stage modules'
     parameters DTensors on their stage's tp slice (the split ones Shard(d) as the plan stores them), trained 3
-    AdamW steps with the pipeline's clipped norm like the unmodified module in one process. ~4 min wall."""
+    AdamW steps with the pipeline's clipped norm like the unmodified module in one process. The first step's
+    collectives, counted on each rank, are exactly its stage's in the plan (`_check_collectives`): each product
+    of a split weight and the first stage's lookup computed on local pieces (`sequence_products`, the row sums
+    all-reduced at once); until 2026-12-04 DTensor's own products left them `Partial` along the residual stream
+    and all-reduced them again in each norm's backward (1F1B: 28 and 36 backward all-reduces a step on the two
+    stages where the plan has 16 and 20): this fails then. ~1 min wall."""
     plans = {"1f1b": megatron_stage_plan(pp2), "interleaved": megatron_stage_plan(pipelined_plan(2, "interleaved"))}
     results = _launch(plans, 4)
-    for label in plans:
+    for label, plan in plans.items():
         run = [r[label] for r in results]
         _check_run(run)
+        _check_collectives(run, plan)
         assert all(r["placements"] == ["[Replicate()]", "[Shard(dim=0)]", "[Shard(dim=1)]"] for r in run), \
             [r["placements"] for r in run]
         assert "tensor parallelism on tp: DTensor parameters" in run[0]["lowering"]
@@ -751,16 +778,7 @@ def test_pp2_by_tp2_sequence_parallel_trained_on_four_ranks_like_the_module_in_o
         assert "tensor parallelism on tp: DTensor parameters" in run[0]["lowering"]
         assert run[0]["losses"] == run[1]["losses"] and run[0]["norms"] == run[3]["norms"]
         assert all(2 * c.piece_elements == SEQUENCE_PIECE for c in plan.pipeline.layout.crossings)   # tp 2's pieces
-        planned = plan_collectives(plan)
-        for rank, result in enumerate(run):
-            stage = rank // 2
-            got, want = Counter(result["collectives"]), planned[stage]
-            labels = got.pop("send fwd int", 0)
-            assert labels % (SIZES["batch"] * SIZES["seq"]) == 0 and (labels or stage), labels   # whole, never a piece
-            sends = {key: got[key] for key in ("send fwd", "send bwd")}
-            assert sends == {"send fwd": planned[stage]["send fwd"], "send bwd": planned[stage]["send bwd"]}, sends
-            differs = (dict(got - want), dict(want - got))
-            assert differs == (loss_parallel if (label, stage) == ("pinned", 1) else ({}, {})), (label, rank, differs)
+        _check_collectives(run, plan, {1: loss_parallel} if label == "pinned" else {})
     assert "ScheduleInterleaved1F1B" in results[0]["interleaved"]["lowering"]
 
 

@@ -183,3 +183,129 @@ def test_a_vocabulary_parallel_lookup_on_local_rows_gathers_its_gradient_once(tw
         runs[lookup is vocabulary_parallel_embedding] = (split.grad.placements, dict(counts))
     assert runs[True] == ((Shard(0),), {"fwd reduce_scatter_single": 1, "bwd all_gather_single": 1})
     assert runs[False] == ((Partial(),), {"fwd reduce_scatter_single": 1})
+
+
+def _pre_norm_mlps(product, x, w1, w2):
+    """Two pre-LN residual MLPs (a column- then a row-parallel product each), as a stage's blocks are laid out:
+    where a row-parallel sum is left `Partial`, the residual stream after it stays a partial sum."""
+    import torch.nn.functional as F
+
+    for _ in range(2):
+        x = x + product(product(F.layer_norm(x, (x.shape[-1],)), w1).tanh(), w2)
+    return x
+
+
+def test_a_tensor_parallel_mlp_without_sequence_parallelism_all_reduces_once_each_way(two_local_ranks):
+    """Without sequence parallelism (the input `Replicate()`): `tensor_parallel_matmul` runs the plan's
+    collectives only, each MLP's row-parallel sum all-reduced once forward and the column-parallel input's
+    gradient once backward (the values and every gradient of the unsplit computation). DTensor's own `matmul`
+    leaves the row sum `Partial`: the residual stream stays a partial sum, all-reduced again in every norm's
+    backward (the extra backward all-reduces counted in tests/test_torch_native_pipeline.py until
+    2026-12-04)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    from parsat.backend.torch_native.sequence_products import tensor_parallel_matmul
+
+    mesh = two_local_ranks
+    g = torch.Generator().manual_seed(3)
+    x, w1, w2 = (torch.randn(shape, generator=g, dtype=torch.float64) for shape in ((2, 4, 6), (6, 8), (8, 6)))
+    whole = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    want = _pre_norm_mlps(torch.matmul, *whole)
+    want.square().sum().backward()
+    runs = {}
+    for product in (tensor_parallel_matmul, torch.matmul):
+        split = [distribute_tensor(t, mesh, [p]).requires_grad_()
+                 for t, p in ((x, Replicate()), (w1, Shard(1)), (w2, Shard(0)))]
+        with counted() as counts, implicit_replication():
+            y = _pre_norm_mlps(product, *split)
+            # the stage's output leaves whole (`apply._whole_outputs`)
+            y.redistribute(mesh, [Replicate()]).to_local().square().sum().backward()
+        runs[product.__name__] = (y.placements, dict(counts))
+        assert torch.allclose(y.full_tensor(), want.detach(), rtol=1e-12, atol=1e-12)
+        for got, t in zip(split, whole):
+            assert torch.allclose(got.grad.full_tensor(), t.grad, rtol=1e-12, atol=1e-12)
+        assert [t.grad.placements for t in split] == [(Replicate(),), (Shard(1),), (Shard(0),)]
+    assert runs["tensor_parallel_matmul"] == ((Replicate(),), {"fwd all_reduce": 2, "bwd all_reduce": 2})
+    # DTensor's: the partial residual stream all-reduced for the second norm and the output forward, and again
+    # in both norms' backward beside each MLP's input gradient
+    assert runs["matmul"][1]["bwd all_reduce"] > 2, runs["matmul"]
+
+
+@pytest.mark.parametrize("sequence", [True, False], ids=["sequence-parallel", "tensor-parallel"])
+def test_an_nn_linear_mlp_on_local_pieces_runs_the_plans_collectives_only(two_local_ranks, sequence):
+    """`aten.linear` (how an `nn.Linear`, an imported Hugging Face module's projections, traces: weights [out,
+    in], a bias) on the local pieces: the column-parallel weight `Shard(0)` with its bias `Shard(0)`, the
+    row-parallel one `Shard(1)` with its bias whole, added after the sum. With sequence parallelism
+    (`sequence_parallel_linear`, the input `Shard(1)`) the collectives of `sequence_parallel_matmul`'s test; without
+    (`tensor_parallel_linear`, the input `Replicate()`) one all-reduce each way; values and every gradient those
+    of the unsplit MLP."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    from parsat.backend.torch_native.sequence_products import sequence_parallel_linear, tensor_parallel_linear
+
+    def mlp(linear, x, w1, b1, w2, b2):
+        return linear(linear(x, w1, b1).tanh(), w2, b2) + x
+
+    mesh = two_local_ranks
+    g = torch.Generator().manual_seed(4)
+    tensors = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in ((2, 4, 6), (8, 6), (8,), (6, 8), (6,))]
+    whole = [t.clone().requires_grad_() for t in tensors]
+    want = mlp(F.linear, *whole)
+    want.square().sum().backward()
+    linear = sequence_parallel_linear if sequence else tensor_parallel_linear
+    entering = Shard(1) if sequence else Replicate()
+    placements = (entering, Shard(0), Shard(0), Shard(1), Replicate())
+    split = [distribute_tensor(t, mesh, [p]).requires_grad_() for t, p in zip(tensors, placements)]
+    if not sequence:   # the input enters as a stage's do (`apply._replicated_inputs`): its gradient, a partial sum
+        # of the column-parallel product's and the residual's, all-reduced by `from_local`'s backward
+        split[0] = split[0].to_local().detach().requires_grad_()
+    with counted() as counts, implicit_replication():
+        x = split[0] if sequence else DTensor.from_local(split[0], mesh, [Replicate()], run_check=False)
+        y = mlp(linear, x, *split[1:])
+        y.redistribute(mesh, [entering]).to_local().square().sum().backward()
+    assert y.placements == (entering,)
+    assert torch.allclose(y.full_tensor(), want.detach(), rtol=1e-12, atol=1e-12)
+    # under sequence parallelism the row-parallel bias's gradient (a sum over this rank's rows) stays `Partial`
+    # until read, as the norms' weights' do (docs/TORCH_NATIVE.md)
+    grads = placements[:-1] + ((Partial(),) if sequence else (Replicate(),))
+    for got, t, p in zip(split, whole, grads):
+        if isinstance(got, DTensor):
+            assert got.grad.placements == (p,)
+        assert torch.allclose(got.grad.full_tensor() if isinstance(got, DTensor) else got.grad, t.grad, rtol=1e-12,
+                              atol=1e-12)
+    assert dict(counts) == ({"fwd all_gather_single": 1, "fwd reduce_scatter_single": 1, "bwd all_gather_single": 1,
+                             "bwd reduce_scatter_single": 1} if sequence else {"fwd all_reduce": 1, "bwd all_reduce": 1})
+
+
+def test_a_whole_input_read_by_several_column_parallel_products_has_its_gradient_all_reduced_once(two_local_ranks):
+    """An attention's separate q, k and v projections (HF BERT's and LLaMA's `nn.Linear`s) read one whole input:
+    each product's input gradient is left a partial sum, they add up, and the norm's backward all-reduces the
+    sum once, the plan's one all-reduce of the input's gradient (a `redistribute` in each product would
+    all-reduce each: 3)."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    from parsat.backend.torch_native.sequence_products import tensor_parallel_linear
+
+    mesh = two_local_ranks
+    g = torch.Generator().manual_seed(5)
+    tensors = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in ((2, 4, 6), *[(8, 6)] * 3, (6, 8))]
+
+    def attention_like(linear, x, wq, wk, wv, wo):
+        a = F.layer_norm(x, (x.shape[-1],))
+        q, k, v = (linear(a, w) for w in (wq, wk, wv))
+        return x + linear((q * k).tanh() * v, wo)
+
+    whole = [t.clone().requires_grad_() for t in tensors]
+    attention_like(F.linear, *whole).square().sum().backward()
+    placements = (Replicate(), Shard(0), Shard(0), Shard(0), Shard(1))
+    split = [distribute_tensor(t, mesh, [p]).requires_grad_() for t, p in zip(tensors, placements)]
+    with counted() as counts, implicit_replication():
+        attention_like(tensor_parallel_linear, *split).to_local().square().sum().backward()
+    for got, t in zip(split, whole):
+        assert torch.allclose(got.grad.full_tensor(), t.grad, rtol=1e-12, atol=1e-12)
+    assert dict(counts) == {"fwd all_reduce": 1, "bwd all_reduce": 1}

@@ -282,8 +282,8 @@ def traced_tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh, prefi
     the same tp rank of the next stage, and its gradient back, with no gather before the send nor slice after it
     (`pipelined._sequence_pieces` sizes the traced stage's buffers so). `received`: the module's inputs are such
     pieces, received from the stage before (each is this rank's slice already); otherwise they are the step's
-    whole inputs (the first stage), sliced on entry. Its products and lookups of split weights run on the local
-    pieces with the plan's collectives only (`sequence_products`). A plan's vocabulary-parallel loss: the stage's cross-entropy
+    whole inputs (the first stage), sliced on entry. With or without `sequence`, its products and lookups of
+    split weights run on the local pieces with the plan's collectives only (`sequence_products`). A plan's vocabulary-parallel loss: the stage's cross-entropy
     runs as loss parallelism (`loss_parallel.traced_losses`). `dtensor_step` must be around its forward and
     backward."""
     from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
@@ -308,10 +308,10 @@ def traced_tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh, prefi
         from parsat.backend.torch_native.loss_parallel import traced_losses
 
         traced_losses(module)
+    local_products(module, split_weights(dims, prefix), sequence)
     if not sequence:
         distribute_module(module, tp_mesh, partition, _replicated_inputs, _whole_outputs)
     else:
-        local_products(module, split_weights(dims, prefix))
         distribute_module(module, tp_mesh, partition, _received_pieces if received else _sequence_inputs,
                           _sequence_outputs)
 

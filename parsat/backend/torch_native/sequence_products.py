@@ -1,4 +1,4 @@
-"""A sequence-parallel traced stage's products and lookups on this rank's pieces: the plan's collectives, no more.
+"""A tensor-parallel traced stage's products and lookups on this rank's pieces: the plan's collectives, no more.
 
 A traced stage runs its aten operators on DTensors (`apply.traced_tensor_parallel`). Its `x @ w` on
 [batch, seq, hidden] is `aten.matmul`, which DTensor decomposes into a view to [batch x seq, hidden], `mm`
@@ -24,7 +24,16 @@ differentiable conversions, so that what runs is what the plan (`cost.model`) pr
   likewise a `Partial()` sum of this rank's rows, its gradient gathered once and the table's made on this
   rank's rows (DTensor's own lookup slices the ids for it and reduce-scatters a whole-table partial sum).
 
-Any other placement falls back to DTensor's own `matmul`. Why not a 3-D `mm` strategy or a placement rule for
+Without sequence parallelism (the stage's inputs `Replicate()`) DTensor's own products left each row-parallel
+sum and the lookup `Partial`, so the residual stream after them stayed a partial sum that each norm all-reduced
+forward and again backward (16 backward all-reduces a micro-batch on the gpt's two stages where the plan has 9,
+measured 2026-12-04): `local_products(..., sequence=False)` points them at the `tensor_parallel_*` functions,
+the same local computation with the row-parallel sum and the lookup all-reduced at once (the plan's), a whole
+column-parallel input's gradient left a partial sum that the products reading it add up and its reader
+all-reduces once (the plan's). An `nn.Linear` traces as `aten.linear` (weight [out, in], a bias): pointed at
+the `*_linear` functions likewise (imported Hugging Face modules).
+
+Any other placement falls back to DTensor's own `matmul` (or `linear`). Why not a 3-D `mm` strategy or a placement rule for
 the view: both are DTensor internals (private registries that change between torch releases). Why not explicit
 functional collectives in an autograd function: it would repeat what DTensor's redistribution does. These
 conversions are DTensor's public API, and each collective they run is one the plan has (docs/TORCH_NATIVE.md,
@@ -43,34 +52,101 @@ from parsat.backend.torch_native.traced_graphs import retarget
 
 
 def sequence_parallel_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """`x @ w` for a traced stage on DTensors (module docstring): on the local pieces where `w` is a tensor-
-    parallel weight split as a column- or row-parallel product on a one-axis mesh, DTensor's own `matmul`
-    otherwise."""
+    """`x @ w` in a sequence-parallel traced stage (module docstring): on the local pieces where `w` is a tensor-
+    parallel weight split as a column- or row-parallel product on a one-axis mesh (a row-parallel product's
+    partial sum left to the code after it: the residual add's reduce-scatter), DTensor's own `matmul` otherwise."""
+    return _local_product(x, w, None, transposed=False, reduce=False)
+
+
+def tensor_parallel_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`x @ w` in a traced stage without sequence parallelism: as `sequence_parallel_matmul`, but a row-parallel
+    product's partial sum all-reduced at once (the plan's one all-reduce; left `Partial`, DTensor carries it
+    along the residual stream and all-reduces it again at each norm, forward and backward)."""
+    return _local_product(x, w, None, transposed=False, reduce=True)
+
+
+def sequence_parallel_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """`aten.linear(x, w, b)` (an `nn.Linear`: `w` is [out, in]) in a sequence-parallel traced stage: as
+    `sequence_parallel_matmul` on `w`'s transpose, a column-parallel bias added to this rank's columns, a
+    row-parallel one after the partial sum."""
+    return _local_product(x, w, b, transposed=True, reduce=False)
+
+
+def tensor_parallel_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """`aten.linear(x, w, b)` in a traced stage without sequence parallelism (`tensor_parallel_matmul`'s
+    reduction, `sequence_parallel_linear`'s layout)."""
+    return _local_product(x, w, b, transposed=True, reduce=True)
+
+
+def _local_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool,
+                   reduce: bool) -> torch.Tensor:
+    """The product of `x` and `w` (`w` [in, out], or [out, in] when `transposed`: `aten.linear`), plus `b`, on the
+    local pieces: column-parallel (`w` split along out, `x` whole or split along the sequence: gathered, the
+    plan's all-gather, its gradient's partial sums reduced back as it entered) or row-parallel (`x` split along
+    its last dim, `w` along in: a `Partial()` sum, all-reduced here when `reduce`); DTensor's own product of
+    any other placement."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+    def dtensor_own():
+        return torch.nn.functional.linear(x, w, b) if transposed else torch.matmul(x, w)
+
     if not (isinstance(x, DTensor) and isinstance(w, DTensor)) or w.ndim != 2 or x.ndim <= SEQ_DIM + 1 \
-            or x.device_mesh.ndim != 1 or w.device_mesh != x.device_mesh:
-        return torch.matmul(x, w)
+            or x.device_mesh.ndim != 1 or w.device_mesh != x.device_mesh \
+            or (b is not None and (not isinstance(b, DTensor) or b.device_mesh != x.device_mesh)):
+        return dtensor_own()
     mesh, (xp,), (wp,) = x.device_mesh, x.placements, w.placements
-    shape = (*x.shape[:-1], w.shape[1])
+    out_dim, in_dim = (0, 1) if transposed else (1, 0)
+    shape = (*x.shape[:-1], w.shape[out_dim])
     stride = torch.empty(shape, device="meta").stride()
-    if type(wp) is Shard and wp.dim == 1 and type(xp) is Shard and xp.dim == SEQ_DIM:   # column-parallel
-        whole = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
-        return DTensor.from_local(whole @ w.to_local(), mesh, [Shard(x.ndim - 1)], run_check=False,
-                                  shape=shape, stride=stride)
-    if type(wp) is Shard and wp.dim == 0 and type(xp) is Shard and xp.dim == x.ndim - 1:   # row-parallel
-        return DTensor.from_local(x.to_local() @ w.to_local(), mesh, [Partial()], run_check=False,
-                                  shape=shape, stride=stride)
-    return torch.matmul(x, w)
+
+    def product(a: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.nn.functional.linear(a, w.to_local(), bias) if transposed else a @ w.to_local()
+
+    if _is_shard(wp, out_dim) and (_is_shard(xp, SEQ_DIM) or xp == Replicate()) \
+            and (b is None or _is_shard(b.placements[0], 0)):   # column-parallel
+        # a whole input's gradient is left a partial sum, reduced once where it is read (every product reading
+        # the input adds its own first: q, k and v's); redistributing it would all-reduce it for each product
+        gathered = x if xp == Replicate() else x.redistribute(mesh, [Replicate()])
+        whole = gathered.to_local(grad_placements=[Partial()])
+        return DTensor.from_local(product(whole, None if b is None else b.to_local()), mesh, [Shard(x.ndim - 1)],
+                                  run_check=False, shape=shape, stride=stride)
+    if _is_shard(wp, in_dim) and _is_shard(xp, x.ndim - 1) and (b is None or b.placements == (Replicate(),)):  # row
+        out = DTensor.from_local(product(x.to_local()), mesh, [Partial()], run_check=False, shape=shape,
+                                 stride=stride)
+        out = out.redistribute(mesh, [Replicate()]) if reduce else out
+        return out if b is None else out + b
+    return dtensor_own()
+
+
+def _is_shard(placement, dim: int) -> bool:
+    """`placement` is a plain `Shard(dim)` (not a `_StridedShard`, which compares equal to it)."""
+    from torch.distributed.tensor import Shard
+
+    return type(placement) is Shard and placement.dim == dim
 
 
 def vocabulary_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, padding_idx: int = -1,
                                   scale_grad_by_freq: bool = False, sparse: bool = False) -> torch.Tensor:
+    """`aten.embedding(weight, indices, ...)` in a sequence-parallel traced stage (`_local_lookup`): the looked-up
+    rows a `Partial()` sum the code after it reduces as DTensor chooses (the plan's reduce-scatter onto the
+    sequence, in the add of the positions)."""
+    return _local_lookup(weight, indices, padding_idx, scale_grad_by_freq, sparse, reduce=False)
+
+
+def tensor_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, padding_idx: int = -1,
+                              scale_grad_by_freq: bool = False, sparse: bool = False) -> torch.Tensor:
+    """`aten.embedding(weight, indices, ...)` in a traced stage without sequence parallelism (`_local_lookup`):
+    the looked-up rows all-reduced at once (the plan's all-reduce; left `Partial`, DTensor carries the partial
+    sum along the residual stream and all-reduces it again at each norm, forward and backward)."""
+    return _local_lookup(weight, indices, padding_idx, scale_grad_by_freq, sparse, reduce=True)
+
+
+def _local_lookup(weight: torch.Tensor, indices: torch.Tensor, padding_idx: int, scale_grad_by_freq: bool,
+                  sparse: bool, reduce: bool) -> torch.Tensor:
     """`aten.embedding(weight, indices, ...)` for a traced stage on DTensors: where the table is split along the
     vocabulary (`Shard(0)`, one-axis mesh) and the ids are whole, this rank's rows looked up locally (ids outside
-    them give zeros), a `Partial()` sum the code after it reduces as DTensor chooses (the plan's reduce-scatter
-    onto the sequence); backward: the output's gradient gathered once (`from_local`'s backward, the plan's
-    all-gather) and the table's gradient made on this rank's rows, already placed as the table: DTensor's own
+    them give zeros), a `Partial()` sum (all-reduced here when `reduce`); backward: the output's gradient
+    gathered once where it is split along the sequence (`from_local`'s backward, the plan's all-gather) and the table's gradient made on this rank's rows, already placed as the table: DTensor's own
     embedding slices the ids along the sequence instead and reduce-scatters a whole-table partial gradient.
     DTensor's own lookup otherwise (a padding index, frequency scaling, sparse gradients included)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -91,30 +167,43 @@ def vocabulary_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, p
     outside = (local < 0) | (local >= scalar(table.shape[0]))
     found = torch.nn.functional.embedding(local.masked_fill(outside, 0), table)
     shape = (*ids.shape, weight.shape[1])
-    return DTensor.from_local(found.masked_fill(outside.unsqueeze(-1), 0), mesh, [Partial()], run_check=False,
-                              shape=shape, stride=torch.empty(shape, device="meta").stride())
+    out = DTensor.from_local(found.masked_fill(outside.unsqueeze(-1), 0), mesh, [Partial()], run_check=False,
+                             shape=shape, stride=torch.empty(shape, device="meta").stride())
+    return out.redistribute(mesh, [Replicate()]) if reduce else out
 
 
-def local_products(module: nn.Module, split: Callable[[str], bool]) -> int:
-    """Each `aten.matmul(x, p)` in the graphs of `module` and its submodules, `p` a parameter read directly
-    (`get_attr`, or its transpose) for which `split(its full name)` holds, made a call of
-    `sequence_parallel_matmul`, and each `aten.embedding(p, ids)` of such a table one of
-    `vocabulary_parallel_embedding`; the count made."""
-    matmul, embedding = torch.ops.aten.matmul.default, torch.ops.aten.embedding.default
+def local_products(module: nn.Module, split: Callable[[str], bool], sequence: bool) -> int:
+    """Each `aten.matmul(x, p)` and `aten.linear(x, p, b)` in the graphs of `module` and its submodules, `p` a
+    parameter read directly (`get_attr`, or a matmul's transpose of it) for which `split(its full name)` holds,
+    made a call of the local product, and each `aten.embedding(p, ids)` of such a table one of the local lookup:
+    `sequence` (the stage keeps its residual stream split along the sequence) the `sequence_parallel_*` ones and
+    `vocabulary_parallel_embedding`, which leave a row-parallel partial sum to the code after it, otherwise the
+    `tensor_parallel_*` ones, which all-reduce it at once; the count made."""
+    matmul, linear, embedding = torch.ops.aten.matmul.default, torch.ops.aten.linear.default, \
+        torch.ops.aten.embedding.default
+    local = {matmul: sequence_parallel_matmul if sequence else tensor_parallel_matmul,
+             linear: sequence_parallel_linear if sequence else tensor_parallel_linear,
+             embedding: vocabulary_parallel_embedding if sequence else tensor_parallel_embedding}
 
     def choose(prefix: str, node: torch.fx.Node):
         if node.target is matmul and len(node.args) == 2:
-            weight, local = _read_weight(node.args[1]), sequence_parallel_matmul
-        elif node.target is embedding and node.args and isinstance(node.args[0], torch.fx.Node) and \
-                node.args[0].op == "get_attr":
-            weight, local = node.args[0], vocabulary_parallel_embedding
+            weight = _read_weight(node.args[1])
+        elif node.target is linear and len(node.args) >= 2:
+            weight = node.args[1] if _is_attr(node.args[1]) else None
+        elif node.target is embedding and node.args and _is_attr(node.args[0]):
+            weight = node.args[0]
         else:
             return None
         if weight is not None and split(f"{prefix}.{weight.target}" if prefix else str(weight.target)):
-            return local
+            return local[node.target]
         return None
 
     return retarget(module, choose)
+
+
+def _is_attr(arg) -> bool:
+    """Whether a node's argument reads a parameter directly (a `get_attr` node)."""
+    return isinstance(arg, torch.fx.Node) and arg.op == "get_attr"
 
 
 def _read_weight(arg) -> torch.fx.Node | None:
@@ -122,7 +211,7 @@ def _read_weight(arg) -> torch.fx.Node | None:
     the tied head's `wte.t()`, a column-parallel product on the vocabulary-split table); None otherwise."""
     if isinstance(arg, torch.fx.Node) and arg.op == "call_function" and arg.target is torch.ops.aten.t.default:
         arg = arg.args[0]
-    return arg if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" else None
+    return arg if _is_attr(arg) else None
 
 
 def split_weights(dims: Mapping[str, int], prefix: str) -> Callable[[str], bool]:
