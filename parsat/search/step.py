@@ -123,7 +123,8 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
         # nothing to fall back to (pinned inputs, or pinned degrees: no baseline keeps them)
         raise _pin_error(step, searches) if pinned else _no_joint_plan(step, searches)
     plan = assemble_plan(step, searches, best_search, candidates, found_baselines, skipped, steps)
-    if solved and not cut and not step.memory.fits(plan):
+    if solved and not cut and step.stage is None and not step.memory.fits(plan):
+        # (a stage plan's fit is its pipeline's, `search.fit`: the pipeline search judges it per schedule)
         raise _over_as_simulated(step, plan)
     if unspread:
         said["unspread"] = unspread
