@@ -29,9 +29,11 @@ def _plan(capacity_mib: float):
 
 
 def test_a_plan_that_fits_by_sharding_more_is_found_where_the_fastest_do_not_fit(tmp_path):
-    roomy = _plan(3.5)   # the grid's dp 2 x tp 2 point, 3.48 MiB
-    tight = _plan(3.0)   # 38aa390: "no plan fits in memory: the smallest plan found needs 4.11 MiB"
-    assert tight.totals.peak_memory_bytes <= 3.0 * MIB
+    # device memory is judged by the simulated peak where a plan is simulated (`Totals.memory_bytes`: on this cpu
+    # machine, as `parsat run` holds it, every activation and the whole batch kept to the end of the step)
+    roomy = _plan(4.5)   # the grid's dp 2 x tp 2 point, 3.48 MiB by the per-node bound, 4.34 MiB simulated
+    tight = _plan(4.0)   # a joint plan storing weights split (ZeRO-2), 3.09 MiB by the bound, 3.82 MiB simulated
+    assert tight.totals.memory_bytes <= 4.0 * MIB and tight.totals.fits(tight.machine)
     assert tight.totals.time_s > roomy.totals.time_s   # memory bought with time
     assert tight.extraction["chosen"] == "joint" and tight.extraction["method"] in (LEAN, LEAN_ILP)
     # the passes that found none are written null (the schema's), and the plan reads back
@@ -65,7 +67,7 @@ def test_where_the_leanest_policy_fits_only_lean_the_policies_between_are_asked_
         return pcg, costs, extraction
 
     monkeypatch.setattr(mesh, "solve", recording)
-    tight = _plan(3.0)
+    tight = _plan(4.0)
     assert tight.extraction["method"] in (LEAN, LEAN_ILP)
     # each mesh's extractions: ZeRO-0 by time, the leanest (ZeRO-2) lean, then ZeRO-1
     runs = [calls[i:i + 3] for i, call in enumerate(calls) if call[0] == 0 and i + 2 < len(calls)]

@@ -132,7 +132,7 @@ def test_every_mesh_is_searched_at_the_unstaged_count_unless_a_pipelined_plan_is
     from parsat.search.optimize import UNSTAGED_EVERY_MESH_WITHIN, _within_reach
 
     def plan(time_s, fits=True):
-        totals = SimpleNamespace(time_s=time_s, peak_memory_bytes=1, fits=lambda machine: fits)
+        totals = SimpleNamespace(time_s=time_s, peak_memory_bytes=1, memory_bytes=1, fits=lambda machine: fits)
         return SimpleNamespace(totals=totals, machine=None)
 
     scout = plan(16.539)

@@ -81,12 +81,15 @@ def test_the_search_shards_the_state_where_the_plan_would_not_fit_otherwise():
     """A device smaller than every plan without sharded state needs (ZeRO-3's included: it keeps a gathered weight
     until backward) but larger than ZeRO-2's: the plan comes back with its state sharded, not refused (the mlp has
     no blocks to recompute); with room, nothing is sharded."""
-    need = {z: optimize("mlp", machine="cpu", devices=2, sizes=MLP, degrees={"dp": 2, "zero": z}).totals.peak_memory_bytes
+    need = {z: optimize("mlp", machine="cpu", devices=2, sizes=MLP, degrees={"dp": 2, "zero": z}).totals.memory_bytes
             for z in (0, 1, 2, 3)}
     assert need[2] < min(need[0], need[1], need[3])
     tight = replace(CPU, memory_capacity=(need[2] + min(need[0], need[1], need[3])) // 2)
     plan = optimize("mlp", machine=tight, devices=2, sizes=MLP, degrees={"dp": 2})
-    assert plan.pcg.zero == 2 and plan.totals.fits(plan.machine)
+    # memory as it decides (`Totals.memory_bytes`: the simulated peak, as `parsat run` holds it, with SGD, where
+    # ZeRO-1 shards nothing): ZeRO-2, or weights stored split (ZeRO-3: gathered by `all_gather`)
+    stored_split = any(node.op == "all_gather" for node in plan.pcg.nodes if node.kind == "parallel")
+    assert (plan.pcg.zero == 2 or stored_split) and plan.totals.fits(plan.machine)
     assert optimize("mlp", machine="cpu", devices=2, sizes=MLP, degrees={"dp": 2}).pcg.zero == 0
 
 

@@ -1088,15 +1088,20 @@ class _Builder:
                    if n.kind == "parallel" and n.op == parallel_ops.ALL_GATHER and n.id in self.params)
 
     def end_pass(self) -> None:
-        """A micro-batch's activations are freed before the next begins (the backend drops its values; a
-        framework frees them in backward): where the profile keeps them to the end of the step, free them
-        here when more micro-batches follow."""
-        if not self.accumulating or not self.profile.keep_activations:
+        """A micro-batch's values are freed before the next begins (the backend drops its values; a framework
+        frees them in backward): over several micro-batches, what is left of this one's is freed here: every
+        value where the profile keeps them to the end of the step, else those no backward freed (one that takes
+        no gradient, such as a slice of the data a backward reads, whose own backward never runs). Left
+        allocated, each micro-batch's would add to the next one's peak (llama-70b on 64 H100s, 16 micro-batches:
+        7.3 GiB of its 90.9 GiB simulated peak, benchmarks/search_results.md 2026-12-04 evening, issue 28)."""
+        if not self.accumulating:
             return
         held = sum(v for k, v in self.allocated.items() if k not in self.params) + self.loss_bytes
-        if held:
-            self._add("micro-batch's values freed", self.compute, 0.0, [len(self.steps) - 1], free=held,
-                      phase="backward")
+        # after the pass's last task, or, where communication overlaps, its last compute task: nothing that
+        # runs on the compute stream waits for this pass's collectives because of it
+        last = len(self.steps) - 1 if self.profile.keep_activations else self._last_compute_task()
+        if held and last is not None:
+            self._add("micro-batch's values freed", self.compute, 0.0, [last], free=held, phase="backward")
 
     def _buckets(self) -> list[GradientBuckets]:
         """DDP's buckets, one sequence per mesh axis the stored weights are replicated on (DDP's process
@@ -1184,7 +1189,7 @@ class _Builder:
         held = self.allocated.get(node.id, 0)
         # a recomputed value is freed by its backward whatever the profile (torch.utils.checkpoint's does)
         free = held if not self.profile.keep_activations or node.id in self.dropped else 0
-        if node.id in self.dropped:
+        if free or node.id in self.dropped:   # what is left of it (`end_pass` frees the rest)
             self.allocated[node.id] = 0
         if node.kind == "op":
             return self._compute_backward(node, label, deps, view=self.views.get(node.id, held == 0), free=free)

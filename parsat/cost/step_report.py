@@ -47,7 +47,8 @@ def simulate_step(pcg: PCG, library: Library, machine: Machine, microbatches: in
 
 def simulated_step(pcg: PCG, library: Library, machine: Machine, microbatches: int = 1,
                    times: OpTimes | None = None) -> SimulatedStep:
-    """`simulate_step`'s step time now, its figures when first read: what a search ranks candidates by.
+    """`simulate_step`'s step time and peak memory now, its other figures when first read: what a search ranks
+    candidates by, and judges whether they fit by (`ir.costs.Totals.fits`).
 
     The figures (`summarize`, a quarter to a half of a simulation) are read
     only for the plans a search keeps; the step is then simulated again
@@ -57,7 +58,8 @@ def simulated_step(pcg: PCG, library: Library, machine: Machine, microbatches: i
     """
     profile = profile_for(machine)
     prediction = simulate_pcg(pcg, library, machine, profile, times=times, microbatches=microbatches)
-    return SimulatedStep(prediction.step_s, lambda: simulate_step(pcg, library, machine, microbatches, times))
+    return SimulatedStep(prediction.step_s, lambda: simulate_step(pcg, library, machine, microbatches, times),
+                         prediction.peak_memory_bytes)
 
 
 def summarize(prediction: StepPrediction, profile: str, microbatches: int = 1,

@@ -204,22 +204,35 @@ class SimulatedStep:
     are read for the few it keeps (the plan and its baselines), and working
     them out is a quarter to a half of a simulation (`cost.step_report`).
     `report` gives them, with the same time; it is called at most once.
-    Two are equal when their figures are (worked out to compare them)."""
+    Two are equal when their figures are (worked out to compare them).
+
+    `peak` is the simulated peak memory per device (`StepTimeline.peak_memory_bytes`) where the simulation
+    gave it beside the time (`cost.step_report.simulated_step`: it decides whether the plan fits,
+    `Totals.fits`, so a search reads it for every candidate it simulates); else it is read from the figures."""
 
     time_s: float
     report: Callable[[], tuple[StepStreams, StepTimeline]] = field(repr=False)
+    peak: int | None = None
 
     @staticmethod
     def known(streams: StepStreams, step: StepTimeline) -> "SimulatedStep":
         """A step whose figures are already worked out."""
-        return SimulatedStep(streams.time_s, lambda: (streams, step))
+        return SimulatedStep(streams.time_s, lambda: (streams, step), step.peak_memory_bytes)
 
     @cached_property
     def figures(self) -> tuple[StepStreams, StepTimeline]:
         streams, step = self.report()
         if streams.time_s != self.time_s:
             raise ValueError(f"a step simulated in {self.time_s!r} s is reported as {streams.time_s!r} s")
+        if self.peak is not None and step.peak_memory_bytes != self.peak:
+            raise ValueError(f"a step simulated with a peak of {self.peak} bytes is reported with "
+                             f"{step.peak_memory_bytes}")
         return streams, step
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        """The simulated peak memory per device, transient buffers included."""
+        return self.step.peak_memory_bytes if self.peak is None else self.peak
 
     @property
     def streams(self) -> StepStreams:
@@ -248,6 +261,12 @@ class Totals:
     by); `compute_s` and `comm_s` are the per-node sums of computation and
     communication; `simulation` the simulated step, whose figures
     (`streams`, `step`) are worked out when read (`SimulatedStep`).
+
+    Memory likewise: `peak_memory_bytes` is the per-node bound (what
+    extraction's memory constraint adds up, node by node), and
+    `memory_bytes` the figure that decides whether the plan fits (`fits`):
+    the simulated peak, transient buffers included, where the plan was
+    simulated, else that bound (docs/COSTMODEL.md, "Memory"; issue 28).
     """
 
     time_s: float
@@ -274,9 +293,15 @@ class Totals:
         """The simulated step's timeline (worked out now if not yet), None where not simulated."""
         return None if self.simulation is None else self.simulation.step
 
+    @property
+    def memory_bytes(self) -> int:
+        """The memory per device that decides whether the plan fits: the simulated peak (transient buffers
+        included) where the step was simulated, else the per-node bound."""
+        return self.peak_memory_bytes if self.simulation is None else self.simulation.peak_memory_bytes
+
     def fits(self, machine: Machine) -> bool:
-        """Whether the plan's peak memory per device fits in `machine`'s."""
-        return self.peak_memory_bytes <= machine.memory_capacity
+        """Whether the plan's memory per device (`memory_bytes`) fits in `machine`'s."""
+        return self.memory_bytes <= machine.memory_capacity
 
     @property
     def per_node_s(self) -> float:

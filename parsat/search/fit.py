@@ -51,7 +51,7 @@ class MemoryFit:
         and cut that need least; the whole plan's on the stage machine when no schedule can run it, which then
         never fits)."""
         staged = self._staged(candidate)
-        return candidate.totals.peak_memory_bytes if staged is None else staged
+        return candidate.totals.memory_bytes if staged is None else staged
 
     def fits(self, candidate: Priced) -> bool:
         """Whether `candidate` fits in memory as it runs."""

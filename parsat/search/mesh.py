@@ -188,7 +188,9 @@ class BestFirst:
                 steps.skipped += 1
                 continue
             self.kept[key] = found = steps(candidate)
-            if found.totals.simulation is not None:
+            # the bar is the fastest simulated step that fits as simulated: a candidate whose simulated peak is
+            # over the device's memory (it fitted by the per-node bound) cannot be chosen, so it sets no bar
+            if found.totals.simulation is not None and self.fits(found):
                 self.bar = min(self.bar, round(found.totals.time_s, 12))
 
 

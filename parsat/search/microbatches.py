@@ -193,7 +193,7 @@ class CountSearch:
                 return self.search_every_mesh(plan)
             raise needed
         held = ("the plan needs {} per device of {}".format(
-                    *fmt_bytes_pair(plan.totals.peak_memory_bytes, plan.machine.memory_capacity))
+                    *fmt_bytes_pair(plan.totals.memory_bytes, plan.machine.memory_capacity))
                 if plan is not None else
                 f"no plan fits with {m} micro-batch(es) ({fmt_bytes(needed.needed_bytes)} per device needed)")
         self.request.say(f"{held}: searching again with {more} micro-batches")
@@ -207,7 +207,7 @@ class CountSearch:
             return limited(with_grid(self.best, self.plans, self.tried, self.batch, self.request.say, self.search,
                                      0), why)
         if self.plans:
-            return limited(min(self.plans, key=lambda p: p.totals.peak_memory_bytes), why)
+            return limited(min(self.plans, key=lambda p: p.totals.memory_bytes), why)
         raise DoesNotFit(f"{self.needed} ({why}; raise the limit to search it)", self.needed.needed_bytes,
                          self.needed.capacity_bytes)
 
@@ -243,7 +243,7 @@ def merged(full: Plan, chosen: Plan, batch: int, say: Callable[[str], None]) -> 
 def rank_plans(plan: Plan) -> tuple:
     """Plans that fit first, then the fastest; when none fits, the one needing least memory."""
     fits = plan.totals.fits(plan.machine)
-    return (not fits, plan.totals.time_s if fits else plan.totals.peak_memory_bytes)
+    return (not fits, plan.totals.time_s if fits else plan.totals.memory_bytes)
 
 
 def limited(plan: Plan, why: str) -> Plan:

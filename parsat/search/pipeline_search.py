@@ -428,7 +428,7 @@ def best_of(flat: Plan | None, found: PipelineSearch, machine: Machine, pinned: 
         # the fastest point that fits, else the one nearest to fitting (shown with the memory it needs)
         totals, config = min(((g.totals, c) for g, c in found.grid),
                              key=lambda g: (not g[0].fits(machine),
-                                            g[0].time_s if g[0].fits(machine) else g[0].peak_memory_bytes))
+                                            g[0].time_s if g[0].fits(machine) else g[0].memory_bytes))
         current = baselines.get("best_grid")
         if current is None or (totals.fits(machine), -totals.time_s) > (current.fits(machine), -current.time_s):
             baselines["best_grid"] = totals

@@ -36,6 +36,7 @@ from parsat.ir.recompute import AUTO
 from parsat.ir.pcg_placement import derive_placements
 from parsat.ir.placement import PARTIAL, Placement, PlacementError, shard_dim
 from parsat.ir.plan import JOINT, BaselinePlan, Plan
+from parsat.ir.units import fmt_bytes, fmt_bytes_pair
 from parsat.egraph.runner import STOP_INTERRUPTED, STOP_SATURATED, Limits
 from parsat.egraph.snapshot import Snapshot
 from parsat.search.baselines import Candidate, data_parallel, expert_parallel, grid_families, sequential
@@ -122,6 +123,9 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
         # nothing to fall back to (pinned inputs, or pinned degrees: no baseline keeps them)
         raise _pin_error(step, searches) if pinned else _no_joint_plan(step, searches)
     plan = assemble_plan(step, searches, best_search, candidates, found_baselines, skipped, steps)
+    if solved and not cut and step.stage is None and not step.memory.fits(plan):
+        # (a stage plan's fit is its pipeline's, `search.fit`: the pipeline search judges it per schedule)
+        raise _over_as_simulated(step, plan)
     if unspread:
         said["unspread"] = unspread
     if cut:
@@ -278,6 +282,18 @@ def _no_joint_plan(step: StepContext, searches: Sequence[MeshSearch]) -> Optimiz
         least = min(needs, key=lambda s: s.needed_bytes)
         return DoesNotFit(least.error, least.needed_bytes, step.machine.memory_capacity)
     return OptimizeError(searches[0].error or f"no plan for '{step.graph.name}' on {step.devices} devices")
+
+
+def _over_as_simulated(step: StepContext, plan: Plan) -> DoesNotFit:
+    """The step's error where a mesh's joint plan fitted by the per-node bound (extraction's memory limit) but
+    no candidate fits as it runs: the memory that decides (`ir.costs.Totals.memory_bytes`: the simulated peak,
+    transient buffers included) of the one that needs least is over the device's. DoesNotFit, so the micro-batch
+    search splits the batch further (issue 28: one figure decides what fits)."""
+    needs, has = fmt_bytes_pair(step.memory.needs(plan), step.machine.memory_capacity)
+    how = "" if plan.totals.simulation is None else \
+        f" as simulated (transient buffers included; {fmt_bytes(plan.totals.peak_memory_bytes)} by the per-node bound)"
+    return DoesNotFit(f"no plan fits in memory: the smallest plan found needs {needs} per device{how}, the device "
+                      f"has {has}", step.memory.needs(plan), step.machine.memory_capacity)
 
 
 def _valve_cut(searches: Sequence[MeshSearch], choices: Sequence[MeshChoice], clock: Deadline) -> str:
