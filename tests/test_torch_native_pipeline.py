@@ -818,6 +818,36 @@ def test_pp2_by_tp2_sequence_parallel_trained_on_four_ranks_like_the_module_in_o
 
 
 @pytest.mark.slow
+def test_a_sequence_parallel_stage_gathers_again_in_backward_where_the_plans_machine_is_priced_so(pp2):
+    """Megatron's sequence-parallel stage plan (pp 2 x tp 2, 4 gloo ranks) with its machine a GPU preset, which the
+    cost model prices as a runtime that re-gathers (`Machine.runtime_regathers`): `parallelize_native` carries the
+    plan's machine to the traced stages, whose column-parallel products then keep the input's shard and gather it
+    again in backward: the first step's collectives are the plan's as priced on that machine (one more backward
+    all-gather per column-parallel product a micro-batch than on `cpu`), and training matches the unmodified
+    module as on `cpu`. But for the loss: this plan gathers the whole logits for its cross-entropy (an activation
+    gather read by backward), which the cost model prices re-gathered too, and the runtime's cross-entropy keeps
+    the gathered logits (DTensor's own; not a product `sequence_products` computes): asserted as it is."""
+    from parsat.ir.machine import Machine
+
+    rows, m = SIZES["batch"] // MICROBATCHES * SIZES["seq"], MICROBATCHES   # the loss's rows a micro-batch
+
+    cpu = megatron_stage_plan(pp2, sequence=True)
+    plans = {"cpu": cpu, "gpu": replace(cpu, machine=Machine.preset("h100x8").with_precision("fp32"))}
+    results = _launch(plans, 4)
+    counted = {}
+    for label, plan in plans.items():
+        run = [r[label] for r in results]
+        _check_run(run)
+        _check_collectives(run, plan, {1: ({}, {f"schedule bwd all-gather {rows * SIZES['vocab']}": m})} if label == "gpu" else {})
+        counted[label] = [Counter(r["collectives"]) for r in run]
+    # each stage's column-parallel products a micro-batch: wqkv and w1 of its 2 blocks, and the tied head's on the last
+    for rank, (cpu_run, gpu_run) in enumerate(zip(counted["cpu"], counted["gpu"])):
+        products = 4 + (rank // 2 == 1)
+        assert gpu_run - cpu_run == Counter({f"schedule bwd all-gather {rows * SIZES['hidden']}": products * m}) \
+            and not cpu_run - gpu_run, (gpu_run - cpu_run, cpu_run - gpu_run)
+
+
+@pytest.mark.slow
 def test_pp2_by_dp2_by_tp2_trained_on_eight_ranks_like_the_module_in_one_process(pp2):
     """3-D parallelism on 8 gloo ranks: Megatron's dp 2 x tp 2 inside each of the 2 stages, 1F1B over 4
     micro-batches: each stage module's split weights Shard(d) on its tp slice, the module `replicate`d over its
