@@ -353,3 +353,30 @@ def test_a_column_parallel_product_gathers_its_input_again_in_backward_where_the
     assert runs[True] == {**runs[False], "bwd all_gather_single": runs[False]["bwd all_gather_single"] + 1}
     assert runs[False] == {"fwd all_gather_single": 1, "fwd reduce_scatter_single": 1, "bwd all_gather_single": 1,
                            "bwd reduce_scatter_single": 1}
+
+
+def test_a_regathering_product_frees_the_gathered_input_after_its_forward(two_local_ranks, monkeypatch):
+    """What re-gathering buys: once the forward has run, nothing holds the gathered input (autograd holds the
+    shard), where the product that does not re-gather keeps it until backward (the test above)."""
+    import gc
+    import weakref
+
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from parsat.backend.torch_native import sequence_products as products
+
+    gathered, keeping = [], products._keeping_the_shard
+
+    def spy(x, whole, product):
+        gathered.append(weakref.ref(whole))
+        return keeping(x, whole, product)
+
+    monkeypatch.setattr(products, "_keeping_the_shard", spy)
+    mesh = two_local_ranks
+    x = distribute_tensor(torch.randn(2, 4, 6, dtype=torch.float64), mesh, [Shard(1)]).requires_grad_()
+    w = distribute_tensor(torch.randn(6, 8, dtype=torch.float64), mesh, [Shard(1)]).requires_grad_()
+    y = products.sequence_parallel_regathering_matmul(x, w)
+    gc.collect()
+    assert len(gathered) == 1 and gathered[0]() is None
+    y.to_local().sum().backward()
+    assert torch.allclose(w.grad.full_tensor(), x.full_tensor().sum((0, 1)).unsqueeze(1).expand(6, 8), rtol=1e-12)
