@@ -184,6 +184,28 @@ def test_ranks_holding_pipelines_that_differ_hold_different_plans(pp2):
     assert mine != fingerprint(pp2.pcg, pp2.graph, replace(pp2.pipeline, schedule="gpipe"))
     assert mine != fingerprint(pp2.pcg, pp2.graph, replace(pp2.pipeline, layout=lay_out_stages(pp2.pcg, [-1, 1], 2)))
     assert mine != fingerprint(pp2.pcg, pp2.graph)
+    assert mine != fingerprint(pp2.pcg, pp2.graph, pp2.pipeline, regathers=True)   # one more all-gather a product
+
+
+def test_the_plans_machine_says_whether_the_torch_runtime_re_gathers(pp2):
+    """`parallelize.resolved_plan` reads the plan's machine (a `Plan`'s, a plan dict's, a plan file's) into the
+    one boolean the torch runtime needs: priced as a runtime that re-gathers (a GPU preset: Megatron-LM's choice)
+    or not (`cpu`: autograd keeps the gathered input), as `cost.saved.runtime_regathers` prices it."""
+    from parsat.backend.parallelize import resolve_plan, resolved_plan
+    from parsat.cost.saved import runtime_regathers
+    from parsat.ir.machine import Machine
+
+    gpu = replace(pp2, machine=Machine.preset("h100x8"))
+    assert [resolved_plan(p)[3] for p in (pp2, pp2.to_dict(), gpu, gpu.to_dict())] == [False, False, True, True]
+    assert [runtime_regathers(p.machine) for p in (pp2, gpu)] == [False, True]
+    assert resolve_plan(gpu) == resolved_plan(gpu)[:3] and len(resolve_plan(gpu.to_dict())) == 3
+    data = gpu.to_dict()
+    del data["machine"]
+    assert resolved_plan(data)[3] is False
+    lowering = lower_pipeline(pp2.pcg, pp2.graph, pp2.pipeline, module_info(gpt_module(), weight_names()),
+                              regathers=True)
+    assert lowering.regathers and not lower_pipeline(pp2.pcg, pp2.graph, pp2.pipeline,
+                                                     module_info(gpt_module(), weight_names())).regathers
 
 
 def test_a_pipelined_plan_without_example_inputs_is_refused_before_any_process_starts(pp2):
@@ -320,6 +342,19 @@ def test_a_tensor_parallel_stage_computes_its_split_products_on_local_pieces(pp2
         assert calls == Counter({**{(matmul, w): blocks for w in ("wqkv", "wo", "w1", "w2")}, **ends})
         assert products.local_products(sub, split, sequence) == 0   # made once
         assert traced_losses(sub) == last   # the cross-entropy, on the last stage (run as loss parallelism)
+    # the plan's machine priced as a runtime that re-gathers: the re-gathering products (which re-gather the
+    # column-parallel ones' input), except in a checkpointed block (its recomputation gathers again already)
+    pipe = pipeline(_PassInputsThrough(gpt_module(), cuts), mb_args=micro,
+                    split_spec={TRACED_PREFIX + cut: SplitPoint.BEGINNING for cut in cuts})
+    sub = pipe.get_stage_module(1)
+    recomputed = sorted({n for n, _ in sub.named_modules() if n.startswith(TRACED_PREFIX + "blocks.")
+                         and n.count(".") == 2})[:1]
+    assert recomputed, [n for n, _ in sub.named_modules()]
+    assert products.local_products(sub, split, sequence, regather=True, recomputed=recomputed) == 4 * blocks + 1
+    made = Counter(n.target for m in sub.modules() for n in getattr(m, "graph", torch.fx.Graph()).nodes
+                   if n.op == "call_function" and n.target in everything)
+    assert made == (Counter({products.sequence_parallel_regathering_matmul: 4 * (blocks - 1) + 1, matmul: 4})
+                    if sequence else Counter({matmul: 4 * blocks + 1}))
 
 
 def test_a_sequence_parallel_stage_plan_is_lowered_and_what_still_cannot_be_is_refused(pp2):
@@ -780,6 +815,36 @@ def test_pp2_by_tp2_sequence_parallel_trained_on_four_ranks_like_the_module_in_o
         assert all(2 * c.piece_elements == SEQUENCE_PIECE for c in plan.pipeline.layout.crossings)   # tp 2's pieces
         _check_collectives(run, plan, {1: loss_parallel} if label == "pinned" else {})
     assert "ScheduleInterleaved1F1B" in results[0]["interleaved"]["lowering"]
+
+
+@pytest.mark.slow
+def test_a_sequence_parallel_stage_gathers_again_in_backward_where_the_plans_machine_is_priced_so(pp2):
+    """Megatron's sequence-parallel stage plan (pp 2 x tp 2, 4 gloo ranks) with its machine a GPU preset, which the
+    cost model prices as a runtime that re-gathers (`Machine.runtime_regathers`): `parallelize_native` carries the
+    plan's machine to the traced stages, whose column-parallel products then keep the input's shard and gather it
+    again in backward: the first step's collectives are the plan's as priced on that machine (one more backward
+    all-gather per column-parallel product a micro-batch than on `cpu`), and training matches the unmodified
+    module as on `cpu`. But for the loss: this plan gathers the whole logits for its cross-entropy (an activation
+    gather read by backward), which the cost model prices re-gathered too, and the runtime's cross-entropy keeps
+    the gathered logits (DTensor's own; not a product `sequence_products` computes): asserted as it is."""
+    from parsat.ir.machine import Machine
+
+    rows, m = SIZES["batch"] // MICROBATCHES * SIZES["seq"], MICROBATCHES   # the loss's rows a micro-batch
+
+    cpu = megatron_stage_plan(pp2, sequence=True)
+    plans = {"cpu": cpu, "gpu": replace(cpu, machine=Machine.preset("h100x8").with_precision("fp32"))}
+    results = _launch(plans, 4)
+    counted = {}
+    for label, plan in plans.items():
+        run = [r[label] for r in results]
+        _check_run(run)
+        _check_collectives(run, plan, {1: ({}, {f"schedule bwd all-gather {rows * SIZES['vocab']}": m})} if label == "gpu" else {})
+        counted[label] = [Counter(r["collectives"]) for r in run]
+    # each stage's column-parallel products a micro-batch: wqkv and w1 of its 2 blocks, and the tied head's on the last
+    for rank, (cpu_run, gpu_run) in enumerate(zip(counted["cpu"], counted["gpu"])):
+        products = 4 + (rank // 2 == 1)
+        assert gpu_run - cpu_run == Counter({f"schedule bwd all-gather {rows * SIZES['hidden']}": products * m}) \
+            and not cpu_run - gpu_run, (gpu_run - cpu_run, cpu_run - gpu_run)
 
 
 @pytest.mark.slow

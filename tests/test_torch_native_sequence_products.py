@@ -309,3 +309,74 @@ def test_a_whole_input_read_by_several_column_parallel_products_has_its_gradient
     for got, t in zip(split, whole):
         assert torch.allclose(got.grad.full_tensor(), t.grad, rtol=1e-12, atol=1e-12)
     assert dict(counts) == {"fwd all_reduce": 1, "bwd all_reduce": 1}
+
+
+@pytest.mark.parametrize("name", ["matmul", "linear"])
+def test_a_column_parallel_product_gathers_its_input_again_in_backward_where_the_machine_regathers(two_local_ranks,
+                                                                                                    name):
+    """On a machine priced as a runtime that re-gathers (`Machine.runtime_regathers`, Megatron-LM's choice) the
+    `sequence_parallel_regathering_*` products keep the input's shard, not the gathered input, for the weight's
+    gradient: one more backward all-gather per column-parallel product (the MLP has one) and the same
+    forward; values and every gradient equal either way (those of the unsplit MLP)."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from parsat.backend.torch_native import sequence_products as products
+
+    linear = name == "linear"
+    mesh = two_local_ranks
+    g = torch.Generator().manual_seed(6)
+    shapes = ((2, 4, 6), (8, 6), (6, 8)) if linear else ((2, 4, 6), (6, 8), (8, 6))
+    tensors = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in shapes]
+    whole = [t.clone().requires_grad_() for t in tensors]
+    _mlp(F.linear if linear else torch.matmul, *whole).square().sum().backward()
+    runs = {}
+    for regather in (False, True):
+        product = getattr(products, f"sequence_parallel_{'regathering_' if regather else ''}{name}")
+        dims = (1, 0, 1) if linear else (1, 1, 0)
+        split = [distribute_tensor(t, mesh, [Shard(d)]).requires_grad_() for t, d in zip(tensors, dims)]
+        kept = []   # the plain (gathered) tensors autograd keeps while the column-parallel product runs
+        with counted() as counts:
+            with torch.autograd.graph.saved_tensors_hooks(
+                    lambda t: (None if isinstance(t, DTensor) else kept.append(tuple(t.shape))) or t, lambda t: t):
+                hidden = product(split[0], split[1])
+            y = product(hidden.tanh(), split[2]) + split[0]
+            y.square().sum().backward()
+        runs[regather] = dict(counts)
+        assert torch.allclose(y.full_tensor(), _mlp(F.linear if linear else torch.matmul, *tensors),
+                              rtol=1e-12, atol=1e-12)
+        for got, want in zip(split, whole):
+            assert torch.allclose(got.grad.full_tensor(), want.grad, rtol=1e-12, atol=1e-12)
+        # the gathered [b x s, h] input is kept by the product only where the machine does not re-gather (the
+        # re-gathering product's own hooks keep the shard in its place, out of this outer hook's sight)
+        assert ((8, 6) in kept) == (not regather), kept
+    assert runs[True] == {**runs[False], "bwd all_gather_single": runs[False]["bwd all_gather_single"] + 1}
+    assert runs[False] == {"fwd all_gather_single": 1, "fwd reduce_scatter_single": 1, "bwd all_gather_single": 1,
+                           "bwd reduce_scatter_single": 1}
+
+
+def test_a_regathering_product_frees_the_gathered_input_after_its_forward(two_local_ranks, monkeypatch):
+    """What re-gathering buys: once the forward has run, nothing holds the gathered input (autograd holds the
+    shard), where the product that does not re-gather keeps it until backward (the test above)."""
+    import gc
+    import weakref
+
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from parsat.backend.torch_native import sequence_products as products
+
+    gathered, keeping = [], products._keeping_the_shard
+
+    def spy(x, whole, product):
+        gathered.append(weakref.ref(whole))
+        return keeping(x, whole, product)
+
+    monkeypatch.setattr(products, "_keeping_the_shard", spy)
+    mesh = two_local_ranks
+    x = distribute_tensor(torch.randn(2, 4, 6, dtype=torch.float64), mesh, [Shard(1)]).requires_grad_()
+    w = distribute_tensor(torch.randn(6, 8, dtype=torch.float64), mesh, [Shard(1)]).requires_grad_()
+    y = products.sequence_parallel_regathering_matmul(x, w)
+    gc.collect()
+    assert len(gathered) == 1 and gathered[0]() is None
+    y.to_local().sum().backward()
+    assert torch.allclose(w.grad.full_tensor(), x.full_tensor().sum((0, 1)).unsqueeze(1).expand(6, 8), rtol=1e-12)

@@ -272,11 +272,20 @@ _ZERO = ("the plan shards its weights' optimizer state (ZeRO-{stage}), which a m
 
 def resolve_plan(plan) -> tuple[PCG, Graph, "PipelinePlan | None"]:
     """(PCG, graph, pipeline or None) of a `Plan` (taken as they are), a plan dict or a plan JSON file."""
+    return resolved_plan(plan)[:3]
+
+
+def resolved_plan(plan) -> tuple[PCG, Graph, "PipelinePlan | None", bool]:
+    """`resolve_plan`'s, and whether the plan's machine is priced as a runtime that re-gathers
+    (`Machine.runtime_regathers`; False for a plan dict without a machine): the torch runtime's traced stages
+    then re-gather as priced (`torch_native.sequence_products`)."""
+    from parsat.ir.errors import MachineError
+    from parsat.ir.machine import Machine
     from parsat.ir.pipeline import PipelinePlan
     from parsat.ir.plan import Plan, load_plan_dict, pcg_from_dict
 
     if isinstance(plan, Plan):
-        return plan.pcg, plan.graph, plan.pipeline
+        return plan.pcg, plan.graph, plan.pipeline, plan.machine.runtime_regathers
     if isinstance(plan, (str, bytes)) or hasattr(plan, "__fspath__"):
         plan = load_plan_dict(plan)
     if not isinstance(plan, Mapping):
@@ -288,8 +297,12 @@ def resolve_plan(plan) -> tuple[PCG, Graph, "PipelinePlan | None"]:
         except (KeyError, TypeError, ValueError) as err:
             raise ParallelizeError(f"the plan's pipeline does not follow the plan schema ({type(err).__name__}: "
                                    f"{err})") from None
+    try:
+        regathers = isinstance(plan.get("machine"), Mapping) and Machine.from_dict(plan["machine"]).runtime_regathers
+    except MachineError as err:
+        raise ParallelizeError(f"the plan's machine: {err}") from None
     library = operator_library()
-    return pcg_from_dict(plan), Graph.from_dict(plan["graph"], library), pipeline
+    return pcg_from_dict(plan), Graph.from_dict(plan["graph"], library), pipeline, regathers
 
 
 def _resolve_plan(plan) -> tuple[PCG, Graph]:

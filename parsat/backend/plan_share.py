@@ -30,18 +30,23 @@ class PlanMismatch(ValueError):
     """Ranks that do not hold one plan; the message names them."""
 
 
-def fingerprint(pcg: PCG, graph: Graph, pipeline=None) -> bytes:
+def fingerprint(pcg: PCG, graph: Graph, pipeline=None, regathers: bool = False) -> bytes:
     """What a rank would run, hashed: the PCG (nodes, placements, mesh, recomputation), its graph, and its
-    pipeline when it has one (schedule, micro-batches, stage devices, layout: not the predicted times)."""
+    pipeline when it has one (schedule, micro-batches, stage devices, layout: not the predicted times);
+    `regathers` (the machine's runtime re-gathers, `parallelize.resolved_plan`: one more backward all-gather per
+    sequence-parallel column-parallel product, so ranks that differ in it would wait on each other)."""
     text = repr(pcg) + "\0" + json.dumps(graph.to_dict(), sort_keys=True)
     if pipeline is not None:
         text += "\0" + repr((pipeline.schedule, pipeline.microbatches, pipeline.stage_devices, pipeline.layout))
+    if regathers:
+        text += "\0regathers"
     return hashlib.sha256(text.encode("utf-8")).digest()
 
 
 def shared_plan(held, resolve, device: torch.device):
     """(PCG, graph) every rank runs: the `held` plan's (`resolve(plan) -> (pcg, graph)`, or (pcg, graph, pipeline)
-    which is then returned), or rank 0's for a rank that holds None. Call on every rank of the default group."""
+    or (pcg, graph, pipeline, regathers) which is then returned), or rank 0's for a rank that holds None. Call on
+    every rank of the default group."""
     mine = resolve(held) if held is not None else None
     row = torch.zeros(DIGEST + 1, dtype=torch.uint8, device=device)
     if mine is not None:

@@ -123,8 +123,9 @@ def runtime_regathers(machine: Machine) -> bool:
     """Whether plans for `machine` are priced as a runtime that re-gathers (`regathers`): a GPU machine's (the
     host dispatching ahead, `pcg_tasks.profile_for`'s `DDP`), priced as Megatron-LM runs; not a machine priced
     as `parsat run` runs (its interpreter, like torch's autograd on a DTensor gather, keeps the gathered value,
-    and `--check` counts the collectives it sends against the prediction)."""
-    return machine.efficiency.async_dispatch
+    and `--check` counts the collectives it sends against the prediction). `Machine.runtime_regathers` is the
+    test, which the torch runtime reads too."""
+    return machine.runtime_regathers
 
 
 def regathers(op: str, source_role: str, kept: bool) -> bool:

@@ -73,6 +73,13 @@ class Machine:
         return replace(self, precision=name, peak_flops=peaks[name])
 
     @property
+    def runtime_regathers(self) -> bool:
+        """Whether plans for this machine are priced as a runtime that gathers a kept activation again in backward
+        (`cost.saved.runtime_regathers`, which the cost model reads; here so that the torch runtime, which may not
+        import the cost model, runs what the plan was priced as: `sequence_products`' re-gathering products)."""
+        return self.efficiency.async_dispatch
+
+    @property
     def devices(self) -> int:
         return self.devices_per_node * self.nodes
 

@@ -269,7 +269,8 @@ def _first_input_by_keyword(sub: nn.Module, name: str) -> str:
 
 
 def traced_tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh, prefix: str = "",
-                           sequence: bool = False, received: bool = False) -> None:
+                           sequence: bool = False, received: bool = False, regather: bool = False,
+                           recomputed: Sequence[str] = ()) -> None:
     """A traced stage module's tensor axis (`lower(traced=True)`): each parameter a DTensor on `tp_mesh`,
     `Shard(d)` where the plan stores its weight split along d, `Replicate()` otherwise; the module's tensor inputs
     enter as `Replicate()` DTensors and its outputs leave whole and local (the stages send plain, whole tensors),
@@ -283,7 +284,9 @@ def traced_tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh, prefi
     (`pipelined._sequence_pieces` sizes the traced stage's buffers so). `received`: the module's inputs are such
     pieces, received from the stage before (each is this rank's slice already); otherwise they are the step's
     whole inputs (the first stage), sliced on entry. With or without `sequence`, its products and lookups of
-    split weights run on the local pieces with the plan's collectives only (`sequence_products`). A plan's vocabulary-parallel loss: the stage's cross-entropy
+    split weights run on the local pieces with the plan's collectives only (`sequence_products`; `regather`: the
+    plan's machine is priced as a runtime that gathers a column-parallel product's input again in backward, and
+    the stage does so under `sequence`, outside the blocks `recomputed` names as the plan does). A plan's vocabulary-parallel loss: the stage's cross-entropy
     runs as loss parallelism (`loss_parallel.traced_losses`). `dtensor_step` must be around its forward and
     backward."""
     from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
@@ -308,7 +311,7 @@ def traced_tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh, prefi
         from parsat.backend.torch_native.loss_parallel import traced_losses
 
         traced_losses(module)
-    local_products(module, split_weights(dims, prefix), sequence)
+    local_products(module, split_weights(dims, prefix), sequence, regather, [prefix + name for name in recomputed])
     if not sequence:
         distribute_module(module, tp_mesh, partition, _replicated_inputs, _whole_outputs)
     else:

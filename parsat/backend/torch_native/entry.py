@@ -43,16 +43,16 @@ def parallelize_native(module: nn.Module, plan, *, mp_policy=None, example_input
     back. Raises `NativeParallelizeError` (naming the plan node) where the
     plan cannot be lowered.
     """
-    from parsat.backend.parallelize import graph_difference, import_difference, resolve_plan, started_process_group
+    from parsat.backend.parallelize import graph_difference, import_difference, resolved_plan, started_process_group
     from parsat.backend.plan_share import PlanMismatch, shared_plan
 
-    resolve = _resolver(resolve_plan)
+    resolve = _resolver(resolved_plan)
     if plan is not None:   # a plan that cannot be read, or run so, is refused before any process group starts
         if resolve(plan)[2] is not None and example_inputs is None:
             raise NativeParallelizeError(_NO_EXAMPLE)
     device = started_process_group(NativeParallelizeError)
     try:
-        pcg, graph, pipeline = shared_plan(plan, resolve, device)
+        pcg, graph, pipeline, regathers = shared_plan(plan, resolve, device)
     except (PlanMismatch, ValueError) as err:
         raise NativeParallelizeError(str(err)) from None
     devices = pcg.mesh.world * (pipeline.layout.degree if pipeline else 1)
@@ -65,7 +65,7 @@ def parallelize_native(module: nn.Module, plan, *, mp_policy=None, example_input
     aliases.update(weight_names or {})
     if pipeline is not None:
         return _pipelined(module, pcg, graph, pipeline, module_info(module, aliases), example_inputs, device,
-                          mp_policy)
+                          mp_policy, regathers)
     if imported is not None or example_inputs is not None:
         if imported is None:
             from parsat.importer.export import import_module
@@ -94,7 +94,7 @@ _NO_EXAMPLE = ("a pipelined plan needs example_inputs (one step's local batch, a
 
 
 def _resolver(resolve_plan):
-    """`resolve_plan` with its refusals as NativeParallelizeError."""
+    """`resolve_plan` (`parallelize.resolved_plan`) with its refusals as NativeParallelizeError."""
     def resolve(plan):
         try:
             return resolve_plan(plan)
@@ -103,13 +103,13 @@ def _resolver(resolve_plan):
     return resolve
 
 
-def _pipelined(module, pcg, graph, pipeline, info, example_inputs, device, mp_policy):
+def _pipelined(module, pcg, graph, pipeline, info, example_inputs, device, mp_policy, regathers: bool = False):
     from parsat.backend.torch_native.pipelined import apply_pipeline
 
     if example_inputs is None:
         raise NativeParallelizeError(_NO_EXAMPLE)
     try:
-        lowering = lower_pipeline(pcg, graph, pipeline, info)
+        lowering = lower_pipeline(pcg, graph, pipeline, info, regathers=regathers)
     except LoweringError as err:
         raise NativeParallelizeError(str(err)) from None
     return apply_pipeline(module, lowering, tuple(example_inputs), device, mp_policy)

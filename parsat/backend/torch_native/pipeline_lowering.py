@@ -90,6 +90,9 @@ class PipelineLowering:
     stage: Lowering | None                        # inside each stage (None: one device a stage)
     sequence_crossings: bool = False              # values crossing between chunks split along the sequence on tp
     recompute: tuple[str, ...] = ()               # the block modules checkpointed (`lowering.recomputed_blocks`)
+    # the plan's machine is priced as a runtime that re-gathers (`Machine.runtime_regathers`): a sequence-parallel
+    # stage's column-parallel products gather their input again in backward (`sequence_products`)
+    regathers: bool = False
 
     @property
     def torch_schedule(self) -> str:
@@ -142,9 +145,10 @@ class PipelineLowering:
         return "\n".join(lines)
 
 
-def lower_pipeline(pcg: PCG, graph: Graph, pipeline: PipelinePlan, module: ModuleInfo) -> PipelineLowering:
+def lower_pipeline(pcg: PCG, graph: Graph, pipeline: PipelinePlan, module: ModuleInfo,
+                   regathers: bool = False) -> PipelineLowering:
     """The pipelined plan (`pcg`, one stage mesh's plan of `graph`, cut as `pipeline` says) on `module`; raises
-    LoweringError naming what cannot be lowered."""
+    LoweringError naming what cannot be lowered. `regathers`: the plan's machine's (`PipelineLowering.regathers`)."""
     if pipeline.schedule not in TORCH_SCHEDULES:
         raise LoweringError(f"the plan's pipeline schedule {pipeline.schedule!r} has no torch schedule "
                             f"(torch runs {', '.join(TORCH_SCHEDULES)})")
@@ -161,7 +165,8 @@ def lower_pipeline(pcg: PCG, graph: Graph, pipeline: PipelinePlan, module: Modul
                    for ident, stages in pipeline.layout.shared_weights)
     return PipelineLowering(pipeline.layout.degree, pipeline.stage_devices, pipeline.schedule,
                             pipeline.microbatches, tuple(chunks), shared, stage,
-                            _sequence_crossings(pcg, pipeline.layout, stage), recomputed_blocks(pcg, module))
+                            _sequence_crossings(pcg, pipeline.layout, stage), recomputed_blocks(pcg, module),
+                            regathers)
 
 
 def _cut_module(pcg: PCG, chunk: Chunk, weights: dict[int, str], module: ModuleInfo) -> str:

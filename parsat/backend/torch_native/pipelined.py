@@ -366,7 +366,8 @@ def _stage_tensor_parallel(sub: nn.Module, index: int, lowering: PipelineLowerin
     if lowering.sequence_crossings:
         _sequence_pieces(sub, mesh[tp_name].size(), received)
     traced_tensor_parallel(sub, lowering.stage, mesh[tp_name], prefix=TRACED_PREFIX,
-                           sequence=lowering.sequence_crossings, received=received)
+                           sequence=lowering.sequence_crossings, received=received, regather=lowering.regathers,
+                           recomputed=lowering.recompute)
 
 
 def _sequence_pieces(sub: nn.Module, tp: int, received: bool) -> None:

@@ -15,7 +15,15 @@ differentiable conversions, so that what runs is what the plan (`cost.model`) pr
   to Replicate), the product on the gathered input and this rank's columns; backward: the input gradient's
   partial sums reduce-scattered back onto the sequence (the `redistribute`'s backward), the weight's gradient
   from the gathered input autograd kept, gathered nothing again: as the cost model prices a runtime that does
-  not re-gather (`cost.saved.runtime_regathers`, `_parallel_memory`: the gathered value kept for backward);
+  not re-gather (`cost.saved.runtime_regathers`, `_parallel_memory`: the gathered value kept for backward).
+  Where the plan's machine is priced as one that re-gathers (`Machine.runtime_regathers`: the GPU presets,
+  Megatron-LM's choice) `local_products(..., regather=True)` points it at the `*_regathering_*` functions
+  instead: autograd keeps this rank's shard in place of the gathered input (`torch.autograd.graph.
+  saved_tensors_hooks` around the product: packing the gathered input keeps the shard, unpacking it in backward
+  gathers it again with the same `redistribute`), so backward runs one more all-gather and the forward's
+  gathered input is freed after the product. Why hooks and not `torch.utils.checkpoint` around the gather and
+  product: checkpointing would recompute the product too (Megatron recomputes only the gather); why not an
+  autograd Function: it would repeat the redistribution's collectives;
 * row-parallel (`x` Shard(-1), `w` Shard(0)): the product of the local pieces, a `Partial()` sum that the
   code after it reduces as DTensor chooses (the residual add's reduce-scatter onto the sequence); backward:
   the output's gradient gathered once (`from_local`'s backward: a Partial's gradient is Replicate), both
@@ -42,7 +50,9 @@ conversions are DTensor's public API, and each collective they run is one the pl
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -65,6 +75,18 @@ def tensor_parallel_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _local_product(x, w, None, transposed=False, reduce=True)
 
 
+def sequence_parallel_regathering_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`sequence_parallel_matmul` on a machine priced as a runtime that re-gathers (module docstring): a column-
+    parallel product keeps this rank's shard of the input for the weight's gradient and gathers it again then."""
+    return _local_product(x, w, None, transposed=False, reduce=False, regather=True)
+
+
+def sequence_parallel_regathering_linear(x: torch.Tensor, w: torch.Tensor,
+                                         b: torch.Tensor | None = None) -> torch.Tensor:
+    """`sequence_parallel_linear` re-gathering as `sequence_parallel_regathering_matmul` does."""
+    return _local_product(x, w, b, transposed=True, reduce=False, regather=True)
+
+
 def sequence_parallel_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """`aten.linear(x, w, b)` (an `nn.Linear`: `w` is [out, in]) in a sequence-parallel traced stage: as
     `sequence_parallel_matmul` on `w`'s transpose, a column-parallel bias added to this rank's columns, a
@@ -79,12 +101,13 @@ def tensor_parallel_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
 
 
 def _local_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool,
-                   reduce: bool) -> torch.Tensor:
+                   reduce: bool, regather: bool = False) -> torch.Tensor:
     """The product of `x` and `w` (`w` [in, out], or [out, in] when `transposed`: `aten.linear`), plus `b`, on the
     local pieces: column-parallel (`w` split along out, `x` whole or split along the sequence: gathered, the
     plan's all-gather, its gradient's partial sums reduced back as it entered) or row-parallel (`x` split along
     its last dim, `w` along in: a `Partial()` sum, all-reduced here when `reduce`); DTensor's own product of
-    any other placement."""
+    any other placement. `regather`: a column-parallel product of a sequence-split input keeps the input's shard
+    for backward, not the gathered input (`_keeping_the_shard`)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     def dtensor_own():
@@ -108,14 +131,51 @@ def _local_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tra
         # the input adds its own first: q, k and v's); redistributing it would all-reduce it for each product
         gathered = x if xp == Replicate() else x.redistribute(mesh, [Replicate()])
         whole = gathered.to_local(grad_placements=[Partial()])
-        return DTensor.from_local(product(whole, None if b is None else b.to_local()), mesh, [Shard(x.ndim - 1)],
-                                  run_check=False, shape=shape, stride=stride)
+        bias = None if b is None else b.to_local()
+        local = _keeping_the_shard(x, whole, lambda a: product(a, bias)) if regather and xp != Replicate() \
+            else product(whole, bias)
+        return DTensor.from_local(local, mesh, [Shard(x.ndim - 1)], run_check=False, shape=shape, stride=stride)
     if _is_shard(wp, in_dim) and _is_shard(xp, x.ndim - 1) and (b is None or b.placements == (Replicate(),)):  # row
         out = DTensor.from_local(product(x.to_local()), mesh, [Partial()], run_check=False, shape=shape,
                                  stride=stride)
         out = out.redistribute(mesh, [Replicate()]) if reduce else out
         return out if b is None else out + b
     return dtensor_own()
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """What autograd keeps in place of a gathered input (`_keeping_the_shard`): this rank's shard (a DTensor) and
+    the shape the product read the gathered input in."""
+
+    shard: torch.Tensor
+    shape: tuple[int, ...]
+
+    def gathered(self) -> torch.Tensor:
+        """The gathered input again: the forward's all-gather (`redistribute` to `Replicate()`), run in backward."""
+        from torch.distributed.tensor import Replicate
+
+        return self.shard.redistribute(self.shard.device_mesh, [Replicate()]).to_local().reshape(self.shape)
+
+
+def _keeping_the_shard(x: torch.Tensor, whole: torch.Tensor,
+                       product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`product(whole)` (`whole`: `x`, a sequence-split DTensor, gathered and made local) with autograd keeping `x`'s
+    shard where it would keep the gathered input, and gathering it again when backward reads it (Megatron-LM's
+    sequence-parallel linear layer). The product runs on the [batch x seq, hidden] view, which is what its `mm`
+    keeps (recognized by identity through a weak reference, so the hooks hold no gathered memory)."""
+    flat = whole.reshape(-1, whole.shape[-1])
+    seen, shard = weakref.ref(flat), x.detach()
+
+    def pack(t: torch.Tensor):
+        return _Shard(shard, tuple(t.shape)) if t is seen() else t
+
+    def unpack(kept):
+        return kept.gathered() if isinstance(kept, _Shard) else kept
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        out = product(flat)
+    return out.reshape(*whole.shape[:-1], out.shape[-1])
 
 
 def _is_shard(placement, dim: int) -> bool:
@@ -172,18 +232,24 @@ def _local_lookup(weight: torch.Tensor, indices: torch.Tensor, padding_idx: int,
     return out.redistribute(mesh, [Replicate()]) if reduce else out
 
 
-def local_products(module: nn.Module, split: Callable[[str], bool], sequence: bool) -> int:
+def local_products(module: nn.Module, split: Callable[[str], bool], sequence: bool, regather: bool = False,
+                   recomputed: Sequence[str] = ()) -> int:
     """Each `aten.matmul(x, p)` and `aten.linear(x, p, b)` in the graphs of `module` and its submodules, `p` a
     parameter read directly (`get_attr`, or a matmul's transpose of it) for which `split(its full name)` holds,
     made a call of the local product, and each `aten.embedding(p, ids)` of such a table one of the local lookup:
     `sequence` (the stage keeps its residual stream split along the sequence) the `sequence_parallel_*` ones and
     `vocabulary_parallel_embedding`, which leave a row-parallel partial sum to the code after it, otherwise the
-    `tensor_parallel_*` ones, which all-reduce it at once; the count made."""
+    `tensor_parallel_*` ones, which all-reduce it at once; `sequence` and `regather` (the plan's machine is priced
+    as a runtime that re-gathers) the `sequence_parallel_regathering_*` products, except in the submodules named
+    in `recomputed` (full names: the checkpointed blocks, whose recomputation gathers the input again already, as
+    the cost model keeps nothing of them); the count made."""
     matmul, linear, embedding = torch.ops.aten.matmul.default, torch.ops.aten.linear.default, \
         torch.ops.aten.embedding.default
-    local = {matmul: sequence_parallel_matmul if sequence else tensor_parallel_matmul,
-             linear: sequence_parallel_linear if sequence else tensor_parallel_linear,
+    products = (sequence_parallel_matmul, sequence_parallel_linear) if sequence else \
+        (tensor_parallel_matmul, tensor_parallel_linear)
+    local = {matmul: products[0], linear: products[1],
              embedding: vocabulary_parallel_embedding if sequence else tensor_parallel_embedding}
+    regathering = {matmul: sequence_parallel_regathering_matmul, linear: sequence_parallel_regathering_linear}
 
     def choose(prefix: str, node: torch.fx.Node):
         if node.target is matmul and len(node.args) == 2:
@@ -194,9 +260,11 @@ def local_products(module: nn.Module, split: Callable[[str], bool], sequence: bo
             weight = node.args[0]
         else:
             return None
-        if weight is not None and split(f"{prefix}.{weight.target}" if prefix else str(weight.target)):
-            return local[node.target]
-        return None
+        if weight is None or not split(f"{prefix}.{weight.target}" if prefix else str(weight.target)):
+            return None
+        if sequence and regather and not any(prefix == r or prefix.startswith(r + ".") for r in recomputed):
+            return regathering.get(node.target, local[node.target])
+        return local[node.target]
 
     return retarget(module, choose)
 
