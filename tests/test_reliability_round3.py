@@ -600,3 +600,31 @@ def _small_plan(tmp_path: Path) -> Path:
     path = tmp_path / "plan.json"
     assert main(["optimize", "mlp", "-n", "2", "-q", "--no-baselines", "-o", str(path)]) == 0
     return path
+
+
+def test_a_signal_s_exception_where_python_cannot_raise_it_prints_no_traceback(monkeypatch):
+    """A signal landing while a pool forks a worker raised KeyboardInterrupt inside logging's at-fork hook, and
+    Python printed "Exception ignored in: <function _releaseLock> Traceback ..." before the watchdog's
+    "interrupted" line (a fresh-clone CI run, 2026-12-04). Under `handling_signals` the signal's own exception,
+    where it cannot be raised on, is left to the watchdog; any other unraisable exception reaches the hook that
+    was there before (Python's, which prints it), and that hook is back once the command ends."""
+    from parsat.dsl.lifetime import Terminated, handling_signals
+
+    seen: list[type] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: seen.append(unraisable.exc_type))
+
+    class RaisesWhenFreed:
+        def __init__(self, err: BaseException):
+            self.err = err
+
+        def __del__(self):
+            raise self.err
+
+    with handling_signals():
+        RaisesWhenFreed(KeyboardInterrupt())
+        RaisesWhenFreed(Terminated(signal.SIGTERM))
+        assert seen == []
+        RaisesWhenFreed(ValueError("a bug"))
+        assert seen == [ValueError]
+    RaisesWhenFreed(KeyboardInterrupt())   # outside a command: the hook before it again
+    assert seen == [ValueError, KeyboardInterrupt]

@@ -174,6 +174,20 @@ def _remove(path: str) -> None:
         pass
 
 
+def _quiet_unraisable(previous):
+    """`sys.unraisablehook` while a command runs: the signal's own exception (`_on_signal`'s KeyboardInterrupt or
+    `Terminated`), raised where Python cannot pass it on (a hook `os.fork` runs in the parent, such as logging's
+    `_releaseLock` when a pool forks a worker, or a finalizer), is not printed as "Exception ignored ...
+    Traceback": the watchdog, woken by the same signal, ends the command within `GRACE_S` saying so, with the
+    signal's status. Any other exception goes to `previous` as before. (`verify --jobs 2` told to end while
+    forking printed a traceback before its "interrupted" line.)"""
+    def hook(unraisable) -> None:
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type, (KeyboardInterrupt, Terminated)):
+            return
+        previous(unraisable)
+    return hook
+
+
 def _on_signal(signum: int, _frame) -> None:
     """Python's handler: the children first (they may not have seen the signal), then unwind."""
     end_children()
@@ -234,6 +248,8 @@ def handling_signals() -> Iterator[None]:
     done = threading.Event()
     watchdog = threading.Thread(target=_watch, args=(read_fd, done), name="parsat-signal-watchdog", daemon=True)
     _STATE.active, _STATE.wakeup = True, (read_fd, write_fd)
+    unraisable = sys.unraisablehook
+    sys.unraisablehook = _quiet_unraisable(unraisable)
     for s in SIGNALS:
         signal.signal(s, _on_signal)
     watchdog.start()
@@ -242,6 +258,7 @@ def handling_signals() -> Iterator[None]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        sys.unraisablehook = unraisable
         signal.set_wakeup_fd(old_fd)
         done.set()
         os.close(write_fd)   # the watchdog's select wakes (end of file) and it returns
