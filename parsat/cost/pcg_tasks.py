@@ -84,7 +84,7 @@ from parsat.cost.fsdp_groups import ParamGroup, group_elements, param_groups, te
 from parsat.cost.collectives import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, SEND_RECV, GroupTopology,
                                      price)
 from parsat.cost.model import compute_time
-from parsat.cost.saved import kept_values, regathers
+from parsat.cost.saved import PRODUCTS, kept_values, regathered_values
 from parsat.cost.op_time import OpTime, chunk_time, memory_op_time, update_time
 from parsat.cost.schedules import Gradient, GradientBuckets, ParamGathers, assign_buckets
 from parsat.cost.simulator import COMM, COMPUTE, StepBuilder, StepResult
@@ -94,10 +94,6 @@ DEVICE = 0
 # Operators torch runs as views of their input (no new storage): parsat/importer/torch_ops.py. `flatten` is a view
 # only of a contiguous tensor (after a transpose it copies).
 VIEW_OPS = frozenset({"transpose", "unflatten", "split", "dropout", "broadcast"})
-PRODUCTS = frozenset({"matmul", "bmm", "linear", "linear_nobias", "linear_t", "linear_nobias_t"})
-"""GEMM-kind operators: one product `a [*, m, k] x b [*, k, n]` (linear's b is its weight [k, n]; torch's `linear_t`
-and `linear_nobias_t` read it [n, k]: `TRANSPOSED_B`); torch runs them through torch.matmul or F.linear, which reshapes >2-D inputs (`_saved_extra`), and they are what a pipelined collective
-feeds or drains (`Pipeline`)."""
 TRANSPOSED_B = frozenset({"linear_t", "linear_nobias_t"})
 LOSS_OPS = 6           # per output: sub, pow, sum, div, div, detach-div (parsat/backend/executor.py `objective`)
 LOSS_BACKWARD_OPS = 4
@@ -326,9 +322,8 @@ def regathered(pcg: PCG, library: Library) -> frozenset[int]:
 
 def _regathered(pcg: PCG, library: Library) -> frozenset[int]:
     """`regathered` worked out."""
-    roles, held, flows = pcg_roles(pcg), kept_values(pcg, library), needs_gradient(pcg, library)
-    return frozenset(n.id for n in pcg.nodes if n.kind == "parallel" and flows[n.inputs[0]]
-                     and regathers(n.op, roles.get(n.inputs[0], ""), n.id in held))
+    flows = needs_gradient(pcg, library)
+    return frozenset(i for i in regathered_values(pcg, library) if flows[pcg.node(i).inputs[0]])
 
 
 def unkept(pcg: PCG, library: Library) -> frozenset[int]:
