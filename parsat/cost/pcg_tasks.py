@@ -54,9 +54,10 @@ tensors that need a gradient: ones computed from a weight):
 | reduce_scatter | slices (copies) + reduce-scatter | all-gather + concatenation |
 | all_gather | all-gather + concatenation (a weight's: kept to its backward) | slices + reduce-scatter; a weight's: the gradient sync |
 
-A gathered activation a backward reads (`regathered`) is, under a profile with `regather` (`DDP`), freed after
-forward and gathered again before its readers' weight gradients (`_Builder._regather`, `_split_backward`); with
-`keep_activations` off a value no backward reads is freed after its forward readers (`unkept`, `cost.saved`).
+A gathered activation only products' backward reads (`regathered`) is, under a profile with `regather` (`DDP`),
+freed after forward and gathered again before its readers' weight gradients (`_Builder._regather`,
+`_split_backward`); with `keep_activations` off a value no backward reads is freed after its forward readers
+(`unkept`, `cost.saved`).
 
 Then the loss (per output: difference from its target, square, sum:
 memory-bound operators on the output's piece) and the optimizer (per stored
@@ -127,7 +128,7 @@ class ExecutionProfile:
     local_loss: bool = False        # a reduce giving an output (the loss over the data ranks) is not run: each rank
     #                                 returns its local batch's loss, the gradient sync averages
     overlap_param_gather: bool = False   # ZeRO-1/2's gathers of updated shards run during the next forward
-    regather: bool = False          # a gathered activation some backward reads is freed after forward, its shard
+    regather: bool = False          # a gathered activation only products' backward reads: freed after forward, shard
     #                                 kept and gathered again for that backward (`cost.saved.regathers`:
     #                                 Megatron-LM's sequence-parallel linear); with `tp_comm_overlap` that
     #                                 all-gather runs beside the product's input-gradient GEMM (`_regather`)

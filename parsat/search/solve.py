@@ -189,9 +189,10 @@ _UNPRICED = object()   # `price_pcg`: no node of this kind priced yet
 
 def _regather_covers(pcg: PCG, pricer: Pricer, roles: Mapping[int, str], held: frozenset[int],
                      again: frozenset[int]) -> dict[int, float]:
-    """Each gather the runtime gathers again for backward (`again`: `cost.saved.regathered_values`) -> the seconds per micro-batch
-    of its readers' input gradients, which run beside that all-gather (`cost.saved.regather_cover`): a PCG node
-    knows its readers, so its second all-gather is charged what they leave exposed (`cost.model.parallel_cost`)."""
+    """Each gather the runtime gathers again for backward (`again`, `cost.saved.regathered_values`) -> the seconds
+    per micro-batch of its readers' input gradients, which run beside that all-gather (`cost.saved.regather_cover`):
+    a PCG node knows its readers, so its second all-gather is charged what they leave exposed
+    (`cost.model.parallel_cost`)."""
     by_id = {n.id: n for n in pcg.nodes}
     covers: dict[int, float] = {}
     for node in pcg.nodes:
