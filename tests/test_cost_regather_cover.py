@@ -122,3 +122,38 @@ def test_one_reader_hides_less_than_three_siblings():
         wgrad = min(s.start for s in spans if "(weight gradient)" in s.name)
         waits.append(wgrad - max(s.end for s in spans if "(input gradient)" in s.name and s.end <= wgrad))
     assert waits[0] > waits[1] > 0
+
+
+def _gathered_into(reader: str, hidden: int = 1024):
+    """`qkv`'s gathered input (#8) read by `reader` alone ("gelu": its backward reads its input; "matmul": a
+    column-parallel product's weight gradient reads it) or by both ("both": #9 gelu, #11 the product, both outputs)."""
+    pcg, _ = qkv(hidden, readers=1)
+    rows = [(n.kind, n.op, n.inputs, n.shape, {k: v for k, v in n.attrs if k != "degree"}, n.role)
+            for n in pcg.nodes[:9]]
+    if reader in ("gelu", "both"):
+        rows.append(("op", "gelu", (8,), (ROWS, hidden), {}, ""))
+    if reader in ("matmul", "both"):
+        rows += [("parallel", "partition", (2,), (hidden, hidden), {"dim": 1, "axis": "tp"}, ""),
+                 ("op", "matmul", (8, len(rows)), (ROWS, hidden), {}, "")]
+    return mesh_pcg(Mesh.of((8,), 8, names=("tp",)), rows, outputs=(9, 11) if reader == "both" else None)
+
+
+@pytest.mark.parametrize("reader", ["gelu", "matmul", "both"])
+def test_only_a_gathered_value_only_products_read_in_backward_is_gathered_again(reader):
+    """Megatron-LM re-gathers the input of a sequence-parallel column-parallel product, for its weight gradient;
+    a gathered value another backward reads (a cross-entropy's logits, an activation function's input) autograd
+    keeps whole. On h100x8 (a runtime that re-gathers) the per-node price and the step simulator agree: the
+    product's input (#8) is gathered again and keeps nothing of its own (its shard is kept), the gelu's (alone or
+    beside a product) is kept whole and gathered once."""
+    from parsat.cost.pcg_tasks import regathered
+    from parsat.cost.saved import kept_values, regathered_values
+
+    pcg = _gathered_into(reader)
+    again = reader == "matmul"
+    assert H100.runtime_regathers and 8 in kept_values(pcg, LIB)
+    assert (8 in regathered_values(pcg, LIB)) == (8 in regathered(pcg, LIB)) == again
+    cost = price_pcg(pcg, LIB, H100)[8]
+    assert any(c.startswith("bwd all-gather") for c in cost.collectives) == again, cost.collectives
+    assert cost.activation_bytes == (0 if again else ROWS * 1024 * H100.dtype_bytes)
+    spans = simulate_pcg(pcg, LIB, H100, DDP).result.spans
+    assert any(s.name == AGAIN for s in spans) == again

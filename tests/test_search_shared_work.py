@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from parsat.cost.pcg_tasks import needs_gradient
-from parsat.cost.saved import kept_values, runtime_regathers
+from parsat.cost.saved import kept_values, regathered_values, runtime_regathers
 from parsat.dsl.checker import resolve_library
 from parsat.dsl.instantiate import InstantiationError
 from parsat.dsl.parallel_ops import PARALLEL_OPS
@@ -204,8 +204,9 @@ def _price_pcg_afresh(pcg, library, machine, microbatches) -> dict:
     pricer, roles, flows = Pricer(library, machine, pcg.mesh, microbatches=microbatches, zero=pcg.zero), \
         pcg_roles(pcg), needs_gradient(pcg, library)
     by_id, out, held = {n.id: n for n in pcg.nodes}, {}, kept_values(pcg, library)
+    again = regathered_values(pcg, library)   # the gathers only products' backward reads: the rest kept whole
     # the readers' input gradients hiding a backward re-gather: one rule, asked of the same module
-    covers = solve._regather_covers(pcg, pricer, roles, held) if runtime_regathers(machine) else {}
+    covers = solve._regather_covers(pcg, pricer, roles, held, again) if runtime_regathers(machine) else {}
     for node in pcg.nodes:
         children = [by_id[i] for i in node.inputs]
         attrs = (node.op,) if node.kind == "leaf" else tuple(v for k, v in node.attrs
@@ -216,7 +217,8 @@ def _price_pcg_afresh(pcg, library, machine, microbatches) -> dict:
                                     node.axis(pcg.mesh) if node.kind == "parallel" else None,
                                     stores=roles.get(node.id) != WEIGHT_VALUE,
                                     gradient=node.kind != "parallel" or flows[node.inputs[0]], kept=node.id in held,
-                                    cover=covers.get(node.id, 0.0))
+                                    cover=covers.get(node.id, 0.0),
+                                    kept_whole=node.kind == "parallel" and node.id in held and node.id not in again)
     return recomputed_pcg_costs(pcg, out)
 
 

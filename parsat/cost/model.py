@@ -137,7 +137,7 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
                   source_role: str, devices: int | None = None,
                   group: GroupTopology | None = None, stores: bool = True, zero: int = 0,
                   microbatches: int = 1, gradient: bool = True, kept: bool = True,
-                  cover_s: float = 0.0) -> NodeCost:
+                  cover_s: float = 0.0, kept_whole: bool = False) -> NodeCost:
     """A parallel operator on one mesh axis of `degree` devices. `source_role` (`ir.pcg`'s roles) says what it
     reads:
 
@@ -189,7 +189,8 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
     activation keeps nothing of its own: its source, the shard, is kept, and where its output is wanted it is
     gathered again in backward, as Megatron-LM's sequence-parallel layers do (`cost.saved`). That second
     all-gather runs beside its readers' input gradients (`cover_s`, per micro-batch: `cost.saved.regather_cover`),
-    so only what they cannot hide is charged (`cost.saved.exposed_regather_s`); its elements are all sent.
+    so only what they cannot hide is charged (`cost.saved.exposed_regather_s`); its elements are all sent. With
+    `kept_whole` (a backward other than a product's reads it: `cost.saved.regathers`) it is kept whole instead.
     """
     p = degree
     shape = tuple(shape)
@@ -200,7 +201,7 @@ def parallel_cost(op: str, degree: int, shape: Sequence[int], source: Degrees, o
     move = _Move(p, source, output, source.piece_elements(shape), output.piece_elements(shape), weighty,
                  slices_weight=op == PARTITION and weighty and not (stores and source_role in STORED_ROLES))
     sharding = zero if shards_state(op, source_role, zero) else 0
-    regather = runtime_regathers(machine) and regathers(op, source_role, kept)
+    regather = runtime_regathers(machine) and regathers(op, source_role, kept, kept_whole)
     held = _parallel_memory(op, source_role, stores, move, machine, sharding, kept, regather)
     runs = _sharded_sync_runs(move, sharding, microbatches) if sharding else _collective_runs(op, source_role, move)
     again = tuple(replace(run, phase="bwd") for run in runs if run.phase == "fwd") if regather and gradient else ()

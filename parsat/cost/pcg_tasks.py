@@ -54,9 +54,10 @@ tensors that need a gradient: ones computed from a weight):
 | reduce_scatter | slices (copies) + reduce-scatter | all-gather + concatenation |
 | all_gather | all-gather + concatenation (a weight's: kept to its backward) | slices + reduce-scatter; a weight's: the gradient sync |
 
-A gathered activation a backward reads (`regathered`) is, under a profile with `regather` (`DDP`), freed after
-forward and gathered again before its readers' weight gradients (`_Builder._regather`, `_split_backward`); with
-`keep_activations` off a value no backward reads is freed after its forward readers (`unkept`, `cost.saved`).
+A gathered activation only products' backward reads (`regathered`) is, under a profile with `regather` (`DDP`),
+freed after forward and gathered again before its readers' weight gradients (`_Builder._regather`,
+`_split_backward`); with `keep_activations` off a value no backward reads is freed after its forward readers
+(`unkept`, `cost.saved`).
 
 Then the loss (per output: difference from its target, square, sum:
 memory-bound operators on the output's piece) and the optimizer (per stored
@@ -84,7 +85,7 @@ from parsat.cost.fsdp_groups import ParamGroup, group_elements, param_groups, te
 from parsat.cost.collectives import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, SEND_RECV, GroupTopology,
                                      price)
 from parsat.cost.model import compute_time
-from parsat.cost.saved import kept_values, regathers
+from parsat.cost.saved import PRODUCTS, kept_values, regathered_values
 from parsat.cost.op_time import OpTime, chunk_time, memory_op_time, update_time
 from parsat.cost.schedules import Gradient, GradientBuckets, ParamGathers, assign_buckets
 from parsat.cost.simulator import COMM, COMPUTE, StepBuilder, StepResult
@@ -94,10 +95,6 @@ DEVICE = 0
 # Operators torch runs as views of their input (no new storage): parsat/importer/torch_ops.py. `flatten` is a view
 # only of a contiguous tensor (after a transpose it copies).
 VIEW_OPS = frozenset({"transpose", "unflatten", "split", "dropout", "broadcast"})
-PRODUCTS = frozenset({"matmul", "bmm", "linear", "linear_nobias", "linear_t", "linear_nobias_t"})
-"""GEMM-kind operators: one product `a [*, m, k] x b [*, k, n]` (linear's b is its weight [k, n]; torch's `linear_t`
-and `linear_nobias_t` read it [n, k]: `TRANSPOSED_B`); torch runs them through torch.matmul or F.linear, which reshapes >2-D inputs (`_saved_extra`), and they are what a pipelined collective
-feeds or drains (`Pipeline`)."""
 TRANSPOSED_B = frozenset({"linear_t", "linear_nobias_t"})
 LOSS_OPS = 6           # per output: sub, pow, sum, div, div, detach-div (parsat/backend/executor.py `objective`)
 LOSS_BACKWARD_OPS = 4
@@ -131,7 +128,7 @@ class ExecutionProfile:
     local_loss: bool = False        # a reduce giving an output (the loss over the data ranks) is not run: each rank
     #                                 returns its local batch's loss, the gradient sync averages
     overlap_param_gather: bool = False   # ZeRO-1/2's gathers of updated shards run during the next forward
-    regather: bool = False          # a gathered activation some backward reads is freed after forward, its shard
+    regather: bool = False          # a gathered activation only products' backward reads: freed after forward, shard
     #                                 kept and gathered again for that backward (`cost.saved.regathers`:
     #                                 Megatron-LM's sequence-parallel linear); with `tp_comm_overlap` that
     #                                 all-gather runs beside the product's input-gradient GEMM (`_regather`)
@@ -326,9 +323,8 @@ def regathered(pcg: PCG, library: Library) -> frozenset[int]:
 
 def _regathered(pcg: PCG, library: Library) -> frozenset[int]:
     """`regathered` worked out."""
-    roles, held, flows = pcg_roles(pcg), kept_values(pcg, library), needs_gradient(pcg, library)
-    return frozenset(n.id for n in pcg.nodes if n.kind == "parallel" and flows[n.inputs[0]]
-                     and regathers(n.op, roles.get(n.inputs[0], ""), n.id in held))
+    flows = needs_gradient(pcg, library)
+    return frozenset(i for i in regathered_values(pcg, library) if flows[pcg.node(i).inputs[0]])
 
 
 def unkept(pcg: PCG, library: Library) -> frozenset[int]:

@@ -15,10 +15,16 @@ that reads it, an upper bound for ranking), and:
   `replicate` of an activation keep nothing of their own: where their
   output is kept, their operand is;
 * a `combine` or `all_gather` of an activation keeps its operand, the
-  shard, and gathers it again in backward (`cost.model.parallel_cost`'s
-  `kept`), as Megatron-LM's sequence-parallel linear layers do
+  shard, and, on a runtime that re-gathers (`runtime_regathers`), gathers
+  it again in backward where only products (`PRODUCTS`) read it there, for
+  their other operand's gradient (`regathered_values`), as Megatron-LM's
+  sequence-parallel linear layers do
   (`LinearWithGradAccumulationAndAsyncCommunication` saves the sequence
-  shard and all-gathers it for the weight's gradient);
+  shard and all-gathers it for the weight's gradient). A gathered value
+  another backward reads (logits gathered for a cross-entropy, a softmax's
+  input) is kept whole, as torch's autograd keeps it (DTensor's
+  cross-entropy) and Megatron-LM keeps its vocabulary-parallel loss's
+  softmax;
 * every other parallel operator's output (a slice, a reduced or
   reduce-scattered sum) is a tensor of its own, kept only where a reader's
   backward reads it: a row-parallel product's partial sum is read only by
@@ -50,6 +56,13 @@ ALIASING_PARALLEL = (REPLICATE,) + GATHERS   # their output kept means their ope
 
 Reader = tuple[Hashable, str, Sequence[Hashable]]   # (the value it makes, its operator, the values it reads)
 
+PRODUCTS = frozenset({"matmul", "bmm", "linear", "linear_nobias", "linear_t", "linear_nobias_t"})
+"""GEMM-kind operators: one product `a [*, m, k] x b [*, k, n]` (linear's b is its weight [k, n]; torch's `linear_t`
+and `linear_nobias_t` read it [n, k]: `cost.pcg_tasks.TRANSPOSED_B`). Their backward reads each operand for the
+other's gradient, which a runtime that re-gathers computes from the operand's shard gathered again
+(`regathered_values`); torch runs them through torch.matmul or F.linear, and they are what a pipelined collective
+feeds or drains (`cost.pcg_tasks.Pipeline`)."""
+
 
 def kept_values(pcg: PCG, library: Library) -> frozenset[int]:
     """The ids of the PCG nodes whose value is kept for backward (the module docstring). Worked out once per PCG
@@ -59,8 +72,30 @@ def kept_values(pcg: PCG, library: Library) -> frozenset[int]:
 
 def _kept_values(pcg: PCG, library: Library) -> frozenset[int]:
     """`kept_values` worked out."""
+    by_products, by_others = _kept_reads(pcg, library)
+    return by_products | by_others
+
+
+def regathered_values(pcg: PCG, library: Library) -> frozenset[int]:
+    """The ids of the PCG's gathers of an activation that a runtime that re-gathers (`runtime_regathers`) keeps as
+    their shard and gathers again for backward (`regathers`): their value some product's backward reads and no
+    other backward does (the module docstring). What both the per-node price (`search.solve.pcg_node_costs`) and
+    the step simulator (`cost.pcg_tasks.regathered`) read, so that they charge the same second all-gathers.
+    Worked out once per PCG and library (`PCG.derive`)."""
+    return pcg.derive("regathered_values", library, lambda: _regathered_values(pcg, library), structural=True)
+
+
+def _regathered_values(pcg: PCG, library: Library) -> frozenset[int]:
+    """`regathered_values` worked out."""
+    roles, (by_products, by_others) = pcg_roles(pcg), _kept_reads(pcg, library)
+    return frozenset(n.id for n in pcg.nodes if n.kind == "parallel"
+                     and regathers(n.op, roles.get(n.inputs[0], ""), n.id in by_products, n.id in by_others))
+
+
+def _kept_reads(pcg: PCG, library: Library) -> tuple[frozenset[int], frozenset[int]]:
+    """`kept_reads` of the PCG's operators, once per PCG and library."""
     readers = ((n.id, n.op, n.inputs) for n in pcg.nodes if n.kind != "leaf")
-    return kept(readers, library, pcg_roles(pcg))
+    return pcg.derive("kept_reads", library, lambda: kept_reads(readers, library, pcg_roles(pcg)), structural=True)
 
 
 def graph_kept_bytes(graph: Graph, library: Library, machine: Machine) -> int:
@@ -78,7 +113,17 @@ def kept(readers: Iterable[Reader], library: Library, roles: Mapping[Hashable, s
     """The values some reader's backward reads, through views and gathers to the value that holds the storage.
     `roles`: a value's role (`ir.pcg`'s: "input" takes no gradient, and a gather of a weight is its chain, not
     an activation)."""
+    by_products, by_others = kept_reads(readers, library, roles)
+    return by_products | by_others
+
+
+def kept_reads(readers: Iterable[Reader], library: Library,
+               roles: Mapping[Hashable, str]) -> tuple[frozenset, frozenset]:
+    """`kept`, in two parts (each through views and gathers): the values a product's (`PRODUCTS`) backward reads,
+    and those another operator's backward reads; a value in both is in both. A gather read only by products is
+    the one a runtime gathers again (`regathers`)."""
     direct: set = set()
+    others: set = set()
     aliases: dict[Hashable, list[Hashable]] = {}
     # by operator name, what the loop reads of its declaration, and by (name, needs) what its backward reads:
     # `gradient_free` and `backward_reads` are memoised by the declaration, and hashing one (its whole
@@ -103,8 +148,8 @@ def kept(readers: Iterable[Reader], library: Library, roles: Mapping[Hashable, s
         wanted = wants.get((op, needs))
         if wanted is None:
             wanted = wants[(op, needs)] = backward_reads(decl, needs)
-        direct.update(v for n, v in zip(names, reads) if n in wanted)
-    return through_aliases(direct, aliases)
+        (direct if op in PRODUCTS else others).update(v for n, v in zip(names, reads) if n in wanted)
+    return through_aliases(direct, aliases), through_aliases(others, aliases)
 
 
 def through_aliases(direct: Iterable[Hashable], aliases: Mapping[Hashable, list[Hashable]]) -> frozenset:
@@ -128,12 +173,14 @@ def runtime_regathers(machine: Machine) -> bool:
     return machine.runtime_regathers
 
 
-def regathers(op: str, source_role: str, kept: bool) -> bool:
+def regathers(op: str, source_role: str, kept: bool, kept_whole: bool = False) -> bool:
     """Whether a parallel operator is a gather of an activation (`source_role` "": not an input, not a weight's
-    chain) whose output some backward reads (`kept`): training then keeps the shard and gathers it again for that
-    backward (the module docstring). The one test both the per-node price (`cost.model.parallel_cost`) and the
-    step simulator (`cost.pcg_tasks`) read, so that they charge the same second all-gather."""
-    return kept and not source_role and op in GATHERS
+    chain) whose output a product's backward reads (`kept`, `kept_reads`' first part) and no other backward does
+    (`kept_whole`, its second): training then keeps the shard and gathers it again for the products' backward
+    (the module docstring). A gathered value another backward reads is kept whole, and re-gathering it would
+    save nothing. The one test the per-node price (`cost.model.parallel_cost`) and the step simulator
+    (`cost.pcg_tasks`) read (`regathered_values`), so that they charge the same second all-gather."""
+    return kept and not kept_whole and not source_role and op in GATHERS
 
 
 def regather_cover(input_grads: Iterable[float]) -> float:
@@ -173,5 +220,5 @@ def _aliased(op: str, reads: Sequence[Hashable], library: Library, roles: Mappin
     return reads[names.index(decl.body.tensor)]
 
 
-__all__ = ["ALIASING_PARALLEL", "GATHERS", "exposed_regather_s", "kept", "kept_values", "regather_cover", "regathers",
-           "runtime_regathers"]
+__all__ = ["ALIASING_PARALLEL", "GATHERS", "PRODUCTS", "exposed_regather_s", "kept", "kept_reads", "kept_values",
+           "regather_cover", "regathered_values", "regathers", "runtime_regathers"]

@@ -177,7 +177,11 @@ def _price_enode(pricer: "Pricer", snapshot: Snapshot, roles: Mapping[int, str],
 def kept_classes(snapshot: Snapshot, graph: Graph, library: Library) -> frozenset[int]:
     """The e-classes whose value is kept for backward (`cost.saved.kept`): some e-node reading the class has a
     backward that reads it, whichever of the class's readers a plan picks (an upper bound, as extraction needs
-    a node's cost not to depend on the others picked). Worked out once per snapshot and library."""
+    a node's cost not to depend on the others picked). Worked out once per snapshot and library. A gather of a
+    kept class is priced gathered again for backward whatever reads it (no `kept_whole`, `cost.saved.regathers`),
+    though a plan's PCG is priced knowing which gathers a non-product's backward reads (`search.solve`): telling
+    them here too made llama-70b's pinned extraction leave 81 of its 161 norms unsplit where main splits 158 or
+    more (tests/test_sequence_parallel_extraction.py; not investigated further)."""
     roles = leaf_roles(snapshot, graph)
     readers = ((cid, node.op, node.children) for cid, nodes in snapshot.classes.items() for node in nodes
                if node.op != "leaf")
@@ -220,13 +224,13 @@ class Pricer:
 
     def price(self, op: str, attrs: tuple, shape, degrees: Degrees, child_shapes, child_degrees, roles,
               axis: int | None = None, stores: bool = True, gradient: bool = True, kept: bool = True,
-              cover: float = 0.0) -> NodeCost | None:
+              cover: float = 0.0, kept_whole: bool = False) -> NodeCost | None:
         devices = self.mesh.world
         if op == "leaf":
             pinned = self.input_pins.get(attrs[0]) if attrs else None
             return gather_cost(self.machine, pinned, shape, devices).per_step(self.microbatches) if pinned else NodeCost()
         key = (op, tuple(attrs), tuple(shape), degrees, tuple(child_shapes), tuple(child_degrees), tuple(roles), axis,
-               stores, gradient, kept, cover)
+               stores, gradient, kept, cover, kept_whole)
         if key not in self.cache:
             if op in PARALLEL_OPS:
                 role = roles[0]
@@ -234,7 +238,7 @@ class Pricer:
                     role = "broadcast-input"
                 self.cache[key] = _parallel(op, GroupTopology.of_axis(self.mesh, axis),
                                             shape, child_degrees[0], degrees, self.machine, role, devices, stores,
-                                            self.zero, self.microbatches, gradient, kept, cover)
+                                            self.zero, self.microbatches, gradient, kept, cover, kept_whole)
             else:
                 weights = tuple(r == WEIGHT for r in roles)
                 reads = (op, tuple(attrs), tuple(child_shapes), tuple(child_degrees), degrees, weights,
@@ -250,7 +254,8 @@ class Pricer:
 
 def _parallel(op: str, group: GroupTopology, shape, source: Degrees, out: Degrees,
               machine: Machine, role: str, devices: int, stores: bool = True, zero: int = 0,
-              microbatches: int = 1, gradient: bool = True, kept: bool = True, cover: float = 0.0) -> NodeCost:
+              microbatches: int = 1, gradient: bool = True, kept: bool = True, cover: float = 0.0,
+              kept_whole: bool = False) -> NodeCost:
     degree = group.size
     if role == "broadcast-input":  # a whole input sent to the copies: (p-1) n elements
         n = source.piece_elements(shape)
@@ -258,7 +263,7 @@ def _parallel(op: str, group: GroupTopology, shape, source: Degrees, out: Degree
                         comm_elements=(degree - 1) * n * source.pieces * max(1, devices // out.pieces),
                         collectives=(f"fwd broadcast ({degree} devices, {n} elements)",))
     return parallel_cost(op, degree, shape, source, out, machine, role, devices, group, stores, zero, microbatches,
-                         gradient, kept, cover)
+                         gradient, kept, cover, kept_whole)
 
 
 def _compute_machine(machine: Machine) -> Machine:

@@ -16,7 +16,7 @@ from parsat.dsl.library import Library
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.cost.model import shards_state
 from parsat.cost.pcg_tasks import needs_gradient
-from parsat.cost.saved import kept_values, regather_cover, regathers, runtime_regathers
+from parsat.cost.saved import kept_values, regather_cover, regathered_values, runtime_regathers
 from parsat.ir.costs import NodeCost
 from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
@@ -131,7 +131,8 @@ def pcg_node_costs(pcg: PCG, library: Library, machine: Machine, free_input_plac
     roles = pcg_roles(pcg)
     flows = needs_gradient(pcg, library)   # a parallel operator whose source takes no gradient runs no backward
     held = kept_values(pcg, library)       # the values some backward reads (`cost.saved`)
-    covers = _regather_covers(pcg, pricer, roles, held) if runtime_regathers(machine) else {}
+    again = regathered_values(pcg, library)   # of those, the gathers only products' backward reads
+    covers = _regather_covers(pcg, pricer, roles, held, again) if runtime_regathers(machine) else {}
     # what the pricer reads of a node is its shape, spread and role: nodes are numbered by those, and a node's
     # cost kept by its operator, attributes, its and its inputs' numbers and whether a gradient flows (as
     # `extract.node_costs` keeps e-nodes'): the blocks of a whole model's PCG repeat the same few
@@ -144,12 +145,14 @@ def pcg_node_costs(pcg: PCG, library: Library, machine: Machine, free_input_plac
             continue
         gradient = node.kind != "parallel" or flows[node.inputs[0]]
         cover = covers.get(node.id, 0.0)
+        # a gather kept whole, not gathered again (`cost.saved.regathers`): another backward than a product's reads it
+        whole = node.kind == "parallel" and node.id in held and node.id not in again
         key = (node.kind, node.op, node.attrs, kind[node.id], tuple(kind[i] for i in node.inputs), gradient,
-               node.id in held, cover)
+               node.id in held, cover, whole)
         cost = priced.get(key, _UNPRICED)
         if cost is _UNPRICED:
             cost = priced[key] = _price_node(pricer, pcg, node, [by_id[i] for i in node.inputs], roles, gradient,
-                                             node.id in held, cover)
+                                             node.id in held, cover, whole)
         if cost is None:
             return None
         out[node.id] = cost
@@ -184,14 +187,16 @@ def restaged_node_costs(raw: Mapping[int, NodeCost], pcg: PCG, zero: int, librar
 _UNPRICED = object()   # `price_pcg`: no node of this kind priced yet
 
 
-def _regather_covers(pcg: PCG, pricer: Pricer, roles: Mapping[int, str], held: frozenset[int]) -> dict[int, float]:
-    """Each gather the runtime gathers again for backward (`cost.saved.regathers`) -> the seconds per micro-batch
-    of its readers' input gradients, which run beside that all-gather (`cost.saved.regather_cover`): a PCG node
-    knows its readers, so its second all-gather is charged what they leave exposed (`cost.model.parallel_cost`)."""
+def _regather_covers(pcg: PCG, pricer: Pricer, roles: Mapping[int, str], held: frozenset[int],
+                     again: frozenset[int]) -> dict[int, float]:
+    """Each gather the runtime gathers again for backward (`again`, `cost.saved.regathered_values`) -> the seconds
+    per micro-batch of its readers' input gradients, which run beside that all-gather (`cost.saved.regather_cover`):
+    a PCG node knows its readers, so its second all-gather is charged what they leave exposed
+    (`cost.model.parallel_cost`)."""
     by_id = {n.id: n for n in pcg.nodes}
     covers: dict[int, float] = {}
     for node in pcg.nodes:
-        if node.kind != "parallel" or not regathers(node.op, roles.get(node.inputs[0], ""), node.id in held):
+        if node.id not in again:
             continue
         grads = []
         # `readers_of` lists a reader once per operand it reads the value as: each reader once, every such operand
@@ -204,17 +209,19 @@ def _regather_covers(pcg: PCG, pricer: Pricer, roles: Mapping[int, str], held: f
 
 
 def _price_node(pricer: Pricer, pcg: PCG, node: PNode, children: Sequence[PNode], roles: Mapping[int, str],
-                gradient: bool, kept: bool = True, cover: float = 0.0) -> NodeCost | None:
+                gradient: bool, kept: bool = True, cover: float = 0.0, whole: bool = False) -> NodeCost | None:
     """One PCG node priced (`extract.Pricer.price`), its inputs `children`; `kept`: whether some backward reads
     its value (`cost.saved.kept_values`); `cover`: its readers' input gradients, where it is gathered again for
-    backward (`_regather_covers`)."""
+    backward (`_regather_covers`); `whole`: kept, and not gathered again where it is a gather (a backward other
+    than a product's reads it, `cost.saved.regathered_values`)."""
     axis = node.axis(pcg.mesh) if node.kind == "parallel" else None
     attrs = (node.op,) if node.kind == "leaf" else tuple(v for k, v in node.attrs
                                                           if node.kind != "parallel" or k in ("dim", "to_dim"))
     op = node.op if node.kind != "leaf" else "leaf"
     return pricer.price(op, attrs, node.shape, node.degrees, tuple(c.shape for c in children),
                         tuple(c.degrees for c in children), tuple(roles.get(c.id, "") for c in children), axis,
-                        stores=roles.get(node.id) != WEIGHT_VALUE, gradient=gradient, kept=kept, cover=cover)
+                        stores=roles.get(node.id) != WEIGHT_VALUE, gradient=gradient, kept=kept, cover=cover,
+                        kept_whole=whole)
 
 
 def in_flight_costs(costs: Mapping, in_flight: int) -> Mapping:
