@@ -22,33 +22,19 @@ import collections
 import time
 
 from parsat.dsl.checker import resolve_library
-from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.egraph.runner import Limits
 from parsat.egraph.saturate import saturate
 from parsat.ir.mesh import Mesh
 from parsat.search.inputs import resolve_graph
+from parsat.search.value_order import values
 
 SMALL = {"blocks": 2, "hidden": 64, "heads": 4, "batch": 8, "seq": 32, "vocab": 256}
 SIZES = {"gpt": SMALL, "llama": SMALL, "bert": {**SMALL, "ffn": 256}, "stack": {"blocks": 3}}
 
 
-def values(snapshot) -> collections.Counter:
-    """Value -> its e-classes: classes joined by a parallel e-node are one value (union-find)."""
-    parent = {c: c for c in snapshot.classes}
-
-    def find(c: int) -> int:
-        while parent[c] != c:
-            parent[c] = parent[parent[c]]
-            c = parent[c]
-        return c
-
-    for cid, nodes in snapshot.classes.items():
-        for node in nodes:
-            if node.op in PARALLEL_OPS:
-                a, b = find(cid), find(node.children[0])
-                if a != b:
-                    parent[a] = b
-    return collections.Counter(find(c) for c in snapshot.classes)
+def placements_per_value(snapshot) -> collections.Counter:
+    """Value -> its e-classes (`search.value_order.values`: classes joined by a parallel e-node are one value)."""
+    return collections.Counter(values(snapshot).values())
 
 
 def main() -> None:
@@ -67,7 +53,7 @@ def main() -> None:
         start = time.process_time()
         result = saturate(graph, library, list(library.rules), mesh, limits)
         cpu = time.process_time() - start
-        found = values(result.snapshot)
+        found = placements_per_value(result.snapshot)
         ops = collections.Counter(n.op for nodes in result.snapshot.classes.values() for n in nodes)
         print(f"{case}: {len(graph.nodes)} graph nodes; stop {result.stop} after {result.iterations} iterations; "
               f"{result.enodes} e-nodes in {len(result.snapshot.classes)} e-classes; {len(found)} values, at most "

@@ -29,9 +29,9 @@ def value_order(snapshot: Snapshot) -> Mapping[int, int]:
     return snapshot.derive("value_order", lambda: _value_order(snapshot))
 
 
-def _value_order(snapshot: Snapshot) -> dict[int, int]:
-    """`value_order`, worked out: values (classes joined by parallel e-nodes), the edges from the values compute
-    e-nodes read to their own, strongly connected components (Tarjan's, iterative) in topological order."""
+def values(snapshot: Snapshot) -> dict[int, int]:
+    """E-class -> its value: the least class id of the classes parallel e-nodes join to it (union-find), one tensor
+    in its placements (the module docstring; `benchmarks/egraph_growth.py` counts placements per value by it)."""
     parent = {cid: cid for cid in snapshot.classes}
 
     def find(cid: int) -> int:
@@ -46,7 +46,13 @@ def _value_order(snapshot: Snapshot) -> dict[int, int]:
                 a, b = find(cid), find(node.children[0])
                 if a != b:
                     parent[max(a, b)] = min(a, b)
-    value = {cid: find(cid) for cid in snapshot.classes}
+    return {cid: find(cid) for cid in snapshot.classes}
+
+
+def _value_order(snapshot: Snapshot) -> dict[int, int]:
+    """`value_order`, worked out: values (`values`), the edges from the values compute e-nodes read to their own,
+    strongly connected components (Tarjan's, iterative) in topological order."""
+    value = values(snapshot)
     after: dict[int, set[int]] = {v: set() for v in set(value.values())}   # value -> values computed from it
     for cid, nodes in snapshot.classes.items():
         for node in nodes:
