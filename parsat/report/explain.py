@@ -65,8 +65,8 @@ def summary_lines(data: Mapping) -> list[str]:
                      f"(compute {fmt_time(totals['compute_s'])}, communication {fmt_time(totals['comm_s'])})")
     lines.append(f"  communication {totals['comm_elements']:,} elements ({fmt_bytes(totals['comm_bytes'])}) per "
                  f"step, of which gradient sync {totals['grad_sync_elements']:,}")
-    if "step" in totals:   # the simulated peak decides whether the plan fits (`ir.costs.Totals.memory_bytes`)
-        lines.append(f"  peak memory {fmt_bytes(totals['step']['peak_memory_bytes'])} per device (simulated, "
+    if "step" in totals:
+        lines.append(f"  peak memory {fmt_bytes(_deciding_memory(totals))} per device (simulated, "
                      f"transient buffers included: what decides whether it fits; the per-node bound extraction "
                      f"ranks by: {fmt_bytes(totals['peak_memory_bytes'])})")
     else:
@@ -249,7 +249,13 @@ def _baseline_row(name: str, t: Mapping | None) -> str:
     exposed = fmt_time(t["exposed_comm_s"]) if "exposed_comm_s" in t else "-"
     return (f"  {name:<15} {fmt_time(t['time_s']):>12} {fmt_time(t.get('node_sum_s', t['time_s'])):>12} "
             f"{exposed:>12} {t['comm_elements']:>16,} {t['grad_sync_elements']:>14,} "
-            f"{fmt_bytes(t['step']['peak_memory_bytes'] if 'step' in t else t['peak_memory_bytes']):>12}")
+            f"{fmt_bytes(_deciding_memory(t)):>12}")
+
+
+def _deciding_memory(totals: Mapping) -> int:
+    """A plan dict's totals' memory per device that decides whether it fits, as `ir.costs.Totals.memory_bytes`
+    reads a `Totals`: the simulated peak where the step was simulated, else the per-node bound."""
+    return totals["step"]["peak_memory_bytes"] if "step" in totals else totals["peak_memory_bytes"]
 
 
 def search_lines(data: Mapping) -> list[str]:
