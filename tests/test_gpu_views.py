@@ -39,10 +39,16 @@ def _allocated(step, word: str) -> int:
     return sum(s.alloc for s in step.result.spans if s.phase == "forward" and s.name.startswith(word))
 
 
-def test_the_gpu_profile_holds_no_expanded_kv_nor_a_copy_of_the_attention_output(library, gqa_tp):
+def _steps(library, pcg, off: str):
+    """The step on an h100x8 as `DDP` runs it with the field `off` False (as before issue 31), as it runs it, and
+    as `parsat run` runs it."""
     machine = Machine.preset("h100x8")
-    eager = simulate_pcg(gqa_tp, library, machine, dataclasses.replace(DDP, attention_layouts=False))
-    gpu = simulate_pcg(gqa_tp, library, machine, DDP)
+    return tuple(simulate_pcg(pcg, library, machine, profile)
+                 for profile in (dataclasses.replace(DDP, **{off: False}), DDP, PARSAT_RUN))
+
+
+def test_the_gpu_profile_holds_no_expanded_kv_nor_a_copy_of_the_attention_output(library, gqa_tp):
+    eager, gpu, cpu = _steps(library, gqa_tp, "attention_layouts")
     # eager: v's expand + reshape copies (2 samples x 4 of the 16 heads x 512 x 64 x 2 bytes on this rank), and
     # so does the attention output's transpose + flatten: 2 x 524,288 bytes (k, rotated first, is contiguous:
     # the simulator takes its expand + reshape for a view already)
@@ -50,7 +56,7 @@ def test_the_gpu_profile_holds_no_expanded_kv_nor_a_copy_of_the_attention_output
     assert _allocated(gpu, "flatten") == 0
     assert gpu.peak_memory_bytes < eager.peak_memory_bytes
     # the CPU runtime copies as eager PyTorch does: its profile is unchanged
-    assert _allocated(simulate_pcg(gqa_tp, library, machine, PARSAT_RUN), "flatten") == 2 * 524_288
+    assert _allocated(cpu, "flatten") == 2 * 524_288
 
 
 def test_only_flattens_around_fused_attention_are_views(library, gqa_tp):
@@ -64,16 +70,13 @@ def test_only_flattens_around_fused_attention_are_views(library, gqa_tp):
 
 
 def test_ids_and_targets_are_not_priced_as_one_hot_slices_on_gpus(library, gqa_tp):
-    machine = Machine.preset("h100x8")
-    one_hot = simulate_pcg(gqa_tp, library, machine, dataclasses.replace(DDP, integer_ids=False))
-    gpu = simulate_pcg(gqa_tp, library, machine, DDP)
+    one_hot, gpu, cpu = _steps(library, gqa_tp, "integer_ids")
     # the vocabulary-parallel embedding's and cross-entropy's slices of the one-hot ids and targets over tp:
     # 2 x 512 x 8000 / 4 x 2 bytes each
     assert _allocated(one_hot, "partition") == 2 * 4_096_000
     assert _allocated(gpu, "partition") == 0
     assert one_hot.peak_memory_bytes - gpu.peak_memory_bytes >= 4_096_000
     # `parsat run` draws them one-hot, whole, on every rank
-    cpu = simulate_pcg(gqa_tp, library, machine, PARSAT_RUN)
     assert _allocated(cpu, "data ids") == _allocated(cpu, "data targets") == 4 * 512 * 8000 * 2
 
 
