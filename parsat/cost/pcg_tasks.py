@@ -24,7 +24,9 @@ How the program that runs the plan issues work is an `ExecutionProfile`:
   weights are replicated on), activations freed by backward, fused Adam,
   and an in-node all-gather or reduce-scatter next to a GEMM pipelined
   with it in chunks, as Megatron-Core's `--tp-comm-overlap` and PyTorch's
-  async tensor parallelism run them (`Pipeline`; docs/COSTMODEL.md).
+  async tensor parallelism run them (`Pipeline`; docs/COSTMODEL.md); the
+  data read as integer ids (`integer_ids`) and fused attention in its own
+  layouts (`attention_layouts`): no one-hot slice, no expanded k / v.
 * `TORCH_NATIVE`: `parsat.parallelize(..., runtime="torch")` on CPU gloo:
   inline collectives as `PARSAT_RUN`, but FSDP2's parameter groups
   (`cost.fsdp_groups`), torch's tensor-parallel styles (an all-reduce per
