@@ -33,6 +33,7 @@ from typing import Sequence
 import torch
 
 from parsat.backend.collectives import PARALLEL_TABLE
+from parsat.ir.data_forms import MASK, ONEHOT, data_leaves  # noqa: F401 - data_leaves: read from here too
 from parsat.ir.microbatch import StepBatch, is_loss
 
 
@@ -122,29 +123,6 @@ def target_value(name: str, shape: Sequence[int], config: TrainConfig, step: int
 PARALLEL_OPS_NAMES = tuple(PARALLEL_TABLE)
 # Operators that move a tensor's entries along one dim and keep every dim where it was (`fan_in` reads through).
 _KEEPS_DIMS = ("concat", "split")
-# Operators that only move elements: a one-hot tensor stays one-hot through them.
-_MOVES_ELEMENTS = PARALLEL_OPS_NAMES + ("split", "concat", "transpose", "flatten", "unflatten", "broadcast")
-ONEHOT, MASK = "onehot", "mask"
-# (operator, argument) -> the data it must read: one-hot rows (embedding ids, cross-entropy targets) or a
-# 0/1 mask (attention's, of which every row keeps an entry).
-_DATA_ARGS = {("embedding", 0): ONEHOT, ("embedding_padded", 0): ONEHOT, ("nll_sum", 2): ONEHOT,
-              ("softmax_masked", 1): MASK}
-
-
-def data_leaves(nodes: Sequence[tuple[str, str, Sequence[str]]]) -> dict[str, str]:
-    """Leaves whose data must have a form, and which (ONEHOT or MASK): read, through operators that only
-    move elements (parallel operators, reshapes, slices), as an embedding's ids, a cross-entropy's targets
-    or a masked softmax's mask."""
-    source: dict[str, str] = {}  # tensor -> the tensor its elements come from
-    found: dict[str, str] = {}
-    for name, op, inputs in nodes:
-        if op in _MOVES_ELEMENTS and inputs:
-            source[name] = source.get(inputs[0], inputs[0])
-        for position, ref in enumerate(inputs):
-            kind = _DATA_ARGS.get((op, position))
-            if kind is not None:
-                found[source.get(ref, ref)] = kind
-    return found
 
 
 def causal_mask(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

@@ -24,7 +24,9 @@ How the program that runs the plan issues work is an `ExecutionProfile`:
   weights are replicated on), activations freed by backward, fused Adam,
   and an in-node all-gather or reduce-scatter next to a GEMM pipelined
   with it in chunks, as Megatron-Core's `--tp-comm-overlap` and PyTorch's
-  async tensor parallelism run them (`Pipeline`; docs/COSTMODEL.md).
+  async tensor parallelism run them (`Pipeline`; docs/COSTMODEL.md); the
+  data read as integer ids (`integer_ids`) and fused attention in its own
+  layouts (`attention_layouts`): no one-hot slice, no expanded k / v.
 * `TORCH_NATIVE`: `parsat.parallelize(..., runtime="torch")` on CPU gloo:
   inline collectives as `PARSAT_RUN`, but FSDP2's parameter groups
   (`cost.fsdp_groups`), torch's tensor-parallel styles (an all-reduce per
@@ -75,6 +77,7 @@ from parsat.dsl.library import Library
 from parsat.dsl.gradient import gradient_free
 from parsat.dsl import parallel_ops
 from parsat.dsl.parallel_ops import COMBINE, PARTITION, REDUCE, REPLICATE
+from parsat.ir.data_forms import onehot_values
 from parsat.ir.graph import instance_for
 from parsat.ir.machine import Machine
 from parsat.ir.microbatch import is_loss
@@ -95,6 +98,8 @@ DEVICE = 0
 # Operators torch runs as views of their input (no new storage): parsat/importer/torch_ops.py. `flatten` is a view
 # only of a contiguous tensor (after a transpose it copies).
 VIEW_OPS = frozenset({"transpose", "unflatten", "split", "dropout", "broadcast"})
+# Fused attention kernels (FlashAttention, `scaled_dot_product_attention`): `attention_views`.
+FUSED_ATTENTION = frozenset({"attention_causal"})
 TRANSPOSED_B = frozenset({"linear_t", "linear_nobias_t"})
 LOSS_OPS = 6           # per output: sub, pow, sum, div, div, detach-div (parsat/backend/executor.py `objective`)
 LOSS_BACKWARD_OPS = 4
@@ -139,6 +144,10 @@ class ExecutionProfile:
     #                                 DTensor call): priced as that all-reduce, not as the reduce-scatter timed
     module_calls: ModuleCalls | None = None   # the user's module runs, not the graph: its calls beyond the graph's
     #                                 nodes, one dispatch each (`ir.module_calls`; `running`)
+    integer_ids: bool = False       # one-hot data (embedding ids, cross-entropy targets) held as integer ids: no
+    #                                 [*s, vocab] value of them is ever made (`onehot_ids`)
+    attention_layouts: bool = False   # fused attention reads grouped k / v heads unexpanded and writes its output
+    #                                 as [b, s, heads, d]: the flattens around it are views (`attention_views`)
 
     def running(self, calls: ModuleCalls | None) -> "ExecutionProfile":
         """This profile running the user's module whose eager calls `calls` counted
@@ -162,7 +171,7 @@ as gloo runs `reduce_scatter_tensor` (an all-reduce of the whole buffer: torch's
 `reduce_scatter` that `parsat calibrate` times 1.4-3.0x: benchmarks/costmodel_fidelity.md, run T6)."""
 DDP = ExecutionProfile("ddp", overlap=True, ddp_buckets=True, keep_activations=False, seeded_inputs=False,
                        eager_gradients=True, fused_optimizer=True, optimizer="adam", tp_comm_overlap=True,
-                       overlap_param_gather=True, regather=True)
+                       overlap_param_gather=True, regather=True, integer_ids=True, attention_layouts=True)
 
 Topology = Callable[[PNode], GroupTopology]
 
@@ -345,6 +354,48 @@ def _unkept(pcg: PCG, library: Library) -> frozenset[int]:
     return frozenset(n.id for n in pcg.nodes if n.kind != "leaf" and n.id not in held)
 
 
+def onehot_ids(pcg: PCG) -> frozenset[int]:
+    """The values of one-hot data (`ir.data_forms.onehot_values`: the embedding's ids, the cross-entropy's
+    targets, and their slices), which a GPU framework holds as integer ids [*s] (`ExecutionProfile.integer_ids`):
+    `nn.Embedding` and Megatron's vocabulary-parallel embedding look ids up (a gather; the vocabulary split is a
+    mask of the ids outside the rank's rows), and cross-entropy reads target ids, so no [*s, vocab] tensor of
+    them exists and slicing one makes none. Once per PCG (`PCG.structural`)."""
+    def make() -> frozenset[int]:
+        names = onehot_values([(str(n.id), n.op, [str(i) for i in n.inputs]) for n in pcg.nodes])
+        return frozenset(int(name) for name in names)
+    return pcg.derive("one-hot ids", None, make, structural=True)
+
+
+def attention_views(pcg: PCG) -> frozenset[int]:
+    """The `flatten`s a fused attention kernel (`FUSED_ATTENTION`) leaves as views where eager PyTorch copies
+    (`ExecutionProfile.attention_layouts`): one of a `broadcast` that fused attention alone reads, as its k or
+    v (grouped-query attention's kv heads expanded, torch's expand + reshape: `scaled_dot_product_attention`
+    with `enable_gqa`, FlashAttention and Megatron-Core's TE attention read the kv heads unexpanded); and one
+    of the `transpose` of fused attention's output (FlashAttention writes it [b, s, heads, d], so the transpose
+    back to that order is its storage order and the flatten merges heads in place: Megatron-Core's core
+    attention returns it as a view, [s, b, h]). Once per PCG."""
+    readers = pcg.readers_of
+
+    def expanded_kv(flat: PNode, source: PNode) -> bool:
+        users = readers.get(flat.id, ())
+        return source.op == "broadcast" and bool(users) and all(
+            u.kind == "op" and u.op in FUSED_ATTENTION and flat.id not in u.inputs[:1] for u in users)
+
+    def attention_output(source: PNode) -> bool:
+        return source.op == "transpose" and pcg.node(source.inputs[0]).kind == "op" \
+            and pcg.node(source.inputs[0]).op in FUSED_ATTENTION
+
+    def make() -> frozenset[int]:
+        found = set()
+        for node in pcg.nodes:
+            if node.kind == "op" and node.op == "flatten":
+                source = pcg.node(node.inputs[0])
+                if source.kind == "op" and (expanded_kv(node, source) or attention_output(source)):
+                    found.add(node.id)
+        return frozenset(found)
+    return pcg.derive("attention views", None, make, structural=True)
+
+
 class OpTimes:
     """Compute nodes' times by (operator, attributes, shapes, spreads), for one machine: a model of repeated
     blocks prices each kind of node once, and extraction can share one across the candidate plans it prices."""
@@ -473,6 +524,8 @@ class _Builder:
         self.forward_readers: dict[int, int] = {}     # released node -> its readers whose forward is pending
         self.extra: dict[int, int] = {}               # compute node -> what it saves beside its output
         self.views: dict[int, bool] = {}              # compute node -> whether it ran as a view (no kernel)
+        self.ids = onehot_ids(pcg) if profile.integer_ids else frozenset()   # one-hot data held as integer ids
+        self.attention_views = attention_views(pcg) if profile.attention_layouts else frozenset()
 
     def new_pass(self, first: bool, syncing: bool, accumulating: bool = False) -> None:
         """Start a micro-batch: values, gradients and buffers are the pass's own; compute times are kept.
@@ -768,7 +821,7 @@ class _Builder:
             return
         label = f"{node.label} #{node.id}"
         if node.op == PARTITION:
-            if self._slice_is_view(node, source):  # narrow() of a contiguous tensor along its outer dims
+            if self._slice_is_view(node, source) or node.id in self.ids:   # narrow() along the outer dims, or ids
                 self.contiguous[node.id] = True
                 self.ready[node.id] = self._add(label, self.compute, self.eff.op_time(0.0), deps)
                 return
@@ -878,8 +931,10 @@ class _Builder:
         timed = self.timed.get(node.id)   # kept across micro-batches and recomputation: the same node, the same time
         if timed is None:
             timed = self.timed[node.id] = self.times(node, [self.by_id[i] for i in node.inputs])
-        view = node.op in VIEW_OPS or node.op == "flatten" and self.contiguous.get(node.inputs[0], True)
-        self.contiguous[node.id] = node.op != "transpose" and (not view or self.contiguous.get(node.inputs[0], True))
+        laid_out = node.id in self.attention_views   # a flatten the fused attention kernel's layout makes a view
+        view = node.op in VIEW_OPS or node.op == "flatten" and (laid_out or self.contiguous.get(node.inputs[0], True))
+        self.contiguous[node.id] = laid_out or node.op != "transpose" and \
+            (not view or self.contiguous.get(node.inputs[0], True))
         nbytes = 0 if view else _elements(node) * self.item
         saved = self._saved_extra(node, timed)
         self.allocated[node.id] = nbytes + saved

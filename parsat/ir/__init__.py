@@ -28,7 +28,8 @@ user files safely), `collector` (Python's garbage collector paused while a
 large graph's objects are built), `instance` (an operator at concrete shapes), `budget`
 (how large a graph may grow, and until when, under the search's limits),
 `module_calls` (the calls a user's module makes eagerly beyond its
-imported graph, which the torch-native runtime's step pays), `errors` (GraphError, MachineError, PlanError, and OptimizeError with
+imported graph, which the torch-native runtime's step pays), `data_forms` (which
+inputs are one-hot ids or masks, and the values made of their elements), `errors` (GraphError, MachineError, PlanError, and OptimizeError with
 DoesNotFit: the errors every stage shares), `units` (times and bytes as
 people read them, in reports and messages alike).
 
