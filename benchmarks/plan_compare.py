@@ -31,7 +31,14 @@ def first_difference(a, b, path: str = "") -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    a, b = (without_timing(json.loads(Path(p).read_text())) for p in argv[:2])
+    if len(argv) != 2 or any(arg.startswith("-") for arg in argv):
+        print(__doc__.strip())
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    try:
+        a, b = (without_timing(json.loads(Path(p).read_text())) for p in argv)
+    except (OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if json.dumps(a) == json.dumps(b):
         print("IDENTICAL (apart from timing fields)")
         return 0
