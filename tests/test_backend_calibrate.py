@@ -115,8 +115,9 @@ def test_calibrate_writes_a_machine_the_optimizer_loads(tmp_path, capsys):
 
 
 def test_calibrate_dtensor_measures_what_an_operator_on_a_dtensor_adds(tmp_path, capsys):
-    """`--dtensor`: the dispatch chain again on a Replicate() DTensor over the ranks (the torch-native runtime's
-    styled modules), the extra per operator written to the machine file; without it the fields stay 0."""
+    """`--dtensor`: a chain of tiny layers (a linear product and an RMS norm each) on Replicate() DTensors over the
+    ranks (the torch-native runtime's styled modules) against the same chain plain, the extra per ATen call
+    written to the machine file; without it the fields stay 0."""
     out = tmp_path / "machine.json"
     code = main(["calibrate", "--machine", "here", "-o", str(out), "--nproc", "2", "--size", "128", "--repeats", "1",
                  "--window", "0.002", "--comm-elements", "16", "4096", "--dtype", "float32", "--dtensor"])

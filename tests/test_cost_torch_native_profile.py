@@ -82,6 +82,34 @@ def test_tensor_parallel_styles_all_reduce_an_input_gradient_per_module_and_pay_
     assert simulate_pcg(dp, LIB, dtensor, TORCH_NATIVE).step_s == simulate_pcg(dp, LIB, CPU, TORCH_NATIVE).step_s
 
 
+def test_a_counted_module_pays_dtensor_dispatch_per_call_it_makes_on_dtensors_and_a_dp_plan_none(graph):
+    """With the module's calls counted (`importer.call_count`), DTensor's dispatch is priced per call the
+    modules holding parameters make, forward and in their backward (`ModuleCalls.dtensor_forward` /
+    `dtensor_backward`: what a tensor axis runs on DTensors, several per graph node), not once per graph node
+    reading a weight; each micro-batch pays them; a data-parallel plan, whose modules get plain tensors, none."""
+    tp = megatron_pcg(llama(library=LIB, ffn=64, **SIZES), LIB, (1, 2))
+    dtensor = replace(CPU, efficiency=replace(CPU.efficiency, dtensor_dispatch_s=1e-3,
+                                              dtensor_backward_dispatch_s=2e-3))
+
+    def extra(pcg, calls, microbatches=1):
+        profile = TORCH_NATIVE.running(calls)
+        return (simulate_pcg(pcg, LIB, dtensor, profile, microbatches=microbatches).step_s
+                - simulate_pcg(pcg, LIB, CPU, profile, microbatches=microbatches).step_s)
+
+    ops = sum(1 for n in tp.nodes if n.kind == "op")
+    counted = ModuleCalls(ops, 0, ops, dtensor_forward=50, dtensor_backward=120)
+    for microbatches in (1, 2):
+        assert extra(tp, counted, microbatches) == pytest.approx(microbatches * (50 * 1e-3 + 120 * 2e-3), rel=1e-6)
+    per_node = extra(tp, ModuleCalls(ops, 0, ops))   # uncounted: one call per node reading a weight
+    assert 0 < per_node < extra(tp, counted)
+    dp = data_parallel_pcg(graph, LIB, 2)
+    dp_ops = sum(1 for n in dp.nodes if n.kind == "op")
+    assert extra(dp, ModuleCalls(dp_ops, 0, dp_ops, dtensor_forward=50, dtensor_backward=120)) == 0.0
+    assert ModuleCalls(2 * ops, 0, 2 * ops, 50, 120).dtensor_calls(ops, backward=True) == pytest.approx(60)   # a stage
+    with pytest.raises(ValueError):
+        ModuleCalls(1, 0, 1, dtensor_backward=-1)
+
+
 def test_the_step_floor_stays_below_the_torch_native_step(graph):
     """The profile only groups what the floor leaves out (the weights' chains) and adds DTensor time, so the
     search's floor is still a floor under it."""

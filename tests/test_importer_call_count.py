@@ -40,3 +40,52 @@ def test_folded_views_are_counted_as_calls_and_autograd_nodes_and_the_module_is_
     assert counts[3].forward_calls == counts[0].forward_calls + 3   # ... the module dispatches each
     assert counts[3].backward_nodes == counts[0].backward_nodes + 3   # and autograd records each
     assert counts[3].extra_forward(counts[3].graph_nodes) == counts[0].extra_forward(counts[0].graph_nodes) + 3
+
+
+class _Scaled(nn.Module):
+    """A module that holds a parameter itself, with `views` views after its product: the torch-native runtime
+    computes it on DTensors under a tensor axis."""
+
+    def __init__(self, views: int):
+        super().__init__()
+        self.w, self.views = nn.Parameter(torch.randn(4)), views
+
+    def forward(self, x):
+        y = x * self.w
+        for _ in range(self.views):
+            y = y.view(y.shape)
+        return y
+
+
+class _Outer(nn.Module):
+    """`_Scaled` inside a module holding no parameter itself, and `views` views of its own after it."""
+
+    def __init__(self, inner: int, views: int):
+        super().__init__()
+        self.inner, self.views = _Scaled(inner), views
+
+    def forward(self, x):
+        y = self.inner(torch.relu(x))
+        for _ in range(self.views):
+            y = y.view(y.shape)
+        return y.sum()
+
+
+def test_calls_inside_a_module_holding_parameters_are_counted_as_dtensor_calls_forward_and_backward():
+    """Only the calls made inside a module that holds parameters (and, in backward, the calls of the autograd
+    nodes its forward made) are the ones a tensor axis runs on DTensors; the outer module's own views are plain
+    calls; counting runs a backward but leaves every `.grad` as it was."""
+    counts = {}
+    for inner, outer in ((0, 0), (3, 0), (0, 3)):
+        torch.manual_seed(0)
+        module, x = _Outer(inner, outer), torch.randn(8, 4)
+        graph = import_module(module, (x,), check=False).graph
+        counts[inner, outer] = count_module_calls(module, x, graph)
+        assert all(p.grad is None for p in module.parameters())
+    base = counts[0, 0]
+    assert base.dtensor_forward >= 1 and base.dtensor_backward >= 1   # the product and its weight's gradient
+    assert counts[3, 0].dtensor_forward == base.dtensor_forward + 3
+    assert counts[3, 0].dtensor_backward == base.dtensor_backward + 3
+    assert counts[0, 3].forward_calls == base.forward_calls + 3
+    assert (counts[0, 3].dtensor_forward, counts[0, 3].dtensor_backward) == (base.dtensor_forward,
+                                                                              base.dtensor_backward)

@@ -31,8 +31,9 @@ for fp32 training):
   points (`update_points`, read between them on a line); on a CPU this
   update ran 2.3x what the memory-bound operators' rates gave for it
   (benchmarks/demo_step.md);
-* with `dtensor` (`--dtensor`): the same chain on a `Replicate()` DTensor
-  over all ranks, less the plain chain (`OpEfficiency.dtensor_dispatch_s`,
+* with `dtensor` (`--dtensor`): a chain of tiny layers (a linear product
+  and an RMS norm each) on a `Replicate()` DTensor over all ranks, less
+  the same chain plain, per ATen call (`OpEfficiency.dtensor_dispatch_s`,
   `dtensor_backward_dispatch_s`: what torch's tensor-parallel styles add
   to every operator of a module they style);
 * with `dtensor` also FSDP2's hooks: stacks of tiny linear layers under
@@ -241,7 +242,7 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
     # dispatch: a chain of tiny operators, forward with autograd recording, then backward
     leaf = rand(2, 2).requires_grad_()
     dispatch = _chain_dispatch(ctx, leaf, budget, sync)
-    extra = _dtensor_dispatch(ctx, leaf, budget, sync, dispatch) if dtensor else (0.0, 0.0)
+    extra = _dtensor_dispatch(ctx, dtype, budget, sync) if dtensor else (0.0, 0.0)
     hooks = _fsdp_hooks(ctx, dtype, sync) if dtensor else (0.0, 0.0, 0.0, 0.0)
 
     ops = []
@@ -341,18 +342,61 @@ def average_after(prepare: Callable[[], object], fn: Callable[[], object], budge
     return total / count
 
 
-def _dtensor_dispatch(ctx: RankContext, leaf: torch.Tensor, budget: Budget, sync,
-                      plain: tuple[float, float]) -> tuple[float, float]:
-    """The dispatch chain's operators on a `Replicate()` DTensor over every rank, forward and backward, per
-    operator, less the plain chain's (`plain`): DTensor's sharding propagation and wrapping (no communication:
-    an operator on replicated operands runs locally)."""
+DTENSOR_LAYERS = 8   # tiny layers (a linear product and an RMS norm each) of the chain `_dtensor_dispatch` times
+
+
+def _dtensor_dispatch(ctx: RankContext, dtype, budget: Budget, sync) -> tuple[float, float]:
+    """What an ATen call on DTensors adds to a plain one, (forward, backward), per call of the kind a module
+    holding parameters makes: a chain of DTENSOR_LAYERS tiny layers, each a linear product (`F.linear`: t, mm)
+    and an RMS norm (pow, mean, add, rsqrt, mul, mul), run on a `Replicate()` DTensor over every rank with
+    `Replicate()` weights, and again plain; the difference divided by the ATen calls the DTensor chain makes,
+    counted by a `TorchDispatchMode` on one untimed run (forward, and `torch.autograd.grad`'s backward), as
+    `importer.call_count` counts a module's (`ir.module_calls`: no communication, an operator on replicated
+    operands runs locally). The dispatch chain's alternation of a scalar multiply and a relu (`_chain_dispatch`),
+    timed here before, cost about twice a module's typical call on DTensors (one rank, autograd recording: a
+    scalar multiply 40 us more than plain, a relu 30, t, view, add and sum 11-13, mm 18), and priced the
+    tensor-parallel plans of benchmarks/costmodel_fidelity.py 1.1-1.4x too slow once every call was counted."""
+    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Counting(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    def layers(x, weights, gains):
+        for w, g in zip(weights, gains):
+            x = F.linear(x, w)
+            x = x * (x.pow(2).mean(-1, keepdim=True) + 1e-6).rsqrt() * g
+        return x
 
     mesh = init_device_mesh(ctx.device.type, (dist.get_world_size(),))
-    start = distribute_tensor(leaf.detach(), mesh, [Replicate()]).requires_grad_()
-    forward, backward = _chain_dispatch(ctx, start, budget, sync)
-    return max(0.0, forward - plain[0]), max(0.0, backward - plain[1])
+    gen = torch.Generator().manual_seed(ctx.rank)
+    tensors = [torch.randn(2, 2, generator=gen, dtype=dtype).to(ctx.device) for _ in range(1 + DTENSOR_LAYERS)]
+    gains = [torch.ones(2, dtype=dtype, device=ctx.device) for _ in range(DTENSOR_LAYERS)]
+    seconds, calls = {}, {}
+    for kind in ("plain", "dtensor"):
+        wrap = (lambda t: distribute_tensor(t, mesh, [Replicate()])) if kind == "dtensor" else (lambda t: t)
+        x, *weights = [wrap(t).requires_grad_() for t in tensors]
+        norms = [wrap(g).requires_grad_() for g in gains]
+        leaves = [x, *weights, *norms]
+        out = layers(x, weights, norms).sum()
+        backward = lambda: torch.autograd.grad(out, leaves, retain_graph=True)
+        backward()
+        forward_calls, backward_calls = _Counting(), _Counting()
+        with forward_calls:
+            layers(x, weights, norms)
+        with backward_calls:
+            backward()
+        calls[kind] = (forward_calls.calls, backward_calls.calls)
+        seconds[kind] = (_timed(ctx, lambda: layers(x, weights, norms), budget, sync),
+                         _timed(ctx, backward, budget, sync))
+    return tuple(max(0.0, (seconds["dtensor"][i] - seconds["plain"][i]) / max(calls["dtensor"][i], 1))
+                 for i in range(2))
 
 
 FSDP_LAYERS = 16   # tiny linear layers (a weight and a bias each) of the stack whose FSDP2 hooks are timed

@@ -1327,7 +1327,7 @@ class _Builder:
         """What running `node` on DTensors adds (`dtensor_modules`): under torch's tensor-parallel styles the
         modules holding weights compute on DTensors, so an operator reading a weight pays DTensor's dispatch;
         without a tensor axis FSDP2 hands the modules plain tensors and nothing is added."""
-        if not self.profile.dtensor_modules or not self.tensor_axes:
+        if not self.profile.dtensor_modules or not self.tensor_axes or self._dtensor_counted:
             return 0.0
         if not any(i in self._weight_fed() and i not in self.gathered_values for i in node.inputs):
             return 0.0
@@ -1358,6 +1358,23 @@ class _Builder:
             seconds = extra * (self.eff.backward_dispatch_s if backward else self.eff.dispatch_s)
             self._add(f"the module's own {'autograd nodes' if backward else 'calls'} beyond its graph "
                       f"({extra:.0f})", self.compute, seconds, list(after), phase="backward" if backward else "forward")
+        if self._dtensor_counted:
+            calls = self.profile.module_calls.dtensor_calls(self._compute_nodes, backward)
+            self._add(f"the module's {'backward ' if backward else ''}calls on DTensors ({calls:.0f})", self.compute,
+                      calls * self.eff.dtensor_time(backward), list(after), phase="backward" if backward else "forward")
+
+    @cached_property
+    def _compute_nodes(self) -> int:
+        return sum(1 for n in self.pcg.nodes if n.kind == "op")
+
+    @cached_property
+    def _dtensor_counted(self) -> bool:
+        """Whether DTensor's dispatch is priced per call the module makes on DTensors (`ir.module_calls`: every
+        call inside a module holding parameters, forward and in its backward, under a tensor axis) rather than
+        once per graph node reading a weight (`_dtensor_s`): the module's calls were counted."""
+        calls = self.profile.module_calls
+        return (self.profile.dtensor_modules and bool(self.tensor_axes) and calls is not None
+                and calls.dtensor_forward + calls.dtensor_backward > 0)
 
     @cached_property
     def _module_extra(self) -> tuple[float, float]:

@@ -8,6 +8,13 @@ benchmarks/costmodel_fidelity_torch.py 42 forward calls and 34 autograd nodes be
 1.7 ms at the ~20 us a dispatch a quiet 2-core box calibrates, against a measured 19 ms step (data parallel, 2
 ranks: benchmarks/costmodel_fidelity.md run T4). The step simulator prices them under a profile that runs the module
 (`cost.pcg_tasks.ExecutionProfile.module_calls`); `importer.call_count` counts them.
+
+Under a tensor axis the runtime's modules that hold parameters compute on DTensors (torch's styles and
+`distribute_module`), so every ATen call they make, forward and in their backward, pays DTensor's dispatch
+(`OpEfficiency.dtensor_time`, which `parsat calibrate --dtensor` measures per operator): on the small LLaMA of
+that benchmark 91 forward and about 220 backward calls a step, where one per graph node reading a weight (21
+and 21) was priced before (benchmarks/costmodel_fidelity.md, 2026-12-04 helper T). `dtensor_forward` and
+`dtensor_backward` count them.
 """
 
 from __future__ import annotations
@@ -22,9 +29,12 @@ class ModuleCalls:
     forward_calls: int    # ATen calls the forward dispatched (below autograd: views and casts included)
     backward_nodes: int   # autograd nodes its outputs' backward runs (AccumulateGrad, one per parameter, aside)
     graph_nodes: int      # compute nodes of the graph imported from the module
+    dtensor_forward: int = 0    # of the forward calls, those made inside a module that holds parameters itself
+    dtensor_backward: int = 0   # ATen calls the backward of those modules' autograd nodes makes
 
     def __post_init__(self) -> None:
-        if min(self.forward_calls, self.backward_nodes, self.graph_nodes) < 0:
+        if min(self.forward_calls, self.backward_nodes, self.graph_nodes, self.dtensor_forward,
+               self.dtensor_backward) < 0:
             raise ValueError(f"call counts cannot be negative: {self}")
 
     def _share(self, compute_nodes: int) -> float:
@@ -40,6 +50,11 @@ class ModuleCalls:
         """Autograd nodes beyond the `gradient_nodes` of the PCG's compute nodes a gradient flows through (each
         of which the simulator prices as a backward node)."""
         return max(0.0, self.backward_nodes * self._share(compute_nodes) - gradient_nodes)
+
+    def dtensor_calls(self, compute_nodes: int, backward: bool) -> float:
+        """The calls a PCG holding `compute_nodes` of the graph's compute nodes runs on DTensors under a tensor
+        axis: the forward's calls inside modules holding parameters, or (`backward`) their backward's."""
+        return (self.dtensor_backward if backward else self.dtensor_forward) * self._share(compute_nodes)
 
 
 __all__ = ["ModuleCalls"]
