@@ -161,11 +161,14 @@ PARSAT_RUN = ExecutionProfile("parsat run", overlap=False, ddp_buckets=False, ke
 TORCH_NATIVE = ExecutionProfile("parsat.parallelize(runtime='torch')", overlap=False, ddp_buckets=False,
                                 keep_activations=False, seeded_inputs=False, eager_gradients=False,
                                 fused_optimizer=False, optimizer="sgd", tp_comm_overlap=False, fsdp_groups=True,
-                                style_collectives=True, dtensor_modules=True, transient_gradients=True,
+                                dtensor_modules=True, transient_gradients=True,
                                 local_loss=True, reduce_scatter_as_all_reduce=True)
 """The torch-native runtime on CPU gloo (docs/TORCH_NATIVE.md): the user's module on integer ids, activations
 freed by backward, collectives blocking the one host thread (gloo's work runs while the rank waits for it),
-FSDP2's groups (`cost.fsdp_groups`), tensor parallelism as torch's styles run it, SGD per tensor, reduce-scatters
+FSDP2's groups (`cost.fsdp_groups`), tensor parallelism as torch's styles run it (a replicated activation's gradient
+all-reduced once, not `style_collectives`: the lowering converts the input of a parent's column-parallel projections
+once, `lowering.gathered_inputs`; counted on 2 ranks, LLaMA's tp 2 step runs the plan's 5, 2026-12-04 helper C),
+SGD per tensor, reduce-scatters
 as gloo runs `reduce_scatter_tensor` (an all-reduce of the whole buffer: torch's profiler shows one
 `gloo:all_reduce` per FSDP2 reduce-scatter; on 2 and 4 ranks it took 0.6-1.5x the all-reduce, the list
 `reduce_scatter` that `parsat calibrate` times 1.4-3.0x: benchmarks/costmodel_fidelity.md, run T6)."""

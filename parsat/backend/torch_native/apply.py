@@ -226,8 +226,10 @@ def _tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh) -> None:
         elif style.kind == SEQUENCE_STYLE:
             plan[style.module] = SequenceParallel(sequence_dim=SEQ_DIM, use_local_output=False)
         elif style.kind == PREPARE_STYLE:
+            # the parent's input converted once (gathered, or made a Replicate() DTensor) for its projections:
+            # their input gradients meet as one partial sum, reduced once (`lowering.gathered_inputs`)
             first = _first_input_by_keyword(module.get_submodule(style.module), style.module)
-            plan[style.module] = PrepareModuleInput(input_kwarg_layouts={first: Shard(SEQ_DIM)},
+            plan[style.module] = PrepareModuleInput(input_kwarg_layouts={first: layout(style.input_layout)},
                                                     desired_input_kwarg_layouts={first: Replicate()},
                                                     use_local_output=False)
         elif style.kind == REPLICATE_STYLE:

@@ -49,10 +49,11 @@ around each split contraction, and says it in torch's terms
   `reduce_scatter` along the sequence of a row-parallel partial sum
   (`output_layouts=Shard(1)`), an `all_gather` along it before a
   column-parallel one (`input_layouts=Shard(1)`), and the norms between
-  them `SequenceParallel`; where one such gather feeds every
-  column-parallel projection of a parameter-free parent (an attention's
-  q/k/v, an MLP's gate/up), the parent's input is gathered once
-  instead (`PrepareModuleInput`, `gathered_inputs`). Any parallel operator on the tensor
+  them `SequenceParallel`; where one such gather, or one `replicate`,
+  feeds every column-parallel projection of a parameter-free parent (an
+  attention's q/k/v, an MLP's gate/up), the parent's input is converted
+  once instead (`PrepareModuleInput`, `gathered_inputs`), so its
+  gradient is reduced once, as the plan's. Any parallel operator on the tensor
   axis that no style claims is refused, naming it: the module's own code
   runs between the styled modules on local pieces, and only the styles
   move activations.
@@ -106,7 +107,8 @@ from parsat.ir.placement import FREE, PARTIAL, REPLICA, Placement, code_text, sh
 FREE_ROLE, SYNCED, GATHERED, SPLIT, SEQUENCE = "free", "synced", "gathered", "split", "sequence"
 DATA, ZERO3, TENSOR = "data", "zero3", "tensor"
 COLWISE, ROWWISE, VOCAB, REPLICATE_STYLE, SEQUENCE_STYLE = "colwise", "rowwise", "vocab", "replicate", "sequence"
-PREPARE_STYLE = "prepare"   # PrepareModuleInput: a module's input gathered along the sequence once, for its projections
+PREPARE_STYLE = "prepare"   # PrepareModuleInput: a module's input converted once (gathered along the sequence, or
+#                             made a Replicate() DTensor) for the column-parallel projections in it
 SEQ_DIM = 1   # the sequence dim of a [batch, seq, hidden] activation: SequenceParallel's and Shard(1)'s
 LAYOUTS = {"replicate": "Replicate()", "shard": "Shard(-1)", "sequence": "Shard(1)", "loss": "Shard(-1)"}
 # "loss": a column-parallel head's logits left split along the vocabulary as a DTensor for the module's
@@ -203,8 +205,8 @@ class Style:
         if self.kind == REPLICATE_STYLE:
             return f"{self.module or '<root>'}: distribute_module, every parameter Replicate()"
         if self.kind == PREPARE_STYLE:
-            return (f"{self.module}: PrepareModuleInput(its first input: input_layouts=Shard(1), "
-                    f"desired_input_layouts=Replicate()){nodes}")
+            return (f"{self.module}: PrepareModuleInput(its first input: input_layouts="
+                    f"{LAYOUTS[self.input_layout]}, desired_input_layouts=Replicate(), use_local_output=False){nodes}")
         return f"{self.module or '<root>'}: {torch_name}({', '.join(extra)}){nodes}"
 
 
@@ -945,23 +947,27 @@ class _Lowerer:
                 "embedding's output) reads the whole one")
 
     def gathered_inputs(self, styles: dict[str, Style], axis: int) -> dict[str, Style]:
-        """Where several column-parallel projections gather one value along the sequence (`input_layouts=Shard(1)`:
-        LLaMA's q/k/v, its gate/up) and are the only ones in their parent module (the attention, the MLP, holding
-        no parameter itself), torch gathers it once at the parent's first input (`PrepareModuleInput`, as
-        torchtitan's models do) and the projections read it whole: one all-gather, as in the plan, where each
-        projection would issue its own, and the parent's code (an attention reshaping by its input's shape)
-        computes on the whole sequence. The parent's input stays a `Replicate()` DTensor (`use_local_output=False`,
-        torchtitan's choice), so the projections' input gradients meet as one partial sum that the gather's
-        backward reduce-scatters once, the plan's backward too. Returns the parents' styles; the projections' are
-        changed in place."""
-        groups: dict[int, list[str]] = {}
+        """Where several column-parallel projections read one value the plan converts once (LLaMA's q/k/v, its
+        gate/up: one `all_gather` along the sequence, `input_layouts=Shard(1)`, or one `replicate`, Megatron's f)
+        and are the only ones in their parent module (the attention, the MLP, holding no parameter itself),
+        torch converts it once at the parent's first input (`PrepareModuleInput`, as torchtitan's models do) and
+        the projections read it whole: one all-gather, as in the plan, where each projection would issue its
+        own, and the parent's code (an attention reshaping by its input's shape) computes on the whole sequence.
+        The parent's input stays a `Replicate()` DTensor (`use_local_output=False`, torchtitan's choice), so the
+        projections' input gradients meet as one partial sum that the conversion's backward reduces once
+        (reduce-scatters after a gather, all-reduces after a `replicate`), as the plan's backward does; each
+        `ColwiseParallel` converting its own input would all-reduce its own partial gradient. Returns the
+        parents' styles; the projections' are changed in place."""
+        groups: dict[tuple[int, str], list[str]] = {}
         for name, style in styles.items():
-            if style.kind == COLWISE and style.input_layout == "sequence":
-                source = next(n for n in style.nodes if self.node(n).kind == "parallel" and (
-                    self.node(n).op == ALL_GATHER or self.node(n).op == REPLICATE))
-                groups.setdefault(source, []).append(name)
+            if style.kind != COLWISE or style.input_layout not in ("sequence", "replicate"):
+                continue
+            source = next((n for n in style.nodes if self.node(n).kind == "parallel" and self.node(n).axis(
+                self.mesh) == axis and self.node(n).op in (ALL_GATHER, REPLICATE)), None)
+            if source is not None:
+                groups.setdefault((source, style.input_layout), []).append(name)
         out: dict[str, Style] = {}
-        for source, names in groups.items():
+        for (source, layout), names in groups.items():
             parent = names[0].rpartition(".")[0]
             inside = [m for m, s in styles.items() if s.kind == COLWISE and m.rpartition(".")[0] == parent]
             if len(names) < 2 or not parent or sorted(inside) != sorted(names) or self.module.holds.get(parent):
@@ -969,7 +975,7 @@ class _Lowerer:
             for name in names:
                 styles[name] = replace(styles[name], input_layout="replicate",
                                        nodes=tuple(n for n in styles[name].nodes if n != source))
-            out[parent] = Style(parent, PREPARE_STYLE, "sequence", "replicate", (source,))
+            out[parent] = Style(parent, PREPARE_STYLE, layout, "replicate", (source,))
         return out
 
     def is_sequence_op(self, node: PNode, op: str, axis: int) -> bool:
