@@ -14,7 +14,6 @@ and weights under these plans are tests/test_torch_native_runtime.py's slow test
 from __future__ import annotations
 
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -75,34 +74,18 @@ def test_llama_tp_converts_each_attention_and_mlp_input_once():
 def counted_job(ctx, names: list[str]) -> dict:
     """On every rank, per Hugging Face model: its tp 2 Megatron plan lowered with `runtime="torch"`, one forward and
     backward on this rank's local batch, the functional collectives DTensor issued counted by phase."""
-    import torch.distributed._functional_collectives as funcol
-
     import mesh_plans
     import parsat
     from parsat.backend.torch_native.apply import local_batch
+    from test_torch_native_sequence_products import counted
 
-    kinds = ("all_reduce", "all_gather_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
-             "all_to_all_single")
     out = {}
     for name in names:
         module, inputs, pcg, graph, _low = _tp_plan(name)
         net = parsat.parallelize(module, mesh_plans.plan_dict(graph, pcg), inputs, runtime="torch")
         batch = local_batch(net, *inputs)
-        counts: Counter = Counter()
-        originals = {k: getattr(funcol, k) for k in kinds if hasattr(funcol, k)}
-
-        def wrap(kind):
-            def run(*args, **kwargs):
-                counts[f"{'bwd' if torch._C._current_graph_task_id() != -1 else 'fwd'} {kind}"] += 1
-                return originals[kind](*args, **kwargs)
-            return run
-        for kind in originals:
-            setattr(funcol, kind, wrap(kind))
-        try:
+        with counted() as counts:
             net(*batch).backward()
-        finally:
-            for kind, original in originals.items():
-                setattr(funcol, kind, original)
         out[name] = dict(counts)
     return out
 
@@ -111,14 +94,14 @@ def counted_job(ctx, names: list[str]) -> dict:
 def test_tp_plans_run_the_plans_backward_all_reduces_on_two_ranks():
     """LLaMA's tp 2 plan: 5 backward all-reduces a step (one per attention, one per MLP, one for the head), the
     plan's and the cost model's, where each style converting its own input ran 11; GPT-2's (one fused c_attn, one
-    c_fc: one reader each) the same before and after."""
+    c_fc: one reader each) 7 before and after; BERT's (query/key/value under one parent) 6, priced 10 before."""
     from parsat.backend.launch import LaunchConfig, launch
 
-    names = ["llama", "gpt2"]
+    names = ["llama", "gpt2", "bert"]
     results = launch(counted_job, (names,), LaunchConfig(nproc=2, backend="gloo", timeout_s=600))
     assert results[0] == results[1]
     for name in names:
         pcg = _tp_plan(name)[2]
-        counted = results[0][name].get("bwd all_reduce", 0)
-        assert counted == _priced_backward_all_reduces(pcg), (name, results[0][name])
+        ran = results[0][name].get("bwd all_reduce", 0)
+        assert ran == _priced_backward_all_reduces(pcg), (name, results[0][name])
     assert results[0]["llama"]["bwd all_reduce"] == 5, results[0]["llama"]
