@@ -11,11 +11,18 @@ before, at the same load, to compare phases (see benchmarks/costmodel_fidelity.m
 
     PYTHONPATH=. .venv/bin/python benchmarks/costmodel_fidelity_phases.py NPROC MACHINE llama,bert dp,zero3 [STEPS]
 """
-import sys, time, statistics, json, collections
+from __future__ import annotations
+
+import collections
+import statistics
+import sys
+import time
 from pathlib import Path
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-def rank_fn(ctx, jobs, steps, profile_steps):
+def rank_fn(ctx, jobs: list[tuple[str, dict]], steps: int, profile_steps: int) -> dict:
+    """On every rank, per (label, plan dict): the phases' medians in seconds; on rank 0 the profile too."""
     import torch, torch.distributed as dist
     import parsat
     from parsat.backend.torch_native.apply import local_batch
@@ -74,7 +81,7 @@ def rank_fn(ctx, jobs, steps, profile_steps):
         dist.barrier()
     return out
 
-def main():
+def main() -> None:
     n = int(sys.argv[1]); mfile = sys.argv[2]; models = sys.argv[3].split(","); labels = sys.argv[4].split(",")
     steps = int(sys.argv[5]) if len(sys.argv) > 5 else 12
     from parsat.ir.machine import Machine
