@@ -24,15 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def rank_fn(ctx, jobs: list[tuple[str, dict]], steps: int, profile_steps: int) -> dict:
     """On every rank, per (label, plan dict): the phases' medians in seconds; on rank 0 the profile too."""
     import torch, torch.distributed as dist
-    import parsat
-    from parsat.backend.torch_native.apply import local_batch
-    from costmodel_fidelity_torch import model
+    from costmodel_fidelity_torch import lowered
     out = {}
     for label, plan in jobs:
-        module, example = model(label.split("/")[0])
-        net = parsat.parallelize(module, plan, example, runtime="torch")
-        opt = torch.optim.SGD(net.parameters(), lr=1e-3)
-        batch = local_batch(net, *example)
+        module, net, opt, batch = lowered(label, plan)
         ph = collections.defaultdict(list)
         for _ in range(steps):
             dist.barrier()

@@ -106,21 +106,28 @@ def torch_plans(n: int, machine, models: list[str], devices_per_node: int | None
     return out
 
 
+def lowered(label: str, plan: dict) -> tuple:
+    """On this rank: (the unmodified module of `label`'s model, it lowered with `runtime="torch"`, its SGD
+    optimizer, this rank's local batch): what `torch_many` and `costmodel_fidelity_phases.py` step."""
+    import torch
+
+    import parsat
+    from parsat.backend.torch_native.apply import local_batch
+
+    module, example = model(label.split("/")[0])
+    net = parsat.parallelize(module, plan, example, runtime="torch")
+    return module, net, torch.optim.SGD(net.parameters(), lr=1e-3), local_batch(net, *example)
+
+
 def torch_many(ctx, jobs: list[tuple[str, dict]], steps: int) -> dict:
     """On every rank, per (label, plan dict): the model lowered with `runtime="torch"`, `steps` SGD steps on this
     rank's local batch; this rank's step times and live bytes (module docstring)."""
     import torch
     import torch.distributed as dist
 
-    import parsat
-    from parsat.backend.torch_native.apply import local_batch
-
     out = {}
     for label, plan in jobs:
-        module, example = model(label.split("/")[0])
-        net = parsat.parallelize(module, plan, example, runtime="torch")
-        optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
-        batch = local_batch(net, *example)
+        _, net, optimizer, batch = lowered(label, plan)
         times = []
         for _ in range(steps):   # timed: the step alone
             dist.barrier()
