@@ -177,6 +177,15 @@ class CompiledRule:
     tables: tuple[tuple[str, int, tuple[tuple[int, ...], ...]], ...] = ()   # lift tables it joins (name, width,
     #                   rows): declared once per program (mesh encoding only, `lifted_text`)
 
+    @property
+    def index(self) -> int:
+        """The number in its relations' names (`Match<i>`, `Applied<i>`: `RuleBody.text`), its place in the
+        program it was compiled into, kept in `key`. Not its place in `RuleProgram.rules`: a program less some
+        rules (`RuleProgram.without`) keeps the others' texts, so every later place moves while the names
+        stay (a 2x2 gpt's associativity cut moved them by two, and 3,427 of 5,288 recorded applications were
+        read with the wrong rule's pattern)."""
+        return int(self.key.rsplit("#", 1)[1])
+
 
 @dataclass(frozen=True)
 class SkippedRule:

@@ -146,7 +146,7 @@ class Provenance(Mapping):
 
     def __init__(self, egraph, frozen, rules: Sequence[CompiledRule] = (),
                  classes: Mapping[int, Sequence[ENode]] | None = None) -> None:
-        """`rules` are the program's loaded rules, the i-th recording its applications in `Applied<i>`;
+        """`rules` are the program's loaded rules, each recording its applications in `Applied<its index>`;
         `classes` the snapshot's, to find their e-nodes in (`derivation`)."""
         self._egraph, self._frozen, self._rules = egraph, frozen, rules
         self._rows: dict[tuple, frozenset[str]] | None = None
@@ -223,9 +223,9 @@ class _Applied(Mapping):
         self._provenance = provenance
         self._done: dict[str, tuple[Application, ...]] = {}
         self._hashcons: dict[tuple, tuple[int, ENode]] | None = None
-        self._indexes: dict[str, list[int]] = {FOLD_MADE: []}
-        for index, compiled in enumerate(provenance._rules):
-            self._indexes.setdefault(compiled.name, []).append(index)
+        self._indexes: dict[str, list[CompiledRule]] = {FOLD_MADE: []}   # rule -> its compiled rules
+        for compiled in provenance._rules:
+            self._indexes.setdefault(compiled.name, []).append(compiled)
 
     def __getitem__(self, rule: str) -> tuple[Application, ...]:
         if rule not in self._indexes:
@@ -236,11 +236,10 @@ class _Applied(Mapping):
             if self._hashcons is None:
                 self._hashcons = hashcons(provenance._classes)
             found: list[Application] = fold_applications(provenance._classes) if rule == FOLD_MADE else []
-            for index in self._indexes[rule]:
-                rows = provenance._applied_rows.get(index, ())
+            for compiled in self._indexes[rule]:
+                rows = provenance._applied_rows.get(compiled.index, ())
                 try:
-                    found.extend(applications(Template.of(rule, provenance._rules[index].body), rows,
-                                              self._hashcons))
+                    found.extend(applications(Template.of(rule, compiled.body), rows, self._hashcons))
                 except (KeyError, ValueError):
                     continue
             self._done[rule] = tuple(found)
@@ -283,7 +282,7 @@ class Session:
         loaded (OptimizeError: there is no plan of part of a graph). With `mesh` the program is in the mesh
         encoding (`mesh_encoding`), and the snapshot reads placements."""
         self.mesh = mesh
-        self._rules = program.rules   # the i-th records its applications in `Applied<i>` (`RuleBody.text`)
+        self._rules = program.rules   # each records its applications in `Applied<its index>` (`CompiledRule.index`)
         self.egraph = bindings.EGraph()
         self.loaded = 0
         try:
@@ -400,7 +399,7 @@ class Session:
         # repeat them (74,000 rows of a small gpt's e-graph hold 2,700 distinct values)
         numbers, strings = _Decoded(eg.value_to_i64), _Decoded(eg.value_to_string)
         for rule in self._rules[:self.loaded]:
-            fn = functions.get(f"Match{rule.key.rsplit('#', 1)[1]}")
+            fn = functions.get(f"Match{rule.index}")
             table = fn.rows if fn is not None else ()
             if not table:
                 continue
