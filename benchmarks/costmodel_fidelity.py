@@ -20,7 +20,9 @@ other jobs and its load drifts within a minute, so runs and calibrations
 alternate for `--rounds` rounds: each run is predicted with the machine
 calibrated just before it and the one calibrated just after it (the
 geometric mean of the two predictions), and each plan's figure is the
-median over rounds. Prints one JSON line per plan and round, then the
+median over rounds (each row also records the mean step, `measured_mean_s`:
+a gloo collective on a shared box is bimodal, 0.3-0.6 or 3-5 ms, and the
+calibration prices its mean). Prints one JSON line per plan and round, then the
 table, the median relative error, the Spearman rank correlation of step
 times and the memory errors (what benchmarks/costmodel_fidelity.md records).
 
@@ -231,7 +233,8 @@ def main() -> int:
                     times = job["step_times"][1:] or job["step_times"]
                     row = {"round": r, "nproc": n, "plan": label, "predicted_s": (t0 * t1) ** 0.5,
                            "predicted_before_s": t0, "predicted_after_s": t1,
-                           "measured_s": statistics.median(times), "predicted_peak_bytes": m0,
+                           "measured_s": statistics.median(times), "measured_mean_s": statistics.fmean(times),
+                           "predicted_peak_bytes": m0,
                            "measured_peak_bytes": job["peak_memory_bytes"], "plan_totals_s": prediction.node_sum_s,
                            "plan_file_s": prediction.time_s}
                     rows.append(row)
@@ -288,6 +291,13 @@ def summarize(rows: list[dict]) -> str:
     lines = table + ["", f"plans: {len(keys)}; median relative error of step time {statistics.median(errors):.1%}; "
                          f"Spearman rank correlation {spearman(predicted, measured):.3f}; peak memory error: "
                          f"median {statistics.median(mem_errors):.1%}, largest {max(mem_errors):.1%}"]
+    if all("measured_mean_s" in r for r in rows):   # calibration prices a collective at its mean over a window
+        means = [statistics.median(r["measured_mean_s"] for r in rows if (r["nproc"], r["plan"]) == key)
+                 for key in keys]
+        lines.append(f"against each plan's mean step (the steps' mean per round, as `parsat calibrate` averages a "
+                     f"collective over a window; the median over rounds): median relative error "
+                     f"{statistics.median(abs(p - m) / m for p, m in zip(predicted, means)):.1%}, Spearman "
+                     f"{spearman(predicted, means):.3f}")
     if all(olds):
         old_errors = [abs(o - m) / m for o, m in zip(olds, measured)]
         lines.append(f"the plan file's per-node sum (extraction's model, same machine files): median relative error "

@@ -5,7 +5,7 @@
 ROWS.json is a `costmodel_fidelity.py --runtime torch --json` run, MACHINES_DIR its `--keep` folder (the machine
 calibrated before each round, `machine-{n}-{round}.json`). Each row is predicted again as the run did (the
 geometric mean over the calibrations before and after its round) against the same measured step, with: everything;
-no `module_calls` (the user's module's own calls beyond its graph, `ir.module_calls`); no per-group FSDP2 hook
+no Python instruction priced (the module's own Python between its ATen calls); no `module_calls` (the user's module's own calls beyond its graph, `ir.module_calls`); no per-group FSDP2 hook
 cost (`fsdp_forward_group_s`, `fsdp_backward_group_s` at 0); neither; no wait for a peer's turn on a shared
 core (`comm.turn_s` at 0; the skew's slope stays as fitted beside it); neither that nor stragglers; the
 collectives as runs T1-T5 priced them (the plans' meshes one rank a node, so every group priced by the analytic
@@ -38,6 +38,10 @@ def _no_group_hooks(machine: Machine) -> Machine:
                                                fsdp_backward_group_s=0.0))
 
 
+def _no_python(machine: Machine) -> Machine:
+    return replace(machine, efficiency=replace(machine.efficiency, python_instruction_s=0.0))
+
+
 def _no_turn(machine: Machine) -> Machine:
     return replace(machine, comm=replace(machine.comm, turn_s=0.0))
 
@@ -63,6 +67,7 @@ def _t5_collectives(profile: ExecutionProfile) -> ExecutionProfile:
 
 
 VARIANTS = {"everything": Variant(), "no module calls": Variant(calls=False),
+            "no module Python (python_instruction_s 0)": Variant(_no_python),
             "no per-group hooks": Variant(_no_group_hooks), "neither": Variant(_no_group_hooks, calls=False),
             "no peer's turn (comm.turn_s 0)": Variant(_no_turn),
             "no peer's turn, no stragglers (sync_skew 0)": Variant(_no_waits),

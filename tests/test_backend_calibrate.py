@@ -130,6 +130,7 @@ def test_calibrate_dtensor_measures_what_an_operator_on_a_dtensor_adds(tmp_path,
     assert efficiency.fsdp_forward_group_s >= 0 and efficiency.fsdp_hooks_time(16, backward=True) >= 0
     printed = capsys.readouterr().out
     assert "on a DTensor" in printed and "FSDP2's hooks" in printed
+    assert efficiency.python_instruction_s > 0 and "per bytecode instruction" in printed   # a time over a count
     assert Machine.preset("cpu").efficiency.dtensor_time() == 0.0
     assert Machine.preset("cpu").efficiency.fsdp_hooks_time(10) == 0.0
 

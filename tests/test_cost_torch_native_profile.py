@@ -186,3 +186,26 @@ def test_the_user_s_module_pays_a_dispatch_per_call_its_graph_folded_away(graph)
     assert half.extra_forward(ops) == pytest.approx(10) and half.extra_backward(ops, gradient_nodes) == 0.0
     with pytest.raises(ValueError):
         ModuleCalls(forward_calls=-1, backward_nodes=0, graph_nodes=1)
+
+
+def test_the_user_s_module_pays_its_own_python_per_bytecode_instruction(graph):
+    """The module's own Python between its ATen calls (`ModuleCalls.python_forward` instructions) costs
+    `OpEfficiency.python_instruction_s` each, once per micro-batch's forward; nothing where the machine did not
+    measure it (a preset) or the module was not counted; a stage pays its share."""
+    pcg = data_parallel_pcg(graph, LIB, 2)
+    ops = sum(1 for n in pcg.nodes if n.kind == "op")
+    calls = ModuleCalls(forward_calls=ops, backward_nodes=0, graph_nodes=ops, python_forward=20_000)
+    python = replace(CPU, efficiency=replace(CPU.efficiency, python_instruction_s=50e-9))
+    for microbatches in (1, 2):
+        plain = simulate_pcg(pcg, LIB, python, TORCH_NATIVE.running(replace(calls, python_forward=0)),
+                             microbatches=microbatches).step_s
+        module = simulate_pcg(pcg, LIB, python, TORCH_NATIVE.running(calls), microbatches=microbatches).step_s
+        assert module - plain == pytest.approx(microbatches * 20_000 * 50e-9, rel=1e-6)
+    unmeasured = simulate_pcg(pcg, LIB, CPU, TORCH_NATIVE.running(calls)).step_s
+    assert unmeasured == simulate_pcg(pcg, LIB, CPU, TORCH_NATIVE.running(replace(calls, python_forward=0))).step_s
+    assert simulate_pcg(pcg, LIB, python, TORCH_NATIVE).step_s == simulate_pcg(pcg, LIB, CPU, TORCH_NATIVE).step_s
+    assert replace(calls, graph_nodes=2 * ops).python_instructions(ops) == pytest.approx(10_000)   # half the graph
+    assert "python_instruction_s" not in CPU.efficiency.to_dict()
+    assert Machine.from_dict(python.to_dict()).efficiency == python.efficiency
+    with pytest.raises(ValueError):
+        ModuleCalls(1, 0, 1, python_forward=-1)

@@ -7,7 +7,9 @@ import pytest
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
-from parsat.importer.call_count import count_module_calls  # noqa: E402
+import sys  # noqa: E402
+
+from parsat.importer.call_count import count_module_calls, count_python_instructions  # noqa: E402
 from parsat.importer.export import import_module  # noqa: E402
 
 
@@ -89,3 +91,42 @@ def test_calls_inside_a_module_holding_parameters_are_counted_as_dtensor_calls_f
     assert counts[0, 3].forward_calls == base.forward_calls + 3
     assert (counts[0, 3].dtensor_forward, counts[0, 3].dtensor_backward) == (base.dtensor_forward,
                                                                               base.dtensor_backward)
+
+
+class _Branching(nn.Module):
+    """A linear layer after `reads` rounds of Python that makes no ATen call (a config read and a branch each, as
+    a Hugging Face module runs between its calls)."""
+
+    def __init__(self, reads: int):
+        super().__init__()
+        self.lin, self.reads, self.flags = nn.Linear(4, 4), reads, {"use_cache": False}
+
+    def forward(self, x):
+        for _ in range(self.reads):
+            if self.flags.get("use_cache"):
+                x = x * 2
+        return self.lin(x).sum()
+
+
+def test_the_forward_s_own_python_is_counted_in_bytecode_instructions_the_same_every_time():
+    """`python_forward`: the instructions the forward's own Python executes, which no ATen call counts; the same
+    count on every call (a measure of work, not of time), and a tracer already set is put back."""
+    counts = {}
+    for reads in (0, 50):
+        module, x = _Branching(reads), torch.randn(2, 4)
+        graph = import_module(module, (x,), check=False).graph
+        counts[reads] = count_module_calls(module, x, graph)
+        assert counts[reads] == count_module_calls(module, x, graph)
+    assert counts[50].forward_calls == counts[0].forward_calls   # no ATen call more ...
+    assert counts[50].python_forward >= counts[0].python_forward + 50 * 5   # ... but 50 rounds of Python
+    assert counts[0].python_forward > 0   # nn.Module.__call__ and forward themselves
+
+    def mine(frame, event, arg):
+        return None
+
+    sys.settrace(mine)
+    try:
+        assert count_python_instructions(lambda: sum(range(3))) > 0
+        assert sys.gettrace() is mine
+    finally:
+        sys.settrace(None)

@@ -47,6 +47,10 @@ for fp32 training):
   before forward alone, which the profile missed:
   benchmarks/costmodel_fidelity.md, run T3; a group per layer cost ~0.35-0.5
   ms at each gather on this box, 2026-12-04);
+* with `dtensor` also a Python bytecode instruction of module code: a
+  stack of Python-only modules timed over the instructions it executes
+  (`OpEfficiency.python_instruction_s`; a user's module's own Python
+  between its ATen calls, `ir.module_calls.python_forward`);
 * memory-bound operators (copies, adds, relus) from kilobytes to tens of
   megabytes, fitted to t = dispatch + (bytes + half) / bandwidth
   (`memory_bandwidth`, `memory_half_bytes`);
@@ -244,6 +248,7 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
     dispatch = _chain_dispatch(ctx, leaf, budget, sync)
     extra = _dtensor_dispatch(ctx, dtype, budget, sync) if dtensor else (0.0, 0.0)
     hooks = _fsdp_hooks(ctx, dtype, sync) if dtensor else (0.0, 0.0, 0.0, 0.0)
+    python = _python_instruction(ctx, budget, sync) if dtensor else 0.0
 
     ops = []
     for m, n, k in gemm_shapes(size):
@@ -266,7 +271,7 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
         ops.append(["randn", [elements], _timed(ctx, lambda: torch.randn(elements, generator=gen, dtype=dtype)
                                                 .to(ctx.device), budget, sync), 0.0, float(elements * item)])
     ops += _updates(ctx, dtype, budget, sync)
-    return {"dispatch": dispatch, "dtensor": extra, "fsdp": hooks, "ops": ops, "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync),
+    return {"dispatch": dispatch, "dtensor": extra, "fsdp": hooks, "python": python, "ops": ops, "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync),
             "skew": _skew(ctx, dtype, size, budget, sync), "turns": _turns(ctx, dtype, budget, sync),
             "threads": torch.get_num_threads()}
 
@@ -453,6 +458,63 @@ def _fsdp_hooks(ctx: RankContext, dtype, sync) -> tuple[float, float, float, flo
     group_b = max(0.0, (reductions - backward["flat"]) / (layers - 1))
     param_b = max(0.0, (backward["flat"] - group_b) / params)
     return param_f, param_b, group_f, group_b
+
+
+PYTHON_DEPTH, PYTHON_WIDTH = 8, 4   # the stack of Python-only modules `_python_instruction` times: 4 chains of 8
+
+
+class _Config:
+    """A model configuration's flags, read on every call as a Hugging Face module reads its config."""
+
+    use_cache, output_attentions, heads = False, False, 4
+
+
+def _python_stack() -> "torch.nn.Module":
+    """PYTHON_WIDTH chains of PYTHON_DEPTH modules whose forward is only Python (a config read, a keyword
+    argument, a shape tuple, an identity submodule, a tuple returned and unpacked), passing a tensor through
+    without an ATen call: the kind of code a module runs between its ATen calls."""
+    from torch import nn
+
+    class Layer(nn.Module):
+        def __init__(self, config: _Config, child: nn.Module | None) -> None:
+            super().__init__()
+            self.config, self.child, self.norm = config, child, nn.Identity()
+
+        def forward(self, x, mask=None, position=None, **kwargs):
+            config = self.config
+            if config.use_cache and kwargs.get("past") is not None:
+                x = kwargs["past"]
+            h = self.norm(x)
+            _shape = (*h.shape[:-1], config.heads, -1)
+            if self.child is not None:
+                h = self.child(h, mask=mask, position=position, **kwargs)[0]
+            return (h, None) if config.output_attentions else (h,)
+
+    chains = []
+    for _ in range(PYTHON_WIDTH):
+        child = None
+        for _ in range(PYTHON_DEPTH):
+            child = Layer(_Config(), child)
+        chains.append(child)
+    return nn.ModuleList(chains)
+
+
+def _python_instruction(ctx: RankContext, budget: Budget, sync) -> float:
+    """Seconds per Python bytecode instruction of module code (`OpEfficiency.python_instruction_s`): the stack of
+    `_python_stack` called, timed as every figure here, over the instructions `count_python_instructions` counts
+    in one call, as `importer.call_count` counts a user's module's forward. On this 2-core box, one thread, the
+    stack ran ~15 ns an instruction; three Hugging Face forwards (benchmarks/costmodel_fidelity_torch.py) ran
+    0.3 ms beyond a replay of their ATen calls, 20-40 ns over their 12-17 thousand instructions."""
+    from parsat.importer.call_count import count_python_instructions
+
+    stack, x = _python_stack(), torch.zeros(2, 2, device=ctx.device)
+
+    def run():
+        for chain in stack:
+            chain(x, mask=None)
+
+    run()
+    return _timed(ctx, run, budget, sync) / count_python_instructions(run)
 
 
 def _chain_dispatch(ctx: RankContext, start: torch.Tensor, budget: Budget, sync) -> tuple[float, float]:
@@ -871,7 +933,8 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
     efficiency = OpEfficiency(dispatch_s=dispatch[0], backward_dispatch_s=dispatch[1],
                               dtensor_dispatch_s=extra[0], dtensor_backward_dispatch_s=extra[1],
                               fsdp_forward_param_s=hooks[0], fsdp_backward_param_s=hooks[1],
-                              fsdp_forward_group_s=hooks[2], fsdp_backward_group_s=hooks[3], gemm_half_m=halves[0],
+                              fsdp_forward_group_s=hooks[2], fsdp_backward_group_s=hooks[3],
+                              python_instruction_s=result["python"], gemm_half_m=halves[0],
                               gemm_half_n=halves[1], gemm_half_k=halves[2], memory_half_bytes=half_bytes,
                               cache_bytes=cache_bytes, cache_bandwidth=cache_bw, random_bandwidth=random_bw,
                               async_dispatch=cuda, **layouts)
@@ -966,6 +1029,8 @@ def report(cal: Calibration) -> str:
                 f"per parameter at a group's gather, {e.fsdp_backward_group_s * 1e6:.1f} us + "
                 f"{e.fsdp_backward_param_s * 1e6:.1f} us per parameter after its backward"]
                if e.fsdp_hooks_time(1) or e.fsdp_hooks_time(1, backward=True) else []),
+             *([f"  a module's own Python: {e.python_instruction_s * 1e9:.1f} ns per bytecode instruction"]
+               if e.python_instruction_s else []),
              *(f"  backward products ({name}): {getattr(e, f'gemm_{lay}_rate'):.2f} x peak, half lengths m "
                f"{getattr(e, f'gemm_{lay}_half_m'):g}, n {getattr(e, f'gemm_{lay}_half_n'):g}, k "
                f"{getattr(e, f'gemm_{lay}_half_k'):g}" for lay, name in (("nt", "g @ w^T"), ("tn", "x^T @ g"))

@@ -33,7 +33,8 @@ How the program that runs the plan issues work is an `ExecutionProfile`:
   column-parallel reader, DTensor dispatch), the loss each rank's own;
   `TORCH_NATIVE.running(calls)` also prices the calls the user's module
   makes beyond its imported graph (views, casts, mask building: one
-  dispatch each, `ir.module_calls`).
+  dispatch each, `ir.module_calls`) and its own Python between them
+  (bytecode instructions counted, a calibrated time each).
 
 ZeRO-3 (a weight stored as a shard, read through `all_gather`) runs as the
 backend runs it (parsat/backend/executor.py): the weight is gathered once per step
@@ -1355,12 +1356,19 @@ class _Builder:
     def _module_calls(self, after: Sequence[int] = (), backward: bool = False) -> None:
         """The user's module's own calls beyond the graph's nodes, each one dispatch, at the start of its forward
         (or, `backward`, its autograd nodes beyond the graph's, at the start of backward): the views, casts and
-        mask building the importer folded away (`ir.module_calls`); none unless the profile runs a module."""
+        mask building the importer folded away (`ir.module_calls`); in forward also its own Python between calls
+        (`ModuleCalls.python_forward` instructions, `OpEfficiency.python_instruction_s` each); none unless the
+        profile runs a module."""
         extra = self._module_extra[backward]
         if extra:
             seconds = extra * (self.eff.backward_dispatch_s if backward else self.eff.dispatch_s)
             self._add(f"the module's own {'autograd nodes' if backward else 'calls'} beyond its graph "
                       f"({extra:.0f})", self.compute, seconds, list(after), phase="backward" if backward else "forward")
+        python = 0.0 if backward or self.profile.module_calls is None else \
+            self.profile.module_calls.python_instructions(self._compute_nodes)
+        if python and self.eff.python_instruction_s:
+            self._add(f"the module's own Python ({python:.0f} bytecode instructions)", self.compute,
+                      python * self.eff.python_instruction_s, list(after), phase="forward")
         if self._dtensor_counted:
             calls = self.profile.module_calls.dtensor_calls(self._compute_nodes, backward)
             self._add(f"the module's {'backward ' if backward else ''}calls on DTensors ({calls:.0f})", self.compute,

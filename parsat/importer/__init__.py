@@ -27,8 +27,9 @@ Modules, in the order an import runs through them:
   search, pipeline stages and recomputation cut a model by; the module's
   parameter names stay in `ImportedModule.weights`;
 * `call_count`: `count_module_calls` (one eager forward counted: the
-  calls and autograd nodes beyond the graph, `ir.module_calls`, which the
-  simulator prices for the torch-native runtime);
+  calls and autograd nodes beyond the graph and the Python bytecode
+  instructions it runs, `ir.module_calls`, which the simulator prices for
+  the torch-native runtime);
 * `imported`: `ImportedModule` (the result, and each batch's data leaves),
   `DataLeaf`, `dropout_mask`, `RunningStats`;
 * `self_check`: `check_import`, the graph evaluated against the module in

@@ -7,12 +7,16 @@ ATen calls as the dispatcher sees them below autograd (views and casts included,
 (nothing runs backward for that count). The calls a tensor axis runs on DTensors are counted too: the forward's
 calls made inside a module that holds parameters itself (the runtime computes those modules on DTensors), and
 the ATen calls their autograd nodes make in one backward (`torch.autograd.grad` of the outputs, under the same
-kind of mode, each call told by the autograd node that makes it). The module is left as it was found: its
-buffers (a batch norm's running statistics) are restored, the random generators forked, so a dropout draws
-nothing a later step would, and no parameter's `.grad` is touched.
+kind of mode, each call told by the autograd node that makes it). The Python bytecode instructions the forward
+executes are counted on one more forward under a tracer (`count_python_instructions`). The module is left
+as it was found: its buffers (a batch norm's running statistics) are restored, the random generators forked,
+so a dropout draws nothing a later step would, and no parameter's `.grad` is touched.
 """
 
 from __future__ import annotations
+
+import sys
+from typing import Callable
 
 from parsat.importer.export import buffers_kept, example_tuple
 from parsat.ir.graph import Graph
@@ -68,8 +72,32 @@ def count_module_calls(module, example_inputs, graph: Graph) -> ModuleCalls:
     finally:
         for h in hooks:
             h.remove()
+    with buffers_kept(module), torch.random.fork_rng(devices=[]), torch.enable_grad():   # no hook of ours counted
+        instructions = count_python_instructions(lambda: module(*example_tuple(example_inputs)))
     return ModuleCalls(counting.calls, _autograd_nodes(outputs), len(graph.nodes), counting.holding_calls,
-                       backward.calls)
+                       backward.calls, instructions)
+
+
+def count_python_instructions(fn: Callable[[], object]) -> int:
+    """The Python bytecode instructions `fn()` executes, in every Python frame it enters (a module's own code,
+    `nn.Module.__call__`, torch's Python wrappers; C code, an ATen kernel, counts nothing): a deterministic
+    measure of the host time a module spends between its ATen calls, which `parsat calibrate` prices per
+    instruction (`OpEfficiency.python_instruction_s`). A tracer already set (a debugger, coverage) is put back."""
+    count = [0]
+
+    def tracer(frame, event, _arg):
+        frame.f_trace_opcodes, frame.f_trace_lines = True, False
+        if event == "opcode":
+            count[0] += 1
+        return tracer
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(previous)
+    return count[0]
 
 
 def _tensors(value) -> list:
@@ -102,4 +130,4 @@ def _autograd_nodes(outputs) -> int:
     return sum(1 for fn in _nodes(outputs) if type(fn).__name__ != "AccumulateGrad")
 
 
-__all__ = ["count_module_calls"]
+__all__ = ["count_module_calls", "count_python_instructions"]

@@ -84,6 +84,9 @@ class OpEfficiency:
     fsdp_backward_param_s: float = 0.0  # the same after its backward (the gradients' reduction)
     fsdp_forward_group_s: float = 0.0   # and per group, whatever its size, at each gather ...
     fsdp_backward_group_s: float = 0.0  # ... and after its backward; all four 0 unless `parsat calibrate --dtensor`
+    python_instruction_s: float = 0.0   # one Python bytecode instruction of a module's own code (the user's module
+                                        # the torch-native runtime runs, `ir.module_calls.python_forward`): measured
+                                        # by `parsat calibrate --dtensor` on a stack of Python-only modules, else 0
     gemm_nt_rate: float = 0.0          # a backward product whose second operand is transposed (g @ w^T: autograd's
                                        # gradient of a product's first operand), as a step runs it, reaches this x
                                        # peak FLOP/s at its largest; 0: not measured (priced as the forward kernel)
@@ -166,11 +169,11 @@ class OpEfficiency:
         return (self.cache_bandwidth if fits else memory_bandwidth) * self.memory_efficiency(nbytes)
 
     def to_dict(self) -> dict:
-        """Every field, less a layout's, an optimizer's or FSDP2's hooks' that was not measured (files and plans
-        of presets read as before)."""
+        """Every field, less a layout's, an optimizer's, FSDP2's hooks' or a Python instruction's that was not
+        measured (files and plans of presets read as before)."""
         unmeasured = [f"gemm_{layout}_" for layout in ("nt", "tn") if getattr(self, f"gemm_{layout}_rate") <= 0]
         unmeasured += [k for k in ("fsdp_forward_param_s", "fsdp_backward_param_s", "fsdp_forward_group_s",
-                                   "fsdp_backward_group_s") if not getattr(self, k)]
+                                   "fsdp_backward_group_s", "python_instruction_s") if not getattr(self, k)]
         out = {k: v for k, v in asdict(self).items() if not k.startswith(tuple(unmeasured)) and k != "update_points"}
         if self.update_points:
             out["update_points"] = {kind: [list(p) for p in points] for kind, points in self.update_points}

@@ -15,6 +15,12 @@ Under a tensor axis the runtime's modules that hold parameters compute on DTenso
 that benchmark 91 forward and about 220 backward calls a step, where one per graph node reading a weight (21
 and 21) was priced before (benchmarks/costmodel_fidelity.md, 2026-12-04 helper T). `dtensor_forward` and
 `dtensor_backward` count them.
+
+Between its ATen calls the module also runs its own Python (a Hugging Face model's masks, config branches,
+`nn.Module.__call__` of every submodule), which no per-call figure holds: on those three models 12-17 thousand
+bytecode instructions a forward, 0.3 ms of a 2.3-2.7 ms forward on one thread (the eager forward against a replay of
+its ATen calls; benchmarks/costmodel_fidelity.md, 2026-12-05 helper M). `python_forward` counts them, and
+`OpEfficiency.python_instruction_s` prices them.
 """
 
 from __future__ import annotations
@@ -31,10 +37,11 @@ class ModuleCalls:
     graph_nodes: int      # compute nodes of the graph imported from the module
     dtensor_forward: int = 0    # of the forward calls, those made inside a module that holds parameters itself
     dtensor_backward: int = 0   # ATen calls the backward of those modules' autograd nodes makes
+    python_forward: int = 0     # Python bytecode instructions the forward executes (the module's own code)
 
     def __post_init__(self) -> None:
         if min(self.forward_calls, self.backward_nodes, self.graph_nodes, self.dtensor_forward,
-               self.dtensor_backward) < 0:
+               self.dtensor_backward, self.python_forward) < 0:
             raise ValueError(f"call counts cannot be negative: {self}")
 
     def _share(self, compute_nodes: int) -> float:
@@ -50,6 +57,11 @@ class ModuleCalls:
         """Autograd nodes beyond the `gradient_nodes` of the PCG's compute nodes a gradient flows through (each
         of which the simulator prices as a backward node)."""
         return max(0.0, self.backward_nodes * self._share(compute_nodes) - gradient_nodes)
+
+    def python_instructions(self, compute_nodes: int) -> float:
+        """The Python bytecode instructions a PCG holding `compute_nodes` of the graph's compute nodes runs in
+        the module's forward (its share, as for the calls)."""
+        return self.python_forward * self._share(compute_nodes)
 
     def dtensor_calls(self, compute_nodes: int, backward: bool) -> float:
         """The calls a PCG holding `compute_nodes` of the graph's compute nodes runs on DTensors under a tensor
