@@ -27,6 +27,7 @@ both in the stage's state dict.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from collections import Counter
@@ -38,7 +39,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import parsat  # noqa: E402
-from test_torch_native_runtime import _factory, _relative  # noqa: E402
+from test_torch_native_runtime import _factory, _relative, causal_loss_in_model_dtype  # noqa: E402
 
 TOLERANCE, LR, STEPS = 1e-4, 1e-2, 3
 
@@ -55,19 +56,27 @@ def hf_pipelined_plan(name: str):
     return replace(one, pipeline=PipelinePlan("1f1b", 2, 1, layout), devices=2, costs={})
 
 
-def hf_tensor_parallel_stages_plan(name: str):
+def hf_tensor_parallel_stages_plan(name: str, per_microbatch: bool = False, reduce_at_once: bool = True):
     """Megatron's tp 2 layout of the imported model (`megatron_pcg`) as the stage plan, cut into 2 stages before
     its last layer as `hf_pipelined_plan`, 1F1B, 2 micro-batches, on 4 devices (2 a stage): laid out by hand, as
-    `parsat.optimize` does not pipeline an imported graph."""
+    `parsat.optimize` does not pipeline an imported graph. Each partial sum reduced where it is made
+    (`reduce_at_once`, Megatron-LM's row-parallel layers): LLaMA's bias-free residual stream otherwise crosses the
+    cut as a partial sum, which no stage sends. `per_microbatch`: the graph imported at one micro-batch's size (as
+    the optimizer plans a pipelined step), so the plan's collectives and crossings count a micro-batch's
+    elements, as the runtime runs them."""
     from parsat.backend.executor import operator_library
     from parsat.ir.megatron import megatron_pcg
     from parsat.ir.pipeline import PipelinePlan, lay_out_stages, pcg_layers
 
     one = hf_pipelined_plan(name)
-    stage_plan = megatron_pcg(one.graph, operator_library(), (1, 2))
+    graph = one.graph
+    if per_microbatch:
+        module, example = _factory(name)()
+        graph = parsat.from_torch(module, tuple(x[: x.shape[0] // 2] for x in example)).with_microbatches(2)
+    stage_plan = megatron_pcg(graph, operator_library(), (1, 2), reduce_at_once=reduce_at_once)
     layers = pcg_layers(stage_plan)
     layout = lay_out_stages(stage_plan, [layers[0], layers[-1]], 2)
-    return replace(one, pcg=stage_plan, pipeline=PipelinePlan("1f1b", 2, 2, layout), devices=4)
+    return replace(one, graph=graph, pcg=stage_plan, pipeline=PipelinePlan("1f1b", 2, 2, layout), devices=4)
 
 
 def hf_job(ctx, plans: dict, folder: str) -> dict:
@@ -81,9 +90,13 @@ def hf_job(ctx, plans: dict, folder: str) -> dict:
     from parsat.backend.torch_native.apply import local_batch
     from parsat.importer.export import import_module
 
+    from test_torch_native_pipeline import counted_collectives
+
     out = {}
     for name, plan in plans.items():
         module, example = _factory(name)()
+        if name == "llama":   # its loss in float64, as the plan's graph computes it (transformers casts the logits to
+            module.model.loss_function = causal_loss_in_model_dtype   # float32, which tp's sums order otherwise)
         if name == "bert":   # every position a target: with ignored ones the micro-batches' mean of means is not
             example = (example[0], example[0].clone())   # the whole batch's mean (the lowering's note says so)
         imported = import_module(module, example, check=False)
@@ -92,8 +105,11 @@ def hf_job(ctx, plans: dict, folder: str) -> dict:
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
         ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
         rows: dict = {"losses": [], "ref_losses": [], "norms": [], "ref_norms": []}
-        for _ in range(STEPS):
-            loss = model.step(*local_batch(model, *example))
+        for step in range(STEPS):
+            with counted_collectives(model) if step == 0 else contextlib.nullcontext(Counter()) as counts:
+                loss = model.step(*local_batch(model, *example))
+            if step == 0:
+                rows["collectives"] = dict(counts)
             rows["norms"].append(float(model.clip_grad_norm_(max_norm=0.5)))
             optimizer.step()
             optimizer.zero_grad()

@@ -37,8 +37,9 @@ sum and the lookup `Partial`, so the residual stream after them stayed a partial
 forward and again backward (16 backward all-reduces a micro-batch on the gpt's two stages where the plan has 9,
 measured 2026-12-04): `local_products(..., sequence=False)` points them at the `tensor_parallel_*` functions,
 the same local computation with the row-parallel sum and the lookup all-reduced at once (the plan's), a whole
-column-parallel input's gradient left a partial sum that the products reading it add up and its reader
-all-reduces once (the plan's). An `nn.Linear` traces as `aten.linear` (weight [out, in], a bias): pointed at
+column-parallel input's gradient left a partial sum that the products reading it add up and `whole_gradient`
+(Megatron-LM's f, made once for each input however many products read it) all-reduces once (the plan's): what
+ran before the products (a norm) then sees the whole gradient, as the plan's backward has it. An `nn.Linear` traces as `aten.linear` (weight [out, in], a bias): pointed at
 the `*_linear` functions likewise (imported Hugging Face modules).
 
 Any other placement falls back to DTensor's own `matmul` (or `linear`). Why not a 3-D `mm` strategy or a placement rule for
@@ -100,6 +101,30 @@ def tensor_parallel_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     return _local_product(x, w, b, transposed=True, reduce=True)
 
 
+WHOLE_GRADIENT_ATTRIBUTE = "_parsat_whole_gradient"   # an input's `whole_gradient`, kept on the input itself
+
+
+def whole_gradient(x: torch.Tensor) -> torch.Tensor:
+    """Megatron-LM's f on a whole (`Replicate()`) input of a stage's column-parallel products: the same value; in
+    backward the products' partial gradients, added up first (q, k and v's), all-reduced here once, into the whole
+    gradient the code before them reads. Made once for each input (kept on it: the products of one input may sit
+    in separate traced submodules, HF's `q_proj`, `k_proj`, `v_proj`, which see the same DTensor). Without it the
+    partial sum ran back through what made the input wherever DTensor let it (an element-wise decomposed norm: HF
+    LLaMA's RMSNorm), each rank's piece rounded on its own in the norm's float32 section (1e-9 of a gradient,
+    2e-4 of a weight after 3 AdamW steps), and the norm's weight's gradient was all-reduced once more after the
+    step. Any other input is returned as it is."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(x, DTensor) or x.placements != (Replicate(),) or not x.requires_grad:
+        return x
+    made = x.__dict__.get(WHOLE_GRADIENT_ATTRIBUTE)
+    if made is None:
+        made = DTensor.from_local(x.to_local(), x.device_mesh, [Replicate()], run_check=False, shape=x.shape,
+                                  stride=x.stride())
+        setattr(x, WHOLE_GRADIENT_ATTRIBUTE, made)
+    return made
+
+
 def _local_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool,
                    reduce: bool, regather: bool = False) -> torch.Tensor:
     """The product of `x` and `w` (`w` [in, out], or [out, in] when `transposed`: `aten.linear`), plus `b`, on the
@@ -129,7 +154,7 @@ def _local_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tra
             and (b is None or _is_shard(b.placements[0], 0)):   # column-parallel
         # a whole input's gradient is left a partial sum, reduced once where it is read (every product reading
         # the input adds its own first: q, k and v's); redistributing it would all-reduce it for each product
-        gathered = x if xp == Replicate() else x.redistribute(mesh, [Replicate()])
+        gathered = whole_gradient(x) if xp == Replicate() else x.redistribute(mesh, [Replicate()])
         whole = gathered.to_local(grad_placements=[Partial()])
         bias = None if b is None else b.to_local()
         local = _keeping_the_shard(x, whole, lambda a: product(a, bias)) if regather and xp != Replicate() \
