@@ -210,8 +210,7 @@ def test_an_imported_models_tensor_parallel_stages_compute_their_nn_linear_produ
     """HF BERT with Megatron's tp 2 stage plan, traced and cut as the runtime does (no processes): each `nn.Linear`
     whose weight the plan splits traces as `aten.linear` and is pointed at `tensor_parallel_linear` (the plan's
     collectives only: tests/test_torch_native_sequence_products.py), the vocabulary-split lookup at
-    `tensor_parallel_embedding`. HF LLaMA's Megatron stage plan is not lowered: its residual stream crosses
-    between the stages as a partial sum (the lowering says so), so no traced stage of it runs."""
+    `tensor_parallel_embedding`."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     from parsat.backend.torch_native import sequence_products as products
@@ -245,12 +244,53 @@ def test_an_imported_models_tensor_parallel_stages_compute_their_nn_linear_produ
         assert targets["tensor_parallel_embedding"] == (index == 0), targets   # the word embeddings, first stage
         if index == 1:   # the encoder layer's 6 projections and the MLM head's: every one split on tp
             assert splits == len(linears) > 0, (splits, len(linears))
-    llama, llama_example = _factory("llama")()
-    llama_imported = import_module(llama, llama_example, check=False)
-    with pytest.raises(LoweringError, match="Partial"):
-        llama_plan = hf_tensor_parallel_stages_plan("llama")
-        lower_pipeline(llama_plan.pcg, llama_plan.graph, llama_plan.pipeline,
-                       module_info(llama, llama_imported.weights))
+
+
+def test_llamas_megatron_stage_plan_reduces_its_partial_sums_at_once_so_its_stages_send_whole_values():
+    """HF LLaMA's bias-free residual stream: Megatron's lazy layout (`megatron_pcg`) keeps it a partial sum from
+    norm to norm, so it crosses the cut as `Partial()`, which no traced stage sends: the lowering refuses it,
+    naming the node. Laid out with `reduce_at_once` (each row-parallel layer's and the lookup's sum all-reduced
+    where it is made, as Megatron-LM's layers do) every crossing is whole and the plan lowers: the same
+    all-reduces in total, of the same sizes (one per norm lazily, one per row-parallel sum at once), the cut's
+    moved to the stage that makes the sum. The built-in gpt (biases: every row sum reduced before its bias)
+    is laid out alike either way."""
+    from parsat.backend.executor import operator_library
+    from parsat.backend.torch_native.apply import module_info
+    from parsat.backend.torch_native.lowering import LoweringError
+    from parsat.backend.torch_native.pipeline_lowering import lower_pipeline
+    from parsat.importer.export import import_module
+    from parsat.ir.megatron import TP_AXIS, megatron_pcg
+    from parsat.ir.models import build_example
+    from parsat.ir.placement import FREE, PARTIAL, REPLICA
+    from test_torch_native_pipeline import SIZES
+
+    llama, example = _factory("llama")()
+    info = module_info(llama, import_module(llama, example, check=False).weights)
+    lazy, eager = hf_tensor_parallel_stages_plan("llama", reduce_at_once=False), hf_tensor_parallel_stages_plan("llama")
+    tp = eager.pcg.mesh.index(TP_AXIS)
+
+    def crossing_codes(plan):
+        return [plan.pcg.node(c.node).placement.codes[tp] for c in plan.pipeline.layout.crossings]
+
+    def reduces(plan):   # per stage: the sizes of the all-reduces on tp its chunks run
+        stage_of = {n: c.stage for c in plan.pipeline.layout.chunks for n in c.nodes}
+        return [sorted(n.shape for n in plan.pcg.nodes if n.op == "reduce" and stage_of.get(n.id) == s)
+                for s in range(2)]
+
+    assert PARTIAL in crossing_codes(lazy)
+    with pytest.raises(LoweringError, match=r"crosses from chunk 0 to chunk 1 as Partial\(\)"):
+        lower_pipeline(lazy.pcg, lazy.graph, lazy.pipeline, info)
+    assert set(crossing_codes(eager)) <= {FREE, REPLICA}
+    lowering = lower_pipeline(eager.pcg, eager.graph, eager.pipeline, info)
+    assert not lowering.sequence_crossings and lowering.stage.tensor_axis is not None
+    (lazy0, lazy1), (eager0, eager1) = reduces(lazy), reduces(eager)
+    assert sorted(lazy0 + lazy1) == sorted(eager0 + eager1)   # the same all-reduces, of the same sizes
+    assert len(eager0) == len(lazy0) + 1 and len(eager1) == len(lazy1) - 1   # the cut's, on the stage before it
+    library = operator_library()
+    gpt = build_example("gpt", SIZES, library)
+    for sequence in (False, True):
+        assert megatron_pcg(gpt, library, (1, 2), sequence=sequence).nodes == \
+            megatron_pcg(gpt, library, (1, 2), sequence=sequence, reduce_at_once=True).nodes
 
 
 @pytest.mark.slow
@@ -273,3 +313,49 @@ def test_bert_with_tensor_parallel_stages_on_four_ranks_trains_like_one_process(
         assert min(run["ref_norms"]) > 0.5 and run["worst_weight"] <= TOLERANCE, run
     assert runs[0]["params"] == runs[1]["params"] and runs[2]["params"] == runs[3]["params"]   # tp twins
     assert _loads_into_the_unmodified_module(tmp_path, "bert") == 0.0
+
+
+@pytest.mark.slow
+def test_llama_with_tensor_parallel_stages_on_four_ranks_trains_like_one_process_with_the_plans_collectives(tmp_path):
+    """HF LLaMA pp 2 x tp 2 (1F1B, 2 micro-batches, 4 gloo ranks): Megatron's tp 2 stage plan with its partial sums
+    reduced where they are made (`reduce_at_once`: the residual stream crosses the cut whole, as Megatron-LM sends
+    it), planned at one micro-batch's size so its counts are the runtime's. Trained 3 AdamW steps with the
+    pipeline's clipped norm like the unmodified module in one process (float64, its loss too), every parameter a
+    DTensor, the checkpoint loading into the unmodified module; each rank's first-step collectives (functional
+    collectives inside the schedule and after it, sends to the other stage) are its stage's in the plan, every one
+    of them, and beyond them only what torch's tracer adds: the rotary tables (cos, sin: [1, seq, head_dim] each),
+    which the plan computes on each stage from the positions, cross the cut, forward and their gradients back, and
+    the last stage all-reduces their gradients (partial sums over its heads) as it receives them. The labels hop
+    along whole (integers). Until 2026-12-05 the lowering refused the plan (`Partial()` crossing), export's dtype
+    assertion stopped DTensor, and the RMSNorm's partial gradients left weights 2e-4 apart: this fails then."""
+    from collections import Counter
+
+    from test_torch_native_pipeline import plan_collectives
+
+    from parsat.backend.launch import LaunchConfig, launch
+
+    plan = hf_tensor_parallel_stages_plan("llama", per_microbatch=True)
+    module, example = _factory("llama")()
+    config, m = module.model.config, plan.pipeline.microbatches
+    rotary = example[0].shape[1] * (config.hidden_size // config.num_attention_heads)   # one table, a micro-batch
+    results = launch(hf_job, ({"llama": plan.to_dict()}, str(tmp_path)),
+                     LaunchConfig(nproc=4, backend="gloo", timeout_s=900))
+    runs = [r["llama"] for r in results]
+    print(json.dumps({k: runs[0][k] for k in ("losses", "ref_losses", "norms", "ref_norms", "worst_weight")}))
+    for run in runs:
+        assert run["not_dtensor"] == [], run["not_dtensor"]
+        for key in ("losses", "norms"):
+            for got, want in zip(run[key], run["ref_" + key]):
+                assert abs(got - want) <= TOLERANCE * abs(want), (key, run[key], run["ref_" + key])
+        assert min(run["ref_norms"]) > 0.5 and run["worst_weight"] <= TOLERANCE, run
+    assert runs[0]["params"] == runs[1]["params"] and runs[2]["params"] == runs[3]["params"]   # tp twins
+    planned = plan_collectives(plan)
+    traced = [{"send fwd": 2 * m * rotary},   # beyond the plan's, per stage
+              {"send bwd": 2 * m * rotary, f"schedule bwd all-reduce {rotary}": 2 * m}]
+    for rank, run in enumerate(runs):
+        got, want = Counter(run["collectives"]), planned[rank // 2]
+        labels = got.pop("send fwd int", 0)
+        assert labels % example[0].numel() == 0 and bool(labels) == (rank < 2), labels   # whole, stage 0 only
+        assert want["schedule fwd all-reduce 16384"] and want["schedule bwd all-reduce 16384"], want
+        assert (dict(got - want), dict(want - got)) == (traced[rank // 2], {}), (rank, got, want)
+    assert _loads_into_the_unmodified_module(tmp_path, "llama") == 0.0
