@@ -348,6 +348,40 @@ def test_an_element_wise_norms_input_gradient_is_whole_before_the_norm_and_its_w
     assert dict(counts) == {"fwd all_reduce": 1, "bwd all_reduce": 1}
 
 
+def test_conv1d_products_as_traced_addmm_run_on_local_pieces_with_the_plans_all_reduces(two_local_ranks):
+    """transformers' `Conv1D` (GPT-2: weight [in, out], `addmm(bias, x.view(-1, in), w)` in a traced stage):
+    `tensor_parallel_addmm` computes a column-parallel one (weight `Shard(1)`, bias `Shard(0)`) and a row-parallel
+    one (weight `Shard(0)`, bias whole, added after the all-reduce) on the local pieces, equal to the unsplit
+    MLP, values and every gradient, with one all-reduce forward (the row sum) and one backward (the whole input's
+    gradient); a scaled `addmm` is DTensor's own."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    from parsat.backend.torch_native.sequence_products import tensor_parallel_addmm
+
+    mesh = two_local_ranks
+    g = torch.Generator().manual_seed(8)
+    tensors = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in ((8, 6), (6, 10), (10,), (10, 6),
+                                                                                 (6,))]
+
+    def conv1d_mlp(addmm, x, w1, b1, w2, b2):
+        return addmm(b2, addmm(b1, x.tanh(), w1).tanh(), w2)
+
+    whole = [t.clone().requires_grad_() for t in tensors]
+    conv1d_mlp(torch.addmm, *whole).square().sum().backward()
+    placements = (Replicate(), Shard(1), Shard(0), Shard(0), Replicate())
+    split = [distribute_tensor(t, mesh, [p]).requires_grad_() for t, p in zip(tensors, placements)]
+    with counted() as counts, implicit_replication():
+        out = conv1d_mlp(tensor_parallel_addmm, *split)
+        out.to_local().square().sum().backward()
+    assert out.placements == (Replicate(),)
+    for got, t in zip(split, whole):
+        assert torch.allclose(got.grad.full_tensor(), t.grad, rtol=1e-12, atol=1e-12)
+    assert dict(counts) == {"fwd all_reduce": 1, "bwd all_reduce": 1}
+    scaled = tensor_parallel_addmm(split[2], split[0], split[1], beta=0.5)
+    assert torch.allclose(scaled.full_tensor(), torch.addmm(tensors[2], tensors[0], tensors[1], beta=0.5))
+
+
 @pytest.mark.parametrize("name", ["matmul", "linear"])
 def test_a_column_parallel_product_gathers_its_input_again_in_backward_where_the_machine_regathers(two_local_ranks,
                                                                                                     name):
