@@ -147,6 +147,16 @@ def _loads_into_the_unmodified_module(folder: Path, name: str) -> float:
     return max(_relative(fresh.get_parameter(n).detach(), t) for n, t in held.items())
 
 
+def _trains_like_one_process(run: dict) -> None:
+    """One rank's run (`hf_job`): every parameter a DTensor, losses and clipped norms those of the unmodified module
+    in one process, the norms clipped, the final weights equal."""
+    assert run["not_dtensor"] == [], run["not_dtensor"]
+    for key in ("losses", "norms"):
+        for got, want in zip(run[key], run["ref_" + key]):
+            assert abs(got - want) <= TOLERANCE * abs(want), (key, run[key], run["ref_" + key])
+    assert min(run["ref_norms"]) > 0.5 and run["worst_weight"] <= TOLERANCE, run
+
+
 def test_bert_is_cut_before_the_layer_norm_that_begins_its_second_block():
     """No submodule of BERT holds the importer's block 1 alone (it begins with `encoder.layer.0.output.LayerNorm`):
     the cut is before that LayerNorm, the block's first weight read, so the stages hold the chunks' parameters;
@@ -306,11 +316,7 @@ def test_bert_with_tensor_parallel_stages_on_four_ranks_trains_like_one_process(
     runs = [r["bert"] for r in results]
     print(json.dumps({k: runs[0][k] for k in ("losses", "ref_losses", "norms", "ref_norms", "worst_weight")}))
     for run in runs:
-        assert run["not_dtensor"] == [], run["not_dtensor"]
-        for key in ("losses", "norms"):
-            for got, want in zip(run[key], run["ref_" + key]):
-                assert abs(got - want) <= TOLERANCE * abs(want), (key, run[key], run["ref_" + key])
-        assert min(run["ref_norms"]) > 0.5 and run["worst_weight"] <= TOLERANCE, run
+        _trains_like_one_process(run)
     assert runs[0]["params"] == runs[1]["params"] and runs[2]["params"] == runs[3]["params"]   # tp twins
     assert _loads_into_the_unmodified_module(tmp_path, "bert") == 0.0
 
@@ -343,11 +349,7 @@ def test_llama_with_tensor_parallel_stages_on_four_ranks_trains_like_one_process
     runs = [r["llama"] for r in results]
     print(json.dumps({k: runs[0][k] for k in ("losses", "ref_losses", "norms", "ref_norms", "worst_weight")}))
     for run in runs:
-        assert run["not_dtensor"] == [], run["not_dtensor"]
-        for key in ("losses", "norms"):
-            for got, want in zip(run[key], run["ref_" + key]):
-                assert abs(got - want) <= TOLERANCE * abs(want), (key, run[key], run["ref_" + key])
-        assert min(run["ref_norms"]) > 0.5 and run["worst_weight"] <= TOLERANCE, run
+        _trains_like_one_process(run)
     assert runs[0]["params"] == runs[1]["params"] and runs[2]["params"] == runs[3]["params"]   # tp twins
     planned = plan_collectives(plan)
     traced = [{"send fwd": 2 * m * rotary},   # beyond the plan's, per stage
@@ -384,11 +386,7 @@ def test_gpt2_with_tensor_parallel_stages_on_four_ranks_trains_like_one_process(
     print(json.dumps({k: runs[0][k] for k in ("losses", "ref_losses", "norms", "ref_norms", "worst_weight")}))
     planned = plan_collectives(plan)
     for rank, run in enumerate(runs):
-        assert run["not_dtensor"] == [], run["not_dtensor"]
-        for key in ("losses", "norms"):
-            for got, want in zip(run[key], run["ref_" + key]):
-                assert abs(got - want) <= TOLERANCE * abs(want), (key, run[key], run["ref_" + key])
-        assert min(run["ref_norms"]) > 0.5 and run["worst_weight"] <= TOLERANCE, run
+        _trains_like_one_process(run)
         forward = {k: n for k, n in Counter(run["collectives"]).items() if k.startswith("schedule fwd all-reduce")}
         assert forward == {k: n for k, n in planned[rank // 2].items() if k.startswith("schedule fwd all-reduce")}
     assert _loads_into_the_unmodified_module(tmp_path, "gpt2") == 0.0
