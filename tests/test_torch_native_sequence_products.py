@@ -311,6 +311,77 @@ def test_a_whole_input_read_by_several_column_parallel_products_has_its_gradient
     assert dict(counts) == {"fwd all_reduce": 1, "bwd all_reduce": 1}
 
 
+def test_an_element_wise_norms_input_gradient_is_whole_before_the_norm_and_its_weights_gradient_too(two_local_ranks):
+    """HF LLaMA's RMSNorm, element-wise ops with a float32 section (`.to(torch.float32)`, pow, mean, rsqrt, the
+    weight's product), read by q, k and v as separate products: `whole_gradient` (Megatron's f, made once for
+    the input however many products read it) all-reduces their summed partial gradient once before the norm's
+    backward, so the norm's weight's gradient is whole (`Replicate()`, nothing more to reduce after the step) and
+    every gradient is the unsplit one's. Without it DTensor carried the partial sum back through the norm: the
+    weight's gradient `Partial()`, each rank's piece rounded to float32 on its own."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    from parsat.backend.torch_native.sequence_products import tensor_parallel_linear
+
+    mesh = two_local_ranks
+    g = torch.Generator().manual_seed(7)
+    tensors = [torch.randn(shape, generator=g, dtype=torch.float64)
+               for shape in ((2, 4, 6), (6,), *[(8, 6)] * 3, (6, 8))]
+
+    def rms_attention(linear, x, gain, wq, wk, wv, wo):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        a = gain * h.to(x.dtype)
+        q, k, v = (linear(a, w) for w in (wq, wk, wv))
+        return x + linear((q * k).tanh() * v, wo)
+
+    whole = [t.clone().requires_grad_() for t in tensors]
+    rms_attention(F.linear, *whole).square().sum().backward()
+    placements = (Replicate(), Replicate(), Shard(0), Shard(0), Shard(0), Shard(1))
+    split = [distribute_tensor(t, mesh, [p]).requires_grad_() for t, p in zip(tensors, placements)]
+    with counted() as counts, implicit_replication():
+        rms_attention(tensor_parallel_linear, *split).to_local().square().sum().backward()
+    assert split[1].grad.placements == (Replicate(),), split[1].grad.placements   # the norm's weight: whole
+    for got, t in zip(split, whole):
+        assert torch.allclose(got.grad.full_tensor(), t.grad, rtol=1e-12, atol=1e-12)
+    assert dict(counts) == {"fwd all_reduce": 1, "bwd all_reduce": 1}
+
+
+def test_conv1d_products_as_traced_addmm_run_on_local_pieces_with_the_plans_all_reduces(two_local_ranks):
+    """transformers' `Conv1D` (GPT-2: weight [in, out], `addmm(bias, x.view(-1, in), w)` in a traced stage):
+    `tensor_parallel_addmm` computes a column-parallel one (weight `Shard(1)`, bias `Shard(0)`) and a row-parallel
+    one (weight `Shard(0)`, bias whole, added after the all-reduce) on the local pieces, equal to the unsplit
+    MLP, values and every gradient, with one all-reduce forward (the row sum) and one backward (the whole input's
+    gradient); a scaled `addmm` is DTensor's own."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    from parsat.backend.torch_native.sequence_products import tensor_parallel_addmm
+
+    mesh = two_local_ranks
+    g = torch.Generator().manual_seed(8)
+    tensors = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in ((8, 6), (6, 10), (10,), (10, 6),
+                                                                                 (6,))]
+
+    def conv1d_mlp(addmm, x, w1, b1, w2, b2):
+        return addmm(b2, addmm(b1, x.tanh(), w1).tanh(), w2)
+
+    whole = [t.clone().requires_grad_() for t in tensors]
+    conv1d_mlp(torch.addmm, *whole).square().sum().backward()
+    placements = (Replicate(), Shard(1), Shard(0), Shard(0), Replicate())
+    split = [distribute_tensor(t, mesh, [p]).requires_grad_() for t, p in zip(tensors, placements)]
+    with counted() as counts, implicit_replication():
+        out = conv1d_mlp(tensor_parallel_addmm, *split)
+        out.to_local().square().sum().backward()
+    assert out.placements == (Replicate(),)
+    for got, t in zip(split, whole):
+        assert torch.allclose(got.grad.full_tensor(), t.grad, rtol=1e-12, atol=1e-12)
+    assert dict(counts) == {"fwd all_reduce": 1, "bwd all_reduce": 1}
+    scaled = tensor_parallel_addmm(split[2], split[0], split[1], beta=0.5)
+    assert torch.allclose(scaled.full_tensor(), torch.addmm(tensors[2], tensors[0], tensors[1], beta=0.5))
+
+
 @pytest.mark.parametrize("name", ["matmul", "linear"])
 def test_a_column_parallel_product_gathers_its_input_again_in_backward_where_the_machine_regathers(two_local_ranks,
                                                                                                     name):

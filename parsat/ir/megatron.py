@@ -27,7 +27,12 @@ and nothing is placed by hand:
   contraction dim, a partial sum) where it arrives split along its last
   dim, the embedding vocabulary-parallel (one-hot ids and table split on
   the vocabulary, a partial sum). A partial sum is all-reduced lazily,
-  where the next operator does not accept it. A row-parallel `linear` runs
+  where the next operator does not accept it (a bias-free residual stream,
+  LLaMA's, stays a partial sum from norm to norm); with `reduce_at_once`
+  a contraction's partial sum is all-reduced (reduce-scattered, with
+  `sequence`) where it is made, as Megatron-LM's row-parallel layers do
+  (its g), so every value between layers is whole or split along the
+  sequence: what a pipeline stage sends. A row-parallel `linear` runs
   as `linear_nobias` then `bias_add` (its semantics: the same sum plus the
   bias), so its bias is added once after the all-reduce, as Megatron-LM
   adds it; that bias stays whole on the axis. Every other operator follows
@@ -92,7 +97,8 @@ def contraction_weights(graph: Graph) -> frozenset[str]:
 
 def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], devices_per_node: int = 1, *,
                  zero: int = 0, sequence: bool = False, cache: dict | None = None,
-                 kin: dict | None = None, vocabulary_loss: bool = False) -> PCG | None:
+                 kin: dict | None = None, vocabulary_loss: bool = False,
+                 reduce_at_once: bool = False) -> PCG | None:
     """Megatron-LM's layout of `graph` on the mesh `dp x tp` (`mesh_shape`; the module docstring), ZeRO-3
     over the data axis with `zero=3`, sequence parallelism with `sequence`. An axis of size 1 is left out of
     the mesh; with `tp == 1` it is data parallelism (`ir.data_parallel`, whose one-axis mesh it is).
@@ -103,7 +109,12 @@ def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], de
     cross-entropy (`vocabulary_steps`) rather than gathering the logits. Off by default; the search's grid
     (`search.baselines`) asks for it, as Megatron-LM runs: a grid point can be the plan of an imported module,
     whose own cross-entropy the torch runtime runs on the head's split logits as DTensor's loss parallelism
-    (`backend.torch_native.loss_parallel`).
+    (`backend.torch_native.loss_parallel`). `reduce_at_once`: each contraction's partial sum on the tensor axis
+    reduced where it is made (the module docstring), for a stage plan that is cut into pipeline stages: the lazy
+    layout's residual stream of a bias-free model crosses a cut as a partial sum, which a stage cannot send as
+    Megatron-LM does (whole, or its piece of the sequence); the same collectives, of the same sizes, in total
+    (one per norm lazily, one per row-parallel layer and embedding at once), placed on the stage that makes the
+    sum. Not with `kin` (the grid's layouts are lazy).
 
     None where the graph cannot be laid out that way (an operator that accepts no placement its inputs can
     be brought to, a size that does not split): the grid then has no such point."""
@@ -112,6 +123,8 @@ def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], de
         raise ValueError(f"zero must be one of {ZERO_LEVELS}, got {zero!r}")
     if dp < 1 or tp < 1 or dp * tp < 2:
         return None
+    if reduce_at_once and kin is not None:
+        raise ValueError("reduce_at_once layouts are not shared through kin")
     kinship = _Kin.of(kin, library) if kin is not None else None
     if tp == 1 and kinship is None:
         return data_parallel_pcg(graph, library, dp, devices_per_node, zero3=zero == 3)
@@ -124,7 +137,7 @@ def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], de
     if tp == 1:   # data parallelism (`_Kin`: its build reads the sizes as this one's does)
         pcg = data_parallel_pcg(graph, library, dp, devices_per_node, zero3=zero == 3, cache=kinship.placements)
     else:
-        pcg = _built_layout(graph, mesh, zero, sequence, memo, cache, vocabulary_loss)
+        pcg = _built_layout(graph, mesh, zero, sequence, memo, cache, vocabulary_loss, reduce_at_once)
     if kinship is not None:
         kinship.keep(graph, memo, mesh, sequence, zero, pcg)
     return pcg
@@ -134,18 +147,19 @@ _NONE = object()   # `_Kin.layout`: no kin graph's layout to rescale
 
 
 def _built_layout(graph: Graph, mesh: Mesh, zero: int, sequence: bool, memo: "_Memo",
-                  cache: dict | None, vocabulary_loss: bool = False) -> PCG | None:
+                  cache: dict | None, vocabulary_loss: bool = False, reduce_at_once: bool = False) -> PCG | None:
     """`megatron_pcg` on a mesh with a tensor axis, for this graph: built, or its ZeRO-3 form derived from the
     layout without it where `cache` holds that one's build."""
     # the builds without ZeRO-3 by (graph, mesh, sequence), beside the memo rather than in it: a builder holds the
     # memo, so the memo holding builders would be a cycle that only the collector frees
     builds = cache.setdefault("built", {}) if cache is not None else {}
-    built = builds.get((id(graph), mesh, sequence, vocabulary_loss)) if zero == 3 else None
+    key = (id(graph), mesh, sequence, vocabulary_loss, reduce_at_once)
+    built = builds.get(key) if zero == 3 else None
     if built is not None and built[2] is graph:   # built without ZeRO-3: its weights' chains rewritten
         derived = built[0].sharded_nodes(built[1])
         if derived is not None:
             return _live(derived[0], derived[1], tuple(graph.outputs), mesh)
-    build = _MegatronBuilder(graph, mesh, zero == 3, sequence, memo, vocabulary_loss)
+    build = _MegatronBuilder(graph, mesh, zero == 3, sequence, memo, vocabulary_loss, reduce_at_once)
     for leaf in graph.leaves:
         build.place_leaf(leaf)
     for gnode in graph.nodes:
@@ -157,7 +171,7 @@ def _built_layout(graph: Graph, mesh: Mesh, zero: int, sequence: bool, memo: "_M
     if any(o is None for o in outputs):
         return None
     if zero == 0 and cache is not None:
-        builds[(id(graph), mesh, sequence, vocabulary_loss)] = (build, outputs, graph)
+        builds[key] = (build, outputs, graph)
     return _live(build.nodes, outputs, tuple(graph.outputs), mesh)
 
 
@@ -440,9 +454,9 @@ class _MegatronBuilder:
     a rotary one is replicated as an input, whose copies need no gradient."""
 
     def __init__(self, graph: Graph, mesh: Mesh, zero3: bool, sequence: bool, memo: _Memo,
-                 vocabulary_loss: bool = False):
+                 vocabulary_loss: bool = False, reduce_at_once: bool = False):
         self.mesh, self.zero3, self.sequence, self.memo = mesh, zero3, sequence, memo
-        self.vocabulary_loss = vocabulary_loss
+        self.vocabulary_loss, self.reduce_at_once = vocabulary_loss, reduce_at_once
         self.data = mesh.index(DP_AXIS) if DP_AXIS in mesh.names else None
         self.tensor = mesh.index(TP_AXIS)
         self.graph_nodes = {n.name: n for n in graph.nodes}
@@ -559,7 +573,24 @@ class _MegatronBuilder:
             except PlacementError:
                 continue
             self.forms[name] = {placement: node}
+            if self.reduce_at_once and op in CONTRACTIONS and placement.codes[self.tensor] == PARTIAL:
+                return self.reduced_at_once(name, placement, len(shape))
             return True
+        return False
+
+    def reduced_at_once(self, name: str, placement: Placement, rank: int) -> bool:
+        """A contraction's partial sum `name` (`reduce_at_once`) brought out of its partial form on the tensor axis
+        at once, the cheapest way (`conversion`: reduce-scattered along the sequence with `sequence`, else
+        all-reduced), and kept only so: its readers read the reduced value."""
+        options = [FREE] + ([shard(1)] if self.sequence and rank == 3 else [])
+        steps = sorted((step[0], code) for code in options
+                       if (step := self.conversion(PARTIAL, code, self.tensor, rank)) is not None)
+        for _price, code in steps:
+            target = Placement(tuple(code if a == self.tensor else c for a, c in enumerate(placement.codes)))
+            made = self.convert(name, target)
+            if made is not None:
+                self.forms[name] = {target: made}
+                return True
         return False
 
     def known_options(self, key: tuple, instance: OpInstance, op: str, operands: Sequence[_Operand],

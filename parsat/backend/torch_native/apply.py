@@ -294,6 +294,7 @@ def traced_tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh, prefi
     from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 
     from parsat.backend.torch_native.sequence_products import local_products, split_weights
+    from parsat.backend.torch_native.traced_graphs import drop_assertions
 
     dims = _stored_dims(lowering, SPLIT)
     # one DTensor per parameter, however many names it has (a tie stays one); the original kept, so its id stays its
@@ -313,6 +314,7 @@ def traced_tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh, prefi
         from parsat.backend.torch_native.loss_parallel import traced_losses
 
         traced_losses(module)
+    drop_assertions(module)   # export's dtype checks, which DTensor cannot run (`traced_graphs.TRACED_ASSERTIONS`)
     local_products(module, split_weights(dims, prefix), sequence, regather, [prefix + name for name in recomputed])
     if not sequence:
         distribute_module(module, tp_mesh, partition, _replicated_inputs, _whole_outputs)

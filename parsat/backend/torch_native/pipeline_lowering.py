@@ -56,7 +56,7 @@ from parsat.ir.graph import Graph
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import PCG, WEIGHT
 from parsat.ir.pipeline import GPIPE, INTERLEAVED, ONE_F_ONE_B, Chunk, PipelinePlan, StageLayout
-from parsat.ir.placement import FREE, REPLICA, code_text, shard
+from parsat.ir.placement import FREE, PARTIAL, REPLICA, code_text, shard
 
 TORCH_SCHEDULES = {GPIPE: "ScheduleGPipe", ONE_F_ONE_B: "Schedule1F1B", INTERLEAVED: "ScheduleInterleaved1F1B"}
 PIPELINE_AXIS_NAME = "pp"
@@ -243,7 +243,9 @@ def _sequence_crossings(pcg: PCG, layout: StageLayout, lowering: Lowering | None
                 f"node #{node.id} {node.label}{origin} crosses from chunk {crossing.source} to chunk "
                 f"{crossing.target} as {code_text(code)} on tensor axis {lowering.mesh.names[axis]}: the traced "
                 "stages send each value whole, or each tp rank its piece of the sequence (Shard(1)) when every "
-                "crossing is so split; another split, or crossings split differently, is not lowered")
+                "crossing is so split; another split, or crossings split differently, is not lowered"
+                + (" (a partial sum crosses: lay the stage plan out with its partial sums reduced where they are made, "
+                   "as Megatron-LM does: `megatron_pcg(..., reduce_at_once=True)`)" if code == PARTIAL else ""))
     return "sequence" in codes.values()
 
 

@@ -37,8 +37,9 @@ sum and the lookup `Partial`, so the residual stream after them stayed a partial
 forward and again backward (16 backward all-reduces a micro-batch on the gpt's two stages where the plan has 9,
 measured 2026-12-04): `local_products(..., sequence=False)` points them at the `tensor_parallel_*` functions,
 the same local computation with the row-parallel sum and the lookup all-reduced at once (the plan's), a whole
-column-parallel input's gradient left a partial sum that the products reading it add up and its reader
-all-reduces once (the plan's). An `nn.Linear` traces as `aten.linear` (weight [out, in], a bias): pointed at
+column-parallel input's gradient left a partial sum that the products reading it add up and `whole_gradient`
+(Megatron-LM's f, made once for each input however many products read it) all-reduces once (the plan's): what
+ran before the products (a norm) then sees the whole gradient, as the plan's backward has it. An `nn.Linear` traces as `aten.linear` (weight [out, in], a bias): pointed at
 the `*_linear` functions likewise (imported Hugging Face modules).
 
 Any other placement falls back to DTensor's own `matmul` (or `linear`). Why not a 3-D `mm` strategy or a placement rule for
@@ -100,20 +101,59 @@ def tensor_parallel_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     return _local_product(x, w, b, transposed=True, reduce=True)
 
 
+WHOLE_GRADIENT_ATTRIBUTE = "_parsat_whole_gradient"   # an input's `whole_gradient`, kept on the input itself
+
+
+def whole_gradient(x: torch.Tensor) -> torch.Tensor:
+    """Megatron-LM's f on a whole (`Replicate()`) input of a stage's column-parallel products: the same value; in
+    backward the products' partial gradients, added up first (q, k and v's), all-reduced here once, into the whole
+    gradient the code before them reads. Made once for each input (kept on it: the products of one input may sit
+    in separate traced submodules, HF's `q_proj`, `k_proj`, `v_proj`, which see the same DTensor). Without it the
+    partial sum ran back through what made the input wherever DTensor let it (an element-wise decomposed norm: HF
+    LLaMA's RMSNorm), each rank's piece rounded on its own in the norm's float32 section (1e-9 of a gradient,
+    2e-4 of a weight after 3 AdamW steps), and the norm's weight's gradient was all-reduced once more after the
+    step. Any other input is returned as it is."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(x, DTensor) or x.placements != (Replicate(),) or not x.requires_grad:
+        return x
+    made = x.__dict__.get(WHOLE_GRADIENT_ATTRIBUTE)
+    if made is None:
+        made = DTensor.from_local(x.to_local(), x.device_mesh, [Replicate()], run_check=False, shape=x.shape,
+                                  stride=x.stride())
+        setattr(x, WHOLE_GRADIENT_ATTRIBUTE, made)
+    return made
+
+
+def tensor_parallel_addmm(b: torch.Tensor, x: torch.Tensor, w: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    """`aten.addmm(b, x, w)` in a traced stage without sequence parallelism: transformers' `Conv1D` (GPT-2's
+    projections, weight [in, out], `x` flattened to [rows, in]), as `tensor_parallel_linear` computes it on the
+    local pieces: column-parallel of a whole `x` (its gradient's partial sum reduced once, `whole_gradient`), or
+    row-parallel of an `x` split along its last dim (the sum all-reduced at once, the bias added after); DTensor's
+    own `addmm` otherwise (another placement, a scaled product)."""
+    if beta != 1 or alpha != 1:
+        return torch.addmm(b, x, w, beta=beta, alpha=alpha)
+    return _local_product(x, w, b, transposed=False, reduce=True, flat=True)
+
+
 def _local_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool,
-                   reduce: bool, regather: bool = False) -> torch.Tensor:
+                   reduce: bool, regather: bool = False, flat: bool = False) -> torch.Tensor:
     """The product of `x` and `w` (`w` [in, out], or [out, in] when `transposed`: `aten.linear`), plus `b`, on the
     local pieces: column-parallel (`w` split along out, `x` whole or split along the sequence: gathered, the
     plan's all-gather, its gradient's partial sums reduced back as it entered) or row-parallel (`x` split along
     its last dim, `w` along in: a `Partial()` sum, all-reduced here when `reduce`); DTensor's own product of
     any other placement. `regather`: a column-parallel product of a sequence-split input keeps the input's shard
-    for backward, not the gathered input (`_keeping_the_shard`)."""
+    for backward, not the gathered input (`_keeping_the_shard`). `flat`: `x` is [rows, in] (`addmm`), whole or
+    split along its last dim only (no sequence dim to be split along)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     def dtensor_own():
+        if flat:
+            return torch.addmm(b, x, w)
         return torch.nn.functional.linear(x, w, b) if transposed else torch.matmul(x, w)
 
-    if not (isinstance(x, DTensor) and isinstance(w, DTensor)) or w.ndim != 2 or x.ndim <= SEQ_DIM + 1 \
+    if not (isinstance(x, DTensor) and isinstance(w, DTensor)) or w.ndim != 2 \
+            or x.ndim <= (1 if flat else SEQ_DIM + 1) or (flat and b is None) \
             or x.device_mesh.ndim != 1 or w.device_mesh != x.device_mesh \
             or (b is not None and (not isinstance(b, DTensor) or b.device_mesh != x.device_mesh)):
         return dtensor_own()
@@ -123,13 +163,15 @@ def _local_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tra
     stride = torch.empty(shape, device="meta").stride()
 
     def product(a: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.nn.functional.linear(a, w.to_local(), bias) if transposed else a @ w.to_local()
+        if transposed:
+            return torch.nn.functional.linear(a, w.to_local(), bias)
+        return a @ w.to_local() if bias is None else torch.addmm(bias, a, w.to_local())   # `flat` alone has one
 
-    if _is_shard(wp, out_dim) and (_is_shard(xp, SEQ_DIM) or xp == Replicate()) \
+    if _is_shard(wp, out_dim) and ((_is_shard(xp, SEQ_DIM) and not flat) or xp == Replicate()) \
             and (b is None or _is_shard(b.placements[0], 0)):   # column-parallel
         # a whole input's gradient is left a partial sum, reduced once where it is read (every product reading
         # the input adds its own first: q, k and v's); redistributing it would all-reduce it for each product
-        gathered = x if xp == Replicate() else x.redistribute(mesh, [Replicate()])
+        gathered = whole_gradient(x) if xp == Replicate() else x.redistribute(mesh, [Replicate()])
         whole = gathered.to_local(grad_placements=[Partial()])
         bias = None if b is None else b.to_local()
         local = _keeping_the_shard(x, whole, lambda a: product(a, bias)) if regather and xp != Replicate() \
@@ -245,9 +287,10 @@ def local_products(module: nn.Module, split: Callable[[str], bool], sequence: bo
     the cost model keeps nothing of them); the count made."""
     matmul, linear, embedding = torch.ops.aten.matmul.default, torch.ops.aten.linear.default, \
         torch.ops.aten.embedding.default
+    addmm = torch.ops.aten.addmm.default
     products = (sequence_parallel_matmul, sequence_parallel_linear) if sequence else \
         (tensor_parallel_matmul, tensor_parallel_linear)
-    local = {matmul: products[0], linear: products[1],
+    local = {matmul: products[0], linear: products[1], addmm: tensor_parallel_addmm,
              embedding: vocabulary_parallel_embedding if sequence else tensor_parallel_embedding}
     regathering = {matmul: sequence_parallel_regathering_matmul, linear: sequence_parallel_regathering_linear}
 
@@ -258,6 +301,8 @@ def local_products(module: nn.Module, split: Callable[[str], bool], sequence: bo
             weight = node.args[1] if _is_attr(node.args[1]) else None
         elif node.target is embedding and node.args and _is_attr(node.args[0]):
             weight = node.args[0]
+        elif node.target is addmm and not sequence and len(node.args) == 3 and _is_attr(node.args[2]):
+            weight = node.args[2]   # transformers' Conv1D; under sequence parallelism DTensor's own (not reached)
         else:
             return None
         if weight is None or not split(f"{prefix}.{weight.target}" if prefix else str(weight.target)):

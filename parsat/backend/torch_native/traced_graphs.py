@@ -28,3 +28,26 @@ def retarget(module: nn.Module, choose: Callable[[str, torch.fx.Node], Callable 
         if changed and hasattr(sub, "recompile"):   # an fx GraphModule; an InterpreterModule runs its graph as it is
             sub.recompile()
     return made
+
+
+# checks torch.export records in a traced graph that return nothing (HF LLaMA's RMSNorm `.to(torch.float32)`
+# traces as `_assert_tensor_metadata` of its input's dtype): DTensor has no sharding strategy for them, so a
+# stage running on DTensors fails there; the traced values already carry what they check
+TRACED_ASSERTIONS = ("_assert_tensor_metadata",)
+
+
+def drop_assertions(module: nn.Module) -> int:
+    """The unused `TRACED_ASSERTIONS` calls erased from the graphs of `module` and its submodules; the count."""
+    dropped = 0
+    for sub in module.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        found = [node for node in graph.nodes if node.op == "call_function" and not node.users
+                 and getattr(getattr(node.target, "_overloadpacket", None), "__name__", "") in TRACED_ASSERTIONS]
+        for node in found:
+            graph.erase_node(node)
+        if found and hasattr(sub, "recompile"):
+            sub.recompile()
+        dropped += len(found)
+    return dropped
