@@ -24,8 +24,9 @@ identity keep that object alive beside the answer), so the plan is the same.
 Once the search's own reference cycles were gone (an error held in a local of a frame its traceback holds:
 `search.extract`, `search.microbatches`, `search.optimize`), what the older generations found was survivors
 to rescan, not garbage: on llama-70b:64 the first generation every 200,000 allocations and the older ones
-every 1,000 collections below took the collector from 2.2 to 1.1 CPU s (15 second-generation collections to
-none), peak RSS 1,214 -> 1,213 MiB (benchmarks/search_results.md, 2026-12-05, helper L).
+every 1,000 collections below took the collector from 2.2 to 1.1 CPU s (the middle generation's collections
+from 0.9-1.2 CPU s to under 0.01), peak RSS 1,214 -> 1,213 MiB (benchmarks/search_results.md, 2026-12-05,
+helper L).
 
 The thresholds are the process's, so they are set for the search's duration
 and put back after it, also when it raises; a search inside another (the
