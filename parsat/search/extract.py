@@ -57,6 +57,11 @@ class ExtractionError(Exception):
 
     needed_bytes = 0   # when nothing fits: what the smallest plan found needs per device
 
+    def __init__(self, message: str = "", needed_bytes: int = 0):
+        super().__init__(message)
+        if needed_bytes:
+            self.needed_bytes = needed_bytes
+
 
 # ------------------------------------------------------------------- node costs
 
@@ -863,10 +868,9 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
     if not fitting():
         least = min(found, key=lambda f: f[1])
         needs, has = fmt_bytes_pair(least[1], capacity)   # never "needs 0.00 GiB, the device has 0.00 GiB"
-        err = ExtractionError(
-            f"no plan fits in memory: the smallest plan found needs {needs} per device, "
-            f"the device has {has} (use more devices or a smaller model)")
-        err.needed_bytes = int(least[1])
-        raise err
+        # raised as made, never held in a local: the error's traceback holds this frame (the snapshot, the costs), so
+        # a local holding the error made a reference cycle that only the cyclic collector freed
+        raise ExtractionError(f"no plan fits in memory: the smallest plan found needs {needs} per device, the "
+                              f"device has {has} (use more devices or a smaller model)", int(least[1]))
     best = min(fitting(), key=lambda f: (f[0], f[2] != "ilp"))
     return Extraction(best[3], best[0], best[1], best[2], seconds, candidates, status)
