@@ -173,8 +173,19 @@ def test_prover_alone_never_proves_a_wrong_rule(report):
             continue
         if not typed or any((p := compare_sides(i)) is not None and p.kind == "illegal-spread" for i in typed):
             continue  # illegal spreads are never sent to the prover
-        statuses = [prove_instance(i, 600).status for i in typed]
+        statuses = [_status(prove_instance, i) for i in typed]
         assert any(s != "proved" for s in statuses), verdict.name
+
+
+def _status(prove_instance, instance) -> str:
+    """The prover's status for one instance; "out of time" where the wall clock's safety valve (600 s for the
+    instance) cut it: each query is bounded by z3's budget, and an instance cut short is not proved, which is all
+    this test asks (beside a full suite at load 3-4 one instance ran past 600 s and the test raised OutOfTime)."""
+    from parsat.verifier.limits import OutOfTime
+    try:
+        return prove_instance(instance, 600).status
+    except OutOfTime:
+        return "out of time"
 
 
 # ------------------------------------------------------------------ issue 29
