@@ -223,12 +223,12 @@ class _Applied(Mapping):
         self._provenance = provenance
         self._done: dict[str, tuple[Application, ...]] = {}
         self._hashcons: dict[tuple, tuple[int, ENode]] | None = None
-        self._indexes: dict[str, list[CompiledRule]] = {FOLD_MADE: []}   # rule -> its compiled rules
+        self._compiled: dict[str, list[CompiledRule]] = {FOLD_MADE: []}   # rule -> its compiled rules
         for compiled in provenance._rules:
-            self._indexes.setdefault(compiled.name, []).append(compiled)
+            self._compiled.setdefault(compiled.name, []).append(compiled)
 
     def __getitem__(self, rule: str) -> tuple[Application, ...]:
-        if rule not in self._indexes:
+        if rule not in self._compiled:
             raise KeyError(rule)
         if rule not in self._done:
             provenance = self._provenance
@@ -236,7 +236,7 @@ class _Applied(Mapping):
             if self._hashcons is None:
                 self._hashcons = hashcons(provenance._classes)
             found: list[Application] = fold_applications(provenance._classes) if rule == FOLD_MADE else []
-            for compiled in self._indexes[rule]:
+            for compiled in self._compiled[rule]:
                 rows = provenance._applied_rows.get(compiled.index, ())
                 try:
                     found.extend(applications(Template.of(rule, compiled.body), rows, self._hashcons))
@@ -246,10 +246,10 @@ class _Applied(Mapping):
         return self._done[rule]
 
     def __iter__(self):
-        return iter(self._indexes)
+        return iter(self._compiled)
 
     def __len__(self) -> int:
-        return len(self._indexes)
+        return len(self._compiled)
 
 
 class _Equated(Mapping):

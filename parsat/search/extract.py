@@ -55,12 +55,9 @@ EPSILON = 1e-12           # a strictly positive cost per node keeps tree costs s
 class ExtractionError(Exception):
     """No plan can be extracted (nothing reaches the roots, or nothing fits in memory)."""
 
-    needed_bytes = 0   # when nothing fits: what the smallest plan found needs per device
-
     def __init__(self, message: str = "", needed_bytes: int = 0):
         super().__init__(message)
-        if needed_bytes:
-            self.needed_bytes = needed_bytes
+        self.needed_bytes = needed_bytes   # when nothing fits: what the smallest plan found needs per device
 
 
 # ------------------------------------------------------------------- node costs
