@@ -157,3 +157,35 @@ def test_share_cores_pins_each_rank_to_its_share(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     launch_module.share_cores(2, 0)
     assert pinned == [] and threads == []
+
+
+UNGUARDED_SCRIPT = '''
+from parsat.backend.launch import LaunchConfig, LaunchError, launch
+
+def work(ctx):
+    return ctx.rank
+
+try:
+    launch(work, (), LaunchConfig(nproc=2, backend="gloo", timeout_s=300))
+except LaunchError as err:
+    print("LAUNCH ERROR:", err)
+else:
+    print("RAN")
+'''
+
+
+def test_a_script_that_launches_without_a_main_guard_is_told_so(tmp_path):
+    """Spawned ranks import the launching script first; one that launches at its top level would start the job
+    again in each rank. Each rank stops there and the launcher says what to change (not "died (exit code 1)")."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=240)
+    assert "LAUNCH ERROR:" in done.stdout, done.stdout + done.stderr
+    assert 'if __name__ == "__main__":' in done.stdout
+    assert "exit code" not in done.stdout
+    assert "Traceback" not in done.stderr

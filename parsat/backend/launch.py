@@ -22,6 +22,13 @@ Ranks die with their launcher, however it ends (SIGKILL, an OOM kill, a
 parent's `subprocess.run(..., timeout=...)`), from their first moment:
 `rank_guard` binds each to the launcher (parent-death signal, watchdog)
 before the job is unpickled and torch imported.
+
+A spawned process first re-imports the launching script (multiprocessing's
+spawn, as `__mp_main__`); a script that calls `launch` (or `parallelize`,
+`parsat.run`) at its top level without an `if __name__ == "__main__":`
+guard would start the job again inside every rank. `launch` called there
+ends that rank at once with `REIMPORTED_EXIT`, and the launcher says what
+to change instead of "died (exit code 1)".
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import os
 import queue as queue_module
 import pickle
 import signal
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -50,6 +58,9 @@ GRACE_S = 0.5        # after a first failure: how long to collect the others' re
 TERMINATE_S = 3.0    # SIGTERM to SIGKILL
 STORE_HOST = "127.0.0.1"
 MAX_LOCAL_RANKS = 256  # processes one launcher spawns (each imports torch: ~0.3 GB); torchrun spreads more
+REIMPORTED_EXIT = 87   # a spawned rank whose re-import of the launching script called `launch` again
+UNGUARDED = ("a spawned rank runs the launching script's top level first, and that started the job again: put the "
+             "code that starts the job under `if __name__ == \"__main__\":`")
 
 
 class LaunchError(Exception):
@@ -123,6 +134,10 @@ def launch(fn: Callable[..., Any], args: tuple = (), config: LaunchConfig | None
     by reference) and return something `json.dumps` accepts. Under torchrun
     the list holds this rank's result only.
     """
+    if _reimporting_the_script():
+        sys.stderr.write(f"parsat: {UNGUARDED}\n")
+        sys.stderr.flush()
+        os._exit(REIMPORTED_EXIT)
     config = config or LaunchConfig(nproc=1)
     try:   # the CLI's bounds (a timeout of inf was an OverflowError in timedelta), for API callers too
         check_all("run", {"--nproc": config.nproc, "--timeout": config.timeout_s,
@@ -137,6 +152,12 @@ def launch(fn: Callable[..., Any], args: tuple = (), config: LaunchConfig | None
                           f"{MAX_LOCAL_RANKS} local ranks (one process each); run it under torchrun across "
                           "machines", ())
     return _spawn(fn, args, backend, config)
+
+
+def _reimporting_the_script() -> bool:
+    """Whether this process is a spawned child still importing its parent's script (spawn runs it as
+    `__mp_main__` before the child's target): `launch` called then is the script's top level, unguarded."""
+    return bool(getattr(mp.current_process(), "_inheriting", False))  # multiprocessing's own test of this
 
 
 def _run_joined(fn, args, backend: str, config: LaunchConfig) -> Any:
@@ -303,6 +324,9 @@ def _spawn(fn, args, backend: str, config: LaunchConfig) -> list[Any]:
         if len(results) == config.nproc:
             return [results[r] for r in range(config.nproc)]
         running = [r for r in range(config.nproc) if r not in results and r not in errors]
+        unguarded = [r for r, proc in enumerate(procs) if proc.exitcode == REIMPORTED_EXIT]
+        if unguarded:
+            raise LaunchError(f"distributed job failed: {UNGUARDED}", unguarded)
         message, blame = _failure_message(errors, running, config, timed_out=not errors)
         raise LaunchError(message, blame)
     finally:
