@@ -390,3 +390,63 @@ def test_gpt2_with_tensor_parallel_stages_on_four_ranks_trains_like_one_process(
         forward = {k: n for k, n in Counter(run["collectives"]).items() if k.startswith("schedule fwd all-reduce")}
         assert forward == {k: n for k, n in planned[rank // 2].items() if k.startswith("schedule fwd all-reduce")}
     assert _loads_into_the_unmodified_module(tmp_path, "gpt2") == 0.0
+
+
+def searched_hf_llama_plan(sequence: bool = True):
+    """HF LLaMA pipelined by the search itself (`parsat.optimize` on the imported graph, `--degrees
+    pp=2,tp=2,sp=2`, or `sp=1` without `sequence`, 1F1B over 2 micro-batches, the `cpu` machine): the graph imported
+    at one micro-batch's size, as the search takes an imported graph's step (`search.request.step_context`). Until
+    2026-12-05 the search refused to pipeline an imported graph (`_check_pipeline_pin`: "only a built-in
+    example")."""
+    module, example = _factory("llama")()
+    graph = parsat.from_torch(module, tuple(x[: x.shape[0] // 2] for x in example))
+    return parsat.optimize(graph, machine="cpu", devices=4, microbatches=2, schedule="1f1b",
+                           degrees={"pp": 2, "tp": 2, "sp": 2 if sequence else 1})
+
+
+def test_the_search_pipelines_an_imported_llama_into_stages_its_module_is_cut_into():
+    """`parsat.optimize` pipelines an imported graph whose weights the importer names into blocks
+    (`search.request.graph_blocks`): HF LLaMA's 2 layers, pinned pp 2 x tp 2 x sp 2, give 2 stages of 2 ranks, cut
+    before a decoder layer, every crossing a piece of the sequence (no partial sum: `ir.pipeline.LayerMap.cuttable`),
+    which the torch-native lowering takes (the cut at `model.model.layers.1`, each tp rank sending its `Shard(1)`
+    piece). A graph without blocks pinned to a pipeline is refused, saying why."""
+    from parsat.backend.torch_native.apply import module_info
+    from parsat.backend.torch_native.pipeline_lowering import lower_pipeline
+    from parsat.importer.export import import_module
+    from parsat.ir.errors import OptimizeError
+    from parsat.ir.models import mlp
+
+    plan = searched_hf_llama_plan()
+    assert plan.pipeline is not None and plan.pipeline.layout.degree == 2 and plan.pipeline.stage_devices == 2
+    assert plan.graph.microbatches == 2
+    for crossing in plan.pipeline.layout.crossings:
+        assert plan.pcg.node(crossing.node).degrees.sum == 1
+    module, example = _factory("llama")()
+    lowering = lower_pipeline(plan.pcg, plan.graph, plan.pipeline,
+                              module_info(module, import_module(module, example, check=False).weights))
+    assert lowering.split_points() == ("model.model.layers.1",) and lowering.sequence_crossings
+    with pytest.raises(OptimizeError, match="only a graph of several blocks"):
+        parsat.optimize(mlp(batch=8, d_in=4, d_hidden=8, d_out=2), machine="cpu", devices=2, degrees={"pp": 2})
+
+
+@pytest.mark.slow
+def test_the_searched_pipelined_imported_llama_trains_on_four_ranks_like_one_process(tmp_path):
+    """The search's own pp 2 x tp 2 plan of HF LLaMA, sequence parallelism pinned off (`searched_hf_llama_plan`:
+    the joint stage plan, its crossing whole), on 4 gloo ranks, code unchanged (float64, its loss too): 3 AdamW
+    steps with the pipeline's clipped norm equal the unmodified module's in one process (1e-4; 2026-12-05: losses
+    3.4e-16, weights 1.0e-12), every parameter a DTensor, the tp twins holding the same parameters, the checkpoint
+    loading into the unmodified module. With sp 2 (the stage grid's point, its crossing a sequence piece) the
+    losses agree within 2.3e-8 but the weights only within 3.6e-4 of the learning rate after 3 steps (the MLP
+    projections; the first forward's loss already 2.5e-10 apart, where the plans without sequence parallelism
+    agree within 4e-16): not explained yet, so not asserted (benchmarks/backend_results.md, 2026-12-05 helper A)."""
+    from parsat.backend.launch import LaunchConfig, launch
+
+    plan = searched_hf_llama_plan(sequence=False)
+    results = launch(hf_job, ({"llama": plan.to_dict()}, str(tmp_path)),
+                     LaunchConfig(nproc=4, backend="gloo", timeout_s=900))
+    runs = [r["llama"] for r in results]
+    print(json.dumps({k: runs[0][k] for k in ("losses", "ref_losses", "norms", "ref_norms", "worst_weight")}))
+    for run in runs:
+        _trains_like_one_process(run)
+    assert runs[0]["params"] == runs[1]["params"] and runs[2]["params"] == runs[3]["params"]   # tp twins
+    assert _loads_into_the_unmodified_module(tmp_path, "llama") == 0.0
