@@ -1,8 +1,8 @@
 """Imported (Hugging Face) modules pipelined on `runtime="torch"` (issue 30, build item 1: "on imported modules
 too"): GPT-2 (tied `wte` / `lm_head`), LLaMA and BERT, code unchanged, cut into 2 stages of one device each.
 
-`parsat.optimize` pipelines only the built-in examples (`search.optimize._check_pipeline_pin` refuses
-`--degrees pp` on an imported graph), so the test lays the pipeline out itself, as the optimizer would: the
+Until 2026-12-05 `parsat.optimize` pipelined only the built-in examples (it now pipelines an imported graph too:
+`searched_hf_llama_plan`, below), so most tests lay the pipeline out themselves, as the optimizer would: the
 one-device plan of the imported graph, cut before its last block (`ir.pipeline.lay_out_stages`), 1F1B over 2
 micro-batches. What it checks is the runtime: `parallelize(module, plan, example_inputs, imported=...,
 runtime="torch")` traces the module with `torch.distributed.pipelining`, every parameter a DTensor on its
@@ -66,7 +66,7 @@ def hf_tensor_parallel_stages_plan(name: str, per_microbatch: bool = False, redu
     elements, as the runtime runs them."""
     from parsat.backend.executor import operator_library
     from parsat.ir.megatron import megatron_pcg
-    from parsat.ir.pipeline import PipelinePlan, lay_out_stages, pcg_layers
+    from parsat.ir.pipeline import LayerMap, PipelinePlan
 
     one = hf_pipelined_plan(name)
     graph = one.graph
@@ -74,8 +74,10 @@ def hf_tensor_parallel_stages_plan(name: str, per_microbatch: bool = False, redu
         module, example = _factory(name)()
         graph = parsat.from_torch(module, tuple(x[: x.shape[0] // 2] for x in example)).with_microbatches(2)
     stage_plan = megatron_pcg(graph, operator_library(), (1, 2), reduce_at_once=reduce_at_once)
-    layers = pcg_layers(stage_plan)
-    layout = lay_out_stages(stage_plan, [layers[0], layers[-1]], 2)
+    layers = LayerMap(stage_plan)
+    if not reduce_at_once:   # cut where a partial sum crosses, as a plan file of before 2026-12-05 may hold: the search
+        layers.blocked = {}  # lays out no such cut now (`LayerMap.blocked`), the lowering still refuses one it is given
+    layout = layers.lay_out([layers.layers[0], layers.layers[-1]], 2)
     return replace(one, graph=graph, pcg=stage_plan, pipeline=PipelinePlan("1f1b", 2, 2, layout), devices=4)
 
 
@@ -258,8 +260,8 @@ def test_an_imported_models_tensor_parallel_stages_compute_their_nn_linear_produ
 
 def test_llamas_megatron_stage_plan_reduces_its_partial_sums_at_once_so_its_stages_send_whole_values():
     """HF LLaMA's bias-free residual stream: Megatron's lazy layout (`megatron_pcg`) keeps it a partial sum from
-    norm to norm, so it crosses the cut as `Partial()`, which no traced stage sends: the lowering refuses it,
-    naming the node. Laid out with `reduce_at_once` (each row-parallel layer's and the lookup's sum all-reduced
+    norm to norm, so it crosses the cut as `Partial()`, which no traced stage sends: no such cut is laid out
+    (`ir.pipeline.LayerMap.blocked`, since 2026-12-05), and the lowering refuses one a plan holds, naming the node. Laid out with `reduce_at_once` (each row-parallel layer's and the lookup's sum all-reduced
     where it is made, as Megatron-LM's layers do) every crossing is whole and the plan lowers: the same
     all-reduces in total, of the same sizes (one per norm lazily, one per row-parallel sum at once), the cut's
     moved to the stage that makes the sum. The built-in gpt (biases: every row sum reduced before its bias)
@@ -271,6 +273,7 @@ def test_llamas_megatron_stage_plan_reduces_its_partial_sums_at_once_so_its_stag
     from parsat.importer.export import import_module
     from parsat.ir.megatron import TP_AXIS, megatron_pcg
     from parsat.ir.models import build_example
+    from parsat.ir.pipeline import PipelineError, lay_out_stages
     from parsat.ir.placement import FREE, PARTIAL, REPLICA
     from test_torch_native_pipeline import SIZES
 
@@ -288,6 +291,8 @@ def test_llamas_megatron_stage_plan_reduces_its_partial_sums_at_once_so_its_stag
                 for s in range(2)]
 
     assert PARTIAL in crossing_codes(lazy)
+    with pytest.raises(PipelineError, match=r"would receive node #\d+ add \[b0_add_8\], a partial sum"):
+        lay_out_stages(lazy.pcg, [lazy.pipeline.layout.chunks[c].layers[0] for c in range(2)], 2)   # the search's
     with pytest.raises(LoweringError, match=r"crosses from chunk 0 to chunk 1 as Partial\(\)"):
         lower_pipeline(lazy.pcg, lazy.graph, lazy.pipeline, info)
     assert set(crossing_codes(eager)) <= {FREE, REPLICA}
