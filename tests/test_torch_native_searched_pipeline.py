@@ -100,7 +100,33 @@ def test_no_cut_of_a_lazy_bias_free_stage_plan_is_offered_and_every_cut_of_megat
         assert crossing.piece_elements * (2 if sequence else 1) == math.prod(node.shape)
 
 
-def test_the_balanced_cut_and_its_refinement_keep_to_the_layers_a_chunk_may_begin_at():
+def test_the_pricers_cut_keeps_to_the_layers_a_chunk_may_begin_at(micro_graph):
+    """A stage plan two of whose layers no chunk may begin at (`LayerMap.blocked`, set here on the at-once layout's
+    map: the equal cut is among them): the pricer's 1F1B and GPipe cuts begin at the others only, the refinement
+    stepping over the barred ones, and the cut it returns is one no partial sum crosses."""
+    from parsat.ir.costs import totals
+    from parsat.ir.machine import Machine
+    from parsat.ir.plan import Plan
+    from parsat.search.solve import price_pcg
+
+    library, graph = micro_graph
+    machine = Machine.preset("cpu").with_devices(2)
+    pcg = megatron_pcg(graph, library, (1, 2), sequence=True, vocabulary_loss=True, reduce_at_once=True)
+    costs = price_pcg(pcg, library, machine, microbatches=MICROBATCHES)
+    pricer = StagePricer(Plan(graph.with_microbatches(MICROBATCHES), machine, 2, pcg, costs, totals(costs, machine)),
+                         machine)
+    layers = pricer.layer_map
+    assert layers.layers == (-1, 0, 1, 2, 3)
+    some = next(n.id for n in pcg.nodes if n.origin == "b0_res2")
+    layers.blocked = {1: some, 2: some}   # as a partial sum crossing into layers 1 and 2 would bar them
+    for schedule in ("1f1b", "gpipe"):
+        assert all(cut[1] in (0, 3) for cut in pricer.start_cuts(2, schedule)), schedule
+        assert pricer.pipelined(2, schedule).pipeline.layout.chunks[1].layers[0] in (0, 3)
+    with pytest.raises(PipelineError, match="of equal layer counts sends only whole values"):
+        pricer.start_cuts(2, "interleaved", 2)
+
+
+def test_the_balanced_cut_keeps_to_the_layers_a_chunk_may_begin_at():
     """`balanced_starts` with `cuttable` chooses among those layers only (the balanced cut of four equal layers
     into two chunks is at layer 2; with 2 barred it moves to 1 or 3), and None where no cut into that many chunks
     is left."""
