@@ -122,7 +122,10 @@ def test_a_zero3_layout_derived_from_the_layout_without_it_is_the_one_built_alon
 def test_a_layout_rescaled_from_a_kin_graph_s_is_the_one_built_alone(name):
     """`megatron_pcg` with `kin` takes a layout of the graph at another batch (a step at another micro-batch
     count) rescaled where the build cannot tell the sizes apart (`_Kin`): node for node (shapes, the loss's
-    1 / tokens) the layout built alone. At a batch whose dims split otherwise on the mesh it builds anew."""
+    1 / tokens) the layout built alone. At a batch whose dims split otherwise on the mesh it builds anew. The
+    layouts that reduce each partial sum where it is made (`reduce_at_once`: a pipeline stage's grid) share one
+    `kin` with the lazy ones, each taking only its own form's (llama's differ: its residual stream is lazily a
+    partial sum)."""
     library = resolve_library(None)
     for devices, batches, alike in ((8, (64, 32, 16), True), (16, (64, 32), True), (16, (64, 24), False)):
         kin: dict = {}
@@ -130,14 +133,18 @@ def test_a_layout_rescaled_from_a_kin_graph_s_is_the_one_built_alone(name):
         for batch in batches:
             graph = build_example(name, {**SIZES, "batch": batch}, library)
             shared: dict = {}
-            got += [(graph, shape, seq, zero, megatron_pcg(graph, library, shape, 8, zero=zero, sequence=seq,
-                                                           cache=shared, kin=kin))
-                    for tp in (2, 4) for shape in [(devices // tp, tp)] for seq in (False, True) for zero in (0, 3)]
+            got += [(graph, shape, seq, zero, at, megatron_pcg(graph, library, shape, 8, zero=zero, sequence=seq,
+                                                               cache=shared, kin=kin, reduce_at_once=at))
+                    for tp in (2, 4) for shape in [(devices // tp, tp)] for seq in (False, True) for zero in (0, 3)
+                    for at in (False, True)]
         verdicts = {found for _a, _b, found in kin["kin"].verdicts.values()}
         assert verdicts == {alike}
-        for graph, shape, seq, zero, pcg in got:
-            assert pcg == megatron_pcg(graph, library, shape, 8, zero=zero, sequence=seq)
-        assert sum(p is not None for *_rest, p in got) >= len(got) - 4
+        for graph, shape, seq, zero, at, pcg in got:
+            assert pcg == megatron_pcg(graph, library, shape, 8, zero=zero, sequence=seq, reduce_at_once=at)
+        assert sum(p is not None for *_rest, p in got) >= len(got) - 8
+        if name == "llama":
+            lazy = {(id(g), shape, seq, zero): pcg for g, shape, seq, zero, at, pcg in got if not at}
+            assert any(pcg != lazy[id(g), shape, seq, zero] for g, shape, seq, zero, at, pcg in got if at)
 
 
 def test_a_graph_laid_out_again_with_kin_takes_the_same_layout():

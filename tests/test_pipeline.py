@@ -349,6 +349,7 @@ def test_degrees_start_where_a_stage_holds_its_weights_and_counts_divide_the_bat
     assert microbatch_counts(512, 8, None) == [32, 64]
     assert microbatch_counts(24, 4, None) == [24]                           # 16 and 32 do not divide 24
     assert microbatch_counts(512, 8, 12) == [12]
+    assert microbatch_counts(None, 4, None) == [16, 32]   # an imported graph's step: one micro-batch's, any count
 
 
 def _kept_degrees(example: str, sizes: dict, layers: int, devices: int, machine: str, batch: int):

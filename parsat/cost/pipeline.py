@@ -45,7 +45,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -160,12 +160,15 @@ def equal_starts(layers: Sequence[int], chunks: int) -> tuple[int, ...]:
 
 
 def balanced_starts(layers: Sequence[int], cost: Mapping[int, LayerCost], chunks: int, degree: int,
-                    schedule: str, microbatches: int, capacity: float) -> tuple[int, ...] | None:
+                    schedule: str, microbatches: int, capacity: float,
+                    cuttable: Collection[int] | None = None) -> tuple[int, ...] | None:
     """Chunk starts that minimise the busiest chunk's time per step (m micro-batches' forward and backward, then
     its weights' synchronisation and optimizer: what the slowest stage adds to the pipeline's fill and drain),
     each stage's weights' state plus in-flight activations within `capacity` (one chunk per stage; interleaved
     chunks are balanced by time and their memory checked when priced). Dynamic programming over (chunk, first
-    layer); None when no cut fits. Of equal cuts, the one whose chunks end first, chunk by chunk.
+    layer); None when no cut fits. Of equal cuts, the one whose chunks end first, chunk by chunk. `cuttable`: the
+    layers a chunk may begin at (`ir.pipeline.LayerMap.cuttable`: no partial sum crosses there); every layer when
+    None.
 
     Each chunk's row of the programme is one array operation over (first layer, next chunk's first layer): the
     same sums and maxima as a loop would make, in float64, and the memory in exact integers (the stage search
@@ -185,6 +188,8 @@ def balanced_starts(layers: Sequence[int], cost: Mapping[int, LayerCost], chunks
     inf = float("inf")
     span = np.arange(n + 1)
     later = span[None, :] > span[:, None]                  # [i, j]: j after i
+    if cuttable is not None:   # the next chunk begins at a layer it may begin at (or none follows)
+        later &= np.array([j == n or layers[j] in cuttable for j in range(n + 1)])[None, :]
     # best[k][i]: the least slowest-chunk time for chunks k.. covering layers i..n-1; then[k][i]: the next start
     best = np.full((chunks + 1, n + 1), inf)
     then = np.full((chunks + 1, n + 1), -1)
@@ -474,15 +479,17 @@ class StagePricer:
             return rank(price_cut(c)) < rank(than)
 
         cut = min(self.start_cuts(degree, schedule, chunks_per_stage), key=lambda c: rank(price_cut(c)))
-        index = {layer: i for i, layer in enumerate(layers)}
+        index, cuttable = {layer: i for i, layer in enumerate(layers)}, self.layer_map.cuttable
         # an interleaved schedule's chunks hold equal layer counts (`ir.pipeline.chunks_refusal`): moving one cut
         # would unbalance two chunks, which neither Megatron-LM nor Megatron-Core runs
         while schedule != INTERLEAVED and len(seen) + len(slower) < REFINE_PRICINGS:
             moves = []
             for k in range(1, chunks):
                 for step in (-1, 1):
-                    at = index[cut[k]] + step
-                    if index[cut[k - 1]] < at < (len(layers) if k + 1 == chunks else index[cut[k + 1]]):
+                    at, end = index[cut[k]] + step, len(layers) if k + 1 == chunks else index[cut[k + 1]]
+                    while index[cut[k - 1]] < at < end and layers[at] not in cuttable:
+                        at += step   # over the layers no chunk may begin at (a partial sum crosses there)
+                    if index[cut[k - 1]] < at < end:
                         moves.append(cut[:k] + (layers[at],) + cut[k + 1:])
             found = [c for c in moves if len(seen) + len(slower) < REFINE_PRICINGS and better(c, price_cut(cut))]
             if not found:
@@ -533,16 +540,27 @@ class StagePricer:
         one fits. `pipelined` keeps a cut that fits over one that does not, so when one of these fits
         (`least_peak_bytes`), the plan it prices fits. An interleaved schedule starts from the equal cut alone:
         its chunks must hold equal layer counts (`ir.pipeline.chunks_refusal`, checked by `_chunks`), and a
-        balanced cut that moves layers between them is one neither Megatron-LM nor Megatron-Core runs."""
+        balanced cut that moves layers between them is one neither Megatron-LM nor Megatron-Core runs. Only cuts
+        no partial sum crosses (`LayerMap.cuttable`): the equal cut where it is one, the balanced cut among them
+        (where none fits, the fastest of them, to be priced); PipelineError where no cut into these chunks is."""
         chunks = self._chunks(degree, schedule, chunks_per_stage)
-        layers = self.layer_map.layers
-        found = [equal_starts(layers, chunks)]
-        if schedule == INTERLEAVED:
-            return found
-        balanced = balanced_starts(layers, self.layer_costs(), chunks, degree, schedule, self.microbatches,
-                                   self.machine.memory_capacity)
-        if balanced is not None and balanced not in found:
-            found.append(balanced)
+        layers, cuttable = self.layer_map.layers, self.layer_map.cuttable
+        equal = equal_starts(layers, chunks)
+        found = [equal] if cuttable.issuperset(equal) else []
+        restricted = cuttable if len(cuttable) < len(layers) else None
+        if schedule != INTERLEAVED:
+            balanced = balanced_starts(layers, self.layer_costs(), chunks, degree, schedule, self.microbatches,
+                                       self.machine.memory_capacity, restricted)
+            if balanced is None and not found and restricted is not None:   # none fits: one that runs, to price
+                balanced = balanced_starts(layers, self.layer_costs(), chunks, degree, schedule, self.microbatches,
+                                           math.inf, restricted)
+            if balanced is not None and balanced not in found:
+                found.append(balanced)
+        if not found:   # every cut into these chunks receives a partial sum somewhere (`LayerMap.blocked`)
+            blocked = next(layer for layer in equal if layer not in cuttable)
+            raise PipelineError(f"no cut of the stage plan into {chunks} chunks"
+                                f"{' of equal layer counts' if schedule == INTERLEAVED else ''} sends only whole "
+                                f"values or pieces of one: {self.layer_map.blocked_reason(blocked)}")
         return found
 
     def least_peak_bytes(self, degree: int, schedules: Sequence[tuple[str, int]]) -> int | None:

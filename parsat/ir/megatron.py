@@ -114,7 +114,10 @@ def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], de
     layout's residual stream of a bias-free model crosses a cut as a partial sum, which a stage cannot send as
     Megatron-LM does (whole, or its piece of the sequence); the same collectives, of the same sizes, in total
     (one per norm lazily, one per row-parallel layer and embedding at once), placed on the stage that makes the
-    sum. Not with `kin` (the grid's layouts are lazy).
+    sum. The pipeline search's grid lays its stage plans out so (`search.step`), sharing them through `kin` with
+    the stage plans at its other micro-batch counts: a layout is kept and taken by `reduce_at_once` beside its mesh,
+    sequence parallelism and ZeRO level, and the reduction it adds reads of a size only what the lazy layout's
+    conversions read (whether a dim splits on the mesh: `_Kin`).
 
     None where the graph cannot be laid out that way (an operator that accepts no placement its inputs can
     be brought to, a size that does not split): the grid then has no such point."""
@@ -123,15 +126,14 @@ def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], de
         raise ValueError(f"zero must be one of {ZERO_LEVELS}, got {zero!r}")
     if dp < 1 or tp < 1 or dp * tp < 2:
         return None
-    if reduce_at_once and kin is not None:
-        raise ValueError("reduce_at_once layouts are not shared through kin")
     kinship = _Kin.of(kin, library) if kin is not None else None
     if tp == 1 and kinship is None:
         return data_parallel_pcg(graph, library, dp, devices_per_node, zero3=zero == 3)
     axes = [(name, size) for name, size in ((DP_AXIS, dp), (TP_AXIS, tp)) if size > 1]
     mesh = Mesh.of([s for _, s in axes], devices_per_node, names=[n for n, _ in axes])
     memo = kinship.memo(graph, cache) if kinship is not None else _Memo.of(graph, library, cache)
-    found = kinship.layout(graph, memo, mesh, sequence, zero) if kinship is not None else _NONE
+    form = (sequence, zero, reduce_at_once and tp > 1)   # what a kin layout is kept by beside its mesh
+    found = kinship.layout(graph, memo, mesh, form) if kinship is not None else _NONE
     if found is not _NONE:
         return found
     if tp == 1:   # data parallelism (`_Kin`: its build reads the sizes as this one's does)
@@ -139,7 +141,7 @@ def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], de
     else:
         pcg = _built_layout(graph, mesh, zero, sequence, memo, cache, vocabulary_loss, reduce_at_once)
     if kinship is not None:
-        kinship.keep(graph, memo, mesh, sequence, zero, pcg)
+        kinship.keep(graph, memo, mesh, form, pcg)
     return pcg
 
 
@@ -210,7 +212,8 @@ class _Kin:
 
     def __init__(self, library: Library):
         self.library = library
-        self.layouts: dict[tuple, list[tuple[Graph, PCG | None]]] = {}   # (mesh, sequence, zero) -> built
+        # (mesh, (sequence, zero, reduce_at_once)) -> built
+        self.layouts: dict[tuple, list[tuple[Graph, PCG | None]]] = {}
         self.batches: dict[int, tuple[Graph, dict]] = {}                 # id(graph) -> (graph, its batch dims)
         self.verdicts: dict[tuple, tuple[Graph, Graph, bool]] = {}
         self.placements: dict = {}               # `axis_compute`'s cache, for every graph and mesh
@@ -232,13 +235,14 @@ class _Kin:
             found = kin["kin"] = _Kin(library)
         return found
 
-    def keep(self, graph: Graph, memo: "_Memo", mesh: Mesh, sequence: bool, zero: int, pcg: PCG | None) -> None:
+    def keep(self, graph: Graph, memo: "_Memo", mesh: Mesh, form: tuple, pcg: PCG | None) -> None:
         self.batches[id(graph)] = (graph, memo.data_batch)
-        self.layouts.setdefault((mesh, sequence, zero), []).append((graph, pcg))
+        self.layouts.setdefault((mesh, form), []).append((graph, pcg))
 
-    def layout(self, graph: Graph, memo: "_Memo", mesh: Mesh, sequence: bool, zero: int):
-        """The layout rescaled from a kin graph's (None where the build finds none), or `_NONE`."""
-        for like, pcg in self.layouts.get((mesh, sequence, zero), ()):
+    def layout(self, graph: Graph, memo: "_Memo", mesh: Mesh, form: tuple):
+        """The layout rescaled from a kin graph's of the same `form` (sequence parallelism, ZeRO level,
+        `reduce_at_once`; None where the build finds none), or `_NONE`."""
+        for like, pcg in self.layouts.get((mesh, form), ()):
             if like is graph:   # laid out already (a stage's grid for another schedule): the build is a function
                 return pcg
             if self.alike(like, graph, memo.data_batch, mesh):

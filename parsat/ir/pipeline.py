@@ -239,6 +239,40 @@ class LayerMap:
                 out.append((node.id, layer, read_in, node.degrees.piece_elements(node.shape)))
         return tuple(out)
 
+    @cached_property
+    def blocked(self) -> dict[int, int]:
+        """Layer -> a partial sum that a chunk beginning there would receive from an earlier chunk: a node whose
+        value is not yet reduced on some mesh axis (its degrees' `sum` > 1), made in an earlier layer and read in
+        this one or a later one. Such a layer cannot begin a chunk (`cuttable`).
+
+        Why: a stage sends each crossing as it lies, piece for piece, and a partial sum's piece is every rank's
+        addend, a whole tensor (`Degrees.piece_elements`): priced as a whole value sent, with its reduction on
+        the receiving stage. Megatron-LM never sends one (its row-parallel layers and vocabulary-parallel
+        embedding all-reduce, or reduce-scatter along the sequence, where the sum is made), and torch's traced
+        stages cannot (`backend.torch_native.pipeline_lowering` refuses it): a cut is offered only where every
+        value crossing it is whole or a piece of one, which is then what is sent and what is priced."""
+        out: dict[int, int] = {}
+        later = {layer: k for k, layer in enumerate(self.layers)}
+        for node, layer, read_in, _elements in self.reader_layers:
+            if self.pcg.node(node).degrees.sum > 1:
+                for between in self.layers[later[layer] + 1:later[max(read_in)] + 1]:
+                    out.setdefault(between, node)
+        return out
+
+    @cached_property
+    def cuttable(self) -> frozenset[int]:
+        """The layers a chunk may begin at: the first, and every other no partial sum crosses into (`blocked`)."""
+        return frozenset(layer for k, layer in enumerate(self.layers) if k == 0 or layer not in self.blocked)
+
+    def blocked_reason(self, layer: int) -> str:
+        """Why `layer` cannot begin a chunk (`blocked`), naming the partial sum."""
+        node = self.pcg.node(self.blocked[layer])
+        origin = f" [{node.origin}]" if node.origin else ""
+        placed = ", ".join(node.placement.dtensor()) or f"summed over {node.degrees.sum} devices"
+        return (f"a chunk beginning at layer {layer} would receive node #{node.id} {node.label}{origin}, a partial "
+                f"sum ({placed}), from an earlier chunk: stages send whole values or pieces of one, as Megatron-LM "
+                "does, never a partial sum")
+
     def chunk_nodes(self, first: int, end: int) -> tuple[frozenset[int], tuple[int, ...]]:
         """The nodes of a chunk holding the layers `layers[first:end]`: the union of their `layer_members`, as a
         set and in the PCG's order. Worked out once per run of layers and map (`_runs`): the cut search lays out
@@ -259,6 +293,9 @@ class LayerMap:
                                 "contiguous runs")
         if degree < 1 or len(starts) % degree:
             raise PipelineError(f"{len(starts)} chunks cannot be spread evenly over {degree} stages")
+        for start in starts[1:]:
+            if start in self.blocked:
+                raise PipelineError(f"chunk starts {list(starts)}: {self.blocked_reason(start)}")
         index = {layer: k for k, layer in enumerate(layers)}
         bounds = [index[s] for s in starts] + [len(layers)]
         chunk_of_layer = {layers[i]: c for c in range(len(starts)) for i in range(bounds[c], bounds[c + 1])}

@@ -116,7 +116,7 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
                   state_zero: int = 0, computed: dict | None = None,
                   order: Callable[[PCG], float | None] | None = None,
                   kin: dict | None = None, recompute: str | None = None,
-                  lean_first: bool = False) -> Iterator[list[tuple[int, Candidate]]]:
+                  lean_first: bool = False, reduce_at_once: bool = False) -> Iterator[list[tuple[int, Candidate]]]:
     """`independent_grid`'s points, one (dp, tp, sequence parallelism) layout at a time, each with its place in
     `independent_grid`'s order: the layout with ZeRO 0, then 3, each with its fallbacks.
 
@@ -145,13 +145,15 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
     descending, sequence parallelism on before off) and ZeRO-3 before 0, for a caller that asks whether any
     point fits (`step.a_grid_point_fits`): each point is worked out from its layout and ZeRO level alone (the
     caches shared give what building anew gives), so every order yields the same points, and the leanest come
-    first where memory is short."""
+    first where memory is short. `reduce_at_once`: every layout reduces each contraction's partial sum on the tensor
+    axis where it is made, as Megatron-LM does (`megatron_pcg`): a pipeline stage's grid, whose points are cut into
+    stages, so that no value crosses a cut as a partial sum (`ir.pipeline.LayerMap.cuttable`)."""
     per_node = machine.devices_per_node
     shared: dict = {}   # what every point's layout of the graph reuses (`megatron_pcg`'s cache)
 
     def lay_out(layout: _Layout, zero: int) -> PCG | None:
         return megatron_pcg(graph, library, (layout.dp, layout.tp), per_node, zero=zero, sequence=layout.sequence,
-                            cache=shared, kin=kin, vocabulary_loss=True)
+                            cache=shared, kin=kin, vocabulary_loss=True, reduce_at_once=reduce_at_once)
 
     layouts = _grid_layouts(devices, per_node)
     point = _GridPricer(graph, library, machine, free_input_placements, fits or (

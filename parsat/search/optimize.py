@@ -51,7 +51,7 @@ from parsat.search.deadline import Deadline
 from parsat.search.microbatches import every_mesh_at, merged, rank_plans, search_unstaged
 from parsat.search.pipeline_search import best_of, parameters_of, search_pipelines
 from parsat.search.request import (Progress, RuleChooser, SearchRequest, check_microbatches, every_rule,
-                                   resolve_request, stageable, step_context)
+                                   graph_blocks, resolve_request, stageable, step_context)
 from parsat.search.step import search_step
 
 __all__ = ["optimize", "every_rule", "Progress", "RuleChooser"]
@@ -84,7 +84,9 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     `ir.recompute`), or "auto": recompute blocks only where keeping every
     activation does not fit. The other options are `resolve_request`'s.
 
-    A built-in example of several blocks is also searched as a pipeline
+    A built-in example of several blocks, or a graph whose weights fall in
+    several blocks (an imported module's: `request.graph_blocks`, its step
+    taken as one micro-batch's), is also searched as a pipeline
     (stages over a mesh axis, micro-batches, a schedule) when `pipeline` is
     True, when its devices span more than one node, when `degrees` pins
     `pp` above 1, or when no unstaged plan fits; `pipeline=False` never
@@ -119,7 +121,9 @@ def _optimize(graph, machine, rules, limits, devices, microbatches, pipeline, sc
     request = resolve_request(graph, machine, rules, limits, devices, deadline=clock.at, **options)
     count, per_node = request.devices, request.machine.devices_per_node
     pp = request.pipeline_degree
-    can_stage = stageable(request.graph, request.sizes, count)
+    can_stage = stageable(_staged_graph(request), request.sizes, count)
+    if pp is not None and pp > 1 and not can_stage:   # a graph file's blocks, read
+        raise OptimizeError(_unstageable(pp, request.graph))
     flat, unfit = None, None
     if pp is None or pp == 1:
         # across nodes the pipeline is searched too: the unstaged search then gets fewer micro-batch counts
@@ -193,8 +197,14 @@ def _search_pipelines(request: SearchRequest, clock: Deadline, microbatches: int
 
 
 def _blocks(request: SearchRequest) -> int:
-    """The number of blocks of a pipelined built-in example (`stageable`)."""
-    return {**EXAMPLES[request.graph].defaults(), **request.sizes}["blocks"]
+    """The number of blocks of a pipelined graph (`stageable`)."""
+    return graph_blocks(_staged_graph(request), request.sizes)
+
+
+def _staged_graph(request: SearchRequest):
+    """What `stageable` reads of the request's graph: a built-in example's name (its sizes say its blocks), else the
+    graph itself (a graph file's too, read)."""
+    return request.graph if isinstance(request.graph, str) and request.graph in EXAMPLES else request.whole
 
 
 def _check_chunks_pin(graph, options: Mapping, schedule: str | None, chunks: int | None) -> str | None:
@@ -228,9 +238,17 @@ def _check_pipeline_pin(graph, machine, devices, options: Mapping, pipeline: boo
     if pipeline is False:
         raise OptimizeError("--degrees pp asks for a pipeline, which pipeline=False (--no-pipeline) turns off")
     count = Machine.resolve(machine).devices if devices is None else int(devices)
-    if not stageable(graph, dict(options.get("sizes") or {}), count):
-        raise OptimizeError(f"--degrees pp={pp}: only a built-in example of several blocks, with a batch, on "
-                            f"several devices is pipelined ('{graph}' is not)" if isinstance(graph, str) else
-                            f"--degrees pp={pp}: only a built-in example of several blocks is pipelined")
+    unread = isinstance(graph, str) and graph not in EXAMPLES   # a graph file: judged once read (`_optimize`)
+    if not unread and not stageable(graph, dict(options.get("sizes") or {}), count):
+        raise OptimizeError(_unstageable(pp, graph))
     if count % pp:
         raise OptimizeError(f"--degrees pp={pp} does not divide the {count} devices")
+
+
+def _unstageable(pp: int, graph) -> str:
+    """Why a pinned pipeline degree cannot hold on `graph` (`stageable`)."""
+    if isinstance(graph, str) and graph in EXAMPLES:
+        return (f"--degrees pp={pp}: only a built-in example of several blocks, with a batch, on several devices is "
+                f"pipelined ('{graph}' is not)")
+    return (f"--degrees pp={pp}: only a graph of several blocks (weights named b0_..., b1_..., as the importer names "
+            "a module's layers), or a built-in example of several blocks, on several devices is pipelined")

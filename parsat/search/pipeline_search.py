@@ -149,10 +149,14 @@ def _sharded_stage_fits(p: int, devices: int, machine: Machine, parameters: int,
     return state + activations <= STATE_SHARE * machine.memory_capacity
 
 
-def microbatch_counts(batch: int, degree: int, pinned: int | None) -> list[int]:
-    """Micro-batch counts to search at pipeline degree `degree`: about 4p and 8p, divisors of the batch."""
+def microbatch_counts(batch: int | None, degree: int, pinned: int | None) -> list[int]:
+    """Micro-batch counts to search at pipeline degree `degree`: about 4p and 8p, divisors of the batch. Without a
+    batch (a graph that is not a built-in example: its step is taken as one micro-batch's, `search.request.
+    step_context`), 4p and 8p."""
     if pinned is not None:
         return [pinned]
+    if batch is None:
+        return [4 * degree, 8 * degree]
     counts = []
     for want in (4 * degree, 8 * degree):
         found = next((k for k in range(min(want, batch), batch + 1) if batch % k == 0), None)
@@ -161,7 +165,7 @@ def microbatch_counts(batch: int, degree: int, pinned: int | None) -> list[int]:
     return counts
 
 
-def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch: int, parameters: int,
+def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch: int | None, parameters: int,
                      layers: int, *, degree: int | None = None, microbatches: int | None = None,
                      schedule: str | None = None, say: Callable[[str], None] = lambda _m: None,
                      clock: Deadline | None = None, bar: Plan | None = None,

@@ -26,7 +26,7 @@ from parsat.dsl.checker import resolve_library
 from parsat.dsl.library import Library
 from parsat.egraph.program import MeshCaches
 from parsat.egraph.runner import Limits
-from parsat.ir.blocks import has_blocks
+from parsat.ir.blocks import OUTSIDE, block_of, has_blocks
 from parsat.ir.budget import GraphBudget
 from parsat.ir.errors import OptimizeError
 from parsat.ir.validate import MAX_DEVICES
@@ -281,12 +281,25 @@ def check_divides(batch: int, microbatches: int) -> None:
 
 
 def stageable(graph, sizes: Mapping[str, int], devices: int) -> bool:
-    """Whether `graph` can be pipelined on `devices` devices: a built-in example of several blocks, with a batch,
-    on several devices."""
+    """Whether `graph` can be pipelined on `devices` devices: a built-in example of several blocks, with a batch, or
+    a graph (an imported module's) whose weights fall in several blocks, on several devices."""
+    blocks = graph_blocks(graph, sizes)
+    return blocks is not None and blocks >= 2 and devices >= 2
+
+
+def graph_blocks(graph, sizes: Mapping[str, int]) -> int | None:
+    """The blocks a pipeline cuts `graph` between (None where it has none it can cut): a built-in example's `blocks`
+    size, where it has a batch; a `Graph`'s distinct blocks its weights are named into (`ir.blocks.block_of`:
+    `b{i}_...`, as the importer names an imported module's layers). Why a `Graph` is cut by its weights' names:
+    the stages are cut by `ir.pipeline.LayerMap`, which reads nothing else (a node's block is the latest of its
+    weights'), so a graph whose weights are named into blocks has the layers the built-in examples have; its step
+    is taken as one micro-batch's (`step_context`), so any micro-batch count splits it."""
+    if isinstance(graph, Graph):
+        return len({block_of(w.name) for w in graph.weights} - {OUTSIDE}) or None
     if not example_batch(graph, sizes):
-        return False
+        return None
     blocks = {**EXAMPLES[graph].defaults(), **sizes}.get("blocks")
-    return isinstance(blocks, int) and blocks >= 2 and devices >= 2
+    return blocks if isinstance(blocks, int) else None
 
 
 @dataclass(frozen=True)

@@ -594,13 +594,15 @@ def _grid_families(step: StepContext, fits: Callable[[Candidate], bool] | None =
                    **bounding) -> Iterator[list[tuple[int, Candidate]]]:
     """`baselines.grid_families` of the step's graph, machine and devices as the request pins it (`--degrees
     zero=N`, `--recompute`), the step's memory judging what fits (or `fits`); `bounding`: its `skip` and `order`,
-    or `lean_first`."""
+    or `lean_first`. A pipeline stage's grid reduces each partial sum where it is made (`reduce_at_once`): its
+    points are cut into stages (the PTD-P points, and a stage plan that is its grid point), and Megatron-LM sends
+    no partial sum between stages."""
     request = step.request
     pinned_zero = request.state_zero if request.state_zero in (1, 2) else 0   # `--degrees zero=N`
     return grid_families(step.graph, request.library, step.machine, request.free_input_placements, step.devices,
                          fits or step.memory.fits, state_zero=pinned_zero, computed=request.prices,
                          kin=request.layouts, recompute=request.recompute if request.recompute != AUTO else None,
-                         **bounding)
+                         reduce_at_once=step.stage is not None, **bounding)
 
 
 class _LayoutFloors:
