@@ -25,7 +25,8 @@ and its simulation),
 `validate` (the JSON schemas, their structural checks, a plan's nodes
 against the operator library, machines' ranges), `json_files` (reading
 user files safely), `collector` (Python's garbage collector paused while a
-large graph's objects are built), `instance` (an operator at concrete shapes), `budget`
+large graph's objects are built), `hashed` (a PCG's and a graph's hash worked out once and kept:
+the search keys its memos by them), `instance` (an operator at concrete shapes), `budget`
 (how large a graph may grow, and until when, under the search's limits),
 `module_calls` (the calls a user's module makes eagerly beyond its
 imported graph, which the torch-native runtime's step pays), `data_forms` (which

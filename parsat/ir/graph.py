@@ -24,6 +24,7 @@ from parsat.dsl.instantiate import InstantiationError
 from parsat.dsl.library import Library, load_library
 from parsat.ir.budget import GraphBudget
 from parsat.ir.errors import GraphError
+from parsat.ir.hashed import hash_once, state_without_hash
 from parsat.ir.instance import instance_for  # noqa: F401 - re-exported: callers take it from the graph module
 from parsat.ir.json_files import parse_json, read_json_file
 from parsat.ir.validate import GRAPH_SCHEMA, GRAPH_VERSION, check_graph_sizes, validate_graph_dict
@@ -76,6 +77,10 @@ class Graph:
     # axis holds them whole on every rank as it holds the weights (`ir.microbatch.batch_dims`,
     # `ir.data_parallel`). The importer names them; a graph that names none treats every input as batch data.
     constants: frozenset[str] = frozenset()
+
+    # hashed once and kept (`ir.hashed`): the search keys memos by the step's graph
+    __hash__ = hash_once
+    __getstate__ = state_without_hash
 
     # ------------------------------------------------------------- queries
     def shape(self, name: str) -> tuple[int, ...]:

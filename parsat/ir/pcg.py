@@ -23,6 +23,7 @@ from typing import Iterator, Mapping
 from parsat.dsl.parallel_ops import PARTITION, REPLICATE
 from parsat.dsl.spread import SymbolicDegrees
 from parsat.dsl.symbolic import Poly
+from parsat.ir.hashed import hash_once, state_without_hash
 from parsat.ir.mesh import Mesh
 from parsat.ir.placement import Placement
 
@@ -146,6 +147,10 @@ class PCG:
     mesh: Mesh = Mesh(())
     recompute: str = "none"
     zero: int = 0
+
+    # hashed once and kept (`ir.hashed`): the search keys memos by whole PCGs (simulated steps, stage figures)
+    __hash__ = hash_once
+    __getstate__ = state_without_hash
 
     def __iter__(self) -> Iterator[PNode]:
         return iter(self.nodes)
