@@ -51,6 +51,10 @@ for fp32 training):
   stack of Python-only modules timed over the instructions it executes
   (`OpEfficiency.python_instruction_s`; a user's module's own Python
   between its ATen calls, `ir.module_calls.python_forward`);
+* with `dtensor` also how much slower an operator runs in a step than
+  timed alone as every figure here is (`OpEfficiency.sequence_factor`):
+  two transformer blocks' forward and backward ATen calls replayed in
+  order against each call repeated alone;
 * memory-bound operators (copies, adds, relus) from kilobytes to tens of
   megabytes, fitted to t = dispatch + (bytes + half) / bandwidth
   (`memory_bandwidth`, `memory_half_bytes`);
@@ -568,14 +572,17 @@ def sequence_calls(tokens: int, features: int, dtype, device) -> list[tuple[obje
 
 def _sequence_factor(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> float:
     """How much slower an operator runs in a step than timed alone (`OpEfficiency.sequence_factor`): the
-    reference's calls (`sequence_calls` on [t, t // 2] for t = size // 2 and size, the GEMM grid's largest) run in
-    order, timed as every figure here (all ranks at once, the slowest rank's window mean), over the sum of each
-    call timed alone right after one untimed call of itself (SEQUENCE_REPEATS in a row, as the GEMMs,
-    memory-bound operators and dispatch chain above are timed: warm, its code and operands in cache); the
-    geometric mean over the two sizes (the ratio moves with the size: 1.48 and 1.26 for 128 and 256 tokens, one
-    process, thread CPU time). Replayed below autograd (`no_grad`), so it is the calls' own time. A Hugging Face
-    LLaMA's own forward calls ran 1.53-1.57x in sequence what they ran alone, GPT-2's 1.49-1.54x (the same way;
-    benchmarks/costmodel_fidelity.md, 2026-12-05 helper B). At least 1."""
+    reference's calls (`sequence_calls` on [t, t / 2] for t = size / 2 and size, the GEMM grid's largest) run in
+    order, again and again over the window, over the sum of each call timed alone right after one untimed call of
+    itself (SEQUENCE_REPEATS in a row, as the GEMMs, memory-bound operators and dispatch chain above are timed:
+    warm, its code and operands in cache); all ranks at once, each side the slowest rank's; the geometric mean over
+    the two sizes (it moves with the size: 1.48 and 1.26 for 128 and 256 tokens). Replayed below autograd
+    (`no_grad`): the calls' own time. On a CPU both sides are the thread's CPU time, so the factor is the code's
+    and does not take up the box's load a second time (the wall-time figures it multiplies already hold it: on a
+    box at load 5-9 the same ratio in wall time came out 1.33-2.06). A Hugging Face LLaMA's own forward calls ran
+    1.53-1.57x in order what they ran alone, GPT-2's 1.49-1.54x (benchmarks/costmodel_fidelity.md, 2026-12-05
+    helper B). At least 1."""
+    clock = time.perf_counter if ctx.device.type == "cuda" else time.thread_time
     factors = []
     for tokens in (max(size // 2, 2 * SEQUENCE_HEADS), max(size, 2 * SEQUENCE_HEADS)):
         features = max(SEQUENCE_HEADS, tokens // (2 * SEQUENCE_HEADS) * SEQUENCE_HEADS)   # heads divide it
@@ -590,15 +597,16 @@ def _sequence_factor(ctx: RankContext, dtype, size: int, budget: Budget, sync) -
             for op, args, kwargs in calls:
                 op(*args, **kwargs)
                 sync()
-                start = time.perf_counter()
+                start = clock()
                 for _ in range(SEQUENCE_REPEATS):
                     op(*args, **kwargs)
                 sync()
-                total += (time.perf_counter() - start) / SEQUENCE_REPEATS
+                total += (clock() - start) / SEQUENCE_REPEATS
             return total
 
         with torch.no_grad():
-            sequence = _timed(ctx, in_sequence, budget, sync)
+            dist.barrier()
+            sequence = _slowest(ctx, average_after(lambda: None, in_sequence, budget, sync, clock))
             dist.barrier()
             factors.append(sequence / _slowest(ctx, statistics.median(alone() for _ in range(3))))
     return max(1.0, statistics.geometric_mean(factors))
