@@ -5,6 +5,7 @@
 ROWS.json is a `costmodel_fidelity.py --runtime torch --json` run, MACHINES_DIR its `--keep` folder (the machine
 calibrated before each round, `machine-{n}-{round}.json`). Each row is predicted again as the run did (the
 geometric mean over the calibrations before and after its round) against the same measured step, with: everything;
+no sequence factor (every operator call priced as timed alone, `OpEfficiency.sequence_factor` 1); that and no waits;
 no Python instruction priced (the module's own Python between its ATen calls); no `module_calls` (the user's module's own calls beyond its graph, `ir.module_calls`); no per-group FSDP2 hook
 cost (`fsdp_forward_group_s`, `fsdp_backward_group_s` at 0); neither; no wait for a peer's turn on a shared
 core (`comm.turn_s` at 0; the skew's slope stays as fitted beside it); neither that nor stragglers; the
@@ -42,6 +43,14 @@ def _no_python(machine: Machine) -> Machine:
     return replace(machine, efficiency=replace(machine.efficiency, python_instruction_s=0.0))
 
 
+def _no_sequence(machine: Machine) -> Machine:
+    return replace(machine, efficiency=replace(machine.efficiency, sequence_factor=1.0))
+
+
+def _no_sequence_no_waits(machine: Machine) -> Machine:
+    return _no_waits(_no_sequence(machine))
+
+
 def _no_turn(machine: Machine) -> Machine:
     return replace(machine, comm=replace(machine.comm, turn_s=0.0))
 
@@ -68,6 +77,8 @@ def _t5_collectives(profile: ExecutionProfile) -> ExecutionProfile:
 
 VARIANTS = {"everything": Variant(), "no module calls": Variant(calls=False),
             "no module Python (python_instruction_s 0)": Variant(_no_python),
+            "no sequence factor (each call as timed alone: sequence_factor 1)": Variant(_no_sequence),
+            "no sequence factor, no peer's turn, no stragglers": Variant(_no_sequence_no_waits),
             "no per-group hooks": Variant(_no_group_hooks), "neither": Variant(_no_group_hooks, calls=False),
             "no peer's turn (comm.turn_s 0)": Variant(_no_turn),
             "no peer's turn, no stragglers (sync_skew 0)": Variant(_no_waits),

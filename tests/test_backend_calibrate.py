@@ -131,6 +131,8 @@ def test_calibrate_dtensor_measures_what_an_operator_on_a_dtensor_adds(tmp_path,
     printed = capsys.readouterr().out
     assert "on a DTensor" in printed and "FSDP2's hooks" in printed
     assert efficiency.python_instruction_s > 0 and "per bytecode instruction" in printed   # a time over a count
+    assert efficiency.sequence_factor >= 1.0 and "the same call timed alone" in printed   # measured, at least 1
+    assert Machine.load(out).efficiency.sequence_factor == efficiency.sequence_factor
     assert Machine.preset("cpu").efficiency.dtensor_time() == 0.0
     assert Machine.preset("cpu").efficiency.fsdp_hooks_time(10) == 0.0
 
@@ -151,3 +153,23 @@ def test_fit_updates_keeps_each_optimizers_measured_points_never_shrinking():
     eff = OpEfficiency(**fields)
     assert eff.update_time("sgd", 2560) == pytest.approx(1.5e-5) and eff.update_time("adam", 2560) is None
     assert fit_updates([]) == {}
+
+
+def test_sequence_calls_record_a_transformer_blocks_forward_then_its_backward():
+    """`_sequence_factor`'s reference: the same calls every time (a deterministic count), products, a softmax and
+    norms among them, the backward's calls after the forward's (more calls than the forward alone makes), and
+    every call replays on its recorded operands (as the calibration runs them, below autograd)."""
+    import torch
+
+    from parsat.backend.calibrate import sequence_calls
+
+    calls = sequence_calls(8, 4, torch.float32, torch.device("cpu"))
+    names = [str(op) for op, _a, _k in calls]
+    assert len(sequence_calls(8, 4, torch.float32, torch.device("cpu"))) == len(calls)
+    assert {"aten.mm.default", "aten._softmax.default", "aten.tanh.default"} <= set(names)
+    first_backward = next(i for i, name in enumerate(names) if "backward" in name)
+    assert first_backward > max(i for i, name in enumerate(names) if name == "aten.tanh.default")
+    assert names.count("aten.mm.default") > 2 * names[:first_backward].count("aten.mm.default")   # two per product
+    with torch.no_grad():
+        for op, args, kwargs in calls:
+            op(*args, **kwargs)

@@ -14,6 +14,7 @@ from parsat.cost.pcg_tasks import PARSAT_RUN, TORCH_NATIVE, OpTimes, needs_gradi
 from parsat.dsl.library import load_library, shipped_rules_dir
 from parsat.ir.blocks import OUTSIDE
 from parsat.ir.data_parallel import data_parallel_pcg
+from parsat.ir.errors import MachineError
 from parsat.ir.machine import Machine
 from parsat.ir.megatron import megatron_pcg
 from parsat.ir.models import gpt, llama
@@ -209,3 +210,36 @@ def test_the_user_s_module_pays_its_own_python_per_bytecode_instruction(graph):
     assert Machine.from_dict(python.to_dict()).efficiency == python.efficiency
     with pytest.raises(ValueError):
         ModuleCalls(1, 0, 1, python_forward=-1)
+
+
+def test_a_step_s_operators_pay_the_calibrated_sequence_factor_and_its_collectives_do_not(graph):
+    """`OpEfficiency.sequence_factor` (an operator among a step's other calls over the same call timed alone)
+    multiplies every operator call's time, a DTensor call's extra and the module's own calls beyond its graph,
+    and nothing else: the collectives keep their measured times, a Python instruction its own figure; 1 (a preset,
+    an older file) prices as before and stays out of the file."""
+    pcg = data_parallel_pcg(graph, LIB, 2)
+    ops = sum(1 for n in pcg.nodes if n.kind == "op")
+    calls = ModuleCalls(forward_calls=ops + 40, backward_nodes=30, graph_nodes=ops, python_forward=1000)
+    base = replace(CPU, efficiency=replace(CPU.efficiency, python_instruction_s=50e-9, dtensor_dispatch_s=7e-6))
+    slower = replace(base, efficiency=replace(base.efficiency, sequence_factor=1.5))
+    assert slower.efficiency.op_time(2e-6) == pytest.approx(1.5 * base.efficiency.op_time(2e-6))
+    assert slower.efficiency.dtensor_time() == pytest.approx(1.5 * 7e-6)
+
+    def busy(machine) -> dict[str, float]:
+        result = simulate_pcg(pcg, LIB, machine, TORCH_NATIVE.running(calls)).result
+        names, phases = result._columns[0].names, result._columns[0].phases
+        out: dict[str, float] = {}
+        for name, phase, start, end in zip(names, phases, result._columns[1], result._columns[2]):
+            key = "python" if "own Python" in name else phase
+            out[key] = out.get(key, 0.0) + end - start
+        return out
+
+    before, after = busy(base), busy(slower)
+    assert after["grad_sync"] == pytest.approx(before["grad_sync"])   # collectives as measured
+    assert after["python"] == pytest.approx(before["python"]) == pytest.approx(1000 * 50e-9)
+    assert after["forward"] == pytest.approx(1.5 * before["forward"])   # graph's, module's own calls (no Python)
+    assert after["backward"] == pytest.approx(1.5 * before["backward"], rel=0.05)   # updates' measured points aside
+    assert "sequence_factor" not in base.efficiency.to_dict()
+    assert Machine.from_dict(slower.to_dict()).efficiency == slower.efficiency
+    with pytest.raises(MachineError, match="sequence_factor"):
+        Machine.from_dict(replace(slower, efficiency=replace(slower.efficiency, sequence_factor=0.5)).to_dict())

@@ -1361,7 +1361,7 @@ class _Builder:
         profile runs a module."""
         extra = self._module_extra[backward]
         if extra:
-            seconds = extra * (self.eff.backward_dispatch_s if backward else self.eff.dispatch_s)
+            seconds = extra * self.eff.op_time(0.0, backward)   # dispatch each, in a step (`sequence_factor`)
             self._add(f"the module's own {'autograd nodes' if backward else 'calls'} beyond its graph "
                       f"({extra:.0f})", self.compute, seconds, list(after), phase="backward" if backward else "forward")
         python = 0.0 if backward or self.profile.module_calls is None else \

@@ -105,11 +105,18 @@ class OpEfficiency:
                                        # memory-bound operators)
     async_dispatch: bool = False       # True on GPUs: the host launches ahead, an operator takes max(dispatch,
                                        # kernel); False on CPU: the dispatching thread computes, dispatch + kernel
+    sequence_factor: float = 1.0       # an operator call run once among a step's other calls over the same call
+                                       # timed alone again and again, as every figure above is timed: measured by
+                                       # `parsat calibrate --dtensor` on a reference of transformer blocks'
+                                       # forward and backward calls; 1: not measured (presets, older files)
 
     def op_time(self, kernel_s: float, backward: bool = False) -> float:
-        """An operator call's time: its kernel and its fixed dispatch cost, overlapped or in sequence."""
+        """An operator call's time in a step: its kernel and its fixed dispatch cost, overlapped or in sequence,
+        times `sequence_factor` (the calibrated figures are of calls repeated alone, warm; a step runs each
+        call once between different ones: on this 2-core box 1.4-1.6x, benchmarks/costmodel_fidelity.md,
+        2026-12-05 helper B)."""
         dispatch = self.backward_dispatch_s if backward else self.dispatch_s
-        return max(dispatch, kernel_s) if self.async_dispatch else dispatch + kernel_s
+        return (max(dispatch, kernel_s) if self.async_dispatch else dispatch + kernel_s) * self.sequence_factor
 
     def fsdp_hooks_time(self, params: int, backward: bool = False) -> float:
         """Host time FSDP2's hooks take on a group of `params` parameters as they gather it (before its forward;
@@ -121,8 +128,9 @@ class OpEfficiency:
 
     def dtensor_time(self, backward: bool = False) -> float:
         """What an operator on DTensors costs beyond a plain one (torch's tensor-parallel styles run the
-        modules they style on DTensors): measured by `parsat calibrate --dtensor`, 0 otherwise."""
-        return self.dtensor_backward_dispatch_s if backward else self.dtensor_dispatch_s
+        modules they style on DTensors), in a step (`sequence_factor`, as `op_time`): measured by `parsat
+        calibrate --dtensor`, 0 otherwise."""
+        return (self.dtensor_backward_dispatch_s if backward else self.dtensor_dispatch_s) * self.sequence_factor
 
     def gemm_efficiency(self, m: float, n: float, k: float) -> float:
         """Fraction of peak FLOP/s a (batched) m x k by k x n product reaches, in (0, 1]: the largest GEMMs'
@@ -169,11 +177,12 @@ class OpEfficiency:
         return (self.cache_bandwidth if fits else memory_bandwidth) * self.memory_efficiency(nbytes)
 
     def to_dict(self) -> dict:
-        """Every field, less a layout's, an optimizer's, FSDP2's hooks' or a Python instruction's that was not
-        measured (files and plans of presets read as before)."""
+        """Every field, less a layout's, an optimizer's, FSDP2's hooks', a Python instruction's or the sequence
+        factor that was not measured (files and plans of presets read as before)."""
         unmeasured = [f"gemm_{layout}_" for layout in ("nt", "tn") if getattr(self, f"gemm_{layout}_rate") <= 0]
         unmeasured += [k for k in ("fsdp_forward_param_s", "fsdp_backward_param_s", "fsdp_forward_group_s",
                                    "fsdp_backward_group_s", "python_instruction_s") if not getattr(self, k)]
+        unmeasured += ["sequence_factor"] if self.sequence_factor == 1.0 else []
         out = {k: v for k, v in asdict(self).items() if not k.startswith(tuple(unmeasured)) and k != "update_points"}
         if self.update_points:
             out["update_points"] = {kind: [list(p) for p in points] for kind, points in self.update_points}

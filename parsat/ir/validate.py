@@ -620,6 +620,7 @@ EFFICIENCY_RANGES: Mapping[str, tuple[float, float, str]] = {
     "fsdp_backward_param_s": (0.0, 3600.0, "seconds"),
     "fsdp_forward_group_s": (0.0, 3600.0, "seconds"),
     "python_instruction_s": (0.0, 3600.0, "seconds"),
+    "sequence_factor": (1.0, 100.0, "x an operator timed alone"),
     "fsdp_backward_group_s": (0.0, 3600.0, "seconds"),
     "gemm_half_m": (0.0, MAX_ELEMENTS, "elements"),
     "gemm_half_n": (0.0, MAX_ELEMENTS, "elements"),
