@@ -397,16 +397,17 @@ def test_gpt2_with_tensor_parallel_stages_on_four_ranks_trains_like_one_process(
     assert _loads_into_the_unmodified_module(tmp_path, "gpt2") == 0.0
 
 
-def searched_hf_llama_plan(sequence: bool = True):
+def searched_hf_llama_plan(sequence: bool | None = True):
     """HF LLaMA pipelined by the search itself (`parsat.optimize` on the imported graph, `--degrees
-    pp=2,tp=2,sp=2`, or `sp=1` without `sequence`, 1F1B over 2 micro-batches, the `cpu` machine): the graph imported
+    pp=2,tp=2,sp=2`, or `sp=1` without `sequence`, sp left to the search where `sequence` is None, 1F1B over 2
+    micro-batches, the `cpu` machine): the graph imported
     at one micro-batch's size, as the search takes an imported graph's step (`search.request.step_context`). Until
     2026-12-05 the search refused to pipeline an imported graph (`_check_pipeline_pin`: "only a built-in
     example")."""
     module, example = _factory("llama")()
     graph = parsat.from_torch(module, tuple(x[: x.shape[0] // 2] for x in example))
     return parsat.optimize(graph, machine="cpu", devices=4, microbatches=2, schedule="1f1b",
-                           degrees={"pp": 2, "tp": 2, "sp": 2 if sequence else 1})
+                           degrees={"pp": 2, "tp": 2, **({} if sequence is None else {"sp": 2 if sequence else 1})})
 
 
 def test_the_search_pipelines_an_imported_llama_into_stages_its_module_is_cut_into():
@@ -476,3 +477,29 @@ def test_the_searched_pipelined_imported_llama_trains_on_four_ranks_like_one_pro
         _trains_like_one_process(run)
     assert runs[0]["params"] == runs[1]["params"] and runs[2]["params"] == runs[3]["params"]   # tp twins
     assert _loads_into_the_unmodified_module(tmp_path, "llama") == 0.0
+
+
+def test_the_searched_llamas_final_norm_beside_its_split_head_is_a_whole_weight_and_its_batch_pieces_are_refused():
+    """HF LLaMA pp 2 x tp 2 with sp left to the search (`searched_hf_llama_plan(sequence=None)`): the plan
+    all-reduces the final norm's weight gradient on tp beside the column-parallel `lm_head` (a data-axis `replicate`
+    on the tensor axis). Until 2026-12-05 the lowering refused that ("one role per axis"); torch keeps such a weight
+    a `Replicate()` DTensor whose gradient every rank computes whole (role `whole`, a note saying the all-reduce
+    moves to the activation's gradient). The plan is still refused, further on and by name: it reduce-scatters
+    along the batch (dim 0) where Megatron's sequence parallelism does along the sequence, so its residual stream
+    crosses the cut as Shard(0) pieces, which the traced stages do not send."""
+    from parsat.backend.torch_native.apply import module_info
+    from parsat.backend.torch_native.lowering import TENSOR, WHOLE, LoweringError, lower
+    from parsat.backend.torch_native.pipeline_lowering import lower_pipeline
+    from parsat.importer.export import import_module
+
+    plan = searched_hf_llama_plan(sequence=None)
+    module, example = _factory("llama")()
+    info = module_info(module, import_module(module, example, check=False).weights)
+    stage = lower(plan.pcg, replace(plan.graph, microbatches=1), info, traced=True)
+    tp = plan.pcg.mesh.names.index("tp")
+    assert stage.axis_roles[tp] == TENSOR
+    roles = {w.name: w.roles[tp] for w in stage.weights}
+    assert roles["model.model.norm.weight"] == WHOLE and roles["model.lm_head.weight"] == "split", roles
+    assert any("model.model.norm.weight" in note and "Replicate()" in note for note in stage.notes)
+    with pytest.raises(LoweringError, match="crosses from chunk 0 to chunk 1 as Shard\\(0\\).*along the batch"):
+        lower_pipeline(plan.pcg, plan.graph, plan.pipeline, info)

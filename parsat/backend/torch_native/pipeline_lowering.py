@@ -245,7 +245,10 @@ def _sequence_crossings(pcg: PCG, layout: StageLayout, lowering: Lowering | None
                 "stages send each value whole, or each tp rank its piece of the sequence (Shard(1)) when every "
                 "crossing is so split; another split, or crossings split differently, is not lowered"
                 + (" (a partial sum crosses: lay the stage plan out with its partial sums reduced where they are made, "
-                   "as Megatron-LM does: `megatron_pcg(..., reduce_at_once=True)`)" if code == PARTIAL else ""))
+                   "as Megatron-LM does: `megatron_pcg(..., reduce_at_once=True)`)" if code == PARTIAL else "")
+                + (" (the plan runs sequence parallelism along the batch: reduce-scatters and all-gathers along dim "
+                   "0 around the split projections; pin sp=2 for the sequence's or sp=1 for none)"
+                   if code == shard(0) else ""))
     return "sequence" in codes.values()
 
 
