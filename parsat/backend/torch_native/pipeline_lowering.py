@@ -33,15 +33,16 @@ stage holds what, and how each stage runs inside (docs/TORCH_NATIVE.md, "Pipelin
   sequence on the tensor axis (sequence parallelism,
   `sequence_crossings`), each tp rank sends its `Shard(1)` piece to the
   same tp rank of the next stage (and the gradient back), as Megatron does
-  and the cost model prices it; data and ZeRO-3 axes become
+  and the cost model prices it; all split along the batch, its `Shard(0)`
+  piece the same way (`piece_dim`); data and ZeRO-3 axes become
   `replicate` / `fully_shard` on each stage module. A one-device stage
   holds its parameters as DTensors on a one-rank mesh.
 
 Recomputation (`PCG.recompute == "blocks"`) checkpoints each block's
 submodule in the traced stage modules (`lowering.recomputed_blocks`).
 Refused, naming why: a value crossing between chunks split on the
-stage's tensor axis otherwise than along the sequence (or crossings split
-differently), a layer the module does not
+stage's tensor axis otherwise than along the sequence or the batch (or
+crossings split differently), a layer the module does not
 hold as one submodule, and whatever `lower` refuses in the stage plan.
 """
 
