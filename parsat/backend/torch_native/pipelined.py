@@ -385,8 +385,9 @@ def _sequence_pieces(sub: nn.Module, tp: int, received: bool, dim: int = SEQ_DIM
         if not isinstance(value, torch.Tensor) or not sequence_piece(value, dim):
             continue
         if value.shape[dim] % tp:
+            along = "sequence" if dim == SEQ_DIM else "batch"
             raise NativeParallelizeError(f"the traced stage's {node.name} {list(value.shape)} crosses between "
-                                         f"stages split along dim {dim} on {tp} tp ranks, which "
+                                         f"stages split along the {along} (dim {dim}) on {tp} tp ranks, which "
                                          "do not divide it")
         shape = (*value.shape[:dim], value.shape[dim] // tp, *value.shape[dim + 1:])
         mode = getattr(value, "fake_mode", None)
