@@ -465,10 +465,16 @@ def test_the_searched_pipelined_imported_llama_trains_on_four_ranks_like_one_pro
     weights only within 3.6e-4 (the first forward's loss already 2.5e-10 apart), where every plan without sequence
     parallelism agrees within 4e-16: the ranks' float32 norms on their sequence pieces round otherwise than the
     one process's on the whole, which AdamW's first steps amplify."""
+    _searched_llama_trains_like_one_process(tmp_path, searched_hf_llama_plan(sequence=sequence),
+                                            hf_job_with_float64_norms if sequence else hf_job)
+
+
+def _searched_llama_trains_like_one_process(tmp_path, plan, job) -> None:
+    """`plan` (pp 2 x tp 2 of HF LLaMA) trained by `job` on 4 gloo ranks like one process
+    (`_trains_like_one_process`), the tp twins holding the same parameters, the checkpoint loading into the
+    unmodified module."""
     from parsat.backend.launch import LaunchConfig, launch
 
-    plan = searched_hf_llama_plan(sequence=sequence)
-    job = hf_job_with_float64_norms if sequence else hf_job
     results = launch(job, ({"llama": plan.to_dict()}, str(tmp_path)),
                      LaunchConfig(nproc=4, backend="gloo", timeout_s=900))
     runs = [r["llama"] for r in results]
@@ -523,14 +529,4 @@ def test_the_searched_llama_plan_with_batch_pieces_trains_on_four_ranks_like_one
     (`hf_job_with_float64_norms`), as with sequence pieces: with transformers' float32 section the ranks' norms on
     their batch pieces round otherwise than the one process's on the whole (losses 2.5e-10 apart, weights 3.6e-4
     after 3 steps, measured)."""
-    from parsat.backend.launch import LaunchConfig, launch
-
-    plan = searched_hf_llama_plan(sequence=None)
-    results = launch(hf_job_with_float64_norms, ({"llama": plan.to_dict()}, str(tmp_path)),
-                     LaunchConfig(nproc=4, backend="gloo", timeout_s=900))
-    runs = [r["llama"] for r in results]
-    print(json.dumps({k: runs[0][k] for k in ("losses", "ref_losses", "norms", "ref_norms", "worst_weight")}))
-    for run in runs:
-        _trains_like_one_process(run)
-    assert runs[0]["params"] == runs[1]["params"] and runs[2]["params"] == runs[3]["params"]   # tp twins
-    assert _loads_into_the_unmodified_module(tmp_path, "llama") == 0.0
+    _searched_llama_trains_like_one_process(tmp_path, searched_hf_llama_plan(sequence=None), hf_job_with_float64_norms)
