@@ -397,16 +397,17 @@ def test_gpt2_with_tensor_parallel_stages_on_four_ranks_trains_like_one_process(
     assert _loads_into_the_unmodified_module(tmp_path, "gpt2") == 0.0
 
 
-def searched_hf_llama_plan(sequence: bool = True):
+def searched_hf_llama_plan(sequence: bool | None = True):
     """HF LLaMA pipelined by the search itself (`parsat.optimize` on the imported graph, `--degrees
-    pp=2,tp=2,sp=2`, or `sp=1` without `sequence`, 1F1B over 2 micro-batches, the `cpu` machine): the graph imported
+    pp=2,tp=2,sp=2`, or `sp=1` without `sequence`, sp left to the search where `sequence` is None, 1F1B over 2
+    micro-batches, the `cpu` machine): the graph imported
     at one micro-batch's size, as the search takes an imported graph's step (`search.request.step_context`). Until
     2026-12-05 the search refused to pipeline an imported graph (`_check_pipeline_pin`: "only a built-in
     example")."""
     module, example = _factory("llama")()
     graph = parsat.from_torch(module, tuple(x[: x.shape[0] // 2] for x in example))
     return parsat.optimize(graph, machine="cpu", devices=4, microbatches=2, schedule="1f1b",
-                           degrees={"pp": 2, "tp": 2, "sp": 2 if sequence else 1})
+                           degrees={"pp": 2, "tp": 2, **({} if sequence is None else {"sp": 2 if sequence else 1})})
 
 
 def test_the_search_pipelines_an_imported_llama_into_stages_its_module_is_cut_into():
@@ -464,10 +465,16 @@ def test_the_searched_pipelined_imported_llama_trains_on_four_ranks_like_one_pro
     weights only within 3.6e-4 (the first forward's loss already 2.5e-10 apart), where every plan without sequence
     parallelism agrees within 4e-16: the ranks' float32 norms on their sequence pieces round otherwise than the
     one process's on the whole, which AdamW's first steps amplify."""
+    _searched_llama_trains_like_one_process(tmp_path, searched_hf_llama_plan(sequence=sequence),
+                                            hf_job_with_float64_norms if sequence else hf_job)
+
+
+def _searched_llama_trains_like_one_process(tmp_path, plan, job) -> None:
+    """`plan` (pp 2 x tp 2 of HF LLaMA) trained by `job` on 4 gloo ranks like one process
+    (`_trains_like_one_process`), the tp twins holding the same parameters, the checkpoint loading into the
+    unmodified module."""
     from parsat.backend.launch import LaunchConfig, launch
 
-    plan = searched_hf_llama_plan(sequence=sequence)
-    job = hf_job_with_float64_norms if sequence else hf_job
     results = launch(job, ({"llama": plan.to_dict()}, str(tmp_path)),
                      LaunchConfig(nproc=4, backend="gloo", timeout_s=900))
     runs = [r["llama"] for r in results]
@@ -476,3 +483,50 @@ def test_the_searched_pipelined_imported_llama_trains_on_four_ranks_like_one_pro
         _trains_like_one_process(run)
     assert runs[0]["params"] == runs[1]["params"] and runs[2]["params"] == runs[3]["params"]   # tp twins
     assert _loads_into_the_unmodified_module(tmp_path, "llama") == 0.0
+
+
+def test_the_searched_llamas_final_norm_beside_its_split_head_is_a_whole_weight_and_it_sends_batch_pieces():
+    """HF LLaMA pp 2 x tp 2 with sp left to the search (`searched_hf_llama_plan(sequence=None)`): the stage plan
+    runs Megatron's sequence-parallel layout along the batch (reduce-scatters and all-gathers along dim 0 around the
+    split projections), so it all-reduces the final norm's weight gradient on tp beside the column-parallel
+    `lm_head` (a data-axis `replicate` on the tensor axis) and its residual stream crosses the cut as `Shard(0)`
+    pieces. Until 2026-12-05 the lowering refused both ("one role per axis"; "another split ... is not lowered"):
+    torch keeps such a weight a `Replicate()` DTensor whose gradient every rank computes whole (role `whole`, a note
+    saying the all-reduce moves to the activation's gradient), and the traced stages send batch pieces as they
+    send sequence pieces (`piece_dim` 0). A crossing split along the hidden dim is still refused, by name."""
+    from parsat.backend.torch_native.apply import module_info
+    from parsat.backend.torch_native.lowering import TENSOR, WHOLE, LoweringError, lower
+    from parsat.backend.torch_native.pipeline_lowering import lower_pipeline
+    from parsat.importer.export import import_module
+    from parsat.ir.placement import Placement, shard
+
+    plan = searched_hf_llama_plan(sequence=None)
+    module, example = _factory("llama")()
+    info = module_info(module, import_module(module, example, check=False).weights)
+    stage = lower(plan.pcg, replace(plan.graph, microbatches=1), info, traced=True)
+    tp = plan.pcg.mesh.names.index("tp")
+    assert stage.axis_roles[tp] == TENSOR
+    roles = {w.name: w.roles[tp] for w in stage.weights}
+    assert roles["model.model.norm.weight"] == WHOLE and roles["model.lm_head.weight"] == "split", roles
+    assert any("model.model.norm.weight" in note and "Replicate()" in note for note in stage.notes)
+    lowering = lower_pipeline(plan.pcg, plan.graph, plan.pipeline, info)
+    assert lowering.sequence_crossings and lowering.piece_dim == 0
+    assert lowering.split_points() == ("model.model.layers.1",)
+    crossing = plan.pipeline.layout.crossings[0].node
+    hidden = [replace(n, placement=Placement(tuple(shard(2) if a == tp else c
+                                                   for a, c in enumerate(n.placement.codes))))
+              if n.id == crossing else n for n in plan.pcg.nodes]
+    with pytest.raises(LoweringError, match="crosses from chunk 0 to chunk 1 as Shard\\(2\\)"):
+        lower_pipeline(replace(plan.pcg, nodes=tuple(hidden)), plan.graph, plan.pipeline, info)
+
+
+@pytest.mark.slow
+def test_the_searched_llama_plan_with_batch_pieces_trains_on_four_ranks_like_one_process(tmp_path):
+    """The plan above (pp 2 x tp 2, sp left to the search: its final norm `whole` on tp beside the split head, its
+    residual stream in batch pieces across the cut) on 4 gloo ranks: 3 AdamW steps equal the unmodified module's in
+    one process (1e-4; 2026-12-05: losses 4e-16, weights 3.5e-12), every parameter a DTensor, the tp twins holding
+    the same parameters, the checkpoint loading into the unmodified module. The RMSNorm computes in float64
+    (`hf_job_with_float64_norms`), as with sequence pieces: with transformers' float32 section the ranks' norms on
+    their batch pieces round otherwise than the one process's on the whole (losses 2.5e-10 apart, weights 3.6e-4
+    after 3 steps, measured)."""
+    _searched_llama_trains_like_one_process(tmp_path, searched_hf_llama_plan(sequence=None), hf_job_with_float64_norms)

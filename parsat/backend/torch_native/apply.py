@@ -272,7 +272,7 @@ def _first_input_by_keyword(sub: nn.Module, name: str) -> str:
 
 def traced_tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh, prefix: str = "",
                            sequence: bool = False, received: bool = False, regather: bool = False,
-                           recomputed: Sequence[str] = ()) -> None:
+                           recomputed: Sequence[str] = (), piece_dim: int = SEQ_DIM) -> None:
     """A traced stage module's tensor axis (`lower(traced=True)`): each parameter a DTensor on `tp_mesh`,
     `Shard(d)` where the plan stores its weight split along d, `Replicate()` otherwise; the module's tensor inputs
     enter as `Replicate()` DTensors and its outputs leave whole and local (the stages send plain, whole tensors),
@@ -289,8 +289,9 @@ def traced_tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh, prefi
     split weights run on the local pieces with the plan's collectives only (`sequence_products`; `regather`: the
     plan's machine is priced as a runtime that gathers a column-parallel product's input again in backward, and
     the stage does so under `sequence`, outside the blocks `recomputed` names as the plan does). A plan's vocabulary-parallel loss: the stage's cross-entropy
-    runs as loss parallelism (`loss_parallel.traced_losses`). `dtensor_step` must be around its forward and
-    backward."""
+    runs as loss parallelism (`loss_parallel.traced_losses`). `piece_dim`: the dim the pieces are split along
+    (`SEQ_DIM`; 0 where the plan splits the residual stream along the batch instead, `PipelineLowering.piece_dim`).
+    `dtensor_step` must be around its forward and backward."""
     from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 
     from parsat.backend.torch_native.sequence_products import local_products, split_weights
@@ -319,14 +320,17 @@ def traced_tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh, prefi
     if not sequence:
         distribute_module(module, tp_mesh, partition, _replicated_inputs, _whole_outputs)
     else:
-        distribute_module(module, tp_mesh, partition, _received_pieces if received else _sequence_inputs,
-                          _sequence_outputs)
+        enter = _received_pieces if received else _sequence_inputs   # distribute_module calls 3-argument hooks
+        distribute_module(module, tp_mesh, partition, lambda m, inputs, mesh: enter(m, inputs, mesh, piece_dim),
+                          lambda m, outputs, mesh: _sequence_outputs(m, outputs, mesh, piece_dim))
 
 
-def sequence_piece(x) -> bool:
-    """Whether a value crossing between sequence-parallel stages travels as its `Shard(1)` piece: a floating
-    tensor with a sequence dim ([batch, seq, ...]); integer ones (ids, labels carried along) travel whole."""
-    return x.is_floating_point() and x.dim() > SEQ_DIM
+def sequence_piece(x, dim: int = SEQ_DIM) -> bool:
+    """Whether a value crossing between sequence-parallel stages travels as its `Shard(dim)` piece: a floating
+    tensor with a sequence dim ([batch, seq, ...]); integer ones (ids, labels carried along) travel whole, and so,
+    with batch pieces (`dim` 0), does one of batch 1 (a table broadcast over the batch: HF LLaMA's rotary cos and
+    sin [1, seq, head_dim])."""
+    return x.is_floating_point() and x.dim() > SEQ_DIM and (dim == SEQ_DIM or x.shape[dim] > 1)
 
 
 def dtensor_step(device: torch.device):
@@ -361,25 +365,25 @@ def _replicated_inputs(_module, inputs, mesh):
                  if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
 
 
-def _sequence_inputs(_module, inputs, mesh):
+def _sequence_inputs(_module, inputs, mesh, dim: int = SEQ_DIM):
     from torch.distributed.tensor import Replicate, Shard
 
-    return tuple(x.redistribute(mesh, [Shard(SEQ_DIM)]) if sequence_piece(x) and isinstance(x.placements[0], Replicate)
+    return tuple(x.redistribute(mesh, [Shard(dim)]) if sequence_piece(x, dim) and isinstance(x.placements[0], Replicate)
                  else x for x in _replicated_inputs(_module, inputs, mesh))
 
 
-def _received_pieces(_module, inputs, mesh):
+def _received_pieces(_module, inputs, mesh, dim: int = SEQ_DIM):
     """A later stage's inputs: each floating one this rank's `Shard(1)` piece as the stage before sent it (its
     gradient goes back as this rank's piece too: `from_local`'s backward), the others whole."""
     from torch.distributed.tensor import DTensor, Shard
 
     return _replicated_inputs(_module, tuple(
-        DTensor.from_local(x, mesh, [Shard(SEQ_DIM)], run_check=False)
-        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and sequence_piece(x) else x
+        DTensor.from_local(x, mesh, [Shard(dim)], run_check=False)
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and sequence_piece(x, dim) else x
         for x in inputs), mesh)
 
 
-def _sequence_outputs(_module, outputs, _mesh):
+def _sequence_outputs(_module, outputs, _mesh, dim: int = SEQ_DIM):
     """A sequence-parallel stage's outputs: each floating one this rank's `Shard(1)` piece (a reduce-scatter only
     where DTensor left it a partial sum, nothing where it is already split so), the others (the loss) whole."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -387,7 +391,7 @@ def _sequence_outputs(_module, outputs, _mesh):
     def local(x):
         if not isinstance(x, DTensor):
             return x
-        placements = [Shard(SEQ_DIM) if sequence_piece(x) else Replicate()] * x.device_mesh.ndim
+        placements = [Shard(dim) if sequence_piece(x, dim) else Replicate()] * x.device_mesh.ndim
         return x.redistribute(x.device_mesh, placements).to_local()
 
     return torch.utils._pytree.tree_map(local, outputs)

@@ -23,9 +23,10 @@ around each split contraction, and says it in torch's terms
   weight sliced where it is read, split on one path and gathered on
   another) is refused, naming the node.
 * **each mesh axis** (`Lowering.axis_roles`): `tensor` if it splits some
-  weight (then it may neither synchronise nor gather any: one role per
-  axis, as torch's styles give it; its `sequence` weights are the
-  tensor-parallel styles' own), else `zero3` if it gathers some, else
+  weight (then it may gather none: one role per axis, as torch's styles
+  give it; its `sequence` weights are the tensor-parallel styles' own, and
+  a weight it synchronises there is `whole`, a `Replicate()` DTensor whose
+  gradient torch computes whole on every rank, `synced_beside_split`), else `zero3` if it gathers some, else
   `data` if it synchronises some. At most one tensor axis. An axis on
   which every rank does the same work is refused: nothing of torch's
   stack runs it, and the plan would waste its devices.
@@ -105,6 +106,7 @@ from parsat.ir.pcg import PCG, WEIGHT, PNode, readers, weight_storage
 from parsat.ir.placement import FREE, PARTIAL, REPLICA, Placement, code_text, shard, shard_dim
 
 FREE_ROLE, SYNCED, GATHERED, SPLIT, SEQUENCE = "free", "synced", "gathered", "split", "sequence"
+WHOLE = "whole"   # synced on a tensor axis: a Replicate() parameter whose gradient torch's styles make whole
 DATA, ZERO3, TENSOR = "data", "zero3", "tensor"
 COLWISE, ROWWISE, VOCAB, REPLICATE_STYLE, SEQUENCE_STYLE = "colwise", "rowwise", "vocab", "replicate", "sequence"
 PREPARE_STYLE = "prepare"   # PrepareModuleInput: a module's input converted once (gathered along the sequence, or
@@ -367,7 +369,8 @@ class _Lowerer:
     # ------------------------------------------------------------ weights
 
     def run(self) -> Lowering:
-        weights = [self.weight(leaf) for leaf in self.pcg.nodes if leaf.kind == "leaf" and leaf.role == "weight"]
+        weights = self.synced_beside_split(
+            [self.weight(leaf) for leaf in self.pcg.nodes if leaf.kind == "leaf" and leaf.role == "weight"])
         roles = tuple(self.axis_role(a, weights) for a in range(len(self.mesh.axes)))
         tensor = [a for a, r in enumerate(roles) if r == TENSOR]
         if len(tensor) > 1:
@@ -512,6 +515,32 @@ class _Lowerer:
                                 f"{self.where(split)} and gathered for {self.where(gathered)}: one weight that is "
                                 "both tensor-parallel and ZeRO-3 on one axis is no torch style")
         raise LoweringError(f"weight '{leaf.op}' is stored as {code_text(s)} on mesh axis {name}")
+
+    def synced_beside_split(self, weights: list[WeightLowering]) -> list[WeightLowering]:
+        """On an axis that splits some weight, a weight the plan reads as a `replicate`'s copy (`synced`: HF
+        LLaMA's final norm beside its column-parallel `lm_head`, the plan all-reducing the norm's partial
+        gradient) is `whole` there: a `Replicate()` DTensor, as torchtitan keeps norm weights beside a
+        column-parallel head. torch computes the same gradient on every rank without synchronising it: outside
+        the styled modules every activation's gradient is already whole (a column-parallel input's
+        `from_local(Replicate())` all-reduces it in the backward; in a traced stage DTensor's propagation does),
+        so the weight's gradient, made from whole values, is whole too. The collectives differ (a note says
+        how); the values do not."""
+        out = list(weights)
+        for axis in range(len(self.mesh.axes)):
+            if not any(w.roles[axis] == SPLIT for w in out):
+                continue
+            for i, w in enumerate(out):
+                if w.roles[axis] != SYNCED:
+                    continue
+                out[i] = replace(w, roles=w.roles[:axis] + (WHOLE,) + w.roles[axis + 1:])
+                self.notes.append(
+                    f"weight '{w.name}' is read whole beside split weights on tensor axis {self.mesh.names[axis]}, "
+                    f"its gradient all-reduced there by the plan "
+                    f"({self.where(self.first_collective(w, axis))}): torch keeps it a Replicate() DTensor whose "
+                    "gradient every rank computes whole, the activations' gradients all-reduced where the "
+                    "tensor-parallel styles (or a traced stage's DTensors) take them whole; the same values, "
+                    "the all-reduce moved from the weight's gradient to the activation's")
+        return out
 
     def axis_role(self, axis: int, weights: Sequence[WeightLowering]) -> str:
         name = self.mesh.names[axis]
@@ -1126,7 +1155,7 @@ class _Lowerer:
                 want = "split along dim 0" if style.kind == COLWISE else "whole"
                 got = w.roles[axis]
                 ok = (got == SPLIT and w.stored_dim(axis) == 0) if style.kind == COLWISE else \
-                    got == FREE_ROLE or (got == SEQUENCE and style.output_layout == "sequence")
+                    got in (FREE_ROLE, WHOLE) or (got == SEQUENCE and style.output_layout == "sequence")
                 if not ok:
                     raise LoweringError(f"parameter '{full}' of {style.describe()} is {got} on tensor axis "
                                         f"{axis_name}; the style keeps it {want}")
@@ -1156,7 +1185,7 @@ class _Lowerer:
                 w = by_param.get(full)
                 if w is not None and w.roles[axis] == SEQUENCE:
                     kind = SEQUENCE_STYLE
-                elif w is not None and w.roles[axis] != FREE_ROLE:
+                elif w is not None and w.roles[axis] not in (FREE_ROLE, WHOLE):
                     raise LoweringError(f"parameter '{full}' is {w.roles[axis]} on tensor axis {axis_name} but its "
                                         f"module {module or '<root>'} ({self.module.kinds.get(module)}) has no "
                                         "tensor-parallel style")

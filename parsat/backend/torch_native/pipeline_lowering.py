@@ -33,15 +33,16 @@ stage holds what, and how each stage runs inside (docs/TORCH_NATIVE.md, "Pipelin
   sequence on the tensor axis (sequence parallelism,
   `sequence_crossings`), each tp rank sends its `Shard(1)` piece to the
   same tp rank of the next stage (and the gradient back), as Megatron does
-  and the cost model prices it; data and ZeRO-3 axes become
+  and the cost model prices it; all split along the batch, its `Shard(0)`
+  piece the same way (`piece_dim`); data and ZeRO-3 axes become
   `replicate` / `fully_shard` on each stage module. A one-device stage
   holds its parameters as DTensors on a one-rank mesh.
 
 Recomputation (`PCG.recompute == "blocks"`) checkpoints each block's
 submodule in the traced stage modules (`lowering.recomputed_blocks`).
 Refused, naming why: a value crossing between chunks split on the
-stage's tensor axis otherwise than along the sequence (or crossings split
-differently), a layer the module does not
+stage's tensor axis otherwise than along the sequence or the batch (or
+crossings split differently), a layer the module does not
 hold as one submodule, and whatever `lower` refuses in the stage plan.
 """
 
@@ -89,6 +90,7 @@ class PipelineLowering:
     shared: tuple[tuple[tuple[str, ...], tuple[int, ...]], ...]   # (a shared weight's parameter names, its stages)
     stage: Lowering | None                        # inside each stage (None: one device a stage)
     sequence_crossings: bool = False              # values crossing between chunks split along the sequence on tp
+    piece_dim: int = SEQ_DIM                      # ... or, where 0, along the batch (the same pieces path)
     recompute: tuple[str, ...] = ()               # the block modules checkpointed (`lowering.recomputed_blocks`)
     # the plan's machine is priced as a runtime that re-gathers (`Machine.runtime_regathers`): a sequence-parallel
     # stage's column-parallel products gather their input again in backward (`sequence_products`)
@@ -161,12 +163,13 @@ def lower_pipeline(pcg: PCG, graph: Graph, pipeline: PipelinePlan, module: Modul
         names = sorted({p for group in groups for p in group})
         chunks.append(ChunkLowering(chunk.index, chunk.stage, chunk.layers, begins, tuple(names), tuple(groups)))
     _one_copy_a_stage(chunks)
+    pieces = _crossing_pieces(pcg, pipeline.layout, stage)
     shared = tuple((weight_params(weights[ident], module), tuple(stages))
                    for ident, stages in pipeline.layout.shared_weights)
     return PipelineLowering(pipeline.layout.degree, pipeline.stage_devices, pipeline.schedule,
                             pipeline.microbatches, tuple(chunks), shared, stage,
-                            _sequence_crossings(pcg, pipeline.layout, stage), recomputed_blocks(pcg, module),
-                            regathers)
+                            pieces is not None, recompute=recomputed_blocks(pcg, module), regathers=regathers,
+                            piece_dim=SEQ_DIM if pieces is None else pieces)
 
 
 def _cut_module(pcg: PCG, chunk: Chunk, weights: dict[int, str], module: ModuleInfo) -> str:
@@ -223,30 +226,37 @@ def _stage_lowering(pcg: PCG, graph: Graph, module: ModuleInfo, layout: StageLay
     return lowering
 
 
-def _sequence_crossings(pcg: PCG, layout: StageLayout, lowering: Lowering | None) -> bool:
-    """Whether the values crossing between chunks are split along the sequence (`shard(1)` of [batch, seq,
-    hidden]) on the stage's tensor axis: sequence parallelism, each stage's floating inputs then entering as
-    `Shard(1)` DTensors (`apply.traced_tensor_parallel`) and each tp rank sending its piece (`pipelined`
-    sizes torch's PipelineStage buffers to the pieces): no gather before the send, no slice after. All crossings
-    whole, or all split along the sequence; anything else is refused, naming the node."""
+def _crossing_pieces(pcg: PCG, layout: StageLayout, lowering: Lowering | None) -> int | None:
+    """The dim the values crossing between chunks are split along on the stage's tensor axis, None where they
+    cross whole: the sequence (`shard(1)` of [batch, seq, hidden]: sequence parallelism) or the batch (`shard(0)`:
+    the same layout along the batch, reduce-scatters and all-gathers along dim 0 around the split projections,
+    which the search offers when sp is left to it), each stage's floating inputs then entering as `Shard(d)`
+    DTensors (`apply.traced_tensor_parallel`) and each tp rank sending its piece (`pipelined` sizes torch's
+    PipelineStage buffers to the pieces): no gather before the send, no slice after. All crossings whole, or all
+    split along one of those dims; anything else is refused, naming the node."""
     axis = lowering.tensor_axis if lowering is not None else None
     if axis is None:
-        return False
+        return None
+    pieces = {shard(SEQ_DIM): SEQ_DIM, shard(0): 0}
     codes = {}
     for crossing in layout.crossings:
         node = pcg.node(crossing.node)
         code = node.placement.codes[axis]
-        codes[crossing] = "whole" if code in (FREE, REPLICA) else "sequence" if code == shard(SEQ_DIM) else None
+        codes[crossing] = "whole" if code in (FREE, REPLICA) else pieces.get(code) if len(node.shape) > SEQ_DIM \
+            else None
         if codes[crossing] is None or len(set(codes.values())) > 1:
             origin = f" [{node.origin}]" if node.origin else ""
             raise LoweringError(
                 f"node #{node.id} {node.label}{origin} crosses from chunk {crossing.source} to chunk "
                 f"{crossing.target} as {code_text(code)} on tensor axis {lowering.mesh.names[axis]}: the traced "
-                "stages send each value whole, or each tp rank its piece of the sequence (Shard(1)) when every "
-                "crossing is so split; another split, or crossings split differently, is not lowered"
+                "stages send each value whole, or each tp rank its piece of the sequence (Shard(1)) or of the "
+                "batch (Shard(0)) when every crossing is so split; another split, or crossings split differently, "
+                "is not lowered"
                 + (" (a partial sum crosses: lay the stage plan out with its partial sums reduced where they are made, "
-                   "as Megatron-LM does: `megatron_pcg(..., reduce_at_once=True)`)" if code == PARTIAL else ""))
-    return "sequence" in codes.values()
+                   "as Megatron-LM does: `megatron_pcg(..., reduce_at_once=True)`)" if code == PARTIAL else "")
+                )
+    split = {c for c in codes.values() if c != "whole"}
+    return split.pop() if split else None
 
 
 def _one_copy_a_stage(chunks: list[ChunkLowering]) -> None:

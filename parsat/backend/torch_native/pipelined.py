@@ -364,30 +364,32 @@ def _stage_tensor_parallel(sub: nn.Module, index: int, lowering: PipelineLowerin
     tp_name = lowering.stage.mesh.names[lowering.stage.tensor_axis]
     received = index > 0
     if lowering.sequence_crossings:
-        _sequence_pieces(sub, mesh[tp_name].size(), received)
+        _sequence_pieces(sub, mesh[tp_name].size(), received, lowering.piece_dim)
     traced_tensor_parallel(sub, lowering.stage, mesh[tp_name], prefix=TRACED_PREFIX,
                            sequence=lowering.sequence_crossings, received=received, regather=lowering.regathers,
-                           recomputed=lowering.recompute)
+                           recomputed=lowering.recompute, piece_dim=lowering.piece_dim)
 
 
-def _sequence_pieces(sub: nn.Module, tp: int, received: bool) -> None:
+def _sequence_pieces(sub: nn.Module, tp: int, received: bool, dim: int = SEQ_DIM) -> None:
     """The traced stage module's floating outputs (and, when `received`, its floating inputs) with a sequence dim
     given the shape of one tp rank's `Shard(1)` piece in their traced values: torch's `PipelineStage` makes its
     receive buffers (activations forward, gradients backward) and checks what it sends from those values, and the
-    stage now sends pieces (`apply.sequence_piece`). A sequence the tp ranks do not divide is refused by name
+    stage now sends pieces (`apply.sequence_piece`; `dim`: the dim they are split along, the sequence's or, where
+    the plan splits the residual stream along the batch, 0). A dim the tp ranks do not divide is refused by name
     (uneven pieces would make each rank's buffers another shape)."""
     graph = sub.graph
     out = next(node for node in graph.nodes if node.op == "output")
     inputs = [n for n in graph.nodes if n.op == "placeholder"] if received else []
     for node in inputs + _flat_nodes(out.args):
         value = node.meta.get("val")
-        if not isinstance(value, torch.Tensor) or not sequence_piece(value):
+        if not isinstance(value, torch.Tensor) or not sequence_piece(value, dim):
             continue
-        if value.shape[SEQ_DIM] % tp:
+        if value.shape[dim] % tp:
+            along = "sequence" if dim == SEQ_DIM else "batch"
             raise NativeParallelizeError(f"the traced stage's {node.name} {list(value.shape)} crosses between "
-                                         f"stages split along the sequence (dim {SEQ_DIM}) on {tp} tp ranks, which "
+                                         f"stages split along the {along} (dim {dim}) on {tp} tp ranks, which "
                                          "do not divide it")
-        shape = (*value.shape[:SEQ_DIM], value.shape[SEQ_DIM] // tp, *value.shape[SEQ_DIM + 1:])
+        shape = (*value.shape[:dim], value.shape[dim] // tp, *value.shape[dim + 1:])
         mode = getattr(value, "fake_mode", None)
         with mode if mode is not None else contextlib.nullcontext():
             node.meta["val"] = value.new_empty(shape)

@@ -167,7 +167,7 @@ def _local_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tra
             return torch.nn.functional.linear(a, w.to_local(), bias)
         return a @ w.to_local() if bias is None else torch.addmm(bias, a, w.to_local())   # `flat` alone has one
 
-    if _is_shard(wp, out_dim) and ((_is_shard(xp, SEQ_DIM) and not flat) or xp == Replicate()) \
+    if _is_shard(wp, out_dim) and ((_is_piece(xp) and not flat) or xp == Replicate()) \
             and (b is None or _is_shard(b.placements[0], 0)):   # column-parallel
         # a whole input's gradient is left a partial sum, reduced once where it is read (every product reading
         # the input adds its own first: q, k and v's); redistributing it would all-reduce it for each product
@@ -218,6 +218,12 @@ def _keeping_the_shard(x: torch.Tensor, whole: torch.Tensor,
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         out = product(flat)
     return out.reshape(*whole.shape[:-1], out.shape[-1])
+
+
+def _is_piece(placement) -> bool:
+    """`placement` splits an activation [batch, seq, ...] into the pieces a stage keeps its residual stream in: a
+    plain `Shard` along the sequence, or along the batch (`PipelineLowering.piece_dim`)."""
+    return _is_shard(placement, SEQ_DIM) or _is_shard(placement, 0)
 
 
 def _is_shard(placement, dim: int) -> bool:
