@@ -102,6 +102,28 @@ def test_measured_points_replace_the_model_where_they_exist():
     assert price(ALL_REDUCE, GroupTopology.consecutive(2, machine.devices_per_node), n, machine).algorithm != "measured"   # no point for 2 ranks
 
 
+def test_measured_samples_price_between_neighbours_and_round_trip_through_the_file():
+    """2 gloo ranks' all-reduce as timed (ms: 0.58 at 1 KB, 1.85 at 256 KB, 6.2 at 4 MB) is no line: a buffer
+    between two samples is priced on their segment, not on the line fitted through all of them."""
+    samples = ((1024.0, 0.58e-3), (262144.0, 1.85e-3), (4194304.0, 6.22e-3))
+    point = CollectivePoint(ALL_REDUCE, "intra", 2, 0.73e-3, 0.694e9, samples)
+    machine = replace(Machine.preset("cpu"), comm=CommProfile(points=(point,)))
+    group = GroupTopology.consecutive(2, machine.devices_per_node)
+    n = 1444352.0   # FSDP2's gradient all-reduce of llama/dp: 361,088 floats
+    between = 1.85e-3 + (6.22e-3 - 1.85e-3) * (n - 262144) / (4194304 - 262144)
+    assert price(ALL_REDUCE, group, n, machine).seconds == pytest.approx(between)
+    assert between > CollectivePoint(ALL_REDUCE, "intra", 2, 0.73e-3, 0.694e9).seconds(n)   # the line: 2.81 ms
+    assert point.seconds(262144.0) == pytest.approx(1.85e-3) and point.seconds(10.0) == pytest.approx(0.58e-3)
+    assert point.seconds(8388608.0) == pytest.approx(6.22e-3 + 4194304 / 0.694e9)   # beyond: the line's rate
+    assert Machine.from_dict(machine.to_dict()).comm.points == (point,)
+    line_only = replace(machine, comm=CommProfile(points=(replace(point, samples=()),)))
+    assert "samples" not in line_only.to_dict()["comm"]["points"][0]   # older files read and write as before
+    bad = machine.to_dict()
+    bad["comm"]["points"][0]["samples"] = [[1024.0, 2e-3], [512.0, 3e-3]]
+    with pytest.raises(Exception, match="samples"):
+        Machine.from_dict(bad)
+
+
 def test_time_grows_with_bytes():
     for kind in (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, SEND_RECV, BROADCAST):
         times = [price(kind, GroupTopology(16, 8, 2), n, H100).seconds for n in (1, 1 << 10, 1 << 20, 1 << 30)]

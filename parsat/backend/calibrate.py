@@ -136,7 +136,7 @@ class CollectiveTiming:
         point = machine.comm.point(self.kind, "intra", self.ranks)
         if point is None:
             return float("nan")
-        return point.latency_s + bus_factor(self.kind, self.ranks) * self.nbytes / point.bus_bandwidth
+        return point.seconds(self.nbytes)
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,9 @@ class Calibration:
 # ------------------------------------------------------------------ timing
 
 
+# Collective buffer sizes timed (elements): a step's collectives are priced between two neighbours
+# (`CollectivePoint.samples`), so the middle decades have points too (a 1.4 MB gradient all-reduce).
+COMM_ELEMENTS = (256, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20)
 WINDOW_S = 0.03   # each figure is the average over at least this much wall time
 
 
@@ -927,8 +930,8 @@ def fit_updates(timings: Sequence[OpTiming]) -> dict[str, tuple]:
 
 
 def _growing(points: Sequence[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
-    """`points` with each time at least the one before (an update of more elements does not take less: where a
-    noisy measurement says so, the smaller one's time stands)."""
+    """`points` with each time at least the one before (an update of more elements, a collective of more bytes,
+    does not take less: where a noisy measurement says so, the smaller one's time stands)."""
     out: list[tuple[float, float]] = []
     for x, y in points:
         out.append((x, max(y, out[-1][1]) if out else y))
@@ -971,7 +974,7 @@ def fit_memory(timings: Sequence[OpTiming]) -> tuple[float, float, float, float]
 
 
 def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, backend: str | None = None,
-              collective_sizes: Sequence[int] = (256, 1 << 12, 1 << 16, 1 << 20), dtype: str = "float64",
+              collective_sizes: Sequence[int] = COMM_ELEMENTS, dtype: str = "float64",
               timeout_s: float = 600.0, window_s: float = WINDOW_S, oversubscribe: bool = False,
               dtensor: bool = False) -> Calibration:
     """Measure this machine on `nproc` ranks at once: operators, dispatch and collectives; the fitted Machine.
@@ -1009,8 +1012,9 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
     points = []
     for (kind, g), group in itertools.groupby(sorted(collectives, key=lambda c: (c.kind, c.ranks, c.nbytes)),
                                               key=lambda c: (c.kind, c.ranks)):
-        bw, latency = fit_link(list(group))
-        points.append(CollectivePoint(kind, "intra", g, latency, bw))
+        timed = list(group)
+        bw, latency = fit_link(timed)
+        points.append(CollectivePoint(kind, "intra", g, latency, bw, _growing([(t.nbytes, t.seconds) for t in timed])))
     largest = max((p for p in points if p.collective == "all_reduce"), key=lambda p: p.group)
     step_latency = largest.latency_s / (2 * (largest.group - 1))
     precision, _dtype, other_dtype = DTYPES[dtype]

@@ -361,9 +361,9 @@ def register_calibrate(subparsers) -> None:
     cal.add_argument("--backend", choices=("gloo", "nccl"), default=None)
     cal.add_argument("--size", type=int, default=512, help="largest GEMM dimension (default 512)")
     cal.add_argument("--repeats", type=int, default=5, help="timed repetitions per measurement (median)")
-    cal.add_argument("--comm-elements", type=int, nargs="+", default=(256, 1 << 12, 1 << 16, 1 << 20), metavar="N",
-                     help="buffer sizes (elements) of the collectives timed for the latency and bandwidth fit "
-                          "(at least two, increasing)")
+    cal.add_argument("--comm-elements", type=int, nargs="+", default=(256, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20),
+                     metavar="N", help="buffer sizes (elements) of the collectives timed (at least two, increasing): "
+                                       "a buffer is priced between its two neighbours, beyond them on the fitted line")
     cal.add_argument("--window", type=float, default=0.03, metavar="SECONDS",
                      help="each figure averages at least this much wall time (default 0.03)")
     cal.add_argument("--dtype", choices=("float64", "float32", "bfloat16"), default="float64",

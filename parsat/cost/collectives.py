@@ -241,8 +241,7 @@ def price(collective: str, group: GroupTopology, nbytes: float, machine: Machine
     sent = sent_bytes(collective, p, nbytes)
     measured = machine.comm.point(collective, group.link, p)
     if measured is not None:
-        seconds = measured.latency_s + bus_factor(collective, p) * nbytes / measured.bus_bandwidth
-        return CollectiveCost(collective, "measured", seconds, sent, nbytes, group)
+        return CollectiveCost(collective, "measured", measured.seconds(nbytes), sent, nbytes, group)
     algorithm, seconds = _algorithms(collective, machine, group, nbytes)
     return CollectiveCost(collective, algorithm, machine.comm.launch_s + seconds, sent, nbytes, group)
 

@@ -775,7 +775,7 @@ def validate_comm_dict(data: Any, error: type[Exception] = MachineError, where: 
     for i, point in enumerate(f.array(data.get("points", []), "points")):
         path = f"points[{i}]"
         point = f.obj(point, path)
-        _known(_Fields(error, f"{where}.{path}."), point, ("collective", "link", *POINT_RANGES))
+        _known(_Fields(error, f"{where}.{path}."), point, ("collective", "link", "samples", *POINT_RANGES))
         if f.get(point, "collective", path) not in COLLECTIVE_KINDS:
             f.fail(f"{path}.collective", f"must be one of {', '.join(COLLECTIVE_KINDS)}, "
                                          f"got {_kind(point['collective'])}")
@@ -784,7 +784,21 @@ def validate_comm_dict(data: Any, error: type[Exception] = MachineError, where: 
         f.integer(f.get(point, "group", path), f"{path}.group")
         for key, (low, high, unit) in POINT_RANGES.items():
             _ranged(f, f.get(point, key, path), f"{path}.{key}", low, high, unit)
+        _samples(f, point.get("samples", []), f"{path}.samples")
     return data
+
+
+def _samples(f: "_Fields", samples: Any, path: str) -> None:
+    """A point's measured (bytes, seconds) pairs (`CollectivePoint.samples`): bytes increasing and positive,
+    seconds positive and not decreasing, so that the price between them is a time that grows with the buffer."""
+    before = (0.0, 0.0)
+    for i, pair in enumerate(f.array(samples, path)):
+        if (not isinstance(pair, list) or len(pair) != 2
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in pair)):
+            f.fail(f"{path}[{i}]", f"must be [bytes, seconds], got {_kind(pair)}")
+        if pair[0] <= before[0] or pair[1] <= 0 or pair[1] < before[1]:
+            f.fail(f"{path}[{i}]", f"must have more bytes than the one before and no fewer seconds, got {pair}")
+        before = (float(pair[0]), float(pair[1]))
 
 
 def machine_field(key: str) -> str:
