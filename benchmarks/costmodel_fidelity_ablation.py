@@ -51,6 +51,12 @@ def _no_sequence_no_waits(machine: Machine) -> Machine:
     return _no_waits(_no_sequence(machine))
 
 
+def _line_collectives(machine: Machine) -> Machine:
+    """Each collective on its fitted line only, as machine files before `CollectivePoint.samples` priced it."""
+    return replace(machine, comm=replace(machine.comm, points=tuple(replace(p, samples=())
+                                                                    for p in machine.comm.points)))
+
+
 def _no_turn(machine: Machine) -> Machine:
     return replace(machine, comm=replace(machine.comm, turn_s=0.0))
 
@@ -81,6 +87,7 @@ VARIANTS = {"everything": Variant(), "no module calls": Variant(calls=False),
             "no sequence factor, no peer's turn, no stragglers": Variant(_no_sequence_no_waits),
             "no per-group hooks": Variant(_no_group_hooks), "neither": Variant(_no_group_hooks, calls=False),
             "no peer's turn (comm.turn_s 0)": Variant(_no_turn),
+            "collectives on the fitted line (no samples)": Variant(_line_collectives),
             "no peer's turn, no stragglers (sync_skew 0)": Variant(_no_waits),
             "collectives as T5 priced them (groups across nodes, reduce-scatter as timed)":
                 Variant(profile=_t5_collectives, per_node=1),
