@@ -530,3 +530,63 @@ def test_the_searched_llama_plan_with_batch_pieces_trains_on_four_ranks_like_one
     their batch pieces round otherwise than the one process's on the whole (losses 2.5e-10 apart, weights 3.6e-4
     after 3 steps, measured)."""
     _searched_llama_trains_like_one_process(tmp_path, searched_hf_llama_plan(sequence=None), hf_job_with_float64_norms)
+
+
+def searched_hf_llama_dp_tp_plan():
+    """HF LLaMA as `parsat.optimize` lays it out on 4 `cpu` devices pinned dp 2 x tp 2 (the whole batch, no
+    pipeline): ZeRO-3 on dp, Megatron's projections on tp, and `embed_tokens` stored whole on tp but read only
+    split along the vocabulary (a vocabulary-parallel lookup of a table stored whole, sliced where read)."""
+    module, example = _factory("llama")()
+    return parsat.optimize(parsat.from_torch(module, example), machine="cpu", devices=4, degrees={"dp": 2, "tp": 2})
+
+
+def test_the_searched_dp_tp_llamas_table_read_only_split_is_stored_split_as_a_vocabulary_parallel_embedding():
+    """The plan above stores `embed_tokens` whole on tp (so it prices the whole table, its gradient and Adam state on
+    each tp rank, and all-gathers the slice's gradient in the backward) and reads it only as `Shard(0)`, by a
+    vocabulary-parallel lookup whose output is a partial sum. No torch style keeps a parameter whole and reads a
+    slice of it, so until 2026-12-05 the lowering refused it ("stored whole on mesh axis tp but node #26 embedding
+    reads it as Shard(0)"). Torch stores it `Shard(0)` (`WeightLowering.restored`, as a tied table already was), the
+    embedding `RowwiseParallel()` (Megatron's VocabParallelEmbedding, torchtitan's embedding style): the same values
+    and forward all-reduce, a note saying torch holds half the table's state and gathers no gradient."""
+    from parsat.backend.torch_native.apply import module_info
+    from parsat.backend.torch_native.lowering import SPLIT, TENSOR, VOCAB, lower
+    from parsat.backend.torch_native.rewritten import lowered_rewrite
+    from parsat.importer.export import import_module
+    from parsat.ir.pcg import weight_storage
+    from parsat.ir.placement import FREE, shard
+
+    plan = searched_hf_llama_dp_tp_plan()
+    module, example = _factory("llama")()
+    imported = import_module(module, example, check=False)
+    lowering = lower(plan.pcg, plan.graph, module_info(module, imported.weights))
+    lowered_rewrite(plan.pcg, plan.graph, lowering, imported)
+    tp = plan.pcg.mesh.names.index("tp")
+    assert lowering.axis_roles[tp] == TENSOR
+    name = "model.model.embed_tokens.weight"
+    leaf = next(n for n in plan.pcg.nodes if n.kind == "leaf" and n.op == name)
+    assert plan.pcg.node(weight_storage(plan.pcg)[leaf.id][-1]).placement.codes[tp] == FREE   # the plan: whole
+    table = lowering.weight(name)
+    assert table.roles[tp] == SPLIT and table.restored == (tp,) and table.stored.codes[tp] == shard(0)
+    style = next(s for s in lowering.styles if s.module == "model.model.embed_tokens")
+    assert style.kind == VOCAB and ": RowwiseParallel() (" in style.describe(), style.describe()
+    note = next(n for n in lowering.notes if name in n)
+    assert "read only split along the vocabulary" in note and "gathers no gradient" in note, note
+    assert all(w.restored == () for w in lowering.weights if w.name != name)   # the projections: stored split already
+
+
+@pytest.mark.slow
+def test_the_searched_dp_tp_llama_plan_trains_on_four_ranks_like_one_process(tmp_path):
+    """The dp 2 x tp 2 plan above (ZeRO-3 on dp, its table stored `Shard(0)` on tp) on 4 gloo ranks, trained by the
+    runtime tests' loop for unpipelined plans (`train_job` through `_train_hf`: the user's loop on each rank's local
+    batch, `clip_grad_norm_`, AdamW; `_check_run`, the unpipelined twin of `_trains_like_one_process`), the module's
+    own forward under the styles (`own_forward`: the lowering this test is about): 3 steps equal the unmodified
+    module's in one process (1e-4; 2026-12-05: losses 8.5e-8, transformers' loss being float32 on both sides, norms
+    2e-16, weights 6.1e-13), every parameter a DTensor on one mesh, the checkpoint loading into the unmodified module;
+    the table `Shard(0)` on tp (`_StridedShard` on dp under fully_shard)."""
+    from test_torch_native_runtime import _train_hf
+
+    results = _train_hf("llama", {"searched_dp2_tp2": searched_hf_llama_dp_tp_plan().to_dict()}, 4, tmp_path,
+                        own_forward=True)
+    for result in results:
+        placements = result["searched_dp2_tp2"]["placements"]["model.model.embed_tokens.weight"]
+        assert placements[-1] == "Shard(dim=0)", placements

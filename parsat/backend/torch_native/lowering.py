@@ -427,24 +427,29 @@ class _Lowerer:
         return WeightLowering(leaf.op, info.names, leaf.id, stored, tuple(roles), tuple(restored))
 
     def vocabulary_split_table(self, end: int, uses: list[tuple[PNode, PNode]], axis: int) -> bool:
-        """Whether the weight whose storage ends at `end`, whole on `axis`, is a tied table read whole by
-        embeddings (their outputs whole) and split along the vocabulary (a `partition` of dim 0 of the stored
-        value) by projections, nothing else: torch then stores it split for both reads (`WeightLowering.restored`),
-        the embedding vocabulary-parallel, which computes the same whole lookup (Megatron's
-        VocabParallelEmbedding beside its tied head). No torch style keeps one parameter whole for one module
-        and split for another. Parallel operators on other axes between the two (a data axis's `replicate`) are
-        looked through."""
-        whole = split = 0
+        """Whether the weight whose storage ends at `end`, whole on `axis`, is a table torch stores split along the
+        vocabulary there (`WeightLowering.restored`): every read an embedding's lookup of the whole table (its
+        output whole) or a read split along the vocabulary (a `partition` of dim 0 of the stored value) by an
+        embedding or a projection, and some read split. Two such tables: a tied one read whole by its embedding and
+        split by its head (Megatron's VocabParallelEmbedding beside its tied head: no torch style keeps one
+        parameter whole for one module and split for another), and one read only split, by vocabulary-parallel
+        lookups (their outputs partial sums: Megatron's VocabParallelEmbedding, torchtitan's RowwiseParallel on the
+        embedding), where a whole table read only in slices is no torch style either. Both compute the plan's
+        values; the memory and collectives they differ in are noted (`note_restored`). Parallel operators on other
+        axes between the two (a data axis's `replicate` or ZeRO-3 `all_gather`) are looked through."""
+        whole = split = split_lookups = 0
         for user, value in uses:
             ops = self.ops_on_axis(value, end, axis)
+            sliced = ops is not None and len(ops) == 1 and ops[0].op == PARTITION and ops[0].attr("dim") == 0
             if ops == [] and user.op in EMBEDDING_OPS and user.placement.codes[axis] in (FREE, REPLICA):
                 whole += 1
-            elif ops is not None and len(ops) == 1 and ops[0].op == PARTITION and ops[0].attr("dim") == 0 \
-                    and user.op in LINEAR_OPS:
+            elif sliced and user.op in LINEAR_OPS:
                 split += 1
+            elif sliced and user.op in EMBEDDING_OPS and user.placement.codes[axis] == PARTIAL:
+                split_lookups += 1
             else:
                 return False
-        return whole > 0 and split > 0
+        return (whole > 0 and split > 0) or (split_lookups > 0 and whole == 0)
 
     def ops_on_axis(self, value: PNode, start: int, axis: int) -> list[PNode] | None:
         """The parallel operators on mesh axis `axis` that make `value` from node `start`, in order, those on other
@@ -459,19 +464,31 @@ class _Lowerer:
         return ops[::-1]
 
     def note_restored(self, leaf: PNode, uses: list[tuple[PNode, PNode]], axes: Sequence[int]) -> None:
-        """Say where torch's collectives and memory differ from the plan's for a table stored vocabulary-split."""
+        """Say where torch's collectives and memory differ from the plan's for a table stored vocabulary-split: the
+        plan prices the whole table, its gradient and optimizer state on each rank of the axis (`cost.model`'s
+        `_parallel_memory`: a weight's state where it is stored) and an all-gather of the split read's gradient in
+        the backward (the `partition`'s); torch holds 1/degree of each and gathers no gradient."""
         for axis in axes:
-            name = self.mesh.names[axis]
-            lookups = [user for user, _ in uses if user.op in EMBEDDING_OPS]
-            slices = sorted({value.id for user, value in uses if user.op not in EMBEDDING_OPS})
+            name, size = self.mesh.names[axis], self.mesh.axes[axis].size
+            lookups = [user for user, _ in uses if user.op in EMBEDDING_OPS and user.placement.codes[axis] != PARTIAL]
+            slices = sorted({value.id for user, value in uses if user not in lookups})
+            held = (f"where the plan keeps the table whole on every rank of {name} (its gradient and optimizer state "
+                    "too) and "
+                    f"all-gathers the split read's gradient {list(leaf.shape)} in the backward, torch keeps "
+                    f"1/{size} of each")
+            if not lookups:   # read only split: the lookups' partial sums are the plan's own
+                self.notes.append(
+                    f"weight '{leaf.op}' {list(leaf.shape)} is stored whole on tensor axis {name} by the plan and read "
+                    f"only split along the vocabulary (by {', '.join(f'#{i}' for i in slices)}): torch stores it "
+                    "Shard(0), the embedding vocabulary-parallel (RowwiseParallel): the same values and the same "
+                    f"forward all-reduce of the lookup's partial sums, but {held} and gathers no gradient")
+                continue
             self.notes.append(
                 f"weight '{leaf.op}' {list(leaf.shape)} is stored whole on tensor axis {name} by the plan, read whole "
                 f"by {', '.join(self.where(u) for u in lookups)} and split along the vocabulary by "
                 f"{', '.join(f'#{i}' for i in slices)}: torch stores it Shard(0) for both reads (one parameter, one "
-                "placement), the embedding vocabulary-parallel (RowwiseParallel): the same values, but where the "
-                f"plan keeps the whole table on each rank and all-gathers the split read's gradient {list(leaf.shape)} "
-                f"in the backward, torch keeps 1/{self.mesh.axes[axis].size} of it and all-reduces the embedding's "
-                f"output {list(lookups[0].shape)} in the forward")
+                f"placement), the embedding vocabulary-parallel (RowwiseParallel): the same values, but {held} and "
+                f"all-reduces the embedding's output {list(lookups[0].shape)} in the forward")
 
     def uses(self, start: int) -> Iterable[tuple[PNode, PNode]]:
         """(reader, value read) for every operator that reads a value made from the weight at `start` by parallel
@@ -770,7 +787,8 @@ class _Lowerer:
                                 f"'{w.name}'")
         x = self.node(activations[0])
         x_code, out_code = x.placement.codes[axis], user.placement.codes[axis]
-        if axis in w.restored and style == VOCAB:   # the whole lookup of a table torch stores vocabulary-split
+        if axis in w.restored and style == VOCAB and out_code != PARTIAL:   # the whole lookup of a table torch
+            # stores vocabulary-split (a tied one); a split lookup of it is the plain vocabulary-parallel one below
             if x_code not in (FREE, REPLICA) or out_code not in (FREE, REPLICA):
                 raise LoweringError(f"{self.where(user)} reads the tied table '{w.name}' whole on tensor axis "
                                     f"{axis_name} but its ids as {code_text(x_code)}")
