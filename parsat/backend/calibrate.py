@@ -90,7 +90,8 @@ from parsat.importer.torch_ops import apply_op
 from parsat.dsl.bounds import check_all
 from parsat.ir.units import fmt_bytes
 from parsat.ir.machine import Machine
-from parsat.ir.machine_profile import CollectivePoint, CommProfile, OpEfficiency, Oversubscribed, bus_factor
+from parsat.ir.machine_profile import (COMM_ELEMENTS, CollectivePoint, CommProfile, OpEfficiency, Oversubscribed,
+                                      bus_factor)
 
 DTYPES = {"float64": ("fp64", torch.float64, torch.float32), "float32": ("fp32", torch.float32, torch.float64),
           "bfloat16": ("bf16", torch.bfloat16, torch.float32)}
@@ -165,9 +166,6 @@ class Calibration:
 # ------------------------------------------------------------------ timing
 
 
-# Collective buffer sizes timed (elements): a step's collectives are priced between two neighbours
-# (`CollectivePoint.samples`), so the middle decades have points too (a 1.4 MB gradient all-reduce).
-COMM_ELEMENTS = (256, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20)
 WINDOW_S = 0.03   # each figure is the average over at least this much wall time
 
 

@@ -354,6 +354,8 @@ def register_calibrate(subparsers) -> None:
     cal = subparsers.add_parser("calibrate", help="time operators and collectives here; write a machine file",
                                 description="Measure this machine's compute rates and collective link for the cost "
                                             "model, and write a machine JSON `parsat optimize --machine` loads.")
+    from parsat.ir.machine_profile import COMM_ELEMENTS   # no torch: the parser stays light
+
     cal.add_argument("--machine", "-m", required=True, metavar="NAME", help="the name to give the machine")
     cal.add_argument("--output", "-o", required=True, metavar="FILE", help="machine JSON to write")
     cal.add_argument("-n", "--nproc", type=int, default=None,
@@ -361,7 +363,7 @@ def register_calibrate(subparsers) -> None:
     cal.add_argument("--backend", choices=("gloo", "nccl"), default=None)
     cal.add_argument("--size", type=int, default=512, help="largest GEMM dimension (default 512)")
     cal.add_argument("--repeats", type=int, default=5, help="timed repetitions per measurement (median)")
-    cal.add_argument("--comm-elements", type=int, nargs="+", default=(256, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20),
+    cal.add_argument("--comm-elements", type=int, nargs="+", default=COMM_ELEMENTS,
                      metavar="N", help="buffer sizes (elements) of the collectives timed (at least two, increasing): "
                                        "a buffer is priced between its two neighbours, beyond them on the fitted line")
     cal.add_argument("--window", type=float, default=0.03, metavar="SECONDS",

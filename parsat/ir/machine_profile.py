@@ -208,6 +208,11 @@ def interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
     return max(points[0][1], y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
+# Collective buffer sizes `parsat calibrate` times (elements): a step's collectives are priced between two
+# neighbours (`CollectivePoint.samples`), so the middle decades have points too (a 1.4 MB gradient all-reduce).
+COMM_ELEMENTS = (256, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20)
+
+
 @dataclass(frozen=True)
 class CollectivePoint:
     """One measured collective: `collective` among `group` devices over `link`, as latency + bytes / bus bandwidth.
