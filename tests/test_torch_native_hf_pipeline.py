@@ -532,57 +532,108 @@ def test_the_searched_llama_plan_with_batch_pieces_trains_on_four_ranks_like_one
     _searched_llama_trains_like_one_process(tmp_path, searched_hf_llama_plan(sequence=None), hf_job_with_float64_norms)
 
 
-def searched_hf_llama_dp_tp_plan():
+def searched_hf_llama_dp_tp_plan(rules=None):
     """HF LLaMA as `parsat.optimize` lays it out on 4 `cpu` devices pinned dp 2 x tp 2 (the whole batch, no
-    pipeline): ZeRO-3 on dp, Megatron's projections on tp, and `embed_tokens` stored whole on tp but read only
-    split along the vocabulary (a vocabulary-parallel lookup of a table stored whole, sliced where read)."""
+    pipeline): ZeRO-3 on dp, Megatron's projections on tp, and `embed_tokens` stored split on tp (`Shard(0)`,
+    replicated on dp) and read by a vocabulary-parallel lookup. `rules`: `parsat.optimize`'s (None: the shipped
+    ones)."""
     module, example = _factory("llama")()
-    return parsat.optimize(parsat.from_torch(module, example), machine="cpu", devices=4, degrees={"dp": 2, "tp": 2})
+    return parsat.optimize(parsat.from_torch(module, example), machine="cpu", rules=rules, devices=4,
+                           degrees={"dp": 2, "tp": 2})
 
 
-def test_the_searched_dp_tp_llamas_table_read_only_split_is_stored_split_as_a_vocabulary_parallel_embedding():
-    """The plan above stores `embed_tokens` whole on tp (so it prices the whole table, its gradient and Adam state on
-    each tp rank, and all-gathers the slice's gradient in the backward) and reads it only as `Shard(0)`, by a
-    vocabulary-parallel lookup whose output is a partial sum. No torch style keeps a parameter whole and reads a
-    slice of it, so until 2026-12-05 the lowering refused it ("stored whole on mesh axis tp but node #26 embedding
-    reads it as Shard(0)"). Torch stores it `Shard(0)` (`WeightLowering.restored`, as a tied table already was), the
-    embedding `RowwiseParallel()` (Megatron's VocabParallelEmbedding, torchtitan's embedding style): the same values
-    and forward all-reduce, a note saying torch holds half the table's state and gathers no gradient."""
+def _table_lowering(plan):
+    """The lowering of `plan` (an HF LLaMA plan) on the module, its rewrite checked, and the mesh index of tp."""
     from parsat.backend.torch_native.apply import module_info
-    from parsat.backend.torch_native.lowering import SPLIT, TENSOR, VOCAB, lower
+    from parsat.backend.torch_native.lowering import TENSOR, lower
     from parsat.backend.torch_native.rewritten import lowered_rewrite
     from parsat.importer.export import import_module
-    from parsat.ir.pcg import weight_storage
-    from parsat.ir.placement import FREE, shard
 
-    plan = searched_hf_llama_dp_tp_plan()
     module, example = _factory("llama")()
     imported = import_module(module, example, check=False)
     lowering = lower(plan.pcg, plan.graph, module_info(module, imported.weights))
     lowered_rewrite(plan.pcg, plan.graph, lowering, imported)
     tp = plan.pcg.mesh.names.index("tp")
     assert lowering.axis_roles[tp] == TENSOR
-    name = "model.model.embed_tokens.weight"
+    return lowering, tp
+
+
+def _stored_on(plan, name: str, axis: int) -> int:
+    """The placement code on mesh axis `axis` of weight `name` as `plan` stores it."""
+    from parsat.ir.pcg import weight_storage
+
     leaf = next(n for n in plan.pcg.nodes if n.kind == "leaf" and n.op == name)
-    assert plan.pcg.node(weight_storage(plan.pcg)[leaf.id][-1]).placement.codes[tp] == FREE   # the plan: whole
-    table = lowering.weight(name)
+    return plan.pcg.node(weight_storage(plan.pcg)[leaf.id][-1]).placement.codes[axis]
+
+
+TABLE = "model.model.embed_tokens.weight"
+
+
+def test_the_searched_dp_tp_llama_stores_its_table_split_where_every_read_of_it_is_split():
+    """Every read of `embed_tokens` is a vocabulary-parallel lookup (`partition(dim 0)` on tp, its output a partial
+    sum), and the plan stores the table split there (`Shard(0)` on tp, 1/tp of the table, its gradient and Adam
+    state, no gradient gathered back). Until 2026-12-05 it stored it whole on tp (ZeRO-3 on dp), sliced where
+    read: no rule reached the split storage, since the lookup's data parallelism was made only by pushing a
+    partition of its result down (`partition_batch_of_embedding`: the table replicated on dp first, then split
+    on tp), and the vocabulary-parallel lookup's partial sums are never partitioned.
+    `introduce_embedding_batch_parallel` makes the other order, as the linear layers' introduce rules do: the
+    plan's step 3.767 -> 3.688 ms, per-node bound 4.66 -> 4.47 MB. The lowering then restores nothing: the table
+    is `Shard(0)` on tp as the plan stores it, the lookup `RowwiseParallel()` (Megatron's VocabParallelEmbedding)."""
+    from parsat.backend.torch_native.lowering import SPLIT, VOCAB
+    from parsat.ir.placement import shard
+
+    plan = searched_hf_llama_dp_tp_plan()
+    lowering, tp = _table_lowering(plan)
+    assert _stored_on(plan, TABLE, tp) == shard(0)   # the plan: split, as it is read
+    assert "introduce_embedding_batch_parallel" in str(plan.to_dict()["saturation"]["rule_matches"])
+    table = lowering.weight(TABLE)
+    assert table.roles[tp] == SPLIT and table.restored == () and table.stored.codes[tp] == shard(0)
+    style = next(s for s in lowering.styles if s.module == "model.model.embed_tokens")
+    assert style.kind == VOCAB and ": RowwiseParallel() (" in style.describe(), style.describe()
+    assert all(w.restored == () for w in lowering.weights)
+
+
+def test_a_table_stored_whole_but_read_only_split_is_stored_split_as_a_vocabulary_parallel_embedding(tmp_path):
+    """The plan the search gave before `introduce_embedding_batch_parallel` (searched here without it) stores
+    `embed_tokens` whole on tp (so it prices the whole table, its gradient and Adam state on each tp rank, and
+    all-gathers the slice's gradient in the backward) and reads it only as `Shard(0)`, by a vocabulary-parallel
+    lookup whose output is a partial sum. No torch style keeps a parameter whole and reads a slice of it, so
+    until 2026-12-05 the lowering refused it ("stored whole on mesh axis tp but node #26 embedding reads it as
+    Shard(0)"). Torch stores it `Shard(0)` (`WeightLowering.restored`, as a tied table already was), the
+    embedding `RowwiseParallel()` (Megatron's VocabParallelEmbedding, torchtitan's embedding style): the same
+    values and forward all-reduce, a note saying torch holds half the table's state and gathers no gradient."""
+    from parsat.backend.torch_native.lowering import SPLIT, VOCAB
+    from parsat.dsl.library import shipped_rules_dir
+    from parsat.ir.placement import FREE, shard
+
+    for path in sorted(shipped_rules_dir().glob("*.rule")):   # the shipped rules less the one that splits it
+        text = path.read_text()
+        if "rule introduce_embedding_batch_parallel:" in text:
+            head, tail = text.split("rule introduce_embedding_batch_parallel:")
+            text = head + tail.split("\n\n", 1)[1]
+        (tmp_path / path.name).write_text(text)
+    plan = searched_hf_llama_dp_tp_plan(sorted(tmp_path.glob("*.rule")))
+    lowering, tp = _table_lowering(plan)
+    assert _stored_on(plan, TABLE, tp) == FREE   # the plan: whole
+    table = lowering.weight(TABLE)
     assert table.roles[tp] == SPLIT and table.restored == (tp,) and table.stored.codes[tp] == shard(0)
     style = next(s for s in lowering.styles if s.module == "model.model.embed_tokens")
     assert style.kind == VOCAB and ": RowwiseParallel() (" in style.describe(), style.describe()
-    note = next(n for n in lowering.notes if name in n)
+    note = next(n for n in lowering.notes if TABLE in n)
     assert "read only split along the vocabulary" in note and "gathers no gradient" in note, note
-    assert all(w.restored == () for w in lowering.weights if w.name != name)   # the projections: stored split already
+    assert all(w.restored == () for w in lowering.weights if w.name != TABLE)   # the projections: stored split already
 
 
 @pytest.mark.slow
 def test_the_searched_dp_tp_llama_plan_trains_on_four_ranks_like_one_process(tmp_path):
-    """The dp 2 x tp 2 plan above (ZeRO-3 on dp, its table stored `Shard(0)` on tp) on 4 gloo ranks, trained by the
-    runtime tests' loop for unpipelined plans (`train_job` through `_train_hf`: the user's loop on each rank's local
-    batch, `clip_grad_norm_`, AdamW; `_check_run`, the unpipelined twin of `_trains_like_one_process`), the module's
-    own forward under the styles (`own_forward`: the lowering this test is about): 3 steps equal the unmodified
+    """The dp 2 x tp 2 plan above (ZeRO-3 on dp, its table stored `Shard(0)` on tp and replicated on dp) on 4 gloo
+    ranks, trained by the runtime tests' loop for unpipelined plans (`train_job` through `_train_hf`: the user's loop
+    on each rank's local batch, `clip_grad_norm_`, AdamW; `_check_run`, the unpipelined twin of
+    `_trains_like_one_process`), the module's own forward under the styles (`own_forward`: the lowering this test is about): 3 steps equal the unmodified
     module's in one process (1e-4; 2026-12-05: losses 8.5e-8, transformers' loss being float32 on both sides, norms
     2e-16, weights 6.1e-13), every parameter a DTensor on one mesh, the checkpoint loading into the unmodified module;
-    the table `Shard(0)` on tp (`_StridedShard` on dp under fully_shard)."""
+    the table `Shard(0)` on tp (before 2026-12-05 the plan stored it whole there, ZeRO-3 on dp, and the lowering
+    stored it split: `_StridedShard` on dp under fully_shard)."""
     from test_torch_native_runtime import _train_hf
 
     results = _train_hf("llama", {"searched_dp2_tp2": searched_hf_llama_dp_tp_plan().to_dict()}, 4, tmp_path,

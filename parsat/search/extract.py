@@ -867,7 +867,9 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
         needs, has = fmt_bytes_pair(least[1], capacity)   # never "needs 0.00 GiB, the device has 0.00 GiB"
         # raised as made, never held in a local: the error's traceback holds this frame (the snapshot, the costs), so
         # a local holding the error made a reference cycle that only the cyclic collector freed
-        raise ExtractionError(f"no plan fits in memory: the smallest plan found needs {needs} per device, the "
-                              f"device has {has} (use more devices or a smaller model)", int(least[1]))
+        # extraction's own figure (the per-node bound): no plan came within it, so none reached the step simulator
+        raise ExtractionError(f"no plan fits in memory: the smallest plan found needs {needs} per device by the "
+                              f"per-node bound, the device has {has} (use more devices or a smaller model)",
+                              int(least[1]))
     best = min(fitting(), key=lambda f: (f[0], f[2] != "ilp"))
     return Extraction(best[3], best[0], best[1], best[2], seconds, candidates, status)

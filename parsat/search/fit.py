@@ -53,6 +53,21 @@ class MemoryFit:
         staged = self._staged(candidate)
         return candidate.totals.memory_bytes if staged is None else staged
 
+    def leanness(self, candidate: Priced) -> tuple[int, int]:
+        """How `mesh.rank` orders candidates that do not fit, comparing like with like: a stage candidate by its
+        figure (`needs`, one kind for every candidate); an unstaged one by its simulated peak where it was
+        simulated (0, bytes), else by its per-node bound after every simulated one (1, bytes). The two unstaged
+        figures are not comparable: the per-node bound is neither below nor above the simulated peak (sc21-1.7b:
+        bound 27.32 GiB, simulated 25.59; llama-70b:64's grid points: bounds 39-64 GiB, simulated 142-230), and a
+        candidate whose bound is over the device's memory is never simulated (`mesh.BestFirst`), so ranking the
+        two together made an unsimulated point's bound (83.65 GiB) "the smallest plan" beside plans that
+        simulate at 142 GiB and more. So what a step says the leanest plan needs (`step._over_as_simulated`,
+        DoesNotFit, which `microbatches` splits the batch by) is the simulated peak of the leanest candidate
+        that was simulated, and a per-node bound only where none was."""
+        if self.stage is not None or candidate.totals.simulation is not None:
+            return 0, self.needs(candidate)
+        return 1, candidate.totals.peak_memory_bytes
+
     def fits(self, candidate: Priced) -> bool:
         """Whether `candidate` fits in memory as it runs."""
         if self.stage is None:

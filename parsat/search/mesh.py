@@ -197,9 +197,10 @@ class BestFirst:
 def rank(candidate: Candidate, memory: MemoryFit) -> tuple:
     """Plans that fit in memory as they run (`memory`, the step's: `search.fit`) first, then the fastest; the
     joint plan wins ties. When none fits, the one that needs least memory (what the micro-batch search splits
-    from, and what the user is told)."""
+    from, and what the user is told), like compared with like (`MemoryFit.leanness`): an unstaged step's
+    simulated peaks first, then the per-node bounds of candidates never simulated."""
     fits = memory.fits(candidate)
-    return (not fits, round(candidate.totals.time_s, 12) if fits else memory.needs(candidate),
+    return (not fits, (0, round(candidate.totals.time_s, 12)) if fits else memory.leanness(candidate),
             candidate.name != JOINT)
 
 
@@ -411,7 +412,7 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
         if index + 1 < len(ordered):
             held = f"with {policy.describe()}" if policy.describe() else "keeping every activation"
             step.say(f"mesh {sat.mesh}: the plan {held} needs {fmt_bytes(step.memory.needs(joint))} per device"
-                     + (" as its pipeline runs" if step.stage is not None else "")
+                     + (" as its pipeline runs" if step.stage is not None else " by the per-node bound")
                      + ": extracting again with less held")
     if fitting:
         plain = [p for p in ordered if p in fitting and not fitting[p][2].lean]

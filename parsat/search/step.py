@@ -303,11 +303,14 @@ def _first_placeable(step: StepContext, candidates: Sequence[Candidate]) -> Cand
 
 def _over_as_simulated(step: StepContext, plan: Plan | Candidate) -> DoesNotFit:
     """The step's error where a mesh's joint plan fitted by the per-node bound (extraction's memory limit) but
-    no candidate fits as it runs: the memory that decides (`ir.costs.Totals.memory_bytes`: the simulated peak,
-    transient buffers included) of the one that needs least is over the device's. DoesNotFit, so the micro-batch
-    search splits the batch further (issue 28: one figure decides what fits)."""
+    no candidate fits as it runs. `plan` is the first by `rank` of those that can be placed, so the figure is
+    the simulated peak (`ir.costs.Totals.memory_bytes`, transient buffers included) of the leanest candidate
+    that was simulated (`MemoryFit.leanness`: simulated peaks are compared with simulated peaks, and a
+    candidate never simulated, its per-node bound over the device's memory, ranks after them); it is a per-node
+    bound only where no candidate could be simulated, and the message then says so. DoesNotFit, so the
+    micro-batch search splits the batch further (issue 28: one figure decides what fits)."""
     needs, has = fmt_bytes_pair(step.memory.needs(plan), step.machine.memory_capacity)
-    how = "" if plan.totals.simulation is None else \
+    how = " by the per-node bound (not simulated)" if plan.totals.simulation is None else \
         f" as simulated (transient buffers included; {fmt_bytes(plan.totals.peak_memory_bytes)} by the per-node bound)"
     return DoesNotFit(f"no plan fits in memory: the smallest plan found needs {needs} per device{how}, the device "
                       f"has {has}", step.memory.needs(plan), step.machine.memory_capacity)
