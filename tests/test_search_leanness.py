@@ -3,8 +3,8 @@
 An unstaged candidate's memory is its simulated peak once simulated, else extraction's per-node bound, and the
 two are not comparable (the bound is neither below nor above the peak). A candidate whose bound is over the
 device's memory is never simulated, so `mesh.rank` ranking the two figures together made an unsimulated grid
-point's bound "the smallest plan" beside plans that simulate higher (llama-70b:64: 83.65 GiB said, every
-simulated point 142-230 GiB). Now simulated peaks rank first (`search.fit.MemoryFit.leanness`), and what the
+point's bound "the smallest plan" beside plans that simulate higher (llama-70b:64 at one micro-batch: 83.65
+GiB said, the leanest plan simulated 116.42 GiB). Now simulated peaks rank first (`search.fit.MemoryFit.leanness`), and what the
 step says, DoesNotFit's figure, is the simulated peak of the leanest candidate simulated."""
 
 from __future__ import annotations

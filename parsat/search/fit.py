@@ -60,8 +60,8 @@ class MemoryFit:
         figures are not comparable: the per-node bound is neither below nor above the simulated peak (sc21-1.7b:
         bound 27.32 GiB, simulated 25.59; llama-70b:64's grid points: bounds 39-64 GiB, simulated 142-230), and a
         candidate whose bound is over the device's memory is never simulated (`mesh.BestFirst`), so ranking the
-        two together made an unsimulated point's bound (83.65 GiB) "the smallest plan" beside plans that
-        simulate at 142 GiB and more. So what a step says the leanest plan needs (`step._over_as_simulated`,
+        two together made an unsimulated point's bound "the smallest plan" beside plans that all simulate higher
+        (llama-70b:64 at one micro-batch: 83.65 GiB said; the leanest simulated, 116.42). So what a step says the leanest plan needs (`step._over_as_simulated`,
         DoesNotFit, which `microbatches` splits the batch by) is the simulated peak of the leanest candidate
         that was simulated, and a per-node bound only where none was. (Where no mesh's extraction found a plan
         within the bound, the step's DoesNotFit is extraction's figure, `step._no_joint_plan`: the per-node bound
