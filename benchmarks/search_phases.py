@@ -1,6 +1,6 @@
 """Where one `parsat.optimize` call's CPU goes, phase by phase, without a profiler's distortion.
 
-    .venv/bin/python benchmarks/search_phases.py gpt-1.3b:64 [--plan FILE] [--machine a100x8]
+    .venv/bin/python benchmarks/search_phases.py gpt-1.3b:64 [--plan FILE] [--machine a100x8] [--meshes]
 
 Runs `parsat.optimize(NAME, machine="h100x8", devices=N)` (or `--machine`) (what
 `models_bench.py optimize NAME:N` runs) with the search's main functions
@@ -14,7 +14,8 @@ wrapped call. A phase called from inside another is counted in both
 The plan JSON is always made (timed apart: the simulated figures of the
 plan and its baselines are worked out when it reads them,
 `ir.costs.SimulatedStep`); `--plan` also writes it, to compare plans
-across trees.
+across trees; `--meshes` also lists each mesh search (saturation, pricing,
+extraction) by part, per mesh.
 """
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ import parsat.search.step as step
 CPU: collections.Counter = collections.Counter()
 CALLS: collections.Counter = collections.Counter()
 SATURATIONS: list[tuple] = []
+# each mesh search's CPU seconds by part, in call order: [mesh, {label: seconds}]; a search inside another (none
+# today) is counted in the outer one's
+MESH_SEARCHES: list[tuple[str, collections.Counter]] = []
+CURRENT: list[collections.Counter] = []   # the innermost mesh search running, if any
+# the parts of one mesh's search (`mesh.search_mesh`) that `--meshes` lists per mesh, in the order they run
+MESH_PARTS = ("load it and the graph into egglog", "egglog: saturate", "read the e-graph back",
+              "read the rules' matches back", "take an e-graph saturated at other sizes", "price every e-node",
+              "extract: joint plan and every policy", "extract: Megatron and the restricted grid")
 PHASES = [(saturate, "compile_mesh_rules", "compile the rule program"),
           (saturate, "Session", "load it and the graph into egglog"),
           (saturate, "run_generations", "egglog: saturate"),
@@ -56,6 +65,8 @@ PHASES = [(saturate, "compile_mesh_rules", "compile the rule program"),
           (solve, "pcg_from_extraction", "PCG of an extraction (with its rules)"),
           (step, "independent_points", "independent grid"),
           (step, "a_grid_point_fits", "a grid point fits? (scanned, not simulated)"),
+          (mesh, "_extract_joint", "extract: joint plan and every policy"),
+          (mesh, "_restricted_baselines", "extract: Megatron and the restricted grid"),
           (mesh, "simulated_step", "simulate candidates' steps"),
           (step_report, "simulate_step", "the kept steps' figures (simulated again)"),
           (step, "plan_rules", "rules_used of a step's plan"),
@@ -85,8 +96,29 @@ def wrap(owner, name: str, label: str) -> None:
             depth[0] -= 1
             if depth[0] == 0:
                 CPU[label] += time.process_time() - start
+                if CURRENT and label in MESH_PARTS:
+                    CURRENT[-1][label] += time.process_time() - start
             CALLS[label] += 1
     setattr(owner, name, counted)
+
+
+def wrap_mesh_searches() -> None:
+    """Each mesh search's CPU seconds (`search_mesh` as the step calls it, whole) and its `MESH_PARTS`, per mesh
+    in call order: where a two-axis stage mesh's search goes (saturation against extraction) without a
+    profiler's distortion (cProfile inflates extraction's many small calls several times over and not egglog's)."""
+    inner = step.search_mesh   # what the step calls (imported by name there)
+
+    def logged(step_context, on, *args, **kwargs):
+        parts: collections.Counter = collections.Counter()
+        MESH_SEARCHES.append((str(on) or "1 device", parts))
+        CURRENT.append(parts)
+        start = time.process_time()
+        try:
+            return inner(step_context, on, *args, **kwargs)
+        finally:
+            CURRENT.pop()
+            parts["the whole search"] += time.process_time() - start
+    step.search_mesh = logged
 
 
 def wrap_saturations() -> None:
@@ -111,13 +143,23 @@ def report() -> None:
               f"{seconds:6.2f} CPU s")
 
 
+def report_meshes() -> None:
+    """Each mesh search's CPU seconds, whole and by part (`--meshes`)."""
+    for where, parts in MESH_SEARCHES:
+        split = ", ".join(f"{label} {parts[label]:.2f}" for label in MESH_PARTS if parts[label])
+        print(f"mesh search: {where:20s} {parts['the whole search']:6.2f} CPU s ({split})")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("case", help="NAME:DEVICES, as models_bench.py names it")
     parser.add_argument("--plan", default=None, help="also write the plan JSON here")
     parser.add_argument("--machine", default="h100x8", help="the machine, as `parsat optimize --machine` names it")
+    parser.add_argument("--meshes", action="store_true", help="also each mesh search's CPU seconds by part")
     args = parser.parse_args(argv)
     wrap_saturations()   # first: the phase wrapper around it then counts it whole
+    if args.meshes:
+        wrap_mesh_searches()
     for owner, name, label in PHASES:
         if hasattr(owner, name):
             wrap(owner, name, label)
@@ -131,6 +173,8 @@ def main(argv: list[str]) -> int:
     text = plan.to_json()   # what `parsat optimize` writes: the kept steps' figures are worked out here
     written = time.process_time() - start - total
     report()
+    if args.meshes:
+        report_meshes()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"total {total:.1f} CPU s (the optimize call), {written:.1f} CPU s its plan JSON, peak RSS {peak:.0f} "
           f"MiB, step {plan.totals.time_s * 1e3:.3f} ms (predicted by the cost model)")
