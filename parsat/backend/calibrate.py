@@ -853,8 +853,14 @@ def _after_compute(ctx: RankContext, fn: Callable[[], object], burst: Callable[[
     mine = torch.tensor(starts, dtype=torch.float64, device=ctx.device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
-    last = torch.stack(every).amax(0).tolist()
-    return _slowest(ctx, statistics.fmean(max(0.0, end - arrival) for end, arrival in zip(ends, last)))
+    return _slowest(ctx, after_last_arrival([t.tolist() for t in every], ends))
+
+
+def after_last_arrival(starts_by_rank: Sequence[Sequence[float]], ends: Sequence[float]) -> float:
+    """The mean over calls of (this rank's return - the last rank's start of the same call), at least 0 each:
+    a collective's own time, without the wait for a rank that arrived late (`_after_compute`)."""
+    last = [max(starts) for starts in zip(*starts_by_rank)]
+    return statistics.fmean(max(0.0, end - arrival) for end, arrival in zip(ends, last))
 
 
 def _burst(ctx: RankContext, dtype, budget: Budget, sync) -> Callable[[], None]:
