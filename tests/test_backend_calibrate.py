@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from parsat.backend.calibrate import (CollectiveTiming, OpTiming, after_last_arrival, fit_gemm, fit_layouts, fit_line,  # noqa: E402
+from parsat.backend.calibrate import (CollectiveTiming, OpTiming, fit_gemm, fit_layouts, fit_line,  # noqa: E402
                                       fit_link, fit_memory, fit_skew, fit_turn, fit_updates,
                                       gemm_shapes)
 from parsat.ir.machine_profile import OpEfficiency  # noqa: E402
@@ -79,15 +79,6 @@ def test_fit_turn_is_the_plateau_of_the_excess_over_the_control():
     assert fit_turn([[c, min(q, c)] for c in (0.5e-3, 4e-3, 8e-3)]) == pytest.approx(q)   # no control column
     assert fit_turn([[1e-3, -5e-4, 0.0], [4e-3, -1e-3, 0.0]]) == 0.0
     assert fit_turn([]) == 0.0
-
-
-def test_a_collective_is_timed_from_the_last_ranks_arrival():
-    """The table's collectives are timed after compute (`_after_compute`): a rank that arrived early does not
-    count its wait for the late one (stragglers and the peer's turn price that), and a rank that returned before
-    the last one's start (clock noise) counts 0, not a negative time."""
-    starts = [[0.0, 1.0, 2.0], [0.004, 1.0, 2.001]]           # rank 1 late by 4 ms in the first call, 1 ms in the third
-    assert after_last_arrival(starts, [0.006, 1.003, 2.0005]) == pytest.approx((0.002 + 0.003 + 0.0) / 3)
-    assert after_last_arrival(starts[:1], [0.006, 1.003, 2.0005]) == pytest.approx((0.006 + 0.003 + 0.0005) / 3)
 
 
 def test_fit_skew_leaves_the_turn_to_its_own_term():

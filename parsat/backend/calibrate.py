@@ -824,71 +824,17 @@ def collective_cases(ctx: RankContext, dtype, n: int, g: int, group) -> list[tup
     return cases
 
 
-COLLECTIVE_BURST_S = 2e-3   # the compute before each timed collective (`_after_compute`)
-
-
-def _after_compute(ctx: RankContext, fn: Callable[[], object], burst: Callable[[], object], repeats: int, sync,
-                   group=None) -> float:
-    """Seconds `fn` (a collective) takes as a step meets it: right after a burst of compute on every rank, no
-    collective in between; from the last rank's arrival to this rank's return (the wait for a late rank is priced
-    by the stragglers and the peer's turn, `_skew`, `_turns`, not twice), the mean over `repeats`, the slowest
-    rank's. Why not back to back (`_timed`): on this 2-core box FSDP2's 1.44 MB gradient all-reduce took 3.6-4.9 ms
-    in llama/dp's step, every rank arriving within 0.1 ms, against 3.0-4.0 back to back; the same steps with a
-    1-element all-reduce just before it took it in 0.9-1.0 ms and the step 1.6 ms less: a collective meeting
-    idle transport after compute is slower than one following another (benchmarks/costmodel_fidelity.md,
-    2026-12-05 helper B, session 59). Ranks share one clock (`time.perf_counter`: one host)."""
-    burst()
-    fn()
-    sync()
-    starts, ends = [], []
-    dist.barrier(group=group)
-    for _ in range(repeats):
-        burst()
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        ends.append(time.perf_counter())
-        starts.append(start)
-    mine = torch.tensor(starts, dtype=torch.float64, device=ctx.device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    return _slowest(ctx, after_last_arrival([t.tolist() for t in every], ends))
-
-
-def after_last_arrival(starts_by_rank: Sequence[Sequence[float]], ends: Sequence[float]) -> float:
-    """The mean over calls of (this rank's return - the last rank's start of the same call), at least 0 each:
-    a collective's own time, without the wait for a rank that arrived late (`_after_compute`)."""
-    last = [max(starts) for starts in zip(*starts_by_rank)]
-    return statistics.fmean(max(0.0, end - arrival) for end, arrival in zip(ends, last))
-
-
-def _burst(ctx: RankContext, dtype, budget: Budget, sync) -> Callable[[], None]:
-    """About `COLLECTIVE_BURST_S` of small products on this rank (as many on every rank: the slowest's count)."""
-    a = torch.randn(TURN_SIDE, TURN_SIDE, dtype=dtype, device=ctx.device)
-    count = max(1, round(COLLECTIVE_BURST_S / max(_timed(ctx, lambda: a @ a, budget, sync), 1e-9)))
-
-    def burst():
-        for _ in range(count):
-            a @ a
-    return burst
-
-
 def _collectives(ctx: RankContext, dtype, budget: Budget, sizes: Sequence[int], sync) -> list[list]:
-    """Each collective kind, group size and buffer size: [kind, group, bytes, seconds], the slowest rank's, each
-    timed as a step meets it (`_after_compute`), `budget.window_s` over `COLLECTIVE_BURST_S` calls (at least
-    `budget.repeats`)."""
+    """Each collective kind, group size and buffer size: [kind, group, bytes, seconds], the slowest rank's."""
     rows = []
     item = torch.empty((), dtype=dtype).element_size()
-    burst = _burst(ctx, dtype, budget, sync)
-    repeats = max(budget.repeats, round(budget.window_s / COLLECTIVE_BURST_S))
     for g, group in _groups(ctx).items():
         for n in sizes:
             n = max(g, n - n % g)
             cases = collective_cases(ctx, dtype, n, g, group)
             for kind, fn in cases:
                 try:
-                    seconds = _after_compute(ctx, fn, burst, repeats, sync, group)
+                    seconds = _timed(ctx, fn, budget, sync)
                 except (RuntimeError, ValueError):  # a collective this backend lacks: not in the table
                     continue
                 if kind == "send_recv":
