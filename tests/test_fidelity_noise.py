@@ -29,6 +29,6 @@ def test_noise_gives_the_rounds_spread_rank_order_calibrations_ratio_and_load():
     assert "median over plans 20.0%, largest 50.0%" in text        # farthest from the median: a 0.2, b 0, c 0.5
     assert "Spearman 0.500-1.000" in text                          # round 1 swaps b and c against rounds 0 and 2
     assert "round 1: median relative error 33.3%" in text             # a 16.7%, b 50%, c 33.3%
-    assert "median 1.00, range 0.50-2.00" in text                  # after / before: 1.5 and 2.0 (b, round 2)
+    assert "median 1.00, range 1.00-2.00" in text                  # after / before: 1.5 (a, round 1), 2.0 (b, round 2)
     assert "median 1.50 (2 ranks 1.50), range 0.75-2.00" in text
     assert "1-minute load while the plans ran: 1.0-4.0" in text
