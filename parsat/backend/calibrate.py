@@ -278,7 +278,7 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
         ops.append(["randn", [elements], _timed(ctx, lambda: torch.randn(elements, generator=gen, dtype=dtype)
                                                 .to(ctx.device), budget, sync), 0.0, float(elements * item)])
     ops += _updates(ctx, dtype, budget, sync)
-    return {"dispatch": dispatch, "dtensor": extra, "fsdp": hooks, "python": python, "sequence": sequence, "ops": ops, "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync, size),
+    return {"dispatch": dispatch, "dtensor": extra, "fsdp": hooks, "python": python, "sequence": sequence, "ops": ops, "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync),
             "skew": _skew(ctx, dtype, size, budget, sync), "turns": _turns(ctx, dtype, budget, sync),
             "threads": torch.get_num_threads()}
 
@@ -824,66 +824,17 @@ def collective_cases(ctx: RankContext, dtype, n: int, g: int, group) -> list[tup
     return cases
 
 
-def _after_compute(ctx: RankContext, fn: Callable[[], object], burst: Callable[[], object], repeats: int, sync,
-                   group=None) -> float:
-    """Seconds `fn` (a collective) takes as a step meets it: right after a backward's worth of calls on every rank, no
-    collective in between; from the last rank's arrival to this rank's return (the wait for a late rank is priced
-    by the stragglers and the peer's turn, `_skew`, `_turns`, not twice), the mean over `repeats`, the slowest
-    rank's. Why not back to back (`_timed`): on this 2-core box FSDP2's 1.44 MB gradient all-reduce took 3.6-4.9 ms
-    in llama/dp's step, every rank arriving within 0.1 ms, against 3.0-4.0 back to back; the same steps with a
-    1-element all-reduce just before it took it in 0.9-1.0 ms and the step 1.6 ms less: a collective meeting
-    idle transport after compute is slower than one following another (benchmarks/costmodel_fidelity.md,
-    2026-12-05 helper B, session 59). Ranks share one clock (`time.perf_counter`: one host)."""
-    burst()
-    fn()
-    sync()
-    starts, ends = [], []
-    dist.barrier(group=group)
-    for _ in range(repeats):
-        burst()
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        ends.append(time.perf_counter())
-        starts.append(start)
-    mine = torch.tensor(starts, dtype=torch.float64, device=ctx.device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    last = torch.stack(every).amax(0).tolist()
-    return _slowest(ctx, statistics.fmean(max(0.0, end - arrival) for end, arrival in zip(ends, last)))
-
-
-def _burst(ctx: RankContext, dtype, size: int) -> Callable[[], None]:
-    """A backward's worth of calls on this rank: the sequence reference's (`sequence_calls`, t = size / 2, as
-    `_sequence_factor` replays it) in order, below autograd. Not small products: after 3 ms of 64 x 64 products
-    a 1.44 MB gloo all-reduce took 0.9-5.0 ms, after this reference or LLaMA's forward + backward 6-25 ms
-    (the same minutes, benchmarks/costmodel_fidelity.md, session 59 helper B)."""
-    tokens = max(size // 2, 2 * SEQUENCE_HEADS)
-    features = max(SEQUENCE_HEADS, tokens // (2 * SEQUENCE_HEADS) * SEQUENCE_HEADS)
-    calls = sequence_calls(tokens, features, dtype, ctx.device)
-
-    def burst():
-        with torch.no_grad():
-            for op, args, kwargs in calls:
-                op(*args, **kwargs)
-    return burst
-
-
-def _collectives(ctx: RankContext, dtype, budget: Budget, sizes: Sequence[int], sync, size: int) -> list[list]:
-    """Each collective kind, group size and buffer size: [kind, group, bytes, seconds], the slowest rank's, each
-    timed as a step meets it (`_after_compute`: after `_burst`), `budget.repeats` times."""
+def _collectives(ctx: RankContext, dtype, budget: Budget, sizes: Sequence[int], sync) -> list[list]:
+    """Each collective kind, group size and buffer size: [kind, group, bytes, seconds], the slowest rank's."""
     rows = []
     item = torch.empty((), dtype=dtype).element_size()
-    burst = _burst(ctx, dtype, size)
-    repeats = budget.repeats
     for g, group in _groups(ctx).items():
         for n in sizes:
             n = max(g, n - n % g)
             cases = collective_cases(ctx, dtype, n, g, group)
             for kind, fn in cases:
                 try:
-                    seconds = _after_compute(ctx, fn, burst, repeats, sync, group)
+                    seconds = _timed(ctx, fn, budget, sync)
                 except (RuntimeError, ValueError):  # a collective this backend lacks: not in the table
                     continue
                 if kind == "send_recv":
