@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -225,7 +226,9 @@ def main() -> int:
             plans[n] = (plans_for(n, folder / f"machine-{n}-0.json", folder, args.graphs)  # optimized once
                         if args.runtime == "interpreter" else _torch_plans(n, before, args.models))
             for r in range(args.rounds):
+                load_before = os.getloadavg()[0]
                 measured = _measure(args.runtime, plans[n], n, config)
+                load_after = os.getloadavg()[0]
                 after = calibrated(r + 1)
                 for label, pcg, graph, prediction in plans[n]:
                     (t0, m0), (t1, m1) = (predict(pcg, library, m, prediction) for m in (before, after))
@@ -236,7 +239,7 @@ def main() -> int:
                            "measured_s": statistics.median(times), "measured_mean_s": statistics.fmean(times),
                            "predicted_peak_bytes": m0,
                            "measured_peak_bytes": job["peak_memory_bytes"], "plan_totals_s": prediction.node_sum_s,
-                           "plan_file_s": prediction.time_s}
+                           "plan_file_s": prediction.time_s, "load_1min": [load_before, load_after]}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                 before = after
@@ -307,21 +310,53 @@ def summarize(rows: list[dict]) -> str:
 
 
 def noise(rows: list[dict], keys) -> str:
-    """How much the box itself moves: the same plan's measured step time across rounds, and each round's figures."""
-    spreads = []
+    """How much the box itself moves, beside the figure (issue 31): the same plan's measured step across rounds;
+    how far a plan's rounds stray from its median (what that movement alone costs one round's figure) and the
+    rounds' rank order against each other (what it leaves of a Spearman); each round's own figures; how far the
+    two calibrations around a round disagree (the prediction with the machine calibrated after it over the one
+    before); measured over predicted; and the box's 1-minute load while the plans ran."""
+    spreads, floor = [], []
     for n, plan in keys:
         times = [r["measured_s"] for r in rows if r["nproc"] == n and r["plan"] == plan]
         if len(times) > 1:
             spreads.append(max(times) / min(times))
+            middle = statistics.median(times)
+            floor.append(max(abs(t - middle) / middle for t in times))
     out = []
     if spreads:
         out.append(f"the same plan measured in different rounds: largest / smallest step time, median over plans "
-                   f"{statistics.median(spreads):.2f}, worst {max(spreads):.2f}")
+                   f"{statistics.median(spreads):.2f}, worst {max(spreads):.2f}; a plan's farthest round from its "
+                   f"median over rounds (what this noise alone costs a round's figure): median over plans "
+                   f"{statistics.median(floor):.1%}, largest {max(floor):.1%}")
+    by_round = {}
+    for row in rows:
+        by_round.setdefault(row["round"], {})[(row["nproc"], row["plan"])] = row["measured_s"]
+    pairs = [(a, b) for a in by_round for b in by_round if a < b]
+    orders = [spearman([by_round[a][k] for k in keys if k in by_round[a] and k in by_round[b]],
+                       [by_round[b][k] for k in keys if k in by_round[a] and k in by_round[b]]) for a, b in pairs]
+    if orders:
+        out.append(f"the rounds' measured steps against each other: Spearman {min(orders):.3f}-{max(orders):.3f} "
+                   f"(the rank order this noise leaves)")
     for r in sorted({row["round"] for row in rows}):
         mine = [row for row in rows if row["round"] == r]
         errors = [abs(row["predicted_s"] - row["measured_s"]) / row["measured_s"] for row in mine]
         out.append(f"round {r}: median relative error {statistics.median(errors):.1%}, Spearman "
                    f"{spearman([row['predicted_s'] for row in mine], [row['measured_s'] for row in mine]):.3f}")
+    calibrations = [r["predicted_after_s"] / r["predicted_before_s"] for r in rows
+                    if r.get("predicted_after_s") and r.get("predicted_before_s")]
+    if calibrations:
+        out.append(f"the two calibrations around a round: prediction after / before, median "
+                   f"{statistics.median(calibrations):.2f}, range {min(calibrations):.2f}-{max(calibrations):.2f}")
+    ratios = {}
+    for row in rows:
+        ratios.setdefault(row["nproc"], []).append(row["measured_s"] / row["predicted_s"])
+    every = [x for xs in ratios.values() for x in xs]
+    out.append(f"measured / predicted, every plan-round: median {statistics.median(every):.2f} ("
+               + ", ".join(f"{n} ranks {statistics.median(xs):.2f}" for n, xs in sorted(ratios.items()))
+               + f"), range {min(every):.2f}-{max(every):.2f}")
+    loads = [x for row in rows for x in row.get("load_1min", ())]
+    if loads:
+        out.append(f"1-minute load while the plans ran: {min(loads):.1f}-{max(loads):.1f}")
     return "\n".join(out)
 
 
