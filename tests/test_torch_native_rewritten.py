@@ -578,7 +578,7 @@ def test_llama_tp4_with_two_kv_heads_and_the_dp_tp_plan_train_on_four_ranks_like
     from test_torch_native_hf_pipeline import searched_hf_llama_dp_tp_plan
     from test_torch_native_runtime import LOSS64
 
-    module, example = _factory("llama")()
+    module, example = _factory("llama" + LOSS64)()
     tp4 = parsat.optimize(parsat.from_torch(module, example), machine="cpu", devices=4, degrees={"tp": 4})
     for name, label, plan in (("llama" + LOSS64, "tp4", tp4), ("llama", "dp2_tp2", searched_hf_llama_dp_tp_plan())):
         for result in _train_hf(name, {label: plan.to_dict()}, 4, tmp_path):

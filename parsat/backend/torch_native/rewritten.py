@@ -63,9 +63,22 @@ scale after a sum over the data ranks (a normalisation fixed at the global
 batch would be off on a local one), an operator on the user's data before
 the plan splits it, a batch norm keeping running statistics, a module
 returning other values than the graph's outputs (integers, None), a lookup
-of a vocabulary-split table whose ids are not split alike. The graph
-computes in the parameters' dtype: casts in the module's forward (HF's
-causal loss casts its logits to float32) are not in it.
+of a vocabulary-split table whose ids are not split alike.
+
+A plan computing the module's own graph runs this forward too where torch's
+styles cannot run its tensor axis on the module's own forward
+(`lowered_plan`, `lowering.UnstyledAxis`: HF LLaMA under tp 4 with 2 KV
+heads, whose plan slices the heads `repeat_kv` makes): here each parallel
+operator there is a DTensor `redistribute`, a partition of a whole value a
+local slice.
+
+The graph has no dtypes (casts import as the identity); the import records
+where the module computes in another dtype than its parameters
+(`importer.imported.NodeDtypes`: HF's causal loss reads its logits
+`.float()`, LlamaRMSNorm its input `.to(torch.float32)`), and each step
+computes so (`node_dtypes`, `_in_dtypes`), a cross-entropy as torch's
+`log_softmax` (`_in_module_dtypes`): its float32 sections then round as the
+module's do where their values are whole on the rank.
 """
 
 from __future__ import annotations
