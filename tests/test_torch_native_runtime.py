@@ -417,7 +417,7 @@ def _stack():
 
 
 IMPORTED = "+import"   # a tiny factory's name ending so: `train_job` gives parallelize its example inputs too
-LOSS64 = "+loss64"     # a Hugging Face model's name ending so: its causal loss in float64 (`causal_loss_in_model_dtype`)
+LOSS64 = "+loss64"     # a Hugging Face model's name ending so: its causal loss in float64 (causal_loss_in_model_dtype)
 
 
 def _factory(name: str):

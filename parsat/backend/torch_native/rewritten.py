@@ -101,8 +101,8 @@ from parsat.ir.pcg import PCG, PNode, weight_storage
 from parsat.ir.placement import FREE, PARTIAL, REPLICA, shard, shard_dim
 from parsat.backend.recompute_regions import Region, forward_units
 from parsat.backend.torch_native.lowering import (DATA, EMBEDDING_OPS, REWRITE_NOTE, ZERO3, Lowering, LoweringError,
-                                                  ModuleInfo, UnstyledAxis, graph_nodes_computed, lower, rewritten_nodes,
-                                                  weight_values)
+                                                  ModuleInfo, UnstyledAxis, graph_nodes_computed, lower,
+                                                  rewritten_nodes, weight_values)
 
 WEIGHT, LEAF, OP, SAME, SLICE, PLACE, LOOKUP = "weight", "leaf", "op", "same", "slice", "place", "lookup"
 
