@@ -417,10 +417,13 @@ def _stack():
 
 
 IMPORTED = "+import"   # a tiny factory's name ending so: `train_job` gives parallelize its example inputs too
+LOSS64 = "+loss64"     # a Hugging Face model's name ending so: its causal loss in float64 (causal_loss_in_model_dtype)
 
 
 def _factory(name: str):
     name = name.removesuffix(IMPORTED)
+    loss64 = name.endswith(LOSS64)
+    name = name.removesuffix(LOSS64)
     if name == "tiny":
         return tiny
     if name == "tiny64":
@@ -438,7 +441,7 @@ def _factory(name: str):
                 sub.p = 0.0
         # float64: in float32, AdamW's first steps turn the rounding of gradients near zero into whole steps of
         # the learning rate (m / sqrt(v) is +-1 for any gradient), 1e-3 of a weight apart after 3 steps
-        if name == "gpt2":   # its loss too: the plan's graph computes in the parameters' dtype (no float32 cast)
+        if name == "gpt2" or loss64:   # its loss in float64 too (no float32 cast of the logits)
             module.model.loss_function = causal_loss_in_model_dtype
         return module.double(), inputs
     return make
@@ -446,10 +449,13 @@ def _factory(name: str):
 
 def causal_loss_in_model_dtype(logits, labels, vocab_size: int, ignore_index: int = -100, **_kwargs):
     """transformers' `ForCausalLMLoss` (shifted labels, mean cross-entropy over the targets) without its cast of the
-    logits to float32, set as the model's `loss_function`: a float64 GPT-2 then computes its loss in float64, as
-    the plan's graph does (the import drops dtype casts). With the cast, the module's gradients carry float32
-    rounding (5e-8 of the largest) that AdamW's first steps turn into 5.6e-4 of a weight on the elements whose
-    gradient is near its epsilon (measured: GPT-2's tp 2 plan, rewritten forward, against the unmodified module)."""
+    logits to float32, set as the model's `loss_function`: a float64 GPT-2 then computes its loss in float64. With
+    the cast, the module's gradients carry float32 rounding (5e-8 of the largest) that AdamW's first steps turn
+    into 5.6e-4 of a weight on the elements whose gradient is near its epsilon wherever the parallel run rounds
+    otherwise (measured before 2026-12-05: GPT-2's tp 2 plan, the rewritten forward then computing in float64).
+    A rewritten forward now computes in the module's dtypes (`importer.imported.NodeDtypes`) and rounds as the
+    module does where the logits are whole; a vocabulary-parallel float32 loss sums its pieces in another order
+    (LLaMA tp 4: 4e-3 of a weight after 3 steps), so such plans are checked against this float64 loss."""
     labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
     return nn.functional.cross_entropy(logits.view(-1, vocab_size), labels.view(-1).to(logits.device),
                                        ignore_index=ignore_index)

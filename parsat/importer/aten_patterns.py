@@ -35,17 +35,19 @@ def rmsnorm_of(t, x, y):
         parts = _normalized(t, normed)
         if parts is None or not isinstance(gain, t.torch.fx.Node) or not _mapped(t, parts[0]):
             continue
-        source, eps = parts
+        source, eps, read = parts
         base, gamma = t.tensor(source), t.tensor(gain)
         shape = t.shape(base)
         if shape and t.shape(gamma) == (shape[-1],):
-            return t.op("rmsnorm", base, gamma, eps=eps)
+            out = t.op("rmsnorm", base, gamma, eps=eps)
+            t.read_as(out, 0, read)   # LlamaRMSNorm normalizes `hidden_states.to(torch.float32)`
+            return out
     return None
 
 
 def _normalized(t, value):
-    """(x, eps) when `value` is `x * rsqrt(mean(x * x, -1, keepdim=True) + eps)` (casts aside), each inner node
-    read once; else None."""
+    """(x, eps, the value normalized: x as cast) when `value` is `x * rsqrt(mean(x * x, -1, keepdim=True) + eps)`
+    (casts aside), each inner node read once; else None."""
     product = _uncast(value)
     if not _is(product, "mul") or not _read_once(value, product):
         return None
@@ -62,7 +64,7 @@ def _normalized(t, value):
             continue
         square = _uncast(mean.args[0])
         if _squares(square, _uncast(a)) and _read_once(mean.args[0], square):
-            return _uncast(a), eps
+            return _uncast(a), eps, a
     return None
 
 

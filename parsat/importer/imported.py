@@ -75,6 +75,19 @@ class RunningStats:
     batches_tracked: str | None
 
 
+@dataclass(frozen=True)
+class NodeDtypes:
+    """The dtypes the module computes one graph node in, where they are not its parameters' (the graph itself
+    has no dtypes: casts between floating dtypes import as the identity they are in value). `reads`: (operand
+    position, dtype) for each operand the module reads cast so (HF's causal loss reads its logits
+    `logits.float()`, `LlamaRMSNorm` its input `hidden_states.to(torch.float32)`); `makes`: the dtype of the
+    node's value, "" where it is the parameters'. A forward evaluating the graph (`backend.torch_native.
+    rewritten`) applies them, so its float32 sections round as the module's do."""
+
+    reads: tuple[tuple[int, str], ...] = ()
+    makes: str = ""
+
+
 @dataclass
 class ImportedModule:
     """A module's graph and everything needed to feed it: the result of `import_module`.
@@ -95,6 +108,8 @@ class ImportedModule:
     output_spec: Any = None                # pytree spec of the module's outputs
     _needed: dict = field(default_factory=dict, repr=False)  # data node -> nodes to evaluate, in order
     running_stats: tuple[RunningStats, ...] = ()  # batch norms in training mode with running statistics
+    dtypes: dict[str, NodeDtypes] = field(default_factory=dict)   # graph node -> where the module computes it
+                                                                   # in another dtype than its parameters'
 
     def data_values(self, inputs: Sequence[Any], dtype, seed: int = 0, step: int = 0,
                     shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
@@ -132,7 +147,8 @@ class ImportedModule:
                        data={new(name): replace(leaf, name=new(leaf.name)) for name, leaf in self.data.items()},
                        constants={new(name): value for name, value in self.constants.items()},
                        dropout=tuple(new(name) for name in self.dropout),
-                       running_stats=tuple(replace(s, mean=new(s.mean), var=new(s.var)) for s in self.running_stats))
+                       running_stats=tuple(replace(s, mean=new(s.mean), var=new(s.var)) for s in self.running_stats),
+                       dtypes={new(name): d for name, d in self.dtypes.items()})
 
     def constant_values(self, dtype) -> dict[str, Any]:
         """Every constant data leaf's value in `dtype`."""

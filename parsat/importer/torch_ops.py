@@ -160,7 +160,9 @@ def _bn_normalize(x: Tensor, mean: Tensor, var: Tensor, gamma: Tensor, beta: Ten
 
 
 def _rmsnorm(x: Tensor, gamma: Tensor, eps: float) -> Tensor:
-    return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + float(eps)) * gamma
+    # written as transformers' LlamaRMSNorm (`pow(2)`, not `x * x`): autograd then sums x's gradient from two reads,
+    # not three, so in a float32 normalization (`rewritten`'s module dtypes) it rounds as the module's does
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + float(eps)) * gamma
 
 
 def _broadcast(x: Tensor, dim: int, n: int) -> Tensor:

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 from parsat.importer.aten import HANDLERS
 from parsat.importer.aten_routing import RoutedIndices
 from parsat.importer.errors import Refused, TorchImportError, Unsupported, aten_name, aten_short, module_path, source_line
-from parsat.importer.imported import DataLeaf, ImportedModule, RunningStats, encode
+from parsat.importer.imported import DataLeaf, ImportedModule, NodeDtypes, RunningStats, encode
 from parsat.importer.program import concrete_values, needed_nodes, value_on_cpu
 from parsat.importer.self_check import ImportTrace
 from parsat.importer.shape_ops import Empty, ShapeOps
@@ -95,6 +95,8 @@ class Translator(ShapeOps):
         self.buffers = dict(sig.inputs_to_buffers)            # placeholder -> buffer name
         self.names: set[str] = set()
         self.node = None
+        self.dtypes: dict[str, NodeDtypes] = {}   # graph node -> the dtypes the module computes it in (`note_dtypes`)
+        self.param_dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
 
     # -- helpers ---------------------------------------------------------
     def fresh(self, base: str) -> str:
@@ -107,9 +109,30 @@ class Translator(ShapeOps):
 
     def op(self, kind: str, *args, tag: str = "", **attrs) -> Tensor:
         try:
-            return self.g.op(kind, *args, name=self.fresh(self.node.name + (f"_{tag}" if tag else "")), **attrs)
+            out = self.g.op(kind, *args, name=self.fresh(self.node.name + (f"_{tag}" if tag else "")), **attrs)
         except GraphError as err:
             raise Refused(str(err)) from None
+        made = getattr(self.values.get(self.node.name), "dtype", None)
+        if self.other_dtype(made):   # the ATen node computes in another floating dtype: every operand read so
+            self.dtypes[out.name] = NodeDtypes(tuple((i, str(made).removeprefix("torch."))
+                                                     for i, a in enumerate(args) if isinstance(a, Tensor)),
+                                               str(made).removeprefix("torch."))
+        return out
+
+    def other_dtype(self, dtype) -> bool:
+        """Whether `dtype` is a floating dtype other than the module's parameters'."""
+        return dtype is not None and dtype.is_floating_point and self.param_dtype is not None \
+            and dtype != self.param_dtype
+
+    def read_as(self, out: Tensor, position: int, value) -> None:
+        """Graph node `out` reads its operand `position` as the module does: cast to the dtype of the ATen
+        `value` (a fused pattern's cast inside it, `aten_patterns.rmsnorm_of`), where that is not the
+        parameters' dtype."""
+        dtype = getattr(self.values.get(getattr(value, "name", None)), "dtype", None)
+        if self.other_dtype(dtype):
+            old = self.dtypes.get(out.name, NodeDtypes())
+            self.dtypes[out.name] = replace(old, reads=tuple(sorted(dict(old.reads) | {
+                position: str(dtype).removeprefix("torch.")}.items())))
 
     def shape(self, t: Tensor) -> tuple[int, ...]:
         return self.g.shape(t)
@@ -339,7 +362,8 @@ class Translator(ShapeOps):
                               {k: v for k, v in self.constants.items() if k in data},
                               dropout,
                               tuple(self.user_inputs), self.program.call_spec.out_spec, needed,
-                              tuple(s for s in self.running_stats if s.mean in live and s.var in live))
+                              tuple(s for s in self.running_stats if s.mean in live and s.var in live),
+                              {name: d for name, d in self.dtypes.items() if name in live})
 
     def trace(self) -> ImportTrace:
         """What the import's self-check needs of this walk: which nodes are compute, and the graph tensor holding

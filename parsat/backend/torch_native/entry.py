@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch import nn
 
 from parsat.backend.torch_native.apply import NativeParallelizeError, apply_lowering, module_info
-from parsat.backend.torch_native.lowering import LoweringError, lower
+from parsat.backend.torch_native.lowering import LoweringError
 from parsat.backend.torch_native.pipeline_lowering import lower_pipeline
-from parsat.backend.torch_native.rewritten import install, lowered_rewrite, place_parameters
+from parsat.backend.torch_native.rewritten import install, lowered_plan, place_parameters
 
 
 def parallelize_native(module: nn.Module, plan, *, mp_policy=None, example_inputs=None, imported=None,
@@ -78,8 +78,7 @@ def parallelize_native(module: nn.Module, plan, *, mp_policy=None, example_input
         if difference:
             raise NativeParallelizeError(difference)
     try:
-        lowering = lower(pcg, graph, module_info(module, aliases))
-        lowering, rewrite = lowered_rewrite(pcg, graph, lowering, imported)
+        lowering, rewrite = lowered_plan(pcg, graph, module_info(module, aliases), imported)
     except LoweringError as err:
         raise NativeParallelizeError(str(err)) from None
     if rewrite is None:

@@ -128,6 +128,12 @@ class LoweringError(ValueError):
     """A plan that torch's distributed stack cannot run as the plan says: the message names the node and why."""
 
 
+class UnstyledAxis(LoweringError):
+    """A plan whose tensor axis torch's styles cannot run on the module's own forward (an activation moved where no
+    styled module moves it: HF LLaMA under tp 4 with 2 KV heads slices the heads `repeat_kv` makes), which a
+    forward evaluating the plan's graph on DTensors runs (`lower(evaluated=True)`, `rewritten.lowered_plan`)."""
+
+
 @dataclass(frozen=True)
 class ParamInfo:
     """One parameter of the module: every name it has (a tied parameter has several), its shape, and for each
@@ -310,11 +316,13 @@ class Lowering:
 
 
 def lower(pcg: PCG, graph: Graph, module: ModuleInfo, *, pipelined: bool = False, library=None,
-          traced: bool = False) -> Lowering:
-    """The plan `pcg` (of `graph`) on `module` in torch's terms; raises LoweringError naming what cannot be.
-    `traced`: the module runs as traced aten graphs (a pipeline's stage modules, which call no `nn.Linear`), so a
-    tensor axis is lowered as each weight's DTensor placement (`TracedSplit`), the activations DTensors too,
-    instead of `parallelize_module` styles."""
+          traced: bool = False, evaluated: bool = False) -> Lowering:
+    """The plan `pcg` (of `graph`) on `module` in torch's terms; raises LoweringError naming what cannot be
+    (`UnstyledAxis` where only the styles of its tensor axis cannot). `traced`: the module runs as traced aten
+    graphs (a pipeline's stage modules, which call no `nn.Linear`), so a tensor axis is lowered as each weight's
+    DTensor placement (`TracedSplit`), the activations DTensors too, instead of `parallelize_module` styles.
+    `evaluated`: the module's forward will evaluate the plan's graph on DTensors (`rewritten`), every parallel
+    operator on the tensor axis a redistribute, so no style is looked for there."""
     if pipelined:
         raise LoweringError("a pipelined plan is lowered stage by stage (pipeline_lowering.lower_pipeline: "
                             "torch.distributed.pipelining), not as one mesh's plan")
@@ -325,19 +333,20 @@ def lower(pcg: PCG, graph: Graph, module: ModuleInfo, *, pipelined: bool = False
         raise LoweringError(f"node #{moved.id} is an all_to_all (expert parallelism: a shard moved between dims), "
                             "which the torch-native runtime does not lower; run the plan with the interpreter "
                             "(runtime='interpreter', `parsat run`)")
-    lowering = _Lowerer(pcg, graph, module, library, traced).run()
+    lowering = _Lowerer(pcg, graph, module, library, traced, evaluated).run()
     try:
         return replace(lowering, recompute=recomputed_blocks(pcg, module))
     except LoweringError as err:   # a rewritten forward checkpoints the plan's blocks, not the module's
-        if traced or not rewritten_nodes(pcg, graph):
+        if traced or not (evaluated or rewritten_nodes(pcg, graph)):
             raise
         return replace(lowering, unrecomputable=str(err))
 
 
 class _Lowerer:
-    def __init__(self, pcg: PCG, graph: Graph, module: ModuleInfo, library, traced: bool = False):
+    def __init__(self, pcg: PCG, graph: Graph, module: ModuleInfo, library, traced: bool = False,
+                 evaluated: bool = False):
         self.pcg, self.graph, self.module = pcg, graph, module
-        self.traced = traced
+        self.traced, self.evaluated = traced, evaluated
         self.mesh = pcg.mesh
         self.users = readers(pcg)
         self.static = weight_values(pcg)
@@ -384,8 +393,11 @@ class _Lowerer:
         if tensor and self.traced:
             splits = self.traced_splits(tensor[0], weights)
             self.vocabulary_losses(tensor[0])   # the traced stage's cross-entropy run as loss parallelism too
-        elif tensor:
-            styles = self.tensor_styles(tensor[0], weights)
+        elif tensor and not self.evaluated:
+            try:
+                styles = self.tensor_styles(tensor[0], weights)
+            except LoweringError as err:
+                raise UnstyledAxis(str(err)) from None
         self.note_rewrites()
         zero = self.pcg.zero
         if zero and not any(r == DATA for r in roles):
@@ -1277,35 +1289,57 @@ def rewritten_nodes(pcg: PCG, graph: Graph) -> tuple[PNode, ...]:
     """The plan's compute nodes that compute an expression the graph does not, parallel operators looked through
     (they change the spread, never the value): none when the plan computes the graph's own operators on the
     graph's own operands; after `scale(bmm(q, k))` -> `bmm(scale(q), k)`, the new scale and bmm and every node
-    computed from them. Expressions are compared by hash-consing (each one an integer, so deep graphs stay flat).
-    A logsumexp computed as Megatron-LM's vocabulary-parallel steps (`ir.megatron.vocabulary_parallel_logsumexps`)
-    is the graph's own: the module's cross-entropy computes it so on the logits' shards (`loss_parallel`), and
-    the steps' last node stands for it."""
+    computed from them (`_expressions`). A logsumexp computed as Megatron-LM's vocabulary-parallel steps
+    (`ir.megatron.vocabulary_parallel_logsumexps`) is the graph's own: the module's cross-entropy computes it so on
+    the logits' shards (`loss_parallel`), and the steps' last node stands for it."""
+    of, named, steps = _expressions(pcg, graph)
+    known = set(named.values())
+    return tuple(n for n in pcg.nodes if n.kind == "op" and n.id not in steps and of[n.id] not in known)
+
+
+def graph_nodes_computed(pcg: PCG, graph: Graph) -> dict[int, str]:
+    """Plan compute node -> the graph node whose value it computes (`_expressions`); each step of a
+    vocabulary-parallel logsumexp -> that logsumexp. Two operands of `add` and `mul` are matched in either order
+    (IEEE addition and multiplication commute exactly, so `add_commute` leaves the value bit for bit); a node
+    another rewrite made, and those computed from it, have none."""
+    of, named, steps = _expressions(pcg, graph, COMMUTATIVE)
+    by_key = {k: name for name, k in named.items()}
+    return {n.id: steps[n.id] if n.id in steps else by_key[of[n.id]] for n in pcg.nodes
+            if n.kind == "op" and (n.id in steps or of[n.id] in by_key)}
+
+
+COMMUTATIVE = frozenset({"add", "mul"})   # operators whose two operands commute exactly (`graph_nodes_computed`)
+
+
+def _expressions(pcg: PCG, graph: Graph, unordered: frozenset[str] = frozenset()
+                 ) -> tuple[dict[int, int], dict[str, int], dict[int, str]]:
+    """Each value as an expression, hash-consed to an integer (so deep graphs stay flat): (plan node -> its
+    expression, parallel operators looked through: they change the spread, never the value; graph leaf or node
+    -> its expression; plan node of a vocabulary-parallel logsumexp's steps -> that logsumexp's name). The
+    operands of an operator in `unordered` are keyed as a set."""
     ids: dict[tuple, int] = {}
     vocabulary = vocabulary_parallel_logsumexps(pcg, graph)
     steps = {i: name for name, ids_ in vocabulary.items() for i in ids_}
 
     def key(op: str, attrs, inputs) -> int:
-        return ids.setdefault((op, tuple(sorted(attrs)), tuple(inputs)), len(ids))
+        inputs = tuple(inputs)
+        return ids.setdefault((op, tuple(sorted(attrs)), tuple(sorted(inputs)) if op in unordered else inputs),
+                              len(ids))
 
     named = {leaf.name: key("leaf", (), (leaf.name,)) for leaf in graph.leaves}
     for n in graph.nodes:
         named[n.name] = key(n.op, n.attrs, (named[i] for i in n.inputs))
-    known = set(named.values())
     of: dict[int, int] = {}
-    out = []
     for n in pcg.nodes:
         if n.kind == "leaf":
             of[n.id] = key("leaf", (), (n.op,))
         elif n.kind == "parallel":
             of[n.id] = of[n.inputs[0]]
-        elif n.id in steps:
-            of[n.id] = named[steps[n.id]] if n.origin == steps[n.id] else key(n.op, n.attrs, (of[i] for i in n.inputs))
+        elif n.id in steps and n.origin == steps[n.id]:
+            of[n.id] = named[steps[n.id]]
         else:
             of[n.id] = key(n.op, n.attrs, (of[i] for i in n.inputs))
-            if of[n.id] not in known:
-                out.append(n)
-    return tuple(out)
+    return of, named, steps
 
 
 def weight_values(pcg: PCG) -> set[int]:

@@ -63,9 +63,22 @@ scale after a sum over the data ranks (a normalisation fixed at the global
 batch would be off on a local one), an operator on the user's data before
 the plan splits it, a batch norm keeping running statistics, a module
 returning other values than the graph's outputs (integers, None), a lookup
-of a vocabulary-split table whose ids are not split alike. The graph
-computes in the parameters' dtype: casts in the module's forward (HF's
-causal loss casts its logits to float32) are not in it.
+of a vocabulary-split table whose ids are not split alike.
+
+A plan computing the module's own graph runs this forward too where torch's
+styles cannot run its tensor axis on the module's own forward
+(`lowered_plan`, `lowering.UnstyledAxis`: HF LLaMA under tp 4 with 2 KV
+heads, whose plan slices the heads `repeat_kv` makes): here each parallel
+operator there is a DTensor `redistribute`, a partition of a whole value a
+local slice.
+
+The graph has no dtypes (casts import as the identity); the import records
+where the module computes in another dtype than its parameters
+(`importer.imported.NodeDtypes`: HF's causal loss reads its logits
+`.float()`, LlamaRMSNorm its input `.to(torch.float32)`), and each step
+computes so (`node_dtypes`, `_in_dtypes`), a cross-entropy as torch's
+`log_softmax` (`_in_module_dtypes`): its float32 sections then round as the
+module's do where their values are whole on the rank.
 """
 
 from __future__ import annotations
@@ -79,13 +92,16 @@ import torch
 import torch.distributed as dist
 
 from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARTITION, REDUCE, REPLICATE
+from parsat.importer.imported import NodeDtypes
 from parsat.importer.torch_ops import apply_op
 from parsat.ir.graph import Graph
+from parsat.ir.megatron import vocabulary_parallel_logsumexps
 from parsat.ir.microbatch import batch_dims
 from parsat.ir.pcg import PCG, PNode, weight_storage
 from parsat.ir.placement import FREE, PARTIAL, REPLICA, shard, shard_dim
 from parsat.backend.recompute_regions import Region, forward_units
 from parsat.backend.torch_native.lowering import (DATA, EMBEDDING_OPS, REWRITE_NOTE, ZERO3, Lowering, LoweringError,
+                                                  ModuleInfo, UnstyledAxis, graph_nodes_computed, lower,
                                                   rewritten_nodes, weight_values)
 
 WEIGHT, LEAF, OP, SAME, SLICE, PLACE, LOOKUP = "weight", "leaf", "op", "same", "slice", "place", "lookup"
@@ -99,7 +115,8 @@ class Step:
     its coordinate on mesh axis `axis`, one of `degree`), `place` (a parallel operator on the tensor axis: the
     DTensor redistributed to the plan's placement there, `code`), or `lookup` (embedding `name` of a table split
     along its rows on the tensor axis: each rank's lookup of its rows, a partial sum, `vocabulary_lookup`).
-    `frees`: values no later step reads."""
+    `frees`: values no later step reads. `reads` / `makes`: for an `op` or `lookup` the module computes in another
+    dtype than its parameters (`importer.imported.NodeDtypes`), the operands cast so and the value's dtype."""
 
     node: int
     action: str
@@ -111,6 +128,8 @@ class Step:
     degree: int = 1
     code: int = 0
     frees: tuple[int, ...] = ()
+    reads: tuple[tuple[int, str], ...] = ()
+    makes: str = ""
 
 
 @dataclass(frozen=True)
@@ -157,6 +176,35 @@ class Rewrite:
         return replace(lowering, notes=notes, rewritten=self.summary, styles=(), weights=weights)
 
 
+def lowered_plan(pcg: PCG, graph: Graph, module: ModuleInfo, imported, library=None
+                 ) -> tuple[Lowering, Rewrite | None]:
+    """(the lowering, the rewrite to install, None for the module's own forward) of an unpipelined plan: the
+    module's own forward under torch's styles where they run the plan's tensor axis (`lowered_rewrite` then
+    replaces it only for an algebraic rewrite), else the plan's graph evaluated on DTensors, where each parallel
+    operator on the tensor axis is a redistribute (`UnstyledAxis`: HF LLaMA under tp 4 with 2 KV heads, whose
+    plan slices the heads `repeat_kv` makes, a partition of a whole value being each rank's local slice). Without
+    the import the styles' refusal stands, saying what would run it. Raises LoweringError naming the node."""
+    try:
+        lowering = lower(pcg, graph, module, library=library)
+    except UnstyledAxis as err:
+        why = _no_rewrite(imported)
+        if why:
+            raise LoweringError(f"{err} (a forward evaluating the plan's graph on DTensors would run it: {why})"
+                                ) from None
+        lowering = lower(pcg, graph, module, library=library, evaluated=True)
+        rewrite = rewrite_of(pcg, graph, lowering, imported, library, unstyled=str(err))
+        return rewrite.lowered(lowering), rewrite
+    return lowered_rewrite(pcg, graph, lowering, imported, library)
+
+
+def _no_rewrite(imported) -> str:
+    """Why a rewritten forward cannot run for `imported` ("" where it can): no import at hand, or an import-like
+    record saying why (`run.GraphImport.unsupported`)."""
+    return getattr(imported, "unsupported", "") or (
+        "give parallelize the example inputs (or the import) to have it compute the plan's graph"
+        if imported is None else "")
+
+
 def lowered_rewrite(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=None
                     ) -> tuple[Lowering, Rewrite | None]:
     """(the lowering, the rewrite to install) for a plan computing otherwise than the module's graph; the rewrite
@@ -164,10 +212,7 @@ def lowered_rewrite(pcg: PCG, graph: Graph, lowering: Lowering, imported, librar
     own forward). Raises LoweringError for what is covered but cannot run (module docstring)."""
     if not rewritten_nodes(pcg, graph):
         return lowering, None
-    # an import-like record may say why it cannot run a rewritten forward (`run.GraphImport.unsupported`)
-    why = getattr(imported, "unsupported", "") or (
-           "give parallelize the example inputs (or the import) to have it compute the plan's graph"
-           if imported is None else "")
+    why = _no_rewrite(imported)
     if why and lowering.unrecomputable:
         raise LoweringError(lowering.unrecomputable)
     if why:
@@ -177,9 +222,10 @@ def lowered_rewrite(pcg: PCG, graph: Graph, lowering: Lowering, imported, librar
     return rewrite.lowered(lowering), rewrite
 
 
-def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=None) -> Rewrite:
+def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=None, unstyled: str = "") -> Rewrite:
     """The steps a rank evaluates for `pcg` on its local batch (module docstring), or a LoweringError naming the
-    node that cannot be evaluated so."""
+    node that cannot be evaluated so. `unstyled`: why the styles cannot run the plan's tensor axis (`lowered_plan`),
+    said in the summary in place of the first rewritten node where the plan computes the module's own graph."""
     if imported.running_stats:
         raise LoweringError("the plan's graph is rewritten and the module's batch norms keep running statistics, "
                             "which only the module's own forward updates: run the plan with the interpreter")
@@ -206,16 +252,24 @@ def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=Non
     shapes = tuple((name, tuple(s // count if d == batch[name] else s for d, s in enumerate(graph.shape(name))))
                    for name in sorted(local) if name in batch)
     plan_only = rewritten_nodes(pcg, graph)
-    first = plan_only[0]
-    summary = (f"the plan's graph ({sum(s.action == OP for s in steps)} operators, {len(plan_only)} computing "
-               f"otherwise than the module's graph, first #{first.id} {first.label}"
-               f"{' by ' + first.rules[0].split(' ')[0] if first.rules else ''}), evaluated with "
-               "importer.torch_ops on the module's parameters and the rank's local batch in place of its own "
+    why = []
+    if plan_only:
+        first = plan_only[0]
+        why.append(f"{len(plan_only)} computing otherwise than the module's graph, first #{first.id} {first.label}"
+                   f"{' by ' + first.rules[0].split(' ')[0] if first.rules else ''}")
+    if unstyled:   # the refusal's first clause: the node and what no style does with it
+        why.append(f"torch's styles cannot run its tensor axis on the module's own forward "
+                   f"({unstyled.split(': ', 1)[0]}); here every parallel operator there is a DTensor redistribute")
+    summary = (f"the plan's graph ({sum(s.action == OP for s in steps)} operators, {'; '.join(why)}), evaluated "
+               "with importer.torch_ops on the module's parameters and the rank's local batch in place of its own "
                "forward (torch_native/rewritten.py)"
                + ("; fully_shard wraps the root only" if lowering.axes(ZERO3) or lowering.zero >= 2 else ""))
     tp = lowering.tensor_axis
     stored = () if tp is None else tuple((w.params[0], pcg.node(chains[w.node][-1]).placement.codes[tp])
                                          for w in lowering.weights)
+    dtypes = node_dtypes(pcg, graph, getattr(imported, "dtypes", {}))
+    steps = [_in_module_dtypes(s, dtypes[s.node], pcg) if s.node in dtypes and s.action in (OP, LOOKUP) else s
+             for s in steps]
     steps, recomputed = _in_regions(pcg, tuple(steps))
     steps = _with_frees(steps, pcg.outputs)
     if recomputed:
@@ -269,6 +323,42 @@ def _step(n: PNode, pcg: PCG, lowering: Lowering, data_axes: set[int], static: s
     if split:
         presliced[n.id] = split
     return Step(n.id, SAME, inputs=(source,))
+
+
+def node_dtypes(pcg: PCG, graph: Graph, dtypes: Mapping[str, NodeDtypes]) -> dict[int, NodeDtypes]:
+    """Plan node -> the dtypes the module computes it in (the import's `NodeDtypes` of the graph node whose value
+    it computes, `lowering.graph_nodes_computed`), where they are not the parameters': HF's causal loss in float32
+    (`logits.float()`), LlamaRMSNorm's normalization in float32. The steps of a vocabulary-parallel logsumexp
+    (`ir.megatron`) compute in the logsumexp's dtype, every operand read so. A node an algebraic rule made
+    computes as torch promotes its operands."""
+    if not dtypes:
+        return {}
+    vocabulary = {i for ids in vocabulary_parallel_logsumexps(pcg, graph).values() for i in ids}
+    out = {}
+    for ident, name in graph_nodes_computed(pcg, graph).items():
+        found = dtypes.get(name)
+        if found is not None and ident in vocabulary and found.makes:
+            found = NodeDtypes(tuple((k, found.makes) for k in range(len(pcg.node(ident).inputs))), found.makes)
+        if found is not None:
+            out[ident] = found
+    return out
+
+
+def _in_module_dtypes(s: Step, dtypes: NodeDtypes, pcg: PCG) -> Step:
+    """Step `s` computing in the module's dtypes; a cross-entropy's `nll_sum(x, logsumexp(x), y)` so computed is
+    evaluated as torch's `F.cross_entropy` computes it, `-sum(y * log_softmax(x))` (equal in value for every y:
+    sum_j y_j (lse - x_j)), so that its gradient is `log_softmax`'s backward on the same float32 values, as the
+    module's (HF's `logits.float()` then `F.cross_entropy`), rounded alike: AdamW turns a float32 rounding of
+    the logits' gradient taken otherwise into 1e-4 - 1e-3 of a weight in 3 steps (where a gradient is near its
+    epsilon)."""
+    s = replace(s, reads=dtypes.reads, makes=dtypes.makes)
+    if s.name == "nll_sum" and pcg.node(s.inputs[1]).op == "logsumexp" \
+            and pcg.node(s.inputs[1]).inputs == (s.inputs[0],):
+        s = replace(s, name=NLL_OF_LOG_SOFTMAX)
+    return s
+
+
+NLL_OF_LOG_SOFTMAX = "nll_of_log_softmax"   # `_in_module_dtypes`: nll_sum(x, logsumexp(x), y) as torch computes it
 
 
 def _split_rows(pcg: PCG, n: PNode, axis: int | None) -> bool:
@@ -411,14 +501,18 @@ def _apply(s: Step, env: dict[int, torch.Tensor], params: Mapping[str, torch.Ten
         env[s.node] = params[s.name]
     elif s.action == LEAF:
         env[s.node] = data[s.name]
+    elif s.action == OP and s.name == NLL_OF_LOG_SOFTMAX:
+        env[s.node] = _in_dtypes(s, lambda _op, a, _attrs: -(a[2] * torch.log_softmax(a[0], dim=-1)).sum(),
+                                 [env[i] for i in s.inputs])
     elif s.action == OP:
-        env[s.node] = apply_op(s.name, [env[i] for i in s.inputs], dict(s.attrs))
+        env[s.node] = _in_dtypes(s, apply_op, [env[i] for i in s.inputs])
     elif s.action == SLICE:
         x = env[s.inputs[0]]
         size = x.shape[s.dim] // s.degree
         env[s.node] = x.narrow(s.dim, coords[s.axis] * size, size)
     elif s.action == LOOKUP:
-        env[s.node] = vocabulary_lookup(s.name, env[s.inputs[0]], env[s.inputs[1]], dict(s.attrs))
+        env[s.node] = _in_dtypes(s, lambda op, args, attrs: vocabulary_lookup(op, *args[:2], attrs),
+                                 [env[i] for i in s.inputs])
     elif s.action == PLACE:
         x = env[s.inputs[0]]
         env[s.node] = x.redistribute(x.device_mesh, [dtensor_placement(s.code)])
@@ -426,6 +520,16 @@ def _apply(s: Step, env: dict[int, torch.Tensor], params: Mapping[str, torch.Ten
         env[s.node] = env[s.inputs[0]]
     for i in s.frees:
         del env[i]
+
+
+def _in_dtypes(s: Step, run, args: list) -> Any:
+    """`run(s.name, args, attrs)` with the operands `s.reads` names cast as the module reads them, the value in
+    `s.makes` (the module's float32 sections of a float64 model round as the module's do)."""
+    for k, dtype in s.reads:
+        if args[k].is_floating_point():
+            args[k] = args[k].to(getattr(torch, dtype))
+    out = run(s.name, args, dict(s.attrs))
+    return out.to(getattr(torch, s.makes)) if s.makes else out
 
 
 def vocabulary_lookup(op: str, onehot, table, attrs: Mapping[str, Any]):
