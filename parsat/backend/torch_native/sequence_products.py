@@ -316,7 +316,9 @@ def local_products(module: nn.Module, split: Callable[[str], bool], sequence: bo
     `tensor_parallel_*` ones, which all-reduce it at once; `sequence` and `regather` (the plan's machine is priced
     as a runtime that re-gathers) the `sequence_parallel_regathering_*` products, except in the submodules named
     in `recomputed` (full names: the checkpointed blocks, whose recomputation gathers the input again already, as
-    the cost model keeps nothing of them); the count made."""
+    the cost model keeps nothing of them); without `sequence`, each `aten.add.Tensor` a call of
+    `tensor_parallel_add` (a residual add of a column-parallel output gathered once, as the plan gathers it); the
+    count made."""
     matmul, linear, embedding = torch.ops.aten.matmul.default, torch.ops.aten.linear.default, \
         torch.ops.aten.embedding.default
     addmm, add = torch.ops.aten.addmm.default, torch.ops.aten.add.Tensor
