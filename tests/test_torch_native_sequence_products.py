@@ -388,7 +388,8 @@ def test_a_residual_add_of_a_column_parallel_output_gathers_the_sum_once_for_eve
     all-gathered back at the add: the plan's partition) and gathers the sum once (the plan's combine), so both
     readers of the sum (a norm, the next residual add) read it whole: one all-gather forward, one backward, values
     and gradients those of the unsplit add. Left to DTensor the sum stayed split and each reader converted it
-    (3 forward all-gathers here); adds of other placements are DTensor's own."""
+    (2 forward and 2 backward all-gathers here, measured 2026-12-05, the output's own gather included); adds of
+    other placements are DTensor's own."""
     import torch.nn.functional as F
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
