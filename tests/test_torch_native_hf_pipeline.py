@@ -369,15 +369,19 @@ def test_llama_with_tensor_parallel_stages_on_four_ranks_trains_like_one_process
 
 
 @pytest.mark.slow
-def test_gpt2_with_tensor_parallel_stages_on_four_ranks_trains_like_one_process(tmp_path):
+def test_gpt2_with_tensor_parallel_stages_on_four_ranks_trains_like_one_process_with_the_plans_collectives(tmp_path):
     """HF GPT-2 pp 2 x tp 2 (Megatron's tp 2 stage plan, `reduce_at_once`; 1F1B, 2 micro-batches, 4 gloo ranks),
-    code unchanged (float64, its loss too): its `Conv1D` projections trace as `aten.addmm` and run on the local
-    pieces (`sequence_products.tensor_parallel_addmm`: the row sums all-reduced at once, the plan's forward
-    all-reduces, where DTensor's own addmm reduce-scattered and gathered them); trained 3 AdamW steps with the
-    pipeline's clipped norm like the unmodified module in one process, every parameter a DTensor, the checkpoint
-    loading into the unmodified module. Its other collectives are not yet the plan's (the fused c_attn's split,
-    the tied table: benchmarks/backend_results.md, 2026-12-05 helper P): only the forward all-reduces are
-    asserted."""
+    code unchanged (float64, its loss too), planned at one micro-batch's size: its `Conv1D` projections trace as
+    `aten.addmm` and run on the local pieces (`sequence_products.tensor_parallel_addmm`); trained 3 AdamW steps with
+    the pipeline's clipped norm like the unmodified module in one process, every parameter a DTensor, the
+    checkpoint loading into the unmodified module; each rank's first-step collectives are its stage's in the plan,
+    every one, forward and backward, and nothing beyond them but the integer ids and labels sent along. The plan
+    gathers the fused `c_attn`'s column-split output before its q / k / v split (49,152 elements), computes the
+    attention whole, runs the attention's `c_proj` column-parallel, adds the residual on the pieces and gathers
+    the sum once for both its readers (the norm and the next residual add): `sequence_products.tensor_parallel_add`
+    does that gather where DTensor converted the split sum for each reader on its own. Until 2026-12-05 each stage
+    ran 2-3 forward and 5 backward all-gathers a micro-batch beyond the plan's and 1-2 fewer backward
+    all-reduces: this fails then."""
     from collections import Counter
 
     from test_torch_native_pipeline import plan_collectives
@@ -385,15 +389,22 @@ def test_gpt2_with_tensor_parallel_stages_on_four_ranks_trains_like_one_process(
     from parsat.backend.launch import LaunchConfig, launch
 
     plan = hf_tensor_parallel_stages_plan("gpt2", per_microbatch=True)
+    _, example = _factory("gpt2")()
     results = launch(hf_job, ({"gpt2": plan.to_dict()}, str(tmp_path)),
                      LaunchConfig(nproc=4, backend="gloo", timeout_s=900))
     runs = [r["gpt2"] for r in results]
     print(json.dumps({k: runs[0][k] for k in ("losses", "ref_losses", "norms", "ref_norms", "worst_weight")}))
+    for run in runs:
+        _trains_like_one_process(run)
+    assert runs[0]["params"] == runs[1]["params"] and runs[2]["params"] == runs[3]["params"]   # tp twins
     planned = plan_collectives(plan)
     for rank, run in enumerate(runs):
-        _trains_like_one_process(run)
-        forward = {k: n for k, n in Counter(run["collectives"]).items() if k.startswith("schedule fwd all-reduce")}
-        assert forward == {k: n for k, n in planned[rank // 2].items() if k.startswith("schedule fwd all-reduce")}
+        got, want = Counter(run["collectives"]), planned[rank // 2]
+        print(rank, dict(got - want), dict(want - got))
+        labels = got.pop("send fwd int", 0)
+        assert labels % example[0].numel() == 0 and bool(labels) == (rank < 2), labels   # whole, stage 0 only
+        assert want["schedule fwd all-gather 49152"] and want["schedule bwd all-gather 16384"], want
+        assert (dict(got - want), dict(want - got)) == ({}, {}), (rank, got, want)
     assert _loads_into_the_unmodified_module(tmp_path, "gpt2") == 0.0
 
 

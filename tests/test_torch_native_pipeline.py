@@ -309,7 +309,8 @@ def test_a_tensor_parallel_stage_computes_its_split_products_on_local_pieces(pp2
     `tensor_parallel_matmul` (without: the row sums all-reduced at once), and the first stage's lookup of the
     vocabulary-split table `vocabulary_parallel_embedding` or `tensor_parallel_embedding` (the plan's
     collectives only, tests/test_torch_native_sequence_products.py); nothing else does (the attention's
-    products, no weight); the last stage's cross-entropy can be pointed at `traced_cross_entropy`
+    products, no weight), and without sequence parallelism each add calls `tensor_parallel_add` (DTensor's own
+    add for the gpt's, whose residual stream is whole); the last stage's cross-entropy can be pointed at `traced_cross_entropy`
     (`traced_losses`, where the plan's loss is vocabulary-parallel)."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
@@ -331,9 +332,15 @@ def test_a_tensor_parallel_stage_computes_its_split_products_on_local_pieces(pp2
                       (products.tensor_parallel_matmul, products.tensor_parallel_embedding))
     named = {matmul: 1, lookup: 0}   # the argument naming the weight
     everything = {getattr(products, f) for f in dir(products) if f.endswith(("_matmul", "_linear", "_embedding"))}
+
+    def adds(sub) -> int:   # retargeted to `tensor_parallel_add` without sequence parallelism, counted as made
+        return 0 if sequence else sum(n.op == "call_function" and n.target is torch.ops.aten.add.Tensor
+                                      for m in sub.modules() for n in getattr(m, "graph", torch.fx.Graph()).nodes)
+
     for index, last in ((0, 0), (1, 1)):
         sub = pipe.get_stage_module(index)
-        assert products.local_products(sub, split, sequence) == 4 * blocks + 1
+        added = adds(sub)
+        assert products.local_products(sub, split, sequence) == 4 * blocks + 1 + added   # tensor_parallel_add's too
         nodes = [n for m in sub.modules() for n in getattr(m, "graph", torch.fx.Graph()).nodes
                  if n.op == "call_function" and n.target in everything]
         assert {n.target for n in nodes} <= set(named), {n.target.__name__ for n in nodes}
@@ -350,7 +357,9 @@ def test_a_tensor_parallel_stage_computes_its_split_products_on_local_pieces(pp2
     recomputed = sorted({n for n, _ in sub.named_modules() if n.startswith(TRACED_PREFIX + "blocks.")
                          and n.count(".") == 2})[:1]
     assert recomputed, [n for n, _ in sub.named_modules()]
-    assert products.local_products(sub, split, sequence, regather=True, recomputed=recomputed) == 4 * blocks + 1
+    added = adds(sub)
+    assert products.local_products(sub, split, sequence, regather=True, recomputed=recomputed) == \
+        4 * blocks + 1 + added
     made = Counter(n.target for m in sub.modules() for n in getattr(m, "graph", torch.fx.Graph()).nodes
                    if n.op == "call_function" and n.target in everything)
     assert made == (Counter({products.sequence_parallel_regathering_matmul: 4 * (blocks - 1) + 1, matmul: 4})

@@ -382,6 +382,48 @@ def test_conv1d_products_as_traced_addmm_run_on_local_pieces_with_the_plans_all_
     assert torch.allclose(scaled.full_tensor(), torch.addmm(tensors[2], tensors[0], tensors[1], beta=0.5))
 
 
+def test_a_residual_add_of_a_column_parallel_output_gathers_the_sum_once_for_every_reader(two_local_ranks):
+    """HF GPT-2's attention under Megatron's tp plan: its `c_proj` is column-parallel (output split along its last
+    dim) and its residual add reads the whole stream. `tensor_parallel_add` slices the whole operand (its gradient
+    all-gathered back at the add: the plan's partition) and gathers the sum once (the plan's combine), so both
+    readers of the sum (a norm, the next residual add) read it whole: one all-gather forward, one backward, values
+    and gradients those of the unsplit add. Left to DTensor the sum stayed split and each reader converted it
+    (2 forward and 2 backward all-gathers here, measured 2026-12-05, the output's own gather included); adds of
+    other placements are DTensor's own."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from parsat.backend.torch_native.sequence_products import tensor_parallel_add
+
+    mesh = two_local_ranks
+    g = torch.Generator().manual_seed(9)
+    tensors = [torch.randn((2, 4, 6), generator=g, dtype=torch.float64) for _ in range(3)]
+
+    def block(add, piece, stream, mlp):   # the sum read by a norm and by the next residual add
+        total = add(piece, stream)
+        return add(total, F.layer_norm(total, (6,)) * mlp)
+
+    whole = [t.clone().requires_grad_() for t in tensors]
+    block(torch.add, *whole).square().sum().backward()
+    runs = {}
+    for add in (torch.add, tensor_parallel_add):
+        split = [distribute_tensor(t, mesh, [p]).requires_grad_()
+                 for t, p in zip(tensors, (Shard(2), Replicate(), Replicate()))]
+        with counted() as counts:
+            out = block(add, *split)
+            out.full_tensor().square().sum().backward()
+        runs[add] = dict(counts)
+        assert torch.allclose(out.full_tensor(), block(torch.add, *tensors), rtol=1e-12, atol=1e-12)
+        for got, t in zip(split, whole):
+            assert torch.allclose(got.grad.full_tensor(), t.grad, rtol=1e-12, atol=1e-12)
+        if add is tensor_parallel_add:
+            assert out.placements == (Replicate(),)
+    assert runs[tensor_parallel_add] == {"fwd all_gather_single": 1, "bwd all_gather_single": 1}, runs
+    assert runs[torch.add]["fwd all_gather_single"] > 1, runs
+    both = [distribute_tensor(t, mesh, [Shard(2)]) for t in tensors[:2]]
+    assert tensor_parallel_add(*both).placements == (Shard(2),)   # two pieces: DTensor's own, nothing gathered
+
+
 @pytest.mark.parametrize("name", ["matmul", "linear"])
 def test_a_column_parallel_product_gathers_its_input_again_in_backward_where_the_machine_regathers(two_local_ranks,
                                                                                                     name):

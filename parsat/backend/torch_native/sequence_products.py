@@ -136,6 +136,32 @@ def tensor_parallel_addmm(b: torch.Tensor, x: torch.Tensor, w: torch.Tensor, *, 
     return _local_product(x, w, b, transposed=False, reduce=True, flat=True)
 
 
+def tensor_parallel_add(a: torch.Tensor, b: torch.Tensor, *, alpha=1) -> torch.Tensor:
+    """`aten.add.Tensor(a, b)` in a traced stage without sequence parallelism: where one operand is split along its
+    last dim (a column-parallel product's output that no row-parallel product reads: HF GPT-2's attention
+    `c_proj`, column-parallel because the fused `c_attn` output is gathered before its q / k / v split) and the
+    other is the whole residual stream of the same shape, the sum is made on the pieces (the residual sliced: its
+    gradient all-gathered back) and gathered once, here (`redistribute` to `Replicate()`), so every reader of the
+    sum reads the whole value: the plan's `combine` after the add, whose gathered form `megatron_pcg` keeps for
+    every later reader (the norm and the next residual add). Left to DTensor, each reader converted the split sum
+    on its own: the norm by an all-to-all onto the rows (gloo: an all-gather), the next product then gathering its
+    row-split input, the next residual add split again and gathered before the stage sends it (2-3 forward and 5
+    backward all-gathers a micro-batch beyond the plan's, 1-2 of its backward all-reduces missing). Any other
+    add is DTensor's own."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not (isinstance(a, DTensor) and isinstance(b, DTensor) and a.shape == b.shape and a.ndim >= 2
+            and a.device_mesh.ndim == 1 and b.device_mesh == a.device_mesh
+            and sorted(_is_shard(t.placements[0], t.ndim - 1) or 2 * (t.placements[0] == Replicate())
+                       for t in (a, b)) == [1, 2]):   # one split along its last dim, the other whole
+        return torch.add(a, b, alpha=alpha)
+    mesh, piece = a.device_mesh, [Shard(a.ndim - 1)]
+    # the whole operand sliced by its own redistribution, whose backward gathers its gradient here (the plan's
+    # partition): DTensor's add slices it without one, and its gradient ran back split into what made it
+    a, b = (t if _is_shard(t.placements[0], t.ndim - 1) else t.redistribute(mesh, piece) for t in (a, b))
+    return torch.add(a, b, alpha=alpha).redistribute(mesh, [Replicate()])
+
+
 def _local_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool,
                    reduce: bool, regather: bool = False, flat: bool = False) -> torch.Tensor:
     """The product of `x` and `w` (`w` [in, out], or [out, in] when `transposed`: `aten.linear`), plus `b`, on the
@@ -290,10 +316,12 @@ def local_products(module: nn.Module, split: Callable[[str], bool], sequence: bo
     `tensor_parallel_*` ones, which all-reduce it at once; `sequence` and `regather` (the plan's machine is priced
     as a runtime that re-gathers) the `sequence_parallel_regathering_*` products, except in the submodules named
     in `recomputed` (full names: the checkpointed blocks, whose recomputation gathers the input again already, as
-    the cost model keeps nothing of them); the count made."""
+    the cost model keeps nothing of them); without `sequence`, each `aten.add.Tensor` a call of
+    `tensor_parallel_add` (a residual add of a column-parallel output gathered once, as the plan gathers it); the
+    count made."""
     matmul, linear, embedding = torch.ops.aten.matmul.default, torch.ops.aten.linear.default, \
         torch.ops.aten.embedding.default
-    addmm = torch.ops.aten.addmm.default
+    addmm, add = torch.ops.aten.addmm.default, torch.ops.aten.add.Tensor
     products = (sequence_parallel_matmul, sequence_parallel_linear) if sequence else \
         (tensor_parallel_matmul, tensor_parallel_linear)
     local = {matmul: products[0], linear: products[1], addmm: tensor_parallel_addmm,
@@ -301,6 +329,8 @@ def local_products(module: nn.Module, split: Callable[[str], bool], sequence: bo
     regathering = {matmul: sequence_parallel_regathering_matmul, linear: sequence_parallel_regathering_linear}
 
     def choose(prefix: str, node: torch.fx.Node):
+        if node.target is add and not sequence and len(node.args) == 2:
+            return tensor_parallel_add
         if node.target is matmul and len(node.args) == 2:
             weight = _read_weight(node.args[1])
         elif node.target is linear and len(node.args) >= 2:
