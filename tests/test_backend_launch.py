@@ -174,18 +174,70 @@ else:
 '''
 
 
-def test_a_script_that_launches_without_a_main_guard_is_told_so(tmp_path):
-    """Spawned ranks import the launching script first; one that launches at its top level would start the job
-    again in each rank. Each rank stops there and the launcher says what to change (not "died (exit code 1)")."""
+def _run_script(tmp_path, text: str):
     import subprocess
     import sys
 
     script = tmp_path / "unguarded.py"
-    script.write_text(UNGUARDED_SCRIPT)
+    script.write_text(text)
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root)}
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=240)
-    assert "LAUNCH ERROR:" in done.stdout, done.stdout + done.stderr
+    return script, subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                                  timeout=240)
+
+
+def test_a_script_that_launches_without_a_main_guard_is_told_so_before_any_rank_starts(tmp_path):
+    """Spawned ranks run the launching script's top level first; one that launches there would start the job
+    again in each rank (after redoing whatever comes before it: an optimize of minutes). `launch` reads the
+    script and refuses at once, naming the line (`main_guard`), before spawning a rank."""
+    script, done = _run_script(tmp_path, UNGUARDED_SCRIPT)
+    assert f"LAUNCH ERROR: {script}:8: " in done.stdout, done.stdout + done.stderr
+    assert 'if __name__ == "__main__":' in done.stdout and "no rank was started" in done.stdout
+    assert "parsat-rank" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_script_whose_source_cannot_tell_is_stopped_by_its_ranks(tmp_path):
+    """Where the script's source does not show the call (its code `exec`-ed), the ranks' own check ends the job
+    with the same advice (`REIMPORTED_EXIT`), not "died (exit code 1)"."""
+    hidden = "exec(compile(" + repr(UNGUARDED_SCRIPT) + ", '<hidden>', 'exec'))\n"
+    _, done = _run_script(tmp_path, hidden)
+    assert "LAUNCH ERROR:" in done.stdout and "no rank was started" not in done.stdout, done.stdout + done.stderr
     assert 'if __name__ == "__main__":' in done.stdout
     assert "exit code" not in done.stdout
     assert "Traceback" not in done.stderr
+
+
+def test_the_main_guard_is_read_from_the_script_as_spawn_re_runs_it(tmp_path, monkeypatch):
+    """`unguarded_call_site`: a call under `if __name__ == "__main__":` (either operand order, nested in a try)
+    is guarded, one beside it is not; a package's `__main__` (`python -m parsat`) and a main module without a
+    file (the REPL) are not re-run by spawn, so never refused."""
+    import sys
+    import types
+
+    from parsat.backend.main_guard import unguarded_call_site
+
+    source = (
+        "import sys\n"
+        "def site():\n"
+        "    return CHECK(sys._getframe(1))\n"
+        "unguarded = site()\n"
+        "if '__main__' == __name__:\n"
+        "    try:\n"
+        "        guarded = site()\n"
+        "    finally:\n"
+        "        pass\n")
+    path = tmp_path / "script.py"
+    path.write_text(source)
+    main = types.ModuleType("__main__")
+    main.__file__, main.__spec__ = str(path), None
+    main.CHECK = unguarded_call_site
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    exec(compile(source, str(path), "exec"), vars(main))
+    assert vars(main)["unguarded"] == (str(path), 4) and vars(main)["guarded"] is None
+    main.__spec__ = types.SimpleNamespace(name="parsat.__main__")
+    exec(compile(source, str(path), "exec"), vars(main))
+    assert vars(main)["unguarded"] is None
+    main.__spec__ = None
+    del main.__file__
+    exec(compile(source, str(path), "exec"), vars(main))
+    assert vars(main)["unguarded"] is None

@@ -26,9 +26,11 @@ before the job is unpickled and torch imported.
 A spawned process first re-imports the launching script (multiprocessing's
 spawn, as `__mp_main__`); a script that calls `launch` (or `parallelize`,
 `parsat.run`) at its top level without an `if __name__ == "__main__":`
-guard would start the job again inside every rank. `launch` called there
-ends that rank at once with `REIMPORTED_EXIT`, and the launcher says what
-to change instead of "died (exit code 1)".
+guard would start the job again inside every rank. `launch` refuses such a
+call before spawning, naming the script's line (`main_guard`); where the
+source cannot tell, `launch` called in a rank's re-import ends that rank at
+once with `REIMPORTED_EXIT`, and the launcher says what to change instead of
+"died (exit code 1)".
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from parsat.backend import rank_guard
+from parsat.backend.main_guard import unguarded_call_site
 from parsat.dsl.bounds import BoundError, check_all
 from parsat.ir.units import fmt_bytes
 
@@ -61,6 +64,9 @@ MAX_LOCAL_RANKS = 256  # processes one launcher spawns (each imports torch: ~0.3
 REIMPORTED_EXIT = 87   # a spawned rank whose re-import of the launching script called `launch` again
 UNGUARDED = ("a spawned rank runs the launching script's top level first, and that started the job again: put the "
              "code that starts the job under `if __name__ == \"__main__\":`")
+BEFORE_SPAWN = ("this line of the launching script starts the job outside `if __name__ == \"__main__\":`, and each "
+                "spawned rank runs the script's top level first, so every rank would start it again: put the code "
+                "that starts the job under that guard (no rank was started)")
 
 
 class LaunchError(Exception):
@@ -151,6 +157,9 @@ def launch(fn: Callable[..., Any], args: tuple = (), config: LaunchConfig | None
         raise LaunchError(f"{config.nproc:,} ranks cannot be started on this machine: parsat starts at most "
                           f"{MAX_LOCAL_RANKS} local ranks (one process each); run it under torchrun across "
                           "machines", ())
+    site = unguarded_call_site()
+    if site is not None:   # told before any rank re-runs the script's top level (minutes, if it optimizes first)
+        raise LaunchError(f"{site[0]}:{site[1]}: {BEFORE_SPAWN}", ())
     return _spawn(fn, args, backend, config)
 
 
