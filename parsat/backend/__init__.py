@@ -3,7 +3,9 @@
 Modules:
 `launch` (N ranks spawned here or joined under torchrun; a rank that dies,
 raises or hangs ends the job with its name), `rank_guard` (a rank dies
-with its launcher, from its first moment), `collectives` (one process
+with its launcher, from its first moment), `main_guard` (a job started
+from the launching script's unguarded top level, told before spawning),
+`collectives` (one process
 group per group of each mesh axis; the parallel operators as one table of
 autograd-aware collectives on them),
 `executor` (a PCG as training steps on every rank, checked against one
