@@ -314,16 +314,7 @@ def test_bert_with_tensor_parallel_stages_on_four_ranks_trains_like_one_process(
     its split `nn.Linear` products on local pieces (`sequence_products.tensor_parallel_linear`): losses, clipped
     norms and final weights those of the unmodified module in one process, every parameter a DTensor, the
     checkpoint loading into the unmodified module. ~30 s wall."""
-    from parsat.backend.launch import LaunchConfig, launch
-
-    plans = {"bert": hf_tensor_parallel_stages_plan("bert").to_dict()}
-    results = launch(hf_job, (plans, str(tmp_path)), LaunchConfig(nproc=4, backend="gloo", timeout_s=900))
-    runs = [r["bert"] for r in results]
-    print(json.dumps({k: runs[0][k] for k in ("losses", "ref_losses", "norms", "ref_norms", "worst_weight")}))
-    for run in runs:
-        _trains_like_one_process(run)
-    assert runs[0]["params"] == runs[1]["params"] and runs[2]["params"] == runs[3]["params"]   # tp twins
-    assert _loads_into_the_unmodified_module(tmp_path, "bert") == 0.0
+    _trains_on_four_ranks_like_one_process(tmp_path, "bert", hf_tensor_parallel_stages_plan("bert"))
 
 
 @pytest.mark.slow
@@ -339,33 +330,14 @@ def test_llama_with_tensor_parallel_stages_on_four_ranks_trains_like_one_process
     the last stage all-reduces their gradients (partial sums over its heads) as it receives them. The labels hop
     along whole (integers). Until 2026-12-05 the lowering refused the plan (`Partial()` crossing), export's dtype
     assertion stopped DTensor, and the RMSNorm's partial gradients left weights 2e-4 apart: this fails then."""
-    from collections import Counter
-
-    from test_torch_native_pipeline import plan_collectives
-
-    from parsat.backend.launch import LaunchConfig, launch
-
     plan = hf_tensor_parallel_stages_plan("llama", per_microbatch=True)
     module, example = _factory("llama")()
     config, m = module.model.config, plan.pipeline.microbatches
     rotary = example[0].shape[1] * (config.hidden_size // config.num_attention_heads)   # one table, a micro-batch
-    results = launch(hf_job, ({"llama": plan.to_dict()}, str(tmp_path)),
-                     LaunchConfig(nproc=4, backend="gloo", timeout_s=900))
-    runs = [r["llama"] for r in results]
-    print(json.dumps({k: runs[0][k] for k in ("losses", "ref_losses", "norms", "ref_norms", "worst_weight")}))
-    for run in runs:
-        _trains_like_one_process(run)
-    assert runs[0]["params"] == runs[1]["params"] and runs[2]["params"] == runs[3]["params"]   # tp twins
-    planned = plan_collectives(plan)
-    traced = [{"send fwd": 2 * m * rotary},   # beyond the plan's, per stage
-              {"send bwd": 2 * m * rotary, f"schedule bwd all-reduce {rotary}": 2 * m}]
-    for rank, run in enumerate(runs):
-        got, want = Counter(run["collectives"]), planned[rank // 2]
-        labels = got.pop("send fwd int", 0)
-        assert labels % example[0].numel() == 0 and bool(labels) == (rank < 2), labels   # whole, stage 0 only
-        assert want["schedule fwd all-reduce 16384"] and want["schedule bwd all-reduce 16384"], want
-        assert (dict(got - want), dict(want - got)) == (traced[rank // 2], {}), (rank, got, want)
-    assert _loads_into_the_unmodified_module(tmp_path, "llama") == 0.0
+    runs = _trains_on_four_ranks_like_one_process(tmp_path, "llama", plan)
+    planned = _only_the_plans_collectives(runs, plan, example[0], beyond=(   # per stage: what torch's tracer adds
+        {"send fwd": 2 * m * rotary}, {"send bwd": 2 * m * rotary, f"schedule bwd all-reduce {rotary}": 2 * m}))
+    assert all(want["schedule fwd all-reduce 16384"] and want["schedule bwd all-reduce 16384"] for want in planned)
 
 
 @pytest.mark.slow
@@ -382,30 +354,42 @@ def test_gpt2_with_tensor_parallel_stages_on_four_ranks_trains_like_one_process_
     does that gather where DTensor converted the split sum for each reader on its own. Until 2026-12-05 each stage
     ran 2-3 forward and 5 backward all-gathers a micro-batch beyond the plan's and 1-2 fewer backward
     all-reduces: this fails then."""
-    from collections import Counter
-
-    from test_torch_native_pipeline import plan_collectives
-
-    from parsat.backend.launch import LaunchConfig, launch
-
     plan = hf_tensor_parallel_stages_plan("gpt2", per_microbatch=True)
     _, example = _factory("gpt2")()
-    results = launch(hf_job, ({"gpt2": plan.to_dict()}, str(tmp_path)),
+    runs = _trains_on_four_ranks_like_one_process(tmp_path, "gpt2", plan)
+    planned = _only_the_plans_collectives(runs, plan, example[0])
+    assert all(want["schedule fwd all-gather 49152"] and want["schedule bwd all-gather 16384"] for want in planned)
+
+
+def _trains_on_four_ranks_like_one_process(tmp_path, name: str, plan, job=None) -> list[dict]:
+    """`plan` (pp 2 x tp 2 of the HF model `name`) trained by `job` (`hf_job` by default) on 4 gloo ranks like the
+    unmodified module in one process (`_trains_like_one_process`), the tp twins holding the same parameters, the
+    checkpoint loading into the unmodified module; the ranks' runs."""
+    from parsat.backend.launch import LaunchConfig, launch
+
+    results = launch(job or hf_job, ({name: plan.to_dict()}, str(tmp_path)),
                      LaunchConfig(nproc=4, backend="gloo", timeout_s=900))
-    runs = [r["gpt2"] for r in results]
+    runs = [r[name] for r in results]
     print(json.dumps({k: runs[0][k] for k in ("losses", "ref_losses", "norms", "ref_norms", "worst_weight")}))
     for run in runs:
         _trains_like_one_process(run)
     assert runs[0]["params"] == runs[1]["params"] and runs[2]["params"] == runs[3]["params"]   # tp twins
+    assert _loads_into_the_unmodified_module(tmp_path, name) == 0.0
+    return runs
+
+
+def _only_the_plans_collectives(runs: list[dict], plan, ids, beyond=({}, {})) -> list:
+    """Each rank's first-step collectives are its stage's in the plan, every one, plus `beyond[stage]` (what
+    torch's tracer adds), and the integer ids / labels sent whole from stage 0 only; the plan's, per stage."""
+    from test_torch_native_pipeline import plan_collectives
+
     planned = plan_collectives(plan)
     for rank, run in enumerate(runs):
         got, want = Counter(run["collectives"]), planned[rank // 2]
-        print(rank, dict(got - want), dict(want - got))
         labels = got.pop("send fwd int", 0)
-        assert labels % example[0].numel() == 0 and bool(labels) == (rank < 2), labels   # whole, stage 0 only
-        assert want["schedule fwd all-gather 49152"] and want["schedule bwd all-gather 16384"], want
-        assert (dict(got - want), dict(want - got)) == ({}, {}), (rank, got, want)
-    assert _loads_into_the_unmodified_module(tmp_path, "gpt2") == 0.0
+        assert labels % ids.numel() == 0 and bool(labels) == (rank < 2), labels   # whole, stage 0 only
+        assert (dict(got - want), dict(want - got)) == (beyond[rank // 2], {}), (rank, got, want)
+    return planned
 
 
 def searched_hf_llama_plan(sequence: bool | None = True):
@@ -476,24 +460,8 @@ def test_the_searched_pipelined_imported_llama_trains_on_four_ranks_like_one_pro
     weights only within 3.6e-4 (the first forward's loss already 2.5e-10 apart), where every plan without sequence
     parallelism agrees within 4e-16: the ranks' float32 norms on their sequence pieces round otherwise than the
     one process's on the whole, which AdamW's first steps amplify."""
-    _searched_llama_trains_like_one_process(tmp_path, searched_hf_llama_plan(sequence=sequence),
-                                            hf_job_with_float64_norms if sequence else hf_job)
-
-
-def _searched_llama_trains_like_one_process(tmp_path, plan, job) -> None:
-    """`plan` (pp 2 x tp 2 of HF LLaMA) trained by `job` on 4 gloo ranks like one process
-    (`_trains_like_one_process`), the tp twins holding the same parameters, the checkpoint loading into the
-    unmodified module."""
-    from parsat.backend.launch import LaunchConfig, launch
-
-    results = launch(job, ({"llama": plan.to_dict()}, str(tmp_path)),
-                     LaunchConfig(nproc=4, backend="gloo", timeout_s=900))
-    runs = [r["llama"] for r in results]
-    print(json.dumps({k: runs[0][k] for k in ("losses", "ref_losses", "norms", "ref_norms", "worst_weight")}))
-    for run in runs:
-        _trains_like_one_process(run)
-    assert runs[0]["params"] == runs[1]["params"] and runs[2]["params"] == runs[3]["params"]   # tp twins
-    assert _loads_into_the_unmodified_module(tmp_path, "llama") == 0.0
+    _trains_on_four_ranks_like_one_process(tmp_path, "llama", searched_hf_llama_plan(sequence=sequence),
+                                           hf_job_with_float64_norms if sequence else hf_job)
 
 
 def test_the_searched_llamas_final_norm_beside_its_split_head_is_a_whole_weight_and_it_sends_batch_pieces():
@@ -540,7 +508,8 @@ def test_the_searched_llama_plan_with_batch_pieces_trains_on_four_ranks_like_one
     (`hf_job_with_float64_norms`), as with sequence pieces: with transformers' float32 section the ranks' norms on
     their batch pieces round otherwise than the one process's on the whole (losses 2.5e-10 apart, weights 3.6e-4
     after 3 steps, measured)."""
-    _searched_llama_trains_like_one_process(tmp_path, searched_hf_llama_plan(sequence=None), hf_job_with_float64_norms)
+    _trains_on_four_ranks_like_one_process(tmp_path, "llama", searched_hf_llama_plan(sequence=None),
+                                           hf_job_with_float64_norms)
 
 
 def searched_hf_llama_dp_tp_plan(rules=None):
