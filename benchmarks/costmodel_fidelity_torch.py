@@ -72,7 +72,8 @@ def torch_plans(n: int, machine, models: list[str], devices_per_node: int | None
     from costmodel_fidelity import PlanFigures
     from parsat.backend.executor import operator_library
     from parsat.backend.torch_native.apply import module_info
-    from parsat.backend.torch_native.lowering import LoweringError, lower
+    from parsat.backend.torch_native.lowering import LoweringError
+    from parsat.backend.torch_native.rewritten import lowered_plan
     from parsat.cost.pcg_tasks import simulate_pcg
     from parsat.importer.call_count import count_module_calls
     from parsat.importer.export import import_module
@@ -94,8 +95,8 @@ def torch_plans(n: int, machine, models: list[str], devices_per_node: int | None
             if pcg is None:
                 print(f"{name}/{label} on {n} ranks: no Megatron layout", file=sys.stderr)
                 continue
-            try:
-                lower(pcg, graph, info)
+            try:   # as `parallelize` lowers it given the example inputs (the rewritten forward where no style runs)
+                lowered_plan(pcg, graph, info, imported, library)
             except LoweringError as err:
                 print(f"{name}/{label} on {n} ranks: not lowered ({err})", file=sys.stderr)
                 continue
