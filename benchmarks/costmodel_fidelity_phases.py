@@ -24,18 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def rank_fn(ctx, jobs: list[tuple[str, dict]], steps: int, profile_steps: int) -> dict:
     """On every rank, per (label, plan dict): the phases' medians in seconds; on rank 0 the profile too."""
     import torch, torch.distributed as dist
-    from costmodel_fidelity_torch import lowered
+    from costmodel_fidelity_torch import lowered, phased_step
     out = {}
     for label, plan in jobs:
         module, net, opt, batch = lowered(label, plan)
         ph = collections.defaultdict(list)
         for _ in range(steps):
-            dist.barrier()
-            t0 = time.perf_counter(); loss = net(*batch)
-            t1 = time.perf_counter(); loss.backward()
-            t2 = time.perf_counter(); opt.step()
-            t3 = time.perf_counter(); opt.zero_grad()
-            t4 = time.perf_counter()
+            t0, t1, t2, t3, t4 = phased_step(net, opt, batch)
             for k, v in zip(("forward", "backward", "optimizer", "zero_grad", "step"), (t1-t0, t2-t1, t3-t2, t4-t3, t4-t0)):
                 ph[k].append(v)
         prof = None

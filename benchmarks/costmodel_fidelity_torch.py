@@ -120,6 +120,25 @@ def lowered(label: str, plan: dict) -> tuple:
     return module, net, torch.optim.SGD(net.parameters(), lr=1e-3), local_batch(net, *example)
 
 
+def phased_step(net, optimizer, batch, sample=time.perf_counter) -> list:
+    """One SGD step after a barrier, as `torch_many` times it: `sample()` at its start, after forward (the loss
+    included), after backward, after `optimizer.step()` and after `zero_grad()` (five readings), for the probes
+    that split a step by phase (`costmodel_fidelity_phases.py`, `costmodel_fidelity_split.py`)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    readings = [sample()]
+    loss = net(*batch)
+    readings.append(sample())
+    loss.backward()
+    readings.append(sample())
+    optimizer.step()
+    readings.append(sample())
+    optimizer.zero_grad()
+    readings.append(sample())
+    return readings
+
+
 def torch_many(ctx, jobs: list[tuple[str, dict]], steps: int) -> dict:
     """On every rank, per (label, plan dict): the model lowered with `runtime="torch"`, `steps` SGD steps on this
     rank's local batch; this rank's step times and live bytes (module docstring)."""
@@ -131,13 +150,8 @@ def torch_many(ctx, jobs: list[tuple[str, dict]], steps: int) -> dict:
         _, net, optimizer, batch = lowered(label, plan)
         times = []
         for _ in range(steps):   # timed: the step alone
-            dist.barrier()
-            start = time.perf_counter()
-            loss = net(*batch)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            times.append(time.perf_counter() - start)
+            start, *_, end = phased_step(net, optimizer, batch)
+            times.append(end - start)
         # one more step, untimed, for the memory: the bookkeeping reads every parameter (a DTensor operator
         # each) and hooks every saved tensor, 4-9 ms CPU a step on these models, which run T3 timed
         dist.barrier()
