@@ -11,7 +11,7 @@ for one):
 * runnable, not running: descheduled (a peer rank or another job holding the core);
 * the rest: blocked (in a collective's wait, a barrier, a page-in): waiting, not work;
 * and the process's other threads' CPU time (gloo's workers doing the collectives' copies and reductions), and
-  the box's idle-state entries in the phase (`_idle_entries`: on this VM each one a halted virtual CPU).
+  the box's idle-state entries in the phase (`idle_entries`: on this VM each one a halted virtual CPU).
 
 Beside it, the simulator's busy time for the same plan on MACHINE by task phase: compute (forward, loss,
 backward, optimizer: everything the compute stream runs, hooks and dispatch included) and collectives
@@ -56,7 +56,7 @@ _IDLE_FILES: list[int] = []   # the idle states' counters, opened once: a glob a
 #                               ~0.2 ms, which fell into the phases
 
 
-def _idle_entries() -> int:
+def idle_entries() -> int:
     """The box's CPUs' idle-state entries so far, all CPUs and states together (0 where cpuidle is not exposed):
     on this VM (haltpoll with `guest_halt_poll_ns` 0) every entry is a halt of a virtual CPU, which the host must
     wake again (a rank waiting with nothing else to run on its core)."""
@@ -69,7 +69,7 @@ def _sample() -> tuple[float, float, float, float, int]:
     """(wall, main thread on CPU, main thread runnable waiting, process CPU over all threads, the box's idle
     entries). On CPU from `time.thread_time` (the kernel brings it up to date when read; schedstat's figure lags
     by up to a tick)."""
-    return time.perf_counter(), time.thread_time(), _schedstat()[1], time.process_time(), _idle_entries()
+    return time.perf_counter(), time.thread_time(), _schedstat()[1], time.process_time(), idle_entries()
 
 
 def rank_fn(ctx, jobs: list[tuple[str, dict]], steps: int) -> dict:

@@ -15,18 +15,17 @@ as calibrate keeps it), and the box's idle-state entries over each variant. A me
 """
 from __future__ import annotations
 
-import glob
 import statistics
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from costmodel_fidelity_split import idle_entries  # noqa: E402  (the box's idle entries, one reader)
+
 RUNS = 20   # in-order runs timed per variant and size (a fixed count: every rank makes the same barriers)
 PAUSE_S = 0.002
-
-
-def _idle_entries() -> int:
-    return sum(int(Path(f).read_text()) for f in glob.glob("/sys/devices/system/cpu/cpu*/cpuidle/state*/usage"))
 
 
 def _spin(seconds: float) -> None:
@@ -69,7 +68,7 @@ def rank_fn(ctx, rounds: int, size: int) -> list:
             alone_s = [C._slowest(ctx, statistics.median(alone(calls) for _ in range(3))) for calls in references]
             for name, prepare in variants.items():
                 dist.barrier()
-                idle0, seconds = _idle_entries(), []
+                idle0, seconds = idle_entries(), []
                 for calls in references:
                     in_order(calls)
                     in_order(calls)
@@ -80,7 +79,7 @@ def rank_fn(ctx, rounds: int, size: int) -> list:
                         in_order(calls)
                         total += clock() - start
                     seconds.append(C._slowest(ctx, total / RUNS))
-                out.append((name, seconds, alone_s, (_idle_entries() - idle0) / (RUNS * len(references))))
+                out.append((name, seconds, alone_s, (idle_entries() - idle0) / (RUNS * len(references))))
     return out
 
 
