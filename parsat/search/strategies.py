@@ -74,7 +74,10 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
     all-gathered; activations only gathered or summed (the loss). On the
     tensor axis: weights split, activations replicated, summed, gathered or
     split by the operators' own rules (heads, vocabulary), graph inputs
-    never split; sequence parallelism adds reduce-scatter / all-gather of
+    never split but for the batch's along another dim than the batch (one-hot
+    ids along their vocabulary) and a constant one-hot that a table is looked
+    up with along its vocabulary (GPT-2's positions, whose table `wpe` the
+    axis splits); sequence parallelism adds reduce-scatter / all-gather of
     activations and cuts along the sequence.
 
     The set is decided once, e-node by e-node: extraction asks about every
