@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from parsat.dsl.parallel_ops import ALL_GATHER, ALL_TO_ALL, PARALLEL_OPS, PARTITION, REDUCE_SCATTER, REPLICATE
+from parsat.ir.data_forms import DATA_ARGS, ONEHOT
 from parsat.ir.mesh import Mesh
 from parsat.ir.parallelism import along_sequence
 from parsat.ir.pcg import STORED_ROLES, WEIGHT_ROLES
@@ -73,7 +74,10 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
     all-gathered; activations only gathered or summed (the loss). On the
     tensor axis: weights split, activations replicated, summed, gathered or
     split by the operators' own rules (heads, vocabulary), graph inputs
-    never split; sequence parallelism adds reduce-scatter / all-gather of
+    never split but for the batch's along another dim than the batch (one-hot
+    ids along their vocabulary) and a constant one-hot that a table is looked
+    up with along its vocabulary (GPT-2's positions, whose table `wpe` the
+    axis splits); sequence parallelism adds reduce-scatter / all-gather of
     activations and cuts along the sequence.
 
     The set is decided once, e-node by e-node: extraction asks about every
@@ -83,6 +87,7 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
     stored_split = frozenset(_derived(snapshot, dict.fromkeys(split, 0)))
     from_weights = _weight_values(snapshot, roles, samples if batch else None) if config.data_axis is not None \
         else frozenset()
+    looked_up = _constant_lookups(snapshot, roles, samples) if config.tensor_axis is not None else frozenset()
 
     def excluded(node) -> bool:
         if node.op == "leaf":
@@ -118,6 +123,9 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
         if axis == config.tensor_axis:
             if source == "input" and node.children[0] in samples:   # vocabulary-parallel one-hot ids, targets
                 return node.op != REPLICATE and not (node.op == PARTITION and dim != samples[node.children[0]])
+            if source == "input" and node.children[0] in looked_up:   # vocabulary-parallel constant one-hot ids
+                return node.op != REPLICATE and not (node.op == PARTITION and
+                                                     dim == len(snapshot.shape[node.children[0]]) - 1)
             if source == "input":
                 return node.op != REPLICATE
             if weight:
@@ -153,6 +161,20 @@ def _weight_values(snapshot: Snapshot, roles: Mapping[int, str],
                 found.add(cid)
                 work.append(cid)
     return frozenset(found)
+
+
+# The operators that look a table up with one-hot ids (their first argument).
+LOOKUPS = frozenset(op for (op, arg), form in DATA_ARGS.items() if form == ONEHOT and arg == 0)
+
+
+def _constant_lookups(snapshot: Snapshot, roles: Mapping[int, str], samples: Mapping[int, int]) -> frozenset[int]:
+    """The graph inputs without a batch dim that an embedding looks a table up with: one-hot ids made from
+    shapes alone (GPT-2's positions, `wpe`). A pinned tensor axis splits the table (it is a contraction's
+    weight), so these ids split along their vocabulary dim with it, as the batch's one-hot ids do; every rank
+    takes its block of a constant, nothing is sent."""
+    return frozenset(cid for cid, role in roles.items() if role == "input" and cid not in samples and any(
+        snapshot.classes[reader][index].op in LOOKUPS and snapshot.kids[(reader, index)][0] == cid
+        for reader, index in snapshot.readers.get(cid, ())))
 
 
 def _derived(snapshot: Snapshot, batch: Mapping[int, int]) -> dict[int, int]:
