@@ -128,10 +128,9 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
         chosen = _first_placeable(step, candidates)
         if chosen is not None and not step.memory.fits(chosen):
             raise _over_as_simulated(step, chosen)
-    if steps.refused:   # a plan is made: its candidates and baselines as if none had been refused (`_refusing`)
+    if _settle_grid(step, steps) or steps.refused:   # a plan is made: as if nothing had been refused (`_refusing`)
         steps.refusing = False
         searches = [s.settled(steps) for s in searches]
-        _settle_grid(step, steps)
         candidates, found_baselines, skipped = compare_baselines(step, searches, best_search, steps, clock)
         if pinned:
             candidates = [c for c in candidates if c.name == JOINT or keeps_pins(c, step.request)]
@@ -300,18 +299,20 @@ def _refusing(step: StepContext) -> bool:
     return step.stage is None and not (math.isfinite(limits.seconds) or math.isfinite(limits.ilp_seconds))
 
 
-def _settle_grid(step: StepContext, steps: CandidateSteps) -> None:
-    """The step's independent grid (`independent_points`, kept for the call) with the points refused by their
-    floors simulated after all: by `steps` where it refused them (a simulator failure is then said in the plan,
-    as when the grid was made here), else by a step of its own, whose failures are not said (as when the grid
-    was made by an earlier step)."""
+def _settle_grid(step: StepContext, steps: CandidateSteps) -> bool:
+    """The step's independent grid (`independent_points`, kept for the call: an earlier step, a scout's, may have
+    made it and refused some of its points) with the points refused by their floors simulated after all: by
+    `steps` where it refused them (a simulator failure is then said in the plan, as when the grid was made
+    here), else by a step of its own, whose failures are not said (as when an earlier step made the grid).
+    Whether any point was refused."""
     request = step.request
     key = (step.graph, step.machine, step.devices, step.stage)
     points = request.grid_points.get(key)
     if not points or not any(p.totals.floor_bytes is not None for p in points):
-        return
+        return False
     other = CandidateSteps(request.library, step.machine, step.graph.microbatches, request.simulations)
     request.grid_points[key] = [(steps if p.pcg in steps.refused else other).settled(p) for p in points]
+    return True
 
 
 def _no_joint_plan(step: StepContext, searches: Sequence[MeshSearch]) -> OptimizeError:
