@@ -47,6 +47,11 @@ for fp32 training):
   before forward alone, which the profile missed:
   benchmarks/costmodel_fidelity.md, run T3; a group per layer cost ~0.35-0.5
   ms at each gather on this box, 2026-12-04);
+* with `dtensor` also the host time DTensor's `redistribute` adds to a collective
+  beyond the same collective on plain tensors, per call, for an all-reduce
+  (Partial -> Replicate), an all-gather (Shard -> Replicate) and a
+  reduce-scatter (Partial -> Shard) (`OpEfficiency.dtensor_all_reduce_s`, ...:
+  the tensor-parallel collectives the torch-native runtime issues);
 * with `dtensor` also a Python bytecode instruction of module code: a
   stack of Python-only modules timed over the instructions it executes
   (`OpEfficiency.python_instruction_s`; a user's module's own Python
@@ -90,8 +95,8 @@ from parsat.importer.torch_ops import apply_op
 from parsat.dsl.bounds import check_all
 from parsat.ir.units import fmt_bytes
 from parsat.ir.machine import Machine
-from parsat.ir.machine_profile import (COMM_ELEMENTS, CollectivePoint, CommProfile, OpEfficiency, Oversubscribed,
-                                      bus_factor)
+from parsat.ir.machine_profile import (COMM_ELEMENTS, REDISTRIBUTE_FIELDS, CollectivePoint, CommProfile, OpEfficiency,
+                                      Oversubscribed, bus_factor)
 
 DTYPES = {"float64": ("fp64", torch.float64, torch.float32), "float32": ("fp32", torch.float32, torch.float64),
           "bfloat16": ("bf16", torch.bfloat16, torch.float32)}
@@ -256,6 +261,7 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
     hooks = _fsdp_hooks(ctx, dtype, sync) if dtensor else (0.0, 0.0, 0.0, 0.0)
     python = _python_instruction(ctx, budget, sync) if dtensor else 0.0
     sequence = _sequence_factor(ctx, dtype, size, budget, sync) if dtensor else 1.0
+    redistribute = _redistribute(ctx, dtype, comm_sizes, sync) if dtensor else (0.0, 0.0, 0.0)
 
     ops = []
     for m, n, k in gemm_shapes(size):
@@ -278,7 +284,8 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
         ops.append(["randn", [elements], _timed(ctx, lambda: torch.randn(elements, generator=gen, dtype=dtype)
                                                 .to(ctx.device), budget, sync), 0.0, float(elements * item)])
     ops += _updates(ctx, dtype, budget, sync)
-    return {"dispatch": dispatch, "dtensor": extra, "fsdp": hooks, "python": python, "sequence": sequence, "ops": ops, "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync),
+    return {"dispatch": dispatch, "dtensor": extra, "fsdp": hooks, "python": python, "sequence": sequence,
+            "redistribute": redistribute, "ops": ops, "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync),
             "skew": _skew(ctx, dtype, size, budget, sync), "turns": _turns(ctx, dtype, budget, sync),
             "threads": torch.get_num_threads()}
 
@@ -409,6 +416,67 @@ def _dtensor_dispatch(ctx: RankContext, dtype, budget: Budget, sync) -> tuple[fl
                          _timed(ctx, backward, budget, sync))
     return tuple(max(0.0, (seconds["dtensor"][i] - seconds["plain"][i]) / max(calls["dtensor"][i], 1))
                  for i in range(2))
+
+
+REDISTRIBUTE_CALLS = 20   # calls of each collective, DTensor's and plain, timed one by one at each size
+REDISTRIBUTE_WIDTH = 64   # the buffers' last dim: [n / width, width], an activation's [tokens, hidden] in miniature
+
+
+def _redistribute(ctx: RankContext, dtype, sizes: Sequence[int], sync) -> tuple[float, float, float]:
+    """Host seconds DTensor's `redistribute` adds to one collective beyond the table's plain one, (all-reduce,
+    all-gather, reduce-scatter): at each of the table's sizes `sizes` (the collective's whole tensor, as
+    `collectives.price` counts it) on a 1-D DeviceMesh of every rank, a `Partial()` DTensor redistributed to
+    `Replicate()` against `collective_cases`' all-reduce, a `Shard(1)` one (split along its last dim, as the
+    sequence-parallel and column-parallel outputs are) to `Replicate()` against its all-gather, and a `Partial()`
+    one to `Shard(0)` against its all-reduce (gloo runs `reduce_scatter_tensor` as an all-reduce of the whole
+    buffer, which is how `TORCH_NATIVE` prices a reduce-scatter). Each call after a barrier, as a step issues
+    them one at a time; each figure the main thread's CPU time (`time.thread_time`: the host work is on the
+    rank's own core, and its CPU time does not count the wait for the peer, which the table prices), the median
+    of REDISTRIBUTE_CALLS calls, the slowest rank's; the difference's median over the sizes (on 2 gloo CPU
+    ranks it was the same from 1 KB to 1 MB, 0.35-0.6 ms a call: benchmarks/costmodel_fidelity.md, session 60
+    helper E)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    g = ctx.world
+    width = g * max(1, REDISTRIBUTE_WIDTH // g)   # a whole number of columns on every rank
+    mesh = init_device_mesh(ctx.device.type, (g,))
+    differences: dict[str, list[float]] = {"all_reduce": [], "all_gather": [], "reduce_scatter": []}
+    for n in sizes:
+        rows = max(g, n // width - (n // width) % g)
+        plain = dict(collective_cases(ctx, dtype, rows * width, g, None))
+        partial = DTensor.from_local(torch.ones(rows, width, dtype=dtype, device=ctx.device), mesh, [Partial()],
+                                     run_check=False)
+        piece = DTensor.from_local(torch.ones(rows, width // g, dtype=dtype, device=ctx.device), mesh, [Shard(1)],
+                                   run_check=False)
+
+        def redistribute(source, placement):
+            def run():
+                out = source.redistribute(mesh, [placement]).to_local()
+                if hasattr(out, "wait"):   # an AsyncCollectiveTensor: the next operator on it waits
+                    out.wait()
+            return run
+
+        cases = {("all_reduce", "plain"): plain["all_reduce"], ("all_gather", "plain"): plain["all_gather"],
+                 ("all_reduce", "dtensor"): redistribute(partial, Replicate()),
+                 ("all_gather", "dtensor"): redistribute(piece, Replicate()),
+                 ("reduce_scatter", "dtensor"): redistribute(partial, Shard(0))}
+        cpu: dict = {key: [] for key in cases}
+        for run in cases.values():   # once untimed: DTensor's sharding propagation caches its plan
+            run()
+            sync()
+        for _ in range(REDISTRIBUTE_CALLS):   # interleaved: a burst of load elsewhere touches every case alike
+            for key, run in cases.items():
+                dist.barrier()
+                start = time.thread_time()
+                run()
+                sync()
+                cpu[key].append(time.thread_time() - start)
+        medians = {key: _slowest(ctx, statistics.median(times)) for key, times in cpu.items()}
+        for kind, base in (("all_reduce", "all_reduce"), ("all_gather", "all_gather"),
+                           ("reduce_scatter", "all_reduce")):
+            differences[kind].append(medians[(kind, "dtensor")] - medians[(base, "plain")])
+    return tuple(max(0.0, statistics.median(differences[kind])) for kind in differences)
 
 
 FSDP_LAYERS = 16   # tiny linear layers (a weight and a bias each) of the stack whose FSDP2 hooks are timed
@@ -1029,6 +1097,7 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
     extra, hooks = tuple(result["dtensor"]), tuple(result["fsdp"])
     efficiency = OpEfficiency(dispatch_s=dispatch[0], backward_dispatch_s=dispatch[1],
                               dtensor_dispatch_s=extra[0], dtensor_backward_dispatch_s=extra[1],
+                              **dict(zip(REDISTRIBUTE_FIELDS, result["redistribute"])),
                               fsdp_forward_param_s=hooks[0], fsdp_backward_param_s=hooks[1],
                               fsdp_forward_group_s=hooks[2], fsdp_backward_group_s=hooks[3],
                               python_instruction_s=result["python"], sequence_factor=result["sequence"],
@@ -1127,6 +1196,10 @@ def report(cal: Calibration) -> str:
                 f"per parameter at a group's gather, {e.fsdp_backward_group_s * 1e6:.1f} us + "
                 f"{e.fsdp_backward_param_s * 1e6:.1f} us per parameter after its backward"]
                if e.fsdp_hooks_time(1) or e.fsdp_hooks_time(1, backward=True) else []),
+             *([f"  DTensor's redistribute: {e.dtensor_all_reduce_s * 1e6:.0f} us (all-reduce), "
+                f"{e.dtensor_all_gather_s * 1e6:.0f} us (all-gather), {e.dtensor_reduce_scatter_s * 1e6:.0f} us "
+                f"(reduce-scatter) of host time more than the collective on plain tensors"]
+               if any(getattr(e, k) for k in REDISTRIBUTE_FIELDS) else []),
              *([f"  a module's own Python: {e.python_instruction_s * 1e9:.1f} ns per bytecode instruction"]
                if e.python_instruction_s else []),
              *([f"  an operator in a step (a transformer block's calls in sequence): {e.sequence_factor:.2f} x "
