@@ -433,7 +433,7 @@ def _redistribute(ctx: RankContext, dtype, sizes: Sequence[int], sync) -> tuple[
     them one at a time; each figure the main thread's CPU time (`time.thread_time`: the host work is on the
     rank's own core, and its CPU time does not count the wait for the peer, which the table prices), the median
     of REDISTRIBUTE_CALLS calls, the slowest rank's; the difference's median over the sizes (on 2 gloo CPU
-    ranks it was the same from 1 KB to 1 MB, 0.35-0.6 ms a call: benchmarks/costmodel_fidelity.md, session 60
+    ranks it was the same from 1 KB to 1 MB, 0.25-0.6 ms a call: benchmarks/costmodel_fidelity.md, session 60
     helper E)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
