@@ -627,13 +627,15 @@ class _Builder:
               fsdp: bool = False) -> int:
         """A collective: it first waits for the slowest rank (`comm.sync_skew` x the compute since the last one)
         and, on ranks sharing cores, for a peer's turn (`_turn`). With `pipe`, in chunks pipelined with its
-        product (`Pipeline.ring`). One the runtime issues through DTensor's `redistribute` (not `fsdp`: FSDP2's
-        group collectives, whose host work `OpEfficiency.fsdp_hooks_time` prices) first takes that host work on
-        the compute stream (`_redistribute_s`); not compute a peer lags behind on, so not in the stragglers'."""
-        host = 0.0 if fsdp else self._redistribute_s(kind, node)
+        product (`Pipeline.ring`). One the runtime issues through DTensor's `redistribute` (`_redistribute_s`) or,
+        `fsdp`, one of FSDP2's group collectives (`_fsdp_s`) first takes the host work that adds beyond the
+        table's plain collective, on the compute stream; not compute a peer lags behind on, so not in the
+        stragglers'."""
+        host = self._fsdp_s(kind, node) if fsdp else self._redistribute_s(kind, node)
         if host:
             host_phase = "forward" if phase == "forward_comm" else "backward"
-            deps = [self._add(f"{name}: DTensor's redistribute", self.compute, host, deps, phase=host_phase)]
+            what = "FSDP2's host work" if fsdp else "DTensor's redistribute"
+            deps = [self._add(f"{name}: {what}", self.compute, host, deps, phase=host_phase)]
             self.since_sync -= host
         wait = self.machine.comm.sync_skew * self.since_sync + self._turn(node)
         self.since_sync = 0.0
@@ -657,6 +659,12 @@ class _Builder:
         if not self.tensor_axes or node.kind != "parallel" or node.axis(self.pcg.mesh) not in self.tensor_axes:
             return 0.0
         return self.eff.redistribute_time(kind)
+
+    def _fsdp_s(self, kind: str, node: PNode) -> float:
+        """Host seconds FSDP2 adds to a group's collective over more than one rank (`OpEfficiency.
+        fsdp_collective_time`) beyond its one-rank hooks (`fsdp_hooks_time`), the plain collective and the copies;
+        0 on a machine calibrated without `--dtensor`."""
+        return self.eff.fsdp_collective_time(kind) if self.topology(node).size > 1 else 0.0
 
     def _turn(self, node: PNode) -> float:
         """What a collective waits for a peer's turn on a core, where the machine was calibrated with ranks sharing

@@ -59,6 +59,8 @@ def bus_factor(collective: str, p: int) -> float:
 
 REDISTRIBUTE_FIELDS = ("dtensor_all_reduce_s", "dtensor_all_gather_s", "dtensor_reduce_scatter_s")
 """`OpEfficiency`'s per-collective host times of DTensor's `redistribute` (`redistribute_time`)."""
+FSDP_COLLECTIVE_FIELDS = ("fsdp_all_gather_s", "fsdp_reduce_scatter_s", "fsdp_all_reduce_s")
+"""`OpEfficiency`'s per-collective host times of FSDP2 over the ranks (`fsdp_collective_time`)."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,11 @@ class OpEfficiency:
     dtensor_all_gather_s: float = 0.0   # ... Shard -> Replicate (an all-gather), ...
     dtensor_reduce_scatter_s: float = 0.0   # ... Partial -> Shard (a reduce-scatter, which gloo runs as an
                                         # all-reduce); all three 0 unless `parsat calibrate --dtensor`
+    fsdp_all_gather_s: float = 0.0      # host time FSDP2's collective over the ranks adds beyond the same group on
+                                        # one rank (`fsdp_hooks_time`), the plain collective and the copies
+                                        # (`parsat calibrate --dtensor`): a sharded group's gather, ...
+    fsdp_reduce_scatter_s: float = 0.0  # ... its gradients' reduce-scatter, ...
+    fsdp_all_reduce_s: float = 0.0      # ... a replicated group's gradients' all-reduce; all three 0 otherwise
     fsdp_forward_param_s: float = 0.0   # host time FSDP2's hooks (`replicate`, `fully_shard`) take per parameter of
                                         # a group as they gather it (before its forward, again before its
                                         # backward where it was resharded), beyond the collectives and copies priced
@@ -150,6 +157,13 @@ class OpEfficiency:
         for every buffer size timed; 0 for another kind and otherwise."""
         return getattr(self, f"dtensor_{kind}_s", 0.0)
 
+    def fsdp_collective_time(self, kind: str) -> float:
+        """Host seconds FSDP2 adds to one `kind` collective of a group over more than one rank (`ALL_GATHER`,
+        `REDUCE_SCATTER`, `ALL_REDUCE`) beyond what its one-rank hooks (`fsdp_hooks_time`), the plain collective
+        and the copies are priced: measured by `parsat calibrate --dtensor` as the main thread's CPU time, the
+        same for every buffer size timed; 0 for another kind and otherwise."""
+        return getattr(self, f"fsdp_{kind}_s", 0.0)
+
     def gemm_efficiency(self, m: float, n: float, k: float) -> float:
         """Fraction of peak FLOP/s a (batched) m x k by k x n product reaches, in (0, 1]: the largest GEMMs'
         fraction, less by Hockney's half-performance lengths in each dimension."""
@@ -199,7 +213,8 @@ class OpEfficiency:
         factor that was not measured (files and plans of presets read as before)."""
         unmeasured = [f"gemm_{layout}_" for layout in ("nt", "tn") if getattr(self, f"gemm_{layout}_rate") <= 0]
         unmeasured += [k for k in ("fsdp_forward_param_s", "fsdp_backward_param_s", "fsdp_forward_group_s",
-                                   "fsdp_backward_group_s", "python_instruction_s", *REDISTRIBUTE_FIELDS)
+                                   "fsdp_backward_group_s", "python_instruction_s", *REDISTRIBUTE_FIELDS,
+                                   *FSDP_COLLECTIVE_FIELDS)
                        if not getattr(self, k)]
         unmeasured += ["sequence_factor"] if self.sequence_factor == 1.0 else []
         out = {k: v for k, v in asdict(self).items() if not k.startswith(tuple(unmeasured)) and k != "update_points"}
@@ -347,8 +362,8 @@ class CommProfile:
         return CommProfile(**numbers, points=points)
 
 
-__all__ = ["COLLECTIVES", "LINKS", "REDISTRIBUTE_FIELDS", "CollectivePoint", "CommProfile", "OpEfficiency", "bus_factor",
-           "interpolate"]
+__all__ = ["COLLECTIVES", "FSDP_COLLECTIVE_FIELDS", "LINKS", "REDISTRIBUTE_FIELDS", "CollectivePoint", "CommProfile",
+           "OpEfficiency", "bus_factor", "interpolate"]
 
 
 @dataclass(frozen=True)
