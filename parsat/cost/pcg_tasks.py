@@ -623,10 +623,20 @@ class _Builder:
         return self.steps.add(name, stream, seconds, deps, alloc, free, phase)
 
     def _sync(self, name: str, kind: str, node: PNode, nbytes: float, deps, alloc: int = 0, free: int = 0,
-              phase: str = "forward_comm", pipe: Pipeline | None = None, backward: bool = False) -> int:
+              phase: str = "forward_comm", pipe: Pipeline | None = None, backward: bool = False,
+              fsdp: bool = False) -> int:
         """A collective: it first waits for the slowest rank (`comm.sync_skew` x the compute since the last one)
         and, on ranks sharing cores, for a peer's turn (`_turn`). With `pipe`, in chunks pipelined with its
-        product (`Pipeline.ring`)."""
+        product (`Pipeline.ring`). One the runtime issues through DTensor's `redistribute` (`_redistribute_s`) or,
+        `fsdp`, one of FSDP2's group collectives (`_fsdp_s`) first takes the host work that adds beyond the
+        table's plain collective, on the compute stream; not compute a peer lags behind on, so not in the
+        stragglers'."""
+        host = self._fsdp_s(kind, node) if fsdp else self._redistribute_s(kind, node)
+        if host:
+            host_phase = "forward" if phase == "forward_comm" else "backward"
+            what = "FSDP2's host work" if fsdp else "DTensor's redistribute"
+            deps = [self._add(f"{name}: {what}", self.compute, host, deps, phase=host_phase)]
+            self.since_sync -= host
         wait = self.machine.comm.sync_skew * self.since_sync + self._turn(node)
         self.since_sync = 0.0
         stream = self._comm(self.topology(node))
@@ -639,6 +649,22 @@ class _Builder:
         step = self._collective(SEND_RECV, node, nbytes / pipe.parts)
         return self._piped(pipe, backward, False, name, stream, pipe.ring(kind, step), whole, list(deps), alloc, free,
                            phase)
+
+    def _redistribute_s(self, kind: str, node: PNode) -> float:
+        """Host seconds DTensor's `redistribute` adds to `node`'s collective (`OpEfficiency.redistribute_time`)
+        where the profile runs torch's tensor-parallel styles (`dtensor_modules`) and `node` acts on a tensor
+        axis: there the runtime's activations are DTensors and each collective is a change of placements
+        (Partial -> Replicate, Shard -> Replicate, Partial -> Shard). 0 elsewhere: a plain collective, a data
+        axis (FSDP2's), a preset or a machine calibrated without `--dtensor`."""
+        if not self.tensor_axes or node.kind != "parallel" or node.axis(self.pcg.mesh) not in self.tensor_axes:
+            return 0.0
+        return self.eff.redistribute_time(kind)
+
+    def _fsdp_s(self, kind: str, node: PNode) -> float:
+        """Host seconds FSDP2 adds to a group's collective over more than one rank (`OpEfficiency.
+        fsdp_collective_time`) beyond its one-rank hooks (`fsdp_hooks_time`), the plain collective and the copies;
+        0 on a machine calibrated without `--dtensor`."""
+        return self.eff.fsdp_collective_time(kind) if self.topology(node).size > 1 else 0.0
 
     def _turn(self, node: PNode) -> float:
         """What a collective waits for a peer's turn on a core, where the machine was calibrated with ranks sharing
@@ -1349,7 +1375,7 @@ class _Builder:
         copy = self._add(f"group {group.key} copy in", self.compute, self._copy_s(pieces, backward) + hooks, deps,
                          phase=phase)
         gather = self._sync(f"group {group.key} all-gather", ALL_GATHER, node, whole * self.item, [copy],
-                            alloc=whole * self.item, phase=f"{phase}_comm")
+                            alloc=whole * self.item, phase=f"{phase}_comm", fsdp=True)
         return self._add(f"group {group.key} copy out", self.compute, self._copy_s(whole, backward), [gather],
                          phase=phase)
 
@@ -1425,7 +1451,7 @@ class _Builder:
                              deps, phase="backward")
             kind = REDUCE_SCATTER if group.sharded else ALL_REDUCE
             task = self._sync(f"group {key} {kind.replace('_', '-')}", kind, node, whole * self.item, [copy],
-                              free=whole * self.item if group.sharded else 0, phase="grad_sync")
+                              free=whole * self.item if group.sharded else 0, phase="grad_sync", fsdp=True)
             if not group.sharded:
                 task = self._add(f"group {key} gradients copied out", self.compute, self._copy_s(pieces, True),
                                  [task], phase="backward")
