@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from parsat.dsl.parallel_ops import ALL_GATHER, ALL_TO_ALL, PARALLEL_OPS, PARTITION, REDUCE_SCATTER, REPLICATE
-from parsat.ir.data_forms import DATA_ARGS, ONEHOT
+from parsat.ir.data_forms import DATA_ARGS, MASK, ONEHOT
 from parsat.ir.mesh import Mesh
 from parsat.ir.parallelism import along_sequence
 from parsat.ir.pcg import STORED_ROLES, WEIGHT_ROLES
@@ -75,9 +75,10 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
     tensor axis: weights split, activations replicated, summed, gathered or
     split by the operators' own rules (heads, vocabulary), graph inputs
     never split but for the batch's along another dim than the batch (one-hot
-    ids along their vocabulary) and a constant one-hot that a table is looked
+    ids along their vocabulary), a constant one-hot that a table is looked
     up with along its vocabulary (GPT-2's positions, whose table `wpe` the
-    axis splits); sequence parallelism adds reduce-scatter / all-gather of
+    axis splits) and a constant read only as a mask (BERT's attention mask,
+    along the heads with its scores, `_constant_masks`); sequence parallelism adds reduce-scatter / all-gather of
     activations and cuts along the sequence.
 
     The set is decided once, e-node by e-node: extraction asks about every
@@ -88,6 +89,7 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
     from_weights = _weight_values(snapshot, roles, samples if batch else None) if config.data_axis is not None \
         else frozenset()
     looked_up = _constant_lookups(snapshot, roles, samples) if config.tensor_axis is not None else frozenset()
+    masks = _constant_masks(snapshot, roles, samples) if config.tensor_axis is not None else frozenset()
 
     def excluded(node) -> bool:
         if node.op == "leaf":
@@ -126,6 +128,8 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
             if source == "input" and node.children[0] in looked_up:   # vocabulary-parallel constant one-hot ids
                 return node.op != REPLICATE and not (node.op == PARTITION and
                                                      dim == len(snapshot.shape[node.children[0]]) - 1)
+            if source == "input" and node.children[0] in masks:   # a constant mask, split as its scores are
+                return node.op not in (PARTITION, REPLICATE)
             if source == "input":
                 return node.op != REPLICATE
             if weight:
@@ -175,6 +179,27 @@ def _constant_lookups(snapshot: Snapshot, roles: Mapping[int, str], samples: Map
     return frozenset(cid for cid, role in roles.items() if role == "input" and cid not in samples and any(
         snapshot.classes[reader][index].op in LOOKUPS and snapshot.kids[(reader, index)][0] == cid
         for reader, index in snapshot.readers.get(cid, ())))
+
+
+# The (operator, argument) pairs that read a 0/1 mask (a masked softmax's second argument).
+MASKED_ARGS = frozenset(key for key, form in DATA_ARGS.items() if form == MASK)
+
+
+def _constant_masks(snapshot: Snapshot, roles: Mapping[int, str], samples: Mapping[int, int]) -> frozenset[int]:
+    """The graph inputs without a batch dim that every compute e-node reading them reads as a mask (BERT's
+    attention mask of ones, [batch, heads, seq, seq], which the module builds from shapes). A pinned tensor axis
+    may split one along any dim: every rank takes its block of a constant, nothing is sent, and the operator
+    that reads it decides which split is used, as it does for the scores beside it: the masked softmax's rules
+    (proved) read a mask split only where the scores are split alike (along the heads, where attention is
+    head-sharded), so a split the scores do not share is no plan. Kept whole, a mask makes every tensor-parallel
+    rank gather its heads' scores and compute the whole softmax."""
+    def read_as_mask(cid: int) -> bool:
+        readers = [(reader, index) for reader, index in snapshot.readers.get(cid, ())
+                   if snapshot.classes[reader][index].op not in PARALLEL_OPS]
+        return bool(readers) and all(
+            (snapshot.classes[reader][index].op, position) in MASKED_ARGS
+            for reader, index in readers for position, kid in enumerate(snapshot.kids[(reader, index)]) if kid == cid)
+    return frozenset(cid for cid, role in roles.items() if role == "input" and cid not in samples and read_as_mask(cid))
 
 
 def _derived(snapshot: Snapshot, batch: Mapping[int, int]) -> dict[int, int]:
