@@ -7,7 +7,9 @@ vocabulary (session 60 helper C, `_constant_lookups`), and a constant read only 
 split as the scores beside it are. HF BERT (`padding_idx` 0) had no joint plan pinned tp 2: its word lookup
 (`embedding_padded`) had no e-node reading its table's column slices (nothing pushed a feature split of the lookup
 onto the table: `partition_features_of_embedding_padded`), and its [batch, heads, seq, seq] mask of ones, a
-constant input, was read whole, so the masked softmax was computed whole on every rank.
+constant input, was read whole, so the masked softmax was computed whole on every rank. The word table is tied
+to the decoder: a weight several operators read is split along one dim (`_one_storage_dims`), else the plan
+read it as columns and rows and the torch runtime refused it.
 """
 
 from __future__ import annotations
@@ -87,6 +89,11 @@ def test_bert_pinned_tp_has_a_joint_plan_with_head_sharded_attention(bert):
     assert word["placement"] == ["Shard(2)"]
     table = nodes[word["inputs"][1]]
     assert table["op"] == "partition" and (table["attrs"]["dim"], table["attrs"]["axis"]) == (1, "tp")
+    # the table is tied to the decoder's projection: one layout (`strategies._one_storage_dims`), so the head
+    # reads the same column split (row-parallel), never the rows the lookup cannot read
+    tied = nodes[table["inputs"][0]]
+    splits = {(n["op"], n["attrs"].get("dim")) for n in data["nodes"] if tied["id"] in n["inputs"]}
+    assert splits == {("partition", 1)}, splits
     constant_ids = [n for n in data["nodes"] if n["kind"] == "leaf" and n["role"] == "input"
                     and n["shape"] in ([8, 32, 2], [1, 32, 64])]
     for ids in constant_ids:
@@ -94,6 +101,18 @@ def test_bert_pinned_tp_has_a_joint_plan_with_head_sharded_attention(bert):
                    if ids["id"] in n["inputs"]]
         assert readers == [("partition", 2, "tp")], (ids["shape"], readers)
     assert len(constant_ids) == 2
+
+
+@pytest.mark.slow
+def test_bert_s_pinned_tp_joint_plan_trains_on_two_ranks_like_one_process(bert, tmp_path):
+    """The joint plan above, lowered with `runtime="torch"` on 2 gloo ranks (`_train_hf`: 3 AdamW steps with
+    clipping against the unmodified module in one process, every parameter a DTensor, the checkpoint loading
+    into the unmodified module); before the tied table had one layout, the lowering refused the plan."""
+    from test_torch_native_runtime import _train_hf
+
+    plan = parsat.optimize(bert, machine="cpu", devices=2, degrees={"tp": 2}, baselines=False).to_dict()
+    assert plan["extraction"]["chosen"] == "joint"
+    _train_hf("bert", {"joint": plan}, 2, tmp_path)
 
 
 def test_bert_s_pinned_plan_is_never_worse_than_the_grid_point(bert):

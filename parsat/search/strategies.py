@@ -14,6 +14,7 @@ from typing import Callable, Mapping
 
 from parsat.dsl.parallel_ops import ALL_GATHER, ALL_TO_ALL, PARALLEL_OPS, PARTITION, REDUCE_SCATTER, REPLICATE
 from parsat.ir.data_forms import DATA_ARGS, MASK, ONEHOT
+from parsat.ir.graph import Graph
 from parsat.ir.mesh import Mesh
 from parsat.ir.parallelism import along_sequence
 from parsat.ir.pcg import STORED_ROLES, WEIGHT_ROLES
@@ -59,7 +60,8 @@ def grid(mesh: Mesh) -> list[Config]:
 
 def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config,
                     batch: Mapping[int, int] | None = None,
-                    split: frozenset[int] = frozenset()) -> Callable[[tuple[int, int]], bool]:
+                    split: frozenset[int] = frozenset(),
+                    shared: Mapping[int, frozenset[str]] | None = None) -> Callable[[tuple[int, int]], bool]:
     """The e-nodes a configuration forbids, for `extract.extract(..., exclude=...)`.
 
     A pinned `dp` and `tp` are promises, not hints. `batch` (input leaf class -> its batch dim,
@@ -81,6 +83,9 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
     along the heads with its scores, `_constant_masks`); sequence parallelism adds reduce-scatter / all-gather of
     activations and cuts along the sequence.
 
+    `shared` (`shared_weights`: a weight read by several operators of the graph, a table tied to a head) makes
+    such a weight split along one dim on the tensor axis (`_one_storage_dims`): a parameter has one layout.
+
     The set is decided once, e-node by e-node: extraction asks about every
     e-node in each of its passes, on e-graphs of 10^5 e-nodes per grid point.
     """
@@ -90,6 +95,8 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
         else frozenset()
     looked_up = _constant_lookups(snapshot, roles, samples) if config.tensor_axis is not None else frozenset()
     masks = _constant_masks(snapshot, roles, samples) if config.tensor_axis is not None else frozenset()
+    one_dim = _derived(snapshot, _one_storage_dims(snapshot, shared, config.tensor_axis)) \
+        if shared and config.tensor_axis is not None else {}
 
     def excluded(node) -> bool:
         if node.op == "leaf":
@@ -133,6 +140,8 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
             if source == "input":
                 return node.op != REPLICATE
             if weight:
+                if node.op == PARTITION and one_dim.get(node.children[0], dim) != dim:
+                    return True   # a shared weight split along another dim than its one layout's
                 return node.op not in (PARTITION, REPLICATE) or (node.op == REPLICATE and
                                                                   node.children[0] in stored_split)
             if node.op in (REDUCE_SCATTER, ALL_GATHER):
@@ -179,6 +188,41 @@ def _constant_lookups(snapshot: Snapshot, roles: Mapping[int, str], samples: Map
     return frozenset(cid for cid, role in roles.items() if role == "input" and cid not in samples and any(
         snapshot.classes[reader][index].op in LOOKUPS and snapshot.kids[(reader, index)][0] == cid
         for reader, index in snapshot.readers.get(cid, ())))
+
+
+def shared_weights(graph: Graph, classes: Mapping[str, int]) -> dict[int, frozenset[str]]:
+    """The weights (their leaf classes) that more than one node of the graph reads, each with those nodes'
+    operators: a table tied to a head (BERT's word table read by its padded lookup and by the decoder's
+    projection), which torch stores as one parameter in one layout."""
+    readers: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        for source in node.inputs:
+            readers.setdefault(source, []).append(node.op)
+    return {classes[w.name]: frozenset(readers[w.name]) for w in graph.weights
+            if len(readers.get(w.name, ())) > 1 and w.name in classes}
+
+
+def _one_storage_dims(snapshot: Snapshot, shared: Mapping[int, frozenset[str]], axis: int) -> dict[int, int]:
+    """For each shared weight (`shared_weights`) that a table lookup reads, the one dim a tensor axis splits it
+    along: the lowest of the dims along which every lookup reading it has an e-node reading it split (a tied
+    table's vocabulary where the lookup reads it so, as Megatron-LM ties table and head; its columns for a padded
+    lookup, whose rules split nothing else). The lookup decides: a projection reads its weight split along either
+    dim (column- or row-parallel, under other operators' names: `linear_nobias_t` and a reduce), a lookup only
+    along those its rules have. Without one dim, a plan read BERT's tied word table split two ways (columns for
+    the lookup, rows for the head), which no torch style stores: one parameter, one layout."""
+    out: dict[int, int] = {}
+    for leaf, ops in shared.items():
+        admits: dict[str, set[int]] = {op: set() for op in ops & LOOKUPS}
+        for reader, index in snapshot.readers.get(leaf, ()):
+            node = snapshot.classes[reader][index]
+            if node.op == PARTITION and node.attrs[-1] == axis:
+                for user, position in snapshot.readers.get(reader, ()):
+                    if snapshot.classes[user][position].op in admits:
+                        admits[snapshot.classes[user][position].op].add(node.attrs[0])
+        common = set.intersection(*admits.values()) if admits else set()
+        if common:
+            out[leaf] = min(common)
+    return out
 
 
 # The (operator, argument) pairs that read a 0/1 mask (a masked softmax's second argument).
