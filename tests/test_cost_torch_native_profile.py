@@ -5,6 +5,7 @@ reading a weight), and the loss each rank's own."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -16,6 +17,7 @@ from parsat.ir.blocks import OUTSIDE
 from parsat.ir.data_parallel import data_parallel_pcg
 from parsat.ir.errors import MachineError
 from parsat.ir.machine import Machine
+from parsat.ir.machine_profile import FSDP_COLLECTIVE_FIELDS, REDISTRIBUTE_FIELDS, OpEfficiency
 from parsat.ir.megatron import megatron_pcg
 from parsat.ir.models import gpt, llama
 from parsat.ir.module_calls import ModuleCalls
@@ -83,6 +85,63 @@ def test_tensor_parallel_styles_all_reduce_an_input_gradient_per_module_and_pay_
     assert extra > 0 and extra == pytest.approx(round(extra / 1e-3) * 1e-3, rel=1e-6)   # whole calls
     dp = data_parallel_pcg(graph, LIB, 2)
     assert simulate_pcg(dp, LIB, dtensor, TORCH_NATIVE).step_s == simulate_pcg(dp, LIB, CPU, TORCH_NATIVE).step_s
+
+
+def test_a_tensor_axis_collective_pays_dtensors_redistribute_once_and_fsdp2_and_other_profiles_none(graph):
+    """Each collective on a tensor axis is a DTensor `redistribute` in the torch-native runtime: it first takes
+    the calibrated host time of its kind (`OpEfficiency.redistribute_time`) on the compute stream, in its own
+    direction's phase, so the step grows by exactly those calls' figures. FSDP2's group collectives (data
+    parallelism, ZeRO-3), the interpreter's profile and a machine calibrated without them pay nothing."""
+    tp = megatron_pcg(llama(library=LIB, ffn=64, **SIZES), LIB, (1, 2))
+    figures = {"dtensor_all_reduce_s": 1e-3, "dtensor_all_gather_s": 2e-3, "dtensor_reduce_scatter_s": 4e-3}
+    dtensor = replace(CPU, efficiency=replace(CPU.efficiency, **figures))
+    plain = simulate_pcg(tp, LIB, CPU, TORCH_NATIVE).result
+    priced = simulate_pcg(tp, LIB, dtensor, TORCH_NATIVE).result
+    hosts = [s for s in priced.spans if s.name.endswith("DTensor's redistribute")]
+    collectives = [s for s in plain.spans if s.phase.endswith("comm") and "waiting" not in s.name]
+    assert len(hosts) == len(collectives) >= 2
+    assert {s.phase for s in hosts} == {"forward", "backward"}
+    kinds = {"all-reduce": 1e-3, "all-gather": 2e-3, "reduce-scatter": 4e-3}
+    expected = sum(kinds[next(k for k in kinds if s.name.endswith(k))] for s in collectives)
+    assert sum(s.end - s.start for s in hosts) == pytest.approx(expected, rel=1e-9)
+    assert priced.step_s - plain.step_s == pytest.approx(expected, rel=1e-6)
+    assert simulate_pcg(tp, LIB, dtensor, PARSAT_RUN).step_s == simulate_pcg(tp, LIB, CPU, PARSAT_RUN).step_s
+    for pcg in (data_parallel_pcg(graph, LIB, 2), data_parallel_pcg(graph, LIB, 2, zero3=True)):
+        assert simulate_pcg(pcg, LIB, dtensor, TORCH_NATIVE).step_s == simulate_pcg(pcg, LIB, CPU, TORCH_NATIVE).step_s
+    assert CPU.efficiency.redistribute_time("all_reduce") == 0.0
+    assert dtensor.efficiency.redistribute_time("all_to_all") == 0.0
+
+
+def test_an_fsdp2_group_collective_pays_fsdp2s_host_work_of_its_kind_and_a_tensor_axis_none(graph):
+    """Each of FSDP2's group collectives (ZeRO-3's gathers, forward and again in backward, and reduce-scatters;
+    data parallelism's one all-reduce) first takes its kind's calibrated host time over the ranks
+    (`OpEfficiency.fsdp_collective_time`), the step exactly that much longer; a tp plan (no groups) none."""
+    figures = {"fsdp_all_gather_s": 1e-3, "fsdp_reduce_scatter_s": 2e-3, "fsdp_all_reduce_s": 4e-3}
+    fsdp = replace(CPU, efficiency=replace(CPU.efficiency, **figures))
+    for pcg, expected in ((data_parallel_pcg(graph, LIB, 2, zero3=True), (3 + 2) * 1e-3 + 3 * 2e-3),
+                          (data_parallel_pcg(graph, LIB, 2), 4e-3)):
+        priced = simulate_pcg(pcg, LIB, fsdp, TORCH_NATIVE).result
+        hosts = [s for s in priced.spans if s.name.endswith("FSDP2's host work")]
+        assert sum(s.end - s.start for s in hosts) == pytest.approx(expected, rel=1e-9)
+        assert priced.step_s - simulate_pcg(pcg, LIB, CPU, TORCH_NATIVE).step_s == pytest.approx(expected, rel=1e-6)
+        assert simulate_pcg(pcg, LIB, fsdp, PARSAT_RUN).step_s == simulate_pcg(pcg, LIB, CPU, PARSAT_RUN).step_s
+    tp = megatron_pcg(llama(library=LIB, ffn=64, **SIZES), LIB, (1, 2))
+    assert simulate_pcg(tp, LIB, fsdp, TORCH_NATIVE).step_s == simulate_pcg(tp, LIB, CPU, TORCH_NATIVE).step_s
+    assert CPU.efficiency.fsdp_collective_time("all_gather") == 0.0
+
+
+def test_the_host_work_figures_round_trip_in_a_machine_file_and_older_files_read_them_as_0():
+    """A calibrated file keeps DTensor's and FSDP2's figures; a preset's or an older file's efficiency has none written and
+    reads them as 0; a negative one is refused."""
+    eff = replace(CPU.efficiency, dtensor_all_reduce_s=5e-4, dtensor_all_gather_s=4e-4, fsdp_all_gather_s=3e-4)
+    data = json.loads(json.dumps(replace(CPU, efficiency=eff).to_dict()))
+    assert Machine.from_dict(data).efficiency == eff and "dtensor_reduce_scatter_s" not in data["efficiency"]
+    older = CPU.to_dict()["efficiency"]
+    assert not {*REDISTRIBUTE_FIELDS, *FSDP_COLLECTIVE_FIELDS} & set(older)
+    assert all(OpEfficiency.from_dict(older).redistribute_time(k) == OpEfficiency.from_dict(older).fsdp_collective_time(k)
+               == 0.0 for k in ("all_reduce", "all_gather", "reduce_scatter"))
+    with pytest.raises(MachineError):
+        OpEfficiency.from_dict({**data["efficiency"], "dtensor_all_gather_s": -1e-4})
 
 
 def test_a_counted_module_pays_dtensor_dispatch_per_call_it_makes_on_dtensors_and_a_dp_plan_none(graph):

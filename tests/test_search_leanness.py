@@ -46,13 +46,19 @@ def test_a_simulated_peak_ranks_before_a_bound_it_cannot_be_compared_with():
     simulated = _candidate("best_grid", bound=105, simulated=103)
     unsimulated = _candidate("data_parallel", bound=102)
     assert not memory.fits(simulated) and not memory.fits(unsimulated)
-    assert memory.leanness(simulated) == (0, 103) and memory.leanness(unsimulated) == (1, 102)
+    assert memory.leanness(simulated) == (0, 103) and memory.leanness(unsimulated) == (2, 102)
     assert best([unsimulated, simulated], memory) is simulated
     assert best([simulated, unsimulated], memory) is simulated
     # among simulated candidates the simulated peaks decide, among unsimulated ones the bounds
     leaner = _candidate("megatron", bound=140, simulated=101)
     assert best([simulated, leaner, unsimulated], memory) is leaner
     assert best([_candidate("a", 130), unsimulated], memory) is unsimulated
+    # one refused unsimulated by a lower bound of its simulated peak (`Totals.refused`) does not fit, and ranks by
+    # that bound after the simulated peaks and before the per-node bounds
+    refused = dataclasses.replace(unsimulated, totals=unsimulated.totals.refused(104))
+    assert not memory.fits(refused) and memory.needs(refused) == 104 and memory.leanness(refused) == (1, 104)
+    assert best([unsimulated, refused, simulated], memory) is simulated
+    assert best([unsimulated, refused], memory) is refused
     # a candidate that fits still ranks first, by its time
     fitting = _candidate("joint", bound=120, simulated=99, time_s=9.0)
     assert rank(fitting, memory) < rank(leaner, memory) and best([leaner, fitting], memory) is fitting

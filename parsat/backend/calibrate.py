@@ -47,6 +47,15 @@ for fp32 training):
   before forward alone, which the profile missed:
   benchmarks/costmodel_fidelity.md, run T3; a group per layer cost ~0.35-0.5
   ms at each gather on this box, 2026-12-04);
+* with `dtensor` also the host time DTensor's `redistribute` adds to a collective
+  beyond the same collective on plain tensors, per call, for an all-reduce
+  (Partial -> Replicate), an all-gather (Shard -> Replicate) and a
+  reduce-scatter (Partial -> Shard) (`OpEfficiency.dtensor_all_reduce_s`, ...:
+  the tensor-parallel collectives the torch-native runtime issues);
+* with `dtensor` also the host time FSDP2's collectives add over every rank
+  beyond the same module's on a one-rank axis, the plain collective and
+  the copies (`OpEfficiency.fsdp_all_gather_s`, `fsdp_reduce_scatter_s`,
+  `fsdp_all_reduce_s`: ZeRO-3's and data parallelism's);
 * with `dtensor` also a Python bytecode instruction of module code: a
   stack of Python-only modules timed over the instructions it executes
   (`OpEfficiency.python_instruction_s`; a user's module's own Python
@@ -90,8 +99,9 @@ from parsat.importer.torch_ops import apply_op
 from parsat.dsl.bounds import check_all
 from parsat.ir.units import fmt_bytes
 from parsat.ir.machine import Machine
-from parsat.ir.machine_profile import (COMM_ELEMENTS, CollectivePoint, CommProfile, OpEfficiency, Oversubscribed,
-                                      bus_factor)
+from parsat.ir.machine_profile import (COMM_ELEMENTS, FSDP_COLLECTIVE_FIELDS, REDISTRIBUTE_FIELDS, CollectivePoint,
+                                      CommProfile, OpEfficiency,
+                                      Oversubscribed, bus_factor)
 
 DTYPES = {"float64": ("fp64", torch.float64, torch.float32), "float32": ("fp32", torch.float32, torch.float64),
           "bfloat16": ("bf16", torch.bfloat16, torch.float32)}
@@ -256,6 +266,8 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
     hooks = _fsdp_hooks(ctx, dtype, sync) if dtensor else (0.0, 0.0, 0.0, 0.0)
     python = _python_instruction(ctx, budget, sync) if dtensor else 0.0
     sequence = _sequence_factor(ctx, dtype, size, budget, sync) if dtensor else 1.0
+    redistribute = _redistribute(ctx, dtype, comm_sizes, sync) if dtensor else (0.0, 0.0, 0.0)
+    fsdp_collectives = _fsdp_collectives(ctx, dtype, comm_sizes, sync) if dtensor else (0.0, 0.0, 0.0)
 
     ops = []
     for m, n, k in gemm_shapes(size):
@@ -278,7 +290,8 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
         ops.append(["randn", [elements], _timed(ctx, lambda: torch.randn(elements, generator=gen, dtype=dtype)
                                                 .to(ctx.device), budget, sync), 0.0, float(elements * item)])
     ops += _updates(ctx, dtype, budget, sync)
-    return {"dispatch": dispatch, "dtensor": extra, "fsdp": hooks, "python": python, "sequence": sequence, "ops": ops, "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync),
+    return {"dispatch": dispatch, "dtensor": extra, "fsdp": hooks, "python": python, "sequence": sequence,
+            "redistribute": redistribute, "fsdp_collectives": fsdp_collectives, "ops": ops, "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync),
             "skew": _skew(ctx, dtype, size, budget, sync), "turns": _turns(ctx, dtype, budget, sync),
             "threads": torch.get_num_threads()}
 
@@ -409,6 +422,121 @@ def _dtensor_dispatch(ctx: RankContext, dtype, budget: Budget, sync) -> tuple[fl
                          _timed(ctx, backward, budget, sync))
     return tuple(max(0.0, (seconds["dtensor"][i] - seconds["plain"][i]) / max(calls["dtensor"][i], 1))
                  for i in range(2))
+
+
+REDISTRIBUTE_CALLS = 20   # calls of each collective, DTensor's and plain, timed one by one at each size
+REDISTRIBUTE_WIDTH = 64   # the buffers' last dim: [n / width, width], an activation's [tokens, hidden] in miniature
+
+
+def _redistribute(ctx: RankContext, dtype, sizes: Sequence[int], sync) -> tuple[float, float, float]:
+    """Host seconds DTensor's `redistribute` adds to one collective beyond the table's plain one, (all-reduce,
+    all-gather, reduce-scatter): at each of the table's sizes `sizes` (the collective's whole tensor, as
+    `collectives.price` counts it) on a 1-D DeviceMesh of every rank, a `Partial()` DTensor redistributed to
+    `Replicate()` against `collective_cases`' all-reduce, a `Shard(1)` one (split along its last dim, as the
+    sequence-parallel and column-parallel outputs are) to `Replicate()` against its all-gather, and a `Partial()`
+    one to `Shard(0)` against its all-reduce (gloo runs `reduce_scatter_tensor` as an all-reduce of the whole
+    buffer, which is how `TORCH_NATIVE` prices a reduce-scatter). Each call after a barrier, as a step issues
+    them one at a time; each figure the main thread's CPU time (`time.thread_time`: the host work is on the
+    rank's own core, and its CPU time does not count the wait for the peer, which the table prices), the median
+    of REDISTRIBUTE_CALLS calls, the slowest rank's; the difference's median over the sizes (on 2 gloo CPU
+    ranks it was the same from 1 KB to 1 MB, 0.25-0.6 ms a call: benchmarks/costmodel_fidelity.md, session 60
+    helper E)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    g = ctx.world
+    width = g * max(1, REDISTRIBUTE_WIDTH // g)   # a whole number of columns on every rank
+    mesh = init_device_mesh(ctx.device.type, (g,))
+    differences: dict[str, list[float]] = {"all_reduce": [], "all_gather": [], "reduce_scatter": []}
+    for n in sizes:
+        rows = max(g, n // width - (n // width) % g)
+        plain = dict(collective_cases(ctx, dtype, rows * width, g, None))
+        partial = DTensor.from_local(torch.ones(rows, width, dtype=dtype, device=ctx.device), mesh, [Partial()],
+                                     run_check=False)
+        piece = DTensor.from_local(torch.ones(rows, width // g, dtype=dtype, device=ctx.device), mesh, [Shard(1)],
+                                   run_check=False)
+
+        def redistribute(source, placement):
+            def run():
+                out = source.redistribute(mesh, [placement]).to_local()
+                if hasattr(out, "wait"):   # an AsyncCollectiveTensor: the next operator on it waits
+                    out.wait()
+            return run
+
+        cases = {("all_reduce", "plain"): plain["all_reduce"], ("all_gather", "plain"): plain["all_gather"],
+                 ("all_reduce", "dtensor"): redistribute(partial, Replicate()),
+                 ("all_gather", "dtensor"): redistribute(piece, Replicate()),
+                 ("reduce_scatter", "dtensor"): redistribute(partial, Shard(0))}
+        medians = _host_times(ctx, cases, sync)
+        for kind, base in (("all_reduce", "all_reduce"), ("all_gather", "all_gather"),
+                           ("reduce_scatter", "all_reduce")):
+            differences[kind].append(medians[(kind, "dtensor")] - medians[(base, "plain")])
+    return tuple(max(0.0, statistics.median(differences[kind])) for kind in differences)
+
+
+def _host_times(ctx: RankContext, cases: dict, sync) -> dict:
+    """Each case's main-thread CPU seconds per call, the slowest rank's median of REDISTRIBUTE_CALLS: every case
+    run once untimed (DTensor's sharding propagation and FSDP2's lazy initialisation cache their plans), then the
+    cases interleaved one call at a time, each after a barrier, so a burst of load elsewhere touches them alike."""
+    cpu: dict = {key: [] for key in cases}
+    for run in cases.values():
+        run()
+        sync()
+    for _ in range(REDISTRIBUTE_CALLS):
+        for key, run in cases.items():
+            dist.barrier()
+            start = time.thread_time()
+            run()
+            sync()
+            cpu[key].append(time.thread_time() - start)
+    return {key: _slowest(ctx, statistics.median(times)) for key, times in cpu.items()}
+
+
+def _fsdp_collectives(ctx: RankContext, dtype, sizes: Sequence[int], sync) -> tuple[float, float, float]:
+    """Host seconds FSDP2's collectives add over every rank beyond the one-rank gather and reduction whose host
+    time `_fsdp_hooks` measures and the table's plain collective, (all-gather, reduce-scatter, all-reduce): at
+    each of the table's sizes `sizes` (one parameter of that many elements), a module under `fully_shard` and
+    one under `replicate` (the runtime's ZeRO-3 and data parallelism) on a mesh of every rank against the same
+    on a one-rank axis (where FSDP2 moves nothing), in main-thread CPU time (`_host_times`): the forward's
+    difference (the gather) less `collective_cases`' all-gather, the backward's (a forward and backward less
+    the forward: the gradient's reduce-scatter, the replicated one's all-reduce) less its all-reduce (gloo runs
+    `reduce_scatter_tensor` as one, and `TORCH_NATIVE` prices it so); the gather also less a copy of the shard
+    and one of the whole (FSDP2's copy-in and copy-out, which the simulator prices as copies). The median of each over the sizes, at
+    least 0 (on 2 gloo CPU ranks the gather's was 0.35-0.55 ms up to 1 MB: benchmarks/costmodel_fidelity.md,
+    session 60 helper E)."""
+    from torch import nn
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(ctx.device.type, (ctx.world, 1), mesh_dim_names=("ranks", "alone"))
+    width = ctx.world * max(1, REDISTRIBUTE_WIDTH // ctx.world)
+    x = torch.ones(2, width, dtype=dtype, device=ctx.device)
+    differences: dict[str, list[float]] = {"all_gather": [], "reduce_scatter": [], "all_reduce": []}
+    for n in sizes:
+        rows = max(ctx.world, n // width - (n // width) % ctx.world)
+        plain = dict(collective_cases(ctx, dtype, rows * width, ctx.world, None))
+        piece, whole = (torch.ones(k, dtype=dtype, device=ctx.device) for k in (rows * width // ctx.world, rows * width))
+        cases = {("plain", "all_gather"): plain["all_gather"], ("plain", "all_reduce"): plain["all_reduce"],
+                 ("copy", "in"): piece.clone, ("copy", "out"): whole.clone}
+        for wrap, name in ((fully_shard, "sharded"), (replicate, "replicated")):
+            for axis in ("ranks", "alone"):
+                module = wrap(nn.Linear(width, rows, bias=False).to(ctx.device, dtype), mesh=mesh[axis])
+                cases[(name, axis, "forward")] = lambda m=module: m(x)
+                cases[(name, axis, "step")] = lambda m=module: m(x).sum().backward()
+        t = _host_times(ctx, cases, sync)
+
+        def over(name: str, phase: str) -> float:   # the world's less the one-rank axis's, forward or backward
+            if phase == "forward":
+                return t[(name, "ranks", "forward")] - t[(name, "alone", "forward")]
+            return ((t[(name, "ranks", "step")] - t[(name, "ranks", "forward")])
+                    - (t[(name, "alone", "step")] - t[(name, "alone", "forward")]))
+
+        copies = t[("copy", "in")] + t[("copy", "out")]   # the copy-in and copy-out `_copy_s` prices
+        differences["all_gather"].append(over("sharded", "forward") - t[("plain", "all_gather")] - copies)
+        differences["reduce_scatter"].append(over("sharded", "backward") - t[("plain", "all_reduce")])
+        differences["all_reduce"].append(over("replicated", "backward") - t[("plain", "all_reduce")])
+    return tuple(max(0.0, statistics.median(differences[kind])) for kind in differences)
 
 
 FSDP_LAYERS = 16   # tiny linear layers (a weight and a bias each) of the stack whose FSDP2 hooks are timed
@@ -1029,6 +1157,8 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
     extra, hooks = tuple(result["dtensor"]), tuple(result["fsdp"])
     efficiency = OpEfficiency(dispatch_s=dispatch[0], backward_dispatch_s=dispatch[1],
                               dtensor_dispatch_s=extra[0], dtensor_backward_dispatch_s=extra[1],
+                              **dict(zip(REDISTRIBUTE_FIELDS, result["redistribute"])),
+                              **dict(zip(FSDP_COLLECTIVE_FIELDS, result["fsdp_collectives"])),
                               fsdp_forward_param_s=hooks[0], fsdp_backward_param_s=hooks[1],
                               fsdp_forward_group_s=hooks[2], fsdp_backward_group_s=hooks[3],
                               python_instruction_s=result["python"], sequence_factor=result["sequence"],
@@ -1127,6 +1257,14 @@ def report(cal: Calibration) -> str:
                 f"per parameter at a group's gather, {e.fsdp_backward_group_s * 1e6:.1f} us + "
                 f"{e.fsdp_backward_param_s * 1e6:.1f} us per parameter after its backward"]
                if e.fsdp_hooks_time(1) or e.fsdp_hooks_time(1, backward=True) else []),
+             *([f"  DTensor's redistribute: {e.dtensor_all_reduce_s * 1e6:.0f} us (all-reduce), "
+                f"{e.dtensor_all_gather_s * 1e6:.0f} us (all-gather), {e.dtensor_reduce_scatter_s * 1e6:.0f} us "
+                f"(reduce-scatter) of host time more than the collective on plain tensors"]
+               if any(getattr(e, k) for k in REDISTRIBUTE_FIELDS) else []),
+             *([f"  FSDP2's collectives over the ranks: {e.fsdp_all_gather_s * 1e6:.0f} us (all-gather), "
+                f"{e.fsdp_reduce_scatter_s * 1e6:.0f} us (reduce-scatter), {e.fsdp_all_reduce_s * 1e6:.0f} us "
+                f"(all-reduce) of host time more than on one rank and the collective on plain tensors"]
+               if any(getattr(e, k) for k in FSDP_COLLECTIVE_FIELDS) else []),
              *([f"  a module's own Python: {e.python_instruction_s * 1e9:.1f} ns per bytecode instruction"]
                if e.python_instruction_s else []),
              *([f"  an operator in a step (a transformer block's calls in sequence): {e.sequence_factor:.2f} x "

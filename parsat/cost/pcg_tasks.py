@@ -623,10 +623,20 @@ class _Builder:
         return self.steps.add(name, stream, seconds, deps, alloc, free, phase)
 
     def _sync(self, name: str, kind: str, node: PNode, nbytes: float, deps, alloc: int = 0, free: int = 0,
-              phase: str = "forward_comm", pipe: Pipeline | None = None, backward: bool = False) -> int:
+              phase: str = "forward_comm", pipe: Pipeline | None = None, backward: bool = False,
+              fsdp: bool = False) -> int:
         """A collective: it first waits for the slowest rank (`comm.sync_skew` x the compute since the last one)
         and, on ranks sharing cores, for a peer's turn (`_turn`). With `pipe`, in chunks pipelined with its
-        product (`Pipeline.ring`)."""
+        product (`Pipeline.ring`). One the runtime issues through DTensor's `redistribute` (`_redistribute_s`) or,
+        `fsdp`, one of FSDP2's group collectives (`_fsdp_s`) first takes the host work that adds beyond the
+        table's plain collective, on the compute stream; not compute a peer lags behind on, so not in the
+        stragglers'."""
+        host = self._fsdp_s(kind, node) if fsdp else self._redistribute_s(kind, node)
+        if host:
+            host_phase = "forward" if phase == "forward_comm" else "backward"
+            what = "FSDP2's host work" if fsdp else "DTensor's redistribute"
+            deps = [self._add(f"{name}: {what}", self.compute, host, deps, phase=host_phase)]
+            self.since_sync -= host
         wait = self.machine.comm.sync_skew * self.since_sync + self._turn(node)
         self.since_sync = 0.0
         stream = self._comm(self.topology(node))
@@ -639,6 +649,22 @@ class _Builder:
         step = self._collective(SEND_RECV, node, nbytes / pipe.parts)
         return self._piped(pipe, backward, False, name, stream, pipe.ring(kind, step), whole, list(deps), alloc, free,
                            phase)
+
+    def _redistribute_s(self, kind: str, node: PNode) -> float:
+        """Host seconds DTensor's `redistribute` adds to `node`'s collective (`OpEfficiency.redistribute_time`)
+        where the profile runs torch's tensor-parallel styles (`dtensor_modules`) and `node` acts on a tensor
+        axis: there the runtime's activations are DTensors and each collective is a change of placements
+        (Partial -> Replicate, Shard -> Replicate, Partial -> Shard). 0 elsewhere: a plain collective, a data
+        axis (FSDP2's), a preset or a machine calibrated without `--dtensor`."""
+        if not self.tensor_axes or node.kind != "parallel" or node.axis(self.pcg.mesh) not in self.tensor_axes:
+            return 0.0
+        return self.eff.redistribute_time(kind)
+
+    def _fsdp_s(self, kind: str, node: PNode) -> float:
+        """Host seconds FSDP2 adds to a group's collective over more than one rank (`OpEfficiency.
+        fsdp_collective_time`) beyond its one-rank hooks (`fsdp_hooks_time`), the plain collective and the copies;
+        0 on a machine calibrated without `--dtensor`."""
+        return self.eff.fsdp_collective_time(kind) if self.topology(node).size > 1 else 0.0
 
     def _turn(self, node: PNode) -> float:
         """What a collective waits for a peer's turn on a core, where the machine was calibrated with ranks sharing
@@ -1349,7 +1375,7 @@ class _Builder:
         copy = self._add(f"group {group.key} copy in", self.compute, self._copy_s(pieces, backward) + hooks, deps,
                          phase=phase)
         gather = self._sync(f"group {group.key} all-gather", ALL_GATHER, node, whole * self.item, [copy],
-                            alloc=whole * self.item, phase=f"{phase}_comm")
+                            alloc=whole * self.item, phase=f"{phase}_comm", fsdp=True)
         return self._add(f"group {group.key} copy out", self.compute, self._copy_s(whole, backward), [gather],
                          phase=phase)
 
@@ -1425,7 +1451,7 @@ class _Builder:
                              deps, phase="backward")
             kind = REDUCE_SCATTER if group.sharded else ALL_REDUCE
             task = self._sync(f"group {key} {kind.replace('_', '-')}", kind, node, whole * self.item, [copy],
-                              free=whole * self.item if group.sharded else 0, phase="grad_sync")
+                              free=whole * self.item if group.sharded else 0, phase="grad_sync", fsdp=True)
             if not group.sharded:
                 task = self._add(f"group {key} gradients copied out", self.compute, self._copy_s(pieces, True),
                                  [task], phase="backward")
@@ -1786,6 +1812,61 @@ class _Builder:
         return (piped(first) if first else 0.0) + \
             (eff.op_time(timed.backward_kernel_s(second), backward=True) if second else 0.0)
 
+    def memory_floor(self, microbatches: int) -> int:
+        """A lower bound of the peak memory this builder's simulation gives over `microbatches` micro-batches,
+        without making a task (`peak_floor`): what the device surely holds at one instant, the start of the last
+        micro-batch's first backward task (its loss's backward, on the compute stream).
+
+        Why it is one: the simulated peak is the largest running sum of the memory events, `resident` included
+        (`StepBuilder._peaks`), so it is at least the level at that instant t. The compute stream runs its tasks
+        in the order they were added, so a compute task added before the loss's backward started (and allocated)
+        at or before t, and one added after it starts, and frees, at or after t (a zero-length task's free
+        after the allocations of its instant). Every byte counted here is allocated by a task that started by t
+        and freed only by a task that starts after it or never:
+
+        * `resident()`: the level's start, held the whole step;
+        * each output's loss (`loss`: a compute task of forward, freed by `end_pass` after the backward);
+        * with `seeded_inputs`, each data leaf's whole tensor (`_leaf`: the pass's first tasks, freed by
+          `end_pass`);
+        * the output of each compute node the last micro-batch's forward runs (not a weight's chain's), on the
+          compute stream (`_compute_forward`, `_piped`'s first chunk), counted only where it surely allocates
+          (its operator never runs as a view: not in `VIEW_OPS`, not `flatten`), without what it saves beside
+          (`_saved_extra`), and only where forward never frees it: not `released` (`_release`) unless a
+          recomputed block keeps it (a block's output, which the next block's recomputation starts from:
+          `_release` leaves it), not dropped by its block's recomputation (`_drop`). Its own backward, or
+          `end_pass`, frees it after t;
+        * without FSDP2's groups, each weight's gathered copy (a `combine` or `all_gather` of a weight's chain,
+          `_gather_forward`, made by the first micro-batch and kept to its backward in the last): its all-gather
+          starts before the forward task that reads it, and its concatenation, on the compute stream, frees only
+          the gathered pieces it copies;
+        * over several micro-batches, the gathered weights' gradients accumulated across them (`_accumulated_bytes`,
+          allocated in the first micro-batch's backward, freed by the last one's reduce-scatters).
+
+        Everything else the simulation allocates adds to the level, and what it frees by t was allocated before
+        it (every free returns bytes a task allocated: a buffer, a value, a gathered copy), so leaving both out
+        leaves the level no lower than this sum. It reads the builder's own facts (`resident`, `released`,
+        `dropped`, `params`, `_accumulated_bytes`), so it follows the simulator as it changes; tests check it
+        against simulated peaks (tests/test_memory_floor.py)."""
+        item, by_id = self.item, self.by_id
+        held = self.resident() + sum(_elements(by_id[o]) for o in self.pcg.outputs) * item
+        if self.profile.seeded_inputs:
+            held += sum(_full(n) for n in self.pcg.nodes if n.kind == "leaf" and n.role != "weight") * item
+        # freed in forward: the released values (`_release`) but those a recomputed block keeps, and the values
+        # recomputation drops (`_drop`)
+        kept = {i for i in self.released if i in self.block_of_run and i not in self.dropped}
+        skipped = (self.released - kept) | self.dropped
+        for node in self.pcg.nodes:
+            if node.id in self.params:
+                gathered = node.kind == "parallel" and node.op in (COMBINE, parallel_ops.ALL_GATHER)
+                if gathered and not self.groups:
+                    held += _elements(node) * item
+            elif node.kind == "op" and node.id not in skipped and node.op not in VIEW_OPS and node.op != "flatten":
+                held += _elements(node) * item
+        if microbatches > 1:
+            self.accumulating = True
+            held += self._accumulated_bytes()
+        return held
+
     def resident(self) -> int:
         """Weights, their gradients and the optimizer state on the device for the whole step (bytes per
         parameter of the machine's precision and the profile's optimizer, `ir.precision`; a weight whose state
@@ -1859,6 +1940,17 @@ def step_floor(pcg: PCG, machine: Machine, times: OpTimes, microbatches: int = 1
     return _Builder(pcg, machine, profile, mesh_groups(pcg), times).floor(microbatches, plan, shared=True)
 
 
+def peak_floor(pcg: PCG, machine: Machine, times: OpTimes, microbatches: int = 1,
+               profile: ExecutionProfile | None = None) -> int:
+    """A lower bound of the peak memory per device `simulate_pcg` gives `pcg` over `microbatches` micro-batches as
+    `profile` (the machine's, `profile_for`) runs it, without making a task: what lets a search refuse a
+    candidate that cannot fit without simulating it (`search.mesh.CandidateSteps.surely_over`). Why it is one:
+    `_Builder.memory_floor`. Unlike the per-node bound (`ir.costs.Totals.peak_memory_bytes`), which may lie above
+    the simulated peak or far below it, this is never above it."""
+    profile = profile or profile_for(machine)
+    return _Builder(pcg, machine, profile, mesh_groups(pcg), times).memory_floor(microbatches)
+
+
 __all__ = ["DDP", "ExecutionProfile", "FLOOR_SLACK", "OpTimes", "PARSAT_RUN", "StepPrediction", "TORCH_NATIVE",
            "TaskBuildError",
-           "VIEW_OPS", "mesh_groups", "needs_gradient", "profile_for", "simulate_pcg", "step_floor"]
+           "VIEW_OPS", "mesh_groups", "needs_gradient", "peak_floor", "profile_for", "simulate_pcg", "step_floor"]

@@ -266,7 +266,10 @@ class Totals:
     extraction's memory constraint adds up, node by node), and
     `memory_bytes` the figure that decides whether the plan fits (`fits`):
     the simulated peak, transient buffers included, where the plan was
-    simulated, else that bound (docs/COSTMODEL.md, "Memory"; issue 28).
+    simulated, else that bound (docs/COSTMODEL.md, "Memory"; issue 28). A plan refused without being
+    simulated because a lower bound of its simulated peak is over the device's memory (`floor_bytes`,
+    `cost.pcg_tasks.peak_floor`: `search.mesh.CandidateSteps`) has that lower bound as `memory_bytes`: it does
+    not fit, as its simulation would have said.
     """
 
     time_s: float
@@ -278,10 +281,16 @@ class Totals:
     comm_s: float
     node_sum_s: float | None = None
     simulation: SimulatedStep | None = None
+    floor_bytes: int | None = None   # not simulated: a lower bound of its simulated peak, over the device's memory
 
     def simulated(self, step: SimulatedStep) -> "Totals":
         """These totals with the simulated step: `time_s` becomes the simulated time, the sum is kept."""
-        return replace(self, time_s=step.time_s, node_sum_s=self.per_node_s, simulation=step)
+        return replace(self, time_s=step.time_s, node_sum_s=self.per_node_s, simulation=step, floor_bytes=None)
+
+    def refused(self, floor_bytes: int) -> "Totals":
+        """These totals, unsimulated, of a plan whose simulated peak is at least `floor_bytes`, more than the
+        device holds: it does not fit (`memory_bytes` is that lower bound)."""
+        return replace(self, floor_bytes=floor_bytes)
 
     @property
     def streams(self) -> StepStreams | None:
@@ -296,8 +305,11 @@ class Totals:
     @property
     def memory_bytes(self) -> int:
         """The memory per device that decides whether the plan fits: the simulated peak (transient buffers
-        included) where the step was simulated, else the per-node bound."""
-        return self.peak_memory_bytes if self.simulation is None else self.simulation.peak_memory_bytes
+        included) where the step was simulated, else the lower bound of it that refused the plan (`refused`),
+        else the per-node bound."""
+        if self.simulation is not None:
+            return self.simulation.peak_memory_bytes
+        return self.peak_memory_bytes if self.floor_bytes is None else self.floor_bytes
 
     def fits(self, machine: Machine) -> bool:
         """Whether the plan's memory per device (`memory_bytes`) fits in `machine`'s."""

@@ -57,6 +57,12 @@ def bus_factor(collective: str, p: int) -> float:
     return (p - 1) / p
 
 
+REDISTRIBUTE_FIELDS = ("dtensor_all_reduce_s", "dtensor_all_gather_s", "dtensor_reduce_scatter_s")
+"""`OpEfficiency`'s per-collective host times of DTensor's `redistribute` (`redistribute_time`)."""
+FSDP_COLLECTIVE_FIELDS = ("fsdp_all_gather_s", "fsdp_reduce_scatter_s", "fsdp_all_reduce_s")
+"""`OpEfficiency`'s per-collective host times of FSDP2 over the ranks (`fsdp_collective_time`)."""
+
+
 @dataclass(frozen=True)
 class OpEfficiency:
     """Per-operator overheads and the half-performance lengths of the compute model (seconds, elements, bytes)."""
@@ -78,6 +84,17 @@ class OpEfficiency:
     attention_half_flops: float = 0.0  # forward FLOPs of one attention call at which it runs at half that rate
     dtensor_dispatch_s: float = 0.0    # extra fixed cost of an operator on a DTensor (sharding propagation, wrapping)
     dtensor_backward_dispatch_s: float = 0.0   # the same in backward; both 0 unless `parsat calibrate --dtensor`
+    dtensor_all_reduce_s: float = 0.0   # host time DTensor's `redistribute` adds to one collective on the rank's own
+                                        # core beyond the same collective on plain tensors (the table's): Partial ->
+                                        # Replicate (an all-reduce), ...
+    dtensor_all_gather_s: float = 0.0   # ... Shard -> Replicate (an all-gather), ...
+    dtensor_reduce_scatter_s: float = 0.0   # ... Partial -> Shard (a reduce-scatter, which gloo runs as an
+                                        # all-reduce); all three 0 unless `parsat calibrate --dtensor`
+    fsdp_all_gather_s: float = 0.0      # host time FSDP2's collective over the ranks adds beyond the same group on
+                                        # one rank (`fsdp_hooks_time`), the plain collective and the copies
+                                        # (`parsat calibrate --dtensor`): a sharded group's gather, ...
+    fsdp_reduce_scatter_s: float = 0.0  # ... its gradients' reduce-scatter, ...
+    fsdp_all_reduce_s: float = 0.0      # ... a replicated group's gradients' all-reduce; all three 0 otherwise
     fsdp_forward_param_s: float = 0.0   # host time FSDP2's hooks (`replicate`, `fully_shard`) take per parameter of
                                         # a group as they gather it (before its forward, again before its
                                         # backward where it was resharded), beyond the collectives and copies priced
@@ -132,6 +149,21 @@ class OpEfficiency:
         calibrate --dtensor`, 0 otherwise."""
         return (self.dtensor_backward_dispatch_s if backward else self.dtensor_dispatch_s) * self.sequence_factor
 
+    def redistribute_time(self, kind: str) -> float:
+        """Host seconds DTensor's `redistribute` adds to one `kind` collective (`collectives.ALL_REDUCE`,
+        `ALL_GATHER`, `REDUCE_SCATTER`) beyond the same collective on plain tensors, as torch's tensor-parallel
+        styles issue it: its placements' plan, the functional collective's wrapping and wait, the gathered
+        pieces' concatenation. Measured by `parsat calibrate --dtensor` as the main thread's CPU time, the same
+        for every buffer size timed; 0 for another kind and otherwise."""
+        return getattr(self, f"dtensor_{kind}_s", 0.0)
+
+    def fsdp_collective_time(self, kind: str) -> float:
+        """Host seconds FSDP2 adds to one `kind` collective of a group over more than one rank (`ALL_GATHER`,
+        `REDUCE_SCATTER`, `ALL_REDUCE`) beyond what its one-rank hooks (`fsdp_hooks_time`), the plain collective
+        and the copies are priced: measured by `parsat calibrate --dtensor` as the main thread's CPU time, the
+        same for every buffer size timed; 0 for another kind and otherwise."""
+        return getattr(self, f"fsdp_{kind}_s", 0.0)
+
     def gemm_efficiency(self, m: float, n: float, k: float) -> float:
         """Fraction of peak FLOP/s a (batched) m x k by k x n product reaches, in (0, 1]: the largest GEMMs'
         fraction, less by Hockney's half-performance lengths in each dimension."""
@@ -181,7 +213,9 @@ class OpEfficiency:
         factor that was not measured (files and plans of presets read as before)."""
         unmeasured = [f"gemm_{layout}_" for layout in ("nt", "tn") if getattr(self, f"gemm_{layout}_rate") <= 0]
         unmeasured += [k for k in ("fsdp_forward_param_s", "fsdp_backward_param_s", "fsdp_forward_group_s",
-                                   "fsdp_backward_group_s", "python_instruction_s") if not getattr(self, k)]
+                                   "fsdp_backward_group_s", "python_instruction_s", *REDISTRIBUTE_FIELDS,
+                                   *FSDP_COLLECTIVE_FIELDS)
+                       if not getattr(self, k)]
         unmeasured += ["sequence_factor"] if self.sequence_factor == 1.0 else []
         out = {k: v for k, v in asdict(self).items() if not k.startswith(tuple(unmeasured)) and k != "update_points"}
         if self.update_points:
@@ -328,7 +362,8 @@ class CommProfile:
         return CommProfile(**numbers, points=points)
 
 
-__all__ = ["COLLECTIVES", "LINKS", "CollectivePoint", "CommProfile", "OpEfficiency", "bus_factor", "interpolate"]
+__all__ = ["COLLECTIVES", "FSDP_COLLECTIVE_FIELDS", "LINKS", "REDISTRIBUTE_FIELDS", "CollectivePoint", "CommProfile",
+           "OpEfficiency", "bus_factor", "interpolate"]
 
 
 @dataclass(frozen=True)

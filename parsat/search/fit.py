@@ -56,7 +56,9 @@ class MemoryFit:
     def leanness(self, candidate: Priced) -> tuple[int, int]:
         """How `mesh.rank` orders candidates that do not fit, comparing like with like: a stage candidate by its
         figure (`needs`, one kind for every candidate); an unstaged one by its simulated peak where it was
-        simulated (0, bytes), else by its per-node bound after every simulated one (1, bytes). The two unstaged
+        simulated (0, bytes), else, where a lower bound of its simulated peak refused it unsimulated
+        (`Totals.refused`: it surely needs more than the device holds), by that bound (1, bytes), else by its
+        per-node bound after every other (2, bytes). The unstaged
         figures are not comparable: the per-node bound is neither below nor above the simulated peak (sc21-1.7b:
         bound 27.32 GiB, simulated 25.59; llama-70b:64's grid points: bounds 39-64 GiB, simulated 142-230), and a
         candidate whose bound is over the device's memory is never simulated (`mesh.BestFirst`), so ranking the
@@ -69,7 +71,9 @@ class MemoryFit:
         GPT on 4 devices of 8 MiB, 9.36 MiB by the bound, data parallelism 37.87 MiB simulated.)"""
         if self.stage is not None or candidate.totals.simulation is not None:
             return 0, self.needs(candidate)
-        return 1, candidate.totals.peak_memory_bytes
+        if candidate.totals.floor_bytes is not None:   # refused unsimulated: at least this as simulated
+            return 1, candidate.totals.floor_bytes
+        return 2, candidate.totals.peak_memory_bytes
 
     def fits(self, candidate: Priced) -> bool:
         """Whether `candidate` fits in memory as it runs."""

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from parsat.cost.pcg_tasks import OpTimes, TaskBuildError, step_floor
+from parsat.cost.pcg_tasks import OpTimes, TaskBuildError, peak_floor, step_floor
 from parsat.cost.simulator import SimulationError
 from parsat.cost.step_report import simulated_step
 from parsat.dsl.library import Library
@@ -73,10 +73,14 @@ class MeshSearch:
 
     def simulated(self, steps: "CandidateSteps", ranked: Callable[[Candidate], bool] | None = None) -> "MeshSearch":
         """This search with its candidates' steps simulated (`CandidateSteps`): the joint plan's always (its step
-        is the mesh's `summary`), the baselines' (Megatron, the grid point) where `ranked` says their step can
-        matter (`step.step_read`; None: always)."""
-        return replace(self, joint=steps(self.joint), megatron=steps.where(self.megatron, ranked),
+        is the mesh's `summary`, and the step ranks the meshes by it: never refused by its floor), the baselines'
+        (Megatron, the grid point) where `ranked` says their step can matter (`step.step_read`; None: always)."""
+        return replace(self, joint=steps.simulate(self.joint), megatron=steps.where(self.megatron, ranked),
                        grid=steps.where(self.grid, ranked))
+
+    def settled(self, steps: "CandidateSteps") -> "MeshSearch":
+        """This search with the baselines `steps` refused by their floors simulated after all (`CandidateSteps`)."""
+        return replace(self, megatron=steps.settled(self.megatron), grid=steps.settled(self.grid))
 
 
 class CandidateSteps:
@@ -84,9 +88,15 @@ class CandidateSteps:
     prints are worked out when read), sharing one cache of compute times; a candidate the simulator cannot run
     keeps its per-node sum, and `failures` says why."""
 
-    def __init__(self, library: Library, machine: Machine, microbatches: int = 1, shared: dict | None = None):
+    def __init__(self, library: Library, machine: Machine, microbatches: int = 1, shared: dict | None = None,
+                 refusing: bool = False):
         self.library, self.machine, self.microbatches = library, machine, microbatches
         self.failures: dict[str, str] = {}
+        # `refusing` (an unstaged step's, `step._search_step`): a candidate whose simulated peak is surely over the
+        # device's memory (`peak_floor`) is refused unsimulated (`Totals.refused`); `refused` holds the PCGs so
+        # refused, which a step that goes on to make a plan simulates after all (`settled`)
+        self.refusing = refusing
+        self.refused: set[PCG] = set()
         # a PCG found twice (a mesh's joint plan is often one of its grid points; a scout's candidates are found
         # again by the search of every mesh at its count) is simulated once: a step of many micro-batches of a
         # whole model takes seconds. `shared` (the call's, `SearchRequest.simulations`) keeps the simulated
@@ -96,6 +106,17 @@ class CandidateSteps:
         self.skipped = 0   # candidates `fastest` left out unsimulated
 
     def __call__(self, candidate: Candidate | None) -> Candidate | None:
+        if candidate is None or candidate.totals.simulation is not None:
+            return candidate
+        if self.refusing and candidate.pcg not in self.simulated:
+            floor = self.peak_floor(candidate.pcg)
+            if floor is not None and floor > self.machine.memory_capacity:
+                self.refused.add(candidate.pcg)
+                return replace(candidate, totals=candidate.totals.refused(floor))
+        return self.simulate(candidate)
+
+    def simulate(self, candidate: Candidate | None) -> Candidate | None:
+        """`candidate` with its step simulated (refused by no floor), kept for the call."""
         if candidate is None or candidate.totals.simulation is not None:
             return candidate
         found = self.simulated.get(candidate.pcg)
@@ -115,6 +136,20 @@ class CandidateSteps:
         if candidate is None or (ranked is not None and not ranked(candidate)):
             return candidate
         return self(candidate)
+
+    def peak_floor(self, pcg: PCG) -> int | None:
+        """A lower bound of `pcg`'s simulated peak memory per device (`pcg_tasks.peak_floor`), None where its tasks
+        cannot be built (its simulation, if made, says why)."""
+        try:
+            return peak_floor(pcg, self.machine, self.times, self.microbatches)
+        except TaskBuildError:
+            return None
+
+    def settled(self, candidate: Candidate | None) -> Candidate | None:
+        """`candidate` as simulating it gives, where it was refused by its floor (`refusing`), else as it is."""
+        if candidate is None or candidate.totals.floor_bytes is None:
+            return candidate
+        return self.simulate(candidate)
 
     def floor(self, pcg: PCG, plan: bool = True) -> float | None:
         """A lower bound of `pcg`'s simulated step (`pcg_tasks.step_floor`; without the `plan`'s own part, one

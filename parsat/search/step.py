@@ -102,7 +102,8 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
     searches = search_meshes_of(step, choices, clock)
     pinned = choices[0].config is not None
     unspread = _unspread(step, searches)
-    steps = CandidateSteps(step.request.library, step.machine, step.graph.microbatches, step.request.simulations)
+    steps = CandidateSteps(step.request.library, step.machine, step.graph.microbatches, step.request.simulations,
+                           refusing=_refusing(step))
     if not pinned:
         stop_where_cannot_win(step, searches)
     ranked = step_read(step)
@@ -127,6 +128,12 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
         chosen = _first_placeable(step, candidates)
         if chosen is not None and not step.memory.fits(chosen):
             raise _over_as_simulated(step, chosen)
+    if _settle_grid(step, steps) or steps.refused:   # a plan is made: as if nothing had been refused (`_refusing`)
+        steps.refusing = False
+        searches = [s.settled(steps) for s in searches]
+        candidates, found_baselines, skipped = compare_baselines(step, searches, best_search, steps, clock)
+        if pinned:
+            candidates = [c for c in candidates if c.name == JOINT or keeps_pins(c, step.request)]
     plan = assemble_plan(step, searches, best_search, candidates, found_baselines, skipped, steps)
     if unspread:
         said["unspread"] = unspread
@@ -276,6 +283,38 @@ def _pins(step: StepContext) -> str:
     return ", ".join(pins)
 
 
+def _refusing(step: StepContext) -> bool:
+    """Whether the step refuses, unsimulated, a baseline whose simulated peak is surely over the device's memory
+    (`CandidateSteps.refusing`, `pcg_tasks.peak_floor`): an unstaged step, where nothing cuts the search by the
+    wall clock. Such a candidate does not fit as simulated either, so whether any candidate fits, and which
+    fitting one is chosen, is what simulating every one gives; simulating is needed only for the plan's figures
+    (its baselines' steps) and for ranking candidates that do not fit. A step where none fits makes no plan
+    (`_over_as_simulated`: llama-70b:64's unstaged counts, whose grid points simulate at 142-230 GiB), so its
+    refused ones are never simulated; a step that makes a plan simulates them after all and chooses its
+    baselines again (`_search_step`), reading what the first pass built (`built_once`, the sequential baseline
+    and the independent grid, kept for the call where no wall-clock limit applies). The joint plans are always
+    simulated (`MeshSearch.simulated`): the step picks its best mesh by them, which decides where the sequential
+    baseline is built. A stage step judges memory by its pipeline (`search.fit`), not by a simulated peak."""
+    limits = step.request.limits
+    return step.stage is None and not (math.isfinite(limits.seconds) or math.isfinite(limits.ilp_seconds))
+
+
+def _settle_grid(step: StepContext, steps: CandidateSteps) -> bool:
+    """The step's independent grid (`independent_points`, kept for the call: an earlier step, a scout's, may have
+    made it and refused some of its points) with the points refused by their floors simulated after all: by
+    `steps` where it refused them (a simulator failure is then said in the plan, as when the grid was made
+    here), else by a step of its own, whose failures are not said (as when an earlier step made the grid).
+    Whether any point was refused."""
+    request = step.request
+    key = (step.graph, step.machine, step.devices, step.stage)
+    points = request.grid_points.get(key)
+    if not points or not any(p.totals.floor_bytes is not None for p in points):
+        return False
+    other = CandidateSteps(request.library, step.machine, step.graph.microbatches, request.simulations)
+    request.grid_points[key] = [(steps if p.pcg in steps.refused else other).settled(p) for p in points]
+    return True
+
+
 def _no_joint_plan(step: StepContext, searches: Sequence[MeshSearch]) -> OptimizeError:
     """Why no mesh gave a joint plan, as the step's error: DoesNotFit with what the leanest plan needs when
     nothing fits in memory (the micro-batch search splits the batch on it), else the first mesh's error."""
@@ -310,8 +349,14 @@ def _over_as_simulated(step: StepContext, plan: Plan | Candidate) -> DoesNotFit:
     bound only where no candidate could be simulated, and the message then says so. DoesNotFit, so the
     micro-batch search splits the batch further (issue 28: one figure decides what fits)."""
     needs, has = fmt_bytes_pair(step.memory.needs(plan), step.machine.memory_capacity)
-    how = " by the per-node bound (not simulated)" if plan.totals.simulation is None else \
-        f" as simulated (transient buffers included; {fmt_bytes(plan.totals.peak_memory_bytes)} by the per-node bound)"
+    bound = fmt_bytes(plan.totals.peak_memory_bytes)
+    if plan.totals.simulation is not None:
+        how = f" as simulated (transient buffers included; {bound} by the per-node bound)"
+    elif plan.totals.floor_bytes is not None:
+        needs = f"at least {needs}"
+        how = f" as it would simulate (a lower bound of its simulated peak, not simulated; {bound} by the per-node bound)"
+    else:
+        how = " by the per-node bound (not simulated)"
     return DoesNotFit(f"no plan fits in memory: the smallest plan found needs {needs} per device{how}, the device "
                       f"has {has}", step.memory.needs(plan), step.machine.memory_capacity)
 
@@ -560,7 +605,8 @@ def independent_points(step: StepContext, steps: CandidateSteps) -> list[Candida
     found = request.grid_points.get(key)
     if found is None:
         if request.built.get((GRID_SCANNED, key)):   # made where `a_grid_point_fits` stood: its failures unsaid
-            steps = CandidateSteps(request.library, step.machine, step.graph.microbatches, request.simulations)
+            steps = CandidateSteps(request.library, step.machine, step.graph.microbatches, request.simulations,
+                                   refusing=steps.refusing)
         rivals = (lambda point: keeps_pins(point, request)) if request.parallel_dims else None
         search = BestFirst(steps, step.memory.fits, rivals=rivals)
         floors = _LayoutFloors(steps)

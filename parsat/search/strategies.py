@@ -93,8 +93,11 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
     stored_split = frozenset(_derived(snapshot, dict.fromkeys(split, 0)))
     from_weights = _weight_values(snapshot, roles, samples if batch else None) if config.data_axis is not None \
         else frozenset()
-    looked_up = _constant_lookups(snapshot, roles, samples) if config.tensor_axis is not None else frozenset()
-    masks = _constant_masks(snapshot, roles, samples) if config.tensor_axis is not None else frozenset()
+    # which inputs carry no batch is known only where the batch's are (`batch`): without it every one-hot ids
+    # input and every mask would look constant (the restricted grid's calls, `baselines`)
+    constants = config.tensor_axis is not None and bool(batch)
+    looked_up = _constant_lookups(snapshot, roles, samples) if constants else frozenset()
+    masks = _constant_masks(snapshot, roles, samples) if constants else frozenset()
     one_dim = _derived(snapshot, _one_storage_dims(snapshot, shared, config.tensor_axis)) \
         if shared and config.tensor_axis is not None else {}
 
@@ -130,30 +133,40 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
                 return not (weight and config.zero3)
             return node.op == REDUCE_SCATTER
         if axis == config.tensor_axis:
-            if source == "input" and node.children[0] in samples:   # vocabulary-parallel one-hot ids, targets
-                return node.op != REPLICATE and not (node.op == PARTITION and dim != samples[node.children[0]])
-            if source == "input" and node.children[0] in looked_up:   # vocabulary-parallel constant one-hot ids
-                return node.op != REPLICATE and not (node.op == PARTITION and
-                                                     dim == len(snapshot.shape[node.children[0]]) - 1)
-            if source == "input" and node.children[0] in masks:   # a constant mask, split as its scores are
-                return node.op not in (PARTITION, REPLICATE)
-            if source == "input":
-                return node.op != REPLICATE
-            if weight:
-                if node.op == PARTITION and one_dim.get(node.children[0], dim) != dim:
-                    return True   # a shared weight split along another dim than its one layout's
-                return node.op not in (PARTITION, REPLICATE) or (node.op == REPLICATE and
-                                                                  node.children[0] in stored_split)
-            if node.op in (REDUCE_SCATTER, ALL_GATHER):
-                return not config.sequence
-            if node.op == PARTITION and along_sequence(snapshot.shape[node.children[0]], dim):
-                return not config.sequence
-            return False
+            return _tensor_axis_excluded(node, dim, source, snapshot, config.sequence,
+                                         (samples, looked_up, masks, stored_split, one_dim))
         return not config.others_free   # an axis the configuration does not name
 
     forbidden = frozenset((cid, index) for cid, nodes in snapshot.classes.items()
                           for index, node in enumerate(nodes) if excluded(node))
     return forbidden.__contains__
+
+
+def _tensor_axis_excluded(node, dim: int | None, source: str, snapshot: Snapshot, sequence: bool,
+                          inputs: tuple[Mapping[int, int], frozenset[int], frozenset[int], frozenset[int],
+                                        Mapping[int, int]]) -> bool:
+    """Whether a pinned tensor axis forbids the parallel operator `node` on it (`config_excluded`'s docstring says
+    what the axis allows); `inputs` is (the batch's inputs and their batch dims, the constant one-hot lookups, the
+    constant masks, the weights stored split, the one dim each shared weight is split along)."""
+    samples, looked_up, masks, stored_split, one_dim = inputs
+    child = node.children[0]
+    if source == "input" and child in samples:   # vocabulary-parallel one-hot ids, targets
+        return node.op != REPLICATE and not (node.op == PARTITION and dim != samples[child])
+    if source == "input" and child in looked_up:   # vocabulary-parallel constant one-hot ids
+        return node.op != REPLICATE and not (node.op == PARTITION and dim == len(snapshot.shape[child]) - 1)
+    if source == "input" and child in masks:   # a constant mask, split as the scores it masks are
+        return node.op not in (PARTITION, REPLICATE)
+    if source == "input":
+        return node.op != REPLICATE
+    if source in WEIGHT_ROLES:
+        if node.op == PARTITION and one_dim.get(child, dim) != dim:
+            return True   # a shared weight split along another dim than its one layout's
+        return node.op not in (PARTITION, REPLICATE) or (node.op == REPLICATE and child in stored_split)
+    if node.op in (REDUCE_SCATTER, ALL_GATHER):
+        return not sequence
+    if node.op == PARTITION and along_sequence(snapshot.shape[child], dim):
+        return not sequence
+    return False
 
 
 def _weight_values(snapshot: Snapshot, roles: Mapping[int, str],
