@@ -52,7 +52,7 @@ from parsat.egraph.saturate import SaturationResult, saturate
 from parsat.egraph.snapshot import Snapshot
 from parsat.search.recompute import recomputed_pcg_costs
 from parsat.search.solve import pcg_node_costs, price_pcg, restaged_node_costs, solve
-from parsat.search.strategies import config_excluded, grid
+from parsat.search.strategies import config_excluded, grid, shared_weights
 
 Progress = Callable[[str], None]
 
@@ -416,6 +416,7 @@ def best_grid(result: SaturationResult, graph: Graph, library: Library, machine:
     fits = fits or (lambda candidate: candidate.totals.fits(machine))
     mesh = result.snapshot.mesh or Mesh(())
     roles = leaf_roles(result.snapshot, graph)
+    shared = shared_weights(graph, result.classes)   # one layout per parameter, as torch stores it
     best: Candidate | None = None
     unfit = []
 
@@ -429,7 +430,7 @@ def best_grid(result: SaturationResult, graph: Graph, library: Library, machine:
             best = found
 
     for config in grid(mesh):
-        excluded = config_excluded(result.snapshot, roles, config)
+        excluded = config_excluded(result.snapshot, roles, config, shared=shared)
         try:
             keep(config, *solve(result, graph, library, machine, roots,
                                 replace(limits, ilp_nodes=min(limits.ilp_nodes, GRID_ILP_NODES)), free_input_placements,

@@ -42,7 +42,7 @@ from parsat.search.request import StepContext
 from parsat.search.fit import MemoryFit
 from parsat.search.solve import price, solve
 from parsat.ir.megatron import contraction_weights
-from parsat.search.strategies import Config, config_excluded
+from parsat.search.strategies import Config, config_excluded, shared_weights
 
 SATURATION_SHARE = 0.6   # of a mesh's time, for saturating: pricing, extraction and the baselines take the rest
 
@@ -401,7 +401,8 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
         # stage's tp 2 mesh extracted a plan with nothing split there before)
         split = frozenset(result.classes[name] for name in contraction_weights(graph)
                           if name in result.classes) if config.tensor_axis is not None else frozenset()
-        pinned = config_excluded(result.snapshot, leaf_roles(result.snapshot, graph), config, batch, split)
+        pinned = config_excluded(result.snapshot, leaf_roles(result.snapshot, graph), config, batch, split,
+                                 shared_weights(graph, result.classes))
     ordered = policies(step)
     failure: MeshSearch | None = None
     found = None    # (policy, priced, extraction, joint) of the plan kept so far

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from parsat.dsl.parallel_ops import ALL_GATHER, ALL_TO_ALL, PARALLEL_OPS, PARTITION, REDUCE_SCATTER, REPLICATE
-from parsat.ir.data_forms import DATA_ARGS, ONEHOT
+from parsat.ir.data_forms import DATA_ARGS, MASK, ONEHOT
+from parsat.ir.graph import Graph
 from parsat.ir.mesh import Mesh
 from parsat.ir.parallelism import along_sequence
 from parsat.ir.pcg import STORED_ROLES, WEIGHT_ROLES
@@ -59,7 +60,8 @@ def grid(mesh: Mesh) -> list[Config]:
 
 def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config,
                     batch: Mapping[int, int] | None = None,
-                    split: frozenset[int] = frozenset()) -> Callable[[tuple[int, int]], bool]:
+                    split: frozenset[int] = frozenset(),
+                    shared: Mapping[int, frozenset[str]] | None = None) -> Callable[[tuple[int, int]], bool]:
     """The e-nodes a configuration forbids, for `extract.extract(..., exclude=...)`.
 
     A pinned `dp` and `tp` are promises, not hints. `batch` (input leaf class -> its batch dim,
@@ -75,10 +77,14 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
     tensor axis: weights split, activations replicated, summed, gathered or
     split by the operators' own rules (heads, vocabulary), graph inputs
     never split but for the batch's along another dim than the batch (one-hot
-    ids along their vocabulary) and a constant one-hot that a table is looked
+    ids along their vocabulary), a constant one-hot that a table is looked
     up with along its vocabulary (GPT-2's positions, whose table `wpe` the
-    axis splits); sequence parallelism adds reduce-scatter / all-gather of
+    axis splits) and a constant read only as a mask (BERT's attention mask,
+    along the heads with its scores, `_constant_masks`); sequence parallelism adds reduce-scatter / all-gather of
     activations and cuts along the sequence.
+
+    `shared` (`shared_weights`: a weight read by several operators of the graph, a table tied to a head) makes
+    such a weight split along one dim on the tensor axis (`_one_storage_dims`): a parameter has one layout.
 
     The set is decided once, e-node by e-node: extraction asks about every
     e-node in each of its passes, on e-graphs of 10^5 e-nodes per grid point.
@@ -88,9 +94,12 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
     from_weights = _weight_values(snapshot, roles, samples if batch else None) if config.data_axis is not None \
         else frozenset()
     # which inputs carry no batch is known only where the batch's are (`batch`): without it every one-hot ids
-    # input would look constant (the restricted grid's calls, `baselines`)
-    looked_up = _constant_lookups(snapshot, roles, samples) if config.tensor_axis is not None and batch \
-        else frozenset()
+    # input and every mask would look constant (the restricted grid's calls, `baselines`)
+    constants = config.tensor_axis is not None and bool(batch)
+    looked_up = _constant_lookups(snapshot, roles, samples) if constants else frozenset()
+    masks = _constant_masks(snapshot, roles, samples) if constants else frozenset()
+    one_dim = _derived(snapshot, _one_storage_dims(snapshot, shared, config.tensor_axis)) \
+        if shared and config.tensor_axis is not None else {}
 
     def excluded(node) -> bool:
         if node.op == "leaf":
@@ -125,7 +134,7 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
             return node.op == REDUCE_SCATTER
         if axis == config.tensor_axis:
             return _tensor_axis_excluded(node, dim, source, snapshot, config.sequence,
-                                         (samples, looked_up, stored_split))
+                                         (samples, looked_up, masks, stored_split, one_dim))
         return not config.others_free   # an axis the configuration does not name
 
     forbidden = frozenset((cid, index) for cid, nodes in snapshot.classes.items()
@@ -134,19 +143,24 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
 
 
 def _tensor_axis_excluded(node, dim: int | None, source: str, snapshot: Snapshot, sequence: bool,
-                          inputs: tuple[Mapping[int, int], frozenset[int], frozenset[int]]) -> bool:
+                          inputs: tuple[Mapping[int, int], frozenset[int], frozenset[int], frozenset[int],
+                                        Mapping[int, int]]) -> bool:
     """Whether a pinned tensor axis forbids the parallel operator `node` on it (`config_excluded`'s docstring says
     what the axis allows); `inputs` is (the batch's inputs and their batch dims, the constant one-hot lookups, the
-    weights stored split)."""
-    samples, looked_up, stored_split = inputs
+    constant masks, the weights stored split, the one dim each shared weight is split along)."""
+    samples, looked_up, masks, stored_split, one_dim = inputs
     child = node.children[0]
     if source == "input" and child in samples:   # vocabulary-parallel one-hot ids, targets
         return node.op != REPLICATE and not (node.op == PARTITION and dim != samples[child])
     if source == "input" and child in looked_up:   # vocabulary-parallel constant one-hot ids
         return node.op != REPLICATE and not (node.op == PARTITION and dim == len(snapshot.shape[child]) - 1)
+    if source == "input" and child in masks:   # a constant mask, split as the scores it masks are
+        return node.op not in (PARTITION, REPLICATE)
     if source == "input":
         return node.op != REPLICATE
     if source in WEIGHT_ROLES:
+        if node.op == PARTITION and one_dim.get(child, dim) != dim:
+            return True   # a shared weight split along another dim than its one layout's
         return node.op not in (PARTITION, REPLICATE) or (node.op == REPLICATE and child in stored_split)
     if node.op in (REDUCE_SCATTER, ALL_GATHER):
         return not sequence
@@ -187,6 +201,62 @@ def _constant_lookups(snapshot: Snapshot, roles: Mapping[int, str], samples: Map
     return frozenset(cid for cid, role in roles.items() if role == "input" and cid not in samples and any(
         snapshot.classes[reader][index].op in LOOKUPS and snapshot.kids[(reader, index)][0] == cid
         for reader, index in snapshot.readers.get(cid, ())))
+
+
+def shared_weights(graph: Graph, classes: Mapping[str, int]) -> dict[int, frozenset[str]]:
+    """The weights (their leaf classes) that more than one node of the graph reads, each with those nodes'
+    operators: a table tied to a head (BERT's word table read by its padded lookup and by the decoder's
+    projection), which torch stores as one parameter in one layout."""
+    readers: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        for source in node.inputs:
+            readers.setdefault(source, []).append(node.op)
+    return {classes[w.name]: frozenset(readers[w.name]) for w in graph.weights
+            if len(readers.get(w.name, ())) > 1 and w.name in classes}
+
+
+def _one_storage_dims(snapshot: Snapshot, shared: Mapping[int, frozenset[str]], axis: int) -> dict[int, int]:
+    """For each shared weight (`shared_weights`) that a table lookup reads, the one dim a tensor axis splits it
+    along: the lowest of the dims along which every lookup reading it has an e-node reading it split (a tied
+    table's vocabulary where the lookup reads it so, as Megatron-LM ties table and head; its columns for a padded
+    lookup, whose rules split nothing else). The lookup decides: a projection reads its weight split along either
+    dim (column- or row-parallel, under other operators' names: `linear_nobias_t` and a reduce), a lookup only
+    along those its rules have. Without one dim, a plan read BERT's tied word table split two ways (columns for
+    the lookup, rows for the head), which no torch style stores: one parameter, one layout."""
+    out: dict[int, int] = {}
+    for leaf, ops in shared.items():
+        admits: dict[str, set[int]] = {op: set() for op in ops & LOOKUPS}
+        for reader, index in snapshot.readers.get(leaf, ()):
+            node = snapshot.classes[reader][index]
+            if node.op == PARTITION and node.attrs[-1] == axis:
+                for user, position in snapshot.readers.get(reader, ()):
+                    if snapshot.classes[user][position].op in admits:
+                        admits[snapshot.classes[user][position].op].add(node.attrs[0])
+        common = set.intersection(*admits.values()) if admits else set()
+        if common:
+            out[leaf] = min(common)
+    return out
+
+
+# The (operator, argument) pairs that read a 0/1 mask (a masked softmax's second argument).
+MASKED_ARGS = frozenset(key for key, form in DATA_ARGS.items() if form == MASK)
+
+
+def _constant_masks(snapshot: Snapshot, roles: Mapping[int, str], samples: Mapping[int, int]) -> frozenset[int]:
+    """The graph inputs without a batch dim that every compute e-node reading them reads as a mask (BERT's
+    attention mask of ones, [batch, heads, seq, seq], which the module builds from shapes). A pinned tensor axis
+    may split one along any dim: every rank takes its block of a constant, nothing is sent, and the operator
+    that reads it decides which split is used, as it does for the scores beside it: the masked softmax's rules
+    (proved) read a mask split only where the scores are split alike (along the heads, where attention is
+    head-sharded), so a split the scores do not share is no plan. Kept whole, a mask makes every tensor-parallel
+    rank gather its heads' scores and compute the whole softmax."""
+    def read_as_mask(cid: int) -> bool:
+        readers = [(reader, index) for reader, index in snapshot.readers.get(cid, ())
+                   if snapshot.classes[reader][index].op not in PARALLEL_OPS]
+        return bool(readers) and all(
+            (snapshot.classes[reader][index].op, position) in MASKED_ARGS
+            for reader, index in readers for position, kid in enumerate(snapshot.kids[(reader, index)]) if kid == cid)
+    return frozenset(cid for cid, role in roles.items() if role == "input" and cid not in samples and read_as_mask(cid))
 
 
 def _derived(snapshot: Snapshot, batch: Mapping[int, int]) -> dict[int, int]:
