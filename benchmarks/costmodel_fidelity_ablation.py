@@ -6,7 +6,8 @@ ROWS.json is a `costmodel_fidelity.py --runtime torch --json` run, MACHINES_DIR 
 calibrated before each round, `machine-{n}-{round}.json`). Each row is predicted again as the run did (the
 geometric mean over the calibrations before and after its round) against the same measured step, with: everything;
 no sequence factor (every operator call priced as timed alone, `OpEfficiency.sequence_factor` 1); that and no waits;
-no Python instruction priced (the module's own Python between its ATen calls); no `module_calls` (the user's module's own calls beyond its graph, `ir.module_calls`); no per-group FSDP2 hook
+no Python instruction priced (the module's own Python between its ATen calls); no `module_calls` (the user's module's own calls beyond its graph, `ir.module_calls`); no collective host work
+(DTensor's `redistribute`, FSDP2's collectives); no per-group FSDP2 hook
 cost (`fsdp_forward_group_s`, `fsdp_backward_group_s` at 0); neither; no wait for a peer's turn on a shared
 core (`comm.turn_s` at 0; the skew's slope stays as fitted beside it); neither that nor stragglers; the
 collectives as runs T1-T5 priced them (the plans' meshes one rank a node, so every group priced by the analytic
@@ -32,11 +33,18 @@ from costmodel_fidelity_torch import MODELS, torch_plans  # noqa: E402
 from parsat.backend.executor import operator_library  # noqa: E402
 from parsat.cost.pcg_tasks import TORCH_NATIVE, ExecutionProfile, simulate_pcg  # noqa: E402
 from parsat.ir.machine import Machine  # noqa: E402
+from parsat.ir.machine_profile import FSDP_COLLECTIVE_FIELDS, REDISTRIBUTE_FIELDS  # noqa: E402
 
 
 def _no_group_hooks(machine: Machine) -> Machine:
     return replace(machine, efficiency=replace(machine.efficiency, fsdp_forward_group_s=0.0,
                                                fsdp_backward_group_s=0.0))
+
+
+def _no_collective_host_work(machine: Machine) -> Machine:
+    """The host time DTensor's `redistribute` and FSDP2's collectives add (session 60, helper E) at 0."""
+    return replace(machine, efficiency=replace(machine.efficiency, **dict.fromkeys(
+        REDISTRIBUTE_FIELDS + FSDP_COLLECTIVE_FIELDS, 0.0)))
 
 
 def _no_python(machine: Machine) -> Machine:
@@ -85,6 +93,7 @@ VARIANTS = {"everything": Variant(), "no module calls": Variant(calls=False),
             "no module Python (python_instruction_s 0)": Variant(_no_python),
             "no sequence factor (each call as timed alone: sequence_factor 1)": Variant(_no_sequence),
             "no sequence factor, no peer's turn, no stragglers": Variant(_no_sequence_no_waits),
+            "no collective host work (DTensor's redistribute, FSDP2's collectives: 0)": Variant(_no_collective_host_work),
             "no per-group hooks": Variant(_no_group_hooks), "neither": Variant(_no_group_hooks, calls=False),
             "no peer's turn (comm.turn_s 0)": Variant(_no_turn),
             "collectives on the fitted line (no samples)": Variant(_line_collectives),

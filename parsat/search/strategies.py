@@ -71,17 +71,14 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
     they are never replicated on it, so every projection and embedding is split as Megatron-LM splits them
     (columns, rows, the vocabulary) and attention follows its heads.
 
-    On the data axis: graph inputs split along dim 0, weights replicated
-    (their gradients synchronised) or, with ZeRO-3, stored split and
-    all-gathered; activations only gathered or summed (the loss). On the
-    tensor axis: weights split, activations replicated, summed, gathered or
-    split by the operators' own rules (heads, vocabulary), graph inputs
-    never split but for the batch's along another dim than the batch (one-hot
-    ids along their vocabulary), a constant one-hot that a table is looked
-    up with along its vocabulary (GPT-2's positions, whose table `wpe` the
-    axis splits) and a constant read only as a mask (BERT's attention mask,
-    along the heads with its scores, `_constant_masks`); sequence parallelism adds reduce-scatter / all-gather of
-    activations and cuts along the sequence.
+    On the data axis: graph inputs split along dim 0, weights replicated (their gradients synchronised) or, with
+    ZeRO-3, stored split and all-gathered; activations only gathered or summed (the loss). On the tensor axis:
+    weights split, activations replicated, summed, gathered or split by the operators' own rules (heads,
+    vocabulary), graph inputs never split but for the batch's along another dim than the batch (one-hot ids along
+    their vocabulary), a constant one-hot that a table is looked up with along its vocabulary (GPT-2's positions,
+    whose table `wpe` the axis splits) and a constant read only as a mask (BERT's attention mask, along the heads
+    with its scores, `_constant_masks`); sequence parallelism adds reduce-scatter / all-gather of activations and
+    cuts along the sequence.
 
     `shared` (`shared_weights`: a weight read by several operators of the graph, a table tied to a head) makes
     such a weight split along one dim on the tensor axis (`_one_storage_dims`): a parameter has one layout.
