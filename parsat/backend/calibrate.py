@@ -100,8 +100,7 @@ from parsat.dsl.bounds import check_all
 from parsat.ir.units import fmt_bytes
 from parsat.ir.machine import Machine
 from parsat.ir.machine_profile import (COMM_ELEMENTS, FSDP_COLLECTIVE_FIELDS, REDISTRIBUTE_FIELDS, CollectivePoint,
-                                      CommProfile, OpEfficiency,
-                                      Oversubscribed, bus_factor)
+                                      CommProfile, OpEfficiency, Oversubscribed, bus_factor)
 
 DTYPES = {"float64": ("fp64", torch.float64, torch.float32), "float32": ("fp32", torch.float32, torch.float64),
           "bfloat16": ("bf16", torch.bfloat16, torch.float32)}
@@ -291,7 +290,8 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
                                                 .to(ctx.device), budget, sync), 0.0, float(elements * item)])
     ops += _updates(ctx, dtype, budget, sync)
     return {"dispatch": dispatch, "dtensor": extra, "fsdp": hooks, "python": python, "sequence": sequence,
-            "redistribute": redistribute, "fsdp_collectives": fsdp_collectives, "ops": ops, "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync),
+            "redistribute": redistribute, "fsdp_collectives": fsdp_collectives, "ops": ops,
+            "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync),
             "skew": _skew(ctx, dtype, size, budget, sync), "turns": _turns(ctx, dtype, budget, sync),
             "threads": torch.get_num_threads()}
 
@@ -428,6 +428,13 @@ REDISTRIBUTE_CALLS = 20   # calls of each collective, DTensor's and plain, timed
 REDISTRIBUTE_WIDTH = 64   # the buffers' last dim: [n / width, width], an activation's [tokens, hidden] in miniature
 
 
+def _rows_and_width(n: int, ranks: int) -> tuple[int, int]:
+    """The [rows, width] buffer of about `n` elements the host-work probes time: a whole number of columns and of
+    rows on each of `ranks` ranks (REDISTRIBUTE_WIDTH wide, at least one row per rank)."""
+    width = ranks * max(1, REDISTRIBUTE_WIDTH // ranks)
+    return max(ranks, n // width - (n // width) % ranks), width
+
+
 def _redistribute(ctx: RankContext, dtype, sizes: Sequence[int], sync) -> tuple[float, float, float]:
     """Host seconds DTensor's `redistribute` adds to one collective beyond the table's plain one, (all-reduce,
     all-gather, reduce-scatter): at each of the table's sizes `sizes` (the collective's whole tensor, as
@@ -445,11 +452,10 @@ def _redistribute(ctx: RankContext, dtype, sizes: Sequence[int], sync) -> tuple[
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     g = ctx.world
-    width = g * max(1, REDISTRIBUTE_WIDTH // g)   # a whole number of columns on every rank
     mesh = init_device_mesh(ctx.device.type, (g,))
     differences: dict[str, list[float]] = {"all_reduce": [], "all_gather": [], "reduce_scatter": []}
     for n in sizes:
-        rows = max(g, n // width - (n // width) % g)
+        rows, width = _rows_and_width(n, g)
         plain = dict(collective_cases(ctx, dtype, rows * width, g, None))
         partial = DTensor.from_local(torch.ones(rows, width, dtype=dtype, device=ctx.device), mesh, [Partial()],
                                      run_check=False)
@@ -510,11 +516,10 @@ def _fsdp_collectives(ctx: RankContext, dtype, sizes: Sequence[int], sync) -> tu
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(ctx.device.type, (ctx.world, 1), mesh_dim_names=("ranks", "alone"))
-    width = ctx.world * max(1, REDISTRIBUTE_WIDTH // ctx.world)
-    x = torch.ones(2, width, dtype=dtype, device=ctx.device)
     differences: dict[str, list[float]] = {"all_gather": [], "reduce_scatter": [], "all_reduce": []}
     for n in sizes:
-        rows = max(ctx.world, n // width - (n // width) % ctx.world)
+        rows, width = _rows_and_width(n, ctx.world)
+        x = torch.ones(2, width, dtype=dtype, device=ctx.device)
         plain = dict(collective_cases(ctx, dtype, rows * width, ctx.world, None))
         piece, whole = (torch.ones(k, dtype=dtype, device=ctx.device) for k in (rows * width // ctx.world, rows * width))
         cases = {("plain", "all_gather"): plain["all_gather"], ("plain", "all_reduce"): plain["all_reduce"],

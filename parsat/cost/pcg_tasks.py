@@ -1944,7 +1944,7 @@ def peak_floor(pcg: PCG, machine: Machine, times: OpTimes, microbatches: int = 1
                profile: ExecutionProfile | None = None) -> int:
     """A lower bound of the peak memory per device `simulate_pcg` gives `pcg` over `microbatches` micro-batches as
     `profile` (the machine's, `profile_for`) runs it, without making a task: what lets a search refuse a
-    candidate that cannot fit without simulating it (`search.mesh.CandidateSteps.surely_over`). Why it is one:
+    candidate that cannot fit without simulating it (`search.mesh.CandidateSteps`, `refusing`). Why it is one:
     `_Builder.memory_floor`. Unlike the per-node bound (`ir.costs.Totals.peak_memory_bytes`), which may lie above
     the simulated peak or far below it, this is never above it."""
     profile = profile or profile_for(machine)

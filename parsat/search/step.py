@@ -117,9 +117,7 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
         # micro-batch search reads DoesNotFit to try other counts (`microbatches.CountSearch`)
         raise _no_joint_plan(step, searches)
     best_search = min(solved, key=lambda s: rank(s.joint, step.memory)) if solved else searches[0]
-    candidates, found_baselines, skipped = compare_baselines(step, searches, best_search, steps, clock)
-    if pinned:   # only a plan that keeps the pins may stand for the joint one
-        candidates = [c for c in candidates if c.name == JOINT or keeps_pins(c, step.request)]
+    candidates, found_baselines, skipped = _compared(step, searches, best_search, steps, clock, pinned)
     if not candidates:
         # nothing to fall back to (pinned inputs, or pinned degrees: no baseline keeps them)
         raise _pin_error(step, searches) if pinned else _no_joint_plan(step, searches)
@@ -131,9 +129,7 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
     if _settle_grid(step, steps) or steps.refused:   # a plan is made: as if nothing had been refused (`_refusing`)
         steps.refusing = False
         searches = [s.settled(steps) for s in searches]
-        candidates, found_baselines, skipped = compare_baselines(step, searches, best_search, steps, clock)
-        if pinned:
-            candidates = [c for c in candidates if c.name == JOINT or keeps_pins(c, step.request)]
+        candidates, found_baselines, skipped = _compared(step, searches, best_search, steps, clock, pinned)
     plan = assemble_plan(step, searches, best_search, candidates, found_baselines, skipped, steps)
     if unspread:
         said["unspread"] = unspread
@@ -281,6 +277,16 @@ def _pins(step: StepContext) -> str:
     if request.sequence_parallel is not None:
         pins.append(f"sp={request.parallel_dims['tp'] if request.sequence_parallel else 1}")
     return ", ".join(pins)
+
+
+def _compared(step: StepContext, searches: Sequence[MeshSearch], best_search: MeshSearch, steps: CandidateSteps,
+              clock: Deadline, pinned: bool):
+    """`compare_baselines`' (candidates, baselines found, skipped), where the degrees are `pinned` only the
+    candidates that keep the pins beside the joint plan (only such a plan may stand for it)."""
+    candidates, found_baselines, skipped = compare_baselines(step, searches, best_search, steps, clock)
+    if pinned:
+        candidates = [c for c in candidates if c.name == JOINT or keeps_pins(c, step.request)]
+    return candidates, found_baselines, skipped
 
 
 def _refusing(step: StepContext) -> bool:

@@ -240,8 +240,8 @@ MASKED_ARGS = frozenset(key for key, form in DATA_ARGS.items() if form == MASK)
 
 
 def _constant_masks(snapshot: Snapshot, roles: Mapping[int, str], samples: Mapping[int, int]) -> frozenset[int]:
-    """The graph inputs without a batch dim that every compute e-node reading them reads as a mask (BERT's
-    attention mask of ones, [batch, heads, seq, seq], which the module builds from shapes). A pinned tensor axis
+    """The graph inputs not among the batch's (`samples`) that every compute e-node reading them reads as a mask
+    (BERT's attention mask of ones, [batch, heads, seq, seq], which the module builds from shapes). A pinned tensor axis
     may split one along any dim: every rank takes its block of a constant, nothing is sent, and the operator
     that reads it decides which split is used, as it does for the scores beside it: the masked softmax's rules
     (proved) read a mask split only where the scores are split alike (along the heads, where attention is
