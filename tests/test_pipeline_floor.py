@@ -89,3 +89,34 @@ def test_a_pair_that_cannot_win_is_skipped_and_the_plan_is_the_same(never_skippi
                  and "time_s" in s]
         assert times and min(times) >= t["floor_s"]
     assert _without(plan.to_json()) == _without(full.to_json())
+
+
+# gpt on two nodes of 3 GB devices: the pipelined plan wins (4 stages x 16 micro-batches, a scout's on one stage
+# mesh of 4 devices), and the two-axis stage mesh's joint plan and grid point have pipelined floors above it
+WIDE = {"blocks": 8, "batch": 64, "seq": 1024, "hidden": 4096, "heads": 32, "vocab": 1024}
+
+
+@pytest.mark.slow
+def test_every_stage_mesh_stops_where_no_new_mesh_can_win_and_the_plan_is_the_same(monkeypatch):
+    """The search of every stage mesh at the scout's pair stops, before simulating or pricing, where every
+    candidate of the meshes the scout did not search is priced at or above the scout's pipelined plan (and its
+    grid points at or above the best PTD-P point): said in the trace with the floor and the bar, and the plan
+    (its step, best grid point, every figure but the trace) is the one searching on gives. Searching on there
+    prices the pair's plans again, each at or above the floor said."""
+    import parsat.search.step as step
+    machine = replace(Machine.resolve("h100x8"), memory_capacity=3e9)
+    plan = optimize("gpt", machine, devices=16, sizes=WIDE, pipeline=True)
+    stopped = [t for t in plan.saturation["pipeline_search"] if t.get("every_mesh")]
+    assert len(stopped) == 1 and "not below" in stopped[0]["skipped"]
+    assert stopped[0]["floor_s"] >= stopped[0]["bar_s"] >= plan.totals.time_s
+    with monkeypatch.context() as patch:
+        patch.setattr(step, "_stop_where_nothing_new_wins", lambda _step, _searches: None)
+        full = optimize("gpt", machine, devices=16, sizes=WIDE, pipeline=True)
+    searched = full.saturation["pipeline_search"]
+    assert not any(t.get("every_mesh") for t in searched)
+    pair = (stopped[0]["pp"], stopped[0]["microbatches"])
+    again = [t for t in searched if (t["pp"], t["microbatches"]) == pair and "time_s" in t]
+    scouts = [t for t in plan.saturation["pipeline_search"] if (t["pp"], t["microbatches"]) == pair and "time_s" in t]
+    assert len(again) > len(scouts)   # the search of every mesh priced the pair again there
+    assert min(t["time_s"] for t in again) == min(t["time_s"] for t in scouts)
+    assert _without(plan.to_json()) == _without(full.to_json())

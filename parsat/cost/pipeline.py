@@ -933,6 +933,12 @@ class StageFit:
     # `floor_s` is at or above it, the stage search stops (`ir.errors.CannotWin`); None: never. It changes which
     # searches run, not what a search finds, so it is no part of the judgment (nor of a cache key)
     bar_s: float | None = field(default=None, compare=False)
+    # the search of every stage mesh at a scout's pair (`pipeline_search._search_every_mesh`): its first
+    # `scouted_meshes` meshes are the scout's, already judged, and only the others' candidates are bounded, their
+    # grid points against `grid_bar_s` too, the fastest PTD-P point that fits so far (`search.step.
+    # stop_where_cannot_win`); like `bar_s`, they change which searches run, not what a search finds
+    grid_bar_s: float | None = field(default=None, compare=False)
+    scouted_meshes: int = field(default=0, compare=False)
 
     def peak_bytes(self, plan: Plan) -> int | None:
         """The memory per device `plan` (a stage plan) needs in the schedule and cut that need least of those

@@ -306,10 +306,20 @@ def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, i
     p, m, in_flight = scouted[id(first)]
     say(f"pipeline {p} stages x {m} micro-batches chosen: searching every stage mesh")
     memo = (memos or {}).get((p, m, in_flight)) or StageMemo(library=library)
-    fit = StageFit(p, machine, schedule, memo=memo, chunks=fit_chunks)
+    # the bars of the new meshes' candidates (`step.stop_where_cannot_win`): the first-ranked plan, the scout's,
+    # where it fits, and the fastest PTD-P point that fits
+    fitting_grid = [g.totals.time_s for g, _c in grid if g.totals.fits(machine)]
+    fit = StageFit(p, machine, schedule, memo=memo, chunks=fit_chunks,
+                   bar_s=first.totals.time_s if first.totals.fits(machine) else None,
+                   grid_bar_s=min(fitting_grid) if fitting_grid else None, scouted_meshes=1)
     try:
         stage = search(_stage_machine(machine, devices, p), devices // p, m, in_flight, fit,
                        clock.part(1.0) if clock is not None else None, False)
+    except CannotWin as err:
+        say(f"pipeline {p} x {m} micro-batches, every stage mesh: skipped, {err}")
+        tried.append({"pp": p, "microbatches": m, "in_flight": in_flight, "every_mesh": True, "skipped": str(err),
+                      "floor_s": err.floor_s, "bar_s": err.bar_s})
+        return
     except (DoesNotFit, OptimizeError) as err:
         say(f"pipeline {p} x {m} micro-batches, every stage mesh: no stage plan ({err})")
         return

@@ -167,6 +167,9 @@ def stop_where_cannot_win(step: StepContext, searches: Sequence[MeshSearch]) -> 
     solved = [s for s in searches if s.joint is not None]
     if not solved:
         return
+    if fit.scouted_meshes:
+        _stop_where_nothing_new_wins(step, searches)
+        return
     bar, least = fit.bar_s, math.inf
     for pcg, costs in _stage_candidates(step, searches):
         if costs is None:   # a layout that cannot be priced is no point of the grid; not bounded, nothing skipped
@@ -176,6 +179,52 @@ def stop_where_cannot_win(step: StepContext, searches: Sequence[MeshSearch]) -> 
             return
     if _surely_fits(step, solved):
         raise CannotWin(least, bar)
+
+
+def _stop_where_nothing_new_wins(step: StepContext, searches: Sequence[MeshSearch]) -> None:
+    """Raise CannotWin where the search of every stage mesh at a scout's pair (`pipeline_search._search_every_mesh`)
+    can add nothing that matters: every candidate of the meshes the scout did not search (their joint plan,
+    Megatron and restricted grid point) can be placed and has a pipelined floor (`StageFit.floor_s`) at or above
+    `StageFit.bar_s`, the pipelined plan the scout's stage plan gave (the first-ranked so far, which fits), and
+    each such grid point at or above `StageFit.grid_bar_s` too (the fastest PTD-P point that fits so far).
+    Called, as `stop_where_cannot_win`, before any candidate is simulated or priced; only where no wall-clock
+    limit applies (`_refusing`'s condition: the first mesh's search, the grid and data and expert parallelism
+    are then the scout's own, kept for the call: `searched_once`, `independent_points`, `built_once`) and no
+    safety valve cut a mesh.
+
+    Why nothing it would add matters. The step chooses, of its candidates that can be placed, the first by
+    `rank` (`assemble_plan`), and its grid point is the first by `rank` of its grid's points (`best`); the
+    pipeline search prices the chosen one in every schedule and the grid point as PTD-P points. Its candidates
+    are the scout's (with the same simulated steps and memory figures, shared for the call) in the same order of
+    roles (joint, Megatron, data and expert parallelism, grid point; the scout's mesh first among the meshes),
+    where a new mesh's candidate may take a role's place by ranking first in it. If the chosen one is new, every
+    plan priced from it is at or above its floor, so at or above the bar: appended after the scout's plan, it
+    never ranks before it (`best_of` keeps the first on a tie). If it is one of the scout's, it is the scout's
+    chosen stage plan S: were it another, X, then X ranks no later than S here, or than the new candidate N
+    holding S's role (which can be placed, so X ranks no later than N, and N no later than S in that role); the
+    scout ranked S no later than X, so all tie and the earlier role wins in both steps, S's role in the scout's
+    and X's here, which cannot both hold. S priced again gives the scout's plans again (`PricedOnce`), after
+    them. The grid point likewise: a new one's PTD-P points are at or above the grid bar, and one of the scout's
+    is the scout's own (the same argument over the grid's points), priced again. So the plans, the best plan and
+    the best grid point are what searching on gives; only `tried` lacks the pair's repeated schedules."""
+    fit, request = step.stage, step.request
+    limits = request.limits
+    if math.isfinite(limits.seconds) or math.isfinite(limits.ilp_seconds) or any(s.cut for s in searches):
+        return
+    grid_bar = None if fit.grid_bar_s is None else max(fit.bar_s, fit.grid_bar_s)
+    least = math.inf
+    for search in searches[fit.scouted_meshes:]:
+        for candidate, bar in ((search.joint, fit.bar_s), (search.megatron, fit.bar_s), (search.grid, grid_bar)):
+            if candidate is None:
+                continue
+            if bar is None or _unplaceable([candidate], request.library, request.built):
+                return
+            floor = fit.floor_s(candidate.pcg, candidate.costs)
+            least = min(least, floor)
+            if floor < bar:
+                return
+    if math.isfinite(least):
+        raise CannotWin(least, fit.bar_s)
 
 
 def _stage_candidates(step: StepContext, searches: Sequence[MeshSearch]) -> Iterator[tuple[PCG, Mapping | None]]:
