@@ -47,7 +47,13 @@ candidates, where that plan ranks before the unstaged plan. Between the two,
 `optimize` may search every unstaged mesh (`sharpen`, given the scouts'
 plans): the unstaged plan it returns is the bar of the search of every
 stage mesh, which on llama-70b:64 (the unstaged plan on two axes 14.985 s,
-the pipelined scout's 16.156 s) is then not run.
+the pipelined scout's 16.156 s) is then not run. The search of every stage
+mesh itself stops, before simulating or pricing any candidate, where every
+candidate of the meshes the scout did not search has a pipelined floor at or
+above the scout's pipelined plan (its grid points at or above the fastest
+PTD-P point too): nothing it could add would rank first
+(`step.stop_where_cannot_win`; llama-70b:64's two-axis stage meshes at 8 x 64:
+floors 16.52 s against 16.156).
 
 Degrees tried: any p >= 2 dividing the devices whose stages are whole
 nodes or a part dividing one (not only powers of two: Megatron-Core's
@@ -299,7 +305,11 @@ def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, i
     and prices the same PCG in the same schedules. A memo is a cache of what the stage plans' nodes, outputs,
     cuts and machine determine (layer maps, layouts, schedule orders, compute times, tensor-parallel overlaps,
     each keyed by all it reads: `StageMemo`), so a memo that holds more gives the same figures; llama-70b:64's
-    search of every mesh worked out its scout's layer maps and overlaps again."""
+    search of every mesh worked out its scout's layer maps and overlaps again.
+
+    The step is given the bars its new meshes' candidates must beat (`StageFit.bar_s`: `first`'s step, where it
+    fits; `grid_bar_s`: the fastest PTD-P point that fits so far; `scouted_meshes`: the scout's first mesh is not
+    bounded again) and stops with CannotWin where none can (`step.stop_where_cannot_win`), listed in `tried`."""
     first = min(plans, key=rank_plans)
     if id(first) not in scouted or (bar is not None and rank_plans(bar) <= rank_plans(first)):
         return

@@ -160,7 +160,9 @@ def stop_where_cannot_win(step: StepContext, searches: Sequence[MeshSearch]) -> 
     never built for a stage. Only where some mesh has a joint plan (otherwise the
     step falls back or fails as before), and only where the plan the step would choose surely fits
     (`_surely_fits`): the pipeline search then prices a plan that fits, and never searches the pair again with
-    more micro-batches in flight, so stopping changes no other search."""
+    more micro-batches in flight, so stopping changes no other search. The search of every stage mesh at a
+    scout's pair (`StageFit.scouted_meshes`) bounds only the candidates of the meshes the scout did not search
+    (`_stop_where_nothing_new_wins`)."""
     fit = step.stage
     if fit is None or fit.bar_s is None or step.pins or step.request.parallel_dims:
         return
