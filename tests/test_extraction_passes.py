@@ -16,6 +16,19 @@ from parsat.ir.costs import NodeCost
 from parsat.search.extract import EPSILON, Choosable, bottom_up, greedy_dag
 
 
+def _plain_start(snapshot, usable, weight):
+    """Both passes' start as written before `Choosable`: every e-node scanned; the usable ones that do not read their
+    own class wait for their children, the leaves among them pushed with their weight."""
+    pending, heap = {}, []
+    for nid, kids in snapshot.kids.items():
+        if nid[0] in kids or not usable(nid):
+            continue
+        pending[nid] = len(kids)
+        if not kids:
+            heapq.heappush(heap, (weight(nid), nid[0], nid[1]))
+    return pending, heap
+
+
 def _plain_bottom_up(snapshot, costs, usable, prefer=None, memory_price=0.0):
     """The bottom-up pass as written before `Choosable`: every e-node scanned, each weight worked out as met."""
     prefer = prefer or {}
@@ -26,13 +39,7 @@ def _plain_bottom_up(snapshot, costs, usable, prefer=None, memory_price=0.0):
         cost = costs[nid]
         return cost.time_s + memory_price * cost.memory_bytes + EPSILON
 
-    pending, heap = {}, []
-    for nid, kids in snapshot.kids.items():
-        if nid[0] in kids or not usable(nid):
-            continue
-        pending[nid] = len(kids)
-        if not kids:
-            heapq.heappush(heap, (weight(nid), nid[0], nid[1]))
+    pending, heap = _plain_start(snapshot, usable, weight)
     best, choice, rank = {}, {}, {}
     while heap:
         value, cid, index = heapq.heappop(heap)
@@ -50,13 +57,7 @@ def _plain_bottom_up(snapshot, costs, usable, prefer=None, memory_price=0.0):
 
 def _plain_greedy_dag(snapshot, costs, usable):
     """The greedy DAG pass as written before `Choosable`: a class's value is the cost of the set below it."""
-    pending, ready = {}, []
-    for nid, kids in snapshot.kids.items():
-        if nid[0] in kids or not usable(nid):
-            continue
-        pending[nid] = len(kids)
-        if not kids:
-            heapq.heappush(ready, (costs[nid].time_s + EPSILON, nid[0], nid[1]))
+    pending, ready = _plain_start(snapshot, usable, lambda nid: costs[nid].time_s + EPSILON)
     below, value_of, own, choice = {}, {}, [], {}
 
     def union(children):
