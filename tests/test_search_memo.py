@@ -5,7 +5,6 @@ extraction, and a PCG's shared tables cannot be changed through what callers are
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import replace
 
 import pytest
@@ -20,8 +19,10 @@ from parsat.ir.machine import Machine
 from parsat.ir.models import build_example
 from parsat.ir.pcg import WEIGHT_PIECE, WEIGHT_ROLES, _pcg_roles, pcg_roles, readers, weight_chains, weight_storage
 from parsat.search.baselines import independent_grid
-from parsat.search.extract import EPSILON, bottom_up, node_costs
+from parsat.search.extract import bottom_up, node_costs
 from parsat.search.request import resolve_request, step_context
+
+from test_extraction_passes import _plain_bottom_up  # noqa: E402 (a sibling test module: the pass written plainly)
 
 SIZES = {"blocks": 2, "hidden": 256, "heads": 8, "batch": 64, "seq": 128, "vocab": 1024}
 
@@ -87,32 +88,6 @@ def test_floors_and_simulated_steps_are_the_same_with_the_tables_kept_or_not(gri
                                                     OpTimes(request.library, machine))
 
 
-def _bottom_up_afresh(snapshot, costs, usable):
-    """`extract.bottom_up` (no preferred choice) as it was written before its look-ups were bound once."""
-    pending, heap = {}, []
-    for nid, kids in snapshot.kids.items():
-        if nid[0] in kids or not usable(nid):
-            continue
-        pending[nid] = len(kids)
-        if not kids:
-            heapq.heappush(heap, (costs[nid].time_s + EPSILON, nid[0], nid[1]))
-    best, choice, rank = {}, {}, {}
-    while heap:
-        value, cid, index = heapq.heappop(heap)
-        if cid in best:
-            continue
-        best[cid], choice[cid] = value, index
-        rank[cid] = len(rank)
-        for nid in snapshot.readers.get(cid, ()):
-            if nid not in pending:
-                continue
-            pending[nid] -= 1
-            if pending[nid] == 0 and nid[0] not in best:
-                total = costs[nid].time_s + EPSILON + sum(best[ch] for ch in snapshot.kids[nid])
-                heapq.heappush(heap, (total, nid[0], nid[1]))
-    return choice, rank
-
-
 def test_bottom_up_chooses_as_it_did_before_its_look_ups_were_bound():
     library = resolve_library(None)
     graph = build_example("mlp", library=library)
@@ -121,4 +96,4 @@ def test_bottom_up_chooses_as_it_did_before_its_look_ups_were_bound():
     costs = node_costs(snapshot, graph, library, Machine.preset("cpu").with_devices(2))
     assert len(costs) > 20
     for usable in (lambda nid: nid in costs, lambda nid: nid in costs and nid[1] % 2 == 0):
-        assert bottom_up(snapshot, costs, usable) == _bottom_up_afresh(snapshot, costs, usable)
+        assert bottom_up(snapshot, costs, usable) == _plain_bottom_up(snapshot, costs, usable)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import heapq
 import math
 import os
@@ -377,9 +378,28 @@ def _usable(costs, exclude, obliged: Obliged | None = None) -> Callable[[NodeId]
     return lambda nid: nid in costs and not exclude(nid)
 
 
+@dataclass(frozen=True)
+class Choosable:
+    """The e-nodes one extraction's passes may choose, worked out once for all of them: every `usable` e-node that
+    does not read its own class, in the snapshot's order, with how many distinct classes it reads (`waiting`),
+    and its own weight as the passes rank by time (`weight`: its time plus `EPSILON`). An extraction runs the
+    bottom-up pass twice or more and the greedy DAG pass once over the same e-nodes and costs (`extract`); each
+    scanned every e-node and priced each it met afresh."""
+
+    waiting: Mapping[NodeId, int]
+    time: Mapping[NodeId, float]     # its time (`NodeCost.time_s`)
+    weight: Mapping[NodeId, float]   # its time + EPSILON
+
+    @staticmethod
+    def of(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Callable[[NodeId], bool]) -> "Choosable":
+        waiting = {nid: len(kids) for nid, kids in snapshot.kids.items() if nid[0] not in kids and usable(nid)}
+        time_of = {nid: costs[nid].time_s for nid in waiting}
+        return Choosable(waiting, time_of, {nid: t + EPSILON for nid, t in time_of.items()})
+
+
 def bottom_up(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Callable[[NodeId], bool],
-              prefer: Mapping[int, int] | None = None,
-              memory_price: float = 0.0) -> tuple[dict[int, int], dict[int, int]]:
+              prefer: Mapping[int, int] | None = None, memory_price: float = 0.0,
+              choosable: Choosable | None = None) -> tuple[dict[int, int], dict[int, int]]:
     """Tree-optimal choice; classes are final before any parent uses them (never a cycle).
 
     Also returns each class's finalisation rank: keeping only the e-nodes whose
@@ -388,26 +408,23 @@ def bottom_up(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Call
     those e-nodes cost nothing, so the order also contains that choice.
     `memory_price` (seconds per byte) adds each e-node's memory to its time:
     the Lagrangian weight `lean_choices` trades time for memory with.
+    `choosable`: `Choosable.of(snapshot, costs, usable)`, when the caller has it.
     """
-    prefer = prefer or {}
-
-    def weight(nid: NodeId) -> float:
-        if prefer.get(nid[0]) == nid[1]:
-            return 0.0
-        cost = costs[nid]
-        return cost.time_s + memory_price * cost.memory_bytes + EPSILON
+    choosable = choosable or Choosable.of(snapshot, costs, usable)
+    if memory_price:
+        weight = {nid: costs[nid].time_s + memory_price * costs[nid].memory_bytes + EPSILON
+                  for nid in choosable.waiting}
+    else:   # time + 0.0 x memory + EPSILON is time + EPSILON, float for float
+        weight = choosable.weight
+    if prefer:
+        weight = {**weight, **{nid: 0.0 for nid in prefer.items() if nid in weight}}
 
     # the same passes and sums as written plainly, with the lookups bound once: extraction runs this on every
     # grid configuration of every mesh (10^5 e-nodes each), so its per-e-node overhead is most of its cost
     kids_of, readers_of, push, pop = snapshot.kids, snapshot.readers, heapq.heappush, heapq.heappop
-    pending: dict[NodeId, int] = {}     # usable e-node -> its children not yet final
-    heap: list = []
-    for nid, kids in kids_of.items():
-        if nid[0] in kids or not usable(nid):
-            continue
-        pending[nid] = len(kids)
-        if not kids:
-            push(heap, (weight(nid), nid[0], nid[1]))
+    pending = dict(choosable.waiting)    # usable e-node -> its children not yet final
+    heap: list = [(weight[nid], nid[0], nid[1]) for nid, left in pending.items() if not left]
+    heapq.heapify(heap)
     best: dict[int, float] = {}
     choice: dict[int, int] = {}
     rank: dict[int, int] = {}
@@ -424,12 +441,12 @@ def bottom_up(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Call
                 continue
             pending[nid] = left = left - 1
             if left == 0 and nid[0] not in best:
-                push(heap, (weight(nid) + sum(map(final, kids_of[nid])), nid[0], nid[1]))
+                push(heap, (weight[nid] + sum(map(final, kids_of[nid])), nid[0], nid[1]))
     return choice, rank
 
 
 def greedy_dag(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Callable[[NodeId], bool],
-               deadline: float = math.inf) -> dict[int, int] | None:
+               deadline: float = math.inf, choosable: Choosable | None = None) -> dict[int, int] | None:
     """Faster-greedy-DAG: a class's cost is the summed cost of the set of e-nodes below its choice.
 
     Classes are final in the order they are popped, and each holds exactly
@@ -439,22 +456,21 @@ def greedy_dag(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Cal
     children's sets that set lacks (usually few: the children of a residual
     add share their prefix), so a pass is near linear where summing whole
     sets was quadratic in the depth of the graph (10 s on a 24-block stack).
+    `choosable`: `Choosable.of(snapshot, costs, usable)`, when the caller has it.
     """
-    pending: dict[NodeId, int] = {}     # usable e-node -> its children not yet final
-    ready: list = []
-    kids_of = snapshot.kids
-    for nid, kids in kids_of.items():
-        if nid[0] in kids or not usable(nid):
-            continue
-        pending[nid] = len(kids)
-        if not kids:
-            heapq.heappush(ready, (costs[nid].time_s + EPSILON, nid[0], nid[1]))
+    choosable = choosable or Choosable.of(snapshot, costs, usable)
+    time_of, weight, readers_of, kids_of = choosable.time, choosable.weight, snapshot.readers, snapshot.kids
+    pending = dict(choosable.waiting)   # usable e-node -> its children not yet final
+    ready: list = [(weight[nid], nid[0], nid[1]) for nid, left in pending.items() if not left]
+    heapq.heapify(ready)
     below: dict[int, int] = {}          # class -> bitset of the classes its choice needs (itself included)
     value_of: dict[int, float] = {}     # class -> summed cost of that set
     own: list[float] = []               # finalisation rank -> cost of the class's chosen e-node
     choice: dict[int, int] = {}
 
-    def union(children: Iterable[int]) -> tuple[int, float]:
+    def union(children: Sequence[int]) -> tuple[int, float]:
+        if len(children) == 1:   # what the general case gives for one child, without the sort
+            return below[children[0]], value_of[children[0]]
         kids = sorted(children, key=value_of.__getitem__, reverse=True)
         if not kids:
             return 0, 0.0
@@ -468,22 +484,24 @@ def greedy_dag(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Cal
                 extra ^= low
         return mask, total
 
+    timed, push, pop = math.isfinite(deadline), heapq.heappush, heapq.heappop
     while ready:
-        if time.perf_counter() > deadline:
+        if timed and time.perf_counter() > deadline:
             return None
-        value, cid, index = heapq.heappop(ready)
+        value, cid, index = pop(ready)
         if cid in choice:
             continue
         mask, _total = union(kids_of[(cid, index)])
-        own.append(costs[(cid, index)].time_s + EPSILON)
+        own.append(weight[(cid, index)])
         below[cid], value_of[cid], choice[cid] = mask | (1 << (len(own) - 1)), value, index
-        for nid in snapshot.readers.get(cid, ()):
-            if nid not in pending:
+        for nid in readers_of.get(cid, ()):
+            left = pending.get(nid)
+            if left is None:
                 continue
-            pending[nid] -= 1
-            if pending[nid] == 0 and nid[0] not in choice:
+            pending[nid] = left = left - 1
+            if left == 0 and nid[0] not in choice:
                 _mask, total = union(kids_of[nid])
-                heapq.heappush(ready, (total + costs[nid].time_s + EPSILON, nid[0], nid[1]))
+                push(ready, (total + time_of[nid] + EPSILON, nid[0], nid[1]))
     return choice
 
 
@@ -616,6 +634,9 @@ def _ilp_columns(snapshot: Snapshot, roots: Sequence[int], usable, rank: Mapping
     `ilp`); the second lets the ILP re-choose how a class of the warm plan is made from the values before it,
     which `rank` alone forbade for a class the warm plan finalised early. It is a bounded amount of work: None
     where it adds nothing or more than `VALUE_ORDER_GROWTH` of the first's columns."""
+    # each test is asked twice per e-node (`_reachable`, then `_columns`) and `ranked` again inside `ordered`: each
+    # answer is kept (`functools.cache`), as it reads only the e-node and this call's fixed `usable`, `rank`, `warm`
+    @functools.cache
     def ranked(nid: NodeId) -> bool:
         cid = nid[0]
         return usable(nid) and cid in rank and all(rank.get(ch, math.inf) < rank[cid]
@@ -626,6 +647,7 @@ def _ilp_columns(snapshot: Snapshot, roots: Sequence[int], usable, rank: Mapping
         return cols, None
     values = value_order(snapshot)
 
+    @functools.cache
     def ordered(nid: NodeId) -> bool:
         cid = nid[0]
         if ranked(nid):
@@ -754,9 +776,10 @@ def lean_choices(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Se
     `dag_cost` as the other passes' are; none is guaranteed to fit (the weight counts a shared child's memory
     once per reader, the DAG once)."""
     chosen: list[dict[int, int]] = []
+    choosable = Choosable.of(snapshot, costs, usable)
 
     def fits_at(price: float) -> bool:
-        choice, _rank = bottom_up(snapshot, costs, usable, memory_price=price)
+        choice, _rank = bottom_up(snapshot, costs, usable, memory_price=price, choosable=choosable)
         chosen.append(choice)
         result = dag_cost(snapshot, costs, choice, roots, obliged)
         return result is not None and result[1] <= capacity
@@ -829,13 +852,14 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
 
     t = time.perf_counter()
     guide = _guided(snapshot, costs, usable, obliged)   # what the greedy passes rank by
-    tree, _rank = bottom_up(snapshot, guide, usable)
+    choosable = Choosable.of(snapshot, guide, usable)
+    tree, _rank = bottom_up(snapshot, guide, usable, choosable=choosable)
     seconds["bottom_up"] = time.perf_counter() - t
     if any(r not in tree for r in roots):
         raise ExtractionError("no plan reaches the graph's outputs with the e-nodes the cost model accepts")
     consider("bottom_up", tree)
     t = time.perf_counter()
-    consider("greedy_dag", greedy_dag(snapshot, guide, usable, t + limits.seconds))
+    consider("greedy_dag", greedy_dag(snapshot, guide, usable, t + limits.seconds, choosable))
     seconds["greedy_dag"] = time.perf_counter() - t
 
     def fitting() -> list:
@@ -846,7 +870,7 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
         admits it; its status."""
         warm = min(found, key=lambda f: (f[1] > capacity, f[0]))[3]
         t = time.perf_counter()
-        _tree, rank = bottom_up(snapshot, guide, usable, prefer=warm)  # an order that admits the warm start
+        _tree, rank = bottom_up(snapshot, guide, usable, prefer=warm, choosable=choosable)  # admits the warm start
         choice, status = ilp(snapshot, costs, roots, usable, capacity, warm, limits.ilp_nodes, rank,
                              min(limits.ilp_seconds, limits.seconds), obliged)
         seconds[method] = time.perf_counter() - t
