@@ -127,6 +127,9 @@ class OpTiming:
             return eff.op_time(self.nbytes / eff.random_bandwidth) if eff.random_bandwidth else float("nan")
         if self.op.startswith("update_"):
             return eff.update_time(self.op[7:], self.shape[0]) or float("nan")
+        if self.op.startswith("function_"):   # its measured per-element time: the dispatch is the intercept
+            name, backward = self.op[9:].removesuffix("_backward"), self.op.endswith("_backward")
+            return eff.op_time(eff.function_time({name: self.shape[0]}, backward), backward)
         if self.op in ("matmul", "matmul_nt", "matmul_tn"):
             fraction = eff.layout_efficiency(self.op[7:] or "nn", *self.shape)
             return eff.op_time(self.flops / (machine.peak_flops * fraction)) if fraction else float("nan")
@@ -289,6 +292,7 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
         ops.append(["randn", [elements], _timed(ctx, lambda: torch.randn(elements, generator=gen, dtype=dtype)
                                                 .to(ctx.device), budget, sync), 0.0, float(elements * item)])
     ops += _updates(ctx, dtype, budget, sync)
+    ops += _functions(ctx, dtype, budget, sync)
     return {"dispatch": dispatch, "dtensor": extra, "fsdp": hooks, "python": python, "sequence": sequence,
             "redistribute": redistribute, "fsdp_collectives": fsdp_collectives, "ops": ops,
             "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync),
@@ -345,6 +349,38 @@ def _updates(ctx: RankContext, dtype, budget: Budget, sync) -> list[list]:
             seconds = _slowest(ctx, average_after(backward, optimizer.step, budget, sync))
             rows_out.append([f"update_{kind}", [rows * UPDATE_WIDTH], seconds, 0.0, 0.0])
     return rows_out
+
+
+FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "tanh": torch.tanh, "erf": torch.erf, "sin": torch.sin,
+    "cos": torch.cos}
+"""The DSL's scalar functions (`dsl.instantiate.SCALAR_FUNCTIONS`) that are more than a comparison, each as
+torch's elementwise kernel for it: what `_functions` times (its input in [0.5, 1.5), where every one is defined)."""
+FUNCTION_ELEMENTS = (1 << 14, 1 << 18)   # the sizes each function is timed at: 64 KB and 1 MB in fp32
+
+
+def _functions(ctx: RankContext, dtype, budget: Budget, sync) -> list[list]:
+    """[f"function_{name}", [elements], seconds, 0, bytes] per scalar function (`FUNCTIONS`) and size
+    (`FUNCTION_ELEMENTS`): the slowest rank's average forward, and [f"function_{name}_backward", ...] its
+    autograd backward right after a forward (not timed), as a step runs it. `fit_functions` takes the slope
+    between the sizes: the per-element time, dispatch aside."""
+    rows = []
+    for name, fn in FUNCTIONS.items():
+        for elements in FUNCTION_ELEMENTS:
+            x = (torch.rand(elements, dtype=dtype) + 0.5).to(ctx.device)
+            leaf, grad = x.clone().requires_grad_(), torch.ones_like(x)
+            nbytes = float(2 * elements * x.element_size())
+            rows.append([f"function_{name}", [elements], _timed(ctx, lambda: fn(x), budget, sync), 0.0, nbytes])
+            held: dict = {}
+
+            def forward():
+                leaf.grad = None
+                held["y"] = fn(leaf)
+
+            dist.barrier()
+            seconds = _slowest(ctx, average_after(forward, lambda: held["y"].backward(grad), budget, sync))
+            rows.append([f"function_{name}_backward", [elements], seconds, 0.0, 1.5 * nbytes])
+    return rows
 
 
 def average_after(prepare: Callable[[], object], fn: Callable[[], object], budget: Budget, sync: Callable[[], object],
@@ -1060,6 +1096,21 @@ def fit_updates(timings: Sequence[OpTiming]) -> dict[str, tuple]:
     return {"update_points": tuple(p for p in points if p[1])} if any(p[1] for p in points) else {}
 
 
+def fit_functions(timings: Sequence[OpTiming]) -> dict[str, tuple]:
+    """`OpEfficiency.function_times` from `_functions`' timings: per function, the seconds per element of its
+    forward and of its backward, each the slope between the smallest and the largest size (a negative slope, a
+    noisy pair, reads 0); {} where none was timed."""
+    def slope(op: str) -> float:
+        points = sorted((t.shape[0], t.seconds) for t in timings if t.op == op)
+        (n0, t0), (n1, t1) = points[0], points[-1]
+        return max(0.0, (t1 - t0) / (n1 - n0)) if n1 > n0 else 0.0
+
+    names = sorted({t.op[len("function_"):] for t in timings if t.op.startswith("function_")
+                    and not t.op.endswith("_backward")})
+    times = tuple((name, slope(f"function_{name}"), slope(f"function_{name}_backward")) for name in names)
+    return {"function_times": times} if times else {}
+
+
 def _growing(points: Sequence[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
     """`points` with each time at least the one before (an update of more elements, a collective of more bytes,
     does not take less: where a noisy measurement says so, the smaller one's time stands)."""
@@ -1135,7 +1186,7 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
                         in result["collectives"])
     gemms = [t for t in ops if t.op == "matmul"]
     peak, halves = fit_gemm(gemms)
-    layouts = fit_layouts(ops, peak) | fit_updates(ops)
+    layouts = fit_layouts(ops, peak) | fit_updates(ops) | fit_functions(ops)
     bandwidth, half_bytes, cache_bytes, cache_bw = fit_memory([t for t in ops if t.op in ("relu", "add", "copy")])
     randn = [t for t in ops if t.op == "randn"]
     _c, random_slope = fit_line([t.nbytes for t in randn], [t.seconds for t in randn])
@@ -1278,6 +1329,9 @@ def report(cal: Calibration) -> str:
                f"{getattr(e, f'gemm_{lay}_half_m'):g}, n {getattr(e, f'gemm_{lay}_half_n'):g}, k "
                f"{getattr(e, f'gemm_{lay}_half_k'):g}" for lay, name in (("nt", "g @ w^T"), ("tn", "x^T @ g"))
                if getattr(e, f"gemm_{lay}_rate") > 0),
+             *([f"  scalar functions, ns per element forward / backward: " + ", ".join(
+                 f"{name} {f * 1e9:.2f} / {b * 1e9:.2f}" for name, f, b in e.function_times)] if e.function_times
+               else []),
              f"  {'operator':<14} {'shape':<22} {'measured':>11} {'model':>11}"]
     for t in cal.ops:
         if t.op == "matmul_other":
@@ -1302,4 +1356,4 @@ def report(cal: Calibration) -> str:
 
 
 __all__ = ["Budget", "Calibration", "CollectiveTiming", "OpTiming", "average_after", "calibrate", "fit_gemm",
-           "fit_layouts", "fit_line", "fit_link", "fit_memory", "fit_turn", "fit_updates", "gemm_shapes", "memory_sizes", "report"]
+           "fit_functions", "fit_layouts", "fit_line", "fit_link", "fit_memory", "fit_turn", "fit_updates", "gemm_shapes", "memory_sizes", "report"]

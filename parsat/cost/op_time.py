@@ -37,10 +37,11 @@ logsumexp per query row (`OpTime.saved_bytes`), never an [s, s] matrix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from math import prod
 from typing import Callable, Collection, Mapping
 
+from parsat.dsl import ast
 from parsat.dsl.instantiate import OpInstance, index_bounds
 from parsat.dsl.work import contraction, work
 from parsat.ir.machine import Machine
@@ -62,7 +63,8 @@ class OpTime:
     flops: float             # local forward FLOPs
     nbytes: float            # local forward bytes touched
     gemm: tuple[float, float, float] | None = None   # local (m, n, k) of its product, if any
-    backward_factor: float | None = None   # a fused kernel's backward kernel / its forward kernel
+    backward_factor: float | None = None   # a fused kernel's backward kernel / its forward kernel (also an operator
+    #                                        evaluating measured scalar functions: `function_kernel`)
     saved_bytes: float = 0.0                # bytes kept for backward beside the output (a fused kernel's)
     grad_kernels: tuple[float, ...] = ()    # a product's backward kernel per operand, as measured (`BACKWARD_PRODUCTS`;
                                             # empty: each priced as the forward kernel)
@@ -131,6 +133,44 @@ the first. Operators not here keep the forward kernel per gradient; an "nn" back
 gradient) is priced as a forward product of its shape."""
 
 
+def function_evaluations(instance: OpInstance) -> dict[str, int]:
+    """Global evaluations of each scalar function (`tanh`, `exp`, `erf`, ...) in one forward application: a call
+    once per value of the index variables free in it (hoisted, as `dsl.work` counts FLOPs), and calls that differ
+    only in the names of their index variables once (softmax's `exp(x[i, j])` and the `exp(x[i, l])` its sum
+    adds up read the same elements: torch's kernel computes each exponential once). `dsl.work` counts a call as
+    one FLOP; on a CPU core torch's elementwise tanh ran 2.6 ns an element, a relu 0.1 (benchmarks/
+    costmodel_fidelity.md, session 61 helper C), so these are priced at their measured rates
+    (`OpEfficiency.function_time`)."""
+    bounds = {k: int(v.evaluate({})) for k, v in index_bounds(instance).items()}
+    counts: dict[tuple, int] = {}
+
+    def free(expr: ast.Expr) -> frozenset[str]:
+        if isinstance(expr, ast.Name):
+            return frozenset({expr.id}) & frozenset(bounds)
+        inner = frozenset().union(*(free(c) for c in ast.children(expr)))
+        return inner - {expr.var} if isinstance(expr, ast.RANGE_BINDERS) else inner
+
+    def renamed(value, order: dict[str, int]):
+        """`value` with its index variables numbered by first appearance (the same call, whatever its names)."""
+        if isinstance(value, str) and value in bounds:
+            return order.setdefault(value, len(order))
+        if isinstance(value, tuple):
+            return tuple(renamed(v, order) for v in value)
+        if is_dataclass(value):
+            return (type(value).__name__, *(renamed(getattr(value, f.name), order) for f in fields(value)
+                                             if f.compare))
+        return value
+
+    for expr in ast.walk(instance.body):
+        if isinstance(expr, ast.Call):
+            key = (expr.func, renamed(expr.args, {}))
+            counts[key] = max(counts.get(key, 0), prod(bounds[v] for v in free(expr)))
+    out: dict[str, int] = {}
+    for (name, _args), n in counts.items():
+        out[name] = out.get(name, 0) + n
+    return out
+
+
 def _degree(value) -> int:
     return int(value.evaluate({})) if hasattr(value, "evaluate") else int(value)
 
@@ -190,6 +230,16 @@ def roofline(flops: float, nbytes: float, fraction: float, machine: Machine) -> 
     return max(flops / (machine.peak_flops * fraction), nbytes / eff.bandwidth(nbytes, machine.memory_bandwidth))
 
 
+def function_kernel(flops: float, nbytes: float, evaluations: Mapping[str, float], machine: Machine,
+                    backward: bool = False) -> float:
+    """An operator without a product whose semantics evaluate scalar functions (`function_evaluations`, local):
+    its FLOPs at peak plus the functions' measured per-element time (`OpEfficiency.function_time`, forward or
+    its autograd backward), or its bytes at the machine's bandwidth, whichever is longer."""
+    eff = machine.efficiency
+    compute = flops / machine.peak_flops + eff.function_time(evaluations, backward)
+    return max(compute, nbytes / eff.bandwidth(nbytes, machine.memory_bandwidth))
+
+
 def kernel_time(flops: float, nbytes: float, gemm: tuple[float, float, float] | None, machine: Machine) -> float:
     """The roofline of one kernel with the machine's GEMM and bandwidth efficiency."""
     return roofline(flops, nbytes, machine.efficiency.gemm_efficiency(*gemm) if gemm is not None else 1.0, machine)
@@ -210,6 +260,12 @@ def op_time(instance: OpInstance, var_degrees: Mapping[str, object], local_eleme
                       local_flops, nbytes, None, fused.backward_factor, fused.row_bytes * rows)
     dims = local_contraction(instance, var_degrees)
     gemm = None if dims is None else (dims[0] * dims[1], dims[2], dims[3])
+    if gemm is None and eff.function_times:
+        calls = {f: n / split for f, n in function_evaluations(instance).items()}
+        kernel, back = (function_kernel(local_flops, nbytes, calls, machine, b) for b in (False, True))
+        if eff.function_time(calls) > 0:   # measured functions: a backward kernel of its own
+            return OpTime(eff.op_time(kernel), eff.op_time(back, backward=True), kernel, local_flops, nbytes,
+                          backward_factor=back / kernel)
     kernel = kernel_time(local_flops, nbytes, gemm, machine)
     if gemm is None:
         return OpTime(eff.op_time(kernel), _backward_s(kernel, (), eff), kernel, local_flops, nbytes)
@@ -261,5 +317,5 @@ def memory_op_time(nbytes: float, machine: Machine, backward: bool = False) -> f
 
 
 __all__ = ["BACKWARD_FACTOR", "BACKWARD_PRODUCTS", "FUSED", "FusedKernel", "OPTIMIZER_PASSES", "OpTime",
-           "causal_attention_flops", "chunk_time", "grad_kernels", "kernel_time", "local_contraction", "local_gemm",
+           "causal_attention_flops", "chunk_time", "function_evaluations", "function_kernel", "grad_kernels", "kernel_time", "local_contraction", "local_gemm",
            "memory_op_time", "op_time", "roofline", "update_time"]
