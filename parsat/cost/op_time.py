@@ -11,7 +11,14 @@ measured by `parsat calibrate`):
 
 where (m, n, k) is the local shape of the operator's matrix product
 (`dsl.work.contraction`; batch dims count as rows) and an operator without
-one runs at peak FLOP/s (it is memory-bound anyway). Backward does one
+one runs at peak FLOP/s (it is memory-bound anyway), unless its semantics
+evaluate scalar functions (tanh, exp, erf, ...: `function_evaluations`)
+and the machine measured them (`OpEfficiency.function_times`, `parsat
+calibrate`): then its compute is the functions' evaluations at their
+measured per-element rates, forward and, for its backward kernel, their
+autograd backward's (`function_kernel`; on a CPU core torch's tanh ran 26x
+a relu: GPT-2's two tanh calls took 13% of its forward, priced at 1%).
+Backward does one
 product per operand needing a gradient: on a machine that measured
 products on transposed operands (`OpEfficiency.layout_efficiency`, `parsat
 calibrate`), each as autograd runs it (`BACKWARD_PRODUCTS`: its own shape,
