@@ -64,6 +64,14 @@ for fp32 training):
   timed alone as every figure here is (`OpEfficiency.sequence_factor`):
   two transformer blocks' forward and backward ATen calls replayed in
   order against each call repeated alone;
+* the DSL's scalar functions (tanh, exp, erf, ...) as torch's elementwise
+  kernels, forward and backward, per element (`function_times`: the
+  slope between two sizes), which the cost model adds to an operator
+  evaluating them (on a CPU core tanh ran 26x a relu);
+* fused causal attention (`scaled_dot_product_attention(is_causal=True)`)
+  forward and backward over a few shapes, fitted to the cost model's
+  FlashAttention pricing (`attention_efficiency`, `attention_half_flops`;
+  before, a calibrated machine priced it at the GEMMs' peak);
 * memory-bound operators (copies, adds, relus) from kilobytes to tens of
   megabytes, fitted to t = dispatch + (bytes + half) / bandwidth
   (`memory_bandwidth`, `memory_half_bytes`);
@@ -99,8 +107,9 @@ from parsat.importer.torch_ops import apply_op
 from parsat.dsl.bounds import check_all
 from parsat.ir.units import fmt_bytes
 from parsat.ir.machine import Machine
-from parsat.ir.machine_profile import (COMM_ELEMENTS, FSDP_COLLECTIVE_FIELDS, REDISTRIBUTE_FIELDS, CollectivePoint,
-                                      CommProfile, OpEfficiency, Oversubscribed, bus_factor)
+from parsat.ir.machine_profile import (ATTENTION_BACKWARD_FACTOR, COMM_ELEMENTS, FSDP_COLLECTIVE_FIELDS,
+                                      REDISTRIBUTE_FIELDS, CollectivePoint, CommProfile, OpEfficiency, Oversubscribed,
+                                      bus_factor)
 
 DTYPES = {"float64": ("fp64", torch.float64, torch.float32), "float32": ("fp32", torch.float32, torch.float64),
           "bfloat16": ("bf16", torch.bfloat16, torch.float32)}
@@ -127,6 +136,10 @@ class OpTiming:
             return eff.op_time(self.nbytes / eff.random_bandwidth) if eff.random_bandwidth else float("nan")
         if self.op.startswith("update_"):
             return eff.update_time(self.op[7:], self.shape[0]) or float("nan")
+        if self.op.startswith("attention_causal"):   # forward, or its backward alone (FlashAttention's factor)
+            kernel = self.flops / (machine.peak_flops * eff.attention_rate(self.flops))
+            backward = self.op.endswith("_backward")
+            return eff.op_time(kernel * (ATTENTION_BACKWARD_FACTOR if backward else 1.0), backward)
         if self.op.startswith("function_"):   # its measured per-element time: the dispatch is the intercept
             name, backward = self.op[9:].removesuffix("_backward"), self.op.endswith("_backward")
             return eff.op_time(eff.function_time({name: self.shape[0]}, backward), backward)
@@ -293,6 +306,7 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
                                                 .to(ctx.device), budget, sync), 0.0, float(elements * item)])
     ops += _updates(ctx, dtype, budget, sync)
     ops += _functions(ctx, dtype, budget, sync)
+    ops += _attention(ctx, dtype, budget, sync)
     return {"dispatch": dispatch, "dtensor": extra, "fsdp": hooks, "python": python, "sequence": sequence,
             "redistribute": redistribute, "fsdp_collectives": fsdp_collectives, "ops": ops,
             "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync),
@@ -356,7 +370,8 @@ FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "cos": torch.cos}
 """The DSL's scalar functions (`dsl.instantiate.SCALAR_FUNCTIONS`) that are more than a comparison, each as
 torch's elementwise kernel for it: what `_functions` times (its input in [0.5, 1.5), where every one is defined)."""
-FUNCTION_ELEMENTS = (1 << 14, 1 << 18)   # the sizes each function is timed at: 64 KB and 1 MB in fp32
+FUNCTION_ELEMENTS = (1 << 12, 1 << 16)   # the sizes each function is timed at: 16 KB and 256 KB in fp32 (a
+#                                         small model's activations; at 1 MB the slope ran 2x on a loaded box)
 
 
 def _functions(ctx: RankContext, dtype, budget: Budget, sync) -> list[list]:
@@ -380,6 +395,42 @@ def _functions(ctx: RankContext, dtype, budget: Budget, sync) -> list[list]:
             dist.barrier()
             seconds = _slowest(ctx, average_after(forward, lambda: held["y"].backward(grad), budget, sync))
             rows.append([f"function_{name}_backward", [elements], seconds, 0.0, 1.5 * nbytes])
+    return rows
+
+
+ATTENTION_SHAPES = ((4, 4, 32, 32), (4, 4, 64, 32), (4, 4, 128, 64), (4, 8, 256, 64))
+"""[batch, heads, sequence, head size] of the fused causal attention calls `_attention` times."""
+
+
+def _attention(ctx: RankContext, dtype, budget: Budget, sync) -> list[list]:
+    """[attention_causal, [b, h, s, d], seconds, causal forward FLOPs, bytes] per shape (`ATTENTION_SHAPES`):
+    the slowest rank's average `scaled_dot_product_attention(q, k, v, is_causal=True)` (the kernel the importer's
+    `attention_causal` runs as), and [attention_causal_backward, ...] its autograd backward right after a forward.
+    `fit_attention` fits `OpEfficiency.attention_efficiency` and `attention_half_flops` to them, which were the
+    GPU's measured figures or 1 and 0 (fused attention at the GEMMs' peak) before: on a CPU core the two small
+    attention calls of GPT-2 and LLaMA ran 2x their share of the priced forward (benchmarks/costmodel_fidelity.md,
+    session 61 helper C)."""
+    import torch.nn.functional as F
+
+    rows = []
+    for b, h, s, d in ATTENTION_SHAPES:
+        q, k, v = (torch.randn(b, h, s, d, dtype=dtype).to(ctx.device) for _ in range(3))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        grad = torch.randn(b, h, s, d, dtype=dtype).to(ctx.device)
+        flops = 2.0 * b * h * s * s * d       # causal: half of q k^T and of the weighted sum of v
+        nbytes = float(4 * b * h * s * d * q.element_size())
+        seconds = _timed(ctx, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), budget, sync)
+        rows.append(["attention_causal", [b, h, s, d], seconds, flops, nbytes])
+        held: dict = {}
+
+        def forward():
+            for t in leaves:
+                t.grad = None
+            held["y"] = F.scaled_dot_product_attention(*leaves, is_causal=True)
+
+        dist.barrier()
+        seconds = _slowest(ctx, average_after(forward, lambda: held["y"].backward(grad), budget, sync))
+        rows.append(["attention_causal_backward", [b, h, s, d], seconds, flops, 2 * nbytes])
     return rows
 
 
@@ -1111,6 +1162,25 @@ def fit_functions(timings: Sequence[OpTiming]) -> dict[str, tuple]:
     return {"function_times": times} if times else {}
 
 
+def fit_attention(timings: Sequence[OpTiming], peak: float, dispatch: tuple[float, float]) -> dict[str, float]:
+    """`OpEfficiency.attention_efficiency` and `attention_half_flops` from `_attention`'s timings: the cost model
+    prices a call of F forward FLOPs at F / (peak x e / (1 + h / F)) forward and `ATTENTION_BACKWARD_FACTOR`
+    times that backward, so forward + backward less the two dispatches is a line in F, (1 + factor) (F + h) /
+    (peak e), fitted through every shape (the whole step's attention time, not the forward's share of it); e at
+    most 1, h at least 0. {} where nothing was timed."""
+    forward = {t.shape: t for t in timings if t.op == "attention_causal"}
+    pairs = [(t.flops, t.seconds + b.seconds - sum(dispatch)) for shape, t in forward.items()
+             for b in timings if b.op == "attention_causal_backward" and b.shape == shape]
+    if not pairs:
+        return {}
+    intercept, slope = fit_line([f for f, _ in pairs], [max(s, 1e-9) for _, s in pairs])
+    if slope <= 0:   # noise: every shape at its mean rate
+        slope, intercept = sum(s for _, s in pairs) / sum(f for f, _ in pairs), 0.0
+    factor = 1.0 + ATTENTION_BACKWARD_FACTOR
+    return {"attention_efficiency": min(1.0, factor / (peak * slope)),
+            "attention_half_flops": max(0.0, intercept / slope)}
+
+
 def _growing(points: Sequence[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
     """`points` with each time at least the one before (an update of more elements, a collective of more bytes,
     does not take less: where a noisy measurement says so, the smaller one's time stands)."""
@@ -1186,7 +1256,7 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
                         in result["collectives"])
     gemms = [t for t in ops if t.op == "matmul"]
     peak, halves = fit_gemm(gemms)
-    layouts = fit_layouts(ops, peak) | fit_updates(ops) | fit_functions(ops)
+    layouts = fit_layouts(ops, peak) | fit_updates(ops) | fit_functions(ops) | fit_attention(ops, peak, dispatch)
     bandwidth, half_bytes, cache_bytes, cache_bw = fit_memory([t for t in ops if t.op in ("relu", "add", "copy")])
     randn = [t for t in ops if t.op == "randn"]
     _c, random_slope = fit_line([t.nbytes for t in randn], [t.seconds for t in randn])
@@ -1329,6 +1399,8 @@ def report(cal: Calibration) -> str:
                f"{getattr(e, f'gemm_{lay}_half_m'):g}, n {getattr(e, f'gemm_{lay}_half_n'):g}, k "
                f"{getattr(e, f'gemm_{lay}_half_k'):g}" for lay, name in (("nt", "g @ w^T"), ("tn", "x^T @ g"))
                if getattr(e, f"gemm_{lay}_rate") > 0),
+             *([f"  fused causal attention (scaled_dot_product_attention): {e.attention_efficiency:.3f} x peak, half "
+                f"that at {e.attention_half_flops / 1e6:.2f} MFLOP a call"] if e.attention_efficiency != 1.0 else []),
              *([f"  scalar functions, ns per element forward / backward: " + ", ".join(
                  f"{name} {f * 1e9:.2f} / {b * 1e9:.2f}" for name, f, b in e.function_times)] if e.function_times
                else []),
@@ -1356,4 +1428,4 @@ def report(cal: Calibration) -> str:
 
 
 __all__ = ["Budget", "Calibration", "CollectiveTiming", "OpTiming", "average_after", "calibrate", "fit_gemm",
-           "fit_functions", "fit_layouts", "fit_line", "fit_link", "fit_memory", "fit_turn", "fit_updates", "gemm_shapes", "memory_sizes", "report"]
+           "fit_attention", "fit_functions", "fit_layouts", "fit_line", "fit_link", "fit_memory", "fit_turn", "fit_updates", "gemm_shapes", "memory_sizes", "report"]

@@ -52,7 +52,7 @@ from parsat.dsl import ast
 from parsat.dsl.instantiate import OpInstance, index_bounds
 from parsat.dsl.work import contraction, work
 from parsat.ir.machine import Machine
-from parsat.ir.machine_profile import OpEfficiency
+from parsat.ir.machine_profile import ATTENTION_BACKWARD_FACTOR, OpEfficiency
 
 BACKWARD_FACTOR = 2.0        # backward FLOPs and bytes = 2 x forward (two products per product)
 PRODUCT_OPERANDS = 2         # a product's operands that its backward products read; any after them is a bias
@@ -124,7 +124,7 @@ def causal_attention_flops(instance: OpInstance) -> float:
 
 
 FUSED: Mapping[str, FusedKernel] = {
-    "attention_causal": FusedKernel(causal_attention_flops, OpEfficiency.attention_rate, backward_factor=2.5,
+    "attention_causal": FusedKernel(causal_attention_flops, OpEfficiency.attention_rate, ATTENTION_BACKWARD_FACTOR,
                                     row_bytes=4, keeps_output=True),
 }
 """Operators priced as one fused kernel (the module docstring): their own FLOPs, rate, backward and saved bytes."""

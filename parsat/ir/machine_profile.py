@@ -59,6 +59,9 @@ def bus_factor(collective: str, p: int) -> float:
 
 REDISTRIBUTE_FIELDS = ("dtensor_all_reduce_s", "dtensor_all_gather_s", "dtensor_reduce_scatter_s")
 """`OpEfficiency`'s per-collective host times of DTensor's `redistribute` (`redistribute_time`)."""
+ATTENTION_BACKWARD_FACTOR = 2.5
+"""Fused causal attention's backward kernel / its forward (FlashAttention's count: the two products again, the
+scores recomputed and their gradient): how `cost.op_time` prices it and `parsat calibrate` fits its rate."""
 FSDP_COLLECTIVE_FIELDS = ("fsdp_all_gather_s", "fsdp_reduce_scatter_s", "fsdp_all_reduce_s")
 """`OpEfficiency`'s per-collective host times of FSDP2 over the ranks (`fsdp_collective_time`)."""
 
