@@ -45,6 +45,7 @@ logsumexp per query row (`OpTime.saved_bytes`), never an [s, s] matrix.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, is_dataclass, replace
+from functools import lru_cache
 from math import prod
 from typing import Callable, Collection, Mapping
 
@@ -141,6 +142,12 @@ gradient) is priced as a forward product of its shape."""
 
 
 def function_evaluations(instance: OpInstance) -> dict[str, int]:
+    """Global evaluations of each scalar function in one forward application (`_evaluations`)."""
+    return dict(_evaluations(instance))
+
+
+@lru_cache(maxsize=4096)
+def _evaluations(instance: OpInstance) -> tuple[tuple[str, int], ...]:
     """Global evaluations of each scalar function (`tanh`, `exp`, `erf`, ...) in one forward application: a call
     once per value of the index variables free in it (hoisted, as `dsl.work` counts FLOPs), and calls that differ
     only in the names of their index variables once (softmax's `exp(x[i, j])` and the `exp(x[i, l])` its sum
@@ -175,7 +182,7 @@ def function_evaluations(instance: OpInstance) -> dict[str, int]:
     out: dict[str, int] = {}
     for (name, _args), n in counts.items():
         out[name] = out.get(name, 0) + n
-    return out
+    return tuple(sorted(out.items()))   # kept per instance: a search prices the same operators again and again
 
 
 def _degree(value) -> int:
@@ -324,5 +331,6 @@ def memory_op_time(nbytes: float, machine: Machine, backward: bool = False) -> f
 
 
 __all__ = ["BACKWARD_FACTOR", "BACKWARD_PRODUCTS", "FUSED", "FusedKernel", "OPTIMIZER_PASSES", "OpTime",
-           "causal_attention_flops", "chunk_time", "function_evaluations", "function_kernel", "grad_kernels", "kernel_time", "local_contraction", "local_gemm",
+           "causal_attention_flops", "chunk_time", "function_evaluations", "function_kernel", "grad_kernels",
+           "kernel_time", "local_contraction", "local_gemm",
            "memory_op_time", "op_time", "roofline", "update_time"]
