@@ -6,7 +6,9 @@ ROWS.json is a `costmodel_fidelity.py --runtime torch --json` run, MACHINES_DIR 
 calibrated before each round, `machine-{n}-{round}.json`). Each row is predicted again as the run did (the
 geometric mean over the calibrations before and after its round) against the same measured step, with: everything;
 no sequence factor (every operator call priced as timed alone, `OpEfficiency.sequence_factor` 1); that and no waits;
-no Python instruction priced (the module's own Python between its ATen calls); no `module_calls` (the user's module's own calls beyond its graph, `ir.module_calls`); no collective host work
+no Python instruction priced (the module's own Python between its ATen calls); no scalar function's measured
+rate (tanh, exp, erf, ... memory-bound as before session 61); fused attention at the GEMMs' peak (no fitted rate);
+neither; no `module_calls` (the user's module's own calls beyond its graph, `ir.module_calls`); no collective host work
 (DTensor's `redistribute`, FSDP2's collectives); no per-group FSDP2 hook
 cost (`fsdp_forward_group_s`, `fsdp_backward_group_s` at 0); neither; no wait for a peer's turn on a shared
 core (`comm.turn_s` at 0; the skew's slope stays as fitted beside it); neither that nor stragglers; the
@@ -51,6 +53,17 @@ def _no_python(machine: Machine) -> Machine:
     return replace(machine, efficiency=replace(machine.efficiency, python_instruction_s=0.0))
 
 
+def _no_functions(machine: Machine) -> Machine:
+    """Scalar functions (tanh, exp, erf, ...) priced as before session 61 helper C: not measured, an operator
+    evaluating them memory-bound."""
+    return replace(machine, efficiency=replace(machine.efficiency, function_times=()))
+
+
+def _no_attention_fit(machine: Machine) -> Machine:
+    """Fused causal attention at the GEMMs' peak, as a calibrated machine priced it before session 61 helper C."""
+    return replace(machine, efficiency=replace(machine.efficiency, attention_efficiency=1.0, attention_half_flops=0.0))
+
+
 def _no_sequence(machine: Machine) -> Machine:
     return replace(machine, efficiency=replace(machine.efficiency, sequence_factor=1.0))
 
@@ -90,6 +103,9 @@ def _t5_collectives(profile: ExecutionProfile) -> ExecutionProfile:
 
 
 VARIANTS = {"everything": Variant(), "no module calls": Variant(calls=False),
+            "no scalar function times (function_times ())": Variant(_no_functions),
+            "attention at the GEMMs' peak (attention_efficiency 1)": Variant(_no_attention_fit),
+            "neither of those two (as before session 61 helper C)": Variant(lambda m: _no_attention_fit(_no_functions(m))),
             "no module Python (python_instruction_s 0)": Variant(_no_python),
             "no sequence factor (each call as timed alone: sequence_factor 1)": Variant(_no_sequence),
             "no sequence factor, no peer's turn, no stragglers": Variant(_no_sequence_no_waits),

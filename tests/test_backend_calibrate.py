@@ -8,9 +8,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from parsat.backend.calibrate import (CollectiveTiming, OpTiming, fit_gemm, fit_layouts, fit_line,  # noqa: E402
-                                      fit_link, fit_memory, fit_skew, fit_turn, fit_updates,
-                                      gemm_shapes)
+from parsat.backend.calibrate import (FUNCTIONS, CollectiveTiming, OpTiming, fit_attention,  # noqa: E402
+                                      fit_functions, fit_gemm, fit_layouts, fit_line, fit_link, fit_memory,
+                                      fit_skew, fit_turn, fit_updates, gemm_shapes)
 from parsat.ir.machine_profile import OpEfficiency  # noqa: E402
 from parsat.cli import main  # noqa: E402
 from parsat.ir.machine import Machine  # noqa: E402
@@ -107,6 +107,10 @@ def test_calibrate_writes_a_machine_the_optimizer_loads(tmp_path, capsys):
         assert machine.efficiency.layout_efficiency(layout, 64, 64, 64) > 0
     assert {kind for kind, _points in machine.efficiency.update_points} == {"sgd", "adam"}   # the optimizer's
     assert machine.efficiency.update_time("sgd", 5000) > 0
+    assert {name for name, _f, _b in machine.efficiency.function_times} == set(FUNCTIONS)   # each function's rate
+    assert machine.efficiency.function_time({"tanh": 1 << 16}) > 0
+    assert 0 < machine.efficiency.attention_efficiency <= 1 and {"attention_causal", "attention_causal_backward"} \
+        <= {o["op"] for o in report["ops"]}   # fused attention's rate measured, not the GEMMs' peak
     assert Machine.from_dict(json.loads(out.read_text())).efficiency == machine.efficiency
     assert dict(machine.peaks).keys() == {"fp64", "fp32"}
     assert json.loads(out.read_text())["version"] == 2
@@ -160,6 +164,32 @@ def test_fit_updates_keeps_each_optimizers_measured_points_never_shrinking():
     eff = OpEfficiency(**fields)
     assert eff.update_time("sgd", 2560) == pytest.approx(1.5e-5) and eff.update_time("adam", 2560) is None
     assert fit_updates([]) == {}
+
+
+def test_fit_attention_recovers_the_rate_and_half_length_the_cost_model_prices_attention_at():
+    """Timings made by the cost model's own FlashAttention pricing (forward F / (peak e / (1 + h / F)), backward
+    2.5 x that, a dispatch each) give back e and h; a rate above peak is read as peak; nothing timed, no field."""
+    peak, e, h, dispatch = 1e11, 0.3, 2e6, (1e-5, 2e-5)
+    timings = []
+    for flops in (1e6, 4e6, 3.2e7):
+        kernel = flops * (1 + h / flops) / (peak * e)
+        timings += [OpTiming("attention_causal", (int(flops),), dispatch[0] + kernel, flops, 0.0),
+                    OpTiming("attention_causal_backward", (int(flops),), dispatch[1] + 2.5 * kernel, flops, 0.0)]
+    fields = fit_attention(timings, peak, dispatch)
+    assert fields["attention_efficiency"] == pytest.approx(e) and fields["attention_half_flops"] == pytest.approx(h)
+    assert fit_attention(timings, peak / 10, dispatch)["attention_efficiency"] == 1.0
+    assert fit_attention([], peak, dispatch) == {}
+
+
+def test_fit_functions_takes_each_functions_slope_between_sizes_forward_and_backward():
+    """A function's per-element time is the slope between its smallest and largest size (the dispatch is the
+    intercept, left out), forward and backward apart; a noisy pair whose larger size ran faster reads 0."""
+    timings = [OpTiming("function_tanh", (1024,), 12e-6, 0.0, 0.0), OpTiming("function_tanh", (5120,), 22e-6, 0.0, 0.0),
+               OpTiming("function_tanh_backward", (1024,), 20e-6, 0.0, 0.0),
+               OpTiming("function_tanh_backward", (5120,), 18e-6, 0.0, 0.0)]
+    (name, forward, backward), = fit_functions(timings)["function_times"]
+    assert name == "tanh" and forward == pytest.approx(10e-6 / 4096) and backward == 0.0
+    assert fit_functions([OpTiming("relu", (1024,), 1e-6, 0.0, 1.0)]) == {}
 
 
 def test_sequence_calls_record_a_transformer_blocks_forward_then_its_backward():

@@ -16,7 +16,8 @@ from parsat.ir.machine import MEASURED_GPU_EFFICIENCY, Machine
 from parsat.ir.machine_profile import OpEfficiency
 from parsat.ir.pcg import Degrees
 from parsat.cost.model import compute_cost
-from parsat.cost.op_time import OpTime, chunk_time, kernel_time, local_gemm, memory_op_time, op_time
+from parsat.cost.op_time import (OpTime, chunk_time, function_evaluations, kernel_time, local_gemm, memory_op_time,
+                                  op_time)
 
 OPS = load_library([shipped_rules_dir() / "ops.rule"])[0].ops
 
@@ -289,3 +290,62 @@ def test_the_gemm_peak_fraction_scales_every_gemm_and_is_a_machine_file_field():
     for bad in (0, 1.5):
         with pytest.raises(MachineError, match="gemm_peak_fraction"):
             OpEfficiency.from_dict({**old, "gemm_peak_fraction": bad})
+
+
+def test_function_evaluations_count_each_call_per_value_of_its_free_indices():
+    """tanh once an element; softmax's exp once an element (its numerator and the terms its sum adds up are the
+    same exponentials); layernorm's sqrt once per row (hoisted out of the row); a relu its comparison (`max`), which
+    `parsat calibrate` does not time, so nothing is priced for it."""
+    assert function_evaluations(_instance("tanh", ((3, 4),))) == {"tanh": 12}
+    assert function_evaluations(_instance("gelu", ((3, 4),))) == {"erf": 12}
+    assert function_evaluations(_instance("softmax", ((3, 4),), dim=1)) == {"exp": 12}
+    assert function_evaluations(_instance("layernorm", ((3, 4), (4,), (4,)), eps=1e-5)) == {"sqrt": 3}
+    assert function_evaluations(_instance("logsumexp", ((3, 4),))) == {"exp": 12, "log": 3}
+    assert function_evaluations(_instance("relu", ((3, 4),))) == {"max": 12}
+
+
+def test_an_operator_evaluating_measured_functions_is_priced_at_their_rates_forward_and_backward():
+    """With `function_times` measured, tanh's kernel is its elements at tanh's forward rate (above its bytes at
+    the bandwidth), its backward kernel at tanh's backward rate, and the simulator charges that backward
+    (`backward_kernel_s`); split 2 ways, half of each. A relu, and tanh on a machine without the times, stay
+    memory-bound with a backward of the forward's size."""
+    cpu = Machine.preset("cpu")
+    eff = replace(cpu.efficiency, function_times=(("erf", 1e-9, 3e-9), ("tanh", 2.6e-9, 0.3e-9)))
+    machine = replace(cpu, efficiency=eff)
+    n = 1 << 16
+    tanh = _instance("tanh", ((n,),))
+    timed = op_time(tanh, {}, 2 * n, machine)
+    assert timed.kernel_s == pytest.approx(max(n / machine.peak_flops + n * 2.6e-9,
+                                               2 * n * 4 / eff.bandwidth(2 * n * 4, machine.memory_bandwidth)))
+    assert timed.kernel_s > 1.5 * n * 2.6e-9 / 2      # the function's rate, not the bytes', sets it here
+    bytes_s = 2 * n * 4 / eff.bandwidth(2 * n * 4, machine.memory_bandwidth)
+    assert timed.backward_kernel_s([0]) == pytest.approx(max(n / machine.peak_flops + n * 0.3e-9, bytes_s))
+    assert timed.backward_s == pytest.approx(eff.op_time(timed.backward_kernel_s([0]), backward=True))
+    half = op_time(tanh, {"i#0": 2}, n, machine)
+    assert half.kernel_s == pytest.approx(max(n / 2 / machine.peak_flops + n / 2 * 2.6e-9,
+                                              n * 4 / eff.bandwidth(n * 4, machine.memory_bandwidth)))
+    plain = op_time(tanh, {}, 2 * n, cpu)
+    relu = op_time(_instance("relu", ((n,),)), {}, 2 * n, machine)
+    for unpriced in (plain, relu):
+        assert unpriced.backward_factor is None and unpriced.backward_kernel_s([0]) == unpriced.kernel_s
+    assert relu.kernel_s == pytest.approx(kernel_time(relu.flops, 2 * n * 4, None, machine))
+    assert timed.kernel_s > 5 * plain.kernel_s     # the cpu preset: 6.5x the memory-bound price
+
+
+def test_function_times_are_a_machine_file_field_checked_and_absent_from_older_files():
+    """`function_times` round-trip through a machine file; presets and older files have none (price nothing
+    more); an unknown function, a pair that is not [forward, backward] or a negative time is refused."""
+    times = (("exp", 0.9e-9, 0.4e-9), ("tanh", 2.6e-9, 0.3e-9))
+    machine = replace(Machine.preset("cpu"), efficiency=replace(Machine.preset("cpu").efficiency, function_times=times))
+    data = json.loads(json.dumps(machine.to_dict()))
+    assert data["efficiency"]["function_times"]["tanh"] == [2.6e-9, 0.3e-9]
+    assert Machine.from_dict(data).efficiency == machine.efficiency
+    assert machine.efficiency.function_time({"tanh": 10, "exp": 2, "max": 5}, backward=True) == \
+        pytest.approx(10 * 0.3e-9 + 2 * 0.4e-9)
+    older = Machine.from_dict(Machine.preset("cpu").to_dict()).efficiency
+    assert "function_times" not in Machine.preset("cpu").to_dict()["efficiency"]
+    assert older.function_times == () and older.function_time({"tanh": 10}) == 0.0
+    for bad, match in (({"tanhh": [1e-9, 1e-9]}, "unknown"), ({"tanh": [1e-9]}, r"\[forward, backward\]"),
+                       ({"tanh": [1e-9, -1.0]}, "outside")):
+        with pytest.raises(MachineError, match=match):
+            OpEfficiency.from_dict({**data["efficiency"], "function_times": bad})

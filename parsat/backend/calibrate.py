@@ -64,6 +64,14 @@ for fp32 training):
   timed alone as every figure here is (`OpEfficiency.sequence_factor`):
   two transformer blocks' forward and backward ATen calls replayed in
   order against each call repeated alone;
+* the DSL's scalar functions (tanh, exp, erf, ...) as torch's elementwise
+  kernels, forward and backward, per element (`function_times`: the
+  slope between two sizes), which the cost model adds to an operator
+  evaluating them (on a CPU core tanh ran 26x a relu);
+* fused causal attention (`scaled_dot_product_attention(is_causal=True)`)
+  forward and backward over a few shapes, fitted to the cost model's
+  FlashAttention pricing (`attention_efficiency`, `attention_half_flops`;
+  before, a calibrated machine priced it at the GEMMs' peak);
 * memory-bound operators (copies, adds, relus) from kilobytes to tens of
   megabytes, fitted to t = dispatch + (bytes + half) / bandwidth
   (`memory_bandwidth`, `memory_half_bytes`);
@@ -99,8 +107,9 @@ from parsat.importer.torch_ops import apply_op
 from parsat.dsl.bounds import check_all
 from parsat.ir.units import fmt_bytes
 from parsat.ir.machine import Machine
-from parsat.ir.machine_profile import (COMM_ELEMENTS, FSDP_COLLECTIVE_FIELDS, REDISTRIBUTE_FIELDS, CollectivePoint,
-                                      CommProfile, OpEfficiency, Oversubscribed, bus_factor)
+from parsat.ir.machine_profile import (ATTENTION_BACKWARD_FACTOR, COMM_ELEMENTS, FSDP_COLLECTIVE_FIELDS,
+                                      REDISTRIBUTE_FIELDS, CollectivePoint, CommProfile, OpEfficiency, Oversubscribed,
+                                      bus_factor)
 
 DTYPES = {"float64": ("fp64", torch.float64, torch.float32), "float32": ("fp32", torch.float32, torch.float64),
           "bfloat16": ("bf16", torch.bfloat16, torch.float32)}
@@ -127,6 +136,13 @@ class OpTiming:
             return eff.op_time(self.nbytes / eff.random_bandwidth) if eff.random_bandwidth else float("nan")
         if self.op.startswith("update_"):
             return eff.update_time(self.op[7:], self.shape[0]) or float("nan")
+        if self.op.startswith("attention_causal"):   # forward, or its backward alone (FlashAttention's factor)
+            kernel = self.flops / (machine.peak_flops * eff.attention_rate(self.flops))
+            backward = self.op.endswith("_backward")
+            return eff.op_time(kernel * (ATTENTION_BACKWARD_FACTOR if backward else 1.0), backward)
+        if self.op.startswith("function_"):   # its measured per-element time: the dispatch is the intercept
+            name, backward = self.op[9:].removesuffix("_backward"), self.op.endswith("_backward")
+            return eff.op_time(eff.function_time({name: self.shape[0]}, backward), backward)
         if self.op in ("matmul", "matmul_nt", "matmul_tn"):
             fraction = eff.layout_efficiency(self.op[7:] or "nn", *self.shape)
             return eff.op_time(self.flops / (machine.peak_flops * fraction)) if fraction else float("nan")
@@ -289,6 +305,8 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
         ops.append(["randn", [elements], _timed(ctx, lambda: torch.randn(elements, generator=gen, dtype=dtype)
                                                 .to(ctx.device), budget, sync), 0.0, float(elements * item)])
     ops += _updates(ctx, dtype, budget, sync)
+    ops += _functions(ctx, dtype, budget, sync)
+    ops += _attention(ctx, dtype, budget, sync)
     return {"dispatch": dispatch, "dtensor": extra, "fsdp": hooks, "python": python, "sequence": sequence,
             "redistribute": redistribute, "fsdp_collectives": fsdp_collectives, "ops": ops,
             "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync),
@@ -345,6 +363,75 @@ def _updates(ctx: RankContext, dtype, budget: Budget, sync) -> list[list]:
             seconds = _slowest(ctx, average_after(backward, optimizer.step, budget, sync))
             rows_out.append([f"update_{kind}", [rows * UPDATE_WIDTH], seconds, 0.0, 0.0])
     return rows_out
+
+
+FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "tanh": torch.tanh, "erf": torch.erf, "sin": torch.sin,
+    "cos": torch.cos}
+"""The DSL's scalar functions (`dsl.instantiate.SCALAR_FUNCTIONS`) that are more than a comparison, each as
+torch's elementwise kernel for it: what `_functions` times (its input in [0.5, 1.5), where every one is defined)."""
+FUNCTION_ELEMENTS = (1 << 12, 1 << 16)   # the sizes each function is timed at: 16 KB and 256 KB in fp32 (a
+#                                         small model's activations; at 1 MB the slope ran 2x on a loaded box)
+
+
+def _functions(ctx: RankContext, dtype, budget: Budget, sync) -> list[list]:
+    """[f"function_{name}", [elements], seconds, 0, bytes] per scalar function (`FUNCTIONS`) and size
+    (`FUNCTION_ELEMENTS`): the slowest rank's average forward, and [f"function_{name}_backward", ...] its
+    autograd backward right after a forward (not timed), as a step runs it. `fit_functions` takes the slope
+    between the sizes: the per-element time, dispatch aside."""
+    rows = []
+    for name, fn in FUNCTIONS.items():
+        for elements in FUNCTION_ELEMENTS:
+            x = (torch.rand(elements, dtype=dtype) + 0.5).to(ctx.device)
+            leaf, grad = x.clone().requires_grad_(), torch.ones_like(x)
+            nbytes = float(2 * elements * x.element_size())
+            rows.append([f"function_{name}", [elements], _timed(ctx, lambda: fn(x), budget, sync), 0.0, nbytes])
+            held: dict = {}
+
+            def forward():
+                leaf.grad = None
+                held["y"] = fn(leaf)
+
+            dist.barrier()
+            seconds = _slowest(ctx, average_after(forward, lambda: held["y"].backward(grad), budget, sync))
+            rows.append([f"function_{name}_backward", [elements], seconds, 0.0, 1.5 * nbytes])
+    return rows
+
+
+ATTENTION_SHAPES = ((4, 4, 32, 32), (4, 4, 64, 32), (4, 4, 128, 64), (4, 8, 256, 64))
+"""[batch, heads, sequence, head size] of the fused causal attention calls `_attention` times."""
+
+
+def _attention(ctx: RankContext, dtype, budget: Budget, sync) -> list[list]:
+    """[attention_causal, [b, h, s, d], seconds, causal forward FLOPs, bytes] per shape (`ATTENTION_SHAPES`):
+    the slowest rank's average `scaled_dot_product_attention(q, k, v, is_causal=True)` (the kernel the importer's
+    `attention_causal` runs as), and [attention_causal_backward, ...] its autograd backward right after a forward.
+    `fit_attention` fits `OpEfficiency.attention_efficiency` and `attention_half_flops` to them, which were the
+    GPU's measured figures or 1 and 0 (fused attention at the GEMMs' peak) before: on a CPU core the two small
+    attention calls of GPT-2 and LLaMA ran 2x their share of the priced forward (benchmarks/costmodel_fidelity.md,
+    session 61 helper C)."""
+    import torch.nn.functional as F
+
+    rows = []
+    for b, h, s, d in ATTENTION_SHAPES:
+        q, k, v = (torch.randn(b, h, s, d, dtype=dtype).to(ctx.device) for _ in range(3))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        grad = torch.randn(b, h, s, d, dtype=dtype).to(ctx.device)
+        flops = 2.0 * b * h * s * s * d       # causal: half of q k^T and of the weighted sum of v
+        nbytes = float(4 * b * h * s * d * q.element_size())
+        seconds = _timed(ctx, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), budget, sync)
+        rows.append(["attention_causal", [b, h, s, d], seconds, flops, nbytes])
+        held: dict = {}
+
+        def forward():
+            for t in leaves:
+                t.grad = None
+            held["y"] = F.scaled_dot_product_attention(*leaves, is_causal=True)
+
+        dist.barrier()
+        seconds = _slowest(ctx, average_after(forward, lambda: held["y"].backward(grad), budget, sync))
+        rows.append(["attention_causal_backward", [b, h, s, d], seconds, flops, 2 * nbytes])
+    return rows
 
 
 def average_after(prepare: Callable[[], object], fn: Callable[[], object], budget: Budget, sync: Callable[[], object],
@@ -1060,6 +1147,40 @@ def fit_updates(timings: Sequence[OpTiming]) -> dict[str, tuple]:
     return {"update_points": tuple(p for p in points if p[1])} if any(p[1] for p in points) else {}
 
 
+def fit_functions(timings: Sequence[OpTiming]) -> dict[str, tuple]:
+    """`OpEfficiency.function_times` from `_functions`' timings: per function, the seconds per element of its
+    forward and of its backward, each the slope between the smallest and the largest size (a negative slope, a
+    noisy pair, reads 0); {} where none was timed."""
+    def slope(op: str) -> float:
+        points = sorted((t.shape[0], t.seconds) for t in timings if t.op == op)
+        (n0, t0), (n1, t1) = points[0], points[-1]
+        return max(0.0, (t1 - t0) / (n1 - n0)) if n1 > n0 else 0.0
+
+    names = sorted({t.op[len("function_"):] for t in timings if t.op.startswith("function_")
+                    and not t.op.endswith("_backward")})
+    times = tuple((name, slope(f"function_{name}"), slope(f"function_{name}_backward")) for name in names)
+    return {"function_times": times} if times else {}
+
+
+def fit_attention(timings: Sequence[OpTiming], peak: float, dispatch: tuple[float, float]) -> dict[str, float]:
+    """`OpEfficiency.attention_efficiency` and `attention_half_flops` from `_attention`'s timings: the cost model
+    prices a call of F forward FLOPs at F / (peak x e / (1 + h / F)) forward and `ATTENTION_BACKWARD_FACTOR`
+    times that backward, so forward + backward less the two dispatches is a line in F, (1 + factor) (F + h) /
+    (peak e), fitted through every shape (the whole step's attention time, not the forward's share of it); e at
+    most 1, h at least 0. {} where nothing was timed."""
+    forward = {t.shape: t for t in timings if t.op == "attention_causal"}
+    pairs = [(t.flops, t.seconds + b.seconds - sum(dispatch)) for shape, t in forward.items()
+             for b in timings if b.op == "attention_causal_backward" and b.shape == shape]
+    if not pairs:
+        return {}
+    intercept, slope = fit_line([f for f, _ in pairs], [max(s, 1e-9) for _, s in pairs])
+    if slope <= 0:   # noise: every shape at its mean rate
+        slope, intercept = sum(s for _, s in pairs) / sum(f for f, _ in pairs), 0.0
+    factor = 1.0 + ATTENTION_BACKWARD_FACTOR
+    return {"attention_efficiency": min(1.0, factor / (peak * slope)),
+            "attention_half_flops": max(0.0, intercept / slope)}
+
+
 def _growing(points: Sequence[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
     """`points` with each time at least the one before (an update of more elements, a collective of more bytes,
     does not take less: where a noisy measurement says so, the smaller one's time stands)."""
@@ -1135,7 +1256,7 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
                         in result["collectives"])
     gemms = [t for t in ops if t.op == "matmul"]
     peak, halves = fit_gemm(gemms)
-    layouts = fit_layouts(ops, peak) | fit_updates(ops)
+    layouts = fit_layouts(ops, peak) | fit_updates(ops) | fit_functions(ops) | fit_attention(ops, peak, dispatch)
     bandwidth, half_bytes, cache_bytes, cache_bw = fit_memory([t for t in ops if t.op in ("relu", "add", "copy")])
     randn = [t for t in ops if t.op == "randn"]
     _c, random_slope = fit_line([t.nbytes for t in randn], [t.seconds for t in randn])
@@ -1278,6 +1399,11 @@ def report(cal: Calibration) -> str:
                f"{getattr(e, f'gemm_{lay}_half_m'):g}, n {getattr(e, f'gemm_{lay}_half_n'):g}, k "
                f"{getattr(e, f'gemm_{lay}_half_k'):g}" for lay, name in (("nt", "g @ w^T"), ("tn", "x^T @ g"))
                if getattr(e, f"gemm_{lay}_rate") > 0),
+             *([f"  fused causal attention (scaled_dot_product_attention): {e.attention_efficiency:.3f} x peak, half "
+                f"that at {e.attention_half_flops / 1e6:.2f} MFLOP a call"] if e.attention_efficiency != 1.0 else []),
+             *([f"  scalar functions, ns per element forward / backward: " + ", ".join(
+                 f"{name} {f * 1e9:.2f} / {b * 1e9:.2f}" for name, f, b in e.function_times)] if e.function_times
+               else []),
              f"  {'operator':<14} {'shape':<22} {'measured':>11} {'model':>11}"]
     for t in cal.ops:
         if t.op == "matmul_other":
@@ -1302,4 +1428,4 @@ def report(cal: Calibration) -> str:
 
 
 __all__ = ["Budget", "Calibration", "CollectiveTiming", "OpTiming", "average_after", "calibrate", "fit_gemm",
-           "fit_layouts", "fit_line", "fit_link", "fit_memory", "fit_turn", "fit_updates", "gemm_shapes", "memory_sizes", "report"]
+           "fit_attention", "fit_functions", "fit_layouts", "fit_line", "fit_link", "fit_memory", "fit_turn", "fit_updates", "gemm_shapes", "memory_sizes", "report"]

@@ -11,7 +11,14 @@ measured by `parsat calibrate`):
 
 where (m, n, k) is the local shape of the operator's matrix product
 (`dsl.work.contraction`; batch dims count as rows) and an operator without
-one runs at peak FLOP/s (it is memory-bound anyway). Backward does one
+one runs at peak FLOP/s (it is memory-bound anyway), unless its semantics
+evaluate scalar functions (tanh, exp, erf, ...: `function_evaluations`)
+and the machine measured them (`OpEfficiency.function_times`, `parsat
+calibrate`): then its compute is the functions' evaluations at their
+measured per-element rates, forward and, for its backward kernel, their
+autograd backward's (`function_kernel`; on a CPU core torch's tanh ran 26x
+a relu: GPT-2's two tanh calls took 13% of its forward, priced at 1%).
+Backward does one
 product per operand needing a gradient: on a machine that measured
 products on transposed operands (`OpEfficiency.layout_efficiency`, `parsat
 calibrate`), each as autograd runs it (`BACKWARD_PRODUCTS`: its own shape,
@@ -37,14 +44,16 @@ logsumexp per query row (`OpTime.saved_bytes`), never an [s, s] matrix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
+from functools import lru_cache
 from math import prod
 from typing import Callable, Collection, Mapping
 
+from parsat.dsl import ast
 from parsat.dsl.instantiate import OpInstance, index_bounds
 from parsat.dsl.work import contraction, work
 from parsat.ir.machine import Machine
-from parsat.ir.machine_profile import OpEfficiency
+from parsat.ir.machine_profile import ATTENTION_BACKWARD_FACTOR, OpEfficiency
 
 BACKWARD_FACTOR = 2.0        # backward FLOPs and bytes = 2 x forward (two products per product)
 PRODUCT_OPERANDS = 2         # a product's operands that its backward products read; any after them is a bias
@@ -62,7 +71,8 @@ class OpTime:
     flops: float             # local forward FLOPs
     nbytes: float            # local forward bytes touched
     gemm: tuple[float, float, float] | None = None   # local (m, n, k) of its product, if any
-    backward_factor: float | None = None   # a fused kernel's backward kernel / its forward kernel
+    backward_factor: float | None = None   # a fused kernel's backward kernel / its forward kernel (also an operator
+    #                                        evaluating measured scalar functions: `function_kernel`)
     saved_bytes: float = 0.0                # bytes kept for backward beside the output (a fused kernel's)
     grad_kernels: tuple[float, ...] = ()    # a product's backward kernel per operand, as measured (`BACKWARD_PRODUCTS`;
                                             # empty: each priced as the forward kernel)
@@ -115,7 +125,7 @@ def causal_attention_flops(instance: OpInstance) -> float:
 
 
 FUSED: Mapping[str, FusedKernel] = {
-    "attention_causal": FusedKernel(causal_attention_flops, OpEfficiency.attention_rate, backward_factor=2.5,
+    "attention_causal": FusedKernel(causal_attention_flops, OpEfficiency.attention_rate, ATTENTION_BACKWARD_FACTOR,
                                     row_bytes=4, keeps_output=True),
 }
 """Operators priced as one fused kernel (the module docstring): their own FLOPs, rate, backward and saved bytes."""
@@ -129,6 +139,50 @@ addmm backward call it (`torch.matmul`: g @ b^T and a^T @ g; `F.linear`, weight 
 operands' layout (`OpEfficiency.layout_efficiency`) and its (m, n, k) in the forward's letters, the batch with
 the first. Operators not here keep the forward kernel per gradient; an "nn" backward product (`F.linear`'s input
 gradient) is priced as a forward product of its shape."""
+
+
+def function_evaluations(instance: OpInstance) -> dict[str, int]:
+    """Global evaluations of each scalar function in one forward application (`_evaluations`)."""
+    return dict(_evaluations(instance))
+
+
+@lru_cache(maxsize=4096)
+def _evaluations(instance: OpInstance) -> tuple[tuple[str, int], ...]:
+    """Global evaluations of each scalar function (`tanh`, `exp`, `erf`, ...) in one forward application: a call
+    once per value of the index variables free in it (hoisted, as `dsl.work` counts FLOPs), and calls that differ
+    only in the names of their index variables once (softmax's `exp(x[i, j])` and the `exp(x[i, l])` its sum
+    adds up read the same elements: torch's kernel computes each exponential once). `dsl.work` counts a call as
+    one FLOP; on a CPU core torch's elementwise tanh ran 2.6 ns an element, a relu 0.1 (benchmarks/
+    costmodel_fidelity.md, session 61 helper C), so these are priced at their measured rates
+    (`OpEfficiency.function_time`)."""
+    bounds = {k: int(v.evaluate({})) for k, v in index_bounds(instance).items()}
+    counts: dict[tuple, int] = {}
+
+    def free(expr: ast.Expr) -> frozenset[str]:
+        if isinstance(expr, ast.Name):
+            return frozenset({expr.id}) & frozenset(bounds)
+        inner = frozenset().union(*(free(c) for c in ast.children(expr)))
+        return inner - {expr.var} if isinstance(expr, ast.RANGE_BINDERS) else inner
+
+    def renamed(value, order: dict[str, int]):
+        """`value` with its index variables numbered by first appearance (the same call, whatever its names)."""
+        if isinstance(value, str) and value in bounds:
+            return order.setdefault(value, len(order))
+        if isinstance(value, tuple):
+            return tuple(renamed(v, order) for v in value)
+        if is_dataclass(value):
+            return (type(value).__name__, *(renamed(getattr(value, f.name), order) for f in fields(value)
+                                             if f.compare))
+        return value
+
+    for expr in ast.walk(instance.body):
+        if isinstance(expr, ast.Call):
+            key = (expr.func, renamed(expr.args, {}))
+            counts[key] = max(counts.get(key, 0), prod(bounds[v] for v in free(expr)))
+    out: dict[str, int] = {}
+    for (name, _args), n in counts.items():
+        out[name] = out.get(name, 0) + n
+    return tuple(sorted(out.items()))   # kept per instance: a search prices the same operators again and again
 
 
 def _degree(value) -> int:
@@ -190,6 +244,16 @@ def roofline(flops: float, nbytes: float, fraction: float, machine: Machine) -> 
     return max(flops / (machine.peak_flops * fraction), nbytes / eff.bandwidth(nbytes, machine.memory_bandwidth))
 
 
+def function_kernel(flops: float, nbytes: float, evaluations: Mapping[str, float], machine: Machine,
+                    backward: bool = False) -> float:
+    """An operator without a product whose semantics evaluate scalar functions (`function_evaluations`, local):
+    its FLOPs at peak plus the functions' measured per-element time (`OpEfficiency.function_time`, forward or
+    its autograd backward), or its bytes at the machine's bandwidth, whichever is longer."""
+    eff = machine.efficiency
+    compute = flops / machine.peak_flops + eff.function_time(evaluations, backward)
+    return max(compute, nbytes / eff.bandwidth(nbytes, machine.memory_bandwidth))
+
+
 def kernel_time(flops: float, nbytes: float, gemm: tuple[float, float, float] | None, machine: Machine) -> float:
     """The roofline of one kernel with the machine's GEMM and bandwidth efficiency."""
     return roofline(flops, nbytes, machine.efficiency.gemm_efficiency(*gemm) if gemm is not None else 1.0, machine)
@@ -210,6 +274,12 @@ def op_time(instance: OpInstance, var_degrees: Mapping[str, object], local_eleme
                       local_flops, nbytes, None, fused.backward_factor, fused.row_bytes * rows)
     dims = local_contraction(instance, var_degrees)
     gemm = None if dims is None else (dims[0] * dims[1], dims[2], dims[3])
+    if gemm is None and eff.function_times:
+        calls = {f: n / split for f, n in function_evaluations(instance).items()}
+        kernel, back = (function_kernel(local_flops, nbytes, calls, machine, b) for b in (False, True))
+        if eff.function_time(calls) > 0:   # measured functions: a backward kernel of its own
+            return OpTime(eff.op_time(kernel), eff.op_time(back, backward=True), kernel, local_flops, nbytes,
+                          backward_factor=back / kernel)
     kernel = kernel_time(local_flops, nbytes, gemm, machine)
     if gemm is None:
         return OpTime(eff.op_time(kernel), _backward_s(kernel, (), eff), kernel, local_flops, nbytes)
@@ -261,5 +331,6 @@ def memory_op_time(nbytes: float, machine: Machine, backward: bool = False) -> f
 
 
 __all__ = ["BACKWARD_FACTOR", "BACKWARD_PRODUCTS", "FUSED", "FusedKernel", "OPTIMIZER_PASSES", "OpTime",
-           "causal_attention_flops", "chunk_time", "grad_kernels", "kernel_time", "local_contraction", "local_gemm",
+           "causal_attention_flops", "chunk_time", "function_evaluations", "function_kernel", "grad_kernels",
+           "kernel_time", "local_contraction", "local_gemm",
            "memory_op_time", "op_time", "roofline", "update_time"]

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from math import prod
-from typing import Any
+from typing import Any, Mapping
 
 from parsat.ir.errors import MachineError
 from parsat.ir.validate import COLLECTIVE_KINDS as COLLECTIVES
@@ -59,6 +59,9 @@ def bus_factor(collective: str, p: int) -> float:
 
 REDISTRIBUTE_FIELDS = ("dtensor_all_reduce_s", "dtensor_all_gather_s", "dtensor_reduce_scatter_s")
 """`OpEfficiency`'s per-collective host times of DTensor's `redistribute` (`redistribute_time`)."""
+ATTENTION_BACKWARD_FACTOR = 2.5
+"""Fused causal attention's backward kernel / its forward (FlashAttention's count: the two products again, the
+scores recomputed and their gradient): how `cost.op_time` prices it and `parsat calibrate` fits its rate."""
 FSDP_COLLECTIVE_FIELDS = ("fsdp_all_gather_s", "fsdp_reduce_scatter_s", "fsdp_all_reduce_s")
 """`OpEfficiency`'s per-collective host times of FSDP2 over the ranks (`fsdp_collective_time`)."""
 
@@ -120,6 +123,12 @@ class OpEfficiency:
                                        # weight after a backward made its gradient: per optimizer, (elements,
                                        # seconds) as `parsat calibrate` measured them; () not measured (priced as
                                        # memory-bound operators)
+    function_times: tuple[tuple[str, float, float], ...] = ()
+                                       # per scalar function of the DSL (`dsl.instantiate.SCALAR_FUNCTIONS`: tanh,
+                                       # exp, erf, ...), seconds per element of torch's elementwise kernel for it,
+                                       # forward and its autograd backward, as `parsat calibrate` measured them
+                                       # (the slope over sizes: no dispatch); () not measured (an operator
+                                       # evaluating them priced as memory-bound: on a CPU core tanh ran 26x a relu)
     async_dispatch: bool = False       # True on GPUs: the host launches ahead, an operator takes max(dispatch,
                                        # kernel); False on CPU: the dispatching thread computes, dispatch + kernel
     sequence_factor: float = 1.0       # an operator call run once among a step's other calls over the same call
@@ -134,6 +143,13 @@ class OpEfficiency:
         2026-12-05 helper B)."""
         dispatch = self.backward_dispatch_s if backward else self.dispatch_s
         return (max(dispatch, kernel_s) if self.async_dispatch else dispatch + kernel_s) * self.sequence_factor
+
+    def function_time(self, evaluations: Mapping[str, float], backward: bool = False) -> float:
+        """Seconds of the kernels' scalar-function work in `evaluations` (function -> evaluations on this
+        device), forward or, `backward`, in their autograd backward, at the measured per-element times
+        (`function_times`); a function not measured adds nothing."""
+        times = {name: (forward, back) for name, forward, back in self.function_times}
+        return sum(count * times[name][backward] for name, count in evaluations.items() if name in times)
 
     def fsdp_hooks_time(self, params: int, backward: bool = False) -> float:
         """Host time FSDP2's hooks take on a group of `params` parameters as they gather it (before its forward;
@@ -217,7 +233,10 @@ class OpEfficiency:
                                    *FSDP_COLLECTIVE_FIELDS)
                        if not getattr(self, k)]
         unmeasured += ["sequence_factor"] if self.sequence_factor == 1.0 else []
-        out = {k: v for k, v in asdict(self).items() if not k.startswith(tuple(unmeasured)) and k != "update_points"}
+        out = {k: v for k, v in asdict(self).items() if not k.startswith(tuple(unmeasured))
+               and k not in ("update_points", "function_times")}
+        if self.function_times:
+            out["function_times"] = {name: [forward, back] for name, forward, back in self.function_times}
         if self.update_points:
             out["update_points"] = {kind: [list(p) for p in points] for kind, points in self.update_points}
         return out
@@ -228,8 +247,9 @@ class OpEfficiency:
         data = dict(validate_efficiency_dict(data))
         points = tuple((kind, tuple((float(e), float(s)) for e, s in rows))
                        for kind, rows in sorted(data.pop("update_points", {}).items()))
+        functions = tuple((name, float(f), float(b)) for name, (f, b) in sorted(data.pop("function_times", {}).items()))
         return OpEfficiency(**{k: (v if isinstance(v, bool) else float(v)) for k, v in data.items()},
-                            update_points=points)
+                            update_points=points, function_times=functions)
 
 
 def interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:

@@ -22,7 +22,7 @@ from typing import Any, Mapping, NoReturn, Sequence
 
 from parsat.dsl import ast
 from parsat.dsl.bounds import figure
-from parsat.dsl.instantiate import InstantiationError
+from parsat.dsl.instantiate import SCALAR_FUNCTIONS, InstantiationError
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.ir.errors import GraphError, MachineError
 from parsat.ir.instance import instance_for
@@ -715,12 +715,14 @@ def validate_efficiency_dict(data: Any, error: type[Exception] = MachineError,
     """A machine file's `efficiency` object (`OpEfficiency`): known fields, numbers in `EFFICIENCY_RANGES`."""
     f = _Fields(error, f"{where}.")
     data = f.obj(data, "")
-    _known(f, data, (*EFFICIENCY_RANGES, *EFFICIENCY_FLAGS, "update_points"))
+    _known(f, data, (*EFFICIENCY_RANGES, *EFFICIENCY_FLAGS, "update_points", "function_times"))
     for key, (low, high, unit) in EFFICIENCY_RANGES.items():
         if key in data:
             _ranged(f, data[key], key, low, high, unit)
     if "update_points" in data:
         _update_points(f, data["update_points"])
+    if "function_times" in data:
+        _function_times(f, data["function_times"])
     for key in EFFICIENCY_FLAGS:
         if key in data and not isinstance(data[key], bool):
             f.fail(key, f"must be true or false, got {_kind(data[key])}")
@@ -744,6 +746,20 @@ def _update_points(f: _Fields, data: Any) -> None:
             if elements <= last:
                 f.fail(path, "elements must grow from one pair to the next")
             last = elements
+
+
+def _function_times(f: _Fields, data: Any) -> None:
+    """`efficiency.function_times`: per scalar function of the DSL (`SCALAR_FUNCTIONS`), [forward, backward]
+    seconds per element, each in 0-1 ms."""
+    times = f.obj(data, "function_times")
+    _known(_Fields(f.error, f"{f.prefix}function_times."), times, tuple(SCALAR_FUNCTIONS))
+    for name, pair in times.items():
+        path = f"function_times.{name}"
+        pair = f.array(pair, path)
+        if len(pair) != 2:
+            f.fail(path, f"must be [forward, backward] seconds per element, got {len(pair)} number(s)")
+        for value in pair:
+            _ranged(f, value, path, 0.0, 1e-3, "seconds per element")
 
 
 def validate_oversubscribed_dict(data: Any, error: type[Exception] = MachineError,
