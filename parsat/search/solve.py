@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, Mapping, Sequence
 
-from parsat.dsl import ast
 from parsat.dsl.library import Library
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.cost.model import shards_state
 from parsat.cost.pcg_tasks import needs_gradient
 from parsat.cost.saved import kept_values, regather_cover, regathered_values, runtime_regathers
 from parsat.ir.costs import NodeCost
+from parsat.ir.fused_projections import rule_locations
 from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
 from parsat.ir.mesh import Mesh
@@ -275,7 +275,3 @@ def pcg_from_extraction(result: SaturationResult, extraction: Extraction, graph:
     return PCG(tuple(nodes), tuple(ident[r] for r in roots), tuple(output_names), mesh), ident
 
 
-def rule_locations(library_rules: Sequence[ast.RuleDecl]) -> dict[str, str]:
-    """Rule name -> `name (file:line)`, as a plan's node names the rules that produced it, in library order."""
-    return {rule.name: f"{rule.name} ({rule.span.file}:{rule.span.line})" if rule.span else rule.name
-            for rule in library_rules}
