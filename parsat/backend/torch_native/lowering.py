@@ -425,12 +425,11 @@ class _Lowerer:
                                 f"{list(info.shape)}: parallelize the module the plan was made for")
         chain = weight_storage(self.pcg)[leaf.id]
         views = storage_views(self.pcg, chain)
-        if views:
-            raise LoweringError(f"the plan stores weight '{leaf.op}' as a block of its view "
-                                f"({', '.join(v.op for v in views)}): each rank's piece is a strided block of the "
-                                "parameter (Megatron-LM's head-ordered fused projection, torch's "
-                                "`_StridedShard`), which the torch runtime does not lower yet (docs/TORCH_NATIVE.md, "
-                                "\"GPT-2's attention in the plan\")")
+        if views and not self.evaluated:
+            why = (f"weight '{leaf.op}' is stored as a block of its view ({', '.join(v.op for v in views)}): each "
+                   "rank's piece is a strided block of the parameter (Megatron-LM's head-ordered fused projection, "
+                   "torch's `_StridedShard`), which no torch style stores")
+            raise LoweringError(why) if self.traced else UnstyledAxis(why)
         stored = self.node(chain[-1]).placement
         uses = list(self.uses(chain[-1]))
         roles, restored = [], []
