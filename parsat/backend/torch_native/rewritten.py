@@ -149,7 +149,8 @@ class Recomputed:
 class Rewrite:
     """What a rank evaluates in place of the module's forward (module docstring): the steps in the plan's order,
     the output nodes, the local shapes of the batch-carrying data leaves, the rewritten nodes' description, and
-    on a tensor axis (`tensor_axis`) each weight's stored placement there (parameter name, placement code); for a
+    on a tensor axis (`tensor_axis`) each weight's stored placement there (parameter name, placement code; a
+    parameter's split factor in `strided` where it is stored as a strided block, `parameter_placement`); for a
     plan that recomputes blocks, each block's run of steps (`recomputed`)."""
 
     steps: tuple[Step, ...]
@@ -157,8 +158,9 @@ class Rewrite:
     local_shapes: tuple[tuple[str, tuple[int, ...]], ...]
     summary: str
     tensor_axis: int | None = None
-    stored: tuple[tuple[str, int, int], ...] = ()   # (parameter, code, split factor: `parameter_placement`)
+    stored: tuple[tuple[str, int], ...] = ()
     recomputed: tuple["Recomputed", ...] = ()
+    strided: tuple[tuple[str, int], ...] = ()   # parameter -> split factor, where > 1 (`parameter_placement`)
 
     def lowered(self, lowering: Lowering) -> Lowering:
         """`lowering` saying that the module's forward computes the plan's graph (its rewrite note replaced)."""
@@ -269,8 +271,10 @@ def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=Non
     if any(storage_views(pcg, chains[w.node]) for w in lowering.weights) and data_axes | set(lowering.batch_axes):
         raise LoweringError("a weight stored as a block of its view (a strided block of the parameter) beside data "
                             "axes is not lowered: replicate / fully_shard of a `_StridedShard` parameter is untried")
-    stored = () if tp is None else tuple((w.params[0], *parameter_placement(pcg, chains[w.node], tp))
+    placed = () if tp is None else tuple((w.params[0], *parameter_placement(pcg, chains[w.node], tp))
                                          for w in lowering.weights)
+    stored = tuple((name, code) for name, code, _ in placed)
+    strided = tuple((name, factor) for name, _, factor in placed if factor > 1)
     dtypes = node_dtypes(pcg, graph, getattr(imported, "dtypes", {}))
     steps = [_in_module_dtypes(s, dtypes[s.node], pcg) if s.node in dtypes and s.action in (OP, LOOKUP) else s
              for s in steps]
@@ -278,7 +282,7 @@ def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=Non
     steps = _with_frees(steps, pcg.outputs)
     if recomputed:
         summary += f"; {len(recomputed)} blocks recomputed in the backward (torch.utils.checkpoint)"
-    return Rewrite(steps, pcg.outputs, shapes, summary, tp, stored, recomputed)
+    return Rewrite(steps, pcg.outputs, shapes, summary, tp, stored, recomputed, strided)
 
 
 def _step(n: PNode, pcg: PCG, lowering: Lowering, data_axes: set[int], static: set[int],
@@ -620,11 +624,12 @@ def place_parameters(module: torch.nn.Module, tp_mesh, rewrite: Rewrite) -> None
     styled module, reads the parameters. A tied parameter stays one tensor under all its names."""
     from torch.distributed.tensor import distribute_tensor
 
-    stored = {name: (code, factor) for name, code, factor in rewrite.stored}
+    stored, strided = dict(rewrite.stored), dict(rewrite.strided)
     made: dict[int, torch.nn.Parameter] = {}
     for name, param in list(module.named_parameters(remove_duplicate=False)):
         names = [n for n, p in module.named_parameters(remove_duplicate=False) if p is param]
-        code, factor = next((stored[n] for n in names if n in stored), (FREE, 1))
+        code = next((stored[n] for n in names if n in stored), FREE)
+        factor = next((strided[n] for n in names if n in strided), 1)
         if id(param) not in made:
             made[id(param)] = torch.nn.Parameter(
                 distribute_tensor(param.data, tp_mesh, [dtensor_parameter_placement(code, factor)]),
