@@ -67,7 +67,8 @@ def test_a_projection_read_otherwise_is_not_rewritten():
 def test_the_layout_stores_the_weight_as_a_partition_of_its_view():
     """tp 2: the weight's storage chain is leaf -> view(s) -> partition on tp, the view's role the whole weight's,
     the partition the stored piece: half the weight's elements on each rank, as a contiguous column split stores
-    it; no value is gathered (each block column-parallel); the rewritten nodes name the rules in the library."""
+    it, priced alike (the view nothing); no value is gathered (each block column-parallel); the rewritten nodes
+    name the rules in the library."""
     library, graph = _fused()
     plain = megatron_pcg(graph, library, (1, 2))
     pcg = megatron_pcg(graph, library, (1, 2), heads_ordered=True)
@@ -86,6 +87,15 @@ def test_the_layout_stores_the_weight_as_a_partition_of_its_view():
         return any(n.op == COMBINE and n.shape[-1] == 12 for n in layout.nodes)
 
     assert not whole_product_gathered(pcg) and whole_product_gathered(plain)
+    from parsat.ir.machine import Machine
+    from parsat.search.solve import price_pcg
+
+    machine = Machine.preset("cpu")
+    costs, plain_costs = price_pcg(pcg, library, machine), price_pcg(plain, library, machine)
+    for name in ("w", "b"):   # the view runs nothing and holds nothing; the storage holds what a column split does
+        chain, plain_chain = chains[leaves[name]], weight_storage(plain)[plain_leaves[name]]
+        assert all(costs[v.id] == type(costs[v.id])() for v in storage_views(pcg, chain))
+        assert sum(costs[i].memory_bytes for i in chain) == sum(plain_costs[i].memory_bytes for i in plain_chain) > 0
     names = {r.name for r in library.rules}
     named = {rule.split(" (")[0] for n in pcg.nodes for rule in n.rules}
     assert named == set(RULES) and named <= names

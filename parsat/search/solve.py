@@ -21,7 +21,7 @@ from parsat.ir.fused_projections import rule_locations
 from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
 from parsat.ir.mesh import Mesh
-from parsat.ir.pcg import PCG, WEIGHT_VALUE, Degrees, PNode, pcg_roles
+from parsat.ir.pcg import PCG, WEIGHT, WEIGHT_VALUE, Degrees, PNode, pcg_roles
 from parsat.ir.recompute import NONE
 from parsat.egraph.encoding import PIN_SUFFIX
 from parsat.search.extract import Extraction, NodeId, Pricer, dag_cost, extract, kept_classes, node_costs
@@ -213,7 +213,11 @@ def _price_node(pricer: Pricer, pcg: PCG, node: PNode, children: Sequence[PNode]
     """One PCG node priced (`extract.Pricer.price`), its inputs `children`; `kept`: whether some backward reads
     its value (`cost.saved.kept_values`); `cover`: its readers' input gradients, where it is gathered again for
     backward (`_regather_covers`); `whole`: kept, and not gathered again where it is a gather (a backward other
-    than a product's reads it, `cost.saved.regathered_values`)."""
+    than a product's reads it, `cost.saved.regathered_values`). A view on a weight's storage chain (role WEIGHT,
+    `ir.pcg.pcg_roles`) costs nothing: the weight is stored as the partition after it, which is priced as the
+    weight's storage, and a view runs no kernel."""
+    if node.kind == "op" and roles.get(node.id) == WEIGHT:
+        return NodeCost()
     axis = node.axis(pcg.mesh) if node.kind == "parallel" else None
     attrs = (node.op,) if node.kind == "leaf" else tuple(v for k, v in node.attrs
                                                           if node.kind != "parallel" or k in ("dim", "to_dim"))
