@@ -147,7 +147,7 @@ def test_the_torch_runtime_refuses_a_weight_stored_through_a_view(gpt2):
         lower(pcg, imported.graph, module_info(module, imported.weights))
 
 
-def _heads_ordered_plan() -> dict:
+def _heads_ordered_plan(shape: tuple[int, int] = (1, 2)) -> dict:
     """Megatron's tp 2 layout of the tests' HF GPT-2 (`_factory`: float64, dropout off) with `c_attn` head by head."""
     import mesh_plans
     from test_torch_native_runtime import _factory
@@ -156,24 +156,28 @@ def _heads_ordered_plan() -> dict:
 
     module, inputs = _factory("gpt2")()
     graph = parsat.from_torch(module, inputs)
-    pcg = megatron_pcg(graph, load_library()[0], (1, 2), heads_ordered=True)
+    pcg = megatron_pcg(graph, load_library()[0], shape, heads_ordered=True)
     return mesh_plans.plan_dict(graph, pcg)
 
 
 @pytest.mark.slow
-def test_gpt2_heads_ordered_tp2_trains_like_one_process_and_checkpoints_for_the_unmodified_module(tmp_path):
-    """HF GPT-2 under the head-ordered tp 2 layout on 2 gloo ranks (float64): the module's forward evaluates the
-    plan's graph on DTensors (`rewritten`), each `c_attn` weight and bias a `_StridedShard(d, split_factor=3)`
-    parameter (each rank its heads' q, k and v), every parameter a DTensor; 3 AdamW steps with clip_grad_norm_
-    equal the unmodified module's in one process; the DCP checkpoint (the strided parameters presented as
-    `Shard(d)`) loads into the unmodified module with the trained weights."""
+@pytest.mark.parametrize("shape", [(1, 2), (2, 2)])
+def test_gpt2_heads_ordered_layout_trains_like_one_process_and_checkpoints_for_the_unmodified_module(shape, tmp_path):
+    """HF GPT-2 under the head-ordered tp 2 layout on 2 gloo ranks, and dp 2 x tp 2 on 4 (float64): the module's
+    forward evaluates the plan's graph on DTensors (`rewritten`), each `c_attn` weight and bias a
+    `_StridedShard(d, split_factor=3)` parameter on tp (each rank its heads' q, k and v; `Replicate()` on dp under
+    `replicate`), every parameter a DTensor; 3 AdamW steps with clip_grad_norm_ equal the unmodified module's in
+    one process; the DCP checkpoint (the strided parameters presented as `Shard(d)`) loads into the unmodified
+    module with the trained weights."""
     pytest.importorskip("transformers")
     from test_torch_native_runtime import _train_hf
 
-    results = _train_hf("gpt2", {"gpt2_heads": _heads_ordered_plan()}, 2, tmp_path)
+    dp, tp = shape
+    results = _train_hf("gpt2", {"gpt2_heads": _heads_ordered_plan(shape)}, dp * tp, tmp_path)
+    data = ["Replicate()"] if dp > 1 else []
     for result in results:
         placements = result["gpt2_heads"]["placements"]
-        assert placements["model.transformer.h.1.attn.c_attn.weight"] == ["_StridedShard(dim=1, sf=3)"], placements
-        assert placements["model.transformer.h.1.attn.c_attn.bias"] == ["_StridedShard(dim=0, sf=3)"], placements
-        assert placements["model.transformer.h.1.attn.c_proj.weight"] == ["Shard(dim=0)"], placements
+        for name, want in (("attn.c_attn.weight", "_StridedShard(dim=1, sf=3)"),
+                           ("attn.c_attn.bias", "_StridedShard(dim=0, sf=3)"), ("attn.c_proj.weight", "Shard(dim=0)")):
+            assert placements[f"model.transformer.h.1.{name}"] == data + [want], (name, placements)
         assert all(p for p in placements.values()), placements   # every parameter a DTensor

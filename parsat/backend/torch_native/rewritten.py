@@ -268,9 +268,6 @@ def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=Non
                "forward (torch_native/rewritten.py)"
                + ("; fully_shard wraps the root only" if lowering.axes(ZERO3) or lowering.zero >= 2 else ""))
     tp = lowering.tensor_axis
-    if any(storage_views(pcg, chains[w.node]) for w in lowering.weights) and data_axes | set(lowering.batch_axes):
-        raise LoweringError("a weight stored as a block of its view (a strided block of the parameter) beside data "
-                            "axes is not lowered: replicate / fully_shard of a `_StridedShard` parameter is untried")
     placed = () if tp is None else tuple((w.params[0], *parameter_placement(pcg, chains[w.node], tp))
                                          for w in lowering.weights)
     stored = tuple((name, code) for name, code, _ in placed)
@@ -594,19 +591,21 @@ def dtensor_parameter_placement(code: int, factor: int):
     return _StridedShard(shard_dim(code), split_factor=factor) if factor > 1 else dtensor_placement(code)
 
 
-def checkpoint_as_shards(owner: torch.nn.Module, local: str, dim: int) -> None:
-    """`owner.<local>`, a `_StridedShard` DTensor parameter (`parameter_placement`), checkpointed as the plain
-    `Shard(dim)` DTensor DCP can save (it refuses a strided one: "overlapping chunks"): `state_dict()` presents it
+def checkpoint_as_shards(owner: torch.nn.Module, local: str) -> None:
+    """`owner.<local>`, a `_StridedShard` DTensor parameter (`parameter_placement`; on each mesh dim where it is
+    one, beside data axes' placements), checkpointed as the plain `Shard(d)` DTensor DCP can save (it refuses a strided one: "overlapping chunks"): `state_dict()` presents it
     redistributed so, and `load_state_dict` redistributes what it is given back to the parameter's placement. So a
     checkpoint written on the ranks loads into the unmodified module, and `state = model.state_dict();
     dcp.load(state, ...); model.load_state_dict(state)` loads one (the presented tensor is a copy: `dcp.load` into
     it alone does not change the parameter)."""
     from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     def presented(_module, state, prefix, _metadata) -> None:
         value = state.get(prefix + local)
-        if isinstance(value, DTensor):
-            state[prefix + local] = value.redistribute(value.device_mesh, [Shard(dim)])
+        if isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements):
+            plain = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in value.placements]
+            state[prefix + local] = value.redistribute(value.device_mesh, plain)
 
     def received(module, state, prefix, *_rest) -> None:
         value, param = state.get(prefix + local), getattr(module, local)
@@ -637,7 +636,7 @@ def place_parameters(module: torch.nn.Module, tp_mesh, rewrite: Rewrite) -> None
         owner, _, local = name.rpartition(".")
         setattr(module.get_submodule(owner), local, made[id(param)])
         if factor > 1:
-            checkpoint_as_shards(module.get_submodule(owner), local, shard_dim(code))
+            checkpoint_as_shards(module.get_submodule(owner), local)
 
 
 def install(module: torch.nn.Module, rewrite: Rewrite, imported, mesh) -> torch.nn.Module:
