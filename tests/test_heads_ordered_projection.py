@@ -147,6 +147,37 @@ def test_the_torch_runtime_refuses_a_weight_stored_through_a_view(gpt2):
         lower(pcg, imported.graph, module_info(module, imported.weights))
 
 
+def test_the_pinned_search_answers_the_heads_parallel_point_and_it_lowers_to_strided_parameters():
+    """`parsat.optimize` of the tests' HF GPT-2 (float64, dropout off) pinned tp 2 on 2 cpu devices answers the
+    grid's head-ordered point (each `c_attn` weight stored through its view, the softmax split along the heads);
+    without processes, its lowering is a rewritten forward (no style stores a strided block) whose `c_attn`
+    parameters are `_StridedShard` with split factor 3 and whose row-parallel `c_proj` is `Shard(0)`."""
+    pytest.importorskip("transformers")
+    from test_torch_native_runtime import _factory
+
+    import parsat
+    from parsat.backend.torch_native.apply import module_info
+    from parsat.backend.torch_native.rewritten import dtensor_parameter_placement, lowered_plan
+    from parsat.importer.export import import_module
+
+    module, inputs = _factory("gpt2")()
+    imported = import_module(module, inputs, check=False)
+    plan = parsat.optimize(imported.graph, machine="cpu", devices=2, degrees={"tp": 2})
+    pcg = plan.pcg
+    assert all(str(n.placement) == "[S1]" for n in pcg.nodes if n.op == "softmax_causal")
+    chains = [chain for leaf, chain in weight_storage(pcg).items() if "c_attn" in pcg.node(leaf).op]
+    assert len(chains) == 4 and all(storage_views(pcg, chain) for chain in chains)
+    lowering, rewrite = lowered_plan(pcg, imported.graph, module_info(module, imported.weights), imported)
+    assert rewrite is not None and lowering.styles == () and "stored as a block of its view" in lowering.rewritten
+    stored, strided = dict(rewrite.stored), dict(rewrite.strided)
+    weight, bias = "model.transformer.h.0.attn.c_attn.weight", "model.transformer.h.0.attn.c_attn.bias"
+    assert strided == {name.replace(".0.", f".{i}."): 3 for i in (0, 1) for name in (weight, bias)}
+    assert repr(dtensor_parameter_placement(stored[weight], strided[weight])) == "_StridedShard(dim=1, sf=3)"
+    assert repr(dtensor_parameter_placement(stored[bias], strided[bias])) == "_StridedShard(dim=0, sf=3)"
+    assert repr(dtensor_parameter_placement(stored["model.transformer.h.0.attn.c_proj.weight"], 1)) == \
+        "Shard(dim=0)"
+
+
 def _heads_ordered_plan(shape: tuple[int, int] = (1, 2)) -> dict:
     """Megatron's tp 2 layout of the tests' HF GPT-2 (`_factory`: float64, dropout off) with `c_attn` head by head."""
     import mesh_plans
