@@ -100,6 +100,10 @@ def test_the_layout_stores_the_weight_as_a_partition_of_its_view():
     named = {rule.split(" (")[0] for n in pcg.nodes for rule in n.rules}
     assert named == set(RULES) and named <= names
     assert not storage_views(plain, weight_storage(plain)[plain_leaves["w"]])
+    zero3 = megatron_pcg(graph, library, (2, 2), heads_ordered=True, zero=3)   # fully_shard of a strided block: no
+    assert zero3 is not None and not any(storage_views(zero3, chain) for chain in weight_storage(zero3).values())
+    assert any(storage_views(p, c) for p in [megatron_pcg(graph, library, (2, 2), heads_ordered=True)]
+               for c in weight_storage(p).values())
 
 
 @pytest.fixture(scope="module")

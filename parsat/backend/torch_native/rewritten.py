@@ -272,6 +272,10 @@ def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=Non
                                          for w in lowering.weights)
     stored = tuple((name, code) for name, code, _ in placed)
     strided = tuple((name, factor) for name, _, factor in placed if factor > 1)
+    if strided and lowering.axes(ZERO3):
+        raise LoweringError(f"weight '{strided[0][0]}' is stored as a strided block (`_StridedShard`) and the plan "
+                            "shards weights with ZeRO-3: torch's fully_shard of a strided parameter gathers it wrong "
+                            "(torch 2.13), so this layout is not lowered under ZeRO-3")
     dtypes = node_dtypes(pcg, graph, getattr(imported, "dtypes", {}))
     steps = [_in_module_dtypes(s, dtypes[s.node], pcg) if s.node in dtypes and s.action in (OP, LOOKUP) else s
              for s in steps]
