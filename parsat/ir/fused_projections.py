@@ -8,7 +8,7 @@ holds its heads' q, k and v columns: a strided block of the one weight, which is
 of it ([h, 3h] as [h, h, 3], split along its middle dim; torch's `_StridedShard(1, split_factor=3)`).
 
 `heads_ordered` writes each such cut as the proved rules have it, so that a layout can store the weight as the
-partition of that view (`ir.pcg.weight_storage` follows views):
+partition of that view (`ir.pcg.weight_storage` follows views that start with an unflatten):
 
 * `split_of_unflatten_later_dim`: the cut of the [batch, seq, 3h] view is the view of the [rows, 3h] cut;
 * `split_linear_features`: that cut is the product of the weight's and the bias's column blocks;
@@ -101,13 +101,13 @@ def heads_ordered(graph: Graph) -> tuple[Graph, dict[str, tuple[str, ...]]] | No
         if projection is None:
             nodes.append(node)
             continue
-        new = _blocks(projection, graph.shape(node.inputs[1]), graph.shape(node.inputs[2]))
+        new = _blocks(projection, graph.shape(node.inputs[1]))
         nodes += new
         made.update({n.name: RULES for n in new})
     return replace(graph, nodes=tuple(nodes)), made
 
 
-def _blocks(f: FusedProjection, weight_shape: tuple[int, ...], bias_shape: tuple[int, ...]) -> list[OpNode]:
+def _blocks(f: FusedProjection, weight_shape: tuple[int, ...]) -> list[OpNode]:
     """The nodes of `heads_ordered` for one fused projection: the weight's and bias's views, then per block its
     columns, its product and that product's view under the cut's name."""
     x, weight, bias = f.product.inputs
@@ -118,7 +118,6 @@ def _blocks(f: FusedProjection, weight_shape: tuple[int, ...], bias_shape: tuple
              OpNode(w_view, "transpose", (f"{w_view}_unflat",), (("d0", 1), ("d1", 2)), (k, z, blocks)),
              OpNode(f"{b_view}_unflat", "unflatten", (bias,), (("dim", 0), ("k", z)), (blocks, z)),
              OpNode(b_view, "transpose", (f"{b_view}_unflat",), (("d0", 0), ("d1", 1)), (z, blocks))]
-    assert bias_shape == (n,)
     for i, cut in enumerate(f.cuts):
         w_col, b_col, product = f"{weight}__column{i}", f"{bias}__column{i}", f"{f.product.name}__column{i}"
         nodes += [OpNode(f"{w_col}_slice", "split", (w_view,), (("dim", 2), ("start", i), ("size", 1)), (k, z, 1)),

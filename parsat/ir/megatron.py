@@ -67,7 +67,7 @@ from parsat.ir.fused_projections import heads_ordered, rule_locations, with_rule
 from parsat.ir.graph import Graph, Leaf, instance_for
 from parsat.ir.mesh import Mesh
 from parsat.ir.microbatch import batch_dims, batch_wide_constants
-from parsat.ir.pcg import PCG, VIEW_OPS, Degrees, PNode
+from parsat.ir.pcg import PCG, STRIDED_VIEW, VIEW_OPS, Degrees, PNode
 from parsat.ir.placement import (FREE, PARTIAL, REPLICA, Placement, PlacementError, apply_parallel,
                                  _signature, axis_compute, codes_for_rank, compute_placement, shard, shard_dim)
 
@@ -123,7 +123,8 @@ def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], de
     `heads_ordered`: a fused projection read apart (HF GPT-2's `c_attn`, `ir.fused_projections`) laid out as
     Megatron-LM lays its fused QKV weight out, head by head: the weight and bias stored as the tensor axis's
     partition of their views, each rank's block its heads' q, k and v columns, the attention heads-parallel
-    (`heads_ordered_layout`). Off by default: the torch runtime does not lower a weight stored through a view.
+    (`heads_ordered_layout`; the torch runtime runs it as a rewritten forward with `_StridedShard` parameters).
+    Off by default (the plain layout); the search's grid asks for it (`search.baselines.independent_grid`).
 
     None where the graph cannot be laid out that way (an operator that accepts no placement its inputs can
     be brought to, a size that does not split): the grid then has no such point."""
@@ -923,11 +924,13 @@ def _made_of(graph: Graph, leaves: set[str]) -> frozenset[str]:
 
 
 def _views_of(graph: Graph, weights: set[str]) -> frozenset[str]:
-    """The values that are a weight seen through views alone (`ir.pcg.VIEW_OPS`): what the builder may
-    store as their partition (`_MegatronBuilder.stored_view`)."""
+    """The values that are a weight seen through views alone, the first an unflatten (`ir.pcg.VIEW_OPS`,
+    `STRIDED_VIEW`, as `ir.pcg.weight_storage` reads a storage chain): what the builder may store as their
+    partition (`_MegatronBuilder.stored_view`)."""
     found: set[str] = set()
     for node in graph.nodes:
-        if node.op in VIEW_OPS and len(node.inputs) == 1 and (node.inputs[0] in weights or node.inputs[0] in found):
+        if node.op in VIEW_OPS and len(node.inputs) == 1 and (
+                (node.inputs[0] in weights and node.op == STRIDED_VIEW) or node.inputs[0] in found):
             found.add(node.name)
     return frozenset(found)
 

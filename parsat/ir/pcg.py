@@ -238,7 +238,13 @@ STORED_ROLES = (WEIGHT, WEIGHT_PIECE)   # a further partition of these can store
 
 VIEW_OPS = frozenset({"unflatten", "transpose"})
 """Operators that re-index a value without computing (one input, every element kept): a weight read through a
-chain of them and then partitioned is stored as that partition (`weight_storage`; `ir.fused_projections`)."""
+chain of them, the first an `unflatten` (`STRIDED_VIEW`), and then partitioned is stored as that partition
+(`weight_storage`; `ir.fused_projections`)."""
+STRIDED_VIEW = "unflatten"
+"""The view a weight's storage chain starts its views with: a split of an unflattened dim's inner part is a strided
+block of the weight, what no partition of the weight itself stores. A chain of transposes alone is left as it was
+(its readers slice the weight where they read it), so plans that read a weight through a transpose keep their
+storage."""
 
 
 SHARDED_STATE_STAGES = (1, 2)   # the ZeRO stages `PCG.zero` states (0: none); stage 3 is the layout itself
@@ -281,7 +287,7 @@ def _weight_storage(pcg: PCG) -> dict[int, tuple[int, ...]]:
     """Weight leaf id -> its storage chain: the leaf, then each partition that is the only reader of the node
     before it. The weight is stored as the last node's piece, and the partitions on the chain run nothing.
     Before the first partition the chain may pass through views of the leaf (`VIEW_OPS`, each the only reader
-    of the node before it): the weight is then stored as a piece of its view, a contiguous block of the view
+    of the node before it, the first an unflatten: `STRIDED_VIEW`): the weight is then stored as a piece of its view, a contiguous block of the view
     that is a strided block of the weight (Megatron-LM's head-ordered fused QKV weight, `ir.fused_projections`;
     torch's `_StridedShard`). Views that no partition follows are not storage: the chain stops at the leaf.
 
@@ -295,9 +301,11 @@ def _weight_storage(pcg: PCG) -> dict[int, tuple[int, ...]]:
         if node.kind != "leaf" or node.role != WEIGHT:
             continue
         chain = [node.id]
-        while len(users.get(chain[-1], ())) == 1 and users[chain[-1]][0].kind == "op" \
-                and users[chain[-1]][0].op in VIEW_OPS:
-            chain.append(users[chain[-1]][0].id)
+        first = users.get(node.id, ())
+        if len(first) == 1 and first[0].kind == "op" and first[0].op == STRIDED_VIEW:
+            while len(users.get(chain[-1], ())) == 1 and users[chain[-1]][0].kind == "op" \
+                    and users[chain[-1]][0].op in VIEW_OPS:
+                chain.append(users[chain[-1]][0].id)
         while len(users.get(chain[-1], ())) == 1 and users[chain[-1]][0].kind == "parallel" \
                 and users[chain[-1]][0].op == PARTITION:
             chain.append(users[chain[-1]][0].id)
