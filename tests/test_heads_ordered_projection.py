@@ -171,6 +171,13 @@ def test_the_pinned_search_answers_the_heads_parallel_point_and_it_lowers_to_str
     assert all(str(n.placement) == "[S1]" for n in pcg.nodes if n.op == "softmax_causal")
     chains = [chain for leaf, chain in weight_storage(pcg).items() if "c_attn" in pcg.node(leaf).op]
     assert len(chains) == 4 and all(storage_views(pcg, chain) for chain in chains)
+    from parsat.report.explain import parallel_text
+
+    data = plan.to_dict()
+    nodes = {n["id"]: n for n in data["nodes"]}
+    weights = {n["op"] for n in data["nodes"] if n["kind"] == "leaf" and n.get("role") == "weight"}
+    said = [parallel_text(n, nodes, weights) for n in data["nodes"] if n["kind"] == "parallel"]
+    assert sum("stored sharded as a block of this view" in line for line in said) == 4, said
     lowering, rewrite = lowered_plan(pcg, imported.graph, module_info(module, imported.weights), imported)
     assert rewrite is not None and lowering.styles == () and "stored as a block of its view" in lowering.rewritten
     stored, strided = dict(rewrite.stored), dict(rewrite.strided)
