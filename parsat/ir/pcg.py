@@ -287,9 +287,10 @@ def _weight_storage(pcg: PCG) -> dict[int, tuple[int, ...]]:
     """Weight leaf id -> its storage chain: the leaf, then each partition that is the only reader of the node
     before it. The weight is stored as the last node's piece, and the partitions on the chain run nothing.
     Before the first partition the chain may pass through views of the leaf (`VIEW_OPS`, each the only reader
-    of the node before it, the first an unflatten: `STRIDED_VIEW`): the weight is then stored as a piece of its view, a contiguous block of the view
-    that is a strided block of the weight (Megatron-LM's head-ordered fused QKV weight, `ir.fused_projections`;
-    torch's `_StridedShard`). Views that no partition follows are not storage: the chain stops at the leaf.
+    of the node before it, the first an unflatten: `STRIDED_VIEW`): the weight is then stored as a piece of its
+    view, a contiguous block of the view that is a strided block of the weight (Megatron-LM's head-ordered fused
+    QKV weight, `ir.fused_projections`; torch's `_StridedShard`). Views that no partition follows are not storage:
+    the chain stops at the leaf.
 
     This is how the backend stores weights (`backend.executor`), how the step simulator runs them and how
     the cost model prices a PCG (`pcg_roles`): a weight with several readers is held whole (or as the piece

@@ -597,11 +597,11 @@ def dtensor_parameter_placement(code: int, factor: int):
 
 def checkpoint_as_shards(owner: torch.nn.Module, local: str) -> None:
     """`owner.<local>`, a `_StridedShard` DTensor parameter (`parameter_placement`; on each mesh dim where it is
-    one, beside data axes' placements), checkpointed as the plain `Shard(d)` DTensor DCP can save (it refuses a strided one: "overlapping chunks"): `state_dict()` presents it
-    redistributed so, and `load_state_dict` redistributes what it is given back to the parameter's placement. So a
-    checkpoint written on the ranks loads into the unmodified module, and `state = model.state_dict();
-    dcp.load(state, ...); model.load_state_dict(state)` loads one (the presented tensor is a copy: `dcp.load` into
-    it alone does not change the parameter)."""
+    one, beside data axes' placements), checkpointed as the plain `Shard(d)` DTensor DCP can save (it refuses a
+    strided one: "overlapping chunks"): `state_dict()` presents it redistributed so, and `load_state_dict`
+    redistributes what it is given back to the parameter's placement. So a checkpoint written on the ranks loads
+    into the unmodified module, and `state = model.state_dict(); dcp.load(state, ...); model.load_state_dict(state)`
+    loads one (the presented tensor is a copy: `dcp.load` into it alone does not change the parameter)."""
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
