@@ -9,10 +9,11 @@ each: `fused tp` (the model as imported, `--degrees tp=N`: the plan and which se
 `three projections tp`: each block's `linear -> unflatten -> split x 3` replaced by three `linear`s of [h, h]
 weights and [h] biases (one leaf each), whose tp plan keeps each rank's heads of q, k and v (every weight
 column-parallel, the attention's `bmm`s and softmax split along the heads, `c_proj` row-parallel). That graph is
-not GPT-2's parameters (three leaves, not one `Conv1D`): it prices the layout a head-ordered storage of the fused
-weight (`_StridedShard(1, split_factor=3)`, benchmarks/strided_fused_weight.py) would give, which no partition
-chain of the one fused leaf stores. Predictions of parsat's cost model; CPU seconds of this process, the 1-minute
-load beside them.
+not GPT-2's parameters (three leaves, not one `Conv1D`): it prices Megatron-LM's layout with three weights. Since
+2026-12-06 the grid lays the fused graph out so too (`megatron_pcg(heads_ordered=True)`: the one fused weight
+stored as the tensor axis's partition of its [h, h, 3] view, torch's `_StridedShard(1, split_factor=3)`), so the
+`fused tp` row is that point. Predictions of parsat's cost model; CPU seconds of this process, the 1-minute load
+beside them.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ for every rank) moves the cut before the view, where `split_linear_features` rea
 weight's column slices. A pinned `tp` splits every contraction's weight, GPT-2's position table `wpe` too,
 whose lookup reads a constant one-hot (no batch dim): it is split along its vocabulary with the table
 (`strategies._constant_lookups`); before, the pinned search had no joint plan at all and answered with the
-grid's point. Heads-parallel attention is still not reached: each rank's heads' q, k and v columns are a
-strided block of the fused weight, which no partition chain stores (docs/TORCH_NATIVE.md).
+grid's point. The joint plan still does not keep each rank's heads (a strided block of the fused weight); the
+grid lays the fused projection out head by head, storing the weight through a view
+(tests/test_heads_ordered_projection.py, docs/TORCH_NATIVE.md).
 """
 
 from __future__ import annotations

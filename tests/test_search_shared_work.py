@@ -336,7 +336,8 @@ def test_a_pcg_s_rules_worked_out_once_per_set_of_makers_are_each_node_s_own(thr
     """`solve.pcg_from_extraction` names each node's rules once per set of makers: each is the library's rules
     that made that node, in library order, as looking them up node by node gives."""
     from parsat.search.extract import extract
-    from parsat.search.solve import pcg_from_extraction, rule_locations
+    from parsat.ir.fused_projections import rule_locations
+    from parsat.search.solve import pcg_from_extraction
     graph, result, costs = three_blocks
     library = resolve_library(None)
     roots = [result.classes[n] for n in graph.outputs]

@@ -93,7 +93,7 @@ from parsat.ir.mesh import Mesh
 from parsat.ir.microbatch import StepBatch, step_batch
 from parsat.ir.placement import FREE, PARTIAL, Placement, PlacementError, piece_index
 from parsat.ir.graph import Graph
-from parsat.ir.pcg import PCG, PNode, weight_chains, weight_storage
+from parsat.ir.pcg import PCG, PNode, storage_views, weight_chains, weight_storage
 from parsat.ir.pcg_placement import derive_placements
 
 OPTIMIZERS = ("sgd", "adam")
@@ -325,6 +325,12 @@ class RankProgram:
 
     def _store_weight(self, leaf: PNode, chain: tuple[int, ...]) -> None:
         """Hold this rank's piece of `leaf` as its storage chain's last node gives it (`ir.pcg.weight_storage`)."""
+        views = storage_views(self.pcg, chain)
+        if views:
+            raise ExecutionError(f"weight '{leaf.op}' is stored as a block of its view "
+                                 f"({', '.join(v.op for v in views)}: a strided block of the parameter, "
+                                 "Megatron-LM's head-ordered fused projection); this backend stores a weight as a "
+                                 "contiguous block of itself only")
         if self.weights is not None:
             full = self.weights[leaf.op].detach().to(self.config.torch_dtype())
         else:

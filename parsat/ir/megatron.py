@@ -63,10 +63,11 @@ from parsat.dsl.library import Library
 from parsat.dsl.parallel_ops import (ALL_GATHER, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER,
                                      REPLICATE)
 from parsat.ir.data_parallel import _live, data_parallel_pcg
+from parsat.ir.fused_projections import heads_ordered, rule_locations, with_rules
 from parsat.ir.graph import Graph, Leaf, instance_for
 from parsat.ir.mesh import Mesh
 from parsat.ir.microbatch import batch_dims, batch_wide_constants
-from parsat.ir.pcg import PCG, Degrees, PNode
+from parsat.ir.pcg import PCG, STRIDED_VIEW, VIEW_OPS, Degrees, PNode
 from parsat.ir.placement import (FREE, PARTIAL, REPLICA, Placement, PlacementError, apply_parallel,
                                  _signature, axis_compute, codes_for_rank, compute_placement, shard, shard_dim)
 
@@ -98,7 +99,7 @@ def contraction_weights(graph: Graph) -> frozenset[str]:
 def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], devices_per_node: int = 1, *,
                  zero: int = 0, sequence: bool = False, cache: dict | None = None,
                  kin: dict | None = None, vocabulary_loss: bool = False,
-                 reduce_at_once: bool = False) -> PCG | None:
+                 reduce_at_once: bool = False, heads_ordered: bool = False) -> PCG | None:
     """Megatron-LM's layout of `graph` on the mesh `dp x tp` (`mesh_shape`; the module docstring), ZeRO-3
     over the data axis with `zero=3`, sequence parallelism with `sequence`. An axis of size 1 is left out of
     the mesh; with `tp == 1` it is data parallelism (`ir.data_parallel`, whose one-axis mesh it is).
@@ -119,8 +120,19 @@ def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], de
     sequence parallelism and ZeRO level, and the reduction it adds reads of a size only what the lazy layout's
     conversions read (whether a dim splits on the mesh: `_Kin`).
 
+    `heads_ordered`: a fused projection read apart (HF GPT-2's `c_attn`, `ir.fused_projections`) laid out as
+    Megatron-LM lays its fused QKV weight out, head by head: the weight and bias stored as the tensor axis's
+    partition of their views, each rank's block its heads' q, k and v columns, the attention heads-parallel
+    (`heads_ordered_layout`; the torch runtime runs it as a rewritten forward with `_StridedShard` parameters).
+    Off by default (the plain layout); the search's grid asks for it (`search.baselines.independent_grid`).
+
     None where the graph cannot be laid out that way (an operator that accepts no placement its inputs can
     be brought to, a size that does not split): the grid then has no such point."""
+    if heads_ordered and mesh_shape[1] > 1:
+        found = heads_ordered_layout(graph, library, mesh_shape, devices_per_node, zero=zero, sequence=sequence,
+                                     cache=cache, vocabulary_loss=vocabulary_loss, reduce_at_once=reduce_at_once)
+        if found is not None:
+            return found
     dp, tp = (int(s) for s in mesh_shape)
     if zero not in ZERO_LEVELS:
         raise ValueError(f"zero must be one of {ZERO_LEVELS}, got {zero!r}")
@@ -146,6 +158,34 @@ def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], de
 
 
 _NONE = object()   # `_Kin.layout`: no kin graph's layout to rescale
+
+
+def heads_ordered_layout(graph: Graph, library: Library, mesh_shape: tuple[int, int], devices_per_node: int = 1,
+                         **options) -> PCG | None:
+    """`megatron_pcg` of `graph` with its fused projections written head by head (`fused_projections.heads_ordered`:
+    one product per q / k / v block, its weight and bias columns of the weight's and bias's views), each node
+    those rewrites made naming the proved rules that made it. The builder stores each view as its partition on
+    the tensor axis (`_MegatronBuilder.stored_view`): each rank's heads. None where the graph has no fused
+    projection or that graph cannot be laid out (`megatron_pcg`'s other options as given; no `kin`), and under
+    ZeRO-3: torch 2.13's `fully_shard` of such a parameter (`_StridedShard` on tp, sharded again along the same dim
+    on dp) trained HF GPT-2's loss right but gathered its `c_attn.bias` wrong (relative difference 1.9 after 3
+    steps, 2026-12-06), so no ZeRO-3 point stores a weight through a view (the layout without it is laid out)."""
+    if options.get("zero") == 3:
+        return None
+    cache = options.pop("cache", None)
+    written = cache.get(("heads_ordered", id(graph))) if cache is not None else None
+    if written is None or written[0] is not graph:
+        written = (graph, heads_ordered(graph))
+        if cache is not None:
+            cache[("heads_ordered", id(graph))] = written
+    if written[1] is None:
+        return None
+    rewritten, made = written[1]
+    own = cache.setdefault(("heads_ordered_cache", id(graph)), {}) if cache is not None else None
+    pcg = megatron_pcg(rewritten, library, mesh_shape, devices_per_node, cache=own, **options)
+    if pcg is None:
+        return None
+    return replace(pcg, nodes=tuple(with_rules(pcg.nodes, made, rule_locations(library.rules))))
 
 
 def _built_layout(graph: Graph, mesh: Mesh, zero: int, sequence: bool, memo: "_Memo",
@@ -472,6 +512,7 @@ class _MegatronBuilder:
             self.batch.get(leaf.name) is None or leaf.shape[self.batch[leaf.name]] % size != 0)}
         self.weighted = _made_of(graph, {w.name for w in graph.weights})       # weights and values of them alone
         self.static = _made_of(graph, {w.name for w in graph.weights} | unsplit)   # ... and of unsplit inputs
+        self.views = _views_of(graph, {w.name for w in graph.weights})   # weights seen through views alone
         self.nodes: list[PNode] = []
         self.leaf_ids: dict[str, int] = {}
         self.forms: dict[str, dict[Placement, int]] = {}             # activation -> placement -> node
@@ -735,7 +776,28 @@ class _MegatronBuilder:
                     else self.weight_op(name, target)
             except PlacementError:
                 self.made[key] = None
+            if self.made[key] is None and name in self.views:
+                self.made[key] = self.stored_view(name, target)
         return self.made[key]
+
+    def stored_view(self, name: str, target: Placement) -> int | None:
+        """A view of a weight (`views`) split on the tensor axis where no split of the weight gives that split:
+        the view made whole, partitioned on the tensor axis (the weight's storage, `ir.pcg.weight_storage`) and
+        replicated on the data axis, as `stored_weight` stores a weight. None where `target` asks otherwise."""
+        dim = shard_dim(target.codes[self.tensor])
+        data_code = target.codes[self.data] if self.data is not None else FREE
+        if dim is None or data_code not in (FREE, REPLICA):
+            return None
+        node = self.weight_value(name, Placement.whole(len(self.mesh)))
+        if node is None:
+            return None
+        try:
+            node = self.parallel(PARTITION, node, self.tensor, dim)
+            if data_code == REPLICA:
+                node = self.parallel(REPLICATE, node, self.data)
+        except PlacementError:
+            return None
+        return node if self.nodes[node].placement == target else None
 
     def stored_weight(self, leaf: Leaf, target: Placement) -> int | None:
         """A weight (or unsplit input) leaf in `target`: split on the tensor axis (a weight's storage), a weight
@@ -857,6 +919,18 @@ def _made_of(graph: Graph, leaves: set[str]) -> frozenset[str]:
     found = set(leaves)
     for node in graph.nodes:
         if node.inputs and all(i in found for i in node.inputs):
+            found.add(node.name)
+    return frozenset(found)
+
+
+def _views_of(graph: Graph, weights: set[str]) -> frozenset[str]:
+    """The values that are a weight seen through views alone, the first an unflatten (`ir.pcg.VIEW_OPS`,
+    `STRIDED_VIEW`, as `ir.pcg.weight_storage` reads a storage chain): what the builder may store as their
+    partition (`_MegatronBuilder.stored_view`)."""
+    found: set[str] = set()
+    for node in graph.nodes:
+        if node.op in VIEW_OPS and len(node.inputs) == 1 and (
+                (node.inputs[0] in weights and node.op == STRIDED_VIEW) or node.inputs[0] in found):
             found.add(node.name)
     return frozenset(found)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cached_property
 from math import prod
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 from parsat.dsl.parallel_ops import PARTITION, REPLICATE
 from parsat.dsl.spread import SymbolicDegrees
@@ -236,6 +236,17 @@ WEIGHT_ROLES = (WEIGHT, WEIGHT_PIECE, WEIGHT_VALUE)
 STORED_ROLES = (WEIGHT, WEIGHT_PIECE)   # a further partition of these can store the weight finer
 
 
+VIEW_OPS = frozenset({"unflatten", "transpose"})
+"""Operators that re-index a value without computing (one input, every element kept): a weight read through a
+chain of them, the first an `unflatten` (`STRIDED_VIEW`), and then partitioned is stored as that partition
+(`weight_storage`; `ir.fused_projections`)."""
+STRIDED_VIEW = "unflatten"
+"""The view a weight's storage chain starts its views with: a split of an unflattened dim's inner part is a strided
+block of the weight, what no partition of the weight itself stores. A chain of transposes alone is left as it was
+(its readers slice the weight where they read it), so plans that read a weight through a transpose keep their
+storage."""
+
+
 SHARDED_STATE_STAGES = (1, 2)   # the ZeRO stages `PCG.zero` states (0: none); stage 3 is the layout itself
 
 
@@ -275,6 +286,11 @@ def weight_storage(pcg: PCG) -> dict[int, tuple[int, ...]]:
 def _weight_storage(pcg: PCG) -> dict[int, tuple[int, ...]]:
     """Weight leaf id -> its storage chain: the leaf, then each partition that is the only reader of the node
     before it. The weight is stored as the last node's piece, and the partitions on the chain run nothing.
+    Before the first partition the chain may pass through views of the leaf (`VIEW_OPS`, each the only reader
+    of the node before it, the first an unflatten: `STRIDED_VIEW`): the weight is then stored as a piece of its
+    view, a contiguous block of the view that is a strided block of the weight (Megatron-LM's head-ordered fused
+    QKV weight, `ir.fused_projections`; torch's `_StridedShard`). Views that no partition follows are not storage:
+    the chain stops at the leaf.
 
     This is how the backend stores weights (`backend.executor`), how the step simulator runs them and how
     the cost model prices a PCG (`pcg_roles`): a weight with several readers is held whole (or as the piece
@@ -286,11 +302,25 @@ def _weight_storage(pcg: PCG) -> dict[int, tuple[int, ...]]:
         if node.kind != "leaf" or node.role != WEIGHT:
             continue
         chain = [node.id]
+        first = users.get(node.id, ())
+        if len(first) == 1 and first[0].kind == "op" and first[0].op == STRIDED_VIEW:
+            while len(users.get(chain[-1], ())) == 1 and users[chain[-1]][0].kind == "op" \
+                    and users[chain[-1]][0].op in VIEW_OPS:
+                chain.append(users[chain[-1]][0].id)
         while len(users.get(chain[-1], ())) == 1 and users[chain[-1]][0].kind == "parallel" \
                 and users[chain[-1]][0].op == PARTITION:
             chain.append(users[chain[-1]][0].id)
+        while pcg.node(chain[-1]).kind == "op":   # views no partition follows
+            chain.pop()
         chains[node.id] = tuple(chain)
     return chains
+
+
+def storage_views(pcg: PCG, chain: Sequence[int]) -> tuple[PNode, ...]:
+    """The views (`VIEW_OPS`) a weight's storage chain (`weight_storage`) passes through before its partitions:
+    none where the weight is stored as a block of itself. A backend that stores a weight as a block of the
+    parameter refuses a chain with views (the parameter's piece is then a strided block, `ir.fused_projections`)."""
+    return tuple(node for node in (pcg.node(i) for i in chain[1:]) if node.kind == "op")
 
 
 def weight_chains(pcg: PCG) -> frozenset[int]:
@@ -314,12 +344,15 @@ def _pcg_roles(pcg: PCG) -> dict[int, str]:
     """Node id -> role, as `extract.leaf_roles` gives e-classes: leaves by their role, values made from them by
     parallel operators only as INPUT, WEIGHT_PIECE (on a weight's storage chain, `weight_storage`) or
     WEIGHT_VALUE. Unlike an e-class, a PCG node knows its readers: a partition of a weight that has other
-    readers too is WEIGHT_VALUE, not a stored piece."""
+    readers too is WEIGHT_VALUE, not a stored piece. A view on a storage chain (`weight_storage`) is the whole
+    weight seen in another shape: WEIGHT, so the partition storing it is priced as the weight's storage."""
     stored = {i for chain in weight_storage(pcg).values() for i in chain[1:]}
     roles: dict[int, str] = {}
     for node in pcg.nodes:
         if node.kind == "leaf":
             roles[node.id] = node.role or INPUT
+        elif node.kind == "op" and node.id in stored:
+            roles[node.id] = WEIGHT
         elif node.kind == "parallel" and node.inputs[0] in roles:
             source = roles[node.inputs[0]]
             roles[node.id] = INPUT if source == INPUT else WEIGHT_PIECE if node.id in stored else WEIGHT_VALUE

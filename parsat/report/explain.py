@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 from parsat.dsl.parallel_ops import ALL_GATHER, ALL_TO_ALL, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER, REPLICATE
 from parsat.ir.mesh import Mesh
 from parsat.ir.parallelism import describe
-from parsat.ir.pcg import Degrees, describe_zero
+from parsat.ir.pcg import STRIDED_VIEW, VIEW_OPS, Degrees, describe_zero
 from parsat.ir.pipeline import PipelinePlan
 from parsat.ir.plan import BASELINES, JOINT, Plan, load_plan_dict, pcg_from_dict
 from parsat.ir.recompute import NONE
@@ -181,6 +181,9 @@ def parallel_text(node: Mapping, nodes: Mapping[int, Mapping], weights: set[str]
         text = f"gathers {what} along dim {attrs['dim']} from {attrs['degree']} blocks into copies"
     if "axis" in attrs:
         text += f" on mesh axis {attrs['axis']}"
+    viewed = viewed_weight(source, nodes, weights)
+    if node["op"] == PARTITION and viewed:
+        text += f" (weight {viewed} stored sharded as a block of this view of it: a strided block, no gradient sync)"
     if source["kind"] == "leaf" and source["op"] in weights:
         sharded = any("reduce-scatter" in line for line in node["cost"]["collectives"])   # ZeRO-1/2's sync
         synced = "reduce-scattered and its update all-gathered (ZeRO)" if sharded else "all-reduced"
@@ -190,6 +193,17 @@ def parallel_text(node: Mapping, nodes: Mapping[int, Mapping], weights: set[str]
     if collectives:
         text += "; " + "; ".join(collectives)
     return text
+
+
+def viewed_weight(source: Mapping, nodes: Mapping[int, Mapping], weights: set[str]) -> str:
+    """The weight `source` is a view of (`ir.pcg.VIEW_OPS` from the weight leaf, the first `STRIDED_VIEW`, as
+    `ir.pcg.weight_storage` reads a storage chain), or "" where it is none."""
+    chain = []
+    while source["kind"] == "op" and source["op"] in VIEW_OPS and len(source["inputs"]) == 1:
+        chain.append(source)
+        source = nodes[source["inputs"][0]]
+    found = source["kind"] == "leaf" and source["op"] in weights and chain and chain[-1]["op"] == STRIDED_VIEW
+    return source["op"] if found else ""
 
 
 def _parallel_summary(parallel: Sequence[Mapping], nodes: Mapping[int, Mapping], weights: set[str]) -> str:

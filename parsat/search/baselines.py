@@ -153,7 +153,8 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
 
     def lay_out(layout: _Layout, zero: int) -> PCG | None:
         return megatron_pcg(graph, library, (layout.dp, layout.tp), per_node, zero=zero, sequence=layout.sequence,
-                            cache=shared, kin=kin, vocabulary_loss=True, reduce_at_once=reduce_at_once)
+                            cache=shared, kin=kin, vocabulary_loss=True, reduce_at_once=reduce_at_once,
+                            heads_ordered=True)
 
     layouts = _grid_layouts(devices, per_node)
     point = _GridPricer(graph, library, machine, free_input_placements, fits or (

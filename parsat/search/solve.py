@@ -11,17 +11,17 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, Mapping, Sequence
 
-from parsat.dsl import ast
 from parsat.dsl.library import Library
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.cost.model import shards_state
 from parsat.cost.pcg_tasks import needs_gradient
 from parsat.cost.saved import kept_values, regather_cover, regathered_values, runtime_regathers
 from parsat.ir.costs import NodeCost
+from parsat.ir.fused_projections import rule_locations
 from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
 from parsat.ir.mesh import Mesh
-from parsat.ir.pcg import PCG, WEIGHT_VALUE, Degrees, PNode, pcg_roles
+from parsat.ir.pcg import PCG, WEIGHT, WEIGHT_VALUE, Degrees, PNode, pcg_roles
 from parsat.ir.recompute import NONE
 from parsat.egraph.encoding import PIN_SUFFIX
 from parsat.search.extract import Extraction, NodeId, Pricer, dag_cost, extract, kept_classes, node_costs
@@ -213,7 +213,11 @@ def _price_node(pricer: Pricer, pcg: PCG, node: PNode, children: Sequence[PNode]
     """One PCG node priced (`extract.Pricer.price`), its inputs `children`; `kept`: whether some backward reads
     its value (`cost.saved.kept_values`); `cover`: its readers' input gradients, where it is gathered again for
     backward (`_regather_covers`); `whole`: kept, and not gathered again where it is a gather (a backward other
-    than a product's reads it, `cost.saved.regathered_values`)."""
+    than a product's reads it, `cost.saved.regathered_values`). A view on a weight's storage chain (role WEIGHT,
+    `ir.pcg.pcg_roles`) costs nothing: the weight is stored as the partition after it, which is priced as the
+    weight's storage, and a view runs no kernel."""
+    if node.kind == "op" and roles.get(node.id) == WEIGHT:
+        return NodeCost()
     axis = node.axis(pcg.mesh) if node.kind == "parallel" else None
     attrs = (node.op,) if node.kind == "leaf" else tuple(v for k, v in node.attrs
                                                           if node.kind != "parallel" or k in ("dim", "to_dim"))
@@ -275,7 +279,3 @@ def pcg_from_extraction(result: SaturationResult, extraction: Extraction, graph:
     return PCG(tuple(nodes), tuple(ident[r] for r in roots), tuple(output_names), mesh), ident
 
 
-def rule_locations(library_rules: Sequence[ast.RuleDecl]) -> dict[str, str]:
-    """Rule name -> `name (file:line)`, as a plan's node names the rules that produced it, in library order."""
-    return {rule.name: f"{rule.name} ({rule.span.file}:{rule.span.line})" if rule.span else rule.name
-            for rule in library_rules}

@@ -102,7 +102,7 @@ from parsat.ir.graph import Graph
 from parsat.ir.megatron import vocabulary_parallel_logsumexps
 from parsat.ir.mesh import Mesh
 from parsat.ir.microbatch import batch_dims, batch_wide_constants
-from parsat.ir.pcg import PCG, WEIGHT, PNode, readers, weight_storage
+from parsat.ir.pcg import PCG, WEIGHT, PNode, readers, storage_views, weight_storage
 from parsat.ir.placement import FREE, PARTIAL, REPLICA, Placement, code_text, shard, shard_dim
 
 FREE_ROLE, SYNCED, GATHERED, SPLIT, SEQUENCE = "free", "synced", "gathered", "split", "sequence"
@@ -424,6 +424,12 @@ class _Lowerer:
             raise LoweringError(f"the plan's weight '{leaf.op}' has shape {list(shape)}, the module's "
                                 f"{list(info.shape)}: parallelize the module the plan was made for")
         chain = weight_storage(self.pcg)[leaf.id]
+        views = storage_views(self.pcg, chain)
+        if views and not self.evaluated:
+            why = (f"weight '{leaf.op}' is stored as a block of its view ({', '.join(v.op for v in views)}): each "
+                   "rank's piece is a strided block of the parameter (Megatron-LM's head-ordered fused projection, "
+                   "torch's `_StridedShard`), which no torch style stores")
+            raise LoweringError(why) if self.traced else UnstyledAxis(why)
         stored = self.node(chain[-1]).placement
         uses = list(self.uses(chain[-1]))
         roles, restored = [], []

@@ -97,7 +97,7 @@ from parsat.importer.torch_ops import apply_op
 from parsat.ir.graph import Graph
 from parsat.ir.megatron import vocabulary_parallel_logsumexps
 from parsat.ir.microbatch import batch_dims
-from parsat.ir.pcg import PCG, PNode, weight_storage
+from parsat.ir.pcg import PCG, PNode, storage_views, weight_storage
 from parsat.ir.placement import FREE, PARTIAL, REPLICA, shard, shard_dim
 from parsat.backend.recompute_regions import Region, forward_units
 from parsat.backend.torch_native.lowering import (DATA, EMBEDDING_OPS, REWRITE_NOTE, ZERO3, Lowering, LoweringError,
@@ -149,7 +149,8 @@ class Recomputed:
 class Rewrite:
     """What a rank evaluates in place of the module's forward (module docstring): the steps in the plan's order,
     the output nodes, the local shapes of the batch-carrying data leaves, the rewritten nodes' description, and
-    on a tensor axis (`tensor_axis`) each weight's stored placement there (parameter name, placement code); for a
+    on a tensor axis (`tensor_axis`) each weight's stored placement there (parameter name, placement code; a
+    parameter's split factor in `strided` where it is stored as a strided block, `parameter_placement`); for a
     plan that recomputes blocks, each block's run of steps (`recomputed`)."""
 
     steps: tuple[Step, ...]
@@ -159,6 +160,7 @@ class Rewrite:
     tensor_axis: int | None = None
     stored: tuple[tuple[str, int], ...] = ()
     recomputed: tuple["Recomputed", ...] = ()
+    strided: tuple[tuple[str, int], ...] = ()   # parameter -> split factor, where > 1 (`parameter_placement`)
 
     def lowered(self, lowering: Lowering) -> Lowering:
         """`lowering` saying that the module's forward computes the plan's graph (its rewrite note replaced)."""
@@ -240,7 +242,8 @@ def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=Non
     local = {name for name, leaf in imported.data.items() if not leaf.constant and leaf.encoding != "dropout"}
     static = weight_values(pcg)
     chains = weight_storage(pcg)
-    stored_by = {i for chain in chains.values() for i in chain[1:]}   # a weight's storage: the parameter is that
+    # a weight's storage: the parameter is that (a view on the chain is computed: `parameter_placement`)
+    stored_by = {i for chain in chains.values() for i in chain[1:] if pcg.node(i).kind != "op"}
     presliced: dict[int, frozenset[int]] = {}   # node -> data axes its value on the rank is already split along
     summed: set[int] = set()                    # nodes after a gather or a sum over the data ranks
     steps = []
@@ -265,8 +268,14 @@ def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=Non
                "forward (torch_native/rewritten.py)"
                + ("; fully_shard wraps the root only" if lowering.axes(ZERO3) or lowering.zero >= 2 else ""))
     tp = lowering.tensor_axis
-    stored = () if tp is None else tuple((w.params[0], pcg.node(chains[w.node][-1]).placement.codes[tp])
+    placed = () if tp is None else tuple((w.params[0], *parameter_placement(pcg, chains[w.node], tp))
                                          for w in lowering.weights)
+    stored = tuple((name, code) for name, code, _ in placed)
+    strided = tuple((name, factor) for name, _, factor in placed if factor > 1)
+    if strided and lowering.axes(ZERO3):
+        raise LoweringError(f"weight '{strided[0][0]}' is stored as a strided block (`_StridedShard`) and the plan "
+                            "shards weights with ZeRO-3: torch's fully_shard of a strided parameter gathers it wrong "
+                            "(torch 2.13), so this layout is not lowered under ZeRO-3")
     dtypes = node_dtypes(pcg, graph, getattr(imported, "dtypes", {}))
     steps = [_in_module_dtypes(s, dtypes[s.node], pcg) if s.node in dtypes and s.action in (OP, LOOKUP) else s
              for s in steps]
@@ -274,7 +283,7 @@ def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=Non
     steps = _with_frees(steps, pcg.outputs)
     if recomputed:
         summary += f"; {len(recomputed)} blocks recomputed in the backward (torch.utils.checkpoint)"
-    return Rewrite(steps, pcg.outputs, shapes, summary, tp, stored, recomputed)
+    return Rewrite(steps, pcg.outputs, shapes, summary, tp, stored, recomputed, strided)
 
 
 def _step(n: PNode, pcg: PCG, lowering: Lowering, data_axes: set[int], static: set[int],
@@ -557,6 +566,60 @@ def dtensor_placement(code: int):
     return Partial() if code == PARTIAL else Shard(shard_dim(code))
 
 
+def parameter_placement(pcg: PCG, chain: tuple[int, ...], axis: int) -> tuple[int, int]:
+    """(placement code, split factor) of the parameter whose storage chain (`ir.pcg.weight_storage`) is `chain`,
+    on mesh axis `axis`: the chain's end's code, split factor 1, where the weight is stored as a block of itself.
+    Stored as a block of its view `unflatten(w, u, k)` ([.., m / k, k, ..]) split along the view's dim u + 1 (each
+    rank's block of every one of the m / k column blocks: HF GPT-2's q, k and v columns of its heads,
+    `ir.fused_projections`), it is the parameter's dim u split with split factor m / k: torch's
+    `_StridedShard(u, split_factor=m / k)`, whose `unflatten` DTensor propagates as `Shard(u + 1)`, the plan's
+    placement of the view. Another view, or a split of the view elsewhere, raises LoweringError naming it."""
+    code = pcg.node(chain[-1]).placement.codes[axis]
+    views = storage_views(pcg, chain)
+    if not views or shard_dim(code) is None:
+        return code, 1
+    view = views[0]
+    u = int(view.attr("dim")) if view.op == "unflatten" else -1
+    d = shard_dim(code)
+    if len(views) != 1 or view.op != "unflatten" or d not in (u, u + 1):
+        raise LoweringError(f"weight '{pcg.node(chain[0]).op}' is stored as {code_text(code)} of its view "
+                            f"{' -> '.join(v.label for v in views)}: only a split of one unflatten's inner dim is "
+                            "lowered (torch's `_StridedShard`)")
+    return (shard(u), int(view.shape[u])) if d == u + 1 else (shard(u), 1)
+
+
+def dtensor_parameter_placement(code: int, factor: int):
+    """`dtensor_placement`, or `_StridedShard(d, split_factor=factor)` for a strided split (`parameter_placement`)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(shard_dim(code), split_factor=factor) if factor > 1 else dtensor_placement(code)
+
+
+def checkpoint_as_shards(owner: torch.nn.Module, local: str) -> None:
+    """`owner.<local>`, a `_StridedShard` DTensor parameter (`parameter_placement`; on each mesh dim where it is
+    one, beside data axes' placements), checkpointed as the plain `Shard(d)` DTensor DCP can save (it refuses a
+    strided one: "overlapping chunks"): `state_dict()` presents it redistributed so, and `load_state_dict`
+    redistributes what it is given back to the parameter's placement. So a checkpoint written on the ranks loads
+    into the unmodified module, and `state = model.state_dict(); dcp.load(state, ...); model.load_state_dict(state)`
+    loads one (the presented tensor is a copy: `dcp.load` into it alone does not change the parameter)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def presented(_module, state, prefix, _metadata) -> None:
+        value = state.get(prefix + local)
+        if isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements):
+            plain = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in value.placements]
+            state[prefix + local] = value.redistribute(value.device_mesh, plain)
+
+    def received(module, state, prefix, *_rest) -> None:
+        value, param = state.get(prefix + local), getattr(module, local)
+        if isinstance(value, DTensor) and tuple(value.placements) != tuple(param.placements):
+            state[prefix + local] = value.redistribute(param.device_mesh, param.placements)
+
+    owner.register_state_dict_post_hook(presented)
+    owner.register_load_state_dict_pre_hook(received)
+
+
 def place_parameters(module: torch.nn.Module, tp_mesh, rewrite: Rewrite) -> None:
     """Every parameter a DTensor on the tensor axis's mesh, placed as the plan stores its weight there (a weight
     the plan keeps whole `Replicate()`, one it stores split `Shard(d)`; a parameter the graph does not read
@@ -564,16 +627,20 @@ def place_parameters(module: torch.nn.Module, tp_mesh, rewrite: Rewrite) -> None
     styled module, reads the parameters. A tied parameter stays one tensor under all its names."""
     from torch.distributed.tensor import distribute_tensor
 
-    stored = dict(rewrite.stored)
+    stored, strided = dict(rewrite.stored), dict(rewrite.strided)
     made: dict[int, torch.nn.Parameter] = {}
     for name, param in list(module.named_parameters(remove_duplicate=False)):
+        names = [n for n, p in module.named_parameters(remove_duplicate=False) if p is param]
+        code = next((stored[n] for n in names if n in stored), FREE)
+        factor = next((strided[n] for n in names if n in strided), 1)
         if id(param) not in made:
-            names = [n for n, p in module.named_parameters(remove_duplicate=False) if p is param]
-            code = next((stored[n] for n in names if n in stored), FREE)
-            made[id(param)] = torch.nn.Parameter(distribute_tensor(param.data, tp_mesh, [dtensor_placement(code)]),
-                                                 param.requires_grad)
+            made[id(param)] = torch.nn.Parameter(
+                distribute_tensor(param.data, tp_mesh, [dtensor_parameter_placement(code, factor)]),
+                param.requires_grad)
         owner, _, local = name.rpartition(".")
         setattr(module.get_submodule(owner), local, made[id(param)])
+        if factor > 1:
+            checkpoint_as_shards(module.get_submodule(owner), local)
 
 
 def install(module: torch.nn.Module, rewrite: Rewrite, imported, mesh) -> torch.nn.Module:

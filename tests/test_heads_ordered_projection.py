@@ -1,0 +1,225 @@
+"""A fused projection read apart (HF GPT-2's `c_attn`) laid out head by head: the weight stored through a view.
+
+`ir.fused_projections.heads_ordered` writes the cut of a fused [rows, n] product as one product per block, each
+block's weight and bias a column of the weight's and bias's [k, z, n / z] view (the proved rules it names);
+`ir.megatron.megatron_pcg(heads_ordered=True)` (the search's grid) stores that view split along z on the tensor
+axis: each rank's heads' q, k and v columns, a strided block of the parameter (`ir.pcg.weight_storage` follows
+views), and GPT-2's attention runs heads-parallel. The torch runtime refuses such a plan by name.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from parsat.dsl.library import load_library
+from parsat.dsl.parallel_ops import COMBINE, PARTITION
+from parsat.ir.fused_projections import RULES, fused_projections, heads_ordered
+from parsat.ir.graph import GraphBuilder
+from parsat.ir.megatron import megatron_pcg
+from parsat.ir.pcg import WEIGHT, WEIGHT_PIECE, pcg_roles, storage_views, weight_storage
+from parsat.ir.pipeline import stored_piece_elements
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # sibling test modules (the HF runtime harness)
+
+
+def _fused(parts: int = 3, width: int = 4):
+    library = load_library()[0]
+    g = GraphBuilder(library, name="fused")
+    x, w, b = g.input("x", [6, 4]), g.weight("w", [4, parts * width]), g.weight("b", [parts * width])
+    view = g.op("unflatten", g.op("linear", x, w, b), dim=0, k=3)
+    g.output(*(g.op("split", view, dim=2, start=i * width, size=width, name=f"part{i}") for i in range(parts)))
+    return library, g.build()
+
+
+def test_the_head_ordered_form_computes_what_the_fused_projection_does():
+    """The rewritten graph's blocks equal the fused product's cut, to rounding (torch, float64): the weight's
+    and bias's views read column i as columns i z .. (i + 1) z of the parameter."""
+    torch = pytest.importorskip("torch")
+    from parsat.importer.torch_ops import evaluate_graph
+
+    _library, graph = _fused()
+    assert [f.product.op for f in fused_projections(graph)] == ["linear"]
+    rewritten, made = heads_ordered(graph)
+    assert set(made.values()) == {RULES}
+    assert [n.name for n in rewritten.nodes if n.op == "linear"] == [f"{graph.nodes[0].name}__column{i}"
+                                                                     for i in range(3)]
+    gen = torch.Generator().manual_seed(0)
+    leaves = {leaf.name: torch.randn(leaf.shape, generator=gen, dtype=torch.float64) for leaf in graph.leaves}
+    want, got = evaluate_graph(graph, leaves), evaluate_graph(rewritten, leaves)
+    for name in graph.outputs:
+        assert torch.allclose(want[name], got[name], rtol=1e-12, atol=1e-12), name   # one GEMM or three: rounding
+
+
+def test_a_projection_read_otherwise_is_not_rewritten():
+    """Blocks that do not cover the product (two of three cut) are no fused projection read apart."""
+    library = load_library()[0]
+    g = GraphBuilder(library, name="partial")
+    x, w, b = g.input("x", [6, 4]), g.weight("w", [4, 12]), g.weight("b", [12])
+    view = g.op("unflatten", g.op("linear", x, w, b), dim=0, k=3)
+    g.output(*(g.op("split", view, dim=2, start=i * 4, size=4) for i in range(2)))
+    assert fused_projections(g.build()) == () and heads_ordered(g.build()) is None
+
+
+def test_the_layout_stores_the_weight_as_a_partition_of_its_view():
+    """tp 2: the weight's storage chain is leaf -> view(s) -> partition on tp, the view's role the whole weight's,
+    the partition the stored piece: half the weight's elements on each rank, as a contiguous column split stores
+    it, priced alike (the view nothing); no value is gathered (each block column-parallel); the rewritten nodes
+    name the rules in the library."""
+    library, graph = _fused()
+    plain = megatron_pcg(graph, library, (1, 2))
+    pcg = megatron_pcg(graph, library, (1, 2), heads_ordered=True)
+    assert pcg is not None and plain is not None
+    leaves = {n.op: n.id for n in pcg.nodes if n.kind == "leaf" and n.role == WEIGHT}
+    chains, roles = weight_storage(pcg), pcg_roles(pcg)
+    for name in ("w", "b"):
+        chain = chains[leaves[name]]
+        views = storage_views(pcg, chain)
+        assert views and pcg.node(chain[-1]).op == PARTITION, [pcg.node(i).label for i in chain]
+        assert all(roles[v.id] == WEIGHT for v in views) and roles[chain[-1]] == WEIGHT_PIECE
+    plain_leaves = {n.op: n.id for n in plain.nodes if n.kind == "leaf"}
+    pieces, plain_pieces = stored_piece_elements(pcg), stored_piece_elements(plain)
+    assert pieces[leaves["w"]] == plain_pieces[plain_leaves["w"]] == 4 * 12 // 2
+    def whole_product_gathered(layout) -> bool:   # the [.., 12] product (its view) gathered before the cut
+        return any(n.op == COMBINE and n.shape[-1] == 12 for n in layout.nodes)
+
+    assert not whole_product_gathered(pcg) and whole_product_gathered(plain)
+    from parsat.ir.machine import Machine
+    from parsat.search.solve import price_pcg
+
+    machine = Machine.preset("cpu")
+    costs, plain_costs = price_pcg(pcg, library, machine), price_pcg(plain, library, machine)
+    for name in ("w", "b"):   # the view runs nothing and holds nothing; the storage holds what a column split does
+        chain, plain_chain = chains[leaves[name]], weight_storage(plain)[plain_leaves[name]]
+        assert all(costs[v.id] == type(costs[v.id])() for v in storage_views(pcg, chain))
+        assert sum(costs[i].memory_bytes for i in chain) == sum(plain_costs[i].memory_bytes for i in plain_chain) > 0
+    names = {r.name for r in library.rules}
+    named = {rule.split(" (")[0] for n in pcg.nodes for rule in n.rules}
+    assert named == set(RULES) and named <= names
+    assert not storage_views(plain, weight_storage(plain)[plain_leaves["w"]])
+    zero3 = megatron_pcg(graph, library, (2, 2), heads_ordered=True, zero=3)   # fully_shard of a strided block: no
+    assert zero3 is not None and not any(storage_views(zero3, chain) for chain in weight_storage(zero3).values())
+    assert any(storage_views(p, c) for p in [megatron_pcg(graph, library, (2, 2), heads_ordered=True)]
+               for c in weight_storage(p).values())
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import hf_models
+
+    from parsat.importer.export import import_module
+
+    module, inputs = hf_models.make("gpt2")
+    return module, import_module(module, inputs, check=False)
+
+
+def test_gpt2_tp2_heads_ordered_layout_is_heads_parallel(gpt2):
+    """HF GPT-2 (2 blocks, 4 heads) on tp 2 laid out head by head: each `c_attn` weight stored through its view,
+    the causal softmax split along the heads, `c_proj` row-parallel (its partial sum reduced), no [.., 3h] value
+    gathered; laid out plainly, the softmax runs whole and the fused product is gathered."""
+    _module, imported = gpt2
+    library = load_library()[0]
+    graph = imported.graph
+    for ordered in (False, True):
+        pcg = megatron_pcg(graph, library, (1, 2), heads_ordered=ordered, vocabulary_loss=True)
+        softmax = [n for n in pcg.nodes if n.op == "softmax_causal"]
+        assert len(softmax) == 2
+        assert all(str(n.placement) == ("[S1]" if ordered else "[-]") for n in softmax)
+        gathered = [n for n in pcg.nodes if n.op == COMBINE and n.shape[-1] == 3 * 128]
+        assert bool(gathered) != ordered
+        c_attn = [chain for leaf, chain in weight_storage(pcg).items() if "c_attn.weight" in pcg.node(leaf).op]
+        assert len(c_attn) == 2 and all(bool(storage_views(pcg, chain)) == ordered for chain in c_attn)
+        c_proj = [pcg.node(chain[-1]) for leaf, chain in weight_storage(pcg).items()
+                  if "attn.c_proj.weight" in pcg.node(leaf).op]
+        assert len(c_proj) == 2 and all(str(n.placement) == ("[S0]" if ordered else "[S1]") for n in c_proj)
+
+
+def test_the_torch_runtime_refuses_a_weight_stored_through_a_view(gpt2):
+    """The lowering names the weight and why: the parameter's piece is a strided block, not lowered yet."""
+    from parsat.backend.torch_native.lowering import LoweringError, lower
+    from parsat.backend.torch_native.apply import module_info
+
+    module, imported = gpt2
+    library = load_library()[0]
+    pcg = megatron_pcg(imported.graph, library, (1, 2), heads_ordered=True, vocabulary_loss=True)
+    with pytest.raises(LoweringError, match="c_attn.* as a block of its view"):
+        lower(pcg, imported.graph, module_info(module, imported.weights))
+
+
+def test_the_pinned_search_answers_the_heads_parallel_point_and_it_lowers_to_strided_parameters():
+    """`parsat.optimize` of the tests' HF GPT-2 (float64, dropout off) pinned tp 2 on 2 cpu devices answers the
+    grid's head-ordered point (each `c_attn` weight stored through its view, the softmax split along the heads);
+    without processes, its lowering is a rewritten forward (no style stores a strided block) whose `c_attn`
+    parameters are `_StridedShard` with split factor 3 and whose row-parallel `c_proj` is `Shard(0)`."""
+    pytest.importorskip("transformers")
+    from test_torch_native_runtime import _factory
+
+    import parsat
+    from parsat.backend.torch_native.apply import module_info
+    from parsat.backend.torch_native.rewritten import dtensor_parameter_placement, lowered_plan
+    from parsat.importer.export import import_module
+
+    module, inputs = _factory("gpt2")()
+    imported = import_module(module, inputs, check=False)
+    plan = parsat.optimize(imported.graph, machine="cpu", devices=2, degrees={"tp": 2})
+    pcg = plan.pcg
+    assert all(str(n.placement) == "[S1]" for n in pcg.nodes if n.op == "softmax_causal")
+    chains = [chain for leaf, chain in weight_storage(pcg).items() if "c_attn" in pcg.node(leaf).op]
+    assert len(chains) == 4 and all(storage_views(pcg, chain) for chain in chains)
+    from parsat.report.explain import parallel_text
+
+    data = plan.to_dict()
+    nodes = {n["id"]: n for n in data["nodes"]}
+    weights = {n["op"] for n in data["nodes"] if n["kind"] == "leaf" and n.get("role") == "weight"}
+    said = [parallel_text(n, nodes, weights) for n in data["nodes"] if n["kind"] == "parallel"]
+    assert sum("stored sharded as a block of this view" in line for line in said) == 4, said
+    lowering, rewrite = lowered_plan(pcg, imported.graph, module_info(module, imported.weights), imported)
+    assert rewrite is not None and lowering.styles == () and "stored as a block of its view" in lowering.rewritten
+    stored, strided = dict(rewrite.stored), dict(rewrite.strided)
+    weight, bias = "model.transformer.h.0.attn.c_attn.weight", "model.transformer.h.0.attn.c_attn.bias"
+    assert strided == {name.replace(".0.", f".{i}."): 3 for i in (0, 1) for name in (weight, bias)}
+    assert repr(dtensor_parameter_placement(stored[weight], strided[weight])) == "_StridedShard(dim=1, sf=3)"
+    assert repr(dtensor_parameter_placement(stored[bias], strided[bias])) == "_StridedShard(dim=0, sf=3)"
+    assert repr(dtensor_parameter_placement(stored["model.transformer.h.0.attn.c_proj.weight"], 1)) == \
+        "Shard(dim=0)"
+
+
+def _heads_ordered_plan(shape: tuple[int, int] = (1, 2)) -> dict:
+    """Megatron's tp 2 layout of the tests' HF GPT-2 (`_factory`: float64, dropout off) with `c_attn` head by head."""
+    import mesh_plans
+    from test_torch_native_runtime import _factory
+
+    import parsat
+
+    module, inputs = _factory("gpt2")()
+    graph = parsat.from_torch(module, inputs)
+    pcg = megatron_pcg(graph, load_library()[0], shape, heads_ordered=True)
+    return mesh_plans.plan_dict(graph, pcg)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(1, 2), (2, 2)])
+def test_gpt2_heads_ordered_layout_trains_like_one_process_and_checkpoints_for_the_unmodified_module(shape, tmp_path):
+    """HF GPT-2 under the head-ordered tp 2 layout on 2 gloo ranks, and dp 2 x tp 2 on 4 (float64): the module's
+    forward evaluates the plan's graph on DTensors (`rewritten`), each `c_attn` weight and bias a
+    `_StridedShard(d, split_factor=3)` parameter on tp (each rank its heads' q, k and v; `Replicate()` on dp under
+    `replicate`), every parameter a DTensor; 3 AdamW steps with clip_grad_norm_ equal the unmodified module's in
+    one process; the DCP checkpoint (the strided parameters presented as `Shard(d)`) loads into the unmodified
+    module with the trained weights."""
+    pytest.importorskip("transformers")
+    from test_torch_native_runtime import _train_hf
+
+    dp, tp = shape
+    results = _train_hf("gpt2", {"gpt2_heads": _heads_ordered_plan(shape)}, dp * tp, tmp_path)
+    data = ["Replicate()"] if dp > 1 else []
+    for result in results:
+        placements = result["gpt2_heads"]["placements"]
+        for name, want in (("attn.c_attn.weight", "_StridedShard(dim=1, sf=3)"),
+                           ("attn.c_attn.bias", "_StridedShard(dim=0, sf=3)"), ("attn.c_proj.weight", "Shard(dim=0)")):
+            assert placements[f"model.transformer.h.1.{name}"] == data + [want], (name, placements)
+        assert all(p for p in placements.values()), placements   # every parameter a DTensor
