@@ -106,6 +106,28 @@ def test_the_layout_stores_the_weight_as_a_partition_of_its_view():
                for c in weight_storage(p).values())
 
 
+def test_the_grid_bounds_each_layout_of_a_family_whose_points_lay_out_apart():
+    """The grid's branch and bound (`baselines.grid_families`' `skip`) leaves a family out by a bound on its first
+    layout only where its points lay out the activations alike; with a fused projection the ZeRO-0 points are
+    head-ordered and the ZeRO-3 point is not, so each layout is shown to `skip` and only its own points go."""
+    from parsat.ir.machine import Machine
+    from parsat.search.baselines import grid_families
+
+    library, graph = _fused()
+    plain = GraphBuilder(library, name="plain")
+    x, w, b = plain.input("x", [6, 4]), plain.weight("w", [4, 12]), plain.weight("b", [12])
+    plain.output(plain.op("linear", x, w, b))
+    for g, alike in ((graph, False), (plain.build(), True)):
+        shown: list = []
+        families = list(grid_families(g, library, Machine.preset("cpu"), True, 4,
+                                      skip=lambda pcg: shown.append(pcg) or True))
+        assert families and not any(families)        # every layout skipped: no point priced
+        zero3 = [p for p in shown if any(n.op == "all_gather" for n in p.nodes)]   # weights gathered on dp
+        ordered = [p for p in shown if any(storage_views(p, c) for c in weight_storage(p).values())]
+        assert bool(zero3) is not alike              # a family's ZeRO-3 layout shown only where it lays out apart
+        assert bool(ordered) is not alike and all(p not in zero3 for p in ordered)
+
+
 @pytest.fixture(scope="module")
 def gpt2():
     pytest.importorskip("torch")
