@@ -14,7 +14,9 @@ a plan's mesh axes amount to), `data_parallel` (the textbook
 data-parallel PCG), `expert_parallel` (data parallelism with a mixture
 of experts' experts split and tokens moved by all-to-all), `megatron` (Megatron-LM's data x tensor layout,
 ZeRO-3 and sequence parallelism, built directly: the independent grid's
-PCGs), `costs` (the cost records a plan carries), `plan`
+PCGs), `fused_projections` (a fused projection read apart, HF GPT-2's
+`c_attn`, written as one product per block so a layout can store its
+weight head by head), `costs` (the cost records a plan carries), `plan`
 (the plan and its JSON; `parsat.report` presents it), `microbatch` (how a
 step's batch is cut into micro-batches), `blocks` (which block of a stack
 a value belongs to), `block_layout` (a stack's blocks checked identical
