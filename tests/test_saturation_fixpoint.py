@@ -3,14 +3,15 @@
 Each chunk run (`Session.run`) is three egglog runs: the shape ruleset (which on a mesh also unions each fused
 operator with its steps, so it can add e-nodes), the rules' pattern halves, and their applying halves. The
 runner ends a generation's place phase when no chunk run of an iteration reports a change, and counts the
-e-graph between chunks only after one did (`runner._Steps.once`), so a chunk run whose shape run alone grew the
-e-graph must report it changed (once it did not: the applying run's report was the only one read).
+e-graph for its limit checks afresh only after one did (`runner._Steps.enodes`), so a chunk run whose shape run
+alone grew the e-graph must report it changed (once it did not: the applying run's report was the only one read).
 """
 
 from __future__ import annotations
 
 import pytest
 
+import parsat.egraph.runner as runner_module
 import parsat.egraph.saturate as saturate_module
 from parsat.dsl.checker import resolve_library
 from parsat.egraph.program import GROW, PLACE
@@ -49,7 +50,8 @@ def library():
     return resolve_library(None)
 
 
-def _saturated(library, mesh: tuple[int, ...], monkeypatch) -> tuple[saturate_module.SaturationResult, _Recording]:
+def _recorded(monkeypatch) -> list[_Recording]:
+    """The sessions saturation makes from now on, each a `_Recording`."""
     sessions: list[_Recording] = []
 
     class Kept(_Recording):
@@ -58,17 +60,34 @@ def _saturated(library, mesh: tuple[int, ...], monkeypatch) -> tuple[saturate_mo
             sessions.append(self)
 
     monkeypatch.setattr(saturate_module, "Session", Kept)
+    return sessions
+
+
+def _saturated(library, mesh: tuple[int, ...], monkeypatch) -> tuple[saturate_module.SaturationResult, _Recording]:
+    sessions = _recorded(monkeypatch)
     graph = build_example("gpt", GPT, library)
     result = saturate_module.saturate(graph, library, library.rules, Mesh.of(mesh), Limits(matches=10 ** 9))
     return result, sessions[-1]
 
 
 def test_a_chunk_run_that_grew_the_egraph_in_its_shape_run_alone_reports_a_change(library, monkeypatch):
-    _, session = _saturated(library, (2, 2), monkeypatch)
+    checked: list[tuple[int, int]] = []   # (the e-nodes a limit check read, the e-graph's e-nodes then)
+    reached, sessions = runner_module.reached, _recorded(monkeypatch)
+
+    def checking(limits, iterations, enodes, deadline):
+        checked.append((enodes, Session.size(sessions[-1])))
+        return reached(limits, iterations, enodes, deadline)
+
+    monkeypatch.setattr(runner_module, "reached", checking)
+    saturate_module.saturate(build_example("gpt", GPT, library), library, library.rules, Mesh.of((2, 2)),
+                             Limits(matches=10 ** 9))
+    session = sessions[-1]
     grew = [(before, after, changed, applied) for before, after, changed, applied in session.runs if after != before]
     shape_alone = [run for run in grew if not run[3]]
     assert shape_alone, "the case is not exercised: no chunk run grew the e-graph with its applying run unchanged"
     assert all(changed for _, _, changed, _ in grew)
+    assert len(checked) > len(session.runs) // 2   # the checks between chunks, and after each iteration
+    assert all(read == true for read, true in checked)   # every limit check read the e-graph's count
 
 
 @pytest.mark.parametrize("mesh", [(2, 2), (4,)])

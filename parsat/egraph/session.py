@@ -363,7 +363,7 @@ class Session:
         (`RuleBody`), then the rules applied. The matches are the applying halves' (a pattern half only records
         matches for its rule to join with its guards). `changed` is the shape run's `updated` or the applying
         run's: the e-graph changed in either, so the iteration has not reached a fixpoint, and the runner's
-        limit checks must count the e-graph afresh (`runner._Steps.once`; a chunk whose shape run alone grew it
+        limit checks must count the e-graph afresh (`runner._Steps.enodes`; a chunk whose shape run alone grew it
         was once reported unchanged). The pattern run's `updated` is left out: its `Match<i>` rows are read
         only by its own rules' applying halves, in this same call, so rows they could not apply leave the next
         round nothing new to join (a guard's facts turning true later is a change of their own).
