@@ -122,15 +122,22 @@ class _Steps:
         self.step_seconds: Counter = Counter({step: 0.0 for step in steps})
         self.note = ""
         self.held: dict[str, int] = {}   # rule held back by the match budget -> its matches when it was
+        self._counted: int | None = None   # the e-nodes as last counted; None once a step has changed the e-graph
 
-    def once(self, steps: Sequence[str], iteration: int, enodes: int,
-             budget: int | None = None) -> tuple[bool, str | None]:
+    def enodes(self) -> int:
+        """The e-graph's e-nodes, counted afresh (`Session.size`: egglog's `print-size` over every table, ~1 ms
+        at 1,623 tables) only when a step has reported a change since the last count: a step that reports none
+        changed no table (`Session.run` reads every run that can add e-nodes), so the last count holds."""
+        if self._counted is None:
+            self._counted = self.session.size()
+        return self._counted
+
+    def once(self, steps: Sequence[str], iteration: int, budget: int | None = None) -> tuple[bool, str | None]:
         """Every step once, in order: whether anything changed, and the limit that cut the run short (None).
         `budget`: the most pattern matches a gated rule may have in a step (`Session.run`)."""
         changed = False
         for index, step in enumerate(steps):
-            cut = reached(self.limits, 0, self.session.size() if changed else enodes, self.deadline) if index \
-                else None
+            cut = reached(self.limits, 0, self.enodes(), self.deadline) if index else None
             if cut:
                 self.note = f"during iteration {iteration}: after {index} of {len(steps)} rule chunks"
                 return changed, cut
@@ -138,10 +145,13 @@ class _Steps:
             try:
                 report = self.session.run(step, budget)
             except KeyboardInterrupt:
+                self._counted = None   # egglog stopped inside the run: what it changed is not reported
                 self.note = f"during iteration {iteration}: interrupted after {index} of {len(steps)} rule chunks"
                 return changed, STOP_INTERRUPTED
             self.step_seconds[step] += time.perf_counter() - started
             changed |= report.changed
+            if report.changed:
+                self._counted = None
             for key, count in report.matches.items():
                 self.matches[self.names.get(key, key)] += count
             for key, count in report.held.items():
@@ -153,7 +163,7 @@ class _Steps:
         """The run as it ended; a saturated run that held a rule back did not saturate the rules given."""
         if stop == STOP_SATURATED and self.held:
             stop = STOP_MATCHES
-        return Run(stop, iterations, self.session.size(), time.perf_counter() - begin, self.note,
+        return Run(stop, iterations, self.enodes(), time.perf_counter() - begin, self.note,
                    dict(self.matches), dict(self.step_seconds), dict(self.held))
 
 
@@ -167,13 +177,13 @@ def run(session: Session, steps: Sequence[str], limits: Limits, deadline: float,
     rule's); a rule it does not name is counted under its own.
     """
     runner = _Steps(session, limits, deadline, rule_names or {}, steps)
-    iterations, enodes = 0, session.size()
+    iterations, enodes = 0, runner.enodes()
     begin = time.perf_counter()
     stop = reached(limits, iterations, enodes, deadline)
     while stop is None:
-        changed, cut = runner.once(steps, iterations + 1, enodes)
+        changed, cut = runner.once(steps, iterations + 1)
         iterations += 1
-        enodes = session.size()
+        enodes = runner.enodes()
         if progress is not None:
             progress(f"iteration {iterations}: {enodes} e-nodes, {time.perf_counter() - begin:.2f} s")
         stop = cut or (reached(limits, iterations, enodes, deadline) if changed else STOP_SATURATED)
@@ -204,7 +214,7 @@ def run_generations(session: Session, grow: Sequence[str], place: Sequence[str],
     it applies any (`Session.run`); the run then ends `matches`, not
     `saturated`, and says which rules (`Run.held`)."""
     runner = _Steps(session, limits, deadline, rule_names or {}, tuple(grow) + tuple(place))
-    iterations, generation, enodes = 0, 0, session.size()
+    iterations, generation, enodes = 0, 0, runner.enodes()
     begin = time.perf_counter()
     while True:
         stop, iterations, enodes = _place(runner, place, iterations, enodes, generation, begin, progress)
@@ -214,8 +224,8 @@ def run_generations(session: Session, grow: Sequence[str], place: Sequence[str],
         if stop is not None:
             return runner.result(stop, iterations, begin)
         generation += 1
-        grew, cut = runner.once(grow, iterations + 1, enodes, match_budget(limits))
-        enodes = session.size()
+        grew, cut = runner.once(grow, iterations + 1, match_budget(limits))
+        enodes = runner.enodes()
         if cut or not grew:
             return runner.result(cut or STOP_SATURATED, iterations, begin)
 
@@ -228,9 +238,9 @@ def _place(runner: _Steps, place: Sequence[str], iterations: int, enodes: int, g
         stop = reached(runner.limits, iterations, enodes, runner.deadline)
         if stop is not None:
             return stop, iterations, enodes
-        changed, cut = runner.once(place, iterations + 1, enodes)
+        changed, cut = runner.once(place, iterations + 1)
         iterations += 1
-        enodes = runner.session.size()
+        enodes = runner.enodes()
         if progress is not None:
             progress(f"generation {generation}, iteration {iterations}: {enodes} e-nodes, "
                      f"{time.perf_counter() - begin:.2f} s")

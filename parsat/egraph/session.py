@@ -358,9 +358,15 @@ class Session:
     def run(self, ruleset: str, budget: int | None = None) -> StepReport:
         """One iteration of `ruleset` (or of one of its chunks), and egglog's report of it.
 
-        The `Whole` rows of terms built since the last run are derived first, then the rules' patterns
-        matched (`RuleBody`), then the rules applied: the report is the applying halves' (a pattern half
-        only records matches for its rule to join with its guards).
+        The `Whole` rows of terms built since the last run are derived first (the shape ruleset, which on a mesh
+        also unions each fused operator with its steps: new e-nodes), then the rules' patterns matched
+        (`RuleBody`), then the rules applied. The matches are the applying halves' (a pattern half only records
+        matches for its rule to join with its guards). `changed` is the shape run's `updated` or the applying
+        run's: the e-graph changed in either, so the iteration has not reached a fixpoint, and the runner's
+        limit checks must count the e-graph afresh (`runner._Steps.enodes`; a chunk whose shape run alone grew it
+        was once reported unchanged). The pattern run's `updated` is left out: its `Match<i>` rows are read
+        only by its own rules' applying halves, in this same call, so rows they could not apply leave the next
+        round nothing new to join (a guard's facts turning true later is a change of their own).
 
         With a `budget`, a gated rule (`RuleBody.text`) whose pattern matched more than `budget` times is held
         back before anything is applied: its `Live` row is deleted, so it applies none of those matches and
@@ -368,17 +374,17 @@ class Session:
         work budget: associativity over commuted sums matched 1.7M times in one run of an imported LLaMA and
         grew the e-graph 18-fold, past every other limit, which are checked only between runs.
         """
-        matched = f"(run {SHAPE_RULESET} 1) (run {match_ruleset(ruleset)} 1)"
+        shape, matched, applied = f"(run {SHAPE_RULESET} 1)", f"(run {match_ruleset(ruleset)} 1)", f"(run {ruleset} 1)"
         if budget is None:
-            report = self._run(f"{matched} (run {ruleset} 1)")[-1].report
-            return StepReport(bool(report.updated), dict(report.num_matches_per_rule))
-        found = self._run(matched)[-1].report.num_matches_per_rule
-        held = {name.removesuffix(MATCH_SUFFIX): count for name, count in found.items()
+            shaped, _, report = (output.report for output in self._run(f"{shape} {matched} {applied}"))
+            return StepReport(shaped.updated or report.updated, dict(report.num_matches_per_rule))
+        shaped, found = (output.report for output in self._run(f"{shape} {matched}"))
+        held = {name.removesuffix(MATCH_SUFFIX): count for name, count in found.num_matches_per_rule.items()
                 if name.endswith(MATCH_SUFFIX) and count > budget}
         for key in held:
             self._run(f"(delete {live_row(key)})")
-        report = self._run(f"(run {ruleset} 1)")[-1].report
-        return StepReport(bool(report.updated), dict(report.num_matches_per_rule), held)
+        report = self._run(applied)[-1].report
+        return StepReport(shaped.updated or report.updated, dict(report.num_matches_per_rule), held)
 
     def size(self) -> int:
         """Number of e-nodes (constructor rows), from egglog's table sizes: cheap enough to check between chunks
