@@ -628,17 +628,18 @@ def place_parameters(module: torch.nn.Module, tp_mesh, rewrite: Rewrite) -> None
     from torch.distributed.tensor import distribute_tensor
 
     stored, strided = dict(rewrite.stored), dict(rewrite.strided)
-    made: dict[int, torch.nn.Parameter] = {}
+    made: dict[int, tuple[torch.nn.Parameter, int]] = {}   # parameter -> its DTensor and split factor
     for name, param in list(module.named_parameters(remove_duplicate=False)):
-        names = [n for n, p in module.named_parameters(remove_duplicate=False) if p is param]
-        code = next((stored[n] for n in names if n in stored), FREE)
-        factor = next((strided[n] for n in names if n in strided), 1)
         if id(param) not in made:
-            made[id(param)] = torch.nn.Parameter(
+            names = [n for n, p in module.named_parameters(remove_duplicate=False) if p is param]
+            code = next((stored[n] for n in names if n in stored), FREE)
+            factor = next((strided[n] for n in names if n in strided), 1)
+            made[id(param)] = (torch.nn.Parameter(
                 distribute_tensor(param.data, tp_mesh, [dtensor_parameter_placement(code, factor)]),
-                param.requires_grad)
+                param.requires_grad), factor)
+        placed, factor = made[id(param)]
         owner, _, local = name.rpartition(".")
-        setattr(module.get_submodule(owner), local, made[id(param)])
+        setattr(module.get_submodule(owner), local, placed)
         if factor > 1:
             checkpoint_as_shards(module.get_submodule(owner), local)
 
