@@ -331,14 +331,7 @@ def _backward_products(ctx: RankContext, a: torch.Tensor, b: torch.Tensor, g: to
     rows = []
     for layout, shape in (("nt", [m, k, n]), ("tn", [k, n, m])):
         x, w = a.detach().requires_grad_(layout == "nt"), b.detach().requires_grad_(layout == "tn")
-        held: dict = {}
-
-        def forward():
-            x.grad = w.grad = None
-            held["y"] = apply_op("matmul", [x, w], {})
-
-        dist.barrier()
-        seconds = _slowest(ctx, average_after(forward, lambda: held["y"].backward(g), budget, sync))
+        seconds = _backward_seconds(ctx, (x, w), lambda: apply_op("matmul", [x, w], {}), g, budget, sync)
         rows.append([f"matmul_{layout}", shape, seconds, 2.0 * m * n * k, nbytes])
     return rows
 
@@ -386,14 +379,7 @@ def _functions(ctx: RankContext, dtype, budget: Budget, sync) -> list[list]:
             leaf, grad = x.clone().requires_grad_(), torch.ones_like(x)
             nbytes = float(2 * elements * x.element_size())
             rows.append([f"function_{name}", [elements], _timed(ctx, lambda: fn(x), budget, sync), 0.0, nbytes])
-            held: dict = {}
-
-            def forward():
-                leaf.grad = None
-                held["y"] = fn(leaf)
-
-            dist.barrier()
-            seconds = _slowest(ctx, average_after(forward, lambda: held["y"].backward(grad), budget, sync))
+            seconds = _backward_seconds(ctx, (leaf,), lambda: fn(leaf), grad, budget, sync)
             rows.append([f"function_{name}_backward", [elements], seconds, 0.0, 1.5 * nbytes])
     return rows
 
@@ -421,17 +407,26 @@ def _attention(ctx: RankContext, dtype, budget: Budget, sync) -> list[list]:
         nbytes = float(4 * b * h * s * d * q.element_size())
         seconds = _timed(ctx, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), budget, sync)
         rows.append(["attention_causal", [b, h, s, d], seconds, flops, nbytes])
-        held: dict = {}
-
-        def forward():
-            for t in leaves:
-                t.grad = None
-            held["y"] = F.scaled_dot_product_attention(*leaves, is_causal=True)
-
-        dist.barrier()
-        seconds = _slowest(ctx, average_after(forward, lambda: held["y"].backward(grad), budget, sync))
+        seconds = _backward_seconds(ctx, leaves, lambda: F.scaled_dot_product_attention(*leaves, is_causal=True),
+                                    grad, budget, sync)
         rows.append(["attention_causal_backward", [b, h, s, d], seconds, flops, 2 * nbytes])
     return rows
+
+
+def _backward_seconds(ctx: RankContext, leaves: Sequence[torch.Tensor], run: Callable[[], torch.Tensor],
+                      grad: torch.Tensor, budget: Budget, sync) -> float:
+    """The slowest rank's average `backward(grad)` of `run()`'s output right after its forward (not timed), the
+    `leaves`' gradients cleared before each forward: where a step runs a backward, its operands last touched by
+    the forward, autograd's engine around it (the products' layouts, the scalar functions, fused attention)."""
+    held: dict = {}
+
+    def forward():
+        for leaf in leaves:
+            leaf.grad = None
+        held["y"] = run()
+
+    dist.barrier()
+    return _slowest(ctx, average_after(forward, lambda: held["y"].backward(grad), budget, sync))
 
 
 def average_after(prepare: Callable[[], object], fn: Callable[[], object], budget: Budget, sync: Callable[[], object],
