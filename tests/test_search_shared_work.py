@@ -336,14 +336,13 @@ def test_a_pcg_s_rules_worked_out_once_per_set_of_makers_are_each_node_s_own(thr
     """`solve.pcg_from_extraction` names each node's rules once per set of makers: each is the library's rules
     that made that node, in library order, as looking them up node by node gives."""
     from parsat.search.extract import extract
-    from parsat.ir.fused_projections import rule_locations
     from parsat.search.solve import pcg_from_extraction
     graph, result, costs = three_blocks
     library = resolve_library(None)
     roots = [result.classes[n] for n in graph.outputs]
     extraction = extract(result.snapshot, costs, roots, float("inf"))
     pcg, ident = pcg_from_extraction(result, extraction, graph, library, roots, graph.outputs)
-    where_is, by_id = rule_locations(library.rules), {n.id: n for n in pcg.nodes}
+    where_is, by_id = library.rule_locations, {n.id: n for n in pcg.nodes}
     named = 0
     for cid, node_id in ident.items():
         made = result.snapshot.rules_at(cid, result.snapshot.classes[cid][extraction.choice[cid]])

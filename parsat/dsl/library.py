@@ -64,6 +64,14 @@ class Library:
     def files(self) -> tuple[str, ...]:
         return tuple(m.path for m in self.modules)
 
+    @cached_property
+    def rule_locations(self) -> dict[str, str]:
+        """Rule name -> `name (file:line)`, in library order: how a plan's node names the rules that produced it
+        (`search.solve`'s provenance, the grid's head-ordered layouts). Computed once per library; callers read
+        it, never write to it."""
+        return {rule.name: f"{rule.name} ({rule.span.file}:{rule.span.line})" if rule.span else rule.name
+                for rule in self.rules}
+
 
 MAX_FOLDER_ENTRIES = 100_000   # `parsat check /` must end: a folder of rules is not the whole file system
 

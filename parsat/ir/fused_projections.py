@@ -25,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
-from parsat.dsl import ast
 from parsat.ir.graph import Graph, OpNode
 
 RULES = ("split_of_unflatten_later_dim", "split_linear_features", "split_columns_as_view_column",
@@ -44,12 +43,6 @@ class FusedProjection:
     @property
     def size(self) -> int:
         return int(self.cuts[0].attr("size"))
-
-
-def rule_locations(library_rules: Sequence[ast.RuleDecl]) -> dict[str, str]:
-    """Rule name -> `name (file:line)`, as a plan's node names the rules that produced it, in library order."""
-    return {rule.name: f"{rule.name} ({rule.span.file}:{rule.span.line})" if rule.span else rule.name
-            for rule in library_rules}
 
 
 def fused_projections(graph: Graph) -> tuple[FusedProjection, ...]:

@@ -63,7 +63,7 @@ from parsat.dsl.library import Library
 from parsat.dsl.parallel_ops import (ALL_GATHER, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER,
                                      REPLICATE)
 from parsat.ir.data_parallel import _live, data_parallel_pcg
-from parsat.ir.fused_projections import heads_ordered, rule_locations, with_rules
+from parsat.ir.fused_projections import heads_ordered, with_rules
 from parsat.ir.graph import Graph, Leaf, instance_for
 from parsat.ir.mesh import Mesh
 from parsat.ir.microbatch import batch_dims, batch_wide_constants
@@ -185,7 +185,7 @@ def heads_ordered_layout(graph: Graph, library: Library, mesh_shape: tuple[int, 
     pcg = megatron_pcg(rewritten, library, mesh_shape, devices_per_node, cache=own, **options)
     if pcg is None:
         return None
-    return replace(pcg, nodes=tuple(with_rules(pcg.nodes, made, rule_locations(library.rules))))
+    return replace(pcg, nodes=tuple(with_rules(pcg.nodes, made, library.rule_locations)))
 
 
 def _built_layout(graph: Graph, mesh: Mesh, zero: int, sequence: bool, memo: "_Memo",

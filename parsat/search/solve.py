@@ -17,7 +17,6 @@ from parsat.cost.model import shards_state
 from parsat.cost.pcg_tasks import needs_gradient
 from parsat.cost.saved import kept_values, regather_cover, regathered_values, runtime_regathers
 from parsat.ir.costs import NodeCost
-from parsat.ir.fused_projections import rule_locations
 from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
 from parsat.ir.mesh import Mesh
@@ -249,7 +248,7 @@ def pcg_from_extraction(result: SaturationResult, extraction: Extraction, graph:
     ident: dict[int, int] = {}
     nodes: list[PNode] = []
     mesh = snapshot.mesh or Mesh(())
-    where_is = rule_locations(library.rules)
+    where_is = library.rule_locations
     # a node's rules, in library order, worked out once per set of makers: most e-nodes share theirs with others
     # (every block's alike), and each look-up read the whole library (bert-large:64: 19,638 look-ups)
     shown_of: dict[frozenset[str], tuple[str, ...]] = {}
@@ -271,7 +270,7 @@ def pcg_from_extraction(result: SaturationResult, extraction: Extraction, graph:
                          placement=where)
         made = snapshot.rules_at(cid, enode)
         rules = shown_of.get(made)
-        if rules is None:   # the library's order, as `rule_locations` lists them (see below)
+        if rules is None:   # the library's order, as `Library.rule_locations` lists them (see below)
             rules = shown_of[made] = tuple(shown for name, shown in where_is.items() if name in made) if made else ()
         node = replace(node, rules=rules) if rules else node
         ident[cid] = node.id
