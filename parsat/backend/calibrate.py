@@ -72,6 +72,12 @@ for fp32 training):
   forward and backward over a few shapes, fitted to the cost model's
   FlashAttention pricing (`attention_efficiency`, `attention_half_flops`;
   before, a calibrated machine priced it at the GEMMs' peak);
+* elementwise arithmetic as a step runs it (`x * 0.5`, `x + y`, `x + bias`:
+  a chain of calls, each on the previous output, the outputs kept), per
+  output element (`elementwise_unary_s`, `elementwise_binary_s`,
+  `elementwise_broadcast_s`: the slope over three sizes), which the cost
+  model prices an elementwise operator at where it is above the roofline
+  (a step's outputs are new memory; the figures below are warm);
 * memory-bound operators (copies, adds, relus) from kilobytes to tens of
   megabytes, fitted to t = dispatch + (bytes + half) / bandwidth
   (`memory_bandwidth`, `memory_half_bytes`);
