@@ -408,10 +408,10 @@ def _elementwise(ctx: RankContext, dtype, budget: Budget, sync) -> list[list]:
     """[f"elementwise_{kind}", [elements], seconds, 0, bytes] per kind (`ELEMENTWISE`) and size
     (`ELEMENTWISE_ELEMENTS`): the slowest rank's average call in a chain of `ELEMENTWISE_CHAIN` calls, each on the
     previous call's output, every output kept until the chain ends, as a forward runs its arithmetic and keeps
-    the activations for backward (memory freed at the step's end is given back and faulted in again). The
-    memory-bound figures (`relu`, `add`, `copy`) are of one call repeated on warm buffers, its output the memory
-    the last call freed: on this 2-core box a chain's call took 1.6-2.5x that at 64-256 Ki elements, one page
-    fault per 4 KB of output. `fit_elementwise` takes the slope over the sizes: the per-element time, dispatch
+    the activations for backward (each output new memory, not in cache). The memory-bound figures (`relu`,
+    `add`, `copy`) are of one call repeated on warm buffers, its output the memory the last call freed: on this
+    2-core box a chain's call took 1.6-3.5x that at 64-256 Ki elements, with or without page faults
+    (benchmarks/elementwise_chain_probe.py). `fit_elementwise` takes the slope over the sizes: the per-element time, dispatch
     aside."""
     rows = []
     for kind, fn in ELEMENTWISE.items():

@@ -163,8 +163,8 @@ class OpEfficiency:
         """Seconds one pass of elementwise arithmetic of `kind` (`ELEMENTWISE_KINDS`: "unary", "binary",
         "broadcast") takes to make `elements` output elements as a step runs it, at the measured per-element time
         (`parsat calibrate`: a chain of calls, each on the previous one's output, the outputs kept, as a forward
-        keeps activations: on this 2-core box 1.6-2.5x the same call repeated on warm buffers, its output's pages
-        faulted in afresh); 0 where not measured."""
+        keeps activations: on this 2-core box 1.6-3.5x the same call repeated on warm buffers, its output new
+        memory, not in cache); 0 where not measured."""
         return elements * getattr(self, f"elementwise_{kind}_s")
 
     def fsdp_hooks_time(self, params: int, backward: bool = False) -> float:
