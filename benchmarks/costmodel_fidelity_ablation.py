@@ -6,7 +6,8 @@ ROWS.json is a `costmodel_fidelity.py --runtime torch --json` run, MACHINES_DIR 
 calibrated before each round, `machine-{n}-{round}.json`). Each row is predicted again as the run did (the
 geometric mean over the calibrations before and after its round) against the same measured step, with: everything;
 no sequence factor (every operator call priced as timed alone, `OpEfficiency.sequence_factor` 1); that and no waits;
-no Python instruction priced (the module's own Python between its ATen calls); no scalar function's measured
+no Python instruction priced (the module's own Python between its ATen calls); no elementwise arithmetic's measured
+rate (add, mul, scale, ... by their bytes at the bandwidth, as before session 62); no scalar function's measured
 rate (tanh, exp, erf, ... memory-bound as before session 61); fused attention at the GEMMs' peak (no fitted rate);
 neither; no `module_calls` (the user's module's own calls beyond its graph, `ir.module_calls`); no collective host work
 (DTensor's `redistribute`, FSDP2's collectives); no per-group FSDP2 hook
@@ -59,6 +60,12 @@ def _no_functions(machine: Machine) -> Machine:
     return replace(machine, efficiency=replace(machine.efficiency, function_times=()))
 
 
+def _no_elementwise(machine: Machine) -> Machine:
+    """Elementwise arithmetic priced by its bytes at the bandwidth alone, as before session 62 helper D."""
+    return replace(machine, efficiency=replace(machine.efficiency, elementwise_unary_s=0.0, elementwise_binary_s=0.0,
+                                               elementwise_broadcast_s=0.0))
+
+
 def _no_attention_fit(machine: Machine) -> Machine:
     """Fused causal attention at the GEMMs' peak, as a calibrated machine priced it before session 61 helper C."""
     return replace(machine, efficiency=replace(machine.efficiency, attention_efficiency=1.0, attention_half_flops=0.0))
@@ -103,6 +110,7 @@ def _t5_collectives(profile: ExecutionProfile) -> ExecutionProfile:
 
 
 VARIANTS = {"everything": Variant(), "no module calls": Variant(calls=False),
+            "no elementwise rates (as before session 62 helper D)": Variant(_no_elementwise),
             "no scalar function times (function_times ())": Variant(_no_functions),
             "attention at the GEMMs' peak (attention_efficiency 1)": Variant(_no_attention_fit),
             "neither of those two (as before session 61 helper C)": Variant(lambda m: _no_attention_fit(_no_functions(m))),

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from parsat.backend.calibrate import (FUNCTIONS, CollectiveTiming, OpTiming, fit_attention,  # noqa: E402
-                                      fit_functions, fit_gemm, fit_layouts, fit_line, fit_link, fit_memory,
+from parsat.backend.calibrate import (ELEMENTWISE, FUNCTIONS, CollectiveTiming, OpTiming,  # noqa: E402
+                                      fit_attention, fit_elementwise, fit_functions, fit_gemm, fit_layouts, fit_line, fit_link, fit_memory,
                                       fit_skew, fit_turn, fit_updates, gemm_shapes)
 from parsat.ir.machine_profile import OpEfficiency  # noqa: E402
 from parsat.cli import main  # noqa: E402
@@ -109,6 +110,8 @@ def test_calibrate_writes_a_machine_the_optimizer_loads(tmp_path, capsys):
     assert machine.efficiency.update_time("sgd", 5000) > 0
     assert {name for name, _f, _b in machine.efficiency.function_times} == set(FUNCTIONS)   # each function's rate
     assert machine.efficiency.function_time({"tanh": 1 << 16}) > 0
+    assert {f"elementwise_{kind}" for kind in ELEMENTWISE} <= {o["op"] for o in report["ops"]}
+    assert machine.efficiency.elementwise_time("binary", 1 << 16) > 0   # arithmetic as a step runs it, measured
     assert 0 < machine.efficiency.attention_efficiency <= 1 and {"attention_causal", "attention_causal_backward"} \
         <= {o["op"] for o in report["ops"]}   # fused attention's rate measured, not the GEMMs' peak
     assert Machine.from_dict(json.loads(out.read_text())).efficiency == machine.efficiency
@@ -190,6 +193,27 @@ def test_fit_functions_takes_each_functions_slope_between_sizes_forward_and_back
     (name, forward, backward), = fit_functions(timings)["function_times"]
     assert name == "tanh" and forward == pytest.approx(10e-6 / 4096) and backward == 0.0
     assert fit_functions([OpTiming("relu", (1024,), 1e-6, 0.0, 1.0)]) == {}
+
+
+def test_fit_elementwise_takes_each_kinds_slope_over_its_sizes():
+    """Each kind's per-element time is the slope of the line through its sizes (the intercept, the dispatch, left
+    out); a kind whose larger sizes ran faster (noise) reads 0, not measured; a kind timed at one size, or none,
+    gives no field."""
+    def rows(op, per_element, dispatch=5e-6):
+        return [OpTiming(op, (n,), dispatch + n * per_element, 0.0, 0.0) for n in (4096, 16384, 65536)]
+
+    timings = rows("elementwise_binary", 0.25e-9) + rows("elementwise_unary", 0.2e-9, 8e-6) + \
+        [OpTiming("elementwise_broadcast", (n,), s, 0.0, 0.0) for n, s in ((4096, 9e-6), (65536, 7e-6))]
+    fitted = fit_elementwise(timings)
+    assert fitted["elementwise_binary_s"] == pytest.approx(0.25e-9)
+    assert fitted["elementwise_unary_s"] == pytest.approx(0.2e-9)
+    assert fitted["elementwise_broadcast_s"] == 0.0
+    assert fit_elementwise(rows("elementwise_binary", 1e-9)[:1]) == {}
+    assert fit_elementwise([OpTiming("add", (1024,), 1e-6, 0.0, 1.0)]) == {}
+    machine = replace(Machine.preset("cpu"), efficiency=OpEfficiency(**fitted))   # the calibration's own report
+    assert OpTiming("elementwise_binary", (65536,), 0.0, 0.0, 3 * 65536 * 4.0).predicted(machine) == \
+        pytest.approx(max(65536 * 0.25e-9, 3 * 65536 * 4.0 / machine.efficiency.bandwidth(3 * 65536 * 4.0,
+                                                                                          machine.memory_bandwidth)))
 
 
 def test_sequence_calls_record_a_transformer_blocks_forward_then_its_backward():

@@ -16,8 +16,8 @@ from parsat.ir.machine import MEASURED_GPU_EFFICIENCY, Machine
 from parsat.ir.machine_profile import OpEfficiency
 from parsat.ir.pcg import Degrees
 from parsat.cost.model import compute_cost
-from parsat.cost.op_time import (OpTime, chunk_time, function_evaluations, kernel_time, local_gemm, memory_op_time,
-                                  op_time)
+from parsat.cost.op_time import (OpTime, chunk_time, elementwise_kind, function_evaluations, kernel_time, local_gemm,
+                                  memory_op_time, op_time)
 
 OPS = load_library([shipped_rules_dir() / "ops.rule"])[0].ops
 
@@ -349,3 +349,59 @@ def test_function_times_are_a_machine_file_field_checked_and_absent_from_older_f
                        ({"tanh": [1e-9, -1.0]}, "outside")):
         with pytest.raises(MachineError, match=match):
             OpEfficiency.from_dict({**data["efficiency"], "function_times": bad})
+
+
+@pytest.mark.parametrize("op, shapes, attrs, kind", [
+    ("add", ((4, 8), (4, 8)), {}, "binary"), ("mul", ((4, 8), (4, 8)), {}, "binary"),
+    ("div", ((4, 8), (4, 8)), {}, "binary"), ("scale", ((4, 8),), {"c": 0.5}, "unary"),
+    ("add_scalar", ((4, 8),), {"c": 1.0}, "unary"), ("relu", ((4, 8),), {}, "unary"), ("neg", ((4, 8),), {}, "unary"),
+    ("add_bcast", ((4, 8), (8,)), {}, "broadcast"), ("mul_bcast", ((2, 4, 8), (8,)), {}, "broadcast"),
+    ("dropout", ((4, 8),), {"rate": 0.1}, None),              # a bare read: no pass of arithmetic
+    ("transpose", ((4, 8),), {"d0": 0, "d1": 1}, None),
+    ("softmax", ((4, 8),), {"dim": 1}, None),                 # a reduction
+    ("matmul", ((4, 8), (8, 3)), {}, None),                   # a product
+    ("concat", ((4, 8), (4, 8)), {"dim": 0}, None),           # a selection
+])
+def test_elementwise_kind_is_read_from_the_semantics(op, shapes, attrs, kind):
+    assert elementwise_kind(_instance(op, shapes, **attrs)) == kind
+
+
+def _elementwise_machine(unary=0.2e-9, binary=3e-9, broadcast=2e-9) -> Machine:
+    cpu = Machine.preset("cpu")
+    return replace(cpu, efficiency=replace(cpu.efficiency, elementwise_unary_s=unary, elementwise_binary_s=binary,
+                                           elementwise_broadcast_s=broadcast))
+
+
+def test_elementwise_arithmetic_is_priced_at_its_kinds_measured_rate_per_output_element():
+    """With the rates measured, an add's kernel is the longer of its roofline and its local output elements at the
+    binary rate (here the rate: 3 ns an element is far above 12 bytes at the cpu preset's bandwidth), split 2 ways
+    half of it, its backward the usual twice the forward kernel; a broadcast add at the broadcast rate; a scale
+    whose rate is under its roofline keeps the roofline. Not elementwise (a transpose, a softmax) and any operator
+    on a machine without the rates are priced as before."""
+    machine, cpu = _elementwise_machine(), Machine.preset("cpu")
+    n = 1 << 16
+    add = _instance("add", ((n,), (n,)))
+    timed, before = op_time(add, {}, 3 * n, machine), op_time(add, {}, 3 * n, cpu)
+    assert timed.kernel_s == pytest.approx(n * 3e-9) and timed.kernel_s > 2 * before.kernel_s
+    assert timed.forward_s == pytest.approx(machine.efficiency.op_time(n * 3e-9))
+    assert timed.backward_s == pytest.approx(machine.efficiency.op_time(2 * n * 3e-9, backward=True))
+    assert op_time(add, {"i#0": 2}, 3 * n // 2, machine).kernel_s == pytest.approx(n / 2 * 3e-9)
+    bcast = op_time(_instance("add_bcast", ((n // 64, 64), (64,))), {}, 2 * n + 64, machine)
+    assert bcast.kernel_s == pytest.approx(n * 2e-9)
+    scale = _instance("scale", ((n,),), c=0.5)
+    assert op_time(scale, {}, 2 * n, machine).kernel_s == pytest.approx(op_time(scale, {}, 2 * n, cpu).kernel_s)
+    for op, shapes, attrs in (("transpose", ((64, n // 64),), {"d0": 0, "d1": 1}), ("softmax", ((64, n // 64),),
+                                                                                   {"dim": 1})):
+        instance = _instance(op, shapes, **attrs)
+        assert op_time(instance, {}, 2 * n, machine) == op_time(instance, {}, 2 * n, cpu)
+
+
+def test_elementwise_rates_are_machine_file_fields_checked_and_absent_from_older_files():
+    machine = _elementwise_machine()
+    data = json.loads(json.dumps(machine.to_dict()))
+    assert data["efficiency"]["elementwise_binary_s"] == 3e-9
+    assert Machine.from_dict(data).efficiency == machine.efficiency
+    assert not any(k.startswith("elementwise_") for k in Machine.preset("cpu").to_dict()["efficiency"])
+    assert Machine.from_dict(Machine.preset("cpu").to_dict()).efficiency.elementwise_time("binary", 10) == 0.0
+    with pytest.raises(MachineError, match="outside"):
+        OpEfficiency.from_dict({**data["efficiency"], "elementwise_unary_s": -1e-9})

@@ -72,6 +72,12 @@ for fp32 training):
   forward and backward over a few shapes, fitted to the cost model's
   FlashAttention pricing (`attention_efficiency`, `attention_half_flops`;
   before, a calibrated machine priced it at the GEMMs' peak);
+* elementwise arithmetic as a step runs it (`x * 0.5`, `x + y`, `x + bias`:
+  a chain of calls, each on the previous output, the outputs kept), per
+  output element (`elementwise_unary_s`, `elementwise_binary_s`,
+  `elementwise_broadcast_s`: the slope over three sizes), which the cost
+  model prices an elementwise operator at where it is above the roofline
+  (a step's outputs are new memory; the figures below are warm);
 * memory-bound operators (copies, adds, relus) from kilobytes to tens of
   megabytes, fitted to t = dispatch + (bytes + half) / bandwidth
   (`memory_bandwidth`, `memory_half_bytes`);
@@ -140,6 +146,9 @@ class OpTiming:
             kernel = self.flops / (machine.peak_flops * eff.attention_rate(self.flops))
             backward = self.op.endswith("_backward")
             return eff.op_time(kernel * (ATTENTION_BACKWARD_FACTOR if backward else 1.0), backward)
+        if self.op.startswith("elementwise_"):   # the longer of its bytes' roofline and its measured elements
+            roof = self.nbytes / eff.bandwidth(self.nbytes, machine.memory_bandwidth)
+            return eff.op_time(max(roof, eff.elementwise_time(self.op[12:], self.shape[0])))
         if self.op.startswith("function_"):   # its measured per-element time: the dispatch is the intercept
             name, backward = self.op[9:].removesuffix("_backward"), self.op.endswith("_backward")
             return eff.op_time(eff.function_time({name: self.shape[0]}, backward), backward)
@@ -306,6 +315,7 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
                                                 .to(ctx.device), budget, sync), 0.0, float(elements * item)])
     ops += _updates(ctx, dtype, budget, sync)
     ops += _functions(ctx, dtype, budget, sync)
+    ops += _elementwise(ctx, dtype, budget, sync)
     ops += _attention(ctx, dtype, budget, sync)
     return {"dispatch": dispatch, "dtensor": extra, "fsdp": hooks, "python": python, "sequence": sequence,
             "redistribute": redistribute, "fsdp_collectives": fsdp_collectives, "ops": ops,
@@ -381,6 +391,45 @@ def _functions(ctx: RankContext, dtype, budget: Budget, sync) -> list[list]:
             rows.append([f"function_{name}", [elements], _timed(ctx, lambda: fn(x), budget, sync), 0.0, nbytes])
             seconds = _backward_seconds(ctx, (leaf,), lambda: fn(leaf), grad, budget, sync)
             rows.append([f"function_{name}_backward", [elements], seconds, 0.0, 1.5 * nbytes])
+    return rows
+
+
+ELEMENTWISE: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "unary": lambda x, y, bias: x * 0.5, "binary": lambda x, y, bias: x + y, "broadcast": lambda x, y, bias: x + bias}
+"""Each kind of elementwise arithmetic (`ir.validate.ELEMENTWISE_KINDS`) as torch runs one of the graphs' operators
+of that kind (`scale`, `add`, `add_bcast`: x [rows, ELEMENTWISE_WIDTH], y like x, bias [ELEMENTWISE_WIDTH])."""
+ELEMENTWISE_ELEMENTS = (1 << 12, 1 << 14, 1 << 16)   # output elements timed: 16 KB to 256 KB in fp32 (a small
+#                                                   model's activations)
+ELEMENTWISE_WIDTH = 256
+ELEMENTWISE_CHAIN = 32   # calls in a row, each on the previous one's output, the outputs kept
+
+
+def _elementwise(ctx: RankContext, dtype, budget: Budget, sync) -> list[list]:
+    """[f"elementwise_{kind}", [elements], seconds, 0, bytes] per kind (`ELEMENTWISE`) and size
+    (`ELEMENTWISE_ELEMENTS`): the slowest rank's average call in a chain of `ELEMENTWISE_CHAIN` calls, each on the
+    previous call's output, every output kept until the chain ends, as a forward runs its arithmetic and keeps
+    the activations for backward (each output new memory, not in cache). The memory-bound figures (`relu`,
+    `add`, `copy`) are of one call repeated on warm buffers, its output the memory the last call freed: on this
+    2-core box a chain's call took 1.6-3.5x that at 64-256 Ki elements, with or without page faults
+    (benchmarks/elementwise_chain_probe.py). `fit_elementwise` takes the slope over the sizes: the per-element time, dispatch
+    aside."""
+    rows = []
+    for kind, fn in ELEMENTWISE.items():
+        for elements in ELEMENTWISE_ELEMENTS:
+            x, y = (torch.randn(elements // ELEMENTWISE_WIDTH, ELEMENTWISE_WIDTH, dtype=dtype).to(ctx.device)
+                    for _ in range(2))
+            bias = torch.randn(ELEMENTWISE_WIDTH, dtype=dtype).to(ctx.device)
+
+            def chain(fn=fn, x=x, y=y, bias=bias):
+                kept, out = [], x
+                for _ in range(ELEMENTWISE_CHAIN):
+                    out = fn(out, y, bias)
+                    kept.append(out)
+                return kept
+
+            operands = {"unary": 2, "binary": 3, "broadcast": 2}[kind]
+            seconds = _timed(ctx, chain, budget, sync) / ELEMENTWISE_CHAIN
+            rows.append([f"elementwise_{kind}", [elements], seconds, 0.0, float(operands * elements * x.element_size())])
     return rows
 
 
@@ -1157,6 +1206,19 @@ def fit_functions(timings: Sequence[OpTiming]) -> dict[str, tuple]:
     return {"function_times": times} if times else {}
 
 
+def fit_elementwise(timings: Sequence[OpTiming]) -> dict[str, float]:
+    """`OpEfficiency.elementwise_{kind}_s` from `_elementwise`'s timings: per kind, the seconds per output element,
+    the slope of a line through its sizes (the intercept is the call's dispatch, priced on its own; a negative
+    slope, noise, reads 0: not measured); {} where none was timed."""
+    out = {}
+    for kind in ELEMENTWISE:
+        points = [(float(t.shape[0]), t.seconds) for t in timings if t.op == f"elementwise_{kind}"]
+        if len(points) >= 2:
+            _intercept, slope = fit_line([n for n, _ in points], [s for _, s in points])
+            out[f"elementwise_{kind}_s"] = max(0.0, slope)
+    return out
+
+
 def fit_attention(timings: Sequence[OpTiming], peak: float, dispatch: tuple[float, float]) -> dict[str, float]:
     """`OpEfficiency.attention_efficiency` and `attention_half_flops` from `_attention`'s timings: the cost model
     prices a call of F forward FLOPs at F / (peak x e / (1 + h / F)) forward and `ATTENTION_BACKWARD_FACTOR`
@@ -1252,6 +1314,7 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
     gemms = [t for t in ops if t.op == "matmul"]
     peak, halves = fit_gemm(gemms)
     layouts = fit_layouts(ops, peak) | fit_updates(ops) | fit_functions(ops) | fit_attention(ops, peak, dispatch)
+    layouts |= fit_elementwise(ops)
     bandwidth, half_bytes, cache_bytes, cache_bw = fit_memory([t for t in ops if t.op in ("relu", "add", "copy")])
     randn = [t for t in ops if t.op == "randn"]
     _c, random_slope = fit_line([t.nbytes for t in randn], [t.seconds for t in randn])

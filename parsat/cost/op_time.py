@@ -185,6 +185,33 @@ def _evaluations(instance: OpInstance) -> tuple[tuple[str, int], ...]:
     return tuple(sorted(out.items()))   # kept per instance: a search prices the same operators again and again
 
 
+@lru_cache(maxsize=4096)
+def elementwise_kind(instance: OpInstance) -> str | None:
+    """Which kind of elementwise arithmetic (`ir.validate.ELEMENTWISE_KINDS`) the operator is, from its semantics,
+    or None: one pass computing each output element by arithmetic (`+ - * /`, a negation, a scalar function or
+    comparison) from its operands' elements at the same index, read plainly. "broadcast" where an operand is read
+    along fewer of the output's indices (`add_bcast`), "binary" where two or more are read along all of them
+    (`add`, `mul`), "unary" where one is (`scale`, `add_scalar`, `relu`). Not elementwise: a reduction or a product
+    (`sum`, `max` over a range), a selection (`if`: concatenation, padding), a bare read (a view, a copy, a
+    transpose: eager torch makes most of them without a pass), an index computed (`x[i + 1]`, a gather)."""
+    nodes = list(ast.walk(instance.body))
+    if any(isinstance(n, (*ast.RANGE_BINDERS, ast.IfThenElse)) for n in nodes):
+        return None
+    if not any(isinstance(n, (ast.BinOp, ast.Neg, ast.Call)) for n in nodes):
+        return None
+    outs = frozenset(instance.out_vars)
+    full, fewer = set(), set()
+    for n in nodes:
+        if isinstance(n, ast.Access):
+            names = [i.id for i in n.indices if isinstance(i, ast.Name)]
+            if len(names) != len(n.indices) or not set(names) <= outs:
+                return None
+            (full if set(names) == outs else fewer).add(n.tensor)
+    if not full:
+        return None
+    return "broadcast" if fewer else "binary" if len(full) > 1 else "unary"
+
+
 def _degree(value) -> int:
     return int(value.evaluate({})) if hasattr(value, "evaluate") else int(value)
 
@@ -254,6 +281,19 @@ def function_kernel(flops: float, nbytes: float, evaluations: Mapping[str, float
     return max(compute, nbytes / eff.bandwidth(nbytes, machine.memory_bandwidth))
 
 
+def elementwise_kernel(instance: OpInstance, var_degrees: Mapping[str, object], machine: Machine) -> float:
+    """Elementwise arithmetic (`elementwise_kind`) as a step runs it: its local output elements at the machine's
+    measured per-element time of its kind (`OpEfficiency.elementwise_time`); 0 for another operator or where not
+    measured. `op_time` takes the longer of this and the roofline: `parsat calibrate`'s memory-bound figures are
+    of calls repeated on warm buffers, a step's arithmetic writes new memory kept for backward (GPT-2's adds and
+    multiplies, 256 KB-1 MB each, ran 1.5-2x their roofline price relative to the GEMMs' scale,
+    benchmarks/costmodel_fidelity.md, session 61 helper C)."""
+    kind = elementwise_kind(instance)
+    if kind is None:
+        return 0.0
+    return machine.efficiency.elementwise_time(kind, _local_sizes(instance, var_degrees, instance.out_vars))
+
+
 def kernel_time(flops: float, nbytes: float, gemm: tuple[float, float, float] | None, machine: Machine) -> float:
     """The roofline of one kernel with the machine's GEMM and bandwidth efficiency."""
     return roofline(flops, nbytes, machine.efficiency.gemm_efficiency(*gemm) if gemm is not None else 1.0, machine)
@@ -282,6 +322,7 @@ def op_time(instance: OpInstance, var_degrees: Mapping[str, object], local_eleme
                           backward_factor=back / kernel)
     kernel = kernel_time(local_flops, nbytes, gemm, machine)
     if gemm is None:
+        kernel = max(kernel, elementwise_kernel(instance, var_degrees, machine))
         return OpTime(eff.op_time(kernel), _backward_s(kernel, (), eff), kernel, local_flops, nbytes)
     grads = grad_kernels(instance.name, gemm, dims[0], local_flops, nbytes, machine)
     bias = bias_gradient_kernel(gemm, machine)
@@ -331,6 +372,7 @@ def memory_op_time(nbytes: float, machine: Machine, backward: bool = False) -> f
 
 
 __all__ = ["BACKWARD_FACTOR", "BACKWARD_PRODUCTS", "FUSED", "FusedKernel", "OPTIMIZER_PASSES", "OpTime",
-           "causal_attention_flops", "chunk_time", "function_evaluations", "function_kernel", "grad_kernels",
+           "causal_attention_flops", "chunk_time", "elementwise_kernel", "elementwise_kind", "function_evaluations",
+           "function_kernel", "grad_kernels",
            "kernel_time", "local_contraction", "local_gemm",
            "memory_op_time", "op_time", "roofline", "update_time"]

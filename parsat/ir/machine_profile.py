@@ -39,6 +39,7 @@ from typing import Any, Mapping
 
 from parsat.ir.errors import MachineError
 from parsat.ir.validate import COLLECTIVE_KINDS as COLLECTIVES
+from parsat.ir.validate import ELEMENTWISE_KINDS
 from parsat.ir.validate import LINK_KINDS as LINKS
 from parsat.ir.validate import COMM_INTEGERS, validate_comm_dict, validate_efficiency_dict, validate_oversubscribed_dict
 MIB = 1 << 20
@@ -129,6 +130,13 @@ class OpEfficiency:
                                        # forward and its autograd backward, as `parsat calibrate` measured them
                                        # (the slope over sizes: no dispatch); () not measured (an operator
                                        # evaluating them priced as memory-bound: on a CPU core tanh ran 26x a relu)
+    elementwise_unary_s: float = 0.0   # seconds per output element of one pass of elementwise arithmetic as a step
+                                       # runs it (its operand the previous operator's output, its own output new
+                                       # memory kept for backward): one operand (`scale`, `add_scalar`, `relu`), ...
+    elementwise_binary_s: float = 0.0  # ... two of the output's size (`add`, `mul`), ...
+    elementwise_broadcast_s: float = 0.0   # ... one broadcast along the other's leading dims (`add_bcast`); all three
+                                       # measured by `parsat calibrate` (`elementwise_time`), 0: not measured
+                                       # (priced by bytes at the bandwidth, as the warm, repeated calls ran)
     async_dispatch: bool = False       # True on GPUs: the host launches ahead, an operator takes max(dispatch,
                                        # kernel); False on CPU: the dispatching thread computes, dispatch + kernel
     sequence_factor: float = 1.0       # an operator call run once among a step's other calls over the same call
@@ -150,6 +158,14 @@ class OpEfficiency:
         (`function_times`); a function not measured adds nothing."""
         times = {name: (forward, back) for name, forward, back in self.function_times}
         return sum(count * times[name][backward] for name, count in evaluations.items() if name in times)
+
+    def elementwise_time(self, kind: str, elements: float) -> float:
+        """Seconds one pass of elementwise arithmetic of `kind` (`ELEMENTWISE_KINDS`: "unary", "binary",
+        "broadcast") takes to make `elements` output elements as a step runs it, at the measured per-element time
+        (`parsat calibrate`: a chain of calls, each on the previous one's output, the outputs kept, as a forward
+        keeps activations: on this 2-core box 1.6-3.5x the same call repeated on warm buffers, its output new
+        memory, not in cache); 0 where not measured."""
+        return elements * getattr(self, f"elementwise_{kind}_s")
 
     def fsdp_hooks_time(self, params: int, backward: bool = False) -> float:
         """Host time FSDP2's hooks take on a group of `params` parameters as they gather it (before its forward;
@@ -233,6 +249,7 @@ class OpEfficiency:
                                    *FSDP_COLLECTIVE_FIELDS)
                        if not getattr(self, k)]
         unmeasured += ["sequence_factor"] if self.sequence_factor == 1.0 else []
+        unmeasured += [f"elementwise_{kind}_s" for kind in ELEMENTWISE_KINDS if not self.elementwise_time(kind, 1.0)]
         out = {k: v for k, v in asdict(self).items() if not k.startswith(tuple(unmeasured))
                and k not in ("update_points", "function_times")}
         if self.function_times:

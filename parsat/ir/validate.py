@@ -611,6 +611,9 @@ OVERSUBSCRIBED_UNITS = ("cores", "gpus")   # what a calibration's ranks shared (
 MAX_RANKS = 1 << 20
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
 LINK_KINDS = ("intra", "inter")
+ELEMENTWISE_KINDS = ("unary", "binary", "broadcast")
+"""The kinds of elementwise arithmetic `parsat calibrate` times and `cost.op_time.elementwise_kind` tells apart:
+one tensor operand, two of the output's size, one of them broadcast (`OpEfficiency.elementwise_time`)."""
 EFFICIENCY_RANGES: Mapping[str, tuple[float, float, str]] = {
     "dispatch_s": (0.0, 3600.0, "seconds"),
     "backward_dispatch_s": (0.0, 3600.0, "seconds"),
@@ -638,6 +641,8 @@ EFFICIENCY_RANGES: Mapping[str, tuple[float, float, str]] = {
     "random_bandwidth": (0.0, 1e18, "bytes/s (0: not measured)"),
     "attention_efficiency": (1e-6, 1.0, "of peak FLOP/s"),
     "attention_half_flops": (0.0, 1e30, "FLOPs per call"),
+    **{f"elementwise_{kind}_s": (0.0, 1e-3, "seconds per element (0: not measured)")
+       for kind in ELEMENTWISE_KINDS},
     **{f"gemm_{layout}_{key}": ranged for layout in ("nt", "tn") for key, ranged in (
         ("rate", (0.0, 1e3, "x peak FLOP/s (0: not measured)")), ("half_m", (0.0, MAX_ELEMENTS, "elements")),
         ("half_n", (0.0, MAX_ELEMENTS, "elements")), ("half_k", (0.0, MAX_ELEMENTS, "elements")))},
