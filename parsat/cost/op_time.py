@@ -289,7 +289,7 @@ def elementwise_kernel(instance: OpInstance, var_degrees: Mapping[str, object], 
     multiplies, 256 KB-1 MB each, ran 1.5-2x their roofline price relative to the GEMMs' scale,
     benchmarks/costmodel_fidelity.md, session 61 helper C)."""
     kind = elementwise_kind(instance)
-    if kind is None:
+    if kind is None or not machine.efficiency.elementwise_time(kind, 1.0):   # not measured (every preset): no sizes
         return 0.0
     return machine.efficiency.elementwise_time(kind, _local_sizes(instance, var_degrees, instance.out_vars))
 
