@@ -10,7 +10,8 @@ parameter again along dim 0 on dp) and compares what FSDP's all-gather gives the
 `full_tensor()` after the step's reshard, with the original values. Then the same with the parameter held in
 head-major order (`parsat.backend.torch_native.head_major`: its columns permuted once so that each tp rank's
 strided block is a contiguous `Shard(d)` block) and the forward re-reading the gathered local block as the
-strided DTensor (`DTensor.from_local`). One JSON line per rank: the largest relative error of each.
+strided DTensor (`DTensor.from_local`), its state dict in the module's order and loaded back
+(`checkpoint_in_module_order`). One JSON line per rank: the relative error (Frobenius) of each.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from parsat.backend.torch_native.head_major import head_major, strided_view
+from parsat.backend.torch_native.head_major import checkpoint_in_module_order, head_major, strided_view
 
 PARTS = 3   # q, k, v
 
@@ -73,6 +74,18 @@ def job(rank: int, hidden: int, port: int) -> None:
                 whole = head_major(whole, p.dim() - 1, PARTS, tp.size(), inverse=True)
             out[f"{how} {name} stored"] = _error(whole, want[name])
             out[f"{how} {name} placements"] = str(list(p.placements))
+        if how == "head_major":   # its checkpoint in the module's order, and loaded back
+            for name, p in module.named_parameters():
+                checkpoint_in_module_order(module, name, p.dim() - 1, PARTS, tp.size())
+            state = module.state_dict()
+            with torch.no_grad():
+                for p in module.parameters():
+                    p.zero_()
+            module.load_state_dict(state)
+            for name, p in module.named_parameters():
+                out[f"{how} {name} state_dict"] = _error(state[name].full_tensor(), want[name])
+                out[f"{how} {name} loaded back"] = _error(
+                    head_major(p.full_tensor(), p.dim() - 1, PARTS, tp.size(), inverse=True), want[name])
     print(json.dumps(out), flush=True)
     dist.destroy_process_group()
 
