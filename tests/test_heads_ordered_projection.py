@@ -108,6 +108,9 @@ def test_the_layout_stores_the_weight_as_a_partition_of_its_view():
     assert [(u.op, str(u.placement)) for u in zero3.nodes if weight[-1] in u.inputs] == [("all_gather", "[R S2]")]
     from parsat.ir.pcg import weight_placement
     assert [(str(p), f) for p, f in [weight_placement(zero3, weight)]] == [("[S0 S1]", (1, 3))]
+    shared: dict = {}   # the ZeRO-3 layout derived from the ZeRO-0 build (`sharded_nodes`) is the one built alone
+    megatron_pcg(graph, library, (2, 2), heads_ordered=True, cache=shared)
+    assert megatron_pcg(graph, library, (2, 2), heads_ordered=True, zero=3, cache=shared) == zero3
 
 
 def test_the_grid_bounds_a_family_by_its_first_layout_with_a_fused_projection_too():

@@ -37,7 +37,10 @@ hooks would never gather their parameters).
 On a tensor axis (`place_parameters`, `_on_dtensors`) no style is
 applied: every parameter is a DTensor on the tensor axis's mesh placed as
 the plan stores its weight (the end of its storage chain: BERT's tied
-word table whole, where the styles store it vocabulary-split), the data
+word table whole, where the styles store it vocabulary-split; a weight
+stored as a strided block of itself, HF GPT-2's head-ordered `c_attn`, held
+head-major as a plain `Shard(d)` and read back as the strided DTensor of the
+module's parameter: `head_major`), the data
 enters as `Replicate()` DTensors, each compute node runs on DTensors
 (DTensor's sharding propagation computes the global values, and on BERT's
 Megatron plan leaves every node in the plan's placement), and each parallel
