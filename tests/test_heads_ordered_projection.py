@@ -4,7 +4,8 @@
 block's weight and bias a column of the weight's and bias's [k, z, n / z] view (the proved rules it names);
 `ir.megatron.megatron_pcg(heads_ordered=True)` (the search's grid) stores that view split along z on the tensor
 axis: each rank's heads' q, k and v columns, a strided block of the parameter (`ir.pcg.weight_storage` follows
-views), and GPT-2's attention runs heads-parallel. The torch runtime refuses such a plan by name.
+views), and GPT-2's attention runs heads-parallel. torch's styles refuse such a plan by name; the rewritten
+forward holds such a parameter head-major (`backend.torch_native.head_major`), ZeRO-3 included.
 """
 
 from __future__ import annotations
@@ -100,16 +101,23 @@ def test_the_layout_stores_the_weight_as_a_partition_of_its_view():
     named = {rule.split(" (")[0] for n in pcg.nodes for rule in n.rules}
     assert named == set(RULES) and named <= names
     assert not storage_views(plain, weight_storage(plain)[plain_leaves["w"]])
-    zero3 = megatron_pcg(graph, library, (2, 2), heads_ordered=True, zero=3)   # fully_shard of a strided block: no
-    assert zero3 is not None and not any(storage_views(zero3, chain) for chain in weight_storage(zero3).values())
-    assert any(storage_views(p, c) for p in [megatron_pcg(graph, library, (2, 2), heads_ordered=True)]
-               for c in weight_storage(p).values())
+    # ZeRO-3 (dp 2 x tp 2): the view's tp piece split again on dp along a dim that is not its tp dim, all-gathered
+    zero3 = megatron_pcg(graph, library, (2, 2), heads_ordered=True, zero=3)
+    weight = weight_storage(zero3)[next(n.id for n in zero3.nodes if n.kind == "leaf" and n.op == "w")]
+    assert storage_views(zero3, weight) and [str(zero3.node(i).placement) for i in weight[-2:]] == ["[- S2]", "[S0 S2]"]
+    assert [(u.op, str(u.placement)) for u in zero3.nodes if weight[-1] in u.inputs] == [("all_gather", "[R S2]")]
+    from parsat.ir.pcg import weight_placement
+    assert [(str(p), f) for p, f in [weight_placement(zero3, weight)]] == [("[S0 S1]", (1, 3))]
+    shared: dict = {}   # the ZeRO-3 layout derived from the ZeRO-0 build (`sharded_nodes`) is the one built alone
+    megatron_pcg(graph, library, (2, 2), heads_ordered=True, cache=shared)
+    assert megatron_pcg(graph, library, (2, 2), heads_ordered=True, zero=3, cache=shared) == zero3
 
 
-def test_the_grid_bounds_each_layout_of_a_family_whose_points_lay_out_apart():
-    """The grid's branch and bound (`baselines.grid_families`' `skip`) leaves a family out by a bound on its first
-    layout only where its points lay out the activations alike; with a fused projection the ZeRO-0 points are
-    head-ordered and the ZeRO-3 point is not, so each layout is shown to `skip` and only its own points go."""
+def test_the_grid_bounds_a_family_by_its_first_layout_with_a_fused_projection_too():
+    """A fused projection is laid out head by head at every ZeRO level alike (ZeRO-3 splits the view's piece again
+    on dp: the test above), so a family's points lay out the activations alike and the grid's branch and bound
+    (`baselines.grid_families`' `skip`) is shown each family's first layout only (no ZeRO-3 point, whose weights
+    are gathered on dp), head-ordered where the family has a tensor axis, as for a graph without one."""
     from parsat.ir.machine import Machine
     from parsat.search.baselines import grid_families
 
@@ -117,15 +125,14 @@ def test_the_grid_bounds_each_layout_of_a_family_whose_points_lay_out_apart():
     plain = GraphBuilder(library, name="plain")
     x, w, b = plain.input("x", [6, 4]), plain.weight("w", [4, 12]), plain.weight("b", [12])
     plain.output(plain.op("linear", x, w, b))
-    for g, alike in ((graph, False), (plain.build(), True)):
+    for g, fused in ((graph, True), (plain.build(), False)):
         shown: list = []
         families = list(grid_families(g, library, Machine.preset("cpu"), True, 4,
                                       skip=lambda pcg: shown.append(pcg) or True))
-        assert families and not any(families)        # every layout skipped: no point priced
-        zero3 = [p for p in shown if any(n.op == "all_gather" for n in p.nodes)]   # weights gathered on dp
+        assert families and not any(families) and len(shown) <= len(families)   # every family skipped at once
+        assert not any(n.op == "all_gather" for p in shown for n in p.nodes)    # no ZeRO-3 layout shown
         ordered = [p for p in shown if any(storage_views(p, c) for c in weight_storage(p).values())]
-        assert bool(zero3) is not alike              # a family's ZeRO-3 layout shown only where it lays out apart
-        assert bool(ordered) is not alike and all(p not in zero3 for p in ordered)
+        assert bool(ordered) is fused
 
 
 @pytest.fixture(scope="module")
@@ -177,13 +184,14 @@ def test_the_pinned_search_answers_the_heads_parallel_point_and_it_lowers_to_str
     """`parsat.optimize` of the tests' HF GPT-2 (float64, dropout off) pinned tp 2 on 2 cpu devices answers the
     grid's head-ordered point (each `c_attn` weight stored through its view, the softmax split along the heads);
     without processes, its lowering is a rewritten forward (no style stores a strided block) whose `c_attn`
-    parameters are `_StridedShard` with split factor 3 and whose row-parallel `c_proj` is `Shard(0)`."""
+    parameters are strided blocks with split factor 3, held head-major as `Shard(d)`, and whose row-parallel
+    `c_proj` is `Shard(0)`."""
     pytest.importorskip("transformers")
     from test_torch_native_runtime import _factory
 
     import parsat
     from parsat.backend.torch_native.apply import module_info
-    from parsat.backend.torch_native.rewritten import dtensor_parameter_placement, lowered_plan
+    from parsat.backend.torch_native.rewritten import dtensor_placement, lowered_plan
     from parsat.importer.export import import_module
 
     module, inputs = _factory("gpt2")()
@@ -205,14 +213,13 @@ def test_the_pinned_search_answers_the_heads_parallel_point_and_it_lowers_to_str
     stored, strided = dict(rewrite.stored), dict(rewrite.strided)
     weight, bias = "model.transformer.h.0.attn.c_attn.weight", "model.transformer.h.0.attn.c_attn.bias"
     assert strided == {name.replace(".0.", f".{i}."): 3 for i in (0, 1) for name in (weight, bias)}
-    assert repr(dtensor_parameter_placement(stored[weight], strided[weight])) == "_StridedShard(dim=1, sf=3)"
-    assert repr(dtensor_parameter_placement(stored[bias], strided[bias])) == "_StridedShard(dim=0, sf=3)"
-    assert repr(dtensor_parameter_placement(stored["model.transformer.h.0.attn.c_proj.weight"], 1)) == \
-        "Shard(dim=0)"
+    assert repr(dtensor_placement(stored[weight])) == "Shard(dim=1)"   # held head-major (`head_major`)
+    assert repr(dtensor_placement(stored[bias])) == "Shard(dim=0)"
+    assert repr(dtensor_placement(stored["model.transformer.h.0.attn.c_proj.weight"])) == "Shard(dim=0)"
 
 
-def _heads_ordered_plan(shape: tuple[int, int] = (1, 2)) -> dict:
-    """Megatron's tp 2 layout of the tests' HF GPT-2 (`_factory`: float64, dropout off) with `c_attn` head by head."""
+def _heads_ordered_plan(shape: tuple[int, int] = (1, 2), zero: int = 0) -> dict:
+    """Megatron's layout of the tests' HF GPT-2 (`_factory`: float64, dropout off) with `c_attn` head by head."""
     import mesh_plans
     from test_torch_native_runtime import _factory
 
@@ -220,28 +227,57 @@ def _heads_ordered_plan(shape: tuple[int, int] = (1, 2)) -> dict:
 
     module, inputs = _factory("gpt2")()
     graph = parsat.from_torch(module, inputs)
-    pcg = megatron_pcg(graph, load_library()[0], shape, heads_ordered=True)
+    pcg = megatron_pcg(graph, load_library()[0], shape, heads_ordered=True, zero=zero)
     return mesh_plans.plan_dict(graph, pcg)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", [(1, 2), (2, 2)])
-def test_gpt2_heads_ordered_layout_trains_like_one_process_and_checkpoints_for_the_unmodified_module(shape, tmp_path):
-    """HF GPT-2 under the head-ordered tp 2 layout on 2 gloo ranks, and dp 2 x tp 2 on 4 (float64): the module's
-    forward evaluates the plan's graph on DTensors (`rewritten`), each `c_attn` weight and bias a
-    `_StridedShard(d, split_factor=3)` parameter on tp (each rank its heads' q, k and v; `Replicate()` on dp under
-    `replicate`), every parameter a DTensor; 3 AdamW steps with clip_grad_norm_ equal the unmodified module's in
-    one process; the DCP checkpoint (the strided parameters presented as `Shard(d)`) loads into the unmodified
-    module with the trained weights."""
+@pytest.mark.parametrize("shape,zero", [((1, 2), 0), ((2, 2), 0), ((2, 2), 3)])
+def test_gpt2_heads_ordered_layout_trains_like_one_process_and_checkpoints_for_the_unmodified_module(
+        shape, zero, tmp_path):
+    """HF GPT-2 under the head-ordered tp 2 layout on 2 gloo ranks, dp 2 x tp 2 on 4, and dp 2 x tp 2 with ZeRO-3
+    on dp (`fully_shard`) on 4 (float64): the module's forward evaluates the plan's graph on DTensors
+    (`rewritten`), each `c_attn` weight and bias held head-major (`head_major`: each tp rank its heads' q, k and v
+    as a plain `Shard(d)`, which `fully_shard` shards again on dp as any column-parallel weight; torch's own
+    `_StridedShard` there gathers back wrong, `benchmarks/strided_fully_shard.py`), every parameter a DTensor;
+    3 AdamW steps with clip_grad_norm_ equal the unmodified module's in one process (its weights read from the
+    state dict, in the module's order); the DCP checkpoint loads into the unmodified module with the trained
+    weights."""
     pytest.importorskip("transformers")
     from test_torch_native_runtime import _train_hf
 
     dp, tp = shape
-    results = _train_hf("gpt2", {"gpt2_heads": _heads_ordered_plan(shape)}, dp * tp, tmp_path)
-    data = ["Replicate()"] if dp > 1 else []
+    results = _train_hf("gpt2", {"gpt2_heads": _heads_ordered_plan(shape, zero)}, dp * tp, tmp_path)
+    assert ("fully_shard" in results[0]["gpt2_heads"]["lowering"]) == (zero == 3)
     for result in results:
         placements = result["gpt2_heads"]["placements"]
-        for name, want in (("attn.c_attn.weight", "_StridedShard(dim=1, sf=3)"),
-                           ("attn.c_attn.bias", "_StridedShard(dim=0, sf=3)"), ("attn.c_proj.weight", "Shard(dim=0)")):
-            assert placements[f"model.transformer.h.1.{name}"] == data + [want], (name, placements)
+        # (tp, dp under ZeRO-3): on dp the dim the plan stores the weight split along (`shard_placement_fn`: the
+        # view's dim 0 is the weight's), FSDP's default dim 0 for the bias, which the plan keeps whole on dp (its
+        # only dim is split on tp), `_StridedShard` beside tp's split of the same dim
+        for name, want, sharded in (("attn.c_attn.weight", "Shard(dim=1)", "Shard(dim=0)"),
+                                    ("attn.c_attn.bias", "Shard(dim=0)", "_StridedShard(dim=0, sf=2)"),
+                                    ("attn.c_proj.weight", "Shard(dim=0)", "Shard(dim=1)")):
+            got = placements[f"model.transformer.h.1.{name}"]
+            assert got == [want] if dp == 1 else got == ["Replicate()" if zero == 0 else sharded, want], (name, got)
         assert all(p for p in placements.values()), placements   # every parameter a DTensor
+
+
+def test_head_major_order_round_trip():
+    """`head_major` puts each rank's q, k and v blocks together (rank-major) and back, along either dim; a
+    `Shard(d)` block of the head-major tensor is the rank's strided block of the module's parameter."""
+    torch = pytest.importorskip("torch")
+    from parsat.backend.torch_native.head_major import head_major
+
+    w = torch.arange(4 * 12).reshape(4, 12)
+    held = head_major(w, 1, 3, 2)
+    assert held[0].tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]   # rank 0 first: the first 2 of q, k and v each
+    assert torch.equal(head_major(held, 1, 3, 2, inverse=True), w)
+    for ranks in (1, 2, 4):
+        b = torch.arange(24)
+        held = head_major(b, 0, 3, ranks)
+        assert torch.equal(head_major(held, 0, 3, ranks, inverse=True), b)
+        for r in range(ranks):   # rank r's contiguous block: its part of each of q, k and v
+            block = held.chunk(ranks)[r]
+            assert torch.equal(block, torch.cat([part.chunk(ranks)[r] for part in b.chunk(3)]))
+    with pytest.raises(ValueError, match="does not cut"):
+        head_major(torch.zeros(10), 0, 3, 2)

@@ -350,20 +350,21 @@ def train_job(ctx, factory: str, plans: dict, steps: int, folder: str, batch: tu
             ref_optimizer.step()
             ref_optimizer.zero_grad()
             ref_losses.append(float(want.detach()))
-        worst, worst_name = 0.0, ""
-        for name, want_param in reference.named_parameters():
-            got = model.get_parameter(name)
-            whole = got.full_tensor() if isinstance(got, DTensor) else got
-            # against one learning-rate step where the weight is smaller: a parameter whose gradient is zero by
-            # symmetry (BERT's key bias: softmax ignores what it adds to a row) starts at 0 and holds rounding noise
-            rel = _relative(whole.detach(), want_param.detach(), floor=LR)
-            if rel >= worst:
-                worst, worst_name = rel, name
         params = dict(model.named_parameters())
         placements = {name: [repr(p) for p in getattr(t, "placements", ())] for name, t in params.items()}
         state = get_model_state_dict(model)
         dcp.save(state, checkpoint_id=f"{folder}/{label}")
         whole = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+        worst, worst_name = 0.0, ""
+        for name, want_param in reference.named_parameters():
+            # the weights as the module holds them: its state dict (a head-major parameter in the module's order)
+            got = whole.get(name, model.get_parameter(name))
+            got = got.full_tensor() if isinstance(got, DTensor) else got
+            # against one learning-rate step where the weight is smaller: a parameter whose gradient is zero by
+            # symmetry (BERT's key bias: softmax ignores what it adds to a row) starts at 0 and holds rounding noise
+            rel = _relative(got.detach(), want_param.detach(), floor=LR)
+            if rel >= worst:
+                worst, worst_name = rel, name
         if ctx.rank == 0:
             torch.save({k: v.detach().clone() for k, v in whole.items()}, f"{folder}/{label}.pt")
         out[label] = {"losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,

@@ -123,7 +123,8 @@ def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], de
     `heads_ordered`: a fused projection read apart (HF GPT-2's `c_attn`, `ir.fused_projections`) laid out as
     Megatron-LM lays its fused QKV weight out, head by head: the weight and bias stored as the tensor axis's
     partition of their views, each rank's block its heads' q, k and v columns, the attention heads-parallel
-    (`heads_ordered_layout`; the torch runtime runs it as a rewritten forward with `_StridedShard` parameters).
+    (`heads_ordered_layout`; the torch runtime runs it as a rewritten forward, such a parameter held head-major:
+    `backend.torch_native.head_major`).
     Off by default (the plain layout); the search's grid asks for it (`search.baselines.independent_grid`).
 
     None where the graph cannot be laid out that way (an operator that accepts no placement its inputs can
@@ -166,12 +167,10 @@ def heads_ordered_layout(graph: Graph, library: Library, mesh_shape: tuple[int, 
     one product per q / k / v block, its weight and bias columns of the weight's and bias's views), each node
     those rewrites made naming the proved rules that made it. The builder stores each view as its partition on
     the tensor axis (`_MegatronBuilder.stored_view`): each rank's heads. None where the graph has no fused
-    projection or that graph cannot be laid out (`megatron_pcg`'s other options as given; no `kin`), and under
-    ZeRO-3: torch 2.13's `fully_shard` of such a parameter (`_StridedShard` on tp, sharded again along the same dim
-    on dp) trained HF GPT-2's loss right but gathered its `c_attn.bias` wrong (relative difference 1.9 after 3
-    steps, 2026-12-06), so no ZeRO-3 point stores a weight through a view (the layout without it is laid out)."""
-    if options.get("zero") == 3:
-        return None
+    projection or that graph cannot be laid out (`megatron_pcg`'s other options as given; no `kin`). Under ZeRO-3
+    the view's piece on the tensor axis is split again on the data axis and all-gathered, as a weight's is
+    (`_MegatronBuilder.on_data_axis`; the torch runtime holds such a parameter head-major, a plain `Shard(d)` on
+    tp that `fully_shard` shards again: `torch_native.head_major`)."""
     cache = options.pop("cache", None)
     written = cache.get(("heads_ordered", id(graph))) if cache is not None else None
     if written is None or written[0] is not graph:
@@ -793,8 +792,7 @@ class _MegatronBuilder:
             return None
         try:
             node = self.parallel(PARTITION, node, self.tensor, dim)
-            if data_code == REPLICA:
-                node = self.parallel(REPLICATE, node, self.data)
+            node = self.on_data_axis(node, self.shapes[name], target.codes[self.tensor], data_code, True)
         except PlacementError:
             return None
         return node if self.nodes[node].placement == target else None
@@ -810,9 +808,17 @@ class _MegatronBuilder:
             return None
         if shard_dim(tensor_code) is not None:
             node = self.parallel(PARTITION, node, self.tensor, shard_dim(tensor_code))
+        node = self.on_data_axis(node, leaf.shape, tensor_code, data_code, leaf.role == "weight")
+        return node if self.nodes[node].placement == target else None
+
+    def on_data_axis(self, node: int, shape: Sequence[int], tensor_code: int, data_code: int, weight: bool) -> int:
+        """`node` (a weight, or a weight's view, of `shape`, split on the tensor axis as `tensor_code` asks) as its
+        reader has it on the data axis: with ZeRO-3, a weight split again along a dim the data axis divides (not its
+        tensor-axis dim) and all-gathered there; else copied on the tensor axis where `tensor_code` is a replica
+        and on the data axis where `data_code` is (the chain `sharded_nodes` rewrites to the ZeRO-3 form)."""
         gathered, source, dim = False, node, None
-        if data_code == REPLICA and leaf.role == "weight":
-            size, local = self.mesh.size(self.data), self.nodes[node].placement.local_shape(leaf.shape, self.mesh.shape)
+        if data_code == REPLICA and weight:
+            size, local = self.mesh.size(self.data), self.nodes[node].placement.local_shape(shape, self.mesh.shape)
             dim = next((d for d, n in enumerate(local) if n % size == 0 and shard(d) != tensor_code), None)
             if dim is not None and self.zero3:
                 node = self.parallel(ALL_GATHER, self.parallel(PARTITION, node, self.data, dim), self.data, dim)
@@ -824,7 +830,7 @@ class _MegatronBuilder:
             node = self.parallel(REPLICATE, node, self.data)
             if dim is not None:
                 self.chains.append(_Chain(source, first, node, dim, tensor_code == REPLICA))
-        return node if self.nodes[node].placement == target else None
+        return node
 
     def sharded_nodes(self, outputs: Sequence[int]) -> tuple[list[PNode], list[int]] | None:
         """This layout's nodes (built without ZeRO-3) and `outputs` as the same layout with ZeRO-3 builds them;

@@ -323,6 +323,34 @@ def storage_views(pcg: PCG, chain: Sequence[int]) -> tuple[PNode, ...]:
     return tuple(node for node in (pcg.node(i) for i in chain[1:]) if node.kind == "op")
 
 
+def weight_placement(pcg: PCG, chain: Sequence[int]) -> tuple[Placement, tuple[int, ...]]:
+    """(placement, split factor on each mesh axis) of the weight whose storage chain is `chain`, in the weight's
+    own dims: the chain's end's placement and factors 1 where the weight is stored as a block of itself. Stored as a block of
+    its view `unflatten(w, u, k)` ([.., m / k, k, ..]: HF GPT-2's q, k and v column blocks of its fused `c_attn`,
+    `ir.fused_projections`), a split of the view's dim u + 1 is the weight's dim u split with split factor m / k
+    (each rank its block of every one of the m / k column blocks: torch's `_StridedShard(u, m / k)`), a split of
+    dim u the weight's dim u (factor 1), of a dim after u + 1 the weight's dim before it. Raises ValueError for
+    another view, or for dim u and u + 1 both split (no one split of the weight)."""
+    from parsat.ir.placement import shard, shard_dim
+
+    end = pcg.node(chain[-1]).placement
+    views = storage_views(pcg, chain)
+    if not views:
+        return end, (1,) * len(end.codes)
+    view = views[0]
+    if len(views) != 1 or view.op != STRIDED_VIEW:
+        raise ValueError(f"weight '{pcg.node(chain[0]).op}' is stored as {end} of its view "
+                         f"{' -> '.join(v.label for v in views)}: only a split of one unflatten's dims is a split of "
+                         "the weight")
+    u = int(view.attr("dim"))
+    dims = [shard_dim(code) for code in end.codes]
+    if u in dims and u + 1 in dims:
+        raise ValueError(f"weight '{pcg.node(chain[0]).op}' is stored as {end} of its view {view.label}: both "
+                         f"halves of its dim {u} split")
+    codes = tuple(code if d is None else shard(d if d <= u else d - 1) for code, d in zip(end.codes, dims))
+    return Placement(codes), tuple(int(view.shape[u]) if d == u + 1 else 1 for d in dims)
+
+
 def weight_chains(pcg: PCG) -> frozenset[int]:
     """The weight leaves and the values made from them by parallel operators only (`pcg_roles`): what a step
     of several micro-batches makes once and reduces the gradient of once (`ir.costs.NodeCost.per_step`). Worked

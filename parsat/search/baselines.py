@@ -34,7 +34,6 @@ from parsat.dsl.parallel_ops import ALL_TO_ALL, PARALLEL_OPS, PARTITION, REPLICA
 from parsat.ir.costs import NodeCost, Totals, totals
 from parsat.ir.data_parallel import data_parallel_pcg
 from parsat.ir.expert_parallel import expert_parallel_pcg
-from parsat.ir.fused_projections import fused_projections
 from parsat.ir.errors import GraphError
 from parsat.ir.blocks import has_blocks
 from parsat.ir.graph import Graph, GraphBuilder
@@ -127,10 +126,9 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
     runs again, not the layout. So a bound on their steps that reads only those values' operators (the
     layout's step floor, without the plan's own updates and recomputation: `cost.pcg_tasks.step_floor`) is
     one for the whole family, and `skip(pcg)`, shown the family's first layout, leaves the family out (the
-    rest are not even built) where it says so. Not in a graph with a fused projection read apart (HF GPT-2's
-    `c_attn`, `ir.fused_projections`): there the family's ZeRO-0 points are laid out head by head and its ZeRO-3
-    point is not (`megatron.heads_ordered_layout`), so `skip` is shown each of its layouts and leaves out only
-    that one's points. A generator: `skip` is asked when the caller asks for the
+    rest are not even built) where it says so (a fused projection read apart, HF GPT-2's `c_attn`, is laid out
+    head by head at every ZeRO level alike: `megatron.heads_ordered_layout`). A generator: `skip` is asked when
+    the caller asks for the
     family, after the ones before it, so it can read what they gave (the bar of a branch and bound).
     `order(pcg)` (such a bound of the family's first layout; None where there is none): the families come in
     its ascending order (those without one first, then ties in the grid's order), every first layout built
@@ -176,15 +174,12 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
         bounds = [order(pcg) if pcg is not None else None for pcg in firsts]
         visit = sorted(range(len(layouts)), key=lambda k: (-math.inf if bounds[k] is None else bounds[k], k))
         layouts, firsts = [layouts[k] for k in visit], [firsts[k] for k in visit]
-    alike = not fused_projections(graph)   # a family's layouts lay out its activations alike (above)
     for layout, first in zip(layouts, firsts):
         family = []
         for z, zero in enumerate(layout.zeros):
             pcg = first if z == 0 and first is not None else lay_out(layout, zero)
-            if (z == 0 or not alike) and pcg is not None and skip is not None and skip(pcg):
-                if alike:
-                    break
-                continue
+            if z == 0 and pcg is not None and skip is not None and skip(pcg):
+                break
             family += [(layout.place + z * layout.sequences, found) for found in point.priced(pcg, layout, zero)]
         yield family
 

@@ -102,7 +102,7 @@ from parsat.ir.graph import Graph
 from parsat.ir.megatron import vocabulary_parallel_logsumexps
 from parsat.ir.mesh import Mesh
 from parsat.ir.microbatch import batch_dims, batch_wide_constants
-from parsat.ir.pcg import PCG, WEIGHT, PNode, readers, storage_views, weight_storage
+from parsat.ir.pcg import PCG, WEIGHT, PNode, readers, storage_views, weight_placement, weight_storage
 from parsat.ir.placement import FREE, PARTIAL, REPLICA, Placement, code_text, shard, shard_dim
 
 FREE_ROLE, SYNCED, GATHERED, SPLIT, SEQUENCE = "free", "synced", "gathered", "split", "sequence"
@@ -442,6 +442,11 @@ class _Lowerer:
         if restored:
             stored = Placement(tuple(shard(0) if a in restored else c for a, c in enumerate(stored.codes)))
             self.note_restored(leaf, uses, restored)
+        if views:   # the view's dims as the parameter's (its strided dim held head-major: `head_major`)
+            try:
+                stored = weight_placement(self.pcg, chain)[0]
+            except ValueError as err:
+                raise LoweringError(str(err)) from None
         return WeightLowering(leaf.op, info.names, leaf.id, stored, tuple(roles), tuple(restored))
 
     def vocabulary_split_table(self, end: int, uses: list[tuple[PNode, PNode]], axis: int) -> bool:

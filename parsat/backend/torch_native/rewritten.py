@@ -37,7 +37,10 @@ hooks would never gather their parameters).
 On a tensor axis (`place_parameters`, `_on_dtensors`) no style is
 applied: every parameter is a DTensor on the tensor axis's mesh placed as
 the plan stores its weight (the end of its storage chain: BERT's tied
-word table whole, where the styles store it vocabulary-split), the data
+word table whole, where the styles store it vocabulary-split; a weight
+stored as a strided block of itself, HF GPT-2's head-ordered `c_attn`, held
+head-major as a plain `Shard(d)` and read back as the strided DTensor of the
+module's parameter: `head_major`), the data
 enters as `Replicate()` DTensors, each compute node runs on DTensors
 (DTensor's sharding propagation computes the global values, and on BERT's
 Megatron plan leaves every node in the plan's placement), and each parallel
@@ -97,9 +100,10 @@ from parsat.importer.torch_ops import apply_op
 from parsat.ir.graph import Graph
 from parsat.ir.megatron import vocabulary_parallel_logsumexps
 from parsat.ir.microbatch import batch_dims
-from parsat.ir.pcg import PCG, PNode, storage_views, weight_storage
+from parsat.ir.pcg import PCG, PNode, storage_views, weight_placement, weight_storage
 from parsat.ir.placement import FREE, PARTIAL, REPLICA, shard, shard_dim
 from parsat.backend.recompute_regions import Region, forward_units
+from parsat.backend.torch_native.head_major import checkpoint_in_module_order, head_major, strided_view
 from parsat.backend.torch_native.lowering import (DATA, EMBEDDING_OPS, REWRITE_NOTE, ZERO3, Lowering, LoweringError,
                                                   ModuleInfo, UnstyledAxis, graph_nodes_computed, lower,
                                                   rewritten_nodes, weight_values)
@@ -272,10 +276,6 @@ def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=Non
                                          for w in lowering.weights)
     stored = tuple((name, code) for name, code, _ in placed)
     strided = tuple((name, factor) for name, _, factor in placed if factor > 1)
-    if strided and lowering.axes(ZERO3):
-        raise LoweringError(f"weight '{strided[0][0]}' is stored as a strided block (`_StridedShard`) and the plan "
-                            "shards weights with ZeRO-3: torch's fully_shard of a strided parameter gathers it wrong "
-                            "(torch 2.13), so this layout is not lowered under ZeRO-3")
     dtypes = node_dtypes(pcg, graph, getattr(imported, "dtypes", {}))
     steps = [_in_module_dtypes(s, dtypes[s.node], pcg) if s.node in dtypes and s.action in (OP, LOOKUP) else s
              for s in steps]
@@ -436,6 +436,9 @@ class RewrittenForward:
         bound = self.signature.bind(*args, **kwargs)
         inputs = list(bound.arguments.values())
         params = {s.name: self.module.get_parameter(s.name) for s in self.rewrite.steps if s.action == WEIGHT}
+        for name, factor in self.rewrite.strided:   # held head-major: read as the module's parameter
+            if name in params:
+                params[name] = strided_view(params[name], shard_dim(dict(self.rewrite.stored)[name]), factor)
         first = next(iter(params.values()))
         dtype, device = first.dtype, first.device
         data = {k: v.to(device) for k, v in self.imported.constant_values(dtype).items()}
@@ -568,80 +571,42 @@ def dtensor_placement(code: int):
 
 def parameter_placement(pcg: PCG, chain: tuple[int, ...], axis: int) -> tuple[int, int]:
     """(placement code, split factor) of the parameter whose storage chain (`ir.pcg.weight_storage`) is `chain`,
-    on mesh axis `axis`: the chain's end's code, split factor 1, where the weight is stored as a block of itself.
-    Stored as a block of its view `unflatten(w, u, k)` ([.., m / k, k, ..]) split along the view's dim u + 1 (each
-    rank's block of every one of the m / k column blocks: HF GPT-2's q, k and v columns of its heads,
-    `ir.fused_projections`), it is the parameter's dim u split with split factor m / k: torch's
-    `_StridedShard(u, split_factor=m / k)`, whose `unflatten` DTensor propagates as `Shard(u + 1)`, the plan's
-    placement of the view. Another view, or a split of the view elsewhere, raises LoweringError naming it."""
-    code = pcg.node(chain[-1]).placement.codes[axis]
-    views = storage_views(pcg, chain)
-    if not views or shard_dim(code) is None:
-        return code, 1
-    view = views[0]
-    u = int(view.attr("dim")) if view.op == "unflatten" else -1
-    d = shard_dim(code)
-    if len(views) != 1 or view.op != "unflatten" or d not in (u, u + 1):
-        raise LoweringError(f"weight '{pcg.node(chain[0]).op}' is stored as {code_text(code)} of its view "
-                            f"{' -> '.join(v.label for v in views)}: only a split of one unflatten's inner dim is "
-                            "lowered (torch's `_StridedShard`)")
-    return (shard(u), int(view.shape[u])) if d == u + 1 else (shard(u), 1)
-
-
-def dtensor_parameter_placement(code: int, factor: int):
-    """`dtensor_placement`, or `_StridedShard(d, split_factor=factor)` for a strided split (`parameter_placement`)."""
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    return _StridedShard(shard_dim(code), split_factor=factor) if factor > 1 else dtensor_placement(code)
-
-
-def checkpoint_as_shards(owner: torch.nn.Module, local: str) -> None:
-    """`owner.<local>`, a `_StridedShard` DTensor parameter (`parameter_placement`; on each mesh dim where it is
-    one, beside data axes' placements), checkpointed as the plain `Shard(d)` DTensor DCP can save (it refuses a
-    strided one: "overlapping chunks"): `state_dict()` presents it redistributed so, and `load_state_dict`
-    redistributes what it is given back to the parameter's placement. So a checkpoint written on the ranks loads
-    into the unmodified module, and `state = model.state_dict(); dcp.load(state, ...); model.load_state_dict(state)`
-    loads one (the presented tensor is a copy: `dcp.load` into it alone does not change the parameter)."""
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    def presented(_module, state, prefix, _metadata) -> None:
-        value = state.get(prefix + local)
-        if isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements):
-            plain = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in value.placements]
-            state[prefix + local] = value.redistribute(value.device_mesh, plain)
-
-    def received(module, state, prefix, *_rest) -> None:
-        value, param = state.get(prefix + local), getattr(module, local)
-        if isinstance(value, DTensor) and tuple(value.placements) != tuple(param.placements):
-            state[prefix + local] = value.redistribute(param.device_mesh, param.placements)
-
-    owner.register_state_dict_post_hook(presented)
-    owner.register_load_state_dict_pre_hook(received)
+    on mesh axis `axis` (`ir.pcg.weight_placement`: stored as a block of its view `unflatten(w, u, k)` split along
+    the view's dim u + 1, the parameter's dim u split with split factor m / k, which the runtime holds head-major:
+    `head_major`). Another view, or a split of the view elsewhere, raises LoweringError naming it."""
+    try:
+        placement, factors = weight_placement(pcg, chain)
+    except ValueError as err:
+        raise LoweringError(f"{err} (lowered: a split of one unflatten's dims, held head-major)") from None
+    return placement.codes[axis], factors[axis]
 
 
 def place_parameters(module: torch.nn.Module, tp_mesh, rewrite: Rewrite) -> None:
     """Every parameter a DTensor on the tensor axis's mesh, placed as the plan stores its weight there (a weight
     the plan keeps whole `Replicate()`, one it stores split `Shard(d)`; a parameter the graph does not read
     `Replicate()`): what `apply.apply_lowering` does instead of the styles when a rewritten forward, calling no
-    styled module, reads the parameters. A tied parameter stays one tensor under all its names."""
+    styled module, reads the parameters. A parameter stored as a strided block (`parameter_placement`: HF GPT-2's
+    head-ordered `c_attn`) is held head-major as `Shard(d)` (`head_major`: so `fully_shard` and DCP take it as any
+    column-parallel weight), the forward reading it back as the module's parameter and its checkpoint in the
+    module's order. A tied parameter stays one tensor under all its names."""
     from torch.distributed.tensor import distribute_tensor
 
     stored, strided = dict(rewrite.stored), dict(rewrite.strided)
-    made: dict[int, tuple[torch.nn.Parameter, int]] = {}   # parameter -> its DTensor and split factor
+    ranks = tp_mesh.size()
+    made: dict[int, tuple[torch.nn.Parameter, int, int]] = {}   # parameter -> its DTensor, split dim and factor
     for name, param in list(module.named_parameters(remove_duplicate=False)):
         if id(param) not in made:
             names = [n for n, p in module.named_parameters(remove_duplicate=False) if p is param]
             code = next((stored[n] for n in names if n in stored), FREE)
             factor = next((strided[n] for n in names if n in strided), 1)
-            made[id(param)] = (torch.nn.Parameter(
-                distribute_tensor(param.data, tp_mesh, [dtensor_parameter_placement(code, factor)]),
-                param.requires_grad), factor)
-        placed, factor = made[id(param)]
+            value = head_major(param.data, shard_dim(code), factor, ranks) if factor > 1 else param.data
+            made[id(param)] = (torch.nn.Parameter(distribute_tensor(value, tp_mesh, [dtensor_placement(code)]),
+                                                  param.requires_grad), shard_dim(code), factor)
+        placed, dim, factor = made[id(param)]
         owner, _, local = name.rpartition(".")
         setattr(module.get_submodule(owner), local, placed)
         if factor > 1:
-            checkpoint_as_shards(module.get_submodule(owner), local)
+            checkpoint_in_module_order(module.get_submodule(owner), local, dim, factor, ranks)
 
 
 def install(module: torch.nn.Module, rewrite: Rewrite, imported, mesh) -> torch.nn.Module:
