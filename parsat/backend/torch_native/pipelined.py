@@ -39,6 +39,13 @@ Under torchrun, every rank calls
    micro-batch count (`scale_grads`), so a step's gradient is the whole
    batch's mean's.
 
+A step's batch of another shape (micro-batch size, sequence length) is
+traced again at its first step: step 3's trace and graph changes, the new
+graphs installed in the stage modules of step 4 (`stage_graphs`: their
+parameters, hooks and the optimizer's state untouched), new
+`PipelineStage`s and the plan's schedule over them; each shape's kept, and
+a shape the plan cannot cut refused by name first (`runnable_shape`).
+
 With a tensor axis, the schedule runs under `apply.dtensor_step` (the
 traced graph's own tensors `Replicate()`, CPU attention as its math
 decomposition) and each gradient is then placed as its parameter.
