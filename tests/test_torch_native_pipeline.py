@@ -593,6 +593,16 @@ def train_plan(ctx, plan: dict, steps: int, held_by_all: bool = True, folder: st
             "param_elements": sum(_local(p).numel() for p in model.parameters())}
 
 
+def reference_step(reference, optimizer, inputs: tuple, max_norm: float = 0.5) -> tuple[float, float]:
+    """One step of the unmodified module in this process on the whole batch: its loss and its clipped norm."""
+    want = reference(*inputs)
+    want.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=max_norm))
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(want.detach()), norm
+
+
 def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 

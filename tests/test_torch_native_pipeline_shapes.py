@@ -25,7 +25,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import parsat  # noqa: E402
-from test_torch_native_pipeline import GPT, SIZES, TOLERANCE, _relative, pipelined_plan, weight_names  # noqa: E402
+from test_torch_native_pipeline import (GPT, SIZES, TOLERANCE, _relative, pipelined_plan, reference_step,  # noqa: E402
+                                       weight_names)
 
 LR = 1e-2
 
@@ -72,12 +73,9 @@ def train_alternating(model, reference, batches: list) -> dict:
         rows["norms"].append(float(model.clip_grad_norm_(max_norm=0.5)))
         optimizer.step()
         optimizer.zero_grad()
-        want = reference(*inputs)
-        want.backward()
-        rows["ref_norms"].append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.5)))
-        ref_optimizer.step()
-        ref_optimizer.zero_grad()
-        rows["ref_losses"].append(float(want.detach()))
+        want, norm = reference_step(reference, ref_optimizer, inputs)
+        rows["ref_losses"].append(want)
+        rows["ref_norms"].append(norm)
         rows["shapes"].append(list(inputs[0].shape))
     rows["worst_weight"], rows["worst_name"] = max(
         (_relative(_whole(p).detach(), reference.get_parameter(n).detach()), n) for n, p in model.named_parameters())
