@@ -303,12 +303,15 @@ class PipelinedModule:
         if shape not in self._runs:
             micro = _first_microbatch(tuple(inputs), self.lowering.microbatches)
             pipe = _traced_pipe(self._module, self.lowering, micro, self.device)
-            stages = []
-            for chunk, kept in zip(self.lowering.chunks_of(self.stage), self.stage_modules):
+            chunks, graphs = self.lowering.chunks_of(self.stage), []
+            for chunk, kept in zip(chunks, self.stage_modules):   # every chunk's graphs checked before any installed
                 traced = pipe.get_stage_module(chunk.index)
                 _check_stage_params(traced, chunk)
                 _stage_graph_passes(traced, chunk.index, self.lowering, self.mesh)
-                install(kept, graphs_of(traced, kept))
+                graphs.append((traced, graphs_of(traced, kept)))
+            stages = []
+            for chunk, kept, (traced, made) in zip(chunks, self.stage_modules, graphs):
+                install(kept, made)
                 # torch's stage is built on the module pipe holds under that index: the kept one, with the new graphs
                 name = next(n for n, sub in pipe.split_gm.named_children() if sub is traced)
                 setattr(pipe.split_gm, name, kept)
