@@ -7,11 +7,14 @@ graphs run on the stage modules parallelize made (`stage_graphs`): one set of pa
 objects, the optimizer's), the plan's schedule and micro-batch count, each shape's graphs kept so a shape met
 again is not traced. A shape the plan cannot cut is refused by name before anything runs.
 
-Fast, on 2 gloo ranks: the built-in gpt (pp 2, 1F1B, 4 micro-batches) refuses a batch its micro-batches do not
-divide, traces a new shape once and not again, and both shapes read one set of weights (a change made in place
-after the steps is what both shapes' losses see, against the unmodified module changed the same way). Slow: that
-gpt and HF GPT-2 (pp 2, 1F1B), 3 AdamW steps alternating two batch shapes, losses, clipped gradient norms and
-final weights equal to the unmodified module trained in one process on the same batches (float64).
+Fast, without processes: the trace puts the module's own parameter objects in its stage modules (the tied table
+copied) and leaves the module unmarked, so it traces again. Fast, on 2 gloo ranks: the built-in gpt (pp 2, 1F1B,
+4 micro-batches) refuses a batch its micro-batches do not divide, traces a new shape once and not again, and
+both shapes read one set of weights (a change made in place after the steps is what both shapes' losses see,
+against the unmodified module changed the same way). Slow: that gpt (pp 2; pp 2 x tp 2 with sequence
+parallelism on 4 ranks) and HF GPT-2 (pp 2, 1F1B), 3 AdamW steps alternating two batch shapes, losses, clipped
+gradient norms and final weights equal to the unmodified module trained in one process on the same batches
+(float64).
 """
 
 from __future__ import annotations
@@ -224,3 +227,39 @@ def test_a_pipelined_hugging_face_model_trains_on_alternating_batch_shapes_like_
     for run in runs:
         assert run["shapes"] == [[8, 32], [16, 16], [8, 32]], run["shapes"]
     _trains_like_one_process(runs)
+
+
+def test_the_trace_re_registers_the_modules_parameters_and_leaves_the_module_unmarked():
+    """Without processes, what `stage_graphs` is built on: `pipeline()` (through `pipelined._traced_pipe`) puts the
+    module's own parameter objects in its stage modules, but for the tied table the two stages hold (a copy on
+    each); the module is left unmarked after each trace, so a second trace at another shape cuts it into the same
+    2 stages (torch marks the cut submodule's forward; marked twice, the second trace fails); each trace's graphs
+    are the shape's, and installed in the other trace's stage module they run with its parameters at the new
+    shape."""
+    from parsat.backend.torch_native.apply import module_info
+    from parsat.backend.torch_native.pipeline_lowering import lower_pipeline
+    from parsat.backend.torch_native.pipelined import TRACED_PREFIX, _first_microbatch, _traced_pipe
+    from parsat.backend.torch_native.stage_graphs import graphs_of, install
+
+    plan = pipelined_plan(2)
+    module = any_length_gpt()
+    lowering = lower_pipeline(plan.pcg, plan.graph, plan.pipeline, module_info(module, weight_names()))
+    own = dict(module.named_parameters())
+    pipes = []
+    for shape in GPT_SHAPES:
+        micro = _first_microbatch(gpt_batch(0, shape), lowering.microbatches)
+        pipes.append(_traced_pipe(module, lowering, micro, torch.device("cpu")))
+        assert "forward" not in module.blocks[2].__dict__ and not hasattr(module.blocks[2], "_orig_forward")
+        assert pipes[-1].num_stages == 2
+        for index in range(2):
+            held = {n[len(TRACED_PREFIX):]: p for n, p in pipes[-1].get_stage_module(index).named_parameters()}
+            assert {n for n, p in held.items() if p is not own[n]} == {"wte"}, held.keys()
+    first, second = (pipe.get_stage_module(0) for pipe in pipes)
+    install(first, graphs_of(second, first))   # the second shape's graphs on the first trace's stage module
+    ids = gpt_batch(1, GPT_SHAPES[1])[0][: GPT_SHAPES[1][0] // 4]
+    out = first(ids, ids)
+    with torch.no_grad():
+        first.get_parameter(TRACED_PREFIX + "blocks.0.w1").mul_(2.0)   # read by both traces' graphs: one tensor
+    again = first(ids, ids)
+    assert [tuple(t.shape) for t in out] == [tuple(t.shape) for t in second(ids, ids)]
+    assert not torch.equal(out[0], again[0]) and torch.equal(again[0], second(ids, ids)[0])

@@ -447,7 +447,8 @@ def _traced_pipe(module: nn.Module, lowering: PipelineLowering, micro: tuple, de
     """`pipeline()` on one micro-batch of the module with its inputs carried along (`_PassInputsThrough`), cut
     before each chunk's first block, its graphs made ready to send (the relays out of place, the outputs
     contiguous). `pipeline()` marks the cut submodules' forwards; the marks are taken off again, so the module
-    can be traced once more (a second mark would cut it twice)."""
+    can be traced once more (marked twice, the mark saves itself as the forward it wraps, and the next trace
+    fails with a RecursionError under torch.export)."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     cuts = lowering.split_points()
