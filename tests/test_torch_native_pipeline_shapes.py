@@ -11,8 +11,8 @@ Fast, without processes: the trace puts the module's own parameter objects in it
 copied) and leaves the module unmarked, so it traces again. Fast, on 2 gloo ranks: the built-in gpt (pp 2, 1F1B,
 4 micro-batches) refuses a batch its micro-batches do not divide, traces a new shape once and not again, and
 both shapes read one set of weights (a change made in place after the steps is what both shapes' losses see,
-against the unmodified module changed the same way). Slow: that gpt (pp 2; pp 2 x tp 2 with sequence
-parallelism on 4 ranks) and HF GPT-2 (pp 2, 1F1B), 3 AdamW steps alternating two batch shapes, losses, clipped
+against the unmodified module changed the same way). Slow: that gpt (pp 2; on 4 ranks pp 2 x tp 2 with
+sequence parallelism, and pp 2 x dp 2 with ZeRO-3 stages) and HF GPT-2 (pp 2, 1F1B), 3 AdamW steps alternating two batch shapes, losses, clipped
 gradient norms and final weights equal to the unmodified module trained in one process on the same batches
 (float64).
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import time
 
 import pytest
@@ -64,14 +65,21 @@ def _local(t):
 
 
 def train_alternating(model, reference, batches: list) -> dict:
-    """The user's loop (`step`, `clip_grad_norm_`, AdamW) on `batches` (one rank, every rank its whole local batch:
-    pp only), beside the unmodified module in this process on the same batches: losses, norms, the worst weight."""
+    """The user's loop (`step` on this rank's local batch, `clip_grad_norm_`, AdamW) on the global `batches`, beside
+    the unmodified module in this process on the same batches: losses (every rank holds its data-parallel replica's:
+    their mean over the ranks), norms, the worst weight."""
+    import torch.distributed as dist
+
+    from parsat.backend.torch_native.apply import local_batch
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
     rows: dict = {"losses": [], "ref_losses": [], "norms": [], "ref_norms": [], "shapes": [], "step_cpu_s": []}
     for inputs in batches:
         began = time.process_time()   # this rank's CPU for the step (a new shape's includes its trace): recorded only
-        rows["losses"].append(float(model.step(*inputs)))
+        loss = model.step(*local_batch(model, *inputs)).detach().clone()
+        dist.all_reduce(loss)
+        rows["losses"].append(float(loss) / dist.get_world_size())
         rows["step_cpu_s"].append(round(time.process_time() - began, 2))
         rows["norms"].append(float(model.clip_grad_norm_(max_norm=0.5)))
         optimizer.step()
@@ -79,7 +87,7 @@ def train_alternating(model, reference, batches: list) -> dict:
         want, norm = reference_step(reference, ref_optimizer, inputs)
         rows["ref_losses"].append(want)
         rows["ref_norms"].append(norm)
-        rows["shapes"].append(list(inputs[0].shape))
+        rows["shapes"].append(list(local_batch(model, inputs[0]).shape))
     rows["worst_weight"], rows["worst_name"] = max(
         (_relative(_whole(p).detach(), reference.get_parameter(n).detach()), n) for n, p in model.named_parameters())
     rows["traces"], rows["traced_shapes"] = model.traces, [list(s[0][0]) for s in model.traced_shapes]
@@ -96,8 +104,9 @@ def gpt_job(ctx, plan: dict, train: bool, odd_sequence: bool = False) -> dict:
 
     module = any_length_gpt()
     reference = copy.deepcopy(module)
-    model = parsat.parallelize(module, plan, gpt_batch(0, GPT_SHAPES[0]), runtime="torch",
-                               weight_names=weight_names())
+    data = math.prod(a["size"] for a in plan["mesh"]["axes"] if a["name"] != "tp")   # the stage's replicas
+    example = tuple(x[: x.shape[0] // data] for x in gpt_batch(0, GPT_SHAPES[0]))   # a local batch's shape
+    model = parsat.parallelize(module, plan, example, runtime="torch", weight_names=weight_names())
     out: dict = {"refusals": []}
     wrongs = [gpt_batch(0, (6, 8)), gpt_batch(0, (8, 8))[:1]] + [gpt_batch(0, (8, 3))] * odd_sequence
     for wrong in wrongs:   # 4 micro-batches of 6; one tensor of two; a sequence of 3 in pieces for 2 tp ranks
@@ -180,6 +189,17 @@ def test_the_pipelined_gpt_trains_on_alternating_batch_shapes_like_one_process()
     for run in runs:
         _refused_before_anything_ran(run)
         assert run["shapes"] == [[8, 8], [16, 4], [8, 8]], run["shapes"]
+    _trains_like_one_process(runs)
+
+
+@pytest.mark.slow
+def test_zero3_stages_train_on_alternating_batch_shapes_like_one_process():
+    """pp 2 x dp 2, the optimizer's stage plan (ZeRO-3 over dp: `fully_shard` on each stage module), 4 gloo
+    ranks: global batches of 8 x 8, 16 x 4, 8 x 8 (local 4 x 8 and 8 x 4: micro-batches of 1 then 2), trained like
+    the unmodified module on the whole batches (FSDP's hooks and sharded parameters kept across the new graphs)."""
+    runs = _launch(gpt_job, (pipelined_plan(4, dp=2).to_dict(), True), nproc=4)
+    for run in runs:
+        assert run["shapes"] == [[4, 8], [8, 4], [4, 8]], run["shapes"]
     _trains_like_one_process(runs)
 
 
