@@ -92,7 +92,7 @@ def hf_job(ctx, plans: dict, folder: str) -> dict:
     from parsat.backend.torch_native.apply import local_batch
     from parsat.importer.export import import_module
 
-    from test_torch_native_pipeline import counted_collectives
+    from test_torch_native_pipeline import counted_collectives, reference_step
 
     out = {}
     for name, plan in plans.items():
@@ -116,12 +116,9 @@ def hf_job(ctx, plans: dict, folder: str) -> dict:
             optimizer.step()
             optimizer.zero_grad()
             rows["losses"].append(float(loss.detach()))
-            want = reference(*example)
-            want.backward()
-            rows["ref_norms"].append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.5)))
-            ref_optimizer.step()
-            ref_optimizer.zero_grad()
-            rows["ref_losses"].append(float(want.detach()))
+            want, norm = reference_step(reference, ref_optimizer, example)
+            rows["ref_losses"].append(want)
+            rows["ref_norms"].append(norm)
         params = dict(model.named_parameters())
         whole = {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone() for n, t in params.items()}
         rows["worst_weight"], rows["worst_name"] = max((_relative(t, reference.get_parameter(n).detach(), floor=LR), n)

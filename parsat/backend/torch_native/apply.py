@@ -292,10 +292,16 @@ def traced_tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh, prefi
     runs as loss parallelism (`loss_parallel.traced_losses`). `piece_dim`: the dim the pieces are split along
     (`SEQ_DIM`; 0 where the plan splits the residual stream along the batch instead, `PipelineLowering.piece_dim`).
     `dtensor_step` must be around its forward and backward."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+    traced_graph_passes(module, lowering, prefix, sequence, regather, recomputed)
+    traced_parameters_placed(module, lowering, tp_mesh, prefix, sequence, received, piece_dim)
 
-    from parsat.backend.torch_native.sequence_products import local_products, split_weights
-    from parsat.backend.torch_native.traced_graphs import drop_assertions
+
+def traced_parameters_placed(module: nn.Module, lowering: Lowering, tp_mesh, prefix: str = "",
+                             sequence: bool = False, received: bool = False, piece_dim: int = SEQ_DIM) -> None:
+    """What `traced_tensor_parallel` does to a traced stage module apart from its graphs: each parameter a DTensor
+    placed as the plan stores it, and the hooks its inputs enter and its outputs leave by (that function's
+    docstring)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 
     dims = _stored_dims(lowering, SPLIT)
     # one DTensor per parameter, however many names it has (a tie stays one); the original kept, so its id stays its
@@ -311,18 +317,30 @@ def traced_tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh, prefi
                                                        param.requires_grad))
             sub.register_parameter(local, made[id(param)][1])
 
-    if lowering.loss_parallel:
-        from parsat.backend.torch_native.loss_parallel import traced_losses
-
-        traced_losses(module)
-    drop_assertions(module)   # export's dtype checks, which DTensor cannot run (`traced_graphs.TRACED_ASSERTIONS`)
-    local_products(module, split_weights(dims, prefix), sequence, regather, [prefix + name for name in recomputed])
     if not sequence:
         distribute_module(module, tp_mesh, partition, _replicated_inputs, _whole_outputs)
     else:
         enter = _received_pieces if received else _sequence_inputs   # distribute_module calls 3-argument hooks
         distribute_module(module, tp_mesh, partition, lambda m, inputs, mesh: enter(m, inputs, mesh, piece_dim),
                           lambda m, outputs, mesh: _sequence_outputs(m, outputs, mesh, piece_dim))
+
+
+def traced_graph_passes(module: nn.Module, lowering: Lowering, prefix: str = "", sequence: bool = False,
+                        regather: bool = False, recomputed: Sequence[str] = ()) -> None:
+    """What `traced_tensor_parallel` changes in a traced stage module's fx graphs, apart from its parameters and
+    hooks: the vocabulary-parallel loss's calls, export's dtype assertions dropped, the split products and lookups
+    on local pieces (`sequence_products`). Graphs only, so a pipelined module re-traced for another batch shape
+    runs it on the new graphs of the stage modules it keeps (`pipelined.PipelinedModule.step`)."""
+    from parsat.backend.torch_native.sequence_products import local_products, split_weights
+    from parsat.backend.torch_native.traced_graphs import drop_assertions
+
+    if lowering.loss_parallel:
+        from parsat.backend.torch_native.loss_parallel import traced_losses
+
+        traced_losses(module)
+    drop_assertions(module)   # export's dtype checks, which DTensor cannot run (`traced_graphs.TRACED_ASSERTIONS`)
+    local_products(module, split_weights(_stored_dims(lowering, SPLIT), prefix), sequence, regather,
+                   [prefix + name for name in recomputed])
 
 
 def sequence_piece(x, dim: int = SEQ_DIM) -> bool:

@@ -39,6 +39,13 @@ Under torchrun, every rank calls
    micro-batch count (`scale_grads`), so a step's gradient is the whole
    batch's mean's.
 
+A step's batch of another shape (micro-batch size, sequence length) is
+traced again at its first step: step 3's trace and graph changes, the new
+graphs installed in the stage modules of step 4 (`stage_graphs`: their
+parameters, hooks and the optimizer's state untouched), new
+`PipelineStage`s and the plan's schedule over them; each shape's kept, and
+a shape the plan cannot cut refused by name first (`runnable_shape`).
+
 With a tensor axis, the schedule runs under `apply.dtensor_step` (the
 traced graph's own tensors `Replicate()`, CPU attention as its math
 decomposition) and each gradient is then placed as its parameter.
@@ -53,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
 import torch
@@ -62,9 +70,10 @@ from torch.distributed.tensor import distribute_tensor
 
 from parsat.backend.torch_native.apply import (LOWERING_ATTRIBUTE, NativeParallelizeError, broadcast_state,
                                               checkpoint_blocks, data_parallel, dtensor_step, sequence_piece,
-                                              traced_tensor_parallel)
+                                              traced_graph_passes, traced_parameters_placed)
 from parsat.backend.torch_native.lowering import SEQ_DIM
 from parsat.backend.torch_native.pipeline_lowering import STAGE_AXIS_NAME, PIPELINE_AXIS_NAME, PipelineLowering
+from parsat.backend.torch_native.stage_graphs import StageGraphs, graphs_of, install
 
 TRACED_PREFIX = "module."   # the traced wrapper's name for the user's module
 
@@ -113,22 +122,54 @@ def _module_loss(output, _target):
     return output
 
 
+BatchShape = tuple[tuple[tuple[int, ...], torch.dtype], ...]   # each input's shape and dtype: what a trace fixes
+
+
+@dataclass(frozen=True)
+class _ShapeRun:
+    """What runs a step of one batch shape: the stage modules' graphs traced at it, and the schedule over the
+    `PipelineStage`s built on them (their buffers sized by those graphs)."""
+
+    graphs: tuple[StageGraphs, ...]
+    schedule: object
+
+
 class PipelinedModule:
     """This rank's part of a pipelined module: its stage modules, their `PipelineStage`s and the schedule
-    (module docstring). Parameters keep the module's own names."""
+    (module docstring). Parameters keep the module's own names. A batch of another shape re-traces the module
+    (`module`, kept for it) and runs the new graphs on these stage modules (`stage_graphs`): one set of
+    parameters, the plan's schedule and micro-batch count, each shape's graphs and schedule kept."""
 
-    def __init__(self, lowering: PipelineLowering, modules: Sequence[nn.Module], schedule, stage: int,
-                 pp_group, shared_groups: dict, micro_shapes: Sequence[tuple[int, ...]],
-                 device: torch.device = torch.device("cpu")):
+    def __init__(self, lowering: PipelineLowering, module: nn.Module, modules: Sequence[nn.Module], stage: int,
+                 mesh, shared_groups: dict, device: torch.device = torch.device("cpu")):
         self.lowering = lowering
         self.device = device
         self.stage_modules = tuple(modules)
-        self.schedule = schedule
         self.stage = stage
-        self.pp_group = pp_group
+        self.mesh = mesh
+        self.pp_group = mesh[PIPELINE_AXIS_NAME].get_group()
         self.shared_groups = shared_groups
-        self.micro_shapes = tuple(micro_shapes)
+        self._module = module   # the user's module, traced again at a new batch shape (its values unread)
+        self._runs: dict[BatchShape, _ShapeRun] = {}
+        self._installed: BatchShape | None = None
+        self.traces = 0   # how many times the module was traced (once at parallelize, once per new shape)
         setattr(self, LOWERING_ATTRIBUTE, lowering)
+
+    @property
+    def traced_shapes(self) -> tuple[BatchShape, ...]:
+        """The batch shapes this module has stages for, in the order first met."""
+        return tuple(self._runs)
+
+    @property
+    def schedule(self):
+        """The schedule of the batch shape the stage modules run now."""
+        return self._runs[self._installed].schedule
+
+    def _add_run(self, shape: BatchShape, stages: Sequence) -> None:
+        self._runs[shape] = _ShapeRun(tuple(graphs_of(sub, sub) for sub in self.stage_modules),
+                                      _schedule(self.lowering, list(stages)))
+        self._installed = shape
+        self.traces += 1
 
     def __call__(self, *args, **kwargs):
         raise NativeParallelizeError("a pipelined module runs whole steps: call model.step(*batch) (forward and "
@@ -225,22 +266,20 @@ class PipelinedModule:
         raise AttributeError(f"pipeline stage {self.stage} holds no parameter {' = '.join(names)}")
 
     def step(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one step's local batch (every rank passes it; the first stage reads it), cut
-        into the plan's micro-batches and run in its schedule; the shared weights' gradients summed over their
-        stages. Returns the step's loss (the micro-batches' mean) on every rank."""
+        """Forward and backward of one step's local batch (every rank passes it, of one shape on every rank; the
+        first stage reads it), cut into the plan's micro-batches and run in its schedule; the shared weights'
+        gradients summed over their stages. Returns the step's loss (the micro-batches' mean) on every rank. A
+        batch shape not met before is traced first (`_run_for`); one the plan cannot cut is refused by name
+        before anything runs."""
         m = self.lowering.microbatches
-        for x, shape in zip(inputs, self.micro_shapes):
-            if tuple(x.shape) != (shape[0] * m, *shape[1:]):
-                raise NativeParallelizeError(f"step takes the batch parallelize traced: {m} micro-batches of "
-                                             f"{list(shape)}, a tensor of {[shape[0] * m, *shape[1:]]}; got "
-                                             f"{list(x.shape)} (torch's traced stages have fixed shapes)")
+        schedule = self._run_for(inputs)
         losses: list[torch.Tensor] = []
         target = torch.zeros(m)   # the schedule splits a target per micro-batch; the module computes its own loss
         tensor_parallel = self.lowering.stage is not None and self.lowering.stage.tensor_axis is not None
         try:
             with dtensor_step(self.device) if tensor_parallel else contextlib.nullcontext():
-                self.schedule.step(*(inputs if self.first else ()), target=target, losses=losses,
-                                   return_outputs=False)
+                schedule.step(*(inputs if self.first else ()), target=target, losses=losses,
+                              return_outputs=False)
         except NotImplementedError as err:   # DTensor's: an operator without a sharding rule
             if not tensor_parallel:
                 raise
@@ -254,6 +293,38 @@ class PipelinedModule:
         loss = loss.to(torch.float64)
         dist.broadcast(loss, src=last_rank, group=self.pp_group)
         return loss
+
+    def _run_for(self, inputs: Sequence[torch.Tensor]):
+        """The schedule that runs a batch of these inputs' shape, its graphs installed in the stage modules: traced
+        now if the shape is new (the user's module cut as at `parallelize`, the new stage modules' graphs put in
+        this rank's stage modules, new `PipelineStage`s on them), else the kept ones. Refused first, by name, where
+        the plan cannot cut the batch (`runnable_shape`)."""
+        shape = runnable_shape(self.lowering, inputs, self._arity())
+        if shape not in self._runs:
+            micro = _first_microbatch(tuple(inputs), self.lowering.microbatches)
+            pipe = _traced_pipe(self._module, self.lowering, micro, self.device)
+            chunks, graphs = self.lowering.chunks_of(self.stage), []
+            for chunk, kept in zip(chunks, self.stage_modules):   # every chunk's graphs checked before any installed
+                traced = pipe.get_stage_module(chunk.index)
+                _check_stage_params(traced, chunk)
+                _stage_graph_passes(traced, chunk.index, self.lowering, self.mesh)
+                graphs.append((traced, graphs_of(traced, kept)))
+            stages = []
+            for chunk, kept, (traced, made) in zip(chunks, self.stage_modules, graphs):
+                install(kept, made)
+                # torch's stage is built on the module pipe holds under that index: the kept one, with the new graphs
+                name = next(n for n, sub in pipe.split_gm.named_children() if sub is traced)
+                setattr(pipe.split_gm, name, kept)
+                stages.append(pipe.build_stage(chunk.index, self.device, group=self.pp_group))
+            self._add_run(shape, stages)
+        elif shape != self._installed:
+            for kept, graphs in zip(self.stage_modules, self._runs[shape].graphs):
+                install(kept, graphs)
+            self._installed = shape
+        return self._runs[shape].schedule
+
+    def _arity(self) -> int:
+        return len(next(iter(self._runs)))
 
     def _grads_placed_as_parameters(self) -> None:
         """Each DTensor gradient in its parameter's placements: DTensor's backward may leave one otherwise (a
@@ -307,35 +378,27 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 
 def apply_pipeline(module: nn.Module, lowering: PipelineLowering, example_inputs: tuple, device: torch.device,
                    mp_policy=None) -> PipelinedModule:
-    """`lowering` applied on this rank (module docstring); `example_inputs` is one step's local batch."""
+    """`lowering` applied on this rank (module docstring); `example_inputs` is one step's local batch (the first
+    shape traced; `step` traces others as it meets them)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import SplitPoint, pipeline
 
-    micro = _first_microbatch(example_inputs, lowering.microbatches)
+    inputs = tuple(example_inputs)
+    runnable_shape(lowering, inputs)
+    micro = _first_microbatch(inputs, lowering.microbatches)
     module.to(device)
     broadcast_state(module)
     shape, names = lowering.device_mesh_shape()
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     rank, stage_devices = dist.get_rank(), lowering.stage_devices
     stage = rank // stage_devices
-    split = {TRACED_PREFIX + name: SplitPoint.BEGINNING for name in lowering.split_points()}
-    try:
-        pipe = pipeline(_PassInputsThrough(module, lowering.split_points()), mb_args=tuple(x.to(device) for x in micro), split_spec=split)
-    except Exception as err:   # torch.export's own errors: say which step failed, keep torch's message
-        raise NativeParallelizeError(f"torch.distributed.pipelining.pipeline() could not trace and cut the module "
-                                     f"before {', '.join(lowering.split_points())}: {type(err).__name__}: {err}") \
-            from None
-    _relays_out_of_place(pipe.split_gm)
-    _contiguous_outputs([pipe.get_stage_module(i) for i in range(pipe.num_stages)])
-    if pipe.num_stages != len(lowering.chunks):
-        raise NativeParallelizeError(f"the traced module has {pipe.num_stages} stages, the plan "
-                                     f"{len(lowering.chunks)} chunks")
+    pipe = _traced_pipe(module, lowering, micro, device)
     pp_group = mesh[PIPELINE_AXIS_NAME].get_group()
     modules, stages = [], []
     for chunk in lowering.chunks_of(stage):
         sub = pipe.get_stage_module(chunk.index)
         _check_stage_params(sub, chunk)
         _tie_within(sub, chunk)
+        _stage_graph_passes(sub, chunk.index, lowering, mesh)
         checkpoint_blocks(sub, lowering.recompute, prefix=TRACED_PREFIX)
         if lowering.stage is None:
             from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -347,27 +410,96 @@ def apply_pipeline(module: nn.Module, lowering: PipelineLowering, example_inputs
             data_parallel(sub, lowering.stage, mesh, mp_policy, prefix=TRACED_PREFIX)
         modules.append(sub)
         stages.append(pipe.build_stage(chunk.index, device, group=pp_group))
-    schedule = _schedule(lowering, stages)
     shared = _shared_groups(lowering, stage_devices)
-    pipelined = PipelinedModule(lowering, modules, schedule, stage, pp_group, shared,
-                                [tuple(x.shape) for x in micro], device)
+    pipelined = PipelinedModule(lowering, module, modules, stage, mesh, shared, device)
+    pipelined._add_run(runnable_shape(lowering, inputs), stages)
     _carry_zero1(pipelined, modules)
     return pipelined
 
 
+def runnable_shape(lowering: PipelineLowering, inputs: Sequence, arity: int | None = None) -> BatchShape:
+    """The batch shape of one step's local `inputs` (each tensor's shape and dtype: what a trace fixes), refused by
+    name where the plan cannot run it: `arity` tensors (the traced step's), each with a batch dim the plan's
+    micro-batches divide; where the stage plan sends pieces of the crossings on its tensor axis, the tp ranks
+    dividing what they split (each input's sequence dim, or the micro-batch). Torch's stage would otherwise fail
+    inside the schedule, one rank at a time."""
+    m = lowering.microbatches
+    if arity is not None and len(inputs) != arity:
+        raise NativeParallelizeError(f"step takes the {arity} tensor(s) parallelize was given; got {len(inputs)}")
+    for x in inputs:
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] % m:
+            raise NativeParallelizeError(f"the plan's {m} micro-batches must divide each input's first dim (the "
+                                         "local batch); got "
+                                         f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if lowering.sequence_crossings:
+        tp = lowering.stage.mesh.shape[lowering.stage.tensor_axis]
+        for x in inputs:
+            size = x.shape[0] // m if lowering.piece_dim == 0 else x.shape[SEQ_DIM] if x.dim() > SEQ_DIM else tp
+            if size % tp:
+                along = "micro-batch" if lowering.piece_dim == 0 else "sequence"
+                raise NativeParallelizeError(f"the stages send each tp rank its piece of the {along} (dim "
+                                             f"{lowering.piece_dim}), which the {tp} tp ranks must divide; the input "
+                                             f"{list(x.shape)} gives a {along} of {size}")
+    return tuple((tuple(x.shape), x.dtype) for x in inputs)
+
+
+def _traced_pipe(module: nn.Module, lowering: PipelineLowering, micro: tuple, device: torch.device):
+    """`pipeline()` on one micro-batch of the module with its inputs carried along (`_PassInputsThrough`), cut
+    before each chunk's first block, its graphs made ready to send (the relays out of place, the outputs
+    contiguous). `pipeline()` marks the cut submodules' forwards; the marks are taken off again, so the module
+    can be traced once more (marked twice, the mark saves itself as the forward it wraps, and the next trace
+    fails with a RecursionError under torch.export)."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    cuts = lowering.split_points()
+    split = {TRACED_PREFIX + name: SplitPoint.BEGINNING for name in cuts}
+    marked = [module.get_submodule(name) for name in cuts]
+    own = [sub.__dict__.get("forward") for sub in marked]
+    try:
+        pipe = pipeline(_PassInputsThrough(module, cuts), mb_args=tuple(x.to(device) for x in micro),
+                        split_spec=split)
+    except Exception as err:   # torch.export's own errors: say which step failed, keep torch's message
+        raise NativeParallelizeError(f"torch.distributed.pipelining.pipeline() could not trace and cut the module "
+                                     f"before {', '.join(cuts)} at micro-batch "
+                                     f"{[list(x.shape) for x in micro]}: {type(err).__name__}: {err}") from None
+    finally:
+        for sub, forward in zip(marked, own):
+            sub.__dict__.pop("_orig_forward", None)
+            if forward is None:
+                sub.__dict__.pop("forward", None)
+            else:
+                sub.forward = forward
+    _relays_out_of_place(pipe.split_gm)
+    _contiguous_outputs([pipe.get_stage_module(i) for i in range(pipe.num_stages)])
+    if pipe.num_stages != len(lowering.chunks):
+        raise NativeParallelizeError(f"the traced module has {pipe.num_stages} stages, the plan "
+                                     f"{len(lowering.chunks)} chunks")
+    return pipe
+
+
+def _stage_graph_passes(sub: nn.Module, index: int, lowering: PipelineLowering, mesh) -> None:
+    """What the stage plan's tensor axis changes in chunk `index`'s traced graphs (none without one): the values
+    crossing as pieces sized so (`_sequence_pieces`), the products, lookups and loss on local pieces
+    (`apply.traced_graph_passes`). Run on each trace, the first and every new shape's."""
+    if lowering.stage is None or lowering.stage.tensor_axis is None:
+        return
+    if lowering.sequence_crossings:
+        tp_name = lowering.stage.mesh.names[lowering.stage.tensor_axis]
+        _sequence_pieces(sub, mesh[tp_name].size(), index > 0, lowering.piece_dim)
+    traced_graph_passes(sub, lowering.stage, prefix=TRACED_PREFIX, sequence=lowering.sequence_crossings,
+                        regather=lowering.regathers, recomputed=lowering.recompute)
+
+
 def _stage_tensor_parallel(sub: nn.Module, index: int, lowering: PipelineLowering, mesh) -> None:
-    """Chunk `index`'s stage module on the stage plan's tensor axis (`apply.traced_tensor_parallel`). Where the
+    """Chunk `index`'s stage module on the stage plan's tensor axis (`apply.traced_tensor_parallel`, its graphs
+    changed already by `_stage_graph_passes`): its parameters placed, its inputs and outputs hooked. Where the
     plan keeps the crossings split along the sequence, the chunk sends and receives them as this rank's `Shard(1)`
     pieces (each tp rank to the same tp rank of the next stage, as Megatron does and the cost model prices them,
-    `cost.pipeline.transfer_seconds`): its traced buffers are sized so first (`_sequence_pieces`); chunk 0's
-    inputs are the step's, whole."""
+    `cost.pipeline.transfer_seconds`): its traced buffers are sized so (`_sequence_pieces`); chunk 0's inputs are
+    the step's, whole."""
     tp_name = lowering.stage.mesh.names[lowering.stage.tensor_axis]
-    received = index > 0
-    if lowering.sequence_crossings:
-        _sequence_pieces(sub, mesh[tp_name].size(), received, lowering.piece_dim)
-    traced_tensor_parallel(sub, lowering.stage, mesh[tp_name], prefix=TRACED_PREFIX,
-                           sequence=lowering.sequence_crossings, received=received, regather=lowering.regathers,
-                           recomputed=lowering.recompute, piece_dim=lowering.piece_dim)
+    traced_parameters_placed(sub, lowering.stage, mesh[tp_name], prefix=TRACED_PREFIX,
+                             sequence=lowering.sequence_crossings, received=index > 0, piece_dim=lowering.piece_dim)
 
 
 def _sequence_pieces(sub: nn.Module, tp: int, received: bool, dim: int = SEQ_DIM) -> None:
@@ -474,11 +606,7 @@ def _contiguous_value(value: torch.Tensor) -> torch.Tensor:
 
 
 def _first_microbatch(inputs: tuple, microbatches: int) -> tuple:
-    for x in inputs:
-        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] % microbatches:
-            raise NativeParallelizeError(f"example_inputs must be tensors whose first dim (the batch) the plan's "
-                                         f"{microbatches} micro-batches divide; got "
-                                         f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    """The first of the `microbatches` micro-batches of each input (a shape `runnable_shape` accepted)."""
     return tuple(x[: x.shape[0] // microbatches] for x in inputs)
 
 
