@@ -10,7 +10,7 @@ import pytest
 import parsat.search.pipeline_search as pipeline_search
 from parsat.cost.pipeline import SCHEDULE_CHOICES, StageFit, StagePricer, equal_starts, schedule_chunks
 from parsat.ir.machine import Machine
-from parsat.ir.pipeline import PipelineError
+from parsat.ir.pipeline import INTERLEAVED, ONE_F_ONE_B, PipelineError
 from parsat.search.optimize import optimize
 
 SIZES = {"blocks": 4, "batch": 16, "seq": 16, "hidden": 32, "heads": 2, "vocab": 64}
@@ -28,9 +28,10 @@ def test_the_floor_is_at_most_every_priced_pipelined_plan_of_every_candidate():
         plans = [step] + [replace(step, pcg=b.pcg, costs=b.costs) for b in step.baseline_plans.values()
                           if b.pcg is not None]
         fit = StageFit(p, machine)
-        priced = 0
+        priced = tighter = fitting = 0
         for plan in plans:
             floor = fit.floor_s(plan.pcg, plan.costs)
+            plans_floor, points_floor = fit.schedule_floors(plan)
             pricer = StagePricer(plan, machine)
             layers = pricer.layer_map.layers
             for name in SCHEDULE_CHOICES:
@@ -45,7 +46,18 @@ def test_the_floor_is_at_most_every_priced_pipelined_plan_of_every_candidate():
                     priced += 1
                     assert floor <= found.totals.time_s, (p, m, name, v, starts)
                     assert floor >= 0.5 * found.totals.time_s   # not a vacuous bound on these stages
+                    # the schedules' floors: every plan the search prices (its cuts), every PTD-P point (equal cuts
+                    # in 1F1B and interleaved), each at or above the mean
+                    assert floor <= plans_floor
+                    if not found.totals.fits(machine):   # bounded only where it fits (`StageFit.schedule_floors`)
+                        continue
+                    fitting += 1
+                    assert plans_floor <= found.totals.time_s, (p, m, name, v, starts)
+                    if name == INTERLEAVED or (name == ONE_F_ONE_B and starts is not None):
+                        assert floor <= points_floor <= found.totals.time_s, (p, m, name, v, starts)
+                        tighter += points_floor > floor * (1 + 1e-6)
         assert priced >= 2 * len(plans)
+        assert tighter and fitting   # the fill and drain count: a floor above the mean busy time
 
 
 def _without(plan_json: str) -> dict:
