@@ -27,12 +27,17 @@ layer counts (as Megatron cuts), run with 1F1B and interleaved 1F1B.
 
 A pair that cannot win is not searched to the end: with the unstaged plan
 known first (`optimize` searches it before the pipeline), its step and its
-best grid point's are the bar (`bar_of`), and a scout's stage search stops,
-before simulating any candidate or pricing any cut, where every stage plan it
-could choose (and every grid point it could read) has a pipelined floor at
-or above it (`step.stop_where_cannot_win`, `StageFit.floor_s`: the nodes'
-per-step compute over the p stages, which no cut or schedule goes below).
-The pair is listed in `tried` as skipped, with its floor and the bar. No
+best grid point's are the bar (`bar_of`), and so are the fastest pipelined
+plan and the fastest PTD-P point that fit of the pairs searched before
+(`_bars`: a later pair's equal comes after them and is never chosen); a
+scout's stage search stops, before simulating any candidate or pricing any
+cut, where every stage plan it could choose has a pipelined floor at or above
+the plans' bar and every grid point it could read a PTD-P floor at or above
+the points' (`step.stop_where_cannot_win`, `StageFit.schedule_floors`: the
+stages' fill, drain and busy time over the cuts whose memory can fit, at
+least the nodes' per-step compute over the p stages, `StageFit.floor_s`).
+The pair is listed in `tried` as skipped, with its floor and the bar
+(llama-70b:64's 8 x 32, after 4 x 32's 16.777 s: 16.990 s). No
 floor from the graph alone, before searching, is both sound and strong
 enough: the stages' compute is mostly operators' dispatch and memory-bound
 kernels, whose count equality saturation may change (fused or cancelled
