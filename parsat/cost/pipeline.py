@@ -576,15 +576,100 @@ class StagePricer:
             except PipelineError:
                 continue
             for cut in cuts:
-                per_chunk = self._chunk_bytes(cut, degree)
-                if per_chunk is None:   # a figure that is not an integer: summed node by node, as `price` sums it
-                    layout = self.memo.lay_out(self.layer_map, cut, degree)
-                    per_chunk = [(c.activation_bytes, c.state_bytes, c.transient_bytes)
-                                 for c in self._chunk_costs(layout)]
-                peaks = activation_peaks(orders, [act for act, _state, _transient in per_chunk])
-                busiest = max(_stage_bytes([range(s, len(cut), degree) for s in range(degree)], per_chunk, peaks))
+                busiest = self._cut_peak_bytes(cut, degree, orders)
                 least = busiest if least is None else min(least, busiest)
         return least
+
+    def _cut_peak_bytes(self, cut: Sequence[int], degree: int, orders: tuple) -> int:
+        """The busiest stage's memory per device of the cut at `cut` run in `orders` (a schedule's
+        `schedule_order`), as `price` prices it (`stage_memory`)."""
+        per_chunk = self._chunk_bytes(cut, degree)
+        if per_chunk is None:   # a figure that is not an integer: summed node by node, as `price` sums it
+            layout = self.memo.lay_out(self.layer_map, cut, degree)
+            per_chunk = [(c.activation_bytes, c.state_bytes, c.transient_bytes) for c in self._chunk_costs(layout)]
+        peaks = activation_peaks(orders, [act for act, _state, _transient in per_chunk])
+        return max(_stage_bytes([range(s, len(cut), degree) for s in range(degree)], per_chunk, peaks))
+
+    def fitting_floors(self, degree: int, schedules: Sequence[tuple[str, int]]) -> tuple[float, float]:
+        """Lower bounds of the steps (the fastest pipelined plan that fits, of `schedules` ((schedule, chunks per
+        stage)) at any cut `pipelined` may price; the fastest PTD-P point that fits: 1F1B and interleaved at the
+        equal cut); `math.inf` where none. Without margin for the floats' order (`StageFit.schedule_floors`).
+
+        Why. A chunk's forward per micro-batch is at least its own nodes' forward_s / m, its backward likewise
+        (`StageFit.floor_s`); waits, transfers, synchronisation and optimizer only add. Where each chunk reads
+        the one before it (`_chained`), a chunk's forward of a micro-batch waits for that micro-batch's forwards
+        of every earlier chunk, and a chunk's backward for the backwards of the later ones
+        (`ir.pipeline.simulate_schedule`). A stage s's first action is a forward of its first chunk, chunk s (any
+        other action of it waits for one on s), and its last a backward of chunk s (a later chunk's backward of
+        that micro-batch comes before it, on s); its actions run one after another. So the step is at least,
+        for each s, chunks 0..s-1's forwards of one micro-batch, then the stage's m forwards and backwards of its
+        chunks, then chunks s-1..0's backwards (`_cut_floor`). Interleaved and the PTD-P points run the equal cut
+        alone (`start_cuts`, no refinement; an equal cut some partial sum crosses is no plan), whose memory
+        (`_cut_peak_bytes`, the figure `price` gives) says whether it fits. 1F1B and GPipe run one chunk per
+        stage at any cut `pipelined` reaches (whose chunks begin at cuttable layers): the least of `_cut_floor`
+        over every such cut whose stages' memory can fit, by dynamic programming over (stage, first layer), a
+        stage's term reading only its first and last layer; a stage's memory is at least its own nodes' state
+        plus its in-flight micro-batches' own activations (`in_flight_counts`; free values and the transient
+        only add). Where the chain is not shown, `math.inf` is not claimed: both bounds are 0 (the caller's
+        `floor_s` stands)."""
+        layer_map, m, capacity = self.layer_map, self.microbatches, self.machine.memory_capacity
+        if not _chained(layer_map):
+            return 0.0, 0.0
+        layers, cuttable, free, blocks = layer_map.layers, layer_map.cuttable, layer_map.free, layer_map.blocks
+        per_layer = {layer: 0.0 for layer in layers}
+        for i, c in self.plan.costs.items():
+            if i not in free and not c.weight_chain and i in blocks:
+                per_layer[blocks[i]] += c.forward_s + c.backward_s
+        busy = [per_layer[layer] for layer in layers]
+        plans = points = math.inf
+        for name, v in schedules:
+            if degree * v > len(layers) or chunks_refusal(name, layer_map.model_layers, degree, v) is not None:
+                continue
+            orders = self.memo.schedule_order(name, degree, v, m)
+            equal = equal_starts(layers, degree * v)
+            on_equal = math.inf
+            if cuttable.issuperset(equal) and self._cut_peak_bytes(equal, degree, orders) <= capacity:
+                index = {layer: k for k, layer in enumerate(layers)}
+                on_equal = _cut_floor(busy, [index[s] for s in equal], degree, m)
+            if name == INTERLEAVED:
+                plans = min(plans, on_equal)
+            else:
+                plans = min(plans, self._fitting_cut_floor(busy, degree, name))
+            if name in (ONE_F_ONE_B, INTERLEAVED):
+                points = min(points, on_equal)
+        return plans, points
+
+    def _fitting_cut_floor(self, busy: Sequence[float], degree: int, schedule: str) -> float:
+        """The least `_cut_floor` over the cuts into `degree` one-chunk stages beginning at cuttable layers whose
+        stages' own state and in-flight own activations fit (`fitting_floors`); `math.inf` where none."""
+        layers, m, n = self.layer_map.layers, self.microbatches, len(busy)
+        if degree > n:
+            return math.inf
+        run = [0.0]
+        for b in busy:
+            run.append(run[-1] + b)
+        times = np.array(run)
+        span = np.arange(n + 1)
+        later = span[None, :] > span[:, None]
+        later &= np.array([j == n or layers[j] in self.layer_map.cuttable for j in range(n + 1)])[None, :]
+        term = times[:, None] / m + (times[None, :] - times[:, None])   # [i, j]: a stage of layers i..j-1
+        held = in_flight_counts(schedule, degree, 1, m)
+        found = self._layer_bytes
+        if found is not None:
+            own = found[0]
+            acts, states = _byte_sums([own[layer][0] for layer in layers], [own[layer][1] for layer in layers],
+                                      max(held), 0)
+        best = np.full(n + 1, math.inf)
+        best[n] = 0.0
+        for k in range(degree - 1, -1, -1):
+            allowed = later & (span[:, None] <= n - (degree - k)) & (span[None, :] <= n - (degree - k - 1)) & \
+                (best[None, :] < math.inf)
+            if found is not None:
+                memory = states[None, :] - states[:, None] + held[k] * (acts[None, :] - acts[:, None])
+                allowed &= ~_exceeds(memory, self.machine.memory_capacity)
+            value = np.where(allowed, np.maximum(best[None, :], term), math.inf)
+            best = value.min(axis=1)
+        return float(best[0])
 
     @cached_property
     def _layer_bytes(self) -> tuple[dict[int, tuple[int, int, int]], dict[int, frozenset[int]],
@@ -972,3 +1057,36 @@ class StageFit:
         free = self.memo.layer_map(pcg).free
         busy = sum(c.forward_s + c.backward_s for i, c in costs.items() if i not in free and not c.weight_chain)
         return busy / self.degree * (1.0 - FLOOR_MARGIN)
+
+    def schedule_floors(self, plan: Plan) -> tuple[float, float]:
+        """Two lower bounds, each at or above `floor_s`, for the stage plan `plan` at this degree: (the step of every
+        pipelined plan that fits that `pipeline_search._price_schedules` prices from it: any cut, every schedule
+        that applies; the step of every PTD-P point of it that fits: `pipeline_search._grid_points`, 1F1B and
+        interleaved on equal layer counts). `math.inf` where none can fit or be cut. A plan that does not fit
+        is not bounded: the stage search compares these only with bars that fit (`search.step.
+        stop_where_cannot_win`), beside which such a plan changes nothing (`pipeline_search._bars`)."""
+        pricer = StagePricer(plan, self.machine, memo=self.memo)
+        floor = self.floor_s(plan.pcg, plan.costs)
+        schedules = applicable_schedules(self.pinned, self.degree, pricer.microbatches,
+                                         pricer.layer_map.model_layers, self.chunks)
+        plans, points = pricer.fitting_floors(self.degree, schedules)
+        return max(floor, plans * (1.0 - FLOOR_MARGIN)), max(floor, points * (1.0 - FLOOR_MARGIN))
+
+
+def _chained(layer_map: LayerMap) -> bool:
+    """Whether every layer that may begin a chunk (`LayerMap.cuttable`, the first one aside) reads some node of the
+    layer before it (free values aside): then any cut's neighbouring chunks are joined by a crossing
+    (`LayerMap.lay_out`), which `StagePricer.fitting_floors` reads."""
+    read = {(layer, reader) for _node, layer, readers, _e in layer_map.reader_layers for reader in readers}
+    layers = layer_map.layers
+    return all((layers[k - 1], layers[k]) in read for k in range(1, len(layers)) if layers[k] in layer_map.cuttable)
+
+
+def _cut_floor(busy: Sequence[float], starts: Sequence[int], degree: int, microbatches: int) -> float:
+    """The step floor of one cut (`StagePricer.fitting_floors`): per stage s, the work per micro-batch of chunks
+    0..s-1 (its fill and drain) plus the stage's whole work; the largest. `busy`: each layer's own forward and
+    backward seconds per step, in the layers' order; `starts`: each chunk's first layer's index."""
+    bounds = list(starts) + [len(busy)]
+    chunk = [sum(busy[bounds[c]:bounds[c + 1]]) for c in range(len(starts))]
+    stages = [sum(chunk[c] for c in range(s, len(chunk), degree)) for s in range(degree)]
+    return max(sum(chunk[:s]) / microbatches + stages[s] for s in range(degree))

@@ -27,12 +27,17 @@ layer counts (as Megatron cuts), run with 1F1B and interleaved 1F1B.
 
 A pair that cannot win is not searched to the end: with the unstaged plan
 known first (`optimize` searches it before the pipeline), its step and its
-best grid point's are the bar (`bar_of`), and a scout's stage search stops,
-before simulating any candidate or pricing any cut, where every stage plan it
-could choose (and every grid point it could read) has a pipelined floor at
-or above it (`step.stop_where_cannot_win`, `StageFit.floor_s`: the nodes'
-per-step compute over the p stages, which no cut or schedule goes below).
-The pair is listed in `tried` as skipped, with its floor and the bar. No
+best grid point's are the bar (`bar_of`), and so are the fastest pipelined
+plan and the fastest PTD-P point that fit of the pairs searched before
+(`_bars`: a later pair's equal comes after them and is never chosen); a
+scout's stage search stops, before simulating any candidate or pricing any
+cut, where every stage plan it could choose has a pipelined floor at or above
+the plans' bar and every grid point it could read a PTD-P floor at or above
+the points' (`step.stop_where_cannot_win`, `StageFit.schedule_floors`: the
+stages' fill, drain and busy time over the cuts whose memory can fit, at
+least the nodes' per-step compute over the p stages, `StageFit.floor_s`).
+The pair is listed in `tried` as skipped, with its floor and the bar
+(llama-70b:64's 8 x 32, after 4 x 32's 16.777 s: 16.990 s). No
 floor from the graph alone, before searching, is both sound and strong
 enough: the stages' compute is mostly operators' dispatch and memory-bound
 kernels, whose count equality saturation may change (fused or cancelled
@@ -220,7 +225,9 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
                 break
             say(f"pipeline {p} stages of {stage_devices} devices, {m} micro-batches: searching the stage plan"
                 + (f" ({in_flight} in flight)" if in_flight > 1 else ""))
-            fit = StageFit(p, machine, schedule, memo=StageMemo(library=library), chunks=chunks, bar_s=to_beat)
+            bar_s, grid_bar_s = _bars(to_beat, plans, grid, machine)
+            fit = StageFit(p, machine, schedule, memo=StageMemo(library=library), chunks=chunks, bar_s=bar_s,
+                           grid_bar_s=grid_bar_s)
             memos[(p, m, in_flight)] = fit.memo
             try:
                 stage = search(stage_machine, stage_devices, m, in_flight, fit,
@@ -268,6 +275,30 @@ def bar_of(flat: Plan | None) -> float | None:
     if grid is None or not grid.fits(flat.machine):
         return None
     return max(flat.totals.time_s, grid.time_s)
+
+
+def _bars(to_beat: float | None, plans: Sequence[Plan], grid: Sequence[tuple[Plan, dict]], machine: Machine
+          ) -> tuple[float | None, float | None]:
+    """The bars of a scout's stage search (`StageFit.bar_s`, `grid_bar_s`): a pipelined plan priced from its stage
+    plan matters only below the first, a PTD-P point only below the second; (None, None) where either role has
+    no bar (nothing is skipped).
+
+    Each role has two bars, either of which is enough. The unstaged plan's (`bar_of`), for both roles. And what
+    the pairs searched before found: the fastest pipelined plan that fits so far, for the plans, and the
+    fastest PTD-P point that fits so far, for the points. A later pair's plans and points come after those in
+    `plans` and `grid`, and every choice made of them keeps the first of equals: `best_of` (the plan, the best
+    grid point), `_search_every_mesh` (the first-ranked plan, `rank_plans`); `optimize`'s `sharpen` reads only
+    the plans that rank before the unstaged scout and the fastest of them (`optimize._within_reach`). So a plan
+    at or above the fastest that fits, or a point at or above the fastest point that fits, changes none of
+    them, and one that does not fit ranks after those that do everywhere it is compared. Skipped pairs are
+    listed in `tried` with the floor and the bar; nothing else of the plan differs."""
+    fitting = [q.totals.time_s for q in plans if q.totals.fits(machine)]
+    points = [g.totals.time_s for g, _c in grid if g.totals.fits(machine)]
+    bar = min([b for b in (to_beat, min(fitting, default=None)) if b is not None], default=None)
+    grid_bar = min([b for b in (to_beat, min(points, default=None)) if b is not None], default=None)
+    if bar is None or grid_bar is None:
+        return None, None
+    return bar, grid_bar
 
 
 def _stage_machine(machine: Machine, devices: int, p: int) -> Machine:

@@ -148,21 +148,29 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
 
 def stop_where_cannot_win(step: StepContext, searches: Sequence[MeshSearch]) -> None:
     """Raise CannotWin where this pipeline stage's step can lead to no plan that matters: every candidate the step
-    could choose as the stage plan, or as its grid point (which `pipeline_search._grid_points` prices as PTD-P
-    points), has a pipelined floor (`StageFit.floor_s`: every cut and schedule of it) at or above the bar its
-    pipelined plans must beat (`StageFit.bar_s`), so no pipelined plan priced from the step's plan is below it.
-    Called before any candidate is simulated or priced in a schedule (the step's costliest part on a stage).
+    could choose as the stage plan has a pipelined floor (`StageFit.schedule_floors`: every cut and schedule of
+    it) at or above the bar its pipelined plans must beat (`StageFit.bar_s`), and every one it could choose as
+    its grid point (which `pipeline_search._grid_points` prices as PTD-P points) a PTD-P floor at or above the
+    bar of the grid's points (`StageFit.grid_bar_s`, `bar_s` where None), so no plan priced from the step's
+    plans is below them. Called before any candidate is simulated or priced in a schedule (the step's costliest
+    part on a stage).
 
     The candidates bounded are every one `compare_baselines` and `assemble_plan` can choose from: each mesh's
     joint plan, Megatron and restricted grid point, data parallelism, expert parallelism, and every point of the
-    independent grid (`baselines.grid_families` with `independent_points`' arguments: its points are among the
-    families' forms, each family bounded by its first layout, `_stage_candidates`), the sequential baseline being
-    never built for a stage. Only where some mesh has a joint plan (otherwise the
-    step falls back or fails as before), and only where the plan the step would choose surely fits
-    (`_surely_fits`): the pipeline search then prices a plan that fits, and never searches the pair again with
-    more micro-batches in flight, so stopping changes no other search. The search of every stage mesh at a
-    scout's pair (`StageFit.scouted_meshes`) bounds only the candidates of the meshes the scout did not search
-    (`_stop_where_nothing_new_wins`)."""
+    independent grid (`baselines.grid_families` as `independent_points` makes them; a family whose first layout's
+    floor is at or above both bars is not built further, `_stage_candidates`), the sequential baseline being
+    never built for a stage; the grid's role is taken by the meshes' grid points, data parallelism and the
+    independent grid's points (`compare_baselines`). Only where some mesh has a joint plan (otherwise the step
+    falls back or fails as before), and only where the plan the step would choose surely fits (`_surely_fits`):
+    the pipeline search then prices a plan that fits, and never searches the pair again with more micro-batches
+    in flight, so stopping changes no other search. A candidate that does not fit (`step.memory`) is then left
+    out: the step ranks those that fit first, so it chooses none of them as its stage plan, and none as its grid
+    point either, or where it would (no point fits), none of its PTD-P points fits: they run the equal cut in
+    1F1B and interleaved, which the memory check judges among the cuts it starts from (`StagePricer.start_cuts`,
+    `least_peak_bytes`) and where that cut cannot be made no point is priced. A plan that does not fit changes
+    nothing beside a bar that fits (`pipeline_search.bar_of`, `_bars`: each bar is a plan or point that fits).
+    The search of every stage mesh at a scout's pair (`StageFit.scouted_meshes`) bounds only the candidates of
+    the meshes the scout did not search (`_stop_where_nothing_new_wins`)."""
     fit = step.stage
     if fit is None or fit.bar_s is None or step.pins or step.request.parallel_dims:
         return
@@ -172,14 +180,20 @@ def stop_where_cannot_win(step: StepContext, searches: Sequence[MeshSearch]) -> 
     if fit.scouted_meshes:
         _stop_where_nothing_new_wins(step, searches)
         return
-    bar, least = fit.bar_s, math.inf
-    for pcg, costs in _stage_candidates(step, searches):
-        if costs is None:   # a layout that cannot be priced is no point of the grid; not bounded, nothing skipped
+    if not _surely_fits(step, solved):
+        return
+    bar = fit.bar_s
+    grid_bar = bar if fit.grid_bar_s is None else fit.grid_bar_s
+    least = math.inf
+    for candidate, grid in _stage_candidates(step, searches, max(bar, grid_bar)):
+        if not step.memory.fits(candidate):
+            continue
+        plans, points = fit.schedule_floors(Plan(step.graph, step.machine, step.devices, candidate.pcg,
+                                                 candidate.costs, candidate.totals))
+        if plans < bar or (grid and points < grid_bar):
             return
-        least = min(least, fit.floor_s(pcg, costs))
-        if least < bar:
-            return
-    if _surely_fits(step, solved):
+        least = min(least, plans)
+    if math.isfinite(least):
         raise CannotWin(least, bar)
 
 
@@ -229,10 +243,12 @@ def _stop_where_nothing_new_wins(step: StepContext, searches: Sequence[MeshSearc
         raise CannotWin(least, fit.bar_s)
 
 
-def _stage_candidates(step: StepContext, searches: Sequence[MeshSearch]) -> Iterator[tuple[PCG, Mapping | None]]:
-    """Every candidate a stage step can choose from (`stop_where_cannot_win`), as (PCG, node costs), the cheapest
-    to build first: the meshes' plans, then data and expert parallelism, then one PCG per family of the
-    independent grid, whose floor bounds every point of the family.
+def _stage_candidates(step: StepContext, searches: Sequence[MeshSearch], family_bar: float
+                      ) -> Iterator[tuple[Candidate, bool]]:
+    """Every candidate a stage step can choose from (`stop_where_cannot_win`), each with whether it can be the
+    step's grid point, the cheapest to build first: the meshes' plans, then data and expert parallelism, then the
+    points of the independent grid, as `independent_points` makes them, less the families whose first layout has
+    a floor (`StageFit.floor_s`) at or above `family_bar`: every point of such a family is as slow.
 
     A grid family's points are its layout laid out with ZeRO 0 and with ZeRO 3 (weights stored split and
     all-gathered into the placement their readers take, every other value laid out alike:
@@ -242,32 +258,27 @@ def _stage_candidates(step: StepContext, searches: Sequence[MeshSearch]) -> Iter
     (`solve.restaged_node_costs`), whose forward_s and backward_s are 0 (`cost.model.parallel_cost`: a
     collective's time is its comm_s), and recomputation adds each recomputed forward to its backward
     (`NodeCost.recomputed`). So the family's first layout, priced as laid out (`solve.pcg_node_costs`), has a
-    floor no higher than any of its points': the rest of the family is not built (`grid_families`' `skip`).
-    That layout's parallel nodes are not priced either (`_not_parallel`): the floor reads forward_s and
-    backward_s alone, a parallel node's are 0 (`cost.model.parallel_cost`, `NodeCost()` where no gradient
-    flows), and a sum less terms that are 0.0 is the same float; a parallel node is never unpriceable
-    (`extract.Pricer.price` gives a NodeCost for every one), so leaving them out makes no layout priceable that
-    was not. bert-large:64's four skipped pairs priced 26 such layouts."""
+    floor no higher than any of its points', at or above each of their `schedule_floors` (the mean busy time):
+    the rest of the family is not built (`grid_families`' `skip`). That layout's parallel nodes are not priced
+    either (`_not_parallel`): the floor reads forward_s and backward_s alone, a parallel node's are 0
+    (`cost.model.parallel_cost`, `NodeCost()` where no gradient flows), and a sum less terms that are 0.0 is the
+    same float; a layout that cannot be priced so is built on (its points judged one by one). The fit of a
+    family's points is judged as `independent_points` judges it (`step.memory`), so they take the same forms."""
     request = step.request
     for search in searches:
-        yield from ((c.pcg, c.costs) for c in (search.joint, search.megatron, search.grid) if c is not None)
-    for build in (data_parallel, expert_parallel):
+        yield from ((c, grid) for c, grid in ((search.joint, False), (search.megatron, False), (search.grid, True))
+                    if c is not None)
+    for build, grid in ((data_parallel, True), (expert_parallel, False)):
         found = built_once(step, build)
         if found is not None:
-            yield found.pcg, found.costs
-    firsts: list[PCG] = []
+            yield found, grid
 
-    def first_only(pcg: PCG) -> bool:
-        firsts.append(pcg)
-        return True
-    # a family whose ZeRO-0 layout cannot be made gives its ZeRO-3 layout's points, in their first forms (judged as
-    # if they fit: the other forms' floors are no lower, as above)
-    for family in _grid_families(step, fits=lambda _candidate: True, skip=first_only):
-        while firsts:
-            pcg = firsts.pop()
-            yield pcg, pcg_node_costs(pcg, request.library, step.machine, request.free_input_placements,
-                                      step.graph.microbatches, only=_not_parallel, computed=request.prices)
-        yield from ((point.pcg, point.costs) for _place, point in family)
+    def slow(pcg: PCG) -> bool:   # asked of each family's first layout before the family is built further
+        costs = pcg_node_costs(pcg, request.library, step.machine, request.free_input_placements,
+                               step.graph.microbatches, only=_not_parallel, computed=request.prices)
+        return costs is not None and step.stage.floor_s(pcg, costs) >= family_bar
+    for family in _grid_families(step, skip=slow):
+        yield from ((point, True) for _place, point in family)
 
 
 def _not_parallel(node) -> bool:
