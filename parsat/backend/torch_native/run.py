@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -143,14 +143,16 @@ class GraphImport:
     a plan computing otherwise than its graph (an algebraic rewrite) runs the plan's graph through
     `torch_native/rewritten.py`, as a user's imported module does. Every input leaf is data the rank is given
     as it is (`value`, at its local batch); no constants, dropout masks or running statistics; the module
-    returns the tuple of the graph's outputs. `unsupported`: why a rewritten forward cannot run (nodes whose
-    attributes the example fixes at the global batch), the lowering's note then saying so."""
+    returns the tuple of the graph's outputs. `fixed`: the nodes whose attributes the example fixes at the plan's
+    batch (`GraphModule.batch_fixed`: the loss's 1 / count), which a rank computes at its local batch
+    (`local_attrs`, read by `rewritten.local_attrs`), the example rebuilt there by `rebuild`."""
 
     graph: Graph
     weights: Mapping[str, str]
     data: Mapping[str, DataLeaf]
     output_spec: Any
-    unsupported: str = ""
+    fixed: tuple[str, ...] = ()
+    rebuild: Callable[[int, int], Graph | None] | None = None
     running_stats: tuple = ()
     constants: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
@@ -161,10 +163,15 @@ class GraphImport:
         data = {leaf.name: DataLeaf(leaf.name, leaf.name, "value", tuple(leaf.shape))
                 for leaf in graph.leaves if leaf.role == "input"}
         spec = torch.utils._pytree.tree_flatten(tuple(graph.outputs))[1]
-        fixed = module.batch_fixed()
-        why = (f"the example fixes node(s) {', '.join(fixed)} at the global batch (a rank's local batch runs them "
-               "rebuilt at its size, which the plan's rewritten nodes are not)") if fixed else ""
-        return cls(graph, dict(module.param_names), data, spec, why)
+        return cls(graph, dict(module.param_names), data, spec, module.batch_fixed(), module.at_batch_scale)
+
+    def local_attrs(self, count: int) -> dict[str, tuple]:
+        """The `fixed` nodes' attributes at 1 / `count` of the plan's batch (a rank's local batch): graph node name
+        -> attributes."""
+        if not self.fixed:
+            return {}
+        at_local = {n.name: n.attrs for n in self.rebuild(1, count).nodes}
+        return {name: at_local[name] for name in self.fixed}
 
     def data_values(self, inputs, dtype, seed: int = 0, step: int = 0, shapes=None) -> dict[str, torch.Tensor]:
         """The leaves' values: the forward's one argument (the dict of local inputs), in `dtype`."""
