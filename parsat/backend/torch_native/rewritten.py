@@ -87,7 +87,9 @@ module's do where their values are whole on the rank.
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
+from functools import partial
 from math import prod
 from typing import Any, Mapping
 
@@ -502,15 +504,27 @@ def _on_dtensors(rewrite: Rewrite, params, data, coords, device) -> list[torch.T
     mesh = next(p.device_mesh for p in params.values() if isinstance(p, DTensor))
     data = {k: DTensor.from_local(v, mesh, [Replicate()], run_check=False) for k, v in data.items()}
     with dtensor_step(device):
-        outs = evaluate(rewrite, params, data, coords)
+        outs = evaluate(rewrite, params, data, coords, in_step=partial(_in_step, device))
     return [o.full_tensor() if isinstance(o, DTensor) else o for o in outs]
 
 
+@contextmanager
+def _in_step(device):
+    """`apply.dtensor_step` entered when the context is (a block's recomputation runs in the backward, outside the
+    forward's context)."""
+    from parsat.backend.torch_native.apply import dtensor_step
+
+    with dtensor_step(device):
+        yield
+
+
 def evaluate(rewrite: Rewrite, params: Mapping[str, torch.Tensor], data: Mapping[str, torch.Tensor],
-             coords: tuple[int, ...]) -> list[torch.Tensor]:
+             coords: tuple[int, ...], in_step=nullcontext) -> list[torch.Tensor]:
     """The plan's outputs on this rank: each step in the plan's order (`Step`), values freed after their last
     reader; a recomputed block's steps under `torch.utils.checkpoint` (`Recomputed`), so that its backward runs
-    them again (their redistributions too, on every rank alike) instead of keeping their activations."""
+    them again (their redistributions too, on every rank alike) instead of keeping their activations. `in_step`:
+    the context the forward runs in, entered again around a block's recomputation in the backward (`_in_step`:
+    on DTensors, attention as its math on CPU)."""
     from torch.utils.checkpoint import checkpoint
 
     env: dict[int, torch.Tensor] = {}
@@ -530,7 +544,8 @@ def evaluate(rewrite: Rewrite, params: Mapping[str, torch.Tensor], data: Mapping
                 _apply(replace(s, frees=()), inner, params, data, coords)
             return tuple(inner[i] for i in run.kept)
 
-        env.update(zip(run.kept, checkpoint(forward, *(env[i] for i in run.needed), use_reentrant=False)))
+        env.update(zip(run.kept, checkpoint(forward, *(env[i] for i in run.needed), use_reentrant=False,
+                                                  context_fn=lambda: (nullcontext(), in_step()))))
         for i in {i for s in block for i in s.frees}:
             env.pop(i, None)
         k = run.end

@@ -188,9 +188,11 @@ def check_runnable(graph: Graph, pipelined: bool) -> None:
         raise ExecutionError("--runtime torch does not run a pipelined plan file: its graph has no module to cut "
                              "into stages; run it with the interpreter (the default runtime), or train your module "
                              "with parsat.parallelize(module, plan, example_inputs, runtime='torch')")
-    if graph.microbatches != 1:
-        raise ExecutionError(f"the plan runs its step as {graph.microbatches} micro-batches; --runtime torch trains "
-                             "one batch a step: run it with the interpreter (the default runtime)")
+    if graph.microbatches != 1 and step_batch(graph, operator_library()).whole is None:
+        raise ExecutionError(f"the plan runs its step as {graph.microbatches} micro-batches of a graph that is no "
+                             "built-in example, so the step's whole batch (what --check trains the unmodified module "
+                             "on, and how each micro-batch is cut from it) is not known: run it with the interpreter "
+                             "(the default runtime)")
 
 
 def run_torch_plan(path: str, nproc: int, config: TrainConfig, backend: str | None = None,
@@ -227,19 +229,25 @@ def torch_rank(ctx: RankContext, path: str, config: TrainConfig) -> dict:
     optimizer, ref_optimizer = (_optimizer(m, config) if m is not None else None for m in (model, reference))
     batch, dims = step_batch(graph, library), batch_dims(graph, library)
     losses, ref_losses = [], []
+    m = batch.microbatches
     for step in range(config.steps):
         data = step_data(graph, batch, config, step)
-        inputs = {n: t.to(ctx.device) for n, t in data.whole_inputs().items()}
-        targets = {n: None if t is None else t.to(ctx.device) for n, t in data.whole_targets().items()}
-        mine = {n: local_batch(model, t, dim=dims[n]) if n in dims else t for n, t in inputs.items()}
-        loss = graph_objective(model, graph, model(mine), targets)
-        loss.backward()
+        held = torch.zeros((), device=ctx.device, dtype=torch.float64)
+        for k in range(m):   # micro-batch k: block k of the step's batch (as the interpreter cuts it), its rank's part
+            inputs = {n: t.to(ctx.device) for n, t in data.inputs(k).items()}
+            targets = {n: None if t is None else t.to(ctx.device) for n, t in data.targets(k).items()}
+            mine = {n: local_batch(model, t, dim=dims[n]) if n in dims else t for n, t in inputs.items()}
+            _gradient_sync(model, k == m - 1)
+            loss = graph_objective(model, graph, model(mine), targets) / m
+            loss.backward()
+            held += loss.detach().to(held.dtype)
         optimizer.step()
         optimizer.zero_grad()
-        held = loss.detach().clone()
         dist.all_reduce(held)
         losses.append(float(held) / ctx.world)
         if reference is not None:
+            inputs = {n: t.to(ctx.device) for n, t in data.whole_inputs().items()}
+            targets = {n: None if t is None else t.to(ctx.device) for n, t in data.whole_targets().items()}
             want = graph_objective(reference, graph, reference(inputs), targets)
             want.backward()
             ref_optimizer.step()
@@ -247,6 +255,16 @@ def torch_rank(ctx: RankContext, path: str, config: TrainConfig) -> dict:
             ref_losses.append(float(want.detach()))
     report = _report(model, reference, losses, ref_losses, config, lowering_of(model).describe())
     return {**report, "optimizer": type(optimizer).__name__}
+
+
+def _gradient_sync(model: nn.Module, on: bool) -> None:
+    """Gradient accumulation: `replicate` / `fully_shard` (both `FSDPModule`s) synchronise the gradients in the
+    last micro-batch's backward only, each earlier one accumulating the rank's own; a module with no data axis
+    has nothing to synchronise."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(on)
 
 
 def _optimizer(module: nn.Module, config: TrainConfig):
