@@ -61,12 +61,13 @@ def test_the_data_parallel_mlp_and_a_zero3_gpt_train_on_torch_like_one_process_a
             assert abs(got - want) <= 1e-9 * abs(want), (name, result["losses"], interpreted["losses"])
 
 
-def _plan_file(tmp_path, name: str, sizes: dict, mesh_shape, microbatches: int = 1, recompute: str = "none") -> Path:
+def _plan_file(tmp_path, name: str, sizes: dict, mesh_shape, microbatches: int = 1, recompute: str = "none",
+               zero: int = 0) -> Path:
     """The built-in gpt's Megatron-LM plan file on `mesh_shape` (dp, tp)."""
     from dataclasses import replace
 
     gpt = build_example("gpt", sizes, LIBRARY).with_microbatches(microbatches)
-    pcg = replace(megatron_pcg(gpt, LIBRARY, mesh_shape), recompute=recompute)
+    pcg = replace(megatron_pcg(gpt, LIBRARY, mesh_shape, zero=zero), recompute=recompute)
     return _write(tmp_path, name, mesh_plans.plan_dict(gpt, pcg))
 
 
@@ -100,8 +101,8 @@ def test_a_tensor_parallel_plan_file_trains_on_torch_through_the_plan_s_graph_on
 
 
 def test_micro_batched_and_recomputing_plan_files_train_on_torch_like_one_process(tmp_path, capsys):
-    """The 2-block gpt in 2 micro-batches a step on dp 2 (`replicate`, its gradient sync in the last backward only)
-    and on tp 2 (the plan's graph on DTensors), and recomputing its blocks on dp 2 and tp 2 (no submodule per block
+    """The 2-block gpt in 2 micro-batches a step on dp 2 (`replicate`, then ZeRO-3's `fully_shard`, the gradient
+    sync in the last backward only) and on tp 2 (the plan's graph on DTensors), and recomputing its blocks on dp 2 and tp 2 (no submodule per block
     in the graph's module: the plan's blocks' steps checkpointed, their recomputation on DTensors in the forward's
     context): each like one process on the whole batch and like the interpreter."""
     sizes = {**GPT, "blocks": 2}
@@ -109,6 +110,8 @@ def test_micro_batched_and_recomputing_plan_files_train_on_torch_like_one_proces
                                           "replicate over dp")
     _like_one_process_and_the_interpreter(capsys, _plan_file(tmp_path, "tp_m2", sizes, (1, 2), microbatches=2), 2,
                                           "torch's styles cannot run its tensor axis")
+    _like_one_process_and_the_interpreter(capsys, _plan_file(tmp_path, "z3_m2", sizes, (2, 1), microbatches=2,
+                                                             zero=3), 2, "fully_shard over dp")
     for name, shape in (("dp_rc", (2, 1)), ("tp_rc", (1, 2))):
         _like_one_process_and_the_interpreter(capsys, _plan_file(tmp_path, name, sizes, shape, recompute="blocks"),
                                               2, "2 blocks recomputed in the backward")

@@ -16,13 +16,23 @@ batch in one process, and the losses (the ranks' mean) and final weights
 (gathered whole) are compared.
 
 Where the plan's PCG computes otherwise than its graph (an algebraic
-rewrite), the module computes the plan's graph: `GraphImport` is its
-import for `parallelize`, which then replaces its forward by
-`rewritten.RewrittenForward` (the same code as for a user's imported
-module). An example whose nodes fix an attribute at the global batch (the
-loss's 1 / count: `GraphModule.batch_fixed`) keeps its graph's form,
-rebuilt at the local batch, the lowering's note saying why. The optimizer
-is `zero.zero_optimizer`'s: its state sharded under the plan's ZeRO-1.
+rewrite), or where the module's own forward cannot run the plan, the module
+computes the plan's graph: `GraphImport` is its import for `parallelize`,
+which then replaces its forward by `rewritten.RewrittenForward` (the same
+code as for a user's imported module). The graph's weights are plain
+parameters of one module, not `nn.Linear` / `nn.Embedding` modules, so
+torch's tensor-parallel styles cannot split them: a plan splitting a weight
+on a tensor axis runs the plan's graph on DTensors (every parameter placed
+as the plan stores it, each parallel operator on the tensor axis a
+redistribute: tp, dp x tp); the module holds no submodule per block, so a
+plan recomputing blocks checkpoints the plan's blocks' steps
+(`lowering.UncheckpointedBlocks`). An example whose nodes fix an attribute
+at the plan's batch (the loss's 1 / count: `GraphModule.batch_fixed`) has
+them computed at each rank's local batch (`GraphImport.local_attrs`,
+`rewritten.local_attrs`), so each rank's loss is its local batch's mean and
+torch's average over the data ranks the plan's; a plan in which a rule
+moved such a constant is refused, naming the node. The optimizer is
+`zero.zero_optimizer`'s: its state sharded under the plan's ZeRO-1.
 
 The module's forward evaluates the graph at the batch it is given: for a
 built-in example (`Graph.example`) the example rebuilt at the local batch
@@ -33,15 +43,24 @@ nothing passes silently). Each rank's
 objective averages its local batch, and torch averages the gradients over
 the data ranks: the plan's global mean when the local batches are equal.
 
-What the torch path cannot lower is refused before any rank starts or, for
-the lowering's own refusals, by every rank with the lowering's message
-(naming the node): the graph's weights are plain parameters of one module,
-not `nn.Linear` / `nn.Embedding` modules, so a plan that splits a weight
-on a tensor axis is refused ("torch's tensor-parallel styles split
-nn.Linear ..."), as is one recomputing blocks (no block submodules); a
-pipelined plan or one of several micro-batches a step is refused up front
-(train the module with `parallelize(..., runtime="torch")` or run the plan
-with the interpreter).
+A plan of m micro-batches a step (`Graph.microbatches`) trains as a user's
+gradient-accumulation loop does: micro-batch k is block k of the step's
+batch (`StepData.inputs(k)`, as the interpreter cuts it), each rank's part
+of it through the module, its objective divided by m, the gradient sync of
+`replicate` / `fully_shard` off in every backward but the last
+(`FSDPModule.set_requires_gradient_sync`), one optimizer step; `--check`
+trains the unmodified module on the whole batch. Micro-batches of a graph
+that is no built-in example are refused up front (their whole batch is not
+known).
+
+Refused before any rank starts (`check_runnable`): a pipelined plan file
+(its graph is one module, which `torch.distributed.pipelining` would cut at
+submodule calls, and the graph has none: its stages would have to be
+traced modules of the plan's stage graphs, which `pipelined.py` builds
+from a user's module only; run it with the interpreter or train your
+module with `parallelize(..., runtime="torch")`). The lowering's own
+refusals (an all_to_all, two tensor axes, ...) come from every rank with
+the lowering's message, naming the node.
 """
 
 from __future__ import annotations
