@@ -63,7 +63,8 @@ lookups, recomputed blocks. Not covered (the module then runs its own
 forward, equal in value, and the lowering's note says so): a module given
 without its import or example inputs. Refused, naming the node (`rewrite_of`): a
 scale after a sum over the data ranks (a normalisation fixed at the global
-batch would be off on a local one), an operator on the user's data before
+batch would be off on a local one; a plan file's built-in example has it computed at the
+local batch, `local_attrs`), an operator on the user's data before
 the plan splits it, a batch norm keeping running statistics, a module
 returning other values than the graph's outputs (integers, None), a lookup
 of a vocabulary-split table whose ids are not split alike.
