@@ -61,31 +61,93 @@ def test_the_data_parallel_mlp_and_a_zero3_gpt_train_on_torch_like_one_process_a
             assert abs(got - want) <= 1e-9 * abs(want), (name, result["losses"], interpreted["losses"])
 
 
-def test_what_the_torch_path_cannot_lower_is_refused_with_the_lowering_message(tmp_path, capsys):
-    """The gpt's Megatron tensor-parallel plan splits weights the graph's module holds as plain parameters (no
-    nn.Linear / nn.Embedding to style): every rank refuses it, naming the node, and the job exits 1 without a
-    trace; --model (a module of the user's own) is refused with --runtime torch before any rank starts."""
+def _plan_file(tmp_path, name: str, sizes: dict, mesh_shape, microbatches: int = 1, recompute: str = "none",
+               zero: int = 0) -> Path:
+    """The built-in gpt's Megatron-LM plan file on `mesh_shape` (dp, tp)."""
+    from dataclasses import replace
+
+    gpt = build_example("gpt", sizes, LIBRARY).with_microbatches(microbatches)
+    pcg = replace(megatron_pcg(gpt, LIBRARY, mesh_shape, zero=zero), recompute=recompute)
+    return _write(tmp_path, name, mesh_plans.plan_dict(gpt, pcg))
+
+
+def _like_one_process_and_the_interpreter(capsys, path: Path, nproc: int, forward: str, *extra: str) -> dict:
+    """`parsat run --runtime torch --check` 3 Adam steps: passed (1e-9: weights and losses of the unmodified module
+    trained in one process), every parameter a DTensor, `forward` in the lowering, the interpreter's losses."""
+    args = ["run", str(path), "--nproc", str(nproc), "--backend", "gloo", "--steps", "3", "--json",
+            "--optimizer", "adam", *extra]
+    code = main([*args, "--runtime", "torch", "--check"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    assert result["check"] == "passed" and result["max_rel_diff"] <= 1e-9, result
+    assert result["not_dtensor"] == [] and forward in result["lowering"], result["lowering"]
+    code = main(args)
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    interpreted = json.loads(captured.out.strip().splitlines()[-1])
+    for got, want in zip(result["losses"], interpreted["losses"], strict=True):
+        assert abs(got - want) <= 1e-9 * abs(want), (result["losses"], interpreted["losses"])
+    return result
+
+
+def test_a_tensor_parallel_plan_file_trains_on_torch_through_the_plan_s_graph_on_dtensors(tmp_path, capsys):
+    """The gpt's Megatron tp 2 plan splits weights the graph's module holds as plain parameters (no nn.Linear to
+    style): the module's forward evaluates the plan's graph on DTensors (`rewritten`), every parallel operator on
+    tp a redistribute, and trains like one process and like the interpreter."""
+    path = _plan_file(tmp_path, "tp", GPT, (1, 2))
+    result = _like_one_process_and_the_interpreter(capsys, path, 2, "torch's styles cannot run its tensor axis")
+    assert "tensor parallelism on tp: every parameter a DTensor" in result["lowering"], result["lowering"]
+
+
+def test_micro_batched_and_recomputing_plan_files_train_on_torch_like_one_process(tmp_path, capsys):
+    """The 2-block gpt in 2 micro-batches a step on dp 2 (`replicate`, then ZeRO-3's `fully_shard`, the gradient
+    sync in the last backward only) and on tp 2 (the plan's graph on DTensors), and recomputing its blocks on dp 2 and tp 2 (no submodule per block
+    in the graph's module: the plan's blocks' steps checkpointed, their recomputation on DTensors in the forward's
+    context): each like one process on the whole batch and like the interpreter."""
+    sizes = {**GPT, "blocks": 2}
+    _like_one_process_and_the_interpreter(capsys, _plan_file(tmp_path, "dp_m2", sizes, (2, 1), microbatches=2), 2,
+                                          "replicate over dp")
+    _like_one_process_and_the_interpreter(capsys, _plan_file(tmp_path, "tp_m2", sizes, (1, 2), microbatches=2), 2,
+                                          "torch's styles cannot run its tensor axis")
+    _like_one_process_and_the_interpreter(capsys, _plan_file(tmp_path, "z3_m2", sizes, (2, 1), microbatches=2,
+                                                             zero=3), 2, "fully_shard over dp")
+    for name, shape in (("dp_rc", (2, 1)), ("tp_rc", (1, 2))):
+        _like_one_process_and_the_interpreter(capsys, _plan_file(tmp_path, name, sizes, shape, recompute="blocks"),
+                                              2, "2 blocks recomputed in the backward")
+
+
+@pytest.mark.slow
+def test_a_dp_2_x_tp_2_plan_file_trains_on_4_ranks_like_one_process(tmp_path, capsys):
+    """The 2-block gpt's Megatron dp 2 x tp 2 plan on 4 gloo ranks: `replicate` over dp, the plan's graph on
+    DTensors of tp, the loss's 1 / count at each rank's local batch (`GraphImport.local_attrs`)."""
+    path = _plan_file(tmp_path, "dptp", {**GPT, "blocks": 2}, (2, 2))
+    result = _like_one_process_and_the_interpreter(capsys, path, 4, "torch's styles cannot run its tensor axis")
+    assert "replicate over dp" in result["lowering"], result["lowering"]
+
+
+def test_model_is_refused_with_the_torch_runtime(tmp_path, capsys):
+    """--model (a module of the user's own) is refused with --runtime torch before any rank starts."""
     gpt = build_example("gpt", GPT, LIBRARY)
     path = _write(tmp_path, "tp", mesh_plans.plan_dict(gpt, megatron_pcg(gpt, LIBRARY, (1, 2))))
-    code, result, err = _run(capsys, path, "--runtime", "torch")
-    assert code == 1 and result is None and "Traceback" not in err
-    assert "the torch runtime cannot run this plan: weight '" in err and "tensor axis tp" in err, err
-    assert "node #" in err and "run the plan with the interpreter" in err, err
     code, _, err = _run(capsys, path, "--runtime", "torch", "--model", "x.py:make")
     assert code == 1 and "--model is not supported with --runtime torch" in err, err
 
 
-def test_a_pipelined_plan_or_a_micro_batched_step_is_refused_before_any_rank_starts():
-    """`check_runnable`: the graph's module has no stages to cut, and the torch path trains one batch a step."""
+def test_a_pipelined_plan_or_micro_batches_of_an_unknown_step_are_refused_before_any_rank_starts():
+    """`check_runnable`: the graph's module has no stages to cut; micro-batches of a graph that is no built-in
+    example have no known whole batch (to cut them from and to check against)."""
     from parsat.backend.executor import ExecutionError
     from parsat.backend.torch_native.run import check_runnable
 
     gpt = build_example("gpt", GPT, LIBRARY)
     check_runnable(gpt, pipelined=False)
+    check_runnable(gpt.with_microbatches(2), pipelined=False)
     with pytest.raises(ExecutionError, match="does not run a pipelined plan file"):
         check_runnable(gpt, pipelined=True)
-    with pytest.raises(ExecutionError, match="runs its step as 2 micro-batches"):
-        check_runnable(gpt.with_microbatches(2), pipelined=False)
+    mlp = mesh_plans.data_parallel_mlp(LIBRARY, 2, batch=8, d_in=6, d_hidden=4, d_out=2).graph
+    with pytest.raises(ExecutionError, match="micro-batches of a graph that is no built-in example"):
+        check_runnable(mlp.with_microbatches(2), pipelined=False)
 
 
 # ------------------------------------------------------------------ a plan computing otherwise than its graph
@@ -156,10 +218,10 @@ def test_a_rewritten_plan_runs_its_own_graph_and_trains_like_one_process_under_z
             assert run["check"] == "passed" and run["max_rel_diff"] <= 1e-9, (label, run)
 
 
-def test_a_rewritten_example_whose_loss_is_fixed_at_the_global_batch_runs_its_graph_saying_why():
-    """The built-in gpt's dp=2 plan computes otherwise than its graph (`add_commute`, ...), but its loss scales by
-    1 / the global batch's count, which a rank's local batch runs rebuilt (`GraphModule.batch_fixed`): no rewritten
-    forward, the lowering's note says why (the module's graph runs, equal in value: the CLI test above checks it)."""
+def test_a_rewritten_example_whose_loss_is_fixed_at_the_global_batch_computes_it_at_the_local_batch():
+    """The built-in gpt's dp=2 plan computes otherwise than its graph (`add_commute`, ...), and its loss scales by
+    1 / the plan's batch count (`GraphModule.batch_fixed`): the rewritten forward computes that scale at each rank's
+    local batch (`rewritten.local_attrs`: twice the constant on 2 data ranks), so the ranks' mean is the plan's."""
     import parsat
     from parsat.backend.executor import seeded_weights
     from parsat.backend.torch_native.apply import module_info
@@ -175,7 +237,9 @@ def test_a_rewritten_example_whose_loss_is_fixed_at_the_global_batch_runs_its_gr
     assert module.batch_fixed() == ("loss",)
     lowering, rewrite = lowered_rewrite(pcg, gpt, lower(pcg, gpt, module_info(module, module.param_names)),
                                         GraphImport.of(module))
-    assert rewrite is None and lowering.rewritten == ""
-    assert "the example fixes node(s) loss at the global batch" in lowering.describe(), lowering.describe()
+    assert rewrite is not None and "forward: the plan's graph" in lowering.describe(), lowering.describe()
+    plan_loss = next(n for n in pcg.nodes if n.origin == "loss")
+    step = next(s for s in rewrite.steps if s.node == plan_loss.id)
+    assert dict(step.attrs)["c"] == 2 * dict(plan_loss.attrs)["c"], (step, plan_loss)
     branches = GraphModule(build_example("branches", BRANCHES, LIBRARY), {}, LIBRARY)
-    assert branches.batch_fixed() == () and GraphImport.of(branches).unsupported == ""
+    assert branches.batch_fixed() == () and GraphImport.of(branches).local_attrs(2) == {}

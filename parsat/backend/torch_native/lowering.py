@@ -128,10 +128,21 @@ class LoweringError(ValueError):
     """A plan that torch's distributed stack cannot run as the plan says: the message names the node and why."""
 
 
-class UnstyledAxis(LoweringError):
+class OwnForwardCannot(LoweringError):
+    """A plan that the module's own forward cannot run under torch's pieces but a forward evaluating the plan's
+    graph can (`lower(evaluated=True)`, `rewritten.lowered_plan`): the message says what the own forward lacks."""
+
+
+class UnstyledAxis(OwnForwardCannot):
     """A plan whose tensor axis torch's styles cannot run on the module's own forward (an activation moved where no
     styled module moves it: HF LLaMA under tp 4 with 2 KV heads slices the heads `repeat_kv` makes), which a
     forward evaluating the plan's graph on DTensors runs (`lower(evaluated=True)`, `rewritten.lowered_plan`)."""
+
+
+class UncheckpointedBlocks(OwnForwardCannot):
+    """A plan recomputing blocks that the module holds in no submodule per block (`recomputed_blocks`: a plan
+    file's graph as one module, `run.GraphModule`), so nothing of its own forward can be checkpointed; a forward
+    evaluating the plan's graph checkpoints the plan's blocks' steps (`rewritten.Recomputed`)."""
 
 
 @dataclass(frozen=True)
@@ -337,8 +348,10 @@ def lower(pcg: PCG, graph: Graph, module: ModuleInfo, *, pipelined: bool = False
     try:
         return replace(lowering, recompute=recomputed_blocks(pcg, module))
     except LoweringError as err:   # a rewritten forward checkpoints the plan's blocks, not the module's
-        if traced or not (evaluated or rewritten_nodes(pcg, graph)):
+        if traced:
             raise
+        if not (evaluated or rewritten_nodes(pcg, graph)):
+            raise UncheckpointedBlocks(str(err)) from None
         return replace(lowering, unrecomputable=str(err))
 
 

@@ -63,7 +63,8 @@ lookups, recomputed blocks. Not covered (the module then runs its own
 forward, equal in value, and the lowering's note says so): a module given
 without its import or example inputs. Refused, naming the node (`rewrite_of`): a
 scale after a sum over the data ranks (a normalisation fixed at the global
-batch would be off on a local one), an operator on the user's data before
+batch would be off on a local one; a plan file's built-in example has it computed at the
+local batch, `local_attrs`), an operator on the user's data before
 the plan splits it, a batch norm keeping running statistics, a module
 returning other values than the graph's outputs (integers, None), a lookup
 of a vocabulary-split table whose ids are not split alike.
@@ -87,7 +88,9 @@ module's do where their values are whole on the rank.
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
+from functools import partial
 from math import prod
 from typing import Any, Mapping
 
@@ -105,7 +108,8 @@ from parsat.ir.placement import FREE, PARTIAL, REPLICA, shard, shard_dim
 from parsat.backend.recompute_regions import Region, forward_units
 from parsat.backend.torch_native.head_major import checkpoint_in_module_order, head_major, strided_view
 from parsat.backend.torch_native.lowering import (DATA, EMBEDDING_OPS, REWRITE_NOTE, ZERO3, Lowering, LoweringError,
-                                                  ModuleInfo, UnstyledAxis, graph_nodes_computed, lower,
+                                                  ModuleInfo, OwnForwardCannot, UncheckpointedBlocks,
+                                                  UnstyledAxis, graph_nodes_computed, lower,
                                                   rewritten_nodes, weight_values)
 
 WEIGHT, LEAF, OP, SAME, SLICE, PLACE, LOOKUP = "weight", "leaf", "op", "same", "slice", "place", "lookup"
@@ -192,23 +196,23 @@ def lowered_plan(pcg: PCG, graph: Graph, module: ModuleInfo, imported, library=N
     the import the styles' refusal stands, saying what would run it. Raises LoweringError naming the node."""
     try:
         lowering = lower(pcg, graph, module, library=library)
-    except UnstyledAxis as err:
+    except OwnForwardCannot as err:   # a tensor axis no style runs, blocks no submodule holds (`run.GraphModule`)
         why = _no_rewrite(imported)
         if why:
             raise LoweringError(f"{err} (a forward evaluating the plan's graph on DTensors would run it: {why})"
                                 ) from None
         lowering = lower(pcg, graph, module, library=library, evaluated=True)
-        rewrite = rewrite_of(pcg, graph, lowering, imported, library, unstyled=str(err))
+        rewrite = rewrite_of(pcg, graph, lowering, imported, library,
+                             unstyled=str(err) if isinstance(err, UnstyledAxis) else "",
+                             unmodular=str(err) if isinstance(err, UncheckpointedBlocks) else "")
         return rewrite.lowered(lowering), rewrite
     return lowered_rewrite(pcg, graph, lowering, imported, library)
 
 
 def _no_rewrite(imported) -> str:
-    """Why a rewritten forward cannot run for `imported` ("" where it can): no import at hand, or an import-like
-    record saying why (`run.GraphImport.unsupported`)."""
-    return getattr(imported, "unsupported", "") or (
-        "give parallelize the example inputs (or the import) to have it compute the plan's graph"
-        if imported is None else "")
+    """Why a rewritten forward cannot run for `imported` ("" where it can): no import at hand."""
+    return ("give parallelize the example inputs (or the import) to have it compute the plan's graph"
+            if imported is None else "")
 
 
 def lowered_rewrite(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=None
@@ -228,10 +232,12 @@ def lowered_rewrite(pcg: PCG, graph: Graph, lowering: Lowering, imported, librar
     return rewrite.lowered(lowering), rewrite
 
 
-def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=None, unstyled: str = "") -> Rewrite:
+def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=None, unstyled: str = "",
+               unmodular: str = "") -> Rewrite:
     """The steps a rank evaluates for `pcg` on its local batch (module docstring), or a LoweringError naming the
     node that cannot be evaluated so. `unstyled`: why the styles cannot run the plan's tensor axis (`lowered_plan`),
-    said in the summary in place of the first rewritten node where the plan computes the module's own graph."""
+    said in the summary in place of the first rewritten node where the plan computes the module's own graph;
+    `unmodular`: likewise why the module's own blocks cannot be checkpointed."""
     if imported.running_stats:
         raise LoweringError("the plan's graph is rewritten and the module's batch norms keep running statistics, "
                             "which only the module's own forward updates: run the plan with the interpreter")
@@ -243,6 +249,7 @@ def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=Non
     data_axes = set(lowering.axes(DATA)) | set(lowering.axes(ZERO3))
     batch = batch_dims(graph, library)
     count = prod(lowering.mesh.shape[a] for a in lowering.batch_axes)
+    at_local = local_attrs(pcg, graph, imported, count)
     local = {name for name, leaf in imported.data.items() if not leaf.constant and leaf.encoding != "dropout"}
     static = weight_values(pcg)
     chains = weight_storage(pcg)
@@ -255,7 +262,7 @@ def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=Non
         if n.id in stored_by:
             steps.append(Step(n.id, SAME, inputs=n.inputs))
             continue
-        steps.append(_step(n, pcg, lowering, data_axes, static, presliced, summed, local, batch))
+        steps.append(_step(n, pcg, lowering, data_axes, static, presliced, summed, local, batch, at_local))
     shapes = tuple((name, tuple(s // count if d == batch[name] else s for d, s in enumerate(graph.shape(name))))
                    for name in sorted(local) if name in batch)
     plan_only = rewritten_nodes(pcg, graph)
@@ -267,6 +274,9 @@ def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=Non
     if unstyled:   # the refusal's first clause: the node and what no style does with it
         why.append(f"torch's styles cannot run its tensor axis on the module's own forward "
                    f"({unstyled.split(': ', 1)[0]}); here every parallel operator there is a DTensor redistribute")
+    if unmodular:
+        why.append("no submodule of the module holds one block's parameters, so its own forward has nothing to "
+                   "checkpoint")
     summary = (f"the plan's graph ({sum(s.action == OP for s in steps)} operators, {'; '.join(why)}), evaluated "
                "with importer.torch_ops on the module's parameters and the rank's local batch in place of its own "
                "forward (torch_native/rewritten.py)"
@@ -287,9 +297,11 @@ def rewrite_of(pcg: PCG, graph: Graph, lowering: Lowering, imported, library=Non
 
 
 def _step(n: PNode, pcg: PCG, lowering: Lowering, data_axes: set[int], static: set[int],
-          presliced: dict[int, frozenset[int]], summed: set[int], local: set[str], batch: Mapping[str, int]) -> Step:
+          presliced: dict[int, frozenset[int]], summed: set[int], local: set[str], batch: Mapping[str, int],
+          at_local: Mapping[int, tuple]) -> Step:
     """Node `n` as a step (`rewrite_of`), recording which data axes its value is already split along on the rank
-    and whether a sum or gather over the data ranks precedes it."""
+    and whether a sum or gather over the data ranks precedes it; a node in `at_local` (`local_attrs`) computes
+    with those attributes."""
     where = f"node #{n.id} {n.label}{f' [{n.origin}]' if n.origin else ''}"
     if n.kind == "leaf":
         if n.role == "weight":
@@ -304,13 +316,13 @@ def _step(n: PNode, pcg: PCG, lowering: Lowering, data_axes: set[int], static: s
             raise LoweringError(f"{where} computes on the user's data before the plan splits it over the data ranks "
                                 "(each rank is given its local batch): run the plan with the interpreter")
         if any(i in summed for i in n.inputs):
-            if n.op == "scale":
+            if n.op == "scale" and n.id not in at_local:
                 raise LoweringError(f"{where} scales a value summed or gathered over the data ranks: a constant "
                                     "fixed at the global batch would be off on each rank's local batch")
             summed.add(n.id)
         if n.op in EMBEDDING_OPS and _split_rows(pcg, n, lowering.tensor_axis):
             return Step(n.id, LOOKUP, n.op, n.inputs, n.attrs)
-        return Step(n.id, OP, n.op, n.inputs, n.attrs)
+        return Step(n.id, OP, n.op, n.inputs, at_local.get(n.id, n.attrs))
     axis = n.axis(pcg.mesh)
     if source in summed:
         summed.add(n.id)
@@ -332,6 +344,28 @@ def _step(n: PNode, pcg: PCG, lowering: Lowering, data_axes: set[int], static: s
     if split:
         presliced[n.id] = split
     return Step(n.id, SAME, inputs=(source,))
+
+
+def local_attrs(pcg: PCG, graph: Graph, imported, count: int) -> dict[int, tuple]:
+    """Plan node -> its attributes at the rank's local batch (1 / `count` of the plan's), for an import that knows
+    which of its graph's nodes fix an attribute at the plan's batch (`run.GraphImport.local_attrs`: a built-in
+    example's loss, its 1 / count): the rank's loss is then its local batch's mean, and torch's average over the
+    data ranks the plan's. A user's module computes at the batch it is given (its import has none). Each such
+    graph node must be computed by a plan node with its attributes (else a LoweringError naming it: an algebraic
+    rule moved the constant, whose value at the local batch is not known)."""
+    rebuilt = getattr(imported, "local_attrs", None)
+    if rebuilt is None or count == 1:
+        return {}
+    wanted = rebuilt(count)
+    plan_attrs = {n.name: n.attrs for n in graph.nodes}
+    found = {n.id: wanted[n.origin] for n in pcg.nodes
+             if n.kind == "op" and n.origin in wanted and n.attrs == plan_attrs.get(n.origin)}
+    missing = sorted(set(wanted) - {pcg.node(i).origin for i in found})
+    if missing:
+        raise LoweringError(f"graph node(s) {', '.join(missing)} fix an attribute at the plan's batch and no plan node "
+                            "computes them as the graph does (an algebraic rule moved it): their value at each rank's "
+                            "local batch is not known; run the plan with the interpreter")
+    return found
 
 
 def node_dtypes(pcg: PCG, graph: Graph, dtypes: Mapping[str, NodeDtypes]) -> dict[int, NodeDtypes]:
@@ -471,15 +505,27 @@ def _on_dtensors(rewrite: Rewrite, params, data, coords, device) -> list[torch.T
     mesh = next(p.device_mesh for p in params.values() if isinstance(p, DTensor))
     data = {k: DTensor.from_local(v, mesh, [Replicate()], run_check=False) for k, v in data.items()}
     with dtensor_step(device):
-        outs = evaluate(rewrite, params, data, coords)
+        outs = evaluate(rewrite, params, data, coords, in_step=partial(_in_step, device))
     return [o.full_tensor() if isinstance(o, DTensor) else o for o in outs]
 
 
+@contextmanager
+def _in_step(device):
+    """`apply.dtensor_step` entered when the context is (a block's recomputation runs in the backward, outside the
+    forward's context)."""
+    from parsat.backend.torch_native.apply import dtensor_step
+
+    with dtensor_step(device):
+        yield
+
+
 def evaluate(rewrite: Rewrite, params: Mapping[str, torch.Tensor], data: Mapping[str, torch.Tensor],
-             coords: tuple[int, ...]) -> list[torch.Tensor]:
+             coords: tuple[int, ...], in_step=nullcontext) -> list[torch.Tensor]:
     """The plan's outputs on this rank: each step in the plan's order (`Step`), values freed after their last
     reader; a recomputed block's steps under `torch.utils.checkpoint` (`Recomputed`), so that its backward runs
-    them again (their redistributions too, on every rank alike) instead of keeping their activations."""
+    them again (their redistributions too, on every rank alike) instead of keeping their activations. `in_step`:
+    the context the forward runs in, entered again around a block's recomputation in the backward (`_in_step`:
+    on DTensors, attention as its math on CPU)."""
     from torch.utils.checkpoint import checkpoint
 
     env: dict[int, torch.Tensor] = {}
@@ -499,7 +545,8 @@ def evaluate(rewrite: Rewrite, params: Mapping[str, torch.Tensor], data: Mapping
                 _apply(replace(s, frees=()), inner, params, data, coords)
             return tuple(inner[i] for i in run.kept)
 
-        env.update(zip(run.kept, checkpoint(forward, *(env[i] for i in run.needed), use_reentrant=False)))
+        env.update(zip(run.kept, checkpoint(forward, *(env[i] for i in run.needed), use_reentrant=False,
+                                                  context_fn=lambda: (nullcontext(), in_step()))))
         for i in {i for s in block for i in s.frees}:
             env.pop(i, None)
         k = run.end

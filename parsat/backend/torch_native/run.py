@@ -16,13 +16,23 @@ batch in one process, and the losses (the ranks' mean) and final weights
 (gathered whole) are compared.
 
 Where the plan's PCG computes otherwise than its graph (an algebraic
-rewrite), the module computes the plan's graph: `GraphImport` is its
-import for `parallelize`, which then replaces its forward by
-`rewritten.RewrittenForward` (the same code as for a user's imported
-module). An example whose nodes fix an attribute at the global batch (the
-loss's 1 / count: `GraphModule.batch_fixed`) keeps its graph's form,
-rebuilt at the local batch, the lowering's note saying why. The optimizer
-is `zero.zero_optimizer`'s: its state sharded under the plan's ZeRO-1.
+rewrite), or where the module's own forward cannot run the plan, the module
+computes the plan's graph: `GraphImport` is its import for `parallelize`,
+which then replaces its forward by `rewritten.RewrittenForward` (the same
+code as for a user's imported module). The graph's weights are plain
+parameters of one module, not `nn.Linear` / `nn.Embedding` modules, so
+torch's tensor-parallel styles cannot split them: a plan splitting a weight
+on a tensor axis runs the plan's graph on DTensors (every parameter placed
+as the plan stores it, each parallel operator on the tensor axis a
+redistribute: tp, dp x tp); the module holds no submodule per block, so a
+plan recomputing blocks checkpoints the plan's blocks' steps
+(`lowering.UncheckpointedBlocks`). An example whose nodes fix an attribute
+at the plan's batch (the loss's 1 / count: `GraphModule.batch_fixed`) has
+them computed at each rank's local batch (`GraphImport.local_attrs`,
+`rewritten.local_attrs`), so each rank's loss is its local batch's mean and
+torch's average over the data ranks the plan's; a plan in which a rule
+moved such a constant is refused, naming the node. The optimizer is
+`zero.zero_optimizer`'s: its state sharded under the plan's ZeRO-1.
 
 The module's forward evaluates the graph at the batch it is given: for a
 built-in example (`Graph.example`) the example rebuilt at the local batch
@@ -33,22 +43,31 @@ nothing passes silently). Each rank's
 objective averages its local batch, and torch averages the gradients over
 the data ranks: the plan's global mean when the local batches are equal.
 
-What the torch path cannot lower is refused before any rank starts or, for
-the lowering's own refusals, by every rank with the lowering's message
-(naming the node): the graph's weights are plain parameters of one module,
-not `nn.Linear` / `nn.Embedding` modules, so a plan that splits a weight
-on a tensor axis is refused ("torch's tensor-parallel styles split
-nn.Linear ..."), as is one recomputing blocks (no block submodules); a
-pipelined plan or one of several micro-batches a step is refused up front
-(train the module with `parallelize(..., runtime="torch")` or run the plan
-with the interpreter).
+A plan of m micro-batches a step (`Graph.microbatches`) trains as a user's
+gradient-accumulation loop does: micro-batch k is block k of the step's
+batch (`StepData.inputs(k)`, as the interpreter cuts it), each rank's part
+of it through the module, its objective divided by m, the gradient sync of
+`replicate` / `fully_shard` off in every backward but the last
+(`FSDPModule.set_requires_gradient_sync`), one optimizer step; `--check`
+trains the unmodified module on the whole batch. Micro-batches of a graph
+that is no built-in example are refused up front (their whole batch is not
+known).
+
+Refused before any rank starts (`check_runnable`): a pipelined plan file
+(its graph is one module, which `torch.distributed.pipelining` would cut at
+submodule calls, and the graph has none: its stages would have to be
+traced modules of the plan's stage graphs, which `pipelined.py` builds
+from a user's module only; run it with the interpreter or train your
+module with `parallelize(..., runtime="torch")`). The lowering's own
+refusals (an all_to_all, two tensor axes, ...) come from every rank with
+the lowering's message, naming the node.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -143,14 +162,16 @@ class GraphImport:
     a plan computing otherwise than its graph (an algebraic rewrite) runs the plan's graph through
     `torch_native/rewritten.py`, as a user's imported module does. Every input leaf is data the rank is given
     as it is (`value`, at its local batch); no constants, dropout masks or running statistics; the module
-    returns the tuple of the graph's outputs. `unsupported`: why a rewritten forward cannot run (nodes whose
-    attributes the example fixes at the global batch), the lowering's note then saying so."""
+    returns the tuple of the graph's outputs. `fixed`: the nodes whose attributes the example fixes at the plan's
+    batch (`GraphModule.batch_fixed`: the loss's 1 / count), which a rank computes at its local batch
+    (`local_attrs`, read by `rewritten.local_attrs`), the example rebuilt there by `rebuild`."""
 
     graph: Graph
     weights: Mapping[str, str]
     data: Mapping[str, DataLeaf]
     output_spec: Any
-    unsupported: str = ""
+    fixed: tuple[str, ...] = ()
+    rebuild: Callable[[int, int], Graph | None] | None = None
     running_stats: tuple = ()
     constants: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
@@ -161,10 +182,15 @@ class GraphImport:
         data = {leaf.name: DataLeaf(leaf.name, leaf.name, "value", tuple(leaf.shape))
                 for leaf in graph.leaves if leaf.role == "input"}
         spec = torch.utils._pytree.tree_flatten(tuple(graph.outputs))[1]
-        fixed = module.batch_fixed()
-        why = (f"the example fixes node(s) {', '.join(fixed)} at the global batch (a rank's local batch runs them "
-               "rebuilt at its size, which the plan's rewritten nodes are not)") if fixed else ""
-        return cls(graph, dict(module.param_names), data, spec, why)
+        return cls(graph, dict(module.param_names), data, spec, module.batch_fixed(), module.at_batch_scale)
+
+    def local_attrs(self, count: int) -> dict[str, tuple]:
+        """The `fixed` nodes' attributes at 1 / `count` of the plan's batch (a rank's local batch): graph node name
+        -> attributes."""
+        if not self.fixed:
+            return {}
+        at_local = {n.name: n.attrs for n in self.rebuild(1, count).nodes}
+        return {name: at_local[name] for name in self.fixed}
 
     def data_values(self, inputs, dtype, seed: int = 0, step: int = 0, shapes=None) -> dict[str, torch.Tensor]:
         """The leaves' values: the forward's one argument (the dict of local inputs), in `dtype`."""
@@ -181,9 +207,11 @@ def check_runnable(graph: Graph, pipelined: bool) -> None:
         raise ExecutionError("--runtime torch does not run a pipelined plan file: its graph has no module to cut "
                              "into stages; run it with the interpreter (the default runtime), or train your module "
                              "with parsat.parallelize(module, plan, example_inputs, runtime='torch')")
-    if graph.microbatches != 1:
-        raise ExecutionError(f"the plan runs its step as {graph.microbatches} micro-batches; --runtime torch trains "
-                             "one batch a step: run it with the interpreter (the default runtime)")
+    if graph.microbatches != 1 and step_batch(graph, operator_library()).whole is None:
+        raise ExecutionError(f"the plan runs its step as {graph.microbatches} micro-batches of a graph that is no "
+                             "built-in example, so the step's whole batch (what --check trains the unmodified module "
+                             "on, and how each micro-batch is cut from it) is not known: run it with the interpreter "
+                             "(the default runtime)")
 
 
 def run_torch_plan(path: str, nproc: int, config: TrainConfig, backend: str | None = None,
@@ -220,19 +248,25 @@ def torch_rank(ctx: RankContext, path: str, config: TrainConfig) -> dict:
     optimizer, ref_optimizer = (_optimizer(m, config) if m is not None else None for m in (model, reference))
     batch, dims = step_batch(graph, library), batch_dims(graph, library)
     losses, ref_losses = [], []
+    m = batch.microbatches
     for step in range(config.steps):
         data = step_data(graph, batch, config, step)
-        inputs = {n: t.to(ctx.device) for n, t in data.whole_inputs().items()}
-        targets = {n: None if t is None else t.to(ctx.device) for n, t in data.whole_targets().items()}
-        mine = {n: local_batch(model, t, dim=dims[n]) if n in dims else t for n, t in inputs.items()}
-        loss = graph_objective(model, graph, model(mine), targets)
-        loss.backward()
+        held = torch.zeros((), device=ctx.device, dtype=torch.float64)
+        for k in range(m):   # micro-batch k: block k of the step's batch (as the interpreter cuts it), its rank's part
+            inputs = {n: t.to(ctx.device) for n, t in data.inputs(k).items()}
+            targets = {n: None if t is None else t.to(ctx.device) for n, t in data.targets(k).items()}
+            mine = {n: local_batch(model, t, dim=dims[n]) if n in dims else t for n, t in inputs.items()}
+            _gradient_sync(model, k == m - 1)
+            loss = graph_objective(model, graph, model(mine), targets) / m
+            loss.backward()
+            held += loss.detach().to(held.dtype)
         optimizer.step()
         optimizer.zero_grad()
-        held = loss.detach().clone()
         dist.all_reduce(held)
         losses.append(float(held) / ctx.world)
         if reference is not None:
+            inputs = {n: t.to(ctx.device) for n, t in data.whole_inputs().items()}
+            targets = {n: None if t is None else t.to(ctx.device) for n, t in data.whole_targets().items()}
             want = graph_objective(reference, graph, reference(inputs), targets)
             want.backward()
             ref_optimizer.step()
@@ -240,6 +274,16 @@ def torch_rank(ctx: RankContext, path: str, config: TrainConfig) -> dict:
             ref_losses.append(float(want.detach()))
     report = _report(model, reference, losses, ref_losses, config, lowering_of(model).describe())
     return {**report, "optimizer": type(optimizer).__name__}
+
+
+def _gradient_sync(model: nn.Module, on: bool) -> None:
+    """Gradient accumulation: `replicate` / `fully_shard` (both `FSDPModule`s) synchronise the gradients in the
+    last micro-batch's backward only, each earlier one accumulating the rank's own; a module with no data axis
+    has nothing to synchronise."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(on)
 
 
 def _optimizer(module: nn.Module, config: TrainConfig):
