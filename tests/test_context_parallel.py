@@ -8,7 +8,9 @@ ways of getting it wrong (a sequence split with no exchange: each rank's
 queries would see only its own keys, at local positions; and the head split
 read as a sequence split, the all-to-all back left out). The search takes it
 for a long sequence (LLaMA-7B, 16,384 tokens) at batch 1 on 8 devices, where it beats Megatron's
-tensor + sequence parallelism (a prediction of the cost model: no GPU).
+tensor + sequence parallelism (a prediction of the cost model: no GPU); a
+small one trains on 2 gloo ranks as one process does (the interpreter; the
+torch-native runtime refuses an all-to-all by name).
 """
 
 from __future__ import annotations
@@ -72,3 +74,21 @@ def test_the_search_splits_long_sequence_attention_by_ulysses_all_to_alls():
 def _moves(plan) -> list[tuple[int, int]]:
     """Each all-to-all of the plan as (from dim, to dim)."""
     return [(dict(n.attrs)["dim"], dict(n.attrs)["to_dim"]) for n in plan.pcg.nodes if n.op == "all_to_all"]
+
+
+@pytest.mark.slow
+def test_a_ulysses_plan_trains_on_two_gloo_ranks_as_one_process():
+    """A small LLaMA (2 blocks, hidden 64, 4 heads, 2,048 tokens, batch 1) priced on the `cpu` preset, where
+    attention's s^2 work dominates: the plan all-to-alls attention's output back to the sequence split, and
+    the interpreter (`run_plan`, node by node) trains it on 2 gloo ranks as one process does."""
+    pytest.importorskip("torch")
+    from parsat.backend.executor import TrainConfig, run_plan
+    library = load_library()[0]
+    sizes = {"blocks": 2, "batch": 1, "seq": 2048, "hidden": 64, "heads": 4, "ffn": 128, "vocab": 256}
+    graph = build_example("llama", sizes, library)
+    plan = optimize(graph, machine="cpu", devices=2, rules=library, baselines=False)
+    back = [n for n in plan.pcg.nodes if n.op == "all_to_all" and plan.pcg.node(n.inputs[0]).op == "attention_causal"]
+    assert back and all(any(r.startswith(RULE) for r in n.rules) for n in back), back
+    result = run_plan(plan.pcg, 2, TrainConfig(steps=2, optimizer="adam", lr=0.01, check=True, tolerance=1e-4),
+                      graph=graph, backend="gloo")
+    assert result.check == "passed", result
