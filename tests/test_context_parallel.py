@@ -57,6 +57,8 @@ def test_the_search_splits_long_sequence_attention_by_ulysses_all_to_alls():
         assert [(n.op, dict(n.attrs)["dim"], dict(n.attrs)["to_dim"]) for n in readers] == [("all_to_all", heads, seq)]
         assert any(r.startswith(RULE) for r in readers[0].rules), readers[0].rules
     assert plan.totals.time_s < plan.baselines["best_grid"].time_s
+    from parsat.ir.parallelism import describe
+    assert "context-parallel attention (Ulysses all-to-all)" in describe(plan.pcg), describe(plan.pcg)
     # the torch-native runtime does not lower an all-to-all: it refuses the plan by name, pointing at the
     # interpreter (which runs all_to_all: tests/test_expert_parallel.py)
     pytest.importorskip("torch")

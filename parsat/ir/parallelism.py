@@ -14,7 +14,11 @@ follows from what those operators do to which values:
   by a `bmm` over the experts dim) split on their experts dim, each device
   computing its own experts (the rows moved to them by an all-to-all, or
   every row on every device); not tensor parallelism, which splits one
-  expert's matrices.
+  expert's matrices;
+* context parallelism: fused causal attention whose output is all-to-all'd
+  back to a split of the sequence (DeepSpeed-Ulysses: q, k and v moved from
+  a sequence split to a split of the heads, the rule
+  `attention_causal_context_parallel`).
 
 `axis_uses` reads them off a PCG, `describe` says them the way people do
 ("DP 8 across nodes x TP 8 inside a node, sequence-parallel norms, ZeRO-3
@@ -27,13 +31,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from parsat.dsl.parallel_ops import ALL_GATHER, PARTITION, REDUCE_SCATTER
+from parsat.dsl.parallel_ops import ALL_GATHER, ALL_TO_ALL, PARTITION, REDUCE_SCATTER
 from parsat.ir.pcg import PCG, WEIGHT_ROLES, describe_zero, pcg_roles
 from parsat.ir.placement import shard_dim
 
 WEIGHTY = WEIGHT_ROLES   # a weight, or a piece or value of one made by parallel operators
 
-DATA, TENSOR, SEQUENCE, ZERO3, EXPERT = "data", "tensor", "sequence", "zero3", "expert"
+DATA, TENSOR, SEQUENCE, ZERO3, EXPERT, CONTEXT = "data", "tensor", "sequence", "zero3", "expert", "context"
 
 
 def along_sequence(shape: tuple[int, ...], dim: int | None) -> bool:
@@ -46,6 +50,7 @@ def along_sequence(shape: tuple[int, ...], dim: int | None) -> bool:
 def sequence_split(shape: tuple[int, ...], code: int) -> bool:
     """Whether a value of `shape` placed with `code` on an axis is cut along its sequence there."""
     return along_sequence(shape, shard_dim(code))
+CAUSAL = "attention_causal"   # the fused attention whose output an all-to-all moves back to the sequence: Ulysses
 KINDS = {"dp": DATA, "tp": TENSOR, "sp": SEQUENCE, "pp": "pipeline"}   # what `--degrees` names them
 
 
@@ -87,6 +92,8 @@ def axis_uses(pcg: PCG) -> list[AxisUse]:
         elif node.op in (REDUCE_SCATTER, ALL_GATHER) or (node.op == PARTITION and along_sequence(node.shape, dim)
                                                           and by_id[node.inputs[0]].kind != "leaf"):
             kinds[axis].add(SEQUENCE)
+        elif node.op == ALL_TO_ALL and (by_id[node.inputs[0]].kind, by_id[node.inputs[0]].op) == ("op", CAUSAL):
+            kinds[axis].add(CONTEXT)
     # storage shards that are gathered again are ZeRO-3, not tensor parallelism, on that axis
     for axis, found in kinds.items():
         if ZERO3 in found and not _computes_on_weight_pieces(pcg, by_id, roles, axis):
@@ -138,6 +145,10 @@ def describe(pcg: PCG) -> str:
     parts = [" x ".join(u.label() for u in uses)]
     if any(SEQUENCE in u.kinds and TENSOR in u.kinds for u in uses):
         parts.append("sequence-parallel norms")
+    context = [u for u in uses if CONTEXT in u.kinds]
+    if context:
+        parts.append("context-parallel attention (Ulysses all-to-all) over "
+                     + ", ".join(f"{u.name} {u.size}" for u in context))
     zero = [u for u in uses if ZERO3 in u.kinds]
     if zero:
         parts.append("ZeRO-3 over " + ", ".join(("DP" if DATA in u.kinds else u.name) for u in zero))

@@ -202,14 +202,12 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
     tried: list[dict] = []
     scouted: dict[int, tuple[int, int, int]] = {}   # id of a plan priced from a scout's stage plan -> (p, m, in flight)
     memos: dict[tuple[int, int, int], StageMemo] = {}   # (p, m, in flight) -> its scout's memo (`_search_every_mesh`)
-    once = PricedOnce()
-    to_beat = bar_of(bar)
+    once, to_beat = PricedOnce(), bar_of(bar)
     degrees = pipeline_degrees(devices, machine, parameters, layers, degree,
                                batch=batch if sample_bytes is not None else None, sample_bytes=sample_bytes or 0.0)
     pairs = [(p, m) for p in degrees for m in microbatch_counts(batch, p, microbatches)]
     for index, (p, m) in enumerate(pairs):
-        stage_devices = devices // p
-        stage_machine = _stage_machine(machine, devices, p)
+        stage_devices, stage_machine = devices // p, _stage_machine(machine, devices, p)
         if clock is not None and clock.spent and (index > 0 or clock.interrupted.is_set()):
             why = INTERRUPTED if clock.interrupted.is_set() else NOT_SEARCHED
             say(f"pipeline {p} stages x {m} micro-batches: {why}")
