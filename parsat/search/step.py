@@ -556,9 +556,10 @@ def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_se
     # directly from the graph (`independent_grid`): an e-graph cut short by the limits may not reach them
     as_grid = replace(dp, name="best_grid", config={"dp": step.devices, "tp": 1, "sp": False, "zero": 0,
                                                      "microbatches": graph.microbatches}) if dp else None
-    # an unstaged count's scout whose joint plans do not fit raises unless a baseline fits: its grid is scanned
-    # for a point that may fit before the grid is made with floors and order (`independent_points`' `scan_first`)
-    scan_first = step.scout and step.stage is None and best_search.joint is not None and \
+    # an unstaged count's scout whose joint plans do not fit raises unless a baseline fits: where its steps refuse
+    # points by their floors (no wall-clock limit), its grid is scanned for a point that may fit before the grid
+    # is made with floors and order (`independent_points`' `scan_first`)
+    scan_first = step.scout and step.stage is None and steps.refusing and best_search.joint is not None and \
         not step.memory.fits(best_search.joint)
     independent = independent_points(step, steps, scan_first) if not step.pins else []
     points = [s.grid for s in searches] + [as_grid] + independent
