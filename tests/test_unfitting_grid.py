@@ -11,9 +11,11 @@ from dataclasses import replace
 import pytest
 
 import parsat.search.step as step_module
+from parsat.egraph.runner import Limits
 from parsat.ir.errors import DoesNotFit
 from parsat.ir.machine import Machine
 from parsat.ir.plan import without_timing
+from parsat.search.deadline import Deadline
 from parsat.search.mesh import CandidateSteps
 from parsat.search.optimize import optimize
 from parsat.search.request import resolve_request, step_context
@@ -96,8 +98,8 @@ def test_no_grid_is_scanned_where_a_point_fits(share):
 def test_the_search_over_counts_ends_alike_with_the_scan_and_without(monkeypatch):
     """The micro-batch search (whole batch first, then more micro-batches) on a device below every one-batch
     point's bound: the scouts that raise scan their grids (some scan makes one), and the plan, its trace and
-    baselines included, is the one the branch and bound alone gives; on a device too small for any count, the
-    same DoesNotFit, message and figures."""
+    baselines included, is the one the branch and bound alone gives; the scout of the whole batch raises the same
+    DoesNotFit, message and figures."""
     made = []
     inner = step_module._unfitting_grid
 
@@ -117,12 +119,13 @@ def test_the_search_over_counts_ends_alike_with_the_scan_and_without(monkeypatch
     assert without_timing(json.loads(scanned.to_json())) == without_timing(json.loads(plain.to_json()))
     assert _untimed(said) == _untimed(said_made)
 
-    tiny = replace(MACHINE, memory_capacity=1 << 16)
+    # the scout of one micro-batch on that device: the same DoesNotFit, its grid scanned
     errors = []
     for unfitting in (counted, lambda step, steps: None):
         monkeypatch.setattr(step_module, "_unfitting_grid", unfitting)
         made.clear()
+        scout = step_context(resolve_request("gpt", machine, None, None, 8, sizes=SIZES), 1, scout=True)
         with pytest.raises(DoesNotFit) as raised:
-            optimize("gpt", tiny, devices=8, sizes=SIZES, pipeline=False)
+            step_module.search_step(scout, Deadline.starting_now(Limits.resolve(None)))
         errors.append((str(raised.value), raised.value.needed_bytes, raised.value.capacity_bytes, any(made)))
     assert errors[0][:3] == errors[1][:3] and errors[0][3]
