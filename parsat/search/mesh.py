@@ -108,12 +108,19 @@ class CandidateSteps:
     def __call__(self, candidate: Candidate | None) -> Candidate | None:
         if candidate is None or candidate.totals.simulation is not None:
             return candidate
-        if self.refusing and candidate.pcg not in self.simulated:
-            floor = self.peak_floor(candidate.pcg)
-            if floor is not None and floor > self.machine.memory_capacity:
-                self.refused.add(candidate.pcg)
-                return replace(candidate, totals=candidate.totals.refused(floor))
-        return self.simulate(candidate)
+        return self.refusal(candidate) or self.simulate(candidate)
+
+    def refusal(self, candidate: Candidate) -> Candidate | None:
+        """`candidate` (unsimulated) refused by its floor, as this would give it (`refusing`: a lower bound of its
+        simulated peak over the device's memory, and its step not simulated before); None where it would be
+        simulated instead."""
+        if not self.refusing or candidate.pcg in self.simulated:
+            return None
+        floor = self.peak_floor(candidate.pcg)
+        if floor is None or floor <= self.machine.memory_capacity:
+            return None
+        self.refused.add(candidate.pcg)
+        return replace(candidate, totals=candidate.totals.refused(floor))
 
     def simulate(self, candidate: Candidate | None) -> Candidate | None:
         """`candidate` with its step simulated (refused by no floor), kept for the call."""

@@ -567,7 +567,12 @@ def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_se
     # directly from the graph (`independent_grid`): an e-graph cut short by the limits may not reach them
     as_grid = replace(dp, name="best_grid", config={"dp": step.devices, "tp": 1, "sp": False, "zero": 0,
                                                      "microbatches": graph.microbatches}) if dp else None
-    independent = independent_points(step, steps) if not step.pins else []
+    # an unstaged count's scout whose joint plans do not fit raises unless a baseline fits: where its steps refuse
+    # points by their floors (no wall-clock limit), its grid is scanned for a point that may fit before the grid
+    # is made with floors and order (`independent_points`' `scan_first`)
+    scan_first = step.scout and step.stage is None and steps.refusing and best_search.joint is not None and \
+        not step.memory.fits(best_search.joint)
+    independent = independent_points(step, steps, scan_first) if not step.pins else []
     points = [s.grid for s in searches] + [as_grid] + independent
     if request.parallel_dims:   # pinned: the grid is the pinned layout's points, so it may be the plan
         points = [p for p in points if p is not None and keeps_pins(p, request)]
@@ -648,7 +653,7 @@ def built_once(step: StepContext, build: Callable[..., Candidate | None]) -> Can
 _UNBUILT = object()   # `built_once`: not built yet in this call (None is an answer: the baseline does not apply)
 
 
-def independent_points(step: StepContext, steps: CandidateSteps) -> list[Candidate]:
+def independent_points(step: StepContext, steps: CandidateSteps, scan_first: bool = False) -> list[Candidate]:
     """The independent grid's points (`baselines.independent_grid`), the ones that fit as they run
     (`search.fit`) simulated, less those whose step cannot be the fastest of them: only the fastest point can
     be the best grid point, and a point that does not fit ranks by its memory, which simulating does not
@@ -667,10 +672,15 @@ def independent_points(step: StepContext, steps: CandidateSteps) -> list[Candida
     only the points that keep the pins can be the best grid point (`compare_baselines`), so only they are
     simulated and set the bar; the others are kept unsimulated. Made once per call for one graph on one machine
     and devices (and pipeline, for a stage's), which a scout's step and the search of every mesh at its count
-    share."""
+    share. `scan_first` (where the caller expects that no point fits): the grid is first made without floors
+    where it can be (`_unfitting_grid`), and as above only where a point may fit."""
     request = step.request
     key = (step.graph, step.machine, step.devices, step.stage)
     found = request.grid_points.get(key)
+    if found is None and scan_first and not request.parallel_dims and not request.built.get((GRID_SCANNED, key)):
+        found = _unfitting_grid(step, steps)
+        if found is not None:
+            request.grid_points[key] = found
     if found is None:
         if request.built.get((GRID_SCANNED, key)):   # made where `a_grid_point_fits` stood: its failures unsaid
             steps = CandidateSteps(request.library, step.machine, step.graph.microbatches, request.simulations,
@@ -690,6 +700,32 @@ def independent_points(step: StepContext, steps: CandidateSteps) -> list[Candida
         found = [point for _key, point in sorted(search.kept.items(), key=lambda item: item[0])]
         request.grid_points[key] = found
     return found
+
+
+def _unfitting_grid(step: StepContext, steps: CandidateSteps) -> list[Candidate] | None:
+    """The independent grid as `independent_points` makes it, where none of its points fits; None where one may
+    fit (the grid is then made with its floors and order). Scanned the leanest layouts first (`grid_families`'
+    `lean_first`: every order gives the same points), each point judged as `independent_points` judges it with
+    no bar set: a point over its per-node bound is kept as it is, one within it is stepped (`steps`), which
+    refuses it unsimulated where a lower bound of its simulated peak is over the device's memory
+    (`CandidateSteps.refusal`); a point that would be simulated may fit, and ends the scan.
+
+    Why the same grid: where no point fits, the branch and bound's bar (the fastest point simulated that fits)
+    stays infinite, so it leaves out no layout and no point, simulates nothing it did not refuse here, and keeps
+    every point by its (place in the grid's order, place in its layout) key, as here. What it would work out for
+    nothing: each layout's step floor and each point's (`_LayoutFloors`, `CandidateSteps.floor`), which only
+    order the simulations and set no bar where none fits; llama-70b:64's unstaged scouts (micro-batch counts 1,
+    2, 4; their joint plans 87-116 GiB as simulated, every grid point over its bound or refused) raise
+    DoesNotFit after making it."""
+    kept: dict = {}
+    for family in _grid_families(step, lean_first=True):
+        for k, (place, point) in enumerate(family):
+            if step.memory.fits(point):
+                point = steps.refusal(point)
+                if point is None:
+                    return None
+            kept[(place, k)] = point
+    return [point for _key, point in sorted(kept.items(), key=lambda item: item[0])]
 
 
 GRID_SCANNED = "grid scanned"   # `request.built` key: a step's grid scanned for a point that fits, not made
