@@ -341,7 +341,8 @@ def lower(pcg: PCG, graph: Graph, module: ModuleInfo, *, pipelined: bool = False
         raise LoweringError("the plan is for one device: run the module itself")
     moved = next((n for n in pcg.nodes if n.kind == "parallel" and n.op == ALL_TO_ALL), None)
     if moved is not None:
-        raise LoweringError(f"node #{moved.id} is an all_to_all (expert parallelism: a shard moved between dims), "
+        raise LoweringError(f"node #{moved.id} is an all_to_all (a shard moved between dims: expert parallelism's "
+                            "dispatch or context-parallel attention's Ulysses exchange), "
                             "which the torch-native runtime does not lower; run the plan with the interpreter "
                             "(runtime='interpreter', `parsat run`)")
     lowering = _Lowerer(pcg, graph, module, library, traced, evaluated).run()
