@@ -100,6 +100,7 @@ def test_a_tensor_parallel_plan_file_trains_on_torch_through_the_plan_s_graph_on
     assert "tensor parallelism on tp: every parameter a DTensor" in result["lowering"], result["lowering"]
 
 
+@pytest.mark.slow   # ~45 s of a worker: five runs / a whole micro-batch search twice
 def test_micro_batched_and_recomputing_plan_files_train_on_torch_like_one_process(tmp_path, capsys):
     """The 2-block gpt in 2 micro-batches a step on dp 2 (`replicate`, then ZeRO-3's `fully_shard`, the gradient
     sync in the last backward only) and on tp 2 (the plan's graph on DTensors), and recomputing its blocks on dp 2 and tp 2 (no submodule per block

@@ -95,6 +95,7 @@ def test_no_grid_is_scanned_where_a_point_fits(share):
         assert fitting[0]["sp"] and fitting[0]["zero"] == 3 and fitting[0]["recompute"] == "blocks"
 
 
+@pytest.mark.slow   # ~45 s of a worker: five runs / a whole micro-batch search twice
 def test_the_search_over_counts_ends_alike_with_the_scan_and_without(monkeypatch):
     """The micro-batch search (whole batch first, then more micro-batches) on a device below every one-batch
     point's bound: the scouts that raise scan their grids (some scan makes one), and the plan, its trace and
