@@ -39,6 +39,8 @@ Under torchrun, every rank calls
    micro-batch count (`scale_grads`), so a step's gradient is the whole
    batch's mean's.
 
+Every rank passes a batch of one shape in a step: the ranks exchange
+their shapes first (`batch_agreement`), and refuse together, naming them.
 A step's batch of another shape (micro-batch size, sequence length) is
 traced again at its first step: step 3's trace and graph changes, the new
 graphs installed in the stage modules of step 4 (`stage_graphs`: their
@@ -71,6 +73,7 @@ from torch.distributed.tensor import distribute_tensor
 from parsat.backend.torch_native.apply import (LOWERING_ATTRIBUTE, NativeParallelizeError, broadcast_state,
                                               checkpoint_blocks, data_parallel, dtensor_step, sequence_piece,
                                               traced_graph_passes, traced_parameters_placed)
+from parsat.backend.torch_native.batch_agreement import check_same_batch
 from parsat.backend.torch_native.lowering import SEQ_DIM
 from parsat.backend.torch_native.pipeline_lowering import STAGE_AXIS_NAME, PIPELINE_AXIS_NAME, PipelineLowering
 from parsat.backend.torch_native.stage_graphs import StageGraphs, graphs_of, install
@@ -270,7 +273,9 @@ class PipelinedModule:
         first stage reads it), cut into the plan's micro-batches and run in its schedule; the shared weights'
         gradients summed over their stages. Returns the step's loss (the micro-batches' mean) on every rank. A
         batch shape not met before is traced first (`_run_for`); one the plan cannot cut is refused by name
-        before anything runs."""
+        before anything runs; ranks passing batches of different shapes are refused on every rank, naming them
+        (`batch_agreement`: one small exchange a step, before the schedule)."""
+        check_same_batch(inputs, self.device)
         m = self.lowering.microbatches
         schedule = self._run_for(inputs)
         losses: list[torch.Tensor] = []

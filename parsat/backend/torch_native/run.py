@@ -53,14 +53,14 @@ trains the unmodified module on the whole batch. Micro-batches of a graph
 that is no built-in example are refused up front (their whole batch is not
 known).
 
-Refused before any rank starts (`check_runnable`): a pipelined plan file
-(its graph is one module, which `torch.distributed.pipelining` would cut at
-submodule calls, and the graph has none: its stages would have to be
-traced modules of the plan's stage graphs, which `pipelined.py` builds
-from a user's module only; run it with the interpreter or train your
-module with `parallelize(..., runtime="torch")`). The lowering's own
-refusals (an all_to_all, two tensor axes, ...) come from every rank with
-the lowering's message, naming the node.
+A pipelined plan file runs through `run_pipelined.py`: the graph as a
+module with one submodule a block (`staged_graph.StagedGraphModule`), cut
+into `torch.distributed.pipelining` stages where the plan's chunks begin,
+trained with the plan's schedule and micro-batches (`PipelinedModule.step`)
+as a user's pipelined module is; `--check` as here.
+
+The lowering's own refusals (an all_to_all, two tensor axes, ...) come from
+every rank with the lowering's message, naming the node.
 """
 
 from __future__ import annotations
@@ -201,12 +201,8 @@ class GraphImport:
         return {}
 
 
-def check_runnable(graph: Graph, pipelined: bool) -> None:
-    """What `--runtime torch` refuses before any rank starts (module docstring)."""
-    if pipelined:
-        raise ExecutionError("--runtime torch does not run a pipelined plan file: its graph has no module to cut "
-                             "into stages; run it with the interpreter (the default runtime), or train your module "
-                             "with parsat.parallelize(module, plan, example_inputs, runtime='torch')")
+def check_runnable(graph: Graph) -> None:
+    """What `--runtime torch` refuses of an unpipelined plan file before any rank starts (module docstring)."""
     if graph.microbatches != 1 and step_batch(graph, operator_library()).whole is None:
         raise ExecutionError(f"the plan runs its step as {graph.microbatches} micro-batches of a graph that is no "
                              "built-in example, so the step's whole batch (what --check trains the unmodified module "
@@ -215,18 +211,19 @@ def check_runnable(graph: Graph, pipelined: bool) -> None:
 
 
 def run_torch_plan(path: str, nproc: int, config: TrainConfig, backend: str | None = None,
-                   timeout_s: float = 600.0, collective_timeout_s: float = 30.0) -> dict:
+                   timeout_s: float = 600.0, collective_timeout_s: float = 30.0, rank=None) -> dict:
     """The plan file at `path` trained on `nproc` ranks through `parallelize(runtime="torch")`; rank 0's report
-    (`torch_rank`). Raises ExecutionError with the lowering's refusal when the plan cannot be lowered."""
-    results = launch(torch_rank, (path, config),
+    (`rank`'s: `torch_rank` by default, `run_pipelined.pipelined_rank` for a pipelined plan file). Raises
+    ExecutionError with the lowering's refusal when the plan cannot be lowered."""
+    results = launch(rank or torch_rank, (path, config),
                      LaunchConfig(nproc=nproc, backend=backend, timeout_s=timeout_s,
                                   collective_timeout_s=collective_timeout_s))
     refused = next((r["refused"] for r in results if r.get("refused")), None)
     if refused:
         raise ExecutionError(f"the torch runtime cannot run this plan: {refused} (--runtime torch runs the plan's "
-                             "graph as one module of plain parameters; run the plan with the interpreter, the "
-                             "default runtime, or your own module with parsat.parallelize(module, plan, "
-                             "example_inputs, runtime='torch'))")
+                             "graph as a module of plain parameters, one module or one a block; run the plan with "
+                             "the interpreter, the default runtime, or your own module with "
+                             "parsat.parallelize(module, plan, example_inputs, runtime='torch'))")
     return results[0]
 
 
