@@ -9,7 +9,8 @@ again is not traced. A shape the plan cannot cut is refused by name before anyth
 
 Fast, without processes: the trace puts the module's own parameter objects in its stage modules (the tied table
 copied) and leaves the module unmarked, so it traces again. Fast, on 2 gloo ranks: the built-in gpt (pp 2, 1F1B,
-4 micro-batches) refuses a batch its micro-batches do not divide, traces a new shape once and not again, and
+4 micro-batches) refuses a batch its micro-batches do not divide, and a step whose ranks pass batches of different
+shapes (on every rank, naming them, before any trace), traces a new shape once and not again, and
 both shapes read one set of weights (a change made in place after the steps is what both shapes' losses see,
 against the unmodified module changed the same way). Slow: that gpt (pp 2; on 4 ranks pp 2 x tp 2 with
 sequence parallelism, and pp 2 x dp 2 with ZeRO-3 stages) and HF GPT-2 (pp 2, 1F1B), 3 AdamW steps alternating two batch shapes, losses, clipped
@@ -114,6 +115,10 @@ def gpt_job(ctx, plan: dict, train: bool, odd_sequence: bool = False) -> dict:
             model.step(*wrong)
         except NativeParallelizeError as err:
             out["refusals"].append(str(err))
+    try:   # rank 0 the plan's shape, rank 1 another the plan runs too: each alone would trace and wait on the other
+        model.step(*gpt_batch(0, GPT_SHAPES[ctx.rank % 2]))
+    except NativeParallelizeError as err:
+        out["mismatch"] = str(err)
     out["traces_after_refusals"] = model.traces
     if train:
         batches = [gpt_batch(step, GPT_SHAPES[step % 2]) for step in range(3)]
@@ -165,6 +170,8 @@ def _refused_before_anything_ran(run: dict, odd_sequence: bool = False) -> None:
     assert "4 micro-batches must divide" in first and "[6, 8]" in first, first
     assert "2 tensor(s)" in second, second
     assert run["traces_after_refusals"] == 1, run
+    assert "different shapes (rank 0: ([8, 8] int64, [8, 8] int64); rank 1: ([16, 4] int64, [16, 4] int64))" \
+        in run["mismatch"], run["mismatch"]
 
 
 def test_a_new_batch_shape_is_traced_once_and_runs_on_the_same_weights():
