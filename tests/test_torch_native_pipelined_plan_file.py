@@ -25,7 +25,6 @@ from test_torch_native_pipeline import pipelined_plan  # noqa: E402
 
 from parsat.backend.executor import ExecutionError, operator_library, seeded_weights, step_data  # noqa: E402
 from parsat.backend.training_data import TrainConfig  # noqa: E402
-from parsat.cli import main  # noqa: E402
 from parsat.ir.microbatch import step_batch  # noqa: E402
 
 LIBRARY = operator_library()
@@ -125,25 +124,15 @@ def test_what_a_pipelined_plan_file_is_refused_for_before_any_rank_starts(pp2):
 
 def _trains_like_one_process_and_the_interpreter(tmp_path, capsys, plan, nproc: int, *lowered: str) -> dict:
     """The plan file through `parsat run --runtime torch --check`, 3 Adam steps on `nproc` gloo ranks: passed
-    within 1e-9, every parameter a DTensor, `lowered` in the lowering; the interpreter's losses on the file."""
+    within 1e-9, every parameter a DTensor, `lowered` in the lowering, the interpreter's losses on the file
+    (`test_backend_cli_torch._like_one_process_and_the_interpreter`)."""
+    from test_backend_cli_torch import _like_one_process_and_the_interpreter
+
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan.to_dict()), encoding="utf-8")
-    args = ["run", str(path), "--nproc", str(nproc), "--backend", "gloo", "--steps", "3", "--json",
-            "--optimizer", "adam"]
-    code = main([*args, "--runtime", "torch", "--check"])
-    captured = capsys.readouterr()
-    assert code == 0, captured.err
-    result = json.loads(captured.out.strip().splitlines()[-1])
-    assert result["check"] == "passed" and result["max_rel_diff"] <= 1e-9, result
-    assert result["not_dtensor"] == [], result
-    for text in lowered:
+    result = _like_one_process_and_the_interpreter(capsys, path, nproc, lowered[0])
+    for text in lowered[1:]:
         assert text in result["lowering"], result["lowering"]
-    code = main(args)
-    captured = capsys.readouterr()
-    assert code == 0, captured.err
-    interpreted = json.loads(captured.out.strip().splitlines()[-1])
-    for got, want in zip(result["losses"], interpreted["losses"], strict=True):
-        assert abs(got - want) <= 1e-9 * abs(want), (result["losses"], interpreted["losses"])
     return result
 
 

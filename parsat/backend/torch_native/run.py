@@ -264,11 +264,8 @@ def torch_rank(ctx: RankContext, path: str, config: TrainConfig) -> dict:
         if reference is not None:
             inputs = {n: t.to(ctx.device) for n, t in data.whole_inputs().items()}
             targets = {n: None if t is None else t.to(ctx.device) for n, t in data.whole_targets().items()}
-            want = graph_objective(reference, graph, reference(inputs), targets)
-            want.backward()
-            ref_optimizer.step()
-            ref_optimizer.zero_grad()
-            ref_losses.append(float(want.detach()))
+            ref_losses.append(reference_step(graph_objective(reference, graph, reference(inputs), targets),
+                                             ref_optimizer))
     report = _report(model, reference, losses, ref_losses, config, lowering_of(model).describe())
     return {**report, "optimizer": type(optimizer).__name__}
 
@@ -303,11 +300,7 @@ def _report(model: nn.Module, reference, losses: list, ref_losses: list, config:
            "not_dtensor": sorted(n for n, t in params.items() if not isinstance(t, DTensor))}
     if reference is None:
         return out
-    worst, where = 0.0, ""
-    for got, want in zip(losses, ref_losses):
-        rel = abs(got - want) / max(abs(want), 1e-30)
-        if rel > worst:
-            worst, where = rel, "the loss"
+    worst, where = loss_difference(losses, ref_losses)
     for name, want in reference.named_parameters():
         got = params[name]
         whole = got.full_tensor() if isinstance(got, DTensor) else got
@@ -317,3 +310,22 @@ def _report(model: nn.Module, reference, losses: list, ref_losses: list, config:
     out.update(ref_losses=ref_losses, max_rel_diff=worst, worst=where,
                check="passed" if worst <= config.tolerance else "failed")
     return out
+
+
+def loss_difference(losses: list, ref_losses: list) -> tuple[float, str]:
+    """The largest relative difference of a step's loss from the reference's, and "the loss" where there is one."""
+    worst, where = 0.0, ""
+    for got, want in zip(losses, ref_losses):
+        rel = abs(got - want) / max(abs(want), 1e-30)
+        if rel > worst:
+            worst, where = rel, "the loss"
+    return worst, where
+
+
+def reference_step(objective_value: torch.Tensor, optimizer) -> float:
+    """One step of the unmodified module on the whole batch (`--check`'s reference): the objective's backward, the
+    optimizer's step; the objective's value."""
+    objective_value.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(objective_value.detach())

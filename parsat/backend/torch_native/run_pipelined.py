@@ -38,7 +38,8 @@ import torch.distributed as dist
 
 from parsat.backend.executor import ExecutionError, operator_library, seeded_weights, step_data
 from parsat.backend.launch import RankContext
-from parsat.backend.torch_native.run import GraphModule, _optimizer, run_torch_plan
+from parsat.backend.torch_native.run import (GraphModule, _optimizer, loss_difference, reference_step,
+                                             run_torch_plan)
 from parsat.backend.torch_native.staged_graph import StagedGraphModule
 from parsat.backend.training_data import TrainConfig
 from parsat.ir.graph import Graph
@@ -105,11 +106,7 @@ def pipelined_rank(ctx: RankContext, path: str, config: TrainConfig) -> dict:
         dist.all_reduce(held)
         losses.append(float(held) / ctx.world)
         if reference is not None:
-            want = reference(*whole)
-            want.backward()
-            ref_optimizer.step()
-            ref_optimizer.zero_grad()
-            ref_losses.append(float(want.detach()))
+            ref_losses.append(reference_step(reference(*whole), ref_optimizer))
     report = _report(model, reference, losses, ref_losses, config, lowering_of(model).describe())
     return {**report, "optimizer": type(optimizer).__name__}
 
@@ -128,12 +125,8 @@ def _report(model, reference, losses: list, ref_losses: list, config: TrainConfi
 
     params = dict(model.named_parameters())
     plain = sorted(n for n, t in params.items() if not isinstance(t, DTensor))
-    worst, where = 0.0, ""
+    worst, where = loss_difference(losses, ref_losses)
     if reference is not None:
-        for got, want in zip(losses, ref_losses):
-            rel = abs(got - want) / max(abs(want), 1e-30)
-            if rel > worst:
-                worst, where = rel, "the loss"
         for name, got in params.items():
             want = reference.get_parameter(name).detach()
             whole = got.full_tensor() if isinstance(got, DTensor) else got
