@@ -26,8 +26,9 @@ elements beside the prediction.
 `--runtime torch` runs the plan through PyTorch's own stack instead of
 the interpreter (`torch_native/run.py`: the plan's graph as a module,
 `parallelize(runtime="torch")`, torch's optimizer; `--check` against the
-unmodified module in one process), refusing, with the lowering's message,
-what that path cannot lower.
+unmodified module in one process; a pipelined plan's graph cut into
+`torch.distributed.pipelining` stages, `torch_native/run_pipelined.py`),
+refusing, with the lowering's message, what that path cannot lower.
 
 `--plan-of NAME` runs one of the baselines the plan file carries
 (`data_parallel`, `sequential`, `megatron`) instead of parsat's own PCG,
@@ -217,8 +218,9 @@ def main_run(args: argparse.Namespace) -> int:
 
 
 def _run_torch(args: argparse.Namespace, graph, pipelined: bool, config) -> int:
-    """`--runtime torch` (`torch_native.run`): the plan's graph as a module on torch's own stack; rank 0 reports
-    the losses, the lowering and, with --check, the comparison with the unmodified module in one process."""
+    """`--runtime torch` (`torch_native.run`, a pipelined plan `torch_native.run_pipelined`): the plan's graph as a
+    module on torch's own stack; rank 0 reports the losses, the lowering and, with --check, the comparison with
+    the unmodified module in one process."""
     from parsat.backend.executor import ExecutionError
     from parsat.backend.torch_native import run, run_pipelined
 
