@@ -107,8 +107,10 @@ def gpt_job(ctx, plan: dict, train: bool, odd_sequence: bool = False) -> dict:
     reference = copy.deepcopy(module)
     data = math.prod(a["size"] for a in plan["mesh"]["axes"] if a["name"] != "tp")   # the stage's replicas
     example = tuple(x[: x.shape[0] // data] for x in gpt_batch(0, GPT_SHAPES[0]))   # a local batch's shape
+    whole_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     model = parsat.parallelize(module, plan, example, runtime="torch", weight_names=weight_names())
-    out: dict = {"refusals": []}
+    # the module is kept to re-trace, its parameters holding no values (`pipelined.release_parameters`)
+    out: dict = {"refusals": [], "module_bytes": [whole_bytes, _bytes_held(module)]}
     wrongs = [gpt_batch(0, (6, 8)), gpt_batch(0, (8, 8))[:1]] + [gpt_batch(0, (8, 3))] * odd_sequence
     for wrong in wrongs:   # 4 micro-batches of 6; one tensor of two; a sequence of 3 in pieces for 2 tp ranks
         try:
@@ -140,7 +142,12 @@ def gpt_job(ctx, plan: dict, train: bool, odd_sequence: bool = False) -> dict:
         inputs = gpt_batch(1, shape)
         out["changed"].append((float(model.step(*inputs)), float(reference(*inputs).detach())))
     out["traces"], out["traced_shapes"] = model.traces, [list(s[0][0]) for s in model.traced_shapes]
+    out["module_bytes"].append(_bytes_held(module))   # after the second shape's trace too
     return out
+
+
+def _bytes_held(module) -> int:
+    return sum(p.untyped_storage().nbytes() for p in module.parameters())
 
 
 def _launch(job, args: tuple, nproc: int = 2) -> list:
@@ -170,7 +177,8 @@ def _refused_before_anything_ran(run: dict, odd_sequence: bool = False) -> None:
     assert "4 micro-batches must divide" in first and "[6, 8]" in first, first
     assert "2 tensor(s)" in second, second
     assert run["traces_after_refusals"] == 1, run
-    assert "different shapes (rank 0: ([8, 8] int64, [8, 8] int64); rank 1: ([16, 4] int64, [16, 4] int64))" \
+    assert run["module_bytes"][0] > 0 and not any(run["module_bytes"][1:]), run["module_bytes"]
+    assert "different shapes (rank 0: ([8, 8] int64, [8, 8] int64); rank 1: ([16, 4] int64, [16, 4] int64)" \
         in run["mismatch"], run["mismatch"]
 
 

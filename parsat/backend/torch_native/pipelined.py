@@ -153,6 +153,7 @@ class PipelinedModule:
         self.pp_group = mesh[PIPELINE_AXIS_NAME].get_group()
         self.shared_groups = shared_groups
         self._module = module   # the user's module, traced again at a new batch shape (its values unread)
+        self._released = release_parameters(module)   # ... so its parameters hold no values between traces
         self._runs: dict[BatchShape, _ShapeRun] = {}
         self._installed: BatchShape | None = None
         self.traces = 0   # how many times the module was traced (once at parallelize, once per new shape)
@@ -307,7 +308,8 @@ class PipelinedModule:
         shape = runnable_shape(self.lowering, inputs, self._arity())
         if shape not in self._runs:
             micro = _first_microbatch(tuple(inputs), self.lowering.microbatches)
-            pipe = _traced_pipe(self._module, self.lowering, micro, self.device)
+            with materialized(self._module, self._released, self.device):
+                pipe = _traced_pipe(self._module, self.lowering, micro, self.device)
             chunks, graphs = self.lowering.chunks_of(self.stage), []
             for chunk, kept in zip(chunks, self.stage_modules):   # every chunk's graphs checked before any installed
                 traced = pipe.get_stage_module(chunk.index)
@@ -371,6 +373,35 @@ class PipelinedModule:
             if name in names:
                 return self.stage == min(stages)
         return True
+
+
+def release_parameters(module: nn.Module) -> dict[int, tuple[nn.Parameter, torch.Size, torch.dtype]]:
+    """Each parameter of the user's module (each once) emptied, its shape and dtype kept: after `parallelize` the
+    stage modules train their own parameters (DTensors, FSDP's), and re-tracing at a new shape reads the module's
+    code, shapes and dtypes, not its values, so the whole module's values need not stay on every rank between
+    traces (`materialized` gives the trace uninitialized tensors of those shapes). Its buffers stay: a trace
+    lifts them into the stage graphs it makes (`stage_graphs.graphs_of`)."""
+    held = {}
+    with torch.no_grad():
+        for param in module.parameters():
+            held[id(param)] = (param, param.shape, param.dtype)
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    return held
+
+
+@contextlib.contextmanager
+def materialized(module: nn.Module, released: Mapping, device: torch.device):
+    """The released parameters (`release_parameters`) as uninitialized tensors of their shapes on `device` for the
+    duration (a trace), emptied again after."""
+    with torch.no_grad():
+        for param, shape, dtype in released.values():
+            param.data = torch.empty(shape, dtype=dtype, device=device)
+    try:
+        yield module
+    finally:
+        with torch.no_grad():
+            for param, _shape, dtype in released.values():
+                param.data = torch.empty(0, dtype=dtype, device=device)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
