@@ -42,7 +42,10 @@ Under torchrun, every rank calls
 Every rank passes a batch of one shape in a step: the ranks exchange
 their shapes first (`batch_agreement`), and refuse together, naming them.
 A step's batch of another shape (micro-batch size, sequence length) is
-traced again at its first step: step 3's trace and graph changes, the new
+traced again at its first step (the module kept for it holds no parameter
+values between traces: `release_parameters`, `materialized`; the module
+passed to `parallelize` is the pipelined module's from then on, its
+trained weights `model.state_dict()`): step 3's trace and graph changes, the new
 graphs installed in the stage modules of step 4 (`stage_graphs`: their
 parameters, hooks and the optimizer's state untouched), new
 `PipelineStage`s and the plan's schedule over them; each shape's kept, and
@@ -140,7 +143,8 @@ class _ShapeRun:
 class PipelinedModule:
     """This rank's part of a pipelined module: its stage modules, their `PipelineStage`s and the schedule
     (module docstring). Parameters keep the module's own names. A batch of another shape re-traces the module
-    (`module`, kept for it) and runs the new graphs on these stage modules (`stage_graphs`): one set of
+    (`module`, kept for it, its parameters emptied between traces) and runs the new graphs on these stage modules
+    (`stage_graphs`): one set of
     parameters, the plan's schedule and micro-batch count, each shape's graphs and schedule kept."""
 
     def __init__(self, lowering: PipelineLowering, module: nn.Module, modules: Sequence[nn.Module], stage: int,
