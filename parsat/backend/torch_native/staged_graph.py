@@ -120,7 +120,9 @@ class StagedGraphModule(GraphModule):
                             f"({', '.join(self.tensor_names)}), got {len(tensors)}")
         given = dict(zip(self.tensor_names, tensors))
         graph = self.graph_for({name: given[name] for name in self.input_names})
-        blocks = self._blocks_of.setdefault(id(graph), graph_blocks(graph))
+        if id(graph) not in self._blocks_of:   # the plan's graph, or its example rebuilt at a batch (both kept)
+            self._blocks_of[id(graph)] = graph_blocks(graph)
+        blocks = self._blocks_of[id(graph)]
         outside = {name: self.get_parameter(param) for name, param in self.param_names.items()
                    if blocks[name] == OUTSIDE}
         env = {name: given[name] for name in self.input_names}
