@@ -100,7 +100,7 @@ DEVICE = 0
 # only of a contiguous tensor (after a transpose it copies).
 VIEW_OPS = frozenset({"transpose", "unflatten", "split", "dropout", "broadcast"})
 # Fused attention kernels (FlashAttention, `scaled_dot_product_attention`): `attention_views`.
-FUSED_ATTENTION = frozenset({"attention_causal"})
+FUSED_ATTENTION = frozenset({"attention_causal", "attention"})
 TRANSPOSED_B = frozenset({"linear_t", "linear_nobias_t"})
 LOSS_OPS = 6           # per output: sub, pow, sum, div, div, detach-div (parsat/backend/executor.py `objective`)
 LOSS_BACKWARD_OPS = 4
