@@ -5,17 +5,17 @@ queries (cross-attention). `fuse_attention` (rules/algebraic.rule) proves it equ
 softmax / bmm form; its heads-parallel rules and the Ulysses context-parallel rule (rules/parallel_layers.rule,
 section attention) are proved, and the wrong variants (tests/wrong_rules/attention_bidirectional_wrong.rule)
 refused. The cost model prices it as FlashAttention runs it: every score (twice the causal operator's FLOPs at
-the same shapes), O(b s h) memory. The importer maps an unmasked, dropout-free SDPA onto it (Hugging Face BERT's
-`sdpa` attention), and the built-in bert builds it.
+the same shapes), O(b s h) memory. The built-in bert builds it; the importer maps an unmasked, dropout-free SDPA
+onto it (tests/test_backend_hf.py: Hugging Face ViT's `sdpa` attention, the loss the module's; tests/test_backend_fx.py
+and below: SDPA without a mask, square or not). Hugging Face BERT's all-ones mask is not recognised (it stays
+`softmax_masked`).
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from parsat.cost.model import compute_cost
 from parsat.dsl.library import load_library
@@ -87,36 +87,3 @@ def test_bert_builds_fused_attention_whose_memory_is_linear_in_the_sequence():
     assert per_token[0] == per_token[1]
     written = {n.op for n in build_example("bert", {**sizes, "seq": 1024, "unfused_attention": 1}).nodes}
     assert "softmax" in written and "attention" not in written
-
-
-def _hf(name: str):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import hf_models
-
-    module, inputs = hf_models.make(name)
-    for sub in module.modules():
-        if isinstance(sub, torch.nn.Dropout):
-            sub.p = 0.0
-    return module.double(), inputs
-
-
-@pytest.mark.parametrize("name", ["bert", "vit"])
-def test_hugging_face_sdpa_encoders_import_as_the_fused_operator(name):
-    """HF BERT's and ViT's `sdpa` attention (dropout 0, no padding mask) imports as `attention`, nothing written
-    out, and the imported graph's loss is the module's."""
-    pytest.importorskip("transformers")
-    from parsat.backend.executor import evaluate_graph
-    from parsat.importer.export import import_module
-
-    module, inputs = _hf(name)
-    assert module.model.config._attn_implementation == "sdpa"
-    imported = import_module(module, inputs)
-    ops = [n.op for n in imported.graph.nodes]
-    assert ops.count("attention") == 2 and not {"bmm", "softmax", "softmax_masked"} & set(ops)
-    leaves = {leaf: module.get_parameter(p).detach() for leaf, p in imported.weights.items()}
-    leaves.update(imported.constant_values(torch.float64))
-    leaves.update(imported.data_values(inputs, torch.float64))
-    got = evaluate_graph(imported.graph, leaves)[imported.graph.outputs[0]]
-    with torch.no_grad():
-        want = module(*inputs)
-    assert abs(float(got) - float(want)) <= 1e-10 * abs(float(want))
