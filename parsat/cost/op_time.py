@@ -34,10 +34,10 @@ runs as one kernel whose work the generic count of its semantics does not
 give. Fused bidirectional attention (`attention`: BERT's, ViT's) is priced as
 FlashAttention runs it: every score of q k^T and of the weighted sum of v
 (`attention_flops`), nothing stored but its output and one fp32 logsumexp
-per query row, the rate and backward of the causal one below. Fused causal attention (`attention_causal`, FlashAttention) counts
-every score although a causal kernel computes only half of them, and its
-semantics, evaluated as written, would keep nothing for backward that the
-kernel does not; so it is priced as FlashAttention runs: causal FLOPs (half
+per query row, the rate and backward of the causal one below. Fused causal
+attention (`attention_causal`, FlashAttention) counts every score although
+a causal kernel computes only half of them, and its semantics, evaluated as
+written, would keep nothing for backward that the kernel does not; so it is priced as FlashAttention runs: causal FLOPs (half
 of the QK^T and PV products), at the machine's attention rate
 (`OpEfficiency.attention_rate`, not a GEMM's), backward 2.5 x the forward
 (FlashAttention's count: the two products again, the scores recomputed and
@@ -384,7 +384,7 @@ def memory_op_time(nbytes: float, machine: Machine, backward: bool = False) -> f
 
 
 __all__ = ["BACKWARD_FACTOR", "BACKWARD_PRODUCTS", "FUSED", "FusedKernel", "OPTIMIZER_PASSES", "OpTime",
-           "attention_flops", "causal_attention_flops", "chunk_time", "elementwise_kernel", "elementwise_kind", "function_evaluations",
-           "function_kernel", "grad_kernels",
+           "attention_flops", "causal_attention_flops", "chunk_time", "elementwise_kernel", "elementwise_kind",
+           "function_evaluations", "function_kernel", "grad_kernels",
            "kernel_time", "local_contraction", "local_gemm",
            "memory_op_time", "op_time", "roofline", "update_time"]

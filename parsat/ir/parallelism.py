@@ -50,8 +50,10 @@ def along_sequence(shape: tuple[int, ...], dim: int | None) -> bool:
 def sequence_split(shape: tuple[int, ...], code: int) -> bool:
     """Whether a value of `shape` placed with `code` on an axis is cut along its sequence there."""
     return along_sequence(shape, shard_dim(code))
-FUSED_ATTENTION = frozenset({"attention_causal", "attention"})   # fused attention, causal or not, whose output an
-#                                                                all-to-all moves back to the sequence: Ulysses
+FUSED_ATTENTION = frozenset({"attention_causal", "attention"})
+"""The fused attention operators (FlashAttention, `scaled_dot_product_attention`), causal or not: one whose output
+an all-to-all moves back to the sequence is Ulysses context parallelism; the cost model's views of their operands
+and output (`cost.pcg_tasks.attention_views`) read the same set."""
 KINDS = {"dp": DATA, "tp": TENSOR, "sp": SEQUENCE, "pp": "pipeline"}   # what `--degrees` names them
 
 
