@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bert", action="store_true", help="the built-in bert (one block) instead of a GPT block")
     args = parser.parse_args(argv)
     library, machine = load_library()[0], Machine.resolve(args.machine)
-    print(f"{'bert, one encoder block' if args.bert else 'one attention block'}: batch {args.batch}, hidden {args.hidden}, {args.heads} heads, machine "
+    what = "bert, one encoder block" if args.bert else "one attention block"
+    print(f"{what}: batch {args.batch}, hidden {args.hidden}, {args.heads} heads, machine "
           f"{machine.name} ({machine.precision}); activation bytes kept for backward")
     print_rows(rows(args, library, machine), args.markdown)
     return 0

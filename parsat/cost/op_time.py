@@ -37,8 +37,9 @@ FlashAttention runs it: every score of q k^T and of the weighted sum of v
 per query row, the rate and backward of the causal one below. Fused causal
 attention (`attention_causal`, FlashAttention) counts every score although
 a causal kernel computes only half of them, and its semantics, evaluated as
-written, would keep nothing for backward that the kernel does not; so it is priced as FlashAttention runs: causal FLOPs (half
-of the QK^T and PV products), at the machine's attention rate
+written, would keep nothing for backward that the kernel does not; so it
+is priced as FlashAttention runs: causal FLOPs (half of the QK^T and PV
+products), at the machine's attention rate
 (`OpEfficiency.attention_rate`, not a GEMM's), backward 2.5 x the forward
 (FlashAttention's count: the two products again, the scores recomputed and
 their gradient), and for backward it keeps its output and one fp32
