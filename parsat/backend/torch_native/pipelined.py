@@ -70,7 +70,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from parsat.backend.torch_native.apply import (LOWERING_ATTRIBUTE, NativeParallelizeError, broadcast_state,
                                               checkpoint_blocks, data_parallel, dtensor_step, sequence_piece,
-                                              traced_graph_passes, traced_parameters_placed)
+                                              traced_graph_passes, traced_parameters_placed, with_policy_axis)
 from parsat.backend.torch_native.lowering import SEQ_DIM
 from parsat.backend.torch_native.pipeline_lowering import STAGE_AXIS_NAME, PIPELINE_AXIS_NAME, PipelineLowering
 from parsat.backend.torch_native.stage_graphs import StageGraphs, graphs_of, install
@@ -388,6 +388,8 @@ def apply_pipeline(module: nn.Module, lowering: PipelineLowering, example_inputs
     module.to(device)
     broadcast_state(module)
     shape, names = lowering.device_mesh_shape()
+    if lowering.stage is not None:   # a stage plan without a data axis: a one-rank axis for mp_policy's replicate
+        shape, names = with_policy_axis(shape, names, lowering.stage, mp_policy)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     rank, stage_devices = dist.get_rank(), lowering.stage_devices
     stage = rank // stage_devices
@@ -402,8 +404,9 @@ def apply_pipeline(module: nn.Module, lowering: PipelineLowering, example_inputs
         checkpoint_blocks(sub, lowering.recompute, prefix=TRACED_PREFIX)
         if lowering.stage is None:
             from torch.distributed._composable.replicate_with_fsdp import replicate
+            from torch.distributed.fsdp import MixedPrecisionPolicy
 
-            replicate(sub, mesh=mesh[STAGE_AXIS_NAME])
+            replicate(sub, mesh=mesh[STAGE_AXIS_NAME], mp_policy=mp_policy or MixedPrecisionPolicy())
         else:
             if lowering.stage.tensor_axis is not None:
                 _stage_tensor_parallel(sub, chunk.index, lowering, mesh)
