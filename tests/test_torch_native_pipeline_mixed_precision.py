@@ -7,7 +7,9 @@ as an unpipelined plan would be: each traced stage module is `replicate`d
 with the policy (over its one-rank `stage` axis; with a tensor axis and no
 data axis, over a one-rank `policy` axis of the mesh), so each stage
 computes in bf16 while its stored weights, gradients and their reduction
-stay fp32. Checked on 2 gloo ranks (slow): a product inside each stage
+stay fp32, its outputs cast back to the traced fp32 that the next stage's
+receive buffers hold (`pipelined.stage_policy`). Checked on 2 gloo ranks,
+and pp 2 x tp 2 on 4 (slow): every weight product inside each stage
 computes in bf16, the stored parameters and their gradients are fp32, and
 3 steps of the user's loop (`step`, `clip_grad_norm_`, AdamW) give losses
 within 2e-2 of the unmodified module trained in fp32 in one process (the
@@ -31,9 +33,8 @@ LR = 1e-2
 
 def mixed_job(ctx, plan: dict) -> dict:
     """On every rank: the float32 GPT parallelized with `plan` under a bf16 policy; the dtypes of the stage's
-    first matmul's inputs and output in the first step (an aten `mm` / `matmul` of the traced graph, seen through
-    a dispatch mode), of its stored parameters and gradients after it; STEPS steps' losses beside the unmodified
-    module's in fp32."""
+    weight products' operands and results in the first step (seen through a dispatch mode), of its stored
+    parameters and gradients after it; STEPS steps' losses beside the unmodified module's in fp32."""
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -41,7 +42,10 @@ def mixed_job(ctx, plan: dict) -> dict:
     from parsat.backend.torch_native.apply import local_batch
 
     class ProductDtypes(TorchDispatchMode):
-        """The dtypes of every aten product's operands and result this rank computes (forward and backward)."""
+        """The dtypes of every aten product of two matrices this rank computes, forward and backward: the
+        products with a weight (`x @ w` of a [batch, seq, in] input runs as `mm` / `addmm`), not attention's
+        batched ones (`bmm`: on CPU under DTensor attention runs as torch's math decomposition, which computes
+        bf16 scores in fp32 by design, `torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp`)."""
 
         def __init__(self):
             super().__init__()
@@ -49,8 +53,9 @@ def mixed_job(ctx, plan: dict) -> dict:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
                 self.seen.add(f"{args[-2].dtype}@{args[-1].dtype}->{out.dtype}")
+
             return out
 
     module = gpt_module().float()
@@ -133,3 +138,17 @@ def test_each_stage_s_policy_sends_its_outputs_in_the_traced_dtype_and_another_o
                                                      r"traced in \['torch.float32'\]"):
         stage_policy(pipe.get_stage_module(0), 0, MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                                        output_dtype=torch.bfloat16))
+
+
+@pytest.mark.slow
+def test_a_bf16_policy_on_tensor_parallel_stages_without_a_data_axis():
+    """pp 2 x tp 2 on 4 gloo ranks (Megatron's tp 2 layout as the stage plan: no data axis, so each stage module
+    is `replicate`d with the policy over a one-rank `policy` axis of the job's mesh): the same checks, the
+    products now on each tp rank's pieces (DTensors of the stage's tp slice)."""
+    from parsat.backend.launch import LaunchConfig, launch
+    from test_torch_native_pipeline import megatron_stage_plan
+
+    plan = megatron_stage_plan(pipelined_plan(2)).to_dict()
+    results = launch(mixed_job, (plan,), LaunchConfig(nproc=4, backend="gloo", timeout_s=600))
+    assert sorted(r["stage"] for r in results) == [0, 0, 1, 1]
+    check_mixed(results)
