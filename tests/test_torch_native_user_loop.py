@@ -103,6 +103,7 @@ def loop_job(ctx, plans: dict, plan_file: str) -> dict:
         out[label] = row
     out["mixed"] = _mixed_precision(plans["dp"], ctx.device)
     out["mixed_tp"] = _mixed_precision(plans["tp"], ctx.device)
+    out["zero1_resumed"] = _zero1_resumed(ctx, plans["zero1"], str(Path(plan_file).parent / "zero1"))
     return out
 
 
@@ -148,6 +149,20 @@ def _mixed_precision(plan: dict, device) -> dict:
         ref_optimizer.zero_grad()
         row["ref_losses"].append(float(want.detach()))
     return row
+
+
+def _zero1_resumed(ctx, plan: dict, folder: str) -> dict:
+    """ZeRO-1's sharded optimizer state through a DCP checkpoint on the same 2 ranks: 2 steps written
+    (`test_torch_native_zero_checkpoint.write_job`), then another module under the same plan loads the model and
+    the `ZeroOneOptimizer`'s state and takes the third step (`resume_job`: its weights beside the unmodified
+    module's 3 steps in one process, and beside a resume with a fresh optimizer)."""
+    import torch.distributed as dist
+
+    from test_torch_native_zero_checkpoint import resume_job, write_job
+
+    written = write_job(ctx, plan, folder)
+    dist.barrier()
+    return {"written": written, **resume_job(ctx, plan, folder)}
 
 
 def run_loop(folder: Path, backend: str) -> list:
@@ -214,3 +229,18 @@ def test_a_bf16_policy_on_a_tensor_parallel_plan_without_a_data_axis_does_the_sa
     check_mixed(loop_runs, "mixed_tp")
     print(json.dumps({label: {k: loop_runs[0][label][k] for k in ("losses", "ref_losses")}
                       for label in ("mixed", "mixed_tp")}))
+
+
+def test_zero1_optimizer_state_saved_and_loaded_on_the_same_two_ranks_resumes_like_one_process(loop_runs):
+    """The ZeRO-1 plan's checkpoint (model and `ZeroOneOptimizer` state, each rank's `Shard(0)` chunk of the
+    flattened AdamW moments) loaded on the same 2 ranks: the next step's weights are the uninterrupted run's
+    (1e-4), a fresh optimizer's are not; a state of another layout is refused (the 2 -> 4 reshard, dp x tp and
+    pipeline stages: tests/test_torch_native_zero_checkpoint.py, ..._pipeline_zero_checkpoint.py, slow)."""
+    from test_torch_native_zero_checkpoint import _check_resumed
+
+    for result in loop_runs:
+        resumed = result["zero1_resumed"]
+        assert resumed["written"]["zero1"] and resumed["written"]["key"] == "0", resumed
+        assert resumed["written"]["moments"] == {"exp_avg": ["Shard(dim=0)"], "exp_avg_sq": ["Shard(dim=0)"]}
+    _check_resumed([result["zero1_resumed"] for result in loop_runs])
+    print(json.dumps({k: loop_runs[0]["zero1_resumed"][k] for k in ("with_optimizer", "model_only")}))
