@@ -91,6 +91,7 @@ def mixed_job(ctx, plan: dict) -> dict:
 
 
 def check_mixed(results: list) -> None:
+    print({key: results[-1][key] for key in ("losses", "ref_losses")})
     for result in results:
         # the stage's products: bf16 operands and results (the forward's and the backward's), none in fp32
         assert result["products"] and all(p == "torch.bfloat16@torch.bfloat16->torch.bfloat16"
