@@ -104,6 +104,7 @@ def loop_job(ctx, plans: dict, plan_file: str) -> dict:
     out["mixed"] = _mixed_precision(plans["dp"], ctx.device)
     out["mixed_tp"] = _mixed_precision(plans["tp"], ctx.device)
     out["zero1_resumed"] = _zero1_resumed(ctx, plans["zero1"], str(Path(plan_file).parent / "zero1"))
+    out["zero1_by_parameter"] = _zero1_resumed(ctx, plans["zero1"], str(Path(plan_file).parent / "zero1p"), True)
     return out
 
 
@@ -151,18 +152,19 @@ def _mixed_precision(plan: dict, device) -> dict:
     return row
 
 
-def _zero1_resumed(ctx, plan: dict, folder: str) -> dict:
+def _zero1_resumed(ctx, plan: dict, folder: str, by_parameter: bool = False) -> dict:
     """ZeRO-1's sharded optimizer state through a DCP checkpoint on the same 2 ranks: 2 steps written
     (`test_torch_native_zero_checkpoint.write_job`), then another module under the same plan loads the model and
     the `ZeroOneOptimizer`'s state and takes the third step (`resume_job`: its weights beside the unmodified
-    module's 3 steps in one process, and beside a resume with a fresh optimizer)."""
+    module's 3 steps in one process, and beside a resume with a fresh optimizer). `by_parameter`: the state keyed
+    by parameter (`parameter_state_dict`), also loaded into the unmodified module's plain AdamW."""
     import torch.distributed as dist
 
     from test_torch_native_zero_checkpoint import resume_job, write_job
 
-    written = write_job(ctx, plan, folder)
+    written = write_job(ctx, plan, folder, by_parameter)
     dist.barrier()
-    return {"written": written, **resume_job(ctx, plan, folder)}
+    return {"written": written, **resume_job(ctx, plan, folder, by_parameter)}
 
 
 def run_loop(folder: Path, backend: str) -> list:
@@ -244,3 +246,16 @@ def test_zero1_optimizer_state_saved_and_loaded_on_the_same_two_ranks_resumes_li
         assert resumed["written"]["moments"] == {"exp_avg": ["Shard(dim=0)"], "exp_avg_sq": ["Shard(dim=0)"]}
     _check_resumed([result["zero1_resumed"] for result in loop_runs])
     print(json.dumps({k: loop_runs[0]["zero1_resumed"][k] for k in ("with_optimizer", "model_only")}))
+
+
+def test_zero1_optimizer_state_keyed_by_parameter_resumes_here_and_in_the_unmodified_module(loop_runs):
+    """The same through `parameter_state_dict` (each moment placed as its parameter, keyed by its name): resumed on
+    the same 2 ranks, and by torch's plain AdamW of the unmodified module in one process, like the uninterrupted
+    run (another tensor-parallel degree: `zero_checkpoint::test_zero1_state_keyed_by_parameter_*`, slow)."""
+    from test_torch_native_zero_checkpoint import _check_resumed
+
+    _check_resumed([result["zero1_by_parameter"] for result in loop_runs])
+    for result in loop_runs:
+        resumed = result["zero1_by_parameter"]
+        assert resumed["written"]["fc1"] == ["Replicate()"] and resumed["unmodified"] <= TOLERANCE, resumed
+    print(json.dumps({k: loop_runs[0]["zero1_by_parameter"][k] for k in ("with_optimizer", "model_only", "unmodified")}))
