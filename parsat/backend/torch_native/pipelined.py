@@ -536,7 +536,7 @@ def stage_policy(sub: nn.Module, index: int, mp_policy):
     they were traced in. torch's `PipelineStage` sizes its receive buffers from the trace (the module's dtype), and
     a stage computing in bf16 sends bf16 values into them: on gloo they arrive as other bytes, and the next stage
     computes on garbage without an error (a bf16 policy left as given: the first loss 4 % off one process's, where
-    bf16 itself is 0.1 % off). So the crossings travel in the traced dtype (fp32: twice the bytes of Megatron's
+    bf16 itself is 0.1-0.2 % off). So the crossings travel in the traced dtype (fp32: twice the bytes of Megatron's
     bf16 sends; the next stage casts them to `param_dtype` on entry, `cast_forward_inputs`). A policy asking for
     another `output_dtype` is refused by name."""
     if mp_policy is None:
