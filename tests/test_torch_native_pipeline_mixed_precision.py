@@ -1,4 +1,4 @@
-"""A bf16 `MixedPrecisionPolicy` on pipelined plans (issue 30, Build 2: bf16 compute, fp32 master weights and reductions).
+"""A bf16 `MixedPrecisionPolicy` on pipelined plans (issue 30, Build 2: bf16 compute, fp32 master weights).
 
 The built-in `gpt` of `test_torch_native_pipeline` in float32, planned with
 the pipeline pinned (pp 2, 1F1B, 4 micro-batches), is parallelized with

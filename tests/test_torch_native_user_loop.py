@@ -258,4 +258,5 @@ def test_zero1_optimizer_state_keyed_by_parameter_resumes_here_and_in_the_unmodi
     for result in loop_runs:
         resumed = result["zero1_by_parameter"]
         assert resumed["written"]["fc1"] == ["Replicate()"] and resumed["unmodified"] <= TOLERANCE, resumed
-    print(json.dumps({k: loop_runs[0]["zero1_by_parameter"][k] for k in ("with_optimizer", "model_only", "unmodified")}))
+    print(json.dumps({k: loop_runs[0]["zero1_by_parameter"][k]
+                      for k in ("with_optimizer", "model_only", "unmodified")}))

@@ -123,7 +123,8 @@ def _resumed_unmodified(folder: str, reference) -> float:
     loss.backward()
     torch.nn.utils.clip_grad_norm_(plain.parameters(), max_norm=0.5)
     optimizer.step()
-    return max(_relative(plain.get_parameter(n).detach(), p.detach(), floor=LR) for n, p in reference.named_parameters())
+    return max(_relative(plain.get_parameter(n).detach(), p.detach(), floor=LR)
+               for n, p in reference.named_parameters())
 
 
 @pytest.mark.slow
