@@ -157,3 +157,28 @@ def test_a_pair_bounded_by_the_pairs_before_it_changes_nothing_but_its_trace(mon
         fitting = [s["time_s"] for s in full.saturation["pipeline_search"]
                    if (s["pp"], s["microbatches"]) == (t["pp"], t["microbatches"]) and s.get("fits")]
         assert all(time >= t["floor_s"] for time in fitting)
+
+
+def test_a_stage_plan_s_memory_and_floors_share_one_pricer_and_give_its_figures(monkeypatch):
+    """`StageFit._pricer`: the memory check and the floors of one stage plan (two Plans of the same PCG and costs, as
+    `search.fit.MemoryFit` and `search.step.stop_where_cannot_win` make them) read one pricer, and every figure is
+    the one a pricer of its own gives: a pricer found for another candidate (another PCG or other costs of it, as
+    a grid layout's forms are) would change them."""
+    import parsat.cost.pipeline as cost_pipeline
+    machine = Machine.resolve("h100x8").with_devices(8)
+    p, stage_devices = 2, 4
+    stage_machine = replace(machine.with_devices(stage_devices), memory_capacity=machine.memory_capacity * p)
+    step = optimize("gpt", stage_machine, devices=stage_devices, sizes=SIZES, microbatches=8, pipeline=False)
+    plans = [step] + [replace(step, pcg=b.pcg, costs=b.costs) for b in step.baseline_plans.values()
+                      if b.pcg is not None]
+    alone = [(StageFit(p, machine).peak_bytes(plan), StageFit(p, machine).schedule_floors(plan)) for plan in plans]
+    made = []
+    monkeypatch.setattr(cost_pipeline, "StagePricer", lambda *a, **k: made.append(a[0]) or StagePricer(*a, **k))
+    fit = StageFit(p, machine)
+    shared = []
+    for plan in plans:
+        peak = fit.peak_bytes(replace(plan))   # another Plan of the same PCG and costs, as the two callers make
+        shared.append((peak, fit.schedule_floors(replace(plan))))
+    assert shared == alone
+    assert len(made) == len({(id(plan.pcg), id(plan.costs)) for plan in plans})
+    assert len({id(plan.costs) for plan in plans}) >= 3   # distinct candidates: a wrong key would mix their figures
