@@ -83,6 +83,7 @@ def never_skipping(monkeypatch):
     return search
 
 
+@pytest.mark.slow
 def test_a_pair_that_cannot_win_is_skipped_and_the_plan_is_the_same(never_skipping):
     """gpt on 8 H100s: the unstaged plan (a scout's, known before the pipeline search) runs in about 2 ms, and every
     pipelined stage plan of each pair costs 8 ms or more: the pairs are skipped, said in the trace with the floor
