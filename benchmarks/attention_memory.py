@@ -1,7 +1,12 @@
 """Attention's activation memory under the cost model, fused against written out, sequence 1024 to 8192.
 
     .venv/bin/python benchmarks/attention_memory.py [--seq 1024 2048 4096 8192] [--batch 1] [--hidden 2048]
-        [--heads 16] [--machine h100x8] [--markdown]
+        [--heads 16] [--machine h100x8] [--markdown] [--bert]
+
+`--bert`: the built-in `bert` (one post-LN encoder block with its embeddings and masked-LM head, at BERT-Large's
+width with `--hidden 1024 --heads 16`) instead of a GPT attention block: its bidirectional attention fused
+(`attention`, what `bert` builds) or written out (`unfused_attention` 1: bmm, scale, softmax, bmm; what
+`fuse_attention` rewrites into the fused one), the block's figure then the whole model's activations.
 
 One attention block of a GPT (GPT-3 1.3B's width by default: hidden 2048,
 16 heads of 128): x [b, s, hidden] -> q, k, v projections cut into heads ->
@@ -35,8 +40,15 @@ from parsat.ir.graph import Graph, GraphBuilder, instance_for
 from parsat.ir.machine import Machine
 from parsat.ir.pcg import PCG, Degrees, PNode
 
-CORE_FUSED = ("attention_causal",)
-CORE_WRITTEN_OUT = ("transpose", "bmm", "scale", "softmax_causal")   # kT, scores, scaled, probs, ctx
+CORE = ("kT", "scores", "scaled", "probs", "ctx")   # the attention core's nodes, fused (ctx) or written out
+
+
+def bert_graph(library: Library, fused: bool, batch: int, seq: int, hidden: int, heads: int) -> Graph:
+    """The built-in bert with one encoder block, its attention fused or written out (`--bert`)."""
+    from parsat.ir.models import bert
+
+    return bert(blocks=1, batch=batch, seq=seq, hidden=hidden, heads=heads, unfused_attention=int(not fused),
+                library=library)
 
 
 def attention_block(library: Library, fused: bool, batch: int, seq: int, hidden: int, heads: int) -> Graph:
@@ -77,12 +89,13 @@ def one_device_pcg(graph: Graph) -> PCG:
     return PCG(tuple(nodes), tuple(ids[o] for o in graph.outputs), tuple(graph.outputs))
 
 
-def core_bytes(graph: Graph, library: Library, machine: Machine, core: tuple[str, ...]) -> int:
-    """What the cost model keeps for backward of the attention core's nodes (`compute_cost`'s activation)."""
+def core_bytes(graph: Graph, library: Library, machine: Machine) -> int:
+    """What the cost model keeps for backward of the attention core's nodes (`compute_cost`'s activation): those
+    named in `CORE`, under a block's prefix ("b0_") or none (the heads' and the merge's views are the block's)."""
     shapes, total = graph.shapes(), 0
     for node in graph.nodes:
-        if node.op not in core or node.name.startswith(("q_", "k_", "v_", "ctx_")):
-            continue   # the heads' and the merge's views are the block's, not the core's
+        if node.name.split("_", 1)[-1] not in CORE and node.name not in CORE:
+            continue
         inputs = [shapes[i] for i in node.inputs]
         instance = instance_for(library.ops[node.op], inputs, dict(node.attrs))
         whole = [Degrees.whole(len(s)) for s in inputs]
@@ -103,8 +116,9 @@ def rows(args, library: Library, machine: Machine) -> list[dict]:
     for seq in args.seq:
         row = {"seq": seq, "tokens": args.batch * seq}
         for label, fused in (("fused", True), ("written_out", False)):
-            graph = attention_block(library, fused, args.batch, seq, args.hidden, args.heads)
-            row[f"{label}_core"] = core_bytes(graph, library, machine, CORE_FUSED if fused else CORE_WRITTEN_OUT)
+            build = bert_graph if args.bert else attention_block
+            graph = build(library, fused, args.batch, seq, args.hidden, args.heads)
+            row[f"{label}_core"] = core_bytes(graph, library, machine)
             row[f"{label}_block"] = block_activation_bytes(graph, library, machine)
         out.append(row)
     return out
@@ -137,9 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--machine", default="h100x8")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    parser.add_argument("--bert", action="store_true", help="the built-in bert (one block) instead of a GPT block")
     args = parser.parse_args(argv)
     library, machine = load_library()[0], Machine.resolve(args.machine)
-    print(f"one attention block: batch {args.batch}, hidden {args.hidden}, {args.heads} heads, machine "
+    what = "bert, one encoder block" if args.bert else "one attention block"
+    print(f"{what}: batch {args.batch}, hidden {args.hidden}, {args.heads} heads, machine "
           f"{machine.name} ({machine.precision}); activation bytes kept for backward")
     print_rows(rows(args, library, machine), args.markdown)
     return 0

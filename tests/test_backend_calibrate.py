@@ -121,6 +121,7 @@ def test_calibrate_writes_a_machine_the_optimizer_loads(tmp_path, capsys):
                  "--set", "batch=8", "--set", "d_in=8", "--set", "d_hidden=8", "--set", "d_out=2"]) == 0
 
 
+@pytest.mark.slow
 def test_calibrate_dtensor_measures_what_an_operator_on_a_dtensor_adds(tmp_path, capsys):
     """`--dtensor`: a chain of tiny layers (a linear product and an RMS norm each) on Replicate() DTensors over the
     ranks (the torch-native runtime's styled modules) against the same chain plain, the extra per ATen call

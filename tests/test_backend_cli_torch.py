@@ -38,6 +38,7 @@ def _run(capsys, path: Path, *extra: str) -> tuple[int, dict | None, str]:
     return code, (json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None), captured.err
 
 
+@pytest.mark.slow
 def test_the_data_parallel_mlp_and_a_zero3_gpt_train_on_torch_like_one_process_and_the_interpreter(tmp_path, capsys):
     """The MLP's data-parallel plan (a graph that is no built-in example: its operators run on the local batch)
     and the built-in gpt's ZeRO-3 plan (the example rebuilt at the local batch): --check passes (losses and final

@@ -70,7 +70,8 @@ class HandAttention(nn.Module):
 
 class Sdpa(nn.Module):
     """Attention through `F.scaled_dot_product_attention`: causal by flag, by the causal mask made from positions
-    (as Hugging Face's `sdpa` attention passes it), or under another constant mask."""
+    (as Hugging Face's `sdpa` attention passes it), under another constant mask, without a mask, or under a
+    constant mask that keeps every key (Hugging Face BERT's without an attention mask)."""
 
     def __init__(self, mode: str, hidden=16, heads=4):
         super().__init__()
@@ -86,6 +87,10 @@ class Sdpa(nn.Module):
         elif self.mode == "causal_mask":
             positions = torch.arange(s)
             ctx = sdpa(q, k, v, attn_mask=positions[None, :] <= positions[:, None])
+        elif self.mode == "no_mask":
+            ctx = sdpa(q, k, v, scale=0.3)
+        elif self.mode == "full_mask":
+            ctx = sdpa(q, k, v, attn_mask=torch.zeros(b, 1, s, s))
         else:   # keys t <= r + 1: not causal
             positions = torch.arange(s)
             ctx = sdpa(q, k, v, attn_mask=positions[None, :] <= positions[:, None] + 1)
@@ -93,14 +98,16 @@ class Sdpa(nn.Module):
 
 
 @pytest.mark.parametrize("mode,attention", [("flag", "attention_causal"), ("causal_mask", "attention_causal"),
-                                            ("other_mask", "softmax_masked")])
+                                            ("other_mask", "softmax_masked"), ("no_mask", "attention"),
+                                            ("full_mask", "softmax_masked")])
 def test_causal_sdpa_is_the_fused_operator(mode, attention):
     """A causal square SDPA, by flag or by the causal mask itself, imports as `attention_causal` (no mask input,
-    no [b, h, s, s] scores); any other mask stays written out with its mask a data leaf."""
+    no [b, h, s, s] scores); one without a mask as `attention`; any mask that is not causal, even a constant one
+    keeping every key (not recognised), stays written out with its mask a data leaf."""
     torch.manual_seed(0)
     want, got, graph = imported_output(Sdpa(mode), (torch.randn(2, 5, 16),))
     ops = {n.op for n in graph.nodes}
-    assert attention in ops and (attention != "attention_causal" or not ops & {"bmm", "softmax_masked"})
+    assert attention in ops and (attention == "softmax_masked" or not ops & {"bmm", "softmax_masked", "softmax"})
     assert len([leaf for leaf in graph.leaves if leaf.role == "input"]) == (2 if attention == "softmax_masked" else 1)
     assert (got - want).abs().max() < 1e-10
 

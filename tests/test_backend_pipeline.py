@@ -144,6 +144,7 @@ def test_a_tied_weight_left_unsummed_across_stages_fails_the_check(tmp_path, sta
     assert "wte" in job["worst"]
 
 
+@pytest.mark.slow
 def test_pp2_x_tp2_on_4_ranks(tmp_path, stage_plans):
     jobs = _jobs(tmp_path, {"pp2xtp2": pipelined_plan(stage_plans(2, "tp"), "1f1b", [-1, 1])})
     results = _launch(jobs, 4)

@@ -320,6 +320,7 @@ def stack():
 '''
 
 
+@pytest.mark.slow
 def test_a_users_module_recomputes_its_blocks(tmp_path, capsys):
     """`parsat run --model` (the `parallelize` path): the module's own loop, its blocks recomputed, checked
     against the unmodified module; the recomputed blocks' collectives run again."""

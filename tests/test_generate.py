@@ -104,6 +104,7 @@ rule c: forall x: [m, k], p: degree
     assert Deriver(library, [a, b]).derives(target)
 
 
+@pytest.mark.slow
 def test_generate_prunes_with_library(library):
     settings = Settings(("relu", "partition", "combine"), max_ops=2, degrees=(2,), seconds=1800,
                         prune_with_library=True)

@@ -118,7 +118,8 @@ def test_a_zero3_layout_derived_from_the_layout_without_it_is_the_one_built_alon
         assert all(len(z3.nodes) > len(z0.nodes) for z3, z0 in zip(alone, without))   # ZeRO-3 adds nodes
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama", "bert"])
+@pytest.mark.parametrize("name", [pytest.param("gpt", marks=pytest.mark.slow),
+                                  pytest.param("llama", marks=pytest.mark.slow), "bert"])   # bert's is the cheapest
 def test_a_layout_rescaled_from_a_kin_graph_s_is_the_one_built_alone(name):
     """`megatron_pcg` with `kin` takes a layout of the graph at another batch (a step at another micro-batch
     count) rescaled where the build cannot tell the sizes apart (`_Kin`): node for node (shapes, the loss's

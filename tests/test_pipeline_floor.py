@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from functools import cache
 
 import pytest
 
@@ -16,17 +17,25 @@ from parsat.search.optimize import optimize
 SIZES = {"blocks": 4, "batch": 16, "seq": 16, "hidden": 32, "heads": 2, "vocab": 64}
 
 
+@cache
+def _stage_plans(p: int, m: int) -> list:
+    """The stage plans a stage search of a 4-block gpt can choose at p stages of 4 H100s and m micro-batches: its
+    plan and each baseline with a PCG (searched once per test process)."""
+    machine = Machine.resolve("h100x8").with_devices(8)
+    stage_devices = 4
+    stage_machine = replace(machine.with_devices(stage_devices), memory_capacity=machine.memory_capacity * p)
+    step = optimize("gpt", stage_machine, devices=stage_devices, sizes=SIZES, microbatches=m, pipeline=False)
+    return [step] + [replace(step, pcg=b.pcg, costs=b.costs) for b in step.baseline_plans.values()
+                     if b.pcg is not None]
+
+
 def test_the_floor_is_at_most_every_priced_pipelined_plan_of_every_candidate():
     """Every stage plan the stage search can choose (its joint plan and each baseline with a PCG), cut at the
     cost model's cuts and at equal layer counts, in every schedule: the floor is at or below each price, and
     not far below (it is most of the step of these dispatch-bound stages)."""
     machine = Machine.resolve("h100x8").with_devices(8)
-    stage_devices = 4
     for p, m in ((2, 4), (2, 8)):
-        stage_machine = replace(machine.with_devices(stage_devices), memory_capacity=machine.memory_capacity * p)
-        step = optimize("gpt", stage_machine, devices=stage_devices, sizes=SIZES, microbatches=m, pipeline=False)
-        plans = [step] + [replace(step, pcg=b.pcg, costs=b.costs) for b in step.baseline_plans.values()
-                          if b.pcg is not None]
+        plans = _stage_plans(p, m)
         fit = StageFit(p, machine)
         priced = tighter = fitting = 0
         for plan in plans:
@@ -83,6 +92,7 @@ def never_skipping(monkeypatch):
     return search
 
 
+@pytest.mark.slow
 def test_a_pair_that_cannot_win_is_skipped_and_the_plan_is_the_same(never_skipping):
     """gpt on 8 H100s: the unstaged plan (a scout's, known before the pipeline search) runs in about 2 ms, and every
     pipelined stage plan of each pair costs 8 ms or more: the pairs are skipped, said in the trace with the floor
@@ -157,3 +167,24 @@ def test_a_pair_bounded_by_the_pairs_before_it_changes_nothing_but_its_trace(mon
         fitting = [s["time_s"] for s in full.saturation["pipeline_search"]
                    if (s["pp"], s["microbatches"]) == (t["pp"], t["microbatches"]) and s.get("fits")]
         assert all(time >= t["floor_s"] for time in fitting)
+
+
+def test_a_stage_plan_s_memory_and_floors_share_one_pricer_and_give_its_figures(monkeypatch):
+    """`StageFit._pricer`: the memory check and the floors of one stage plan (two Plans of the same PCG and costs, as
+    `search.fit.MemoryFit` and `search.step.stop_where_cannot_win` make them) read one pricer, and every figure is
+    the one a pricer of its own gives: a pricer found for another candidate (another PCG or other costs of it, as
+    a grid layout's forms are) would change them."""
+    import parsat.cost.pipeline as cost_pipeline
+    machine, p = Machine.resolve("h100x8").with_devices(8), 2
+    plans = _stage_plans(p, 8)
+    alone = [(StageFit(p, machine).peak_bytes(plan), StageFit(p, machine).schedule_floors(plan)) for plan in plans]
+    made = []
+    monkeypatch.setattr(cost_pipeline, "StagePricer", lambda *a, **k: made.append(a[0]) or StagePricer(*a, **k))
+    fit = StageFit(p, machine)
+    shared = []
+    for plan in plans:
+        peak = fit.peak_bytes(replace(plan))   # another Plan of the same PCG and costs, as the two callers make
+        shared.append((peak, fit.schedule_floors(replace(plan))))
+    assert shared == alone
+    assert len(made) == len({(id(plan.pcg), id(plan.costs)) for plan in plans})
+    assert len({id(plan.costs) for plan in plans}) >= 3   # distinct candidates: a wrong key would mix their figures

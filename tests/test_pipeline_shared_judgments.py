@@ -58,6 +58,7 @@ def test_steps_alike_but_for_the_memo_bar_and_scout_share_figures_that_are_fresh
 
 
 
+@pytest.mark.slow
 def test_the_search_of_every_mesh_with_its_scout_s_memo_finds_what_a_fresh_memo_finds(monkeypatch):
     """gpt on 8 H100s, pipelined, with no bar (every pair searched, and every stage mesh searched at the pair a
     scout found best even where the unstaged plan is faster): the search of every stage mesh runs with its
@@ -113,6 +114,7 @@ def test_a_grid_scanned_for_a_point_that_fits_answers_as_the_grid_made(capacity,
         assert fits == fitting   # both answers are tested
 
 
+@pytest.mark.slow
 def test_a_stage_plan_priced_again_reads_its_prices_and_gives_the_plan_pricing_anew_gives(monkeypatch):
     """`pipeline_search.PricedOnce`: the search of every stage mesh (forced here: no bar) chooses the scout's
     stage plan again, the same PCG and costs, and its schedules and grid points are read, not cut and priced

@@ -347,6 +347,7 @@ def test_calibrate_refuses_more_ranks_than_cores_unless_told(monkeypatch):
     assert not started   # refused before any rank
 
 
+@pytest.mark.slow
 def test_an_oversubscribed_calibration_is_recorded_in_the_machine_file(tmp_path, monkeypatch, capsys):
     """Before: `calibrate --oversubscribe` warned once and wrote a machine file that looked measured alone."""
     pytest.importorskip("torch")

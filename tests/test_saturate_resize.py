@@ -61,6 +61,7 @@ def _plan(request, microbatches: int) -> dict:
     return without_timing(json.loads(plan.to_json()))
 
 
+@pytest.mark.slow
 def test_the_plan_of_an_e_graph_taken_from_another_micro_batch_count_is_the_plan_saturating_anew_gives():
     sizes = {**SIZES, "batch": 32}   # each micro-batch count divides among the 4 devices
     shared = resolve_request("gpt", "h100x8", None, None, 4, sizes=sizes)

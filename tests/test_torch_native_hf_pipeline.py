@@ -570,6 +570,7 @@ def test_the_searched_dp_tp_llama_stores_its_table_split_where_every_read_of_it_
     assert all(w.restored == () for w in lowering.weights)
 
 
+@pytest.mark.slow
 def test_a_table_stored_whole_but_read_only_split_is_stored_split_as_a_vocabulary_parallel_embedding(tmp_path):
     """The plan the search gave before `introduce_embedding_batch_parallel` (searched here without it) stores
     `embed_tokens` whole on tp (so it prices the whole table, its gradient and Adam state on each tp rank, and

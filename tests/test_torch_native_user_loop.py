@@ -102,28 +102,69 @@ def loop_job(ctx, plans: dict, plan_file: str) -> dict:
         row["not_dtensor"] = sorted(n for n, t in model.named_parameters() if not isinstance(t, DTensor))
         out[label] = row
     out["mixed"] = _mixed_precision(plans["dp"], ctx.device)
+    out["mixed_tp"] = _mixed_precision(plans["tp"], ctx.device)
+    out["zero1_resumed"] = _zero1_resumed(ctx, plans["zero1"], str(Path(plan_file).parent / "zero1"))
+    out["zero1_by_parameter"] = _zero1_resumed(ctx, plans["zero1"], str(Path(plan_file).parent / "zero1p"), True)
     return out
 
 
 def _mixed_precision(plan: dict, device) -> dict:
-    """A bf16 MixedPrecisionPolicy (fp32 reductions) on the data-parallel plan: the dtypes fc1 computes with in
-    the forward, the gradient reduction's output (FSDP2's all-reduce hook), and those of the stored parameters
-    and their gradients after the backward."""
+    """A bf16 MixedPrecisionPolicy (fp32 reductions) on `plan` (the data-parallel one; the tensor-parallel one,
+    which has no data axis: `replicate` over a one-rank axis): the dtypes fc1 computes with in the first forward,
+    the gradient reduction's output (FSDP2's all-reduce hook), those of the stored parameters and their gradients
+    after the backward; then STEPS AdamW steps on the global batch's local part, their losses beside the
+    unmodified module's trained in fp32 in one process."""
+    import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from parsat.backend.torch_native.apply import local_batch
 
     module, _ = tiny()
+    reference = copy.deepcopy(module).to(device)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = parsat.parallelize(module, plan, runtime="torch", mp_policy=policy)
     seen, reduced = {}, set()
-    model.fc1.register_forward_hook(lambda mod, args, result: seen.update(
+    hook = model.fc1.register_forward_hook(lambda mod, args, result: seen.update(
         weight=str(mod.weight.dtype), output=str(result.dtype)))
     model.set_all_reduce_hook(lambda out: reduced.add(str(out.dtype)))
-    loss = model(*local_batch(model, *(t.to(device) for t in _batch(0, BATCH, SEQ, VOCAB_SIZE))))
-    loss.backward()
-    return {"forward": seen, "reduced": sorted(reduced), "params": sorted({str(p.dtype) for p in model.parameters()}),
-            "grads": sorted({str(p.grad.dtype) for p in model.parameters()})}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
+    row: dict = {"losses": [], "ref_losses": []}
+    for step in range(STEPS):
+        ids, labels = (t.to(device) for t in _batch(step, BATCH, SEQ, VOCAB_SIZE))
+        loss = model(*local_batch(model, ids, labels))
+        loss.backward()
+        if step == 0:
+            hook.remove()
+            row.update(forward=seen, reduced=sorted(reduced),
+                       params=sorted({str(p.dtype) for p in model.parameters()}),
+                       grads=sorted({str(p.grad.dtype) for p in model.parameters()}))
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = loss.detach().float()
+        dist.all_reduce(loss)   # the local batches' mean (tensor-parallel ranks hold the same loss)
+        row["losses"].append(float(loss) / dist.get_world_size())
+        want = reference(ids, labels)
+        want.backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        row["ref_losses"].append(float(want.detach()))
+    return row
+
+
+def _zero1_resumed(ctx, plan: dict, folder: str, by_parameter: bool = False) -> dict:
+    """ZeRO-1's sharded optimizer state through a DCP checkpoint on the same 2 ranks: 2 steps written
+    (`test_torch_native_zero_checkpoint.write_job`), then another module under the same plan loads the model and
+    the `ZeroOneOptimizer`'s state and takes the third step (`resume_job`: its weights beside the unmodified
+    module's 3 steps in one process, and beside a resume with a fresh optimizer). `by_parameter`: the state keyed
+    by parameter (`parameter_state_dict`), also loaded into the unmodified module's plain AdamW."""
+    import torch.distributed as dist
+
+    from test_torch_native_zero_checkpoint import resume_job, write_job
+
+    written = write_job(ctx, plan, folder, by_parameter)
+    dist.barrier()
+    return {"written": written, **resume_job(ctx, plan, folder, by_parameter)}
 
 
 def run_loop(folder: Path, backend: str) -> list:
@@ -154,12 +195,14 @@ def check_loop(results: list, label: str) -> dict:
     return results[0][label]
 
 
-def check_mixed(results: list) -> None:
+def check_mixed(results: list, label: str = "mixed") -> None:
     for result in results:
-        mixed = result["mixed"]
+        mixed = result[label]
         assert mixed["forward"] == {"weight": "torch.bfloat16", "output": "torch.bfloat16"}, mixed
         assert mixed["params"] == ["torch.float32"] and mixed["grads"] == ["torch.float32"], mixed
         assert mixed["reduced"] == ["torch.float32"], mixed   # the gradients are reduced in fp32
+        for got, want in zip(mixed["losses"], mixed["ref_losses"]):   # bf16 compute: close to fp32, not equal
+            assert got == pytest.approx(want, rel=2e-2) and got != want, mixed
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +223,40 @@ def test_ranks_holding_different_plans_are_refused_on_every_rank(loop_runs):
 
 def test_a_bf16_policy_computes_in_bf16_reduces_and_keeps_weights_and_gradients_in_fp32(loop_runs):
     check_mixed(loop_runs)
+
+
+def test_a_bf16_policy_on_a_tensor_parallel_plan_without_a_data_axis_does_the_same(loop_runs):
+    """Megatron's tp 2 plan has no data axis: the policy rides `replicate` over a one-rank `policy` axis of the
+    mesh (`apply.policy_on_one_rank`): fc1's bf16 weight is its `Shard(0)` DTensor cast, its output bf16."""
+    check_mixed(loop_runs, "mixed_tp")
+    print(json.dumps({label: {k: loop_runs[0][label][k] for k in ("losses", "ref_losses")}
+                      for label in ("mixed", "mixed_tp")}))
+
+
+def test_zero1_optimizer_state_saved_and_loaded_on_the_same_two_ranks_resumes_like_one_process(loop_runs):
+    """The ZeRO-1 plan's checkpoint (model and `ZeroOneOptimizer` state, each rank's `Shard(0)` chunk of the
+    flattened AdamW moments) loaded on the same 2 ranks: the next step's weights are the uninterrupted run's
+    (1e-4), a fresh optimizer's are not; a state of another layout is refused (the 2 -> 4 reshard, dp x tp and
+    pipeline stages: tests/test_torch_native_zero_checkpoint.py, ..._pipeline_zero_checkpoint.py, slow)."""
+    from test_torch_native_zero_checkpoint import _check_resumed
+
+    for result in loop_runs:
+        resumed = result["zero1_resumed"]
+        assert resumed["written"]["zero1"] and resumed["written"]["key"] == "0", resumed
+        assert resumed["written"]["moments"] == {"exp_avg": ["Shard(dim=0)"], "exp_avg_sq": ["Shard(dim=0)"]}
+    _check_resumed([result["zero1_resumed"] for result in loop_runs])
+    print(json.dumps({k: loop_runs[0]["zero1_resumed"][k] for k in ("with_optimizer", "model_only")}))
+
+
+def test_zero1_optimizer_state_keyed_by_parameter_resumes_here_and_in_the_unmodified_module(loop_runs):
+    """The same through `parameter_state_dict` (each moment placed as its parameter, keyed by its name): resumed on
+    the same 2 ranks, and by torch's plain AdamW of the unmodified module in one process, like the uninterrupted
+    run (another tensor-parallel degree: `zero_checkpoint::test_zero1_state_keyed_by_parameter_*`, slow)."""
+    from test_torch_native_zero_checkpoint import _check_resumed
+
+    _check_resumed([result["zero1_by_parameter"] for result in loop_runs])
+    for result in loop_runs:
+        resumed = result["zero1_by_parameter"]
+        assert resumed["written"]["fc1"] == ["Replicate()"] and resumed["unmodified"] <= TOLERANCE, resumed
+    print(json.dumps({k: loop_runs[0]["zero1_by_parameter"][k]
+                      for k in ("with_optimizer", "model_only", "unmodified")}))

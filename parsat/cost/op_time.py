@@ -31,11 +31,15 @@ efficiency.
 
 Fused kernels (`FUSED`) are the exception, in one table: an operator that
 runs as one kernel whose work the generic count of its semantics does not
-give. Fused causal attention (`attention_causal`, FlashAttention) counts
-every score although a causal kernel computes only half of them, and its
-semantics, evaluated as written, would keep nothing for backward that the
-kernel does not; so it is priced as FlashAttention runs: causal FLOPs (half
-of the QK^T and PV products), at the machine's attention rate
+give. Fused bidirectional attention (`attention`: BERT's, ViT's) is priced as
+FlashAttention runs it: every score of q k^T and of the weighted sum of v
+(`attention_flops`), nothing stored but its output and one fp32 logsumexp
+per query row, the rate and backward of the causal one below. Fused causal
+attention (`attention_causal`, FlashAttention) counts every score although
+a causal kernel computes only half of them, and its semantics, evaluated as
+written, would keep nothing for backward that the kernel does not; so it
+is priced as FlashAttention runs: causal FLOPs (half of the QK^T and PV
+products), at the machine's attention rate
 (`OpEfficiency.attention_rate`, not a GEMM's), backward 2.5 x the forward
 (FlashAttention's count: the two products again, the scores recomputed and
 their gradient), and for backward it keeps its output and one fp32
@@ -115,18 +119,27 @@ def _sizes(shape) -> list[int]:
     return [int(d.evaluate({})) for d in shape]
 
 
+def attention_flops(instance: OpInstance) -> float:
+    """FlashAttention's count of bidirectional `attention(q [*a, s, d], k [*a, n, d], v [*a, n, e])`: every one
+    of the s x n scores, 2 FLOPs a multiply-add, for q k^T (d) and for the weighted sum of v (e): 2 b s n (d + e)
+    with b the product of the leading dims (the softmax is not counted, as FlashAttention counts)."""
+    q, k, v = (_sizes(s) for s in instance.input_shapes)
+    s, n, d, e = q[-2], k[-2], q[-1], v[-1]
+    return 2.0 * prod(q[:-2]) * s * n * (d + e)
+
+
 def causal_attention_flops(instance: OpInstance) -> float:
     """FlashAttention's causal count of `attention_causal(q [*a, s, d], k, v [*a, s, e])`: half of the s x s
-    scores, 2 FLOPs a multiply-add, for q k^T (d) and for the weighted sum of v (e): b s^2 (d + e) with b the
-    product of the leading dims (the [s, s] masking and softmax are not counted, as FlashAttention counts)."""
-    q, _, v = (_sizes(s) for s in instance.input_shapes)
-    s, d, e = q[-2], q[-1], v[-1]
-    return 2.0 * prod(q[:-2]) * s * s * (d + e) / 2
+    scores that `attention_flops` counts (the causal kernel skips the masked blocks; the [s, s] masking is not
+    counted either)."""
+    return attention_flops(instance) / 2
 
 
 FUSED: Mapping[str, FusedKernel] = {
     "attention_causal": FusedKernel(causal_attention_flops, OpEfficiency.attention_rate, ATTENTION_BACKWARD_FACTOR,
                                     row_bytes=4, keeps_output=True),
+    "attention": FusedKernel(attention_flops, OpEfficiency.attention_rate, ATTENTION_BACKWARD_FACTOR,
+                             row_bytes=4, keeps_output=True),
 }
 """Operators priced as one fused kernel (the module docstring): their own FLOPs, rate, backward and saved bytes."""
 
@@ -372,7 +385,7 @@ def memory_op_time(nbytes: float, machine: Machine, backward: bool = False) -> f
 
 
 __all__ = ["BACKWARD_FACTOR", "BACKWARD_PRODUCTS", "FUSED", "FusedKernel", "OPTIMIZER_PASSES", "OpTime",
-           "causal_attention_flops", "chunk_time", "elementwise_kernel", "elementwise_kind", "function_evaluations",
-           "function_kernel", "grad_kernels",
+           "attention_flops", "causal_attention_flops", "chunk_time", "elementwise_kernel", "elementwise_kind",
+           "function_evaluations", "function_kernel", "grad_kernels",
            "kernel_time", "local_contraction", "local_gemm",
            "memory_op_time", "op_time", "roofline", "update_time"]

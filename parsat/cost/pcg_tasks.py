@@ -83,6 +83,7 @@ from parsat.ir.graph import instance_for
 from parsat.ir.machine import Machine
 from parsat.ir.microbatch import is_loss
 from parsat.ir.module_calls import ModuleCalls
+from parsat.ir.parallelism import FUSED_ATTENTION
 from parsat.ir.pcg import PCG, PNode, pcg_roles, state_shardings, weight_chains, weight_storage
 from parsat.ir.recompute import Checkpoint, checkpoints
 from parsat.cost.fsdp_groups import ParamGroup, group_elements, param_groups, tensor_axes
@@ -99,8 +100,7 @@ DEVICE = 0
 # Operators torch runs as views of their input (no new storage): parsat/importer/torch_ops.py. `flatten` is a view
 # only of a contiguous tensor (after a transpose it copies).
 VIEW_OPS = frozenset({"transpose", "unflatten", "split", "dropout", "broadcast"})
-# Fused attention kernels (FlashAttention, `scaled_dot_product_attention`): `attention_views`.
-FUSED_ATTENTION = frozenset({"attention_causal"})
+# Fused attention kernels (FlashAttention, `scaled_dot_product_attention`), `ir.parallelism`'s: `attention_views`.
 TRANSPOSED_B = frozenset({"linear_t", "linear_nobias_t"})
 LOSS_OPS = 6           # per output: sub, pow, sum, div, div, detach-div (parsat/backend/executor.py `objective`)
 LOSS_BACKWARD_OPS = 4

@@ -280,6 +280,7 @@ def pipelined(plan: Plan, degree: int, schedule: str, machine: Machine, *, chunk
 
 
 LAYER_MAPS_KEPT = 4   # layer maps a StageMemo keeps (the most recently used)
+PRICERS_KEPT = 4      # stage plans' pricers a StageFit keeps for its memory checks and floors (the most recent)
 
 
 class StageMemo:
@@ -1024,12 +1025,34 @@ class StageFit:
     # stop_where_cannot_win`); like `bar_s`, they change which searches run, not what a search finds
     grid_bar_s: float | None = field(default=None, compare=False)
     scouted_meshes: int = field(default=0, compare=False)
+    # the pricers of the last PRICERS_KEPT stage plans judged (`_pricer`): a cache, no part of the judgment
+    _pricers: OrderedDict = field(default_factory=OrderedDict, compare=False, repr=False)
+
+    def _pricer(self, plan: Plan) -> "StagePricer":
+        """The `StagePricer` of `plan` on this machine, made once per stage plan judged: the stage search asks a
+        candidate's memory (`peak_bytes`, through `search.fit.MemoryFit`) and then its floors (`schedule_floors`,
+        `search.step.stop_where_cannot_win`) of two Plans holding the same PCG and node costs, and each made its
+        pricer (every node's share, every layer's bytes) again. Sound: what these two read of a pricer (its
+        shares, layer map, per-layer bytes and the cut memos) is worked out from the PCG, the node costs, the
+        graph's micro-batches, this machine and the memo (a cache of what the PCG determines), each in the key or
+        fixed for this StageFit (the PCG and costs by identity, kept alive beside the pricer so that no other
+        object takes their id); `price`, which reads the rest of the plan (its graph's name, machine, devices),
+        is never asked of these pricers. Only the last PRICERS_KEPT are kept: the two questions come one after the
+        other (`stop_where_cannot_win`), and a pricer is large (a share per node)."""
+        key = (id(plan.pcg), id(plan.costs), plan.graph.microbatches)
+        found = self._pricers.get(key)
+        if found is None or found[0] is not plan.pcg or found[1] is not plan.costs:
+            found = self._pricers[key] = (plan.pcg, plan.costs, StagePricer(plan, self.machine, memo=self.memo))
+            while len(self._pricers) > PRICERS_KEPT:
+                self._pricers.popitem(last=False)
+        self._pricers.move_to_end(key)
+        return found[2]
 
     def peak_bytes(self, plan: Plan) -> int | None:
         """The memory per device `plan` (a stage plan) needs in the schedule and cut that need least of those
         the pricing starts from; None when no schedule can run it (too few layers, a pinned schedule that does
         not apply)."""
-        pricer = StagePricer(plan, self.machine, memo=self.memo)
+        pricer = self._pricer(plan)
         return pricer.least_peak_bytes(self.degree, applicable_schedules(
             self.pinned, self.degree, pricer.microbatches, pricer.layer_map.model_layers, self.chunks))
 
@@ -1065,7 +1088,7 @@ class StageFit:
         interleaved on equal layer counts). `math.inf` where none can fit or be cut. A plan that does not fit
         is not bounded: the stage search compares these only with bars that fit (`search.step.
         stop_where_cannot_win`), beside which such a plan changes nothing (`pipeline_search._bars`)."""
-        pricer = StagePricer(plan, self.machine, memo=self.memo)
+        pricer = self._pricer(plan)
         floor = self.floor_s(plan.pcg, plan.costs)
         schedules = applicable_schedules(self.pinned, self.degree, pricer.microbatches,
                                          pricer.layer_map.model_layers, self.chunks)

@@ -4,7 +4,13 @@ A causal square `scaled_dot_product_attention` without dropout is the fused
 operator `attention_causal` (FlashAttention: no [*, s, s] scores stored), whether
 it says `is_causal=True` or passes the causal mask itself as a constant (what the
 Hugging Face `sdpa` attention does: a mask built from positions only, never from
-the inputs). Any other is written out (`bmm`, `scale`, then `softmax`,
+the inputs). One without a mask, without dropout and not causal (ViT's `sdpa`
+attention in eval or with attention dropout 0, encoders called without a mask,
+cross-attention with any number of keys) is the fused operator `attention`. A
+constant mask that keeps every key (what Hugging Face BERT passes under
+`torch.export` when called without an attention mask) is not recognised: it
+stays a data leaf of `softmax_masked`.
+Any other is written out (`bmm`, `scale`, then `softmax`,
 `softmax_causal` for a causal square one with dropout, or `softmax_masked`,
 `bmm`); an explicit mask, and a causal mask over more keys than queries, are
 data leaves; a float mask computed from the weights (T5's relative position
@@ -55,7 +61,8 @@ def _h_dropout(t, node, x, p, train=True):
 def _h_sdpa(t, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
             enable_gqa=False):
     """softmax(q k^T * scale [masked]) [dropout] v on [..., s, d] tensors: `attention_causal` where it is causal
-    square attention without dropout, else written out with library operators."""
+    square attention without dropout, `attention` where it has no mask, no dropout and is not causal (any
+    number of keys), else written out with library operators."""
     qh, kh, vh = t.tensor(q), t.tensor(k), t.tensor(v)
     qh, kh, vh = _broadcast_heads(t, qh, kh, vh)
     sq, sk, sv = t.shape(qh), t.shape(kh), t.shape(vh)
@@ -72,6 +79,8 @@ def _h_sdpa(t, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,
     causal = is_causal or (attn_mask is not None and square and _is_causal_mask(t, attn_mask, shape))
     if causal and square and not dropout_p:
         return t.op("attention_causal", qh, kh, vh, c=c, tag="ctx")   # FlashAttention: the mask from positions
+    if attn_mask is None and not is_causal and not dropout_p:
+        return t.op("attention", qh, kh, vh, c=c, tag="ctx")   # FlashAttention over every key (ViT, cross-attention)
     kt = t.op("transpose", kh, d0=rank - 2, d1=rank - 1, tag="kT")
     scores = t.op("scale", t.op("bmm", qh, kt, tag="scores"), c=c, tag="scaled")
     if causal and square:

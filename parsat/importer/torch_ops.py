@@ -108,6 +108,13 @@ def _attention_causal(q: Tensor, k: Tensor, v: Tensor, c: float) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=float(c))
 
 
+def _attention(q: Tensor, k: Tensor, v: Tensor, c: float) -> Tensor:
+    """Fused bidirectional attention as torch runs it: `scaled_dot_product_attention` without a mask, with the
+    operator's scale (FlashAttention on a GPU, no [*a, s, n] scores kept for backward; the math path on CPU).
+    Keys may number other than queries (cross-attention), as SDPA takes them."""
+    return F.scaled_dot_product_attention(q, k, v, scale=float(c))
+
+
 def _softmax_masked(x: Tensor, m: Tensor) -> Tensor:
     """`m * exp(x) / sum(m * exp(x))` along the last dim, shifted by the row's largest kept entry.
 
@@ -247,6 +254,7 @@ OPS: Mapping[str, TorchOp] = {
     "softmax_masked": TorchOp(2, (), _softmax_masked),
     "softmax_causal": TorchOp(1, (), _softmax_causal),
     "attention_causal": TorchOp(3, ("c",), _attention_causal),
+    "attention": TorchOp(3, ("c",), _attention),
     "logsumexp": TorchOp(1, (), lambda x: torch.logsumexp(x, dim=-1)),
     "amax": TorchOp(1, (), lambda x: x.amax(dim=-1)),
     "sumexp_shifted": TorchOp(2, (), lambda x, m: torch.exp(x - m.unsqueeze(-1)).sum(dim=-1)),

@@ -190,13 +190,15 @@ class _Scope:
         is_causal=True)`): the mask is made from positions, so no [b, n, s, s]
         mask is a graph input and attention splits by heads, and no [b, n, s, s]
         scores are stored, so the cost model keeps O(b s h) for its backward.
-        Bidirectional attention (BERT, ViT) is written out: bmm, scale, softmax, bmm.
-        Causal attention with `fused` False is written out too, as runtimes before
-        FlashAttention computed it (bmm, scale, `softmax_causal`, bmm: the [b, n, s, s]
-        scores and probabilities materialised; `gpt`'s `unfused_attention`).
+        Bidirectional attention (BERT, ViT) is the fused operator `attention`, as
+        BERT training runs it (`scaled_dot_product_attention` without a mask).
+        With `fused` False either is written out, as runtimes before FlashAttention
+        computed it (bmm, scale, `softmax_causal` or `softmax`, bmm: the [b, n, s, s]
+        scores and probabilities materialised; `gpt`'s and `bert`'s
+        `unfused_attention`, and the `stack` / `transformer` examples' blocks).
         """
-        if causal and fused:
-            ctx = self.op("attention_causal", q, k, v, c=1.0 / dh ** 0.5, name="ctx")
+        if fused:
+            ctx = self.op("attention_causal" if causal else "attention", q, k, v, c=1.0 / dh ** 0.5, name="ctx")
         else:
             kt = self.op("transpose", k, d0=2, d1=3, name="kT")
             scores = self.op("scale", self.op("bmm", q, kt, name="scores"), c=1.0 / dh ** 0.5, name="scaled")
@@ -213,14 +215,15 @@ def _head_size(hidden: int, heads: int) -> int:
 
 
 def _encoder_block(g: GraphBuilder, x: Tensor, prefix: str, batch: int, seq: int, hidden: int, heads: int,
-                   ffn: int) -> Tensor:
-    """Post-LN BERT encoder block: self-attention, residual, layernorm, MLP, residual, layernorm."""
+                   ffn: int, fused_attention: bool = False) -> Tensor:
+    """Post-LN BERT encoder block: self-attention (fused, or written out as the `stack` example keeps it),
+    residual, layernorm, MLP, residual, layernorm."""
     dh = _head_size(hidden, heads)
     s = _Scope(g, prefix)
     q = s.heads(s.op("linear", x, s.w("wq", [hidden, hidden]), s.w("bq", [hidden]), name="q"), dh, "q")
     k = s.heads(s.op("linear", x, s.w("wk", [hidden, hidden]), s.w("bk", [hidden]), name="k"), dh, "k")
     v = s.heads(s.op("linear", x, s.w("wv", [hidden, hidden]), s.w("bv", [hidden]), name="v"), dh, "v")
-    merged = s.attention(q, k, v, dh)
+    merged = s.attention(q, k, v, dh, fused=fused_attention)
     attn = s.op("linear", merged, s.w("wo", [hidden, hidden]), s.w("bo", [hidden]), name="attn_out")
     x1 = s.op("layernorm", s.op("add", x, attn, name="res1"), s.w("ln1_g", [hidden]), s.w("ln1_b", [hidden]),
               eps=1e-12, name="ln1")
@@ -465,7 +468,8 @@ def llama(blocks: int = 32, batch: int = 512, seq: int = 2048, hidden: int = 409
 
 def bert(blocks: int = 12, batch: int = 256, seq: int = 512, hidden: int = 768, heads: int = 12,
          ffn: int | None = None, vocab: int = 30592, types: int = 2, masked: int | None = None,
-         library: Library | None = None, name: str = "bert", budget: GraphBudget | None = None) -> Graph:
+         unfused_attention: int = 0, library: Library | None = None, name: str = "bert",
+         budget: GraphBudget | None = None) -> Graph:
     """BERT pre-training with the masked-language-model loss; the defaults are BERT-Base.
 
     Embeddings: word (`wte`, ids one-hot), token type (`types` segments,
@@ -481,6 +485,10 @@ def bert(blocks: int = 12, batch: int = 256, seq: int = 512, hidden: int = 768, 
     masks in a full-length sequence (77 of 512; `create_pretraining_data.py`
     caps it at max_predictions_per_seq = 80). No attention mask (sequences
     are packed to full length) and no next-sentence head (RoBERTa drops it).
+    `unfused_attention` 0 (the default) computes attention as the fused
+    `attention` (FlashAttention / SDPA without a mask: no [b, n, s, s] scores
+    stored); 1 writes it out (bmm, scale, softmax, bmm), which the search's
+    `fuse_attention` rewrites into the fused operator unless left out.
 
     Sizes: Devlin et al. 2019, "BERT: Pre-training of Deep Bidirectional
     Transformers for Language Understanding", section 3 (BERT-Base L=12,
@@ -494,6 +502,8 @@ def bert(blocks: int = 12, batch: int = 256, seq: int = 512, hidden: int = 768, 
     if masked > seq:
         raise GraphError(f"{masked} masked positions do not fit in a sequence of {seq}")
     _head_size(hidden, heads)
+    if unfused_attention not in (0, 1):
+        raise GraphError(f"unfused_attention is 0 (fused) or 1 (written out), got {unfused_attention}")
     g = GraphBuilder(library, name=name, budget=budget)
     wte = g.weight("wte", [vocab, hidden])
     words = g.op("embedding", g.input("ids", [batch, seq, vocab]), wte, name="tok_emb")
@@ -503,7 +513,7 @@ def bert(blocks: int = 12, batch: int = 256, seq: int = 512, hidden: int = 768, 
     x = g.op("layernorm", x, g.weight("emb_ln_g", [hidden]), g.weight("emb_ln_b", [hidden]), eps=1e-12,
              name="emb_ln")
     for index in range(blocks):
-        x = _encoder_block(g, x, f"b{index}_", batch, seq, hidden, heads, ffn)
+        x = _encoder_block(g, x, f"b{index}_", batch, seq, hidden, heads, ffn, not unfused_attention)
     t = g.op("gelu", g.op("linear", x, g.weight("mlm_w", [hidden, hidden]), g.weight("mlm_b", [hidden]),
                           name="mlm_dense"), name="mlm_act")
     t = g.op("layernorm", t, g.weight("mlm_ln_g", [hidden]), g.weight("mlm_ln_b", [hidden]), eps=1e-12,

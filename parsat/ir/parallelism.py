@@ -15,10 +15,10 @@ follows from what those operators do to which values:
   computing its own experts (the rows moved to them by an all-to-all, or
   every row on every device); not tensor parallelism, which splits one
   expert's matrices;
-* context parallelism: fused causal attention whose output is all-to-all'd
-  back to a split of the sequence (DeepSpeed-Ulysses: q, k and v moved from
-  a sequence split to a split of the heads, the rule
-  `attention_causal_context_parallel`).
+* context parallelism: fused attention (causal or not) whose output is
+  all-to-all'd back to a split of the sequence (DeepSpeed-Ulysses: q, k and v
+  moved from a sequence split to a split of the heads, the rules
+  `attention_causal_context_parallel` and `attention_context_parallel`).
 
 `axis_uses` reads them off a PCG, `describe` says them the way people do
 ("DP 8 across nodes x TP 8 inside a node, sequence-parallel norms, ZeRO-3
@@ -50,7 +50,10 @@ def along_sequence(shape: tuple[int, ...], dim: int | None) -> bool:
 def sequence_split(shape: tuple[int, ...], code: int) -> bool:
     """Whether a value of `shape` placed with `code` on an axis is cut along its sequence there."""
     return along_sequence(shape, shard_dim(code))
-CAUSAL = "attention_causal"   # the fused attention whose output an all-to-all moves back to the sequence: Ulysses
+FUSED_ATTENTION = frozenset({"attention_causal", "attention"})
+"""The fused attention operators (FlashAttention, `scaled_dot_product_attention`), causal or not: one whose output
+an all-to-all moves back to the sequence is Ulysses context parallelism; the cost model's views of their operands
+and output (`cost.pcg_tasks.attention_views`) read the same set."""
 KINDS = {"dp": DATA, "tp": TENSOR, "sp": SEQUENCE, "pp": "pipeline"}   # what `--degrees` names them
 
 
@@ -92,7 +95,8 @@ def axis_uses(pcg: PCG) -> list[AxisUse]:
         elif node.op in (REDUCE_SCATTER, ALL_GATHER) or (node.op == PARTITION and along_sequence(node.shape, dim)
                                                           and by_id[node.inputs[0]].kind != "leaf"):
             kinds[axis].add(SEQUENCE)
-        elif node.op == ALL_TO_ALL and (by_id[node.inputs[0]].kind, by_id[node.inputs[0]].op) == ("op", CAUSAL):
+        elif node.op == ALL_TO_ALL and by_id[node.inputs[0]].kind == "op" \
+                and by_id[node.inputs[0]].op in FUSED_ATTENTION:
             kinds[axis].add(CONTEXT)
     # storage shards that are gathered again are ZeRO-3, not tensor parallelism, on that axis
     for axis, found in kinds.items():

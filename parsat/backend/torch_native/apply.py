@@ -33,7 +33,9 @@ Under torchrun (or `backend.launch`), every rank calls
    the dim the plan shards each weight along; a plan's ZeRO-2 is
    `fully_shard(reshard_after_forward=False)` over its data axes, its
    ZeRO-1 `replicate` with `zero.zero_optimizer` sharding the state; a
-   `MixedPrecisionPolicy` given as `mp_policy` goes to them. Before all
+   `MixedPrecisionPolicy` given as `mp_policy` goes to them (a plan with
+   no data axis: `replicate` over a one-rank `policy` axis added to the
+   mesh, `policy_on_one_rank`). Before all
    of these, a plan that recomputes blocks has each block's forward run
    under `torch.utils.checkpoint` (`checkpoint_blocks`).
 
@@ -119,13 +121,10 @@ def apply_lowering(module: nn.Module, lowering: Lowering, device: torch.device, 
     `fully_shard` each block before the root (False for a forward that calls no block: `rewritten`).
     `tensor_parallel(module, tp_mesh)`, when given, places the parameters on the tensor axis instead of the
     styles (`rewritten.place_parameters`: the plan's own placements, for a forward that calls no styled module)."""
-    if mp_policy is not None and not (lowering.axes(DATA) or lowering.axes(ZERO3)):
-        raise NativeParallelizeError("mp_policy is applied by replicate / fully_shard on the data axes, and this "
-                                     "plan has none: use torch.autocast around the forward")
     module.to(device)
     broadcast_state(module)
     checkpoint_blocks(module, lowering.recompute)
-    mesh = _device_mesh(lowering, device)
+    mesh = _device_mesh(lowering, device, mp_policy)
     if lowering.tensor_axis is not None:
         tp_mesh = mesh[lowering.mesh.names[lowering.tensor_axis]]
         (tensor_parallel or partial(_tensor_parallel, lowering=lowering))(module, tp_mesh=tp_mesh)
@@ -195,11 +194,48 @@ def broadcast_state(module: nn.Module) -> None:
             dist.broadcast(t.data, src=0)
 
 
-def _device_mesh(lowering: Lowering, device: torch.device):
+def _device_mesh(lowering: Lowering, device: torch.device, mp_policy=None):
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = lowering.mesh
-    return init_device_mesh(device.type, mesh.shape, mesh_dim_names=mesh.names)
+    shape, names = with_policy_axis(lowering.mesh.shape, lowering.mesh.names, lowering, mp_policy)
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)
+
+
+# ------------------------------------------------------------------ a mixed-precision policy without a data axis
+
+POLICY_AXIS_NAME = "policy"   # the one-rank mesh axis `replicate` carries a policy on where a plan has no data axis
+
+
+def needs_policy_axis(lowering: Lowering, mp_policy) -> bool:
+    """Whether `mp_policy` needs a mesh axis of its own: FSDP2 applies a `MixedPrecisionPolicy` through the
+    module it manages (`replicate` / `fully_shard`), and a plan with no data or ZeRO axis (tensor parallelism
+    alone) gives it none."""
+    return mp_policy is not None and not (lowering.axes(DATA) or lowering.axes(ZERO3))
+
+
+def with_policy_axis(shape: Sequence[int], names: Sequence[str], lowering: Lowering,
+                     mp_policy) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The DeviceMesh's shape and names with a one-rank `policy` axis last where `needs_policy_axis`: one rank
+    along it adds no rank, so every other axis keeps its ranks (the plan's layout), and `replicate` over it is
+    FSDP2 on the same parent mesh as the tensor axis (its 2-D path: DTensor parameters on tp, `Replicate()` on
+    the one rank)."""
+    if not needs_policy_axis(lowering, mp_policy):
+        return tuple(shape), tuple(names)
+    return (*shape, 1), (*names, POLICY_AXIS_NAME)
+
+
+def policy_on_one_rank(module: nn.Module, mesh, mp_policy) -> None:
+    """`mp_policy` on a module whose plan has no data axis: `replicate` over the mesh's one-rank `policy` axis.
+    FSDP2 then does what it does on a data axis: before the forward each parameter is cast to `param_dtype`
+    (bf16 compute; on the tensor axis a DTensor of the same placements, so the styles' collectives move bf16
+    activations, as Megatron's do), the gradients come back in `reduce_dtype` and are kept in the stored
+    parameters' dtype (fp32), and the stored weights stay fp32. The gradient "all-reduce" over one rank moves
+    nothing (a copy). Not a module pre-hook casting weights by hand: FSDP2 is what releases the bf16 copies after
+    use, routes their gradients back to the fp32 parameters and honours `cast_forward_inputs` / `output_dtype`,
+    the same policy object a data-parallel plan takes (docs/TORCH_NATIVE.md, "Mixed precision")."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    replicate(module, mesh=mesh[POLICY_AXIS_NAME], mp_policy=mp_policy)
 
 
 def _tensor_parallel(module: nn.Module, lowering: Lowering, tp_mesh) -> None:
@@ -458,6 +494,8 @@ def data_parallel(module: nn.Module, lowering: Lowering, mesh, mp_policy, prefix
     data = [names[a] for a in lowering.axes(DATA)]
     zero3 = [names[a] for a in lowering.axes(ZERO3)]
     if not data and not zero3:
+        if mp_policy is not None:
+            policy_on_one_rank(module, mesh, mp_policy)
         return
     policy = mp_policy or MixedPrecisionPolicy()
     if zero3 or lowering.zero >= 2:

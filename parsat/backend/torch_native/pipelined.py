@@ -75,7 +75,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from parsat.backend.torch_native.apply import (LOWERING_ATTRIBUTE, NativeParallelizeError, broadcast_state,
                                               checkpoint_blocks, data_parallel, dtensor_step, sequence_piece,
-                                              traced_graph_passes, traced_parameters_placed)
+                                              traced_graph_passes, traced_parameters_placed, with_policy_axis)
 from parsat.backend.torch_native.batch_agreement import check_same_batch
 from parsat.backend.torch_native.lowering import SEQ_DIM
 from parsat.backend.torch_native.pipeline_lowering import STAGE_AXIS_NAME, PIPELINE_AXIS_NAME, PipelineLowering
@@ -428,6 +428,8 @@ def apply_pipeline(module: nn.Module, lowering: PipelineLowering, example_inputs
     module.to(device)
     broadcast_state(module)
     shape, names = lowering.device_mesh_shape()
+    if lowering.stage is not None:   # a stage plan without a data axis: a one-rank axis for mp_policy's replicate
+        shape, names = with_policy_axis(shape, names, lowering.stage, mp_policy)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     rank, stage_devices = dist.get_rank(), lowering.stage_devices
     stage = rank // stage_devices
@@ -442,12 +444,14 @@ def apply_pipeline(module: nn.Module, lowering: PipelineLowering, example_inputs
         checkpoint_blocks(sub, lowering.recompute, prefix=TRACED_PREFIX)
         if lowering.stage is None:
             from torch.distributed._composable.replicate_with_fsdp import replicate
+            from torch.distributed.fsdp import MixedPrecisionPolicy
 
-            replicate(sub, mesh=mesh[STAGE_AXIS_NAME])
+            replicate(sub, mesh=mesh[STAGE_AXIS_NAME], mp_policy=stage_policy(sub, chunk.index, mp_policy)
+                      or MixedPrecisionPolicy())
         else:
             if lowering.stage.tensor_axis is not None:
                 _stage_tensor_parallel(sub, chunk.index, lowering, mesh)
-            data_parallel(sub, lowering.stage, mesh, mp_policy, prefix=TRACED_PREFIX)
+            data_parallel(sub, lowering.stage, mesh, stage_policy(sub, chunk.index, mp_policy), prefix=TRACED_PREFIX)
         modules.append(sub)
         stages.append(pipe.build_stage(chunk.index, device, group=pp_group))
     shared = _shared_groups(lowering, stage_devices)
@@ -565,6 +569,32 @@ def _sequence_pieces(sub: nn.Module, tp: int, received: bool, dim: int = SEQ_DIM
         mode = getattr(value, "fake_mode", None)
         with mode if mode is not None else contextlib.nullcontext():
             node.meta["val"] = value.new_empty(shape)
+
+
+def stage_policy(sub: nn.Module, index: int, mp_policy):
+    """`mp_policy` for stage module `index` (traced): the user's policy, its stage's outputs cast back to the dtype
+    they were traced in. torch's `PipelineStage` sizes its receive buffers from the trace (the module's dtype), and
+    a stage computing in bf16 sends bf16 values into them: on gloo they arrive as other bytes, and the next stage
+    computes on garbage without an error (a bf16 policy left as given: the first loss 4 % off one process's, where
+    bf16 itself is 0.1-0.2 % off). So the crossings travel in the traced dtype (fp32: twice the bytes of Megatron's
+    bf16 sends; the next stage casts them to `param_dtype` on entry, `cast_forward_inputs`). A policy asking for
+    another `output_dtype` is refused by name."""
+    if mp_policy is None:
+        return None
+    from dataclasses import replace
+
+    out = next(n for n in sub.graph.nodes if n.op == "output")
+    traced = {n.meta["val"].dtype for n in _flat_nodes(out.args)
+              if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_floating_point()}
+    if len(traced) > 1:
+        raise NativeParallelizeError(f"mp_policy on a pipelined plan: stage module {index} sends values traced in "
+                                     f"{sorted(map(str, traced))}, and FSDP2 casts a module's outputs to one dtype")
+    if mp_policy.output_dtype is not None and traced and mp_policy.output_dtype not in traced:
+        raise NativeParallelizeError(
+            f"mp_policy's output_dtype {mp_policy.output_dtype} on a pipelined plan: stage module {index} sends "
+            f"values traced in {sorted(map(str, traced))}, and torch's pipeline stages receive them so (leave "
+            "output_dtype unset: each stage's outputs are cast back to the traced dtype)")
+    return replace(mp_policy, output_dtype=next(iter(traced))) if traced else mp_policy
 
 
 def _flat_nodes(args) -> list:

@@ -39,6 +39,12 @@ tensor axis each tensor-parallel rank holds other flat parameters (its own
 pieces of the weights): their state and layout are keyed by the rank's
 coordinate on the axes beside the data axes (`tp=1`), so a checkpoint
 loads on another data-parallel degree with the same tensor-parallel one.
+`parameter_state_dict()` gives the state keyed by parameter name instead,
+each moment shaped and placed as its parameter (torch's
+`get_optimizer_state_dict` form): its checkpoint loads on another
+tensor-parallel degree too, or into a plain optimizer of the unmodified
+module, at the price of gathering each moment whole over the data ranks
+while it is saved or loaded.
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ def zero_optimizer(model: nn.Module, optimizer_class: Callable[..., torch.optim.
     mesh = getattr(model, ZERO1_MESH_ATTRIBUTE, None)
     if mesh is None:
         return optimizer_class(model.parameters(), **defaults)
-    return ZeroOneOptimizer(model.parameters(), optimizer_class, mesh,
+    return ZeroOneOptimizer(model.named_parameters(), optimizer_class, mesh,
                             beside=getattr(model, ZERO1_BESIDE_ATTRIBUTE, None), **defaults)
 
 
@@ -71,15 +77,21 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, optimizer_class: Callable[..., torch.optim.Optimizer], mesh,
                  beside: str | None = None, **defaults: Any):
-        """`beside`: this rank's coordinate on the axes beside `mesh` ('' where there are none, None where it is
-        not known: then a checkpoint needs `mesh` to be the whole job), which keys its state in a checkpoint."""
+        """`params`: parameters, or (name, parameter) pairs (`zero_optimizer` gives the module's names, which key
+        `parameter_state_dict`). `beside`: this rank's coordinate on the axes beside `mesh` ('' where there are
+        none, None where it is not known: then a checkpoint needs `mesh` to be the whole job), which keys its state
+        in a checkpoint."""
         from torch.distributed.tensor import DTensor, Shard
 
         self.mesh, self.beside = mesh, beside
         seen: dict[int, nn.Parameter] = {}
-        for p in params:
+        self.names: dict[int, str] = {}   # a parameter's first name, where given
+        for item in params:
+            name, p = item if isinstance(item, tuple) else (None, item)
             if p.requires_grad:
                 seen.setdefault(id(p), p)
+                if name is not None:
+                    self.names.setdefault(id(p), name)
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
         for p in seen.values():
             by_dtype.setdefault(p.dtype, []).append(p)
@@ -170,6 +182,71 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update({key: value for key, value in saved.items() if key != "params"})
 
+    def parameter_state_dict(self) -> dict[str, Any]:
+        """The state keyed by parameter name, as torch's `get_optimizer_state_dict` keys a plain optimizer's:
+        `state[name]` holds each per-element state (a moment) shaped and placed as the parameter (a DTensor of its
+        placements: `Replicate()` on the data axes, its tensor-parallel `Shard(d)`), the rest (the step count) as
+        the flat parameter's; `param_groups` the groups' settings with `params` the names. So a DCP checkpoint of
+        it loads on another data-parallel degree, another tensor-parallel degree (DCP reshards each parameter's
+        pieces), or into a plain optimizer of the unmodified module (`set_optimizer_state_dict`). Each moment is
+        all-gathered over the data ranks to be cut by parameter: while it is saved, a rank holds its whole state
+        of its pieces once more (what ZeRO-1 saves between checkpoints). Needs the parameters' names (built by
+        `zero_optimizer`)."""
+        self._made_state()
+        state: dict[str, dict[str, Any]] = {}
+        for members, flat, total in self.groups:
+            inner = self.inner.state[flat]
+            whole = {key: value.full_tensor()[:total] for key, value in inner.items() if _is_flat_like(value, flat)}
+            offset = 0
+            for p in members:
+                local = _local(p)
+                entry = {key: value.clone() if isinstance(value, torch.Tensor) else value
+                         for key, value in inner.items() if key not in whole}
+                for key, value in whole.items():
+                    entry[key] = _placed_as(value[offset:offset + local.numel()].view_as(local).clone(), p)
+                state[self._name(p)] = entry
+                offset += local.numel()
+        groups = [{**{key: value for key, value in group.items() if key != "params"},
+                   "params": [self._name(p) for members, _flat, _total in self.groups for p in members]}
+                  for group in self.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def load_parameter_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """`parameter_state_dict()`'s form loaded (after `dcp.load` into it, each moment holds this rank's pieces
+        of the parameters, whatever degrees wrote it; a whole tensor, as a one-process optimizer's state is, is
+        cut to them): this rank's chunk of the flattened moments copied out of it, the step count and the groups'
+        settings taken as given. A parameter missing from it is refused by name before anything changes."""
+        self._made_state()
+        missing = [self._name(p) for members, _flat, _total in self.groups for p in members
+                   if self._name(p) not in state_dict["state"]]
+        if missing:
+            raise ValueError(f"this optimizer state holds no entry for parameter(s) {', '.join(missing[:4])}")
+        with torch.no_grad():
+            for members, flat, total in self.groups:
+                inner = self.inner.state[flat]
+                start, _chunk = _chunk_of(self.mesh, total)
+                for key, value in inner.items():
+                    if not _is_flat_like(value, flat):
+                        given = state_dict["state"][self._name(members[0])][key]
+                        if isinstance(value, torch.Tensor):
+                            value.copy_(given)
+                        else:
+                            inner[key] = given
+                        continue
+                    mine = value.to_local()
+                    for p, member, part in _overlaps(members, start, mine.numel()):
+                        piece = _local_piece(state_dict["state"][self._name(p)][key], p)
+                        mine[part].copy_(piece.reshape(-1)[member])
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update({key: value for key, value in saved.items() if key != "params"})
+
+    def _name(self, p: nn.Parameter) -> str:
+        name = self.names.get(id(p))
+        if name is None:
+            raise ValueError("a ZeRO-1 state keyed by parameter needs the parameters' names: build the optimizer "
+                             "with zero_optimizer(model, ...) or give ZeroOneOptimizer (name, parameter) pairs")
+        return name
+
     def _layout(self) -> list[list[int]]:
         return [[_local(p).numel() for p in members] for members, _flat, _total in self.groups]
 
@@ -227,6 +304,35 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
                     p.grad = None
                 else:
                     p.grad.zero_()
+
+
+def _placed_as(local: torch.Tensor, param: torch.Tensor):
+    """`local` (this rank's values of a tensor shaped as `param`'s local piece) as a DTensor placed as `param` is
+    (a plain tensor where `param` is one)."""
+    if not hasattr(param, "placements"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
+def _local_piece(value: Any, param: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `value` (a tensor of `param`'s global shape: a DTensor of any placements, or whole)
+    as `param` holds its own."""
+    if tuple(value.shape) != tuple(param.shape):
+        raise ValueError(f"a ZeRO-1 state of shape {tuple(value.shape)} for a parameter of {tuple(param.shape)}")
+    if not hasattr(param, "placements"):
+        return value.full_tensor() if hasattr(value, "full_tensor") else value
+    if hasattr(value, "redistribute"):
+        if value.device_mesh == param.device_mesh:
+            return value.redistribute(param.device_mesh, param.placements).to_local()
+        value = value.full_tensor()
+    from torch.distributed.tensor import distribute_tensor
+
+    # every rank holds the whole tensor: each cuts its own piece, no collective
+    return distribute_tensor(value.to(_local(param).device), param.device_mesh, param.placements,
+                             src_data_rank=None).to_local()
 
 
 def _is_flat_like(value: Any, flat: torch.Tensor) -> bool:
