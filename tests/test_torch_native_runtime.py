@@ -419,12 +419,16 @@ def _stack():
 
 IMPORTED = "+import"   # a tiny factory's name ending so: `train_job` gives parallelize its example inputs too
 LOSS64 = "+loss64"     # a Hugging Face model's name ending so: its causal loss in float64 (causal_loss_in_model_dtype)
+PADDED = "+padded"     # HF BERT's name ending so: its last key of every sequence padding, a constant mask that keeps
+                       # the attention written out (`hf_models.Loss.padded_keys`); plain BERT's is the fused op
 
 
 def _factory(name: str):
     name = name.removesuffix(IMPORTED)
     loss64 = name.endswith(LOSS64)
     name = name.removesuffix(LOSS64)
+    padded = name.endswith(PADDED)
+    name = name.removesuffix(PADDED)
     if name == "tiny":
         return tiny
     if name == "tiny64":
@@ -437,6 +441,7 @@ def _factory(name: str):
 
     def make():
         module, inputs = hf_models.make(name)
+        module.padded_keys = int(padded)
         for sub in module.modules():   # each rank draws its own dropout masks: no one process could match them
             if isinstance(sub, nn.Dropout):
                 sub.p = 0.0
