@@ -223,34 +223,18 @@ def test_the_encoders_tensor_parallel_plan_trains_on_two_ranks_like_one_process(
 # ------------------------------------------------------------------ Hugging Face encoders imported fused
 
 
-def _hf(name: str):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import hf_models
-
-    module, inputs = hf_models.make(name)
-    for sub in module.modules():
-        if isinstance(sub, torch.nn.Dropout):
-            sub.p = 0.0
-    return module.double(), inputs
-
-
 @pytest.mark.parametrize("name", ["bert", "vit"])
 def test_hugging_face_sdpa_encoders_import_as_the_fused_operator(name):
-    """HF BERT's and ViT's `sdpa` attention (dropout 0, no padding mask) imports as `attention`, nothing written
-    out, and the imported graph's loss is the module's."""
+    """HF BERT's and ViT's `sdpa` attention (in eval: no dropout; no padding mask, BERT's all-ones mask a constant)
+    imports as `attention`, nothing written out, and the imported graph's loss is the module's (float64)."""
     pytest.importorskip("transformers")
-    from parsat.backend.executor import evaluate_graph
-    from parsat.importer.export import import_module
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import hf_models
+    from test_backend_fx import imported_output
 
-    module, inputs = _hf(name)
+    module, inputs = hf_models.make(name)
     assert module.model.config._attn_implementation == "sdpa"
-    imported = import_module(module, inputs)
-    ops = [n.op for n in imported.graph.nodes]
-    assert ops.count("attention") == 2 and not {"bmm", "softmax", "softmax_masked"} & set(ops)
-    leaves = {leaf: module.get_parameter(p).detach() for leaf, p in imported.weights.items()}
-    leaves.update(imported.constant_values(torch.float64))
-    leaves.update(imported.data_values(inputs, torch.float64))
-    got = evaluate_graph(imported.graph, leaves)[imported.graph.outputs[0]]
-    with torch.no_grad():
-        want = module(*inputs)
+    want, got, graph = imported_output(module, inputs)
+    ops = [n.op for n in graph.nodes]
+    assert ops.count("attention") == 2 and not {"bmm", "softmax", "softmax_masked"} & set(ops), ops
     assert abs(float(got) - float(want)) <= 1e-10 * abs(float(want))
