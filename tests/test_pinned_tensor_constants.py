@@ -58,7 +58,8 @@ def test_a_pinned_tensor_axis_splits_a_constant_read_only_as_a_mask_and_no_other
 
 @pytest.fixture(scope="module")
 def bert():
-    """HF BERT (`hf_models.make`: 2 layers, hidden 128, 4 heads, batch 8 x 32, float64, dropout off) imported."""
+    """HF BERT (`hf_models.make`: 2 layers, hidden 128, 4 heads, batch 8 x 32, float64, dropout off) imported, its
+    last key padding: a constant mask read by `softmax_masked` (without padding the attention is fused)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from test_torch_native_runtime import PADDED, _factory

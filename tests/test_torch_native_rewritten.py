@@ -56,7 +56,9 @@ class Trace(TorchFunctionMode):
 
 @pytest.fixture(scope="module")
 def bert():
-    """(module, example, import, the optimizer's dp=2 plan dict) of HF BERT, float64, dropout off."""
+    """(module, example, import, the optimizer's dp=2 plan dict) of HF BERT, float64, dropout off, its last key
+    padding: a constant attention mask that keeps the attention written out (bmm, scale, `softmax_masked`), which
+    these tests rewrite and slice (without padding BERT's attention imports as the fused `attention`)."""
     from parsat.importer.export import import_module
 
     module, example = _factory("bert" + PADDED)()
