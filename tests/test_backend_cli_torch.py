@@ -136,20 +136,18 @@ def test_model_is_refused_with_the_torch_runtime(tmp_path, capsys):
     assert code == 1 and "--model is not supported with --runtime torch" in err, err
 
 
-def test_a_pipelined_plan_or_micro_batches_of_an_unknown_step_are_refused_before_any_rank_starts():
-    """`check_runnable`: the graph's module has no stages to cut; micro-batches of a graph that is no built-in
-    example have no known whole batch (to cut them from and to check against)."""
+def test_micro_batches_of_an_unknown_step_are_refused_before_any_rank_starts():
+    """`check_runnable`: micro-batches of a graph that is no built-in example have no known whole batch (to cut
+    them from and to check against). (A pipelined plan file runs: tests/test_torch_native_pipelined_plan_file.py.)"""
     from parsat.backend.executor import ExecutionError
     from parsat.backend.torch_native.run import check_runnable
 
     gpt = build_example("gpt", GPT, LIBRARY)
-    check_runnable(gpt, pipelined=False)
-    check_runnable(gpt.with_microbatches(2), pipelined=False)
-    with pytest.raises(ExecutionError, match="does not run a pipelined plan file"):
-        check_runnable(gpt, pipelined=True)
+    check_runnable(gpt)
+    check_runnable(gpt.with_microbatches(2))
     mlp = mesh_plans.data_parallel_mlp(LIBRARY, 2, batch=8, d_in=6, d_hidden=4, d_out=2).graph
     with pytest.raises(ExecutionError, match="micro-batches of a graph that is no built-in example"):
-        check_runnable(mlp.with_microbatches(2), pipelined=False)
+        check_runnable(mlp.with_microbatches(2))
 
 
 # ------------------------------------------------------------------ a plan computing otherwise than its graph

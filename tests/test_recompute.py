@@ -82,6 +82,21 @@ def test_node_cost_recomputed():
     assert (kept.activation_bytes, kept.transient_bytes, kept.backward_s) == (60, 0, 3.0)
 
 
+def test_node_cost_derived_costs_are_what_replace_makes():
+    """`NodeCost._changed` stands for `dataclasses.replace` in every derivation: the same fields, `problems`
+    (left out of ==) included, and the cost derived from is left as it was."""
+    cost = NodeCost(1.0, 2.0, 3.0, 0.5, 30, 6, 100, 8.0, ("c",), ("p",), 60, False, 7, 0.2, 10, 20, 0.1, (0.3,))
+    before = dict(vars(cost))
+    derived = cost._changed(backward_s=3.0, transient_bytes=5)
+    assert vars(derived) == vars(replace(cost, backward_s=3.0, transient_bytes=5))
+    assert type(derived) is NodeCost and vars(cost) == before
+    assert vars(cost.per_step(3)) == vars(replace(cost, forward_s=3.0, backward_s=6.0, comm_s=1.5, comm_elements=90,
+                                                  flops=24.0, forward_comm_s=cost.forward_comm_s * 3,
+                                                  forward_comm_elements=30))
+    assert vars(cost.recomputed(kept=False)) == vars(replace(
+        cost, backward_s=3.0, comm_s=0.5 + 0.2, comm_elements=40, activation_bytes=0, transient_bytes=20 + 60))
+
+
 def test_priced_plan_pays_one_more_forward_and_holds_less(tensor_parallel, library):
     plan = tensor_parallel
     kept = price_pcg(plan.pcg, library, plan.machine)

@@ -9,7 +9,8 @@ again is not traced. A shape the plan cannot cut is refused by name before anyth
 
 Fast, without processes: the trace puts the module's own parameter objects in its stage modules (the tied table
 copied) and leaves the module unmarked, so it traces again. Fast, on 2 gloo ranks: the built-in gpt (pp 2, 1F1B,
-4 micro-batches) refuses a batch its micro-batches do not divide, traces a new shape once and not again, and
+4 micro-batches) refuses a batch its micro-batches do not divide, and a step whose ranks pass batches of different
+shapes (on every rank, naming them, before any trace), traces a new shape once and not again, and
 both shapes read one set of weights (a change made in place after the steps is what both shapes' losses see,
 against the unmodified module changed the same way). Slow: that gpt (pp 2; on 4 ranks pp 2 x tp 2 with
 sequence parallelism, and pp 2 x dp 2 with ZeRO-3 stages) and HF GPT-2 (pp 2, 1F1B), 3 AdamW steps alternating two batch shapes, losses, clipped
@@ -106,14 +107,20 @@ def gpt_job(ctx, plan: dict, train: bool, odd_sequence: bool = False) -> dict:
     reference = copy.deepcopy(module)
     data = math.prod(a["size"] for a in plan["mesh"]["axes"] if a["name"] != "tp")   # the stage's replicas
     example = tuple(x[: x.shape[0] // data] for x in gpt_batch(0, GPT_SHAPES[0]))   # a local batch's shape
+    whole_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     model = parsat.parallelize(module, plan, example, runtime="torch", weight_names=weight_names())
-    out: dict = {"refusals": []}
+    # the module is kept to re-trace, its parameters holding no values (`pipelined.release_parameters`)
+    out: dict = {"refusals": [], "module_bytes": [whole_bytes, _bytes_held(module)]}
     wrongs = [gpt_batch(0, (6, 8)), gpt_batch(0, (8, 8))[:1]] + [gpt_batch(0, (8, 3))] * odd_sequence
     for wrong in wrongs:   # 4 micro-batches of 6; one tensor of two; a sequence of 3 in pieces for 2 tp ranks
         try:
             model.step(*wrong)
         except NativeParallelizeError as err:
             out["refusals"].append(str(err))
+    try:   # rank 0 the plan's shape, rank 1 another the plan runs too: each alone would trace and wait on the other
+        model.step(*gpt_batch(0, GPT_SHAPES[ctx.rank % 2]))
+    except NativeParallelizeError as err:
+        out["mismatch"] = str(err)
     out["traces_after_refusals"] = model.traces
     if train:
         batches = [gpt_batch(step, GPT_SHAPES[step % 2]) for step in range(3)]
@@ -135,7 +142,12 @@ def gpt_job(ctx, plan: dict, train: bool, odd_sequence: bool = False) -> dict:
         inputs = gpt_batch(1, shape)
         out["changed"].append((float(model.step(*inputs)), float(reference(*inputs).detach())))
     out["traces"], out["traced_shapes"] = model.traces, [list(s[0][0]) for s in model.traced_shapes]
+    out["module_bytes"].append(_bytes_held(module))   # after the second shape's trace too
     return out
+
+
+def _bytes_held(module) -> int:
+    return sum(p.untyped_storage().nbytes() for p in module.parameters())
 
 
 def _launch(job, args: tuple, nproc: int = 2) -> list:
@@ -165,6 +177,9 @@ def _refused_before_anything_ran(run: dict, odd_sequence: bool = False) -> None:
     assert "4 micro-batches must divide" in first and "[6, 8]" in first, first
     assert "2 tensor(s)" in second, second
     assert run["traces_after_refusals"] == 1, run
+    assert run["module_bytes"][0] > 0 and not any(run["module_bytes"][1:]), run["module_bytes"]
+    assert "different shapes (rank 0: ([8, 8] int64, [8, 8] int64); rank 1: ([16, 4] int64, [16, 4] int64)" \
+        in run["mismatch"], run["mismatch"]
 
 
 def test_a_new_batch_shape_is_traced_once_and_runs_on_the_same_weights():

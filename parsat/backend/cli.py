@@ -26,8 +26,9 @@ elements beside the prediction.
 `--runtime torch` runs the plan through PyTorch's own stack instead of
 the interpreter (`torch_native/run.py`: the plan's graph as a module,
 `parallelize(runtime="torch")`, torch's optimizer; `--check` against the
-unmodified module in one process), refusing, with the lowering's message,
-what that path cannot lower.
+unmodified module in one process; a pipelined plan's graph cut into
+`torch.distributed.pipelining` stages, `torch_native/run_pipelined.py`),
+refusing, with the lowering's message, what that path cannot lower.
 
 `--plan-of NAME` runs one of the baselines the plan file carries
 (`data_parallel`, `sequential`, `megatron`) instead of parsat's own PCG,
@@ -217,10 +218,11 @@ def main_run(args: argparse.Namespace) -> int:
 
 
 def _run_torch(args: argparse.Namespace, graph, pipelined: bool, config) -> int:
-    """`--runtime torch` (`torch_native.run`): the plan's graph as a module on torch's own stack; rank 0 reports
-    the losses, the lowering and, with --check, the comparison with the unmodified module in one process."""
+    """`--runtime torch` (`torch_native.run`, a pipelined plan `torch_native.run_pipelined`): the plan's graph as a
+    module on torch's own stack; rank 0 reports the losses, the lowering and, with --check, the comparison with
+    the unmodified module in one process."""
     from parsat.backend.executor import ExecutionError
-    from parsat.backend.torch_native.run import check_runnable, run_torch_plan
+    from parsat.backend.torch_native import run, run_pipelined
 
     for flag, given in (("--model", args.model), ("--data", args.data),
                         ("--plan-of", args.plan_of if args.plan_of != "parsat" else None)):
@@ -228,8 +230,9 @@ def _run_torch(args: argparse.Namespace, graph, pipelined: bool, config) -> int:
             raise ExecutionError(f"{flag} is not supported with --runtime torch (it runs the plan file's own graph "
                                  "and parsat's PCG); a module of your own: parsat.parallelize(module, plan, "
                                  "example_inputs, runtime='torch')")
-    check_runnable(graph, pipelined)
-    result = run_torch_plan(args.plan, args.nproc, config, args.backend, args.timeout, args.collective_timeout)
+    (run_pipelined if pipelined else run).check_runnable(graph)   # before any rank starts
+    train = run_pipelined.run_pipelined_torch_plan if pipelined else run.run_torch_plan
+    result = train(args.plan, args.nproc, config, args.backend, args.timeout, args.collective_timeout)
     if int(os.environ.get("RANK", "0")) != 0:
         return 1 if result.get("check") == "failed" else 0
     lines = [f"ran {args.steps} step(s) of the plan on {args.nproc} rank(s) with torch's own stack (--runtime torch)",

@@ -21,10 +21,12 @@ schedule and shared weights, also without torch), `apply` (the pieces
 applied to the user's module on every rank; `local_batch`,
 `lowering_of`), `conv1d` (the column- and row-parallel styles of transformers'
 `Conv1D`, GPT-2's projections, which torch's own refuse), `zero` (ZeRO-1's optimizer: `zero_optimizer`,
-`ZeroOneOptimizer`), `pipelined` (a pipelined plan applied: `PipelinedModule`),
+`ZeroOneOptimizer`), `pipelined` (a pipelined plan applied: `PipelinedModule`;
+`batch_agreement`: a pipelined step's batch the same shape on every rank),
 `rewritten` (a plan whose graph an algebraic rule rewrote: the module's
 forward replaced by one evaluating the plan's graph, `RewrittenForward`),
 `entry` (`parallelize_native`: one plan for every rank, then one of the
 two). `run` (`parsat run --runtime torch`: a plan file's graph as a module
-(`GraphModule`), trained through this path on N ranks, with `--check`). `parsat.parallelize(module, plan, runtime="torch")` is the way in.
+(`GraphModule`), trained through this path on N ranks, with `--check`;
+`run_pipelined` a pipelined plan file's, its graph as `staged_graph.StagedGraphModule`, one submodule a block). `parsat.parallelize(module, plan, runtime="torch")` is the way in.
 """

@@ -161,7 +161,12 @@ def local_batch(module: nn.Module, *tensors: torch.Tensor, dim: int = 0, rank: i
     """This rank's block of a global batch as the plan splits it (along `dim`, over the data axes, major first);
     every tensor-parallel rank of one data-parallel group takes the same block. One tensor in, one out. In a
     pipelined module, rank r is local rank r % S of its stage's S ranks, and the stage plan splits the batch."""
-    lowering = lowering_of(module)
+    return lowering_batch(lowering_of(module), *tensors, dim=dim, rank=rank)
+
+
+def lowering_batch(lowering, *tensors: torch.Tensor, dim: int = 0, rank: int | None = None):
+    """`local_batch` as `lowering` (a `Lowering` or `PipelineLowering`) splits it, before any module is lowered
+    (the example batch a pipelined module is traced on)."""
     rank = (dist.get_rank() if rank is None else rank) % lowering.mesh.world
     coords = lowering.mesh.coords(rank)
     sizes = lowering.mesh.shape

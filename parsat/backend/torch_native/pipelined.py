@@ -39,8 +39,13 @@ Under torchrun, every rank calls
    micro-batch count (`scale_grads`), so a step's gradient is the whole
    batch's mean's.
 
+Every rank passes a batch of one shape in a step: the ranks exchange
+their shapes first (`batch_agreement`), and refuse together, naming them.
 A step's batch of another shape (micro-batch size, sequence length) is
-traced again at its first step: step 3's trace and graph changes, the new
+traced again at its first step (the module kept for it holds no parameter
+values between traces: `release_parameters`, `materialized`; the module
+passed to `parallelize` is the pipelined module's from then on, its
+trained weights `model.state_dict()`): step 3's trace and graph changes, the new
 graphs installed in the stage modules of step 4 (`stage_graphs`: their
 parameters, hooks and the optimizer's state untouched), new
 `PipelineStage`s and the plan's schedule over them; each shape's kept, and
@@ -71,6 +76,7 @@ from torch.distributed.tensor import distribute_tensor
 from parsat.backend.torch_native.apply import (LOWERING_ATTRIBUTE, NativeParallelizeError, broadcast_state,
                                               checkpoint_blocks, data_parallel, dtensor_step, sequence_piece,
                                               traced_graph_passes, traced_parameters_placed, with_policy_axis)
+from parsat.backend.torch_native.batch_agreement import check_same_batch
 from parsat.backend.torch_native.lowering import SEQ_DIM
 from parsat.backend.torch_native.pipeline_lowering import STAGE_AXIS_NAME, PIPELINE_AXIS_NAME, PipelineLowering
 from parsat.backend.torch_native.stage_graphs import StageGraphs, graphs_of, install
@@ -137,7 +143,8 @@ class _ShapeRun:
 class PipelinedModule:
     """This rank's part of a pipelined module: its stage modules, their `PipelineStage`s and the schedule
     (module docstring). Parameters keep the module's own names. A batch of another shape re-traces the module
-    (`module`, kept for it) and runs the new graphs on these stage modules (`stage_graphs`): one set of
+    (`module`, kept for it, its parameters emptied between traces) and runs the new graphs on these stage modules
+    (`stage_graphs`): one set of
     parameters, the plan's schedule and micro-batch count, each shape's graphs and schedule kept."""
 
     def __init__(self, lowering: PipelineLowering, module: nn.Module, modules: Sequence[nn.Module], stage: int,
@@ -150,6 +157,7 @@ class PipelinedModule:
         self.pp_group = mesh[PIPELINE_AXIS_NAME].get_group()
         self.shared_groups = shared_groups
         self._module = module   # the user's module, traced again at a new batch shape (its values unread)
+        self._released = release_parameters(module)   # ... so its parameters hold no values between traces
         self._runs: dict[BatchShape, _ShapeRun] = {}
         self._installed: BatchShape | None = None
         self.traces = 0   # how many times the module was traced (once at parallelize, once per new shape)
@@ -270,7 +278,9 @@ class PipelinedModule:
         first stage reads it), cut into the plan's micro-batches and run in its schedule; the shared weights'
         gradients summed over their stages. Returns the step's loss (the micro-batches' mean) on every rank. A
         batch shape not met before is traced first (`_run_for`); one the plan cannot cut is refused by name
-        before anything runs."""
+        before anything runs; ranks passing batches of different shapes are refused on every rank, naming them
+        (`batch_agreement`: one small exchange a step, before the schedule)."""
+        check_same_batch(inputs, self.device)
         m = self.lowering.microbatches
         schedule = self._run_for(inputs)
         losses: list[torch.Tensor] = []
@@ -302,7 +312,8 @@ class PipelinedModule:
         shape = runnable_shape(self.lowering, inputs, self._arity())
         if shape not in self._runs:
             micro = _first_microbatch(tuple(inputs), self.lowering.microbatches)
-            pipe = _traced_pipe(self._module, self.lowering, micro, self.device)
+            with materialized(self._module, self._released, self.device):
+                pipe = _traced_pipe(self._module, self.lowering, micro, self.device)
             chunks, graphs = self.lowering.chunks_of(self.stage), []
             for chunk, kept in zip(chunks, self.stage_modules):   # every chunk's graphs checked before any installed
                 traced = pipe.get_stage_module(chunk.index)
@@ -366,6 +377,35 @@ class PipelinedModule:
             if name in names:
                 return self.stage == min(stages)
         return True
+
+
+def release_parameters(module: nn.Module) -> dict[int, tuple[nn.Parameter, torch.Size, torch.dtype]]:
+    """Each parameter of the user's module (each once) emptied, its shape and dtype kept: after `parallelize` the
+    stage modules train their own parameters (DTensors, FSDP's), and re-tracing at a new shape reads the module's
+    code, shapes and dtypes, not its values, so the whole module's values need not stay on every rank between
+    traces (`materialized` gives the trace uninitialized tensors of those shapes). Its buffers stay: a trace
+    lifts them into the stage graphs it makes (`stage_graphs.graphs_of`)."""
+    held = {}
+    with torch.no_grad():
+        for param in module.parameters():
+            held[id(param)] = (param, param.shape, param.dtype)
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    return held
+
+
+@contextlib.contextmanager
+def materialized(module: nn.Module, released: Mapping, device: torch.device):
+    """The released parameters (`release_parameters`) as uninitialized tensors of their shapes on `device` for the
+    duration (a trace), emptied again after."""
+    with torch.no_grad():
+        for param, shape, dtype in released.values():
+            param.data = torch.empty(shape, dtype=dtype, device=device)
+    try:
+        yield module
+    finally:
+        with torch.no_grad():
+            for param, _shape, dtype in released.values():
+                param.data = torch.empty(0, dtype=dtype, device=device)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -53,14 +53,14 @@ trains the unmodified module on the whole batch. Micro-batches of a graph
 that is no built-in example are refused up front (their whole batch is not
 known).
 
-Refused before any rank starts (`check_runnable`): a pipelined plan file
-(its graph is one module, which `torch.distributed.pipelining` would cut at
-submodule calls, and the graph has none: its stages would have to be
-traced modules of the plan's stage graphs, which `pipelined.py` builds
-from a user's module only; run it with the interpreter or train your
-module with `parallelize(..., runtime="torch")`). The lowering's own
-refusals (an all_to_all, two tensor axes, ...) come from every rank with
-the lowering's message, naming the node.
+A pipelined plan file runs through `run_pipelined.py`: the graph as a
+module with one submodule a block (`staged_graph.StagedGraphModule`), cut
+into `torch.distributed.pipelining` stages where the plan's chunks begin,
+trained with the plan's schedule and micro-batches (`PipelinedModule.step`)
+as a user's pipelined module is; `--check` as here.
+
+The lowering's own refusals (an all_to_all, two tensor axes, ...) come from
+every rank with the lowering's message, naming the node.
 """
 
 from __future__ import annotations
@@ -201,12 +201,8 @@ class GraphImport:
         return {}
 
 
-def check_runnable(graph: Graph, pipelined: bool) -> None:
-    """What `--runtime torch` refuses before any rank starts (module docstring)."""
-    if pipelined:
-        raise ExecutionError("--runtime torch does not run a pipelined plan file: its graph has no module to cut "
-                             "into stages; run it with the interpreter (the default runtime), or train your module "
-                             "with parsat.parallelize(module, plan, example_inputs, runtime='torch')")
+def check_runnable(graph: Graph) -> None:
+    """What `--runtime torch` refuses of an unpipelined plan file before any rank starts (module docstring)."""
     if graph.microbatches != 1 and step_batch(graph, operator_library()).whole is None:
         raise ExecutionError(f"the plan runs its step as {graph.microbatches} micro-batches of a graph that is no "
                              "built-in example, so the step's whole batch (what --check trains the unmodified module "
@@ -215,18 +211,19 @@ def check_runnable(graph: Graph, pipelined: bool) -> None:
 
 
 def run_torch_plan(path: str, nproc: int, config: TrainConfig, backend: str | None = None,
-                   timeout_s: float = 600.0, collective_timeout_s: float = 30.0) -> dict:
+                   timeout_s: float = 600.0, collective_timeout_s: float = 30.0, rank=None) -> dict:
     """The plan file at `path` trained on `nproc` ranks through `parallelize(runtime="torch")`; rank 0's report
-    (`torch_rank`). Raises ExecutionError with the lowering's refusal when the plan cannot be lowered."""
-    results = launch(torch_rank, (path, config),
+    (`rank`'s: `torch_rank` by default, `run_pipelined.pipelined_rank` for a pipelined plan file). Raises
+    ExecutionError with the lowering's refusal when the plan cannot be lowered."""
+    results = launch(rank or torch_rank, (path, config),
                      LaunchConfig(nproc=nproc, backend=backend, timeout_s=timeout_s,
                                   collective_timeout_s=collective_timeout_s))
     refused = next((r["refused"] for r in results if r.get("refused")), None)
     if refused:
         raise ExecutionError(f"the torch runtime cannot run this plan: {refused} (--runtime torch runs the plan's "
-                             "graph as one module of plain parameters; run the plan with the interpreter, the "
-                             "default runtime, or your own module with parsat.parallelize(module, plan, "
-                             "example_inputs, runtime='torch'))")
+                             "graph as a module of plain parameters, one module or one a block; run the plan with "
+                             "the interpreter, the default runtime, or your own module with "
+                             "parsat.parallelize(module, plan, example_inputs, runtime='torch'))")
     return results[0]
 
 
@@ -267,11 +264,8 @@ def torch_rank(ctx: RankContext, path: str, config: TrainConfig) -> dict:
         if reference is not None:
             inputs = {n: t.to(ctx.device) for n, t in data.whole_inputs().items()}
             targets = {n: None if t is None else t.to(ctx.device) for n, t in data.whole_targets().items()}
-            want = graph_objective(reference, graph, reference(inputs), targets)
-            want.backward()
-            ref_optimizer.step()
-            ref_optimizer.zero_grad()
-            ref_losses.append(float(want.detach()))
+            ref_losses.append(reference_step(graph_objective(reference, graph, reference(inputs), targets),
+                                             ref_optimizer))
     report = _report(model, reference, losses, ref_losses, config, lowering_of(model).describe())
     return {**report, "optimizer": type(optimizer).__name__}
 
@@ -306,11 +300,7 @@ def _report(model: nn.Module, reference, losses: list, ref_losses: list, config:
            "not_dtensor": sorted(n for n, t in params.items() if not isinstance(t, DTensor))}
     if reference is None:
         return out
-    worst, where = 0.0, ""
-    for got, want in zip(losses, ref_losses):
-        rel = abs(got - want) / max(abs(want), 1e-30)
-        if rel > worst:
-            worst, where = rel, "the loss"
+    worst, where = loss_difference(losses, ref_losses)
     for name, want in reference.named_parameters():
         got = params[name]
         whole = got.full_tensor() if isinstance(got, DTensor) else got
@@ -320,3 +310,22 @@ def _report(model: nn.Module, reference, losses: list, ref_losses: list, config:
     out.update(ref_losses=ref_losses, max_rel_diff=worst, worst=where,
                check="passed" if worst <= config.tolerance else "failed")
     return out
+
+
+def loss_difference(losses: list, ref_losses: list) -> tuple[float, str]:
+    """The largest relative difference of a step's loss from the reference's, and "the loss" where there is one."""
+    worst, where = 0.0, ""
+    for got, want in zip(losses, ref_losses):
+        rel = abs(got - want) / max(abs(want), 1e-30)
+        if rel > worst:
+            worst, where = rel, "the loss"
+    return worst, where
+
+
+def reference_step(objective_value: torch.Tensor, optimizer) -> float:
+    """One step of the unmodified module on the whole batch (`--check`'s reference): the objective's backward, the
+    optimizer's step; the objective's value."""
+    objective_value.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(objective_value.detach())
