@@ -57,15 +57,24 @@ BATCH = 8
 
 
 class Loss(torch.nn.Module):
-    """A Hugging Face model whose forward returns its training loss: the only code around it."""
+    """A Hugging Face model whose forward returns its training loss: the only code around it.
 
-    def __init__(self, model, kind: str):
+    `padded_keys` (masked LMs): that many last positions of every sequence are padding no query attends to, a
+    fixed layout whose attention mask is made from the shapes only (a constant, never from the inputs): BERT's
+    attention then stays written out with that constant mask (`softmax_masked`), where without padding its
+    all-ones mask is no mask and the importer makes the fused `attention`."""
+
+    def __init__(self, model, kind: str, padded_keys: int = 0):
         super().__init__()
-        self.model, self.kind = model, kind
+        self.model, self.kind, self.padded_keys = model, kind, padded_keys
 
     def forward(self, x, labels):
         if self.kind in ("causal", "seq2seq"):
             return self.model(input_ids=x, labels=labels, use_cache=False).loss
+        if self.kind == "masked" and self.padded_keys:
+            keep = torch.ones(x.shape, dtype=torch.long, device=x.device)
+            keep[:, x.shape[1] - self.padded_keys:] = 0
+            return self.model(input_ids=x, attention_mask=keep, labels=labels).loss
         if self.kind == "masked":
             return self.model(input_ids=x, labels=labels).loss
         if self.kind == "speech":

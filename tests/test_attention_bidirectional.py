@@ -5,10 +5,11 @@ queries (cross-attention). `fuse_attention` (rules/algebraic.rule) proves it equ
 softmax / bmm form; its heads-parallel rules and the Ulysses context-parallel rule (rules/parallel_layers.rule,
 section attention) are proved, and the wrong variants (tests/wrong_rules/attention_bidirectional_wrong.rule)
 refused. The cost model prices it as FlashAttention runs it: every score (twice the causal operator's FLOPs at
-the same shapes), O(b s h) memory. The built-in bert builds it; the importer maps an unmasked, dropout-free SDPA
-onto it (tests/test_backend_hf.py: Hugging Face ViT's `sdpa` attention, the loss the module's; tests/test_backend_fx.py
-and below: SDPA without a mask, square or not). Hugging Face BERT's all-ones mask is not recognised (it stays
-`softmax_masked`).
+the same shapes), O(b s h) memory. The built-in bert builds it; the importer maps a dropout-free SDPA without a
+mask, or under a constant mask keeping every key (what Hugging Face BERT passes under `torch.export`), onto it:
+Hugging Face BERT's and ViT's `sdpa` attention import fused, the loss the module's (below), and Megatron's tp 2
+plan of an encoder trains through it on 2 ranks like one process (below; HF BERT's in
+tests/test_torch_native_runtime.py).
 """
 
 from __future__ import annotations
@@ -217,3 +218,23 @@ def test_the_encoders_tensor_parallel_plan_trains_on_two_ranks_like_one_process(
         assert result["dtensors"] and result["sdpa"] == 1, result
         for got, want in zip(result["losses"], result["ref_losses"]):
             assert abs(got - want) <= 1e-6 * abs(want), result
+
+
+# ------------------------------------------------------------------ Hugging Face encoders imported fused
+
+
+@pytest.mark.parametrize("name", ["bert", "vit"])
+def test_hugging_face_sdpa_encoders_import_as_the_fused_operator(name):
+    """HF BERT's and ViT's `sdpa` attention (in eval: no dropout; no padding mask, BERT's all-ones mask a constant)
+    imports as `attention`, nothing written out, and the imported graph's loss is the module's (float64)."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import hf_models
+    from test_backend_fx import imported_output
+
+    module, inputs = hf_models.make(name)
+    assert module.model.config._attn_implementation == "sdpa"
+    want, got, graph = imported_output(module, inputs)
+    ops = [n.op for n in graph.nodes]
+    assert ops.count("attention") == 2 and not {"bmm", "softmax", "softmax_masked"} & set(ops), ops
+    assert abs(float(got) - float(want)) <= 1e-10 * abs(float(want))

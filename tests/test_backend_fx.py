@@ -91,6 +91,8 @@ class Sdpa(nn.Module):
             ctx = sdpa(q, k, v, scale=0.3)
         elif self.mode == "full_mask":
             ctx = sdpa(q, k, v, attn_mask=torch.zeros(b, 1, s, s))
+        elif self.mode == "input_mask":   # keeps every key too, but made from the inputs (as a padding mask is)
+            ctx = sdpa(q, k, v, attn_mask=torch.zeros_like(x[:, None, :, :1]).expand(b, 1, s, s))
         else:   # keys t <= r + 1: not causal
             positions = torch.arange(s)
             ctx = sdpa(q, k, v, attn_mask=positions[None, :] <= positions[:, None] + 1)
@@ -99,11 +101,12 @@ class Sdpa(nn.Module):
 
 @pytest.mark.parametrize("mode,attention", [("flag", "attention_causal"), ("causal_mask", "attention_causal"),
                                             ("other_mask", "softmax_masked"), ("no_mask", "attention"),
-                                            ("full_mask", "softmax_masked")])
+                                            ("full_mask", "attention"), ("input_mask", "softmax_masked")])
 def test_causal_sdpa_is_the_fused_operator(mode, attention):
     """A causal square SDPA, by flag or by the causal mask itself, imports as `attention_causal` (no mask input,
-    no [b, h, s, s] scores); one without a mask as `attention`; any mask that is not causal, even a constant one
-    keeping every key (not recognised), stays written out with its mask a data leaf."""
+    no [b, h, s, s] scores); one without a mask, or under a constant mask keeping every key, as `attention`;
+    any other mask, even one keeping every key when it is made from the inputs, stays written out with its mask
+    a data leaf."""
     torch.manual_seed(0)
     want, got, graph = imported_output(Sdpa(mode), (torch.randn(2, 5, 16),))
     ops = {n.op for n in graph.nodes}

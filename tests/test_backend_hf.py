@@ -35,7 +35,7 @@ def test_imported_graph_gives_the_models_loss(name):
     module = module.double().eval()
     inputs = tuple(t.double() if t.is_floating_point() else t for t in inputs)
     imported = import_module(module, inputs)
-    if name == "vit":   # its `sdpa` attention in eval (no dropout, no mask): the fused `attention`
+    if name in ("bert", "vit"):   # their `sdpa` attention in eval (no dropout, no padding mask): fused `attention`
         ops = [n.op for n in imported.graph.nodes]
         assert ops.count("attention") == 2 and not {"bmm", "softmax", "softmax_masked"} & set(ops), ops
     leaves = {w: module.get_parameter(p).detach() for w, p in imported.weights.items()}

@@ -58,14 +58,15 @@ def test_a_pinned_tensor_axis_splits_a_constant_read_only_as_a_mask_and_no_other
 
 @pytest.fixture(scope="module")
 def bert():
-    """HF BERT (`hf_models.make`: 2 layers, hidden 128, 4 heads, batch 8 x 32, float64, dropout off) imported."""
+    """HF BERT (`hf_models.make`: 2 layers, hidden 128, 4 heads, batch 8 x 32, float64, dropout off) imported, its
+    last key padding: a constant mask read by `softmax_masked` (without padding the attention is fused)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from test_torch_native_runtime import _factory
+    from test_torch_native_runtime import PADDED, _factory
 
     from parsat.importer.export import import_module
 
-    module, example = _factory("bert")()
+    module, example = _factory("bert" + PADDED)()
     return import_module(module, example, check=False).graph
 
 
@@ -108,11 +109,11 @@ def test_bert_s_pinned_tp_joint_plan_trains_on_two_ranks_like_one_process(bert, 
     """The joint plan above, lowered with `runtime="torch"` on 2 gloo ranks (`_train_hf`: 3 AdamW steps with
     clipping against the unmodified module in one process, every parameter a DTensor, the checkpoint loading
     into the unmodified module); before the tied table had one layout, the lowering refused the plan."""
-    from test_torch_native_runtime import _train_hf
+    from test_torch_native_runtime import PADDED, _train_hf
 
     plan = parsat.optimize(bert, machine="cpu", devices=2, degrees={"tp": 2}, baselines=False).to_dict()
     assert plan["extraction"]["chosen"] == "joint"
-    _train_hf("bert", {"joint": plan}, 2, tmp_path)
+    _train_hf("bert" + PADDED, {"joint": plan}, 2, tmp_path)
 
 
 def test_bert_s_pinned_plan_is_never_worse_than_the_grid_point(bert):

@@ -23,7 +23,7 @@ from torch import nn  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 import parsat  # noqa: E402
-from test_torch_native_runtime import (IMPORTED, LR, _batch, _check_run,  # noqa: E402
+from test_torch_native_runtime import (IMPORTED, LR, PADDED, _batch, _check_run,  # noqa: E402
                                        _dcp_loads_into_the_unmodified_module, _factory, _plan, _relative,
                                        _train_hf, train_job)
 
@@ -56,10 +56,12 @@ class Trace(TorchFunctionMode):
 
 @pytest.fixture(scope="module")
 def bert():
-    """(module, example, import, the optimizer's dp=2 plan dict) of HF BERT, float64, dropout off."""
+    """(module, example, import, the optimizer's dp=2 plan dict) of HF BERT, float64, dropout off, its last key
+    padding: a constant attention mask that keeps the attention written out (bmm, scale, `softmax_masked`), which
+    these tests rewrite and slice (without padding BERT's attention imports as the fused `attention`)."""
     from parsat.importer.export import import_module
 
-    module, example = _factory("bert")()
+    module, example = _factory("bert" + PADDED)()
     imported = import_module(module, example, check=False)
     plan = parsat.optimize(imported.graph, machine="cpu", devices=2, degrees={"dp": 2}, baselines=False)
     return module, example, imported, plan.to_dict()
@@ -193,8 +195,8 @@ def _train_rewritten(ctx, plan: dict, path: str) -> dict:
     from parsat.backend.torch_native.apply import local_batch, lowering_of
     from parsat.backend.torch_native.rewritten import RewrittenForward
 
-    module, example = _factory("bert")()
-    reference = _factory("bert")()[0]
+    module, example = _factory("bert" + PADDED)()
+    reference = _factory("bert" + PADDED)()[0]
     model = parsat.parallelize(module, plan, example, runtime="torch")
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)

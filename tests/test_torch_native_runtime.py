@@ -419,12 +419,16 @@ def _stack():
 
 IMPORTED = "+import"   # a tiny factory's name ending so: `train_job` gives parallelize its example inputs too
 LOSS64 = "+loss64"     # a Hugging Face model's name ending so: its causal loss in float64 (causal_loss_in_model_dtype)
+PADDED = "+padded"     # HF BERT's name ending so: its last key of every sequence padding, a constant mask that keeps
+                       # the attention written out (`hf_models.Loss.padded_keys`); plain BERT's is the fused op
 
 
 def _factory(name: str):
     name = name.removesuffix(IMPORTED)
     loss64 = name.endswith(LOSS64)
     name = name.removesuffix(LOSS64)
+    padded = name.endswith(PADDED)
+    name = name.removesuffix(PADDED)
     if name == "tiny":
         return tiny
     if name == "tiny64":
@@ -437,6 +441,7 @@ def _factory(name: str):
 
     def make():
         module, inputs = hf_models.make(name)
+        module.padded_keys = int(padded)
         for sub in module.modules():   # each rank draws its own dropout masks: no one process could match them
             if isinstance(sub, nn.Dropout):
                 sub.p = 0.0
@@ -907,7 +912,9 @@ def test_hf_bert_data_parallel_and_tensor_parallel_plans_lower():
     with pytest.raises(LoweringError, match=r"partition\(dim=1, axis=tp, degree=2\) on tensor axis tp .* splits a "
                                             r"dropout mask"):
         lower(pcg_from_dict(_plan(imported.graph, (1, 2))), imported.graph, info)
-    module, inputs = _factory("bert")()   # dropout off, as the slow tensor-parallel run trains it
+    # dropout off, as the slow tensor-parallel run trains it, and its last key padding: a constant mask that keeps
+    # the attention written out (without it the mask keeps every key and the attention is the fused `attention`)
+    module, inputs = _factory("bert" + PADDED)()
     imported = import_module(module, inputs, check=False)
     info = module_info(module, imported.weights)
     tp = lower(pcg_from_dict(_plan(imported.graph, (1, 2))), imported.graph, info)
@@ -940,8 +947,13 @@ def test_hf_bert_tensor_parallel_on_two_ranks(tmp_path):
     (`torch_native/rewritten.py`, tests/test_torch_native_rewritten.py), every parameter placed as the plan stores
     it (the tied word table whole, `Replicate()`, where the styles would store it vocabulary-split; the MLM bias,
     the column-parallel weights `Shard(0)`): 3 AdamW steps with clipping equal the unmodified module's, the
-    checkpoint loading into the unmodified module here."""
-    results = _train_hf("bert", {"bert_tp2": _hf_plan("bert", (1, 2))}, 2, tmp_path)
+    checkpoint loading into the unmodified module here. Its attention is the fused `attention` (SDPA under the
+    all-ones mask BERT passes without padding), placed on a split of the heads."""
+    plan = _hf_plan("bert", (1, 2))
+    fused = [n for n in plan["nodes"] if n.get("op") == "attention"]
+    assert len(fused) == 2 and all(n["placement"] == ["Shard(1)"] for n in fused), fused
+    assert not {"softmax", "softmax_masked"} & {n.get("op") for n in plan["nodes"]}
+    results = _train_hf("bert", {"bert_tp2": plan}, 2, tmp_path)
     for result in results:
         placements = result["bert_tp2"]["placements"]
         for name in ("model.cls.predictions.bias", "model.bert.encoder.layer.0.attention.self.query.weight"):

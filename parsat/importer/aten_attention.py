@@ -4,12 +4,11 @@ A causal square `scaled_dot_product_attention` without dropout is the fused
 operator `attention_causal` (FlashAttention: no [*, s, s] scores stored), whether
 it says `is_causal=True` or passes the causal mask itself as a constant (what the
 Hugging Face `sdpa` attention does: a mask built from positions only, never from
-the inputs). One without a mask, without dropout and not causal (ViT's `sdpa`
-attention in eval or with attention dropout 0, encoders called without a mask,
-cross-attention with any number of keys) is the fused operator `attention`. A
-constant mask that keeps every key (what Hugging Face BERT passes under
-`torch.export` when called without an attention mask) is not recognised: it
-stays a data leaf of `softmax_masked`.
+the inputs). One without a mask (or with a constant mask that keeps every key, what
+Hugging Face BERT passes without an attention mask), without dropout and not
+causal (BERT's `sdpa` attention in eval or with attention dropout 0, ViT-like
+encoders, cross-attention with any number of keys) is the fused operator
+`attention`.
 Any other is written out (`bmm`, `scale`, then `softmax`,
 `softmax_causal` for a causal square one with dropout, or `softmax_masked`,
 `bmm`); an explicit mask, and a causal mask over more keys than queries, are
@@ -79,8 +78,9 @@ def _h_sdpa(t, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,
     causal = is_causal or (attn_mask is not None and square and _is_causal_mask(t, attn_mask, shape))
     if causal and square and not dropout_p:
         return t.op("attention_causal", qh, kh, vh, c=c, tag="ctx")   # FlashAttention: the mask from positions
-    if attn_mask is None and not is_causal and not dropout_p:
-        return t.op("attention", qh, kh, vh, c=c, tag="ctx")   # FlashAttention over every key (ViT, cross-attention)
+    unmasked = attn_mask is None or _is_full_mask(t, attn_mask, shape)
+    if unmasked and not is_causal and not dropout_p:
+        return t.op("attention", qh, kh, vh, c=c, tag="ctx")   # FlashAttention over every key (BERT, ViT)
     kt = t.op("transpose", kh, d0=rank - 2, d1=rank - 1, tag="kT")
     scores = t.op("scale", t.op("bmm", qh, kt, tag="scores"), c=c, tag="scaled")
     if causal and square:
@@ -116,19 +116,32 @@ def _broadcast_heads(t, qh, kh, vh):
 def _is_causal_mask(t, attn_mask, shape) -> bool:
     """Whether an explicit mask is the causal one of square scores: constant data (made from positions, never
     from the user's inputs) whose every [s, s] slice keeps exactly the keys t <= r for query r. A mask that
-    depends on the inputs (padding) or keeps anything else stays a data leaf. On meta tensors its value is
-    made again on the CPU (`Translator.constant_value`); a mask too large for that is taken as not causal."""
+    depends on the inputs (padding) or keeps anything else stays a data leaf (`_constant_mask_is`)."""
+    return _constant_mask_is(t, attn_mask, shape, "causal")
+
+
+def _is_full_mask(t, attn_mask, shape) -> bool:
+    """Whether an explicit mask keeps every key of every query: constant data, no padding (what Hugging Face BERT's
+    `sdpa` attention passes when it is called without an attention mask, its all-ones default made into the
+    additive mask under tracing), so the attention is unmasked (`_constant_mask_is`)."""
+    return _constant_mask_is(t, attn_mask, shape, "full")
+
+
+def _constant_mask_is(t, attn_mask, shape, kind: str) -> bool:
+    """Whether an explicit mask is constant data (never from the user's inputs) that keeps exactly the keys of
+    `kind` ("causal": t <= r for query r of square scores; "full": every key). On meta tensors its value is made
+    again on the CPU (`Translator.constant_value`); a mask too large for that is taken as neither."""
     torch = t.torch
     if not isinstance(attn_mask, torch.fx.Node) or t.is_compute(attn_mask) or attn_mask.name in t.varying:
         return False
-    key = (attn_mask.name, tuple(shape))
-    if key not in t.causal_masks:     # every layer reads the one mask: looked at once
-        t.causal_masks[key] = _keeps_causal(t, attn_mask, shape)
-    return t.causal_masks[key]
+    key = (attn_mask.name, tuple(shape), kind)
+    if key not in t.constant_masks:     # every layer reads the one mask: looked at once
+        t.constant_masks[key] = _keeps(t, attn_mask, shape, kind)
+    return t.constant_masks[key]
 
 
-def _keeps_causal(t, attn_mask, shape) -> bool:
-    """Whether a constant mask's value keeps exactly the causal keys of every [s, s] slice (`_is_causal_mask`)."""
+def _keeps(t, attn_mask, shape, kind: str) -> bool:
+    """Whether a constant mask's value keeps exactly the keys of `kind` in every [s, n] slice (`_constant_mask_is`)."""
     torch = t.torch
     value = t.constant_value(attn_mask)
     if not isinstance(value, torch.Tensor):
@@ -138,9 +151,11 @@ def _keeps_causal(t, attn_mask, shape) -> bool:
         if torch.broadcast_shapes(keep.shape, tuple(shape)) != tuple(shape):
             return False
     except (TorchImportError, RuntimeError):
-        return False   # values other than 0/1 or 0/-inf, or not broadcastable to the scores: not a causal mask
-    causal = torch.ones(shape[-2], shape[-1], dtype=torch.bool).tril()
-    return bool((keep == causal).all())   # broadcast over the mask's leading dims: never expanded to the heads
+        return False   # values other than 0/1 or 0/-inf, or not broadcastable to the scores: not such a mask
+    want = torch.ones(shape[-2], shape[-1], dtype=torch.bool)
+    if kind == "causal":
+        want = want.tril()
+    return bool((keep == want).all())   # broadcast over the mask's leading dims: never expanded to the heads
 
 
 def _h_cross_entropy(t, node, x, target, weight=None, reduction=1, ignore_index=-100,

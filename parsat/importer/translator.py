@@ -91,7 +91,7 @@ class Translator(ShapeOps):
         self.constants: dict[str, Any] = {}
         self.dropout: list[str] = []
         self.running_stats: list[RunningStats] = []
-        self.causal_masks: dict[tuple, bool] = {}             # (mask node, scores' shape) -> whether causal
+        self.constant_masks: dict[tuple, bool] = {}           # (mask node, scores' shape, kind) -> whether it is
         self.buffers = dict(sig.inputs_to_buffers)            # placeholder -> buffer name
         self.names: set[str] = set()
         self.node = None
