@@ -81,8 +81,9 @@ def _kept_naively(readers, library, roles) -> frozenset:
     direct: set = set()
     aliases: dict = {}
     from parsat.cost.saved import _aliased
+    positions: dict = {}   # `_aliased`'s per-operator alias positions (a cache; the same answer asked anew)
     for made, op, reads in readers:
-        source = _aliased(op, reads, library, roles)
+        source = _aliased(op, reads, library, roles, positions)
         if source is not None:
             aliases.setdefault(made, []).append(source)
             continue
