@@ -300,16 +300,25 @@ def _report(model: nn.Module, reference, losses: list, ref_losses: list, config:
            "not_dtensor": sorted(n for n, t in params.items() if not isinstance(t, DTensor))}
     if reference is None:
         return out
-    worst, where = loss_difference(losses, ref_losses)
-    for name, want in reference.named_parameters():
-        got = params[name]
+    worst, where = weight_difference(((name, params[name], want) for name, want in reference.named_parameters()),
+                                     *loss_difference(losses, ref_losses))
+    out.update(ref_losses=ref_losses, max_rel_diff=worst, worst=where,
+               check="passed" if worst <= config.tolerance else "failed")
+    return out
+
+
+def weight_difference(pairs, worst: float, where: str) -> tuple[float, str]:
+    """The largest relative difference of a final weight from the reference's over `pairs` (name, weight, reference
+    weight; a DTensor gathered whole: a collective, in the same order on every rank), or `worst` / `where` where
+    none is larger."""
+    from torch.distributed.tensor import DTensor
+
+    for name, got, want in pairs:
         whole = got.full_tensor() if isinstance(got, DTensor) else got
         rel = float((whole.detach() - want.detach()).abs().max() / want.detach().abs().max().clamp_min(1e-30))
         if rel > worst:
             worst, where = rel, f"weight {name}"
-    out.update(ref_losses=ref_losses, max_rel_diff=worst, worst=where,
-               check="passed" if worst <= config.tolerance else "failed")
-    return out
+    return worst, where
 
 
 def loss_difference(losses: list, ref_losses: list) -> tuple[float, str]:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from parsat.backend.executor import ExecutionError, operator_library, seeded_weights, step_data
 from parsat.backend.launch import RankContext
 from parsat.backend.torch_native.run import (GraphModule, _optimizer, loss_difference, reference_step,
-                                             run_torch_plan)
+                                             run_torch_plan, weight_difference)
 from parsat.backend.torch_native.staged_graph import StagedGraphModule
 from parsat.backend.training_data import TrainConfig
 from parsat.ir.graph import Graph
@@ -127,12 +127,8 @@ def _report(model, reference, losses: list, ref_losses: list, config: TrainConfi
     plain = sorted(n for n, t in params.items() if not isinstance(t, DTensor))
     worst, where = loss_difference(losses, ref_losses)
     if reference is not None:
-        for name, got in params.items():
-            want = reference.get_parameter(name).detach()
-            whole = got.full_tensor() if isinstance(got, DTensor) else got
-            rel = float((whole.detach() - want).abs().max() / want.abs().max().clamp_min(1e-30))
-            if rel > worst:
-                worst, where = rel, f"weight {name}"
+        worst, where = weight_difference(((name, got, reference.get_parameter(name)) for name, got in params.items()),
+                                         worst, where)
     found: list = [None] * dist.get_world_size()
     dist.all_gather_object(found, (worst, where, plain))
     out = {"runtime": "torch", "losses": losses, "lowering": lowering,
