@@ -86,6 +86,7 @@ from parsat.ir.module_calls import ModuleCalls
 from parsat.ir.parallelism import FUSED_ATTENTION
 from parsat.ir.pcg import PCG, PNode, pcg_roles, state_shardings, weight_chains, weight_storage
 from parsat.ir.recompute import Checkpoint, checkpoints
+from parsat.ir.ring_attention import RingAttention, ring_attentions
 from parsat.cost.fsdp_groups import ParamGroup, group_elements, param_groups, tensor_axes
 from parsat.cost.collectives import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, SEND_RECV, GroupTopology,
                                      price)
@@ -470,6 +471,10 @@ class _Builder:
         self.folded: set[int] = set()
         self.stored = self._stored_weights()
         self.params = weight_chains(pcg)
+        # ring attention (`ir.ring_attention`), where the profile overlaps communication: the attention node and
+        # its k and v gathers -> the ring
+        self.rings = {i: r for i, r in ring_attentions(pcg).items() if not self.params & set(r.gathers)} \
+            if profile.overlap else {}
         self.pipes = self._pipelines()                # collective and product -> their `Pipeline`
         self.piped: dict[tuple[bool, int], list[int]] = {}   # (backward, collective) -> the first side's chunks
         self.early: set[int] = set()                  # products computed with a pipeline's product (its siblings)
@@ -752,6 +757,30 @@ class _Builder:
             self.piped[key] = tasks
         return tasks[-1]
 
+    def _ring(self, node: PNode, kernel_s: float, backward: bool, deps: list[int], alloc: int = 0,
+              free: int = 0) -> int:
+        """Ring attention's pass (`ir.ring_attention`): `parts` chunks of the kernel on the compute stream,
+        chunk i after the send/recv that brings block i (a k and a v block; backward also their dk and dv, and
+        one last step bringing them home); returns the last task."""
+        ring: RingAttention = self.rings[node.id]
+        gather = self.by_id[ring.gathers[0]]
+        block = sum(_elements(self.by_id[self.by_id[g].inputs[0]]) for g in ring.gathers) * self.item
+        moved = 2 * block if backward else block
+        phase = "backward" if backward else "forward"
+        name = f"{node.label} #{node.id}{' backward' if backward else ''} (ring attention)"
+        chunk = self.eff.op_time(kernel_s / ring.parts, backward=backward)
+        task = self._add(f"{name} [1/{ring.parts}]", self.compute, chunk, deps, alloc=alloc, phase=phase)
+        sent = None
+        for i in range(1, ring.parts):
+            sent = self._sync(f"{name} block {i} send/recv", SEND_RECV, gather, moved, deps + ([sent] if sent else []),
+                              phase=f"{phase}_comm")
+            task = self._add(f"{name} [{i + 1}/{ring.parts}]", self.compute, chunk, [task, sent],
+                             free=free if i == ring.parts - 1 and not backward else 0, phase=phase)
+        if backward:   # each block's dk and dv one step from home
+            task = self._sync(f"{name} dk, dv home", SEND_RECV, gather, block, [task], free=free,
+                              phase="backward_comm")
+        return task
+
     def _comm(self, group: GroupTopology) -> int:
         """The stream a collective of `group` runs on: inline on the compute stream where the profile does not
         overlap; else one communication stream per link the group crosses (`GroupTopology.link`): a
@@ -900,6 +929,11 @@ class _Builder:
                 self.group_gathered[group.key] = self._group_gather(group, node, deps, "forward")
             self.ready[node.id] = self.group_gathered[group.key]
             return
+        if node.id in self.rings:   # the ring passes its blocks during the attention: one block held, nothing issued
+            block = _elements(self.by_id[node.inputs[0]]) * self.item
+            self.allocated[node.id] = block
+            self.ready[node.id] = self._add(f"{label} (ring attention's blocks)", self.compute, 0.0, deps, alloc=block)
+            return
         nbytes = _elements(node) * self.item
         self.allocated[node.id] = nbytes  # the concatenation; the gathered pieces are freed with it
         pipe = self._pipe(node, backward=False)
@@ -920,6 +954,10 @@ class _Builder:
     def _compute_forward(self, node: PNode) -> None:
         if node.id in self.early:   # computed with the product before it (a sibling of its pipeline)
             self.early.discard(node.id)
+            return
+        if node.id in self.rings:
+            _timed, kernel, copy, nbytes = self._prepare(node)
+            self.ready[node.id] = self._ring(node, kernel + copy, False, self._deps(node), alloc=nbytes)
             return
         pipe = self._pipe(node, backward=False)
         if pipe is None:
@@ -1300,6 +1338,8 @@ class _Builder:
                                backward=True)
             task = self._add(f"{label} unpack", self.compute, self._copy_s(piece, True), [moved], free=free,
                              phase="backward")
+        elif node.id in self.rings:   # ring attention's k or v: its gradient came home with the ring's last step
+            task = self._add(label, self.compute, 0.0, deps, free=free, phase="backward")
         elif node.op == parallel_ops.ALL_GATHER:   # the gathered gradient cut into blocks and reduce-scattered
             pipe = self._pipe(node, backward=True)   # chunks sent from the buffer the product's backward writes
             cut = deps if pipe else [self._add(f"{label} slices", self.compute, self._copy_s(piece, True), deps,
@@ -1518,7 +1558,9 @@ class _Builder:
         kernel = 0.0 if view else timed.backward_kernel_s(positions)
         whole = self.eff.op_time(kernel, backward=True)
         pipe = None if view else self._pipe(node, backward=True)
-        if pipe is None:
+        if node.id in self.rings:
+            task = self._ring(node, kernel, True, list(deps), free=free)
+        elif pipe is None:
             seconds = whole + self._dtensor_s(node, True)
             self.backward_known[(node.id, view)] = (grads, again, seconds)
             task = self._add(label, self.compute, seconds, deps, free=free, phase="backward")
@@ -1723,7 +1765,7 @@ class _Builder:
             if node.op in VIEW_OPS or node.op == "flatten" or node.piece_size == 0:
                 return eff.op_time(0.0), eff.op_time(0.0, backward=True), eff.op_time(0.0)
             return self._piped_floor(node, node.id in fused, reached)
-        if node.id in self.folded:
+        if node.id in self.folded or node.id in self.rings:   # a ring's gathers issue nothing (`_ring`)
             return 0.0, 0.0, 0.0
         piece, source = _elements(node), _elements(self.by_id[node.inputs[0]])
         floors = {PARTITION: (eff.op_time(0.0), self._copy_s(source, True)),

@@ -18,7 +18,10 @@ follows from what those operators do to which values:
 * context parallelism: fused attention (causal or not) whose output is
   all-to-all'd back to a split of the sequence (DeepSpeed-Ulysses: q, k and v
   moved from a sequence split to a split of the heads, the rules
-  `attention_causal_context_parallel` and `attention_context_parallel`).
+  `attention_causal_context_parallel` and `attention_context_parallel`), or
+  bidirectional attention's queries split on the sequence with k and v
+  gathered for it alone, which a GPU framework runs as ring attention
+  (`attention_query_parallel`, `ir.ring_attention`).
 
 `axis_uses` reads them off a PCG, `describe` says them the way people do
 ("DP 8 across nodes x TP 8 inside a node, sequence-parallel norms, ZeRO-3
@@ -34,6 +37,7 @@ from typing import Mapping
 from parsat.dsl.parallel_ops import ALL_GATHER, ALL_TO_ALL, PARTITION, REDUCE_SCATTER
 from parsat.ir.pcg import PCG, WEIGHT_ROLES, describe_zero, pcg_roles
 from parsat.ir.placement import shard_dim
+from parsat.ir.ring_attention import ring_attentions
 
 WEIGHTY = WEIGHT_ROLES   # a weight, or a piece or value of one made by parallel operators
 
@@ -153,6 +157,10 @@ def describe(pcg: PCG) -> str:
     if context:
         parts.append("context-parallel attention (Ulysses all-to-all) over "
                      + ", ".join(f"{u.name} {u.size}" for u in context))
+    rings = sorted({pcg.node(r.gathers[0]).axis(pcg.mesh) for r in ring_attentions(pcg).values()})
+    if rings:
+        parts.append("ring attention (k, v blocks passed round) over "
+                     + ", ".join(f"{pcg.mesh.axes[a].name} {pcg.mesh.size(a)}" for a in rings))
     zero = [u for u in uses if ZERO3 in u.kinds]
     if zero:
         parts.append("ZeRO-3 over " + ", ".join(("DP" if DATA in u.kinds else u.name) for u in zero))
