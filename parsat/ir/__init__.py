@@ -10,7 +10,9 @@ ZeRO), `pcg` (the Parallel Computation Graph; a node's `Degrees`),
 `mesh` (the ranks of a job as named axes that follow the machine),
 `pcg_placement` (every node's placement derived again and checked, or
 the node that cannot be placed), `parallelism` (the kinds of parallelism
-a plan's mesh axes amount to), `data_parallel` (the textbook
+a plan's mesh axes amount to), `ring_attention` (the fused attentions a
+GPU framework runs as a ring: q split on the sequence, k and v gathered
+for it alone), `data_parallel` (the textbook
 data-parallel PCG), `expert_parallel` (data parallelism with a mixture
 of experts' experts split and tokens moved by all-to-all), `megatron` (Megatron-LM's data x tensor layout,
 ZeRO-3 and sequence parallelism, built directly: the independent grid's
