@@ -57,6 +57,10 @@ tensors that need a gradient: ones computed from a weight):
 | reduce_scatter | slices (copies) + reduce-scatter | all-gather + concatenation |
 | all_gather | all-gather + concatenation (a weight's: kept to its backward) | slices + reduce-scatter; a weight's: the gradient sync |
 
+Ring attention (`ir.ring_attention`: fused attention on a query block, its k and v all-gathered for it alone)
+runs, where the profile overlaps communication, as p chunks of the kernel with the k, v blocks sent round the
+ring under them, its gathers issuing nothing and holding one block (`_ring`; docs/COSTMODEL.md, "Ring attention").
+
 A gathered activation only products' backward reads (`regathered`) is, under a profile with `regather` (`DDP`),
 freed after forward and gathered again before its readers' weight gradients (`_Builder._regather`,
 `_split_backward`); with `keep_activations` off a value no backward reads is freed after its forward readers
