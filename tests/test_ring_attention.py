@@ -97,6 +97,25 @@ def test_a_single_head_attention_is_split_by_its_queries_and_priced_as_a_ring(li
         price(SEND_RECV, group, 2 * block_bytes, h100).seconds)
 
 
+def test_each_rank_computes_its_query_rows_of_attention_as_the_interpreter_runs_it(small):
+    """What the slow test's ranks run, without processes: the interpreter accepts the plan's placements on 2
+    ranks, and the torch operator it runs (`torch_ops.OPS["attention"]`) on a query block against the whole k
+    and v gives that block's rows of attention over the whole sequence."""
+    torch = pytest.importorskip("torch")
+    from parsat.backend.executor import check_mesh
+    from parsat.importer.torch_ops import OPS
+    from parsat.ir.placement import shard
+    _graph, plan = small
+    attention = next(n for n in plan.pcg.nodes if n.op == "attention")
+    assert check_mesh(plan.pcg, 2)[attention.id].codes == (shard(2),)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=generator, dtype=torch.float64) for _ in range(3))
+    whole = OPS["attention"].fn(q, k, v, 0.5)
+    for rank in range(2):
+        rows = slice(4 * rank, 4 * rank + 4)
+        torch.testing.assert_close(OPS["attention"].fn(q[:, :, rows], k, v, 0.5), whole[:, :, rows])
+
+
 @pytest.mark.slow
 def test_the_ring_plan_trains_on_two_gloo_ranks_as_one_process(small):
     """The interpreter runs the plan as written (k and v all-gathered, attention on the query block), checked
