@@ -294,7 +294,7 @@ class _Kin:
     def alike(self, like: Graph, graph: Graph, batch: dict, mesh: Mesh) -> bool:
         """`_alike` on `mesh`, worked out once per pair of graphs and mesh shape, and its parts that read no mesh
         (`_same_structure`, `_same_signatures`) once per pair of graphs, each where `_alike` would ask it: a grid
-        lays a graph out on every mesh of its devices (llama-70b:64's unstaged counts: seven), and the signatures
+        lays a graph out on every mesh of its devices (llama-70b:64's unstaged counts: four), and the signatures
         were most of each verdict."""
         key = (id(like), id(graph), tuple(mesh.shape))
         if key not in self.verdicts:
