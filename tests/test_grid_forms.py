@@ -10,6 +10,7 @@ import pytest
 
 from parsat.dsl.checker import resolve_library
 from parsat.ir.machine import Machine
+import parsat.ir.megatron as megatron_module
 from parsat.ir.megatron import _alike, megatron_pcg
 from parsat.ir.models import build_example
 from parsat.ir.recompute import BLOCKS, checkpoints
@@ -285,3 +286,33 @@ def test_a_data_parallel_layout_taken_from_a_kin_graph_s_is_the_one_built_alone(
     other = replace(graph, constants=graph.constants | {graph.leaves[0].name})
     assert not _alike(graph, other, library, {}, {}, (8,))
     assert _alike(graph, graph, library, {}, {}, (8,))
+
+
+def test_kin_verdicts_on_several_meshes_work_out_their_mesh_free_parts_once(monkeypatch):
+    """`_Kin.alike` asks `_alike` once per pair of graphs and mesh shape, and its parts that read no mesh (the
+    structures, the signatures) once per pair of graphs: the verdicts are `_alike`'s own on each mesh, a mesh on
+    which a dim splits in one graph and not in the other (batch 64 against 24 on 16 data-parallel ranks) included."""
+    library = resolve_library(None)
+    like, graph = (build_example("gpt", {**SIZES, "batch": batch}, library) for batch in (64, 24))
+    meshes = [(8, 1), (4, 2), (2, 4), (16, 1), (8, 2)]
+    expected = {shape: _alike(like, graph, library, megatron_module.batch_dims(like, library),
+                              megatron_module.batch_dims(graph, library), megatron_module._blocks(shape))
+                for shape in meshes}
+    assert set(expected.values()) == {True, False}   # kin on 8 devices, not where 16 data ranks split 64 alone
+    calls = {"structure": 0, "signatures": 0}
+    for name, inner in (("structure", megatron_module._same_structure),
+                        ("signatures", megatron_module._same_signatures)):
+        def counted(*args, _inner=inner, _name=name):
+            calls[_name] += 1
+            return _inner(*args)
+        monkeypatch.setattr(megatron_module, f"_same_{name}", counted)
+    kin = megatron_module._Kin(library)
+    for g in (like, graph):
+        kin.memo(g, None)
+        kin.batches[id(g)] = (g, kin.memos[id(g)].data_batch)
+    got = {}
+    for shape in meshes * 2:
+        mesh = megatron_module.Mesh.of([s for s in shape if s > 1], 8)
+        got[shape] = kin.alike(like, graph, kin.memos[id(graph)].data_batch, mesh)
+    assert got == expected
+    assert calls == {"structure": 1, "signatures": 1}

@@ -10,11 +10,13 @@ from dataclasses import replace
 
 import pytest
 
+import parsat.ir.megatron as megatron_module
 import parsat.search.step as step_module
 from parsat.egraph.runner import Limits
 from parsat.ir.errors import DoesNotFit
 from parsat.ir.machine import Machine
 from parsat.ir.plan import without_timing
+from parsat.search.baselines import _grid_layouts
 from parsat.search.deadline import Deadline
 from parsat.search.mesh import CandidateSteps
 from parsat.search.optimize import optimize
@@ -64,6 +66,26 @@ def test_the_scan_makes_the_grid_the_branch_and_bound_makes_where_no_point_fits(
     assert made and not any(step.memory.fits(p) for p in made)
     _step, scanned_steps, scanned = _grid(capacity, scan=True)
     assert scanned is not None and _spelled(scanned, scanned_steps) == _spelled(made, steps)
+
+
+def test_the_scan_builds_each_layout_once_and_derives_its_zero3_form(monkeypatch):
+    """The scan, leanest first (ZeRO-3 before 0), builds each tensor-parallel layout once, as the branch and bound
+    does: the ZeRO-0 build first, the ZeRO-3 layout derived from it (`megatron._built_layout`), not built again;
+    and its points are the made grid's (the same layouts)."""
+    made = []
+    inner = megatron_module._MegatronBuilder.__init__
+
+    def counted(self, *args, **kwargs):
+        made.append(args[2])   # zero3
+        inner(self, *args, **kwargs)
+    monkeypatch.setattr(megatron_module._MegatronBuilder, "__init__", counted)
+    step, steps, scanned = _grid(1, scan=True)
+    scanned_builds, made[:] = list(made), []
+    _step, made_steps, grid = _grid(1, scan=False)
+    layouts = [layout for layout in _grid_layouts(8, MACHINE.devices_per_node) if layout.tp > 1]
+    assert len(layouts) == 6 and sum(len(layout.zeros) > 1 for layout in layouts) == 4
+    assert scanned_builds == made == [False] * len(layouts)   # one ZeRO-0 build per layout, ZeRO-3 derived
+    assert scanned is not None and _spelled(scanned, steps) == _spelled(grid, made_steps)
 
 
 def test_points_refused_by_their_floors_are_kept_refused(monkeypatch):

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from itertools import product
-from typing import Sequence
+from typing import Callable, Sequence
 
 from parsat.dsl.instantiate import InstantiationError, OpInstance
 from parsat.dsl.library import Library
@@ -254,7 +254,8 @@ class _Kin:
         # (mesh, (sequence, zero, reduce_at_once)) -> built
         self.layouts: dict[tuple, list[tuple[Graph, PCG | None]]] = {}
         self.batches: dict[int, tuple[Graph, dict]] = {}                 # id(graph) -> (graph, its batch dims)
-        self.verdicts: dict[tuple, tuple[Graph, Graph, bool]] = {}
+        self.verdicts: dict[tuple, tuple[Graph, Graph, bool]] = {}      # (like, graph, mesh shape) -> verdict
+        self.parts: dict[tuple, tuple[Graph, Graph, bool]] = {}         # (part, (like, graph)) -> its answer
         self.placements: dict = {}               # `axis_compute`'s cache, for every graph and mesh
         self.memos: dict[int, "_Memo"] = {}      # id(graph) -> its memo (which keeps the graph alive)
 
@@ -291,10 +292,21 @@ class _Kin:
         return _NONE
 
     def alike(self, like: Graph, graph: Graph, batch: dict, mesh: Mesh) -> bool:
+        """`_alike` on `mesh`, worked out once per pair of graphs and mesh shape, and its parts that read no mesh
+        (`_same_structure`, `_same_signatures`) once per pair of graphs, each where `_alike` would ask it: a grid
+        lays a graph out on every mesh of its devices (llama-70b:64's unstaged counts: four), and the signatures
+        were most of each verdict."""
         key = (id(like), id(graph), tuple(mesh.shape))
         if key not in self.verdicts:
+            pair = (id(like), id(graph))
+
+            def part(name: str, check) -> bool:   # kept beside both graphs, so that their ids stay theirs
+                found = self.parts.get((name, pair))
+                if found is None:
+                    found = self.parts[(name, pair)] = (like, graph, check())
+                return found[2]
             self.verdicts[key] = (like, graph, _alike(like, graph, self.library, self.batches[id(like)][1], batch,
-                                                      _blocks(mesh.shape)))
+                                                      _blocks(mesh.shape), part))
         return self.verdicts[key][2]
 
 
@@ -307,20 +319,40 @@ def _blocks(sizes: Sequence[int]) -> tuple[int, ...]:
 
 
 def _alike(like: Graph, graph: Graph, library: Library, like_batch: dict, batch: dict,
-           blocks: Sequence[int]) -> bool:
+           blocks: Sequence[int], once: Callable[[str, Callable[[], bool]], bool] | None = None) -> bool:
     """Whether `graph` is `like` with other sizes that the build cannot tell apart on a mesh whose dims split
-    into `blocks` (`_Kin`)."""
+    into `blocks` (`_Kin`): the same structure and batch dims (`_same_structure`), every dim splitting into
+    `blocks` in both or in neither (`_splits_alike`), and every operator instantiating in both with the same
+    signature (`_same_signatures`). Each check reads only its arguments; asked in this order, each only where
+    those before it hold. `once(name, check)`: the answer of a check that reads no mesh, which a caller asking
+    of several meshes keeps (`_Kin.alike`)."""
+    once = once or (lambda _name, check: check())
+    return once("structure", lambda: _same_structure(like, graph, like_batch, batch)) and \
+        _splits_alike(like, graph, blocks) and once("signatures", lambda: _same_signatures(like, graph, library))
+
+
+def _same_structure(like: Graph, graph: Graph, like_batch: dict, batch: dict) -> bool:
+    """Whether the graphs have the same leaves, operators, inputs, ranks, outputs, constants and batch dims."""
     def structure(g: Graph) -> tuple:   # the attributes: in the signatures (their real values are not read)
         return (tuple((l.name, l.role, len(l.shape)) for l in g.leaves),
                 tuple((n.name, n.op, tuple(n.inputs), len(n.shape)) for n in g.nodes), tuple(g.outputs),
                 g.constants)
 
-    if structure(like) != structure(graph) or like_batch != batch:
-        return False
+    return structure(like) == structure(graph) and like_batch == batch
+
+
+def _splits_alike(like: Graph, graph: Graph, blocks: Sequence[int]) -> bool:
+    """Whether every dim of every value of `like` (whose structure `graph` has: `_same_structure`) splits into
+    each of `blocks` exactly where the same dim of `graph` does: the part of `_alike` that reads the mesh."""
     before, after = like.shapes(), graph.shapes()
-    if any((a % k == 0) != (b % k == 0) for name, shape in before.items() for a, b in zip(shape, after[name])
-           for k in blocks):
-        return False
+    return not any((a % k == 0) != (b % k == 0) for name, shape in before.items()
+                   for a, b in zip(shape, after[name]) for k in blocks)
+
+
+def _same_signatures(like: Graph, graph: Graph, library: Library) -> bool:
+    """Whether every operator of `graph` (of `like`'s structure), and the bias-less form of each row-parallel
+    layer with its bias add, instantiates at its shapes in both graphs with the same signature."""
+    before, after = like.shapes(), graph.shapes()
     seen: dict = {}
     old_attrs = {n.name: n.attrs for n in like.nodes}
     for node in graph.nodes:

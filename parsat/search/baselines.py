@@ -163,10 +163,12 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
         lambda candidate: candidate.totals.fits(machine)), state_zero, computed, recompute)
     if lean_first:
         for layout in sorted(layouts, key=lambda layout: (-layout.tp, not layout.sequence)):
+            # laid out in the grid's order (ZeRO 0 first), so that the ZeRO-3 layout is derived from the ZeRO-0
+            # build (`megatron._built_layout`) as the other orders derive it, not built again; given leanest first
+            pcgs = [lay_out(layout, zero) for zero in layout.zeros]
             for z in reversed(range(len(layout.zeros))):
-                zero = layout.zeros[z]
                 yield [(layout.place + z * layout.sequences, found)
-                       for found in point.priced(lay_out(layout, zero), layout, zero)]
+                       for found in point.priced(pcgs[z], layout, layout.zeros[z])]
         return
     firsts: list = [None] * len(layouts)   # each family's first layout, where `order` asks for it up front
     if order is not None:
