@@ -108,6 +108,7 @@ import torch.distributed as dist
 
 from parsat.backend.executor import Optimizer
 from parsat.backend.launch import LaunchConfig, RankContext, launch
+from parsat.backend.step_statistic import spread
 from parsat.backend.training_data import TrainConfig
 from parsat.importer.torch_ops import apply_op
 from parsat.dsl.bounds import check_all
@@ -200,17 +201,11 @@ class Calibration:
 # ------------------------------------------------------------------ timing
 
 
-WINDOW_S = 0.03   # each figure is the average over at least this much wall time
+WINDOW_S = 0.03   # each figure is measured over at least this much wall time, in `Budget.repeats` rounds
 
 
 def _average_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None], window_s: float) -> float:
-    """Wall time per call, averaged over at least `repeats` calls and `window_s` seconds (after two warm-ups).
-
-    An average over a window, not a median of short timings: a rank that
-    shares its cores is sometimes not running at all, and a training step
-    pays for those gaps as it pays for the work (a median of calls shorter
-    than a scheduler time slice would leave them out).
-    """
+    """Wall time per call, averaged over at least `repeats` calls and `window_s` seconds (after two warm-ups)."""
     fn()
     fn()
     sync()
@@ -226,26 +221,67 @@ def _average_time(fn: Callable[[], object], repeats: int, sync: Callable[[], Non
 
 
 def _slowest(ctx: RankContext, value: float, group=None) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+    return _slowest_each(ctx, [value], group)[0]
+
+
+def _slowest_each(ctx: RankContext, values: Sequence[float], group=None) -> list[float]:
+    """Each of `values` (one per round) the slowest rank's."""
+    t = torch.tensor(list(values), dtype=torch.float64, device=ctx.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t)
+    return t.tolist()
 
 
 @dataclass(frozen=True)
 class Budget:
-    """How long each figure is measured: at least `repeats` calls and `window_s` seconds."""
+    """How each figure is measured: `repeats` rounds, together at least `window_s` seconds (a call at least once
+    a round)."""
 
     repeats: int = 5
     window_s: float = WINDOW_S
 
 
+def _in_rounds(ctx: RankContext, round_s: Callable[[], float], budget: Budget, group=None) -> float:
+    """`parsat run`'s statistic of a step (`step_statistic`), for a figure: `budget.repeats` rounds, each started
+    by a barrier as a step is (`RankContext.step_start`), each round's seconds the slowest rank's, their median.
+
+    Not a mean over one window: on a box shared with other jobs a window that another job's burst falls in
+    comes out long, and a mean carries it into the figure while the run's median of steps leaves the steps it
+    fell in out; one such window made a 2 KB all-reduce 1.60 ms where the same calibration's 32 KB one took
+    0.68 ms. A round is about as long as the demo's step (the window over the rounds: 6 ms by default), so
+    what the box's other jobs take from a typical round is what they take from a typical step."""
+    rounds = []
+    for _ in range(budget.repeats):
+        dist.barrier(group=group)
+        rounds.append(round_s())
+    return spread(_slowest_each(ctx, rounds, group)).median_s
+
+
 def _timed(ctx: RankContext, fn: Callable[[], object], budget: Budget, sync, group=None) -> float:
-    """All ranks (of `group`) time `fn` at once, each making the same number of calls; the slowest rank's
-    average."""
+    """All ranks (of `group`) time `fn` at once, each making the same number of calls a round (`_in_rounds`):
+    seconds a call, the median over the rounds of the slowest rank's average."""
     dist.barrier(group=group)
-    count = int(_slowest(ctx, budget.window_s / max(_average_time(fn, 1, sync, 0.0), 1e-9), group))
-    dist.barrier(group=group)
-    return _slowest(ctx, _average_time(fn, max(budget.repeats, min(count, 100_000)), sync, 0.0), group)
+    one = _slowest(ctx, _average_time(fn, 1, sync, 0.0), group)   # after two warm-ups; the same on every rank
+    count = max(1, min(int(budget.window_s / budget.repeats / max(one, 1e-9)), 100_000))
+
+    def round_s() -> float:
+        sync()
+        start = time.perf_counter()
+        for _ in range(count):
+            fn()
+        sync()
+        return (time.perf_counter() - start) / count
+
+    return _in_rounds(ctx, round_s, budget, group)
+
+
+def _timed_after(ctx: RankContext, prepare: Callable[[], object], fn: Callable[[], object], budget: Budget,
+                 sync, clock: Callable[[], float] = time.perf_counter) -> float:
+    """`_timed` of `fn` with `prepare()` (not timed) before each call: `average_after` in each round."""
+    for _ in range(2):
+        prepare()
+        fn()
+    one = Budget(1, budget.window_s / budget.repeats)
+    return _in_rounds(ctx, lambda: average_after(prepare, fn, one, sync, clock, warmups=0), budget)
 
 
 def gemm_shapes(size: int) -> list[tuple[int, int, int]]:
@@ -362,8 +398,7 @@ def _updates(ctx: RankContext, dtype, budget: Budget, sync) -> list[list]:
                 optimizer.zero_grad()
                 (x @ w).sum().backward()
 
-            dist.barrier()
-            seconds = _slowest(ctx, average_after(backward, optimizer.step, budget, sync))
+            seconds = _timed_after(ctx, backward, optimizer.step, budget, sync)
             rows_out.append([f"update_{kind}", [rows * UPDATE_WIDTH], seconds, 0.0, 0.0])
     return rows_out
 
@@ -474,16 +509,15 @@ def _backward_seconds(ctx: RankContext, leaves: Sequence[torch.Tensor], run: Cal
             leaf.grad = None
         held["y"] = run()
 
-    dist.barrier()
-    return _slowest(ctx, average_after(forward, lambda: held["y"].backward(grad), budget, sync))
+    return _timed_after(ctx, forward, lambda: held["y"].backward(grad), budget, sync)
 
 
 def average_after(prepare: Callable[[], object], fn: Callable[[], object], budget: Budget, sync: Callable[[], object],
-                  clock: Callable[[], float] = time.perf_counter) -> float:
+                  clock: Callable[[], float] = time.perf_counter, warmups: int = 2) -> float:
     """Seconds per `fn()`, each right after `prepare()` (not timed), averaged over at least `budget.repeats`
-    calls and `budget.window_s` seconds of `fn` (after two warm-ups): what `fn` takes where a step runs it.
-    `clock`: wall time for the calibration; benchmarks/demo_step_cpu.py passes thread CPU time."""
-    for _ in range(2):
+    calls and `budget.window_s` seconds of `fn` (after `warmups` untimed pairs): what `fn` takes where a step
+    runs it. `clock`: wall time for the calibration; benchmarks/demo_step_cpu.py passes thread CPU time."""
+    for _ in range(warmups):
         prepare()
         fn()
     total, count = 0.0, 0
@@ -871,7 +905,7 @@ def _sequence_factor(ctx: RankContext, dtype, size: int, budget: Budget, sync) -
 
         with torch.no_grad():
             dist.barrier()
-            sequence = _slowest(ctx, average_after(lambda: None, in_sequence, budget, sync, clock))
+            sequence = _timed_after(ctx, lambda: None, in_sequence, budget, sync, clock)
             dist.barrier()
             factors.append(sequence / _slowest(ctx, statistics.median(alone() for _ in range(3))))
     return max(1.0, statistics.geometric_mean(factors))
