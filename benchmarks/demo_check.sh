@@ -18,6 +18,7 @@ N=${N:-3}
 M=${M:-3}
 STEPS=${STEPS:-20}
 BIN=${BIN:-.venv/bin}
+PARSAT=${PARSAT:-$BIN/parsat}   # e.g. PARSAT="env PYTHONPATH=/path/to/other/tree .venv/bin/python -m parsat"
 DIR=${DIR:-out/demo_check}
 mkdir -p "$DIR"
 load() { cut -d' ' -f1 /proc/loadavg; }
@@ -28,18 +29,18 @@ for i in $(seq 1 "$N"); do
   machine="$DIR/machine-$i.json"
   plan="$DIR/plan-$i.json"
   cal_load=$(load)
-  "$BIN/parsat" calibrate --machine this-box --nproc 2 -o "$machine" > "$DIR/calibrate-$i.log"
-  "$BIN/parsat" optimize mlp --devices 2 --machine "$machine" -o "$plan" > "$DIR/optimize-$i.log"
+  $PARSAT calibrate --machine this-box --nproc 2 -o "$machine" > "$DIR/calibrate-$i.log"
+  $PARSAT optimize mlp --devices 2 --machine "$machine" -o "$plan" > "$DIR/optimize-$i.log"
   for j in $(seq 1 "$M"); do
     run_load=$(load)
-    "$BIN/parsat" run "$plan" --nproc 2 --steps "$STEPS" --check --json > "$DIR/run-$i-$j.log"
+    $PARSAT run "$plan" --nproc 2 --steps "$STEPS" --check --json > "$DIR/run-$i-$j.log"
     tail -n 1 "$DIR/run-$i-$j.log" | "$BIN/python" -c '
 import json, sys
 d = json.loads(sys.stdin.read())
 i, j, load, cal_load = sys.argv[1:5]
 pred, meas = d["step_time_predicted_s"], d["step_time_s"]
-low, high = d["step_time_quartiles_s"]
-cpu = d["step_cpu_s_by_rank"]
+low, high = d.get("step_time_quartiles_s", (float("nan"),) * 2)   # older trees: the median alone
+cpu = d.get("step_cpu_s_by_rank", (float("nan"),) * 2)
 assert d["check"] == "passed", d["check"]
 print(f"{i:<4s} {j:<4s} {load:>6s} {pred*1e3:7.3f} ms {meas*1e3:7.3f} ms {low*1e3:7.3f}-{high*1e3:7.3f} ms "
       f"{meas/pred:7.2f} {cpu[0]*1e3:6.3f}/{cpu[1]*1e3:6.3f} ms {max(cpu)/pred:8.2f}")
@@ -54,7 +55,7 @@ rows = [line.split("\t") for line in open(sys.argv[1]) if line.strip()]
 pred = sorted({float(r[4]) for r in rows})
 meas = [float(r[5]) for r in rows]
 ratios = [float(r[5]) / float(r[4]) for r in rows]
-cpu = [float(r[6]) / float(r[4]) for r in rows]
+cpu = [float(r[6]) / float(r[4]) for r in rows if float(r[6]) == float(r[6])] or [float("nan")]
 within = sum(abs(x - 1) <= 0.25 for x in ratios)
 print(f"predictions {min(pred)*1e3:.3f}-{max(pred)*1e3:.3f} ms ({max(pred)/min(pred):.2f}x apart over {len(pred)} "
       f"calibrations); measured {min(meas)*1e3:.3f}-{max(meas)*1e3:.3f} ms ({max(meas)/min(meas):.2f}x); "

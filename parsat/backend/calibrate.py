@@ -109,7 +109,7 @@ import torch.distributed as dist
 from parsat.backend.executor import Optimizer
 from parsat.backend.launch import LaunchConfig, RankContext, launch
 from parsat.backend.step_statistic import spread
-from parsat.backend.training_data import TrainConfig
+from parsat.backend.training_data import TrainConfig, loss_terms
 from parsat.importer.torch_ops import apply_op
 from parsat.dsl.bounds import check_all
 from parsat.ir.units import fmt_bytes
@@ -141,6 +141,9 @@ class OpTiming:
         eff = replace(machine.efficiency, sequence_factor=1.0)
         if self.op == "randn":
             return eff.op_time(self.nbytes / eff.random_bandwidth) if eff.random_bandwidth else float("nan")
+        if self.op in ("loss", "loss_backward"):   # as measured in a step's place: no dispatch added
+            measured = eff.loss_time(self.shape[0], self.op == "loss_backward")
+            return float("nan") if measured is None else measured
         if self.op.startswith("update_"):
             return eff.update_time(self.op[7:], self.shape[0]) or float("nan")
         if self.op.startswith("attention_causal"):   # forward, or its backward alone (FlashAttention's factor)
@@ -353,6 +356,7 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
     ops += _functions(ctx, dtype, budget, sync)
     ops += _elementwise(ctx, dtype, budget, sync)
     ops += _attention(ctx, dtype, budget, sync)
+    ops += _loss(ctx, dtype, size, budget, sync)
     return {"dispatch": dispatch, "dtensor": extra, "fsdp": hooks, "python": python, "sequence": sequence,
             "redistribute": redistribute, "fsdp_collectives": fsdp_collectives, "ops": ops,
             "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync),
@@ -401,6 +405,66 @@ def _updates(ctx: RankContext, dtype, budget: Budget, sync) -> list[list]:
             seconds = _timed_after(ctx, backward, optimizer.step, budget, sync)
             rows_out.append([f"update_{kind}", [rows * UPDATE_WIDTH], seconds, 0.0, 0.0])
     return rows_out
+
+
+LOSS_ROWS = (16, 256, 4096)   # rows of the [rows, LOSS_WIDTH] output pieces whose objective is timed
+LOSS_WIDTH = 16
+LOSS_PRODUCT_ROWS = 128        # the product before each: [128, size] @ [size, size], about a ms at size 512
+
+
+def _loss(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> list[list]:
+    """[loss, [elements], seconds, 0, bytes] and [loss_backward, ...] per output piece of `LOSS_ROWS` x
+    `LOSS_WIDTH` elements: `training_data.loss_terms` of the piece against a target (what `parsat run` runs
+    after a forward), and its backward, each right after a product of `LOSS_PRODUCT_ROWS` x `size` by `size`
+    x `size` (not timed), as a step runs its loss right after the forward's last product; one call a round, in
+    three times `budget.repeats` rounds (`_timed_after`). Why: the objective is a dozen tiny calls whose time is
+    dispatch, and dispatch run after a product that left the dispatcher's code and data out of cache costs
+    more than in the warm chain `dispatch_s` is timed in: on this 2-core box (thread CPU time, float64, a
+    [128, 10] piece) 31 us alone, 83-86 us right after a [128, 784] @ [784, 256] product, 118 us after its
+    forward and backward; the demo's loss ran 0.14-0.22 ms in its step where six memory-bound operators priced
+    it at 0.03 (benchmarks/demo_step.md, 2026-12-06)."""
+    a = torch.randn(LOSS_PRODUCT_ROWS, size, dtype=dtype).to(ctx.device)
+    w = torch.randn(size, size, dtype=dtype).to(ctx.device)
+    rounds = Budget(3 * budget.repeats, 0.0)
+    out = []
+    for rows in LOSS_ROWS:
+        elements = rows * LOSS_WIDTH
+        piece = torch.randn(rows, LOSS_WIDTH, dtype=dtype).to(ctx.device)
+        target = torch.randn(rows, LOSS_WIDTH, dtype=dtype).to(ctx.device)
+        held: dict = {}
+
+        def product():
+            a @ w
+            held["piece"] = piece.detach().requires_grad_()
+
+        def loss():
+            held["loss"] = loss_terms([(held["piece"], target, elements, 1, 1)])[0]
+
+        def product_and_loss():
+            product()
+            loss()
+
+        forward = _timed_after(ctx, product, loss, rounds, sync)
+        backward = _timed_after(ctx, product_and_loss, lambda: held["loss"].backward(), rounds, sync)
+        nbytes = float(2 * elements * piece.element_size())
+        out += [["loss", [elements], forward, 0.0, nbytes], ["loss_backward", [elements], backward, 0.0, nbytes]]
+    return out
+
+
+def fit_loss(timings: Sequence[OpTiming]) -> dict[str, float]:
+    """`OpEfficiency.loss_*`: the line through the loss's timings (forward and backward apart) against the piece's
+    elements, by `fit_line` (a negative slope, noise at these sizes, is read as none)."""
+    out = {}
+    for op, prefix in (("loss", "loss_"), ("loss_backward", "loss_backward_")):
+        timed = sorted((t for t in timings if t.op == op), key=lambda t: t.shape[0])
+        if not timed:
+            continue
+        fixed, slope = fit_line([float(t.shape[0]) for t in timed], [t.seconds for t in timed])
+        if slope < 0 or fixed <= 0:
+            slope = max(0.0, slope)
+            fixed = min(t.seconds for t in timed)
+        out[f"{prefix}s"], out[f"{prefix}element_s"] = fixed, slope
+    return out
 
 
 FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -940,7 +1004,11 @@ def _skew(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> list[list
     all-reduce) is compared with the burst's time as the other figures are
     calibrated (every rank computing at once), so that what the step adds
     to them is what is fitted (the compute a rank does while another waits
-    is faster than calibrated, which must not count twice).
+    is faster than calibrated, which must not count twice). A burst's cycle
+    is the median of its cycles, as a run's step is the median of its steps
+    (`step_statistic`), so that a cycle another job's burst fell in moves
+    neither (with the mean, two calibrations at load 2 and 5 fitted 0.00 and
+    1.11, the second pricing the demo's 4-6 ms step at 19.8 ms; 2026-12-06).
     """
     s = max(m for m, n, k in gemm_shapes(size) if m == n == k)
     a = torch.randn(s, s, dtype=dtype, device=ctx.device)
@@ -959,7 +1027,7 @@ def _skew(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> list[list
             sync()
             if i >= 2:
                 cycles.append(time.perf_counter() - start)
-        rows.append([burst * one, statistics.fmean(cycles) - burst * one])
+        rows.append([burst * one, spread(cycles).median_s - burst * one])   # the run's statistic (`_in_rounds`)
     return rows
 
 
@@ -1348,7 +1416,7 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
     gemms = [t for t in ops if t.op == "matmul"]
     peak, halves = fit_gemm(gemms)
     layouts = fit_layouts(ops, peak) | fit_updates(ops) | fit_functions(ops) | fit_attention(ops, peak, dispatch)
-    layouts |= fit_elementwise(ops)
+    layouts |= fit_elementwise(ops) | fit_loss(ops)
     bandwidth, half_bytes, cache_bytes, cache_bw = fit_memory([t for t in ops if t.op in ("relu", "add", "copy")])
     randn = [t for t in ops if t.op == "randn"]
     _c, random_slope = fit_line([t.nbytes for t in randn], [t.seconds for t in randn])
@@ -1520,4 +1588,4 @@ def report(cal: Calibration) -> str:
 
 
 __all__ = ["Budget", "Calibration", "CollectiveTiming", "OpTiming", "average_after", "calibrate", "fit_gemm",
-           "fit_attention", "fit_functions", "fit_layouts", "fit_line", "fit_link", "fit_memory", "fit_turn", "fit_updates", "gemm_shapes", "memory_sizes", "report"]
+           "fit_attention", "fit_functions", "fit_layouts", "fit_line", "fit_link", "fit_loss", "fit_memory", "fit_turn", "fit_updates", "gemm_shapes", "memory_sizes", "report"]

@@ -85,7 +85,7 @@ from parsat.backend.state_shards import ShardingError, StateShards, check_runnab
 from parsat.backend.step_statistic import Spread, spread, steady
 from parsat.importer.torch_ops import apply_op, evaluate_graph
 from parsat.backend.training_data import (MASK, ONEHOT, StepData, TrainConfig, causal_mask, data_leaves,  # noqa: F401
-                                          fan_in, leaf_value, objective, target_value)
+                                          fan_in, leaf_value, loss_terms, objective, target_value)
 from parsat.dsl.library import Library, load_library, shipped_rules_dir
 from parsat.dsl.parallel_ops import ALL_GATHER, REPLICATE
 from parsat.ir.machine import PRESETS
@@ -487,7 +487,7 @@ class RankProgram:
         """(this rank's share to differentiate, its share of the reported loss); `targets`: full targets by
         output name (None for a loss output, `training_data.objective`). `outputs` (id, name): those of the
         outputs to count (default: every output this rank computes)."""
-        backward_terms, report_terms = [], []
+        pieces = []
         for out_id, name in (self.outputs_here if outputs is None else outputs):
             x, placement = env[out_id]
             shape = self.pcg.node(out_id).shape
@@ -495,10 +495,8 @@ class RankProgram:
             target = targets[name]
             if target is not None:
                 target = target[piece_index(placement, shape, self.mesh, self.ctx.rank)].to(self.ctx.device)
-            term = objective(x, target, prod(shape))
-            backward_terms.append(term / replicas)
-            report_terms.append(term.detach() / holders)
-        return sum(backward_terms), sum(report_terms)
+            pieces.append((x, target, prod(shape), replicas, holders))
+        return loss_terms(pieces)
 
 
 @dataclass(frozen=True)
