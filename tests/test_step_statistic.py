@@ -78,3 +78,18 @@ def test_a_figure_is_the_median_of_its_rounds_so_one_slow_round_does_not_move_it
     calls = []
     seconds = calibrate._timed(one_rank, lambda: calls.append(1), calibrate.Budget(repeats=3, window_s=0.0), lambda: None)
     assert seconds > 0 and len(calls) == 2 + 1 + 3   # two warm-ups, the call that sizes a round, a call a round
+
+
+def test_compute_is_timed_on_the_ranks_cpu_time_where_one_thread_computes_and_waiting_in_wall_time():
+    import time
+    assert calibrate.compute_clock(cuda=False, threads=1) is time.thread_time
+    assert calibrate.compute_clock(cuda=False, threads=2) is time.perf_counter   # other threads' work: wall time
+    assert calibrate.compute_clock(cuda=True, threads=1) is time.perf_counter
+    assert calibrate.Budget().clock is time.perf_counter   # the collectives' (waiting) budget
+
+
+def test_a_round_on_cpu_time_leaves_out_the_time_the_rank_slept(one_rank):
+    import time
+    budget = calibrate.Budget(repeats=3, window_s=0.0, clock=time.thread_time)
+    assert calibrate._timed(one_rank, lambda: time.sleep(0.005), budget, lambda: None) < 0.002
+    assert calibrate._timed(one_rank, lambda: time.sleep(0.005), calibrate.Budget(3, 0.0), lambda: None) >= 0.005

@@ -189,9 +189,11 @@ class Calibration:
     turns: tuple[tuple[float, float, float], ...] = ()   # `_turns`' (compute, excess, excess on ranks with a
     #                                                          core each) per burst, as measured
     turn_s: float = 0.0        # `fit_turn` of them (the machine keeps it only where ranks share cores)
+    compute_clock: str = "wall time"   # what the compute figures were timed on (`compute_clock`)
 
     def to_dict(self) -> dict:
         return {"machine": self.machine.to_dict(), "device": self.device, "oversubscribed": self.oversubscribed,
+                "compute_clock": self.compute_clock,
                 "turns": {"fitted_s": self.turn_s, "bursts": [{"compute_s": c, "excess_s": e, "excess_own_cores_s": o}
                                                                 for c, e, o in self.turns]},
                 "dispatch_s": {"forward": self.dispatch[0], "backward": self.dispatch[1]},
@@ -237,10 +239,27 @@ def _slowest_each(ctx: RankContext, values: Sequence[float], group=None) -> list
 @dataclass(frozen=True)
 class Budget:
     """How each figure is measured: `repeats` rounds, together at least `window_s` seconds (a call at least once
-    a round)."""
+    a round), on `clock` (`compute_clock`: a rank's CPU time for compute on a CPU, wall time otherwise)."""
 
     repeats: int = 5
     window_s: float = WINDOW_S
+    clock: Callable[[], float] = time.perf_counter
+
+
+def compute_clock(cuda: bool, threads: int) -> Callable[[], float]:
+    """The clock compute figures are timed on: on a CPU rank computing on one thread, that thread's CPU time;
+    on a GPU, or a rank whose operators run on several threads (whose time the calling thread's CPU time does not
+    hold), wall time.
+
+    Why: a compute figure describes the machine, not what else ran on it while it was measured. In wall time,
+    every job sharing the box's cores lengthened the figures by its share: fresh calibrations of one 2-core box
+    at load 2-7 put the GEMM peak at 11-56 GFLOP/s and the demo's step at 4.5-16 ms where it ran in 4-8
+    (2026-12-06, benchmarks/demo_step.md); the run's steps, whose ranks sleep in every collective and wake
+    ahead of the box's other jobs, lost far less. A rank's CPU time counts the work and not the waiting for a
+    core, so calibrations agree whatever the load; on a quiet box the two clocks agree for compute. The
+    collectives, the stragglers and a peer's turn are waiting, and stay in wall time; `parsat run` prints each
+    rank's CPU a step beside the wall-clock step, so what the box's other jobs added to a run is seen apart."""
+    return time.perf_counter if cuda or threads > 1 else time.thread_time
 
 
 def _in_rounds(ctx: RankContext, round_s: Callable[[], float], budget: Budget, group=None) -> float:
@@ -268,23 +287,23 @@ def _timed(ctx: RankContext, fn: Callable[[], object], budget: Budget, sync, gro
 
     def round_s() -> float:
         sync()
-        start = time.perf_counter()
+        start = budget.clock()
         for _ in range(count):
             fn()
         sync()
-        return (time.perf_counter() - start) / count
+        return (budget.clock() - start) / count
 
     return _in_rounds(ctx, round_s, budget, group)
 
 
 def _timed_after(ctx: RankContext, prepare: Callable[[], object], fn: Callable[[], object], budget: Budget,
-                 sync, clock: Callable[[], float] = time.perf_counter) -> float:
+                 sync) -> float:
     """`_timed` of `fn` with `prepare()` (not timed) before each call: `average_after` in each round."""
     for _ in range(2):
         prepare()
         fn()
-    one = Budget(1, budget.window_s / budget.repeats)
-    return _in_rounds(ctx, lambda: average_after(prepare, fn, one, sync, clock, warmups=0), budget)
+    one = replace(budget, repeats=1, window_s=budget.window_s / budget.repeats)
+    return _in_rounds(ctx, lambda: average_after(prepare, fn, one, sync, budget.clock, warmups=0), budget)
 
 
 def gemm_shapes(size: int) -> list[tuple[int, int, int]]:
@@ -313,9 +332,11 @@ def memory_sizes(size: int) -> list[int]:
 
 def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, comm_sizes: Sequence[int],
                   dtensor: bool = False) -> dict:
-    """Run on every rank: dispatch, GEMMs, memory-bound operators, collectives (all ranks together)."""
+    """Run on every rank: dispatch, GEMMs, memory-bound operators, collectives (all ranks together); compute on
+    `compute_clock`, the collectives, stragglers and turns (waiting) in wall time."""
     _precision, dtype, other = DTYPES[dtype_name]
     cuda = ctx.device.type == "cuda"
+    wall, budget = budget, replace(budget, clock=compute_clock(cuda, torch.get_num_threads()))   # `compute_clock`
     sync = (lambda: torch.cuda.synchronize(ctx.device)) if cuda else (lambda: None)
     gen = torch.Generator().manual_seed(ctx.rank)
 
@@ -359,8 +380,8 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
     ops += _loss(ctx, dtype, size, budget, sync)
     return {"dispatch": dispatch, "dtensor": extra, "fsdp": hooks, "python": python, "sequence": sequence,
             "redistribute": redistribute, "fsdp_collectives": fsdp_collectives, "ops": ops,
-            "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync),
-            "skew": _skew(ctx, dtype, size, budget, sync), "turns": _turns(ctx, dtype, budget, sync),
+            "collectives": _collectives(ctx, dtype, wall, comm_sizes, sync),
+            "skew": _skew(ctx, dtype, size, wall, sync), "turns": _turns(ctx, dtype, wall, sync),
             "threads": torch.get_num_threads()}
 
 
@@ -425,7 +446,7 @@ def _loss(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> list[list
     it at 0.03 (benchmarks/demo_step.md, 2026-12-06)."""
     a = torch.randn(LOSS_PRODUCT_ROWS, size, dtype=dtype).to(ctx.device)
     w = torch.randn(size, size, dtype=dtype).to(ctx.device)
-    rounds = Budget(3 * budget.repeats, 0.0)
+    rounds = replace(budget, repeats=3 * budget.repeats, window_s=0.0)
     out = []
     for rows in LOSS_ROWS:
         elements = rows * LOSS_WIDTH
@@ -969,7 +990,7 @@ def _sequence_factor(ctx: RankContext, dtype, size: int, budget: Budget, sync) -
 
         with torch.no_grad():
             dist.barrier()
-            sequence = _timed_after(ctx, lambda: None, in_sequence, budget, sync, clock)
+            sequence = _timed_after(ctx, lambda: None, in_sequence, replace(budget, clock=clock), sync)
             dist.barrier()
             factors.append(sequence / _slowest(ctx, statistics.median(alone() for _ in range(3))))
     return max(1.0, statistics.geometric_mean(factors))
@@ -1460,7 +1481,9 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
                       oversubscribed=crowding(nproc, cuda))   # the file says so; `optimize` warns
     return Calibration(machine, dispatch, ops, collectives, label,
                        f"{crowded}: each figure is of ranks waiting for each other" if crowded else "",
-                       tuple((float(c), float(e), float(o)) for c, e, o in result["turns"]), turn)
+                       tuple((float(c), float(e), float(o)) for c, e, o in result["turns"]), turn,
+                       "each rank's CPU time" if compute_clock(cuda, result["threads"]) is time.thread_time
+                       else "wall time")
 
 
 def crowding(nproc: int, cuda: bool) -> Oversubscribed | None:
@@ -1539,6 +1562,8 @@ def report(cal: Calibration) -> str:
              f"{e.dispatch_s * 1e6:.1f} us forward + {e.backward_dispatch_s * 1e6:.1f} us backward per operator"
              + (f" (on a DTensor {e.dtensor_dispatch_s * 1e6:.1f} + {e.dtensor_backward_dispatch_s * 1e6:.1f} us more)"
                 if e.dtensor_dispatch_s or e.dtensor_backward_dispatch_s else ""),
+             f"  each figure timed as `parsat run` times a step: rounds started by a barrier, the slowest rank's, "
+             f"their median; compute on {cal.compute_clock}, collectives in wall time",
              *([f"  FSDP2's hooks: {e.fsdp_forward_group_s * 1e6:.1f} us + {e.fsdp_forward_param_s * 1e6:.1f} us "
                 f"per parameter at a group's gather, {e.fsdp_backward_group_s * 1e6:.1f} us + "
                 f"{e.fsdp_backward_param_s * 1e6:.1f} us per parameter after its backward"]
