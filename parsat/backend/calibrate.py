@@ -4,7 +4,12 @@ Everything is measured the way `parsat run` executes, on `nproc` ranks at
 once (gloo on CPU, nccl on CUDA), each rank timing the same thing at the
 same time, so that ranks sharing cores, memory or a link are measured as
 they share them in a run (on a 2-core box, 4 ranks get half a core each);
-a figure is the slowest rank's median. Each rank runs on its own share
+a figure is told by the statistic `parsat run` tells its step by
+(`step_statistic`): rounds started by a barrier, each the slowest rank's,
+their median (`_in_rounds`). Compute is timed on each rank's CPU time where
+a rank computes on one thread on a CPU, so that the box's other jobs do not
+lengthen it (`compute_clock`); collectives, stragglers and turns, which are
+waiting, in wall time. Each rank runs on its own share
 of the cores, pinned as `parsat run` pins it (`launch.share_cores`). In
 the run's dtype (float64 by default, as `parsat run`; `--dtype float32`
 for fp32 training):
@@ -31,6 +36,10 @@ for fp32 training):
   points (`update_points`, read between them on a line); on a CPU this
   update ran 2.3x what the memory-bound operators' rates gave for it
   (benchmarks/demo_step.md);
+* the loss as `parsat run` computes it (`training_data.loss_terms`) and its
+  backward, right after a product as a step runs them, on output pieces of
+  256 to 64 Ki elements, fitted to a fixed cost and one per element
+  (`OpEfficiency.loss_*`, `_loss`);
 * with `dtensor` (`--dtensor`): a chain of tiny layers (a linear product
   and an RMS norm each) on a `Replicate()` DTensor over all ranks, less
   the same chain plain, per ATen call (`OpEfficiency.dtensor_dispatch_s`,
@@ -381,7 +390,7 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
     return {"dispatch": dispatch, "dtensor": extra, "fsdp": hooks, "python": python, "sequence": sequence,
             "redistribute": redistribute, "fsdp_collectives": fsdp_collectives, "ops": ops,
             "collectives": _collectives(ctx, dtype, wall, comm_sizes, sync),
-            "skew": _skew(ctx, dtype, size, wall, sync), "turns": _turns(ctx, dtype, wall, sync),
+            "skew": _skew(ctx, dtype, size, wall, budget, sync), "turns": _turns(ctx, dtype, wall, sync),
             "threads": torch.get_num_threads()}
 
 
@@ -1015,28 +1024,35 @@ def _chain_dispatch(ctx: RankContext, start: torch.Tensor, budget: Budget, sync)
 SKEW_BURSTS = (0, 2, 8, 16)
 
 
-def _skew(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> list[list[float]]:
-    """[the burst's compute as calibrated, the cycle's time beyond it] per burst length, on every rank.
+def _skew(ctx: RankContext, dtype, size: int, budget: Budget, compute: Budget, sync) -> list[list[float]]:
+    """[the burst's compute as calibrated, the cycle's time beyond the burst] per burst length, on every rank.
 
     Ranks that do the same work between two collectives still arrive apart
     (cores shared with each other and other processes, OS noise), and the
     collective waits for the last one. Timed as a step runs: a burst of
-    products, then a small all-reduce, repeated; the cycle (burst and
-    all-reduce) is compared with the burst's time as the other figures are
-    calibrated (every rank computing at once), so that what the step adds
-    to them is what is fitted (the compute a rank does while another waits
-    is faster than calibrated, which must not count twice). A burst's cycle
-    is the median of its cycles, as a run's step is the median of its steps
-    (`step_statistic`), so that a cycle another job's burst fell in moves
-    neither (with the mean, two calibrations at load 2 and 5 fitted 0.00 and
-    1.11, the second pricing the demo's 4-6 ms step at 19.8 ms; 2026-12-06).
+    products, then a small all-reduce, repeated; a burst's cycle is the
+    median of its cycles, as a run's step is the median of its steps
+    (`step_statistic`), beyond the same burst timed alone in wall time by
+    the same rounds (`_timed`, every rank computing at once), so that what
+    is fitted is the collective's wait and not how a long burst shares a
+    core with the box's other jobs, which a step's short compute between
+    collectives does not (with the burst priced as the calibrated product
+    times its length, calibrations at load 5-8 fitted 0.50-1.11, pricing the
+    demo's 4-9 ms step at 8.8-19.8 ms; 2026-12-06). The compute it is fitted
+    against is the burst as calibrated (`compute`'s clock), which is what the
+    cost model multiplies the term by.
     """
     s = max(m for m, n, k in gemm_shapes(size) if m == n == k)
     a = torch.randn(s, s, dtype=dtype, device=ctx.device)
     x = torch.ones(1024, dtype=dtype, device=ctx.device)
-    one = _timed(ctx, lambda: a @ a, budget, sync)
+    one = _timed(ctx, lambda: a @ a, compute, sync)
     rows = []
     for burst in SKEW_BURSTS:
+        def products(burst=burst):
+            for _ in range(burst):
+                a @ a
+
+        alone = _timed(ctx, products, budget, sync) if burst else 0.0
         cycles = []
         dist.barrier()
         for i in range(max(30, 6 * budget.repeats) + 2):
@@ -1048,7 +1064,7 @@ def _skew(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> list[list
             sync()
             if i >= 2:
                 cycles.append(time.perf_counter() - start)
-        rows.append([burst * one, spread(cycles).median_s - burst * one])   # the run's statistic (`_in_rounds`)
+        rows.append([burst * one, spread(cycles).median_s - alone])   # the run's statistic (`_in_rounds`)
     return rows
 
 
