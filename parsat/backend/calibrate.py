@@ -260,14 +260,16 @@ def compute_clock(cuda: bool, threads: int) -> Callable[[], float]:
     on a GPU, or a rank whose operators run on several threads (whose time the calling thread's CPU time does not
     hold), wall time.
 
-    Why: a compute figure describes the machine, not what else ran on it while it was measured. In wall time,
-    every job sharing the box's cores lengthened the figures by its share: fresh calibrations of one 2-core box
-    at load 2-7 put the GEMM peak at 11-56 GFLOP/s and the demo's step at 4.5-16 ms where it ran in 4-8
-    (2026-12-06, benchmarks/demo_step.md); the run's steps, whose ranks sleep in every collective and wake
-    ahead of the box's other jobs, lost far less. A rank's CPU time counts the work and not the waiting for a
-    core, so calibrations agree whatever the load; on a quiet box the two clocks agree for compute. The
-    collectives, the stragglers and a peer's turn are waiting, and stay in wall time; `parsat run` prints each
-    rank's CPU a step beside the wall-clock step, so what the box's other jobs added to a run is seen apart."""
+    Why: a compute figure describes the machine, not what else ran on it while it was measured. In wall time
+    every job sharing the box's cores lengthens a figure by its share, and the run's steps, whose ranks sleep
+    in every collective and wake ahead of the box's other jobs, lose less. A rank's CPU time counts the work,
+    not the wait for a core; what it still takes up of the load is what the other jobs do to the caches and
+    the memory bus, which a step meets too. Three alternated calibrations each way of one 2-core box at load
+    4-10 (2026-12-06, benchmarks/demo_step.md): the memory bandwidth 0.94-3.42 GB/s in wall-clock rounds,
+    3.20-5.16 on CPU time (11.4 at load 2); the GEMM peak 30-41 and 41-51 GFLOP/s (53 at load 2). On a quiet
+    box the two clocks agree for compute. The collectives, the stragglers and a peer's turn are waiting, and
+    stay in wall time; `parsat run` prints each rank's CPU a step beside the wall-clock step, so what the
+    box's other jobs added to a run is seen apart."""
     return time.perf_counter if cuda or threads > 1 else time.thread_time
 
 
