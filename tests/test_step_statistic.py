@@ -76,7 +76,8 @@ def test_a_figure_is_the_median_of_its_rounds_so_one_slow_round_does_not_move_it
     rounds = iter([0.001, 0.001, 0.050, 0.002, 0.001])
     assert calibrate._in_rounds(one_rank, lambda: next(rounds), calibrate.Budget(repeats=5)) == 0.001
     calls = []
-    seconds = calibrate._timed(one_rank, lambda: calls.append(1), calibrate.Budget(repeats=3, window_s=0.0), lambda: None)
+    budget = calibrate.Budget(repeats=3, window_s=0.0)
+    seconds = calibrate._timed(one_rank, lambda: calls.append(1), budget, lambda: None)
     assert seconds > 0 and len(calls) == 2 + 1 + 3   # two warm-ups, the call that sizes a round, a call a round
 
 

@@ -613,7 +613,8 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
         found = found.merge(d)
     peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else memory.peak
     report = {"rank": ctx.rank, "losses": losses, "step_times": times, "step_cpu_times": cpu_times,
-              "comm": steps_comm, "max_abs_diff": found.max_abs if diffs else None, "max_rel_diff": found.max_rel if diffs else None,
+              "comm": steps_comm, "max_abs_diff": found.max_abs if diffs else None,
+              "max_rel_diff": found.max_rel if diffs else None,
               "worst": found.worst, "nonfinite": list(found.nonfinite[:20]), "peak_memory_bytes": peak,
               "process_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     report["job"] = _job_summary(report, ctx)
