@@ -12,7 +12,9 @@ autograd-aware collectives on them),
 process; the library's operators in torch are `parsat.importer.torch_ops`,
 which the importer's self-check runs too), `cli`
 (`parsat run`, `parsat calibrate`), `calibrate` (this machine's speeds for
-the cost model), `parallelize` (a user's module run as a plan, fed from its
+the cost model), `step_statistic` (a run's step and a calibrated figure
+told by one statistic: each round the slowest rank's, the median, the
+middle half), `parallelize` (a user's module run as a plan, fed from its
 import: a torch `nn.Module` as a parsat graph is `parsat.importer`'s),
 `running_stats` (batch norm's running statistics kept as torch keeps
 them), `training_data` (seeded weights, inputs and targets, cut into

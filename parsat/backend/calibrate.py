@@ -4,7 +4,12 @@ Everything is measured the way `parsat run` executes, on `nproc` ranks at
 once (gloo on CPU, nccl on CUDA), each rank timing the same thing at the
 same time, so that ranks sharing cores, memory or a link are measured as
 they share them in a run (on a 2-core box, 4 ranks get half a core each);
-a figure is the slowest rank's median. Each rank runs on its own share
+a figure is told by the statistic `parsat run` tells its step by
+(`step_statistic`): rounds started by a barrier, each the slowest rank's,
+their median (`_in_rounds`). Compute is timed on each rank's CPU time where
+a rank computes on one thread on a CPU, so that the box's other jobs do not
+lengthen it (`compute_clock`); collectives, stragglers and turns, which are
+waiting, in wall time. Each rank runs on its own share
 of the cores, pinned as `parsat run` pins it (`launch.share_cores`). In
 the run's dtype (float64 by default, as `parsat run`; `--dtype float32`
 for fp32 training):
@@ -31,6 +36,10 @@ for fp32 training):
   points (`update_points`, read between them on a line); on a CPU this
   update ran 2.3x what the memory-bound operators' rates gave for it
   (benchmarks/demo_step.md);
+* the loss as `parsat run` computes it (`training_data.loss_terms`) and its
+  backward, right after a product as a step runs them, on output pieces of
+  256 to 64 Ki elements, fitted to a fixed cost and one per element
+  (`OpEfficiency.loss_*`, `_loss`);
 * with `dtensor` (`--dtensor`): a chain of tiny layers (a linear product
   and an RMS norm each) on a `Replicate()` DTensor over all ranks, less
   the same chain plain, per ATen call (`OpEfficiency.dtensor_dispatch_s`,
@@ -108,7 +117,8 @@ import torch.distributed as dist
 
 from parsat.backend.executor import Optimizer
 from parsat.backend.launch import LaunchConfig, RankContext, launch
-from parsat.backend.training_data import TrainConfig
+from parsat.backend.step_statistic import spread
+from parsat.backend.training_data import TrainConfig, loss_terms
 from parsat.importer.torch_ops import apply_op
 from parsat.dsl.bounds import check_all
 from parsat.ir.units import fmt_bytes
@@ -140,6 +150,9 @@ class OpTiming:
         eff = replace(machine.efficiency, sequence_factor=1.0)
         if self.op == "randn":
             return eff.op_time(self.nbytes / eff.random_bandwidth) if eff.random_bandwidth else float("nan")
+        if self.op in ("loss", "loss_backward"):   # as measured in a step's place: no dispatch added
+            measured = eff.loss_time(self.shape[0], self.op == "loss_backward")
+            return float("nan") if measured is None else measured
         if self.op.startswith("update_"):
             return eff.update_time(self.op[7:], self.shape[0]) or float("nan")
         if self.op.startswith("attention_causal"):   # forward, or its backward alone (FlashAttention's factor)
@@ -185,9 +198,11 @@ class Calibration:
     turns: tuple[tuple[float, float, float], ...] = ()   # `_turns`' (compute, excess, excess on ranks with a
     #                                                          core each) per burst, as measured
     turn_s: float = 0.0        # `fit_turn` of them (the machine keeps it only where ranks share cores)
+    compute_clock: str = "wall time"   # what the compute figures were timed on (`compute_clock`)
 
     def to_dict(self) -> dict:
         return {"machine": self.machine.to_dict(), "device": self.device, "oversubscribed": self.oversubscribed,
+                "compute_clock": self.compute_clock,
                 "turns": {"fitted_s": self.turn_s, "bursts": [{"compute_s": c, "excess_s": e, "excess_own_cores_s": o}
                                                                 for c, e, o in self.turns]},
                 "dispatch_s": {"forward": self.dispatch[0], "backward": self.dispatch[1]},
@@ -200,17 +215,11 @@ class Calibration:
 # ------------------------------------------------------------------ timing
 
 
-WINDOW_S = 0.03   # each figure is the average over at least this much wall time
+WINDOW_S = 0.03   # each figure is measured over at least this much wall time, in `Budget.repeats` rounds
 
 
 def _average_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None], window_s: float) -> float:
-    """Wall time per call, averaged over at least `repeats` calls and `window_s` seconds (after two warm-ups).
-
-    An average over a window, not a median of short timings: a rank that
-    shares its cores is sometimes not running at all, and a training step
-    pays for those gaps as it pays for the work (a median of calls shorter
-    than a scheduler time slice would leave them out).
-    """
+    """Wall time per call, averaged over at least `repeats` calls and `window_s` seconds (after two warm-ups)."""
     fn()
     fn()
     sync()
@@ -226,26 +235,86 @@ def _average_time(fn: Callable[[], object], repeats: int, sync: Callable[[], Non
 
 
 def _slowest(ctx: RankContext, value: float, group=None) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+    return _slowest_each(ctx, [value], group)[0]
+
+
+def _slowest_each(ctx: RankContext, values: Sequence[float], group=None) -> list[float]:
+    """Each of `values` (one per round) the slowest rank's."""
+    t = torch.tensor(list(values), dtype=torch.float64, device=ctx.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t)
+    return t.tolist()
 
 
 @dataclass(frozen=True)
 class Budget:
-    """How long each figure is measured: at least `repeats` calls and `window_s` seconds."""
+    """How each figure is measured: `repeats` rounds, together at least `window_s` seconds (a call at least once
+    a round), on `clock` (`compute_clock`: a rank's CPU time for compute on a CPU, wall time otherwise)."""
 
     repeats: int = 5
     window_s: float = WINDOW_S
+    clock: Callable[[], float] = time.perf_counter
+
+
+def compute_clock(cuda: bool, threads: int) -> Callable[[], float]:
+    """The clock compute figures are timed on: on a CPU rank computing on one thread, that thread's CPU time;
+    on a GPU, or a rank whose operators run on several threads (whose time the calling thread's CPU time does not
+    hold), wall time.
+
+    Why: a compute figure describes the machine, not what else ran on it while it was measured. In wall time
+    every job sharing the box's cores lengthens a figure by its share, and the run's steps, whose ranks sleep
+    in every collective and wake ahead of the box's other jobs, lose less. A rank's CPU time counts the work,
+    not the wait for a core; what it still takes up of the load is what the other jobs do to the caches and
+    the memory bus, which a step meets too. Three alternated calibrations each way of one 2-core box at load
+    4-10 (2026-12-06, benchmarks/demo_step.md): the memory bandwidth 0.94-3.42 GB/s in wall-clock rounds,
+    3.20-5.16 on CPU time (11.4 at load 2); the GEMM peak 30-41 and 41-51 GFLOP/s (53 at load 2). On a quiet
+    box the two clocks agree for compute. The collectives, the stragglers and a peer's turn are waiting, and
+    stay in wall time; `parsat run` prints each rank's CPU a step beside the wall-clock step, so what the
+    box's other jobs added to a run is seen apart."""
+    return time.perf_counter if cuda or threads > 1 else time.thread_time
+
+
+def _in_rounds(ctx: RankContext, round_s: Callable[[], float], budget: Budget, group=None) -> float:
+    """`parsat run`'s statistic of a step (`step_statistic`), for a figure: `budget.repeats` rounds, each started
+    by a barrier as a step is (`RankContext.step_start`), each round's seconds the slowest rank's, their median.
+
+    Not a mean over one window: on a box shared with other jobs a window that another job's burst falls in
+    comes out long, and a mean carries it into the figure while the run's median of steps leaves the steps it
+    fell in out; one such window made a 2 KB all-reduce 1.60 ms where the same calibration's 32 KB one took
+    0.68 ms. A round is about as long as the demo's step (the window over the rounds: 6 ms by default), so
+    what the box's other jobs take from a typical round is what they take from a typical step."""
+    rounds = []
+    for _ in range(budget.repeats):
+        dist.barrier(group=group)
+        rounds.append(round_s())
+    return spread(_slowest_each(ctx, rounds, group)).median_s
 
 
 def _timed(ctx: RankContext, fn: Callable[[], object], budget: Budget, sync, group=None) -> float:
-    """All ranks (of `group`) time `fn` at once, each making the same number of calls; the slowest rank's
-    average."""
+    """All ranks (of `group`) time `fn` at once, each making the same number of calls a round (`_in_rounds`):
+    seconds a call, the median over the rounds of the slowest rank's average."""
     dist.barrier(group=group)
-    count = int(_slowest(ctx, budget.window_s / max(_average_time(fn, 1, sync, 0.0), 1e-9), group))
-    dist.barrier(group=group)
-    return _slowest(ctx, _average_time(fn, max(budget.repeats, min(count, 100_000)), sync, 0.0), group)
+    one = _slowest(ctx, _average_time(fn, 1, sync, 0.0), group)   # after two warm-ups; the same on every rank
+    count = max(1, min(int(budget.window_s / budget.repeats / max(one, 1e-9)), 100_000))
+
+    def round_s() -> float:
+        sync()
+        start = budget.clock()
+        for _ in range(count):
+            fn()
+        sync()
+        return (budget.clock() - start) / count
+
+    return _in_rounds(ctx, round_s, budget, group)
+
+
+def _timed_after(ctx: RankContext, prepare: Callable[[], object], fn: Callable[[], object], budget: Budget,
+                 sync) -> float:
+    """`_timed` of `fn` with `prepare()` (not timed) before each call: `average_after` in each round."""
+    for _ in range(2):
+        prepare()
+        fn()
+    one = replace(budget, repeats=1, window_s=budget.window_s / budget.repeats)
+    return _in_rounds(ctx, lambda: average_after(prepare, fn, one, sync, budget.clock, warmups=0), budget)
 
 
 def gemm_shapes(size: int) -> list[tuple[int, int, int]]:
@@ -274,9 +343,11 @@ def memory_sizes(size: int) -> list[int]:
 
 def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, comm_sizes: Sequence[int],
                   dtensor: bool = False) -> dict:
-    """Run on every rank: dispatch, GEMMs, memory-bound operators, collectives (all ranks together)."""
+    """Run on every rank: dispatch, GEMMs, memory-bound operators, collectives (all ranks together); compute on
+    `compute_clock`, the collectives, stragglers and turns (waiting) in wall time."""
     _precision, dtype, other = DTYPES[dtype_name]
     cuda = ctx.device.type == "cuda"
+    wall, budget = budget, replace(budget, clock=compute_clock(cuda, torch.get_num_threads()))   # `compute_clock`
     sync = (lambda: torch.cuda.synchronize(ctx.device)) if cuda else (lambda: None)
     gen = torch.Generator().manual_seed(ctx.rank)
 
@@ -317,10 +388,11 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
     ops += _functions(ctx, dtype, budget, sync)
     ops += _elementwise(ctx, dtype, budget, sync)
     ops += _attention(ctx, dtype, budget, sync)
+    ops += _loss(ctx, dtype, size, budget, sync)
     return {"dispatch": dispatch, "dtensor": extra, "fsdp": hooks, "python": python, "sequence": sequence,
             "redistribute": redistribute, "fsdp_collectives": fsdp_collectives, "ops": ops,
-            "collectives": _collectives(ctx, dtype, budget, comm_sizes, sync),
-            "skew": _skew(ctx, dtype, size, budget, sync), "turns": _turns(ctx, dtype, budget, sync),
+            "collectives": _collectives(ctx, dtype, wall, comm_sizes, sync),
+            "skew": _skew(ctx, dtype, size, wall, budget, sync), "turns": _turns(ctx, dtype, wall, sync),
             "threads": torch.get_num_threads()}
 
 
@@ -362,10 +434,69 @@ def _updates(ctx: RankContext, dtype, budget: Budget, sync) -> list[list]:
                 optimizer.zero_grad()
                 (x @ w).sum().backward()
 
-            dist.barrier()
-            seconds = _slowest(ctx, average_after(backward, optimizer.step, budget, sync))
+            seconds = _timed_after(ctx, backward, optimizer.step, budget, sync)
             rows_out.append([f"update_{kind}", [rows * UPDATE_WIDTH], seconds, 0.0, 0.0])
     return rows_out
+
+
+LOSS_ROWS = (16, 256, 4096)   # rows of the [rows, LOSS_WIDTH] output pieces whose objective is timed
+LOSS_WIDTH = 16
+LOSS_PRODUCT_ROWS = 128        # the product before each: [128, size] @ [size, size], about a ms at size 512
+
+
+def _loss(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> list[list]:
+    """[loss, [elements], seconds, 0, bytes] and [loss_backward, ...] per output piece of `LOSS_ROWS` x
+    `LOSS_WIDTH` elements: `training_data.loss_terms` of the piece against a target (what `parsat run` runs
+    after a forward), and its backward, each right after a product of `LOSS_PRODUCT_ROWS` x `size` by `size`
+    x `size` (not timed), as a step runs its loss right after the forward's last product; one call a round, in
+    three times `budget.repeats` rounds (`_timed_after`). Why: the objective is a dozen tiny calls whose time is
+    dispatch, and dispatch run after a product that left the dispatcher's code and data out of cache costs
+    more than in the warm chain `dispatch_s` is timed in: on this 2-core box (thread CPU time, float64, a
+    [128, 10] piece) 31 us alone, 83-86 us right after a [128, 784] @ [784, 256] product, 118 us after its
+    forward and backward; the demo's loss ran 0.14-0.22 ms in its step where six memory-bound operators priced
+    it at 0.03 (benchmarks/demo_step.md, 2026-12-06)."""
+    a = torch.randn(LOSS_PRODUCT_ROWS, size, dtype=dtype).to(ctx.device)
+    w = torch.randn(size, size, dtype=dtype).to(ctx.device)
+    rounds = replace(budget, repeats=3 * budget.repeats, window_s=0.0)
+    out = []
+    for rows in LOSS_ROWS:
+        elements = rows * LOSS_WIDTH
+        piece = torch.randn(rows, LOSS_WIDTH, dtype=dtype).to(ctx.device)
+        target = torch.randn(rows, LOSS_WIDTH, dtype=dtype).to(ctx.device)
+        held: dict = {}
+
+        def product():
+            a @ w
+            held["piece"] = piece.detach().requires_grad_()
+
+        def loss():
+            held["loss"] = loss_terms([(held["piece"], target, elements, 1, 1)])[0]
+
+        def product_and_loss():
+            product()
+            loss()
+
+        forward = _timed_after(ctx, product, loss, rounds, sync)
+        backward = _timed_after(ctx, product_and_loss, lambda: held["loss"].backward(), rounds, sync)
+        nbytes = float(2 * elements * piece.element_size())
+        out += [["loss", [elements], forward, 0.0, nbytes], ["loss_backward", [elements], backward, 0.0, nbytes]]
+    return out
+
+
+def fit_loss(timings: Sequence[OpTiming]) -> dict[str, float]:
+    """`OpEfficiency.loss_*`: the line through the loss's timings (forward and backward apart) against the piece's
+    elements, by `fit_line` (a negative slope, noise at these sizes, is read as none)."""
+    out = {}
+    for op, prefix in (("loss", "loss_"), ("loss_backward", "loss_backward_")):
+        timed = sorted((t for t in timings if t.op == op), key=lambda t: t.shape[0])
+        if not timed:
+            continue
+        fixed, slope = fit_line([float(t.shape[0]) for t in timed], [t.seconds for t in timed])
+        if slope < 0 or fixed <= 0:
+            slope = max(0.0, slope)
+            fixed = min(t.seconds for t in timed)
+        out[f"{prefix}s"], out[f"{prefix}element_s"] = fixed, slope
+    return out
 
 
 FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -474,16 +605,15 @@ def _backward_seconds(ctx: RankContext, leaves: Sequence[torch.Tensor], run: Cal
             leaf.grad = None
         held["y"] = run()
 
-    dist.barrier()
-    return _slowest(ctx, average_after(forward, lambda: held["y"].backward(grad), budget, sync))
+    return _timed_after(ctx, forward, lambda: held["y"].backward(grad), budget, sync)
 
 
 def average_after(prepare: Callable[[], object], fn: Callable[[], object], budget: Budget, sync: Callable[[], object],
-                  clock: Callable[[], float] = time.perf_counter) -> float:
+                  clock: Callable[[], float] = time.perf_counter, warmups: int = 2) -> float:
     """Seconds per `fn()`, each right after `prepare()` (not timed), averaged over at least `budget.repeats`
-    calls and `budget.window_s` seconds of `fn` (after two warm-ups): what `fn` takes where a step runs it.
-    `clock`: wall time for the calibration; benchmarks/demo_step_cpu.py passes thread CPU time."""
-    for _ in range(2):
+    calls and `budget.window_s` seconds of `fn` (after `warmups` untimed pairs): what `fn` takes where a step
+    runs it. `clock`: wall time for the calibration; benchmarks/demo_step_cpu.py passes thread CPU time."""
+    for _ in range(warmups):
         prepare()
         fn()
     total, count = 0.0, 0
@@ -871,7 +1001,7 @@ def _sequence_factor(ctx: RankContext, dtype, size: int, budget: Budget, sync) -
 
         with torch.no_grad():
             dist.barrier()
-            sequence = _slowest(ctx, average_after(lambda: None, in_sequence, budget, sync, clock))
+            sequence = _timed_after(ctx, lambda: None, in_sequence, replace(budget, clock=clock), sync)
             dist.barrier()
             factors.append(sequence / _slowest(ctx, statistics.median(alone() for _ in range(3))))
     return max(1.0, statistics.geometric_mean(factors))
@@ -896,24 +1026,35 @@ def _chain_dispatch(ctx: RankContext, start: torch.Tensor, budget: Budget, sync)
 SKEW_BURSTS = (0, 2, 8, 16)
 
 
-def _skew(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> list[list[float]]:
-    """[the burst's compute as calibrated, the cycle's time beyond it] per burst length, on every rank.
+def _skew(ctx: RankContext, dtype, size: int, budget: Budget, compute: Budget, sync) -> list[list[float]]:
+    """[the burst's compute as calibrated, the cycle's time beyond the burst] per burst length, on every rank.
 
     Ranks that do the same work between two collectives still arrive apart
     (cores shared with each other and other processes, OS noise), and the
     collective waits for the last one. Timed as a step runs: a burst of
-    products, then a small all-reduce, repeated; the cycle (burst and
-    all-reduce) is compared with the burst's time as the other figures are
-    calibrated (every rank computing at once), so that what the step adds
-    to them is what is fitted (the compute a rank does while another waits
-    is faster than calibrated, which must not count twice).
+    products, then a small all-reduce, repeated; a burst's cycle is the
+    median of its cycles, as a run's step is the median of its steps
+    (`step_statistic`), beyond the same burst timed alone in wall time by
+    the same rounds (`_timed`, every rank computing at once), so that what
+    is fitted is the collective's wait and not how a long burst shares a
+    core with the box's other jobs, which a step's short compute between
+    collectives does not (with the burst priced as the calibrated product
+    times its length, calibrations at load 5-8 fitted 0.50-1.11, pricing the
+    demo's 4-9 ms step at 8.8-19.8 ms; 2026-12-06). The compute it is fitted
+    against is the burst as calibrated (`compute`'s clock), which is what the
+    cost model multiplies the term by.
     """
     s = max(m for m, n, k in gemm_shapes(size) if m == n == k)
     a = torch.randn(s, s, dtype=dtype, device=ctx.device)
     x = torch.ones(1024, dtype=dtype, device=ctx.device)
-    one = _timed(ctx, lambda: a @ a, budget, sync)
+    one = _timed(ctx, lambda: a @ a, compute, sync)
     rows = []
     for burst in SKEW_BURSTS:
+        def products(burst=burst):
+            for _ in range(burst):
+                a @ a
+
+        alone = _timed(ctx, products, budget, sync) if burst else 0.0
         cycles = []
         dist.barrier()
         for i in range(max(30, 6 * budget.repeats) + 2):
@@ -925,7 +1066,7 @@ def _skew(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> list[list
             sync()
             if i >= 2:
                 cycles.append(time.perf_counter() - start)
-        rows.append([burst * one, statistics.fmean(cycles) - burst * one])
+        rows.append([burst * one, spread(cycles).median_s - alone])   # the run's statistic (`_in_rounds`)
     return rows
 
 
@@ -1314,7 +1455,7 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
     gemms = [t for t in ops if t.op == "matmul"]
     peak, halves = fit_gemm(gemms)
     layouts = fit_layouts(ops, peak) | fit_updates(ops) | fit_functions(ops) | fit_attention(ops, peak, dispatch)
-    layouts |= fit_elementwise(ops)
+    layouts |= fit_elementwise(ops) | fit_loss(ops)
     bandwidth, half_bytes, cache_bytes, cache_bw = fit_memory([t for t in ops if t.op in ("relu", "add", "copy")])
     randn = [t for t in ops if t.op == "randn"]
     _c, random_slope = fit_line([t.nbytes for t in randn], [t.seconds for t in randn])
@@ -1358,7 +1499,9 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
                       oversubscribed=crowding(nproc, cuda))   # the file says so; `optimize` warns
     return Calibration(machine, dispatch, ops, collectives, label,
                        f"{crowded}: each figure is of ranks waiting for each other" if crowded else "",
-                       tuple((float(c), float(e), float(o)) for c, e, o in result["turns"]), turn)
+                       tuple((float(c), float(e), float(o)) for c, e, o in result["turns"]), turn,
+                       "each rank's CPU time" if compute_clock(cuda, result["threads"]) is time.thread_time
+                       else "wall time")
 
 
 def crowding(nproc: int, cuda: bool) -> Oversubscribed | None:
@@ -1437,6 +1580,8 @@ def report(cal: Calibration) -> str:
              f"{e.dispatch_s * 1e6:.1f} us forward + {e.backward_dispatch_s * 1e6:.1f} us backward per operator"
              + (f" (on a DTensor {e.dtensor_dispatch_s * 1e6:.1f} + {e.dtensor_backward_dispatch_s * 1e6:.1f} us more)"
                 if e.dtensor_dispatch_s or e.dtensor_backward_dispatch_s else ""),
+             f"  each figure timed as `parsat run` times a step: rounds started by a barrier, the slowest rank's, "
+             f"their median; compute on {cal.compute_clock}, collectives in wall time",
              *([f"  FSDP2's hooks: {e.fsdp_forward_group_s * 1e6:.1f} us + {e.fsdp_forward_param_s * 1e6:.1f} us "
                 f"per parameter at a group's gather, {e.fsdp_backward_group_s * 1e6:.1f} us + "
                 f"{e.fsdp_backward_param_s * 1e6:.1f} us per parameter after its backward"]
@@ -1486,4 +1631,4 @@ def report(cal: Calibration) -> str:
 
 
 __all__ = ["Budget", "Calibration", "CollectiveTiming", "OpTiming", "average_after", "calibrate", "fit_gemm",
-           "fit_attention", "fit_functions", "fit_layouts", "fit_line", "fit_link", "fit_memory", "fit_turn", "fit_updates", "gemm_shapes", "memory_sizes", "report"]
+           "fit_attention", "fit_functions", "fit_layouts", "fit_line", "fit_link", "fit_loss", "fit_memory", "fit_turn", "fit_updates", "gemm_shapes", "memory_sizes", "report"]

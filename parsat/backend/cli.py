@@ -42,7 +42,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Mapping
+from typing import Mapping, Sequence
 
 
 PLAN_OF = ("parsat", "data_parallel", "sequential", "megatron", "expert_parallel")
@@ -257,24 +257,33 @@ def check_tolerance(dtype: str, model: str | None) -> float:
     return 1e-3 if model else 1e-4
 
 
-def step_time_line(measured_s: float, predicted) -> str:
-    """The measured step beside the plan's predicted one, and how far apart they are.
+def step_time_line(measured_s: float, predicted, spread=None, cpu_s: Sequence[float] = ()) -> str:
+    """The measured step beside the plan's predicted one, and how far apart they are; with `spread`
+    (`step_statistic.Spread`) the middle half of the steps it is the median of, and with `cpu_s` each
+    rank's CPU seconds a step on a line of its own (what the step cost the ranks, whatever else ran).
 
     The prediction is only this box's when the plan was priced on a machine
     measured here (`parsat calibrate`); a preset's figures are another
     machine's, so the line says so instead of inviting a comparison."""
     line = f"  step time (median)   {measured_s * 1e3:.3f} ms"
+    cpu = (["    CPU a step         " + ", ".join(f"rank {r} {s * 1e3:.3f} ms" for r, s in enumerate(cpu_s))
+            + " (each rank's median: the rest of the step it waited)"] if cpu_s else [])
     if predicted.time_s is None or predicted.time_s <= 0:
-        return line + " (the plan predicts none)"
+        return "\n".join([line + " (the plan predicts none)", *cpu])
     line += f", predicted {predicted.time_s * 1e3:.3f} ms"
-    if predicted.machine_kind == "calibrated":
-        return line + (f" on '{predicted.machine}' (calibrated): measured {measured_s / predicted.time_s:.2f} x "
-                       "the prediction")
     if predicted.machine_kind == "preset":
-        return line + (f" for the preset '{predicted.machine}', not this machine (`parsat calibrate` measures "
-                       "it, `parsat optimize --machine FILE` prices on it)")
-    name = f" '{predicted.machine}'" if predicted.machine else ""
-    return line + f" on the described machine{name}: measured {measured_s / predicted.time_s:.2f} x the prediction"
+        return "\n".join([line + (f" for the preset '{predicted.machine}', not this machine (`parsat calibrate` "
+                                  "measures it, `parsat optimize --machine FILE` prices on it)"), *cpu])
+    if predicted.machine_kind == "calibrated":
+        line += f" on '{predicted.machine}' (calibrated)"
+    else:
+        name = f" '{predicted.machine}'" if predicted.machine else ""
+        line += f" on the described machine{name}"
+    line += f": measured {measured_s / predicted.time_s:.2f} x the prediction"
+    if spread is not None and spread.count > 1:
+        line += (f"; middle half of {spread.count} steps {spread.low_s * 1e3:.3f}-{spread.high_s * 1e3:.3f} ms "
+                 f"({spread.low_s / predicted.time_s:.2f}-{spread.high_s / predicted.time_s:.2f} x)")
+    return "\n".join([line, *cpu])
 
 
 def _report(result, args: argparse.Namespace, tolerance: float) -> None:
@@ -295,7 +304,7 @@ def _report(result, args: argparse.Namespace, tolerance: float) -> None:
              + ("n/a" if sync_predicted is None else f"{sync_predicted:,.0f}"),
              *(["    by mesh axis       " + ", ".join(f"{axis} {sent:,.0f}" for axis, sent
                                                       in result.comm_by_axis.items())] if result.comm_by_axis else []),
-             step_time_line(result.step_time_s, result.predicted),
+             step_time_line(result.step_time_s, result.predicted, result.step_spread, result.step_cpu_s),
              f"  peak memory per rank {result.peak_memory_bytes / 2**20:.2f} MiB of tensors"
              + ("" if memory_predicted is None
                 else f" (plan's bound {memory_predicted / 2**20:.2f} MiB, Adam state included)")

@@ -69,7 +69,6 @@ from __future__ import annotations
 
 import math
 import resource
-import statistics
 import time
 from dataclasses import dataclass, field, replace
 from math import prod
@@ -83,9 +82,10 @@ from parsat.backend.collectives import GRAD_SYNC, CommCounter, MeshGroups, paral
 from parsat.backend.launch import LaunchConfig, RankContext, launch
 from parsat.backend.recompute_regions import Region, RegionError, Unit, forward_units
 from parsat.backend.state_shards import ShardingError, StateShards, check_runnable
+from parsat.backend.step_statistic import Spread, spread, steady
 from parsat.importer.torch_ops import apply_op, evaluate_graph
 from parsat.backend.training_data import (MASK, ONEHOT, StepData, TrainConfig, causal_mask, data_leaves,  # noqa: F401
-                                          fan_in, leaf_value, objective, target_value)
+                                          fan_in, leaf_value, loss_terms, objective, target_value)
 from parsat.dsl.library import Library, load_library, shipped_rules_dir
 from parsat.dsl.parallel_ops import ALL_GATHER, REPLICATE
 from parsat.ir.machine import PRESETS
@@ -487,7 +487,7 @@ class RankProgram:
         """(this rank's share to differentiate, its share of the reported loss); `targets`: full targets by
         output name (None for a loss output, `training_data.objective`). `outputs` (id, name): those of the
         outputs to count (default: every output this rank computes)."""
-        backward_terms, report_terms = [], []
+        pieces = []
         for out_id, name in (self.outputs_here if outputs is None else outputs):
             x, placement = env[out_id]
             shape = self.pcg.node(out_id).shape
@@ -495,10 +495,8 @@ class RankProgram:
             target = targets[name]
             if target is not None:
                 target = target[piece_index(placement, shape, self.mesh, self.ctx.rank)].to(self.ctx.device)
-            term = objective(x, target, prod(shape))
-            backward_terms.append(term / replicas)
-            report_terms.append(term.detach() / holders)
-        return sum(backward_terms), sum(report_terms)
+            pieces.append((x, target, prod(shape), replicas, holders))
+        return loss_terms(pieces)
 
 
 @dataclass(frozen=True)
@@ -562,7 +560,7 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
     program = RankProgram(pcg, ctx, config, library, starting_weights(graph, config))
     optimizer = _make_optimizer(program.state.optimized(program.params), config)
     reference = reference_run(graph, config, batch) if config.check and graph is not None else None
-    losses, times, steps_comm, diffs = [], [], [], []  # diffs: (relative, absolute, non-finite) per step
+    losses, times, cpu_times, steps_comm, diffs = [], [], [], [], []  # diffs: (relative, absolute, non-finite)
     memory = TensorMemory()
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -570,6 +568,7 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
         counter = CommCounter()
         data = program.step_data(batch, step).loaded()   # before the clock: the data loader's work, not the plan's
         start = ctx.step_start()
+        cpu_start = time.process_time()   # this rank's process (its gloo threads too): what the step cost it
         # once per step for all micro-batches: gathers, replicas (one batch runs them inside its own autograd)
         weights = program.weight_values(counter) if m > 1 else None
         reported = torch.zeros((), dtype=config.torch_dtype(), device=ctx.device)
@@ -602,6 +601,7 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
         total = reported.clone()
         dist.all_reduce(total)  # reporting only: not part of the plan, not counted
         losses.append(float(total))
@@ -612,8 +612,9 @@ def run_rank(ctx: RankContext, pcg: PCG, config: TrainConfig, graph: Graph | Non
     for d in diffs:
         found = found.merge(d)
     peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else memory.peak
-    report = {"rank": ctx.rank, "losses": losses, "step_times": times, "comm": steps_comm,
-              "max_abs_diff": found.max_abs if diffs else None, "max_rel_diff": found.max_rel if diffs else None,
+    report = {"rank": ctx.rank, "losses": losses, "step_times": times, "step_cpu_times": cpu_times,
+              "comm": steps_comm, "max_abs_diff": found.max_abs if diffs else None,
+              "max_rel_diff": found.max_rel if diffs else None,
               "worst": found.worst, "nonfinite": list(found.nonfinite[:20]), "peak_memory_bytes": peak,
               "process_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     report["job"] = _job_summary(report, ctx)
@@ -714,11 +715,24 @@ def _job_summary(report: dict, ctx: RankContext) -> dict:
     dist.all_reduce(sums)
     dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
     sums, maxes = sums.tolist(), maxes.tolist()
+    wall, cpu = _per_rank(ctx, report["step_times"]), _per_rank(ctx, report.get("step_cpu_times"))
     return {"distinct_sent": sums[0], "sent": sums[1], "grad_sync": sums[2], "nonfinite": int(sums[3]),
             "sent_by_axis": dict(zip(by_axis, sums[4:])),
             "nonfinite_names": report.get("nonfinite", []), "worst": report.get("worst", ""),
             "max_abs_diff": None if maxes[0] < 0 else maxes[0], "max_rel_diff": None if maxes[1] < 0 else maxes[1],
-            "peak_memory_bytes": int(maxes[2]), "process_rss_bytes": int(maxes[3]), "step_times": maxes[4:]}
+            "peak_memory_bytes": int(maxes[2]), "process_rss_bytes": int(maxes[3]), "step_times": maxes[4:],
+            "step_times_by_rank": wall, "step_cpu_times_by_rank": cpu}
+
+
+def _per_rank(ctx: RankContext, times: Sequence[float] | None) -> list[list[float]] | None:
+    """Every rank's per-step figures, rank by rank (None where this runner does not record them). Reporting
+    traffic only: not part of the plan, not counted."""
+    if times is None:
+        return None
+    table = torch.zeros((ctx.world, len(times)), dtype=torch.float64, device=ctx.device)
+    table[ctx.rank] = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(table)
+    return table.tolist()
 
 
 @dataclass(frozen=True)
@@ -876,6 +890,15 @@ class RunResult:
     # (parsat/backend/pipeline_run.py `pipeline_comparison`); the totals above are then summed over every stage's ranks
     pipeline: Mapping | None = None
     recompute: str = "none"   # the plan's activation recomputation (`PCG.recompute`) the run followed
+    # the step's median and middle half over the steps after the warm-up, each step the slowest rank's
+    # (`step_statistic`: the statistic `parsat calibrate` times its figures with); step_time_s is its median
+    step_spread: Spread | None = None
+    # each rank's median CPU seconds a step (its process, every thread): what the step cost the rank whatever
+    # else ran on the box; wall time beyond it was spent waiting (for a peer, a collective, or a core)
+    step_cpu_s: tuple[float, ...] = ()
+    # every step's wall and CPU seconds, rank by rank (the warm-up included): what the figures above summarise
+    step_times_by_rank: tuple[tuple[float, ...], ...] = ()
+    step_cpu_times_by_rank: tuple[tuple[float, ...], ...] = ()
 
     @staticmethod
     def of_job(reports: Sequence[dict], config: TrainConfig, predicted: Prediction | None = None,
@@ -883,13 +906,16 @@ class RunResult:
         """The summary of a launched job: every rank's report carries the job-wide figures (`_job_summary`);
         under torchrun there is only this rank's."""
         job = reports[0]["job"]
-        times = job["step_times"]
-        timed = times[1:] if len(times) > 1 else times
+        step = spread(steady(job["step_times"]))
+        by_rank = tuple(tuple(times) for times in job.get("step_times_by_rank") or ())
+        cpu_by_rank = tuple(tuple(times) for times in job.get("step_cpu_times_by_rank") or ())
+        cpu = tuple(spread(steady(times)).median_s for times in cpu_by_rank)
         return RunResult(check_verdict(job, config), job["max_abs_diff"], job["sent"], job["distinct_sent"],
-                         job["grad_sync"], statistics.median(timed), job["peak_memory_bytes"],
+                         job["grad_sync"], step.median_s, job["peak_memory_bytes"],
                          job["process_rss_bytes"], tuple(reports[0]["losses"]), predicted or Prediction(),
                          job.get("max_rel_diff"), job.get("nonfinite", 0), job.get("worst", ""),
-                         dict(job.get("sent_by_axis", {})), microbatches, recompute=recompute)
+                         dict(job.get("sent_by_axis", {})), microbatches, recompute=recompute, step_spread=step,
+                         step_cpu_s=cpu, step_times_by_rank=by_rank, step_cpu_times_by_rank=cpu_by_rank)
 
     @property
     def comm_elements_predicted(self) -> float | None:
@@ -908,6 +934,13 @@ class RunResult:
                 "comm_elements_measured": self.comm_elements_measured,
                 "comm_elements_predicted": self.predicted.comm_elements,
                 "step_time_s": self.step_time_s, "peak_memory_bytes": self.peak_memory_bytes,
+                **({"step_time_quartiles_s": [self.step_spread.low_s, self.step_spread.high_s],
+                    "steps_timed": self.step_spread.count} if self.step_spread else {}),
+                **({"step_cpu_s_by_rank": list(self.step_cpu_s)} if self.step_cpu_s else {}),
+                **({"step_times_by_rank": [list(t) for t in self.step_times_by_rank]} if self.step_times_by_rank
+                   else {}),
+                **({"step_cpu_times_by_rank": [list(t) for t in self.step_cpu_times_by_rank]}
+                   if self.step_cpu_times_by_rank else {}),
                 "comm_matches": self.comm_matches,
                 "comm_elements_distinct": self.comm_elements_distinct,
                 "comm_elements_by_axis": dict(self.comm_by_axis),

@@ -142,6 +142,21 @@ def objective(out: torch.Tensor, target: torch.Tensor | None, numel: int) -> tor
     return 0.5 * ((out - target) ** 2).sum() / numel
 
 
+def loss_terms(pieces: Sequence[tuple[torch.Tensor, torch.Tensor | None, int, int, int]]) -> tuple[torch.Tensor,
+                                                                                                     torch.Tensor]:
+    """(this rank's share of the objective to differentiate, its share of the loss to report) over its output
+    pieces, each (piece, its target's piece or None, the output's elements, its replicas, the ranks holding the
+    piece): each piece's `objective` over its replicas (their gradients add up) and over its holders (the
+    reported sums add up). What a step runs after its forward (`RankProgram.loss`), and what `parsat calibrate`
+    times as the loss (`calibrate._loss`), so the two are one code."""
+    backward_terms, report_terms = [], []
+    for piece, target, numel, replicas, holders in pieces:
+        term = objective(piece, target, numel)
+        backward_terms.append(term / replicas)
+        report_terms.append(term.detach() / holders)
+    return sum(backward_terms), sum(report_terms)
+
+
 class StepData:
     """One step's inputs and targets, micro-batch by micro-batch (the module docstring).
 

@@ -1076,9 +1076,14 @@ class _Builder:
         return tasks
 
     def _loss_s(self, node: PNode, backward: bool = False) -> float:
-        """An output's objective (a loss output's own, a difference from a target's), or its backward: memory-bound
-        operators on its piece."""
+        """An output's objective (a loss output's own, a difference from a target's), or its backward: a difference
+        from a target's as `parsat calibrate` measured it in a step's place (`OpEfficiency.loss_time`), else (a
+        loss output, whose objective is its sum, or a machine without the figure) memory-bound operators on its
+        piece."""
         loss = is_loss(node.shape)
+        measured = None if loss else self.eff.loss_time(_elements(node), backward)
+        if measured is not None:
+            return measured
         if backward:
             return (SCALAR_LOSS_BACKWARD_OPS if loss else LOSS_BACKWARD_OPS) * self._copy_s(_elements(node), True)
         return (SCALAR_LOSS_OPS if loss else LOSS_OPS) * self._copy_s(_elements(node))

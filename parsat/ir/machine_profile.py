@@ -137,6 +137,13 @@ class OpEfficiency:
     elementwise_broadcast_s: float = 0.0   # ... one broadcast along the other's leading dims (`add_bcast`); all three
                                        # measured by `parsat calibrate` (`elementwise_time`), 0: not measured
                                        # (priced by bytes at the bandwidth, as the warm, repeated calls ran)
+    loss_s: float = 0.0                # one output's objective against its target as a step runs it (`parsat run`'s
+                                       # `training_data.loss_terms`, right after the forward's last product, which
+                                       # leaves the dispatcher's code and data out of cache): its fixed seconds, ...
+    loss_element_s: float = 0.0        # ... and its seconds per element of the output's piece; ...
+    loss_backward_s: float = 0.0       # ... the same for its backward, right after it; all four measured by
+    loss_backward_element_s: float = 0.0   # `parsat calibrate` (`loss_time`), 0: not measured (priced as
+                                       # memory-bound operators: on this 2-core box 0.03 ms for a loss that ran 0.14)
     async_dispatch: bool = False       # True on GPUs: the host launches ahead, an operator takes max(dispatch,
                                        # kernel); False on CPU: the dispatching thread computes, dispatch + kernel
     sequence_factor: float = 1.0       # an operator call run once among a step's other calls over the same call
@@ -166,6 +173,15 @@ class OpEfficiency:
         keeps activations: on this 2-core box 1.6-3.5x the same call repeated on warm buffers, its output new
         memory, not in cache); 0 where not measured."""
         return elements * getattr(self, f"elementwise_{kind}_s")
+
+    def loss_time(self, elements: float, backward: bool = False) -> float | None:
+        """Seconds of one output's objective (or its backward) over a piece of `elements` elements, as `parsat
+        calibrate` measured it in a step's place; None where not measured."""
+        if self.loss_s <= 0:
+            return None
+        if backward:
+            return self.loss_backward_s + elements * self.loss_backward_element_s
+        return self.loss_s + elements * self.loss_element_s
 
     def fsdp_hooks_time(self, params: int, backward: bool = False) -> float:
         """Host time FSDP2's hooks take on a group of `params` parameters as they gather it (before its forward;
@@ -250,6 +266,7 @@ class OpEfficiency:
                        if not getattr(self, k)]
         unmeasured += ["sequence_factor"] if self.sequence_factor == 1.0 else []
         unmeasured += [f"elementwise_{kind}_s" for kind in ELEMENTWISE_KINDS if not self.elementwise_time(kind, 1.0)]
+        unmeasured += ["loss_"] if self.loss_s <= 0 else []
         out = {k: v for k, v in asdict(self).items() if not k.startswith(tuple(unmeasured))
                and k not in ("update_points", "function_times")}
         if self.function_times:

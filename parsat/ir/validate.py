@@ -643,6 +643,10 @@ EFFICIENCY_RANGES: Mapping[str, tuple[float, float, str]] = {
     "attention_half_flops": (0.0, 1e30, "FLOPs per call"),
     **{f"elementwise_{kind}_s": (0.0, 1e-3, "seconds per element (0: not measured)")
        for kind in ELEMENTWISE_KINDS},
+    "loss_s": (0.0, 3600.0, "seconds (0: not measured)"),
+    "loss_element_s": (0.0, 1e-3, "seconds per element"),
+    "loss_backward_s": (0.0, 3600.0, "seconds"),
+    "loss_backward_element_s": (0.0, 1e-3, "seconds per element"),
     **{f"gemm_{layout}_{key}": ranged for layout in ("nt", "tn") for key, ranged in (
         ("rate", (0.0, 1e3, "x peak FLOP/s (0: not measured)")), ("half_m", (0.0, MAX_ELEMENTS, "elements")),
         ("half_n", (0.0, MAX_ELEMENTS, "elements")), ("half_k", (0.0, MAX_ELEMENTS, "elements")))},
