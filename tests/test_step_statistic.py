@@ -86,6 +86,8 @@ def test_compute_is_timed_on_the_ranks_cpu_time_where_one_thread_computes_and_wa
     assert calibrate.compute_clock(cuda=False, threads=1) is time.thread_time
     assert calibrate.compute_clock(cuda=False, threads=2) is time.perf_counter   # other threads' work: wall time
     assert calibrate.compute_clock(cuda=True, threads=1) is time.perf_counter
+    # ranks sharing cores (--oversubscribe) take turns on them: the turn is the job's own, in wall time
+    assert calibrate.compute_clock(cuda=False, threads=1, shared_cores=True) is time.perf_counter
     assert calibrate.Budget().clock is time.perf_counter   # the collectives' (waiting) budget
 
 

@@ -255,10 +255,15 @@ class Budget:
     clock: Callable[[], float] = time.perf_counter
 
 
-def compute_clock(cuda: bool, threads: int) -> Callable[[], float]:
-    """The clock compute figures are timed on: on a CPU rank computing on one thread, that thread's CPU time;
-    on a GPU, or a rank whose operators run on several threads (whose time the calling thread's CPU time does not
-    hold), wall time.
+def compute_clock(cuda: bool, threads: int, shared_cores: bool = False) -> Callable[[], float]:
+    """The clock compute figures are timed on: on a CPU rank computing on one thread, with a core of its own,
+    that thread's CPU time; on a GPU, a rank whose operators run on several threads (whose time the calling
+    thread's CPU time does not hold), or ranks that share cores (`--oversubscribe`), wall time.
+
+    Ranks sharing cores: the job's own ranks take turns on a core, so the turn is part of the machine the job
+    runs on, as the run meets it; a rank's CPU time would leave it out. Measured (2026-12-06, fidelity run 28
+    with every compute figure on CPU time, benchmarks/costmodel_fidelity.md): the 2-rank plans 0.90 measured over
+    predicted, the 4-rank plans on 2 cores 1.24, the data-parallel ones 1.54 and 2.05.
 
     Why: a compute figure describes the machine, not what else ran on it while it was measured. In wall time
     every job sharing the box's cores lengthens a figure by its share, and the run's steps, whose ranks sleep
@@ -270,7 +275,7 @@ def compute_clock(cuda: bool, threads: int) -> Callable[[], float]:
     box the two clocks agree for compute. The collectives, the stragglers and a peer's turn are waiting, and
     stay in wall time; `parsat run` prints each rank's CPU a step beside the wall-clock step, so what the
     box's other jobs added to a run is seen apart."""
-    return time.perf_counter if cuda or threads > 1 else time.thread_time
+    return time.perf_counter if cuda or threads > 1 or shared_cores else time.thread_time
 
 
 def _in_rounds(ctx: RankContext, round_s: Callable[[], float], budget: Budget, group=None) -> float:
@@ -342,12 +347,12 @@ def memory_sizes(size: int) -> list[int]:
 
 
 def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, comm_sizes: Sequence[int],
-                  dtensor: bool = False) -> dict:
+                  dtensor: bool = False, shared_cores: bool = False) -> dict:
     """Run on every rank: dispatch, GEMMs, memory-bound operators, collectives (all ranks together); compute on
     `compute_clock`, the collectives, stragglers and turns (waiting) in wall time."""
     _precision, dtype, other = DTYPES[dtype_name]
     cuda = ctx.device.type == "cuda"
-    wall, budget = budget, replace(budget, clock=compute_clock(cuda, torch.get_num_threads()))   # `compute_clock`
+    wall, budget = budget, replace(budget, clock=compute_clock(cuda, torch.get_num_threads(), shared_cores))
     sync = (lambda: torch.cuda.synchronize(ctx.device)) if cuda else (lambda: None)
     gen = torch.Generator().manual_seed(ctx.rank)
 
@@ -1442,8 +1447,8 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
     if crowded and not oversubscribe:
         raise ValueError(f"{crowded}; calibrate with fewer ranks, or pass --oversubscribe to measure them sharing")
     check_memory(nproc, size, dtype, collective_sizes, cuda)
-    results = launch(_rank_measure, (dtype, size, Budget(repeats, window_s), list(collective_sizes), dtensor),
-                     config)
+    results = launch(_rank_measure, (dtype, size, Budget(repeats, window_s), list(collective_sizes), dtensor,
+                                     bool(crowded)), config)
     result = results[0]
     turn = fit_turn(result["turns"])   # every rank's rows are the slowest rank's figures
     skew = fit_skew([r["skew"] for r in results], turn if crowded else 0.0)
@@ -1500,8 +1505,8 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
     return Calibration(machine, dispatch, ops, collectives, label,
                        f"{crowded}: each figure is of ranks waiting for each other" if crowded else "",
                        tuple((float(c), float(e), float(o)) for c, e, o in result["turns"]), turn,
-                       "each rank's CPU time" if compute_clock(cuda, result["threads"]) is time.thread_time
-                       else "wall time")
+                       "each rank's CPU time"
+                       if compute_clock(cuda, result["threads"], bool(crowded)) is time.thread_time else "wall time")
 
 
 def crowding(nproc: int, cuda: bool) -> Oversubscribed | None:
