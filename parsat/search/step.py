@@ -43,7 +43,7 @@ from parsat.search.baselines import Candidate, data_parallel, expert_parallel, g
 from parsat.search.solve import pcg_node_costs
 from parsat.search.deadline import Deadline
 from parsat.search.inputs import pinned_layouts, pins_on, search_meshes
-from parsat.search.mesh import BestFirst, CandidateSteps, MeshSearch, best, rank, search_mesh
+from parsat.search.mesh import BestFirst, CandidateSteps, MeshSearch, best, first_ranked, rank, search_mesh
 from parsat.search.request import SearchRequest, StepContext
 from parsat.search.provenance import rules_used
 from parsat.search.strategies import PINNABLE, Config
@@ -116,7 +116,7 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
         # a scout's first mesh: `search_step` searches every mesh then; an unstaged count's scout: the
         # micro-batch search reads DoesNotFit to try other counts (`microbatches.CountSearch`)
         raise _no_joint_plan(step, searches)
-    best_search = min(solved, key=lambda s: rank(s.joint, step.memory)) if solved else searches[0]
+    best_search = first_ranked(solved, step.memory, lambda s: s.joint) if solved else searches[0]
     candidates, found_baselines, skipped = _compared(step, searches, best_search, steps, clock, pinned)
     if not candidates:
         # nothing to fall back to (pinned inputs, or pinned degrees: no baseline keeps them)
@@ -810,7 +810,7 @@ def assemble_plan(step: StepContext, searches: Sequence[MeshSearch], best_search
     if not candidates:
         raise OptimizeError(f"internal: no plan for '{graph.name}' can be placed on {step.devices} devices "
                             f"({unplaceable.get(JOINT, '')})")
-    chosen = min(candidates, key=lambda c: rank(c, step.memory))
+    chosen = first_ranked(candidates, step.memory)
     if chosen.name != JOINT and best_search.joint is not None:
         step.say(f"baseline {chosen.name} was cheaper than anything extracted: the plan is its PCG")
     joint = best_search.result
