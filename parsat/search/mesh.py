@@ -248,9 +248,10 @@ def rank(candidate: Candidate, memory: MemoryFit) -> tuple:
     (`MemoryFit.pipelined_s`), the figure its pipelined plan is then chosen by (`pipeline_search.best_of`).
     The stage plan's own step is not that figure: llama-70b:64's `gpu 8` stage plan has the faster step and
     pipelines in 16.156 s, `gpu0 4 x gpu1 2`'s keeping every activation in 15.234 s."""
-    fits = memory.fits(candidate)
+    if not memory.fits(candidate):
+        return True, memory.leanness(candidate), candidate.name != JOINT
     time_s = memory.pipelined_s(candidate) if memory.stage is not None else candidate.totals.time_s
-    return (not fits, (0, round(time_s, 12)) if fits else memory.leanness(candidate), candidate.name != JOINT)
+    return False, (0, round(time_s, 12)), candidate.name != JOINT
 
 
 def first_ranked(items: Sequence[T], memory: MemoryFit, of: Callable[[T], Candidate] = lambda c: c) -> T | None:
