@@ -588,9 +588,11 @@ def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_se
 def step_read(step: StepContext) -> Callable[[Candidate], bool] | None:
     """Which baselines' simulated steps the step's plan can read (None: every one's, an unstaged step's: its
     baselines are the plan's, each shown with its simulated step). A pipeline stage's step (`step.stage`)
-    reads a baseline's step only to rank it, and `rank` reads the time only of a candidate that fits (one that
-    does not ranks by `MemoryFit.needs`, which simulating does not change: `Totals.simulated` keeps the memory),
-    so only those that fit are simulated there. Nothing else of them reaches a plan: the stage plan's
+    ranks a candidate that fits by its pipelined price (`mesh.rank`, `MemoryFit.pipelined_s`), not by its
+    simulated step, and one that does not by `MemoryFit.needs`, which simulating does not change
+    (`Totals.simulated` keeps the memory); it still simulates those that fit, though no ranking of a stage step
+    reads their simulated steps now (left for later: benchmarks/search_results.md, session 64 helper A3's
+    "Noticed" (b)). Nothing else of them reaches a plan: the stage plan's
     `baselines` are over a stage's devices, and `pipeline_search.best_of` gives the plan the unstaged search's
     instead (with the best PTD-P point, priced by `StagePricer`); the stage plan's `totals` (its chosen
     candidate's) become its pipelined price (`StagePricer.price`); its best grid point is read for its PCG and
