@@ -1,10 +1,12 @@
 """The search of every stage mesh at a pair shares its scout's judgments (issue 28): the stage candidates' memory
 figures (`request.stage_figures`, `search.fit.MemoryFit`) and the scout's `StageMemo`
-(`pipeline_search._search_every_mesh`), and finds what judging afresh finds."""
+(`pipeline_search._search_every_mesh`), and finds what judging afresh finds; and a stage candidate that fits is
+ranked by the fastest pipelined plan that fits of those the pipeline search prices from it (`mesh.rank`)."""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -14,6 +16,7 @@ from parsat.cost.pipeline import StageFit, StageMemo
 from parsat.ir.machine import Machine
 from parsat.ir.plan import without_timing
 from parsat.search.fit import MemoryFit
+from parsat.search.mesh import best, first_ranked, rank
 from parsat.search.optimize import optimize
 from parsat.search.request import resolve_request, step_context
 
@@ -155,3 +158,63 @@ def test_prices_are_read_only_for_the_same_pcg_and_costs(candidates, monkeypatch
     other = once.pipelined(copied, MACHINE, lambda: StagePricer(copied, MACHINE), 2, "1f1b", 1)
     assert len(priced) == 2 and first == again and first == StagePricer(stage, MACHINE).pipelined(2, "1f1b", 1)
     assert other.totals == first.totals and other.pipeline == first.pipeline and other.costs is copied.costs
+
+
+@pytest.fixture(scope="module")
+def ranked(candidates):
+    """The stage step's plan, its joint plan and data parallelism as candidates, and the step's judgment
+    (`MemoryFit` with the pipeline's `StageFit`): what `mesh.rank` reads."""
+    from parsat.search.baselines import Candidate
+    plan = candidates[0]
+    joint = Candidate("joint", plan.pcg, plan.costs, plan.totals)
+    dp = plan.baseline_plans["data_parallel"]
+    data = Candidate("data_parallel", dp.pcg, dp.costs, plan.baselines["data_parallel"])
+    return plan, joint, data, MemoryFit(_stage_machine(2), plan.graph, 4, StageFit(2, MACHINE))
+
+
+def _priced_by_the_pipeline_search(plan, candidate) -> float:
+    """The fastest pipelined plan that fits of those the pipeline search prices from `candidate`."""
+    found = pipeline_search._price_schedules(replace(plan, pcg=candidate.pcg, costs=candidate.costs), 2, 4, None,
+                                             MACHINE, 1, [])
+    return min((p.totals.time_s for p in found if p.totals.fits(MACHINE)), default=math.inf)
+
+
+def test_a_stage_candidate_s_rank_is_the_pipeline_search_s_fastest_fitting_price(ranked):
+    plan, joint, data, memory = ranked
+    for candidate in (joint, data):
+        assert memory.fits(candidate)
+        assert memory.pipelined_s(candidate) == _priced_by_the_pipeline_search(plan, candidate)
+        assert rank(candidate, memory)[1] == (0, round(memory.pipelined_s(candidate), 12))
+    assert MemoryFit(_stage_machine(2), plan.graph, 4).pipelined_s(joint) == math.inf   # unstaged: no pipeline
+
+
+def test_the_stage_plan_that_pipelines_faster_ranks_first_though_its_stage_step_is_slower(ranked):
+    """Two candidates whose stage steps and pipelined prices order them oppositely (data parallelism's stage step
+    set below the joint plan's, its PCG and costs as they are: llama-70b:64's `gpu 8` plan beside `4 x 2`'s, small):
+    the one that pipelines faster is chosen, as the pipeline search would choose between their pipelined plans.
+    Ranked by the stage step, the other was."""
+    plan, joint, data, memory = ranked
+    quick = replace(data, totals=replace(data.totals, time_s=joint.totals.time_s / 2))
+    assert quick.totals.time_s < joint.totals.time_s
+    assert memory.pipelined_s(quick) > memory.pipelined_s(joint)
+    assert best([quick, joint], memory) is joint and best([joint, quick], memory) is joint
+    assert first_ranked([quick, joint], memory) is joint
+
+
+def test_first_ranked_prices_only_what_its_floors_leave_and_chooses_what_min_chooses(ranked, monkeypatch):
+    """`first_ranked` prices a stage candidate only while its floor (`StageFit.floor_s`) is at or below the fastest
+    price so far, and chooses what `min` by `rank` over every candidate chooses; a candidate whose floor is above
+    that price is left unpriced."""
+    plan, joint, data, memory = ranked
+    slow = replace(data, costs={i: replace(c, forward_s=c.forward_s * 50, backward_s=c.backward_s * 50)
+                                for i, c in data.costs.items()})
+    assert memory.stage.floor_s(slow.pcg, slow.costs) > memory.pipelined_s(joint)
+    asked = []
+    fresh = MemoryFit(_stage_machine(2), plan.graph, 4, StageFit(2, MACHINE))
+    inner = MemoryFit.pipelined_s
+    monkeypatch.setattr(MemoryFit, "pipelined_s", lambda self, c: asked.append(c) or inner(self, c))
+    for order in ([slow, joint, data], [data, slow, joint]):
+        asked.clear()
+        chosen = first_ranked(order, fresh)
+        assert all(c is not slow for c in asked) and asked
+        assert chosen is min(order, key=lambda c: rank(c, memory)) is joint

@@ -45,7 +45,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Collection, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -1000,6 +1000,42 @@ def applicable_schedules(pinned: str | None, degree: int, microbatches: int, lay
     return tuple(out)
 
 
+class PricedOnce:
+    """The pipelined prices of one call's stage plans (`StagePricer.pipelined`), each worked out once for the
+    same PCG and node costs: the search of every stage mesh at the pair a scout chose (`_search_every_mesh`)
+    often chooses the scout's stage plan again (its candidates hold the scout's, the same objects:
+    `step.searched_once`, `step.independent_points`), and then cut and priced the same PCG in the same schedules,
+    its grid point too; and a stage step ranks its candidates by these prices (`StageFit.fastest_s`), which the
+    pipeline search then reads for the plan it chose. Sound: a price reads of the stage plan only its PCG, node
+    costs, stage machine, devices and graph's micro-batches and name (`StagePricer`), each in the key (the PCG
+    and costs by identity, kept alive beside the entry so that no other object takes their id), beside the
+    pipeline's machine, degree, schedule, chunks and cut; the memo a pricer reads is a cache of what those determine (`StageMemo`), so
+    another memo gives the same figures. The plan found again is the price's figures (machine, devices, totals,
+    pipeline) put on the stage plan given, as `StagePricer.price` puts them on its own; a PipelineError is
+    raised again."""
+
+    def __init__(self) -> None:
+        self.done: dict[tuple, tuple] = {}
+
+    def pipelined(self, stage: Plan, machine: Machine, pricer: Callable[[], StagePricer], p: int, schedule: str,
+                  v: int, starts: Sequence[int] | None = None) -> Plan:
+        """`pricer().pipelined(p, schedule, v, starts=starts)` of `stage` (the pricer's plan) on `machine`."""
+        key = (id(stage.pcg), id(stage.costs), stage.machine, stage.devices, stage.graph.microbatches,
+               stage.graph.name, machine, p, schedule, v, None if starts is None else tuple(starts))
+        found = self.done.get(key)
+        if found is None:
+            try:
+                result: Plan | PipelineError = pricer().pipelined(p, schedule, v, starts=starts)
+            except PipelineError as err:
+                result = err
+            found = self.done[key] = (stage.pcg, stage.costs, result)
+        result = found[2]
+        if isinstance(result, PipelineError):
+            raise result
+        return replace(stage, machine=result.machine, devices=result.devices, totals=result.totals,
+                       pipeline=result.pipeline)
+
+
 @dataclass(frozen=True)
 class StageFit:
     """How the stage search judges a stage plan's memory (`search.pipeline_search`): cut into `degree` stages
@@ -1025,6 +1061,9 @@ class StageFit:
     # stop_where_cannot_win`); like `bar_s`, they change which searches run, not what a search finds
     grid_bar_s: float | None = field(default=None, compare=False)
     scouted_meshes: int = field(default=0, compare=False)
+    # the call's pipelined prices of stage plans (`PricedOnce`, the pipeline search's): `fastest_s` prices a
+    # candidate as the pipeline search then prices the stage plan chosen, so that one is read, not priced again
+    once: "PricedOnce" = field(default_factory=lambda: PricedOnce(), compare=False, repr=False)
     # the pricers of the last PRICERS_KEPT stage plans judged (`_pricer`): a cache, no part of the judgment
     _pricers: OrderedDict = field(default_factory=OrderedDict, compare=False, repr=False)
 
@@ -1036,9 +1075,11 @@ class StageFit:
         shares, layer map, per-layer bytes and the cut memos) is worked out from the PCG, the node costs, the
         graph's micro-batches, this machine and the memo (a cache of what the PCG determines), each in the key or
         fixed for this StageFit (the PCG and costs by identity, kept alive beside the pricer so that no other
-        object takes their id); `price`, which reads the rest of the plan (its graph's name, machine, devices),
-        is never asked of these pricers. Only the last PRICERS_KEPT are kept: the two questions come one after the
-        other (`stop_where_cannot_win`), and a pricer is large (a share per node)."""
+        object takes their id). `price`, which reads the rest of the plan (its graph's name, machine, devices),
+        is asked of them by `fastest_s` alone, whose plans are every caller's (`search.fit.MemoryFit`,
+        `search.step.stop_where_cannot_win`): the step's graph, stage machine and devices, fixed for this
+        StageFit's pair. Only the last PRICERS_KEPT are kept: the questions come one after the other, and a
+        pricer is large (a share per node)."""
         key = (id(plan.pcg), id(plan.costs), plan.graph.microbatches)
         found = self._pricers.get(key)
         if found is None or found[0] is not plan.pcg or found[1] is not plan.costs:
@@ -1059,6 +1100,26 @@ class StageFit:
     def fits(self, peak_bytes: int | None) -> bool:
         """Whether a stage plan needing `peak_bytes` per device (`peak_bytes`) fits on the machine."""
         return peak_bytes is not None and peak_bytes <= self.machine.memory_capacity
+
+    def fastest_s(self, plan: Plan) -> float:
+        """The step of the fastest pipelined plan that fits of those the pipeline search prices from the stage plan
+        `plan` (`search.pipeline_search._price_schedules`: `StagePricer.pipelined` in every schedule that applies,
+        its own cut search); `math.inf` where none fits or none can be cut. What the stage search ranks its
+        candidates that fit by (`search.mesh.rank`): the plan the pipeline search returns is the fastest of these
+        prices, so a stage plan ranked by its unpipelined step (the whole model on the stage mesh, no bubble, no
+        stage's own synchronisation) was chosen over one that pipelines faster (llama-70b:64: the scout's `gpu 8`
+        plan, 16.156 s pipelined, over `gpu0 4 x gpu1 2` keeping every activation, 15.234 s)."""
+        pricer = self._pricer(plan)
+        best = math.inf
+        for name, v in applicable_schedules(self.pinned, self.degree, pricer.microbatches,
+                                            pricer.layer_map.model_layers, self.chunks):
+            try:
+                priced = self.once.pipelined(plan, self.machine, lambda: pricer, self.degree, name, v)
+            except PipelineError:
+                continue
+            if priced.totals.fits(self.machine):
+                best = min(best, priced.totals.time_s)
+        return best
 
     def floor_s(self, pcg, costs: Mapping[int, NodeCost]) -> float:
         """A lower bound of the step of every pipelined plan `StagePricer` prices from the stage plan (`pcg`, its

@@ -8,10 +8,15 @@ schedule, so it fits when its busiest stage does, as the pipeline's pricing give
 stage's embedding, what recomputation keeps). The stage machine's memory, p times a device's, stays what
 extraction's additive estimate is ranked against (`solve.in_flight_costs`); it no longer decides what fits,
 which let a stage plan keep every activation where no schedule of it fit.
+
+A stage candidate that fits is also ranked as its pipeline runs it (`MemoryFit.pipelined_s`, `mesh.rank`):
+by the fastest pipelined plan that fits of those the pipeline search prices from it, the figure the plan the
+search returns is chosen by.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol
 
@@ -81,16 +86,44 @@ class MemoryFit:
             return candidate.totals.fits(self.machine)
         return self.stage.fits(self._staged(candidate))
 
+    def pipelined_s(self, candidate: Priced) -> float:
+        """A stage candidate's rank among those that fit (`mesh.rank`): the step of the fastest pipelined plan that
+        fits of those the pipeline search prices from it (`StageFit.fastest_s`), worked out once per PCG and node
+        costs for the call's step (kept beside its memory figure); `math.inf` unstaged."""
+        if self.stage is None:
+            return math.inf
+        key = (FASTEST, id(candidate.costs))
+        known = self._known.get(key)
+        if known is None or known[0] is not candidate.costs or known[1] is not candidate.pcg:
+            known = (candidate.costs, candidate.pcg, self.stage.fastest_s(self._plan(candidate)))
+            self._known[key] = known
+        return known[2]
+
+    def overshoot(self, candidate: Priced) -> float | None:
+        """How many times a device's memory a stage candidate that does not fit needs as its pipeline runs it
+        (`needs` over the device's); None unstaged, where no schedule can run it (no leaner plan helps then), or
+        where it fits. What `mesh._extract_joint` scales extraction's memory by when it asks for a leaner plan."""
+        staged = self._staged(candidate)
+        if staged is None or self.stage.fits(staged):
+            return None
+        return staged / self.stage.machine.memory_capacity
+
+    def _plan(self, candidate: Priced) -> Plan:
+        """`candidate` as the stage plan the pipeline search would cut (the step's graph, machine and devices)."""
+        return Plan(self.graph, self.machine, self.devices, candidate.pcg, candidate.costs, candidate.totals)
+
     def _staged(self, candidate: Priced) -> int | None:
         """A stage candidate's figure (`StageFit.peak_bytes`), worked out once; None unstaged or unrunnable."""
         if self.stage is None:
             return None
         known = self._known.get(id(candidate.costs))
         if known is None or known[0] is not candidate.costs or known[1] is not candidate.pcg:
-            plan = Plan(self.graph, self.machine, self.devices, candidate.pcg, candidate.costs, candidate.totals)
-            known = (candidate.costs, candidate.pcg, self.stage.peak_bytes(plan))
+            known = (candidate.costs, candidate.pcg, self.stage.peak_bytes(self._plan(candidate)))
             self._known[id(candidate.costs)] = known
         return known[2]
+
+
+FASTEST = "fastest"   # `MemoryFit._known` key beside a costs' id: its `pipelined_s`, not its memory figure
 
 
 __all__ = ["MemoryFit", "Priced"]

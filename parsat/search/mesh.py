@@ -15,7 +15,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 from parsat.cost.pcg_tasks import OpTimes, TaskBuildError, peak_floor, step_floor
 from parsat.cost.simulator import SimulationError
@@ -44,6 +44,7 @@ from parsat.search.solve import price, solve
 from parsat.ir.megatron import contraction_weights
 from parsat.search.strategies import Config, config_excluded, shared_weights
 
+T = TypeVar("T")
 SATURATION_SHARE = 0.6   # of a mesh's time, for saturating: pricing, extraction and the baselines take the rest
 
 
@@ -240,16 +241,49 @@ def rank(candidate: Candidate, memory: MemoryFit) -> tuple:
     """Plans that fit in memory as they run (`memory`, the step's: `search.fit`) first, then the fastest; the
     joint plan wins ties. When none fits, the one that needs least memory (what the micro-batch search splits
     from, and what the user is told), like compared with like (`MemoryFit.leanness`): an unstaged step's
-    simulated peaks first, then the per-node bounds of candidates never simulated."""
-    fits = memory.fits(candidate)
-    return (not fits, (0, round(candidate.totals.time_s, 12)) if fits else memory.leanness(candidate),
-            candidate.name != JOINT)
+    simulated peaks first, then the per-node bounds of candidates never simulated.
+
+    The fastest as the plan will run: an unstaged candidate by its step (simulated, else its per-node sum); a
+    pipeline stage's by the fastest pipelined plan that fits of those the pipeline search prices from it
+    (`MemoryFit.pipelined_s`), the figure its pipelined plan is then chosen by (`pipeline_search.best_of`).
+    The stage plan's own step is not that figure: llama-70b:64's `gpu 8` stage plan has the faster step and
+    pipelines in 16.156 s, `gpu0 4 x gpu1 2`'s keeping every activation in 15.234 s."""
+    if not memory.fits(candidate):
+        return True, memory.leanness(candidate), candidate.name != JOINT
+    time_s = memory.pipelined_s(candidate) if memory.stage is not None else candidate.totals.time_s
+    return False, (0, round(time_s, 12)), candidate.name != JOINT
+
+
+def first_ranked(items: Sequence[T], memory: MemoryFit, of: Callable[[T], Candidate] = lambda c: c) -> T | None:
+    """The first of `items` by `rank` of their candidates (`of`), ties in their order: `min(items, key=rank)`, None
+    where there is none. A pipeline stage's candidates that fit rank by their pipelined price
+    (`MemoryFit.pipelined_s`: a cut search in every schedule, the costliest figure a stage step reads), worked out
+    in the ascending order of their floors (`StageFit.floor_s`: at most the step of every pipelined plan priced
+    from a stage plan, worked out from its node costs alone) and only while a floor is at or below the fastest
+    price so far: one whose floor is above it pipelines slower still, so it is not the first, nor tied with it,
+    whatever it would price at. Where none fits, no price is read (they rank by memory), nor where one alone fits
+    (it ranks first)."""
+    if not items:
+        return None
+    fit = memory.stage
+    fitting = [k for k, item in enumerate(items) if memory.fits(of(item))] if fit is not None else []
+    if len(fitting) == 1:
+        return items[fitting[0]]
+    if not fitting:
+        return min(items, key=lambda item: rank(of(item), memory))
+    floors = sorted((round(fit.floor_s(of(items[k]).pcg, of(items[k]).costs), 12), k) for k in fitting)
+    bar, priced = math.inf, []
+    for floor, k in floors:
+        if floor > bar:
+            break
+        bar = min(bar, round(memory.pipelined_s(of(items[k])), 12))
+        priced.append(k)
+    return min((items[k] for k in sorted(priced)), key=lambda item: rank(of(item), memory))
 
 
 def best(found: Sequence[Candidate | None], memory: MemoryFit) -> Candidate | None:
     """The best of the candidates found (`rank`), None when there is none."""
-    present = [c for c in found if c is not None]
-    return min(present, key=lambda c: rank(c, memory)) if present else None
+    return first_ranked([c for c in found if c is not None], memory)
 
 
 @dataclass(frozen=True)
@@ -415,6 +449,9 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
     found = None    # (policy, priced, extraction, joint) of the plan kept so far
     fitting: dict[Policy, tuple] = {}
     lean_after = False   # the leanest policy fitted only by trading time for memory: so will the ones between
+    # a policy's plan was extracted again leaner and fits as run (`_leaner_as_run`): the policies after it are
+    # extracted once each, and compared with it (bounded work: one policy's leaner extractions per mesh)
+    leaned = False
     for index, policy in enumerate(_tried_in_order(ordered)):
         priced = price(result, graph, request.library, machine, request.free_input_placements, step.input_pins,
                        step.repetition, sat.roots, policy.recompute, sat.raw, zero=policy.zero)
@@ -441,14 +478,19 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
         joint = Candidate(JOINT, pcg, costs, totals(costs, machine))
         # as the plan runs (`search.fit`): a stage plan that fits under none of its pipeline's schedules recomputes
         holds = step.memory.fits(joint)
+        leaner = None if holds or leaned else _leaner_as_run(step, sat, priced, policy, pinned, clock, joint)
+        if leaner is not None:
+            pcg, costs, extraction, joint = leaner
+            holds = leaned = True
         if found is None or step.memory.needs(joint) < step.memory.needs(found[3]):
             found = (policy, priced, extraction, joint)
         lean_after = lean_after or (index == 1 and extraction.lean)
         if holds:
             fitting[policy] = (policy, priced, extraction, joint)
             # the fastest policy that fits (the least-memory one is tried second but preferred last); a lean plan
-            # fits by trading time for memory, and a policy holding less may fit faster, so go on after one
-            if not extraction.lean and (index != 1 or len(ordered) <= 2):
+            # fits by trading time for memory, and so does one extracted again leaner: a policy holding less may
+            # fit faster, so go on after one
+            if not extraction.lean and leaner is None and (index != 1 or len(ordered) <= 2):
                 break
         elif index == 1 and len(ordered) > 2:
             break   # not even the policy holding least memory fits
@@ -458,10 +500,63 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
                      + (" as its pipeline runs" if step.stage is not None else " by the per-node bound")
                      + ": extracting again with less held")
     if fitting:
-        plain = [p for p in ordered if p in fitting and not fitting[p][2].lean]
-        # the first policy whose time-ranked extraction fits, as ever; else the fastest of the lean plans
-        found = fitting[plain[0]] if plain else min(fitting.values(), key=lambda f: f[3].totals.time_s)
+        if step.stage is not None:
+            # ranked as the stage step ranks its candidates (`rank`: the fastest pipelined plan that fits of those
+            # priced from it; ties in the policies' order): a plan extracted again leaner keeping every activation
+            # pipelines faster than one recomputing blocks, or one sharding the state, though the policies' order
+            # says nothing of what the leaner extraction traded
+            found = first_ranked([fitting[p] for p in ordered if p in fitting], step.memory, lambda f: f[3])
+        else:
+            plain = [p for p in ordered if p in fitting and not fitting[p][2].lean]
+            # the first policy whose time-ranked extraction fits, as ever; else the fastest of the lean plans
+            found = fitting[plain[0]] if plain else min(fitting.values(), key=lambda f: f[3].totals.time_s)
     return found, failure
+
+
+LEANER_TRIES = 3   # extractions asked for one policy's stage plan that fits extraction's bound but not as run
+
+
+def _leaner_as_run(step: StepContext, sat: Saturated, priced, policy: Policy, pinned, clock: Deadline,
+                   joint: Candidate) -> tuple | None:
+    """A pipeline stage's plan of `policy` that fits as its pipeline runs it, where `joint`, extracted ranking memory
+    by extraction's bound on the stage machine (p times a device's memory), fits that bound but not as run
+    (`MemoryFit.overshoot`): (pcg, costs, extraction, candidate), or None where none was found (unstaged, `joint`
+    fits, no schedule can run it, or LEANER_TRIES extractions did not fit).
+
+    Why: the bound is extraction's additive estimate, and what fits is the pipeline's figure (`search.fit`); a
+    plan over it by some factor is asked for again, lean (`extract.lean_choices` where the passes ranked by time
+    do not fit), with the bound divided by that factor, and again by the factor the new plan is over, at most
+    LEANER_TRIES times. Before, only the policy holding least memory was extracted lean, so a plan keeping every
+    activation that fits as run was never asked for: llama-70b:64's `gpu0 4 x gpu1 2` stage plan kept them all at
+    119.4 GiB a device as run (517.7 GiB by the bound, under 640), and its plan recomputed blocks (a third more
+    compute) where one keeping them all, extracted at the bound scaled so, fits at 76.6 GiB and pipelines 5.7%
+    faster. The capacities follow from the plans' figures alone, so the same e-graph gives the same plans. No
+    bound skips it: before extracting, no floor of the plans the e-graph holds is near a bar (its LP relaxation
+    is ~0 over the cycles of parallel operators: benchmarks/search_results.md, session 64 helper A2)."""
+    overshoot = step.memory.overshoot(joint)
+    request, graph, machine = step.request, step.searched, step.machine
+    capacity = machine.memory_capacity
+    for _ in range(LEANER_TRIES):
+        if overshoot is None:
+            return None
+        capacity = int(capacity / overshoot)
+        try:
+            pcg, costs, extraction = solve(sat.result, graph, request.library,
+                                           replace(machine, memory_capacity=capacity), sat.roots, clock.remaining(),
+                                           request.free_input_placements, pinned, pins=step.input_pins,
+                                           costs=priced, repetition=step.repetition, in_flight=step.in_flight,
+                                           recompute=policy.recompute, zero=policy.zero, computed=request.prices,
+                                           lean=True)
+        except (ExtractionError, RepeatError):
+            return None
+        candidate = Candidate(JOINT, pcg, costs, totals(costs, machine))
+        if step.memory.fits(candidate):
+            step.say(f"mesh {sat.mesh}: the plan" + (f" with {policy.describe()}" if policy.describe() else "")
+                     + f" extracted again within {fmt_bytes(capacity)} fits as its pipeline runs "
+                     f"({fmt_bytes(step.memory.needs(candidate))} per device)")
+            return pcg, costs, extraction, candidate
+        overshoot = step.memory.overshoot(candidate)
+    return None
 
 
 def _restricted_baselines(step: StepContext, sat: Saturated, priced, policy: Policy,

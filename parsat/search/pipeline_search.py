@@ -92,7 +92,7 @@ from parsat.ir.plan import BaselinePlan, Plan
 from parsat.cost.model import OPTIMIZER, weight_bytes
 from parsat.search.deadline import Deadline
 from parsat.ir.errors import CannotWin, DoesNotFit, OptimizeError
-from parsat.cost.pipeline import StageFit, StageMemo, StagePricer, applicable_schedules, equal_starts
+from parsat.cost.pipeline import PricedOnce, StageFit, StageMemo, StagePricer, applicable_schedules, equal_starts
 from parsat.search.microbatches import rank_plans
 
 DEGREES_TRIED = 2          # pipeline degrees searched when none is pinned
@@ -225,7 +225,7 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
                 + (f" ({in_flight} in flight)" if in_flight > 1 else ""))
             bar_s, grid_bar_s = _bars(to_beat, plans, grid, machine)
             fit = StageFit(p, machine, schedule, memo=StageMemo(library=library), chunks=chunks, bar_s=bar_s,
-                           grid_bar_s=grid_bar_s)
+                           grid_bar_s=grid_bar_s, once=once)
             memos[(p, m, in_flight)] = fit.memo
             try:
                 stage = search(stage_machine, stage_devices, m, in_flight, fit,
@@ -343,6 +343,7 @@ def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, i
     if id(first) not in scouted or (bar is not None and rank_plans(bar) <= rank_plans(first)):
         return
     p, m, in_flight = scouted[id(first)]
+    once = once or PricedOnce()   # the stage step's ranking and this pricing read one table
     say(f"pipeline {p} stages x {m} micro-batches chosen: searching every stage mesh")
     memo = (memos or {}).get((p, m, in_flight)) or StageMemo(library=library)
     # the bars of the new meshes' candidates (`step.stop_where_cannot_win`): the first-ranked plan, the scout's,
@@ -350,7 +351,7 @@ def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, i
     fitting_grid = [g.totals.time_s for g, _c in grid if g.totals.fits(machine)]
     fit = StageFit(p, machine, schedule, memo=memo, chunks=fit_chunks,
                    bar_s=first.totals.time_s if first.totals.fits(machine) else None,
-                   grid_bar_s=min(fitting_grid) if fitting_grid else None, scouted_meshes=1)
+                   grid_bar_s=min(fitting_grid) if fitting_grid else None, scouted_meshes=1, once=once)
     try:
         stage = search(_stage_machine(machine, devices, p), devices // p, m, in_flight, fit,
                        clock.part(1.0) if clock is not None else None, False)
@@ -420,41 +421,6 @@ def _grid_points(stage: Plan, p: int, schedules: Sequence[tuple[str, int]], mach
 def _pricer(stage: Plan, machine: Machine, memo: StageMemo | None) -> Callable[[], StagePricer]:
     """The stage plan's `StagePricer`, made when first asked for (`PricedOnce` may need none)."""
     return cache(lambda: StagePricer(stage, machine, memo=memo))
-
-
-class PricedOnce:
-    """The pipelined prices of one call's stage plans (`StagePricer.pipelined`), each worked out once for the
-    same PCG and node costs: the search of every stage mesh at the pair a scout chose (`_search_every_mesh`)
-    often chooses the scout's stage plan again (its candidates hold the scout's, the same objects:
-    `step.searched_once`, `step.independent_points`), and then cut and priced the same PCG in the same schedules,
-    its grid point too. Sound: a price reads of the stage plan only its PCG, node costs, stage machine, devices
-    and graph's micro-batches and name (`StagePricer`), each in the key (the PCG and costs by identity, kept
-    alive beside the entry so that no other object takes their id), beside the pipeline's machine, degree,
-    schedule, chunks and cut; the memo a pricer reads is a cache of what those determine (`StageMemo`), so
-    another memo gives the same figures. The plan found again is the price's figures (machine, devices, totals,
-    pipeline) put on the stage plan given, as `StagePricer.price` puts them on its own; a PipelineError is
-    raised again."""
-
-    def __init__(self) -> None:
-        self.done: dict[tuple, tuple] = {}
-
-    def pipelined(self, stage: Plan, machine: Machine, pricer: Callable[[], StagePricer], p: int, schedule: str,
-                  v: int, starts: Sequence[int] | None = None) -> Plan:
-        """`pricer().pipelined(p, schedule, v, starts=starts)` of `stage` (the pricer's plan) on `machine`."""
-        key = (id(stage.pcg), id(stage.costs), stage.machine, stage.devices, stage.graph.microbatches,
-               stage.graph.name, machine, p, schedule, v, None if starts is None else tuple(starts))
-        found = self.done.get(key)
-        if found is None:
-            try:
-                result: Plan | PipelineError = pricer().pipelined(p, schedule, v, starts=starts)
-            except PipelineError as err:
-                result = err
-            found = self.done[key] = (stage.pcg, stage.costs, result)
-        result = found[2]
-        if isinstance(result, PipelineError):
-            raise result
-        return replace(stage, machine=result.machine, devices=result.devices, totals=result.totals,
-                       pipeline=result.pipeline)
 
 
 def best_of(flat: Plan | None, found: PipelineSearch, machine: Machine, pinned: bool = False) -> Plan:

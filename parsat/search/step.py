@@ -43,7 +43,7 @@ from parsat.search.baselines import Candidate, data_parallel, expert_parallel, g
 from parsat.search.solve import pcg_node_costs
 from parsat.search.deadline import Deadline
 from parsat.search.inputs import pinned_layouts, pins_on, search_meshes
-from parsat.search.mesh import BestFirst, CandidateSteps, MeshSearch, best, rank, search_mesh
+from parsat.search.mesh import BestFirst, CandidateSteps, MeshSearch, best, first_ranked, rank, search_mesh
 from parsat.search.request import SearchRequest, StepContext
 from parsat.search.provenance import rules_used
 from parsat.search.strategies import PINNABLE, Config
@@ -116,7 +116,7 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
         # a scout's first mesh: `search_step` searches every mesh then; an unstaged count's scout: the
         # micro-batch search reads DoesNotFit to try other counts (`microbatches.CountSearch`)
         raise _no_joint_plan(step, searches)
-    best_search = min(solved, key=lambda s: rank(s.joint, step.memory)) if solved else searches[0]
+    best_search = first_ranked(solved, step.memory, lambda s: s.joint) if solved else searches[0]
     candidates, found_baselines, skipped = _compared(step, searches, best_search, steps, clock, pinned)
     if not candidates:
         # nothing to fall back to (pinned inputs, or pinned degrees: no baseline keeps them)
@@ -588,9 +588,11 @@ def compare_baselines(step: StepContext, searches: Sequence[MeshSearch], best_se
 def step_read(step: StepContext) -> Callable[[Candidate], bool] | None:
     """Which baselines' simulated steps the step's plan can read (None: every one's, an unstaged step's: its
     baselines are the plan's, each shown with its simulated step). A pipeline stage's step (`step.stage`)
-    reads a baseline's step only to rank it, and `rank` reads the time only of a candidate that fits (one that
-    does not ranks by `MemoryFit.needs`, which simulating does not change: `Totals.simulated` keeps the memory),
-    so only those that fit are simulated there. Nothing else of them reaches a plan: the stage plan's
+    ranks a candidate that fits by its pipelined price (`mesh.rank`, `MemoryFit.pipelined_s`), not by its
+    simulated step, and one that does not by `MemoryFit.needs`, which simulating does not change
+    (`Totals.simulated` keeps the memory); it still simulates those that fit, though no ranking of a stage step
+    reads their simulated steps now (left for later: benchmarks/search_results.md, session 64 helper A3's
+    "Noticed" (b)). Nothing else of them reaches a plan: the stage plan's
     `baselines` are over a stage's devices, and `pipeline_search.best_of` gives the plan the unstaged search's
     instead (with the best PTD-P point, priced by `StagePricer`); the stage plan's `totals` (its chosen
     candidate's) become its pipelined price (`StagePricer.price`); its best grid point is read for its PCG and
@@ -810,7 +812,7 @@ def assemble_plan(step: StepContext, searches: Sequence[MeshSearch], best_search
     if not candidates:
         raise OptimizeError(f"internal: no plan for '{graph.name}' can be placed on {step.devices} devices "
                             f"({unplaceable.get(JOINT, '')})")
-    chosen = min(candidates, key=lambda c: rank(c, step.memory))
+    chosen = first_ranked(candidates, step.memory)
     if chosen.name != JOINT and best_search.joint is not None:
         step.say(f"baseline {chosen.name} was cheaper than anything extracted: the plan is its PCG")
     joint = best_search.result
