@@ -430,20 +430,24 @@ def _tried_in_order(ordered: Sequence[Policy]) -> list[Policy]:
     return [ordered[0], ordered[-1], *ordered[1:-1]]
 
 
+def _pinned_out(step: StepContext, sat: Saturated, config: Config):
+    """The e-nodes a pinned configuration excludes from extraction (`config_excluded`)."""
+    result, graph = sat.result, step.searched
+    batch = {result.classes[name]: dim for name, dim in step.batch_inputs.items() if name in result.classes}
+    # a pinned tensor axis splits every contraction's weight, on a mesh of that axis alone too (a pipeline
+    # stage's tp 2 mesh extracted a plan with nothing split there before)
+    split = frozenset(result.classes[name] for name in contraction_weights(graph)
+                      if name in result.classes) if config.tensor_axis is not None else frozenset()
+    return config_excluded(result.snapshot, leaf_roles(result.snapshot, graph), config, batch, split,
+                           shared_weights(graph, result.classes))
+
+
 def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clock: Deadline, started: float):
     """The joint plan of the fastest policy whose plan fits (else the one needing least memory): ((policy,
     priced, extraction, joint), None), or (None, the MeshSearch that says why none was found)."""
     request, graph, machine = step.request, step.searched, step.machine
     result = sat.result
-    pinned = None
-    if config is not None:
-        batch = {result.classes[name]: dim for name, dim in step.batch_inputs.items() if name in result.classes}
-        # a pinned tensor axis splits every contraction's weight, on a mesh of that axis alone too (a pipeline
-        # stage's tp 2 mesh extracted a plan with nothing split there before)
-        split = frozenset(result.classes[name] for name in contraction_weights(graph)
-                          if name in result.classes) if config.tensor_axis is not None else frozenset()
-        pinned = config_excluded(result.snapshot, leaf_roles(result.snapshot, graph), config, batch, split,
-                                 shared_weights(graph, result.classes))
+    pinned = None if config is None else _pinned_out(step, sat, config)
     ordered = policies(step)
     failure: MeshSearch | None = None
     found = None    # (policy, priced, extraction, joint) of the plan kept so far
