@@ -183,6 +183,7 @@ def traced_job(ctx, paths: dict, config) -> dict:
     return out
 
 
+@pytest.mark.slow   # ~12 s of a worker; test_backend_rewritten_weights trains the same rewritten plan, fast
 def test_a_rewritten_plan_runs_its_own_graph_and_trains_like_one_process_under_zero_1_2_3(tmp_path):
     """The branches MLP, optimized for dp=2 with its output kept split over the data ranks: the plan computes
     `relu(x @ concat(wa, wb)) @ wo` (`matmul_fuse_shared_input`) where the graph computes two matmuls and joins
