@@ -7,8 +7,9 @@ they share them in a run (on a 2-core box, 4 ranks get half a core each);
 a figure is told by the statistic `parsat run` tells its step by
 (`step_statistic`): rounds started by a barrier, each the slowest rank's,
 their median (`_in_rounds`). Compute is timed on each rank's CPU time where
-a rank computes on one thread on a CPU, so that the box's other jobs do not
-lengthen it (`compute_clock`); collectives, stragglers and turns, which are
+a rank computes on one thread on a CPU core of its own, so that the box's
+other jobs do not lengthen it (`compute_clock`; ranks sharing cores, in wall
+time: their turns are the job's own); collectives, stragglers and turns, which are
 waiting, in wall time. Each rank runs on its own share
 of the cores, pinned as `parsat run` pins it (`launch.share_cores`). In
 the run's dtype (float64 by default, as `parsat run`; `--dtype float32`
