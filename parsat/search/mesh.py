@@ -460,11 +460,8 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
         priced = price(result, graph, request.library, machine, request.free_input_placements, step.input_pins,
                        step.repetition, sat.roots, policy.recompute, sat.raw, zero=policy.zero)
         try:
-            pcg, costs, extraction = solve(result, graph, request.library, machine, sat.roots, clock.remaining(),
-                                           request.free_input_placements, pinned, pins=step.input_pins,
-                                           costs=priced, repetition=step.repetition, in_flight=step.in_flight,
-                                           recompute=policy.recompute, zero=policy.zero, computed=request.prices,
-                                           lean=policy == ordered[-1] or lean_after)
+            pcg, costs, extraction = _solve_policy(step, sat, priced, policy, pinned, clock, machine,
+                                                   lean=policy == ordered[-1] or lean_after)
         except ExtractionError as err:
             if failure is None or 0 < err.needed_bytes < (failure.needed_bytes or float("inf")):
                 failure = MeshSearch(sat.mesh, sat.pins, result, None, None, None, None,
@@ -520,6 +517,18 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
 LEANER_TRIES = 3   # extractions asked for one policy's stage plan that fits extraction's bound but not as run
 
 
+def _solve_policy(step: StepContext, sat: Saturated, priced, policy: Policy, pinned, clock: Deadline,
+                  machine: Machine, lean: bool):
+    """`solve` of the step's saturated e-graph under `policy` (its recomputation and ZeRO stage) on `machine`:
+    (pcg, costs, extraction); what `_extract_joint` asks for each policy and `_leaner_as_run` again with less
+    memory."""
+    request = step.request
+    return solve(sat.result, step.searched, request.library, machine, sat.roots, clock.remaining(),
+                 request.free_input_placements, pinned, pins=step.input_pins, costs=priced,
+                 repetition=step.repetition, in_flight=step.in_flight, recompute=policy.recompute, zero=policy.zero,
+                 computed=request.prices, lean=lean)
+
+
 def _leaner_as_run(step: StepContext, sat: Saturated, priced, policy: Policy, pinned, clock: Deadline,
                    joint: Candidate) -> tuple | None:
     """A pipeline stage's plan of `policy` that fits as its pipeline runs it, where `joint`, extracted ranking memory
@@ -538,19 +547,15 @@ def _leaner_as_run(step: StepContext, sat: Saturated, priced, policy: Policy, pi
     bound skips it: before extracting, no floor of the plans the e-graph holds is near a bar (its LP relaxation
     is ~0 over the cycles of parallel operators: benchmarks/search_results.md, session 64 helper A2)."""
     overshoot = step.memory.overshoot(joint)
-    request, graph, machine = step.request, step.searched, step.machine
+    machine = step.machine
     capacity = machine.memory_capacity
     for _ in range(LEANER_TRIES):
         if overshoot is None:
             return None
         capacity = int(capacity / overshoot)
         try:
-            pcg, costs, extraction = solve(sat.result, graph, request.library,
-                                           replace(machine, memory_capacity=capacity), sat.roots, clock.remaining(),
-                                           request.free_input_placements, pinned, pins=step.input_pins,
-                                           costs=priced, repetition=step.repetition, in_flight=step.in_flight,
-                                           recompute=policy.recompute, zero=policy.zero, computed=request.prices,
-                                           lean=True)
+            pcg, costs, extraction = _solve_policy(step, sat, priced, policy, pinned, clock,
+                                                   replace(machine, memory_capacity=capacity), lean=True)
         except (ExtractionError, RepeatError):
             return None
         candidate = Candidate(JOINT, pcg, costs, totals(costs, machine))
