@@ -69,6 +69,9 @@ CASES: dict[str, list[tuple[list[tuple[int, ...]], dict]]] = {
     "attention_causal": [([(4, 3), (4, 3), (4, 2)], {"c": 0.5}), ([(2, 3, 5, 4), (2, 3, 5, 4), (2, 3, 5, 6)],
                                                                   {"c": 0.25})],
     "attention": [([(4, 3), (4, 3), (4, 2)], {"c": 0.5}), ([(2, 3, 5, 4), (2, 3, 7, 4), (2, 3, 7, 6)], {"c": 0.25})],
+    "causal_mask": [([], {"s": 1}), ([], {"s": 5})],
+    "attention_masked": [([(4, 3), (5, 3), (5, 2), (4, 5)], {"c": 0.5}),
+                         ([(2, 3, 5, 4), (2, 3, 7, 4), (2, 3, 7, 6), (5, 7)], {"c": 0.25})],
     "logsumexp": [([(3, 4)], {}), ([(2, 3, 4)], {})],
     "amax": [([(3, 4)], {}), ([(2, 3, 4)], {})],
     "topk_onehot": [([(3, 5)], {"k": 2}), ([(2, 3, 4)], {"k": 4}), ([(4, 1)], {"k": 1})],
@@ -92,7 +95,7 @@ CASES: dict[str, list[tuple[list[tuple[int, ...]], dict]]] = {
 }
 
 POSITIVE = {"sqrt": (0,), "rsqrt": (0,), "log": (0,), "reciprocal": (0,), "div": (1,), "bn_normalize": (2,)}
-ZERO_ONE = {"softmax_masked": 1, "dropout_masked": 1}
+ZERO_ONE = {"softmax_masked": 1, "dropout_masked": 1, "attention_masked": 3}
 
 
 def _inputs(op: str, shapes, rng: np.random.Generator) -> list[np.ndarray]:

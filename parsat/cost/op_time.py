@@ -123,7 +123,7 @@ def attention_flops(instance: OpInstance) -> float:
     """FlashAttention's count of bidirectional `attention(q [*a, s, d], k [*a, n, d], v [*a, n, e])`: every one
     of the s x n scores, 2 FLOPs a multiply-add, for q k^T (d) and for the weighted sum of v (e): 2 b s n (d + e)
     with b the product of the leading dims (the softmax is not counted, as FlashAttention counts)."""
-    q, k, v = (_sizes(s) for s in instance.input_shapes)
+    q, k, v = (_sizes(s) for s in instance.input_shapes[:3])   # `attention_masked`'s mask beside them
     s, n, d, e = q[-2], k[-2], q[-1], v[-1]
     return 2.0 * prod(q[:-2]) * s * n * (d + e)
 
@@ -140,6 +140,10 @@ FUSED: Mapping[str, FusedKernel] = {
                                     row_bytes=4, keeps_output=True),
     "attention": FusedKernel(attention_flops, OpEfficiency.attention_rate, ATTENTION_BACKWARD_FACTOR,
                              row_bytes=4, keeps_output=True),
+    # under a mask tensor the kernel computes every score (`attention_masked`: the causal ring's query blocks;
+    # the ring's diagonal block alone runs causally, `cost.pcg_tasks._Builder._ring`)
+    "attention_masked": FusedKernel(attention_flops, OpEfficiency.attention_rate, ATTENTION_BACKWARD_FACTOR,
+                                    row_bytes=4, keeps_output=True),
 }
 """Operators priced as one fused kernel (the module docstring): their own FLOPs, rate, backward and saved bytes."""
 

@@ -479,6 +479,8 @@ class _Builder:
         # its k and v gathers -> the ring
         self.rings = {i: r for i, r in ring_attentions(pcg).items() if not self.params & set(r.gathers)} \
             if profile.overlap else {}
+        # the causal ring's mask nodes, which its kernel makes from the rank's offset: nothing run, nothing held
+        self.generated = frozenset(i for r in self.rings.values() for i in r.generated)
         self.pipes = self._pipelines()                # collective and product -> their `Pipeline`
         self.piped: dict[tuple[bool, int], list[int]] = {}   # (backward, collective) -> the first side's chunks
         self.early: set[int] = set()                  # products computed with a pipeline's product (its siblings)
@@ -771,9 +773,13 @@ class _Builder:
         block = sum(_elements(self.by_id[self.by_id[g].inputs[0]]) for g in ring.gathers) * self.item
         moved = 2 * block if backward else block
         phase = "backward" if backward else "forward"
-        name = f"{node.label} #{node.id}{' backward' if backward else ''} (ring attention)"
+        name = f"{node.label} #{node.id}{' backward' if backward else ''} ({'causal ' if ring.causal else ''}ring " \
+               "attention)"
         chunk = self.eff.op_time(kernel_s / ring.parts, backward=backward)
-        task = self._add(f"{name} [1/{ring.parts}]", self.compute, chunk, deps, alloc=alloc, phase=phase)
+        # the causal ring's slowest rank (the last) starts on its own block, the diagonal, computed causally
+        # (half of its scores), then meets the p - 1 blocks before it in full as they arrive
+        first = self.eff.op_time(kernel_s / ring.parts / 2, backward=backward) if ring.causal else chunk
+        task = self._add(f"{name} [1/{ring.parts}]", self.compute, first, deps, alloc=alloc, phase=phase)
         sent = None
         for i in range(1, ring.parts):
             sent = self._sync(f"{name} block {i} send/recv", SEND_RECV, gather, moved, deps + ([sent] if sent else []),
@@ -835,7 +841,9 @@ class _Builder:
                       [t for t in (self.ready.get(node.id),) if t is not None], free=held)
 
     def _forward_node(self, node: PNode) -> None:
-        if node.kind == "leaf":
+        if node.id in self.generated:   # the causal ring's mask, made inside its kernel (`ir.ring_attention`)
+            self.ready[node.id] = None
+        elif node.kind == "leaf":
             self._leaf(node)
         elif node.kind == "parallel":
             self._parallel_forward(node)
@@ -858,6 +866,8 @@ class _Builder:
             node = self.by_id[ident]
             self.recomputing = node
             try:
+                if node.id in self.generated:
+                    continue
                 if node.kind == "parallel":
                     self._parallel_forward(node)
                 else:
@@ -1770,6 +1780,8 @@ class _Builder:
         storage chain (`folded`) runs nothing. `fused`: the pipelines' sibling products; `reached`: the nodes
         whose backward runs (`_gradient_reached`)."""
         eff = self.eff
+        if node.id in self.generated:   # the causal ring's mask, made inside its kernel
+            return 0.0, 0.0, 0.0
         if node.kind == "op":
             if node.op in VIEW_OPS or node.op == "flatten" or node.piece_size == 0:
                 return eff.op_time(0.0), eff.op_time(0.0, backward=True), eff.op_time(0.0)

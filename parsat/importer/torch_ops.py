@@ -115,6 +115,21 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, c: float) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, scale=float(c))
 
 
+def _causal_mask(s: int) -> Tensor:
+    """The [s, s] causal mask, 1 where key t <= query r (`torch.ones(s, s).tril()`), in torch's default dtype:
+    `attention_masked` takes it in its queries' dtype. Made from positions, as the operator's semantics say."""
+    return torch.ones(int(s), int(s)).tril()
+
+
+def _attention_masked(q: Tensor, k: Tensor, v: Tensor, m: Tensor, c: float) -> Tensor:
+    """Fused attention under the mask m [s, n]: `scaled_dot_product_attention` with the additive mask log(m), so
+    softmax(c q.k + log m) = m exp(c q.k) / sum(m exp(c q.k)), the operator's value for every m >= 0 (a 0/1 mask
+    keeps its 1s and drops its 0s, as a boolean mask would); a row without a kept key is NaN, as the semantics
+    leave it undefined. The mask is a constant (`causal_mask`, or its rows on a rank of the causal ring): no
+    gradient flows into it."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.log(m.detach().to(q.dtype)), scale=float(c))
+
+
 def _softmax_masked(x: Tensor, m: Tensor) -> Tensor:
     """`m * exp(x) / sum(m * exp(x))` along the last dim, shifted by the row's largest kept entry.
 
@@ -255,6 +270,8 @@ OPS: Mapping[str, TorchOp] = {
     "softmax_causal": TorchOp(1, (), _softmax_causal),
     "attention_causal": TorchOp(3, ("c",), _attention_causal),
     "attention": TorchOp(3, ("c",), _attention),
+    "causal_mask": TorchOp(0, ("s",), _causal_mask),
+    "attention_masked": TorchOp(4, ("c",), _attention_masked),
     "logsumexp": TorchOp(1, (), lambda x: torch.logsumexp(x, dim=-1)),
     "amax": TorchOp(1, (), lambda x: x.amax(dim=-1)),
     "sumexp_shifted": TorchOp(2, (), lambda x, m: torch.exp(x - m.unsqueeze(-1)).sum(dim=-1)),

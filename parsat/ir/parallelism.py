@@ -54,8 +54,9 @@ def along_sequence(shape: tuple[int, ...], dim: int | None) -> bool:
 def sequence_split(shape: tuple[int, ...], code: int) -> bool:
     """Whether a value of `shape` placed with `code` on an axis is cut along its sequence there."""
     return along_sequence(shape, shard_dim(code))
-FUSED_ATTENTION = frozenset({"attention_causal", "attention"})
-"""The fused attention operators (FlashAttention, `scaled_dot_product_attention`), causal or not: one whose output
+FUSED_ATTENTION = frozenset({"attention_causal", "attention", "attention_masked"})
+"""The fused attention operators (FlashAttention, `scaled_dot_product_attention`), causal, bidirectional or under a
+mask (`attention_masked`, the causal ring's query blocks): one whose output
 an all-to-all moves back to the sequence is Ulysses context parallelism; the cost model's views of their operands
 and output (`cost.pcg_tasks.attention_views`) read the same set."""
 KINDS = {"dp": DATA, "tp": TENSOR, "sp": SEQUENCE, "pp": "pipeline"}   # what `--degrees` names them
@@ -157,10 +158,12 @@ def describe(pcg: PCG) -> str:
     if context:
         parts.append("context-parallel attention (Ulysses all-to-all) over "
                      + ", ".join(f"{u.name} {u.size}" for u in context))
-    rings = sorted({pcg.node(r.gathers[0]).axis(pcg.mesh) for r in ring_attentions(pcg).values()})
-    if rings:
-        parts.append("ring attention (k, v blocks passed round) over "
-                     + ", ".join(f"{pcg.mesh.axes[a].name} {pcg.mesh.size(a)}" for a in rings))
+    found = ring_attentions(pcg).values()
+    for causal in (False, True):
+        rings = sorted({pcg.node(r.gathers[0]).axis(pcg.mesh) for r in found if r.causal == causal})
+        if rings:
+            parts.append(f"{'causal ' if causal else ''}ring attention (k, v blocks passed round) over "
+                         + ", ".join(f"{pcg.mesh.axes[a].name} {pcg.mesh.size(a)}" for a in rings))
     zero = [u for u in uses if ZERO3 in u.kinds]
     if zero:
         parts.append("ZeRO-3 over " + ", ".join(("DP" if DATA in u.kinds else u.name) for u in zero))

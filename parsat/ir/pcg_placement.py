@@ -33,7 +33,7 @@ def derive_placements(pcg: PCG, ops: Mapping[str, ast.OpDecl]) -> dict[int, Plac
     instances: dict = {}
     for node in pcg:
         try:
-            if node.kind == "leaf":
+            if node.kind == "leaf" or not node.inputs:   # a constant made from sizes (`causal_mask`) is whole too
                 placement = Placement.whole(len(mesh))
             elif node.kind == "parallel":
                 if node.op not in PARALLEL_OPS:

@@ -18,8 +18,16 @@ backward kernel while each step sends a k and v block on with the dk and dv accu
 bytes), and one last step that brings each block's dk and dv home. The all-gathers themselves issue nothing
 and hold one block each (the block in flight), not the gathered sequence.
 
-Not priced as a ring: causal attention (its sequence split is not proven: docs/MESH.md, "Ring attention"), a
-gather that another node also reads, and a weight's gather.
+The causal ring (`attention_causal_query_parallel`) is `attention_masked` in that form whose mask is the rows of
+`causal_mask` split along the queries on the same axis: rank i meets the key blocks before its own in full, its
+own block causally (the diagonal) and skips the blocks after it, so the ranks are unbalanced and the pass is the
+slowest rank's (the last: p - 1 full blocks and the diagonal). A GPU framework makes the mask block from the
+rank's offset inside the kernel (FlashAttention's causal flag on the diagonal block, none on the others), so the
+mask and its split (`RingAttention.generated`) run nothing and hold nothing there; `parsat run`'s interpreter
+makes the whole mask and slices it, and is priced as it runs.
+
+Not priced as a ring: causal attention written as `attention_causal` (its query blocks need the mask block:
+docs/MESH.md, "Ring attention"), a gather that another node also reads, and a weight's gather.
 """
 
 from __future__ import annotations
@@ -30,18 +38,26 @@ from parsat.dsl import parallel_ops
 from parsat.ir.pcg import PCG
 from parsat.ir.placement import shard
 
-RING_ATTENTION = frozenset({"attention"})
+RING_ATTENTION = frozenset({"attention", "attention_masked"})
 """The fused attention operators a ring runs: bidirectional attention, whose query split is proven
-(`attention_query_parallel`); causal attention's needs global positions the verifier does not give a block."""
+(`attention_query_parallel`), and attention under a mask whose rows are split with the queries
+(`attention_masked_query_parallel`; over the causal mask, the causal ring: `attention_causal_query_parallel`)."""
+
+CAUSAL_MASK = "causal_mask"
+"""The operator that makes the causal mask from positions (rules/ops.rule)."""
 
 
 @dataclass(frozen=True)
 class RingAttention:
-    """A fused attention run as a ring over `parts` ranks: its node, and the all-gathers of its k and v."""
+    """A fused attention run as a ring over `parts` ranks: its node, and the all-gathers of its k and v; `causal`
+    when its mask is the causal mask's rows (the causal ring), `generated` the mask's nodes a GPU kernel makes
+    from the rank's offset instead (its split, and the whole mask where only such splits read it)."""
 
     attention: int
     gathers: tuple[int, int]
     parts: int
+    causal: bool = False
+    generated: tuple[int, ...] = ()
 
 
 def ring_attentions(pcg: PCG) -> dict[int, RingAttention]:
@@ -61,9 +77,32 @@ def ring_attentions(pcg: PCG) -> dict[int, RingAttention]:
         axis = k.axis(pcg.mesh)
         if v.axis(pcg.mesh) != axis or q.placement.codes[axis:axis + 1] != (shard(len(q.shape) - 2),):
             continue
-        ring = RingAttention(node.id, (k.id, v.id), pcg.mesh.size(axis))
+        causal, generated = _causal_rows(pcg, node, axis) if node.op == "attention_masked" else (False, ())
+        if node.op == "attention_masked" and pcg.node(node.inputs[3]).placement.codes[axis:axis + 1] != (shard(0),):
+            continue   # the mask's rows not split with the queries on the ring's axis
+        ring = RingAttention(node.id, (k.id, v.id), pcg.mesh.size(axis), causal, generated)
         found[node.id] = found[k.id] = found[v.id] = ring
     return found
 
 
-__all__ = ["RING_ATTENTION", "RingAttention", "ring_attentions"]
+def _causal_rows(pcg: PCG, node, axis: int) -> tuple[bool, tuple[int, ...]]:
+    """Whether masked attention's mask is the causal mask's rows split on `axis` (a `partition` of dim 0 of a
+    `causal_mask`), and the nodes a kernel makes from the offset instead: that split, and the whole mask where
+    every reader of it is such a split read by masked attention alone."""
+    split = pcg.node(node.inputs[3])
+    if split.kind != "parallel" or split.op != "partition" or int(split.attr("dim")) != 0 \
+            or split.axis(pcg.mesh) != axis:
+        return False, ()
+    mask = pcg.node(split.inputs[0])
+    if mask.kind != "op" or mask.op != CAUSAL_MASK:
+        return False, ()
+    readers = pcg.readers_of
+    if not all(r.kind == "op" and r.op == "attention_masked" for r in readers.get(split.id, [])):
+        return True, ()
+    only_splits = all(r.kind == "parallel" and r.op == "partition"
+                      and all(u.kind == "op" and u.op == "attention_masked" for u in readers.get(r.id, []))
+                      for r in readers.get(mask.id, []))
+    return True, (split.id, mask.id) if only_splits else (split.id,)
+
+
+__all__ = ["CAUSAL_MASK", "RING_ATTENTION", "RingAttention", "ring_attentions"]
