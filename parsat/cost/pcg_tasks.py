@@ -59,7 +59,9 @@ tensors that need a gradient: ones computed from a weight):
 
 Ring attention (`ir.ring_attention`: fused attention on a query block, its k and v all-gathered for it alone)
 runs, where the profile overlaps communication, as p chunks of the kernel with the k, v blocks sent round the
-ring under them, its gathers issuing nothing and holding one block (`_ring`; docs/COSTMODEL.md, "Ring attention").
+ring under them, its gathers issuing nothing and holding one block (`_ring`; docs/COSTMODEL.md, "Ring attention");
+the causal ring as its slowest rank runs it (the diagonal block causal, then p - 1 full blocks), its mask made in
+the kernel (`generated`: nothing run or held).
 
 A gathered activation only products' backward reads (`regathered`) is, under a profile with `regather` (`DDP`),
 freed after forward and gathered again before its readers' weight gradients (`_Builder._regather`,
