@@ -40,14 +40,11 @@ SMALL = {"blocks": 1, "batch": 1, "seq": 2048, "hidden": 32, "heads": 1, "vocab"
 
 
 @pytest.fixture(scope="module")
-def library():
-    return load_library()[0]
-
-
-@pytest.fixture(scope="module")
-def small(library):
+def small():
+    """The library, the small GPT and its causal-ring plan."""
+    library = load_library()[0]
     graph = build_example("gpt", SMALL, library)
-    return graph, optimize(graph, machine="cpu", devices=4, rules=library, baselines=False)
+    return library, graph, optimize(graph, machine="cpu", devices=4, rules=library, baselines=False)
 
 
 def test_the_causal_query_split_is_proved_and_its_wrong_variants_refused():
@@ -91,13 +88,13 @@ def test_the_torch_native_lowering_refuses_the_causal_ring_by_name():
 
 
 @pytest.mark.slow
-def test_a_single_head_causal_attention_is_a_causal_ring_priced_as_its_slowest_rank(library, small):
+def test_a_single_head_causal_attention_is_a_causal_ring_priced_as_its_slowest_rank(small):
     """The plan's masked attention reads q and the causal mask's rows split on the sequence and k, v gathered for
     it alone; under a GPU profile the simulator runs the last rank's pass: its own block causally (half a block's
     kernel) and the p - 1 blocks before it in full, each after its send/recv; the mask and its split run nothing
     and hold nothing (made from the offset in the kernel), so the step is no slower and the peak lower than with
     the mask made and the ring priced as bidirectional."""
-    _graph, plan = small
+    library, _graph, plan = small
     pcg = plan.pcg
     rings = ring_attentions(pcg)
     attention = next(n for n in pcg.nodes if n.op == "attention_masked")
@@ -136,17 +133,18 @@ def test_the_causal_ring_plan_trains_on_four_gloo_ranks_as_one_process(small):
     masked attention on the query block), checked against one process (about 20 s on 2 cores)."""
     pytest.importorskip("torch")
     from parsat.backend.executor import TrainConfig, run_plan
-    graph, plan = small
+    _library, graph, plan = small
     result = run_plan(plan.pcg, 4, TrainConfig(steps=2, optimizer="adam", lr=0.01, check=True, tolerance=1e-4),
                       graph=graph, backend="gloo")
     assert result.check == "passed", result
 
 
 @pytest.mark.slow
-def test_with_fewer_heads_than_devices_a_llama_takes_the_causal_ring_over_ulysses(library):
+def test_with_fewer_heads_than_devices_a_llama_takes_the_causal_ring_over_ulysses():
     """LLaMA blocks (hidden 1,024) with 4 heads, 16,384 tokens, batch 1, on 8 H100s: Ulysses can split the heads
     4 ways only; the search runs attention as the causal ring over all 8 and predicts a faster step than with the
     ring's rule left out, where it takes Ulysses on 4 (predictions: no GPU)."""
+    library = load_library()[0]
     sizes = {"blocks": 2, "batch": 1, "seq": 16384, "hidden": 1024, "heads": 4, "vocab": 8192}
     graph = build_example("llama", sizes, library)
     plan = optimize(graph, machine="h100x8", devices=8, rules=library, baselines=False)
