@@ -315,9 +315,13 @@ def class_shapes(snapshot: Snapshot, graph: Graph, names: Mapping[str, int], lib
         for node in nodes:
             if node.op == "leaf":
                 found = leaves.get(str(node.attrs[0]).removesuffix(PIN_SUFFIX))
-                if found is None or shape.setdefault(cid, found) != found:
-                    return None
-                pending.append(cid)
+            elif not node.children:   # a constant made from sizes (`causal_mask`): its own shape function
+                found = _node_shape(node, [], library, memo)
+            else:
+                continue
+            if found is None or shape.setdefault(cid, found) != found:
+                return None
+            pending.append(cid)
     readers, kids = snapshot.readers, snapshot.kids
     while pending:
         for nid in readers.get(pending.pop(), ()):
