@@ -65,7 +65,7 @@ def main(argv: list[str]) -> int:
                              (f"two busy loops, hash seed {SEEDS[1]}:", cpu_busy, b)):
         print(f"  {label:30s} {cpu:7.1f} CPU s, stop {plan['saturation'].get('stop')}, "
               f"{plan['saturation'].get('enodes')} e-nodes, step {plan['totals']['time_s'] * 1e3:.3f} ms, "
-              f"{len(plan['saturation'].get('pipeline_search') or ())} pipeline pairs tried")
+              f"{len(plan['saturation'].get('pipeline_search') or ())} entries in its pipeline trace")
     print("  plans (timing fields aside): " + ("IDENTICAL, byte for byte" if same else "DIFFERENT"))
     return 0 if same else 1
 
