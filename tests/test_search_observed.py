@@ -10,6 +10,8 @@ compared came from two versions of the code (main before and after `mesh._leaner
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -55,17 +57,43 @@ def test_an_unstaged_search_gives_the_same_plan_plain_observed_and_again(monkeyp
     assert _plan_json("mlp", "cpu", devices=4) == plain
 
 
+# the pipelined case of the tests below: gpt on 8 cpu devices of 3 MiB, pipeline degrees and micro-batch counts searched
+PIPELINED = dict(devices=8, sizes={"blocks": 4, "batch": 16, "seq": 128, "hidden": 64, "heads": 4, "vocab": 128},
+                 pipeline=True)
+
+
+def _small() -> Machine:
+    return replace(Machine.resolve("cpu"), memory_capacity=3 * 2 ** 20)
+
+
 @pytest.mark.slow
 def test_a_pipelined_search_gives_the_same_trace_and_plan_plain_observed_and_again(monkeypatch):
     """gpt on 8 cpu devices of 3 MiB, pipeline degrees and micro-batch counts searched: three pairs priced, stage
     plans over their pipeline's memory extracted again leaner (`mesh._leaner_as_run`), stage candidates ranked by
     their pipelined price (`mesh.first_ranked`), the plan pipelined. Plain, under search_phases' wrappers and plain
     again: the same plan JSON (timing fields aside), its `tried` trace entry for entry."""
-    small = replace(Machine.resolve("cpu"), memory_capacity=3 * 2 ** 20)
-    case = dict(devices=8, sizes={"blocks": 4, "batch": 16, "seq": 128, "hidden": 64, "heads": 4, "vocab": 128},
-                pipeline=True)
+    small, case = _small(), PIPELINED
     plain = _plan_json("gpt", small, **case)
     tried = json.loads(plain)["saturation"]["pipeline_search"]
     assert len({(t["pp"], t["microbatches"]) for t in tried}) >= 3 and json.loads(plain)["pipeline"] is not None
     assert _observed(monkeypatch, "gpt", small, **case) == plain
     assert _plan_json("gpt", small, **case) == plain
+
+
+_IN_A_PROCESS = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import test_search_observed as t
+sys.stdout.write(t._plan_json("gpt", t._small(), **t.PIPELINED))
+"""
+
+
+@pytest.mark.slow
+def test_a_pipelined_search_gives_the_same_trace_and_plan_whatever_the_process_s_string_hashes():
+    """The pipelined case in two processes hashing strings differently (PYTHONHASHSEED 0 and 1): an answer that
+    followed the iteration order of a set or dict of strings (rule names, operator names, value names) would differ.
+    The same plan JSON (timing fields aside), its `tried` trace entry for entry."""
+    here = str(Path(__file__).resolve().parent)
+    plans = [subprocess.run([sys.executable, "-c", _IN_A_PROCESS, here], capture_output=True, text=True, check=True,
+                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("0", "1")]
+    assert json.loads(plans[0])["saturation"]["pipeline_search"] and plans[0] == plans[1]
