@@ -16,6 +16,26 @@ from parsat.ir.pcg import PCG, Degrees, PNode
 os.environ.setdefault("PARSAT_TRACEBACK", "1")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Prove the shipped library into the verdict cache once, before the workers start.
+
+    Every test that optimizes asks the verifier for the shipped library's verdicts (`api.proved_rules`). On a
+    machine with no cache (CI) each pytest-xdist worker would prove all of it at once, the same rules in the same
+    order, neither seeing the other's verdicts until written: ~116 CPU s of z3 done twice on 2 cores. Here the
+    process that starts the workers proves it once (a cached library is only looked up: ~1 s); the workers then
+    read the verdicts. Nothing is skipped: the same verifier, the same cache, the same promise. Only under xdist
+    (`-n`): a single test file run by hand does not pay for a library it may never load.
+    """
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return
+    if config.getoption("collectonly", False):
+        return
+    from parsat.api import proved_rules
+    from parsat.dsl.checker import resolve_library
+
+    proved_rules(resolve_library(None), allow_unverified=False)
+
+
 @pytest.fixture
 def write_rules(tmp_path: Path):
     """Write a .rule file (dedented) and return its path."""
