@@ -54,6 +54,14 @@ def along_sequence(shape: tuple[int, ...], dim: int | None) -> bool:
 def sequence_split(shape: tuple[int, ...], code: int) -> bool:
     """Whether a value of `shape` placed with `code` on an axis is cut along its sequence there."""
     return along_sequence(shape, shard_dim(code))
+def query_blocks(query_shape: tuple[int, ...], code: int) -> bool:
+    """Whether fused attention whose query of `query_shape` is placed with `code` on an axis computes blocks of
+    its queries there: the query cut along its sequence (dim -2), each block against keys and values it does not
+    hold cut alike (context parallelism: ring attention, `attention_query_parallel`,
+    `attention_causal_query_parallel`). Megatron-LM's tensor axis never does: it splits attention's heads."""
+    return shard_dim(code) == len(query_shape) - 2
+
+
 FUSED_ATTENTION = frozenset({"attention_causal", "attention", "attention_masked"})
 """The fused attention operators (FlashAttention, `scaled_dot_product_attention`), causal, bidirectional or under a
 mask (`attention_masked`, the causal ring's query blocks): one whose output

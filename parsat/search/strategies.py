@@ -16,7 +16,7 @@ from parsat.dsl.parallel_ops import ALL_GATHER, ALL_TO_ALL, PARALLEL_OPS, PARTIT
 from parsat.ir.data_forms import DATA_ARGS, MASK, ONEHOT
 from parsat.ir.graph import Graph
 from parsat.ir.mesh import Mesh
-from parsat.ir.parallelism import along_sequence
+from parsat.ir.parallelism import FUSED_ATTENTION, along_sequence, query_blocks
 from parsat.ir.pcg import STORED_ROLES, WEIGHT_ROLES
 from parsat.ir.placement import FREE, shard_dim
 from parsat.egraph.snapshot import Snapshot
@@ -33,6 +33,7 @@ class Config:
     zero3: bool = False
     others_free: bool = False   # pinned parallel dims: axes the configuration does not name are searched freely
     zero3_only: bool = False    # `--degrees zero=3`: every weight stored split on the data axis, never replicated
+    query_blocks: bool = True   # attention may compute blocks of its queries on the tensor axis (`grid`: never)
 
     def spelled(self, mesh: Mesh, microbatches: int = 1) -> dict:
         dp = mesh.size(self.data_axis) if self.data_axis is not None else 1
@@ -43,7 +44,14 @@ class Config:
 
 def grid(mesh: Mesh) -> list[Config]:
     """The configurations of a mesh of one or two axes: data parallel on the major axis, tensor parallel on the
-    minor one (inside a node), each alone or both, with and without sequence parallelism and ZeRO-3."""
+    minor one (inside a node), each alone or both, with and without sequence parallelism and ZeRO-3.
+
+    Megatron-LM's tensor axis splits attention along its heads, never its queries along the sequence (context
+    parallelism, ring attention: `query_blocks` off): the grid restricted to an e-graph is then the same grid
+    whether or not the rules that cut attention's queries (`attention_causal_query_parallel`) were in the
+    search, so the best grid point does not move with them (benchmarks/search_results.md, session 65 helper D:
+    llama 2 x 16,384 tokens, 4 heads, 8 devices gave 7.474 ms, tp 8 with the causal ring, with the rule and
+    8.963 ms without it)."""
     out: list[Config] = []
     axes = len(mesh)
     shapes: list[tuple[int | None, int | None]] = []
@@ -54,7 +62,7 @@ def grid(mesh: Mesh) -> list[Config]:
     for data, tensor in shapes:
         for sequence in ((False, True) if tensor is not None else (False,)):
             for zero3 in ((False, True) if data is not None else (False,)):
-                out.append(Config(data, tensor, sequence, zero3))
+                out.append(Config(data, tensor, sequence, zero3, query_blocks=False))
     return out
 
 
@@ -101,6 +109,10 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
     def excluded(node) -> bool:
         if node.op == "leaf":
             return False
+        if node.op in FUSED_ATTENTION and config.tensor_axis is not None and not config.query_blocks and \
+                query_blocks(snapshot.shape[node.children[0]],
+                             snapshot.placement[node.children[0]].codes[config.tensor_axis]):
+            return True   # context parallelism on the tensor axis: not Megatron-LM's (`grid`)
         if samples and config.data_axis is not None and any(ch in samples for ch in node.children) and \
                 _reads_samples_whole(node, samples, snapshot, config.data_axis):
             return True
