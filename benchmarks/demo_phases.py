@@ -59,7 +59,7 @@ def stamping(calls: list):
             setattr(dist, name, fn)
 
 
-def _rank(ctx: RankContext, path: str, steps: int, bookkeeping: bool) -> dict:
+def _rank(ctx: RankContext, path: str, steps: int, bookkeeping: bool, cpu: bool = False) -> dict:
     pcg, graph, _ = load_plan(path, ctx.world)
     library = operator_library()
     config = TrainConfig(steps=steps)
@@ -76,33 +76,34 @@ def _rank(ctx: RankContext, path: str, steps: int, bookkeeping: bool) -> dict:
         starts.append(start)
         calls.append([])
         with stamping(calls[-1]):
-            _step(program, optimizer, memory, counter, data, step, bookkeeping, times, start)
+            _step(program, optimizer, memory, counter, data, step, bookkeeping, times,
+                  time.thread_time() if cpu else start, time.thread_time if cpu else time.perf_counter)
     return {"rank": ctx.rank, "times": times, "starts": starts, "calls": calls}
 
 
 def _step(program, optimizer, memory, counter, data, step: int, bookkeeping: bool, times: dict,
-          start: float) -> None:
-    """One timed step, as `executor.run_rank` runs it, its phases' seconds appended to `times`."""
+          start: float, clock=time.perf_counter) -> None:
+    """One timed step, as `executor.run_rank` runs it, its phases' seconds on `clock` appended to `times`."""
     env: dict = {}
-    t0 = time.perf_counter()
+    t0 = clock()
     with memory.saving():
         program.forward(step, counter, data.inputs(0), None, env=env)
-        t1 = time.perf_counter()
+        t1 = clock()
         to_diff, _ = program.loss(env, data.targets(0))
-    t2 = time.perf_counter()
+    t2 = clock()
     if bookkeeping:
         memory.measure(env, program, optimizer, None)
-    t3 = time.perf_counter()
+    t3 = clock()
     optimizer.zero_grad()
     to_diff.backward()
-    t4 = time.perf_counter()
+    t4 = clock()
     if bookkeeping:
         memory.measure(env, program, optimizer, None)
-    t5 = time.perf_counter()
+    t5 = clock()
     program.state.reduce(counter)
     optimizer.step()
     program.state.gather(counter)
-    t6 = time.perf_counter()
+    t6 = clock()
     for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t4 - t3, t6 - t5, (t3 - t2) + (t5 - t4), t6 - start)):
         times[phase].append(seconds)
 
@@ -131,8 +132,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-bookkeeping", action="store_true", help="skip TensorMemory's measurements")
+    parser.add_argument("--cpu", action="store_true", help="time each phase on the rank's main thread's CPU time "
+                        "(what the work cost, whatever else ran; a collective's wait is left out)")
     args = parser.parse_args()
-    results = launch(_rank, (args.plan, args.steps, not args.no_bookkeeping),
+    results = launch(_rank, (args.plan, args.steps, not args.no_bookkeeping, args.cpu),
                      LaunchConfig(nproc=args.nproc, timeout_s=600))
     pcg, graph, _ = load_plan(args.plan, args.nproc)
     machine = Machine.load(args.machine)
