@@ -1259,10 +1259,10 @@ def _collectives(ctx: RankContext, dtype, budget: Budget, sizes: Sequence[int], 
     again and again (`_timed`), as before; there a collective after compute also waits for a peer's turn on
     the core, which `_turns` measures against this back-to-back figure and the cost model prices on its own.
 
-    Why not back to back where each rank has a core: on this 2-core VM (2026-12-06, benchmarks/demo_step.md)
-    back-to-back calls in a round came out 1.3-3.5 ms for a 2 KB all-reduce in three quiet calibrations, where
-    the demo's step, its one all-reduce of 10 KB right after a product, took 0.2-0.3 ms; the ranks of a
-    back-to-back round sleep in every call and each call waits for the peer's wake-up."""
+    Why not back to back where each rank has a core: on the 2-core VM, timed back to back (many calls a round,
+    their mean), the 2 KB all-reduce came out 1.33, 1.79 and 3.52 ms in three calibrations of one quiet half
+    hour, where the demo's step, its one all-reduce of 10 KB right after the forward's product, took 0.2-0.3
+    ms (benchmarks/demo_step.md, 2026-12-06, session 65): a figure of calls the step never makes."""
     rows = []
     item = torch.empty((), dtype=dtype).element_size()
     product = _step_product(ctx, dtype, size)
