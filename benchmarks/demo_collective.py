@@ -149,13 +149,15 @@ def main() -> None:
           + "/".join(str(r["threads"]) for r in results) + f"; product {statistics.median(compute):.3f} ms, ranks' "
           f"products overlapping {_overlap(results):.2f}; may run on cpus "
           + " / ".join(",".join(map(str, r["cpus"])) for r in results))
-    print(f"  {'way':26s} {'call':>8s} {'all in':>8s} {'wait':>8s}   (call, all in: medians; wait: mean; ms)")
+    print(f"  {'way':26s} {'call':>8s} {'all in':>8s} {'wait':>8s} {'call p90':>8s} {'mean':>8s}   (call, all in: "
+          f"medians; wait: mean; call's 90th percentile and mean; ms)")
     for way in (*WAYS, *CALIBRATE_WAYS):
         seen, waits, inside = _split(results, way)
         figure = (f"   figure {statistics.median(results[0]['figures'][way]) * 1e3:.3f} ms"
                   if way in CALIBRATE_WAYS else "")
+        p90 = statistics.quantiles(seen, n=10, method="inclusive")[-1] if len(seen) > 1 else seen[0]
         print(f"  {way:26s} " + " ".join(f"{statistics.median(v):8.3f}" for v in (seen, inside))
-              + f" {statistics.fmean(waits):8.3f}" + figure)
+              + f" {statistics.fmean(waits):8.3f} {p90:8.3f} {statistics.fmean(seen):8.3f}" + figure)
     calls = [len(r) for r in results[0]["stamps"][CALIBRATE_WAYS[0]]]
     print(f"  calibrate, back to back: {statistics.median(calls):.0f} calls a figure (the median; 3 of them warm-ups "
           f"and the probe that sets how many a round)")
