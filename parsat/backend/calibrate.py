@@ -1099,7 +1099,7 @@ def _turns(ctx: RankContext, dtype, budget: Budget, sync) -> list[list[float]]:
     """[the burst's compute as calibrated, the excess on all ranks, the excess on ranks with a core each] per
     burst of `TURN_BURSTS_S`. The excess: every rank computing a burst of small products and then all-reducing
     `TURN_ELEMENTS` elements, again and again, beyond the burst alone (all ranks computing at once, as every
-    compute figure is calibrated) and the all-reduce alone, back to back (as the collectives' table is). Each
+    compute figure is calibrated) and the all-reduce alone, back to back (as the collectives' table is where ranks share cores). Each
     figure is the slowest rank's average (`_timed`), each excess the median of `TURN_ROUNDS` interleaved
     rounds. Where ranks outnumber the cores, the same again on as many ranks as cores (the others blocked in a
     barrier, using no core): what load elsewhere on the box does to the method (a rank that sleeps in
