@@ -108,10 +108,10 @@ def _step(program, optimizer, memory, counter, data, step: int, bookkeeping: boo
         times[phase].append(seconds)
 
 
-def _skew(results: list[dict], warmup: int) -> tuple[float, float, float, int]:
+def _skew(results: list[dict], warmup: int) -> tuple[float, float, float, int, float]:
     """Means over the steps after `warmup`, in ms: how late a rank leaves the starting barrier after the first
     (over ranks), a collective's wait for the last rank to arrive and its time once all arrived (over ranks and
-    collectives); and the collectives a step runs."""
+    collectives); the collectives a step runs; the median time once all arrived."""
     late, wait, inside = [], [], []
     for step in range(warmup, len(results[0]["starts"])):
         first = min(r["starts"][step] for r in results)
@@ -121,7 +121,8 @@ def _skew(results: list[dict], warmup: int) -> tuple[float, float, float, int]:
             wait += [(last - a) * 1e3 for _n, a, _b in stamps]
             inside += [(b - last) * 1e3 for _n, _a, b in stamps]
     return (statistics.fmean(late), statistics.fmean(wait) if wait else 0.0,
-            statistics.fmean(inside) if inside else 0.0, len(results[0]["calls"][-1]))
+            statistics.fmean(inside) if inside else 0.0, len(results[0]["calls"][-1]),
+            statistics.median(inside) if inside else 0.0)
 
 
 def main() -> None:
@@ -148,9 +149,10 @@ def main() -> None:
         shown = f"{(sim.end_s - sim.start_s) * 1e3:8.3f}" if sim is not None else "       -"
         print(f"{phase:12s} " + " ".join(f"{m:10.3f}" for m in medians) + f"   {shown}")
     print(f"simulated step {streams.time_s * 1e3:.3f} ms")
-    late, wait, inside, count = _skew(results, args.warmup)
+    late, wait, inside, count, inside_median = _skew(results, args.warmup)
     print(f"shared clock (means, ms): a rank leaves the step's barrier {late:.3f} after the first; {count} "
-          f"collective(s) a step, each waiting {wait:.3f} for the last rank, then {inside:.3f} with all in")
+          f"collective(s) a step, each waiting {wait:.3f} for the last rank, then {inside:.3f} with all in "
+          f"(median {inside_median:.3f})")
 
 
 if __name__ == "__main__":
