@@ -1262,7 +1262,9 @@ def _collectives(ctx: RankContext, dtype, budget: Budget, sizes: Sequence[int], 
     Why not back to back where each rank has a core: on the 2-core VM, timed back to back (many calls a round,
     their mean), the 2 KB all-reduce came out 1.33, 1.79 and 3.52 ms in three calibrations of one quiet half
     hour, where the demo's step, its one all-reduce of 10 KB right after the forward's product, took 0.2-0.3
-    ms (benchmarks/demo_step.md, 2026-12-06, session 65): a figure of calls the step never makes."""
+    ms (benchmarks/demo_step.md, 2026-12-06, session 65): a figure of calls the step never makes. Not resolved by
+    it: that day the small call was bimodal (about 0.4-0.5 or 4 ms) in every protocol, this one included, and
+    this figure came out 2.1-2.5 ms where the step's median call took 0.45 ms."""
     rows = []
     item = torch.empty((), dtype=dtype).element_size()
     product = _step_product(ctx, dtype, size)
