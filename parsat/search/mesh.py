@@ -258,11 +258,12 @@ def first_ranked(items: Sequence[T], memory: MemoryFit, of: Callable[[T], Candid
     """The first of `items` by `rank` of their candidates (`of`), ties in their order: `min(items, key=rank)`, None
     where there is none. A pipeline stage's candidates that fit rank by their pipelined price
     (`MemoryFit.pipelined_s`: a cut search in every schedule, the costliest figure a stage step reads), worked out
-    in the ascending order of their floors (`StageFit.floor_s`: at most the step of every pipelined plan priced
-    from a stage plan, worked out from its node costs alone) and only while a floor is at or below the fastest
-    price so far: one whose floor is above it pipelines slower still, so it is not the first, nor tied with it,
-    whatever it would price at. Where none fits, no price is read (they rank by memory), nor where one alone fits
-    (it ranks first)."""
+    in the ascending order of their floors (`MemoryFit.pipelined_floor_s`: at most the step of every pipelined
+    plan that fits priced from a stage plan, its stages' fill, drain and busy time over the cuts whose memory can
+    fit, at or above the mean busy time, `StageFit.floor_s`, and worked out once per stage plan for its ranking
+    and the stage search's bounds) and only while a floor is at or below the fastest price so far: one whose
+    floor is above it pipelines slower still, so it is not the first, nor tied with it, whatever it would price
+    at. Where none fits, no price is read (they rank by memory), nor where one alone fits (it ranks first)."""
     if not items:
         return None
     fit = memory.stage
@@ -271,7 +272,7 @@ def first_ranked(items: Sequence[T], memory: MemoryFit, of: Callable[[T], Candid
         return items[fitting[0]]
     if not fitting:
         return min(items, key=lambda item: rank(of(item), memory))
-    floors = sorted((round(fit.floor_s(of(items[k]).pcg, of(items[k]).costs), 12), k) for k in fitting)
+    floors = sorted((round(memory.pipelined_floor_s(of(items[k])), 12), k) for k in fitting)
     bar, priced = math.inf, []
     for floor, k in floors:
         if floor > bar:
