@@ -218,3 +218,28 @@ def test_first_ranked_prices_only_what_its_floors_leave_and_chooses_what_min_cho
         chosen = first_ranked(order, fresh)
         assert all(c is not slow for c in asked) and asked
         assert chosen is min(order, key=lambda c: rank(c, memory)) is joint
+
+
+@pytest.mark.parametrize("capacity", [720_000, 800_000, 1_000_000])
+def test_fastest_s_prices_only_schedules_whose_floor_can_beat_the_fastest_and_gives_the_least_of_all(
+        candidates, capacity, monkeypatch):
+    """`StageFit.fastest_s` skips a schedule none of whose plans can fit (GPipe holds every micro-batch: over 720
+    and 800 KB a device here, `schedule_fitting_floors` inf) and one whose floor is above the fastest price that
+    fits so far (1F1B after interleaved at 800 KB and 1 MB), and gives the least price that fits of every
+    schedule priced on its own."""
+    from parsat.cost.pipeline import StagePricer, applicable_schedules
+    plan = candidates[0]
+    fit = StageFit(2, replace(MACHINE, memory_capacity=capacity))
+    schedules = applicable_schedules(None, 2, 4, fit._pricer(plan).layer_map.model_layers)
+    every = {name: StagePricer(plan, fit.machine).pipelined(2, name, v) for name, v in schedules}
+    least = min((p.totals.time_s for p in every.values() if p.totals.fits(fit.machine)), default=math.inf)
+    priced = []
+    inner = StagePricer.pipelined
+    monkeypatch.setattr(StagePricer, "pipelined", lambda self, p, name, v=1, starts=None:
+                        priced.append(name) or inner(self, p, name, v, starts=starts))
+    assert fit.fastest_s(plan) == least < math.inf
+    floors = dict(zip((n for n, _v in schedules), fit._pricer(plan).schedule_fitting_floors(2, schedules)))
+    assert "gpipe" not in priced and (capacity > 800_000 or floors["gpipe"][0] == math.inf)
+    assert priced == (["1f1b"] if capacity == 720_000 else ["interleaved"])
+    assert all(not every[n].totals.fits(fit.machine) or every[n].totals.time_s >= floors[n][0] * (1 - 1e-9)
+               for n in every)
