@@ -537,7 +537,7 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
                 break
         elif index == 1 and len(ordered) > 2:
             break   # not even the policy holding least memory fits
-        if index + 1 < len(ordered):
+        if index + 1 < len(ordered) and not holds:   # a plan that fits goes on to the next policy unsaid
             held = f"with {policy.describe()}" if policy.describe() else "keeping every activation"
             step.say(f"mesh {sat.mesh}: the plan {held} needs {fmt_bytes(step.memory.needs(joint))} per device"
                      + (" as its pipeline runs" if step.stage is not None else " by the per-node bound")
