@@ -8,7 +8,9 @@
 # prediction, and the 1-minute load before the run. The ratio is a verdict only on a quiet box (load
 # near the demo's own 2); the CPU column is what the step cost the ranks whatever else ran. Then a summary:
 # the predictions' spread over the calibrations, the measured steps' spread, and how many runs were within
-# 25% of their prediction.
+# 25% of their prediction. Before each calibration's runs, a line with its small collectives as it timed them
+# (all-reduce and all-gather of 2 KB and 32 KB on the 2 ranks: the demo's step has one all-reduce of 10 KB)
+# and the plan's exposed communication as priced on it.
 #
 #   N=3 M=3 benchmarks/demo_check.sh          # from the repository root, after `make setup`
 #
@@ -31,6 +33,18 @@ for i in $(seq 1 "$N"); do
   cal_load=$(load)
   $PARSAT calibrate --machine this-box --nproc 2 -o "$machine" > "$DIR/calibrate-$i.log"
   $PARSAT optimize mlp --devices 2 --machine "$machine" -o "$plan" > "$DIR/optimize-$i.log"
+  "$BIN/python" - "$DIR/calibrate-$i.log" "$DIR/optimize-$i.log" "$i" "$cal_load" <<'EOF'
+import re, sys
+timed = {}
+for line in open(sys.argv[1]):
+    m = re.match(r"\s+(all_reduce|all_gather)\s+2 ranks, ([\d,]+) B\s+([\d.]+) ms", line)
+    if m:
+        timed[m.group(1), int(m.group(2).replace(",", ""))] = m.group(3)
+exposed = next((line.split()[5:7] for line in open(sys.argv[2]) if line.split()[:1] == ["parsat"]), ["?", ""])
+print(f"calibration {sys.argv[3]} (load {sys.argv[4]}): all-reduce 2 KB {timed.get(('all_reduce', 2048), '?')} ms, "
+      f"32 KB {timed.get(('all_reduce', 32768), '?')} ms; all-gather 2 KB {timed.get(('all_gather', 2048), '?')} ms, "
+      f"32 KB {timed.get(('all_gather', 32768), '?')} ms; the plan's exposed communication {' '.join(exposed)}")
+EOF
   for j in $(seq 1 "$M"); do
     run_load=$(load)
     $PARSAT run "$plan" --nproc 2 --steps "$STEPS" --check --json > "$DIR/run-$i-$j.log"

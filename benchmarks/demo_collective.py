@@ -10,7 +10,14 @@ arrive (skew) and the collective itself once every rank is in it. The ways:
 * alone: the cycle starts at a barrier (as a step does), then the collective;
 * after compute: a barrier, the rank's first product of the demo (x [128, 784] @ w [784, 128] by default), then
   the collective, as in a step;
-* after idle: a barrier, a sleep as long as the product took, then the collective (a pause without compute).
+* after idle: a barrier, a sleep as long as the product took, then the collective (a pause without compute);
+* calibrate, back to back: `parsat calibrate`'s figure of the collective before 2026-12-06 (session 65), and still
+  where ranks share cores: `calibrate._timed`, each call stamped (its warm-ups and its probe call included);
+* calibrate, after a product: its figure now (`calibrate._timed_after` right after `_step_product`, one call a
+  round, as `calibrate._collectives` times it), each call stamped.
+
+The two calibrate ways also print the figure calibration would record (ms, the median over the rounds here of
+the figure each round gave), beside the step's own collective in the ways above.
 
 `launch` pins each rank to its own core (`share_cores`); with OMP_NUM_THREADS=1 in the environment it does not,
 which shows the ranks unpinned; `--pin` then keeps only each rank's main thread on one core (gloo's threads,
@@ -31,10 +38,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from parsat.backend.calibrate import collective_cases
+from dataclasses import replace
+
+from parsat.backend.calibrate import (STEP_ROUNDS_FACTOR, Budget, _step_product, _timed, _timed_after,
+                                      collective_cases)
 from parsat.backend.launch import LaunchConfig, RankContext, launch
 
 WAYS = ("back to back", "alone", "after compute", "after idle")
+CALIBRATE_WAYS = ("calibrate, back to back", "calibrate, after a product")
 BACK_TO_BACK = 10
 
 
@@ -63,7 +74,16 @@ def _rank(ctx: RankContext, kind: str, elements: int, rounds: int, shape: list[i
     group = _mesh_group(ctx) if mesh else None
     collective = dict(collective_cases(ctx, torch.float64, elements, ctx.world, group))[kind]
     compute = lambda: x @ w   # noqa: E731
-    stamps: dict[str, list] = {way: [] for way in (*WAYS, "compute")}
+    stamps: dict[str, list] = {way: [] for way in (*WAYS, *CALIBRATE_WAYS, "compute")}
+    figures: dict[str, list] = {way: [] for way in CALIBRATE_WAYS}
+    budget = Budget()
+    product = _step_product(ctx, torch.float64, 512)
+    one_a_round = replace(budget, repeats=STEP_ROUNDS_FACTOR * budget.repeats, window_s=0.0)
+
+    def stamped(way: str):
+        def call():
+            stamps[way][-1].append(_stamp(collective))
+        return call
     for _ in range(3):
         collective()
         compute()
@@ -78,7 +98,12 @@ def _rank(ctx: RankContext, kind: str, elements: int, rounds: int, shape: list[i
         dist.barrier()
         time.sleep(statistics.median(b - a for (a, b), in stamps["compute"]))
         stamps["after idle"].append([_stamp(collective)])
-    return {"rank": ctx.rank, "threads": torch.get_num_threads(), "stamps": stamps,
+        for way in CALIBRATE_WAYS:
+            stamps[way].append([])
+        figures[CALIBRATE_WAYS[0]].append(_timed(ctx, stamped(CALIBRATE_WAYS[0]), budget, lambda: None))
+        figures[CALIBRATE_WAYS[1]].append(_timed_after(ctx, product, stamped(CALIBRATE_WAYS[1]), one_a_round,
+                                                       lambda: None))
+    return {"rank": ctx.rank, "threads": torch.get_num_threads(), "stamps": stamps, "figures": figures,
             "cpus": sorted(os.sched_getaffinity(0))}
 
 
@@ -124,11 +149,18 @@ def main() -> None:
           + "/".join(str(r["threads"]) for r in results) + f"; product {statistics.median(compute):.3f} ms, ranks' "
           f"products overlapping {_overlap(results):.2f}; may run on cpus "
           + " / ".join(",".join(map(str, r["cpus"])) for r in results))
-    print(f"  {'way':16s} {'call':>8s} {'all in':>8s} {'wait':>8s}   (call, all in: medians; wait: mean; ms)")
-    for way in WAYS:
+    print(f"  {'way':26s} {'call':>8s} {'all in':>8s} {'wait':>8s} {'call p90':>8s} {'mean':>8s}   (call, all in: "
+          f"medians; wait: mean; call's 90th percentile and mean; ms)")
+    for way in (*WAYS, *CALIBRATE_WAYS):
         seen, waits, inside = _split(results, way)
-        print(f"  {way:16s} " + " ".join(f"{statistics.median(v):8.3f}" for v in (seen, inside))
-              + f" {statistics.fmean(waits):8.3f}")
+        figure = (f"   figure {statistics.median(results[0]['figures'][way]) * 1e3:.3f} ms"
+                  if way in CALIBRATE_WAYS else "")
+        p90 = statistics.quantiles(seen, n=10, method="inclusive")[-1] if len(seen) > 1 else seen[0]
+        print(f"  {way:26s} " + " ".join(f"{statistics.median(v):8.3f}" for v in (seen, inside))
+              + f" {statistics.fmean(waits):8.3f} {p90:8.3f} {statistics.fmean(seen):8.3f}" + figure)
+    calls = [len(r) for r in results[0]["stamps"][CALIBRATE_WAYS[0]]]
+    print(f"  calibrate, back to back: {statistics.median(calls):.0f} calls a figure (the median; 3 of them warm-ups "
+          f"and the probe that sets how many a round)")
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def stamping(calls: list):
             setattr(dist, name, fn)
 
 
-def _rank(ctx: RankContext, path: str, steps: int, bookkeeping: bool) -> dict:
+def _rank(ctx: RankContext, path: str, steps: int, bookkeeping: bool, cpu: bool = False) -> dict:
     pcg, graph, _ = load_plan(path, ctx.world)
     library = operator_library()
     config = TrainConfig(steps=steps)
@@ -76,41 +76,42 @@ def _rank(ctx: RankContext, path: str, steps: int, bookkeeping: bool) -> dict:
         starts.append(start)
         calls.append([])
         with stamping(calls[-1]):
-            _step(program, optimizer, memory, counter, data, step, bookkeeping, times, start)
+            _step(program, optimizer, memory, counter, data, step, bookkeeping, times,
+                  time.thread_time() if cpu else start, time.thread_time if cpu else time.perf_counter)
     return {"rank": ctx.rank, "times": times, "starts": starts, "calls": calls}
 
 
 def _step(program, optimizer, memory, counter, data, step: int, bookkeeping: bool, times: dict,
-          start: float) -> None:
-    """One timed step, as `executor.run_rank` runs it, its phases' seconds appended to `times`."""
+          start: float, clock=time.perf_counter) -> None:
+    """One timed step, as `executor.run_rank` runs it, its phases' seconds on `clock` appended to `times`."""
     env: dict = {}
-    t0 = time.perf_counter()
+    t0 = clock()
     with memory.saving():
         program.forward(step, counter, data.inputs(0), None, env=env)
-        t1 = time.perf_counter()
+        t1 = clock()
         to_diff, _ = program.loss(env, data.targets(0))
-    t2 = time.perf_counter()
+    t2 = clock()
     if bookkeeping:
         memory.measure(env, program, optimizer, None)
-    t3 = time.perf_counter()
+    t3 = clock()
     optimizer.zero_grad()
     to_diff.backward()
-    t4 = time.perf_counter()
+    t4 = clock()
     if bookkeeping:
         memory.measure(env, program, optimizer, None)
-    t5 = time.perf_counter()
+    t5 = clock()
     program.state.reduce(counter)
     optimizer.step()
     program.state.gather(counter)
-    t6 = time.perf_counter()
+    t6 = clock()
     for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t4 - t3, t6 - t5, (t3 - t2) + (t5 - t4), t6 - start)):
         times[phase].append(seconds)
 
 
-def _skew(results: list[dict], warmup: int) -> tuple[float, float, float, int]:
+def _skew(results: list[dict], warmup: int) -> tuple[float, float, float, int, float]:
     """Means over the steps after `warmup`, in ms: how late a rank leaves the starting barrier after the first
     (over ranks), a collective's wait for the last rank to arrive and its time once all arrived (over ranks and
-    collectives); and the collectives a step runs."""
+    collectives); the collectives a step runs; the median time once all arrived."""
     late, wait, inside = [], [], []
     for step in range(warmup, len(results[0]["starts"])):
         first = min(r["starts"][step] for r in results)
@@ -120,7 +121,8 @@ def _skew(results: list[dict], warmup: int) -> tuple[float, float, float, int]:
             wait += [(last - a) * 1e3 for _n, a, _b in stamps]
             inside += [(b - last) * 1e3 for _n, _a, b in stamps]
     return (statistics.fmean(late), statistics.fmean(wait) if wait else 0.0,
-            statistics.fmean(inside) if inside else 0.0, len(results[0]["calls"][-1]))
+            statistics.fmean(inside) if inside else 0.0, len(results[0]["calls"][-1]),
+            statistics.median(inside) if inside else 0.0)
 
 
 def main() -> None:
@@ -131,8 +133,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-bookkeeping", action="store_true", help="skip TensorMemory's measurements")
+    parser.add_argument("--cpu", action="store_true", help="time each phase on the rank's main thread's CPU time "
+                        "(what the work cost, whatever else ran; a collective's wait is left out)")
     args = parser.parse_args()
-    results = launch(_rank, (args.plan, args.steps, not args.no_bookkeeping),
+    results = launch(_rank, (args.plan, args.steps, not args.no_bookkeeping, args.cpu),
                      LaunchConfig(nproc=args.nproc, timeout_s=600))
     pcg, graph, _ = load_plan(args.plan, args.nproc)
     machine = Machine.load(args.machine)
@@ -145,9 +149,10 @@ def main() -> None:
         shown = f"{(sim.end_s - sim.start_s) * 1e3:8.3f}" if sim is not None else "       -"
         print(f"{phase:12s} " + " ".join(f"{m:10.3f}" for m in medians) + f"   {shown}")
     print(f"simulated step {streams.time_s * 1e3:.3f} ms")
-    late, wait, inside, count = _skew(results, args.warmup)
+    late, wait, inside, count, inside_median = _skew(results, args.warmup)
     print(f"shared clock (means, ms): a rank leaves the step's barrier {late:.3f} after the first; {count} "
-          f"collective(s) a step, each waiting {wait:.3f} for the last rank, then {inside:.3f} with all in")
+          f"collective(s) a step, each waiting {wait:.3f} for the last rank, then {inside:.3f} with all in "
+          f"(median {inside_median:.3f})")
 
 
 if __name__ == "__main__":

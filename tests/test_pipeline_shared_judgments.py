@@ -218,3 +218,68 @@ def test_first_ranked_prices_only_what_its_floors_leave_and_chooses_what_min_cho
         chosen = first_ranked(order, fresh)
         assert all(c is not slow for c in asked) and asked
         assert chosen is min(order, key=lambda c: rank(c, memory)) is joint
+
+
+def test_a_stage_s_branch_and_bound_prices_pipelined_and_keeps_the_candidate_that_pipelines_fastest(ranked):
+    """`BestFirst` judging a stage's candidates by their pipelined prices (`PipelinedSteps`): of a candidate whose
+    stage step is the faster and one that pipelines faster, it keeps the latter (a bound by the simulated stage
+    steps would have set its bar from the former); a candidate whose floor is above that price is left out
+    unpriced; none is simulated; and every floor is at or below its price (the bound is sound)."""
+    from parsat.search.mesh import BestFirst, CandidateSteps, PipelinedSteps
+    plan, joint, data, memory = ranked
+    quick = replace(data, totals=replace(data.totals, time_s=joint.totals.time_s / 2))
+    slow = replace(data, name="slow", costs={i: replace(c, forward_s=c.forward_s * 50, backward_s=c.backward_s * 50)
+                                             for i, c in data.costs.items()})
+    judge = PipelinedSteps(memory)
+    for candidate in (quick, joint):
+        assert judge.floor(candidate) <= memory.pipelined_s(candidate)
+    request = resolve_request("gpt", "h100x8", None, None, 8, sizes=SIZES)
+    steps = CandidateSteps(request.library, _stage_machine(2), 4)
+    search = BestFirst(steps, memory.fits, judge=judge)
+    search.add(enumerate([quick, joint, slow]))
+    search.run()
+    assert search.kept[0] is quick and search.kept[1] is joint and 2 not in search.kept and steps.skipped == 1
+    assert search.bar == round(memory.pipelined_s(joint), 12) and not steps.simulated
+    assert best(list(search.kept.values()), memory) is joint
+
+
+def test_a_stage_step_s_independent_grid_keeps_the_point_that_pipelines_fastest():
+    """A stage step's independent grid (`step.independent_points`) keeps, of the grid's points, the one that ranks
+    first as a stage ranks them (`mesh.rank`: the fastest pipelined price that fits), simulating none: its best
+    point is the best of every point of the grid unbounded (`step._grid_families`)."""
+    from parsat.search.mesh import CandidateSteps
+    from parsat.search.step import _grid_families, independent_points
+    request = resolve_request("gpt", "h100x8", None, None, 8, sizes=SIZES)
+    stage = step_context(request, 4, _stage_machine(2), 4, stage=StageFit(2, MACHINE))
+    steps = CandidateSteps(request.library, stage.machine, 4)
+    kept = independent_points(stage, steps)
+    every = [point for family in _grid_families(stage) for _place, point in family]
+    assert len(kept) <= len(every) and not steps.simulated
+    assert any(stage.memory.fits(p) for p in every)
+    chosen, unbounded = best(kept, stage.memory), best(every, stage.memory)
+    assert rank(chosen, stage.memory) == rank(unbounded, stage.memory) and chosen.config == unbounded.config
+
+
+@pytest.mark.parametrize("capacity", [720_000, 800_000, 1_000_000])
+def test_fastest_s_prices_only_schedules_whose_floor_can_beat_the_fastest_and_gives_the_least_of_all(
+        candidates, capacity, monkeypatch):
+    """`StageFit.fastest_s` skips a schedule none of whose plans can fit (GPipe holds every micro-batch: over 720
+    and 800 KB a device here, `schedule_fitting_floors` inf) and one whose floor is above the fastest price that
+    fits so far (1F1B after interleaved at 800 KB and 1 MB), and gives the least price that fits of every
+    schedule priced on its own."""
+    from parsat.cost.pipeline import StagePricer, applicable_schedules
+    plan = candidates[0]
+    fit = StageFit(2, replace(MACHINE, memory_capacity=capacity))
+    schedules = applicable_schedules(None, 2, 4, fit._pricer(plan).layer_map.model_layers)
+    every = {name: StagePricer(plan, fit.machine).pipelined(2, name, v) for name, v in schedules}
+    least = min((p.totals.time_s for p in every.values() if p.totals.fits(fit.machine)), default=math.inf)
+    priced = []
+    inner = StagePricer.pipelined
+    monkeypatch.setattr(StagePricer, "pipelined", lambda self, p, name, v=1, starts=None:
+                        priced.append(name) or inner(self, p, name, v, starts=starts))
+    assert fit.fastest_s(plan) == least < math.inf
+    floors = dict(zip((n for n, _v in schedules), fit._pricer(plan).schedule_fitting_floors(2, schedules)))
+    assert "gpipe" not in priced and (capacity > 800_000 or floors["gpipe"][0] == math.inf)
+    assert priced == (["1f1b"] if capacity == 720_000 else ["interleaved"])
+    assert all(not every[n].totals.fits(fit.machine) or every[n].totals.time_s >= floors[n][0] * (1 - 1e-9)
+               for n in every)

@@ -96,3 +96,19 @@ def test_a_round_on_cpu_time_leaves_out_the_time_the_rank_slept(one_rank):
     budget = calibrate.Budget(repeats=3, window_s=0.0, clock=time.thread_time)
     assert calibrate._timed(one_rank, lambda: time.sleep(0.005), budget, lambda: None) < 0.002
     assert calibrate._timed(one_rank, lambda: time.sleep(0.005), calibrate.Budget(3, 0.0), lambda: None) >= 0.005
+
+
+def test_a_collective_is_timed_as_a_step_issues_it_right_after_a_product_one_call_a_round(one_rank, monkeypatch):
+    events = []
+    monkeypatch.setattr(calibrate, "_groups", lambda ctx: {2: None})
+    monkeypatch.setattr(calibrate, "_step_product", lambda ctx, dtype, size: lambda: events.append("product"))
+    monkeypatch.setattr(calibrate, "collective_cases",
+                        lambda ctx, dtype, n, g, group: [("all_reduce", lambda: events.append("all_reduce"))])
+    budget = calibrate.Budget(repeats=2, window_s=0.0)
+    rows = calibrate._collectives(one_rank, torch.float64, budget, [256], lambda: None)
+    assert [row[:3] for row in rows] == [["all_reduce", 2, 2048.0]]
+    # two warm-up pairs, then one product and one collective a round, in STEP_ROUNDS_FACTOR x repeats rounds
+    assert events == ["product", "all_reduce"] * (2 + calibrate.STEP_ROUNDS_FACTOR * budget.repeats)
+    events.clear()
+    calibrate._collectives(one_rank, torch.float64, budget, [256], lambda: None, as_in_a_step=False)
+    assert "product" not in events and events.count("all_reduce") == 2 + 1 + 2   # ranks sharing cores: back to back

@@ -94,7 +94,9 @@ for fp32 training):
 * collectives as the backend calls them (all-reduce of a clone, all-gather
   then concatenation; reduce-scatter, all-to-all and send/recv as
   torch.distributed runs them), on every group size that divides `nproc`,
-  all groups at once, several sizes each, fitted to
+  all groups at once, several sizes each, each call right after a product
+  on every rank as a step issues it (ranks sharing cores: back to back;
+  `_collectives`), fitted to
   t = latency + bus factor x bytes / bus bandwidth per group size: the
   machine's measured table (`CommProfile.points`), with the largest
   group's all-reduce as the per-link bandwidth and per-step latency.
@@ -397,7 +399,7 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
     ops += _loss(ctx, dtype, size, budget, sync)
     return {"dispatch": dispatch, "dtensor": extra, "fsdp": hooks, "python": python, "sequence": sequence,
             "redistribute": redistribute, "fsdp_collectives": fsdp_collectives, "ops": ops,
-            "collectives": _collectives(ctx, dtype, wall, comm_sizes, sync),
+            "collectives": _collectives(ctx, dtype, wall, comm_sizes, sync, size, not shared_cores),
             "skew": _skew(ctx, dtype, size, wall, budget, sync), "turns": _turns(ctx, dtype, wall, sync),
             "threads": torch.get_num_threads()}
 
@@ -447,23 +449,34 @@ def _updates(ctx: RankContext, dtype, budget: Budget, sync) -> list[list]:
 
 LOSS_ROWS = (16, 256, 4096)   # rows of the [rows, LOSS_WIDTH] output pieces whose objective is timed
 LOSS_WIDTH = 16
-LOSS_PRODUCT_ROWS = 128        # the product before each: [128, size] @ [size, size], about a ms at size 512
+STEP_ROUNDS_FACTOR = 3   # the loss and the collectives, timed in a step's place, one call a round (a step's
+#                         sample), in this many times `Budget.repeats` rounds: more rounds than a figure that
+#                         averages many calls a round, for a median as steady
+STEP_PRODUCT_ROWS = 128  # the product a figure timed in a step's place follows (`_step_product`)
+
+
+def _step_product(ctx: RankContext, dtype, size: int) -> Callable[[], torch.Tensor]:
+    """A product of `STEP_PRODUCT_ROWS` x `size` by `size` x `size` (about a ms on a CPU core at size 512): the
+    compute that `_loss` and `_collectives` run (not timed) right before what they time, as a step runs its
+    loss and its collectives right after an operator's compute."""
+    a = torch.randn(STEP_PRODUCT_ROWS, size, dtype=dtype).to(ctx.device)
+    w = torch.randn(size, size, dtype=dtype).to(ctx.device)
+    return lambda: a @ w
 
 
 def _loss(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> list[list]:
     """[loss, [elements], seconds, 0, bytes] and [loss_backward, ...] per output piece of `LOSS_ROWS` x
     `LOSS_WIDTH` elements: `training_data.loss_terms` of the piece against a target (what `parsat run` runs
-    after a forward), and its backward, each right after a product of `LOSS_PRODUCT_ROWS` x `size` by `size`
-    x `size` (not timed), as a step runs its loss right after the forward's last product; one call a round, in
-    three times `budget.repeats` rounds (`_timed_after`). Why: the objective is a dozen tiny calls whose time is
+    after a forward), and its backward, each right after `_step_product` (not timed), as a step runs its loss
+    right after the forward's last product; one call a round, in `STEP_ROUNDS_FACTOR` x `budget.repeats` rounds
+    (`_timed_after`). Why: the objective is a dozen tiny calls whose time is
     dispatch, and dispatch run after a product that left the dispatcher's code and data out of cache costs
     more than in the warm chain `dispatch_s` is timed in: on this 2-core box (thread CPU time, float64, a
     [128, 10] piece) 31 us alone, 83-86 us right after a [128, 784] @ [784, 256] product, 118 us after its
     forward and backward; the demo's loss ran 0.14-0.22 ms in its step where six memory-bound operators priced
     it at 0.03 (benchmarks/demo_step.md, 2026-12-06)."""
-    a = torch.randn(LOSS_PRODUCT_ROWS, size, dtype=dtype).to(ctx.device)
-    w = torch.randn(size, size, dtype=dtype).to(ctx.device)
-    rounds = replace(budget, repeats=3 * budget.repeats, window_s=0.0)
+    step_product = _step_product(ctx, dtype, size)
+    rounds = replace(budget, repeats=STEP_ROUNDS_FACTOR * budget.repeats, window_s=0.0)
     out = []
     for rows in LOSS_ROWS:
         elements = rows * LOSS_WIDTH
@@ -472,7 +485,7 @@ def _loss(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> list[list
         held: dict = {}
 
         def product():
-            a @ w
+            step_product()
             held["piece"] = piece.detach().requires_grad_()
 
         def loss():
@@ -1086,7 +1099,7 @@ def _turns(ctx: RankContext, dtype, budget: Budget, sync) -> list[list[float]]:
     """[the burst's compute as calibrated, the excess on all ranks, the excess on ranks with a core each] per
     burst of `TURN_BURSTS_S`. The excess: every rank computing a burst of small products and then all-reducing
     `TURN_ELEMENTS` elements, again and again, beyond the burst alone (all ranks computing at once, as every
-    compute figure is calibrated) and the all-reduce alone, back to back (as the collectives' table is). Each
+    compute figure is calibrated) and the all-reduce alone, back to back (as the collectives' table is where ranks share cores). Each
     figure is the slowest rank's average (`_timed`), each excess the median of `TURN_ROUNDS` interleaved
     rounds. Where ranks outnumber the cores, the same again on as many ranks as cores (the others blocked in a
     barrier, using no core): what load elsewhere on the box does to the method (a rank that sleeps in
@@ -1235,17 +1248,35 @@ def collective_cases(ctx: RankContext, dtype, n: int, g: int, group) -> list[tup
     return cases
 
 
-def _collectives(ctx: RankContext, dtype, budget: Budget, sizes: Sequence[int], sync) -> list[list]:
-    """Each collective kind, group size and buffer size: [kind, group, bytes, seconds], the slowest rank's."""
+def _collectives(ctx: RankContext, dtype, budget: Budget, sizes: Sequence[int], sync, size: int = 512,
+                 as_in_a_step: bool = True) -> list[list]:
+    """Each collective kind, group size and buffer size: [kind, group, bytes, seconds], the slowest rank's.
+
+    `as_in_a_step` (ranks with a core or GPU each): each call as a step issues it, right after a product (not
+    timed) on every rank, one call a round started by a barrier, the slowest rank's, the median of
+    `STEP_ROUNDS_FACTOR` x `budget.repeats` rounds (`_timed_after`, as `_loss`): what `parsat run`'s step meets,
+    a collective of ranks that were computing, told by the step's statistic. Ranks sharing cores: the same call
+    again and again (`_timed`), as before; there a collective after compute also waits for a peer's turn on
+    the core, which `_turns` measures against this back-to-back figure and the cost model prices on its own.
+
+    Why not back to back where each rank has a core: on the 2-core VM, timed back to back (many calls a round,
+    their mean), the 2 KB all-reduce came out 1.33, 1.79 and 3.52 ms in three calibrations of one quiet half
+    hour, where the demo's step, its one all-reduce of 10 KB right after the forward's product, took 0.2-0.3
+    ms (benchmarks/demo_step.md, 2026-12-06, session 65): a figure of calls the step never makes. Not resolved by
+    it: that day the small call was bimodal (about 0.4-0.5 or 4 ms) in every protocol, this one included, and
+    this figure came out 2.1-2.5 ms where the step's median call took 0.45 ms."""
     rows = []
     item = torch.empty((), dtype=dtype).element_size()
+    product = _step_product(ctx, dtype, size)
+    rounds = replace(budget, repeats=STEP_ROUNDS_FACTOR * budget.repeats, window_s=0.0)
     for g, group in _groups(ctx).items():
         for n in sizes:
             n = max(g, n - n % g)
             cases = collective_cases(ctx, dtype, n, g, group)
             for kind, fn in cases:
                 try:
-                    seconds = _timed(ctx, fn, budget, sync)
+                    seconds = (_timed_after(ctx, product, fn, rounds, sync) if as_in_a_step
+                               else _timed(ctx, fn, budget, sync))
                 except (RuntimeError, ValueError):  # a collective this backend lacks: not in the table
                     continue
                 if kind == "send_recv":

@@ -391,6 +391,7 @@ class StagePricer:
         self._chunk_memo: dict[tuple, LayerCost] = {}   # (stage's earlier chunks' layers, chunk's layers) -> cost
         self._sync_memo: dict[tuple, StageSync] = {}     # (degree, stage, its chunks' layers, aligned) -> its sync
         self._sums_memo: dict[tuple, tuple] = {}         # a stage's chunks' layers -> `_stage_sums`
+        self._schedule_floors: dict[tuple, tuple] = {}   # (degree, schedules) -> `schedule_fitting_floors`
 
     @cached_property
     def chain_s(self) -> dict[int, float]:
@@ -613,17 +614,38 @@ class StagePricer:
         plus its in-flight micro-batches' own activations (`in_flight_counts`; free values and the transient
         only add). Where the chain is not shown, `math.inf` is not claimed: both bounds are 0 (the caller's
         `floor_s` stands)."""
+        each = self.schedule_fitting_floors(degree, schedules)
+        return min((f[0] for f in each), default=math.inf), min((f[1] for f in each), default=math.inf)
+
+    def schedule_fitting_floors(self, degree: int, schedules: Sequence[tuple[str, int]]
+                                ) -> tuple[tuple[float, float], ...]:
+        """`fitting_floors` of each of `schedules` alone, in their order: (a lower bound of the step of every
+        pipelined plan of that schedule that fits, at any cut `pipelined` may price; of its PTD-P point that fits,
+        `math.inf` for GPipe, which Megatron does not run); `math.inf` where none can fit or be cut, (0.0, 0.0)
+        where the chain is not shown. Worked out once per (degree, schedules): the floors of a stage plan are
+        asked by its ranking (`StageFit.fastest_s`), the grid's bound and the stage search's stop."""
+        key = (degree, tuple(schedules))
+        found = self._schedule_floors.get(key)
+        if found is None:
+            found = self._schedule_floors[key] = self._work_out_schedule_floors(degree, schedules)
+        return found
+
+    def _work_out_schedule_floors(self, degree: int, schedules: Sequence[tuple[str, int]]
+                                  ) -> tuple[tuple[float, float], ...]:
+        """`schedule_fitting_floors`, worked out (`fitting_floors` says why each is a floor)."""
         layer_map, m, capacity = self.layer_map, self.microbatches, self.machine.memory_capacity
         if not _chained(layer_map):
-            return 0.0, 0.0
+            return tuple((0.0, 0.0) for _s in schedules)
         layers, cuttable, free, blocks = layer_map.layers, layer_map.cuttable, layer_map.free, layer_map.blocks
         per_layer = {layer: 0.0 for layer in layers}
         for i, c in self.plan.costs.items():
             if i not in free and not c.weight_chain and i in blocks:
                 per_layer[blocks[i]] += c.forward_s + c.backward_s
         busy = [per_layer[layer] for layer in layers]
-        plans = points = math.inf
+        out = []
         for name, v in schedules:
+            plans = points = math.inf
+            out.append((plans, points))
             if degree * v > len(layers) or chunks_refusal(name, layer_map.model_layers, degree, v) is not None:
                 continue
             orders = self.memo.schedule_order(name, degree, v, m)
@@ -632,13 +654,10 @@ class StagePricer:
             if cuttable.issuperset(equal) and self._cut_peak_bytes(equal, degree, orders) <= capacity:
                 index = {layer: k for k, layer in enumerate(layers)}
                 on_equal = _cut_floor(busy, [index[s] for s in equal], degree, m)
-            if name == INTERLEAVED:
-                plans = min(plans, on_equal)
-            else:
-                plans = min(plans, self._fitting_cut_floor(busy, degree, name))
-            if name in (ONE_F_ONE_B, INTERLEAVED):
-                points = min(points, on_equal)
-        return plans, points
+            plans = on_equal if name == INTERLEAVED else self._fitting_cut_floor(busy, degree, name)
+            points = on_equal if name in (ONE_F_ONE_B, INTERLEAVED) else math.inf
+            out[-1] = (plans, points)
+        return tuple(out)
 
     def _fitting_cut_floor(self, busy: Sequence[float], degree: int, schedule: str) -> float:
         """The least `_cut_floor` over the cuts into `degree` one-chunk stages beginning at cuttable layers whose
@@ -1111,8 +1130,20 @@ class StageFit:
         plan, 16.156 s pipelined, over `gpu0 4 x gpu1 2` keeping every activation, 15.234 s)."""
         pricer = self._pricer(plan)
         best = math.inf
-        for name, v in applicable_schedules(self.pinned, self.degree, pricer.microbatches,
-                                            pricer.layer_map.model_layers, self.chunks):
+        schedules = applicable_schedules(self.pinned, self.degree, pricer.microbatches,
+                                         pricer.layer_map.model_layers, self.chunks)
+        floors = pricer.schedule_fitting_floors(self.degree, schedules)
+        # the schedules in the ascending order of their floors (ties in their order), each priced only while its
+        # floor is not above the fastest price that fits so far: its plans that fit are at least that floor, so
+        # it cannot lower the least (a schedule none of whose plans can fit, `math.inf`, is never priced here:
+        # llama-70b's GPipe holds every micro-batch, 530 GiB a device, yet its cut search priced up to
+        # REFINE_PRICINGS cuts for each candidate ranked). The pipeline search prices every schedule of the stage
+        # plan it chooses (`pipeline_search._price_schedules`), as before.
+        for k in sorted(range(len(schedules)), key=lambda k: floors[k][0]):
+            name, v = schedules[k]
+            floor = floors[k][0]
+            if floor == math.inf or floor * (1.0 - FLOOR_MARGIN) > best:
+                continue
             try:
                 priced = self.once.pipelined(plan, self.machine, lambda: pricer, self.degree, name, v)
             except PipelineError:

@@ -99,6 +99,13 @@ class MemoryFit:
             self._known[key] = known
         return known[2]
 
+    def pipelined_floor_s(self, candidate: Priced) -> float:
+        """A lower bound of a stage candidate's `pipelined_s` (`StageFit.schedule_floors`, the plans': every
+        pipelined plan that fits of every schedule the pipeline search prices from it); 0 unstaged."""
+        if self.stage is None:
+            return 0.0
+        return self.stage.schedule_floors(self._plan(candidate))[0]
+
     def overshoot(self, candidate: Priced) -> float | None:
         """How many times a device's memory a stage candidate that does not fit needs as its pipeline runs it
         (`needs` over the device's); None unstaged, where no schedule can run it (no leaner plan helps then), or

@@ -189,9 +189,45 @@ class CandidateSteps:
         return {i: search.kept[i] for i in sorted(search.kept)}, search.bar
 
 
+class SimulatedSteps:
+    """How an unstaged step's branch and bound (`BestFirst`) judges a candidate: its floor, a lower bound of its
+    simulated step (`CandidateSteps.floor`), and its time, the step simulated (`CandidateSteps`), by which `rank`
+    orders those that fit; None where it was not simulated (refused by its peak floor, or the simulator failed)."""
+
+    def __init__(self, steps: CandidateSteps):
+        self.steps = steps
+
+    def floor(self, candidate: Candidate) -> float | None:
+        return self.steps.floor(candidate.pcg)
+
+    def timed(self, candidate: Candidate) -> tuple[Candidate, float | None]:
+        found = self.steps(candidate)
+        return found, found.totals.time_s if found.totals.simulation is not None else None
+
+
+class PipelinedSteps:
+    """How a pipeline stage's branch and bound (`BestFirst`) judges a candidate, as `rank` ranks a stage's
+    candidates that fit: its time, the fastest pipelined plan that fits of those the pipeline search prices from
+    it (`MemoryFit.pipelined_s`, worked out once per candidate for the call's step, so `rank` reads it again
+    for nothing), and its floor, a lower bound of every such plan (`StageFit.schedule_floors`, the plans'). The
+    candidate is kept unsimulated: no ranking of a stage step reads a simulated step (`step.step_read`). Bounding
+    a stage's points by their simulated stage steps left out points that pipeline faster than the fastest
+    simulated one (benchmarks/search_results.md, session 64 helper A3's "Noticed" (a))."""
+
+    def __init__(self, memory: MemoryFit):
+        self.memory = memory
+
+    def floor(self, candidate: Candidate) -> float | None:
+        return self.memory.pipelined_floor_s(candidate)
+
+    def timed(self, candidate: Candidate) -> tuple[Candidate, float | None]:
+        return candidate, self.memory.pipelined_s(candidate)
+
+
 class BestFirst:
-    """Candidates simulated best-bound-first (`CandidateSteps`): the ones that fit (and that `rivals` ranks) wait,
-    each with its step floor (`CandidateSteps.floor`), and `run` simulates them in the ascending order of their
+    """Candidates simulated best-bound-first (`CandidateSteps`; a stage's priced pipelined, `judge`): the ones that
+    fit (and that `rivals` ranks) wait, each with its step floor (`CandidateSteps.floor`; a stage's
+    `PipelinedSteps.floor`), and `run` simulates them in the ascending order of their
     floors (ties in their keys' order), leaving out one whose floor is above the fastest step simulated so far
     (`bar`), as `rank` rounds them: its step would be slower still, so the fastest that fits, and every one as
     fast (`rank`'s ties: their floors are at or below every bar), are what simulating every one gives, whatever
@@ -202,8 +238,12 @@ class BestFirst:
     key, every candidate added less those left out; `skipped` (of the steps) counts those."""
 
     def __init__(self, steps: CandidateSteps, fits: Callable[[Candidate], bool], bar: float = math.inf,
-                 rivals: Callable[[Candidate], bool] | None = None):
+                 rivals: Callable[[Candidate], bool] | None = None,
+                 judge: "SimulatedSteps | PipelinedSteps | None" = None):
         self.steps, self.fits, self.rivals, self.bar = steps, fits, rivals, bar
+        # a candidate's floor and time (`SimulatedSteps`: its simulated step, as an unstaged step ranks; a stage
+        # step's `PipelinedSteps`: its pipelined price)
+        self.judge = judge if judge is not None else SimulatedSteps(steps)
         self.kept: dict = {}
         self._waiting: list[tuple] = []   # heap of (floor, or -inf where there is none; key; floor; candidate)
 
@@ -218,7 +258,7 @@ class BestFirst:
                 ranked.append((key, candidate))
         unfloored = lone and len(ranked) == 1 and self.bar == math.inf and not self._waiting
         for key, candidate in ranked:
-            floor = None if unfloored else self.steps.floor(candidate.pcg)
+            floor = None if unfloored else self.judge.floor(candidate)
             heapq.heappush(self._waiting, (-math.inf if floor is None else floor, key, floor, candidate))
 
     def run(self, upto: float = math.inf) -> None:
@@ -230,11 +270,12 @@ class BestFirst:
                 del self.kept[key]
                 steps.skipped += 1
                 continue
-            self.kept[key] = found = steps(candidate)
-            # the bar is the fastest simulated step that fits as simulated: a candidate whose simulated peak is
-            # over the device's memory (it fitted by the per-node bound) cannot be chosen, so it sets no bar
-            if found.totals.simulation is not None and self.fits(found):
-                self.bar = min(self.bar, round(found.totals.time_s, 12))
+            found, time_s = self.judge.timed(candidate)
+            self.kept[key] = found
+            # the bar is the fastest time that fits as judged: a candidate whose simulated peak is over the
+            # device's memory (it fitted by the per-node bound) cannot be chosen, so it sets no bar
+            if time_s is not None and self.fits(found):
+                self.bar = min(self.bar, round(time_s, 12))
 
 
 def rank(candidate: Candidate, memory: MemoryFit) -> tuple:
@@ -258,11 +299,12 @@ def first_ranked(items: Sequence[T], memory: MemoryFit, of: Callable[[T], Candid
     """The first of `items` by `rank` of their candidates (`of`), ties in their order: `min(items, key=rank)`, None
     where there is none. A pipeline stage's candidates that fit rank by their pipelined price
     (`MemoryFit.pipelined_s`: a cut search in every schedule, the costliest figure a stage step reads), worked out
-    in the ascending order of their floors (`StageFit.floor_s`: at most the step of every pipelined plan priced
-    from a stage plan, worked out from its node costs alone) and only while a floor is at or below the fastest
-    price so far: one whose floor is above it pipelines slower still, so it is not the first, nor tied with it,
-    whatever it would price at. Where none fits, no price is read (they rank by memory), nor where one alone fits
-    (it ranks first)."""
+    in the ascending order of their floors (`MemoryFit.pipelined_floor_s`: at most the step of every pipelined
+    plan that fits priced from a stage plan, its stages' fill, drain and busy time over the cuts whose memory can
+    fit, at or above the mean busy time, `StageFit.floor_s`, and worked out once per stage plan for its ranking
+    and the stage search's bounds) and only while a floor is at or below the fastest price so far: one whose
+    floor is above it pipelines slower still, so it is not the first, nor tied with it, whatever it would price
+    at. Where none fits, no price is read (they rank by memory), nor where one alone fits (it ranks first)."""
     if not items:
         return None
     fit = memory.stage
@@ -271,7 +313,7 @@ def first_ranked(items: Sequence[T], memory: MemoryFit, of: Callable[[T], Candid
         return items[fitting[0]]
     if not fitting:
         return min(items, key=lambda item: rank(of(item), memory))
-    floors = sorted((round(fit.floor_s(of(items[k]).pcg, of(items[k]).costs), 12), k) for k in fitting)
+    floors = sorted((round(memory.pipelined_floor_s(of(items[k])), 12), k) for k in fitting)
     bar, priced = math.inf, []
     for floor, k in floors:
         if floor > bar:
@@ -495,7 +537,7 @@ def _extract_joint(step: StepContext, sat: Saturated, config: Config | None, clo
                 break
         elif index == 1 and len(ordered) > 2:
             break   # not even the policy holding least memory fits
-        if index + 1 < len(ordered):
+        if index + 1 < len(ordered) and not holds:   # a plan that fits goes on to the next policy unsaid
             held = f"with {policy.describe()}" if policy.describe() else "keeping every activation"
             step.say(f"mesh {sat.mesh}: the plan {held} needs {fmt_bytes(step.memory.needs(joint))} per device"
                      + (" as its pipeline runs" if step.stage is not None else " by the per-node bound")

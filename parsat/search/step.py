@@ -43,7 +43,8 @@ from parsat.search.baselines import Candidate, data_parallel, expert_parallel, g
 from parsat.search.solve import pcg_node_costs
 from parsat.search.deadline import Deadline
 from parsat.search.inputs import pinned_layouts, pins_on, search_meshes
-from parsat.search.mesh import BestFirst, CandidateSteps, MeshSearch, best, first_ranked, rank, search_mesh
+from parsat.search.mesh import (BestFirst, CandidateSteps, MeshSearch, PipelinedSteps, best, first_ranked, rank,
+                                search_mesh)
 from parsat.search.request import SearchRequest, StepContext
 from parsat.search.provenance import rules_used
 from parsat.search.strategies import PINNABLE, Config
@@ -274,11 +275,20 @@ def _stage_candidates(step: StepContext, searches: Sequence[MeshSearch], family_
             yield found, grid
 
     def slow(pcg: PCG) -> bool:   # asked of each family's first layout before the family is built further
-        costs = pcg_node_costs(pcg, request.library, step.machine, request.free_input_placements,
-                               step.graph.microbatches, only=_not_parallel, computed=request.prices)
-        return costs is not None and step.stage.floor_s(pcg, costs) >= family_bar
+        floor = _stage_layout_floor(step, pcg)
+        return floor is not None and floor >= family_bar
     for family in _grid_families(step, skip=slow):
         yield from ((point, True) for _place, point in family)
+
+
+def _stage_layout_floor(step: StepContext, pcg: PCG) -> float | None:
+    """A lower bound of every pipelined plan priced from any point of the grid family whose first layout is `pcg`
+    (a pipeline stage's step, `StageFit.floor_s`; `_stage_candidates` argues it), None where the layout cannot
+    be priced so (its points are then judged one by one)."""
+    request = step.request
+    costs = pcg_node_costs(pcg, request.library, step.machine, request.free_input_placements,
+                           step.graph.microbatches, only=_not_parallel, computed=request.prices)
+    return None if costs is None else step.stage.floor_s(pcg, costs)
 
 
 def _not_parallel(node) -> bool:
@@ -590,17 +600,22 @@ def step_read(step: StepContext) -> Callable[[Candidate], bool] | None:
     baselines are the plan's, each shown with its simulated step). A pipeline stage's step (`step.stage`)
     ranks a candidate that fits by its pipelined price (`mesh.rank`, `MemoryFit.pipelined_s`), not by its
     simulated step, and one that does not by `MemoryFit.needs`, which simulating does not change
-    (`Totals.simulated` keeps the memory); it still simulates those that fit, though no ranking of a stage step
-    reads their simulated steps now (left for later: benchmarks/search_results.md, session 64 helper A3's
-    "Noticed" (b)). Nothing else of them reaches a plan: the stage plan's
+    (`Totals.simulated` keeps the memory), and its independent grid's branch and bound reads their pipelined
+    prices too (`independent_points`, `mesh.PipelinedSteps`): so none is simulated (`_never`; session 64 helper
+    A3's "Noticed" (b), benchmarks/search_results.md). Nothing else of them reaches a plan: the stage plan's
     `baselines` are over a stage's devices, and `pipeline_search.best_of` gives the plan the unstaged search's
     instead (with the best PTD-P point, priced by `StagePricer`); the stage plan's `totals` (its chosen
     candidate's) become its pipelined price (`StagePricer.price`); its best grid point is read for its PCG and
     costs (`pipeline_search._grid_points`). The joint plan of each mesh is simulated whatever it needs (its
-    step is in `saturation.meshes`, which the pipelined plan keeps: `MeshSearch.simulated`); the grid built
-    apart from the graph simulates only what fits already (`independent_points`). Measured on llama-70b:64:
-    the stage steps' data-parallel baselines (a whole stage's weights per device) never fit."""
-    return step.memory.fits if step.stage is not None else None
+    step is in `saturation.meshes`, which the pipelined plan keeps: `MeshSearch.simulated`). Where a stage plan's
+    pipelined plan is not the call's (the unstaged plan wins), none of the stage plan reaches it beside `tried`'s
+    prices, which read the PCG and costs alone."""
+    return _never if step.stage is not None else None
+
+
+def _never(_candidate: Candidate) -> bool:
+    """`step_read`'s answer for a pipeline stage's step: no baseline's simulated step is read."""
+    return False
 
 
 def _two_phase(step: StepContext, best_search: MeshSearch, spare: Limits, clock: Deadline) -> Candidate | None:
@@ -672,7 +687,11 @@ def independent_points(step: StepContext, steps: CandidateSteps, scan_first: boo
     floors held points that all recompute blocks (a third more compute than their layout's floor), and four of
     the grids' 13 simulations were of such points, slower than a later layout's point. Where `--degrees` pins,
     only the points that keep the pins can be the best grid point (`compare_baselines`), so only they are
-    simulated and set the bar; the others are kept unsimulated. Made once per call for one graph on one machine
+    simulated and set the bar; the others are kept unsimulated. A pipeline stage's points rank by their
+    pipelined price (`mesh.rank`), not their step: there "simulated" is priced pipelined and the floors are
+    floors of that price (`mesh.PipelinedSteps`, `_stage_layout_floor` for a layout), by the same argument;
+    bounded by their steps, a point that pipelines faster than the fastest simulated one could be left out.
+    Made once per call for one graph on one machine
     and devices (and pipeline, for a stage's), which a scout's step and the search of every mesh at its count
     share. `scan_first` (where the caller expects that no point fits): the grid is first made without floors
     where it can be (`_unfitting_grid`), and as above only where a point may fit."""
@@ -688,8 +707,10 @@ def independent_points(step: StepContext, steps: CandidateSteps, scan_first: boo
             steps = CandidateSteps(request.library, step.machine, step.graph.microbatches, request.simulations,
                                    refusing=steps.refusing)
         rivals = (lambda point: keeps_pins(point, request)) if request.parallel_dims else None
-        search = BestFirst(steps, step.memory.fits, rivals=rivals)
-        floors = _LayoutFloors(steps)
+        staged = step.stage is not None   # a stage's points rank by their pipelined price (`mesh.rank`)
+        search = BestFirst(steps, step.memory.fits, rivals=rivals,
+                           judge=PipelinedSteps(step.memory) if staged else None)
+        floors = _LayoutFloors(steps, (lambda pcg: _stage_layout_floor(step, pcg)) if staged else None)
 
         def skip(pcg: PCG) -> bool:   # asked of each layout's first PCG before the layout is built further
             floor = floors(pcg)
@@ -778,17 +799,19 @@ def _grid_families(step: StepContext, fits: Callable[[Candidate], bool] | None =
 
 
 class _LayoutFloors:
-    """Each grid layout's step floor without the plan's own part (`CandidateSteps.floor(pcg, plan=False)`), worked
-    out once: it orders the layouts (`grid_families`' `order`) and bounds them (`beyond`). Kept by the layout's
-    identity, beside it, for one grid."""
+    """Each grid layout's step floor without the plan's own part (`CandidateSteps.floor(pcg, plan=False)`; a
+    pipeline stage's, `of`: `_stage_layout_floor`, a floor of its points' pipelined prices, which its points rank
+    by), worked out once: it orders the layouts (`grid_families`' `order`) and bounds them (`beyond`). Kept by
+    the layout's identity, beside it, for one grid."""
 
-    def __init__(self, steps: CandidateSteps):
-        self.steps, self.known = steps, {}
+    def __init__(self, steps: CandidateSteps, of: Callable[[PCG], float | None] | None = None):
+        self.known = {}
+        self.of = of if of is not None else (lambda pcg: steps.floor(pcg, plan=False))
 
     def __call__(self, pcg: PCG) -> float | None:
         found = self.known.get(id(pcg))
         if found is None or found[0] is not pcg:
-            found = self.known[id(pcg)] = (pcg, self.steps.floor(pcg, plan=False))
+            found = self.known[id(pcg)] = (pcg, self.of(pcg))
         return found[1]
 
     def beyond(self, pcg: PCG, bar: float) -> bool:
