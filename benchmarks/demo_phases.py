@@ -59,14 +59,19 @@ def stamping(calls: list):
             setattr(dist, name, fn)
 
 
-def _rank(ctx: RankContext, path: str, steps: int, bookkeeping: bool, cpu: bool = False) -> dict:
+def rank_setup(ctx: RankContext, path: str, steps: int):
+    """(the rank's program, its optimizer, a memory count, the step's batch) for the plan at `path`, as
+    `executor.run_rank` makes them."""
     pcg, graph, _ = load_plan(path, ctx.world)
     library = operator_library()
     config = TrainConfig(steps=steps)
-    batch = step_batch(graph, library)
     program = RankProgram(pcg, ctx, config, library)
     optimizer = _make_optimizer(program.state.optimized(program.params), config)
-    memory = TensorMemory()
+    return program, optimizer, TensorMemory(), step_batch(graph, library)
+
+
+def _rank(ctx: RankContext, path: str, steps: int, bookkeeping: bool, cpu: bool = False) -> dict:
+    program, optimizer, memory, batch = rank_setup(ctx, path, steps)
     times = {p: [] for p in PHASES}
     starts, calls = [], []
     for step in range(steps):
@@ -125,13 +130,19 @@ def _skew(results: list[dict], warmup: int) -> tuple[float, float, float, int, f
             statistics.median(inside) if inside else 0.0)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def plan_arguments(description: str, steps: int, warmup: int) -> argparse.ArgumentParser:
+    """The arguments of a script that runs a plan's steps on spawned ranks and sets them beside its prices."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("plan")
     parser.add_argument("--machine", required=True, help="the machine JSON the plan was priced on")
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=warmup, help="steps left out of the medians")
+    return parser
+
+
+def main() -> None:
+    parser = plan_arguments(__doc__.splitlines()[0], steps=40, warmup=2)
     parser.add_argument("--no-bookkeeping", action="store_true", help="skip TensorMemory's measurements")
     parser.add_argument("--cpu", action="store_true", help="time each phase on the rank's main thread's CPU time "
                         "(what the work cost, whatever else ran; a collective's wait is left out)")
