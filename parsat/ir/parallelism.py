@@ -54,6 +54,8 @@ def along_sequence(shape: tuple[int, ...], dim: int | None) -> bool:
 def sequence_split(shape: tuple[int, ...], code: int) -> bool:
     """Whether a value of `shape` placed with `code` on an axis is cut along its sequence there."""
     return along_sequence(shape, shard_dim(code))
+
+
 def query_blocks(query_shape: tuple[int, ...], code: int) -> bool:
     """Whether fused attention whose query of `query_shape` is placed with `code` on an axis computes blocks of
     its queries there: the query cut along its sequence (dim -2), each block against keys and values it does not
