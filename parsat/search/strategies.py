@@ -91,8 +91,7 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
     `shared` (`shared_weights`: a weight read by several operators of the graph, a table tied to a head) makes
     such a weight split along one dim on the tensor axis (`_one_storage_dims`): a parameter has one layout.
 
-    The set is decided once, e-node by e-node: extraction asks about every
-    e-node in each of its passes, on e-graphs of 10^5 e-nodes per grid point.
+    The set is decided once, e-node by e-node: extraction asks about every e-node in each of its passes (10^5 a point).
     """
     samples = _derived(snapshot, batch or {})
     stored_split = frozenset(_derived(snapshot, dict.fromkeys(split, 0)))
@@ -109,9 +108,7 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
     def excluded(node) -> bool:
         if node.op == "leaf":
             return False
-        if node.op in FUSED_ATTENTION and config.tensor_axis is not None and not config.query_blocks and \
-                query_blocks(snapshot.shape[node.children[0]],
-                             snapshot.placement[node.children[0]].codes[config.tensor_axis]):
+        if _query_blocks_on_tensor_axis(node, snapshot, config):
             return True   # context parallelism on the tensor axis: not Megatron-LM's (`grid`)
         if samples and config.data_axis is not None and any(ch in samples for ch in node.children) and \
                 _reads_samples_whole(node, samples, snapshot, config.data_axis):
@@ -149,6 +146,15 @@ def config_excluded(snapshot: Snapshot, roles: Mapping[int, str], config: Config
     forbidden = frozenset((cid, index) for cid, nodes in snapshot.classes.items()
                           for index, node in enumerate(nodes) if excluded(node))
     return forbidden.__contains__
+
+
+def _query_blocks_on_tensor_axis(node, snapshot: Snapshot, config: Config) -> bool:
+    """Whether `node` is fused attention computing blocks of its queries on the configuration's tensor axis where the
+    configuration forbids it (`Config.query_blocks`, off in `grid`: Megatron-LM's tensor axis splits heads)."""
+    if node.op not in FUSED_ATTENTION or config.tensor_axis is None or config.query_blocks:
+        return False
+    query = node.children[0]
+    return query_blocks(snapshot.shape[query], snapshot.placement[query].codes[config.tensor_axis])
 
 
 def _tensor_axis_excluded(node, dim: int | None, source: str, snapshot: Snapshot, sequence: bool,
