@@ -644,9 +644,8 @@ class StagePricer:
         busy = [per_layer[layer] for layer in layers]
         out = []
         for name, v in schedules:
-            plans = points = math.inf
-            out.append((plans, points))
             if degree * v > len(layers) or chunks_refusal(name, layer_map.model_layers, degree, v) is not None:
+                out.append((math.inf, math.inf))
                 continue
             orders = self.memo.schedule_order(name, degree, v, m)
             equal = equal_starts(layers, degree * v)
@@ -656,7 +655,7 @@ class StagePricer:
                 on_equal = _cut_floor(busy, [index[s] for s in equal], degree, m)
             plans = on_equal if name == INTERLEAVED else self._fitting_cut_floor(busy, degree, name)
             points = on_equal if name in (ONE_F_ONE_B, INTERLEAVED) else math.inf
-            out[-1] = (plans, points)
+            out.append((plans, points))
         return tuple(out)
 
     def _fitting_cut_floor(self, busy: Sequence[float], degree: int, schedule: str) -> float:
