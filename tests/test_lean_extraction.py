@@ -28,11 +28,33 @@ def _plan(capacity_mib: float):
     return parsat.optimize(graph, machine=machine, devices=4, microbatches=1, recompute="none")
 
 
-def test_a_plan_that_fits_by_sharding_more_is_found_where_the_fastest_do_not_fit(tmp_path):
+@pytest.fixture(scope="module")
+def tight():
+    """The search at 4.0 MiB, once for the module, with each lean-asking extraction recorded: (the plan, the
+    calls as [the policy's ZeRO stage, asked lean, found lean])."""
+    import parsat.search.mesh as mesh
+
+    solve, calls = mesh.solve, []
+
+    def recording(*args, **kwargs):
+        if "lean" not in kwargs:   # a baseline's restricted extraction
+            return solve(*args, **kwargs)
+        call = [kwargs["zero"], kwargs["lean"], None]
+        calls.append(call)
+        pcg, costs, extraction = solve(*args, **kwargs)
+        call[2] = extraction.lean
+        return pcg, costs, extraction
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mesh, "solve", recording)
+        return _plan(4.0), list(calls)
+
+
+def test_a_plan_that_fits_by_sharding_more_is_found_where_the_fastest_do_not_fit(tight, tmp_path):
     # device memory is judged by the simulated peak where a plan is simulated (`Totals.memory_bytes`: on this cpu
     # machine, as `parsat run` holds it, every activation and the whole batch kept to the end of the step)
     roomy = _plan(4.5)   # the grid's dp 2 x tp 2 point, 3.48 MiB by the per-node bound, 4.34 MiB simulated
-    tight = _plan(4.0)   # a joint plan storing weights split (ZeRO-2), 3.09 MiB by the bound, 3.82 MiB simulated
+    tight, _calls = tight  # a joint plan storing weights split (ZeRO-2), 3.09 MiB by the bound, 3.82 MiB simulated
     assert tight.totals.memory_bytes <= 4.0 * MIB and tight.totals.fits(tight.machine)
     assert tight.totals.time_s > roomy.totals.time_s   # memory bought with time
     assert tight.extraction["chosen"] == "joint" and tight.extraction["method"] in (LEAN, LEAN_ILP)
@@ -48,32 +70,28 @@ def test_below_every_plan_it_is_still_a_clear_refusal():
 
 
 
-def test_where_the_leanest_policy_fits_only_lean_the_policies_between_are_asked_lean_too(monkeypatch):
+def test_where_the_leanest_policy_fits_only_lean_the_policies_between_are_asked_lean_too(tight, monkeypatch):
     """The leanest policy (ZeRO-2 here) fits only by trading time for memory: then no policy between fits by time
     either, and each is asked lean as well, the fastest of the lean plans kept (llama-70b on 64 H100s
     `--no-pipeline`: the leanest's lean plan 22.620 s, ZeRO-1's 14.985 s). Where a time-ranked pass fits, no
     policy but the leanest is asked lean."""
     import parsat.search.mesh as mesh
 
-    solve, calls = mesh.solve, []
-
-    def recording(*args, **kwargs):
-        if "lean" not in kwargs:   # a baseline's restricted extraction
-            return solve(*args, **kwargs)
-        call = [kwargs["zero"], kwargs["lean"], None]   # the policy's ZeRO stage, asked lean, found lean
-        calls.append(call)
-        pcg, costs, extraction = solve(*args, **kwargs)
-        call[2] = extraction.lean
-        return pcg, costs, extraction
-
-    monkeypatch.setattr(mesh, "solve", recording)
-    tight = _plan(4.0)
+    tight, calls = tight
     assert tight.extraction["method"] in (LEAN, LEAN_ILP)
     # each mesh's extractions: ZeRO-0 by time, the leanest (ZeRO-2) lean, then ZeRO-1
     runs = [calls[i:i + 3] for i, call in enumerate(calls) if call[0] == 0 and i + 2 < len(calls)]
     leaned = [run for run in runs if run[1][:3] == [2, True, True]]
     assert leaned, calls
     assert all([(zero, lean) for zero, lean, _ in run] == [(0, False), (2, True), (1, True)] for run in leaned)
-    calls.clear()
+    solve, roomy_calls = mesh.solve, []
+
+    def recording(*args, **kwargs):
+        pcg, costs, extraction = solve(*args, **kwargs)
+        if "lean" in kwargs:
+            roomy_calls.append([kwargs["zero"], kwargs["lean"], extraction.lean])
+        return pcg, costs, extraction
+
+    monkeypatch.setattr(mesh, "solve", recording)
     _plan(64.0)   # every policy's fastest plan fits: the first policy, by time
-    assert calls and all(call == [0, False, False] for call in calls)
+    assert roomy_calls and all(call == [0, False, False] for call in roomy_calls)

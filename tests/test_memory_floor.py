@@ -83,11 +83,11 @@ def test_the_floor_tracks_the_activations(grid):
     assert 2 * kept > peak
 
 
-@pytest.mark.parametrize("machine,options", [
+@pytest.mark.parametrize("machine,options", [   # recompute and pinned (~7-8 s each) in the slow run
     ("h100x8", {}),
-    ("h100x8", {"recompute": BLOCKS}),
+    pytest.param("h100x8", {"recompute": BLOCKS}, marks=pytest.mark.slow),
     ("cpu", {}),
-    ("h100x8", {"degrees": {"dp": 2, "tp": 2, "zero": 1}}),
+    pytest.param("h100x8", {"degrees": {"dp": 2, "tp": 2, "zero": 1}}, marks=pytest.mark.slow),
 ], ids=["free", "recompute", "cpu", "pinned"])
 def test_the_floor_is_below_every_candidate_a_search_simulates(monkeypatch, machine, options):
     """Every candidate a search simulates (its meshes' joint plans, their restricted baselines, data
