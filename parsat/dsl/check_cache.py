@@ -53,6 +53,6 @@ def remember_clean(library: Library, folder: Path | None = None) -> None:
     path = _entry(key, folder)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps({"key": key, "clean": True}) + "\n")
+        write_atomic(path, json.dumps({"key": key, "clean": True}) + "\n", durable=False)
     except (FileProblem, OSError):
         pass

@@ -83,7 +83,7 @@ def parse_cached(text: str, path: str = "<string>", folder: Path | None = None) 
     module = parse(text, path)
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(entry, pickle.dumps((key, module), protocol=pickle.HIGHEST_PROTOCOL))
+        write_atomic(entry, pickle.dumps((key, module), protocol=pickle.HIGHEST_PROTOCOL), durable=False)
     except (FileProblem, OSError, pickle.PicklingError, RecursionError):
         pass
     return module

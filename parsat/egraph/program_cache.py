@@ -144,7 +144,7 @@ def write_program(key: str, program: RuleProgram, folder: Path) -> None:
     path = _entry(key, folder)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps({"format": FORMAT, "key": key, "program": _encoded(program)}))
+        write_atomic(path, json.dumps({"format": FORMAT, "key": key, "program": _encoded(program)}), durable=False)
     except (FileProblem, OSError, TypeError, ValueError):
         pass
 
