@@ -94,3 +94,38 @@ def test_the_torch_native_lowering_refuses_the_zigzag_ring_by_name():
     pcg = SimpleNamespace(mesh=SimpleNamespace(world=4), nodes=[SimpleNamespace(kind="op", op="zigzag", id=3)])
     with pytest.raises(LoweringError, match=r"node #3 is zigzag: the causal ring.*zigzag.*interpreter"):
         lower(pcg, graph=None, module=None)
+
+
+def _zigzag_attention_graph(library, s: int = 2048, h: int = 128, p: int = 4):
+    """One causal attention whose output is read in zigzag order over 2p chunks (a sequence kept zigzagged, as
+    Megatron-LM's data loader gives it): the search may split it by its queries only through the zigzag ring."""
+    from parsat.ir.graph import GraphBuilder
+    g = GraphBuilder(library, name="zigzag_attention")
+    x = g.input("x", [1, s, h])
+    q, k, v = (g.op("linear_nobias", x, g.weight(f"w{n}", [h, h]), name=n) for n in "qkv")
+    zigzagged = g.op("zigzag", g.op("attention_causal", q, k, v, c=h ** -0.5, name="attention"), dim=1, g=2 * p,
+                     name="zigzagged")
+    squares = g.op("reduce_sum", g.op("mul", zigzagged, zigzagged, name="sq"), dim=2, name="rows")
+    g.output(g.op("reduce_sum", g.op("reduce_sum", squares, dim=1, name="tokens"), dim=0, name="loss"))
+    return g.build()
+
+
+@pytest.mark.slow
+def test_the_zigzag_ring_plan_trains_on_four_gloo_ranks_as_one_process():
+    """The search splits the zigzagged attention by its queries through the zigzag ring on 4 ranks of the `cpu`
+    preset (each rank's zigzag block against the whole keys under its zigzag mask rows); the interpreter runs it
+    (the mask made, zigzagged and sliced), checked against one process."""
+    pytest.importorskip("torch")
+    from parsat.backend.executor import TrainConfig, run_plan
+    from parsat.dsl.library import load_library
+    from parsat.search.optimize import optimize
+    library = load_library()[0]
+    graph = _zigzag_attention_graph(library)
+    plan = optimize(graph, machine="cpu", devices=4, rules=library, baselines=False)
+    attention = next(n for n in plan.pcg.nodes if n.op == "attention_masked")
+    assert any(r.startswith("attention_causal_zigzag_query_parallel") for r in attention.rules), attention.rules
+    mask = plan.pcg.node(plan.pcg.node(attention.inputs[3]).inputs[0])
+    assert mask.op == "zigzag" and plan.pcg.node(mask.inputs[0]).op == "causal_mask"
+    result = run_plan(plan.pcg, 4, TrainConfig(steps=2, optimizer="adam", lr=0.01, check=True, tolerance=1e-4),
+                      graph=graph, backend="gloo")
+    assert result.check == "passed", result
