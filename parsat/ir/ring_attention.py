@@ -26,6 +26,11 @@ rank's offset inside the kernel (FlashAttention's causal flag on the diagonal bl
 mask and its split (`RingAttention.generated`) run nothing and hold nothing there; `parsat run`'s interpreter
 makes the whole mask and slices it, and is priced as it runs.
 
+The zigzag ring (`attention_causal_zigzag_query_parallel`) is the causal ring whose mask is the rows of
+`zigzag(causal_mask(s), 0, 2p)` split on the same axis: rank i's queries are chunks i and 2p - 1 - i of the
+sequence, every rank does the same causal work (`RingAttention.balanced`, `cost.ring_time.ring_work`), and the
+zigzag of the mask is made in the kernel too.
+
 Not priced as a ring: causal attention written as `attention_causal` (its query blocks need the mask block:
 docs/MESH.md, "Ring attention"), a gather that another node also reads, and a weight's gather.
 """
