@@ -110,6 +110,35 @@ def _zigzag_attention_graph(library, s: int = 2048, h: int = 128, p: int = 4):
     return g.build()
 
 
+def test_under_a_gpu_profile_the_zigzagged_attention_is_the_balanced_ring_and_faster_than_unbalanced():
+    """On 8 H100s the zigzagged attention of 16,384 tokens is split as the zigzag ring (about 1 CPU s of search):
+    `describe` names it, its mask's nodes are made in the kernel, and the step priced with the ring balanced is
+    below the same plan priced as the contiguous ring's last rank."""
+    from dataclasses import replace
+    from unittest import mock
+
+    from parsat.cost import ring_time
+    from parsat.cost.pcg_tasks import profile_for, simulate_pcg
+    from parsat.dsl.library import load_library
+    from parsat.ir.machine import Machine
+    from parsat.ir.parallelism import describe
+    from parsat.ir.ring_attention import ring_attentions
+    from parsat.search.optimize import optimize
+    library = load_library()[0]
+    plan = optimize(_zigzag_attention_graph(library, s=16384, h=1024, p=8), machine="h100x8", devices=8,
+                    rules=library, baselines=False)
+    rings = ring_attentions(plan.pcg)
+    (ring,) = set(rings.values())
+    assert ring.causal and ring.balanced and ring.parts == 8 and len(ring.generated) == 3, ring
+    assert "balanced (zigzag) causal ring attention" in describe(plan.pcg), describe(plan.pcg)
+    h100 = Machine.preset("h100x8")
+    balanced = simulate_pcg(plan.pcg, library, h100, profile_for(h100)).step_s
+    contiguous = {i: replace(r, balanced=False) for i, r in rings.items()}
+    with mock.patch.object(ring_time, "ring_attentions", lambda _pcg: contiguous):
+        unbalanced = simulate_pcg(plan.pcg, library, h100, profile_for(h100)).step_s
+    assert balanced < unbalanced
+
+
 @pytest.mark.slow
 def test_the_zigzag_ring_plan_trains_on_four_gloo_ranks_as_one_process():
     """The search splits the zigzagged attention by its queries through the zigzag ring on 4 ranks of the `cpu`
