@@ -17,10 +17,16 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
+from unittest import mock
 
+from parsat.cost import ring_time
+from parsat.cost.pcg_tasks import profile_for, simulate_pcg
 from parsat.dsl.library import load_library
+from parsat.ir.machine import Machine
 from parsat.ir.models import build_example
 from parsat.ir.parallelism import FUSED_ATTENTION, describe
+from parsat.ir.ring_attention import ring_attentions
 from parsat.search.optimize import optimize
 
 
@@ -45,6 +51,25 @@ def main(argv: list[str]) -> None:
     print(describe(plan.pcg))
     attention = next(n for n in plan.pcg.nodes if n.op in FUSED_ATTENTION)
     print("attention placement", attention.placement, attention.rules)
+    _balanced(plan, library)
+
+
+def _balanced(plan, library) -> None:
+    """Where the plan runs the contiguous causal ring, its step re-simulated with each causal ring balanced
+    (`RingAttention.balanced`: the zigzag ring's price, `cost.ring_time.ring_work`), the same nodes and placements:
+    what the plan would take with its sequence zigzagged at the data loader (Megatron-LM's), no permutation
+    priced. The search itself reaches the zigzag ring only where a graph holds a zigzagged attention output
+    (`attention_causal_zigzag_query_parallel`), which the example models do not."""
+    rings = ring_attentions(plan.pcg)
+    if not any(r.causal and not r.balanced for r in rings.values()):
+        return
+    balanced = {i: replace(r, balanced=r.causal) for i, r in rings.items()}
+    machine = Machine.preset("h100x8")
+    plain = simulate_pcg(plan.pcg, library, machine, profile_for(machine)).step_s
+    with mock.patch.object(ring_time, "ring_attentions", lambda _pcg: balanced):
+        step = simulate_pcg(plan.pcg, library, machine, profile_for(machine)).step_s
+    print(f"the plan simulated as it is {plain * 1e3:.3f} ms; with its causal rings balanced (zigzag) "
+          f"{step * 1e3:.3f} ms")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from parsat.cost import pcg_tasks
+from parsat.cost import ring_time
 from parsat.cost.collectives import SEND_RECV, price
 from parsat.cost.pcg_tasks import mesh_groups, profile_for, simulate_pcg
 from parsat.dsl.library import load_library
@@ -106,7 +106,7 @@ def test_a_single_head_causal_attention_is_a_causal_ring_priced_as_its_slowest_r
     h100 = Machine.preset("h100x8")
     causal = simulate_pcg(pcg, library, h100, profile_for(h100))
     as_bidirectional = {i: RingAttention(r.attention, r.gathers, r.parts) for i, r in rings.items()}
-    with mock.patch.object(pcg_tasks, "ring_attentions", lambda _pcg: as_bidirectional):
+    with mock.patch.object(ring_time, "ring_attentions", lambda _pcg: as_bidirectional):
         dense = simulate_pcg(pcg, library, h100, profile_for(h100))
     assert causal.peak_memory_bytes < dense.peak_memory_bytes
     assert causal.step_s < dense.step_s

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from parsat.cost import pcg_tasks
+from parsat.cost import ring_time
 from parsat.cost.collectives import SEND_RECV, price
 from parsat.cost.pcg_tasks import mesh_groups, profile_for, simulate_pcg
 from parsat.dsl.library import load_library
@@ -74,7 +74,7 @@ def test_a_single_head_attention_is_split_by_its_queries_and_priced_as_a_ring(li
 
     h100 = Machine.preset("h100x8")
     ring = simulate_pcg(pcg, library, h100, profile_for(h100))
-    with mock.patch.object(pcg_tasks, "ring_attentions", lambda _pcg: {}):
+    with mock.patch.object(ring_time, "ring_attentions", lambda _pcg: {}):
         gathered = simulate_pcg(pcg, library, h100, profile_for(h100))
     assert ring.peak_memory_bytes < gathered.peak_memory_bytes
     assert ring.step_s <= gathered.step_s

@@ -58,6 +58,7 @@ from parsat.ir.pcg import SHARDED_STATE_STAGES, STORED_ROLES, WEIGHT, WEIGHT_PIE
 from parsat.cost import collectives
 from parsat.cost.collectives import GroupTopology, price
 from parsat.cost.op_time import FUSED, OpTime, op_time
+from parsat.cost.ring_time import ring_compute_s
 from parsat.cost.saved import exposed_regather_s, regathers, runtime_regathers
 
 OPTIMIZER = "adam"           # the optimizer the plan's memory and update time assume
@@ -107,12 +108,19 @@ def compute_time(instance: OpInstance, inputs: Sequence[Degrees], output: Degree
 
 
 def compute_cost(instance: OpInstance, inputs: Sequence[Degrees], output: Degrees, machine: Machine,
-                 weight_inputs: Sequence[bool], kept: bool = True) -> NodeCost:
+                 weight_inputs: Sequence[bool], kept: bool = True, ring: Sequence[float] = ()) -> NodeCost:
     """A compute operator on local pieces; weights read directly are stored whole. `kept`: whether some
     reader's backward reads its output (`cost.saved`), which is then kept until that backward, unless the
     operator is a view (its operand holds the storage); a fused kernel keeps its output for its own backward
-    (`FusedKernel.keeps_output`) and what it saves beside it (`OpTime.saved_bytes`)."""
+    (`FusedKernel.keeps_output`) and what it saves beside it (`OpTime.saved_bytes`). `ring`: a ring attention's
+    shares of its dense block row step by step (`cost.ring_time.ring_work`), its forward and backward then the
+    slowest rank's compute over the pass (`ring_compute_s`), as the step simulator runs it."""
     timed, problems = compute_time(instance, inputs, output, machine)
+    if ring:
+        eff = machine.efficiency
+        back = timed.backward_kernel_s(range(len(instance.input_shapes)))
+        timed = replace(timed, forward_s=ring_compute_s(timed.kernel_s, ring, eff.op_time),
+                        backward_s=ring_compute_s(back, ring, lambda s: eff.op_time(s, backward=True)))
     shapes = [tuple(int(d.evaluate({})) for d in s) for s in instance.input_shapes]
     out_shape = tuple(int(d.evaluate({})) for d in instance.output_shape)
     fused = FUSED.get(instance.name)

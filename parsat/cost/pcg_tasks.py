@@ -92,11 +92,12 @@ from parsat.ir.module_calls import ModuleCalls
 from parsat.ir.parallelism import FUSED_ATTENTION
 from parsat.ir.pcg import PCG, PNode, pcg_roles, state_shardings, weight_chains, weight_storage
 from parsat.ir.recompute import Checkpoint, checkpoints
-from parsat.ir.ring_attention import RingAttention, ring_attentions
+from parsat.ir.ring_attention import RingAttention
 from parsat.cost.fsdp_groups import ParamGroup, group_elements, param_groups, tensor_axes
 from parsat.cost.collectives import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, SEND_RECV, GroupTopology,
                                      price)
 from parsat.cost.model import compute_time
+from parsat.cost.ring_time import ring_chunks_s, ring_work, rings_run
 from parsat.cost.saved import PRODUCTS, kept_values, regathered_values
 from parsat.cost.op_time import OpTime, chunk_time, memory_op_time, update_time
 from parsat.cost.schedules import Gradient, GradientBuckets, ParamGathers, assign_buckets
@@ -479,8 +480,7 @@ class _Builder:
         self.params = weight_chains(pcg)
         # ring attention (`ir.ring_attention`), where the profile overlaps communication: the attention node and
         # its k and v gathers -> the ring
-        self.rings = {i: r for i, r in ring_attentions(pcg).items() if not self.params & set(r.gathers)} \
-            if profile.overlap else {}
+        self.rings = rings_run(pcg, profile.overlap)
         # the causal ring's mask nodes, which its kernel makes from the rank's offset: nothing run, nothing held
         self.generated = frozenset(i for r in self.rings.values() for i in r.generated)
         self.pipes = self._pipelines()                # collective and product -> their `Pipeline`
@@ -777,16 +777,16 @@ class _Builder:
         phase = "backward" if backward else "forward"
         name = f"{node.label} #{node.id}{' backward' if backward else ''} ({'causal ' if ring.causal else ''}ring " \
                "attention)"
-        chunk = self.eff.op_time(kernel_s / ring.parts, backward=backward)
-        # the causal ring's slowest rank (the last) starts on its own block, the diagonal, computed causally
-        # (half of its scores), then meets the p - 1 blocks before it in full as they arrive
-        first = self.eff.op_time(kernel_s / ring.parts / 2, backward=backward) if ring.causal else chunk
-        task = self._add(f"{name} [1/{ring.parts}]", self.compute, first, deps, alloc=alloc, phase=phase)
+        # the slowest rank's share of the dense block row at each step (`cost.ring_time.ring_work`): the causal
+        # ring's last rank starts on its diagonal block (half its scores), then meets the p - 1 blocks before it
+        chunks = ring_chunks_s(kernel_s, ring_work(ring.parts, ring.causal, ring.balanced),
+                               lambda s: self.eff.op_time(s, backward=backward))
+        task = self._add(f"{name} [1/{ring.parts}]", self.compute, chunks[0], deps, alloc=alloc, phase=phase)
         sent = None
         for i in range(1, ring.parts):
             sent = self._sync(f"{name} block {i} send/recv", SEND_RECV, gather, moved, deps + ([sent] if sent else []),
                               phase=f"{phase}_comm")
-            task = self._add(f"{name} [{i + 1}/{ring.parts}]", self.compute, chunk, [task, sent],
+            task = self._add(f"{name} [{i + 1}/{ring.parts}]", self.compute, chunks[i], [task, sent],
                              free=free if i == ring.parts - 1 and not backward else 0, phase=phase)
         if backward:   # each block's dk and dv one step from home
             task = self._sync(f"{name} dk, dv home", SEND_RECV, gather, block, [task], free=free,

@@ -130,6 +130,27 @@ def _attention_masked(q: Tensor, k: Tensor, v: Tensor, m: Tensor, c: float) -> T
     return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.log(m.detach().to(q.dtype)), scale=float(c))
 
 
+def zigzag_order(s: int, g: int) -> list[int]:
+    """The zigzag order of a dim of `s` positions in `g` (even) chunks (`zigzag`, rules/ops.rule): output chunk
+    2i is input chunk i and output chunk 2i + 1 input chunk g - 1 - i, so a p-way split (g = 2p) gives rank i
+    chunks i and 2p - 1 - i (the balanced causal ring); each output position's input position."""
+    w = s // g
+    chunks = [c // 2 if c % 2 == 0 else g - 1 - c // 2 for c in range(g)]
+    return [chunk * w + r for chunk in chunks for r in range(w)]
+
+
+def _zigzag(x: Tensor, dim: int, g: int) -> Tensor:
+    """`x` with dim `dim` in zigzag order (`zigzag_order`): an index_select, its backward the scatter back."""
+    order = torch.tensor(zigzag_order(x.shape[int(dim)], int(g)), device=x.device)
+    return x.index_select(int(dim), order)
+
+
+def _unzigzag(x: Tensor, dim: int, g: int) -> Tensor:
+    """`x` with dim `dim` taken back from zigzag order: the inverse permutation of `zigzag_order`."""
+    order = torch.tensor(zigzag_order(x.shape[int(dim)], int(g)), device=x.device)
+    return x.index_select(int(dim), torch.argsort(order))
+
+
 def _softmax_masked(x: Tensor, m: Tensor) -> Tensor:
     """`m * exp(x) / sum(m * exp(x))` along the last dim, shifted by the row's largest kept entry.
 
@@ -272,6 +293,8 @@ OPS: Mapping[str, TorchOp] = {
     "attention": TorchOp(3, ("c",), _attention),
     "causal_mask": TorchOp(0, ("s",), _causal_mask),
     "attention_masked": TorchOp(4, ("c",), _attention_masked),
+    "zigzag": TorchOp(1, ("dim", "g"), _zigzag),
+    "unzigzag": TorchOp(1, ("dim", "g"), _unzigzag),
     "logsumexp": TorchOp(1, (), lambda x: torch.logsumexp(x, dim=-1)),
     "amax": TorchOp(1, (), lambda x: x.amax(dim=-1)),
     "sumexp_shifted": TorchOp(2, (), lambda x, m: torch.exp(x - m.unsqueeze(-1)).sum(dim=-1)),

@@ -169,10 +169,12 @@ def describe(pcg: PCG) -> str:
         parts.append("context-parallel attention (Ulysses all-to-all) over "
                      + ", ".join(f"{u.name} {u.size}" for u in context))
     found = ring_attentions(pcg).values()
-    for causal in (False, True):
-        rings = sorted({pcg.node(r.gathers[0]).axis(pcg.mesh) for r in found if r.causal == causal})
+    kinds = {(False, False): "", (True, False): "causal ", (True, True): "balanced (zigzag) causal "}
+    for (causal, balanced), kind in kinds.items():
+        rings = sorted({pcg.node(r.gathers[0]).axis(pcg.mesh) for r in found
+                        if (r.causal, r.balanced) == (causal, balanced)})
         if rings:
-            parts.append(f"{'causal ' if causal else ''}ring attention (k, v blocks passed round) over "
+            parts.append(f"{kind}ring attention (k, v blocks passed round) over "
                          + ", ".join(f"{pcg.mesh.axes[a].name} {pcg.mesh.size(a)}" for a in rings))
     zero = [u for u in uses if ZERO3 in u.kinds]
     if zero:

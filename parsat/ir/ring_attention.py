@@ -26,6 +26,11 @@ rank's offset inside the kernel (FlashAttention's causal flag on the diagonal bl
 mask and its split (`RingAttention.generated`) run nothing and hold nothing there; `parsat run`'s interpreter
 makes the whole mask and slices it, and is priced as it runs.
 
+The zigzag ring (`attention_causal_zigzag_query_parallel`) is the causal ring whose mask is the rows of
+`zigzag(causal_mask(s), 0, 2p)` split on the same axis: rank i's queries are chunks i and 2p - 1 - i of the
+sequence, every rank does the same causal work (`RingAttention.balanced`, `cost.ring_time.ring_work`), and the
+zigzag of the mask is made in the kernel too.
+
 Not priced as a ring: causal attention written as `attention_causal` (its query blocks need the mask block:
 docs/MESH.md, "Ring attention"), a gather that another node also reads, and a weight's gather.
 """
@@ -46,18 +51,24 @@ RING_ATTENTION = frozenset({"attention", "attention_masked"})
 CAUSAL_MASK = "causal_mask"
 """The operator that makes the causal mask from positions (rules/ops.rule)."""
 
+ZIGZAG = "zigzag"
+"""The operator that puts a sequence's 2p chunks in zigzag order (rules/ops.rule): rank i's block holds chunks i
+and 2p - 1 - i, the balanced causal ring's layout."""
+
 
 @dataclass(frozen=True)
 class RingAttention:
     """A fused attention run as a ring over `parts` ranks: its node, and the all-gathers of its k and v; `causal`
-    when its mask is the causal mask's rows (the causal ring), `generated` the mask's nodes a GPU kernel makes
-    from the rank's offset instead (its split, and the whole mask where only such splits read it)."""
+    when its mask is the causal mask's rows (the causal ring), `balanced` when the ranks' rows are the zigzag
+    chunks (every rank the same causal work, `cost.ring_time.ring_work`), `generated` the mask's nodes a GPU
+    kernel makes from the rank's offset instead (its split, and the whole mask where only such splits read it)."""
 
     attention: int
     gathers: tuple[int, int]
     parts: int
     causal: bool = False
     generated: tuple[int, ...] = ()
+    balanced: bool = False
 
 
 def ring_attentions(pcg: PCG) -> dict[int, RingAttention]:
@@ -77,32 +88,49 @@ def ring_attentions(pcg: PCG) -> dict[int, RingAttention]:
         axis = k.axis(pcg.mesh)
         if v.axis(pcg.mesh) != axis or q.placement.codes[axis:axis + 1] != (shard(len(q.shape) - 2),):
             continue
-        causal, generated = _causal_rows(pcg, node, axis) if node.op == "attention_masked" else (False, ())
+        causal, balanced, generated = _causal_rows(pcg, node, axis) if node.op == "attention_masked" \
+            else (False, False, ())
         if node.op == "attention_masked" and pcg.node(node.inputs[3]).placement.codes[axis:axis + 1] != (shard(0),):
             continue   # the mask's rows not split with the queries on the ring's axis
-        ring = RingAttention(node.id, (k.id, v.id), pcg.mesh.size(axis), causal, generated)
+        ring = RingAttention(node.id, (k.id, v.id), pcg.mesh.size(axis), causal, generated, balanced)
         found[node.id] = found[k.id] = found[v.id] = ring
     return found
 
 
-def _causal_rows(pcg: PCG, node, axis: int) -> tuple[bool, tuple[int, ...]]:
+def _causal_rows(pcg: PCG, node, axis: int) -> tuple[bool, bool, tuple[int, ...]]:
     """Whether masked attention's mask is the causal mask's rows split on `axis` (a `partition` of dim 0 of a
-    `causal_mask`), and the nodes a kernel makes from the offset instead: that split, and the whole mask where
-    every reader of it is such a split read by masked attention alone."""
+    `causal_mask`, or of its rows in zigzag order, `zigzag_mask_rows`: the balanced ring), whether they are in
+    zigzag order, and the nodes a kernel makes from the offset instead: that split, and the whole mask (and the
+    causal mask under its zigzag) where only such splits read it."""
     split = pcg.node(node.inputs[3])
     if split.kind != "parallel" or split.op != "partition" or int(split.attr("dim")) != 0 \
             or split.axis(pcg.mesh) != axis:
-        return False, ()
+        return False, False, ()
     mask = pcg.node(split.inputs[0])
-    if mask.kind != "op" or mask.op != CAUSAL_MASK:
-        return False, ()
+    under = zigzag_mask_rows(pcg, mask, 2 * pcg.mesh.size(axis))
+    balanced = under is not None
+    if not balanced and (mask.kind != "op" or mask.op != CAUSAL_MASK):
+        return False, False, ()
     readers = pcg.readers_of
     if not all(r.kind == "op" and r.op == "attention_masked" for r in readers.get(split.id, [])):
-        return True, ()
-    only_splits = all(r.kind == "parallel" and r.op == "partition"
-                      and all(u.kind == "op" and u.op == "attention_masked" for u in readers.get(r.id, []))
-                      for r in readers.get(mask.id, []))
-    return True, (split.id, mask.id) if only_splits else (split.id,)
+        return True, balanced, ()
+    made = [split.id]
+    if all(r.kind == "parallel" and r.op == "partition"
+           and all(u.kind == "op" and u.op == "attention_masked" for u in readers.get(r.id, []))
+           for r in readers.get(mask.id, [])):
+        made.append(mask.id)
+        if balanced and [r.id for r in readers.get(under.id, [])] == [mask.id]:
+            made.append(under.id)
+    return True, balanced, tuple(made)
 
 
-__all__ = ["CAUSAL_MASK", "RING_ATTENTION", "RingAttention", "ring_attentions"]
+def zigzag_mask_rows(pcg: PCG, node, chunks: int):
+    """The `causal_mask` node whose rows `node` is in zigzag order over `chunks` chunks (`zigzag` of dim 0 of a
+    causal mask: the balanced ring's mask, `attention_causal_zigzag_query_parallel`), or None."""
+    if node.kind != "op" or node.op != ZIGZAG or int(node.attr("dim")) != 0 or int(node.attr("g")) != chunks:
+        return None
+    mask = pcg.node(node.inputs[0])
+    return mask if mask.kind == "op" and mask.op == CAUSAL_MASK else None
+
+
+__all__ = ["CAUSAL_MASK", "RING_ATTENTION", "ZIGZAG", "RingAttention", "ring_attentions", "zigzag_mask_rows"]

@@ -40,9 +40,12 @@ from parsat.ir.graph import Graph, instance_for
 from parsat.ir.machine import Machine
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import INPUT, STORED_ROLES, WEIGHT, WEIGHT_PIECE, WEIGHT_VALUE, Degrees
+from parsat.ir.ring_attention import CAUSAL_MASK, RING_ATTENTION, ZIGZAG
 from parsat.ir.units import fmt_bytes_pair
 from parsat.cost.collectives import BROADCAST, GroupTopology, price
 from parsat.cost.model import compute_cost, gather_cost, parallel_cost
+from parsat.cost.pcg_tasks import profile_for
+from parsat.cost.ring_time import ring_work
 from parsat.cost.saved import kept
 from parsat.egraph.encoding import PIN_SUFFIX
 from parsat.egraph.runner import Limits
@@ -120,6 +123,7 @@ def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Mach
     """
     roles = leaf_roles(snapshot, graph)
     held = kept_classes(snapshot, graph, library)
+    rings = profile_for(machine).overlap   # the profile runs ring attention as a ring (`cost.ring_time.rings_run`)
     pricer = Pricer(library, machine, snapshot.mesh or Mesh(()), free_input_placements, input_pins, graph.microbatches,
                     zero, computed)
     # What the pricer reads of a class is its shape, spread and role: classes are numbered by those, once, and an
@@ -139,10 +143,14 @@ def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Mach
                 continue
             if only is not None and not only(node.op, roles.get(node.children[0], "") if node.children else ""):
                 continue
-            key = (node.op, node.attrs, kind[cid], tuple(kind[ch] for ch in node.children), cid in held)
+            if rings and made_in_kernel(snapshot, node):
+                out[(cid, index)] = NodeCost()
+                continue
+            ring = ring_form(snapshot, node) if rings else ()
+            key = (node.op, node.attrs, kind[cid], tuple(kind[ch] for ch in node.children), cid in held, ring)
             cost = priced.get(key, _UNPRICED)
             if cost is _UNPRICED:
-                cost = priced[key] = _price_enode(pricer, snapshot, roles, cid, node, cid in held)
+                cost = priced[key] = _price_enode(pricer, snapshot, roles, cid, node, cid in held, ring)
             if cost is not None:
                 out[(cid, index)] = cost
     return out
@@ -163,7 +171,7 @@ _UNPRICED = object()   # `node_costs`: no e-node of this kind priced yet (None i
 
 
 def _price_enode(pricer: "Pricer", snapshot: Snapshot, roles: Mapping[int, str], cid: int, node: ENode,
-                 kept: bool = True) -> NodeCost | None:
+                 kept: bool = True, ring: tuple[float, ...] = ()) -> NodeCost | None:
     """One e-node of class `cid` priced (`Pricer.price`); `kept`: whether the class's value is kept for
     backward (`kept_classes`). A gather gathered again for backward is charged the whole second all-gather
     (no `cover`: which readers a plan picks is not known here, an upper bound as `kept_classes` is; per-class
@@ -174,7 +182,56 @@ def _price_enode(pricer: "Pricer", snapshot: Snapshot, roles: Mapping[int, str],
                         snapshot.degrees[cid], tuple(snapshot.shape[ch] for ch in node.children),
                         tuple(snapshot.degrees[ch] for ch in node.children),
                         tuple(roles.get(ch, "") for ch in node.children), node.attrs[-1] if parallel else None,
-                        kept=kept)
+                        kept=kept, ring=ring)
+
+
+def ring_form(snapshot: Snapshot, node: ENode) -> tuple[float, ...]:
+    """A fused attention e-node in ring form, its slowest rank's shares of the dense block row step by step
+    (`cost.ring_time.ring_work`), else (): q split along its sequence (p pieces), k and v whole along theirs, a
+    mask's rows split with the queries; causal where the mask's class holds a row split of `causal_mask`, balanced
+    where of its zigzag rows over 2p chunks (`attention_causal_zigzag_query_parallel`). The
+    step simulator rings only k and v all-gathered on one axis for this attention alone (`ir.ring_attention`),
+    which an e-node cannot know (which of its classes' e-nodes a plan picks): here the compute is the ring's
+    wherever the placements are, its transfers priced on whatever makes k and v whole (an all-gather: not
+    overlapped, an upper bound of the pass)."""
+    if node.op not in RING_ATTENTION:
+        return ()
+    q, k, v = (snapshot.degrees[c] for c in node.children[:3])
+    parts = q.shard[-2]
+    if parts == 1 or k.shard[-2] != 1 or v.shard[-2] != 1:
+        return ()
+    causal = balanced = False
+    if node.op == "attention_masked":
+        mask = node.children[3]
+        if snapshot.degrees[mask].shard[0] != parts:
+            return ()
+        rows = [n.children[0] for n in snapshot.classes[mask] if n.op == PARTITION and int(n.attrs[0]) == 0]
+        causal = any(_holds_causal_mask(snapshot, r) for r in rows)
+        balanced = any(_holds_zigzag_mask(snapshot, r, 2 * parts) for r in rows)
+    return ring_work(parts, causal or balanced, balanced)
+
+
+def _holds_causal_mask(snapshot: Snapshot, cid: int) -> bool:
+    return any(m.op == CAUSAL_MASK for m in snapshot.classes.get(cid, ()))
+
+
+def _holds_zigzag_mask(snapshot: Snapshot, cid: int, chunks: int | None = None) -> bool:
+    """Whether class `cid` holds the causal mask's rows in zigzag order (of `chunks` chunks, any where None)."""
+    return any(m.op == ZIGZAG and int(m.attrs[0]) == 0 and (chunks is None or int(m.attrs[1]) == chunks)
+               and _holds_causal_mask(snapshot, m.children[0]) for m in snapshot.classes.get(cid, ()))
+
+
+def made_in_kernel(snapshot: Snapshot, node: ENode) -> bool:
+    """Whether `node` is the causal ring's mask, which a GPU kernel makes from the rank's offset and nobody stores
+    (`ir.ring_attention.RingAttention.generated`, priced so by the step simulator): `causal_mask`, its rows in
+    zigzag order, or a split of either's rows. Only the causal ring's rule makes the mask, so its class is read by the ring alone (the simulator
+    checks that in the plan). Under `parsat run`'s interpreter the mask is made whole and sliced: not here."""
+    if node.op == CAUSAL_MASK:
+        return True
+    if node.op == ZIGZAG:
+        return int(node.attrs[0]) == 0 and _holds_causal_mask(snapshot, node.children[0])
+    return node.op == PARTITION and int(node.attrs[0]) == 0 and (
+        _holds_causal_mask(snapshot, node.children[0]) or _holds_zigzag_mask(snapshot, node.children[0]))
 
 
 def kept_classes(snapshot: Snapshot, graph: Graph, library: Library) -> frozenset[int]:
@@ -227,13 +284,14 @@ class Pricer:
 
     def price(self, op: str, attrs: tuple, shape, degrees: Degrees, child_shapes, child_degrees, roles,
               axis: int | None = None, stores: bool = True, gradient: bool = True, kept: bool = True,
-              cover: float = 0.0, kept_whole: bool = False) -> NodeCost | None:
+              cover: float = 0.0, kept_whole: bool = False, ring: tuple[float, ...] = ()) -> NodeCost | None:
+        """`ring`: a ring-form attention's shares of its block row (`ring_form`), priced as the ring computes."""
         devices = self.mesh.world
         if op == "leaf":
             pinned = self.input_pins.get(attrs[0]) if attrs else None
             return gather_cost(self.machine, pinned, shape, devices).per_step(self.microbatches) if pinned else NodeCost()
         key = (op, tuple(attrs), tuple(shape), degrees, tuple(child_shapes), tuple(child_degrees), tuple(roles), axis,
-               stores, gradient, kept, cover, kept_whole)
+               stores, gradient, kept, cover, kept_whole, ring)
         # one look-up where the node is known: the key's spreads hash afresh on every look-up (`Degrees` keeps no
         # hash), and `in` then `[]` hashed it twice per call, ~144,000 calls on llama-70b:64
         found = self.cache.get(key, _UNPRICED)
@@ -248,11 +306,11 @@ class Pricer:
         else:
             weights = tuple(r == WEIGHT for r in roles)
             reads = (op, tuple(attrs), tuple(child_shapes), tuple(child_degrees), degrees, weights,
-                     self._compute_machine, kept)
+                     self._compute_machine, kept, ring)
             cost = self.computed.get(reads, _UNPRICED)
             if cost is _UNPRICED:
                 cost = self.computed[reads] = _compute(self.library, op, attrs, child_shapes, child_degrees,
-                                                       degrees, self.machine, weights, kept, self.instances)
+                                                       degrees, self.machine, weights, kept, self.instances, ring)
         cost = self.cache[key] = cost.per_step(self.microbatches) if cost is not None else None
         return cost
 
@@ -277,7 +335,7 @@ def _compute_machine(machine: Machine) -> Machine:
 
 
 def _compute(library: Library, op_name: str, values: tuple, shapes, input_degrees, out: Degrees, machine: Machine,
-             weights, kept: bool = True, instances: dict | None = None) -> NodeCost | None:
+             weights, kept: bool = True, instances: dict | None = None, ring: tuple[float, ...] = ()) -> NodeCost | None:
     """A compute operator's cost on its pieces (None where the model cannot price it). `instances`: `instance_for`'s
     memo, which gives the instance it makes (the same refusal where it refuses: `InstantiationError` is kept,
     any other error is raised again each time), so the cost is the same with or without it."""
@@ -291,7 +349,7 @@ def _compute(library: Library, op_name: str, values: tuple, shapes, input_degree
         instance = instance_for(op, shapes, attrs, instances)
     except Exception:  # the cost model only prices what instantiates; anything else is not extractable
         return None
-    cost = compute_cost(instance, input_degrees, out, machine, weights, kept)
+    cost = compute_cost(instance, input_degrees, out, machine, weights, kept, ring)
     return None if cost.problems else cost
 
 

@@ -14,7 +14,8 @@ from typing import Callable, Mapping, Sequence
 from parsat.dsl.library import Library
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.cost.model import shards_state
-from parsat.cost.pcg_tasks import needs_gradient
+from parsat.cost.pcg_tasks import needs_gradient, profile_for
+from parsat.cost.ring_time import ring_shares, rings_run
 from parsat.cost.saved import kept_values, regather_cover, regathered_values, runtime_regathers
 from parsat.ir.costs import NodeCost
 from parsat.ir.graph import Graph
@@ -132,6 +133,7 @@ def pcg_node_costs(pcg: PCG, library: Library, machine: Machine, free_input_plac
     held = kept_values(pcg, library)       # the values some backward reads (`cost.saved`)
     again = regathered_values(pcg, library)   # of those, the gathers only products' backward reads
     covers = _regather_covers(pcg, pricer, roles, held, again) if runtime_regathers(machine) else {}
+    rings = rings_run(pcg, profile_for(machine).overlap)   # priced as the step simulator runs them
     # what the pricer reads of a node is its shape, spread and role: nodes are numbered by those, and a node's
     # cost kept by its operator, attributes, its and its inputs' numbers and whether a gradient flows (as
     # `extract.node_costs` keeps e-nodes'): the blocks of a whole model's PCG repeat the same few
@@ -146,12 +148,13 @@ def pcg_node_costs(pcg: PCG, library: Library, machine: Machine, free_input_plac
         cover = covers.get(node.id, 0.0)
         # a gather kept whole, not gathered again (`cost.saved.regathers`): another backward than a product's reads it
         whole = node.kind == "parallel" and node.id in held and node.id not in again
+        ring = ring_shares(rings, node.id)
         key = (node.kind, node.op, node.attrs, kind[node.id], tuple(kind[i] for i in node.inputs), gradient,
-               node.id in held, cover, whole)
+               node.id in held, cover, whole, ring)
         cost = priced.get(key, _UNPRICED)
         if cost is _UNPRICED:
             cost = priced[key] = _price_node(pricer, pcg, node, [by_id[i] for i in node.inputs], roles, gradient,
-                                             node.id in held, cover, whole)
+                                             node.id in held, cover, whole, ring)
         if cost is None:
             return None
         out[node.id] = cost
@@ -208,13 +211,14 @@ def _regather_covers(pcg: PCG, pricer: Pricer, roles: Mapping[int, str], held: f
 
 
 def _price_node(pricer: Pricer, pcg: PCG, node: PNode, children: Sequence[PNode], roles: Mapping[int, str],
-                gradient: bool, kept: bool = True, cover: float = 0.0, whole: bool = False) -> NodeCost | None:
+                gradient: bool, kept: bool = True, cover: float = 0.0, whole: bool = False,
+                ring: tuple[float, ...] = ()) -> NodeCost | None:
     """One PCG node priced (`extract.Pricer.price`), its inputs `children`; `kept`: whether some backward reads
     its value (`cost.saved.kept_values`); `cover`: its readers' input gradients, where it is gathered again for
     backward (`_regather_covers`); `whole`: kept, and not gathered again where it is a gather (a backward other
     than a product's reads it, `cost.saved.regathered_values`). A view on a weight's storage chain (role WEIGHT,
     `ir.pcg.pcg_roles`) costs nothing: the weight is stored as the partition after it, which is priced as the
-    weight's storage, and a view runs no kernel."""
+    weight's storage, and a view runs no kernel. `ring`: a ring attention's shares (`cost.ring_time.ring_shares`)."""
     if node.kind == "op" and roles.get(node.id) == WEIGHT:
         return NodeCost()
     axis = node.axis(pcg.mesh) if node.kind == "parallel" else None
@@ -224,7 +228,7 @@ def _price_node(pricer: Pricer, pcg: PCG, node: PNode, children: Sequence[PNode]
     return pricer.price(op, attrs, node.shape, node.degrees, tuple(c.shape for c in children),
                         tuple(c.degrees for c in children), tuple(roles.get(c.id, "") for c in children), axis,
                         stores=roles.get(node.id) != WEIGHT_VALUE, gradient=gradient, kept=kept, cover=cover,
-                        kept_whole=whole)
+                        kept_whole=whole, ring=ring)
 
 
 def in_flight_costs(costs: Mapping, in_flight: int) -> Mapping:

@@ -345,10 +345,12 @@ def lower(pcg: PCG, graph: Graph, module: ModuleInfo, *, pipelined: bool = False
                             "dispatch or context-parallel attention's Ulysses exchange), "
                             "which the torch-native runtime does not lower; run the plan with the interpreter "
                             "(runtime='interpreter', `parsat run`)")
-    ring = next((n for n in pcg.nodes if n.kind == "op" and n.op in ("attention_masked", "causal_mask")), None)
+    ring = next((n for n in pcg.nodes if n.kind == "op" and n.op in ("attention_masked", "causal_mask", "zigzag",
+                                                                      "unzigzag")), None)
     if ring is not None:
         raise LoweringError(f"node #{ring.id} is {ring.op}: the causal ring's query blocks under their rows of the "
-                            "causal mask (context parallelism of causal attention, attention_causal_query_parallel), "
+                            "causal mask (context parallelism of causal attention, attention_causal_query_parallel; "
+                            "in zigzag order, attention_causal_zigzag_query_parallel), "
                             "which the torch-native runtime does not lower; run the plan with the interpreter "
                             "(runtime='interpreter', `parsat run`)")
     lowering = _Lowerer(pcg, graph, module, library, traced, evaluated).run()
