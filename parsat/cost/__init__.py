@@ -17,5 +17,7 @@ profile), `step_report` (a step
 simulated and summed up for the plan JSON), `pipeline` (a stage plan cut
 into pipeline stages and priced under a schedule), `stage_sync` (a
 stage's gradient reductions priced in buckets), `saved` (which values a
-training step keeps for backward: those some backward reads, each once).
+training step keeps for backward: those some backward reads, each once),
+`ring_time` (ring attention's work per step on its slowest rank: one
+price for the simulator and extraction).
 """
