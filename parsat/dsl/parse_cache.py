@@ -75,6 +75,14 @@ def _read(key: str, path: Path) -> ast.Module | None:
 def parse_cached(text: str, path: str = "<string>", folder: Path | None = None) -> ast.Module:
     """`parser.parse(text, path)`, or the module a parse of the same text, name and parser left before.
     Raises `DslError` as `parse` does (a file that does not parse is parsed, and refused, every time)."""
+    return _parse_once(text, path, folder or cache_dir())
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_once(text: str, path: str, folder: Path) -> ast.Module:
+    """The process remembers what it parsed or read back, by the same text, name and folder: every
+    `optimize` loads the library again (a graph and a request each), and reading its modules back from
+    the folder is ~0.1-0.2 CPU s of a small model's search. Safe to share: a module is frozen dataclasses."""
     key = parse_key(text, path)
     entry = _entry(key, folder)
     found = _read(key, entry)
