@@ -63,10 +63,13 @@ def test_products_are_timed_in_passes_and_a_slow_pass_does_not_move_their_figure
     # one call a round (window 0), each product once a pass, the calibration's other measurements between passes
     assert events == ["forward", "prepare", "backward", "something else measured"] * 5
     assert products.passes == 5
+    products.run_pass(spread=True)   # a pass placed in the calibration after `repeats` have run: none
+    assert products.passes == 5 and len(events) == 4 * 5
     rows = products.rows()
     assert [row[0] for row in rows] == ["matmul", "matmul_nt"]
     assert [row[2] for row in rows] == [pytest.approx(0.001)] * 2   # the median of 1, 3, 1, 1, 1 ms
     assert rows[0][1] == [2, 2, 2] and rows[0][3:] == [16.0, 96.0]
+    assert products.passes_of("matmul", [2, 2, 2]) == pytest.approx([0.001, 0.003, 0.001, 0.001, 0.001])
 
 
 def test_a_call_in_a_step_is_timed_after_a_product_its_backward_and_a_barrier(one_rank, monkeypatch):

@@ -208,10 +208,12 @@ class Calibration:
     #                                                          core each) per burst, as measured
     turn_s: float = 0.0        # `fit_turn` of them (the machine keeps it only where ranks share cores)
     compute_clock: str = "wall time"   # what the compute figures were timed on (`compute_clock`)
+    square_passes: tuple[float, ...] = ()   # the largest square product's seconds in each of `GemmPasses`' passes
+    #                                          (the slowest rank's), minutes apart: how much the moment moves it
 
     def to_dict(self) -> dict:
         return {"machine": self.machine.to_dict(), "device": self.device, "oversubscribed": self.oversubscribed,
-                "compute_clock": self.compute_clock,
+                "compute_clock": self.compute_clock, "square_passes_s": list(self.square_passes),
                 "turns": {"fitted_s": self.turn_s, "bursts": [{"compute_s": c, "excess_s": e, "excess_own_cores_s": o}
                                                                 for c, e, o in self.turns]},
                 "dispatch_s": {"forward": self.dispatch[0], "backward": self.dispatch[1]},
@@ -399,22 +401,23 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
         ops.append(["copy", [elements], _timed(ctx, lambda: x.clone(), budget, sync), 0.0, float(2 * elements * item)])
         ops.append(["randn", [elements], _timed(ctx, lambda: torch.randn(elements, generator=gen, dtype=dtype)
                                                 .to(ctx.device), budget, sync), 0.0, float(elements * item)])
-    products.run_pass()
+    products.run_pass(spread=True)
     ops += _updates(ctx, dtype, budget, sync)
     ops += _functions(ctx, dtype, budget, sync)
-    products.run_pass()
+    products.run_pass(spread=True)
     ops += _elementwise(ctx, dtype, budget, sync)
     ops += _attention(ctx, dtype, budget, sync)
     ops += _loss(ctx, dtype, size, budget, sync)
     step_dispatch = _step_dispatch(ctx, dtype, size, budget, sync)
-    products.run_pass()
+    products.run_pass(spread=True)
     collectives = _collectives(ctx, dtype, wall, comm_sizes, sync, size, not shared_cores)
     skew, turns = _skew(ctx, dtype, size, wall, budget, sync), _turns(ctx, dtype, wall, sync)
     while products.passes < budget.repeats:
         products.run_pass()
     return {"dispatch": dispatch, "step_dispatch": step_dispatch, "dtensor": extra, "fsdp": hooks, "python": python,
             "sequence": sequence, "redistribute": redistribute, "fsdp_collectives": fsdp_collectives,
-            "ops": products.rows() + ops, "collectives": collectives, "skew": skew, "turns": turns,
+            "ops": products.rows() + ops, "square_passes": products.passes_of("matmul", [s, s, s]),
+            "collectives": collectives, "skew": skew, "turns": turns,
             "threads": torch.get_num_threads()}
 
 
@@ -491,12 +494,21 @@ class GemmPasses:
         self.cases.append((head, round_s))
         self.seconds.append([])
 
-    def run_pass(self) -> None:
-        """One round of every product, each started by a barrier (every rank computing at once)."""
+    def run_pass(self, spread: bool = False) -> None:
+        """One round of every product, each started by a barrier (every rank computing at once); `spread`: one
+        of the passes spread over the calibration, run only while fewer than `budget.repeats` have run (the
+        rest run at its end)."""
+        if spread and self.passes >= self.budget.repeats:
+            return
         for (_head, round_s), seconds in zip(self.cases, self.seconds):
             dist.barrier()
             seconds.append(round_s())
         self.passes += 1
+
+    def passes_of(self, op: str, shape: list[int]) -> list[float]:
+        """The product's seconds a call in each pass, the slowest rank's (what its figure is the median of)."""
+        seconds = next(sec for (head, _round), sec in zip(self.cases, self.seconds) if head[:2] == [op, shape])
+        return _slowest_each(self.ctx, seconds)
 
     def rows(self) -> list[list]:
         """[op, shape, seconds, FLOPs, bytes] per product: the median over the passes of the slowest rank's."""
@@ -1655,7 +1667,8 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
                        f"{crowded}: each figure is of ranks waiting for each other" if crowded else "",
                        tuple((float(c), float(e), float(o)) for c, e, o in result["turns"]), turn,
                        "each rank's CPU time"
-                       if compute_clock(cuda, result["threads"], bool(crowded)) is time.thread_time else "wall time")
+                       if compute_clock(cuda, result["threads"], bool(crowded)) is time.thread_time else "wall time",
+                       tuple(result["square_passes"]))
 
 
 def crowding(nproc: int, cuda: bool) -> Oversubscribed | None:
@@ -1737,6 +1750,9 @@ def report(cal: Calibration) -> str:
                 if e.dtensor_dispatch_s or e.dtensor_backward_dispatch_s else ""),
              f"  each figure timed as `parsat run` times a step: rounds started by a barrier, the slowest rank's, "
              f"their median; compute on {cal.compute_clock}, collectives in wall time",
+             *([f"  the products in {len(cal.square_passes)} passes spread over the calibration, each figure their "
+                f"median; the largest square's in each pass: "
+                + ", ".join(f"{t * 1e3:.3f}" for t in cal.square_passes) + " ms"] if cal.square_passes else []),
              *([f"  FSDP2's hooks: {e.fsdp_forward_group_s * 1e6:.1f} us + {e.fsdp_forward_param_s * 1e6:.1f} us "
                 f"per parameter at a group's gather, {e.fsdp_backward_group_s * 1e6:.1f} us + "
                 f"{e.fsdp_backward_param_s * 1e6:.1f} us per parameter after its backward"]
