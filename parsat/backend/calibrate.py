@@ -21,7 +21,10 @@ for fp32 training):
 * GEMMs over a grid of shapes, fitted to Hockney's model per dimension,
   t = dispatch + FLOPs / (peak x 1/((1 + m_half/m)(1 + n_half/n)(1 + k_half/k)))
   (`peak_flops`, `gemm_half_*`); the largest square product is also timed
-  in the other dtype for `peaks`;
+  in the other dtype for `peaks`; every product (these, and the backward
+  ones below) in passes spread over the whole calibration, a figure the
+  median of its passes (`GemmPasses`: the products' rate moves for seconds
+  at a time on a shared VM);
 * the same grid's backward products, as autograd runs them in a step
   (right after the forward; `g @ w^T` for the first operand's gradient,
   `x^T @ g` for the second's: one operand transposed, the output new
@@ -41,6 +44,9 @@ for fp32 training):
   backward, right after a product as a step runs them, on output pieces of
   256 to 64 Ki elements, fitted to a fixed cost and one per element
   (`OpEfficiency.loss_*`, `_loss`);
+* a call in a step: the dispatch chain's calls timed cold, as the first
+  calls after a product's forward, its backward and a barrier
+  (`OpEfficiency.step_dispatch_s`, `_step_dispatch`);
 * with `dtensor` (`--dtensor`): a chain of tiny layers (a linear product
   and an RMS norm each) on a `Replicate()` DTensor over all ranks, less
   the same chain plain, per ATen call (`OpEfficiency.dtensor_dispatch_s`,
@@ -150,7 +156,7 @@ class OpTiming:
     def predicted(self, machine: Machine) -> float:
         """The time `machine`'s compute model gives this call (parsat/cost/op_time.py's formula), timed alone as it
         was (no `sequence_factor`: that is what a step adds to these figures)."""
-        eff = replace(machine.efficiency, sequence_factor=1.0)
+        eff = replace(machine.efficiency, sequence_factor=1.0, step_dispatch_s=0.0)
         if self.op == "randn":
             return eff.op_time(self.nbytes / eff.random_bandwidth) if eff.random_bandwidth else float("nan")
         if self.op in ("loss", "loss_backward"):   # as measured in a step's place: no dispatch added
@@ -202,10 +208,12 @@ class Calibration:
     #                                                          core each) per burst, as measured
     turn_s: float = 0.0        # `fit_turn` of them (the machine keeps it only where ranks share cores)
     compute_clock: str = "wall time"   # what the compute figures were timed on (`compute_clock`)
+    square_passes: tuple[float, ...] = ()   # the largest square product's seconds in each of `GemmPasses`' passes
+    #                                          (the slowest rank's), minutes apart: how much the moment moves it
 
     def to_dict(self) -> dict:
         return {"machine": self.machine.to_dict(), "device": self.device, "oversubscribed": self.oversubscribed,
-                "compute_clock": self.compute_clock,
+                "compute_clock": self.compute_clock, "square_passes_s": list(self.square_passes),
                 "turns": {"fitted_s": self.turn_s, "bursts": [{"compute_s": c, "excess_s": e, "excess_own_cores_s": o}
                                                                 for c, e, o in self.turns]},
                 "dispatch_s": {"forward": self.dispatch[0], "backward": self.dispatch[1]},
@@ -372,17 +380,18 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
     redistribute = _redistribute(ctx, dtype, comm_sizes, sync) if dtensor else (0.0, 0.0, 0.0)
     fsdp_collectives = _fsdp_collectives(ctx, dtype, comm_sizes, sync) if dtensor else (0.0, 0.0, 0.0)
 
-    ops = []
+    products = GemmPasses(ctx, budget, sync)
     for m, n, k in gemm_shapes(size):
         a, b = rand(m, k), rand(k, n)
         nbytes = float((m * k + k * n + m * n) * a.element_size())
-        ops.append(["matmul", [m, n, k], _timed(ctx, lambda: apply_op("matmul", [a, b], {}), budget, sync),
-                    2.0 * m * n * k, nbytes])
-        ops += _backward_products(ctx, a, b, rand(m, n), budget, sync)
+        products.add(["matmul", [m, n, k], 2.0 * m * n * k, nbytes], lambda a=a, b=b: apply_op("matmul", [a, b], {}))
+        _backward_products(products, a, b, rand(m, n))
     s = max(m for m, n, k in gemm_shapes(size) if m == n == k)  # the largest square, in the other dtype
     a, b = rand(s, s, kind=other), rand(s, s, kind=other)
-    ops.append(["matmul_other", [s, s, s], _timed(ctx, lambda: torch.matmul(a, b), budget, sync),
-                2.0 * s ** 3, float(3 * s * s * a.element_size())])
+    products.add(["matmul_other", [s, s, s], 2.0 * s ** 3, float(3 * s * s * a.element_size())],
+                 lambda: torch.matmul(a, b))
+    products.run_pass()   # the passes are spread over the calibration: `GemmPasses`
+    ops = []
     for elements in memory_sizes(size):
         x, y = rand(elements), rand(elements)
         item = x.element_size()
@@ -392,15 +401,23 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
         ops.append(["copy", [elements], _timed(ctx, lambda: x.clone(), budget, sync), 0.0, float(2 * elements * item)])
         ops.append(["randn", [elements], _timed(ctx, lambda: torch.randn(elements, generator=gen, dtype=dtype)
                                                 .to(ctx.device), budget, sync), 0.0, float(elements * item)])
+    products.run_pass(spread=True)
     ops += _updates(ctx, dtype, budget, sync)
     ops += _functions(ctx, dtype, budget, sync)
+    products.run_pass(spread=True)
     ops += _elementwise(ctx, dtype, budget, sync)
     ops += _attention(ctx, dtype, budget, sync)
     ops += _loss(ctx, dtype, size, budget, sync)
-    return {"dispatch": dispatch, "dtensor": extra, "fsdp": hooks, "python": python, "sequence": sequence,
-            "redistribute": redistribute, "fsdp_collectives": fsdp_collectives, "ops": ops,
-            "collectives": _collectives(ctx, dtype, wall, comm_sizes, sync, size, not shared_cores),
-            "skew": _skew(ctx, dtype, size, wall, budget, sync), "turns": _turns(ctx, dtype, wall, sync),
+    step_dispatch = _step_dispatch(ctx, dtype, size, budget, sync)
+    products.run_pass(spread=True)
+    collectives = _collectives(ctx, dtype, wall, comm_sizes, sync, size, not shared_cores)
+    skew, turns = _skew(ctx, dtype, size, wall, budget, sync), _turns(ctx, dtype, wall, sync)
+    while products.passes < budget.repeats:
+        products.run_pass()
+    return {"dispatch": dispatch, "step_dispatch": step_dispatch, "dtensor": extra, "fsdp": hooks, "python": python,
+            "sequence": sequence, "redistribute": redistribute, "fsdp_collectives": fsdp_collectives,
+            "ops": products.rows() + ops, "square_passes": products.passes_of("matmul", [s, s, s]),
+            "collectives": collectives, "skew": skew, "turns": turns,
             "threads": torch.get_num_threads()}
 
 
@@ -408,22 +425,98 @@ UPDATE_ROWS = (4, 16, 64, 256, 1024, 4096)   # rows of the [rows, 256] weights w
 UPDATE_WIDTH = 256
 
 
-def _backward_products(ctx: RankContext, a: torch.Tensor, b: torch.Tensor, g: torch.Tensor, budget: Budget,
-                       sync) -> list[list]:
-    """The backward of `a @ b` as a step runs it, once for each operand needing a gradient: [matmul_nt, the
-    backward product's own (m, n, k), seconds, FLOPs, bytes] for a's (g @ b^T) and [matmul_tn, ...] for b's
-    (a^T @ g), each the slowest rank's average `backward()` right after its forward (not timed). So the
-    product runs where a step runs it: its output new memory, its operands last touched by the forward, with
-    autograd's engine around it (a fixed cost per call, which the fit's intercept takes). On a CPU this ran
-    1.2-1.6x the same product timed on its own, again and again (benchmarks/demo_step.md)."""
+def _backward_products(products: "GemmPasses", a: torch.Tensor, b: torch.Tensor, g: torch.Tensor) -> None:
+    """The backward of `a @ b` as a step runs it, once for each operand needing a gradient, added to `products`:
+    [matmul_nt, the backward product's own (m, n, k), FLOPs, bytes] for a's (g @ b^T) and [matmul_tn, ...] for
+    b's (a^T @ g), each the slowest rank's `backward()` right after its forward (not timed). So the product runs
+    where a step runs it: its output new memory, its operands last touched by the forward, with autograd's
+    engine around it (a fixed cost per call, which the fit's intercept takes). On a CPU this ran 1.2-1.6x the
+    same product timed on its own, again and again (benchmarks/demo_step.md)."""
     (m, k), n = a.shape, b.shape[1]
     nbytes = float((m * k + k * n + m * n) * a.element_size())
-    rows = []
     for layout, shape in (("nt", [m, k, n]), ("tn", [k, n, m])):
         x, w = a.detach().requires_grad_(layout == "nt"), b.detach().requires_grad_(layout == "tn")
-        seconds = _backward_seconds(ctx, (x, w), lambda: apply_op("matmul", [x, w], {}), g, budget, sync)
-        rows.append([f"matmul_{layout}", shape, seconds, 2.0 * m * n * k, nbytes])
-    return rows
+        held: dict = {}
+
+        def forward(x=x, w=w, held=held):
+            x.grad = w.grad = None
+            held["y"] = apply_op("matmul", [x, w], {})
+
+        products.add([f"matmul_{layout}", shape, 2.0 * m * n * k, nbytes],
+                     lambda held=held: held["y"].backward(g), prepare=forward)
+
+
+class GemmPasses:
+    """The products (forward, backward layouts, the other dtype's square) timed in `Budget.repeats` passes spread
+    over the whole calibration (`_rank_measure` runs a pass between its other measurements), each pass one round
+    of every product on every rank at once (a barrier, then calls back to back on `budget.clock` for about
+    `window_s / repeats`), each product's figure the median over the passes of the slowest rank's round: the
+    statistic of `_in_rounds`, its rounds minutes apart instead of back to back.
+
+    Why: on this 2-core VM the products' rate moves for seconds at a time with nothing in the guest to see (no
+    steal time, each rank's thread CPU clock): three calibrations minutes apart fitted peaks of 41.1, 51.3 and
+    24.8 GFLOP/s, the last with every product of 128 or more rows at half speed while its dispatch and small
+    products were not (benchmarks/demo_step.md, 2026-12-06 session 65, the lead); the products had been timed
+    back to back in a few seconds, so a slow moment took the whole grid. Two ranks multiplying at once ran
+    at the rate one did alone (40-43 against 42-45 GFLOP/s on thread CPU, session 66), so the ranks compute
+    together, as a step's do."""
+
+    def __init__(self, ctx: RankContext, budget: Budget, sync) -> None:
+        self.ctx, self.budget, self.sync = ctx, budget, sync
+        self.cases: list[tuple[list, Callable[[], float]]] = []
+        self.seconds: list[list[float]] = []
+        self.passes = 0
+
+    def add(self, head: list, fn: Callable[[], object], prepare: Callable[[], object] | None = None) -> None:
+        """A product to time: `head` = [op, shape, FLOPs, bytes]; `fn` called `count` times a round (set here,
+        after two warm-ups, from one call: the same on every rank), each after `prepare()` (not timed) if given."""
+        budget, sync, clock = self.budget, self.sync, self.budget.clock
+        for _ in range(3):   # two warm-ups, then the one call timed
+            if prepare is not None:
+                prepare()
+            sync()
+            start = clock()
+            fn()
+        sync()
+        one = _slowest(self.ctx, clock() - start)
+        count = max(1, min(int(budget.window_s / budget.repeats / max(one, 1e-9)), 100_000))
+
+        def round_s() -> float:
+            if prepare is not None:
+                return average_after(prepare, fn, replace(budget, repeats=count, window_s=0.0), sync, clock, 0)
+            sync()
+            begin = clock()
+            for _ in range(count):
+                fn()
+            sync()
+            return (clock() - begin) / count
+
+        self.cases.append((head, round_s))
+        self.seconds.append([])
+
+    def run_pass(self, spread: bool = False) -> None:
+        """One round of every product, each started by a barrier (every rank computing at once); `spread`: one
+        of the passes spread over the calibration, run only while fewer than `budget.repeats` have run (the
+        rest run at its end)."""
+        if spread and self.passes >= self.budget.repeats:
+            return
+        for (_head, round_s), seconds in zip(self.cases, self.seconds):
+            dist.barrier()
+            seconds.append(round_s())
+        self.passes += 1
+
+    def passes_of(self, op: str, shape: list[int]) -> list[float]:
+        """The product's seconds a call in each pass, the slowest rank's (what its figure is the median of)."""
+        seconds = next(sec for (head, _round), sec in zip(self.cases, self.seconds) if head[:2] == [op, shape])
+        return _slowest_each(self.ctx, seconds)
+
+    def rows(self) -> list[list]:
+        """[op, shape, seconds, FLOPs, bytes] per product: the median over the passes of the slowest rank's."""
+        out = []
+        for (head, _round), seconds in zip(self.cases, self.seconds):
+            op, shape, flops, nbytes = head
+            out.append([op, shape, spread(_slowest_each(self.ctx, seconds)).median_s, flops, nbytes])
+        return out
 
 
 def _updates(ctx: RankContext, dtype, budget: Budget, sync) -> list[list]:
@@ -1042,6 +1135,41 @@ def _chain_dispatch(ctx: RankContext, start: torch.Tensor, budget: Budget, sync)
     return forward, backward
 
 
+STEP_CALL_CHAIN = 8   # tiny operators in the chain `_step_dispatch` times: about a small model's forward
+
+
+def _step_dispatch(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> float:
+    """Seconds per operator call as a step makes its calls (`OpEfficiency.step_dispatch_s`): `_chain_dispatch`'s
+    chain of tiny operators with autograd recording (`STEP_CALL_CHAIN` long, through `apply_op` as the
+    interpreter calls a node), timed as the first calls after a barrier that follows `_step_product`'s forward
+    and backward (not timed), one chain a round in `STEP_ROUNDS_FACTOR` x `budget.repeats` rounds
+    (`_timed_after`), on the compute clock (a rank's thread CPU on a CPU core of its own), per call.
+
+    Why: `dispatch_s` is the same chain run again and again, warm; in a step a node's call follows a product, a
+    backward, an optimizer and a wait in a collective or barrier, which left the dispatcher's code and data out
+    of the core's caches. In `make demo`'s step every small call ran 3-20x its warm figure on the ranks' thread
+    CPU (a replicate, no kernel, 0.09-0.10 ms against 4.6 us; a relu 3x), +0.30-0.40 ms over a 1.8 ms forward
+    with its loss (benchmarks/demo_step.md, 2026-12-06 session 65, helper F); a probe in one process ran the
+    replicate at 5.7 us warm, 12 us after a product, 27 us as a step's first call."""
+    step_product = _step_product(ctx, dtype, size)
+    weight = torch.randn(size, size, dtype=dtype).to(ctx.device).requires_grad_()
+    leaf = torch.randn(2, 2, dtype=dtype).to(ctx.device).requires_grad_()
+
+    def product_and_backward():
+        weight.grad = None
+        (step_product() @ weight).sum().backward()
+        dist.barrier()
+
+    def chain():
+        y = leaf
+        for i in range(STEP_CALL_CHAIN):
+            y = apply_op("relu" if i % 2 else "scale", [y], {} if i % 2 else {"c": 1.0})
+        return y
+
+    rounds = replace(budget, repeats=STEP_ROUNDS_FACTOR * budget.repeats, window_s=0.0)
+    return _timed_after(ctx, product_and_backward, chain, rounds, sync) / STEP_CALL_CHAIN
+
+
 SKEW_BURSTS = (0, 2, 8, 16)
 
 
@@ -1518,6 +1646,7 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
         label = f"cpu ({os.cpu_count()} cores, {nproc} ranks, {result['threads']} thread(s) each)"
     extra, hooks = tuple(result["dtensor"]), tuple(result["fsdp"])
     efficiency = OpEfficiency(dispatch_s=dispatch[0], backward_dispatch_s=dispatch[1],
+                              step_dispatch_s=result["step_dispatch"],
                               dtensor_dispatch_s=extra[0], dtensor_backward_dispatch_s=extra[1],
                               **dict(zip(REDISTRIBUTE_FIELDS, result["redistribute"])),
                               **dict(zip(FSDP_COLLECTIVE_FIELDS, result["fsdp_collectives"])),
@@ -1538,7 +1667,8 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
                        f"{crowded}: each figure is of ranks waiting for each other" if crowded else "",
                        tuple((float(c), float(e), float(o)) for c, e, o in result["turns"]), turn,
                        "each rank's CPU time"
-                       if compute_clock(cuda, result["threads"], bool(crowded)) is time.thread_time else "wall time")
+                       if compute_clock(cuda, result["threads"], bool(crowded)) is time.thread_time else "wall time",
+                       tuple(result["square_passes"]))
 
 
 def crowding(nproc: int, cuda: bool) -> Oversubscribed | None:
@@ -1615,10 +1745,14 @@ def report(cal: Calibration) -> str:
              f"{m.memory_bandwidth / 1e9:.2f} GB/s (half at {e.memory_half_bytes / 1e3:.1f} kB; "
              f"{e.cache_bandwidth / 1e9:.1f} GB/s up to {e.cache_bytes / 1e6:.2f} MB), dispatch "
              f"{e.dispatch_s * 1e6:.1f} us forward + {e.backward_dispatch_s * 1e6:.1f} us backward per operator"
+             + (f", {e.step_dispatch_s * 1e6:.1f} us forward as a step makes its calls" if e.step_dispatch_s else "")
              + (f" (on a DTensor {e.dtensor_dispatch_s * 1e6:.1f} + {e.dtensor_backward_dispatch_s * 1e6:.1f} us more)"
                 if e.dtensor_dispatch_s or e.dtensor_backward_dispatch_s else ""),
              f"  each figure timed as `parsat run` times a step: rounds started by a barrier, the slowest rank's, "
              f"their median; compute on {cal.compute_clock}, collectives in wall time",
+             *([f"  the products in {len(cal.square_passes)} passes spread over the calibration, each figure their "
+                f"median; the largest square's in each pass: "
+                + ", ".join(f"{t * 1e3:.3f}" for t in cal.square_passes) + " ms"] if cal.square_passes else []),
              *([f"  FSDP2's hooks: {e.fsdp_forward_group_s * 1e6:.1f} us + {e.fsdp_forward_param_s * 1e6:.1f} us "
                 f"per parameter at a group's gather, {e.fsdp_backward_group_s * 1e6:.1f} us + "
                 f"{e.fsdp_backward_param_s * 1e6:.1f} us per parameter after its backward"]

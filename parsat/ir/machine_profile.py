@@ -73,6 +73,9 @@ class OpEfficiency:
 
     dispatch_s: float = 0.0            # fixed cost of one operator call in forward
     backward_dispatch_s: float = 0.0   # fixed cost of one operator in backward (autograd's node)
+    step_dispatch_s: float = 0.0       # fixed cost of one operator call in a step's forward: the dispatch chain
+                                       # timed as the first calls after a product's forward, backward and a
+                                       # barrier (`parsat calibrate`; 0: not measured, `dispatch_s` alone)
     gemm_half_m: float = 0.0           # rows of the product at which a GEMM runs at half its peak rate
     gemm_half_n: float = 0.0           # columns
     gemm_half_k: float = 0.0           # contraction length
@@ -152,11 +155,15 @@ class OpEfficiency:
                                        # forward and backward calls; 1: not measured (presets, older files)
 
     def op_time(self, kernel_s: float, backward: bool = False) -> float:
-        """An operator call's time in a step: its kernel and its fixed dispatch cost, overlapped or in sequence,
+        """An operator call's time in a step: its kernel and its fixed dispatch cost (forward: the call as a step
+        makes it, `step_dispatch_s`, where measured), overlapped or in sequence,
         times `sequence_factor` (the calibrated figures are of calls repeated alone, warm; a step runs each
         call once between different ones: on this 2-core box 1.4-1.6x, benchmarks/costmodel_fidelity.md,
         2026-12-05 helper B)."""
-        dispatch = self.backward_dispatch_s if backward else self.dispatch_s
+        # `sequence_factor`, where measured (--dtensor), already holds what a step adds to a call (its reference
+        # replays a step's calls in order), the cold calls `step_dispatch_s` measures among it: one, not both
+        in_step = self.step_dispatch_s if self.sequence_factor == 1.0 else 0.0
+        dispatch = self.backward_dispatch_s if backward else max(self.dispatch_s, in_step)
         return (max(dispatch, kernel_s) if self.async_dispatch else dispatch + kernel_s) * self.sequence_factor
 
     def function_time(self, evaluations: Mapping[str, float], backward: bool = False) -> float:
@@ -261,7 +268,8 @@ class OpEfficiency:
         factor that was not measured (files and plans of presets read as before)."""
         unmeasured = [f"gemm_{layout}_" for layout in ("nt", "tn") if getattr(self, f"gemm_{layout}_rate") <= 0]
         unmeasured += [k for k in ("fsdp_forward_param_s", "fsdp_backward_param_s", "fsdp_forward_group_s",
-                                   "fsdp_backward_group_s", "python_instruction_s", *REDISTRIBUTE_FIELDS,
+                                   "fsdp_backward_group_s", "python_instruction_s", "step_dispatch_s",
+                                   *REDISTRIBUTE_FIELDS,
                                    *FSDP_COLLECTIVE_FIELDS)
                        if not getattr(self, k)]
         unmeasured += ["sequence_factor"] if self.sequence_factor == 1.0 else []

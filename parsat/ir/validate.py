@@ -617,6 +617,7 @@ one tensor operand, two of the output's size, one of them broadcast (`OpEfficien
 EFFICIENCY_RANGES: Mapping[str, tuple[float, float, str]] = {
     "dispatch_s": (0.0, 3600.0, "seconds"),
     "backward_dispatch_s": (0.0, 3600.0, "seconds"),
+    "step_dispatch_s": (0.0, 3600.0, "seconds"),
     "dtensor_dispatch_s": (0.0, 3600.0, "seconds"),
     "dtensor_backward_dispatch_s": (0.0, 3600.0, "seconds"),
     "dtensor_all_reduce_s": (0.0, 3600.0, "seconds"),

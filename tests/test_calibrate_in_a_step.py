@@ -1,0 +1,108 @@
+"""Issue 31's demo: figures `parsat calibrate` measures as a step meets them, robust to the moment they are taken.
+
+The products are timed in passes spread over the calibration (`GemmPasses`), each figure the median of its passes,
+so a few seconds of half-speed compute move none of them; the fixed cost of a call in a step (`_step_dispatch`)
+is timed as the first calls after a product, its backward and a barrier, and priced per forward operator beside
+`dispatch_s` (`OpEfficiency.op_time`)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.distributed as dist  # noqa: E402
+
+from parsat.backend import calibrate  # noqa: E402
+from parsat.backend.launch import RankContext  # noqa: E402
+from parsat.ir.machine_profile import OpEfficiency  # noqa: E402
+
+
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo group in this process: what `calibrate`'s timing needs to run (barriers, the max)."""
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield RankContext(0, 1, "gloo", torch.device("cpu"))
+    dist.destroy_process_group()
+
+
+class _Clock:
+    """A clock that advances by `step` at each call to `tick` and is read by the timing code."""
+
+    def __init__(self) -> None:
+        self.now, self.step = 0.0, 0.001
+
+    def __call__(self) -> float:
+        return self.now
+
+    def tick(self) -> None:
+        self.now += self.step
+
+
+def test_products_are_timed_in_passes_and_a_slow_pass_does_not_move_their_figure(one_rank):
+    clock = _Clock()
+    events = []
+    budget = calibrate.Budget(repeats=5, window_s=0.0, clock=clock)
+    products = calibrate.GemmPasses(one_rank, budget, lambda: None)
+
+    def call(name):
+        def run():
+            events.append(name)
+            clock.tick()
+        return run
+
+    products.add(["matmul", [2, 2, 2], 16.0, 96.0], call("forward"))
+    products.add(["matmul_nt", [2, 2, 2], 16.0, 96.0], call("backward"), prepare=lambda: events.append("prepare"))
+    assert events == ["forward"] * 3 + ["prepare", "backward"] * 3   # two warm-ups and the call sizing a round
+    events.clear()
+    for slow in (False, True, False, False, False):   # the second pass meets a moment at a third of the speed
+        clock.step = 0.003 if slow else 0.001
+        products.run_pass()
+        clock.step = 0.001
+        events.append("something else measured")
+    # one call a round (window 0), each product once a pass, the calibration's other measurements between passes
+    assert events == ["forward", "prepare", "backward", "something else measured"] * 5
+    assert products.passes == 5
+    products.run_pass(spread=True)   # a pass placed in the calibration after `repeats` have run: none
+    assert products.passes == 5 and len(events) == 4 * 5
+    rows = products.rows()
+    assert [row[0] for row in rows] == ["matmul", "matmul_nt"]
+    assert [row[2] for row in rows] == [pytest.approx(0.001)] * 2   # the median of 1, 3, 1, 1, 1 ms
+    assert rows[0][1] == [2, 2, 2] and rows[0][3:] == [16.0, 96.0]
+    assert products.passes_of("matmul", [2, 2, 2]) == pytest.approx([0.001, 0.003, 0.001, 0.001, 0.001])
+
+
+def test_a_call_in_a_step_is_timed_after_a_product_its_backward_and_a_barrier(one_rank, monkeypatch):
+    events = []
+    monkeypatch.setattr(calibrate, "apply_op", lambda op, args, attrs: events.append(op) or args[0])
+    barrier = dist.barrier
+    monkeypatch.setattr(calibrate.dist, "barrier", lambda *a, **k: events.append("barrier") or barrier(*a, **k))
+    budget = calibrate.Budget(repeats=2, window_s=0.0)
+    seconds = calibrate._step_dispatch(one_rank, torch.float64, 8, budget, lambda: None)
+    assert seconds > 0
+    chain = ["scale", "relu"] * (calibrate.STEP_CALL_CHAIN // 2)
+    rounds = calibrate.STEP_ROUNDS_FACTOR * budget.repeats
+    # two warm-ups, then each round: its barrier, the product and backward, the barrier before the timed chain
+    assert events == (["barrier"] + chain) * 2 + (["barrier", "barrier"] + chain) * rounds
+
+
+def test_the_call_in_a_step_is_priced_per_forward_operator_beside_dispatch():
+    eff = OpEfficiency(dispatch_s=5e-6, backward_dispatch_s=4e-6, step_dispatch_s=30e-6)
+    assert eff.op_time(1e-4) == pytest.approx(1.3e-4)              # the call as a step makes it
+    assert eff.op_time(1e-4, backward=True) == pytest.approx(1.04e-4)   # autograd's nodes: backward's own
+    assert OpEfficiency(dispatch_s=5e-6).op_time(1e-4) == pytest.approx(1.05e-4)   # not measured: dispatch alone
+    assert OpEfficiency(dispatch_s=40e-6, step_dispatch_s=30e-6).op_time(0.0) == pytest.approx(40e-6)
+    # a measured `sequence_factor` (--dtensor) already holds what a step adds: the cold call is not added twice
+    scaled = OpEfficiency(dispatch_s=5e-6, step_dispatch_s=30e-6, sequence_factor=1.5)
+    assert scaled.op_time(1e-4) == pytest.approx(1.05e-4 * 1.5)
+    assert OpEfficiency.from_dict(eff.to_dict()) == eff
+    assert "step_dispatch_s" not in OpEfficiency(dispatch_s=5e-6).to_dict()   # older files read as before
+
+
+def test_a_timing_compared_with_its_prediction_is_priced_warm_as_it_was_timed():
+    from parsat.ir.machine import Machine
+    eff = OpEfficiency(dispatch_s=5e-6, step_dispatch_s=30e-6)
+    machine = Machine("box", 2, 1, peak_flops=1e9, memory_bandwidth=1e9, memory_capacity=1e9, intra_bandwidth=1e9,
+                      intra_latency=1e-6, inter_bandwidth=1e9, inter_latency=1e-6, efficiency=eff)
+    timing = calibrate.OpTiming("copy", (1000,), 1e-5, 0.0, 16000.0)
+    assert timing.predicted(machine) == pytest.approx(5e-6 + 16000.0 / 1e9)
