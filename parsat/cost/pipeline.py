@@ -136,6 +136,12 @@ def tp_overlap(plan: Plan, library: Library, profile: ExecutionProfile, comm_s: 
         forward_end = phases["forward"].end_s if "forward" in phases else 0.0
         backward_end = phases["backward"].end_s if "backward" in phases else forward_end
         extents.append((forward_end, backward_end - forward_end))
+        if run is base and not prediction.pipelined:
+            # no collective pipelined with its product: the run without the overlap builds the same tasks (the
+            # profiles differ in `tp_comm_overlap` alone, which only `_Builder._pipelines` reads), so its extents
+            # are these, nothing saved (llama-70b:64: 6 of 23 stage plans, no sequence parallelism: all-reduces)
+            extents.append(extents[0])
+            break
     (forward_on, backward_on), (forward_off, backward_off) = extents
     saved_f, saved_b = forward_off - forward_on, backward_off - backward_on
     return TpOverlap(min(1.0, saved_f / comm_s), min(1.0, saved_b / comm_s), saved_f, saved_b)
