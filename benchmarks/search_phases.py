@@ -79,6 +79,9 @@ PHASES = [(saturate, "compile_mesh_rules", "compile the rule program"),
           (pipeline.StageFit, "peak_bytes", "stage candidates' memory (StageFit)"),
           (pipeline.StagePricer, "pipelined", "cut and price a stage plan per schedule"),
           (pipeline.StagePricer, "price", "price one cut (simulated schedule)"),
+          (pipeline, "tp_overlap", "a stage plan's tensor-parallel overlap (simulated)"),
+          (pipeline.StagePricer, "_work_out_schedule_floors", "a stage plan's schedule floors"),
+          (pipeline.StageFit, "fastest_s", "rank a stage candidate (StageFit.fastest_s)"),
           (ir_pipeline.LayerMap, "lay_out", "lay out one cut's chunks (LayerMap)")]
 
 

@@ -653,6 +653,43 @@ def test_the_cut_refinement_s_floor_changes_no_plan_and_prunes_only_under_a_step
                 assert calls[True] < calls[False]
 
 
+def test_the_cut_floor_counts_fill_and_drain_where_chunks_chain_and_prunes_more(uneven_stage, monkeypatch):
+    """Where each chunk reads the one before it, a cut's floor (`StagePricer._busy_floor`) counts the stages'
+    fill and drain: above the busiest stage's m micro-batches for some cut (1F1B on 2 and 4 stages of 16 micro-batches),
+    never above the step `price` gives, and the refinement that leaves cuts above it unpriced returns the same plan
+    with fewer pricings than the busiest stage's floor alone. Fails where the floor reads no fill or drain (no cut
+    above, the same count) or counts a chunk twice (a floor above a price)."""
+    from itertools import combinations
+    from parsat.cost.pipeline import StagePricer
+    machine = Machine.resolve("h100x8").with_devices(8)
+    pricer = StagePricer(uneven_stage, machine)
+    assert pricer._is_chained
+    layers, busy, m = pricer.layer_map.layers, pricer._own_busy_s, pricer.microbatches
+    index = {layer: k for k, layer in enumerate(layers)}
+    above = 0
+    for degree in (2, 4):
+        for rest in list(combinations(layers[1:], degree - 1))[:40]:
+            cut = (layers[0],) + rest
+            bounds = [index[s] for s in cut] + [len(layers)]
+            busiest = max(sum(busy[layers[i]] for i in range(bounds[c], bounds[c + 1])) for c in range(degree)) * m
+            floor = pricer._busy_floor(cut, degree)
+            assert floor <= pricer.price(pricer.layer_map.lay_out(cut, degree), ONE_F_ONE_B).totals.time_s
+            above += floor > busiest * (1 + 1e-9)
+    assert above > 0
+    calls = Counter()
+    price = StagePricer.price
+
+    def counted(self, layout, schedule):
+        calls[self.kind] += 1
+        return price(self, layout, schedule)
+    monkeypatch.setattr(StagePricer, "price", counted)
+    sharp, blunt = StagePricer(uneven_stage, machine), StagePricer(uneven_stage, machine)
+    sharp.kind, blunt.kind = "sharp", "blunt"
+    blunt._is_chained = False   # the busiest stage's floor alone
+    assert sharp.pipelined(2, ONE_F_ONE_B).to_json() == blunt.pipelined(2, ONE_F_ONE_B).to_json()
+    assert calls["sharp"] < calls["blunt"]
+
+
 def test_a_stage_step_simulates_only_the_baselines_that_fit_and_the_plan_is_the_same(monkeypatch):
     """A pipeline stage's step reads a baseline's simulated step only to rank it, and only where it fits
     (`step.step_read`): on 7 MiB devices the stage's data-parallel baseline does not fit, so it is left

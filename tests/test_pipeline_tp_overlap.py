@@ -88,3 +88,31 @@ def test_no_simulation_where_the_profile_pipelines_nothing(sp_stage):
     memo = StageMemo(library=LIB)
     first = StagePricer(sp_stage, MACHINE, memo=memo).overlap
     assert StagePricer(sp_stage, MACHINE, memo=memo).overlap is first
+
+
+def test_where_no_collective_pipelines_one_simulation_gives_the_overlap_both_would(sp_stage, monkeypatch):
+    """Without sequence parallelism tp 2 runs all-reduces, which no profile pipelines (`_Builder._pipelines`): the
+    run without `tp_comm_overlap` builds the same tasks, so `tp_overlap` simulates once and gives what the two
+    simulations give (nothing saved); with sequence parallelism it simulates twice and saves. Fails if the one
+    simulation were taken where a collective pipelines (the sequence-parallel stage's overlap would be 0)."""
+    import parsat.cost.pipeline as pipeline_module
+    pcg = megatron_pcg(sp_stage.graph, LIB, (1, 2), 8, sequence=False)
+    plain = replace(sp_stage, pcg=pcg, costs=price_pcg(pcg, LIB, sp_stage.machine, True, sp_stage.graph.microbatches))
+    base = replace(DDP, overlap_param_gather=False)
+    runs = [simulate_pcg(plain.pcg, LIB, plain.machine, replace(base, tp_comm_overlap=flag), microbatches=1)
+            for flag in (True, False)]
+    assert not runs[0].pipelined and not runs[1].pipelined
+    assert runs[0].result.step_s == runs[1].result.step_s
+    simulated = []
+
+    def counted(*args, **kwargs):
+        found = simulate_pcg(*args, **kwargs)
+        simulated.append(found.pipelined)
+        return found
+    monkeypatch.setattr(pipeline_module, "simulate_pcg", counted)
+    found = tp_overlap(plain, LIB, DDP, 1.0)
+    assert simulated == [False]
+    assert found == replace(NO_OVERLAP, forward=0.0, backward=0.0)
+    simulated.clear()
+    assert tp_overlap(sp_stage, LIB, DDP, 1.0).saved_forward_s > 0
+    assert simulated == [True, False]   # the run with the overlap pipelines, the one without does not

@@ -250,6 +250,9 @@ class StepPrediction:
     resident_bytes: int
     end_of_forward: int | None = None    # the last task of forward and loss
     end_of_backward: int | None = None   # the last task before the optimizer
+    # whether a collective ran pipelined with its product (`_Builder._pipelines`, the one reader of the profile's
+    # `tp_comm_overlap`): where none did, the same PCG under the profile without it builds the same tasks
+    pipelined: bool = False
 
     @property
     def step_s(self) -> float:
@@ -1986,7 +1989,7 @@ def simulate_pcg(pcg: PCG, library: Library, machine: Machine, profile: Executio
     builder.finish()
     resident = builder.resident()
     return StepPrediction(builder.steps.simulate({DEVICE: resident}, last=True), resident, end_of_forward,
-                          end_of_backward)
+                          end_of_backward, bool(builder.pipes))
 
 
 FLOOR_SLACK = 1e-9   # relative: the floor's sum and the simulator's chain of ends round in different orders

@@ -136,6 +136,12 @@ def tp_overlap(plan: Plan, library: Library, profile: ExecutionProfile, comm_s: 
         forward_end = phases["forward"].end_s if "forward" in phases else 0.0
         backward_end = phases["backward"].end_s if "backward" in phases else forward_end
         extents.append((forward_end, backward_end - forward_end))
+        if run is base and not prediction.pipelined:
+            # no collective pipelined with its product: the run without the overlap builds the same tasks (the
+            # profiles differ in `tp_comm_overlap` alone, which only `_Builder._pipelines` reads), so its extents
+            # are these, nothing saved (llama-70b:64: 6 of 23 stage plans, no sequence parallelism: all-reduces)
+            extents.append(extents[0])
+            break
     (forward_on, backward_on), (forward_off, backward_off) = extents
     saved_f, saved_b = forward_off - forward_on, backward_off - backward_on
     return TpOverlap(min(1.0, saved_f / comm_s), min(1.0, saved_b / comm_s), saved_f, saved_b)
@@ -516,14 +522,27 @@ class StagePricer:
         runs its m micro-batches' forwards and backwards of each of its chunks one after another
         (`simulate_schedule`: waits only add), and the step ends no earlier than its busiest stage; its sync,
         optimizer and the tied weights' sum come after and are not negative. Its chunks' nodes include their
-        layers' own (`_own_busy_s`), whose seconds are each at least zero."""
-        layers, busy = self.layer_map.layers, self._own_busy_s
+        layers' own (`_own_busy_s`), whose seconds are each at least zero. Where each chunk reads the one before
+        it (`_chained`), a stage's fill and drain count too (`_cut_floor`, as `fitting_floors` argues it): stage
+        s starts no earlier than chunks 0..s-1's forwards of one micro-batch and its last backward is followed by
+        theirs, so the step is at least, for each s, those chunks' work of one micro-batch plus the stage's m
+        micro-batches'. llama-70b:64's 1F1B on 4 stages of 32 micro-batches: the fill and drain are a bubble of
+        8%, which the busiest stage alone leaves out, so a cut moved by one layer (a stage's work +-1.3%) was
+        priced although it cannot be faster than the cut it moves."""
+        layers, busy, m = self.layer_map.layers, self._own_busy_s, self.microbatches
         index = {layer: k for k, layer in enumerate(layers)}
+        if self._is_chained:
+            return _cut_floor([busy[layer] * m for layer in layers], [index[s] for s in starts], degree, m)
         bounds = [index[s] for s in starts] + [len(layers)]
         stages = [0.0] * degree
         for c in range(len(starts)):
             stages[c % degree] += sum(busy[layers[i]] for i in range(bounds[c], bounds[c + 1]))
-        return max(stages) * self.microbatches
+        return max(stages) * m
+
+    @cached_property
+    def _is_chained(self) -> bool:
+        """`_chained` of this pricer's layer map, worked out once (the cut search asks it of every cut)."""
+        return _chained(self.layer_map)
 
     def _chunks(self, degree: int, schedule: str, chunks_per_stage: int) -> int:
         """The chunks `schedule` cuts the layers into; PipelineError when it cannot (an interleaved schedule
@@ -634,7 +653,7 @@ class StagePricer:
                                   ) -> tuple[tuple[float, float], ...]:
         """`schedule_fitting_floors`, worked out (`fitting_floors` says why each is a floor)."""
         layer_map, m, capacity = self.layer_map, self.microbatches, self.machine.memory_capacity
-        if not _chained(layer_map):
+        if not self._is_chained:
             return tuple((0.0, 0.0) for _s in schedules)
         layers, cuttable, free, blocks = layer_map.layers, layer_map.cuttable, layer_map.free, layer_map.blocks
         per_layer = {layer: 0.0 for layer in layers}
