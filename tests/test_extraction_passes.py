@@ -122,8 +122,12 @@ def test_the_passes_choose_what_the_plain_passes_choose(seed):
     assert bottom_up(snapshot, costs, usable, prefer=prefer, choosable=choosable) == \
         _plain_bottom_up(snapshot, costs, usable, prefer=prefer)
     price = rng.choice((1e-12, 3e-10, 0.25))
-    assert bottom_up(snapshot, costs, usable, memory_price=price, choosable=choosable) == \
-        _plain_bottom_up(snapshot, costs, usable, memory_price=price)
+    priced = _plain_bottom_up(snapshot, costs, usable, memory_price=price)
+    assert bottom_up(snapshot, costs, usable, memory_price=price, choosable=choosable) == priced
+    # `lean_choices`' Choosable: its extraction's `waiting` taken, each e-node's memory beside its time
+    lean = Choosable.of(snapshot, costs, usable, choosable.waiting).with_memory(costs)
+    assert lean.waiting == choosable.waiting and lean.time == choosable.time
+    assert bottom_up(snapshot, costs, usable, memory_price=price, choosable=lean) == priced
     plain = _plain_greedy_dag(snapshot, costs, usable)
     assert greedy_dag(snapshot, costs, usable) == plain
     assert greedy_dag(snapshot, costs, usable, math.inf, choosable) == plain

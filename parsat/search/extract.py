@@ -449,12 +449,26 @@ class Choosable:
     waiting: Mapping[NodeId, int]
     time: Mapping[NodeId, float]     # its time (`NodeCost.time_s`)
     weight: Mapping[NodeId, float]   # its time + EPSILON
+    # each e-node's (id, time, memory): what a pass at a price per byte weighs it by (`with_memory`), or None
+    priced: tuple[tuple[NodeId, float, int], ...] | None = None
 
     @staticmethod
-    def of(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Callable[[NodeId], bool]) -> "Choosable":
-        waiting = {nid: len(kids) for nid, kids in snapshot.kids.items() if nid[0] not in kids and usable(nid)}
+    def of(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Callable[[NodeId], bool],
+           waiting: Mapping[NodeId, int] | None = None) -> "Choosable":
+        """`waiting`: another `Choosable`'s, of the same snapshot and `usable` over costs of the same e-nodes (it
+        reads nothing else), rather than every e-node scanned again (`lean_choices` shares its extraction's)."""
+        if waiting is None:
+            waiting = {nid: len(kids) for nid, kids in snapshot.kids.items() if nid[0] not in kids and usable(nid)}
         time_of = {nid: costs[nid].time_s for nid in waiting}
         return Choosable(waiting, time_of, {nid: t + EPSILON for nid, t in time_of.items()})
+
+    def with_memory(self, costs: Mapping[NodeId, NodeCost]) -> "Choosable":
+        """This, with each e-node's memory beside its time (`priced`), for passes weighing memory at a price
+        (`bottom_up`'s `memory_price`): `lean_choices` runs up to LEAN_PRICES + LEAN_BISECTIONS of them over the same
+        e-nodes and costs, and each looked both figures up again per e-node (`NodeCost.time_s` a sum of four). The
+        weight is the same float: the same time, plus the price times the same bytes, plus EPSILON, in that order.
+        `costs` must be the costs `of` read."""
+        return replace(self, priced=tuple((nid, t, costs[nid].memory_bytes) for nid, t in self.time.items()))
 
 
 def bottom_up(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Callable[[NodeId], bool],
@@ -471,7 +485,9 @@ def bottom_up(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Call
     `choosable`: `Choosable.of(snapshot, costs, usable)`, when the caller has it.
     """
     choosable = choosable or Choosable.of(snapshot, costs, usable)
-    if memory_price:
+    if memory_price and choosable.priced is not None:
+        weight = {nid: t + memory_price * m + EPSILON for nid, t, m in choosable.priced}
+    elif memory_price:
         weight = {nid: costs[nid].time_s + memory_price * costs[nid].memory_bytes + EPSILON
                   for nid in choosable.waiting}
     else:   # time + 0.0 x memory + EPSILON is time + EPSILON, float for float
@@ -827,16 +843,18 @@ LEAN_BISECTIONS = 4
 
 def lean_choices(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], usable,
                  capacity: float, time_s: float, memory_bytes: float,
-                 obliged: Obliged | None = None) -> list[dict[int, int]]:
+                 obliged: Obliged | None = None,
+                 waiting: Mapping[NodeId, int] | None = None) -> list[dict[int, int]]:
     """Plans that trade time for memory, for an extraction whose passes ranked by time found none that fits:
     bottom-up choices at a price per byte of memory (a Lagrangian weight, time + price x bytes), the price
     doubled from the fastest plan's own exchange rate (`time_s` / `memory_bytes`) until a choice fits, then
     bisected between the last that did not and the first that did, towards the fastest that fits. The prices are
     fixed by the costs alone (no clock), so the same e-graph gives the same plans. Every choice is judged by
     `dag_cost` as the other passes' are; none is guaranteed to fit (the weight counts a shared child's memory
-    once per reader, the DAG once)."""
+    once per reader, the DAG once). `waiting`: the extraction's own `Choosable.waiting` (the same e-nodes and
+    `usable`), taken rather than worked out again."""
     chosen: list[dict[int, int]] = []
-    choosable = Choosable.of(snapshot, costs, usable)
+    choosable = Choosable.of(snapshot, costs, usable, waiting).with_memory(costs)
 
     def fits_at(price: float) -> bool:
         choice, _rank = bottom_up(snapshot, costs, usable, memory_price=price, choosable=choosable)
@@ -942,7 +960,9 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
         # every pass ranked by time alone, and the ILP sees only the e-nodes their order admits: a plan that fits
         # by sharding more (weights stored split, ZeRO-3 style) can lie outside it. Ask again, memory priced
         fastest = min(found, key=lambda f: f[0])
-        for choice in lean_choices(snapshot, costs, roots, usable, capacity, fastest[0], fastest[1], obliged):
+        # `guide` holds the e-nodes `costs` holds (`_guided`), so its passes' `waiting` is this pass's too
+        for choice in lean_choices(snapshot, costs, roots, usable, capacity, fastest[0], fastest[1], obliged,
+                                   choosable.waiting):
             consider(LEAN, choice)
         if fitting() and limits.ilp_seconds > 0:
             status = run_ilp(LEAN_ILP)
