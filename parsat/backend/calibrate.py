@@ -1653,10 +1653,9 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
                               fsdp_forward_param_s=hooks[0], fsdp_backward_param_s=hooks[1],
                               fsdp_forward_group_s=hooks[2], fsdp_backward_group_s=hooks[3],
                               python_instruction_s=result["python"], sequence_factor=result["sequence"],
-                              gemm_half_m=halves[0],
-                              gemm_half_n=halves[1], gemm_half_k=halves[2], memory_half_bytes=half_bytes,
-                              cache_bytes=cache_bytes, cache_bandwidth=cache_bw, random_bandwidth=random_bw,
-                              async_dispatch=cuda, **layouts)
+                              gemm_half_m=halves[0], gemm_half_n=halves[1], gemm_half_k=halves[2],
+                              memory_half_bytes=half_bytes, cache_bytes=cache_bytes, cache_bandwidth=cache_bw,
+                              random_bandwidth=random_bw, async_dispatch=cuda, **layouts)
     machine = Machine(name, nproc, 1, peak_flops=peak, memory_bandwidth=bandwidth, memory_capacity=capacity,
                       intra_bandwidth=largest.bus_bandwidth, intra_latency=step_latency,
                       inter_bandwidth=largest.bus_bandwidth, inter_latency=step_latency, precision=precision,
