@@ -531,22 +531,34 @@ def test_trained_on_two_ranks_like_the_module_in_one_process(tiny_runs, label):
     assert _dcp_loads_into_the_unmodified_module(folder, label, "tiny") == 0.0
 
 
-def test_sequence_parallel_plan_trained_on_two_ranks_like_the_module_in_one_process(tiny_graph, tmp_path):
+@pytest.fixture(scope="module")
+def tiny64_runs(tiny_graph, tmp_path_factory):
+    """One 2-rank job trains the float64 tiny model under Megatron's sequence-parallel plan and the
+    vocabulary-parallel loss's plans (tp 2, and with sequence parallelism) in turn (each plan's checkpoint in its
+    own folder): one launch, two fresh processes importing torch, for the three."""
+    from parsat.backend.launch import LaunchConfig, launch
+
+    plans = {"sp": _plan(tiny_graph, (1, 2), sequence=True),
+             "vocab": _plan(tiny_graph, (1, 2), vocabulary_loss=True),
+             "vocab_sp": _plan(tiny_graph, (1, 2), sequence=True, vocabulary_loss=True)}
+    folder = tmp_path_factory.mktemp("torch-native-64")
+    results = launch(train_job, ("tiny64", plans, 3, str(folder), (BATCH, SEQ, VOCAB_SIZE)),
+                     LaunchConfig(nproc=2, backend="gloo", timeout_s=300))
+    return results, folder
+
+
+def test_sequence_parallel_plan_trained_on_two_ranks_like_the_module_in_one_process(tiny64_runs):
     """Megatron's sequence-parallel plan on 2 gloo ranks, float64: 3 AdamW steps with clip_grad_norm_ give the
     one-process module's losses, clipped norms and final weights within 1e-9 relative; the norm's parameters
     Replicate() DTensors (their gradients all-reduced over tp by DTensor), the split ones Shard(d)."""
-    from parsat.backend.launch import LaunchConfig, launch
-
-    plans = {"sp": _plan(tiny_graph, (1, 2), sequence=True)}
-    results = launch(train_job, ("tiny64", plans, 3, str(tmp_path), (BATCH, SEQ, VOCAB_SIZE)),
-                     LaunchConfig(nproc=2, backend="gloo", timeout_s=300))
+    results, folder = tiny64_runs
     for result in results:
         _check_run(result, "sp", tolerance=1e-9)
     run = results[0]["sp"]
     assert "norm: SequenceParallel()" in run["lowering"], run["lowering"]
     assert run["placements"]["norm.weight"] == ["Replicate()"] and run["placements"]["fc2.bias"] == ["Replicate()"]
     assert run["placements"]["fc2.weight"] == ["Shard(dim=1)"] and run["placements"]["fc1.weight"] == ["Shard(dim=0)"]
-    assert _dcp_loads_into_the_unmodified_module(tmp_path, "sp", "tiny64") == 0.0
+    assert _dcp_loads_into_the_unmodified_module(folder, "sp", "tiny64") == 0.0
 
 
 def test_vocabulary_parallel_loss_is_the_module_s_cross_entropy_under_loss_parallel(tiny_graph):
@@ -586,24 +598,20 @@ def test_vocabulary_parallel_loss_is_the_module_s_cross_entropy_under_loss_paral
         lower(replace(plan, nodes=tuple(nodes[:at] + [twin] + nodes[at:])), tiny_graph, module_info(tiny()[0]))
 
 
-def test_vocabulary_parallel_loss_trained_on_two_ranks_like_the_module_in_one_process(tiny_graph, tmp_path):
+def test_vocabulary_parallel_loss_trained_on_two_ranks_like_the_module_in_one_process(tiny64_runs):
     """The vocabulary-parallel loss's plans (tp 2, and with sequence parallelism) on 2 gloo ranks, float64: 3 AdamW
     steps with clip_grad_norm_ give the one-process module's losses, clipped norms and final weights within 1e-9
     relative; the module's own forward, its cross-entropy under loss parallelism, the logits never gathered (the
     tp plan's only all-gathers were the head's output's: none left)."""
-    from parsat.backend.launch import LaunchConfig, launch
-
-    plans = {"vocab": _plan(tiny_graph, (1, 2), vocabulary_loss=True),
-             "vocab_sp": _plan(tiny_graph, (1, 2), sequence=True, vocabulary_loss=True)}
-    results = launch(train_job, ("tiny64", plans, 3, str(tmp_path), (BATCH, SEQ, VOCAB_SIZE)),
-                     LaunchConfig(nproc=2, backend="gloo", timeout_s=300))
+    results, folder = tiny64_runs
+    plans = ("vocab", "vocab_sp")
     for result in results:
         for label in plans:
             _check_run(result, label, tolerance=1e-9)
             assert "runs as loss parallelism" in result[label]["lowering"]
     print(json.dumps({label: results[0][label]["comms"] for label in plans}))
     assert "all_gather_into_tensor" not in results[0]["vocab"]["comms"], results[0]["vocab"]["comms"]
-    assert _dcp_loads_into_the_unmodified_module(tmp_path, "vocab", "tiny64") == 0.0
+    assert _dcp_loads_into_the_unmodified_module(folder, "vocab", "tiny64") == 0.0
 
 
 @pytest.mark.slow
