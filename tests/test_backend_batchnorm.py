@@ -22,7 +22,7 @@ from torch import nn  # noqa: E402
 
 import parsat  # noqa: E402
 from parsat.backend import running_stats  # noqa: E402
-from parsat.backend.executor import TrainConfig, compare_values, run_plan  # noqa: E402
+from parsat.backend.executor import TrainConfig, compare_values  # noqa: E402
 from parsat.importer.errors import TorchImportError  # noqa: E402
 from parsat.importer.export import import_module  # noqa: E402
 from parsat.cli import main  # noqa: E402
@@ -136,10 +136,31 @@ def _whole_values(ctx):
     return {"by_channel": by_channel.tolist(), "summed": summed.tolist(), "events": len(counter.events)}
 
 
-def test_a_statistic_left_spread_over_ranks_is_assembled():
-    from parsat.backend.launch import LaunchConfig, launch
+def _whole_values_then_the_plan(ctx, pcg, config, graph) -> dict:
+    """`_whole_values`, then `pcg` trained (`run_rank`), in one process group: one launch for both tests."""
+    from parsat.backend.executor import run_rank
 
-    results = launch(_whole_values, (), LaunchConfig(nproc=2, timeout_s=120))
+    return {"whole": _whole_values(ctx), "plan": run_rank(ctx, pcg, config, graph)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """The statistics assembled over 2 ranks, and the logsumexp plan (`big_logits_plan`) trained 2 steps with
+    --check on them, in ONE launch (a launch is two fresh processes importing torch): (each rank's results,
+    the plan's dict, the plan's RunResult)."""
+    from parsat.backend.executor import RunResult
+    from parsat.backend.launch import LaunchConfig, launch
+    from parsat.ir.plan import pcg_from_dict
+
+    graph, plan = big_logits_plan()
+    config = TrainConfig(steps=2, check=True)
+    results = launch(_whole_values_then_the_plan, (pcg_from_dict(plan), config, graph),
+                     LaunchConfig(nproc=2, timeout_s=300))
+    return [r["whole"] for r in results], plan, RunResult.of_job([r["plan"] for r in results], config)
+
+
+def test_a_statistic_left_spread_over_ranks_is_assembled(two_ranks):
+    results = two_ranks[0]
     assert len(results) == 2
     for result in results:
         assert result["by_channel"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
@@ -147,14 +168,13 @@ def test_a_statistic_left_spread_over_ranks_is_assembled():
         assert result["events"] == 2
 
 
-def test_a_vocabulary_parallel_logsumexp_stays_finite_beyond_exps_range():
-    """Logits near 1000 (exp overflows float64 above 709): the vocabulary split takes each shard's max, gathers
-    them, and sums exp(x - max) per shard; the plan trains with --check passing."""
+def big_logits_plan() -> tuple:
+    """(graph, the optimizer's plan dict) of logits near 1000 (a scaled weight) and their logsumexp, on 2 devices
+    of a machine whose compute is slow and links free, with only the vocabulary-parallel logsumexp rules."""
     from parsat.dsl import ast
     from parsat.dsl.library import load_library, shipped_rules_dir
     from parsat.ir.graph import GraphBuilder
     from parsat.ir.machine import Machine
-    from parsat.ir.plan import pcg_from_dict
 
     shipped, _ = load_library([shipped_rules_dir()])
     keep = {"logsumexp_shifted_parts", "amax_vocab_parallel", "sumexp_shifted_vocab_parallel"}
@@ -166,9 +186,14 @@ def test_a_vocabulary_parallel_logsumexp_stays_finite_beyond_exps_range():
     builder.output(builder.op("logsumexp", logits, name="lse"))
     graph = builder.build()
     slow = replace(Machine.resolve("h100x8"), peak_flops=1e3, intra_bandwidth=1e13, intra_latency=1e-12)
-    plan = parsat.optimize(graph, machine=slow, rules=library, devices=2, baselines=False).to_dict()
+    return graph, parsat.optimize(graph, machine=slow, rules=library, devices=2, baselines=False).to_dict()
+
+
+def test_a_vocabulary_parallel_logsumexp_stays_finite_beyond_exps_range(two_ranks):
+    """Logits near 1000 (exp overflows float64 above 709): the vocabulary split takes each shard's max, gathers
+    them, and sums exp(x - max) per shard; the plan trains with --check passing."""
+    _, plan, result = two_ranks
     ops = {(n["op"], tuple(n["spread"]["shard"])) for n in plan["nodes"] if n["kind"] != "leaf"}
     assert ("sumexp_shifted", (1,)) in ops and ("amax", (1, 2)) in ops and ("logsumexp", (1,)) not in ops
-    result = run_plan(pcg_from_dict(plan), 2, TrainConfig(steps=2, check=True), graph=graph)
     assert result.check == "passed" and result.nonfinite == 0, result
     assert min(result.losses) > 709.0 ** 2  # the logsumexps are far above 709, where exp overflows

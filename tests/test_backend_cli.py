@@ -31,6 +31,9 @@ def plan_file(tmp_path, devices=2, **changes):
     return path
 
 
+@pytest.mark.slow   # test_backend_plans' fast test_mlp_figures_through_the_cli runs the same path: `parsat run --check
+# --json` of a data-parallel MLP on 2 ranks, its JSON's check, comm_elements_measured = the gradients' all-reduce
+# plus the output's gather (813,056 + 128 x 10), comm_matches, and the JSON's keys
 def test_run_check_json(tmp_path, capsys):
     path = plan_file(tmp_path)
     code = main(["run", str(path), "--nproc", "2", "--backend", "gloo", "--steps", "2", "--check", "--json"])

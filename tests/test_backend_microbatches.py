@@ -89,19 +89,30 @@ def _same_losses(results, plan_of: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def mlp_runs(tmp_path_factory):
-    jobs = _plans(tmp_path_factory.mktemp("mlp"), "mlp", MLP, "cpu", 2, ("data_parallel", "megatron"))
+def two_rank_runs(tmp_path_factory) -> dict:
+    """The mlp's and the gpt's 2-rank jobs in ONE launch (a launch is two fresh processes importing torch):
+    model -> (its jobs, label -> its results)."""
+    mlp = _plans(tmp_path_factory.mktemp("mlp"), "mlp", MLP, "cpu", 2, ("data_parallel", "megatron"))
     # the same plan from a graph that is not an example: its step is 4 independent micro-batches, checked
     # against the micro-batch graph accumulated 4 times in one process
-    label, pcg, graph, prediction = next(job for job in jobs if job[0] == "data_parallel/m4")
-    jobs.append(("plain/m4", pcg, replace(graph, example=None), prediction))
-    return jobs, _launch(jobs, 2)
+    label, pcg, graph, prediction = next(job for job in mlp if job[0] == "data_parallel/m4")
+    mlp.append(("plain/m4", pcg, replace(graph, example=None), prediction))
+    gpt = _plans(tmp_path_factory.mktemp("gpt"), "gpt", GPT, TWO_BY_TWO, 2, ("parsat", "data_parallel", "sequential"))
+    models_jobs = {"mlp": mlp, "gpt": gpt}
+    results = _launch([(f"{model}:{label}", *rest) for model, jobs in models_jobs.items()
+                       for label, *rest in jobs], 2)
+    return {model: (jobs, {job[0]: results[f"{model}:{job[0]}"] for job in jobs})
+            for model, jobs in models_jobs.items()}
 
 
 @pytest.fixture(scope="module")
-def gpt_runs(tmp_path_factory):
-    jobs = _plans(tmp_path_factory.mktemp("gpt"), "gpt", GPT, TWO_BY_TWO, 2, ("parsat", "data_parallel", "sequential"))
-    return jobs, _launch(jobs, 2)
+def mlp_runs(two_rank_runs):
+    return two_rank_runs["mlp"]
+
+
+@pytest.fixture(scope="module")
+def gpt_runs(two_rank_runs):
+    return two_rank_runs["gpt"]
 
 
 def test_mlp_micro_batches_train_the_whole_batch_and_move_what_is_predicted(mlp_runs):

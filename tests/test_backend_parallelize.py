@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import parsat  # noqa: E402
-from parsat.backend.executor import TrainConfig, compare_values, operator_library, run_plan  # noqa: E402
+from parsat.backend.executor import TrainConfig, compare_values, operator_library  # noqa: E402
 from parsat.importer.export import import_module  # noqa: E402
 from parsat.cli import main  # noqa: E402
 from parsat.ir.data_parallel import data_parallel_pcg  # noqa: E402
@@ -129,14 +129,11 @@ def _run(capsys, plan: str, models, factory: str, *extra: str, nproc: int = 2) -
     return code, (json.loads(lines[-1]) if lines else {}), out.out + out.err
 
 
-def test_an_embedding_plan_passes_check_on_seeded_ids():
+def test_an_embedding_plan_passes_check_on_seeded_ids(two_rank_runs):
     """The embedding-ids bug: ids partitioned by the plan are still one-hot rows on every rank."""
-    module, ids = nn.Sequential(nn.Embedding(20, 8), nn.LayerNorm(8), nn.Linear(8, 5)), torch.randint(0, 20, (4, 6))
-    graph = parsat.from_torch(module, ids)
-    pcg = data_parallel_pcg(graph, operator_library(), 2)
+    graph, pcg, result = two_rank_runs["embedding"]
     assert any(n.op == "partition" and graph.leaf(pcg.node(n.inputs[0]).op) is not None
                and graph.leaf(pcg.node(n.inputs[0]).op).role == "input" for n in pcg)
-    result = run_plan(pcg, 2, TrainConfig(steps=2, check=True), graph=graph)
     assert result.check == "passed", result
 
 
@@ -144,10 +141,50 @@ def test_tied_weights_stay_one_parameter_and_train_like_torch(models, tmp_path, 
     plan = _optimize(models, "tied", tmp_path)
     graph = json.loads(open(plan).read())["graph"]
     assert [w["name"] for w in graph["weights"] if "emb" in w["name"] or "head" in w["name"]] == ["head.weight"]
-    for plan_of in ("parsat", "data_parallel"):
-        code, result, text = _run(capsys, plan, models, "tied", "--plan-of", plan_of)
-        assert code == 0 and result["check"] == "passed", text
-        assert result["max_rel_diff"] < 1e-9
+    code, result, text = _run(capsys, plan, models, "tied")
+    assert code == 0 and result["check"] == "passed", text
+    assert result["max_rel_diff"] < 1e-9
+
+
+def modules_then_a_plan(ctx, jobs, config, pcg, plan_config, graph) -> dict:
+    """`run_module_many` of `jobs`, then `pcg` trained by the interpreter (`run_rank`), in one process group."""
+    from parsat.backend.executor import run_rank
+    from parsat.backend.parallelize import run_module_many
+
+    return {"modules": run_module_many(ctx, jobs, config), "plan": run_rank(ctx, pcg, plan_config, graph)}
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(models, tmp_path_factory):
+    """In ONE 2-rank launch (a launch is two fresh processes importing torch, most of a small run): the
+    data_parallel baselines (`--plan-of data_parallel`: rebuilt from the graph by `load_plan`) of the tied, padded
+    and dropped modules, trained 3 steps against the unmodified module (float64, --check's tolerance for a module;
+    `run_module_many`: what `parsat run --model` runs on its ranks), then an embedding model's data-parallel plan
+    (its ids partitioned) trained 2 steps with --check by the interpreter. factory -> RunResult, and "embedding"
+    -> (graph, pcg, RunResult)."""
+    from parsat.backend.cli import check_tolerance, load_plan
+    from parsat.backend.executor import RunResult
+    from parsat.backend.launch import LaunchConfig, launch
+
+    folder = tmp_path_factory.mktemp("baselines")
+    factories = ("tied", "padded", "dropped")
+    read = {factory: load_plan(_optimize(models, factory, folder), 2, "data_parallel") for factory in factories}
+    jobs = [(factory, pcg, graph, f"{models}:{factory}") for factory, (pcg, graph, _) in read.items()]
+    config = TrainConfig(steps=3, dtype="float64", check=True, tolerance=check_tolerance("float64", "module"))
+    module, ids = nn.Sequential(nn.Embedding(20, 8), nn.LayerNorm(8), nn.Linear(8, 5)), torch.randint(0, 20, (4, 6))
+    graph = parsat.from_torch(module, ids)
+    pcg, plan_config = data_parallel_pcg(graph, operator_library(), 2), TrainConfig(steps=2, check=True)
+    reports = launch(modules_then_a_plan, (jobs, config, pcg, plan_config, graph),
+                     LaunchConfig(nproc=2, backend="gloo", timeout_s=600))
+    runs = {factory: RunResult.of_job([r["modules"][factory] for r in reports], config, read[factory][2])
+            for factory in factories}
+    return {**runs, "embedding": (graph, pcg, RunResult.of_job([r["plan"] for r in reports], plan_config))}
+
+
+def test_the_tied_lm_s_data_parallel_baseline_trains_like_torch(two_rank_runs):
+    """`--plan-of data_parallel` of the tied LM (the CLI's own `--plan-of` path: test_backend_plans)."""
+    result = two_rank_runs["tied"]
+    assert result.check == "passed" and result.max_rel_diff < 1e-9, result
 
 
 def test_a_module_trains_as_a_plan_on_a_2x2_mesh(models, tmp_path, capsys):
@@ -260,16 +297,12 @@ def test_parallelize_reuses_the_import_it_is_given(monkeypatch):
         dist.destroy_process_group()
 
 
-def test_padding_idx_row_gets_no_gradient(models, tmp_path, capsys):
-    plan = _optimize(models, "padded", tmp_path)
-    code, result, text = _run(capsys, plan, models, "padded", "--plan-of", "data_parallel")
-    assert code == 0 and result["check"] == "passed", text
+def test_padding_idx_row_gets_no_gradient(two_rank_runs):
+    assert two_rank_runs["padded"].check == "passed", two_rank_runs["padded"]
 
 
-def test_dropout_draws_masks_that_match_the_module(models, tmp_path, capsys):
-    plan = _optimize(models, "dropped", tmp_path)
-    code, result, text = _run(capsys, plan, models, "dropped", "--plan-of", "data_parallel")
-    assert code == 0 and result["check"] == "passed", text
+def test_dropout_draws_masks_that_match_the_module(models, two_rank_runs):
+    assert two_rank_runs["dropped"].check == "passed", two_rank_runs["dropped"]
     module, inputs = TiedLMFactory(models, "dropped")
     imported = import_module(module, inputs)
     masks = [leaf for leaf in imported.data.values() if leaf.encoding == "dropout"]

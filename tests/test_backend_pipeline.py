@@ -129,17 +129,31 @@ def test_pp2_1f1b_runs_checked_through_parsat_run(tmp_path, stage_plans, capsys)
            "4,096, predicted 4,096 (equal)" in out
 
 
-def test_gpipe_and_interleaved_on_2_ranks_train_like_the_whole_batch(tmp_path, stage_plans):
+def _run_all_then_without_shared_sum(ctx, jobs, config):
+    """`_run_all` of every job but the last, then the last with the tied weight's gradient left unsummed
+    (`_without_shared_sum`, which patches `StageRank` for the rest of the process): one process group."""
+    return {**_run_all(ctx, jobs[:-1], config), **_without_shared_sum(ctx, jobs[-1:], config)}
+
+
+@pytest.fixture(scope="module")
+def two_rank_pipelines(tmp_path_factory, stage_plans):
+    """GPipe and interleaved 1F1B trained as planned, then 1F1B with its tied weight left unsummed, in ONE 2-rank
+    launch (a launch is two fresh processes importing torch): (the planned jobs, label -> job summary)."""
     plans = {"gpipe": pipelined_plan(stage_plans(1), "gpipe", [-1, 1]),
-             "interleaved": pipelined_plan(stage_plans(1), "interleaved", [-1, 1, 2, 3])}
+             "interleaved": pipelined_plan(stage_plans(1), "interleaved", [-1, 1, 2, 3]),
+             "unsummed": pipelined_plan(stage_plans(1), "1f1b", [-1, 1])}
     assert plans["interleaved"].pipeline.layout.chunks_per_stage == 2
-    jobs = _jobs(tmp_path, plans)
-    _assert_checked_and_counted(jobs, _launch(jobs, 2))
+    jobs = _jobs(tmp_path_factory.mktemp("pipelines"), plans)
+    return jobs[:-1], _launch(jobs, 2, _run_all_then_without_shared_sum)
 
 
-def test_a_tied_weight_left_unsummed_across_stages_fails_the_check(tmp_path, stage_plans):
-    jobs = _jobs(tmp_path, {"1f1b": pipelined_plan(stage_plans(1), "1f1b", [-1, 1])})
-    job = _launch(jobs, 2, _without_shared_sum)["1f1b"]
+def test_gpipe_and_interleaved_on_2_ranks_train_like_the_whole_batch(two_rank_pipelines):
+    jobs, results = two_rank_pipelines
+    _assert_checked_and_counted(jobs, results)
+
+
+def test_a_tied_weight_left_unsummed_across_stages_fails_the_check(two_rank_pipelines):
+    job = two_rank_pipelines[1]["unsummed"]
     assert job["max_rel_diff"] > TrainConfig().tolerance
     assert "wte" in job["worst"]
 

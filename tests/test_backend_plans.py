@@ -89,6 +89,8 @@ def test_mlp_figures_through_the_cli(tmp_path, capsys):
         assert code == 0
     for result in results.values():
         assert result["check"] == "passed" and result["comm_matches"] is True
+        assert set(result) >= {"check", "max_abs_diff", "comm_elements_measured", "comm_elements_predicted",
+                               "step_time_s", "peak_memory_bytes"}   # what test_backend_cli's run_check_json read
     assert 0 < results["parsat"]["comm_elements_measured"] <= 131_072
     # data parallelism: 2 * (784*512 + 512*10) gradient elements, plus gathering the 128x10 output
     assert results["data_parallel"]["grad_sync_elements_measured"] == 813_056

@@ -129,12 +129,30 @@ def _assert_recomputes_as_planned(plans: dict, results: dict) -> None:
                                                                        plain["peak_memory_bytes"])
 
 
+def _run_meshes_and_stages(ctx, jobs, stage_jobs, config):
+    """`_run_all` of the one-mesh jobs, then `_run_stages` of the pipelined ones, in one process group."""
+    return _run_all(ctx, jobs, config), _run_stages(ctx, stage_jobs, config)
+
+
 @pytest.fixture(scope="module")
-def two_rank_plans(plan_file):
-    # data parallelism at m = 1 (the weights' chains, gradient sync included, run inside the batch's own
-    # forward and backward, beside the recomputation), tensor parallelism at m = 2
+def two_rank_runs(plan_file):
+    """The 2-rank one-mesh plans and the pipelined ones, with and without recomputation, in ONE launch (a launch
+    is two fresh processes importing torch): (plans, their results, the pipelined jobs, their results).
+    Data parallelism at m = 1 (the weights' chains, gradient sync included, run inside the batch's own forward
+    and backward, beside the recomputation), tensor parallelism at m = 2; interleaved 1F1B, 2 chunks per stage
+    on 2 stages."""
     plans = {"dp/m1": _plan(plan_file, 2, {"dp": 2}, 1), "tp/m2": _plan(plan_file, 2, {"tp": 2}, 2)}
-    return plans, _launch(_with_and_without(plans), 2)
+    stage_jobs = _pipelined_jobs(1, None, (("interleaved", [-1, 1, 2, 3]),))
+    results, stage_results = launch(_run_meshes_and_stages, (_with_and_without(plans), stage_jobs,
+                                                             TrainConfig(steps=STEPS, check=True)),
+                                    LaunchConfig(nproc=2, backend="gloo", timeout_s=600, collective_timeout_s=60))[0]
+    return plans, results, stage_jobs, stage_results
+
+
+@pytest.fixture(scope="module")
+def two_rank_plans(two_rank_runs):
+    plans, results, _, _ = two_rank_runs
+    return plans, results
 
 
 def test_one_rank_recomputes_blocks_and_trains_like_one_process(plan_file):
@@ -236,11 +254,9 @@ def _assert_pipelines_recompute(jobs, results) -> None:
             (label, job["pipeline"]["peak_memory_bytes"], plain["pipeline"]["peak_memory_bytes"])
 
 
-def test_pipelined_plans_recompute_per_chunk():
+def test_pipelined_plans_recompute_per_chunk(two_rank_runs):
     """Interleaved 1F1B, 2 chunks per stage on 2 stages: each chunk recomputes its own blocks."""
-    jobs = _pipelined_jobs(1, None, (("interleaved", [-1, 1, 2, 3]),))
-    results = launch(_run_stages, ([j for j in jobs], TrainConfig(steps=STEPS, check=True)),
-                     LaunchConfig(nproc=2, backend="gloo", timeout_s=600, collective_timeout_s=60))[0]
+    _, _, jobs, results = two_rank_runs
     _assert_pipelines_recompute(jobs, results)
 
 

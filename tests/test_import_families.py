@@ -406,33 +406,67 @@ def sharded_ops(plan: dict) -> set[str]:
     return {n["op"] for n in plan["nodes"] if n["kind"] == "op" and max(n["spread"]["shard"] or [1]) > 1}
 
 
-@pytest.mark.parametrize("factory, split", [("convolutions", {"conv2d_grouped", "conv1d", "pad", "bias_add"}),
-                                            ("position_bias", {"softmax", "add_bcast"}), ("frozen", {"add_bcast"}),
-                                            ("experts", {"topk_onehot", "broadcast", "bmm"})])
-def test_the_new_operators_train_data_parallel_on_two_ranks_like_the_module(factory, split, tmp_path, capsys):
-    """Data parallelism (`data_parallel_pcg`) runs the new operators on batch-split tensors and holds the position
-    bias's constant one-hot whole on each rank; trained 3 steps on 2 ranks, loss, gradients and weights equal the
-    unmodified module's (`parsat run --check --model`, float64)."""
+DATA_PARALLEL = {"convolutions": {"conv2d_grouped", "conv1d", "pad", "bias_add"},
+                 "position_bias": {"softmax", "add_bcast"}, "frozen": {"add_bcast"},
+                 "experts": {"topk_onehot", "broadcast", "bmm"}}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The four data-parallel plans and the expert-parallel one, each written to a plan file, read back as
+    `parsat run` reads it (`load_plan`) and trained 3 steps on 2 gloo ranks against the unmodified module
+    (float64, --check's tolerance for a module): ONE launch for all five (a launch is two fresh processes
+    importing torch). label -> (plan dict, the PCG built here (None for data parallelism), RunResult)."""
     import json
     import sys
 
-    from parsat.backend.executor import operator_library
-    from parsat.cli import main
+    from parsat.backend.cli import check_tolerance, load_plan
+    from parsat.backend.executor import RunResult, TrainConfig, operator_library
+    from parsat.backend.launch import LaunchConfig, launch
+    from parsat.backend.parallelize import run_module_many
     from parsat.ir.data_parallel import data_parallel_pcg
+    from parsat.ir.expert_parallel import expert_parallel_pcg
+    from parsat.ir.machine import Machine
+    from parsat.search.solve import price_pcg
 
     sys.path.insert(0, str(RULES.parent / "benchmarks"))
     import mesh_plans
 
-    module, inputs = globals()[factory]()
+    plans, built = {}, {}
+    for factory in DATA_PARALLEL:
+        module, inputs = globals()[factory]()
+        graph = import_module(module, inputs).graph
+        plans[factory] = (factory, mesh_plans.plan_dict(graph, data_parallel_pcg(graph, operator_library(), 2)))
+    module, inputs = experts()
     graph = import_module(module, inputs).graph
-    data = mesh_plans.plan_dict(graph, data_parallel_pcg(graph, operator_library(), 2))
-    assert split <= sharded_ops(data), sharded_ops(data)
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(data), encoding="utf-8")
-    capsys.readouterr()
-    code = main(["run", str(path), "--nproc", "2", "--check", "--model", f"{Path(__file__).resolve()}:{factory}"])
-    out = capsys.readouterr().out
-    assert code == 0 and "check                passed" in out, out
+    pcg = expert_parallel_pcg(graph, operator_library(), 2)
+    assert pcg is not None
+    costs = price_pcg(pcg, operator_library(), Machine.preset("cpu").with_devices(2), True, graph.microbatches)
+    predicted = sum(c.comm_elements for c in costs.values())
+    plans["expert_parallel"] = ("experts", mesh_plans.plan_dict(graph, pcg, predicted))
+    built["expert_parallel"] = pcg
+    jobs, read = [], {}
+    for label, (factory, data) in plans.items():
+        path = tmp_path_factory.mktemp("plans") / f"{label}.json"
+        path.write_text(json.dumps(data), encoding="utf-8")
+        read[label] = load_plan(str(path), 2)   # (pcg, graph, prediction), as `parsat run` reads the file
+        jobs.append((label, read[label][0], read[label][1], f"{Path(__file__).resolve()}:{factory}"))
+    config = TrainConfig(steps=3, dtype="float64", check=True, tolerance=check_tolerance("float64", "module"))
+    reports = launch(run_module_many, (jobs, config), LaunchConfig(nproc=2, backend="gloo", timeout_s=600))
+    return {label: (plans[label][1], built.get(label), RunResult.of_job([r[label] for r in reports], config,
+                                                                      read[label][2]))
+            for label in plans}
+
+
+@pytest.mark.parametrize("factory", list(DATA_PARALLEL))
+def test_the_new_operators_train_data_parallel_on_two_ranks_like_the_module(factory, trained):
+    """Data parallelism (`data_parallel_pcg`) runs the new operators on batch-split tensors and holds the position
+    bias's constant one-hot whole on each rank; trained 3 steps on 2 ranks, loss, gradients and weights equal the
+    unmodified module's (`run_module_rank`, what `parsat run --check --model` runs on each rank, float64; the
+    CLI's own path is tested in test_backend_parallelize)."""
+    data, _pcg, result = trained[factory]
+    assert DATA_PARALLEL[factory] <= sharded_ops(data), sharded_ops(data)
+    assert result.check == "passed", (result.max_rel_diff, result.nonfinite, result.worst)
 
 
 def test_the_optimizer_splits_the_batch_through_the_new_convolutions():
@@ -448,38 +482,17 @@ def test_the_optimizer_splits_the_batch_through_the_new_convolutions():
     assert {"conv2d_grouped", "conv1d"} <= sharded_ops(plan.to_dict())
 
 
-def test_imported_experts_train_expert_parallel_on_two_gloo_ranks_like_the_module(tmp_path, capsys):
+def test_imported_experts_train_expert_parallel_on_two_gloo_ranks_like_the_module(trained):
     """The imported experts (dispatch form) laid out expert-parallel (`ir.expert_parallel`: each expert's weights on
     one rank, the rows all-to-all'd to it and back around each bmm), trained 3 steps on 2 gloo ranks against the
-    unmodified module (`parsat run --check --model`, float64); the elements sent equal the cost model's count."""
-    import json
-    import sys
-
-    from parsat.backend.executor import operator_library
-    from parsat.cli import main
-    from parsat.ir.expert_parallel import expert_parallel_pcg
-    from parsat.ir.machine import Machine
-    from parsat.search.solve import price_pcg
-
-    sys.path.insert(0, str(RULES.parent / "benchmarks"))
-    import mesh_plans
-
-    module, inputs = experts()
-    graph = import_module(module, inputs).graph
-    pcg = expert_parallel_pcg(graph, operator_library(), 2)
-    assert pcg is not None
+    unmodified module (`run_module_rank`, float64); the elements sent equal the cost model's count."""
+    _data, pcg, result = trained["expert_parallel"]
     weights = {n.id: n.op for n in pcg.nodes if n.kind == "leaf" and n.role == "weight"}
     stored = {weights[n.inputs[0]]: (n.op, dict(n.attrs).get("dim")) for n in pcg.nodes
               if n.kind == "parallel" and n.inputs[0] in weights}
     assert stored["up"] == stored["down"] == ("partition", 0)                  # split on the experts dim
     moves = sorted((dict(n.attrs)["dim"], dict(n.attrs)["to_dim"]) for n in pcg.nodes if n.op == "all_to_all")
     assert moves == [(0, 1), (0, 1), (1, 0), (1, 0)]                           # each bmm's dispatch and combine
-    costs = price_pcg(pcg, operator_library(), Machine.preset("cpu").with_devices(2), True, graph.microbatches)
-    predicted = sum(c.comm_elements for c in costs.values())
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(mesh_plans.plan_dict(graph, pcg, predicted)), encoding="utf-8")
-    capsys.readouterr()
-    code = main(["run", str(path), "--nproc", "2", "--check", "--model", f"{Path(__file__).resolve()}:experts"])
-    out = capsys.readouterr().out
-    assert code == 0 and "check                passed" in out, out
-    assert f"measured {predicted:,} elements, predicted {predicted:,}" in out, out   # what ran, predicted
+    assert result.check == "passed", (result.max_rel_diff, result.nonfinite, result.worst)
+    assert result.comm_elements_predicted > 0 and result.comm_matches, \
+        (result.comm_elements_measured, result.comm_elements_predicted)        # what ran, predicted

@@ -497,20 +497,46 @@ def _dcp_loads_into_the_unmodified_module(folder: Path, label: str, factory: str
     return worst
 
 
+def jobs_in_one_group(ctx, calls: list) -> dict:
+    """`fn(ctx, *args)` for each `(key, fn, args)` of `calls` in turn, in one process group: key -> its result.
+    One launch (two fresh processes importing torch, most of a small job) for several jobs."""
+    return {key: fn(ctx, *args) for key, fn, args in calls}
+
+
 @pytest.fixture(scope="module")
-def tiny_runs(tiny_graph, tmp_path_factory):
-    """One 2-rank job trains the tiny model under each plan in turn: data parallel (the optimizer's plan, pinned
-    dp=2), Megatron tensor parallel, ZeRO-3, and data parallel with ZeRO-1 (`replicate` and `zero_optimizer`'s
-    sharded state) and with ZeRO-2 (FSDP2 without resharding after forward)."""
+def two_rank_jobs(tiny_graph, tmp_path_factory):
+    """The fast 2-rank jobs of this file in ONE launch (`jobs_in_one_group`), each rank's results by job:
+    "tiny": the tiny model trained under each plan in turn: data parallel (the optimizer's plan, pinned dp=2),
+    Megatron tensor parallel, ZeRO-3, and data parallel with ZeRO-1 (`replicate` and `zero_optimizer`'s sharded
+    state) and with ZeRO-2 (FSDP2 without resharding after forward); "tiny64": the float64 tiny model under
+    Megatron's sequence-parallel plan and the vocabulary-parallel loss's plans (tp 2, and with sequence
+    parallelism); "conv1d": `conv1d_sequence_parallel_job`. (results, the tiny runs' folder, the tiny64 runs')."""
     from parsat.backend.launch import LaunchConfig, launch
 
     dp = parsat.optimize(tiny_graph, machine="h100x8", devices=2, degrees={"dp": 2}, baselines=False)
-    plans = {"dp": dp.to_dict(), "tp": _plan(tiny_graph, (1, 2)), "zero3": _plan(tiny_graph, (2, 1), zero=3),
-             "zero1": dict(_plan(tiny_graph, (2, 1)), zero=1), "zero2": dict(_plan(tiny_graph, (2, 1)), zero=2)}
-    folder = tmp_path_factory.mktemp("torch-native")
-    results = launch(train_job, ("tiny", plans, 3, str(folder), (BATCH, SEQ, VOCAB_SIZE)),
-                     LaunchConfig(nproc=2, backend="gloo", timeout_s=300))
-    return results, folder
+    tiny = {"dp": dp.to_dict(), "tp": _plan(tiny_graph, (1, 2)), "zero3": _plan(tiny_graph, (2, 1), zero=3),
+            "zero1": dict(_plan(tiny_graph, (2, 1)), zero=1), "zero2": dict(_plan(tiny_graph, (2, 1)), zero=2)}
+    tiny64 = {"sp": _plan(tiny_graph, (1, 2), sequence=True),
+              "vocab": _plan(tiny_graph, (1, 2), vocabulary_loss=True),
+              "vocab_sp": _plan(tiny_graph, (1, 2), sequence=True, vocabulary_loss=True)}
+    folder, folder64 = tmp_path_factory.mktemp("torch-native"), tmp_path_factory.mktemp("torch-native-64")
+    calls = [("tiny", train_job, ("tiny", tiny, 3, str(folder), (BATCH, SEQ, VOCAB_SIZE))),
+             ("tiny64", train_job, ("tiny64", tiny64, 3, str(folder64), (BATCH, SEQ, VOCAB_SIZE))),
+             ("conv1d", conv1d_sequence_parallel_job, ())]
+    results = launch(jobs_in_one_group, (calls,), LaunchConfig(nproc=2, backend="gloo", timeout_s=600))
+    return results, folder, folder64
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(two_rank_jobs):
+    results, folder, _ = two_rank_jobs
+    return [r["tiny"] for r in results], folder
+
+
+@pytest.fixture(scope="module")
+def tiny64_runs(two_rank_jobs):
+    results, _, folder64 = two_rank_jobs
+    return [r["tiny64"] for r in results], folder64
 
 
 @pytest.mark.parametrize("label", ["dp", "tp", "zero3", "zero1", "zero2"])
@@ -531,22 +557,18 @@ def test_trained_on_two_ranks_like_the_module_in_one_process(tiny_runs, label):
     assert _dcp_loads_into_the_unmodified_module(folder, label, "tiny") == 0.0
 
 
-def test_sequence_parallel_plan_trained_on_two_ranks_like_the_module_in_one_process(tiny_graph, tmp_path):
+def test_sequence_parallel_plan_trained_on_two_ranks_like_the_module_in_one_process(tiny64_runs):
     """Megatron's sequence-parallel plan on 2 gloo ranks, float64: 3 AdamW steps with clip_grad_norm_ give the
     one-process module's losses, clipped norms and final weights within 1e-9 relative; the norm's parameters
     Replicate() DTensors (their gradients all-reduced over tp by DTensor), the split ones Shard(d)."""
-    from parsat.backend.launch import LaunchConfig, launch
-
-    plans = {"sp": _plan(tiny_graph, (1, 2), sequence=True)}
-    results = launch(train_job, ("tiny64", plans, 3, str(tmp_path), (BATCH, SEQ, VOCAB_SIZE)),
-                     LaunchConfig(nproc=2, backend="gloo", timeout_s=300))
+    results, folder = tiny64_runs
     for result in results:
         _check_run(result, "sp", tolerance=1e-9)
     run = results[0]["sp"]
     assert "norm: SequenceParallel()" in run["lowering"], run["lowering"]
     assert run["placements"]["norm.weight"] == ["Replicate()"] and run["placements"]["fc2.bias"] == ["Replicate()"]
     assert run["placements"]["fc2.weight"] == ["Shard(dim=1)"] and run["placements"]["fc1.weight"] == ["Shard(dim=0)"]
-    assert _dcp_loads_into_the_unmodified_module(tmp_path, "sp", "tiny64") == 0.0
+    assert _dcp_loads_into_the_unmodified_module(folder, "sp", "tiny64") == 0.0
 
 
 def test_vocabulary_parallel_loss_is_the_module_s_cross_entropy_under_loss_parallel(tiny_graph):
@@ -586,24 +608,20 @@ def test_vocabulary_parallel_loss_is_the_module_s_cross_entropy_under_loss_paral
         lower(replace(plan, nodes=tuple(nodes[:at] + [twin] + nodes[at:])), tiny_graph, module_info(tiny()[0]))
 
 
-def test_vocabulary_parallel_loss_trained_on_two_ranks_like_the_module_in_one_process(tiny_graph, tmp_path):
+def test_vocabulary_parallel_loss_trained_on_two_ranks_like_the_module_in_one_process(tiny64_runs):
     """The vocabulary-parallel loss's plans (tp 2, and with sequence parallelism) on 2 gloo ranks, float64: 3 AdamW
     steps with clip_grad_norm_ give the one-process module's losses, clipped norms and final weights within 1e-9
     relative; the module's own forward, its cross-entropy under loss parallelism, the logits never gathered (the
     tp plan's only all-gathers were the head's output's: none left)."""
-    from parsat.backend.launch import LaunchConfig, launch
-
-    plans = {"vocab": _plan(tiny_graph, (1, 2), vocabulary_loss=True),
-             "vocab_sp": _plan(tiny_graph, (1, 2), sequence=True, vocabulary_loss=True)}
-    results = launch(train_job, ("tiny64", plans, 3, str(tmp_path), (BATCH, SEQ, VOCAB_SIZE)),
-                     LaunchConfig(nproc=2, backend="gloo", timeout_s=300))
+    results, folder = tiny64_runs
+    plans = ("vocab", "vocab_sp")
     for result in results:
         for label in plans:
             _check_run(result, label, tolerance=1e-9)
             assert "runs as loss parallelism" in result[label]["lowering"]
     print(json.dumps({label: results[0][label]["comms"] for label in plans}))
     assert "all_gather_into_tensor" not in results[0]["vocab"]["comms"], results[0]["vocab"]["comms"]
-    assert _dcp_loads_into_the_unmodified_module(tmp_path, "vocab", "tiny64") == 0.0
+    assert _dcp_loads_into_the_unmodified_module(folder, "vocab", "tiny64") == 0.0
 
 
 @pytest.mark.slow
@@ -869,16 +887,14 @@ def conv1d_sequence_parallel_job(ctx) -> dict:
             "comms": {str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()}}
 
 
-def test_conv1d_styles_sequence_parallel_variants_on_two_ranks():
+def test_conv1d_styles_sequence_parallel_variants_on_two_ranks(two_rank_jobs):
     """The Conv1D styles take torch's layouts, sequence parallelism's too: GPT-2's MLP between a
     SequenceParallel norm and a reduce-scatter along the sequence computes, on 2 gloo ranks, the unmodified
     block's output slices and gradients (float64), c_fc's weight Shard(1) and bias Shard(0), c_proj's weight
     Shard(0) and bias Replicate(); one all-gather and one reduce-scatter in the forward, their transposes in the
     backward. (No parsat planner makes a sequence-parallel plan of GPT-2's graph yet: see
     test_hf_gpt2_tensor_parallel_plan_styles_its_conv1d_projections.)"""
-    from parsat.backend.launch import LaunchConfig, launch
-
-    for result in launch(conv1d_sequence_parallel_job, (), LaunchConfig(nproc=2, backend="gloo", timeout_s=300)):
+    for result in (r["conv1d"] for r in two_rank_jobs[0]):   # run in the file's one 2-rank launch
         assert result["output"] <= 1e-12 and result["input_grad"] <= 1e-12, result
         assert max(result["grads"].values()) <= 1e-12, result["grads"]
         assert result["placements"]["1.c_fc.weight"] == ["Shard(dim=1)"]

@@ -97,16 +97,21 @@ torch = pytest.importorskip("torch")
 
 
 def test_the_backend_trains_a_zero_plan_as_one_process_does_and_sends_what_it_predicts():
-    from parsat.backend.executor import ExecutionError, TrainConfig, run_plan
+    from parsat.backend.executor import ExecutionError, TrainConfig, check_verdict, run_many, run_plan
+    from parsat.backend.launch import LaunchConfig, launch
+    from parsat.backend.state_shards import check_runnable
 
-    for zero, microbatches in ((1, 2), (2, 1)):
-        plan = optimize("mlp", machine="cpu", devices=2, sizes=MLP, degrees={"dp": 2, "zero": zero},
-                        microbatches=microbatches)
-        result = run_plan(plan.pcg, 2, TrainConfig(steps=3, optimizer="adam", lr=0.05, check=True), graph=plan.graph,
-                          backend="gloo", timeout_s=300)
-        assert result.check == "passed", result
-        assert result.grad_sync_elements_measured == plan.totals.grad_sync_elements
-        assert result.comm_elements_measured == plan.totals.comm_elements
+    plans = {zero: optimize("mlp", machine="cpu", devices=2, sizes=MLP, degrees={"dp": 2, "zero": zero},
+                            microbatches=microbatches) for zero, microbatches in ((1, 2), (2, 1))}
+    config = TrainConfig(steps=3, optimizer="adam", lr=0.05, check=True)
+    jobs = [(f"zero{zero}", plan.pcg, plan.graph) for zero, plan in plans.items()]   # both in one 2-rank launch
+    results = launch(run_many, (jobs, config), LaunchConfig(nproc=2, backend="gloo", timeout_s=300))[0]
+    for zero, plan in plans.items():
+        check_runnable(plan.pcg, plan.graph.microbatches)   # what `run_plan` asks before any rank starts: runnable
+        job = results[f"zero{zero}"]
+        assert check_verdict(job, config) == "passed", (zero, job["max_rel_diff"], job["nonfinite"], job["worst"])
+        assert job["grad_sync"] == plan.totals.grad_sync_elements, (zero, job["grad_sync"])
+        assert job["sent"] == plan.totals.comm_elements, (zero, job["sent"])
     stage2 = optimize("mlp", machine="cpu", devices=2, sizes=MLP, degrees={"dp": 2, "zero": 2}, microbatches=2)
     with pytest.raises(ExecutionError, match="ZeRO-2"):
         run_plan(stage2.pcg, 2, TrainConfig(steps=1, check=True), graph=stage2.graph, backend="gloo")

@@ -531,6 +531,15 @@ def run_module_rank(ctx: RankContext, pcg: PCG, graph: Graph, model_spec: str, d
     return report
 
 
+def run_module_many(ctx: RankContext, jobs: Sequence[tuple[str, PCG, Graph, str]], config: TrainConfig) -> dict:
+    """Several `(label, pcg, graph, model_spec)` module runs trained in turn in one process group: label -> this
+    rank's `run_module_rank` report (each run seeds itself, so the order does not matter).
+
+    For tests that run many small modules: one launch instead of one per module (process start-up, each rank
+    importing torch, dominates them), as `executor.run_many` is for plans."""
+    return {label: run_module_rank(ctx, pcg, graph, spec, None, config) for label, pcg, graph, spec in jobs}
+
+
 def _reference_step(reference, optimizer: Optimizer, imported: ImportedModule, pmodule: ParallelModule,
                     batch: tuple, step: int, loss: torch.Tensor) -> Comparison:
     """One step of the unmodified module, then every compared value of this rank against it."""
@@ -573,4 +582,4 @@ def run_module_plan(pcg: PCG, graph: Graph, model_spec: str, data_path: str | No
 
 
 __all__ = ["run_module_plan", "ParallelModule", "ParallelizeError", "ReferenceDropout", "gather_weights", "parallelize",
-           "run_module_rank"]
+           "run_module_many", "run_module_rank"]
