@@ -101,8 +101,8 @@ def test_compute_costs_from_shared_instances_are_those_instantiated_afresh(mlp_o
         assert mine == node_costs(result.snapshot, graph, library, machine, computed={})
         instances, keyed = shared.instances, dict(shared)
         for reads, cost in keyed.items():
-            op, attrs, shapes, inputs, out, weights, at, kept = reads
-            assert _compute(library, op, attrs, shapes, inputs, out, at, weights, kept) == cost
+            op, attrs, shapes, inputs, out, weights, at, kept, ring = reads
+            assert _compute(library, op, attrs, shapes, inputs, out, at, weights, kept, ring=ring) == cost
         assert len(mine) > 20 and 0 < len(instances) < len(keyed)   # instances shared by several spreads
     matmul, memo = library.ops["matmul"], {}
     one = Degrees.of_placement(Placement.whole(2), Mesh.of((2,)), 2)
@@ -368,7 +368,7 @@ def test_compute_costs_shared_across_node_counts_are_each_machine_s_own(gpt):
         for nodes in (8, 1, 2):
             assert pcg_node_costs(pcg, library, Machine.preset("h100x8", nodes), True, graph.microbatches,
                                   only=_not_parallel, computed=shared) == fresh[0]
-    assert len({key[-2] for key in shared}) == 1   # one machine in the keys
+    assert len({key[-3] for key in shared}) == 1   # one machine in the keys (before `kept` and the ring's shares)
 
 
 def test_extractions_sharing_compute_costs_give_the_plans_and_costs_of_fresh_ones(three_blocks):
