@@ -158,6 +158,25 @@ def test_calibrate_refuses_bad_sizes(capsys):
     assert main(["calibrate", "--machine", "x", "-o", "/nonexistent/m.json", "--comm-elements", "64", "8"]) == 1
 
 
+def test_calibrate_s_timeout_reaches_the_ranks_and_is_bounded(tmp_path, capsys, monkeypatch):
+    """`--timeout` (a loaded box may need more than the default 600 s) is the launch's timeout; one out of its
+    bounds is refused before any rank starts."""
+    import parsat.backend.calibrate as calibrate_module
+
+    asked = {}
+
+    def refusing(*args, **kwargs):
+        asked.update(kwargs)
+        raise ValueError("stopped here")
+    monkeypatch.setattr(calibrate_module, "calibrate", refusing)
+    out = str(tmp_path / "m.json")
+    assert main(["calibrate", "--machine", "x", "-o", out, "--timeout", "1800"]) == 1
+    assert asked["timeout_s"] == 1800.0 and "stopped here" in capsys.readouterr().err
+    asked.clear()
+    assert main(["calibrate", "--machine", "x", "-o", out, "--timeout", "-5"]) == 1
+    assert not asked and "--timeout" in capsys.readouterr().err
+
+
 def test_fit_updates_keeps_each_optimizers_measured_points_never_shrinking():
     """The optimizer's timed updates become `OpEfficiency.update_points` as measured, in growing size; a larger
     update measured faster than a smaller one (noise) is read as the smaller one's time; the machine prices an

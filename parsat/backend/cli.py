@@ -389,6 +389,8 @@ def register_calibrate(subparsers) -> None:
     cal.add_argument("--dtensor", action="store_true",
                      help="also measure what an operator on a DTensor costs beyond a plain one (the torch-native "
                           "runtime's tensor-parallel modules, `parallelize(runtime='torch')`)")
+    cal.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                     help="seconds before the measuring ranks are ended (default 600; a loaded machine may need more)")
     cal.add_argument("--json", action="store_true", help="print the measurements as one JSON object last")
     cal.set_defaults(run=main_calibrate)
 
@@ -408,12 +410,13 @@ def main_calibrate(args: argparse.Namespace) -> int:
     sizes = list(args.comm_elements)
     try:
         check_all("calibrate", {"--nproc": nproc, "--size": args.size, "--repeats": args.repeats,
-                                "--comm-elements": sizes, "--window": args.window})
+                                "--comm-elements": sizes, "--window": args.window, "--timeout": args.timeout})
         if len(sizes) < 2 or sizes != sorted(set(sizes)):
             raise ValueError(f"--comm-elements must be at least two increasing sizes, got {sizes}")
         check_output(args.output)   # before the measurements, not after them
         result = calibrate(args.machine, nproc, args.size, args.repeats, args.backend, tuple(sizes), args.dtype,
-                           window_s=args.window, oversubscribe=args.oversubscribe, dtensor=args.dtensor)
+                           timeout_s=args.timeout, window_s=args.window, oversubscribe=args.oversubscribe,
+                           dtensor=args.dtensor)
         result.machine.save(args.output)
     except (ValueError, LaunchError, FileProblem, MachineError) as err:
         return _fail(str(err), "calibrate")
