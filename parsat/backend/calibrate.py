@@ -310,8 +310,16 @@ def _timed(ctx: RankContext, fn: Callable[[], object], budget: Budget, sync, gro
     seconds a call, the median over the rounds of the slowest rank's average."""
     dist.barrier(group=group)
     one = _slowest(ctx, _average_time(fn, 1, sync, 0.0), group)   # after two warm-ups; the same on every rank
-    count = max(1, min(int(budget.window_s / budget.repeats / max(one, 1e-9)), 100_000))
+    return _in_rounds(ctx, _round_of(fn, _calls_a_round(one, budget), budget, sync), budget, group)
 
+
+def _calls_a_round(one_s: float, budget: Budget) -> int:
+    """Calls of a `one_s` call that fill a round's share of `budget.window_s` (at least one, at most 100,000)."""
+    return max(1, min(int(budget.window_s / budget.repeats / max(one_s, 1e-9)), 100_000))
+
+
+def _round_of(fn: Callable[[], object], count: int, budget: Budget, sync) -> Callable[[], float]:
+    """One round: `count` calls of `fn` back to back on `budget.clock`, seconds a call."""
     def round_s() -> float:
         sync()
         start = budget.clock()
@@ -320,7 +328,7 @@ def _timed(ctx: RankContext, fn: Callable[[], object], budget: Budget, sync, gro
         sync()
         return (budget.clock() - start) / count
 
-    return _in_rounds(ctx, round_s, budget, group)
+    return round_s
 
 
 def _timed_after(ctx: RankContext, prepare: Callable[[], object], fn: Callable[[], object], budget: Budget,
@@ -478,20 +486,13 @@ class GemmPasses:
             start = clock()
             fn()
         sync()
-        one = _slowest(self.ctx, clock() - start)
-        count = max(1, min(int(budget.window_s / budget.repeats / max(one, 1e-9)), 100_000))
+        count = _calls_a_round(_slowest(self.ctx, clock() - start), budget)
+        after = replace(budget, repeats=count, window_s=0.0)
 
-        def round_s() -> float:
-            if prepare is not None:
-                return average_after(prepare, fn, replace(budget, repeats=count, window_s=0.0), sync, clock, 0)
-            sync()
-            begin = clock()
-            for _ in range(count):
-                fn()
-            sync()
-            return (clock() - begin) / count
+        def prepared_round_s() -> float:
+            return average_after(prepare, fn, after, sync, clock, 0)
 
-        self.cases.append((head, round_s))
+        self.cases.append((head, _round_of(fn, count, budget, sync) if prepare is None else prepared_round_s))
         self.seconds.append([])
 
     def run_pass(self, spread: bool = False) -> None:
