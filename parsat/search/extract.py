@@ -123,7 +123,7 @@ def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Mach
     """
     roles = leaf_roles(snapshot, graph)
     held = kept_classes(snapshot, graph, library)
-    rings = profile_for(machine).overlap   # the profile runs ring attention as a ring (`cost.ring_time.rings_run`)
+    overlap = profile_for(machine).overlap   # the profile runs ring attention as a ring (`cost.ring_time.rings_run`)
     pricer = Pricer(library, machine, snapshot.mesh or Mesh(()), free_input_placements, input_pins, graph.microbatches,
                     zero, computed)
     # What the pricer reads of a class is its shape, spread and role: classes are numbered by those, once, and an
@@ -143,10 +143,10 @@ def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Mach
                 continue
             if only is not None and not only(node.op, roles.get(node.children[0], "") if node.children else ""):
                 continue
-            if rings and made_in_kernel(snapshot, node):
+            if overlap and made_in_kernel(snapshot, node):
                 out[(cid, index)] = NodeCost()
                 continue
-            ring = ring_form(snapshot, node) if rings else ()
+            ring = ring_form(snapshot, node) if overlap else ()
             key = (node.op, node.attrs, kind[cid], tuple(kind[ch] for ch in node.children), cid in held, ring)
             cost = priced.get(key, _UNPRICED)
             if cost is _UNPRICED:
