@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from parsat.cost.ring_time import ring_compute_s, ring_pass_s, ring_work
+from parsat.cost.ring_time import ring_compute_s, ring_work
 from parsat.dsl.library import load_library
 from parsat.egraph.snapshot import ENode, Snapshot
 from parsat.ir.costs import NodeCost
@@ -42,11 +42,7 @@ def test_zigzag_share_is_every_ranks_count(p):
     assert {round(_zigzag_rank_pairs(p, r), 12) for r in range(p)} == {round(sum(ring_work(p, True, True)), 12)}
 
 
-def test_ring_pass_is_first_block_then_the_larger_of_chunk_and_step():
-    chunks = (1.0, 2.0, 2.0, 2.0)
-    assert ring_pass_s(chunks, 0.5) == pytest.approx(1 + 3 * 2)     # transfers hidden
-    assert ring_pass_s(chunks, 3.0) == pytest.approx(3 * 3 + 2)     # transfers exposed: the last chunk after them
-    assert ring_pass_s(chunks, 0.5, home_s=0.25) == pytest.approx(7.25)
+def test_the_ring_s_compute_is_its_chunks_summed():
     assert ring_compute_s(8.0, ring_work(4, True), lambda s: s) == pytest.approx(8.0 * 3.5 / 4)
 
 

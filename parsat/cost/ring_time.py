@@ -18,11 +18,11 @@ a rank computes at each step (`ring_work`) is the only difference between the ri
   against chunk 2p-1-j (after both); at the block of a rank j > i, the late query chunk against both of j's
   chunks and the early one against neither: 2 of 4 chunk pairs at every step, 1/(2p) of the row each.
 
-`ring_pass_s` is the pass as the simulator's streams run it: compute chunk i waits for the send/recv bringing
-block i and for chunk i - 1; the send/recvs run back to back on the communication stream. Extraction prices a
-ring-form attention's compute as `ring_compute_s` (the same chunks, summed) and its transfers on the gathers of k
-and v (all-gathers, not overlapped: an upper bound of the pass, as an e-node's cost cannot know which of its
-class's readers a plan picks, `search.extract`).
+The step simulator runs the pass on its streams (`cost.pcg_tasks._Builder._ring`): compute chunk i waits for the
+send/recv bringing block i and for chunk i - 1; the send/recvs run back to back on the communication stream.
+Extraction prices a ring-form attention's compute as `ring_compute_s` (the same chunks, summed) and its transfers
+on the gathers of k and v (all-gathers, not overlapped: an upper bound of the pass, as an e-node's cost cannot
+know which of its class's readers a plan picks, `search.extract`).
 """
 
 from __future__ import annotations
@@ -74,17 +74,4 @@ def ring_compute_s(kernel_s: float, work: Sequence[float], op_time: Callable[[fl
     return sum(ring_chunks_s(kernel_s, work, op_time))
 
 
-def ring_pass_s(chunks_s: Sequence[float], step_s: float, home_s: float = 0.0) -> float:
-    """The pass's time as the simulator's two streams run it: chunk 0 at once, send/recv i (i >= 1) after
-    send/recv i - 1, chunk i after chunk i - 1 and send/recv i; `home_s` a last transfer after the last chunk
-    (backward: the dk, dv brought home). First block plus p - 1 times the larger of a chunk and a step where
-    the chunks are equal."""
-    done = chunks_s[0]
-    arrived = 0.0
-    for chunk in chunks_s[1:]:
-        arrived += step_s
-        done = max(done, arrived) + chunk
-    return done + home_s
-
-
-__all__ = ["ring_chunks_s", "ring_compute_s", "ring_pass_s", "ring_shares", "ring_work", "rings_run"]
+__all__ = ["ring_chunks_s", "ring_compute_s", "ring_shares", "ring_work", "rings_run"]
