@@ -32,22 +32,29 @@ def _plan(capacity_mib: float):
 def tight():
     """The search at 4.0 MiB, once for the module, with each lean-asking extraction recorded: (the plan, the
     calls as [the policy's ZeRO stage, asked lean, found lean])."""
+    calls: list = []
+    with pytest.MonkeyPatch.context() as patch:
+        _record_lean_calls(patch, calls)
+        return _plan(4.0), calls
+
+
+def _record_lean_calls(patch: pytest.MonkeyPatch, calls: list) -> None:
+    """`mesh.solve` patched to append [the policy's ZeRO stage, asked lean, found lean] for each policy's
+    extraction (a baseline's restricted one passes no `lean`)."""
     import parsat.search.mesh as mesh
 
-    solve, calls = mesh.solve, []
+    solve = mesh.solve
 
     def recording(*args, **kwargs):
-        if "lean" not in kwargs:   # a baseline's restricted extraction
+        if "lean" not in kwargs:
             return solve(*args, **kwargs)
         call = [kwargs["zero"], kwargs["lean"], None]
-        calls.append(call)
+        calls.append(call)   # in the order the calls start (a policy's solve asks the next ones inside it)
         pcg, costs, extraction = solve(*args, **kwargs)
         call[2] = extraction.lean
         return pcg, costs, extraction
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mesh, "solve", recording)
-        return _plan(4.0), list(calls)
+    patch.setattr(mesh, "solve", recording)
 
 
 def test_a_plan_that_fits_by_sharding_more_is_found_where_the_fastest_do_not_fit(tight, tmp_path):
@@ -75,8 +82,6 @@ def test_where_the_leanest_policy_fits_only_lean_the_policies_between_are_asked_
     either, and each is asked lean as well, the fastest of the lean plans kept (llama-70b on 64 H100s
     `--no-pipeline`: the leanest's lean plan 22.620 s, ZeRO-1's 14.985 s). Where a time-ranked pass fits, no
     policy but the leanest is asked lean."""
-    import parsat.search.mesh as mesh
-
     tight, calls = tight
     assert tight.extraction["method"] in (LEAN, LEAN_ILP)
     # each mesh's extractions: ZeRO-0 by time, the leanest (ZeRO-2) lean, then ZeRO-1
@@ -84,14 +89,7 @@ def test_where_the_leanest_policy_fits_only_lean_the_policies_between_are_asked_
     leaned = [run for run in runs if run[1][:3] == [2, True, True]]
     assert leaned, calls
     assert all([(zero, lean) for zero, lean, _ in run] == [(0, False), (2, True), (1, True)] for run in leaned)
-    solve, roomy_calls = mesh.solve, []
-
-    def recording(*args, **kwargs):
-        pcg, costs, extraction = solve(*args, **kwargs)
-        if "lean" in kwargs:
-            roomy_calls.append([kwargs["zero"], kwargs["lean"], extraction.lean])
-        return pcg, costs, extraction
-
-    monkeypatch.setattr(mesh, "solve", recording)
+    roomy_calls: list = []
+    _record_lean_calls(monkeypatch, roomy_calls)
     _plan(64.0)   # every policy's fastest plan fits: the first policy, by time
     assert roomy_calls and all(call == [0, False, False] for call in roomy_calls)

@@ -608,6 +608,19 @@ def uneven_stage():
     return optimize(_uneven(), "h100x8", devices=2, limits={"enodes": 15000}, baselines=False, microbatches=16)
 
 
+def _count_prices(monkeypatch, tag: str) -> Counter:
+    """`StagePricer.price` patched to count its calls by the pricer's attribute `tag` (set on each pricer)."""
+    from parsat.cost.pipeline import StagePricer
+    calls: Counter = Counter()
+    price = StagePricer.price
+
+    def counted(self, layout, schedule):
+        calls[getattr(self, tag)] += 1
+        return price(self, layout, schedule)
+    monkeypatch.setattr(StagePricer, "price", counted)
+    return calls
+
+
 @pytest.mark.parametrize("capacity", [None, 1])
 def test_the_cut_refinement_s_floor_changes_no_plan_and_prunes_only_under_a_step_that_fits(
         stage_plan, uneven_stage, capacity, monkeypatch):
@@ -618,13 +631,7 @@ def test_the_cut_refinement_s_floor_changes_no_plan_and_prunes_only_under_a_step
     pricings are the same in number."""
     from itertools import combinations
     from parsat.cost.pipeline import StagePricer
-    calls = Counter()
-    price = StagePricer.price
-
-    def counted(self, layout, schedule):
-        calls[self.floor_on] += 1
-        return price(self, layout, schedule)
-    monkeypatch.setattr(StagePricer, "price", counted)
+    calls = _count_prices(monkeypatch, "floor_on")
     for plan, machine, degree in ((stage_plan, Machine.resolve("cpu").with_devices(4), 2),
                                   (uneven_stage, Machine.resolve("h100x8").with_devices(8), 4)):
         if capacity is not None:
@@ -676,13 +683,7 @@ def test_the_cut_floor_counts_fill_and_drain_where_chunks_chain_and_prunes_more(
             assert floor <= pricer.price(pricer.layer_map.lay_out(cut, degree), ONE_F_ONE_B).totals.time_s
             above += floor > busiest * (1 + 1e-9)
     assert above > 0
-    calls = Counter()
-    price = StagePricer.price
-
-    def counted(self, layout, schedule):
-        calls[self.kind] += 1
-        return price(self, layout, schedule)
-    monkeypatch.setattr(StagePricer, "price", counted)
+    calls = _count_prices(monkeypatch, "kind")
     sharp, blunt = StagePricer(uneven_stage, machine), StagePricer(uneven_stage, machine)
     sharp.kind, blunt.kind = "sharp", "blunt"
     blunt._is_chained = False   # the busiest stage's floor alone
