@@ -20,7 +20,9 @@ for fp32 training):
   `backward_dispatch_s`: Python, torch dispatch and autograd bookkeeping);
 * GEMMs over a grid of shapes, fitted to Hockney's model per dimension,
   t = dispatch + FLOPs / (peak x 1/((1 + m_half/m)(1 + n_half/n)(1 + k_half/k)))
-  (`peak_flops`, `gemm_half_*`); the largest square product is also timed
+  (`peak_flops`, `gemm_half_*`), and the tensor grid of mid-size products
+  (`gemm_grid_nodes`) kept as measured, each layout's fractions of peak
+  (`gemm_grids`: the price inside the grid, the fit only beyond it); the largest square product is also timed
   in the other dtype for `peaks`; every product (these, and the backward
   ones below) in passes spread over the whole calibration, a figure the
   median of its passes (`GemmPasses`: the products' rate moves for seconds
@@ -131,6 +133,7 @@ from parsat.backend.training_data import TrainConfig, loss_terms
 from parsat.importer.torch_ops import apply_op
 from parsat.dsl.bounds import check_all
 from parsat.ir.units import fmt_bytes
+from parsat.ir.gemm_grid import grid_fractions
 from parsat.ir.machine import Machine
 from parsat.ir.machine_profile import (ATTENTION_BACKWARD_FACTOR, COMM_ELEMENTS, FSDP_COLLECTIVE_FIELDS,
                                       REDISTRIBUTE_FIELDS, CollectivePoint, CommProfile, OpEfficiency, Oversubscribed,
@@ -341,8 +344,27 @@ def _timed_after(ctx: RankContext, prepare: Callable[[], object], fn: Callable[[
     return _in_rounds(ctx, lambda: average_after(prepare, fn, one, sync, budget.clock, warmups=0), budget)
 
 
+GRID_FRACTIONS = (3 / 16, 3 / 8, 3 / 4)
+"""The grid of products (`gemm_grid_nodes`): m, n and k each take `--size` times each of these (96, 192 and 384 by
+default), every combination timed in each layout, so that a calibrated machine prices the products a step runs
+(a layer's [batch, in] @ [in, out], 128-784 wide on the demo) from measurements around them
+(`ir.gemm_grid.GemmGrid`), not from the Hockney fit alone, which priced the demo's first product 1.24x apart over
+calibrations whose measured products agreed within 1.08x (benchmarks/demo_step.md, session 67 helper C).
+Three times powers of two, as model widths often are (768 = 3 x 256), not powers of two: a backward product
+x^T @ g whose x rows are a power of two of 512 or more doubles long reads its transposed operand at a stride
+that maps to few cache sets (this box, x [128, m] @ g [128, 256]: 32 GFLOP/s at m = 512 and 1024, 38-44 at 384,
+520, 640, 784), so a grid on powers of two priced every wider product at that conflict's rate (the demo's
+x^T @ g, m = 784, 1.30x its measured time)."""
+
+
+def gemm_grid_nodes(size: int) -> tuple[int, ...]:
+    """The sizes each of m, n and k takes on the grid of products (`GRID_FRACTIONS` of `size`)."""
+    return tuple(sorted({max(1, round(size * f)) for f in GRID_FRACTIONS}))
+
+
 def gemm_shapes(size: int) -> list[tuple[int, int, int]]:
-    """(m, n, k) timed: squares from 8 to `size`, and skinny products with one small dimension."""
+    """(m, n, k) timed: squares from 8 to `size`, skinny products with one small dimension (what the Hockney fit
+    reads the small sizes from), and the grid of products (`gemm_grid_nodes`: every combination of its sizes)."""
     squares = []
     s = 8
     while s <= size:
@@ -352,7 +374,7 @@ def gemm_shapes(size: int) -> list[tuple[int, int, int]]:
     for small in (8, 32):
         if small < size:
             shapes += [(small, size, size), (size, small, size), (size, size, small)]
-    return shapes
+    return shapes + [s for s in itertools.product(gemm_grid_nodes(size), repeat=3) if s not in shapes]
 
 
 def memory_sizes(size: int) -> list[int]:
@@ -1489,6 +1511,21 @@ def fit_layouts(timings: Sequence[OpTiming], peak: float) -> dict[str, float]:
     return fields
 
 
+def fit_grids(timings: Sequence[OpTiming], nodes: Sequence[int], peak: float, dispatch_s: float) -> dict:
+    """`OpEfficiency.gemm_grids` from the products timed on the grid `nodes` (`gemm_grid_nodes`), one per layout
+    timed there ("nn": `matmul`, "nt", "tn": the backward products), each point's fraction of `peak` after the
+    fixed cost `dispatch_s` the cost model adds to each call; none for a layout not timed on the whole grid (an
+    older calibration's timings)."""
+    grids = []
+    for layout in ("nn", "nt", "tn"):
+        op = "matmul" if layout == "nn" else f"matmul_{layout}"
+        measured = {tuple(t.shape): t.seconds for t in timings if t.op == op}
+        grid = grid_fractions(layout, measured, nodes, peak, dispatch_s)
+        if grid is not None:
+            grids.append(grid)
+    return {"gemm_grids": tuple(grids)} if grids else {}
+
+
 def fit_updates(timings: Sequence[OpTiming]) -> dict[str, tuple]:
     """`OpEfficiency.update_points` from the optimizer's timed updates (`_updates`): per optimizer timed, its
     (elements, seconds) in growing size, as measured. Not a line: an update's time per element changes with
@@ -1621,6 +1658,7 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
     gemms = [t for t in ops if t.op == "matmul"]
     peak, halves = fit_gemm(gemms)
     layouts = fit_layouts(ops, peak) | fit_updates(ops) | fit_functions(ops) | fit_attention(ops, peak, dispatch)
+    layouts |= fit_grids(ops, gemm_grid_nodes(size), peak, dispatch[0])
     layouts |= fit_elementwise(ops) | fit_loss(ops)
     bandwidth, half_bytes, cache_bytes, cache_bw = fit_memory([t for t in ops if t.op in ("relu", "add", "copy")])
     randn = [t for t in ops if t.op == "randn"]
@@ -1769,6 +1807,9 @@ def report(cal: Calibration) -> str:
                if e.python_instruction_s else []),
              *([f"  an operator in a step (a transformer block's calls in sequence): {e.sequence_factor:.2f} x "
                 f"the same call timed alone"] if e.sequence_factor != 1.0 else []),
+             *([f"  the products' grid: m, n, k each " + ", ".join(f"{x:g}" for x in e.gemm_grids[0].ms)
+                + f" ({', '.join(g.layout for g in e.gemm_grids)}), priced from its points in between, by the half "
+                  f"lengths only beyond"] if e.gemm_grids else []),
              *(f"  backward products ({name}): {getattr(e, f'gemm_{lay}_rate'):.2f} x peak, half lengths m "
                f"{getattr(e, f'gemm_{lay}_half_m'):g}, n {getattr(e, f'gemm_{lay}_half_n'):g}, k "
                f"{getattr(e, f'gemm_{lay}_half_k'):g}" for lay, name in (("nt", "g @ w^T"), ("tn", "x^T @ g"))
@@ -1802,4 +1843,4 @@ def report(cal: Calibration) -> str:
 
 
 __all__ = ["Budget", "Calibration", "CollectiveTiming", "OpTiming", "average_after", "calibrate", "fit_gemm",
-           "fit_attention", "fit_functions", "fit_layouts", "fit_line", "fit_link", "fit_loss", "fit_memory", "fit_turn", "fit_updates", "gemm_shapes", "memory_sizes", "report"]
+           "fit_attention", "fit_functions", "fit_grids", "fit_layouts", "fit_line", "fit_link", "fit_loss", "fit_memory", "fit_turn", "fit_updates", "gemm_grid_nodes", "gemm_shapes", "memory_sizes", "report"]

@@ -38,6 +38,7 @@ from math import prod
 from typing import Any, Mapping
 
 from parsat.ir.errors import MachineError
+from parsat.ir.gemm_grid import GemmGrid
 from parsat.ir.validate import COLLECTIVE_KINDS as COLLECTIVES
 from parsat.ir.validate import ELEMENTWISE_KINDS
 from parsat.ir.validate import LINK_KINDS as LINKS
@@ -122,6 +123,11 @@ class OpEfficiency:
     gemm_tn_half_m: float = 0.0
     gemm_tn_half_n: float = 0.0
     gemm_tn_half_k: float = 0.0
+    gemm_grids: tuple[GemmGrid, ...] = ()
+                                       # products' measured fractions of peak on a grid of shapes, per layout
+                                       # ("nn", "nt", "tn"), read between its points (`ir.gemm_grid`): a
+                                       # product is priced from them inside the grid's box, by the half
+                                       # lengths above only beyond it; () not measured (presets, older files)
     update_points: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
                                        # `parsat run`'s own optimizer (`backend.executor.Optimizer`) updating one
                                        # weight after a backward made its gradient: per optimizer, (elements,
@@ -220,10 +226,21 @@ class OpEfficiency:
         return getattr(self, f"fsdp_{kind}_s", 0.0)
 
     def gemm_efficiency(self, m: float, n: float, k: float) -> float:
-        """Fraction of peak FLOP/s a (batched) m x k by k x n product reaches, in (0, 1]: the largest GEMMs'
-        fraction, less by Hockney's half-performance lengths in each dimension."""
-        return self.gemm_peak_fraction / ((1 + self.gemm_half_m / max(m, 1.0)) * (1 + self.gemm_half_n / max(n, 1.0))
-                      * (1 + self.gemm_half_k / max(k, 1.0)))
+        """Fraction of peak FLOP/s a (batched) m x k by k x n product reaches: as measured on the machine's grid
+        of products (`gemm_grids`, read between its points) where it has one, else, and beyond the grid's box,
+        the largest GEMMs' fraction less by Hockney's half-performance lengths in each dimension."""
+        return self._layout_fraction("nn", self.gemm_peak_fraction, (self.gemm_half_m, self.gemm_half_n,
+                                                                      self.gemm_half_k), (m, n, k))
+
+    def _layout_fraction(self, layout: str, rate: float, halves: tuple[float, ...],
+                         shape: tuple[float, float, float]) -> float:
+        """`layout`'s fraction of peak at `shape`: its grid (`gemm_grids`) read with the Hockney curve of `rate`
+        and `halves` beyond the grid's box, or that curve alone where the layout has no grid."""
+        def curve(*dims: float) -> float:
+            return rate / prod(1 + h / max(x, 1.0) for h, x in zip(halves, dims))
+
+        grid = next((g for g in self.gemm_grids if g.layout == layout), None)
+        return curve(*shape) if grid is None else grid.fraction(*shape, curve)
 
     def layout_efficiency(self, layout: str, m: float, n: float, k: float) -> float | None:
         """Fraction of peak FLOP/s an m x k by k x n product reaches with its operands laid out as `layout`
@@ -237,8 +254,8 @@ class OpEfficiency:
         rate = getattr(self, f"gemm_{layout}_rate")
         if rate <= 0:
             return None
-        halves = (getattr(self, f"gemm_{layout}_half_{d}") for d in "mnk")
-        return rate / prod(1 + h / max(x, 1.0) for h, x in zip(halves, (m, n, k)))
+        return self._layout_fraction(layout, rate, tuple(getattr(self, f"gemm_{layout}_half_{d}") for d in "mnk"),
+                                     (m, n, k))
 
     def update_time(self, optimizer: str, elements: float) -> float | None:
         """Seconds `parsat run`'s optimizer takes to update one weight piece of `elements` elements, as measured
@@ -276,7 +293,9 @@ class OpEfficiency:
         unmeasured += [f"elementwise_{kind}_s" for kind in ELEMENTWISE_KINDS if not self.elementwise_time(kind, 1.0)]
         unmeasured += ["loss_"] if self.loss_s <= 0 else []
         out = {k: v for k, v in asdict(self).items() if not k.startswith(tuple(unmeasured))
-               and k not in ("update_points", "function_times")}
+               and k not in ("update_points", "function_times", "gemm_grids")}
+        if self.gemm_grids:
+            out["gemm_grids"] = {grid.layout: grid.to_dict() for grid in self.gemm_grids}
         if self.function_times:
             out["function_times"] = {name: [forward, back] for name, forward, back in self.function_times}
         if self.update_points:
@@ -290,8 +309,9 @@ class OpEfficiency:
         points = tuple((kind, tuple((float(e), float(s)) for e, s in rows))
                        for kind, rows in sorted(data.pop("update_points", {}).items()))
         functions = tuple((name, float(f), float(b)) for name, (f, b) in sorted(data.pop("function_times", {}).items()))
+        grids = tuple(GemmGrid.from_dict(layout, grid) for layout, grid in sorted(data.pop("gemm_grids", {}).items()))
         return OpEfficiency(**{k: (v if isinstance(v, bool) else float(v)) for k, v in data.items()},
-                            update_points=points, function_times=functions)
+                            update_points=points, function_times=functions, gemm_grids=grids)
 
 
 def interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:

@@ -725,7 +725,7 @@ def validate_efficiency_dict(data: Any, error: type[Exception] = MachineError,
     """A machine file's `efficiency` object (`OpEfficiency`): known fields, numbers in `EFFICIENCY_RANGES`."""
     f = _Fields(error, f"{where}.")
     data = f.obj(data, "")
-    _known(f, data, (*EFFICIENCY_RANGES, *EFFICIENCY_FLAGS, "update_points", "function_times"))
+    _known(f, data, (*EFFICIENCY_RANGES, *EFFICIENCY_FLAGS, "update_points", "function_times", "gemm_grids"))
     for key, (low, high, unit) in EFFICIENCY_RANGES.items():
         if key in data:
             _ranged(f, data[key], key, low, high, unit)
@@ -733,6 +733,8 @@ def validate_efficiency_dict(data: Any, error: type[Exception] = MachineError,
         _update_points(f, data["update_points"])
     if "function_times" in data:
         _function_times(f, data["function_times"])
+    if "gemm_grids" in data:
+        _gemm_grids(f, data["gemm_grids"])
     for key in EFFICIENCY_FLAGS:
         if key in data and not isinstance(data[key], bool):
             f.fail(key, f"must be true or false, got {_kind(data[key])}")
@@ -756,6 +758,33 @@ def _update_points(f: _Fields, data: Any) -> None:
             if elements <= last:
                 f.fail(path, "elements must grow from one pair to the next")
             last = elements
+
+
+GEMM_LAYOUTS = ("nn", "nt", "tn")   # `gemm_grids`: a forward product, and autograd's two backward ones
+
+
+def _gemm_grids(f: _Fields, data: Any) -> None:
+    """`efficiency.gemm_grids`: per layout of `GEMM_LAYOUTS`, the sizes `m`, `n`, `k` (at least two each, growing
+    from 1) and one fraction of peak per grid point, each in (0, 1000] (`ir.gemm_grid.GemmGrid`)."""
+    grids = f.obj(data, "gemm_grids")
+    _known(_Fields(f.error, f"{f.prefix}gemm_grids."), grids, GEMM_LAYOUTS)
+    for layout, grid in grids.items():
+        path = f"gemm_grids.{layout}"
+        grid = f.obj(grid, path)
+        _known(_Fields(f.error, f"{f.prefix}{path}."), grid, ("m", "n", "k", "fractions"))
+        points = 1
+        for dim in "mnk":
+            sizes = [_ranged(f, x, f"{path}.{dim}", 1.0, MAX_ELEMENTS, "elements")
+                     for x in f.array(f.get(grid, dim, path), f"{path}.{dim}")]
+            if len(sizes) < 2 or any(b <= a for a, b in zip(sizes, sizes[1:])):
+                f.fail(f"{path}.{dim}", "must list at least two sizes, growing")
+            points *= len(sizes)
+        fractions = f.array(f.get(grid, "fractions", path), f"{path}.fractions")
+        if len(fractions) != points:
+            f.fail(f"{path}.fractions", f"must hold one fraction per grid point ({points}), got {len(fractions)}")
+        for value in fractions:
+            if _ranged(f, value, f"{path}.fractions", 0.0, 1e3, "of peak FLOP/s") <= 0:
+                f.fail(f"{path}.fractions", "each fraction must be above 0")
 
 
 def _function_times(f: _Fields, data: Any) -> None:
