@@ -135,3 +135,35 @@ def test_a_grid_of_one_layout_leaves_the_others_to_their_curves():
     assert eff.layout_efficiency("tn", 200, 300, 400) == pytest.approx(0.5)
     assert eff.layout_efficiency("nt", 200, 300, 400) == pytest.approx(0.9 / (1 + 16 / 200))
     assert eff.gemm_efficiency(200, 300, 400) == 1.0
+
+
+def test_a_grid_product_is_timed_in_a_third_of_a_round():
+    """The grid's 81 products in rounds a third as long (`GRID_ROUND_SHARE`): 2 calls of 0.9 ms a round where a
+    product of the fit makes 6 (a 30 ms window over 5 rounds), each figure still the median of the passes."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    from parsat.backend import calibrate
+    from parsat.backend.launch import RankContext
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        now = [0.0]
+        calls = {"fit": 0, "grid": 0}
+
+        def call(name):
+            def run():
+                calls[name] += 1
+                now[0] += 0.0009
+            return run
+
+        budget = calibrate.Budget(repeats=5, window_s=0.03, clock=lambda: now[0])
+        products = calibrate.GemmPasses(RankContext(0, 1, "gloo", torch.device("cpu")), budget, lambda: None)
+        products.add(["matmul", [8, 8, 8], 1024.0, 0.0], call("fit"))
+        products.add(["matmul", [96, 96, 96], 1024.0, 0.0], call("grid"), round_share=calibrate.GRID_ROUND_SHARE)
+        calls.update(fit=0, grid=0)
+        products.run_pass()
+        assert calls == {"fit": 6, "grid": 2}
+        assert [row[2] for row in products.rows()] == [pytest.approx(0.0009)] * 2
+    finally:
+        dist.destroy_process_group()

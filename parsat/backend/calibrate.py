@@ -357,6 +357,13 @@ that maps to few cache sets (this box, x [128, m] @ g [128, 256]: 32 GFLOP/s at 
 x^T @ g, m = 784, 1.30x its measured time)."""
 
 
+GRID_ROUND_SHARE = 1 / 3
+"""A grid product's round in `GemmPasses` is this share of the others' (2 ms of calls back to back, at least one
+call, instead of 6): the grid's 81 products in full rounds added 16-21% to `parsat calibrate`'s CPU (user + sys
+48-49 s against 48-51... , session 67 helper C), in a third of the round 5-7%; the figure stays a median over
+the passes of the slowest rank's round."""
+
+
 def gemm_grid_nodes(size: int) -> tuple[int, ...]:
     """The sizes each of m, n and k takes on the grid of products (`GRID_FRACTIONS` of `size`)."""
     return tuple(sorted({max(1, round(size * f)) for f in GRID_FRACTIONS}))
@@ -411,11 +418,14 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
     fsdp_collectives = _fsdp_collectives(ctx, dtype, comm_sizes, sync) if dtensor else (0.0, 0.0, 0.0)
 
     products = GemmPasses(ctx, budget, sync)
+    grid = set(gemm_grid_nodes(size))
     for m, n, k in gemm_shapes(size):
         a, b = rand(m, k), rand(k, n)
         nbytes = float((m * k + k * n + m * n) * a.element_size())
-        products.add(["matmul", [m, n, k], 2.0 * m * n * k, nbytes], lambda a=a, b=b: apply_op("matmul", [a, b], {}))
-        _backward_products(products, a, b, rand(m, n))
+        share = GRID_ROUND_SHARE if {m, n, k} <= grid else 1.0
+        products.add(["matmul", [m, n, k], 2.0 * m * n * k, nbytes], lambda a=a, b=b: apply_op("matmul", [a, b], {}),
+                     round_share=share)
+        _backward_products(products, a, b, rand(m, n), share)
     s = max(m for m, n, k in gemm_shapes(size) if m == n == k)  # the largest square, in the other dtype
     a, b = rand(s, s, kind=other), rand(s, s, kind=other)
     products.add(["matmul_other", [s, s, s], 2.0 * s ** 3, float(3 * s * s * a.element_size())],
@@ -455,13 +465,14 @@ UPDATE_ROWS = (4, 16, 64, 256, 1024, 4096)   # rows of the [rows, 256] weights w
 UPDATE_WIDTH = 256
 
 
-def _backward_products(products: "GemmPasses", a: torch.Tensor, b: torch.Tensor, g: torch.Tensor) -> None:
+def _backward_products(products: "GemmPasses", a: torch.Tensor, b: torch.Tensor, g: torch.Tensor,
+                       round_share: float = 1.0) -> None:
     """The backward of `a @ b` as a step runs it, once for each operand needing a gradient, added to `products`:
     [matmul_nt, the backward product's own (m, n, k), FLOPs, bytes] for a's (g @ b^T) and [matmul_tn, ...] for
     b's (a^T @ g), each the slowest rank's `backward()` right after its forward (not timed). So the product runs
     where a step runs it: its output new memory, its operands last touched by the forward, with autograd's
     engine around it (a fixed cost per call, which the fit's intercept takes). On a CPU this ran 1.2-1.6x the
-    same product timed on its own, again and again (benchmarks/demo_step.md)."""
+    same product timed on its own, again and again (benchmarks/demo_step.md). `round_share`: `GemmPasses.add`'s."""
     (m, k), n = a.shape, b.shape[1]
     nbytes = float((m * k + k * n + m * n) * a.element_size())
     for layout, shape in (("nt", [m, k, n]), ("tn", [k, n, m])):
@@ -473,7 +484,7 @@ def _backward_products(products: "GemmPasses", a: torch.Tensor, b: torch.Tensor,
             held["y"] = apply_op("matmul", [x, w], {})
 
         products.add([f"matmul_{layout}", shape, 2.0 * m * n * k, nbytes],
-                     lambda held=held: held["y"].backward(g), prepare=forward)
+                     lambda held=held: held["y"].backward(g), prepare=forward, round_share=round_share)
 
 
 class GemmPasses:
@@ -497,9 +508,11 @@ class GemmPasses:
         self.seconds: list[list[float]] = []
         self.passes = 0
 
-    def add(self, head: list, fn: Callable[[], object], prepare: Callable[[], object] | None = None) -> None:
+    def add(self, head: list, fn: Callable[[], object], prepare: Callable[[], object] | None = None,
+            round_share: float = 1.0) -> None:
         """A product to time: `head` = [op, shape, FLOPs, bytes]; `fn` called `count` times a round (set here,
-        after two warm-ups, from one call: the same on every rank), each after `prepare()` (not timed) if given."""
+        after two warm-ups, from one call: the same on every rank; a round `round_share` of the usual length),
+        each after `prepare()` (not timed) if given."""
         budget, sync, clock = self.budget, self.sync, self.budget.clock
         for _ in range(3):   # two warm-ups, then the one call timed
             if prepare is not None:
@@ -508,7 +521,8 @@ class GemmPasses:
             start = clock()
             fn()
         sync()
-        count = _calls_a_round(_slowest(self.ctx, clock() - start), budget)
+        count = _calls_a_round(_slowest(self.ctx, clock() - start), replace(budget, window_s=budget.window_s
+                                                                                  * round_share))
         after = replace(budget, repeats=count, window_s=0.0)
 
         def prepared_round_s() -> float:
