@@ -10,9 +10,10 @@ each calibration, the products the demo's plan runs (`parsat optimize mlp --devi
 
 Each price is a call's (the kernel and the machine's `dispatch_s`, as `OpTiming.predicted`). Then the spread of
 each price over the calibrations (max / min), the prices against `--measured` (the demo's products timed as the
-calibration times its grid: `GemmPasses`, a JSON of [op, shape, seconds, ...] rows), and every grid product of
-each calibration priced by every other calibration's machine (a machine is used minutes to hours after it was
-measured): median and worst |priced / measured - 1| over the pairs, both ways.
+calibration times its grid: `GemmPasses`, a JSON whose "rows" are [op, shape, seconds, ...]), and every mid-size
+product each calibration measured priced by every other calibration's machine of each way (a machine prices
+products minutes to hours after it was measured), by the sizes' class: all powers of two, all three times one
+(a calibration whose grid was on 96, 192, 384), or mixed.
 
     .venv/bin/python benchmarks/gemm_grid_spread.py CAL.json... [--measured PROBE.json...]
 """
@@ -70,51 +71,65 @@ def spread(values: list[float]) -> str:
     return f"{min(values) * 1e3:.3f}-{max(values) * 1e3:.3f} ms ({max(values) / min(values):.3f}x)"
 
 
+def size_class(shape: tuple[int, ...]) -> str:
+    """"pow2" where every size is a power of two, "3x2^k" where every one is three times one, else "mixed"."""
+    if all(x & (x - 1) == 0 for x in shape):
+        return "pow2"
+    if all(x % 3 == 0 and (x // 3) & (x // 3 - 1) == 0 for x in shape):
+        return "3x2^k"
+    return "mixed"
+
+
+def way_of(machine: Machine) -> str:
+    """'grid 128-512' (its grid's sizes) for a machine with a grid, else 'fit'."""
+    grids = machine.efficiency.gemm_grids
+    return f"grid {grids[0].ms[0]:g}-{grids[0].ms[-1]:g}" if grids else "fit"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("calibrations", nargs="+")
     parser.add_argument("--measured", nargs="*", default=[])
     args = parser.parse_args()
     cals = [(Path(p).name, *load(p)) for p in args.calibrations]
-    ways = {"fit": [fit_alone(m, ops) for _n, m, ops in cals],
-            "grid": [m if m.efficiency.gemm_grids else None for _n, m, _ops in cals]}
+    machines = [(name, "fit", fit_alone(m, ops)) for name, m, ops in cals]
+    machines += [(name, way_of(m), m) for name, m, _ops in cals if m.efficiency.gemm_grids]
+    ways = sorted({way for _n, way, _m in machines}, key=lambda w: (w != "fit", w))
     truth: dict[tuple, list[float]] = {}
     for path in args.measured:
         for op, shape, seconds, *_rest in json.loads(Path(path).read_text())["rows"]:
             truth.setdefault((op, tuple(shape)), []).append(seconds)
-    print(f"{'calibration':<26} {'way':<5} {'peak':>6}  " + "  ".join(f"{op[7:] or 'nn'} {'x'.join(map(str, s))}"
-                                                                 for op, s in DEMO))
-    for i, (name, _machine, _ops) in enumerate(cals):
-        for way, machines in ways.items():
-            if machines[i] is not None:
-                row = "  ".join(f"{priced(machines[i], op, s) * 1e3:>{len(op[7:] or 'nn') + 1 + len('x'.join(map(str, s)))}.4f}"
-                                for op, s in DEMO)
-                print(f"{name:<26} {way:<5} {machines[i].peak_flops / 1e9:6.1f}  {row}")
-    for op, shape in DEMO:
-        label = f"{op} {'x'.join(map(str, shape))}"
-        line = [f"{way} {spread([priced(m, op, shape) for m in ms if m is not None])}" for way, ms in ways.items()
-                if any(m is not None for m in ms)]
+    labels = [f"{op[7:] or 'nn'} {'x'.join(map(str, s))}" for op, s in DEMO]
+    print(f"{'calibration':<24} {'way':<13} {'peak':>6}  " + "  ".join(labels))
+    for name, way, machine in sorted(machines, key=lambda r: (r[0], r[1] != "fit")):
+        row = "  ".join(f"{priced(machine, op, s) * 1e3:>{len(label)}.4f}" for (op, s), label in zip(DEMO, labels))
+        print(f"{name:<24} {way:<13} {machine.peak_flops / 1e9:6.1f}  {row}")
+    print("\nthe demo's products over the calibrations (a call: kernel + dispatch), and against measured:")
+    for (op, shape), label in zip(DEMO, labels):
+        line = []
+        for way in ways:
+            prices = [priced(m, op, shape) for _n, w, m in machines if w == way]
+            line.append(f"{way} {spread(prices)}")
+            if (op, shape) in truth:
+                measured = statistics.median(truth[op, shape])
+                line[-1] += f" = {min(prices) / measured:.2f}-{max(prices) / measured:.2f} x measured"
         if (op, shape) in truth:
-            measured = statistics.median(truth[op, shape])
-            line.append(f"measured {', '.join(f'{t * 1e3:.3f}' for t in truth[op, shape])} ms")
-            line += [f"{way} / measured {min(priced(m, op, shape) for m in ms if m is not None) / measured:.2f}-"
-                     f"{max(priced(m, op, shape) for m in ms if m is not None) / measured:.2f}"
-                     for way, ms in ways.items() if any(m is not None for m in ms)]
-        print(f"{label:<26} " + "; ".join(line))
-    for way, machines in ways.items():
-        errors = {op: [] for op in PRODUCTS}
-        for i, (_n, measured_on, ops) in enumerate(cals):
-            nodes = grid_nodes(measured_on)
-            for j, machine in enumerate(machines):
-                if machine is None or (i == j and way == "grid"):
+            line.append("measured " + ", ".join(f"{t * 1e3:.3f}" for t in truth[op, shape]) + " ms")
+        print(f"  {label:<16} " + "; ".join(line))
+    print("\nmid-size products (every size 96-512) measured in one calibration, priced by each other calibration's "
+          "machine: |priced / measured - 1| median, signed median, worst (count)")
+    for way in ways:
+        errors: dict[tuple[str, str], list[float]] = {}
+        for name, _m, ops in cals:
+            for t in ops:
+                if min(t.shape) < 96 or max(t.shape) > 512:
                     continue
-                for t in ops:
-                    if set(t.shape) <= nodes:
-                        errors[t.op].append(abs(t.predicted(machine) / t.seconds - 1))
-        if any(errors.values()):
-            print(f"grid products priced by {'another' if way == 'grid' else 'its own or another'} calibration's "
-                  f"machine ({way}): " + "; ".join(f"{op}: median {statistics.median(e):.3f}, worst {max(e):.3f} "
-                                                   f"({len(e)})" for op, e in errors.items() if e))
+                for other, w, machine in machines:
+                    if w == way and other != name:
+                        errors.setdefault((t.op, size_class(t.shape)), []).append(t.predicted(machine) / t.seconds - 1)
+        for (op, cls), e in sorted(errors.items()):
+            print(f"  {way:<13} {op:<10} {cls:<6} {statistics.median(map(abs, e)):.3f} {statistics.median(e):+.3f} "
+                  f"{max(map(abs, e)):.3f} ({len(e)})")
     return 0
 
 

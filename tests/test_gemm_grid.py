@@ -13,7 +13,7 @@ from parsat.ir.machine import PRESETS
 from parsat.ir.machine_profile import OpEfficiency
 
 PEAK, HALVES, DISPATCH = 45e9, (8.0, 16.0, 4.0), 5e-6
-NODES = (96, 192, 384)
+NODES = (128, 256, 512)
 
 
 def hockney(m, n, k, halves=HALVES):
@@ -37,26 +37,26 @@ def priced(eff: OpEfficiency, m, n, k) -> float:
 
 
 def test_a_grid_point_is_priced_as_measured_even_where_the_fit_misses_it():
-    """192 x 384 x 96 measured 1.3x what the curve gives: priced at 1.3x there, not at the fit; a product between
-    grid points reads its neighbours in log space (halfway between 192 and 384 in log2 is 271.5)."""
-    slow = {(192, 384, 96): 1.3}
+    """256 x 512 x 128 measured 1.3x what the curve gives: priced at 1.3x there, not at the fit; a product between
+    grid points reads its neighbours in log space (halfway between 256 and 512 in log2 is 362)."""
+    slow = {(256, 512, 128): 1.3}
     eff = grid_machine(slow)
-    assert priced(eff, 192, 384, 96) == pytest.approx(seconds(192, 384, 96, slow), rel=1e-12)
-    assert priced(eff, 384, 384, 384) == pytest.approx(seconds(384, 384, 384), rel=1e-12)
-    middle = 192 * 2 ** 0.5
-    fraction = 2.0 * middle * 384 * 96 / (PEAK * (priced(eff, middle, 384, 96) - DISPATCH))
-    ends = [2.0 * x * 384 * 96 / (PEAK * (seconds(x, 384, 96, slow) - DISPATCH)) for x in (192, 384)]
+    assert priced(eff, 256, 512, 128) == pytest.approx(seconds(256, 512, 128, slow), rel=1e-12)
+    assert priced(eff, 512, 512, 512) == pytest.approx(seconds(512, 512, 512), rel=1e-12)
+    middle = 256 * 2 ** 0.5
+    fraction = 2.0 * middle * 512 * 128 / (PEAK * (priced(eff, middle, 512, 128) - DISPATCH))
+    ends = [2.0 * x * 512 * 128 / (PEAK * (seconds(x, 512, 128, slow) - DISPATCH)) for x in (256, 512)]
     assert fraction == pytest.approx((ends[0] * ends[1]) ** 0.5, rel=1e-3)
 
 
 def test_beyond_the_grid_the_fit_carries_the_nearest_measured_point():
     """The demo's head ([128, 256] @ [256, 10]: n = 10, below the grid) and its first layer (k = 784, above it):
     the nearest point of the grid's box, read from its measured points, times the curve's change from there."""
-    eff = grid_machine({(96, 96, 192): 1.2, (192, 192, 384): 0.9})
-    for shape, edge in (((128, 10, 256), (128, 96, 256)), ((128, 256, 784), (128, 256, 384))):
+    eff = grid_machine({(128, 128, 256): 1.2, (256, 256, 512): 0.9})
+    for shape, edge in (((128, 10, 256), (128, 128, 256)), ((128, 256, 784), (128, 256, 512))):
         at_edge = eff.gemm_efficiency(*edge)
         assert eff.gemm_efficiency(*shape) == pytest.approx(at_edge * hockney(*shape) / hockney(*edge), rel=1e-12)
-    assert eff.gemm_efficiency(96, 96, 192) == pytest.approx(hockney(96, 96, 192) / 1.2, rel=1e-12)
+    assert eff.gemm_efficiency(128, 128, 256) == pytest.approx(hockney(128, 128, 256) / 1.2, rel=1e-12)
 
 
 def test_a_dispatch_bound_shape_does_not_move_a_product_priced_on_the_grid():
@@ -76,7 +76,7 @@ def test_a_dispatch_bound_shape_does_not_move_a_product_priced_on_the_grid():
     (plain, plain_peak), (dragged, dragged_peak) = machine(1.0), machine(3.0)
     assert plain_peak == pytest.approx(PEAK)
     assert dragged_peak != pytest.approx(PEAK, rel=0.01)   # the fit moved ...
-    for shape in ((128, 256, 384), (100, 200, 300), (384, 384, 384)):   # ... the grid's prices did not
+    for shape in ((128, 256, 512), (200, 300, 400), (512, 512, 512)):   # ... the grid's prices did not
         assert 2.0 * prod(shape) / (dragged_peak * dragged.gemm_efficiency(*shape)) == pytest.approx(
             2.0 * prod(shape) / (plain_peak * plain.gemm_efficiency(*shape)), rel=1e-9)
 
@@ -89,19 +89,19 @@ def test_the_calibration_times_every_combination_of_the_grid_sizes():
     shapes = gemm_shapes(512)
     assert len(shapes) == len(set(shapes))
     assert {(a, b, c) for a in NODES for b in NODES for c in NODES} <= set(shapes)
-    assert (8, 512, 512) in shapes and (8, 8, 8) in shapes and (512, 512, 512) in shapes   # the fit's small and skinny products stay
+    assert (8, 512, 512) in shapes and (8, 8, 8) in shapes   # the fit's small and skinny products stay
 
 
 def test_a_grid_missing_a_point_or_a_call_within_its_dispatch_gives_none():
     measured = {(a, b, c): seconds(a, b, c) for a in NODES for b in NODES for c in NODES}
-    assert grid_fractions("nn", {s: t for s, t in measured.items() if s != (96, 192, 384)}, NODES, PEAK,
+    assert grid_fractions("nn", {s: t for s, t in measured.items() if s != (128, 256, 512)}, NODES, PEAK,
                           DISPATCH) is None
-    assert grid_fractions("nn", measured | {(96, 96, 96): DISPATCH}, NODES, PEAK, DISPATCH) is None
-    assert grid_fractions("nn", measured, (384,), PEAK, DISPATCH) is None
+    assert grid_fractions("nn", measured | {(128, 128, 128): DISPATCH}, NODES, PEAK, DISPATCH) is None
+    assert grid_fractions("nn", measured, (512,), PEAK, DISPATCH) is None
 
 
 def test_the_grid_round_trips_through_the_machine_file_and_is_checked():
-    eff = grid_machine({(192, 192, 192): 1.1})
+    eff = grid_machine({(256, 256, 256): 1.1})
     data = json.loads(json.dumps(eff.to_dict()))
     assert OpEfficiency.from_dict(data) == eff
     assert "gemm_grids" not in OpEfficiency().to_dict()
@@ -110,7 +110,7 @@ def test_the_grid_round_trips_through_the_machine_file_and_is_checked():
     with pytest.raises(MachineError, match="one fraction per grid point"):
         OpEfficiency.from_dict(bad)
     bad = json.loads(json.dumps(data))
-    bad["gemm_grids"]["nn"]["m"] = [192, 96, 384]
+    bad["gemm_grids"]["nn"]["m"] = [256, 128, 512]
     with pytest.raises(MachineError, match="growing"):
         OpEfficiency.from_dict(bad)
     bad = json.loads(json.dumps(data))
@@ -125,8 +125,8 @@ def test_a_machine_without_a_grid_prices_by_its_curve_as_before():
         e = machine.efficiency
         assert not e.gemm_grids
         expected = e.gemm_peak_fraction / prod(1 + h / x for h, x in zip((e.gemm_half_m, e.gemm_half_n,
-                                                                             e.gemm_half_k), (96, 1000, 4096)))
-        assert e.gemm_efficiency(96, 1000, 4096) == expected
+                                                                             e.gemm_half_k), (128, 1000, 4096)))
+        assert e.gemm_efficiency(128, 1000, 4096) == expected
 
 
 def test_a_grid_of_one_layout_leaves_the_others_to_their_curves():

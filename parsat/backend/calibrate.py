@@ -344,17 +344,16 @@ def _timed_after(ctx: RankContext, prepare: Callable[[], object], fn: Callable[[
     return _in_rounds(ctx, lambda: average_after(prepare, fn, one, sync, budget.clock, warmups=0), budget)
 
 
-GRID_FRACTIONS = (3 / 16, 3 / 8, 3 / 4)
-"""The grid of products (`gemm_grid_nodes`): m, n and k each take `--size` times each of these (96, 192 and 384 by
+GRID_DIVISORS = (4, 2, 1)
+"""The grid of products (`gemm_grid_nodes`): m, n and k each take `--size` over each of these (128, 256 and 512 by
 default), every combination timed in each layout, so that a calibrated machine prices the products a step runs
-(a layer's [batch, in] @ [in, out], 128-784 wide on the demo) from measurements around them
+(a layer's [batch, in] @ [in, out]: 128 x 784 x 256 on the demo) from measurements around them
 (`ir.gemm_grid.GemmGrid`), not from the Hockney fit alone, which priced the demo's first product 1.24x apart over
 calibrations whose measured products agreed within 1.08x (benchmarks/demo_step.md, session 67 helper C).
-Three times powers of two, as model widths often are (768 = 3 x 256), not powers of two: a backward product
-x^T @ g whose x rows are a power of two of 512 or more doubles long reads its transposed operand at a stride
-that maps to few cache sets (this box, x [128, m] @ g [128, 256]: 32 GFLOP/s at m = 512 and 1024, 38-44 at 384,
-520, 640, 784), so a grid on powers of two priced every wider product at that conflict's rate (the demo's
-x^T @ g, m = 784, 1.30x its measured time)."""
+Powers of two, as batch sizes and most widths are: on this box a product with power-of-two sizes ran 7-29%
+slower than one of sizes three times a power of two (96, 192, 384: its operands' rows at strides that map to
+fewer cache sets), so the grid's sizes decide which of the two it prices right (a grid of 96, 192, 384 priced
+the power-of-two products 7-18% low, this one prices those 10-29% high; same benchmark)."""
 
 
 GRID_ROUND_SHARE = 1 / 3
@@ -365,8 +364,8 @@ the passes of the slowest rank's round."""
 
 
 def gemm_grid_nodes(size: int) -> tuple[int, ...]:
-    """The sizes each of m, n and k takes on the grid of products (`GRID_FRACTIONS` of `size`)."""
-    return tuple(sorted({max(1, round(size * f)) for f in GRID_FRACTIONS}))
+    """The sizes each of m, n and k takes on the grid of products (`size` over each of `GRID_DIVISORS`)."""
+    return tuple(sorted({max(1, size // d) for d in GRID_DIVISORS}))
 
 
 def gemm_shapes(size: int) -> list[tuple[int, int, int]]:
