@@ -358,9 +358,9 @@ the power-of-two products 7-18% low, this one prices those 10-29% high; same ben
 
 GRID_ROUND_SHARE = 1 / 3
 """A grid product's round in `GemmPasses` is this share of the others' (2 ms of calls back to back, at least one
-call, instead of 6): the grid's 81 products in full rounds added 16-21% to `parsat calibrate`'s CPU (user + sys
-48-49 s against 48-51... , session 67 helper C), in a third of the round 5-7%; the figure stays a median over
-the passes of the slowest rank's round."""
+call, instead of 6): in full rounds the grid's 72 products added 16% to `parsat calibrate`'s CPU on this 2-core
+box (user + sys 56.1 s twice against 46.8-50.2 s), in a third of the round 9-13% (52.7-54.4 s; session 67
+helper C, benchmarks/demo_step.md); each figure stays the median over the passes of the slowest rank's round."""
 
 
 def gemm_grid_nodes(size: int) -> tuple[int, ...]:
