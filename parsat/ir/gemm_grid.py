@@ -25,7 +25,8 @@ helper C). A product at a grid point is priced as it was measured.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from bisect import bisect_left
+from dataclasses import dataclass, field
 from math import exp, log, log2, prod
 from typing import Callable, Sequence
 
@@ -43,21 +44,23 @@ class GemmGrid:
     ns: tuple[float, ...]
     ks: tuple[float, ...]
     fractions: tuple[float, ...]
+    logs: tuple[float, ...] = field(init=False, repr=False, compare=False)   # log of each fraction (read often)
 
     def __post_init__(self) -> None:
         if len(self.fractions) != len(self.ms) * len(self.ns) * len(self.ks):
             raise ValueError(f"a {len(self.ms)} x {len(self.ns)} x {len(self.ks)} grid needs as many fractions, "
                              f"got {len(self.fractions)}")
+        object.__setattr__(self, "logs", tuple(log(f) for f in self.fractions))
 
     def fraction(self, m: float, n: float, k: float, curve: Curve) -> float:
         """The fraction of peak an m x k by k x n product reaches: measured on the grid, read between its points
         in log space; outside its box the box's nearest point times `curve`'s change from there (module doc)."""
         shape = (m, n, k)
         inside = tuple(min(max(x, nodes[0]), nodes[-1]) for x, nodes in zip(shape, (self.ms, self.ns, self.ks)))
-        corners = [_bracket(nodes, x) for nodes, x in zip((self.ms, self.ns, self.ks), inside)]
-        logged = 0.0
-        for (i, wi), (j, wj), (l, wl) in _cube(corners):
-            logged += wi * wj * wl * log(self.fractions[(i * len(self.ns) + j) * len(self.ks) + l])
+        width, depth = len(self.ns), len(self.ks)
+        rows, cols, inner = (_bracket(nodes, x) for nodes, x in zip((self.ms, self.ns, self.ks), inside))
+        logged = sum(wi * wj * wl * self.logs[(i * width + j) * depth + l] for i, wi in rows for j, wj in cols
+                     for l, wl in inner)
         measured = exp(logged)
         return measured if inside == shape else measured * curve(*shape) / curve(*inside)
 
@@ -74,21 +77,11 @@ def _bracket(nodes: Sequence[float], x: float) -> tuple[tuple[int, float], ...]:
     """The one or two nodes around `x` (within the nodes' range) and their weights, linear in log2."""
     if len(nodes) == 1 or x <= nodes[0]:
         return ((0, 1.0),)
-    upper = next(i for i, node in enumerate(nodes) if x <= node)
+    upper = bisect_left(nodes, x)
     if x == nodes[upper]:
         return ((upper, 1.0),)
     t = (log2(x) - log2(nodes[upper - 1])) / (log2(nodes[upper]) - log2(nodes[upper - 1]))
     return ((upper - 1, 1.0 - t), (upper, t))
-
-
-def _cube(corners: Sequence[tuple[tuple[int, float], ...]]):
-    """Every combination of one bracket entry per dimension: the grid points around a shape."""
-    if not corners:
-        yield ()
-        return
-    for head in corners[0]:
-        for rest in _cube(corners[1:]):
-            yield (head, *rest)
 
 
 def grid_fractions(layout: str, measured: dict[tuple[int, int, int], float], nodes: Sequence[int], peak: float,
