@@ -1671,8 +1671,7 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
     gemms = [t for t in ops if t.op == "matmul"]
     peak, halves = fit_gemm(gemms)
     layouts = fit_layouts(ops, peak) | fit_updates(ops) | fit_functions(ops) | fit_attention(ops, peak, dispatch)
-    layouts |= fit_grids(ops, gemm_grid_nodes(size), peak, dispatch[0])
-    layouts |= fit_elementwise(ops) | fit_loss(ops)
+    layouts |= fit_elementwise(ops) | fit_loss(ops) | fit_grids(ops, gemm_grid_nodes(size), peak, dispatch[0])
     bandwidth, half_bytes, cache_bytes, cache_bw = fit_memory([t for t in ops if t.op in ("relu", "add", "copy")])
     randn = [t for t in ops if t.op == "randn"]
     _c, random_slope = fit_line([t.nbytes for t in randn], [t.seconds for t in randn])

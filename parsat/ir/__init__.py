@@ -4,7 +4,8 @@ Modules:
 `graph` (the computation graph to optimize, shapes inferred; `GraphBuilder`),
 `models` (built-in example graphs), `machine` (devices, speeds, links;
 presets), `machine_profile` (operator efficiency and measured collectives
-of a machine file), `precision` (training precisions, bytes per parameter,
+of a machine file), `gemm_grid` (a calibrated machine's products measured
+on a grid of shapes, read between its points), `precision` (training precisions, bytes per parameter,
 ZeRO), `pcg` (the Parallel Computation Graph; a node's `Degrees`),
 `placement` (which mesh atoms hold which piece: `Placement`),
 `mesh` (the ranks of a job as named axes that follow the machine),
