@@ -44,9 +44,12 @@ for fp32 training):
   backward, right after a product as a step runs them, on output pieces of
   256 to 64 Ki elements, fitted to a fixed cost and one per element
   (`OpEfficiency.loss_*`, `_loss`);
-* a call in a step: the dispatch chain's calls timed cold, as the first
-  calls after a product's forward, its backward and a barrier
-  (`OpEfficiency.step_dispatch_s`, `_step_dispatch`);
+* the calls of a step as `parsat run` makes them: the dispatch chain's calls
+  forward and backward, a parallel node's path (`parallel_op`) and the
+  optimizer's update per tensor, each timed cold, as the first calls after
+  a product's forward, its backward and a barrier
+  (`OpEfficiency.step_dispatch_s`, `step_backward_dispatch_s`,
+  `step_parallel_s`, `step_update_sgd_s`, `step_update_adam_s`; `_step_calls`);
 * with `dtensor` (`--dtensor`): a chain of tiny layers (a linear product
   and an RMS norm each) on a `Replicate()` DTensor over all ranks, less
   the same chain plain, per ATen call (`OpEfficiency.dtensor_dispatch_s`,
@@ -156,7 +159,8 @@ class OpTiming:
     def predicted(self, machine: Machine) -> float:
         """The time `machine`'s compute model gives this call (parsat/cost/op_time.py's formula), timed alone as it
         was (no `sequence_factor`: that is what a step adds to these figures)."""
-        eff = replace(machine.efficiency, sequence_factor=1.0, step_dispatch_s=0.0)
+        eff = replace(machine.efficiency, sequence_factor=1.0, step_dispatch_s=0.0, step_backward_dispatch_s=0.0,
+                      step_update_sgd_s=0.0, step_update_adam_s=0.0)
         if self.op == "randn":
             return eff.op_time(self.nbytes / eff.random_bandwidth) if eff.random_bandwidth else float("nan")
         if self.op in ("loss", "loss_backward"):   # as measured in a step's place: no dispatch added
@@ -416,13 +420,13 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
     ops += _elementwise(ctx, dtype, budget, sync)
     ops += _attention(ctx, dtype, budget, sync)
     ops += _loss(ctx, dtype, size, budget, sync)
-    step_dispatch = _step_dispatch(ctx, dtype, size, budget, sync)
+    step_calls = _step_calls(ctx, dtype, size, budget, sync)
     products.run_pass(spread=True)
     collectives = _collectives(ctx, dtype, wall, comm_sizes, sync, size, not shared_cores)
     skew, turns = _skew(ctx, dtype, size, wall, budget, sync), _turns(ctx, dtype, wall, sync)
     while products.passes < budget.repeats:
         products.run_pass()
-    return {"dispatch": dispatch, "step_dispatch": step_dispatch, "dtensor": extra, "fsdp": hooks, "python": python,
+    return {"dispatch": dispatch, "step_calls": step_calls, "dtensor": extra, "fsdp": hooks, "python": python,
             "sequence": sequence, "redistribute": redistribute, "fsdp_collectives": fsdp_collectives,
             "ops": products.rows() + ops, "square_passes": products.passes_of("matmul", [s, s, s]),
             "collectives": collectives, "skew": skew, "turns": turns,
@@ -1136,25 +1140,45 @@ def _chain_dispatch(ctx: RankContext, start: torch.Tensor, budget: Budget, sync)
     return forward, backward
 
 
-STEP_CALL_CHAIN = 8   # tiny operators in the chain `_step_dispatch` times: about a small model's forward
+STEP_CALL_CHAIN = 8   # tiny operators in the chains `_step_calls` times: about a small model's forward
 
 
-def _step_dispatch(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> float:
-    """Seconds per operator call as a step makes its calls (`OpEfficiency.step_dispatch_s`): `_chain_dispatch`'s
-    chain of tiny operators with autograd recording (`STEP_CALL_CHAIN` long, through `apply_op` as the
-    interpreter calls a node), timed as the first calls after a barrier that follows `_step_product`'s forward
-    and backward (not timed), one chain a round in `STEP_ROUNDS_FACTOR` x `budget.repeats` rounds
-    (`_timed_after`), on the compute clock (a rank's thread CPU on a CPU core of its own), per call.
+STEP_UPDATE_TENSORS = 4   # tiny parameter tensors whose update `_step_calls` times: a small model's few weights
 
-    Why: `dispatch_s` is the same chain run again and again, warm; in a step a node's call follows a product, a
-    backward, an optimizer and a wait in a collective or barrier, which left the dispatcher's code and data out
-    of the core's caches. In `make demo`'s step every small call ran 3-20x its warm figure on the ranks' thread
-    CPU (a replicate, no kernel, 0.09-0.10 ms against 4.6 us; a relu 3x), +0.30-0.40 ms over a 1.8 ms forward
-    with its loss (benchmarks/demo_step.md, 2026-12-06 session 65, helper F); a probe in one process ran the
-    replicate at 5.7 us warm, 12 us after a product, 27 us as a step's first call."""
+
+def _step_calls(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> dict[str, float]:
+    """Seconds of the calls `parsat run`'s step makes around its operators' kernels, each as the step makes it:
+    timed as the first calls after a barrier that follows `_step_product`'s forward and backward (not timed), one
+    call (or chain) a round in `STEP_ROUNDS_FACTOR` x `budget.repeats` rounds (`_timed_after`), on the compute
+    clock (a rank's thread CPU on a CPU core of its own), each round the slowest rank's, their median:
+
+    * "dispatch" (`OpEfficiency.step_dispatch_s`): `_chain_dispatch`'s chain of tiny operators with autograd
+      recording (`STEP_CALL_CHAIN` long, through `apply_op` as the interpreter calls a node), per call;
+    * "backward" (`step_backward_dispatch_s`): the same chain's backward, its graph recorded before the product
+      (autograd runs a node's backward after the products' backward kernels), per node;
+    * "parallel" (`step_parallel_s`): a chain of `parallel_op` replicates of a tiny tensor needing a gradient over
+      all ranks (the runtime's own path of a parallel node: `apply_parallel`, the `Comm`, the autograd Function,
+      its identity body; no collective runs in a replicate's forward), per node;
+    * "update_sgd", "update_adam" (`step_update_sgd_s`, `step_update_adam_s`): `parsat run`'s `Optimizer.step` over
+      `STEP_UPDATE_TENSORS` tiny tensors whose gradients the backward before the barrier left, per tensor.
+
+    Why: `dispatch_s`, `backward_dispatch_s` and `update_points`' smallest update are calls run again and again,
+    warm; in a step a node's call follows a product, a backward, an optimizer and a wait in a collective or
+    barrier, which left the dispatcher's code and data out of the core's caches. In `make demo`'s step every small
+    call ran 3-20x its warm figure on the ranks' thread CPU (a replicate, no kernel, 0.09-0.10 ms against 4.6 us; a
+    relu 3x), +0.30-0.40 ms over a 1.8 ms forward with its loss (benchmarks/demo_step.md, 2026-12-06 session 65,
+    helper F); a probe in one process ran the replicate at 5.7 us warm, 12 us after a product, 27 us as a step's
+    first call; the step's optimizer (two SGD updates) 0.25-0.36 ms where the warm points priced 0.136 (session 67,
+    helper B)."""
+    from parsat.backend.collectives import CommCounter, MeshGroups, parallel_op
+    from parsat.dsl.parallel_ops import REPLICATE
+    from parsat.ir.mesh import Mesh
+    from parsat.ir.placement import FREE, Placement
+
     step_product = _step_product(ctx, dtype, size)
     weight = torch.randn(size, size, dtype=dtype).to(ctx.device).requires_grad_()
     leaf = torch.randn(2, 2, dtype=dtype).to(ctx.device).requires_grad_()
+    held: dict = {}
 
     def product_and_backward():
         weight.grad = None
@@ -1167,8 +1191,35 @@ def _step_dispatch(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> 
             y = apply_op("relu" if i % 2 else "scale", [y], {} if i % 2 else {"c": 1.0})
         return y
 
+    def recorded_then_product():
+        held["chain"] = chain().sum()
+        product_and_backward()
+
+    groups = MeshGroups(Mesh.of([ctx.world]), ctx.rank, ctx.device, ctx.collective_timeout_s)
+    free, counter = Placement((FREE,)), CommCounter()
+
+    def replicates():
+        counter.clear()
+        for _ in range(STEP_CALL_CHAIN):
+            parallel_op(REPLICATE, leaf, free, 0, None, groups, counter)
+
     rounds = replace(budget, repeats=STEP_ROUNDS_FACTOR * budget.repeats, window_s=0.0)
-    return _timed_after(ctx, product_and_backward, chain, rounds, sync) / STEP_CALL_CHAIN
+    out = {"dispatch": _timed_after(ctx, product_and_backward, chain, rounds, sync) / STEP_CALL_CHAIN,
+           "backward": _timed_after(ctx, recorded_then_product, lambda: held.pop("chain").backward(), rounds, sync)
+           / (STEP_CALL_CHAIN + 1),   # the chain's nodes and its sum's
+           "parallel": _timed_after(ctx, product_and_backward, replicates, rounds, sync) / STEP_CALL_CHAIN}
+    tensors = [torch.randn(2, 2, dtype=dtype).to(ctx.device).requires_grad_() for _ in range(STEP_UPDATE_TENSORS)]
+    for kind in ("sgd", "adam"):
+        optimizer = Optimizer(tensors, TrainConfig(optimizer=kind))
+
+        def gradients_then_product():
+            for t in tensors:
+                t.grad = torch.ones_like(t)
+            product_and_backward()
+
+        out[f"update_{kind}"] = _timed_after(ctx, gradients_then_product, optimizer.step, rounds, sync) \
+            / STEP_UPDATE_TENSORS
+    return out
 
 
 SKEW_BURSTS = (0, 2, 8, 16)
@@ -1647,7 +1698,11 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
         label = f"cpu ({os.cpu_count()} cores, {nproc} ranks, {result['threads']} thread(s) each)"
     extra, hooks = tuple(result["dtensor"]), tuple(result["fsdp"])
     efficiency = OpEfficiency(dispatch_s=dispatch[0], backward_dispatch_s=dispatch[1],
-                              step_dispatch_s=result["step_dispatch"],
+                              step_dispatch_s=result["step_calls"]["dispatch"],
+                              step_backward_dispatch_s=result["step_calls"]["backward"],
+                              step_parallel_s=result["step_calls"]["parallel"],
+                              step_update_sgd_s=result["step_calls"]["update_sgd"],
+                              step_update_adam_s=result["step_calls"]["update_adam"],
                               dtensor_dispatch_s=extra[0], dtensor_backward_dispatch_s=extra[1],
                               **dict(zip(REDISTRIBUTE_FIELDS, result["redistribute"])),
                               **dict(zip(FSDP_COLLECTIVE_FIELDS, result["fsdp_collectives"])),
@@ -1745,7 +1800,10 @@ def report(cal: Calibration) -> str:
              f"{m.memory_bandwidth / 1e9:.2f} GB/s (half at {e.memory_half_bytes / 1e3:.1f} kB; "
              f"{e.cache_bandwidth / 1e9:.1f} GB/s up to {e.cache_bytes / 1e6:.2f} MB), dispatch "
              f"{e.dispatch_s * 1e6:.1f} us forward + {e.backward_dispatch_s * 1e6:.1f} us backward per operator"
-             + (f", {e.step_dispatch_s * 1e6:.1f} us forward as a step makes its calls" if e.step_dispatch_s else "")
+             + (f", {e.step_dispatch_s * 1e6:.1f} us forward + {e.step_backward_dispatch_s * 1e6:.1f} us backward "
+                f"as a step makes its calls; a parallel node's path {e.step_parallel_s * 1e6:.1f} us, an update "
+                f"{e.step_update_sgd_s * 1e6:.1f} (sgd) / {e.step_update_adam_s * 1e6:.1f} (adam) us a tensor, in a step"
+                if e.step_dispatch_s else "")
              + (f" (on a DTensor {e.dtensor_dispatch_s * 1e6:.1f} + {e.dtensor_backward_dispatch_s * 1e6:.1f} us more)"
                 if e.dtensor_dispatch_s or e.dtensor_backward_dispatch_s else ""),
              f"  each figure timed as `parsat run` times a step: rounds started by a barrier, the slowest rank's, "

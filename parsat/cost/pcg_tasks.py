@@ -157,6 +157,9 @@ class ExecutionProfile:
     #                                 [*s, vocab] value of them is ever made (`onehot_ids`)
     attention_layouts: bool = False   # fused attention reads grouped k / v heads unexpanded and writes its output
     #                                 as [b, s, heads, d]: the flattens around it are views (`attention_views`)
+    parallel_path: bool = False     # a parallel node runs through `parsat run`'s `parallel_op` (an autograd Function
+    #                                 per node): its host path priced on top of its body (`OpEfficiency.
+    #                                 parallel_path_time`; 0 on a machine that did not measure it)
 
     def running(self, calls: ModuleCalls | None) -> "ExecutionProfile":
         """This profile running the user's module whose eager calls `calls` counted
@@ -166,7 +169,7 @@ class ExecutionProfile:
 
 PARSAT_RUN = ExecutionProfile("parsat run", overlap=False, ddp_buckets=False, keep_activations=True,
                               seeded_inputs=True, eager_gradients=False, fused_optimizer=False, optimizer="sgd",
-                              tp_comm_overlap=False)
+                              tp_comm_overlap=False, parallel_path=True)
 TORCH_NATIVE = ExecutionProfile("parsat.parallelize(runtime='torch')", overlap=False, ddp_buckets=False,
                                 keep_activations=False, seeded_inputs=False, eager_gradients=False,
                                 fused_optimizer=False, optimizer="sgd", tp_comm_overlap=False, fsdp_groups=True,
@@ -898,6 +901,9 @@ class _Builder:
             self.ready[node.id] = None  # stored as this piece: nothing runs
             return
         label = f"{node.label} #{node.id}"
+        path = self.eff.parallel_path_time() if self.profile.parallel_path else 0.0
+        if path > 0:   # the runtime's path around the node's body (its copies, its collective: priced below)
+            deps = [self._add(f"{label}: parsat run's parallel path", self.compute, path, deps)]
         if node.op == PARTITION:
             if self._slice_is_view(node, source) or node.id in self.ids:   # narrow() along the outer dims, or ids
                 self.contiguous[node.id] = True
