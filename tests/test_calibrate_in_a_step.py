@@ -80,23 +80,29 @@ def test_a_step_s_calls_are_timed_after_a_product_its_backward_and_a_barrier(one
     from parsat.backend import collectives
     replicate = collectives.parallel_op
     monkeypatch.setattr(collectives, "parallel_op", lambda *a, **k: events.append("parallel") or replicate(*a, **k))
+    from parsat.backend import executor
+    run_op = executor.apply_op
+    monkeypatch.setattr(executor, "apply_op", lambda op, args, attrs: events.append(f"run {op}") or run_op(op, args, attrs))
     steps = []
     monkeypatch.setattr(calibrate.Optimizer, "step", lambda self: steps.append((self.kind, len(self.params))))
     budget = calibrate.Budget(repeats=2, window_s=0.0)
     figures = calibrate._step_calls(one_rank, torch.float64, 8, budget, lambda: None)
-    assert set(figures) == {"dispatch", "backward", "parallel", "update_sgd", "update_adam"}
+    assert set(figures) == {"dispatch", "node", "backward", "parallel", "update_sgd", "update_adam"}
     assert all(seconds >= 0 for seconds in figures.values())
     chain = ["scale", "relu"] * (calibrate.STEP_CALL_CHAIN // 2)
     rounds = calibrate.STEP_ROUNDS_FACTOR * budget.repeats
     calls = 2 + rounds   # two warm-ups, then one a round
     forward = (["barrier"] + chain) * 2 + (["barrier", "barrier"] + chain) * rounds
+    # the same chain as a plan `parsat run`'s interpreter runs, node by node
+    interpreted = (["barrier"] + [f"run {op}" for op in chain]) * 2 \
+        + (["barrier", "barrier"] + [f"run {op}" for op in chain]) * rounds
     # each round: its barrier, the product and backward, the barrier before the timed call; the backward's chain
     # recorded before the product (its backward is not an `apply_op`)
     backward = (chain + ["barrier"]) * 2 + (["barrier"] + chain + ["barrier"]) * rounds
     parallel = (["barrier"] + ["parallel"] * calibrate.STEP_CALL_CHAIN) * 2 \
         + (["barrier", "barrier"] + ["parallel"] * calibrate.STEP_CALL_CHAIN) * rounds
     updates = (["barrier"] * 2 + ["barrier", "barrier"] * rounds) * 2
-    assert events == forward + backward + parallel + updates
+    assert events == forward + interpreted + backward + parallel + updates
     assert steps == [("sgd", calibrate.STEP_UPDATE_TENSORS)] * calls + [("adam", calibrate.STEP_UPDATE_TENSORS)] * calls
 
 

@@ -68,6 +68,21 @@ def test_parsat_run_prices_each_parallel_node_s_path_and_each_update_s_fixed_cos
     assert optimizer(after) - optimizer(before) == pytest.approx(2 * (40e-6 - 10e-6))
     assert after.step_s >= before.step_s + 2 * path + 2 * 30e-6 - 1e-12
     # a runtime that does not run `parallel_op` (the torch-native one) pays no such path
-    assert not _tasks(simulate_pcg(pcg, LIB, measured, replace(PARSAT_RUN, parallel_path=False)),
+    assert not _tasks(simulate_pcg(pcg, LIB, measured, replace(PARSAT_RUN, interpreted=False)),
                       "parallel path")
-    assert not TORCH_NATIVE.parallel_path
+    assert not TORCH_NATIVE.interpreted
+
+
+def test_parsat_run_prices_its_interpreter_s_loop_on_every_node_it_runs():
+    """megatron_mlp's forward runs 6 nodes through the interpreter: the data x, the replicate, the two products, the
+    relu and the reduce (its weights' partitions are stored sharded: looked up, not run)."""
+    pcg = megatron_mlp()
+    measured = replace(CPU64, efficiency=replace(CPU64.efficiency, step_node_s=7e-6))
+
+    def forward(run):
+        return sum(s.end - s.start for s in run.result.spans if s.phase == "forward")
+
+    before, after = simulate_pcg(pcg, LIB, CPU64, PARSAT_RUN), simulate_pcg(pcg, LIB, measured, PARSAT_RUN)
+    assert forward(after) - forward(before) == pytest.approx(6 * 7e-6)
+    assert _tasks(after, "parsat run's parallel path") == [pytest.approx(7e-6)] * 2
+    assert simulate_pcg(pcg, LIB, measured, replace(PARSAT_RUN, interpreted=False)).step_s == before.step_s

@@ -1143,6 +1143,25 @@ def _chain_dispatch(ctx: RankContext, start: torch.Tensor, budget: Budget, sync)
 STEP_CALL_CHAIN = 8   # tiny operators in the chains `_step_calls` times: about a small model's forward
 
 
+def _interpreted_chain(ctx: RankContext, dtype) -> "RankProgram":
+    """`parsat run`'s rank program (`executor.RankProgram`) of a plan that is `_step_calls`' chain: a data input x
+    ([2, 2]), then `STEP_CALL_CHAIN` operators, scale and relu in turn, each on the previous one's output, whole on
+    every rank (a mesh of one axis over all ranks, every value free on it: no parallel node, no collective)."""
+    from parsat.backend.executor import RankProgram, operator_library
+    from parsat.ir.mesh import Mesh
+    from parsat.ir.pcg import PCG, Degrees, PNode
+    from parsat.ir.placement import Placement
+
+    whole, degrees = Placement.whole(1), Degrees.whole(2)
+    nodes = [PNode(0, "leaf", "x", (), (), (2, 2), degrees, "input", "", whole)]
+    for i in range(1, STEP_CALL_CHAIN + 1):
+        op, attrs = ("scale", (("c", 1.0),)) if i % 2 else ("relu", ())
+        nodes.append(PNode(i, "op", op, (i - 1,), attrs, (2, 2), degrees, "", "", whole))
+    pcg = PCG(tuple(nodes), (STEP_CALL_CHAIN,), ("out",), Mesh.of((ctx.world,)))
+    name = next(name for name, (_precision, kind, _other) in DTYPES.items() if kind == dtype)
+    return RankProgram(pcg, ctx, TrainConfig(dtype=name), operator_library())
+
+
 STEP_UPDATE_TENSORS = 4   # tiny parameter tensors whose update `_step_calls` times: a small model's few weights
 
 
@@ -1203,8 +1222,19 @@ def _step_calls(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> dic
         for _ in range(STEP_CALL_CHAIN):
             parallel_op(REPLICATE, leaf, free, 0, None, groups, counter)
 
+    program = _interpreted_chain(ctx, dtype)
+    inputs = {"x": leaf}
+
+    def interpreted():
+        counter.clear()
+        program.forward(0, counter, inputs)
+
     rounds = replace(budget, repeats=STEP_ROUNDS_FACTOR * budget.repeats, window_s=0.0)
-    out = {"dispatch": _timed_after(ctx, product_and_backward, chain, rounds, sync) / STEP_CALL_CHAIN,
+    calls = _timed_after(ctx, product_and_backward, chain, rounds, sync)
+    out = {"dispatch": calls / STEP_CALL_CHAIN,
+           # the interpreter's forward of the same chain, less the chain's own calls: its loop, per node it runs
+           "node": max(0.0, _timed_after(ctx, product_and_backward, interpreted, rounds, sync) - calls)
+           / (STEP_CALL_CHAIN + 1),
            "backward": _timed_after(ctx, recorded_then_product, lambda: held.pop("chain").backward(), rounds, sync)
            / (STEP_CALL_CHAIN + 1),   # the chain's nodes and its sum's
            "parallel": _timed_after(ctx, product_and_backward, replicates, rounds, sync) / STEP_CALL_CHAIN}
@@ -1701,6 +1731,7 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
                               step_dispatch_s=result["step_calls"]["dispatch"],
                               step_backward_dispatch_s=result["step_calls"]["backward"],
                               step_parallel_s=result["step_calls"]["parallel"],
+                              step_node_s=result["step_calls"]["node"],
                               step_update_sgd_s=result["step_calls"]["update_sgd"],
                               step_update_adam_s=result["step_calls"]["update_adam"],
                               dtensor_dispatch_s=extra[0], dtensor_backward_dispatch_s=extra[1],

@@ -157,9 +157,10 @@ class ExecutionProfile:
     #                                 [*s, vocab] value of them is ever made (`onehot_ids`)
     attention_layouts: bool = False   # fused attention reads grouped k / v heads unexpanded and writes its output
     #                                 as [b, s, heads, d]: the flattens around it are views (`attention_views`)
-    parallel_path: bool = False     # a parallel node runs through `parsat run`'s `parallel_op` (an autograd Function
-    #                                 per node): its host path priced on top of its body (`OpEfficiency.
-    #                                 parallel_path_time`; 0 on a machine that did not measure it)
+    interpreted: bool = False       # the plan's nodes run one by one through `parsat run`'s interpreter
+    #                                 (`RankProgram.forward`: its loop, `OpEfficiency.step_node_s`, on every node
+    #                                 it runs), a parallel node through `parallel_op` (an autograd Function per
+    #                                 node: `OpEfficiency.parallel_path_time` more); 0 where not measured
 
     def running(self, calls: ModuleCalls | None) -> "ExecutionProfile":
         """This profile running the user's module whose eager calls `calls` counted
@@ -169,7 +170,7 @@ class ExecutionProfile:
 
 PARSAT_RUN = ExecutionProfile("parsat run", overlap=False, ddp_buckets=False, keep_activations=True,
                               seeded_inputs=True, eager_gradients=False, fused_optimizer=False, optimizer="sgd",
-                              tp_comm_overlap=False, parallel_path=True)
+                              tp_comm_overlap=False, interpreted=True)
 TORCH_NATIVE = ExecutionProfile("parsat.parallelize(runtime='torch')", overlap=False, ddp_buckets=False,
                                 keep_activations=False, seeded_inputs=False, eager_gradients=False,
                                 fused_optimizer=False, optimizer="sgd", tp_comm_overlap=False, fsdp_groups=True,
@@ -476,6 +477,8 @@ class _Builder:
         self.shared_times = times.machine is machine or times.machine == machine   # its chunks are this machine's
         self.item = machine.dtype_bytes
         self.eff = machine.efficiency
+        # `parsat run`'s interpreter's loop, on each node it runs (`OpEfficiency.step_node_s`; 0 not measured)
+        self._interpreter_s = self.eff.step_node_s if profile.interpreted else 0.0
         self.steps = StepBuilder()
         self.compute = self.steps.stream(DEVICE, COMPUTE)
         self.by_id = {n.id: n for n in pcg.nodes}
@@ -890,7 +893,7 @@ class _Builder:
             return
         nbytes = _full(node) * self.item   # drawn before the step's clock (`StepData.loaded`): held, not timed
         self.allocated[node.id] = nbytes
-        self.ready[node.id] = self._add(f"data {node.op}", self.compute, 0.0, (), alloc=nbytes)
+        self.ready[node.id] = self._add(f"data {node.op}", self.compute, self._interpreter_s, (), alloc=nbytes)
 
     def _parallel_forward(self, node: PNode) -> None:
         deps = self._deps(node)
@@ -901,7 +904,7 @@ class _Builder:
             self.ready[node.id] = None  # stored as this piece: nothing runs
             return
         label = f"{node.label} #{node.id}"
-        path = self.eff.parallel_path_time() if self.profile.parallel_path else 0.0
+        path = self.eff.parallel_path_time() + self.eff.step_node_s if self.profile.interpreted else 0.0
         if path > 0:   # the runtime's path around the node's body (its copies, its collective: priced below)
             deps = [self._add(f"{label}: parsat run's parallel path", self.compute, path, deps)]
         if node.op == PARTITION:
@@ -989,7 +992,7 @@ class _Builder:
             known = self.forward_known.get(node.id)
             if known is None:   # first run: worked out (`_prepare`), and kept
                 _timed, kernel, copy, nbytes = self._prepare(node)
-                seconds = self.eff.op_time(kernel + copy) + self._dtensor_s(node, False)
+                seconds = self.eff.op_time(kernel + copy) + self._dtensor_s(node, False) + self._interpreter_s
                 known = self.forward_known[node.id] = (f"{node.label} #{node.id}", seconds, nbytes,
                                                        self.contiguous[node.id], self.extra[node.id],
                                                        self.views[node.id])
