@@ -99,8 +99,7 @@ def test_a_step_s_calls_are_timed_after_a_product_its_backward_and_a_barrier(one
     # each round: its barrier, the product and backward, the barrier before the timed call; the backward's chain
     # recorded before the product (its backward is not an `apply_op`)
     backward = (chain + ["barrier"]) * 2 + (["barrier"] + chain + ["barrier"]) * rounds
-    parallel = (["barrier"] + ["parallel"] * calibrate.STEP_CALL_CHAIN) * 2 \
-        + (["barrier", "barrier"] + ["parallel"] * calibrate.STEP_CALL_CHAIN) * rounds
+    parallel = ["barrier", "parallel"] * 2 + ["barrier", "barrier", "parallel"] * rounds   # one node a round
     updates = (["barrier"] * 2 + ["barrier", "barrier"] * rounds) * 2
     assert events == forward + interpreted + backward + parallel + updates
     assert steps == [("sgd", calibrate.STEP_UPDATE_TENSORS)] * calls + [("adam", calibrate.STEP_UPDATE_TENSORS)] * calls

@@ -1175,9 +1175,12 @@ def _step_calls(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> dic
       recording (`STEP_CALL_CHAIN` long, through `apply_op` as the interpreter calls a node), per call;
     * "backward" (`step_backward_dispatch_s`): the same chain's backward, its graph recorded before the product
       (autograd runs a node's backward after the products' backward kernels), per node;
-    * "parallel" (`step_parallel_s`): a chain of `parallel_op` replicates of a tiny tensor needing a gradient over
-      all ranks (the runtime's own path of a parallel node: `apply_parallel`, the `Comm`, the autograd Function,
-      its identity body; no collective runs in a replicate's forward), per node;
+    * "node" (`step_node_s`): `parsat run`'s interpreter running the same chain as a plan (`_interpreted_chain`),
+      less the chain's own calls, per node it runs: its loop between the nodes' calls;
+    * "parallel" (`step_parallel_s`): one `parallel_op` replicate of a tiny tensor needing a gradient over all
+      ranks a round (the runtime's own path of a parallel node: `apply_parallel`, the `Comm`, the autograd
+      Function, its identity body; no collective runs in a replicate's forward): in a step each parallel node
+      follows other work, not another parallel node;
     * "update_sgd", "update_adam" (`step_update_sgd_s`, `step_update_adam_s`): `parsat run`'s `Optimizer.step` over
       `STEP_UPDATE_TENSORS` tiny tensors whose gradients the backward before the barrier left, per tensor.
 
@@ -1217,10 +1220,9 @@ def _step_calls(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> dic
     groups = MeshGroups(Mesh.of([ctx.world]), ctx.rank, ctx.device, ctx.collective_timeout_s)
     free, counter = Placement((FREE,)), CommCounter()
 
-    def replicates():
+    def replicate():
         counter.clear()
-        for _ in range(STEP_CALL_CHAIN):
-            parallel_op(REPLICATE, leaf, free, 0, None, groups, counter)
+        parallel_op(REPLICATE, leaf, free, 0, None, groups, counter)
 
     program = _interpreted_chain(ctx, dtype)
     inputs = {"x": leaf}
@@ -1237,7 +1239,8 @@ def _step_calls(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> dic
            / (STEP_CALL_CHAIN + 1),
            "backward": _timed_after(ctx, recorded_then_product, lambda: held.pop("chain").backward(), rounds, sync)
            / (STEP_CALL_CHAIN + 1),   # the chain's nodes and its sum's
-           "parallel": _timed_after(ctx, product_and_backward, replicates, rounds, sync) / STEP_CALL_CHAIN}
+           # one node a round: in a step each parallel node follows other work (a product, the step's barrier)
+           "parallel": _timed_after(ctx, product_and_backward, replicate, rounds, sync)}
     tensors = [torch.randn(2, 2, dtype=dtype).to(ctx.device).requires_grad_() for _ in range(STEP_UPDATE_TENSORS)]
     for kind in ("sgd", "adam"):
         optimizer = Optimizer(tensors, TrainConfig(optimizer=kind))
@@ -1832,7 +1835,8 @@ def report(cal: Calibration) -> str:
              f"{e.cache_bandwidth / 1e9:.1f} GB/s up to {e.cache_bytes / 1e6:.2f} MB), dispatch "
              f"{e.dispatch_s * 1e6:.1f} us forward + {e.backward_dispatch_s * 1e6:.1f} us backward per operator"
              + (f", {e.step_dispatch_s * 1e6:.1f} us forward + {e.step_backward_dispatch_s * 1e6:.1f} us backward "
-                f"as a step makes its calls; a parallel node's path {e.step_parallel_s * 1e6:.1f} us, an update "
+                f"as a step makes its calls; the interpreter's loop {e.step_node_s * 1e6:.1f} us a node, a parallel "
+                f"node's path {e.step_parallel_s * 1e6:.1f} us, an update "
                 f"{e.step_update_sgd_s * 1e6:.1f} (sgd) / {e.step_update_adam_s * 1e6:.1f} (adam) us a tensor, in a step"
                 if e.step_dispatch_s else "")
              + (f" (on a DTensor {e.dtensor_dispatch_s * 1e6:.1f} + {e.dtensor_backward_dispatch_s * 1e6:.1f} us more)"
