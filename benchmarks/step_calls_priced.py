@@ -13,6 +13,7 @@ from dataclasses import replace
 from parsat.backend.cli import load_plan
 from parsat.backend.executor import operator_library
 from parsat.cost.pcg_tasks import PARSAT_RUN, simulate_pcg
+from parsat.cost.step_report import summarize
 from parsat.ir.machine import Machine
 
 FIELDS = ("step_backward_dispatch_s", "step_node_s", "step_parallel_s", ("step_update_sgd_s", "step_update_adam_s"))
@@ -34,6 +35,10 @@ def main() -> None:
         eff = machine.efficiency
         print(f"{path} on {machine_path}: " + ", ".join(f"{name} {getattr(eff, name) * 1e6:.1f} us" for name in every))
         print(f"  predicted {step * 1e3:.3f} ms; without the fields {none * 1e3:.3f} ms (+{(step - none) * 1e3:.3f})")
+        for label, priced in (("with", machine), ("without", without(machine, every))):
+            _streams, timeline = summarize(simulate_pcg(pcg, library, priced, PARSAT_RUN), PARSAT_RUN.name)
+            print(f"  phases {label} the fields (compute / communication, ms): " + ", ".join(
+                f"{p.phase} {p.compute_s * 1e3:.3f} / {p.comm_s * 1e3:.3f}" for p in timeline.phases))
         for f in FIELDS:
             alone = simulate_pcg(pcg, library, without(machine, f), PARSAT_RUN).step_s
             print(f"  without {f if isinstance(f, str) else ' and '.join(f)}: {alone * 1e3:.3f} ms "

@@ -60,7 +60,7 @@ def test_parsat_run_prices_each_parallel_node_s_path_and_each_update_s_fixed_cos
     assert paths == [pytest.approx(path)] * 2 and not _tasks(before, "parsat run's parallel path")
     names = [s.name for s in after.result.spans]
     for node, body in (("replicate(axis=tp, degree=2) #5", ""), ("reduce(axis=tp, degree=2) #9", " copy")):
-        assert names.index(f"{node}: parsat run's parallel path") + 1 == names.index(node + body)   # just before
+        assert names.index(f"{node} (parsat run's parallel path)") + 1 == names.index(node + body)   # just before
 
     def optimizer(run):
         return sum(s.end - s.start for s in run.result.spans if s.phase == "optimizer")

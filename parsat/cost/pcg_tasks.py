@@ -906,7 +906,7 @@ class _Builder:
         label = f"{node.label} #{node.id}"
         path = self.eff.parallel_path_time() + self.eff.step_node_s if self.profile.interpreted else 0.0
         if path > 0:   # the runtime's path around the node's body (its copies, its collective: priced below)
-            deps = [self._add(f"{label}: parsat run's parallel path", self.compute, path, deps)]
+            deps = [self._add(f"{label} (parsat run's parallel path)", self.compute, path, deps)]
         if node.op == PARTITION:
             if self._slice_is_view(node, source) or node.id in self.ids:   # narrow() along the outer dims, or ids
                 self.contiguous[node.id] = True
