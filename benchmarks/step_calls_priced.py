@@ -16,7 +16,7 @@ from parsat.cost.pcg_tasks import PARSAT_RUN, simulate_pcg
 from parsat.cost.step_report import summarize
 from parsat.ir.machine import Machine
 
-FIELDS = ("step_backward_dispatch_s", "step_node_s", "step_parallel_s", ("step_update_sgd_s", "step_update_adam_s"))
+FIELDS = ("step_backward_dispatch_s", "step_node_s", "step_loss_path_s", "step_parallel_s", ("step_update_sgd_s", "step_update_adam_s"))
 
 
 def without(machine: Machine, fields) -> Machine:

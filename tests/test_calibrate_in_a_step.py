@@ -87,7 +87,7 @@ def test_a_step_s_calls_are_timed_after_a_product_its_backward_and_a_barrier(one
     monkeypatch.setattr(calibrate.Optimizer, "step", lambda self: steps.append((self.kind, len(self.params))))
     budget = calibrate.Budget(repeats=2, window_s=0.0)
     figures = calibrate._step_calls(one_rank, torch.float64, 8, budget, lambda: None)
-    assert set(figures) == {"dispatch", "node", "backward", "parallel", "update_sgd", "update_adam"}
+    assert set(figures) == {"dispatch", "node", "backward", "parallel", "loss_path", "update_sgd", "update_adam"}
     assert all(seconds >= 0 for seconds in figures.values())
     chain = ["scale", "relu"] * (calibrate.STEP_CALL_CHAIN // 2)
     rounds = calibrate.STEP_ROUNDS_FACTOR * budget.repeats
@@ -100,8 +100,11 @@ def test_a_step_s_calls_are_timed_after_a_product_its_backward_and_a_barrier(one
     # recorded before the product (its backward is not an `apply_op`)
     backward = (chain + ["barrier"]) * 2 + (["barrier"] + chain + ["barrier"]) * rounds
     parallel = ["barrier", "parallel"] * 2 + ["barrier", "barrier", "parallel"] * rounds   # one node a round
+    # the interpreter's loss, then `loss_terms` alone, each after the plan's forward, the product and the barrier
+    runs = [f"run {op}" for op in chain]
+    loss = ((runs + ["barrier"]) * 2 + (["barrier"] + runs + ["barrier"]) * rounds) * 2
     updates = (["barrier"] * 2 + ["barrier", "barrier"] * rounds) * 2
-    assert events == forward + interpreted + backward + parallel + updates
+    assert events == forward + interpreted + backward + parallel + loss + updates
     assert steps == [("sgd", calibrate.STEP_UPDATE_TENSORS)] * calls + [("adam", calibrate.STEP_UPDATE_TENSORS)] * calls
 
 

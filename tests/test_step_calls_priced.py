@@ -38,7 +38,7 @@ def test_backward_nodes_parallel_paths_and_updates_are_priced_as_a_step_makes_th
     older = OpEfficiency(dispatch_s=5e-6, backward_dispatch_s=4e-6, step_dispatch_s=30e-6, update_points=POINTS)
     written = older.to_dict()
     assert not any(k in written for k in ("step_backward_dispatch_s", "step_parallel_s", "step_update_sgd_s",
-                                          "step_update_adam_s"))   # older files read, and are written, as before
+                                          "step_update_adam_s", "step_node_s", "step_loss_path_s"))   # older files read, written, as before
     assert OpEfficiency.from_dict(written) == older
     assert older.parallel_path_time() == 0.0 and older.update_time("sgd", 1024) == pytest.approx(10e-6)
 
@@ -86,3 +86,15 @@ def test_parsat_run_prices_its_interpreter_s_loop_on_every_node_it_runs():
     assert forward(after) - forward(before) == pytest.approx(6 * 7e-6)
     assert _tasks(after, "parsat run's parallel path") == [pytest.approx(7e-6)] * 2
     assert simulate_pcg(pcg, LIB, measured, replace(PARSAT_RUN, interpreted=False)).step_s == before.step_s
+
+
+def test_parsat_run_prices_its_interpreter_s_work_around_each_output_s_loss():
+    pcg = megatron_mlp()
+    measured = replace(CPU64, efficiency=replace(CPU64.efficiency, step_loss_path_s=60e-6))
+
+    def loss(run):
+        return sum(s.end - s.start for s in run.result.spans if s.name.startswith("loss of"))
+
+    before, after = simulate_pcg(pcg, LIB, CPU64, PARSAT_RUN), simulate_pcg(pcg, LIB, measured, PARSAT_RUN)
+    assert loss(after) - loss(before) == pytest.approx(60e-6)   # one output
+    assert loss(simulate_pcg(pcg, LIB, measured, replace(PARSAT_RUN, interpreted=False))) == loss(before)

@@ -1181,6 +1181,9 @@ def _step_calls(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> dic
       ranks a round (the runtime's own path of a parallel node: `apply_parallel`, the `Comm`, the autograd
       Function, its identity body; no collective runs in a replicate's forward): in a step each parallel node
       follows other work, not another parallel node;
+    * "loss_path" (`step_loss_path_s`): `RankProgram.loss` on that plan's output, less `loss_terms` on the same
+      piece (what `_loss` times): the interpreter's own work around the objective (the target's piece cut and
+      moved, the output's holders), per output;
     * "update_sgd", "update_adam" (`step_update_sgd_s`, `step_update_adam_s`): `parsat run`'s `Optimizer.step` over
       `STEP_UPDATE_TENSORS` tiny tensors whose gradients the backward before the barrier left, per tensor.
 
@@ -1241,6 +1244,17 @@ def _step_calls(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> dic
            / (STEP_CALL_CHAIN + 1),   # the chain's nodes and its sum's
            # one node a round: in a step each parallel node follows other work (a product, the step's barrier)
            "parallel": _timed_after(ctx, product_and_backward, replicate, rounds, sync)}
+    target = torch.randn(2, 2, dtype=dtype).to(ctx.device)
+    replicas, holders = 1, ctx.world   # the chain's output: whole on every rank (`executor.output_holders`)
+
+    def forward_then_product():
+        held["env"] = program.forward(0, counter, inputs)
+        product_and_backward()
+
+    own = _timed_after(ctx, forward_then_product, lambda: program.loss(held["env"], {"out": target}), rounds, sync)
+    bare = _timed_after(ctx, forward_then_product, lambda: loss_terms(
+        [(held["env"][STEP_CALL_CHAIN][0], target, 4, replicas, holders)]), rounds, sync)
+    out["loss_path"] = max(0.0, own - bare)   # `RankProgram.loss` beyond `loss_terms`: the target's piece, holders
     tensors = [torch.randn(2, 2, dtype=dtype).to(ctx.device).requires_grad_() for _ in range(STEP_UPDATE_TENSORS)]
     for kind in ("sgd", "adam"):
         optimizer = Optimizer(tensors, TrainConfig(optimizer=kind))
@@ -1735,6 +1749,7 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
                               step_backward_dispatch_s=result["step_calls"]["backward"],
                               step_parallel_s=result["step_calls"]["parallel"],
                               step_node_s=result["step_calls"]["node"],
+                              step_loss_path_s=result["step_calls"]["loss_path"],
                               step_update_sgd_s=result["step_calls"]["update_sgd"],
                               step_update_adam_s=result["step_calls"]["update_adam"],
                               dtensor_dispatch_s=extra[0], dtensor_backward_dispatch_s=extra[1],
@@ -1835,7 +1850,8 @@ def report(cal: Calibration) -> str:
              f"{e.cache_bandwidth / 1e9:.1f} GB/s up to {e.cache_bytes / 1e6:.2f} MB), dispatch "
              f"{e.dispatch_s * 1e6:.1f} us forward + {e.backward_dispatch_s * 1e6:.1f} us backward per operator"
              + (f", {e.step_dispatch_s * 1e6:.1f} us forward + {e.step_backward_dispatch_s * 1e6:.1f} us backward "
-                f"as a step makes its calls; the interpreter's loop {e.step_node_s * 1e6:.1f} us a node, a parallel "
+                f"as a step makes its calls; the interpreter's loop {e.step_node_s * 1e6:.1f} us a node and "
+                f"{e.step_loss_path_s * 1e6:.1f} us around an output's loss, a parallel "
                 f"node's path {e.step_parallel_s * 1e6:.1f} us, an update "
                 f"{e.step_update_sgd_s * 1e6:.1f} (sgd) / {e.step_update_adam_s * 1e6:.1f} (adam) us a tensor, in a step"
                 if e.step_dispatch_s else "")

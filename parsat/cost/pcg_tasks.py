@@ -159,8 +159,9 @@ class ExecutionProfile:
     #                                 as [b, s, heads, d]: the flattens around it are views (`attention_views`)
     interpreted: bool = False       # the plan's nodes run one by one through `parsat run`'s interpreter
     #                                 (`RankProgram.forward`: its loop, `OpEfficiency.step_node_s`, on every node
-    #                                 it runs), a parallel node through `parallel_op` (an autograd Function per
-    #                                 node: `OpEfficiency.parallel_path_time` more); 0 where not measured
+    #                                 it runs; `RankProgram.loss`: `step_loss_path_s` on each output's loss), a
+    #                                 parallel node through `parallel_op` (an autograd Function per node:
+    #                                 `OpEfficiency.parallel_path_time` more); 0 where not measured
 
     def running(self, calls: ModuleCalls | None) -> "ExecutionProfile":
         """This profile running the user's module whose eager calls `calls` counted
@@ -1093,7 +1094,7 @@ class _Builder:
             node = self.by_id[out]
             piece = _elements(node)
             deps = [t for t in (self.ready.get(out),) if t is not None]
-            seconds = self._loss_s(node)
+            seconds = self._loss_s(node) + (self.eff.step_loss_path_s if self.profile.interpreted else 0.0)
             self.loss_bytes += piece * self.item
             tasks.append(self._add(f"loss of #{out}", self.compute, seconds, deps, alloc=piece * self.item,
                                    phase="loss"))

@@ -85,6 +85,9 @@ class OpEfficiency:
     step_node_s: float = 0.0           # `parsat run`'s interpreter (`RankProgram.forward`) per node it runs in a step,
                                        # beyond the node's own call: its loop, timed on a chain plan after a
                                        # product's forward, backward and a barrier (0: not measured)
+    step_loss_path_s: float = 0.0      # `parsat run`'s interpreter's own work around an output's objective in a step
+                                       # (`RankProgram.loss` less `loss_terms`: the target's piece), per output
+                                       # (0: not measured)
     step_update_sgd_s: float = 0.0     # `parsat run`'s optimizer's fixed cost per parameter tensor in a step: its
     step_update_adam_s: float = 0.0    # `step` over tiny tensors right after a product's backward and a barrier,
                                        # per tensor, SGD / Adam (0: not measured, the warm `update_points` alone)
@@ -301,7 +304,7 @@ class OpEfficiency:
         unmeasured = [f"gemm_{layout}_" for layout in ("nt", "tn") if getattr(self, f"gemm_{layout}_rate") <= 0]
         unmeasured += [k for k in ("fsdp_forward_param_s", "fsdp_backward_param_s", "fsdp_forward_group_s",
                                    "fsdp_backward_group_s", "python_instruction_s", "step_dispatch_s",
-                                   "step_backward_dispatch_s", "step_parallel_s", "step_node_s", "step_update_sgd_s",
+                                   "step_backward_dispatch_s", "step_parallel_s", "step_node_s", "step_loss_path_s", "step_update_sgd_s",
                                    "step_update_adam_s",
                                    *REDISTRIBUTE_FIELDS,
                                    *FSDP_COLLECTIVE_FIELDS)

@@ -621,6 +621,7 @@ EFFICIENCY_RANGES: Mapping[str, tuple[float, float, str]] = {
     "step_backward_dispatch_s": (0.0, 3600.0, "seconds"),
     "step_parallel_s": (0.0, 3600.0, "seconds"),
     "step_node_s": (0.0, 3600.0, "seconds"),
+    "step_loss_path_s": (0.0, 3600.0, "seconds"),
     "step_update_sgd_s": (0.0, 3600.0, "seconds"),
     "step_update_adam_s": (0.0, 3600.0, "seconds"),
     "dtensor_dispatch_s": (0.0, 3600.0, "seconds"),
