@@ -77,9 +77,8 @@ def test_a_step_s_calls_are_timed_after_a_product_its_backward_and_a_barrier(one
     monkeypatch.setattr(calibrate, "apply_op", lambda op, args, attrs: events.append(op) or args[0] * 1.0)
     barrier = dist.barrier
     monkeypatch.setattr(calibrate.dist, "barrier", lambda *a, **k: events.append("barrier") or barrier(*a, **k))
-    from parsat.backend import collectives
-    replicate = collectives.parallel_op
-    monkeypatch.setattr(collectives, "parallel_op", lambda *a, **k: events.append("parallel") or replicate(*a, **k))
+    replicate = calibrate.parallel_op
+    monkeypatch.setattr(calibrate, "parallel_op", lambda *a, **k: events.append("parallel") or replicate(*a, **k))
     from parsat.backend import executor
     run_op = executor.apply_op
     monkeypatch.setattr(executor, "apply_op", lambda op, args, attrs: events.append(f"run {op}") or run_op(op, args, attrs))

@@ -45,11 +45,13 @@ for fp32 training):
   256 to 64 Ki elements, fitted to a fixed cost and one per element
   (`OpEfficiency.loss_*`, `_loss`);
 * the calls of a step as `parsat run` makes them: the dispatch chain's calls
-  forward and backward, a parallel node's path (`parallel_op`) and the
-  optimizer's update per tensor, each timed cold, as the first calls after
-  a product's forward, its backward and a barrier
-  (`OpEfficiency.step_dispatch_s`, `step_backward_dispatch_s`,
-  `step_parallel_s`, `step_update_sgd_s`, `step_update_adam_s`; `_step_calls`);
+  forward and backward, the interpreter's loop (`RankProgram.forward` on a
+  plan that is that chain) and its work around an output's loss, a parallel
+  node's path (`parallel_op`) and the optimizer's update per tensor, each
+  timed cold, as the first calls after a product's forward, its backward
+  and a barrier (`OpEfficiency.step_dispatch_s`, `step_backward_dispatch_s`,
+  `step_node_s`, `step_loss_path_s`, `step_parallel_s`, `step_update_sgd_s`,
+  `step_update_adam_s`; `_step_calls`);
 * with `dtensor` (`--dtensor`): a chain of tiny layers (a linear product
   and an RMS norm each) on a `Replicate()` DTensor over all ranks, less
   the same chain plain, per ATen call (`OpEfficiency.dtensor_dispatch_s`,
@@ -127,12 +129,17 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from parsat.backend.executor import Optimizer
+from parsat.backend.collectives import CommCounter, MeshGroups, parallel_op
+from parsat.backend.executor import Optimizer, RankProgram, operator_library
 from parsat.backend.launch import LaunchConfig, RankContext, launch
 from parsat.backend.step_statistic import spread
 from parsat.backend.training_data import TrainConfig, loss_terms
 from parsat.importer.torch_ops import apply_op
 from parsat.dsl.bounds import check_all
+from parsat.dsl.parallel_ops import REPLICATE
+from parsat.ir.mesh import Mesh
+from parsat.ir.pcg import PCG, Degrees, PNode
+from parsat.ir.placement import FREE, Placement
 from parsat.ir.units import fmt_bytes
 from parsat.ir.machine import Machine
 from parsat.ir.machine_profile import (ATTENTION_BACKWARD_FACTOR, COMM_ELEMENTS, FSDP_COLLECTIVE_FIELDS,
@@ -1143,15 +1150,10 @@ def _chain_dispatch(ctx: RankContext, start: torch.Tensor, budget: Budget, sync)
 STEP_CALL_CHAIN = 8   # tiny operators in the chains `_step_calls` times: about a small model's forward
 
 
-def _interpreted_chain(ctx: RankContext, dtype) -> "RankProgram":
+def _interpreted_chain(ctx: RankContext, dtype) -> RankProgram:
     """`parsat run`'s rank program (`executor.RankProgram`) of a plan that is `_step_calls`' chain: a data input x
     ([2, 2]), then `STEP_CALL_CHAIN` operators, scale and relu in turn, each on the previous one's output, whole on
     every rank (a mesh of one axis over all ranks, every value free on it: no parallel node, no collective)."""
-    from parsat.backend.executor import RankProgram, operator_library
-    from parsat.ir.mesh import Mesh
-    from parsat.ir.pcg import PCG, Degrees, PNode
-    from parsat.ir.placement import Placement
-
     whole, degrees = Placement.whole(1), Degrees.whole(2)
     nodes = [PNode(0, "leaf", "x", (), (), (2, 2), degrees, "input", "", whole)]
     for i in range(1, STEP_CALL_CHAIN + 1):
@@ -1195,11 +1197,6 @@ def _step_calls(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> dic
     helper F); a probe in one process ran the replicate at 5.7 us warm, 12 us after a product, 27 us as a step's
     first call; the step's optimizer (two SGD updates) 0.25-0.36 ms where the warm points priced 0.136 (session 67,
     helper B)."""
-    from parsat.backend.collectives import CommCounter, MeshGroups, parallel_op
-    from parsat.dsl.parallel_ops import REPLICATE
-    from parsat.ir.mesh import Mesh
-    from parsat.ir.placement import FREE, Placement
-
     step_product = _step_product(ctx, dtype, size)
     weight = torch.randn(size, size, dtype=dtype).to(ctx.device).requires_grad_()
     leaf = torch.randn(2, 2, dtype=dtype).to(ctx.device).requires_grad_()
