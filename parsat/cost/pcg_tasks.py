@@ -905,7 +905,7 @@ class _Builder:
             self.ready[node.id] = None  # stored as this piece: nothing runs
             return
         label = f"{node.label} #{node.id}"
-        path = self.eff.parallel_path_time() + self.eff.step_node_s if self.profile.interpreted else 0.0
+        path = self.eff.parallel_path_time() + self._interpreter_s if self.profile.interpreted else 0.0
         if path > 0:   # the runtime's path around the node's body (its copies, its collective: priced below)
             deps = [self._add(f"{label} (parsat run's parallel path)", self.compute, path, deps)]
         if node.op == PARTITION:
