@@ -1,5 +1,5 @@
 """A plan's predicted step on a calibrated machine file with and without each of the step's calls that `parsat
-calibrate` times as `parsat run` makes them (`calibrate._step_calls`): the figure the issue-31 demo's prediction
+calibrate` times as `parsat run` makes them (`calibrate.StepCalls`): the figure the issue-31 demo's prediction
 moves by, field by field, on the same machine file (benchmarks/demo_step.md, session 67 helper B).
 
     PYTHONPATH=. .venv/bin/python benchmarks/step_calls_priced.py PLAN MACHINE [PLAN MACHINE ...]
@@ -16,7 +16,8 @@ from parsat.cost.pcg_tasks import PARSAT_RUN, simulate_pcg
 from parsat.cost.step_report import summarize
 from parsat.ir.machine import Machine
 
-FIELDS = ("step_backward_dispatch_s", "step_node_s", "step_loss_path_s", "step_parallel_s", ("step_update_sgd_s", "step_update_adam_s"))
+FIELDS = ("step_backward_dispatch_s", "step_node_s", "step_loss_path_s", "step_parallel_s",
+          ("step_update_sgd_s", "step_update_adam_s"))
 
 
 def without(machine: Machine, fields) -> Machine:

@@ -1,7 +1,7 @@
 """Issue 31's demo: figures `parsat calibrate` measures as a step meets them, robust to the moment they are taken.
 
 The products are timed in passes spread over the calibration (`GemmPasses`), each figure the median of its passes,
-so a few seconds of half-speed compute move none of them; the fixed costs of a step's calls (`_step_calls`)
+so a few seconds of half-speed compute move none of them; the fixed costs of a step's calls (`StepCalls`)
 are timed as the first calls after a product, its backward and a barrier, and priced per forward operator beside
 `dispatch_s` (`OpEfficiency.op_time`)."""
 
@@ -81,16 +81,19 @@ def test_a_step_s_calls_are_timed_after_a_product_its_backward_and_a_barrier(one
     monkeypatch.setattr(calibrate, "parallel_op", lambda *a, **k: events.append("parallel") or replicate(*a, **k))
     from parsat.backend import executor
     run_op = executor.apply_op
-    monkeypatch.setattr(executor, "apply_op", lambda op, args, attrs: events.append(f"run {op}") or run_op(op, args, attrs))
+    monkeypatch.setattr(executor, "apply_op",
+                        lambda op, args, attrs: events.append(f"run {op}") or run_op(op, args, attrs))
     steps = []
     monkeypatch.setattr(calibrate.Optimizer, "step", lambda self: steps.append((self.kind, len(self.params))))
     budget = calibrate.Budget(repeats=2, window_s=0.0)
-    figures = calibrate._step_calls(one_rank, torch.float64, 8, budget, lambda: None)
+    calls = calibrate.StepCalls(one_rank, torch.float64, 8, budget, lambda: None)
+    calls.run_pass()
+    figures = calls.figures()
     assert set(figures) == {"dispatch", "node", "backward", "parallel", "loss_path", "update_sgd", "update_adam"}
     assert all(seconds >= 0 for seconds in figures.values())
     chain = ["scale", "relu"] * (calibrate.STEP_CALL_CHAIN // 2)
-    rounds = calibrate.STEP_ROUNDS_FACTOR * budget.repeats
-    calls = 2 + rounds   # two warm-ups, then one a round
+    rounds = budget.repeats   # a pass (`_rank_measure` runs `STEP_ROUNDS_FACTOR`, spread over the calibration)
+    made = 2 + rounds   # two warm-ups, then one a round
     forward = (["barrier"] + chain) * 2 + (["barrier", "barrier"] + chain) * rounds
     # the same chain as a plan `parsat run`'s interpreter runs, node by node
     interpreted = (["barrier"] + [f"run {op}" for op in chain]) * 2 \
@@ -104,7 +107,10 @@ def test_a_step_s_calls_are_timed_after_a_product_its_backward_and_a_barrier(one
     loss = ((runs + ["barrier"]) * 2 + (["barrier"] + runs + ["barrier"]) * rounds) * 2
     updates = (["barrier"] * 2 + ["barrier", "barrier"] * rounds) * 2
     assert events == forward + interpreted + backward + parallel + loss + updates
-    assert steps == [("sgd", calibrate.STEP_UPDATE_TENSORS)] * calls + [("adam", calibrate.STEP_UPDATE_TENSORS)] * calls
+    assert steps == [("sgd", calibrate.STEP_UPDATE_TENSORS)] * made + [("adam", calibrate.STEP_UPDATE_TENSORS)] * made
+    calls.passes.append({**figures, "parallel": 3 * figures["parallel"]})   # a slow pass ...
+    calls.passes.append(figures)
+    assert calls.figures() == figures   # ... leaves each figure at the median of its passes
 
 
 def test_the_call_in_a_step_is_priced_per_forward_operator_beside_dispatch():

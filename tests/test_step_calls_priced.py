@@ -1,5 +1,5 @@
 """Issue 31's demo: the calls of `parsat run`'s step that `parsat calibrate` times as the step makes them
-(`calibrate._step_calls`), priced where the step makes them: a forward operator's and a backward node's fixed cost
+(`calibrate.StepCalls`), priced where the step makes them: a forward operator's and a backward node's fixed cost
 (`OpEfficiency.op_time`), a parallel node's host path (`parallel_path_time`, a task of its own before the node's
 body in `parsat run`'s profile) and the optimizer's fixed cost per parameter tensor (`update_time`)."""
 
@@ -36,9 +36,9 @@ def test_backward_nodes_parallel_paths_and_updates_are_priced_as_a_step_makes_th
     assert replace(eff, sequence_factor=2.0).op_time(0.0, True) == pytest.approx(8e-6)
     assert OpEfficiency.from_dict(eff.to_dict()) == eff
     older = OpEfficiency(dispatch_s=5e-6, backward_dispatch_s=4e-6, step_dispatch_s=30e-6, update_points=POINTS)
-    written = older.to_dict()
+    written = older.to_dict()   # older files read, and are written, as before
     assert not any(k in written for k in ("step_backward_dispatch_s", "step_parallel_s", "step_update_sgd_s",
-                                          "step_update_adam_s", "step_node_s", "step_loss_path_s"))   # older files read, written, as before
+                                          "step_update_adam_s", "step_node_s", "step_loss_path_s"))
     assert OpEfficiency.from_dict(written) == older
     assert older.parallel_path_time() == 0.0 and older.update_time("sgd", 1024) == pytest.approx(10e-6)
 

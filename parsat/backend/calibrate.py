@@ -51,7 +51,7 @@ for fp32 training):
   timed cold, as the first calls after a product's forward, its backward
   and a barrier (`OpEfficiency.step_dispatch_s`, `step_backward_dispatch_s`,
   `step_node_s`, `step_loss_path_s`, `step_parallel_s`, `step_update_sgd_s`,
-  `step_update_adam_s`; `_step_calls`);
+  `step_update_adam_s`; `StepCalls`);
 * with `dtensor` (`--dtensor`): a chain of tiny layers (a linear product
   and an RMS norm each) on a `Replicate()` DTensor over all ranks, less
   the same chain plain, per ATen call (`OpEfficiency.dtensor_dispatch_s`,
@@ -422,18 +422,22 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
                                                 .to(ctx.device), budget, sync), 0.0, float(elements * item)])
     products.run_pass(spread=True)
     ops += _updates(ctx, dtype, budget, sync)
+    step_calls = StepCalls(ctx, dtype, size, budget, sync)   # in passes spread over the calibration, as the products
+    step_calls.run_pass()
     ops += _functions(ctx, dtype, budget, sync)
     products.run_pass(spread=True)
     ops += _elementwise(ctx, dtype, budget, sync)
     ops += _attention(ctx, dtype, budget, sync)
     ops += _loss(ctx, dtype, size, budget, sync)
-    step_calls = _step_calls(ctx, dtype, size, budget, sync)
+    step_calls.run_pass()
     products.run_pass(spread=True)
     collectives = _collectives(ctx, dtype, wall, comm_sizes, sync, size, not shared_cores)
     skew, turns = _skew(ctx, dtype, size, wall, budget, sync), _turns(ctx, dtype, wall, sync)
     while products.passes < budget.repeats:
         products.run_pass()
-    return {"dispatch": dispatch, "step_calls": step_calls, "dtensor": extra, "fsdp": hooks, "python": python,
+    while len(step_calls.passes) < STEP_ROUNDS_FACTOR:
+        step_calls.run_pass()
+    return {"dispatch": dispatch, "step_calls": step_calls.figures(), "dtensor": extra, "fsdp": hooks, "python": python,
             "sequence": sequence, "redistribute": redistribute, "fsdp_collectives": fsdp_collectives,
             "ops": products.rows() + ops, "square_passes": products.passes_of("matmul", [s, s, s]),
             "collectives": collectives, "skew": skew, "turns": turns,
@@ -1147,11 +1151,11 @@ def _chain_dispatch(ctx: RankContext, start: torch.Tensor, budget: Budget, sync)
     return forward, backward
 
 
-STEP_CALL_CHAIN = 8   # tiny operators in the chains `_step_calls` times: about a small model's forward
+STEP_CALL_CHAIN = 8   # tiny operators in the chains `StepCalls` times: about a small model's forward
 
 
 def _interpreted_chain(ctx: RankContext, dtype) -> RankProgram:
-    """`parsat run`'s rank program (`executor.RankProgram`) of a plan that is `_step_calls`' chain: a data input x
+    """`parsat run`'s rank program (`executor.RankProgram`) of a plan that is `StepCalls`' chain: a data input x
     ([2, 2]), then `STEP_CALL_CHAIN` operators, scale and relu in turn, each on the previous one's output, whole on
     every rank (a mesh of one axis over all ranks, every value free on it: no parallel node, no collective)."""
     whole, degrees = Placement.whole(1), Degrees.whole(2)
@@ -1164,14 +1168,16 @@ def _interpreted_chain(ctx: RankContext, dtype) -> RankProgram:
     return RankProgram(pcg, ctx, TrainConfig(dtype=name), operator_library())
 
 
-STEP_UPDATE_TENSORS = 4   # tiny parameter tensors whose update `_step_calls` times: a small model's few weights
+STEP_UPDATE_TENSORS = 4   # tiny parameter tensors whose update `StepCalls` times: a small model's few weights
 
 
-def _step_calls(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> dict[str, float]:
-    """Seconds of the calls `parsat run`'s step makes around its operators' kernels, each as the step makes it:
-    timed as the first calls after a barrier that follows `_step_product`'s forward and backward (not timed), one
-    call (or chain) a round in `STEP_ROUNDS_FACTOR` x `budget.repeats` rounds (`_timed_after`), on the compute
-    clock (a rank's thread CPU on a CPU core of its own), each round the slowest rank's, their median:
+class StepCalls:
+    """The calls `parsat run`'s step makes around its operators' kernels, each as the step makes it, in passes
+    spread over the calibration (`run_pass`; `_rank_measure` runs `STEP_ROUNDS_FACTOR`, each figure the median of
+    its passes, as `GemmPasses` does the products'): each timed as the first calls after a barrier that follows
+    `_step_product`'s forward and backward (not timed), one call (or chain) a round in `budget.repeats` rounds a
+    pass (`_timed_after`), on the compute clock (a rank's thread CPU on a CPU core of its own), each round the
+    slowest rank's, their median; seconds of:
 
     * "dispatch" (`OpEfficiency.step_dispatch_s`): `_chain_dispatch`'s chain of tiny operators with autograd
       recording (`STEP_CALL_CHAIN` long, through `apply_op` as the interpreter calls a node), per call;
@@ -1197,73 +1203,80 @@ def _step_calls(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> dic
     helper F); a probe in one process ran the replicate at 5.7 us warm, 12 us after a product, 27 us as a step's
     first call; the step's optimizer (two SGD updates) 0.25-0.36 ms where the warm points priced 0.136 (session 67,
     helper B)."""
-    step_product = _step_product(ctx, dtype, size)
-    weight = torch.randn(size, size, dtype=dtype).to(ctx.device).requires_grad_()
-    leaf = torch.randn(2, 2, dtype=dtype).to(ctx.device).requires_grad_()
-    held: dict = {}
 
-    def product_and_backward():
-        weight.grad = None
-        (step_product() @ weight).sum().backward()
+    def __init__(self, ctx: RankContext, dtype, size: int, budget: Budget, sync) -> None:
+        self.ctx, self.sync, self.rounds = ctx, sync, replace(budget, window_s=0.0)
+        self.passes: list[dict[str, float]] = []
+        self.step_product = _step_product(ctx, dtype, size)
+        self.weight = torch.randn(size, size, dtype=dtype).to(ctx.device).requires_grad_()
+        self.leaf = torch.randn(2, 2, dtype=dtype).to(ctx.device).requires_grad_()
+        self.held: dict = {}
+        self.groups = MeshGroups(Mesh.of([ctx.world]), ctx.rank, ctx.device, ctx.collective_timeout_s)
+        self.free, self.counter = Placement((FREE,)), CommCounter()
+        self.program = _interpreted_chain(ctx, dtype)
+        self.target = torch.randn(2, 2, dtype=dtype).to(ctx.device)
+        self.holders = ctx.world   # the chain's output: whole on every rank, 1 replica (`executor.output_holders`)
+        self.tensors = [torch.randn(2, 2, dtype=dtype).to(ctx.device).requires_grad_()
+                        for _ in range(STEP_UPDATE_TENSORS)]
+        self.optimizers = {kind: Optimizer(self.tensors, TrainConfig(optimizer=kind)) for kind in ("sgd", "adam")}
+
+    def product_and_backward(self) -> None:
+        self.weight.grad = None
+        (self.step_product() @ self.weight).sum().backward()
         dist.barrier()
 
-    def chain():
-        y = leaf
+    def chain(self) -> torch.Tensor:
+        y = self.leaf
         for i in range(STEP_CALL_CHAIN):
             y = apply_op("relu" if i % 2 else "scale", [y], {} if i % 2 else {"c": 1.0})
         return y
 
-    def recorded_then_product():
-        held["chain"] = chain().sum()
-        product_and_backward()
+    def recorded_then_product(self) -> None:
+        self.held["chain"] = self.chain().sum()
+        self.product_and_backward()
 
-    groups = MeshGroups(Mesh.of([ctx.world]), ctx.rank, ctx.device, ctx.collective_timeout_s)
-    free, counter = Placement((FREE,)), CommCounter()
+    def interpreted(self) -> None:
+        self.counter.clear()
+        self.program.forward(0, self.counter, {"x": self.leaf})
 
-    def replicate():
-        counter.clear()
-        parallel_op(REPLICATE, leaf, free, 0, None, groups, counter)
+    def forward_then_product(self) -> None:
+        self.held["env"] = self.program.forward(0, self.counter, {"x": self.leaf})
+        self.product_and_backward()
 
-    program = _interpreted_chain(ctx, dtype)
-    inputs = {"x": leaf}
+    def replicate(self) -> None:
+        self.counter.clear()
+        parallel_op(REPLICATE, self.leaf, self.free, 0, None, self.groups, self.counter)
 
-    def interpreted():
-        counter.clear()
-        program.forward(0, counter, inputs)
+    def gradients_then_product(self) -> None:
+        for t in self.tensors:
+            t.grad = torch.ones_like(t)
+        self.product_and_backward()
 
-    rounds = replace(budget, repeats=STEP_ROUNDS_FACTOR * budget.repeats, window_s=0.0)
-    calls = _timed_after(ctx, product_and_backward, chain, rounds, sync)
-    out = {"dispatch": calls / STEP_CALL_CHAIN,
-           # the interpreter's forward of the same chain, less the chain's own calls: its loop, per node it runs
-           "node": max(0.0, _timed_after(ctx, product_and_backward, interpreted, rounds, sync) - calls)
-           / (STEP_CALL_CHAIN + 1),
-           "backward": _timed_after(ctx, recorded_then_product, lambda: held.pop("chain").backward(), rounds, sync)
-           / (STEP_CALL_CHAIN + 1),   # the chain's nodes and its sum's
-           # one node a round: in a step each parallel node follows other work (a product, the step's barrier)
-           "parallel": _timed_after(ctx, product_and_backward, replicate, rounds, sync)}
-    target = torch.randn(2, 2, dtype=dtype).to(ctx.device)
-    replicas, holders = 1, ctx.world   # the chain's output: whole on every rank (`executor.output_holders`)
+    def _timed(self, prepare: Callable[[], object], fn: Callable[[], object]) -> float:
+        return _timed_after(self.ctx, prepare, fn, self.rounds, self.sync)
 
-    def forward_then_product():
-        held["env"] = program.forward(0, counter, inputs)
-        product_and_backward()
+    def run_pass(self) -> None:
+        """One round of every figure's rounds (their order as the docstring's)."""
+        calls = self._timed(self.product_and_backward, self.chain)
+        out = {"dispatch": calls / STEP_CALL_CHAIN,
+               # the interpreter's forward of the same chain, less the chain's own calls: its loop, per node it runs
+               "node": max(0.0, self._timed(self.product_and_backward, self.interpreted) - calls)
+               / (STEP_CALL_CHAIN + 1),
+               "backward": self._timed(self.recorded_then_product, lambda: self.held.pop("chain").backward())
+               / (STEP_CALL_CHAIN + 1),   # the chain's nodes and its sum's
+               # one node a round: in a step each parallel node follows other work (a product, the step's barrier)
+               "parallel": self._timed(self.product_and_backward, self.replicate)}
+        own = self._timed(self.forward_then_product, lambda: self.program.loss(self.held["env"], {"out": self.target}))
+        bare = self._timed(self.forward_then_product, lambda: loss_terms(
+            [(self.held["env"][STEP_CALL_CHAIN][0], self.target, 4, 1, self.holders)]))
+        out["loss_path"] = max(0.0, own - bare)   # `RankProgram.loss` beyond `loss_terms`: the target's piece
+        for kind, optimizer in self.optimizers.items():
+            out[f"update_{kind}"] = self._timed(self.gradients_then_product, optimizer.step) / STEP_UPDATE_TENSORS
+        self.passes.append(out)
 
-    own = _timed_after(ctx, forward_then_product, lambda: program.loss(held["env"], {"out": target}), rounds, sync)
-    bare = _timed_after(ctx, forward_then_product, lambda: loss_terms(
-        [(held["env"][STEP_CALL_CHAIN][0], target, 4, replicas, holders)]), rounds, sync)
-    out["loss_path"] = max(0.0, own - bare)   # `RankProgram.loss` beyond `loss_terms`: the target's piece, holders
-    tensors = [torch.randn(2, 2, dtype=dtype).to(ctx.device).requires_grad_() for _ in range(STEP_UPDATE_TENSORS)]
-    for kind in ("sgd", "adam"):
-        optimizer = Optimizer(tensors, TrainConfig(optimizer=kind))
-
-        def gradients_then_product():
-            for t in tensors:
-                t.grad = torch.ones_like(t)
-            product_and_backward()
-
-        out[f"update_{kind}"] = _timed_after(ctx, gradients_then_product, optimizer.step, rounds, sync) \
-            / STEP_UPDATE_TENSORS
-    return out
+    def figures(self) -> dict[str, float]:
+        """Each figure the median of its passes."""
+        return {key: statistics.median(p[key] for p in self.passes) for key in self.passes[0]}
 
 
 SKEW_BURSTS = (0, 2, 8, 16)
@@ -1850,7 +1863,8 @@ def report(cal: Calibration) -> str:
                 f"as a step makes its calls; the interpreter's loop {e.step_node_s * 1e6:.1f} us a node and "
                 f"{e.step_loss_path_s * 1e6:.1f} us around an output's loss, a parallel "
                 f"node's path {e.step_parallel_s * 1e6:.1f} us, an update "
-                f"{e.step_update_sgd_s * 1e6:.1f} (sgd) / {e.step_update_adam_s * 1e6:.1f} (adam) us a tensor, in a step"
+                f"{e.step_update_sgd_s * 1e6:.1f} (sgd) / {e.step_update_adam_s * 1e6:.1f} (adam) us a tensor, "
+                "in a step"
                 if e.step_dispatch_s else "")
              + (f" (on a DTensor {e.dtensor_dispatch_s * 1e6:.1f} + {e.dtensor_backward_dispatch_s * 1e6:.1f} us more)"
                 if e.dtensor_dispatch_s or e.dtensor_backward_dispatch_s else ""),

@@ -304,7 +304,8 @@ class OpEfficiency:
         unmeasured = [f"gemm_{layout}_" for layout in ("nt", "tn") if getattr(self, f"gemm_{layout}_rate") <= 0]
         unmeasured += [k for k in ("fsdp_forward_param_s", "fsdp_backward_param_s", "fsdp_forward_group_s",
                                    "fsdp_backward_group_s", "python_instruction_s", "step_dispatch_s",
-                                   "step_backward_dispatch_s", "step_parallel_s", "step_node_s", "step_loss_path_s", "step_update_sgd_s",
+                                   "step_backward_dispatch_s", "step_parallel_s", "step_node_s", "step_loss_path_s",
+                                   "step_update_sgd_s",
                                    "step_update_adam_s",
                                    *REDISTRIBUTE_FIELDS,
                                    *FSDP_COLLECTIVE_FIELDS)
