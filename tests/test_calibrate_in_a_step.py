@@ -1,8 +1,8 @@
 """Issue 31's demo: figures `parsat calibrate` measures as a step meets them, robust to the moment they are taken.
 
 The products are timed in passes spread over the calibration (`GemmPasses`), each figure the median of its passes,
-so a few seconds of half-speed compute move none of them; the fixed cost of a call in a step (`_step_dispatch`)
-is timed as the first calls after a product, its backward and a barrier, and priced per forward operator beside
+so a few seconds of half-speed compute move none of them; the fixed costs of a step's calls (`StepCalls`)
+are timed as the first calls after a product, its backward and a barrier, and priced per forward operator beside
 `dispatch_s` (`OpEfficiency.op_time`)."""
 
 from __future__ import annotations
@@ -72,18 +72,45 @@ def test_products_are_timed_in_passes_and_a_slow_pass_does_not_move_their_figure
     assert products.passes_of("matmul", [2, 2, 2]) == pytest.approx([0.001, 0.003, 0.001, 0.001, 0.001])
 
 
-def test_a_call_in_a_step_is_timed_after_a_product_its_backward_and_a_barrier(one_rank, monkeypatch):
+def test_a_step_s_calls_are_timed_after_a_product_its_backward_and_a_barrier(one_rank, monkeypatch):
     events = []
-    monkeypatch.setattr(calibrate, "apply_op", lambda op, args, attrs: events.append(op) or args[0])
+    monkeypatch.setattr(calibrate, "apply_op", lambda op, args, attrs: events.append(op) or args[0] * 1.0)
     barrier = dist.barrier
     monkeypatch.setattr(calibrate.dist, "barrier", lambda *a, **k: events.append("barrier") or barrier(*a, **k))
+    replicate = calibrate.parallel_op
+    monkeypatch.setattr(calibrate, "parallel_op", lambda *a, **k: events.append("parallel") or replicate(*a, **k))
+    from parsat.backend import executor
+    run_op = executor.apply_op
+    monkeypatch.setattr(executor, "apply_op",
+                        lambda op, args, attrs: events.append(f"run {op}") or run_op(op, args, attrs))
+    steps = []
+    monkeypatch.setattr(calibrate.Optimizer, "step", lambda self: steps.append((self.kind, len(self.params))))
     budget = calibrate.Budget(repeats=2, window_s=0.0)
-    seconds = calibrate._step_dispatch(one_rank, torch.float64, 8, budget, lambda: None)
-    assert seconds > 0
+    calls = calibrate.StepCalls(one_rank, torch.float64, 8, budget, lambda: None)
+    calls.run_pass()
+    figures = calls.figures()
+    assert set(figures) == {"dispatch", "node", "backward", "parallel", "loss_path", "update_sgd", "update_adam"}
+    assert all(seconds >= 0 for seconds in figures.values())
     chain = ["scale", "relu"] * (calibrate.STEP_CALL_CHAIN // 2)
-    rounds = calibrate.STEP_ROUNDS_FACTOR * budget.repeats
-    # two warm-ups, then each round: its barrier, the product and backward, the barrier before the timed chain
-    assert events == (["barrier"] + chain) * 2 + (["barrier", "barrier"] + chain) * rounds
+    rounds = budget.repeats   # a pass (`_rank_measure` runs `STEP_ROUNDS_FACTOR`, spread over the calibration)
+    made = 2 + rounds   # two warm-ups, then one a round
+    forward = (["barrier"] + chain) * 2 + (["barrier", "barrier"] + chain) * rounds
+    # the same chain as a plan `parsat run`'s interpreter runs, node by node
+    interpreted = (["barrier"] + [f"run {op}" for op in chain]) * 2 \
+        + (["barrier", "barrier"] + [f"run {op}" for op in chain]) * rounds
+    # each round: its barrier, the product and backward, the barrier before the timed call; the backward's chain
+    # recorded before the product (its backward is not an `apply_op`)
+    backward = (chain + ["barrier"]) * 2 + (["barrier"] + chain + ["barrier"]) * rounds
+    parallel = ["barrier", "parallel"] * 2 + ["barrier", "barrier", "parallel"] * rounds   # one node a round
+    # the interpreter's loss, then `loss_terms` alone, each after the plan's forward, the product and the barrier
+    runs = [f"run {op}" for op in chain]
+    loss = ((runs + ["barrier"]) * 2 + (["barrier"] + runs + ["barrier"]) * rounds) * 2
+    updates = (["barrier"] * 2 + ["barrier", "barrier"] * rounds) * 2
+    assert events == forward + interpreted + backward + parallel + loss + updates
+    assert steps == [("sgd", calibrate.STEP_UPDATE_TENSORS)] * made + [("adam", calibrate.STEP_UPDATE_TENSORS)] * made
+    calls.passes.append({**figures, "parallel": 3 * figures["parallel"]})   # a slow pass ...
+    calls.passes.append(figures)
+    assert calls.figures() == figures   # ... leaves each figure at the median of its passes
 
 
 def test_the_call_in_a_step_is_priced_per_forward_operator_beside_dispatch():

@@ -46,9 +46,14 @@ for fp32 training):
   backward, right after a product as a step runs them, on output pieces of
   256 to 64 Ki elements, fitted to a fixed cost and one per element
   (`OpEfficiency.loss_*`, `_loss`);
-* a call in a step: the dispatch chain's calls timed cold, as the first
-  calls after a product's forward, its backward and a barrier
-  (`OpEfficiency.step_dispatch_s`, `_step_dispatch`);
+* the calls of a step as `parsat run` makes them: the dispatch chain's calls
+  forward and backward, the interpreter's loop (`RankProgram.forward` on a
+  plan that is that chain) and its work around an output's loss, a parallel
+  node's path (`parallel_op`) and the optimizer's update per tensor, each
+  timed cold, as the first calls after a product's forward, its backward
+  and a barrier (`OpEfficiency.step_dispatch_s`, `step_backward_dispatch_s`,
+  `step_node_s`, `step_loss_path_s`, `step_parallel_s`, `step_update_sgd_s`,
+  `step_update_adam_s`; `StepCalls`);
 * with `dtensor` (`--dtensor`): a chain of tiny layers (a linear product
   and an RMS norm each) on a `Replicate()` DTensor over all ranks, less
   the same chain plain, per ATen call (`OpEfficiency.dtensor_dispatch_s`,
@@ -126,12 +131,17 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from parsat.backend.executor import Optimizer
+from parsat.backend.collectives import CommCounter, MeshGroups, parallel_op
+from parsat.backend.executor import Optimizer, RankProgram, operator_library
 from parsat.backend.launch import LaunchConfig, RankContext, launch
 from parsat.backend.step_statistic import spread
 from parsat.backend.training_data import TrainConfig, loss_terms
 from parsat.importer.torch_ops import apply_op
 from parsat.dsl.bounds import check_all
+from parsat.dsl.parallel_ops import REPLICATE
+from parsat.ir.mesh import Mesh
+from parsat.ir.pcg import PCG, Degrees, PNode
+from parsat.ir.placement import FREE, Placement
 from parsat.ir.units import fmt_bytes
 from parsat.ir.gemm_grid import grid_fractions
 from parsat.ir.machine import Machine
@@ -159,7 +169,8 @@ class OpTiming:
     def predicted(self, machine: Machine) -> float:
         """The time `machine`'s compute model gives this call (parsat/cost/op_time.py's formula), timed alone as it
         was (no `sequence_factor`: that is what a step adds to these figures)."""
-        eff = replace(machine.efficiency, sequence_factor=1.0, step_dispatch_s=0.0)
+        eff = replace(machine.efficiency, sequence_factor=1.0, step_dispatch_s=0.0, step_backward_dispatch_s=0.0,
+                      step_update_sgd_s=0.0, step_update_adam_s=0.0)
         if self.op == "randn":
             return eff.op_time(self.nbytes / eff.random_bandwidth) if eff.random_bandwidth else float("nan")
         if self.op in ("loss", "loss_backward"):   # as measured in a step's place: no dispatch added
@@ -442,18 +453,22 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
                                                 .to(ctx.device), budget, sync), 0.0, float(elements * item)])
     products.run_pass(spread=True)
     ops += _updates(ctx, dtype, budget, sync)
+    step_calls = StepCalls(ctx, dtype, size, budget, sync)   # in passes spread over the calibration, as the products
+    step_calls.run_pass()
     ops += _functions(ctx, dtype, budget, sync)
     products.run_pass(spread=True)
     ops += _elementwise(ctx, dtype, budget, sync)
     ops += _attention(ctx, dtype, budget, sync)
     ops += _loss(ctx, dtype, size, budget, sync)
-    step_dispatch = _step_dispatch(ctx, dtype, size, budget, sync)
+    step_calls.run_pass()
     products.run_pass(spread=True)
     collectives = _collectives(ctx, dtype, wall, comm_sizes, sync, size, not shared_cores)
     skew, turns = _skew(ctx, dtype, size, wall, budget, sync), _turns(ctx, dtype, wall, sync)
     while products.passes < budget.repeats:
         products.run_pass()
-    return {"dispatch": dispatch, "step_dispatch": step_dispatch, "dtensor": extra, "fsdp": hooks, "python": python,
+    while len(step_calls.passes) < STEP_ROUNDS_FACTOR:
+        step_calls.run_pass()
+    return {"dispatch": dispatch, "step_calls": step_calls.figures(), "dtensor": extra, "fsdp": hooks, "python": python,
             "sequence": sequence, "redistribute": redistribute, "fsdp_collectives": fsdp_collectives,
             "ops": products.rows() + ops, "square_passes": products.passes_of("matmul", [s, s, s]),
             "collectives": collectives, "skew": skew, "turns": turns,
@@ -1171,39 +1186,132 @@ def _chain_dispatch(ctx: RankContext, start: torch.Tensor, budget: Budget, sync)
     return forward, backward
 
 
-STEP_CALL_CHAIN = 8   # tiny operators in the chain `_step_dispatch` times: about a small model's forward
+STEP_CALL_CHAIN = 8   # tiny operators in the chains `StepCalls` times: about a small model's forward
 
 
-def _step_dispatch(ctx: RankContext, dtype, size: int, budget: Budget, sync) -> float:
-    """Seconds per operator call as a step makes its calls (`OpEfficiency.step_dispatch_s`): `_chain_dispatch`'s
-    chain of tiny operators with autograd recording (`STEP_CALL_CHAIN` long, through `apply_op` as the
-    interpreter calls a node), timed as the first calls after a barrier that follows `_step_product`'s forward
-    and backward (not timed), one chain a round in `STEP_ROUNDS_FACTOR` x `budget.repeats` rounds
-    (`_timed_after`), on the compute clock (a rank's thread CPU on a CPU core of its own), per call.
+def _interpreted_chain(ctx: RankContext, dtype) -> RankProgram:
+    """`parsat run`'s rank program (`executor.RankProgram`) of a plan that is `StepCalls`' chain: a data input x
+    ([2, 2]), then `STEP_CALL_CHAIN` operators, scale and relu in turn, each on the previous one's output, whole on
+    every rank (a mesh of one axis over all ranks, every value free on it: no parallel node, no collective)."""
+    whole, degrees = Placement.whole(1), Degrees.whole(2)
+    nodes = [PNode(0, "leaf", "x", (), (), (2, 2), degrees, "input", "", whole)]
+    for i in range(1, STEP_CALL_CHAIN + 1):
+        op, attrs = ("scale", (("c", 1.0),)) if i % 2 else ("relu", ())
+        nodes.append(PNode(i, "op", op, (i - 1,), attrs, (2, 2), degrees, "", "", whole))
+    pcg = PCG(tuple(nodes), (STEP_CALL_CHAIN,), ("out",), Mesh.of((ctx.world,)))
+    name = next(name for name, (_precision, kind, _other) in DTYPES.items() if kind == dtype)
+    return RankProgram(pcg, ctx, TrainConfig(dtype=name), operator_library())
 
-    Why: `dispatch_s` is the same chain run again and again, warm; in a step a node's call follows a product, a
-    backward, an optimizer and a wait in a collective or barrier, which left the dispatcher's code and data out
-    of the core's caches. In `make demo`'s step every small call ran 3-20x its warm figure on the ranks' thread
-    CPU (a replicate, no kernel, 0.09-0.10 ms against 4.6 us; a relu 3x), +0.30-0.40 ms over a 1.8 ms forward
-    with its loss (benchmarks/demo_step.md, 2026-12-06 session 65, helper F); a probe in one process ran the
-    replicate at 5.7 us warm, 12 us after a product, 27 us as a step's first call."""
-    step_product = _step_product(ctx, dtype, size)
-    weight = torch.randn(size, size, dtype=dtype).to(ctx.device).requires_grad_()
-    leaf = torch.randn(2, 2, dtype=dtype).to(ctx.device).requires_grad_()
 
-    def product_and_backward():
-        weight.grad = None
-        (step_product() @ weight).sum().backward()
+STEP_UPDATE_TENSORS = 4   # tiny parameter tensors whose update `StepCalls` times: a small model's few weights
+
+
+class StepCalls:
+    """The calls `parsat run`'s step makes around its operators' kernels, each as the step makes it, in passes
+    spread over the calibration (`run_pass`; `_rank_measure` runs `STEP_ROUNDS_FACTOR`, each figure the median of
+    its passes, as `GemmPasses` does the products'): each timed as the first calls after a barrier that follows
+    `_step_product`'s forward and backward (not timed), one call (or chain) a round in `budget.repeats` rounds a
+    pass (`_timed_after`), on the compute clock (a rank's thread CPU on a CPU core of its own), each round the
+    slowest rank's, their median; seconds of:
+
+    * "dispatch" (`OpEfficiency.step_dispatch_s`): `_chain_dispatch`'s chain of tiny operators with autograd
+      recording (`STEP_CALL_CHAIN` long, through `apply_op` as the interpreter calls a node), per call;
+    * "backward" (`step_backward_dispatch_s`): the same chain's backward, its graph recorded before the product
+      (autograd runs a node's backward after the products' backward kernels), per node;
+    * "node" (`step_node_s`): `parsat run`'s interpreter running the same chain as a plan (`_interpreted_chain`),
+      less the chain's own calls, per node it runs: its loop between the nodes' calls;
+    * "parallel" (`step_parallel_s`): one `parallel_op` replicate of a tiny tensor needing a gradient over all
+      ranks a round (the runtime's own path of a parallel node: `apply_parallel`, the `Comm`, the autograd
+      Function, its identity body; no collective runs in a replicate's forward): in a step each parallel node
+      follows other work, not another parallel node;
+    * "loss_path" (`step_loss_path_s`): `RankProgram.loss` on that plan's output, less `loss_terms` on the same
+      piece (what `_loss` times): the interpreter's own work around the objective (the target's piece cut and
+      moved, the output's holders), per output;
+    * "update_sgd", "update_adam" (`step_update_sgd_s`, `step_update_adam_s`): `parsat run`'s `Optimizer.step` over
+      `STEP_UPDATE_TENSORS` tiny tensors whose gradients the backward before the barrier left, per tensor.
+
+    Why: `dispatch_s`, `backward_dispatch_s` and `update_points`' smallest update are calls run again and again,
+    warm; in a step a node's call follows a product, a backward, an optimizer and a wait in a collective or
+    barrier, which left the dispatcher's code and data out of the core's caches. In `make demo`'s step every small
+    call ran 3-20x its warm figure on the ranks' thread CPU (a replicate, no kernel, 0.09-0.10 ms against 4.6 us; a
+    relu 3x), +0.30-0.40 ms over a 1.8 ms forward with its loss (benchmarks/demo_step.md, 2026-12-06 session 65,
+    helper F); a probe in one process ran the replicate at 5.7 us warm, 12 us after a product, 27 us as a step's
+    first call; the step's optimizer (two SGD updates) 0.25-0.36 ms where the warm points priced 0.136 (session 67,
+    helper B)."""
+
+    def __init__(self, ctx: RankContext, dtype, size: int, budget: Budget, sync) -> None:
+        self.ctx, self.sync, self.rounds = ctx, sync, replace(budget, window_s=0.0)
+        self.passes: list[dict[str, float]] = []
+        self.step_product = _step_product(ctx, dtype, size)
+        self.weight = torch.randn(size, size, dtype=dtype).to(ctx.device).requires_grad_()
+        self.leaf = torch.randn(2, 2, dtype=dtype).to(ctx.device).requires_grad_()
+        self.held: dict = {}
+        self.groups = MeshGroups(Mesh.of([ctx.world]), ctx.rank, ctx.device, ctx.collective_timeout_s)
+        self.free, self.counter = Placement((FREE,)), CommCounter()
+        self.program = _interpreted_chain(ctx, dtype)
+        self.target = torch.randn(2, 2, dtype=dtype).to(ctx.device)
+        self.holders = ctx.world   # the chain's output: whole on every rank, 1 replica (`executor.output_holders`)
+        self.tensors = [torch.randn(2, 2, dtype=dtype).to(ctx.device).requires_grad_()
+                        for _ in range(STEP_UPDATE_TENSORS)]
+        self.optimizers = {kind: Optimizer(self.tensors, TrainConfig(optimizer=kind)) for kind in ("sgd", "adam")}
+
+    def product_and_backward(self) -> None:
+        self.weight.grad = None
+        (self.step_product() @ self.weight).sum().backward()
         dist.barrier()
 
-    def chain():
-        y = leaf
+    def chain(self) -> torch.Tensor:
+        y = self.leaf
         for i in range(STEP_CALL_CHAIN):
             y = apply_op("relu" if i % 2 else "scale", [y], {} if i % 2 else {"c": 1.0})
         return y
 
-    rounds = replace(budget, repeats=STEP_ROUNDS_FACTOR * budget.repeats, window_s=0.0)
-    return _timed_after(ctx, product_and_backward, chain, rounds, sync) / STEP_CALL_CHAIN
+    def recorded_then_product(self) -> None:
+        self.held["chain"] = self.chain().sum()
+        self.product_and_backward()
+
+    def interpreted(self) -> None:
+        self.counter.clear()
+        self.program.forward(0, self.counter, {"x": self.leaf})
+
+    def forward_then_product(self) -> None:
+        self.held["env"] = self.program.forward(0, self.counter, {"x": self.leaf})
+        self.product_and_backward()
+
+    def replicate(self) -> None:
+        self.counter.clear()
+        parallel_op(REPLICATE, self.leaf, self.free, 0, None, self.groups, self.counter)
+
+    def gradients_then_product(self) -> None:
+        for t in self.tensors:
+            t.grad = torch.ones_like(t)
+        self.product_and_backward()
+
+    def _timed(self, prepare: Callable[[], object], fn: Callable[[], object]) -> float:
+        return _timed_after(self.ctx, prepare, fn, self.rounds, self.sync)
+
+    def run_pass(self) -> None:
+        """One round of every figure's rounds (their order as the docstring's)."""
+        calls = self._timed(self.product_and_backward, self.chain)
+        out = {"dispatch": calls / STEP_CALL_CHAIN,
+               # the interpreter's forward of the same chain, less the chain's own calls: its loop, per node it runs
+               "node": max(0.0, self._timed(self.product_and_backward, self.interpreted) - calls)
+               / (STEP_CALL_CHAIN + 1),
+               "backward": self._timed(self.recorded_then_product, lambda: self.held.pop("chain").backward())
+               / (STEP_CALL_CHAIN + 1),   # the chain's nodes and its sum's
+               # one node a round: in a step each parallel node follows other work (a product, the step's barrier)
+               "parallel": self._timed(self.product_and_backward, self.replicate)}
+        own = self._timed(self.forward_then_product, lambda: self.program.loss(self.held["env"], {"out": self.target}))
+        bare = self._timed(self.forward_then_product, lambda: loss_terms(
+            [(self.held["env"][STEP_CALL_CHAIN][0], self.target, 4, 1, self.holders)]))
+        out["loss_path"] = max(0.0, own - bare)   # `RankProgram.loss` beyond `loss_terms`: the target's piece
+        for kind, optimizer in self.optimizers.items():
+            out[f"update_{kind}"] = self._timed(self.gradients_then_product, optimizer.step) / STEP_UPDATE_TENSORS
+        self.passes.append(out)
+
+    def figures(self) -> dict[str, float]:
+        """Each figure the median of its passes."""
+        return {key: statistics.median(p[key] for p in self.passes) for key in self.passes[0]}
 
 
 SKEW_BURSTS = (0, 2, 8, 16)
@@ -1697,7 +1805,13 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
         label = f"cpu ({os.cpu_count()} cores, {nproc} ranks, {result['threads']} thread(s) each)"
     extra, hooks = tuple(result["dtensor"]), tuple(result["fsdp"])
     efficiency = OpEfficiency(dispatch_s=dispatch[0], backward_dispatch_s=dispatch[1],
-                              step_dispatch_s=result["step_dispatch"],
+                              step_dispatch_s=result["step_calls"]["dispatch"],
+                              step_backward_dispatch_s=result["step_calls"]["backward"],
+                              step_parallel_s=result["step_calls"]["parallel"],
+                              step_node_s=result["step_calls"]["node"],
+                              step_loss_path_s=result["step_calls"]["loss_path"],
+                              step_update_sgd_s=result["step_calls"]["update_sgd"],
+                              step_update_adam_s=result["step_calls"]["update_adam"],
                               dtensor_dispatch_s=extra[0], dtensor_backward_dispatch_s=extra[1],
                               **dict(zip(REDISTRIBUTE_FIELDS, result["redistribute"])),
                               **dict(zip(FSDP_COLLECTIVE_FIELDS, result["fsdp_collectives"])),
@@ -1795,7 +1909,13 @@ def report(cal: Calibration) -> str:
              f"{m.memory_bandwidth / 1e9:.2f} GB/s (half at {e.memory_half_bytes / 1e3:.1f} kB; "
              f"{e.cache_bandwidth / 1e9:.1f} GB/s up to {e.cache_bytes / 1e6:.2f} MB), dispatch "
              f"{e.dispatch_s * 1e6:.1f} us forward + {e.backward_dispatch_s * 1e6:.1f} us backward per operator"
-             + (f", {e.step_dispatch_s * 1e6:.1f} us forward as a step makes its calls" if e.step_dispatch_s else "")
+             + (f", {e.step_dispatch_s * 1e6:.1f} us forward + {e.step_backward_dispatch_s * 1e6:.1f} us backward "
+                f"as a step makes its calls; the interpreter's loop {e.step_node_s * 1e6:.1f} us a node and "
+                f"{e.step_loss_path_s * 1e6:.1f} us around an output's loss, a parallel "
+                f"node's path {e.step_parallel_s * 1e6:.1f} us, an update "
+                f"{e.step_update_sgd_s * 1e6:.1f} (sgd) / {e.step_update_adam_s * 1e6:.1f} (adam) us a tensor, "
+                "in a step"
+                if e.step_dispatch_s else "")
              + (f" (on a DTensor {e.dtensor_dispatch_s * 1e6:.1f} + {e.dtensor_backward_dispatch_s * 1e6:.1f} us more)"
                 if e.dtensor_dispatch_s or e.dtensor_backward_dispatch_s else ""),
              f"  each figure timed as `parsat run` times a step: rounds started by a barrier, the slowest rank's, "

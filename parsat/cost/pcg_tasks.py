@@ -157,6 +157,11 @@ class ExecutionProfile:
     #                                 [*s, vocab] value of them is ever made (`onehot_ids`)
     attention_layouts: bool = False   # fused attention reads grouped k / v heads unexpanded and writes its output
     #                                 as [b, s, heads, d]: the flattens around it are views (`attention_views`)
+    interpreted: bool = False       # the plan's nodes run one by one through `parsat run`'s interpreter
+    #                                 (`RankProgram.forward`: its loop, `OpEfficiency.step_node_s`, on every node
+    #                                 it runs; `RankProgram.loss`: `step_loss_path_s` on each output's loss), a
+    #                                 parallel node through `parallel_op` (an autograd Function per node:
+    #                                 `OpEfficiency.parallel_path_time` more); 0 where not measured
 
     def running(self, calls: ModuleCalls | None) -> "ExecutionProfile":
         """This profile running the user's module whose eager calls `calls` counted
@@ -166,7 +171,7 @@ class ExecutionProfile:
 
 PARSAT_RUN = ExecutionProfile("parsat run", overlap=False, ddp_buckets=False, keep_activations=True,
                               seeded_inputs=True, eager_gradients=False, fused_optimizer=False, optimizer="sgd",
-                              tp_comm_overlap=False)
+                              tp_comm_overlap=False, interpreted=True)
 TORCH_NATIVE = ExecutionProfile("parsat.parallelize(runtime='torch')", overlap=False, ddp_buckets=False,
                                 keep_activations=False, seeded_inputs=False, eager_gradients=False,
                                 fused_optimizer=False, optimizer="sgd", tp_comm_overlap=False, fsdp_groups=True,
@@ -473,6 +478,8 @@ class _Builder:
         self.shared_times = times.machine is machine or times.machine == machine   # its chunks are this machine's
         self.item = machine.dtype_bytes
         self.eff = machine.efficiency
+        # `parsat run`'s interpreter's loop, on each node it runs (`OpEfficiency.step_node_s`; 0 not measured)
+        self._interpreter_s = self.eff.step_node_s if profile.interpreted else 0.0
         self.steps = StepBuilder()
         self.compute = self.steps.stream(DEVICE, COMPUTE)
         self.by_id = {n.id: n for n in pcg.nodes}
@@ -887,7 +894,7 @@ class _Builder:
             return
         nbytes = _full(node) * self.item   # drawn before the step's clock (`StepData.loaded`): held, not timed
         self.allocated[node.id] = nbytes
-        self.ready[node.id] = self._add(f"data {node.op}", self.compute, 0.0, (), alloc=nbytes)
+        self.ready[node.id] = self._add(f"data {node.op}", self.compute, self._interpreter_s, (), alloc=nbytes)
 
     def _parallel_forward(self, node: PNode) -> None:
         deps = self._deps(node)
@@ -898,6 +905,9 @@ class _Builder:
             self.ready[node.id] = None  # stored as this piece: nothing runs
             return
         label = f"{node.label} #{node.id}"
+        path = self.eff.parallel_path_time() + self._interpreter_s if self.profile.interpreted else 0.0
+        if path > 0:   # the runtime's path around the node's body (its copies, its collective: priced below)
+            deps = [self._add(f"{label} (parsat run's parallel path)", self.compute, path, deps)]
         if node.op == PARTITION:
             if self._slice_is_view(node, source) or node.id in self.ids:   # narrow() along the outer dims, or ids
                 self.contiguous[node.id] = True
@@ -983,7 +993,7 @@ class _Builder:
             known = self.forward_known.get(node.id)
             if known is None:   # first run: worked out (`_prepare`), and kept
                 _timed, kernel, copy, nbytes = self._prepare(node)
-                seconds = self.eff.op_time(kernel + copy) + self._dtensor_s(node, False)
+                seconds = self.eff.op_time(kernel + copy) + self._dtensor_s(node, False) + self._interpreter_s
                 known = self.forward_known[node.id] = (f"{node.label} #{node.id}", seconds, nbytes,
                                                        self.contiguous[node.id], self.extra[node.id],
                                                        self.views[node.id])
@@ -1084,7 +1094,7 @@ class _Builder:
             node = self.by_id[out]
             piece = _elements(node)
             deps = [t for t in (self.ready.get(out),) if t is not None]
-            seconds = self._loss_s(node)
+            seconds = self._loss_s(node) + (self.eff.step_loss_path_s if self.profile.interpreted else 0.0)
             self.loss_bytes += piece * self.item
             tasks.append(self._add(f"loss of #{out}", self.compute, seconds, deps, alloc=piece * self.item,
                                    phase="loss"))

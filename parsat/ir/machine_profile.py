@@ -77,6 +77,21 @@ class OpEfficiency:
     step_dispatch_s: float = 0.0       # fixed cost of one operator call in a step's forward: the dispatch chain
                                        # timed as the first calls after a product's forward, backward and a
                                        # barrier (`parsat calibrate`; 0: not measured, `dispatch_s` alone)
+    step_backward_dispatch_s: float = 0.0   # the same in a step's backward: the chain's backward, its graph recorded
+                                       # before a product's forward and backward and a barrier (0: not measured)
+    step_parallel_s: float = 0.0       # a parallel node's forward as `parsat run` makes its call in a step: its
+                                       # host path (`backend.collectives.parallel_op`: the placement's change, the
+                                       # `Comm`, the autograd Function and its identity body), timed as the first
+                                       # calls after a product's forward, backward and a barrier (0: not measured)
+    step_node_s: float = 0.0           # `parsat run`'s interpreter (`RankProgram.forward`) per node it runs in a step,
+                                       # beyond the node's own call: its loop, timed on a chain plan after a
+                                       # product's forward, backward and a barrier (0: not measured)
+    step_loss_path_s: float = 0.0      # `parsat run`'s interpreter's own work around an output's objective in a step
+                                       # (`RankProgram.loss` less `loss_terms`: the target's piece), per output
+                                       # (0: not measured)
+    step_update_sgd_s: float = 0.0     # `parsat run`'s optimizer's fixed cost per parameter tensor in a step: its
+    step_update_adam_s: float = 0.0    # `step` over tiny tensors right after a product's backward and a barrier,
+                                       # per tensor, SGD / Adam (0: not measured, the warm `update_points` alone)
     gemm_half_m: float = 0.0           # rows of the product at which a GEMM runs at half its peak rate
     gemm_half_n: float = 0.0           # columns
     gemm_half_k: float = 0.0           # contraction length
@@ -161,16 +176,29 @@ class OpEfficiency:
                                        # forward and backward calls; 1: not measured (presets, older files)
 
     def op_time(self, kernel_s: float, backward: bool = False) -> float:
-        """An operator call's time in a step: its kernel and its fixed dispatch cost (forward: the call as a step
-        makes it, `step_dispatch_s`, where measured), overlapped or in sequence,
+        """An operator call's time in a step: its kernel and its fixed dispatch cost (the call as a step makes it,
+        `step_dispatch_s` / `step_backward_dispatch_s`, where measured), overlapped or in sequence,
         times `sequence_factor` (the calibrated figures are of calls repeated alone, warm; a step runs each
         call once between different ones: on this 2-core box 1.4-1.6x, benchmarks/costmodel_fidelity.md,
         2026-12-05 helper B)."""
         # `sequence_factor`, where measured (--dtensor), already holds what a step adds to a call (its reference
         # replays a step's calls in order), the cold calls `step_dispatch_s` measures among it: one, not both
-        in_step = self.step_dispatch_s if self.sequence_factor == 1.0 else 0.0
-        dispatch = self.backward_dispatch_s if backward else max(self.dispatch_s, in_step)
+        in_step = (self.step_backward_dispatch_s if backward else self.step_dispatch_s) \
+            if self.sequence_factor == 1.0 else 0.0
+        dispatch = max(self.backward_dispatch_s if backward else self.dispatch_s, in_step)
         return (max(dispatch, kernel_s) if self.async_dispatch else dispatch + kernel_s) * self.sequence_factor
+
+    def parallel_path_time(self) -> float:
+        """Seconds a parallel node's host path (`step_parallel_s`: `parsat run`'s `parallel_op`, the autograd
+        Function around the node's body) adds in a step beyond the one call its body is priced as (`op_time(0.0)`);
+        0 where not measured.
+
+        Why: on `make demo`'s plan the replicate of x (no data moved) took 0.09-0.10 ms of the rank's CPU in the
+        step where one dispatch priced it at 5-15 us, most of it the path around its `view_as` (`apply_parallel`,
+        `Comm`, `_Parallel.apply`: 5.7 us warm, 5-10x that as a step's calls; benchmarks/demo_step.md, session 65
+        helper F); a collective's node runs the same path around its collective, which the collectives' table
+        times as the bare call."""
+        return max(0.0, self.step_parallel_s - self.op_time(0.0))
 
     def function_time(self, evaluations: Mapping[str, float], backward: bool = False) -> float:
         """Seconds of the kernels' scalar-function work in `evaluations` (function -> evaluations on this
@@ -260,9 +288,16 @@ class OpEfficiency:
     def update_time(self, optimizer: str, elements: float) -> float | None:
         """Seconds `parsat run`'s optimizer takes to update one weight piece of `elements` elements, as measured
         by `parsat calibrate` (its update right after a backward made the gradient: fresh gradient memory, the
-        weight last read by the forward), or None where this optimizer was not measured."""
+        weight last read by the forward), or None where this optimizer was not measured. Its fixed cost (the
+        smallest weight's update) is the one a step pays per tensor (`step_update_sgd_s`, `step_update_adam_s`),
+        where measured and larger: on `make demo`'s step the two SGD updates took 0.25-0.36 ms of the rank's CPU
+        where the warm points priced them at 0.136 (benchmarks/demo_step.md, session 67 helper B)."""
         points = dict(self.update_points).get(optimizer)
-        return None if not points else interpolate(points, elements)
+        if not points:
+            return None
+        # the fixed part (the smallest weight's update, about all call) as a step pays it, where measured
+        cold = getattr(self, f"step_update_{optimizer}_s", 0.0)
+        return interpolate(points, elements) + max(0.0, cold - points[0][1])
 
     def attention_rate(self, flops: float) -> float:
         """Fraction of peak FLOP/s one fused attention call of `flops` forward FLOPs reaches (its backward too):
@@ -286,6 +321,9 @@ class OpEfficiency:
         unmeasured = [f"gemm_{layout}_" for layout in ("nt", "tn") if getattr(self, f"gemm_{layout}_rate") <= 0]
         unmeasured += [k for k in ("fsdp_forward_param_s", "fsdp_backward_param_s", "fsdp_forward_group_s",
                                    "fsdp_backward_group_s", "python_instruction_s", "step_dispatch_s",
+                                   "step_backward_dispatch_s", "step_parallel_s", "step_node_s", "step_loss_path_s",
+                                   "step_update_sgd_s",
+                                   "step_update_adam_s",
                                    *REDISTRIBUTE_FIELDS,
                                    *FSDP_COLLECTIVE_FIELDS)
                        if not getattr(self, k)]
