@@ -1805,13 +1805,7 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
         label = f"cpu ({os.cpu_count()} cores, {nproc} ranks, {result['threads']} thread(s) each)"
     extra, hooks = tuple(result["dtensor"]), tuple(result["fsdp"])
     efficiency = OpEfficiency(dispatch_s=dispatch[0], backward_dispatch_s=dispatch[1],
-                              step_dispatch_s=result["step_calls"]["dispatch"],
-                              step_backward_dispatch_s=result["step_calls"]["backward"],
-                              step_parallel_s=result["step_calls"]["parallel"],
-                              step_node_s=result["step_calls"]["node"],
-                              step_loss_path_s=result["step_calls"]["loss_path"],
-                              step_update_sgd_s=result["step_calls"]["update_sgd"],
-                              step_update_adam_s=result["step_calls"]["update_adam"],
+                              **_step_call_fields(result["step_calls"]),
                               dtensor_dispatch_s=extra[0], dtensor_backward_dispatch_s=extra[1],
                               **dict(zip(REDISTRIBUTE_FIELDS, result["redistribute"])),
                               **dict(zip(FSDP_COLLECTIVE_FIELDS, result["fsdp_collectives"])),
@@ -1833,6 +1827,17 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
                        "each rank's CPU time"
                        if compute_clock(cuda, result["threads"], bool(crowded)) is time.thread_time else "wall time",
                        tuple(result["square_passes"]))
+
+
+STEP_CALL_FIELDS = (("dispatch", "step_dispatch_s"), ("backward", "step_backward_dispatch_s"),
+                    ("parallel", "step_parallel_s"), ("node", "step_node_s"), ("loss_path", "step_loss_path_s"),
+                    ("update_sgd", "step_update_sgd_s"), ("update_adam", "step_update_adam_s"))
+"""`StepCalls`' figures (a rank's `step_calls` keys) and the `OpEfficiency` field each prices."""
+
+
+def _step_call_fields(calls: dict[str, float]) -> dict[str, float]:
+    """A rank's `step_calls` figures as the `OpEfficiency` fields they fill (`STEP_CALL_FIELDS`)."""
+    return {field: calls[key] for key, field in STEP_CALL_FIELDS}
 
 
 def crowding(nproc: int, cuda: bool) -> Oversubscribed | None:
