@@ -95,8 +95,9 @@ class _Built:
     (machine, input placements free, micro-batches, pins) -> ZeRO stage -> `pcg_node_costs`. What the PCG is made
     of follows from the choice alone, and its forms' costs from their stage (`pcg_node_costs` reads nothing of a
     recomputation policy), so where another policy or grid point extracts a choice already built (llama-70b:64:
-    23 of 116 solves, ZeRO 1 and 2 of one choice, keeping activations or recomputing), `solve` takes it, and its
-    costs, or prices another stage's form from them (`restaged_node_costs`: the parallel nodes alone)."""
+    14 of the 66 solves that found a plan, ZeRO 1 and 2 of one choice, keeping activations or recomputing, grid
+    points whose restrictions leave the same plan), `solve` takes it, and its costs, or prices another stage's
+    form from them (`restaged_node_costs`: the parallel nodes alone)."""
 
     pcg: PCG
     ident: dict[int, int]
