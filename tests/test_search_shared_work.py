@@ -379,12 +379,50 @@ def test_extractions_sharing_compute_costs_give_the_plans_and_costs_of_fresh_one
     machine = Machine.preset("cpu").with_devices(2)
     roots = [result.classes[n] for n in graph.outputs]
     shared: dict = {}
-    for recompute in ("none", "blocks"):
-        fresh = solve.solve(result, graph, library, machine, roots, Limits(), True, recompute=recompute)
-        kept = solve.solve(result, graph, library, machine, roots, Limits(), True, recompute=recompute,
+    for recompute in ("none", "blocks"):   # each on an e-graph of its own: `solve` keeps what it built per e-graph
+        fresh = solve.solve(_anew(result), graph, library, machine, roots, Limits(), True, recompute=recompute)
+        kept = solve.solve(_anew(result), graph, library, machine, roots, Limits(), True, recompute=recompute,
                            computed=shared)
         assert kept[0] == fresh[0] and kept[1] == fresh[1]
     assert shared
     before = dict(shared)
-    again = solve.solve(result, graph, library, machine, roots, Limits(), True, recompute="blocks", computed=shared)
+    again = solve.solve(_anew(result), graph, library, machine, roots, Limits(), True, recompute="blocks",
+                        computed=shared)
     assert again[1] == fresh[1] and shared == before
+
+
+def _anew(result):
+    """`result` with a snapshot of its own: the same e-graph, nothing kept with it (`Snapshot.derive`)."""
+    return replace(result, snapshot=replace(result.snapshot))
+
+
+def test_a_choice_built_before_is_taken_with_each_policy_s_own_costs(three_blocks):
+    """`solve` keeps the choices it built last per e-graph (`solve._built`: the PCG, its stamp, the costs of each
+    ZeRO stage priced): a policy extracting a kept choice gets the PCG and costs that the same e-graph with
+    nothing kept gives, under its own ZeRO stage and recomputation (priced, restaged from another stage's costs,
+    or recomputed from them), never another policy's, repeated into a whole model or not."""
+    from parsat.ir.costs import totals
+    graph, result, costs = three_blocks
+    library = resolve_library(None)
+    machine = Machine.preset("cpu").with_devices(2)
+    roots = [result.classes[n] for n in graph.outputs]
+    whole = Repetition(build_example("gpt", {**SIZES, "blocks": 6}, library), graph, 6)
+    policies = [(0, "none"), (1, "none"), (2, "blocks"), (1, "blocks")]
+    for repetition in (None, whole):
+        figures, taken = set(), 0
+        for zero, recompute in policies:
+            priced = solve.price(result, graph, library, machine, True, None, repetition, roots, recompute, costs,
+                                 zero=zero)
+            kept = result.snapshot.derived.get(("solve._built", tuple(roots)), {})
+            before = {key: built for key, (_owners, built) in kept.items()}
+            found = solve.solve(result, graph, library, machine, roots, Limits(), True, costs=priced,
+                                repetition=repetition, recompute=recompute, zero=zero)
+            fresh = solve.solve(_anew(result), graph, library, machine, roots, Limits(), True, costs=priced,
+                                repetition=repetition, recompute=recompute, zero=zero)
+            assert found[2].choice == fresh[2].choice
+            assert found[0] == fresh[0] and found[1] == fresh[1]
+            assert (found[0].zero, found[0].recompute) == (zero, recompute)
+            taken += tuple(sorted(found[2].choice.items())) in before
+            figures.add(totals(found[1], machine))
+        assert taken >= 2   # a choice built before was taken: the kept costs were read
+        assert len(figures) >= 3   # the policies' costs differ: another policy's costs would fail the comparison

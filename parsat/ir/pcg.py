@@ -228,6 +228,28 @@ class PCG:
         return max((n.degrees.pieces for n in self.nodes), default=1)
 
 
+LAYOUT_FACTS = ("readers_of", "storage_chains", "derived", "structural")
+"""What a PCG works out from its nodes and outputs alone and keeps (`PCG`): its readers, its weights' storage
+chains, `structural` (the cost model's `needs_gradient`, `kept_values`, `regathered`, `unkept`, the roles and blocks,
+each read from the nodes' structure, the outputs and the operator library) and `derived` (a micro-batch's part of
+the step floor, `pcg_tasks.step_floor`, read from the nodes and the machine, profile and compute times): never from
+the ZeRO stage or the recomputation policy."""
+
+
+def restated(pcg: PCG, zero: int, recompute: str) -> PCG:
+    """`pcg` with ZeRO stage `zero` and recomputation `recompute`, sharing what `pcg` works out from its nodes
+    (`LAYOUT_FACTS`): the same nodes and outputs give the same facts, so a layout's forms (ZeRO 0 and 1, keeping or
+    recomputing: priced, judged, bounded and simulated, each once) work them out once between them, where each
+    form worked out its readers (0.1 CPU s for a llama-70b stage) and saved values again. The shared `derived`
+    and `structural` tables are the same objects: a fact one form works out, every form reads (each fact reads nothing the forms
+    differ in)."""
+    form = replace(pcg, zero=zero, recompute=recompute)
+    if form is not pcg:
+        for name in LAYOUT_FACTS:
+            form.__dict__[name] = getattr(pcg, name)
+    return form
+
+
 # What a value is made from, as the cost model prices the parallel operators reading it (`cost.model`):
 # a graph input or a piece of one; a weight leaf; a weight stored sharded (a partition on its storage chain,
 # `weight_storage`); a weight's value made by any other parallel operator (a replicate, an all_gather, a

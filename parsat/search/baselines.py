@@ -40,7 +40,7 @@ from parsat.ir.graph import Graph, GraphBuilder
 from parsat.ir.machine import Machine
 from parsat.ir.megatron import ZERO_LEVELS, megatron_pcg
 from parsat.ir.mesh import Mesh
-from parsat.ir.pcg import PCG, Degrees
+from parsat.ir.pcg import LAYOUT_FACTS, PCG, Degrees, restated  # noqa: F401 (LAYOUT_FACTS: read from here too)
 from parsat.ir.placement import Placement
 from parsat.ir.recompute import BLOCKS, NONE
 from parsat.ir.errors import OptimizeError
@@ -284,28 +284,6 @@ class _Forms:
             return None
         costs = recomputed_pcg_costs(pcg, raw)
         return Candidate("best_grid", pcg, costs, totals(costs, self.grid.machine), config)
-
-
-LAYOUT_FACTS = ("readers_of", "storage_chains", "derived", "structural")
-"""What a PCG works out from its nodes and outputs alone and keeps (`ir.pcg.PCG`): its readers, its weights' storage
-chains, `structural` (the cost model's `needs_gradient`, `kept_values`, `regathered`, `unkept`, the roles and blocks,
-each read from the nodes' structure, the outputs and the operator library) and `derived` (a micro-batch's part of
-the step floor, `pcg_tasks.step_floor`, read from the nodes and the machine, profile and compute times): never from
-the ZeRO stage or the recomputation policy."""
-
-
-def restated(pcg: PCG, zero: int, recompute: str) -> PCG:
-    """`pcg` with ZeRO stage `zero` and recomputation `recompute`, sharing what `pcg` works out from its nodes
-    (`LAYOUT_FACTS`): the same nodes and outputs give the same facts, so a layout's forms (ZeRO 0 and 1, keeping or
-    recomputing: priced, judged, bounded and simulated, each once) work them out once between them, where each
-    form worked out its readers (0.1 CPU s for a llama-70b stage) and saved values again. The shared `derived`
-    and `structural` tables are the same objects: a fact one form works out, every form reads (each fact reads nothing the forms
-    differ in)."""
-    form = replace(pcg, zero=zero, recompute=recompute)
-    if form is not pcg:
-        for name in LAYOUT_FACTS:
-            form.__dict__[name] = getattr(pcg, name)
-    return form
 
 
 def _fitting_point(forms: _Forms, config: dict, fits: Callable[[Candidate], bool], blocks: bool) -> Candidate | None:

@@ -8,7 +8,7 @@ so every candidate is priced by one cost model and built one way.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
 from parsat.dsl.library import Library
@@ -21,7 +21,7 @@ from parsat.ir.costs import NodeCost
 from parsat.ir.graph import Graph
 from parsat.ir.machine import Machine
 from parsat.ir.mesh import Mesh
-from parsat.ir.pcg import PCG, WEIGHT, WEIGHT_VALUE, Degrees, PNode, pcg_roles
+from parsat.ir.pcg import PCG, WEIGHT, WEIGHT_VALUE, Degrees, PNode, pcg_roles, restated
 from parsat.ir.recompute import NONE
 from parsat.egraph.encoding import PIN_SUFFIX
 from parsat.search.extract import Extraction, NodeId, Pricer, dag_cost, extract, kept_classes, node_costs
@@ -59,22 +59,19 @@ def solve(result: SaturationResult, graph: Graph, library: Library, machine: Mac
     # a repeated model's copies read each other as block 1 reads block 0: what that obliges is priced with it
     obliged = copy_obligations(result.snapshot, result.classes) if repetition is not None else None
     extraction = extract(result.snapshot, ranked, roots, machine.memory_capacity, limits, exclude, lean, obliged)
-    pcg, ident = pcg_from_extraction(result, extraction, graph, library, roots, graph.outputs)
-    pcg = replace(pcg, recompute=recompute, zero=zero)
+    built = _built(result, extraction, graph, library, roots, repetition)
+    pcg = restated(built.pcg, zero, recompute)
     if recompute != NONE and repetition is None:   # the PCG's own readers say what is kept (`search.recompute`)
-        priced = price_pcg(pcg, library, machine, free_input_placements, graph.microbatches, pins,
-                           computed=computed)
+        priced = built.priced(pcg, library, machine, free_input_placements, graph.microbatches, pins, computed)
         if priced is not None:
             return pcg, priced, extraction
     if repetition is not None:
-        names = value_names(result.snapshot, result.classes)
-        pcg = stamp(pcg, repetition, {ident[c]: name for c, name in names.items() if c in ident},
-                    conversions(result.snapshot, names))
-        priced = price_pcg(pcg, library, machine, free_input_placements, graph.microbatches, pins,
-                           computed=computed)
+        pcg = restated(built.stamped, zero, recompute)
+        priced = built.priced(pcg, library, machine, free_input_placements, graph.microbatches, pins, computed)
         if priced is None:
             raise RepeatError("the repeated plan has a node the cost model cannot price")
         return pcg, priced, extraction
+    ident = built.ident
     by_class = {ident[c]: costs[(c, i)] for c, i in extraction.choice.items()}
     # An e-node prices a partition of a weight as its storage, not knowing the weight's other readers, and a
     # class as kept for backward where any of its e-nodes' readers would keep it (`extract.kept_classes`, an
@@ -86,6 +83,66 @@ def solve(result: SaturationResult, graph: Graph, library: Library, machine: Mac
     readers = price_pcg(pcg, library, machine, free_input_placements, graph.microbatches, pins,
                         only=lambda node: node.kind == "parallel" or node.id in differs, computed=computed)
     return pcg, {**by_class, **(readers or {})}, extraction
+
+
+BUILT_KEPT = 4   # the last choices' PCGs `_built` keeps per e-graph (policies of one mesh extract the same choice)
+
+
+@dataclass
+class _Built:
+    """An extraction's choice built (`pcg_from_extraction`), its repeated model's PCG (`repeat.stamp`, with a
+    repetition), both without a recomputation policy or ZeRO stage, and the forms of the priced PCG priced so far:
+    (machine, input placements free, micro-batches, pins) -> ZeRO stage -> `pcg_node_costs`. What the PCG is made
+    of follows from the choice alone, and its forms' costs from their stage (`pcg_node_costs` reads nothing of a
+    recomputation policy), so where another policy or grid point extracts a choice already built (llama-70b:64:
+    14 of the 66 solves that found a plan, ZeRO 1 and 2 of one choice, keeping activations or recomputing, grid
+    points whose restrictions leave the same plan), `solve` takes it, and its costs, or prices another stage's
+    form from them (`restaged_node_costs`: the parallel nodes alone)."""
+
+    pcg: PCG
+    ident: dict[int, int]
+    stamped: PCG | None
+    raw: dict[tuple, dict[int, dict[int, NodeCost] | None]] = field(default_factory=dict)
+
+    def priced(self, form: PCG, library: Library, machine: Machine, free_input_placements: bool, microbatches: int,
+               pins: Mapping[str, Degrees] | None, computed: dict | None) -> dict[int, NodeCost] | None:
+        """`price_pcg` of `form` (this choice's PCG or its stamp, `restated` with a stage and policy)."""
+        stages = self.raw.setdefault((machine, free_input_placements, microbatches, tuple(sorted((pins or {}).items()))),
+                                     {})
+        if form.zero not in stages:
+            known = next(((z, raw) for z, raw in stages.items() if raw is not None), None)
+            stages[form.zero] = pcg_node_costs(form, library, machine, free_input_placements, microbatches, pins,
+                                               computed=computed) if known is None else \
+                restaged_node_costs(known[1], restated(form, known[0], form.recompute), form.zero, library, machine,
+                                    free_input_placements, microbatches, pins, computed, form=form)
+        raw = stages[form.zero]
+        return recomputed_pcg_costs(form, raw) if raw is not None else None
+
+
+def _built(result: SaturationResult, extraction: Extraction, graph: Graph, library: Library, roots: Sequence[int],
+           repetition: Repetition | None) -> _Built:
+    """`extraction`'s choice built as a PCG (and stamped into the whole model's, with a `repetition`: RepeatError
+    where it cannot be), or the one built before for the same choice of the same e-graph, graph, library and
+    repetition: the last BUILT_KEPT choices are kept with the snapshot (a bound: a llama-70b stage's stamped
+    PCG holds ~5,000 nodes)."""
+    owners = (result.classes, graph, library, repetition)
+    kept = result.snapshot.derive(("solve._built", tuple(roots)), dict)
+    key = tuple(sorted(extraction.choice.items()))
+    found = kept.get(key)
+    if found is not None and all(a is b for a, b in zip(found[0], owners)):
+        return found[1]
+    pcg, ident = pcg_from_extraction(result, extraction, graph, library, roots, graph.outputs)
+    stamped = None
+    if repetition is not None:
+        names = value_names(result.snapshot, result.classes)
+        stamped = stamp(pcg, repetition, {ident[c]: name for c, name in names.items() if c in ident},
+                        conversions(result.snapshot, names))
+    built = _Built(pcg, ident, stamped)
+    kept.pop(key, None)
+    kept[key] = (owners, built)
+    while len(kept) > BUILT_KEPT:
+        del kept[next(iter(kept))]   # the oldest
+    return built
 
 
 def price(result: SaturationResult, graph: Graph, library: Library, machine: Machine, free_input_placements: bool,
@@ -127,7 +184,7 @@ def pcg_node_costs(pcg: PCG, library: Library, machine: Machine, free_input_plac
     recomputing form share these costs (the independent grid prices a layout's forms from them)."""
     pricer = Pricer(library, machine, pcg.mesh, free_input_placements, pins, microbatches=microbatches, zero=pcg.zero,
                     computed=computed)
-    by_id = {n.id: n for n in pcg.nodes}
+    by_id = pcg._by_id
     roles = pcg_roles(pcg)
     flows = needs_gradient(pcg, library)   # a parallel operator whose source takes no gradient runs no backward
     held = kept_values(pcg, library)       # the values some backward reads (`cost.saved`)
@@ -136,28 +193,37 @@ def pcg_node_costs(pcg: PCG, library: Library, machine: Machine, free_input_plac
     rings = rings_run(pcg, profile_for(machine).overlap)   # priced as the step simulator runs them
     # what the pricer reads of a node is its shape, spread and role: nodes are numbered by those, and a node's
     # cost kept by its operator, attributes, its and its inputs' numbers and whether a gradient flows (as
-    # `extract.node_costs` keeps e-nodes'): the blocks of a whole model's PCG repeat the same few
-    kinds: dict[tuple, int] = {}
-    kind = {n.id: kinds.setdefault((n.shape, n.degrees, roles.get(n.id, "")), len(kinds)) for n in pcg.nodes}
+    # `extract.node_costs` keeps e-nodes'): the blocks of a whole model's PCG repeat the same few. The loop runs
+    # over every node of every PCG priced (236 calls of ~5,000 nodes on llama-70b:64), so what it reads per node
+    # is looked up once: the tables' methods bound, a ring's or a cover's look-up only where the PCG has any.
+    kind = _kinds(pcg, roles)
+    kind_of = kind.__getitem__
+    input_pins = pins or {}
     priced: dict[tuple, NodeCost | None] = {}
+    known = priced.get
     out: dict[int, NodeCost] = {}
     for node in pcg.nodes:
         if only is not None and not only(node):
             continue
-        gradient = node.kind != "parallel" or flows[node.inputs[0]]
-        cover = covers.get(node.id, 0.0)
+        ident, parallel = node.id, node.kind == "parallel"
+        gradient = not parallel or flows[node.inputs[0]]
+        cover = covers.get(ident, 0.0) if covers else 0.0
+        kept = ident in held
         # a gather kept whole, not gathered again (`cost.saved.regathers`): another backward than a product's reads it
-        whole = node.kind == "parallel" and node.id in held and node.id not in again
-        ring = ring_shares(rings, node.id)
-        key = (node.kind, node.op, node.attrs, kind[node.id], tuple(kind[i] for i in node.inputs), gradient,
-               node.id in held, cover, whole, ring)
-        cost = priced.get(key, _UNPRICED)
+        whole = parallel and kept and ident not in again
+        ring = ring_shares(rings, ident) if rings else ()
+        if node.kind == "leaf" and node.op not in input_pins:
+            key = _UNPINNED_LEAF   # the pricer reads of a leaf only whether it is pinned (`extract.Pricer.price`)
+        else:
+            key = (node.kind, node.op, node.attrs, kind[ident], tuple(map(kind_of, node.inputs)), gradient, kept,
+                   cover, whole, ring)
+        cost = known(key, _UNPRICED)
         if cost is _UNPRICED:
             cost = priced[key] = _price_node(pricer, pcg, node, [by_id[i] for i in node.inputs], roles, gradient,
-                                             node.id in held, cover, whole, ring)
+                                             kept, cover, whole, ring)
         if cost is None:
             return None
-        out[node.id] = cost
+        out[ident] = cost
     return out
 
 
@@ -170,7 +236,7 @@ def restaged_node_costs(raw: Mapping[int, NodeCost], pcg: PCG, zero: int, librar
     pricer hands it to parallel operators alone, `extract.Pricer`; compute nodes and leaves never read it), so
     only the parallel nodes it holds for under either stage are priced again: the rest are the same nodes, read
     by the same deterministic pricing, whatever the stage. `form`: that PCG, made by the caller so that it
-    shares what `pcg` works out from its nodes (`search.baselines.restated`: its readers, storage chains and
+    shares what `pcg` works out from its nodes (`ir.pcg.restated`: its readers, storage chains and
     derived facts, which read neither the stage nor the recomputation policy), rather than working them out
     again (a llama-70b stage layout's took most of this function's time)."""
     roles = pcg_roles(pcg)
@@ -187,6 +253,27 @@ def restaged_node_costs(raw: Mapping[int, NodeCost], pcg: PCG, zero: int, librar
 
 
 _UNPRICED = object()   # `price_pcg`: no node of this kind priced yet
+_UNPINNED_LEAF = ("leaf",)   # `pcg_node_costs`' key of every leaf no pin names: all cost nothing
+
+
+def _kinds(pcg: PCG, roles: Mapping[int, str]) -> dict[int, int]:
+    """Node id -> the number of its (shape, spread, role), numbered in the PCG's order (`pcg_node_costs`). A PCG's
+    nodes share a few shape and spread objects (~40 spreads among ~5,000 nodes of a llama-70b stage plan: its
+    blocks are copies), so a node is looked up by those objects' identities first, and by their values (a spread
+    hashes in Python) only the first time an object is met: objects held by the PCG's nodes live through the call,
+    so an identity names one object, and equal objects get the same number either way."""
+    by_value: dict[tuple, int] = {}
+    by_object: dict[tuple, int] = {}
+    number, seen, role_of = by_value.setdefault, by_object.get, roles.get
+    kind: dict[int, int] = {}
+    for node in pcg.nodes:
+        role = role_of(node.id, "")
+        found = seen((id(node.shape), id(node.degrees), role))
+        if found is None:
+            found = by_object[(id(node.shape), id(node.degrees), role)] = number((node.shape, node.degrees, role),
+                                                                                  len(by_value))
+        kind[node.id] = found
+    return kind
 
 
 def _regather_covers(pcg: PCG, pricer: Pricer, roles: Mapping[int, str], held: frozenset[int],
