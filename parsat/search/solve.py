@@ -184,7 +184,6 @@ def pcg_node_costs(pcg: PCG, library: Library, machine: Machine, free_input_plac
     recomputing form share these costs (the independent grid prices a layout's forms from them)."""
     pricer = Pricer(library, machine, pcg.mesh, free_input_placements, pins, microbatches=microbatches, zero=pcg.zero,
                     computed=computed)
-    by_id = pcg._by_id
     roles = pcg_roles(pcg)
     flows = needs_gradient(pcg, library)   # a parallel operator whose source takes no gradient runs no backward
     held = kept_values(pcg, library)       # the values some backward reads (`cost.saved`)
@@ -219,7 +218,7 @@ def pcg_node_costs(pcg: PCG, library: Library, machine: Machine, free_input_plac
                    cover, whole, ring)
         cost = known(key, _UNPRICED)
         if cost is _UNPRICED:
-            cost = priced[key] = _price_node(pricer, pcg, node, [by_id[i] for i in node.inputs], roles, gradient,
+            cost = priced[key] = _price_node(pricer, pcg, node, [pcg.node(i) for i in node.inputs], roles, gradient,
                                              kept, cover, whole, ring)
         if cost is None:
             return None
