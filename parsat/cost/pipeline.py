@@ -61,7 +61,7 @@ from parsat.cost.collectives import ALL_REDUCE, SEND_RECV, GroupTopology, price
 from parsat.cost.pcg_tasks import ExecutionProfile, OpTimes, mesh_groups, profile_for, simulate_pcg
 from parsat.cost.schedules import prefetch_delay
 from parsat.cost.stage_sync import bucketed_seconds, gather_buckets, weight_gathers, weight_reductions
-from parsat.cost.step_report import summarize
+from parsat.cost.step_report import phase_ends
 
 
 @dataclass(frozen=True)
@@ -132,9 +132,9 @@ def tp_overlap(plan: Plan, library: Library, profile: ExecutionProfile, comm_s: 
     extents = []
     for run in (base, replace(base, tp_comm_overlap=False)):
         prediction = simulate_pcg(plan.pcg, library, plan.machine, run, times=times, microbatches=1)
-        phases = {p.phase: p for p in summarize(prediction, run.name)[1].phases}
-        forward_end = phases["forward"].end_s if "forward" in phases else 0.0
-        backward_end = phases["backward"].end_s if "backward" in phases else forward_end
+        ends = phase_ends(prediction)   # the timeline's phases' ends (`step_report.summarize`)
+        forward_end = ends.get("forward", 0.0)
+        backward_end = ends.get("backward", forward_end)
         extents.append((forward_end, backward_end - forward_end))
         if run is base and not prediction.pipelined:
             # no collective pipelined with its product: the run without the overlap builds the same tasks (the
