@@ -288,10 +288,11 @@ def pipelined(plan: Plan, degree: int, schedule: str, machine: Machine, *, chunk
 # Layer maps (and stage plans' overlaps) a StageMemo keeps, and stage plans' pricers a StageFit keeps for its
 # memory checks and floors, the most recently used: llama-70b:64's search asks 109 distinct node tuples' maps and
 # 147 stage plans' pricers, in an order that comes back to earlier ones (a mesh's candidates, then its grid
-# points, then the next mesh's); keeping 4 built 173 maps and 215 pricers (1.8 and 2.3 CPU s), 32 build 109 and
-# 174. A bound all the same: each is a table per node of a stage plan.
-LAYER_MAPS_KEPT = 32
-PRICERS_KEPT = 32
+# points, then the next mesh's); keeping 4 built 173 maps and 215 pricers (2.1 and 2.6 CPU s, max RSS 1263 MiB),
+# 12 build 121 and 183 (1.5 and 1.8 CPU s, 1407 MiB), 32 build 109 and 174 for ~170 MiB more. A bound all the
+# same: each map and pricer is a table per node of a stage plan (llama-70b's: ~9 MiB the pair).
+LAYER_MAPS_KEPT = 12
+PRICERS_KEPT = 12
 
 
 class StageMemo:
