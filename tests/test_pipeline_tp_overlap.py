@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from parsat.cost.pcg_tasks import DDP, PARSAT_RUN, simulate_pcg
+from parsat.cost.pcg_tasks import DDP, PARSAT_RUN, OpTimes, simulate_pcg, task_facts
 from parsat.cost.pipeline import NO_OVERLAP, StageMemo, StagePricer, equal_starts, pipelined, tp_overlap
 from parsat.dsl.library import load_library, shipped_rules_dir
 from parsat.ir.machine import Machine
@@ -116,3 +116,57 @@ def test_where_no_collective_pipelines_one_simulation_gives_the_overlap_both_wou
     simulated.clear()
     assert tp_overlap(sp_stage, LIB, DDP, 1.0).saved_forward_s > 0
     assert simulated == [True, False]   # the run with the overlap pipelines, the one without does not
+
+
+def _tasks(prediction):
+    """A simulated step's tasks, column by column, and its step: what two simulations must agree on."""
+    b = prediction.result._columns[0]
+    return b.names, b.stream_of, b.durations, b.deps, b.allocs, b.frees, b.phases, prediction.result.step_s
+
+
+def test_a_simulation_reading_another_profile_s_task_facts_builds_the_tasks_it_builds_alone(sp_stage):
+    """The task builder's per-node facts are kept with the PCG for every profile that differs in `tp_comm_overlap`
+    alone (`pcg_tasks.task_facts`): a run with the overlap after one without (and the reverse) builds the tasks a
+    fresh copy of the PCG builds, task by task. Fails if a product the overlap pipelines read the unpipelined
+    backward the run without it left (its chunks would be one whole task), or a fact were keyed too loosely."""
+    base = replace(DDP, overlap_param_gather=False)
+    on, off = replace(base, tp_comm_overlap=True), replace(base, tp_comm_overlap=False)
+    machine = sp_stage.machine
+    for first, second in ((off, on), (on, off)):
+        pcg, times = replace(sp_stage.pcg), OpTimes(LIB, machine)   # a copy: no facts kept yet
+        simulate_pcg(pcg, LIB, machine, first, times=times, microbatches=2)
+        assert any(task_facts(pcg, machine, second, times))   # the second run reads the first's
+        shared = simulate_pcg(pcg, LIB, machine, second, times=times, microbatches=2)
+        alone = simulate_pcg(replace(sp_stage.pcg), LIB, machine, second, times=OpTimes(LIB, machine),
+                             microbatches=2)
+        assert _tasks(shared) == _tasks(alone)
+        assert shared.pipelined is (second is on)
+        # with the overlap, products run their backward in chunks too, which the facts must not skip
+        assert any(" backward [1/2]" in name for name in _tasks(shared)[0]) is (second is on)
+
+
+def test_the_phase_ends_are_the_timeline_s(sp_stage):
+    """`step_report.phase_ends` (what `tp_overlap` reads) gives each reported phase's end as `summarize`'s
+    timeline does, on a pipelined step of two micro-batches."""
+    from parsat.cost.step_report import phase_ends, summarize
+    prediction = simulate_pcg(sp_stage.pcg, LIB, sp_stage.machine, DDP, microbatches=2)
+    timeline = summarize(prediction, DDP.name, 2)[1]
+    ends = phase_ends(prediction)
+    assert {p.phase: p.end_s for p in timeline.phases} == {p: ends[p] for p in (q.phase for q in timeline.phases)}
+    assert ends["backward"] > ends["forward"] > 0
+
+
+def test_the_overlap_memo_gives_each_stage_plan_its_own_figure(sp_stage):
+    """`StageMemo.overlap` keeps many stage plans' overlaps by their PCGs' content: two stage plans differing in
+    one field (their recomputation) each get their own simulation's figure, in either order, and the same PCG
+    asked again is not simulated again. Fails if the memo returned the other plan's (stale) overlap."""
+    recomputed = replace(sp_stage, pcg=replace(sp_stage.pcg, recompute="blocks"))
+    comm_s = 1.0
+    alone = [tp_overlap(p, LIB, DDP, comm_s) for p in (sp_stage, recomputed)]
+    assert alone[0] != alone[1]
+    for order in ((0, 1), (1, 0)):
+        memo = StageMemo(library=LIB)
+        plans = (sp_stage, recomputed)
+        got = {k: memo.overlap(plans[k], DDP, comm_s) for k in order}
+        assert [got[0], got[1]] == alone
+        assert memo.overlap(plans[order[0]], DDP, comm_s) is got[order[0]]

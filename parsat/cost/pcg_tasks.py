@@ -472,6 +472,20 @@ class _Template:
     collectives: bool
 
 
+def task_facts(pcg: PCG, machine: Machine, profile: ExecutionProfile, times: OpTimes
+               ) -> tuple[dict[int, tuple], dict[tuple[int, bool], tuple], dict[int, str]]:
+    """The task builder's facts of `pcg`'s nodes that every micro-batch repeats (`_Builder.forward_known`,
+    `backward_known`, `backward_labels`), one table per machine, profile and cache of compute times, kept with the
+    PCG (`PCG.derive`) and filled as nodes are first built. Each entry is worked out from its node, the compute
+    times, the machine's efficiencies and the profile's flags, and its inputs' entries; not from pipelines:
+    an entry is made only where its node runs unpipelined, and read only there (`_compute_forward`,
+    `_compute_backward`). So the profile is keyed without `tp_comm_overlap` (which only `_Builder._pipelines`
+    reads): a stage plan's overlap simulates it with and without pipelines (`cost.pipeline.tp_overlap`), and the
+    second run reads the first run's facts of the nodes both run whole."""
+    key = ("task facts", machine, replace(profile, tp_comm_overlap=False))
+    return pcg.derive(key, times, lambda: ({}, {}, {}))
+
+
 class _Builder:
     def __init__(self, pcg: PCG, machine: Machine, profile: ExecutionProfile, topology: Topology, times: OpTimes):
         self.pcg, self.machine, self.profile, self.topology, self.times = pcg, machine, profile, topology, times
@@ -506,12 +520,12 @@ class _Builder:
         self.timed: dict[int, OpTime] = pcg.derive(("compute times",), times, dict)
         # compute node -> its unpipelined forward task and `_prepare`'s records (name, seconds, bytes, contiguous,
         # saved, view): the same every micro-batch and recomputation, since what they read is (the node, its
-        # time, and its inputs' contiguity, which are such records too or the weights' chains', kept all step)
-        self.forward_known: dict[int, tuple] = {}
-        # (compute node, whether it ran as a view) -> its backward's facts (`_compute_backward`), and node -> its
-        # backward tasks' name: the same every micro-batch
-        self.backward_known: dict[tuple[int, bool], tuple] = {}
-        self.backward_labels: dict[int, str] = {}
+        # time, and its inputs' contiguity, which are such records too or the weights' chains', kept all step);
+        # (compute node, whether it ran as a view) -> its unpipelined backward's facts (`_compute_backward`); and
+        # node -> its backward tasks' name. Kept with the PCG (`task_facts`) for every simulation of it on this
+        # machine, cache of compute times and profile, tensor-parallel overlap aside: `cost.pipeline.tp_overlap`
+        # simulates a stage plan with and without it, whose unpipelined nodes are these facts alike
+        self.forward_known, self.backward_known, self.backward_labels = task_facts(pcg, machine, profile, times)
         self.ready: dict[int, int | None] = {}        # node -> the task after which its forward value exists
         self.grad_ready: dict[int, list[int]] = {}    # node -> tasks producing its gradient
         self.allocated: dict[int, int] = {}           # node -> bytes its forward output allocated
@@ -1573,7 +1587,9 @@ class _Builder:
         input handed the task; a product pipelined with a collective runs it in chunks (`Pipeline`). One reading
         a regathered value (`regathered`) waits for its second all-gather (`_split_backward`)."""
         known = self.backward_known.get((node.id, view))
-        if known is not None:   # worked out in an earlier micro-batch, unpipelined
+        # worked out in an earlier micro-batch, or a simulation without tensor-parallel overlap (`task_facts`),
+        # unpipelined: a product this one pipelines is worked out below
+        if known is not None and (view or self._pipe(node, backward=True) is None):
             grads, again, seconds = known
             if not again or view:
                 task = self._add(label, self.compute, seconds, deps, free=free, phase="backward")

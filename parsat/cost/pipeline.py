@@ -61,7 +61,7 @@ from parsat.cost.collectives import ALL_REDUCE, SEND_RECV, GroupTopology, price
 from parsat.cost.pcg_tasks import ExecutionProfile, OpTimes, mesh_groups, profile_for, simulate_pcg
 from parsat.cost.schedules import prefetch_delay
 from parsat.cost.stage_sync import bucketed_seconds, gather_buckets, weight_gathers, weight_reductions
-from parsat.cost.step_report import summarize
+from parsat.cost.step_report import phase_ends
 
 
 @dataclass(frozen=True)
@@ -132,9 +132,9 @@ def tp_overlap(plan: Plan, library: Library, profile: ExecutionProfile, comm_s: 
     extents = []
     for run in (base, replace(base, tp_comm_overlap=False)):
         prediction = simulate_pcg(plan.pcg, library, plan.machine, run, times=times, microbatches=1)
-        phases = {p.phase: p for p in summarize(prediction, run.name)[1].phases}
-        forward_end = phases["forward"].end_s if "forward" in phases else 0.0
-        backward_end = phases["backward"].end_s if "backward" in phases else forward_end
+        ends = phase_ends(prediction)   # the timeline's phases' ends (`step_report.summarize`)
+        forward_end = ends.get("forward", 0.0)
+        backward_end = ends.get("backward", forward_end)
         extents.append((forward_end, backward_end - forward_end))
         if run is base and not prediction.pipelined:
             # no collective pipelined with its product: the run without the overlap builds the same tasks (the
@@ -285,8 +285,14 @@ def pipelined(plan: Plan, degree: int, schedule: str, machine: Machine, *, chunk
                                                                                  chunks_per_stage, starts)
 
 
-LAYER_MAPS_KEPT = 4   # layer maps a StageMemo keeps (the most recently used)
-PRICERS_KEPT = 4      # stage plans' pricers a StageFit keeps for its memory checks and floors (the most recent)
+# Layer maps (and stage plans' overlaps) a StageMemo keeps, and stage plans' pricers a StageFit keeps for its
+# memory checks and floors, the most recently used: llama-70b:64's search asks 109 distinct node tuples' maps and
+# 147 stage plans' pricers, in an order that comes back to earlier ones (a mesh's candidates, then its grid
+# points, then the next mesh's); keeping 4 built 173 maps and 215 pricers (2.1 and 2.6 CPU s, max RSS 1263 MiB),
+# 12 build 121 and 183 (1.5 and 1.8 CPU s, 1407 MiB), 32 build 109 and 174 for ~170 MiB more. A bound all the
+# same: each map and pricer is a table per node of a stage plan (llama-70b's: ~9 MiB the pair).
+LAYER_MAPS_KEPT = 12
+PRICERS_KEPT = 12
 
 
 class StageMemo:

@@ -200,7 +200,12 @@ class StepBuilder:
         """Add a task (after every task already added on its stream); its id."""
         ident = len(self.names)
         deps = tuple(deps)
-        if deps:
+        if len(deps) == 1:   # most tasks wait for one: the checks below, on it alone
+            if deps[0] is None:
+                deps = ()
+            elif not 0 <= deps[0] < ident:
+                raise SimulationError(f"task '{name}' depends on task {deps[0]}, which is not an earlier task")
+        elif deps:
             if None in deps:   # a builder's "no task" (a value that exists before the step) waits for nothing
                 deps = tuple([d for d in deps if d is not None])
             # one comparison of the extremes for the common case (a step adds 10^5 tasks); the first bad one named

@@ -123,6 +123,26 @@ def summarize(prediction: StepPrediction, profile: str, microbatches: int = 1,
     return streams, timeline
 
 
+def phase_ends(prediction: StepPrediction) -> dict[str, float]:
+    """Reported phase (`PHASE_OF`) -> when its last task ends: `summarize`'s timeline's `PhaseTimes.end_s` of each
+    phase, without its lanes, busy sums and overlap (most of its work). What `cost.pipeline.tp_overlap` reads of a
+    simulated micro-batch, twice per stage plan priced: the same tasks' ends, each phase's the largest of them,
+    so the same figures (a maximum picks one of its operands, in any order)."""
+    b, _starts, ends = prediction.result._columns
+    latest: dict[str, float] = {}   # the simulator's phase -> its tasks' latest end
+    for end, phase in zip(ends, b.phases):
+        found = latest.get(phase)
+        if found is None or end > found:
+            latest[phase] = end
+    out: dict[str, float] = {}
+    for phase, end in latest.items():
+        shown = PHASE_OF.get(phase, "forward")
+        found = out.get(shown)
+        if found is None or end > found:
+            out[shown] = end
+    return out
+
+
 def _letter(lane: str, cell: dict[str, float], slice_s: float) -> str:
     """The phase that kept the lane busiest in one slice; a space where it was busy under a quarter of it."""
     if not cell or sum(cell.values()) < 0.25 * slice_s:
@@ -130,4 +150,4 @@ def _letter(lane: str, cell: dict[str, float], slice_s: float) -> str:
     return LANE_LETTERS[(lane, max(cell, key=cell.get))]
 
 
-__all__ = ["COMM_PHASES", "LANE_WIDTH", "simulate_step", "simulated_step", "summarize"]
+__all__ = ["COMM_PHASES", "LANE_WIDTH", "phase_ends", "simulate_step", "simulated_step", "summarize"]
