@@ -1,6 +1,6 @@
 """Where one `parsat.optimize` call's CPU goes, phase by phase, without a profiler's distortion.
 
-    .venv/bin/python benchmarks/search_phases.py gpt-1.3b:64 [--plan FILE] [--machine a100x8] [--meshes]
+    .venv/bin/python benchmarks/search_phases.py gpt-1.3b:64 [--plan FILE] [--machine a100x8] [--meshes] [--grids]
 
 Runs `parsat.optimize(NAME, machine="h100x8", devices=N)` (or `--machine`) (what
 `models_bench.py optimize NAME:N` runs) with the search's main functions
@@ -15,7 +15,9 @@ The plan JSON is always made (timed apart: the simulated figures of the
 plan and its baselines are worked out when it reads them,
 `ir.costs.SimulatedStep`); `--plan` also writes it, to compare plans
 across trees; `--meshes` also lists each mesh search (saturation, pricing,
-extraction) by part, per mesh.
+extraction) by part, per mesh; `--grids` each independent grid, grid scan
+and stage candidate scan by part (`GRID_PARTS`), and how many of each
+part's PCGs it met again, the same by content: work a memo could share.
 """
 
 from __future__ import annotations
@@ -83,6 +85,67 @@ PHASES = [(saturate, "compile_mesh_rules", "compile the rule program"),
           (pipeline.StagePricer, "_work_out_schedule_floors", "a stage plan's schedule floors"),
           (pipeline.StageFit, "fastest_s", "rank a stage candidate (StageFit.fastest_s)"),
           (ir_pipeline.LayerMap, "lay_out", "lay out one cut's chunks (LayerMap)")]
+
+
+# `--grids`: each independent grid (`step.independent_points`, with its scan `_unfitting_grid` inside), grid scan
+# (`a_grid_point_fits`) and stage step's candidate scan (`stop_where_cannot_win`, whose grid families are built by
+# `_stage_candidates`), by part, in call order; each part's PCG (how it is found in the call's arguments or result)
+GRID_CALLS = [(step, "independent_points", "independent grid"), (step, "a_grid_point_fits", "grid scan"),
+              (step, "stop_where_cannot_win", "stage candidate scan")]
+GRID_PARTS = [(baselines, "megatron_pcg", "lay out", lambda args, found: found),
+              (baselines._GridPricer, "priced", "price a point (its forms, fit judged)",
+               lambda args, found: (args[1], args[3])),
+              (step, "_stage_layout_floor", "a stage layout's floor", lambda args, found: args[1]),
+              (mesh.PipelinedSteps, "timed", "price a stage point pipelined", lambda args, found: args[1].pcg),
+              (mesh.CandidateSteps, "refusal", "refuse by peak floor", lambda args, found: args[1].pcg)]
+GRIDS: list[tuple[str, collections.Counter]] = []   # (the call, its parts' CPU s and calls), in call order
+GRID_NOW: list[collections.Counter] = []            # the innermost grid call running, if any
+MET: dict[str, collections.Counter] = {}            # part -> how many times each content hash was met
+
+
+def wrap_grids() -> None:
+    """`--grids`: the grid calls (`GRID_CALLS`) and their parts (`GRID_PARTS`) wrapped where they are looked up."""
+    for owner, name, label in GRID_CALLS:
+        inner = getattr(owner, name)
+
+        def logged(step_context, *args, _inner=inner, _label=label, **kwargs):
+            fit = step_context.stage
+            where = (f"{_label}: {step_context.graph.microbatches} micro-batches, {step_context.devices} devices"
+                     + (f", pp {fit.degree}" if fit is not None else ""))
+            parts: collections.Counter = collections.Counter()
+            GRIDS.append((where, parts))
+            GRID_NOW.append(parts)
+            start = time.process_time()
+            try:
+                return _inner(step_context, *args, **kwargs)
+            finally:
+                GRID_NOW.pop()
+                parts["whole"] += time.process_time() - start
+        setattr(owner, name, logged)
+    for owner, name, label, pcg_of in GRID_PARTS:
+        inner = getattr(owner, name)
+        MET[label] = collections.Counter()
+
+        def counted(*args, _inner=inner, _label=label, _pcg_of=pcg_of, **kwargs):
+            start = time.process_time()
+            found = _inner(*args, **kwargs)
+            if GRID_NOW:
+                GRID_NOW[-1][_label] += time.process_time() - start
+                GRID_NOW[-1][f"{_label} calls"] += 1
+            MET[_label][hash(_pcg_of(args, found))] += 1
+            return found
+        setattr(owner, name, counted)
+
+
+def report_grids() -> None:
+    """Each grid call's CPU seconds, whole and by part, and each part's PCGs met more than once (`--grids`)."""
+    for where, parts in GRIDS:
+        split = ", ".join(f"{label} {parts[label]:.2f} ({parts[label + ' calls']})"
+                          for _o, _n, label, _p in GRID_PARTS if parts[label + " calls"])
+        print(f"grid: {where:58s} {parts['whole']:6.2f} CPU s ({split})")
+    for label, met in MET.items():
+        print(f"grid part {label!r}: {sum(met.values())} calls, {len(met)} distinct by content, "
+              f"{sum(n - 1 for n in met.values())} met again")
 
 
 def wrap(owner, name: str, label: str) -> None:
@@ -159,10 +222,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--plan", default=None, help="also write the plan JSON here")
     parser.add_argument("--machine", default="h100x8", help="the machine, as `parsat optimize --machine` names it")
     parser.add_argument("--meshes", action="store_true", help="also each mesh search's CPU seconds by part")
+    parser.add_argument("--grids", action="store_true",
+                        help="also each independent grid and stage candidate scan's CPU seconds by part")
     args = parser.parse_args(argv)
     wrap_saturations()   # first: the phase wrapper around it then counts it whole
     if args.meshes:
         wrap_mesh_searches()
+    if args.grids:
+        wrap_grids()
     for owner, name, label in PHASES:
         if hasattr(owner, name):
             wrap(owner, name, label)
@@ -178,6 +245,8 @@ def main(argv: list[str]) -> int:
     report()
     if args.meshes:
         report_meshes()
+    if args.grids:
+        report_grids()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"total {total:.1f} CPU s (the optimize call), {written:.1f} CPU s its plan JSON, peak RSS {peak:.0f} "
           f"MiB, step {plan.totals.time_s * 1e3:.3f} ms (predicted by the cost model)")

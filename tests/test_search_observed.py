@@ -31,29 +31,40 @@ def _plan_json(*args, **kwargs) -> str:
     return json.dumps(without_timing(json.loads(optimize(*args, **kwargs).to_json())))
 
 
-def _observed(monkeypatch, *args, **kwargs) -> str:
-    """`_plan_json` with every wrapper search_phases.py installs (`wrap_saturations`, then each of `PHASES`), taken
-    off again after the call; the wrappers must have counted the call (they ran)."""
+def _observed(monkeypatch, *args, grids: bool = False, **kwargs) -> str:
+    """`_plan_json` with every wrapper search_phases.py installs (`wrap_saturations`, with `grids` `wrap_grids`
+    (`--grids`), then each of `PHASES`), taken off again after the call; the wrappers must have counted the call
+    (they ran)."""
     with monkeypatch.context() as patch:
         for owner, name in [(search_phases.saturate, "run_generations")] + \
+                [(owner, name) for owner, name, _label in search_phases.GRID_CALLS] + \
+                [(owner, name) for owner, name, _label, _pcg in search_phases.GRID_PARTS] + \
                 [(owner, name) for owner, name, _label in search_phases.PHASES if hasattr(owner, name)]:
             patch.setattr(owner, name, getattr(owner, name))   # put back as it was when the context ends
         search_phases.CPU.clear()
         search_phases.SATURATIONS.clear()
+        search_phases.GRIDS.clear()
         search_phases.wrap_saturations()
+        if grids:
+            search_phases.wrap_grids()
         for owner, name, label in search_phases.PHASES:
             if hasattr(owner, name):
                 search_phases.wrap(owner, name, label)
         found = _plan_json(*args, **kwargs)
         assert search_phases.SATURATIONS and search_phases.CPU["egglog: saturate"] > 0
+        if grids:
+            assert any(where.startswith("independent grid") for where, _parts in search_phases.GRIDS)
+            assert sum(search_phases.MET["lay out"].values()) > 0
     return found
 
 
 def test_an_unstaged_search_gives_the_same_plan_plain_observed_and_again(monkeypatch):
     """mlp on 4 cpu devices (every mesh saturated, extracted and ranked, no pipeline): byte-identical plan JSON
-    (timing fields aside) plain, under search_phases' wrappers, and plain again."""
+    (timing fields aside) plain, under search_phases' wrappers, under them with `--grids`' too (each grid call and
+    part timed, each part's PCG hashed to count what it met again), and plain again."""
     plain = _plan_json("mlp", "cpu", devices=4)
     assert _observed(monkeypatch, "mlp", "cpu", devices=4) == plain
+    assert _observed(monkeypatch, "mlp", "cpu", devices=4, grids=True) == plain
     assert _plan_json("mlp", "cpu", devices=4) == plain
 
 
