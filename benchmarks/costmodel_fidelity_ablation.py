@@ -71,6 +71,12 @@ def _no_attention_fit(machine: Machine) -> Machine:
     return replace(machine, efficiency=replace(machine.efficiency, attention_efficiency=1.0, attention_half_flops=0.0))
 
 
+def _no_gemm_grid(machine: Machine) -> Machine:
+    """Products priced by the Hockney fit alone, as calibrated machines priced them before session 67 helper C's
+    grid of measured products (`OpEfficiency.gemm_grids`)."""
+    return replace(machine, efficiency=replace(machine.efficiency, gemm_grids=()))
+
+
 def _no_sequence(machine: Machine) -> Machine:
     return replace(machine, efficiency=replace(machine.efficiency, sequence_factor=1.0))
 
@@ -114,6 +120,7 @@ VARIANTS = {"everything": Variant(), "no module calls": Variant(calls=False),
             "no scalar function times (function_times ())": Variant(_no_functions),
             "attention at the GEMMs' peak (attention_efficiency 1)": Variant(_no_attention_fit),
             "neither of those two (as before session 61 helper C)": Variant(lambda m: _no_attention_fit(_no_functions(m))),
+            "no measured product grid (gemm_grids (), the fit alone)": Variant(_no_gemm_grid),
             "no module Python (python_instruction_s 0)": Variant(_no_python),
             "no sequence factor (each call as timed alone: sequence_factor 1)": Variant(_no_sequence),
             "no sequence factor, no peer's turn, no stragglers": Variant(_no_sequence_no_waits),
