@@ -8,7 +8,8 @@ geometric mean over the calibrations before and after its round) against the sam
 no sequence factor (every operator call priced as timed alone, `OpEfficiency.sequence_factor` 1); that and no waits;
 no Python instruction priced (the module's own Python between its ATen calls); no elementwise arithmetic's measured
 rate (add, mul, scale, ... by their bytes at the bandwidth, as before session 62); no scalar function's measured
-rate (tanh, exp, erf, ... memory-bound as before session 61); fused attention at the GEMMs' peak (no fitted rate);
+rate (tanh, exp, erf, ... memory-bound as before session 61); no measured product grid (the
+Hockney fit alone, as before session 67); fused attention at the GEMMs' peak (no fitted rate);
 neither; no `module_calls` (the user's module's own calls beyond its graph, `ir.module_calls`); no collective host work
 (DTensor's `redistribute`, FSDP2's collectives); no per-group FSDP2 hook
 cost (`fsdp_forward_group_s`, `fsdp_backward_group_s` at 0); neither; no wait for a peer's turn on a shared
