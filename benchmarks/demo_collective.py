@@ -14,7 +14,7 @@ arrive (skew) and the collective itself once every rank is in it. The ways:
 * calibrate, back to back: `parsat calibrate`'s figure of the collective before 2026-12-06 (session 65), and still
   where ranks share cores: `calibrate._timed`, each call stamped (its warm-ups and its probe call included);
 * calibrate, after a product: its figure now (`calibrate._timed_after` right after `_step_product`, one call a
-  round, as `calibrate._collectives` times it), each call stamped.
+  round, as `calibrate.StepCollectives` times it, in one pass), each call stamped.
 
 The two calibrate ways also print the figure calibration would record (ms, the median over the rounds here of
 the figure each round gave), beside the step's own collective in the ways above.

@@ -1,7 +1,8 @@
 """Issue 31's demo: figures `parsat calibrate` measures as a step meets them, robust to the moment they are taken.
 
 The products are timed in passes spread over the calibration (`GemmPasses`), each figure the median of its passes,
-so a few seconds of half-speed compute move none of them; the fixed costs of a step's calls (`StepCalls`)
+so a few seconds of half-speed compute move none of them, and so are the collectives as a step issues them
+(`StepCollectives`); the fixed costs of a step's calls (`StepCalls`)
 are timed as the first calls after a product, its backward and a barrier, and priced per forward operator beside
 `dispatch_s` (`OpEfficiency.op_time`)."""
 
@@ -133,3 +134,36 @@ def test_a_timing_compared_with_its_prediction_is_priced_warm_as_it_was_timed():
                       intra_latency=1e-6, inter_bandwidth=1e9, inter_latency=1e-6, efficiency=eff)
     timing = calibrate.OpTiming("copy", (1000,), 1e-5, 0.0, 16000.0)
     assert timing.predicted(machine) == pytest.approx(5e-6 + 16000.0 / 1e9)
+
+
+def test_collectives_are_timed_in_passes_and_a_slow_pass_does_not_move_their_figure(one_rank, monkeypatch):
+    clock = _Clock()
+    events = []
+    monkeypatch.setattr(calibrate, "_groups", lambda ctx: {2: None})
+    monkeypatch.setattr(calibrate, "_step_product", lambda ctx, dtype, size: lambda: events.append("product"))
+
+    def cases(ctx, dtype, n, g, group):
+        def run(kind):
+            return lambda: events.append(kind) or clock.tick()
+        return [("all_reduce", run("all_reduce")), ("send_recv", run("send_recv"))]
+
+    monkeypatch.setattr(calibrate, "collective_cases", cases)
+    budget = calibrate.Budget(repeats=3, window_s=0.0, clock=clock)
+    collectives = calibrate.StepCollectives(one_rank, torch.float64, budget, [256, 4096], lambda: None)
+    for slow in (False, True, False):   # the second pass falls in a stretch at a third of the speed
+        clock.step = 0.003 if slow else 0.001
+        collectives.run_pass()
+        events.append("something else measured")
+    a_pass = (["product", "all_reduce"] * (2 + 3) + ["product", "send_recv"] * (2 + 3)) * 2   # two sizes
+    assert events == (a_pass + ["something else measured"]) * 3
+    # each figure the median of its passes: the other passes' 1 ms (a send/recv round trip is two messages)
+    assert collectives.rows() == [["all_reduce", 2, 2048.0, pytest.approx(0.001)],
+                                  ["send_recv", 2, 2048.0, pytest.approx(0.0005)],
+                                  ["all_reduce", 2, 32768.0, pytest.approx(0.001)],
+                                  ["send_recv", 2, 32768.0, pytest.approx(0.0005)]]
+    assert collectives.passes_of("all_reduce", 2) == pytest.approx([0.001, 0.003, 0.001])   # the 2 KB one's
+
+
+def test_a_collective_a_backend_lacks_is_left_out_of_the_passes_that_lacked_it():
+    passes = [{"a": 1.0, "b": 5.0}, {"a": 3.0}, {"a": 2.0, "b": 7.0}]
+    assert calibrate.median_of_passes(passes) == {"a": 2.0, "b": 6.0}

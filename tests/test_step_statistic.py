@@ -105,10 +105,11 @@ def test_a_collective_is_timed_as_a_step_issues_it_right_after_a_product_one_cal
     monkeypatch.setattr(calibrate, "collective_cases",
                         lambda ctx, dtype, n, g, group: [("all_reduce", lambda: events.append("all_reduce"))])
     budget = calibrate.Budget(repeats=2, window_s=0.0)
-    rows = calibrate._collectives(one_rank, torch.float64, budget, [256], lambda: None)
-    assert [row[:3] for row in rows] == [["all_reduce", 2, 2048.0]]
-    # two warm-up pairs, then one product and one collective a round, in STEP_ROUNDS_FACTOR x repeats rounds
-    assert events == ["product", "all_reduce"] * (2 + calibrate.STEP_ROUNDS_FACTOR * budget.repeats)
+    collectives = calibrate.StepCollectives(one_rank, torch.float64, budget, [256], lambda: None)
+    collectives.run_pass()   # one of `STEP_ROUNDS_FACTOR` passes spread over the calibration
+    assert [row[:3] for row in collectives.rows()] == [["all_reduce", 2, 2048.0]]
+    # two warm-up pairs, then one product and one collective a round, in `repeats` rounds a pass
+    assert events == ["product", "all_reduce"] * (2 + budget.repeats)
     events.clear()
-    calibrate._collectives(one_rank, torch.float64, budget, [256], lambda: None, as_in_a_step=False)
+    calibrate._collectives(one_rank, torch.float64, budget, [256], lambda: None)
     assert "product" not in events and events.count("all_reduce") == 2 + 1 + 2   # ranks sharing cores: back to back

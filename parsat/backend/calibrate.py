@@ -108,8 +108,8 @@ for fp32 training):
   then concatenation; reduce-scatter, all-to-all and send/recv as
   torch.distributed runs them), on every group size that divides `nproc`,
   all groups at once, several sizes each, each call right after a product
-  on every rank as a step issues it (ranks sharing cores: back to back;
-  `_collectives`), fitted to
+  on every rank as a step issues it, in passes spread over the calibration
+  (`StepCollectives`; ranks sharing cores: back to back, `_collectives`), fitted to
   t = latency + bus factor x bytes / bus bandwidth per group size: the
   machine's measured table (`CommProfile.points`), with the largest
   group's all-reduce as the per-link bandwidth and per-step latency.
@@ -224,10 +224,13 @@ class Calibration:
     compute_clock: str = "wall time"   # what the compute figures were timed on (`compute_clock`)
     square_passes: tuple[float, ...] = ()   # the largest square product's seconds in each of `GemmPasses`' passes
     #                                          (the slowest rank's), minutes apart: how much the moment moves it
+    reduce_passes: tuple[float, ...] = ()   # the smallest all-reduce over all ranks in each of `StepCollectives`'
+    #                                          passes (none where ranks share cores)
 
     def to_dict(self) -> dict:
         return {"machine": self.machine.to_dict(), "device": self.device, "oversubscribed": self.oversubscribed,
                 "compute_clock": self.compute_clock, "square_passes_s": list(self.square_passes),
+                "reduce_passes_s": list(self.reduce_passes),
                 "turns": {"fitted_s": self.turn_s, "bursts": [{"compute_s": c, "excess_s": e, "excess_own_cores_s": o}
                                                                 for c, e, o in self.turns]},
                 "dispatch_s": {"forward": self.dispatch[0], "backward": self.dispatch[1]},
@@ -454,24 +457,30 @@ def _rank_measure(ctx: RankContext, dtype_name: str, size: int, budget: Budget, 
     products.run_pass(spread=True)
     ops += _updates(ctx, dtype, budget, sync)
     step_calls = StepCalls(ctx, dtype, size, budget, sync)   # in passes spread over the calibration, as the products
-    step_calls.run_pass()
+    in_a_step = [] if shared_cores else [StepCollectives(ctx, dtype, wall, comm_sizes, sync, size)]   # beside them
+    for passes in (step_calls, *in_a_step):
+        passes.run_pass()
     ops += _functions(ctx, dtype, budget, sync)
     products.run_pass(spread=True)
     ops += _elementwise(ctx, dtype, budget, sync)
     ops += _attention(ctx, dtype, budget, sync)
     ops += _loss(ctx, dtype, size, budget, sync)
-    step_calls.run_pass()
+    for passes in (step_calls, *in_a_step):
+        passes.run_pass()
     products.run_pass(spread=True)
-    collectives = _collectives(ctx, dtype, wall, comm_sizes, sync, size, not shared_cores)
+    collectives = _collectives(ctx, dtype, wall, comm_sizes, sync) if shared_cores else []   # back to back
     skew, turns = _skew(ctx, dtype, size, wall, budget, sync), _turns(ctx, dtype, wall, sync)
     while products.passes < budget.repeats:
         products.run_pass()
     while len(step_calls.passes) < STEP_ROUNDS_FACTOR:
-        step_calls.run_pass()
+        for passes in (step_calls, *in_a_step):
+            passes.run_pass()
     return {"dispatch": dispatch, "step_calls": step_calls.figures(), "dtensor": extra, "fsdp": hooks, "python": python,
             "sequence": sequence, "redistribute": redistribute, "fsdp_collectives": fsdp_collectives,
             "ops": products.rows() + ops, "square_passes": products.passes_of("matmul", [s, s, s]),
-            "collectives": collectives, "skew": skew, "turns": turns,
+            "collectives": collectives + [row for c in in_a_step for row in c.rows()],
+            "reduce_passes": [t for c in in_a_step for t in c.passes_of("all_reduce", ctx.world)],
+            "skew": skew, "turns": turns,
             "threads": torch.get_num_threads()}
 
 
@@ -593,15 +602,15 @@ def _updates(ctx: RankContext, dtype, budget: Budget, sync) -> list[list]:
 
 LOSS_ROWS = (16, 256, 4096)   # rows of the [rows, LOSS_WIDTH] output pieces whose objective is timed
 LOSS_WIDTH = 16
-STEP_ROUNDS_FACTOR = 3   # the loss and the collectives, timed in a step's place, one call a round (a step's
-#                         sample), in this many times `Budget.repeats` rounds: more rounds than a figure that
-#                         averages many calls a round, for a median as steady
+STEP_ROUNDS_FACTOR = 3   # the loss, timed in a step's place, one call a round (a step's sample), in this many
+#                         times `Budget.repeats` rounds: more rounds than a figure that averages many calls a
+#                         round, for a median as steady; `StepCalls` and `StepCollectives`: this many passes
 STEP_PRODUCT_ROWS = 128  # the product a figure timed in a step's place follows (`_step_product`)
 
 
 def _step_product(ctx: RankContext, dtype, size: int) -> Callable[[], torch.Tensor]:
     """A product of `STEP_PRODUCT_ROWS` x `size` by `size` x `size` (about a ms on a CPU core at size 512): the
-    compute that `_loss` and `_collectives` run (not timed) right before what they time, as a step runs its
+    compute that `_loss` and `StepCollectives` run (not timed) right before what they time, as a step runs its
     loss and its collectives right after an operator's compute."""
     a = torch.randn(STEP_PRODUCT_ROWS, size, dtype=dtype).to(ctx.device)
     w = torch.randn(size, size, dtype=dtype).to(ctx.device)
@@ -1311,7 +1320,13 @@ class StepCalls:
 
     def figures(self) -> dict[str, float]:
         """Each figure the median of its passes."""
-        return {key: statistics.median(p[key] for p in self.passes) for key in self.passes[0]}
+        return median_of_passes(self.passes)
+
+
+def median_of_passes(passes: Sequence[dict]) -> dict:
+    """Each figure (a key of any pass) the median of the passes that measured it, in the order first measured."""
+    keys = list(dict.fromkeys(key for p in passes for key in p))
+    return {key: statistics.median(p[key] for p in passes if key in p) for key in keys}
 
 
 SKEW_BURSTS = (0, 2, 8, 16)
@@ -1520,41 +1535,83 @@ def collective_cases(ctx: RankContext, dtype, n: int, g: int, group) -> list[tup
     return cases
 
 
-def _collectives(ctx: RankContext, dtype, budget: Budget, sizes: Sequence[int], sync, size: int = 512,
-                 as_in_a_step: bool = True) -> list[list]:
-    """Each collective kind, group size and buffer size: [kind, group, bytes, seconds], the slowest rank's.
-
-    `as_in_a_step` (ranks with a core or GPU each): each call as a step issues it, right after a product (not
-    timed) on every rank, one call a round started by a barrier, the slowest rank's, the median of
-    `STEP_ROUNDS_FACTOR` x `budget.repeats` rounds (`_timed_after`, as `_loss`): what `parsat run`'s step meets,
-    a collective of ranks that were computing, told by the step's statistic. Ranks sharing cores: the same call
-    again and again (`_timed`), as before; there a collective after compute also waits for a peer's turn on
-    the core, which `_turns` measures against this back-to-back figure and the cost model prices on its own.
-
-    Why not back to back where each rank has a core: on the 2-core VM, timed back to back (many calls a round,
-    their mean), the 2 KB all-reduce came out 1.33, 1.79 and 3.52 ms in three calibrations of one quiet half
-    hour, where the demo's step, its one all-reduce of 10 KB right after the forward's product, took 0.2-0.3
-    ms (benchmarks/demo_step.md, 2026-12-06, session 65): a figure of calls the step never makes. Not resolved by
-    it: that day the small call was bimodal (about 0.4-0.5 or 4 ms) in every protocol, this one included, and
-    this figure came out 2.1-2.5 ms where the step's median call took 0.45 ms."""
-    rows = []
+def _collective_calls(ctx: RankContext, dtype, sizes: Sequence[int]) -> list[tuple[tuple[str, int, float], Callable]]:
+    """Each collective kind, group size (`_groups`) and buffer size: ((kind, group, bytes), run once)."""
     item = torch.empty((), dtype=dtype).element_size()
-    product = _step_product(ctx, dtype, size)
-    rounds = replace(budget, repeats=STEP_ROUNDS_FACTOR * budget.repeats, window_s=0.0)
+    calls = []
     for g, group in _groups(ctx).items():
         for n in sizes:
             n = max(g, n - n % g)
-            cases = collective_cases(ctx, dtype, n, g, group)
-            for kind, fn in cases:
-                try:
-                    seconds = (_timed_after(ctx, product, fn, rounds, sync) if as_in_a_step
-                               else _timed(ctx, fn, budget, sync))
-                except (RuntimeError, ValueError):  # a collective this backend lacks: not in the table
-                    continue
-                if kind == "send_recv":
-                    seconds /= 2  # one round trip is two messages
-                rows.append([kind, g, float(n * item), seconds])
+            calls += [((kind, g, float(n * item)), fn) for kind, fn in collective_cases(ctx, dtype, n, g, group)]
+    return calls
+
+
+def _collective_seconds(kind: str, timed: Callable[[], float]) -> float | None:
+    """`timed()`'s seconds a message (a send/recv round trip is two), None for a collective this backend lacks."""
+    try:
+        seconds = timed()
+    except (RuntimeError, ValueError):
+        return None
+    return seconds / 2 if kind == "send_recv" else seconds
+
+
+def _collectives(ctx: RankContext, dtype, budget: Budget, sizes: Sequence[int], sync) -> list[list]:
+    """Ranks sharing cores: each collective kind, group size and buffer size timed again and again (`_timed`),
+    [kind, group, bytes, seconds], the slowest rank's; there a collective after compute also waits for a peer's
+    turn on the core, which `_turns` measures against this back-to-back figure and the cost model prices on its
+    own. Ranks with a core or GPU each: `StepCollectives`."""
+    rows = []
+    for head, fn in _collective_calls(ctx, dtype, sizes):
+        seconds = _collective_seconds(head[0], lambda: _timed(ctx, fn, budget, sync))
+        if seconds is not None:
+            rows.append([*head, seconds])
     return rows
+
+
+class StepCollectives:
+    """Ranks with a core or GPU each: each collective kind, group size and buffer size as a step issues it, right
+    after a product (not timed) on every rank, one call a round started by a barrier, the slowest rank's
+    (`_timed_after`, as `_loss`), in `STEP_ROUNDS_FACTOR` passes spread over the calibration (`_rank_measure` runs
+    one beside each of `StepCalls`' passes) of `budget.repeats` rounds each; a figure the median of its passes'
+    medians (`median_of_passes`), as `StepCalls` and `GemmPasses` keep theirs: what `parsat run`'s step meets, a
+    collective of ranks that were computing, told by the step's statistic.
+
+    Why passes: on this 2-core VM the same work runs at half speed for seconds at a time (`GemmPasses`); timed
+    in one block of 15 rounds, one calibration's 2 KB all-reduce came out 1.218 ms where two others gave 0.438
+    and 0.606, and its plan's exposed communication was priced 1.545 ms against ~0.74 (benchmarks/demo_step.md,
+    the lead's check at 6ee438b). The median of the passes' medians, not of all rounds together: a pass in a slow
+    stretch is one vote of three either way, but a stretch covering half of one pass's rounds would still tilt
+    the median of all rounds, and its pass's median is one figure among the others.
+
+    Why not back to back: on the 2-core VM, timed back to back (many calls a round, their mean), the 2 KB
+    all-reduce came out 1.33, 1.79 and 3.52 ms in three calibrations of one quiet half hour, where the demo's
+    step, its one all-reduce of 10 KB right after the forward's product, took 0.2-0.3 ms (benchmarks/
+    demo_step.md, 2026-12-06, session 65): a figure of calls the step never makes."""
+
+    def __init__(self, ctx: RankContext, dtype, budget: Budget, sizes: Sequence[int], sync, size: int = 512) -> None:
+        self.ctx, self.sync, self.rounds = ctx, sync, replace(budget, window_s=0.0)
+        self.product = _step_product(ctx, dtype, size)
+        self.calls = _collective_calls(ctx, dtype, sizes)
+        self.passes: list[dict[tuple[str, int, float], float]] = []
+
+    def run_pass(self) -> None:
+        """`budget.repeats` rounds of every collective, one after the other."""
+        out = {}
+        for head, fn in self.calls:
+            seconds = _collective_seconds(head[0], lambda: _timed_after(self.ctx, self.product, fn, self.rounds,
+                                                                        self.sync))
+            if seconds is not None:
+                out[head] = seconds
+        self.passes.append(out)
+
+    def passes_of(self, kind: str, group: int) -> list[float]:
+        """The smallest buffer's seconds in each pass of `kind` on `group` ranks (what its figure is the median of)."""
+        head = min((h for h, _fn in self.calls if h[:2] == (kind, group)), key=lambda h: h[2], default=None)
+        return [p[head] for p in self.passes if head in p]
+
+    def rows(self) -> list[list]:
+        """[kind, group, bytes, seconds] per collective: the median of its passes."""
+        return [[*head, seconds] for head, seconds in median_of_passes(self.passes).items()]
 
 
 # ------------------------------------------------------------------ fitting
@@ -1826,7 +1883,7 @@ def calibrate(name: str, nproc: int = 2, size: int = 512, repeats: int = 5, back
                        tuple((float(c), float(e), float(o)) for c, e, o in result["turns"]), turn,
                        "each rank's CPU time"
                        if compute_clock(cuda, result["threads"], bool(crowded)) is time.thread_time else "wall time",
-                       tuple(result["square_passes"]))
+                       tuple(result["square_passes"]), tuple(result["reduce_passes"]))
 
 
 STEP_CALL_FIELDS = (("dispatch", "step_dispatch_s"), ("backward", "step_backward_dispatch_s"),
@@ -1928,6 +1985,9 @@ def report(cal: Calibration) -> str:
              *([f"  the products in {len(cal.square_passes)} passes spread over the calibration, each figure their "
                 f"median; the largest square's in each pass: "
                 + ", ".join(f"{t * 1e3:.3f}" for t in cal.square_passes) + " ms"] if cal.square_passes else []),
+             *([f"  the collectives in {len(cal.reduce_passes)} passes, each figure their median; the smallest "
+                "all-reduce's in each pass: " + ", ".join(f"{t * 1e3:.3f}" for t in cal.reduce_passes) + " ms"]
+               if cal.reduce_passes else []),
              *([f"  FSDP2's hooks: {e.fsdp_forward_group_s * 1e6:.1f} us + {e.fsdp_forward_param_s * 1e6:.1f} us "
                 f"per parameter at a group's gather, {e.fsdp_backward_group_s * 1e6:.1f} us + "
                 f"{e.fsdp_backward_param_s * 1e6:.1f} us per parameter after its backward"]
