@@ -117,12 +117,12 @@ def test_kept_values_with_answers_kept_by_operator_are_those_asked_anew(name):
 @pytest.mark.parametrize("microbatches", [1, 4])
 def test_forms_reading_their_layout_s_floor_pass_floor_as_fresh_ones(microbatches):
     """`pcg_tasks.step_floor` keeps a micro-batch's part of the floor in the PCG's derived facts, which a layout's
-    restated forms (another ZeRO stage, recomputing blocks: `baselines.restated`) share: the layout's floor
+    restated forms (another ZeRO stage, recomputing blocks: `ir.pcg.restated`) share: the layout's floor
     without its plan's part, then each form's whole floor (from the kept part, as the grid asks for them), are
     the floors of fresh PCGs with nothing worked out, to the bit."""
     from parsat.cost.pcg_tasks import OpTimes, step_floor
     from parsat.ir.recompute import BLOCKS
-    from parsat.search.baselines import restated
+    from parsat.ir.pcg import restated
 
     library = resolve_library(None)
     machine = Machine.preset("h100x8").with_devices(8)

@@ -160,13 +160,13 @@ def test_a_graph_laid_out_again_with_kin_takes_the_same_layout():
 
 
 def test_a_restated_form_shares_its_layout_s_facts_and_they_are_the_form_s_own(layouts):
-    """`baselines.restated`: a layout's form with another ZeRO stage or recomputation shares the facts the layout
+    """`ir.pcg.restated`: a layout's form with another ZeRO stage or recomputation shares the facts the layout
     worked out from its nodes (`LAYOUT_FACTS`), and each is what the form alone works out; so are the facts a form
     works out first and the layout then reads; and the form's price, floor and simulated step are a fresh
     form's."""
     from parsat.cost.pcg_tasks import OpTimes, needs_gradient, regathered, simulate_pcg, step_floor, unkept
     from parsat.cost.saved import kept_values
-    from parsat.search.baselines import LAYOUT_FACTS, restated
+    from parsat.ir.pcg import LAYOUT_FACTS, restated
 
     library, graph, pcgs = layouts
 
@@ -193,13 +193,13 @@ def test_a_restated_form_shares_its_layout_s_facts_and_they_are_the_form_s_own(l
 
 def test_a_form_s_shared_block_facts_are_the_ones_its_own_nodes_give(layouts):
     """`node_blocks`, `pcg_roles`, `weight_chains` and the BLOCKS checkpoints are kept with a PCG (`PCG.derive`)
-    and shared by its restated forms (`baselines.restated`): each form, whichever asked first, reads what a PCG
+    and shared by its restated forms (`ir.pcg.restated`): each form, whichever asked first, reads what a PCG
     of its own nodes worked out afresh gives; one keeping every activation has no checkpoints though its
     recomputing sibling made them."""
     from parsat.ir.blocks import node_blocks
     from parsat.ir.pcg import pcg_roles, weight_chains
     from parsat.ir.recompute import NONE
-    from parsat.search.baselines import restated
+    from parsat.ir.pcg import restated
     _library, _graph, pcgs = layouts
     for pcg in pcgs:
         recomputing = restated(pcg, 1, BLOCKS)
@@ -225,7 +225,7 @@ def test_a_rescaled_layout_shares_the_kin_layout_s_structural_facts_and_they_are
     from parsat.cost.saved import kept_values
     from parsat.ir.blocks import node_blocks
     from parsat.ir.pcg import pcg_roles, weight_chains
-    from parsat.search.baselines import restated
+    from parsat.ir.pcg import restated
 
     library = resolve_library(None)
     kin: dict = {}

@@ -516,7 +516,7 @@ class _Builder:
         self.gathers = self._param_gathers()          # ZeRO-1/2's gathers overlapped with forward, per axis
         self.weights_of = self._weights_of() if self.gathers else {}   # chain node -> the stored weights it reads
         # compute node -> its time (`OpTimes`), kept with the PCG for this cache of compute times: the simulation
-        # and the floors of a layout's forms (`search.baselines.restated`: the same nodes) read the same times
+        # and the floors of a layout's forms (`ir.pcg.restated`: the same nodes) read the same times
         self.timed: dict[int, OpTime] = pcg.derive(("compute times",), times, dict)
         # compute node -> its unpipelined forward task and `_prepare`'s records (name, seconds, bytes, contiguous,
         # saved, view): the same every micro-batch and recomputation, since what they read is (the node, its
@@ -1757,7 +1757,7 @@ class _Builder:
 
         `shared` (`step_floor`: this builder's topology is `mesh_groups(pcg)`): the micro-batch's part is kept in
         the PCG's `derived` facts, by machine and profile and for this compute-time cache, and read from there:
-        a layout's forms with another ZeRO stage or recomputation share those facts (`search.baselines.restated`:
+        a layout's forms with another ZeRO stage or recomputation share those facts (`ir.pcg.restated`:
         the same nodes, outputs and mesh), and the part reads nothing else of a PCG, nor anything a form differs
         in (the ZeRO stage reaches only `_updates`, the recomputation only `checkpoints`; every helper it calls
         reads the nodes, the readers, the weights' chains and storage, the pipelines, the derived gradients and

@@ -43,7 +43,7 @@ def node_blocks(pcg: PCG) -> Mapping[int, int]:
     in two placements, and block 2 of block 1 in one: what crosses is the value, each block converts it).
 
     Worked out once per PCG (`PCG.derive`) and shared: it reads the nodes alone, so a layout's forms that
-    differ in ZeRO stage or recomputation (`search.baselines.restated`) share it too; the recomputation's
+    differ in ZeRO stage or recomputation (`ir.pcg.restated`) share it too; the recomputation's
     checkpoints, the step simulator and the pipeline's layer map each asked for it again (261 times on
     llama-70b:64). Read it, never change it."""
     return pcg.derive("node_blocks", None, lambda: _node_blocks(pcg), structural=True)

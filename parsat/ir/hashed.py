@@ -8,7 +8,7 @@ graphs 135 times (0.25 CPU s). Kept, the second and later hashes are a dict read
 
 Why it is the same hash: the value is the one the dataclass would generate (the fields that take part in
 comparison, in order, hashed as one tuple), and those fields never change once the object is made (frozen;
-the only writes to such an object's `__dict__`, `ir.pcg.PCG.reshaped` and `search.baselines.restated`, set
+the only writes to such an object's `__dict__`, `ir.pcg.PCG.reshaped` and `ir.pcg.restated`, set
 facts worked out from the fields, never a field). It is not pickled (`state_without_hash`): str hashes differ
 between processes (hash randomisation), so a kept hash is only good in the process that worked it out.
 """

@@ -76,7 +76,7 @@ def checkpoints(pcg: PCG) -> tuple[Checkpoint, ...]:
 
 def _block_checkpoints(pcg: PCG) -> tuple[Checkpoint, ...]:
     """`checkpoints` of a PCG that recomputes blocks, worked out once per PCG (`PCG.derive`): they read its nodes
-    and outputs alone, not its policy nor its ZeRO stage, so a layout's forms (`search.baselines.restated`) share
+    and outputs alone, not its policy nor its ZeRO stage, so a layout's forms (`ir.pcg.restated`) share
     them; its pricing (`search.recompute.recomputed_pcg_costs`), step floor and simulation each asked again."""
     blocks = node_blocks(pcg)
     chains = weight_chains(pcg)

@@ -40,7 +40,7 @@ from parsat.ir.graph import Graph, GraphBuilder
 from parsat.ir.machine import Machine
 from parsat.ir.megatron import ZERO_LEVELS, megatron_pcg
 from parsat.ir.mesh import Mesh
-from parsat.ir.pcg import LAYOUT_FACTS, PCG, Degrees, restated  # noqa: F401 (LAYOUT_FACTS: read from here too)
+from parsat.ir.pcg import PCG, Degrees, restated
 from parsat.ir.placement import Placement
 from parsat.ir.recompute import BLOCKS, NONE
 from parsat.ir.errors import OptimizeError
