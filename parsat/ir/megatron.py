@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from itertools import product
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from parsat.dsl.instantiate import InstantiationError, OpInstance
 from parsat.dsl.library import Library
@@ -281,15 +281,30 @@ class _Kin:
 
     def layout(self, graph: Graph, memo: "_Memo", mesh: Mesh, form: tuple):
         """The layout rescaled from a kin graph's of the same `form` (sequence parallelism, ZeRO level,
-        `reduce_at_once`; None where the build finds none), or `_NONE`."""
-        for like, pcg in self.layouts.get((mesh, form), ()):
+        `reduce_at_once`; None where the build finds none), or `_NONE`. A layout rescaled is kept as this graph's
+        (`keep`): the same graph laid out again takes it as it is (the step's data-parallel baseline and its grid's
+        tp 1 point: `search.baselines.data_parallel`), rather than rescaling it again."""
+        entries = self.layouts.get((mesh, form), ())
+        for like, pcg in entries:
             if like is graph:   # laid out already (a stage's grid for another schedule): the build is a function
                 return pcg
+        for like, pcg in entries:
             if self.alike(like, graph, memo.data_batch, mesh):
-                found = _rescaled(pcg, like, graph) if pcg is not None else None
+                found = _rescaled(pcg, like, graph, self.tables(like, graph)) if pcg is not None else None
                 if pcg is None or found is not None:
+                    self.keep(graph, memo, mesh, form, found)
                     return found
         return _NONE
+
+    def tables(self, like: Graph, graph: Graph) -> "_PairTables":
+        """`_PairTables` of `like` and `graph`, made once per pair: every layout rescaled from `like` to `graph` (a
+        grid's dozen) reads the same two graphs' shapes and operators, which each rescale made again (4 shape
+        tables of ~6,400 values each)."""
+        key = ("tables", (id(like), id(graph)))
+        found = self.parts.get(key)
+        if found is None:   # kept beside both graphs, so that their ids stay theirs
+            found = self.parts[key] = (like, graph, _PairTables.of(like, graph))
+        return found[2]
 
     def alike(self, like: Graph, graph: Graph, batch: dict, mesh: Mesh) -> bool:
         """`_alike` on `mesh`, worked out once per pair of graphs and mesh shape, and its parts that read no mesh
@@ -379,14 +394,30 @@ def _signature_at(library: Library, op: str, shapes: Sequence[Sequence[int]], at
     return seen[key]
 
 
-def _rescaled(pcg: PCG, like: Graph, graph: Graph) -> PCG | None:
+@dataclass(frozen=True)
+class _PairTables:
+    """What `_rescaled` reads of a kin graph `like` and the graph a layout is rescaled to: each graph's value ->
+    shape (`Graph.shapes`) and operator name -> node. Read only."""
+
+    before: dict
+    after: dict
+    was: dict
+    now: dict
+
+    @staticmethod
+    def of(like: Graph, graph: Graph) -> "_PairTables":
+        return _PairTables(like.shapes(), graph.shapes(), {n.name: n for n in like.nodes},
+                           {n.name: n for n in graph.nodes})
+
+
+def _rescaled(pcg: PCG, like: Graph, graph: Graph, tables: _PairTables | None = None) -> PCG | None:
     """`pcg`, a layout of `like`, with each node's shape that of the value it holds in `graph` (a leaf's, an
     operator's origin's, a row-parallel layer's partial sum's its layer's, a parallel operator's its input's),
     and a graph operator's attributes its own in `graph`; None where a node's shape or attributes are not its
-    value's in `like` (then build it)."""
-    before, after = like.shapes(), graph.shapes()
-    was, now = {n.name: n for n in like.nodes}, {n.name: n for n in graph.nodes}
-    parts = _vocabulary_parts(pcg, like, graph)
+    value's in `like` (then build it). `tables`: the two graphs' `_PairTables`, where the caller keeps them."""
+    tables = tables or _PairTables.of(like, graph)
+    before, after, was, now = tables.before, tables.after, tables.was, tables.now
+    parts = _vocabulary_parts(pcg, like, before, after)
     nodes: list[PNode] = []
     for node in pcg.nodes:
         attrs = node.attrs
@@ -453,10 +484,11 @@ def vocabulary_parallel_logsumexps(pcg: PCG, graph: Graph) -> dict[str, frozense
         n.origin == name or parts.get(n.origin) == name)) for name in sorted(split)}
 
 
-def _vocabulary_parts(pcg: PCG, like: Graph, graph: Graph) -> dict[str, tuple]:
+def _vocabulary_parts(pcg: PCG, like: Graph, was: Mapping[str, tuple[int, ...]], now: Mapping[str, tuple[int, ...]]
+                      ) -> dict[str, tuple]:
     """The values of each vocabulary-parallel logsumexp in `pcg` (`vocabulary_steps`) but the logsumexp itself:
-    name -> (its shape in `like`, its shape and attributes in `graph`), for `_rescaled`."""
-    was, now = like.shapes(), graph.shapes()
+    name -> (its shape in `like`, its shape and attributes in the graph rescaled to), for `_rescaled`; `was` and
+    `now`: the two graphs' shapes (`Graph.shapes`)."""
     made = {n.origin for n in pcg.nodes if n.kind == "op"}
     out = {}
     for gnode in like.nodes:

@@ -69,10 +69,16 @@ class Candidate:
 
 
 def data_parallel(graph: Graph, library: Library, machine: Machine, free_input_placements: bool,
-                  devices: int, computed: dict | None = None) -> Candidate | None:
+                  devices: int, computed: dict | None = None, kin: dict | None = None) -> Candidate | None:
     """The data-parallel PCG priced; None where it does not apply (a batch that does not split, an operator
-    that refuses the spread). `computed`: compute costs shared with other pricers (`extract.Pricer`)."""
-    pcg = data_parallel_pcg(graph, library, devices, machine.devices_per_node)
+    that refuses the spread). `computed`: compute costs shared with other pricers (`extract.Pricer`). `kin`: the
+    layouts of the call's grids (`grid_families`' `kin`), where the PCG is laid out as the independent grid lays out
+    its tp 1 ZeRO-0 point (`megatron_pcg` on dp = `devices` x tp 1: the same `data_parallel_pcg`, or that layout of
+    a kin graph rescaled, which is the same PCG) and kept there: the step's grid of this graph and devices then
+    takes this PCG rather than building it again, and the grids of its kin graphs rescale it (llama-70b:64 built
+    data parallelism of three graphs twice, once here and once in the grid, and four once where a rescale did)."""
+    pcg = megatron_pcg(graph, library, (devices, 1), machine.devices_per_node, kin=kin) if kin is not None else \
+        data_parallel_pcg(graph, library, devices, machine.devices_per_node)
     costs = price_pcg(pcg, library, machine, free_input_placements, graph.microbatches, computed=computed) \
         if pcg is not None else None
     if costs is None:
@@ -116,7 +122,8 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
                   state_zero: int = 0, computed: dict | None = None,
                   order: Callable[[PCG], float | None] | None = None,
                   kin: dict | None = None, recompute: str | None = None,
-                  lean_first: bool = False, reduce_at_once: bool = False) -> Iterator[list[tuple[int, Candidate]]]:
+                  lean_first: bool = False, reduce_at_once: bool = False,
+                  priced: Mapping[int, tuple[PCG, dict]] | None = None) -> Iterator[list[tuple[int, Candidate]]]:
     """`independent_grid`'s points, one (dp, tp, sequence parallelism) layout at a time, each with its place in
     `independent_grid`'s order: the layout with ZeRO 0, then 3, each with its fallbacks.
 
@@ -149,7 +156,10 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
     caches shared give what building anew gives), so every order yields the same points, and the leanest come
     first where memory is short. `reduce_at_once`: every layout reduces each contraction's partial sum on the tensor
     axis where it is made, as Megatron-LM does (`megatron_pcg`): a pipeline stage's grid, whose points are cut into
-    stages, so that no value crosses a cut as a partial sum (`ir.pipeline.LayerMap.cuttable`)."""
+    stages, so that no value crosses a cut as a partial sum (`ir.pipeline.LayerMap.cuttable`). `priced`: node costs
+    the caller worked out (`id(pcg)` -> (that PCG, its `solve.pcg_node_costs` with `computed`), as a stage grid's
+    layout floor prices each family's first layout: `step._stage_layout_floor`), which the point laid out as that
+    PCG reads rather than pricing it again."""
     per_node = machine.devices_per_node
     shared: dict = {}   # what every point's layout of the graph reuses (`megatron_pcg`'s cache)
 
@@ -160,7 +170,7 @@ def grid_families(graph: Graph, library: Library, machine: Machine, free_input_p
 
     layouts = _grid_layouts(devices, per_node)
     point = _GridPricer(graph, library, machine, free_input_placements, fits or (
-        lambda candidate: candidate.totals.fits(machine)), state_zero, computed, recompute)
+        lambda candidate: candidate.totals.fits(machine)), state_zero, computed, recompute, priced)
     if lean_first:
         for layout in sorted(layouts, key=lambda layout: (-layout.tp, not layout.sequence)):
             # laid out in the grid's order (ZeRO 0 first), so that the ZeRO-3 layout is derived from the ZeRO-0
@@ -217,9 +227,10 @@ class _GridPricer:
 
     def __init__(self, graph: Graph, library: Library, machine: Machine, free_input_placements: bool,
                  fits: Callable[[Candidate], bool], state_zero: int, computed: dict | None,
-                 recompute: str | None = None):
+                 recompute: str | None = None, priced: Mapping[int, tuple[PCG, dict]] | None = None):
         self.graph, self.library, self.machine, self.free = graph, library, machine, free_input_placements
         self.fits, self.state_zero, self.recompute = fits, state_zero, recompute
+        self.known = priced if priced is not None else {}   # by the PCG's id (`grid_families`' `priced`)
         # where ZeRO-1's gathers of the updated shards run during the next forward (Megatron's distributed
         # optimizer with overlap_param_gather), a layout that fits with its state whole may still run faster with
         # it sharded: half the gradient bytes reduced, the update on a shard; so both are points, the simulation
@@ -265,6 +276,9 @@ class _Forms:
 
     def node_costs(self, zero: int) -> dict | None:
         """The node costs (before recomputation) of the PCG with ZeRO stage `zero`."""
+        known = self.grid.known.get(id(self.pcg))
+        if zero not in self.raw and zero == self.pcg.zero and known is not None and known[0] is self.pcg:
+            self.raw[zero] = known[1]   # what `pcg_node_costs` below would give: the same PCG, priced alike
         if zero not in self.raw:
             g = self.grid
             args = (g.library, g.machine, g.free, g.graph.microbatches)

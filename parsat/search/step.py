@@ -274,20 +274,31 @@ def _stage_candidates(step: StepContext, searches: Sequence[MeshSearch], family_
         if found is not None:
             yield found, grid
 
+    priced: dict = {}   # the first layouts' node costs, which the floor works out and their points read
+
     def slow(pcg: PCG) -> bool:   # asked of each family's first layout before the family is built further
-        floor = _stage_layout_floor(step, pcg)
+        floor = _stage_layout_floor(step, pcg, priced)
         return floor is not None and floor >= family_bar
-    for family in _grid_families(step, skip=slow):
+    for family in _grid_families(step, skip=slow, priced=priced):
         yield from ((point, True) for _place, point in family)
 
 
-def _stage_layout_floor(step: StepContext, pcg: PCG) -> float | None:
+def _stage_layout_floor(step: StepContext, pcg: PCG, priced: dict | None = None) -> float | None:
     """A lower bound of every pipelined plan priced from any point of the grid family whose first layout is `pcg`
     (a pipeline stage's step, `StageFit.floor_s`; `_stage_candidates` argues it), None where the layout cannot
-    be priced so (its points are then judged one by one)."""
+    be priced so (its points are then judged one by one). `priced` (`grid_families`' `priced`): the layout's
+    node costs, every node priced, are kept there for its first point, which then reads them rather than pricing
+    the PCG again (compute nodes twice per family on llama-70b:64's stage grids); the floor reads of them only
+    what it reads of the compute nodes' alone (the parallel nodes' forward_s and backward_s are 0.0, and a
+    float sum with terms 0.0 added is the same float), so it is the same figure. Where some parallel node
+    cannot be priced, the compute nodes alone are priced for the floor, as without `priced`."""
     request = step.request
-    costs = pcg_node_costs(pcg, request.library, step.machine, request.free_input_placements,
-                           step.graph.microbatches, only=_not_parallel, computed=request.prices)
+    args = (request.library, step.machine, request.free_input_placements, step.graph.microbatches)
+    costs = pcg_node_costs(pcg, *args, computed=request.prices) if priced is not None else None
+    if costs is not None:
+        priced[id(pcg)] = (pcg, costs)   # the PCG kept beside its costs, so that its id stays its own
+    else:
+        costs = pcg_node_costs(pcg, *args, only=_not_parallel, computed=request.prices)
     return None if costs is None else step.stage.floor_s(pcg, costs)
 
 
@@ -662,8 +673,11 @@ def built_once(step: StepContext, build: Callable[..., Candidate | None]) -> Can
     key = (build.__name__, step.graph, step.machine, step.devices)
     found = request.built.get(key, _UNBUILT)
     if found is _UNBUILT:
+        # data parallelism laid out among the grids' layouts (`baselines.data_parallel`'s `kin`): it is the tp 1
+        # ZeRO-0 point of the step's grid (`_grid_families`), which then takes this PCG rather than building it
+        shared = {"kin": request.layouts} if build is data_parallel else {}
         found = request.built[key] = build(step.graph, request.library, step.machine, request.free_input_placements,
-                                           step.devices, computed=request.prices)
+                                           step.devices, computed=request.prices, **shared)
     return found
 
 
@@ -710,13 +724,14 @@ def independent_points(step: StepContext, steps: CandidateSteps, scan_first: boo
         staged = step.stage is not None   # a stage's points rank by their pipelined price (`mesh.rank`)
         search = BestFirst(steps, step.memory.fits, rivals=rivals,
                            judge=PipelinedSteps(step.memory) if staged else None)
-        floors = _LayoutFloors(steps, (lambda pcg: _stage_layout_floor(step, pcg)) if staged else None)
+        priced: dict = {}   # a stage grid's first layouts' node costs (`_stage_layout_floor`), read by their points
+        floors = _LayoutFloors(steps, (lambda pcg: _stage_layout_floor(step, pcg, priced)) if staged else None)
 
         def skip(pcg: PCG) -> bool:   # asked of each layout's first PCG before the layout is built further
             floor = floors(pcg)
             search.run(-math.inf if floor is None else floor)
             return floors.beyond(pcg, search.bar)
-        for family in _grid_families(step, skip=skip, order=floors):
+        for family in _grid_families(step, skip=skip, order=floors, priced=priced):
             # a point's key: its place in the grid's order, then its place in its layout (a ZeRO-1 twin follows)
             search.add(((place, k), point) for k, (place, point) in enumerate(family))
         search.run()
@@ -786,10 +801,10 @@ def a_grid_point_fits(step: StepContext) -> bool:
 def _grid_families(step: StepContext, fits: Callable[[Candidate], bool] | None = None,
                    **bounding) -> Iterator[list[tuple[int, Candidate]]]:
     """`baselines.grid_families` of the step's graph, machine and devices as the request pins it (`--degrees
-    zero=N`, `--recompute`), the step's memory judging what fits (or `fits`); `bounding`: its `skip` and `order`,
-    or `lean_first`. A pipeline stage's grid reduces each partial sum where it is made (`reduce_at_once`): its
-    points are cut into stages (the PTD-P points, and a stage plan that is its grid point), and Megatron-LM sends
-    no partial sum between stages."""
+    zero=N`, `--recompute`), the step's memory judging what fits (or `fits`); `bounding`: its `skip` and `order`
+    (and `priced`, the node costs a stage layout's floor worked out), or `lean_first`. A pipeline stage's grid
+    reduces each partial sum where it is made (`reduce_at_once`): its points are cut into stages (the PTD-P
+    points, and a stage plan that is its grid point), and Megatron-LM sends no partial sum between stages."""
     request = step.request
     pinned_zero = request.state_zero if request.state_zero in (1, 2) else 0   # `--degrees zero=N`
     return grid_families(step.graph, request.library, step.machine, request.free_input_placements, step.devices,
