@@ -855,20 +855,20 @@ def lean_choices(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Se
                  capacity: float, time_s: float, memory_bytes: float,
                  obliged: Obliged | None = None,
                  like: Choosable | None = None,
-                 known: dict[float, tuple] | None = None) -> list[tuple[dict[int, int], tuple | None]]:
+                 known: dict[float, tuple] | None = None) -> list[tuple[dict[int, int] | None, tuple | None]]:
     """Plans that trade time for memory, for an extraction whose passes ranked by time found none that fits:
     bottom-up choices at a price per byte of memory (a Lagrangian weight, time + price x bytes), the price
     doubled from the fastest plan's own exchange rate (`time_s` / `memory_bytes`) until a choice fits, then
     bisected between the last that did not and the first that did, towards the fastest that fits. The prices are
     fixed by the costs alone (no clock), so the same e-graph gives the same plans. Every choice is judged by
-    `dag_cost` as the other passes' are (each comes back with it: `extract` takes it rather than working it out
-    again); none is guaranteed to fit (the weight counts a shared child's memory once per reader, the DAG once).
+    `dag_cost` as the other passes' are (each comes back cut to the classes it counts, with it, `_judged`: `extract`
+    takes it rather than working it out again); none is guaranteed to fit (the weight counts a shared child's memory once per reader, the DAG once).
     `like`: the extraction's own `Choosable` (the same e-nodes and `usable`), whose e-nodes and readers are
     taken rather than worked out again. `known`: price -> (choice, its `dag_cost`) of passes made before from
     these very `costs`, `usable`, `roots` and `obliged` (`_TimeRanked.lean`), taken, and the passes made here added:
     a stage plan extracted again within less memory (`mesh._leaner_as_run`) starts from the same fastest plan, so
     from the same prices, and only the capacity, which judges each choice, differs."""
-    chosen: list[tuple[dict[int, int], tuple | None]] = []
+    chosen: list[tuple[dict[int, int] | None, tuple | None]] = []
     known = {} if known is None else known
     choosable: list[Choosable] = []   # made when a pass first needs it
 
@@ -878,7 +878,7 @@ def lean_choices(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Se
             if not choosable:
                 choosable.append(Choosable.of(snapshot, costs, usable, like).with_memory(costs))
             choice, _rank = bottom_up(snapshot, costs, usable, memory_price=price, choosable=choosable[0])
-            found = known[price] = (choice, dag_cost(snapshot, costs, choice, roots, obliged))
+            found = known[price] = _judged(snapshot, costs, choice, roots, obliged)
         chosen.append(found)
         return found[1] is not None and found[1][1] <= capacity
 
@@ -929,35 +929,45 @@ PASSES_KEPT = 8   # the last time-ranked passes `_time_ranked` keeps per e-graph
 
 @dataclass(frozen=True)
 class _TimeRanked:
-    """An extraction's passes ranked by time, which read neither its memory capacity nor its ILP limits: what
-    they rank by (`guide`), the e-nodes they walk (`choosable`), the bottom-up pass's choice (`tree`), the greedy
-    DAG pass's (`greedy`, None where its deadline cut it), each judged by `dag_cost` (`judged`), the seconds
-    each took, and the lean passes made from the same costs (`lean`, `lean_choices`' `known`)."""
+    """An extraction's passes ranked by time, which read neither its memory capacity nor its ILP limits: whether the
+    bottom-up pass reaches every root (`reaches`), its choice and the greedy DAG pass's, each as `dag_cost` judged it
+    (`judged`: None where it judged none) and cut to the classes it counted (`plans`: what `extract` reads of them;
+    None where judged none), the seconds each took, and the lean passes made from the same costs (`lean`,
+    `lean_choices`' `known`). Kept choices are cut so that the e-graph's kept passes hold plans, not choices of
+    every class (an uncut copy per policy and grid point held ~150 MiB more on llama-70b:64)."""
 
-    guide: Mapping[NodeId, NodeCost]
-    choosable: Choosable
-    tree: dict[int, int]
-    greedy: dict[int, int] | None
+    reaches: bool
+    plans: tuple[dict[int, int] | None, dict[int, int] | None]
     judged: tuple[tuple | None, tuple | None]
     seconds: Mapping[str, float]
     lean: dict[float, tuple] = field(default_factory=dict)   # `lean_choices`' passes from these costs, by price
 
 
+def _judged(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], choice: Mapping[int, int] | None,
+            roots: Sequence[int], obliged: Obliged | None) -> tuple[dict[int, int] | None, tuple | None]:
+    """`choice` cut to the classes `dag_cost` counts, and its `dag_cost` (None, None where it counts none): what
+    `extract` reads of a pass's choice (`consider`)."""
+    result = dag_cost(snapshot, costs, choice, roots, obliged) if choice is not None else None
+    return (None, None) if result is None else ({c: choice[c] for c in result[2]}, result)
+
+
 def _time_ranked(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], usable,
-                 exclude: Callable[[NodeId], bool] | None, obliged: Obliged | None, seconds: float) -> _TimeRanked:
+                 exclude: Callable[[NodeId], bool] | None, obliged: Obliged | None,
+                 seconds: float) -> tuple[_TimeRanked, tuple | None]:
     """The passes ranked by time (`_TimeRanked`) of an extraction from `costs` less `exclude` with `obliged`
-    (`usable` is theirs, `_usable`), or those of an extraction before from these very objects: the last
-    PASSES_KEPT are kept with the snapshot, held by the objects themselves (a key of identities, checked), as
-    they read nothing else but `roots`. Where they repeat: a grid point found too large is extracted again on a
-    roomy machine (`baselines.best_grid`: 28 of llama-70b:64's 116 extractions), a stage plan again within less
-    memory (`mesh._leaner_as_run`). `seconds`: the greedy DAG pass's safety valve (`extract`); a pass it cut is
-    not kept."""
+    (`usable` is theirs, `_usable`), with what they ranked by and walked ((`_guided`, `Choosable`), None where
+    they were taken), or those of an extraction before from these very objects: the last PASSES_KEPT are kept with
+    the snapshot, held by the objects themselves (a key of identities, checked), as they read nothing else but
+    `roots`. Where they repeat: a grid point found too large is extracted again on a roomy machine
+    (`baselines.best_grid`: 26 of llama-70b:64's 116 extractions), a stage plan again within less memory
+    (`mesh._leaner_as_run`). `seconds`: the greedy DAG pass's safety valve (`extract`); a pass it cut is not
+    kept."""
     kept = snapshot.derive(("extract._time_ranked", tuple(roots)), dict)
     owners = (costs, exclude, obliged)
     key = tuple(map(id, owners))
     found = kept.get(key)
     if found is not None and all(a is b for a, b in zip(found[0], owners)):
-        return replace(found[1], seconds={name: 0.0 for name in found[1].seconds})   # this extraction's: none
+        return replace(found[1], seconds={name: 0.0 for name in found[1].seconds}), None   # this one's: none
     t = time.perf_counter()
     guide = _guided(snapshot, costs, usable, obliged)
     choosable = _choosable(snapshot, costs, guide, usable, exclude, obliged)
@@ -966,35 +976,32 @@ def _time_ranked(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Se
     t = time.perf_counter()
     greedy = greedy_dag(snapshot, guide, usable, t + seconds, choosable)
     took["greedy_dag"] = time.perf_counter() - t
-    judged = tuple(dag_cost(snapshot, costs, choice, roots, obliged) if choice is not None else None
-                   for choice in (tree, greedy))
-    passes = _TimeRanked(guide, choosable, tree, greedy, judged, took)
+    (tree_plan, tree_judged), (greedy_plan, greedy_judged) = (_judged(snapshot, costs, c, roots, obliged)
+                                                              for c in (tree, greedy))
+    passes = _TimeRanked(all(r in tree for r in roots), (tree_plan, greedy_plan), (tree_judged, greedy_judged), took)
     if greedy is not None:
         kept.pop(key, None)
         kept[key] = (owners, passes)
         while len(kept) > PASSES_KEPT:
             del kept[next(iter(kept))]   # the oldest
-    return passes
+    return passes, (guide, choosable)
 
 
 def _choosable(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], guide: Mapping[NodeId, NodeCost], usable,
                exclude: Callable[[NodeId], bool] | None, obliged: Obliged | None) -> Choosable:
-    """`Choosable.of(snapshot, guide, usable)`, its e-nodes and readers taken from one made before with the same
+    """`Choosable.of(snapshot, guide, usable)`, its e-nodes and readers taken from the last one made with the same
     `exclude` and `obliged` objects over costs of the same e-nodes: `usable` reads nothing else of them
     (`_usable`), so the e-nodes a pass may choose are the same. The policies of one mesh (ZeRO stages, keeping
-    or recomputing, `mesh._extract_joint`) price the same e-nodes differently, and each scanned every e-node
-    again; a set of e-nodes is compared (a dict's keys) rather than worked out. The last PASSES_KEPT are kept."""
+    or recomputing, `mesh._extract_joint`) price the same e-nodes differently, one after another, and each
+    scanned every e-node again; a set of e-nodes is compared (a dict's keys) rather than worked out. One is kept
+    per snapshot (its e-nodes and readers, and the costs whose keys they follow)."""
     kept = snapshot.derive("extract._choosable", dict)
-    key = (id(exclude), id(obliged))
-    found = kept.get(key)
+    found = kept.get("last")
     like = found[3] if found is not None and found[0] is exclude and found[1] is obliged and \
         found[2].keys() == costs.keys() else None
     choosable = Choosable.of(snapshot, guide, usable, like)
     if like is None:
-        kept.pop(key, None)
-        kept[key] = (exclude, obliged, costs, choosable)
-        while len(kept) > PASSES_KEPT:
-            del kept[next(iter(kept))]   # the oldest
+        kept["last"] = (exclude, obliged, costs, replace(choosable, time={}, weight={}))
     return choosable
 
 
@@ -1024,13 +1031,20 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
         candidates[method] = min(time_s, candidates.get(method, math.inf))   # a method may try several
         found.append((time_s, memory, method, {c: choice[c] for c in order}))
 
-    passes = _time_ranked(snapshot, costs, roots, usable, exclude, obliged, limits.seconds)
-    guide, choosable = passes.guide, passes.choosable   # what the greedy passes rank by, and the e-nodes they walk
+    passes, walked = _time_ranked(snapshot, costs, roots, usable, exclude, obliged, limits.seconds)
     seconds.update(passes.seconds)
-    if any(r not in passes.tree for r in roots):
+    if not passes.reaches:
         raise ExtractionError("no plan reaches the graph's outputs with the e-nodes the cost model accepts")
-    consider("bottom_up", passes.tree, passes.judged[0])
-    consider("greedy_dag", passes.greedy, passes.judged[1])
+    consider("bottom_up", passes.plans[0], passes.judged[0])
+    consider("greedy_dag", passes.plans[1], passes.judged[1])
+    made = [] if walked is None else [walked]
+
+    def walk() -> tuple:
+        """What the greedy passes rank by (`_guided`) and the e-nodes they walk: made here where they were taken."""
+        if not made:
+            guide = _guided(snapshot, costs, usable, obliged)
+            made.append((guide, _choosable(snapshot, costs, guide, usable, exclude, obliged)))
+        return made[0]
 
     def fitting() -> list:
         return [f for f in found if f[1] <= capacity]
@@ -1040,6 +1054,7 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
         admits it; its status."""
         warm = min(found, key=lambda f: (f[1] > capacity, f[0]))[3]
         t = time.perf_counter()
+        guide, choosable = walk()
         _tree, rank = bottom_up(snapshot, guide, usable, prefer=warm, choosable=choosable)  # admits the warm start
         choice, status = ilp(snapshot, costs, roots, usable, capacity, warm, limits.ilp_nodes, rank,
                              min(limits.ilp_seconds, limits.seconds), obliged)
@@ -1054,7 +1069,7 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
         fastest = min(found, key=lambda f: f[0])
         # `guide` holds the e-nodes `costs` holds (`_guided`), so its passes' e-nodes are this pass's too
         for choice, judged in lean_choices(snapshot, costs, roots, usable, capacity, fastest[0], fastest[1], obliged,
-                                           choosable, passes.lean):
+                                           walk()[1], passes.lean):
             consider(LEAN, choice, judged)
         if fitting() and limits.ilp_seconds > 0:
             status = run_ilp(LEAN_ILP)
