@@ -25,7 +25,8 @@ from parsat.ir.models import build_example
 from parsat.ir.pcg import PCG, WEIGHT_VALUE, Degrees, PNode, pcg_roles
 from parsat.ir.placement import _SIGNATURE, Placement, _signature, axis_compute, codes_for_rank
 from parsat.search.baselines import independent_grid
-from parsat.search.extract import ComputedCosts, Pricer, _compute, _leaf_roles, kept_classes, leaf_roles, node_costs
+from parsat.search.extract import (ComputedCosts, Pricer, _compute, _leaf_roles, bottom_up, kept_classes, leaf_roles,
+                                   node_costs)
 from parsat.search.recompute import _kept_across_blocks, recomputed_enodes, recomputed_pcg_costs
 from parsat.search.repeat import (OUTSIDE, REPEATED, Repetition, _value_names, chain_nodes, class_blocks,
                                   snapshot_blocks, value_names, weigh)
@@ -426,3 +427,121 @@ def test_a_choice_built_before_is_taken_with_each_policy_s_own_costs(three_block
             figures.add(totals(found[1], machine))
         assert taken >= 2   # a choice built before was taken: the kept costs were read
         assert len(figures) >= 3   # the policies' costs differ: another policy's costs would fail the comparison
+
+
+def test_an_extraction_from_the_same_objects_takes_the_time_ranked_passes_kept(three_blocks, monkeypatch):
+    """`extract` keeps its passes ranked by time with the snapshot (`extract._time_ranked`), held by the costs,
+    exclusion and obligations they read: a grid point extracted again on a roomy machine takes them, and gets what
+    the same e-graph with nothing kept gives; costs that are equal but another object are passed over."""
+    from parsat.search import extract
+    graph, result, costs = three_blocks
+    roots = [result.classes[n] for n in graph.outputs]
+    split = frozenset(nid for nid in costs if result.snapshot.classes[nid[0]][nid[1]].op == "partition")
+    assert split
+    passes = []
+    monkeypatch.setattr(extract, "bottom_up", lambda *a, **k: passes.append(1) or bottom_up(*a, **k))
+    figures = set()
+    for exclude in (None, sorted(split)[::2], sorted(split)[1::2]):
+        excluded = None if exclude is None else frozenset(exclude).__contains__
+        for capacity, limits in ((1 << 40, Limits()), (float("inf"), replace(Limits(), ilp_seconds=0.0))):
+            del passes[:]
+            found = extract.extract(result.snapshot, costs, roots, capacity, limits, excluded)
+            taken = not passes   # no bottom-up pass ran: neither the time-ranked one nor an ILP's
+            fresh = extract.extract(_anew(result).snapshot, costs, roots, capacity, limits, excluded)
+            assert (found.choice, found.time_s, found.memory_bytes, found.method, found.candidates,
+                    found.ilp_status) == (fresh.choice, fresh.time_s, fresh.memory_bytes, fresh.method,
+                                          fresh.candidates, fresh.ilp_status)
+            assert taken == (limits.ilp_seconds == 0)   # the roomy extraction, after the first from these objects
+            figures.add(found.time_s)
+        del passes[:]
+        extract.extract(result.snapshot, dict(costs), roots, float("inf"), replace(Limits(), ilp_seconds=0.0),
+                        excluded)
+        assert passes   # equal costs, another object: worked out again
+    assert len(figures) >= 2   # the exclusions change the plan: another exclusion's passes would fail
+
+
+
+def test_a_lean_extraction_again_within_less_memory_takes_the_lean_passes_kept(three_blocks, monkeypatch):
+    """A lean extraction asked again from the same objects within less memory (`mesh._leaner_as_run`) takes the
+    passes at memory prices made before (`lean_choices`' `known`), and gets what the same e-graph with nothing
+    kept gives."""
+    from parsat.search import extract
+    graph, result, costs = three_blocks
+    roots = [result.classes[n] for n in graph.outputs]
+    priced = []   # the memory prices of the bottom-up passes run
+    monkeypatch.setattr(extract, "bottom_up", lambda *a, **k: priced.append(k.get("memory_price", 0.0)) or
+                        bottom_up(*a, **k))
+    least = extract.extract(result.snapshot, costs, roots, float("inf"), replace(Limits(), ilp_seconds=0.0))
+    taken = 0
+    for first, second in ((0.8, 0.6), (0.6, 0.4), (0.5, 0.45)):
+        snapshot = _anew(result).snapshot   # nothing kept from the pair before
+        for share in (first, second):
+            del priced[:]
+            try:
+                kept = extract.extract(snapshot, costs, roots, least.memory_bytes * share, Limits(), lean=True)
+            except extract.ExtractionError as err:
+                kept = str(err)
+            kept_prices = [p for p in priced if p]
+            del priced[:]
+            try:
+                fresh = extract.extract(_anew(result).snapshot, costs, roots, least.memory_bytes * share, Limits(),
+                                        lean=True)
+            except extract.ExtractionError as err:
+                fresh = str(err)
+            if isinstance(kept, str):
+                assert kept == fresh
+            else:
+                assert (kept.choice, kept.time_s, kept.memory_bytes, kept.method, kept.candidates) == \
+                    (fresh.choice, fresh.time_s, fresh.memory_bytes, fresh.method, fresh.candidates)
+            taken += len(kept_prices) < len([p for p in priced if p])
+    assert taken   # a second extraction took passes kept from the first (fewer priced passes than afresh)
+
+
+def test_policies_pricing_the_same_e_nodes_share_what_the_passes_may_choose(three_blocks, monkeypatch):
+    """Extractions from costs of the same e-nodes (the policies of one mesh: `extract._choosable`) take the e-nodes
+    and readers the passes walk from the first, and get what the same e-graph with nothing kept gives; costs of
+    other e-nodes or another exclusion work them out again."""
+    from parsat.search import extract
+    graph, result, costs = three_blocks
+    roots = [result.classes[n] for n in graph.outputs]
+    scanned = []   # a Choosable made by scanning the e-nodes (none taken from another)
+    made = extract.Choosable.of
+    monkeypatch.setattr(extract.Choosable, "of", staticmethod(
+        lambda snapshot, costs, usable, like=None: scanned.append(like is None) or made(snapshot, costs, usable, like)))
+    chosen = extract.extract(_anew(result).snapshot, costs, roots, 1 << 40, Limits()).choice
+    unchosen = next(nid for nid in costs if chosen.get(nid[0], nid[1]) != nid[1])
+    fewer = {nid: cost for nid, cost in costs.items() if nid != unchosen}
+    excluded = frozenset(sorted(nid for nid in costs
+                                if result.snapshot.classes[nid[0]][nid[1]].op == "partition")[::2]).__contains__
+    policies = [(costs, None, False), ({nid: c.times(3) if c.comm_s else c for nid, c in costs.items()}, None, True),
+                (fewer, None, False), (costs, excluded, False)]
+    times, snapshot = set(), _anew(result).snapshot   # nothing kept from other tests
+    for priced, exclude, shared in policies:
+        del scanned[:]
+        found = extract.extract(snapshot, priced, roots, 1 << 40, Limits(), exclude)
+        assert scanned[0] != shared
+        fresh = extract.extract(_anew(result).snapshot, priced, roots, 1 << 40, Limits(), exclude)
+        assert (found.choice, found.time_s, found.memory_bytes, found.method, found.candidates) == \
+            (fresh.choice, fresh.time_s, fresh.memory_bytes, fresh.method, fresh.candidates)
+        times.add(found.time_s)
+    assert len(times) >= 2   # the costs differ in what they choose
+
+
+def test_policies_sharing_a_zero_stage_price_its_e_nodes_once(three_blocks, monkeypatch):
+    """`solve.price` prices the e-nodes a ZeRO stage prices differently once per snapshot and stage
+    (`solve._zero_costs`): the policies sharing a stage, keeping activations or recomputing, get the costs the same
+    e-graph with nothing kept gives, and each stage its own."""
+    graph, result, costs = three_blocks
+    library = resolve_library(None)
+    machine = Machine.preset("cpu").with_devices(2)
+    roots = [result.classes[n] for n in graph.outputs]
+    calls = []
+    monkeypatch.setattr(solve, "node_costs", lambda *a, **k: calls.append(1) or node_costs(*a, **k))
+    kept, stages = _anew(result), []
+    for zero, recompute in ((1, "none"), (2, "blocks"), (1, "blocks"), (2, "none")):
+        found = solve.price(kept, graph, library, machine, True, None, None, roots, recompute, costs, zero=zero)
+        assert found == solve.price(_anew(result), graph, library, machine, True, None, None, roots, recompute, costs,
+                                    zero=zero)
+        stages.append(found)
+    assert len(calls) == 2 + 4   # the kept e-graph's two stages, once each; every fresh one's
+    assert stages[0] != stages[3]   # the stages differ: another stage's costs would fail the comparison

@@ -444,23 +444,36 @@ class Choosable:
     does not read its own class, in the snapshot's order, with how many distinct classes it reads (`waiting`),
     and its own weight as the passes rank by time (`weight`: its time plus `EPSILON`). An extraction runs the
     bottom-up pass twice or more and the greedy DAG pass once over the same e-nodes and costs (`extract`); each
-    scanned every e-node and priced each it met afresh."""
+    scanned every e-node and priced each it met afresh. `readers` (class -> the choosable e-nodes reading it, in
+    the snapshot's order, `Snapshot.readers` less the rest) and `ready` (those reading no class) are what the
+    passes walk: each pass looked every reader up and passed over the ones it may not choose."""
 
     waiting: Mapping[NodeId, int]
     time: Mapping[NodeId, float]     # its time (`NodeCost.time_s`)
     weight: Mapping[NodeId, float]   # its time + EPSILON
+    readers: Mapping[int, tuple[NodeId, ...]]
+    ready: tuple[NodeId, ...]
     # each e-node's (id, time, memory): what a pass at a price per byte weighs it by (`with_memory`), or None
     priced: tuple[tuple[NodeId, float, int], ...] | None = None
 
     @staticmethod
     def of(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Callable[[NodeId], bool],
-           waiting: Mapping[NodeId, int] | None = None) -> "Choosable":
-        """`waiting`: another `Choosable`'s, of the same snapshot and `usable` over costs of the same e-nodes (it
-        reads nothing else), rather than every e-node scanned again (`lean_choices` shares its extraction's)."""
-        if waiting is None:
+           like: "Choosable | None" = None) -> "Choosable":
+        """`like`: another `Choosable` of the same snapshot and `usable` over costs of the same e-nodes (its
+        `waiting`, `readers` and `ready` read nothing else), taken rather than every e-node scanned again
+        (`lean_choices` shares its extraction's)."""
+        if like is None:
             waiting = {nid: len(kids) for nid, kids in snapshot.kids.items() if nid[0] not in kids and usable(nid)}
+            readers = {}
+            for cid, nids in snapshot.readers.items():
+                mine = tuple(nid for nid in nids if nid in waiting)
+                if mine:
+                    readers[cid] = mine
+            ready = tuple(nid for nid, left in waiting.items() if not left)
+        else:
+            waiting, readers, ready = like.waiting, like.readers, like.ready
         time_of = {nid: costs[nid].time_s for nid in waiting}
-        return Choosable(waiting, time_of, {nid: t + EPSILON for nid, t in time_of.items()})
+        return Choosable(waiting, time_of, {nid: t + EPSILON for nid, t in time_of.items()}, readers, ready)
 
     def with_memory(self, costs: Mapping[NodeId, NodeCost]) -> "Choosable":
         """This, with each e-node's memory beside its time (`priced`), for passes weighing memory at a price
@@ -497,28 +510,27 @@ def bottom_up(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Call
 
     # the same passes and sums as written plainly, with the lookups bound once: extraction runs this on every
     # grid configuration of every mesh (10^5 e-nodes each), so its per-e-node overhead is most of its cost
-    kids_of, readers_of, push, pop = snapshot.kids, snapshot.readers, heapq.heappush, heapq.heappop
+    # (the heap's entries are distinct, (weight, class, index), so they leave it in one order whatever order they
+    # entered in; a class's rank is its place in `choice`, which is filled in that order)
+    kids_of, readers_of, push, pop = snapshot.kids, choosable.readers.get, heapq.heappush, heapq.heappop
     pending = dict(choosable.waiting)    # usable e-node -> its children not yet final
-    heap: list = [(weight[nid], nid[0], nid[1]) for nid, left in pending.items() if not left]
+    heap: list = [(weight[nid], nid[0], nid[1]) for nid in choosable.ready]
     heapq.heapify(heap)
     best: dict[int, float] = {}
     choice: dict[int, int] = {}
-    rank: dict[int, int] = {}
     final = best.__getitem__
     while heap:
         value, cid, index = pop(heap)
         if cid in best:
             continue
-        best[cid], choice[cid] = value, index
-        rank[cid] = len(rank)
-        for nid in readers_of.get(cid, ()):
-            left = pending.get(nid)
-            if left is None:
-                continue
-            pending[nid] = left = left - 1
-            if left == 0 and nid[0] not in best:
+        best[cid] = value
+        choice[cid] = index
+        for nid in readers_of(cid, ()):
+            left = pending[nid] - 1
+            pending[nid] = left
+            if not left and nid[0] not in best:
                 push(heap, (weight[nid] + sum(map(final, kids_of[nid])), nid[0], nid[1]))
-    return choice, rank
+    return choice, {cid: position for position, cid in enumerate(choice)}
 
 
 def greedy_dag(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Callable[[NodeId], bool],
@@ -535,9 +547,9 @@ def greedy_dag(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Cal
     `choosable`: `Choosable.of(snapshot, costs, usable)`, when the caller has it.
     """
     choosable = choosable or Choosable.of(snapshot, costs, usable)
-    time_of, weight, readers_of, kids_of = choosable.time, choosable.weight, snapshot.readers, snapshot.kids
+    time_of, weight, readers_of, kids_of = choosable.time, choosable.weight, choosable.readers.get, snapshot.kids
     pending = dict(choosable.waiting)   # usable e-node -> its children not yet final
-    ready: list = [(weight[nid], nid[0], nid[1]) for nid, left in pending.items() if not left]
+    ready: list = [(weight[nid], nid[0], nid[1]) for nid in choosable.ready]
     heapq.heapify(ready)
     below: dict[int, int] = {}          # class -> bitset of the classes its choice needs (itself included)
     value_of: dict[int, float] = {}     # class -> summed cost of that set
@@ -570,12 +582,10 @@ def greedy_dag(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Cal
         mask, _total = union(kids_of[(cid, index)])
         own.append(weight[(cid, index)])
         below[cid], value_of[cid], choice[cid] = mask | (1 << (len(own) - 1)), value, index
-        for nid in readers_of.get(cid, ()):
-            left = pending.get(nid)
-            if left is None:
-                continue
-            pending[nid] = left = left - 1
-            if left == 0 and nid[0] not in choice:
+        for nid in readers_of(cid, ()):
+            left = pending[nid] - 1
+            pending[nid] = left
+            if not left and nid[0] not in choice:
                 _mask, total = union(kids_of[nid])
                 push(ready, (total + time_of[nid] + EPSILON, nid[0], nid[1]))
     return choice
@@ -844,23 +854,33 @@ LEAN_BISECTIONS = 4
 def lean_choices(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], usable,
                  capacity: float, time_s: float, memory_bytes: float,
                  obliged: Obliged | None = None,
-                 waiting: Mapping[NodeId, int] | None = None) -> list[dict[int, int]]:
+                 like: Choosable | None = None,
+                 known: dict[float, tuple] | None = None) -> list[tuple[dict[int, int] | None, tuple | None]]:
     """Plans that trade time for memory, for an extraction whose passes ranked by time found none that fits:
     bottom-up choices at a price per byte of memory (a Lagrangian weight, time + price x bytes), the price
     doubled from the fastest plan's own exchange rate (`time_s` / `memory_bytes`) until a choice fits, then
     bisected between the last that did not and the first that did, towards the fastest that fits. The prices are
     fixed by the costs alone (no clock), so the same e-graph gives the same plans. Every choice is judged by
-    `dag_cost` as the other passes' are; none is guaranteed to fit (the weight counts a shared child's memory
-    once per reader, the DAG once). `waiting`: the extraction's own `Choosable.waiting` (the same e-nodes and
-    `usable`), taken rather than worked out again."""
-    chosen: list[dict[int, int]] = []
-    choosable = Choosable.of(snapshot, costs, usable, waiting).with_memory(costs)
+    `dag_cost` as the other passes' are (each comes back cut to the classes it counts, with it, `_judged`: `extract`
+    takes it rather than working it out again); none is guaranteed to fit (the weight counts a shared child's memory once per reader, the DAG once).
+    `like`: the extraction's own `Choosable` (the same e-nodes and `usable`), whose e-nodes and readers are
+    taken rather than worked out again. `known`: price -> (choice, its `dag_cost`) of passes made before from
+    these very `costs`, `usable`, `roots` and `obliged` (`_TimeRanked.lean`), taken, and the passes made here added:
+    a stage plan extracted again within less memory (`mesh._leaner_as_run`) starts from the same fastest plan, so
+    from the same prices, and only the capacity, which judges each choice, differs."""
+    chosen: list[tuple[dict[int, int] | None, tuple | None]] = []
+    known = {} if known is None else known
+    choosable: list[Choosable] = []   # made when a pass first needs it
 
     def fits_at(price: float) -> bool:
-        choice, _rank = bottom_up(snapshot, costs, usable, memory_price=price, choosable=choosable)
-        chosen.append(choice)
-        result = dag_cost(snapshot, costs, choice, roots, obliged)
-        return result is not None and result[1] <= capacity
+        found = known.get(price)
+        if found is None:
+            if not choosable:
+                choosable.append(Choosable.of(snapshot, costs, usable, like).with_memory(costs))
+            choice, _rank = bottom_up(snapshot, costs, usable, memory_price=price, choosable=choosable[0])
+            found = known[price] = _judged(snapshot, costs, choice, roots, obliged)
+        chosen.append(found)
+        return found[1] is not None and found[1][1] <= capacity
 
     low, high = 0.0, time_s / max(memory_bytes, 1.0)
     for _ in range(LEAN_PRICES):
@@ -904,6 +924,87 @@ def _guided(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable,
     return out
 
 
+PASSES_KEPT = 8   # the last time-ranked passes `_time_ranked` keeps per e-graph (a grid's points, then again roomy)
+
+
+@dataclass(frozen=True)
+class _TimeRanked:
+    """An extraction's passes ranked by time, which read neither its memory capacity nor its ILP limits: whether the
+    bottom-up pass reaches every root (`reaches`), its choice and the greedy DAG pass's, each as `dag_cost` judged it
+    (`judged`: None where it judged none) and cut to the classes it counted (`plans`: what `extract` reads of them;
+    None where judged none), the seconds each took, and the lean passes made from the same costs (`lean`,
+    `lean_choices`' `known`). Kept choices are cut so that the e-graph's kept passes hold plans, not choices of
+    every class (an uncut copy per policy and grid point held ~150 MiB more on llama-70b:64)."""
+
+    reaches: bool
+    plans: tuple[dict[int, int] | None, dict[int, int] | None]
+    judged: tuple[tuple | None, tuple | None]
+    seconds: Mapping[str, float]
+    lean: dict[float, tuple] = field(default_factory=dict)   # `lean_choices`' passes from these costs, by price
+
+
+def _judged(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], choice: Mapping[int, int] | None,
+            roots: Sequence[int], obliged: Obliged | None) -> tuple[dict[int, int] | None, tuple | None]:
+    """`choice` cut to the classes `dag_cost` counts, and its `dag_cost` (None, None where it counts none): what
+    `extract` reads of a pass's choice (`consider`)."""
+    result = dag_cost(snapshot, costs, choice, roots, obliged) if choice is not None else None
+    return (None, None) if result is None else ({c: choice[c] for c in result[2]}, result)
+
+
+def _time_ranked(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], usable,
+                 exclude: Callable[[NodeId], bool] | None, obliged: Obliged | None,
+                 seconds: float) -> tuple[_TimeRanked, tuple | None]:
+    """The passes ranked by time (`_TimeRanked`) of an extraction from `costs` less `exclude` with `obliged`
+    (`usable` is theirs, `_usable`), with what they ranked by and walked ((`_guided`, `Choosable`), None where
+    they were taken), or those of an extraction before from these very objects: the last PASSES_KEPT are kept with
+    the snapshot, held by the objects themselves (a key of identities, checked), as they read nothing else but
+    `roots`. Where they repeat: a grid point found too large is extracted again on a roomy machine
+    (`baselines.best_grid`: 26 of llama-70b:64's 116 extractions), a stage plan again within less memory
+    (`mesh._leaner_as_run`). `seconds`: the greedy DAG pass's safety valve (`extract`); a pass it cut is not
+    kept."""
+    kept = snapshot.derive(("extract._time_ranked", tuple(roots)), dict)
+    owners = (costs, exclude, obliged)
+    key = tuple(map(id, owners))
+    found = kept.get(key)
+    if found is not None and all(a is b for a, b in zip(found[0], owners)):
+        return replace(found[1], seconds={name: 0.0 for name in found[1].seconds}), None   # this one's: none
+    t = time.perf_counter()
+    guide = _guided(snapshot, costs, usable, obliged)
+    choosable = _choosable(snapshot, costs, guide, usable, exclude, obliged)
+    tree, _rank = bottom_up(snapshot, guide, usable, choosable=choosable)
+    took = {"bottom_up": time.perf_counter() - t}
+    t = time.perf_counter()
+    greedy = greedy_dag(snapshot, guide, usable, t + seconds, choosable)
+    took["greedy_dag"] = time.perf_counter() - t
+    (tree_plan, tree_judged), (greedy_plan, greedy_judged) = (_judged(snapshot, costs, c, roots, obliged)
+                                                              for c in (tree, greedy))
+    passes = _TimeRanked(all(r in tree for r in roots), (tree_plan, greedy_plan), (tree_judged, greedy_judged), took)
+    if greedy is not None:
+        kept.pop(key, None)
+        kept[key] = (owners, passes)
+        while len(kept) > PASSES_KEPT:
+            del kept[next(iter(kept))]   # the oldest
+    return passes, (guide, choosable)
+
+
+def _choosable(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], guide: Mapping[NodeId, NodeCost], usable,
+               exclude: Callable[[NodeId], bool] | None, obliged: Obliged | None) -> Choosable:
+    """`Choosable.of(snapshot, guide, usable)`, its e-nodes and readers taken from the last one made with the same
+    `exclude` and `obliged` objects over costs of the same e-nodes: `usable` reads nothing else of them
+    (`_usable`), so the e-nodes a pass may choose are the same. The policies of one mesh (ZeRO stages, keeping
+    or recomputing, `mesh._extract_joint`) price the same e-nodes differently, one after another, and each
+    scanned every e-node again; a set of e-nodes is compared (a dict's keys) rather than worked out. One is kept
+    per snapshot (its e-nodes and readers, and the costs whose keys they follow)."""
+    kept = snapshot.derive("extract._choosable", dict)
+    found = kept.get("last")
+    like = found[3] if found is not None and found[0] is exclude and found[1] is obliged and \
+        found[2].keys() == costs.keys() else None
+    choosable = Choosable.of(snapshot, guide, usable, like)
+    if like is None:
+        kept["last"] = (exclude, obliged, costs, replace(choosable, time={}, weight={}))
+    return choosable
+
+
 def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], capacity: float,
             limits: Limits = Limits(), exclude: Callable[[NodeId], bool] | None = None,
             lean: bool = False, obliged: Obliged | None = None) -> Extraction:
@@ -919,8 +1020,10 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
     candidates: dict[str, float] = {}
     found: list[tuple[float, int, str, dict[int, int]]] = []
 
-    def consider(method: str, choice: Mapping[int, int] | None) -> None:
-        result = dag_cost(snapshot, costs, choice, roots, obliged) if choice is not None else None
+    def consider(method: str, choice: Mapping[int, int] | None, judged: tuple | None = None) -> None:
+        """`judged`: `dag_cost` of `choice` (with `costs`, `roots`, `obliged`), where the caller has it."""
+        result = judged if judged is not None else \
+            dag_cost(snapshot, costs, choice, roots, obliged) if choice is not None else None
         if result is None:
             candidates.setdefault(method, math.inf)
             return
@@ -928,17 +1031,20 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
         candidates[method] = min(time_s, candidates.get(method, math.inf))   # a method may try several
         found.append((time_s, memory, method, {c: choice[c] for c in order}))
 
-    t = time.perf_counter()
-    guide = _guided(snapshot, costs, usable, obliged)   # what the greedy passes rank by
-    choosable = Choosable.of(snapshot, guide, usable)
-    tree, _rank = bottom_up(snapshot, guide, usable, choosable=choosable)
-    seconds["bottom_up"] = time.perf_counter() - t
-    if any(r not in tree for r in roots):
+    passes, walked = _time_ranked(snapshot, costs, roots, usable, exclude, obliged, limits.seconds)
+    seconds.update(passes.seconds)
+    if not passes.reaches:
         raise ExtractionError("no plan reaches the graph's outputs with the e-nodes the cost model accepts")
-    consider("bottom_up", tree)
-    t = time.perf_counter()
-    consider("greedy_dag", greedy_dag(snapshot, guide, usable, t + limits.seconds, choosable))
-    seconds["greedy_dag"] = time.perf_counter() - t
+    consider("bottom_up", passes.plans[0], passes.judged[0])
+    consider("greedy_dag", passes.plans[1], passes.judged[1])
+    made = [] if walked is None else [walked]
+
+    def walk() -> tuple:
+        """What the greedy passes rank by (`_guided`) and the e-nodes they walk: made here where they were taken."""
+        if not made:
+            guide = _guided(snapshot, costs, usable, obliged)
+            made.append((guide, _choosable(snapshot, costs, guide, usable, exclude, obliged)))
+        return made[0]
 
     def fitting() -> list:
         return [f for f in found if f[1] <= capacity]
@@ -948,6 +1054,7 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
         admits it; its status."""
         warm = min(found, key=lambda f: (f[1] > capacity, f[0]))[3]
         t = time.perf_counter()
+        guide, choosable = walk()
         _tree, rank = bottom_up(snapshot, guide, usable, prefer=warm, choosable=choosable)  # admits the warm start
         choice, status = ilp(snapshot, costs, roots, usable, capacity, warm, limits.ilp_nodes, rank,
                              min(limits.ilp_seconds, limits.seconds), obliged)
@@ -960,10 +1067,10 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
         # every pass ranked by time alone, and the ILP sees only the e-nodes their order admits: a plan that fits
         # by sharding more (weights stored split, ZeRO-3 style) can lie outside it. Ask again, memory priced
         fastest = min(found, key=lambda f: f[0])
-        # `guide` holds the e-nodes `costs` holds (`_guided`), so its passes' `waiting` is this pass's too
-        for choice in lean_choices(snapshot, costs, roots, usable, capacity, fastest[0], fastest[1], obliged,
-                                   choosable.waiting):
-            consider(LEAN, choice)
+        # `guide` holds the e-nodes `costs` holds (`_guided`), so its passes' e-nodes are this pass's too
+        for choice, judged in lean_choices(snapshot, costs, roots, usable, capacity, fastest[0], fastest[1], obliged,
+                                           walk()[1], passes.lean):
+            consider(LEAN, choice, judged)
         if fitting() and limits.ilp_seconds > 0:
             status = run_ilp(LEAN_ILP)
     if not fitting():

@@ -29,7 +29,7 @@ from parsat.search.recompute import recomputed_enodes, recomputed_pcg_costs
 from parsat.search.repeat import Repetition, RepeatError, conversions, copy_obligations, stamp, value_names, weigh
 from parsat.egraph.runner import Limits
 from parsat.egraph.saturate import SaturationResult
-from parsat.egraph.snapshot import parallel_attrs
+from parsat.egraph.snapshot import Snapshot, parallel_attrs
 
 
 def solve(result: SaturationResult, graph: Graph, library: Library, machine: Machine, roots: Sequence[int],
@@ -157,10 +157,27 @@ def price(result: SaturationResult, graph: Graph, library: Library, machine: Mac
     if raw is None:
         raw = node_costs(result.snapshot, graph, library, machine, free_input_placements, input_pins)
     if zero:
-        raw = {**raw, **node_costs(result.snapshot, graph, library, machine, free_input_placements, input_pins, zero,
-                                   only=lambda op, role: shards_state(op, role, zero))}
+        raw = {**raw, **_zero_costs(result.snapshot, graph, library, machine, free_input_placements, input_pins, zero)}
     costs = recomputed_enodes(raw, result.snapshot, roots, recompute)
     return weigh(costs, result.snapshot, repetition) if repetition is not None else costs
+
+
+def _zero_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Machine, free_input_placements: bool,
+                input_pins: Mapping[str, Degrees], zero: int) -> dict[NodeId, NodeCost]:
+    """The e-nodes ZeRO stage `zero` prices differently (`cost.model.shards_state`), priced under it: worked out
+    once per snapshot, stage, input placements and pins for the same graph, library and machine objects (held,
+    and checked by identity), as the policies of one mesh sharing a stage (keeping activations or recomputing
+    blocks, `mesh.policies`) each priced them again. Shared: read it, never change it."""
+    kept = snapshot.derive(("solve._zero_costs", zero, free_input_placements, tuple(sorted(input_pins.items()))),
+                           dict)
+    owners = (graph, library, machine)
+    found = kept.get("costs")
+    if found is not None and all(a is b for a, b in zip(found[0], owners)):
+        return found[1]
+    costs = node_costs(snapshot, graph, library, machine, free_input_placements, input_pins, zero,
+                       only=lambda op, role: shards_state(op, role, zero))
+    kept["costs"] = (owners, costs)
+    return costs
 
 
 def price_pcg(pcg: PCG, library: Library, machine: Machine, free_input_placements: bool = True,
