@@ -343,6 +343,14 @@ def _needs_gradient(pcg: PCG, library: Library | None) -> dict[int, bool]:
     return out
 
 
+def reader_counts(pcg: PCG) -> Mapping[int, int]:
+    """Node id -> how many nodes read it (`PCG.readers_of`), every node listed: what each simulated pass's backward
+    counts down (`_Builder.backward`), worked out once per PCG (`PCG.structural`: readers are structure). Shared,
+    read only."""
+    return pcg.derive("reader counts", None,
+                      lambda: {n.id: len(pcg.readers_of.get(n.id, ())) for n in pcg.nodes}, structural=True)
+
+
 def regathered(pcg: PCG, library: Library) -> frozenset[int]:
     """The gathers of an activation whose value a backward reads and a gradient reaches (`cost.saved.regathers`,
     as `cost.model.parallel_cost` charges them): training keeps their shard and gathers them again in backward,
@@ -552,6 +560,7 @@ class _Builder:
         self._interpreter_s = self.eff.step_node_s if profile.interpreted else 0.0
         self.steps = StepBuilder()
         self.compute = self.steps.stream(DEVICE, COMPUTE)
+        self._comm_streams: dict[str, int] = {}       # link -> its communication stream (`_comm`)
         self.by_id = {n.id: n for n in pcg.nodes}
         self.users = pcg.readers_of   # shared with the PCG's other readers: only read here
         self.needs_grad = needs_gradient(pcg, times.library)
@@ -834,7 +843,10 @@ class _Builder:
         reduce-scatter with the tensor-parallel collectives of backward); two on one link queue."""
         if not self.profile.overlap:
             return self.compute
-        return self.steps.stream(DEVICE, COMM, group.link)
+        found = self._comm_streams.get(group.link)   # the link's stream, made once (a collective of every pass asks)
+        if found is None:
+            found = self._comm_streams[group.link] = self.steps.stream(DEVICE, COMM, group.link)
+        return found
 
     def finish(self) -> None:
         """The step ends when the slowest rank ends: its lag since the last collective."""
@@ -1156,7 +1168,7 @@ class _Builder:
         syncs: list[int] = []
         produced: dict[int, int] = {}
         buckets = self._buckets() if self.syncing else []
-        waiting = {n.id: len(self.users.get(n.id, [])) for n in self.pcg.nodes}  # users whose backward is pending
+        waiting = dict(reader_counts(self.pcg))   # node -> its users whose backward is pending
         params = self.params
         done: set[int] = set()
         eager = self.profile.eager_gradients and self.syncing
@@ -1606,9 +1618,14 @@ class _Builder:
                     self._give(i, task)
                 return task
         timed = self.timed[node.id]
-        grads = [i for i in node.inputs if self.needs_grad[i]]
-        positions = [p for p, i in enumerate(node.inputs) if self.needs_grad[i]]
-        again = [p for p, i in enumerate(node.inputs) if i in self.regathered]
+        grads, positions, again = [], [], []   # the inputs needing a gradient, their positions; the regathered'
+        needs_grad, regathered = self.needs_grad, self.regathered
+        for p, i in enumerate(node.inputs):
+            if needs_grad[i]:
+                grads.append(i)
+                positions.append(p)
+            if i in regathered:
+                again.append(p)
         if again and not view:
             gathers = sorted({self._regather(self.by_id[node.inputs[p]], deps) for p in again})
             if node.op in PRODUCTS and self.profile.overlap:
