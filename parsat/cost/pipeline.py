@@ -126,7 +126,8 @@ def tp_overlap(plan: Plan, library: Library, profile: ExecutionProfile, comm_s: 
                times: OpTimes | None = None) -> TpOverlap:
     """`TpOverlap` of stage plan `plan` (on its stage machine, `plan.machine`) under `profile`; `comm_s` the
     stage plan's in-node activation collectives' seconds per micro-batch and direction (their `tp_comm_s`).
-    No overlap (and no simulation) where the profile pipelines nothing or there is nothing to hide."""
+    No overlap (and no simulation) where the profile pipelines nothing, no collective of the stage plan pipelines
+    with its product (`collective_pipelines`), or there is nothing to hide."""
     if not (profile.tp_comm_overlap and profile.overlap) or comm_s <= 0:
         return NO_OVERLAP
     base = replace(profile, overlap_param_gather=False)
