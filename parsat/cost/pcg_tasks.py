@@ -487,10 +487,19 @@ def collective_pipelines(pcg: PCG, profile: ExecutionProfile, topology: Topology
     `mesh_groups` by default). A product is pipelined with one collective: the one feeding it where one feeds
     it and another drains it (the first found, in the PCG's order). What the task builder runs pipelined
     (`_Builder.pipes`); empty, the PCG under `profile` builds the tasks it builds without `tp_comm_overlap`
-    (`cost.pipeline.tp_overlap` then simulates nothing)."""
+    (`cost.pipeline.tp_overlap` then simulates nothing). On the mesh's groups (`topology` None) worked out once
+    per PCG (`PCG.derive`: it reads the nodes, their readers, the weights' storage and the mesh, never the ZeRO
+    stage or recomputation, so a layout's forms share it, `ir.pcg.restated`); the profile only says whether it
+    applies. Shared: read it, never change it."""
     if not (profile.tp_comm_overlap and profile.overlap):
         return {}
-    topology = topology or mesh_groups(pcg)
+    if topology is None:
+        return pcg.derive(("collective pipelines", pcg.mesh), None, lambda: _pipelines(pcg, mesh_groups(pcg)))
+    return _pipelines(pcg, topology)
+
+
+def _pipelines(pcg: PCG, topology: Topology) -> dict[int, Pipeline]:
+    """`collective_pipelines` worked out, each collective on its group (`topology`)."""
     params = weight_chains(pcg)
     folded = {i for chain in pcg.storage_chains.values() for i in chain[1:]}   # `_Builder._stored_weights`'
     out: dict[int, Pipeline] = {}
@@ -551,7 +560,9 @@ def task_facts(pcg: PCG, machine: Machine, profile: ExecutionProfile, times: OpT
 
 
 class _Builder:
-    def __init__(self, pcg: PCG, machine: Machine, profile: ExecutionProfile, topology: Topology, times: OpTimes):
+    def __init__(self, pcg: PCG, machine: Machine, profile: ExecutionProfile, topology: Topology, times: OpTimes,
+                 mesh_topology: bool = False):
+        """`mesh_topology`: `topology` is `mesh_groups(pcg)`'s (each collective on a group of its mesh axis)."""
         self.pcg, self.machine, self.profile, self.topology, self.times = pcg, machine, profile, topology, times
         self.shared_times = times.machine is machine or times.machine == machine   # its chunks are this machine's
         self.item = machine.dtype_bytes
@@ -572,7 +583,9 @@ class _Builder:
         self.rings = rings_run(pcg, profile.overlap)
         # the causal ring's mask nodes, which its kernel makes from the rank's offset: nothing run, nothing held
         self.generated = frozenset(i for r in self.rings.values() for i in r.generated)
-        self.pipes = collective_pipelines(pcg, profile, topology)   # collective and product -> their `Pipeline`
+        # collective and product -> their `Pipeline` (`collective_pipelines`, on the mesh's groups where `topology` is
+        # theirs: worked out once per PCG)
+        self.pipes = collective_pipelines(pcg, profile, None if mesh_topology else topology)
         self.piped: dict[tuple[bool, int], list[int]] = {}   # (backward, collective) -> the first side's chunks
         self.early: set[int] = set()                  # products computed with a pipeline's product (its siblings)
         # ZeRO stage 1/2 (`PCG.zero`): stored-at node -> the replicate over whose devices its state is sharded
@@ -2020,7 +2033,7 @@ def simulate_pcg(pcg: PCG, library: Library, machine: Machine, profile: Executio
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise TaskBuildError(f"micro-batches must be a positive integer, got {microbatches!r}")
     builder = _Builder(pcg, machine, profile, topology or mesh_groups(pcg),
-                       times or OpTimes(library, machine))
+                       times or OpTimes(library, machine), mesh_topology=topology is None)
     template = None
     for k in range(microbatches):
         first, syncing = k == 0, k == microbatches - 1
@@ -2057,7 +2070,8 @@ def step_floor(pcg: PCG, machine: Machine, times: OpTimes, microbatches: int = 1
     plan's ZeRO stage or recomputation changes: a bound for every ZeRO stage and recomputation of `pcg`'s
     layout."""
     profile = profile or profile_for(machine)
-    return _Builder(pcg, machine, profile, mesh_groups(pcg), times).floor(microbatches, plan, shared=True)
+    return _Builder(pcg, machine, profile, mesh_groups(pcg), times, mesh_topology=True).floor(microbatches, plan,
+                                                                                             shared=True)
 
 
 def peak_floor(pcg: PCG, machine: Machine, times: OpTimes, microbatches: int = 1,
@@ -2068,7 +2082,7 @@ def peak_floor(pcg: PCG, machine: Machine, times: OpTimes, microbatches: int = 1
     `_Builder.memory_floor`. Unlike the per-node bound (`ir.costs.Totals.peak_memory_bytes`), which may lie above
     the simulated peak or far below it, this is never above it."""
     profile = profile or profile_for(machine)
-    return _Builder(pcg, machine, profile, mesh_groups(pcg), times).memory_floor(microbatches)
+    return _Builder(pcg, machine, profile, mesh_groups(pcg), times, mesh_topology=True).memory_floor(microbatches)
 
 
 __all__ = ["DDP", "ExecutionProfile", "FLOOR_SLACK", "OpTimes", "PARSAT_RUN", "StepPrediction", "TORCH_NATIVE",
