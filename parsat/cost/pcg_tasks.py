@@ -560,18 +560,15 @@ def task_facts(pcg: PCG, machine: Machine, profile: ExecutionProfile, times: OpT
 
 
 class _Builder:
-    def __init__(self, pcg: PCG, machine: Machine, profile: ExecutionProfile, topology: Topology, times: OpTimes,
-                 mesh_topology: bool = False):
-        """`mesh_topology`: `topology` is `mesh_groups(pcg)`'s (each collective on a group of its mesh axis)."""
-        self.pcg, self.machine, self.profile, self.topology, self.times = pcg, machine, profile, topology, times
+    def __init__(self, pcg: PCG, machine: Machine, profile: ExecutionProfile, topology: Topology | None, times: OpTimes):
+        self.pcg, self.machine, self.profile, self.times = pcg, machine, profile, times
+        self.topology = topology or mesh_groups(pcg)   # None: each collective on a group of its mesh axis
         self.shared_times = times.machine is machine or times.machine == machine   # its chunks are this machine's
-        self.item = machine.dtype_bytes
-        self.eff = machine.efficiency
+        self.item, self.eff = machine.dtype_bytes, machine.efficiency
         # `parsat run`'s interpreter's loop, on each node it runs (`OpEfficiency.step_node_s`; 0 not measured)
         self._interpreter_s = self.eff.step_node_s if profile.interpreted else 0.0
         self.steps = StepBuilder()
         self.compute = self.steps.stream(DEVICE, COMPUTE)
-        self._comm_streams: dict[str, int] = {}       # link -> its communication stream (`_comm`)
         self.by_id = {n.id: n for n in pcg.nodes}
         self.users = pcg.readers_of   # shared with the PCG's other readers: only read here
         self.needs_grad = needs_gradient(pcg, times.library)
@@ -583,9 +580,7 @@ class _Builder:
         self.rings = rings_run(pcg, profile.overlap)
         # the causal ring's mask nodes, which its kernel makes from the rank's offset: nothing run, nothing held
         self.generated = frozenset(i for r in self.rings.values() for i in r.generated)
-        # collective and product -> their `Pipeline` (`collective_pipelines`, on the mesh's groups where `topology` is
-        # theirs: worked out once per PCG)
-        self.pipes = collective_pipelines(pcg, profile, None if mesh_topology else topology)
+        self.pipes = collective_pipelines(pcg, profile, topology)   # collective and product -> their `Pipeline`
         self.piped: dict[tuple[bool, int], list[int]] = {}   # (backward, collective) -> the first side's chunks
         self.early: set[int] = set()                  # products computed with a pipeline's product (its siblings)
         # ZeRO stage 1/2 (`PCG.zero`): stored-at node -> the replicate over whose devices its state is sharded
@@ -848,6 +843,11 @@ class _Builder:
                               phase="backward_comm")
         return task
 
+    @cached_property
+    def _comm_streams(self) -> dict[str, int]:
+        """Link -> its communication stream (`_comm`), each made once: a collective of every pass asks."""
+        return {}
+
     def _comm(self, group: GroupTopology) -> int:
         """The stream a collective of `group` runs on: inline on the compute stream where the profile does not
         overlap; else one communication stream per link the group crosses (`GroupTopology.link`): a
@@ -856,7 +856,7 @@ class _Builder:
         reduce-scatter with the tensor-parallel collectives of backward); two on one link queue."""
         if not self.profile.overlap:
             return self.compute
-        found = self._comm_streams.get(group.link)   # the link's stream, made once (a collective of every pass asks)
+        found = self._comm_streams.get(group.link)
         if found is None:
             found = self._comm_streams[group.link] = self.steps.stream(DEVICE, COMM, group.link)
         return found
@@ -2032,8 +2032,7 @@ def simulate_pcg(pcg: PCG, library: Library, machine: Machine, profile: Executio
         raise TaskBuildError("the compute-time cache was made for another machine")
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise TaskBuildError(f"micro-batches must be a positive integer, got {microbatches!r}")
-    builder = _Builder(pcg, machine, profile, topology or mesh_groups(pcg),
-                       times or OpTimes(library, machine), mesh_topology=topology is None)
+    builder = _Builder(pcg, machine, profile, topology, times or OpTimes(library, machine))
     template = None
     for k in range(microbatches):
         first, syncing = k == 0, k == microbatches - 1
@@ -2070,8 +2069,7 @@ def step_floor(pcg: PCG, machine: Machine, times: OpTimes, microbatches: int = 1
     plan's ZeRO stage or recomputation changes: a bound for every ZeRO stage and recomputation of `pcg`'s
     layout."""
     profile = profile or profile_for(machine)
-    return _Builder(pcg, machine, profile, mesh_groups(pcg), times, mesh_topology=True).floor(microbatches, plan,
-                                                                                             shared=True)
+    return _Builder(pcg, machine, profile, None, times).floor(microbatches, plan, shared=True)
 
 
 def peak_floor(pcg: PCG, machine: Machine, times: OpTimes, microbatches: int = 1,
@@ -2082,7 +2080,7 @@ def peak_floor(pcg: PCG, machine: Machine, times: OpTimes, microbatches: int = 1
     `_Builder.memory_floor`. Unlike the per-node bound (`ir.costs.Totals.peak_memory_bytes`), which may lie above
     the simulated peak or far below it, this is never above it."""
     profile = profile or profile_for(machine)
-    return _Builder(pcg, machine, profile, mesh_groups(pcg), times, mesh_topology=True).memory_floor(microbatches)
+    return _Builder(pcg, machine, profile, None, times).memory_floor(microbatches)
 
 
 __all__ = ["DDP", "ExecutionProfile", "FLOOR_SLACK", "OpTimes", "PARSAT_RUN", "StepPrediction", "TORCH_NATIVE",
