@@ -8,8 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from parsat.cost.pcg_tasks import DDP, PARSAT_RUN, OpTimes, simulate_pcg, task_facts
+from parsat.cost.pcg_tasks import DDP, PARSAT_RUN, OpTimes, collective_pipelines, simulate_pcg, task_facts
 from parsat.cost.pipeline import NO_OVERLAP, StageMemo, StagePricer, equal_starts, pipelined, tp_overlap
+from parsat.cost.step_report import phase_ends
 from parsat.dsl.library import load_library, shipped_rules_dir
 from parsat.ir.machine import Machine
 from parsat.ir.megatron import megatron_pcg
@@ -90,11 +91,13 @@ def test_no_simulation_where_the_profile_pipelines_nothing(sp_stage):
     assert StagePricer(sp_stage, MACHINE, memo=memo).overlap is first
 
 
-def test_where_no_collective_pipelines_one_simulation_gives_the_overlap_both_would(sp_stage, monkeypatch):
-    """Without sequence parallelism tp 2 runs all-reduces, which no profile pipelines (`_Builder._pipelines`): the
-    run without `tp_comm_overlap` builds the same tasks, so `tp_overlap` simulates once and gives what the two
-    simulations give (nothing saved); with sequence parallelism it simulates twice and saves. Fails if the one
-    simulation were taken where a collective pipelines (the sequence-parallel stage's overlap would be 0)."""
+def test_where_no_collective_pipelines_no_simulation_gives_the_overlap_both_would(sp_stage, monkeypatch):
+    """Without sequence parallelism tp 2 runs all-reduces, which no profile pipelines (`collective_pipelines`
+    finds none): the run without `tp_comm_overlap` builds the same tasks as the run with it, so both give the same
+    extents and nothing is saved, and `tp_overlap` gives that figure without simulating; with sequence parallelism
+    it simulates twice and saves. `collective_pipelines` is what the builder runs pipelined (its `pipelined`).
+    Fails if the shortcut were taken where a collective pipelines (the sequence-parallel stage's overlap would be
+    0), or if the figure differed from the two simulations' (0 saved, 0 of the collectives hidden)."""
     import parsat.cost.pipeline as pipeline_module
     pcg = megatron_pcg(sp_stage.graph, LIB, (1, 2), 8, sequence=False)
     plain = replace(sp_stage, pcg=pcg, costs=price_pcg(pcg, LIB, sp_stage.machine, True, sp_stage.graph.microbatches))
@@ -103,6 +106,16 @@ def test_where_no_collective_pipelines_one_simulation_gives_the_overlap_both_wou
             for flag in (True, False)]
     assert not runs[0].pipelined and not runs[1].pipelined
     assert runs[0].result.step_s == runs[1].result.step_s
+    assert not collective_pipelines(plain.pcg, base)
+    piped = collective_pipelines(sp_stage.pcg, base)
+    assert piped and simulate_pcg(sp_stage.pcg, LIB, sp_stage.machine, base, microbatches=1).pipelined
+    assert not collective_pipelines(sp_stage.pcg, replace(base, tp_comm_overlap=False))
+    # what the two simulations give, as `tp_overlap` worked it out from them
+    ends = [phase_ends(r) for r in runs]
+    extents = [(e.get("forward", 0.0), e.get("backward", e.get("forward", 0.0)) - e.get("forward", 0.0))
+               for e in ends]
+    both = (extents[1][0] - extents[0][0], extents[1][1] - extents[0][1])
+    assert both == (0.0, 0.0)
     simulated = []
 
     def counted(*args, **kwargs):
@@ -111,9 +124,9 @@ def test_where_no_collective_pipelines_one_simulation_gives_the_overlap_both_wou
         return found
     monkeypatch.setattr(pipeline_module, "simulate_pcg", counted)
     found = tp_overlap(plain, LIB, DDP, 1.0)
-    assert simulated == [False]
-    assert found == replace(NO_OVERLAP, forward=0.0, backward=0.0)
-    simulated.clear()
+    assert simulated == []
+    assert found == replace(NO_OVERLAP, forward=min(1.0, both[0] / 1.0), backward=min(1.0, both[1] / 1.0),
+                            saved_forward_s=both[0], saved_backward_s=both[1])
     assert tp_overlap(sp_stage, LIB, DDP, 1.0).saved_forward_s > 0
     assert simulated == [True, False]   # the run with the overlap pipelines, the one without does not
 
@@ -148,7 +161,7 @@ def test_a_simulation_reading_another_profile_s_task_facts_builds_the_tasks_it_b
 def test_the_phase_ends_are_the_timeline_s(sp_stage):
     """`step_report.phase_ends` (what `tp_overlap` reads) gives each reported phase's end as `summarize`'s
     timeline does, on a pipelined step of two micro-batches."""
-    from parsat.cost.step_report import phase_ends, summarize
+    from parsat.cost.step_report import summarize
     prediction = simulate_pcg(sp_stage.pcg, LIB, sp_stage.machine, DDP, microbatches=2)
     timeline = summarize(prediction, DDP.name, 2)[1]
     ends = phase_ends(prediction)

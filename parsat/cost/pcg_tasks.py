@@ -198,7 +198,7 @@ class Pipeline:
     """A collective pipelined with the GEMM it feeds or drains, as Megatron-Core's `--tp-comm-overlap`
     (Transformer Engine's userbuffers) and PyTorch's async tensor parallelism run them: both cut into `parts`
     chunks, chunk i of the side that runs second waiting for chunk i of the side that runs first, so the
-    collective's chunks run while the GEMM computes the others (`_Builder._pipelines` finds them).
+    collective's chunks run while the GEMM computes the others (`collective_pipelines` finds them).
 
     The chunks of an all-gather land in the buffer the GEMM reads and a reduce-scatter's chunks are sent from
     the buffer the GEMM writes, so the concatenation (or slicing) copy of the unpipelined collective is not
@@ -255,7 +255,7 @@ class StepPrediction:
     resident_bytes: int
     end_of_forward: int | None = None    # the last task of forward and loss
     end_of_backward: int | None = None   # the last task before the optimizer
-    # whether a collective ran pipelined with its product (`_Builder._pipelines`, the one reader of the profile's
+    # whether a collective ran pipelined with its product (`collective_pipelines`, the one reader of the profile's
     # `tp_comm_overlap`): where none did, the same PCG under the profile without it builds the same tasks
     pipelined: bool = False
 
@@ -341,6 +341,14 @@ def _needs_gradient(pcg: PCG, library: Library | None) -> dict[int, bool]:
         names, free = known
         out[node.id] = any(out[i] for k, i in enumerate(node.inputs) if k >= len(names) or names[k] not in free)
     return out
+
+
+def reader_counts(pcg: PCG) -> Mapping[int, int]:
+    """Node id -> how many nodes read it (`PCG.readers_of`), every node listed: what each simulated pass's backward
+    counts down (`_Builder.backward`), worked out once per PCG (`PCG.structural`: readers are structure). Shared,
+    read only."""
+    return pcg.derive("reader counts", None,
+                      lambda: {n.id: len(pcg.readers_of.get(n.id, ())) for n in pcg.nodes}, structural=True)
 
 
 def regathered(pcg: PCG, library: Library) -> frozenset[int]:
@@ -472,6 +480,71 @@ class _Template:
     collectives: bool
 
 
+def collective_pipelines(pcg: PCG, profile: ExecutionProfile, topology: Topology | None = None
+                         ) -> dict[int, Pipeline]:
+    """Collective node and product node -> their `Pipeline`, where `profile` overlaps tensor-parallel
+    communication (`tp_comm_overlap`; the one reader of that flag), each collective on its group (`topology`,
+    `mesh_groups` by default). A product is pipelined with one collective: the one feeding it where one feeds
+    it and another drains it (the first found, in the PCG's order). What the task builder runs pipelined
+    (`_Builder.pipes`); empty, the PCG under `profile` builds the tasks it builds without `tp_comm_overlap`
+    (`cost.pipeline.tp_overlap` then simulates nothing). On the mesh's groups (`topology` None) worked out once
+    per PCG (`PCG.derive`: it reads the nodes, their readers, the weights' storage and the mesh, never the ZeRO
+    stage or recomputation, so a layout's forms share it, `ir.pcg.restated`); the profile only says whether it
+    applies. Shared: read it, never change it."""
+    if not (profile.tp_comm_overlap and profile.overlap):
+        return {}
+    if topology is None:
+        return pcg.derive(("collective pipelines", pcg.mesh), None, lambda: _pipelines(pcg, mesh_groups(pcg)))
+    return _pipelines(pcg, topology)
+
+
+def _pipelines(pcg: PCG, topology: Topology) -> dict[int, Pipeline]:
+    """`collective_pipelines` worked out, each collective on its group (`topology`)."""
+    params = weight_chains(pcg)
+    folded = {i for chain in pcg.storage_chains.values() for i in chain[1:]}   # `_Builder._stored_weights`'
+    out: dict[int, Pipeline] = {}
+    taken: set[int] = set()
+    for node in pcg.nodes:
+        if node.kind != "parallel" or node.id in params or node.id in folded:
+            continue
+        pipe = _pipeline_of(pcg, node, topology)
+        if pipe is not None and pipe.product not in taken:
+            pipe = replace(pipe, siblings=tuple(i for i in pipe.siblings if i not in taken))
+            out[node.id] = out[pipe.product] = pipe
+            taken.update((pipe.product, *pipe.siblings))
+    return out
+
+
+def _pipeline_of(pcg: PCG, node: PNode, topology: Topology) -> Pipeline | None:
+    """The pipeline of a collective (`node`, a parallel node outside the weights' chains and their storage) on a
+    group inside one node (NVLink: what Transformer Engine's userbuffers and symmetric memory reach) with its
+    product, if it has one: an all-gather (combine, all_gather) of an activation whose first reader is a product
+    (backward: that product's gradient reduce-scattered), or a reduce_scatter (forward and backward) or a
+    partition (backward: its all-gather) of a product's output. A weight's chain (a ZeRO-3 gather: FSDP's
+    prefetch already overlaps it) and all-reduces (`reduce`, which these frameworks do not pipeline) are not."""
+    group = topology(node)
+    if group.size < 2 or group.link != "intra":
+        return None
+    siblings: tuple[int, ...] = ()
+    if node.op in (COMBINE, parallel_ops.ALL_GATHER):
+        users = pcg.readers_of.get(node.id, [])
+        product, operand = (users[0], users[0].inputs.index(node.id)) if users else (None, None)
+        gathers, forward, backward = True, True, node.op == parallel_ops.ALL_GATHER
+        siblings = tuple(u.id for u in users[1:] if u.kind == "op" and u.op in PRODUCTS
+                         and u.inputs.index(node.id) == operand and u.id != users[0].id)
+    elif node.op in (PARTITION, parallel_ops.REDUCE_SCATTER):
+        product, operand = pcg.node(node.inputs[0]), None
+        gathers, forward, backward = False, node.op == parallel_ops.REDUCE_SCATTER, True
+    else:
+        return None
+    if product is None or product.kind != "op" or product.op not in PRODUCTS:
+        return None
+    axis = product_axis(operand, len(node.shape), int(node.attr("dim")), product.op in TRANSPOSED_B)
+    if axis is None:
+        return None
+    return Pipeline(node.id, product.id, group.size, axis, gathers, forward, backward, siblings)
+
+
 def task_facts(pcg: PCG, machine: Machine, profile: ExecutionProfile, times: OpTimes
                ) -> tuple[dict[int, tuple], dict[tuple[int, bool], tuple], dict[int, str]]:
     """The task builder's facts of `pcg`'s nodes that every micro-batch repeats (`_Builder.forward_known`,
@@ -479,7 +552,7 @@ def task_facts(pcg: PCG, machine: Machine, profile: ExecutionProfile, times: OpT
     PCG (`PCG.derive`) and filled as nodes are first built. Each entry is worked out from its node, the compute
     times, the machine's efficiencies and the profile's flags, and its inputs' entries; not from pipelines:
     an entry is made only where its node runs unpipelined, and read only there (`_compute_forward`,
-    `_compute_backward`). So the profile is keyed without `tp_comm_overlap` (which only `_Builder._pipelines`
+    `_compute_backward`). So the profile is keyed without `tp_comm_overlap` (which only `collective_pipelines`
     reads): a stage plan's overlap simulates it with and without pipelines (`cost.pipeline.tp_overlap`), and the
     second run reads the first run's facts of the nodes both run whole."""
     key = ("task facts", machine, replace(profile, tp_comm_overlap=False))
@@ -487,11 +560,11 @@ def task_facts(pcg: PCG, machine: Machine, profile: ExecutionProfile, times: OpT
 
 
 class _Builder:
-    def __init__(self, pcg: PCG, machine: Machine, profile: ExecutionProfile, topology: Topology, times: OpTimes):
-        self.pcg, self.machine, self.profile, self.topology, self.times = pcg, machine, profile, topology, times
+    def __init__(self, pcg: PCG, machine: Machine, profile: ExecutionProfile, topology: Topology | None, times: OpTimes):
+        self.pcg, self.machine, self.profile, self.times = pcg, machine, profile, times
+        self.topology = topology or mesh_groups(pcg)   # None: each collective on a group of its mesh axis
         self.shared_times = times.machine is machine or times.machine == machine   # its chunks are this machine's
-        self.item = machine.dtype_bytes
-        self.eff = machine.efficiency
+        self.item, self.eff = machine.dtype_bytes, machine.efficiency
         # `parsat run`'s interpreter's loop, on each node it runs (`OpEfficiency.step_node_s`; 0 not measured)
         self._interpreter_s = self.eff.step_node_s if profile.interpreted else 0.0
         self.steps = StepBuilder()
@@ -507,7 +580,7 @@ class _Builder:
         self.rings = rings_run(pcg, profile.overlap)
         # the causal ring's mask nodes, which its kernel makes from the rank's offset: nothing run, nothing held
         self.generated = frozenset(i for r in self.rings.values() for i in r.generated)
-        self.pipes = self._pipelines()                # collective and product -> their `Pipeline`
+        self.pipes = collective_pipelines(pcg, profile, topology)   # collective and product -> their `Pipeline`
         self.piped: dict[tuple[bool, int], list[int]] = {}   # (backward, collective) -> the first side's chunks
         self.early: set[int] = set()                  # products computed with a pipeline's product (its siblings)
         # ZeRO stage 1/2 (`PCG.zero`): stored-at node -> the replicate over whose devices its state is sharded
@@ -715,53 +788,6 @@ class _Builder:
         return min(turn, self.since_sync)
 
     # ---------------------------------------------------------------- tensor-parallel communication overlap
-    def _pipelines(self) -> dict[int, Pipeline]:
-        """Collective node and product node -> their `Pipeline`, where the profile overlaps tensor-parallel
-        communication (`tp_comm_overlap`). A product is pipelined with one collective: the one feeding it where
-        one feeds it and another drains it (the first found, in the PCG's order)."""
-        if not (self.profile.tp_comm_overlap and self.profile.overlap):
-            return {}
-        out: dict[int, Pipeline] = {}
-        taken: set[int] = set()
-        for node in self.pcg.nodes:
-            pipe = self._pipeline_of(node)
-            if pipe is not None and pipe.product not in taken:
-                pipe = replace(pipe, siblings=tuple(i for i in pipe.siblings if i not in taken))
-                out[node.id] = out[pipe.product] = pipe
-                taken.update((pipe.product, *pipe.siblings))
-        return out
-
-    def _pipeline_of(self, node: PNode) -> Pipeline | None:
-        """The pipeline of a collective on a group inside one node (NVLink: what Transformer Engine's userbuffers
-        and symmetric memory reach) with its product, if it has one: an all-gather (combine, all_gather) of an
-        activation whose first reader is a product (backward: that product's gradient reduce-scattered), or a
-        reduce_scatter (forward and backward) or a partition (backward: its all-gather) of a product's output.
-        A weight's chain (a ZeRO-3 gather: FSDP's prefetch already overlaps it) and all-reduces (`reduce`,
-        which these frameworks do not pipeline) are not."""
-        if node.kind != "parallel" or node.id in self.params or node.id in self.folded:
-            return None
-        group = self.topology(node)
-        if group.size < 2 or group.link != "intra":
-            return None
-        siblings: tuple[int, ...] = ()
-        if node.op in (COMBINE, parallel_ops.ALL_GATHER):
-            users = self.users.get(node.id, [])
-            product, operand = (users[0], users[0].inputs.index(node.id)) if users else (None, None)
-            gathers, forward, backward = True, True, node.op == parallel_ops.ALL_GATHER
-            siblings = tuple(u.id for u in users[1:] if u.kind == "op" and u.op in PRODUCTS
-                             and u.inputs.index(node.id) == operand and u.id != users[0].id)
-        elif node.op in (PARTITION, parallel_ops.REDUCE_SCATTER):
-            product, operand = self.by_id[node.inputs[0]], None
-            gathers, forward, backward = False, node.op == parallel_ops.REDUCE_SCATTER, True
-        else:
-            return None
-        if product is None or product.kind != "op" or product.op not in PRODUCTS:
-            return None
-        axis = product_axis(operand, len(node.shape), int(node.attr("dim")), product.op in TRANSPOSED_B)
-        if axis is None:
-            return None
-        return Pipeline(node.id, product.id, group.size, axis, gathers, forward, backward, siblings)
-
     def _pipe(self, node: PNode, backward: bool) -> Pipeline | None:
         """The pipeline `node` (a collective or a product) runs in, in this direction, if any."""
         pipe = self.pipes.get(node.id)
@@ -817,6 +843,11 @@ class _Builder:
                               phase="backward_comm")
         return task
 
+    @cached_property
+    def _comm_streams(self) -> dict[str, int]:
+        """Link -> its communication stream (`_comm`), each made once: a collective of every pass asks."""
+        return {}
+
     def _comm(self, group: GroupTopology) -> int:
         """The stream a collective of `group` runs on: inline on the compute stream where the profile does not
         overlap; else one communication stream per link the group crosses (`GroupTopology.link`): a
@@ -825,7 +856,10 @@ class _Builder:
         reduce-scatter with the tensor-parallel collectives of backward); two on one link queue."""
         if not self.profile.overlap:
             return self.compute
-        return self.steps.stream(DEVICE, COMM, group.link)
+        found = self._comm_streams.get(group.link)
+        if found is None:
+            found = self._comm_streams[group.link] = self.steps.stream(DEVICE, COMM, group.link)
+        return found
 
     def finish(self) -> None:
         """The step ends when the slowest rank ends: its lag since the last collective."""
@@ -1147,7 +1181,7 @@ class _Builder:
         syncs: list[int] = []
         produced: dict[int, int] = {}
         buckets = self._buckets() if self.syncing else []
-        waiting = {n.id: len(self.users.get(n.id, [])) for n in self.pcg.nodes}  # users whose backward is pending
+        waiting = dict(reader_counts(self.pcg))   # node -> its users whose backward is pending
         params = self.params
         done: set[int] = set()
         eager = self.profile.eager_gradients and self.syncing
@@ -1597,9 +1631,14 @@ class _Builder:
                     self._give(i, task)
                 return task
         timed = self.timed[node.id]
-        grads = [i for i in node.inputs if self.needs_grad[i]]
-        positions = [p for p, i in enumerate(node.inputs) if self.needs_grad[i]]
-        again = [p for p, i in enumerate(node.inputs) if i in self.regathered]
+        grads, positions, again = [], [], []   # the inputs needing a gradient, their positions; the regathered'
+        needs_grad, regathered = self.needs_grad, self.regathered
+        for p, i in enumerate(node.inputs):
+            if needs_grad[i]:
+                grads.append(i)
+                positions.append(p)
+            if i in regathered:
+                again.append(p)
         if again and not view:
             gathers = sorted({self._regather(self.by_id[node.inputs[p]], deps) for p in again})
             if node.op in PRODUCTS and self.profile.overlap:
@@ -1993,8 +2032,7 @@ def simulate_pcg(pcg: PCG, library: Library, machine: Machine, profile: Executio
         raise TaskBuildError("the compute-time cache was made for another machine")
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise TaskBuildError(f"micro-batches must be a positive integer, got {microbatches!r}")
-    builder = _Builder(pcg, machine, profile, topology or mesh_groups(pcg),
-                       times or OpTimes(library, machine))
+    builder = _Builder(pcg, machine, profile, topology, times or OpTimes(library, machine))
     template = None
     for k in range(microbatches):
         first, syncing = k == 0, k == microbatches - 1
@@ -2031,7 +2069,7 @@ def step_floor(pcg: PCG, machine: Machine, times: OpTimes, microbatches: int = 1
     plan's ZeRO stage or recomputation changes: a bound for every ZeRO stage and recomputation of `pcg`'s
     layout."""
     profile = profile or profile_for(machine)
-    return _Builder(pcg, machine, profile, mesh_groups(pcg), times).floor(microbatches, plan, shared=True)
+    return _Builder(pcg, machine, profile, None, times).floor(microbatches, plan, shared=True)
 
 
 def peak_floor(pcg: PCG, machine: Machine, times: OpTimes, microbatches: int = 1,
@@ -2042,9 +2080,9 @@ def peak_floor(pcg: PCG, machine: Machine, times: OpTimes, microbatches: int = 1
     `_Builder.memory_floor`. Unlike the per-node bound (`ir.costs.Totals.peak_memory_bytes`), which may lie above
     the simulated peak or far below it, this is never above it."""
     profile = profile or profile_for(machine)
-    return _Builder(pcg, machine, profile, mesh_groups(pcg), times).memory_floor(microbatches)
+    return _Builder(pcg, machine, profile, None, times).memory_floor(microbatches)
 
 
 __all__ = ["DDP", "ExecutionProfile", "FLOOR_SLACK", "OpTimes", "PARSAT_RUN", "StepPrediction", "TORCH_NATIVE",
-           "TaskBuildError",
+           "TaskBuildError", "collective_pipelines",
            "VIEW_OPS", "mesh_groups", "needs_gradient", "peak_floor", "profile_for", "simulate_pcg", "step_floor"]

@@ -58,7 +58,8 @@ from parsat.ir.pipeline import (BACKWARD, GPIPE, INTERLEAVED, ONE_F_ONE_B, Actio
                                 simulate_schedule, stored_piece_elements)
 from parsat.ir.plan import Plan
 from parsat.cost.collectives import ALL_REDUCE, SEND_RECV, GroupTopology, price
-from parsat.cost.pcg_tasks import ExecutionProfile, OpTimes, mesh_groups, profile_for, simulate_pcg
+from parsat.cost.pcg_tasks import (ExecutionProfile, OpTimes, collective_pipelines, mesh_groups, profile_for,
+                                  simulate_pcg)
 from parsat.cost.schedules import prefetch_delay
 from parsat.cost.stage_sync import bucketed_seconds, gather_buckets, weight_gathers, weight_reductions
 from parsat.cost.step_report import phase_ends
@@ -125,10 +126,17 @@ def tp_overlap(plan: Plan, library: Library, profile: ExecutionProfile, comm_s: 
                times: OpTimes | None = None) -> TpOverlap:
     """`TpOverlap` of stage plan `plan` (on its stage machine, `plan.machine`) under `profile`; `comm_s` the
     stage plan's in-node activation collectives' seconds per micro-batch and direction (their `tp_comm_s`).
-    No overlap (and no simulation) where the profile pipelines nothing or there is nothing to hide."""
+    No overlap (and no simulation) where the profile pipelines nothing, no collective of the stage plan pipelines
+    with its product (`collective_pipelines`), or there is nothing to hide."""
     if not (profile.tp_comm_overlap and profile.overlap) or comm_s <= 0:
         return NO_OVERLAP
     base = replace(profile, overlap_param_gather=False)
+    if not collective_pipelines(plan.pcg, base):
+        # no collective pipelined with its product: the run without the overlap builds the same tasks (the
+        # profiles differ in `tp_comm_overlap` alone, which only `collective_pipelines` reads), so the two runs'
+        # extents are equal and nothing is saved: the figures below, 0 / comm_s and x - x, are 0.0, NO_OVERLAP's,
+        # without simulating either (llama-70b:64: 6 of its 29 stage plans, no sequence parallelism: all-reduces)
+        return NO_OVERLAP
     extents = []
     for run in (base, replace(base, tp_comm_overlap=False)):
         prediction = simulate_pcg(plan.pcg, library, plan.machine, run, times=times, microbatches=1)
@@ -136,12 +144,6 @@ def tp_overlap(plan: Plan, library: Library, profile: ExecutionProfile, comm_s: 
         forward_end = ends.get("forward", 0.0)
         backward_end = ends.get("backward", forward_end)
         extents.append((forward_end, backward_end - forward_end))
-        if run is base and not prediction.pipelined:
-            # no collective pipelined with its product: the run without the overlap builds the same tasks (the
-            # profiles differ in `tp_comm_overlap` alone, which only `_Builder._pipelines` reads), so its extents
-            # are these, nothing saved (llama-70b:64: 6 of 23 stage plans, no sequence parallelism: all-reduces)
-            extents.append(extents[0])
-            break
     (forward_on, backward_on), (forward_off, backward_off) = extents
     saved_f, saved_b = forward_off - forward_on, backward_off - backward_on
     return TpOverlap(min(1.0, saved_f / comm_s), min(1.0, saved_b / comm_s), saved_f, saved_b)
