@@ -36,6 +36,28 @@ def pytest_configure(config: pytest.Config) -> None:
     proved_rules(resolve_library(None), allow_unverified=False)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _searches_keep_their_programs():
+    """A search called as `parsat.search.optimize.optimize` keeps its compiled mesh programs in the cache folder,
+    as `parsat.optimize` does (`egraph.program_cache`), so a program compiled for one test is read back by the
+    next with the same inputs.
+
+    Called without `caches`, the search compiled every mesh's rules afresh: most of a small search's CPU (26 of
+    47 s of test_pipeline_floor's first test, whose two searches compile the same 4 programs), over and over
+    across the suite (benchmarks/suite_time.md, session 68). A program is stored under a key made of everything
+    it is compiled from (the rules, the graph's ranks and operators, the mesh, the chunk size, the code of
+    egraph/, dsl/ and ir/), and the program cache's own tests (test_program_cache.py) check that what is read
+    back is what compiling gives; the compiler itself is still run by every first use of a program, and
+    directly by the tests of `compile_mesh_rules`. A test that passes its own `caches` keeps them."""
+    import parsat.search.request as request
+    from parsat.dsl.files import cache_dir
+    from parsat.egraph.program import MeshCaches
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(request, "MeshCaches", lambda: MeshCaches(cache_dir()))
+        yield
+
+
 @pytest.fixture
 def write_rules(tmp_path: Path):
     """Write a .rule file (dedented) and return its path."""

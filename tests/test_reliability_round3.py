@@ -505,7 +505,11 @@ def test_a_signal_ends_verify_and_its_workers(tmp_path, signum, status, word):
     assert proc.poll() is None, proc.communicate()
     proc.send_signal(signum)
     _out, err = proc.communicate(timeout=60)   # a ceiling that catches a hang; the handler ends it at once
-    assert proc.returncode == status and word in err.decode(), err.decode()[-2000:]
+    # Unwound by the handler ("terminated by SIGHUP"), or, where unwinding takes longer than the grace
+    # (`lifetime.GRACE_S`, 0.8 s: a loaded box), ended by the watchdog ("terminated (SIGHUP); ended at once"):
+    # both end the command on that signal with its status (the SIGHUP case failed so in a cold suite at load 6).
+    fallback = f"{word.split(' by ')[0]} ({signum.name}); ended at once"
+    assert proc.returncode == status and (word in err.decode() or fallback in err.decode()), err.decode()[-2000:]
     assert "Traceback" not in err.decode()
     for _ in range(100):
         if not _live_in_group(proc.pid):
