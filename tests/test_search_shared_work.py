@@ -414,8 +414,8 @@ def test_a_choice_built_before_is_taken_with_each_policy_s_own_costs(three_block
         for zero, recompute in policies:
             priced = solve.price(result, graph, library, machine, True, None, repetition, roots, recompute, costs,
                                  zero=zero)
-            kept = result.snapshot.derived.get(("solve._built", tuple(roots)), {})
-            before = {key: built for key, (_owners, built) in kept.items()}
+            kept = result.snapshot.derived.get(("solve._built", tuple(roots)))
+            before = set(kept.keys()) if kept is not None else set()
             found = solve.solve(result, graph, library, machine, roots, Limits(), True, costs=priced,
                                 repetition=repetition, recompute=recompute, zero=zero)
             fresh = solve.solve(_anew(result), graph, library, machine, roots, Limits(), True, costs=priced,

@@ -43,6 +43,37 @@ def parallel_attrs(node: ENode, mesh: Mesh) -> tuple[tuple[str, int | str], ...]
     return tuple(zip(PARALLEL_OPS[node.op].dim_params, node.attrs[:-1])) + (("axis", mesh.axes[axis].name), ("degree", mesh.size(axis)))
 
 
+class Kept:
+    """The last `bound` results a reader worked out from a snapshot and the objects it read besides (`owners`),
+    by key: a result is taken again only where each of its owners is the very object it was made from (checked
+    by identity, so an owner rebuilt equal but not the same is worked out anew), the oldest dropped past the
+    bound. What `Snapshot.derive` holds where a reader's results also depend on objects outside the snapshot
+    (an extraction's costs, a graph, a library), which the snapshot cannot key by content. Shared: read what it
+    gives, never change it."""
+
+    def __init__(self, bound: int):
+        self.bound = bound
+        self._entries: dict = {}   # key -> (owners, result), oldest first
+
+    def get(self, key, owners: tuple):
+        """The result kept under `key` from these very `owners`, or None."""
+        found = self._entries.get(key)
+        if found is not None and len(found[0]) == len(owners) and all(a is b for a, b in zip(found[0], owners)):
+            return found[1]
+        return None
+
+    def keys(self) -> tuple:
+        """The keys kept, oldest first."""
+        return tuple(self._entries)
+
+    def put(self, key, owners: tuple, result) -> None:
+        """Keep `result` (never None) under `key`, made from `owners` (held, so that their ids stay theirs)."""
+        self._entries.pop(key, None)
+        self._entries[key] = (owners, result)
+        while len(self._entries) > self.bound:
+            del self._entries[next(iter(self._entries))]   # the oldest
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """The e-graph read back: e-classes with their e-nodes and their analysis.

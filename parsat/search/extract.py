@@ -49,7 +49,7 @@ from parsat.cost.ring_time import ring_work
 from parsat.cost.saved import kept
 from parsat.egraph.encoding import PIN_SUFFIX
 from parsat.egraph.runner import Limits
-from parsat.egraph.snapshot import ENode, Snapshot
+from parsat.egraph.snapshot import ENode, Kept, Snapshot
 from parsat.search.value_order import value_order
 
 NodeId = tuple[int, int]  # (e-class, index of the e-node in the class)
@@ -962,12 +962,12 @@ def _time_ranked(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Se
     (`baselines.best_grid`: 26 of llama-70b:64's 116 extractions), a stage plan again within less memory
     (`mesh._leaner_as_run`). `seconds`: the greedy DAG pass's safety valve (`extract`); a pass it cut is not
     kept."""
-    kept = snapshot.derive(("extract._time_ranked", tuple(roots)), dict)
+    kept = snapshot.derive(("extract._time_ranked", tuple(roots)), functools.partial(Kept, PASSES_KEPT))
     owners = (costs, exclude, obliged)
     key = tuple(map(id, owners))
-    found = kept.get(key)
-    if found is not None and all(a is b for a, b in zip(found[0], owners)):
-        return replace(found[1], seconds={name: 0.0 for name in found[1].seconds}), None   # this one's: none
+    found = kept.get(key, owners)
+    if found is not None:
+        return replace(found, seconds={name: 0.0 for name in found.seconds}), None   # this one's: none
     t = time.perf_counter()
     guide = _guided(snapshot, costs, usable, obliged)
     choosable = _choosable(snapshot, costs, guide, usable, exclude, obliged)
@@ -980,10 +980,7 @@ def _time_ranked(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Se
                                                               for c in (tree, greedy))
     passes = _TimeRanked(all(r in tree for r in roots), (tree_plan, greedy_plan), (tree_judged, greedy_judged), took)
     if greedy is not None:
-        kept.pop(key, None)
-        kept[key] = (owners, passes)
-        while len(kept) > PASSES_KEPT:
-            del kept[next(iter(kept))]   # the oldest
+        kept.put(key, owners, passes)
     return passes, (guide, choosable)
 
 

@@ -9,6 +9,7 @@ so every candidate is priced by one cost model and built one way.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Callable, Mapping, Sequence
 
 from parsat.dsl.library import Library
@@ -29,7 +30,7 @@ from parsat.search.recompute import recomputed_enodes, recomputed_pcg_costs
 from parsat.search.repeat import Repetition, RepeatError, conversions, copy_obligations, stamp, value_names, weigh
 from parsat.egraph.runner import Limits
 from parsat.egraph.saturate import SaturationResult
-from parsat.egraph.snapshot import Snapshot, parallel_attrs
+from parsat.egraph.snapshot import Kept, Snapshot, parallel_attrs
 
 
 def solve(result: SaturationResult, graph: Graph, library: Library, machine: Machine, roots: Sequence[int],
@@ -126,11 +127,11 @@ def _built(result: SaturationResult, extraction: Extraction, graph: Graph, libra
     repetition: the last BUILT_KEPT choices are kept with the snapshot (a bound: a llama-70b stage's stamped
     PCG holds ~5,000 nodes)."""
     owners = (result.classes, graph, library, repetition)
-    kept = result.snapshot.derive(("solve._built", tuple(roots)), dict)
+    kept = result.snapshot.derive(("solve._built", tuple(roots)), partial(Kept, BUILT_KEPT))
     key = tuple(sorted(extraction.choice.items()))
-    found = kept.get(key)
-    if found is not None and all(a is b for a, b in zip(found[0], owners)):
-        return found[1]
+    found = kept.get(key, owners)
+    if found is not None:
+        return found
     pcg, ident = pcg_from_extraction(result, extraction, graph, library, roots, graph.outputs)
     stamped = None
     if repetition is not None:
@@ -138,10 +139,7 @@ def _built(result: SaturationResult, extraction: Extraction, graph: Graph, libra
         stamped = stamp(pcg, repetition, {ident[c]: name for c, name in names.items() if c in ident},
                         conversions(result.snapshot, names))
     built = _Built(pcg, ident, stamped)
-    kept.pop(key, None)
-    kept[key] = (owners, built)
-    while len(kept) > BUILT_KEPT:
-        del kept[next(iter(kept))]   # the oldest
+    kept.put(key, owners, built)
     return built
 
 
@@ -169,14 +167,14 @@ def _zero_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Mac
     and checked by identity), as the policies of one mesh sharing a stage (keeping activations or recomputing
     blocks, `mesh.policies`) each priced them again. Shared: read it, never change it."""
     kept = snapshot.derive(("solve._zero_costs", zero, free_input_placements, tuple(sorted(input_pins.items()))),
-                           dict)
+                           partial(Kept, 1))
     owners = (graph, library, machine)
-    found = kept.get("costs")
-    if found is not None and all(a is b for a, b in zip(found[0], owners)):
-        return found[1]
+    found = kept.get("costs", owners)
+    if found is not None:
+        return found
     costs = node_costs(snapshot, graph, library, machine, free_input_placements, input_pins, zero,
                        only=lambda op, role: shards_state(op, role, zero))
-    kept["costs"] = (owners, costs)
+    kept.put("costs", owners, costs)
     return costs
 
 
