@@ -149,8 +149,7 @@ def test_the_search_of_every_mesh_answers_with_the_scout_s_stage_plan_where_it_c
     """`step._the_scouts_choice`: the search of every stage mesh (forced here: no bar), choosing the scout's stage
     plan and grid point again, answers with the scout's stage plan before simulating its meshes' joint plans (the
     scout's own was simulated before: none is simulated); the plan, the pipeline search's trace included, is the
-    one the step's own plan gives (the scout's stage plan not given to it: the step simulates and makes its
-    plan, as before)."""
+    one the step's own plan gives (the step asked for none: it simulates and makes its plan, as before)."""
     import parsat.search.mesh as mesh_module
     import parsat.search.step as step_module
     monkeypatch.setattr(pipeline_search, "bar_of", lambda flat: None)
@@ -160,21 +159,21 @@ def test_the_search_of_every_mesh_answers_with_the_scout_s_stage_plan_where_it_c
     monkeypatch.setattr(step_module, "_the_scouts_choice", lambda *a: answers.append(choice(*a)) or answers[-1])
     monkeypatch.setattr(mesh_module, "simulated_step", lambda *a, **k: simulated.append(a[0]) or simulate(*a, **k))
 
-    def unbarred(search, *args, stages=None, share=True):
+    def unbarred(search, *args):
         args = list(args)
         args[9] = None   # `bar`: the unstaged plan, which outranks these small pipelines
         before = len(simulated)
         try:
-            return every_mesh(search, *args, stages=stages if share else None)
+            return every_mesh(search, *args)
         finally:
             during.append(len(simulated) - before)
     monkeypatch.setattr(pipeline_search, "_search_every_mesh", unbarred)
     shared = optimize("gpt", "h100x8", devices=8, sizes=SIZES, pipeline=True)
     answered = [a for a in answers if a is not None]   # other steps (the scouts') are answered None
     assert len(answered) == 1 and answers[-1] is answered[0] and during == [0]
-    monkeypatch.setattr(pipeline_search, "_search_every_mesh", lambda *a, **k: unbarred(*a, **k, share=False))
+    monkeypatch.setattr(step_module, "_the_scouts_choice", lambda *a: None)   # the step makes its own plan
     own = optimize("gpt", "h100x8", devices=8, sizes=SIZES, pipeline=True)
-    assert [a for a in answers if a is not None] == answered and during[1] > 0   # its meshes simulated
+    assert during[1] > 0   # its meshes' joint plans simulated
     assert without_timing(json.loads(shared.to_json())) == without_timing(json.loads(own.to_json()))
 
 

@@ -180,8 +180,7 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
                      layers: int, *, degree: int | None = None, microbatches: int | None = None,
                      schedule: str | None = None, say: Callable[[str], None] = lambda _m: None,
                      clock: Deadline | None = None, bar: Plan | None = None,
-                     library: Library | None = None, sample_bytes: float | None = None,
-                     chunks: int | None = None,
+                     library: Library | None = None, sample_bytes: float | None = None, chunks: int | None = None,
                      sharpen: Callable[[tuple[Plan, ...]], Plan | None] | None = None) -> PipelineSearch:
     """Every pipelined candidate: stage plans searched per (degree, micro-batch count), cut and priced per
     schedule (`schedule` pins one). A degree or count whose stage plan cannot be found is said and skipped.
@@ -200,9 +199,9 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
     plans: list[Plan] = []
     grid: list[tuple[Plan, dict]] = []
     tried: list[dict] = []
-    scouted: dict[int, tuple[int, int, int]] = {}   # id of a plan priced from a scout's stage plan -> (p, m, in flight)
+    # id of a plan priced from a scout's stage plan -> (p, m, in flight, that stage plan)
+    scouted: dict[int, tuple[int, int, int, Plan]] = {}
     memos: dict[tuple[int, int, int], StageMemo] = {}   # (p, m, in flight) -> its scout's memo (`_search_every_mesh`)
-    stages: dict[tuple[int, int, int], Plan] = {}       # (p, m, in flight) -> its scout's stage plan (likewise)
     once, to_beat = PricedOnce(), bar_of(bar)
     degrees = pipeline_degrees(devices, machine, parameters, layers, degree,
                                batch=batch if sample_bytes is not None else None, sample_bytes=sample_bytes or 0.0)
@@ -248,15 +247,14 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
                 break
             found = _priced(stage, p, m, schedule, machine, in_flight, tried, plans, grid, fit.memo, chunks, once)
             if stage.saturation.get("scouted"):
-                scouted.update({id(plan): (p, m, in_flight) for plan in found})
-                stages[(p, m, in_flight)] = stage
+                scouted.update({id(plan): (p, m, in_flight, stage) for plan in found})
             if any(plan.totals.fits(machine) for plan in found) or in_flight == min(p, m):
                 break
     if sharpen is not None:
         bar = sharpen(tuple(plans))
     if scouted and plans and not (clock is not None and clock.spent):
         _search_every_mesh(search, scouted, machine, devices, schedule, say, clock, tried, plans, grid, bar, library,
-                           memos, chunks, once, stages=stages)
+                           memos, chunks, once)
     return PipelineSearch(tuple(plans), tuple(grid), tuple(tried), bar)
 
 
@@ -321,13 +319,12 @@ def _priced(stage: Plan, p: int, m: int, schedule: str | None, machine: Machine,
     return found
 
 
-def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, int]], machine: Machine,
+def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, int, Plan]], machine: Machine,
                        devices: int, schedule: str | None, say: Callable[[str], None], clock: Deadline | None,
                        tried: list[dict], plans: list[Plan], grid: list[tuple[Plan, dict]],
                        bar: Plan | None, library: Library | None = None,
                        memos: dict[tuple[int, int, int], StageMemo] | None = None,
-                       fit_chunks: int | None = None, once: "PricedOnce | None" = None,
-                       stages: dict[tuple[int, int, int], Plan] | None = None) -> None:
+                       fit_chunks: int | None = None, once: "PricedOnce | None" = None) -> None:
     """Every stage mesh searched for the pair of the pipelined plan that ranks first, when a scout found it and
     it ranks before `bar`: its plans and grid points join the candidates (the scout's stay).
 
@@ -343,15 +340,15 @@ def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, i
     fits; `grid_bar_s`: the fastest PTD-P point that fits so far; `scouted_meshes`: the scout's first mesh is not
     bounded again) and stops with CannotWin where none can (`step.stop_where_cannot_win`), listed in `tried`.
 
-    `stages`: each scout's stage plan by (p, m, in flight). Where the step chooses the scout's stage plan and grid
-    point again, it answers with the scout's stage plan (`StageFit.scout_plan`, `step._the_scouts_choice`),
-    which is cut and priced here as its own would be: the same PCG and costs, so the same prices, schedules
-    and grid points in `tried`, `plans` and `grid` (`PricedOnce`), each after the scout's equal one, which every
-    choice made of them keeps (`_bars`)."""
+    `scouted`: each plan priced from a scout's stage plan -> (p, m, in flight, that stage plan). Where the step
+    chooses the scout's stage plan and grid point again, it answers with that plan (`StageFit.scout_plan`,
+    `step._the_scouts_choice`), which is cut and priced here as its own would be: the same PCG and costs, so
+    the same prices, schedules and grid points in `tried`, `plans` and `grid` (`PricedOnce`), each after the
+    scout's equal one, which every choice made of them keeps (`_bars`)."""
     first = min(plans, key=rank_plans)
     if id(first) not in scouted or (bar is not None and rank_plans(bar) <= rank_plans(first)):
         return
-    p, m, in_flight = scouted[id(first)]
+    p, m, in_flight, scout = scouted[id(first)]
     once = once or PricedOnce()   # the stage step's ranking and this pricing read one table
     say(f"pipeline {p} stages x {m} micro-batches chosen: searching every stage mesh")
     memo = (memos or {}).get((p, m, in_flight)) or StageMemo(library=library)
@@ -361,7 +358,7 @@ def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, i
     fit = StageFit(p, machine, schedule, memo=memo, chunks=fit_chunks,
                    bar_s=first.totals.time_s if first.totals.fits(machine) else None,
                    grid_bar_s=min(fitting_grid) if fitting_grid else None, scouted_meshes=1, once=once,
-                   scout_plan=(stages or {}).get((p, m, in_flight)))
+                   scout_plan=scout)
     try:
         stage = search(_stage_machine(machine, devices, p), devices // p, m, in_flight, fit,
                        clock.part(1.0) if clock is not None else None, False)

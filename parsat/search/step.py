@@ -662,7 +662,9 @@ def step_read(step: StepContext) -> Callable[[Candidate], bool] | None:
     instead (with the best PTD-P point, priced by `StagePricer`); the stage plan's `totals` (its chosen
     candidate's) become its pipelined price (`StagePricer.price`); its best grid point is read for its PCG and
     costs (`pipeline_search._grid_points`). The joint plan of each mesh is simulated whatever it needs (its
-    step is in `saturation.meshes`, which the pipelined plan keeps: `MeshSearch.simulated`). Where a stage plan's
+    step is in `saturation.meshes`, which the pipelined plan keeps: `MeshSearch.simulated`), except where the
+    search of every stage mesh chooses the scout's stage plan again: it then makes no plan of its own, and
+    simulates none (`_the_scouts_choice`). Where a stage plan's
     pipelined plan is not the call's (the unstaged plan wins), none of the stage plan reaches it beside `tried`'s
     prices, which read the PCG and costs alone."""
     return _never if step.stage is not None else None
