@@ -1,8 +1,8 @@
 """The search of every stage mesh (`pipeline_search._search_every_mesh`) of one `models_bench.py optimize` run, by part.
 
-    PYTHONPATH=TREE .venv/bin/python benchmarks/every_mesh_parts.py llama-70b:64 OUT.json
+    PYTHONPATH=TREE .venv/bin/python benchmarks/every_mesh_parts.py llama-70b:64 OUT.json [--machine a100x8]
 
-Runs `benchmarks/models_bench.py --json OUT.json optimize CASE` (whose `cpu_s` is issue 28's figure) with a few
+Runs `benchmarks/models_bench.py --json OUT.json optimize CASE [OPTIONS]` (whose `cpu_s` is issue 28's figure) with a few
 functions wrapped where they are looked up, and prints one line, `EVERY`, with the CPU seconds
 (`time.process_time`) of the call of `_search_every_mesh` and, inside it, of: the meshes' searches
 (`step.search_meshes_of`: saturation, pricing, extraction of each mesh), `step.stop_where_cannot_win`,
@@ -28,7 +28,7 @@ PARTS = [(step, "search_meshes_of", "meshes searched"), (step, "stop_where_canno
          (pipeline_search, "_priced", "stage plan priced")]
 
 
-def main(case: str, out: str) -> None:
+def main(case: str, out: str, options: list[str]) -> None:
     inside, spent = [False], {}
 
     def wrapped(function, label):
@@ -56,12 +56,12 @@ def main(case: str, out: str) -> None:
             print(f"EVERY {time.process_time() - start:.2f} CPU s: "
                   + "; ".join(f"{label} {seconds:.2f}" for label, seconds in spent.items()), file=sys.stderr)
     pipeline_search._search_every_mesh = every_mesh
-    sys.argv = ["models_bench.py", "--json", out, "optimize", case]
+    sys.argv = ["models_bench.py", "--json", out, "optimize", case, *options]
     runpy.run_path("benchmarks/models_bench.py", run_name="__main__")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    if len(sys.argv) < 3:
         print(__doc__.strip())
         sys.exit(2)
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
