@@ -144,6 +144,39 @@ def test_a_stage_plan_priced_again_reads_its_prices_and_gives_the_plan_pricing_a
     assert without_timing(json.loads(shared.to_json())) == without_timing(json.loads(alone.to_json()))
 
 
+@pytest.mark.slow
+def test_the_search_of_every_mesh_answers_with_the_scout_s_stage_plan_where_it_chooses_it_again(monkeypatch):
+    """`step._the_scouts_choice`: the search of every stage mesh (forced here: no bar), choosing the scout's stage
+    plan and grid point again, answers with the scout's stage plan before simulating its meshes' joint plans (the
+    scout's own was simulated before: none is simulated); the plan, the pipeline search's trace included, is the
+    one the step's own plan gives (the step asked for none: it simulates and makes its plan, as before)."""
+    import parsat.search.mesh as mesh_module
+    import parsat.search.step as step_module
+    monkeypatch.setattr(pipeline_search, "bar_of", lambda flat: None)
+    every_mesh, choice, simulate = (pipeline_search._search_every_mesh, step_module._the_scouts_choice,
+                                    mesh_module.simulated_step)
+    answers, simulated, during = [], [], []
+    monkeypatch.setattr(step_module, "_the_scouts_choice", lambda *a: answers.append(choice(*a)) or answers[-1])
+    monkeypatch.setattr(mesh_module, "simulated_step", lambda *a, **k: simulated.append(a[0]) or simulate(*a, **k))
+
+    def unbarred(search, *args):
+        args = list(args)
+        args[9] = None   # `bar`: the unstaged plan, which outranks these small pipelines
+        before = len(simulated)
+        try:
+            return every_mesh(search, *args)
+        finally:
+            during.append(len(simulated) - before)
+    monkeypatch.setattr(pipeline_search, "_search_every_mesh", unbarred)
+    shared = optimize("gpt", "h100x8", devices=8, sizes=SIZES, pipeline=True)
+    answered = [a for a in answers if a is not None]   # other steps (the scouts') are answered None
+    assert len(answered) == 1 and answers[-1] is answered[0] and during == [0]
+    monkeypatch.setattr(step_module, "_the_scouts_choice", lambda *a: None)   # the step makes its own plan
+    own = optimize("gpt", "h100x8", devices=8, sizes=SIZES, pipeline=True)
+    assert during[1] > 0   # its meshes' joint plans simulated
+    assert without_timing(json.loads(shared.to_json())) == without_timing(json.loads(own.to_json()))
+
+
 def test_prices_are_read_only_for_the_same_pcg_and_costs(candidates, monkeypatch):
     """`PricedOnce` keys a stage plan's price by its PCG and costs' identity: the same stage plan priced again is
     read (the plan equal), a copy of its costs is priced anew to the same figures, put on the copy."""

@@ -1106,6 +1106,10 @@ class StageFit:
     # stop_where_cannot_win`); like `bar_s`, they change which searches run, not what a search finds
     grid_bar_s: float | None = field(default=None, compare=False)
     scouted_meshes: int = field(default=0, compare=False)
+    # the scout's stage plan at that pair: where the search of every stage mesh chooses the scout's stage plan and
+    # grid point again, it answers with this plan rather than making its own (`search.step._the_scouts_choice`);
+    # like `bar_s`, it changes what a search makes, not what it finds
+    scout_plan: Plan | None = field(default=None, compare=False, repr=False)
     # the call's pipelined prices of stage plans (`PricedOnce`, the pipeline search's): `fastest_s` prices a
     # candidate as the pipeline search then prices the stage plan chosen, so that one is read, not priced again
     once: "PricedOnce" = field(default_factory=lambda: PricedOnce(), compare=False, repr=False)

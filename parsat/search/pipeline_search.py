@@ -180,8 +180,7 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
                      layers: int, *, degree: int | None = None, microbatches: int | None = None,
                      schedule: str | None = None, say: Callable[[str], None] = lambda _m: None,
                      clock: Deadline | None = None, bar: Plan | None = None,
-                     library: Library | None = None, sample_bytes: float | None = None,
-                     chunks: int | None = None,
+                     library: Library | None = None, sample_bytes: float | None = None, chunks: int | None = None,
                      sharpen: Callable[[tuple[Plan, ...]], Plan | None] | None = None) -> PipelineSearch:
     """Every pipelined candidate: stage plans searched per (degree, micro-batch count), cut and priced per
     schedule (`schedule` pins one). A degree or count whose stage plan cannot be found is said and skipped.
@@ -200,7 +199,8 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
     plans: list[Plan] = []
     grid: list[tuple[Plan, dict]] = []
     tried: list[dict] = []
-    scouted: dict[int, tuple[int, int, int]] = {}   # id of a plan priced from a scout's stage plan -> (p, m, in flight)
+    # id of a plan priced from a scout's stage plan -> (p, m, in flight, that stage plan)
+    scouted: dict[int, tuple[int, int, int, Plan]] = {}
     memos: dict[tuple[int, int, int], StageMemo] = {}   # (p, m, in flight) -> its scout's memo (`_search_every_mesh`)
     once, to_beat = PricedOnce(), bar_of(bar)
     degrees = pipeline_degrees(devices, machine, parameters, layers, degree,
@@ -247,7 +247,7 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
                 break
             found = _priced(stage, p, m, schedule, machine, in_flight, tried, plans, grid, fit.memo, chunks, once)
             if stage.saturation.get("scouted"):
-                scouted.update({id(plan): (p, m, in_flight) for plan in found})
+                scouted.update({id(plan): (p, m, in_flight, stage) for plan in found})
             if any(plan.totals.fits(machine) for plan in found) or in_flight == min(p, m):
                 break
     if sharpen is not None:
@@ -319,7 +319,7 @@ def _priced(stage: Plan, p: int, m: int, schedule: str | None, machine: Machine,
     return found
 
 
-def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, int]], machine: Machine,
+def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, int, Plan]], machine: Machine,
                        devices: int, schedule: str | None, say: Callable[[str], None], clock: Deadline | None,
                        tried: list[dict], plans: list[Plan], grid: list[tuple[Plan, dict]],
                        bar: Plan | None, library: Library | None = None,
@@ -338,11 +338,17 @@ def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, i
 
     The step is given the bars its new meshes' candidates must beat (`StageFit.bar_s`: `first`'s step, where it
     fits; `grid_bar_s`: the fastest PTD-P point that fits so far; `scouted_meshes`: the scout's first mesh is not
-    bounded again) and stops with CannotWin where none can (`step.stop_where_cannot_win`), listed in `tried`."""
+    bounded again) and stops with CannotWin where none can (`step.stop_where_cannot_win`), listed in `tried`.
+
+    `scouted`: each plan priced from a scout's stage plan -> (p, m, in flight, that stage plan). Where the step
+    chooses the scout's stage plan and grid point again, it answers with that plan (`StageFit.scout_plan`,
+    `step._the_scouts_choice`), which is cut and priced here as its own would be: the same PCG and costs, so
+    the same prices, schedules and grid points in `tried`, `plans` and `grid` (`PricedOnce`), each after the
+    scout's equal one, which every choice made of them keeps (`_bars`)."""
     first = min(plans, key=rank_plans)
     if id(first) not in scouted or (bar is not None and rank_plans(bar) <= rank_plans(first)):
         return
-    p, m, in_flight = scouted[id(first)]
+    p, m, in_flight, scout = scouted[id(first)]
     once = once or PricedOnce()   # the stage step's ranking and this pricing read one table
     say(f"pipeline {p} stages x {m} micro-batches chosen: searching every stage mesh")
     memo = (memos or {}).get((p, m, in_flight)) or StageMemo(library=library)
@@ -351,7 +357,8 @@ def _search_every_mesh(search: StageSearch, scouted: dict[int, tuple[int, int, i
     fitting_grid = [g.totals.time_s for g, _c in grid if g.totals.fits(machine)]
     fit = StageFit(p, machine, schedule, memo=memo, chunks=fit_chunks,
                    bar_s=first.totals.time_s if first.totals.fits(machine) else None,
-                   grid_bar_s=min(fitting_grid) if fitting_grid else None, scouted_meshes=1, once=once)
+                   grid_bar_s=min(fitting_grid) if fitting_grid else None, scouted_meshes=1, once=once,
+                   scout_plan=scout)
     try:
         stage = search(_stage_machine(machine, devices, p), devices // p, m, in_flight, fit,
                        clock.part(1.0) if clock is not None else None, False)

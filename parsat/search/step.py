@@ -107,6 +107,9 @@ def _search_step(step: StepContext, clock: Deadline, choices: Sequence[MeshChoic
                            refusing=_refusing(step))
     if not pinned:
         stop_where_cannot_win(step, searches)
+        scouts = _the_scouts_choice(step, searches, steps, clock)
+        if scouts is not None:
+            return scouts
     ranked = step_read(step)
     searches = [s.simulated(steps, ranked) for s in searches]
     if pinned:
@@ -242,6 +245,47 @@ def _stop_where_nothing_new_wins(step: StepContext, searches: Sequence[MeshSearc
                 return
     if math.isfinite(least):
         raise CannotWin(least, fit.bar_s)
+
+
+def _the_scouts_choice(step: StepContext, searches: Sequence[MeshSearch], steps: CandidateSteps,
+                       clock: Deadline) -> Plan | None:
+    """The scout's stage plan (`StageFit.scout_plan`) where the search of every stage mesh at its pair chooses, of
+    its candidates, the scout's stage plan and grid point again (the same PCGs and node costs, and the grid
+    point's configuration), else None: the step then makes its own plan, as before. Asked before any candidate's
+    step is simulated (what the plan's `saturation.meshes` shows of each mesh's joint plan: llama-70b:64's three
+    two-axis meshes' plans, ~0.7 CPU s each), and only where no wall-clock limit applies and no safety valve
+    cut a mesh (`_stop_where_nothing_new_wins`' conditions: the scout's candidates are then the same objects).
+
+    Why the answer is the same. A stage step ranks its candidates by their stage memory figure and pipelined price
+    (`mesh.rank`), neither of which simulating changes (`step_read`), so the candidates (`compare_baselines`,
+    its grid point the first by `rank` of the grid's points) and the one chosen (`_first_placeable`, as
+    `assemble_plan` chooses) are what the simulated searches give. What the pipeline search reads of the stage
+    plan it gets (`pipeline_search._priced`) is the chosen PCG and costs and its best grid point's PCG, costs
+    and configuration, with its graph, machine and devices (the scout's step's: the same pair); the prices are
+    kept by those (`PricedOnce`), so the schedules, `tried` entries and grid points are the scout's, and its
+    plans, equal to the scout's and after them, are never chosen over them (`pipeline_search._bars`). The rest
+    of the step's own plan (every mesh's summary, its baselines' totals) would reach no plan."""
+    fit, request = step.stage, step.request
+    scout = fit.scout_plan if fit is not None and fit.scouted_meshes else None
+    limits = request.limits
+    if scout is None or step.pins or request.parallel_dims or math.isfinite(limits.seconds) or \
+            math.isfinite(limits.ilp_seconds) or any(s.cut for s in searches):
+        return None
+    solved = [s for s in searches if s.joint is not None]
+    if not solved:
+        return None
+    candidates, _found, _skipped = compare_baselines(step, searches, first_ranked(solved, step.memory,
+                                                                                  lambda s: s.joint), steps, clock)
+    chosen = _first_placeable(step, candidates)
+    grid = next((c for c in candidates if c.name == "best_grid"
+                 and not _unplaceable([c], request.library, request.built)), None)
+    kept = scout.baseline_plans.get("best_grid")
+    same_grid = grid is None and kept is None or grid is not None and kept is not None and \
+        grid.pcg is kept.pcg and grid.costs is kept.costs and grid.config == kept.config
+    if chosen is None or chosen.pcg is not scout.pcg or chosen.costs is not scout.costs or not same_grid:
+        return None
+    step.say("every stage mesh searched: the scout's stage plan and grid point chosen again")
+    return scout
 
 
 def _stage_candidates(step: StepContext, searches: Sequence[MeshSearch], family_bar: float
@@ -618,7 +662,9 @@ def step_read(step: StepContext) -> Callable[[Candidate], bool] | None:
     instead (with the best PTD-P point, priced by `StagePricer`); the stage plan's `totals` (its chosen
     candidate's) become its pipelined price (`StagePricer.price`); its best grid point is read for its PCG and
     costs (`pipeline_search._grid_points`). The joint plan of each mesh is simulated whatever it needs (its
-    step is in `saturation.meshes`, which the pipelined plan keeps: `MeshSearch.simulated`). Where a stage plan's
+    step is in `saturation.meshes`, which the pipelined plan keeps: `MeshSearch.simulated`), except where the
+    search of every stage mesh chooses the scout's stage plan again: it then makes no plan of its own, and
+    simulates none (`_the_scouts_choice`). Where a stage plan's
     pipelined plan is not the call's (the unstaged plan wins), none of the stage plan reaches it beside `tried`'s
     prices, which read the PCG and costs alone."""
     return _never if step.stage is not None else None
