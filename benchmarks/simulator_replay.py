@@ -100,19 +100,15 @@ def replay(path: str, repeat: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("capture")
-    c.add_argument("case")
-    c.add_argument("out")
-    c.add_argument("--machine", default="h100x8")
-    r = sub.add_parser("replay")
-    r.add_argument("path")
-    r.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("command", choices=("capture", "replay"))
+    parser.add_argument("where", nargs="+", help="capture: CASE FILE; replay: FILE")
+    parser.add_argument("--machine", default="h100x8", help="capture: the machine, as `parsat optimize` names it")
+    parser.add_argument("--repeat", type=int, default=2, help="replay: how many rounds")
     args = parser.parse_args()
     if args.command == "capture":
-        capture(args.case, args.out, args.machine)
+        capture(*args.where, args.machine)
     else:
-        replay(args.path, args.repeat)
+        replay(*args.where, args.repeat)
 
 
 if __name__ == "__main__":
