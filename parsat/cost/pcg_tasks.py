@@ -327,19 +327,24 @@ def _needs_gradient(pcg: PCG, library: Library | None) -> dict[int, bool]:
     # operator name -> its operands' names and the gradient-free ones: `gradient_free`'s cache is keyed by the
     # operator's whole declaration, whose hash walks its semantics' tree; asked once per node of every PCG the
     # simulator and its floor build, that hashing was most of this function
-    operands: dict[str, tuple[list[str], frozenset[str]]] = {}
+    # (the positions of its operands that pass no gradient: most operators have none, and a node of one passes a
+    # gradient where any input takes one, read without enumerating them)
+    operands: dict[str, frozenset[int]] = {}
     for node in pcg.nodes:
         if node.kind == "leaf":
             out[node.id] = node.role == "weight"
             continue
         key = node.op if library is not None and node.kind == "op" else ""
-        known = operands.get(key)
-        if known is None:
+        blocked = operands.get(key)
+        if blocked is None:
             op = library.ops.get(node.op) if key else None
-            known = operands[key] = ([p.name for p in op.tensor_params], gradient_free(op)) if op is not None \
-                else ([], frozenset())
-        names, free = known
-        out[node.id] = any(out[i] for k, i in enumerate(node.inputs) if k >= len(names) or names[k] not in free)
+            free = gradient_free(op) if op is not None else frozenset()
+            blocked = operands[key] = frozenset(k for k, p in enumerate(op.tensor_params) if p.name in free) \
+                if op is not None else frozenset()
+        if blocked:
+            out[node.id] = any(out[i] for k, i in enumerate(node.inputs) if k not in blocked)
+        else:
+            out[node.id] = any(map(out.__getitem__, node.inputs))
     return out
 
 
@@ -1187,32 +1192,39 @@ class _Builder:
         eager = self.profile.eager_gradients and self.syncing
         deferred: list[tuple[int, int]] = []   # gradients that reach their bucket through another axis's reduction
         skipped: set[int] = set()   # passed while their gradient, or a reader's, was held back (`_walk`)
+        # the pass's tables, each made by `new_pass` and only changed in place until the next (read per node)
+        held_back, grad_ready, allocated, deferred_inputs = self.held_back, self.grad_ready, self.allocated, \
+            self.deferred
+        block_of_run, recomputed, needs_grad, stored, dropped, by_id = self.block_of_run, self.recomputed, \
+            self.needs_grad, self.stored, self.dropped, self.by_id
 
         def visit(node: PNode) -> None:
-            done.add(node.id)
-            if node.id in self.held_back:   # a regathered value's readers are all behind: nothing waits longer
-                self.flush_weight_gradients(node.id)
-            block = self.block_of_run.get(node.id)
-            if block is not None and block not in self.recomputed:
+            ident = node.id
+            done.add(ident)
+            if ident in held_back:   # a regathered value's readers are all behind: nothing waits longer
+                self.flush_weight_gradients(ident)
+            block = block_of_run.get(ident)
+            if block is not None and block not in recomputed:
                 self._recompute(block)
-            deps = self.grad_ready.get(node.id, [])
-            if self.needs_grad[node.id] and deps:  # else no gradient reaches it (data, or off the loss's path)
+            deps = grad_ready.get(ident)
+            if deps and needs_grad[ident]:  # else no gradient reaches it (data, or off the loss's path)
                 last = max(deps) if node.kind == "leaf" else self._node_backward(node, deps, syncs)
-                if node.id in self.stored and last is not None:
-                    produced[node.id] = last
-                    if node.id in self.bucket_of and self._through_reduction(last):
-                        deferred.append((node.id, last))
-                    elif node.id in self.bucket_of:
-                        self.bucket_of[node.id][1].ready(str(node.id), last)
-            if self.allocated.get(node.id) and node.id in self.dropped:   # recomputed, but no gradient reached it
-                self._add(f"{node.label} #{node.id} dropped", self.compute, 0.0, [len(self.steps) - 1],
-                          free=self.allocated.pop(node.id), phase="backward")
-            for i in node.inputs:
+                if ident in stored and last is not None:
+                    produced[ident] = last
+                    if ident in self.bucket_of and self._through_reduction(last):
+                        deferred.append((ident, last))
+                    elif ident in self.bucket_of:
+                        self.bucket_of[ident][1].ready(str(ident), last)
+            if ident in dropped and allocated.get(ident):   # recomputed, but no gradient reached it
+                self._add(f"{node.label} #{ident} dropped", self.compute, 0.0, [len(self.steps) - 1],
+                          free=allocated.pop(ident), phase="backward")
+            inputs = node.inputs
+            for i in inputs:
                 waiting[i] -= 1
-            for i in (*node.inputs, *self._take_flushed()) if self.flushed else node.inputs:
-                if i not in done and not waiting[i] and i not in self.deferred and \
+            for i in (*inputs, *self._take_flushed()) if self.flushed else inputs:
+                if i not in done and not waiting[i] and i not in deferred_inputs and \
                         (i in skipped or eager and i in params):
-                    visit(self.by_id[i])
+                    visit(by_id[i])
 
         self._walk(self._backward_order(), visit, done, skipped)
         # `visit` reads itself: dropped here, so that the builder (and its tasks) is freed when the step is
@@ -1384,16 +1396,18 @@ class _Builder:
         self.grad_ready.setdefault(node_id, []).append(task)
 
     def _node_backward(self, node: PNode, deps: list[int], syncs: list[int]) -> int | None:
-        label = self.backward_labels.get(node.id)
+        ident = node.id
+        label = self.backward_labels.get(ident)
         if label is None:
-            label = self.backward_labels[node.id] = f"{node.label} #{node.id} backward"
-        held = self.allocated.get(node.id, 0)
+            label = self.backward_labels[ident] = f"{node.label} #{ident} backward"
+        held = self.allocated.get(ident, 0)
         # a recomputed value is freed by its backward whatever the profile (torch.utils.checkpoint's does)
-        free = held if not self.profile.keep_activations or node.id in self.dropped else 0
-        if free or node.id in self.dropped:   # what is left of it (`end_pass` frees the rest)
-            self.allocated[node.id] = 0
+        dropped = ident in self.dropped
+        free = held if dropped or not self.profile.keep_activations else 0
+        if free or dropped:   # what is left of it (`end_pass` frees the rest)
+            self.allocated[ident] = 0
         if node.kind == "op":
-            return self._compute_backward(node, label, deps, view=self.views.get(node.id, held == 0), free=free)
+            return self._compute_backward(node, label, deps, view=self.views.get(ident, held == 0), free=free)
         piece = _elements(node)
         source = node.inputs[0]
         weight = source in self.params      # a weight's value: its gradient's reduction is the gradient sync
@@ -1627,8 +1641,9 @@ class _Builder:
             grads, again, seconds = known
             if not again or view:
                 task = self._add(label, self.compute, seconds, deps, free=free, phase="backward")
+                ready = self.grad_ready   # `_give`, per input (the pass's most common backward)
                 for i in grads:
-                    self._give(i, task)
+                    ready.setdefault(i, []).append(task)
                 return task
         timed = self.timed[node.id]
         grads, positions, again = [], [], []   # the inputs needing a gradient, their positions; the regathered'

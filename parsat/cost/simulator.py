@@ -220,8 +220,9 @@ class StepBuilder:
         self.stream_of.append(stream)
         self.durations.append(float(duration))
         self._deps.append(deps)
-        self.allocs.append(int(alloc))
-        self.frees.append(int(free))
+        # most tasks hold no bytes: their 0 appended as it is (`int(0)` is that 0)
+        self.allocs.append(int(alloc) if alloc else 0)
+        self.frees.append(int(free) if free else 0)
         self.phases.append(phase)
         return ident
 

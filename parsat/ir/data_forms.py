@@ -37,13 +37,18 @@ def element_sources(nodes: Nodes) -> dict[str, str]:
     return source
 
 
-def data_leaves(nodes: Nodes) -> dict[str, str]:
+DATA_OPS = frozenset(op for op, _position in DATA_ARGS)   # the operators some argument of which is in DATA_ARGS
+
+
+def data_leaves(nodes: Nodes, source: dict[str, str] | None = None) -> dict[str, str]:
     """Leaves whose data must have a form, and which (ONEHOT or MASK): read, through operators that only
     move elements (parallel operators, reshapes, slices), as an embedding's ids, a cross-entropy's targets
-    or a masked softmax's mask."""
-    source = element_sources(nodes)
+    or a masked softmax's mask. `source`: `element_sources(nodes)`, where the caller has it."""
+    source = element_sources(nodes) if source is None else source
     found: dict[str, str] = {}
     for _name, op, inputs in nodes:
+        if op not in DATA_OPS:   # most operators: no argument to look up (a whole model's PCG asks per node)
+            continue
         for position, ref in enumerate(inputs):
             kind = DATA_ARGS.get((op, position))
             if kind is not None:
@@ -54,8 +59,8 @@ def data_leaves(nodes: Nodes) -> dict[str, str]:
 def onehot_values(nodes: Nodes) -> frozenset[str]:
     """The one-hot inputs (`data_leaves`) and every value made of their elements alone (`element_sources`):
     what a framework reading integer ids never holds as [*s, v]."""
-    leaves = {name for name, kind in data_leaves(nodes).items() if kind == ONEHOT}
     source = element_sources(nodes)
+    leaves = {name for name, kind in data_leaves(nodes, source).items() if kind == ONEHOT}
     return frozenset(leaves | {name for name, src in source.items() if src in leaves})
 
 
