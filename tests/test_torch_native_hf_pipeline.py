@@ -32,6 +32,7 @@ import copy
 import json
 from collections import Counter
 from dataclasses import replace
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -44,8 +45,12 @@ from test_torch_native_runtime import _factory, _relative, causal_loss_in_model_
 TOLERANCE, LR, STEPS = 1e-4, 1e-2, 3
 
 
+@cache
 def hf_pipelined_plan(name: str):
-    """The one-device plan of the imported model cut into 2 stages before its last block, 1F1B, 2 micro-batches."""
+    """The one-device plan of the imported model cut into 2 stages before its last block, 1F1B, 2 micro-batches.
+    Made once a process (a frozen plan; every caller derives its own with `replace`): the tests of BERT's cut and
+    of its tensor-parallel stages, and the lazy and eager LLaMA stage plans, each imported the same module again
+    (`parsat.from_torch`: 2.7-3 CPU s an import)."""
     from parsat.ir.pipeline import PipelinePlan, lay_out_stages, pcg_layers
 
     module, example = _factory(name)()
@@ -54,6 +59,25 @@ def hf_pipelined_plan(name: str):
     layers = pcg_layers(one.pcg)
     layout = lay_out_stages(one.pcg, [layers[0], layers[-1]], 2)
     return replace(one, pipeline=PipelinePlan("1f1b", 2, 1, layout), devices=2, costs={})
+
+
+@cache
+def imported_weights(name: str) -> dict:
+    """The imported names of the factory's module's weights (`import_module(...).weights`), the same for every
+    module the factory makes: imported once a process for the tests that read only them (`module_info`), not once
+    a test (0.5-0.9 CPU s an import)."""
+    from parsat.importer.export import import_module
+
+    module, example = _factory(name)()
+    return import_module(module, example, check=False).weights
+
+
+@cache
+def per_microbatch_graph(name: str):
+    """The factory's module imported at one micro-batch's size (half its example batch), as the optimizer plans a
+    pipelined step: once a process (a frozen graph; `parsat.from_torch` is 2.7-3 CPU s)."""
+    module, example = _factory(name)()
+    return parsat.from_torch(module, tuple(x[: x.shape[0] // 2] for x in example))
 
 
 def hf_tensor_parallel_stages_plan(name: str, per_microbatch: bool = False, reduce_at_once: bool = True):
@@ -71,8 +95,7 @@ def hf_tensor_parallel_stages_plan(name: str, per_microbatch: bool = False, redu
     one = hf_pipelined_plan(name)
     graph = one.graph
     if per_microbatch:
-        module, example = _factory(name)()
-        graph = parsat.from_torch(module, tuple(x[: x.shape[0] // 2] for x in example)).with_microbatches(2)
+        graph = per_microbatch_graph(name).with_microbatches(2)
     stage_plan = megatron_pcg(graph, operator_library(), (1, 2), reduce_at_once=reduce_at_once)
     layers = LayerMap(stage_plan)
     if not reduce_at_once:   # cut where a partial sum crosses, as a plan file of before 2026-12-05 may hold: the search
@@ -163,11 +186,10 @@ def test_bert_is_cut_before_the_layer_norm_that_begins_its_second_block():
     from parsat.backend.torch_native.apply import module_info
     from parsat.backend.torch_native.lowering import LoweringError
     from parsat.backend.torch_native.pipeline_lowering import lower_pipeline
-    from parsat.importer.export import import_module
 
     bert = hf_pipelined_plan("bert")
-    module, example = _factory("bert")()
-    info = module_info(module, import_module(module, example, check=False).weights)
+    module, _example = _factory("bert")()
+    info = module_info(module, imported_weights("bert"))
     lowering = lower_pipeline(bert.pcg, bert.graph, bert.pipeline, info)
     assert lowering.split_points() == ("model.bert.encoder.layer.0.output.LayerNorm",)
     second = lowering.chunks[1].params
@@ -227,12 +249,10 @@ def test_an_imported_models_tensor_parallel_stages_compute_their_nn_linear_produ
     from parsat.backend.torch_native.lowering import SPLIT, LoweringError
     from parsat.backend.torch_native.pipeline_lowering import lower_pipeline
     from parsat.backend.torch_native.pipelined import TRACED_PREFIX, _PassInputsThrough
-    from parsat.importer.export import import_module
 
     module, example = _factory("bert")()
-    imported = import_module(module, example, check=False)
     plan = hf_tensor_parallel_stages_plan("bert")
-    lowering = lower_pipeline(plan.pcg, plan.graph, plan.pipeline, module_info(module, imported.weights))
+    lowering = lower_pipeline(plan.pcg, plan.graph, plan.pipeline, module_info(module, imported_weights("bert")))
     cuts = lowering.split_points()
     micro = tuple(x[: x.shape[0] // 2] for x in example)
     pipe = pipeline(_PassInputsThrough(module, cuts), mb_args=micro,
@@ -267,15 +287,14 @@ def test_llamas_megatron_stage_plan_reduces_its_partial_sums_at_once_so_its_stag
     from parsat.backend.torch_native.apply import module_info
     from parsat.backend.torch_native.lowering import LoweringError
     from parsat.backend.torch_native.pipeline_lowering import lower_pipeline
-    from parsat.importer.export import import_module
     from parsat.ir.megatron import TP_AXIS, megatron_pcg
     from parsat.ir.models import build_example
     from parsat.ir.pipeline import PipelineError, lay_out_stages
     from parsat.ir.placement import FREE, PARTIAL, REPLICA
     from test_torch_native_pipeline import SIZES
 
-    llama, example = _factory("llama")()
-    info = module_info(llama, import_module(llama, example, check=False).weights)
+    llama, _example = _factory("llama")()
+    info = module_info(llama, imported_weights("llama"))
     lazy, eager = hf_tensor_parallel_stages_plan("llama", reduce_at_once=False), hf_tensor_parallel_stages_plan("llama")
     tp = eager.pcg.mesh.index(TP_AXIS)
 
@@ -396,9 +415,7 @@ def searched_hf_llama_plan(sequence: bool | None = True):
     at one micro-batch's size, as the search takes an imported graph's step (`search.request.step_context`). Until
     2026-12-05 the search refused to pipeline an imported graph (`_check_pipeline_pin`: "only a built-in
     example")."""
-    module, example = _factory("llama")()
-    graph = parsat.from_torch(module, tuple(x[: x.shape[0] // 2] for x in example))
-    return parsat.optimize(graph, machine="cpu", devices=4, microbatches=2, schedule="1f1b",
+    return parsat.optimize(per_microbatch_graph("llama"), machine="cpu", devices=4, microbatches=2, schedule="1f1b",
                            degrees={"pp": 2, "tp": 2, **({} if sequence is None else {"sp": 2 if sequence else 1})})
 
 
@@ -410,7 +427,6 @@ def test_the_search_pipelines_an_imported_llama_into_stages_its_module_is_cut_in
     piece). A graph without blocks pinned to a pipeline is refused, saying why."""
     from parsat.backend.torch_native.apply import module_info
     from parsat.backend.torch_native.pipeline_lowering import lower_pipeline
-    from parsat.importer.export import import_module
     from parsat.ir.errors import OptimizeError
     from parsat.ir.models import mlp
 
@@ -419,9 +435,8 @@ def test_the_search_pipelines_an_imported_llama_into_stages_its_module_is_cut_in
     assert plan.graph.microbatches == 2
     for crossing in plan.pipeline.layout.crossings:
         assert plan.pcg.node(crossing.node).degrees.sum == 1
-    module, example = _factory("llama")()
-    lowering = lower_pipeline(plan.pcg, plan.graph, plan.pipeline,
-                              module_info(module, import_module(module, example, check=False).weights))
+    module, _example = _factory("llama")()
+    lowering = lower_pipeline(plan.pcg, plan.graph, plan.pipeline, module_info(module, imported_weights("llama")))
     assert lowering.split_points() == ("model.model.layers.1",) and lowering.sequence_crossings
     with pytest.raises(OptimizeError, match="only a graph of several blocks"):
         parsat.optimize(mlp(batch=8, d_in=4, d_hidden=8, d_out=2), machine="cpu", devices=2, degrees={"pp": 2})
@@ -473,12 +488,11 @@ def test_the_searched_llamas_final_norm_beside_its_split_head_is_a_whole_weight_
     from parsat.backend.torch_native.apply import module_info
     from parsat.backend.torch_native.lowering import TENSOR, WHOLE, LoweringError, lower
     from parsat.backend.torch_native.pipeline_lowering import lower_pipeline
-    from parsat.importer.export import import_module
     from parsat.ir.placement import Placement, shard
 
     plan = searched_hf_llama_plan(sequence=None)
-    module, example = _factory("llama")()
-    info = module_info(module, import_module(module, example, check=False).weights)
+    module, _example = _factory("llama")()
+    info = module_info(module, imported_weights("llama"))
     stage = lower(plan.pcg, replace(plan.graph, microbatches=1), info, traced=True)
     tp = plan.pcg.mesh.names.index("tp")
     assert stage.axis_roles[tp] == TENSOR
