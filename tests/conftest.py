@@ -24,68 +24,16 @@ def pytest_configure(config: pytest.Config) -> None:
     order, neither seeing the other's verdicts until written: ~116 CPU s of z3 done twice on 2 cores. Here the
     process that starts the workers proves it once (a cached library is only looked up: ~1 s); the workers then
     read the verdicts. Nothing is skipped: the same verifier, the same cache, the same promise. Only under xdist
-    (`-n`): a single test file run by hand does not pay for a library it may never load. Under `--dist loadfile`
-    it also turns xdist's own order of the files (by number of tests) off: they go out in `file_order`'s.
+    (`-n`): a single test file run by hand does not pay for a library it may never load.
     """
     if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
         return
-    if getattr(config.option, "dist", "no") == "loadfile":
-        config.option.loadscopereorder = False   # the files go out in the workers' collection order (below)
     if config.getoption("collectonly", False):
         return
     from parsat.api import proved_rules
     from parsat.dsl.checker import resolve_library
 
     proved_rules(resolve_library(None), allow_unverified=False)
-
-
-# The files whose tests take longest (20 s or more): wall seconds summed over a file's tests (setup, call, teardown)
-# in a cold-cache `make test` at 4d1cf49, under load 2-5, so about twice a quiet run's (`--durations=0`;
-# `benchmarks/suite_durations.py --heavy 20`; benchmarks/suite_time.md, session 69 helper D). Only the order the
-# files go to the workers reads it (their relative sizes): a stale figure costs balance, never a test.
-HEAVY_FILES = {
-    "test_backend_calibrate.py": 171, "test_backend_parallelize.py": 123, "test_torch_native_runtime.py": 113,
-    "test_generate.py": 108, "test_saturate_optimize.py": 95, "test_grid_forms.py": 94,
-    "test_import_families.py": 77, "test_backend_microbatches.py": 72, "test_verifier_wrong_rules.py": 68,
-    "test_torch_native_rewritten.py": 67, "test_torch_native_user_loop.py": 58, "test_pipeline.py": 52,
-    "test_cost_pcg_tasks.py": 45, "test_torch_native_hf_pipeline.py": 44, "test_lean_extraction.py": 43,
-    "test_sequence_parallel_extraction.py": 43, "test_backend_launch.py": 41, "test_saturate_sums.py": 37,
-    "test_pinned_grid.py": 36, "test_repeat.py": 35, "test_verifier_ground_truth.py": 34,
-    "test_weight_readers_comm.py": 34, "test_reliability_hostile.py": 33, "test_backend_recompute.py": 32,
-    "test_search_shared_work.py": 31, "test_memory_floor.py": 30, "test_backend_distributed.py": 29,
-    "test_reliability_faults.py": 29, "test_saturate_resize.py": 28, "test_reliability_round3.py": 27,
-    "test_saturate_strategies.py": 27, "test_dsl_comments.py": 26, "test_verifier_honesty.py": 25,
-    "test_backend_batchnorm.py": 24, "test_backend_fx.py": 23, "test_backend_plans.py": 23,
-    "test_plan_provenance.py": 23, "test_architecture.py": 22, "test_block_layout.py": 21,
-    "test_grid_across_keys.py": 20,
-}
-
-
-def file_order(files: dict[str, int], heavy: dict[str, float] = HEAVY_FILES) -> list[str]:
-    """The order in which `--dist loadfile` hands the files (name -> number of tests, in collection order) to the
-    workers: the heavy ones first (`heavy`, by file name), longest first, then the rest by number of tests as xdist
-    orders them.
-
-    A worker takes its next file when it is nearly done with the one it has, so the suite ends when the last
-    file handed out ends: by number of tests alone (xdist's order) files of one to three long searches went last,
-    and the two workers ended 22 s apart (session 68). Longest first leaves the short files for the end."""
-    index = {name: i for i, name in enumerate(files)}
-    return sorted(files, key=lambda name: (-heavy.get(name.rpartition("tests/")[2], 0.0), -files[name], index[name]))
-
-
-@pytest.hookimpl(trylast=True)   # after `-m` has deselected
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On a pytest-xdist worker, the collected tests grouped by file in `file_order` (each file's own tests in
-    their order): the controller, told not to reorder (`pytest_configure`), hands the files out in this order.
-    Both workers sort the same collection alike, as xdist requires."""
-    if not hasattr(config, "workerinput"):
-        return
-    files: dict[str, int] = {}
-    for item in items:
-        name = item.nodeid.split("::")[0]
-        files[name] = files.get(name, 0) + 1
-    rank = {name: i for i, name in enumerate(file_order(files))}
-    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
 
 
 @pytest.fixture(autouse=True, scope="session")
