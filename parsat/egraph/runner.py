@@ -58,6 +58,12 @@ class Limits:
     seconds: float = math.inf
     ilp_seconds: float = math.inf
 
+    @property
+    def clocked(self) -> bool:
+        """Whether a wall-clock valve is set (`seconds` or `ilp_seconds` finite): a search's result may then depend
+        on the machine's speed, so what is kept for a call, or taken as a scout's, is kept only where it is not."""
+        return math.isfinite(self.seconds) or math.isfinite(self.ilp_seconds)
+
     @staticmethod
     def from_mapping(values: Mapping[str, float] | None) -> "Limits":
         if not values:

@@ -228,8 +228,7 @@ def _stop_where_nothing_new_wins(step: StepContext, searches: Sequence[MeshSearc
     is the scout's own (the same argument over the grid's points), priced again. So the plans, the best plan and
     the best grid point are what searching on gives; only `tried` lacks the pair's repeated schedules."""
     fit, request = step.stage, step.request
-    limits = request.limits
-    if math.isfinite(limits.seconds) or math.isfinite(limits.ilp_seconds) or any(s.cut for s in searches):
+    if request.limits.clocked or any(s.cut for s in searches):
         return
     grid_bar = None if fit.grid_bar_s is None else max(fit.bar_s, fit.grid_bar_s)
     least = math.inf
@@ -267,9 +266,8 @@ def _the_scouts_choice(step: StepContext, searches: Sequence[MeshSearch], steps:
     of the step's own plan (every mesh's summary, its baselines' totals) would reach no plan."""
     fit, request = step.stage, step.request
     scout = fit.scout_plan if fit is not None and fit.scouted_meshes else None
-    limits = request.limits
-    if scout is None or step.pins or request.parallel_dims or math.isfinite(limits.seconds) or \
-            math.isfinite(limits.ilp_seconds) or any(s.cut for s in searches):
+    if scout is None or step.pins or request.parallel_dims or request.limits.clocked or \
+            any(s.cut for s in searches):
         return None
     solved = [s for s in searches if s.joint is not None]
     if not solved:
@@ -428,8 +426,7 @@ def _refusing(step: StepContext) -> bool:
     and the independent grid, kept for the call where no wall-clock limit applies). The joint plans are always
     simulated (`MeshSearch.simulated`): the step picks its best mesh by them, which decides where the sequential
     baseline is built. A stage step judges memory by its pipeline (`search.fit`), not by a simulated peak."""
-    limits = step.request.limits
-    return step.stage is None and not (math.isfinite(limits.seconds) or math.isfinite(limits.ilp_seconds))
+    return step.stage is None and not step.request.limits.clocked
 
 
 def _settle_grid(step: StepContext, steps: CandidateSteps) -> bool:
@@ -566,7 +563,7 @@ def searched_once(step: StepContext, choice: MeshChoice, clock: Deadline) -> Mes
     (`--limit seconds`, `ilp_seconds`): a search's result then depends on its inputs alone (work budgets),
     and one that Ctrl-C cut is not kept."""
     request = step.request
-    if math.isfinite(request.limits.seconds) or math.isfinite(request.limits.ilp_seconds):
+    if request.limits.clocked:
         return search_mesh(step, choice.mesh, choice.config, choice.pins, clock)
     key = (step.graph, step.repetition, step.machine, step.devices, step.stage, step.in_flight,
            tuple(sorted(step.batch_inputs.items())), tuple(sorted(step.pins.items())), choice.mesh, choice.config,
@@ -689,7 +686,7 @@ def _two_phase(step: StepContext, best_search: MeshSearch, spare: Limits, clock:
     limits = replace(spare, ilp_nodes=max(1, request.limits.ilp_nodes // 2))
     key = ("sequential", step.searched, step.repetition, step.machine, best_search.mesh,
            tuple(sorted(best_search.pins.items())), tuple(sorted(step.input_pins.items())), limits)
-    once = not (math.isfinite(request.limits.seconds) or math.isfinite(request.limits.ilp_seconds))
+    once = not request.limits.clocked
     found = request.built.get(key, _UNBUILT) if once else _UNBUILT
     if found is not _UNBUILT:
         step.say("baseline sequential: built before, with the same inputs")
