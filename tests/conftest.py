@@ -58,6 +58,22 @@ def _searches_keep_their_programs():
         yield
 
 
+@pytest.fixture(scope="module")
+def kept_programs():
+    """Caches for a test's own `saturate` calls that keep the mesh programs in the cache folder, as a search keeps
+    them (`_searches_keep_their_programs`): a program is compiled once for its inputs, then read back, under the
+    same key as the searches' (so one compiled by a search is read by a test, and the other way round).
+
+    A test that saturates to check what the e-graph (or the program's rule list) is, not how a program is made,
+    compiled its programs afresh every time: most of the CPU of test_saturate_sums and test_saturate_resize
+    (benchmarks/suite_time.md, session 70). The program cache's own tests check that what is read back is what
+    compiling gives. One per module: a module's tests share the shipped library's rule objects."""
+    from parsat.dsl.files import cache_dir
+    from parsat.egraph.program import MeshCaches
+
+    return MeshCaches(cache_dir())
+
+
 @pytest.fixture
 def write_rules(tmp_path: Path):
     """Write a .rule file (dedented) and return its path."""

@@ -271,9 +271,8 @@ def test_balanced_starts_is_the_plain_programme(seed):
                 assert balanced_starts(*args) == _balanced_by_loop(*args), (schedule, degree, m, capacity)
 
 
-def test_cut_points_follow_the_cost_not_the_layer_count():
-    stage = optimize(_uneven(), "h100x8", devices=2, limits={"enodes": 15000},
-                     baselines=False, microbatches=16)
+def test_cut_points_follow_the_cost_not_the_layer_count(uneven_stage):
+    stage = uneven_stage   # the search this test made is the fixture's, read by the cut refinement's tests too
     machine = Machine.resolve("h100x8").with_devices(8)
     balanced = pipelined(stage, 4, ONE_F_ONE_B, machine)
     layers = pcg_layers(stage.pcg)
@@ -403,7 +402,40 @@ def test_a_schedule_for_an_unpipelined_plan_is_said_not_fatal():
     assert plan.pipeline is None and any("not pipelined" in m for m in said)
 
 
-def test_a_stage_plan_that_fits_no_schedule_is_searched_again_recomputing():
+# a gpt whose stage plans keep too much for a 7 MiB device (`small_pipelined`)
+SMALL_SIZES = {"blocks": 4, "batch": 16, "seq": 256, "hidden": 64, "heads": 4, "vocab": 128}
+
+
+def _counting_where(left: list):
+    """`CandidateSteps.where` that also appends to `left` the name of each candidate it leaves unsimulated; it
+    returns what `where` returns, so a search counted is the search made without it."""
+    from parsat.search.mesh import CandidateSteps
+
+    where = CandidateSteps.where
+
+    def counting(self, candidate, ranked):
+        if candidate is not None and ranked is not None and not ranked(candidate):
+            left.append(candidate.name)   # left unsimulated
+        return where(self, candidate, ranked)
+    return counting
+
+
+@pytest.fixture(scope="module")
+def small_pipelined():
+    """`SMALL_SIZES`' gpt pinned to 2 stages over 4 cpu devices of 7 MiB, 4 micro-batches, searched once for the
+    two tests that read it, and the candidates its stage steps left unsimulated (`CandidateSteps.where` counted
+    during the search: the count returns what `where` returns, so the search is the one made without it)."""
+    from parsat.search.mesh import CandidateSteps
+
+    left: list = []
+    small = replace(Machine.resolve("cpu"), memory_capacity=7 * 2 ** 20)   # 7 MiB, as the tests read it
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CandidateSteps, "where", _counting_where(left))
+        plan = optimize("gpt", small, devices=4, sizes=SMALL_SIZES, degrees={"pp": 2}, microbatches=4)
+    return plan, tuple(left)
+
+
+def test_a_stage_plan_that_fits_no_schedule_is_searched_again_recomputing(small_pipelined):
     """llama-70b:64's regression, small: a stage plan keeping every activation passed the stage search's memory
     check (the whole plan, one micro-batch alive, against a device p times the size) and needed more than a
     device once cut and run in any schedule. The check is now the pricing's own figure (`StageFit`), so that plan
@@ -411,7 +443,7 @@ def test_a_stage_plan_that_fits_no_schedule_is_searched_again_recomputing():
     from parsat.cost.pipeline import StageFit
     from parsat.ir.costs import totals
     from parsat.ir.recompute import BLOCKS, NONE
-    sizes = {"blocks": 4, "batch": 16, "seq": 256, "hidden": 64, "heads": 4, "vocab": 128}
+    sizes = SMALL_SIZES
     cpu = Machine.resolve("cpu")
     small = replace(cpu, memory_capacity=7 * 2 ** 20)       # 7 MiB a device: between the two figures below
     p, m = 2, 4
@@ -427,7 +459,7 @@ def test_a_stage_plan_that_fits_no_schedule_is_searched_again_recomputing():
     assert not any(pipelined(keeping, p, name, small.with_devices(4), chunks_per_stage=v).totals.fits(small)
                    for name, v in ((ONE_F_ONE_B, 1), (INTERLEAVED, 2), (GPIPE, 1)))
 
-    plan = optimize("gpt", small, devices=4, sizes=sizes, degrees={"pp": p}, microbatches=m)
+    plan, _ = small_pipelined   # optimize("gpt", small, devices=4, sizes=sizes, degrees={"pp": p}, microbatches=m)
     assert plan.pipeline is not None and plan.totals.fits(small)
     assert plan.pcg.recompute == BLOCKS                                       # searched again recomputing
     # priced again from its stage plan at its own cut: every stage within the device
@@ -691,30 +723,24 @@ def test_the_cut_floor_counts_fill_and_drain_where_chunks_chain_and_prunes_more(
     assert calls["sharp"] < calls["blunt"]
 
 
-def test_a_stage_step_simulates_only_the_baselines_that_fit_and_the_plan_is_the_same(monkeypatch):
+def test_a_stage_step_simulates_only_the_baselines_that_fit_and_the_plan_is_the_same(small_pipelined, monkeypatch):
     """A pipeline stage's step reads a baseline's simulated step only to rank it, and only where it fits
     (`step.step_read`): on 7 MiB devices the stage's data-parallel baseline does not fit, so it is left
     unsimulated, and the plan is field for field (but its timings) the one simulating every baseline gives."""
     import parsat.search.step as step_module
     from parsat.search.mesh import CandidateSteps
 
-    sizes = {"blocks": 4, "batch": 16, "seq": 256, "hidden": 64, "heads": 4, "vocab": 128}
     small = replace(Machine.resolve("cpu"), memory_capacity=7 * 2 ** 20)
-    left, where = [], CandidateSteps.where
+    left: list = []
 
-    def counting(self, candidate, ranked):
-        if candidate is not None and ranked is not None and not ranked(candidate):
-            left.append(candidate.name)   # left unsimulated
-        return where(self, candidate, ranked)
-
-    def plan() -> str:
-        found = optimize("gpt", small, devices=4, sizes=sizes, degrees={"pp": 2}, microbatches=4)
+    def plan(found) -> str:
         assert found.pipeline is not None
         return json.dumps(without_timing(json.loads(found.to_json())))
 
-    monkeypatch.setattr(CandidateSteps, "where", counting)
-    cut = plan()
-    assert "data_parallel" in left
+    found, left_by_the_search = small_pipelined   # the search, counted as below
+    cut = plan(found)
+    assert "data_parallel" in left_by_the_search
+    monkeypatch.setattr(CandidateSteps, "where", _counting_where(left))
     monkeypatch.setattr(step_module, "step_read", lambda step: None)
-    left.clear()
-    assert plan() == cut and not left
+    assert plan(optimize("gpt", small, devices=4, sizes=SMALL_SIZES, degrees={"pp": 2}, microbatches=4)) == cut
+    assert not left

@@ -44,6 +44,12 @@ def mlp_plan_cpu(shipped):
     return optimize("mlp", machine="cpu", devices=2, rules=shipped, allow_unverified=True)
 
 
+@pytest.fixture(scope="module")
+def small_mlp_plan(small_rules):
+    """The MLP on 2 cpu devices with the test rules alone, searched once for the tests that read it unpinned."""
+    return optimize("mlp", machine="cpu", devices=2, rules=small_rules, allow_unverified=True)
+
+
 def test_mlp_anchor_shipped_rules(mlp_plan_cpu):
     """Unity's Fig. 1: data parallelism syncs 813,056 gradient elements; parsat moves at most 131,072."""
     plan = mlp_plan_cpu
@@ -74,17 +80,31 @@ def test_data_parallel_convention(shipped):
 EXAMPLE_SIZES = {"mlp": None, "branches": None, "transformer": None, "stack": {"blocks": 2}}
 
 
+@pytest.fixture(scope="module")
+def example_plan(shipped):
+    """The plan of an example on `devices` h100x8 devices with the shipped rules, searched once per module: the
+    transformer on 8 is read both by `test_never_worse_than_baselines` and by the plan JSON's baselines test (a
+    search is deterministic, and neither test changes the plan)."""
+    plans: dict = {}
+
+    def plan(name: str, devices: int):
+        if (name, devices) not in plans:
+            plans[name, devices] = optimize(name, machine="h100x8", devices=devices, rules=shipped,
+                                            allow_unverified=True, sizes=EXAMPLE_SIZES[name])
+        return plans[name, devices]
+    return plan
+
+
 @pytest.mark.parametrize("devices", [2, 8])
 @pytest.mark.parametrize("name", sorted(EXAMPLE_SIZES))
-def test_never_worse_than_baselines(shipped, name, devices):
+def test_never_worse_than_baselines(example_plan, name, devices):
     """With the shipped rules alone the joint extraction reaches every baseline's plan: its per-node sum (what
     extraction ranks by) is at most each baseline's. The plan, chosen among them all by the simulated step, is
     at least as fast as each baseline's simulated step. The joint extraction is per mesh: `extraction` records
     the mesh whose plan simulated fastest, `saturation.meshes` every mesh's extracted per-node sum (stack on 8
     h100x8 devices: the 1-D mesh's 1.449 ms is recorded, the 4 x 2 mesh extracted 1.361 ms, below best_grid's
     1.445 ms on that mesh)."""
-    plan = optimize(name, machine="h100x8", devices=devices, rules=shipped, allow_unverified=True,
-                    sizes=EXAMPLE_SIZES[name])
+    plan = example_plan(name, devices)
     per_mesh = [m["node_sum_s"] for m in plan.saturation["meshes"] if m["node_sum_s"] is not None]
     extracted = min([v for v in plan.extraction["candidates"].values() if v is not None] + per_mesh)
     assert plan.baselines["sequential"] is not None
@@ -95,9 +115,9 @@ def test_never_worse_than_baselines(shipped, name, devices):
             assert result.streams is not None and plan.totals.streams is not None
 
 
-def test_baseline_pcgs_in_json_priced_equal_to_totals(shipped, tmp_path):
+def test_baseline_pcgs_in_json_priced_equal_to_totals(shipped, example_plan, tmp_path):
     """A backend can run each baseline: its PCG is in the plan JSON, and pricing it gives the baseline's totals."""
-    plan = optimize("transformer", machine="h100x8", devices=8, rules=shipped, allow_unverified=True)
+    plan = example_plan("transformer", 8)
     path = tmp_path / "plan.json"
     plan.save(path)
     data = load_plan_dict(path)
@@ -143,8 +163,8 @@ def test_limits_are_reported(small_rules):
     assert plan.totals.time_s > 0  # still a plan
 
 
-def test_megatron_found_with_small_rules(small_rules):
-    plan = optimize("mlp", machine="cpu", devices=2, rules=small_rules, allow_unverified=True)
+def test_megatron_found_with_small_rules(small_mlp_plan):
+    plan = small_mlp_plan
     assert plan.totals.comm_elements == 2 * 128 * 10  # one all-reduce of the 128x10 partial sums
     assert plan.baselines["megatron"] is not None
 
@@ -250,13 +270,13 @@ def test_unproved_rules_are_left_out(small_rules, monkeypatch):
     assert "left out" in plan.saturation["rules_note"]
 
 
-def test_input_pin(small_rules):
+def test_input_pin(small_rules, small_mlp_plan):
     """An input that arrives split by rows: data parallelism is free to start, a whole use costs a gather."""
     plan = optimize("mlp", machine="cpu", devices=2, rules=small_rules, allow_unverified=True,
                     input_spreads={"x": {"shard": [2, 1]}})
     x = [n for n in plan.pcg.nodes if n.kind == "leaf" and n.op == "x"]
     assert x and all(n.op == "x" for n in x)
-    free = optimize("mlp", machine="cpu", devices=2, rules=small_rules, allow_unverified=True)
+    free = small_mlp_plan
     assert plan.totals.time_s >= free.totals.time_s - 1e-12  # pinning can only constrain
     with pytest.raises(OptimizeError, match="not an input"):
         optimize("mlp", machine="cpu", devices=2, rules=small_rules, allow_unverified=True,
@@ -276,7 +296,7 @@ def test_a_long_explanation_opens_with_the_parallel_operators_counted(mlp_plan_c
     assert "in short:" not in explain(data, limit=None)
 
 
-def test_rules_used_are_the_makers_of_the_plan_s_new_operators(shipped):
+def test_rules_used_are_the_makers_of_the_plan_s_new_operators(shipped, mlp_plan_cpu):
     """Provenance: every e-node the plan chose that the input graph lacks was built by a listed rule."""
     from parsat.search.provenance import rules_used
     from parsat.search.solve import solve as _solve
@@ -296,4 +316,4 @@ def test_rules_used_are_the_makers_of_the_plan_s_new_operators(shipped):
     assert set(used) <= {name for name, n in result.matches.items() if n}
     graph_ops = [node for node in chosen if GRAPH_MADE in result.snapshot.made.get(node, ())]
     assert all(not result.snapshot.makers(node) for node in graph_ops)
-    assert optimize("mlp", machine="cpu", devices=2, rules=shipped, allow_unverified=True).rules_used == used
+    assert mlp_plan_cpu.rules_used == used   # the search's own provenance names the same rules

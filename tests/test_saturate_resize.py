@@ -26,17 +26,17 @@ MESH = Mesh.of((2, 2))
 
 
 @pytest.fixture(scope="module")
-def saturated():
+def saturated(kept_programs):
     library = resolve_library(None)
     like = build_example("gpt", {**SIZES, "batch": 16}, library)
-    return library, like, saturate(like, library, library.rules, MESH, Limits(), matches=True)
+    return library, like, saturate(like, library, library.rules, MESH, Limits(), caches=kept_programs, matches=True)
 
 
-def test_an_e_graph_taken_at_half_the_batch_is_the_e_graph_saturating_that_batch_gives(saturated):
+def test_an_e_graph_taken_at_half_the_batch_is_the_e_graph_saturating_that_batch_gives(saturated, kept_programs):
     library, like, result = saturated
     graph = build_example("gpt", {**SIZES, "batch": 8}, library)
     taken = resized(result.snapshot, result.classes, result.program, result.pattern_rows, like, graph, library)
-    fresh = saturate(graph, library, library.rules, MESH, Limits()).snapshot
+    fresh = saturate(graph, library, library.rules, MESH, Limits(), caches=kept_programs).snapshot
     assert taken is not None and taken.shape != result.snapshot.shape   # the batch's dims moved
     same = matched_classes(taken, fresh)
     assert len(same) == len(taken.classes) == len(fresh.classes) and taken.enodes == fresh.enodes
@@ -47,13 +47,13 @@ def test_an_e_graph_taken_at_half_the_batch_is_the_e_graph_saturating_that_batch
     assert scales == {a for nodes in fresh.classes.values() for n in nodes if n.op == "scale" for a in n.attrs}
 
 
-def test_an_e_graph_is_not_taken_where_the_batch_no_longer_divides_among_the_devices(saturated):
+def test_an_e_graph_is_not_taken_where_the_batch_no_longer_divides_among_the_devices(saturated, kept_programs):
     library, like, result = saturated
     graph = build_example("gpt", {**SIZES, "batch": 6}, library)   # 6 on a 2 x 2 mesh: no split over both axes
     assert resized(result.snapshot, result.classes, result.program, result.pattern_rows, like, graph,
                    library) is None
     # and rightly: saturating it gives another e-graph
-    assert saturate(graph, library, library.rules, MESH, Limits()).enodes != result.enodes
+    assert saturate(graph, library, library.rules, MESH, Limits(), caches=kept_programs).enodes != result.enodes
 
 
 def _plan(request, microbatches: int) -> dict:
@@ -99,7 +99,7 @@ def test_a_guard_is_read_as_egglog_reads_it_or_not_at_all():
         _Guard(["(At1 m_x d0 0)", "(= d0 s_k)"], [("root", "T"), ("m_x", "T")], "").sizes((1, 7), {7: (4,)}.get)
 
 
-def test_an_e_graph_is_not_taken_where_a_built_e_node_reads_a_size_that_moved(saturated):
+def test_an_e_graph_is_not_taken_where_a_built_e_node_reads_a_size_that_moved(saturated, kept_programs):
     """`amax_vocab_parallel` builds `unflatten(partition(x, d, p), d, n / p)`: the vocabulary's block size is an
     e-node argument. Another vocabulary keeps the graph's structure (the sizes are in the shapes), and
     saturating it builds other e-nodes: refused (measured: on 8 matches that block size moves, and on 8
@@ -109,7 +109,7 @@ def test_an_e_graph_is_not_taken_where_a_built_e_node_reads_a_size_that_moved(sa
     assert resized(result.snapshot, result.classes, result.program, result.pattern_rows, like, graph,
                    library) is None
     unflattens = lambda s: {n.attrs for nodes in s.classes.values() for n in nodes if n.op == "unflatten"}  # noqa: E731
-    fresh = saturate(graph, library, library.rules, MESH, Limits()).snapshot
+    fresh = saturate(graph, library, library.rules, MESH, Limits(), caches=kept_programs).snapshot
     assert unflattens(fresh) != unflattens(result.snapshot)   # and rightly: the block sizes differ
 
 

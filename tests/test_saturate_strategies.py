@@ -72,7 +72,7 @@ def test_hand_built_plans_are_described_by_what_their_axes_do():
     assert "ZeRO-3 over DP" in describe(mesh_plans.zero3_tp_mlp(library).pcg)
 
 
-def test_best_grid_reports_its_fastest_point_when_none_fits():
+def test_best_grid_reports_its_fastest_point_when_none_fits(kept_programs):
     """A grid whose every configuration needs more memory than the device has still says what the fastest
     one would take and how much it needs (a baseline shown as 'needs X GiB'), never None."""
     from dataclasses import replace as _replace
@@ -88,7 +88,9 @@ def test_best_grid_reports_its_fastest_point_when_none_fits():
     library = resolve_library(None)
     graph = build_example("transformer", {}, library)
     machine = Machine.resolve("h100x8").with_devices(8)
-    result = saturate(graph, library, library.rules, 8, Limits(iterations=4))
+    # the program kept in the cache folder (the conftest's `kept_programs`): this test is about `best_grid`, and
+    # compiling the program was most of its CPU
+    result = saturate(graph, library, library.rules, 8, Limits(iterations=4), caches=kept_programs)
     roots = [result.classes[n] for n in graph.outputs]
     priced = node_costs(result.snapshot, graph, library, machine)
     roomy = best_grid(result, graph, library, machine, roots, Limits(seconds=30), True, priced, {})

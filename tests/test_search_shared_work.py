@@ -46,15 +46,23 @@ def gpt():
 
 
 @pytest.fixture(scope="module")
-def mlp_on_two_meshes():
+def mlp_on_two_meshes(kept_programs):
     library = resolve_library(None)
     graph = build_example("mlp", library=library)
-    return library, graph, [saturate(graph, library, library.rules, n, Limits()) for n in (2, 4)]
+    return library, graph, [saturate(graph, library, library.rules, n, Limits(), caches=kept_programs) for n in (2, 4)]
 
 
-def test_layouts_sharing_their_operator_options_are_the_layouts_built_alone(gpt):
+@pytest.fixture(scope="module")
+def layouts_alone(gpt):
+    """Each of `LAYOUTS` built alone (None where it cannot be), in `LAYOUTS`' order: built once for the tests that
+    read them (a PCG is a frozen value; none of them changes one)."""
     library, graph = gpt
-    alone = [megatron_pcg(graph, library, shape, 8, zero=zero, sequence=seq) for shape, seq, zero in LAYOUTS]
+    return [megatron_pcg(graph, library, shape, 8, zero=zero, sequence=seq) for shape, seq, zero in LAYOUTS]
+
+
+def test_layouts_sharing_their_operator_options_are_the_layouts_built_alone(gpt, layouts_alone):
+    library, graph = gpt
+    alone = layouts_alone
     assert sum(p is not None for p in alone) >= 8
     for order in (LAYOUTS, LAYOUTS[::-1]):   # whichever layout fills the shared options first
         shared: dict = {}
@@ -254,11 +262,11 @@ def test_nodes_alike_but_for_a_role_or_a_gradient_are_priced_apart(gpt):
 
 
 @pytest.fixture(scope="module")
-def three_blocks(gpt):
+def three_blocks(gpt, kept_programs):
     """A 3-block gpt saturated on 2 devices and its e-nodes priced."""
     library, _graph = gpt
     graph = build_example("gpt", {**SIZES, "blocks": 3}, library)
-    result = saturate(graph, library, library.rules, 2, Limits())
+    result = saturate(graph, library, library.rules, 2, Limits(), caches=kept_programs)
     return graph, result, node_costs(result.snapshot, graph, library, Machine.preset("cpu").with_devices(2))
 
 
@@ -313,15 +321,14 @@ def test_recomputing_shared_cost_objects_recomputes_each_e_node_as_alone(three_b
     assert _kept_across_blocks(snapshot, roots) == (frozenset(kept), count)
 
 
-def test_a_layout_s_floor_priced_without_its_parallel_nodes_is_its_floor_priced_whole(gpt):
+def test_a_layout_s_floor_priced_without_its_parallel_nodes_is_its_floor_priced_whole(gpt, layouts_alone):
     """`step._stage_candidates` prices a grid family's first layout without its parallel nodes: what the floor
     reads of them (forward_s, backward_s) is 0 on every one, and the other nodes are priced as in the whole."""
     from parsat.search.step import _not_parallel
     from parsat.search.solve import pcg_node_costs
     library, graph = gpt
     machine = Machine.preset("h100x8").with_devices(8)
-    layouts = [p for p in (megatron_pcg(graph, library, shape, 8, zero=zero, sequence=seq)
-                           for shape, seq, zero in LAYOUTS) if p is not None]
+    layouts = [p for p in layouts_alone if p is not None]
     assert len(layouts) >= 8
     for pcg in layouts:
         whole = pcg_node_costs(pcg, library, machine, True, graph.microbatches)
@@ -352,14 +359,13 @@ def test_a_pcg_s_rules_worked_out_once_per_set_of_makers_are_each_node_s_own(thr
     assert named >= 3
 
 
-def test_compute_costs_shared_across_node_counts_are_each_machine_s_own(gpt):
+def test_compute_costs_shared_across_node_counts_are_each_machine_s_own(gpt, layouts_alone):
     """`extract.Pricer` keeps compute costs by the machine less its node count: a compute node priced on a machine of
     1, 2 or 8 nodes, fresh or from costs another node count filled, costs the same."""
     from parsat.search.solve import pcg_node_costs
     from parsat.search.step import _not_parallel
     library, graph = gpt
-    layouts = [p for p in (megatron_pcg(graph, library, shape, 8, zero=zero, sequence=seq)
-                           for shape, seq, zero in LAYOUTS[:6]) if p is not None]
+    layouts = [p for p in layouts_alone[:6] if p is not None]   # the first six of `LAYOUTS`
     assert len(layouts) >= 4
     shared: dict = {}
     for pcg in layouts:
