@@ -137,13 +137,24 @@ def test_an_embedding_plan_passes_check_on_seeded_ids(two_rank_runs):
     assert result.check == "passed", result
 
 
-def test_tied_weights_stay_one_parameter_and_train_like_torch(models, tmp_path, capsys):
-    plan = _optimize(models, "tied", tmp_path)
-    graph = json.loads(open(plan).read())["graph"]
+@pytest.fixture(scope="module")
+def tied_plan(models, tmp_path_factory) -> str:
+    """The tied LM's plan file (`_optimize`: an export of the module, 1-2 CPU s), made once for the tests that
+    read it; none of them writes it."""
+    return _optimize(models, "tied", tmp_path_factory.mktemp("tied"))
+
+
+def test_tied_weights_stay_one_parameter_and_train_like_torch(tied_plan, two_rank_runs):
+    """The plan file's graph holds the tied table once, and its plan (`--plan-of parsat`) trains like the module
+    on 2 ranks: run by `run_module_many` (what `parsat run --model` runs on its ranks, with the CLI's defaults:
+    3 steps, float64, its tolerance for a module) in the file's one 2-rank launch (`two_rank_runs`), where it was
+    a launch of its own through `parsat run`. The CLI's `--model` path itself (exit code, JSON) is run by
+    test_a_module_trains_as_a_plan_on_a_2x2_mesh (this module, 4 ranks) and test_a_non_finite_value_fails_check."""
+    graph = json.loads(open(tied_plan).read())["graph"]
     assert [w["name"] for w in graph["weights"] if "emb" in w["name"] or "head" in w["name"]] == ["head.weight"]
-    code, result, text = _run(capsys, plan, models, "tied")
-    assert code == 0 and result["check"] == "passed", text
-    assert result["max_rel_diff"] < 1e-9
+    result = two_rank_runs["tied/parsat"]
+    assert result.check == "passed", result
+    assert result.max_rel_diff < 1e-9
 
 
 def modules_then_a_plan(ctx, jobs, config, pcg, plan_config, graph) -> dict:
@@ -155,29 +166,30 @@ def modules_then_a_plan(ctx, jobs, config, pcg, plan_config, graph) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_rank_runs(models, tmp_path_factory):
+def two_rank_runs(models, tied_plan, tmp_path_factory):
     """In ONE 2-rank launch (a launch is two fresh processes importing torch, most of a small run): the
     data_parallel baselines (`--plan-of data_parallel`: rebuilt from the graph by `load_plan`) of the tied, padded
-    and dropped modules, trained 3 steps against the unmodified module (float64, --check's tolerance for a module;
-    `run_module_many`: what `parsat run --model` runs on its ranks), then an embedding model's data-parallel plan
-    (its ids partitioned) trained 2 steps with --check by the interpreter. factory -> RunResult, and "embedding"
-    -> (graph, pcg, RunResult)."""
+    and dropped modules and the tied module's own plan ("tied/parsat", `--plan-of parsat`), trained 3 steps against
+    the unmodified module (float64, --check's tolerance for a module; `run_module_many`: what `parsat run --model`
+    runs on its ranks), then an embedding model's data-parallel plan (its ids partitioned) trained 2 steps with
+    --check by the interpreter. label -> RunResult, and "embedding" -> (graph, pcg, RunResult)."""
     from parsat.backend.cli import check_tolerance, load_plan
     from parsat.backend.executor import RunResult
     from parsat.backend.launch import LaunchConfig, launch
 
     folder = tmp_path_factory.mktemp("baselines")
     factories = ("tied", "padded", "dropped")
-    read = {factory: load_plan(_optimize(models, factory, folder), 2, "data_parallel") for factory in factories}
-    jobs = [(factory, pcg, graph, f"{models}:{factory}") for factory, (pcg, graph, _) in read.items()]
+    files = {"tied": tied_plan, **{factory: _optimize(models, factory, folder) for factory in factories[1:]}}
+    read = {factory: load_plan(files[factory], 2, "data_parallel") for factory in factories}
+    read["tied/parsat"] = load_plan(tied_plan, 2, "parsat")
+    jobs = [(label, pcg, graph, f"{models}:{label.split('/')[0]}") for label, (pcg, graph, _) in read.items()]
     config = TrainConfig(steps=3, dtype="float64", check=True, tolerance=check_tolerance("float64", "module"))
     module, ids = nn.Sequential(nn.Embedding(20, 8), nn.LayerNorm(8), nn.Linear(8, 5)), torch.randint(0, 20, (4, 6))
     graph = parsat.from_torch(module, ids)
     pcg, plan_config = data_parallel_pcg(graph, operator_library(), 2), TrainConfig(steps=2, check=True)
     reports = launch(modules_then_a_plan, (jobs, config, pcg, plan_config, graph),
                      LaunchConfig(nproc=2, backend="gloo", timeout_s=600))
-    runs = {factory: RunResult.of_job([r["modules"][factory] for r in reports], config, read[factory][2])
-            for factory in factories}
+    runs = {label: RunResult.of_job([r["modules"][label] for r in reports], config, read[label][2]) for label in read}
     return {**runs, "embedding": (graph, pcg, RunResult.of_job([r["plan"] for r in reports], plan_config))}
 
 
@@ -332,9 +344,8 @@ def test_compare_values_is_relative_and_refuses_non_finite():
     assert found.nonfinite == ("gradient of w",)
 
 
-def test_a_module_whose_graph_is_not_the_plans_is_refused(models, tmp_path, capsys):
-    plan = _optimize(models, "tied", tmp_path)
-    code, _, text = _run(capsys, plan, models, "tagger")
+def test_a_module_whose_graph_is_not_the_plans_is_refused(models, tied_plan, capsys):
+    code, _, text = _run(capsys, tied_plan, models, "tagger")
     assert code == 1 and "graph is not the plan's" in text and "Traceback" not in text
 
 

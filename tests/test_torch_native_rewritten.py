@@ -23,9 +23,10 @@ from torch import nn  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 import parsat  # noqa: E402
-from test_torch_native_runtime import (IMPORTED, LR, PADDED, _batch, _check_run,  # noqa: E402
-                                       _dcp_loads_into_the_unmodified_module, _factory, _plan, _relative,
-                                       _train_hf, train_job)
+from test_torch_native_runtime import (IMPORTED, LR, PADDED, VOCABULARY_LOOKUP_SIZES, _batch,  # noqa: E402
+                                       _check_run, _dcp_loads_into_the_unmodified_module, _factory, _plan,
+                                       _relative, _train_hf, check_vocabulary_lookup, train_job,
+                                       vocabulary_lookup_plan)
 
 BATCH, SEQ, VOCAB = 8, 32, 256
 
@@ -382,41 +383,19 @@ def test_dp_by_tp_and_vocabulary_split_plans_lower_to_rewritten_forwards(bert, g
         rewrite_of(edited, imported.graph, lowering, imported)
 
 
-@pytest.mark.parametrize("label", ["tp", pytest.param("dp_tp", marks=pytest.mark.slow)])
-def test_a_vocabulary_parallel_lookup_trains_like_the_module_in_one_process(tiny_graph_plans, tmp_path, label):
-    """The tiny tied LM (float64, its import given): Megatron's tp 2 plan (2 ranks, fast: 13 CPU s) and dp 2 x tp 2
-    plan (4 ranks, slow: 48 CPU s) compute otherwise than the module (row-parallel fc2 as `linear_nobias_t`,
-    `reduce`, `bias_add`) and look the ids up in the table split along the vocabulary on tp: each rank's forward
-    reads its 16 of the 32 rows of the tied table (`rows [16, 16]`, no `nn.Embedding` call: the test fails if
-    the module's own forward ran), every parameter a DTensor placed as the plan stores it on each mesh axis, 3
-    AdamW steps with clipping like the unmodified module in one process (1e-4 asked), the checkpoint loading into
-    the unmodified module."""
+@pytest.mark.slow
+def test_a_vocabulary_parallel_lookup_trains_like_the_module_in_one_process_on_a_dp_by_tp_mesh(tmp_path):
+    """The tiny tied LM (float64, its import given): Megatron's dp 2 x tp 2 plan (4 ranks, slow: 48 CPU s), as
+    test_torch_native_runtime's test_a_vocabulary_parallel_lookup_trains_like_the_module_in_one_process checks the
+    tp 2 plan (2 ranks, in that file's one 2-rank launch, `vocabulary_lookup_plan`, `check_vocabulary_lookup`):
+    it computes otherwise than the module and looks the ids up in the table split along the vocabulary on tp,
+    every parameter placed as the plan stores it on each mesh axis (`Replicate()` on dp)."""
     from parsat.backend.launch import LaunchConfig, launch
 
-    factory = "tiny64" + IMPORTED
-    nproc, plan = {"tp": (2, tiny_graph_plans[0]), "dp_tp": (4, tiny_graph_plans[1])}[label]
-    results = launch(train_job, (factory, {label: plan}, 3, str(tmp_path), (4, 6, 32)),
-                     LaunchConfig(nproc=nproc, backend="gloo", timeout_s=300))
-    data = ["Replicate()"] if label == "dp_tp" else []
-    for result in results:
-        _check_run(result, label)
-        run = result[label]
-        assert not run["own_forward"] and run["lookups"] == {"rows [16, 16]": 1}, run["lookups"]
-        assert run["placements"]["emb.weight"] == data + ["Shard(dim=0)"], run["placements"]
-        assert run["placements"]["fc2.weight"] == data + ["Shard(dim=1)"], run["placements"]
-    assert _dcp_loads_into_the_unmodified_module(tmp_path, label, factory) == 0.0
-    print(json.dumps({label: {k: results[0][label][k] for k in ("losses", "ref_losses", "worst_weight", "comms",
-                                                                 "lookups")}}))
-
-
-@pytest.fixture(scope="module")
-def tiny_graph_plans():
-    """Megatron's tp 2 and dp 2 x tp 2 plans of the tiny tied LM as imported (float64)."""
-    from parsat.importer.export import import_module
-
-    module, example = _factory("tiny64")()
-    graph = import_module(module, example, check=False).graph
-    return _plan(graph, (1, 2)), _plan(graph, (2, 2))
+    factory, plan = "tiny64" + IMPORTED, vocabulary_lookup_plan((2, 2))
+    results = launch(train_job, (factory, {"dp_tp": plan}, 3, str(tmp_path), VOCABULARY_LOOKUP_SIZES),
+                     LaunchConfig(nproc=4, backend="gloo", timeout_s=300))
+    check_vocabulary_lookup(results, "dp_tp", tmp_path, data=["Replicate()"])
 
 
 @pytest.mark.slow
@@ -492,8 +471,26 @@ def _llama(heads: int, kv_heads: int):
     return module, import_module(module, (ids, ids), check=False)
 
 
+@pytest.fixture(scope="module")
+def llama_plans():
+    """(heads, kv_heads, tp) -> (module, import, the optimizer's plan pinned tp) of `_llama(heads, kv_heads)`, made
+    once per module: the tp 4 plan of the 2-KV-head LLaMA is both the plan that slices the repeated heads and the
+    one whose rewritten forward computes in the module's dtypes (an import and a search: ~3 CPU s each time).
+    Nothing here mutates them (a plan and a graph are frozen; the module is only read)."""
+    made: dict = {}
+
+    def get(heads: int, kv_heads: int, tp: int):
+        if (heads, kv_heads, tp) not in made:
+            module, imported = _llama(heads, kv_heads)
+            plan = parsat.optimize(imported.graph, machine="cpu", devices=tp, degrees={"tp": tp})
+            made[heads, kv_heads, tp] = module, imported, plan
+        return made[heads, kv_heads, tp]
+
+    return get
+
+
 @pytest.mark.parametrize("heads,kv_heads,tp", [(4, 2, 4), (4, 1, 2)])
-def test_a_plan_slicing_the_heads_repeat_kv_makes_runs_its_graph_on_dtensors(heads, kv_heads, tp):
+def test_a_plan_slicing_the_heads_repeat_kv_makes_runs_its_graph_on_dtensors(llama_plans, heads, kv_heads, tp):
     """HF LLaMA with fewer KV heads than tp ranks, pinned tp (`optimize --degrees tp=N`): the plan computes k and v
     column-parallel, gathers them, repeats their heads (`repeat_kv`) and slices the repeated heads on tp before
     attention (a `partition` along dim 1 of a value the module's code makes), which no torch style does
@@ -506,8 +503,7 @@ def test_a_plan_slicing_the_heads_repeat_kv_makes_runs_its_graph_on_dtensors(hea
     from parsat.backend.torch_native.rewritten import PLACE, lowered_plan
     from parsat.ir.placement import shard
 
-    module, imported = _llama(heads, kv_heads)
-    plan = parsat.optimize(imported.graph, machine="cpu", devices=tp, degrees={"tp": tp})
+    module, imported, plan = llama_plans(heads, kv_heads, tp)
     pcg, graph, info = plan.pcg, plan.graph, module_info(module, imported.weights)
     with pytest.raises(UnstyledAxis, match=r"node #(\d+) partition\(dim=1, axis=tp, degree=\d\) on tensor axis tp is "
                                            "not at the input or output of a split nn.Linear") as refused:
@@ -526,7 +522,7 @@ def test_a_plan_slicing_the_heads_repeat_kv_makes_runs_its_graph_on_dtensors(hea
         lowered_plan(pcg, graph, info, None)
 
 
-def test_the_rewritten_forward_computes_in_the_modules_dtypes():
+def test_the_rewritten_forward_computes_in_the_modules_dtypes(llama_plans, gpt2):
     """The import records where a float64 LLaMA computes in float32 (`ImportedModule.dtypes`): each RMSNorm reads
     its input `.to(torch.float32)`, the loss reads the logits `.float()` and computes in float32; GPT-2 with a
     float64 loss records nothing. The rewritten forward of the tp 4 plan applies them to the plan's nodes (its
@@ -535,16 +531,13 @@ def test_the_rewritten_forward_computes_in_the_modules_dtypes():
     the float32 logits (the module's), where `nll_sum` on the same float32 values rounds otherwise."""
     from parsat.backend.torch_native.rewritten import NLL_OF_LOG_SOFTMAX, OP, Step, _apply, node_dtypes
     from parsat.importer.imported import NodeDtypes
-    from parsat.importer.export import import_module
 
-    module, imported = _llama(4, 2)
+    _, imported, plan = llama_plans(4, 2, 4)
     norms = [n.name for n in imported.graph.nodes if n.op == "rmsnorm"]
     assert len(norms) == 5 and all(imported.dtypes[n] == NodeDtypes(((0, "float32"),), "") for n in norms)
     loss = next(n for n in imported.graph.nodes if n.op == "nll_sum")
     assert imported.dtypes[loss.name].makes == "float32" and len(imported.dtypes[loss.name].reads) == 3
-    gpt2, example = _factory("gpt2")()
-    assert import_module(gpt2, example, check=False).dtypes == {}
-    plan = parsat.optimize(imported.graph, machine="cpu", devices=4, degrees={"tp": 4})
+    assert gpt2[1].dtypes == {}   # the module fixture's import: `_factory("gpt2")`'s module, unchecked, as here before
     found = node_dtypes(plan.pcg, plan.graph, imported.dtypes)
     assert sum(plan.pcg.node(i).op == "rmsnorm" for i in found) == 5
     assert {plan.pcg.node(i).op for i, d in found.items() if d.makes == "float32"} >= {"amax", "sumexp_shifted",

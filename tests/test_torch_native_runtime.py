@@ -510,7 +510,10 @@ def two_rank_jobs(tiny_graph, tmp_path_factory):
     Megatron tensor parallel, ZeRO-3, and data parallel with ZeRO-1 (`replicate` and `zero_optimizer`'s sharded
     state) and with ZeRO-2 (FSDP2 without resharding after forward); "tiny64": the float64 tiny model under
     Megatron's sequence-parallel plan and the vocabulary-parallel loss's plans (tp 2, and with sequence
-    parallelism); "conv1d": `conv1d_sequence_parallel_job`. (results, the tiny runs' folder, the tiny64 runs')."""
+    parallelism); "conv1d": `conv1d_sequence_parallel_job`; "loss_on_shards": `loss_on_shards_job` (pure
+    functions of seeded tensors on their own mesh: nothing the jobs before them leave behind reaches them);
+    "lookup": the imported tiny LM's vocabulary-parallel tp 2 plan (`vocabulary_lookup_plan`), each run seeding
+    itself. (results, the tiny runs' folder, the tiny64 runs', the lookup run's)."""
     from parsat.backend.launch import LaunchConfig, launch
 
     dp = parsat.optimize(tiny_graph, machine="h100x8", devices=2, degrees={"dp": 2}, baselines=False)
@@ -520,22 +523,25 @@ def two_rank_jobs(tiny_graph, tmp_path_factory):
               "vocab": _plan(tiny_graph, (1, 2), vocabulary_loss=True),
               "vocab_sp": _plan(tiny_graph, (1, 2), sequence=True, vocabulary_loss=True)}
     folder, folder64 = tmp_path_factory.mktemp("torch-native"), tmp_path_factory.mktemp("torch-native-64")
+    lookup = tmp_path_factory.mktemp("vocabulary-lookup")
     calls = [("tiny", train_job, ("tiny", tiny, 3, str(folder), (BATCH, SEQ, VOCAB_SIZE))),
              ("tiny64", train_job, ("tiny64", tiny64, 3, str(folder64), (BATCH, SEQ, VOCAB_SIZE))),
-             ("conv1d", conv1d_sequence_parallel_job, ())]
+             ("conv1d", conv1d_sequence_parallel_job, ()), ("loss_on_shards", loss_on_shards_job, ()),
+             ("lookup", train_job, ("tiny64" + IMPORTED, {"tp": vocabulary_lookup_plan((1, 2))}, 3, str(lookup),
+                                    VOCABULARY_LOOKUP_SIZES))]
     results = launch(jobs_in_one_group, (calls,), LaunchConfig(nproc=2, backend="gloo", timeout_s=600))
-    return results, folder, folder64
+    return results, folder, folder64, lookup
 
 
 @pytest.fixture(scope="module")
 def tiny_runs(two_rank_jobs):
-    results, folder, _ = two_rank_jobs
+    results, folder, _, _ = two_rank_jobs
     return [r["tiny"] for r in results], folder
 
 
 @pytest.fixture(scope="module")
 def tiny64_runs(two_rank_jobs):
-    results, _, folder64 = two_rank_jobs
+    results, _, folder64, _ = two_rank_jobs
     return [r["tiny64"] for r in results], folder64
 
 
@@ -775,7 +781,8 @@ def test_hf_gpt2_tensor_parallel_plan_styles_its_conv1d_projections():
     claimed = {n for s in low.styles for n in s.nodes}
     assert [n for n in pcg.nodes if n.kind == "parallel" and n.id not in claimed and n.inputs[0] not in weights] == []
     assert any("the module joins whole values" in note for note in low.notes), low.notes
-    assert json.dumps(_gpt2_lowered((1, 2), sequence=True)[0], sort_keys=True) == json.dumps(plan, sort_keys=True)
+    sequence = _plan(imported.graph, (1, 2), sequence=True)   # of the same import (`_gpt2_lowered` makes another)
+    assert json.dumps(sequence, sort_keys=True) == json.dumps(plan, sort_keys=True)
     # the same plan with c_attn's output cut into q, k, v while split (its gather removed): refused by name
     gather = next(n for n in pcg.nodes if n.kind == "parallel" and n.op == "combine" and n.shape[-1] == 384)
     split = pcg.node(gather.inputs[0]).placement
@@ -1185,14 +1192,51 @@ def loss_on_shards_job(ctx) -> dict:
     return out
 
 
-def test_loss_on_shards_matches_cross_entropy_and_refuses_what_loss_parallel_cannot():
+VOCABULARY_LOOKUP_SIZES = (4, 6, 32)   # the tiny LM's (batch, seq, vocabulary) as `_factory("tiny64")` builds it
+
+
+def vocabulary_lookup_plan(shape: tuple[int, int]) -> dict:
+    """Megatron's plan of the tiny tied LM as imported (float64) on a (dp, tp) mesh of `shape`."""
+    from parsat.importer.export import import_module
+
+    module, example = _factory("tiny64")()
+    return _plan(import_module(module, example, check=False).graph, shape)
+
+
+def check_vocabulary_lookup(results: list, label: str, folder: Path, data: list) -> None:
+    """The ranks' `train_job` runs of the tiny LM's vocabulary-parallel plan `label`: the module's forward is not
+    run (each rank reads its 16 of the 32 rows of the tied table, `rows [16, 16]`, no `nn.Embedding` call), every
+    parameter a DTensor placed as the plan stores it (`data`: the placements on the axes before tp), the run like
+    the unmodified module in one process (`_check_run`), the checkpoint loading into the unmodified module."""
+    for result in results:
+        _check_run(result, label)
+        run = result[label]
+        assert not run["own_forward"] and run["lookups"] == {"rows [16, 16]": 1}, run["lookups"]
+        assert run["placements"]["emb.weight"] == data + ["Shard(dim=0)"], run["placements"]
+        assert run["placements"]["fc2.weight"] == data + ["Shard(dim=1)"], run["placements"]
+    assert _dcp_loads_into_the_unmodified_module(folder, label, "tiny64" + IMPORTED) == 0.0
+    print(json.dumps({label: {k: results[0][label][k] for k in ("losses", "ref_losses", "worst_weight", "comms",
+                                                                 "lookups")}}))
+
+
+def test_a_vocabulary_parallel_lookup_trains_like_the_module_in_one_process(two_rank_jobs):
+    """The tiny tied LM (float64, its import given): Megatron's tp 2 plan computes otherwise than the module
+    (row-parallel fc2 as `linear_nobias_t`, `reduce`, `bias_add`) and looks the ids up in the table split along the
+    vocabulary on tp (`check_vocabulary_lookup`): 3 AdamW steps with clipping like the unmodified module in one
+    process (1e-4 asked). Moved here from test_torch_native_rewritten.py (its [tp] case; the dp 2 x tp 2 case,
+    slow, stays there) to run in this file's one 2-rank launch: a launch of its own was two more processes
+    importing torch, most of its 13 CPU s."""
+    results, _, _, folder = two_rank_jobs
+    check_vocabulary_lookup([r["lookup"] for r in results], "tp", folder, data=[])
+
+
+def test_loss_on_shards_matches_cross_entropy_and_refuses_what_loss_parallel_cannot(two_rank_jobs):
     """`loss_parallel.cross_entropy_on_shards` on 2 gloo ranks: a plain tensor loss equal to F.cross_entropy of the
     whole logits (mean, sum, none; an ignored target) and the logits' gradient too, to 1e-12 in float64, its
     backward run outside any context (as a training loop calls it); label smoothing and class weights refused by
-    name, never computed otherwise."""
-    from parsat.backend.launch import LaunchConfig, launch
-
-    for result in launch(loss_on_shards_job, (), LaunchConfig(nproc=2, backend="gloo", timeout_s=120)):
+    name, never computed otherwise. Run in the file's one 2-rank launch (`two_rank_jobs`: a launch of its own
+    was two more processes importing torch, most of this test's CPU)."""
+    for result in (r["loss_on_shards"] for r in two_rank_jobs[0]):
         for reduction in ("mean", "sum", "none"):
             kind, loss_error, grad_error = result[reduction]
             assert kind == "Tensor" and loss_error <= 1e-12 and grad_error <= 1e-12, (reduction, result[reduction])
