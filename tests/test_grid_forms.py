@@ -35,6 +35,24 @@ def layouts(request):
     return library, graph, [p for p in pcgs if p is not None]
 
 
+@pytest.fixture(scope="module")
+def built_alone():
+    """`megatron_pcg` of an example model at a batch of `SIZES`, built alone (no `cache`, no `kin`), each layout once
+    for the module: the reference the ZeRO-3 derivation and the kin layouts are compared with, which both ask for
+    at batch 64 (bert's kin test takes its 8- and 16-device ZeRO-3 layouts from the derivation's test). A layout
+    depends on the graph's content alone, and the tests only compare with it, never change it."""
+    built: dict = {}
+
+    def alone(name: str, batch: int, graph, shape: tuple, seq: bool, zero: int, at: bool = False):
+        key = (name, batch, shape, seq, zero, at)
+        if key not in built:
+            built[key] = megatron_pcg(graph, resolve_library(None), shape, 8, zero=zero, sequence=seq,
+                                      reduce_at_once=at)
+        return built[key]
+
+    return alone
+
+
 def test_another_zero_stage_priced_from_a_stage_s_costs_is_that_stage_priced_afresh(layouts):
     library, graph, pcgs = layouts
     changed = 0
@@ -99,7 +117,7 @@ def test_nodes_alike_sharing_their_recomputed_cost_give_each_node_s_own(layouts)
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama", "bert"])
-def test_a_zero3_layout_derived_from_the_layout_without_it_is_the_one_built_alone(name):
+def test_a_zero3_layout_derived_from_the_layout_without_it_is_the_one_built_alone(name, built_alone):
     """`megatron_pcg` with a shared cache derives each ZeRO-3 layout from the same layout built without ZeRO-3
     (`_MegatronBuilder.sharded_nodes`): node for node the PCG built alone, on meshes of 8 and 16 devices."""
     library = resolve_library(None)
@@ -107,21 +125,22 @@ def test_a_zero3_layout_derived_from_the_layout_without_it_is_the_one_built_alon
     for devices in (8, 16):
         layouts = [((devices // tp, tp), seq) for tp in (2, 4, 8) if devices > tp for seq in (False, True)]
         shared: dict = {}
-        derived = []
+        derived, without = [], []
         for shape, seq in layouts:
-            megatron_pcg(graph, library, shape, 8, zero=0, sequence=seq, cache=shared)
+            without.append(megatron_pcg(graph, library, shape, 8, zero=0, sequence=seq, cache=shared))
             derived.append(megatron_pcg(graph, library, shape, 8, zero=3, sequence=seq, cache=shared))
         builds = shared["built"]
         assert len(builds) == len(layouts) and all(b.chains for b, _o, _g in builds.values())   # derived
-        alone = [megatron_pcg(graph, library, shape, 8, zero=3, sequence=seq) for shape, seq in layouts]
+        alone = [built_alone(name, SIZES["batch"], graph, shape, seq, 3) for shape, seq in layouts]
         assert derived == alone and all(p is not None for p in alone)
-        without = [megatron_pcg(graph, library, shape, 8, zero=0, sequence=seq) for shape, seq in layouts]
-        assert all(len(z3.nodes) > len(z0.nodes) for z3, z0 in zip(alone, without))   # ZeRO-3 adds nodes
+        # ZeRO-3 adds nodes to the layout without it that each was derived from (those built in the shared cache:
+        # a count of nodes, which a second build of each, alone, would give again)
+        assert all(len(z3.nodes) > len(z0.nodes) for z3, z0 in zip(alone, without))
 
 
 @pytest.mark.parametrize("name", [pytest.param("gpt", marks=pytest.mark.slow),
                                   pytest.param("llama", marks=pytest.mark.slow), "bert"])   # bert's is the cheapest
-def test_a_layout_rescaled_from_a_kin_graph_s_is_the_one_built_alone(name):
+def test_a_layout_rescaled_from_a_kin_graph_s_is_the_one_built_alone(name, built_alone):
     """`megatron_pcg` with `kin` takes a layout of the graph at another batch (a step at another micro-batch
     count) rescaled where the build cannot tell the sizes apart (`_Kin`): node for node (shapes, the loss's
     1 / tokens) the layout built alone. At a batch whose dims split otherwise on the mesh it builds anew. The
@@ -129,7 +148,7 @@ def test_a_layout_rescaled_from_a_kin_graph_s_is_the_one_built_alone(name):
     `kin` with the lazy ones, each taking only its own form's (llama's differ: its residual stream is lazily a
     partial sum)."""
     library = resolve_library(None)
-    alone: dict = {}   # each layout built alone, once: batch 64 on 16 devices is both 16-device cases' first batch
+    # each layout built alone, once (`built_alone`): batch 64 on 16 devices is both 16-device cases' first batch
     for devices, batches, alike in ((8, (64, 32, 16), True), (16, (64, 32), True), (16, (64, 24), False)):
         kin: dict = {}
         got = []
@@ -144,24 +163,21 @@ def test_a_layout_rescaled_from_a_kin_graph_s_is_the_one_built_alone(name):
         verdicts = {found for _a, _b, found in kin["kin"].verdicts.values()}
         assert verdicts == {alike}
         for batch, graph, shape, seq, zero, at, pcg in got:
-            if (batch, shape, seq, zero, at) not in alone:
-                alone[batch, shape, seq, zero, at] = megatron_pcg(graph, library, shape, 8, zero=zero, sequence=seq,
-                                                                  reduce_at_once=at)
-            assert pcg == alone[batch, shape, seq, zero, at]
+            assert pcg == built_alone(name, batch, graph, shape, seq, zero, at)
         assert sum(p is not None for *_rest, p in got) >= len(got) - 8
         if name == "llama":
             lazy = {(id(g), shape, seq, zero): pcg for _b, g, shape, seq, zero, at, pcg in got if not at}
             assert any(pcg != lazy[id(g), shape, seq, zero] for _b, g, shape, seq, zero, at, pcg in got if at)
 
 
-def test_a_graph_laid_out_again_with_kin_takes_the_same_layout():
+def test_a_graph_laid_out_again_with_kin_takes_the_same_layout(built_alone):
     library = resolve_library(None)
     graph = build_example("gpt", SIZES, library)
     kin: dict = {}
     first = [megatron_pcg(graph, library, (4, 2), 8, zero=zero, sequence=True, cache={}, kin=kin) for zero in (0, 3)]
     again = [megatron_pcg(graph, library, (4, 2), 8, zero=zero, sequence=True, cache={}, kin=kin) for zero in (0, 3)]
     assert all(a is b for a, b in zip(first, again))   # taken, not built
-    assert again == [megatron_pcg(graph, library, (4, 2), 8, zero=zero, sequence=True) for zero in (0, 3)]
+    assert again == [built_alone("gpt", SIZES["batch"], graph, (4, 2), True, zero) for zero in (0, 3)]
 
 
 def test_a_restated_form_shares_its_layout_s_facts_and_they_are_the_form_s_own(layouts):
@@ -221,7 +237,7 @@ def test_a_form_s_shared_block_facts_are_the_ones_its_own_nodes_give(layouts):
         assert node_blocks(keeping) is node_blocks(recomputing)   # worked out once between them
 
 
-def test_a_rescaled_layout_shares_the_kin_layout_s_structural_facts_and_they_are_its_own():
+def test_a_rescaled_layout_shares_the_kin_layout_s_structural_facts_and_they_are_its_own(built_alone):
     """`ir.megatron._rescaled` (`PCG.reshaped`): a layout taken from a kin graph's at another batch shares the facts
     worked out from the nodes' structure alone (`PCG.structural`, `storage_chains`) with the layout it was rescaled
     from, and each is what the rescaled layout works out alone; its floor and price are a fresh copy's. A fact
@@ -250,7 +266,9 @@ def test_a_rescaled_layout_shares_the_kin_layout_s_structural_facts_and_they_are
         second = megatron_pcg(large, library, shape, 8, zero=zero, sequence=seq, cache={}, kin=kin)
         assert second is not None and second.nodes != first.nodes   # rescaled: other shapes
         assert second.structural is first.structural and second.storage_chains is first.storage_chains
-        alone = megatron_pcg(large, library, shape, 8, zero=zero, sequence=seq)
+        # built alone (llama's 8-device ZeRO-3 layouts by the derivation's test too); a copy of its own, nothing worked
+        # out yet, so its facts are its own work
+        alone = replace(built_alone("llama", 64, large, shape, seq, zero))
         assert alone == second and facts(second) == facts(alone) == before
         assert step_floor(second, MACHINE, OpTimes(library, MACHINE), 2) == \
             step_floor(alone, MACHINE, OpTimes(library, MACHINE), 2)

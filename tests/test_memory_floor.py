@@ -49,6 +49,18 @@ def _forms(pcg):
             yield replace(pcg, recompute=recompute, zero=zero)
 
 
+def _distinct_forms(points):
+    """(point, form) for each form (`_forms`) of the points, each form once: a GPU grid's ZeRO-1 twin of a point is
+    that point's layout with `PCG.zero` 1, so its six forms are equal to the point's own (30 of 102 on h100x8), the
+    same PCG, floor and simulated peak, the same check done again."""
+    seen: list = []
+    for point in points:
+        for pcg in _forms(point.pcg):
+            if pcg not in seen:
+                seen.append(pcg)
+                yield point, pcg
+
+
 @pytest.mark.parametrize("profile", [DDP, PARSAT_RUN, TORCH_NATIVE], ids=lambda p: p.name.split("(")[0])
 def test_the_floor_is_below_every_grid_point_s_simulated_peak(grid, profile):
     """Every point, each ZeRO stage and recomputation of it, over 1 and 3 micro-batches, under each profile: the
@@ -57,16 +69,15 @@ def test_the_floor_is_below_every_grid_point_s_simulated_peak(grid, profile):
     resolved, step, points, steps = grid
     assert {p.config["zero"] for p in points} >= {0, 3}
     checked = above = 0
-    for point in points:
-        for pcg in _forms(point.pcg):
-            for microbatches in (1, 3):
-                simulated = simulate_pcg(pcg, resolved.library, step.machine, profile, times=steps.times,
-                                         microbatches=microbatches)
-                floor = peak_floor(pcg, step.machine, steps.times, microbatches, profile)
-                assert floor <= simulated.peak_memory_bytes, (point.name, point.config, pcg.zero, pcg.recompute,
-                                                              microbatches)
-                checked += 1
-                above += floor > simulated.resident_bytes
+    for point, pcg in _distinct_forms(points):
+        for microbatches in (1, 3):
+            simulated = simulate_pcg(pcg, resolved.library, step.machine, profile, times=steps.times,
+                                     microbatches=microbatches)
+            floor = peak_floor(pcg, step.machine, steps.times, microbatches, profile)
+            assert floor <= simulated.peak_memory_bytes, (point.name, point.config, pcg.zero, pcg.recompute,
+                                                          microbatches)
+            checked += 1
+            above += floor > simulated.resident_bytes
     assert checked >= 24 and above == checked
 
 
