@@ -145,9 +145,17 @@ def test_device_counterexamples_name_the_device(report):
     assert cex.groups == {} and cex.sizes["p"] >= 2
 
 
+@pytest.fixture(scope="module")
+def cli_cache(tmp_path_factory):
+    """One cache folder for the CLI cases: each parses and checks the same corpus folder, so the later cases read
+    its parsed files back. Their verdicts cannot be served to one another: each case matches a different rule,
+    and a verdict is cached under its rule's own text, so every case still proves (refutes) its rule."""
+    return tmp_path_factory.mktemp("cli-cache")
+
+
 @pytest.mark.parametrize("name", NAMED[:4])
-def test_cli_exits_1_on_a_wrong_rule(name, capsys, tmp_path, monkeypatch):
-    monkeypatch.setenv("PARSAT_CACHE_DIR", str(tmp_path))
+def test_cli_exits_1_on_a_wrong_rule(name, capsys, cli_cache, monkeypatch):
+    monkeypatch.setenv("PARSAT_CACHE_DIR", str(cli_cache))
     code = main(["verify", str(WRONG), "--match", name])
     out = capsys.readouterr().out
     assert code == 1

@@ -55,6 +55,8 @@ def instance_sizes(instance: RuleInstance, devices: int, seed: int = 0) -> dict[
     conds = list(instance.where) + list(instance.lhs_requires) + list(instance.rhs_requires)
     n_dims = sum(1 for n in names if instance.symbols[n] == "dim")
     pool = [4 * k for k in range(1, max(8, n_dims) + 1)]
+    # each term's piece count, a product of its degrees, built once: it was most of the cost of the draws
+    counts = [t.spread.pieces for side in (instance.lhs, instance.rhs) for t in side.walk()]
     for attempt in range(400):
         sizes = {}
         it = iter(rng.sample(pool, k=n_dims))
@@ -67,7 +69,7 @@ def instance_sizes(instance: RuleInstance, devices: int, seed: int = 0) -> dict[
             else:
                 sizes[n] = rng.randint(0, 6) if attempt > 20 else rng.choice((1, 2, 3))
         if all(holds(c, sizes) for c in conds):
-            pieces = [t.spread.pieces.evaluate(sizes) for side in (instance.lhs, instance.rhs) for t in side.walk()]
+            pieces = [count.evaluate(sizes) for count in counts]
             if all(p <= devices and devices % p == 0 for p in pieces):
                 return sizes
     return None
