@@ -143,7 +143,7 @@ def test_spawned_ranks_run_on_their_own_cores():
 
 def test_share_cores_pins_each_rank_to_its_share(monkeypatch):
     """Rank r of `world` gets the r-th share of the cores this process may use; none when the ranks outnumber
-    the cores (they must share) or when the user set OMP_NUM_THREADS (the user's placement wins)."""
+    the cores (they must share) or when the user set OMP_NUM_THREADS (the user's placement and count win)."""
     from parsat.backend import launch as launch_module
 
     pinned, threads = [], []
@@ -158,8 +158,8 @@ def test_share_cores_pins_each_rank_to_its_share(monkeypatch):
     assert pinned == [] and threads == [1]
     threads.clear()
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
-    launch_module.share_cores(2, 0)
-    assert pinned == [] and threads == []
+    launch_module.share_cores(2, 0)                 # the user's count, set again (a forked rank's OpenMP read
+    assert pinned == [] and threads == [4]          # its fork server's environment), and nobody pinned
 
 
 UNGUARDED_SCRIPT = '''
@@ -177,16 +177,49 @@ else:
 '''
 
 
-def _run_script(tmp_path, text: str):
+def _run_script(tmp_path, text: str, *args: str, **environ: str):
     import subprocess
     import sys
 
     script = tmp_path / "unguarded.py"
     script.write_text(text)
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    return script, subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+    env = {**os.environ, "PYTHONPATH": str(root), **environ}
+    return script, subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env,
                                   timeout=240)
+
+
+PROBE_SCRIPT = '''
+import os
+import sys
+from parsat.backend.launch import LaunchConfig, launch
+
+def probe(ctx, launcher):
+    return [os.environ.get("PARSAT_PROBE", ""), "spawned" if os.getppid() == launcher else "forked"]
+
+if __name__ == "__main__":
+    for value in sys.argv[1:]:
+        os.environ["PARSAT_PROBE"] = value
+        print(value.upper(), launch(probe, (os.getpid(),), LaunchConfig(nproc=1, backend="gloo", timeout_s=300)))
+'''
+
+
+def test_each_job_s_ranks_read_the_environment_the_launcher_has_as_it_starts(tmp_path):
+    """Ranks are forked from the launcher's fork server (`launch._start_method`), which started with the
+    environment of the launcher's first job and keeps it: a rank of a later job still sees the launcher's
+    environment as that job starts (`rank_guard.start`), e.g. a setting changed between two `launch` calls."""
+    _, done = _run_script(tmp_path, PROBE_SCRIPT, "first", "second")
+    assert "FIRST [['first', 'forked']]" in done.stdout, done.stdout + done.stderr
+    assert "SECOND [['second', 'forked']]" in done.stdout, done.stdout + done.stderr
+
+
+def test_where_the_fork_server_cannot_start_ranks_are_spawned(tmp_path):
+    """The fork server listens on a Unix socket in the temporary folder; under a TMPDIR too deep for a socket's
+    path (108 bytes on Linux) it cannot start, and the ranks are spawned instead: the job runs as before."""
+    deep = tmp_path / ("d" * 60) / ("d" * 60)
+    deep.mkdir(parents=True)
+    _, done = _run_script(tmp_path, PROBE_SCRIPT, "deep", TMPDIR=str(deep))
+    assert "DEEP [['deep', 'spawned']]" in done.stdout, done.stdout + done.stderr
 
 
 def test_a_script_that_launches_without_a_main_guard_is_told_so_before_any_rank_starts(tmp_path):

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -97,11 +99,28 @@ def _process_table() -> dict[int, tuple[str, int, str]]:
     return table
 
 
+def ranks_started_by(launcher: int, table: dict[int, tuple[str, int, str]]) -> list[int]:
+    """The live ranks `launcher` started, in process table `table`: its children that multiprocessing spawned, and
+    the children of its fork server (`launch._start_method`), which forks them."""
+    servers = {pid for pid, (_, ppid, cmd) in table.items() if ppid == launcher and "forkserver" in cmd}
+    return [pid for pid, (state, ppid, cmd) in table.items()
+            if state != "Z" and ((ppid == launcher and "spawn_main" in cmd) or ppid in servers)]
+
+
+def descendants(pid: int, table: dict[int, tuple[str, int, str]]) -> list[int]:
+    """Every process below `pid` in process table `table` (its children, theirs, ...)."""
+    found, frontier = [], [pid]
+    while frontier:
+        below = [child for child, (_, ppid, _) in table.items() if ppid in frontier]
+        found += below
+        frontier = below
+    return found
+
+
 def spawned_children() -> list[tuple[int, str]]:
-    """Live (not zombie) children of this process that are spawned ranks (the process table, from /proc)."""
-    me = os.getpid()
-    return [(pid, cmdline[:120]) for pid, (state, ppid, cmdline) in _process_table().items()
-            if ppid == me and state != "Z" and "spawn_main" in cmdline]
+    """Live ranks this process started (the process table, from /proc)."""
+    table = _process_table()
+    return [(pid, table[pid][2][:120]) for pid in ranks_started_by(os.getpid(), table)]
 
 
 @pytest.fixture
@@ -209,8 +228,8 @@ def test_ranks_die_with_their_launcher_and_nothing_is_left_behind(tmp_path, how,
     if not Path("/proc/self/stat").exists():
         pytest.skip("needs /proc to read the process table")
     path = plan_path(tmp_path)
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
+    # a short temporary folder: the fork server's socket is made in it (a deep one makes `launch` spawn instead)
+    scratch = Path(tempfile.mkdtemp(prefix="parsat-kill-", dir="/tmp"))
     env = {**os.environ, "TMPDIR": str(scratch)}
     env.pop("PARSAT_TEST_FAULT", None)
     launcher = subprocess.Popen([sys.executable, "-m", "parsat", "run", str(path), "--nproc", "2", "--backend",
@@ -220,16 +239,14 @@ def test_ranks_die_with_their_launcher_and_nothing_is_left_behind(tmp_path, how,
         deadline = time.monotonic() + 90
         ranks: list[int] = []
         while time.monotonic() < deadline and launcher.poll() is None:
-            table = _process_table()
-            ranks = [pid for pid, (state, ppid, cmd) in table.items()
-                     if ppid == launcher.pid and "spawn_main" in cmd and state != "Z"]
+            ranks = ranks_started_by(launcher.pid, _process_table())
             if len(ranks) == 2:
                 break
             time.sleep(0.2)
         assert len(ranks) == 2, f"the ranks did not start: {launcher.stderr.read().decode() if launcher.poll() else ''}"
         time.sleep(when)  # 3 s: well into training (each rank joined the group and runs steps)
         assert launcher.poll() is None and len(_alive(ranks)) == 2
-        children = [pid for pid, (_, ppid, _) in _process_table().items() if ppid == launcher.pid]
+        children = descendants(launcher.pid, _process_table())   # the ranks, the fork server, the resource tracker
         launcher.send_signal(how)
         launcher.wait(timeout=30)
         deadline = time.monotonic() + 10
@@ -242,3 +259,4 @@ def test_ranks_die_with_their_launcher_and_nothing_is_left_behind(tmp_path, how,
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+        shutil.rmtree(scratch, ignore_errors=True)

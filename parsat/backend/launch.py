@@ -1,10 +1,19 @@
-"""Run a function on N ranks: spawned on this machine, or joined under torchrun.
+"""Run a function on N ranks: started on this machine, or joined under torchrun.
 
-`launch(fn, args, config)` starts `config.nproc` processes (spawn start
-method: no state is inherited from a parent that may already run threads),
-each joins one process group (gloo on CPU, nccl on CUDA) through a TCP
-store the launcher serves on the loopback interface (nothing on disk, so a
-killed launcher leaves no folder behind), runs `fn(ctx, *args)` and sends
+`launch(fn, args, config)` starts `config.nproc` processes, each forked
+from multiprocessing's fork server (`_start_method`): a fresh interpreter
+started once per launcher, which imports torch and this module before
+it forks any rank, so no state is inherited from a launcher that may already
+run threads (as with spawn), and a rank does not import torch again (each
+spawned rank paid ~2 CPU s for it: the test suite's ~100 ranks, and every
+rank of a job). Each rank gets the launcher's environment as the job
+starts (`rank_guard.start`), not the server's: the device and process
+group settings are read as a rank sets them up, and the thread count
+torch's OpenMP read as it was imported is set again from it
+(`share_cores`). Each joins
+one process group (gloo on CPU, nccl on CUDA) through a TCP store the
+launcher serves on the loopback interface (nothing on disk, so a killed
+launcher leaves no folder behind), runs `fn(ctx, *args)` and sends
 back its JSON-able result. Under `torchrun` (RANK / WORLD_SIZE in the
 environment) the same call joins the existing group and runs `fn` once, in
 this process.
@@ -20,8 +29,8 @@ joining the group waits for every rank within the job's timeout instead
 
 Ranks die with their launcher, however it ends (SIGKILL, an OOM kill, a
 parent's `subprocess.run(..., timeout=...)`), from their first moment:
-`rank_guard` binds each to the launcher (parent-death signal, watchdog)
-before the job is unpickled and torch imported.
+`rank_guard` binds each to the launcher (a watchdog on its sentinel, a
+parent-death signal) before the job is unpickled.
 
 A spawned process first re-imports the launching script (multiprocessing's
 spawn, as `__mp_main__`); a script that calls `launch` (or `parallelize`,
@@ -36,6 +45,7 @@ once with `REIMPORTED_EXIT`, and the launcher says what to change instead of
 from __future__ import annotations
 
 import json
+import multiprocessing.forkserver as forkserver
 import re
 import os
 import queue as queue_module
@@ -206,7 +216,10 @@ def share_cores(world: int, rank: int) -> None:
     process group starts them. The price: on a box busy with other jobs a
     pinned rank cannot leave a core another job holds.
     """
-    if "OMP_NUM_THREADS" in os.environ:
+    if "OMP_NUM_THREADS" in os.environ:   # set again: a forked rank's OpenMP read its fork server's environment
+        threads = os.environ["OMP_NUM_THREADS"]
+        if threads.isdigit() and int(threads) > 0:
+            torch.set_num_threads(int(threads))
         return
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     share = max(1, (len(cpus) or os.cpu_count() or 1) // max(1, world))
@@ -294,18 +307,41 @@ def _exit_reason(code: int | None) -> str:
     return f"died (exit code {code})"
 
 
+PRELOADED = ("torch", "torch.distributed", "parsat.backend.launch")   # what the fork server imports for every rank
+
+
+def _start_method():
+    """The multiprocessing context ranks start in: the fork server where the platform has one (Linux, macOS) and
+    it starts, with `PRELOADED` imported in it once; spawn elsewhere (Windows), or where its socket cannot be made
+    (a temporary folder whose path is too long for a Unix socket's: a deep TMPDIR), every rank importing torch
+    itself. The server is multiprocessing's own, one per launcher process, shared by its jobs (a test suite's or
+    a script's successive `launch` calls), and it ends when the launcher and its ranks have (its `alive` pipe):
+    like the resource tracker that spawn starts, it holds no job's state, and it never runs a job's code."""
+    if "forkserver" in mp.get_all_start_methods():
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(list(PRELOADED))
+        try:
+            forkserver.ensure_running()
+            return context
+        except OSError:
+            pass
+    return mp.get_context("spawn")
+
+
 def _spawn(fn, args, backend: str, config: LaunchConfig) -> list[Any]:
-    context = mp.get_context("spawn")
+    context = _start_method()
     messages = context.Queue()
     # the rendezvous: served by this process for as long as the job runs, gone with it
     store = dist.TCPStore(STORE_HOST, 0, None, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=config.timeout_s))
     # the job is pickled here and unpickled by the rank only after it is bound to this process's life
-    # (`rank_guard`): unpickling imports torch and `fn`'s module, seconds a killed launcher must not leave it
+    # (`rank_guard`): unpickling imports `fn`'s module (and torch, where ranks are spawned), seconds a killed
+    # launcher must not leave it
     timeouts = (config.timeout_s, config.collective_timeout_s)
     procs = [context.Process(target=rank_guard.start, name=f"parsat-rank-{rank}", daemon=True,
-                             args=(os.getpid(), pickle.dumps((rank_main, (rank, config.nproc, backend, store.port,
-                                                                         timeouts, fn, args))),
+                             args=(os.getpid(), dict(os.environ),
+                                   pickle.dumps((rank_main, (rank, config.nproc, backend, store.port, timeouts, fn,
+                                                             args))),
                                    messages))
              for rank in range(config.nproc)]
     results: dict[int, Any] = {}

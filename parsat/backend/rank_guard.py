@@ -1,20 +1,28 @@
-"""A spawned rank's first code: tie its life to its launcher's before anything heavy is imported.
+"""A started rank's first code: tie its life to its launcher's before anything heavy runs.
 
-A rank spends its first seconds importing torch (longer on a loaded
-machine). A launcher killed then (SIGKILL, an OOM kill, a parent's
+A rank spends its first seconds importing its job's modules (torch too,
+where ranks are spawned rather than forked from the fork server that
+imported it: `launch._start_method`), longer on a loaded machine. A
+launcher killed then (SIGKILL, an OOM kill, a parent's
 `subprocess.run(..., timeout=...)`) must not leave the rank to finish its
-import and train on, adopted by PID 1. So the spawned process starts here,
-in a module that imports no torch: the rank asks the kernel for SIGKILL
-when its parent dies (`prctl(PR_SET_PDEATHSIG)`, Linux), checks that its
-parent is still the launcher (it may have died before the request), and
-starts a watchdog thread that ends the rank when its parent changes (every
-platform, and any gap in the above). Only then is the job unpickled, which
-imports torch and the rank's function (`launch.rank_main`, by name).
+import and train on. So the rank starts here, in a module that imports no
+torch: it starts a watchdog thread that waits on its launcher's sentinel
+(multiprocessing's pipe to the process that started it: end of file the
+moment the launcher dies, whatever its parent process is: the launcher for
+spawned ranks, the fork server for forked ones) and ends the rank then,
+after checking the launcher is alive now (it may have died before); on
+Linux it also asks the kernel for SIGKILL when its parent dies
+(`prctl(PR_SET_PDEATHSIG)`: the launcher, or the fork server, which ends
+once the launcher and every rank have). Only then is the job unpickled,
+which imports the rank's function (`launch.rank_main`, by name), in the
+launcher's environment as the job started (a fork server's is that of the
+launcher's first job).
 """
 
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
 import os
 import pickle
 import signal
@@ -22,19 +30,35 @@ import sys
 import threading
 import time
 
-WATCHDOG_S = 0.5     # how often a rank checks that its launcher is alive
+WATCHDOG_S = 0.5     # how often a rank not started by `launch` checks that its parent is alive
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def die_with(launcher: int) -> None:
-    """End this process when `launcher`, its parent, ends."""
+    """End this process when `launcher`, the process that started it, ends."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         except (OSError, AttributeError):
             pass  # the watchdog below still ends the rank
-    if os.getppid() != launcher:  # the launcher died before the signal was asked for
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.pid != launcher:   # not started by `launch` (a caller's own process): by its parent
+        _watch_parent_id(launcher)
+        return
+    if not parent.is_alive():   # the launcher died before the watchdog could wait for it
+        os._exit(1)
+
+    def watch() -> None:
+        parent.join()   # returns when the launcher's end of the sentinel pipe closes: it died or ended
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parsat-launcher-watchdog", daemon=True).start()
+
+
+def _watch_parent_id(launcher: int) -> None:
+    """`die_with` by the parent's process id: end now unless it is `launcher`, and when it changes."""
+    if os.getppid() != launcher:
         os._exit(1)
 
     def watch() -> None:
@@ -46,9 +70,13 @@ def die_with(launcher: int) -> None:
     threading.Thread(target=watch, name="parsat-launcher-watchdog", daemon=True).start()
 
 
-def start(launcher: int, job: bytes, messages) -> None:
-    """The target of a spawned rank: guard, then unpickle `job`, (function, arguments), and call
-    `function(*arguments, messages)` (the launcher's `rank_main`, named in the pickle, not imported here)."""
+def start(launcher: int, environ: dict[str, str], job: bytes, messages) -> None:
+    """The target of a started rank: guard, take the launcher's environment `environ`, then unpickle `job`,
+    (function, arguments), and call `function(*arguments, messages)` (the launcher's `rank_main`, named in the
+    pickle, not imported here)."""
     die_with(launcher)
+    if os.environ != environ:   # a fork server's ranks inherit its environment, the launcher's of its first job
+        os.environ.clear()
+        os.environ.update(environ)
     function, arguments = pickle.loads(job)
     function(*arguments, messages)
