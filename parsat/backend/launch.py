@@ -2,21 +2,20 @@
 
 `launch(fn, args, config)` starts `config.nproc` processes, each forked
 from multiprocessing's fork server (`_start_method`): a fresh interpreter
-started once per launcher, which imports torch and this module before
-it forks any rank, so no state is inherited from a launcher that may already
-run threads (as with spawn), and a rank does not import torch again (each
-spawned rank paid ~2 CPU s for it: the test suite's ~100 ranks, and every
-rank of a job). Each rank gets the launcher's environment as the job
-starts (`rank_guard.start`), not the server's: the device and process
-group settings are read as a rank sets them up, and the thread count
-torch's OpenMP read as it was imported is set again from it
-(`share_cores`). Each joins
-one process group (gloo on CPU, nccl on CUDA) through a TCP store the
-launcher serves on the loopback interface (nothing on disk, so a killed
-launcher leaves no folder behind), runs `fn(ctx, *args)` and sends
-back its JSON-able result. Under `torchrun` (RANK / WORLD_SIZE in the
-environment) the same call joins the existing group and runs `fn` once, in
-this process.
+started once per launcher, which imports torch and the parsat modules a
+rank reads (`PRELOADED`) before it forks any rank, so no state is
+inherited from a launcher that may already run threads (as with spawn),
+and a rank does not import torch again (each spawned rank paid ~2 CPU s
+for it: the test suite's ~90 ranks, and every rank of a job). Each rank
+gets the launcher's environment as the job starts (`rank_guard.start`),
+not the server's: the device and process group settings are read as a
+rank sets them up, and the thread count torch's OpenMP read as it was
+imported is set again from it (`share_cores`). Each joins one process
+group (gloo on CPU, nccl on CUDA) through a TCP store the launcher serves
+on the loopback interface (nothing on disk, so a killed launcher leaves no
+folder behind), runs `fn(ctx, *args)` and sends back its JSON-able
+result. Under `torchrun` (RANK / WORLD_SIZE in the environment) the same
+call joins the existing group and runs `fn` once, in this process.
 
 Failure is the parent's business, not the ranks': it watches every child's
 exit and a message queue, and as soon as one rank raises or dies, or the
@@ -307,7 +306,9 @@ def _exit_reason(code: int | None) -> str:
     return f"died (exit code {code})"
 
 
-PRELOADED = ("torch", "torch.distributed", "parsat.backend.launch")   # what the fork server imports for every rank
+# what the fork server imports for every rank: torch, and what a rank's job reads beside it (`parsat run`'s ranks
+# run `executor.run_rank`; a script's ranks re-import it, and it imports parsat: 0.3 and 0.6 CPU s a rank each)
+PRELOADED = ("torch", "torch.distributed", "parsat.backend.launch", "parsat.backend.executor", "parsat.api")
 
 
 def _start_method():
