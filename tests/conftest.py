@@ -50,12 +50,19 @@ def _searches_keep_their_programs():
     back is what compiling gives; the compiler itself is still run by every first use of a program, and
     directly by the tests of `compile_mesh_rules`. A test that passes its own `caches` keeps them."""
     import parsat.search.request as request
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(request, "MeshCaches", _programs_kept)
+        yield
+
+
+def _programs_kept():
+    """Mesh caches that keep compiled programs in the cache folder (`egraph.program_cache`), as `parsat.optimize`
+    makes them: what the searches' fixture above and `kept_programs` below both hand out."""
     from parsat.dsl.files import cache_dir
     from parsat.egraph.program import MeshCaches
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(request, "MeshCaches", lambda: MeshCaches(cache_dir()))
-        yield
+    return MeshCaches(cache_dir())
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +75,7 @@ def kept_programs():
     compiled its programs afresh every time: most of the CPU of test_saturate_sums and test_saturate_resize
     (benchmarks/suite_time.md, session 70). The program cache's own tests check that what is read back is what
     compiling gives. One per module: a module's tests share the shipped library's rule objects."""
-    from parsat.dsl.files import cache_dir
-    from parsat.egraph.program import MeshCaches
-
-    return MeshCaches(cache_dir())
+    return _programs_kept()
 
 
 @pytest.fixture

@@ -28,9 +28,7 @@ import pickle
 import signal
 import sys
 import threading
-import time
 
-WATCHDOG_S = 0.5     # how often a rank not started by `launch` checks that its parent is alive
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -43,29 +41,12 @@ def die_with(launcher: int) -> None:
         except (OSError, AttributeError):
             pass  # the watchdog below still ends the rank
     parent = multiprocessing.parent_process()
-    if parent is None or parent.pid != launcher:   # not started by `launch` (a caller's own process): by its parent
-        _watch_parent_id(launcher)
-        return
-    if not parent.is_alive():   # the launcher died before the watchdog could wait for it
-        os._exit(1)
+    if parent is None or parent.pid != launcher or not parent.is_alive():
+        os._exit(1)   # not started by `launch`, or the launcher died before the watchdog could wait for it
 
     def watch() -> None:
         parent.join()   # returns when the launcher's end of the sentinel pipe closes: it died or ended
         os._exit(1)
-
-    threading.Thread(target=watch, name="parsat-launcher-watchdog", daemon=True).start()
-
-
-def _watch_parent_id(launcher: int) -> None:
-    """`die_with` by the parent's process id: end now unless it is `launcher`, and when it changes."""
-    if os.getppid() != launcher:
-        os._exit(1)
-
-    def watch() -> None:
-        while True:
-            time.sleep(WATCHDOG_S)
-            if os.getppid() != launcher:
-                os._exit(1)
 
     threading.Thread(target=watch, name="parsat-launcher-watchdog", daemon=True).start()
 
