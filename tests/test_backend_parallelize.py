@@ -24,6 +24,7 @@ from parsat.backend.executor import TrainConfig, compare_values, operator_librar
 from parsat.importer.export import import_module  # noqa: E402
 from parsat.cli import main  # noqa: E402
 from parsat.ir.data_parallel import data_parallel_pcg  # noqa: E402
+from parsat.ir.graph import Graph  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import mesh_plans  # noqa: E402
@@ -344,9 +345,24 @@ def test_compare_values_is_relative_and_refuses_non_finite():
     assert found.nonfinite == ("gradient of w",)
 
 
-def test_a_module_whose_graph_is_not_the_plans_is_refused(models, tied_plan, capsys):
+def test_a_module_whose_graph_is_not_the_plans_is_refused(models, tied_plan, capsys, monkeypatch):
+    """Refused by the launcher, before any rank starts (each rank would export the module, seconds, to find it):
+    the tagger's parameters hold none of the tied LM's [32, 16] table. A module whose parameters match is not
+    refused there (`weights_difference` of the plan's own module is '')."""
+    import parsat.backend.launch as launch_module
+    from parsat.backend.parallelize import weights_difference
+
+    def no_rank(*_args, **_kwargs):
+        raise AssertionError("a rank was started for a module the launcher could refuse")
+
+    monkeypatch.setattr(launch_module, "launch", no_rank)
     code, _, text = _run(capsys, tied_plan, models, "tagger")
-    assert code == 1 and "graph is not the plan's" in text and "Traceback" not in text
+    assert code == 1 and "graph is not the plan's" in text and "[32, 16]" in text and "Traceback" not in text
+    graph = Graph.from_dict(json.loads(open(tied_plan).read())["graph"])
+    module, _inputs = TiedLMFactory(models, "tied")
+    assert weights_difference(module, graph) == ""
+    module.norm.weight.requires_grad_(False)   # frozen: a constant of an import, so no longer a weight's home
+    assert "[16]" in weights_difference(module, graph)
 
 
 def test_seeded_weights_are_scaled_by_their_fan_in():

@@ -389,6 +389,29 @@ def import_difference(module: torch.nn.Module, imported: ImportedModule) -> str:
     return ""
 
 
+def weights_difference(module: torch.nn.Module, graph: Graph) -> str:
+    """'' when `module`'s trained parameters can hold the plan graph's weights, else why not: what a launcher
+    checks before any rank starts, without exporting the module (each rank exports it, seconds, and compares its
+    whole graph: `graph_difference`). An import makes each weight of the graph from one trained parameter of the
+    same shape (tied parameters, one tensor, are one weight; a frozen one is a constant, never a weight), under a
+    name of its own where it names a stack of blocks (`ImportedModule.weights`), so the shapes are what can be
+    compared: every weight's shape must find a trained parameter of its own with that shape. A module that passes
+    may still differ (its ranks then refuse it); one that fails is surely not the plan's."""
+    trained: dict[tuple[int, ...], int] = {}
+    for param in module.parameters():   # each tensor once: tied parameters are one
+        if param.requires_grad:
+            trained[tuple(param.shape)] = trained.get(tuple(param.shape), 0) + 1
+    wanted: dict[tuple[int, ...], list[str]] = {}
+    for leaf in graph.weights:
+        wanted.setdefault(tuple(leaf.shape), []).append(leaf.name)
+    for shape, names in wanted.items():
+        if len(names) > trained.get(shape, 0):
+            return (f"the module's graph is not the plan's: the plan trains {len(names)} weight(s) of shape "
+                    f"{list(shape)} ('{names[0]}' first), the module {trained.get(shape, 0)} parameter(s) of that "
+                    "shape; run the module the plan was optimized for")
+    return ""
+
+
 def graph_difference(got: Graph, want: Graph) -> str:
     """'' when the module's graph is the plan's (names of graphs aside), else the first difference."""
     g, w = got.to_dict(), want.to_dict()
@@ -575,6 +598,12 @@ def run_module_plan(pcg: PCG, graph: Graph, model_spec: str, data_path: str | No
     if pcg.zero:
         raise ExecutionError(_ZERO.format(stage=pcg.zero))
     check_mesh(pcg, nproc)  # before any rank starts
+    from parsat.importer.model_file import load_model_factory
+    module, _example = load_model_factory(model_spec)
+    difference = weights_difference(module, graph)   # before any rank starts (each exports the module: seconds)
+    del module, _example
+    if difference:
+        raise ExecutionError(difference)
     reports = launch(run_module_rank, (pcg, graph, model_spec, data_path, config),
                      LaunchConfig(nproc=nproc, backend=backend, timeout_s=timeout_s,
                                   collective_timeout_s=collective_timeout_s))
