@@ -551,3 +551,29 @@ def test_policies_sharing_a_zero_stage_price_its_e_nodes_once(three_blocks, monk
         stages.append(found)
     assert len(calls) == 2 + 4   # the kept e-graph's two stages, once each; every fresh one's
     assert stages[0] != stages[3]   # the stages differ: another stage's costs would fail the comparison
+
+
+def test_policies_of_one_e_graph_recompute_and_weigh_its_raw_costs_once(three_blocks, monkeypatch):
+    """`solve.price` works the raw costs out as a policy runs them once per snapshot, roots, recomputation and
+    repetition (`solve._as_run_kept`), and lays a ZeRO stage's e-nodes as run over them: every policy gets the
+    costs of recomputing and weighing its whole merged table (the reference below is `price` as it was), key for
+    key in the same order, and the whole table is recomputed and weighed once per recomputation, not per stage."""
+    graph, result, costs = three_blocks
+    library = resolve_library(None)
+    machine = Machine.preset("cpu").with_devices(2)
+    roots = [result.classes[n] for n in graph.outputs]
+    repetition = Repetition(graph, graph, 30)
+    whole = []   # the sizes of the tables `weigh` was given
+    weighing = solve.weigh
+    monkeypatch.setattr(solve, "weigh", lambda c, *a: whole.append(len(c)) or weighing(c, *a))
+    kept = _anew(result)
+    policies = [(zero, recompute) for recompute in ("none", "blocks") for zero in (0, 1, 2)]
+    for zero, recompute in policies + policies:   # the second round takes every policy's base again
+        found = solve.price(kept, graph, library, machine, True, None, repetition, roots, recompute, costs, zero=zero)
+        merged = {**costs, **solve._zero_costs(result.snapshot, graph, library, machine, True, {}, zero)} if zero \
+            else costs
+        reference = weighing(recomputed_enodes(merged, kept.snapshot, roots, recompute), kept.snapshot, repetition)
+        assert found == reference and list(found) == list(reference)
+    assert sum(size == len(costs) for size in whole) == 2   # the whole table once per recomputation
+    assert len(whole) == 2 + 2 * 4   # and a ZeRO stage's few e-nodes per policy that has one
+    assert max(size for size in whole if size != len(costs)) < len(costs) / 4

@@ -154,10 +154,40 @@ def price(result: SaturationResult, graph: Graph, library: Library, machine: Mac
     input_pins = {k: v for k, v in (pins or {}).items() if k not in graph.outputs}
     if raw is None:
         raw = node_costs(result.snapshot, graph, library, machine, free_input_placements, input_pins)
-    if zero:
-        raw = {**raw, **_zero_costs(result.snapshot, graph, library, machine, free_input_placements, input_pins, zero)}
-    costs = recomputed_enodes(raw, result.snapshot, roots, recompute)
-    return weigh(costs, result.snapshot, repetition) if repetition is not None else costs
+    # every e-node's cost is `_as_run` of its own raw (or ZeRO) cost alone: the raw costs as run are worked out once
+    # per snapshot, roots, policy and repetition, and a ZeRO stage's few e-nodes as run laid over them
+    base = _as_run_kept(raw, result.snapshot, roots, recompute, repetition)
+    if not zero:
+        return dict(base)
+    zeroed = _zero_costs(result.snapshot, graph, library, machine, free_input_placements, input_pins, zero)
+    return {**base, **_as_run(zeroed, result.snapshot, roots, recompute, repetition)}
+
+
+def _as_run(costs: Mapping[NodeId, NodeCost], snapshot: Snapshot, roots: Sequence[int], recompute: str,
+            repetition: Repetition | None) -> dict[NodeId, NodeCost]:
+    """`costs` as `recompute` runs them (`recomputed_enodes`), with a repeated block's e-nodes counted once per block
+    (`repeat.weigh`, with a `repetition`). Both map each e-node's cost alone (by its class's block, whether its
+    class is kept, the snapshot's block count, whether it keeps the blocks a chain: the snapshot's and the
+    roots'), and leave the e-nodes in `costs`' order (`weigh` drops some): so the map of a merged table
+    (`{**a, **b}`) is the merge of the maps, value for value and key for key, which `price` reads."""
+    costs = recomputed_enodes(costs, snapshot, roots, recompute)
+    return weigh(costs, snapshot, repetition) if repetition is not None else costs
+
+
+def _as_run_kept(raw: Mapping[NodeId, NodeCost], snapshot: Snapshot, roots: Sequence[int], recompute: str,
+                 repetition: Repetition | None) -> Mapping[NodeId, NodeCost]:
+    """`_as_run(raw, ...)`, worked out once per snapshot, roots and policy for the same `raw` and `repetition`
+    objects (held, and checked by identity): the policies of one mesh (`mesh.policies`: keeping or recomputing,
+    ZeRO 0, 1 and 2) each recomputed and weighed every e-node of its raw costs again (a two-axis llama-70b stage
+    mesh: 15,000 e-nodes, five times), where a ZeRO stage changes a few hundred (`_zero_costs`). Shared: read
+    it, never change it."""
+    kept = snapshot.derive(("solve._as_run", tuple(roots), recompute), partial(Kept, 1))
+    owners = (raw, repetition)
+    found = kept.get("costs", owners)
+    if found is None:
+        found = _as_run(raw, snapshot, roots, recompute, repetition)
+        kept.put("costs", owners, found)
+    return found
 
 
 def _zero_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Machine, free_input_placements: bool,
