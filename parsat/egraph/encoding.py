@@ -72,11 +72,13 @@ def applied_relation(sorts: Sequence[str]) -> str:
     `sorts` write their applications in, each row led by the rule's index (`CompiledRule.index`).
 
     One relation per rule (`Applied<index>`) made the program's tables and names grow with its rules, and
-    egglog pays for both on every rule it loads and every run: it copies its map of every declared name for
-    each rule it compiles (the shadowing check), and rebuilds, counts (`print-size`) and freezes every table.
-    A 2-axis mesh's 641 rules share 20 such relations. Nothing reads them but the read-back (`derivation`):
-    no rule joins them, and writing a relation row allocates no e-class id, so the e-graph, its ids and every
-    rule's matches are those of one relation per rule (tests/test_applied_relations.py)."""
+    egglog pays for both: it copies its map of every declared name for each rule it compiles (the shadowing
+    check; half of loading a 2-axis program), and rebuilds, counts (`print-size`) and freezes every table.
+    llama-70b:64's 2-axis meshes' 641 rules share 16 such relations. Nothing reads them but the read-back
+    (`derivation`): no rule joins them, and writing a relation row allocates no e-class id, so the e-graph,
+    its ids and every rule's matches are those of one relation per rule, and so are each rule's rows, as a
+    multiset: egglog's rebuild may leave a rule's rows in another order in a shared table than in a table of
+    its own (tests/test_applied_relations.py; benchmarks/search_results.md, session 71, helper E)."""
     return APPLIED_PREFIX + "_".join(sorts)
 
 
