@@ -1,11 +1,12 @@
 """What one rule application read and built, worked out from the match it recorded.
 
-Every applying half of a rule records the match it applied, `Applied<index>(variables...)`
-(`rule_text.RuleBody.text`), with the pattern's variables: the root class, the metavariables' classes, the
-attributes it bound. The e-graph is hash-consed, so those values fix the application's e-nodes: walking the
-pattern bottom-up, each constructor over known children and attributes is one e-node of the snapshot (what
-the match READ); walking the actions' `let`s in order, each is one e-node (what it BUILT). A plan's
-`rules_used` follows these back from the plan's e-nodes to the input graph's (`search.provenance`).
+Every applying half of a rule records the match it applied, `(Applied_<sorts> index variables...)`
+(`rule_text.RuleBody.text`, `encoding.applied_relation`), with the pattern's variables: the root class, the
+metavariables' classes, the attributes it bound. The e-graph is hash-consed, so those values fix the
+application's e-nodes: walking the pattern bottom-up, each constructor over known children and attributes is
+one e-node of the snapshot (what the match READ); walking the actions' `let`s in order, each is one e-node
+(what it BUILT). A plan's `rules_used` follows these back from the plan's e-nodes to the input graph's
+(`search.provenance`).
 
 The generated text is small and regular (`rule_text`, `lifted_text`): constructors `Op_*`, `P_*` and
 `Leaf`, variables (`root`, `m_*` tensors, `r_*` reals, the rest integers), integer and string literals, and
@@ -67,7 +68,7 @@ class Template:
     constructors bottom-up (`reads` of them), then the actions' `let`s in order."""
 
     rule: str
-    variables: tuple[str, ...]   # the columns of `Applied<index>`, in order
+    variables: tuple[str, ...]   # the columns of its `Applied` rows after the index, in order
     steps: tuple[Step, ...]
     reads: int
 

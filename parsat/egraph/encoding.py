@@ -21,9 +21,10 @@ ground terms) and read back by `session`:
 * Provenance: every e-node has a row `Made_<constructor>(args..., who)`
   naming the rule that built it (or GRAPH_MADE for the input graph's own
   operators), so a plan can say which rules made it; and every rule
-  application writes `Applied<index>(match...)` (`rule_text.RuleBody`), so
-  a plan can follow what each application read back to the graph
-  (`derivation`, `search.provenance`).
+  application writes `(Applied_<sorts> index match...)` (`rule_text.RuleBody`),
+  one relation for every rule whose recorded columns have those sorts
+  (`applied_relation`), so a plan can follow what each application read
+  back to the graph (`derivation`, `search.provenance`).
 
 Real attributes are written as strings (their shortest repr), so equal
 reals are equal constants.
@@ -48,7 +49,7 @@ RULESET_NAMES = {"alg": "algebraic", "par": "parallel"}   # as the plan JSON nam
 MADE_PREFIX = "Made_"    # Made_<constructor>(children..., attributes..., who): the rules (or the graph) that made an e-node
 GRAPH_MADE = ""          # `who` for the input graph's own operators
 EQUATED = "Equated"      # Equated(class, who): a rule whose right side is a metavariable equated this class with it
-APPLIED_PREFIX = "Applied"  # Applied<index>(pattern variables...): the matches rule <index> applied (`rule_text.RuleBody`)
+APPLIED_PREFIX = "Applied_"  # Applied_<sorts>(index, recorded match...): the matches rule <index> applied
 MATCH_SUFFIX = "/match"  # a rule's pattern half is named after the rule with this suffix (`rule_text.RuleBody`)
 LIVE = "Live"            # Live(key): a gated rule runs while its row is there (`Session.run`'s match budget)
 
@@ -64,6 +65,25 @@ def ctor(op: str) -> str:
 
 def quote(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def applied_relation(sorts: Sequence[str]) -> str:
+    """The relation the rules whose recorded match (`rule_text.RuleBody.applied_variables`) has the column sorts
+    `sorts` write their applications in, each row led by the rule's index (`CompiledRule.index`).
+
+    One relation per rule (`Applied<index>`) made the program's tables and names grow with its rules, and
+    egglog pays for both: it copies its map of every declared name for each rule it compiles (the shadowing
+    check; half of loading a 2-axis program), and rebuilds, counts (`print-size`) and freezes every table.
+    llama-70b:64's 2-axis meshes' 641 rules share 16 such relations. Nothing reads them but the read-back
+    (`derivation`): no rule joins them, and writing a relation row allocates no e-class id, so the e-graph,
+    its ids and every rule's matches are those of one relation per rule, and so are each rule's rows, as a
+    multiset: egglog's rebuild may leave a rule's rows in another order in a shared table than in a table of
+    its own (tests/test_applied_relations.py; benchmarks/search_results.md, session 71, helper E)."""
+    return APPLIED_PREFIX + "_".join(sorts)
+
+
+def applied_declaration(sorts: Sequence[str]) -> str:
+    return f"(relation {applied_relation(sorts)} (i64 {' '.join(sorts)}))"
 
 
 def live_row(key: str) -> str:

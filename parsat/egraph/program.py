@@ -19,8 +19,8 @@ from parsat.dsl.library import Library
 from parsat.dsl.typecheck import RuleInstance
 from parsat.ir.mesh import Mesh
 from parsat.dsl.parallel_ops import PARALLEL_OPS
-from parsat.egraph.encoding import (ANALYSES, LIVE, MADE_PREFIX, MAX_RANK, RULESETS, SHAPE_RULESET, SkipRule, ctor,
-                                    equated_relation, match_ruleset, shape_term)
+from parsat.egraph.encoding import (ANALYSES, LIVE, MADE_PREFIX, MAX_RANK, RULESETS, SHAPE_RULESET, SkipRule,
+                                    applied_declaration, ctor, equated_relation, match_ruleset, shape_term)
 from parsat.egraph.guards import degree_choices
 from parsat.egraph.instances import Signature, TypedInstance, reachable_instances, reachable_rules, typed_instances
 from parsat.egraph.rule_text import CompiledRule, SkippedRule, compile_rule_instance
@@ -261,4 +261,5 @@ def _assemble(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[int], 
         for name, width, rows in r.tables:
             tables.setdefault(name, table_text(name, width, rows))
     program = RuleProgram("", tuple(named), tuple(skipped), unfinished)
-    return replace(program, declarations=declared + "".join(tables.values()) + _ruleset_declarations(program))
+    applied = "".join(f"{text}\n" for text in dict.fromkeys(applied_declaration(r.body.applied_sorts()) for r in named))
+    return replace(program, declarations=declared + "".join(tables.values()) + applied + _ruleset_declarations(program))

@@ -32,7 +32,7 @@ from parsat.dsl.conditions import Cond, Negation, Rel, symbolic_truth, to_poly
 from parsat.dsl.symbolic import Poly
 from parsat.dsl.typecheck import RuleInstance, TypedTerm
 from parsat.egraph import guards
-from parsat.egraph.encoding import (APPLIED_PREFIX, MATCH_SUFFIX, MAX_RANK, SkipRule, ctor, equated_row, live_row,
+from parsat.egraph.encoding import (MATCH_SUFFIX, MAX_RANK, SkipRule, applied_relation, ctor, equated_row, live_row,
                                     made_row, match_ruleset, poly_expr, quote, real_literal, rel_fact, shape_term)
 
 
@@ -136,6 +136,10 @@ class RuleBody:
                     out[name] = "String" if name.startswith("r_") else "i64"
         return list(out.items())
 
+    def applied_sorts(self) -> tuple[str, ...]:
+        """The sorts of the `Applied` row's columns after the index: its relation (`encoding.applied_relation`)."""
+        return tuple(sort for _, sort in self.applied_variables())
+
     def text(self, index: int, chunk: str, key: str, gated: bool = False) -> str:
         """The relation and the two rules; the second carries the rule's `key` as its name.
 
@@ -144,18 +148,18 @@ class RuleBody:
         once its pattern matches past the run's budget (`Session.run`), before
         any of those matches is applied; a one-row join costs nothing else.
 
-        The applying half also records the match it applied in `Applied<index>` (same columns as the match
-        relation): what the application read and built is worked out from it (`derivation`), so a plan can name
-        the rules that built the terms its rules matched, not only the makers of its own e-nodes."""
+        The applying half also records the match it applied, `index` first, in the relation of its columns'
+        sorts (`encoding.applied_relation`, declared by the program, not here): what the application read and
+        built is worked out from it (`derivation`), so a plan can name the rules that built the terms its rules
+        matched, not only the makers of its own e-nodes."""
         variables = self.variables()
         relation = f"Match{index}"
         row = f"({relation} {' '.join(v for v, _ in variables)})"
         recorded = self.applied_variables()
-        applied = f"({APPLIED_PREFIX}{index} {' '.join(v for v, _ in recorded)})"
+        applied = f"({applied_relation([sort for _, sort in recorded])} {index} {' '.join(v for v, _ in recorded)})"
         gate = (live_row(key),) if gated else ()
         facts = gate + self.facts
-        return (f"(relation {relation} ({' '.join(sort for _, sort in variables)}))\n"
-                f"(relation {APPLIED_PREFIX}{index} ({' '.join(sort for _, sort in recorded)}))\n" +
+        return (f"(relation {relation} ({' '.join(sort for _, sort in variables)}))\n" +
                 f"(rule ({' '.join((self.pattern,) + gate)}) ({row}) :ruleset {match_ruleset(chunk)} "
                 f":name {quote(key + MATCH_SUFFIX)})\n"
                 f"(rule ({' '.join((row,) + facts)})\n      ({self.actions} {applied})\n"
@@ -179,11 +183,11 @@ class CompiledRule:
 
     @property
     def index(self) -> int:
-        """The number in its relations' names (`Match<i>`, `Applied<i>`: `RuleBody.text`), its place in the
-        program it was compiled into, kept in `key`. Not its place in `RuleProgram.rules`: a program less some
-        rules (`RuleProgram.without`) keeps the others' texts, so every later place moves while the names
-        stay (a 2x2 gpt's associativity cut moved them by two, and 3,427 of 5,288 recorded applications were
-        read with the wrong rule's pattern)."""
+        """The number in its match relation's name (`Match<i>`) and in its `Applied` rows (`RuleBody.text`),
+        its place in the program it was compiled into, kept in `key`. Not its place in `RuleProgram.rules`: a
+        program less some rules (`RuleProgram.without`) keeps the others' texts, so every later place moves
+        while the names stay (a 2x2 gpt's associativity cut moved them by two, and 3,427 of 5,288 recorded
+        applications were read with the wrong rule's pattern)."""
         return int(self.key.rsplit("#", 1)[1])
 
 

@@ -24,7 +24,7 @@ from parsat.ir.pcg import Degrees
 from parsat.ir.placement import Placement
 from parsat.egraph.derivation import Template, applications, hashcons
 from parsat.egraph.encoding import (ANALYSES, APPLIED_PREFIX, EQUATED, MADE_PREFIX, MATCH_SUFFIX, MAX_RANK, RULESETS,
-                                    SHAPE_RULESET, live_row, match_ruleset)
+                                    SHAPE_RULESET, applied_declaration, applied_relation, live_row, match_ruleset)
 from parsat.egraph.loading import BOUND, GraphLoader, bound_names
 from parsat.egraph.mesh_encoding import FOLD_MADE, at_relation, fold_applications
 from parsat.egraph.program import CompiledRule, RuleProgram, past
@@ -146,7 +146,8 @@ class Provenance(Mapping):
 
     def __init__(self, egraph, frozen, rules: Sequence[CompiledRule] = (),
                  classes: Mapping[int, Sequence[ENode]] | None = None) -> None:
-        """`rules` are the program's loaded rules, each recording its applications in `Applied<its index>`;
+        """`rules` are the program's loaded rules, each recording its applications led by its index
+        (`encoding.applied_relation`);
         `classes` the snapshot's, to find their e-nodes in (`derivation`)."""
         self._egraph, self._frozen, self._rules = egraph, frozen, rules
         self._rows: dict[tuple, frozenset[str]] | None = None
@@ -165,9 +166,11 @@ class Provenance(Mapping):
         if self._rows is None:
             eg, made, equated = self._egraph, {}, {}
             for name, fn in self._frozen.functions.items():
-                if name.startswith(APPLIED_PREFIX) and name[len(APPLIED_PREFIX):].isdigit():
-                    values = _RowReader(eg, fn.input_sorts).values
-                    self._applied_rows[int(name[len(APPLIED_PREFIX):])] = [values(row.inputs) for row in fn.rows]
+                if name.startswith(APPLIED_PREFIX):   # (index, the recorded match...): `encoding.applied_relation`
+                    values, applied = _RowReader(eg, fn.input_sorts).values, self._applied_rows
+                    for row in fn.rows:
+                        decoded = values(row.inputs)
+                        applied.setdefault(decoded[0], []).append(decoded[1:])
                 if name == EQUATED:
                     for row in fn.rows:
                         equated.setdefault(eg.value_to_i64(row.inputs[0]), set()).add(
@@ -282,9 +285,10 @@ class Session:
         loaded (OptimizeError: there is no plan of part of a graph). With `mesh` the program is in the mesh
         encoding (`mesh_encoding`), and the snapshot reads placements."""
         self.mesh = mesh
-        self._rules = program.rules   # each records its applications in `Applied<its index>` (`CompiledRule.index`)
+        self._rules = program.rules   # each records its applications led by its index (`CompiledRule.index`)
         self.egraph = bindings.EGraph()
         self.loaded = 0
+        self._applied = set(re.findall(rf"\(relation ({APPLIED_PREFIX}\S+) ", program.declarations))
         try:
             # One command batch per rule, and the declarations in pieces: egglog 13.2 is far slower on one large
             # program (9 s against 0.4 s for 200 rules): egglog-python gives every
@@ -324,9 +328,16 @@ class Session:
             for ruleset in RULESETS:
                 self._run(f"(ruleset {tag}{ruleset}) (ruleset {match_ruleset(tag + ruleset)})")
             for offset, rule in enumerate(rules):
+                self._declare_applied(rule.body.applied_sorts())
                 self._run(rule.body.text(first_index + offset, tag + rule.ruleset, f"{tag}{rule.name}#{offset}"))
         except bindings.EggSmolError as err:
             raise CompileError(f"egglog rejected the generated program: {err}") from None
+
+    def _declare_applied(self, sorts: Sequence[str]) -> None:
+        """Declares the `Applied` relation of `sorts` (`encoding.applied_relation`) unless the e-graph has it."""
+        if applied_relation(sorts) not in self._applied:
+            self._run(applied_declaration(sorts))
+            self._applied.add(applied_relation(sorts))
 
     def push(self) -> None:
         """Saves the e-graph (egglog's push); `pop` brings it back."""
