@@ -100,7 +100,8 @@ class TpOverlap:
     """What tensor-parallel communication overlap (`ExecutionProfile.tp_comm_overlap`) takes off one micro-batch
     of a stage plan, as the step simulator runs it: the stage plan's PCG simulated for one micro-batch with the
     overlap and without it, under the machine's profile (its ZeRO gathers left after the update: the stage price
-    charges those itself), and the difference of the forward's and of the backward's extents. The per-node sum
+    charges those itself), and the difference of the forward's and of the backward's extents (a stack of many
+    alike blocks: read off excerpts of a few of its blocks, `_run_extents`). The per-node sum
     has no overlap (a node's cost must not depend on the nodes around it), so the stage price takes the part
     `forward` (`backward`) of every in-node activation collective's time (`LayerCost.tp_comm_s`) off: the
     seconds saved over those collectives' seconds in that direction, at most all of them, so that a chunk is
