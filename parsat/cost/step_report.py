@@ -128,18 +128,31 @@ def phase_ends(prediction: StepPrediction) -> dict[str, float]:
     phase, without its lanes, busy sums and overlap (most of its work). What `cost.pipeline.tp_overlap` reads of a
     simulated micro-batch, twice per stage plan priced: the same tasks' ends, each phase's the largest of them,
     so the same figures (a maximum picks one of its operands, in any order)."""
-    b, _starts, ends = prediction.result._columns
-    latest: dict[str, float] = {}   # the simulator's phase -> its tasks' latest end
-    for end, phase in zip(ends, b.phases):
-        found = latest.get(phase)
-        if found is None or end > found:
-            latest[phase] = end
     out: dict[str, float] = {}
-    for phase, end in latest.items():
-        shown = PHASE_OF.get(phase, "forward")
+    for (shown, _stream), end in stream_phase_ends(prediction).items():
         found = out.get(shown)
         if found is None or end > found:
             out[shown] = end
+    return out
+
+
+def stream_phase_ends(prediction: StepPrediction) -> dict[tuple[str, str], float]:
+    """(Reported phase, stream's label) -> when that stream's last task of that phase ends: `phase_ends` per
+    stream (whose largest per phase it is). `cost.pipeline.tp_overlap` reads them to tell whether a few blocks'
+    excerpts of a stage plan are past their first blocks' transient on every stream, not only the last one."""
+    b, _starts, ends = prediction.result._columns
+    latest: dict[tuple[str, int], float] = {}   # (the simulator's phase, stream) -> its tasks' latest end
+    for end, phase, stream in zip(ends, b.phases, b.stream_of):
+        key = (phase, stream)
+        found = latest.get(key)
+        if found is None or end > found:
+            latest[key] = end
+    out: dict[tuple[str, str], float] = {}
+    for (phase, stream), end in latest.items():
+        key = (PHASE_OF.get(phase, "forward"), b.streams[stream].label())
+        found = out.get(key)
+        if found is None or end > found:
+            out[key] = end
     return out
 
 
@@ -150,4 +163,5 @@ def _letter(lane: str, cell: dict[str, float], slice_s: float) -> str:
     return LANE_LETTERS[(lane, max(cell, key=cell.get))]
 
 
-__all__ = ["COMM_PHASES", "LANE_WIDTH", "phase_ends", "simulate_step", "simulated_step", "summarize"]
+__all__ = ["COMM_PHASES", "LANE_WIDTH", "phase_ends", "simulate_step", "simulated_step", "stream_phase_ends",
+           "summarize"]
