@@ -258,12 +258,19 @@ class _Kin:
         self.parts: dict[tuple, tuple[Graph, Graph, bool]] = {}         # (part, (like, graph)) -> its answer
         self.placements: dict = {}               # `axis_compute`'s cache, for every graph and mesh
         self.memos: dict[int, "_Memo"] = {}      # id(graph) -> its memo (which keeps the graph alive)
+        self.examples: dict = {}                 # `batch_dims`' examples built, by name and sizes
 
     def memo(self, graph: Graph, cache: dict | None) -> "_Memo":
-        """`graph`'s memo, shared with every call that lays it out (and kept in `cache` as `_Memo.of` keeps it)."""
+        """`graph`'s memo, shared with every call that lays it out (and kept in `cache` as `_Memo.of` keeps it).
+        A new graph's batch dims (`batch_dims`, which builds a built-in example twice) are those of an equal graph
+        memo'd before (a step's graph made twice: llama-70b:64's stage grids at 32 micro-batches on 16 and on 8
+        devices), `batch_dims` being a function of the graph's content and the library; else worked out with the
+        examples built for the other graphs (`batch_dims`' `built`)."""
         memo = self.memos.get(id(graph))
         if memo is None or memo.graph is not graph:
-            memo = self.memos[id(graph)] = _Memo(graph, self.library, self.placements)
+            equal = next((m for m in self.memos.values() if m.graph == graph), None)
+            memo = self.memos[id(graph)] = _Memo(graph, self.library, self.placements, self.examples,
+                                                 equal.batch if equal is not None else None)
         if cache is not None:
             cache["memo"] = memo
         return memo
@@ -506,9 +513,11 @@ class _Memo:
     """What every layout of one graph shares: its batch dims, operator instances by shapes and attributes, and
     which codes each accepts on one axis (`axis_compute`, by the instance's key)."""
 
-    def __init__(self, graph: Graph, library: Library, placements: dict | None = None):
+    def __init__(self, graph: Graph, library: Library, placements: dict | None = None, examples: dict | None = None,
+                 batch: Mapping[str, int] | None = None):
         self.graph, self.ops = graph, library.ops
-        self.batch = batch_dims(graph, library)
+        # `batch`: this graph's batch dims where the caller knows them (`_Kin.memo`); `examples`: `batch_dims`' built
+        self.batch = dict(batch) if batch is not None else batch_dims(graph, library, examples)
         # ... and on a data axis, with the constants the module builds at its batch's shape (`batch_wide_constants`:
         # BERT's attention mask and token-type one-hots), split with the batch as each rank's forward builds them
         self.data_batch = {**self.batch, **{name: 0 for name in batch_wide_constants(graph, self.batch)}}
