@@ -55,7 +55,7 @@ sequence inside attention (context parallelism).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from itertools import product
+from itertools import islice, product
 from typing import Callable, Mapping, Sequence
 
 from parsat.dsl.instantiate import InstantiationError, OpInstance
@@ -64,6 +64,7 @@ from parsat.dsl.parallel_ops import (ALL_GATHER, COMBINE, PARTITION, REDUCE, RED
                                      REPLICATE)
 from parsat.ir.data_parallel import _live, data_parallel_pcg
 from parsat.ir.fused_projections import heads_ordered, with_rules
+from parsat.ir.blocks import OUTSIDE, block_of, in_block
 from parsat.ir.graph import Graph, Leaf, instance_for
 from parsat.ir.mesh import Mesh
 from parsat.ir.microbatch import batch_dims, batch_wide_constants
@@ -203,11 +204,17 @@ def _built_layout(graph: Graph, mesh: Mesh, zero: int, sequence: bool, memo: "_M
     build = _MegatronBuilder(graph, mesh, zero == 3, sequence, memo, vocabulary_loss, reduce_at_once)
     for leaf in graph.leaves:
         build.place_leaf(leaf)
-    for gnode in graph.nodes:
-        if gnode.name in build.static:
-            continue   # made where it is read, in the placement its reader needs (`weight_value`)
-        if not build.place_graph_node(gnode):
-            return None
+    repeats = _Repeats(build)
+    for block, run in memo.runs:   # the graph's nodes, a block's a run: one laid out as the one before, repeated
+        if repeats.replayed(block, run):
+            continue
+        mark = repeats.before(block, run)
+        for gnode in run:
+            if gnode.name in build.static:
+                continue   # made where it is read, in the placement its reader needs (`weight_value`)
+            if not build.place_graph_node(gnode):
+                return None
+        repeats.after(mark)
     outputs = [build.gathered(name) for name in graph.outputs]
     if any(o is None for o in outputs):
         return None
@@ -526,6 +533,7 @@ class _Memo:
         # `compute_placement`'s own cache (`axis_compute`'s: by signature and codes), shared across graphs by `_Kin`
         self.placements: dict = {} if placements is None else placements
         self.options: dict[tuple, list[tuple[float, tuple[int, ...]]]] = {}   # `_MegatronBuilder.known_options`
+        self.runs = _block_runs(graph)   # the graph's nodes in runs of one block (`_Repeats`)
 
     @staticmethod
     def of(graph: Graph, library: Library, cache: dict | None) -> "_Memo":
@@ -1018,3 +1026,193 @@ def _splits(shape: Sequence[int], code: int, size: int) -> bool:
     """Whether a code on an axis of `size` cuts `shape` evenly (a shard of a dim it has, that divides)."""
     dim = shard_dim(code)
     return dim is None or (dim < len(shape) and shape[dim] % size == 0)
+
+
+def _block_runs(graph: Graph) -> tuple[tuple[int, tuple], ...]:
+    """The graph's nodes in order, cut into runs of one block (`ir.blocks.block_of`; OUTSIDE for the nodes outside
+    every block), each with its block: what `_built_layout` places run by run. One run for the whole graph, as
+    OUTSIDE, where some block's nodes are not all in one run (no run is then repeated: `_Repeats`)."""
+    runs: list[tuple[int, list]] = []
+    for gnode in graph.nodes:
+        block = block_of(gnode.name)
+        if runs and runs[-1][0] == block:
+            runs[-1][1].append(gnode)
+        else:
+            runs.append((block, [gnode]))
+    blocks = [block for block, _run in runs if block != OUTSIDE]
+    if len(set(blocks)) != len(blocks):
+        return ((OUTSIDE, tuple(graph.nodes)),)
+    return tuple((block, tuple(run)) for block, run in runs)
+
+
+@dataclass
+class _Template:
+    """A block's run as `_MegatronBuilder` placed it node by node (`_Repeats`): its nodes are the builder's
+    `first` .. `end - 1`; what it read of the builder's state from outside the block, as it stood before (`reads`:
+    each activation from outside the block read, with its forms then; `kept`: the nodes of static values from
+    outside both this block and the one before, by id); and what it added to that state besides its nodes: its
+    values' forms, the forms it added to the activations it read (`forms_end`, their forms after), its static values
+    made (`made`), leaves, ZeRO-3 chains and shapes. `usable`: False where it read or added anything else (then a
+    block is not laid out from it)."""
+
+    block: int
+    run: tuple
+    first: int
+    reads: dict
+    kept: frozenset
+    made_from: int
+    leaves_from: int
+    chains_from: int
+    shapes_from: int
+    forms_from: int
+    end: int = 0
+    forms_end: dict | None = None
+    own_forms: dict | None = None
+    made: list | None = None
+    leaves: list | None = None
+    chains: list | None = None
+    shapes: list | None = None
+    usable: bool = False
+
+
+def _moved(name: str, block: int, to: int) -> str:
+    """`name` of a layout of block `block` (which reads block `block` - 1) as the layout of block `to` names it:
+    a name of `block` in `to`, one of `block` - 1 in `to` - 1, any other kept (`_Repeats`)."""
+    found = block_of(name)
+    if found == block:
+        return in_block(name, to)
+    return in_block(name, to - 1) if found == block - 1 and found != OUTSIDE else name
+
+
+class _Repeats:
+    """A block's run laid out as the builder laid the run of a block before it out (its template), renamed, where
+    the builder would place it alike (issue 28: llama-70b's 80 blocks, each placed operator by operator in every
+    layout the grid builds, 18 builds a call).
+
+    Why the same nodes. The builder places a run's operators one after another, and each step reads only: the
+    graph (the operators, their inputs, attributes and shapes, which values are static, weights, or views of
+    them, and the leaves' shapes and roles); caches whose entries are functions of what they are keyed by (the
+    memo's instances, accepted codes and options, the degrees); and the builder's state: the forms of the
+    activations the operators read (each placement, in order, and its node), the static values made (`made`), the
+    leaves' nodes and the nodes themselves, each read as the placement and shape of a node held in a form or
+    made. A template is usable where every value it read from outside its block was an activation (whose forms it
+    recorded before it began) or a static value of no block it renames, already made (whose node it reads by id;
+    one that it made, or a leaf it added outside its block, makes it unusable). A run of block j is laid out from
+    a template of block t where the run is the template's with every name of t in j and of t - 1 in j - 1 (its
+    operators, attributes, shapes, inputs; its values static, weights, views, leaves of the same shapes and roles
+    alike: `alike`), and each activation it reads from outside holds the forms the template's did, placement by
+    placement in the same order (its nodes other ones, of the same placements and shapes: the value's). Then every
+    read of the run's steps gives what the template's step read gave, renamed, its node ids the template's moved
+    by where the run begins (an activation's form by its placement, a static value's kept node as it is), so each
+    step makes the same decision and the same nodes, renamed and renumbered: what `replayed` appends, with the
+    state the template added, renamed likewise. The same grid's layouts at main, built node by node, and so
+    (llama-70b:64's 100 layouts) are equal."""
+
+    def __init__(self, build: "_MegatronBuilder"):
+        self.build = build
+        self.template: _Template | None = None
+
+    def before(self, block: int, run: Sequence) -> _Template | None:
+        """A template's record of what stands before a run of `block` is placed (None outside every block)."""
+        if block == OUTSIDE:
+            return None
+        b = self.build
+        own = {gnode.name for gnode in run}
+        reads = {}
+        for gnode in run:
+            for name in gnode.inputs:
+                if name not in own and name not in b.static and name not in reads:
+                    reads[name] = dict(b.forms[name]) if name in b.forms else None
+                elif name not in own and name in b.static and block_of(name) == block - 1 != OUTSIDE:
+                    reads[name] = None   # a static value of the block before: its node is not kept by id
+        kept = frozenset(node for (name, _p), node in b.made.items()
+                         if node is not None and block_of(name) not in (block, block - 1))
+        return _Template(block, tuple(run), len(b.nodes), reads, kept, len(b.made), len(b.leaf_ids), len(b.chains),
+                         len(b.shapes), len(b.forms))
+
+    def after(self, mark: _Template | None) -> None:
+        """The template `mark` completed once its run is placed; kept where usable (else the next run is placed
+        node by node and becomes the template)."""
+        if mark is None:
+            return
+        b, block = self.build, mark.block
+        mark.end = len(b.nodes)
+        mark.made = list(islice(b.made.items(), mark.made_from, None))
+        mark.leaves = list(islice(b.leaf_ids.items(), mark.leaves_from, None))
+        mark.chains = b.chains[mark.chains_from:]
+        mark.shapes = list(islice(b.shapes, mark.shapes_from, None))
+        mark.forms_end = {name: dict(b.forms[name]) for name in mark.reads if name in b.forms}
+        mark.own_forms = {name: dict(forms) for name, forms in islice(b.forms.items(), mark.forms_from, None)}
+        outside = {node for forms in mark.reads.values() if forms is not None for node in forms.values()}
+        outside |= mark.kept
+        ids = [i for node in b.nodes[mark.first:mark.end] for i in node.inputs] + \
+            [i for chain in mark.chains for i in (chain.source, chain.first, chain.last)]
+        mark.usable = None not in mark.reads.values() and \
+            all(block_of(name) == block for name in [key[0] for key, _node in mark.made] +
+                [name for name, _node in mark.leaves] + mark.shapes + list(mark.own_forms)) and \
+            all(i >= mark.first or i in outside for i in ids)
+        self.template = mark if mark.usable else None
+
+    def replayed(self, block: int, run: Sequence) -> bool:
+        """Whether the run of `block` was laid out from the template (`_Repeats`): its nodes appended, renamed and
+        renumbered, and what the template added to the builder's state added so; False (nothing done) where the
+        template does not apply."""
+        t, b = self.template, self.build
+        if t is None or block == OUTSIDE or block == t.block or not self.alike(t, block, run):
+            return False
+
+        def name_of(n: str) -> str:
+            return _moved(n, t.block, block)
+        outside: dict[int, int] = {node: node for node in t.kept}
+        for read, forms in t.reads.items():
+            now = b.forms.get(name_of(read))
+            if now is None or list(now) != list(forms):
+                return False
+            outside.update((node, now[placement]) for placement, node in forms.items())
+        if any((name_of(n), placement) in b.made for (n, placement), _node in t.made) or \
+                any(name_of(n) in b.leaf_ids for n, _node in t.leaves) or \
+                any(name_of(n) in b.forms for n in t.own_forms):
+            return False   # what the template made, made already (read before by another block): not alike
+        shift = len(b.nodes) - t.first
+
+        def moved(i: int) -> int:
+            return i + shift if i >= t.first else outside[i]
+        for node in b.nodes[t.first:t.end]:
+            b.nodes.append(PNode(node.id + shift, node.kind, name_of(node.op) if node.kind == "leaf" else node.op,
+                                 tuple(moved(i) for i in node.inputs), node.attrs, node.shape, node.degrees,
+                                 node.role, name_of(node.origin), node.placement, node.rules))
+        for read, forms in t.forms_end.items():
+            now = b.forms[name_of(read)]
+            for placement, node in forms.items():
+                now.setdefault(placement, moved(node))
+        for own, forms in t.own_forms.items():
+            b.forms[name_of(own)] = {placement: moved(node) for placement, node in forms.items()}
+        b.made.update(((name_of(n), placement), None if node is None else moved(node))
+                      for (n, placement), node in t.made)
+        b.leaf_ids.update((name_of(n), moved(node)) for n, node in t.leaves)
+        b.chains += [_Chain(moved(c.source), moved(c.first), moved(c.last), c.dim, c.tensor_copy) for c in t.chains]
+        b.shapes.update((name_of(n), b.shapes[n]) for n in t.shapes)
+        return True
+
+    def alike(self, t: _Template, block: int, run: Sequence) -> bool:
+        """Whether `run` (of `block`) is the template's run with its names moved (`_moved`): the same operators,
+        attributes, shapes and inputs, and every value they name static, a weight, a view, a leaf (of the same
+        role), a graph operator, of the same shape and batch dim, in both or in neither."""
+        if len(run) != len(t.run):
+            return False
+        names: set[str] = set()
+        for was, now in zip(t.run, run):
+            if now.name != _moved(was.name, t.block, block) or now.op != was.op or now.attrs != was.attrs or \
+                    tuple(now.shape) != tuple(was.shape) or \
+                    tuple(now.inputs) != tuple(_moved(i, t.block, block) for i in was.inputs):
+                return False
+            names.add(was.name)
+            names.update(was.inputs)
+        return all(self.value(n) == self.value(_moved(n, t.block, block)) for n in names)
+
+    def value(self, name: str) -> tuple:
+        """What the builder reads of a graph value besides its forms and nodes (`alike`)."""
+        b = self.build
+        leaf = b.leaves.get(name)
+        return (tuple(b.shapes.get(name, ())), name in b.static, name in b.weighted, name in b.views,
+                name in b.graph_nodes, leaf.role if leaf is not None else None, b.batch.get(name))
