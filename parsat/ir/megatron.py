@@ -1158,11 +1158,18 @@ class _Repeats:
         renumbered, and what the template added to the builder's state added so; False (nothing done) where the
         template does not apply."""
         t, b = self.template, self.build
-        if t is None or block == OUTSIDE or block == t.block or not self.alike(t, block, run):
+        if t is None or block == OUTSIDE or block == t.block:
             return False
 
+        names: dict[str, str] = {}   # each name's move, worked out once for the run
+
         def name_of(n: str) -> str:
-            return _moved(n, t.block, block)
+            found = names.get(n)
+            if found is None:
+                found = names[n] = _moved(n, t.block, block)
+            return found
+        if not self.alike(t, run, name_of):
+            return False
         outside: dict[int, int] = {node: node for node in t.kept}
         for read, forms in t.reads.items():
             now = b.forms.get(name_of(read))
@@ -1194,21 +1201,20 @@ class _Repeats:
         b.shapes.update((name_of(n), b.shapes[n]) for n in t.shapes)
         return True
 
-    def alike(self, t: _Template, block: int, run: Sequence) -> bool:
-        """Whether `run` (of `block`) is the template's run with its names moved (`_moved`): the same operators,
-        attributes, shapes and inputs, and every value they name static, a weight, a view, a leaf (of the same
-        role), a graph operator, of the same shape and batch dim, in both or in neither."""
+    def alike(self, t: _Template, run: Sequence, name_of: Callable[[str], str]) -> bool:
+        """Whether `run` is the template's run with its names moved (`name_of`, `_moved` to the run's block): the
+        same operators, attributes, shapes and inputs, and every value they name static, a weight, a view, a leaf
+        (of the same role), a graph operator, of the same shape and batch dim, in both or in neither."""
         if len(run) != len(t.run):
             return False
         names: set[str] = set()
         for was, now in zip(t.run, run):
-            if now.name != _moved(was.name, t.block, block) or now.op != was.op or now.attrs != was.attrs or \
-                    tuple(now.shape) != tuple(was.shape) or \
-                    tuple(now.inputs) != tuple(_moved(i, t.block, block) for i in was.inputs):
+            if now.name != name_of(was.name) or now.op != was.op or now.attrs != was.attrs or \
+                    tuple(now.shape) != tuple(was.shape) or tuple(now.inputs) != tuple(map(name_of, was.inputs)):
                 return False
             names.add(was.name)
             names.update(was.inputs)
-        return all(self.value(n) == self.value(_moved(n, t.block, block)) for n in names)
+        return all(self.value(n) == self.value(name_of(n)) for n in names)
 
     def value(self, name: str) -> tuple:
         """What the builder reads of a graph value besides its forms and nodes (`alike`)."""
