@@ -32,7 +32,7 @@ train on the same data; `--check` compares with the whole batch's graph
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Mapping
 
 from parsat.dsl.library import Library
 from parsat.ir.errors import GraphError
@@ -127,39 +127,32 @@ def batch_dims(graph: Graph, library: Library | None = None, built: dict | None 
     names constant (`Graph.constants`: the same for every batch, such as T5's relative-position one-hots).
 
     `built`: a dict the calls for one library may share (`ir.megatron._Kin`: a step's graph at several
-    micro-batch counts), which keeps each example built here by its name and the sizes given, with its
-    structure once read (`_built_example`): `build_example` is a function of these and the library, so a build
-    kept is the build made again. llama-70b:64's grids asked this of seven graphs, each building its example
-    twice (80 blocks, ~0.06 CPU s a build); the graph at m micro-batches is built at twice its batch where the
-    graph at m / 2 is built at its own."""
+    micro-batch counts), which keeps each example built here by its name and the sizes given (`_built_example`):
+    `build_example` is a function of these and the library, so a build kept is the build made again.
+    llama-70b:64's grids asked this of seven graphs, each building its example twice (80 blocks, ~0.05 CPU s a
+    build); the graph at m micro-batches is built at twice its batch where the graph at m / 2 is built at its
+    own (the builds are kept, not their structures: those are read again, ~0.015 CPU s, rather than held)."""
     if graph.example is not None and graph.example[0] in EXAMPLES:
         name, sizes = graph.example[0], dict(graph.example[1])
         batch = {**EXAMPLES[name].defaults(), **sizes}.get(BATCH)
-        if batch is not None and _built_example(name, sizes, library, built)[1]() == _structure(graph):
-            doubled = _built_example(name, {**sizes, BATCH: 2 * batch}, library, built)[0]
+        if batch is not None and _structure(_built_example(name, sizes, library, built)) == _structure(graph):
+            doubled = _built_example(name, {**sizes, BATCH: 2 * batch}, library, built)
             inputs = {leaf.name for leaf in graph.leaves if leaf.role == "input"}
             return {k: v for k, v in _cuts(graph.with_microbatches(1), doubled, 2).items() if k in inputs}
     return {leaf.name: 0 for leaf in graph.leaves if leaf.role == "input" and leaf.shape
             and leaf.name not in graph.constants}
 
 
-def _built_example(name: str, sizes: Mapping[str, int], library: Library | None,
-                   built: dict | None) -> tuple[Graph, Callable[[], dict]]:
-    """`build_example(name, sizes, library)` and a function giving its `_structure`, both kept in `built` (where
-    given) by the name and sizes, so that each is worked out once per dict (`batch_dims`)."""
+def _built_example(name: str, sizes: Mapping[str, int], library: Library | None, built: dict | None) -> Graph:
+    """`build_example(name, sizes, library)`, kept in `built` (where given) by the name and sizes, so that it is
+    built once per dict (`batch_dims`)."""
     key = (name, tuple(sorted(sizes.items())), id(library))
     found = built.get(key) if built is not None else None
     if found is None or found[0] is not library:
-        example, structure = build_example(name, sizes, library), []
-
-        def structured() -> dict:
-            if not structure:
-                structure.append(_structure(example))
-            return structure[0]
-        found = (library, example, structured)   # the library kept beside its id, so that the id stays its own
+        found = (library, build_example(name, sizes, library))   # the library beside its id, so the id stays its own
         if built is not None:
             built[key] = found
-    return found[1], found[2]
+    return found[1]
 
 
 def batch_wide_constants(graph: Graph, batch: Mapping[str, int]) -> frozenset[str]:
