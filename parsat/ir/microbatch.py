@@ -152,7 +152,12 @@ def _built_example(name: str, sizes: Mapping[str, int], library: Library | None,
         found = (library, build_example(name, sizes, library))   # the library beside its id, so the id stays its own
         if built is not None:
             built[key] = found
+            while len(built) > EXAMPLES_KEPT:   # the oldest first: a graph's own build is the next count's doubled
+                del built[next(iter(built))]
     return found[1]
+
+
+EXAMPLES_KEPT = 4   # `_built_example`: builds kept per dict (a llama-70b graph holds ~1-2 MiB)
 
 
 def batch_wide_constants(graph: Graph, batch: Mapping[str, int]) -> frozenset[str]:
