@@ -63,7 +63,7 @@ from parsat.cost.pcg_tasks import (ExecutionProfile, OpTimes, collective_pipelin
                                   simulate_pcg)
 from parsat.cost.schedules import prefetch_delay
 from parsat.cost.stage_sync import bucketed_seconds, gather_buckets, weight_gathers, weight_reductions
-from parsat.cost.step_report import stream_phase_ends
+from parsat.cost.step_report import ends_by_phase, phase_ends, stream_phase_ends
 
 
 @dataclass(frozen=True)
@@ -186,14 +186,13 @@ def _run_extents(plan: Plan, library: Library, run: ExecutionProfile, times: OpT
             line = _on_line(counts, found, blocks)
             if line is not None:
                 return line
-    return _extents(stream_phase_ends(simulate_pcg(pcg, library, plan.machine, run, times=times, microbatches=1)))
+    return _extents(phase_ends(simulate_pcg(pcg, library, plan.machine, run, times=times, microbatches=1)))
 
 
-def _extents(ends: Mapping[tuple[str, str], float]) -> tuple[float, float]:
-    """(The forward's end, the backward's extent) from a run's phase ends per stream (`stream_phase_ends`)."""
-    forward_end = max((e for (phase, _s), e in ends.items() if phase == "forward"), default=0.0)
-    backward_end = max((e for (phase, _s), e in ends.items() if phase == "backward"), default=forward_end)
-    return forward_end, backward_end - forward_end
+def _extents(ends: Mapping[str, float]) -> tuple[float, float]:
+    """(The forward's end, the backward's extent) from a run's phase ends (`step_report.phase_ends`)."""
+    forward_end = ends.get("forward", 0.0)
+    return forward_end, ends.get("backward", forward_end) - forward_end
 
 
 def _on_line(counts: Sequence[int], found: Sequence[Mapping[tuple[str, str], float]],
@@ -203,13 +202,12 @@ def _on_line(counts: Sequence[int], found: Sequence[Mapping[tuple[str, str], flo
     stream's end grows faster than its phase's, or the excerpts' streams differ (`_run_extents`)."""
     if any(set(f) != set(found[0]) for f in found):
         return None
-    (k1, k2, k3), ends = counts, []
+    (k1, k2, k3), phases, ends = counts, [ends_by_phase(f) for f in found], {}
     for phase in ("forward", "backward"):
         keys = [key for key in found[0] if key[0] == phase]
         if not keys:
-            ends.append(None)
             continue
-        phase_at = [max(f[key] for key in keys) for f in found]
+        phase_at = [p[phase] for p in phases]
         slope = (phase_at[2] - phase_at[1]) / (k3 - k2)
         tolerance = COLLINEAR * abs(phase_at[2])
         for series in [phase_at] + [[f[key] for f in found] for key in keys]:
@@ -217,10 +215,8 @@ def _on_line(counts: Sequence[int], found: Sequence[Mapping[tuple[str, str], flo
             off_line = abs(series[1] - step * (k2 - k1) - series[0]) > tolerance
             if off_line or series[2] - series[1] > phase_at[2] - phase_at[1] + tolerance:
                 return None
-        ends.append(phase_at[2] + (blocks - k3) * slope)
-    forward_end = ends[0] if ends[0] is not None else 0.0
-    backward_end = ends[1] if ends[1] is not None else forward_end
-    return forward_end, backward_end - forward_end
+        ends[phase] = phase_at[2] + (blocks - k3) * slope
+    return _extents(ends)
 
 
 def layer_costs(plan: Plan) -> dict[int, LayerCost]:

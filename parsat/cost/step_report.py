@@ -18,6 +18,8 @@ follow, and each phase's extent and busy times (`ir.costs.STEP_PHASES`).
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from parsat.dsl.library import Library
 from parsat.ir.costs import LANE_LETTERS, STEP_PHASES, PhaseTimes, SimulatedStep, StepStreams, StepTimeline
 from parsat.ir.machine import Machine
@@ -128,8 +130,14 @@ def phase_ends(prediction: StepPrediction) -> dict[str, float]:
     phase, without its lanes, busy sums and overlap (most of its work). What `cost.pipeline.tp_overlap` reads of a
     simulated micro-batch, twice per stage plan priced: the same tasks' ends, each phase's the largest of them,
     so the same figures (a maximum picks one of its operands, in any order)."""
+    return ends_by_phase(stream_phase_ends(prediction))
+
+
+def ends_by_phase(stream_ends: Mapping[tuple[str, str], float]) -> dict[str, float]:
+    """Reported phase -> its end, the largest of its streams' (`stream_phase_ends`): `phase_ends` of the run those
+    were read from (`cost.pipeline.tp_overlap` folds its excerpts' per-stream ends so)."""
     out: dict[str, float] = {}
-    for (shown, _stream), end in stream_phase_ends(prediction).items():
+    for (shown, _stream), end in stream_ends.items():
         found = out.get(shown)
         if found is None or end > found:
             out[shown] = end
@@ -163,5 +171,5 @@ def _letter(lane: str, cell: dict[str, float], slice_s: float) -> str:
     return LANE_LETTERS[(lane, max(cell, key=cell.get))]
 
 
-__all__ = ["COMM_PHASES", "LANE_WIDTH", "phase_ends", "simulate_step", "simulated_step", "stream_phase_ends",
+__all__ = ["COMM_PHASES", "LANE_WIDTH", "ends_by_phase", "phase_ends", "simulate_step", "simulated_step", "stream_phase_ends",
            "summarize"]
