@@ -70,29 +70,47 @@ def _saturated(library, mesh: tuple[int, ...], monkeypatch) -> tuple[saturate_mo
     return result, sessions[-1]
 
 
-def test_a_chunk_run_that_grew_the_egraph_in_its_shape_run_alone_reports_a_change(library, monkeypatch):
+@pytest.fixture(scope="module")
+def checked_2x2(library):
+    """The GPT saturated on the 2 x 2 mesh once for the module, recorded as both tests of that mesh read it:
+    (the result, its recording session, the chunk runs as saturation left them, and every limit check's
+    (e-nodes read, the e-graph's e-nodes then)).
+
+    The two tests saturated the same graph on the same mesh under the same limits, each in its own session; one
+    also watched the limit checks (`runner.reached`, which only reads the session's size: a count, no change to
+    the e-graph). Saturating once with both recordings gives each the saturation it made: the limit-check test
+    reads the chunk runs as a tuple taken before anyone ran more chunks, and the fixpoint test runs its extra
+    round on the session after it, as before."""
     checked: list[tuple[int, int]] = []   # (the e-nodes a limit check read, the e-graph's e-nodes then)
-    reached, sessions = runner_module.reached, _recorded(monkeypatch)
+    with pytest.MonkeyPatch.context() as patch:
+        reached, sessions = runner_module.reached, _recorded(patch)
 
-    def checking(limits, iterations, enodes, deadline):
-        checked.append((enodes, Session.size(sessions[-1])))
-        return reached(limits, iterations, enodes, deadline)
+        def checking(limits, iterations, enodes, deadline):
+            checked.append((enodes, Session.size(sessions[-1])))
+            return reached(limits, iterations, enodes, deadline)
 
-    monkeypatch.setattr(runner_module, "reached", checking)
-    saturate_module.saturate(build_example("gpt", GPT, library), library, library.rules, Mesh.of((2, 2)),
-                             Limits(matches=10 ** 9))
-    session = sessions[-1]
-    grew = [(before, after, changed, applied) for before, after, changed, applied in session.runs if after != before]
+        patch.setattr(runner_module, "reached", checking)
+        result = saturate_module.saturate(build_example("gpt", GPT, library), library, library.rules,
+                                          Mesh.of((2, 2)), Limits(matches=10 ** 9))
+    return result, sessions[-1], tuple(sessions[-1].runs), tuple(checked)
+
+
+def test_a_chunk_run_that_grew_the_egraph_in_its_shape_run_alone_reports_a_change(checked_2x2):
+    _result, _session, runs, checked = checked_2x2
+    grew = [(before, after, changed, applied) for before, after, changed, applied in runs if after != before]
     shape_alone = [run for run in grew if not run[3]]
     assert shape_alone, "the case is not exercised: no chunk run grew the e-graph with its applying run unchanged"
     assert all(changed for _, _, changed, _ in grew)
-    assert len(checked) > len(session.runs) // 2   # the checks between chunks, and after each iteration
+    assert len(checked) > len(runs) // 2   # the checks between chunks, and after each iteration
     assert all(read == true for read, true in checked)   # every limit check read the e-graph's count
 
 
 @pytest.mark.parametrize("mesh", [(2, 2), (4,)])
-def test_saturated_is_a_fixpoint_another_round_of_every_chunk_adds_nothing(library, mesh, monkeypatch):
-    result, session = _saturated(library, mesh, monkeypatch)
+def test_saturated_is_a_fixpoint_another_round_of_every_chunk_adds_nothing(library, mesh, monkeypatch, request):
+    if mesh == (2, 2):   # the module's 2 x 2 saturation (`checked_2x2`): the same call this test made
+        result, session, _runs, _checked = request.getfixturevalue("checked_2x2")
+    else:
+        result, session = _saturated(library, mesh, monkeypatch)
     assert result.stop == STOP_SATURATED
     assert session.size() == result.enodes
     chunks = result.program.phase_chunks(PLACE) + result.program.phase_chunks(GROW)
