@@ -561,6 +561,16 @@ def test_an_all_gather_feeds_all_its_gemms_as_one():
         assert second[0].end <= first[0].start and all(b.start >= a.end for a, b in zip(first, scatter))
 
 
+@pytest.fixture(scope="module")
+def gpt_layouts():
+    """`_gpt_layouts()` made once for the module's six tests that read it (each built the graph and its 16
+    layouts again, ~0.6 CPU s a time, the parametrized one twice). The PCGs are frozen; what a test works out
+    from one is kept in the PCG's own tables (`PCG.derive`), each entry keyed by the object it reads (the
+    library, an `OpTimes`) and equal to working it out afresh, which the tests of those tables check against
+    tables of fresh objects (`OpTimes(...)` made in the test, `replace(pcg, ...)`), never against another test's."""
+    return _gpt_layouts()
+
+
 def _gpt_layouts():
     """A 3-block GPT laid out as the independent grid lays it out on 4 devices (data, tensor and both, ZeRO-3,
     sequence parallelism), with ZeRO stages 1 and 2 and recomputation beside: plans of every kind of task."""
@@ -582,11 +592,11 @@ def _gpt_layouts():
 
 
 @pytest.mark.parametrize("skew", [0.0, 0.3])
-def test_repeated_micro_batches_are_the_tasks_built_anew(skew):
+def test_repeated_micro_batches_are_the_tasks_built_anew(skew, gpt_layouts):
     """The middle micro-batches copied from one known to repeat (`_Builder.template`) are, task for task, what
     building each anew gives: names, streams, durations, dependencies, memory, and so every start and end; with
     stragglers (`sync_skew`: the lag a micro-batch carries sets its first wait) and without."""
-    library, layouts = _gpt_layouts()
+    library, layouts = gpt_layouts
     for name, profile in (("h100x8", DDP), ("cpu", PARSAT_RUN)):
         machine = Machine.preset(name).with_devices(4)
         machine = replace(machine, comm=replace(machine.comm, sync_skew=skew))
@@ -602,12 +612,12 @@ def test_repeated_micro_batches_are_the_tasks_built_anew(skew):
                 assert (copied.end_of_forward, copied.end_of_backward) == (built.end_of_forward, built.end_of_backward)
 
 
-def test_a_compute_time_cache_shared_by_many_layouts_gives_the_tasks_a_fresh_one_does():
+def test_a_compute_time_cache_shared_by_many_layouts_gives_the_tasks_a_fresh_one_does(gpt_layouts):
     """`OpTimes` keeps collectives' prices and pipelined products' chunks by their inputs for every PCG it prices
     (a grid's layouts, a step's micro-batches): each kept figure is what pricing it afresh gives, and a step
     simulated with a cache warmed by the other layouts and their floors is, task for task, the one a fresh
     cache gives; the floors too."""
-    library, layouts = _gpt_layouts()
+    library, layouts = gpt_layouts
     machine = Machine.preset("h100x8").with_devices(4)
     shared = OpTimes(library, machine)
     for pcg in layouts + layouts[::-1]:
@@ -625,10 +635,10 @@ def test_a_compute_time_cache_shared_by_many_layouts_gives_the_tasks_a_fresh_one
     assert shared.collective(SEND_RECV, group, 2**20) == price(SEND_RECV, group, 2**20, machine).seconds
 
 
-def test_which_nodes_need_a_gradient_is_kept_per_pcg_and_library():
+def test_which_nodes_need_a_gradient_is_kept_per_pcg_and_library(gpt_layouts):
     """`needs_gradient` is worked out once per PCG and library (`PCG.derived`) and asked again by the pricer, each
     floor and the simulation: the kept answer is the one worked out afresh, for each library it was asked with."""
-    library, layouts = _gpt_layouts()
+    library, layouts = gpt_layouts
     for pcg in layouts:
         kept = needs_gradient(pcg, library)
         assert needs_gradient(pcg, library) is kept and kept == _needs_gradient(pcg, library)
@@ -637,12 +647,12 @@ def test_which_nodes_need_a_gradient_is_kept_per_pcg_and_library():
         assert needs_gradient(fresh, library) == kept and needs_gradient(fresh, library) is not kept
 
 
-def test_the_step_floor_is_below_every_simulated_step():
+def test_the_step_floor_is_below_every_simulated_step(gpt_layouts):
     """`step_floor` is a lower bound of the simulated step (what lets the search skip simulating a candidate):
     every layout, ZeRO stage and recomputation, one micro-batch or several, a GPU's profile and `parsat run`'s."""
     from parsat.cost.pcg_tasks import step_floor
 
-    library, layouts = _gpt_layouts()
+    library, layouts = gpt_layouts
     for name, profile in (("h100x8", DDP), ("cpu", PARSAT_RUN)):
         machine = Machine.preset(name).with_devices(4)
         times = OpTimes(library, machine)
@@ -742,13 +752,13 @@ class _Forgetful(dict):
         pass
 
 
-def test_node_facts_kept_across_micro_batches_give_the_tasks_worked_out_afresh(monkeypatch):
+def test_node_facts_kept_across_micro_batches_give_the_tasks_worked_out_afresh(monkeypatch, gpt_layouts):
     """A compute node's forward and backward facts (`_Builder.forward_known`, `backward_known`, the backward's name)
     are worked out once per step and read again by every later micro-batch and recomputation, and the compute
     times are kept with the PCG for the cache (`PCG.derive`, shared by a layout's forms): task for task, the step
     is the one a builder that keeps none of them (and times every node itself) gives, over layouts with ZeRO,
     sequence parallelism (re-gathers, pipelined products) and recomputation, in both profiles."""
-    library, layouts = _gpt_layouts()
+    library, layouts = gpt_layouts
 
     def columns(prediction):
         b, start, end = prediction.result._columns
@@ -777,13 +787,13 @@ def test_node_facts_kept_across_micro_batches_give_the_tasks_worked_out_afresh(m
         assert columns(afresh) == kept[(name, id(pcg), m)]
 
 
-def test_a_simulated_step_s_builder_is_freed_when_the_step_ends(monkeypatch):
+def test_a_simulated_step_s_builder_is_freed_when_the_step_ends(monkeypatch, gpt_layouts):
     """The builder (and its tasks, 10^5-10^6 for a step of many micro-batches) is in no reference cycle: it is freed
     as the simulation returns, not held until the collector's older generation runs (which a search runs
     seldom: `search.collector`). ZeRO-1 gathers and DDP's buckets hold lambdas, backward a recursive `visit`."""
     import gc
     import weakref
-    library, layouts = _gpt_layouts()
+    library, layouts = gpt_layouts
     machine = Machine.preset("h100x8").with_devices(4)
     made = []
     original = pcg_tasks._Builder.__init__
