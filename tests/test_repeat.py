@@ -106,8 +106,16 @@ def _searched(with_result: bool = False):
     return (pcg, values, repetition, result) if with_result else (pcg, values, repetition)
 
 
-def test_stamp_repeats_block_one_and_refuses_blocks_laid_out_differently():
-    pcg, values, repetition = _searched()
+@pytest.fixture(scope="module")
+def searched():
+    """`_searched(with_result=True)` once for the module's three `stamp` tests: each saturated, extracted and built
+    the same 3-block PCG again (~1.7 CPU s a time). They read it and stamp copies (`replace`, new dicts); the PCG,
+    the repetition and the saturation result are frozen or only read, so each test gets what it built."""
+    return _searched(with_result=True)
+
+
+def test_stamp_repeats_block_one_and_refuses_blocks_laid_out_differently(searched):
+    pcg, values, repetition, _result = searched
     stamped = stamp(pcg, repetition, values)
     blocks = node_blocks(stamped)
     per_block = {b: sum(1 for v in blocks.values() if v == b) for b in range(6)}
@@ -127,10 +135,10 @@ def test_stamp_repeats_block_one_and_refuses_blocks_laid_out_differently():
         stamp(pcg, repetition, {k: v for k, v in values.items() if k != read})
 
 
-def test_stamp_bridges_blocks_whose_outputs_are_laid_out_apart():
+def test_stamp_bridges_blocks_whose_outputs_are_laid_out_apart(searched):
     """Block 1 reads block 0's output in one placement, block 2 reads block 1's in another: the e-graph's own
     parallel operators move each copy's output into the placement the next copy reads."""
-    pcg, values, repetition, result = _searched(with_result=True)
+    pcg, values, repetition, result = searched
     names = value_names(result.snapshot, result.classes)
     convert = conversions(result.snapshot, names)
     searched = node_blocks(pcg)
@@ -164,8 +172,8 @@ def test_stamp_bridges_blocks_whose_outputs_are_laid_out_apart():
         assert by_id[first.inputs[0]].placement == here      # it starts from what the copy before made
 
 
-def test_stamp_refuses_a_plan_that_misses_the_model_leaves():
-    pcg, values, repetition = _searched()
+def test_stamp_refuses_a_plan_that_misses_the_model_leaves(searched):
+    pcg, values, repetition, _result = searched
     other = build_example("gpt", {**SMALL, "blocks": 6, "hidden": 128}, LIBRARY)
     with pytest.raises(RepeatError, match="leaves differ"):
         stamp(pcg, replace(repetition, whole=other), values)
