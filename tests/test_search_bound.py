@@ -26,8 +26,17 @@ def _grid():
     return request, step, points
 
 
-def test_points_that_cannot_be_the_fastest_are_not_simulated():
-    request, step, points = _grid()
+@pytest.fixture(scope="module")
+def grid():
+    """`_grid()` once for the module's three tests of the 8-device grid (each resolved the request and laid out
+    the grid again, ~0.6 CPU s). Each test bounds and simulates the points with `CandidateSteps` of its own, as
+    before; the points are frozen, and the step's memory judgments (`step.memory`) are the same figures however
+    often they are asked."""
+    return _grid()
+
+
+def test_points_that_cannot_be_the_fastest_are_not_simulated(grid):
+    request, step, points = grid
     bounded = CandidateSteps(request.library, step.machine, 1)
     kept, bar = bounded.fastest(points, step.memory.fits)
     kept = [kept[i] for i in sorted(kept)]
@@ -43,10 +52,10 @@ def test_points_that_cannot_be_the_fastest_are_not_simulated():
     assert [k.config for k in kept] == [s.config for s in simulated if any(k.pcg == s.pcg for k in kept)]
 
 
-def test_a_lone_candidate_under_no_bar_is_simulated_without_its_floor(monkeypatch):
+def test_a_lone_candidate_under_no_bar_is_simulated_without_its_floor(monkeypatch, grid):
     """`fastest` asks no floor where one candidate fits and no bar is set (nothing to order, nothing it could be
     above): the candidate comes back simulated, as with its floor; with a bar, or two fitting, floors are asked."""
-    request, step, points = _grid()
+    request, step, points = grid
     fitting = [p for p in points if step.memory.fits(p)]
     asked, floor = [], CandidateSteps.floor
     monkeypatch.setattr(CandidateSteps, "floor", lambda self, pcg, plan=True: asked.append(pcg) or floor(self, pcg,
@@ -61,10 +70,10 @@ def test_a_lone_candidate_under_no_bar_is_simulated_without_its_floor(monkeypatc
     assert len(asked) == 2
 
 
-def test_a_layout_is_left_out_whole_where_its_floor_is_beyond_the_fastest_point():
+def test_a_layout_is_left_out_whole_where_its_floor_is_beyond_the_fastest_point(grid):
     """A layout's points (ZeRO 0 and 3, and the fallbacks) compute alike, so they share one floor
     (`baselines.grid_families`); a layout `skip` turns down on its first point yields none of its points."""
-    request, step, points = _grid()
+    request, step, points = grid
     steps = CandidateSteps(request.library, step.machine, 1)
     families = list(grid_families(step.graph, request.library, step.machine, True, step.devices, step.memory.fits))
     for family in families:
