@@ -139,9 +139,10 @@ def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Mach
         if cid not in kind:
             continue
         for index, node in enumerate(nodes):
-            if any(ch not in kind for ch in node.children):
-                continue
+            # two filters, either first: `only` (a ZeRO stage's few parallel e-nodes) first skips most e-nodes
             if only is not None and not only(node.op, roles.get(node.children[0], "") if node.children else ""):
+                continue
+            if any(ch not in kind for ch in node.children):
                 continue
             if overlap and made_in_kernel(snapshot, node):
                 out[(cid, index)] = NodeCost()
