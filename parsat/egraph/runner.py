@@ -162,7 +162,8 @@ class _Steps:
             try:
                 report = self.session.run(step, budget)
             except KeyboardInterrupt:
-                self._counted, self._most = None, math.inf   # egglog stopped inside the run: what it changed is not reported
+                # egglog stopped inside the run: what it changed is not reported
+                self._counted, self._most = None, math.inf
                 self.note = f"during iteration {iteration}: interrupted after {index} of {len(steps)} rule chunks"
                 return changed, STOP_INTERRUPTED
             self.step_seconds[step] += time.perf_counter() - started

@@ -1,4 +1,6 @@
-"""The saturation runner's e-node limit judged from a bound, not a count after every step.
+"""Shortcuts of a mesh search (`search.mesh`) that must give what the full path gives.
+
+The saturation runner's e-node limit judged from a bound, not a count after every step.
 
 `runner._Steps.at_least` gives the limit checks the last count plus what the steps since can have added
 (`StepReport.built`: each match adds at most one e-node per constructor its rule's actions apply), and counts
@@ -6,6 +8,9 @@
 count after every step decides; these tests hold the shortcut to that: the bound is never below the e-nodes a
 step added, and a saturation cut by any e-node limit stops where, with what and after what the counting runner
 stops (a runner given no bound, `built` None, counts after every step that changed something, as before).
+
+The ILP's columns (`extract._columns`) found in one walk, each e-node asked once, are the columns of the walk
+and then the second pass over the reached classes that it replaced.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from parsat.egraph.runner import STOP_ENODES, STOP_SATURATED, Limits, run_genera
 from parsat.egraph.session import Session
 from parsat.ir.mesh import Mesh
 from parsat.ir.models import build_example
+from parsat.search import extract
 
 GPT = {"blocks": 2, "hidden": 64, "heads": 4, "batch": 8, "seq": 16, "vocab": 128}
 
@@ -104,3 +110,32 @@ def test_the_bounded_runner_stops_where_counting_after_every_step_stops(compiled
         assert bounded.snapshot().classes == blind.snapshot().classes
         if limit < free_run.enodes:
             assert bounded_run.stop == STOP_ENODES
+
+
+def test_the_ilp_columns_walk_asks_each_e_node_once_and_gives_the_two_pass_columns(compiled):
+    """`extract._columns` in one walk (`_reachable` keeps each reached class's allowed e-nodes) against the walk
+    then the second pass over every reached class's e-nodes that it replaced: the same columns in the same order,
+    each e-node asked once."""
+    program, text, mesh = compiled
+    session = Session(program, text, None, mesh)
+    run_generations(session, program.phase_chunks(GROW), program.phase_chunks(PLACE), Limits(), float("inf"), {})
+    snapshot = session.snapshot()
+    roots = sorted(set(snapshot.lets.values()))[:3]
+    asked: list = []
+
+    def allowed(nid) -> bool:   # some e-nodes left out, so some classes are not reached
+        asked.append(nid)
+        return (nid[0] + 2 * nid[1]) % 5 != 0
+
+    cols = extract._columns(snapshot, roots, allowed, None)
+    assert len(asked) == len(set(asked))   # each asked once
+    seen, stack = set(roots), list(roots)   # the two passes: the classes reached, then their allowed e-nodes
+    while stack:
+        cid = stack.pop()
+        for index, node in enumerate(snapshot.classes.get(cid, ())):
+            if allowed((cid, index)):
+                stack.extend(ch for ch in node.children if ch not in seen)
+                seen.update(node.children)
+    two_pass = [(cid, i) for cid in sorted(seen) for i in range(len(snapshot.classes.get(cid, ())))
+                if allowed((cid, i))]
+    assert cols == two_pass and len(seen) < len(snapshot.classes)
