@@ -52,7 +52,6 @@ class _Counting(Session):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.sizes = 0
-        self.steps: list[tuple[int, int, int | None]] = []   # (e-nodes before, after, the step's `built`)
 
     def size(self) -> int:
         self.sizes += 1

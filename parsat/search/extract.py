@@ -727,8 +727,8 @@ def _ilp_columns(snapshot: Snapshot, roots: Sequence[int], usable, rank: Mapping
     `ilp`); the second lets the ILP re-choose how a class of the warm plan is made from the values before it,
     which `rank` alone forbade for a class the warm plan finalised early. It is a bounded amount of work: None
     where it adds nothing or more than `VALUE_ORDER_GROWTH` of the first's columns."""
-    # each test is asked twice per e-node (`_reachable`, then `_columns`) and `ranked` again inside `ordered`: each
-    # answer is kept (`functools.cache`), as it reads only the e-node and this call's fixed `usable`, `rank`, `warm`
+    # each test is asked once per e-node by each walk (`_columns`) and `ranked` again inside `ordered`: each answer
+    # is kept (`functools.cache`), as it reads only the e-node and this call's fixed `usable`, `rank`, `warm`
     @functools.cache
     def ranked(nid: NodeId) -> bool:
         cid = nid[0]
