@@ -102,7 +102,9 @@ def test_a_chunk_run_that_grew_the_egraph_in_its_shape_run_alone_reports_a_chang
     assert shape_alone, "the case is not exercised: no chunk run grew the e-graph with its applying run unchanged"
     assert all(changed for _, _, changed, _ in grew)
     assert len(checked) > len(runs) // 2   # the checks between chunks, and after each iteration
-    assert all(read == true for read, true in checked)   # every limit check read the e-graph's count
+    # every limit check read the e-graph's count, or a bound of it below the limit (`runner._Steps.at_least`),
+    # which the shape run's growth is within
+    assert all(read == true or true <= read < Limits().enodes for read, true in checked)
 
 
 @pytest.mark.parametrize("mesh", [(2, 2), (4,)])

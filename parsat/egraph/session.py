@@ -82,6 +82,8 @@ class StepReport:
     changed: bool
     matches: Mapping[str, int]
     held: Mapping[str, int] = field(default_factory=dict)   # egglog rule held back by the match budget -> its matches
+    # at most this many e-nodes were added by the run (`Session.run`); None where it is not known
+    built: int | None = None
 
 
 class CompileError(Exception):
@@ -287,6 +289,7 @@ class Session:
         self.mesh = mesh
         self._rules = program.rules   # each records its applications led by its index (`CompiledRule.index`)
         self.egraph = bindings.EGraph()
+        self._read: tuple | None = None   # `_frozen`'s copy of the e-graph, until the next command
         self.loaded = 0
         self._applied = set(re.findall(rf"\(relation ({APPLIED_PREFIX}\S+) ", program.declarations))
         try:
@@ -298,6 +301,11 @@ class Session:
             self._run(f"(function {BOUND} (String) T :merge old)")
             self._constructors = frozenset(name for name, fn in self.egraph.freeze().functions.items()
                                            if fn.output_sort == "T" and not fn.is_let_binding and name != BOUND)
+            # what one match of a rule can build at most (`run`'s `built`): the shape rules' by the most of any,
+            # each loaded rule's by its actions
+            self._builds = {rule.key: terms_built(rule.body.actions) for rule in program.rules}
+            self._shape_builds = max(map(terms_built, re.findall(rf"\(rule .*?:ruleset {SHAPE_RULESET}\)",
+                                                                 program.declarations, re.S)), default=0)
             for rule in program.rules:
                 if past(deadline):
                     break
@@ -315,7 +323,17 @@ class Session:
         GraphLoader(self._run, relations, self._constructors).load(graph_text, deadline)
 
     def _run(self, text: str):
+        self._read = None
         return self.egraph.run_program(*self.egraph.parse_program(text))
+
+    def _frozen(self) -> tuple:
+        """The e-graph frozen and its tables (egglog builds `functions` afresh on every access, ~12 ms for a 2-axis
+        mesh's 1,049 tables, and freezing costs as much), kept until the next command: `snapshot` and
+        `match_rows`, read one after the other, read one copy."""
+        if self._read is None:
+            frozen = self.egraph.freeze()
+            self._read = (frozen, frozen.functions)
+        return self._read
 
     def extend(self, rules: Sequence[CompiledRule], tag: str, first_index: int) -> None:
         """Loads more compiled rules into rulesets of their own, `<tag>alg` and `<tag>par`.
@@ -329,6 +347,7 @@ class Session:
                 self._run(f"(ruleset {tag}{ruleset}) (ruleset {match_ruleset(tag + ruleset)})")
             for offset, rule in enumerate(rules):
                 self._declare_applied(rule.body.applied_sorts())
+                self._builds[f"{tag}{rule.name}#{offset}"] = terms_built(rule.body.actions)
                 self._run(rule.body.text(first_index + offset, tag + rule.ruleset, f"{tag}{rule.name}#{offset}"))
         except bindings.EggSmolError as err:
             raise CompileError(f"egglog rejected the generated program: {err}") from None
@@ -388,14 +407,28 @@ class Session:
         shape, matched, applied = f"(run {SHAPE_RULESET} 1)", f"(run {match_ruleset(ruleset)} 1)", f"(run {ruleset} 1)"
         if budget is None:
             shaped, _, report = (output.report for output in self._run(f"{shape} {matched} {applied}"))
-            return StepReport(shaped.updated or report.updated, dict(report.num_matches_per_rule))
-        shaped, found = (output.report for output in self._run(f"{shape} {matched}"))
-        held = {name.removesuffix(MATCH_SUFFIX): count for name, count in found.num_matches_per_rule.items()
-                if name.endswith(MATCH_SUFFIX) and count > budget}
-        for key in held:
-            self._run(f"(delete {live_row(key)})")
-        report = self._run(applied)[-1].report
-        return StepReport(shaped.updated or report.updated, dict(report.num_matches_per_rule), held)
+            held = {}
+        else:
+            shaped, found = (output.report for output in self._run(f"{shape} {matched}"))
+            held = {name.removesuffix(MATCH_SUFFIX): count for name, count in found.num_matches_per_rule.items()
+                    if name.endswith(MATCH_SUFFIX) and count > budget}
+            for key in held:
+                self._run(f"(delete {live_row(key)})")
+            report = self._run(applied)[-1].report
+        matches = dict(report.num_matches_per_rule)
+        return StepReport(shaped.updated or report.updated, matches, held, self._built(shaped, matches))
+
+    def _built(self, shaped, matches: Mapping[str, int]) -> int | None:
+        """At most how many e-nodes (constructor rows, `size`) a step's runs added: each match of a rule adds at
+        most one row per constructor its actions apply (`terms_built`), and nothing else adds any (a pattern half
+        adds `Match` rows, a relation's; a union or egglog's rebuild merges rows, never adds one). None where a
+        rule that matched is not one this session loaded (its actions unknown). What the runner's e-node limit
+        checks read instead of counting after every step (`runner._Steps.at_least`)."""
+        shape = sum(shaped.num_matches_per_rule.values()) * self._shape_builds
+        try:
+            return shape + sum(count * self._builds[key] for key, count in matches.items() if count)
+        except KeyError:
+            return None
 
     def size(self) -> int:
         """Number of e-nodes (constructor rows), from egglog's table sizes: cheap enough to check between chunks
@@ -409,7 +442,7 @@ class Session:
         `resize` evaluates the guards on. None where a class holds two `At` rows (a rule wrote another local
         shape or placement than the class had): the guards could then read either, and `resize`, which reads
         a class's one shape, would not evaluate them as egglog did."""
-        eg, functions, rows = self.egraph, self.egraph.freeze().functions, {}   # `functions` is built per access
+        eg, functions, rows = self.egraph, self._frozen()[1], {}
         if not _one_at_row(eg, functions, self.mesh):
             return None
         # each distinct egglog value decoded once: a value is a class id, an integer or a string, and the rows
@@ -429,11 +462,11 @@ class Session:
 
     def snapshot(self) -> Snapshot:
         eg = self.egraph
-        frozen = eg.freeze()
+        frozen, functions = self._frozen()
         classes: dict[int, list[ENode]] = {}
         analysis: dict[str, dict] = {name: {} for name in ANALYSES}
         lets: dict[str, int] = {}
-        for name, fn in frozen.functions.items():
+        for name, fn in functions.items():
             if name.startswith(MADE_PREFIX):
                 continue
             if name == BOUND:
@@ -460,7 +493,7 @@ class Session:
         classes = {k: tuple(v) for k, v in classes.items()}
         made_by = Provenance(eg, frozen, self._rules[:self.loaded], classes)
         if self.mesh is not None:
-            return _mesh_snapshot(eg, frozen, classes, lets, made_by, self.mesh)
+            return _mesh_snapshot(eg, functions, classes, lets, made_by, self.mesh)
         shape: dict[int, tuple[int, ...]] = {}
         degrees: dict[int, Degrees] = {}
         for cid in classes:
@@ -472,6 +505,13 @@ class Session:
             shape[cid] = dims
             degrees[cid] = Degrees(shard, analysis["Copy"].get((cid,), 1), analysis["Psum"].get((cid,), 1))
         return Snapshot(classes, shape, degrees, lets, made_by, equated=made_by.equated, applied=made_by.applied)
+
+
+def terms_built(actions: str) -> int:
+    """At most how many e-nodes one application of `actions` (egglog action text, or a whole rule's text: an
+    over-count) inserts: one per constructor it applies, `(Op_...`, `(P_...` or `(Leaf ...` (`encoding.ctor`;
+    every constructor of the encodings is named so, `Session._constructors`), whether or not the term is new."""
+    return actions.count("(Op_") + actions.count("(P_") + actions.count("(Leaf ")
 
 
 PIECE_CHARS = 1_000
@@ -517,14 +557,14 @@ def _one_at_row(eg, functions, mesh: Mesh | None) -> bool:
     return True
 
 
-def _mesh_snapshot(eg, frozen, classes, lets, made, mesh: Mesh) -> Snapshot:
-    """Placements and local shapes read from the `At<rank>` rows (`mesh_encoding`); global shapes and degrees
-    computed from them. A class has one row (a class is a value in one placement); were there two, the first
-    read is kept."""
+def _mesh_snapshot(eg, functions, classes, lets, made, mesh: Mesh) -> Snapshot:
+    """Placements and local shapes read from the `At<rank>` rows (`mesh_encoding`; `functions`, the frozen
+    e-graph's tables); global shapes and degrees computed from them. A class has one row (a class is a value in
+    one placement); were there two, the first read is kept."""
     axes = len(mesh)
     located: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     for rank in range(MAX_RANK + 1):
-        fn = frozen.functions.get(at_relation(rank))
+        fn = functions.get(at_relation(rank))
         if fn is None:
             continue
         for row in fn.rows:

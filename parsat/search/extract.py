@@ -139,9 +139,10 @@ def node_costs(snapshot: Snapshot, graph: Graph, library: Library, machine: Mach
         if cid not in kind:
             continue
         for index, node in enumerate(nodes):
-            if any(ch not in kind for ch in node.children):
-                continue
+            # two filters, either first: `only` (a ZeRO stage's few parallel e-nodes) first skips most e-nodes
             if only is not None and not only(node.op, roles.get(node.children[0], "") if node.children else ""):
+                continue
+            if any(ch not in kind for ch in node.children):
                 continue
             if overlap and made_in_kernel(snapshot, node):
                 out[(cid, index)] = NodeCost()
@@ -591,21 +592,27 @@ def greedy_dag(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Cal
     return choice
 
 
-def _reachable(snapshot: Snapshot, roots: Sequence[int], usable, obliged: Obliged | None = None) -> list[int]:
-    """The classes the roots reach through usable e-nodes' children and what they oblige (`obliged`)."""
+def _reachable(snapshot: Snapshot, roots: Sequence[int], usable,
+               obliged: Obliged | None = None) -> dict[int, list[int]]:
+    """The classes the roots reach through usable e-nodes' children and what they oblige (`obliged`), each with
+    its usable e-nodes' indices in order: one walk asks each e-node once (`_columns` walked, then asked every
+    reached class's e-nodes again)."""
     seen = set(roots)
     stack = list(roots)
     obliged = obliged or {}
+    found: dict[int, list[int]] = {}
     while stack:
         cid = stack.pop()
+        usable_here = found[cid] = []
         for index, node in enumerate(snapshot.classes.get(cid, ())):
             if not usable((cid, index)):
                 continue
+            usable_here.append(index)
             for child in (*node.children, *(c for group in obliged.get((cid, index), ()) for c in group)):
                 if child not in seen:
                     seen.add(child)
                     stack.append(child)
-    return sorted(seen)
+    return found
 
 
 @contextlib.contextmanager
@@ -720,8 +727,8 @@ def _ilp_columns(snapshot: Snapshot, roots: Sequence[int], usable, rank: Mapping
     `ilp`); the second lets the ILP re-choose how a class of the warm plan is made from the values before it,
     which `rank` alone forbade for a class the warm plan finalised early. It is a bounded amount of work: None
     where it adds nothing or more than `VALUE_ORDER_GROWTH` of the first's columns."""
-    # each test is asked twice per e-node (`_reachable`, then `_columns`) and `ranked` again inside `ordered`: each
-    # answer is kept (`functools.cache`), as it reads only the e-node and this call's fixed `usable`, `rank`, `warm`
+    # each test is asked once per e-node by each walk (`_columns`) and `ranked` again inside `ordered`: each answer
+    # is kept (`functools.cache`), as it reads only the e-node and this call's fixed `usable`, `rank`, `warm`
     @functools.cache
     def ranked(nid: NodeId) -> bool:
         cid = nid[0]
@@ -749,8 +756,8 @@ def _ilp_columns(snapshot: Snapshot, roots: Sequence[int], usable, rank: Mapping
 
 def _columns(snapshot: Snapshot, roots: Sequence[int], allowed, obliged: Obliged | None) -> list[NodeId]:
     """The `allowed` e-nodes of the classes the roots reach through them and what they oblige, in that order."""
-    return [(cid, index) for cid in _reachable(snapshot, roots, allowed, obliged)
-            for index in range(len(snapshot.classes.get(cid, ()))) if allowed((cid, index))]
+    reached = _reachable(snapshot, roots, allowed, obliged)
+    return [(cid, index) for cid in sorted(reached) for index in reached[cid]]
 
 
 @dataclass(frozen=True)
