@@ -398,14 +398,15 @@ class StageMemo:
         # (id(nodes), mesh) -> (nodes, `_in_node_collectives`): the last `kept`, as the maps
         self._in_node: OrderedDict[tuple, tuple] = OrderedDict()
         self._in_flight: dict[tuple, tuple[int, ...]] = {}    # as `_orders` -> `in_flight_counts`
+        self._groups: dict[GroupTopology, int] = {}   # a reduction's group -> its number in the keys below
         self._gathers: dict[tuple, dict] = {}   # (machine, gathers' figures) -> `gather_buckets` by place
         self._buckets: dict[tuple, tuple[float, float]] = {}   # (machine, reductions' figures) -> `bucketed_seconds`
 
     def in_node(self, plan: Plan) -> set[int]:
-        """`_in_node_collectives(plan)`, once per its PCG's nodes and mesh while kept: it reads
-        those alone (each parallel node's axis and the mesh's groups), and the stage search makes a pricer for
-        each of a PCG's node costs (llama-70b:64: 183 pricers of 93 node tuples). The nodes are kept alive beside
-        the set, so that no other tuple takes their id. Read only."""
+        """`_in_node_collectives(plan)`, once per its PCG's nodes and mesh while kept: it reads those alone (each
+        parallel node's axis and the mesh's groups), and the stage search makes a pricer for each of a PCG's node
+        costs (llama-70b:64: 183 pricers of 93 node tuples). The nodes are kept alive beside the set, so that no
+        other tuple takes their id. Read only."""
         pcg = plan.pcg
         key = (id(pcg.nodes), pcg.mesh)
         found = self._in_node.get(key)
@@ -421,11 +422,24 @@ class StageMemo:
         (kind, group, bytes): it reads nothing else of them (the buckets are cut by bytes alone, `assign_buckets`,
         and priced by kind, group and bytes), and a stage plan of alike blocks reduces alike weights in every
         chunk and in every candidate of one layout. Its figures are few (two floats a key)."""
-        key = (machine, tuple((r.kind, r.group, r.nbytes) for r in reductions))
+        key = (machine, self._flat(reductions, True))
         found = self._buckets.get(key)
         if found is None:
             found = self._buckets[key] = bucketed_seconds(reductions, machine)
         return found
+
+    def _flat(self, reductions: Sequence[Reduction], kinds: bool) -> tuple:
+        """The (kind, when `kinds`,) group and bytes of each of `reductions`, in order, in one flat tuple of strings
+        and integers, each group by its number in this memo (`_groups`, one per distinct group): a key the
+        collector need not walk (a tuple per reduction, each holding a group, made one tracked object per weight
+        of every chunk kept)."""
+        groups, flat = self._groups, []
+        for r in reductions:
+            number = groups.get(r.group)
+            if number is None:
+                number = groups[r.group] = len(groups)
+            flat += (r.kind, number, r.nbytes) if kinds else (number, r.nbytes)
+        return tuple(flat)
 
     def in_flight(self, schedule: str, degree: int, chunks_per_stage: int, microbatches: int) -> tuple[int, ...]:
         """`ir.pipeline.in_flight_counts`, made once per search for its four integers, as `schedule_order`: the
@@ -443,7 +457,7 @@ class StageMemo:
         its bucket, so the buckets are made once with each gather named by its place in `gathers` and named
         here by their nodes again (the same buckets, in the same order, with the same seconds). A stage plan of
         alike blocks gathers alike weights in every chunk and in every candidate of one layout."""
-        key = (machine, tuple((g.group, g.nbytes) for g in gathers))
+        key = (machine, self._flat(gathers, False))
         found = self._gathers.get(key)
         if found is None:
             placed = [replace(g, node=k) for k, g in enumerate(gathers)]
