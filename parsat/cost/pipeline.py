@@ -62,7 +62,7 @@ from parsat.cost.collectives import ALL_REDUCE, SEND_RECV, GroupTopology, price
 from parsat.cost.pcg_tasks import (ExecutionProfile, OpTimes, collective_pipelines, mesh_groups, profile_for,
                                   simulate_pcg)
 from parsat.cost.schedules import prefetch_delay
-from parsat.cost.stage_sync import bucketed_seconds, gather_buckets, weight_gathers, weight_reductions
+from parsat.cost.stage_sync import Reduction, bucketed_seconds, gather_buckets, weight_gathers, weight_reductions
 from parsat.cost.step_report import ends_by_phase, phase_ends, stream_phase_ends
 
 
@@ -239,14 +239,16 @@ def equal_starts(layers: Sequence[int], chunks: int) -> tuple[int, ...]:
 
 def balanced_starts(layers: Sequence[int], cost: Mapping[int, LayerCost], chunks: int, degree: int,
                     schedule: str, microbatches: int, capacity: float,
-                    cuttable: Collection[int] | None = None) -> tuple[int, ...] | None:
+                    cuttable: Collection[int] | None = None, held: Sequence[int] | None = None
+                    ) -> tuple[int, ...] | None:
     """Chunk starts that minimise the busiest chunk's time per step (m micro-batches' forward and backward, then
     its weights' synchronisation and optimizer: what the slowest stage adds to the pipeline's fill and drain),
     each stage's weights' state plus in-flight activations within `capacity` (one chunk per stage; interleaved
     chunks are balanced by time and their memory checked when priced). Dynamic programming over (chunk, first
     layer); None when no cut fits. Of equal cuts, the one whose chunks end first, chunk by chunk. `cuttable`: the
     layers a chunk may begin at (`ir.pipeline.LayerMap.cuttable`: no partial sum crosses there); every layer when
-    None.
+    None. `held`: the schedule's `in_flight_counts` on one chunk per stage where the caller has them (worked out
+    here when None).
 
     Each chunk's row of the programme is one array operation over (first layer, next chunk's first layer): the
     same sums and maxima as a loop would make, in float64, and the memory in exact integers (the stage search
@@ -260,7 +262,10 @@ def balanced_starts(layers: Sequence[int], cost: Mapping[int, LayerCost], chunks
     times = np.array(run)
     # one recomputed block's activations at a time (`ir.recompute`): the largest, wherever it falls (an upper bound)
     transient = max((cost[layer].transient_bytes for layer in layers), default=0)
-    held = in_flight_counts(schedule, degree, 1, microbatches) if schedule != INTERLEAVED else (1,) * degree
+    if schedule == INTERLEAVED:
+        held = (1,) * degree
+    elif held is None:
+        held = in_flight_counts(schedule, degree, 1, microbatches)
     acts, states = _byte_sums([cost[layer].activation_bytes for layer in layers],
                               [cost[layer].state_bytes for layer in layers], max(held), transient)
     inf = float("inf")
@@ -390,6 +395,75 @@ class StageMemo:
         self._overlaps: OrderedDict[tuple, TpOverlap] = OrderedDict()   # (pcg, machine, profile, comm) -> overlap
         self._times: dict[Machine, OpTimes] = {}                          # stage machine -> compute-time cache
         self._orders: dict[tuple, tuple] = {}   # (schedule, degree, chunks per stage, micro-batches) -> the orders
+        # (id(nodes), mesh) -> (nodes, `_in_node_collectives`): the last `kept`, as the maps
+        self._in_node: OrderedDict[tuple, tuple] = OrderedDict()
+        self._in_flight: dict[tuple, tuple[int, ...]] = {}    # as `_orders` -> `in_flight_counts`
+        self._groups: dict[GroupTopology, int] = {}   # a reduction's group -> its number in the keys below
+        self._gathers: dict[tuple, dict] = {}   # (machine, gathers' figures) -> `gather_buckets` by place
+        self._buckets: dict[tuple, tuple[float, float]] = {}   # (machine, reductions' figures) -> `bucketed_seconds`
+
+    def in_node(self, plan: Plan) -> set[int]:
+        """`_in_node_collectives(plan)`, once per its PCG's nodes and mesh while kept: it reads those alone (each
+        parallel node's axis and the mesh's groups), and the stage search makes a pricer for each of a PCG's node
+        costs (llama-70b:64: 183 pricers of 93 node tuples). The nodes are kept alive beside the set, so that no
+        other tuple takes their id. Read only."""
+        pcg = plan.pcg
+        key = (id(pcg.nodes), pcg.mesh)
+        found = self._in_node.get(key)
+        if found is None or found[0] is not pcg.nodes:
+            found = self._in_node[key] = (pcg.nodes, _in_node_collectives(plan))
+            while len(self._in_node) > self.kept:
+                self._in_node.popitem(last=False)
+        self._in_node.move_to_end(key)
+        return found[1]
+
+    def bucketed_seconds(self, reductions: Sequence[Reduction], machine: Machine) -> tuple[float, float]:
+        """`stage_sync.bucketed_seconds(reductions, machine)`, once per machine and sequence of the reductions'
+        (kind, group, bytes): it reads nothing else of them (the buckets are cut by bytes alone, `assign_buckets`,
+        and priced by kind, group and bytes), and a stage plan of alike blocks reduces alike weights in every
+        chunk and in every candidate of one layout. Its figures are few (two floats a key)."""
+        key = (machine, self._flat(reductions, True))
+        found = self._buckets.get(key)
+        if found is None:
+            found = self._buckets[key] = bucketed_seconds(reductions, machine)
+        return found
+
+    def _flat(self, reductions: Sequence[Reduction], kinds: bool) -> tuple:
+        """The (kind, when `kinds`,) group and bytes of each of `reductions`, in order, in one flat tuple of strings
+        and integers, each group by its number in this memo (`_groups`, one per distinct group): a key the
+        collector need not walk (a tuple per reduction, each holding a group, made one tracked object per weight
+        of every chunk kept)."""
+        groups, flat = self._groups, []
+        for r in reductions:
+            number = groups.get(r.group)
+            if number is None:
+                number = groups[r.group] = len(groups)
+            flat += (r.kind, number, r.nbytes) if kinds else (number, r.nbytes)
+        return tuple(flat)
+
+    def in_flight(self, schedule: str, degree: int, chunks_per_stage: int, microbatches: int) -> tuple[int, ...]:
+        """`ir.pipeline.in_flight_counts`, made once per search for its four integers, as `schedule_order`: the
+        balanced cut and the floors of every candidate read the same few (each walked the schedule's order)."""
+        key = (schedule, degree, chunks_per_stage, microbatches)
+        found = self._in_flight.get(key)
+        if found is None:
+            found = self._in_flight[key] = in_flight_counts(schedule, degree, chunks_per_stage, microbatches)
+        return found
+
+    def gather_buckets(self, gathers: Sequence[Reduction], machine: Machine
+                       ) -> dict[GroupTopology, list[tuple[tuple[int, ...], float]]]:
+        """`stage_sync.gather_buckets(gathers, machine)`, worked out once per machine and sequence of the gathers'
+        (group, bytes): it reads of a gather its group, bytes and node alone, and the node only to name it in
+        its bucket, so the buckets are made once with each gather named by its place in `gathers` and named
+        here by their nodes again (the same buckets, in the same order, with the same seconds). A stage plan of
+        alike blocks gathers alike weights in every chunk and in every candidate of one layout."""
+        key = (machine, self._flat(gathers, False))
+        found = self._gathers.get(key)
+        if found is None:
+            placed = [replace(g, node=k) for k, g in enumerate(gathers)]
+            found = self._gathers[key] = gather_buckets(placed, machine)
+        return {group: [(tuple(gathers[k].node for k in places), seconds) for places, seconds in buckets]
+                for group, buckets in found.items()}
 
     def schedule_order(self, schedule: str, degree: int, chunks_per_stage: int, microbatches: int) -> tuple:
         """`ir.pipeline.schedule_order`, made once per search for its four integers (every candidate's memory
@@ -458,7 +532,7 @@ class StagePricer:
         self.memo = memo if memo is not None else StageMemo()
         self.layer_map = self.memo.layer_map(plan.pcg)
         self.microbatches = plan.graph.microbatches
-        in_node = _in_node_collectives(plan)
+        in_node = self.memo.in_node(plan)
         # a priced PCG's nodes share few cost objects (a model of repeated blocks: llama-70b's 4,664 nodes hold
         # 774), and a node's share is a function of its cost object and `in_node`: each worked out once
         made: dict[tuple[int, bool], LayerCost] = {}
@@ -476,6 +550,8 @@ class StagePricer:
         self._sync_memo: dict[tuple, StageSync] = {}     # (degree, stage, its chunks' layers, aligned) -> its sync
         self._sums_memo: dict[tuple, tuple] = {}         # a stage's chunks' layers -> `_stage_sums`
         self._schedule_floors: dict[tuple, tuple] = {}   # (degree, schedules) -> `schedule_fitting_floors`
+        self._applied_forward: dict[int, float] = {}    # id of a share (held in `shares`) -> `_gather_wait`'s
+        self._starts: dict[tuple, list | PipelineError] = {}   # (degree, schedule, chunks per stage) -> `start_cuts`
 
     @cached_property
     def chain_s(self) -> dict[int, float]:
@@ -641,18 +717,35 @@ class StagePricer:
         its chunks must hold equal layer counts (`ir.pipeline.chunks_refusal`, checked by `_chunks`), and a
         balanced cut that moves layers between them is one neither Megatron-LM nor Megatron-Core runs. Only cuts
         no partial sum crosses (`LayerMap.cuttable`): the equal cut where it is one, the balanced cut among them
-        (where none fits, the fastest of them, to be priced); PipelineError where no cut into these chunks is."""
+        (where none fits, the fastest of them, to be priced); PipelineError where no cut into these chunks is.
+        Worked out once per pricer for its three integers: the memory check (`least_peak_bytes`) and the cut
+        search (`pipelined`) of one stage plan ask the same, and the answer reads nothing else that changes."""
+        key = (degree, schedule, chunks_per_stage)
+        found = self._starts.get(key)
+        if found is None:
+            try:
+                found = self._work_out_start_cuts(degree, schedule, chunks_per_stage)
+            except PipelineError as err:
+                found = err
+            self._starts[key] = found
+        if isinstance(found, PipelineError):
+            raise found
+        return list(found)
+
+    def _work_out_start_cuts(self, degree: int, schedule: str, chunks_per_stage: int) -> list[tuple[int, ...]]:
+        """`start_cuts`, worked out."""
         chunks = self._chunks(degree, schedule, chunks_per_stage)
         layers, cuttable = self.layer_map.layers, self.layer_map.cuttable
         equal = equal_starts(layers, chunks)
         found = [equal] if cuttable.issuperset(equal) else []
         restricted = cuttable if len(cuttable) < len(layers) else None
         if schedule != INTERLEAVED:
+            held = self.memo.in_flight(schedule, degree, 1, self.microbatches)
             balanced = balanced_starts(layers, self.layer_costs(), chunks, degree, schedule, self.microbatches,
-                                       self.machine.memory_capacity, restricted)
+                                       self.machine.memory_capacity, restricted, held)
             if balanced is None and not found and restricted is not None:   # none fits: one that runs, to price
                 balanced = balanced_starts(layers, self.layer_costs(), chunks, degree, schedule, self.microbatches,
-                                           math.inf, restricted)
+                                           math.inf, restricted, held)
             if balanced is not None and balanced not in found:
                 found.append(balanced)
         if not found:   # every cut into these chunks receives a partial sum somewhere (`LayerMap.blocked`)
@@ -675,18 +768,30 @@ class StagePricer:
             except PipelineError:
                 continue
             for cut in cuts:
-                busiest = self._cut_peak_bytes(cut, degree, orders)
+                busiest = self._cut_peak_bytes(cut, degree, orders, schedule)
                 least = busiest if least is None else min(least, busiest)
         return least
 
-    def _cut_peak_bytes(self, cut: Sequence[int], degree: int, orders: tuple) -> int:
-        """The busiest stage's memory per device of the cut at `cut` run in `orders` (a schedule's
-        `schedule_order`), as `price` prices it (`stage_memory`)."""
+    def _cut_peak_bytes(self, cut: Sequence[int], degree: int, orders: tuple, schedule: str) -> int:
+        """The busiest stage's memory per device of the cut at `cut` run in `orders` (`schedule`'s
+        `schedule_order`), as `price` prices it (`stage_memory`).
+
+        Where each stage holds one chunk (1F1B, GPipe) and the chunks' activation bytes are integers at or above
+        0, each stage's peak (`activation_peaks`: the running sum of its chunk's bytes, + at a forward, - at a
+        backward) is the chunk's bytes times the most micro-batches its order holds at once (`in_flight_counts`,
+        kept by the memo): every action of the stage's order moves the same integer, so the running sum is that
+        integer times the running count, and its largest is the integer times the largest count. The same
+        integers, without walking the order (2m actions a stage) for every cut of every candidate."""
         per_chunk = self._chunk_bytes(cut, degree)
         if per_chunk is None:   # a figure that is not an integer: summed node by node, as `price` sums it
             layout = self.memo.lay_out(self.layer_map, cut, degree)
             per_chunk = [(c.activation_bytes, c.state_bytes, c.transient_bytes) for c in self._chunk_costs(layout)]
-        peaks = activation_peaks(orders, [act for act, _state, _transient in per_chunk])
+            peaks = activation_peaks(orders, [act for act, _state, _transient in per_chunk])
+        elif len(cut) == degree and all(act >= 0 for act, _state, _transient in per_chunk):
+            held = self.memo.in_flight(schedule, degree, 1, self.microbatches)
+            peaks = [count * act for count, (act, _state, _transient) in zip(held, per_chunk)]
+        else:
+            peaks = activation_peaks(orders, [act for act, _state, _transient in per_chunk])
         return max(_stage_bytes([range(s, len(cut), degree) for s in range(degree)], per_chunk, peaks))
 
     def fitting_floors(self, degree: int, schedules: Sequence[tuple[str, int]]) -> tuple[float, float]:
@@ -747,7 +852,7 @@ class StagePricer:
             orders = self.memo.schedule_order(name, degree, v, m)
             equal = equal_starts(layers, degree * v)
             on_equal = math.inf
-            if cuttable.issuperset(equal) and self._cut_peak_bytes(equal, degree, orders) <= capacity:
+            if cuttable.issuperset(equal) and self._cut_peak_bytes(equal, degree, orders, name) <= capacity:
                 index = {layer: k for k, layer in enumerate(layers)}
                 on_equal = _cut_floor(busy, [index[s] for s in equal], degree, m)
             plans = on_equal if name == INTERLEAVED else self._fitting_cut_floor(busy, degree, name)
@@ -769,7 +874,7 @@ class StagePricer:
         later = span[None, :] > span[:, None]
         later &= np.array([j == n or layers[j] in self.layer_map.cuttable for j in range(n + 1)])[None, :]
         term = times[:, None] / m + (times[None, :] - times[:, None])   # [i, j]: a stage of layers i..j-1
-        held = in_flight_counts(schedule, degree, 1, m)
+        held = self.memo.in_flight(schedule, degree, 1, m)
         found = self._layer_bytes
         if found is not None:
             own = found[0]
@@ -797,16 +902,20 @@ class StagePricer:
         if not all(type(c.activation_bytes) is int and type(c.state_bytes) is int and type(c.transient_bytes) is int
                    for c in distinct):
             return None
-        free, own, needed = self.layer_map.free, {}, {}
-        for layer, members in self.layer_map.layer_members.items():
-            act = state = transient = 0
-            for i in members:
-                c = self.shares.get(i) if i not in free else None
-                if c is not None:
+        free, shares, own, needed, made = self.layer_map.free, self.shares, {}, {}, {}
+        members = self.layer_map.layer_members
+        for layer, ordered in self._layer_orders:   # a layer's figures once per sequence of shares (`_layer_orders`)
+            mine = [shares[i] for i in ordered if i not in free and i in shares]
+            key = tuple(map(id, mine))
+            found = made.get(key)
+            if found is None:
+                act = state = transient = 0
+                for c in mine:
                     act, state, transient = act + c.activation_bytes, state + c.state_bytes, max(transient,
                                                                                                c.transient_bytes)
-            own[layer] = (act, state, transient)
-            needed[layer] = frozenset(i for i in members if i in free)
+                found = made[key] = (act, state, transient)
+            own[layer] = found
+            needed[layer] = members[layer] & free
         free_bytes = {i: (self.shares[i].activation_bytes, self.shares[i].state_bytes, self.shares[i].transient_bytes)
                       for i in free if i in self.shares}
         return own, needed, free_bytes
@@ -816,24 +925,65 @@ class StagePricer:
         gives them, from the layers' integer sums (`_layer_bytes`) without laying the cut out: a chunk's nodes are
         its layers' own nodes, disjoint between layers, and the free values they read, which a stage counts with
         its first chunk that reads them. Integers add up alike in any order, so the figures are the same. None
-        where `_layer_bytes` is."""
-        found = self._layer_bytes
+        where `_layer_bytes` is.
+
+        A free value that one layer alone reads is counted with that layer's chunk, by whatever stage it lies on
+        (no earlier chunk reads it), so it is summed into its layer's figures once (`_layer_runs`), and a chunk's
+        sums of those are differences of running sums over the layers; only the free values two or more layers
+        read (a mask, a rotary table, a tied embedding: a handful) are charged stage by stage as before."""
+        found = self._layer_runs
         if found is None:
             return None
-        own, needed, free_bytes = found
+        acts, states, transients, shared, free_bytes = found
         layers = self.layer_map.layers
         index = {layer: k for k, layer in enumerate(layers)}
         bounds = [index[s] for s in starts] + [len(layers)]
         charged: list[set[int]] = [set() for _ in range(degree)]
         out = []
         for c in range(len(starts)):
-            mine = layers[bounds[c]:bounds[c + 1]]
-            free = set().union(*(needed[layer] for layer in mine)) - charged[c % degree]
+            first, end = bounds[c], bounds[c + 1]
+            free = set().union(*shared[first:end]) - charged[c % degree]
             charged[c % degree] |= free
-            figures = [own[layer] for layer in mine] + [free_bytes[i] for i in free if i in free_bytes]
-            out.append((sum(f[0] for f in figures), sum(f[1] for f in figures),
-                        max((f[2] for f in figures), default=0)))
+            figures = [free_bytes[i] for i in free]
+            out.append((acts[end] - acts[first] + sum(f[0] for f in figures),
+                        states[end] - states[first] + sum(f[1] for f in figures),
+                        max(max(transients[first:end], default=0), max((f[2] for f in figures), default=0))))
         return out
+
+    @cached_property
+    def _layer_runs(self) -> tuple[list[int], list[int], list[int], list[frozenset[int]],
+                                   dict[int, tuple[int, int, int]]] | None:
+        """What `_chunk_bytes` reads, from `_layer_bytes`: over the layers in order, 0 and the running sums of
+        each layer's own activation and state bytes plus those of the free values it alone reads; each layer's
+        largest transient of those; each layer's free values that other layers read too (with bytes); and those
+        values' bytes. None where `_layer_bytes` is."""
+        found = self._layer_bytes
+        if found is None:
+            return None
+        own, needed, free_bytes = found
+        layers = self.layer_map.layers
+        readers: dict[int, int] = {}
+        for layer in layers:
+            for i in needed[layer]:
+                readers[i] = readers.get(i, 0) + 1
+        acts, states, transients, shared = [0], [0], [], []
+        for layer in layers:
+            act, state, transient = own[layer]
+            mine = []
+            for i in needed[layer]:
+                figures = free_bytes.get(i)
+                if figures is None:
+                    continue
+                if readers[i] > 1:
+                    mine.append(i)
+                else:
+                    act, state, transient = act + figures[0], state + figures[1], max(transient, figures[2])
+            acts.append(acts[-1] + act)
+            states.append(states[-1] + state)
+            transients.append(transient)
+            shared.append(frozenset(mine))
+        return acts, states, transients, shared, {i: free_bytes[i] for i in readers if readers[i] > 1
+                                                  and i in free_bytes}
 
     @staticmethod
     def stage_memory(layout: StageLayout, per_chunk: Sequence[LayerCost], peaks: Sequence[int]) -> list[int]:
@@ -848,11 +998,29 @@ class StagePricer:
         if self._layer_costs is None:
             # one chunk per layer, each its own stage (nothing charged to an earlier chunk): a layer's nodes in the
             # PCG's order, as `lay_out` lists a chunk's, summed as `_chunk_costs` sums them
-            position = self.layer_map.position.__getitem__
-            self._layer_costs = {layer: _summed([self.shares[i] for i in sorted(members, key=position)
-                                                 if i in self.shares])
-                                 for layer, members in self.layer_map.layer_members.items()}
+            shares, made, out = self.shares, {}, {}
+            for layer, ordered in self._layer_orders:
+                mine = [shares[i] for i in ordered if i in shares]
+                key = tuple(map(id, mine))
+                found = made.get(key)
+                if found is None:
+                    found = made[key] = _summed(mine)
+                out[layer] = found
+            self._layer_costs = out
         return self._layer_costs
+
+    @cached_property
+    def _layer_orders(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """Each layer, in order, with the nodes a chunk holding it alone computes, in the PCG's order
+        (`LayerMap.chunk_nodes`, kept with the map: every pricer of the same nodes reads the same).
+
+        What reads them (`layer_costs`, `_layer_bytes`) works out each layer's figure once per distinct
+        sequence of share objects (`__init__`: nodes alike share one): a stage plan of N alike blocks has N
+        layers whose nodes' shares are the same objects in the same order (llama-70b:64's stage plans: 81 layers,
+        3 to 6 distinct sequences), and a figure summed from the same objects in the same order is the same
+        float. The shares are held by the pricer for the whole computation, so an id is theirs alone."""
+        runs = self.layer_map.chunk_nodes
+        return tuple((layer, runs(k, k + 1)[1]) for k, layer in enumerate(self.layer_map.layers))
 
     def _chunk_costs(self, layout: StageLayout) -> list[LayerCost]:
         """Each chunk's cost: its nodes' shares, a value two chunks of one stage read counted with the first.
@@ -912,13 +1080,13 @@ class StagePricer:
             nodes = [i for i in chunk.nodes if i not in seen and i in self.chain_s]
             seen.update(nodes)
             bucketed = [self.reductions[i] for i in nodes if i in self.reductions]
-            reducing, after = bucketed_seconds(bucketed, self.machine)
+            reducing, after = self.memo.bucketed_seconds(bucketed, self.machine)
             rest = [i for i in nodes if i not in self.reductions]
             reduce_s[chunk.index] = reducing + sum(self.reduce_s[i] for i in rest)
             gathered = [self.gathers[i] for i in nodes if i in self.gathers]
             if gathered:   # ZeRO-1's bucketed gathers (`after`) and ZeRO-2's per-node ones run in the next forward
                 after = 0.0
-                buckets = gather_buckets(gathered, self.machine)
+                buckets = self.memo.gather_buckets(gathered, self.machine)
                 wait_s[chunk.index] = self._gather_wait(chunk, buckets, launched if aligned else {})
                 for group, found in buckets.items():
                     seconds = sum(s for _nodes, s in found)
@@ -937,13 +1105,18 @@ class StagePricer:
         at the same moment (aligned launches), which the result then counts from."""
         first: dict[int, float] = {}
         at = 0.0
+        forward = self._applied_forward   # a share's overlapped forward, once per share object (nodes alike share one)
         for i in chunk.nodes:
             if i in self.chain_s:
                 continue
             for r in self.layer_map.needs.get(i, ()):
                 first.setdefault(r, at)
             share = self.shares.get(i)
-            at += self.overlap.applied(share).forward_s if share is not None else 0.0
+            if share is not None:
+                found = forward.get(id(share))
+                if found is None:
+                    found = forward[id(share)] = self.overlap.applied(share).forward_s
+                at += found
         waits = [prefetch_delay([seconds for _nodes, seconds in found],
                                 [min((first.get(n, at) for n in nodes), default=at) for nodes, _s in found],
                                 queued.get(group, 0.0))

@@ -199,7 +199,6 @@ class LayerMap:
         self.free = free_nodes(pcg)
         self.layers = tuple(sorted({self.blocks[n.id] for n in pcg.nodes if n.id not in self.free}))
         self.position = {n.id: k for k, n in enumerate(pcg.nodes)}
-        self.readers = _readers(pcg)
         needs: dict[int, frozenset[int]] = {}   # node -> the free values it reads, directly or through free ones
         free, none = self.free, frozenset()
         for node in pcg.nodes:
@@ -209,6 +208,12 @@ class LayerMap:
         self.needs = needs
         self.weights = [n.id for n in pcg.nodes if n.kind == "leaf" and n.role == WEIGHT]
         self._runs: dict[tuple[int, int], tuple[frozenset[int], tuple[int, ...]]] = {}   # `chunk_nodes`
+
+    @cached_property
+    def readers(self) -> dict[int, list[int]]:
+        """Node id -> the ids of the nodes that read it, in the PCG's order (once per input read). Not read by the
+        cut search (`reader_layers` walks the inputs instead): made when first asked for."""
+        return _readers(self.pcg)
 
     @cached_property
     def model_layers(self) -> int:
@@ -237,15 +242,23 @@ class LayerMap:
         can find crossing chunks. Why: a chunk is a run of whole layers (`chunk_of_layer`), so a reader in the
         node's own layer is in its chunk, and a reader of another layer is in the chunk of that layer; the chunks
         `lay_out` finds reading a node are those of these layers, less its own. Worked out once per map: the
-        cut search lays out hundreds of cuts of one stage plan, and each walked every node and its readers."""
+        cut search lays out hundreds of cuts of one stage plan, and each walked every node and its readers.
+        The other layers reading a node are found from the readers' inputs in one pass (a reader of another layer,
+        neither free), not from a table of every node's readers: the same sets."""
+        free, blocks = self.free, self.blocks
+        read_in: dict[int, set[int]] = {}
+        for node in self.pcg.nodes:
+            if node.id in free:
+                continue
+            layer = blocks[node.id]
+            for i in node.inputs:
+                if i not in free and blocks[i] != layer:
+                    read_in.setdefault(i, set()).add(layer)
         out = []
         for node in self.pcg.nodes:
-            if node.id in self.free:
-                continue
-            layer = self.blocks[node.id]
-            read_in = frozenset(self.blocks[r] for r in self.readers.get(node.id, ()) if r not in self.free) - {layer}
-            if read_in:
-                out.append((node.id, layer, read_in, node.degrees.piece_elements(node.shape)))
+            found = read_in.get(node.id)
+            if found:
+                out.append((node.id, blocks[node.id], frozenset(found), node.degrees.piece_elements(node.shape)))
         return tuple(out)
 
     @cached_property
