@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from itertools import islice, product
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 from parsat.dsl.instantiate import InstantiationError, OpInstance
 from parsat.dsl.library import Library
@@ -64,7 +64,8 @@ from parsat.dsl.parallel_ops import (ALL_GATHER, COMBINE, PARTITION, REDUCE, RED
                                      REPLICATE)
 from parsat.ir.data_parallel import _live, data_parallel_pcg
 from parsat.ir.fused_projections import heads_ordered, with_rules
-from parsat.ir.blocks import OUTSIDE, block_of, in_block
+from parsat.ir.block_replay import BlockReplay, BlockTemplate, block_runs
+from parsat.ir.blocks import OUTSIDE, block_of
 from parsat.ir.graph import Graph, Leaf, instance_for
 from parsat.ir.mesh import Mesh
 from parsat.ir.microbatch import batch_dims, batch_wide_constants
@@ -248,6 +249,10 @@ class _Kin:
     `_rescaled` finds no shape for them and the layout is built instead (issue 28: llama-70b:64's seven grids
     built their two data-parallel layouts each).
 
+    A layout kept on a mesh whose data axis alone has another size (the same axes, tensor size and node size) is
+    taken too, where the graphs split alike set of axes by set of axes on the two meshes: the builders read the
+    data axis's size as they read a dim's, only by whether it divides (`on_other_meshes` argues it).
+
     What every build of the grid's calls shares besides (`memo`): one graph's `_Memo` for every call that lays
     it out (a stage grid's graph is the unstaged step's at that micro-batch count; on other meshes and
     machines: every entry of a memo is kept by what it reads, the mesh's part included, as the layouts of one
@@ -308,7 +313,35 @@ class _Kin:
                 if pcg is None or found is not None:
                     self.keep(graph, memo, mesh, form, found)
                     return found
+        for other, like, pcg in self.on_other_meshes(mesh, form):
+            if self.alike(like, graph, memo.data_batch, mesh, other):
+                found = _rescaled(pcg, like, graph, self.tables(like, graph), mesh)
+                if found is not None:
+                    self.keep(graph, memo, mesh, form, found)
+                    return found
         return _NONE
+
+    def on_other_meshes(self, mesh: Mesh, form: tuple) -> Iterator[tuple[Mesh, Graph, PCG]]:
+        """The layouts of `form` kept on meshes of `mesh`'s axes and node size whose data axis alone has another
+        size (the tensor axis the same), with their meshes: what `layout` rescales to `mesh` where its graph is
+        alike on both meshes (issue 28: llama-70b:64's stage grids on 16 devices and on 8 lay their tp 1, 2 and 4
+        layouts out alike, 8 first builds). Why the same layout: the builders read the data axis's size only as
+        whether a dim splits into it, alone or with the tensor axis (`_splits`, `Placement.local_shape`, an
+        input's batch dim, a ZeRO-3 weight's dim: `_MegatronBuilder`; an input's dim 0, a ZeRO-3 weight's dim, a
+        weight-only value's dim 0: `ir.data_parallel`), which `_alike` compares axis set by axis set on the two
+        meshes (`_blocks` in the same order of sets for both), and as the degrees of the nodes and the `degree`
+        of the parallel operators on that axis, which they write and never read back, and `_rescaled` writes for
+        `mesh` (`_on_mesh`); the placement analysis reads codes and signatures, never sizes, and every cache the
+        builders read is keyed by what it reads (`known_options` by the axis's size). A layout the build found
+        none for on the other mesh is not taken: that answer may read a size that splits on one mesh alone."""
+        for (other, kept), entries in self.layouts.items():
+            if kept != form or other == mesh or other.names != mesh.names or \
+                    other.devices_per_node != mesh.devices_per_node or \
+                    any(a.size != b.size for a, b in zip(other.axes, mesh.axes) if a.name != DP_AXIS):
+                continue
+            for like, pcg in entries:
+                if pcg is not None:
+                    yield other, like, pcg
 
     def tables(self, like: Graph, graph: Graph) -> "_PairTables":
         """`_PairTables` of `like` and `graph`, made once per pair: every layout rescaled from `like` to `graph` (a
@@ -320,12 +353,13 @@ class _Kin:
             found = self.parts[key] = (like, graph, _PairTables.of(like, graph))
         return found[2]
 
-    def alike(self, like: Graph, graph: Graph, batch: dict, mesh: Mesh) -> bool:
-        """`_alike` on `mesh`, worked out once per pair of graphs and mesh shape, and its parts that read no mesh
-        (`_same_structure`, `_same_signatures`) once per pair of graphs, each where `_alike` would ask it: a grid
-        lays a graph out on every mesh of its devices (llama-70b:64's unstaged counts: four), and the signatures
-        were most of each verdict."""
-        key = (id(like), id(graph), tuple(mesh.shape))
+    def alike(self, like: Graph, graph: Graph, batch: dict, mesh: Mesh, like_mesh: Mesh | None = None) -> bool:
+        """`_alike` on `mesh` (`like` laid out on `like_mesh` where given: `on_other_meshes`), worked out once per
+        pair of graphs and mesh shapes, and its parts that read no mesh (`_same_structure`, `_same_signatures`)
+        once per pair of graphs, each where `_alike` would ask it: a grid lays a graph out on every mesh of its
+        devices (llama-70b:64's unstaged counts: four), and the signatures were most of each verdict."""
+        like_mesh = like_mesh or mesh
+        key = (id(like), id(graph), tuple(mesh.shape), tuple(like_mesh.shape))
         if key not in self.verdicts:
             pair = (id(like), id(graph))
 
@@ -335,29 +369,34 @@ class _Kin:
                     found = self.parts[(name, pair)] = (like, graph, check())
                 return found[2]
             self.verdicts[key] = (like, graph, _alike(like, graph, self.library, self.batches[id(like)][1], batch,
-                                                      _blocks(mesh.shape), part))
+                                                      _blocks(mesh.shape), part, _blocks(like_mesh.shape)))
         return self.verdicts[key][2]
 
 
 def _blocks(sizes: Sequence[int]) -> tuple[int, ...]:
-    """The products of the mesh's axis sizes (every non-empty set of axes): the block counts a dim is split into."""
-    out = {1}
+    """The products of the mesh's axis sizes, one per non-empty set of axes, the sets in one order for every mesh
+    of as many axes (a mesh (a, t): a, t, a t): the block counts a dim is split into, and which set of axes each
+    is (`_splits_alike` compares two meshes' set by set)."""
+    out = [1]
     for size in sizes:
-        out |= {k * size for k in out}
-    return tuple(sorted(out - {1}))
+        out += [k * size for k in out]
+    return tuple(out[1:])
 
 
 def _alike(like: Graph, graph: Graph, library: Library, like_batch: dict, batch: dict,
-           blocks: Sequence[int], once: Callable[[str, Callable[[], bool]], bool] | None = None) -> bool:
+           blocks: Sequence[int], once: Callable[[str, Callable[[], bool]], bool] | None = None,
+           like_blocks: Sequence[int] | None = None) -> bool:
     """Whether `graph` is `like` with other sizes that the build cannot tell apart on a mesh whose dims split
-    into `blocks` (`_Kin`): the same structure and batch dims (`_same_structure`), every dim splitting into
-    `blocks` in both or in neither (`_splits_alike`), and every operator instantiating in both with the same
-    signature (`_same_signatures`). Each check reads only its arguments; asked in this order, each only where
-    those before it hold. `once(name, check)`: the answer of a check that reads no mesh, which a caller asking
-    of several meshes keeps (`_Kin.alike`)."""
+    into `blocks` (`_Kin`; `like` on a mesh whose dims split into `like_blocks`, the same sets of axes in the
+    same order, where given: `_Kin.on_other_meshes`): the same structure and batch dims (`_same_structure`),
+    every dim splitting into each block count in both or in neither (`_splits_alike`), and every operator
+    instantiating in both with the same signature (`_same_signatures`). Each check reads only its arguments;
+    asked in this order, each only where those before it hold. `once(name, check)`: the answer of a check that
+    reads no mesh, which a caller asking of several meshes keeps (`_Kin.alike`)."""
     once = once or (lambda _name, check: check())
     return once("structure", lambda: _same_structure(like, graph, like_batch, batch)) and \
-        _splits_alike(like, graph, blocks) and once("signatures", lambda: _same_signatures(like, graph, library))
+        _splits_alike(like, graph, blocks, like_blocks) and \
+        once("signatures", lambda: _same_signatures(like, graph, library))
 
 
 def _same_structure(like: Graph, graph: Graph, like_batch: dict, batch: dict) -> bool:
@@ -370,12 +409,14 @@ def _same_structure(like: Graph, graph: Graph, like_batch: dict, batch: dict) ->
     return structure(like) == structure(graph) and like_batch == batch
 
 
-def _splits_alike(like: Graph, graph: Graph, blocks: Sequence[int]) -> bool:
+def _splits_alike(like: Graph, graph: Graph, blocks: Sequence[int], like_blocks: Sequence[int] | None = None) -> bool:
     """Whether every dim of every value of `like` (whose structure `graph` has: `_same_structure`) splits into
-    each of `blocks` exactly where the same dim of `graph` does: the part of `_alike` that reads the mesh."""
+    each of `like_blocks` (`blocks` where not given) exactly where the same dim of `graph` splits into the block
+    count of `blocks` at the same place: the part of `_alike` that reads the mesh."""
     before, after = like.shapes(), graph.shapes()
-    return not any((a % k == 0) != (b % k == 0) for name, shape in before.items()
-                   for a, b in zip(shape, after[name]) for k in blocks)
+    pairs = tuple(zip(like_blocks or blocks, blocks))
+    return not any((a % j == 0) != (b % k == 0) for name, shape in before.items()
+                   for a, b in zip(shape, after[name]) for j, k in pairs)
 
 
 def _same_signatures(like: Graph, graph: Graph, library: Library) -> bool:
@@ -424,12 +465,25 @@ class _PairTables:
                            {n.name: n for n in graph.nodes})
 
 
-def _rescaled(pcg: PCG, like: Graph, graph: Graph, tables: _PairTables | None = None) -> PCG | None:
+def _rescaled(pcg: PCG, like: Graph, graph: Graph, tables: _PairTables | None = None,
+              mesh: Mesh | None = None) -> PCG | None:
     """`pcg`, a layout of `like`, with each node's shape that of the value it holds in `graph` (a leaf's, an
     operator's origin's, a row-parallel layer's partial sum's its layer's, a parallel operator's its input's),
     and a graph operator's attributes its own in `graph`; None where a node's shape or attributes are not its
-    value's in `like` (then build it). `tables`: the two graphs' `_PairTables`, where the caller keeps them."""
+    value's in `like` (then build it). `tables`: the two graphs' `_PairTables`, where the caller keeps them.
+    `mesh`: the layout on this mesh of `pcg.mesh`'s axes, other sizes (`_Kin.on_other_meshes`): each node's
+    degrees its placement's there and each parallel operator's degree its axis's size there, as the builder's
+    `add` and `parallel` make them (`_on_mesh`); None where a value the builder makes of its own, not the graph's
+    (a vocabulary-parallel loss's blocks: `vocabulary_steps`), has a dim that splits on one mesh and not on the
+    other, set of axes by set of axes (`_blocks`), which `_alike` compares for the graph's values alone."""
     tables = tables or _PairTables.of(like, graph)
+    if mesh is not None and mesh != pcg.mesh:
+        pairs = tuple(zip(_blocks(pcg.mesh.shape), _blocks(mesh.shape)))
+        made = _vocabulary_parts(pcg, like, tables.before, tables.after).values()
+        if any((a % j == 0) != (b % k == 0) for old, new, _attrs in made for a, b in zip(old, new) for j, k in pairs):
+            return None
+        found = _rescaled(pcg, like, graph, tables)
+        return None if found is None else _on_mesh(found, mesh)
     before, after, was, now = tables.before, tables.after, tables.was, tables.now
     parts = _vocabulary_parts(pcg, like, before, after)
     nodes: list[PNode] = []
@@ -457,6 +511,28 @@ def _rescaled(pcg: PCG, like: Graph, graph: Graph, tables: _PairTables | None = 
                      PNode(node.id, node.kind, node.op, node.inputs, attrs, tuple(new), node.degrees, node.role,
                            node.origin, node.placement, node.rules))
     return pcg.reshaped(tuple(nodes))   # the same structure: the facts read from it alone are shared
+
+
+def _on_mesh(pcg: PCG, mesh: Mesh) -> PCG:
+    """`pcg` on `mesh`, a mesh of its mesh's axes with other sizes: each node's degrees its placement's on `mesh`
+    (`Degrees.of_placement`, as the builders' `add` makes them) and each parallel operator's `degree` attribute
+    the size of its axis on `mesh` (the builders' `parallel`); every other field as it is. A new PCG: the facts
+    worked out of `pcg` (some read degrees) are not shared."""
+    sizes = {axis.name: axis.size for axis in mesh.axes}
+    degrees: dict[tuple[Placement, int], Degrees] = {}
+    nodes = []
+    for node in pcg.nodes:
+        known = (node.placement, len(node.shape))
+        found = degrees.get(known)
+        if found is None:
+            found = degrees[known] = Degrees.of_placement(node.placement, mesh, len(node.shape))
+        attrs = node.attrs
+        if node.kind == "parallel":
+            axis = dict(attrs)["axis"]
+            attrs = tuple((k, sizes[axis]) if k == "degree" else (k, v) for k, v in attrs)
+        nodes.append(PNode(node.id, node.kind, node.op, node.inputs, attrs, node.shape, found, node.role,
+                           node.origin, node.placement, node.rules))
+    return replace(pcg, nodes=tuple(nodes), mesh=mesh)
 
 
 def vocabulary_steps(name: str, logits: str, rows: Sequence[int], vocab: int, p: int) -> list[tuple]:
@@ -533,7 +609,7 @@ class _Memo:
         # `compute_placement`'s own cache (`axis_compute`'s: by signature and codes), shared across graphs by `_Kin`
         self.placements: dict = {} if placements is None else placements
         self.options: dict[tuple, list[tuple[float, tuple[int, ...]]]] = {}   # `_MegatronBuilder.known_options`
-        self.runs = _block_runs(graph)   # the graph's nodes in runs of one block (`_Repeats`)
+        self.runs = block_runs(graph)   # the graph's nodes in runs of one block (`_Repeats`)
 
     @staticmethod
     def of(graph: Graph, library: Library, cache: dict | None) -> "_Memo":
@@ -1028,36 +1104,15 @@ def _splits(shape: Sequence[int], code: int, size: int) -> bool:
     return dim is None or (dim < len(shape) and shape[dim] % size == 0)
 
 
-def _block_runs(graph: Graph) -> tuple[tuple[int, tuple], ...]:
-    """The graph's nodes in order, cut into runs of one block (`ir.blocks.block_of`; OUTSIDE for the nodes outside
-    every block), each with its block: what `_built_layout` places run by run. One run for the whole graph, as
-    OUTSIDE, where some block's nodes are not all in one run (no run is then repeated: `_Repeats`)."""
-    runs: list[tuple[int, list]] = []
-    for gnode in graph.nodes:
-        block = block_of(gnode.name)
-        if runs and runs[-1][0] == block:
-            runs[-1][1].append(gnode)
-        else:
-            runs.append((block, [gnode]))
-    blocks = [block for block, _run in runs if block != OUTSIDE]
-    if len(set(blocks)) != len(blocks):
-        return ((OUTSIDE, tuple(graph.nodes)),)
-    return tuple((block, tuple(run)) for block, run in runs)
+@dataclass(kw_only=True)
+class _Template(BlockTemplate):
+    """A block's run as `_MegatronBuilder` placed it node by node (`_Repeats`; `BlockTemplate`'s fields): what it
+    read of the builder's state from outside the block, as it stood before (`reads`: each activation from outside
+    the block read, with its forms then; `kept`: the nodes of static values from outside both this block and the
+    one before, by id); and what it added to that state besides its nodes: its values' forms, the forms it added
+    to the activations it read (`forms_end`, their forms after), its static values made (`made`), leaves, ZeRO-3
+    chains and shapes. Not `usable` where it read or added anything else (then a block is not laid out from it)."""
 
-
-@dataclass
-class _Template:
-    """A block's run as `_MegatronBuilder` placed it node by node (`_Repeats`): its nodes are the builder's
-    `first` .. `end - 1`; what it read of the builder's state from outside the block, as it stood before (`reads`:
-    each activation from outside the block read, with its forms then; `kept`: the nodes of static values from
-    outside both this block and the one before, by id); and what it added to that state besides its nodes: its
-    values' forms, the forms it added to the activations it read (`forms_end`, their forms after), its static values
-    made (`made`), leaves, ZeRO-3 chains and shapes. `usable`: False where it read or added anything else (then a
-    block is not laid out from it)."""
-
-    block: int
-    run: tuple
-    first: int
     reads: dict
     kept: frozenset
     made_from: int
@@ -1065,29 +1120,18 @@ class _Template:
     chains_from: int
     shapes_from: int
     forms_from: int
-    end: int = 0
     forms_end: dict | None = None
     own_forms: dict | None = None
     made: list | None = None
     leaves: list | None = None
     chains: list | None = None
     shapes: list | None = None
-    usable: bool = False
 
 
-def _moved(name: str, block: int, to: int) -> str:
-    """`name` of a layout of block `block` (which reads block `block` - 1) as the layout of block `to` names it:
-    a name of `block` in `to`, one of `block` - 1 in `to` - 1, any other kept (`_Repeats`)."""
-    found = block_of(name)
-    if found == block:
-        return in_block(name, to)
-    return in_block(name, to - 1) if found == block - 1 and found != OUTSIDE else name
-
-
-class _Repeats:
+class _Repeats(BlockReplay):
     """A block's run laid out as the builder laid the run of a block before it out (its template), renamed, where
-    the builder would place it alike (issue 28: llama-70b's 80 blocks, each placed operator by operator in every
-    layout the grid builds, 18 builds a call).
+    the builder would place it alike (`ir.block_replay.BlockReplay`, the mechanism; issue 28: llama-70b's 80
+    blocks, each placed operator by operator in every layout the grid builds, 18 builds a call).
 
     Why the same nodes. The builder places a run's operators one after another, and each step reads only: the
     graph (the operators, their inputs, attributes and shapes, which values are static, weights, or views of
@@ -1100,22 +1144,15 @@ class _Repeats:
     one that it made, or a leaf it added outside its block, makes it unusable). A run of block j is laid out from
     a template of block t where the run is the template's with every name of t in j and of t - 1 in j - 1 (its
     operators, attributes, shapes, inputs; its values static, weights, views, leaves of the same shapes and roles
-    alike: `alike`), and each activation it reads from outside holds the forms the template's did, placement by
-    placement in the same order (its nodes other ones, of the same placements and shapes: the value's). Then every
-    read of the run's steps gives what the template's step read gave, renamed, its node ids the template's moved
-    by where the run begins (an activation's form by its placement, a static value's kept node as it is), so each
-    step makes the same decision and the same nodes, renamed and renumbered: what `replayed` appends, with the
-    state the template added, renamed likewise. Checked on llama-70b:64's 100 layouts of a call: each equals the
-    layout main placed operator by operator (1,404 blocks replayed)."""
+    alike: `alike`, `value`), and each activation it reads from outside holds the forms the template's did,
+    placement by placement in the same order (its nodes other ones, of the same placements and shapes: the
+    value's: `outside`). Then every read of the run's steps gives what the template's step read gave, renamed, its
+    node ids the template's moved by where the run begins (an activation's form by its placement, a static value's
+    kept node as it is), so each step makes the same decision and the same nodes, renamed and renumbered: what
+    `replayed` appends, with the state the template added, renamed likewise (`added`). Checked on llama-70b:64's
+    100 layouts of a call: each equals the layout main placed operator by operator (1,404 blocks replayed)."""
 
-    def __init__(self, build: "_MegatronBuilder"):
-        self.build = build
-        self.template: _Template | None = None
-
-    def before(self, block: int, run: Sequence) -> _Template | None:
-        """A template's record of what stands before a run of `block` is placed (None outside every block)."""
-        if block == OUTSIDE:
-            return None
+    def record(self, block: int, run: Sequence) -> _Template:
         b = self.build
         own = {gnode.name for gnode in run}
         reads = {}
@@ -1127,16 +1164,12 @@ class _Repeats:
                     reads[name] = None   # a static value of the block before: its node is not kept by id
         kept = frozenset(node for (name, _p), node in b.made.items()
                          if node is not None and block_of(name) not in (block, block - 1))
-        return _Template(block, tuple(run), len(b.nodes), reads, kept, len(b.made), len(b.leaf_ids), len(b.chains),
-                         len(b.shapes), len(b.forms))
+        return _Template(block, tuple(run), len(b.nodes), reads=reads, kept=kept, made_from=len(b.made),
+                         leaves_from=len(b.leaf_ids), chains_from=len(b.chains), shapes_from=len(b.shapes),
+                         forms_from=len(b.forms))
 
-    def after(self, mark: _Template | None) -> None:
-        """The template `mark` completed once its run is placed; kept where usable (else the next run is placed
-        node by node and becomes the template)."""
-        if mark is None:
-            return
+    def completed(self, mark: _Template) -> bool:
         b, block = self.build, mark.block
-        mark.end = len(b.nodes)
         mark.made = list(islice(b.made.items(), mark.made_from, None))
         mark.leaves = list(islice(b.leaf_ids.items(), mark.leaves_from, None))
         mark.chains = b.chains[mark.chains_from:]
@@ -1147,47 +1180,27 @@ class _Repeats:
         outside |= mark.kept
         ids = [i for node in b.nodes[mark.first:mark.end] for i in node.inputs] + \
             [i for chain in mark.chains for i in (chain.source, chain.first, chain.last)]
-        mark.usable = None not in mark.reads.values() and \
+        return None not in mark.reads.values() and \
             all(block_of(name) == block for name in [key[0] for key, _node in mark.made] +
                 [name for name, _node in mark.leaves] + mark.shapes + list(mark.own_forms)) and \
             all(i >= mark.first or i in outside for i in ids)
-        self.template = mark if mark.usable else None
 
-    def replayed(self, block: int, run: Sequence) -> bool:
-        """Whether the run of `block` was laid out from the template (`_Repeats`): its nodes appended, renamed and
-        renumbered, and what the template added to the builder's state added so; False (nothing done) where the
-        template does not apply."""
-        t, b = self.template, self.build
-        if t is None or block == OUTSIDE or block == t.block:
-            return False
-
-        names: dict[str, str] = {}   # each name's move, worked out once for the run
-
-        def name_of(n: str) -> str:
-            found = names.get(n)
-            if found is None:
-                found = names[n] = _moved(n, t.block, block)
-            return found
-        if not self.alike(t, run, name_of):
-            return False
+    def outside(self, t: _Template, name_of: Callable[[str], str]) -> dict[int, int] | None:
+        b = self.build
         outside: dict[int, int] = {node: node for node in t.kept}
         for read, forms in t.reads.items():
             now = b.forms.get(name_of(read))
             if now is None or list(now) != list(forms):
-                return False
+                return None
             outside.update((node, now[placement]) for placement, node in forms.items())
         if any((name_of(n), placement) in b.made for (n, placement), _node in t.made) or \
                 any(name_of(n) in b.leaf_ids for n, _node in t.leaves) or \
                 any(name_of(n) in b.forms for n in t.own_forms):
-            return False   # what the template made, made already (read before by another block): not alike
-        shift = len(b.nodes) - t.first
+            return None   # what the template made, made already (read before by another block): not alike
+        return outside
 
-        def moved(i: int) -> int:
-            return i + shift if i >= t.first else outside[i]
-        for node in b.nodes[t.first:t.end]:
-            b.nodes.append(PNode(node.id + shift, node.kind, name_of(node.op) if node.kind == "leaf" else node.op,
-                                 tuple(moved(i) for i in node.inputs), node.attrs, node.shape, node.degrees,
-                                 node.role, name_of(node.origin), node.placement, node.rules))
+    def added(self, t: _Template, moved: Callable[[int], int], name_of: Callable[[str], str]) -> None:
+        b = self.build
         for read, forms in t.forms_end.items():
             now = b.forms[name_of(read)]
             for placement, node in forms.items():
@@ -1199,22 +1212,6 @@ class _Repeats:
         b.leaf_ids.update((name_of(n), moved(node)) for n, node in t.leaves)
         b.chains += [_Chain(moved(c.source), moved(c.first), moved(c.last), c.dim, c.tensor_copy) for c in t.chains]
         b.shapes.update((name_of(n), b.shapes[n]) for n in t.shapes)
-        return True
-
-    def alike(self, t: _Template, run: Sequence, name_of: Callable[[str], str]) -> bool:
-        """Whether `run` is the template's run with its names moved (`name_of`, `_moved` to the run's block): the
-        same operators, attributes, shapes and inputs, and every value they name static, a weight, a view, a leaf
-        (of the same role), a graph operator, of the same shape and batch dim, in both or in neither."""
-        if len(run) != len(t.run):
-            return False
-        names: set[str] = set()
-        for was, now in zip(t.run, run):
-            if now.name != name_of(was.name) or now.op != was.op or now.attrs != was.attrs or \
-                    tuple(now.shape) != tuple(was.shape) or tuple(now.inputs) != tuple(map(name_of, was.inputs)):
-                return False
-            names.add(was.name)
-            names.update(was.inputs)
-        return all(self.value(n) == self.value(name_of(n)) for n in names)
 
     def value(self, name: str) -> tuple:
         """What the builder reads of a graph value besides its forms and nodes (`alike`)."""
