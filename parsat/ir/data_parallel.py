@@ -255,13 +255,15 @@ class _DataParallelBuilder:
 class _DataTemplate(BlockTemplate):
     """A block's run as `_DataParallelBuilder` placed it node by node (`_Replay`; `BlockTemplate`'s fields): the
     node of each value from outside the block it read, as it stood before (`reads`: the node `ident` gave, and
-    that node itself, `held`), how many graph values had a node and a weight-only node before (`ident_from`,
-    `whole_from`), and the nodes it gave its own values (`own`: `ident`'s entries it added)."""
+    that node itself, `held`; what `whole_of` found of it, `wholes`), how many graph values had a node and a
+    weight-only node before (`ident_from`, `whole_from`), and the nodes it gave its own values (`own`: `ident`'s
+    entries it added)."""
 
     reads: dict
     held: dict
     ident_from: int
     whole_from: int
+    wholes: dict
     own: list | None = None
 
 
@@ -285,7 +287,8 @@ class _Replay(BlockReplay):
     those nodes. A run of block j is laid out from a template of block t where the run is the template's with
     every name of t in j and of t - 1 in j - 1 (`alike`; `value`: whether a name is a graph operator, all
     `whole_of` could read of the graph), and each value it reads from outside its block holds a node of the
-    placement and shape the template's held (`outside`), no value of its own having one yet. Then each step of
+    placement and shape the template's held and stands in `whole` as the template's stood (worked out or not, to
+    a node or not: `whole_state`) (`outside`), no value of its own having a node yet. Then each step of
     the run reads what the template's step read, renamed, node ids moved by where the run begins (an outside
     value's node by its name), so it makes the same decision and the same nodes, renamed and renumbered: what
     `replayed` appends, and `ident` for the run's values, renamed likewise (`added`)."""
@@ -296,7 +299,11 @@ class _Replay(BlockReplay):
         reads = {name: b.ident.get(name) for gnode in run for name in gnode.inputs if name not in own}
         held = {name: b.nodes[node] for name, node in reads.items() if node is not None}
         return _DataTemplate(block, tuple(run), len(b.nodes), reads=reads, held=held, ident_from=len(b.ident),
-                             whole_from=len(b.whole))
+                             whole_from=len(b.whole), wholes={name: self.whole_state(name) for name in reads})
+
+    def whole_state(self, name: str) -> tuple[bool, bool]:
+        """What `whole_of` finds of a value without working it out: whether it was worked out, and to a node."""
+        return name in self.build.whole, self.build.whole.get(name) is not None
 
     def completed(self, mark: _DataTemplate) -> bool:
         b = self.build
@@ -313,7 +320,7 @@ class _Replay(BlockReplay):
         for read, node in t.reads.items():
             now = b.ident.get(name_of(read))
             if now is None or b.nodes[now].placement != t.held[read].placement or \
-                    b.nodes[now].shape != t.held[read].shape:
+                    b.nodes[now].shape != t.held[read].shape or self.whole_state(name_of(read)) != t.wholes[read]:
                 return None
             if outside.setdefault(node, now) != now:
                 return None   # two values the template read from one node, held by two nodes now
