@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from itertools import islice, product
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from parsat.dsl.instantiate import InstantiationError, OpInstance
 from parsat.dsl.library import Library
@@ -249,10 +249,6 @@ class _Kin:
     `_rescaled` finds no shape for them and the layout is built instead (issue 28: llama-70b:64's seven grids
     built their two data-parallel layouts each).
 
-    A layout kept on a mesh whose data axis alone has another size (the same axes, tensor size and node size) is
-    taken too, where the graphs split alike set of axes by set of axes on the two meshes: the builders read the
-    data axis's size as they read a dim's, only by whether it divides (`on_other_meshes` argues it).
-
     What every build of the grid's calls shares besides (`memo`): one graph's `_Memo` for every call that lays
     it out (a stage grid's graph is the unstaged step's at that micro-batch count; on other meshes and
     machines: every entry of a memo is kept by what it reads, the mesh's part included, as the layouts of one
@@ -313,35 +309,7 @@ class _Kin:
                 if pcg is None or found is not None:
                     self.keep(graph, memo, mesh, form, found)
                     return found
-        for other, like, pcg in self.on_other_meshes(mesh, form):
-            if self.alike(like, graph, memo.data_batch, mesh, other):
-                found = _rescaled(pcg, like, graph, self.tables(like, graph), mesh)
-                if found is not None:
-                    self.keep(graph, memo, mesh, form, found)
-                    return found
         return _NONE
-
-    def on_other_meshes(self, mesh: Mesh, form: tuple) -> Iterator[tuple[Mesh, Graph, PCG]]:
-        """The layouts of `form` kept on meshes of `mesh`'s axes and node size whose data axis alone has another
-        size (the tensor axis the same), with their meshes: what `layout` rescales to `mesh` where its graph is
-        alike on both meshes (issue 28: llama-70b:64's stage grids on 16 devices and on 8 lay their tp 1, 2 and 4
-        layouts out alike, 8 first builds). Why the same layout: the builders read the data axis's size only as
-        whether a dim splits into it, alone or with the tensor axis (`_splits`, `Placement.local_shape`, an
-        input's batch dim, a ZeRO-3 weight's dim: `_MegatronBuilder`; an input's dim 0, a ZeRO-3 weight's dim, a
-        weight-only value's dim 0: `ir.data_parallel`), which `_alike` compares axis set by axis set on the two
-        meshes (`_blocks` in the same order of sets for both), and as the degrees of the nodes and the `degree`
-        of the parallel operators on that axis, which they write and never read back, and `_rescaled` writes for
-        `mesh` (`_on_mesh`); the placement analysis reads codes and signatures, never sizes, and every cache the
-        builders read is keyed by what it reads (`known_options` by the axis's size). A layout the build found
-        none for on the other mesh is not taken: that answer may read a size that splits on one mesh alone."""
-        for (other, kept), entries in self.layouts.items():
-            if kept != form or other == mesh or other.names != mesh.names or \
-                    other.devices_per_node != mesh.devices_per_node or \
-                    any(a.size != b.size for a, b in zip(other.axes, mesh.axes) if a.name != DP_AXIS):
-                continue
-            for like, pcg in entries:
-                if pcg is not None:
-                    yield other, like, pcg
 
     def tables(self, like: Graph, graph: Graph) -> "_PairTables":
         """`_PairTables` of `like` and `graph`, made once per pair: every layout rescaled from `like` to `graph` (a
@@ -353,13 +321,12 @@ class _Kin:
             found = self.parts[key] = (like, graph, _PairTables.of(like, graph))
         return found[2]
 
-    def alike(self, like: Graph, graph: Graph, batch: dict, mesh: Mesh, like_mesh: Mesh | None = None) -> bool:
-        """`_alike` on `mesh` (`like` laid out on `like_mesh` where given: `on_other_meshes`), worked out once per
-        pair of graphs and mesh shapes, and its parts that read no mesh (`_same_structure`, `_same_signatures`)
-        once per pair of graphs, each where `_alike` would ask it: a grid lays a graph out on every mesh of its
-        devices (llama-70b:64's unstaged counts: four), and the signatures were most of each verdict."""
-        like_mesh = like_mesh or mesh
-        key = (id(like), id(graph), tuple(mesh.shape), tuple(like_mesh.shape))
+    def alike(self, like: Graph, graph: Graph, batch: dict, mesh: Mesh) -> bool:
+        """`_alike` on `mesh`, worked out once per pair of graphs and mesh shape, and its parts that read no mesh
+        (`_same_structure`, `_same_signatures`) once per pair of graphs, each where `_alike` would ask it: a grid
+        lays a graph out on every mesh of its devices (llama-70b:64's unstaged counts: four), and the signatures
+        were most of each verdict."""
+        key = (id(like), id(graph), tuple(mesh.shape))
         if key not in self.verdicts:
             pair = (id(like), id(graph))
 
@@ -369,34 +336,29 @@ class _Kin:
                     found = self.parts[(name, pair)] = (like, graph, check())
                 return found[2]
             self.verdicts[key] = (like, graph, _alike(like, graph, self.library, self.batches[id(like)][1], batch,
-                                                      _blocks(mesh.shape), part, _blocks(like_mesh.shape)))
+                                                      _blocks(mesh.shape), part))
         return self.verdicts[key][2]
 
 
 def _blocks(sizes: Sequence[int]) -> tuple[int, ...]:
-    """The products of the mesh's axis sizes, one per non-empty set of axes, the sets in one order for every mesh
-    of as many axes (a mesh (a, t): a, t, a t): the block counts a dim is split into, and which set of axes each
-    is (`_splits_alike` compares two meshes' set by set)."""
-    out = [1]
+    """The products of the mesh's axis sizes (every non-empty set of axes): the block counts a dim is split into."""
+    out = {1}
     for size in sizes:
-        out += [k * size for k in out]
-    return tuple(out[1:])
+        out |= {k * size for k in out}
+    return tuple(sorted(out - {1}))
 
 
 def _alike(like: Graph, graph: Graph, library: Library, like_batch: dict, batch: dict,
-           blocks: Sequence[int], once: Callable[[str, Callable[[], bool]], bool] | None = None,
-           like_blocks: Sequence[int] | None = None) -> bool:
+           blocks: Sequence[int], once: Callable[[str, Callable[[], bool]], bool] | None = None) -> bool:
     """Whether `graph` is `like` with other sizes that the build cannot tell apart on a mesh whose dims split
-    into `blocks` (`_Kin`; `like` on a mesh whose dims split into `like_blocks`, the same sets of axes in the
-    same order, where given: `_Kin.on_other_meshes`): the same structure and batch dims (`_same_structure`),
-    every dim splitting into each block count in both or in neither (`_splits_alike`), and every operator
-    instantiating in both with the same signature (`_same_signatures`). Each check reads only its arguments;
-    asked in this order, each only where those before it hold. `once(name, check)`: the answer of a check that
-    reads no mesh, which a caller asking of several meshes keeps (`_Kin.alike`)."""
+    into `blocks` (`_Kin`): the same structure and batch dims (`_same_structure`), every dim splitting into
+    `blocks` in both or in neither (`_splits_alike`), and every operator instantiating in both with the same
+    signature (`_same_signatures`). Each check reads only its arguments; asked in this order, each only where
+    those before it hold. `once(name, check)`: the answer of a check that reads no mesh, which a caller asking
+    of several meshes keeps (`_Kin.alike`)."""
     once = once or (lambda _name, check: check())
     return once("structure", lambda: _same_structure(like, graph, like_batch, batch)) and \
-        _splits_alike(like, graph, blocks, like_blocks) and \
-        once("signatures", lambda: _same_signatures(like, graph, library))
+        _splits_alike(like, graph, blocks) and once("signatures", lambda: _same_signatures(like, graph, library))
 
 
 def _same_structure(like: Graph, graph: Graph, like_batch: dict, batch: dict) -> bool:
@@ -409,14 +371,12 @@ def _same_structure(like: Graph, graph: Graph, like_batch: dict, batch: dict) ->
     return structure(like) == structure(graph) and like_batch == batch
 
 
-def _splits_alike(like: Graph, graph: Graph, blocks: Sequence[int], like_blocks: Sequence[int] | None = None) -> bool:
+def _splits_alike(like: Graph, graph: Graph, blocks: Sequence[int]) -> bool:
     """Whether every dim of every value of `like` (whose structure `graph` has: `_same_structure`) splits into
-    each of `like_blocks` (`blocks` where not given) exactly where the same dim of `graph` splits into the block
-    count of `blocks` at the same place: the part of `_alike` that reads the mesh."""
+    each of `blocks` exactly where the same dim of `graph` does: the part of `_alike` that reads the mesh."""
     before, after = like.shapes(), graph.shapes()
-    pairs = tuple(zip(like_blocks or blocks, blocks))
-    return not any((a % j == 0) != (b % k == 0) for name, shape in before.items()
-                   for a, b in zip(shape, after[name]) for j, k in pairs)
+    return not any((a % k == 0) != (b % k == 0) for name, shape in before.items()
+                   for a, b in zip(shape, after[name]) for k in blocks)
 
 
 def _same_signatures(like: Graph, graph: Graph, library: Library) -> bool:
@@ -465,25 +425,12 @@ class _PairTables:
                            {n.name: n for n in graph.nodes})
 
 
-def _rescaled(pcg: PCG, like: Graph, graph: Graph, tables: _PairTables | None = None,
-              mesh: Mesh | None = None) -> PCG | None:
+def _rescaled(pcg: PCG, like: Graph, graph: Graph, tables: _PairTables | None = None) -> PCG | None:
     """`pcg`, a layout of `like`, with each node's shape that of the value it holds in `graph` (a leaf's, an
     operator's origin's, a row-parallel layer's partial sum's its layer's, a parallel operator's its input's),
     and a graph operator's attributes its own in `graph`; None where a node's shape or attributes are not its
-    value's in `like` (then build it). `tables`: the two graphs' `_PairTables`, where the caller keeps them.
-    `mesh`: the layout on this mesh of `pcg.mesh`'s axes, other sizes (`_Kin.on_other_meshes`): each node's
-    degrees its placement's there and each parallel operator's degree its axis's size there, as the builder's
-    `add` and `parallel` make them (`_on_mesh`); None where a value the builder makes of its own, not the graph's
-    (a vocabulary-parallel loss's blocks: `vocabulary_steps`), has a dim that splits on one mesh and not on the
-    other, set of axes by set of axes (`_blocks`), which `_alike` compares for the graph's values alone."""
+    value's in `like` (then build it). `tables`: the two graphs' `_PairTables`, where the caller keeps them."""
     tables = tables or _PairTables.of(like, graph)
-    if mesh is not None and mesh != pcg.mesh:
-        pairs = tuple(zip(_blocks(pcg.mesh.shape), _blocks(mesh.shape)))
-        made = _vocabulary_parts(pcg, like, tables.before, tables.after).values()
-        if any((a % j == 0) != (b % k == 0) for old, new, _attrs in made for a, b in zip(old, new) for j, k in pairs):
-            return None
-        found = _rescaled(pcg, like, graph, tables)
-        return None if found is None else _on_mesh(found, mesh)
     before, after, was, now = tables.before, tables.after, tables.was, tables.now
     parts = _vocabulary_parts(pcg, like, before, after)
     nodes: list[PNode] = []
@@ -511,28 +458,6 @@ def _rescaled(pcg: PCG, like: Graph, graph: Graph, tables: _PairTables | None = 
                      PNode(node.id, node.kind, node.op, node.inputs, attrs, tuple(new), node.degrees, node.role,
                            node.origin, node.placement, node.rules))
     return pcg.reshaped(tuple(nodes))   # the same structure: the facts read from it alone are shared
-
-
-def _on_mesh(pcg: PCG, mesh: Mesh) -> PCG:
-    """`pcg` on `mesh`, a mesh of its mesh's axes with other sizes: each node's degrees its placement's on `mesh`
-    (`Degrees.of_placement`, as the builders' `add` makes them) and each parallel operator's `degree` attribute
-    the size of its axis on `mesh` (the builders' `parallel`); every other field as it is. A new PCG: the facts
-    worked out of `pcg` (some read degrees) are not shared."""
-    sizes = {axis.name: axis.size for axis in mesh.axes}
-    degrees: dict[tuple[Placement, int], Degrees] = {}
-    nodes = []
-    for node in pcg.nodes:
-        known = (node.placement, len(node.shape))
-        found = degrees.get(known)
-        if found is None:
-            found = degrees[known] = Degrees.of_placement(node.placement, mesh, len(node.shape))
-        attrs = node.attrs
-        if node.kind == "parallel":
-            axis = dict(attrs)["axis"]
-            attrs = tuple((k, sizes[axis]) if k == "degree" else (k, v) for k, v in attrs)
-        nodes.append(PNode(node.id, node.kind, node.op, node.inputs, attrs, node.shape, found, node.role,
-                           node.origin, node.placement, node.rules))
-    return replace(pcg, nodes=tuple(nodes), mesh=mesh)
 
 
 def vocabulary_steps(name: str, logits: str, rows: Sequence[int], vocab: int, p: int) -> list[tuple]:
