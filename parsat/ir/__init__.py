@@ -22,7 +22,8 @@ PCGs), `fused_projections` (a fused projection read apart, HF GPT-2's
 weight head by head), `costs` (the cost records a plan carries), `plan`
 (the plan and its JSON; `parsat.report` presents it), `microbatch` (how a
 step's batch is cut into micro-batches), `blocks` (which block of a stack
-a value belongs to), `block_layout` (a stack's blocks checked identical
+a value belongs to), `block_replay` (a block's run of a layout laid out as an alike block's was, renamed: what
+the direct builders share), `block_layout` (a stack's blocks checked identical
 by structure, found where no name says them, cut to the blocks searched),
 `recompute` (which values a plan drops after forward
 and computes again), `pipeline` (a PCG cut into stages, their schedule

@@ -20,13 +20,16 @@ for a plan that names it (`parsat/backend/cli.py`).
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Sequence
+from dataclasses import dataclass, replace
+from itertools import islice
+from typing import Callable, Sequence
 
 from parsat.dsl import ast
 from parsat.dsl.instantiate import InstantiationError
 from parsat.dsl.library import Library
 from parsat.dsl.parallel_ops import ALL_GATHER, COMBINE, PARTITION, REDUCE, REPLICATE
+from parsat.ir.block_replay import BlockReplay, BlockTemplate, block_runs
+from parsat.ir.blocks import OUTSIDE, block_of
 from parsat.ir.graph import Graph, Leaf, OpNode, instance_for
 from parsat.ir.mesh import Mesh
 from parsat.ir.pcg import PCG, Degrees, PNode
@@ -79,10 +82,20 @@ def _built(graph: Graph, library: Library, devices: int, devices_per_node: int,
     for leaf in graph.leaves:
         build.place_leaf(leaf, zero3, leaf.name in graph.constants)
     cache = {} if cache is None else cache
-    for gnode in graph.nodes:
-        refused = build.place_operator(gnode, library.ops[gnode.op], cache)
-        if refused:
-            return f"operator '{gnode.name}' ({gnode.op}) does not accept its inputs split along the batch: {refused}"
+    # a block's run laid out as the alike run before it was (`_Replay`), by the plain builder alone: a subclass's
+    # steps read state of its own (`ir.expert_parallel`), which the replay does not compare
+    repeats = _Replay(build) if type(build) is _DataParallelBuilder else None
+    for block, run in block_runs(graph) if repeats is not None else ((OUTSIDE, graph.nodes),):
+        if repeats is not None and repeats.replayed(block, run):
+            continue
+        mark = repeats.before(block, run) if repeats is not None else None
+        for gnode in run:
+            refused = build.place_operator(gnode, library.ops[gnode.op], cache)
+            if refused:
+                return f"operator '{gnode.name}' ({gnode.op}) does not accept its inputs split along the batch: " \
+                    f"{refused}"
+        if repeats is not None:
+            repeats.after(mark)
     outputs = build.gathered_outputs(graph.outputs)
     if outputs is None:
         return "an output is split along a dim other than the batch, which no rank can gather as the module returns it"
@@ -236,6 +249,90 @@ class _DataParallelBuilder:
             else:
                 return None
         return outputs
+
+
+@dataclass(kw_only=True)
+class _DataTemplate(BlockTemplate):
+    """A block's run as `_DataParallelBuilder` placed it node by node (`_Replay`; `BlockTemplate`'s fields): the
+    node of each value from outside the block it read, as it stood before (`reads`: the node `ident` gave, and
+    that node itself, `held`; what `whole_of` found of it, `wholes`), how many graph values had a node and a
+    weight-only node before (`ident_from`, `whole_from`), and the nodes it gave its own values (`own`: `ident`'s
+    entries it added)."""
+
+    reads: dict
+    held: dict
+    ident_from: int
+    whole_from: int
+    wholes: dict
+    own: list | None = None
+
+
+class _Replay(BlockReplay):
+    """A block's run of the data-parallel layout laid out as the builder laid the run of a block before it out (its
+    template), renamed (`ir.block_replay.BlockReplay`, the mechanism `ir.megatron._Repeats` runs too; issue 28:
+    llama-70b's 80 blocks placed operator by operator in each of a call's data-parallel builds).
+
+    Why the same nodes. The leaves are all placed before any operator (`_built`), so a run places operators
+    alone, one after another, and each step (`place_operator` and its repairs) reads only: the operator, its
+    attributes, shape and inputs' names (the graph), the operator instance at its inputs' shapes and the
+    placement analysis's answers (caches keyed by what they read), the node `ident` holds for each input (its
+    placement and shape), and, in its repairs, the nodes it made earlier in the run, the builder's `devices` and,
+    through `whole_of`, `whole` and the graph's operators. What it changes: nodes appended; `ident` for its own
+    values (and, where `all_reduced` reduces an input, that input's node's origin and `ident`); `whole` where
+    `whole_of` works a weight-only value out. A template is usable (`completed`) where it added no `whole` entry
+    (so it read of `whole` nothing that a run of another block could find otherwise: `whole_of` of a value not
+    worked out adds one, and one worked out is a weight-only value's node, which no node of the run may read
+    from outside it), left every value it read from outside its block with the node it had, that node unchanged,
+    gave `ident` entries to its own block's values alone, and made nodes that read, from outside the run, only
+    those nodes. A run of block j is laid out from a template of block t where the run is the template's with
+    every name of t in j and of t - 1 in j - 1 (`alike`; `value`: whether a name is a graph operator, all
+    `whole_of` could read of the graph), and each value it reads from outside its block holds a node of the
+    placement and shape the template's held and stands in `whole` as the template's stood (worked out or not, to
+    a node or not: `whole_state`) (`outside`), no value of its own having a node yet. Then each step of
+    the run reads what the template's step read, renamed, node ids moved by where the run begins (an outside
+    value's node by its name), so it makes the same decision and the same nodes, renamed and renumbered: what
+    `replayed` appends, and `ident` for the run's values, renamed likewise (`added`)."""
+
+    def record(self, block: int, run: Sequence) -> _DataTemplate:
+        b = self.build
+        own = {gnode.name for gnode in run}
+        reads = {name: b.ident.get(name) for gnode in run for name in gnode.inputs if name not in own}
+        held = {name: b.nodes[node] for name, node in reads.items() if node is not None}
+        return _DataTemplate(block, tuple(run), len(b.nodes), reads=reads, held=held, ident_from=len(b.ident),
+                             whole_from=len(b.whole), wholes={name: self.whole_state(name) for name in reads})
+
+    def whole_state(self, name: str) -> tuple[bool, bool]:
+        """What `whole_of` finds of a value without working it out: whether it was worked out, and to a node."""
+        return name in self.build.whole, self.build.whole.get(name) is not None
+
+    def completed(self, mark: _DataTemplate) -> bool:
+        b = self.build
+        mark.own = list(islice(b.ident.items(), mark.ident_from, None))
+        ids = set(mark.reads.values())
+        return len(b.whole) == mark.whole_from and len(mark.held) == len(mark.reads) and \
+            all(b.ident.get(name) == node and b.nodes[node] is mark.held[name] for name, node in mark.reads.items()) \
+            and all(block_of(name) == mark.block for name, _node in mark.own) and \
+            all(i >= mark.first or i in ids for node in b.nodes[mark.first:mark.end] for i in node.inputs)
+
+    def outside(self, t: _DataTemplate, name_of: Callable[[str], str]) -> dict[int, int] | None:
+        b = self.build
+        outside: dict[int, int] = {}
+        for read, node in t.reads.items():
+            now = b.ident.get(name_of(read))
+            if now is None or b.nodes[now].placement != t.held[read].placement or \
+                    b.nodes[now].shape != t.held[read].shape or self.whole_state(name_of(read)) != t.wholes[read]:
+                return None
+            if outside.setdefault(node, now) != now:
+                return None   # two values the template read from one node, held by two nodes now
+        if any(name_of(n) in b.ident for n, _node in t.own):
+            return None   # a value of the run placed already: not the state the template began from
+        return outside
+
+    def added(self, t: _DataTemplate, moved: Callable[[int], int], name_of: Callable[[str], str]) -> None:
+        self.build.ident.update((name_of(n), moved(node)) for n, node in t.own)
+
+    def value(self, name: str) -> tuple:
+        return (name in self.build.graph_nodes,)
 
 
 def _live(nodes: Sequence[PNode], outputs: Sequence[int], names: tuple[str, ...], mesh: Mesh) -> PCG:

@@ -64,7 +64,8 @@ from parsat.dsl.parallel_ops import (ALL_GATHER, COMBINE, PARTITION, REDUCE, RED
                                      REPLICATE)
 from parsat.ir.data_parallel import _live, data_parallel_pcg
 from parsat.ir.fused_projections import heads_ordered, with_rules
-from parsat.ir.blocks import OUTSIDE, block_of, in_block
+from parsat.ir.block_replay import BlockReplay, BlockTemplate, block_runs
+from parsat.ir.blocks import OUTSIDE, block_of
 from parsat.ir.graph import Graph, Leaf, instance_for
 from parsat.ir.mesh import Mesh
 from parsat.ir.microbatch import batch_dims, batch_wide_constants
@@ -533,7 +534,7 @@ class _Memo:
         # `compute_placement`'s own cache (`axis_compute`'s: by signature and codes), shared across graphs by `_Kin`
         self.placements: dict = {} if placements is None else placements
         self.options: dict[tuple, list[tuple[float, tuple[int, ...]]]] = {}   # `_MegatronBuilder.known_options`
-        self.runs = _block_runs(graph)   # the graph's nodes in runs of one block (`_Repeats`)
+        self.runs = block_runs(graph)   # the graph's nodes in runs of one block (`_Repeats`)
 
     @staticmethod
     def of(graph: Graph, library: Library, cache: dict | None) -> "_Memo":
@@ -1028,36 +1029,15 @@ def _splits(shape: Sequence[int], code: int, size: int) -> bool:
     return dim is None or (dim < len(shape) and shape[dim] % size == 0)
 
 
-def _block_runs(graph: Graph) -> tuple[tuple[int, tuple], ...]:
-    """The graph's nodes in order, cut into runs of one block (`ir.blocks.block_of`; OUTSIDE for the nodes outside
-    every block), each with its block: what `_built_layout` places run by run. One run for the whole graph, as
-    OUTSIDE, where some block's nodes are not all in one run (no run is then repeated: `_Repeats`)."""
-    runs: list[tuple[int, list]] = []
-    for gnode in graph.nodes:
-        block = block_of(gnode.name)
-        if runs and runs[-1][0] == block:
-            runs[-1][1].append(gnode)
-        else:
-            runs.append((block, [gnode]))
-    blocks = [block for block, _run in runs if block != OUTSIDE]
-    if len(set(blocks)) != len(blocks):
-        return ((OUTSIDE, tuple(graph.nodes)),)
-    return tuple((block, tuple(run)) for block, run in runs)
+@dataclass(kw_only=True)
+class _Template(BlockTemplate):
+    """A block's run as `_MegatronBuilder` placed it node by node (`_Repeats`; `BlockTemplate`'s fields): what it
+    read of the builder's state from outside the block, as it stood before (`reads`: each activation from outside
+    the block read, with its forms then; `kept`: the nodes of static values from outside both this block and the
+    one before, by id); and what it added to that state besides its nodes: its values' forms, the forms it added
+    to the activations it read (`forms_end`, their forms after), its static values made (`made`), leaves, ZeRO-3
+    chains and shapes. Not `usable` where it read or added anything else (then a block is not laid out from it)."""
 
-
-@dataclass
-class _Template:
-    """A block's run as `_MegatronBuilder` placed it node by node (`_Repeats`): its nodes are the builder's
-    `first` .. `end - 1`; what it read of the builder's state from outside the block, as it stood before (`reads`:
-    each activation from outside the block read, with its forms then; `kept`: the nodes of static values from
-    outside both this block and the one before, by id); and what it added to that state besides its nodes: its
-    values' forms, the forms it added to the activations it read (`forms_end`, their forms after), its static values
-    made (`made`), leaves, ZeRO-3 chains and shapes. `usable`: False where it read or added anything else (then a
-    block is not laid out from it)."""
-
-    block: int
-    run: tuple
-    first: int
     reads: dict
     kept: frozenset
     made_from: int
@@ -1065,29 +1045,18 @@ class _Template:
     chains_from: int
     shapes_from: int
     forms_from: int
-    end: int = 0
     forms_end: dict | None = None
     own_forms: dict | None = None
     made: list | None = None
     leaves: list | None = None
     chains: list | None = None
     shapes: list | None = None
-    usable: bool = False
 
 
-def _moved(name: str, block: int, to: int) -> str:
-    """`name` of a layout of block `block` (which reads block `block` - 1) as the layout of block `to` names it:
-    a name of `block` in `to`, one of `block` - 1 in `to` - 1, any other kept (`_Repeats`)."""
-    found = block_of(name)
-    if found == block:
-        return in_block(name, to)
-    return in_block(name, to - 1) if found == block - 1 and found != OUTSIDE else name
-
-
-class _Repeats:
+class _Repeats(BlockReplay):
     """A block's run laid out as the builder laid the run of a block before it out (its template), renamed, where
-    the builder would place it alike (issue 28: llama-70b's 80 blocks, each placed operator by operator in every
-    layout the grid builds, 18 builds a call).
+    the builder would place it alike (`ir.block_replay.BlockReplay`, the mechanism; issue 28: llama-70b's 80
+    blocks, each placed operator by operator in every layout the grid builds, 18 builds a call).
 
     Why the same nodes. The builder places a run's operators one after another, and each step reads only: the
     graph (the operators, their inputs, attributes and shapes, which values are static, weights, or views of
@@ -1100,22 +1069,15 @@ class _Repeats:
     one that it made, or a leaf it added outside its block, makes it unusable). A run of block j is laid out from
     a template of block t where the run is the template's with every name of t in j and of t - 1 in j - 1 (its
     operators, attributes, shapes, inputs; its values static, weights, views, leaves of the same shapes and roles
-    alike: `alike`), and each activation it reads from outside holds the forms the template's did, placement by
-    placement in the same order (its nodes other ones, of the same placements and shapes: the value's). Then every
-    read of the run's steps gives what the template's step read gave, renamed, its node ids the template's moved
-    by where the run begins (an activation's form by its placement, a static value's kept node as it is), so each
-    step makes the same decision and the same nodes, renamed and renumbered: what `replayed` appends, with the
-    state the template added, renamed likewise. Checked on llama-70b:64's 100 layouts of a call: each equals the
-    layout main placed operator by operator (1,404 blocks replayed)."""
+    alike: `alike`, `value`), and each activation it reads from outside holds the forms the template's did,
+    placement by placement in the same order (its nodes other ones, of the same placements and shapes: the
+    value's: `outside`). Then every read of the run's steps gives what the template's step read gave, renamed, its
+    node ids the template's moved by where the run begins (an activation's form by its placement, a static value's
+    kept node as it is), so each step makes the same decision and the same nodes, renamed and renumbered: what
+    `replayed` appends, with the state the template added, renamed likewise (`added`). Checked on llama-70b:64's
+    100 layouts of a call: each equals the layout main placed operator by operator (1,404 blocks replayed)."""
 
-    def __init__(self, build: "_MegatronBuilder"):
-        self.build = build
-        self.template: _Template | None = None
-
-    def before(self, block: int, run: Sequence) -> _Template | None:
-        """A template's record of what stands before a run of `block` is placed (None outside every block)."""
-        if block == OUTSIDE:
-            return None
+    def record(self, block: int, run: Sequence) -> _Template:
         b = self.build
         own = {gnode.name for gnode in run}
         reads = {}
@@ -1127,16 +1089,12 @@ class _Repeats:
                     reads[name] = None   # a static value of the block before: its node is not kept by id
         kept = frozenset(node for (name, _p), node in b.made.items()
                          if node is not None and block_of(name) not in (block, block - 1))
-        return _Template(block, tuple(run), len(b.nodes), reads, kept, len(b.made), len(b.leaf_ids), len(b.chains),
-                         len(b.shapes), len(b.forms))
+        return _Template(block, tuple(run), len(b.nodes), reads=reads, kept=kept, made_from=len(b.made),
+                         leaves_from=len(b.leaf_ids), chains_from=len(b.chains), shapes_from=len(b.shapes),
+                         forms_from=len(b.forms))
 
-    def after(self, mark: _Template | None) -> None:
-        """The template `mark` completed once its run is placed; kept where usable (else the next run is placed
-        node by node and becomes the template)."""
-        if mark is None:
-            return
+    def completed(self, mark: _Template) -> bool:
         b, block = self.build, mark.block
-        mark.end = len(b.nodes)
         mark.made = list(islice(b.made.items(), mark.made_from, None))
         mark.leaves = list(islice(b.leaf_ids.items(), mark.leaves_from, None))
         mark.chains = b.chains[mark.chains_from:]
@@ -1147,47 +1105,27 @@ class _Repeats:
         outside |= mark.kept
         ids = [i for node in b.nodes[mark.first:mark.end] for i in node.inputs] + \
             [i for chain in mark.chains for i in (chain.source, chain.first, chain.last)]
-        mark.usable = None not in mark.reads.values() and \
+        return None not in mark.reads.values() and \
             all(block_of(name) == block for name in [key[0] for key, _node in mark.made] +
                 [name for name, _node in mark.leaves] + mark.shapes + list(mark.own_forms)) and \
             all(i >= mark.first or i in outside for i in ids)
-        self.template = mark if mark.usable else None
 
-    def replayed(self, block: int, run: Sequence) -> bool:
-        """Whether the run of `block` was laid out from the template (`_Repeats`): its nodes appended, renamed and
-        renumbered, and what the template added to the builder's state added so; False (nothing done) where the
-        template does not apply."""
-        t, b = self.template, self.build
-        if t is None or block == OUTSIDE or block == t.block:
-            return False
-
-        names: dict[str, str] = {}   # each name's move, worked out once for the run
-
-        def name_of(n: str) -> str:
-            found = names.get(n)
-            if found is None:
-                found = names[n] = _moved(n, t.block, block)
-            return found
-        if not self.alike(t, run, name_of):
-            return False
+    def outside(self, t: _Template, name_of: Callable[[str], str]) -> dict[int, int] | None:
+        b = self.build
         outside: dict[int, int] = {node: node for node in t.kept}
         for read, forms in t.reads.items():
             now = b.forms.get(name_of(read))
             if now is None or list(now) != list(forms):
-                return False
+                return None
             outside.update((node, now[placement]) for placement, node in forms.items())
         if any((name_of(n), placement) in b.made for (n, placement), _node in t.made) or \
                 any(name_of(n) in b.leaf_ids for n, _node in t.leaves) or \
                 any(name_of(n) in b.forms for n in t.own_forms):
-            return False   # what the template made, made already (read before by another block): not alike
-        shift = len(b.nodes) - t.first
+            return None   # what the template made, made already (read before by another block): not alike
+        return outside
 
-        def moved(i: int) -> int:
-            return i + shift if i >= t.first else outside[i]
-        for node in b.nodes[t.first:t.end]:
-            b.nodes.append(PNode(node.id + shift, node.kind, name_of(node.op) if node.kind == "leaf" else node.op,
-                                 tuple(moved(i) for i in node.inputs), node.attrs, node.shape, node.degrees,
-                                 node.role, name_of(node.origin), node.placement, node.rules))
+    def added(self, t: _Template, moved: Callable[[int], int], name_of: Callable[[str], str]) -> None:
+        b = self.build
         for read, forms in t.forms_end.items():
             now = b.forms[name_of(read)]
             for placement, node in forms.items():
@@ -1199,22 +1137,6 @@ class _Repeats:
         b.leaf_ids.update((name_of(n), moved(node)) for n, node in t.leaves)
         b.chains += [_Chain(moved(c.source), moved(c.first), moved(c.last), c.dim, c.tensor_copy) for c in t.chains]
         b.shapes.update((name_of(n), b.shapes[n]) for n in t.shapes)
-        return True
-
-    def alike(self, t: _Template, run: Sequence, name_of: Callable[[str], str]) -> bool:
-        """Whether `run` is the template's run with its names moved (`name_of`, `_moved` to the run's block): the
-        same operators, attributes, shapes and inputs, and every value they name static, a weight, a view, a leaf
-        (of the same role), a graph operator, of the same shape and batch dim, in both or in neither."""
-        if len(run) != len(t.run):
-            return False
-        names: set[str] = set()
-        for was, now in zip(t.run, run):
-            if now.name != name_of(was.name) or now.op != was.op or now.attrs != was.attrs or \
-                    tuple(now.shape) != tuple(was.shape) or tuple(now.inputs) != tuple(map(name_of, was.inputs)):
-                return False
-            names.add(was.name)
-            names.update(was.inputs)
-        return all(self.value(n) == self.value(name_of(n)) for n in names)
 
     def value(self, name: str) -> tuple:
         """What the builder reads of a graph value besides its forms and nodes (`alike`)."""
