@@ -123,7 +123,7 @@ def _crossings_by_walk(layer_map: LayerMap, starts, degree) -> list:
     out = []
     for node in pcg.nodes:
         if node.id in owner:
-            for target in sorted({owner[r] for r in layer_map.readers.get(node.id, ()) if r in owner}
+            for target in sorted({owner[r.id] for r in pcg.readers_of.get(node.id, ()) if r.id in owner}
                                  - {owner[node.id]}):
                 out.append(Crossing(node.id, owner[node.id], target, node.degrees.piece_elements(node.shape)))
     return out

@@ -225,6 +225,14 @@ def layer_costs(plan: Plan) -> dict[int, LayerCost]:
     return StagePricer(plan, plan.machine).layer_costs()
 
 
+def _share_bytes(shares: Sequence[LayerCost]) -> tuple[int, int, int]:
+    """The activation and state bytes of `shares` summed in order, and their largest transient bytes."""
+    act = state = transient = 0
+    for c in shares:
+        act, state, transient = act + c.activation_bytes, state + c.state_bytes, max(transient, c.transient_bytes)
+    return act, state, transient
+
+
 def equal_starts(layers: Sequence[int], chunks: int) -> tuple[int, ...]:
     """The layers cut into `chunks` runs of equal count (the first ones one longer when it does not divide)."""
     if chunks > len(layers):
@@ -783,14 +791,14 @@ class StagePricer:
         integer times the running count, and its largest is the integer times the largest count. The same
         integers, without walking the order (2m actions a stage) for every cut of every candidate."""
         per_chunk = self._chunk_bytes(cut, degree)
-        if per_chunk is None:   # a figure that is not an integer: summed node by node, as `price` sums it
-            layout = self.memo.lay_out(self.layer_map, cut, degree)
-            per_chunk = [(c.activation_bytes, c.state_bytes, c.transient_bytes) for c in self._chunk_costs(layout)]
-            peaks = activation_peaks(orders, [act for act, _state, _transient in per_chunk])
-        elif len(cut) == degree and all(act >= 0 for act, _state, _transient in per_chunk):
+        if per_chunk is not None and len(cut) == degree and all(act >= 0 for act, _state, _transient in per_chunk):
             held = self.memo.in_flight(schedule, degree, 1, self.microbatches)
             peaks = [count * act for count, (act, _state, _transient) in zip(held, per_chunk)]
         else:
+            if per_chunk is None:   # a figure that is not an integer: summed node by node, as `price` sums it
+                layout = self.memo.lay_out(self.layer_map, cut, degree)
+                per_chunk = [(c.activation_bytes, c.state_bytes, c.transient_bytes)
+                             for c in self._chunk_costs(layout)]
             peaks = activation_peaks(orders, [act for act, _state, _transient in per_chunk])
         return max(_stage_bytes([range(s, len(cut), degree) for s in range(degree)], per_chunk, peaks))
 
@@ -902,20 +910,9 @@ class StagePricer:
         if not all(type(c.activation_bytes) is int and type(c.state_bytes) is int and type(c.transient_bytes) is int
                    for c in distinct):
             return None
-        free, shares, own, needed, made = self.layer_map.free, self.shares, {}, {}, {}
-        members = self.layer_map.layer_members
-        for layer, ordered in self._layer_orders:   # a layer's figures once per sequence of shares (`_layer_orders`)
-            mine = [shares[i] for i in ordered if i not in free and i in shares]
-            key = tuple(map(id, mine))
-            found = made.get(key)
-            if found is None:
-                act = state = transient = 0
-                for c in mine:
-                    act, state, transient = act + c.activation_bytes, state + c.state_bytes, max(transient,
-                                                                                               c.transient_bytes)
-                found = made[key] = (act, state, transient)
-            own[layer] = found
-            needed[layer] = members[layer] & free
+        free, members = self.layer_map.free, self.layer_map.layer_members
+        own = self._per_layer(_share_bytes, free)
+        needed = {layer: members[layer] & free for layer in own}
         free_bytes = {i: (self.shares[i].activation_bytes, self.shares[i].state_bytes, self.shares[i].transient_bytes)
                       for i in free if i in self.shares}
         return own, needed, free_bytes
@@ -998,16 +995,21 @@ class StagePricer:
         if self._layer_costs is None:
             # one chunk per layer, each its own stage (nothing charged to an earlier chunk): a layer's nodes in the
             # PCG's order, as `lay_out` lists a chunk's, summed as `_chunk_costs` sums them
-            shares, made, out = self.shares, {}, {}
-            for layer, ordered in self._layer_orders:
-                mine = [shares[i] for i in ordered if i in shares]
-                key = tuple(map(id, mine))
-                found = made.get(key)
-                if found is None:
-                    found = made[key] = _summed(mine)
-                out[layer] = found
-            self._layer_costs = out
+            self._layer_costs = self._per_layer(_summed)
         return self._layer_costs
+
+    def _per_layer(self, figure: Callable[[list[LayerCost]], object], left_out: Collection[int] = ()) -> dict:
+        """Layer -> `figure` of the shares of its nodes (`_layer_orders`, less `left_out`), in the PCG's order:
+        worked out once per distinct sequence of share objects (what `layer_costs` and `_layer_bytes` read)."""
+        shares, made, out = self.shares, {}, {}
+        for layer, ordered in self._layer_orders:
+            mine = [shares[i] for i in ordered if i in shares and i not in left_out]
+            key = tuple(map(id, mine))
+            found = made.get(key)
+            if found is None:
+                found = made[key] = figure(mine)
+            out[layer] = found
+        return out
 
     @cached_property
     def _layer_orders(self) -> tuple[tuple[int, tuple[int, ...]], ...]:

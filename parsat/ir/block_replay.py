@@ -68,8 +68,9 @@ class BlockReplay:
     the run is the template's with every name of block t in block j and of t - 1 in j - 1 (`alike`) and the
     builder's replay finds what the run reads from outside its block as the template found it (`outside`).
 
-    The builder calls, for each run in graph order (`block_runs`): `replayed(block, run)`; where that is False,
-    `before(block, run)`, places the run node by node, then `after(mark)`. A subclass says what its builder
+    The builder lays its runs out in graph order (`block_runs`) by `lay_out`, which for each run calls
+    `replayed(block, run)`; where that is False, `before(block, run)`, the builder's placing of the run node by
+    node, then `after(mark)`. A subclass says what its builder
     reads and adds: `record` (the template's record of the state before the run), `completed` (what the run
     added, and whether the template is usable: it read nothing and added nothing but what `outside` compares
     and `added` repeats), `outside` (the node of each value from outside the block that the template read, ->
@@ -80,6 +81,21 @@ class BlockReplay:
     def __init__(self, build):
         self.build = build
         self.template: BlockTemplate | None = None
+
+    def lay_out(self, runs: Sequence[tuple[int, Sequence]], place: Callable[[Sequence], str | None]) -> str | None:
+        """Each of `runs` (block, run) laid out in order: replayed from the template where it applies, else placed
+        by `place` (node by node; a refusal, or None) and kept as the next template where usable. The first
+        refusal `place` gives (the rest not laid out), None where every run is laid out. Runs outside every
+        block (OUTSIDE; one run of a whole graph to lay out without replaying) are placed, never templates."""
+        for block, run in runs:
+            if self.replayed(block, run):
+                continue
+            mark = self.before(block, run)
+            refused = place(run)
+            if refused is not None:
+                return refused
+            self.after(mark)
+        return None
 
     def before(self, block: int, run: Sequence) -> BlockTemplate | None:
         """A template's record of what stands before a run of `block` is placed (None outside every block)."""

@@ -82,20 +82,20 @@ def _built(graph: Graph, library: Library, devices: int, devices_per_node: int,
     for leaf in graph.leaves:
         build.place_leaf(leaf, zero3, leaf.name in graph.constants)
     cache = {} if cache is None else cache
-    # a block's run laid out as the alike run before it was (`_Replay`), by the plain builder alone: a subclass's
-    # steps read state of its own (`ir.expert_parallel`), which the replay does not compare
-    repeats = _Replay(build) if type(build) is _DataParallelBuilder else None
-    for block, run in block_runs(graph) if repeats is not None else ((OUTSIDE, graph.nodes),):
-        if repeats is not None and repeats.replayed(block, run):
-            continue
-        mark = repeats.before(block, run) if repeats is not None else None
+
+    def place(run: Sequence[OpNode]) -> str | None:
         for gnode in run:
             refused = build.place_operator(gnode, library.ops[gnode.op], cache)
             if refused:
                 return f"operator '{gnode.name}' ({gnode.op}) does not accept its inputs split along the batch: " \
                     f"{refused}"
-        if repeats is not None:
-            repeats.after(mark)
+        return None
+    # a block's run laid out as the alike run before it was (`_Replay`), by the plain builder alone: a subclass's
+    # steps read state of its own (`ir.expert_parallel`), which the replay does not compare (one run, OUTSIDE)
+    runs = block_runs(graph) if type(build) is _DataParallelBuilder else ((OUTSIDE, tuple(graph.nodes)),)
+    refused = _Replay(build).lay_out(runs, place)
+    if refused is not None:
+        return refused
     outputs = build.gathered_outputs(graph.outputs)
     if outputs is None:
         return "an output is split along a dim other than the batch, which no rank can gather as the module returns it"

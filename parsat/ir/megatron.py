@@ -66,7 +66,7 @@ from parsat.ir.data_parallel import _live, data_parallel_pcg
 from parsat.ir.fused_projections import heads_ordered, with_rules
 from parsat.ir.block_replay import BlockReplay, BlockTemplate, block_runs
 from parsat.ir.blocks import OUTSIDE, block_of
-from parsat.ir.graph import Graph, Leaf, instance_for
+from parsat.ir.graph import Graph, Leaf, OpNode, instance_for
 from parsat.ir.mesh import Mesh
 from parsat.ir.microbatch import batch_dims, batch_wide_constants
 from parsat.ir.pcg import PCG, STRIDED_VIEW, VIEW_OPS, Degrees, PNode
@@ -205,17 +205,17 @@ def _built_layout(graph: Graph, mesh: Mesh, zero: int, sequence: bool, memo: "_M
     build = _MegatronBuilder(graph, mesh, zero == 3, sequence, memo, vocabulary_loss, reduce_at_once)
     for leaf in graph.leaves:
         build.place_leaf(leaf)
-    repeats = _Repeats(build)
-    for block, run in memo.runs:   # the graph's nodes, a block's a run: one laid out as the one before, repeated
-        if repeats.replayed(block, run):
-            continue
-        mark = repeats.before(block, run)
+
+    def place(run: Sequence[OpNode]) -> str | None:
         for gnode in run:
             if gnode.name in build.static:
                 continue   # made where it is read, in the placement its reader needs (`weight_value`)
             if not build.place_graph_node(gnode):
-                return None
-        repeats.after(mark)
+                return gnode.name
+        return None
+    # the graph's nodes, a block's a run: one laid out as the one before, repeated
+    if _Repeats(build).lay_out(memo.runs, place) is not None:
+        return None
     outputs = [build.gathered(name) for name in graph.outputs]
     if any(o is None for o in outputs):
         return None

@@ -191,7 +191,8 @@ def lay_out_stages(pcg: PCG, starts: Sequence[int], degree: int) -> StageLayout:
 
 class LayerMap:
     """What cutting one PCG into stages needs, worked out once (the cut search lays out many cuts of one PCG):
-    its layers, each node's layer, its free values and what each node needs of them, its readers."""
+    its layers, each node's layer, its free values and what each node needs of them, the other layers reading
+    each node (`reader_layers`)."""
 
     def __init__(self, pcg: PCG):
         self.pcg = pcg
@@ -208,12 +209,6 @@ class LayerMap:
         self.needs = needs
         self.weights = [n.id for n in pcg.nodes if n.kind == "leaf" and n.role == WEIGHT]
         self._runs: dict[tuple[int, int], tuple[frozenset[int], tuple[int, ...]]] = {}   # `chunk_nodes`
-
-    @cached_property
-    def readers(self) -> dict[int, list[int]]:
-        """Node id -> the ids of the nodes that read it, in the PCG's order (once per input read). Not read by the
-        cut search (`reader_layers` walks the inputs instead): made when first asked for."""
-        return _readers(self.pcg)
 
     @cached_property
     def model_layers(self) -> int:
@@ -244,7 +239,7 @@ class LayerMap:
         `lay_out` finds reading a node are those of these layers, less its own. Worked out once per map: the
         cut search lays out hundreds of cuts of one stage plan, and each walked every node and its readers.
         The other layers reading a node are found from the readers' inputs in one pass (a reader of another layer,
-        neither free), not from a table of every node's readers: the same sets."""
+        neither free), not from a table of every node's readers (`PCG.readers_of`): the same sets."""
         free, blocks = self.free, self.blocks
         read_in: dict[int, set[int]] = {}
         for node in self.pcg.nodes:
@@ -338,14 +333,6 @@ class LayerMap:
             if len(stages) > 1:
                 shared.append((weight, stages))
         return StageLayout(degree, len(starts) // degree, chunks, tuple(crossings), tuple(shared))
-
-
-def _readers(pcg: PCG) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for node in pcg.nodes:
-        for i in node.inputs:
-            out.setdefault(i, []).append(node.id)
-    return out
 
 
 # ------------------------------------------------------------------ schedules
