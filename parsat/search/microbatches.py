@@ -16,6 +16,9 @@ built apart from the e-graph); once the search settles on a count, every
 mesh is searched at that count (`search_every_mesh`), and the fastest plan
 that fits, of every count, wins.
 
+Where the weights' state alone cannot fit on the devices (`state_floor`, a lower bound of every plan's
+memory at every count), no count is searched: DoesNotFit at once.
+
 The counts share the call's clock: each gets a part of the time left
 (`count_share`), and once it is spent no further count is searched: the
 best plan found comes back, its `saturation.search_limit` saying what was
@@ -95,8 +98,15 @@ def state_floor(request: SearchRequest) -> int:
     figure read off the graph as written bounds every plan; the weights' state is what every plan holds.
     llama-70b:64 (16 bytes a parameter): 16.06 GiB of the 80 (its unstaged counts need 87-116 GiB as
     simulated: what keeps them out is the placements the rules reach, not the state); llama-70b:8: 128.5 GiB,
-    refused before a count is searched (the count search stopped after its first count there anyway:
-    `more_micro_batches` has no room beside the same state)."""
+    refused before a count is searched.
+
+    What the refusal changes: the floor holds at every count, so every count the search would have tried
+    fails (a scout's step raises where no candidate fits: `step._search_step`); where the floor is over, the
+    search tried one count only when `more_micro_batches` saw no room (its state over the machine's devices, the
+    same where they are the request's: llama-70b:8), else more, all failing. The answer stays DoesNotFit, now
+    with the floor's message and figure (`_optimize` goes on to the pipeline search on it, and raises it where
+    no pipelined plan is found either), and where a mesh's search would have failed otherwise (an OptimizeError
+    that is not DoesNotFit) that error is not reached."""
     graph, machine = request.whole, request.machine
     read = {name for node in graph.nodes for name in node.inputs}
     parameters = sum(prod(w.shape) for w in graph.weights if w.name in read)
