@@ -33,12 +33,13 @@ def _counting_steps(monkeypatch) -> list[int]:
     return counts
 
 
-@pytest.mark.parametrize("machine", ["h100x8", "cpu"])
-def test_every_plan_and_baseline_holds_at_least_the_floor(machine):
+@pytest.mark.parametrize("machine, degrees", [("h100x8", None), ("cpu", None), ("h100x8", {"dp": 4, "zero": 3})])
+def test_every_plan_and_baseline_holds_at_least_the_floor(machine, degrees):
     """The floor bounds every figure a step judges fit by, on a GPU (Adam, `DDP`) and a CPU box (SGD,
-    `PARSAT_RUN`): the plan's and every baseline's memory, simulated or by the per-node bound."""
+    `PARSAT_RUN`), and where every weight is stored split over every device (ZeRO-3, the least state a plan can
+    hold): the plan's and every baseline's memory, simulated or by the per-node bound."""
     floor, _machine = _floor(machine)
-    plan = optimize("llama", machine=machine, devices=4, sizes=SIZES, pipeline=False)
+    plan = optimize("llama", machine=machine, devices=4, sizes=SIZES, pipeline=False, degrees=degrees)
     assert plan.saturation["repeated_blocks"]["copies"] > 0   # the figures of a graph searched as repeated blocks
     figures = [plan.totals.memory_bytes, plan.totals.peak_memory_bytes]
     figures += [t.memory_bytes for t in plan.baselines.values() if t is not None]
