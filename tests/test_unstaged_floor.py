@@ -1,5 +1,6 @@
-"""The unstaged search's floor (`microbatches.state_floor`): where the weights' state alone cannot fit, no count is
-searched; just under it the search runs as before, and every plan it finds holds at least the floor."""
+"""The weights' state floor (`microbatches.state_floor`): where the weights' state alone cannot fit, no search runs
+(no unstaged count, no pipeline pair); just under it the search runs as before, and every plan it finds holds at
+least the floor."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 import parsat.search.microbatches as microbatches
+import parsat.search.optimize as optimize_module
 from parsat.api import optimize
 from parsat.ir.errors import DoesNotFit
 from parsat.search.request import resolve_request
@@ -23,7 +25,7 @@ def _floor(machine: str = "h100x8") -> tuple[int, object]:
 
 
 def _counting_steps(monkeypatch) -> list[int]:
-    """The micro-batch counts whose step is searched, in order."""
+    """The micro-batch counts whose step is searched, in order: unstaged counts and pipeline pairs' stage steps."""
     real, counts = microbatches.search_step, []
 
     def search_step(step, clock):
@@ -31,33 +33,38 @@ def _counting_steps(monkeypatch) -> list[int]:
         return real(step, clock)
 
     monkeypatch.setattr(microbatches, "search_step", search_step)
+    monkeypatch.setattr(optimize_module, "search_step", search_step)
     return counts
 
 
-# the count holding the fewest activations each case can split (dp 4 needs 4 samples a micro-batch)
-@pytest.mark.parametrize("machine, degrees, count", [("cpu", None, LEAST_ACTIVATIONS),
-                                                     ("h100x8", {"dp": 4, "zero": 3}, 2)])
-def test_every_plan_and_baseline_holds_at_least_the_floor(machine, degrees, count):
-    """The floor bounds every figure a step judges fit by, on a CPU box (SGD, `PARSAT_RUN`) and on a GPU (Adam,
-    `DDP`) where every weight is stored split over every device (ZeRO-3, the least state a plan can hold; the
-    free search on a GPU is `test_at_the_floor_...`'s): the plan's and every baseline's memory, simulated or by
-    the per-node bound."""
+# the count holding the fewest activations each case can split (dp 4 needs 4 samples a micro-batch); on the CPU box
+# the pipeline searched too (a pipelined plan's most loaded stage holds at least the floor: `state_floor`)
+@pytest.mark.parametrize("machine, degrees, count, pipeline", [("cpu", None, None, True),
+                                                               ("h100x8", {"dp": 4, "zero": 3}, 2, False)])
+def test_every_plan_and_baseline_holds_at_least_the_floor(machine, degrees, count, pipeline):
+    """The floor bounds every figure a step judges fit by, on a CPU box (SGD, `PARSAT_RUN`), where the plan is
+    pipelined, and on a GPU (Adam, `DDP`) where every weight is stored split over every device (ZeRO-3, the
+    least state a plan can hold; the free search on a GPU is `test_at_the_floor_...`'s): the plan's and every
+    baseline's memory, simulated or by the per-node bound."""
     floor, _machine = _floor(machine)
-    plan = optimize("llama", machine=machine, devices=4, sizes=SIZES, pipeline=False, degrees=degrees,
+    plan = optimize("llama", machine=machine, devices=4, sizes=SIZES, pipeline=pipeline, degrees=degrees,
                     microbatches=count)
-    assert plan.saturation["repeated_blocks"]["copies"] > 0   # the figures of a graph searched as repeated blocks
+    assert (plan.pipeline is not None) == pipeline
     figures = [plan.totals.memory_bytes, plan.totals.peak_memory_bytes]
     figures += [t.memory_bytes for t in plan.baselines.values() if t is not None]
     figures += [t.peak_memory_bytes for t in plan.baselines.values() if t is not None]
-    assert len(figures) > 4 and min(figures) >= floor
+    assert len(figures) > 2 and min(figures) >= floor
 
 
-def test_just_over_the_floor_no_count_is_searched_and_the_search_agrees(monkeypatch):
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_just_over_the_floor_nothing_is_searched(monkeypatch, pipeline):
+    """Refused before any search, unstaged or pipelined (`pipeline=True`: every pair the pipeline search would
+    try: the floor bounds every stage's plan too)."""
     floor, machine = _floor()
     tight = replace(machine, memory_capacity=floor - 1)
     counts = _counting_steps(monkeypatch)
     with pytest.raises(DoesNotFit, match="weights' training state alone") as refused:
-        optimize("llama", machine=tight, devices=4, sizes=SIZES, pipeline=False)
+        optimize("llama", machine=tight, devices=4, sizes=SIZES, pipeline=pipeline)
     assert counts == [] and refused.value.needed_bytes == floor
     # that the search itself finds no plan there is `test_at_the_floor_...`'s first half: none fits at the floor,
     # so none at a byte less

@@ -16,9 +16,6 @@ built apart from the e-graph); once the search settles on a count, every
 mesh is searched at that count (`search_every_mesh`), and the fastest plan
 that fits, of every count, wins.
 
-Where the weights' state alone cannot fit on the devices (`state_floor`, a lower bound of every plan's
-memory at every count), no count is searched: DoesNotFit at once.
-
 The counts share the call's clock: each gets a part of the time left
 (`count_share`), and once it is spent no further count is searched: the
 best plan found comes back, its `saturation.search_limit` saying what was
@@ -52,11 +49,8 @@ def search_unstaged(request: SearchRequest, clock: Deadline, microbatches: int |
     """The cheapest unstaged plan (see the module docstring). `microbatches=m` runs the step as m micro-batches
     and searches that count only: a built-in example is built at its `batch` / m, any other graph is taken as
     one micro-batch's. `searches` caps the micro-batch counts searched while none fits (the last plan comes
-    back, or DoesNotFit). Where the weights' state alone cannot fit (`state_floor`), DoesNotFit at once, no
-    count searched."""
-    floor = state_floor(request)
-    if floor > request.machine.memory_capacity:
-        raise DoesNotFit(state_refusal(request, floor), floor, request.machine.memory_capacity)
+    back, or DoesNotFit). Where the weights' state alone cannot fit, the call was refused before
+    (`optimize._optimize`, `state_floor`)."""
     if microbatches is not None:   # its bound was checked before the rules loaded (`request.check_microbatches`)
         return search_step(step_context(request, microbatches), clock)
     if request.batch is None:
@@ -75,9 +69,10 @@ def search_unstaged(request: SearchRequest, clock: Deadline, microbatches: int |
 
 
 def state_floor(request: SearchRequest) -> int:
-    """A lower bound of the memory per device of every plan an unstaged step of `request` can return, at every
-    micro-batch count: each weight some node reads held once for training over all the request's devices, at
+    """A lower bound of the memory per device of every plan `request` can have, unstaged at every micro-batch
+    count or pipelined: each weight some node reads held once for training over all the request's devices, at
     the fewest bytes a parameter costs in any figure a step judges fit by (`step.memory`, `Totals.memory_bytes`).
+    `optimize._optimize` refuses the call with it before any search.
 
     Why no plan holds less. Every figure counts each stored weight's training state per device at its stored
     piece (the elements of its placement on the device: at least its elements over the devices, a placement
@@ -100,13 +95,20 @@ def state_floor(request: SearchRequest) -> int:
     simulated: what keeps them out is the placements the rules reach, not the state); llama-70b:8: 128.5 GiB,
     refused before a count is searched.
 
-    What the refusal changes: the floor holds at every count, so every count the search would have tried
-    fails (a scout's step raises where no candidate fits: `step._search_step`); where the floor is over, the
-    search tried one count only when `more_micro_batches` saw no room (its state over the machine's devices, the
-    same where they are the request's: llama-70b:8), else more, all failing. The answer stays DoesNotFit, now
-    with the floor's message and figure (`_optimize` goes on to the pipeline search on it, and raises it where
-    no pipelined plan is found either), and where a mesh's search would have failed otherwise (an OptimizeError
-    that is not DoesNotFit) that error is not reached."""
+    Pipelined plans: a stage's plan is judged by its layers' figures (`cost.pipeline.node_share`: each node's
+    per-node-bound state, the same `weight_bytes` at the same pieces), its weights spread over its own devices
+    at best. Stage s holds at least W_s / D_s per device (W_s its weights' state at these bytes, D_s its
+    devices), every weight is some stage's, and the stages' devices are the request's: so the most loaded
+    stage holds max_s W_s / D_s >= (sum_s W_s) / (sum_s D_s) = the floor (a weight two stages read counts
+    twice, more).
+
+    What the refusal changes: the floor holds at every count and pipeline, so every search that would have run
+    fails (a scout's step raises where no candidate fits: `step._search_step`; a pipeline pair's stage plan fits
+    under no schedule); the unstaged search tried one count only when `more_micro_batches` saw no room (its
+    state over the machine's devices, the same where they are the request's: llama-70b:8), else more, all
+    failing, and the pipeline search every pair it tries. The answer stays DoesNotFit, now with the floor's
+    message and figure, and where a search would have failed otherwise (an OptimizeError that is not
+    DoesNotFit) that error is not reached."""
     graph, machine = request.whole, request.machine
     read = {name for node in graph.nodes for name in node.inputs}
     parameters = sum(prod(w.shape) for w in graph.weights if w.name in read)

@@ -48,7 +48,7 @@ from parsat.ir.pipeline import INTERLEAVED, chunks_refusal
 from parsat.ir.plan import Plan
 from parsat.search.collector import fewer_collections
 from parsat.search.deadline import Deadline
-from parsat.search.microbatches import every_mesh_at, merged, rank_plans, search_unstaged
+from parsat.search.microbatches import every_mesh_at, merged, rank_plans, search_unstaged, state_floor, state_refusal
 from parsat.search.pipeline_search import best_of, parameters_of, search_pipelines
 from parsat.search.request import (Progress, RuleChooser, SearchRequest, check_microbatches, every_rule,
                                    graph_blocks, resolve_request, stageable, step_context)
@@ -119,6 +119,9 @@ def _optimize(graph, machine, rules, limits, devices, microbatches, pipeline, sc
     _check_pipeline_pin(graph, machine, devices, options, pipeline)
     clock = Deadline.starting_now(Limits.resolve(limits))   # bad limits are refused here, before any work
     request = resolve_request(graph, machine, rules, limits, devices, deadline=clock.at, **options)
+    floor = state_floor(request)   # before any search: where the weights' state alone cannot fit, no plan can
+    if floor > request.machine.memory_capacity:
+        raise DoesNotFit(state_refusal(request, floor), floor, request.machine.memory_capacity)
     count, per_node = request.devices, request.machine.devices_per_node
     pp = request.pipeline_degree
     can_stage = stageable(_staged_graph(request), request.sizes, count)
