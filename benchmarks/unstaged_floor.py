@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/bin/python benchmarks/unstaged_floor.py [llama-70b:64:h100x8 ...]
 
 For each case (name:devices:machine; default the four `plan_compare` cases) and each count m in 1, 2, 4, 8 that
-divides the batch: `microbatches.state_floor` (the weights' training state over every device: what the search
+divides the batch: `optimize.state_floor` (the weights' training state over every device: what the search
 refuses by), and two activation figures read off the graph as written at batch / m, each over every device:
 every value some backward reads (`cost.saved.kept`, no recomputation) and what full recomputation of blocks
 keeps (values read by another block or outside every block, by name, and what the outside keeps). These are
@@ -19,7 +19,7 @@ from math import prod
 from parsat.cost.saved import kept
 from parsat.ir.blocks import OUTSIDE, block_of
 from parsat.ir.units import fmt_bytes
-from parsat.search.microbatches import state_floor
+from parsat.search.optimize import state_floor
 from parsat.search.request import resolve_request, step_context
 
 CASES = ("llama-70b:64:h100x8", "gpt-175b:1024:a100x8", "gpt-1.3b:64:h100x8", "bert-large:8:h100x8")

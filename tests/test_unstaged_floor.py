@@ -1,4 +1,4 @@
-"""The weights' state floor (`microbatches.state_floor`): where the weights' state alone cannot fit, no search runs
+"""The weights' state floor (`optimize.state_floor`): where the weights' state alone cannot fit, no search runs
 (no unstaged count, no pipeline pair); just under it the search runs as before, and every plan it finds holds at
 least the floor."""
 
@@ -21,7 +21,7 @@ LEAST_ACTIVATIONS = 8   # micro-batches: one sample each
 
 def _floor(machine: str = "h100x8") -> tuple[int, object]:
     request = resolve_request("llama", machine, None, None, 4, sizes=SIZES)
-    return microbatches.state_floor(request), request.machine
+    return optimize_module.state_floor(request), request.machine
 
 
 def _counting_steps(monkeypatch) -> list[int]:

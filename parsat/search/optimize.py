@@ -36,8 +36,11 @@ or loaded in time is a GraphError or OptimizeError saying so.
 
 from __future__ import annotations
 
+from math import prod
 from typing import Mapping, Sequence
 
+from parsat.cost.model import weight_bytes
+from parsat.cost.pcg_tasks import profile_for
 from parsat.cost.pipeline import StageFit
 from parsat.cost.saved import graph_kept_bytes
 from parsat.egraph.runner import Limits
@@ -46,9 +49,10 @@ from parsat.ir.machine import Machine
 from parsat.ir.models import EXAMPLES
 from parsat.ir.pipeline import INTERLEAVED, chunks_refusal
 from parsat.ir.plan import Plan
+from parsat.ir.units import fmt_bytes_pair
 from parsat.search.collector import fewer_collections
 from parsat.search.deadline import Deadline
-from parsat.search.microbatches import every_mesh_at, merged, rank_plans, search_unstaged, state_floor, state_refusal
+from parsat.search.microbatches import every_mesh_at, merged, rank_plans, search_unstaged
 from parsat.search.pipeline_search import best_of, parameters_of, search_pipelines
 from parsat.search.request import (Progress, RuleChooser, SearchRequest, check_microbatches, every_rule,
                                    graph_blocks, resolve_request, stageable, step_context)
@@ -119,9 +123,7 @@ def _optimize(graph, machine, rules, limits, devices, microbatches, pipeline, sc
     _check_pipeline_pin(graph, machine, devices, options, pipeline)
     clock = Deadline.starting_now(Limits.resolve(limits))   # bad limits are refused here, before any work
     request = resolve_request(graph, machine, rules, limits, devices, deadline=clock.at, **options)
-    floor = state_floor(request)   # before any search: where the weights' state alone cannot fit, no plan can
-    if floor > request.machine.memory_capacity:
-        raise DoesNotFit(state_refusal(request, floor), floor, request.machine.memory_capacity)
+    refuse_unfitting_state(request)   # before any search: where the weights' state alone cannot fit, no plan can
     count, per_node = request.devices, request.machine.devices_per_node
     pp = request.pipeline_degree
     can_stage = stageable(_staged_graph(request), request.sizes, count)
@@ -164,6 +166,67 @@ def _optimize(graph, machine, rules, limits, devices, microbatches, pipeline, sc
         # kept the whole call's memos (`request`) for a full collection of the cyclic collector to free
         # (llama-70b:64: 2.3 million objects, 2.2 CPU s, in whatever ran after the call)
         unfit = None
+
+
+def state_floor(request: SearchRequest) -> int:
+    """A lower bound of the memory per device of every plan `request` can have, unstaged at every micro-batch
+    count or pipelined: each weight some node reads held once for training over all the request's devices, at
+    the fewest bytes a parameter costs in any figure a step judges fit by (`step.memory`, `Totals.memory_bytes`).
+    `refuse_unfitting_state` refuses the call with it before any search.
+
+    Why no plan holds less. Every figure counts each stored weight's training state per device at its stored
+    piece (the elements of its placement on the device: at least its elements over the devices, a placement
+    splitting it over mesh axes whose product is at most the device count) times the bytes a parameter holds
+    there, of which ZeRO stage z over the p data-parallel replicas of that piece takes off at most the share
+    (p - 1) / p of every part (`ParameterBytes.sharded`): so at least its elements times the bytes over
+    (split degree) x p <= devices. The figures: the simulated peak, at least the `resident` bytes held the whole
+    step (`cost.pcg_tasks._Builder.resident`: the profile's optimizer (`profile_for`: `DDP`, Adam, on GPUs;
+    `PARSAT_RUN`, SGD, on a CPU box), gradients left out where the profile frees them); the peak floor that
+    refuses a candidate unsimulated (`peak_floor`, `resident()` and more); the per-node bound, which counts
+    `weight_bytes` (Adam) at each weight's storage (`cost.model._parallel_memory`: a placement, a finer one
+    replacing the coarser, ZeRO's share taken off) or at the operator that reads it whole (`compute_cost`). So
+    the floor takes the fewer of the two byte counts. Rules rewrite values, never the weights a plan trains
+    (leaves), so a weight the graph reads is held by every plan of it; a weight nothing reads is left out.
+
+    What it leaves out, on purpose: activations. What a plan keeps for backward depends on the values the
+    extraction chooses (algebraic rules may fuse or restructure them, recomputation drops a block's), so no
+    figure read off the graph as written bounds every plan; the weights' state is what every plan holds.
+    llama-70b:64 (16 bytes a parameter): 16.06 GiB of the 80 (its unstaged counts need 87-116 GiB as
+    simulated: what keeps them out is the placements the rules reach, not the state); llama-70b:8: 128.5 GiB,
+    refused before a count is searched.
+
+    Pipelined plans: a stage's plan is judged by its layers' figures (`cost.pipeline.node_share`: each node's
+    per-node-bound state, the same `weight_bytes` at the same pieces), its weights spread over its own devices
+    at best. Stage s holds at least W_s / D_s per device (W_s its weights' state at these bytes, D_s its
+    devices), every weight is some stage's, and the stages' devices are the request's: so the most loaded
+    stage holds max_s W_s / D_s >= (sum_s W_s) / (sum_s D_s) = the floor (a weight two stages read counts
+    twice, more).
+
+    What the refusal changes: the floor holds at every count and pipeline, so every search that would have run
+    fails (a scout's step raises where no candidate fits: `step._search_step`; a pipeline pair's stage plan fits
+    under no schedule); the unstaged search tried one count only when `more_micro_batches` saw no room (its
+    state over the machine's devices, the same where they are the request's: llama-70b:8), else more, all
+    failing, and the pipeline search every pair it tries. The answer stays DoesNotFit, now with the floor's
+    message and figure, and where a search would have failed otherwise (an OptimizeError that is not
+    DoesNotFit) that error is not reached."""
+    graph, machine = request.whole, request.machine
+    read = {name for node in graph.nodes for name in node.inputs}
+    parameters = sum(prod(w.shape) for w in graph.weights if w.name in read)
+    profile = profile_for(machine)
+    held = machine.precision_spec.parameter_bytes(profile.optimizer)
+    simulated = held.total - (held.gradient if profile.transient_gradients else 0)
+    return -(-parameters * min(simulated, weight_bytes(machine)) // request.devices)
+
+
+def refuse_unfitting_state(request: SearchRequest) -> None:
+    """Raise DoesNotFit, saying by how much, where the weights' state alone does not fit (`state_floor`)."""
+    floor, capacity = state_floor(request), request.machine.memory_capacity
+    if floor <= capacity:
+        return
+    needs, has = fmt_bytes_pair(floor, capacity)
+    raise DoesNotFit(f"no plan fits in memory: every plan needs at least {needs} per device for the weights' "
+                     f"training state alone (every weight spread over all {request.devices} devices), the device has "
+                     f"{has} (use more devices or a smaller model)", floor, capacity)
 
 
 def _within_reach(scout: Plan, pipelined: Sequence[Plan]) -> bool:
