@@ -44,7 +44,9 @@ kernels, whose count equality saturation may change (fused or cancelled
 operators), while its FLOPs at the best rate take under a quarter of the
 bar on bert-large:64 (benchmarks/search_results.md).
 
-The (degree, count) pairs are compared by scouts (`step`: each stage
+The (degree, count) pairs are searched least 1F1B bubble first
+(`search_order`: the likeliest fastest pair sets the bar for the rest) and
+compared by scouts (`step`: each stage
 plan searched on the first stage mesh, with the baselines built apart
 from the e-graph); every stage mesh is then searched for the pair whose
 pipelined plan ranks first (`_search_every_mesh`), and its plans join the
@@ -205,7 +207,7 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
     once, to_beat = PricedOnce(), bar_of(bar)
     degrees = pipeline_degrees(devices, machine, parameters, layers, degree,
                                batch=batch if sample_bytes is not None else None, sample_bytes=sample_bytes or 0.0)
-    pairs = [(p, m) for p in degrees for m in microbatch_counts(batch, p, microbatches)]
+    pairs = search_order([(p, m) for p in degrees for m in microbatch_counts(batch, p, microbatches)])
     for index, (p, m) in enumerate(pairs):
         stage_devices, stage_machine = devices // p, _stage_machine(machine, devices, p)
         if clock is not None and clock.spent and (index > 0 or clock.interrupted.is_set()):
@@ -256,6 +258,28 @@ def search_pipelines(search: StageSearch, machine: Machine, devices: int, batch:
         _search_every_mesh(search, scouted, machine, devices, schedule, say, clock, tried, plans, grid, bar, library,
                            memos, chunks, once)
     return PipelineSearch(tuple(plans), tuple(grid), tuple(tried), bar)
+
+
+def search_order(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The (degree, micro-batch count) pairs in the order their scouts are searched: the least 1F1B bubble
+    first, (p - 1) / (m + p - 1), the fraction of a step the first stage idles (ties in the order given).
+
+    Why an order at all: a pair's scout stops before pricing anything where every plan it could give is at or
+    above the fastest plan found so far (`_bars`, `step.stop_where_cannot_win`), so the search costs least
+    when the fastest pair comes first; and the pair with the least bubble is the likeliest to be fastest: the
+    stages' compute is the same work split alike at every count (a smaller micro-batch runs its products a
+    little slower), while the bubble adds (p - 1) micro-batches' time to m of them. Degree-major order (the
+    least degree's fewest micro-batches first) put llama-70b:64's 4 x 16 (bubble 3/19, its plan 18.131 s)
+    before 4 x 32 (3/35, 14.624 s, the plan), so 4 x 16 was searched to the end, with no bar.
+
+    Why the answer is the same in any order: each pair's plans and PTD-P points are what its search gives
+    whatever was searched before, except that a pair none of whose plans could be below the bars is skipped
+    (`CannotWin`), and a skipped pair's plans are all at or above a plan (or point) that fits and was found
+    before it, so none of them would be chosen: `best_of`, `_search_every_mesh` and `optimize`'s `sharpen`
+    choose the first-ranked plan and keep the first of equals. So the order changes which pairs are skipped
+    and, on an exact tie of two pairs' steps, which of the equals comes first; `tried` lists the pairs in
+    the order searched."""
+    return sorted(pairs, key=lambda pair: (pair[0] - 1) / (pair[1] + pair[0] - 1))
 
 
 def bar_of(flat: Plan | None) -> float | None:
