@@ -69,7 +69,7 @@ from parsat.ir.blocks import OUTSIDE, block_of
 from parsat.ir.graph import Graph, Leaf, OpNode, instance_for
 from parsat.ir.mesh import Mesh
 from parsat.ir.microbatch import batch_dims, batch_wide_constants
-from parsat.ir.pcg import PCG, STRIDED_VIEW, VIEW_OPS, Degrees, PNode
+from parsat.ir.pcg import PCG, STRIDED_VIEW, VIEW_OPS, Degrees, PNode, StructureTable
 from parsat.ir.placement import (FREE, PARTIAL, REPLICA, Placement, PlacementError, apply_parallel,
                                  _signature, axis_compute, codes_for_rank, compute_placement, shard, shard_dim)
 
@@ -156,6 +156,8 @@ def megatron_pcg(graph: Graph, library: Library, mesh_shape: tuple[int, int], de
     else:
         pcg = _built_layout(graph, mesh, zero, sequence, memo, cache, vocabulary_loss, reduce_at_once)
     if kinship is not None:
+        if pcg is not None:   # a structure laid out before (on another mesh, for another graph): its facts shared
+            pcg = kinship.structures.shared(pcg)
         kinship.keep(graph, memo, mesh, form, pcg)
     return pcg
 
@@ -267,6 +269,7 @@ class _Kin:
         self.placements: dict = {}               # `axis_compute`'s cache, for every graph and mesh
         self.memos: dict[int, "_Memo"] = {}      # id(graph) -> its memo (which keeps the graph alive)
         self.examples: dict = {}                 # `batch_dims`' examples built, by name and sizes
+        self.structures = StructureTable()       # every layout built, by its structure (`megatron_pcg`)
 
     def memo(self, graph: Graph, cache: dict | None) -> "_Memo":
         """`graph`'s memo, shared with every call that lays it out (and kept in `cache` as `_Memo.of` keeps it).

@@ -87,7 +87,10 @@ class Degrees:
         return " ".join(parts)
 
 
-@dataclass(frozen=True)
+_NO_PLACEMENT = Placement(())   # `PNode.placement`'s default: a 1-device PCG's
+
+
+@dataclass(frozen=True, init=False)
 class PNode:
     """One PCG node. `inputs` are ids of earlier nodes; `origin` names the graph node it computes, if any;
     `rules` the rules whose rewrites produced it, each `name (file:line)` (none for the graph's own nodes)."""
@@ -101,8 +104,30 @@ class PNode:
     degrees: Degrees
     role: str = ""     # leaves: "input" | "weight"
     origin: str = ""
-    placement: Placement = Placement(())   # one entry per mesh axis (empty only for a 1-device PCG)
+    placement: Placement = _NO_PLACEMENT   # one entry per mesh axis (empty only for a 1-device PCG)
     rules: tuple[str, ...] = ()
+
+    def __init__(self, id: int, kind: str, op: str, inputs: tuple[int, ...],
+                 attrs: tuple[tuple[str, int | float | str], ...], shape: tuple[int, ...], degrees: Degrees,
+                 role: str = "", origin: str = "", placement: Placement = _NO_PLACEMENT,
+                 rules: tuple[str, ...] = ()) -> None:
+        """What the frozen dataclass's own `__init__` stores (each field, in order, into the instance's `__dict__`),
+        written there directly rather than through `object.__setattr__` once a field: a call lays out, rescales,
+        stamps and renumbers ~700,000 nodes (llama-70b:64; the grid's layouts ~420,000), and the generated
+        `__init__` took ~1.2 us a node, this one ~0.4. PNode has no `__post_init__`; `tests/test_shared_structure`
+        checks that the fields are these, in this order."""
+        state = self.__dict__
+        state["id"] = id
+        state["kind"] = kind
+        state["op"] = op
+        state["inputs"] = inputs
+        state["attrs"] = attrs
+        state["shape"] = shape
+        state["degrees"] = degrees
+        state["role"] = role
+        state["origin"] = origin
+        state["placement"] = placement
+        state["rules"] = rules
 
     def attr(self, key: str):
         return dict(self.attrs)[key]
@@ -132,6 +157,11 @@ and what each value is, never how large it is nor how it is spread."""
 
 _structure = attrgetter(*STRUCTURE)
 """A node's `STRUCTURE` fields, as a tuple (`reshaped` compares every node's: a C getter, not a generator)."""
+
+
+def _same_structure(nodes: Sequence[PNode], others: Sequence[PNode]) -> bool:
+    """Whether two PCGs' nodes have the same `STRUCTURE`, node for node (the same node object is its own)."""
+    return len(nodes) == len(others) and all(a is b or _structure(a) == _structure(b) for a, b in zip(nodes, others))
 
 
 @dataclass(frozen=True)
@@ -207,13 +237,29 @@ class PCG:
         facts worked out from that structure alone (`structural`, `storage_chains`: each reads those fields and
         the outputs, which both PCGs have alike, so either PCG working a fact out gives the same value). Raises
         ValueError where a node's structure differs: sharing would then be wrong."""
-        if len(nodes) != len(self.nodes) or any(
-                a is not b and _structure(a) != _structure(b) for a, b in zip(self.nodes, nodes)):
+        if not _same_structure(self.nodes, nodes):
             raise ValueError("reshaped: the nodes' structure differs from the PCG's")
         form = replace(self, nodes=tuple(nodes))
         form.__dict__["structural"] = self.structural
         if "storage_chains" in self.__dict__:
             form.__dict__["storage_chains"] = self.storage_chains
+        return form
+
+    def sharing(self, other: "PCG") -> "PCG":
+        """This PCG, sharing the facts `other` works out from its structure alone (`structural`, `storage_chains`),
+        where the two have the same nodes' `STRUCTURE` (ids, kinds, operators, inputs, roles, origins) and the same
+        outputs; they may differ in anything else (shapes, attributes, spreads, placements, mesh, ZeRO stage,
+        recomputation). Each such fact reads those fields and the outputs alone (`structural`), which both PCGs
+        have alike, so either PCG working a fact out gives the same value: a layout of one graph on another mesh
+        (llama-70b:64's dp 8 x tp 8, 16 x 4 and 32 x 2 hold the same operators reading the same values), or a stage
+        grid's on 16 and on 8 devices (`StructureTable`). A new PCG with this one's fields; raises ValueError
+        where the structure or the outputs differ: sharing would then be wrong."""
+        if self.outputs != other.outputs or not _same_structure(self.nodes, other.nodes):
+            raise ValueError("sharing: the PCGs' structure differs")
+        form = replace(self)
+        form.__dict__["structural"] = other.structural
+        if "storage_chains" in other.__dict__:
+            form.__dict__["storage_chains"] = other.storage_chains
         return form
 
     @cached_property
@@ -226,6 +272,25 @@ class PCG:
     @property
     def max_pieces(self) -> int:
         return max((n.degrees.pieces for n in self.nodes), default=1)
+
+
+class StructureTable:
+    """PCGs by their structure (every node's `STRUCTURE` and the outputs), for a caller that lays out many PCGs
+    of few structures (`ir.megatron.megatron_pcg`'s `kin`: llama-70b:64's grids lay out 40 PCGs that work their
+    facts out apart, of 12 structures): a PCG of a structure met before shares that one's facts (`PCG.sharing`),
+    worked out once rather than once per PCG (roles, blocks, checkpoints, saved values, the step simulator's
+    reader counts: ~50-80 ms each on a whole llama-70b layout). The first PCG of each structure is kept, with its
+    key; a table lives as long as its caller's call."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple, PCG] = {}
+
+    def shared(self, pcg: PCG) -> PCG:
+        """`pcg`, sharing the facts of the first PCG of its structure kept here (that PCG's `sharing`), or `pcg`
+        itself, kept, where it is the first."""
+        key = (tuple(map(_structure, pcg.nodes)), pcg.outputs)
+        first = self._known.setdefault(key, pcg)
+        return pcg if first is pcg else pcg.sharing(first)
 
 
 LAYOUT_FACTS = ("readers_of", "storage_chains", "derived", "structural")
