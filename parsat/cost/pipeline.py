@@ -55,8 +55,9 @@ from parsat.ir.costs import NodeCost, Totals
 from parsat.ir.machine import Machine
 from parsat.ir.pipeline import (BACKWARD, GPIPE, INTERLEAVED, ONE_F_ONE_B, Action, Chunk, LayerMap, PipelineError,
                                 PipelinePlan, StageFigures, StageLayout, activation_peaks, chunks_refusal,
-                                in_flight_counts, interleaved_chunk_counts, nodes_elements, p2p_elements, schedule_order, shared_weight_elements,
-                                simulate_schedule, stored_piece_elements)
+                                in_flight_counts, interleaved_chunk_counts, layer_structure, nodes_elements,
+                                p2p_elements, schedule_order, shared_weight_elements, simulate_schedule,
+                                stored_piece_elements)
 from parsat.ir.plan import Plan
 from parsat.cost.collectives import ALL_REDUCE, SEND_RECV, GroupTopology, price
 from parsat.cost.pcg_tasks import (ExecutionProfile, OpTimes, collective_pipelines, mesh_groups, profile_for,
@@ -1444,7 +1445,7 @@ class StageFit:
         of forward_s + backward_s (per step) over those nodes. A weight's chain is charged once per step to the
         synchronisation, not to a micro-batch (`node_share`), and is left out. So the step is at least that sum
         over p, less `FLOOR_MARGIN` for the order in which the floats add up."""
-        free = self.memo.layer_map(pcg).free
+        free = layer_structure(pcg).free
         busy = sum(c.forward_s + c.backward_s for i, c in costs.items() if i not in free and not c.weight_chain)
         return busy / self.degree * (1.0 - FLOOR_MARGIN)
 
