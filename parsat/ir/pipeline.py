@@ -261,6 +261,21 @@ class LayerStructure:
         return tuple((ident, blocks[ident], frozenset(read_in[ident])) for ident, _inputs in self._inputs
                      if read_in.get(ident))
 
+    @cached_property
+    def layer_free(self) -> tuple[tuple[tuple[int, ...], frozenset[int]], ...]:
+        """Per layer, in order: the free values among its `layer_members` that no other layer's members hold
+        (ascending ids), and those that some other layer's hold too (a mask, a rotary table, a tied embedding: a
+        handful). A chunk counts the first with its layer wherever it lies (no other chunk reads them), the second
+        once per stage (`cost.pipeline.StagePricer._chunk_bytes`). Structural: the members and free values are."""
+        members, free = self.layer_members, self.free
+        needed = [members[layer] & free for layer in self.layers]
+        readers: dict[int, int] = {}
+        for values in needed:
+            for i in values:
+                readers[i] = readers.get(i, 0) + 1
+        return tuple((tuple(sorted(i for i in values if readers[i] == 1)),
+                      frozenset(i for i in values if readers[i] > 1)) for values in needed)
+
     def chunk_nodes(self, first: int, end: int) -> tuple[frozenset[int], tuple[int, ...]]:
         """The nodes of a chunk holding the layers `layers[first:end]`: the union of their `layer_members`, as a
         set and in the PCG's order. Worked out once per run of layers and structure (`_runs`): the cut search lays
