@@ -55,8 +55,9 @@ from parsat.ir.costs import NodeCost, Totals
 from parsat.ir.machine import Machine
 from parsat.ir.pipeline import (BACKWARD, GPIPE, INTERLEAVED, ONE_F_ONE_B, Action, Chunk, LayerMap, PipelineError,
                                 PipelinePlan, StageFigures, StageLayout, activation_peaks, chunks_refusal,
-                                in_flight_counts, interleaved_chunk_counts, nodes_elements, p2p_elements, schedule_order, shared_weight_elements,
-                                simulate_schedule, stored_piece_elements)
+                                in_flight_counts, interleaved_chunk_counts, layer_structure, nodes_elements,
+                                p2p_elements, schedule_order, shared_weight_elements, simulate_schedule,
+                                stored_piece_elements)
 from parsat.ir.plan import Plan
 from parsat.cost.collectives import ALL_REDUCE, SEND_RECV, GroupTopology, price
 from parsat.cost.pcg_tasks import (ExecutionProfile, OpTimes, collective_pipelines, mesh_groups, profile_for,
@@ -883,9 +884,8 @@ class StagePricer:
         later &= np.array([j == n or layers[j] in self.layer_map.cuttable for j in range(n + 1)])[None, :]
         term = times[:, None] / m + (times[None, :] - times[:, None])   # [i, j]: a stage of layers i..j-1
         held = self.memo.in_flight(schedule, degree, 1, m)
-        found = self._layer_bytes
-        if found is not None:
-            own = found[0]
+        own = self._layer_bytes
+        if own is not None:
             acts, states = _byte_sums([own[layer][0] for layer in layers], [own[layer][1] for layer in layers],
                                       max(held), 0)
         best = np.full(n + 1, math.inf)
@@ -893,7 +893,7 @@ class StagePricer:
         for k in range(degree - 1, -1, -1):
             allowed = later & (span[:, None] <= n - (degree - k)) & (span[None, :] <= n - (degree - k - 1)) & \
                 (best[None, :] < math.inf)
-            if found is not None:
+            if own is not None:
                 memory = states[None, :] - states[:, None] + held[k] * (acts[None, :] - acts[:, None])
                 allowed &= ~_exceeds(memory, self.machine.memory_capacity)
             value = np.where(allowed, np.maximum(best[None, :], term), math.inf)
@@ -901,21 +901,15 @@ class StagePricer:
         return float(best[0])
 
     @cached_property
-    def _layer_bytes(self) -> tuple[dict[int, tuple[int, int, int]], dict[int, frozenset[int]],
-                                    dict[int, tuple[int, int, int]]] | None:
-        """Per layer, the activation, state and largest transient bytes of its own nodes, and the free values it
-        reads, with each free value's bytes: what a chunk's memory adds up (`_chunk_bytes`). None where a node's
-        figure is not an integer (then only the node-by-node sum in `_chunk_costs`' order is the same figure)."""
+    def _layer_bytes(self) -> dict[int, tuple[int, int, int]] | None:
+        """Per layer, the activation, state and largest transient bytes of its own nodes (not the free values it
+        reads): what a chunk's memory adds up (`_layer_runs`, `_fitting_cut_floor`). None where a node's figure is
+        not an integer (then only the node-by-node sum in `_chunk_costs`' order is the same figure)."""
         distinct = {id(c): c for c in self.shares.values()}.values()   # nodes alike share one (`__init__`)
         if not all(type(c.activation_bytes) is int and type(c.state_bytes) is int and type(c.transient_bytes) is int
                    for c in distinct):
             return None
-        free, members = self.layer_map.free, self.layer_map.layer_members
-        own = self._per_layer(_share_bytes, free)
-        needed = {layer: members[layer] & free for layer in own}
-        free_bytes = {i: (self.shares[i].activation_bytes, self.shares[i].state_bytes, self.shares[i].transient_bytes)
-                      for i in free if i in self.shares}
-        return own, needed, free_bytes
+        return self._per_layer(_share_bytes, self.layer_map.free)
 
     def _chunk_bytes(self, starts: Sequence[int], degree: int) -> list[tuple[int, int, int]] | None:
         """Each chunk's (activation, state, largest transient) bytes of the cut at `starts`, as `_chunk_costs`
@@ -953,34 +947,31 @@ class StagePricer:
         """What `_chunk_bytes` reads, from `_layer_bytes`: over the layers in order, 0 and the running sums of
         each layer's own activation and state bytes plus those of the free values it alone reads; each layer's
         largest transient of those; each layer's free values that other layers read too (with bytes); and those
-        values' bytes. None where `_layer_bytes` is."""
-        found = self._layer_bytes
-        if found is None:
+        values' bytes. None where `_layer_bytes` is. Which free values a layer alone reads is the structure's
+        (`ir.pipeline.LayerStructure.layer_free`, shared by every pricer of a PCG of that structure); the bytes are
+        this plan's, integers, so the sums are the same in any order."""
+        own = self._layer_bytes
+        if own is None:
             return None
-        own, needed, free_bytes = found
-        layers = self.layer_map.layers
-        readers: dict[int, int] = {}
-        for layer in layers:
-            for i in needed[layer]:
-                readers[i] = readers.get(i, 0) + 1
-        acts, states, transients, shared = [0], [0], [], []
-        for layer in layers:
+        shares, layers = self.shares, self.layer_map.layers
+        acts, states, transients, shared, free_bytes = [0], [0], [], [], {}
+        for layer, (alone, others) in zip(layers, self.layer_map.structure.layer_free):
             act, state, transient = own[layer]
-            mine = []
-            for i in needed[layer]:
-                figures = free_bytes.get(i)
-                if figures is None:
-                    continue
-                if readers[i] > 1:
-                    mine.append(i)
-                else:
-                    act, state, transient = act + figures[0], state + figures[1], max(transient, figures[2])
+            for i in alone:
+                c = shares.get(i)
+                if c is not None:
+                    act, state = act + c.activation_bytes, state + c.state_bytes
+                    transient = max(transient, c.transient_bytes)
             acts.append(acts[-1] + act)
             states.append(states[-1] + state)
             transients.append(transient)
-            shared.append(frozenset(mine))
-        return acts, states, transients, shared, {i: free_bytes[i] for i in readers if readers[i] > 1
-                                                  and i in free_bytes}
+            mine = frozenset(i for i in others if i in shares)
+            shared.append(mine)
+            for i in mine:
+                if i not in free_bytes:
+                    c = shares[i]
+                    free_bytes[i] = (c.activation_bytes, c.state_bytes, c.transient_bytes)
+        return acts, states, transients, shared, free_bytes
 
     @staticmethod
     def stage_memory(layout: StageLayout, per_chunk: Sequence[LayerCost], peaks: Sequence[int]) -> list[int]:
@@ -1444,7 +1435,7 @@ class StageFit:
         of forward_s + backward_s (per step) over those nodes. A weight's chain is charged once per step to the
         synchronisation, not to a micro-batch (`node_share`), and is left out. So the step is at least that sum
         over p, less `FLOOR_MARGIN` for the order in which the floats add up."""
-        free = self.memo.layer_map(pcg).free
+        free = layer_structure(pcg).free
         busy = sum(c.forward_s + c.backward_s for i, c in costs.items() if i not in free and not c.weight_chain)
         return busy / self.degree * (1.0 - FLOOR_MARGIN)
 

@@ -189,13 +189,23 @@ def lay_out_stages(pcg: PCG, starts: Sequence[int], degree: int) -> StageLayout:
     return LayerMap(pcg).lay_out(starts, degree)
 
 
-class LayerMap:
-    """What cutting one PCG into stages needs, worked out once (the cut search lays out many cuts of one PCG):
-    its layers, each node's layer, its free values and what each node needs of them, the other layers reading
-    each node (`reader_layers`)."""
+class LayerStructure:
+    """What cutting a PCG into stages reads of its nodes' structure alone (`ir.pcg.STRUCTURE`: ids, kinds,
+    operators, inputs, roles, origins) and its outputs: each node's layer (`ir.blocks.node_blocks`), the free
+    values (`free_nodes`), the layers, each node's place in the PCG's order, the free values each node needs, the
+    weights, each layer's nodes (`layer_members`), the other layers reading each node (`read_in`) and the nodes of
+    each run of layers (`chunk_nodes`). Worked out once per structure (`layer_structure`) and shared by every
+    `LayerMap` of a PCG with that structure.
+
+    Why shared: none of these reads a node's shape, attributes, degrees or placement, nor the ZeRO stage or the
+    recomputation policy, so two PCGs whose nodes have the same `STRUCTURE` fields and the same outputs (a layout's
+    forms, `ir.pcg.restated`; a layout rescaled to another micro-batch size, `PCG.reshaped`: those that share
+    `PCG.structural`) give the same values. llama-70b:64's stage search made 106 layer maps of 39 structures, each
+    walking its ~5,000 nodes four times (`free_nodes`, `needs`, `layer_members`, `read_in`), and each map's chunk
+    nodes were sorted again. What a map reads of the sizes and placements (a crossing's piece, `blocked`'s partial
+    sums) stays the map's own. Read only."""
 
     def __init__(self, pcg: PCG):
-        self.pcg = pcg
         self.blocks = node_blocks(pcg)
         self.free = free_nodes(pcg)
         self.layers = tuple(sorted({self.blocks[n.id] for n in pcg.nodes if n.id not in self.free}))
@@ -208,6 +218,9 @@ class LayerMap:
             needs[node.id] = frozenset(direct).union(*(needs[i] for i in direct)) if direct else none
         self.needs = needs
         self.weights = [n.id for n in pcg.nodes if n.kind == "leaf" and n.role == WEIGHT]
+        # each node's id and inputs, in the PCG's order: what `layer_members` and `read_in` walk (the structure
+        # keeps these, not a PCG, so that it holds no shapes or placements of the PCG it was first made from)
+        self._inputs = tuple((n.id, n.inputs) for n in pcg.nodes)
         self._runs: dict[tuple[int, int], tuple[frozenset[int], tuple[int, ...]]] = {}   # `chunk_nodes`
 
     @cached_property
@@ -220,15 +233,89 @@ class LayerMap:
     @cached_property
     def layer_members(self) -> dict[int, frozenset[int]]:
         """Layer -> the nodes a chunk holding it computes for it: the nodes of the layer (`blocks`) and the free
-        values each reads. A chunk's nodes are the union of its layers' (`lay_out`); only a free value can be in
-        two layers' sets."""
+        values each reads. A chunk's nodes are the union of its layers' (`LayerMap.lay_out`); only a free value
+        can be in two layers' sets."""
         members: dict[int, set[int]] = {layer: set() for layer in self.layers}
-        for node in self.pcg.nodes:
-            if node.id not in self.free:
-                found = members[self.blocks[node.id]]
-                found.add(node.id)
-                found |= self.needs[node.id]
+        for ident, _inputs in self._inputs:
+            if ident not in self.free:
+                found = members[self.blocks[ident]]
+                found.add(ident)
+                found |= self.needs[ident]
         return {layer: frozenset(nodes) for layer, nodes in members.items()}
+
+    @cached_property
+    def read_in(self) -> tuple[tuple[int, int, frozenset[int]], ...]:
+        """The nodes some node of another layer reads (free values left out on both sides), in the PCG's order,
+        each as (node, its layer, the other layers that read it): `LayerMap.reader_layers` without the pieces'
+        sizes. Found from the readers' inputs in one pass (a reader of another layer, neither free), not from a
+        table of every node's readers (`PCG.readers_of`): the same sets."""
+        free, blocks = self.free, self.blocks
+        read_in: dict[int, set[int]] = {}
+        for ident, inputs in self._inputs:
+            if ident in free:
+                continue
+            layer = blocks[ident]
+            for i in inputs:
+                if i not in free and blocks[i] != layer:
+                    read_in.setdefault(i, set()).add(layer)
+        return tuple((ident, blocks[ident], frozenset(read_in[ident])) for ident, _inputs in self._inputs
+                     if read_in.get(ident))
+
+    @cached_property
+    def layer_free(self) -> tuple[tuple[tuple[int, ...], frozenset[int]], ...]:
+        """Per layer, in order: the free values among its `layer_members` that no other layer's members hold
+        (ascending ids), and those that some other layer's hold too (a mask, a rotary table, a tied embedding: a
+        handful). A chunk counts the first with its layer wherever it lies (no other chunk reads them), the second
+        once per stage (`cost.pipeline.StagePricer._chunk_bytes`). Structural: the members and free values are."""
+        members, free = self.layer_members, self.free
+        needed = [members[layer] & free for layer in self.layers]
+        readers: dict[int, int] = {}
+        for values in needed:
+            for i in values:
+                readers[i] = readers.get(i, 0) + 1
+        return tuple((tuple(sorted(i for i in values if readers[i] == 1)),
+                      frozenset(i for i in values if readers[i] > 1)) for values in needed)
+
+    def chunk_nodes(self, first: int, end: int) -> tuple[frozenset[int], tuple[int, ...]]:
+        """The nodes of a chunk holding the layers `layers[first:end]`: the union of their `layer_members`, as a
+        set and in the PCG's order. Worked out once per run of layers and structure (`_runs`): the cut search lays
+        out hundreds of cuts of one stage plan, and neighbouring cuts share most of their chunks; the answer reads
+        nothing but the run, so a run found again is the same set and order (gpt-175b:1024's union and sort were
+        most of `lay_out`'s 3 CPU s)."""
+        found = self._runs.get((first, end))
+        if found is None:
+            union = frozenset().union(*(self.layer_members[self.layers[i]] for i in range(first, end)))
+            found = self._runs[(first, end)] = (union, tuple(sorted(union, key=self.position.__getitem__)))
+        return found
+
+
+def layer_structure(pcg: PCG) -> LayerStructure:
+    """`pcg`'s `LayerStructure`, worked out once per structure (`PCG.derive`, kept in `PCG.structural`, which the
+    PCG's restated and reshaped forms share: `LayerStructure` says why that is sound). Read only."""
+    return pcg.derive("layer_structure", None, lambda: LayerStructure(pcg), structural=True)
+
+
+class LayerMap:
+    """What cutting one PCG into stages needs, worked out once (the cut search lays out many cuts of one PCG):
+    its layers, each node's layer, its free values and what each node needs of them (its `LayerStructure`,
+    shared by the PCGs of one structure), the other layers reading each node with the pieces they read
+    (`reader_layers`) and the layers no chunk may begin at (`blocked`)."""
+
+    def __init__(self, pcg: PCG):
+        self.pcg = pcg
+        self.structure = structure = layer_structure(pcg)
+        self.blocks, self.free, self.layers = structure.blocks, structure.free, structure.layers
+        self.position, self.needs, self.weights = structure.position, structure.needs, structure.weights
+
+    @property
+    def model_layers(self) -> int:
+        """`LayerStructure.model_layers`."""
+        return self.structure.model_layers
+
+    @property
+    def layer_members(self) -> dict[int, frozenset[int]]:
+        """`LayerStructure.layer_members`."""
+        return self.structure.layer_members
 
     @cached_property
     def reader_layers(self) -> tuple[tuple[int, int, frozenset[int], int], ...]:
@@ -237,24 +324,11 @@ class LayerMap:
         can find crossing chunks. Why: a chunk is a run of whole layers (`chunk_of_layer`), so a reader in the
         node's own layer is in its chunk, and a reader of another layer is in the chunk of that layer; the chunks
         `lay_out` finds reading a node are those of these layers, less its own. Worked out once per map: the
-        cut search lays out hundreds of cuts of one stage plan, and each walked every node and its readers.
-        The other layers reading a node are found from the readers' inputs in one pass (a reader of another layer,
-        neither free), not from a table of every node's readers (`PCG.readers_of`): the same sets."""
-        free, blocks = self.free, self.blocks
-        read_in: dict[int, set[int]] = {}
-        for node in self.pcg.nodes:
-            if node.id in free:
-                continue
-            layer = blocks[node.id]
-            for i in node.inputs:
-                if i not in free and blocks[i] != layer:
-                    read_in.setdefault(i, set()).add(layer)
-        out = []
-        for node in self.pcg.nodes:
-            found = read_in.get(node.id)
-            if found:
-                out.append((node.id, blocks[node.id], frozenset(found), node.degrees.piece_elements(node.shape)))
-        return tuple(out)
+        cut search lays out hundreds of cuts of one stage plan, and each walked every node and its readers. The
+        nodes and layers are the structure's (`LayerStructure.read_in`); the pieces this PCG's."""
+        nodes, position = self.pcg.nodes, self.position
+        return tuple((node, layer, found, nodes[position[node]].piece_size)
+                     for node, layer, found in self.structure.read_in)
 
     @cached_property
     def blocked(self) -> dict[int, int]:
@@ -291,16 +365,8 @@ class LayerMap:
                 "does, never a partial sum")
 
     def chunk_nodes(self, first: int, end: int) -> tuple[frozenset[int], tuple[int, ...]]:
-        """The nodes of a chunk holding the layers `layers[first:end]`: the union of their `layer_members`, as a
-        set and in the PCG's order. Worked out once per run of layers and map (`_runs`): the cut search lays out
-        hundreds of cuts of one stage plan, and neighbouring cuts share most of their chunks; the answer reads
-        nothing but the run, so a run found again is the same set and order (gpt-175b:1024's union and sort were
-        most of `lay_out`'s 3 CPU s)."""
-        found = self._runs.get((first, end))
-        if found is None:
-            union = frozenset().union(*(self.layer_members[self.layers[i]] for i in range(first, end)))
-            found = self._runs[(first, end)] = (union, tuple(sorted(union, key=self.position.__getitem__)))
-        return found
+        """`LayerStructure.chunk_nodes`: shared by every map of the structure."""
+        return self.structure.chunk_nodes(first, end)
 
     def lay_out(self, starts: Sequence[int], degree: int) -> StageLayout:
         layers = self.layers
