@@ -87,10 +87,7 @@ class Degrees:
         return " ".join(parts)
 
 
-_NO_PLACEMENT = Placement(())   # `PNode.placement`'s default: a 1-device PCG's
-
-
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class PNode:
     """One PCG node. `inputs` are ids of earlier nodes; `origin` names the graph node it computes, if any;
     `rules` the rules whose rewrites produced it, each `name (file:line)` (none for the graph's own nodes)."""
@@ -104,30 +101,8 @@ class PNode:
     degrees: Degrees
     role: str = ""     # leaves: "input" | "weight"
     origin: str = ""
-    placement: Placement = _NO_PLACEMENT   # one entry per mesh axis (empty only for a 1-device PCG)
+    placement: Placement = Placement(())   # one entry per mesh axis (empty only for a 1-device PCG)
     rules: tuple[str, ...] = ()
-
-    def __init__(self, id: int, kind: str, op: str, inputs: tuple[int, ...],
-                 attrs: tuple[tuple[str, int | float | str], ...], shape: tuple[int, ...], degrees: Degrees,
-                 role: str = "", origin: str = "", placement: Placement = _NO_PLACEMENT,
-                 rules: tuple[str, ...] = ()) -> None:
-        """What the frozen dataclass's own `__init__` stores (each field, in order, into the instance's `__dict__`),
-        written there directly rather than through `object.__setattr__` once a field: a call lays out, rescales,
-        stamps and renumbers ~700,000 nodes (llama-70b:64; the grid's layouts ~420,000), and the generated
-        `__init__` took ~1.2 us a node, this one ~0.4. PNode has no `__post_init__`; `tests/test_shared_structure`
-        checks that the fields are these, in this order."""
-        state = self.__dict__
-        state["id"] = id
-        state["kind"] = kind
-        state["op"] = op
-        state["inputs"] = inputs
-        state["attrs"] = attrs
-        state["shape"] = shape
-        state["degrees"] = degrees
-        state["role"] = role
-        state["origin"] = origin
-        state["placement"] = placement
-        state["rules"] = rules
 
     def attr(self, key: str):
         return dict(self.attrs)[key]
