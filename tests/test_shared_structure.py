@@ -86,27 +86,3 @@ def test_a_table_shares_only_the_same_structure():
         replace(plain, nodes=tuple(renamed)).sharing(plain)
     with pytest.raises(ValueError):
         replace(plain, outputs=plain.outputs[:-1] + (0,)).sharing(plain)
-
-
-def test_a_node_made_directly_is_the_dataclass_s_node():
-    """`PNode.__init__` stores what the frozen dataclass's generated one would: its parameters are the fields, in
-    order, with the fields' defaults, and a node is equal, hashed and copied (`replace`) as a dataclass's."""
-    import inspect
-    from dataclasses import MISSING, fields
-
-    from parsat.ir.pcg import Degrees, PNode
-    from parsat.ir.placement import Placement
-
-    params = list(inspect.signature(PNode.__init__).parameters.values())[1:]
-    assert [p.name for p in params] == [f.name for f in fields(PNode)]
-    assert [p.default for p in params] == [inspect.Parameter.empty if f.default is MISSING else f.default
-                                          for f in fields(PNode)]
-    node = PNode(3, "op", "add", (1, 2), (("k", 1),), (4, 8), Degrees((1, 2)), origin="x", placement=Placement((1,)))
-    assert vars(node) == {"id": 3, "kind": "op", "op": "add", "inputs": (1, 2), "attrs": (("k", 1),), "shape": (4, 8),
-                          "degrees": Degrees((1, 2)), "role": "", "origin": "x", "placement": Placement((1,)),
-                          "rules": ()}
-    assert replace(node, id=4) == PNode(4, "op", "add", (1, 2), (("k", 1),), (4, 8), Degrees((1, 2)), "", "x",
-                                        Placement((1,)))
-    assert hash(node) == hash(replace(node)) and node != replace(node, rules=("r",))
-    with pytest.raises(AttributeError):
-        node.id = 5

@@ -87,10 +87,7 @@ class Degrees:
         return " ".join(parts)
 
 
-_NO_PLACEMENT = Placement(())   # `PNode.placement`'s default: a 1-device PCG's
-
-
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class PNode:
     """One PCG node. `inputs` are ids of earlier nodes; `origin` names the graph node it computes, if any;
     `rules` the rules whose rewrites produced it, each `name (file:line)` (none for the graph's own nodes)."""
@@ -104,30 +101,8 @@ class PNode:
     degrees: Degrees
     role: str = ""     # leaves: "input" | "weight"
     origin: str = ""
-    placement: Placement = _NO_PLACEMENT   # one entry per mesh axis (empty only for a 1-device PCG)
+    placement: Placement = Placement(())   # one entry per mesh axis (empty only for a 1-device PCG)
     rules: tuple[str, ...] = ()
-
-    def __init__(self, id: int, kind: str, op: str, inputs: tuple[int, ...],
-                 attrs: tuple[tuple[str, int | float | str], ...], shape: tuple[int, ...], degrees: Degrees,
-                 role: str = "", origin: str = "", placement: Placement = _NO_PLACEMENT,
-                 rules: tuple[str, ...] = ()) -> None:
-        """What the frozen dataclass's own `__init__` stores (each field, in order, into the instance's `__dict__`),
-        written there directly rather than through `object.__setattr__` once a field: a call lays out, rescales,
-        stamps and renumbers ~700,000 nodes (llama-70b:64; the grid's layouts ~420,000), and the generated
-        `__init__` took ~1.2 us a node, this one ~0.4. PNode has no `__post_init__`; `tests/test_shared_structure`
-        checks that the fields are these, in this order."""
-        state = self.__dict__
-        state["id"] = id
-        state["kind"] = kind
-        state["op"] = op
-        state["inputs"] = inputs
-        state["attrs"] = attrs
-        state["shape"] = shape
-        state["degrees"] = degrees
-        state["role"] = role
-        state["origin"] = origin
-        state["placement"] = placement
-        state["rules"] = rules
 
     def attr(self, key: str):
         return dict(self.attrs)[key]
@@ -256,6 +231,10 @@ class PCG:
         where the structure or the outputs differ: sharing would then be wrong."""
         if self.outputs != other.outputs or not _same_structure(self.nodes, other.nodes):
             raise ValueError("sharing: the PCGs' structure differs")
+        return self._sharing(other)
+
+    def _sharing(self, other: "PCG") -> "PCG":
+        """`sharing`, the structure and outputs known to be the same (`StructureTable` compared them)."""
         form = replace(self)
         form.__dict__["structural"] = other.structural
         if "storage_chains" in other.__dict__:
@@ -279,18 +258,22 @@ class StructureTable:
     of few structures (`ir.megatron.megatron_pcg`'s `kin`: llama-70b:64's grids lay out 40 PCGs that work their
     facts out apart, of 12 structures): a PCG of a structure met before shares that one's facts (`PCG.sharing`),
     worked out once rather than once per PCG (roles, blocks, checkpoints, saved values, the step simulator's
-    reader counts: ~50-80 ms each on a whole llama-70b layout). The first PCG of each structure is kept, with its
-    key; a table lives as long as its caller's call."""
+    reader counts: ~50-80 ms each on a whole llama-70b layout). The first PCG of each structure is kept, by its
+    node count and outputs (a PCG is compared node by node only with those of its count and outputs, and a
+    comparison stops at the first node that differs); a table lives as long as its caller's call."""
 
     def __init__(self) -> None:
-        self._known: dict[tuple, PCG] = {}
+        self._known: dict[tuple, list[PCG]] = {}
 
     def shared(self, pcg: PCG) -> PCG:
         """`pcg`, sharing the facts of the first PCG of its structure kept here (that PCG's `sharing`), or `pcg`
         itself, kept, where it is the first."""
-        key = (tuple(map(_structure, pcg.nodes)), pcg.outputs)
-        first = self._known.setdefault(key, pcg)
-        return pcg if first is pcg else pcg.sharing(first)
+        kept = self._known.setdefault((len(pcg.nodes), pcg.outputs), [])
+        first = next((other for other in kept if _same_structure(other.nodes, pcg.nodes)), None)
+        if first is None:
+            kept.append(pcg)
+            return pcg
+        return pcg._sharing(first)   # the same outputs (the key) and structure (compared just above)
 
 
 LAYOUT_FACTS = ("readers_of", "storage_chains", "derived", "structural")
