@@ -193,14 +193,14 @@ class LayerStructure:
     """What cutting a PCG into stages reads of its nodes' structure alone (`ir.pcg.STRUCTURE`: ids, kinds,
     operators, inputs, roles, origins) and its outputs: each node's layer (`ir.blocks.node_blocks`), the free
     values (`free_nodes`), the layers, each node's place in the PCG's order, the free values each node needs, the
-    weights, each layer's nodes (`layer_members`), the other layers reading each node (`read_in`) and the nodes of
-    each run of layers (`chunk_nodes`). Worked out once per structure (`layer_structure`) and shared by every
-    `LayerMap` of a PCG with that structure.
+    weights, each layer's nodes (`layer_members`), the other layers reading each node (`read_in`), the free values
+    each layer alone reads (`layer_free`) and the nodes of each run of layers (`chunk_nodes`). Worked out once per
+    `PCG.structural` table (`layer_structure`) and shared by every `LayerMap` of the PCGs that share it.
 
     Why shared: none of these reads a node's shape, attributes, degrees or placement, nor the ZeRO stage or the
     recomputation policy, so two PCGs whose nodes have the same `STRUCTURE` fields and the same outputs (a layout's
     forms, `ir.pcg.restated`; a layout rescaled to another micro-batch size, `PCG.reshaped`: those that share
-    `PCG.structural`) give the same values. llama-70b:64's stage search made 106 layer maps of 39 structures, each
+    `PCG.structural`) give the same values. llama-70b:64's stage search made 106 layer maps of 68 such tables, each
     walking its ~5,000 nodes four times (`free_nodes`, `needs`, `layer_members`, `read_in`), and each map's chunk
     nodes were sorted again. What a map reads of the sizes and placements (a crossing's piece, `blocked`'s partial
     sums) stays the map's own. Read only."""
