@@ -18,7 +18,7 @@ from parsat.ir.validate import validate_plan_report
 from parsat.search.deadline import Deadline
 from parsat.ir.errors import DoesNotFit, OptimizeError
 from parsat.search.pipeline_search import (NOT_SEARCHED, best_of, microbatch_counts, pipeline_degrees,
-                                             search_pipelines)
+                                             search_order, search_pipelines)
 from parsat.egraph.runner import STOP_INTERRUPTED, STOP_SATURATED, STOP_SECONDS, Limits
 from parsat.search.request import resolve_request
 
@@ -81,7 +81,9 @@ def test_a_spent_limit_leaves_later_stage_plans_unsearched_and_listed():
         raise OptimizeError("no stage plan here")
 
     found = search_pipelines(search, machine, 64, 512, 10 ** 9, 25, clock=Spent(time.perf_counter() + 60, Limits()))
-    pairs = [(p, m) for p in pipeline_degrees(64, machine, 10 ** 9, 25, None) for m in microbatch_counts(512, p, None)]
+    # in the order the search takes them (`search_order`: least bubble first)
+    pairs = search_order([(p, m) for p in pipeline_degrees(64, machine, 10 ** 9, 25, None)
+                          for m in microbatch_counts(512, p, None)])
     assert len(pairs) > 1 and calls == [(64 // pairs[0][0], pairs[0][1], 1)]   # the first is always searched
     unsearched = {(t["pp"], t["microbatches"]) for t in found.tried if t.get("error") == NOT_SEARCHED}
     assert unsearched == set(pairs)   # the first pair's retry with more in flight, and every later pair
