@@ -214,11 +214,7 @@ class PCG:
         ValueError where a node's structure differs: sharing would then be wrong."""
         if not _same_structure(self.nodes, nodes):
             raise ValueError("reshaped: the nodes' structure differs from the PCG's")
-        form = replace(self, nodes=tuple(nodes))
-        form.__dict__["structural"] = self.structural
-        if "storage_chains" in self.__dict__:
-            form.__dict__["storage_chains"] = self.storage_chains
-        return form
+        return replace(self, nodes=tuple(nodes))._sharing(self)   # the outputs are this PCG's own
 
     def sharing(self, other: "PCG") -> "PCG":
         """This PCG, sharing the facts `other` works out from its structure alone (`structural`, `storage_chains`),
@@ -234,7 +230,8 @@ class PCG:
         return self._sharing(other)
 
     def _sharing(self, other: "PCG") -> "PCG":
-        """`sharing`, the structure and outputs known to be the same (`StructureTable` compared them)."""
+        """`sharing`, the structure and outputs known to be the same (`StructureTable` and `reshaped` compared
+        them)."""
         form = replace(self)
         form.__dict__["structural"] = other.structural
         if "storage_chains" in other.__dict__:

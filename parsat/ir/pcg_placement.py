@@ -41,14 +41,13 @@ def derive_placements(pcg: PCG, ops: Mapping[str, ast.OpDecl]) -> dict[int, Plac
     for node in pcg:
         try:
             if node.kind == "leaf" or not node.inputs:   # whole: its shape is all `_laid_out` reads of it
-                inputs, key = (), (_WHOLE, node.shape)
+                inputs, read, key = (), (), (_WHOLE, node.shape)
             else:
-                inputs = tuple(placements[i] for i in node.inputs)
-                key = (node.kind, node.op, node.attrs, node.shape, inputs, tuple(shapes[i] for i in node.inputs))
+                inputs, read = tuple(placements[i] for i in node.inputs), tuple(shapes[i] for i in node.inputs)
+                key = (node.kind, node.op, node.attrs, node.shape, inputs, read)
             found = laid.get(key)
             if found is None:
-                found = laid[key] = _laid_out(node, inputs, tuple(shapes[i] for i in node.inputs), mesh, ops, cache,
-                                              instances)
+                found = laid[key] = _laid_out(node, inputs, read, mesh, ops, cache, instances)
         except PlacementError as err:
             raise PlacementError(f"at node #{node.id}, {node.label}: {err}") from None
         except (KeyError, ValueError, MeshError, InstantiationError) as err:  # unknown axis, missing attribute
@@ -84,7 +83,7 @@ def _laid_out(node: PNode, inputs: tuple[Placement, ...], shapes: tuple, mesh: M
         dims = {k: int(v) for k, v in node.attrs if k in ("dim", "to_dim")}
         placement = apply_parallel(inputs[0], node.op, axis, dims.get("dim"), dims.get("to_dim"))
     else:
-        instance = instance_for(ops[node.op], list(shapes), dict(node.attrs), instances)
-        placement = compute_placement(instance, list(inputs), cache)
+        instance = instance_for(ops[node.op], shapes, dict(node.attrs), instances)
+        placement = compute_placement(instance, inputs, cache)
     placement.local_shape(node.shape, mesh.shape)
     return placement, Degrees.of_placement(placement, mesh, len(node.shape))
