@@ -1,4 +1,5 @@
-"""The search's collector thresholds are its own: set for the search, put back after it, whatever happens."""
+"""The search pauses the cyclic collector and puts it back as the caller had it, whatever happens; when the collector
+runs never changes the plan; the operator walks every search runs thousands of times leave no reference cycle."""
 
 import contextlib
 import gc
@@ -6,83 +7,105 @@ import json
 
 import pytest
 
+from parsat.dsl.instantiate import index_bounds
+from parsat.dsl.library import load_library, shipped_rules_dir
+from parsat.dsl.work import contraction, work
+from parsat.ir.graph import instance_for
 from parsat.ir.plan import without_timing
-from parsat.search.collector import OLDER_THRESHOLD, SEARCH_THRESHOLD, fewer_collections
-
-SEARCHING = (SEARCH_THRESHOLD, OLDER_THRESHOLD, OLDER_THRESHOLD)
+from parsat.search.collector import paused_while_searching
 
 
 @pytest.fixture
-def thresholds():
-    before = gc.get_threshold()
-    yield before
+def collector():
+    """The collector's state and thresholds put back after the test."""
+    enabled, before = gc.isenabled(), gc.get_threshold()
+    yield
     gc.set_threshold(*before)
+    (gc.enable if enabled else gc.disable)()
 
 
-def test_a_search_collects_less_often_and_puts_the_thresholds_back(thresholds):
-    gc.set_threshold(700, 10, 10)
-    with fewer_collections():
-        assert gc.get_threshold() == SEARCHING
-        with fewer_collections():          # a stage search inside the search
-            assert gc.get_threshold() == SEARCHING
-        assert gc.get_threshold() == SEARCHING
-    assert gc.get_threshold() == (700, 10, 10)
+def test_a_search_pauses_the_collector_and_puts_it_back(collector):
+    gc.enable()
+    with paused_while_searching():
+        assert not gc.isenabled()
+        with paused_while_searching():          # a stage search inside the search
+            assert not gc.isenabled()
+        assert not gc.isenabled()               # the inner one leaves it as the outer one set it
+    assert gc.isenabled()
 
 
-def test_a_search_that_raises_puts_the_thresholds_back(thresholds):
-    gc.set_threshold(700, 10, 10)
+def test_a_search_that_raises_puts_the_collector_back(collector):
+    gc.enable()
     with pytest.raises(ValueError):
-        with fewer_collections():
+        with paused_while_searching():
             raise ValueError("bad input")
-    assert gc.get_threshold() == (700, 10, 10)
+    assert gc.isenabled()
 
 
-def test_a_caller_s_own_choice_is_kept(thresholds):
-    gc.set_threshold(0)                     # collection off
-    with fewer_collections():
-        assert gc.get_threshold()[0] == 0
-    gc.set_threshold(10 * SEARCH_THRESHOLD, 5, 5)   # the first generation rarer than the search's: kept
-    with fewer_collections():
-        assert gc.get_threshold() == (10 * SEARCH_THRESHOLD, OLDER_THRESHOLD, OLDER_THRESHOLD)
-    gc.set_threshold(700, 10 * OLDER_THRESHOLD, 2 * OLDER_THRESHOLD)   # older ones rarer: kept
-    with fewer_collections():
-        assert gc.get_threshold() == (SEARCH_THRESHOLD, 10 * OLDER_THRESHOLD, 2 * OLDER_THRESHOLD)
+def test_a_caller_s_own_choice_is_kept(collector):
+    gc.disable()                                # the caller's choice: collection off
+    with paused_while_searching():
+        assert not gc.isenabled()
+    assert not gc.isenabled()
 
 
-def test_optimize_runs_under_it_and_restores(thresholds, monkeypatch):
+def test_optimize_runs_under_it_and_restores(collector, monkeypatch):
     import parsat.search.optimize as optimize
     seen = []
-    monkeypatch.setattr(optimize, "_optimize", lambda *args: seen.append(gc.get_threshold()) or "plan")
-    gc.set_threshold(700, 10, 10)
+    monkeypatch.setattr(optimize, "_optimize", lambda *args: seen.append(gc.isenabled()) or "plan")
+    gc.enable()
     assert optimize.optimize("mlp") == "plan"
-    assert seen == [SEARCHING] and gc.get_threshold() == (700, 10, 10)
+    assert seen == [False] and gc.isenabled()
 
 
 def _plan_under(monkeypatch, thresholds: tuple[int, int, int] | None) -> dict:
-    """mlp's plan on 4 cpu devices, the search run under `thresholds` (None: `fewer_collections`), timing fields
-    left out."""
+    """mlp's plan on 4 cpu devices, the search run with the collector on at `thresholds` (None: paused, as
+    `optimize` runs it), timing fields left out."""
     import parsat.search.optimize as optimize
 
     @contextlib.contextmanager
-    def fixed():
-        before = gc.get_threshold()
+    def collecting():
+        before, enabled = gc.get_threshold(), gc.isenabled()
         gc.set_threshold(*thresholds)
+        gc.enable()
         try:
             yield
         finally:
             gc.set_threshold(*before)
+            (gc.enable if enabled else gc.disable)()
 
     with monkeypatch.context() as patch:
         if thresholds is not None:
-            patch.setattr(optimize, "fewer_collections", fixed)
+            patch.setattr(optimize, "paused_while_searching", collecting)
         plan = optimize.optimize("mlp", machine="cpu", devices=4)
     return without_timing(json.loads(plan.to_json()))
 
 
-def test_when_the_collector_runs_leaves_the_plan_alone(thresholds, monkeypatch):
-    """The search's thresholds only move when unreachable cycles are freed: the plan is the one a search gets
-    collecting at Python's defaults, and collecting all the time (every 50 allocations, every older generation at
-    each chance), which would show a result that read an object's identity after the object was freed."""
+def test_when_the_collector_runs_leaves_the_plan_alone(collector, monkeypatch):
+    """The collector only frees unreachable cycles: the plan is the one a search gets collecting at Python's
+    defaults, and collecting all the time (every 50 allocations, every older generation at each chance), which
+    would show a result that read an object's identity after the object was freed."""
     searched = _plan_under(monkeypatch, None)
     assert searched == _plan_under(monkeypatch, (700, 10, 10))
     assert searched == _plan_under(monkeypatch, (50, 1, 1))
+
+
+OPS = load_library([shipped_rules_dir() / "ops.rule"])[0].ops
+
+
+@pytest.mark.parametrize("op, shapes, attrs", [
+    ("matmul", ((4, 5), (5, 6)), {}),
+    ("bmm", ((2, 3, 4, 5), (2, 3, 5, 6)), {}),
+    ("softmax", ((3, 4),), {"dim": 1}),
+    ("layernorm", ((3, 4), (4,), (4,)), {"eps": 1e-5}),
+])
+def test_the_operator_walks_leave_no_cycle(collector, op, shapes, attrs):
+    """`work`, `contraction` and `index_bounds` are called for every operator instance a search prices; a
+    recursive nested function is a cycle with its closure, so each call left garbage (with all it held) that only
+    the collector frees, which a search pauses: they leave none."""
+    instance = instance_for(OPS[op], shapes, attrs)
+    gc.disable()
+    gc.collect()
+    for _ in range(3):
+        work(instance), contraction(instance), index_bounds(instance)
+    assert gc.collect() == 0

@@ -789,8 +789,8 @@ def test_node_facts_kept_across_micro_batches_give_the_tasks_worked_out_afresh(m
 
 def test_a_simulated_step_s_builder_is_freed_when_the_step_ends(monkeypatch, gpt_layouts):
     """The builder (and its tasks, 10^5-10^6 for a step of many micro-batches) is in no reference cycle: it is freed
-    as the simulation returns, not held until the collector's older generation runs (which a search runs
-    seldom: `search.collector`). ZeRO-1 gathers and DDP's buckets hold lambdas, backward a recursive `visit`."""
+    as the simulation returns, not held until the cyclic collector runs (which a search pauses:
+    `search.collector`). ZeRO-1 gathers and DDP's buckets hold lambdas, backward a recursive `visit`."""
     import gc
     import weakref
     library, layouts = gpt_layouts

@@ -268,13 +268,16 @@ def param_dim_names(instance: OpInstance) -> tuple[tuple[str | None, ...], ...]:
 def index_bounds(instance: OpInstance) -> dict[str, Poly]:
     """The range of every index variable: output indices, summation and max indices."""
     bounds = dict(zip(instance.out_vars, instance.output_shape))
-    env = instance.size_env()
-
-    def visit(expr: ast.Expr) -> None:
-        if isinstance(expr, ast.RANGE_BINDERS):
-            bounds[expr.var] = to_poly(expr.bound, env)
-        for child in ast.children(expr):
-            visit(child)
-
-    visit(instance.body)
+    _range_bounds(instance.body, instance.size_env(), bounds)
     return bounds
+
+
+def _range_bounds(expr: ast.Expr, env, bounds: dict[str, Poly]) -> None:
+    """Every range binder's bound in `expr` into `bounds`. A recursion at module level, not a nested function
+    calling itself: such a function and its closure's cell hold each other, a reference cycle that every call left
+    to the cyclic collector with what the closure holds (issue 28: on llama-70b:64 this, `dsl.work`'s walks and
+    what they held were ~80% of the million objects a search left for the collector)."""
+    if isinstance(expr, ast.RANGE_BINDERS):
+        bounds[expr.var] = to_poly(expr.bound, env)
+    for child in ast.children(expr):
+        _range_bounds(child, env, bounds)

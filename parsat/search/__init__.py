@@ -17,7 +17,7 @@ restrictions of the e-graph), `baselines` (data parallel, Megatron,
 sequential, the best grid point), `pipeline_search` (pipeline degree,
 micro-batch count and schedule around the joint search), `provenance`
 (the rules a plan needs: a derivation of its e-nodes from the graph's),
-`collector` (Python's garbage collector, run less often while a search runs).
+`collector` (Python's cyclic garbage collector, paused while a search runs).
 
 It saturates through `parsat.egraph` and prices with `parsat.cost`. It
 applies the rules it is given; which are trusted is the facade's choice

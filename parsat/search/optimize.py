@@ -50,7 +50,7 @@ from parsat.ir.models import EXAMPLES
 from parsat.ir.pipeline import INTERLEAVED, chunks_refusal
 from parsat.ir.plan import Plan
 from parsat.ir.units import fmt_bytes_pair
-from parsat.search.collector import fewer_collections
+from parsat.search.collector import paused_while_searching
 from parsat.search.deadline import Deadline
 from parsat.search.microbatches import every_mesh_at, merged, rank_plans, search_unstaged
 from parsat.search.pipeline_search import best_of, parameters_of, search_pipelines
@@ -108,9 +108,9 @@ def optimize(graph, machine: Machine | str = "h100x8", rules=None, limits: Limit
     (`UNSTAGED_SHARE_FIRST` when the pipeline waits on it not fitting), the
     pipeline what is left. Every search shares one cache of compiled rules.
     Raises OptimizeError, GraphError or MachineError with a message for the user.
-    The collector runs less often meanwhile (`collector`).
+    The cyclic collector is paused meanwhile (`collector`).
     """
-    with fewer_collections():
+    with paused_while_searching():
         schedule = _check_chunks_pin(graph, options, schedule, chunks_per_stage)
         return _optimize(graph, machine, rules, limits, devices, microbatches, pipeline, schedule, options,
                          chunks_per_stage)
