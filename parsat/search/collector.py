@@ -19,7 +19,8 @@ ends walks what is left and frees the cycles the search made, and the
 collector took 0.65 CPU s of the call (0.50 of them that one collection),
 peak RSS 1,107 -> 1,178 MiB (the cycles held until then: 680,000 objects,
 most of them the meshes' e-graphs' rule provenance and their memos,
-which live until the search ends anyway). The recursive walks that left a
+which live until the search ends anyway; gpt-175b:1024's collector 2.11 -> 0.91 CPU s, peak RSS 894 -> 897
+MiB). The recursive walks that left a
 cycle per call (`dsl.work`, `dsl.instantiate.index_bounds`: 330,000 more
 objects) are plain recursions now.
 
