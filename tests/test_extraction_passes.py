@@ -126,8 +126,7 @@ def test_the_passes_choose_what_the_plain_passes_choose(seed):
     assert bottom_up(snapshot, costs, usable, memory_price=price, choosable=choosable) == priced
     # `lean_choices`' Choosable: its extraction's e-nodes and readers taken, each e-node's memory beside its time
     lean = Choosable.of(snapshot, costs, usable, choosable).with_memory(costs)
-    assert (lean.waiting, lean.readers, lean.ready, lean.time) == \
-        (choosable.waiting, choosable.readers, choosable.ready, choosable.time)
+    assert (lean.walk, lean.time) == (choosable.walk, choosable.time)
     assert bottom_up(snapshot, costs, usable, memory_price=price, choosable=lean) == priced
     plain = _plain_greedy_dag(snapshot, costs, usable)
     assert greedy_dag(snapshot, costs, usable) == plain

@@ -386,6 +386,7 @@ def dag_cost(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], choice: Mappi
     (the first class of each group the choice holds; None where it holds none), counted with them."""
     order: list[int] = []
     state: dict[int, int] = {}  # 1 visiting, 2 done
+    state_of, chosen_in, classes = state.get, choice.get, snapshot.classes   # bound once: ~470 walks a search
     pending = list(roots)
     scanned = 0   # classes of `order` whose obligations are in `pending`
     while pending:
@@ -396,34 +397,35 @@ def dag_cost(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], choice: Mappi
                 state[cid] = 2
                 order.append(cid)
                 continue
-            seen = state.get(cid)
+            seen = state_of(cid)
             if seen == 2:
                 continue
             if seen == 1:
                 return None  # a cycle
-            if cid not in choice or (cid, choice[cid]) not in costs:
+            index = chosen_in(cid)
+            if index is None or (cid, index) not in costs:
                 return None
             state[cid] = 1
             stack.append((cid, True))
-            for child in snapshot.classes[cid][choice[cid]].children:
-                if state.get(child) == 1:
+            for child in classes[cid][index].children:
+                seen = state_of(child)
+                if seen == 1:
                     return None
-                if state.get(child) != 2:
+                if seen != 2:
                     stack.append((child, False))
         if obliged and not pending:
             # what the classes found so far oblige, as more roots; their subtrees may oblige more (to a fixpoint)
             for cid in order[scanned:]:
                 for group in obliged.get((cid, choice[cid]), ()):
-                    if any(state.get(c) == 2 for c in group):
+                    if any(state_of(c) == 2 for c in group):
                         continue
                     held = next((c for c in group if c in choice), None)
                     if held is None:
                         return None
                     pending.append(held)
             scanned = len(order)
-    time_s = sum(costs[(c, choice[c])].time_s for c in order)
-    memory = sum(costs[(c, choice[c])].memory_bytes for c in order)
-    return time_s, memory, order
+    chosen = [costs[(c, choice[c])] for c in order]   # each summed in `order`, as before
+    return sum(cost.time_s for cost in chosen), sum(cost.memory_bytes for cost in chosen), order
 
 
 def _usable(costs, exclude, obliged: Obliged | None = None) -> Callable[[NodeId], bool]:
@@ -440,54 +442,121 @@ def _usable(costs, exclude, obliged: Obliged | None = None) -> Callable[[NodeId]
 
 
 @dataclass(frozen=True)
-class Choosable:
-    """The e-nodes one extraction's passes may choose, worked out once for all of them: every `usable` e-node that
-    does not read its own class, in the snapshot's order, with how many distinct classes it reads (`waiting`),
-    and its own weight as the passes rank by time (`weight`: its time plus `EPSILON`). An extraction runs the
-    bottom-up pass twice or more and the greedy DAG pass once over the same e-nodes and costs (`extract`); each
-    scanned every e-node and priced each it met afresh. `readers` (class -> the choosable e-nodes reading it, in
-    the snapshot's order, `Snapshot.readers` less the rest) and `ready` (those reading no class) are what the
-    passes walk: each pass looked every reader up and passed over the ones it may not choose."""
+class _Numbering:
+    """A snapshot's e-nodes and classes as small integers, for the passes (`_Walk`, `bottom_up`, `greedy_dag`): every
+    e-node numbered in (class, index) order, so that a pass's heap entry (weight, number) is ordered as (weight,
+    class, index) was, and ties are broken as they were; every class read or holding an e-node numbered. A pass
+    then walks lists indexed by these numbers rather than dicts keyed by (class, index) tuples, whose hashing was
+    most of a pass's cost. Worked out once per snapshot (`numbering`); shared: read it, never change it."""
 
-    waiting: Mapping[NodeId, int]
-    time: Mapping[NodeId, float]     # its time (`NodeCost.time_s`)
-    weight: Mapping[NodeId, float]   # its time + EPSILON
-    readers: Mapping[int, tuple[NodeId, ...]]
-    ready: tuple[NodeId, ...]
-    # each e-node's (id, time, memory): what a pass at a price per byte weighs it by (`with_memory`), or None
-    priced: tuple[tuple[NodeId, float, int], ...] | None = None
+    nids: tuple[NodeId, ...]              # e-node number -> its id
+    number: Mapping[NodeId, int]          # its id -> its number
+    cls: tuple[int, ...]                  # e-node number -> its class's number
+    kids: tuple[tuple[int, ...], ...]     # e-node number -> the numbers of the classes it reads (`Snapshot.kids`)
+    waiting: tuple[int, ...]              # e-node number -> how many classes it reads
+    # class number -> the numbers of the e-nodes reading it and other classes (`readers`) or it alone (`single`)
+    readers: tuple[tuple[int, ...], ...]
+    single: tuple[tuple[int, ...], ...]
+    leaves: tuple[int, ...]               # the e-nodes reading no class
+    loops: tuple[int, ...]                # the e-nodes that read their own class (never choosable)
+    classes: int                          # how many classes are numbered
+
+
+def numbering(snapshot: Snapshot) -> _Numbering:
+    """`_Numbering` of `snapshot`, worked out once (`Snapshot.derive`)."""
+    return snapshot.derive("extract.numbering", lambda: _numbered(snapshot))
+
+
+def _numbered(snapshot: Snapshot) -> _Numbering:
+    """`numbering`, worked out."""
+    kids_of = snapshot.kids
+    nids = tuple(sorted(kids_of))
+    class_number: dict[int, int] = {}
+    number = class_number.setdefault
+    cls = tuple(number(cid, len(class_number)) for cid, _index in nids)
+    kids = tuple(tuple(number(child, len(class_number)) for child in kids_of[nid]) for nid in nids)
+    readers: list[list[int]] = [[] for _ in range(len(class_number))]
+    single: list[list[int]] = [[] for _ in range(len(class_number))]
+    for n, read in enumerate(kids):
+        for child in read:
+            (readers if len(read) > 1 else single)[child].append(n)
+    return _Numbering(nids, {nid: n for n, nid in enumerate(nids)}, cls, kids, tuple(map(len, kids)),
+                      tuple(map(tuple, readers)), tuple(map(tuple, single)),
+                      tuple(n for n, read in enumerate(kids) if not read),
+                      tuple(n for n, read in enumerate(kids) if cls[n] in read), len(class_number))
+
+
+@dataclass(frozen=True)
+class _Walk:
+    """What the passes of one `usable` walk, by `_Numbering`'s numbers: each class's choosable readers (a usable
+    e-node that does not read its own class is choosable), apart by how many classes they read as `_Numbering`
+    holds them (`readers`, `single`), and the choosable e-nodes reading nothing (`ready`). A reader of one class
+    alone is ready as soon as that class is final, and its value is its weight plus that class's (the sum over
+    one child): the passes need not count down what it waits for."""
+
+    numbers: _Numbering
+    readers: Sequence[Sequence[int]]   # class number -> its choosable readers that read other classes too
+    single: Sequence[Sequence[int]]    # class number -> its choosable readers that read it alone
+    ready: Sequence[int]
+
+    @staticmethod
+    def of(snapshot: Snapshot, usable: Callable[[NodeId], bool]) -> "_Walk":
+        """The walk of `usable`'s e-nodes (`usable` is asked about every e-node, and must read nothing else)."""
+        numbers = numbering(snapshot)
+        ok = list(map(usable, numbers.nids))
+        for n in numbers.loops:
+            ok[n] = False
+        return _Walk(numbers, [[n for n in read if ok[n]] for read in numbers.readers],
+                     [[n for n in read if ok[n]] for read in numbers.single], [n for n in numbers.leaves if ok[n]])
+
+
+@dataclass(frozen=True)
+class Choosable:
+    """The e-nodes one extraction's passes may choose, worked out once for all of them (`walk`: every `usable`
+    e-node that does not read its own class, by `_Numbering`'s numbers, and which of them read each class), and
+    each e-node's time (`time`, by number) and weight as the passes rank by time (`weight`: its time plus
+    `EPSILON`, made when a pass first asks: the passes at a memory price never do). An extraction runs the
+    bottom-up pass twice or more and the greedy DAG pass once over the same e-nodes and costs (`extract`); each
+    scanned every e-node and priced each it met afresh. The lists hold an entry for every numbered e-node; only
+    the choosable ones' are read (an unpriced e-node's time is 0.0)."""
+
+    walk: _Walk
+    time: Sequence[float]     # e-node number -> its time (`NodeCost.time_s`)
+    # its times and memory bytes as arrays of floats (numpy's), by e-node number: what a pass at a price per byte
+    # weighs e-nodes by (`with_memory`), or None
+    priced: tuple | None = None
 
     @staticmethod
     def of(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Callable[[NodeId], bool],
            like: "Choosable | None" = None) -> "Choosable":
         """`like`: another `Choosable` of the same snapshot and `usable` over costs of the same e-nodes (its
-        `waiting`, `readers` and `ready` read nothing else), taken rather than every e-node scanned again
-        (`lean_choices` shares its extraction's)."""
-        if like is None:
-            waiting = {nid: len(kids) for nid, kids in snapshot.kids.items() if nid[0] not in kids and usable(nid)}
-            readers = {}
-            for cid, nids in snapshot.readers.items():
-                mine = tuple(nid for nid in nids if nid in waiting)
-                if mine:
-                    readers[cid] = mine
-            ready = tuple(nid for nid, left in waiting.items() if not left)
-        else:
-            waiting, readers, ready = like.waiting, like.readers, like.ready
-        time_of = {nid: costs[nid].time_s for nid in waiting}
-        return Choosable(waiting, time_of, {nid: t + EPSILON for nid, t in time_of.items()}, readers, ready)
+        `walk` reads nothing else), taken rather than every e-node scanned again (`lean_choices` shares its
+        extraction's)."""
+        walk = _Walk.of(snapshot, usable) if like is None else like.walk
+        return Choosable(walk, [0.0 if cost is None else cost.time_s for cost in map(costs.get, walk.numbers.nids)])
+
+    @functools.cached_property
+    def weight(self) -> Sequence[float]:
+        """E-node number -> its time + EPSILON."""
+        return [t + EPSILON for t in self.time]
 
     def with_memory(self, costs: Mapping[NodeId, NodeCost]) -> "Choosable":
         """This, with each e-node's memory beside its time (`priced`), for passes weighing memory at a price
         (`bottom_up`'s `memory_price`): `lean_choices` runs up to LEAN_PRICES + LEAN_BISECTIONS of them over the same
         e-nodes and costs, and each looked both figures up again per e-node (`NodeCost.time_s` a sum of four). The
-        weight is the same float: the same time, plus the price times the same bytes, plus EPSILON, in that order.
-        `costs` must be the costs `of` read."""
-        return replace(self, priced=tuple((nid, t, costs[nid].memory_bytes) for nid, t in self.time.items()))
+        weight is the same float: the same time, plus the price times the same bytes, plus EPSILON, in that order,
+        each an IEEE double operation whether Python or numpy does it (numpy's element-wise `+` and `*` round each
+        result as Python's floats do; the bytes, below 2^53, are floats exactly), so a pass works its weights out
+        as arrays: ~200 passes a search over 10^4 e-nodes. `costs` must be the costs `of` read."""
+        import numpy as np
+
+        memory = [0 if cost is None else cost.memory_bytes for cost in map(costs.get, self.walk.numbers.nids)]
+        return replace(self, priced=(np.array(self.time, dtype=np.float64), np.array(memory, dtype=np.float64)))
 
 
 def bottom_up(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Callable[[NodeId], bool],
               prefer: Mapping[int, int] | None = None, memory_price: float = 0.0,
-              choosable: Choosable | None = None) -> tuple[dict[int, int], dict[int, int]]:
+              choosable: Choosable | None = None, ranked: bool = True) -> tuple[dict[int, int], dict[int, int] | None]:
     """Tree-optimal choice; classes are final before any parent uses them (never a cycle).
 
     Also returns each class's finalisation rank: keeping only the e-nodes whose
@@ -496,42 +565,88 @@ def bottom_up(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Call
     those e-nodes cost nothing, so the order also contains that choice.
     `memory_price` (seconds per byte) adds each e-node's memory to its time:
     the Lagrangian weight `lean_choices` trades time for memory with.
-    `choosable`: `Choosable.of(snapshot, costs, usable)`, when the caller has it.
+    `choosable`: `Choosable.of(snapshot, costs, usable)`, when the caller has it. Without `ranked` the rank is
+    None: only the ILP reads it, and the other passes (~280 a search) built it for nothing.
     """
     choosable = choosable or Choosable.of(snapshot, costs, usable)
-    if memory_price and choosable.priced is not None:
-        weight = {nid: t + memory_price * m + EPSILON for nid, t, m in choosable.priced}
-    elif memory_price:
-        weight = {nid: costs[nid].time_s + memory_price * costs[nid].memory_bytes + EPSILON
-                  for nid in choosable.waiting}
+    walk = choosable.walk
+    numbers = walk.numbers
+    if memory_price:
+        times, memory = (choosable.priced or choosable.with_memory(costs).priced)
+        weight = (times + memory_price * memory + EPSILON).tolist()   # as `t + memory_price * m + EPSILON` does
     else:   # time + 0.0 x memory + EPSILON is time + EPSILON, float for float
         weight = choosable.weight
     if prefer:
-        weight = {**weight, **{nid: 0.0 for nid in prefer.items() if nid in weight}}
+        weight = list(weight)
+        for nid in prefer.items():
+            n = numbers.number.get(nid)
+            if n is not None:
+                weight[n] = 0.0
 
-    # the same passes and sums as written plainly, with the lookups bound once: extraction runs this on every
-    # grid configuration of every mesh (10^5 e-nodes each), so its per-e-node overhead is most of its cost
-    # (the heap's entries are distinct, (weight, class, index), so they leave it in one order whatever order they
-    # entered in; a class's rank is its place in `choice`, which is filled in that order)
-    kids_of, readers_of, push, pop = snapshot.kids, choosable.readers.get, heapq.heappush, heapq.heappop
-    pending = dict(choosable.waiting)    # usable e-node -> its children not yet final
-    heap: list = [(weight[nid], nid[0], nid[1]) for nid in choosable.ready]
-    heapq.heapify(heap)
-    best: dict[int, float] = {}
-    choice: dict[int, int] = {}
+    # the same pass as written plainly (tests/test_extraction_passes.py), over lists indexed by e-node and class
+    # numbers (`_Numbering`): extraction runs it ~400 times a search on 10^4 e-nodes, so its per-e-node overhead is
+    # most of its cost. The heap's entries are distinct, (weight, e-node number) ordered as (weight, class, index),
+    # so they leave it in one order whatever order they entered in; a class's rank is its place in `order`
+    cls, kids, readers, single = numbers.cls, numbers.kids, walk.readers, walk.single
+    push, pop = heapq.heappush, heapq.heappop
+    pending = list(numbers.waiting)                  # choosable e-node -> its children not yet final
+    best: list[float | None] = [None] * numbers.classes   # class -> its final value (None: not final)
     final = best.__getitem__
+    heap = _least_per_class([(weight[n], n) for n in walk.ready], cls, numbers.classes)
+    least = _least_entries(heap, cls, numbers.classes)
+    order: list[int] = []
     while heap:
-        value, cid, index = pop(heap)
-        if cid in best:
+        value, n = pop(heap)
+        cid = cls[n]
+        if best[cid] is not None:
             continue
         best[cid] = value
-        choice[cid] = index
-        for nid in readers_of(cid, ()):
-            left = pending[nid] - 1
-            pending[nid] = left
-            if not left and nid[0] not in best:
-                push(heap, (weight[nid] + sum(map(final, kids_of[nid])), nid[0], nid[1]))
-    return choice, {cid: position for position, cid in enumerate(choice)}
+        order.append(n)
+        for reader in single[cid]:   # its sum over its one child is `value`: `sum` adds it to 0, which gives it
+            own = cls[reader]
+            if best[own] is None:
+                entry = (weight[reader] + value, reader)
+                known = least[own]
+                if known is None or entry < known:   # else `known` leaves the heap first and makes `own` final
+                    least[own] = entry
+                    push(heap, entry)
+        for reader in readers[cid]:
+            left = pending[reader] - 1
+            pending[reader] = left
+            if not left:
+                own = cls[reader]
+                if best[own] is None:
+                    entry = (weight[reader] + sum(map(final, kids[reader])), reader)
+                    known = least[own]
+                    if known is None or entry < known:
+                        least[own] = entry
+                        push(heap, entry)
+    choice = dict(map(numbers.nids.__getitem__, order))
+    return choice, {cid: position for position, cid in enumerate(choice)} if ranked else None
+
+
+def _least_per_class(entries: list[tuple[float, int]], cls: Sequence[int], classes: int) -> list[tuple[float, int]]:
+    """A pass's first heap (`bottom_up`, `greedy_dag`): of `entries`, (key, e-node number), the least of each class,
+    heapified. The others would leave the heap after it, once its class is final, and be passed over: the heap
+    gives the same classes their values in the same order without them."""
+    least = _least_entries(entries, cls, classes)
+    heap = [entry for entry in least if entry is not None]
+    heapq.heapify(heap)
+    return heap
+
+
+def _least_entries(entries: Iterable[tuple[float, int]], cls: Sequence[int],
+                   classes: int) -> list[tuple[float, int] | None]:
+    """Class number -> the least of `entries` (key, e-node number) of its e-nodes, or None. A pass keeps this for
+    the entries it pushed: an entry of a class after that class's least one in the heap is never the one that makes
+    it final, so it need not be pushed."""
+    least: list[tuple[float, int] | None] = [None] * classes
+    for entry in entries:
+        cid = cls[entry[1]]
+        known = least[cid]
+        if known is None or entry < known:
+            least[cid] = entry
+    return least
 
 
 def greedy_dag(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Callable[[NodeId], bool],
@@ -545,17 +660,19 @@ def greedy_dag(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Cal
     children's sets that set lacks (usually few: the children of a residual
     add share their prefix), so a pass is near linear where summing whole
     sets was quadratic in the depth of the graph (10 s on a 24-block stack).
-    `choosable`: `Choosable.of(snapshot, costs, usable)`, when the caller has it.
+    `choosable`: `Choosable.of(snapshot, costs, usable)`, when the caller has it. Walks lists by `_Numbering`'s
+    numbers, as `bottom_up` does, and pushes only an entry that may make its class final (`_least_entries`).
     """
     choosable = choosable or Choosable.of(snapshot, costs, usable)
-    time_of, weight, readers_of, kids_of = choosable.time, choosable.weight, choosable.readers.get, snapshot.kids
-    pending = dict(choosable.waiting)   # usable e-node -> its children not yet final
-    ready: list = [(weight[nid], nid[0], nid[1]) for nid in choosable.ready]
-    heapq.heapify(ready)
-    below: dict[int, int] = {}          # class -> bitset of the classes its choice needs (itself included)
-    value_of: dict[int, float] = {}     # class -> summed cost of that set
+    walk = choosable.walk
+    numbers = walk.numbers
+    time_of, weight, kids_of, cls = choosable.time, choosable.weight, numbers.kids, numbers.cls
+    readers, single = walk.readers, walk.single
+    pending = list(numbers.waiting)        # choosable e-node -> its children not yet final
+    below: list[int] = [0] * numbers.classes           # class -> bitset of the classes its choice needs (itself too)
+    value_of: list[float | None] = [None] * numbers.classes   # class -> summed cost of that set (None: not final)
     own: list[float] = []               # finalisation rank -> cost of the class's chosen e-node
-    choice: dict[int, int] = {}
+    order: list[int] = []
 
     def union(children: Sequence[int]) -> tuple[int, float]:
         if len(children) == 1:   # what the general case gives for one child, without the sort
@@ -573,23 +690,41 @@ def greedy_dag(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Cal
                 extra ^= low
         return mask, total
 
+    ready = _least_per_class([(weight[n], n) for n in walk.ready], cls, numbers.classes)
+    least = _least_entries(ready, cls, numbers.classes)
     timed, push, pop = math.isfinite(deadline), heapq.heappush, heapq.heappop
     while ready:
         if timed and time.perf_counter() > deadline:
             return None
-        value, cid, index = pop(ready)
-        if cid in choice:
+        value, n = pop(ready)
+        cid = cls[n]
+        if value_of[cid] is not None:
             continue
-        mask, _total = union(kids_of[(cid, index)])
-        own.append(weight[(cid, index)])
-        below[cid], value_of[cid], choice[cid] = mask | (1 << (len(own) - 1)), value, index
-        for nid in readers_of(cid, ()):
-            left = pending[nid] - 1
-            pending[nid] = left
-            if not left and nid[0] not in choice:
-                _mask, total = union(kids_of[nid])
-                push(ready, (total + time_of[nid] + EPSILON, nid[0], nid[1]))
-    return choice
+        mask, _total = union(kids_of[n])
+        own.append(weight[n])
+        below[cid], value_of[cid] = mask | (1 << (len(own) - 1)), value
+        order.append(n)
+        for reader in single[cid]:   # `union` of its one child: this class's set and `value`
+            mine = cls[reader]
+            if value_of[mine] is None:
+                entry = (value + time_of[reader] + EPSILON, reader)
+                known = least[mine]
+                if known is None or entry < known:
+                    least[mine] = entry
+                    push(ready, entry)
+        for reader in readers[cid]:
+            left = pending[reader] - 1
+            pending[reader] = left
+            if not left:
+                mine = cls[reader]
+                if value_of[mine] is None:
+                    _mask, total = union(kids_of[reader])
+                    entry = (total + time_of[reader] + EPSILON, reader)
+                    known = least[mine]
+                    if known is None or entry < known:
+                        least[mine] = entry
+                        push(ready, entry)
+    return dict(map(numbers.nids.__getitem__, order))
 
 
 def _reachable(snapshot: Snapshot, roots: Sequence[int], usable,
@@ -599,19 +734,26 @@ def _reachable(snapshot: Snapshot, roots: Sequence[int], usable,
     reached class's e-nodes again)."""
     seen = set(roots)
     stack = list(roots)
-    obliged = obliged or {}
+    obliged_by = (obliged or {}).get
     found: dict[int, list[int]] = {}
     while stack:
         cid = stack.pop()
         usable_here = found[cid] = []
         for index, node in enumerate(snapshot.classes.get(cid, ())):
-            if not usable((cid, index)):
+            nid = (cid, index)
+            if not usable(nid):
                 continue
             usable_here.append(index)
-            for child in (*node.children, *(c for group in obliged.get((cid, index), ()) for c in group)):
+            # its children, then what it obliges, in that order (no tuple of both made per e-node)
+            for child in node.children:
                 if child not in seen:
                     seen.add(child)
                     stack.append(child)
+            for group in obliged_by(nid, ()):
+                for child in group:
+                    if child not in seen:
+                        seen.add(child)
+                        stack.append(child)
     return found
 
 
@@ -729,11 +871,12 @@ def _ilp_columns(snapshot: Snapshot, roots: Sequence[int], usable, rank: Mapping
     where it adds nothing or more than `VALUE_ORDER_GROWTH` of the first's columns."""
     # each test is asked once per e-node by each walk (`_columns`) and `ranked` again inside `ordered`: each answer
     # is kept (`functools.cache`), as it reads only the e-node and this call's fixed `usable`, `rank`, `warm`
+    kids, rank_of = snapshot.kids, rank.get
+
     @functools.cache
     def ranked(nid: NodeId) -> bool:
-        cid = nid[0]
-        return usable(nid) and cid in rank and all(rank.get(ch, math.inf) < rank[cid]
-                                                   for ch in snapshot.classes[cid][nid[1]].children)
+        own = rank_of(nid[0])   # its distinct children (`Snapshot.kids`) are its children, each asked once
+        return own is not None and usable(nid) and all(rank_of(ch, math.inf) < own for ch in kids[nid])
 
     cols = _columns(snapshot, roots, ranked, obliged)
     if not warm:
@@ -884,7 +1027,8 @@ def lean_choices(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Se
         if found is None:
             if not choosable:
                 choosable.append(Choosable.of(snapshot, costs, usable, like).with_memory(costs))
-            choice, _rank = bottom_up(snapshot, costs, usable, memory_price=price, choosable=choosable[0])
+            choice, _rank = bottom_up(snapshot, costs, usable, memory_price=price, choosable=choosable[0],
+                                      ranked=False)
             found = known[price] = _judged(snapshot, costs, choice, roots, obliged)
         chosen.append(found)
         return found[1] is not None and found[1][1] <= capacity
@@ -978,7 +1122,7 @@ def _time_ranked(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Se
     t = time.perf_counter()
     guide = _guided(snapshot, costs, usable, obliged)
     choosable = _choosable(snapshot, costs, guide, usable, exclude, obliged)
-    tree, _rank = bottom_up(snapshot, guide, usable, choosable=choosable)
+    tree, _rank = bottom_up(snapshot, guide, usable, choosable=choosable, ranked=False)
     took = {"bottom_up": time.perf_counter() - t}
     t = time.perf_counter()
     greedy = greedy_dag(snapshot, guide, usable, t + seconds, choosable)
@@ -1005,7 +1149,7 @@ def _choosable(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], guide: Mapp
         found[2].keys() == costs.keys() else None
     choosable = Choosable.of(snapshot, guide, usable, like)
     if like is None:
-        kept["last"] = (exclude, obliged, costs, replace(choosable, time={}, weight={}))
+        kept["last"] = (exclude, obliged, costs, replace(choosable, time=()))
     return choosable
 
 
