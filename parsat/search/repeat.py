@@ -427,7 +427,7 @@ class _Copies:
 
     def copy(self, template: "_Template", block: int) -> None:
         """Copy `block` of block 1: each of block 1's nodes as `emit(node, block, self.in_copy(block))` makes it
-        (`tests/test_stamp_copies.py` compares the two), with what `emit` works out per node and input worked out
+        (`tests/test_stamp_rescale.py` compares the two), with what `emit` works out per node and input worked out
         once per stamp (`_Template`): the copy's nodes are block 1's, in order, from `starts[block]` on, so a node
         that block 1's node at position p reads of block 1 is the copy's node `starts[block] + p`; what it reads of
         block 0 is what `in_copy` gives (the copy before it, or the bridge from it: a handful of values a copy);
