@@ -38,6 +38,14 @@ def in_block(name: str, block: int) -> str:
     return f"b{block}_{name[found.end():]}" if found else name
 
 
+def past_block(name: str) -> str | None:
+    """`name` past its block prefix (`b1_wq` -> `wq`), None for a name outside every block: `in_block(name, block)` is
+    `f"b{block}_" + past_block(name)` where that is not None (the same match), `name` where it is. A stamp moves
+    each of block 1's names into 78 blocks: matched once, each copy's name is one concatenation."""
+    found = _BLOCK_NAME.match(name)
+    return name[found.end():] if found else None
+
+
 def node_blocks(pcg: PCG) -> Mapping[int, int]:
     """PCG node -> its block: the latest block whose weights it depends on (the PCG is in topological order),
     except that parallel operators that only a later block reads belong to that block: they are its entry,

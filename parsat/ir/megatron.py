@@ -54,7 +54,7 @@ sequence inside attention (context parallelism).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import islice, product
 from typing import Callable, Mapping, Sequence
 
@@ -415,52 +415,79 @@ def _signature_at(library: Library, op: str, shapes: Sequence[Sequence[int]], at
 @dataclass(frozen=True)
 class _PairTables:
     """What `_rescaled` reads of a kin graph `like` and the graph a layout is rescaled to: each graph's value ->
-    shape (`Graph.shapes`) and operator name -> node. Read only."""
+    shape (`Graph.shapes`) and operator name -> node; and `values`, what `_value_rescaled` worked out per node
+    content for this pair, filled as asked (every layout rescaled from `like` to `graph` asks again for the same
+    nodes' values: a grid's dozen layouts, each of ~6,400 nodes of far fewer contents). Read only, but `values`."""
 
     before: dict
     after: dict
     was: dict
     now: dict
+    logsumexps: tuple   # `like`'s logsumexp nodes (`_vocabulary_parts`)
+    values: dict = field(default_factory=dict, compare=False)
 
     @staticmethod
     def of(like: Graph, graph: Graph) -> "_PairTables":
         return _PairTables(like.shapes(), graph.shapes(), {n.name: n for n in like.nodes},
-                           {n.name: n for n in graph.nodes})
+                           {n.name: n for n in graph.nodes}, tuple(n for n in like.nodes if n.op == "logsumexp"))
 
 
 def _rescaled(pcg: PCG, like: Graph, graph: Graph, tables: _PairTables | None = None) -> PCG | None:
     """`pcg`, a layout of `like`, with each node's shape that of the value it holds in `graph` (a leaf's, an
     operator's origin's, a row-parallel layer's partial sum's its layer's, a parallel operator's its input's),
     and a graph operator's attributes its own in `graph`; None where a node's shape or attributes are not its
-    value's in `like` (then build it). `tables`: the two graphs' `_PairTables`, where the caller keeps them."""
+    value's in `like` (then build it). `tables`: the two graphs' `_PairTables`, where the caller keeps them.
+    A leaf's or an operator's answer reads its kind, operator, origin and attributes and the pair's tables alone
+    (`_value_rescaled`), so it is kept in the tables by those (`_PairTables.values`) and read from there."""
     tables = tables or _PairTables.of(like, graph)
-    before, after, was, now = tables.before, tables.after, tables.was, tables.now
-    parts = _vocabulary_parts(pcg, like, before, after)
+    parts = _vocabulary_parts(pcg, tables)
+    known = tables.values
+    old_nodes = pcg.nodes
     nodes: list[PNode] = []
-    for node in pcg.nodes:
-        attrs = node.attrs
-        part = parts.get(node.origin) if node.kind == "op" else None
-        if node.kind == "parallel":
-            old, new = pcg.nodes[node.inputs[0]].shape, nodes[node.inputs[0]].shape
+    for node in old_nodes:
+        kind, attrs = node.kind, node.attrs
+        part = parts.get(node.origin) if kind == "op" and parts else None
+        if kind == "parallel":
+            old, new = old_nodes[node.inputs[0]].shape, nodes[node.inputs[0]].shape
         elif part is not None:
             old, new, attrs = part
         else:
-            name = node.op if node.kind == "leaf" else node.origin
-            if node.kind == "op" and node.op in UNBIASED.values() and name not in before:
-                name = name.removesuffix("_nobias")
-            if name not in before:
+            key = (kind, node.op, node.origin, attrs)
+            found = known.get(key)
+            if found is None:
+                found = known[key] = _value_rescaled(tables, kind, node.op, node.origin, attrs)
+            if found is _NOT_ITS:
                 return None
-            old, new = before[name], after[name]
-            if name in was and node.op == was[name].op:   # the graph's operator itself (else its bias or partial sum)
-                if node.attrs != tuple(was[name].attrs):
-                    return None
-                attrs = tuple(now[name].attrs)
+            old, new, now = found
+            attrs = attrs if now is None else now
         if node.shape != old:
             return None
         nodes.append(node if (new, attrs) == (old, node.attrs) else
                      PNode(node.id, node.kind, node.op, node.inputs, attrs, tuple(new), node.degrees, node.role,
                            node.origin, node.placement, node.rules))
     return pcg.reshaped(tuple(nodes))   # the same structure: the facts read from it alone are shared
+
+
+_NOT_ITS = ("not its value's",)   # `_value_rescaled`: the node's attributes or value are not the kin graph's
+
+
+def _value_rescaled(tables: _PairTables, kind: str, op: str, origin: str, attrs: tuple) -> tuple:
+    """A leaf's or a graph operator's node of these fields, for `_rescaled`: (the shape of the value it holds in
+    `like`, in `graph`, the graph operator's attributes in `graph`, None for a node that keeps its own: a leaf, a
+    bias or a partial sum), or `_NOT_ITS` where it holds no value of `like` or its attributes are not its
+    operator's there. Kept by `attrs` only as far as they are compared (equal keys, equal verdicts): what a node
+    keeps is its own attributes, never those of another node with equal ones (1 and 1.0 are equal keys)."""
+    before, was = tables.before, tables.was
+    name = op if kind == "leaf" else origin
+    if kind == "op" and op in UNBIASED.values() and name not in before:
+        name = name.removesuffix("_nobias")
+    if name not in before:
+        return _NOT_ITS
+    if name in was and op == was[name].op:   # the graph's operator itself (else its bias or partial sum)
+        if attrs != tuple(was[name].attrs):
+            return _NOT_ITS
+        return before[name], tables.after[name], tuple(tables.now[name].attrs)
+    return before[name], tables.after[name], None
 
 
 def vocabulary_steps(name: str, logits: str, rows: Sequence[int], vocab: int, p: int) -> list[tuple]:
@@ -502,22 +529,35 @@ def vocabulary_parallel_logsumexps(pcg: PCG, graph: Graph) -> dict[str, frozense
         n.origin == name or parts.get(n.origin) == name)) for name in sorted(split)}
 
 
-def _vocabulary_parts(pcg: PCG, like: Graph, was: Mapping[str, tuple[int, ...]], now: Mapping[str, tuple[int, ...]]
-                      ) -> dict[str, tuple]:
+def _vocabulary_parts(pcg: PCG, tables: _PairTables) -> dict[str, tuple]:
     """The values of each vocabulary-parallel logsumexp in `pcg` (`vocabulary_steps`) but the logsumexp itself:
-    name -> (its shape in `like`, its shape and attributes in the graph rescaled to), for `_rescaled`; `was` and
-    `now`: the two graphs' shapes (`Graph.shapes`)."""
-    made = {n.origin for n in pcg.nodes if n.kind == "op"}
+    name -> (its shape in `like`, its shape and attributes in the graph rescaled to), for `_rescaled`, read off the
+    pair's `tables` (the kin graph's logsumexps, each graph's shapes)."""
+    made = _first_made(pcg)
     out = {}
-    for gnode in like.nodes:
-        if gnode.op != "logsumexp" or f"{gnode.name}_blocks" not in made:
+    for gnode in tables.logsumexps:
+        if f"{gnode.name}_blocks" not in made:
             continue
-        blocks = next(n for n in pcg.nodes if n.kind == "op" and n.origin == f"{gnode.name}_blocks")
+        blocks = pcg.node(made[f"{gnode.name}_blocks"])
         p = blocks.shape[-2]
         old, new = (vocabulary_steps(gnode.name, gnode.inputs[0], shapes[gnode.name], shapes[gnode.inputs[0]][-1], p)
-                    for shapes in (was, now))
+                    for shapes in (tables.before, tables.after))
         out.update({o[0]: (tuple(o[4]), tuple(n[4]), tuple(n[3])) for o, n in zip(old[:-1], new[:-1])})
     return out
+
+
+def _first_made(pcg: PCG) -> Mapping[str, int]:
+    """Graph value -> the id of the first operator node of `pcg` that names it its origin (`_vocabulary_parts`
+    looks the steps up by it). It reads the nodes' kinds, origins and ids alone (`STRUCTURE`), so it is kept in
+    `PCG.structural`: the layouts of one structure (`StructureTable`, `reshaped`) share one, where each rescale
+    walked its layout's ~6,400 nodes for it. Read it, never change it."""
+    def make() -> dict[str, int]:
+        first: dict[str, int] = {}
+        for n in pcg.nodes:
+            if n.kind == "op":
+                first.setdefault(n.origin, n.id)
+        return first
+    return pcg.derive("first_made", None, make, structural=True)
 
 
 class _Memo:

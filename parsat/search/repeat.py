@@ -39,11 +39,12 @@ has no stamped plan for that mesh, never a wrong one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Callable, Mapping
 
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.ir.block_layout import named_layout, searched_blocks
-from parsat.ir.blocks import OUTSIDE, block_of, in_block, node_blocks
+from parsat.ir.blocks import OUTSIDE, block_of, in_block, node_blocks, past_block
 from parsat.ir.costs import NodeCost
 from parsat.ir.graph import Graph
 from parsat.ir.pcg import PCG, Degrees, PNode
@@ -385,8 +386,10 @@ class _Copies:
     values: Mapping[int, str]
     links: _Links
     nodes: list[PNode] = field(default_factory=list)
-    # (block of the whole model, searched node id) -> new id
+    # (block of the whole model, searched node id) -> new id, for the nodes outside the copies of block 1
     new_id: dict[tuple[int, int], int] = field(default_factory=dict)
+    # copy of block 1 -> the new id of its first node (`copied`)
+    starts: dict[int, int] = field(default_factory=dict)
     # (copy, node it reads of block 0) -> the bridge's last node
     bridged: dict[tuple[int, int], int] = field(default_factory=dict)
     # searched block that is not repeated -> the block of the whole model it stands for
@@ -401,13 +404,11 @@ class _Copies:
         for node in pcg.nodes:
             if blocks[node.id] in (OUTSIDE, 0):
                 self.emit(node, self.ends[blocks[node.id]], self.at_end)
+        template = _Template.of(pcg, blocks, self.at_end)
         for block in range(REPEATED, self.count - 1):
             if block > REPEATED:
                 self.bridge(block)
-            source = self.in_copy(block)
-            for node in pcg.nodes:
-                if blocks[node.id] == REPEATED:
-                    self.emit(node, block, source)
+            self.copy(template, block)
         for node in pcg.nodes:
             if blocks[node.id] == SEARCHED_BLOCKS - 1:
                 self.emit(node, self.count - 1, self.in_last)
@@ -424,6 +425,30 @@ class _Copies:
                            tuple(source(i) for i in node.inputs), node.attrs, node.shape, node.degrees, node.role,
                            in_block(node.origin, block), node.placement, node.rules))
 
+    def copy(self, template: "_Template", block: int) -> None:
+        """Copy `block` of block 1: each of block 1's nodes as `emit(node, block, self.in_copy(block))` makes it
+        (`tests/test_stamp_rescale.py` compares the two), with what `emit` works out per node and input worked out
+        once per stamp (`_Template`): the copy's nodes are block 1's, in order, from `starts[block]` on, so a node
+        that block 1's node at position p reads of block 1 is the copy's node `starts[block] + p`; what it reads of
+        block 0 is what `in_copy` gives (the copy before it, or the bridge from it: a handful of values a copy);
+        what it reads outside the blocks is the same node for every copy. A name in a block is moved by its prefix
+        alone (`past_block`: `in_block(name, block)` is `b{block}_` and the name past its prefix)."""
+        nodes = self.nodes
+        start = self.starts[block] = len(nodes)
+        source = self.in_copy(block)
+        table = [*range(start, start + template.length), *map(source, template.behind), *template.outside]
+        ids = table.__getitem__
+        prefix = f"b{block}_"
+        for (node, codes, op, origin) in template.entries:
+            nodes.append(PNode(len(nodes), node.kind, node.op if op is None else prefix + op,
+                               tuple(map(ids, codes)), node.attrs, node.shape, node.degrees, node.role,
+                               node.origin if origin is None else prefix + origin, node.placement, node.rules))
+
+    def copied(self, block: int, i: int) -> int:
+        """The new id of searched node `i` of block 1 in copy `block` (`copy`: the copy's nodes are block 1's, in
+        order, from its start)."""
+        return self.starts[block] + self.position[i]
+
     def at_end(self, i: int) -> int:
         """The new id of a node outside the blocks, of block 0 or of the last block."""
         return self.new_id[(self.ends[self.blocks[i]], i)]
@@ -432,7 +457,7 @@ class _Copies:
         """The parallel operators that move what copy `block - 1` made into the placements copy `block` reads."""
         nodes, successor, values = self.nodes, self.links.successor, self.values
         for i, steps in sorted(self.links.bridges.items()):
-            at = self.new_id[(block - 1, successor[i])]
+            at = self.copied(block - 1, successor[i])
             for step in steps:
                 nodes.append(PNode(len(nodes), "parallel", step.op, (at,), step.attrs, step.shape, step.degrees,
                                    origin=in_block(values[successor[i]], block - 1), placement=step.placement))
@@ -442,19 +467,53 @@ class _Copies:
     def in_copy(self, block: int) -> Callable[[int], int]:
         """Where copy `block` of block 1 finds a node it reads: in itself, the copy before it (or the bridge
         from it), or outside the repeated blocks."""
-        blocks, links, new_id = self.blocks, self.links, self.new_id
+        blocks, links = self.blocks, self.links
 
         def source(i: int) -> int:
             if blocks[i] == REPEATED:
-                return new_id[(block, i)]
+                return self.copied(block, i)
             if blocks[i] == REPEATED - 1 and block > REPEATED:
-                return self.bridged[(block, i)] if i in links.bridges else new_id[(block - 1, links.successor[i])]
+                return self.bridged[(block, i)] if i in links.bridges else self.copied(block - 1, links.successor[i])
             return self.at_end(i)
         return source
 
     def in_last(self, i: int) -> int:
         """Where the last block (and the model's outputs) find a node: the last copy of block 1, or its end."""
-        return self.new_id[(self.count - 2, i)] if self.blocks[i] == REPEATED else self.at_end(i)
+        return self.copied(self.count - 2, i) if self.blocks[i] == REPEATED else self.at_end(i)
+
+    @cached_property
+    def position(self) -> dict[int, int]:
+        """Searched node id of block 1 -> its place among block 1's nodes (`copied`)."""
+        return {node.id: p for p, node in enumerate(n for n in self.pcg.nodes if self.blocks[n.id] == REPEATED)}
+
+
+@dataclass(frozen=True)
+class _Template:
+    """What copying block 1 reads of each of its nodes, worked out once per stamp (`_Copies.copy`): the node, its
+    inputs as places in a copy's table of ids (block 1's nodes first, by position; then the nodes it reads of
+    block 0, `behind`; then those outside the blocks, whose ids every copy shares, `outside`), and its leaf name
+    and origin past their block prefix (None where a copy keeps it: not a leaf, or a name outside every block)."""
+
+    length: int                                  # block 1's nodes
+    behind: tuple[int, ...]                      # searched nodes of block 0 that block 1 reads
+    outside: tuple[int, ...]                     # new ids of the nodes outside the blocks that block 1 reads
+    entries: tuple[tuple[PNode, tuple[int, ...], str | None, str | None], ...]
+
+    @staticmethod
+    def of(pcg: PCG, blocks: Mapping[int, int], at_end: Callable[[int], int]) -> "_Template":
+        repeated = [n for n in pcg.nodes if blocks[n.id] == REPEATED]
+        position = {n.id: p for p, n in enumerate(repeated)}
+        behind: dict[int, int] = {}
+        outside: dict[int, int] = {}
+        for node in repeated:
+            for i in node.inputs:
+                if i not in position:
+                    (behind if blocks[i] == REPEATED - 1 else outside).setdefault(i, 0)
+        code = {**position, **{i: len(repeated) + k for k, i in enumerate(behind)},
+                **{i: len(repeated) + len(behind) + k for k, i in enumerate(outside)}}
+        entries = tuple((n, tuple(code[i] for i in n.inputs), past_block(n.op) if n.kind == "leaf" else None,
+                         past_block(n.origin)) for n in repeated)
+        return _Template(len(repeated), tuple(behind), tuple(at_end(i) for i in outside), entries)
 
 
 def _reads(found: Mapping[tuple, int]) -> str:
