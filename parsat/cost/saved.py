@@ -41,6 +41,7 @@ which a block without dropout does not keep (tests/test_cost_saved.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from math import prod
 from typing import Hashable, Iterable, Mapping, Sequence
 
@@ -125,32 +126,83 @@ def kept_reads(readers: Iterable[Reader], library: Library,
     direct: set = set()
     others: set = set()
     aliases: dict[Hashable, list[Hashable]] = {}
-    # by operator name, what the loop reads of its declaration, and by (name, needs) what its backward reads:
-    # `gradient_free` and `backward_reads` are memoised by the declaration, and hashing one (its whole
-    # semantics, a frozen dataclass tree, hashed anew on every call) twice per node was 60% of this function on
-    # a whole model's PCG. The same name is the same declaration of `library`, so the same answers.
-    declared: dict[str, tuple | None] = {}
-    wants: dict[tuple[str, frozenset[str]], frozenset[str]] = {}
-    positions: dict[str, int | None] = {}   # `_aliased`'s, by operator name
+    inputs = frozenset(v for v, role in roles.items() if role == INPUT)   # the values that take no gradient
+    # by operator name, what the loop reads of its declaration (`_reading`), and by needs what its backward reads
+    # (`_Reading.backward_reads`): `gradient_free` and `backward_reads` are memoised by the declaration, and
+    # hashing one (its whole semantics, a frozen dataclass tree, hashed anew on every call) twice per node was 60%
+    # of this function on a whole model's PCG. The same name is the same declaration of `library`, so the same
+    # answers.
+    readings: dict[str, _Reading] = {}
     for made, op, reads in readers:
-        source = _aliased(op, reads, library, roles, positions)
-        if source is not None:
-            aliases.setdefault(made, []).append(source)
+        reading = readings.get(op)
+        if reading is None:
+            reading = readings[op] = _reading(op, library, direct if op in PRODUCTS else others)
+        if reading.view is not None:   # a view: its output is that operand's storage
+            aliases.setdefault(made, []).append(reads[reading.view])
             continue
-        known = declared.get(op, _UNDECLARED)
-        if known is _UNDECLARED:
-            decl = library.ops.get(op)
-            known = declared[op] = None if decl is None or op in PARALLEL_OPS else \
-                (decl, [p.name for p in decl.tensor_params], gradient_free(decl))
-        if known is None:
+        if reading.gathers:   # a replicate or gather of an activation stands for its source (`_aliased`)
+            if reads and not roles.get(reads[0], ""):
+                aliases.setdefault(made, []).append(reads[0])
             continue
-        decl, names, free = known
-        needs = frozenset(n for n, v in zip(names, reads) if roles.get(v, "") != INPUT and n not in free)
-        wanted = wants.get((op, needs))
-        if wanted is None:
-            wanted = wants[(op, needs)] = backward_reads(decl, needs)
-        (direct if op in PRODUCTS else others).update(v for n, v in zip(names, reads) if n in wanted)
+        if reading.decl is None:   # another parallel operator, or an operator the library does not declare
+            continue
+        names = reading.names
+        if inputs.isdisjoint(reads):
+            # no operand is an input: the needs, and so the operands kept, follow from the operator and the
+            # operand count alone (`_Reading.kept_at`), as the general case below works them out
+            at = reading.kept_at.get(len(reads))
+            if at is None:
+                needs = frozenset(n for n, _v in zip(names, reads) if n not in reading.free)
+                wanted = reading.backward_reads(needs)
+                at = reading.kept_at[len(reads)] = tuple(p for p, (n, _v) in enumerate(zip(names, reads))
+                                                         if n in wanted)
+            reading.into.update([reads[p] for p in at])
+            continue
+        needs = frozenset(n for n, v in zip(names, reads) if roles.get(v, "") != INPUT and n not in reading.free)
+        wanted = reading.backward_reads(needs)
+        reading.into.update(v for n, v in zip(names, reads) if n in wanted)
     return through_aliases(direct, aliases), through_aliases(others, aliases)
+
+
+@dataclass
+class _Reading:
+    """What `kept_reads` reads of one operator of the library, worked out the first time a node of it is met:
+    `view`, the operand a view's output is (`_alias_position`), `gathers`, whether it is a replicate or gather
+    (`ALIASING_PARALLEL`: its source stands for it where that is an activation), `decl` (None for another
+    parallel operator or an undeclared one: nothing kept), its operands' `names` and the `free` ones
+    (`gradient_free`), `into`, the set its backward's reads go to (products', others'), `kept_at`, by operand
+    count, the positions kept where no operand is an input, and `wants`, its backward's reads by the operands
+    that need a gradient (both filled as met). One per operator and `kept_reads` call: `into` is that call's."""
+
+    view: int | None = None
+    gathers: bool = False
+    decl: object = None
+    names: tuple[str, ...] = ()
+    free: frozenset[str] = frozenset()
+    into: set = field(default_factory=set)
+    kept_at: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    wants: dict[frozenset[str], frozenset[str]] = field(default_factory=dict)
+
+    def backward_reads(self, needs: frozenset[str]) -> frozenset[str]:
+        """`dsl.gradient.backward_reads` of the declaration for `needs`, kept by `needs` (`wants`)."""
+        wanted = self.wants.get(needs)
+        if wanted is None:
+            wanted = self.wants[needs] = backward_reads(self.decl, needs)
+        return wanted
+
+
+def _reading(op: str, library: Library, into: set) -> _Reading:
+    """`_Reading` of `op` (`_aliased`'s and the declared path's facts of `kept_reads`, in the order it asks them)."""
+    if op in ALIASING_PARALLEL:
+        return _Reading(gathers=True)
+    at = _alias_position(op, library)
+    if at is not None:
+        return _Reading(view=at)
+    decl = library.ops.get(op)
+    if decl is None or op in PARALLEL_OPS:
+        return _Reading()
+    return _Reading(decl=decl, names=tuple(p.name for p in decl.tensor_params), free=frozenset(gradient_free(decl)),
+                    into=into)
 
 
 def through_aliases(direct: Iterable[Hashable], aliases: Mapping[Hashable, list[Hashable]]) -> frozenset:

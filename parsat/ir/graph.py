@@ -233,6 +233,10 @@ class GraphBuilder:
         # instantiating an operator is most of the cost of building one (a 96-block GPT builds in a
         # fraction of a second with it, ~1 s without).
         self._instances: dict[tuple, tuple[int, ...]] = {}
+        # operator name -> its attribute parameters' names, in declaration order: `OpDecl.attr_params` walks the
+        # parameters anew on each read, and `op` read it twice per node (a llama-70b build adds ~3,200 nodes,
+        # and a search builds its graph at several sizes)
+        self._attr_names: dict[str, tuple[str, ...]] = {}
         self._leaves: list[Leaf] = []
         self._nodes: list[OpNode] = []
         self._outputs: list[str] = []
@@ -275,13 +279,17 @@ class GraphBuilder:
             raise GraphError(f"node '{name}': unknown operator '{op_name}'{hint}")
         if name in self._shapes:
             raise GraphError(f"the name '{name}' is used twice")
+        names = self._attr_names.get(op_name)
+        if names is None:
+            names = self._attr_names[op_name] = tuple(p.name for p in op.attr_params)
         tensors = [a for a in args if isinstance(a, Tensor)]
-        scalars = [a for a in args if not isinstance(a, Tensor)]
-        attr_params = [p.name for p in op.attr_params if p.name not in attrs]
-        if len(scalars) > len(attr_params):
-            raise GraphError(f"node '{name}': {op_name} takes {len(op.attr_params)} attribute(s), "
-                             f"got {len(scalars) + len(attrs)}")
-        attrs = {**dict(zip(attr_params, scalars)), **attrs}
+        if len(tensors) < len(args):   # attributes given positionally, in the declaration's order
+            scalars = [a for a in args if not isinstance(a, Tensor)]
+            attr_params = [p for p in names if p not in attrs]
+            if len(scalars) > len(attr_params):
+                raise GraphError(f"node '{name}': {op_name} takes {len(names)} attribute(s), "
+                                 f"got {len(scalars) + len(attrs)}")
+            attrs = {**dict(zip(attr_params, scalars)), **attrs}
         for t in tensors:
             if t.name not in self._shapes:
                 raise GraphError(f"node '{name}': input '{t.name}' is not defined")
@@ -298,7 +306,7 @@ class GraphBuilder:
             shape = tuple(int(d.evaluate({})) for d in instance.output_shape)
             check_graph_sizes({name: shape})
             self._instances[key] = shape
-        ordered = tuple((p.name, attrs[p.name]) for p in op.attr_params)
+        ordered = tuple((p, attrs[p]) for p in names)
         self._nodes.append(OpNode(name, op_name, tuple(t.name for t in tensors), ordered, shape))
         self._shapes[name] = shape
         return Tensor(name)

@@ -74,14 +74,14 @@ class RingAttention:
 def ring_attentions(pcg: PCG) -> dict[int, RingAttention]:
     """The plan's ring attentions, by the attention node and by each of its two gathers: a `RING_ATTENTION` node
     whose q is split along its sequence (dim -2) on a mesh axis and whose k and v are `all_gather`s along their
-    sequence on the same axis that it alone reads."""
-    by_id = {n.id: n for n in pcg.nodes}
-    readers = pcg.readers_of
+    sequence on the same axis that it alone reads. Its inputs and readers are looked up only where an attention
+    node is met (`PCG.node`, `PCG.readers_of`, kept with the PCG): most PCGs priced have none."""
     found: dict[int, RingAttention] = {}
     for node in pcg.nodes:
         if node.kind != "op" or node.op not in RING_ATTENTION:
             continue
-        q, k, v = (by_id[i] for i in node.inputs[:3])
+        readers = pcg.readers_of
+        q, k, v = (pcg.node(i) for i in node.inputs[:3])
         if not all(g.kind == "parallel" and g.op == parallel_ops.ALL_GATHER and int(g.attr("dim")) == len(g.shape) - 2
                    and [r.id for r in readers.get(g.id, [])] == [node.id] for g in (k, v)):
             continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import partial
+from operator import itemgetter
 from typing import Callable, Mapping, Sequence
 
 from parsat.dsl.library import Library
@@ -226,49 +227,137 @@ def pcg_node_costs(pcg: PCG, library: Library, machine: Machine, free_input_plac
                    computed: dict | None = None) -> dict[int, NodeCost] | None:
     """`price_pcg` before the PCG's recomputation policy is applied (`search.recompute.recomputed_pcg_costs`):
     what it reads of the PCG is its nodes, mesh and ZeRO stage, never `pcg.recompute`, so a PCG and its
-    recomputing form share these costs (the independent grid prices a layout's forms from them)."""
+    recomputing form share these costs (the independent grid prices a layout's forms from them).
+
+    A node's cost is kept by its key (`_NodeKeys`): the nodes of a whole model's PCG repeat the same few, so each
+    key is priced once, by the first node of it the loop prices (any node of a key gives the same cost: the key
+    holds all the pricer reads of a node). The keys are the PCG's own (`_node_keys`), worked out once for the
+    forms that share its `derived` table (`ir.pcg.restated`: its ZeRO stages and recomputation policies, which no
+    key reads), so a restaged form (`restaged_node_costs`) or a layout priced again walks the nodes once more
+    and prices only its distinct keys (llama-70b:64: 51 of 195 calls)."""
     pricer = Pricer(library, machine, pcg.mesh, free_input_placements, pins, microbatches=microbatches, zero=pcg.zero,
                     computed=computed)
     roles = pcg_roles(pcg)
+    keyed = _node_keys(pcg, library, machine, microbatches, pins, pricer, roles)
+    keys, nodes = keyed.keys, pcg.nodes
+    costs: list = [_UNPRICED] * len(keys)
+    if only is None:   # each key priced by its first node, in the nodes' order (the loop below, less its look-ups)
+        for slot, at in keyed.firsts:
+            cost = costs[slot] = keyed.priced.get(slot, _UNPRICED)
+            if cost is _UNPRICED:
+                cost = costs[slot] = _price_keyed(pricer, pcg, nodes[at], roles, keys[slot])
+            if cost is None:
+                return None
+        return dict(zip(keyed.ids, map(costs.__getitem__, keyed.slots)))
+    out: dict[int, NodeCost] = {}
+    for node, slot in zip(nodes, keyed.slots):
+        if not only(node):
+            continue
+        cost = costs[slot]
+        if cost is _UNPRICED:
+            cost = costs[slot] = keyed.priced.get(slot, _UNPRICED)
+            if cost is _UNPRICED:
+                cost = costs[slot] = _price_keyed(pricer, pcg, node, roles, keys[slot])
+        if cost is None:
+            return None
+        out[node.id] = cost
+    return out
+
+
+@dataclass(frozen=True)
+class _NodeKeys:
+    """A PCG's nodes by their pricing key (`pcg_node_costs`): `keys`, the distinct keys in the order the nodes
+    first hold them, `slots[i]` the index in `keys` of node `i`'s (in the PCG's order), `ids[i]` node `i`'s id,
+    `firsts` each slot a node holds with the position of its first node, in the nodes' order, and `priced`, the costs
+    of keys priced while the keys were worked out (the readers of a re-gathered value, `_regather_covers`),
+    by slot: all compute nodes, whose cost reads no ZeRO stage, mesh, input placement or pin
+    (`extract.Pricer.price`: those reach only parallel nodes and leaves), so every form's pricer gives them alike.
+
+    A node's key is (kind, operator, attributes, its kind number, its inputs' kind numbers (`_kinds`: shape, spread
+    and role), whether a gradient flows, whether its value is kept, its re-gather's cover, whether it is kept
+    whole, its ring's shares) and, for a leaf no pin names, `_UNPINNED_LEAF`: what the pricer reads of a node
+    (`_price_node`), as `extract.node_costs` keeps e-nodes'. A key's facts (`_key_facts`) read the nodes, the
+    operator library, the machine, the micro-batch count (a cover is priced per step) and the pins, never the
+    ZeRO stage nor the recomputation policy: kept per PCG `derived` table by those (`_node_keys`)."""
+
+    slots: tuple[int, ...]
+    keys: tuple[tuple, ...]
+    ids: tuple[int, ...]
+    firsts: tuple[tuple[int, int], ...]
+    priced: Mapping[int, NodeCost | None]
+
+
+def _node_keys(pcg: PCG, library: Library, machine: Machine, microbatches: int, pins: Mapping[str, Degrees] | None,
+               pricer: Pricer, roles: Mapping[int, str]) -> _NodeKeys:
+    """The PCG's `_NodeKeys` for `machine`, `microbatches` and `pins`, worked out once per `derived` table and
+    library (`PCG.derive`; `pricer`, the caller's, prices the covers' readers the first time: compute nodes,
+    which any pricer of this library, machine and micro-batch count prices alike). Shared: read it."""
+    input_pins = pins or {}
+    key = ("solve._node_keys", machine, microbatches, tuple(sorted(input_pins.items())))
+    return pcg.derive(key, library, lambda: _work_out_keys(pcg, library, machine, input_pins, pricer, roles))
+
+
+def _work_out_keys(pcg: PCG, library: Library, machine: Machine, input_pins: Mapping[str, Degrees], pricer: Pricer,
+                   roles: Mapping[int, str]) -> _NodeKeys:
+    """`_node_keys` worked out: the kinds, the covers (their readers priced by key, each key once), then every
+    node's key. What the key loop reads per node is looked up once: the tables' methods bound, a ring's or a
+    cover's look-up only where the PCG has any (it runs over every node of ~145 PCGs of ~5,000 nodes on
+    llama-70b:64)."""
     flows = needs_gradient(pcg, library)   # a parallel operator whose source takes no gradient runs no backward
     held = kept_values(pcg, library)       # the values some backward reads (`cost.saved`)
     again = regathered_values(pcg, library)   # of those, the gathers only products' backward reads
-    covers = _regather_covers(pcg, pricer, roles, held, again) if runtime_regathers(machine) else {}
     rings = rings_run(pcg, profile_for(machine).overlap)   # priced as the step simulator runs them
-    # what the pricer reads of a node is its shape, spread and role: nodes are numbered by those, and a node's
-    # cost kept by its operator, attributes, its and its inputs' numbers and whether a gradient flows (as
-    # `extract.node_costs` keeps e-nodes'): the blocks of a whole model's PCG repeat the same few. The loop runs
-    # over every node of every PCG priced (236 calls of ~5,000 nodes on llama-70b:64), so what it reads per node
-    # is looked up once: the tables' methods bound, a ring's or a cover's look-up only where the PCG has any.
     kind = _kinds(pcg, roles)
     kind_of = kind.__getitem__
-    input_pins = pins or {}
-    priced: dict[tuple, NodeCost | None] = {}
-    known = priced.get
-    out: dict[int, NodeCost] = {}
+    slot_of: dict[tuple, int] = {}
+    keys: list[tuple] = []
+    priced: dict[int, NodeCost | None] = {}
+
+    def slot(key: tuple) -> int:
+        found = slot_of.get(key)
+        if found is None:
+            found = slot_of[key] = len(keys)
+            keys.append(key)
+        return found
+
+    def price_reader(reader: PNode) -> NodeCost | None:   # a product reading a re-gathered value, by its key
+        at = slot((reader.kind, reader.op, reader.attrs, kind[reader.id], tuple(map(kind_of, reader.inputs)), True,
+                   reader.id in held, 0.0, False, ()))
+        if at not in priced:
+            priced[at] = _price_keyed(pricer, pcg, reader, roles, keys[at])
+        return priced[at]
+
+    covers = _regather_covers(pcg, pricer, roles, held, again, price_reader) if runtime_regathers(machine) else {}
+    slots = []
+    add, find = slots.append, slot_of.get
     for node in pcg.nodes:
-        if only is not None and not only(node):
-            continue
         ident, parallel = node.id, node.kind == "parallel"
-        gradient = not parallel or flows[node.inputs[0]]
-        cover = covers.get(ident, 0.0) if covers else 0.0
-        kept = ident in held
-        # a gather kept whole, not gathered again (`cost.saved.regathers`): another backward than a product's reads it
-        whole = parallel and kept and ident not in again
-        ring = ring_shares(rings, ident) if rings else ()
         if node.kind == "leaf" and node.op not in input_pins:
-            key = _UNPINNED_LEAF   # the pricer reads of a leaf only whether it is pinned (`extract.Pricer.price`)
+            key = _UNPINNED_LEAF   # the pricer reads of a leaf only whether it is pinned (`Pricer.price`)
         else:
-            key = (node.kind, node.op, node.attrs, kind[ident], tuple(map(kind_of, node.inputs)), gradient, kept,
-                   cover, whole, ring)
-        cost = known(key, _UNPRICED)
-        if cost is _UNPRICED:
-            cost = priced[key] = _price_node(pricer, pcg, node, [pcg.node(i) for i in node.inputs], roles, gradient,
-                                             kept, cover, whole, ring)
-        if cost is None:
-            return None
-        out[ident] = cost
-    return out
+            kept = ident in held
+            # a gather kept whole, not gathered again (`cost.saved.regathers`): another backward than a product's
+            # reads it
+            key = (node.kind, node.op, node.attrs, kind[ident], tuple(map(kind_of, node.inputs)),
+                   not parallel or flows[node.inputs[0]], kept, covers.get(ident, 0.0) if covers else 0.0,
+                   parallel and kept and ident not in again, ring_shares(rings, ident) if rings else ())
+        at = find(key)   # `slot`, written out: it runs once per node
+        if at is None:
+            at = slot_of[key] = len(keys)
+            keys.append(key)
+        add(at)
+    # each slot's first node: over the nodes backwards, a slot's last position written is its first
+    first = dict(zip(reversed(slots), range(len(slots) - 1, -1, -1)))
+    return _NodeKeys(tuple(slots), tuple(keys), tuple(node.id for node in pcg.nodes),
+                     tuple(sorted(first.items(), key=itemgetter(1))), priced)
+
+
+def _price_keyed(pricer: Pricer, pcg: PCG, node: PNode, roles: Mapping[int, str], key: tuple) -> NodeCost | None:
+    """`_price_node` of `node` with the facts its key (`_NodeKeys`) holds: whether a gradient flows, kept, cover,
+    kept whole, ring shares; an unpinned leaf's key holds none, and the pricer reads of such a leaf nothing else
+    than that no pin names it (`extract.Pricer.price`)."""
+    facts = (True,) if key is _UNPINNED_LEAF else key[5:]
+    return _price_node(pricer, pcg, node, [pcg.node(i) for i in node.inputs], roles, *facts)
 
 
 def restaged_node_costs(raw: Mapping[int, NodeCost], pcg: PCG, zero: int, library: Library, machine: Machine,
@@ -311,30 +400,37 @@ def _kinds(pcg: PCG, roles: Mapping[int, str]) -> dict[int, int]:
     number, seen, role_of = by_value.setdefault, by_object.get, roles.get
     kind: dict[int, int] = {}
     for node in pcg.nodes:
-        role = role_of(node.id, "")
-        found = seen((id(node.shape), id(node.degrees), role))
+        ident, shape, degrees = node.id, node.shape, node.degrees
+        role = role_of(ident, "")
+        found = seen((id(shape), id(degrees), role))
         if found is None:
-            found = by_object[(id(node.shape), id(node.degrees), role)] = number((node.shape, node.degrees, role),
-                                                                                  len(by_value))
-        kind[node.id] = found
+            found = by_object[(id(shape), id(degrees), role)] = number((shape, degrees, role), len(by_value))
+        kind[ident] = found
     return kind
 
 
 def _regather_covers(pcg: PCG, pricer: Pricer, roles: Mapping[int, str], held: frozenset[int],
-                     again: frozenset[int]) -> dict[int, float]:
+                     again: frozenset[int], price_reader: Callable[[PNode], NodeCost | None] | None = None
+                     ) -> dict[int, float]:
     """Each gather the runtime gathers again for backward (`again`, `cost.saved.regathered_values`) -> the seconds
     per micro-batch of its readers' input gradients, which run beside that all-gather (`cost.saved.regather_cover`):
     a PCG node knows its readers, so its second all-gather is charged what they leave exposed
-    (`cost.model.parallel_cost`)."""
-    by_id = {n.id: n for n in pcg.nodes}
+    (`cost.model.parallel_cost`). `price_reader`: a reader's `_price_node` with a gradient, kept where `held`
+    says, no cover, ring or whole value (`pcg_node_costs` gives one that prices each key once); each reader
+    priced so by default."""
+    if price_reader is None:
+        def price_reader(reader: PNode) -> NodeCost | None:
+            return _price_node(pricer, pcg, reader, [pcg.node(i) for i in reader.inputs], roles, True,
+                               reader.id in held)
     covers: dict[int, float] = {}
+    readers_of = pcg.readers_of if again else {}
     for node in pcg.nodes:
         if node.id not in again:
             continue
         grads = []
         # `readers_of` lists a reader once per operand it reads the value as: each reader once, every such operand
-        for reader in dict.fromkeys(r for r in pcg.readers_of.get(node.id, ()) if r.kind == "op"):
-            cost = _price_node(pricer, pcg, reader, [by_id[i] for i in reader.inputs], roles, True, reader.id in held)
+        for reader in dict.fromkeys(r for r in readers_of.get(node.id, ()) if r.kind == "op"):
+            cost = price_reader(reader)
             grads += [cost.input_grad_s[p] if cost is not None and p < len(cost.input_grad_s) else 0.0
                       for p, i in enumerate(reader.inputs) if i == node.id]
         covers[node.id] = regather_cover(grads)
