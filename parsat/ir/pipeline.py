@@ -553,7 +553,7 @@ class _StageRunner:
 
     An action starts at the later of its stage coming free (its previous action's end) and its inputs' ends
     plus their transfers: a function of the actions it waits for alone, whatever order the stages are visited
-    in. So a stage runs as far as its inputs allow (`run_stage`), and when its next action waits for an action
+    in. So a stage runs as far as its inputs allow (`run`), and when its next action waits for an action
     not yet run, it is set aside until that one runs (`waiting`), rather than every stage being tried again
     pass after pass (llama-70b:64's search tried 227k actions, each building a list of tuples, to run 98k in
     293 schedules). The same actions run, with the same starts and ends: each input's end plus its transfer
