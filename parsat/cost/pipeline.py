@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from itertools import accumulate, compress, repeat
+from operator import attrgetter
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Callable, Collection, Mapping, Sequence
@@ -60,7 +62,7 @@ from parsat.ir.pipeline import (BACKWARD, GPIPE, INTERLEAVED, ONE_F_ONE_B, Actio
                                 stored_piece_elements)
 from parsat.ir.plan import Plan
 from parsat.cost.collectives import ALL_REDUCE, SEND_RECV, GroupTopology, price
-from parsat.cost.pcg_tasks import (ExecutionProfile, OpTimes, collective_pipelines, mesh_groups, profile_for,
+from parsat.cost.pcg_tasks import (ExecutionProfile, OpTimes, collective_pipelines, profile_for,
                                   simulate_pcg)
 from parsat.cost.schedules import prefetch_delay
 from parsat.cost.stage_sync import Reduction, bucketed_seconds, gather_buckets, weight_gathers, weight_reductions
@@ -79,6 +81,11 @@ class LayerCost:
     transient_bytes: int = 0     # the largest recomputed block's activations (`ir.recompute`), one at a time
     tp_comm_s: float = 0.0       # per micro-batch and direction: the part of forward_s (and of backward_s) that is
     #                              in-node activation collectives, what tensor-parallel overlap can hide (`TpOverlap`)
+
+
+_FIGURES = tuple(attrgetter(name) for name in ("forward_s", "backward_s", "activation_bytes", "state_bytes", "step_s",
+                                                "transient_bytes", "tp_comm_s"))
+"""A `LayerCost`'s figures, each read by a C getter (`_summed` maps them over a chunk's ~1,000 shares)."""
 
 
 def node_share(cost: NodeCost, microbatches: int, in_node: bool = False) -> LayerCost:
@@ -227,11 +234,10 @@ def layer_costs(plan: Plan) -> dict[int, LayerCost]:
 
 
 def _share_bytes(shares: Sequence[LayerCost]) -> tuple[int, int, int]:
-    """The activation and state bytes of `shares` summed in order, and their largest transient bytes."""
-    act = state = transient = 0
-    for c in shares:
-        act, state, transient = act + c.activation_bytes, state + c.state_bytes, max(transient, c.transient_bytes)
-    return act, state, transient
+    """The activation and state bytes of `shares` summed in order, and their largest transient bytes (0 at least)."""
+    _forward, _backward, activation, state, _step, transient, _tp_comm = _FIGURES
+    return (sum(map(activation, shares)), sum(map(state, shares)),
+            max(max(map(transient, shares), default=0), 0))
 
 
 def equal_starts(layers: Sequence[int], chunks: int) -> tuple[int, ...]:
@@ -541,17 +547,7 @@ class StagePricer:
         self.memo = memo if memo is not None else StageMemo()
         self.layer_map = self.memo.layer_map(plan.pcg)
         self.microbatches = plan.graph.microbatches
-        in_node = self.memo.in_node(plan)
-        # a priced PCG's nodes share few cost objects (a model of repeated blocks: llama-70b's 4,664 nodes hold
-        # 774), and a node's share is a function of its cost object and `in_node`: each worked out once
-        made: dict[tuple[int, bool], LayerCost] = {}
-        self.shares = {}
-        for ident, cost in plan.costs.items():
-            key = (id(cost), ident in in_node)
-            found = made.get(key)
-            if found is None:
-                found = made[key] = node_share(cost, self.microbatches, key[1])
-            self.shares[ident] = found
+        self.shares = _node_shares(plan.costs, self.microbatches, self.memo.in_node(plan))
         self._overlap_param_gather = overlap_param_gather
         self._tp_comm_overlap = tp_comm_overlap
         self._layer_costs: dict[int, LayerCost] | None = None
@@ -559,7 +555,6 @@ class StagePricer:
         self._sync_memo: dict[tuple, StageSync] = {}     # (degree, stage, its chunks' layers, aligned) -> its sync
         self._sums_memo: dict[tuple, tuple] = {}         # a stage's chunks' layers -> `_stage_sums`
         self._schedule_floors: dict[tuple, tuple] = {}   # (degree, schedules) -> `schedule_fitting_floors`
-        self._applied_forward: dict[int, float] = {}    # id of a share (held in `shares`) -> `_gather_wait`'s
         self._starts: dict[tuple, list | PipelineError] = {}   # (degree, schedule, chunks per stage) -> `start_cuts`
 
     @cached_property
@@ -993,8 +988,9 @@ class StagePricer:
         """Layer -> `figure` of the shares of its nodes (`_layer_orders`, less `left_out`), in the PCG's order:
         worked out once per distinct sequence of share objects (what `layer_costs` and `_layer_bytes` read)."""
         shares, made, out = self.shares, {}, {}
+        kept = (shares.keys() - left_out if left_out else shares.keys()).__contains__
         for layer, ordered in self._layer_orders:
-            mine = [shares[i] for i in ordered if i in shares and i not in left_out]
+            mine = list(map(shares.__getitem__, filter(kept, ordered)))   # in C: the nodes in shares, not left out
             key = tuple(map(id, mine))
             found = made.get(key)
             if found is None:
@@ -1026,7 +1022,8 @@ class StagePricer:
             found = self._chunk_memo.get(key)
             if found is None:
                 charged = {i for c in layout.stage_chunks(chunk.stage) if c.index < chunk.index for i in c.nodes}
-                found = _summed([self.shares[i] for i in chunk.nodes if i not in charged and i in self.shares])
+                kept = (self.shares.keys() - charged if charged else self.shares.keys()).__contains__
+                found = _summed(list(map(self.shares.__getitem__, filter(kept, chunk.nodes))))
                 self._chunk_memo[key] = found
             earlier[chunk.stage] += (chunk.layers,)
             out.append(found)
@@ -1042,7 +1039,8 @@ class StagePricer:
         found = self._sums_memo.get(key)
         if found is None:
             nodes = layout.stage_nodes(stage)
-            found = self._sums_memo[key] = (sum(self.optimizer_s.get(i, 0.0) for i in nodes),
+            # the same seconds in the same order as a generator gives them (`sum` adds what it is handed)
+            found = self._sums_memo[key] = (sum(map(self.optimizer_s.get, nodes, repeat(0.0))),
                                             nodes_elements(nodes, self.plan.costs),
                                             nodes_elements(nodes, self.plan.costs, "grad_sync_elements"))
         return found
@@ -1070,7 +1068,8 @@ class StagePricer:
         after_s = gather_s = 0.0
         launched: dict[GroupTopology, float] = {}   # aligned: per group, the gathers queued before this chunk's
         for chunk in layout.stage_chunks(stage):
-            nodes = [i for i in chunk.nodes if i not in seen and i in self.chain_s]
+            kept = (self.chain_s.keys() - seen if seen else self.chain_s.keys()).__contains__
+            nodes = list(filter(kept, chunk.nodes))   # its weights' chains not counted before, in its order
             seen.update(nodes)
             bucketed = [self.reductions[i] for i in nodes if i in self.reductions]
             reducing, after = self.memo.bucketed_seconds(bucketed, self.machine)
@@ -1088,6 +1087,22 @@ class StagePricer:
             after_s += after + sum(self.chain_s[i] - self.reduce_s[i] for i in rest if i not in self.gathers)
         return StageSync(reduce_s, after_s, gather_s, wait_s)
 
+    @cached_property
+    def _gather_reads(self) -> tuple[dict[int, float], dict[int, frozenset[int]]]:
+        """What `_gather_wait` reads of each node outside the weights' chains (a chain is the stage's sync, not a
+        forward's: left out of both): its share's overlapped forward seconds (`TpOverlap.applied`, once per share
+        object: nodes alike share one), and the free values it needs where it needs any. Worked out once per
+        pricer, when a gather is first waited for, rather than node by node for every chunk of every cut."""
+        chain, made, forward = self.chain_s, {}, {}
+        for i, share in self.shares.items():
+            if i not in chain:
+                found = made.get(id(share))
+                if found is None:
+                    found = made[id(share)] = self.overlap.applied(share).forward_s
+                forward[i] = found
+        needs = {i: found for i, found in self.layer_map.needs.items() if found and i not in chain}
+        return forward, needs
+
     def _gather_wait(self, chunk: Chunk, buckets: Mapping[GroupTopology, Sequence[tuple[tuple[int, ...], float]]],
                      queued: Mapping[GroupTopology, float]) -> float:
         """What `chunk`'s first forward waits for its parameters' all-gathers (`stage_sync.gather_buckets`: per
@@ -1096,20 +1111,16 @@ class StagePricer:
         forward seconds per micro-batch of the chunk's nodes before it, `node_share`). Each group on its own
         link: the longest of their waits. `queued`: per group, seconds of gathers launched before this chunk's
         at the same moment (aligned launches), which the result then counts from."""
+        forward, needs = self._gather_reads
+        nodes = chunk.nodes
+        # before each node, the chunk's forward so far (0.0 added for a node with none: the same float, `at` never
+        # being -0.0), and after the last
+        ats = list(accumulate(map(forward.get, nodes, repeat(0.0)), initial=0.0))
         first: dict[int, float] = {}
-        at = 0.0
-        forward = self._applied_forward   # a share's overlapped forward, once per share object (nodes alike share one)
-        for i in chunk.nodes:
-            if i in self.chain_s:
-                continue
-            for r in self.layer_map.needs.get(i, ()):
-                first.setdefault(r, at)
-            share = self.shares.get(i)
-            if share is not None:
-                found = forward.get(id(share))
-                if found is None:
-                    found = forward[id(share)] = self.overlap.applied(share).forward_s
-                at += found
+        for k in compress(range(len(nodes)), map(needs.__contains__, nodes)):
+            for r in needs[nodes[k]]:
+                first.setdefault(r, ats[k])
+        at = ats[-1]
         waits = [prefetch_delay([seconds for _nodes, seconds in found],
                                 [min((first.get(n, at) for n in nodes), default=at) for nodes, _s in found],
                                 queued.get(group, 0.0))
@@ -1133,7 +1144,8 @@ class StagePricer:
                                 [c.backward_s for c in per_chunk], transfers,
                                 [c.activation_bytes for c in per_chunk], () if aligned else waits,
                                 waits if aligned else (),
-                                self.memo.schedule_order(schedule, p, layout.chunks_per_stage, m))
+                                self.memo.schedule_order(schedule, p, layout.chunks_per_stage, m),
+                                self.memo.in_flight(schedule, p, layout.chunks_per_stage, m))
         shared_s = _shared_sync(self.pieces, layout, stage_devices, machine)
         sent = p2p_elements(layout, m)
         memory = self.stage_memory(layout, per_chunk, run.activation_peak_bytes)
@@ -1168,12 +1180,34 @@ class StagePricer:
         return replace(plan, machine=machine, devices=p * stage_devices, totals=totals, pipeline=figures)
 
 
+def _node_shares(costs: Mapping[int, NodeCost], microbatches: int, in_node: Collection[int]) -> dict[int, LayerCost]:
+    """Each node's share (`node_share`), in the order of `costs`. A priced PCG's nodes share few cost objects (a
+    model of repeated blocks: llama-70b's 4,664 nodes hold 774), and a node's share is a function of its cost
+    object and whether it is in `in_node`: each worked out once, and the nodes of one (cost object, in `in_node`)
+    share that one object (`StagePricer._per_layer` reads the objects' ids). The nodes outside `in_node` (all but
+    its few collectives) are looked up by their cost object's id alone, without a key tuple made per node, and
+    those in it put in their places after. The ids are those of objects `costs` holds throughout."""
+    distinct = dict(zip(map(id, costs.values()), costs.values()))
+    made = {key: node_share(cost, microbatches, False) for key, cost in distinct.items()}
+    shares = dict(zip(costs, map(made.__getitem__, map(id, costs.values()))))
+    made_in: dict[int, LayerCost] = {}
+    for ident in in_node:
+        cost = costs.get(ident)
+        if cost is not None:
+            found = made_in.get(id(cost))
+            if found is None:
+                found = made_in[id(cost)] = node_share(cost, microbatches, True)
+            shares[ident] = found
+    return shares
+
+
 def _summed(shares: Sequence[LayerCost]) -> LayerCost:
-    """A chunk's cost from its nodes' shares (`node_share`), summed in the order given (the PCG's)."""
-    return LayerCost(sum(c.forward_s for c in shares), sum(c.backward_s for c in shares),
-                     sum(c.activation_bytes for c in shares), sum(c.state_bytes for c in shares),
-                     sum(c.step_s for c in shares), max((c.transient_bytes for c in shares), default=0),
-                     sum(c.tp_comm_s for c in shares))
+    """A chunk's cost from its nodes' shares (`node_share`), summed in the order given (the PCG's): each figure's
+    values handed to `sum` (`max`) in that order, as a generator over the shares hands them."""
+    forward, backward, activation, state, step, transient, tp_comm = _FIGURES
+    return LayerCost(sum(map(forward, shares)), sum(map(backward, shares)), sum(map(activation, shares)),
+                     sum(map(state, shares)), sum(map(step, shares)), max(map(transient, shares), default=0),
+                     sum(map(tp_comm, shares)))
 
 
 def _stage_bytes(stages: Sequence[Sequence[int]], per_chunk: Sequence[tuple[int, int, int]], peaks: Sequence[int]
@@ -1200,10 +1234,22 @@ class StageSync:
 
 def _in_node_collectives(plan: Plan) -> set[int]:
     """The plan's parallel nodes whose group is inside one node: the collectives Megatron-Core's userbuffers and
-    PyTorch's symmetric memory reach (docs/COSTMODEL.md "Tensor-parallel communication overlap")."""
-    pcg = plan.pcg
-    groups = mesh_groups(pcg)
-    return {node.id for node in pcg.nodes if node.kind == "parallel" and groups(node).nodes_spanned == 1}
+    PyTorch's symmetric memory reach (docs/COSTMODEL.md "Tensor-parallel communication overlap"). A node's group
+    is its axis's (`mesh_groups`), so whether it spans one node is asked once per axis, and a node's axis once per
+    distinct `attrs` (the axis is one of them: nodes of equal attributes act on one axis), not per node (a stage
+    plan of llama-70b holds ~2,000 parallel nodes of a few dozen attribute tuples)."""
+    mesh = plan.pcg.mesh
+    inside = [GroupTopology.of_axis(mesh, a).nodes_spanned == 1 for a in range(len(mesh))]
+    by_attrs: dict[tuple, bool] = {}
+    out = set()
+    for node in plan.pcg.nodes:
+        if node.kind == "parallel":
+            found = by_attrs.get(node.attrs)
+            if found is None:
+                found = by_attrs[node.attrs] = inside[node.axis(mesh)]
+            if found:
+                out.add(node.id)
+    return out
 
 
 def overlapped_reduce_end(busy: Sequence[tuple[Action, float, float]], reduce_s: Mapping[int, float]) -> float:

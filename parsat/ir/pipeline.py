@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from operator import attrgetter
 from typing import Iterable, Mapping, Sequence
 
 from parsat.ir.blocks import OUTSIDE, node_blocks
@@ -276,6 +277,20 @@ class LayerStructure:
         return tuple((tuple(sorted(i for i in values if readers[i] == 1)),
                       frozenset(i for i in values if readers[i] > 1)) for values in needed)
 
+    @cached_property
+    def spanning_weights(self) -> tuple[int, ...]:
+        """The weights (in `weights`' order) that two or more layers' `layer_members` hold: the only ones a cut can
+        put on two stages (`LayerMap.lay_out`'s shared weights). Why: a weight is a leaf, so free, and a layer's
+        members hold a free value only as one a node of the layer needs; a chunk's nodes are its layers' members,
+        so a weight one layer alone holds lies in that layer's chunk alone, and one no layer holds in none.
+        llama-70b's 723 weights: none held by two layers (an untied head), a tied embedding would be."""
+        holders: dict[int, int] = {}
+        weights = frozenset(self.weights)
+        for members in self.layer_members.values():
+            for i in members & weights:
+                holders[i] = holders.get(i, 0) + 1
+        return tuple(w for w in self.weights if holders.get(w, 0) > 1)
+
     def chunk_nodes(self, first: int, end: int) -> tuple[frozenset[int], tuple[int, ...]]:
         """The nodes of a chunk holding the layers `layers[first:end]`: the union of their `layer_members`, as a
         set and in the PCG's order. Worked out once per run of layers and structure (`_runs`): the cut search lays
@@ -394,7 +409,7 @@ class LayerMap:
                     raise PipelineError(f"node {node} of chunk {mine} is read by the earlier chunk {target}")
                 crossings.append(Crossing(node, mine, target, elements))
         shared = []
-        for weight in self.weights:
+        for weight in self.structure.spanning_weights:   # the others lie in one chunk, one stage
             stages = tuple(sorted({c % degree for c in range(len(starts)) if weight in members[c]}))
             if len(stages) > 1:
                 shared.append((weight, stages))
@@ -470,7 +485,8 @@ def activation_peaks(orders: Sequence[Sequence[Action]], activation_bytes: Seque
         live = peak = 0
         for action in order:
             live += activation_bytes[action.chunk] if action.phase == FORWARD else -activation_bytes[action.chunk]
-            peak = max(peak, live)
+            if live > peak:   # max(peak, live)
+                peak = live
         peaks.append(peak)
     return tuple(peaks)
 
@@ -505,7 +521,8 @@ def simulate_schedule(layout: StageLayout, schedule: str, microbatches: int, for
                       backward_s: Sequence[float], transfer_s: Mapping[tuple[int, int], float],
                       activation_bytes: Sequence[int], first_forward_wait_s: Sequence[float] = (),
                       first_forward_ready_s: Sequence[float] = (),
-                      orders: Sequence[Sequence[Action]] | None = None) -> ScheduleRun:
+                      orders: Sequence[Sequence[Action]] | None = None,
+                      in_flight: Sequence[int] | None = None) -> ScheduleRun:
     """Run each stage's actions in `schedule_order`, each as soon as its stage is free and its inputs have
     arrived: a chunk's forward waits for the forwards of the chunks it reads plus the transfer
     (`transfer_s[(source, target)]`, seconds per micro-batch), its backward for its own forward and the
@@ -514,59 +531,109 @@ def simulate_schedule(layout: StageLayout, schedule: str, microbatches: int, for
     (per chunk, empty for none): what its first micro-batch's forward waits for its parameters mid-way
     (ZeRO's gathers overlapped with it, `cost.pipeline`), added to that action; `first_forward_ready_s` (per
     chunk, empty for none): the earliest that action may start (those gathers launched at the step's start).
-    `orders`: `schedule_order`'s for this schedule, stages, chunks and micro-batches, where the caller keeps them."""
-    p = layout.degree
+    `orders`: `schedule_order`'s for this schedule, stages, chunks and micro-batches, and `in_flight` its
+    `in_flight_counts`, where the caller keeps them.
+
+    The stages are run by `_StageRunner`: each as far as its inputs allow, then the one whose next action the
+    last one run let go (`_StageRunner` says why the figures are those of any order of visits)."""
     if orders is None:
-        orders = schedule_order(schedule, p, layout.chunks_per_stage, microbatches)
-    sources: dict[int, set[int]] = {}
-    targets: dict[int, set[int]] = {}
-    for crossing in layout.crossings:
-        sources.setdefault(crossing.target, set()).add(crossing.source)
-        targets.setdefault(crossing.source, set()).add(crossing.target)
-    done: dict[tuple[str, int, int], float] = {}
-    free_at = [0.0] * p
-    position = [0] * p
-    busy: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
-    total = sum(len(o) for o in orders)
-    while sum(position) < total:
-        progressed = False
-        for s in range(p):
-            if position[s] == len(orders[s]):
-                continue
-            action = orders[s][position[s]]
-            ready = _ready(action, done, sources, targets, transfer_s)
-            if ready is None:
-                continue
-            if first_forward_ready_s and action.phase == FORWARD and action.microbatch == 0:
-                ready = max(ready, first_forward_ready_s[action.chunk])
-            start = max(free_at[s], ready)
-            seconds = (forward_s if action.phase == FORWARD else backward_s)[action.chunk]
-            if first_forward_wait_s and action.phase == FORWARD and action.microbatch == 0:
-                seconds += first_forward_wait_s[action.chunk]
-            end = start + seconds
-            done[(action.phase, action.microbatch, action.chunk)] = end
-            busy[s].append((action, start, end))
-            free_at[s], position[s], progressed = end, position[s] + 1, True
-        if not progressed:
-            raise PipelineError(f"the {schedule} schedule deadlocks on this layout")
-    return ScheduleRun(max(free_at), tuple(tuple(b) for b in busy),
-                       activation_peaks(orders, [1] * len(layout.chunks)), activation_peaks(orders, activation_bytes))
+        orders = schedule_order(schedule, layout.degree, layout.chunks_per_stage, microbatches)
+    runner = _StageRunner(layout, orders, microbatches, forward_s, backward_s, transfer_s, first_forward_wait_s,
+                          first_forward_ready_s)
+    if runner.run() < sum(len(o) for o in orders):
+        raise PipelineError(f"the {schedule} schedule deadlocks on this layout")
+    if in_flight is None:
+        in_flight = activation_peaks(orders, [1] * len(layout.chunks))
+    return ScheduleRun(max(runner.free_at), tuple(tuple(b) for b in runner.busy), tuple(in_flight),
+                       activation_peaks(orders, activation_bytes))
 
 
-def _ready(action: Action, done, sources, targets, transfer_s) -> float | None:
-    """When `action`'s inputs are there; None while one is not yet computed."""
-    k, c = action.microbatch, action.chunk
-    if action.phase == FORWARD:
-        needs = [(FORWARD, k, src, transfer_s.get((src, c), 0.0)) for src in sources.get(c, ())]
-    else:
-        needs = [(FORWARD, k, c, 0.0)] + [(BACKWARD, k, t, transfer_s.get((c, t), 0.0))
-                                          for t in targets.get(c, ())]
-    ready = 0.0
-    for phase, mb, chunk, delay in needs:
-        if (phase, mb, chunk) not in done:
-            return None
-        ready = max(ready, done[(phase, mb, chunk)] + delay)
-    return ready
+class _StageRunner:
+    """`simulate_schedule`'s actions run, stage by stage.
+
+    An action starts at the later of its stage coming free (its previous action's end) and its inputs' ends
+    plus their transfers: a function of the actions it waits for alone, whatever order the stages are visited
+    in. So a stage runs as far as its inputs allow (`run`), and when its next action waits for an action
+    not yet run, it is set aside until that one runs (`waiting`), rather than every stage being tried again
+    pass after pass (llama-70b:64's search tried 227k actions, each building a list of tuples, to run 98k in
+    293 schedules). The same actions run, with the same starts and ends: each input's end plus its transfer
+    taken in the same order and kept where greater (`x > ready` is what `max(ready, x)` keeps). Running an
+    action only lets others run, so every order of visits runs the same actions before none is left that can:
+    fewer than all of them is the deadlock the passes found."""
+
+    def __init__(self, layout: StageLayout, orders: Sequence[Sequence[Action]], microbatches: int,
+                 forward_s: Sequence[float],
+                 backward_s: Sequence[float], transfer_s: Mapping[tuple[int, int], float],
+                 first_forward_wait_s: Sequence[float], first_forward_ready_s: Sequence[float]):
+        sources: dict[int, set[int]] = {}
+        targets: dict[int, set[int]] = {}
+        for crossing in layout.crossings:
+            sources.setdefault(crossing.target, set()).add(crossing.source)
+            targets.setdefault(crossing.source, set()).add(crossing.target)
+        self.chunks = chunks = len(layout.chunks)
+        # what each chunk's forward (backward) waits for, in the order it is read: (where that action's end is
+        # kept, from its micro-batch's first, `ends`; the transfer's seconds); a backward waits for its own forward
+        # first, at no transfer
+        self.forward_needs = [tuple((2 * src, transfer_s.get((src, c), 0.0)) for src in sources.get(c, ()))
+                              for c in range(chunks)]
+        self.backward_needs = [((2 * c, 0.0),) + tuple((2 * t + 1, transfer_s.get((c, t), 0.0))
+                                                       for t in targets.get(c, ())) for c in range(chunks)]
+        self.orders, self.forward_s, self.backward_s = orders, forward_s, backward_s
+        self.first_forward_wait_s, self.first_forward_ready_s = first_forward_wait_s, first_forward_ready_s
+        self.ends: list[float | None] = [None] * (2 * microbatches * chunks)   # an action's end: 2 (k C + c) (+1)
+        self.free_at = [0.0] * len(orders)
+        self.position = [0] * len(orders)
+        self.busy: list[list[tuple[Action, float, float]]] = [[] for _ in orders]
+        self.waiting: dict[int, list[int]] = {}   # an action's place in `ends` -> the stages whose next action needs it
+        self.ready: list[int] = list(range(len(orders) - 1, -1, -1))   # stages to visit, the last one first
+
+    def run(self) -> int:
+        """Every stage run as far as it can; how many actions ran. A stage runs from its position on until an
+        action's input has not run (the stage then waits for that one in `waiting`) or none is left; a stage
+        waiting for an action just run is visited again after the stage running it stops."""
+        orders, position, free_at, busy_of = self.orders, self.position, self.free_at, self.busy
+        ends, waiting, ready_stages, chunks = self.ends, self.waiting, self.ready, self.chunks
+        forward_needs, backward_needs, forward_s, backward_s = (self.forward_needs, self.backward_needs,
+                                                                self.forward_s, self.backward_s)
+        wait_s, ready_s = self.first_forward_wait_s, self.first_forward_ready_s
+        ran = 0
+        while ready_stages:
+            stage = ready_stages.pop()
+            order, at, free, busy = orders[stage], position[stage], free_at[stage], busy_of[stage]
+            while at < len(order):
+                action = order[at]
+                k, c = action.microbatch, action.chunk
+                base = 2 * k * chunks
+                forward = action.phase == FORWARD
+                ready = 0.0
+                for offset, delay in forward_needs[c] if forward else backward_needs[c]:
+                    end = ends[base + offset]
+                    if end is None:
+                        waiting.setdefault(base + offset, []).append(stage)
+                        break
+                    end += delay
+                    if end > ready:
+                        ready = end
+                else:
+                    first = forward and k == 0
+                    if first and ready_s:
+                        ready = max(ready, ready_s[c])
+                    start = ready if ready > free else free   # max(free, ready)
+                    if forward:
+                        free = start + (forward_s[c] + wait_s[c] if first and wait_s else forward_s[c])
+                    else:
+                        free = start + backward_s[c]
+                    done = base + 2 * c + (0 if forward else 1)
+                    ends[done] = free
+                    busy.append((action, start, free))
+                    at += 1
+                    if done in waiting:
+                        ready_stages += waiting.pop(done)
+                    continue
+                break
+            ran += at - position[stage]
+            position[stage], free_at[stage] = at, free
+        return ran
 
 
 # ------------------------------------------------------------------ a pipelined plan
@@ -683,8 +750,9 @@ def stage_comm_elements(layout: StageLayout, costs: Mapping[int, NodeCost],
 
 
 def nodes_elements(nodes: Iterable[int], costs: Mapping[int, NodeCost], part: str = "comm_elements") -> int:
-    """The elements the collectives of `nodes` send per step (`stage_comm_elements`, for one stage's nodes)."""
-    return sum(getattr(costs[n], part) for n in nodes if n in costs)
+    """The elements the collectives of `nodes` send per step (`stage_comm_elements`, for one stage's nodes): each
+    node's `part` that `costs` holds, in the order of `nodes` (iterated in C: a stage of llama-70b holds ~1,000)."""
+    return sum(map(attrgetter(part), map(costs.__getitem__, filter(costs.__contains__, nodes))))
 
 
 def stored_piece_elements(pcg: PCG) -> dict[int, int]:
