@@ -23,7 +23,8 @@ def test_layouts_of_several_counts_build_each_example_once_and_lay_out_as_alone(
     built = []
     real = microbatch.build_example
     monkeypatch.setattr(microbatch, "build_example",
-                        lambda name, sizes=None, lib=None: built.append(dict(sizes or {})) or real(name, sizes, lib))
+                        lambda name, sizes=None, lib=None, budget=None: built.append(dict(sizes or {}))
+                        or real(name, sizes, lib, budget))
     graphs = [_step_graph(library, m) for m in (1, 2, 4)] + [_step_graph(library, 4)]   # the last: made again
     assert graphs[2] == graphs[3] and graphs[2] is not graphs[3]
     kin: dict = {}

@@ -259,7 +259,7 @@ class _Kin:
     all the answer reads (the sizes not, `placement._signature`), so a graph of other sizes or a layout on
     another mesh finds them as its own would work them out."""
 
-    def __init__(self, library: Library):
+    def __init__(self, library: Library, examples: dict | None = None):
         self.library = library
         # (mesh, (sequence, zero, reduce_at_once)) -> built
         self.layouts: dict[tuple, list[tuple[Graph, PCG | None]]] = {}
@@ -268,7 +268,9 @@ class _Kin:
         self.parts: dict[tuple, tuple[Graph, Graph, bool]] = {}         # (part, (like, graph)) -> its answer
         self.placements: dict = {}               # `axis_compute`'s cache, for every graph and mesh
         self.memos: dict[int, "_Memo"] = {}      # id(graph) -> its memo (which keeps the graph alive)
-        self.examples: dict = {}                 # `batch_dims`' examples built, by name and sizes
+        # `batch_dims`' examples built, by name and sizes: the call's own where its kin dict holds them ("examples":
+        # `search.request.SearchRequest.examples`, where its steps' graphs are built)
+        self.examples: dict = {} if examples is None else examples
         self.structures = StructureTable()       # every layout built, by its structure (`megatron_pcg`)
 
     def memo(self, graph: Graph, cache: dict | None) -> "_Memo":
@@ -290,7 +292,7 @@ class _Kin:
     def of(kin: dict, library: Library) -> "_Kin":
         found = kin.get("kin")
         if found is None or found.library is not library:
-            found = kin["kin"] = _Kin(library)
+            found = kin["kin"] = _Kin(library, kin.get("examples"))
         return found
 
     def keep(self, graph: Graph, memo: "_Memo", mesh: Mesh, form: tuple, pcg: PCG | None) -> None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from parsat.dsl.library import Library
+from parsat.ir.budget import GraphBudget
 from parsat.ir.errors import GraphError
 from parsat.ir.graph import Graph
 from parsat.ir.models import BATCH, EXAMPLES, build_example
@@ -127,7 +128,7 @@ def batch_dims(graph: Graph, library: Library | None = None, built: dict | None 
     names constant (`Graph.constants`: the same for every batch, such as T5's relative-position one-hots).
 
     `built`: a dict the calls for one library may share (`ir.megatron._Kin`: a step's graph at several
-    micro-batch counts), which keeps each example built here by its name and the sizes given (`_built_example`):
+    micro-batch counts), which keeps each example built here by its name and the sizes given (`built_example`):
     `build_example` is a function of these and the library, so a build kept is the build made again.
     llama-70b:64's grids asked this of seven graphs, each building its example twice (80 blocks, ~0.05 CPU s a
     build); the graph at m micro-batches is built at twice its batch where the graph at m / 2 is built at its
@@ -135,29 +136,37 @@ def batch_dims(graph: Graph, library: Library | None = None, built: dict | None 
     if graph.example is not None and graph.example[0] in EXAMPLES:
         name, sizes = graph.example[0], dict(graph.example[1])
         batch = {**EXAMPLES[name].defaults(), **sizes}.get(BATCH)
-        if batch is not None and _structure(_built_example(name, sizes, library, built)) == _structure(graph):
-            doubled = _built_example(name, {**sizes, BATCH: 2 * batch}, library, built)
+        if batch is not None and _structure(built_example(name, sizes, library, built)) == _structure(graph):
+            doubled = built_example(name, {**sizes, BATCH: 2 * batch}, library, built)
             inputs = {leaf.name for leaf in graph.leaves if leaf.role == "input"}
             return {k: v for k, v in _cuts(graph.with_microbatches(1), doubled, 2).items() if k in inputs}
     return {leaf.name: 0 for leaf in graph.leaves if leaf.role == "input" and leaf.shape
             and leaf.name not in graph.constants}
 
 
-def _built_example(name: str, sizes: Mapping[str, int], library: Library | None, built: dict | None) -> Graph:
-    """`build_example(name, sizes, library)`, kept in `built` (where given) by the name and sizes, so that it is
-    built once per dict (`batch_dims`)."""
+def built_example(name: str, sizes: Mapping[str, int], library: Library | None, built: dict | None,
+                  budget: GraphBudget | None = None) -> Graph:
+    """`build_example(name, sizes, library, budget)`, kept in `built` (where given) by the name and sizes, so that
+    it is built once per dict: a call's steps and its grids' `batch_dims` share one (`SearchRequest.examples`,
+    `ir.megatron._Kin`). A build kept is the build made again (`build_example` is a function of the name, sizes
+    and library; the budget only refuses), so it is taken; within a `budget`, a kept build is still checked against
+    its tensor count (the budget's deadline bounds building, and nothing is built)."""
     key = (name, tuple(sorted(sizes.items())), id(library))
     found = built.get(key) if built is not None else None
-    if found is None or found[0] is not library:
-        found = (library, build_example(name, sizes, library))   # the library beside its id, so the id stays its own
-        if built is not None:
-            built[key] = found
-            while len(built) > EXAMPLES_KEPT:   # the oldest first: a graph's own build is the next count's doubled
-                del built[next(iter(built))]
+    if found is not None and found[0] is library:
+        if budget is not None:
+            budget.check_count(len(found[1].leaves) + len(found[1].nodes), f"graph '{name}'")
+        return found[1]
+    found = (library, build_example(name, sizes, library, budget))   # the library beside its id: the id stays its own
+    if built is not None:
+        built[key] = found
+        while len(built) > EXAMPLES_KEPT:   # the oldest first
+            del built[next(iter(built))]
     return found[1]
 
 
-EXAMPLES_KEPT = 4   # `_built_example`: builds kept per dict (a llama-70b graph holds ~1-2 MiB)
+EXAMPLES_KEPT = 16  # `built_example`: builds kept per dict (a llama-70b graph holds ~1-2 MiB; llama-70b:64's
+                    # call builds 9 distinct sizes: its steps' graphs and `batch_dims`' doubles)
 
 
 def batch_wide_constants(graph: Graph, batch: Mapping[str, int]) -> frozenset[str]:

@@ -15,7 +15,8 @@ from parsat.dsl.library import Library
 from parsat.ir.budget import GraphBudget
 from parsat.ir.errors import GraphError
 from parsat.ir.graph import Graph
-from parsat.ir.models import EXAMPLES, build_example, check_example
+from parsat.ir.microbatch import built_example
+from parsat.ir.models import EXAMPLES, check_example
 from parsat.ir.mesh import Mesh, factorisations
 from parsat.ir.pcg import Degrees
 from parsat.ir.placement import Placement, placement_for_degrees
@@ -42,15 +43,16 @@ def check_graph_source(graph, sizes: Mapping[str, int] | None = None) -> None:
 
 
 def resolve_graph(graph, library: Library, sizes: Mapping[str, int] | None = None,
-                  budget: GraphBudget | None = None) -> Graph:
-    """A Graph, a graph JSON path, or a built-in example name; within `budget` (tensors, building time)."""
+                  budget: GraphBudget | None = None, built: dict | None = None) -> Graph:
+    """A Graph, a graph JSON path, or a built-in example name; within `budget` (tensors, building time). `built`:
+    the call's examples built by name and sizes (`SearchRequest.examples`, `ir.microbatch.built_example`)."""
     check_graph_source(graph, sizes)
     if isinstance(graph, Graph):
         if budget is not None:
             budget.check_count(len(graph.leaves) + len(graph.nodes), f"graph '{graph.name}'")
         return graph
     if isinstance(graph, str) and graph in EXAMPLES:
-        return build_example(graph, sizes, library, budget)
+        return built_example(graph, sizes or {}, library, built, budget)
     return Graph.load(graph, library, budget)
 
 

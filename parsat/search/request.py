@@ -94,6 +94,10 @@ class SearchRequest:
     # the grid's layouts built for one graph, which its other graphs of the same structure (the step's graph at
     # other micro-batch counts) take rescaled where the build cannot tell them apart (`megatron_pcg`'s `kin`)
     layouts: dict = field(default_factory=dict, compare=False)
+    # built-in examples built by name and sizes for the call (`ir.microbatch.built_example`): the steps' graphs at
+    # each micro-batch count (`step_context`) and the grids' `batch_dims` builds (`ir.megatron._Kin`, which
+    # `layouts` seeds with it) read one memo; llama-70b:64 built 17 graphs of 9 sizes, 0.67 CPU s
+    examples: dict = field(default_factory=dict, compare=False)
     # what the steps of one call share beside: each mesh's search by its inputs (`step.searched_once`), and the
     # simulated steps and compute times by machine and micro-batch count (`mesh.CandidateSteps`)
     mesh_searches: dict = field(default_factory=dict, compare=False)
@@ -159,7 +163,8 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
     sizes = dict(sizes or {})
     check_graph_source(graph, sizes or None)
     library = resolve_library(rules)
-    whole = resolve_graph(graph, library, sizes or None, graph_budget(limits, deadline))
+    examples: dict = {}
+    whole = resolve_graph(graph, library, sizes or None, graph_budget(limits, deadline), examples)
     if recompute == BLOCKS and not has_blocks(leaf.name for leaf in whole.leaves):
         raise OptimizeError(f"--recompute blocks: '{whole.name}' has no blocks to recompute (ir.blocks: a block's "
                             "weights are named b0_..., b1_..., as the built-in examples name them and the importer "
@@ -180,7 +185,7 @@ def resolve_request(graph, machine: Machine | str, rules, limits: Limits | Mappi
     return SearchRequest(graph, whole, library, chosen, note, machine, count, limits, sizes,
                          example_batch(graph, sizes), dims, pp, output_spreads, input_spreads, free_input_placements,
                          baselines, repeat_blocks, recompute, zero, sequence, caches or MeshCaches(), say,
-                         deadline=deadline, cut_sums=cut_sums)
+                         layouts={"examples": examples}, examples=examples, deadline=deadline, cut_sums=cut_sums)
 
 
 @dataclass(frozen=True)
@@ -351,7 +356,7 @@ def step_context(request: SearchRequest, microbatches: int = 1, machine: Machine
         sizes[BATCH] = request.batch // microbatches
     budget = request.graph_budget()
     graph = request.whole if sizes == dict(request.sizes) else \
-        resolve_graph(request.graph, request.library, sizes, budget)
+        resolve_graph(request.graph, request.library, sizes, budget, request.examples)
     repetition = repetition_for(graph) if request.repeat_blocks else None
     if microbatches != 1:
         graph = graph.with_microbatches(microbatches)
