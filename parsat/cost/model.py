@@ -51,7 +51,7 @@ from typing import Sequence
 from parsat.dsl.gradient import is_alias
 from parsat.dsl.instantiate import OpInstance
 from parsat.dsl.parallel_ops import ALL_GATHER, ALL_TO_ALL, COMBINE, PARTITION, REDUCE, REDUCE_SCATTER, REPLICATE
-from parsat.dsl.spread import infer_compute
+from parsat.dsl.spread import infer_compute, reads_plainly
 from parsat.ir.costs import NodeCost
 from parsat.ir.machine import Machine
 from parsat.ir.pcg import SHARDED_STATE_STAGES, STORED_ROLES, WEIGHT, WEIGHT_PIECE, WEIGHT_ROLES, Degrees
@@ -94,28 +94,66 @@ def _collective(machine: Machine, kind: str, group: GroupTopology, n: int) -> tu
 
 
 def compute_time(instance: OpInstance, inputs: Sequence[Degrees], output: Degrees,
-                 machine: Machine) -> tuple[OpTime, tuple[str, ...]]:
-    """A compute operator's time on its local pieces, and the problems spread inference found (if any)."""
-    inferred = infer_compute(instance, [l.to_symbolic() for l in inputs])
-    problems = list(inferred.problems)
-    got = Degrees.of(inferred.spread)
+                 machine: Machine, memo: dict | None = None) -> tuple[OpTime, tuple[str, ...]]:
+    """A compute operator's time on its local pieces, and the problems spread inference found (if any). `memo`
+    (a dict the caller keeps for one library, e.g. `search.extract.ComputedCosts.inferred`): spread inference's
+    findings kept where they read no size (`_inferred`), and what `op_time` reads of the instance alone (its
+    `memo`), so the same results with or without it."""
+    got, var_degrees, found = _inferred(instance, inputs, memo)
+    problems = list(found)
     if not problems and got != output:
         problems.append(f"{instance.name}: spread inference gives {got}, the e-graph says {output}")
     shapes = [tuple(int(d.evaluate({})) for d in s) for s in instance.input_shapes]
     out_shape = tuple(int(d.evaluate({})) for d in instance.output_shape)
     local_elems = sum(l.piece_elements(s) for l, s in zip(inputs, shapes)) + output.piece_elements(out_shape)
-    return op_time(instance, inferred.var_degrees, local_elems, machine), tuple(problems)
+    return op_time(instance, var_degrees, local_elems, machine, memo), tuple(problems)
+
+
+def _infer(instance: OpInstance, inputs: Sequence[Degrees]) -> tuple[Degrees, dict, tuple[str, ...]]:
+    """What `compute_time` reads of spread inference: the output's degrees, each index variable's degree (read,
+    never changed, by `op_time`) and the problems."""
+    inferred = infer_compute(instance, [l.to_symbolic() for l in inputs])
+    return Degrees.of(inferred.spread), inferred.var_degrees, inferred.problems
+
+
+_PLAIN, _INFERRED = "reads plainly", "inferred"   # `_inferred`'s two kinds of entries in its memo
+
+
+def _inferred(instance: OpInstance, inputs: Sequence[Degrees], memo: dict | None) -> tuple[Degrees, dict,
+                                                                                          tuple[str, ...]]:
+    """`_infer`, kept in `memo` where the operator reads its inputs plainly (`dsl.spread.reads_plainly`: then
+    spread, var_degrees and problems read no size value). Those are then one function of what the key holds:
+    the operator (its name, checked to be the same declaration: its body, inputs, out_vars and dim names) and
+    its group lengths (the body, out_vars and dim names as instantiated: `instantiate` expands them from these
+    alone, attributes and sizes only bind values), and the input degrees. The six micro-batch sizes and the
+    meshes of a search ask again for the same operators at other sizes. An operator with a non-plain access
+    (a block read, whose tiling reads sizes) is inferred afresh each time. What inference would raise, `op_time`
+    raises too (both read `index_bounds`)."""
+    if memo is None:
+        return _infer(instance, inputs)
+    form = (instance.name, tuple(sorted(instance.groups.items())))
+    plain = memo.get((_PLAIN, form))
+    if plain is None or plain[0] is not instance.op:
+        plain = memo[(_PLAIN, form)] = (instance.op, reads_plainly(instance))
+    if not plain[1]:
+        return _infer(instance, inputs)
+    key = (_INFERRED, form, tuple(inputs))
+    found = memo.get(key)
+    if found is None or found[0] is not instance.op:
+        found = memo[key] = (instance.op, *_infer(instance, inputs))
+    return found[1], found[2], found[3]
 
 
 def compute_cost(instance: OpInstance, inputs: Sequence[Degrees], output: Degrees, machine: Machine,
-                 weight_inputs: Sequence[bool], kept: bool = True, ring: Sequence[float] = ()) -> NodeCost:
+                 weight_inputs: Sequence[bool], kept: bool = True, ring: Sequence[float] = (),
+                 memo: dict | None = None) -> NodeCost:
     """A compute operator on local pieces; weights read directly are stored whole. `kept`: whether some
     reader's backward reads its output (`cost.saved`), which is then kept until that backward, unless the
     operator is a view (its operand holds the storage); a fused kernel keeps its output for its own backward
     (`FusedKernel.keeps_output`) and what it saves beside it (`OpTime.saved_bytes`). `ring`: a ring attention's
     shares of its dense block row step by step (`cost.ring_time.ring_work`), its forward and backward then the
-    slowest rank's compute over the pass (`ring_compute_s`), as the step simulator runs it."""
-    timed, problems = compute_time(instance, inputs, output, machine)
+    slowest rank's compute over the pass (`ring_compute_s`), as the step simulator runs it. `memo`: `compute_time`'s."""
+    timed, problems = compute_time(instance, inputs, output, machine, memo)
     if ring:
         eff = machine.efficiency
         back = timed.backward_kernel_s(range(len(instance.input_shapes)))

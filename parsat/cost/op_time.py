@@ -233,18 +233,40 @@ def _degree(value) -> int:
     return int(value.evaluate({})) if hasattr(value, "evaluate") else int(value)
 
 
-def _local_sizes(instance: OpInstance, var_degrees: Mapping[str, object], names) -> float:
-    """The local size of the index ranges `names`: each range divided by its degree."""
-    bounds = {k: int(v.evaluate({})) for k, v in index_bounds(instance).items()}
+def _local_sizes(instance: OpInstance, var_degrees: Mapping[str, object], names, memo: dict | None = None) -> float:
+    """The local size of the index ranges `names`: each range divided by its degree. `memo`: `op_time`'s."""
+    bounds = _kept(memo, instance, "bounds", _int_bounds)
     return float(prod(bounds[v] / max(1, _degree(var_degrees.get(v, 1))) for v in names))
 
 
-def local_contraction(instance: OpInstance, var_degrees: Mapping[str, object]) -> tuple[float, ...] | None:
-    """The local (batch, m, n, k) of the operator's product: each index range divided by its degree."""
-    dims = contraction(instance)
+def _int_bounds(instance: OpInstance) -> dict[str, int]:
+    """Every index variable's range as an integer (`index_bounds`). Shared where kept: read, never change it."""
+    return {k: int(v.evaluate({})) for k, v in index_bounds(instance).items()}
+
+
+def _kept(memo: dict | None, instance: OpInstance, what: str, make: Callable[[OpInstance], object]):
+    """`make(instance)`, kept in `memo` (a dict the caller keeps for one library: `cost.model.compute_time`'s) by
+    the instance's identity, beside the instance so the identity is not reused. `make` reads the instance alone,
+    and an `OpInstance` is frozen, so it is the same value computed afresh: a search asks for the same instance
+    at many spreads (llama-70b:64: 5,422 operator times of 1,166 instances), and its FLOPs, product and index
+    ranges were most of each."""
+    if memo is None:
+        return make(instance)
+    key = (what, id(instance))
+    found = memo.get(key)
+    if found is None or found[0] is not instance:
+        found = memo[key] = (instance, make(instance))
+    return found[1]
+
+
+def local_contraction(instance: OpInstance, var_degrees: Mapping[str, object],
+                      memo: dict | None = None) -> tuple[float, ...] | None:
+    """The local (batch, m, n, k) of the operator's product: each index range divided by its degree. `memo`:
+    `op_time`'s."""
+    dims = _kept(memo, instance, "contraction", contraction)
     if dims is None:
         return None
-    return tuple(_local_sizes(instance, var_degrees, names) for names in dims)
+    return tuple(_local_sizes(instance, var_degrees, names, memo) for names in dims)
 
 
 def local_gemm(instance: OpInstance, var_degrees: Mapping[str, object]) -> tuple[float, float, float] | None:
@@ -298,17 +320,18 @@ def function_kernel(flops: float, nbytes: float, evaluations: Mapping[str, float
     return max(compute, nbytes / eff.bandwidth(nbytes, machine.memory_bandwidth))
 
 
-def elementwise_kernel(instance: OpInstance, var_degrees: Mapping[str, object], machine: Machine) -> float:
+def elementwise_kernel(instance: OpInstance, var_degrees: Mapping[str, object], machine: Machine,
+                       memo: dict | None = None) -> float:
     """Elementwise arithmetic (`elementwise_kind`) as a step runs it: its local output elements at the machine's
     measured per-element time of its kind (`OpEfficiency.elementwise_time`); 0 for another operator or where not
     measured. `op_time` takes the longer of this and the roofline: `parsat calibrate`'s memory-bound figures are
     of calls repeated on warm buffers, a step's arithmetic writes new memory kept for backward (GPT-2's adds and
     multiplies, 256 KB-1 MB each, ran 1.5-2x their roofline price relative to the GEMMs' scale,
-    benchmarks/costmodel_fidelity.md, session 61 helper C)."""
-    kind = elementwise_kind(instance)
+    benchmarks/costmodel_fidelity.md, session 61 helper C). `memo`: `op_time`'s."""
+    kind = _kept(memo, instance, "elementwise", elementwise_kind)
     if kind is None or not machine.efficiency.elementwise_time(kind, 1.0):   # not measured (every preset): no sizes
         return 0.0
-    return machine.efficiency.elementwise_time(kind, _local_sizes(instance, var_degrees, instance.out_vars))
+    return machine.efficiency.elementwise_time(kind, _local_sizes(instance, var_degrees, instance.out_vars, memo))
 
 
 def kernel_time(flops: float, nbytes: float, gemm: tuple[float, float, float] | None, machine: Machine) -> float:
@@ -316,30 +339,32 @@ def kernel_time(flops: float, nbytes: float, gemm: tuple[float, float, float] | 
     return roofline(flops, nbytes, machine.efficiency.gemm_efficiency(*gemm) if gemm is not None else 1.0, machine)
 
 
-def op_time(instance: OpInstance, var_degrees: Mapping[str, object], local_elements: int, machine: Machine) -> OpTime:
-    """Forward and backward time of `instance` on local pieces of `local_elements` elements in all."""
+def op_time(instance: OpInstance, var_degrees: Mapping[str, object], local_elements: int, machine: Machine,
+            memo: dict | None = None) -> OpTime:
+    """Forward and backward time of `instance` on local pieces of `local_elements` elements in all. `memo`: what
+    reads the instance alone (FLOPs, product, index ranges) kept by its identity (`_kept`), the same times."""
     fused = FUSED.get(instance.name)
-    flops = fused.flops(instance) if fused is not None else work(instance)[0]
+    flops = _kept(memo, instance, "flops", _flops)
     split = prod(_degree(d) for d in var_degrees.values()) or 1
     local_flops = flops / split
     nbytes = float(local_elements * machine.dtype_bytes)
     eff = machine.efficiency
     if fused is not None:
         kernel = roofline(local_flops, nbytes, fused.rate(eff, local_flops), machine)
-        rows = _local_sizes(instance, var_degrees, instance.out_vars[:-1])
+        rows = _local_sizes(instance, var_degrees, instance.out_vars[:-1], memo)
         return OpTime(eff.op_time(kernel), eff.op_time(fused.backward_factor * kernel, backward=True), kernel,
                       local_flops, nbytes, None, fused.backward_factor, fused.row_bytes * rows)
-    dims = local_contraction(instance, var_degrees)
+    dims = local_contraction(instance, var_degrees, memo)
     gemm = None if dims is None else (dims[0] * dims[1], dims[2], dims[3])
     if gemm is None and eff.function_times:
-        calls = {f: n / split for f, n in function_evaluations(instance).items()}
+        calls = {f: n / split for f, n in _kept(memo, instance, "functions", function_evaluations).items()}
         kernel, back = (function_kernel(local_flops, nbytes, calls, machine, b) for b in (False, True))
         if eff.function_time(calls) > 0:   # measured functions: a backward kernel of its own
             return OpTime(eff.op_time(kernel), eff.op_time(back, backward=True), kernel, local_flops, nbytes,
                           backward_factor=back / kernel)
     kernel = kernel_time(local_flops, nbytes, gemm, machine)
     if gemm is None:
-        kernel = max(kernel, elementwise_kernel(instance, var_degrees, machine))
+        kernel = max(kernel, elementwise_kernel(instance, var_degrees, machine, memo))
         return OpTime(eff.op_time(kernel), _backward_s(kernel, (), eff), kernel, local_flops, nbytes)
     grads = grad_kernels(instance.name, gemm, dims[0], local_flops, nbytes, machine)
     bias = bias_gradient_kernel(gemm, machine)
@@ -347,6 +372,12 @@ def op_time(instance: OpInstance, var_degrees: Mapping[str, object], local_eleme
     return OpTime(eff.op_time(kernel), _backward_s(kernel, grads, eff, biases * bias), kernel, local_flops, nbytes,
                   gemm, grad_kernels=grads, product=instance.name, batch=dims[0], bias_kernel_s=bias,
                   biases=biases)
+
+
+def _flops(instance: OpInstance) -> float:
+    """The operator's global FLOPs: a fused kernel's own count (`FUSED`), else its semantics' (`dsl.work`)."""
+    fused = FUSED.get(instance.name)
+    return fused.flops(instance) if fused is not None else work(instance)[0]
 
 
 def chunk_time(timed: OpTime, parts: int, axis: int, machine: Machine) -> OpTime:

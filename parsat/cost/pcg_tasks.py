@@ -438,6 +438,7 @@ class OpTimes:
         self._known: dict = {}
         self._collectives: dict = {}
         self._chunks: dict = {}
+        self._inferred: dict = {}   # `compute_time`'s memo of spread inference
 
     def collective(self, kind: str, group: GroupTopology, nbytes: float) -> float:
         """Seconds of one collective (`collectives.price` on this machine), kept by its inputs: the layouts of
@@ -462,7 +463,7 @@ class OpTimes:
         found = self._known.get(key)
         if found is None:
             found = self._known[key] = compute_time(self._instance(node, inputs), [i.degrees for i in inputs],
-                                                    node.degrees, self.machine)[0]
+                                                    node.degrees, self.machine, self._inferred)[0]
         return found
 
     def _instance(self, node: PNode, inputs: list[PNode]):

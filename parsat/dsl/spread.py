@@ -171,6 +171,26 @@ def infer_compute(instance: OpInstance, inputs: Sequence[SymbolicDegrees]) -> Co
     return ComputeDegrees(spread, degrees, tuple(problems), requires, reads.legal_when)
 
 
+def reads_plainly(instance: OpInstance) -> bool:
+    """Whether every tensor access of the op indexes by plain index variables (`x[i, j]`: a name that an output
+    index, a `sum` or a `max` binds; no expression, constant or size). Then `infer_compute`'s `spread`,
+    `var_degrees` and `problems` read no size value, so instances of the op at any sizes (with the same group
+    lengths) get the same ones from the same input spreads (`cost.model.compute_time` keeps them so):
+
+    * `_read_indices` takes its first branch for every index (degree and dim number from the spreads), never
+      `block_read` / `block_tiling` / `_strided` (the only readers of sizes in it), and finds no windows, so
+      no block reads and no `legal_when`;
+    * `_index_degrees` reads those constraints; `_check_local_view` compares index and size NAMES
+      (`param_dim_names`: the op's dims and its group lengths); `_output_partial_degree` reads the body and
+      the spreads' partial degrees; `_output_spread` multiplies and divides the spreads' pieces and degrees;
+    * only `requires` reads sizes (`index_bounds`), and the messages of what reads it.
+
+    Stricter than `_read_indices` (which skips accesses of non-inputs): a stricter test only computes afresh."""
+    bound = set(instance.out_vars) | _sum_vars(instance.body)
+    return all(isinstance(index, ast.Name) and index.id in bound
+               for access in _accesses(instance.body) for index in access.indices)
+
+
 def _read_indices(instance: OpInstance, by_name: dict, bounds_vars: set[str], bounds: dict,
                   problems: list[str]) -> _IndexReads:
     """The degree each index variable meets at each dim of an input it reads, plain or block by block;

@@ -166,6 +166,7 @@ class ComputedCosts(dict):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.instances: dict = {}
+        self.inferred: dict = {}   # spread inference's findings (`cost.model.compute_time`'s memo)
 
 
 _UNPRICED = object()   # `node_costs`: no e-node of this kind priced yet (None is a price: the model rejects it)
@@ -281,6 +282,7 @@ class Pricer:
         self.computed = ComputedCosts() if computed is None else computed
         # the operators' instances (`instance_for`'s memo): the call's, where `computed` is a `ComputedCosts`
         self.instances: dict = getattr(self.computed, "instances", {})
+        self.inferred: dict = getattr(self.computed, "inferred", {})   # likewise `compute_time`'s memo
         self._compute_machine = _compute_machine(machine)
 
     def price(self, op: str, attrs: tuple, shape, degrees: Degrees, child_shapes, child_degrees, roles,
@@ -311,7 +313,8 @@ class Pricer:
             cost = self.computed.get(reads, _UNPRICED)
             if cost is _UNPRICED:
                 cost = self.computed[reads] = _compute(self.library, op, attrs, child_shapes, child_degrees,
-                                                       degrees, self.machine, weights, kept, self.instances, ring)
+                                                       degrees, self.machine, weights, kept, self.instances, ring,
+                                                       self.inferred)
         cost = self.cache[key] = cost.per_step(self.microbatches) if cost is not None else None
         return cost
 
@@ -336,10 +339,12 @@ def _compute_machine(machine: Machine) -> Machine:
 
 
 def _compute(library: Library, op_name: str, values: tuple, shapes, input_degrees, out: Degrees, machine: Machine,
-             weights, kept: bool = True, instances: dict | None = None, ring: tuple[float, ...] = ()) -> NodeCost | None:
+             weights, kept: bool = True, instances: dict | None = None, ring: tuple[float, ...] = (),
+             inferred: dict | None = None) -> NodeCost | None:
     """A compute operator's cost on its pieces (None where the model cannot price it). `instances`: `instance_for`'s
     memo, which gives the instance it makes (the same refusal where it refuses: `InstantiationError` is kept,
-    any other error is raised again each time), so the cost is the same with or without it."""
+    any other error is raised again each time), so the cost is the same with or without it; `inferred` likewise
+    (`cost.model.compute_time`'s memo)."""
     op = library.ops.get(op_name)
     if op is None:
         return None
@@ -350,7 +355,7 @@ def _compute(library: Library, op_name: str, values: tuple, shapes, input_degree
         instance = instance_for(op, shapes, attrs, instances)
     except Exception:  # the cost model only prices what instantiates; anything else is not extractable
         return None
-    cost = compute_cost(instance, input_degrees, out, machine, weights, kept, ring)
+    cost = compute_cost(instance, input_degrees, out, machine, weights, kept, ring, inferred)
     return None if cost.problems else cost
 
 
