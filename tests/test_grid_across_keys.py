@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import pytest
 
-from parsat.cost.saved import INPUT, kept, kept_values, through_aliases
+from parsat.cost.saved import ALIASING_PARALLEL, INPUT, kept, kept_values, through_aliases
 from parsat.dsl.checker import resolve_library
-from parsat.dsl.gradient import backward_reads, gradient_free
+from parsat.dsl.gradient import backward_reads, gradient_free, is_alias
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.ir.machine import Machine
 from parsat.ir.megatron import megatron_pcg
@@ -80,14 +80,16 @@ def _kept_naively(readers, library, roles) -> frozenset:
     alias closure after it is the same code, `through_aliases`)."""
     direct: set = set()
     aliases: dict = {}
-    from parsat.cost.saved import _aliased
-    positions: dict = {}   # `_aliased`'s per-operator alias positions (a cache; the same answer asked anew)
     for made, op, reads in readers:
-        source = _aliased(op, reads, library, roles, positions)
-        if source is not None:
-            aliases.setdefault(made, []).append(source)
-            continue
         decl = library.ops.get(op)
+        if op in ALIASING_PARALLEL:   # a replicated or gathered activation stands for its source
+            if reads and not roles.get(reads[0], ""):
+                aliases.setdefault(made, []).append(reads[0])
+            continue
+        if decl is not None and op not in PARALLEL_OPS and is_alias(decl):   # a view: its operand's storage
+            names = [p.name for p in decl.tensor_params]
+            aliases.setdefault(made, []).append(reads[names.index(decl.body.tensor)])
+            continue
         if decl is None or op in PARALLEL_OPS:
             continue
         names = [p.name for p in decl.tensor_params]

@@ -140,7 +140,7 @@ def kept_reads(readers: Iterable[Reader], library: Library,
         if reading.view is not None:   # a view: its output is that operand's storage
             aliases.setdefault(made, []).append(reads[reading.view])
             continue
-        if reading.gathers:   # a replicate or gather of an activation stands for its source (`_aliased`)
+        if reading.gathers:   # a replicate or gather of an activation stands for its source
             if reads and not roles.get(reads[0], ""):
                 aliases.setdefault(made, []).append(reads[0])
             continue
@@ -192,7 +192,7 @@ class _Reading:
 
 
 def _reading(op: str, library: Library, into: set) -> _Reading:
-    """`_Reading` of `op` (`_aliased`'s and the declared path's facts of `kept_reads`, in the order it asks them)."""
+    """`_Reading` of `op` (the alias and the declared path's facts of `kept_reads`, in the order it asks them)."""
     if op in ALIASING_PARALLEL:
         return _Reading(gathers=True)
     at = _alias_position(op, library)
@@ -256,23 +256,6 @@ def exposed_regather_s(gather_s: float, cover_s: float) -> float:
     (`cost.pipeline.TpOverlap`, whose reference run hides the re-gather too) takes off nothing of it again. An
     e-node is charged the whole second all-gather (`search.extract._price_enode`)."""
     return max(0.0, gather_s - cover_s)
-
-
-_UNDECLARED = object()   # `kept`: an operator name not looked up yet
-
-
-def _aliased(op: str, reads: Sequence[Hashable], library: Library, roles: Mapping[Hashable, str],
-             positions: dict[str, int | None]):
-    """The value whose storage `op`'s output is, or stands for in backward (a view's operand, a replicated or
-    gathered activation's source); None where the output is a tensor of its own. `positions`: each compute
-    operator's `_alias_position`, kept by the caller (one look-up per node rather than the declaration's
-    parameters listed again: ~490,000 nodes on llama-70b:64)."""
-    if op in ALIASING_PARALLEL:
-        return reads[0] if reads and not roles.get(reads[0], "") else None
-    at = positions.get(op, _UNDECLARED)
-    if at is _UNDECLARED:
-        at = positions[op] = _alias_position(op, library)
-    return None if at is None else reads[at]
 
 
 def _alias_position(op: str, library: Library) -> int | None:
