@@ -64,8 +64,8 @@ def test_shared_applied_relations_give_the_egraph_and_the_applications_of_one_re
     new, old = shared.snapshot(), own.snapshot()
     assert new.classes == old.classes and new.placement == old.placement and new.shape == old.shape
     assert shared.match_rows() == own.match_rows()
-    new.made._load()   # the provenance, read on first use
-    recorded = new.made._applied_rows
+    new.made._data.load()   # the provenance, read on first use
+    recorded = new.made._data.applied_rows
     eg, functions = own.egraph, own.egraph.freeze().functions
     applied = 0
     for rule in program.rules:

@@ -139,6 +139,52 @@ class _Decoded(dict):
         return found
 
 
+class _ProvenanceRows:
+    """The provenance rows of one e-graph, decoded on first use (`load`): what `Provenance`, its `_Equated` and its
+    `_Applied` all read. Held by each of them and holding none of them, so that they form no reference cycle:
+    a snapshot's provenance is freed with the snapshot by reference counting, not left to the cyclic collector
+    (`search.collector`: the three of them held 370,000 objects of llama-70b:64's search in cycles)."""
+
+    def __init__(self, egraph, frozen, rules: Sequence[CompiledRule],
+                 classes: Mapping[int, Sequence[ENode]] | None) -> None:
+        self._egraph, self._frozen, self.rules = egraph, frozen, rules
+        self.rows: dict[tuple, frozenset[str]] | None = None
+        self.tensor_columns: dict[str, tuple[bool, ...]] = {}   # operator -> which columns of its rows are tensors
+        self.equated: dict[int, frozenset[str]] = {}
+        self.applied_rows: dict[int, list[tuple]] = {}
+        self.classes = classes or {}
+
+    def load(self) -> dict[tuple, frozenset[str]]:
+        """The rows, decoded once: (operator, the e-node's columns as egglog orders them) -> its makers. Keyed by
+        the decoded columns rather than by an ENode: a 44,000 e-node e-graph has twice as many rows, and making
+        and hashing an ENode for each took most of decoding them; an ENode asked for is turned into its key
+        (`Provenance._key`), and iterating makes the ENodes."""
+        if self.rows is None:
+            eg, made, equated = self._egraph, {}, {}
+            for name, fn in self._frozen.functions.items():
+                if name.startswith(APPLIED_PREFIX):   # (index, the recorded match...): `encoding.applied_relation`
+                    values, applied = _RowReader(eg, fn.input_sorts).values, self.applied_rows
+                    for row in fn.rows:
+                        decoded = values(row.inputs)
+                        applied.setdefault(decoded[0], []).append(decoded[1:])
+                if name == EQUATED:
+                    for row in fn.rows:
+                        equated.setdefault(eg.value_to_i64(row.inputs[0]), set()).add(
+                            eg.value_to_string(row.inputs[1]))
+                if not name.startswith(MADE_PREFIX):
+                    continue
+                op = name[len(MADE_PREFIX):].split("_", 1)[1]
+                self.tensor_columns[op] = tuple(sort == "T" for sort in fn.input_sorts[:-1])
+                values = _RowReader(eg, fn.input_sorts).values   # holds `eg`: not kept past decoding
+                for row in fn.rows:
+                    decoded = values(row.inputs)
+                    made.setdefault((op, decoded[:-1]), set()).add(decoded[-1])
+            self.rows = {key: frozenset(who) for key, who in made.items()}
+            self.equated = {cid: frozenset(who) for cid, who in equated.items()}
+            self._egraph = self._frozen = None
+        return self.rows
+
+
 class Provenance(Mapping):
     """E-node -> the rules that made it (`encoding.made_row`), read from the e-graph on first use.
 
@@ -151,69 +197,34 @@ class Provenance(Mapping):
         """`rules` are the program's loaded rules, each recording its applications led by its index
         (`encoding.applied_relation`);
         `classes` the snapshot's, to find their e-nodes in (`derivation`)."""
-        self._egraph, self._frozen, self._rules = egraph, frozen, rules
-        self._rows: dict[tuple, frozenset[str]] | None = None
-        self._tensor_columns: dict[str, tuple[bool, ...]] = {}   # operator -> which columns of its rows are tensors
-        self._equated: dict[int, frozenset[str]] = {}
-        self._applied_rows: dict[int, list[tuple]] = {}
-        self._classes = classes or {}
-        self.equated = _Equated(self)  # class -> the rules that equated it with a metavariable (`equated_row`)
-        self.applied = _Applied(self)  # rule -> its applications (`derivation`)
-
-    def _load(self) -> dict[tuple, frozenset[str]]:
-        """The rows, decoded once: (operator, the e-node's columns as egglog orders them) -> its makers. Keyed by
-        the decoded columns rather than by an ENode: a 44,000 e-node e-graph has twice as many rows, and making
-        and hashing an ENode for each took most of decoding them; an ENode asked for is turned into its key
-        (`_key`), and iterating makes the ENodes."""
-        if self._rows is None:
-            eg, made, equated = self._egraph, {}, {}
-            for name, fn in self._frozen.functions.items():
-                if name.startswith(APPLIED_PREFIX):   # (index, the recorded match...): `encoding.applied_relation`
-                    values, applied = _RowReader(eg, fn.input_sorts).values, self._applied_rows
-                    for row in fn.rows:
-                        decoded = values(row.inputs)
-                        applied.setdefault(decoded[0], []).append(decoded[1:])
-                if name == EQUATED:
-                    for row in fn.rows:
-                        equated.setdefault(eg.value_to_i64(row.inputs[0]), set()).add(
-                            eg.value_to_string(row.inputs[1]))
-                if not name.startswith(MADE_PREFIX):
-                    continue
-                op = name[len(MADE_PREFIX):].split("_", 1)[1]
-                self._tensor_columns[op] = tuple(sort == "T" for sort in fn.input_sorts[:-1])
-                values = _RowReader(eg, fn.input_sorts).values   # holds `eg`: not kept past decoding
-                for row in fn.rows:
-                    decoded = values(row.inputs)
-                    made.setdefault((op, decoded[:-1]), set()).add(decoded[-1])
-            self._rows = {key: frozenset(who) for key, who in made.items()}
-            self._equated = {cid: frozenset(who) for cid, who in equated.items()}
-            self._egraph = self._frozen = None
-        return self._rows
+        self._data = _ProvenanceRows(egraph, frozen, rules, classes)
+        self.equated = _Equated(self._data)  # class -> the rules that equated it with a metavariable (`equated_row`)
+        self.applied = _Applied(self._data)  # rule -> its applications (`derivation`)
 
     def _key(self, node: ENode) -> tuple:
-        """`node`'s key in `_load`'s rows: its children and attributes back in their table's column order."""
-        tensor = self._tensor_columns.get(node.op)
+        """`node`'s key in `_ProvenanceRows.load`'s rows: its children and attributes back in their table's column
+        order."""
+        tensor = self._data.tensor_columns.get(node.op)
         if tensor is None or len(tensor) != len(node.children) + len(node.attrs):
             return (node.op, None)   # no such table, or not its columns: no row
         children, attrs = iter(node.children), iter(node.attrs)
         return (node.op, tuple(next(children) if is_tensor else next(attrs) for is_tensor in tensor))
 
     def __getitem__(self, node: ENode) -> frozenset[str]:
-        rows = self._load()
+        rows = self._data.load()
         return rows[self._key(node)]
 
     def __iter__(self):
-        self._load()
-        return (self._node(op, values) for op, values in self._rows)
+        return (self._node(op, values) for op, values in self._data.load())
 
     def _node(self, op: str, values: tuple) -> ENode:
-        """A row's key (`_load`) as its e-node: the inverse of `_key`."""
-        tensor = self._tensor_columns[op]
+        """A row's key (`_ProvenanceRows.load`) as its e-node: the inverse of `_key`."""
+        tensor = self._data.tensor_columns[op]
         return ENode(op, tuple(v for v, is_tensor in zip(values, tensor) if is_tensor),
                      tuple(v for v, is_tensor in zip(values, tensor) if not is_tensor))
 
     def __len__(self) -> int:
-        return len(self._load())
+        return len(self._data.load())
 
 
 class _Applied(Mapping):
@@ -224,12 +235,12 @@ class _Applied(Mapping):
     plan's `rules_used` then names every maker of what they built rather
     than stopping the optimization at its end."""
 
-    def __init__(self, provenance: Provenance) -> None:
+    def __init__(self, provenance: _ProvenanceRows) -> None:
         self._provenance = provenance
         self._done: dict[str, tuple[Application, ...]] = {}
         self._hashcons: dict[tuple, tuple[int, ENode]] | None = None
         self._compiled: dict[str, list[CompiledRule]] = {FOLD_MADE: []}   # rule -> its compiled rules
-        for compiled in provenance._rules:
+        for compiled in provenance.rules:
             self._compiled.setdefault(compiled.name, []).append(compiled)
 
     def __getitem__(self, rule: str) -> tuple[Application, ...]:
@@ -237,12 +248,12 @@ class _Applied(Mapping):
             raise KeyError(rule)
         if rule not in self._done:
             provenance = self._provenance
-            provenance._load()
+            provenance.load()
             if self._hashcons is None:
-                self._hashcons = hashcons(provenance._classes)
-            found: list[Application] = fold_applications(provenance._classes) if rule == FOLD_MADE else []
+                self._hashcons = hashcons(provenance.classes)
+            found: list[Application] = fold_applications(provenance.classes) if rule == FOLD_MADE else []
             for compiled in self._compiled[rule]:
-                rows = provenance._applied_rows.get(compiled.index, ())
+                rows = provenance.applied_rows.get(compiled.index, ())
                 try:
                     found.extend(applications(Template.of(rule, compiled.body), rows, self._hashcons))
                 except (KeyError, ValueError):
@@ -260,12 +271,12 @@ class _Applied(Mapping):
 class _Equated(Mapping):
     """E-class -> the rules that equated it with one of their metavariables, loaded with the provenance rows."""
 
-    def __init__(self, provenance: Provenance) -> None:
+    def __init__(self, provenance: _ProvenanceRows) -> None:
         self._provenance = provenance
 
     def _table(self) -> dict[int, frozenset[str]]:
-        self._provenance._load()
-        return self._provenance._equated
+        self._provenance.load()
+        return self._provenance.equated
 
     def __getitem__(self, cid: int) -> frozenset[str]:
         return self._table()[cid]

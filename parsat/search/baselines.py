@@ -314,21 +314,25 @@ def _fitting_point(forms: _Forms, config: dict, fits: Callable[[Candidate], bool
 
 def megatron_excluded(snapshot: Snapshot, roles: Mapping[int, str]) -> Callable[[NodeId], bool]:
     """The e-nodes tensor parallelism forbids: inputs never split, matrices never replicated or read whole, no
-    all-to-all (Megatron-LM moves no shard between dims)."""
+    all-to-all (Megatron-LM moves no shard between dims). The function reads the snapshot's classes and shapes,
+    not the snapshot: the passes it excludes from are kept with the snapshot by its identity
+    (`extract._time_ranked`), and holding the snapshot would make that a reference cycle, left to the cyclic
+    collector (`search.collector`)."""
     inputs = {c for c, r in roles.items() if r == "input"}
     weights = {c for c, r in roles.items() if r == "weight"}
+    classes, shape = snapshot.classes, snapshot.shape
 
     def excluded(nid: NodeId) -> bool:
-        node = snapshot.classes[nid[0]][nid[1]]
+        node = classes[nid[0]][nid[1]]
         if node.op == PARTITION:
             return node.children[0] in inputs
         if node.op == REPLICATE:
-            return node.children[0] in weights and len(snapshot.shape[node.children[0]]) >= 2
+            return node.children[0] in weights and len(shape[node.children[0]]) >= 2
         if node.op == ALL_TO_ALL:
             return True
         if node.op in PARALLEL_OPS or node.op == "leaf":
             return False
-        return any(ch in weights and len(snapshot.shape[ch]) >= 2 for ch in node.children)
+        return any(ch in weights and len(shape[ch]) >= 2 for ch in node.children)
 
     return excluded
 
