@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Callable, Mapping, Sequence
 
+import numpy as np
+
 from parsat.ir.machine import Machine
 
 
@@ -344,13 +346,83 @@ class Totals:
 
 
 def totals(costs: Mapping[int, NodeCost] | Sequence[NodeCost], machine: Machine) -> Totals:
+    """A plan's per-node totals: every figure added up over its nodes' costs, in their order.
+
+    Alike nodes share one cost object (`search.solve.pcg_node_costs` prices each key once, and
+    `search.recompute.recomputed_pcg_costs` derives once per object), so a llama-70b layout's ~5,500 costs are
+    ~70 objects: each figure is read once per object (`_Alike`), not once per node in seven passes; the call
+    totals ~270 plans (the grid's points, the joint plans), and the passes were ~1 CPU s of llama-70b:64."""
     values = list(costs.values()) if isinstance(costs, Mapping) else list(costs)
-    comm = sum(c.comm_elements for c in values)
+    alike = _Alike.of(values)
+    if alike is None:
+        return _totals_node_by_node(values, machine)
+    comm = alike.weighted(lambda c: c.comm_elements)
     # a recomputed block's activations live only while it is recomputed, one block at a time
     # (`search.recompute.recomputed_pcg_costs` puts each block's on one node)
+    memory = alike.weighted(lambda c: c.memory_bytes - c.transient_bytes) + \
+        max(c.transient_bytes for c in alike.objects)
+    time_s, compute_s, comm_s = alike.in_order(lambda c: (c.time_s, c.forward_s + c.backward_s + c.optimizer_s,
+                                                         c.comm_s))
+    return Totals(time_s, comm, comm * machine.dtype_bytes, memory, alike.weighted(lambda c: c.grad_sync_elements),
+                  compute_s, comm_s)
+
+
+def _totals_node_by_node(values: Sequence[NodeCost], machine: Machine) -> Totals:
+    """`totals` read node by node: what `_Alike` gives, and what is used where it does not apply."""
+    comm = sum(c.comm_elements for c in values)
     memory = sum(c.memory_bytes - c.transient_bytes for c in values) + max((c.transient_bytes for c in values),
                                                                            default=0)
     return Totals(sum(c.time_s for c in values), comm, comm * machine.dtype_bytes,
                   memory, sum(c.grad_sync_elements for c in values),
                   sum(c.forward_s + c.backward_s + c.optimizer_s for c in values),
                   sum(c.comm_s for c in values))
+
+
+@dataclass(frozen=True, eq=False)
+class _Alike:
+    """A sequence of node costs as its distinct objects (`objects`), how many times each occurs (`counts`) and
+    which one stands at each place (`places`), so that `totals` reads each object's figures once.
+
+    Why the same figures as adding node by node (`_totals_node_by_node`): the integer figures are exact,
+    so their sum is the sum over objects of count x figure in any order (`weighted`; `of` refuses a sequence
+    where one is not an `int`), and a maximum is the maximum over the objects. The float figures are added
+    in the nodes' order, one double addition after another, starting from 0.0, as Python's `sum` of floats
+    does (its float loop: `0 + first` is `0.0 + first`, then plain IEEE double additions, no compensation in
+    Python 3.11): `numpy.add.accumulate` adds each element to the running sum in order (an accumulation
+    cannot reorder: each partial sum is an output), so its last partial sum is the same double. Each figure
+    of an object is the same double wherever the object stands, so reading it once gives what reading it
+    at every node gives. `of` refuses (None) where a float figure is not a `float` (an int would switch
+    Python's `sum` between its loops) and where the sequence is empty (`sum` then gives the int 0)."""
+
+    objects: tuple[NodeCost, ...]
+    counts: tuple[int, ...]
+    places: np.ndarray   # each node's object's index in `objects`, plus one (0 is the sums' starting 0.0)
+
+    @staticmethod
+    def of(values: Sequence[NodeCost]) -> "_Alike | None":
+        """`values` grouped by object identity (the list holds them, so no two live objects share an id); None
+        where the figures are not all of the types the module docstring's argument needs."""
+        if not values:
+            return None
+        ids = np.fromiter(map(id, values), dtype=np.int64, count=len(values))
+        _ids, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+        objects = tuple(values[i] for i in first.tolist())
+        for c in objects:
+            if not (type(c.comm_elements) is type(c.memory_bytes) is type(c.transient_bytes)
+                    is type(c.grad_sync_elements) is int and type(c.forward_s) is type(c.backward_s)
+                    is type(c.optimizer_s) is type(c.comm_s) is float):
+                return None
+        places = np.empty(len(values) + 1, dtype=np.intp)
+        places[0] = 0
+        places[1:] = inverse.reshape(-1) + 1
+        return _Alike(objects, tuple(np.bincount(inverse.reshape(-1), minlength=len(objects)).tolist()), places)
+
+    def weighted(self, figure: Callable[[NodeCost], int]) -> int:
+        """An integer figure added up over the nodes: each object's times its count."""
+        return sum(count * figure(c) for count, c in zip(self.counts, self.objects))
+
+    def in_order(self, figures: Callable[[NodeCost], tuple[float, ...]]) -> tuple[float, ...]:
+        """Float figures (one tuple per object) each added up over the nodes in their order, from 0.0."""
+        table = np.array([(0.0,) * len(figures(self.objects[0]))] + [figures(c) for c in self.objects],
+                         dtype=np.float64)
+        return tuple(float(x) for x in np.add.accumulate(table[self.places], axis=0)[-1])
