@@ -2,7 +2,8 @@
 shared cost objects (`_Alike`) and adds the float figures in the nodes' order (numpy's accumulate), and
 `search.recompute.recomputed_pcg_costs` looks a block's nodes up by their costs' ids (`_Recomputing`,
 `Checkpoint.kept_at`). Each must give exactly what the node-by-node computation it replaces gives: the
-references below are those computations as written at e2a9a68."""
+references are those computations as written at e2a9a68 (totals' is kept in `ir.costs` as the fallback,
+`_totals_node_by_node`; recomputation's is written out below)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from parsat.dsl.checker import resolve_library
 from parsat.ir.costs import NodeCost, Totals, _Alike, totals
+from parsat.ir.costs import _totals_node_by_node
 from parsat.ir.machine import Machine
 from parsat.ir.megatron import megatron_pcg
 from parsat.ir.models import build_example
@@ -23,15 +25,9 @@ H100 = Machine.preset("h100x8").with_devices(8)
 
 
 def _totals_as_written(costs, machine) -> Totals:
-    """`totals` as written at e2a9a68: seven passes over the nodes' costs."""
-    values = list(costs.values()) if isinstance(costs, dict) else list(costs)
-    comm = sum(c.comm_elements for c in values)
-    memory = sum(c.memory_bytes - c.transient_bytes for c in values) + max((c.transient_bytes for c in values),
-                                                                           default=0)
-    return Totals(sum(c.time_s for c in values), comm, comm * machine.dtype_bytes,
-                  memory, sum(c.grad_sync_elements for c in values),
-                  sum(c.forward_s + c.backward_s + c.optimizer_s for c in values),
-                  sum(c.comm_s for c in values))
+    """`totals` as written at e2a9a68: seven passes over the nodes' costs (`ir.costs` keeps them as the fallback
+    for the sequences `_Alike` does not group)."""
+    return _totals_node_by_node(list(costs.values()) if isinstance(costs, dict) else list(costs), machine)
 
 
 def _recomputed_as_written(pcg, costs) -> dict:
