@@ -401,7 +401,7 @@ class _Alike:
     @staticmethod
     def of(values: Sequence[NodeCost]) -> "_Alike | None":
         """`values` grouped by object identity (the list holds them, so no two live objects share an id); None
-        where the figures are not all of the types the module docstring's argument needs."""
+        where the figures are not all of the types the class docstring's argument needs."""
         if not values:
             return None
         ids = np.fromiter(map(id, values), dtype=np.int64, count=len(values))
