@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+import parsat.ir.costs as costs_module
 from parsat.dsl.checker import resolve_library
 from parsat.ir.costs import NodeCost, Totals, _Alike, totals
 from parsat.ir.costs import _totals_node_by_node
@@ -86,7 +87,13 @@ def forms(library):
     return out
 
 
-def test_totals_are_the_node_by_node_sums(forms):
+@pytest.mark.parametrize("plain", [True, False])
+def test_totals_are_the_node_by_node_sums(forms, plain, monkeypatch):
+    """Both ways of adding the float figures in order: numpy's accumulation (where `sum` is plain, 3.11) and `sum`
+    over the nodes' places (every version)."""
+    if plain and not costs_module.PLAIN_FLOAT_SUM:
+        pytest.skip("this interpreter's sum of floats is compensated: the accumulation is not used")
+    monkeypatch.setattr(costs_module, "PLAIN_FLOAT_SUM", plain)
     for form, raw in forms:
         for costs in (raw, recomputed_pcg_costs(form, raw)):
             alike = _Alike.of(list(costs.values()))
@@ -111,9 +118,11 @@ def test_totals_add_floats_in_the_nodes_order():
 def test_totals_where_grouping_does_not_apply():
     assert repr(totals({}, H100)) == repr(_totals_as_written({}, H100))   # the int 0s of an empty sum
     assert _Alike.of([]) is None
-    ints = [NodeCost(forward_s=1, backward_s=2), NodeCost(comm_s=3, comm_elements=5)]   # int seconds: not floats
-    assert _Alike.of(ints) is None
-    assert repr(totals(ints, H100)) == repr(_totals_as_written(ints, H100))
+    ints = [NodeCost(forward_s=1, backward_s=2), NodeCost(comm_s=3, comm_elements=5)]   # int seconds: `sum` alike
+    assert repr(totals(ints * 3, H100)) == repr(_totals_as_written(ints * 3, H100))
+    halves = [NodeCost(memory_bytes=0.5), NodeCost(memory_bytes=1e16)]   # a float byte count: added node by node
+    assert _Alike.of(halves) is None
+    assert repr(totals(halves * 3, H100)) == repr(_totals_as_written(halves * 3, H100))
     negative = [NodeCost(forward_s=-0.0, backward_s=-0.0, optimizer_s=-0.0, comm_s=-0.0)] * 3
     assert repr(totals(negative, H100)) == repr(_totals_as_written(negative, H100))   # 0 + -0.0 is 0.0
     odd = [NodeCost(memory_bytes=7, transient_bytes=3), NodeCost(memory_bytes=9, transient_bytes=5)]

@@ -8,6 +8,7 @@ behind every number, are in docs/plan-schema.md.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Callable, Mapping, Sequence
@@ -385,23 +386,24 @@ class _Alike:
 
     Why the same figures as adding node by node (`_totals_node_by_node`): the integer figures are exact,
     so their sum is the sum over objects of count x figure in any order (`weighted`; `of` refuses a sequence
-    where one is not an `int`), and a maximum is the maximum over the objects. The float figures are added
-    in the nodes' order, one double addition after another, starting from 0.0, as Python's `sum` of floats
-    does (its float loop: `0 + first` is `0.0 + first`, then plain IEEE double additions, no compensation in
-    Python 3.11): `numpy.add.accumulate` adds each element to the running sum in order (an accumulation
-    cannot reorder: each partial sum is an output), so its last partial sum is the same double. Each figure
-    of an object is the same double wherever the object stands, so reading it once gives what reading it
-    at every node gives. `of` refuses (None) where a float figure is not a `float` (an int would switch
-    Python's `sum` between its loops) and where the sequence is empty (`sum` then gives the int 0)."""
+    where one is not an `int`), and a maximum is the maximum over the objects. The float figures are added by
+    Python's `sum` over the nodes in their order (`in_order`: each node's object's figure, looked up by its
+    place), so the additions are the ones the node-by-node passes make, whatever `sum`'s float algorithm; each
+    figure of an object is the same double wherever the object stands, so working it out once gives what working
+    it out at every node gives. Where `sum` of floats is plain double additions from `0 + first` (CPython before
+    3.12, whose float loop adds one IEEE double after another; 3.12 made it compensated) and every figure is a
+    `float`, the same additions are made by `numpy.add.accumulate` over the nodes' figures after a 0.0 (an
+    accumulation is sequential: each partial sum is an output), ~3x cheaper: its last partial sum is `sum`'s
+    double. `of` refuses (None) where the sequence is empty (`sum` then gives the int 0)."""
 
     objects: tuple[NodeCost, ...]
     counts: tuple[int, ...]
-    places: np.ndarray   # each node's object's index in `objects`, plus one (0 is the sums' starting 0.0)
+    places: np.ndarray   # each node's object's index in `objects`
 
     @staticmethod
     def of(values: Sequence[NodeCost]) -> "_Alike | None":
         """`values` grouped by object identity (the list holds them, so no two live objects share an id); None
-        where the figures are not all of the types the class docstring's argument needs."""
+        where an integer figure is not an `int` (a float would make its sum depend on the order)."""
         if not values:
             return None
         ids = np.fromiter(map(id, values), dtype=np.int64, count=len(values))
@@ -409,20 +411,26 @@ class _Alike:
         objects = tuple(values[i] for i in first.tolist())
         for c in objects:
             if not (type(c.comm_elements) is type(c.memory_bytes) is type(c.transient_bytes)
-                    is type(c.grad_sync_elements) is int and type(c.forward_s) is type(c.backward_s)
-                    is type(c.optimizer_s) is type(c.comm_s) is float):
+                    is type(c.grad_sync_elements) is int):
                 return None
-        places = np.empty(len(values) + 1, dtype=np.intp)
-        places[0] = 0
-        places[1:] = inverse.reshape(-1) + 1
-        return _Alike(objects, tuple(np.bincount(inverse.reshape(-1), minlength=len(objects)).tolist()), places)
+        inverse = inverse.reshape(-1)
+        return _Alike(objects, tuple(np.bincount(inverse, minlength=len(objects)).tolist()), inverse)
 
     def weighted(self, figure: Callable[[NodeCost], int]) -> int:
         """An integer figure added up over the nodes: each object's times its count."""
         return sum(count * figure(c) for count, c in zip(self.counts, self.objects))
 
     def in_order(self, figures: Callable[[NodeCost], tuple[float, ...]]) -> tuple[float, ...]:
-        """Float figures (one tuple per object) each added up over the nodes in their order, from 0.0."""
-        table = np.array([(0.0,) * len(figures(self.objects[0]))] + [figures(c) for c in self.objects],
-                         dtype=np.float64)
-        return tuple(float(x) for x in np.add.accumulate(table[self.places], axis=0)[-1])
+        """Float figures (one tuple per object) each added up over the nodes in their order as `sum` adds them."""
+        rows = [figures(c) for c in self.objects]
+        if PLAIN_FLOAT_SUM and all(type(x) is float for row in rows for x in row):
+            table = np.array([(0.0,) * len(rows[0])] + rows, dtype=np.float64)
+            order = np.concatenate((np.zeros(1, dtype=np.intp), self.places + 1))
+            return tuple(float(x) for x in np.add.accumulate(table[order], axis=0)[-1])
+        places = self.places.tolist()
+        return tuple(sum(map(column.__getitem__, places)) for column in zip(*rows))
+
+
+PLAIN_FLOAT_SUM = sys.version_info < (3, 12)
+"""Whether this interpreter's `sum` of floats adds plain doubles in order (`_Alike.in_order`): CPython 3.12 made it
+compensated (Neumaier)."""
