@@ -8,9 +8,12 @@ behind every number, are in docs/plan-schema.md.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Callable, Mapping, Sequence
+
+import numpy as np
 
 from parsat.ir.machine import Machine
 
@@ -344,13 +347,90 @@ class Totals:
 
 
 def totals(costs: Mapping[int, NodeCost] | Sequence[NodeCost], machine: Machine) -> Totals:
+    """A plan's per-node totals: every figure added up over its nodes' costs, in their order.
+
+    Alike nodes share one cost object (`search.solve.pcg_node_costs` prices each key once, and
+    `search.recompute.recomputed_pcg_costs` derives once per object), so a llama-70b layout's ~5,500 costs are
+    ~70 objects: each figure is read once per object (`_Alike`), not once per node in seven passes; the call
+    totals ~270 plans (the grid's points, the joint plans), and the passes were ~1 CPU s of llama-70b:64."""
     values = list(costs.values()) if isinstance(costs, Mapping) else list(costs)
-    comm = sum(c.comm_elements for c in values)
+    alike = _Alike.of(values)
+    if alike is None:
+        return _totals_node_by_node(values, machine)
+    comm = alike.weighted(lambda c: c.comm_elements)
     # a recomputed block's activations live only while it is recomputed, one block at a time
     # (`search.recompute.recomputed_pcg_costs` puts each block's on one node)
+    memory = alike.weighted(lambda c: c.memory_bytes - c.transient_bytes) + \
+        max(c.transient_bytes for c in alike.objects)
+    time_s, compute_s, comm_s = alike.in_order(lambda c: (c.time_s, c.forward_s + c.backward_s + c.optimizer_s,
+                                                         c.comm_s))
+    return Totals(time_s, comm, comm * machine.dtype_bytes, memory, alike.weighted(lambda c: c.grad_sync_elements),
+                  compute_s, comm_s)
+
+
+def _totals_node_by_node(values: Sequence[NodeCost], machine: Machine) -> Totals:
+    """`totals` read node by node: what `_Alike` gives, and what is used where it does not apply."""
+    comm = sum(c.comm_elements for c in values)
     memory = sum(c.memory_bytes - c.transient_bytes for c in values) + max((c.transient_bytes for c in values),
                                                                            default=0)
     return Totals(sum(c.time_s for c in values), comm, comm * machine.dtype_bytes,
                   memory, sum(c.grad_sync_elements for c in values),
                   sum(c.forward_s + c.backward_s + c.optimizer_s for c in values),
                   sum(c.comm_s for c in values))
+
+
+@dataclass(frozen=True, eq=False)
+class _Alike:
+    """A sequence of node costs as its distinct objects (`objects`), how many times each occurs (`counts`) and
+    which one stands at each place (`places`), so that `totals` reads each object's figures once.
+
+    Why the same figures as adding node by node (`_totals_node_by_node`): the integer figures are exact,
+    so their sum is the sum over objects of count x figure in any order (`weighted`; `of` refuses a sequence
+    where one is not an `int`), and a maximum is the maximum over the objects. The float figures are added by
+    Python's `sum` over the nodes in their order (`in_order`: each node's object's figure, looked up by its
+    place), so the additions are the ones the node-by-node passes make, whatever `sum`'s float algorithm; each
+    figure of an object is the same double wherever the object stands, so working it out once gives what working
+    it out at every node gives. Where `sum` of floats is plain double additions from `0 + first` (CPython before
+    3.12, whose float loop adds one IEEE double after another; 3.12 made it compensated) and every figure is a
+    `float`, the same additions are made by `numpy.add.accumulate` over the nodes' figures after a 0.0 (an
+    accumulation is sequential: each partial sum is an output), ~3x cheaper: its last partial sum is `sum`'s
+    double. `of` refuses (None) where the sequence is empty (`sum` then gives the int 0)."""
+
+    objects: tuple[NodeCost, ...]
+    counts: tuple[int, ...]
+    places: np.ndarray   # each node's object's index in `objects`
+
+    @staticmethod
+    def of(values: Sequence[NodeCost]) -> "_Alike | None":
+        """`values` grouped by object identity (the list holds them, so no two live objects share an id); None
+        where an integer figure is not an `int` (a float would make its sum depend on the order)."""
+        if not values:
+            return None
+        ids = np.fromiter(map(id, values), dtype=np.int64, count=len(values))
+        _ids, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+        objects = tuple(values[i] for i in first.tolist())
+        for c in objects:
+            if not (type(c.comm_elements) is type(c.memory_bytes) is type(c.transient_bytes)
+                    is type(c.grad_sync_elements) is int):
+                return None
+        inverse = inverse.reshape(-1)
+        return _Alike(objects, tuple(np.bincount(inverse, minlength=len(objects)).tolist()), inverse)
+
+    def weighted(self, figure: Callable[[NodeCost], int]) -> int:
+        """An integer figure added up over the nodes: each object's times its count."""
+        return sum(count * figure(c) for count, c in zip(self.counts, self.objects))
+
+    def in_order(self, figures: Callable[[NodeCost], tuple[float, ...]]) -> tuple[float, ...]:
+        """Float figures (one tuple per object) each added up over the nodes in their order as `sum` adds them."""
+        rows = [figures(c) for c in self.objects]
+        if PLAIN_FLOAT_SUM and all(type(x) is float for row in rows for x in row):
+            table = np.array([(0.0,) * len(rows[0])] + rows, dtype=np.float64)
+            order = np.concatenate((np.zeros(1, dtype=np.intp), self.places + 1))
+            return tuple(float(x) for x in np.add.accumulate(table[order], axis=0)[-1])
+        places = self.places.tolist()
+        return tuple(sum(map(column.__getitem__, places)) for column in zip(*rows))
+
+
+PLAIN_FLOAT_SUM = sys.version_info < (3, 12)
+"""Whether this interpreter's `sum` of floats adds plain doubles in order (`_Alike.in_order`): CPython 3.12 made it
+compensated (Neumaier)."""

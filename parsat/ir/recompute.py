@@ -32,6 +32,7 @@ the same operators on the same kept inputs, so the gradients are the same
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from parsat.ir.blocks import OUTSIDE, node_blocks
 from parsat.ir.pcg import PCG, weight_chains
@@ -65,6 +66,12 @@ class Checkpoint:
     def dropped(self) -> tuple[int, ...]:
         """The nodes whose values are freed after forward (the activations recomputation saves)."""
         return tuple(i for i in self.runs if i not in self.kept)
+
+    @cached_property
+    def kept_at(self) -> tuple[int, ...]:
+        """The places in `runs` of the kept nodes, worked out once per block (a layout's forms share their
+        checkpoints, `checkpoints`): what `search.recompute.recomputed_pcg_costs` reads per block priced."""
+        return tuple(k for k, i in enumerate(self.runs) if i in self.kept)
 
 
 def checkpoints(pcg: PCG) -> tuple[Checkpoint, ...]:

@@ -20,6 +20,7 @@ node with its own readers and its largest block (`ir.recompute.checkpoints`,
 
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import Mapping, Sequence
 
 from parsat.ir.blocks import OUTSIDE
@@ -78,37 +79,75 @@ def _kept_across_blocks(snapshot: Snapshot, roots: Sequence[int]) -> tuple[froze
 def recomputed_pcg_costs(pcg: PCG, costs: Mapping[int, NodeCost]) -> dict[int, NodeCost]:
     """A PCG's node costs under its own recomputation policy (`ir.recompute.checkpoints`). Each block's
     transient activations are charged to its first node, so that the plan's memory (`ir.costs.totals`) counts
-    the largest block's, once: blocks are recomputed one at a time."""
+    the largest block's, once: blocks are recomputed one at a time.
+
+    Nodes alike share one cost object (`solve.price_pcg` prices each kind once): each is recomputed once per
+    kept-or-not and charged once per transient, by its identity (`_Recomputing`), so that alike nodes share
+    their recomputed cost too. This runs over every block node of every recomputing form priced (~360,000 nodes
+    on llama-70b:64), so a block's nodes are looked up with `map` over their costs' ids, the few kept ones
+    (`Checkpoint.kept_at`) put right after, rather than node by node."""
     out = dict(costs)
-    # nodes alike share one cost object (`solve.price_pcg` prices each kind once): each is recomputed once per
-    # kept-or-not (`again`) and charged once per transient (`charged`), by its identity, which each table keeps
-    # alive beside its result (so that no other object takes the id while it is read). The look-ups are written
-    # out in the loops, not through a helper taking a closure: this runs over every block node of every
-    # recomputing form priced (~720,000 nodes on llama-70b:64)
-    again: dict[tuple[int, bool], tuple[NodeCost, NodeCost]] = {}
-    charged: dict[tuple[int, int], tuple[NodeCost, NodeCost]] = {}
+    recomputing = _Recomputing()
     for checkpoint in checkpoints(pcg):
-        here = [i for i in checkpoint.runs if i in out]
+        here, kept_at = checkpoint.runs, checkpoint.kept_at
+        if not all(map(out.__contains__, here)):   # not every node priced: the block's priced ones alone
+            here = [i for i in here if i in out]
+            kept_at = [k for k, i in enumerate(here) if i in checkpoint.kept]
         if not here:
             continue
-        kept_ids = checkpoint.kept
-        for ident in here:
-            cost = out[ident]
-            key = (id(cost), ident in kept_ids)
-            found = again.get(key)
-            if found is None:
-                found = again[key] = (cost, cost.recomputed(kept=key[1]))
-            out[ident] = found[1]
-        block = sum(out[i].transient_bytes for i in here)
-        first = here[0]
-        for ident in here:
-            cost = out[ident]
-            key = (id(cost), block if ident == first else 0)
-            found = charged.get(key)
-            if found is None:
-                found = charged[key] = (cost, cost.with_transient(key[1]))
-            out[ident] = found[1]
+        entries = recomputing.entries(list(map(out.__getitem__, here)), kept_at)
+        # the block's transient bytes, each node's as recomputed, charged to its first node; the rest hold none
+        block = sum(map(_TRANSIENT, entries))
+        out.update(zip(here, map(_UNCHARGED, entries)))
+        out[here[0]] = recomputing.charged(entries[0], block)
     return out
+
+
+_TRANSIENT, _UNCHARGED = itemgetter(2), itemgetter(3)   # `_Recomputing`'s entries: (cost, recomputed, its transient
+                                                         # bytes, recomputed charged none)
+
+
+class _Recomputing:
+    """One `recomputed_pcg_costs` call's derived costs, by the identity of the cost they derive from, each table
+    keeping that cost alive beside its result (so that no other object takes the id while the call reads it).
+
+    An entry is what the node-by-node walk derives for a cost and a kept flag: `cost.recomputed(kept)`, its
+    transient bytes, and that recomputed cost with no transient bytes (`with_transient(0)`: what every node but a
+    block's first gets). One entry per (cost, kept), so alike nodes share the same objects, as they did with the
+    look-ups written out per node; `charged` gives a block's first node its block's bytes, one object per
+    (recomputed cost, bytes), the one with 0 bytes being the entry's own."""
+
+    def __init__(self) -> None:
+        self._again: tuple[dict, dict] = ({}, {})   # not kept, kept: id(cost) -> entry
+        self._charged: dict[tuple[int, int], tuple[NodeCost, NodeCost]] = {}
+
+    def entries(self, costs: list[NodeCost], kept_at: Sequence[int]) -> list[tuple]:
+        """Each node's entry, the nodes' costs given in the block's order and the places of the kept ones."""
+        found = list(map(self._again[False].get, map(id, costs)))
+        for k in kept_at:
+            found[k] = self._entry(costs[k], True)
+        if None in found:
+            found = [entry if entry is not None else self._entry(cost, False) for entry, cost in zip(found, costs)]
+        return found
+
+    def _entry(self, cost: NodeCost, kept: bool) -> tuple:
+        table = self._again[kept]
+        entry = table.get(id(cost))
+        if entry is None:
+            again = cost.recomputed(kept=kept)
+            entry = table[id(cost)] = (cost, again, again.transient_bytes, self._charge(again, 0))
+        return entry
+
+    def charged(self, entry: tuple, transient: int) -> NodeCost:
+        """`entry`'s recomputed cost charged `transient` bytes (`NodeCost.with_transient`), once per bytes."""
+        return entry[3] if transient == 0 else self._charge(entry[1], transient)
+
+    def _charge(self, again: NodeCost, transient: int) -> NodeCost:
+        key = (id(again), transient)
+        found = self._charged.get(key)
+        if found is None:
+            found = self._charged[key] = (again, again.with_transient(transient))
+        return found[1]
 
 
 __all__ = ["recomputed_enodes", "recomputed_pcg_costs"]
