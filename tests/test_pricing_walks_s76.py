@@ -11,41 +11,12 @@ from dataclasses import replace
 import pytest
 
 from parsat.cost.model import shards_state
-from parsat.dsl.checker import resolve_library
 from parsat.ir import pcg as pcg_module
-from parsat.ir.machine import Machine
-from parsat.ir.megatron import megatron_pcg
-from parsat.ir.models import build_example
 from parsat.ir.pcg import PCG, PNode, pcg_roles, readers, restated
 from parsat.search import solve
 from parsat.search.solve import pcg_node_costs, restaged_node_costs
+from test_pcg_pricing_by_key import H100, _fresh, layouts, library  # noqa: F401 (a sibling test module's fixtures)
 
-SIZES = {"blocks": 3, "hidden": 256, "heads": 8, "batch": 64, "seq": 128, "vocab": 1024}
-H100 = Machine.preset("h100x8").with_devices(8)
-
-
-@pytest.fixture(scope="module")
-def library():
-    return resolve_library(None)
-
-
-@pytest.fixture(scope="module")
-def layouts(library):
-    """Megatron layouts of gpt and llama on 8 devices: sequence parallel, ZeRO-3, tensor and data parallel."""
-    out = []
-    for name in ("gpt", "llama"):
-        graph = build_example(name, SIZES, library).with_microbatches(2)
-        for shape, sequence, zero in (((4, 2), True, 0), ((2, 4), False, 3), ((1, 8), True, 0), ((8, 1), False, 0)):
-            pcg = megatron_pcg(graph, library, shape, 8, zero=zero, sequence=sequence)
-            if pcg is not None:
-                out.append((graph, pcg))
-    assert len(out) >= 6
-    return out
-
-
-def _fresh(pcg: PCG, **changes) -> PCG:
-    """`pcg` (with `changes`) sharing nothing worked out."""
-    return replace(PCG(pcg.nodes, pcg.outputs, pcg.output_names, pcg.mesh, pcg.recompute, pcg.zero), **changes)
 
 
 def _readers_as_written(pcg: PCG) -> dict[int, tuple[PNode, ...]]:
