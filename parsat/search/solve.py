@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import partial
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import Callable, Mapping, Sequence
 
 from parsat.dsl.library import Library
@@ -235,24 +235,43 @@ def pcg_node_costs(pcg: PCG, library: Library, machine: Machine, free_input_plac
     forms that share its `derived` table (`ir.pcg.restated`: its ZeRO stages and recomputation policies, which no
     key reads), so a restaged form (`restaged_node_costs`) or a layout priced again walks the nodes once more
     and prices only its distinct keys (llama-70b:64: 51 of 195 calls)."""
+    if only is not None:
+        return _node_costs_at(pcg, library, machine, free_input_placements, microbatches, pins, computed,
+                              [at for at, node in enumerate(pcg.nodes) if only(node)])
+    pricer, roles, keyed = _keyed(pcg, library, machine, free_input_placements, microbatches, pins, computed)
+    keys, nodes = keyed.keys, pcg.nodes
+    costs: list = [_UNPRICED] * len(keys)
+    # each key priced by its first node, in the nodes' order (`_node_costs_at` over every node, less its look-ups)
+    for slot, at in keyed.firsts:
+        cost = costs[slot] = keyed.priced.get(slot, _UNPRICED)
+        if cost is _UNPRICED:
+            cost = costs[slot] = _price_keyed(pricer, pcg, nodes[at], roles, keys[slot])
+        if cost is None:
+            return None
+    return dict(zip(keyed.ids, map(costs.__getitem__, keyed.slots)))
+
+
+def _keyed(pcg: PCG, library: Library, machine: Machine, free_input_placements: bool, microbatches: int,
+           pins: Mapping[str, Degrees] | None, computed: dict | None) -> tuple[Pricer, Mapping[int, str], "_NodeKeys"]:
+    """What `pcg_node_costs` prices `pcg` with: its pricer, the PCG's roles and its `_NodeKeys`."""
     pricer = Pricer(library, machine, pcg.mesh, free_input_placements, pins, microbatches=microbatches, zero=pcg.zero,
                     computed=computed)
     roles = pcg_roles(pcg)
-    keyed = _node_keys(pcg, library, machine, microbatches, pins, pricer, roles)
-    keys, nodes = keyed.keys, pcg.nodes
+    return pricer, roles, _node_keys(pcg, library, machine, microbatches, pins, pricer, roles)
+
+
+def _node_costs_at(pcg: PCG, library: Library, machine: Machine, free_input_placements: bool, microbatches: int,
+                   pins: Mapping[str, Degrees] | None, computed: dict | None,
+                   positions: Sequence[int]) -> dict[int, NodeCost] | None:
+    """`pcg_node_costs` of the nodes at `positions` (ascending) alone, by id in the nodes' order: each key priced by
+    the first of those nodes that holds it, None at the first that cannot be priced. A caller that knows which
+    nodes it wants (`restaged_node_costs`: parallel nodes) walks those alone, not every node through a test."""
+    pricer, roles, keyed = _keyed(pcg, library, machine, free_input_placements, microbatches, pins, computed)
+    keys, nodes, slots = keyed.keys, pcg.nodes, keyed.slots
     costs: list = [_UNPRICED] * len(keys)
-    if only is None:   # each key priced by its first node, in the nodes' order (the loop below, less its look-ups)
-        for slot, at in keyed.firsts:
-            cost = costs[slot] = keyed.priced.get(slot, _UNPRICED)
-            if cost is _UNPRICED:
-                cost = costs[slot] = _price_keyed(pricer, pcg, nodes[at], roles, keys[slot])
-            if cost is None:
-                return None
-        return dict(zip(keyed.ids, map(costs.__getitem__, keyed.slots)))
     out: dict[int, NodeCost] = {}
-    for node, slot in zip(nodes, keyed.slots):
-        if not only(node):
-            continue
+    for at in positions:
+        node, slot = nodes[at], slots[at]
         cost = costs[slot]
         if cost is _UNPRICED:
             cost = costs[slot] = keyed.priced.get(slot, _UNPRICED)
@@ -348,7 +367,7 @@ def _work_out_keys(pcg: PCG, library: Library, machine: Machine, input_pins: Map
         add(at)
     # each slot's first node: over the nodes backwards, a slot's last position written is its first
     first = dict(zip(reversed(slots), range(len(slots) - 1, -1, -1)))
-    return _NodeKeys(tuple(slots), tuple(keys), tuple(node.id for node in pcg.nodes),
+    return _NodeKeys(tuple(slots), tuple(keys), tuple(map(_node_id, pcg.nodes)),
                      tuple(sorted(first.items(), key=itemgetter(1))), priced)
 
 
@@ -373,19 +392,30 @@ def restaged_node_costs(raw: Mapping[int, NodeCost], pcg: PCG, zero: int, librar
     derived facts, which read neither the stage nor the recomputation policy), rather than working them out
     again (a llama-70b stage layout's took most of this function's time)."""
     roles = pcg_roles(pcg)
-
-    def resharded(node: PNode) -> bool:
-        role = roles.get(node.inputs[0], "") if node.kind == "parallel" else ""
-        return node.kind == "parallel" and any(shards_state(node.op, role, z) for z in (pcg.zero, zero))
-
     form = replace(pcg, zero=zero) if form is None else form
     if (form.nodes, form.outputs, form.mesh, form.zero) != (pcg.nodes, pcg.outputs, pcg.mesh, zero):
         raise ValueError("restaged_node_costs: `form` must be `pcg` with ZeRO stage `zero`")
-    again = pcg_node_costs(form, library, machine, free_input_placements, microbatches, pins, resharded, computed)
+    nodes, now = pcg.nodes, pcg.zero
+    resharded = []   # the parallel nodes the stage reaches under either stage (`shards_state`), in the nodes' order
+    for at in _parallel_positions(pcg):
+        node = nodes[at]
+        role = roles.get(node.inputs[0], "")
+        if shards_state(node.op, role, now) or shards_state(node.op, role, zero):
+            resharded.append(at)
+    again = _node_costs_at(form, library, machine, free_input_placements, microbatches, pins, computed, resharded)
     return None if again is None else {**raw, **again}
 
 
+def _parallel_positions(pcg: PCG) -> tuple[int, ...]:
+    """The positions of the PCG's parallel nodes, ascending: read from the nodes' kinds alone (`ir.pcg.STRUCTURE`),
+    so kept in `PCG.structural`, shared by its forms and by PCGs of its structure (`PCG.sharing`)."""
+    return pcg.derive("solve._parallel_positions", None,
+                      lambda: tuple(at for at, node in enumerate(pcg.nodes) if node.kind == "parallel"),
+                      structural=True)
+
+
 _UNPRICED = object()   # `price_pcg`: no node of this kind priced yet
+_node_id = attrgetter("id")   # a node's id, read in C over a PCG's nodes (`_NodeKeys.ids`)
 _UNPINNED_LEAF = ("leaf",)   # `pcg_node_costs`' key of every leaf no pin names: all cost nothing
 
 
