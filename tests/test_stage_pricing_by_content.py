@@ -47,12 +47,13 @@ def plans():
 
 
 class _Direct(StageMemo):
-    """A memo that keeps nothing by content: every bucketing worked out afresh."""
+    """A memo that keeps nothing by content: every bucketing worked out afresh (the key's figures a pricer
+    hands over, `flat`, left unread)."""
 
-    def bucketed_seconds(self, reductions, machine):
+    def bucketed_seconds(self, reductions, machine, flat=None):
         return bucketed_seconds(reductions, machine)
 
-    def gather_buckets(self, gathers, machine):
+    def gather_buckets(self, gathers, machine, flat=None):
         return gather_buckets(gathers, machine)
 
     def in_flight(self, schedule, degree, chunks_per_stage, microbatches):

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from itertools import accumulate, compress, repeat
+from itertools import accumulate, chain, compress, filterfalse, repeat
 from operator import attrgetter
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -432,12 +432,14 @@ class StageMemo:
         self._in_node.move_to_end(key)
         return found[1]
 
-    def bucketed_seconds(self, reductions: Sequence[Reduction], machine: Machine) -> tuple[float, float]:
+    def bucketed_seconds(self, reductions: Sequence[Reduction], machine: Machine, flat: tuple | None = None
+                         ) -> tuple[float, float]:
         """`stage_sync.bucketed_seconds(reductions, machine)`, once per machine and sequence of the reductions'
         (kind, group, bytes): it reads nothing else of them (the buckets are cut by bytes alone, `assign_buckets`,
         and priced by kind, group and bytes), and a stage plan of alike blocks reduces alike weights in every
-        chunk and in every candidate of one layout. Its figures are few (two floats a key)."""
-        key = (machine, self._flat(reductions, True))
+        chunk and in every candidate of one layout. Its figures are few (two floats a key). `flat`: the key's
+        figures (`_flat(reductions, True)`) where the caller has them (`parts`)."""
+        key = (machine, self._flat(reductions, True) if flat is None else flat)
         found = self._buckets.get(key)
         if found is None:
             found = self._buckets[key] = bucketed_seconds(reductions, machine)
@@ -456,6 +458,14 @@ class StageMemo:
             flat += (r.kind, number, r.nbytes) if kinds else (number, r.nbytes)
         return tuple(flat)
 
+    def parts(self, reductions: Mapping[int, Reduction], kinds: bool) -> dict[int, tuple]:
+        """Node -> its reduction's part of a `_flat` key (`_flat([reduction], kinds)`), for a pricer to join a
+        chunk's key from in C rather than walk its reductions for every chunk of every cut. The same key as
+        `_flat` of the chunk's reductions: `_flat` is the parts joined in order, and a group's number, once
+        given, is kept for the memo's life (the numbers may be given in another order than chunk by chunk would,
+        but a key is only compared with keys of this memo, and equal numbers are equal groups either way)."""
+        return {i: self._flat((r,), kinds) for i, r in reductions.items()}
+
     def in_flight(self, schedule: str, degree: int, chunks_per_stage: int, microbatches: int) -> tuple[int, ...]:
         """`ir.pipeline.in_flight_counts`, made once per search for its four integers, as `schedule_order`: the
         balanced cut and the floors of every candidate read the same few (each walked the schedule's order)."""
@@ -465,14 +475,15 @@ class StageMemo:
             found = self._in_flight[key] = in_flight_counts(schedule, degree, chunks_per_stage, microbatches)
         return found
 
-    def gather_buckets(self, gathers: Sequence[Reduction], machine: Machine
+    def gather_buckets(self, gathers: Sequence[Reduction], machine: Machine, flat: tuple | None = None
                        ) -> dict[GroupTopology, list[tuple[tuple[int, ...], float]]]:
         """`stage_sync.gather_buckets(gathers, machine)`, worked out once per machine and sequence of the gathers'
         (group, bytes): it reads of a gather its group, bytes and node alone, and the node only to name it in
         its bucket, so the buckets are made once with each gather named by its place in `gathers` and named
         here by their nodes again (the same buckets, in the same order, with the same seconds). A stage plan of
-        alike blocks gathers alike weights in every chunk and in every candidate of one layout."""
-        key = (machine, self._flat(gathers, False))
+        alike blocks gathers alike weights in every chunk and in every candidate of one layout. `flat`: the key's
+        figures (`_flat(gathers, False)`) where the caller has them (`parts`)."""
+        key = (machine, self._flat(gathers, False) if flat is None else flat)
         found = self._gathers.get(key)
         if found is None:
             placed = [replace(g, node=k) for k, g in enumerate(gathers)]
@@ -900,7 +911,8 @@ class StagePricer:
         """Per layer, the activation, state and largest transient bytes of its own nodes (not the free values it
         reads): what a chunk's memory adds up (`_layer_runs`, `_fitting_cut_floor`). None where a node's figure is
         not an integer (then only the node-by-node sum in `_chunk_costs`' order is the same figure)."""
-        distinct = {id(c): c for c in self.shares.values()}.values()   # nodes alike share one (`__init__`)
+        shares = self.shares.values()
+        distinct = dict(zip(map(id, shares), shares)).values()   # nodes alike share one (`__init__`); in C
         if not all(type(c.activation_bytes) is int and type(c.state_bytes) is int and type(c.transient_bytes) is int
                    for c in distinct):
             return None
@@ -949,18 +961,19 @@ class StagePricer:
         if own is None:
             return None
         shares, layers = self.shares, self.layer_map.layers
+        _forward, _backward, activation, state_of, _step, transient_of, _tp_comm = _FIGURES
         acts, states, transients, shared, free_bytes = [0], [0], [], [], {}
         for layer, (alone, others) in zip(layers, self.layer_map.structure.layer_free):
             act, state, transient = own[layer]
-            for i in alone:
-                c = shares.get(i)
-                if c is not None:
-                    act, state = act + c.activation_bytes, state + c.state_bytes
-                    transient = max(transient, c.transient_bytes)
+            # the free values it alone reads that have shares, their bytes summed in C (integers: any order)
+            held = list(filter(None, map(shares.get, alone)))
+            if held:
+                act, state = act + sum(map(activation, held)), state + sum(map(state_of, held))
+                transient = max(transient, max(map(transient_of, held)))
             acts.append(acts[-1] + act)
             states.append(states[-1] + state)
             transients.append(transient)
-            mine = frozenset(i for i in others if i in shares)
+            mine = frozenset(filter(shares.__contains__, others))
             shared.append(mine)
             for i in mine:
                 if i not in free_bytes:
@@ -1067,25 +1080,41 @@ class StagePricer:
         wait_s: dict[int, float] = {}
         after_s = gather_s = 0.0
         launched: dict[GroupTopology, float] = {}   # aligned: per group, the gathers queued before this chunk's
+        chain_s, own_s, reductions, gathers = self.chain_s, self.reduce_s, self.reductions, self.gathers
         for chunk in layout.stage_chunks(stage):
-            kept = (self.chain_s.keys() - seen if seen else self.chain_s.keys()).__contains__
+            kept = (chain_s.keys() - seen if seen else chain_s.keys()).__contains__
             nodes = list(filter(kept, chunk.nodes))   # its weights' chains not counted before, in its order
             seen.update(nodes)
-            bucketed = [self.reductions[i] for i in nodes if i in self.reductions]
-            reducing, after = self.memo.bucketed_seconds(bucketed, self.machine)
-            rest = [i for i in nodes if i not in self.reductions]
-            reduce_s[chunk.index] = reducing + sum(self.reduce_s[i] for i in rest)
-            gathered = [self.gathers[i] for i in nodes if i in self.gathers]
-            if gathered:   # ZeRO-1's bucketed gathers (`after`) and ZeRO-2's per-node ones run in the next forward
+            # in C: the memo's keys joined from each node's part (`StageMemo.parts`: the same keys), the rest's
+            # seconds handed to `sum` in the chunk's order (the same floats)
+            keyed = list(filter(reductions.__contains__, nodes))
+            reducing, after = self.memo.bucketed_seconds(list(map(reductions.__getitem__, keyed)), self.machine,
+                                                         tuple(chain.from_iterable(map(self._reduction_parts.get,
+                                                                                       keyed))))
+            rest = list(filterfalse(reductions.__contains__, nodes))
+            reduce_s[chunk.index] = reducing + sum(map(own_s.__getitem__, rest))
+            keyed = list(filter(gathers.__contains__, nodes))
+            if keyed:   # ZeRO-1's bucketed gathers (`after`) and ZeRO-2's per-node ones run in the next forward
                 after = 0.0
-                buckets = self.memo.gather_buckets(gathered, self.machine)
+                buckets = self.memo.gather_buckets(list(map(gathers.__getitem__, keyed)), self.machine,
+                                                   tuple(chain.from_iterable(map(self._gather_parts.get, keyed))))
                 wait_s[chunk.index] = self._gather_wait(chunk, buckets, launched if aligned else {})
                 for group, found in buckets.items():
                     seconds = sum(s for _nodes, s in found)
                     gather_s += seconds
                     launched[group] = launched.get(group, 0.0) + seconds
-            after_s += after + sum(self.chain_s[i] - self.reduce_s[i] for i in rest if i not in self.gathers)
+            after_s += after + sum(chain_s[i] - own_s[i] for i in filterfalse(gathers.__contains__, rest))
         return StageSync(reduce_s, after_s, gather_s, wait_s)
+
+    @cached_property
+    def _reduction_parts(self) -> dict[int, tuple]:
+        """Each gradient reduction's part of the memo's bucketing key (`StageMemo.parts`), once per pricer."""
+        return self.memo.parts(self.reductions, True)
+
+    @cached_property
+    def _gather_parts(self) -> dict[int, tuple]:
+        """Each overlapped gather's part of the memo's gather-bucket key (`StageMemo.parts`), once per pricer."""
+        return self.memo.parts(self.gathers, False)
 
     @cached_property
     def _gather_reads(self) -> tuple[dict[int, float], dict[int, frozenset[int]]]:

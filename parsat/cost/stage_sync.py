@@ -31,7 +31,7 @@ from typing import Iterable, Sequence
 
 from parsat.dsl.parallel_ops import REPLICATE
 from parsat.ir.machine import Machine
-from parsat.ir.pcg import state_shardings
+from parsat.ir.pcg import PCG, PNode, state_shardings
 from parsat.ir.plan import Plan
 from parsat.cost.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, GroupTopology, price
 from parsat.cost.schedules import Gradient, assign_buckets
@@ -58,6 +58,8 @@ def weight_reductions(plan: Plan) -> dict[int, Reduction]:
         return {}
     sharded = set(state_shardings(pcg).values()) if pcg.zero == 1 else set()
     by_id = {n.id: n for n in pcg.nodes}
+    groups: dict[tuple, GroupTopology] = {}
+    dtype = plan.machine.dtype_bytes
     out = {}
     for node in pcg.nodes:
         cost = costs.get(node.id)
@@ -65,11 +67,22 @@ def weight_reductions(plan: Plan) -> dict[int, Reduction]:
             continue
         if cost.grad_reduce_s <= 0:
             continue
-        group = GroupTopology.of_axis(pcg.mesh, node.axis(pcg.mesh))
         kind = REDUCE_SCATTER if node.id in sharded else ALL_REDUCE
-        nbytes = by_id[node.inputs[0]].piece_size * plan.machine.dtype_bytes
-        out[node.id] = Reduction(node.id, kind, group, nbytes, cost.comm_s)
+        nbytes = by_id[node.inputs[0]].piece_size * dtype
+        out[node.id] = Reduction(node.id, kind, _axis_group(pcg, node, groups), nbytes, cost.comm_s)
     return out
+
+
+def _axis_group(pcg: PCG, node: PNode, groups: dict[tuple, GroupTopology]) -> GroupTopology:
+    """The group of parallel `node`'s axis (`GroupTopology.of_axis`), worked out once per distinct `attrs` and kept
+    in `groups` (the caller's, for one PCG). Why the same group: a node's axis is one of its attributes read on
+    the PCG's mesh (`PNode.axis`), and the group is a function of the mesh and the axis alone; a stage plan of
+    llama-70b holds ~1,000 replicates of a few attribute tuples, and each asked built a dict of its attributes
+    and the mesh's group."""
+    found = groups.get(node.attrs)
+    if found is None:
+        found = groups[node.attrs] = GroupTopology.of_axis(pcg.mesh, node.axis(pcg.mesh))
+    return found
 
 
 def bucketed_seconds(reductions: Iterable[Reduction], machine: Machine) -> tuple[float, float]:
@@ -81,14 +94,33 @@ def bucketed_seconds(reductions: Iterable[Reduction], machine: Machine) -> tuple
         by_group.setdefault((r.kind, r.group), []).append(r)
     reducing = after = 0.0
     comm = machine.comm
+    seconds = _Seconds(machine)
     for (kind, group), found in by_group.items():
         gradients = [Gradient(str(r.node), r.nbytes) for r in found]
         for bucket in assign_buckets(gradients, *comm.bucket_caps(group.size, machine.dtype_bytes)):
             nbytes = sum(g.nbytes for g in bucket)
-            reducing += price(kind, group, nbytes, machine).seconds
+            reducing += seconds(kind, group, nbytes)
             if kind == REDUCE_SCATTER:
-                after += price(ALL_GATHER, group, nbytes, machine).seconds
+                after += seconds(ALL_GATHER, group, nbytes)
     return reducing, after
+
+
+class _Seconds(dict):
+    """`price(kind, group, nbytes, machine).seconds` for one machine, worked out once per (kind, group, bytes): a
+    pure function of those (`cost.collectives.price`), and a stage's buckets are cut by a fixed cap from alike
+    blocks' alike weights, so most of them hold the same bytes (llama-70b:64: ~60 buckets a call, a few sizes).
+    The same float for the same key, so every sum adds the same values in the same order."""
+
+    def __init__(self, machine: Machine):
+        super().__init__()
+        self.machine = machine
+
+    def __call__(self, kind: str, group: GroupTopology, nbytes: int) -> float:
+        key = (kind, group, nbytes)
+        found = self.get(key)
+        if found is None:
+            found = self[key] = price(kind, group, nbytes, self.machine).seconds
+        return found
 
 
 def weight_gathers(plan: Plan) -> dict[int, Reduction]:
@@ -99,15 +131,17 @@ def weight_gathers(plan: Plan) -> dict[int, Reduction]:
     if pcg.zero not in SHARDING_STAGES:
         return {}
     by_id = {n.id: n for n in pcg.nodes}
+    groups: dict[tuple, GroupTopology] = {}
+    dtype = plan.machine.dtype_bytes
     out = {}
     for replicate in sorted(set(state_shardings(pcg).values())):
         cost = costs.get(replicate)
         if cost is None or not cost.weight_chain:
             continue
         node = by_id[replicate]
-        group = GroupTopology.of_axis(pcg.mesh, node.axis(pcg.mesh))
-        nbytes = by_id[node.inputs[0]].piece_size * plan.machine.dtype_bytes
-        out[replicate] = Reduction(replicate, ALL_GATHER, group, nbytes, cost.comm_s - cost.grad_reduce_s)
+        nbytes = by_id[node.inputs[0]].piece_size * dtype
+        out[replicate] = Reduction(replicate, ALL_GATHER, _axis_group(pcg, node, groups), nbytes,
+                                   cost.comm_s - cost.grad_reduce_s)
     return out
 
 
@@ -120,11 +154,12 @@ def gather_buckets(gathers: Sequence[Reduction], machine: Machine
     for g in gathers:
         by_group.setdefault(g.group, []).append(g)
     comm = machine.comm
+    seconds = _Seconds(machine)
     out = {}
     for group, found in by_group.items():
         backward = [Gradient(str(g.node), g.nbytes) for g in reversed(found)]
         out[group] = [(tuple(int(g.name) for g in reversed(bucket)),
-                       price(ALL_GATHER, group, sum(g.nbytes for g in bucket), machine).seconds)
+                       seconds(ALL_GATHER, group, sum(g.nbytes for g in bucket)))
                       for bucket in reversed(assign_buckets(backward, *comm.bucket_caps(group.size,
                                                                                          machine.dtype_bytes)))]
     return out

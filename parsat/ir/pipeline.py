@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import filterfalse
 from operator import attrgetter
 from typing import Iterable, Mapping, Sequence
 
@@ -39,6 +40,7 @@ from parsat.ir.pcg import PCG, WEIGHT, weight_storage
 GPIPE, ONE_F_ONE_B, INTERLEAVED = "gpipe", "1f1b", "interleaved"
 SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED)
 FORWARD, BACKWARD = "F", "B"
+_ID = attrgetter("id")   # a node's id, read in C (`LayerStructure`)
 
 
 class PipelineError(ValueError):
@@ -209,14 +211,21 @@ class LayerStructure:
     def __init__(self, pcg: PCG):
         self.blocks = node_blocks(pcg)
         self.free = free_nodes(pcg)
-        self.layers = tuple(sorted({self.blocks[n.id] for n in pcg.nodes if n.id not in self.free}))
-        self.position = {n.id: k for k, n in enumerate(pcg.nodes)}
+        ids = list(map(_ID, pcg.nodes))
+        # in C over the ids: the blocks of the nodes that are not free, and each node's place in the PCG's order
+        self.layers = tuple(sorted(set(map(self.blocks.__getitem__, filterfalse(self.free.__contains__, ids)))))
+        self.position = dict(zip(ids, range(len(ids))))
         needs: dict[int, frozenset[int]] = {}   # node -> the free values it reads, directly or through free ones
         free, none = self.free, frozenset()
+        disjoint = free.isdisjoint
         for node in pcg.nodes:
+            # most nodes read no free value (~6 nodes in 7): one shared empty set, found by one C test of their inputs
+            # rather than a list of them made and tested in Python (the same sets either way)
+            if disjoint(node.inputs):
+                needs[node.id] = none
+                continue
             direct = [i for i in node.inputs if i in free]
-            # most nodes read no free value: one shared empty set rather than one made each (~6 nodes in 7)
-            needs[node.id] = frozenset(direct).union(*(needs[i] for i in direct)) if direct else none
+            needs[node.id] = frozenset(direct).union(*[needs[i] for i in direct])
         self.needs = needs
         self.weights = [n.id for n in pcg.nodes if n.kind == "leaf" and n.role == WEIGHT]
         # each node's id and inputs, in the PCG's order: what `layer_members` and `read_in` walk (the structure
