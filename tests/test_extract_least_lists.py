@@ -1,6 +1,7 @@
-"""The extraction passes keep each class's least pushed entry as two lists (value, e-node number) and a final class's
-value as -inf (`extract._least_lists`), and a table's e-node times once per snapshot (`extract.node_times`): the
-same choices as the passes written plainly, ties broken by number, and the same times as read afresh."""
+"""A cost table's e-node times are kept once per snapshot (`extract.node_times`) and a guide's raised e-nodes written
+over a copy of them (`Choosable.of`'s `raised`): the same times as read afresh from the guide, the same choices as
+the passes written plainly; and a tie of an equal value and a lesser number pushed after the first entry of its
+class is chosen, as the heap of (value, number) orders them (a case for any rewrite of the passes' pushes)."""
 
 from __future__ import annotations
 

@@ -615,20 +615,14 @@ def bottom_up(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Call
     # the same pass as written plainly (tests/test_extraction_passes.py), over lists indexed by e-node and class
     # numbers (`_Numbering`): extraction runs it ~400 times a search on 10^4 e-nodes, so its per-e-node overhead is
     # most of its cost. The heap's entries are distinct, (weight, e-node number) ordered as (weight, class, index),
-    # so they leave it in one order whatever order they entered in; a class's rank is its place in `order`.
-    # Each class's least entry pushed so far is kept as two lists, its value (`low`) and its e-node (`at`), rather
-    # than as a tuple (`_least_entries`): an entry is pushed where it is below that least one, (value, number)
-    # compared as the tuples compare, and a reader's tuple is only built when it is pushed. A final class's `low`
-    # is -inf, below every value: its readers are passed over by that one comparison (a reader's value is a sum of
-    # weights, never -inf), as the test that the class is not final passed them over
+    # so they leave it in one order whatever order they entered in; a class's rank is its place in `order`
     cls, kids, readers, single = numbers.cls, numbers.kids, walk.readers, walk.single
     push, pop = heapq.heappush, heapq.heappop
     pending = list(numbers.waiting)                  # choosable e-node -> its children not yet final
     best: list[float | None] = [None] * numbers.classes   # class -> its final value (None: not final)
     final = best.__getitem__
     heap = _least_per_class([(weight[n], n) for n in walk.ready], cls, numbers.classes)
-    low, at = _least_lists(heap, cls, numbers.classes)
-    done = -math.inf
+    least = _least_entries(heap, cls, numbers.classes)
     order: list[int] = []
     while heap:
         value, n = pop(heap)
@@ -636,37 +630,28 @@ def bottom_up(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Call
         if best[cid] is not None:
             continue
         best[cid] = value
-        low[cid] = done
         order.append(n)
         for reader in single[cid]:   # its sum over its one child is `value`: `sum` adds it to 0, which gives it
             own = cls[reader]
-            entry = weight[reader] + value
-            known = low[own]
-            if entry < known or (entry == known and reader < at[own]):   # else `known` leaves the heap first
-                low[own], at[own] = entry, reader
-                push(heap, (entry, reader))
+            if best[own] is None:
+                entry = (weight[reader] + value, reader)
+                known = least[own]
+                if known is None or entry < known:   # else `known` leaves the heap first and makes `own` final
+                    least[own] = entry
+                    push(heap, entry)
         for reader in readers[cid]:
             left = pending[reader] - 1
             pending[reader] = left
             if not left:
                 own = cls[reader]
-                known = low[own]
-                if known != done:
-                    entry = weight[reader] + sum(map(final, kids[reader]))
-                    if entry < known or (entry == known and reader < at[own]):
-                        low[own], at[own] = entry, reader
-                        push(heap, (entry, reader))
+                if best[own] is None:
+                    entry = (weight[reader] + sum(map(final, kids[reader])), reader)
+                    known = least[own]
+                    if known is None or entry < known:
+                        least[own] = entry
+                        push(heap, entry)
     choice = dict(map(numbers.nids.__getitem__, order))
     return choice, {cid: position for position, cid in enumerate(choice)} if ranked else None
-
-
-def _least_lists(heap: Sequence[tuple[float, int]], cls: Sequence[int], classes: int) -> tuple[list[float], list[int]]:
-    """Class number -> the value and e-node number of its entry in a first heap holding at most one per class
-    (`_least_per_class`): math.inf and -1 where it has none (every entry is below it)."""
-    low, at = [math.inf] * classes, [-1] * classes
-    for value, n in heap:
-        low[cls[n]], at[cls[n]] = value, n
-    return low, at
 
 
 def _least_per_class(entries: list[tuple[float, int]], cls: Sequence[int], classes: int) -> list[tuple[float, int]]:
@@ -735,8 +720,8 @@ def greedy_dag(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Cal
         return mask, total
 
     ready = _least_per_class([(weight[n], n) for n in walk.ready], cls, numbers.classes)
-    low, at = _least_lists(ready, cls, numbers.classes)   # each class's least entry pushed, as `bottom_up` keeps it
-    timed, push, pop, done = math.isfinite(deadline), heapq.heappush, heapq.heappop, -math.inf
+    least = _least_entries(ready, cls, numbers.classes)
+    timed, push, pop = math.isfinite(deadline), heapq.heappush, heapq.heappop
     while ready:
         if timed and time.perf_counter() > deadline:
             return None
@@ -747,27 +732,27 @@ def greedy_dag(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Cal
         mask, _total = union(kids_of[n])
         own.append(weight[n])
         below[cid], value_of[cid] = mask | (1 << (len(own) - 1)), value
-        low[cid] = done
         order.append(n)
         for reader in single[cid]:   # `union` of its one child: this class's set and `value`
             mine = cls[reader]
-            entry = value + time_of[reader] + EPSILON
-            known = low[mine]
-            if entry < known or (entry == known and reader < at[mine]):
-                low[mine], at[mine] = entry, reader
-                push(ready, (entry, reader))
+            if value_of[mine] is None:
+                entry = (value + time_of[reader] + EPSILON, reader)
+                known = least[mine]
+                if known is None or entry < known:
+                    least[mine] = entry
+                    push(ready, entry)
         for reader in readers[cid]:
             left = pending[reader] - 1
             pending[reader] = left
             if not left:
                 mine = cls[reader]
-                known = low[mine]
-                if known != done:
+                if value_of[mine] is None:
                     _mask, total = union(kids_of[reader])
-                    entry = total + time_of[reader] + EPSILON
-                    if entry < known or (entry == known and reader < at[mine]):
-                        low[mine], at[mine] = entry, reader
-                        push(ready, (entry, reader))
+                    entry = (total + time_of[reader] + EPSILON, reader)
+                    known = least[mine]
+                    if known is None or entry < known:
+                        least[mine] = entry
+                        push(ready, entry)
     return dict(map(numbers.nids.__getitem__, order))
 
 
@@ -1096,14 +1081,14 @@ def lean_choices(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Se
 def _guided(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable,
             obliged: Obliged | None) -> tuple[Mapping[NodeId, NodeCost], dict[NodeId, NodeCost]]:
     """`costs` as the greedy passes rank by, and the e-nodes it costs more, with their costs (`raised`: what a
-    `Choosable` of it reads, beside `costs`' own times): an e-node that obliges a plan to hold more (`obliged`) costs, beside
-    its own time, the cheapest parallel e-node of each class it obliges (a conversion into that placement; nothing
-    where the class has none: only computing makes it). The passes choose class by class and cannot hold an
-    obligation (the class obliged is often made from the e-node's own output: a repeated block reading a value
-    of the one before obliges the same value of its own), so this is only their guide; every plan is judged
-    with its obligations (`dag_cost`), and the ILP holds them. The ILP's warm start and the order of its columns
-    come from these passes: llama-70b's pinned dp 16 x tp 4 plan came out at a node sum of 20.344 s without the
-    guide, 19.678 s with it (benchmarks/search_results.md, 2026-12-04 helper M)."""
+    `Choosable` of it reads beside `costs`' own times): an e-node that obliges a plan to hold more (`obliged`) costs,
+    beside its own time, the cheapest parallel e-node of each class it obliges (a conversion into that placement;
+    nothing where the class has none: only computing makes it). The passes choose class by class and cannot hold an
+    obligation (the class obliged is often made from the e-node's own output: a repeated block reading a value of the
+    one before obliges the same value of its own), so this is only their guide; every plan is judged with its
+    obligations (`dag_cost`), and the ILP holds them. The ILP's warm start and the order of its columns come from
+    these passes: llama-70b's pinned dp 16 x tp 4 plan came out at a node sum of 20.344 s without the guide, 19.678 s
+    with it (benchmarks/search_results.md, 2026-12-04 helper M)."""
     if not obliged:
         return costs, {}
 
