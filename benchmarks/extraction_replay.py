@@ -24,7 +24,7 @@ import parsat
 import parsat.search.extract as old
 import parsat.search.solve as solve
 
-KEPT = ("extract._time_ranked", "extract._choosable", "extract.numbering")
+KEPT = ("extract._time_ranked", "extract._choosable", "extract.numbering", "extract.node_times")
 
 
 def captured() -> list:

@@ -513,7 +513,8 @@ def test_policies_pricing_the_same_e_nodes_share_what_the_passes_may_choose(thre
     scanned = []   # a Choosable made by scanning the e-nodes (none taken from another)
     made = extract.Choosable.of
     monkeypatch.setattr(extract.Choosable, "of", staticmethod(
-        lambda snapshot, costs, usable, like=None: scanned.append(like is None) or made(snapshot, costs, usable, like)))
+        lambda snapshot, costs, usable, like=None, **rest: scanned.append(like is None) or
+        made(snapshot, costs, usable, like, **rest)))
     chosen = extract.extract(_anew(result).snapshot, costs, roots, 1 << 40, Limits()).choice
     unchosen = next(nid for nid in costs if chosen.get(nid[0], nid[1]) != nid[1])
     fewer = {nid: cost for nid, cost in costs.items() if nid != unchosen}

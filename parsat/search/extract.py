@@ -533,12 +533,18 @@ class Choosable:
 
     @staticmethod
     def of(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Callable[[NodeId], bool],
-           like: "Choosable | None" = None) -> "Choosable":
+           like: "Choosable | None" = None, raised: Mapping[NodeId, NodeCost] | None = None) -> "Choosable":
         """`like`: another `Choosable` of the same snapshot and `usable` over costs of the same e-nodes (its
         `walk` reads nothing else), taken rather than every e-node scanned again (`lean_choices` shares its
-        extraction's)."""
+        extraction's). `raised`: e-nodes of `costs` whose cost the passes rank by another (`_guided`): the
+        times are those of `costs` (`node_times`) with theirs replaced."""
         walk = _Walk.of(snapshot, usable) if like is None else like.walk
-        return Choosable(walk, [0.0 if cost is None else cost.time_s for cost in map(costs.get, walk.numbers.nids)])
+        time = node_times(snapshot, costs)
+        if raised:
+            time, number = list(time), walk.numbers.number
+            for nid, cost in raised.items():
+                time[number[nid]] = cost.time_s
+        return Choosable(walk, time)
 
     @functools.cached_property
     def weight(self) -> Sequence[float]:
@@ -557,6 +563,24 @@ class Choosable:
 
         memory = [0 if cost is None else cost.memory_bytes for cost in map(costs.get, self.walk.numbers.nids)]
         return replace(self, priced=(np.array(self.time, dtype=np.float64), np.array(memory, dtype=np.float64)))
+
+
+TIMES_KEPT = 8   # the last cost tables whose e-node times `node_times` keeps per snapshot
+
+
+def node_times(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost]) -> Sequence[float]:
+    """E-node number (`numbering`) -> its time in `costs` (`NodeCost.time_s`; 0.0 where it has none), kept for the
+    last TIMES_KEPT tables (held, and checked by identity: a table is never changed once priced, and the times
+    read nothing else of it). An extraction's passes, the extraction of a grid point again on a roomy machine
+    and its lean passes read the times of one table: llama-70b:64's 116 extractions made 117 such lists of
+    10^4 e-nodes from 51 tables, each a look-up and a `time_s` sum per e-node. Shared: read it, never change it."""
+    kept = snapshot.derive("extract.node_times", functools.partial(Kept, TIMES_KEPT))
+    owners = (costs,)
+    found = kept.get(id(costs), owners)
+    if found is None:
+        found = [0.0 if cost is None else cost.time_s for cost in map(costs.get, numbering(snapshot).nids)]
+        kept.put(id(costs), owners, found)
+    return found
 
 
 def bottom_up(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Callable[[NodeId], bool],
@@ -1055,29 +1079,30 @@ def lean_choices(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Se
 
 
 def _guided(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable,
-            obliged: Obliged | None) -> Mapping[NodeId, NodeCost]:
-    """`costs` as the greedy passes rank by: an e-node that obliges a plan to hold more (`obliged`) costs, beside
-    its own time, the cheapest parallel e-node of each class it obliges (a conversion into that placement; nothing
-    where the class has none: only computing makes it). The passes choose class by class and cannot hold an
-    obligation (the class obliged is often made from the e-node's own output: a repeated block reading a value
-    of the one before obliges the same value of its own), so this is only their guide; every plan is judged
-    with its obligations (`dag_cost`), and the ILP holds them. The ILP's warm start and the order of its columns
-    come from these passes: llama-70b's pinned dp 16 x tp 4 plan came out at a node sum of 20.344 s without the
-    guide, 19.678 s with it (benchmarks/search_results.md, 2026-12-04 helper M)."""
+            obliged: Obliged | None) -> tuple[Mapping[NodeId, NodeCost], dict[NodeId, NodeCost]]:
+    """`costs` as the greedy passes rank by, and the e-nodes it costs more, with their costs (`raised`: what a
+    `Choosable` of it reads beside `costs`' own times): an e-node that obliges a plan to hold more (`obliged`) costs,
+    beside its own time, the cheapest parallel e-node of each class it obliges (a conversion into that placement;
+    nothing where the class has none: only computing makes it). The passes choose class by class and cannot hold an
+    obligation (the class obliged is often made from the e-node's own output: a repeated block reading a value of the
+    one before obliges the same value of its own), so this is only their guide; every plan is judged with its
+    obligations (`dag_cost`), and the ILP holds them. The ILP's warm start and the order of its columns come from
+    these passes: llama-70b's pinned dp 16 x tp 4 plan came out at a node sum of 20.344 s without the guide, 19.678 s
+    with it (benchmarks/search_results.md, 2026-12-04 helper M)."""
     if not obliged:
-        return costs
+        return costs, {}
 
     def conversion(cid: int) -> float:
         return min((costs[(cid, i)].time_s for i, node in enumerate(snapshot.classes.get(cid, ()))
                     if node.op in PARALLEL_OPS and usable((cid, i))), default=0.0)
 
-    out = dict(costs)
+    raised: dict[NodeId, NodeCost] = {}
     for nid, groups in obliged.items():
         if nid in costs and all(groups):
             extra = sum(min(conversion(c) for c in group) for group in groups)
             if extra > 0:
-                out[nid] = replace(costs[nid], comm_s=costs[nid].comm_s + extra)
-    return out
+                raised[nid] = replace(costs[nid], comm_s=costs[nid].comm_s + extra)
+    return {**costs, **raised}, raised
 
 
 PASSES_KEPT = 8   # the last time-ranked passes `_time_ranked` keeps per e-graph (a grid's points, then again roomy)
@@ -1125,8 +1150,8 @@ def _time_ranked(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Se
     if found is not None:
         return replace(found, seconds={name: 0.0 for name in found.seconds}), None   # this one's: none
     t = time.perf_counter()
-    guide = _guided(snapshot, costs, usable, obliged)
-    choosable = _choosable(snapshot, costs, guide, usable, exclude, obliged)
+    guide, raised = _guided(snapshot, costs, usable, obliged)
+    choosable = _choosable(snapshot, costs, raised, usable, exclude, obliged)
     tree, _rank = bottom_up(snapshot, guide, usable, choosable=choosable, ranked=False)
     took = {"bottom_up": time.perf_counter() - t}
     t = time.perf_counter()
@@ -1140,9 +1165,10 @@ def _time_ranked(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Se
     return passes, (guide, choosable)
 
 
-def _choosable(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], guide: Mapping[NodeId, NodeCost], usable,
+def _choosable(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], raised: Mapping[NodeId, NodeCost], usable,
                exclude: Callable[[NodeId], bool] | None, obliged: Obliged | None) -> Choosable:
-    """`Choosable.of(snapshot, guide, usable)`, its e-nodes and readers taken from the last one made with the same
+    """`Choosable.of(snapshot, guide, usable)` of the guide `_guided` makes of `costs` (`raised`: the e-nodes it
+    costs more), its e-nodes and readers taken from the last one made with the same
     `exclude` and `obliged` objects over costs of the same e-nodes: `usable` reads nothing else of them
     (`_usable`), so the e-nodes a pass may choose are the same. The policies of one mesh (ZeRO stages, keeping
     or recomputing, `mesh._extract_joint`) price the same e-nodes differently, one after another, and each
@@ -1152,7 +1178,7 @@ def _choosable(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], guide: Mapp
     found = kept.get("last")
     like = found[3] if found is not None and found[0] is exclude and found[1] is obliged and \
         found[2].keys() == costs.keys() else None
-    choosable = Choosable.of(snapshot, guide, usable, like)
+    choosable = Choosable.of(snapshot, costs, usable, like, raised=raised)
     if like is None:
         kept["last"] = (exclude, obliged, costs, replace(choosable, time=()))
     return choosable
@@ -1195,8 +1221,8 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
     def walk() -> tuple:
         """What the greedy passes rank by (`_guided`) and the e-nodes they walk: made here where they were taken."""
         if not made:
-            guide = _guided(snapshot, costs, usable, obliged)
-            made.append((guide, _choosable(snapshot, costs, guide, usable, exclude, obliged)))
+            guide, raised = _guided(snapshot, costs, usable, obliged)
+            made.append((guide, _choosable(snapshot, costs, raised, usable, exclude, obliged)))
         return made[0]
 
     def fitting() -> list:
