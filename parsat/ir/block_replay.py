@@ -78,9 +78,10 @@ class BlockReplay:
     template added besides its nodes, renamed) and `value` (what the builder reads of a graph value besides its
     nodes, the same for a name and its move in every run replayed: `alike`)."""
 
-    def __init__(self, build):
+    def __init__(self, build, shared: "ReplayShared | None" = None):
         self.build = build
         self.template: BlockTemplate | None = None
+        self.shared = shared if shared is not None else ReplayShared()
 
     def lay_out(self, runs: Sequence[tuple[int, Sequence]], place: Callable[[Sequence], str | None]) -> str | None:
         """Each of `runs` (block, run) laid out in order: replayed from the template where it applies, else placed
@@ -117,15 +118,14 @@ class BlockReplay:
         t, nodes = self.template, self.build.nodes
         if t is None or block == OUTSIDE or block == t.block:
             return False
-
-        names: dict[str, str] = {}   # each name's move, worked out once for the run
+        names = self.shared.moves(t.block, block)   # each name's move, worked out once per pair of blocks
 
         def name_of(n: str) -> str:
             found = names.get(n)
             if found is None:
                 found = names[n] = _moved(n, t.block, block)
             return found
-        if not self.alike(t, run, name_of):
+        if not self.known_alike(t, block, run, name_of):
             return False
         outside = self.outside(t, name_of)
         if outside is None:
@@ -134,12 +134,32 @@ class BlockReplay:
 
         def moved(i: int) -> int:
             return i + shift if i >= t.first else outside[i]
-        for node in nodes[t.first:t.end]:
+        first = t.first
+        for node in nodes[first:t.end]:   # `moved` and `name_of` written out (a parallel operator names no origin)
+            origin = node.origin
             nodes.append(PNode(node.id + shift, node.kind, name_of(node.op) if node.kind == "leaf" else node.op,
-                               tuple(moved(i) for i in node.inputs), node.attrs, node.shape, node.degrees,
-                               node.role, name_of(node.origin), node.placement, node.rules))
+                               tuple([i + shift if i >= first else outside[i] for i in node.inputs]), node.attrs,
+                               node.shape, node.degrees, node.role, origin and (names.get(origin) or name_of(origin)),
+                               node.placement, node.rules))
         self.added(t, moved, name_of)
         return True
+
+    def known_alike(self, t: BlockTemplate, block: int, run: Sequence, name_of: Callable[[str], str]) -> bool:
+        """`alike`, worked out once per pair of blocks and `context` (`ReplayShared.verdicts`) where the builder
+        gives one: `alike` reads the two runs (the graph's runs of blocks `t.block` and `block`, one each:
+        `block_runs`), the names' moves (a function of the names and the two blocks) and `value`, which reads the
+        graph and what the context names; so the layouts of one graph that share a `ReplayShared` (the builds of a
+        grid on several meshes, with and without sequence parallelism) ask each pair once per context rather than
+        once per layout."""
+        context = self.context()
+        if context is None:
+            return self.alike(t, run, name_of)
+        key = (t.block, block, context)
+        verdicts = self.shared.verdicts
+        found = verdicts.get(key)
+        if found is None or found[0] is not t.run or found[1] is not run:
+            found = verdicts[key] = (t.run, run, self.alike(t, run, name_of))
+        return found[2]
 
     def alike(self, t: BlockTemplate, run: Sequence, name_of: Callable[[str], str]) -> bool:
         """Whether `run` is the template's run with its names moved (`name_of`, `_moved` to the run's block): the
@@ -170,3 +190,24 @@ class BlockReplay:
 
     def value(self, name: str) -> tuple:
         raise NotImplementedError
+
+    def context(self) -> tuple | None:
+        """What `value` reads besides the graph, for `known_alike` to keep a verdict by (the builder's data axis,
+        which inputs it does not split, ...); None where `value` reads state no key names (each run then asks)."""
+        return None
+
+
+class ReplayShared:
+    """What the replays of one graph's layouts share (`BlockReplay`'s `shared`; each layout of a grid made a replay
+    of its own, which worked these out again): the names moved from one block to another (`moves`: `_moved`, a
+    function of the name and the two blocks), and `alike`'s verdicts by pair of blocks and the builder's `context`
+    (`BlockReplay.known_alike`), each kept beside the two runs it compared. One per graph: a verdict is a run's of
+    that graph (a graph's block has one run, `block_runs`)."""
+
+    def __init__(self) -> None:
+        self._moves: dict[tuple[int, int], dict[str, str]] = {}
+        self.verdicts: dict[tuple, tuple[tuple, tuple, bool]] = {}
+
+    def moves(self, was: int, now: int) -> dict[str, str]:
+        """Name -> its move from block `was` to block `now` (`_moved`), filled as asked; read and extend only so."""
+        return self._moves.setdefault((was, now), {})

@@ -338,13 +338,10 @@ class _Replay(BlockReplay):
 def _live(nodes: Sequence[PNode], outputs: Sequence[int], names: tuple[str, ...], mesh: Mesh) -> PCG:
     """The PCG of the nodes the outputs depend on, renumbered in order (a copy never used is not kept: its
     gradient all-reduce would be paid for nothing)."""
-    needed, stack = set(), list(outputs)
-    while stack:
-        i = stack.pop()
-        if i not in needed:
-            needed.add(i)
-            stack.extend(nodes[i].inputs)
-    order = sorted(needed)
+    live = _needed(nodes, outputs)
+    if all(live):   # every node kept, none renumbered: the nodes as they are (what the walk below keeps each as)
+        return PCG(tuple(nodes), tuple(outputs), names, mesh)
+    order = [k for k, kept in enumerate(live) if kept]
     new = {old: k for k, old in enumerate(order)}
     # most layouts keep every node: a node whose id and inputs do not move is kept as it is (the same value
     # `replace` would make, without building it again: a whole model's layout has thousands of nodes)
@@ -352,3 +349,31 @@ def _live(nodes: Sequence[PNode], outputs: Sequence[int], names: tuple[str, ...]
                  replace(nodes[old], id=new[old], inputs=tuple(new[i] for i in nodes[old].inputs))
                  for old in order)
     return PCG(kept, tuple(new[o] for o in outputs), names, mesh)
+
+
+def _needed(nodes: Sequence[PNode], outputs: Sequence[int]) -> bytearray:
+    """Position -> 1 where the outputs depend on the node there (itself one of them, or read by one that is). The
+    builders append a node after the nodes it reads, so one sweep from the last node back marks them all (a
+    node's readers all come after it, and are marked before it is reached); where some node reads one at or
+    after its own position, a walk from the outputs marks them instead."""
+    live = bytearray(len(nodes))
+    for o in outputs:
+        live[o] = 1
+    for k in range(len(nodes) - 1, -1, -1):
+        if live[k]:
+            for i in nodes[k].inputs:
+                if i >= k:
+                    return _walked(nodes, outputs)
+                live[i] = 1
+    return live
+
+
+def _walked(nodes: Sequence[PNode], outputs: Sequence[int]) -> bytearray:
+    """`_needed` by a walk from the outputs, in any order of the nodes."""
+    live, stack = bytearray(len(nodes)), list(outputs)
+    while stack:
+        i = stack.pop()
+        if not live[i]:
+            live[i] = 1
+            stack.extend(nodes[i].inputs)
+    return live

@@ -55,6 +55,7 @@ sequence inside attention (context parallelism).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from itertools import islice, product
 from typing import Callable, Mapping, Sequence
 
@@ -64,7 +65,7 @@ from parsat.dsl.parallel_ops import (ALL_GATHER, COMBINE, PARTITION, REDUCE, RED
                                      REPLICATE)
 from parsat.ir.data_parallel import _live, data_parallel_pcg
 from parsat.ir.fused_projections import heads_ordered, with_rules
-from parsat.ir.block_replay import BlockReplay, BlockTemplate, block_runs
+from parsat.ir.block_replay import BlockReplay, BlockTemplate, ReplayShared, block_runs
 from parsat.ir.blocks import OUTSIDE, block_of
 from parsat.ir.graph import Graph, Leaf, OpNode, instance_for
 from parsat.ir.mesh import Mesh
@@ -216,7 +217,7 @@ def _built_layout(graph: Graph, mesh: Mesh, zero: int, sequence: bool, memo: "_M
                 return gnode.name
         return None
     # the graph's nodes, a block's a run: one laid out as the one before, repeated
-    if _Repeats(build).lay_out(memo.runs, place) is not None:
+    if _Repeats(build, memo.replays).lay_out(memo.runs, place) is not None:
         return None
     outputs = [build.gathered(name) for name in graph.outputs]
     if any(o is None for o in outputs):
@@ -363,7 +364,8 @@ def _alike(like: Graph, graph: Graph, library: Library, like_batch: dict, batch:
     of several meshes keeps (`_Kin.alike`)."""
     once = once or (lambda _name, check: check())
     return once("structure", lambda: _same_structure(like, graph, like_batch, batch)) and \
-        _splits_alike(like, graph, blocks) and once("signatures", lambda: _same_signatures(like, graph, library))
+        _splits_alike(once("dims", lambda: _differing_dims(like, graph)), blocks) and \
+        once("signatures", lambda: _same_signatures(like, graph, library))
 
 
 def _same_structure(like: Graph, graph: Graph, like_batch: dict, batch: dict) -> bool:
@@ -376,12 +378,19 @@ def _same_structure(like: Graph, graph: Graph, like_batch: dict, batch: dict) ->
     return structure(like) == structure(graph) and like_batch == batch
 
 
-def _splits_alike(like: Graph, graph: Graph, blocks: Sequence[int]) -> bool:
-    """Whether every dim of every value of `like` (whose structure `graph` has: `_same_structure`) splits into
-    each of `blocks` exactly where the same dim of `graph` does: the part of `_alike` that reads the mesh."""
+def _differing_dims(like: Graph, graph: Graph) -> frozenset[tuple[int, int]]:
+    """Each (size in `like`, size in `graph`) that some dim of some value has, where the two differ (`like` of
+    `graph`'s structure: `_same_structure`): all `_splits_alike` reads of the graphs, worked out once per pair
+    rather than once per mesh (a dim of one size in both splits alike into every block count)."""
     before, after = like.shapes(), graph.shapes()
-    return not any((a % k == 0) != (b % k == 0) for name, shape in before.items()
-                   for a, b in zip(shape, after[name]) for k in blocks)
+    return frozenset((a, b) for name, shape in before.items() for a, b in zip(shape, after[name]) if a != b)
+
+
+def _splits_alike(dims: frozenset[tuple[int, int]], blocks: Sequence[int]) -> bool:
+    """Whether every dim of every value of `like` (whose structure `graph` has: `_same_structure`) splits into
+    each of `blocks` exactly where the same dim of `graph` does, given their sizes where they differ
+    (`_differing_dims`): the part of `_alike` that reads the mesh."""
+    return not any((a % k == 0) != (b % k == 0) for a, b in dims for k in blocks)
 
 
 def _same_signatures(like: Graph, graph: Graph, library: Library) -> bool:
@@ -446,28 +455,34 @@ def _rescaled(pcg: PCG, like: Graph, graph: Graph, tables: _PairTables | None = 
     known = tables.values
     old_nodes = pcg.nodes
     nodes: list[PNode] = []
+    append = nodes.append
     for node in old_nodes:
         kind, attrs = node.kind, node.attrs
-        part = parts.get(node.origin) if kind == "op" and parts else None
-        if kind == "parallel":
-            old, new = old_nodes[node.inputs[0]].shape, nodes[node.inputs[0]].shape
-        elif part is not None:
-            old, new, attrs = part
+        if kind == "parallel":   # its input's shapes: the input's node before and after (`nodes`, as made)
+            source = node.inputs[0]
+            old, new = old_nodes[source].shape, nodes[source].shape
         else:
-            key = (kind, node.op, node.origin, attrs)
-            found = known.get(key)
-            if found is None:
-                found = known[key] = _value_rescaled(tables, kind, node.op, node.origin, attrs)
-            if found is _NOT_ITS:
-                return None
-            old, new, now = found
-            attrs = attrs if now is None else now
+            part = parts.get(node.origin) if parts and kind == "op" else None
+            if part is not None:
+                old, new, attrs = part
+            else:
+                key = (kind, node.op, node.origin, attrs)
+                found = known.get(key)
+                if found is None:
+                    found = known[key] = _value_rescaled(tables, kind, node.op, node.origin, attrs)
+                if found is _NOT_ITS:
+                    return None
+                old, new, now = found
+                if now is not None:
+                    attrs = now
         if node.shape != old:
             return None
-        nodes.append(node if (new, attrs) == (old, node.attrs) else
-                     PNode(node.id, node.kind, node.op, node.inputs, attrs, tuple(new), node.degrees, node.role,
-                           node.origin, node.placement, node.rules))
-    return pcg.reshaped(tuple(nodes))   # the same structure: the facts read from it alone are shared
+        append(node if new == old and attrs == node.attrs else
+               PNode(node.id, kind, node.op, node.inputs, attrs, tuple(new), node.degrees, node.role, node.origin,
+                     node.placement, node.rules))
+    # the same structure (each node the layout's own, or made from it with its `STRUCTURE` fields, just above):
+    # the facts read from it alone are shared
+    return pcg.reshaped(tuple(nodes), kept_structure=True)
 
 
 _NOT_ITS = ("not its value's",)   # `_value_rescaled`: the node's attributes or value are not the kin graph's
@@ -562,6 +577,9 @@ def _first_made(pcg: PCG) -> Mapping[str, int]:
     return pcg.derive("first_made", None, make, structural=True)
 
 
+_OWN_ENDINGS = tuple(f"_{suffix}" for suffix in ("nobias", *VOCABULARY_PARTS))   # `_Memo.own_names_apart`
+
+
 class _Memo:
     """What every layout of one graph shares: its batch dims, operator instances by shapes and attributes, and
     which codes each accepts on one axis (`axis_compute`, by the instance's key)."""
@@ -580,6 +598,36 @@ class _Memo:
         self.placements: dict = {} if placements is None else placements
         self.options: dict[tuple, list[tuple[float, tuple[int, ...]]]] = {}   # `_MegatronBuilder.known_options`
         self.runs = block_runs(graph)   # the graph's nodes in runs of one block (`_Repeats`)
+        self.replays = ReplayShared()   # what every layout's replay of these runs shares (`_Repeats.context`)
+        self.statics: dict[frozenset, frozenset[str]] = {}                 # `static`'s memo
+
+    @cached_property
+    def weighted(self) -> frozenset[str]:
+        """The weights and the values made of them alone (`_made_of`), for every builder of the graph."""
+        return _made_of(self.graph, {w.name for w in self.graph.weights})
+
+    @cached_property
+    def views(self) -> frozenset[str]:
+        """The weights seen through views alone (`_views_of`), for every builder of the graph."""
+        return _views_of(self.graph, {w.name for w in self.graph.weights})
+
+    @cached_property
+    def own_names_apart(self) -> bool:
+        """Whether no name the builder gives a value of its own (a row-parallel layer's partial sum
+        `{node}_nobias`, a vocabulary-parallel loss's steps `{node}_{part}`) is a graph value's: then a builder's
+        shape of every graph value is the graph's (`_Repeats.context`)."""
+        nodes = {n.name for n in self.graph.nodes}
+        return not any(name.endswith(_OWN_ENDINGS) and any(
+            name.endswith(end) and name[:-len(end)] in nodes for end in _OWN_ENDINGS) for name in self.graph.shapes())
+
+    def static(self, unsplit: frozenset[str]) -> frozenset[str]:
+        """The weights, the inputs `unsplit` and the values made of them alone (`_made_of`): what a builder whose
+        data axis leaves `unsplit` whole makes where it is read. A function of the graph and `unsplit`, kept by it:
+        a grid's layouts on meshes of one data axis size ask the same."""
+        found = self.statics.get(unsplit)
+        if found is None:
+            found = self.statics[unsplit] = _made_of(self.graph, {w.name for w in self.graph.weights} | unsplit)
+        return found
 
     @staticmethod
     def of(graph: Graph, library: Library, cache: dict | None) -> "_Memo":
@@ -634,11 +682,11 @@ class _MegatronBuilder:
         self.shapes = dict(graph.shapes())
         self.batch = memo.data_batch if self.data is not None else memo.batch
         size = mesh.size(self.data) if self.data is not None else 1
-        unsplit = {leaf.name for leaf in graph.leaves if leaf.role == "input" and (
-            self.batch.get(leaf.name) is None or leaf.shape[self.batch[leaf.name]] % size != 0)}
-        self.weighted = _made_of(graph, {w.name for w in graph.weights})       # weights and values of them alone
-        self.static = _made_of(graph, {w.name for w in graph.weights} | unsplit)   # ... and of unsplit inputs
-        self.views = _views_of(graph, {w.name for w in graph.weights})   # weights seen through views alone
+        self.unsplit = frozenset(leaf.name for leaf in graph.leaves if leaf.role == "input" and (
+            self.batch.get(leaf.name) is None or leaf.shape[self.batch[leaf.name]] % size != 0))
+        self.weighted = memo.weighted                 # weights and values of them alone
+        self.static = memo.static(self.unsplit)       # ... and of unsplit inputs
+        self.views = memo.views                       # weights seen through views alone
         self.nodes: list[PNode] = []
         self.leaf_ids: dict[str, int] = {}
         self.forms: dict[str, dict[Placement, int]] = {}             # activation -> placement -> node
@@ -983,8 +1031,8 @@ class _MegatronBuilder:
                         return None
                     remap[chain.last] = made
                 elif node.id not in inside:   # the node `add` appends here: its degrees are its placement's
-                    ident, inputs = len(self.nodes), tuple(remap[i] for i in node.inputs)
-                    self.nodes.append(node if (ident, inputs) == (node.id, node.inputs) else
+                    ident, inputs = len(self.nodes), tuple([remap[i] for i in node.inputs])
+                    self.nodes.append(node if ident == node.id and inputs == node.inputs else
                                       PNode(ident, node.kind, node.op, inputs, node.attrs, node.shape, node.degrees,
                                             node.role, node.origin, node.placement))
                     remap[node.id] = ident
@@ -1189,3 +1237,14 @@ class _Repeats(BlockReplay):
         leaf = b.leaves.get(name)
         return (tuple(b.shapes.get(name, ())), name in b.static, name in b.weighted, name in b.views,
                 name in b.graph_nodes, leaf.role if leaf is not None else None, b.batch.get(name))
+
+    def context(self) -> tuple | None:
+        """What `value` reads of a graph value besides the graph (`BlockReplay.known_alike`): `static` is the
+        graph's weights, the inputs the data axis leaves whole (`unsplit`) and the values made of them alone;
+        `batch` the memo's batch dims, with the data axis's batch-wide constants where there is one; `weighted`,
+        `views`, `graph_nodes` and `leaves` are the graph's. `shapes` starts as the graph's and the builder adds
+        only names of its own (a partial sum `{name}_nobias`, a vocabulary-parallel loss's `{name}_{part}`, and
+        those a replay moves, which are such names of the run's nodes): where none of those is a graph value's
+        name (`_Memo.own_names_apart`) every graph value's shape stays the graph's. None otherwise."""
+        b = self.build
+        return (b.unsplit, b.data is not None) if b.memo.own_names_apart else None

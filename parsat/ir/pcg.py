@@ -206,13 +206,15 @@ class PCG:
             known = table[(key, id(owner))] = (owner, make())
         return known[1]
 
-    def reshaped(self, nodes: tuple["PNode", ...]) -> "PCG":
+    def reshaped(self, nodes: tuple["PNode", ...], *, kept_structure: bool = False) -> "PCG":
         """This PCG with `nodes`, which must have its nodes' `STRUCTURE` (ids, kinds, operators, inputs, roles,
         origins) and may differ in shapes and attributes (a layout rescaled to another graph's sizes), sharing the
         facts worked out from that structure alone (`structural`, `storage_chains`: each reads those fields and
         the outputs, which both PCGs have alike, so either PCG working a fact out gives the same value). Raises
-        ValueError where a node's structure differs: sharing would then be wrong."""
-        if not _same_structure(self.nodes, nodes):
+        ValueError where a node's structure differs: sharing would then be wrong. `kept_structure`: the caller
+        made each of `nodes` that is not this PCG's own node at its position from that node, its `STRUCTURE` fields
+        copied (`ir.megatron._rescaled`), so the comparison, node by node, cannot fail and is left out."""
+        if not kept_structure and not _same_structure(self.nodes, nodes):
             raise ValueError("reshaped: the nodes' structure differs from the PCG's")
         return replace(self, nodes=tuple(nodes))._sharing(self)   # the outputs are this PCG's own
 
