@@ -57,7 +57,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import islice, product
-from typing import Callable, Mapping, Sequence
+from typing import AbstractSet, Callable, Mapping, Sequence
 
 from parsat.dsl.instantiate import InstantiationError, OpInstance
 from parsat.dsl.library import Library
@@ -602,14 +602,19 @@ class _Memo:
         self.statics: dict[frozenset, frozenset[str]] = {}                 # `static`'s memo
 
     @cached_property
+    def weight_names(self) -> frozenset[str]:
+        """The graph's weights' names: what `weighted`, `views` and `static` start from."""
+        return frozenset(w.name for w in self.graph.weights)
+
+    @cached_property
     def weighted(self) -> frozenset[str]:
         """The weights and the values made of them alone (`_made_of`), for every builder of the graph."""
-        return _made_of(self.graph, {w.name for w in self.graph.weights})
+        return _made_of(self.graph, self.weight_names)
 
     @cached_property
     def views(self) -> frozenset[str]:
         """The weights seen through views alone (`_views_of`), for every builder of the graph."""
-        return _views_of(self.graph, {w.name for w in self.graph.weights})
+        return _views_of(self.graph, self.weight_names)
 
     @cached_property
     def own_names_apart(self) -> bool:
@@ -626,7 +631,7 @@ class _Memo:
         a grid's layouts on meshes of one data axis size ask the same."""
         found = self.statics.get(unsplit)
         if found is None:
-            found = self.statics[unsplit] = _made_of(self.graph, {w.name for w in self.graph.weights} | unsplit)
+            found = self.statics[unsplit] = _made_of(self.graph, self.weight_names | unsplit)
         return found
 
     @staticmethod
@@ -1095,7 +1100,7 @@ class _Chain:
     tensor_copy: bool
 
 
-def _made_of(graph: Graph, leaves: set[str]) -> frozenset[str]:
+def _made_of(graph: Graph, leaves: AbstractSet[str]) -> frozenset[str]:
     """`leaves` and the values computed from them alone (a tied embedding's transpose, rotary tables)."""
     found = set(leaves)
     for node in graph.nodes:
@@ -1104,7 +1109,7 @@ def _made_of(graph: Graph, leaves: set[str]) -> frozenset[str]:
     return frozenset(found)
 
 
-def _views_of(graph: Graph, weights: set[str]) -> frozenset[str]:
+def _views_of(graph: Graph, weights: AbstractSet[str]) -> frozenset[str]:
     """The values that are a weight seen through views alone, the first an unflatten (`ir.pcg.VIEW_OPS`,
     `STRIDED_VIEW`, as `ir.pcg.weight_storage` reads a storage chain): what the builder may store as their
     partition (`_MegatronBuilder.stored_view`)."""

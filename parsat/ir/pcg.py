@@ -131,6 +131,7 @@ and what each value is, never how large it is nor how it is spread."""
 
 
 _structure = attrgetter(*STRUCTURE)
+_NODE_ID = attrgetter("id")   # `PCG.ids`
 """A node's `STRUCTURE` fields, as a tuple (`reshaped` compares every node's: a C getter, not a generator)."""
 
 
@@ -169,6 +170,12 @@ class PCG:
         """Node id -> node, made once per PCG: `node` was a scan building this table on every call (24,531 calls,
         6.5 of llama-70b:64's profiled 100 CPU s, mostly `attention_views` asking per flatten)."""
         return {n.id: n for n in self.nodes}
+
+    @cached_property
+    def ids(self) -> tuple[int, ...]:
+        """The nodes' ids, in the PCG's order, read once per PCG (in C): the pricing keys' table and the layer
+        structure each walk them (`search.solve._NodeKeys`, `ir.pipeline.LayerStructure`)."""
+        return tuple(map(_NODE_ID, self.nodes))
 
     @cached_property
     def readers_of(self) -> Mapping[int, tuple[PNode, ...]]:

@@ -40,7 +40,6 @@ from parsat.ir.pcg import PCG, WEIGHT, weight_storage
 GPIPE, ONE_F_ONE_B, INTERLEAVED = "gpipe", "1f1b", "interleaved"
 SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED)
 FORWARD, BACKWARD = "F", "B"
-_ID = attrgetter("id")   # a node's id, read in C (`LayerStructure`)
 
 
 class PipelineError(ValueError):
@@ -211,7 +210,7 @@ class LayerStructure:
     def __init__(self, pcg: PCG):
         self.blocks = node_blocks(pcg)
         self.free = free_nodes(pcg)
-        ids = list(map(_ID, pcg.nodes))
+        ids = pcg.ids
         # in C over the ids: the blocks of the nodes that are not free, and each node's place in the PCG's order
         self.layers = tuple(sorted(set(map(self.blocks.__getitem__, filterfalse(self.free.__contains__, ids)))))
         self.position = dict(zip(ids, range(len(ids))))

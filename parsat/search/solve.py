@@ -367,7 +367,7 @@ def _work_out_keys(pcg: PCG, library: Library, machine: Machine, input_pins: Map
         add(at)
     # each slot's first node: over the nodes backwards, a slot's last position written is its first
     first = dict(zip(reversed(slots), range(len(slots) - 1, -1, -1)))
-    return _NodeKeys(tuple(slots), tuple(keys), tuple(map(_node_id, pcg.nodes)),
+    return _NodeKeys(tuple(slots), tuple(keys), pcg.ids,
                      tuple(sorted(first.items(), key=itemgetter(1))), priced)
 
 
@@ -415,7 +415,6 @@ def _parallel_positions(pcg: PCG) -> tuple[int, ...]:
 
 
 _UNPRICED = object()   # `price_pcg`: no node of this kind priced yet
-_node_id = attrgetter("id")   # a node's id, read in C over a PCG's nodes (`_NodeKeys.ids`)
 _UNPINNED_LEAF = ("leaf",)   # `pcg_node_costs`' key of every leaf no pin names: all cost nothing
 
 
