@@ -16,6 +16,7 @@ union it with the match.
 from __future__ import annotations
 
 import itertools
+from math import prod
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -27,7 +28,7 @@ from parsat.ir.mesh import Mesh
 from parsat.egraph.encoding import SkipRule, ctor, equated_row, made_row, poly_expr, real_literal, rel_fact
 from parsat.egraph.guards import subst_cond
 from parsat.egraph.lifting import LiftedInstance, postorder
-from parsat.egraph.mesh_encoding import at_fact, table_name
+from parsat.egraph.mesh_encoding import at_fact, at_sizes, axes_read, axis_lookup, axis_var, table_name
 from parsat.egraph.rule_text import RuleBody, bind_shape, dnf, symbol_var
 
 
@@ -95,12 +96,43 @@ class _Writer:
 
 def lifted_bodies(lifted: LiftedInstance, mesh: Mesh) -> tuple[list[RuleBody], dict[str, tuple]]:
     """The egglog rule(s) of a lifted instance (one per alternative of a disjunctive condition) and the lift
-    tables they use (name -> (width, rows)); raises SkipRule."""
+    tables they use (name -> (width, rows)); raises SkipRule.
+
+    Each rule reads the axes' sizes from the e-graph (`AxisSize`, bound to
+    `axis_var`s by lookups it starts with) where that writes the same rule:
+    the body written with the sizes as variables is kept when, with every
+    variable replaced by its axis's size (`at_sizes`), it is the body written
+    with the sizes as numbers, character for character; else the numbers
+    stay. The kept rule then matches, guards and builds exactly as the
+    written-out one on this mesh, and meshes of one shape but other sizes
+    (2 x 8, 4 x 4, 8 x 2) get the same text, so one loaded program serves them
+    all (`Session`: loading a two-axis mesh's 641 rules took most of its
+    session's set-up). A guard that folds sizes together (`n % (p * q)`
+    written `n % 16`) or a block count of two axes keeps its number."""
+    numbers, tables = _bodies(lifted, mesh, sized=False)
+    variables, _ = _bodies(lifted, mesh, sized=True)
+    if len(variables) != len(numbers):
+        return numbers, tables
+    return [kept if _written_out(kept, mesh.shape) == body else body
+            for kept, body in zip(variables, numbers)], tables
+
+
+def _written_out(body: RuleBody, sizes: Sequence[int]) -> RuleBody:
+    """`body` with its size lookups left out and its size variables written as the sizes (`at_sizes`)."""
+    lookups = {axis_lookup(axis) for axis in range(len(sizes))}
+    return RuleBody(at_sizes(body.pattern, sizes),
+                    tuple(at_sizes(fact, sizes) for fact in body.facts if fact not in lookups),
+                    at_sizes(body.actions, sizes))
+
+
+def _bodies(lifted: LiftedInstance, mesh: Mesh, sized: bool) -> tuple[list[RuleBody], dict[str, tuple]]:
+    """`lifted_bodies`'s rules with the axes' sizes written as numbers, or (`sized`) as the variables of
+    `axis_var`, each looked up first in the rule's facts; conditions are decided at the sizes either way."""
     instance = lifted.instance
     w = _Writer(lifted, mesh)
     degree_values = {s: mesh.size(a) for s, a in lifted.sigma.items()}
     for symbol, value in degree_values.items():
-        w.names[symbol] = str(value)
+        w.names[symbol] = axis_var(lifted.sigma[symbol]) if sized else str(value)
     root = w.pattern(instance.lhs)
     targets = set(lifted.sigma.values())
     facts: list[str] = []
@@ -123,12 +155,12 @@ def lifted_bodies(lifted: LiftedInstance, mesh: Mesh) -> tuple[list[RuleBody], d
     values = {s: Poly.const(v) for s, v in degree_values.items()}
     conditions: list[Cond] = []
     for cond in list(instance.where) + list(instance.lhs_requires) + list(instance.rhs_requires):
-        cond = subst_cond(cond, values)
-        truth = symbolic_truth(cond)
+        at_values = subst_cond(cond, values)
+        truth = symbolic_truth(at_values)
         if truth is False:
-            raise SkipRule(f"condition {cond} cannot hold on a mesh of {mesh.shape}")
+            raise SkipRule(f"condition {at_values} cannot hold on a mesh of {mesh.shape}")
         if truth is None:
-            conditions.append(cond)
+            conditions.append(cond if sized else at_values)
     alternatives: list[list] = [[]]
     for cond in conditions:
         alternatives = [a + o for a in alternatives for o in dnf(cond)]
@@ -151,8 +183,10 @@ def lifted_bodies(lifted: LiftedInstance, mesh: Mesh) -> tuple[list[RuleBody], d
         actions.append(made_row(ctor(term.name), args, instance.rule.name))
         local = []
         for dim, size in enumerate(term.shape):
-            factor = lifted.local_factor(term, dim, mesh.shape)
-            local.append(w.expr(size) if factor == 1 else f"(/ {w.expr(size)} {factor})")
+            axes = lifted.local_axes(term, dim)
+            factor = prod(mesh.size(axis) for axis in axes)
+            divisor = axis_var(axes[0]) if sized and len(axes) == 1 else str(factor)
+            local.append(w.expr(size) if factor == 1 else f"(/ {w.expr(size)} {divisor})")
         codes = [str(lifted.target_codes[axis][id(term)]) if axis in targets else f"o_{position}_{axis}"
                  for axis in range(len(mesh))]
         actions.append(at_fact(var, local, codes))
@@ -166,6 +200,8 @@ def lifted_bodies(lifted: LiftedInstance, mesh: Mesh) -> tuple[list[RuleBody], d
             if not (rel.left.symbols() | rel.right.symbols()) <= set(w.names):
                 raise SkipRule(f"condition {rel} uses a size the left side does not bind")
             guards.append(rel_fact(rel, w.names))
-        bodies.append(RuleBody(f"(= root {root})", tuple(dict.fromkeys(facts + guards)), " ".join(actions)))
+        read = tuple(dict.fromkeys(facts + guards))
+        lookups = [axis_lookup(axis) for axis in axes_read(" ".join(read + tuple(actions)))] if sized else []
+        bodies.append(RuleBody(f"(= root {root})", tuple(lookups) + read, " ".join(actions)))
     return bodies, tables
 

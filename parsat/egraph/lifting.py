@@ -100,13 +100,9 @@ class LiftedInstance:
     target_codes: Mapping[int, Mapping[int, int]]  # target axis -> id(term) -> code, every term of both sides
     others: Mapping[int, OtherAxisTable]           # other axis -> its table
 
-    def local_factor(self, term: TypedTerm, dim: int, sizes: Sequence[int]) -> int:
-        """How many blocks the target axes cut `dim` of a built term into (its local size divides by this)."""
-        factor = 1
-        for axis, codes in self.target_codes.items():
-            if codes[id(term)] == shard(dim):
-                factor *= sizes[axis]
-        return factor
+    def local_axes(self, term: TypedTerm, dim: int) -> tuple[int, ...]:
+        """The target axes that cut `dim` of a built term into blocks (its local size divides by their sizes)."""
+        return tuple(axis for axis, codes in self.target_codes.items() if codes[id(term)] == shard(dim))
 
 
 def postorder(term: TypedTerm) -> list[TypedTerm]:

@@ -36,6 +36,7 @@ back (`session.Session.snapshot`).
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Mapping, Sequence
 
 from parsat.dsl import ast
@@ -48,6 +49,8 @@ from parsat.egraph.encoding import (GRAPH_MADE, MADE_PREFIX, MAX_RANK, PIN_SUFFI
 from parsat.egraph.snapshot import Application, ENode
 
 AT_PREFIX = "At"   # `At<rank>`: a class's local sizes and placement codes, one flat row (module doc)
+AXIS_SIZE = "AxisSize"   # `(AxisSize a)`: the size of mesh axis `a`, set per mesh (`axis_sizes`), read by the rules
+_AXIS_VAR = re.compile(r'"(?:[^"\\]|\\.)*"|\bz(\d+)\b')   # a size variable, or a string (left as it is)
 
 
 def at_relation(rank: int) -> str:
@@ -59,6 +62,32 @@ def at_fact(var: str, dims: Sequence[str], codes: Sequence[str | int]) -> str:
     """`var`'s row of `At<rank>` (a query atom or an action inserting it): its local sizes, then one
     placement code per mesh axis."""
     return f"({at_relation(len(dims))} {var}{''.join(' ' + str(d) for d in dims)}{''.join(' ' + str(c) for c in codes)})"
+
+
+def axis_var(axis: int) -> str:
+    """The rule variable bound to the size of mesh axis `axis` (`axis_lookup`); no other rule variable starts
+    with `z` (`lifted_text`: `s_`, `m_`, `c_`, `o_`, `r_`, and fresh `k`, `d`, `t`)."""
+    return f"z{axis}"
+
+
+def axis_lookup(axis: int) -> str:
+    """The query atom binding `axis_var(axis)` to the size of the axis."""
+    return f"(= {axis_var(axis)} ({AXIS_SIZE} {axis}))"
+
+
+def axes_read(text: str) -> list[int]:
+    """The axes whose size variable (`axis_var`) `text` reads, in order."""
+    return sorted({int(axis) for axis in _AXIS_VAR.findall(text) if axis})
+
+
+def at_sizes(text: str, sizes: Sequence[int]) -> str:
+    """`text` with every axis size variable written as the axis's size: the rule a mesh of `sizes` runs."""
+    return _AXIS_VAR.sub(lambda match: str(sizes[int(match.group(1))]) if match.group(1) else match.group(0), text)
+
+
+def axis_sizes(mesh: Mesh) -> str:
+    """The rows of `AxisSize` for `mesh`: what a loaded program reads its axes' sizes from (`Session`)."""
+    return "".join(f"(set ({AXIS_SIZE} {axis}) {size})\n" for axis, size in enumerate(mesh.shape))
 
 
 def table_name(rows: Sequence[tuple[int, ...]], width: int) -> str:
@@ -85,6 +114,7 @@ def mesh_declarations(ops: Mapping[str, ast.OpDecl], mesh: Mesh) -> str:
     lines.append(equated_relation())
     axes = len(mesh)
     lines += [f"(relation {at_relation(r)} (T{' i64' * (r + axes)}))" for r in range(MAX_RANK + 1)]
+    lines.append(f"(function {AXIS_SIZE} (i64) i64 :no-merge)")   # its rows: `axis_sizes`, per mesh
     lines.append(f"(ruleset {SHAPE_RULESET})")   # the runner runs it first every step: the fold rules
     lines += fold_rules()
     return "\n".join(lines) + "\n"

@@ -192,7 +192,8 @@ def compile_mesh_rules(library: Library, rules: Sequence[ast.RuleDecl], ranks: s
 
 class MeshCaches:
     """What the meshes of one search share: typed rule instances, single-axis placement inference, compiled
-    rule text (keyed by rule, rank assignment and mesh shape). One object per search, not a module global.
+    rule text (keyed by rule, rank assignment and mesh shape), programs loaded into egglog (`session.Session`).
+    One object per search, not a module global.
     With a `folder`, whole programs are also kept on disk by their content (`program_cache`), and `digests`
     holds the hashes of the rule objects the search's keys are made of."""
 
@@ -202,6 +203,7 @@ class MeshCaches:
         self.compiled: dict = {}
         self.folder = folder
         self.digests: dict = {}
+        self.loaded: dict = {}   # program text's hash -> its rules loaded in an egglog e-graph (`session.take_loaded`)
 
 
 def _assemble(library: Library, rules: Sequence[ast.RuleDecl], ranks: set[int], graph_ops: set[str] | None,

@@ -16,7 +16,8 @@ size, by reading the encoding through (`mesh_encoding`, `lifted_text`):
   (`RuleBody`): an `At` atom binds a metavariable's local sizes, `(= v e)`
   equates a size with another or with a pattern's integer, and relations
   (`>=`, `(= (% n k) 0)`) compare them; the lift tables and placement codes
-  read no size;
+  read no size; an `AxisSize` lookup binds a mesh axis's size, which both
+  graphs share (one mesh);
 * a rule's actions write each built term's `At` row: the rule's typed shape
   of that term at the match's sizes, divided by the axes that shard it.
 
@@ -56,6 +57,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 from parsat.dsl.library import Library
 from parsat.dsl.parallel_ops import PARALLEL_OPS
 from parsat.egraph.encoding import PIN_SUFFIX
+from parsat.egraph.mesh_encoding import AXIS_SIZE
 from parsat.egraph.program import RuleProgram
 from parsat.egraph.snapshot import Application, ENode, Snapshot
 from parsat.ir.graph import Graph
@@ -142,7 +144,8 @@ class _Guard:
     placement codes), and what its actions build and write. Any fact of another form raises Unreadable."""
 
     def __init__(self, facts: Sequence[str], variables: Sequence[tuple[str, str]], actions: str,
-                 tables: Mapping[str, Sequence[tuple[int, ...]]] = MappingProxyType({})):
+                 tables: Mapping[str, Sequence[tuple[int, ...]]] = MappingProxyType({}), sizes: Sequence[int] = ()):
+        """`sizes`: the mesh's axis sizes, which an `AxisSize` lookup binds (`mesh_encoding.axis_lookup`)."""
         self.variables = tuple(name for name, _ in variables)
         self.tensors = frozenset(name for name, sort in variables if sort == "T")
         self.built = tuple(map(_compiled, _built_sizes(actions, set(self.variables))))
@@ -157,6 +160,10 @@ class _Guard:
                 if any(_NUMBER.fullmatch(name) for name in names) or parsed[1] not in self.tensors:
                     raise Unreadable(f"a constant size, or a class the pattern does not bind, in {fact}")
                 self.facts.append(("at", parsed[1], (names, tuple(map(_compiled, parsed[2 + rank:])))))
+            elif head == "=" and len(parsed) == 3 and isinstance(parsed[2], tuple) and parsed[2][0] == AXIS_SIZE:
+                if not (_NUMBER.fullmatch(parsed[2][1]) and int(parsed[2][1]) < len(sizes)):
+                    raise Unreadable(f"a size of an axis the mesh does not have in {fact}")
+                self.facts.append(("=", parsed[1], sizes[int(parsed[2][1])]))
             elif (head == "=" or head in _RELATIONS) and len(parsed) == 3:
                 self.facts.append((head, _compiled(parsed[1]), _compiled(parsed[2])))
             elif head.startswith("Lift_") and head in tables:
@@ -446,11 +453,12 @@ class _RenamedApplied(Mapping):
 
 def _alike(program: RuleProgram, matches: Mapping[str, list[tuple]], like: Mapping[int, tuple[int, ...]],
            other: Mapping[int, tuple[int, ...]], codes: Mapping[int, tuple[int, ...]],
-           index: Mapping[ENode, int]) -> bool:
+           index: Mapping[ENode, int], sizes: Sequence[int]) -> bool:
     """Whether every rule's guards, on every match of its pattern, decide alike at the local shapes `like` and
     `other` (the placement `codes` the same at both), the e-nodes a passing match builds take the same
     arguments at both and are in the e-graph (`index`), and the `At` rows it writes are, at each, the local
-    shapes of the classes it writes them for (raises Unreadable). A match whose classes all keep their local
+    shapes of the classes it writes them for (raises Unreadable); `sizes` are the mesh's axes' (`AxisSize`, the
+    same for both graphs). A match whose classes all keep their local
     shape reads the same sizes at both (the guards read sizes through `At` atoms of the match's classes alone)
     and builds classes that keep theirs, so only the others are evaluated (an integer of the match that
     happens to equal a moved class's id only costs an evaluation)."""
@@ -460,7 +468,7 @@ def _alike(program: RuleProgram, matches: Mapping[str, list[tuple]], like: Mappi
         if not rows:
             continue
         guard = _Guard(rule.body.facts, rule.body.variables(), rule.body.actions,
-                       {name: table for name, _, table in rule.tables})
+                       {name: table for name, _, table in rule.tables}, sizes)
         for row in rows:
             before, after = guard.bound(row, like.get, codes.get), guard.bound(row, other.get, codes.get)
             if before is None or after is None:
@@ -500,7 +508,7 @@ def resized(snapshot: Snapshot, names: Mapping[str, int], program: RuleProgram,
     try:
         index = {node: cid for cid, nodes in snapshot.classes.items() for node in nodes}
         codes = {cid: where.codes for cid, where in snapshot.placement.items()}
-        if not _alike(program, matches, local_like, local_graph, codes, index):
+        if not _alike(program, matches, local_like, local_graph, codes, index, snapshot.mesh.shape):
             return None
     except Unreadable:
         return None

@@ -87,21 +87,24 @@ def saturate(graph: Graph, library: Library, rules: Sequence[ast.RuleDecl], mesh
         loadable = {r.name for r in program.rules}
         program = program.without(sequential_cut(graph, [rule for rule in rules if rule.name in loadable]))
     text, names = mesh_graph_program(graph, library.ops, mesh, pins)
-    session = Session(program, text, deadline, mesh)
-    compiled = time.perf_counter() - start
-    note = ""
-    if program.unfinished:
-        note = f"during compilation: {len(rules) - program.unfinished} of {len(rules)} rules compiled"
-    elif session.loaded < len(program.rules):
-        note = f"during compilation: {session.loaded} of {len(program.rules)} egglog rules loaded"
-    chunks = {ruleset: program.chunks(ruleset) for ruleset in rulesets}
-    loaded = [r for r in program.rules[:session.loaded] if r.ruleset in rulesets]
-    done = run_generations(session, program.phase_chunks(GROW, rulesets), program.phase_chunks(PLACE, rulesets),
-                           limits, deadline, {r.key: r.name for r in loaded}, progress)
-    snapshot = session.snapshot()
-    # only for the whole program: an e-graph some rules never ran on is not the program's saturation
-    whole = not program.unfinished and session.loaded == len(program.rules)
-    rows = session.match_rows() if matches and whole else None
+    session = Session(program, text, deadline, mesh, caches.loaded if caches is not None else None)
+    try:
+        compiled = time.perf_counter() - start
+        note = ""
+        if program.unfinished:
+            note = f"during compilation: {len(rules) - program.unfinished} of {len(rules)} rules compiled"
+        elif session.loaded < len(program.rules):
+            note = f"during compilation: {session.loaded} of {len(program.rules)} egglog rules loaded"
+        chunks = {ruleset: program.chunks(ruleset) for ruleset in rulesets}
+        loaded = [r for r in program.rules[:session.loaded] if r.ruleset in rulesets]
+        done = run_generations(session, program.phase_chunks(GROW, rulesets), program.phase_chunks(PLACE, rulesets),
+                               limits, deadline, {r.key: r.name for r in loaded}, progress)
+        snapshot = session.snapshot()
+        # only for the whole program: an e-graph some rules never ran on is not the program's saturation
+        whole = not program.unfinished and session.loaded == len(program.rules)
+        rows = session.match_rows() if matches and whole else None
+    finally:
+        session.close()
     classes = {name: snapshot.lets[var] for name, var in names.items() if var in snapshot.lets}
     seconds = {RULESET_NAMES[ruleset]: sum(done.step_seconds.get(chunk, 0.0) for chunk in chunks[ruleset])
                for ruleset in rulesets}

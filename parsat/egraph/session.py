@@ -9,6 +9,7 @@ around it, with its limits, is `runner`.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.machinery
 import importlib.util
 import re
@@ -26,7 +27,7 @@ from parsat.egraph.derivation import Template, applications, hashcons
 from parsat.egraph.encoding import (ANALYSES, APPLIED_PREFIX, EQUATED, MADE_PREFIX, MATCH_SUFFIX, MAX_RANK, RULESETS,
                                     SHAPE_RULESET, applied_declaration, applied_relation, live_row, match_ruleset)
 from parsat.egraph.loading import BOUND, GraphLoader, bound_names
-from parsat.egraph.mesh_encoding import FOLD_MADE, at_relation, fold_applications
+from parsat.egraph.mesh_encoding import AXIS_SIZE, FOLD_MADE, at_relation, axis_sizes, fold_applications
 from parsat.egraph.program import CompiledRule, RuleProgram, past
 from parsat.egraph.snapshot import Application, ENode, Snapshot
 
@@ -288,43 +289,106 @@ class _Equated(Mapping):
         return len(self._table())
 
 
+class LoadedRules:
+    """A program's declarations and rules loaded into an egglog e-graph, with what a session reads of them.
+
+    Loading is most of a session's set-up (a two-axis mesh's 641 rules: 0.49 of
+    its 0.80 CPU s), and the meshes of one search often load the same text:
+    meshes of one shape but other sizes read the sizes from the e-graph
+    (`lifted_text.lifted_bodies`, `AxisSize`). So one search keeps each
+    program it loaded whole (`take_loaded`), and a session on it pushes the
+    e-graph (egglog's `push`: a copy kept aside), writes its mesh's sizes and
+    its graph, saturates, and pops it back (`Session.close`) to the program
+    alone. egglog's pop brings back the e-class counter too, so the session's
+    e-graph, ids included, is the one a fresh load would give (tests:
+    test_loaded_rules_shared.py)."""
+
+    def __init__(self, program: RuleProgram, deadline: float | None) -> None:
+        self.egraph = bindings.EGraph()
+        self.loaded = 0
+        self.applied = set(re.findall(rf"\(relation ({APPLIED_PREFIX}\S+) ", program.declarations))
+        self.in_use = False
+        # One command batch per rule, and the declarations in pieces: egglog 13.2 is far slower on one large
+        # program (9 s against 0.4 s for 200 rules): egglog-python gives every
+        # parsed node's span its own copy of the whole program text (`_pieces`).
+        for piece in _pieces(program.declarations):
+            self.run(piece)
+        self.run(f"(function {BOUND} (String) T :merge old)")
+        self.constructors = frozenset(name for name, fn in self.egraph.freeze().functions.items()
+                                      if fn.output_sort == "T" and not fn.is_let_binding and name != BOUND)
+        # what one match of a rule can build at most (`run`'s `built`): the shape rules' by the most of any,
+        # each loaded rule's by its actions
+        self.builds = {rule.key: terms_built(rule.body.actions) for rule in program.rules}
+        self.shape_builds = max(map(terms_built, re.findall(rf"\(rule .*?:ruleset {SHAPE_RULESET}\)",
+                                                            program.declarations, re.S)), default=0)
+        for rule in program.rules:
+            if past(deadline):
+                break
+            self.run(rule.text)
+            self.loaded += 1
+
+    def run(self, text: str):
+        return self.egraph.run_program(*self.egraph.parse_program(text))
+
+
+def take_loaded(shared: dict[bytes, LoadedRules], program: RuleProgram,
+                deadline: float | None) -> tuple[LoadedRules, bool]:
+    """`program` loaded, taken from `shared` (the programs one search loaded whole, by their text: the search's
+    `MeshCaches.loaded`, so the e-graphs go with it) or loaded afresh and kept there; and whether it is kept
+    there. A kept one is pushed for the taker, and marked in use until the taker's `Session.close` pops it: a
+    session that ends otherwise (an error mid-load) leaves it marked, and the next session loads afresh
+    rather than run on its leftovers."""
+    key = hashlib.sha256(program.text().encode("utf-8")).digest()
+    found = shared.get(key)
+    if found is not None and not found.in_use:
+        found.in_use = True
+        found.run("(push)")
+        return found, True
+    loaded = LoadedRules(program, deadline)
+    if found is not None or loaded.loaded < len(program.rules):
+        return loaded, False
+    shared[key] = loaded
+    loaded.in_use = True
+    loaded.run("(push)")
+    return loaded, True
+
+
 class Session:
     """An egglog e-graph with the compiled rules and one graph loaded."""
 
     def __init__(self, program: RuleProgram, graph_text: str, deadline: float | None = None,
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, shared: dict[bytes, LoadedRules] | None = None):
         """Once `deadline` (a `time.perf_counter()` value) passes, no more rules are loaded (`loaded` says how
         many were); the graph always is, so the e-graph stays whole, unless the deadline passes while it is
         loaded (OptimizeError: there is no plan of part of a graph). With `mesh` the program is in the mesh
-        encoding (`mesh_encoding`), and the snapshot reads placements."""
+        encoding (`mesh_encoding`), and the snapshot reads placements. With `shared`, the program's rules are
+        taken loaded from there when a session of this search loaded them before (`take_loaded`); `close`
+        then gives them back."""
         self.mesh = mesh
         self._rules = program.rules   # each records its applications led by its index (`CompiledRule.index`)
-        self.egraph = bindings.EGraph()
         self._read: tuple | None = None   # `_frozen`'s copy of the e-graph, until the next command
-        self.loaded = 0
-        self._applied = set(re.findall(rf"\(relation ({APPLIED_PREFIX}\S+) ", program.declarations))
         try:
-            # One command batch per rule, and the declarations in pieces: egglog 13.2 is far slower on one large
-            # program (9 s against 0.4 s for 200 rules): egglog-python gives every
-            # parsed node's span its own copy of the whole program text (`_pieces`).
-            for piece in _pieces(program.declarations):
-                self._run(piece)
-            self._run(f"(function {BOUND} (String) T :merge old)")
-            self._constructors = frozenset(name for name, fn in self.egraph.freeze().functions.items()
-                                           if fn.output_sort == "T" and not fn.is_let_binding and name != BOUND)
-            # what one match of a rule can build at most (`run`'s `built`): the shape rules' by the most of any,
-            # each loaded rule's by its actions
-            self._builds = {rule.key: terms_built(rule.body.actions) for rule in program.rules}
-            self._shape_builds = max(map(terms_built, re.findall(rf"\(rule .*?:ruleset {SHAPE_RULESET}\)",
-                                                                 program.declarations, re.S)), default=0)
-            for rule in program.rules:
-                if past(deadline):
-                    break
-                self._run(rule.text)
-                self.loaded += 1
+            if shared is None:
+                self._base, self._pushed = LoadedRules(program, deadline), False
+            else:
+                self._base, self._pushed = take_loaded(shared, program, deadline)
+            base = self._base
+            self.egraph, self.loaded, self._applied = base.egraph, base.loaded, base.applied
+            self._constructors, self._builds, self._shape_builds = base.constructors, base.builds, base.shape_builds
+            if mesh is not None and AXIS_SIZE in program.declarations:
+                self._run(axis_sizes(mesh))
             self._load_graph(graph_text, program.declarations, deadline)
         except bindings.EggSmolError as err:
             raise CompileError(f"egglog rejected the generated program: {err}") from None
+
+    def close(self) -> None:
+        """Gives a shared program's e-graph back (`take_loaded`): popped to the program alone, free for the next
+        session. The session's snapshot stays readable (it reads a frozen copy; egglog's pop keeps the strings
+        it interned). Nothing to do for a session of its own."""
+        if self._pushed:
+            self._pushed = False
+            self._run("(pop)")
+            self._base.in_use = False
 
     def _load_graph(self, graph_text: str, declarations: str, deadline: float | None) -> None:
         """The graph's tensors: a command per term, the facts read in bulk (`loading`; a command per line took
@@ -353,6 +417,8 @@ class Session:
         holds its candidates, batch by batch; `first_index` keeps the rules'
         match relations apart from the ones loaded before (`RuleBody.text`).
         """
+        if self._pushed:
+            raise CompileError("a session on a shared program takes no more rules (its e-graph is given back)")
         try:
             for ruleset in RULESETS:
                 self._run(f"(ruleset {tag}{ruleset}) (ruleset {match_ruleset(tag + ruleset)})")
