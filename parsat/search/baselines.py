@@ -52,7 +52,7 @@ from parsat.egraph.saturate import SaturationResult, saturate
 from parsat.egraph.snapshot import Snapshot
 from parsat.search.recompute import recomputed_pcg_costs
 from parsat.search.solve import pcg_node_costs, price_pcg, restaged_node_costs, solve
-from parsat.search.strategies import config_excluded, grid, shared_weights
+from parsat.search.strategies import grid, grid_excluded, shared_weights
 
 Progress = Callable[[str], None]
 
@@ -430,8 +430,10 @@ def best_grid(result: SaturationResult, graph: Graph, library: Library, machine:
         if best is None or _better(found, best, fits):
             best = found
 
-    for config in grid(mesh):
-        excluded = config_excluded(result.snapshot, roles, config, shared=shared)
+    configs = grid(mesh)
+    # each point's excluded e-nodes: the e-graph's verdicts worked out once for the points that differ in sequence
+    # parallelism and ZeRO-3 alone (`strategies.grid_excluded`)
+    for config, excluded in zip(configs, grid_excluded(result.snapshot, roles, configs, shared=shared)):
         try:
             keep(config, *solve(result, graph, library, machine, roots,
                                 replace(limits, ilp_nodes=min(limits.ilp_nodes, GRID_ILP_NODES)), free_input_placements,
