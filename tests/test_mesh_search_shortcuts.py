@@ -126,7 +126,8 @@ def test_the_ilp_columns_walk_asks_each_e_node_once_and_gives_the_two_pass_colum
         asked.append(nid)
         return (nid[0] + 2 * nid[1]) % 5 != 0
 
-    cols = extract._columns(snapshot, roots, allowed, None)
+    nids = extract.numbering(snapshot).nids   # the walk asks and lists e-nodes by number
+    cols = [nids[n] for n in extract._columns(extract.numbering(snapshot), roots, lambda n: allowed(nids[n]), None)]
     assert len(asked) == len(set(asked))   # each asked once
     seen, stack = set(roots), list(roots)   # the two passes: the classes reached, then their allowed e-nodes
     while stack:
