@@ -996,42 +996,33 @@ def _ilp_rows(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Seque
     rows_start, rows_index, rows_value, lower, upper = [0], [], [], [], []
     index, value, start = rows_index.extend, rows_value.extend, rows_start.append
     none = (0, 0)
-    for root in roots:
-        if root not in span:
-            return None
-        lo, hi = span[root]
+    if any(root not in span for root in roots):
+        return None
+    # one e-node per root (a row each, in `roots`' order), then at most one per other class of several
+    whole = [span[root] for root in roots] + \
+        [(lo, hi) for cid, (lo, hi) in span.items() if cid not in roots and hi - lo > 1]
+    for lo, hi in whole:
         index(range(lo, hi))
         value([1.0] * (hi - lo))
         start(len(rows_index))
-    lower += [1.0] * len(roots)
-    upper += [1.0] * len(roots)
-    at_most = [(lo, hi) for cid, (lo, hi) in span.items() if cid not in roots and hi - lo > 1]
-    for lo, hi in at_most:
-        index(range(lo, hi))
-        value([1.0] * (hi - lo))
-        start(len(rows_index))
-    lower += [0.0] * len(at_most)
-    upper += [1.0] * len(at_most)
+    lower += [1.0] * len(roots) + [0.0] * (len(whole) - len(roots))
+    upper += [1.0] * len(whole)
     obliged_by = obliged.get if obliged else None
     rows = len(rows_start)
     for col, n in enumerate(cols):
         nid = nids[n]
-        for child in set(classes[nid[0]][nid[1]].children):
-            lo, hi = span.get(child, none)
-            index(range(lo, hi))
-            value([1.0] * (hi - lo))
+        # a row per child (a group of one class), then per group it obliges: a class of it chosen with the e-node
+        groups = [(child,) for child in set(classes[nid[0]][nid[1]].children)]
+        if obliged_by is not None:
+            groups += obliged_by(nid, ())
+        for group in groups:
+            for held in group:
+                lo, hi = span.get(held, none)
+                index(range(lo, hi))
+                value([1.0] * (hi - lo))
             index((col,))
             value((-1.0,))
             start(len(rows_index))
-        if obliged_by is not None:
-            for group in obliged_by(nid, ()):
-                for held in group:
-                    lo, hi = span.get(held, none)
-                    index(range(lo, hi))
-                    value([1.0] * (hi - lo))
-                index((col,))
-                value((-1.0,))
-                start(len(rows_index))
     lower += [0.0] * (len(rows_start) - rows)
     upper += [math.inf] * (len(rows_start) - rows)
     if capacity and math.isfinite(capacity):
