@@ -112,7 +112,7 @@ def test_the_bounded_runner_stops_where_counting_after_every_step_stops(compiled
 
 
 def test_the_ilp_columns_walk_asks_each_e_node_once_and_gives_the_two_pass_columns(compiled):
-    """`extract._columns` in one walk (`_reachable` keeps each reached class's allowed e-nodes) against the walk
+    """`extract._columns` in one walk (each reached class's allowed e-nodes kept as it goes, by number) against the walk
     then the second pass over every reached class's e-nodes that it replaced: the same columns in the same order,
     each e-node asked once."""
     program, text, mesh = compiled
