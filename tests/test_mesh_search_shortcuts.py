@@ -112,7 +112,7 @@ def test_the_bounded_runner_stops_where_counting_after_every_step_stops(compiled
 
 
 def test_the_ilp_columns_walk_asks_each_e_node_once_and_gives_the_two_pass_columns(compiled):
-    """`extract._columns` in one walk (`_reachable` keeps each reached class's allowed e-nodes) against the walk
+    """`extract._columns` in one walk (each reached class's allowed e-nodes kept as it goes, by number) against the walk
     then the second pass over every reached class's e-nodes that it replaced: the same columns in the same order,
     each e-node asked once."""
     program, text, mesh = compiled
@@ -126,7 +126,8 @@ def test_the_ilp_columns_walk_asks_each_e_node_once_and_gives_the_two_pass_colum
         asked.append(nid)
         return (nid[0] + 2 * nid[1]) % 5 != 0
 
-    cols = extract._columns(snapshot, roots, allowed, None)
+    nids = extract.numbering(snapshot).nids   # the walk asks and lists e-nodes by number
+    cols = [nids[n] for n in extract._columns(extract.numbering(snapshot), roots, lambda n: allowed(nids[n]), None)]
     assert len(asked) == len(set(asked))   # each asked once
     seen, stack = set(roots), list(roots)   # the two passes: the classes reached, then their allowed e-nodes
     while stack:

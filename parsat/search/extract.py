@@ -465,6 +465,12 @@ class _Numbering:
     leaves: tuple[int, ...]               # the e-nodes reading no class
     loops: tuple[int, ...]                # the e-nodes that read their own class (never choosable)
     classes: int                          # how many classes are numbered
+    class_number: Mapping[int, int]       # class id -> its number
+    cids: tuple[int, ...]                 # class number -> its id
+    # class number -> its first e-node's number, and one past the last class's: a class's e-nodes are numbered
+    # `first[c]:first[c + 1]` (numbers follow (class, index), so a class's e-nodes are consecutive, and the classes
+    # holding e-nodes are numbered first, in id order; a class read but holding none has an empty range at the end)
+    first: tuple[int, ...]
 
 
 def numbering(snapshot: Snapshot) -> _Numbering:
@@ -485,10 +491,14 @@ def _numbered(snapshot: Snapshot) -> _Numbering:
     for n, read in enumerate(kids):
         for child in read:
             (readers if len(read) > 1 else single)[child].append(n)
+    first = [len(nids)] * (len(class_number) + 1)
+    for n in range(len(nids) - 1, -1, -1):
+        first[cls[n]] = n
     return _Numbering(nids, {nid: n for n, nid in enumerate(nids)}, cls, kids, tuple(map(len, kids)),
                       tuple(map(tuple, readers)), tuple(map(tuple, single)),
                       tuple(n for n, read in enumerate(kids) if not read),
-                      tuple(n for n, read in enumerate(kids) if cls[n] in read), len(class_number))
+                      tuple(n for n, read in enumerate(kids) if cls[n] in read), len(class_number),
+                      class_number, tuple(class_number), tuple(first))
 
 
 @dataclass(frozen=True)
@@ -503,6 +513,7 @@ class _Walk:
     readers: Sequence[Sequence[int]]   # class number -> its choosable readers that read other classes too
     single: Sequence[Sequence[int]]    # class number -> its choosable readers that read it alone
     ready: Sequence[int]
+    ok: Sequence[bool]                 # e-node number -> whether it is choosable (the ILP's columns ask, `ilp`)
 
     @staticmethod
     def of(snapshot: Snapshot, usable: Callable[[NodeId], bool]) -> "_Walk":
@@ -512,7 +523,8 @@ class _Walk:
         for n in numbers.loops:
             ok[n] = False
         return _Walk(numbers, [[n for n in read if ok[n]] for read in numbers.readers],
-                     [[n for n in read if ok[n]] for read in numbers.single], [n for n in numbers.leaves if ok[n]])
+                     [[n for n in read if ok[n]] for read in numbers.single], [n for n in numbers.leaves if ok[n]],
+                     ok)
 
 
 @dataclass(frozen=True)
@@ -598,6 +610,15 @@ def bottom_up(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Call
     None: only the ILP reads it, and the other passes (~280 a search) built it for nothing.
     """
     choosable = choosable or Choosable.of(snapshot, costs, usable)
+    choice = dict(map(choosable.walk.numbers.nids.__getitem__, finalised(choosable, costs, prefer, memory_price)))
+    return choice, {cid: position for position, cid in enumerate(choice)} if ranked else None
+
+
+def finalised(choosable: Choosable, costs: Mapping[NodeId, NodeCost], prefer: Mapping[int, int] | None = None,
+              memory_price: float = 0.0) -> list[int]:
+    """`bottom_up`'s pass over `choosable` (`costs`: the costs it was made of): the e-nodes (by number) that make
+    their classes final, in the order they do (a class's rank is its place here). The ILP reads this order by
+    number (`ilp`) rather than a dict by class id."""
     walk = choosable.walk
     numbers = walk.numbers
     if memory_price:
@@ -650,8 +671,7 @@ def bottom_up(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Call
                     if known is None or entry < known:
                         least[own] = entry
                         push(heap, entry)
-    choice = dict(map(numbers.nids.__getitem__, order))
-    return choice, {cid: position for position, cid in enumerate(choice)} if ranked else None
+    return order
 
 
 def _least_per_class(entries: list[tuple[float, int]], cls: Sequence[int], classes: int) -> list[tuple[float, int]]:
@@ -756,36 +776,6 @@ def greedy_dag(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], usable: Cal
     return dict(map(numbers.nids.__getitem__, order))
 
 
-def _reachable(snapshot: Snapshot, roots: Sequence[int], usable,
-               obliged: Obliged | None = None) -> dict[int, list[int]]:
-    """The classes the roots reach through usable e-nodes' children and what they oblige (`obliged`), each with
-    its usable e-nodes' indices in order: one walk asks each e-node once (`_columns` walked, then asked every
-    reached class's e-nodes again)."""
-    seen = set(roots)
-    stack = list(roots)
-    obliged_by = (obliged or {}).get
-    found: dict[int, list[int]] = {}
-    while stack:
-        cid = stack.pop()
-        usable_here = found[cid] = []
-        for index, node in enumerate(snapshot.classes.get(cid, ())):
-            nid = (cid, index)
-            if not usable(nid):
-                continue
-            usable_here.append(index)
-            # its children, then what it obliges, in that order (no tuple of both made per e-node)
-            for child in node.children:
-                if child not in seen:
-                    seen.add(child)
-                    stack.append(child)
-            for group in obliged_by(nid, ()):
-                for child in group:
-                    if child not in seen:
-                        seen.add(child)
-                        stack.append(child)
-    return found
-
-
 @contextlib.contextmanager
 def _quiet_stdout():
     """File descriptor 1 goes to /dev/null inside the block.
@@ -812,8 +802,8 @@ def _quiet_stdout():
         os.close(devnull)
 
 
-def ilp(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], usable, capacity: float,
-        warm: Mapping[int, int] | None, nodes: int, rank: Mapping[int, int],
+def ilp(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], walk: "_Walk", capacity: float,
+        warm: Mapping[int, int] | None, nodes: int, rank: Sequence[int],
         seconds: float = math.inf, obliged: Obliged | None = None) -> tuple[dict[int, int] | None, str]:
     """Exact DAG extraction with a memory constraint, by HiGHS, within `nodes` branch-and-bound nodes.
 
@@ -823,24 +813,30 @@ def ilp(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[in
     `--limit ilp_seconds` or `seconds` says otherwise).
 
     Acyclicity: the ILP only sees e-nodes whose children were finalised
-    before their own class by the bottom-up pass (`rank`), an acyclic
+    before their own class by the bottom-up pass (`rank`: its e-nodes by
+    number in the order they made their classes final, `finalised`), an acyclic
     sub-e-graph that contains the greedy plans. (Cycle constraints on the
     full e-graph, big-M orderings or lazy cycle cuts, were tried: the
     combine/partition round trips make their relaxation so weak that HiGHS
     did not close the gap on a single transformer block in 20 s.)
 
+    `walk`: the extraction's `_Walk` (`Choosable.walk`), whose choosable e-nodes are the usable ones the ILP may
+    choose (an e-node reading its own class, which the walk leaves out, is never one: its class does not rank
+    below itself). The model is set up over the walk's e-node numbers (`_Numbering`), columns in number order,
+    which is the (class, index) order it was set up in before.
     `obliged`: an e-node chosen holds a class of each of its groups (a row each), as `dag_cost` counts them.
     For a repeated model (`obliged`), a second ILP, started from the first's plan, may also re-make a class of
     the warm plan by value order (`_ilp_columns`); its plan is taken only where it is cheaper by more than the
     ILP's gap, so that ties the first breaks stay broken as they were (a tie re-broken reordered gpt-6.7b:64's
     last block at an equal cost; benchmarks/search_results.md, 2026-12-04 helper M2).
     """
-    cols, more = _ilp_columns(snapshot, roots, usable, rank, obliged, warm if obliged else None)
-    choice, status, objective = _solve_ilp(costs, cols, _ilp_rows(snapshot, costs, roots, cols, capacity, obliged),
-                                           warm, nodes, seconds)
+    cols, more = _ilp_columns(snapshot, roots, walk, rank, obliged, warm if obliged else None)
+    choice, status, objective = _solve_ilp(snapshot, costs, cols, _ilp_rows(snapshot, costs, roots, cols, capacity,
+                                                                            obliged), warm, nodes, seconds)
     if more is None:
         return choice, status
-    better, better_status, lower = _solve_ilp(costs, more, _ilp_rows(snapshot, costs, roots, more, capacity, obliged),
+    better, better_status, lower = _solve_ilp(snapshot, costs, more,
+                                              _ilp_rows(snapshot, costs, roots, more, capacity, obliged),
                                               choice or warm, nodes, seconds)
     if better is not None and lower < objective - ILP_GAP * abs(objective):
         return better, better_status
@@ -850,16 +846,18 @@ def ilp(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[in
 ILP_GAP = 1e-6   # HiGHS's relative gap: a plan within it of another is a tie
 
 
-def _solve_ilp(costs: Mapping[NodeId, NodeCost], cols: Sequence[NodeId], rows: _IlpRows | None,
+def _solve_ilp(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], cols: Sequence[int], rows: _IlpRows | None,
                warm: Mapping[int, int] | None, nodes: int,
                seconds: float) -> tuple[dict[int, int] | None, str, float]:
-    """HiGHS on one ILP (`ilp`): the choice (None where it found none), its status and its time (the objective,
-    in seconds: `_highs_lp` scales it by its columns' dearest)."""
+    """HiGHS on one ILP (`ilp`; `cols`: e-node numbers): the choice (None where it found none), its status and its
+    time (the objective, in seconds: `_highs_lp` scales it by its columns' dearest)."""
     import highspy
+    import numpy as np
 
     if rows is None:
         return None, "infeasible (a root has no usable e-node)", math.inf
-    lp = _highs_lp(costs, cols, rows)
+    times = node_times(snapshot, costs)
+    lp = _highs_lp(times, cols, rows)
     with _quiet_stdout():
         h = highspy.Highs()
         h.setOptionValue("output_flag", False)
@@ -870,14 +868,15 @@ def _solve_ilp(costs: Mapping[NodeId, NodeCost], cols: Sequence[NodeId], rows: _
         h.setOptionValue("time_limit", float(max(seconds, 0.05)))
     h.passModel(lp)
     if warm:
-        h.setSolution(_warm_solution(warm, {nid: c for c, nid in enumerate(cols)}, len(cols)))
+        h.setSolution(_warm_solution(snapshot, warm, cols))
     h.run()
     status = h.modelStatusToString(h.getModelStatus())
     if h.getInfo().primal_solution_status != 2:  # no feasible solution
         return None, status, math.inf
-    values = h.getSolution().col_value
-    chosen = [cols[c] for c in range(len(cols)) if values[c] > 0.5]
-    return dict(chosen), status, sum(costs[nid].time_s for nid in chosen)
+    chosen = [cols[c] for c in np.flatnonzero(np.asarray(h.getSolution().col_value) > 0.5).tolist()]
+    nids = numbering(snapshot).nids
+    # the objective summed over the chosen columns in column order, as `costs[nid].time_s` one after another
+    return dict(map(nids.__getitem__, chosen)), status, sum(map(times.__getitem__, chosen))
 
 
 # how many columns the value order may add to those `rank` admits, as a share of them: past it the ILP keeps the
@@ -887,49 +886,85 @@ def _solve_ilp(costs: Mapping[NodeId, NodeCost], cols: Sequence[NodeId], rows: _
 VALUE_ORDER_GROWTH = 0.5
 
 
-def _ilp_columns(snapshot: Snapshot, roots: Sequence[int], usable, rank: Mapping[int, int],
+def _ilp_columns(snapshot: Snapshot, roots: Sequence[int], walk: "_Walk", rank: Sequence[int],
                  obliged: Obliged | None = None,
-                 warm: Mapping[int, int] | None = None) -> tuple[list[NodeId], list[NodeId] | None]:
-    """The ILP's 0/1 variables, one per e-node it may choose (a column each), in the classes the roots reach
-    through them and what they oblige (`obliged`): the usable e-nodes whose children `rank` finalised before their
-    own class; and, given a `warm` plan, those columns with the e-nodes of the warm plan's classes whose children
-    come before it in the order of values, then of `rank` (`value_order`), or None. Both are read in that one
-    order (a child before its class in `rank` is before it there too), so either sub-e-graph is acyclic (see
-    `ilp`); the second lets the ILP re-choose how a class of the warm plan is made from the values before it,
-    which `rank` alone forbade for a class the warm plan finalised early. It is a bounded amount of work: None
-    where it adds nothing or more than `VALUE_ORDER_GROWTH` of the first's columns."""
-    # each test is asked once per e-node by each walk (`_columns`) and `ranked` again inside `ordered`: each answer
-    # is kept (`functools.cache`), as it reads only the e-node and this call's fixed `usable`, `rank`, `warm`
-    kids, rank_of = snapshot.kids, rank.get
+                 warm: Mapping[int, int] | None = None) -> tuple[list[int], list[int] | None]:
+    """The ILP's 0/1 variables, one per e-node it may choose (a column each, by `_Numbering`'s number), in the
+    classes the roots reach through them and what they oblige (`obliged`): the choosable e-nodes of `walk` whose
+    children `rank` finalised before their own class; and, given a `warm` plan, those columns with the e-nodes of
+    the warm plan's classes whose children come before it in the order of values, then of `rank` (`value_order`),
+    or None. Both are read in that one order (a child before its class in `rank` is before it there too), so
+    either sub-e-graph is acyclic (see `ilp`); the second lets the ILP re-choose how a class of the warm plan is
+    made from the values before it, which `rank` alone forbade for a class the warm plan finalised early. It is a
+    bounded amount of work: None where it adds nothing or more than `VALUE_ORDER_GROWTH` of the first's columns.
+    An e-node's children are its distinct children (`_Numbering.kids`): `all` over them asks what it asked over
+    its children as written."""
+    numbers = walk.numbers
+    cls, kids, ok, number = numbers.cls, numbers.kids, walk.ok, numbers.class_number
+    position = [math.inf] * numbers.classes   # class number -> its rank (inf: never finalised)
+    for place, n in enumerate(rank):
+        position[cls[n]] = place
+    known: dict[int, bool] = {}   # e-node number -> `ranked`'s answer: the second walk asks most of them again
+    at = position.__getitem__
 
-    @functools.cache
-    def ranked(nid: NodeId) -> bool:
-        own = rank_of(nid[0])   # its distinct children (`Snapshot.kids`) are its children, each asked once
-        return own is not None and usable(nid) and all(rank_of(ch, math.inf) < own for ch in kids[nid])
+    def ranked(n: int) -> bool:
+        own = position[cls[n]]   # above every child's rank (the max of none: -1, a leaf)
+        found = known[n] = own != math.inf and ok[n] and max(map(at, kids[n]), default=-1) < own
+        return found
 
-    cols = _columns(snapshot, roots, ranked, obliged)
+    cols = _columns(numbers, roots, ranked, obliged)
     if not warm:
         return cols, None
-    values = value_order(snapshot)
+    values, cids = value_order(snapshot), numbers.cids
+    held = {number[cid] for cid in warm if cid in number}
 
-    @functools.cache
-    def ordered(nid: NodeId) -> bool:
-        cid = nid[0]
-        if ranked(nid):
+    def ordered(n: int) -> bool:
+        own = cls[n]
+        if known[n] if n in known else ranked(n):
             return True
-        if cid not in warm or not usable(nid) or cid not in rank:
+        if own not in held or not ok[n] or position[own] == math.inf:
             return False
-        own = (values[cid], rank[cid])
-        return all(ch in rank and (values[ch], rank[ch]) < own for ch in snapshot.classes[cid][nid[1]].children)
+        key = (values[cids[own]], position[own])
+        return all(position[k] != math.inf and (values[cids[k]], position[k]) < key for k in kids[n])
 
-    more = _columns(snapshot, roots, ordered, obliged)
+    more = _columns(numbers, roots, ordered, obliged)
     return cols, (more if len(cols) < len(more) <= len(cols) * (1 + VALUE_ORDER_GROWTH) else None)
 
 
-def _columns(snapshot: Snapshot, roots: Sequence[int], allowed, obliged: Obliged | None) -> list[NodeId]:
-    """The `allowed` e-nodes of the classes the roots reach through them and what they oblige, in that order."""
-    reached = _reachable(snapshot, roots, allowed, obliged)
-    return [(cid, index) for cid in sorted(reached) for index in reached[cid]]
+def _columns(numbers: "_Numbering", roots: Sequence[int], allowed: Callable[[int], bool],
+             obliged: Obliged | None) -> list[int]:
+    """The `allowed` e-nodes (by number) of the classes the roots reach through them and what they oblige, in
+    number order: (class, index) order, the order the columns were listed in by class id, then index. One walk
+    asks each e-node of a reached class once; a class outside the numbering holds no e-node, so it adds none."""
+    number, first, kids, nids = numbers.class_number, numbers.first, numbers.kids, numbers.nids
+    obliged_by = obliged.get if obliged else None
+    seen = [False] * numbers.classes
+    stack: list[int] = []
+    for root in roots:
+        c = number.get(root)
+        if c is not None and not seen[c]:
+            seen[c] = True
+            stack.append(c)
+    found: list[int] = []
+    while stack:
+        c = stack.pop()
+        for n in range(first[c], first[c + 1]):
+            if not allowed(n):
+                continue
+            found.append(n)
+            for k in kids[n]:
+                if not seen[k]:
+                    seen[k] = True
+                    stack.append(k)
+            if obliged_by is not None:
+                for group in obliged_by(nids[n], ()):
+                    for cid in group:
+                        k = number.get(cid)
+                        if k is not None and not seen[k]:
+                            seen[k] = True
+                            stack.append(k)
+    found.sort()
+    return found
 
 
 @dataclass(frozen=True)
@@ -944,55 +979,74 @@ class _IlpRows:
     upper: list[float]
 
 
-def _ilp_rows(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], cols: Sequence[NodeId],
+def _ilp_rows(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequence[int], cols: Sequence[int],
               capacity: float, obliged: Obliged | None = None) -> _IlpRows | None:
-    """What makes a choice of columns a plan that fits: one e-node per root, at most one per other class, an
-    e-node's children chosen with it, and a class of each group it obliges (`obliged`), the memory of what is
-    chosen within `capacity` (None: a root has no column).
+    """What makes a choice of columns (e-node numbers, in number order) a plan that fits: one e-node per root, at
+    most one per other class, an e-node's children chosen with it (a row per child, in the order
+    `set(node.children)` gives them: HiGHS's model follows the rows' order), and a class of each group it obliges
+    (`obliged`), the memory of what is chosen within `capacity` (None: a root has no column). A class's columns
+    are consecutive (numbers follow (class, index)), so each is a range of column positions.
     """
+    nids, classes = numbering(snapshot).nids, snapshot.classes
+    span: dict[int, tuple[int, int]] = {}   # class id -> (its first column, one past its last), in column order
+    for col, n in enumerate(cols):
+        cid = nids[n][0]
+        lo, _hi = span.get(cid, (col, col))
+        span[cid] = (lo, col + 1)
     rows_start, rows_index, rows_value, lower, upper = [0], [], [], [], []
-
-    def row(entries: Iterable[tuple[int, float]], lo: float, hi: float) -> None:
-        for col, val in entries:
-            rows_index.append(col)
-            rows_value.append(val)
-        rows_start.append(len(rows_index))
-        lower.append(lo)
-        upper.append(hi)
-
-    by_class: dict[int, list[int]] = {}
-    for col, (cid, _i) in enumerate(cols):
-        by_class.setdefault(cid, []).append(col)
-    for root in roots:
-        if root not in by_class:
-            return None
-        row(((c, 1.0) for c in by_class[root]), 1.0, 1.0)
-    for cid, cs in by_class.items():
-        if cid not in roots and len(cs) > 1:
-            row(((c, 1.0) for c in cs), 0.0, 1.0)
-    for col, (cid, index) in enumerate(cols):
-        node = snapshot.classes[cid][index]
-        for child in set(node.children):
-            row([(c, 1.0) for c in by_class.get(child, [])] + [(col, -1.0)], 0.0, math.inf)
-        for group in (obliged or {}).get((cid, index), ()):
-            row([(c, 1.0) for held in group for c in by_class.get(held, [])] + [(col, -1.0)], 0.0, math.inf)
+    index, value, start = rows_index.extend, rows_value.extend, rows_start.append
+    none = (0, 0)
+    if any(root not in span for root in roots):
+        return None
+    # one e-node per root (a row each, in `roots`' order), then at most one per other class of several
+    whole = [span[root] for root in roots] + \
+        [(lo, hi) for cid, (lo, hi) in span.items() if cid not in roots and hi - lo > 1]
+    for lo, hi in whole:
+        index(range(lo, hi))
+        value([1.0] * (hi - lo))
+        start(len(rows_index))
+    lower += [1.0] * len(roots) + [0.0] * (len(whole) - len(roots))
+    upper += [1.0] * len(whole)
+    obliged_by = obliged.get if obliged else None
+    rows = len(rows_start)
+    for col, n in enumerate(cols):
+        nid = nids[n]
+        # a row per child (a group of one class), then per group it obliges: a class of it chosen with the e-node
+        groups = [(child,) for child in set(classes[nid[0]][nid[1]].children)]
+        if obliged_by is not None:
+            groups += obliged_by(nid, ())
+        for group in groups:
+            for held in group:
+                lo, hi = span.get(held, none)
+                index(range(lo, hi))
+                value([1.0] * (hi - lo))
+            index((col,))
+            value((-1.0,))
+            start(len(rows_index))
+    lower += [0.0] * (len(rows_start) - rows)
+    upper += [math.inf] * (len(rows_start) - rows)
     if capacity and math.isfinite(capacity):
-        row(((col, costs[nid].memory_bytes / capacity) for col, nid in enumerate(cols)), 0.0, 1.0)
+        index(range(len(cols)))
+        value([costs[nids[n]].memory_bytes / capacity for n in cols])
+        start(len(rows_index))
+        lower.append(0.0)
+        upper.append(1.0)
     return _IlpRows(rows_start, rows_index, rows_value, lower, upper)
 
 
-def _highs_lp(costs: Mapping[NodeId, NodeCost], cols: Sequence[NodeId], rows: _IlpRows):
-    """The model HiGHS solves: 0/1 integer columns, `rows`, and the chosen e-nodes' time to minimise, divided by
-    the largest e-node's time so the objective's coefficients are at most 1."""
+def _highs_lp(times: Sequence[float], cols: Sequence[int], rows: _IlpRows):
+    """The model HiGHS solves: 0/1 integer columns, `rows`, and the chosen e-nodes' time (`times`, by e-node number)
+    to minimise, divided by the largest e-node's time so the objective's coefficients are at most 1."""
     import highspy
     import numpy as np
 
     ncols = len(cols)
-    scale = max((costs[nid].time_s for nid in cols), default=1.0) or 1.0
+    cost = np.array([times[n] for n in cols], dtype=np.float64)
+    scale = (float(cost.max()) if ncols else 1.0) or 1.0
     lp = highspy.HighsLp()
     lp.num_col_ = ncols
     lp.num_row_ = len(rows.lower)
-    lp.col_cost_ = np.array([costs[nid].time_s / scale for nid in cols])
+    lp.col_cost_ = cost / scale   # element-wise, each the IEEE quotient `time / scale` was
     lp.col_lower_ = np.zeros(ncols)
     lp.col_upper_ = np.ones(ncols)
     lp.row_lower_ = np.array(rows.lower)
@@ -1007,19 +1061,20 @@ def _highs_lp(costs: Mapping[NodeId, NodeCost], cols: Sequence[NodeId], rows: _I
     return lp
 
 
-def _warm_solution(warm: Mapping[int, int], col_of: Mapping[NodeId, int], ncols: int):
+def _warm_solution(snapshot: Snapshot, warm: Mapping[int, int], cols: Sequence[int]):
     """The best plan the earlier passes found as a HiGHS starting solution (its e-nodes outside the ILP's
-    columns left out), so the ILP starts from a known plan and only has to improve on it."""
+    columns, e-node numbers, left out), so the ILP starts from a known plan and only has to improve on it."""
     import highspy
-    import numpy as np
 
-    values = np.zeros(ncols)
-    for cid, index in warm.items():
-        col = col_of.get((cid, index))
+    col_of = {n: c for c, n in enumerate(cols)}
+    number = numbering(snapshot).number
+    values = [0.0] * len(cols)
+    for nid in warm.items():
+        col = col_of.get(number.get(nid))
         if col is not None:
             values[col] = 1.0
     solution = highspy.HighsSolution()
-    solution.col_value = list(values)
+    solution.col_value = values
     solution.value_valid = True
     return solution
 
@@ -1234,8 +1289,8 @@ def extract(snapshot: Snapshot, costs: Mapping[NodeId, NodeCost], roots: Sequenc
         warm = min(found, key=lambda f: (f[1] > capacity, f[0]))[3]
         t = time.perf_counter()
         guide, choosable = walk()
-        _tree, rank = bottom_up(snapshot, guide, usable, prefer=warm, choosable=choosable)  # admits the warm start
-        choice, status = ilp(snapshot, costs, roots, usable, capacity, warm, limits.ilp_nodes, rank,
+        rank = finalised(choosable, guide, prefer=warm)  # an order that admits the warm start
+        choice, status = ilp(snapshot, costs, roots, choosable.walk, capacity, warm, limits.ilp_nodes, rank,
                              min(limits.ilp_seconds, limits.seconds), obliged)
         seconds[method] = time.perf_counter() - t
         consider(method, choice)
