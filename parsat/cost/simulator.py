@@ -13,11 +13,12 @@ issues them.
 `simulate` is one pass over the tasks in that order (every dependency is
 an earlier task, so a task's start is the later of its stream becoming
 free and its dependencies finishing). It returns the step time (the last
-finish), each stream's busy time, the critical path (walked back through
-whichever predecessor held each task up), and, worked out when first read
-(a search ranks most steps by their time alone), per device the time its
-compute and communication overlapped, the timeline for `explain`, and the
-peak memory per device (a sweep over the memory events). A few thousand
+finish), each stream's busy time, and, worked out when first read (a
+search ranks most steps by their time alone), the critical path (walked
+back through whichever predecessor held each task up), per device the
+time its compute and communication overlapped, the timeline for
+`explain`, and the peak memory per device (a sweep over the memory
+events). A few thousand
 tasks take a few milliseconds (benchmarks/simulator_speed.md).
 """
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Hashable, Iterable, Mapping, Sequence
+from typing import Callable, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -67,10 +68,23 @@ class StepResult:
     """What one simulated step gives: time, per-stream busy time, overlap, critical path, timeline, memory."""
 
     step_s: float
-    busy_s: Mapping[str, float]            # stream label -> seconds busy
-    critical_path: tuple[int, ...]          # task ids, first to last
     _columns: tuple = field(repr=False, compare=False)   # (builder, starts, ends): spans are made on demand
     _resident: Mapping[Hashable, int] = field(repr=False, compare=False, default_factory=dict)
+
+    @cached_property
+    def busy_s(self) -> Mapping[str, float]:
+        """Stream label -> seconds busy: its tasks' durations summed in task order from 0.0 (`StepBuilder._busy`),
+        worked out when asked (a report): the search reads a step's time and memory alone."""
+        return self._columns[0]._busy()
+
+    @cached_property
+    def critical_path(self) -> tuple[int, ...]:
+        """Task ids, first to last: from the task that ends last (the first such), back through whichever
+        predecessor held each task up (`StepBuilder._held_by`). Worked out when asked (a report, a test), as
+        `peak_memory_bytes` is: the search reads a step's time and memory alone, and keeping each task's
+        predecessor in `simulate`'s loop was a quarter of its work (10^5-10^6 tasks a step)."""
+        b, _start, end = self._columns
+        return b._critical_path(end)
 
     @cached_property
     def peak_memory_bytes(self) -> Mapping[Hashable, int]:
@@ -258,48 +272,80 @@ class StepBuilder:
     def simulate(self, resident: Mapping[Hashable, int] | None = None, last: bool = False) -> StepResult:
         """Run the step: `resident` bytes are held on each device throughout (weights, optimizer state).
         `last`: no task is added after this, so the result reads these columns rather than a copy of them
-        (`pcg_tasks.simulate_pcg`, whose builder ends here: a step of many micro-batches has 10^5-10^6 tasks)."""
+        (`pcg_tasks.simulate_pcg`, whose builder ends here: a step of many micro-batches has 10^5-10^6 tasks).
+        The critical path and the streams' busy times are worked out when asked (`StepResult.critical_path`,
+        `busy_s`): the loop keeps the ends alone."""
         n = len(self.names)
         free_at = [0.0] * len(self.streams)
-        latest = [-1] * len(self.streams)
         start = [0.0] * n
         end = [0.0] * n
-        held_by = [-1] * n
-        per_stream = [0.0] * len(self.streams)
         stream_of, durations, deps = self.stream_of, self.durations, self._deps
-        # each stream's busy time summed in task order, as before, in the same pass; run by run (`_runs`), each
-        # dependency at or past `cut` read moved by `shift` (a copy's, as `repeat` would have written it: the
-        # same comparisons, sums and order, so the same figures)
+        # run by run (`_runs`), each dependency at or past `cut` read moved by `shift` (a copy's, as `repeat` would
+        # have written it: the same comparisons and sums, so the same figures)
         for first, stop, read, cut, shift in self._runs():
             for i, s, needs, duration in zip(range(first, stop), stream_of[first:stop],
                                              deps[read:read + stop - first], durations[first:stop]):
-                t, why = free_at[s], latest[s]
+                t = free_at[s]
                 for d in needs:
                     if d >= cut:
                         d += shift
                     e = end[d]
                     if e > t:
-                        t, why = e, d
+                        t = e
                 start[i] = t
-                end[i] = finish = t + duration
-                free_at[s] = finish
-                latest[s] = i
-                held_by[i] = why
-                per_stream[s] += duration
+                end[i] = free_at[s] = t + duration
         step = max(end, default=0.0)
-        busy = {stream.label(): per_stream[k] for k, stream in enumerate(self.streams)}
-        path: list[int] = []
-        if n:
-            i = max(range(n), key=end.__getitem__)
-            while i >= 0:
-                path.append(i)
-                i = held_by[i]
-            path.reverse()
         snapshot = self
         if not last:   # the columns as they are now, if tasks are added later
             snapshot = StepBuilder.__new__(StepBuilder)
             snapshot.__dict__.update({k: list(v) if isinstance(v, list) else v for k, v in self.__dict__.items()})
-        return StepResult(step, busy, tuple(path), (snapshot, start, end), dict(resident or {}))
+        return StepResult(step, (snapshot, start, end), dict(resident or {}))
+
+    def _busy(self) -> dict[str, float]:
+        """Stream label -> its tasks' durations summed in task order from 0.0 (`StepResult.busy_s`)."""
+        per_stream = [0.0] * len(self.streams)
+        for s, duration in zip(self.stream_of, self.durations):
+            per_stream[s] += duration
+        return {stream.label(): per_stream[k] for k, stream in enumerate(self.streams)}
+
+    def _critical_path(self, end: Sequence[float]) -> tuple[int, ...]:
+        """The tasks `simulate`'s ends (`end`) hold on one another, first to last: from the first task that ends
+        last, back through each task's `_held_by`."""
+        n = len(end)
+        if not n:
+            return ()
+        held_by = self._held_by(end)
+        path: list[int] = []
+        i = end.index(max(end))   # the first task of the largest end, as `max` over the ids by end finds it
+        while i >= 0:
+            path.append(i)
+            i = held_by(i)
+        path.reverse()
+        return tuple(path)
+
+    def _held_by(self, end: Sequence[float]) -> Callable[[int], int]:
+        """Task -> the task that held it up in `simulate` (-1: none, it started at 0), from the ends: the latest
+        earlier task on its stream (whose end is the instant the stream came free, 0.0 where there is none),
+        replaced by each dependency, in order, that ends strictly later. `simulate` took exactly these
+        comparisons, in this order, over the same ends (an end never changes once made), so this is the
+        predecessor it would have kept per task (a dependency of a copy as `deps` writes it out, moved as
+        `simulate` moves it)."""
+        before: list[int] = []   # task -> the latest earlier task on its stream
+        latest = [-1] * len(self.streams)
+        for i, s in enumerate(self.stream_of):
+            before.append(latest[s])
+            latest[s] = i
+        deps = self.deps
+
+        def held_by(i: int) -> int:
+            why = before[i]
+            t = end[why] if why >= 0 else 0.0
+            for d in deps[i]:
+                e = end[d]
+                if e > t:
+                    t, why = e, d
+            return why
+        return held_by
 
     def _runs(self) -> list[tuple[int, int, int, int, int]]:
         """The tasks in runs, in order: (first, end, where its dependencies are read from, cut, shift): a run
