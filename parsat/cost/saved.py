@@ -207,8 +207,11 @@ def _reading(op: str, library: Library, into: set) -> _Reading:
 
 def through_aliases(direct: Iterable[Hashable], aliases: Mapping[Hashable, list[Hashable]]) -> frozenset:
     """`direct` and every value they alias, followed transitively (a view or gather -> the value it reads): what
-    keeping `direct` for the backward keeps."""
-    found, stack = set(direct), list(direct)
+    keeping `direct` for the backward keeps. The walk starts from the values of `direct` that alias some value (a
+    value that aliases none adds nothing: popped, it was looked up for nothing; a whole PCG keeps thousands of
+    values, of which its views and gathers are few); the values found are the same in any order of the walk."""
+    found = set(direct)
+    stack = list(found.intersection(aliases))
     while stack:
         for source in aliases.get(stack.pop(), ()):
             if source not in found:

@@ -15,8 +15,10 @@ import importlib.util
 import re
 import sys
 from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import repeat
 from math import prod
-from operator import call, itemgetter
+from operator import attrgetter, call, itemgetter
 from types import ModuleType
 from typing import Mapping, Sequence
 
@@ -149,25 +151,34 @@ class _ProvenanceRows:
     def __init__(self, egraph, frozen, rules: Sequence[CompiledRule],
                  classes: Mapping[int, Sequence[ENode]] | None) -> None:
         self._egraph, self._frozen, self.rules = egraph, frozen, rules
-        self.rows: dict[tuple, frozenset[str]] | None = None
+        # (operator, columns) -> its makers: one maker as its string, several as a set, until `makers` asks for the
+        # key (then its frozenset)
+        self.rows: dict[tuple, str | set[str] | frozenset[str]] | None = None
         self.tensor_columns: dict[str, tuple[bool, ...]] = {}   # operator -> which columns of its rows are tensors
         self.equated: dict[int, frozenset[str]] = {}
-        self.applied_rows: dict[int, list[tuple]] = {}
+        self._applied: list[tuple[list[int], list[tuple]]] = []   # per Applied_ table: its indices, its rows' rest
         self.classes = classes or {}
 
-    def load(self) -> dict[tuple, frozenset[str]]:
-        """The rows, decoded once: (operator, the e-node's columns as egglog orders them) -> its makers. Keyed by
-        the decoded columns rather than by an ENode: a 44,000 e-node e-graph has twice as many rows, and making
-        and hashing an ENode for each took most of decoding them; an ENode asked for is turned into its key
-        (`Provenance._key`), and iterating makes the ENodes."""
+    def load(self) -> dict[tuple, str | set[str] | frozenset[str]]:
+        """The rows, decoded once: (operator, the e-node's columns as egglog orders them) -> its makers (`makers`
+        reads them). Keyed by the decoded columns rather than by an ENode: a 44,000 e-node e-graph has twice as many
+        rows, and making and hashing an ENode for each took most of decoding them; an ENode asked for is turned
+        into its key (`Provenance._key`), and iterating makes the ENodes.
+
+        Each table is decoded a column at a time (`_columns`: a map in C per column, where a map per row made a
+        tuple per row to slice again), and a key's makers are kept as the one maker's string until a second comes
+        (most keys have one to three; a set per key, then a frozenset per key, was a third of the load) and made a
+        frozenset when asked (`makers`: a plan asks for a few thousand of ~15,000 keys). The application rows are
+        grouped by their rule's index only when a plan asks for a rule's applications (`applied_rows`). The same
+        rows, the same makers per key, the same applications in the same order."""
         if self.rows is None:
             eg, made, equated = self._egraph, {}, {}
+            found_of = made.get
             for name, fn in self._frozen.functions.items():
                 if name.startswith(APPLIED_PREFIX):   # (index, the recorded match...): `encoding.applied_relation`
-                    values, applied = _RowReader(eg, fn.input_sorts).values, self.applied_rows
-                    for row in fn.rows:
-                        decoded = values(row.inputs)
-                        applied.setdefault(decoded[0], []).append(decoded[1:])
+                    columns = self._columns(eg, fn)
+                    if columns:
+                        self._applied.append((columns[0], list(_tuples(columns[1:], len(columns[0])))))
                 if name == EQUATED:
                     for row in fn.rows:
                         equated.setdefault(eg.value_to_i64(row.inputs[0]), set()).add(
@@ -176,14 +187,60 @@ class _ProvenanceRows:
                     continue
                 op = name[len(MADE_PREFIX):].split("_", 1)[1]
                 self.tensor_columns[op] = tuple(sort == "T" for sort in fn.input_sorts[:-1])
-                values = _RowReader(eg, fn.input_sorts).values   # holds `eg`: not kept past decoding
-                for row in fn.rows:
-                    decoded = values(row.inputs)
-                    made.setdefault((op, decoded[:-1]), set()).add(decoded[-1])
-            self.rows = {key: frozenset(who) for key, who in made.items()}
+                columns = self._columns(eg, fn)
+                if not columns:
+                    continue
+                for key, who in zip(zip(repeat(op), _tuples(columns[:-1], len(columns[-1]))), columns[-1]):
+                    found = found_of(key)
+                    if found is None:
+                        made[key] = who
+                    elif found.__class__ is str:
+                        made[key] = {found, who}   # a row is unique, so `who` is another maker
+                    else:
+                        found.add(who)
+            self.rows = made
             self.equated = {cid: frozenset(who) for cid, who in equated.items()}
             self._egraph = self._frozen = None
         return self.rows
+
+    @staticmethod
+    def _columns(eg, fn) -> list[list]:
+        """Each column of `fn`'s rows decoded (`_RowReader`'s decoders), as a list; none for a table of no rows."""
+        decoders = _RowReader(eg, fn.input_sorts)._decoders   # holds `eg`: not kept past decoding
+        return [list(map(decode, column)) for decode, column in zip(decoders, zip(*map(_INPUTS, fn.rows)))]
+
+    def makers(self, key: tuple) -> frozenset[str]:
+        """The makers of the row key `key` (`load`'s), as a frozenset, made once per key; KeyError where no row has it.
+        Writing a key's value in place leaves the keys (and an iteration over them) as they are."""
+        rows = self.load()
+        who = rows[key]
+        if who.__class__ is not frozenset:
+            who = rows[key] = frozenset((who,)) if who.__class__ is str else frozenset(who)
+        return who
+
+    @cached_property
+    def applied_rows(self) -> dict[int, list[tuple]]:
+        """Rule index -> its recorded matches, in their table's order (`encoding.applied_relation`): worked out from
+        the decoded tables when a plan first asks for a rule's applications (`_Applied`), not at each load."""
+        self.load()
+        applied: dict[int, list[tuple]] = {}
+        for indices, matches in self._applied:
+            for index, match in zip(indices, matches):
+                found = applied.get(index)
+                if found is None:
+                    applied[index] = [match]
+                else:
+                    found.append(match)
+        self._applied = []
+        return applied
+
+
+_INPUTS = attrgetter("inputs")   # a FrozenRow's columns (`_ProvenanceRows._columns`)
+
+
+def _tuples(columns: Sequence[list], count: int):
+    """The rows of `count` rows' `columns` (decoded), each as a tuple: () for each where there are no columns."""
+    return zip(*columns) if columns else repeat((), count)
 
 
 class Provenance(Mapping):
@@ -212,8 +269,7 @@ class Provenance(Mapping):
         return (node.op, tuple(next(children) if is_tensor else next(attrs) for is_tensor in tensor))
 
     def __getitem__(self, node: ENode) -> frozenset[str]:
-        rows = self._data.load()
-        return rows[self._key(node)]
+        return self._data.makers(self._key(node))
 
     def __iter__(self):
         return (self._node(op, values) for op, values in self._data.load())

@@ -87,6 +87,10 @@ class Degrees:
         return " ".join(parts)
 
 
+_UNPLACED = Placement(())   # `PNode.placement`'s default
+_set = object.__setattr__   # how a frozen dataclass sets its fields (`PNode.__init__`)
+
+
 @dataclass(frozen=True)
 class PNode:
     """One PCG node. `inputs` are ids of earlier nodes; `origin` names the graph node it computes, if any;
@@ -101,8 +105,28 @@ class PNode:
     degrees: Degrees
     role: str = ""     # leaves: "input" | "weight"
     origin: str = ""
-    placement: Placement = Placement(())   # one entry per mesh axis (empty only for a 1-device PCG)
+    placement: Placement = _UNPLACED   # one entry per mesh axis (empty only for a 1-device PCG)
     rules: tuple[str, ...] = ()
+
+    def __init__(self, id: int, kind: str, op: str, inputs: tuple[int, ...],
+                 attrs: tuple[tuple[str, int | float | str], ...], shape: tuple[int, ...], degrees: Degrees,
+                 role: str = "", origin: str = "", placement: Placement = _UNPLACED,
+                 rules: tuple[str, ...] = ()) -> None:
+        """Every field, in order, with the fields' defaults (tests/test_layouts_provenance_s77.py compares this with
+        the fields): what the generated frozen `__init__` sets, each through `object.__setattr__` as it does, but
+        without looking that up again per field (`__dataclass_builtins_object__.__setattr__`): ~20% of making a
+        node, and a search makes ~700,000 (stamped copies, rescaled and replayed layouts)."""
+        _set(self, "id", id)
+        _set(self, "kind", kind)
+        _set(self, "op", op)
+        _set(self, "inputs", inputs)
+        _set(self, "attrs", attrs)
+        _set(self, "shape", shape)
+        _set(self, "degrees", degrees)
+        _set(self, "role", role)
+        _set(self, "origin", origin)
+        _set(self, "placement", placement)
+        _set(self, "rules", rules)
 
     def attr(self, key: str):
         return dict(self.attrs)[key]
