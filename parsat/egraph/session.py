@@ -443,7 +443,7 @@ class Session:
         it interned). Nothing to do for a session of its own."""
         if self._pushed:
             self._pushed = False
-            self._run("(pop)")
+            self.pop()
             self._base.in_use = False
 
     def _load_graph(self, graph_text: str, declarations: str, deadline: float | None) -> None:
